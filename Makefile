@@ -1,0 +1,35 @@
+# Ferry: `make serve` and `make test` each create (or reuse) .venv and install what they need.
+#
+# TORCH_SPEC picks the torch build installed before the project. The default is the CPU build
+# that CI and the developers' machines carry on local disk. On a GPU machine use a CUDA build:
+#   make serve TORCH_SPEC='torch==2.11.0' TORCH_INDEX=https://download.pytorch.org/whl/cu130 MODEL=/models/qwen3-30b-a3b
+PYTHON      ?= python3
+VENV        ?= .venv
+TORCH_SPEC  ?= torch==2.13.0
+TORCH_INDEX ?=
+MODEL       ?=
+SERVE_ARGS  ?=
+PYTEST_ARGS ?=
+
+BIN   := $(VENV)/bin
+STAMP := $(VENV)/.ferry-installed
+
+.PHONY: venv serve test test-fast lint clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/ferry serve $(if $(MODEL),--model $(MODEL)) $(SERVE_ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

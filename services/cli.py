@@ -1,0 +1,37 @@
+"""`ferry` command line: one subcommand per process or tool. Heavy imports happen inside each command."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from shared.errors import FerryError
+
+# subcommand -> (module with add_arguments(parser) and run(args) -> int, help)
+COMMANDS = {
+    "plan": ("services.plan_command", "print the worker's memory plan for a model and a device budget"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ferry", description="Serve MoE models from GPUs too small to hold them.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    module = importlib.import_module(COMMANDS[args.command][0])
+    try:
+        return module.run(args)
+    except FerryError as exc:
+        print(f"ferry {args.command}: error: {exc}", file=sys.stderr)
+        return exc.exit_status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

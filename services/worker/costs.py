@@ -1,0 +1,169 @@
+"""Fixed byte costs of a model on the GPU: resident weights and the activation workspace.
+
+`ferry plan` uses these; the worker replaces both with measurements at boot (DESIGN §2 rule 3).
+No torch here.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+from shared.errors import ModelLoadError
+from shared.model_config import DTYPE_BYTES, ModelSpec
+from shared.units import round_up
+
+# The CUDA caching allocator hands out blocks in multiples of 512 bytes.
+ALLOC_GRANULE = 512
+
+SAFETENSORS_DTYPE_BYTES = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+    "F8_E4M3": 1, "F8_E5M2": 1,
+}  # fmt: skip
+_FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
+
+
+def is_routed_expert(name: str) -> bool:
+    """Routed experts live in host banks, not among the GPU-resident weights."""
+    return ".mlp.experts." in name or name.endswith(".mlp.experts")
+
+
+def is_served(name: str) -> bool:
+    """Tensors of a checkpoint that the text model uses (vision towers and MTP heads are not served)."""
+    return not (name.startswith(("visual.", "model.visual.", "mtp.", "model.mtp.")) or ".visual." in name)
+
+
+def resident_weight_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Every GPU-resident parameter of the text model (routed experts excluded), by checkpoint name."""
+    h = spec.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (spec.vocab_size, h), "model.norm.weight": (h,)}
+    if not spec.tie_word_embeddings:
+        shapes["lm_head.weight"] = (spec.vocab_size, h)
+    nh, kvh, hd = spec.num_attention_heads, spec.num_kv_heads, spec.head_dim
+    for i, kind in enumerate(spec.layer_types):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        if kind == "full_attention":
+            a = p + "self_attn."
+            shapes[a + "q_proj.weight"] = (nh * hd * (2 if spec.attn_output_gate else 1), h)
+            shapes[a + "k_proj.weight"] = (kvh * hd, h)
+            shapes[a + "v_proj.weight"] = (kvh * hd, h)
+            shapes[a + "o_proj.weight"] = (h, nh * hd)
+            shapes[a + "q_norm.weight"] = (hd,)
+            shapes[a + "k_norm.weight"] = (hd,)
+            if spec.attention_bias:
+                shapes[a + "q_proj.bias"] = (shapes[a + "q_proj.weight"][0],)
+                shapes[a + "k_proj.bias"] = (kvh * hd,)
+                shapes[a + "v_proj.bias"] = (kvh * hd,)
+                shapes[a + "o_proj.bias"] = (h,)
+        else:
+            a = p + "linear_attn."
+            nv, kd, vd = spec.linear_num_value_heads, spec.linear_key_dim, spec.linear_value_dim
+            if spec.arch == "qwen3_next":
+                shapes[a + "in_proj_qkvz.weight"] = (2 * kd + 2 * vd, h)
+                shapes[a + "in_proj_ba.weight"] = (2 * nv, h)
+            else:
+                shapes[a + "in_proj_qkv.weight"] = (spec.linear_conv_dim, h)
+                shapes[a + "in_proj_z.weight"] = (vd, h)
+                shapes[a + "in_proj_b.weight"] = (nv, h)
+                shapes[a + "in_proj_a.weight"] = (nv, h)
+            shapes[a + "conv1d.weight"] = (spec.linear_conv_dim, 1, spec.linear_conv_kernel_dim)
+            shapes[a + "dt_bias"] = (nv,)
+            shapes[a + "A_log"] = (nv,)
+            shapes[a + "norm.weight"] = (spec.linear_value_head_dim,)
+            shapes[a + "out_proj.weight"] = (h, vd)
+        m = p + "mlp."
+        if spec.moe_layers[i]:
+            shapes[m + "gate.weight"] = (spec.num_experts, h)
+            if spec.shared_expert_intermediate_size:
+                si = spec.shared_expert_intermediate_size
+                shapes[m + "shared_expert.gate_proj.weight"] = (si, h)
+                shapes[m + "shared_expert.up_proj.weight"] = (si, h)
+                shapes[m + "shared_expert.down_proj.weight"] = (h, si)
+                shapes[m + "shared_expert_gate.weight"] = (1, h)
+        else:
+            di = spec.intermediate_size
+            shapes[m + "gate_proj.weight"] = (di, h)
+            shapes[m + "up_proj.weight"] = (di, h)
+            shapes[m + "down_proj.weight"] = (h, di)
+    return shapes
+
+
+def _tensor_bytes(numel: int, itemsize: int) -> int:
+    return round_up(numel * itemsize, ALLOC_GRANULE)
+
+
+def resident_weight_bytes_from_shapes(spec: ModelSpec, dtype: str) -> int:
+    itemsize = DTYPE_BYTES[dtype]
+    total = 0
+    for shape in resident_weight_shapes(spec).values():
+        numel = 1
+        for d in shape:
+            numel *= d
+        total += _tensor_bytes(numel, itemsize)
+    return total
+
+
+def read_safetensors_header(path: Path) -> dict[str, dict]:
+    """The JSON header of one .safetensors file: {name: {dtype, shape, data_offsets}}."""
+    try:
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+    except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"cannot read the safetensors header of {path}: {exc}") from exc
+    header.pop("__metadata__", None)
+    return header
+
+
+def resident_weight_bytes_from_checkpoint(model_dir: Path, dtype: str) -> int | None:
+    """Exact resident bytes from the checkpoint's safetensors headers; None when there are none.
+
+    Floating-point tensors are counted at the run dtype (they are converted on load)."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        return None
+    total = 0
+    for path in files:
+        for name, info in read_safetensors_header(path).items():
+            if is_routed_expert(name) or not is_served(name):
+                continue
+            numel = 1
+            for d in info["shape"]:
+                numel *= d
+            kind = info["dtype"]
+            itemsize = DTYPE_BYTES[dtype] if kind in _FLOAT_DTYPES else SAFETENSORS_DTYPE_BYTES.get(kind, 1)
+            total += _tensor_bytes(numel, itemsize)
+    return total
+
+
+def workspace_bytes_estimate(spec: ModelSpec, dtype: str, max_step_tokens: int, max_running_requests: int,
+                             max_model_len: int) -> int:
+    """Activation memory of the largest step, estimated from shapes (the worker profiles it instead).
+
+    Counts what is live at once in the widest layer: the residual stream and its norm, the
+    attention projections and one layer's K/V context gathered from the pages, the MoE gather/GEMM buffers and
+    router scores, the Gated DeltaNet projections and per-chunk states, and fp32 logits and
+    probabilities of every sampled row. A 25% margin covers allocator fragmentation."""
+    b = DTYPE_BYTES[dtype]
+    t, h = max_step_tokens, spec.hidden_size
+    residual = 4 * t * h * b
+    nh, kvh, hd = spec.num_attention_heads, spec.num_kv_heads, spec.head_dim
+    attention = t * (nh * hd * (3 if spec.attn_output_gate else 2) + 2 * kvh * hd) * b
+    attention += 2 * max_model_len * kvh * hd * b  # one layer's K/V context gathered from its pages
+    k, i = spec.num_experts_per_tok, spec.moe_intermediate_size
+    moe = t * k * (2 * h + 3 * i) * b + t * spec.num_experts * 4 + t * k * 12
+    if spec.shared_expert_intermediate_size:
+        moe += t * 3 * spec.shared_expert_intermediate_size * b
+    dense = t * 3 * spec.intermediate_size * b if not all(spec.moe_layers) else 0
+    linear = 0
+    if spec.linear_attention_layers:
+        nv, dk, dv = spec.linear_num_value_heads, spec.linear_key_head_dim, spec.linear_value_head_dim
+        linear = 2 * t * (spec.linear_conv_dim + spec.linear_value_dim + 2 * nv) * b
+        linear += 3 * t * spec.linear_conv_dim * 4  # fp32 q, k, v inside the delta rule
+        linear += (-(-t // 64)) * nv * dk * dv * 4  # per-chunk states of the chunked delta rule
+    widest_layer = max(attention, linear) + max(moe, dense)
+    logits = 2 * max_running_requests * spec.vocab_size * 4
+    return round_up(int((residual + widest_layer + logits) * 1.25), 2**20)

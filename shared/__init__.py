@@ -1,0 +1,1 @@
+"""Code shared by every Ferry process: configs, messages, wire, errors, logging. Never imports torch."""
