@@ -1,0 +1,134 @@
+"""The GPU pools, allocated exactly as `pool_layout` prices them (DESIGN §2 rule 1).
+
+Each pool is one flat byte buffer carved into typed views, so the bytes the allocator takes
+are the bytes the planner priced; `allocate_pools` checks that and refuses to continue if not.
+The same code allocates on CPU (tests, CPU serving) and on CUDA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shared.errors import FerryError
+from shared.model_config import ModelSpec
+from services.worker import pool_layout as L
+from services.worker.planner import Plan
+
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class PoolAllocationError(FerryError):
+    """The device memory taken by the pools differs from the plan: we refuse to start."""
+
+
+@dataclass
+class AllocatedPool:
+    layout: L.PoolLayout
+    buffer: torch.Tensor  # uint8 [layout.nbytes]
+    views: dict[str, torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.untyped_storage().nbytes()
+
+
+def allocate_pool(layout: L.PoolLayout, device: torch.device | str) -> AllocatedPool:
+    buffer = torch.zeros(layout.nbytes, dtype=torch.uint8, device=device)
+    views = {}
+    for spec, offset in zip(layout.tensors, layout.offsets()):
+        flat = buffer[offset : offset + spec.nbytes].view(TORCH_DTYPES[spec.dtype])
+        views[spec.name] = flat.view(spec.shape)
+    return AllocatedPool(layout, buffer, views)
+
+
+class KVPool:
+    """Paged K/V of every full-attention layer: [layers, 2, pages + sentinel, page_size, kv_heads, head_dim]."""
+
+    def __init__(self, pool: AllocatedPool, full_attention_layers: tuple[int, ...], page_size: int):
+        self.pool = pool
+        self.kv = pool.views["kv"]
+        self.page_size = page_size
+        self._index = {layer: i for i, layer in enumerate(full_attention_layers)}
+
+    def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) of one full-attention layer, each [pages + sentinel, page_size, kv_heads, head_dim]."""
+        i = self._index[layer_idx]
+        return self.kv[i, 0], self.kv[i, 1]
+
+
+class LinearStatePool:
+    """Gated DeltaNet state: conv [layers, slots + padding, conv_dim, kernel - 1] and
+    recurrent [layers, slots + padding, v_heads, k_head_dim, v_head_dim] (float32)."""
+
+    def __init__(self, pool: AllocatedPool, linear_attention_layers: tuple[int, ...]):
+        self.pool = pool
+        self.conv = pool.views.get("conv")
+        self.recurrent = pool.views.get("recurrent")
+        self._index = {layer: i for i, layer in enumerate(linear_attention_layers)}
+
+    def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        i = self._index[layer_idx]
+        return self.conv[i], self.recurrent[i]
+
+
+class ExpertSlotPool:
+    """GPU expert slots shared by all MoE layers: w13 [slots, 2*I, H] (gate rows then up rows), w2 [slots, H, I]."""
+
+    def __init__(self, pool: AllocatedPool):
+        self.pool = pool
+        self.w13 = pool.views["w13"]
+        self.w2 = pool.views["w2"]
+
+    @property
+    def num_slots(self) -> int:
+        return self.w13.shape[0]
+
+
+@dataclass
+class Pools:
+    kv: KVPool
+    linear_state: LinearStatePool | None
+    experts: ExpertSlotPool
+
+    @property
+    def nbytes(self) -> int:
+        total = self.kv.pool.nbytes + self.experts.pool.nbytes
+        return total + (self.linear_state.pool.nbytes if self.linear_state else 0)
+
+
+def pool_layouts(spec: ModelSpec, plan: Plan) -> tuple[L.PoolLayout, L.PoolLayout, L.PoolLayout]:
+    """The layouts the plan priced, rebuilt from the plan's counts with the same functions."""
+    return (
+        L.kv_pool_layout(spec, plan.dtype, plan.kv.pages, plan.kv.page_size),
+        L.linear_state_layout(spec, plan.dtype, plan.linear_state.slots),
+        L.expert_slot_layout(spec, plan.dtype, plan.experts.slots),
+    )
+
+
+def allocate_pools(spec: ModelSpec, plan: Plan, device: torch.device | str) -> Pools:
+    """Allocate the three pools and check, on CUDA through the allocator's own counter, that
+    the memory taken equals the plan."""
+    device = torch.device(device)
+    kv_layout, linear_layout, expert_layout = pool_layouts(spec, plan)
+    priced = {"kv": plan.kv.bytes, "linear_state": plan.linear_state.bytes, "experts": plan.experts.bytes}
+    for layout in (kv_layout, linear_layout, expert_layout):
+        if layout.nbytes != priced[layout.name]:
+            raise PoolAllocationError(f"{layout.name} pool layout is {layout.nbytes} B but the plan priced "
+                                      f"{priced[layout.name]} B: the plan was made for another model or dtype")  # fmt: skip
+    before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    kv = KVPool(allocate_pool(kv_layout, device), spec.full_attention_layers, plan.kv.page_size)
+    linear = (
+        LinearStatePool(allocate_pool(linear_layout, device), spec.linear_attention_layers)
+        if linear_layout.tensors
+        else None
+    )
+    experts = ExpertSlotPool(allocate_pool(expert_layout, device))
+    pools = Pools(kv, linear, experts)
+    planned = plan.kv.bytes + plan.linear_state.bytes + plan.experts.bytes
+    taken = torch.cuda.memory_allocated(device) - before if device.type == "cuda" else pools.nbytes
+    if taken != planned:
+        raise PoolAllocationError(f"the pools took {taken} B of device memory but the plan priced {planned} B; "
+                                  "refusing to start (DESIGN §2 rule 1)")  # fmt: skip
+    return pools
