@@ -7,7 +7,7 @@ weight bytes and a profiled workspace; `ferry plan` calls it with estimates.
 Order (rule 3): fixed costs (weights, workspace, linear-state pool) -> requirements
 (--num-tokens/--num-pages, --moe-cache-size/--moe-cache-rate: exact) -> floors
 (--kv-reserve-tokens, the minimum expert slots: lower bounds) -> automatic fill (expert slots
-first, up to every expert, then KV pages). If requirements and floors do not fit, we fail here,
+first, up to every expert; only then KV pages past their floor). If requirements and floors do not fit, we fail here,
 before any allocation, with every term listed (rule 4).
 """
 
@@ -293,7 +293,9 @@ def make_plan(spec: ModelSpec, req: PlanRequest, measured: Measured) -> Plan:
         grown = _largest(lambda s: expert_cost(s) - expert_cost(slots), remaining, slots, total_experts)
         remaining -= expert_cost(grown) - expert_cost(slots)
         slots = grown
-    if kv_required_pages is None:
+    # KV grows past its floor only once every expert is resident: crumbs smaller than one expert
+    # slot stay headroom, so a KV floor of N tokens and a requirement of N give the same plan.
+    if kv_required_pages is None and slots == total_experts:
         upper = kv_pages + remaining // max(L.kv_bytes_per_token(spec, r.dtype) * r.page_size, 1) + 1
         grown = _largest(lambda p: kv_cost(p) - kv_cost(kv_pages), remaining, kv_pages, upper)
         remaining -= kv_cost(grown) - kv_cost(kv_pages)

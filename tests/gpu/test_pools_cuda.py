@@ -1,0 +1,25 @@
+"""On a CUDA device the pools take exactly the bytes the planner priced (allocator counters)."""
+
+import pytest
+import torch
+
+from shared.model_config import load_model_config
+from services.worker.planner import Measured, PlanRequest, make_plan
+from services.worker.pools import allocate_pools
+from tests.helpers import QWEN3_6_35B
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def test_allocated_equals_priced_on_cuda():
+    spec = load_model_config(QWEN3_6_35B)
+    plan = make_plan(spec, PlanRequest(gpu_memory=8 * 2**30, max_model_len=8192, max_running_requests=8,
+                                       moe_cache_size=300), Measured(0, 0))  # fmt: skip
+    torch.cuda.synchronize()
+    before_alloc, before_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    pools = allocate_pools(spec, plan, "cuda")
+    torch.cuda.synchronize()
+    priced = plan.kv.bytes + plan.linear_state.bytes + plan.experts.bytes
+    assert torch.cuda.memory_allocated() - before_alloc == priced
+    assert torch.cuda.memory_reserved() - before_reserved == priced  # 2 MiB granules: nothing reserved beyond
+    del pools

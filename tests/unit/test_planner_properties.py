@@ -1,0 +1,116 @@
+"""Property tests: for random model shapes, budgets and flags, a plan either fails in the plan or
+keeps every promise — total within budget, requirements exact, floors met, and each pool's
+allocated bytes equal to its priced bytes."""
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from shared.errors import ConfigError, PlanError
+from shared.model_config import parse_model_config
+from services.worker import pool_layout as L
+from services.worker.planner import Measured, PlanRequest, make_plan
+from services.worker.pools import allocate_pool
+
+
+@st.composite
+def model_configs(draw):
+    hybrid = draw(st.booleans())
+    kv_heads = draw(st.integers(1, 4))
+    layers = draw(st.integers(1, 7))
+    raw = {
+        "model_type": "qwen3_5_moe_text" if hybrid else "qwen3_moe",
+        "vocab_size": draw(st.integers(8, 5000)),
+        "hidden_size": draw(st.sampled_from([16, 32, 48, 64])),
+        "num_hidden_layers": layers,
+        "num_attention_heads": kv_heads * draw(st.integers(1, 4)),
+        "num_key_value_heads": kv_heads,
+        "head_dim": draw(st.sampled_from([8, 16, 32])),
+        "num_experts": draw(st.integers(1, 64)),
+        "moe_intermediate_size": draw(st.integers(1, 96)),
+        "max_position_embeddings": draw(st.integers(16, 4096)),
+        "torch_dtype": draw(st.sampled_from(["bfloat16", "float32"])),
+    }
+    raw["num_experts_per_tok"] = draw(st.integers(1, raw["num_experts"]))
+    if hybrid:
+        interval = draw(st.integers(1, 4))
+        raw["layer_types"] = ["full_attention" if (i + 1) % interval == 0 or i == layers - 1 else "linear_attention"
+                              for i in range(layers)]  # fmt: skip
+        nk = draw(st.integers(1, 4))
+        raw |= {
+            "linear_conv_kernel_dim": draw(st.integers(2, 5)),
+            "linear_num_key_heads": nk,
+            "linear_num_value_heads": nk * draw(st.integers(1, 3)),
+            "linear_key_head_dim": draw(st.sampled_from([4, 8, 16])),
+            "linear_value_head_dim": draw(st.sampled_from([4, 8, 16])),
+            "shared_expert_intermediate_size": draw(st.integers(1, 64)),
+        }
+    return raw
+
+
+@st.composite
+def requests(draw, spec):
+    opt = st.none
+    kv_choice = draw(st.sampled_from(["none", "tokens", "pages"]))
+    moe_choice = draw(st.sampled_from(["none", "size", "rate"]))
+    return PlanRequest(
+        gpu_memory=draw(st.integers(1, 400 * 2**20)),
+        memory_ratio=draw(opt() | st.floats(0.05, 1.0)),
+        num_tokens=draw(st.integers(1, 40_000)) if kv_choice == "tokens" else None,
+        num_pages=draw(st.integers(1, 3000)) if kv_choice == "pages" else None,
+        kv_reserve_tokens=draw(opt() | st.integers(0, 40_000)),
+        moe_cache_size=draw(st.integers(spec.num_experts, spec.total_experts)) if moe_choice == "size" else None,
+        moe_cache_rate=draw(st.floats(0.001, 1.0)) if moe_choice == "rate" else None,
+        page_size=draw(opt() | st.sampled_from([1, 4, 16, 64])),
+        max_running_requests=draw(opt() | st.integers(1, 64)),
+        max_prefill_tokens=draw(opt() | st.integers(1, 8192)),
+        max_model_len=draw(opt() | st.integers(1, spec.max_position_embeddings)),
+    )
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_plan_keeps_its_promises_or_fails_in_the_plan(data):
+    spec = parse_model_config(data.draw(model_configs()))
+    req = data.draw(requests(spec))
+    measured = Measured(weights_bytes=data.draw(st.integers(0, 50 * 2**20)),
+                        workspace_bytes=data.draw(st.integers(0, 20 * 2**20)))  # fmt: skip
+    try:
+        plan = make_plan(spec, req, measured)
+    except ConfigError as exc:  # the only config error reachable here: a rate below the floor
+        assert "--moe-cache-rate" in str(exc)
+        return
+    except PlanError as exc:
+        assert "budget" in str(exc) and "terms:" in str(exc)
+        return
+
+    assert plan.total_bytes <= plan.budget_bytes and plan.headroom_bytes >= 0
+    assert plan.total_bytes == (plan.weights_bytes + plan.workspace_bytes + plan.kv.bytes
+                                + plan.linear_state.bytes + plan.experts.bytes)  # fmt: skip
+    ps = plan.kv.page_size
+    if req.num_pages is not None:
+        assert plan.kv.pages == req.num_pages
+    elif req.num_tokens is not None:
+        assert plan.kv.pages == -(-req.num_tokens // ps)
+    else:
+        floor = req.kv_reserve_tokens if req.kv_reserve_tokens is not None else plan.max_model_len
+        assert plan.kv.tokens >= floor
+    assert plan.kv.tokens == plan.kv.pages * ps
+    if req.moe_cache_size is not None:
+        assert plan.experts.slots == req.moe_cache_size
+    elif req.moe_cache_rate is None:
+        assert spec.num_experts <= plan.experts.slots <= spec.total_experts
+    assert plan.linear_state.slots == (plan.max_running_requests if spec.linear_attention_layers else 0)
+
+    # each pool allocates exactly what it priced (small enough to allocate on CPU here)
+    layouts = [
+        (L.kv_pool_layout(spec, plan.dtype, plan.kv.pages, ps), plan.kv.bytes),
+        (L.linear_state_layout(spec, plan.dtype, plan.linear_state.slots), plan.linear_state.bytes),
+        (L.expert_slot_layout(spec, plan.dtype, plan.experts.slots), plan.experts.bytes),
+    ]
+    for layout, priced in layouts:
+        assert layout.nbytes == priced
+        if priced <= 64 * 2**20:
+            pool = allocate_pool(layout, "cpu")
+            assert pool.nbytes == priced
+            for t in layout.tensors:
+                assert tuple(pool.views[t.name].shape) == t.shape
