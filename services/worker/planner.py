@@ -386,6 +386,11 @@ def _explain_failure(spec, req, r, measured, budget, derivation, terms, kv_pages
         while math.floor(need * r.memory_ratio) < terms.total:
             need += 1
         hints.append(f"--gpu-memory would have to be at least {need} bytes ({format_bytes(need)})")
+    if req.memory_ratio is not None:
+        base = req.gpu_memory if req.gpu_memory is not None else measured.free_bytes
+        needed_ratio = math.ceil(terms.total / base * 1e4) / 1e4
+        hints.append(f"--memory-ratio would have to be at least {needed_ratio:g}" if needed_ratio <= 1 else
+                     "--memory-ratio: no value up to 1 fits")  # fmt: skip
     if hints:
         lines.append("to fit, with everything else unchanged:")
         lines.extend(f"  {h}" for h in hints)

@@ -99,3 +99,12 @@ def test_moe_cache_size_that_cannot_fit_says_the_largest_that_does():
     make_plan(SPEC_BIG, PlanRequest(gpu_memory=budget, moe_cache_size=largest, **flags), FACTS)
     with pytest.raises(PlanError):
         make_plan(SPEC_BIG, PlanRequest(gpu_memory=budget, moe_cache_size=largest + 1, **flags), FACTS)
+
+
+def test_memory_ratio_hint_when_the_user_set_it():
+    flags = dict(num_pages=40, moe_cache_size=12, page_size=4)
+    total = make_plan(SPEC, PlanRequest(gpu_memory=10**9, **flags), FACTS).total_bytes
+    with pytest.raises(PlanError) as err:
+        make_plan(SPEC, PlanRequest(gpu_memory=total, memory_ratio=0.5, **flags), FACTS)
+    assert "--memory-ratio would have to be at least 1" in str(err.value)
+    make_plan(SPEC, PlanRequest(gpu_memory=total, memory_ratio=1.0, **flags), FACTS)
