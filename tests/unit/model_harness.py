@@ -39,8 +39,9 @@ class _Request:
 
 class PagedRunner:
     def __init__(self, spec: ModelSpec, hf_model: torch.nn.Module, page_size: int, dtype=torch.float32,
-                 device="cpu", num_pages: int = 64, num_slots: int = 8, seed: int = 0):  # fmt: skip
+                 device="cpu", num_pages: int | None = None, num_slots: int = 8, seed: int = 0):  # fmt: skip
         self.spec, self.page_size, self.device = spec, page_size, device
+        num_pages = num_pages or 16 + 512 // page_size  # room for a few hundred tokens
         self.pools = make_pools(spec, dtype, num_pages, page_size, num_slots, device)
         experts = ResidentExperts(self.pools.experts, len(spec.moe_layer_indices), spec.num_experts)
         self.model: CausalLM = build_model(spec, dtype, device, experts)
