@@ -54,6 +54,19 @@ class PagedRunner:
         self.requests: dict[int, _Request] = {}
         self.step_id = 0
 
+    def release(self, req_id: int) -> None:
+        """The request finished: its pages and slot go back, to be handed out next (stale contents and all)."""
+        req = self.requests.pop(req_id)
+        self.free_pages.extend(reversed(req.pages))
+        self.free_slots.append(req.slot)
+
+    def poison(self) -> None:
+        """Fill every KV row and linear-state slot with NaN, as if left over from other requests."""
+        self.pools.kv.kv.fill_(float("nan"))
+        if self.pools.linear_state is not None:
+            self.pools.linear_state.conv.fill_(float("nan"))
+            self.pools.linear_state.recurrent.fill_(float("nan"))
+
     def owned(self) -> tuple[set[int], set[int]]:
         pages = {p for r in self.requests.values() for p in r.pages}
         return pages, {r.slot for r in self.requests.values()}
