@@ -1,41 +1,42 @@
-"""Load a fresh copy of a Triton kernel module with TRITON_INTERPRET=1, so its kernels run on CPU.
+"""Run Triton kernels on CPU through TRITON_INTERPRET=1, in a fresh Python process.
 
-triton.jit decides between compiling and interpreting when the decorator runs, so a copy loaded
-under its own module name is decorated anew, whatever other tests imported before. The launch
-itself reads the setting again (lazy imports inside the interpreter), so callers keep
-TRITON_INTERPRET=1 set while they run the kernel: use the `interpreted` context manager."""
+The interpreter must be chosen before `triton` is first imported: triton.language's own helpers
+(tl.sum, tl.max...) are jit functions decorated at import, compiled or interpreted once and for
+all. In a test session something (transformers, torch) may already have imported triton in
+compiled mode, so the interpreted calls run in a subprocess with the variable set from the start.
+Inputs and outputs cross as a torch.save file."""
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
 import os
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
-from types import ModuleType
+from typing import Any
+
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
-
-@contextlib.contextmanager
-def interpreted(relative_path: str):
-    """Yields the module loaded in interpreter mode; TRITON_INTERPRET=1 for the duration."""
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        yield _load(relative_path)
-    finally:
-        if previous is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
+_SCRIPT = """
+import importlib, sys, torch
+module, function, path = sys.argv[1:4]
+fn = getattr(importlib.import_module(module), function)
+calls = torch.load(path)
+torch.save([fn(*args, **kwargs) for args, kwargs in calls], path + ".out")
+"""
 
 
-def _load(relative_path: str) -> ModuleType:
-    name = "interpreted_" + relative_path.replace("/", "_").removesuffix(".py")
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / relative_path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        sys.modules[name] = module
-    return sys.modules[name]
+def run_interpreted(module: str, function: str, calls: list[tuple[tuple, dict[str, Any]]]) -> list[Any]:
+    """[module.function(*args, **kwargs) for each call], computed by the Triton interpreter."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "calls.pt")
+        torch.save(calls, path)
+        env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        done = subprocess.run(
+            [sys.executable, "-c", _SCRIPT, module, function, path], env=env, capture_output=True, text=True, timeout=600
+        )
+        if done.returncode:
+            raise RuntimeError(f"interpreted {module}.{function} failed:\n{done.stderr[-4000:]}")
+        return torch.load(path + ".out")

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from interpreted_triton import interpreted
+from interpreted_triton import run_interpreted
 from kernels.paged_attention_reference import gather_request_kv, paged_attention_reference, write_kv
 
 
@@ -70,21 +70,33 @@ def test_gather_reads_only_the_requests_pages():
     assert got.flatten().tolist() == [6.0, 7.0, 2.0]
 
 
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_kernel_matches_reference(case, dtype):
-    page_size, heads, kv_heads, head_dim, qlens, clens = case
-    q, kc, vc, pt, qs, pos, _, _ = _scenario(1, page_size, heads, kv_heads, head_dim, qlens, clens, dtype)
-    expected = paged_attention_reference(q, kc, vc, pt, qlens, clens, head_dim**-0.5)
-    out = torch.full_like(q, float("nan"))  # every element must be written by the kernel
-    with interpreted("kernels/paged_attention_triton.py") as triton_mod:
-        triton_mod.paged_attention_triton(q, kc, vc, pt, qs, pos, head_dim**-0.5, out=out, block_n=8)
+DTYPES = [torch.float32, torch.bfloat16]
+KERNEL_CASES = [(case, dtype) for case in CASES for dtype in DTYPES]
+
+
+@pytest.fixture(scope="module")
+def interpreted_runs():
+    """Every (case, dtype) through the interpreted kernel in one subprocess: (expected, out) pairs."""
+    calls, expected = [], []
+    for (page_size, heads, kv_heads, head_dim, qlens, clens), dtype in KERNEL_CASES:
+        q, kc, vc, pt, qs, pos, _, _ = _scenario(1, page_size, heads, kv_heads, head_dim, qlens, clens, dtype)
+        expected.append(paged_attention_reference(q, kc, vc, pt, qlens, clens, head_dim**-0.5))
+        out = torch.full_like(q, float("nan"))  # every element must be written by the kernel
+        calls.append(((q, kc, vc, pt, qs, pos, head_dim**-0.5), dict(out=out, block_n=8)))
+    outs = run_interpreted("kernels.paged_attention_triton", "paged_attention_triton", calls)
+    return list(zip(expected, outs))
+
+
+@pytest.mark.parametrize("index", range(len(KERNEL_CASES)), ids=[f"{i}-{d}" for i, (_, d) in enumerate(KERNEL_CASES)])
+def test_triton_kernel_matches_reference(index, interpreted_runs):
+    expected, out = interpreted_runs[index]
     assert torch.isfinite(out).all()
-    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: both round the same fp32 result once
+    tol = 1e-5 if out.dtype == torch.float32 else 1e-2  # bf16: both round the same fp32 result once
     torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol)
 
 
 def test_triton_token_requests_follow_query_start():
-    qs = torch.tensor([0, 2, 3, 3, 7], dtype=torch.int32)
-    with interpreted("kernels/paged_attention_triton.py") as triton_mod:
-        assert triton_mod.token_requests(qs, 7).tolist() == [0, 0, 1, 3, 3, 3, 3]
+    from kernels.paged_attention_triton import token_requests  # plain torch: no kernel launch
+
+    qs = torch.tensor([0, 2, 3, 3, 7], dtype=torch.int32)  # request 2 has no new tokens
+    assert token_requests(qs, 7).tolist() == [0, 0, 1, 3, 3, 3, 3]
