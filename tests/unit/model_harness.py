@@ -18,6 +18,10 @@ from services.worker.pools import ExpertSlotPool, KVPool, LinearStatePool, Pools
 from shared.model_config import ModelSpec
 from shared.step import StepBatch
 
+# Tiny models gain nothing from intra-op threads, and on a loaded 2-core machine OpenMP's spin
+# waits made single steps take 100x longer; one thread keeps these tests fast and steady.
+torch.set_num_threads(1)
+
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
