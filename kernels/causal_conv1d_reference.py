@@ -24,6 +24,22 @@ def causal_conv1d_with_state(
     return F.silu(out).t().to(x.dtype), new_state
 
 
+def causal_conv1d_decode(
+    x: torch.Tensor,  # [R, channels], one new input per request
+    conv_states: torch.Tensor,  # [slots, channels, kernel - 1], updated in place
+    state_slots: torch.Tensor,  # int64 [R] (device)
+    weight: torch.Tensor,  # [channels, kernel]
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The one-token-per-request case batched over requests, with no host round trip (decode steps)."""
+    window = torch.cat([conv_states[state_slots].to(weight.dtype), x.to(weight.dtype)[:, :, None]], dim=2)
+    out = (window * weight[None]).sum(-1)
+    if bias is not None:
+        out = out + bias
+    conv_states[state_slots] = window[:, :, 1:].to(conv_states.dtype)
+    return F.silu(out).to(x.dtype)
+
+
 def causal_conv1d_varlen(
     x: torch.Tensor,  # [T, channels], all requests' new inputs, request after request
     conv_states: torch.Tensor,  # [slots, channels, kernel - 1], updated in place

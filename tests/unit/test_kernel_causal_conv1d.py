@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.causal_conv1d_reference import causal_conv1d_varlen, causal_conv1d_with_state
+from kernels.causal_conv1d_reference import causal_conv1d_decode, causal_conv1d_varlen, causal_conv1d_with_state
 
 
 def _whole_sequence(x, weight):
@@ -48,3 +48,17 @@ def test_varlen_touches_only_the_batch_slots():
     torch.testing.assert_close(states[3], state_a)
     torch.testing.assert_close(states[1], state_b)
     assert torch.isnan(states[0]).all() and torch.isnan(states[2]).all()
+
+
+def test_batched_decode_matches_per_request():
+    g = torch.Generator().manual_seed(1)
+    weight = torch.randn(5, 4, generator=g)
+    states = torch.full((5, 5, 3), float("nan"))
+    states[[1, 2, 4]] = torch.randn(3, 5, 3, generator=g)
+    x = torch.randn(3, 5, generator=g)
+    slots = torch.tensor([4, 1, 2])
+    expected_states = states.clone()
+    expected = causal_conv1d_varlen(x, expected_states, [4, 1, 2], [1, 1, 1], weight)
+    out = causal_conv1d_decode(x, states, slots, weight)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(states, expected_states, equal_nan=True)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.causal_conv1d_reference import causal_conv1d_varlen
+from kernels.causal_conv1d_reference import causal_conv1d_decode, causal_conv1d_varlen
 from kernels.gated_delta_rule import gated_delta_rule_varlen
 from services.worker.models.context import StepContext
 from services.worker.models.norms import GatedRMSNorm
@@ -60,15 +60,19 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         b = ctx.batch
         conv_states, recurrent_states = ctx.pools.linear_state.layer(self.layer_idx)
-        if bool(b.reset_state.any()):
-            fresh = b.state_slots[b.reset_state]
-            conv_states[fresh] = 0
-            recurrent_states[fresh] = 0
+        # zero the states of first chunks with a select, not a multiply: a stale slot may hold NaN,
+        # and no host sync is needed
+        for states in (conv_states, recurrent_states):
+            reset = b.reset_state.view(-1, *([1] * (states.dim() - 1)))
+            states[b.state_slots] = torch.where(reset, torch.zeros((), dtype=states.dtype), states[b.state_slots])
 
         t = x.shape[0]
         qkv, z, beta_logit, a = self.in_proj(x).split(list(self.in_proj_parts.values()), dim=-1)
-        slots_host = b.state_slots.tolist()
-        qkv = causal_conv1d_varlen(qkv, conv_states, slots_host, b.query_lens_host, self.conv1d.weight[:, 0, :])
+        conv_weight = self.conv1d.weight[:, 0, :]
+        if t == b.num_requests:  # one token per request: a decode step
+            qkv = causal_conv1d_decode(qkv, conv_states, b.state_slots, conv_weight)
+        else:
+            qkv = causal_conv1d_varlen(qkv, conv_states, b.state_slots.tolist(), b.query_lens_host, conv_weight)
         q, k, v = qkv.split([self.key_size, self.key_size, self.value_size], dim=-1)
         beta = torch.sigmoid(beta_logit)
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
