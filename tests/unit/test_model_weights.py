@@ -129,3 +129,23 @@ def test_expert_store_must_match_num_experts():
     store = ResidentExperts(pools.experts, 1, spec.num_experts - 1)
     with pytest.raises(ConfigError, match="num_experts"):
         build_model(spec, torch.float32, "cpu", store)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_next", "qwen3_5_moe"])
+def test_checkpoint_shapes_are_what_save_pretrained_writes(arch, tmp_path):
+    hf, spec = tiny_model(arch, seed=26, mlp_only_layers=[1] if arch != "qwen3_5_moe" else [])
+    hf.save_pretrained(tmp_path)
+    on_disk = {k: tuple(v.shape) for k, v in load_file(os.path.join(tmp_path, "model.safetensors")).items()}
+    pools = make_pools(spec, torch.float32, 8, 4, 2)
+    experts = ResidentExperts(pools.experts, len(spec.moe_layer_indices), spec.num_experts)
+    model = build_model(spec, torch.float32, "cpu", experts)
+    shapes = model.checkpoint_shapes()
+    assert shapes == on_disk
+    model.load_weights((name, torch.randn(shape)) for name, shape in shapes.items())  # dummy weights load
+
+
+def test_sliding_window_attention_is_refused():
+    _, spec = tiny_model("qwen3_moe", seed=27, use_sliding_window=True, sliding_window=8)
+    pools = make_pools(spec, torch.float32, 8, 4, 2)
+    with pytest.raises(ConfigError, match="use_sliding_window"):
+        build_model(spec, torch.float32, "cpu", ResidentExperts(pools.experts, 2, spec.num_experts))

@@ -77,6 +77,12 @@ class CausalLM(nn.Module):
 
         load_checkpoint_weights(self, weights)
 
+    def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        """{checkpoint tensor name: shape} of this model, as save_pretrained names them (dummy weights)."""
+        from services.worker.models.weights import checkpoint_shapes
+
+        return checkpoint_shapes(self)
+
     @torch.inference_mode()
     def hidden_states(self, batch: ForwardBatch, pools: Pools) -> torch.Tensor:
         """Final-normed hidden states of every new token, [T, hidden]."""
@@ -93,11 +99,13 @@ class CausalLM(nn.Module):
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, head).float()
 
+    @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pools: Pools) -> torch.Tensor:
         """float32 logits [len(batch.logits_rows), vocab]: one row per request that samples."""
         hidden = self.hidden_states(batch, pools)
         return self.logits(hidden[batch.logits_rows])
 
+    @torch.inference_mode()
     def forward_all_logits(self, batch: ForwardBatch, pools: Pools) -> torch.Tensor:
         """float32 logits of every new token, [T, vocab] (tests, prompt logprobs)."""
         return self.logits(self.hidden_states(batch, pools))

@@ -182,6 +182,35 @@ class _Loader:
             raise WeightLoadError(f"the checkpoint lacks {len(missing)} tensor(s) of this {self.spec.arch} model: {shown}")
 
 
+def checkpoint_shapes(model) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of this model holds, under the names `save_pretrained` writes
+    (per-expert routed experts; qwen3_next's fused in_proj_qkvz/ba, qwen3_5_moe's split ones),
+    with its shape: what a dummy-weights loader fabricates."""
+    spec = model.spec
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, param in model.named_parameters():
+        full = name if name.startswith("lm_head.") else f"model.{name}"
+        if not name.endswith("linear_attn.in_proj.weight"):
+            shapes[full] = tuple(param.shape)
+            continue
+        layer, hidden = full.removesuffix(".in_proj.weight"), spec.hidden_size
+        if spec.arch == "qwen3_next":
+            shapes[f"{layer}.in_proj_qkvz.weight"] = (2 * spec.linear_key_dim + 2 * spec.linear_value_dim, hidden)
+            shapes[f"{layer}.in_proj_ba.weight"] = (2 * spec.linear_num_value_heads, hidden)
+        else:
+            module = model.get_submodule(name.removesuffix(".in_proj.weight"))
+            for part, rows in module.in_proj_parts.items():
+                shapes[f"{layer}.in_proj_{part}.weight"] = (rows, hidden)
+    h, i = spec.hidden_size, spec.moe_intermediate_size
+    for layer in spec.moe_layer_indices:
+        for e in range(spec.num_experts):
+            prefix = f"model.layers.{layer}.mlp.experts.{e}"
+            shapes[f"{prefix}.gate_proj.weight"] = (i, h)
+            shapes[f"{prefix}.up_proj.weight"] = (i, h)
+            shapes[f"{prefix}.down_proj.weight"] = (h, i)
+    return shapes
+
+
 def load_checkpoint_weights(model, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     loader = _Loader(model)
     for name, tensor in weights:
