@@ -1,8 +1,9 @@
 """Gated delta rule over a batch of requests, each continuing from its state slot.
 
-CUDA: fla-core's Triton kernels over the whole varlen batch (`cu_seqlens`), imported only there
-because fla needs a GPU. Elsewhere: the float32 reference twins, request by request (chunked for
-prompts, recurrent for single decode tokens). Either way the states of the batch's slots are read
+CUDA with bf16/fp16 activations: fla-core's Triton kernels over the whole varlen batch
+(`cu_seqlens`), imported only there because fla needs a GPU (and its chunked kernel refuses
+float32). Otherwise: the float32 reference twins, request by request (chunked for prompts,
+recurrent for single decode tokens), on whatever device the tensors are. Either way the states of the batch's slots are read
 before and written after, in place, in the float32 pool."""
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def gated_delta_rule_varlen(
     query_lens: list[int],
 ) -> torch.Tensor:
     """Outputs [T, v_heads, v_dim] in v's dtype."""
-    if q.is_cuda:
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
         return _fla_varlen(q, k, v, g, beta, states, state_slots, query_start, query_lens)
     out = torch.empty_like(v)
     start = 0

@@ -1,4 +1,5 @@
-"""Paged attention dispatch: the Triton kernel on CUDA, the reference twin elsewhere."""
+"""Paged attention dispatch: Triton on CUDA (the decode kernel when every request brings one
+token, the blocked prefill kernel otherwise), the reference twin elsewhere."""
 
 from __future__ import annotations
 
@@ -20,8 +21,12 @@ def paged_attention(
     context_lens: list[int],
     scale: float,
 ) -> torch.Tensor:
-    if q.is_cuda:
+    if not q.is_cuda:
+        return paged_attention_reference(q, k_cache, v_cache, page_table, query_lens, context_lens, scale)
+    if q.shape[0] == len(query_lens):  # one new token per request: decode
         from kernels.paged_attention_triton import paged_attention_triton
 
         return paged_attention_triton(q, k_cache, v_cache, page_table, query_start, positions, scale)
-    return paged_attention_reference(q, k_cache, v_cache, page_table, query_lens, context_lens, scale)
+    from kernels.paged_prefill_triton import paged_prefill_triton
+
+    return paged_prefill_triton(q, k_cache, v_cache, page_table, query_start, positions, query_lens, scale)

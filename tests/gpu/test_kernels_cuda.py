@@ -36,6 +36,24 @@ def test_triton_paged_attention_on_cuda(case, dtype):
     torch.testing.assert_close(out.cpu().float(), expected.float(), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_paged_prefill_on_cuda(case, dtype):
+    from kernels.paged_prefill_triton import paged_prefill_triton
+
+    page_size, heads, kv_heads, head_dim, qlens, clens = case
+    q, kc, vc, pt, qs, pos, _, _ = _scenario(2, page_size, heads, kv_heads, head_dim, qlens, clens, dtype)
+    expected = paged_attention_reference(q, kc, vc, pt, qlens, clens, head_dim**-0.5)
+    cuda = [t.cuda() for t in (q, kc, vc, pt, qs, pos)]
+    out = torch.full_like(cuda[0], float("nan"))
+    paged_prefill_triton(*cuda, qlens, head_dim**-0.5, out=out)
+    assert torch.isfinite(out).all()
+    # fp32 dots run as tf32 on tensor cores (10-bit mantissa, ~1e-3); bf16: probabilities are
+    # rounded to bf16 before the second dot, on top of the output rounding
+    tol = 2e-3 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.cpu().float(), expected.float(), rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("query_lens", [[1, 1, 1], [70, 1, 5], [17]])
 def test_fla_gated_delta_rule_matches_reference(query_lens):
     pytest.importorskip("fla")

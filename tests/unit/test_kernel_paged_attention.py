@@ -87,6 +87,32 @@ def interpreted_runs():
     return list(zip(expected, outs))
 
 
+@pytest.fixture(scope="module")
+def interpreted_prefill_runs():
+    calls, expected = [], []
+    for (page_size, heads, kv_heads, head_dim, qlens, clens), dtype in KERNEL_CASES:
+        q, kc, vc, pt, qs, pos, _, _ = _scenario(2, page_size, heads, kv_heads, head_dim, qlens, clens, dtype)
+        expected.append(paged_attention_reference(q, kc, vc, pt, qlens, clens, head_dim**-0.5))
+        out = torch.full_like(q, float("nan"))
+        calls.append(((q, kc, vc, pt, qs, pos, qlens, head_dim**-0.5), dict(out=out, block_m=16, block_n=16)))
+    outs = run_interpreted("kernels.paged_prefill_triton", "paged_prefill_triton", calls)
+    return list(zip(expected, outs))
+
+
+@pytest.mark.parametrize("index", range(len(KERNEL_CASES)), ids=[f"{i}-{d}" for i, (_, d) in enumerate(KERNEL_CASES)])
+def test_triton_prefill_kernel_matches_reference(index, interpreted_prefill_runs):
+    expected, out = interpreted_prefill_runs[index]
+    assert torch.isfinite(out).all()
+    tol = 1e-5 if out.dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol)
+
+
+def test_prefill_query_blocks_split_each_request():
+    from kernels.paged_prefill_triton import query_blocks
+
+    assert query_blocks([3, 0, 20, 1], block_m=8) == ([0, 2, 2, 2, 3], [0, 3, 11, 19, 23])
+
+
 @pytest.mark.parametrize("index", range(len(KERNEL_CASES)), ids=[f"{i}-{d}" for i, (_, d) in enumerate(KERNEL_CASES)])
 def test_triton_kernel_matches_reference(index, interpreted_runs):
     expected, out = interpreted_runs[index]
