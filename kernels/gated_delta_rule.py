@@ -3,8 +3,8 @@
 CUDA with bf16/fp16 activations: fla-core's Triton kernels over the whole varlen batch
 (`cu_seqlens`), imported only there because fla needs a GPU (and its chunked kernel refuses
 float32). Otherwise: the float32 reference twins, request by request (chunked for prompts,
-recurrent for single decode tokens), on whatever device the tensors are. Either way the states of the batch's slots are read
-before and written after, in place, in the float32 pool."""
+recurrent for single decode tokens), on whatever device the tensors are. Either way the states
+of the batch's slots are read before and written after, in place, in the float32 pool."""
 
 from __future__ import annotations
 

@@ -48,7 +48,8 @@ def _paged_prefill_kernel(
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
     pos_m = tl.load(positions_ptr + m, mask=m_mask, other=0)
-    q = tl.load(q_ptr + m[:, None] * stride_qt + h * stride_qh + d[None, :], mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    q_mask = m_mask[:, None] & d_mask[None, :]
+    q = tl.load(q_ptr + m[:, None] * stride_qt + h * stride_qh + d[None, :], mask=q_mask, other=0.0)
     if FP32_DOT:
         q = q.to(tl.float32)
     last = tl.minimum(end, first + BLOCK_M) - 1

@@ -33,10 +33,10 @@ def run_interpreted(module: str, function: str, calls: list[tuple[tuple, dict[st
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "calls.pt")
         torch.save(calls, path)
-        env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-        done = subprocess.run(
-            [sys.executable, "-c", _SCRIPT, module, function, path], env=env, capture_output=True, text=True, timeout=600
-        )
+        python_path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+        env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=python_path)
+        command = [sys.executable, "-c", _SCRIPT, module, function, path]
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
         if done.returncode:
             raise RuntimeError(f"interpreted {module}.{function} failed:\n{done.stderr[-4000:]}")
         return torch.load(path + ".out")

@@ -25,11 +25,17 @@ torch.set_num_threads(1)
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def make_pools(spec: ModelSpec, dtype: torch.dtype, num_pages: int, page_size: int, num_slots: int, device="cpu") -> Pools:
+def make_pools(
+    spec: ModelSpec, dtype: torch.dtype, num_pages: int, page_size: int, num_slots: int, device="cpu"
+) -> Pools:
+    """Pools laid out exactly as the planner prices them, every expert resident."""
     name = DTYPE_NAMES[dtype]
-    kv = KVPool(allocate_pool(L.kv_pool_layout(spec, name, num_pages, page_size), device), spec.full_attention_layers, page_size)
+    kv_pool = allocate_pool(L.kv_pool_layout(spec, name, num_pages, page_size), device)
+    kv = KVPool(kv_pool, spec.full_attention_layers, page_size)
     linear_layout = L.linear_state_layout(spec, name, num_slots)
-    linear = LinearStatePool(allocate_pool(linear_layout, device), spec.linear_attention_layers) if linear_layout.tensors else None
+    linear = None
+    if linear_layout.tensors:
+        linear = LinearStatePool(allocate_pool(linear_layout, device), spec.linear_attention_layers)
     experts = ExpertSlotPool(allocate_pool(L.expert_slot_layout(spec, name, spec.total_experts), device))
     return Pools(kv, linear, experts)
 

@@ -39,6 +39,12 @@ IDS = [m[0] for m in MODELS]
 HYBRID = [m for m in MODELS if m[1] != "qwen3_moe"]
 
 
+def _pick(*indices):
+    return pytest.mark.parametrize(
+        "name,arch,overrides,page_size", [MODELS[i] for i in indices], ids=[IDS[i] for i in indices]
+    )
+
+
 def _prompt(length: int, seed: int, vocab: int = 96) -> list[int]:
     return torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -64,7 +70,7 @@ def test_chunked_prefill_matches_transformers(name, arch, overrides, page_size):
     _check(hf, _prompt(70, seed=4), PagedRunner(spec, hf, page_size), chunks=[5, 1, 2, 40])
 
 
-@pytest.mark.parametrize("name,arch,overrides,page_size", [MODELS[1], MODELS[3], MODELS[6]], ids=[IDS[1], IDS[3], IDS[6]])
+@_pick(1, 3, 6)
 def test_chunked_prefill_qwen3_moe_and_long_prompt(name, arch, overrides, page_size):
     hf, spec = tiny_model(arch, seed=5, **overrides)
     _check(hf, _prompt(37, seed=6), PagedRunner(spec, hf, page_size), chunks=[16, 1, 3])
@@ -103,7 +109,7 @@ def run_staggered_batch(ours: PagedRunner, prompts: dict[int, list[int]], joins:
     }
 
 
-@pytest.mark.parametrize("name,arch,overrides,page_size", [MODELS[0], MODELS[3], MODELS[6]], ids=[IDS[0], IDS[3], IDS[6]])
+@_pick(0, 3, 6)
 def test_four_requests_batched_match_each_alone(name, arch, overrides, page_size):
     # seed 8: seed 7 puts a routing tie (top-4/5 probabilities 3e-9 apart) on one decode token of
     # q35-8e-top4, where any rounding difference legitimately picks another expert

@@ -102,7 +102,7 @@ def test_missing_part_of_a_fused_projection_is_named():
 def test_unexpected_tensor_is_named():
     model, weights = _loadable()
     weights["model.layers.0.self_attn.rotary.weight"] = torch.zeros(3)
-    with pytest.raises(WeightLoadError, match=r"unexpected checkpoint tensor 'model\.layers\.0\.self_attn\.rotary\.weight'"):
+    with pytest.raises(WeightLoadError, match=r"unexpected .* 'model\.layers\.0\.self_attn\.rotary\.weight'"):
         model.load_weights(weights.items())
 
 

@@ -35,7 +35,8 @@ def _config(arch: str, **overrides):
         return Qwen3MoeConfig(**fields), Qwen3MoeForCausalLM
     fields = dict(LINEAR, **fields)
     fields.setdefault("num_hidden_layers", 3)
-    fields.setdefault("layer_types", ["linear_attention", "full_attention", "linear_attention"][: fields["num_hidden_layers"]])
+    default_types = ["linear_attention", "full_attention", "linear_attention"]
+    fields.setdefault("layer_types", default_types[: fields["num_hidden_layers"]])
     if arch == "qwen3_next":
         fields.setdefault("intermediate_size", 48)
         return Qwen3NextConfig(**fields), Qwen3NextForCausalLM

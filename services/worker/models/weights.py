@@ -27,7 +27,7 @@ SKIPPED_PREFIXES = ("visual.", "mtp.", "model.visual.", "model.mtp.", "vision_to
 
 _PER_EXPERT = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 _FUSED_EXPERTS = re.compile(r"layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(?:\.weight)?")
-_IN_PROJ = re.compile(r"(layers\.(\d+)\.linear_attn)\.(in_proj_qkvz|in_proj_ba|in_proj_qkv|in_proj_z|in_proj_b|in_proj_a)\.weight")
+_IN_PROJ = re.compile(r"(layers\.(\d+)\.linear_attn)\.(in_proj_(?:qkvz|ba|qkv|z|b|a))\.weight")
 
 
 class WeightLoadError(ModelLoadError):
@@ -179,7 +179,9 @@ class _Loader:
         if self.pending:
             missing = sorted(self.pending)
             shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-            raise WeightLoadError(f"the checkpoint lacks {len(missing)} tensor(s) of this {self.spec.arch} model: {shown}")
+            raise WeightLoadError(
+                f"the checkpoint lacks {len(missing)} tensor(s) of this {self.spec.arch} model: {shown}"
+            )
 
 
 def checkpoint_shapes(model) -> dict[str, tuple[int, ...]]:
