@@ -71,7 +71,7 @@ def test_chunked_prefill_matches_transformers(name, arch, overrides, page_size):
 
 
 @_pick(1, 3, 6)
-def test_chunked_prefill_qwen3_moe_and_long_prompt(name, arch, overrides, page_size):
+def test_prompt_in_uneven_chunks_matches_transformers(name, arch, overrides, page_size):
     hf, spec = tiny_model(arch, seed=5, **overrides)
     _check(hf, _prompt(37, seed=6), PagedRunner(spec, hf, page_size), chunks=[16, 1, 3])
 

@@ -16,3 +16,4 @@ class StepContext:
     pools: Pools
     cos: torch.Tensor  # [T, rotary_dim], rotary tables of the batch's positions
     sin: torch.Tensor
+    fresh_state_slots: torch.Tensor | None  # linear-state slots of requests starting now (to zero), or None

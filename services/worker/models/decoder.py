@@ -89,7 +89,13 @@ class CausalLM(nn.Module):
         if self.spec.linear_attention_layers and pools.linear_state is None:
             raise ValueError("this model has linear-attention layers but the pools have no linear_state pool")
         cos, sin = self.rotary.cos_sin(batch.positions, self.dtype)
-        ctx = StepContext(batch, pools, cos, sin)
+        fresh = None
+        if self.spec.linear_attention_layers:
+            # one host sync per step (not per layer): most steps start no request, and then no
+            # state row needs touching
+            fresh = batch.state_slots[batch.reset_state]
+            fresh = fresh if fresh.numel() else None
+        ctx = StepContext(batch, pools, cos, sin, fresh)
         x = self.embed_tokens(batch.tokens)
         for layer in self.layers:
             x = layer(x, ctx)

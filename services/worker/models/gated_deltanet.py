@@ -60,11 +60,9 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         b = ctx.batch
         conv_states, recurrent_states = ctx.pools.linear_state.layer(self.layer_idx)
-        # zero the states of first chunks with a select, not a multiply: a stale slot may hold NaN,
-        # and no host sync is needed
-        for states in (conv_states, recurrent_states):
-            reset = b.reset_state.view(-1, *([1] * (states.dim() - 1)))
-            states[b.state_slots] = torch.where(reset, torch.zeros((), dtype=states.dtype), states[b.state_slots])
+        if ctx.fresh_state_slots is not None:  # a stale slot may hold anything, NaN included: fill, don't scale
+            conv_states.index_fill_(0, ctx.fresh_state_slots, 0)
+            recurrent_states.index_fill_(0, ctx.fresh_state_slots, 0)
 
         t = x.shape[0]
         qkv, z, beta_logit, a = self.in_proj(x).split(list(self.in_proj_parts.values()), dim=-1)
