@@ -149,3 +149,10 @@ def test_sliding_window_attention_is_refused():
     pools = make_pools(spec, torch.float32, 8, 4, 2)
     with pytest.raises(ConfigError, match="use_sliding_window"):
         build_model(spec, torch.float32, "cpu", ResidentExperts(pools.experts, 2, spec.num_experts))
+
+
+def test_other_activations_are_refused():
+    _, spec = tiny_model("qwen3_moe", seed=28, hidden_act="gelu")
+    pools = make_pools(spec, torch.float32, 8, 4, 2)
+    with pytest.raises(ConfigError, match="hidden_act 'gelu'"):
+        build_model(spec, torch.float32, "cpu", ResidentExperts(pools.experts, 2, spec.num_experts))

@@ -21,6 +21,8 @@ def build_model(spec: ModelSpec, dtype: torch.dtype, device: torch.device | str,
     """An unloaded model (parameters allocated on `device`, routed experts left to `experts`)."""
     if spec.arch not in set(ARCHITECTURES.values()):
         raise ConfigError(f"model architecture {spec.arch!r} has no implementation")
+    if spec.text_config.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"config.json: hidden_act {spec.text_config['hidden_act']!r} is not supported (silu only)")
     if spec.text_config.get("use_sliding_window"):
         # transformers then limits every attention layer to `sliding_window` keys; we attend to all
         raise ConfigError("config.json: use_sliding_window=true is not supported (full causal attention only)")
