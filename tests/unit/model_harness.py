@@ -81,10 +81,11 @@ class PagedRunner:
         pages = {p for r in self.requests.values() for p in r.pages}
         return pages, {r.slot for r in self.requests.values()}
 
-    def step(self, items: list[tuple[int, list[int]]], all_rows: bool = True) -> list[torch.Tensor]:
+    def step(self, items: list[tuple[int, list[int]]], all_rows: bool = True, padding: int = 0) -> list[torch.Tensor]:
         """One forward over (req_id, new tokens) items. float32 logits per item: of every new token
         ([len(tokens), vocab], `forward_all_logits`) or, with all_rows=False, of the last one only
-        ([1, vocab], `forward`: the serving path)."""
+        ([1, vocab], `forward`: the serving path). `padding` appends that many padded rows (one
+        token, sentinel page table, padding slot, no sampling), as a fixed-shape executor would."""
         reset = []
         for req_id, tokens in items:
             if req_id not in self.requests:
@@ -100,16 +101,17 @@ class PagedRunner:
         page_table = np.zeros((len(items), max_pages), dtype=np.int32)
         for i, r in enumerate(reqs):
             page_table[i, : len(r.pages)] = r.pages
+        page_table = np.concatenate([page_table, np.zeros((padding, max_pages), dtype=np.int32)])
         step = StepBatch(
             step_id=self.step_id,
-            req_ids=np.array([r for r, _ in items], dtype=np.int64),
-            tokens=np.array([t for _, ts in items for t in ts], dtype=np.int32),
-            query_lens=np.array([len(ts) for _, ts in items], dtype=np.int32),
-            context_lens=np.array([r.context_len for r in reqs], dtype=np.int32),
+            req_ids=np.array([r for r, _ in items] + [-1] * padding, dtype=np.int64),
+            tokens=np.array([t for _, ts in items for t in ts] + [0] * padding, dtype=np.int32),
+            query_lens=np.array([len(ts) for _, ts in items] + [1] * padding, dtype=np.int32),
+            context_lens=np.array([r.context_len for r in reqs] + [0] * padding, dtype=np.int32),
             page_table=page_table,
-            state_slots=np.array([r.slot for r in reqs], dtype=np.int32),
-            reset_state=np.array(reset, dtype=bool),
-            sample=np.ones(len(items), dtype=bool),
+            state_slots=np.array([r.slot for r in reqs] + [0] * padding, dtype=np.int32),
+            reset_state=np.array(reset + [False] * padding, dtype=bool),
+            sample=np.array([True] * len(items) + [False] * padding, dtype=bool),
         )
         self.step_id += 1
         batch = ForwardBatch.from_step(step, self.page_size, self.device)
@@ -118,7 +120,7 @@ class PagedRunner:
             ends = np.cumsum([len(ts) for _, ts in items]).tolist()
             out = [logits[end - len(ts) : end] for (_, ts), end in zip(items, ends)]
         else:
-            out = list(self.model.forward(batch, self.pools)[:, None, :])
+            out = list(self.model.forward(batch, self.pools)[:, None, :])  # padded rows do not sample
         for (_, tokens), r in zip(items, reqs):
             r.context_len += len(tokens)
         return out

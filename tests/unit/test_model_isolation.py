@@ -63,3 +63,29 @@ def test_reused_slot_and_pages_start_clean(arch):
     assert_logits_close(prompt_logits, ref_prompt_logits)
     assert tokens == ref_tokens
     assert_logits_close(step_logits, ref_step_logits)
+
+
+@pytest.mark.parametrize("arch,overrides,page_size", CONFIGS, ids=[c[0] for c in CONFIGS])
+def test_padded_rows_touch_only_the_sentinel_page_and_padding_slot(arch, overrides, page_size):
+    """Padding rows (sentinel page table, padding slot, poisoned) leave real requests unchanged."""
+    hf, spec = tiny_model(arch, seed=13, **overrides)
+    clean = PagedRunner(spec, hf, page_size, num_pages=40, num_slots=6)
+    padded = PagedRunner(spec, hf, page_size, num_pages=40, num_slots=6)
+    padded.poison()
+    steps = [[(1, [4, 8, 15, 16, 23]), (2, [42])], [(1, [7]), (2, [9, 9])], [(2, [1]), (1, [2])]]
+    for items in steps:
+        want = clean.step(items, all_rows=False)
+        got = padded.step(items, all_rows=False, padding=3)
+        for a, b in zip(want, got):
+            assert torch.isfinite(b).all()
+            assert_logits_close(b, a, rel=1e-5)  # not bitwise: more rows change the GEMM blocking
+    pages, slots = padded.owned()
+    k_and_v = padded.pools.kv.kv
+    for page in range(1, k_and_v.shape[2]):
+        if page not in pages:
+            assert torch.isnan(k_and_v[:, :, page]).all(), f"page {page}"
+    if padded.pools.linear_state is not None:
+        recurrent = padded.pools.linear_state.recurrent
+        for slot in range(1, recurrent.shape[1]):
+            if slot not in slots:
+                assert torch.isnan(recurrent[:, slot]).all(), f"slot {slot}"
