@@ -38,8 +38,8 @@ def _paged_attention_kernel(
     d_mask = d < HEAD_DIM
     q = tl.load(q_ptr + t * stride_qt + h * stride_qh + d, mask=d_mask, other=0.0).to(tl.float32)
 
-    m_i = tl.zeros([], dtype=tl.float32) - float("inf")
-    l_i = tl.zeros([], dtype=tl.float32)
+    m_i = -float("inf")  # running max and normaliser: fp32 scalars once the loop has run
+    l_i = 0.0
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for start in range(0, num_keys, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
