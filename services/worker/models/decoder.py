@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,6 +16,7 @@ from services.worker.models.gated_deltanet import GatedDeltaNet
 from services.worker.models.mlp import DenseMLP, SparseMoeBlock
 from services.worker.models.norms import make_norm
 from services.worker.models.rotary import RotaryEmbedding
+from services.worker.models.weights import checkpoint_shapes, load_checkpoint_weights
 from services.worker.pools import Pools
 from shared.model_config import LINEAR_ATTENTION, ModelSpec
 
@@ -71,16 +74,12 @@ class CausalLM(nn.Module):
             self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype, device=device)
             self.lm_head.weight.requires_grad_(False)
 
-    def load_weights(self, weights) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Take checkpoint tensors (name, tensor); raises WeightLoadError on a missing or unexpected one."""
-        from services.worker.models.weights import load_checkpoint_weights
-
         load_checkpoint_weights(self, weights)
 
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         """{checkpoint tensor name: shape} of this model, as save_pretrained names them (dummy weights)."""
-        from services.worker.models.weights import checkpoint_shapes
-
         return checkpoint_shapes(self)
 
     @torch.inference_mode()
