@@ -1,0 +1,85 @@
+"""Kernel twins on CUDA: the compiled Triton paged attention and fla's gated delta rule against
+the float32 references (skipped without a GPU)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+
+from kernels.gated_delta_rule import gated_delta_rule_varlen  # noqa: E402
+from kernels.gated_delta_rule_reference import gated_delta_rule_chunked, gated_delta_rule_recurrent  # noqa: E402
+from kernels.paged_attention_reference import paged_attention_reference  # noqa: E402
+from test_kernel_paged_attention import CASES, _scenario  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_paged_attention_on_cuda(case, dtype):
+    from kernels.paged_attention_triton import paged_attention_triton
+
+    page_size, heads, kv_heads, head_dim, qlens, clens = case
+    q, kc, vc, pt, qs, pos, _, _ = _scenario(1, page_size, heads, kv_heads, head_dim, qlens, clens, dtype)
+    expected = paged_attention_reference(q, kc, vc, pt, qlens, clens, head_dim**-0.5)
+    cuda = [t.cuda() for t in (q, kc, vc, pt, qs, pos)]
+    out = torch.full_like(cuda[0], float("nan"))
+    paged_attention_triton(*cuda, head_dim**-0.5, out=out)
+    assert torch.isfinite(out).all()
+    # fp32: both accumulate in fp32, orders differ; bf16: one final rounding of the same value (2^-8)
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.cpu().float(), expected.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_paged_prefill_on_cuda(case, dtype):
+    from kernels.paged_prefill_triton import paged_prefill_triton
+
+    page_size, heads, kv_heads, head_dim, qlens, clens = case
+    q, kc, vc, pt, qs, pos, _, _ = _scenario(2, page_size, heads, kv_heads, head_dim, qlens, clens, dtype)
+    expected = paged_attention_reference(q, kc, vc, pt, qlens, clens, head_dim**-0.5)
+    cuda = [t.cuda() for t in (q, kc, vc, pt, qs, pos)]
+    out = torch.full_like(cuda[0], float("nan"))
+    paged_prefill_triton(*cuda, qlens, head_dim**-0.5, out=out)
+    assert torch.isfinite(out).all()
+    # fp32 dots run as tf32 on tensor cores (10-bit mantissa, ~1e-3); bf16: probabilities are
+    # rounded to bf16 before the second dot, on top of the output rounding
+    tol = 2e-3 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.cpu().float(), expected.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("query_lens", [[1, 1, 1], [70, 1, 5], [17]])
+def test_fla_gated_delta_rule_matches_reference(query_lens):
+    pytest.importorskip("fla")
+    g = torch.Generator().manual_seed(0)
+    total, k_heads, v_heads, dk, dv = sum(query_lens), 2, 4, 32, 32
+    q = torch.randn(total, k_heads, dk, generator=g).bfloat16()
+    k = torch.randn(total, k_heads, dk, generator=g).bfloat16()
+    v = torch.randn(total, v_heads, dv, generator=g).bfloat16()
+    decay = -torch.rand(total, v_heads, generator=g) * 2
+    beta = torch.rand(total, v_heads, generator=g).bfloat16()
+    states = torch.randn(6, v_heads, dk, dv, generator=g) * 0.1
+    slots = torch.tensor([5, 2, 3][: len(query_lens)])
+    qs = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+    qs[1:] = torch.tensor(query_lens).cumsum(0)
+    expected_states = states.clone()
+    expected, start = [], 0
+    for slot, n in zip(slots.tolist(), query_lens):
+        rule = gated_delta_rule_recurrent if n == 1 else gated_delta_rule_chunked
+        rows = slice(start, start + n)
+        o, expected_states[slot] = rule(q[rows], k[rows], v[rows], decay[rows], beta[rows], states[slot])
+        expected.append(o)
+        start += n
+    cuda_states = states.cuda()
+    out = gated_delta_rule_varlen(
+        q.cuda(), k.cuda(), v.cuda(), decay.cuda(), beta.cuda(), cuda_states, slots.cuda(), qs.cuda(), query_lens
+    )
+    # bf16 output rounding (2^-8 relative) on O(1) values; fla's tensor-core dots add about as much
+    torch.testing.assert_close(out.cpu().float(), torch.cat(expected), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(cuda_states.cpu(), expected_states, rtol=2e-2, atol=2e-2)
