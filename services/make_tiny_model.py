@@ -67,11 +67,24 @@ def make_tiny_model(out_dir: str | Path, arch: str, seed: int = 0) -> Path:
     model_class = _model_class(arch)
     torch.manual_seed(seed)
     model = model_class(config).to(torch.float32).eval()
+    _perturb_norms(model, seed)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None, do_sample=False).save_pretrained(out)
     (out / "ferry_tiny_model.json").write_text(json.dumps({"arch": arch, "seed": seed}) + "\n")
     return out
+
+
+def _perturb_norms(model, seed: int) -> None:
+    """Move every RMSNorm weight off its identity value (1, or 0 for norms computing x * (1 + w)):
+    at identity a serving engine that applies the wrong convention would still match the reference."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(0.1 * torch.randn(param.shape, generator=generator))
 
 
 def _config(arch: str, **ids):
