@@ -1,0 +1,43 @@
+"""Reference twin of the depthwise causal conv1d with carried state (the Gated DeltaNet's short conv).
+
+A request's conv state holds its last `kernel - 1` inputs, oldest first ([channels, kernel - 1]);
+a fresh request starts from zeros, which is exactly the zero left-padding of a plain causal conv.
+So a prompt prefilled in chunks gives the same outputs as one pass over the whole prompt."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def causal_conv1d_with_state(
+    x: torch.Tensor,  # [T, channels], one request's new inputs
+    state: torch.Tensor,  # [channels, kernel - 1], the request's previous inputs
+    weight: torch.Tensor,  # [channels, kernel]
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SiLU(conv(x)) for the new inputs [T, channels], and the new state [channels, kernel - 1]."""
+    channels, kernel = weight.shape
+    window = torch.cat([state.to(weight.dtype), x.t().to(weight.dtype)], dim=1)  # [channels, kernel-1+T]
+    out = F.conv1d(window[None], weight[:, None, :], bias, groups=channels)[0]  # [channels, T]
+    new_state = window[:, window.shape[1] - (kernel - 1) :]
+    return F.silu(out).t().to(x.dtype), new_state
+
+
+def causal_conv1d_varlen(
+    x: torch.Tensor,  # [T, channels], all requests' new inputs, request after request
+    conv_states: torch.Tensor,  # [slots, channels, kernel - 1], updated in place
+    state_slots: list[int],
+    query_lens: list[int],
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    out = torch.empty_like(x)
+    start = 0
+    for slot, qlen in zip(state_slots, query_lens):
+        out[start : start + qlen], new_state = causal_conv1d_with_state(
+            x[start : start + qlen], conv_states[slot], weight, bias
+        )
+        conv_states[slot] = new_state.to(conv_states.dtype)
+        start += qlen
+    return out

@@ -1,0 +1,27 @@
+"""Paged attention dispatch: the Triton kernel on CUDA, the reference twin elsewhere."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.paged_attention_reference import paged_attention_reference, write_kv
+
+__all__ = ["paged_attention", "write_kv"]
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, heads, head_dim]
+    k_cache: torch.Tensor,  # [pages, page_size, kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,  # int32 [R, max_pages]
+    query_start: torch.Tensor,  # int32 [R + 1]
+    positions: torch.Tensor,  # int64 [T]
+    query_lens: list[int],
+    context_lens: list[int],
+    scale: float,
+) -> torch.Tensor:
+    if q.is_cuda:
+        from kernels.paged_attention_triton import paged_attention_triton
+
+        return paged_attention_triton(q, k_cache, v_cache, page_table, query_start, positions, scale)
+    return paged_attention_reference(q, k_cache, v_cache, page_table, query_lens, context_lens, scale)

@@ -1,0 +1,103 @@
+"""One decoder layer (pre-norm token mixer + pre-norm MLP, both residual) and the causal LM."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.worker.experts import ExpertStore
+from services.worker.forward_batch import ForwardBatch
+from services.worker.models.attention import PagedAttention
+from services.worker.models.context import StepContext
+from services.worker.models.gated_deltanet import GatedDeltaNet
+from services.worker.models.mlp import DenseMLP, SparseMoeBlock
+from services.worker.models.norms import make_norm
+from services.worker.models.rotary import RotaryEmbedding
+from services.worker.pools import Pools
+from shared.model_config import LINEAR_ATTENTION, ModelSpec
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        layer_idx: int,
+        rotary: RotaryEmbedding,
+        experts: ExpertStore,
+        dtype: torch.dtype,
+        device=None,
+    ):
+        super().__init__()
+        self.is_linear = spec.layer_types[layer_idx] == LINEAR_ATTENTION
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(spec, layer_idx, dtype, device)
+        else:
+            self.self_attn = PagedAttention(spec, layer_idx, rotary, dtype, device)
+        if spec.moe_layers[layer_idx]:
+            moe_layer = spec.moe_layer_indices.index(layer_idx)
+            self.mlp = SparseMoeBlock(spec, moe_layer, experts, dtype, device)
+        else:
+            self.mlp = DenseMLP(spec.hidden_size, spec.intermediate_size, dtype, device)
+        self.input_layernorm = make_norm(spec.is_hybrid, spec.hidden_size, spec.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = make_norm(spec.is_hybrid, spec.hidden_size, spec.rms_norm_eps, dtype, device)
+
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        mixer = self.linear_attn if self.is_linear else self.self_attn
+        x = x + mixer(self.input_layernorm(x), ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    """qwen3_moe, qwen3_next and qwen3_5_moe (text): which layers exist follows the spec.
+
+    Parameter names mirror the checkpoints' (without the `model.` prefix), so `load_weights`
+    maps most tensors by name; see weights.py for the rest."""
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device, experts: ExpertStore):
+        super().__init__()
+        self.spec = spec
+        self.dtype = dtype
+        object.__setattr__(self, "experts", experts)  # not a submodule: see SparseMoeBlock
+        self.rotary = RotaryEmbedding(spec.head_dim, spec.partial_rotary_factor, spec.rope_theta, device)
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(
+            DecoderLayer(spec, i, self.rotary, experts, dtype, device) for i in range(spec.num_layers)
+        )
+        self.norm = make_norm(spec.is_hybrid, spec.hidden_size, spec.rms_norm_eps, dtype, device)
+        self.lm_head = None
+        if not spec.tie_word_embeddings:
+            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype, device=device)
+            self.lm_head.weight.requires_grad_(False)
+
+    def load_weights(self, weights) -> None:
+        """Take checkpoint tensors (name, tensor); raises WeightLoadError on a missing or unexpected one."""
+        from services.worker.models.weights import load_checkpoint_weights
+
+        load_checkpoint_weights(self, weights)
+
+    @torch.inference_mode()
+    def hidden_states(self, batch: ForwardBatch, pools: Pools) -> torch.Tensor:
+        """Final-normed hidden states of every new token, [T, hidden]."""
+        if self.spec.linear_attention_layers and pools.linear_state is None:
+            raise ValueError("this model has linear-attention layers but the pools have no linear_state pool")
+        cos, sin = self.rotary.cos_sin(batch.positions, self.dtype)
+        ctx = StepContext(batch, pools, cos, sin)
+        x = self.embed_tokens(batch.tokens)
+        for layer in self.layers:
+            x = layer(x, ctx)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, head).float()
+
+    def forward(self, batch: ForwardBatch, pools: Pools) -> torch.Tensor:
+        """float32 logits [len(batch.logits_rows), vocab]: one row per request that samples."""
+        hidden = self.hidden_states(batch, pools)
+        return self.logits(hidden[batch.logits_rows])
+
+    def forward_all_logits(self, batch: ForwardBatch, pools: Pools) -> torch.Tensor:
+        """float32 logits of every new token, [T, vocab] (tests, prompt logprobs)."""
+        return self.logits(self.hidden_states(batch, pools))

@@ -1,0 +1,87 @@
+"""Gated DeltaNet, the linear-attention token mixer of the hybrid models.
+
+x -> in_proj -> [q k v | z | b | a]; q,k,v -> depthwise causal conv1d + SiLU (state: the last
+kernel-1 inputs); beta = sigmoid(b); g = -exp(A_log) * softplus(a + dt_bias); gated delta rule
+(state: [v_heads, k_dim, v_dim] float32); per-head RMSNorm gated by SiLU(z); out_proj.
+
+Both states live in the request's LinearStatePool slot; a request's first chunk (`reset_state`)
+zeroes them first, later chunks and decode steps continue from them. The input projection is one
+matrix whose rows are [q | k | v | z | b | a] in head order (qwen3_5_moe's layout); qwen3_next's
+per-key-head interleaved in_proj_qkvz / in_proj_ba are permuted into it at load time
+(`weights.py`), so one forward serves both."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.causal_conv1d_reference import causal_conv1d_varlen
+from kernels.gated_delta_rule import gated_delta_rule_varlen
+from services.worker.models.context import StepContext
+from services.worker.models.norms import GatedRMSNorm
+from shared.model_config import ModelSpec
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_idx: int, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.k_heads, self.v_heads = spec.linear_num_key_heads, spec.linear_num_value_heads
+        self.k_dim, self.v_dim = spec.linear_key_head_dim, spec.linear_value_head_dim
+        self.key_size, self.value_size = spec.linear_key_dim, spec.linear_value_dim
+        self.conv_size = spec.linear_conv_dim
+        kw = dict(dtype=dtype, device=device)
+        # row blocks of in_proj, in order
+        self.in_proj_parts = {
+            "qkv": self.conv_size,
+            "z": self.value_size,
+            "b": self.v_heads,
+            "a": self.v_heads,
+        }
+        self.in_proj = nn.Linear(spec.hidden_size, sum(self.in_proj_parts.values()), bias=False, **kw)
+        self.conv1d = nn.Module()
+        self.conv1d.weight = nn.Parameter(
+            torch.zeros(self.conv_size, 1, spec.linear_conv_kernel_dim, **kw), requires_grad=False
+        )
+        self.A_log = nn.Parameter(torch.zeros(self.v_heads, **kw), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.v_heads, **kw), requires_grad=False)
+        self.norm = GatedRMSNorm(self.v_dim, spec.rms_norm_eps, dtype, device)
+        self.out_proj = nn.Linear(self.value_size, spec.hidden_size, bias=False, **kw)
+
+    def in_proj_rows(self, part: str) -> slice:
+        start = 0
+        for name, size in self.in_proj_parts.items():
+            if name == part:
+                return slice(start, start + size)
+            start += size
+        raise KeyError(part)
+
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        b = ctx.batch
+        conv_states, recurrent_states = ctx.pools.linear_state.layer(self.layer_idx)
+        if bool(b.reset_state.any()):
+            fresh = b.state_slots[b.reset_state]
+            conv_states[fresh] = 0
+            recurrent_states[fresh] = 0
+
+        t = x.shape[0]
+        qkv, z, beta_logit, a = self.in_proj(x).split(list(self.in_proj_parts.values()), dim=-1)
+        slots_host = b.state_slots.tolist()
+        qkv = causal_conv1d_varlen(qkv, conv_states, slots_host, b.query_lens_host, self.conv1d.weight[:, 0, :])
+        q, k, v = qkv.split([self.key_size, self.key_size, self.value_size], dim=-1)
+        beta = torch.sigmoid(beta_logit)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        core = gated_delta_rule_varlen(
+            q.reshape(t, self.k_heads, self.k_dim),
+            k.reshape(t, self.k_heads, self.k_dim),
+            v.reshape(t, self.v_heads, self.v_dim),
+            g,
+            beta,
+            recurrent_states,
+            b.state_slots,
+            b.query_start,
+            b.query_lens_host,
+        )
+        core = self.norm(core, z.reshape(t, self.v_heads, self.v_dim))
+        return self.out_proj(core.reshape(t, self.value_size))

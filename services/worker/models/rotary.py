@@ -1,0 +1,32 @@
+"""Rotary position embedding on the first `rotary_dim` channels of each head (partial rotary).
+
+Half-split convention (rotate_half), frequencies base^(-2i/rotary_dim) computed in float32 as the
+reference does. qwen3_5_moe's multimodal RoPE (mrope) reduces to this for text, where the
+temporal, height and width position ids are all the token position."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, partial_rotary_factor: float, theta: float, device=None):
+        super().__init__()
+        self.rotary_dim = int(head_dim * partial_rotary_factor)
+        exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.float32, device=device) / self.rotary_dim
+        self.register_buffer("inv_freq", 1.0 / (theta**exponents), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, rotary_dim] each, in the model dtype (as the reference rounds them)."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        angles = torch.cat([freqs, freqs], dim=-1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, head_dim]; only the first rotary_dim channels turn."""
+        rot, passthrough = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        half = self.rotary_dim // 2
+        rotated_half = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+        turned = rot * cos[:, None, :] + rotated_half * sin[:, None, :]
+        return torch.cat([turned, passthrough], dim=-1)

@@ -1,0 +1,189 @@
+"""Checkpoint tensors into a CausalLM: name normalisation, layout conversion, and completeness.
+
+Accepted names (each optionally prefixed `model.`, or `model.language_model.` for the multimodal
+qwen3_5_moe wrapper; `lm_head.weight` unprefixed):
+* every parameter of the module tree under its checkpoint name (`layers.3.self_attn.q_proj.weight`...);
+* routed experts, per expert (published Qwen checkpoints, and what transformers' save_pretrained
+  writes): `layers.L.mlp.experts.E.{gate,up,down}_proj.weight`; or fused (transformers' in-memory
+  state_dict): `layers.L.mlp.experts.gate_up_proj` [E, 2I, H] and `layers.L.mlp.experts.down_proj`
+  [E, H, I]. Both go to `ExpertStore.load_expert`, never into the module tree;
+* Gated DeltaNet input projections: qwen3_5_moe's `in_proj_qkv|z|b|a` or qwen3_next's interleaved
+  `in_proj_qkvz` / `in_proj_ba`, written into row blocks of our single `in_proj`.
+Vision-tower (`visual.`) and multi-token-prediction (`mtp.`) tensors are skipped: only the text
+model is served. Anything else, or anything missing at the end, raises WeightLoadError naming it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+
+from shared.errors import ModelLoadError
+
+PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
+SKIPPED_PREFIXES = ("visual.", "mtp.", "model.visual.", "model.mtp.", "vision_tower.")
+
+_PER_EXPERT = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+_FUSED_EXPERTS = re.compile(r"layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(?:\.weight)?")
+_IN_PROJ = re.compile(r"(layers\.(\d+)\.linear_attn)\.(in_proj_qkvz|in_proj_ba|in_proj_qkv|in_proj_z|in_proj_b|in_proj_a)\.weight")
+
+
+class WeightLoadError(ModelLoadError):
+    """A checkpoint tensor is missing, unexpected, or of the wrong shape."""
+
+
+def canonical_name(name: str) -> str | None:
+    """The name without its wrapper prefix; None for tensors of parts we do not serve."""
+    if name.startswith(SKIPPED_PREFIXES):
+        return None
+    for prefix in PREFIXES:
+        if name.startswith(prefix):
+            name = name[len(prefix) :]
+            break
+    if name.startswith(SKIPPED_PREFIXES):
+        return None
+    return name
+
+
+class _Loader:
+    def __init__(self, model):
+        self.model = model
+        self.spec = model.spec
+        self.params = dict(model.named_parameters())
+        self.pending: set[str] = set()
+        for name in self.params:
+            if name.endswith("linear_attn.in_proj.weight"):
+                layer = name.removesuffix(".in_proj.weight")
+                self.pending.update(f"{layer}.in_proj[{part}]" for part in ("qkv", "z", "b", "a"))
+            else:
+                self.pending.add(name)
+        self.pending.update(
+            f"expert[{m}][{e}]" for m in range(len(self.spec.moe_layer_indices)) for e in range(self.spec.num_experts)
+        )
+        self.per_expert: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self.fused: dict[int, dict[str, torch.Tensor]] = {}
+
+    # ---- helpers -------------------------------------------------------------------------
+    def _done(self, key: str, source: str) -> None:
+        if key not in self.pending:
+            raise WeightLoadError(f"checkpoint tensor {source!r} is given twice or does not belong to this model")
+        self.pending.discard(key)
+
+    def _copy(self, target: torch.Tensor, tensor: torch.Tensor, source: str) -> None:
+        if tuple(target.shape) != tuple(tensor.shape):
+            raise WeightLoadError(
+                f"checkpoint tensor {source!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)} "
+                "for this config.json"
+            )
+        target.copy_(tensor)
+
+    def _moe_layer(self, layer: int, source: str) -> int:
+        if layer >= self.spec.num_layers or not self.spec.moe_layers[layer]:
+            raise WeightLoadError(f"unexpected checkpoint tensor {source!r}: layer {layer} has no routed experts")
+        return self.spec.moe_layer_indices.index(layer)
+
+    # ---- one tensor ----------------------------------------------------------------------
+    @torch.no_grad()
+    def take(self, source: str, tensor: torch.Tensor) -> None:
+        name = canonical_name(source)
+        if name is None:
+            return
+        if name == "lm_head.weight" and self.model.lm_head is None:
+            return  # tied embeddings: the head is embed_tokens; a saved copy is redundant
+        if m := _PER_EXPERT.fullmatch(name):
+            self._expert_part(self._moe_layer(int(m[1]), source), int(m[2]), m[3], tensor, source)
+        elif m := _FUSED_EXPERTS.fullmatch(name):
+            self._fused_experts(self._moe_layer(int(m[1]), source), m[2], tensor, source)
+        elif m := _IN_PROJ.fullmatch(name):
+            self._in_proj(m[1], m[3], tensor, source)
+        elif name in self.params:
+            self._done(name, source)
+            self._copy(self.params[name], tensor, source)
+        else:
+            raise WeightLoadError(
+                f"unexpected checkpoint tensor {source!r}: no {self.spec.arch} parameter of that name"
+            )
+
+    def _expert_part(self, moe_layer: int, expert: int, part: str, tensor: torch.Tensor, source: str) -> None:
+        if expert >= self.spec.num_experts:
+            raise WeightLoadError(f"unexpected checkpoint tensor {source!r}: num_experts is {self.spec.num_experts}")
+        h, i = self.spec.hidden_size, self.spec.moe_intermediate_size
+        expected = (h, i) if part == "down_proj" else (i, h)
+        if tuple(tensor.shape) != expected:
+            raise WeightLoadError(f"checkpoint tensor {source!r} has shape {tuple(tensor.shape)}, expected {expected}")
+        parts = self.per_expert.setdefault((moe_layer, expert), {})
+        if part in parts:
+            raise WeightLoadError(f"checkpoint tensor {source!r} is given twice")
+        parts[part] = tensor
+        if len(parts) == 3:
+            del self.per_expert[(moe_layer, expert)]
+            self._done(f"expert[{moe_layer}][{expert}]", source)
+            self.model.experts.load_expert(moe_layer, expert, parts["gate_proj"], parts["up_proj"], parts["down_proj"])
+
+    def _fused_experts(self, moe_layer: int, part: str, tensor: torch.Tensor, source: str) -> None:
+        e, h, i = self.spec.num_experts, self.spec.hidden_size, self.spec.moe_intermediate_size
+        expected = (e, 2 * i, h) if part == "gate_up_proj" else (e, h, i)
+        if tuple(tensor.shape) != expected:
+            raise WeightLoadError(f"checkpoint tensor {source!r} has shape {tuple(tensor.shape)}, expected {expected}")
+        parts = self.fused.setdefault(moe_layer, {})
+        if part in parts:
+            raise WeightLoadError(f"checkpoint tensor {source!r} is given twice")
+        parts[part] = tensor
+        if len(parts) == 2:
+            del self.fused[moe_layer]
+            for expert in range(e):
+                self._done(f"expert[{moe_layer}][{expert}]", source)
+                gate_up = parts["gate_up_proj"][expert]
+                self.model.experts.load_expert(moe_layer, expert, gate_up[:i], gate_up[i:], parts["down_proj"][expert])
+
+    def _in_proj(self, layer: str, kind: str, tensor: torch.Tensor, source: str) -> None:
+        target = self.params.get(f"{layer}.in_proj.weight")
+        if target is None:
+            raise WeightLoadError(f"unexpected checkpoint tensor {source!r}: {layer} is not a linear-attention layer")
+        module = self.model.get_submodule(layer)
+        pieces = {kind.removeprefix("in_proj_"): tensor}
+        if kind == "in_proj_qkvz":
+            pieces = self._split_qkvz(tensor, source)
+        elif kind == "in_proj_ba":
+            pieces = self._split_ba(tensor, source)
+        for part, piece in pieces.items():
+            self._done(f"{layer}.in_proj[{part}]", source)
+            self._copy(target[module.in_proj_rows(part)], piece, source)
+
+    def _split_qkvz(self, w: torch.Tensor, source: str) -> dict[str, torch.Tensor]:
+        """qwen3_next groups rows by key head: [q_h | k_h | v of its value heads | z of them] per head h."""
+        s = self.spec
+        ratio = s.linear_num_value_heads // s.linear_num_key_heads
+        per_head = 2 * s.linear_key_head_dim + 2 * ratio * s.linear_value_head_dim
+        if w.shape[0] != s.linear_num_key_heads * per_head:
+            raise WeightLoadError(f"checkpoint tensor {source!r} has {w.shape[0]} rows, expected "
+                                  f"{s.linear_num_key_heads * per_head}")  # fmt: skip
+        grouped = w.reshape(s.linear_num_key_heads, per_head, w.shape[-1])
+        kd, vd = s.linear_key_head_dim, ratio * s.linear_value_head_dim
+        q, k, v, z = grouped.split([kd, kd, vd, vd], dim=1)
+        flat = [x.reshape(-1, w.shape[-1]) for x in (q, k, v, z)]
+        return {"qkv": torch.cat(flat[:3]), "z": flat[3]}
+
+    def _split_ba(self, w: torch.Tensor, source: str) -> dict[str, torch.Tensor]:
+        s = self.spec
+        ratio = s.linear_num_value_heads // s.linear_num_key_heads
+        if w.shape[0] != 2 * s.linear_num_value_heads:
+            raise WeightLoadError(f"checkpoint tensor {source!r} has {w.shape[0]} rows, expected "
+                                  f"{2 * s.linear_num_value_heads}")  # fmt: skip
+        b, a = w.reshape(s.linear_num_key_heads, 2 * ratio, w.shape[-1]).split(ratio, dim=1)
+        return {"b": b.reshape(-1, w.shape[-1]), "a": a.reshape(-1, w.shape[-1])}
+
+    def finish(self) -> None:
+        if self.pending:
+            missing = sorted(self.pending)
+            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            raise WeightLoadError(f"the checkpoint lacks {len(missing)} tensor(s) of this {self.spec.arch} model: {shown}")
+
+
+def load_checkpoint_weights(model, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    loader = _Loader(model)
+    for name, tensor in weights:
+        loader.take(name, tensor)
+    loader.finish()

@@ -1,0 +1,140 @@
+"""Drives a Ferry CausalLM the way the scheduler and executor will: requests get pages (in a
+shuffled order, so page tables are not contiguous) and a linear-state slot, and every step is a
+StepBatch turned into a ForwardBatch. Test-only: the real allocators live in the scheduler."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from services.worker import pool_layout as L
+from services.worker.experts import ResidentExperts
+from services.worker.forward_batch import ForwardBatch
+from services.worker.models import CausalLM, build_model
+from services.worker.pools import ExpertSlotPool, KVPool, LinearStatePool, Pools, allocate_pool
+from shared.model_config import ModelSpec
+from shared.step import StepBatch
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def make_pools(spec: ModelSpec, dtype: torch.dtype, num_pages: int, page_size: int, num_slots: int, device="cpu") -> Pools:
+    name = DTYPE_NAMES[dtype]
+    kv = KVPool(allocate_pool(L.kv_pool_layout(spec, name, num_pages, page_size), device), spec.full_attention_layers, page_size)
+    linear_layout = L.linear_state_layout(spec, name, num_slots)
+    linear = LinearStatePool(allocate_pool(linear_layout, device), spec.linear_attention_layers) if linear_layout.tensors else None
+    experts = ExpertSlotPool(allocate_pool(L.expert_slot_layout(spec, name, spec.total_experts), device))
+    return Pools(kv, linear, experts)
+
+
+@dataclass
+class _Request:
+    slot: int
+    pages: list[int] = field(default_factory=list)
+    context_len: int = 0
+
+
+class PagedRunner:
+    def __init__(self, spec: ModelSpec, hf_model: torch.nn.Module, page_size: int, dtype=torch.float32,
+                 device="cpu", num_pages: int = 64, num_slots: int = 8, seed: int = 0):  # fmt: skip
+        self.spec, self.page_size, self.device = spec, page_size, device
+        self.pools = make_pools(spec, dtype, num_pages, page_size, num_slots, device)
+        experts = ResidentExperts(self.pools.experts, len(spec.moe_layer_indices), spec.num_experts)
+        self.model: CausalLM = build_model(spec, dtype, device, experts)
+        self.model.load_weights(hf_model.state_dict().items())
+        rng = random.Random(seed)
+        self.free_pages = list(range(1, num_pages + 1))  # page 0 is the sentinel
+        rng.shuffle(self.free_pages)
+        self.free_slots = list(range(1, num_slots + 1))  # slot 0 is the padding slot
+        rng.shuffle(self.free_slots)
+        self.requests: dict[int, _Request] = {}
+        self.step_id = 0
+
+    def owned(self) -> tuple[set[int], set[int]]:
+        pages = {p for r in self.requests.values() for p in r.pages}
+        return pages, {r.slot for r in self.requests.values()}
+
+    def step(self, items: list[tuple[int, list[int]]], all_rows: bool = True) -> list[torch.Tensor]:
+        """One forward over (req_id, new tokens) items. float32 logits per item: of every new token
+        ([len(tokens), vocab], `forward_all_logits`) or, with all_rows=False, of the last one only
+        ([1, vocab], `forward`: the serving path)."""
+        reset = []
+        for req_id, tokens in items:
+            if req_id not in self.requests:
+                self.requests[req_id] = _Request(slot=self.free_slots.pop())
+                reset.append(True)
+            else:
+                reset.append(False)
+            req = self.requests[req_id]
+            while len(req.pages) * self.page_size < req.context_len + len(tokens):
+                req.pages.append(self.free_pages.pop())
+        reqs = [self.requests[r] for r, _ in items]
+        max_pages = max(len(r.pages) for r in reqs) + 1  # one spare column of sentinel entries
+        page_table = np.zeros((len(items), max_pages), dtype=np.int32)
+        for i, r in enumerate(reqs):
+            page_table[i, : len(r.pages)] = r.pages
+        step = StepBatch(
+            step_id=self.step_id,
+            req_ids=np.array([r for r, _ in items], dtype=np.int64),
+            tokens=np.array([t for _, ts in items for t in ts], dtype=np.int32),
+            query_lens=np.array([len(ts) for _, ts in items], dtype=np.int32),
+            context_lens=np.array([r.context_len for r in reqs], dtype=np.int32),
+            page_table=page_table,
+            state_slots=np.array([r.slot for r in reqs], dtype=np.int32),
+            reset_state=np.array(reset, dtype=bool),
+            sample=np.ones(len(items), dtype=bool),
+        )
+        self.step_id += 1
+        batch = ForwardBatch.from_step(step, self.page_size, self.device)
+        if all_rows:
+            logits = self.model.forward_all_logits(batch, self.pools)
+            ends = np.cumsum([len(ts) for _, ts in items]).tolist()
+            out = [logits[end - len(ts) : end] for (_, ts), end in zip(items, ends)]
+        else:
+            out = list(self.model.forward(batch, self.pools)[:, None, :])
+        for (_, tokens), r in zip(items, reqs):
+            r.context_len += len(tokens)
+        return out
+
+    def generate(self, req_id: int, prompt: list[int], steps: int, chunks: list[int] | None = None):
+        """Prefill (in chunks of the given sizes, the rest in one) then `steps` greedy tokens.
+        Returns (prompt logits [P, V], generated tokens, logits of each generated token's step)."""
+        chunks = list(chunks or [])
+        pieces, pos = [], 0
+        for size in chunks:
+            pieces.append(prompt[pos : pos + size])
+            pos += size
+        if pos < len(prompt):
+            pieces.append(prompt[pos:])
+        prompt_logits = torch.cat([self.step([(req_id, piece)])[0] for piece in pieces])
+        tokens, step_logits = [], [prompt_logits[-1]]
+        for _ in range(steps):
+            tokens.append(int(step_logits[-1].argmax()))
+            if len(tokens) < steps:
+                step_logits.append(self.step([(req_id, [tokens[-1]])], all_rows=False)[0][-1])
+        return prompt_logits, tokens, torch.stack(step_logits)
+
+
+def hf_greedy(hf_model, prompt: list[int], steps: int):
+    """transformers' greedy generate: (tokens, logits of each step [steps, vocab], prompt logits [P, vocab]).
+    The explicit attention mask matters: without one, generate masks prompt tokens equal to pad_token_id."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        full = hf_model(ids).logits[0].float()
+        out = hf_model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, min_new_tokens=steps,
+            do_sample=False, num_beams=1,
+            return_dict_in_generate=True, output_logits=True, pad_token_id=0, eos_token_id=None,
+        )  # fmt: skip
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    return tokens, torch.cat([l.float() for l in out.logits]), full
+
+
+def assert_logits_close(ours: torch.Tensor, ref: torch.Tensor, rel: float = 1e-4) -> None:
+    """Agreement relative to the logits' scale: |ours - ref| <= rel * max|ref| everywhere."""
+    scale = ref.abs().max().item()
+    err = (ours - ref).abs().max().item()
+    assert err <= rel * scale, f"logits differ by {err:.3e}, more than {rel} x {scale:.3f}"

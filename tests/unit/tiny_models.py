@@ -1,0 +1,75 @@
+"""Tiny random transformers models of each served architecture, and their ModelSpec.
+
+Weights are re-drawn at scales that make logits O(1) and routing decisive: transformers' own
+init (std 0.02, zero-centred norms at 0) gives near-uniform logits whose greedy argmax would
+hinge on rounding, and would leave (1 + w) norms untested."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers import (
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeTextConfig,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
+)
+
+from shared.model_config import ModelSpec, parse_model_config
+
+COMMON = dict(vocab_size=96, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, max_position_embeddings=512,
+              rope_theta=10000.0)  # fmt: skip
+LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+              linear_conv_kernel_dim=4, shared_expert_intermediate_size=24)  # fmt: skip
+
+
+def _config(arch: str, **overrides):
+    fields = dict(COMMON, **overrides)
+    if arch == "qwen3_moe":
+        fields.setdefault("num_hidden_layers", 2)
+        fields.setdefault("intermediate_size", 48)
+        return Qwen3MoeConfig(**fields), Qwen3MoeForCausalLM
+    fields = dict(LINEAR, **fields)
+    fields.setdefault("num_hidden_layers", 3)
+    fields.setdefault("layer_types", ["linear_attention", "full_attention", "linear_attention"][: fields["num_hidden_layers"]])
+    if arch == "qwen3_next":
+        fields.setdefault("intermediate_size", 48)
+        return Qwen3NextConfig(**fields), Qwen3NextForCausalLM
+    if arch == "qwen3_5_moe":
+        fields.pop("norm_topk_prob", None)  # qwen3_5_moe always renormalises
+        return Qwen3_5MoeTextConfig(**fields), Qwen3_5MoeForCausalLM
+    raise ValueError(arch)
+
+
+@torch.no_grad()
+def _redraw(model: torch.nn.Module, generator: torch.Generator) -> None:
+    for name, p in model.named_parameters():
+        noise = torch.randn(p.shape, generator=generator)
+        if name.endswith("norm.weight"):
+            p.add_(0.2 * noise)  # around 1 (plain) or 0 (zero-centred), whichever the module uses
+        elif name.endswith("dt_bias"):
+            p.copy_(1.0 + 0.5 * noise)
+        elif name.endswith("A_log"):
+            p.copy_(torch.empty(p.shape).uniform_(0.1, 3.0, generator=generator).log())
+        elif name.endswith("embed_tokens.weight"):
+            p.copy_(noise)
+        elif p.dim() >= 2:
+            fan_in = p.shape[-1]  # [out, in], fused experts [E, out, in], conv [C, 1, kernel]
+            gain = 2.0 if name.endswith("gate.weight") and "shared" not in name else 1.0
+            p.copy_(gain * noise / math.sqrt(fan_in))
+        else:
+            p.copy_(0.1 * noise)
+
+
+def tiny_model(arch: str, seed: int = 0, **overrides) -> tuple[torch.nn.Module, ModelSpec]:
+    """(transformers model in float32, eval mode; the ModelSpec parsed from its config.json dict)."""
+    config, cls = _config(arch, **overrides)
+    torch.manual_seed(seed)
+    model = cls(config).eval()
+    _redraw(model, torch.Generator().manual_seed(seed))
+    spec = parse_model_config(config.to_dict(), where=f"tiny {arch}")
+    return model, spec
