@@ -19,7 +19,7 @@ from itertools import chain
 import torch
 
 from shared.errors import ConfigError, FerryError
-from shared.units import GiB, format_bytes
+from shared.units import MiB, format_bytes
 from services.worker.costs import workspace_bytes_estimate
 from services.worker.executor import StepExecutor
 from services.worker.experts import ResidentExperts
@@ -35,7 +35,7 @@ log = logging.getLogger("ferry.worker")
 
 # Without --gpu-memory a CPU run gets this much (or half the available RAM, if less): the
 # planner fills its budget with KV pages, and a CPU run should not claim the machine's memory.
-CPU_DEFAULT_BUDGET = 2 * GiB
+CPU_DEFAULT_BUDGET = 512 * MiB
 
 
 class MemoryBudgetExceeded(FerryError):
@@ -135,6 +135,8 @@ def boot_worker(args: argparse.Namespace) -> tuple[StepExecutor, Plan]:
         """Runs between the two weight passes: the dense weights are in, the experts not yet."""
         if device.type == "cuda":
             weights = _allocated(device) - before
+            # profiling resets the allocator's peak counters: keep the peak of loading
+            booted["loading_peak_reserved"] = torch.cuda.max_memory_reserved(device)
             workspace, workspace_source = profile_workspace_cuda(model, experts, spec, r, device), "profiled"
         else:
             weights = _tensor_bytes(model)
@@ -159,18 +161,18 @@ def boot_worker(args: argparse.Namespace) -> tuple[StepExecutor, Plan]:
         )
     )
     plan: Plan = booted["plan"]
-    _check_budget(device, req, free)
+    _check_budget(device, req, free, booted.get("loading_peak_reserved", 0))
     log.info("plan %s", json.dumps(dict(plan_log_fields(plan), model=str(files.model_dir), device=str(device),
                                         load_format=files.load_format)))  # fmt: skip
     return StepExecutor(model, booted["pools"], spec, plan, device), plan
 
 
-def _check_budget(device: torch.device, req: PlanRequest, free: int | None) -> None:
+def _check_budget(device: torch.device, req: PlanRequest, free: int | None, earlier_peak: int) -> None:
     """--gpu-memory is a promise: after boot, what the process ever reserved must be within it."""
     if device.type != "cuda":
         return
     limit = req.gpu_memory if req.gpu_memory is not None else free
-    reserved = torch.cuda.max_memory_reserved(device)
+    reserved = max(torch.cuda.max_memory_reserved(device), earlier_peak)
     if limit is not None and reserved > limit:
         what = f"--gpu-memory {format_bytes(limit)}" if req.gpu_memory is not None else f"free memory {format_bytes(limit)}"
         raise MemoryBudgetExceeded(

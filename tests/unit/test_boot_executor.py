@@ -144,3 +144,30 @@ def test_largest_step_runs_on_temporary_pools(tiny_model):
     assert tokens.shape == (5,) and bool(((tokens >= 0) & (tokens < files.spec.vocab_size)).all())
     with pytest.raises(RuntimeError, match="not bound"):
         experts.forward(0, torch.zeros(1, files.spec.hidden_size), torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2))
+
+
+def test_reserving_more_than_gpu_memory_fails_clearly(monkeypatch):
+    import torch
+
+    from services.worker.boot import MemoryBudgetExceeded, _check_budget
+    from services.worker.planner import PlanRequest
+
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 900)
+    _check_budget(torch.device("cuda"), PlanRequest(gpu_memory=1000), None, earlier_peak=950)
+    with pytest.raises(MemoryBudgetExceeded, match="--gpu-memory"):
+        _check_budget(torch.device("cuda"), PlanRequest(gpu_memory=1000), None, earlier_peak=1001)
+    with pytest.raises(MemoryBudgetExceeded, match="free memory"):
+        _check_budget(torch.device("cuda"), PlanRequest(), 800, earlier_peak=0)
+
+
+def test_device_flag_is_checked():
+    import torch
+
+    from services.worker.boot import resolve_device
+
+    assert resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(ConfigError, match="--device"):
+        resolve_device("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="no CUDA device"):
+            resolve_device("cuda")
