@@ -128,3 +128,34 @@ def test_dummy_norms_and_decay_terms_are_plausible(tiny_models):
     spec3 = open_model(str(tiny_models["qwen3_moe"]), load_format="dummy").spec
     t3 = dict(iter_dummy_tensors(spec3, torch.float32, "cpu", routed_experts=False))
     assert torch.all(t3["model.norm.weight"] == 1)
+
+
+class _CountingStore:
+    """Counts the experts handed to it (the model under test needs somewhere to put them)."""
+
+    def __init__(self, num_experts):
+        self.num_experts, self.loaded = num_experts, set()
+
+    def load_expert(self, moe_layer, expert, gate, up, down):
+        self.loaded.add((moe_layer, expert))
+
+    def forward(self, *args):
+        raise AssertionError("no forward in this test")
+
+
+@pytest.mark.parametrize("config_dir", ["qwen3-30b-a3b", "qwen3.6-35b-a3b"])
+def test_dummy_names_and_shapes_are_what_the_real_models_load(config_dir):
+    """--load-format dummy is for big shapes: its names and shapes for the published configs must be
+    exactly what the model accepts (checked on the meta device: no memory, no compute)."""
+    pytest.importorskip("services.worker.models")
+    from pathlib import Path
+
+    from services.worker.models import build_model
+    from shared.model_config import load_model_config
+
+    spec = load_model_config(Path(__file__).parents[1] / "data" / "models" / config_dir)
+    store = _CountingStore(spec.num_experts)
+    model = build_model(spec, torch.bfloat16, "meta", store)
+    shapes = dict(resident_weight_shapes(spec), **routed_expert_shapes(spec))
+    model.load_weights((n, torch.empty(s, dtype=torch.bfloat16, device="meta")) for n, s in shapes.items())
+    assert len(store.loaded) == spec.total_experts

@@ -126,3 +126,27 @@ def test_finished_requests_are_forgotten():
     with pytest.raises(KeyError, match="never registered"):
         sampler.sample([0], random_logits(1))
     assert sampler.sample([1], random_logits(1))[0].shape == (1,)
+
+
+def test_combined_filters_match_transformers_warpers_in_sequence():
+    from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    logits = random_logits(4, seed=21)
+    params = SamplingParams(top_k=12, top_p=0.7, min_p=0.15)
+    theirs = logits.clone()
+    for warper in (TopKLogitsWarper(12), TopPLogitsWarper(0.7), MinPLogitsWarper(0.15)):
+        theirs = warper(None, theirs)
+    ours = filter_logits(logits.clone(), [params] * 4)
+    assert torch.equal(torch.isfinite(ours), torch.isfinite(theirs))
+    assert torch.equal(ours[torch.isfinite(ours)], logits[torch.isfinite(ours)])
+
+
+def test_rows_mix_greedy_and_sampled_with_their_own_filters():
+    logits = random_logits(3, seed=4)
+    sampler = make_sampler({0: SamplingParams(temperature=0.0), 1: SamplingParams(top_k=1), 2: SamplingParams(top_k=3)})
+    top3 = logits[2].topk(3).indices.tolist()
+    for _ in range(50):
+        tokens, logprobs = sampler.sample([0, 1, 2], logits)
+        assert int(tokens[0]) == int(logits[0].argmax())
+        assert int(tokens[1]) == int(logits[1].argmax()) and abs(float(logprobs[1])) < 1e-6  # top-1: certain
+        assert int(tokens[2]) in top3
