@@ -103,8 +103,9 @@ class OneRequestScheduler:
         )
 
 
-def generate(executor, prompt_ids: list[int], params: SamplingParams, eos_ids: set[int]) -> tuple[list[int], str]:
-    """Run the request to completion; (generated token ids, finish reason: stop | length)."""
+def generate(executor, prompt_ids: list[int], params: SamplingParams,
+             eos_ids: set[int]) -> tuple[list[int], list[float], str]:  # fmt: skip
+    """Run the request to completion; (generated token ids, their logprobs, finish reason: stop | length)."""
     plan = executor.plan
     scheduler = OneRequestScheduler(plan.kv.page_size, plan.kv.pages, plan.max_prefill_tokens)
     limit = min(plan.max_model_len, scheduler.capacity())
@@ -112,7 +113,7 @@ def generate(executor, prompt_ids: list[int], params: SamplingParams, eos_ids: s
         raise ConfigError(f"the prompt has {len(prompt_ids)} tokens; this plan holds at most {limit - 1} "
                           "(raise --max-model-len or the KV pool)")  # fmt: skip
     new = [NewRequest(REQ_ID, np.array(prompt_ids, dtype=np.int32), params)]
-    context, output = 0, []
+    context, output, logprobs = 0, [], []
     chunk = plan.max_prefill_tokens
     while context < len(prompt_ids):  # prefill, in chunks
         part = prompt_ids[context : context + chunk]
@@ -122,6 +123,7 @@ def generate(executor, prompt_ids: list[int], params: SamplingParams, eos_ids: s
     while True:
         token = int(result.token_ids[0])
         output.append(token)
+        logprobs.append(float(result.logprobs[0]))
         if token in eos_ids and not params.ignore_eos or token in params.stop_token_ids:
             reason = "stop"
             break
@@ -131,7 +133,7 @@ def generate(executor, prompt_ids: list[int], params: SamplingParams, eos_ids: s
         result = executor.execute(scheduler.step([token], context, True, []))
         context += 1
     executor.execute(StepBatch(scheduler.step_id + 1, *_empty_step(), finished_req_ids=[REQ_ID]))
-    return output, reason
+    return output, logprobs, reason
 
 
 def _empty_step():
@@ -154,11 +156,11 @@ def run(args: argparse.Namespace) -> int:
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
     )  # fmt: skip
-    token_ids, reason = generate(executor, prompt_ids, params, _eos_ids(model_dir, executor.spec))
+    token_ids, logprobs, reason = generate(executor, prompt_ids, params, _eos_ids(model_dir, executor.spec))
     text = tokenizer.decode(token_ids, skip_special_tokens=True) if tokenizer is not None else None
     if args.json:
-        out = {"prompt_token_ids": prompt_ids, "token_ids": token_ids, "text": text, "finish_reason": reason,
-               "plan": plan.to_dict()}  # fmt: skip
+        out = {"prompt_token_ids": prompt_ids, "token_ids": token_ids, "logprobs": logprobs, "text": text,
+               "finish_reason": reason, "plan": plan.to_dict()}  # fmt: skip
         sys.stdout.write(json.dumps(out) + "\n")
     else:
         print(text if text is not None else ",".join(map(str, token_ids)))

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shared.errors import ConfigError
 from shared.sampling import SamplingParams
 from shared.step import NewRequest
 
@@ -48,7 +49,9 @@ class Sampler:
 
     # ---- request lifetime ------------------------------------------------------------
     def add_request(self, new: NewRequest) -> None:
+        """Register a request (replacing any earlier state under the same id)."""
         params = new.sampling
+        check_sampling_params(params)
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(int(params.seed) & (2**63 - 1))
@@ -105,6 +108,23 @@ class Sampler:
                 noise[i].exponential_(generator=state.generator)
         # An exact 0 draw would turn a masked token's 0/0 into NaN, which argmax picks.
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+
+def check_sampling_params(p: SamplingParams) -> None:
+    """Values the sampling arithmetic has no meaning for; the api rejects them first, with the same words."""
+    problems = []
+    if not p.temperature >= 0:
+        problems.append(f"temperature must be >= 0, got {p.temperature}")
+    if not 0 < p.top_p <= 1:
+        problems.append(f"top_p must be in (0, 1], got {p.top_p}")
+    if not 0 <= p.min_p <= 1:
+        problems.append(f"min_p must be in [0, 1], got {p.min_p}")
+    if p.top_k < -1:
+        problems.append(f"top_k must be -1, 0 (disabled) or positive, got {p.top_k}")
+    if not p.repetition_penalty > 0:
+        problems.append(f"repetition_penalty must be > 0, got {p.repetition_penalty}")
+    if problems:
+        raise ConfigError("; ".join(problems))
 
 
 def _token_counts(token_lists: list[torch.Tensor], vocab_size: int, device: torch.device) -> torch.Tensor:

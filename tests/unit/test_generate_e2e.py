@@ -48,6 +48,7 @@ def test_greedy_tokens_match_transformers(tiny_model, capsys):
     assert result["token_ids"] == expected
     assert result["text"] == tok.decode(expected, skip_special_tokens=True)
     assert result["finish_reason"] == "length"
+    assert len(result["logprobs"]) == 12 and all(lp <= 0 for lp in result["logprobs"])
     assert result["plan"]["experts"]["slots"] == result["plan"]["experts"]["total"]
 
 

@@ -150,3 +150,13 @@ def test_rows_mix_greedy_and_sampled_with_their_own_filters():
         assert int(tokens[0]) == int(logits[0].argmax())
         assert int(tokens[1]) == int(logits[1].argmax()) and abs(float(logprobs[1])) < 1e-6  # top-1: certain
         assert int(tokens[2]) in top3
+
+
+@pytest.mark.parametrize(
+    "bad", [dict(temperature=-1.0), dict(top_p=0.0), dict(min_p=1.5), dict(top_k=-2), dict(repetition_penalty=0.0)]
+)
+def test_meaningless_parameters_are_rejected_by_name(bad):
+    from shared.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=next(iter(bad))):
+        make_sampler({0: SamplingParams(**bad)})
