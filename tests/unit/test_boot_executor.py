@@ -11,12 +11,9 @@ import pytest
 from shared.errors import ConfigError, PlanError
 from shared.sampling import SamplingParams
 from shared.step import NewRequest, StepBatch
-
-pytest.importorskip("services.worker.models", reason="the models land on the models branch")
-
-from services.worker import boot as boot_module  # noqa: E402
-from services.worker.boot import add_boot_arguments, boot_worker  # noqa: E402
-from services.worker.executor import StepBatchError  # noqa: E402
+from services.worker import boot as boot_module
+from services.worker.boot import add_boot_arguments, boot_worker
+from services.worker.executor import StepBatchError
 
 
 def boot_args(model_dir, *extra: str) -> argparse.Namespace:

@@ -10,7 +10,6 @@ import torch
 
 from services.cli import main
 
-pytest.importorskip("services.worker.models", reason="the models land on the models branch")
 
 
 def ferry_generate(capsys, model_dir, *extra: str) -> dict:
