@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -147,6 +148,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_tokens < 1:
         raise ConfigError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    # the boot's log lines (the plan, the CPU budget's origin) go to stderr; stdout stays the result
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s", stream=sys.stderr)
     executor, plan = boot_worker(args)
     model_dir = resolve_model_dir(args.model, args.revision)
     tokenizer = _load_tokenizer(model_dir)
