@@ -29,10 +29,37 @@ from shared.step import NewRequest
 
 @dataclass
 class RequestSamplingState:
+    """What one request's sampling remembers. Penalty tables exist only for requests that use
+    penalties, and are updated by one element per token, so a step's cost does not grow with
+    the length of a request's output."""
+
     params: SamplingParams
-    prompt_token_ids: torch.Tensor  # int64 [P] on the sampling device
-    output_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None  # only for requests with a seed
+    output_token_ids: list[int] = field(default_factory=list)
+    output_counts: torch.Tensor | None = None  # float32 [V]: presence/frequency/repetition penalties
+    seen: torch.Tensor | None = None  # bool [V], prompt and output tokens: repetition penalty
+
+    @classmethod
+    def create(cls, new: NewRequest, vocab_size: int, device: torch.device) -> "RequestSamplingState":
+        p = new.sampling
+        generator = None
+        if p.seed is not None:
+            generator = torch.Generator(device=device).manual_seed(int(p.seed) & (2**63 - 1))
+        state = cls(p, generator)
+        if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+            state.output_counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+        if p.repetition_penalty != 1.0:
+            prompt = torch.as_tensor(new.prompt_token_ids, dtype=torch.int64).to(device)
+            state.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            state.seen[prompt[(prompt >= 0) & (prompt < vocab_size)]] = True
+        return state
+
+    def record(self, token: int) -> None:
+        self.output_token_ids.append(token)
+        if self.output_counts is not None:
+            self.output_counts[token] += 1
+        if self.seen is not None:
+            self.seen[token] = True
 
 
 class Sampler:
@@ -50,13 +77,8 @@ class Sampler:
     # ---- request lifetime ------------------------------------------------------------
     def add_request(self, new: NewRequest) -> None:
         """Register a request (replacing any earlier state under the same id)."""
-        params = new.sampling
-        check_sampling_params(params)
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(int(params.seed) & (2**63 - 1))
-        prompt = torch.as_tensor(new.prompt_token_ids, dtype=torch.int64).to(self.device)
-        self.requests[new.req_id] = RequestSamplingState(params, prompt, [], generator)
+        check_sampling_params(new.sampling)
+        self.requests[new.req_id] = RequestSamplingState.create(new, self.vocab_size, self.device)
 
     def remove_request(self, req_id: int) -> None:
         self.requests.pop(req_id, None)
@@ -80,7 +102,7 @@ class Sampler:
         logits = apply_penalties(logits, states, self.vocab_size)
         tokens, logprobs = self._choose(logits, states)
         for state, token in zip(states, tokens.tolist()):
-            state.output_token_ids.append(token)
+            state.record(token)
         return tokens, logprobs
 
     def _choose(self, logits: torch.Tensor, states: list[RequestSamplingState]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,17 +149,6 @@ def check_sampling_params(p: SamplingParams) -> None:
         raise ConfigError("; ".join(problems))
 
 
-def _token_counts(token_lists: list[torch.Tensor], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """[S, V] float32 counts of each token id in each row's list (padding goes to a dropped column)."""
-    longest = max((len(t) for t in token_lists), default=0)
-    padded = torch.full((len(token_lists), max(longest, 1)), vocab_size, dtype=torch.int64, device=device)
-    for i, t in enumerate(token_lists):
-        padded[i, : len(t)] = t
-    counts = torch.zeros(len(token_lists), vocab_size + 1, dtype=torch.float32, device=device)
-    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
-    return counts[:, :vocab_size]
-
-
 def apply_penalties(logits: torch.Tensor, states: list[RequestSamplingState], vocab_size: int) -> torch.Tensor:
     """Repetition (over prompt + output), then presence and frequency (over output) penalties."""
     params = [s.params for s in states]
@@ -146,18 +157,19 @@ def apply_penalties(logits: torch.Tensor, states: list[RequestSamplingState], vo
     if not (needs_repetition or needs_openai):
         return logits
     device = logits.device
-    outputs = [torch.tensor(s.output_token_ids, dtype=torch.int64, device=device) for s in states]
-    output_counts = _token_counts(outputs, vocab_size, device)
     logits = logits.clone()
     if needs_repetition:
-        seen = _token_counts([torch.cat([s.prompt_token_ids, o]) for s, o in zip(states, outputs)], vocab_size, device) > 0
+        unseen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        seen = torch.stack([s.seen if s.seen is not None else unseen for s in states])
         penalty = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
         penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
         logits = torch.where(seen, penalised, logits)
     if needs_openai:
+        none = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+        counts = torch.stack([s.output_counts if s.output_counts is not None else none for s in states])
         presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
         frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
-        logits = logits - frequency * output_counts - presence * (output_counts > 0).float()
+        logits = logits - frequency * counts - presence * (counts > 0).float()
     return logits
 
 

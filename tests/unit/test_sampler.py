@@ -91,7 +91,8 @@ def test_repetition_penalty_matches_transformers():
     logits = random_logits(1, seed=5)
     prompt = [1, 4, 9, 4]
     sampler = make_sampler({0: SamplingParams(temperature=0.0, repetition_penalty=1.7)}, prompts={0: prompt})
-    sampler.requests[0].output_token_ids.extend([12, 30])
+    for token in (12, 30):
+        sampler.requests[0].record(token)
     ours = apply_penalties(logits, [sampler.requests[0]], V)
     theirs = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([prompt + [12, 30]]), logits.clone())
     assert torch.allclose(ours, theirs)
@@ -104,7 +105,8 @@ def test_presence_and_frequency_penalties_follow_openai_formula():
         {0: SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), 1: SamplingParams()},
         prompts={0: [3, 3, 3], 1: [3]},
     )
-    sampler.requests[0].output_token_ids.extend([7, 7, 7, 2])
+    for token in (7, 7, 7, 2):
+        sampler.requests[0].record(token)
     out = apply_penalties(logits, [sampler.requests[0], sampler.requests[1]], V)
     expected = logits.clone()
     expected[0, 7] -= 0.5 + 3 * 0.25
