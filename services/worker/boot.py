@@ -49,12 +49,12 @@ def add_boot_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) of a hub id")
     parser.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
                         help="auto/safetensors: read the checkpoint; dummy: random weights of the right shapes")
-    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
+    parser.add_argument("--device", default=None, help="auto, cpu, cuda or cuda:N (default auto: cuda if available, else cpu)")
     add_planner_flags(parser)  # fmt: skip
 
 
 def resolve_device(name: str | None) -> torch.device:
-    if name is None:
+    if name is None or name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(name)
@@ -108,6 +108,21 @@ def _tensor_bytes(model: torch.nn.Module) -> int:
     return sum(storages.values())
 
 
+def check_expert_store_possible(plan: Plan) -> None:
+    if plan.experts.slots < plan.experts.total:
+        raise ConfigError(
+            f"the plan gives {plan.experts.slots} of {plan.experts.total} expert slots: this model needs expert "
+            "offload, which this worker does not have yet. Give more memory (--gpu-memory) or a smaller KV pool "
+            "(--num-tokens / --kv-reserve-tokens) so every expert fits"
+        )
+
+
+def build_expert_store(spec, plan: Plan, pools) -> ResidentExperts:
+    """The store over the planned slot pool: every expert in its own slot. (The offloading store,
+    for plans with fewer slots than experts, plugs in here and in check_expert_store_possible.)"""
+    return ResidentExperts(pools.experts, len(spec.moe_layer_indices), spec.num_experts)
+
+
 def _then(step: Callable[[], None], tensors: Callable[[], Iterable]) -> Iterator:
     """A lazy tail for load_weights: `step` runs when every tensor before it has been consumed."""
     step()
@@ -144,15 +159,11 @@ def boot_worker(args: argparse.Namespace) -> tuple[StepExecutor, Plan]:
                                                  r.max_model_len)  # fmt: skip
             workspace_source = "estimate"
         plan = make_plan(spec, req, Measured(weights, workspace, free, "measured", workspace_source))
-        if plan.experts.slots < plan.experts.total:
-            raise ConfigError(
-                f"the plan gives {plan.experts.slots} of {plan.experts.total} expert slots: this model needs expert "
-                "offload, which this worker does not have yet. Give more memory (--gpu-memory) or a smaller KV pool "
-                "(--num-tokens / --kv-reserve-tokens) so every expert fits"
-            )
+        check_expert_store_possible(plan)  # before any pool is allocated (rule 4)
         pools = allocate_pools(spec, plan, device)
-        experts.bind(ResidentExperts(pools.experts, len(spec.moe_layer_indices), spec.num_experts))
-        booted.update(plan=plan, pools=pools)
+        store = build_expert_store(spec, plan, pools)
+        experts.bind(store)
+        booted.update(plan=plan, pools=pools, store=store)
 
     model.load_weights(
         chain(
@@ -161,6 +172,9 @@ def boot_worker(args: argparse.Namespace) -> tuple[StepExecutor, Plan]:
         )
     )
     plan: Plan = booted["plan"]
+    preload = getattr(booted["store"], "preload", None)  # a caching store warms its slots once experts are in
+    if callable(preload):
+        preload()
     _check_budget(device, req, free, booted.get("loading_peak_reserved", 0))
     log.info("plan %s", json.dumps(dict(plan_log_fields(plan), model=str(files.model_dir), device=str(device),
                                         load_format=files.load_format)))  # fmt: skip

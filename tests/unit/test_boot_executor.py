@@ -163,6 +163,7 @@ def test_device_flag_is_checked():
     from services.worker.boot import resolve_device
 
     assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")
     with pytest.raises(ConfigError, match="--device"):
         resolve_device("tpu")
     if not torch.cuda.is_available():
