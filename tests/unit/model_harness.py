@@ -39,8 +39,9 @@ class _Request:
 
 class PagedRunner:
     def __init__(self, spec: ModelSpec, hf_model: torch.nn.Module, page_size: int, dtype=torch.float32,
-                 device="cpu", num_pages: int = 64, num_slots: int = 8, seed: int = 0):  # fmt: skip
+                 device="cpu", num_pages: int | None = None, num_slots: int = 8, seed: int = 0):  # fmt: skip
         self.spec, self.page_size, self.device = spec, page_size, device
+        num_pages = num_pages or 16 + 512 // page_size  # room for a few hundred tokens
         self.pools = make_pools(spec, dtype, num_pages, page_size, num_slots, device)
         experts = ResidentExperts(self.pools.experts, len(spec.moe_layer_indices), spec.num_experts)
         self.model: CausalLM = build_model(spec, dtype, device, experts)
@@ -52,6 +53,19 @@ class PagedRunner:
         rng.shuffle(self.free_slots)
         self.requests: dict[int, _Request] = {}
         self.step_id = 0
+
+    def release(self, req_id: int) -> None:
+        """The request finished: its pages and slot go back, to be handed out next (stale contents and all)."""
+        req = self.requests.pop(req_id)
+        self.free_pages.extend(reversed(req.pages))
+        self.free_slots.append(req.slot)
+
+    def poison(self) -> None:
+        """Fill every KV row and linear-state slot with NaN, as if left over from other requests."""
+        self.pools.kv.kv.fill_(float("nan"))
+        if self.pools.linear_state is not None:
+            self.pools.linear_state.conv.fill_(float("nan"))
+            self.pools.linear_state.recurrent.fill_(float("nan"))
 
     def owned(self) -> tuple[set[int], set[int]]:
         pages = {p for r in self.requests.values() for p in r.pages}

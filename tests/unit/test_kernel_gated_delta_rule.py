@@ -1,0 +1,70 @@
+"""Gated delta rule twins: recurrent (the definition) and chunked agree; a sequence split into
+segments continues from the carried state; and both match transformers' own torch fallback,
+an independent implementation of the same rule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+from kernels.gated_delta_rule import gated_delta_rule_varlen
+from kernels.gated_delta_rule_reference import gated_delta_rule_chunked, gated_delta_rule_recurrent
+
+
+def _inputs(length, k_heads, v_heads, k_dim, v_dim, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(length, k_heads, k_dim, generator=g)
+    k = torch.randn(length, k_heads, k_dim, generator=g)
+    v = torch.randn(length, v_heads, v_dim, generator=g)
+    decay = -torch.rand(length, v_heads, generator=g) * 2
+    beta = torch.rand(length, v_heads, generator=g)
+    state = torch.randn(v_heads, k_dim, v_dim, generator=g)
+    return q, k, v, decay, beta, state
+
+
+@pytest.mark.parametrize("length,chunk", [(1, 64), (9, 4), (70, 16), (64, 64)])
+@pytest.mark.parametrize("heads", [(2, 2), (2, 4)])
+def test_chunked_matches_recurrent(length, chunk, heads):
+    q, k, v, g, beta, s0 = _inputs(length, heads[0], heads[1], 8, 16)
+    out_r, s_r = gated_delta_rule_recurrent(q, k, v, g, beta, s0)
+    out_c, s_c = gated_delta_rule_chunked(q, k, v, g, beta, s0, chunk_size=chunk)
+    torch.testing.assert_close(out_c, out_r, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(s_c, s_r, rtol=1e-4, atol=1e-5)
+
+
+def test_segments_continue_from_state():
+    q, k, v, g, beta, s0 = _inputs(30, 2, 4, 8, 8, seed=1)
+    whole, s_whole = gated_delta_rule_chunked(q, k, v, g, beta, s0, chunk_size=8)
+    first, s_mid = gated_delta_rule_chunked(q[:11], k[:11], v[:11], g[:11], beta[:11], s0, chunk_size=8)
+    second, s_end = gated_delta_rule_recurrent(q[11:], k[11:], v[11:], g[11:], beta[11:], s_mid)
+    torch.testing.assert_close(torch.cat([first, second]), whole, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(s_end, s_whole, rtol=1e-4, atol=1e-5)
+
+
+def test_matches_transformers_fallback():
+    q, k, v, g, beta, s0 = _inputs(70, 2, 4, 8, 16, seed=2)
+    ours, s_ours = gated_delta_rule_chunked(q, k, v, g, beta, s0)
+    ref, s_ref = torch_chunk_gated_delta_rule(
+        q[None], k[None], v[None], g=g[None], beta=beta[None], initial_state=s0[None],
+        output_final_state=True, use_qk_l2norm_in_kernel=True,
+    )  # fmt: skip
+    torch.testing.assert_close(ours, ref[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(s_ours, s_ref[0], rtol=1e-4, atol=1e-5)
+
+
+def test_varlen_updates_only_batch_slots_in_place():
+    q, k, v, g, beta, _ = _inputs(8, 2, 4, 8, 8, seed=3)
+    states = torch.full((5, 4, 8, 8), float("nan"))
+    states[2] = torch.randn(4, 8, 8)
+    states[4] = 0
+    before = states.clone()
+    query_start = torch.tensor([0, 7, 8], dtype=torch.int32)
+    out = gated_delta_rule_varlen(q, k, v, g, beta, states, torch.tensor([4, 2]), query_start, [7, 1])
+    exp_a, s_a = gated_delta_rule_chunked(q[:7], k[:7], v[:7], g[:7], beta[:7], before[4])
+    exp_b, s_b = gated_delta_rule_recurrent(q[7:], k[7:], v[7:], g[7:], beta[7:], before[2])
+    torch.testing.assert_close(out, torch.cat([exp_a, exp_b]))
+    torch.testing.assert_close(states[4], s_a)
+    torch.testing.assert_close(states[2], s_b)
+    for untouched in (0, 1, 3):
+        assert torch.isnan(states[untouched]).all()

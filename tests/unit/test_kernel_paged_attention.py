@@ -1,0 +1,90 @@
+"""Paged attention: the reference twin against plain causal attention on contiguous K/V, and the
+Triton kernel (interpreted on CPU) against the twin, on shapes that stress the page table."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from interpreted_triton import interpreted
+from kernels.paged_attention_reference import gather_request_kv, paged_attention_reference, write_kv
+
+
+def _scenario(seed, page_size, heads, kv_heads, head_dim, query_lens, context_lens, dtype=torch.float32):
+    """A poisoned pool, each request's K/V written into shuffled pages; returns everything the kernels need."""
+    g = torch.Generator().manual_seed(seed)
+    totals = [q + c for q, c in zip(query_lens, context_lens)]
+    pages_needed = [-(-t // page_size) for t in totals]
+    num_pages = sum(pages_needed) + 3
+    k_cache = torch.full((num_pages + 1, page_size, kv_heads, head_dim), float("nan"), dtype=dtype)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    free = list(range(1, num_pages + 1))
+    random.Random(seed).shuffle(free)
+    page_table = torch.zeros(len(totals), max(pages_needed) + 1, dtype=torch.int32)
+    dense_k, dense_v, positions = [], [], []
+    for r, (total, need) in enumerate(zip(totals, pages_needed)):
+        page_table[r, :need] = torch.tensor([free.pop() for _ in range(need)], dtype=torch.int32)
+        k = torch.randn(total, kv_heads, head_dim, generator=g).to(dtype)
+        v = torch.randn(total, kv_heads, head_dim, generator=g).to(dtype)
+        pos = torch.arange(total)
+        rows = page_table[r, pos // page_size].long() * page_size + pos % page_size
+        write_kv(k_cache, v_cache, rows, k, v)
+        dense_k.append(k)
+        dense_v.append(v)
+        positions.append(torch.arange(context_lens[r], total))
+    q = torch.randn(sum(query_lens), heads, head_dim, generator=g).to(dtype)
+    query_start = torch.zeros(len(totals) + 1, dtype=torch.int32)
+    query_start[1:] = torch.tensor(query_lens).cumsum(0)
+    return q, k_cache, v_cache, page_table, query_start, torch.cat(positions), dense_k, dense_v
+
+
+CASES = [
+    # page_size, heads, kv_heads, head_dim, query_lens, context_lens
+    (16, 4, 2, 16, [1, 1, 1], [5, 0, 40]),  # decode
+    (1, 4, 4, 16, [7, 1], [0, 9]),  # page size 1, prefill + decode mixed
+    (4, 8, 2, 24, [5, 3, 1, 6], [3, 0, 13, 8]),  # head_dim not a power of two, chunk after context
+    (16, 2, 1, 8, [33], [20]),  # long chunk across pages, MQA
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_reference_matches_dense_causal_attention(case):
+    page_size, heads, kv_heads, head_dim, qlens, clens = case
+    q, kc, vc, pt, qs, pos, dense_k, dense_v = _scenario(0, page_size, heads, kv_heads, head_dim, qlens, clens)
+    out = paged_attention_reference(q, kc, vc, pt, qlens, clens, head_dim**-0.5)
+    for r, (qlen, ctx) in enumerate(zip(qlens, clens)):
+        qr = q[qs[r] : qs[r + 1]].transpose(0, 1)  # [heads, q, d]
+        k = dense_k[r].repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+        v = dense_v[r].repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+        mask = torch.ones(qlen, ctx + qlen, dtype=torch.bool).tril(diagonal=ctx)
+        expected = torch.nn.functional.scaled_dot_product_attention(qr, k, v, attn_mask=mask).transpose(0, 1)
+        torch.testing.assert_close(out[qs[r] : qs[r + 1]], expected, rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(out).all(), "poisoned pages outside the requests leaked into the output"
+
+
+def test_gather_reads_only_the_requests_pages():
+    cache = torch.arange(5 * 2 * 1 * 1, dtype=torch.float32).reshape(5, 2, 1, 1)
+    got = gather_request_kv(cache, torch.tensor([3, 1, 0], dtype=torch.int32), 3)
+    assert got.flatten().tolist() == [6.0, 7.0, 2.0]
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_kernel_matches_reference(case, dtype):
+    page_size, heads, kv_heads, head_dim, qlens, clens = case
+    q, kc, vc, pt, qs, pos, _, _ = _scenario(1, page_size, heads, kv_heads, head_dim, qlens, clens, dtype)
+    expected = paged_attention_reference(q, kc, vc, pt, qlens, clens, head_dim**-0.5)
+    out = torch.full_like(q, float("nan"))  # every element must be written by the kernel
+    with interpreted("kernels/paged_attention_triton.py") as triton_mod:
+        triton_mod.paged_attention_triton(q, kc, vc, pt, qs, pos, head_dim**-0.5, out=out, block_n=8)
+    assert torch.isfinite(out).all()
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: both round the same fp32 result once
+    torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol)
+
+
+def test_triton_token_requests_follow_query_start():
+    qs = torch.tensor([0, 2, 3, 3, 7], dtype=torch.int32)
+    with interpreted("kernels/paged_attention_triton.py") as triton_mod:
+        assert triton_mod.token_requests(qs, 7).tolist() == [0, 0, 1, 3, 3, 3, 3]
