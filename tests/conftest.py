@@ -3,9 +3,17 @@ and every end-to-end test's model, generated (not downloaded) so the suite runs 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without CUDA, Triton can only interpret. Triton fixes part of that choice when it is first
+# imported (transformers imports it early), so the interpreted kernel tests would depend on
+# whether an earlier test imported transformers. Decide it once, before anything imports triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TINY_ARCHS = ("qwen3_moe", "qwen3_5_moe")
 
