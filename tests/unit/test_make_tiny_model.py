@@ -63,3 +63,11 @@ def test_transformers_loads_and_generates(tiny_model):
 def test_unknown_arch_is_rejected(tmp_path):
     with pytest.raises(ValueError, match="--arch"):
         make_tiny_model(tmp_path / "x", "llama")
+
+
+def test_cli_writes_the_same_checkpoint(tiny_models, tmp_path, capsys):
+    from services.cli import main
+
+    assert main(["make-tiny-model", str(tmp_path / "cli"), "--arch", "qwen3_moe", "--seed", "0"]) == 0
+    assert "wrote a tiny qwen3_moe checkpoint" in capsys.readouterr().out
+    assert (tmp_path / "cli" / "model.safetensors").read_bytes() == (tiny_models["qwen3_moe"] / "model.safetensors").read_bytes()
