@@ -133,7 +133,7 @@ class Sampler:
 
 
 def check_sampling_params(p: SamplingParams) -> None:
-    """Values the sampling arithmetic has no meaning for; the api rejects them first, with the same words."""
+    """Values the sampling arithmetic has no meaning for (the api should reject them before they get here)."""
     problems = []
     if not p.temperature >= 0:
         problems.append(f"temperature must be >= 0, got {p.temperature}")
