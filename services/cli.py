@@ -11,6 +11,8 @@ from shared.errors import FerryError
 # subcommand -> (module with add_arguments(parser) and run(args) -> int, help)
 COMMANDS = {
     "plan": ("services.plan_command", "print the worker's memory plan for a model and a device budget"),
+    "generate": ("services.generate_command", "generate from one prompt offline, through the worker's boot and executor"),
+    "make-tiny-model": ("services.make_tiny_model", "write the tiny random-weight demo checkpoint (also the tests' model)"),
 }
 
 

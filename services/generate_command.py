@@ -1,0 +1,170 @@
+"""`ferry generate`: offline generation for one prompt, in one process, through the worker's own
+boot and step executor — the same code a served request runs, with a minimal scheduler loop
+(one request: pages handed out in order, linear-state slot 1, prompt prefilled in chunks of at
+most --max-prefill-tokens, then one decode step per token)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from shared.errors import ConfigError
+from shared.sampling import SamplingParams
+from shared.step import NewRequest, StepBatch
+
+REQ_ID = 1
+STATE_SLOT = 1  # slot 0 is the padding slot
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from services.worker.boot import add_boot_arguments
+
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text (tokenized as is, no chat template)")
+    prompt.add_argument("--prompt-ids", help="prompt token ids, comma-separated: 1,2,3")
+    parser.add_argument("--max-tokens", type=int, default=16, help="tokens to generate at most (default 16)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0, help="0 disables")
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--presence-penalty", type=float, default=0.0)
+    parser.add_argument("--frequency-penalty", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
+    parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    parser.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
+    add_boot_arguments(parser)
+
+
+def _eos_ids(model_dir: Path, spec) -> set[int]:
+    ids = set(spec.eos_token_ids)
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return ids
+
+
+def _load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    if not ((model_dir / "tokenizer.json").is_file() or (model_dir / "tokenizer_config.json").is_file()):
+        return None
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def _prompt_ids(args, tokenizer, vocab_size: int) -> list[int]:
+    if args.prompt_ids is not None:
+        try:
+            ids = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
+        except ValueError as exc:
+            raise ConfigError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from exc
+    else:
+        if tokenizer is None:
+            raise ConfigError("the model has no tokenizer files: give --prompt-ids instead of --prompt")
+        ids = tokenizer(args.prompt, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise ConfigError("the prompt is empty")
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise ConfigError(f"--prompt-ids {bad[:5]} are outside the vocabulary (0..{vocab_size - 1})")
+    return ids
+
+
+class OneRequestScheduler:
+    """Hands out KV pages to one request in order and builds its steps (page 0 is the sentinel)."""
+
+    def __init__(self, page_size: int, pages: int, max_step_tokens: int):
+        self.page_size, self.pages, self.max_step_tokens = page_size, pages, max_step_tokens
+        self.step_id = 0
+
+    def capacity(self) -> int:
+        return self.pages * self.page_size
+
+    def step(self, tokens: list[int], context: int, sample: bool, new: list[NewRequest]) -> StepBatch:
+        end = context + len(tokens)
+        pages_needed = -(-end // self.page_size)
+        self.step_id += 1
+        return StepBatch(
+            step_id=self.step_id,
+            req_ids=np.array([REQ_ID], dtype=np.int64),
+            tokens=np.array(tokens, dtype=np.int32),
+            query_lens=np.array([len(tokens)], dtype=np.int32),
+            context_lens=np.array([context], dtype=np.int32),
+            page_table=np.arange(1, pages_needed + 1, dtype=np.int32)[None, :],
+            state_slots=np.array([STATE_SLOT], dtype=np.int32),
+            reset_state=np.array([context == 0]),
+            sample=np.array([sample]),
+            new_requests=new,
+        )
+
+
+def generate(executor, prompt_ids: list[int], params: SamplingParams,
+             eos_ids: set[int]) -> tuple[list[int], list[float], str]:  # fmt: skip
+    """Run the request to completion; (generated token ids, their logprobs, finish reason: stop | length)."""
+    plan = executor.plan
+    scheduler = OneRequestScheduler(plan.kv.page_size, plan.kv.pages, plan.max_prefill_tokens)
+    limit = min(plan.max_model_len, scheduler.capacity())
+    if len(prompt_ids) >= limit:
+        raise ConfigError(f"the prompt has {len(prompt_ids)} tokens; this plan holds at most {limit - 1} "
+                          "(raise --max-model-len or the KV pool)")  # fmt: skip
+    new = [NewRequest(REQ_ID, np.array(prompt_ids, dtype=np.int32), params)]
+    context, output, logprobs = 0, [], []
+    chunk = plan.max_prefill_tokens
+    while context < len(prompt_ids):  # prefill, in chunks
+        part = prompt_ids[context : context + chunk]
+        last = context + len(part) == len(prompt_ids)
+        result = executor.execute(scheduler.step(part, context, last, new))
+        new, context = [], context + len(part)
+    while True:
+        token = int(result.token_ids[0])
+        output.append(token)
+        logprobs.append(float(result.logprobs[0]))
+        if token in eos_ids and not params.ignore_eos or token in params.stop_token_ids:
+            reason = "stop"
+            break
+        if len(output) >= params.max_tokens or context + 1 >= limit:
+            reason = "length"
+            break
+        result = executor.execute(scheduler.step([token], context, True, []))
+        context += 1
+    executor.execute(StepBatch(scheduler.step_id + 1, *_empty_step(), finished_req_ids=[REQ_ID]))
+    return output, logprobs, reason
+
+
+def _empty_step():
+    return (np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32),
+            np.zeros((0, 1), np.int32), np.zeros(0, np.int32), np.zeros(0, bool), np.zeros(0, bool))  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    from services.worker.boot import boot_worker
+    from services.worker.model_source import resolve_model_dir
+
+    if args.max_tokens < 1:
+        raise ConfigError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    # the boot's log lines (the plan, the CPU budget's origin) go to stderr; stdout stays the result
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s", stream=sys.stderr)
+    executor, plan = boot_worker(args)
+    model_dir = resolve_model_dir(args.model, args.revision)
+    tokenizer = _load_tokenizer(model_dir)
+    prompt_ids = _prompt_ids(args, tokenizer, executor.spec.vocab_size)
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed,
+        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
+    )  # fmt: skip
+    token_ids, logprobs, reason = generate(executor, prompt_ids, params, _eos_ids(model_dir, executor.spec))
+    text = tokenizer.decode(token_ids, skip_special_tokens=True) if tokenizer is not None else None
+    if args.json:
+        out = {"prompt_token_ids": prompt_ids, "token_ids": token_ids, "logprobs": logprobs, "text": text,
+               "finish_reason": reason, "plan": plan.to_dict()}  # fmt: skip
+        sys.stdout.write(json.dumps(out) + "\n")
+    else:
+        print(text if text is not None else ",".join(map(str, token_ids)))
+    return 0

@@ -1,0 +1,76 @@
+"""`--load-format dummy`: deterministic weights of the right shapes, made from config.json alone.
+
+For benchmarks of big shapes without downloads: every tensor is generated directly on the
+target device in the run dtype (no host round trip: a 30B model's dummy weights take seconds on
+a GPU), from a generator seeded by the tensor's name, so a tensor's values do not depend on
+which other tensors exist or on the order they are made in.
+
+Scales are chosen so a forward stays finite and the router sees distinct experts: linear
+weights ~ N(0, 0.02) as in the architectures' own init; RMSNorm weights at the architecture's
+identity (ones, or zeros where the norm computes x * (1 + w)); Gated DeltaNet decay terms like
+the reference init (A = exp(A_log) in [1, 16], dt_bias = 1); biases zero."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+
+import torch
+
+from shared.model_config import HYBRID_ARCHITECTURES, ModelSpec
+from services.worker.costs import resident_weight_shapes
+
+LINEAR_STD = 0.02
+
+
+def routed_expert_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Every routed expert's weights under the per-expert checkpoint names transformers writes."""
+    h, i = spec.hidden_size, spec.moe_intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {}
+    for layer in spec.moe_layer_indices:
+        for e in range(spec.num_experts):
+            p = f"model.layers.{layer}.mlp.experts.{e}."
+            shapes[p + "gate_proj.weight"] = (i, h)
+            shapes[p + "up_proj.weight"] = (i, h)
+            shapes[p + "down_proj.weight"] = (h, i)
+    return shapes
+
+
+def name_seed(name: str, seed: int) -> int:
+    """A 63-bit seed from the tensor's name and the run's seed (stable across processes and machines)."""
+    digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def _zero_centered_norms(spec: ModelSpec) -> bool:
+    # Qwen3-Next and Qwen3.5 RMSNorms compute x * (1 + w): their identity weight is zero.
+    return spec.arch in HYBRID_ARCHITECTURES
+
+
+def dummy_tensor(spec: ModelSpec, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+                 device: torch.device, seed: int = 0) -> torch.Tensor:  # fmt: skip
+    leaf = name.rsplit(".", 1)[-1]
+    if name.endswith("A_log"):
+        g = torch.Generator(device=device).manual_seed(name_seed(name, seed))
+        a = torch.empty(shape, dtype=torch.float32, device=device).uniform_(1.0, 16.0, generator=g)
+        return a.log_().to(dtype)
+    if name.endswith("dt_bias"):
+        return torch.ones(shape, dtype=dtype, device=device)
+    if leaf == "bias":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+        gated = ".linear_attn.norm." in name  # the gated norm multiplies by w itself
+        if _zero_centered_norms(spec) and not gated:
+            return torch.zeros(shape, dtype=dtype, device=device)
+        return torch.ones(shape, dtype=dtype, device=device)
+    g = torch.Generator(device=device).manual_seed(name_seed(name, seed))
+    return torch.randn(shape, dtype=dtype, device=device, generator=g).mul_(LINEAR_STD)
+
+
+def iter_dummy_tensors(spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, routed_experts: bool,
+                       seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+    """The resident tensors (routed_experts=False) or the routed experts (True), like the checkpoint passes."""
+    device = torch.device(device)
+    shapes = routed_expert_shapes(spec) if routed_experts else resident_weight_shapes(spec)
+    for name, shape in shapes.items():
+        yield name, dummy_tensor(spec, name, shape, dtype, device, seed)

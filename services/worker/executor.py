@@ -1,0 +1,79 @@
+"""One scheduler step on the worker: forget, register, forward, sample (shared/step.py's contract)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from shared.errors import FerryError
+from shared.model_config import ModelSpec
+from shared.step import StepBatch, StepOutput
+from services.worker.forward_batch import ForwardBatch
+from services.worker.planner import Plan
+from services.worker.pools import Pools
+from services.worker.sampler import Sampler
+
+
+class StepBatchError(FerryError):
+    """A StepBatch breaks the plan's limits or the contract's shapes: a scheduler bug, never a user's."""
+
+
+class StepExecutor:
+    def __init__(self, model, pools: Pools, spec: ModelSpec, plan: Plan, device: torch.device | str,
+                 sampler_seed: int | None = None):  # fmt: skip
+        self.model = model
+        self.pools = pools
+        self.spec = spec
+        self.plan = plan
+        self.device = torch.device(device)
+        self.sampler = Sampler(spec.vocab_size, self.device, seed=sampler_seed)
+
+    def execute(self, batch: StepBatch) -> StepOutput:
+        for req_id in batch.finished_req_ids:
+            self.sampler.remove_request(int(req_id))
+        for new in batch.new_requests:
+            self.sampler.add_request(new)
+        sample_mask = batch.sample.astype(bool)
+        sampled_ids = np.asarray(batch.req_ids, dtype=np.int64)[sample_mask]
+        if len(batch.req_ids) == 0:
+            return StepOutput(batch.step_id, sampled_ids, np.zeros(0, np.int32), np.zeros(0, np.float32))
+        self._check(batch)
+        forward_batch = ForwardBatch.from_step(batch, self.plan.kv.page_size, self.device)
+        with torch.inference_mode():
+            logits = self.model(forward_batch, self.pools)
+            tokens, logprobs = self.sampler.sample(sampled_ids.tolist(), logits)
+        return StepOutput(
+            step_id=batch.step_id,
+            req_ids=sampled_ids,
+            token_ids=tokens.to("cpu", torch.int32).numpy(),
+            logprobs=logprobs.to("cpu", torch.float32).numpy(),
+        )
+
+    def _check(self, batch: StepBatch) -> None:
+        """Cheap host-side checks: an out-of-range page or slot would corrupt another request's state."""
+        r, t = len(batch.req_ids), len(batch.tokens)
+        q = batch.query_lens
+        problems = []
+        if int(q.sum()) != t or (q < 1).any():
+            problems.append(f"query_lens {q.tolist()} do not split {t} tokens into non-empty chunks")
+        if t > self.plan.max_prefill_tokens:
+            problems.append(f"{t} tokens exceed max_prefill_tokens {self.plan.max_prefill_tokens}")
+        if r > self.plan.max_running_requests:
+            problems.append(f"{r} requests exceed max_running_requests {self.plan.max_running_requests}")
+        for name in ("context_lens", "state_slots", "reset_state", "sample"):
+            if len(getattr(batch, name)) != r:
+                problems.append(f"{name} has {len(getattr(batch, name))} entries for {r} requests")
+        if batch.page_table.ndim != 2 or batch.page_table.shape[0] != r:
+            problems.append(f"page_table has shape {batch.page_table.shape}, expected ({r}, max_pages)")
+        elif batch.page_table.size and (batch.page_table.min() < 0 or batch.page_table.max() > self.plan.kv.pages):
+            problems.append(f"page ids must be in 0..{self.plan.kv.pages}")
+        else:
+            needed = -(-(batch.context_lens.astype(np.int64) + q) // self.plan.kv.page_size)
+            if (needed > batch.page_table.shape[1]).any():
+                problems.append("a request's tokens run past the pages in its page_table row")
+        if self.spec.linear_attention_layers and len(batch.state_slots) == r and (
+            (batch.state_slots < 0).any() or (batch.state_slots > self.plan.linear_state.slots).any()
+        ):
+            problems.append(f"state slots must be in 0..{self.plan.linear_state.slots}")
+        if problems:
+            raise StepBatchError(f"step {batch.step_id}: " + "; ".join(problems))

@@ -1,0 +1,65 @@
+"""Model loading: find the model's files, read its config, and stream its weights in two passes.
+
+`open_model(--model, --load-format)` resolves the source once; `resident_weights` and
+`routed_expert_weights` then yield (checkpoint name, tensor) pairs for the model's
+`load_weights`, either read from safetensors or fabricated (`--load-format dummy`). The boot
+sequence calls the resident pass before planning and the expert pass after the expert pool
+is allocated (DESIGN §2 rule 3)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from shared.errors import ConfigError, ModelLoadError
+from shared.model_config import ModelSpec, load_model_config
+from services.worker.checkpoint import checkpoint_files, iter_checkpoint_tensors, resident_tensor, routed_expert_tensor
+from services.worker.dummy_weights import iter_dummy_tensors
+from services.worker.model_source import resolve_model_dir
+
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """A resolved model: its directory, its architecture, and how its weights will be produced."""
+
+    model_dir: Path
+    spec: ModelSpec
+    load_format: str  # safetensors | dummy (auto resolved)
+
+    def has_tokenizer(self) -> bool:
+        return (self.model_dir / "tokenizer.json").is_file() or (self.model_dir / "tokenizer_config.json").is_file()
+
+
+def open_model(model: str, load_format: str = "auto", revision: str | None = None) -> ModelFiles:
+    if load_format not in LOAD_FORMATS:
+        raise ConfigError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
+    model_dir = resolve_model_dir(model, revision)
+    spec = load_model_config(model_dir)
+    if load_format == "dummy":
+        return ModelFiles(model_dir, spec, "dummy")
+    try:
+        checkpoint_files(model_dir)
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"--model {model}: {exc}") from exc
+    return ModelFiles(model_dir, spec, "safetensors")
+
+
+def resident_weights(files: ModelFiles, dtype: torch.dtype, device: torch.device | str,
+                     progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+    """Everything that stays on the GPU: embeddings, attention, norms, routers, shared experts, lm_head."""
+    if files.load_format == "dummy":
+        return iter_dummy_tensors(files.spec, dtype, device, routed_experts=False)
+    return iter_checkpoint_tensors(files.model_dir, resident_tensor, "loading weights", progress)
+
+
+def routed_expert_weights(files: ModelFiles, dtype: torch.dtype, device: torch.device | str,
+                          progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+    """Every routed expert's tensors, for the expert store (slots, or host banks when offloading)."""
+    if files.load_format == "dummy":
+        return iter_dummy_tensors(files.spec, dtype, device, routed_experts=True)
+    return iter_checkpoint_tensors(files.model_dir, routed_expert_tensor, "loading experts", progress)

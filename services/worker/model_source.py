@@ -1,0 +1,62 @@
+"""Where a model's files are: a local Hugging Face directory, or a hub id found in the local hub cache.
+
+Ferry never downloads at boot (workers often run without network, and a 60 GB surprise download
+is not a boot step): a hub id must already be in huggingface_hub's cache, e.g. from
+`huggingface-cli download ORG/NAME`. The cache location follows huggingface_hub's own variables
+(HF_HUB_CACHE, then HF_HOME/hub), read when we resolve, not when the library was imported."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from shared.errors import ModelLoadError
+
+
+def hub_cache_dir() -> Path | None:
+    """The hub cache huggingface_hub would use now; None leaves it to the library's default."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.path.expanduser(os.environ["HF_HUB_CACHE"]))
+    if os.environ.get("HF_HOME"):
+        return Path(os.path.expanduser(os.environ["HF_HOME"])) / "hub"
+    return None
+
+
+def _looks_like_hub_id(model: str) -> bool:
+    parts = model.split("/")
+    return len(parts) == 2 and all(parts) and not model.startswith((".", "~"))
+
+
+def resolve_model_dir(model: str, revision: str | None = None) -> Path:
+    """The directory holding config.json (and weights, tokenizer) for `--model`."""
+    path = Path(os.path.expanduser(model))
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"--model {model}: the directory has no config.json (is it a Hugging Face model?)")
+        return path
+    if path.exists():
+        raise ModelLoadError(f"--model {model}: not a directory; give a model directory or a hub id ORG/NAME")
+    if not _looks_like_hub_id(model):
+        raise ModelLoadError(f"--model {model}: no such directory, and not a hub id of the form ORG/NAME")
+    return _from_hub_cache(model, revision)
+
+
+def _from_hub_cache(repo_id: str, revision: str | None) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    cache = hub_cache_dir()
+    try:
+        snapshot = Path(
+            snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=True)
+        )
+    except (LocalEntryNotFoundError, FileNotFoundError, OSError) as exc:
+        where = cache if cache is not None else "the default hub cache (~/.cache/huggingface/hub)"
+        raise ModelLoadError(
+            f"--model {repo_id}: not a local directory and not in the Hugging Face cache at {where}. "
+            f"Ferry does not download at boot: run `huggingface-cli download {repo_id}` first (HF_HUB_CACHE "
+            "picks the cache), or pass --model a local directory"
+        ) from exc
+    if not (snapshot / "config.json").is_file():
+        raise ModelLoadError(f"--model {repo_id}: the cached snapshot {snapshot} has no config.json")
+    return snapshot

@@ -1,0 +1,200 @@
+"""Next-token sampling for a batch of requests, each with its own parameters and history.
+
+Per-request state lives from the request's `NewRequest` until its id appears in
+`finished_req_ids`. Each step's sampling is vectorised over the rows that sample:
+
+  logits -> repetition penalty (prompt + output tokens; transformers/vLLM semantics)
+         -> presence and frequency penalties (output tokens; OpenAI semantics)
+         -> greedy rows: argmax
+         -> other rows: / temperature -> top-k -> top-p -> min-p -> draw
+
+Draws use the exponential race (argmax p / q with q ~ Exp(1)), so a seeded request draws
+its noise from its own torch.Generator and its tokens do not depend on what it is batched
+with. The logprob returned is that of the chosen token under the distribution it was drawn
+from: after penalties, temperature and filters for sampled rows, after penalties (at
+temperature 1) for greedy rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from shared.errors import ConfigError
+from shared.sampling import SamplingParams
+from shared.step import NewRequest
+
+
+@dataclass
+class RequestSamplingState:
+    """What one request's sampling remembers. Penalty tables exist only for requests that use
+    penalties, and are updated by one element per token, so a step's cost does not grow with
+    the length of a request's output."""
+
+    params: SamplingParams
+    generator: torch.Generator | None = None  # only for requests with a seed
+    output_token_ids: list[int] = field(default_factory=list)
+    output_counts: torch.Tensor | None = None  # float32 [V]: presence/frequency/repetition penalties
+    seen: torch.Tensor | None = None  # bool [V], prompt and output tokens: repetition penalty
+
+    @classmethod
+    def create(cls, new: NewRequest, vocab_size: int, device: torch.device) -> "RequestSamplingState":
+        p = new.sampling
+        generator = None
+        if p.seed is not None:
+            generator = torch.Generator(device=device).manual_seed(int(p.seed) & (2**63 - 1))
+        state = cls(p, generator)
+        if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+            state.output_counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+        if p.repetition_penalty != 1.0:
+            prompt = torch.as_tensor(new.prompt_token_ids, dtype=torch.int64).to(device)
+            state.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            state.seen[prompt[(prompt >= 0) & (prompt < vocab_size)]] = True
+        return state
+
+    def record(self, token: int) -> None:
+        self.output_token_ids.append(token)
+        if self.output_counts is not None:
+            self.output_counts[token] += 1
+        if self.seen is not None:
+            self.seen[token] = True
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, device: torch.device | str, seed: int | None = None):
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self.requests: dict[int, RequestSamplingState] = {}
+        # Noise for unseeded requests: one generator for the whole worker.
+        self._generator = torch.Generator(device=self.device)
+        if seed is None:
+            self._generator.seed()
+        else:
+            self._generator.manual_seed(seed)
+
+    # ---- request lifetime ------------------------------------------------------------
+    def add_request(self, new: NewRequest) -> None:
+        """Register a request (replacing any earlier state under the same id)."""
+        check_sampling_params(new.sampling)
+        self.requests[new.req_id] = RequestSamplingState.create(new, self.vocab_size, self.device)
+
+    def remove_request(self, req_id: int) -> None:
+        self.requests.pop(req_id, None)
+
+    # ---- one step ----------------------------------------------------------------------
+    @torch.no_grad()
+    def sample(self, req_ids: Sequence[int], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample one token per row of `logits` ([S, V], row i belongs to req_ids[i]); record it.
+
+        Returns (token ids int64 [S], logprobs float32 [S]) on the sampling device."""
+        if logits.shape[0] != len(req_ids):
+            raise ValueError(f"{logits.shape[0]} logits rows for {len(req_ids)} requests")
+        try:
+            states = [self.requests[int(r)] for r in req_ids]
+        except KeyError as exc:
+            raise KeyError(f"request {exc.args[0]} was never registered with the sampler (no NewRequest)") from None
+        logits = logits.to(device=self.device, dtype=torch.float32)
+        if not states:
+            empty = torch.empty(0, device=self.device)
+            return empty.long(), empty
+        logits = apply_penalties(logits, states, self.vocab_size)
+        tokens, logprobs = self._choose(logits, states)
+        for state, token in zip(states, tokens.tolist()):
+            state.record(token)
+        return tokens, logprobs
+
+    def _choose(self, logits: torch.Tensor, states: list[RequestSamplingState]) -> tuple[torch.Tensor, torch.Tensor]:
+        params = [s.params for s in states]
+        greedy = torch.tensor([p.greedy for p in params], device=self.device)
+        tokens = logits.argmax(dim=-1)
+        logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+        if bool(greedy.all()):
+            return tokens, logprobs
+        rows = (~greedy).nonzero().squeeze(1)
+        sub_params = [params[i] for i in rows.tolist()]
+        temperature = torch.tensor([p.temperature for p in sub_params], device=self.device)
+        filtered = filter_logits(logits[rows] / temperature[:, None], sub_params)
+        probs = torch.softmax(filtered, dim=-1)
+        noise = self._exponential_noise(probs, [states[i] for i in rows.tolist()])
+        drawn = (probs / noise).argmax(dim=-1)
+        tokens[rows] = drawn
+        logprobs[rows] = torch.log_softmax(filtered, dim=-1).gather(1, drawn[:, None]).squeeze(1)
+        return tokens, logprobs
+
+    def _exponential_noise(self, probs: torch.Tensor, states: list[RequestSamplingState]) -> torch.Tensor:
+        noise = torch.empty_like(probs).exponential_(generator=self._generator)
+        for i, state in enumerate(states):
+            if state.generator is not None:
+                noise[i].exponential_(generator=state.generator)
+        # An exact 0 draw would turn a masked token's 0/0 into NaN, which argmax picks.
+        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+
+def check_sampling_params(p: SamplingParams) -> None:
+    """Values the sampling arithmetic has no meaning for (the api should reject them before they get here)."""
+    problems = []
+    if not p.temperature >= 0:
+        problems.append(f"temperature must be >= 0, got {p.temperature}")
+    if not 0 < p.top_p <= 1:
+        problems.append(f"top_p must be in (0, 1], got {p.top_p}")
+    if not 0 <= p.min_p <= 1:
+        problems.append(f"min_p must be in [0, 1], got {p.min_p}")
+    if p.top_k < -1:
+        problems.append(f"top_k must be -1, 0 (disabled) or positive, got {p.top_k}")
+    if not p.repetition_penalty > 0:
+        problems.append(f"repetition_penalty must be > 0, got {p.repetition_penalty}")
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+def apply_penalties(logits: torch.Tensor, states: list[RequestSamplingState], vocab_size: int) -> torch.Tensor:
+    """Repetition (over prompt + output), then presence and frequency (over output) penalties."""
+    params = [s.params for s in states]
+    needs_repetition = any(p.repetition_penalty != 1.0 for p in params)
+    needs_openai = any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params)
+    if not (needs_repetition or needs_openai):
+        return logits
+    device = logits.device
+    logits = logits.clone()
+    if needs_repetition:
+        unseen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        seen = torch.stack([s.seen if s.seen is not None else unseen for s in states])
+        penalty = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
+        penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen, penalised, logits)
+    if needs_openai:
+        none = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+        counts = torch.stack([s.output_counts if s.output_counts is not None else none for s in states])
+        presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
+        frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
+        logits = logits - frequency * counts - presence * (counts > 0).float()
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Top-k, then top-p, then min-p, as -inf masks over temperature-scaled logits [S, V].
+
+    Each filter keeps at least the most likely token. Top-p keeps the smallest prefix of the
+    sorted distribution (after top-k) whose mass reaches p; min-p keeps tokens whose probability
+    is at least min_p times the most likely token's."""
+    vocab = logits.shape[-1]
+    device = logits.device
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+    if bool((top_k < vocab).any()) or bool((top_p < 1.0).any()):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        rank = torch.arange(vocab, device=device)[None, :]
+        sorted_logits = sorted_logits.masked_fill(rank >= top_k[:, None], float("-inf"))
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop = (mass_before >= top_p[:, None]) & (rank > 0)
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+    if bool((min_p > 0).any()):
+        probs = torch.softmax(logits, dim=-1)
+        threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits

@@ -1,0 +1,111 @@
+"""The activation workspace: measured by running the largest step once (DESIGN §2 rule 3).
+
+The largest step is `max_prefill_tokens` new tokens spread over as many requests as may run
+together, every one of them sampling: one long prefill chunk carries most tokens (the widest
+activations), the other requests one token each (the most logits rows). It runs on a temporary
+minimal pool set — just enough KV pages and state slots for itself, one MoE layer's expert
+slots shared by every layer — that is freed before the real pools are planned.
+
+On CUDA the peak allocation above the baseline is the workspace. Attention over long contexts
+is not in this step (its requests have no cached context), so the bytes of one layer's K/V
+context gathered at max_model_len are added from the estimate. On CPU there is no allocator to
+measure: the worker uses the estimate of `costs.py`."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from shared.model_config import DTYPE_BYTES, ModelSpec
+from shared.sampling import SamplingParams
+from shared.step import NewRequest, StepBatch
+from services.worker import pool_layout as L
+from services.worker.forward_batch import ForwardBatch
+from services.worker.late_bound_experts import LateBoundExperts, SharedLayerExperts
+from services.worker.planner import Resolved
+from services.worker.pools import ExpertSlotPool, KVPool, LinearStatePool, Pools, allocate_pool
+from services.worker.sampler import Sampler
+
+# The sampling path with the most workspace: a full-vocabulary sort for top-k/top-p, and min-p.
+PROFILE_SAMPLING = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.01, repetition_penalty=1.1)
+
+
+def largest_step(r: Resolved) -> StepBatch:
+    requests = max(1, min(r.max_running_requests, r.max_prefill_tokens))
+    query_lens = np.ones(requests, dtype=np.int32)
+    query_lens[0] = r.max_prefill_tokens - (requests - 1)
+    pages_per_request = -(-query_lens.astype(np.int64) // r.page_size)
+    page_table = np.zeros((requests, int(pages_per_request.max())), dtype=np.int32)
+    next_page = 1  # page 0 is the sentinel
+    for i, n in enumerate(pages_per_request):
+        page_table[i, :n] = np.arange(next_page, next_page + n)
+        next_page += int(n)
+    rng = np.random.default_rng(0)
+    return StepBatch(
+        step_id=0,
+        req_ids=np.arange(requests, dtype=np.int64),
+        tokens=rng.integers(0, 1000, size=int(query_lens.sum()), dtype=np.int32),
+        query_lens=query_lens,
+        context_lens=np.zeros(requests, dtype=np.int32),
+        page_table=page_table,
+        state_slots=np.arange(1, requests + 1, dtype=np.int32),
+        reset_state=np.ones(requests, dtype=bool),
+        sample=np.ones(requests, dtype=bool),
+    )
+
+
+def temporary_pools(spec: ModelSpec, r: Resolved, step: StepBatch, device: torch.device) -> Pools:
+    pages = int(step.page_table.max())
+    kv = KVPool(allocate_pool(L.kv_pool_layout(spec, r.dtype, pages, r.page_size), device),
+                spec.full_attention_layers, r.page_size)  # fmt: skip
+    linear_layout = L.linear_state_layout(spec, r.dtype, len(step.req_ids))
+    linear = LinearStatePool(allocate_pool(linear_layout, device), spec.linear_attention_layers) if linear_layout.tensors else None
+    experts = ExpertSlotPool(allocate_pool(L.expert_slot_layout(spec, r.dtype, spec.num_experts), device))
+    return Pools(kv, linear, experts)
+
+
+def _prepare(experts: LateBoundExperts, spec: ModelSpec, r: Resolved, device: torch.device):
+    step = largest_step(r)
+    step.tokens %= spec.vocab_size
+    pools = temporary_pools(spec, r, step, device)
+    experts.bind(SharedLayerExperts(pools.experts, spec.num_experts))
+    sampler = Sampler(spec.vocab_size, device, seed=0)
+    for rid in step.req_ids.tolist():
+        sampler.add_request(NewRequest(rid, step.tokens[:8], PROFILE_SAMPLING))
+    return step, pools, sampler
+
+
+def _run(model, step: StepBatch, pools: Pools, sampler: Sampler, r: Resolved, device: torch.device) -> torch.Tensor:
+    with torch.inference_mode():
+        batch = ForwardBatch.from_step(step, r.page_size, device)
+        logits = model(batch, pools)
+        tokens, _ = sampler.sample(step.req_ids.tolist(), logits)
+    return tokens
+
+
+def run_largest_step(model, experts: LateBoundExperts, spec: ModelSpec, r: Resolved, device: torch.device) -> torch.Tensor:
+    """Forward and sample the largest step on temporary pools; returns the sampled tokens."""
+    step, pools, sampler = _prepare(experts, spec, r, device)
+    try:
+        return _run(model, step, pools, sampler, r, device)
+    finally:
+        experts.unbind()
+
+
+def profile_workspace_cuda(model, experts: LateBoundExperts, spec: ModelSpec, r: Resolved, device: torch.device) -> int:
+    """Peak bytes the largest step allocates beyond its inputs, plus the long-context gather."""
+    # The temporary pools are part of the baseline, not of the workspace: allocate them first.
+    step, pools, sampler = _prepare(experts, spec, r, device)
+    torch.cuda.synchronize(device)
+    baseline = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    try:
+        _run(model, step, pools, sampler, r, device)
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - baseline
+    finally:
+        experts.unbind()
+        del pools, sampler
+        torch.cuda.empty_cache()
+    gathered_context = 2 * r.max_model_len * spec.num_kv_heads * spec.head_dim * DTYPE_BYTES[r.dtype]
+    return int(peak + gathered_context)

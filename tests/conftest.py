@@ -1,0 +1,33 @@
+"""Suite-wide fixtures. The tiny checkpoints are built once per session: they are the demo model
+and every end-to-end test's model, generated (not downloaded) so the suite runs offline."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+# Without CUDA, Triton can only interpret. Triton fixes part of that choice when it is first
+# imported (transformers imports it early), so the interpreted kernel tests would depend on
+# whether an earlier test imported transformers. Decide it once, before anything imports triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+TINY_ARCHS = ("qwen3_moe", "qwen3_5_moe")
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    """{arch: directory of a tiny random-weight checkpoint (seed 0)} for both architectures."""
+    from services.make_tiny_model import make_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny-models")
+    return {arch: make_tiny_model(root / arch, arch, seed=0) for arch in TINY_ARCHS}
+
+
+@pytest.fixture(params=TINY_ARCHS)
+def tiny_model(request, tiny_models) -> Path:
+    """One tiny checkpoint per architecture (tests using it run once for each)."""
+    return tiny_models[request.param]

@@ -1,0 +1,171 @@
+"""Worker boot (plan order, pools as priced, clear failures) and the step executor on CPU."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import numpy as np
+import pytest
+
+from shared.errors import ConfigError, PlanError
+from shared.sampling import SamplingParams
+from shared.step import NewRequest, StepBatch
+from services.worker import boot as boot_module
+from services.worker.boot import add_boot_arguments, boot_worker
+from services.worker.executor import StepBatchError
+
+
+def boot_args(model_dir, *extra: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_boot_arguments(parser)
+    return parser.parse_args(["--model", str(model_dir), "--device", "cpu", "--max-running-requests", "4",
+                              "--max-prefill-tokens", "64", *extra])  # fmt: skip
+
+
+def test_boot_allocates_exactly_the_plan(tiny_model):
+    executor, plan = boot_worker(boot_args(tiny_model, "--gpu-memory", "64MiB"))
+    pools = executor.pools
+    assert pools.nbytes == plan.kv.bytes + plan.linear_state.bytes + plan.experts.bytes
+    assert plan.total_bytes <= plan.budget_bytes == int(64 * 2**20 * 0.9)
+    params = sum(p.numel() * p.element_size() for p in executor.model.parameters())
+    assert params <= plan.weights_bytes and plan.weights_source == "measured"
+    assert plan.workspace_source == "estimate"  # CPU: no allocator to profile with
+    assert plan.experts.slots == plan.experts.total
+    assert (pools.linear_state is not None) == bool(executor.spec.linear_attention_layers)
+
+
+def test_cpu_default_budget_is_stated(tiny_models, monkeypatch, caplog):
+    monkeypatch.setattr(boot_module, "CPU_DEFAULT_BUDGET", 48 * 2**20)
+    with caplog.at_level(logging.WARNING, logger="ferry.worker"):
+        _, plan = boot_worker(boot_args(tiny_models["qwen3_moe"]))
+    assert "no --gpu-memory on CPU: budget 48.00 MiB" in caplog.text
+    assert plan.budget_bytes == int(48 * 2**20 * 0.9)
+
+
+def test_budget_too_small_fails_in_the_plan(tiny_models):
+    with pytest.raises(PlanError, match="--gpu-memory would have to be at least"):
+        boot_worker(boot_args(tiny_models["qwen3_moe"], "--gpu-memory", "4MiB"))
+
+
+def test_fewer_slots_than_experts_says_offload_is_needed(tiny_models):
+    with pytest.raises(ConfigError, match="expert offload"):
+        boot_worker(boot_args(tiny_models["qwen3_moe"], "--gpu-memory", "64MiB", "--moe-cache-size", "8"))
+
+
+def _step(step_id, reqs, new=(), finished=()):
+    """reqs: list of (req_id, tokens, context_len, first_page, state_slot, sample)."""
+    page_size = 16
+    rows = max(-(-(c + len(t)) // page_size) for _, t, c, _, _, _ in reqs)
+    table = np.zeros((len(reqs), rows), np.int32)
+    for i, (_, t, c, first, _, _) in enumerate(reqs):
+        n = -(-(c + len(t)) // page_size)
+        table[i, :n] = np.arange(first, first + n)
+    return StepBatch(
+        step_id=step_id,
+        req_ids=np.array([r[0] for r in reqs], np.int64),
+        tokens=np.concatenate([np.array(r[1], np.int32) for r in reqs]),
+        query_lens=np.array([len(r[1]) for r in reqs], np.int32),
+        context_lens=np.array([r[2] for r in reqs], np.int32),
+        page_table=table,
+        state_slots=np.array([r[4] for r in reqs], np.int32),
+        reset_state=np.array([r[2] == 0 for r in reqs]),
+        sample=np.array([r[5] for r in reqs]),
+        new_requests=list(new),
+        finished_req_ids=list(finished),
+    )
+
+
+def _decode_alone(executor, req_id, prompt, steps, first_page, slot):
+    greedy = SamplingParams(temperature=0.0)
+    out = executor.execute(_step(1, [(req_id, prompt, 0, first_page, slot, True)],
+                                 new=[NewRequest(req_id, np.array(prompt, np.int32), greedy)]))  # fmt: skip
+    tokens = [int(out.token_ids[0])]
+    for i in range(steps - 1):
+        out = executor.execute(_step(2 + i, [(req_id, [tokens[-1]], len(prompt) + i, first_page, slot, True)]))
+        tokens.append(int(out.token_ids[0]))
+    executor.execute(_step(99, [(req_id, [0], 0, first_page, slot, False)], finished=[req_id]))
+    return tokens
+
+
+def test_batched_requests_match_each_request_alone(tiny_model):
+    executor, _ = boot_worker(boot_args(tiny_model, "--gpu-memory", "64MiB"))
+    a, b = [5, 17, 33, 2, 8, 100, 41, 9, 12, 77, 3, 60, 61, 62, 63, 64, 65, 66], [400, 7, 7]
+    alone_a = _decode_alone(executor, 1, a, 5, first_page=1, slot=1)
+    alone_b = _decode_alone(executor, 2, b, 5, first_page=10, slot=2)
+    greedy = SamplingParams(temperature=0.0)
+    new = [NewRequest(3, np.array(a, np.int32), greedy), NewRequest(4, np.array(b, np.int32), greedy)]
+    # a's prompt in two chunks; b joins in the second step; then both decode together
+    out = executor.execute(_step(1, [(3, a[:10], 0, 20, 3, False), (4, b, 0, 30, 4, True)], new=new))
+    assert out.req_ids.tolist() == [4]
+    got_b = [int(out.token_ids[0])]
+    out = executor.execute(_step(2, [(3, a[10:], 10, 20, 3, True), (4, [got_b[-1]], len(b), 30, 4, True)]))
+    got_a, got_b = [int(out.token_ids[0])], got_b + [int(out.token_ids[1])]
+    for i in range(3):
+        out = executor.execute(_step(3 + i, [(3, [got_a[-1]], len(a) + i, 20, 3, True),
+                                             (4, [got_b[-1]], len(b) + 1 + i, 30, 4, True)]))  # fmt: skip
+        got_a.append(int(out.token_ids[0]))
+        got_b.append(int(out.token_ids[1]))
+    assert got_a == alone_a[:4] and got_b == alone_b[:5]
+    assert np.all(out.logprobs <= 0) and out.token_ids.dtype == np.int32
+
+
+def test_executor_rejects_out_of_plan_steps(tiny_models):
+    executor, plan = boot_worker(boot_args(tiny_models["qwen3_moe"], "--gpu-memory", "64MiB"))
+    new = [NewRequest(1, np.array([1, 2], np.int32), SamplingParams())]
+    bad_page = _step(1, [(1, [1, 2], 0, plan.kv.pages + 5, 1, True)], new=new)
+    with pytest.raises(StepBatchError, match="page ids"):
+        executor.execute(bad_page)
+    too_long = _step(2, [(1, list(range(65)), 0, 1, 1, True)], new=new)
+    with pytest.raises(StepBatchError, match="max_prefill_tokens"):
+        executor.execute(too_long)
+
+
+def test_largest_step_runs_on_temporary_pools(tiny_model):
+    """The profiling step (run on CUDA at boot) is a valid batch for the model."""
+    import torch
+
+    from services.worker.late_bound_experts import LateBoundExperts
+    from services.worker.models import build_model
+    from services.worker.loader import open_model
+    from services.worker.planner import PlanRequest, resolve
+    from services.worker.workspace_profile import largest_step, run_largest_step
+
+    files = open_model(str(tiny_model), load_format="dummy")
+    r = resolve(files.spec, PlanRequest(max_running_requests=5, max_prefill_tokens=40))
+    step = largest_step(r)
+    assert len(step.tokens) == 40 and len(step.req_ids) == 5 and step.sample.all()
+    experts = LateBoundExperts(files.spec.num_experts)
+    model = build_model(files.spec, torch.float32, "cpu", experts)
+    tokens = run_largest_step(model, experts, files.spec, r, torch.device("cpu"))
+    assert tokens.shape == (5,) and bool(((tokens >= 0) & (tokens < files.spec.vocab_size)).all())
+    with pytest.raises(RuntimeError, match="not bound"):
+        experts.forward(0, torch.zeros(1, files.spec.hidden_size), torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2))
+
+
+def test_reserving_more_than_gpu_memory_fails_clearly(monkeypatch):
+    import torch
+
+    from services.worker.boot import MemoryBudgetExceeded, _check_budget
+    from services.worker.planner import PlanRequest
+
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 900)
+    _check_budget(torch.device("cuda"), PlanRequest(gpu_memory=1000), None, earlier_peak=950)
+    with pytest.raises(MemoryBudgetExceeded, match="--gpu-memory"):
+        _check_budget(torch.device("cuda"), PlanRequest(gpu_memory=1000), None, earlier_peak=1001)
+    with pytest.raises(MemoryBudgetExceeded, match="free memory"):
+        _check_budget(torch.device("cuda"), PlanRequest(), 800, earlier_peak=0)
+
+
+def test_device_flag_is_checked():
+    import torch
+
+    from services.worker.boot import resolve_device
+
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(ConfigError, match="--device"):
+        resolve_device("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="no CUDA device"):
+            resolve_device("cuda")

@@ -1,0 +1,164 @@
+"""The sampler: filters never leak, seeds reproduce, penalties follow their formulas exactly."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from shared.sampling import SamplingParams
+from shared.step import NewRequest
+from services.worker.sampler import Sampler, apply_penalties, filter_logits
+
+V = 50
+
+
+def make_sampler(params_by_id: dict[int, SamplingParams], prompts: dict[int, list[int]] | None = None, seed=0):
+    sampler = Sampler(V, "cpu", seed=seed)
+    for rid, params in params_by_id.items():
+        prompt = np.array((prompts or {}).get(rid, [1, 2, 3]), dtype=np.int32)
+        sampler.add_request(NewRequest(rid, prompt, params))
+    return sampler
+
+
+def random_logits(rows: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, V, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_is_argmax_with_its_logprob():
+    logits = random_logits(4)
+    sampler = make_sampler({i: SamplingParams(temperature=0.0) for i in range(4)})
+    tokens, logprobs = sampler.sample([0, 1, 2, 3], logits)
+    assert torch.equal(tokens, logits.argmax(-1))
+    assert torch.allclose(logprobs, torch.log_softmax(logits, -1).gather(1, tokens[:, None]).squeeze(1))
+    assert sampler.requests[2].output_token_ids == [int(tokens[2])]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(top_k=5), SamplingParams(top_p=0.3), SamplingParams(min_p=0.2),
+     SamplingParams(top_k=8, top_p=0.5, min_p=0.05, temperature=0.7)],
+)  # fmt: skip
+def test_filters_never_sample_outside_the_allowed_set(params):
+    logits = random_logits(1, seed=3)
+    allowed = torch.isfinite(filter_logits(logits / params.temperature, [params]))[0]
+    assert 1 <= int(allowed.sum()) < V
+    sampler = make_sampler({0: params})
+    seen = set()
+    for _ in range(400):
+        token, logprob = sampler.sample([0], logits)
+        seen.add(int(token))
+        assert allowed[int(token)] and torch.isfinite(logprob).all()
+    # and it is a real draw over the allowed set, not always the top token
+    assert len(seen) == int(allowed.sum()) or len(seen) >= 3
+
+
+def test_filter_masks_match_transformers_warpers():
+    from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    logits = random_logits(3, seed=7)
+    for warper, params in [
+        (TopKLogitsWarper(7), SamplingParams(top_k=7)),
+        (TopPLogitsWarper(0.6), SamplingParams(top_p=0.6)),
+        (MinPLogitsWarper(0.1), SamplingParams(min_p=0.1)),
+    ]:
+        ours = filter_logits(logits.clone(), [params] * 3)
+        theirs = warper(None, logits.clone())
+        assert torch.equal(torch.isfinite(ours), torch.isfinite(theirs)), warper
+
+
+def test_sampled_frequencies_follow_the_distribution():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2] + [1e-9] * (V - 3)]))
+    sampler = make_sampler({0: SamplingParams(temperature=1.0)}, seed=123)
+    counts = np.bincount([int(sampler.sample([0], logits)[0]) for _ in range(3000)], minlength=V)
+    assert np.allclose(counts[:3] / 3000, [0.5, 0.3, 0.2], atol=0.04)
+
+
+def test_same_seed_same_tokens_whatever_the_batch():
+    logits = random_logits(3, seed=11)
+    a = make_sampler({7: SamplingParams(seed=42)}, seed=1)
+    b = make_sampler({5: SamplingParams(), 7: SamplingParams(seed=42), 9: SamplingParams(seed=3)}, seed=2)
+    tokens_a = [int(a.sample([7], logits[1:2])[0][0]) for _ in range(30)]
+    tokens_b = [int(b.sample([5, 7, 9], logits)[0][1]) for _ in range(30)]
+    assert tokens_a == tokens_b
+    c = make_sampler({7: SamplingParams(seed=43)})
+    assert [int(c.sample([7], logits[1:2])[0][0]) for _ in range(30)] != tokens_a
+
+
+def test_repetition_penalty_matches_transformers():
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    logits = random_logits(1, seed=5)
+    prompt = [1, 4, 9, 4]
+    sampler = make_sampler({0: SamplingParams(temperature=0.0, repetition_penalty=1.7)}, prompts={0: prompt})
+    for token in (12, 30):
+        sampler.requests[0].record(token)
+    ours = apply_penalties(logits, [sampler.requests[0]], V)
+    theirs = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([prompt + [12, 30]]), logits.clone())
+    assert torch.allclose(ours, theirs)
+    assert not torch.equal(ours, logits)
+
+
+def test_presence_and_frequency_penalties_follow_openai_formula():
+    logits = random_logits(2, seed=9)
+    sampler = make_sampler(
+        {0: SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), 1: SamplingParams()},
+        prompts={0: [3, 3, 3], 1: [3]},
+    )
+    for token in (7, 7, 7, 2):
+        sampler.requests[0].record(token)
+    out = apply_penalties(logits, [sampler.requests[0], sampler.requests[1]], V)
+    expected = logits.clone()
+    expected[0, 7] -= 0.5 + 3 * 0.25
+    expected[0, 2] -= 0.5 + 1 * 0.25
+    # prompt tokens (3) are not penalised by presence/frequency; row 1 is untouched
+    assert torch.allclose(out, expected)
+
+
+def test_penalties_steer_greedy_away_from_repeats():
+    logits = torch.zeros(1, V)
+    logits[0, 4], logits[0, 5] = 2.0, 1.5
+    sampler = make_sampler({0: SamplingParams(temperature=0.0, frequency_penalty=1.0)})
+    assert [int(sampler.sample([0], logits)[0]) for _ in range(3)] == [4, 5, 4]
+
+
+def test_finished_requests_are_forgotten():
+    sampler = make_sampler({0: SamplingParams(), 1: SamplingParams()})
+    sampler.remove_request(0)
+    with pytest.raises(KeyError, match="never registered"):
+        sampler.sample([0], random_logits(1))
+    assert sampler.sample([1], random_logits(1))[0].shape == (1,)
+
+
+def test_combined_filters_match_transformers_warpers_in_sequence():
+    from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    logits = random_logits(4, seed=21)
+    params = SamplingParams(top_k=12, top_p=0.7, min_p=0.15)
+    theirs = logits.clone()
+    for warper in (TopKLogitsWarper(12), TopPLogitsWarper(0.7), MinPLogitsWarper(0.15)):
+        theirs = warper(None, theirs)
+    ours = filter_logits(logits.clone(), [params] * 4)
+    assert torch.equal(torch.isfinite(ours), torch.isfinite(theirs))
+    assert torch.equal(ours[torch.isfinite(ours)], logits[torch.isfinite(ours)])
+
+
+def test_rows_mix_greedy_and_sampled_with_their_own_filters():
+    logits = random_logits(3, seed=4)
+    sampler = make_sampler({0: SamplingParams(temperature=0.0), 1: SamplingParams(top_k=1), 2: SamplingParams(top_k=3)})
+    top3 = logits[2].topk(3).indices.tolist()
+    for _ in range(50):
+        tokens, logprobs = sampler.sample([0, 1, 2], logits)
+        assert int(tokens[0]) == int(logits[0].argmax())
+        assert int(tokens[1]) == int(logits[1].argmax()) and abs(float(logprobs[1])) < 1e-6  # top-1: certain
+        assert int(tokens[2]) in top3
+
+
+@pytest.mark.parametrize(
+    "bad", [dict(temperature=-1.0), dict(top_p=0.0), dict(min_p=1.5), dict(top_k=-2), dict(repetition_penalty=0.0)]
+)
+def test_meaningless_parameters_are_rejected_by_name(bad):
+    from shared.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=next(iter(bad))):
+        make_sampler({0: SamplingParams(**bad)})
