@@ -68,7 +68,7 @@ def _gate_up_kernel(
     out_ty = act_ptr.dtype.element_ty
     gate = acc_g.to(out_ty).to(tl.float32)
     up = acc_u.to(out_ty).to(tl.float32)
-    silu = (gate * tl.sigmoid(gate)).to(out_ty).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32)
     act = (silu * up).to(out_ty)
     a_ptrs = act_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_n[None, :] * stride_an
     tl.store(a_ptrs, act, mask=row_ok[:, None] & n_ok[None, :])
