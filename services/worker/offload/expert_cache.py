@@ -116,21 +116,23 @@ class OffloadedExperts:
         rows = torch.zeros(x.shape[0], topk_ids.shape[1], x.shape[1], dtype=torch.float32, device=x.device)
 
         if self._cuda:
-            self._forward_pipelined_cuda(moe_layer, x, topk_slots, topk_group, topk_weights, chunks, rows)
+            self._forward_pipelined_cuda(moe_layer, x, topk_slots, topk_group, topk_weights, chunks, rows,
+                                         lookup.hits > 0)  # fmt: skip
         else:
-            self._forward_sequential(moe_layer, x, topk_slots, topk_group, topk_weights, chunks, rows)
+            self._forward_sequential(moe_layer, x, topk_slots, topk_group, topk_weights, chunks, rows, lookup.hits > 0)
         return rows.sum(dim=1).to(x.dtype)
 
     def _compute_group(self, group: int, x, topk_slots, topk_group, topk_weights, rows) -> None:
         group_slots = torch.where(topk_group == group, topk_slots, NO_SLOT)
         grouped_expert_rows(x, group_slots, topk_weights, self.slots.w13, self.slots.w2, rows)
 
-    def _forward_sequential(self, layer, x, topk_slots, topk_group, topk_weights, chunks, rows) -> None:
+    def _forward_sequential(self, layer, x, topk_slots, topk_group, topk_weights, chunks, rows, has_hits) -> None:
         """CPU: the same schedule with synchronous copies (so every copy is exposed time)."""
         if not chunks:
             grouped_expert_rows(x, topk_slots, topk_weights, self.slots.w13, self.slots.w2, rows)
             return
-        self._compute_group(0, x, topk_slots, topk_group, topk_weights, rows)
+        if has_hits:
+            self._compute_group(0, x, topk_slots, topk_group, topk_weights, rows)
         for i, chunk in enumerate(chunks):
             start = time.perf_counter()
             for expert, s in chunk:
@@ -139,7 +141,7 @@ class OffloadedExperts:
             self.stats.record_copy_seconds(seconds, exposed=seconds)
             self._compute_group(1 + i, x, topk_slots, topk_group, topk_weights, rows)
 
-    def _forward_pipelined_cuda(self, layer, x, topk_slots, topk_group, topk_weights, chunks, rows) -> None:
+    def _forward_pipelined_cuda(self, layer, x, topk_slots, topk_group, topk_weights, chunks, rows, has_hits) -> None:
         if not chunks:
             grouped_expert_rows(x, topk_slots, topk_weights, self.slots.w13, self.slots.w2, rows)
             return
@@ -158,7 +160,8 @@ class OffloadedExperts:
                 end.record(copy)
                 self.stats.record_copy_events(start, end)
                 copied.append(end)
-        self._compute_group(0, x, topk_slots, topk_group, topk_weights, rows)  # hits, while copies run
+        if has_hits:  # the hits, computed while the copies run
+            self._compute_group(0, x, topk_slots, topk_group, topk_weights, rows)
         for i, done in enumerate(copied):
             stall_start, stall_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             stall_start.record(compute)
