@@ -6,13 +6,16 @@ A block per layer rather than one across layers keeps each page-locking call bou
 the progress bar something to count: pinning tens of GB takes seconds to minutes.
 
 Pinned memory is what lets host->device copies run asynchronously on a copy stream at full PCIe
-speed; on a machine without CUDA the banks are ordinary memory. Banks are filled expert by
+speed; on a machine without CUDA the banks are ordinary memory. Blocks are allocated as ordinary
+memory and page-locked in place with cudaHostRegister, because torch's pinned allocator rounds
+every block up to a power of two (805 MB of a Qwen3-30B layer would take 1 GiB: +33% host RAM). Banks are filled expert by
 expert through `load_expert` (the loader streams one checkpoint tensor at a time, so RAM never
 holds a second full copy) or by `fill_dummy` for benchmarks of real shapes.
 """
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 
 import torch
@@ -59,6 +62,27 @@ def check_host_memory(needed: int, what: str, meminfo: Path = MEMINFO, reserve: 
     )
 
 
+def _host_block(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    block = torch.empty(shape, dtype=dtype)
+    if not pin:
+        return block
+    cudart = torch.cuda.cudart()
+    if not hasattr(cudart, "cudaHostRegister"):  # an old torch: its pinned allocator, rounding and all
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+    err = int(cudart.cudaHostRegister(block.data_ptr(), block.nbytes, 1))  # 1: cudaHostRegisterPortable
+    if err != 0:
+        raise HostMemoryError(f"page-locking {format_bytes(block.nbytes)} of host memory for the expert banks "
+                              f"failed (cudaError {err}); check `ulimit -l` and the container's memlock limit")  # fmt: skip
+    block._ferry_host_registered = True
+    return block
+
+
+def _unregister(blocks: list[torch.Tensor]) -> None:
+    cudart = torch.cuda.cudart()
+    for block in blocks:
+        cudart.cudaHostUnregister(block.data_ptr())
+
+
 class HostBanks:
     """Per MoE layer: w13[layer] [E, 2I, H] and w2[layer] [E, H, I], pinned when CUDA is present."""
 
@@ -72,6 +96,9 @@ class HostBanks:
         self.intermediate_size = two_i // 2
         self.dtype = w13[0].dtype
         self.pinned = bool(w13[0].is_pinned())
+        registered = [t for t in (*w13, *w2) if getattr(t, "_ferry_host_registered", False)]
+        if registered:  # unlock the pages before the blocks are freed
+            weakref.finalize(self, _unregister, registered)
 
     @classmethod
     def allocate(cls, num_layers: int, num_experts: int, hidden_size: int, intermediate_size: int,
@@ -87,8 +114,8 @@ class HostBanks:
         w13, w2 = [], []
         for _ in tqdm(range(num_layers), desc="pinning expert banks" if pin else "allocating expert banks",
                       unit="layer", disable=not progress):  # fmt: skip
-            w13.append(torch.empty((num_experts, 2 * intermediate_size, hidden_size), dtype=dtype, pin_memory=pin))
-            w2.append(torch.empty((num_experts, hidden_size, intermediate_size), dtype=dtype, pin_memory=pin))
+            w13.append(_host_block((num_experts, 2 * intermediate_size, hidden_size), dtype, pin))
+            w2.append(_host_block((num_experts, hidden_size, intermediate_size), dtype, pin))
         return cls(w13, w2)
 
     @classmethod
