@@ -156,7 +156,7 @@ def grouped_expert_rows_triton(x, topk_slots, topk_weights, w13, w2, rows) -> No
     act = torch.empty(sorted_pairs.numel(), inter, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     upcast = _INTERPRETING or x.dtype == torch.float32
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32 in, fp32 accuracy out (no TF32)
+    precision = "ieee" if x.dtype == torch.float32 else None  # fp32 in, fp32 accuracy out (no TF32)
     num_blocks = block_slot.numel()
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, block_n))](
         x, w13, act, sorted_pairs, block_slot, num_pairs, top_k, h, inter,

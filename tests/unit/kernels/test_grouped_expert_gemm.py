@@ -60,3 +60,19 @@ def test_the_result_does_not_depend_on_slot_numbering():
     a = grouped_expert_forward_reference(x, topk, weights, w13, w2)
     b = grouped_expert_forward_reference(x, perm[topk], weights, w13p, w2p)
     assert torch.equal(a, b)
+
+
+H200_MAX_SHARED = 227 * 1024  # dynamic shared memory one block may use on sm_90
+
+
+def test_kernels_compile_for_hopper():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=str(ROOT), TRITON_DEFAULT_FP_FUSION="1")
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("compile_grouped_expert_gemm.py"))],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads(proc.stdout)
+    assert len(results) == 8
+    for name, r in results.items():
+        assert "error" not in r, f"{name}: {r.get('error')}"
+        assert r["cubin"] and 0 < r["shared"] <= H200_MAX_SHARED, (name, r)
