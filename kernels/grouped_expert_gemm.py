@@ -9,13 +9,17 @@ reference does, so the result does not depend on slot numbering.
 
 The alignment is computed on the device without a host round trip; its grid is the worst case
 (ceil(pairs / BLOCK_M) + one partial block per distinct slot), and blocks past the real ones
-exit at once. `grouped_expert_forward` dispatches: CUDA -> Triton, anything else -> reference.
+exit at once. A caller that has the routing on the host anyway (the offload store, which needs
+it for its policy) aligns there instead with `align_pairs_by_slot_host`: one small copy replaces
+two dozen tiny kernels per call, which is most of a decode step's launch overhead.
+`grouped_expert_forward` dispatches: CUDA -> Triton, anything else -> reference.
 """
 
 from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -140,19 +144,45 @@ def align_pairs_by_slot(topk_slots: torch.Tensor, num_slots: int, block_m: int) 
     return sorted_pairs[:trash], block_slot
 
 
-def grouped_expert_rows_triton(x, topk_slots, topk_weights, w13, w2, rows) -> None:
-    """Triton twin of `grouped_expert_rows_reference` (same arguments, same contract)."""
+def align_pairs_by_slot_host(topk_slots: np.ndarray, block_m: int) -> tuple[np.ndarray, np.ndarray]:
+    """`align_pairs_by_slot` on the host (numpy), without the worst-case tail: exactly the real
+    blocks. int32 arrays, same layout and sentinel."""
+    flat = np.asarray(topk_slots, dtype=np.int64).reshape(-1)
+    n = flat.size
+    kept = np.flatnonzero(flat >= 0)
+    order = kept[np.argsort(flat[kept], kind="stable")]
+    slots, starts, counts = np.unique(flat[order], return_index=True, return_counts=True)
+    blocks = (counts + block_m - 1) // block_m
+    padded_start = (np.cumsum(blocks) - blocks) * block_m
+    sorted_pairs = np.full(int(blocks.sum()) * block_m, n, dtype=np.int32)
+    sorted_pairs[np.repeat(padded_start - starts, counts) + np.arange(order.size)] = order
+    return sorted_pairs, np.repeat(slots, blocks).astype(np.int32)
+
+
+def block_m_for(num_pairs: int) -> int:
+    """Rows per program: small for decode (few tokens per expert), larger for prefill."""
+    return 16 if num_pairs <= 1024 else 64
+
+
+def grouped_expert_rows_triton(x, topk_slots, topk_weights, w13, w2, rows,
+                               aligned: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:  # fmt: skip
+    """Triton twin of `grouped_expert_rows_reference` (same arguments, same contract).
+
+    `aligned`: (sorted_pairs, block_slot) already on the device, made with BLOCK_M =
+    block_m_for(T * k) (e.g. by `align_pairs_by_slot_host`); `topk_slots` is then not read."""
     t, h = x.shape
-    top_k = topk_slots.shape[1]
+    top_k = topk_weights.shape[1]
     inter = w2.shape[2]
     if rows.dtype != torch.float32 or tuple(rows.shape) != (t, top_k, h) or not rows.is_contiguous():
         raise ValueError(f"rows must be a contiguous float32 [{t}, {top_k}, {h}] tensor")
     num_pairs = t * top_k
-    if num_pairs == 0:
-        return
-    block_m = 16 if num_pairs <= 1024 else 64
+    block_m = block_m_for(num_pairs)
     block_n, block_k = 64, 64
-    sorted_pairs, block_slot = align_pairs_by_slot(topk_slots, w13.shape[0], block_m)
+    if aligned is None:
+        aligned = align_pairs_by_slot(topk_slots, w13.shape[0], block_m)
+    sorted_pairs, block_slot = aligned
+    if num_pairs == 0 or block_slot.numel() == 0:
+        return
     act = torch.empty(sorted_pairs.numel(), inter, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     upcast = _INTERPRETING or x.dtype == torch.float32

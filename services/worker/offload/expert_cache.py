@@ -31,7 +31,12 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
-from kernels.grouped_expert_gemm import grouped_expert_rows
+from kernels.grouped_expert_gemm import (
+    align_pairs_by_slot_host,
+    block_m_for,
+    grouped_expert_rows,
+    grouped_expert_rows_triton,
+)
 from services.worker.offload.host_banks import HostBanks
 from services.worker.offload.policy import NO_SLOT, LRUExpertPolicy
 from services.worker.offload.stats import ExpertCacheStats
@@ -46,7 +51,9 @@ class OffloadedExperts:
 
     def __init__(self, slots: ExpertSlotPool, banks: HostBanks, policy: LRUExpertPolicy,
                  device: torch.device | str, pipeline_chunks: int = DEFAULT_PIPELINE_CHUNKS,
-                 prefill_tokens: int = DEFAULT_PREFILL_TOKENS):  # fmt: skip
+                 prefill_tokens: int = DEFAULT_PREFILL_TOKENS, use_triton: bool | None = None):  # fmt: skip
+        """`use_triton`: compute with the Triton kernel (aligned on the host); default on CUDA
+        only. Forcing it on CPU needs TRITON_INTERPRET=1 (tests of the CUDA path's bookkeeping)."""
         _check_compatible(slots, banks, policy)
         if pipeline_chunks < 1:
             raise ValueError(f"pipeline_chunks must be at least 1, got {pipeline_chunks}")
@@ -59,6 +66,7 @@ class OffloadedExperts:
         self.prefill_tokens = prefill_tokens
         self.stats = ExpertCacheStats()
         self._cuda = self.device.type == "cuda"
+        self._triton = self._cuda if use_triton is None else use_triton
         self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._last_layer = -1
 
@@ -97,53 +105,54 @@ class OffloadedExperts:
             self.stats.end_step()
         self._last_layer = moe_layer
         # The one host round trip per layer: the policy runs on the host and needs the routing.
-        experts = np.unique(topk_ids.detach().to("cpu", torch.int64).numpy())
+        ids = topk_ids.detach().to("cpu", torch.int64).numpy()
+        experts = np.unique(ids)
         lookup = self.policy.lookup(moe_layer, experts)
         misses = list(lookup.misses)
         self.stats.record_lookup(lookup.hits, len(misses), len(misses) * self.banks.expert_nbytes)
-
         chunks = _split(misses, 1 if x.shape[0] < self.prefill_tokens else self.pipeline_chunks)
-        # per expert of this layer: its slot, and the compute group it belongs to
-        # (group 0 = hits, group 1 + i = miss chunk i)
-        table = np.full((2, self.num_experts), NO_SLOT, dtype=np.int64)
-        table[0, experts] = lookup.slots
-        table[1, experts] = 0
-        for i, chunk in enumerate(chunks):
-            table[1, [e for e, _ in chunk]] = 1 + i
-        table_dev = torch.from_numpy(table).to(self.device)
-        topk_slots = table_dev[0][topk_ids]
-        topk_group = table_dev[1][topk_ids]
+        groups = self._group_slots(ids, experts, lookup.slots, lookup.hits > 0, chunks)
         rows = torch.zeros(x.shape[0], topk_ids.shape[1], x.shape[1], dtype=torch.float32, device=x.device)
-
         if self._cuda:
-            self._forward_pipelined_cuda(moe_layer, x, topk_slots, topk_group, topk_weights, chunks, rows,
-                                         lookup.hits > 0)  # fmt: skip
+            self._forward_pipelined_cuda(moe_layer, x, groups, topk_weights, chunks, rows)
         else:
-            self._forward_sequential(moe_layer, x, topk_slots, topk_group, topk_weights, chunks, rows, lookup.hits > 0)
+            self._forward_sequential(moe_layer, x, groups, topk_weights, chunks, rows)
         return rows.sum(dim=1).to(x.dtype)
 
-    def _compute_group(self, group: int, x, topk_slots, topk_group, topk_weights, rows) -> None:
-        group_slots = torch.where(topk_group == group, topk_slots, NO_SLOT)
-        grouped_expert_rows(x, group_slots, topk_weights, self.slots.w13, self.slots.w2, rows)
-
-    def _forward_sequential(self, layer, x, topk_slots, topk_group, topk_weights, chunks, rows, has_hits) -> None:
-        """CPU: the same schedule with synchronous copies (so every copy is exposed time)."""
+    def _group_slots(self, ids: np.ndarray, experts: np.ndarray, slots: tuple[int, ...], has_hits: bool,
+                     chunks: list) -> list[np.ndarray | None]:  # fmt: skip
+        """Per compute group, the [T, k] slots of its pairs (-1 elsewhere): group 0 the hits (None
+        when there are none), group 1 + i the misses of chunk i; one group of all pairs when
+        nothing is missing."""
+        slot_of = np.full(self.num_experts, NO_SLOT, dtype=np.int64)
+        slot_of[experts] = slots
+        pair_slots = slot_of[ids]
         if not chunks:
-            grouped_expert_rows(x, topk_slots, topk_weights, self.slots.w13, self.slots.w2, rows)
-            return
-        if has_hits:
-            self._compute_group(0, x, topk_slots, topk_group, topk_weights, rows)
+            return [pair_slots]
+        group_of = np.zeros(self.num_experts, dtype=np.int64)
+        for i, chunk in enumerate(chunks):
+            group_of[[e for e, _ in chunk]] = 1 + i
+        pair_group = group_of[ids]
+        return [np.where(pair_group == g, pair_slots, NO_SLOT) if g or has_hits else None
+                for g in range(1 + len(chunks))]  # fmt: skip
+
+    def _forward_sequential(self, layer, x, groups, topk_weights, chunks, rows) -> None:
+        """CPU: the same schedule with synchronous copies (so every copy is exposed time)."""
+        aligned = self._align_on_host(groups, topk_weights.numel()) if self._triton else [None] * len(groups)
+        if groups[0] is not None:
+            self._compute(x, groups[0], topk_weights, rows, aligned[0])
         for i, chunk in enumerate(chunks):
             start = time.perf_counter()
             for expert, s in chunk:
                 self._copy_expert(layer, expert, s, non_blocking=False)
             seconds = time.perf_counter() - start
             self.stats.record_copy_seconds(seconds, exposed=seconds)
-            self._compute_group(1 + i, x, topk_slots, topk_group, topk_weights, rows)
+            self._compute(x, groups[1 + i], topk_weights, rows, aligned[1 + i])
 
-    def _forward_pipelined_cuda(self, layer, x, topk_slots, topk_group, topk_weights, chunks, rows, has_hits) -> None:
+    def _forward_pipelined_cuda(self, layer, x, groups, topk_weights, chunks, rows) -> None:
+        aligned = self._align_on_host(groups, topk_weights.numel()) if self._triton else [None] * len(groups)
         if not chunks:
-            grouped_expert_rows(x, topk_slots, topk_weights, self.slots.w13, self.slots.w2, rows)
+            self._compute(x, groups[0], topk_weights, rows, aligned[0])
             return
         compute = torch.cuda.current_stream(self.device)
         copy = self._copy_stream
@@ -160,15 +169,39 @@ class OffloadedExperts:
                 end.record(copy)
                 self.stats.record_copy_events(start, end)
                 copied.append(end)
-        if has_hits:  # the hits, computed while the copies run
-            self._compute_group(0, x, topk_slots, topk_group, topk_weights, rows)
+        if groups[0] is not None:  # the hits, computed while the copies run
+            self._compute(x, groups[0], topk_weights, rows, aligned[0])
         for i, done in enumerate(copied):
             stall_start, stall_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             stall_start.record(compute)
             compute.wait_event(done)
             stall_end.record(compute)
             self.stats.record_stall_events(stall_start, stall_end)
-            self._compute_group(1 + i, x, topk_slots, topk_group, topk_weights, rows)
+            self._compute(x, groups[1 + i], topk_weights, rows, aligned[1 + i])
+
+    def _align_on_host(self, groups: list[np.ndarray | None], num_pairs: int) -> list:
+        """Each group's (sorted_pairs, block_slot) for the Triton kernel, made with numpy and
+        sent to the device in one copy (the kernel's own alignment would be ~25 tiny launches)."""
+        block_m = block_m_for(num_pairs)
+        parts = [align_pairs_by_slot_host(g, block_m) if g is not None else None for g in groups]
+        flat = [a for p in parts if p is not None for a in p]
+        packed = torch.from_numpy(np.concatenate(flat)).to(self.device)
+        out, offset = [], 0
+        for p in parts:
+            if p is None:
+                out.append(None)
+                continue
+            n_pairs, n_blocks = p[0].size, p[1].size
+            out.append((packed[offset : offset + n_pairs], packed[offset + n_pairs : offset + n_pairs + n_blocks]))
+            offset += n_pairs + n_blocks
+        return out
+
+    def _compute(self, x, group_slots, topk_weights, rows, aligned=None) -> None:
+        if aligned is not None:
+            grouped_expert_rows_triton(x, None, topk_weights, self.slots.w13, self.slots.w2, rows, aligned=aligned)
+        else:
+            slots = torch.from_numpy(group_slots).to(x.device)
+            grouped_expert_rows(x, slots, topk_weights, self.slots.w13, self.slots.w2, rows)
 
     def _copy_expert(self, layer: int, expert: int, s: int, non_blocking: bool) -> None:
         self.slots.w13[s].copy_(self.banks.w13[layer][expert], non_blocking=non_blocking)

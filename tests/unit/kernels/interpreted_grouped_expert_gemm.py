@@ -17,7 +17,12 @@ import torch
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run me with TRITON_INTERPRET=1"
 
-from kernels.grouped_expert_gemm import align_pairs_by_slot, grouped_expert_rows_triton  # noqa: E402
+from kernels.grouped_expert_gemm import (  # noqa: E402
+    align_pairs_by_slot,
+    align_pairs_by_slot_host,
+    block_m_for,
+    grouped_expert_rows_triton,
+)
 from kernels.moe_reference import grouped_expert_forward_reference, grouped_expert_rows_reference  # noqa: E402
 
 
@@ -45,6 +50,21 @@ def rows_match_in_float32(seed, tokens, top_k, hidden, inter, slots, skip):
     torch.testing.assert_close(got[~skipped], want[~skipped], rtol=1e-5, atol=1e-5)
 
 
+def host_aligned_rows_match(seed, tokens, top_k, hidden, inter, slots, skip):
+    """The offload store's way: alignment made on the host, handed to the kernel."""
+    x, topk, weights, w13, w2 = make_case(seed, tokens, top_k, hidden, inter, slots, torch.float32, skip)
+    sorted_pairs, block_slot = align_pairs_by_slot_host(topk.numpy(), block_m_for(topk.numel()))
+    got = torch.full((tokens, top_k, hidden), float("nan"))
+    want = torch.full((tokens, top_k, hidden), float("nan"))
+    poisoned_slots = torch.full_like(topk, 10**6)  # must not be read when the alignment is given
+    grouped_expert_rows_triton(x, poisoned_slots, weights, w13, w2, got,
+                               aligned=(torch.from_numpy(sorted_pairs), torch.from_numpy(block_slot)))
+    grouped_expert_rows_reference(x, topk, weights, w13, w2, want)
+    skipped = topk < 0
+    assert torch.isnan(got[skipped]).all() and not torch.isnan(got[~skipped]).any()
+    torch.testing.assert_close(got[~skipped], want[~skipped], rtol=1e-5, atol=1e-5)
+
+
 def bfloat16_within_rounding():
     x, topk, weights, w13, w2 = make_case(3, 9, 2, 64, 32, 5, torch.bfloat16)
     got = torch.full((9, 2, 64), float("nan"))
@@ -69,6 +89,7 @@ CASES = {
     "decode_one_token": lambda: rows_match_in_float32(0, 1, 2, 32, 16, 4, 0),
     "ragged_shapes_and_skipped_pairs": lambda: rows_match_in_float32(1, 5, 3, 48, 40, 7, 2),
     "several_blocks_of_one_slot": lambda: rows_match_in_float32(2, 37, 4, 80, 72, 6, 5),
+    "host_aligned_rows": lambda: host_aligned_rows_match(6, 70, 3, 40, 24, 9, 7),
     "bfloat16_within_rounding": bfloat16_within_rounding,
     "alignment_groups_pairs_by_slot": alignment_groups_pairs_by_slot,
 }

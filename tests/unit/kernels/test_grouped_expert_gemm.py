@@ -13,7 +13,7 @@ import torch
 from kernels.moe_reference import grouped_expert_forward_reference
 
 ROOT = Path(__file__).resolve().parents[3]
-CASES = ["decode_one_token", "ragged_shapes_and_skipped_pairs", "several_blocks_of_one_slot",
+CASES = ["decode_one_token", "ragged_shapes_and_skipped_pairs", "several_blocks_of_one_slot", "host_aligned_rows",
          "bfloat16_within_rounding", "alignment_groups_pairs_by_slot"]  # fmt: skip
 
 
@@ -60,6 +60,23 @@ def test_the_result_does_not_depend_on_slot_numbering():
     a = grouped_expert_forward_reference(x, topk, weights, w13, w2)
     b = grouped_expert_forward_reference(x, perm[topk], weights, w13p, w2p)
     assert torch.equal(a, b)
+
+
+def test_host_alignment_equals_the_device_alignment():
+    from kernels.grouped_expert_gemm import align_pairs_by_slot, align_pairs_by_slot_host
+
+    g = torch.Generator().manual_seed(7)
+    for trial in range(40):
+        tokens, top_k, slots = int(torch.randint(1, 50, (1,), generator=g)), 4, int(torch.randint(4, 30, (1,), generator=g))
+        topk = torch.stack([torch.randperm(slots, generator=g)[:top_k] for _ in range(tokens)])
+        topk[torch.rand(tokens, top_k, generator=g) < 0.3] = -1
+        block_m = (1, 2, 16)[trial % 3]
+        device_pairs, device_blocks = align_pairs_by_slot(topk, slots, block_m)
+        host_pairs, host_blocks = align_pairs_by_slot_host(topk.numpy(), block_m)
+        real = int((device_blocks >= 0).sum())
+        assert (device_blocks[real:] == -1).all() and host_blocks.size == real
+        assert host_blocks.tolist() == device_blocks[:real].tolist()
+        assert host_pairs.tolist() == device_pairs[: real * block_m].tolist()
 
 
 H200_MAX_SHARED = 227 * 1024  # dynamic shared memory one block may use on sm_90

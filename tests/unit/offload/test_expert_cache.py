@@ -100,3 +100,21 @@ def test_mismatched_parts_are_refused():
         OffloadedExperts(slot_pool(SPEC, 7), banks, LRUExpertPolicy(LAYERS, 6, 6), "cpu")
     with pytest.raises(ValueError, match="differs from the host banks"):
         OffloadedExperts(slot_pool(SPEC, 6, dtype="bfloat16"), banks, LRUExpertPolicy(LAYERS, 6, 6), "cpu")
+
+
+def test_the_triton_path_with_host_alignment_under_the_interpreter():
+    """What CUDA runs (Triton over host-aligned groups), on CPU through TRITON_INTERPRET=1."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("interpreted_offload_store.py"))],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    failure = json.loads(proc.stdout)
+    if failure is not None:
+        pytest.fail(failure, pytrace=False)
