@@ -30,6 +30,8 @@ from services.worker.pools import TORCH_DTYPES
 # checkpoint being read, the OS); asking for the last byte of MemAvailable ends in the OOM killer.
 HOST_RESERVE_BYTES = 2 * GiB
 MEMINFO = Path("/proc/meminfo")
+# Elements per copy of the dummy fill: large copies run at memcpy speed (see fill_dummy).
+DUMMY_CHUNK = 1 << 25
 
 
 class HostMemoryError(FerryError):
@@ -145,22 +147,23 @@ class HostBanks:
         self.w2[moe_layer][expert].copy_(down)
 
     def fill_dummy(self, seed: int = 0, std: float = 0.02, progress: bool = True) -> None:
-        """Deterministic random-looking weights at memory-copy speed, for benchmarks of 30B shapes.
+        """Deterministic random weights at memory-copy speed, for benchmarks of 30B shapes.
 
-        Drawing tens of GB of normal samples would take minutes; instead each family draws one
-        seeded pattern a little longer than an expert and every expert copies a window of it at
-        its own offset, so experts differ from each other and a run repeats exactly."""
+        Drawing tens of GB of normal samples would take minutes, and tens of thousands of
+        expert-sized copies run far below memcpy speed on a busy host; instead each family draws
+        one seeded pattern of DUMMY_CHUNK elements and every layer block is filled with large
+        copies of windows of it, each window at its own offset. Experts differ from each other
+        (other windows), a run repeats exactly, and the extra memory is one pattern."""
         gen = torch.Generator().manual_seed(seed)
-        total = self.num_layers * self.num_experts
-        stride = 97  # elements between neighbouring experts' windows
-        patterns = []
-        for block in (self.w13[0], self.w2[0]):
-            n = block[0].numel()
-            patterns.append((torch.randn(n + stride * total, generator=gen) * std).to(self.dtype))
+        stride, offsets = 97, 4099  # window offsets: stride * (a number below `offsets`, prime)
+        pattern = torch.randn(DUMMY_CHUNK + stride * offsets, generator=gen, dtype=self.dtype).mul_(std)
+        chunk_index = 0
         for layer in tqdm(range(self.num_layers), desc="filling dummy expert banks", unit="layer",
                           disable=not progress):  # fmt: skip
-            for e in range(self.num_experts):
-                offset = stride * (layer * self.num_experts + e)
-                for bank, pattern in zip((self.w13[layer], self.w2[layer]), patterns):
-                    flat = bank[e].view(-1)
-                    flat.copy_(pattern[offset : offset + flat.numel()])
+            for bank in (self.w13[layer], self.w2[layer]):
+                flat = bank.view(-1)
+                for start in range(0, flat.numel(), DUMMY_CHUNK):
+                    n = min(DUMMY_CHUNK, flat.numel() - start)
+                    offset = stride * ((chunk_index * 1031) % offsets)
+                    flat[start : start + n].copy_(pattern[offset : offset + n])
+                    chunk_index += 1
