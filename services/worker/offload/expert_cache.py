@@ -44,6 +44,10 @@ from services.worker.pools import ExpertSlotPool
 
 DEFAULT_PIPELINE_CHUNKS = 4
 DEFAULT_PREFILL_TOKENS = 64
+# Up to this many (token, k) pairs the Triton kernel's alignment is made on the host (decode:
+# one small copy instead of ~25 tiny launches); above it, on the device (prefill: sorting tens
+# of thousands of pairs per group in numpy would cost more host time than the GEMM takes).
+DEFAULT_HOST_ALIGN_MAX_PAIRS = 4096
 
 
 class OffloadedExperts:
@@ -51,7 +55,8 @@ class OffloadedExperts:
 
     def __init__(self, slots: ExpertSlotPool, banks: HostBanks, policy: LRUExpertPolicy,
                  device: torch.device | str, pipeline_chunks: int = DEFAULT_PIPELINE_CHUNKS,
-                 prefill_tokens: int = DEFAULT_PREFILL_TOKENS, use_triton: bool | None = None):  # fmt: skip
+                 prefill_tokens: int = DEFAULT_PREFILL_TOKENS, use_triton: bool | None = None,
+                 host_align_max_pairs: int = DEFAULT_HOST_ALIGN_MAX_PAIRS):  # fmt: skip
         """`use_triton`: compute with the Triton kernel (aligned on the host); default on CUDA
         only. Forcing it on CPU needs TRITON_INTERPRET=1 (tests of the CUDA path's bookkeeping)."""
         _check_compatible(slots, banks, policy)
@@ -67,6 +72,7 @@ class OffloadedExperts:
         self.stats = ExpertCacheStats()
         self._cuda = self.device.type == "cuda"
         self._triton = self._cuda if use_triton is None else use_triton
+        self.host_align_max_pairs = host_align_max_pairs
         self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._last_layer = -1
 
@@ -106,7 +112,7 @@ class OffloadedExperts:
         self._last_layer = moe_layer
         # The one host round trip per layer: the policy runs on the host and needs the routing.
         ids = topk_ids.detach().to("cpu", torch.int64).numpy()
-        experts = np.unique(ids)
+        experts = np.flatnonzero(np.bincount(ids.reshape(-1), minlength=self.num_experts))  # sorted, unique
         lookup = self.policy.lookup(moe_layer, experts)
         misses = list(lookup.misses)
         self.stats.record_lookup(lookup.hits, len(misses), len(misses) * self.banks.expert_nbytes)
@@ -138,7 +144,7 @@ class OffloadedExperts:
 
     def _forward_sequential(self, layer, x, groups, topk_weights, chunks, rows) -> None:
         """CPU: the same schedule with synchronous copies (so every copy is exposed time)."""
-        aligned = self._align_on_host(groups, topk_weights.numel()) if self._triton else [None] * len(groups)
+        aligned = self._aligned(groups, topk_weights.numel())
         if groups[0] is not None:
             self._compute(x, groups[0], topk_weights, rows, aligned[0])
         for i, chunk in enumerate(chunks):
@@ -150,7 +156,7 @@ class OffloadedExperts:
             self._compute(x, groups[1 + i], topk_weights, rows, aligned[1 + i])
 
     def _forward_pipelined_cuda(self, layer, x, groups, topk_weights, chunks, rows) -> None:
-        aligned = self._align_on_host(groups, topk_weights.numel()) if self._triton else [None] * len(groups)
+        aligned = self._aligned(groups, topk_weights.numel())
         if not chunks:
             self._compute(x, groups[0], topk_weights, rows, aligned[0])
             return
@@ -179,6 +185,12 @@ class OffloadedExperts:
             self.stats.record_stall_events(stall_start, stall_end)
             self._compute(x, groups[1 + i], topk_weights, rows, aligned[1 + i])
 
+    def _aligned(self, groups: list[np.ndarray | None], num_pairs: int) -> list:
+        """Host-made alignments for the Triton kernel, or None per group (the kernel aligns on the device)."""
+        if self._triton and num_pairs <= self.host_align_max_pairs:
+            return self._align_on_host(groups, num_pairs)
+        return [None] * len(groups)
+
     def _align_on_host(self, groups: list[np.ndarray | None], num_pairs: int) -> list:
         """Each group's (sorted_pairs, block_slot) for the Triton kernel, made with numpy and
         sent to the device in one copy (the kernel's own alignment would be ~25 tiny launches)."""
@@ -199,8 +211,11 @@ class OffloadedExperts:
     def _compute(self, x, group_slots, topk_weights, rows, aligned=None) -> None:
         if aligned is not None:
             grouped_expert_rows_triton(x, None, topk_weights, self.slots.w13, self.slots.w2, rows, aligned=aligned)
-        else:
-            slots = torch.from_numpy(group_slots).to(x.device)
+            return
+        slots = torch.from_numpy(group_slots).to(x.device)
+        if self._triton:
+            grouped_expert_rows_triton(x, slots, topk_weights, self.slots.w13, self.slots.w2, rows)
+        else:  # the reference on CPU (or whatever the dispatcher picks for this device)
             grouped_expert_rows(x, slots, topk_weights, self.slots.w13, self.slots.w2, rows)
 
     def _copy_expert(self, layer: int, expert: int, s: int, non_blocking: bool) -> None:

@@ -24,11 +24,11 @@ from services.worker.offload.policy import LRUExpertPolicy  # noqa: E402
 def check() -> None:
     spec = tiny_spec(layers=2, experts=6, top_k=3, hidden=32, inter=16)
     layers = 2
-    for num_slots in (6, 9):
+    for num_slots, host_align_max_pairs in ((6, 4096), (9, 16)):  # 16: steps of 10 tokens align on the device
         resident = ResidentExperts(slot_pool(spec, layers * 6), layers, 6)
         store = OffloadedExperts(slot_pool(spec, num_slots), HostBanks.for_model(spec, "float32", progress=False),
                                  LRUExpertPolicy(layers, 6, num_slots), "cpu", pipeline_chunks=2, prefill_tokens=8,
-                                 use_triton=True)  # fmt: skip
+                                 use_triton=True, host_align_max_pairs=host_align_max_pairs)  # fmt: skip
         for (layer, e), weights in random_experts(spec, num_slots).items():
             resident.load_expert(layer, e, *weights)
             store.load_expert(layer, e, *weights)
