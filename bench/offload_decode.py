@@ -19,7 +19,9 @@ store's outputs against the reference computed straight from the host banks, and
 against their banks. Runs on CPU too (tiny configs; "H2D" is then a host memcpy).
 
     python bench/offload_decode.py --model tests/data/models/qwen3-30b-a3b --gpu-memory 24GiB \
-        --tokens 256 --out bench/results/offload_decode_qwen3-30b.json
+        --batch 1,8,32 --zipf 0.8,1.2 --tokens 256 --out bench/results/offload_decode_qwen3-30b.json
+
+Each (batch, zipf) pair is one run with a fresh cache over the same banks and slot pool.
 """
 
 from __future__ import annotations
@@ -146,13 +148,81 @@ def self_check(store: OffloadedExperts, banks: HostBanks, ids, weights, x, devic
     return {"passed": True, "max_relative_error": worst, "exact": exact}
 
 
+def compute_only_ms(store: OffloadedExperts, weights: torch.Tensor, x: torch.Tensor, clock: Clock,
+                    g: torch.Generator) -> float:  # fmt: skip
+    """One step of the expert GEMM with every routed expert resident (random distinct slots per
+    token): the compute floor, without policy, copies or host round trips."""
+    layers, batch, top_k = weights.shape[0], x.shape[0], weights.shape[2]
+    num_slots = store.slots.num_slots
+    slot_ids = torch.stack([torch.stack([torch.randperm(num_slots, generator=g)[:top_k] for _ in range(batch)])
+                            for _ in range(layers)]).to(x.device)  # fmt: skip
+    slots = store.slots
+    return clock.median_ms(lambda: [grouped_expert_forward(x, slot_ids[i], weights[i], slots.w13, slots.w2)
+                                    for i in range(layers)], repeat=5)  # fmt: skip
+
+
+def decode_run(store: OffloadedExperts, banks: HostBanks, spec, args, batch: int, zipf: float, clock: Clock,
+               h2d_Bps: float, hbm_Bps: float) -> dict:  # fmt: skip
+    """Warm-up then timed decode steps with fresh cache state; per-step numbers and their medians."""
+    device, layers = store.device, banks.num_layers
+    steps = args.warmup + args.tokens
+    ids, weights = zipf_routing(layers, banks.num_experts, spec.num_experts_per_tok, steps + 1, batch, zipf,
+                                args.seed, device)  # fmt: skip
+    g = torch.Generator().manual_seed(args.seed + 1)
+    x = torch.randn(batch, spec.hidden_size, generator=g).to(device=device, dtype=banks.dtype)
+    floor_ms = compute_only_ms(store, weights[0], x, clock, g)
+    store.preload()
+    rows = []
+    for step in range(steps):
+        def one_step():
+            for layer in range(layers):
+                store.forward(layer, x, ids[step, layer], weights[step, layer])
+
+        ms = clock.time_ms(one_step)
+        store.end_step()
+        c = store.stats.last_step
+        # bytes the GEMM reads from HBM: every routed expert of every layer, once
+        read = sum(len(torch.unique(ids[step, layer])) for layer in range(layers)) * banks.expert_nbytes
+        if step >= args.warmup:
+            rows.append({"ms": ms, "hits": c.hits, "misses": c.misses, "bytes_copied": c.bytes_copied,
+                         "bytes_read": read, "copy_ms": c.copy_time_s * 1e3,
+                         "exposed_copy_ms": c.exposed_copy_time_s * 1e3,
+                         "bound_ms": (c.bytes_copied / h2d_Bps + read / hbm_Bps) * 1e3})  # fmt: skip
+    check = {"passed": None}
+    if not args.no_check:
+        check = self_check(store, banks, ids[steps], weights[steps], x, device, exact=device.type == "cpu")
+
+    def med(key):
+        return statistics.median(r[key] for r in rows)
+
+    hits, misses = sum(r["hits"] for r in rows), sum(r["misses"] for r in rows)
+    ms_sorted = sorted(r["ms"] for r in rows)
+    return {
+        "batch": batch, "zipf": zipf, "steps": len(rows), "warmup_steps": args.warmup,
+        "median_ms_per_step": med("ms"),
+        "p10_ms_per_step": ms_sorted[len(ms_sorted) // 10],
+        "p90_ms_per_step": ms_sorted[(len(ms_sorted) * 9) // 10],
+        "median_ms_per_token": med("ms") / batch,
+        "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
+        "misses_per_step": misses / len(rows),
+        "bytes_copied_per_token": sum(r["bytes_copied"] for r in rows) / len(rows) / batch,
+        "bytes_read_per_step": med("bytes_read"),
+        "median_copy_ms_per_step": med("copy_ms"),
+        "median_exposed_copy_ms_per_step": med("exposed_copy_ms"),
+        "median_bound_ms_per_step": med("bound_ms"),
+        "measured_over_bound": med("ms") / med("bound_ms") if med("bound_ms") > 0 else None,
+        "compute_only_ms_per_step": floor_ms,
+        "expert_cache": store.stats.to_dict(),
+        "check": check,
+    }  # fmt: skip
+
+
 def run(args: argparse.Namespace) -> dict:
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     clock = Clock(device)
     spec = load_model_config(args.model)
     dtype = args.dtype or spec.dtype
-    tdtype = TORCH_DTYPES[dtype]
-    layers, experts, top_k = len(spec.moe_layer_indices), spec.num_experts, spec.num_experts_per_tok
+    layers, experts = len(spec.moe_layer_indices), spec.num_experts
 
     # ---- the plan a user of --gpu-memory gets: slots as the worker would size them -------
     req = PlanRequest(gpu_memory=parse_bytes(args.gpu_memory), max_model_len=args.max_model_len,
@@ -168,109 +238,66 @@ def run(args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     banks.fill_dummy(seed=args.seed, progress=not args.quiet)
     fill_s = time.perf_counter() - start
-    policy = LRUExpertPolicy(layers, experts, plan.experts.slots)
-    store = OffloadedExperts(slots, banks, policy, device)
-    store.preload()
-
     bw = measure_bandwidths(banks, device, clock, args.hbm_bytes or (2**30 if device.type == "cuda" else 2**26))
-    h2d_Bps, hbm_Bps = bw["h2d_per_expert_GBps"] * 1e9, bw["hbm_copy_GBps"] * 1e9
 
-    steps = args.warmup + args.tokens
-    ids, weights = zipf_routing(layers, experts, top_k, steps + 1, args.batch, args.zipf, args.seed, device)
-    g = torch.Generator().manual_seed(args.seed + 1)
-    x = (torch.randn(args.batch, spec.hidden_size, generator=g)).to(device=device, dtype=tdtype)
-
-    # the expert GEMM alone, every routed expert resident (slots picked at random): the compute floor
-    slot_ids = torch.randint(plan.experts.slots, (layers, args.batch, top_k), generator=g).to(device)
-    for t in range(args.batch):  # distinct slots within a token, as routing gives
-        for layer in range(layers):
-            slot_ids[layer, t] = torch.randperm(plan.experts.slots, generator=g)[:top_k].to(device)
-    compute_only_ms = clock.median_ms(lambda: [grouped_expert_forward(x, slot_ids[i], weights[0, i], slots.w13, slots.w2)
-                                               for i in range(layers)], repeat=5)  # fmt: skip
-
-    rows = []
-    for step in range(steps):
-        def one_step():
-            for layer in range(layers):
-                store.forward(layer, x, ids[step, layer], weights[step, layer])
-
-        ms = clock.time_ms(one_step)
-        store.end_step()
-        c = store.stats.last_step
-        unique_read = sum(len(torch.unique(ids[step, layer])) for layer in range(layers)) * banks.expert_nbytes
-        bound_ms = (c.bytes_copied / h2d_Bps + unique_read / hbm_Bps) * 1e3
-        if step >= args.warmup:
-            rows.append({"ms": ms, "hits": c.hits, "misses": c.misses, "bytes_copied": c.bytes_copied,
-                         "bytes_read": unique_read, "copy_ms": c.copy_time_s * 1e3,
-                         "exposed_copy_ms": c.exposed_copy_time_s * 1e3, "bound_ms": bound_ms})  # fmt: skip
-
-    check = self_check(store, banks, ids[steps], weights[steps], x, device, exact=device.type == "cpu") \
-        if not args.no_check else {"passed": None}  # fmt: skip
-
-    def med(key):
-        return statistics.median(r[key] for r in rows)
-
-    hits, misses = sum(r["hits"] for r in rows), sum(r["misses"] for r in rows)
-    ms_sorted = sorted(r["ms"] for r in rows)
-    decode = {
-        "steps": len(rows), "warmup_steps": args.warmup, "batch": args.batch,
-        "median_ms_per_step": med("ms"),
-        "p10_ms_per_step": ms_sorted[len(ms_sorted) // 10],
-        "p90_ms_per_step": ms_sorted[(len(ms_sorted) * 9) // 10],
-        "median_ms_per_token": med("ms") / args.batch,
-        "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
-        "misses_per_step": misses / len(rows),
-        "bytes_copied_per_token": sum(r["bytes_copied"] for r in rows) / len(rows) / args.batch,
-        "bytes_read_per_step": med("bytes_read"),
-        "median_copy_ms_per_step": med("copy_ms"),
-        "median_exposed_copy_ms_per_step": med("exposed_copy_ms"),
-        "median_bound_ms_per_step": med("bound_ms"),
-        "measured_over_bound": med("ms") / med("bound_ms") if med("bound_ms") > 0 else None,
-        "compute_only_ms_per_step": compute_only_ms,
-    }  # fmt: skip
+    runs = []
+    for batch in args.batch:
+        for zipf in args.zipf:
+            store = OffloadedExperts(slots, banks, LRUExpertPolicy(layers, experts, plan.experts.slots), device)
+            runs.append(decode_run(store, banks, spec, args, batch, zipf, clock,
+                                   bw["h2d_per_expert_GBps"] * 1e9, bw["hbm_copy_GBps"] * 1e9))  # fmt: skip
     return {
         "bench": "offload_decode",
         "model": str(args.model),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
-        "config": {"arch": spec.arch, "moe_layers": layers, "num_experts": experts, "top_k": top_k,
-                   "hidden_size": spec.hidden_size, "moe_intermediate_size": spec.moe_intermediate_size,
-                   "dtype": dtype, "expert_bytes": banks.expert_nbytes, "host_bank_bytes": banks.nbytes},  # fmt: skip
+        "config": {"arch": spec.arch, "moe_layers": layers, "num_experts": experts,
+                   "top_k": spec.num_experts_per_tok, "hidden_size": spec.hidden_size,
+                   "moe_intermediate_size": spec.moe_intermediate_size, "dtype": dtype,
+                   "expert_bytes": banks.expert_nbytes, "host_bank_bytes": banks.nbytes},  # fmt: skip
         "plan": {"gpu_memory": args.gpu_memory, "slots": plan.experts.slots, "total_experts": plan.experts.total,
                  "cache_fraction": plan.experts.slots / plan.experts.total, "slot_pool_bytes": plan.experts.bytes,
                  "kv_tokens": plan.kv.tokens},  # fmt: skip
-        "routing": {"distribution": "zipf", "exponent": args.zipf, "seed": args.seed},
+        "routing": {"distribution": "zipf", "seed": args.seed},
         "dummy_fill_s": fill_s,
         "bandwidth": bw,
-        "decode": decode,
-        "expert_cache": store.stats.to_dict(),
-        "check": check,
+        "runs": runs,
     }
 
 
 def table(r: dict) -> str:
-    d, b, p = r["decode"], r["bandwidth"], r["plan"]
-    lines = [
+    b, p = r["bandwidth"], r["plan"]
+    head = [
         ("model", f"{r['model']} ({r['config']['arch']}, {r['config']['dtype']}) on {r['device']}"),
         ("expert slots", f"{p['slots']} / {p['total_experts']} ({100 * p['cache_fraction']:.1f}%) "
                          f"for --gpu-memory {p['gpu_memory']}"),
-        ("routing", f"Zipf s={r['routing']['exponent']} seed {r['routing']['seed']}, batch {d['batch']}"),
         (f"H2D {'pinned' if b['h2d_pinned'] else 'pageable'}, block / per expert",
          f"{b['h2d_block_GBps']:.1f} / {b['h2d_per_expert_GBps']:.1f} GB/s"),
         ("HBM copy (read+write)", f"{b['hbm_copy_GBps']:.0f} GB/s"),
-        ("time per step, median (p10-p90)",
-         f"{d['median_ms_per_step']:.3f} ms ({d['p10_ms_per_step']:.3f}-{d['p90_ms_per_step']:.3f})"),
-        ("bound per step, median", f"{d['median_bound_ms_per_step']:.3f} ms "
-                                   f"(measured / bound = {d['measured_over_bound'] or float('nan'):.2f})"),
-        ("expert GEMM alone, all resident", f"{d['compute_only_ms_per_step']:.3f} ms per step"),
-        ("hit rate", f"{100 * d['hit_rate']:.1f}% ({d['misses_per_step']:.1f} misses per step)"),
-        ("copied per token", format_bytes(int(d["bytes_copied_per_token"]))),
-        ("copy / exposed copy per step", f"{d['median_copy_ms_per_step']:.3f} / "
-                                         f"{d['median_exposed_copy_ms_per_step']:.3f} ms"),
-        ("self-check", "passed" if r["check"]["passed"] else "skipped"),
     ]  # fmt: skip
-    width = max(len(k) for k, _ in lines)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in lines)
+    width = max(len(k) for k, _ in head)
+    lines = [f"{k:<{width}}  {v}" for k, v in head]
+    cols = ("batch", "zipf", "ms/step", "p10-p90", "bound", "x bound", "GEMM only", "hit rate", "misses",
+            "MiB/token", "copy ms", "exposed", "check")  # fmt: skip
+    lines.append("  ".join(f"{c:>9}" for c in cols))
+    for d in r["runs"]:
+        ratio = d["measured_over_bound"]
+        cells = (d["batch"], d["zipf"], f"{d['median_ms_per_step']:.3f}",
+                 f"{d['p10_ms_per_step']:.1f}-{d['p90_ms_per_step']:.1f}", f"{d['median_bound_ms_per_step']:.3f}",
+                 f"{ratio:.2f}" if ratio else "-", f"{d['compute_only_ms_per_step']:.3f}",
+                 f"{100 * d['hit_rate']:.1f}%", f"{d['misses_per_step']:.1f}",
+                 f"{d['bytes_copied_per_token'] / 2**20:.1f}", f"{d['median_copy_ms_per_step']:.3f}",
+                 f"{d['median_exposed_copy_ms_per_step']:.3f}",
+                 "passed" if d["check"]["passed"] else "skipped")  # fmt: skip
+        lines.append("  ".join(f"{c!s:>9}" for c in cells))
+    return "\n".join(lines)
+
+
+def _list_of(kind):
+    def parse(text: str) -> list:
+        return [kind(v) for v in text.split(",") if v.strip()]
+
+    return parse
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -282,8 +309,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dtype", default=None, help="default: the checkpoint's")
     ap.add_argument("--tokens", type=int, default=256, help="timed decode steps")
     ap.add_argument("--warmup", type=int, default=32, help="untimed decode steps first (the cache warms)")
-    ap.add_argument("--batch", type=int, default=1, help="tokens per decode step")
-    ap.add_argument("--zipf", type=float, default=1.0, help="popularity exponent s: p(rank r) ~ 1/r^s")
+    ap.add_argument("--batch", type=_list_of(int), default=[1], help="tokens per decode step; a list runs each, e.g. 1,8,32")
+    ap.add_argument("--zipf", type=_list_of(float), default=[1.0],
+                    help="popularity exponent s, p(rank r) ~ 1/r^s; a list runs each, e.g. 0.6,1.0,1.4")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="auto", help="cuda, cpu or auto")
     ap.add_argument("--hbm-bytes", type=int, default=None, help="size of the device copy that measures HBM")
@@ -292,8 +320,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
-    if args.tokens < 1 or args.warmup < 0 or args.batch < 1:
-        ap.error("--tokens and --batch must be at least 1, --warmup not negative")
+    if args.tokens < 1 or args.warmup < 0 or min(args.batch) < 1 or min(args.zipf) < 0:
+        ap.error("--tokens and --batch must be at least 1, --warmup and --zipf not negative")
     return args
 
 
