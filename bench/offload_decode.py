@@ -21,7 +21,8 @@ against their banks. Runs on CPU too (tiny configs; "H2D" is then a host memcpy)
     python bench/offload_decode.py --model tests/data/models/qwen3-30b-a3b --gpu-memory 24GiB \
         --batch 1,8,32 --zipf 0.8,1.2 --tokens 256 --out bench/results/offload_decode_qwen3-30b.json
 
-Each (batch, zipf) pair is one run with a fresh cache over the same banks and slot pool.
+Each (policy, batch, zipf) is one run with a fresh cache over the same banks and slot pool
+(e.g. --policy lru,lfu).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from services.worker import pool_layout as L  # noqa: E402
 from services.worker.costs import resident_weight_bytes_from_shapes, workspace_bytes_estimate  # noqa: E402
 from services.worker.offload.expert_cache import OffloadedExperts  # noqa: E402
 from services.worker.offload.host_banks import HostBanks  # noqa: E402
-from services.worker.offload.policy import LRUExpertPolicy  # noqa: E402
+from services.worker.offload.build import POLICIES, make_policy  # noqa: E402
 from services.worker.planner import Measured, PlanRequest, make_plan  # noqa: E402
 from services.worker.pools import TORCH_DTYPES, ExpertSlotPool, allocate_pool  # noqa: E402
 
@@ -163,6 +164,7 @@ def compute_only_ms(store: OffloadedExperts, weights: torch.Tensor, x: torch.Ten
 
 def decode_run(store: OffloadedExperts, banks: HostBanks, spec, args, batch: int, zipf: float, clock: Clock,
                h2d_Bps: float, hbm_Bps: float) -> dict:  # fmt: skip
+    policy = store.policy.name
     """Warm-up then timed decode steps with fresh cache state; per-step numbers and their medians."""
     device, layers = store.device, banks.num_layers
     steps = args.warmup + args.tokens
@@ -198,7 +200,7 @@ def decode_run(store: OffloadedExperts, banks: HostBanks, spec, args, batch: int
     hits, misses = sum(r["hits"] for r in rows), sum(r["misses"] for r in rows)
     ms_sorted = sorted(r["ms"] for r in rows)
     return {
-        "batch": batch, "zipf": zipf, "steps": len(rows), "warmup_steps": args.warmup,
+        "policy": policy, "batch": batch, "zipf": zipf, "steps": len(rows), "warmup_steps": args.warmup,
         "median_ms_per_step": med("ms"),
         "p10_ms_per_step": ms_sorted[len(ms_sorted) // 10],
         "p90_ms_per_step": ms_sorted[(len(ms_sorted) * 9) // 10],
@@ -241,11 +243,10 @@ def run(args: argparse.Namespace) -> dict:
     bw = measure_bandwidths(banks, device, clock, args.hbm_bytes or (2**30 if device.type == "cuda" else 2**26))
 
     runs = []
-    for batch in args.batch:
-        for zipf in args.zipf:
-            store = OffloadedExperts(slots, banks, LRUExpertPolicy(layers, experts, plan.experts.slots), device)
-            runs.append(decode_run(store, banks, spec, args, batch, zipf, clock,
-                                   bw["h2d_per_expert_GBps"] * 1e9, bw["hbm_copy_GBps"] * 1e9))  # fmt: skip
+    for policy, batch, zipf in ((p, b, z) for p in args.policy for b in args.batch for z in args.zipf):
+        store = OffloadedExperts(slots, banks, make_policy(policy, layers, experts, plan.experts.slots), device)
+        runs.append(decode_run(store, banks, spec, args, batch, zipf, clock,
+                               bw["h2d_per_expert_GBps"] * 1e9, bw["hbm_copy_GBps"] * 1e9))  # fmt: skip
     return {
         "bench": "offload_decode",
         "model": str(args.model),
@@ -277,12 +278,12 @@ def table(r: dict) -> str:
     ]  # fmt: skip
     width = max(len(k) for k, _ in head)
     lines = [f"{k:<{width}}  {v}" for k, v in head]
-    cols = ("batch", "zipf", "ms/step", "p10-p90", "bound", "x bound", "GEMM only", "hit rate", "misses",
+    cols = ("policy", "batch", "zipf", "ms/step", "p10-p90", "bound", "x bound", "GEMM only", "hit rate", "misses",
             "MiB/token", "copy ms", "exposed", "check")  # fmt: skip
     lines.append("  ".join(f"{c:>9}" for c in cols))
     for d in r["runs"]:
         ratio = d["measured_over_bound"]
-        cells = (d["batch"], d["zipf"], f"{d['median_ms_per_step']:.3f}",
+        cells = (d["policy"], d["batch"], d["zipf"], f"{d['median_ms_per_step']:.3f}",
                  f"{d['p10_ms_per_step']:.1f}-{d['p90_ms_per_step']:.1f}", f"{d['median_bound_ms_per_step']:.3f}",
                  f"{ratio:.2f}" if ratio else "-", f"{d['compute_only_ms_per_step']:.3f}",
                  f"{100 * d['hit_rate']:.1f}%", f"{d['misses_per_step']:.1f}",
@@ -312,6 +313,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batch", type=_list_of(int), default=[1], help="tokens per decode step; a list runs each, e.g. 1,8,32")
     ap.add_argument("--zipf", type=_list_of(float), default=[1.0],
                     help="popularity exponent s, p(rank r) ~ 1/r^s; a list runs each, e.g. 0.6,1.0,1.4")
+    ap.add_argument("--policy", type=_list_of(str), default=["lru"],
+                    help=f"expert cache policy ({', '.join(POLICIES)}); a list runs each, e.g. lru,lfu")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="auto", help="cuda, cpu or auto")
     ap.add_argument("--hbm-bytes", type=int, default=None, help="size of the device copy that measures HBM")
@@ -320,6 +323,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
+    unknown = [p for p in args.policy if p not in POLICIES]
+    if unknown:
+        ap.error(f"unknown --policy {unknown}; choose from {', '.join(POLICIES)}")
     if args.tokens < 1 or args.warmup < 0 or min(args.batch) < 1 or min(args.zipf) < 0:
         ap.error("--tokens and --batch must be at least 1, --warmup and --zipf not negative")
     return args

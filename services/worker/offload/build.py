@@ -9,28 +9,40 @@ from __future__ import annotations
 
 import torch
 
+from shared.errors import ConfigError
 from shared.model_config import ModelSpec
 from services.worker.experts import ResidentExperts
 from services.worker.offload.expert_cache import OffloadedExperts
 from services.worker.offload.host_banks import HostBanks
-from services.worker.offload.policy import LRUExpertPolicy
+from services.worker.offload.frequency_policy import LFUExpertPolicy
+from services.worker.offload.policy import ExpertSlotPolicy, LRUExpertPolicy
 from services.worker.planner import Plan
 from services.worker.pools import ExpertSlotPool
 
 
+POLICIES: dict[str, type[ExpertSlotPolicy]] = {"lru": LRUExpertPolicy, "lfu": LFUExpertPolicy}
+
+
+def make_policy(name: str, num_layers: int, num_experts: int, num_slots: int) -> ExpertSlotPolicy:
+    if name not in POLICIES:
+        raise ConfigError(f"unknown expert cache policy {name!r}; choose one of {', '.join(POLICIES)}")
+    return POLICIES[name](num_layers, num_experts, num_slots)
+
+
 def build_offloaded_experts(spec: ModelSpec, plan: Plan, slots: ExpertSlotPool, device: torch.device | str,
-                            pin: bool | None = None, progress: bool = True) -> OffloadedExperts:  # fmt: skip
+                            pin: bool | None = None, progress: bool = True, policy: str = "lru") -> OffloadedExperts:  # fmt: skip
     """Host banks for every routed expert (pinned when CUDA is present; fails first with a
-    HostMemoryError if RAM is short) and an LRU policy over the plan's slots."""
+    HostMemoryError if RAM is short) and a replacement policy over the plan's slots."""
     num_layers = len(spec.moe_layer_indices)
+    chosen = make_policy(policy, num_layers, spec.num_experts, slots.num_slots)
     banks = HostBanks.for_model(spec, plan.dtype, pin=pin, progress=progress)
-    policy = LRUExpertPolicy(num_layers, spec.num_experts, slots.num_slots)
-    return OffloadedExperts(slots, banks, policy, device)
+    return OffloadedExperts(slots, banks, chosen, device)
 
 
 def build_expert_store(spec: ModelSpec, plan: Plan, slots: ExpertSlotPool, device: torch.device | str,
-                       pin: bool | None = None, progress: bool = True) -> ResidentExperts | OffloadedExperts:  # fmt: skip
+                       pin: bool | None = None, progress: bool = True,
+                       policy: str = "lru") -> ResidentExperts | OffloadedExperts:  # fmt: skip
     """ResidentExperts (no host banks, no host RAM) when the plan gave every expert a slot."""
     if slots.num_slots >= spec.total_experts:
         return ResidentExperts(slots, len(spec.moe_layer_indices), spec.num_experts)
-    return build_offloaded_experts(spec, plan, slots, device, pin=pin, progress=progress)
+    return build_offloaded_experts(spec, plan, slots, device, pin=pin, progress=progress, policy=policy)

@@ -38,7 +38,7 @@ from kernels.grouped_expert_gemm import (
     grouped_expert_rows_triton,
 )
 from services.worker.offload.host_banks import HostBanks
-from services.worker.offload.policy import NO_SLOT, LRUExpertPolicy
+from services.worker.offload.policy import NO_SLOT, ExpertSlotPolicy
 from services.worker.offload.stats import ExpertCacheStats
 from services.worker.pools import ExpertSlotPool
 
@@ -53,7 +53,7 @@ DEFAULT_HOST_ALIGN_MAX_PAIRS = 4096
 class OffloadedExperts:
     """An `ExpertStore` (services/worker/experts.py) over `slots.num_slots` device slots."""
 
-    def __init__(self, slots: ExpertSlotPool, banks: HostBanks, policy: LRUExpertPolicy,
+    def __init__(self, slots: ExpertSlotPool, banks: HostBanks, policy: ExpertSlotPolicy,
                  device: torch.device | str, pipeline_chunks: int = DEFAULT_PIPELINE_CHUNKS,
                  prefill_tokens: int = DEFAULT_PREFILL_TOKENS, use_triton: bool | None = None,
                  host_align_max_pairs: int = DEFAULT_HOST_ALIGN_MAX_PAIRS):  # fmt: skip
@@ -230,7 +230,7 @@ def _split(misses: list, chunks: int) -> list[list]:
     return [misses[bounds[i] : bounds[i + 1]] for i in range(n)]
 
 
-def _check_compatible(slots: ExpertSlotPool, banks: HostBanks, policy: LRUExpertPolicy) -> None:
+def _check_compatible(slots: ExpertSlotPool, banks: HostBanks, policy: ExpertSlotPolicy) -> None:
     if slots.num_slots != policy.num_slots:
         raise ValueError(f"the slot pool has {slots.num_slots} slots but the policy manages {policy.num_slots}")
     if (banks.num_layers, banks.num_experts) != (policy.num_layers, policy.num_experts):

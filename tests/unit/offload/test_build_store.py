@@ -1,8 +1,10 @@
 """Boot's choice of expert store from a plan: all-resident when every expert has a slot, else offload."""
 
+import pytest
 import torch
 from offload_tiny import random_experts, random_routing, tiny_spec
 
+from shared.errors import ConfigError
 from shared.units import MiB
 from services.worker.experts import ResidentExperts
 from services.worker.offload.build import build_expert_store
@@ -13,10 +15,10 @@ from services.worker.pools import allocate_pools
 SPEC = tiny_spec(layers=3, experts=6, top_k=2)
 
 
-def _store(**flags):
+def _store(policy="lru", **flags):
     plan = make_plan(SPEC, PlanRequest(gpu_memory=64 * MiB, dtype="float32", **flags), Measured(1 * MiB, 1 * MiB))
     pools = allocate_pools(SPEC, plan, "cpu")
-    return plan, build_expert_store(SPEC, plan, pools.experts, "cpu", progress=False)
+    return plan, build_expert_store(SPEC, plan, pools.experts, "cpu", progress=False, policy=policy)
 
 
 def test_every_expert_in_a_slot_needs_no_host_banks():
@@ -38,3 +40,10 @@ def test_fewer_slots_than_experts_builds_the_offload_store_and_it_serves():
         assert out.shape == (4, SPEC.hidden_size) and torch.isfinite(out).all()
     store.end_step()
     assert store.stats.total.hits + store.stats.total.misses > 0
+
+
+def test_the_policy_is_chosen_by_name():
+    _, store = _store(policy="lfu", moe_cache_size=7)
+    assert store.policy.name == "lfu"
+    with pytest.raises(ConfigError, match="unknown expert cache policy 'mru'; choose one of lru, lfu"):
+        _store(policy="mru", moe_cache_size=7)

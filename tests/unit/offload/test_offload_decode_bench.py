@@ -35,8 +35,9 @@ def _run(bench, tmp_path, *flags):
 
 
 def test_a_small_cache_misses_and_the_numbers_add_up(bench, tmp_path, capsys):
-    r = _run(bench, tmp_path, "--moe-cache-size", "14", "--batch", "2", "--zipf", "0.5,1.5")
-    assert [(d["batch"], d["zipf"]) for d in r["runs"]] == [(2, 0.5), (2, 1.5)]
+    r = _run(bench, tmp_path, "--moe-cache-size", "14", "--batch", "2", "--zipf", "0.5,1.5", "--policy", "lru,lfu")
+    assert [(d["policy"], d["batch"], d["zipf"]) for d in r["runs"]] == [
+        ("lru", 2, 0.5), ("lru", 2, 1.5), ("lfu", 2, 0.5), ("lfu", 2, 1.5)]
     d = r["runs"][0]
     assert d["check"]["passed"] and d["check"]["exact"]
     assert r["plan"]["slots"] == 14 and r["plan"]["total_experts"] == 36
@@ -47,6 +48,7 @@ def test_a_small_cache_misses_and_the_numbers_add_up(bench, tmp_path, capsys):
     assert r["bandwidth"]["h2d_per_expert_GBps"] > 0 and r["bandwidth"]["hbm_copy_GBps"] > 0
     assert d["expert_cache"]["steps"] == 2 + 8 + 1  # warm-up and timed steps, then the self-check's step
     assert r["runs"][1]["hit_rate"] > d["hit_rate"]  # more skewed routing, more hits
+    assert all(run["check"]["passed"] for run in r["runs"])
     assert "expert slots" in capsys.readouterr().out
 
 
