@@ -313,7 +313,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batch", type=_list_of(int), default=[1], help="tokens per decode step; a list runs each, e.g. 1,8,32")
     ap.add_argument("--zipf", type=_list_of(float), default=[1.0],
                     help="popularity exponent s, p(rank r) ~ 1/r^s; a list runs each, e.g. 0.6,1.0,1.4")
-    ap.add_argument("--policy", type=_list_of(str), default=["lru"],
+    ap.add_argument("--policy", type=_list_of(str), default=["lru", "lfu"],
                     help=f"expert cache policy ({', '.join(POLICIES)}); a list runs each, e.g. lru,lfu")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="auto", help="cuda, cpu or auto")

@@ -2,8 +2,8 @@
 
 Per MoE layer (DESIGN §3): route -> the layer's unique experts -> the policy gives each a slot
 and names the misses -> misses are copied host bank -> slot on a dedicated copy stream -> the
-grouped expert GEMM computes by slot. Copies and compute are ordered by events only, so the
-host never waits for a copy:
+grouped expert GEMM computes by slot. Copies and compute are ordered by CUDA events, not by
+host synchronisation (the host waits only for the routing it needs, once per layer):
 
 * before any copy, the copy stream waits for everything already queued on the compute stream
   (an evicted slot may still be read by an earlier layer's GEMM);

@@ -53,7 +53,7 @@ def test_a_small_cache_misses_and_the_numbers_add_up(bench, tmp_path, capsys):
 
 
 def test_a_cache_for_every_expert_never_copies(bench, tmp_path):
-    r = _run(bench, tmp_path)  # 64 MiB: the planner gives every expert a slot
+    r = _run(bench, tmp_path, "--policy", "lru")  # 64 MiB: the planner gives every expert a slot
     assert r["plan"]["slots"] == r["plan"]["total_experts"]
     (d,) = r["runs"]
     assert d["hit_rate"] == 1.0 and d["bytes_copied_per_token"] == 0 and d["expert_cache"]["misses"] == 0
