@@ -8,9 +8,10 @@ the progress bar something to count: pinning tens of GB takes seconds to minutes
 Pinned memory is what lets host->device copies run asynchronously on a copy stream at full PCIe
 speed; on a machine without CUDA the banks are ordinary memory. Blocks are allocated as ordinary
 memory and page-locked in place with cudaHostRegister, because torch's pinned allocator rounds
-every block up to a power of two (805 MB of a Qwen3-30B layer would take 1 GiB: +33% host RAM). Banks are filled expert by
-expert through `load_expert` (the loader streams one checkpoint tensor at a time, so RAM never
-holds a second full copy) or by `fill_dummy` for benchmarks of real shapes.
+every block up to a power of two (805 MB of a Qwen3-30B layer would take 1 GiB: +33% host RAM).
+
+Banks are filled expert by expert through `load_expert` (the loader streams one checkpoint
+tensor at a time, so RAM never holds a second full copy) or by `fill_dummy` for benchmarks.
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ class HostBanks:
     @property
     def expert_nbytes(self) -> int:
         """Bytes of one expert (both families): what one miss copies."""
-        return (self.w13[0][0].nbytes + self.w2[0][0].nbytes)
+        return self.w13[0][0].nbytes + self.w2[0][0].nbytes
 
     @property
     def nbytes(self) -> int:
