@@ -35,7 +35,7 @@ def test_offloaded_matches_all_resident_on_cuda(num_slots):
     w13 = torch.cat([banks.w13[layer] for layer in range(LAYERS)]).cuda()
     w2 = torch.cat([banks.w2[layer] for layer in range(LAYERS)]).cuda()
     g = torch.Generator(device="cuda").manual_seed(num_slots)
-    for tokens in (1, 3, 1, 200, 1, 1, 64):  # decode steps and prefill steps (chunked copies)
+    for tokens in (1, 3, 1, 200, 1, 1, 64, 1100):  # decode, prefill (chunked copies), 4400 pairs: device alignment
         for layer in range(LAYERS):
             x = torch.randn(tokens, SPEC.hidden_size, device="cuda", generator=g).to(torch.bfloat16)
             weights, ids = torch.rand(tokens, E, device="cuda", generator=g).topk(4, dim=-1)
