@@ -43,5 +43,11 @@ class LFUExpertPolicy(ExpertSlotPolicy):
         score[self.layer_of_slot == NO_SLOT] = np.inf  # free slots are taken before any victim
         if protected:
             score[list(protected)] = np.inf
-        order = np.lexsort((self._last_use, score))  # fewest requests first, then least recent
-        return [int(s) for s in order[:count]]
+        # only slots scoring at most the count-th lowest can be victims: sort just those (this
+        # runs on the host while the GPU waits, once per layer with misses)
+        if count < score.size:
+            candidates = np.flatnonzero(score <= np.partition(score, count - 1)[count - 1])
+        else:
+            candidates = np.arange(score.size)
+        order = np.lexsort((self._last_use[candidates], score[candidates]))  # fewest requests, then least recent
+        return [int(s) for s in candidates[order[:count]]]
