@@ -262,6 +262,7 @@ def run(args: argparse.Namespace) -> dict:
         "routing": {"distribution": "zipf", "seed": args.seed},
         "dummy_fill_s": fill_s,
         "bandwidth": bw,
+        "bound_formula": "bytes_copied / h2d_per_expert_GBps + bytes_read (routed experts) / hbm_copy_GBps",
         "runs": runs,
     }
 
