@@ -1,5 +1,5 @@
 """How boot builds the expert store from a plan: all-resident when every expert has a slot,
-otherwise host banks + LRU policy + the offloading store.
+otherwise host banks + a replacement policy (LRU by default, or LFU) + the offloading store.
 
 Boot order: `allocate_pools` -> `build_expert_store` -> `store.load_expert(...)` for every
 expert (checkpoint or dummy weights) -> `store.preload()` when the store has one.
@@ -11,11 +11,11 @@ import torch
 
 from shared.errors import ConfigError
 from shared.model_config import ModelSpec
-from services.worker.experts import ResidentExperts
 from services.worker.offload.expert_cache import OffloadedExperts
 from services.worker.offload.host_banks import HostBanks
 from services.worker.offload.frequency_policy import LFUExpertPolicy
 from services.worker.offload.policy import ExpertSlotPolicy, LRUExpertPolicy
+from services.worker.offload.resident import KernelResidentExperts
 from services.worker.planner import Plan
 from services.worker.pools import ExpertSlotPool
 
@@ -41,8 +41,9 @@ def build_offloaded_experts(spec: ModelSpec, plan: Plan, slots: ExpertSlotPool, 
 
 def build_expert_store(spec: ModelSpec, plan: Plan, slots: ExpertSlotPool, device: torch.device | str,
                        pin: bool | None = None, progress: bool = True,
-                       policy: str = "lru") -> ResidentExperts | OffloadedExperts:  # fmt: skip
-    """ResidentExperts (no host banks, no host RAM) when the plan gave every expert a slot."""
+                       policy: str = "lru") -> KernelResidentExperts | OffloadedExperts:  # fmt: skip
+    """All-resident (no host banks, no host RAM, nothing copied) when the plan gave every expert
+    a slot; otherwise the offload store."""
     if slots.num_slots >= spec.total_experts:
-        return ResidentExperts(slots, len(spec.moe_layer_indices), spec.num_experts)
+        return KernelResidentExperts(slots, len(spec.moe_layer_indices), spec.num_experts)
     return build_offloaded_experts(spec, plan, slots, device, pin=pin, progress=progress, policy=policy)

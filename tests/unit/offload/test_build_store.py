@@ -9,6 +9,7 @@ from shared.units import MiB
 from services.worker.experts import ResidentExperts
 from services.worker.offload.build import build_expert_store
 from services.worker.offload.expert_cache import OffloadedExperts
+from services.worker.offload.resident import KernelResidentExperts
 from services.worker.planner import Measured, PlanRequest, make_plan
 from services.worker.pools import allocate_pools
 
@@ -24,7 +25,14 @@ def _store(policy="lru", **flags):
 def test_every_expert_in_a_slot_needs_no_host_banks():
     plan, store = _store()
     assert plan.experts.slots == plan.experts.total == 18
-    assert isinstance(store, ResidentExperts)
+    assert isinstance(store, KernelResidentExperts)
+    reference = ResidentExperts(store.slots, 3, 6)
+    for (layer, e), weights in random_experts(SPEC, 1).items():
+        store.load_expert(layer, e, *weights)
+    g = torch.Generator().manual_seed(1)
+    for layer in range(3):
+        x, ids, w = random_routing(SPEC, 5, g)
+        assert torch.equal(store.forward(layer, x, ids, w), reference.forward(layer, x, ids, w))
 
 
 def test_fewer_slots_than_experts_builds_the_offload_store_and_it_serves():
