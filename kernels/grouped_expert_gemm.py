@@ -114,10 +114,14 @@ def _down_kernel(
     tl.store(rows_ptr + pair[:, None] * H + offs_n[None, :], y, mask=row_ok[:, None] & n_ok[None, :])
 
 
-def align_pairs_by_slot(topk_slots: torch.Tensor, num_slots: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def align_pairs_by_slot(topk_slots: torch.Tensor, num_slots: int, block_m: int,
+                        max_distinct_slots: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(sorted_pairs, block_slot): flat (token*k + j) pair indices grouped by slot, each slot's
     group padded to a multiple of block_m with the sentinel T*k, and the slot of each block of
-    block_m rows (-1 for blocks past the end). Pairs with slot -1 are left out. No host sync."""
+    block_m rows (-1 for blocks past the end). Pairs with slot -1 are left out. No host sync.
+
+    The grid is sized for the worst case; `max_distinct_slots` (e.g. one layer's expert count,
+    known to the caller) tightens it, and with it the intermediate buffer, for large steps."""
     flat = topk_slots.reshape(-1).to(torch.int64)
     n = flat.numel()
     device = flat.device
@@ -133,7 +137,8 @@ def align_pairs_by_slot(topk_slots: torch.Tensor, num_slots: int, block_m: int) 
     kept = sorted_key < num_slots
     slot_of_sorted = sorted_key.clamp(max=num_slots - 1)
     rank = torch.arange(n, device=device) - first[slot_of_sorted]
-    max_blocks = triton.cdiv(n, block_m) + min(n, num_slots)
+    distinct = min(n, num_slots, max_distinct_slots if max_distinct_slots is not None else num_slots)
+    max_blocks = triton.cdiv(n, block_m) + distinct
     trash = max_blocks * block_m  # skipped pairs are scattered here and never read
     dest = torch.where(kept, padded_start[slot_of_sorted] + rank, trash)
     sorted_pairs = torch.full((trash + 1,), n, dtype=torch.int32, device=device)
@@ -165,7 +170,8 @@ def block_m_for(num_pairs: int) -> int:
 
 
 def grouped_expert_rows_triton(x, topk_slots, topk_weights, w13, w2, rows,
-                               aligned: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:  # fmt: skip
+                               aligned: tuple[torch.Tensor, torch.Tensor] | None = None,
+                               max_distinct_slots: int | None = None) -> None:  # fmt: skip
     """Triton twin of `grouped_expert_rows_reference` (same arguments, same contract).
 
     `aligned`: (sorted_pairs, block_slot) already on the device, made with BLOCK_M =
@@ -179,7 +185,7 @@ def grouped_expert_rows_triton(x, topk_slots, topk_weights, w13, w2, rows,
     block_m = block_m_for(num_pairs)
     block_n, block_k = 64, 64
     if aligned is None:
-        aligned = align_pairs_by_slot(topk_slots, w13.shape[0], block_m)
+        aligned = align_pairs_by_slot(topk_slots, w13.shape[0], block_m, max_distinct_slots)
     sorted_pairs, block_slot = aligned
     if num_pairs == 0 or block_slot.numel() == 0:
         return
@@ -200,16 +206,16 @@ def grouped_expert_rows_triton(x, topk_slots, topk_weights, w13, w2, rows,
     )  # fmt: skip
 
 
-def grouped_expert_rows(x, topk_slots, topk_weights, w13, w2, rows) -> None:
+def grouped_expert_rows(x, topk_slots, topk_weights, w13, w2, rows, max_distinct_slots: int | None = None) -> None:
     """rows[t, k] = weighted output of pair (t, k) for every pair whose slot is >= 0."""
     if x.is_cuda:
-        grouped_expert_rows_triton(x, topk_slots, topk_weights, w13, w2, rows)
+        grouped_expert_rows_triton(x, topk_slots, topk_weights, w13, w2, rows, max_distinct_slots=max_distinct_slots)
     else:
         grouped_expert_rows_reference(x, topk_slots, topk_weights, w13, w2, rows)
 
 
-def grouped_expert_forward(x, topk_slots, topk_weights, w13, w2) -> torch.Tensor:
+def grouped_expert_forward(x, topk_slots, topk_weights, w13, w2, max_distinct_slots: int | None = None) -> torch.Tensor:
     """sum_k topk_weights[t, k] * expert_{topk_slots[t, k]}(x[t]): [T, H] in x's dtype."""
     rows = torch.zeros(x.shape[0], topk_slots.shape[1], x.shape[1], dtype=torch.float32, device=x.device)
-    grouped_expert_rows(x, topk_slots, topk_weights, w13, w2, rows)
+    grouped_expert_rows(x, topk_slots, topk_weights, w13, w2, rows, max_distinct_slots)
     return rows.sum(dim=1).to(x.dtype)

@@ -213,8 +213,9 @@ class OffloadedExperts:
             grouped_expert_rows_triton(x, None, topk_weights, self.slots.w13, self.slots.w2, rows, aligned=aligned)
             return
         slots = torch.from_numpy(group_slots).to(x.device)
-        if self._triton:
-            grouped_expert_rows_triton(x, slots, topk_weights, self.slots.w13, self.slots.w2, rows)
+        if self._triton:  # a large step: the kernel aligns on the device, its grid bounded by this layer's experts
+            grouped_expert_rows_triton(x, slots, topk_weights, self.slots.w13, self.slots.w2, rows,
+                                       max_distinct_slots=self.num_experts)  # fmt: skip
         else:  # the reference on CPU (or whatever the dispatcher picks for this device)
             grouped_expert_rows(x, slots, topk_weights, self.slots.w13, self.slots.w2, rows)
 

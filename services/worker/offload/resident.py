@@ -17,4 +17,5 @@ from services.worker.experts import ResidentExperts
 class KernelResidentExperts(ResidentExperts):
     def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         topk_slots = topk_ids + moe_layer * self.num_experts
-        return grouped_expert_forward(x, topk_slots, topk_weights, self.slots.w13, self.slots.w2)
+        return grouped_expert_forward(x, topk_slots, topk_weights, self.slots.w13, self.slots.w2,
+                                      max_distinct_slots=self.num_experts)  # one layer's experts at most

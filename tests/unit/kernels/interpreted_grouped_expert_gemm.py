@@ -65,6 +65,19 @@ def host_aligned_rows_match(seed, tokens, top_k, hidden, inter, slots, skip):
     torch.testing.assert_close(got[~skipped], want[~skipped], rtol=1e-5, atol=1e-5)
 
 
+def tight_grid_with_max_distinct_slots():
+    """Many slots in the pool, few used: the grid bounded by the caller's distinct-slot count."""
+    x, _, weights, w13, w2 = make_case(8, 40, 2, 32, 16, 30, torch.float32)
+    g = torch.Generator().manual_seed(8)
+    used = torch.randperm(30, generator=g)[:3]
+    topk = torch.stack([used[torch.randperm(3, generator=g)[:2]] for _ in range(40)])
+    got = torch.full((40, 2, 32), float("nan"))
+    want = torch.full((40, 2, 32), float("nan"))
+    grouped_expert_rows_triton(x, topk, weights, w13, w2, got, max_distinct_slots=3)
+    grouped_expert_rows_reference(x, topk, weights, w13, w2, want)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def bfloat16_within_rounding():
     x, topk, weights, w13, w2 = make_case(3, 9, 2, 64, 32, 5, torch.bfloat16)
     got = torch.full((9, 2, 64), float("nan"))
@@ -90,6 +103,7 @@ CASES = {
     "ragged_shapes_and_skipped_pairs": lambda: rows_match_in_float32(1, 5, 3, 48, 40, 7, 2),
     "several_blocks_of_one_slot": lambda: rows_match_in_float32(2, 37, 4, 80, 72, 6, 5),
     "host_aligned_rows": lambda: host_aligned_rows_match(6, 70, 3, 40, 24, 9, 7),
+    "tight_grid_with_max_distinct_slots": tight_grid_with_max_distinct_slots,
     "bfloat16_within_rounding": bfloat16_within_rounding,
     "alignment_groups_pairs_by_slot": alignment_groups_pairs_by_slot,
 }

@@ -14,7 +14,7 @@ from kernels.moe_reference import grouped_expert_forward_reference
 
 ROOT = Path(__file__).resolve().parents[3]
 CASES = ["decode_one_token", "ragged_shapes_and_skipped_pairs", "several_blocks_of_one_slot", "host_aligned_rows",
-         "bfloat16_within_rounding", "alignment_groups_pairs_by_slot"]  # fmt: skip
+         "tight_grid_with_max_distinct_slots", "bfloat16_within_rounding", "alignment_groups_pairs_by_slot"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,8 @@ def test_host_alignment_equals_the_device_alignment():
         topk = torch.stack([torch.randperm(slots, generator=g)[:top_k] for _ in range(tokens)])
         topk[torch.rand(tokens, top_k, generator=g) < 0.3] = -1
         block_m = (1, 2, 16)[trial % 3]
-        device_pairs, device_blocks = align_pairs_by_slot(topk, slots, block_m)
+        distinct = int(torch.unique(topk[topk >= 0]).numel()) if trial % 2 else None  # the tight grid, or the worst case
+        device_pairs, device_blocks = align_pairs_by_slot(topk, slots, block_m, distinct)
         host_pairs, host_blocks = align_pairs_by_slot_host(topk.numpy(), block_m)
         real = int((device_blocks >= 0).sum())
         assert (device_blocks[real:] == -1).all() and host_blocks.size == real
