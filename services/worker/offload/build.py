@@ -1,5 +1,10 @@
 """How boot builds the expert store from a plan: all-resident when every expert has a slot,
-otherwise host banks + a replacement policy (LRU by default, or LFU) + the offloading store.
+otherwise host banks + a replacement policy + the offloading store.
+
+The default policy is LFU, not LRU: decode visits the layers in a cycle, and once one step's
+routed experts outnumber the slots (batch 8 on a 24 GiB card with Qwen3-30B-A3B), LRU evicts
+exactly the experts the next layers need and its hit rate falls to zero, where LFU keeps ~50%
+(bench/offload_policy_sim.py). LRU stays available by name.
 
 Boot order: `allocate_pools` -> `build_expert_store` -> `store.load_expert(...)` for every
 expert (checkpoint or dummy weights) -> `store.preload()` when the store has one.
@@ -21,6 +26,7 @@ from services.worker.pools import ExpertSlotPool
 
 
 POLICIES: dict[str, type[ExpertSlotPolicy]] = {"lru": LRUExpertPolicy, "lfu": LFUExpertPolicy}
+DEFAULT_POLICY = "lfu"
 
 
 def make_policy(name: str, num_layers: int, num_experts: int, num_slots: int) -> ExpertSlotPolicy:
@@ -30,7 +36,7 @@ def make_policy(name: str, num_layers: int, num_experts: int, num_slots: int) ->
 
 
 def build_offloaded_experts(spec: ModelSpec, plan: Plan, slots: ExpertSlotPool, device: torch.device | str,
-                            pin: bool | None = None, progress: bool = True, policy: str = "lru") -> OffloadedExperts:  # fmt: skip
+                            pin: bool | None = None, progress: bool = True, policy: str = DEFAULT_POLICY) -> OffloadedExperts:  # fmt: skip
     """Host banks for every routed expert (pinned when CUDA is present; fails first with a
     HostMemoryError if RAM is short) and a replacement policy over the plan's slots."""
     num_layers = len(spec.moe_layer_indices)
@@ -41,7 +47,7 @@ def build_offloaded_experts(spec: ModelSpec, plan: Plan, slots: ExpertSlotPool, 
 
 def build_expert_store(spec: ModelSpec, plan: Plan, slots: ExpertSlotPool, device: torch.device | str,
                        pin: bool | None = None, progress: bool = True,
-                       policy: str = "lru") -> KernelResidentExperts | OffloadedExperts:  # fmt: skip
+                       policy: str = DEFAULT_POLICY) -> KernelResidentExperts | OffloadedExperts:  # fmt: skip
     """All-resident (no host banks, no host RAM, nothing copied) when the plan gave every expert
     a slot; otherwise the offload store."""
     if slots.num_slots >= spec.total_experts:

@@ -16,7 +16,7 @@ from services.worker.pools import allocate_pools
 SPEC = tiny_spec(layers=3, experts=6, top_k=2)
 
 
-def _store(policy="lru", **flags):
+def _store(policy="lfu", **flags):
     plan = make_plan(SPEC, PlanRequest(gpu_memory=64 * MiB, dtype="float32", **flags), Measured(1 * MiB, 1 * MiB))
     pools = allocate_pools(SPEC, plan, "cpu")
     return plan, build_expert_store(SPEC, plan, pools.experts, "cpu", progress=False, policy=policy)
@@ -51,7 +51,10 @@ def test_fewer_slots_than_experts_builds_the_offload_store_and_it_serves():
 
 
 def test_the_policy_is_chosen_by_name():
-    _, store = _store(policy="lfu", moe_cache_size=7)
-    assert store.policy.name == "lfu"
+    _, store = _store(policy="lru", moe_cache_size=7)
+    assert store.policy.name == "lru"
+    plan = make_plan(SPEC, PlanRequest(gpu_memory=64 * MiB, dtype="float32", moe_cache_size=7), Measured(MiB, MiB))
+    default = build_expert_store(SPEC, plan, allocate_pools(SPEC, plan, "cpu").experts, "cpu", progress=False)
+    assert default.policy.name == "lfu"
     with pytest.raises(ConfigError, match="unknown expert cache policy 'mru'; choose one of lru, lfu"):
         _store(policy="mru", moe_cache_size=7)

@@ -57,3 +57,22 @@ def test_a_cache_for_every_expert_never_copies(bench, tmp_path):
     assert r["plan"]["slots"] == r["plan"]["total_experts"]
     (d,) = r["runs"]
     assert d["hit_rate"] == 1.0 and d["bytes_copied_per_token"] == 0 and d["expert_cache"]["misses"] == 0
+
+
+def test_policy_simulation_reports_hit_rates_and_bounds(tmp_path):
+    spec = importlib.util.spec_from_file_location("offload_policy_sim", ROOT / "bench" / "offload_policy_sim.py")
+    sim = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sim)
+    model = tmp_path / "tiny"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(TINY))
+    out = tmp_path / "sim.json"
+    assert sim.main(["--model", str(model), "--gpu-memory", "64MiB", "--moe-cache-size", "14", "--batch", "1,4",
+                     "--steps", "40", "--warmup", "10", "--out", str(out)]) == 0  # fmt: skip
+    r = json.loads(out.read_text())
+    assert r["slots"] == 14 and len(r["runs"]) == 4  # lru and lfu x two batches
+    for run in r["runs"]:
+        assert 0 <= run["hit_rate"] <= 1 and run["routed_per_step"] >= 3 * 3  # >= k per layer
+        copied = run["misses_per_step"] * r["expert_bytes"] / run["batch"] / 2**20
+        assert run["copied_MiB_per_token"] == pytest.approx(copied)
+        assert run["bound_ms_per_token"] > 0
