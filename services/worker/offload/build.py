@@ -4,7 +4,8 @@ otherwise host banks + a replacement policy + the offloading store.
 The default policy is LFU, not LRU: decode visits the layers in a cycle, and once one step's
 routed experts outnumber the slots (batch 8 on a 24 GiB card with Qwen3-30B-A3B), LRU evicts
 exactly the experts the next layers need and its hit rate falls to zero, where LFU keeps ~50%
-(bench/offload_policy_sim.py). LRU stays available by name.
+(bench/offload_policy_sim.py, Zipf-skewed routing with s = 1; to be confirmed with real routing).
+LRU stays available by name.
 
 Boot order: `allocate_pools` -> `build_expert_store` -> `store.load_expert(...)` for every
 expert (checkpoint or dummy weights) -> `store.preload()` when the store has one.
