@@ -100,6 +100,13 @@ class OffloadedExperts:
             stream.synchronize()
         return placed
 
+    def report(self) -> dict:
+        """The `"expert_cache"` object of `ferry generate --json` and /metrics: the statistics
+        (cumulative, with "last_step") and what the cache is."""
+        return {**self.stats.to_dict(), "policy": self.policy.name, "slots": self.policy.num_slots,
+                "total_experts": self.policy.num_layers * self.num_experts, "resident": self.policy.resident,
+                "evictions": self.policy.evictions, "host_bank_bytes": self.banks.nbytes}  # fmt: skip
+
     # ---- the step ----------------------------------------------------------------------------
     def end_step(self) -> None:
         """Close the current step's statistics (also done when layer 0 comes round again)."""

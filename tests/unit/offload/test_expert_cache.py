@@ -1,5 +1,7 @@
 """OffloadedExperts against the all-resident store: same bits, misses copied, statistics right."""
 
+import json
+
 import pytest
 import torch
 
@@ -80,6 +82,10 @@ def test_per_step_statistics_and_json_shape():
                       "steps", "last_step"}  # fmt: skip
     assert d["steps"] == 2 and d["hits"] + d["misses"] == 6 * LAYERS
     assert d["last_step"]["hits"] + d["last_step"]["misses"] == 3 * LAYERS
+    report = offloaded.report()
+    assert report["misses"] == d["misses"] and report["policy"] == "lru" and report["slots"] == 6
+    assert report["total_experts"] == 18 and report["resident"] == 6 and report["evictions"] == offloaded.policy.evictions
+    json.dumps(report)  # printable as is
 
 
 def test_reloading_a_cached_expert_updates_its_slot():
