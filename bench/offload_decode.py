@@ -214,7 +214,7 @@ def decode_run(store: OffloadedExperts, banks: HostBanks, spec, args, batch: int
         "median_bound_ms_per_step": med("bound_ms"),
         "measured_over_bound": med("ms") / med("bound_ms") if med("bound_ms") > 0 else None,
         "compute_only_ms_per_step": floor_ms,
-        "expert_cache": store.stats.to_dict(),
+        "expert_cache": store.report(),
         "check": check,
     }  # fmt: skip
 
