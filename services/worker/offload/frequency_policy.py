@@ -34,6 +34,12 @@ class LFUExpertPolicy(ExpertSlotPolicy):
             self.requests *= 0.5
         return super().lookup(layer, experts)
 
+    def place_in_free_slot(self, layer: int, expert: int) -> int | None:
+        s = super().place_in_free_slot(layer, expert)
+        if s is not None:
+            self.requests[layer, expert] -= 1.0  # a warm-up placement is not a request
+        return s
+
     def _touched(self, layer: int, expert: int, slot: int) -> None:
         self.requests[layer, expert] += 1.0
         self._last_use[slot] = self._clock

@@ -28,6 +28,13 @@ def test_requests_count_for_experts_that_are_not_resident():
     assert p.requests[0, 0] == 3 and p.requests[1, 1] == 3
 
 
+def test_warm_up_placement_is_not_a_request():
+    p = LFUExpertPolicy(num_layers=1, num_experts=3, num_slots=3)
+    assert p.place_in_free_slot(0, 1) is not None
+    assert p.requests[0, 1] == 0 and p.lookups == 0 and p.misses == 0
+    assert p.lookup(0, [1]).hits == 1 and p.requests[0, 1] == 1
+
+
 def test_counts_halve_every_half_life():
     p = LFUExpertPolicy(num_layers=1, num_experts=2, num_slots=2, half_life=4)
     for _ in range(3):
