@@ -2,13 +2,34 @@
 
 `w13[s]` holds expert s's gate rows then up rows ([2I, H]); `w2[s]` its down projection ([H, I]).
 `topk_slots` are slot indices (the caller has mapped (layer, expert) to slots). Computed in the
-weights' dtype with float32 accumulation of the weighted sum, one slot at a time, as the
-reference for the Triton kernel and the CPU path."""
+weights' dtype; each (token, k) pair's weighted output is kept in float32 and the k of a token
+are summed in k order, so the result does not depend on which slots the experts occupy (an
+offloading cache and an all-resident store give the same bits). A slot of -1 skips its pair,
+which lets a caller compute a layer's experts in groups (e.g. while later groups are copied).
+This is the reference for the Triton kernel (`grouped_expert_gemm.py`) and the CPU path."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+
+def grouped_expert_rows_reference(
+    x: torch.Tensor,  # [T, H]
+    topk_slots: torch.Tensor,  # int [T, k]; -1: skip this pair
+    topk_weights: torch.Tensor,  # float [T, k]
+    w13: torch.Tensor,  # [S, 2I, H]
+    w2: torch.Tensor,  # [S, H, I]
+    rows: torch.Tensor,  # float32 [T, k, H], written where topk_slots >= 0, untouched elsewhere
+) -> None:
+    for slot in torch.unique(topk_slots).tolist():
+        if slot < 0:
+            continue
+        token_idx, which = torch.nonzero(topk_slots == slot, as_tuple=True)
+        h = x[token_idx] @ w13[slot].t()
+        gate, up = h.chunk(2, dim=-1)
+        y = (F.silu(gate) * up) @ w2[slot].t()
+        rows[token_idx, which] = y.float() * topk_weights[token_idx, which, None].float()
 
 
 def grouped_expert_forward_reference(
@@ -18,12 +39,6 @@ def grouped_expert_forward_reference(
     w13: torch.Tensor,  # [S, 2I, H]
     w2: torch.Tensor,  # [S, H, I]
 ) -> torch.Tensor:
-    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-    flat_slots = topk_slots.reshape(-1)
-    for slot in torch.unique(flat_slots).tolist():
-        token_idx, which = torch.nonzero(topk_slots == slot, as_tuple=True)
-        h = x[token_idx] @ w13[slot].t()
-        gate, up = h.chunk(2, dim=-1)
-        y = (F.silu(gate) * up) @ w2[slot].t()
-        out.index_add_(0, token_idx, y.float() * topk_weights[token_idx, which, None].float())
-    return out.to(x.dtype)
+    rows = torch.zeros(x.shape[0], topk_slots.shape[1], x.shape[1], dtype=torch.float32, device=x.device)
+    grouped_expert_rows_reference(x, topk_slots, topk_weights, w13, w2, rows)
+    return rows.sum(dim=1).to(x.dtype)

@@ -1,0 +1,221 @@
+"""Grouped expert GEMM by slot, in Triton; twin of `kernels/moe_reference.py`.
+
+For every (token, k) pair with a slot s >= 0: rows[t, k] = w[t, k] * W2[s] (silu(G[s] x) * (U[s] x)),
+where W13[s] = [G; U]. Pairs are sorted by slot and each slot's pairs padded to BLOCK_M rows
+(the layout vLLM's fused MoE calls "aligned"), so every program multiplies one slot's weights by
+up to BLOCK_M of its tokens. Two kernels: gate/up with the SiLU product fused, then down with
+the routing weight fused. Rows are summed over k in k order afterwards (no atomics), as the
+reference does, so the result does not depend on slot numbering.
+
+The alignment is computed on the device without a host round trip; its grid is the worst case
+(ceil(pairs / BLOCK_M) + one partial block per distinct slot), and blocks past the real ones
+exit at once. A caller that has the routing on the host anyway (the offload store, which needs
+it for its policy) aligns there instead with `align_pairs_by_slot_host`: one small copy replaces
+two dozen tiny kernels per call, which is most of a decode step's launch overhead.
+`grouped_expert_forward` dispatches: CUDA -> Triton, anything else -> reference.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from kernels.moe_reference import grouped_expert_rows_reference
+
+# The Triton interpreter (TRITON_INTERPRET=1, CPU tests) computes bf16 dots wrongly: upcast there.
+_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, w13_ptr, act_ptr, sorted_pairs_ptr, block_slot_ptr,
+    num_pairs, top_k, H, I,
+    stride_xt, stride_xh, stride_ws, stride_wn, stride_wh, stride_am, stride_an,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    slot = tl.load(block_slot_ptr + pid_m)
+    if slot < 0:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_pairs_ptr + offs_m).to(tl.int64)
+    row_ok = pair < num_pairs
+    token = pair // top_k
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < I
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :] * stride_xh
+    w_base = w13_ptr + slot.to(tl.int64) * stride_ws
+    g_ptrs = w_base + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wh  # [BLOCK_K, BLOCK_N]
+    u_ptrs = g_ptrs + I * stride_wn
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k_ok = offs_k + k0 < H
+        a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        g = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        u = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if UPCAST:
+            a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
+        acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
+        x_ptrs += BLOCK_K * stride_xh
+        g_ptrs += BLOCK_K * stride_wh
+        u_ptrs += BLOCK_K * stride_wh
+    # round as the reference does: projections in the weights' dtype, then silu(gate) * up
+    out_ty = act_ptr.dtype.element_ty
+    gate = acc_g.to(out_ty).to(tl.float32)
+    up = acc_u.to(out_ty).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32)
+    act = (silu * up).to(out_ty)
+    a_ptrs = act_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_n[None, :] * stride_an
+    tl.store(a_ptrs, act, mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    act_ptr, w2_ptr, rows_ptr, weights_ptr, sorted_pairs_ptr, block_slot_ptr,
+    num_pairs, H, I,
+    stride_am, stride_an, stride_ws, stride_wh, stride_wi,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    slot = tl.load(block_slot_ptr + pid_m)
+    if slot < 0:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_pairs_ptr + offs_m).to(tl.int64)
+    row_ok = pair < num_pairs
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output features (H)
+    n_ok = offs_n < H
+    offs_k = tl.arange(0, BLOCK_K)  # reduction over I
+    a_ptrs = act_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_an
+    w_ptrs = w2_ptr + slot.to(tl.int64) * stride_ws + offs_n[None, :] * stride_wh + offs_k[:, None] * stride_wi
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        k_ok = offs_k + k0 < I
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if UPCAST:
+            a, w = a.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K * stride_an
+        w_ptrs += BLOCK_K * stride_wi
+    routing = tl.load(weights_ptr + pair, mask=row_ok, other=0.0)
+    y = acc.to(act_ptr.dtype.element_ty).to(tl.float32) * routing[:, None]
+    tl.store(rows_ptr + pair[:, None] * H + offs_n[None, :], y, mask=row_ok[:, None] & n_ok[None, :])
+
+
+def align_pairs_by_slot(topk_slots: torch.Tensor, num_slots: int, block_m: int,
+                        max_distinct_slots: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(sorted_pairs, block_slot): flat (token*k + j) pair indices grouped by slot, each slot's
+    group padded to a multiple of block_m with the sentinel T*k, and the slot of each block of
+    block_m rows (-1 for blocks past the end). Pairs with slot -1 are left out. No host sync.
+
+    The grid is sized for the worst case; `max_distinct_slots` (e.g. one layer's expert count,
+    known to the caller) tightens it, and with it the intermediate buffer, for large steps."""
+    flat = topk_slots.reshape(-1).to(torch.int64)
+    n = flat.numel()
+    device = flat.device
+    key = torch.where(flat >= 0, flat, num_slots)  # skipped pairs sort last, into bin num_slots
+    counts = torch.zeros(num_slots + 1, dtype=torch.int64, device=device).scatter_add_(0, key, torch.ones_like(key))
+    counts = counts[:num_slots]
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    padded_start = padded_end - padded
+    first = torch.cumsum(counts, 0) - counts
+    order = torch.argsort(key, stable=True)
+    sorted_key = key[order]
+    kept = sorted_key < num_slots
+    slot_of_sorted = sorted_key.clamp(max=num_slots - 1)
+    rank = torch.arange(n, device=device) - first[slot_of_sorted]
+    distinct = min(n, num_slots, max_distinct_slots if max_distinct_slots is not None else num_slots)
+    max_blocks = triton.cdiv(n, block_m) + distinct
+    trash = max_blocks * block_m  # skipped pairs are scattered here and never read
+    dest = torch.where(kept, padded_start[slot_of_sorted] + rank, trash)
+    sorted_pairs = torch.full((trash + 1,), n, dtype=torch.int32, device=device)
+    sorted_pairs.scatter_(0, dest, order.to(torch.int32))
+    block_starts = torch.arange(max_blocks, device=device) * block_m
+    idx = torch.searchsorted(padded_end, block_starts, right=True)
+    block_slot = torch.where(idx < num_slots, idx, -1).to(torch.int32)
+    return sorted_pairs[:trash], block_slot
+
+
+def align_pairs_by_slot_host(topk_slots: np.ndarray, block_m: int) -> tuple[np.ndarray, np.ndarray]:
+    """`align_pairs_by_slot` on the host (numpy), without the worst-case tail: exactly the real
+    blocks. int32 arrays, same layout and sentinel."""
+    flat = np.asarray(topk_slots, dtype=np.int64).reshape(-1)
+    n = flat.size
+    kept = np.flatnonzero(flat >= 0)
+    order = kept[np.argsort(flat[kept], kind="stable")]
+    slots, starts, counts = np.unique(flat[order], return_index=True, return_counts=True)
+    blocks = (counts + block_m - 1) // block_m
+    padded_start = (np.cumsum(blocks) - blocks) * block_m
+    sorted_pairs = np.full(int(blocks.sum()) * block_m, n, dtype=np.int32)
+    sorted_pairs[np.repeat(padded_start - starts, counts) + np.arange(order.size)] = order
+    return sorted_pairs, np.repeat(slots, blocks).astype(np.int32)
+
+
+def block_m_for(num_pairs: int) -> int:
+    """Rows per program: small for decode (few tokens per expert), larger for prefill."""
+    return 16 if num_pairs <= 1024 else 64
+
+
+def grouped_expert_rows_triton(x, topk_slots, topk_weights, w13, w2, rows,
+                               aligned: tuple[torch.Tensor, torch.Tensor] | None = None,
+                               max_distinct_slots: int | None = None) -> None:  # fmt: skip
+    """Triton twin of `grouped_expert_rows_reference` (same arguments, same contract).
+
+    `aligned`: (sorted_pairs, block_slot) already on the device, made with BLOCK_M =
+    block_m_for(T * k) (e.g. by `align_pairs_by_slot_host`); `topk_slots` is then not read."""
+    t, h = x.shape
+    top_k = topk_weights.shape[1]
+    inter = w2.shape[2]
+    if rows.dtype != torch.float32 or tuple(rows.shape) != (t, top_k, h) or not rows.is_contiguous():
+        raise ValueError(f"rows must be a contiguous float32 [{t}, {top_k}, {h}] tensor")
+    num_pairs = t * top_k
+    block_m = block_m_for(num_pairs)
+    block_n, block_k = 64, 64
+    if aligned is None:
+        aligned = align_pairs_by_slot(topk_slots, w13.shape[0], block_m, max_distinct_slots)
+    sorted_pairs, block_slot = aligned
+    if num_pairs == 0 or block_slot.numel() == 0:
+        return
+    act = torch.empty(sorted_pairs.numel(), inter, dtype=x.dtype, device=x.device)
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    upcast = _INTERPRETING or x.dtype == torch.float32
+    precision = "ieee" if x.dtype == torch.float32 else None  # fp32 in, fp32 accuracy out (no TF32)
+    num_blocks = block_slot.numel()
+    _gate_up_kernel[(num_blocks, triton.cdiv(inter, block_n))](
+        x, w13, act, sorted_pairs, block_slot, num_pairs, top_k, h, inter,
+        x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0), act.stride(1),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast, PRECISION=precision,
+    )  # fmt: skip
+    _down_kernel[(num_blocks, triton.cdiv(h, block_n))](
+        act, w2, rows, weights, sorted_pairs, block_slot, num_pairs, h, inter,
+        act.stride(0), act.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast, PRECISION=precision,
+    )  # fmt: skip
+
+
+def grouped_expert_rows(x, topk_slots, topk_weights, w13, w2, rows, max_distinct_slots: int | None = None) -> None:
+    """rows[t, k] = weighted output of pair (t, k) for every pair whose slot is >= 0."""
+    if x.is_cuda:
+        grouped_expert_rows_triton(x, topk_slots, topk_weights, w13, w2, rows, max_distinct_slots=max_distinct_slots)
+    else:
+        grouped_expert_rows_reference(x, topk_slots, topk_weights, w13, w2, rows)
+
+
+def grouped_expert_forward(x, topk_slots, topk_weights, w13, w2, max_distinct_slots: int | None = None) -> torch.Tensor:
+    """sum_k topk_weights[t, k] * expert_{topk_slots[t, k]}(x[t]): [T, H] in x's dtype."""
+    rows = torch.zeros(x.shape[0], topk_slots.shape[1], x.shape[1], dtype=torch.float32, device=x.device)
+    grouped_expert_rows(x, topk_slots, topk_weights, w13, w2, rows, max_distinct_slots)
+    return rows.sum(dim=1).to(x.dtype)

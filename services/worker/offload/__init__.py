@@ -1,0 +1,1 @@
+"""Expert offload (DESIGN §3): host banks, the slot policy, the offloading expert store, statistics."""

@@ -1,0 +1,170 @@
+"""Host banks: every routed expert's weights in (pinned) host memory, where cache misses are copied from.
+
+One block per MoE layer and weight family: w13 [E, 2I, H] (gate rows then up rows, the slot
+pool's layout) and w2 [E, H, I], so one expert is one contiguous copy per family into its slot.
+A block per layer rather than one across layers keeps each page-locking call bounded and gives
+the progress bar something to count: pinning tens of GB takes seconds to minutes.
+
+Pinned memory is what lets host->device copies run asynchronously on a copy stream at full PCIe
+speed; on a machine without CUDA the banks are ordinary memory. Blocks are allocated as ordinary
+memory and page-locked in place with cudaHostRegister, because torch's pinned allocator rounds
+every block up to a power of two (805 MB of a Qwen3-30B layer would take 1 GiB: +33% host RAM).
+
+Banks are filled expert by expert through `load_expert` (the loader streams one checkpoint
+tensor at a time, so RAM never holds a second full copy) or by `fill_dummy` for benchmarks.
+"""
+
+from __future__ import annotations
+
+import weakref
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from shared.errors import FerryError
+from shared.model_config import ModelSpec
+from shared.units import GiB, format_bytes
+from services.worker.pools import TORCH_DTYPES
+
+# Host memory the banks must leave to everything else (the worker, the page cache of a
+# checkpoint being read, the OS); asking for the last byte of MemAvailable ends in the OOM killer.
+HOST_RESERVE_BYTES = 2 * GiB
+MEMINFO = Path("/proc/meminfo")
+# Elements per copy of the dummy fill: large copies run at memcpy speed (see fill_dummy).
+DUMMY_CHUNK = 1 << 25
+
+
+class HostMemoryError(FerryError):
+    """The host has too little RAM for the expert banks."""
+
+    exit_status = 2
+
+
+def mem_available_bytes(meminfo: Path = MEMINFO) -> int | None:
+    """MemAvailable from /proc/meminfo in bytes; None where there is no such file (not Linux)."""
+    try:
+        for line in Path(meminfo).read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                value, unit = line.split()[1:3]
+                return int(value) * (1024 if unit.lower() == "kb" else 1)
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_host_memory(needed: int, what: str, meminfo: Path = MEMINFO, reserve: int = HOST_RESERVE_BYTES) -> None:
+    """Refuse before allocating when `needed` bytes plus the reserve exceed MemAvailable."""
+    available = mem_available_bytes(meminfo)
+    if available is None or needed + reserve <= available:
+        return
+    raise HostMemoryError(
+        f"{what} need {format_bytes(needed)} of host RAM but only {format_bytes(available)} is available "
+        f"(MemAvailable in {meminfo}), and {format_bytes(reserve)} is kept for the rest of the process; "
+        f"free host memory or use a machine with at least {format_bytes(needed + reserve - available)} more"
+    )
+
+
+def _host_block(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    block = torch.empty(shape, dtype=dtype)
+    if not pin:
+        return block
+    cudart = torch.cuda.cudart()
+    if not hasattr(cudart, "cudaHostRegister"):  # an old torch: its pinned allocator, rounding and all
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+    err = int(cudart.cudaHostRegister(block.data_ptr(), block.nbytes, 1))  # 1: cudaHostRegisterPortable
+    if err != 0:
+        raise HostMemoryError(f"page-locking {format_bytes(block.nbytes)} of host memory for the expert banks "
+                              f"failed (cudaError {err}); check `ulimit -l` and the container's memlock limit")  # fmt: skip
+    block._ferry_host_registered = True
+    return block
+
+
+def _unregister(blocks: list[torch.Tensor]) -> None:
+    cudart = torch.cuda.cudart()
+    for block in blocks:
+        cudart.cudaHostUnregister(block.data_ptr())
+
+
+class HostBanks:
+    """Per MoE layer: w13[layer] [E, 2I, H] and w2[layer] [E, H, I], pinned when CUDA is present."""
+
+    def __init__(self, w13: list[torch.Tensor], w2: list[torch.Tensor]):
+        if not w13 or len(w13) != len(w2):
+            raise ValueError(f"need one w13 and one w2 block per MoE layer, got {len(w13)} and {len(w2)}")
+        self.w13 = w13
+        self.w2 = w2
+        self.num_layers = len(w13)
+        self.num_experts, two_i, self.hidden_size = w13[0].shape
+        self.intermediate_size = two_i // 2
+        self.dtype = w13[0].dtype
+        self.pinned = bool(w13[0].is_pinned())
+        registered = [t for t in (*w13, *w2) if getattr(t, "_ferry_host_registered", False)]
+        if registered:  # unlock the pages before the blocks are freed
+            weakref.finalize(self, _unregister, registered)
+
+    @classmethod
+    def allocate(cls, num_layers: int, num_experts: int, hidden_size: int, intermediate_size: int,
+                 dtype: torch.dtype, pin: bool | None = None, progress: bool = True,
+                 meminfo: Path = MEMINFO) -> "HostBanks":  # fmt: skip
+        """Uninitialised banks; `pin=None` pins exactly when CUDA is available."""
+        pin = torch.cuda.is_available() if pin is None else pin
+        item = torch.empty((), dtype=dtype).element_size()
+        per_layer = 3 * num_experts * intermediate_size * hidden_size * item
+        check_host_memory(
+            per_layer * num_layers, f"host banks for {num_layers} MoE layers x {num_experts} experts "
+            f"({format_bytes(per_layer // num_experts)} each)", meminfo)  # fmt: skip
+        w13, w2 = [], []
+        for _ in tqdm(range(num_layers), desc="pinning expert banks" if pin else "allocating expert banks",
+                      unit="layer", disable=not progress):  # fmt: skip
+            w13.append(_host_block((num_experts, 2 * intermediate_size, hidden_size), dtype, pin))
+            w2.append(_host_block((num_experts, hidden_size, intermediate_size), dtype, pin))
+        return cls(w13, w2)
+
+    @classmethod
+    def for_model(cls, spec: ModelSpec, dtype: str, **kwargs) -> "HostBanks":
+        return cls.allocate(len(spec.moe_layer_indices), spec.num_experts, spec.hidden_size,
+                            spec.moe_intermediate_size, TORCH_DTYPES[dtype], **kwargs)  # fmt: skip
+
+    @property
+    def expert_nbytes(self) -> int:
+        """Bytes of one expert (both families): what one miss copies."""
+        return self.w13[0][0].nbytes + self.w2[0][0].nbytes
+
+    @property
+    def nbytes(self) -> int:
+        return self.expert_nbytes * self.num_experts * self.num_layers
+
+    def load_expert(self, moe_layer: int, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+        """Copy one expert in checkpoint layout (gate, up [I, H]; down [H, I]) into its bank rows."""
+        i, h = self.intermediate_size, self.hidden_size
+        for name, t, shape in (("gate", gate, (i, h)), ("up", up, (i, h)), ("down", down, (h, i))):
+            if tuple(t.shape) != shape:
+                raise ValueError(f"MoE layer {moe_layer} expert {expert}: {name} has shape {tuple(t.shape)}, "
+                                 f"expected {shape}")  # fmt: skip
+        w13 = self.w13[moe_layer][expert]
+        w13[:i].copy_(gate)
+        w13[i:].copy_(up)
+        self.w2[moe_layer][expert].copy_(down)
+
+    def fill_dummy(self, seed: int = 0, std: float = 0.02, progress: bool = True) -> None:
+        """Deterministic random weights at memory-copy speed, for benchmarks of 30B shapes.
+
+        Drawing tens of GB of normal samples would take minutes, and tens of thousands of
+        expert-sized copies run far below memcpy speed on a busy host; instead each family draws
+        one seeded pattern of DUMMY_CHUNK elements and every layer block is filled with large
+        copies of windows of it, each window at its own offset. Experts differ from each other
+        (other windows), a run repeats exactly, and the extra memory is one pattern."""
+        gen = torch.Generator().manual_seed(seed)
+        stride, offsets = 97, 4099  # window offsets: stride * (a number below `offsets`, prime)
+        pattern = torch.randn(DUMMY_CHUNK + stride * offsets, generator=gen, dtype=self.dtype).mul_(std)
+        chunk_index = 0
+        for layer in tqdm(range(self.num_layers), desc="filling dummy expert banks", unit="layer",
+                          disable=not progress):  # fmt: skip
+            for bank in (self.w13[layer], self.w2[layer]):
+                flat = bank.view(-1)
+                for start in range(0, flat.numel(), DUMMY_CHUNK):
+                    n = min(DUMMY_CHUNK, flat.numel() - start)
+                    offset = stride * ((chunk_index * 1031) % offsets)
+                    flat[start : start + n].copy_(pattern[offset : offset + n])
+                    chunk_index += 1

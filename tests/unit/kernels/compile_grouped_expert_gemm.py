@@ -1,0 +1,50 @@
+"""Compile the grouped expert GEMM kernels for Hopper (sm_90, the H200) without a GPU, in a child
+process started by test_grouped_expert_gemm.py with TRITON_INTERPRET unset: a kernel that would
+not compile on the target fails on CPU CI, not first on the GPU machine. Prints JSON."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+import kernels.grouped_expert_gemm as k
+
+HOPPER = GPUTarget("cuda", 90, 32)
+
+
+def signatures(dtype: str) -> list:
+    ints = lambda *names: {n: "i32" for n in names}  # noqa: E731
+    upcast, precision = dtype == "fp32", ("ieee" if dtype == "fp32" else None)
+    gate_up = {"x_ptr": f"*{dtype}", "w13_ptr": f"*{dtype}", "act_ptr": f"*{dtype}", "sorted_pairs_ptr": "*i32",
+               "block_slot_ptr": "*i32", **ints("num_pairs", "top_k", "H", "I", "stride_xt", "stride_xh", "stride_ws",
+                                                "stride_wn", "stride_wh", "stride_am", "stride_an")}  # fmt: skip
+    down = {"act_ptr": f"*{dtype}", "w2_ptr": f"*{dtype}", "rows_ptr": "*fp32", "weights_ptr": "*fp32",
+            "sorted_pairs_ptr": "*i32", "block_slot_ptr": "*i32",
+            **ints("num_pairs", "H", "I", "stride_am", "stride_an", "stride_ws", "stride_wh", "stride_wi")}  # fmt: skip
+    out = []
+    for fn, sig in ((k._gate_up_kernel, gate_up), (k._down_kernel, down)):
+        for block_m in (16, 64):  # the decode and the prefill block
+            consts = {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 64, "UPCAST": upcast, "PRECISION": precision}
+            out.append((f"{fn.__name__}[{dtype}, BLOCK_M={block_m}]", fn, {**sig, **{c: "constexpr" for c in consts}},
+                        consts))  # fmt: skip
+    return out
+
+
+def main() -> None:
+    results = {}
+    for dtype in ("bf16", "fp32"):
+        for name, fn, sig, consts in signatures(dtype):
+            try:
+                compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=HOPPER)
+                results[name] = {"cubin": "cubin" in compiled.asm, "shared": compiled.metadata.shared}
+            except Exception as exc:  # noqa: BLE001 - reported to the parent test
+                results[name] = {"error": f"{type(exc).__name__}: {exc}"[:3000]}
+    json.dump(results, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

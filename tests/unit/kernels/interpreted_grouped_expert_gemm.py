@@ -1,0 +1,124 @@
+"""Cases for the Triton grouped expert GEMM under TRITON_INTERPRET=1, run in a child process.
+
+Triton decides at import time whether its @jit functions (its own standard library included)
+are interpreted, so these cases cannot share a process with code that imported triton
+normally; `test_grouped_expert_gemm.py` runs this file in a fresh interpreter with
+TRITON_INTERPRET=1 and reports each case. Fresh random inputs per case; outputs poisoned first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+import torch
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run me with TRITON_INTERPRET=1"
+
+from kernels.grouped_expert_gemm import (  # noqa: E402
+    align_pairs_by_slot,
+    align_pairs_by_slot_host,
+    block_m_for,
+    grouped_expert_rows_triton,
+)
+from kernels.moe_reference import grouped_expert_forward_reference, grouped_expert_rows_reference  # noqa: E402
+
+
+def make_case(seed, tokens, top_k, hidden, inter, slots, dtype, skip=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    w13 = (torch.randn(slots, 2 * inter, hidden, generator=g) * hidden**-0.5).to(dtype)
+    w2 = (torch.randn(slots, hidden, inter, generator=g) * inter**-0.5).to(dtype)
+    topk = torch.stack([torch.randperm(slots, generator=g)[:top_k] for _ in range(tokens)])
+    for _ in range(skip):  # some pairs skipped (slot -1), as when a layer is computed in groups
+        topk[torch.randint(tokens, (1,), generator=g), torch.randint(top_k, (1,), generator=g)] = -1
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=g), dim=-1)
+    return x, topk, weights, w13, w2
+
+
+def rows_match_in_float32(seed, tokens, top_k, hidden, inter, slots, skip):
+    x, topk, weights, w13, w2 = make_case(seed, tokens, top_k, hidden, inter, slots, torch.float32, skip)
+    got = torch.full((tokens, top_k, hidden), float("nan"))
+    want = torch.full((tokens, top_k, hidden), float("nan"))
+    grouped_expert_rows_triton(x, topk, weights, w13, w2, got)
+    grouped_expert_rows_reference(x, topk, weights, w13, w2, want)
+    skipped = topk < 0
+    assert torch.isnan(got[skipped]).all(), "skipped pairs must be left untouched"
+    assert not torch.isnan(got[~skipped]).any(), "every routed pair must be written"
+    torch.testing.assert_close(got[~skipped], want[~skipped], rtol=1e-5, atol=1e-5)
+
+
+def host_aligned_rows_match(seed, tokens, top_k, hidden, inter, slots, skip):
+    """The offload store's way: alignment made on the host, handed to the kernel."""
+    x, topk, weights, w13, w2 = make_case(seed, tokens, top_k, hidden, inter, slots, torch.float32, skip)
+    sorted_pairs, block_slot = align_pairs_by_slot_host(topk.numpy(), block_m_for(topk.numel()))
+    got = torch.full((tokens, top_k, hidden), float("nan"))
+    want = torch.full((tokens, top_k, hidden), float("nan"))
+    poisoned_slots = torch.full_like(topk, 10**6)  # must not be read when the alignment is given
+    grouped_expert_rows_triton(x, poisoned_slots, weights, w13, w2, got,
+                               aligned=(torch.from_numpy(sorted_pairs), torch.from_numpy(block_slot)))
+    grouped_expert_rows_reference(x, topk, weights, w13, w2, want)
+    skipped = topk < 0
+    assert torch.isnan(got[skipped]).all() and not torch.isnan(got[~skipped]).any()
+    torch.testing.assert_close(got[~skipped], want[~skipped], rtol=1e-5, atol=1e-5)
+
+
+def tight_grid_with_max_distinct_slots():
+    """Many slots in the pool, few used: the grid bounded by the caller's distinct-slot count."""
+    x, _, weights, w13, w2 = make_case(8, 40, 2, 32, 16, 30, torch.float32)
+    g = torch.Generator().manual_seed(8)
+    used = torch.randperm(30, generator=g)[:3]
+    topk = torch.stack([used[torch.randperm(3, generator=g)[:2]] for _ in range(40)])
+    got = torch.full((40, 2, 32), float("nan"))
+    want = torch.full((40, 2, 32), float("nan"))
+    grouped_expert_rows_triton(x, topk, weights, w13, w2, got, max_distinct_slots=3)
+    grouped_expert_rows_reference(x, topk, weights, w13, w2, want)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def bfloat16_within_rounding():
+    x, topk, weights, w13, w2 = make_case(3, 9, 2, 64, 32, 5, torch.bfloat16)
+    got = torch.full((9, 2, 64), float("nan"))
+    grouped_expert_rows_triton(x, topk, weights, w13, w2, got)
+    out = got.sum(dim=1).to(torch.bfloat16).float()
+    want = grouped_expert_forward_reference(x, topk, weights, w13, w2).float()
+    torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
+
+
+def alignment_groups_pairs_by_slot():
+    topk = torch.tensor([[2, 0], [2, -1], [5, 2]])
+    sorted_pairs, block_slot = align_pairs_by_slot(topk, num_slots=6, block_m=2)
+    sentinel = topk.numel()
+    real = block_slot[block_slot >= 0].tolist()
+    assert real == [0, 2, 2, 5], real  # slot 0: 1 pair (1 block), slot 2: 3 pairs (2 blocks), slot 5: 1
+    rows = sorted_pairs[: 2 * len(real)].tolist()
+    assert rows == [1, sentinel, 0, 2, 5, sentinel, 4, sentinel], rows
+    assert (block_slot[len(real) :] == -1).all()
+
+
+CASES = {
+    "decode_one_token": lambda: rows_match_in_float32(0, 1, 2, 32, 16, 4, 0),
+    "ragged_shapes_and_skipped_pairs": lambda: rows_match_in_float32(1, 5, 3, 48, 40, 7, 2),
+    "several_blocks_of_one_slot": lambda: rows_match_in_float32(2, 37, 4, 80, 72, 6, 5),
+    "host_aligned_rows": lambda: host_aligned_rows_match(6, 70, 3, 40, 24, 9, 7),
+    "tight_grid_with_max_distinct_slots": tight_grid_with_max_distinct_slots,
+    "bfloat16_within_rounding": bfloat16_within_rounding,
+    "alignment_groups_pairs_by_slot": alignment_groups_pairs_by_slot,
+}
+
+
+def main() -> None:
+    results = {}
+    for name, case in CASES.items():
+        try:
+            case()
+            results[name] = None
+        except Exception:  # noqa: BLE001 - every failure is reported to the parent test
+            results[name] = traceback.format_exc()
+    json.dump(results, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
