@@ -18,13 +18,14 @@ T = TypeVar("T")
 
 
 class Codec(Generic[T]):
-    """Encodes any message, decodes exactly the union `decode_type` (anything else is a WireError)."""
+    """Encodes any message, decodes exactly the union `decode_type` (anything else is a WireError).
+    A send-only socket (PUSH) passes decode_type=None."""
 
     def __init__(self, decode_type: Any):
         self._arrays: list[np.ndarray] = []
         self._frames: list[Any] = []
         self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
-        self._decoder = msgspec.msgpack.Decoder(decode_type, dec_hook=self._dec_hook)
+        self._decoder = None if decode_type is None else msgspec.msgpack.Decoder(decode_type, dec_hook=self._dec_hook)
 
     def _enc_hook(self, obj: Any) -> Any:
         if isinstance(obj, np.ndarray):
@@ -48,6 +49,8 @@ class Codec(Generic[T]):
             self._arrays = []
 
     def decode(self, frames: list[Any]) -> T:
+        if self._decoder is None:
+            raise WireError("this socket only sends")
         self._frames = [f.buffer if isinstance(f, zmq.Frame) else f for f in frames]
         try:
             return self._decoder.decode(self._frames[0])
