@@ -16,6 +16,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     configure_logging("scheduler", args.log_level)
+    from shared.torch_free import forbid_torch
+
+    forbid_torch()
     from services.scheduler.service import SchedulerService
 
     service = SchedulerService(scheduler_config_from_args(args))

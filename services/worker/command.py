@@ -8,10 +8,13 @@ import signal
 from shared.logging import configure_logging
 from services.worker.planner_flags import add_planner_flags
 
+DEFAULT_BOOT = "services.worker.boot:boot_worker"
 
-def add_worker_model_flags(parser: argparse.ArgumentParser) -> None:
-    """The flags boot_worker reads (shared with `ferry serve`)."""
-    parser.add_argument("--model", required=True, help="model directory (safetensors + config.json) or hub id")
+
+def add_worker_model_flags(parser: argparse.ArgumentParser, model_required: bool = True) -> None:
+    """The flags boot_worker reads (shared with `ferry serve`, where --model is optional)."""
+    if model_required:
+        parser.add_argument("--model", required=True, help="model directory (safetensors + config.json) or hub id")
     parser.add_argument("--load-format", default="auto", help="auto | safetensors | dummy (random weights of the right shapes)")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     add_planner_flags(parser)
@@ -24,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--results-addr", default="tcp://127.0.0.1:5557", help="the scheduler's result address (we connect)")
     g.add_argument("--health-host", default="127.0.0.1", help="interface for /health and /metrics")
     g.add_argument("--health-port", type=int, default=None, help="port for /health and /metrics (default: none)")
-    g.add_argument("--boot", default="services.worker.boot:boot_worker",
+    g.add_argument("--boot", default=DEFAULT_BOOT,
                    help="module:function that loads the model and returns (executor, plan)")  # fmt: skip
     parser.add_argument("--log-level", default="info", help="debug, info, warning or error")
 

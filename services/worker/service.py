@@ -28,8 +28,6 @@ from services.worker.metrics import WorkerMetrics
 
 log = structlog.get_logger("worker")
 
-DEFAULT_BOOT = "services.worker.boot:boot_worker"
-
 
 @dataclass(frozen=True)
 class WorkerConfig:

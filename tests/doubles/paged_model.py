@@ -20,16 +20,16 @@ def _extend(h: int, token: int) -> int:
     return (h * _BASE + token + 1) % _MOD
 
 
-def next_token(h: int, first: int, count: int) -> int:
-    return first + (h >> 7) % count
+def next_token(h: int, vocab) -> int:
+    return vocab[(h >> 7) % len(vocab)]
 
 
-def reference_continuation(prompt: list[int], n: int, first: int, count: int, stop_ids=()) -> list[int]:
+def reference_continuation(prompt: list[int], n: int, vocab, stop_ids=()) -> list[int]:
     h, out = 0, []
     for t in prompt:
         h = _extend(h, t)
     for _ in range(n):
-        t = next_token(h, first, count)
+        t = next_token(h, vocab)
         out.append(t)
         if t in stop_ids:
             break
@@ -38,9 +38,9 @@ def reference_continuation(prompt: list[int], n: int, first: int, count: int, st
 
 
 class PagedHashModel:
-    def __init__(self, pages: int, page_size: int, first_token: int, token_count: int, state_slots: int = 0):
+    def __init__(self, pages: int, page_size: int, vocab, state_slots: int = 0):
         self.page_size = page_size
-        self.first, self.count = first_token, token_count
+        self.vocab = list(vocab)  # the token ids it may produce
         self.kv = np.full((pages + 1, page_size), -1, dtype=np.int64)
         self.state = np.zeros(state_slots + 1, dtype=np.int64)
         self.hybrid = state_slots > 0
@@ -88,7 +88,7 @@ class PagedHashModel:
                 if self.hybrid:
                     assert h == int(self.state[int(batch.state_slots[i])]), "linear state diverged from KV"
                 out_ids.append(rid)
-                out_tokens.append(next_token(h, self.first, self.count))
+                out_tokens.append(next_token(h, self.vocab))
         assert start == len(batch.tokens), "query_lens do not cover the batch's tokens"
         return StepOutput(
             step_id=batch.step_id,

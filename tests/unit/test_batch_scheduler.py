@@ -12,12 +12,13 @@ from services.scheduler.batcher import BatchScheduler
 from tests.doubles.paged_model import PagedHashModel, reference_continuation
 
 FIRST, COUNT = 10, 200
+VOCAB = range(FIRST, FIRST + COUNT)
 
 
 def make(pages=64, page_size=4, slots=0, running=8, prefill=32, model_len=128):
     pool = PoolReport(kv_pages=pages, page_size=page_size, state_slots=slots, max_running_requests=running,
                       max_prefill_tokens=prefill, max_model_len=model_len)  # fmt: skip
-    return BatchScheduler(pool), PagedHashModel(pages, page_size, FIRST, COUNT, slots)
+    return BatchScheduler(pool), PagedHashModel(pages, page_size, VOCAB, slots)
 
 
 def run_to_end(sched, model, max_steps=10_000):
@@ -50,7 +51,7 @@ def test_single_request_generates_the_reference_continuation_and_frees_its_pages
     p = prompt(0, 13)
     add(sched, 1, p, 9)
     tokens, finished = run_to_end(sched, model)
-    assert tokens[1] == reference_continuation(p.tolist(), 9, FIRST, COUNT)
+    assert tokens[1] == reference_continuation(p.tolist(), 9, VOCAB)
     assert finished == {1: "length"}
     assert sched.kv.available == sched.kv.total
 
@@ -62,8 +63,8 @@ def test_long_prompt_is_prefilled_in_chunks_mixed_with_decodes():
     first = sched.complete(model.execute(sched.schedule()))  # request 1 is now decoding
     add(sched, 2, long, 5)
     tokens, _ = run_to_end(sched, model)
-    assert [t for _, t in first.tokens] + tokens[1] == reference_continuation(short.tolist(), 20, FIRST, COUNT)
-    assert tokens[2] == reference_continuation(long.tolist(), 5, FIRST, COUNT)
+    assert [t for _, t in first.tokens] + tokens[1] == reference_continuation(short.tolist(), 20, VOCAB)
+    assert tokens[2] == reference_continuation(long.tolist(), 5, VOCAB)
     mixed = [b for b in model.batches if len(b.req_ids) == 2]
     assert mixed, "no step carried a decode and a prefill chunk together"
     assert all(int(b.query_lens.sum()) <= 16 for b in model.batches)
@@ -80,7 +81,7 @@ def test_shared_prefix_is_reused_from_the_cache():
     req = add(sched, 2, b, 4)
     tokens, _ = run_to_end(sched, model)
     assert req.cached_tokens == 20
-    assert tokens[2] == reference_continuation(b.tolist(), 4, FIRST, COUNT)
+    assert tokens[2] == reference_continuation(b.tolist(), 4, VOCAB)
     assert sched.kv.available == sched.kv.total
     assert sched.kv.cache.nodes > 0
 
@@ -91,7 +92,7 @@ def test_cached_pages_are_evicted_when_new_requests_need_them():
         p = prompt(10 + rid, 30)
         add(sched, rid, p, 10)
         tokens, _ = run_to_end(sched, model)
-        assert tokens[rid] == reference_continuation(p.tolist(), 10, FIRST, COUNT)
+        assert tokens[rid] == reference_continuation(p.tolist(), 10, VOCAB)
     assert sched.kv.available == sched.kv.total
 
 
@@ -103,7 +104,7 @@ def test_preemption_lets_every_request_finish_correctly_when_pages_run_out():
     tokens, finished = run_to_end(sched, model)
     assert sched.preemptions > 0
     for rid, p in prompts.items():
-        assert tokens[rid] == reference_continuation(p.tolist(), 30, FIRST, COUNT), rid
+        assert tokens[rid] == reference_continuation(p.tolist(), 30, VOCAB), rid
         assert finished[rid] == "length"
     assert sched.kv.available == sched.kv.total
 
@@ -111,7 +112,7 @@ def test_preemption_lets_every_request_finish_correctly_when_pages_run_out():
 def test_stop_token_finishes_with_stop():
     sched, model = make()
     p = prompt(6, 8)
-    expected = reference_continuation(p.tolist(), 40, FIRST, COUNT)
+    expected = reference_continuation(p.tolist(), 40, VOCAB)
     stop = expected[3]
     add(sched, 1, p, 40, stop_token_ids=(stop,))
     tokens, finished = run_to_end(sched, model)
@@ -174,7 +175,7 @@ def test_hybrid_models_get_one_state_slot_per_running_request_and_no_prefix_reus
     assert max(len(b.req_ids) for b in model.batches) <= 2
     assert all(set(b.state_slots.tolist()) <= {1, 2} for b in model.batches)
     for rid, p in prompts.items():
-        assert tokens[rid] == reference_continuation(p.tolist(), 6, FIRST, COUNT)
+        assert tokens[rid] == reference_continuation(p.tolist(), 6, VOCAB)
     assert sched.kv.cache.nodes == 0
 
 
