@@ -41,7 +41,7 @@ def api_config_from_args(args: argparse.Namespace, scheduler_addr: str, tokenize
         raise ConfigError(f"--max-body-size: {exc}") from exc
     return ApiConfig(
         host=args.host, port=args.port, scheduler_addr=scheduler_addr, tokenizer=tokenizer,
-        served_model_name=args.served_model_name or tokenizer, api_key=args.api_key,
+        served_model_name=args.served_model_name or tokenizer, api_key=args.api_key or None,  # '' from compose: no key
         max_body_bytes=max_body,
         identity=f"api-{socket.gethostname()}-{os.getpid()}",
     )  # fmt: skip
