@@ -82,6 +82,7 @@ class Failed(msgspec.Struct, tag=True, kw_only=True):
 class SchedulerStatus(msgspec.Struct, tag=True, kw_only=True):
     """Sent to every api replica every heartbeat interval: liveness, readiness and gauges for /metrics."""
 
+    boot_id: str  # a new value means a restarted scheduler, which has forgotten every request
     ready: bool
     reason: str  # why not ready ("" when ready)
     max_model_len: int = 0

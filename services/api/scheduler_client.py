@@ -131,14 +131,19 @@ class SchedulerClient:
                         s.queue.put_nowait(error_from_wire(kind, text))
                 case SchedulerStatus():
                     self.scheduler.beat()
+                    if self.status is not None and self.status.boot_id != msg.boot_id:
+                        self._fail_all("the scheduler restarted")
                     self.status = msg
 
     async def _beat(self) -> None:
         while True:
             await self.dealer.send(ApiHeartbeat())
             if self.streams and self.scheduler.ever_seen and not self.scheduler.alive():
-                err = ServiceUnavailable(self.readiness()[1] + "; the request was lost")
-                for s in self.streams.values():
-                    s.queue.put_nowait(err)
-                self.streams.clear()
+                self._fail_all(self.readiness()[1])
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+
+    def _fail_all(self, why: str) -> None:
+        err = ServiceUnavailable(f"{why}; the request was lost")
+        for s in self.streams.values():
+            s.queue.put_nowait(err)
+        self.streams.clear()

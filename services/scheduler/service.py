@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import uuid
 from collections import defaultdict
 
 import numpy as np
@@ -45,11 +46,14 @@ class SchedulerService:
         self.expert_hits = self.expert_misses = 0
         self.apis: dict[bytes, Liveness] = {}
         self.rids: dict[tuple[bytes, int], int] = {}
-        self._rid = itertools.count(1)
+        # Worker request ids start past any earlier scheduler's, so a worker that outlives a scheduler
+        # restart never sees an id twice.
+        self._rid = itertools.count(time.time_ns() // 1000)
         self.metrics = SchedulerMetrics()
         self._preemptions_seen = 0
         self._running = True
-        self._snapshot: tuple[SchedulerStatus, dict | None] = (SchedulerStatus(ready=False, reason=self.not_ready_reason), None)
+        self.boot_id = uuid.uuid4().hex
+        self._snapshot: tuple[SchedulerStatus, dict | None] = (self._status(), None)
         self.http = None
         if cfg.health_port is not None:
             self.http = serve_side_http(cfg.health_host, cfg.health_port, self._health, self.metrics.registry)
@@ -236,9 +240,9 @@ class SchedulerService:
     def _status(self) -> SchedulerStatus:
         c = self.core
         if c is None:
-            return SchedulerStatus(ready=False, reason=self.not_ready_reason)
+            return SchedulerStatus(boot_id=self.boot_id, ready=False, reason=self.not_ready_reason)
         return SchedulerStatus(
-            ready=True, reason="", max_model_len=c.pool.max_model_len, running=len(c.running),
+            boot_id=self.boot_id, ready=True, reason="", max_model_len=c.pool.max_model_len, running=len(c.running),
             waiting=len(c.waiting), kv_pages_total=c.kv.total, kv_pages_available=c.kv.available,
             kv_pages_cached=c.kv.cache.nodes, expert_hits=self.expert_hits, expert_misses=self.expert_misses,
             preemptions=c.preemptions,

@@ -18,7 +18,7 @@ def slow_model_dir(tmp_path_factory, tiny_tokenizer_dir, tiny_tokenizer):
     return make_model_dir(tiny_tokenizer_dir, tmp_path_factory.mktemp("models") / "slow", tiny_tokenizer, 0.02)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def cluster(model_dir, tmp_path_factory):
     c = start_cluster(model_dir, tmp_path_factory.mktemp("cluster"), worker_flags=["--max-model-len", "512"])
     yield c

@@ -72,6 +72,7 @@ class Cluster:
     port: int
     scheduler_health_port: int
     worker_health_port: int
+    api_addr: str = ""
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     @property
@@ -91,6 +92,11 @@ class Cluster:
                 pass
             time.sleep(0.1)
         raise TimeoutError("the server did not become ready: " + "".join(self.log(n)[-1500:] for n in self.procs))
+
+    def launch(self, name: str, cmd: list[str]) -> subprocess.Popen:
+        log = open(self.rundir / f"{name}.log", "w")
+        self.procs[name] = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
+        return self.procs[name]
 
     def log(self, name: str) -> str:
         path = self.rundir / f"{name}.log"
@@ -113,21 +119,24 @@ def start_cluster(model_dir: Path, rundir: Path, worker_flags=(), api_flags=()) 
     sock_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"ferry-test-{os.getpid()}-{free_port()}"
     sock_dir.mkdir(mode=0o700)  # ipc paths must stay short (108 bytes), pytest's tmp paths are long
     api_addr, steps, results = (f"ipc://{sock_dir}/{n}" for n in ("api", "steps", "results"))
-    c = Cluster(rundir, model_dir, free_port(), free_port(), free_port())
+    c = Cluster(rundir, model_dir, free_port(), free_port(), free_port(), api_addr)
     ferry = [sys.executable, "-m", "services.cli"]
     cmds = {
         "scheduler": [*ferry, "scheduler", "--api-addr", api_addr, "--steps-addr", steps, "--results-addr", results,
                       "--health-port", str(c.scheduler_health_port)],
         "worker": [*ferry, "worker", "--model", str(model_dir), "--steps-addr", steps, "--results-addr", results,
                    "--boot", FAKE_BOOT, "--health-port", str(c.worker_health_port), *worker_flags],
-        "api": [*ferry, "api", "--model", str(model_dir), "--scheduler-addr", api_addr, "--port", str(c.port),
-                "--served-model-name", "tiny", *api_flags],
+        "api": api_command(model_dir, api_addr, c.port, *api_flags),
     }  # fmt: skip
     for name, cmd in cmds.items():
-        log = open(rundir / f"{name}.log", "w")
-        c.procs[name] = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
+        c.launch(name, cmd)
     c.wait_ready()
     return c
+
+
+def api_command(model_dir: Path, scheduler_addr: str, port: int, *flags: str) -> list[str]:
+    return [sys.executable, "-m", "services.cli", "api", "--model", str(model_dir), "--scheduler-addr", scheduler_addr,
+            "--port", str(port), "--served-model-name", "tiny", *flags]  # fmt: skip
 
 
 def eventually(check, timeout: float = 5.0, interval: float = 0.1):

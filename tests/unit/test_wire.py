@@ -53,7 +53,7 @@ MESSAGES = [
     (SchedulerToApi, Tokens(np.array([1, 2], np.int64), np.array([9, 8], np.int32))),
     (SchedulerToApi, Finished(req_id=1, reason="stop", prompt_tokens=3, completion_tokens=2, cached_tokens=0)),
     (SchedulerToApi, Failed(req_id=1, error_type="InvalidRequest", message="no")),
-    (SchedulerToApi, SchedulerStatus(ready=True, reason="", running=2)),
+    (SchedulerToApi, SchedulerStatus(boot_id="s", ready=True, reason="", running=2)),
     (SchedulerToWorker, RunStep(batch())),
     (WorkerToScheduler, WorkerAlive(boot_id="b", pool=POOL, expert_hits=3)),
     (WorkerToScheduler, StepDone(StepOutput(7, np.array([3], np.int64), np.array([42], np.int32), np.zeros(1, np.float32)))),
