@@ -133,6 +133,7 @@ class BatchScheduler:
         budget = self.pool.max_prefill_tokens
         entries: list[_Entry] = []
         in_step: set[int] = set()
+        preempted = False
         for req in list(self.running):
             if budget <= 0:
                 break
@@ -142,13 +143,16 @@ class BatchScheduler:
             while not self.kv.grow(req, req.num_computed + q):
                 victim = next(r for r in reversed(self.running) if r.rid not in in_step)
                 self._preempt(victim)
+                preempted = True
                 if victim is req:
                     break
             else:
                 entries.append(_Entry(req, q, req.num_computed + q == len(req.tokens)))
                 in_step.add(req.rid)
                 budget -= q
-        while self.waiting and budget > 0 and len(self.running) < self.pool.max_running_requests:
+        # No admissions in a step that had to preempt: the pool is short, and re-admitting the victim at
+        # once would only thrash.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.pool.max_running_requests:
             req = self.waiting[0]
             if not self._admit(req, budget):
                 break

@@ -190,3 +190,4 @@ def test_worker_loss_fails_every_request_and_step_failure_only_its_batch():
     out = sched.fail_all(EngineError("worker lost"))
     assert [r.rid for r, _ in out.failed] == [2]
     assert not sched.has_work() and sched.kv.available == sched.kv.total
+
