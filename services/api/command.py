@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from shared.logging import configure_logging
 from services.api.config import add_api_flags, api_config_from_args
@@ -20,6 +21,7 @@ def run(args: argparse.Namespace) -> int:
     from shared.torch_free import forbid_torch
 
     forbid_torch()  # before transformers is imported (by the tokenizer)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # not its "PyTorch was not found" warning: we know
     import uvloop
 
     from services.api.app import serve

@@ -64,3 +64,15 @@ def test_server_keeps_serving_after_bad_requests(cluster):
     status, payload = post(cluster.base_url, "/v1/completions", {"prompt": "hello", "max_tokens": 3})
     assert status == 200 and payload["usage"]["completion_tokens"] == 3
     assert http_get(cluster.base_url + "/health")[0] == 200
+
+
+def test_every_log_line_is_one_json_object_and_api_events_carry_request_ids(cluster):
+    post(cluster.base_url, "/v1/completions", {"prompt": "log me", "max_tokens": 2})
+    post(cluster.base_url, "/v1/completions", b"{broken")
+    logs = {name: [json.loads(line) for line in cluster.log(name).splitlines() if line.strip()]
+            for name in ("api", "scheduler", "worker")}  # json.loads raises on any non-JSON line
+    assert any(e["event"] == "worker_ready" for e in logs["worker"])
+    assert any(e["event"] == "worker_ready" for e in logs["scheduler"])
+    events = logs["api"]
+    finished = [e for e in events if e["event"] == "request_finished"]
+    assert finished and all(e["request_id"].startswith("cmpl-") and e["process"] == "api" for e in finished)
