@@ -105,3 +105,22 @@ def test_preemption_lets_every_request_finish_when_the_pool_is_too_small(tmp_pat
         assert info.value.code == 413 and "error" in json.loads(info.value.read())
     finally:
         c.stop()
+
+
+def test_hybrid_model_runs_at_most_one_request_per_state_slot(tmp_path_factory, tiny_tokenizer_dir, tiny_tokenizer):
+    from tests.integration.harness import make_model_dir
+
+    model = make_model_dir(tiny_tokenizer_dir, tmp_path_factory.mktemp("models") / "hybrid", tiny_tokenizer,
+                           state_slots=3)  # fmt: skip
+    c = start_cluster(model, tmp_path_factory.mktemp("hybrid"), worker_flags=["--max-model-len", "256"])
+    try:
+        jobs = [(f"same system prompt, user {i}", 12) for i in range(7)]
+        results = run_concurrently(c.base_url, jobs)
+        for (prompt, n), (text, usage, _) in zip(jobs, results):
+            assert usage == n and text == expected(tiny_tokenizer, prompt, n)
+        # The double checks every step: a request without a slot, or two requests sharing one (their
+        # running hashes would diverge from their KV), fails the step and so the request.
+        assert metric(c.base_url, "ferry_preemptions") == 0
+        assert "ferry_scheduler_kv_pages_cached 0.0" in http_get(f"http://127.0.0.1:{c.scheduler_health_port}/metrics")[1]
+    finally:
+        c.stop()
