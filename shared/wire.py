@@ -106,6 +106,9 @@ class RouterSocket(Generic[T]):
         self.sock = ctx.socket(zmq.ROUTER)
         _configure(self.sock)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a message to a gone peer raises instead of vanishing
+        # No send limit: dropping a Finished for a slow (but live) replica would hang its client; a dead
+        # replica is noticed by its missing heartbeats and its queue goes with it.
+        self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.bind(addr)
         self.codec: Codec[T] = Codec(decode_type)
 
@@ -135,11 +138,20 @@ class AsyncDealer(Generic[T]):
         self.sock = ctx.socket(zmq.DEALER)
         _configure(self.sock)
         self.sock.setsockopt(zmq.IDENTITY, identity)
+        # Queue only on a live connection: with the scheduler gone a send fails at once (zmq.Again)
+        # instead of piling up messages for whichever scheduler starts next.
+        self.sock.setsockopt(zmq.IMMEDIATE, 1)
+        self.sock.setsockopt(zmq.RCVHWM, 0)  # the scheduler's side has no limit either (see RouterSocket)
         self.sock.connect(addr)
         self.codec: Codec[T] = Codec(decode_type)
 
-    async def send(self, msg: Any) -> None:
-        await self.sock.send_multipart(self.codec.encode(msg), copy=False)
+    async def send(self, msg: Any) -> bool:
+        """False when the scheduler is not connected (or not keeping up); nothing is queued then."""
+        try:
+            await self.sock.send_multipart(self.codec.encode(msg), copy=False, flags=zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
 
     async def recv(self) -> T:
         frames = await self.sock.recv_multipart(copy=False)

@@ -94,8 +94,11 @@ class SchedulerClient:
             raise ServiceUnavailable(self.readiness()[1])
         stream = RequestStream(next(self._ids))
         self.streams[stream.req_id] = stream
-        await self.dealer.send(Submit(req_id=stream.req_id, prompt_token_ids=np.asarray(prompt, dtype=np.int32),
-                                      sampling=sampling, max_tokens=max_tokens))  # fmt: skip
+        sent = await self.dealer.send(Submit(req_id=stream.req_id, prompt_token_ids=np.asarray(prompt, dtype=np.int32),
+                                             sampling=sampling, max_tokens=max_tokens))  # fmt: skip
+        if not sent:
+            self.streams.pop(stream.req_id, None)
+            raise ServiceUnavailable(f"the scheduler at {self.addr} is not connected")
         return stream
 
     def abort(self, stream: RequestStream) -> None:
@@ -105,7 +108,10 @@ class SchedulerClient:
         if stream.done:
             return
         stream.done = True
-        fut = self.dealer.sock.send_multipart(self.dealer.codec.encode(Abort(stream.req_id)), copy=False)
+        # With NOBLOCK the future is already resolved; zmq.Again in it means the scheduler is gone, and
+        # with it the request: nothing to abort. The callback only marks that exception as seen.
+        fut = self.dealer.sock.send_multipart(self.dealer.codec.encode(Abort(stream.req_id)), copy=False,
+                                              flags=zmq.NOBLOCK)  # fmt: skip
         fut.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     # ---- background --------------------------------------------------------------------------------
@@ -137,9 +143,9 @@ class SchedulerClient:
 
     async def _beat(self) -> None:
         while True:
-            await self.dealer.send(ApiHeartbeat())
             if self.streams and self.scheduler.ever_seen and not self.scheduler.alive():
                 self._fail_all(self.readiness()[1])
+            await self.dealer.send(ApiHeartbeat())
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
     def _fail_all(self, why: str) -> None:
