@@ -47,8 +47,18 @@ class _Entry:
     sample: bool
 
 
+def check_pool(pool: PoolReport) -> None:
+    """A PoolReport the scheduler can work with, or ValueError naming the bad field."""
+    for name in ("kv_pages", "page_size", "max_running_requests", "max_prefill_tokens", "max_model_len"):
+        if getattr(pool, name) < 1:
+            raise ValueError(f"{name} must be at least 1, the worker reported {getattr(pool, name)}")
+    if pool.state_slots < 0:
+        raise ValueError(f"state_slots must be >= 0, the worker reported {pool.state_slots}")
+
+
 class BatchScheduler:
     def __init__(self, pool: PoolReport):
+        check_pool(pool)
         self.pool = pool
         self.hybrid = pool.state_slots > 0
         # Hybrid (linear-attention) models: a cached KV prefix is useless without the linear state at

@@ -191,3 +191,10 @@ def test_worker_loss_fails_every_request_and_step_failure_only_its_batch():
     assert [r.rid for r, _ in out.failed] == [2]
     assert not sched.has_work() and sched.kv.available == sched.kv.total
 
+
+
+def test_an_unusable_pool_report_is_refused_naming_the_field():
+    with pytest.raises(ValueError, match="max_prefill_tokens"):
+        make(prefill=0)
+    with pytest.raises(ValueError, match="kv_pages"):
+        make(pages=0)
