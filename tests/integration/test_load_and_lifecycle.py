@@ -124,3 +124,20 @@ def test_hybrid_model_runs_at_most_one_request_per_state_slot(tmp_path_factory, 
         assert "ferry_scheduler_kv_pages_cached 0.0" in http_get(f"http://127.0.0.1:{c.scheduler_health_port}/metrics")[1]
     finally:
         c.stop()
+
+
+def test_client_that_gives_up_on_a_non_streamed_request_frees_its_pages(slow_cluster):
+    base = slow_cluster.base_url
+    total = metric(base, "ferry_kv_pages_total")
+
+    async def give_up():
+        async with aiohttp.ClientSession() as s:
+            try:
+                body = {"prompt": "patience " * 10, "max_tokens": 400}
+                await s.post(base + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=0.6))
+            except asyncio.TimeoutError:
+                return
+        raise AssertionError("400 tokens at 20 ms a step finished within 0.6 s?")
+
+    asyncio.run(give_up())
+    assert eventually(lambda: metric(base, "ferry_running_requests") == 0 and metric(base, "ferry_kv_pages_available") == total)
