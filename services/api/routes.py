@@ -12,7 +12,6 @@ from shared.errors import FerryError, NotFound
 from services.api import schema
 from services.api.config import ApiConfig
 from services.api.generation import Generation
-from services.api.http_errors import error_response
 from services.api.metrics import ApiMetrics
 from services.api.responses import ChatFormat, CompletionFormat, ResponseFormat, error_body, sse
 from services.api.scheduler_client import SchedulerClient
@@ -110,5 +109,3 @@ class OpenAIRoutes:
         body = generate_latest(self.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-
-__all__ = ["OpenAIRoutes", "error_response"]

@@ -6,7 +6,6 @@ from hypothesis import given, settings, strategies as st
 
 from services.api.detokenizer import REPLACEMENT, IncrementalDetokenizer
 from services.api.stop_strings import StopStringFilter
-from tests.doubles.tiny_tokenizer import tiny_tokenizer
 
 
 def stream(tok, ids):
