@@ -57,7 +57,7 @@ def check_pool(pool: PoolReport) -> None:
 
 
 class BatchScheduler:
-    def __init__(self, pool: PoolReport):
+    def __init__(self, pool: PoolReport, first_step_id: int = 1):
         check_pool(pool)
         self.pool = pool
         self.hybrid = pool.state_slots > 0
@@ -71,7 +71,7 @@ class BatchScheduler:
         self.preemptions = 0
         self._forget: list[int] = []  # worker sampler state to drop before the next step
         self._in_flight: list[_Entry] | None = None
-        self._step_ids = itertools.count(1)
+        self._step_ids = itertools.count(first_step_id)
         self._in_flight_step = 0
 
     # ---- admission -------------------------------------------------------------------------------

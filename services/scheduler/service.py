@@ -194,7 +194,9 @@ class SchedulerService:
 
     def _adopt_pool(self, boot_id: str, pool: PoolReport) -> None:
         try:
-            self.core = BatchScheduler(pool)
+            # Step ids unique across scheduler restarts: a worker that outlived the previous scheduler
+            # may still answer one of its steps, which must not pass for ours.
+            self.core = BatchScheduler(pool, first_step_id=time.time_ns() // 1000)
         except ValueError as exc:
             self.not_ready_reason = f"the worker's pool report is unusable: {exc}"
             log.error("bad_pool_report", error=str(exc))

@@ -99,3 +99,14 @@ def test_models_health_and_metrics(client, cluster):
         status, body = http_get(f"http://127.0.0.1:{port}/health")
         assert status == 200, body
     assert "ferry_worker_steps_total" in http_get(f"http://127.0.0.1:{cluster.worker_health_port}/metrics")[1]
+
+
+def test_a_repeated_prompt_reuses_cached_pages(client):
+    system = "You are a ferry. " * 12  # well over a few 16-token pages
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "first"}]
+    first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=3, temperature=0)
+    messages[1]["content"] = "second"
+    second = client.chat.completions.create(model="tiny", messages=messages, max_tokens=3, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 32 and cached % 16 == 0 and cached < second.usage.prompt_tokens
+    assert first.usage.prompt_tokens == second.usage.prompt_tokens

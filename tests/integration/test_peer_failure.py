@@ -79,3 +79,29 @@ def test_killing_the_scheduler_turns_api_health_503(model_dir, tmp_path):
         assert time.monotonic() - t0 < 2
     finally:
         c.stop()
+
+
+def test_a_restarted_scheduler_fails_old_requests_and_serves_new_ones(slow_model_dir, tmp_path):
+    c = start_cluster(slow_model_dir, tmp_path, worker_flags=["--max-model-len", "512"])
+    try:
+        client = openai.OpenAI(base_url=c.base_url + "/v1", api_key="x", max_retries=0, timeout=30)
+        stream = client.completions.create(model="tiny", prompt="before the restart", max_tokens=400, stream=True)
+        next(iter(stream))
+        old = c.procs["scheduler"]
+        cmd = old.args
+        old.send_signal(signal.SIGKILL)
+        old.wait()
+        c.launch("scheduler", cmd)  # same addresses; the worker and the api reconnect on their own
+        t0 = time.monotonic()
+        try:
+            for _ in stream:
+                pass
+            raise AssertionError("a stream survived the scheduler that ran it")
+        except openai.APIError as exc:
+            assert "scheduler" in str(exc)
+        assert time.monotonic() - t0 < 5
+        assert eventually(lambda: http_get(c.base_url + "/health")[0] == 200, timeout=10)
+        r = client.completions.create(model="tiny", prompt="after the restart", max_tokens=5)
+        assert r.usage.completion_tokens == 5
+    finally:
+        c.stop()
