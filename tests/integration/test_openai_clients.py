@@ -102,7 +102,7 @@ def test_models_health_and_metrics(client, cluster):
 
 
 def test_a_repeated_prompt_reuses_cached_pages(client):
-    system = "You are a ferry. " * 12  # well over a few 16-token pages
+    system = "Only this test uses this harbour master prompt. " * 6  # several 16-token pages, seen nowhere else
     messages = [{"role": "system", "content": system}, {"role": "user", "content": "first"}]
     first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=3, temperature=0)
     messages[1]["content"] = "second"
