@@ -33,6 +33,7 @@ serve: $(STAMP)
 DCLINT := dclint@3.1.0
 
 lint-tools:
+	@command -v npx >/dev/null || { echo "make: npx not found: install node and npm (dclint lints compose.yaml)" >&2; exit 1; }
 	npx --yes $(DCLINT) --version >/dev/null
 
 test: $(STAMP) lint-tools
