@@ -86,11 +86,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         for name, cmd in child_commands(args, model, rundir).items():
             procs[name] = subprocess.Popen(cmd)
-            log.info("started", process=name, pid=procs[name].pid)
+            log.info("started", child=name, pid=procs[name].pid)
         while not stopping:
             dead = [(n, p.returncode) for n, p in procs.items() if p.poll() is not None]
             if dead:
-                log.error("process_exited", process=dead[0][0], exit_status=dead[0][1])
+                log.error("process_exited", child=dead[0][0], exit_status=dead[0][1])
                 status = 1
                 break
             time.sleep(0.2)
@@ -112,6 +112,6 @@ def _stop_all(procs: dict[str, subprocess.Popen]) -> None:
         try:
             p.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            log.warning("killing", process=name, pid=p.pid)
+            log.warning("killing", child=name, pid=p.pid)
             p.kill()
             p.wait()

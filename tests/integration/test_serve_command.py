@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -68,3 +69,27 @@ def _ok(url: str) -> bool:
         return http_get(url + "/health", timeout=1)[0] == 200
     except OSError:
         return False
+
+
+def test_serve_stops_everything_and_fails_when_one_process_dies(model_dir, tmp_path):
+    port = free_port()
+    env = child_env()
+    env["TMPDIR"] = str(tmp_path)
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "serve", "--model", str(model_dir), "--port", str(port),
+         "--boot", FAKE_BOOT, "--max-model-len", "256"],
+        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert eventually(lambda: _ok(f"http://127.0.0.1:{port}"), timeout=60)
+        kids = children_of(serve.pid)
+        worker = next(pid for pid in kids if "worker" in open(f"/proc/{pid}/cmdline").read().split("\0"))
+        os.kill(worker, signal.SIGKILL)
+        assert serve.wait(timeout=15) == 1
+        assert not any(alive(pid) for pid in kids)
+        events = [json.loads(line) for line in serve.stderr.read().splitlines() if line.startswith("{")]
+        assert any(e["event"] == "process_exited" and e["child"] == "worker" for e in events)
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait()
