@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 
@@ -38,13 +39,14 @@ class OpenAIRoutes:
         req = schema.decode_body(await request.read(), schema.ChatCompletionRequest)
         max_tokens = schema.chat_max_tokens(req)
         self._check_common(req, max_tokens)
-        prompt = self.tokenizer.chat_prompt(schema.chat_messages(req))
+        # in a thread: a prompt near the body limit takes long enough to stall every stream on this loop
+        prompt = await asyncio.to_thread(self.tokenizer.chat_prompt, schema.chat_messages(req))
         return await self._generate(request, req, "chat", prompt, max_tokens, ChatFormat(self.cfg.served_model_name))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = schema.decode_body(await request.read(), schema.CompletionRequest)
         self._check_common(req, req.max_tokens)
-        prompt = self.tokenizer.text_prompt(schema.completion_prompt(req))
+        prompt = await asyncio.to_thread(self.tokenizer.text_prompt, schema.completion_prompt(req))
         fmt = CompletionFormat(self.cfg.served_model_name)
         return await self._generate(request, req, "completions", prompt, req.max_tokens, fmt)
 
