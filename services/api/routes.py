@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import structlog
 from aiohttp import web
@@ -25,6 +26,7 @@ class OpenAIRoutes:
     def __init__(self, cfg: ApiConfig, client: SchedulerClient, tokenizer: PromptTokenizer, metrics: ApiMetrics):
         self.cfg, self.client, self.tokenizer, self.metrics = cfg, client, tokenizer, metrics
         self.created = int(time.time())
+        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
@@ -39,16 +41,20 @@ class OpenAIRoutes:
         req = schema.decode_body(await request.read(), schema.ChatCompletionRequest)
         max_tokens = schema.chat_max_tokens(req)
         self._check_common(req, max_tokens)
-        # in a thread: a prompt near the body limit takes long enough to stall every stream on this loop
-        prompt = await asyncio.to_thread(self.tokenizer.chat_prompt, schema.chat_messages(req))
+        prompt = await self._tokenize(self.tokenizer.chat_prompt, schema.chat_messages(req))
         return await self._generate(request, req, "chat", prompt, max_tokens, ChatFormat(self.cfg.served_model_name))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = schema.decode_body(await request.read(), schema.CompletionRequest)
         self._check_common(req, req.max_tokens)
-        prompt = await asyncio.to_thread(self.tokenizer.text_prompt, schema.completion_prompt(req))
+        prompt = await self._tokenize(self.tokenizer.text_prompt, schema.completion_prompt(req))
         fmt = CompletionFormat(self.cfg.served_model_name)
         return await self._generate(request, req, "completions", prompt, req.max_tokens, fmt)
+
+    async def _tokenize(self, fn, arg) -> list[int]:
+        """Off the event loop (a prompt near the body limit takes long enough to stall every stream),
+        on one thread (a fast tokenizer is not meant to encode from several threads at once)."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, arg)
 
     def _check_common(self, req, max_tokens: int | None) -> None:
         if req.model is not None and req.model != self.cfg.served_model_name:
