@@ -48,11 +48,6 @@ class NotFound(FerryError):
     error_type = "not_found_error"
 
 
-class RequestTooLarge(FerryError):
-    http_status = 413
-    error_type = "invalid_request_error"
-
-
 class ServiceUnavailable(FerryError):
     """A peer process is down or not ready (worker lost, scheduler unreachable): HTTP 503."""
 
