@@ -118,6 +118,7 @@ class WorkerAlive(msgspec.Struct, tag=True, kw_only=True):
 
     boot_id: str
     pool: PoolReport | None = None
+    step_running_s: float = 0.0  # how long the step now executing has run (0: idle); a hung step shows here
     expert_hits: int = 0
     expert_misses: int = 0
 

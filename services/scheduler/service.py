@@ -183,6 +183,14 @@ class SchedulerService:
     def _worker_alive(self, msg: WorkerAlive) -> None:
         self.worker.beat()
         self.expert_hits, self.expert_misses = msg.expert_hits, msg.expert_misses
+        timeout = self.cfg.step_timeout_s
+        if msg.step_running_s > timeout:
+            # Alive but hung in one step: fail its requests rather than let clients wait forever, and
+            # take no new work from it until it reports idle again.
+            if self.core is not None:
+                self._worker_lost(f"the worker has been running one step for {msg.step_running_s:.0f}s "
+                                  f"(over --step-timeout {timeout:g}s)")  # fmt: skip
+            return
         if msg.boot_id == self.worker_boot:
             return
         if self.core is not None:

@@ -65,13 +65,16 @@ class _Heartbeat(threading.Thread):
         self.boot_id = boot_id
         self.pool: PoolReport | None = None
         self.expert_stats: Callable[[], tuple[int, int]] | None = None
+        self.step_started: float | None = None  # time.monotonic() when the current step began
         self.stopped = threading.Event()
 
     def run(self) -> None:
         while not self.stopped.wait(HEARTBEAT_INTERVAL_S):
             hits, misses = self.expert_stats() if self.expert_stats else (0, 0)
-            self.sock.send(WorkerAlive(boot_id=self.boot_id, pool=self.pool, expert_hits=hits, expert_misses=misses),
-                           block=False)  # fmt: skip
+            started = self.step_started
+            running = time.monotonic() - started if started is not None else 0.0
+            self.sock.send(WorkerAlive(boot_id=self.boot_id, pool=self.pool, step_running_s=running,
+                                       expert_hits=hits, expert_misses=misses), block=False)  # fmt: skip
         self.sock.close()
 
 
@@ -125,12 +128,15 @@ class WorkerService:
 
     def _execute(self, batch) -> None:
         t0 = time.perf_counter()
+        self.heartbeat.step_started = time.monotonic()
         try:
             output = self.executor.execute(batch)
         except Exception as exc:  # noqa: BLE001 - a failed step must reach the scheduler, not kill the worker
             log.exception("step_failed", step_id=batch.step_id)
             self.results.send(StepFailed(step_id=batch.step_id, message=f"{type(exc).__name__}: {exc}"))
             return
+        finally:
+            self.heartbeat.step_started = None
         self.metrics.observe_step(time.perf_counter() - t0, len(batch.tokens), len(batch.req_ids))
         self.results.send(StepDone(output))
 

@@ -114,7 +114,8 @@ class Cluster:
                 p.wait()
 
 
-def start_cluster(model_dir: Path, rundir: Path, worker_flags=(), api_flags=(), boot: str = FAKE_BOOT) -> Cluster:
+def start_cluster(model_dir: Path, rundir: Path, worker_flags=(), api_flags=(), boot: str = FAKE_BOOT,
+                  scheduler_flags=()) -> Cluster:  # fmt: skip
     rundir.mkdir(parents=True, exist_ok=True)
     sock_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"ferry-test-{os.getpid()}-{free_port()}"
     sock_dir.mkdir(mode=0o700)  # ipc paths must stay short (108 bytes), pytest's tmp paths are long
@@ -123,7 +124,7 @@ def start_cluster(model_dir: Path, rundir: Path, worker_flags=(), api_flags=(), 
     ferry = [sys.executable, "-m", "services.cli"]
     cmds = {
         "scheduler": [*ferry, "scheduler", "--api-addr", api_addr, "--steps-addr", steps, "--results-addr", results,
-                      "--health-port", str(c.scheduler_health_port)],
+                      "--health-port", str(c.scheduler_health_port), *scheduler_flags],
         "worker": [*ferry, "worker", "--model", str(model_dir), "--steps-addr", steps, "--results-addr", results,
                    "--boot", boot, "--health-port", str(c.worker_health_port), *worker_flags],
         "api": api_command(model_dir, api_addr, c.port, *api_flags),

@@ -105,3 +105,26 @@ def test_a_restarted_scheduler_fails_old_requests_and_serves_new_ones(slow_model
         assert r.usage.completion_tokens == 5
     finally:
         c.stop()
+
+
+def test_a_worker_hung_in_one_step_fails_its_requests_and_recovers(tmp_path_factory, tiny_tokenizer_dir, tiny_tokenizer):
+    from tests.integration.harness import make_model_dir
+
+    model = make_model_dir(tiny_tokenizer_dir, tmp_path_factory.mktemp("models") / "hung", tiny_tokenizer,
+                           step_delay_s=3.0)  # fmt: skip
+    c = start_cluster(model, tmp_path_factory.mktemp("hung"), scheduler_flags=["--step-timeout", "1"])
+    try:
+        client = openai.OpenAI(base_url=c.base_url + "/v1", api_key="x", max_retries=0, timeout=30)
+        t0 = time.monotonic()
+        try:
+            client.completions.create(model="tiny", prompt="slow", max_tokens=5)
+            raise AssertionError("a request finished although every step outlasts --step-timeout")
+        except openai.APIStatusError as exc:
+            assert exc.status_code == 503 and "step-timeout" in exc.message
+        assert time.monotonic() - t0 < 2.9, "failed only when the step ended, not when it overran"
+        status, body = eventually(lambda: (lambda r: r if r[0] == 503 else None)(http_get(c.base_url + "/health")),
+                                  timeout=1.0) or (200, "")  # fmt: skip
+        assert status == 503 and "step-timeout" in body
+        assert eventually(lambda: http_get(c.base_url + "/health")[0] == 200, timeout=6)  # the step ended: idle again
+    finally:
+        c.stop()
