@@ -31,9 +31,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model directory or hub id (default: the built-in tiny demo model)")
     add_worker_model_flags(parser, model_required=False)
     add_api_flags(parser)
-    g = parser.add_argument_group("side ports")
+    g = parser.add_argument_group("processes")
     g.add_argument("--scheduler-health-port", type=int, default=None, help="scheduler /health and /metrics port (default: none)")
     g.add_argument("--worker-health-port", type=int, default=None, help="worker /health and /metrics port (default: none)")
+    g.add_argument("--step-timeout", type=float, default=300.0,
+                   help="seconds one worker step may run before its requests fail as hung (default 300)")  # fmt: skip
     g.add_argument("--boot", default=DEFAULT_BOOT, help="module:function the worker boots with (default: the real model)")
     parser.add_argument("--log-level", default="info", help="debug, info, warning or error")
 
@@ -46,7 +48,8 @@ def child_commands(args: argparse.Namespace, model: str, rundir: Path) -> dict[s
     api_addr, steps_addr, results_addr = (f"ipc://{rundir}/{n}.sock" for n in ("api", "steps", "results"))
     ferry = [sys.executable, "-m", "services.cli"]
     log_level = ["--log-level", args.log_level]
-    scheduler = [*ferry, "scheduler", "--api-addr", api_addr, "--steps-addr", steps_addr, "--results-addr", results_addr]
+    scheduler = [*ferry, "scheduler", "--api-addr", api_addr, "--steps-addr", steps_addr, "--results-addr", results_addr,
+                 "--step-timeout", str(args.step_timeout)]  # fmt: skip
     if args.scheduler_health_port is not None:
         scheduler += ["--health-port", str(args.scheduler_health_port)]
     worker = [*ferry, "worker", "--model", model, "--load-format", args.load_format, "--device", args.device,
