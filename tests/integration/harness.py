@@ -73,6 +73,7 @@ class Cluster:
     scheduler_health_port: int
     worker_health_port: int
     api_addr: str = ""
+    sock_dir: Path | None = None
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     @property
@@ -112,6 +113,8 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        if self.sock_dir is not None:
+            shutil.rmtree(self.sock_dir, ignore_errors=True)
 
 
 def start_cluster(model_dir: Path, rundir: Path, worker_flags=(), api_flags=(), boot: str = FAKE_BOOT,
@@ -120,7 +123,7 @@ def start_cluster(model_dir: Path, rundir: Path, worker_flags=(), api_flags=(), 
     sock_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"ferry-test-{os.getpid()}-{free_port()}"
     sock_dir.mkdir(mode=0o700)  # ipc paths must stay short (108 bytes), pytest's tmp paths are long
     api_addr, steps, results = (f"ipc://{sock_dir}/{n}" for n in ("api", "steps", "results"))
-    c = Cluster(rundir, model_dir, free_port(), free_port(), free_port(), api_addr)
+    c = Cluster(rundir, model_dir, free_port(), free_port(), free_port(), api_addr, sock_dir)
     ferry = [sys.executable, "-m", "services.cli"]
     cmds = {
         "scheduler": [*ferry, "scheduler", "--api-addr", api_addr, "--steps-addr", steps, "--results-addr", results,
