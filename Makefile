@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 BIN   := $(VENV)/bin
 STAMP := $(VENV)/.ferry-installed
 
-.PHONY: venv serve test test-fast lint clean
+.PHONY: venv serve test test-fast lint lint-tools image clean
 
 venv: $(STAMP)
 
@@ -28,8 +28,19 @@ $(STAMP): pyproject.toml Makefile
 serve: $(STAMP)
 	$(BIN)/ferry serve $(if $(MODEL),--model $(MODEL)) $(SERVE_ARGS)
 
-test: $(STAMP)
+# dclint (compose.yaml's linter) runs through npx; fetching it once puts it in the npm cache, after which
+# the suite runs it with --offline.
+DCLINT := dclint@3.1.0
+
+lint-tools:
+	@command -v npx >/dev/null || { echo "make: npx not found: install node and npm (dclint lints compose.yaml)" >&2; exit 1; }
+	npx --yes $(DCLINT) --version >/dev/null
+
+test: $(STAMP) lint-tools
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+image:
+	docker build -t ferry:0.1.0 .
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

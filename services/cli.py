@@ -6,6 +6,7 @@ import argparse
 import importlib
 import sys
 
+from shared.env_flags import apply_env_defaults
 from shared.errors import FerryError
 
 # subcommand -> (module with add_arguments(parser) and run(args) -> int, help)
@@ -13,6 +14,10 @@ COMMANDS = {
     "plan": ("services.plan_command", "print the worker's memory plan for a model and a device budget"),
     "generate": ("services.generate_command", "generate from one prompt offline, through the worker's boot and executor"),
     "make-tiny-model": ("services.make_tiny_model", "write the tiny random-weight demo checkpoint (also the tests' model)"),
+    "serve": ("services.serve_command", "run api, scheduler and worker on this host (an OpenAI-compatible server)"),
+    "api": ("services.api.command", "run one api replica: the OpenAI-compatible HTTP server"),
+    "scheduler": ("services.scheduler.command", "run the scheduler"),
+    "worker": ("services.worker.command", "run the worker: loads the model and executes steps"),
 }
 
 
@@ -22,11 +27,17 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         importlib.import_module(module).add_arguments(p)
+        apply_env_defaults(p)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        parser = build_parser()
+    except FerryError as exc:  # a bad FERRY_* variable
+        print(f"ferry: error: {exc}", file=sys.stderr)
+        return exc.exit_status
+    args = parser.parse_args(argv)
     module = importlib.import_module(COMMANDS[args.command][0])
     try:
         return module.run(args)

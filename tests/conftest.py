@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.doubles.tiny_tokenizer import tiny_tokenizer, tiny_tokenizer_dir  # noqa: F401 (fixtures)
+
 # Without CUDA, Triton can only interpret. Triton fixes part of that choice when it is first
 # imported (transformers imports it early), so the interpreted kernel tests would depend on
 # whether an earlier test imported transformers. Decide it once, before anything imports triton.

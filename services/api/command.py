@@ -1,0 +1,30 @@
+"""`ferry api`: one api replica, configured by flags or FERRY_* variables."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from shared.logging import configure_logging
+from services.api.config import add_api_flags, api_config_from_args
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="model directory or hub id (its tokenizer and chat template are used)")
+    parser.add_argument("--scheduler-addr", default="tcp://127.0.0.1:5555", help="the scheduler's ROUTER address")
+    add_api_flags(parser)
+    parser.add_argument("--log-level", default="info", help="debug, info, warning or error")
+
+
+def run(args: argparse.Namespace) -> int:
+    configure_logging("api", args.log_level)
+    from shared.torch_free import forbid_torch
+
+    forbid_torch()  # before transformers is imported (by the tokenizer)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # not its "PyTorch was not found" warning: we know
+    import uvloop
+
+    from services.api.app import serve
+
+    uvloop.run(serve(api_config_from_args(args, args.scheduler_addr, args.model)))
+    return 0

@@ -1,0 +1,107 @@
+"""One request from token events to text deltas: detokenize, apply stop strings, time it, and abort
+it in the scheduler if the caller goes away before it finishes (client disconnect, stop string)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import structlog
+
+from shared.errors import FerryError
+from shared.messages import Finished
+from shared.sampling import SamplingParams
+from services.api.detokenizer import IncrementalDetokenizer
+from services.api.metrics import ApiMetrics
+from services.api.scheduler_client import SchedulerClient, Token
+from services.api.stop_strings import StopStringFilter
+
+log = structlog.get_logger("api.generation")
+
+
+@dataclass
+class Delta:
+    text: str
+    finish_reason: str | None = None  # set on the last delta
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def to_json(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+class Generation:
+    def __init__(self, client: SchedulerClient, tokenizer, metrics: ApiMetrics, route: str,
+                 prompt: list[int], sampling: SamplingParams, max_tokens: int | None, stops: list[str]):  # fmt: skip
+        self.client, self.metrics, self.route = client, metrics, route
+        self.prompt, self.sampling, self.max_tokens = prompt, sampling, max_tokens
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.stops = StopStringFilter(stops)
+        self.usage = Usage(prompt_tokens=len(prompt))
+        self.arrived = time.perf_counter()
+        self.outcome = "disconnected"  # until the request ends another way
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """Text deltas; the last one carries the finish reason. Raises FerryError when the request
+        is rejected or lost. Closing the iterator early aborts the request."""
+        stream = None
+        try:
+            stream = await self.client.submit(self.prompt, self.sampling, self.max_tokens)
+            last = None
+            while True:
+                ev = await stream.next()
+                if isinstance(ev, FerryError):
+                    self.outcome = type(ev).__name__
+                    raise ev
+                if isinstance(ev, Finished):
+                    if self.usage.completion_tokens == 0:
+                        self.metrics.prompt_tokens.inc(len(self.prompt))
+                    text, hit = self.stops.push(self.detok.flush())
+                    if not hit:
+                        text += self.stops.flush()
+                    self.usage.cached_tokens = ev.cached_tokens
+                    yield self._finish(text, "stop" if hit else ev.reason)
+                    return
+                assert isinstance(ev, Token)
+                self._observe(ev, last)
+                last = ev.at
+                text, hit = self.stops.push(self.detok.push(ev.token_id))
+                if hit:
+                    self.client.abort(stream)
+                    yield self._finish(text, "stop")
+                    return
+                if text:
+                    yield Delta(text)
+        finally:
+            if stream is not None and not stream.done:
+                self.client.abort(stream)  # the caller left (disconnect) before the request finished
+            self.metrics.requests.labels(self.route, self.outcome).inc()
+
+    def _observe(self, ev: Token, previous: float | None) -> None:
+        if previous is None:
+            self.metrics.ttft.observe(ev.at - self.arrived)
+            self.metrics.prompt_tokens.inc(len(self.prompt))
+        else:
+            self.metrics.itl.observe(ev.at - previous)
+        self.usage.completion_tokens += 1
+        self.metrics.generation_tokens.inc()
+
+    def _finish(self, text: str, reason: str) -> Delta:
+        self.outcome = reason
+        self.metrics.e2e.observe(time.perf_counter() - self.arrived)
+        self.metrics.cached_tokens.inc(self.usage.cached_tokens)
+        log.info("request_finished", finish_reason=reason, prompt_tokens=self.usage.prompt_tokens,
+                 completion_tokens=self.usage.completion_tokens, cached_tokens=self.usage.cached_tokens,
+                 seconds=round(time.perf_counter() - self.arrived, 4))  # fmt: skip
+        return Delta(text, reason)

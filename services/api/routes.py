@@ -1,0 +1,119 @@
+"""The OpenAI-compatible routes. Each request: validate -> tokenize -> Generation -> JSON or SSE."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import structlog
+from aiohttp import web
+
+from shared.errors import FerryError, NotFound
+from services.api import schema
+from services.api.config import ApiConfig
+from services.api.generation import Generation
+from services.api.metrics import ApiMetrics
+from services.api.responses import ChatFormat, CompletionFormat, ResponseFormat, error_body, sse
+from services.api.scheduler_client import SchedulerClient
+from services.api.tokenizer import PromptTokenizer
+
+log = structlog.get_logger("api.routes")
+
+
+class OpenAIRoutes:
+    def __init__(self, cfg: ApiConfig, client: SchedulerClient, tokenizer: PromptTokenizer, metrics: ApiMetrics):
+        self.cfg, self.client, self.tokenizer, self.metrics = cfg, client, tokenizer, metrics
+        self.created = int(time.time())
+        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+
+    def add_to(self, app: web.Application) -> None:
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.prometheus)
+
+    # ---- generation ------------------------------------------------------------------------------
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        req = schema.decode_body(await request.read(), schema.ChatCompletionRequest)
+        max_tokens = schema.chat_max_tokens(req)
+        self._check_common(req, max_tokens)
+        prompt = await self._tokenize(self.tokenizer.chat_prompt, schema.chat_messages(req))
+        return await self._generate(request, req, "chat", prompt, max_tokens, ChatFormat(self.cfg.served_model_name))
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        req = schema.decode_body(await request.read(), schema.CompletionRequest)
+        self._check_common(req, req.max_tokens)
+        prompt = await self._tokenize(self.tokenizer.text_prompt, schema.completion_prompt(req))
+        fmt = CompletionFormat(self.cfg.served_model_name)
+        return await self._generate(request, req, "completions", prompt, req.max_tokens, fmt)
+
+    async def _tokenize(self, fn, arg) -> list[int]:
+        """Off the event loop (a prompt near the body limit takes long enough to stall every stream),
+        on one thread (a fast tokenizer is not meant to encode from several threads at once)."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, arg)
+
+    def _check_common(self, req, max_tokens: int | None) -> None:
+        if req.model is not None and req.model != self.cfg.served_model_name:
+            raise NotFound(f"the model {req.model!r} does not exist here; this server serves {self.cfg.served_model_name!r}")
+        schema.validate_generation(req, max_tokens)
+
+    async def _generate(self, request: web.Request, req, route: str, prompt: list[int], max_tokens: int | None,
+                        fmt: ResponseFormat) -> web.StreamResponse:  # fmt: skip
+        structlog.contextvars.bind_contextvars(request_id=fmt.id)
+        gen = Generation(self.client, self.tokenizer.hf, self.metrics, route, prompt,
+                         schema.sampling_params(req, self.tokenizer.eos_token_ids), max_tokens, schema.stop_strings(req))  # fmt: skip
+        async with contextlib.aclosing(gen.deltas()) as deltas:
+            if not req.stream:
+                parts, reason = [], None
+                async for d in deltas:
+                    parts.append(d.text)
+                    reason = d.finish_reason
+                return web.json_response(fmt.full("".join(parts), reason, gen.usage))
+            with_usage = bool(req.stream_options and req.stream_options.include_usage)
+            first = await anext(deltas)  # a rejection raises here, before any header: a plain 4xx/5xx
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await response.prepare(request)
+            try:
+                for chunk in fmt.opening_chunks(with_usage):
+                    await response.write(sse(chunk))
+                d = first
+                while True:
+                    if d.text or d.finish_reason:
+                        await response.write(sse(fmt.chunk(d.text, d.finish_reason, with_usage)))
+                    if d.finish_reason:
+                        break
+                    d = await anext(deltas)
+                if with_usage:
+                    await response.write(sse(fmt.usage_chunk(gen.usage)))
+                await response.write(sse("[DONE]"))
+            except FerryError as exc:  # lost mid-stream: headers are gone, so the error travels as an event
+                await response.write(sse(error_body(exc.http_status, exc.error_type, str(exc))))
+            except ConnectionResetError:
+                log.info("client_disconnected")  # leaving the `async with` aborts the request
+            return response
+
+    # ---- info --------------------------------------------------------------------------------------
+
+    async def models(self, request: web.Request) -> web.Response:
+        status = self.client.status
+        card = {"id": self.cfg.served_model_name, "object": "model", "created": self.created, "owned_by": "ferry",
+                "max_model_len": status.max_model_len if status and status.ready else None}  # fmt: skip
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        ready, reason = self.client.readiness()
+        if ready:
+            return web.json_response({"status": "ready"})
+        return web.json_response({"status": "unavailable", "reason": reason}, status=503)
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        self.metrics.refresh_from(self.client.status, self.client.readiness()[0])
+        body = generate_latest(self.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+

@@ -1,0 +1,155 @@
+"""An api replica's link to the scheduler: one DEALER, one reader task fanning messages out to
+per-request queues, and heartbeats both ways.
+
+If the scheduler falls silent for PEER_TIMEOUT_S every request in flight fails with 503 and
+/health turns 503; nothing waits forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import structlog
+import zmq
+import zmq.asyncio
+
+from shared.errors import FerryError, ServiceUnavailable, error_from_wire
+from shared.liveness import HEARTBEAT_INTERVAL_S, Liveness
+from shared.messages import (
+    Abort, ApiHeartbeat, Failed, Finished, SchedulerStatus, SchedulerToApi, Submit, Tokens,
+)  # fmt: skip
+from shared.sampling import SamplingParams
+from shared.wire import AsyncDealer, WireError
+
+log = structlog.get_logger("api.scheduler_client")
+
+
+@dataclass
+class Token:
+    token_id: int
+    at: float  # time.perf_counter() when it arrived
+
+
+Event = Token | Finished | FerryError
+
+
+class RequestStream:
+    """The events of one request: Token*, then Finished or a FerryError."""
+
+    def __init__(self, req_id: int):
+        self.req_id = req_id
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.done = False
+
+    async def next(self) -> Event:
+        ev = await self.queue.get()
+        if not isinstance(ev, Token):
+            self.done = True
+        return ev
+
+
+class SchedulerClient:
+    def __init__(self, addr: str, identity: str):
+        self.addr = addr
+        self.identity = identity
+        self.ctx = zmq.asyncio.Context()
+        self.dealer: AsyncDealer = AsyncDealer(self.ctx, addr, SchedulerToApi, identity.encode())
+        self.status: SchedulerStatus | None = None
+        self.scheduler = Liveness()
+        self.streams: dict[int, RequestStream] = {}
+        self._ids = itertools.count(1)
+        self._tasks: list[asyncio.Task] = []
+        self._started = time.monotonic()
+
+    async def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._beat())]
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.dealer.close()
+        self.ctx.term()
+
+    # ---- readiness ---------------------------------------------------------------------------------
+
+    def readiness(self) -> tuple[bool, str]:
+        if not self.scheduler.alive():
+            silent = self.scheduler.silent_for()
+            if silent is None:
+                return False, f"no contact with the scheduler at {self.addr} yet"
+            return False, f"the scheduler at {self.addr} stopped responding ({silent:.1f}s without a heartbeat)"
+        if self.status is None or not self.status.ready:
+            return False, self.status.reason if self.status else "waiting for the scheduler's status"
+        return True, ""
+
+    # ---- requests ----------------------------------------------------------------------------------
+
+    async def submit(self, prompt: list[int], sampling: SamplingParams, max_tokens: int | None) -> RequestStream:
+        if not self.scheduler.alive():
+            raise ServiceUnavailable(self.readiness()[1])
+        stream = RequestStream(next(self._ids))
+        self.streams[stream.req_id] = stream
+        sent = await self.dealer.send(Submit(req_id=stream.req_id, prompt_token_ids=np.asarray(prompt, dtype=np.int32),
+                                             sampling=sampling, max_tokens=max_tokens))  # fmt: skip
+        if not sent:
+            self.streams.pop(stream.req_id, None)
+            raise ServiceUnavailable(f"the scheduler at {self.addr} is not connected")
+        return stream
+
+    def abort(self, stream: RequestStream) -> None:
+        """Fire and forget (callable from a cancelled handler's cleanup): the scheduler frees the
+        request's pages as soon as it reads this."""
+        self.streams.pop(stream.req_id, None)
+        if stream.done:
+            return
+        stream.done = True
+        # With NOBLOCK the future is already resolved; zmq.Again in it means the scheduler is gone, and
+        # with it the request: nothing to abort. The callback only marks that exception as seen.
+        fut = self.dealer.sock.send_multipart(self.dealer.codec.encode(Abort(stream.req_id)), copy=False,
+                                              flags=zmq.NOBLOCK)  # fmt: skip
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    # ---- background --------------------------------------------------------------------------------
+
+    async def _read(self) -> None:
+        while True:
+            try:
+                msg = await self.dealer.recv()
+            except WireError as exc:
+                log.error("bad_scheduler_message", error=str(exc))
+                continue
+            now = time.perf_counter()
+            match msg:
+                case Tokens(req_ids=ids, token_ids=toks):
+                    for rid, tok in zip(ids.tolist(), toks.tolist()):
+                        if (s := self.streams.get(rid)) is not None:
+                            s.queue.put_nowait(Token(tok, now))
+                case Finished(req_id=rid):
+                    if (s := self.streams.pop(rid, None)) is not None:
+                        s.queue.put_nowait(msg)
+                case Failed(req_id=rid, error_type=kind, message=text):
+                    if (s := self.streams.pop(rid, None)) is not None:
+                        s.queue.put_nowait(error_from_wire(kind, text))
+                case SchedulerStatus():
+                    self.scheduler.beat()
+                    if self.status is not None and self.status.boot_id != msg.boot_id:
+                        self._fail_all("the scheduler restarted")
+                    self.status = msg
+
+    async def _beat(self) -> None:
+        while True:
+            if self.streams and self.scheduler.ever_seen and not self.scheduler.alive():
+                self._fail_all(self.readiness()[1])
+            await self.dealer.send(ApiHeartbeat())
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+
+    def _fail_all(self, why: str) -> None:
+        err = ServiceUnavailable(f"{why}; the request was lost")
+        for s in self.streams.values():
+            s.queue.put_nowait(err)
+        self.streams.clear()

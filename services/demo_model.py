@@ -1,0 +1,38 @@
+"""The built-in tiny demo model `ferry serve` uses without --model: generated once by
+`ferry make-tiny-model` (deterministic: fixed seeds) into a cache directory, then reused."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from shared.errors import ModelLoadError
+
+DEMO_ARCH = "qwen3_moe"
+
+
+def demo_model_dir() -> Path:
+    root = os.environ.get("FERRY_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "ferry")
+    return Path(root) / f"tiny-{DEMO_ARCH.replace('_', '-')}"
+
+
+def ensure_demo_model() -> Path:
+    target = demo_model_dir()
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".tiny-", dir=target.parent))  # same filesystem: rename is atomic
+    cmd = [sys.executable, "-m", "services.cli", "make-tiny-model", str(staging), "--arch", DEMO_ARCH]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise ModelLoadError(f"could not generate the demo model ({' '.join(cmd[2:])}): {done.stderr.strip()[-2000:]}")
+    try:
+        staging.rename(target)
+    except OSError:  # another `ferry serve` made it first
+        shutil.rmtree(staging, ignore_errors=True)
+    return target

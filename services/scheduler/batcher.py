@@ -1,0 +1,311 @@
+"""The scheduling policy: continuous batching with chunked prefill mixed into decode steps.
+
+Each step: running requests first, oldest first (decodes take one token, unfinished prefills take
+a chunk), then waiting requests in arrival order while the step's token budget
+(`max_prefill_tokens`), `max_running_requests`, state slots and pages allow. When a running
+request needs a page and none is left, the newest running request not yet in this step is
+preempted: its pages are freed (full ones stay in the prefix cache) and it goes back to the head
+of the queue, to be recomputed from its prompt plus the tokens it already produced.
+
+Only one step is in flight at a time: the pages of requests in that step are never touched until
+its output comes back, so an abort during a step takes effect when the step returns.
+
+Pure Python + numpy, no sockets: the service feeds it messages and sends what it returns.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+import msgspec
+import numpy as np
+
+from shared.errors import EngineError, FerryError, InvalidRequest
+from shared.messages import PoolReport
+from shared.sampling import SamplingParams
+from shared.step import NewRequest, StepBatch, StepOutput
+from services.scheduler.kv_pool import KvPool, pages_for
+from services.scheduler.request import Request
+from services.scheduler.state_slots import StateSlotAllocator
+
+
+@dataclass
+class Outcome:
+    """What the api replicas must hear after a scheduler action."""
+
+    tokens: list[tuple[Request, int]] = field(default_factory=list)
+    finished: list[tuple[Request, str]] = field(default_factory=list)  # reason: stop | length | abort
+    failed: list[tuple[Request, FerryError]] = field(default_factory=list)
+
+
+@dataclass
+class _Entry:
+    req: Request
+    query_len: int
+    sample: bool
+
+
+def check_pool(pool: PoolReport) -> None:
+    """A PoolReport the scheduler can work with, or ValueError naming the bad field."""
+    for name in ("kv_pages", "page_size", "max_running_requests", "max_prefill_tokens", "max_model_len"):
+        if getattr(pool, name) < 1:
+            raise ValueError(f"{name} must be at least 1, the worker reported {getattr(pool, name)}")
+    if pool.state_slots < 0:
+        raise ValueError(f"state_slots must be >= 0, the worker reported {pool.state_slots}")
+
+
+class BatchScheduler:
+    def __init__(self, pool: PoolReport, first_step_id: int = 1):
+        check_pool(pool)
+        self.pool = pool
+        self.hybrid = pool.state_slots > 0
+        # Hybrid (linear-attention) models: a cached KV prefix is useless without the linear state at
+        # the same position, and we keep no state snapshots, so prefix reuse is off for them.
+        self.kv = KvPool(pool.kv_pages, pool.page_size, prefix_reuse=not self.hybrid)
+        self.slots = StateSlotAllocator(pool.state_slots)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the last is the newest
+        self.by_rid: dict[int, Request] = {}
+        self.preemptions = 0
+        self._forget: list[int] = []  # worker sampler state to drop before the next step
+        self._in_flight: list[_Entry] | None = None
+        self._step_ids = itertools.count(first_step_id)
+        self._in_flight_step = 0
+
+    # ---- admission -------------------------------------------------------------------------------
+
+    def resolve_max_tokens(self, prompt_len: int, max_tokens: int | None) -> int:
+        """The request's output budget, or InvalidRequest if it can never run (checked once, up front)."""
+        limit = self.pool.max_model_len
+        if prompt_len < 1:
+            raise InvalidRequest("the prompt is empty: send at least one token")
+        if prompt_len >= limit:
+            raise InvalidRequest(
+                f"the prompt is {prompt_len} tokens but the model length is {limit}: "
+                f"no room for a single output token; shorten the prompt"
+            )
+        if max_tokens is None:
+            max_tokens = limit - prompt_len
+        if max_tokens < 1:
+            raise InvalidRequest(f"max_tokens must be at least 1, got {max_tokens}")
+        if prompt_len + max_tokens > limit:
+            raise InvalidRequest(
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {prompt_len + max_tokens} "
+                f"exceeds the model length {limit}; lower max_tokens to at most {limit - prompt_len}"
+            )
+        need = pages_for(prompt_len + max_tokens, self.pool.page_size)
+        if need > self.kv.total:
+            fits = self.kv.total * self.pool.page_size - prompt_len
+            raise InvalidRequest(
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) needs {need} KV pages but the "
+                f"server's pool has {self.kv.total} pages of {self.pool.page_size} tokens"
+                + (f"; lower max_tokens to at most {fits}" if fits >= 1 else "; shorten the prompt")
+            )
+        return max_tokens
+
+    def add(self, rid: int, client: bytes, client_req_id: int, prompt: np.ndarray, sampling: SamplingParams,
+            max_tokens: int | None) -> Request:  # fmt: skip
+        resolved = self.resolve_max_tokens(len(prompt), max_tokens)
+        req = Request(
+            rid=rid, client=client, client_req_id=client_req_id, prompt_len=len(prompt),
+            sampling=msgspec.structs.replace(sampling, max_tokens=resolved), tokens=[int(t) for t in prompt],
+        )  # fmt: skip
+        self.waiting.append(req)
+        self.by_rid[rid] = req
+        return req
+
+    def abort(self, rid: int) -> Outcome:
+        out = Outcome()
+        req = self.by_rid.get(rid)
+        if req is None:
+            return out
+        if self._in_flight is not None and any(e.req is req for e in self._in_flight):
+            req.abort_pending = True
+        else:
+            self._finish(req, "abort", out)
+        return out
+
+    # ---- steps -----------------------------------------------------------------------------------
+
+    @property
+    def step_in_flight(self) -> bool:
+        return self._in_flight is not None
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def schedule(self) -> StepBatch | None:
+        """The next step, or None when a step is in flight or nothing can run."""
+        if self._in_flight is not None:
+            return None
+        budget = self.pool.max_prefill_tokens
+        entries: list[_Entry] = []
+        in_step: set[int] = set()
+        preempted = False
+        for req in list(self.running):
+            if budget <= 0:
+                break
+            if req.rid not in self.by_rid or req not in self.running:
+                continue  # preempted earlier in this loop
+            q = min(req.to_compute, budget)
+            while not self.kv.grow(req, req.num_computed + q):
+                victim = next(r for r in reversed(self.running) if r.rid not in in_step)
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            else:
+                entries.append(_Entry(req, q, req.num_computed + q == len(req.tokens)))
+                in_step.add(req.rid)
+                budget -= q
+        # No admissions in a step that had to preempt: the pool is short, and re-admitting the victim at
+        # once would only thrash.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.pool.max_running_requests:
+            req = self.waiting[0]
+            if not self._admit(req, budget):
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            q = min(req.to_compute, budget)
+            entries.append(_Entry(req, q, req.num_computed + q == len(req.tokens)))
+            budget -= q
+        if not entries:
+            return None
+        self._in_flight = entries
+        return self._build_batch(entries)
+
+    def _admit(self, req: Request, budget: int) -> bool:
+        slot = 0
+        if self.hybrid:
+            slot = self.slots.allocate()
+            if slot is None:
+                return False
+        self.kv.reuse_prefix(req)
+        if not self.kv.grow(req, req.num_computed + min(req.to_compute, budget)):
+            self.kv.release(req)
+            self.slots.release(slot)
+            return False
+        req.slot = slot
+        if not req.admitted_once:
+            req.cached_tokens = req.num_computed
+            req.admitted_once = True
+        return True
+
+    def _build_batch(self, entries: list[_Entry]) -> StepBatch:
+        n = len(entries)
+        width = max(len(e.req.pages) for e in entries)
+        page_table = np.zeros((n, width), dtype=np.int32)
+        tokens: list[int] = []
+        new_requests = []
+        for i, e in enumerate(entries):
+            r = e.req
+            page_table[i, : len(r.pages)] = r.pages
+            tokens.extend(r.tokens[r.num_computed : r.num_computed + e.query_len])
+            if not r.announced:
+                # After a preemption the tokens already produced are part of the recomputed prefix, so
+                # they count as seen for the repetition penalty.
+                new_requests.append(NewRequest(r.rid, np.asarray(r.tokens, dtype=np.int32), r.sampling))
+                r.announced = True
+        self._in_flight_step = next(self._step_ids)
+        forget, self._forget = self._forget, []
+        return StepBatch(
+            step_id=self._in_flight_step,
+            req_ids=np.array([e.req.rid for e in entries], dtype=np.int64),
+            tokens=np.array(tokens, dtype=np.int32),
+            query_lens=np.array([e.query_len for e in entries], dtype=np.int32),
+            context_lens=np.array([e.req.num_computed for e in entries], dtype=np.int32),
+            page_table=page_table,
+            state_slots=np.array([e.req.slot for e in entries], dtype=np.int32),
+            reset_state=np.array([e.req.num_computed == 0 for e in entries], dtype=bool),
+            sample=np.array([e.sample for e in entries], dtype=bool),
+            new_requests=new_requests,
+            finished_req_ids=forget,
+        )
+
+    def complete(self, output: StepOutput) -> Outcome:
+        """Apply the in-flight step's output: advance requests, emit tokens, finish the done ones."""
+        out = Outcome()
+        entries, self._in_flight = self._in_flight or [], None
+        if output.step_id != self._in_flight_step:
+            err = EngineError(f"the worker answered step {output.step_id}, expected {self._in_flight_step}")
+            for e in entries:
+                self._fail(e.req, err, out)
+            return out
+        sampled = dict(zip(output.req_ids.tolist(), output.token_ids.tolist()))
+        for e in entries:
+            req = e.req
+            req.num_computed += e.query_len
+            if req.abort_pending:
+                self._finish(req, "abort", out)
+                continue
+            if e.sample:
+                token = sampled.get(req.rid)
+                if token is None:
+                    self._fail(req, EngineError(f"the worker returned no token for request {req.rid}"), out)
+                    continue
+                req.tokens.append(token)
+                req.output_len += 1
+                out.tokens.append((req, token))
+                reason = self._finish_reason(req, token)
+                if reason:
+                    self._finish(req, reason, out)
+                    continue
+            self.kv.cache_full_pages(req)
+        return out
+
+    def fail_step(self, step_id: int, err: FerryError) -> Outcome:
+        """The worker could not run the in-flight step: its requests fail, everything else goes on."""
+        out = Outcome()
+        entries, self._in_flight = self._in_flight or [], None
+        for e in entries:
+            self._fail(e.req, err, out)
+        return out
+
+    def fail_all(self, err: FerryError) -> Outcome:
+        """The worker is gone: every request fails now (its pools died with it)."""
+        out = Outcome()
+        self._in_flight = None
+        for req in [*self.running, *self.waiting]:
+            self._fail(req, err, out)
+        return out
+
+    # ---- bookkeeping -----------------------------------------------------------------------------
+
+    def _finish_reason(self, req: Request, token: int) -> str | None:
+        if token in req.sampling.stop_token_ids:
+            return "stop"
+        if req.output_len >= req.sampling.max_tokens or len(req.tokens) >= self.pool.max_model_len:
+            return "length"
+        return None
+
+    def _release(self, req: Request) -> None:
+        self.kv.release(req)
+        self.slots.release(req.slot)
+        req.slot = 0
+        if req.announced:
+            self._forget.append(req.rid)
+            req.announced = False
+
+    def _remove(self, req: Request) -> None:
+        self._release(req)
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.by_rid.pop(req.rid, None)
+
+    def _finish(self, req: Request, reason: str, out: Outcome) -> None:
+        self._remove(req)
+        out.finished.append((req, reason))
+
+    def _fail(self, req: Request, err: FerryError, out: Outcome) -> None:
+        self._remove(req)
+        out.failed.append((req, err))
+
+    def _preempt(self, req: Request) -> None:
+        self._release(req)
+        self.running.remove(req)
+        self.waiting.appendleft(req)
+        self.preemptions += 1

@@ -1,0 +1,28 @@
+"""`ferry scheduler`: one scheduler process, configured by flags or FERRY_* variables."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+
+from shared.logging import configure_logging
+from services.scheduler.config import add_scheduler_flags, scheduler_config_from_args
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_scheduler_flags(parser)
+    parser.add_argument("--log-level", default="info", help="debug, info, warning or error")
+
+
+def run(args: argparse.Namespace) -> int:
+    configure_logging("scheduler", args.log_level)
+    from shared.torch_free import forbid_torch
+
+    forbid_torch()
+    from services.scheduler.service import SchedulerService
+
+    service = SchedulerService(scheduler_config_from_args(args))
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: service.stop())
+    service.run()
+    return 0

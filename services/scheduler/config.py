@@ -1,0 +1,36 @@
+"""The scheduler's frozen configuration, built once from flags / FERRY_* variables."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from shared.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    api_addr: str  # ROUTER, bound: api replicas connect their DEALERs here
+    steps_addr: str  # PUSH, bound: the worker's PULL connects here
+    results_addr: str  # PULL, bound: the worker's PUSH connects here
+    health_host: str
+    health_port: int | None  # side port for /health and /metrics; None: no side server
+    step_timeout_s: float  # a worker step running longer than this counts as a hung worker
+
+
+def add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("scheduler")
+    g.add_argument("--api-addr", default="tcp://127.0.0.1:5555", help="where the scheduler's ROUTER binds (api replicas connect)")
+    g.add_argument("--steps-addr", default="tcp://127.0.0.1:5556", help="where the scheduler pushes steps (worker connects)")
+    g.add_argument("--results-addr", default="tcp://127.0.0.1:5557", help="where the scheduler pulls results (worker connects)")
+    g.add_argument("--health-host", default="127.0.0.1", help="interface for /health and /metrics")
+    g.add_argument("--health-port", type=int, default=None, help="port for /health and /metrics (default: none)")
+    g.add_argument("--step-timeout", type=float, default=300.0,
+                   help="seconds one worker step may run before its requests fail as hung (default 300)")  # fmt: skip
+
+
+def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
+    if args.step_timeout <= 0:
+        raise ConfigError(f"--step-timeout must be positive, got {args.step_timeout}")
+    return SchedulerConfig(args.api_addr, args.steps_addr, args.results_addr, args.health_host, args.health_port,
+                           args.step_timeout)  # fmt: skip

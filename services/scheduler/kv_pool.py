@@ -1,0 +1,78 @@
+"""The KV pages as the scheduler sees them: a free list plus the prefix cache that may lend pages back."""
+
+from __future__ import annotations
+
+from services.scheduler.page_allocator import PageAllocator
+from services.scheduler.radix_cache import RadixCache
+from services.scheduler.request import Request
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
+
+
+class KvPool:
+    def __init__(self, pages: int, page_size: int, prefix_reuse: bool):
+        self.page_size = page_size
+        self.allocator = PageAllocator(pages)
+        self.cache = RadixCache(page_size, self.allocator)
+        self.prefix_reuse = prefix_reuse
+
+    @property
+    def total(self) -> int:
+        return self.allocator.total
+
+    @property
+    def available(self) -> int:
+        """Pages a new request could get now: free ones plus cached ones nobody holds."""
+        return self.allocator.free_count + self.cache.unreferenced
+
+    def allocate(self, n: int) -> list[int] | None:
+        short = n - self.allocator.free_count
+        if short > 0:
+            self.cache.evict(short)
+        return self.allocator.allocate(n)
+
+    def grow(self, req: Request, tokens: int) -> bool:
+        """Give `req` enough pages to hold `tokens` tokens; False (and nothing taken) if the pool is short."""
+        need = pages_for(tokens, self.page_size) - len(req.pages)
+        if need <= 0:
+            return True
+        new = self.allocate(need)
+        if new is None:
+            return False
+        req.pages.extend(new)
+        return True
+
+    def reuse_prefix(self, req: Request) -> None:
+        """Attach the longest cached prefix of req.tokens (leaving at least one token to compute, whose
+        logits give the next token)."""
+        if not self.prefix_reuse:
+            return
+        chain = self.cache.match(req.tokens, (len(req.tokens) - 1) // self.page_size)
+        self.cache.acquire(chain)
+        req.nodes = chain
+        req.pages = [n.page for n in chain]
+        req.num_computed = len(chain) * self.page_size
+
+    def cache_full_pages(self, req: Request) -> None:
+        """Publish req's newly completed pages to the prefix cache. A page whose prefix is already cached
+        is swapped for the cached one (same tokens, same K/V) and freed."""
+        if not self.prefix_reuse:
+            return
+        ps = self.page_size
+        while (len(req.nodes) + 1) * ps <= req.num_computed:
+            i = len(req.nodes)
+            parent = req.nodes[-1] if req.nodes else None
+            node = self.cache.insert(parent, tuple(req.tokens[i * ps : (i + 1) * ps]), req.pages[i])
+            if node.page != req.pages[i]:
+                self.allocator.release([req.pages[i]])
+                req.pages[i] = node.page
+            req.nodes.append(node)
+
+    def release(self, req: Request) -> None:
+        """Return everything req holds: cached pages go back to the cache (unreferenced), the rest to the free list."""
+        self.cache_full_pages(req)
+        self.cache.release(req.nodes)
+        self.allocator.release(req.pages[len(req.nodes) :])
+        req.nodes, req.pages, req.num_computed = [], [], 0

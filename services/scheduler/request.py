@@ -1,0 +1,31 @@
+"""One request as the scheduler tracks it, from admission to finish."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shared.sampling import SamplingParams
+from services.scheduler.radix_cache import Node
+
+
+@dataclass(eq=False)
+class Request:
+    rid: int  # scheduler-wide id; the worker's req_id
+    client: bytes  # the api replica's identity
+    client_req_id: int  # the id that replica gave it
+    prompt_len: int
+    sampling: SamplingParams  # max_tokens resolved
+    tokens: list[int]  # prompt + output so far: what the KV must hold, and the key for the prefix cache
+    output_len: int = 0
+    pages: list[int] = field(default_factory=list)  # KV pages, in sequence order
+    nodes: list[Node] = field(default_factory=list)  # prefix-cache nodes held; nodes[i].page == pages[i]
+    num_computed: int = 0  # tokens whose K/V are in `pages`
+    slot: int = 0  # linear-state slot (hybrid models)
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache at first admission
+    admitted_once: bool = False
+    announced: bool = False  # the worker holds sampler state for it (NewRequest sent)
+    abort_pending: bool = False  # aborted while in the step in flight: finish when that step returns
+
+    @property
+    def to_compute(self) -> int:
+        return len(self.tokens) - self.num_computed

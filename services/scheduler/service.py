@@ -1,0 +1,283 @@
+"""The scheduler process: a ZeroMQ loop between api replicas (ROUTER) and the worker (PUSH/PULL).
+
+It owns no sizes of its own: a BatchScheduler is built from each new worker's PoolReport (carried by
+the worker's heartbeat) and thrown away with that worker. Liveness runs both ways: a worker or api
+replica silent for PEER_TIMEOUT_S is dead; a dead worker fails every request at once, a dead api
+replica has its requests aborted.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+from collections import defaultdict
+
+import numpy as np
+import structlog
+import zmq
+
+from shared.errors import EngineError, FerryError, InvalidRequest, ServiceUnavailable
+from shared.liveness import HEARTBEAT_INTERVAL_S, Liveness
+from shared.messages import (
+    Abort, ApiHeartbeat, ApiToScheduler, Failed, Finished, PoolReport, RunStep, SchedulerStatus, StepDone,
+    StepFailed, Submit, Tokens, WorkerAlive, WorkerToScheduler,
+)  # fmt: skip
+from shared.side_http import serve_side_http
+from shared.wire import PeerSocket, RouterSocket, WireError
+from services.scheduler.batcher import BatchScheduler, Outcome
+from services.scheduler.config import SchedulerConfig
+from services.scheduler.metrics import SchedulerMetrics
+
+log = structlog.get_logger("scheduler")
+
+
+class SchedulerService:
+    def __init__(self, cfg: SchedulerConfig, ctx: zmq.Context | None = None):
+        self.cfg = cfg
+        self.ctx = ctx or zmq.Context.instance()
+        self.router: RouterSocket = RouterSocket(self.ctx, cfg.api_addr, ApiToScheduler)
+        self.steps: PeerSocket = PeerSocket(self.ctx, zmq.PUSH, cfg.steps_addr, None, bind=True)
+        self.results: PeerSocket = PeerSocket(self.ctx, zmq.PULL, cfg.results_addr, WorkerToScheduler, bind=True)
+        self.core: BatchScheduler | None = None
+        self.worker_boot: str | None = None
+        self.worker = Liveness()
+        self.not_ready_reason = "waiting for the worker to report its pools"
+        self.expert_hits = self.expert_misses = 0
+        self.apis: dict[bytes, Liveness] = {}
+        self.rids: dict[tuple[bytes, int], int] = {}
+        # Worker request ids start past any earlier scheduler's, so a worker that outlives a scheduler
+        # restart never sees an id twice.
+        self._rid = itertools.count(time.time_ns() // 1000)
+        self.metrics = SchedulerMetrics()
+        self._preemptions_seen = 0
+        self._running = True
+        self.boot_id = uuid.uuid4().hex
+        self._snapshot: tuple[SchedulerStatus, dict | None] = (self._status(), None)
+        self.http = None
+        if cfg.health_port is not None:
+            self.http = serve_side_http(cfg.health_host, cfg.health_port, self._health, self.metrics.registry)
+
+    # ---- loop ------------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        self._running = False
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.router.sock, zmq.POLLIN)
+        poller.register(self.results.sock, zmq.POLLIN)
+        next_beat = 0.0
+        log.info("scheduler_started", api_addr=self.cfg.api_addr, steps_addr=self.cfg.steps_addr,
+                 results_addr=self.cfg.results_addr, health_port=self.cfg.health_port)  # fmt: skip
+        while self._running:
+            now = time.monotonic()
+            if now >= next_beat:
+                self._heartbeat()
+                next_beat = now + HEARTBEAT_INTERVAL_S
+            poller.poll(max(1, int((next_beat - time.monotonic()) * 1000)))
+            self._drain_worker()
+            self._drain_apis()
+            self._maybe_step()
+        self.close()
+
+    def close(self) -> None:
+        for s in (self.router, self.steps, self.results):
+            s.close()
+        if self.http is not None:
+            self.http.shutdown()
+
+    def _drain_apis(self) -> None:
+        while True:
+            try:
+                got = self.router.recv()
+            except WireError as exc:
+                log.error("bad_api_message", error=str(exc))
+                continue
+            if got is None:
+                return
+            client, msg = got
+            self.apis.setdefault(client, Liveness()).beat()
+            match msg:
+                case Submit():
+                    self._submit(client, msg)
+                case Abort(req_id=req_id):
+                    rid = self.rids.get((client, req_id))
+                    if rid is not None and self.core is not None:
+                        self._emit(self.core.abort(rid))
+                case ApiHeartbeat():
+                    pass
+
+    def _drain_worker(self) -> None:
+        while True:
+            try:
+                msg = self.results.recv(block=False)
+            except WireError as exc:
+                log.error("bad_worker_message", error=str(exc))
+                continue
+            if msg is None:
+                return
+            match msg:
+                case WorkerAlive():
+                    self._worker_alive(msg)
+                case StepDone(output=output):
+                    if self.core is not None and self.core.step_in_flight:
+                        self._emit(self.core.complete(output))
+                case StepFailed(step_id=step_id, message=message):
+                    log.error("step_failed", step_id=step_id, error=message)
+                    if self.core is not None and self.core.step_in_flight:
+                        self._emit(self.core.fail_step(step_id, EngineError(f"the worker failed a step: {message}")))
+
+    def _maybe_step(self) -> None:
+        if self.core is None or self.core.step_in_flight:
+            return
+        batch = self.core.schedule()
+        if batch is None:
+            return
+        if not self.steps.send(RunStep(batch), block=False):
+            self._emit(self.core.fail_step(batch.step_id, ServiceUnavailable("the worker is not connected")))
+            return
+        self.metrics.steps.inc()
+        self.metrics.step_tokens.inc(len(batch.tokens))
+
+    # ---- requests --------------------------------------------------------------------------------
+
+    def _submit(self, client: bytes, msg: Submit) -> None:
+        structlog.contextvars.bind_contextvars(client=client.decode(errors="replace"), client_req_id=msg.req_id)
+        try:
+            if self.core is None:
+                raise ServiceUnavailable(f"the server is not ready: {self.not_ready_reason}")
+            rid = next(self._rid)
+            req = self.core.add(rid, client, msg.req_id, np.asarray(msg.prompt_token_ids), msg.sampling, msg.max_tokens)
+        except FerryError as exc:
+            if isinstance(exc, InvalidRequest):
+                self.metrics.rejected.inc()
+            log.info("request_rejected", error=str(exc))
+            self.router.send(client, Failed(req_id=msg.req_id, error_type=type(exc).__name__, message=str(exc)))
+            return
+        finally:
+            structlog.contextvars.unbind_contextvars("client", "client_req_id")
+        self.rids[(client, msg.req_id)] = rid
+        log.debug("request_queued", rid=rid, prompt_tokens=req.prompt_len, max_tokens=req.sampling.max_tokens)
+
+    def _emit(self, out: Outcome) -> None:
+        per_client: dict[bytes, tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
+        for req, token in out.tokens:
+            ids, toks = per_client[req.client]
+            ids.append(req.client_req_id)
+            toks.append(token)
+        for client, (ids, toks) in per_client.items():
+            self.router.send(client, Tokens(np.array(ids, dtype=np.int64), np.array(toks, dtype=np.int32)))
+        for req, reason in out.finished:
+            self.rids.pop((req.client, req.client_req_id), None)
+            self.router.send(req.client, Finished(
+                req_id=req.client_req_id, reason=reason, prompt_tokens=req.prompt_len,
+                completion_tokens=req.output_len, cached_tokens=req.cached_tokens,
+            ))  # fmt: skip
+        for req, err in out.failed:
+            self.rids.pop((req.client, req.client_req_id), None)
+            self.router.send(req.client, Failed(req_id=req.client_req_id, error_type=type(err).__name__, message=str(err)))
+
+    # ---- liveness --------------------------------------------------------------------------------
+
+    def _worker_alive(self, msg: WorkerAlive) -> None:
+        self.worker.beat()
+        self.expert_hits, self.expert_misses = msg.expert_hits, msg.expert_misses
+        timeout = self.cfg.step_timeout_s
+        if msg.step_running_s > timeout:
+            # Alive but hung in one step: fail its requests rather than let clients wait forever, and
+            # take no new work from it until it reports idle again.
+            if self.core is not None:
+                self._worker_lost(f"the worker has been running one step for {msg.step_running_s:.0f}s "
+                                  f"(over --step-timeout {timeout:g}s)")  # fmt: skip
+            return
+        if msg.boot_id == self.worker_boot:
+            return
+        if self.core is not None:
+            self._worker_lost("the worker restarted")
+        if msg.pool is None:
+            self.not_ready_reason = "the worker is loading the model"
+            return
+        self._adopt_pool(msg.boot_id, msg.pool)
+
+    def _adopt_pool(self, boot_id: str, pool: PoolReport) -> None:
+        try:
+            # Step ids unique across scheduler restarts: a worker that outlived the previous scheduler
+            # may still answer one of its steps, which must not pass for ours.
+            self.core = BatchScheduler(pool, first_step_id=time.time_ns() // 1000)
+        except ValueError as exc:
+            self.not_ready_reason = f"the worker's pool report is unusable: {exc}"
+            log.error("bad_pool_report", error=str(exc))
+            return
+        self.worker_boot = boot_id
+        self.not_ready_reason = ""
+        self._preemptions_seen = 0
+        log.info("worker_ready", boot_id=boot_id, kv_pages=pool.kv_pages, page_size=pool.page_size,
+                 state_slots=pool.state_slots, max_running_requests=pool.max_running_requests,
+                 max_prefill_tokens=pool.max_prefill_tokens, max_model_len=pool.max_model_len)  # fmt: skip
+
+    def _worker_lost(self, why: str) -> None:
+        log.error("worker_lost", reason=why)
+        core, self.core, self.worker_boot = self.core, None, None
+        self.not_ready_reason = why
+        if core is not None:
+            self._emit(core.fail_all(ServiceUnavailable(f"{why}; the request was lost")))
+
+    def _heartbeat(self) -> None:
+        if self.core is not None and not self.worker.alive():
+            self._worker_lost(f"the worker stopped responding (no heartbeat for {self.worker.silent_for():.1f}s)")
+        elif self.core is None and self.worker.ever_seen and not self.worker.alive() and self.worker_boot is None:
+            self.not_ready_reason = f"the worker stopped responding (no heartbeat for {self.worker.silent_for():.1f}s)"
+        for client, live in list(self.apis.items()):
+            if not live.alive():
+                self._api_lost(client)
+        status = self._status()
+        self._snapshot = (status, self._pool_dict())
+        for client in self.apis:
+            self.router.send(client, status)
+        self._update_metrics(status)
+
+    def _api_lost(self, client: bytes) -> None:
+        del self.apis[client]
+        mine = [rid for (c, _), rid in self.rids.items() if c == client]
+        log.warning("api_replica_lost", client=client.decode(errors="replace"), aborted=len(mine))
+        for key in [k for k in self.rids if k[0] == client]:
+            del self.rids[key]
+        if self.core is not None:
+            for rid in mine:
+                self.core.abort(rid)
+
+    def _status(self) -> SchedulerStatus:
+        c = self.core
+        if c is None:
+            return SchedulerStatus(boot_id=self.boot_id, ready=False, reason=self.not_ready_reason)
+        return SchedulerStatus(
+            boot_id=self.boot_id, ready=True, reason="", max_model_len=c.pool.max_model_len, running=len(c.running),
+            waiting=len(c.waiting), kv_pages_total=c.kv.total, kv_pages_available=c.kv.available,
+            kv_pages_cached=c.kv.cache.nodes, expert_hits=self.expert_hits, expert_misses=self.expert_misses,
+            preemptions=c.preemptions,
+        )  # fmt: skip
+
+    def _update_metrics(self, s: SchedulerStatus) -> None:
+        m = self.metrics
+        m.worker_ready.set(1 if s.ready else 0)
+        m.running.set(s.running)
+        m.waiting.set(s.waiting)
+        m.kv_total.set(s.kv_pages_total)
+        m.kv_available.set(s.kv_pages_available)
+        m.kv_cached.set(s.kv_pages_cached)
+        if s.preemptions > self._preemptions_seen:
+            m.preemptions.inc(s.preemptions - self._preemptions_seen)
+            self._preemptions_seen = s.preemptions
+
+    def _pool_dict(self) -> dict | None:
+        if self.core is None:
+            return None
+        return {f: getattr(self.core.pool, f) for f in self.core.pool.__struct_fields__}
+
+    def _health(self) -> tuple[bool, dict]:
+        """Called from the side-HTTP thread: reads only the snapshot the loop replaces every heartbeat."""
+        s, pool = self._snapshot
+        body = {"status": "ready" if s.ready else "unavailable", "reason": s.reason, "pool": pool}
+        return s.ready, body
+

@@ -1,0 +1,149 @@
+"""The worker process's control loop: boot the executor, report the pools, execute steps.
+
+Thin on purpose: everything about the model lives behind `boot_worker(args) -> (executor, plan)` and
+`executor.execute(StepBatch) -> StepOutput`. A heartbeat thread with its own socket announces the
+worker (and, once booted, its PoolReport) every HEARTBEAT_INTERVAL_S, so the scheduler notices a
+dead worker even while a long step runs here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import structlog
+import zmq
+
+from shared.errors import ConfigError
+from shared.liveness import HEARTBEAT_INTERVAL_S
+from shared.messages import PoolReport, RunStep, SchedulerToWorker, StepDone, StepFailed, WorkerAlive
+from shared.side_http import serve_side_http
+from shared.wire import PeerSocket, WireError
+from services.worker.metrics import WorkerMetrics
+
+log = structlog.get_logger("worker")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    steps_addr: str  # the scheduler's PUSH; we connect a PULL
+    results_addr: str  # the scheduler's PULL; we connect PUSHes (main loop and heartbeat thread)
+    health_host: str
+    health_port: int | None
+    boot: str  # "module:function" returning (executor, plan)
+
+
+def pool_report_from_plan(plan: Any) -> PoolReport:
+    """The scheduler's view of the memory plan (services.worker.planner.Plan)."""
+    return PoolReport(
+        kv_pages=plan.kv.pages, page_size=plan.kv.page_size, state_slots=plan.linear_state.slots,
+        max_running_requests=plan.max_running_requests, max_prefill_tokens=plan.max_prefill_tokens,
+        max_model_len=plan.max_model_len,
+        plan_summary=f"{plan.kv.pages} KV pages x {plan.kv.page_size} tokens, {plan.linear_state.slots} state slots, "
+        f"{plan.experts.slots}/{plan.experts.total} expert slots",
+    )  # fmt: skip
+
+
+def load_boot(spec: str) -> Callable[[argparse.Namespace], tuple[Any, Any]]:
+    module, _, name = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"--boot {spec!r}: cannot load it ({exc})") from exc
+
+
+class _Heartbeat(threading.Thread):
+    def __init__(self, ctx: zmq.Context, cfg: WorkerConfig, boot_id: str):
+        super().__init__(name="worker-heartbeat", daemon=True)
+        self.sock = PeerSocket(ctx, zmq.PUSH, cfg.results_addr, None, bind=False)
+        self.sock.sock.setsockopt(zmq.SNDHWM, 4)  # a scheduler that is away need not get a backlog of beats
+        self.boot_id = boot_id
+        self.pool: PoolReport | None = None
+        self.expert_stats: Callable[[], tuple[int, int]] | None = None
+        self.step_started: float | None = None  # time.monotonic() when the current step began
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(HEARTBEAT_INTERVAL_S):
+            hits, misses = self.expert_stats() if self.expert_stats else (0, 0)
+            started = self.step_started
+            running = time.monotonic() - started if started is not None else 0.0
+            self.sock.send(WorkerAlive(boot_id=self.boot_id, pool=self.pool, step_running_s=running,
+                                       expert_hits=hits, expert_misses=misses), block=False)  # fmt: skip
+        self.sock.close()
+
+
+class WorkerService:
+    def __init__(self, cfg: WorkerConfig, args: argparse.Namespace, ctx: zmq.Context | None = None):
+        self.cfg, self.args = cfg, args
+        self.ctx = ctx or zmq.Context.instance()
+        self.boot_id = uuid.uuid4().hex
+        self.metrics = WorkerMetrics()
+        self.plan: Any = None
+        self.executor: Any = None
+        self._running = True
+        self.steps = PeerSocket(self.ctx, zmq.PULL, cfg.steps_addr, SchedulerToWorker, bind=False)
+        self.results = PeerSocket(self.ctx, zmq.PUSH, cfg.results_addr, None, bind=False)
+        self.heartbeat = _Heartbeat(self.ctx, cfg, self.boot_id)
+        self.http = None
+        if cfg.health_port is not None:
+            self.http = serve_side_http(cfg.health_host, cfg.health_port, self._health, self.metrics.registry)
+
+    def _health(self) -> tuple[bool, dict]:
+        if self.plan is None:
+            return False, {"status": "loading", "boot_id": self.boot_id}
+        return True, {"status": "ready", "boot_id": self.boot_id, "plan": self.plan.to_dict()}
+
+    def boot(self) -> None:
+        self.heartbeat.start()  # the scheduler hears "loading" while the model loads
+        t0 = time.monotonic()
+        self.executor, self.plan = load_boot(self.cfg.boot)(self.args)
+        stats = getattr(self.executor, "expert_stats", None)  # (hits, misses) from the expert cache, if it has one
+        self.heartbeat.expert_stats = stats if callable(stats) else None
+        self.heartbeat.pool = pool_report_from_plan(self.plan)
+        log.info("worker_ready", boot_s=round(time.monotonic() - t0, 3), plan=self.plan.to_dict())
+
+    def stop(self) -> None:
+        self._running = False
+
+    def run(self) -> None:
+        self.boot()
+        while self._running:
+            if not self.steps.sock.poll(200):
+                continue
+            try:
+                msg = self.steps.recv()
+            except WireError as exc:
+                log.error("bad_scheduler_message", error=str(exc))
+                continue
+            match msg:
+                case RunStep(batch=batch):
+                    self._execute(batch)
+        self.close()
+
+    def _execute(self, batch) -> None:
+        t0 = time.perf_counter()
+        self.heartbeat.step_started = time.monotonic()
+        try:
+            output = self.executor.execute(batch)
+        except Exception as exc:  # noqa: BLE001 - a failed step must reach the scheduler, not kill the worker
+            log.exception("step_failed", step_id=batch.step_id)
+            self.results.send(StepFailed(step_id=batch.step_id, message=f"{type(exc).__name__}: {exc}"))
+            return
+        finally:
+            self.heartbeat.step_started = None
+        self.metrics.observe_step(time.perf_counter() - t0, len(batch.tokens), len(batch.req_ids))
+        self.results.send(StepDone(output))
+
+    def close(self) -> None:
+        self.heartbeat.stopped.set()
+        self.heartbeat.join(timeout=2)
+        self.steps.close()
+        self.results.close()
+        if self.http is not None:
+            self.http.shutdown()

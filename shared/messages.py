@@ -1,0 +1,135 @@
+"""Every message that crosses a process boundary: one msgspec tagged union per direction of each edge.
+
+Edges (DESIGN §1):  api DEALER -> scheduler ROUTER : ApiToScheduler
+                    scheduler ROUTER -> api DEALER : SchedulerToApi
+                    scheduler PUSH -> worker PULL   : SchedulerToWorker
+                    worker PUSH -> scheduler PULL   : WorkerToScheduler
+
+Only token ids, positions, page/slot indices, sampling parameters and results travel. numpy arrays
+are carried by shared/wire.py as extra zero-copy frames (fields typed `np.ndarray`). No pickle.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+import numpy as np
+
+from shared.sampling import SamplingParams
+from shared.step import StepBatch, StepOutput
+
+
+class PoolReport(msgspec.Struct, frozen=True, kw_only=True):
+    """The worker's memory plan, as far as the scheduler needs it: the only source of its pool sizes."""
+
+    kv_pages: int  # usable pages, ids 1..kv_pages (0 is the sentinel)
+    page_size: int
+    state_slots: int  # usable linear-state slots, ids 1..state_slots (0 = padding); 0 for models without linear attention
+    max_running_requests: int
+    max_prefill_tokens: int
+    max_model_len: int
+    plan_summary: str = ""  # human-readable plan, shown by the scheduler's /health
+
+
+# ---- api -> scheduler --------------------------------------------------------------------------
+
+
+class Submit(msgspec.Struct, tag=True, kw_only=True):
+    req_id: int  # unique per api replica; the scheduler keys requests by (replica identity, req_id)
+    prompt_token_ids: np.ndarray  # int32 [P]
+    sampling: SamplingParams
+    max_tokens: int | None = None  # None: as many as the model length allows (chat default)
+
+
+class Abort(msgspec.Struct, tag=True):
+    req_id: int
+
+
+class ApiHeartbeat(msgspec.Struct, tag=True):
+    pass
+
+
+ApiToScheduler = Union[Submit, Abort, ApiHeartbeat]
+
+
+# ---- scheduler -> api --------------------------------------------------------------------------
+
+
+class Tokens(msgspec.Struct, tag=True):
+    """New tokens of one step for the requests of one api replica, in the same order as req_ids."""
+
+    req_ids: np.ndarray  # int64 [N]
+    token_ids: np.ndarray  # int32 [N]
+
+
+class Finished(msgspec.Struct, tag=True, kw_only=True):
+    req_id: int
+    reason: str  # stop | length | abort
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+class Failed(msgspec.Struct, tag=True, kw_only=True):
+    """The request cannot go on; error_type names a shared.errors class, which decides the HTTP status."""
+
+    req_id: int
+    error_type: str
+    message: str
+
+
+class SchedulerStatus(msgspec.Struct, tag=True, kw_only=True):
+    """Sent to every api replica every heartbeat interval: liveness, readiness and gauges for /metrics."""
+
+    boot_id: str  # a new value means a restarted scheduler, which has forgotten every request
+    ready: bool
+    reason: str  # why not ready ("" when ready)
+    max_model_len: int = 0
+    running: int = 0
+    waiting: int = 0
+    kv_pages_total: int = 0
+    kv_pages_available: int = 0  # free + cached pages no request holds (evictable)
+    kv_pages_cached: int = 0
+    expert_hits: int = 0
+    expert_misses: int = 0
+    preemptions: int = 0
+
+
+SchedulerToApi = Union[Tokens, Finished, Failed, SchedulerStatus]
+
+
+# ---- scheduler -> worker -----------------------------------------------------------------------
+
+
+class RunStep(msgspec.Struct, tag=True):
+    batch: StepBatch
+
+
+SchedulerToWorker = Union[RunStep]
+
+
+# ---- worker -> scheduler -----------------------------------------------------------------------
+
+
+class WorkerAlive(msgspec.Struct, tag=True, kw_only=True):
+    """The worker's heartbeat. `pool` is set once the worker is ready to execute steps; a new boot_id
+    tells the scheduler that a (re)started worker's pools are empty."""
+
+    boot_id: str
+    pool: PoolReport | None = None
+    step_running_s: float = 0.0  # how long the step now executing has run (0: idle); a hung step shows here
+    expert_hits: int = 0
+    expert_misses: int = 0
+
+
+class StepDone(msgspec.Struct, tag=True):
+    output: StepOutput
+
+
+class StepFailed(msgspec.Struct, tag=True, kw_only=True):
+    step_id: int
+    message: str
+
+
+WorkerToScheduler = Union[WorkerAlive, StepDone, StepFailed]

@@ -1,0 +1,161 @@
+"""msgspec over ZeroMQ: one typed codec per socket, numpy arrays as extra zero-copy frames.
+
+A message is frame 0 (msgpack of the tagged struct) followed by one frame per numpy array in it.
+In frame 0 an array is written as [frame_index, dtype, shape]; decoding maps it back onto the
+received buffer without a copy (the resulting arrays are read-only views).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Generic, TypeVar
+
+import msgspec
+import numpy as np
+import zmq
+import zmq.asyncio
+
+T = TypeVar("T")
+
+
+class Codec(Generic[T]):
+    """Encodes any message, decodes exactly the union `decode_type` (anything else is a WireError).
+    A send-only socket (PUSH) passes decode_type=None."""
+
+    def __init__(self, decode_type: Any):
+        self._arrays: list[np.ndarray] = []
+        self._frames: list[Any] = []
+        self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
+        self._decoder = None if decode_type is None else msgspec.msgpack.Decoder(decode_type, dec_hook=self._dec_hook)
+
+    def _enc_hook(self, obj: Any) -> Any:
+        if isinstance(obj, np.ndarray):
+            arr = np.ascontiguousarray(obj)
+            self._arrays.append(arr)
+            return [len(self._arrays), arr.dtype.str, list(arr.shape)]
+        raise NotImplementedError(f"cannot send a {type(obj).__name__} over the wire")
+
+    def _dec_hook(self, typ: type, obj: Any) -> Any:
+        if typ is np.ndarray:
+            index, dtype, shape = obj
+            return np.frombuffer(self._frames[index], dtype=np.dtype(dtype)).reshape(shape)
+        raise NotImplementedError(f"cannot decode a {typ!r}")
+
+    def encode(self, msg: Any) -> list[Any]:
+        self._arrays = []
+        try:
+            head = self._encoder.encode(msg)
+            return [head, *(memoryview(a).cast("B") if a.size else b"" for a in self._arrays)]
+        finally:
+            self._arrays = []
+
+    def decode(self, frames: list[Any]) -> T:
+        if self._decoder is None:
+            raise WireError("this socket only sends")
+        self._frames = [f.buffer if isinstance(f, zmq.Frame) else f for f in frames]
+        try:
+            return self._decoder.decode(self._frames[0])
+        except (msgspec.DecodeError, ValueError, IndexError, TypeError) as exc:
+            raise WireError(f"undecodable message: {exc}") from exc
+        finally:
+            self._frames = []
+
+
+class WireError(Exception):
+    """A peer sent something that is not a message of this socket's union (a bug or a version skew)."""
+
+
+def _configure(sock: zmq.Socket) -> None:
+    sock.setsockopt(zmq.LINGER, 0)  # never block process exit on undeliverable messages
+
+
+class PeerSocket(Generic[T]):
+    """A synchronous PUSH, PULL or DEALER socket carrying one union in, anything out."""
+
+    def __init__(self, ctx: zmq.Context, kind: int, addr: str, decode_type: Any, *, bind: bool,
+                 identity: bytes | None = None):  # fmt: skip
+        self.sock = ctx.socket(kind)
+        _configure(self.sock)
+        if identity is not None:
+            self.sock.setsockopt(zmq.IDENTITY, identity)
+        self.sock.bind(addr) if bind else self.sock.connect(addr)
+        self.codec: Codec[T] = Codec(decode_type)
+
+    def send(self, msg: Any, *, block: bool = True) -> bool:
+        """False when the message could not be queued without blocking (no peer, or peer too slow)."""
+        try:
+            self.sock.send_multipart(self.codec.encode(msg), copy=False, flags=0 if block else zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
+
+    def recv(self, *, block: bool = True) -> T | None:
+        try:
+            frames = self.sock.recv_multipart(copy=False, flags=0 if block else zmq.NOBLOCK)
+        except zmq.Again:
+            return None
+        return self.codec.decode(frames)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+class RouterSocket(Generic[T]):
+    """The scheduler's ROUTER: messages are addressed by the peer's identity."""
+
+    def __init__(self, ctx: zmq.Context, addr: str, decode_type: Any):
+        self.sock = ctx.socket(zmq.ROUTER)
+        _configure(self.sock)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a message to a gone peer raises instead of vanishing
+        # No send limit: dropping a Finished for a slow (but live) replica would hang its client; a dead
+        # replica is noticed by its missing heartbeats and its queue goes with it.
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.bind(addr)
+        self.codec: Codec[T] = Codec(decode_type)
+
+    def send(self, identity: bytes, msg: Any) -> bool:
+        """False when that peer is not connected (any more) or cannot take more now."""
+        try:
+            self.sock.send_multipart([identity, *self.codec.encode(msg)], copy=False, flags=zmq.NOBLOCK)
+            return True
+        except (zmq.Again, zmq.ZMQError):
+            return False
+
+    def recv(self) -> tuple[bytes, T] | None:
+        try:
+            frames = self.sock.recv_multipart(copy=False, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return None
+        return frames[0].bytes, self.codec.decode(frames[1:])
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+class AsyncDealer(Generic[T]):
+    """An api replica's DEALER to the scheduler, for asyncio code."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, addr: str, decode_type: Any, identity: bytes):
+        self.sock = ctx.socket(zmq.DEALER)
+        _configure(self.sock)
+        self.sock.setsockopt(zmq.IDENTITY, identity)
+        # Queue only on a live connection: with the scheduler gone a send fails at once (zmq.Again)
+        # instead of piling up messages for whichever scheduler starts next.
+        self.sock.setsockopt(zmq.IMMEDIATE, 1)
+        self.sock.setsockopt(zmq.RCVHWM, 0)  # the scheduler's side has no limit either (see RouterSocket)
+        self.sock.connect(addr)
+        self.codec: Codec[T] = Codec(decode_type)
+
+    async def send(self, msg: Any) -> bool:
+        """False when the scheduler is not connected (or not keeping up); nothing is queued then."""
+        try:
+            await self.sock.send_multipart(self.codec.encode(msg), copy=False, flags=zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
+
+    async def recv(self) -> T:
+        frames = await self.sock.recv_multipart(copy=False)
+        return self.codec.decode(frames)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)

@@ -1,0 +1,153 @@
+"""Start the real api, scheduler and worker processes (worker around the PagedHashModel double) on
+ipc sockets in a private directory, as compose or `ferry serve` would, and stop them."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+FAKE_BOOT = "tests.doubles.fake_worker:boot_paged_hash_model"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FERRY_")}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def ascii_word_tokens(tokenizer) -> list[int]:
+    """Token ids that decode to letters/digits/spaces only: generated text then round-trips exactly."""
+    ids = []
+    for i in range(len(tokenizer)):
+        s = tokenizer.decode([i])
+        if s and s.isascii() and s.strip() and all(c.isalnum() or c == " " for c in s):
+            ids.append(i)
+    return ids
+
+
+def make_model_dir(tokenizer_dir: Path, target: Path, tokenizer, step_delay_s: float = 0.0, state_slots: int = 0) -> Path:
+    shutil.copytree(tokenizer_dir, target)
+    spec = {"vocab": ascii_word_tokens(tokenizer), "step_delay_s": step_delay_s, "state_slots": state_slots}
+    (target / "paged_hash_model.json").write_text(json.dumps(spec))
+    return target
+
+
+def http_get(url: str, timeout: float = 2.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def metric(base_url: str, name: str) -> float:
+    _, text = http_get(base_url + "/metrics")
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(f"{name} not in /metrics")
+
+
+@dataclass
+class Cluster:
+    rundir: Path
+    model_dir: Path
+    port: int
+    scheduler_health_port: int
+    worker_health_port: int
+    api_addr: str = ""
+    sock_dir: Path | None = None
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for name, p in self.procs.items():
+                if p.poll() is not None:
+                    raise RuntimeError(f"{name} exited with {p.returncode}; log: {self.log(name)[-3000:]}")
+            try:
+                if http_get(self.base_url + "/health", timeout=1)[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError("the server did not become ready: " + "".join(self.log(n)[-1500:] for n in self.procs))
+
+    def launch(self, name: str, cmd: list[str]) -> subprocess.Popen:
+        log = open(self.rundir / f"{name}.log", "w")
+        self.procs[name] = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
+        return self.procs[name]
+
+    def log(self, name: str) -> str:
+        path = self.rundir / f"{name}.log"
+        return path.read_text() if path.exists() else ""
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        if self.sock_dir is not None:
+            shutil.rmtree(self.sock_dir, ignore_errors=True)
+
+
+def start_cluster(model_dir: Path, rundir: Path, worker_flags=(), api_flags=(), boot: str = FAKE_BOOT,
+                  scheduler_flags=()) -> Cluster:  # fmt: skip
+    rundir.mkdir(parents=True, exist_ok=True)
+    sock_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"ferry-test-{os.getpid()}-{free_port()}"
+    sock_dir.mkdir(mode=0o700)  # ipc paths must stay short (108 bytes), pytest's tmp paths are long
+    api_addr, steps, results = (f"ipc://{sock_dir}/{n}" for n in ("api", "steps", "results"))
+    c = Cluster(rundir, model_dir, free_port(), free_port(), free_port(), api_addr, sock_dir)
+    ferry = [sys.executable, "-m", "services.cli"]
+    cmds = {
+        "scheduler": [*ferry, "scheduler", "--api-addr", api_addr, "--steps-addr", steps, "--results-addr", results,
+                      "--health-port", str(c.scheduler_health_port), *scheduler_flags],
+        "worker": [*ferry, "worker", "--model", str(model_dir), "--steps-addr", steps, "--results-addr", results,
+                   "--boot", boot, "--health-port", str(c.worker_health_port), *worker_flags],
+        "api": api_command(model_dir, api_addr, c.port, *api_flags),
+    }  # fmt: skip
+    for name, cmd in cmds.items():
+        c.launch(name, cmd)
+    c.wait_ready()
+    return c
+
+
+def api_command(model_dir: Path, scheduler_addr: str, port: int, *flags: str) -> list[str]:
+    return [sys.executable, "-m", "services.cli", "api", "--model", str(model_dir), "--scheduler-addr", scheduler_addr,
+            "--port", str(port), "--served-model-name", "tiny", *flags]  # fmt: skip
+
+
+def eventually(check, timeout: float = 5.0, interval: float = 0.1):
+    """Poll `check()` until it returns a truthy value (gauges travel on 0.5 s heartbeats)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval)

@@ -1,0 +1,78 @@
+"""Bad requests get a 400 (or 401/404/413) with an OpenAI error object, and the server keeps serving."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import pytest
+
+from tests.integration.harness import http_get
+
+
+def post(base_url: str, path: str, body: bytes | str | dict, headers: dict | None = None) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else (body if isinstance(body, str) else json.dumps(body)).encode()
+    req = urllib.request.Request(base_url + path, data=data, method="POST",
+                                 headers={"Content-Type": "application/json", **(headers or {})})  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+MSG = [{"role": "user", "content": "hi"}]
+CASES = [
+    ("/v1/chat/completions", b"{not json", "not valid JSON"),
+    ("/v1/chat/completions", b"", "body is empty"),
+    ("/v1/chat/completions", {"messages": "hi"}, "$.messages"),
+    ("/v1/chat/completions", {"messages": MSG, "max_tokens": "ten"}, "$.max_tokens"),
+    ("/v1/chat/completions", {"messages": MSG, "temperature": "hot"}, "$.temperature"),
+    ("/v1/chat/completions", {"messages": []}, "messages must not be empty"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": ""}]}, "content must not be empty"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "role must be one of"),
+    ("/v1/chat/completions", {"messages": MSG, "max_tokens": 0}, "max_tokens must be at least 1"),
+    ("/v1/chat/completions", {"messages": MSG, "max_tokens": -5}, "max_tokens must be at least 1"),
+    ("/v1/chat/completions", {"messages": MSG, "max_tokens": 100000}, "exceeds the model length 512"),
+    ("/v1/chat/completions", {"messages": MSG, "n": 2}, "n must be 1"),
+    ("/v1/chat/completions", {"messages": MSG, "top_p": 0}, "top_p"),
+    ("/v1/completions", {"prompt": ""}, "prompt must not be empty"),
+    ("/v1/completions", {"prompt": "hello " * 600, "max_tokens": 1}, "model length is 512"),
+    ("/v1/completions", {"prompt": [1, 2, 99999]}, "outside the vocabulary"),
+    ("/v1/completions", {"prompt": "hi", "stream": True, "max_tokens": 100000}, "exceeds the model length"),
+]
+
+
+@pytest.mark.parametrize("path,body,needle", CASES)
+def test_bad_request_gets_400_with_an_openai_error(cluster, path, body, needle):
+    status, payload = post(cluster.base_url, path, body)
+    assert status == 400, payload
+    err = payload["error"]
+    assert err["type"] == "invalid_request_error" and needle in err["message"], err
+
+
+def test_unknown_model_is_404_and_unknown_route_is_a_json_404(cluster):
+    status, payload = post(cluster.base_url, "/v1/completions", {"model": "gpt-9", "prompt": "hi"})
+    assert status == 404 and "gpt-9" in payload["error"]["message"]
+    status, body = http_get(cluster.base_url + "/v1/nothing")
+    assert status == 404 and "error" in json.loads(body)
+
+
+def test_server_keeps_serving_after_bad_requests(cluster):
+    for path, body, _ in CASES[:5]:
+        post(cluster.base_url, path, body)
+    status, payload = post(cluster.base_url, "/v1/completions", {"prompt": "hello", "max_tokens": 3})
+    assert status == 200 and payload["usage"]["completion_tokens"] == 3
+    assert http_get(cluster.base_url + "/health")[0] == 200
+
+
+def test_every_log_line_is_one_json_object_and_api_events_carry_request_ids(cluster):
+    post(cluster.base_url, "/v1/completions", {"prompt": "log me", "max_tokens": 2})
+    post(cluster.base_url, "/v1/completions", b"{broken")
+    logs = {name: [json.loads(line) for line in cluster.log(name).splitlines() if line.strip()]
+            for name in ("api", "scheduler", "worker")}  # json.loads raises on any non-JSON line
+    assert any(e["event"] == "worker_ready" for e in logs["worker"])
+    assert any(e["event"] == "worker_ready" for e in logs["scheduler"])
+    events = logs["api"]
+    finished = [e for e in events if e["event"] == "request_finished"]
+    assert finished and all(e["request_id"].startswith("cmpl-") and e["process"] == "api" for e in finished)

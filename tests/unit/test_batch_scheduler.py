@@ -1,0 +1,200 @@
+"""The scheduling policy driven against a model double that reads its context back from the KV pages."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from shared.errors import InvalidRequest, EngineError
+from shared.messages import PoolReport
+from shared.sampling import SamplingParams
+from services.scheduler.batcher import BatchScheduler
+from tests.doubles.paged_model import PagedHashModel, reference_continuation
+
+FIRST, COUNT = 10, 200
+VOCAB = range(FIRST, FIRST + COUNT)
+
+
+def make(pages=64, page_size=4, slots=0, running=8, prefill=32, model_len=128):
+    pool = PoolReport(kv_pages=pages, page_size=page_size, state_slots=slots, max_running_requests=running,
+                      max_prefill_tokens=prefill, max_model_len=model_len)  # fmt: skip
+    return BatchScheduler(pool), PagedHashModel(pages, page_size, VOCAB, slots)
+
+
+def run_to_end(sched, model, max_steps=10_000):
+    tokens: dict[int, list[int]] = {}
+    finished: dict[int, str] = {}
+    for _ in range(max_steps):
+        batch = sched.schedule()
+        if batch is None:
+            assert not sched.has_work(), "work left but nothing schedulable"
+            return tokens, finished
+        out = sched.complete(model.execute(batch))
+        assert not out.failed
+        for req, tok in out.tokens:
+            tokens.setdefault(req.rid, []).append(tok)
+        for req, reason in out.finished:
+            finished[req.rid] = reason
+    raise AssertionError("did not finish")
+
+
+def prompt(seed, n):
+    return np.random.default_rng(seed).integers(FIRST, FIRST + COUNT, n).astype(np.int32)
+
+
+def add(sched, rid, p, max_tokens=None, **sampling):
+    return sched.add(rid, b"api", rid, p, SamplingParams(temperature=0, **sampling), max_tokens)
+
+
+def test_single_request_generates_the_reference_continuation_and_frees_its_pages():
+    sched, model = make()
+    p = prompt(0, 13)
+    add(sched, 1, p, 9)
+    tokens, finished = run_to_end(sched, model)
+    assert tokens[1] == reference_continuation(p.tolist(), 9, VOCAB)
+    assert finished == {1: "length"}
+    assert sched.kv.available == sched.kv.total
+
+
+def test_long_prompt_is_prefilled_in_chunks_mixed_with_decodes():
+    sched, model = make(prefill=16)
+    short, long = prompt(1, 5), prompt(2, 50)
+    add(sched, 1, short, 20)
+    first = sched.complete(model.execute(sched.schedule()))  # request 1 is now decoding
+    add(sched, 2, long, 5)
+    tokens, _ = run_to_end(sched, model)
+    assert [t for _, t in first.tokens] + tokens[1] == reference_continuation(short.tolist(), 20, VOCAB)
+    assert tokens[2] == reference_continuation(long.tolist(), 5, VOCAB)
+    mixed = [b for b in model.batches if len(b.req_ids) == 2]
+    assert mixed, "no step carried a decode and a prefill chunk together"
+    assert all(int(b.query_lens.sum()) <= 16 for b in model.batches)
+    assert any(q == 1 and q2 == 15 for b in mixed for q, q2 in [b.query_lens.tolist()])
+
+
+def test_shared_prefix_is_reused_from_the_cache():
+    sched, model = make(page_size=4)
+    system = prompt(3, 20)
+    a = np.concatenate([system, prompt(4, 3)])
+    b = np.concatenate([system, prompt(5, 6)])
+    add(sched, 1, a, 4)
+    run_to_end(sched, model)
+    req = add(sched, 2, b, 4)
+    tokens, _ = run_to_end(sched, model)
+    assert req.cached_tokens == 20
+    assert tokens[2] == reference_continuation(b.tolist(), 4, VOCAB)
+    assert sched.kv.available == sched.kv.total
+    assert sched.kv.cache.nodes > 0
+
+
+def test_cached_pages_are_evicted_when_new_requests_need_them():
+    sched, model = make(pages=12, page_size=4, model_len=48)
+    for rid in range(1, 6):
+        p = prompt(10 + rid, 30)
+        add(sched, rid, p, 10)
+        tokens, _ = run_to_end(sched, model)
+        assert tokens[rid] == reference_continuation(p.tolist(), 10, VOCAB)
+    assert sched.kv.available == sched.kv.total
+
+
+def test_preemption_lets_every_request_finish_correctly_when_pages_run_out():
+    sched, model = make(pages=20, page_size=4, running=8, model_len=64)
+    prompts = {rid: prompt(20 + rid, 10) for rid in range(1, 9)}
+    for rid, p in prompts.items():
+        add(sched, rid, p, 30)
+    tokens, finished = run_to_end(sched, model)
+    assert sched.preemptions > 0
+    for rid, p in prompts.items():
+        assert tokens[rid] == reference_continuation(p.tolist(), 30, VOCAB), rid
+        assert finished[rid] == "length"
+    assert sched.kv.available == sched.kv.total
+
+
+def test_stop_token_finishes_with_stop():
+    sched, model = make()
+    p = prompt(6, 8)
+    expected = reference_continuation(p.tolist(), 40, VOCAB)
+    stop = expected[3]
+    add(sched, 1, p, 40, stop_token_ids=(stop,))
+    tokens, finished = run_to_end(sched, model)
+    assert tokens[1] == expected[: expected.index(stop) + 1]
+    assert finished[1] == "stop"
+
+
+def test_requests_that_can_never_fit_are_rejected_at_once():
+    sched, _ = make(pages=8, page_size=4, model_len=64)
+    with pytest.raises(InvalidRequest, match="model length is 64"):
+        add(sched, 1, prompt(0, 64), 1)
+    with pytest.raises(InvalidRequest, match="exceeds the model length"):
+        add(sched, 2, prompt(0, 10), 60)
+    with pytest.raises(InvalidRequest, match="8 pages"):
+        add(sched, 3, prompt(0, 10), 30)
+    with pytest.raises(InvalidRequest, match="at least 1"):
+        add(sched, 4, prompt(0, 10), 0)
+    assert not sched.has_work()
+
+
+def test_default_max_tokens_fills_the_model_length():
+    sched, _ = make(pages=64, page_size=4, model_len=64)
+    assert add(sched, 1, prompt(0, 10), None).sampling.max_tokens == 54
+
+
+def test_abort_frees_pages_immediately_or_when_the_step_in_flight_returns():
+    sched, model = make()
+    add(sched, 1, prompt(7, 9), 50)
+    add(sched, 2, prompt(8, 9), 50)
+    sched.complete(model.execute(sched.schedule()))
+    batch = sched.schedule()
+    out = sched.abort(1)  # in flight: deferred
+    assert not out.finished
+    out = sched.complete(model.execute(batch))
+    assert [(r.rid, why) for r, why in out.finished] == [(1, "abort")]
+    out = sched.abort(2)  # not in flight: at once
+    assert [(r.rid, why) for r, why in out.finished] == [(2, "abort")]
+    assert sched.kv.available == sched.kv.total
+    assert sched.schedule() is None
+
+
+def test_aborted_requests_are_forgotten_by_the_worker():
+    sched, model = make()
+    add(sched, 1, prompt(7, 9), 50)
+    add(sched, 2, prompt(8, 9), 50)
+    sched.complete(model.execute(sched.schedule()))
+    sched.abort(1)
+    batch = sched.schedule()
+    assert batch.finished_req_ids == [1]
+    assert batch.req_ids.tolist() == [2]
+
+
+def test_hybrid_models_get_one_state_slot_per_running_request_and_no_prefix_reuse():
+    sched, model = make(slots=2, running=8)
+    system = prompt(9, 12)
+    prompts = {rid: np.concatenate([system, prompt(30 + rid, 3)]) for rid in range(1, 5)}
+    for rid, p in prompts.items():
+        add(sched, rid, p, 6)
+    tokens, _ = run_to_end(sched, model)
+    assert max(len(b.req_ids) for b in model.batches) <= 2
+    assert all(set(b.state_slots.tolist()) <= {1, 2} for b in model.batches)
+    for rid, p in prompts.items():
+        assert tokens[rid] == reference_continuation(p.tolist(), 6, VOCAB)
+    assert sched.kv.cache.nodes == 0
+
+
+def test_worker_loss_fails_every_request_and_step_failure_only_its_batch():
+    sched, model = make(running=1)
+    add(sched, 1, prompt(1, 5), 5)
+    add(sched, 2, prompt(2, 5), 5)
+    batch = sched.schedule()
+    out = sched.fail_step(batch.step_id, EngineError("boom"))
+    assert [r.rid for r, _ in out.failed] == [1]
+    assert sched.schedule().req_ids.tolist() == [2]
+    out = sched.fail_all(EngineError("worker lost"))
+    assert [r.rid for r, _ in out.failed] == [2]
+    assert not sched.has_work() and sched.kv.available == sched.kv.total
+
+
+
+def test_an_unusable_pool_report_is_refused_naming_the_field():
+    with pytest.raises(ValueError, match="max_prefill_tokens"):
+        make(prefill=0)
+    with pytest.raises(ValueError, match="kv_pages"):
+        make(pages=0)

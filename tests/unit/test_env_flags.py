@@ -1,0 +1,44 @@
+"""FERRY_* variables configure every command (what compose uses); flags win over variables."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.env_flags import apply_env_defaults
+from shared.errors import ConfigError
+from services.cli import build_parser
+
+
+def parse(argv, monkeypatch, **env):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    return build_parser().parse_args(argv)
+
+
+def test_variables_fill_flags_with_their_types(monkeypatch):
+    args = parse(["worker"], monkeypatch, FERRY_MODEL="/models/x", FERRY_NUM_PAGES="128", FERRY_GPU_MEMORY="2GiB",
+                 FERRY_HEALTH_PORT="8002")  # fmt: skip
+    assert (args.model, args.num_pages, args.gpu_memory, args.health_port) == ("/models/x", 128, 2 * 2**30, 8002)
+
+
+def test_flags_win_over_variables(monkeypatch):
+    args = parse(["api", "--port", "9000"], monkeypatch, FERRY_MODEL="/m", FERRY_PORT="8001", FERRY_HOST="0.0.0.0")
+    assert (args.port, args.host) == (9000, "0.0.0.0")
+
+
+def test_bad_boolean_variable_names_the_variable(monkeypatch):
+    import argparse
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--json", action="store_true")
+    with pytest.raises(ConfigError, match="FERRY_JSON"):
+        apply_env_defaults(p, {"FERRY_JSON": "maybe"})
+    apply_env_defaults(p, {"FERRY_JSON": "yes"})
+    assert p.parse_args([]).json is True
+
+
+def test_a_required_model_flag_is_still_required_without_its_variable(monkeypatch, capsys):
+    monkeypatch.delenv("FERRY_MODEL", raising=False)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["api"])
+    assert "--model" in capsys.readouterr().err

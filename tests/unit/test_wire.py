@@ -1,0 +1,104 @@
+"""The wire: every message round-trips through the codec, arrays ride in extra frames, and a message
+of the wrong union is refused."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from shared.messages import (
+    Abort, ApiHeartbeat, ApiToScheduler, Failed, Finished, PoolReport, RunStep, SchedulerStatus, SchedulerToApi,
+    SchedulerToWorker, StepDone, StepFailed, Submit, Tokens, WorkerAlive, WorkerToScheduler,
+)  # fmt: skip
+from shared.sampling import SamplingParams
+from shared.step import NewRequest, StepBatch, StepOutput
+from shared.wire import Codec, PeerSocket, RouterSocket, WireError
+
+
+def batch() -> StepBatch:
+    return StepBatch(
+        step_id=7, req_ids=np.array([3, 4], np.int64), tokens=np.arange(5, dtype=np.int32),
+        query_lens=np.array([4, 1], np.int32), context_lens=np.array([0, 9], np.int32),
+        page_table=np.array([[1, 2, 0], [5, 6, 7]], np.int32), state_slots=np.array([1, 2], np.int32),
+        reset_state=np.array([True, False]), sample=np.array([True, True]),
+        new_requests=[NewRequest(3, np.arange(4, dtype=np.int32), SamplingParams(temperature=0.5, seed=1, stop_token_ids=(2,)))],
+        finished_req_ids=[1, 2],
+    )  # fmt: skip
+
+
+def assert_same(a, b):
+    assert type(a) is type(b)
+    fields = a.__struct_fields__ if hasattr(a, "__struct_fields__") else a.__dataclass_fields__
+    for name in fields:
+        x, y = getattr(a, name), getattr(b, name)
+        if isinstance(x, np.ndarray):
+            assert x.dtype == y.dtype and x.shape == y.shape and (x == y).all(), name
+        elif hasattr(x, "__dataclass_fields__") or hasattr(x, "__struct_fields__") and not isinstance(x, SamplingParams):
+            assert_same(x, y)
+        elif isinstance(x, list) and x and hasattr(x[0], "__dataclass_fields__"):
+            for u, v in zip(x, y):
+                assert_same(u, v)
+        else:
+            assert x == y, name
+
+
+POOL = PoolReport(kv_pages=10, page_size=16, state_slots=2, max_running_requests=4, max_prefill_tokens=64, max_model_len=128)
+MESSAGES = [
+    (ApiToScheduler, Submit(req_id=1, prompt_token_ids=np.array([5, 6, 7], np.int32), sampling=SamplingParams(), max_tokens=None)),
+    (ApiToScheduler, Abort(3)),
+    (ApiToScheduler, ApiHeartbeat()),
+    (SchedulerToApi, Tokens(np.array([1, 2], np.int64), np.array([9, 8], np.int32))),
+    (SchedulerToApi, Finished(req_id=1, reason="stop", prompt_tokens=3, completion_tokens=2, cached_tokens=0)),
+    (SchedulerToApi, Failed(req_id=1, error_type="InvalidRequest", message="no")),
+    (SchedulerToApi, SchedulerStatus(boot_id="s", ready=True, reason="", running=2)),
+    (SchedulerToWorker, RunStep(batch())),
+    (WorkerToScheduler, WorkerAlive(boot_id="b", pool=POOL, expert_hits=3)),
+    (WorkerToScheduler, StepDone(StepOutput(7, np.array([3], np.int64), np.array([42], np.int32), np.zeros(1, np.float32)))),
+    (WorkerToScheduler, StepFailed(step_id=7, message="oom")),
+]
+
+
+@pytest.mark.parametrize("union,msg", MESSAGES, ids=lambda m: type(m).__name__)
+def test_round_trip(union, msg):
+    codec = Codec(union)
+    frames = codec.encode(msg)
+    assert_same(codec.decode([bytes(f) for f in frames]), msg)
+
+
+def test_arrays_travel_as_extra_frames_not_inside_the_header():
+    frames = Codec(SchedulerToWorker).encode(RunStep(batch()))
+    assert len(frames) == 1 + 8 + 1  # header + eight batch arrays + the new request's prompt
+    assert bytes(frames[5]) == np.array([[1, 2, 0], [5, 6, 7]], np.int32).tobytes()
+
+
+def test_a_message_of_another_union_is_refused():
+    frames = Codec(SchedulerToApi).encode(Abort(3))
+    with pytest.raises(WireError):
+        Codec(SchedulerToApi).decode(frames)
+
+
+def test_sockets_carry_messages_between_router_dealer_and_push_pull(tmp_path):
+    ctx = zmq.Context()
+    try:
+        router = RouterSocket(ctx, f"ipc://{tmp_path}/r", ApiToScheduler)
+        dealer = PeerSocket(ctx, zmq.DEALER, f"ipc://{tmp_path}/r", SchedulerToApi, bind=False, identity=b"api-1")
+        pull = PeerSocket(ctx, zmq.PULL, f"ipc://{tmp_path}/p", WorkerToScheduler, bind=True)
+        push = PeerSocket(ctx, zmq.PUSH, f"ipc://{tmp_path}/p", None, bind=False)
+        dealer.send(Abort(5))
+        deadline = time.monotonic() + 5
+        got = None
+        while got is None and time.monotonic() < deadline:
+            got = router.recv()
+        assert got == (b"api-1", Abort(5))
+        assert router.send(b"api-1", Failed(req_id=5, error_type="x", message="y"))
+        assert dealer.recv() == Failed(req_id=5, error_type="x", message="y")
+        assert not router.send(b"nobody", ApiHeartbeat())  # a gone peer is reported, not silently dropped
+        push.send(StepFailed(step_id=1, message="m"))
+        assert pull.recv() == StepFailed(step_id=1, message="m")
+        for s in (router, dealer, pull, push):
+            s.close()
+    finally:
+        ctx.term()
