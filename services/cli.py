@@ -21,19 +21,27 @@ COMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only the chosen command's module is imported (and its flags registered), so
+    `ferry api` and `ferry scheduler` never import what the worker's commands import (torch)."""
     parser = argparse.ArgumentParser(prog="ferry", description="Serve MoE models from GPUs too small to hold them.")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        importlib.import_module(module).add_arguments(p)
-        apply_env_defaults(p)
+        if name == command:
+            importlib.import_module(module).add_arguments(p)
+            apply_env_defaults(p)
     return parser
 
 
+def _chosen_command(argv: list[str]) -> str | None:
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     try:
-        parser = build_parser()
+        parser = build_parser(_chosen_command(argv))
     except FerryError as exc:  # a bad FERRY_* variable
         print(f"ferry: error: {exc}", file=sys.stderr)
         return exc.exit_status

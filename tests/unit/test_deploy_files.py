@@ -49,7 +49,7 @@ def compose() -> dict:
 
 
 def flags_of(command: str) -> set[str]:
-    parser = build_parser()
+    parser = build_parser(command)
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
     return {env_name(a.dest) for a in sub._actions if a.option_strings}
 

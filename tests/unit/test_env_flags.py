@@ -12,7 +12,7 @@ from services.cli import build_parser
 def parse(argv, monkeypatch, **env):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    return build_parser().parse_args(argv)
+    return build_parser(argv[0]).parse_args(argv)
 
 
 def test_variables_fill_flags_with_their_types(monkeypatch):
@@ -40,5 +40,5 @@ def test_bad_boolean_variable_names_the_variable(monkeypatch):
 def test_a_required_model_flag_is_still_required_without_its_variable(monkeypatch, capsys):
     monkeypatch.delenv("FERRY_MODEL", raising=False)
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["api"])
+        build_parser("api").parse_args(["api"])
     assert "--model" in capsys.readouterr().err
