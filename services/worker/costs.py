@@ -167,3 +167,15 @@ def workspace_bytes_estimate(spec: ModelSpec, dtype: str, max_step_tokens: int, 
     widest_layer = max(attention, linear) + max(moe, dense)
     logits = 2 * max_running_requests * spec.vocab_size * 4
     return round_up(int((residual + widest_layer + logits) * 1.25), 2**20)
+
+
+def offload_workspace_bytes(spec: ModelSpec, max_step_tokens: int) -> int:
+    """What the offload store allocates per step beyond the all-resident compute path.
+
+    Both stores compute the layer into a float32 [T, k, H] row buffer that is summed over k, so
+    that buffer is in the profiled (and estimated) workspace already. The offload store adds, per
+    compute group (one live at a time), the group's [T, k] int64 slot map on the device, or the
+    host-made alignment (sorted pairs and block slots, int32, at most 2 * T * k entries); plus one
+    allocator block (512 B) for each of those small tensors."""
+    pairs = max_step_tokens * spec.num_experts_per_tok
+    return round_up(pairs * 8 + 2 * pairs * 4 + 2 * 512, 512)

@@ -19,6 +19,7 @@ import torch
 
 from shared.errors import ConfigError
 from shared.model_config import ModelSpec
+from services.worker.expert_policy_flag import DEFAULT_EXPERT_POLICY, EXPERT_POLICIES
 from services.worker.offload.expert_cache import OffloadedExperts
 from services.worker.offload.host_banks import HostBanks
 from services.worker.offload.frequency_policy import LFUExpertPolicy
@@ -29,7 +30,8 @@ from services.worker.pools import ExpertSlotPool
 
 
 POLICIES: dict[str, type[ExpertSlotPolicy]] = {"lru": LRUExpertPolicy, "lfu": LFUExpertPolicy}
-DEFAULT_POLICY = "lfu"
+DEFAULT_POLICY = DEFAULT_EXPERT_POLICY
+assert set(POLICIES) == set(EXPERT_POLICIES), "--expert-policy's choices must be the policies built here"
 
 
 def check_policy_name(name: str) -> None:
