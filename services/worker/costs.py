@@ -144,7 +144,8 @@ def workspace_bytes_estimate(spec: ModelSpec, dtype: str, max_step_tokens: int, 
     """Activation memory of the largest step, estimated from shapes (the worker profiles it instead).
 
     Counts what is live at once in the widest layer: the residual stream and its norm, the
-    attention projections and one layer's K/V context gathered from the pages, the MoE gather/GEMM buffers and
+    attention projections and one layer's K/V context gathered from the pages, the MoE gather/GEMM buffers
+    (the float32 row buffer of the expert stores included) and
     router scores, the Gated DeltaNet projections and per-chunk states, and fp32 logits and
     probabilities of every sampled row. A 25% margin covers allocator fragmentation."""
     b = DTYPE_BYTES[dtype]
@@ -154,7 +155,10 @@ def workspace_bytes_estimate(spec: ModelSpec, dtype: str, max_step_tokens: int, 
     attention = t * (nh * hd * (3 if spec.attn_output_gate else 2) + 2 * kvh * hd) * b
     attention += 2 * max_model_len * kvh * hd * b  # one layer's K/V context gathered from its pages
     k, i = spec.num_experts_per_tok, spec.moe_intermediate_size
-    moe = t * k * (2 * h + 3 * i) * b + t * spec.num_experts * 4 + t * k * 12
+    # both expert stores: float32 [T, k, H] rows summed over k (fp32 [T, H]), the pairs' gate/up and
+    # activation, gathered inputs (reference path); router scores and top-k ids/weights. The offload
+    # store's extra (slot maps, alignment) is added by store_plan.py when the plan offloads.
+    moe = t * k * h * 4 + t * h * 4 + t * k * (3 * i + h) * b + t * spec.num_experts * 4 + t * k * 12
     if spec.shared_expert_intermediate_size:
         moe += t * 3 * spec.shared_expert_intermediate_size * b
     dense = t * 3 * spec.intermediate_size * b if not all(spec.moe_layers) else 0
