@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from itertools import chain
@@ -123,13 +124,20 @@ def _then(step: Callable[[], None], tensors: Callable[[], Iterable]) -> Iterator
     yield from tensors()
 
 
+def _progress_bars() -> bool:
+    """Progress bars only on an interactive terminal: a service's stderr is JSON lines (one per
+    event) that log collectors parse, and tqdm's carriage-return redraws would break them; the
+    boot's log events carry the durations instead."""
+    return sys.stderr.isatty()
+
+
 def _host_banks(spec, plan: Plan):
     """Host banks when the plan offloads, allocated before any device pool so a RAM shortage
     (HostMemoryError) comes first; None when every expert has a slot."""
     if not is_offloaded(spec, plan):
         return None
     t0 = time.monotonic()
-    banks = host_banks_for(spec, plan)
+    banks = host_banks_for(spec, plan, progress=_progress_bars())
     log.info("expert_host_banks", bytes=banks.nbytes, size=format_bytes(banks.nbytes), pinned=banks.pinned,
              layers=banks.num_layers, experts=banks.num_experts, seconds=round(time.monotonic() - t0, 3))  # fmt: skip
     return banks
@@ -140,7 +148,7 @@ def _load_dummy_experts(store, spec, dtype: torch.dtype, device: torch.device) -
     at memcpy speed); an all-resident store gets the per-name dummy tensors on the device."""
     banks = getattr(store, "banks", None)
     if banks is not None:
-        banks.fill_dummy(seed=0)
+        banks.fill_dummy(seed=0, progress=_progress_bars())
         return
     for moe_layer, expert, gate, up, down in iter_dummy_experts(spec, dtype, device):
         store.load_expert(moe_layer, expert, gate, up, down)
@@ -182,17 +190,21 @@ def boot_worker(args: argparse.Namespace) -> tuple[StepExecutor, Plan]:
         store = build_expert_store(spec, plan, pools.experts, device, policy=policy, banks=banks)
         experts.bind(store)
         # an offloaded store's experts go to host banks: read them to CPU, never through the device
-        booted.update(plan=plan, pools=pools, store=store, expert_device=torch.device("cpu") if banks else device)
+        booted.update(plan=plan, pools=pools, store=store, expert_device=torch.device("cpu") if banks else device,
+                      experts_started=time.monotonic())  # fmt: skip
 
     dummy = files.load_format == "dummy"
-    expert_pass = (lambda: ()) if dummy else (lambda: routed_expert_weights(files, dtype, booted["expert_device"]))
-    model.load_weights(chain(resident_weights(files, dtype, device), _then(plan_and_allocate, expert_pass)),
+    progress = _progress_bars()
+    expert_pass = (lambda: ()) if dummy else (lambda: routed_expert_weights(files, dtype, booted["expert_device"], progress))
+    model.load_weights(chain(resident_weights(files, dtype, device, progress), _then(plan_and_allocate, expert_pass)),
                        routed_experts=not dummy)  # fmt: skip
     plan: Plan = booted["plan"]
     store = booted["store"]
     if dummy:
         _load_dummy_experts(store, spec, dtype, device)
-    store.preload()  # an offload store warms its free slots; the all-resident one has nothing to do
+    preloaded = store.preload()  # an offload store warms its free slots; the all-resident one has nothing to do
+    log.info("experts_loaded", seconds=round(time.monotonic() - booted["experts_started"], 3),
+             source="dummy" if dummy else "checkpoint", preloaded_slots=preloaded)  # fmt: skip
     _check_budget(device, req, free, booted.get("loading_peak_reserved", 0))
     log.info("plan", **plan_log_fields(plan), model=str(files.model_dir), device=str(device),
              load_format=files.load_format, expert_store=store.report()["policy"])  # fmt: skip

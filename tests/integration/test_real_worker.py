@@ -74,3 +74,13 @@ def test_expert_cache_counters_reach_worker_and_api_metrics(real_cluster):
     # the worker's heartbeat carries (hits, misses) through the scheduler to the api's gauge
     eventually(lambda: metric(real_cluster.base_url, "ferry_expert_hit_rate") > 0, timeout=10)
     assert 0 < metric(real_cluster.base_url, "ferry_expert_hit_rate") < 1
+
+
+def test_worker_log_is_json_lines(real_cluster):
+    import json
+
+    events = [json.loads(line) for line in real_cluster.log("worker").splitlines() if line.strip()]
+    by_name = {e["event"]: e for e in events}
+    assert by_name["plan"]["expert_slots"] == 12 and by_name["plan"]["expert_store"] == "lfu"
+    assert by_name["expert_host_banks"]["pinned"] is False  # no CUDA here
+    assert by_name["experts_loaded"]["preloaded_slots"] == 12
