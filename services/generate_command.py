@@ -7,15 +7,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from pathlib import Path
 
 import numpy as np
 
 from shared.errors import ConfigError
+from shared.logging import configure_logging
 from shared.sampling import SamplingParams
 from shared.step import NewRequest, StepBatch
+from services.worker.expert_cache_delta import report_delta, step_figures
 
 REQ_ID = 1
 STATE_SLOT = 1  # slot 0 is the padding slot
@@ -137,6 +138,25 @@ def generate(executor, prompt_ids: list[int], params: SamplingParams,
     return output, logprobs, reason
 
 
+class StepRecordingExecutor:
+    """The executor, recording the expert cache's figures of every step that ran a forward."""
+
+    def __init__(self, executor):
+        self.executor, self.plan, self.spec = executor, executor.plan, executor.spec
+        self.before = executor.expert_cache_report()
+        self.steps: list[dict] = []
+
+    def execute(self, batch: StepBatch):
+        output = self.executor.execute(batch)
+        if len(batch.req_ids):
+            self.steps.append(step_figures(self.executor.expert_cache_report()))
+        return output
+
+    def expert_cache(self) -> dict:
+        """Cumulative over the steps run through this wrapper, with the per-step figures."""
+        return {**report_delta(self.before, self.executor.expert_cache_report()), "per_step": self.steps}
+
+
 def _empty_step():
     return (np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32),
             np.zeros((0, 1), np.int32), np.zeros(0, np.int32), np.zeros(0, bool), np.zeros(0, bool))  # fmt: skip
@@ -148,9 +168,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_tokens < 1:
         raise ConfigError(f"--max-tokens must be at least 1, got {args.max_tokens}")
-    # the boot's log lines (the plan, the CPU budget's origin) go to stderr; stdout stays the result
-    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s", stream=sys.stderr)
+    # the boot's log lines (the plan, the CPU budget's origin) go to stderr as JSON lines; stdout stays the result
+    configure_logging("generate")
     executor, plan = boot_worker(args)
+    recording = StepRecordingExecutor(executor)
     model_dir = resolve_model_dir(args.model, args.revision)
     tokenizer = _load_tokenizer(model_dir)
     prompt_ids = _prompt_ids(args, tokenizer, executor.spec.vocab_size)
@@ -159,11 +180,11 @@ def run(args: argparse.Namespace) -> int:
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
     )  # fmt: skip
-    token_ids, logprobs, reason = generate(executor, prompt_ids, params, _eos_ids(model_dir, executor.spec))
+    token_ids, logprobs, reason = generate(recording, prompt_ids, params, _eos_ids(model_dir, executor.spec))
     text = tokenizer.decode(token_ids, skip_special_tokens=True) if tokenizer is not None else None
     if args.json:
         out = {"prompt_token_ids": prompt_ids, "token_ids": token_ids, "logprobs": logprobs, "text": text,
-               "finish_reason": reason, "plan": plan.to_dict()}  # fmt: skip
+               "finish_reason": reason, "plan": plan.to_dict(), "expert_cache": recording.expert_cache()}  # fmt: skip
         sys.stdout.write(json.dumps(out) + "\n")
     else:
         print(text if text is not None else ",".join(map(str, token_ids)))

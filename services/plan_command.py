@@ -14,8 +14,9 @@ from services.worker.costs import (
     workspace_bytes_estimate,
 )
 from services.worker.plan_report import plan_table
-from services.worker.planner import Measured, make_plan, resolve
+from services.worker.planner import Measured, resolve
 from services.worker.planner_flags import add_planner_flags, plan_request_from_args
+from services.worker.store_plan import plan_for_expert_store
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     free = None
     if req.gpu_memory is None:
         free = _local_free_memory()
-    plan = make_plan(spec, req, Measured(weights, workspace, free, source, "estimate"))
+    plan = plan_for_expert_store(spec, req, Measured(weights, workspace, free, source, "estimate"))
     if args.json:
         json.dump(plan.to_dict(), sys.stdout)
         sys.stdout.write("\n")

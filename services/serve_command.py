@@ -53,7 +53,7 @@ def child_commands(args: argparse.Namespace, model: str, rundir: Path) -> dict[s
     if args.scheduler_health_port is not None:
         scheduler += ["--health-port", str(args.scheduler_health_port)]
     worker = [*ferry, "worker", "--model", model, "--load-format", args.load_format, "--device", args.device,
-              "--steps-addr", steps_addr, "--results-addr", results_addr, "--boot", args.boot]  # fmt: skip
+              "--expert-policy", args.expert_policy, "--steps-addr", steps_addr, "--results-addr", results_addr, "--boot", args.boot]  # fmt: skip
     for name in PLANNER_FIELDS:
         if getattr(args, name) is not None:
             worker += [_flag(name), str(getattr(args, name))]

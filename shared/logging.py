@@ -16,6 +16,17 @@ _SHARED = [
 ]
 
 
+class _StderrLogger:
+    """Writes each line to whatever sys.stderr is at that moment, not the one at configure time:
+    loggers are cached on first use, and in-process callers (tests, `ferry generate`) swap stderr."""
+
+    def msg(self, message: str) -> None:
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
+
+    log = debug = info = warn = warning = error = critical = exception = fatal = failure = err = msg
+
+
 def configure_logging(process: str, level: str = "info") -> None:
     numeric = logging.getLevelName(level.upper())
     if not isinstance(numeric, int):
@@ -23,7 +34,7 @@ def configure_logging(process: str, level: str = "info") -> None:
     structlog.configure(
         processors=[*_SHARED, structlog.processors.format_exc_info, structlog.processors.JSONRenderer()],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=lambda *_: _StderrLogger(),
         cache_logger_on_first_use=True,
     )
     handler = logging.StreamHandler(sys.stderr)

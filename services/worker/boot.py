@@ -1,7 +1,11 @@
 """Worker boot, in the order of DESIGN §2 rule 3: measure, load dense weights, measure them,
 profile the workspace, plan, allocate the pools, load the experts.
 
-    free memory ─▶ dense weights ─▶ weight bytes ─▶ workspace ─▶ plan ─▶ pools ─▶ experts
+    free memory ─▶ dense weights ─▶ weight bytes ─▶ workspace ─▶ plan ─▶ [host banks] ─▶ pools ─▶ experts
+
+When the plan gives fewer expert slots than experts, the experts go to host banks (allocated,
+RAM checked, before any device pool) and are read to CPU, never to the device; the offload
+store then warms its slots (`preload`). Log lines are structlog events (shared/logging.py).
 
 Everything the planner is given is a measurement of this process on this device, except on
 CPU, where there is no allocator to ask: weights are counted from the parameters and the
@@ -11,27 +15,31 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import logging
+import sys
+import time
 from collections.abc import Callable, Iterable, Iterator
 from itertools import chain
 
+import structlog
 import torch
 
 from shared.errors import ConfigError, FerryError
 from shared.units import MiB, format_bytes
 from services.worker.costs import workspace_bytes_estimate
 from services.worker.executor import StepExecutor
-from services.worker.experts import ResidentExperts
+from services.worker.dummy_weights import iter_dummy_experts
 from services.worker.late_bound_experts import LateBoundExperts
 from services.worker.loader import LOAD_FORMATS, open_model, resident_weights, routed_expert_weights
+from services.worker.expert_policy_flag import DEFAULT_EXPERT_POLICY, add_expert_policy_flag
+from services.worker.offload.build import build_expert_store, host_banks_for, is_offloaded
 from services.worker.plan_report import plan_log_fields
-from services.worker.planner import Measured, Plan, PlanRequest, make_plan, resolve
+from services.worker.planner import Measured, Plan, PlanRequest, resolve
 from services.worker.planner_flags import add_planner_flags, plan_request_from_args
 from services.worker.pools import TORCH_DTYPES, allocate_pools
+from services.worker.store_plan import plan_for_expert_store
 from services.worker.workspace_profile import profile_workspace_cuda
 
-log = logging.getLogger("ferry.worker")
+log = structlog.get_logger("worker")
 
 # Without --gpu-memory a CPU run gets this much (or half the available RAM, if less): the
 # planner fills its budget with KV pages, and a CPU run should not claim the machine's memory.
@@ -50,6 +58,7 @@ def add_boot_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
                         help="auto/safetensors: read the checkpoint; dummy: random weights of the right shapes")
     parser.add_argument("--device", default=None, help="auto, cpu, cuda or cuda:N (default auto: cuda if available, else cpu)")
+    add_expert_policy_flag(parser)
     add_planner_flags(parser)  # fmt: skip
 
 
@@ -87,9 +96,10 @@ def _free_memory(device: torch.device, req: PlanRequest) -> tuple[int | None, Pl
     available = host_available_bytes()
     if req.gpu_memory is None:
         default = CPU_DEFAULT_BUDGET if available is None else min(CPU_DEFAULT_BUDGET, available // 2)
-        log.warning("no --gpu-memory on CPU: budget %s (the CPU default, min(%s, half of MemAvailable%s)); "
-                    "set --gpu-memory to change it", format_bytes(default), format_bytes(CPU_DEFAULT_BUDGET),
-                    "" if available is None else f" {format_bytes(available)}")  # fmt: skip
+        log.warning("cpu_default_budget", budget=format_bytes(default), budget_bytes=default,
+                    message=f"no --gpu-memory on CPU: budget {format_bytes(default)} (the CPU default, "
+                    f"min({format_bytes(CPU_DEFAULT_BUDGET)}, half of MemAvailable"
+                    f"{'' if available is None else ' ' + format_bytes(available)})); set --gpu-memory to change it")  # fmt: skip
         req = dataclasses.replace(req, gpu_memory=default)
     return available, req
 
@@ -108,31 +118,47 @@ def _tensor_bytes(model: torch.nn.Module) -> int:
     return sum(storages.values())
 
 
-def check_expert_store_possible(plan: Plan) -> None:
-    if plan.experts.slots < plan.experts.total:
-        raise ConfigError(
-            f"the plan gives {plan.experts.slots} of {plan.experts.total} expert slots: this model needs expert "
-            "offload, which this worker does not have yet. Give more memory (--gpu-memory) or a smaller KV pool "
-            "(--num-tokens / --kv-reserve-tokens) so every expert fits"
-        )
-
-
-def build_expert_store(spec, plan: Plan, pools) -> ResidentExperts:
-    """The store over the planned slot pool: every expert in its own slot. (The offloading store,
-    for plans with fewer slots than experts, plugs in here and in check_expert_store_possible.)"""
-    return ResidentExperts(pools.experts, len(spec.moe_layer_indices), spec.num_experts)
-
-
 def _then(step: Callable[[], None], tensors: Callable[[], Iterable]) -> Iterator:
     """A lazy tail for load_weights: `step` runs when every tensor before it has been consumed."""
     step()
     yield from tensors()
 
 
+def _progress_bars() -> bool:
+    """Progress bars only on an interactive terminal: a service's stderr is JSON lines (one per
+    event) that log collectors parse, and tqdm's carriage-return redraws would break them; the
+    boot's log events carry the durations instead."""
+    return sys.stderr.isatty()
+
+
+def _host_banks(spec, plan: Plan):
+    """Host banks when the plan offloads, allocated before any device pool so a RAM shortage
+    (HostMemoryError) comes first; None when every expert has a slot."""
+    if not is_offloaded(spec, plan):
+        return None
+    t0 = time.monotonic()
+    banks = host_banks_for(spec, plan, progress=_progress_bars())
+    log.info("expert_host_banks", bytes=banks.nbytes, size=format_bytes(banks.nbytes), pinned=banks.pinned,
+             layers=banks.num_layers, experts=banks.num_experts, seconds=round(time.monotonic() - t0, 3))  # fmt: skip
+    return banks
+
+
+def _load_dummy_experts(store, spec, dtype: torch.dtype, device: torch.device) -> None:
+    """--load-format dummy: the offload store's host banks take the fast seeded fill (tens of GB
+    at memcpy speed); an all-resident store gets the per-name dummy tensors on the device."""
+    banks = getattr(store, "banks", None)
+    if banks is not None:
+        banks.fill_dummy(seed=0, progress=_progress_bars())
+        return
+    for moe_layer, expert, gate, up, down in iter_dummy_experts(spec, dtype, device):
+        store.load_expert(moe_layer, expert, gate, up, down)
+
+
 def boot_worker(args: argparse.Namespace) -> tuple[StepExecutor, Plan]:
     device = resolve_device(getattr(args, "device", None))
     files = open_model(args.model, args.load_format, getattr(args, "revision", None))
     spec = files.spec
+    policy = getattr(args, "expert_policy", DEFAULT_EXPERT_POLICY)
     free, req = _free_memory(device, plan_request_from_args(args))
     r = resolve(spec, req)
     dtype = TORCH_DTYPES[r.dtype]
@@ -158,27 +184,31 @@ def boot_worker(args: argparse.Namespace) -> tuple[StepExecutor, Plan]:
             workspace = workspace_bytes_estimate(spec, r.dtype, r.max_prefill_tokens, r.max_running_requests,
                                                  r.max_model_len)  # fmt: skip
             workspace_source = "estimate"
-        plan = make_plan(spec, req, Measured(weights, workspace, free, "measured", workspace_source))
-        check_expert_store_possible(plan)  # before any pool is allocated (rule 4)
+        plan = plan_for_expert_store(spec, req, Measured(weights, workspace, free, "measured", workspace_source))
+        banks = _host_banks(spec, plan)  # before any pool is allocated (rule 4)
         pools = allocate_pools(spec, plan, device)
-        store = build_expert_store(spec, plan, pools)
+        store = build_expert_store(spec, plan, pools.experts, device, policy=policy, banks=banks)
         experts.bind(store)
-        booted.update(plan=plan, pools=pools, store=store)
+        # an offloaded store's experts go to host banks: read them to CPU, never through the device
+        booted.update(plan=plan, pools=pools, store=store, expert_device=torch.device("cpu") if banks else device,
+                      experts_started=time.monotonic())  # fmt: skip
 
-    model.load_weights(
-        chain(
-            resident_weights(files, dtype, device),
-            _then(plan_and_allocate, lambda: routed_expert_weights(files, dtype, device)),
-        )
-    )
+    dummy = files.load_format == "dummy"
+    progress = _progress_bars()
+    expert_pass = (lambda: ()) if dummy else (lambda: routed_expert_weights(files, dtype, booted["expert_device"], progress))
+    model.load_weights(chain(resident_weights(files, dtype, device, progress), _then(plan_and_allocate, expert_pass)),
+                       routed_experts=not dummy)  # fmt: skip
     plan: Plan = booted["plan"]
-    preload = getattr(booted["store"], "preload", None)  # a caching store warms its slots once experts are in
-    if callable(preload):
-        preload()
+    store = booted["store"]
+    if dummy:
+        _load_dummy_experts(store, spec, dtype, device)
+    preloaded = store.preload()  # an offload store warms its free slots; the all-resident one has nothing to do
+    log.info("experts_loaded", seconds=round(time.monotonic() - booted["experts_started"], 3),
+             source="dummy" if dummy else "checkpoint", preloaded_slots=preloaded)  # fmt: skip
     _check_budget(device, req, free, booted.get("loading_peak_reserved", 0))
-    log.info("plan %s", json.dumps(dict(plan_log_fields(plan), model=str(files.model_dir), device=str(device),
-                                        load_format=files.load_format)))  # fmt: skip
-    return StepExecutor(model, booted["pools"], spec, plan, device), plan
+    log.info("plan", **plan_log_fields(plan), model=str(files.model_dir), device=str(device),
+             load_format=files.load_format, expert_store=store.report()["policy"])  # fmt: skip
+    return StepExecutor(model, booted["pools"], spec, plan, device, store=store), plan
 
 
 def _check_budget(device: torch.device, req: PlanRequest, free: int | None, earlier_peak: int) -> None:

@@ -144,7 +144,8 @@ def workspace_bytes_estimate(spec: ModelSpec, dtype: str, max_step_tokens: int, 
     """Activation memory of the largest step, estimated from shapes (the worker profiles it instead).
 
     Counts what is live at once in the widest layer: the residual stream and its norm, the
-    attention projections and one layer's K/V context gathered from the pages, the MoE gather/GEMM buffers and
+    attention projections and one layer's K/V context gathered from the pages, the MoE gather/GEMM buffers
+    (the float32 row buffer of the expert stores included) and
     router scores, the Gated DeltaNet projections and per-chunk states, and fp32 logits and
     probabilities of every sampled row. A 25% margin covers allocator fragmentation."""
     b = DTYPE_BYTES[dtype]
@@ -154,7 +155,10 @@ def workspace_bytes_estimate(spec: ModelSpec, dtype: str, max_step_tokens: int, 
     attention = t * (nh * hd * (3 if spec.attn_output_gate else 2) + 2 * kvh * hd) * b
     attention += 2 * max_model_len * kvh * hd * b  # one layer's K/V context gathered from its pages
     k, i = spec.num_experts_per_tok, spec.moe_intermediate_size
-    moe = t * k * (2 * h + 3 * i) * b + t * spec.num_experts * 4 + t * k * 12
+    # both expert stores: float32 [T, k, H] rows summed over k (fp32 [T, H]), the pairs' gate/up and
+    # activation, gathered inputs (reference path); router scores and top-k ids/weights. The offload
+    # store's extra (slot maps, alignment) is added by store_plan.py when the plan offloads.
+    moe = t * k * h * 4 + t * h * 4 + t * k * (3 * i + h) * b + t * spec.num_experts * 4 + t * k * 12
     if spec.shared_expert_intermediate_size:
         moe += t * 3 * spec.shared_expert_intermediate_size * b
     dense = t * 3 * spec.intermediate_size * b if not all(spec.moe_layers) else 0
@@ -167,3 +171,15 @@ def workspace_bytes_estimate(spec: ModelSpec, dtype: str, max_step_tokens: int, 
     widest_layer = max(attention, linear) + max(moe, dense)
     logits = 2 * max_running_requests * spec.vocab_size * 4
     return round_up(int((residual + widest_layer + logits) * 1.25), 2**20)
+
+
+def offload_workspace_bytes(spec: ModelSpec, max_step_tokens: int) -> int:
+    """What the offload store allocates per step beyond the all-resident compute path.
+
+    Both stores compute the layer into a float32 [T, k, H] row buffer that is summed over k, so
+    that buffer is in the profiled (and estimated) workspace already. The offload store adds, per
+    compute group (one live at a time), the group's [T, k] int64 slot map on the device, or the
+    host-made alignment (sorted pairs and block slots, int32, at most 2 * T * k entries); plus one
+    allocator block (512 B) for each of those small tensors."""
+    pairs = max_step_tokens * spec.num_experts_per_tok
+    return round_up(pairs * 8 + 2 * pairs * 4 + 2 * 512, 512)

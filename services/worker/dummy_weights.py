@@ -74,3 +74,16 @@ def iter_dummy_tensors(spec: ModelSpec, dtype: torch.dtype, device: torch.device
     shapes = routed_expert_shapes(spec) if routed_experts else resident_weight_shapes(spec)
     for name, shape in shapes.items():
         yield name, dummy_tensor(spec, name, shape, dtype, device, seed)
+
+
+def iter_dummy_experts(spec: ModelSpec, dtype: torch.dtype, device: torch.device | str,
+                       seed: int = 0) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]]:  # fmt: skip
+    """(moe_layer, expert, gate, up, down) with the same values `iter_dummy_tensors` gives those names."""
+    device = torch.device(device)
+    h, i = spec.hidden_size, spec.moe_intermediate_size
+    for m, layer in enumerate(spec.moe_layer_indices):
+        for e in range(spec.num_experts):
+            p = f"model.layers.{layer}.mlp.experts.{e}."
+            yield (m, e, *(dummy_tensor(spec, p + name, shape, dtype, device, seed)
+                           for name, shape in (("gate_proj.weight", (i, h)), ("up_proj.weight", (i, h)),
+                                               ("down_proj.weight", (h, i)))))  # fmt: skip

@@ -8,6 +8,7 @@ import torch
 from shared.errors import FerryError
 from shared.model_config import ModelSpec
 from shared.step import StepBatch, StepOutput
+from services.worker.experts import ExpertStore
 from services.worker.forward_batch import ForwardBatch
 from services.worker.planner import Plan
 from services.worker.pools import Pools
@@ -20,8 +21,10 @@ class StepBatchError(FerryError):
 
 class StepExecutor:
     def __init__(self, model, pools: Pools, spec: ModelSpec, plan: Plan, device: torch.device | str,
-                 sampler_seed: int | None = None):  # fmt: skip
+                 sampler_seed: int | None = None, store: ExpertStore | None = None):  # fmt: skip
+        """`store`: the model's expert store, told when each step ends and asked for its statistics."""
         self.model = model
+        self.store = store
         self.pools = pools
         self.spec = spec
         self.plan = plan
@@ -42,12 +45,29 @@ class StepExecutor:
         with torch.inference_mode():
             logits = self.model(forward_batch, self.pools)
             tokens, logprobs = self.sampler.sample(sampled_ids.tolist(), logits)
-        return StepOutput(
+        output = StepOutput(
             step_id=batch.step_id,
             req_ids=sampled_ids,
             token_ids=tokens.to("cpu", torch.int32).numpy(),
             logprobs=logprobs.to("cpu", torch.float32).numpy(),
         )
+        if self.store is not None:  # after the results reached the host: the step's work is done
+            self.store.end_step()
+        return output
+
+    def expert_stats(self) -> tuple[int, int]:
+        """(hits, misses) of the expert cache since boot: the worker's heartbeat carries them."""
+        if self.store is None:
+            return 0, 0
+        report = self.store.report()
+        return report["hits"], report["misses"]
+
+    def expert_cache_report(self) -> dict:
+        """The store's report: cumulative hits, misses, hit_rate, bytes_copied, copy times, the
+        last step's figures under "last_step", and policy, slots, residency."""
+        if self.store is None:
+            raise RuntimeError("this executor was built without an expert store")
+        return self.store.report()
 
     def _check(self, batch: StepBatch) -> None:
         """Cheap host-side checks: an out-of-range page or slot would corrupt another request's state."""

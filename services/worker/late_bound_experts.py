@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from services.worker.experts import ExpertStore, ResidentExperts
+from services.worker.experts import ExpertStore
+from services.worker.offload.resident import ResidentExperts
 from services.worker.pools import ExpertSlotPool
 
 

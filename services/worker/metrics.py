@@ -2,7 +2,38 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+# (report key, metric name without the _total suffix, help): the expert cache's cumulative counters
+EXPERT_COUNTERS = (
+    ("hits", "ferry_worker_expert_hits", "expert-cache lookups that found the expert in a GPU slot"),
+    ("misses", "ferry_worker_expert_misses", "expert-cache lookups that copied the expert from host RAM"),
+    ("bytes_copied", "ferry_worker_expert_copied_bytes", "bytes of expert weights copied host -> GPU"),
+    ("copy_time_s", "ferry_worker_expert_copy_seconds", "time the copy stream spent copying missed experts"),
+    ("exposed_copy_time_s", "ferry_worker_expert_exposed_copy_seconds",
+     "copy time not hidden behind compute (the compute stream waited for it)"),
+)  # fmt: skip
+
+
+class ExpertCacheCollector:
+    """Reads the expert store's cumulative report at scrape time (the store owns the counts;
+    copying them into prometheus Counters after every step would be a second bookkeeping)."""
+
+    def __init__(self, report: Callable[[], dict]):
+        self.report = report
+
+    def collect(self):
+        report = self.report()
+        for key, name, text in EXPERT_COUNTERS:
+            family = CounterMetricFamily(name, text)
+            family.add_metric([], report[key])
+            yield family
+        slots = GaugeMetricFamily("ferry_worker_expert_slots", "GPU expert slots of the plan")
+        slots.add_metric([], report["slots"])
+        yield slots
 
 
 class WorkerMetrics:
@@ -17,6 +48,10 @@ class WorkerMetrics:
         )  # fmt: skip
         self.batch_size = Histogram("ferry_worker_step_requests", "requests in one step", registry=r,
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))  # fmt: skip
+
+    def watch_expert_cache(self, report: Callable[[], dict]) -> None:
+        """Export the expert store's counters (called once the executor exists)."""
+        self.registry.register(ExpertCacheCollector(report))
 
     def observe_step(self, seconds: float, tokens: int, requests: int) -> None:
         self.steps.inc()

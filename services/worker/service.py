@@ -105,6 +105,9 @@ class WorkerService:
         self.executor, self.plan = load_boot(self.cfg.boot)(self.args)
         stats = getattr(self.executor, "expert_stats", None)  # (hits, misses) from the expert cache, if it has one
         self.heartbeat.expert_stats = stats if callable(stats) else None
+        report = getattr(self.executor, "expert_cache_report", None)  # a test double's boot may have none
+        if callable(report):
+            self.metrics.watch_expert_cache(report)
         self.heartbeat.pool = pool_report_from_plan(self.plan)
         log.info("worker_ready", boot_s=round(time.monotonic() - t0, 3), plan=self.plan.to_dict())
 

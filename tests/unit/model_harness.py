@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from services.worker import pool_layout as L
-from services.worker.experts import ResidentExperts
+from services.worker.offload.resident import ResidentExperts
 from services.worker.forward_batch import ForwardBatch
 from services.worker.models import CausalLM, build_model
 from services.worker.pools import ExpertSlotPool, KVPool, LinearStatePool, Pools, allocate_pool

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import logging
+import json
 
 import numpy as np
 import pytest
 
 from shared.errors import ConfigError, PlanError
+from shared.logging import configure_logging
 from shared.sampling import SamplingParams
 from shared.step import NewRequest, StepBatch
 from services.worker import boot as boot_module
@@ -35,12 +36,19 @@ def test_boot_allocates_exactly_the_plan(tiny_model):
     assert (pools.linear_state is not None) == bool(executor.spec.linear_attention_layers)
 
 
-def test_cpu_default_budget_is_stated(tiny_models, monkeypatch, caplog):
+def test_cpu_default_budget_is_stated(tiny_models, monkeypatch, capsys):
+    configure_logging("worker")
     monkeypatch.setattr(boot_module, "CPU_DEFAULT_BUDGET", 48 * 2**20)
-    with caplog.at_level(logging.WARNING, logger="ferry.worker"):
-        _, plan = boot_worker(boot_args(tiny_models["qwen3_moe"]))
-    assert "no --gpu-memory on CPU: budget 48.00 MiB" in caplog.text
+    _, plan = boot_worker(boot_args(tiny_models["qwen3_moe"]))
+    events = {e["event"]: e for e in map(json.loads, _json_lines(capsys.readouterr().err))}
+    assert "no --gpu-memory on CPU: budget 48.00 MiB" in events["cpu_default_budget"]["message"]
+    assert events["cpu_default_budget"]["level"] == "warning"
+    assert events["plan"]["expert_slots"] == plan.experts.slots and events["plan"]["process"] == "worker"
     assert plan.budget_bytes == int(48 * 2**20 * 0.9)
+
+
+def _json_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("{")]  # progress bars share stderr
 
 
 def test_budget_too_small_fails_in_the_plan(tiny_models):
@@ -48,9 +56,30 @@ def test_budget_too_small_fails_in_the_plan(tiny_models):
         boot_worker(boot_args(tiny_models["qwen3_moe"], "--gpu-memory", "4MiB"))
 
 
-def test_fewer_slots_than_experts_says_offload_is_needed(tiny_models):
-    with pytest.raises(ConfigError, match="expert offload"):
+def test_fewer_slots_than_experts_boots_the_offload_store(tiny_models, capsys):
+    from services.worker.offload.expert_cache import OffloadedExperts
+
+    configure_logging("worker")
+    executor, plan = boot_worker(boot_args(tiny_models["qwen3_moe"], "--gpu-memory", "64MiB", "--moe-cache-size", "8",
+                                           "--expert-policy", "lru"))  # fmt: skip
+    assert isinstance(executor.store, OffloadedExperts) and executor.store.policy.name == "lru"
+    assert plan.experts.slots == 8 < plan.experts.total
+    assert executor.store.policy.resident == 8  # preloaded
+    assert not executor.store.slots.w13.is_pinned() and executor.store.banks.w13[0].device.type == "cpu"
+    events = {e["event"]: e for e in map(json.loads, _json_lines(capsys.readouterr().err))}
+    assert events["expert_host_banks"]["bytes"] == executor.store.banks.nbytes
+    assert events["plan"]["expert_store"] == "lru"
+
+
+def test_host_ram_shortage_fails_before_any_pool(tiny_models, monkeypatch):
+    from services.worker.offload import host_banks
+
+    monkeypatch.setattr(host_banks, "mem_available_bytes", lambda meminfo=None: 2**30)  # less than the 2 GiB reserve
+    allocated = []
+    monkeypatch.setattr(boot_module, "allocate_pools", lambda *a: allocated.append(a))
+    with pytest.raises(host_banks.HostMemoryError, match="of host RAM but only 1.00 GiB is available"):
         boot_worker(boot_args(tiny_models["qwen3_moe"], "--gpu-memory", "64MiB", "--moe-cache-size", "8"))
+    assert not allocated
 
 
 def _step(step_id, reqs, new=(), finished=()):

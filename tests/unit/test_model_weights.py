@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
 
 from model_harness import PagedRunner, assert_logits_close, make_pools
-from services.worker.experts import ResidentExperts
+from services.worker.offload.resident import ResidentExperts
 from services.worker.models import WeightLoadError, build_model
 from shared.errors import ConfigError
 from shared.model_config import parse_model_config

@@ -74,9 +74,10 @@ class CausalLM(nn.Module):
             self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype, device=device)
             self.lm_head.weight.requires_grad_(False)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Take checkpoint tensors (name, tensor); raises WeightLoadError on a missing or unexpected one."""
-        load_checkpoint_weights(self, weights)
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], routed_experts: bool = True) -> None:
+        """Take checkpoint tensors (name, tensor); raises WeightLoadError on a missing or unexpected one.
+        `routed_experts=False`: the expert store is filled elsewhere (dummy host banks), expect none."""
+        load_checkpoint_weights(self, weights, routed_experts)
 
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         """{checkpoint tensor name: shape} of this model, as save_pretrained names them (dummy weights)."""

@@ -48,7 +48,7 @@ def canonical_name(name: str) -> str | None:
 
 
 class _Loader:
-    def __init__(self, model):
+    def __init__(self, model, routed_experts: bool = True):
         self.model = model
         self.spec = model.spec
         self.params = dict(model.named_parameters())
@@ -59,9 +59,10 @@ class _Loader:
                 self.pending.update(f"{layer}.in_proj[{part}]" for part in ("qkv", "z", "b", "a"))
             else:
                 self.pending.add(name)
-        self.pending.update(
-            f"expert[{m}][{e}]" for m in range(len(self.spec.moe_layer_indices)) for e in range(self.spec.num_experts)
-        )
+        if routed_experts:  # False: the expert store was filled by other means (dummy host banks)
+            self.pending.update(
+                f"expert[{m}][{e}]" for m in range(len(self.spec.moe_layer_indices)) for e in range(self.spec.num_experts)
+            )
         self.per_expert: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self.fused: dict[int, dict[str, torch.Tensor]] = {}
 
@@ -213,8 +214,9 @@ def checkpoint_shapes(model) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def load_checkpoint_weights(model, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-    loader = _Loader(model)
+def load_checkpoint_weights(model, weights: Iterable[tuple[str, torch.Tensor]], routed_experts: bool = True) -> None:
+    """`routed_experts=False`: the weights hold no routed expert and none is expected."""
+    loader = _Loader(model, routed_experts)
     for name, tensor in weights:
         loader.take(name, tensor)
     loader.finish()

@@ -7,8 +7,10 @@ exactly the experts the next layers need and its hit rate falls to zero, where L
 (bench/offload_policy_sim.py, Zipf-skewed routing with s = 1; to be confirmed with real routing).
 LRU stays available by name.
 
-Boot order: `allocate_pools` -> `build_expert_store` -> `store.load_expert(...)` for every
-expert (checkpoint or dummy weights) -> `store.preload()` when the store has one.
+Boot order: plan -> `host_banks_for` (when offloading: RAM is checked and the banks allocated
+before any device pool, so a host-RAM shortage fails first) -> `allocate_pools` ->
+`build_expert_store` -> every expert loaded (`store.load_expert`, or `banks.fill_dummy` for dummy
+weights) -> `store.preload()`.
 """
 
 from __future__ import annotations
@@ -17,40 +19,60 @@ import torch
 
 from shared.errors import ConfigError
 from shared.model_config import ModelSpec
+from services.worker.expert_policy_flag import DEFAULT_EXPERT_POLICY, EXPERT_POLICIES
 from services.worker.offload.expert_cache import OffloadedExperts
 from services.worker.offload.host_banks import HostBanks
 from services.worker.offload.frequency_policy import LFUExpertPolicy
 from services.worker.offload.policy import ExpertSlotPolicy, LRUExpertPolicy
-from services.worker.offload.resident import KernelResidentExperts
+from services.worker.offload.resident import ResidentExperts
 from services.worker.planner import Plan
 from services.worker.pools import ExpertSlotPool
 
 
 POLICIES: dict[str, type[ExpertSlotPolicy]] = {"lru": LRUExpertPolicy, "lfu": LFUExpertPolicy}
-DEFAULT_POLICY = "lfu"
+DEFAULT_POLICY = DEFAULT_EXPERT_POLICY
+assert set(POLICIES) == set(EXPERT_POLICIES), "--expert-policy's choices must be the policies built here"
+
+
+def check_policy_name(name: str) -> None:
+    if name not in POLICIES:
+        raise ConfigError(f"--expert-policy: unknown expert cache policy {name!r}; choose one of {', '.join(POLICIES)}")
 
 
 def make_policy(name: str, num_layers: int, num_experts: int, num_slots: int) -> ExpertSlotPolicy:
-    if name not in POLICIES:
-        raise ConfigError(f"unknown expert cache policy {name!r}; choose one of {', '.join(POLICIES)}")
+    check_policy_name(name)
     return POLICIES[name](num_layers, num_experts, num_slots)
 
 
+def is_offloaded(spec: ModelSpec, plan: Plan) -> bool:
+    """Fewer slots than routed experts: the plan needs the offload store."""
+    return plan.experts.slots < spec.total_experts
+
+
+def host_banks_for(spec: ModelSpec, plan: Plan, pin: bool | None = None, progress: bool = True) -> HostBanks:
+    """Host banks for every routed expert, pinned when CUDA is present; a HostMemoryError naming
+    the bytes needed and available comes before anything is allocated."""
+    return HostBanks.for_model(spec, plan.dtype, pin=pin, progress=progress)
+
+
 def build_offloaded_experts(spec: ModelSpec, plan: Plan, slots: ExpertSlotPool, device: torch.device | str,
-                            pin: bool | None = None, progress: bool = True, policy: str = DEFAULT_POLICY) -> OffloadedExperts:  # fmt: skip
-    """Host banks for every routed expert (pinned when CUDA is present; fails first with a
-    HostMemoryError if RAM is short) and a replacement policy over the plan's slots."""
+                            pin: bool | None = None, progress: bool = True, policy: str = DEFAULT_POLICY,
+                            banks: HostBanks | None = None) -> OffloadedExperts:  # fmt: skip
+    """The offload store over the plan's slots: `banks` (allocated here when not given) and a
+    replacement policy chosen by name."""
     num_layers = len(spec.moe_layer_indices)
     chosen = make_policy(policy, num_layers, spec.num_experts, slots.num_slots)
-    banks = HostBanks.for_model(spec, plan.dtype, pin=pin, progress=progress)
+    if banks is None:
+        banks = host_banks_for(spec, plan, pin=pin, progress=progress)
     return OffloadedExperts(slots, banks, chosen, device)
 
 
 def build_expert_store(spec: ModelSpec, plan: Plan, slots: ExpertSlotPool, device: torch.device | str,
-                       pin: bool | None = None, progress: bool = True,
-                       policy: str = DEFAULT_POLICY) -> KernelResidentExperts | OffloadedExperts:  # fmt: skip
+                       pin: bool | None = None, progress: bool = True, policy: str = DEFAULT_POLICY,
+                       banks: HostBanks | None = None) -> ResidentExperts | OffloadedExperts:  # fmt: skip
     """All-resident (no host banks, no host RAM, nothing copied) when the plan gave every expert
     a slot; otherwise the offload store."""
+    check_policy_name(policy)  # the flag is checked whichever store the plan leads to
     if slots.num_slots >= spec.total_experts:
-        return KernelResidentExperts(slots, len(spec.moe_layer_indices), spec.num_experts)
-    return build_offloaded_experts(spec, plan, slots, device, pin=pin, progress=progress, policy=policy)
+        return ResidentExperts(slots, len(spec.moe_layer_indices), spec.num_experts)
+    return build_offloaded_experts(spec, plan, slots, device, pin=pin, progress=progress, policy=policy, banks=banks)

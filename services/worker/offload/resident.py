@@ -1,21 +1,78 @@
-"""The all-resident store, computed with the dispatching grouped expert GEMM (Triton on CUDA).
+"""The all-resident expert store: every expert of every MoE layer in its own slot, nothing copied.
 
-`services/worker/experts.ResidentExperts` always runs the reference twin, a Python loop over
-slots that is right everywhere but slow on a GPU. When the plan gives every expert a slot, boot
-gets this subclass instead: same slots, same loading, the kernel `OffloadedExperts` uses. On
-CPU the dispatcher picks the same reference, so the two are bit for bit the same there.
-"""
+Boot builds it when the plan gives every expert a slot (slot = moe_layer * num_experts + expert).
+It computes with the dispatching grouped expert GEMM (Triton on CUDA, the plain-torch reference
+twin on CPU) — the same kernel `OffloadedExperts` uses, so the two agree bit for bit.
+
+It keeps the same statistics as the offload store (every lookup a hit, nothing copied), so every
+worker exports the same expert-cache metrics whatever its plan. Counting the layer's distinct
+experts on the host would cost a device sync per layer; instead they are summed on the device
+and read once per step in `end_step`, after the executor has already waited for the step."""
 
 from __future__ import annotations
 
 import torch
 
 from kernels.grouped_expert_gemm import grouped_expert_forward
-from services.worker.experts import ResidentExperts
+from services.worker.offload.stats import ExpertCacheStats
+from services.worker.pools import ExpertSlotPool
 
 
-class KernelResidentExperts(ResidentExperts):
+class ResidentExperts:
+    """An `ExpertStore` (services/worker/experts.py) holding every expert."""
+
+    policy_name = "all-resident"
+
+    def __init__(self, slots: ExpertSlotPool, num_moe_layers: int, num_experts: int):
+        needed = num_moe_layers * num_experts
+        if slots.num_slots < needed:
+            raise ValueError(f"ResidentExperts needs {needed} slots, the pool has {slots.num_slots}")
+        self.slots = slots
+        self.num_moe_layers = num_moe_layers
+        self.num_experts = num_experts
+        self.stats = ExpertCacheStats()
+        self._step_lookups: torch.Tensor | None = None  # distinct experts routed this step, on the device
+        self._last_layer = -1
+
+    def _slot(self, moe_layer: int, expert: int) -> int:
+        return moe_layer * self.num_experts + expert
+
+    def load_expert(self, moe_layer: int, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+        s = self._slot(moe_layer, expert)
+        inter = gate.shape[0]
+        self.slots.w13[s, :inter].copy_(gate)
+        self.slots.w13[s, inter:].copy_(up)
+        self.slots.w2[s].copy_(down)
+
+    def preload(self) -> int:
+        """Nothing to warm: every expert was loaded straight into its slot."""
+        return 0
+
     def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        if moe_layer <= self._last_layer:  # layer 0 came round again without end_step: a new step
+            self.end_step()
+        self._last_layer = moe_layer
+        self._count_lookups(topk_ids)
         topk_slots = topk_ids + moe_layer * self.num_experts
         return grouped_expert_forward(x, topk_slots, topk_weights, self.slots.w13, self.slots.w2,
                                       max_distinct_slots=self.num_experts)  # one layer's experts at most
+
+    def _count_lookups(self, topk_ids: torch.Tensor) -> None:
+        # index_fill, not bincount: bincount on CUDA reads the maximum back to the host
+        routed = torch.zeros(self.num_experts, dtype=torch.int64, device=topk_ids.device)
+        distinct = routed.index_fill_(0, topk_ids.reshape(-1).to(torch.int64), 1).sum()
+        self._step_lookups = distinct if self._step_lookups is None else self._step_lookups + distinct
+
+    def end_step(self) -> None:
+        """Fold the step's lookups (all hits) into the statistics."""
+        if self._step_lookups is not None:
+            self.stats.record_lookup(int(self._step_lookups), 0, 0)
+            self._step_lookups = None
+        self.stats.end_step()
+        self._last_layer = -1
+
+    def report(self) -> dict:
+        """Same keys as `OffloadedExperts.report()`: misses, bytes and copy times stay zero."""
+        total = self.num_moe_layers * self.num_experts
+        return {**self.stats.to_dict(), "policy": self.policy_name, "slots": self.slots.num_slots,
+                "total_experts": total, "resident": total, "evictions": 0, "host_bank_bytes": 0}  # fmt: skip

@@ -15,7 +15,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run me with TRITON_INTERPRET=
 
 from offload_tiny import random_experts, random_routing, slot_pool, tiny_spec  # noqa: E402
 
-from services.worker.experts import ResidentExperts  # noqa: E402
+from services.worker.offload.resident import ResidentExperts  # noqa: E402
 from services.worker.offload.expert_cache import OffloadedExperts  # noqa: E402
 from services.worker.offload.host_banks import HostBanks  # noqa: E402
 from services.worker.offload.policy import LRUExpertPolicy  # noqa: E402

@@ -6,10 +6,10 @@ from offload_tiny import random_experts, random_routing, tiny_spec
 
 from shared.errors import ConfigError
 from shared.units import MiB
-from services.worker.experts import ResidentExperts
+from kernels.moe_reference import grouped_expert_forward_reference
 from services.worker.offload.build import build_expert_store
 from services.worker.offload.expert_cache import OffloadedExperts
-from services.worker.offload.resident import KernelResidentExperts
+from services.worker.offload.resident import ResidentExperts
 from services.worker.planner import Measured, PlanRequest, make_plan
 from services.worker.pools import allocate_pools
 
@@ -25,14 +25,18 @@ def _store(policy="lfu", **flags):
 def test_every_expert_in_a_slot_needs_no_host_banks():
     plan, store = _store()
     assert plan.experts.slots == plan.experts.total == 18
-    assert isinstance(store, KernelResidentExperts)
-    reference = ResidentExperts(store.slots, 3, 6)
+    assert isinstance(store, ResidentExperts)
     for (layer, e), weights in random_experts(SPEC, 1).items():
         store.load_expert(layer, e, *weights)
     g = torch.Generator().manual_seed(1)
     for layer in range(3):
         x, ids, w = random_routing(SPEC, 5, g)
-        assert torch.equal(store.forward(layer, x, ids, w), reference.forward(layer, x, ids, w))
+        want = grouped_expert_forward_reference(x, ids + layer * 6, w, store.slots.w13, store.slots.w2)
+        assert torch.equal(store.forward(layer, x, ids, w), want)
+    store.end_step()
+    report = store.report()
+    assert report["misses"] == report["bytes_copied"] == 0 and report["hits"] > 0 and report["hit_rate"] == 1.0
+    assert report["slots"] == report["total_experts"] == report["resident"] == 18
 
 
 def test_fewer_slots_than_experts_builds_the_offload_store_and_it_serves():

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from services.worker.experts import ResidentExperts
+from services.worker.offload.resident import ResidentExperts
 from services.worker.offload.expert_cache import OffloadedExperts
 from services.worker.offload.host_banks import HostBanks
 from services.worker.offload.policy import LRUExpertPolicy
