@@ -171,6 +171,12 @@ def main() -> int:
     parser.set_defaults(load_format="dummy", gpu_memory=24 * GiB, max_model_len=8192, max_running_requests=8)
     args = parser.parse_args()
     stream_counts = [int(s) for s in args.streams.split(",")]
+    if args.kv_reserve_tokens is None and args.num_tokens is None and args.num_pages is None:
+        # a KV floor that holds every run's streams (pages are handed out per stream, rounded up)
+        page = args.page_size or 16
+        need = [args.prompt_len + args.decode_tokens + 1]
+        need += [n * (args.stream_prompt_len + args.decode_tokens + 1 + page) for n in stream_counts]
+        args.kv_reserve_tokens = max(need) + page
 
     torch.manual_seed(0)
     t0 = time.perf_counter()

@@ -104,10 +104,14 @@ def _free_memory(device: torch.device, req: PlanRequest) -> tuple[int | None, Pl
     return available, req
 
 
-def _allocated(device: torch.device) -> int:
+def _reserved(device: torch.device) -> int:
+    """Device memory this process holds through the caching allocator, with free cached blocks
+    returned first: what the plan prices is what the device gives away (segments, not tensors),
+    so that the promise of --gpu-memory is kept against max_memory_reserved."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-        return torch.cuda.memory_allocated(device)
+        torch.cuda.empty_cache()
+        return torch.cuda.memory_reserved(device)
     return 0
 
 
@@ -167,7 +171,7 @@ def boot_worker(args: argparse.Namespace) -> tuple[StepExecutor, Plan]:
 
     from services.worker.models import build_model
 
-    before = _allocated(device)
+    before = _reserved(device)
     experts = LateBoundExperts(spec.num_experts)
     model = build_model(spec, dtype, device, experts)
     booted: dict = {}
@@ -175,7 +179,7 @@ def boot_worker(args: argparse.Namespace) -> tuple[StepExecutor, Plan]:
     def plan_and_allocate() -> None:
         """Runs between the two weight passes: the dense weights are in, the experts not yet."""
         if device.type == "cuda":
-            weights = _allocated(device) - before
+            weights = _reserved(device) - before  # with the allocator's segment rounding
             # profiling resets the allocator's peak counters: keep the peak of loading
             booted["loading_peak_reserved"] = torch.cuda.max_memory_reserved(device)
             workspace, workspace_source = profile_workspace_cuda(model, experts, spec, r, device), "profiled"
@@ -202,6 +206,8 @@ def boot_worker(args: argparse.Namespace) -> tuple[StepExecutor, Plan]:
     store = booted["store"]
     if dummy:
         _load_dummy_experts(store, spec, dtype, device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the expert pass's staging tensors are not part of the plan
     preloaded = store.preload()  # an offload store warms its free slots; the all-resident one has nothing to do
     log.info("experts_loaded", seconds=round(time.monotonic() - booted["experts_started"], 3),
              source="dummy" if dummy else "checkpoint", preloaded_slots=preloaded)  # fmt: skip

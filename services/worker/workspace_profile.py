@@ -93,16 +93,22 @@ def run_largest_step(model, experts: LateBoundExperts, spec: ModelSpec, r: Resol
 
 
 def profile_workspace_cuda(model, experts: LateBoundExperts, spec: ModelSpec, r: Resolved, device: torch.device) -> int:
-    """Peak bytes the largest step allocates beyond its inputs, plus the long-context gather."""
+    """Peak bytes the largest step takes beyond its inputs (allocator segments included), plus
+    the long-context gather."""
     # The temporary pools are part of the baseline, not of the workspace: allocate them first.
     step, pools, sampler = _prepare(experts, spec, r, device)
     torch.cuda.synchronize(device)
-    baseline = torch.cuda.memory_allocated(device)
+    torch.cuda.empty_cache()
+    baseline_allocated = torch.cuda.memory_allocated(device)
+    baseline_reserved = torch.cuda.memory_reserved(device)
     torch.cuda.reset_peak_memory_stats(device)
     try:
         _run(model, step, pools, sampler, r, device)
         torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device) - baseline
+        # Reserved, not only allocated: the allocator takes whole segments (2 MiB, or 20 MiB for
+        # blocks of 1-10 MiB), and those segments are what the device gives away.
+        peak = max(torch.cuda.max_memory_allocated(device) - baseline_allocated,
+                   torch.cuda.max_memory_reserved(device) - baseline_reserved)  # fmt: skip
     finally:
         experts.unbind()
         del pools, sampler
