@@ -1,0 +1,59 @@
+"""Where a decode step's time goes: torch.profiler over a few single-stream decode steps through
+boot + executor (CPU-side op time, device kernel time), with random input tokens so routing
+varies like a real model's. Prints the top ops by self CPU time and by device time.
+
+    python3 bench/profile_decode.py --model DIR --load-format dummy --gpu-memory 24GiB [--moe-cache-size N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.serve_decode import Streams  # noqa: E402
+from services.worker.boot import add_boot_arguments, boot_worker  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    add_boot_arguments(parser)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rows", type=int, default=25)
+    args = parser.parse_args()
+    executor, plan = boot_worker(args)
+    rng = np.random.default_rng(0)
+    vocab = executor.spec.vocab_size
+    streams = Streams(executor, 1, 64 + 3 * args.steps + 8, first_req_id=1)
+    streams.prefill([rng.integers(0, vocab, 64).tolist()])
+
+    def step():
+        streams.step([[int(rng.integers(0, vocab))]], sample=True)
+
+    for _ in range(args.steps):
+        step()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    print(f"ms/step without profiler: {(time.perf_counter() - t0) / args.steps * 1e3:.2f}  "
+          f"(slots {plan.experts.slots}/{plan.experts.total})")  # fmt: skip
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(args.steps):
+            step()
+    table = prof.key_averages()
+    print(table.table(sort_by="self_cpu_time_total", row_limit=args.rows))
+    if torch.cuda.is_available():
+        print(table.table(sort_by="self_device_time_total", row_limit=args.rows))
+
+
+if __name__ == "__main__":
+    main()
