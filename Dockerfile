@@ -28,7 +28,7 @@ COPY pyproject.toml README.md ./
 COPY shared ./shared
 COPY services ./services
 COPY kernels ./kernels
-RUN pip install --no-cache-dir .
+RUN pip install --no-cache-dir ".[cuda]"
 
 USER 10001
 ENV FERRY_CACHE_DIR=/home/ferry/.cache/ferry
