@@ -28,6 +28,8 @@ COPY pyproject.toml README.md ./
 COPY shared ./shared
 COPY services ./services
 COPY kernels ./kernels
+# the project itself, with its extra for CUDA (fla-core); versions come from pyproject.toml
+# hadolint ignore=DL3013
 RUN pip install --no-cache-dir ".[cuda]"
 
 USER 10001
