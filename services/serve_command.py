@@ -44,6 +44,17 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+DEMO_MODEL_NAME = "ferry-tiny-demo"
+
+
+def served_model_name(args: argparse.Namespace, model: str) -> str:
+    """The id clients send: --served-model-name, else what --model said (a path or hub id, as
+    vLLM does), else a readable name for the demo model rather than its cache path."""
+    if args.served_model_name:
+        return args.served_model_name
+    return model if args.model is not None else DEMO_MODEL_NAME
+
+
 def child_commands(args: argparse.Namespace, model: str, rundir: Path) -> dict[str, list[str]]:
     api_addr, steps_addr, results_addr = (f"ipc://{rundir}/{n}.sock" for n in ("api", "steps", "results"))
     ferry = [sys.executable, "-m", "services.cli"]
@@ -60,7 +71,7 @@ def child_commands(args: argparse.Namespace, model: str, rundir: Path) -> dict[s
     if args.worker_health_port is not None:
         worker += ["--health-port", str(args.worker_health_port)]
     api = [*ferry, "api", "--model", model, "--scheduler-addr", api_addr, "--host", args.host, "--port", str(args.port),
-           "--max-body-size", args.max_body_size, "--served-model-name", args.served_model_name or model]  # fmt: skip
+           "--max-body-size", args.max_body_size, "--served-model-name", served_model_name(args, model)]  # fmt: skip
     if args.api_key is not None:
         api += ["--api-key", args.api_key]
     return {"scheduler": scheduler + log_level, "worker": worker + log_level, "api": api + log_level}

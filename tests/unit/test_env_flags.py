@@ -42,3 +42,14 @@ def test_a_required_model_flag_is_still_required_without_its_variable(monkeypatc
     with pytest.raises(SystemExit):
         build_parser("api").parse_args(["api"])
     assert "--model" in capsys.readouterr().err
+
+
+def test_demo_model_is_served_under_a_readable_name():
+    from services.serve_command import DEMO_MODEL_NAME, served_model_name
+
+    demo = build_parser("serve").parse_args(["serve"])
+    assert served_model_name(demo, "/home/u/.cache/ferry/tiny-qwen3-moe") == DEMO_MODEL_NAME
+    given = build_parser("serve").parse_args(["serve", "--model", "Qwen/Qwen3-30B-A3B"])
+    assert served_model_name(given, "Qwen/Qwen3-30B-A3B") == "Qwen/Qwen3-30B-A3B"
+    named = build_parser("serve").parse_args(["serve", "--served-model-name", "q"])
+    assert served_model_name(named, "/x") == "q"
