@@ -1,13 +1,16 @@
 """The real worker (services.worker.boot) behind the real api and scheduler, on CPU with the tiny
-model: greedy output through the openai client equals `ferry generate`. The served worker offloads
-experts (12 slots for 24 experts) while `ferry generate` keeps all of them resident, so equal
-outputs also say offload changes nothing; the expert-cache counters reach the worker's and the
-api's /metrics.
+qwen3_moe model: greedy output through the openai client equals `ferry generate`. The served worker
+offloads experts (12 slots for 24 experts) while `ferry generate` keeps all of them resident, so equal
+outputs also say offload changes nothing; the expert-cache counters reach the worker's and the api's
+/metrics.
 
-Skipped until the worker's data plane is merged; interfaces assumed here:
-  ferry make-tiny-model DIR --arch qwen3_moe
-  ferry generate --model DIR --prompt TEXT --max-tokens N   (greedy; prints the completion text on stdout)
-  services.worker.boot.boot_worker(args) -> (executor, plan)
+Then the serving must-shows against that model (their twins around the PagedHashModel double pin
+exact text and step delays): chat, plain and streamed, equals the single-request greedy output of the
+same templated prompt (conftest.GreedyReference: `ferry generate`'s code, in this process); 16
+concurrent streams each equal their prompt's single-request output; a client that leaves mid-stream
+frees its pages; bad input gets a 400 and the server keeps serving; a killed worker fails every
+request in flight within 5 s and turns /health 503 (last: it ends the module's cluster).
+Preemption under a small pool: test_real_worker_preemption.py.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ import aiohttp
 import openai
 import pytest
 
-from tests.integration.harness import REPO, child_env, eventually, http_get, metric, start_cluster
+from tests.integration.harness import (
+    REAL_WORKER_ENV, REPO, child_env, eventually, http_get, labelled_metric, metric, start_cluster, stream_concurrently,
+)  # fmt: skip
 from tests.integration.test_bad_input import CASES as BAD_REQUESTS, post
 
 pytest.importorskip("services.worker.boot", reason="the real worker is not merged into this branch yet")
@@ -43,7 +48,7 @@ def real_cluster(tiny_models, tmp_path_factory):
     # writes: tests/unit/test_make_tiny_model.py), built once for the unit tests and these
     c = start_cluster(tiny_models["qwen3_moe"], tmp_path_factory.mktemp("real-run"),
                       worker_flags=["--device", "cpu", "--max-model-len", "512", "--moe-cache-size", "12"],
-                      boot="services.worker.boot:boot_worker")  # fmt: skip
+                      boot="services.worker.boot:boot_worker", worker_env=REAL_WORKER_ENV)  # fmt: skip
     yield c
     c.stop()
 
@@ -104,15 +109,6 @@ def scheduler_url(cluster) -> str:
     return f"http://127.0.0.1:{cluster.scheduler_health_port}"
 
 
-def labelled_metric(base_url: str, name: str, **labels: str) -> float:
-    """A labelled sample's value (0 when that label set has not been observed yet)."""
-    want = {f'{k}="{v}"' for k, v in labels.items()}
-    for line in http_get(base_url + "/metrics")[1].splitlines():
-        if line.startswith(name + "{") and want <= set(line[len(name) + 1 : line.index("}")].split(",")):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
-
-
 def test_chat_plain_and_streamed_equal_the_single_request_greedy_output(real_cluster, greedy_reference):
     ref = greedy_reference["qwen3_moe"]
     prompt = ref.chat_ids(MESSAGES)  # the chat template applied, as the api does
@@ -129,30 +125,6 @@ def test_chat_plain_and_streamed_equal_the_single_request_greedy_output(real_clu
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [reason]
     assert chunks[-1].usage.completion_tokens == len(ids) and chunks[-1].usage.prompt_tokens == len(prompt)
-
-
-async def _stream_completion(client: openai.AsyncOpenAI, prompt: str, n: int) -> tuple[str, int | None, str | None]:
-    stream = await client.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0, stream=True,
-                                             stream_options={"include_usage": True}, extra_body={"ignore_eos": True})  # fmt: skip
-    text, usage, reason = [], None, None
-    async for chunk in stream:
-        if chunk.choices:
-            text.append(chunk.choices[0].text)
-            reason = chunk.choices[0].finish_reason or reason
-        if chunk.usage:
-            usage = chunk.usage.completion_tokens
-    return "".join(text), usage, reason
-
-
-def stream_concurrently(base_url: str, jobs: list[tuple[str, int]]) -> list[tuple[str, int | None, str | None]]:
-    async def main():
-        client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0, timeout=60)
-        try:
-            return await asyncio.wait_for(asyncio.gather(*(_stream_completion(client, p, n) for p, n in jobs)), 90)
-        finally:
-            await client.close()
-
-    return asyncio.run(main())
 
 
 def test_sixteen_concurrent_streams_equal_their_single_request_greedy_outputs(real_cluster, greedy_reference):
@@ -176,23 +148,33 @@ def test_client_that_disconnects_mid_stream_frees_its_pages(real_cluster):
     # nothing else runs: every page is free or cached-and-unreferenced (the gauge travels on 0.5 s heartbeats)
     assert eventually(lambda: metric(sched, "ferry_scheduler_kv_pages_available") == total)
     left_before = labelled_metric(base, "ferry_requests_total", route="completions", outcome="disconnected")
+    steps_before = metric(sched, "ferry_scheduler_steps_total")  # counted as each step is sent: no heartbeat lag
+    max_tokens = 440
 
     async def read_a_little_then_leave():
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
-            body = {"prompt": "a long crossing " * 10, "max_tokens": 440, "stream": True, "ignore_eos": True}
+            body = {"prompt": "a long crossing " * 10, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
             async with s.post(base + "/v1/completions", json=body) as r:
                 assert r.status == 200
                 for _ in range(5):
-                    assert (await r.content.readline()) is not None
-                held = await asyncio.to_thread(
-                    eventually, lambda: metric(sched, "ferry_scheduler_kv_pages_available") < total, 5)
-                assert held, "the running request holds pages"
+                    assert (await r.content.readline()).startswith(b"data: ")
+                    await r.content.readline()  # the blank line after each event
         # leaving the blocks closes the connection mid-stream
 
     asyncio.run(read_a_little_then_leave())
+    last = [-1.0]
+
+    def no_more_steps() -> bool:
+        now = metric(sched, "ferry_scheduler_steps_total")
+        settled, last[0] = now == last[0], now
+        return settled
+
+    assert eventually(no_more_steps, timeout=10, interval=0.3)
+    # one step per token: run to its end, the request would have taken 440 steps; it was cut short
+    assert last[0] - steps_before < max_tokens // 2, "the scheduler kept generating for a client that left"
     assert eventually(lambda: metric(sched, "ferry_scheduler_running_requests") == 0
-                      and metric(sched, "ferry_scheduler_kv_pages_available") == total, timeout=10)  # fmt: skip
-    # it ended because the client left, not because it ran out its 440 tokens meanwhile
+                      and metric(sched, "ferry_scheduler_kv_pages_available") == total)  # fmt: skip
+    assert eventually(lambda: metric(base, "ferry_kv_cache_usage") == 0)
     assert labelled_metric(base, "ferry_requests_total", route="completions", outcome="disconnected") == left_before + 1
 
 
