@@ -127,6 +127,22 @@ def test_chat_plain_and_streamed_equal_the_single_request_greedy_output(real_clu
     assert chunks[-1].usage.completion_tokens == len(ids) and chunks[-1].usage.prompt_tokens == len(prompt)
 
 
+def test_a_reused_prefix_gives_the_same_greedy_output_as_a_fresh_prefill(real_cluster, greedy_reference):
+    ref = greedy_reference["qwen3_moe"]
+    system = "Only this test sends this harbour master's standing orders to the ferry crew. " * 3  # several pages
+    client = openai_client(real_cluster)
+    for user in ("first crossing", "second crossing"):
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        prompt = ref.chat_ids(messages)
+        ids, reason = ref.ids(prompt, 10, ignore_eos=False)
+        assert ref.text(ids).strip(), "some text to compare"
+        r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
+        assert (r.choices[0].message.content, r.choices[0].finish_reason) == (ref.text(ids), reason), user
+    # the second request's K/V for the shared system prompt came from the first one's pages
+    cached = r.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 32 and cached % 16 == 0 and cached < r.usage.prompt_tokens
+
+
 def test_sixteen_concurrent_streams_equal_their_single_request_greedy_outputs(real_cluster, greedy_reference):
     ref = greedy_reference["qwen3_moe"]
     prompts = [f"Passenger {i} boards the ferry with {i + 2} crates of experts" for i in range(8)]
