@@ -213,6 +213,18 @@ def test_server_keeps_serving_after_bad_requests(real_cluster, greedy_reference)
     assert http_get(real_cluster.base_url + "/health")[0] == 200
 
 
+def test_a_prompt_one_token_short_of_the_model_length_gets_one_token(real_cluster, greedy_reference):
+    ref = greedy_reference["qwen3_moe"]
+    prompt = [3 + i % 600 for i in range(511)]  # the model length is 512
+    status, payload = post(real_cluster.base_url, "/v1/completions", {"prompt": prompt, "max_tokens": 1, "temperature": 0,
+                                                                      "ignore_eos": True})  # fmt: skip
+    assert status == 200, payload
+    assert payload["usage"]["completion_tokens"] == 1 and payload["choices"][0]["finish_reason"] == "length"
+    assert payload["choices"][0]["text"] == ref.text(ref.ids(prompt, 1)[0])
+    status, payload = post(real_cluster.base_url, "/v1/completions", {"prompt": prompt + [3], "max_tokens": 1})
+    assert status == 400 and "no room for a single output token" in payload["error"]["message"]
+
+
 # Kills the module's worker: keep it the last test of this module.
 def test_killing_the_real_worker_fails_requests_fast_and_health_turns_503(real_cluster):
     c = real_cluster
