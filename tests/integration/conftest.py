@@ -23,3 +23,61 @@ def cluster(model_dir, tmp_path_factory):
     c = start_cluster(model_dir, tmp_path_factory.mktemp("cluster"), worker_flags=["--max-model-len", "512"])
     yield c
     c.stop()
+
+
+class GreedyReference:
+    """The single-request greedy output of a real tiny checkpoint, computed in this process by the code
+    `ferry generate` runs (services.generate_command.generate over boot_worker's executor), with every
+    expert resident: what the served cluster must reproduce however it batches, offloads or preempts."""
+
+    def __init__(self, model_dir):
+        import torch
+        from transformers import AutoTokenizer
+
+        from services.cli import build_parser
+        from services.generate_command import _eos_ids
+        from services.worker.boot import boot_worker
+
+        argv = ["generate", "--model", str(model_dir), "--prompt", "unused", "--device", "cpu", "--num-pages", "64",
+                "--max-model-len", "512", "--max-running-requests", "4"]  # fmt: skip
+        self.torch = torch
+        self.executor, _ = boot_worker(build_parser("generate").parse_args(argv))
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.eos_ids = _eos_ids(model_dir, self.executor.spec)
+
+    def chat_ids(self, messages) -> list[int]:
+        """The prompt the api builds for a chat request (services/api/tokenizer.py)."""
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def text_ids(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt, add_special_tokens=False)
+
+    def ids(self, prompt_ids: list[int], max_tokens: int, ignore_eos: bool = True) -> tuple[list[int], str]:
+        """(greedy token ids, finish reason)."""
+        from services.generate_command import generate
+        from shared.sampling import SamplingParams
+
+        threads = self.torch.get_num_threads()
+        self.torch.set_num_threads(1)  # tiny ops: one thread is several times faster on a busy 2-core runner
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+            out, _, reason = generate(self.executor, list(prompt_ids), params, self.eos_ids)
+        finally:
+            self.torch.set_num_threads(threads)
+        return out, reason
+
+    def text(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)  # as `ferry generate` prints it
+
+
+@pytest.fixture(scope="session")
+def greedy_reference(tiny_models):
+    """{arch: GreedyReference}, each booted on first use."""
+
+    class Lazy(dict):
+        def __missing__(self, arch):
+            self[arch] = GreedyReference(tiny_models[arch])
+            return self[arch]
+
+    return Lazy()

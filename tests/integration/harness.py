@@ -3,6 +3,7 @@ ipc sockets in a private directory, as compose or `ferry serve` would, and stop 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -94,9 +95,10 @@ class Cluster:
             time.sleep(0.1)
         raise TimeoutError("the server did not become ready: " + "".join(self.log(n)[-1500:] for n in self.procs))
 
-    def launch(self, name: str, cmd: list[str]) -> subprocess.Popen:
+    def launch(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         log = open(self.rundir / f"{name}.log", "w")
-        self.procs[name] = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
+        self.procs[name] = subprocess.Popen(cmd, cwd=REPO, env={**child_env(), **(env or {})}, stdout=log,
+                                            stderr=subprocess.STDOUT)  # fmt: skip
         return self.procs[name]
 
     def log(self, name: str) -> str:
@@ -118,7 +120,7 @@ class Cluster:
 
 
 def start_cluster(model_dir: Path, rundir: Path, worker_flags=(), api_flags=(), boot: str = FAKE_BOOT,
-                  scheduler_flags=()) -> Cluster:  # fmt: skip
+                  scheduler_flags=(), worker_env: dict[str, str] | None = None) -> Cluster:  # fmt: skip
     rundir.mkdir(parents=True, exist_ok=True)
     sock_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"ferry-test-{os.getpid()}-{free_port()}"
     sock_dir.mkdir(mode=0o700)  # ipc paths must stay short (108 bytes), pytest's tmp paths are long
@@ -133,9 +135,15 @@ def start_cluster(model_dir: Path, rundir: Path, worker_flags=(), api_flags=(), 
         "api": api_command(model_dir, api_addr, c.port, *api_flags),
     }  # fmt: skip
     for name, cmd in cmds.items():
-        c.launch(name, cmd)
+        c.launch(name, cmd, worker_env if name == "worker" else None)
     c.wait_ready()
     return c
+
+
+# The real worker on CPU: torch's intra-op pool defaults to one thread per core, and on a small CI runner
+# shared with the api, the scheduler and the test process its threads mostly wait for each other (the
+# tiny model's steps run several times slower, and their time varies tenfold with the runner's load).
+REAL_WORKER_ENV = {"OMP_NUM_THREADS": "1"}
 
 
 def api_command(model_dir: Path, scheduler_addr: str, port: int, *flags: str) -> list[str]:
@@ -151,3 +159,40 @@ def eventually(check, timeout: float = 5.0, interval: float = 0.1):
         if value or time.monotonic() > deadline:
             return value
         time.sleep(interval)
+
+
+def labelled_metric(base_url: str, name: str, **labels: str) -> float:
+    """A labelled sample's value (0 when that label set has not been observed yet)."""
+    want = {f'{k}="{v}"' for k, v in labels.items()}
+    for line in http_get(base_url + "/metrics")[1].splitlines():
+        if line.startswith(name + "{") and want <= set(line[len(name) + 1 : line.index("}")].split(",")):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+async def _stream_completion(client, prompt: str, n: int) -> tuple[str, int | None, str | None]:
+    stream = await client.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0, stream=True,
+                                             stream_options={"include_usage": True}, extra_body={"ignore_eos": True})  # fmt: skip
+    text, usage, reason = [], None, None
+    async for chunk in stream:
+        if chunk.choices:
+            text.append(chunk.choices[0].text)
+            reason = chunk.choices[0].finish_reason or reason
+        if chunk.usage:
+            usage = chunk.usage.completion_tokens
+    return "".join(text), usage, reason
+
+
+def stream_concurrently(base_url: str, jobs: list[tuple[str, int]]) -> list[tuple[str, int | None, str | None]]:
+    """Stream every (prompt, max_tokens) job at once through the openai AsyncOpenAI client, greedy with
+    ignore_eos; [(text, usage.completion_tokens, finish_reason)] in the jobs' order."""
+    import openai
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0, timeout=60)
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(_stream_completion(client, p, n) for p, n in jobs)), 90)
+        finally:
+            await client.close()
+
+    return asyncio.run(main())

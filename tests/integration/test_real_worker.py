@@ -1,24 +1,34 @@
 """The real worker (services.worker.boot) behind the real api and scheduler, on CPU with the tiny
-model: greedy output through the openai client equals `ferry generate`. The served worker offloads
-experts (12 slots for 24 experts) while `ferry generate` keeps all of them resident, so equal
-outputs also say offload changes nothing; the expert-cache counters reach the worker's and the
-api's /metrics.
+qwen3_moe model: greedy output through the openai client equals `ferry generate`. The served worker
+offloads experts (12 slots for 24 experts) while `ferry generate` keeps all of them resident, so equal
+outputs also say offload changes nothing; the expert-cache counters reach the worker's and the api's
+/metrics.
 
-Skipped until the worker's data plane is merged; interfaces assumed here:
-  ferry make-tiny-model DIR --arch qwen3_moe
-  ferry generate --model DIR --prompt TEXT --max-tokens N   (greedy; prints the completion text on stdout)
-  services.worker.boot.boot_worker(args) -> (executor, plan)
+Then the serving must-shows against that model (their twins around the PagedHashModel double pin
+exact text and step delays): chat, plain and streamed, equals the single-request greedy output of the
+same templated prompt (conftest.GreedyReference: `ferry generate`'s code, in this process); 16
+concurrent streams each equal their prompt's single-request output; a client that leaves mid-stream
+frees its pages; bad input gets a 400 and the server keeps serving; a killed worker fails every
+request in flight within 5 s and turns /health 503 (last: it ends the module's cluster).
+Preemption under a small pool: test_real_worker_preemption.py.
 """
 
 from __future__ import annotations
 
+import asyncio
+import signal
 import subprocess
 import sys
+import time
 
+import aiohttp
 import openai
 import pytest
 
-from tests.integration.harness import REPO, child_env, eventually, metric, start_cluster
+from tests.integration.harness import (
+    REAL_WORKER_ENV, REPO, child_env, eventually, http_get, labelled_metric, metric, start_cluster, stream_concurrently,
+)  # fmt: skip
+from tests.integration.test_bad_input import CASES as BAD_REQUESTS, post
 
 pytest.importorskip("services.worker.boot", reason="the real worker is not merged into this branch yet")
 
@@ -33,12 +43,12 @@ def ferry(*args: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def real_cluster(tmp_path_factory):
-    model = tmp_path_factory.mktemp("real") / "tiny-qwen3-moe"
-    ferry("make-tiny-model", str(model), "--arch", "qwen3_moe")
-    c = start_cluster(model, tmp_path_factory.mktemp("real-run"), worker_flags=["--device", "cpu", "--max-model-len", "256",
-                                                                                  "--moe-cache-size", "12"],
-                      boot="services.worker.boot:boot_worker")  # fmt: skip
+def real_cluster(tiny_models, tmp_path_factory):
+    # the session's tiny qwen3_moe checkpoint (the same bytes `ferry make-tiny-model DIR --arch qwen3_moe`
+    # writes: tests/unit/test_make_tiny_model.py), built once for the unit tests and these
+    c = start_cluster(tiny_models["qwen3_moe"], tmp_path_factory.mktemp("real-run"),
+                      worker_flags=["--device", "cpu", "--max-model-len", "512", "--moe-cache-size", "12"],
+                      boot="services.worker.boot:boot_worker", worker_env=REAL_WORKER_ENV)  # fmt: skip
     yield c
     c.stop()
 
@@ -84,3 +94,177 @@ def test_worker_log_is_json_lines(real_cluster):
     assert by_name["plan"]["expert_slots"] == 12 and by_name["plan"]["expert_store"] == "lfu"
     assert by_name["expert_host_banks"]["pinned"] is False  # no CUDA here
     assert by_name["experts_loaded"]["preloaded_slots"] == 12
+
+
+# ---- the must-shows against the real model (the double-based twins pin exact text and step delays) --------
+
+MESSAGES = [{"role": "system", "content": "You are a ferry."}, {"role": "user", "content": "Carry the experts across."}]
+
+
+def openai_client(cluster, timeout: float = 60) -> openai.OpenAI:
+    return openai.OpenAI(base_url=cluster.base_url + "/v1", api_key="x", max_retries=0, timeout=timeout)
+
+
+def scheduler_url(cluster) -> str:
+    return f"http://127.0.0.1:{cluster.scheduler_health_port}"
+
+
+def test_chat_plain_and_streamed_equal_the_single_request_greedy_output(real_cluster, greedy_reference):
+    ref = greedy_reference["qwen3_moe"]
+    prompt = ref.chat_ids(MESSAGES)  # the chat template applied, as the api does
+    ids, reason = ref.ids(prompt, 16, ignore_eos=False)  # eos ends it, as it does in the server
+    expected = ref.text(ids)
+    assert expected.strip(), "a greedy output with some text to compare"
+    client = openai_client(real_cluster)
+    r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16, temperature=0)
+    assert r.choices[0].message.content == expected
+    assert r.choices[0].finish_reason == reason
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(prompt), len(ids))
+    chunks = list(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [reason]
+    assert chunks[-1].usage.completion_tokens == len(ids) and chunks[-1].usage.prompt_tokens == len(prompt)
+
+
+def test_a_reused_prefix_gives_the_same_greedy_output_as_a_fresh_prefill(real_cluster, greedy_reference):
+    ref = greedy_reference["qwen3_moe"]
+    system = "Only this test sends this harbour master's standing orders to the ferry crew. " * 3  # several pages
+    client = openai_client(real_cluster)
+    for user in ("first crossing", "second crossing"):
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        prompt = ref.chat_ids(messages)
+        ids, reason = ref.ids(prompt, 10, ignore_eos=False)
+        assert ref.text(ids).strip(), "some text to compare"
+        r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
+        assert (r.choices[0].message.content, r.choices[0].finish_reason) == (ref.text(ids), reason), user
+    # the second request's K/V for the shared system prompt came from the first one's pages
+    cached = r.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 32 and cached % 16 == 0 and cached < r.usage.prompt_tokens
+
+
+def test_sixteen_concurrent_streams_equal_their_single_request_greedy_outputs(real_cluster, greedy_reference):
+    ref = greedy_reference["qwen3_moe"]
+    prompts = [f"Passenger {i} boards the ferry with {i + 2} crates of experts" for i in range(8)]
+    jobs = [(prompts[i % 8], 12 if i < 8 else 20) for i in range(16)]  # each prompt twice, two lengths
+    alone = {p: ref.ids(ref.text_ids(p), 20)[0] for p in prompts}
+    sched = scheduler_url(real_cluster)
+    steps_before = metric(sched, "ferry_scheduler_steps_total")
+    results = stream_concurrently(real_cluster.base_url, jobs)
+    for (prompt, n), (text, usage, reason) in zip(jobs, results):
+        assert (usage, reason) == (n, "length"), prompt
+        assert text == ref.text(alone[prompt][:n]), f"batching changed the greedy output of {prompt!r}"
+    # they really ran together: one at a time would take at least one step per generated token
+    assert metric(sched, "ferry_scheduler_steps_total") - steps_before < sum(n for _, n in jobs) / 2
+
+
+def test_client_that_disconnects_mid_stream_frees_its_pages(real_cluster):
+    base, sched = real_cluster.base_url, scheduler_url(real_cluster)
+    total = metric(sched, "ferry_scheduler_kv_pages_total")
+    # nothing else runs: every page is free or cached-and-unreferenced (the gauge travels on 0.5 s heartbeats)
+    assert eventually(lambda: metric(sched, "ferry_scheduler_kv_pages_available") == total)
+    left_before = labelled_metric(base, "ferry_requests_total", route="completions", outcome="disconnected")
+    steps_before = metric(sched, "ferry_scheduler_steps_total")  # counted as each step is sent: no heartbeat lag
+    max_tokens = 440
+
+    async def read_a_little_then_leave():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+            body = {"prompt": "a long crossing " * 10, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+            async with s.post(base + "/v1/completions", json=body) as r:
+                assert r.status == 200
+                for _ in range(5):
+                    assert (await r.content.readline()).startswith(b"data: ")
+                    await r.content.readline()  # the blank line after each event
+        # leaving the blocks closes the connection mid-stream
+
+    asyncio.run(read_a_little_then_leave())
+    last = [-1.0]
+
+    def no_more_steps() -> bool:
+        now = metric(sched, "ferry_scheduler_steps_total")
+        settled, last[0] = now == last[0], now
+        return settled
+
+    assert eventually(no_more_steps, timeout=10, interval=0.3)
+    # one step per token: run to its end, the request would have taken 440 steps; it was cut short
+    assert last[0] - steps_before < max_tokens // 2, "the scheduler kept generating for a client that left"
+    assert eventually(lambda: metric(sched, "ferry_scheduler_running_requests") == 0
+                      and metric(sched, "ferry_scheduler_kv_pages_available") == total)  # fmt: skip
+    assert eventually(lambda: metric(base, "ferry_kv_cache_usage") == 0)
+    assert labelled_metric(base, "ferry_requests_total", route="completions", outcome="disconnected") == left_before + 1
+
+
+@pytest.mark.parametrize("path,body,needle", BAD_REQUESTS)
+def test_bad_request_gets_400_with_an_openai_error(real_cluster, path, body, needle):
+    status, payload = post(real_cluster.base_url, path, body)
+    assert status == 400, payload
+    err = payload["error"]
+    assert err["type"] == "invalid_request_error" and needle in err["message"], err
+
+
+def test_server_keeps_serving_after_bad_requests(real_cluster, greedy_reference):
+    for path, body, _ in BAD_REQUESTS:
+        post(real_cluster.base_url, path, body)
+    ref = greedy_reference["qwen3_moe"]
+    status, payload = post(real_cluster.base_url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 5, "temperature": 0,
+                                                                   "ignore_eos": True})
+    assert status == 200 and payload["usage"]["completion_tokens"] == 5
+    assert payload["choices"][0]["text"] == ref.text(ref.ids(ref.text_ids(PROMPT), 5)[0])
+    assert http_get(real_cluster.base_url + "/health")[0] == 200
+
+
+def test_a_prompt_one_token_short_of_the_model_length_gets_one_token(real_cluster, greedy_reference):
+    ref = greedy_reference["qwen3_moe"]
+    prompt = [3 + i % 600 for i in range(511)]  # the model length is 512
+    status, payload = post(real_cluster.base_url, "/v1/completions", {"prompt": prompt, "max_tokens": 1, "temperature": 0,
+                                                                      "ignore_eos": True})  # fmt: skip
+    assert status == 200, payload
+    assert payload["usage"]["completion_tokens"] == 1 and payload["choices"][0]["finish_reason"] == "length"
+    assert payload["choices"][0]["text"] == ref.text(ref.ids(prompt, 1)[0])
+    status, payload = post(real_cluster.base_url, "/v1/completions", {"prompt": prompt + [3], "max_tokens": 1})
+    assert status == 400 and "no room for a single output token" in payload["error"]["message"]
+
+
+# Kills the module's worker: keep it the last test of this module.
+def test_killing_the_real_worker_fails_requests_fast_and_health_turns_503(real_cluster):
+    c = real_cluster
+    client = openai.AsyncOpenAI(base_url=c.base_url + "/v1", api_key="x", max_retries=0, timeout=30)
+
+    async def one(i: int, started: asyncio.Event):
+        try:
+            stream = await client.completions.create(model="tiny", prompt=f"doomed crossing {i}", max_tokens=400,
+                                                     stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+            async for _ in stream:
+                started.set()
+        except openai.APIError as exc:
+            return time.monotonic(), exc
+        return time.monotonic(), None
+
+    async def main():
+        started = [asyncio.Event() for _ in range(4)]
+        streams = [asyncio.create_task(one(i, started[i])) for i in range(4)]
+        plain = asyncio.create_task(client.completions.create(model="tiny", prompt="doomed too", max_tokens=400,
+                                                              extra_body={"ignore_eos": True}))  # fmt: skip
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 20)  # all four are generating
+        c.procs["worker"].send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        results = await asyncio.wait_for(asyncio.gather(*streams), 10)
+        try:
+            await asyncio.wait_for(plain, 10)
+            plain_error = None
+        except openai.APIStatusError as exc:
+            plain_error = exc
+        await client.close()
+        return killed, results, plain_error
+
+    killed, results, plain_error = asyncio.run(main())
+    for ended, err in results:
+        assert err is not None, "a stream finished normally although its worker died"
+        assert "worker" in str(err) and ended - killed < 5.0
+    assert plain_error is not None and plain_error.status_code == 503 and "worker" in plain_error.message
+    status, body = eventually(lambda: (lambda r: r if r[0] == 503 else None)(http_get(c.base_url + "/health"))) or (0, "")
+    assert status == 503 and "worker" in body
+    t0 = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as info:  # a new request is refused at once, not queued
+        openai_client(c, timeout=10).completions.create(model="tiny", prompt="anyone?", max_tokens=3)
+    assert info.value.status_code == 503 and time.monotonic() - t0 < 2
