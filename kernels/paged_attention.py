@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.dispatch import use_triton
 from kernels.paged_attention_reference import paged_attention_reference, write_kv
 
 __all__ = ["paged_attention", "write_kv"]
@@ -21,7 +22,7 @@ def paged_attention(
     context_lens: list[int],
     scale: float,
 ) -> torch.Tensor:
-    if not q.is_cuda:
+    if not use_triton(q):
         return paged_attention_reference(q, k_cache, v_cache, page_table, query_lens, context_lens, scale)
     if q.shape[0] == len(query_lens):  # one new token per request: decode
         from kernels.paged_attention_triton import paged_attention_triton
