@@ -4,14 +4,19 @@ q/k get a per-head RMSNorm before RoPE; the new tokens' K/V are written to their
 then every new token attends causally to its request's context and new tokens, read through the
 request's page table (so a request only ever touches rows of its own pages). Hybrid models
 (`attn_output_gate`) have q_proj yield, per head, the query followed by a gate, and multiply the
-attention output by sigmoid(gate) before o_proj."""
+attention output by sigmoid(gate) before o_proj.
+
+On CUDA the q/k norms, the rotary embedding and the K/V write are one Triton kernel
+(kernels/qk_norm_rope.py); the torch code below is the CPU path and that kernel's twin."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from kernels.dispatch import use_triton
 from kernels.paged_attention import paged_attention, write_kv
+from kernels.qk_norm_rope import qk_norm_rope_kv_triton
 from services.worker.models.context import StepContext
 from services.worker.models.norms import make_norm
 from services.worker.models.rotary import RotaryEmbedding
@@ -43,15 +48,19 @@ class PagedAttention(nn.Module):
         if self.gated:
             q, gate = q.view(t, self.heads, 2 * self.head_dim).split(self.head_dim, dim=-1)
             gate = gate.reshape(t, -1)
-        q = self.q_norm(q.reshape(t, self.heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(t, self.kv_heads, self.head_dim))
+        q = q.reshape(t, self.heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
-        q = self.rotary.apply(q, ctx.cos, ctx.sin)
-        k = self.rotary.apply(k, ctx.cos, ctx.sin)
-
         b = ctx.batch
         k_cache, v_cache = ctx.pools.kv.layer(self.layer_idx)
-        write_kv(k_cache, v_cache, b.slot_mapping, k, v)
+        if use_triton(x):
+            norm = self.q_norm
+            q = qk_norm_rope_kv_triton(q, k, v, norm.weight, self.k_norm.weight, norm.eps, norm.zero_centered,
+                                       ctx.cos, ctx.sin, self.rotary.rotary_dim, b.slot_mapping, k_cache, v_cache)  # fmt: skip
+        else:
+            q = self.rotary.apply(self.q_norm(q), ctx.cos, ctx.sin)
+            k = self.rotary.apply(self.k_norm(k), ctx.cos, ctx.sin)
+            write_kv(k_cache, v_cache, b.slot_mapping, k, v)
         out = paged_attention(
             q.contiguous(), k_cache, v_cache, b.page_table, b.query_start, b.positions,
             b.query_lens_host, b.context_lens_host, self.scale,
