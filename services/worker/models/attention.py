@@ -6,12 +6,14 @@ request's page table (so a request only ever touches rows of its own pages). Hyb
 (`attn_output_gate`) have q_proj yield, per head, the query followed by a gate, and multiply the
 attention output by sigmoid(gate) before o_proj.
 
-On CUDA the q/k norms, the rotary embedding and the K/V write are one Triton kernel
+q, k and v are row blocks of one weight (q_proj/k_proj/v_proj keep their checkpoint names as
+views of it), so the three projections are one GEMM. On CUDA the q/k norms, the rotary embedding and the K/V write are one Triton kernel
 (kernels/qk_norm_rope.py); the torch code below is the CPU path and that kernel's twin."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kernels.dispatch import use_triton
@@ -34,23 +36,25 @@ class PagedAttention(nn.Module):
         h, bias = spec.hidden_size, spec.attention_bias
         q_out = self.heads * self.head_dim * (2 if self.gated else 1)
         kw = dict(dtype=dtype, device=device)
-        self.q_proj = nn.Linear(h, q_out, bias=bias, **kw)
-        self.k_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=bias, **kw)
-        self.v_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=bias, **kw)
+        kv_out = self.kv_heads * self.head_dim
+        self._splits = (q_out, kv_out, kv_out)
+        self._qkv_weight, self._qkv_bias, (self.q_proj, self.k_proj, self.v_proj) = _row_blocks_of_one_weight(
+            h, self._splits, bias, dtype, device
+        )
         self.o_proj = nn.Linear(self.heads * self.head_dim, h, bias=bias, **kw)
         self.q_norm = make_norm(spec.is_hybrid, self.head_dim, spec.rms_norm_eps, dtype, device)
         self.k_norm = make_norm(spec.is_hybrid, self.head_dim, spec.rms_norm_eps, dtype, device)
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x)
+        q, k, v = F.linear(x, self._qkv_weight, self._qkv_bias).split(self._splits, dim=-1)
         gate = None
         if self.gated:
             q, gate = q.view(t, self.heads, 2 * self.head_dim).split(self.head_dim, dim=-1)
             gate = gate.reshape(t, -1)
         q = q.reshape(t, self.heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
+        k = k.view(t, self.kv_heads, self.head_dim)
+        v = v.view(t, self.kv_heads, self.head_dim)
         b = ctx.batch
         k_cache, v_cache = ctx.pools.kv.layer(self.layer_idx)
         if use_triton(x):
@@ -68,3 +72,19 @@ class PagedAttention(nn.Module):
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.o_proj(out)
+
+
+def _row_blocks_of_one_weight(in_features: int, outs: tuple[int, ...], bias: bool, dtype, device):
+    """(weight [sum(outs), in], bias or None, one nn.Linear per block whose parameters are views
+    of those rows): the loader fills the blocks by their own names, the forward multiplies once."""
+    weight = torch.empty(sum(outs), in_features, dtype=dtype, device=device)
+    fused_bias = torch.zeros(sum(outs), dtype=dtype, device=device) if bias else None
+    linears, start = [], 0
+    for n in outs:
+        linear = nn.Linear(in_features, n, bias=bias, device="meta")
+        linear.weight = nn.Parameter(weight[start : start + n], requires_grad=False)
+        if bias:
+            linear.bias = nn.Parameter(fused_bias[start : start + n], requires_grad=False)
+        linears.append(linear)
+        start += n
+    return weight, fused_bias, linears
