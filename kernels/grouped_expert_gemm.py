@@ -27,6 +27,7 @@ import triton.language as tl
 
 from kernels.dispatch import use_triton
 from kernels.expert_pair_gemv import expert_pair_rows_triton, use_pair_kernel
+from kernels.expert_rows_sum import sum_rows
 from kernels.moe_reference import grouped_expert_rows_reference
 
 # The Triton interpreter (TRITON_INTERPRET=1, CPU tests) computes bf16 dots wrongly: upcast there.
@@ -224,4 +225,4 @@ def grouped_expert_forward(x, topk_slots, topk_weights, w13, w2, max_distinct_sl
     """sum_k topk_weights[t, k] * expert_{topk_slots[t, k]}(x[t]): [T, H] in x's dtype."""
     rows = torch.zeros(x.shape[0], topk_slots.shape[1], x.shape[1], dtype=torch.float32, device=x.device)
     grouped_expert_rows(x, topk_slots, topk_weights, w13, w2, rows, max_distinct_slots)
-    return rows.sum(dim=1).to(x.dtype)
+    return sum_rows(rows, x.dtype)  # as the offload store finishes: same bits

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from kernels.expert_pair_gemv import expert_pair_rows_triton, use_pair_kernel
+from kernels.expert_rows_sum import sum_rows
 from kernels.grouped_expert_gemm import (
     align_pairs_by_slot_host,
     block_m_for,
@@ -135,7 +136,7 @@ class OffloadedExperts:
             self._forward_pipelined_cuda(moe_layer, x, groups, topk_weights, chunks, rows)
         else:
             self._forward_sequential(moe_layer, x, groups, topk_weights, chunks, rows)
-        return rows.sum(dim=1).to(x.dtype)
+        return sum_rows(rows, x.dtype)  # as the all-resident store finishes: same bits
 
     def _group_slots(self, ids: np.ndarray, experts: np.ndarray, slots: tuple[int, ...], has_hits: bool,
                      chunks: list) -> list[np.ndarray | None]:  # fmt: skip

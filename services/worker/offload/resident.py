@@ -20,6 +20,7 @@ import torch
 
 from kernels.dispatch import use_triton
 from kernels.expert_pair_gemv import expert_pair_rows_triton, use_pair_kernel
+from kernels.expert_rows_sum import sum_rows
 from kernels.grouped_expert_gemm import grouped_expert_forward
 from services.worker.offload.stats import ExpertCacheStats
 from services.worker.pools import ExpertSlotPool
@@ -64,7 +65,7 @@ class ResidentExperts:
         if use_triton(x) and use_pair_kernel(topk_ids.numel()):
             rows = torch.empty(x.shape[0], topk_ids.shape[1], x.shape[1], dtype=torch.float32, device=x.device)
             expert_pair_rows_triton(x, topk_ids, topk_weights, self.slots.w13, self.slots.w2, rows, slot_offset=offset)
-            return rows.sum(dim=1).to(x.dtype)
+            return sum_rows(rows, x.dtype)
         topk_slots = topk_ids + offset
         return grouped_expert_forward(x, topk_slots, topk_weights, self.slots.w13, self.slots.w2,
                                       max_distinct_slots=self.num_experts)  # one layer's experts at most

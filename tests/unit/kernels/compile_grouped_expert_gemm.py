@@ -12,6 +12,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 import kernels.expert_pair_gemv as pair
+import kernels.expert_rows_sum as rows_sum
 import kernels.grouped_expert_gemm as k
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -40,6 +41,8 @@ def signatures(dtype: str) -> list:
                              (pair._pair_down_kernel, pair_down, pair.DOWN_BLOCK_N)):  # fmt: skip
         consts = {"BLOCK_N": block_n, "BLOCK_K": pair.BLOCK_K}
         out.append((f"{fn.__name__}[{dtype}]", fn, {**sig, **{c: "constexpr" for c in consts}}, consts))
+    sum_sig = {"rows_ptr": "*fp32", "out_ptr": f"*{dtype}", "top_k": "i32", "H": "i32", "BLOCK": "constexpr"}
+    out.append((f"_sum_rows_kernel[{dtype}]", rows_sum._sum_rows_kernel, sum_sig, {"BLOCK": rows_sum.BLOCK_H}))
     return out
 
 

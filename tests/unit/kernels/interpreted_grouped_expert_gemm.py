@@ -24,6 +24,7 @@ from kernels.grouped_expert_gemm import (  # noqa: E402
     grouped_expert_rows_triton,
 )
 from kernels.expert_pair_gemv import expert_pair_rows_triton  # noqa: E402
+from kernels.expert_rows_sum import sum_rows_triton  # noqa: E402
 from kernels.moe_reference import grouped_expert_forward_reference, grouped_expert_rows_reference  # noqa: E402
 
 
@@ -128,7 +129,21 @@ def pair_kernel_groups_give_the_same_bits():
     torch.testing.assert_close(at_once.sum(dim=1).to(torch.bfloat16).float(), want, rtol=2e-2, atol=2e-2)
 
 
+def rows_summed_in_k_order():
+    """The stores' last step: float32 rows added in k order (exactly, in float32), cast last."""
+    g = torch.Generator().manual_seed(21)
+    rows = torch.randn(3, 5, 1500, generator=g)  # H past one block: the masked tail
+    want = rows[:, 0].clone()
+    for j in range(1, 5):
+        want = want + rows[:, j]
+    got = sum_rows_triton(rows, torch.float32, out=torch.full((3, 1500), float("nan")))
+    assert torch.equal(got, want)
+    bf16 = sum_rows_triton(rows, torch.bfloat16, out=torch.full((3, 1500), float("nan"), dtype=torch.bfloat16))
+    torch.testing.assert_close(bf16.float(), want, rtol=1e-2, atol=1e-2)
+
+
 CASES = {
+    "rows_summed_in_k_order": rows_summed_in_k_order,
     "pair_kernel_decode_one_token": lambda: pair_kernel_matches(12, 1, 8, 64, 48, 16, 0, 0),
     "pair_kernel_ragged_skipped_offset": lambda: pair_kernel_matches(13, 5, 3, 300, 170, 7, 3, 14),
     "pair_kernel_groups_give_the_same_bits": pair_kernel_groups_give_the_same_bits,
