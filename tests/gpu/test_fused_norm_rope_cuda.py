@@ -16,7 +16,9 @@ from kernels.paged_attention_reference import write_kv  # noqa: E402
 from kernels.qk_norm_rope import qk_norm_rope_kv_triton  # noqa: E402
 from kernels.rms_norm import rms_norm_triton  # noqa: E402
 from test_kernel_qk_norm_rope import CASES as ROPE_CASES, _case as rope_case  # noqa: E402
-from test_kernel_rms_norm import CASES as NORM_CASES, _case as norm_case  # noqa: E402
+from test_kernel_rms_norm import CASES as NORM_CASES, GATED_CASES, _case as norm_case  # noqa: E402
+
+from services.worker.models.norms import GatedRMSNorm  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -55,3 +57,15 @@ def test_qk_norm_rope_kv_on_cuda(index):
     assert torch.equal(~torch.isnan(got_k), written)
     torch.testing.assert_close(got_k[written].float(), want_k[written].float(), rtol=tol, atol=tol)
     assert torch.equal(got_v[written], want_v[written])
+
+
+@pytest.mark.parametrize("shape,dtype", GATED_CASES)
+def test_gated_rms_norm_on_cuda(shape, dtype):
+    g = torch.Generator(device="cuda").manual_seed(5)
+    d = shape[-1]
+    norm = GatedRMSNorm(d, 1e-6, dtype, device="cuda")
+    norm.weight.copy_(torch.randn(d, device="cuda", generator=g) * 0.3 + 1.0)
+    x = (torch.randn(*shape, device="cuda", generator=g) * 3).to(dtype)
+    gate = (torch.randn(shape[0], shape[1], 3 * d, device="cuda", generator=g) * 2).to(dtype)[..., d : 2 * d]
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(norm(x, gate).float(), norm.reference(x, gate).float(), rtol=tol, atol=tol)

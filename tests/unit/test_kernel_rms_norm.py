@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from interpreted_triton import run_interpreted
-from services.worker.models.norms import RMSNorm, ZeroCenteredRMSNorm
+from services.worker.models.norms import GatedRMSNorm, RMSNorm, ZeroCenteredRMSNorm
 
 # (shape, strided per-head view?, zero-centred?, with residual?, dtype)
 CASES = [
@@ -59,6 +59,34 @@ def test_kernel_matches_the_torch_norm(runs, index):
             torch.testing.assert_close(got_residual, want_residual, rtol=1e-2, atol=0)
     assert got.is_contiguous() and not torch.isnan(got).any()
     tol = 1e-5 if got.dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+# (shape, dtype): Gated DeltaNet's output norm, the gate a strided view as split from in_proj
+GATED_CASES = [((3, 2, 24), torch.float32), ((4, 3, 16), torch.bfloat16)]
+
+
+@pytest.fixture(scope="module")
+def gated_runs():
+    calls, expected = [], []
+    for i, (shape, dtype) in enumerate(GATED_CASES):
+        g = torch.Generator().manual_seed(100 + i)
+        d = shape[-1]
+        norm = GatedRMSNorm(d, 1e-6, dtype)
+        norm.weight.copy_(torch.randn(d, generator=g) * 0.3 + 1.0)
+        x = (torch.randn(*shape, generator=g) * 3).to(dtype)
+        gate = (torch.randn(shape[0], shape[1], 3 * d, generator=g) * 2).to(dtype)[..., d : 2 * d]
+        expected.append(norm.reference(x, gate))
+        calls.append(((x, norm.weight.detach(), 1e-6, False), dict(gate=gate, out=torch.full(shape, float("nan"), dtype=dtype))))
+    outs = run_interpreted("kernels.rms_norm", "rms_norm_triton", calls)
+    return list(zip(expected, outs))
+
+
+@pytest.mark.parametrize("index", range(len(GATED_CASES)))
+def test_gated_kernel_matches_the_torch_norm(gated_runs, index):
+    want, got = gated_runs[index]
+    assert not torch.isnan(got).any()
+    tol = 1e-5 if got.dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
 

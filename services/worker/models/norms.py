@@ -6,7 +6,7 @@ model dtype; `ZeroCenteredRMSNorm` (qwen3_next, qwen3_5_moe) stores w around 0, 
 (1 + w) in float32 and casts last; `GatedRMSNorm` (Gated DeltaNet output) is a plain RMSNorm
 followed by a SiLU gate computed in float32.
 
-`RMSNorm` and `ZeroCenteredRMSNorm` run as one Triton kernel on CUDA (kernels/rms_norm.py), the
+All three run as one Triton kernel on CUDA (kernels/rms_norm.py), the
 code here being the CPU path and the kernel's reference twin. `forward_add(x, residual)` is the
 pre-norm residual step `residual = residual + x; return norm(residual), residual`, fused into that
 one kernel on CUDA (bit for bit what adding first and normalising after gives on CPU)."""
@@ -70,6 +70,11 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if use_triton(x) and x.stride(-1) == 1 and gate.stride(-1) == 1 and x.dim() in (2, 3):
+            return rms_norm_triton(x, self.weight, self.eps, False, gate=gate)
+        return self.reference(x, gate)
+
+    def reference(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         y = self.weight * _normalise(x, self.eps).to(x.dtype)
         return (y * F.silu(gate.float())).to(x.dtype)
 

@@ -19,12 +19,13 @@ HOPPER = GPUTarget("cuda", 90, 32)
 def signatures(dtype: str) -> list:
     ints = lambda *names: {n: "i32" for n in names}  # noqa: E731
     out = []
-    norm = {**{p: f"*{dtype}" for p in ("x_ptr", "res_ptr", "out_ptr", "res_out_ptr", "w_ptr")},
-            **ints("D", "inner", "stride_outer", "stride_inner"), "eps": "fp32"}  # fmt: skip
-    for has_res in (False, True):
-        for zc in (False, True):
-            consts = {"HAS_RESIDUAL": has_res, "ZERO_CENTERED": zc, "BLOCK_D": 2048}
-            out.append((f"rms_norm[{dtype}, residual={has_res}, zc={zc}]", _rms_norm_kernel, norm, consts))
+    norm = {**{p: f"*{dtype}" for p in ("x_ptr", "res_ptr", "out_ptr", "res_out_ptr", "w_ptr", "gate_ptr")},
+            **ints("D", "inner", "stride_outer", "stride_inner", "gate_stride_outer", "gate_stride_inner"),
+            "eps": "fp32"}  # fmt: skip
+    for has_res, zc, gated in ((False, False, False), (True, False, False), (False, True, False), (True, True, False),
+                               (False, False, True)):  # fmt: skip
+        consts = {"HAS_RESIDUAL": has_res, "ZERO_CENTERED": zc, "GATED": gated, "BLOCK_D": 2048}
+        out.append((f"rms_norm[{dtype}, residual={has_res}, zc={zc}, gated={gated}]", _rms_norm_kernel, norm, consts))
     rope = {**{p: f"*{dtype}" for p in ("q_ptr", "k_ptr", "v_ptr", "qw_ptr", "kw_ptr", "cos_ptr", "sin_ptr",
                                           "q_out_ptr", "k_cache_ptr", "v_cache_ptr")}, "slot_ptr": "*i64",
             **ints("heads", "D", "ROT", "HALF", "stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt",
