@@ -131,7 +131,8 @@ class OffloadedExperts:
         self.stats.record_lookup(lookup.hits, len(misses), len(misses) * self.banks.expert_nbytes)
         chunks = _split(misses, 1 if x.shape[0] < self.prefill_tokens else self.pipeline_chunks)
         groups = self._group_slots(ids, experts, lookup.slots, lookup.hits > 0, chunks)
-        rows = torch.zeros(x.shape[0], topk_ids.shape[1], x.shape[1], dtype=torch.float32, device=x.device)
+        # no zero fill: the groups partition the pairs, so every row is written by exactly one group
+        rows = torch.empty(x.shape[0], topk_ids.shape[1], x.shape[1], dtype=torch.float32, device=x.device)
         if self._cuda:
             self._forward_pipelined_cuda(moe_layer, x, groups, topk_weights, chunks, rows)
         else:
