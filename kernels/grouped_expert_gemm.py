@@ -12,7 +12,8 @@ The alignment is computed on the device without a host round trip; its grid is t
 exit at once. A caller that has the routing on the host anyway (the offload store, which needs
 it for its policy) aligns there instead with `align_pairs_by_slot_host`: one small copy replaces
 two dozen tiny kernels per call, which is most of a decode step's launch overhead.
-`grouped_expert_forward` dispatches: CUDA -> Triton, anything else -> reference.
+`grouped_expert_forward` dispatches: CUDA -> Triton (pair by pair for small steps, see
+expert_pair_gemv.py), anything else -> reference.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.dispatch import use_triton
+from kernels.expert_pair_gemv import expert_pair_rows_triton, use_pair_kernel
+from kernels.expert_rows_sum import sum_rows
 from kernels.moe_reference import grouped_expert_rows_reference
 
 # The Triton interpreter (TRITON_INTERPRET=1, CPU tests) computes bf16 dots wrongly: upcast there.
@@ -207,8 +211,11 @@ def grouped_expert_rows_triton(x, topk_slots, topk_weights, w13, w2, rows,
 
 
 def grouped_expert_rows(x, topk_slots, topk_weights, w13, w2, rows, max_distinct_slots: int | None = None) -> None:
-    """rows[t, k] = weighted output of pair (t, k) for every pair whose slot is >= 0."""
-    if x.is_cuda:
+    """rows[t, k] = weighted output of pair (t, k) for every pair whose slot is >= 0.
+    Small steps go pair by pair (expert_pair_gemv.py: no alignment), larger ones grouped by slot."""
+    if use_triton(x) and use_pair_kernel(topk_slots.numel()):
+        expert_pair_rows_triton(x, topk_slots, topk_weights, w13, w2, rows)
+    elif use_triton(x):
         grouped_expert_rows_triton(x, topk_slots, topk_weights, w13, w2, rows, max_distinct_slots=max_distinct_slots)
     else:
         grouped_expert_rows_reference(x, topk_slots, topk_weights, w13, w2, rows)
@@ -218,4 +225,4 @@ def grouped_expert_forward(x, topk_slots, topk_weights, w13, w2, max_distinct_sl
     """sum_k topk_weights[t, k] * expert_{topk_slots[t, k]}(x[t]): [T, H] in x's dtype."""
     rows = torch.zeros(x.shape[0], topk_slots.shape[1], x.shape[1], dtype=torch.float32, device=x.device)
     grouped_expert_rows(x, topk_slots, topk_weights, w13, w2, rows, max_distinct_slots)
-    return rows.sum(dim=1).to(x.dtype)
+    return sum_rows(rows, x.dtype)  # as the offload store finishes: same bits

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.dispatch import use_triton
 from kernels.paged_attention_reference import paged_attention_reference, write_kv
 
 __all__ = ["paged_attention", "write_kv"]
@@ -20,13 +21,15 @@ def paged_attention(
     query_lens: list[int],
     context_lens: list[int],
     scale: float,
+    token_request: torch.Tensor | None = None,  # int [T]: each token's request (decode kernel), optional
 ) -> torch.Tensor:
-    if not q.is_cuda:
+    if not use_triton(q):
         return paged_attention_reference(q, k_cache, v_cache, page_table, query_lens, context_lens, scale)
     if q.shape[0] == len(query_lens):  # one new token per request: decode
         from kernels.paged_attention_triton import paged_attention_triton
 
-        return paged_attention_triton(q, k_cache, v_cache, page_table, query_start, positions, scale)
+        return paged_attention_triton(q, k_cache, v_cache, page_table, query_start, positions, scale,
+                                      token_request=token_request)
     from kernels.paged_prefill_triton import paged_prefill_triton
 
     return paged_prefill_triton(q, k_cache, v_cache, page_table, query_start, positions, query_lens, scale)

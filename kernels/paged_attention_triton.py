@@ -86,6 +86,7 @@ def paged_attention_triton(
     scale: float,
     out: torch.Tensor | None = None,
     block_n: int = 32,
+    token_request: torch.Tensor | None = None,  # int [T]: each token's request, if the caller has it
 ) -> torch.Tensor:
     num_tokens, heads, head_dim = q.shape
     page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -98,7 +99,9 @@ def paged_attention_triton(
     if num_tokens == 0:
         return out
     page_table = page_table.contiguous()
-    token_req = token_requests(query_start, num_tokens)
+    # ForwardBatch carries it (made on the host with the rest of the step): two launches per
+    # layer fewer than deriving it here
+    token_req = token_requests(query_start, num_tokens) if token_request is None else token_request
     _paged_attention_kernel[(num_tokens, heads)](
         q, k_cache, v_cache, out, page_table, token_req, positions,
         q.stride(0), q.stride(1),

@@ -180,6 +180,7 @@ def offload_workspace_bytes(spec: ModelSpec, max_step_tokens: int) -> int:
     that buffer is in the profiled (and estimated) workspace already. The offload store adds, per
     compute group (one live at a time), the group's [T, k] int64 slot map on the device, or the
     host-made alignment (sorted pairs and block slots, int32, at most 2 * T * k entries); plus one
-    allocator block (512 B) for each of those small tensors."""
+    allocator block (512 B) for each of those small tensors. Small steps (the pair-by-pair kernel)
+    send all their groups' [T, k] int32 slots at once instead: at most 2 * T * k * 4 bytes, less."""
     pairs = max_step_tokens * spec.num_experts_per_tok
     return round_up(pairs * 8 + 2 * pairs * 4 + 2 * 512, 512)

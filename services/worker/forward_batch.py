@@ -17,7 +17,10 @@ class ForwardBatch:
     `slot_mapping[t]` is the flat KV row (page * page_size + offset) that token t writes;
     `logits_rows` are the token rows whose logits are needed (the last new token of every
     request that samples). Host copies of the small per-request arrays are kept too, because
-    CPU reference paths loop over requests."""
+    CPU reference paths loop over requests.
+
+    All device arrays are views of one buffer that crosses to the device in a single copy (from
+    pinned memory on CUDA): ten small copies were ten launches and ten driver calls per step."""
 
     tokens: torch.Tensor  # int64 [T]
     positions: torch.Tensor  # int64 [T]
@@ -29,6 +32,7 @@ class ForwardBatch:
     state_slots: torch.Tensor  # int64 [R]
     reset_state: torch.Tensor  # bool [R]
     logits_rows: torch.Tensor  # int64 [S]
+    token_request: torch.Tensor  # int32 [T]: the request of every new token (attention kernels)
     sample_mask: np.ndarray  # bool [R] (host)
     query_lens_host: list[int]
     context_lens_host: list[int]
@@ -54,23 +58,37 @@ class ForwardBatch:
         pages = step.page_table[req_of_token, positions // page_size].astype(np.int64)
         slot_mapping = pages * page_size + positions % page_size
         logits_rows = (qstart[1:] - 1)[step.sample.astype(bool)]
-
-        def dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype, non_blocking=True)
-
+        arrays = dict(
+            tokens=(step.tokens, np.int64), positions=(positions, np.int64), slot_mapping=(slot_mapping, np.int64),
+            state_slots=(step.state_slots, np.int64), logits_rows=(logits_rows, np.int64),
+            query_start=(qstart, np.int32), query_lens=(qlens, np.int32), context_lens=(clens, np.int32),
+            page_table=(step.page_table, np.int32), token_request=(req_of_token, np.int32),
+            reset_state=(step.reset_state, np.bool_),
+        )  # fmt: skip
         return cls(
-            tokens=dev(step.tokens, torch.int64),
-            positions=dev(positions, torch.int64),
-            query_start=dev(qstart, torch.int32),
-            query_lens=dev(qlens, torch.int32),
-            context_lens=dev(clens, torch.int32),
-            page_table=dev(step.page_table, torch.int32),
-            slot_mapping=dev(slot_mapping, torch.int64),
-            state_slots=dev(step.state_slots, torch.int64),
-            reset_state=dev(step.reset_state.astype(bool), torch.bool),
-            logits_rows=dev(logits_rows, torch.int64),
+            **_to_device_in_one_copy(arrays, torch.device(device)),
             sample_mask=step.sample.astype(bool),
             query_lens_host=qlens.tolist(),
             context_lens_host=clens.tolist(),
             page_size=page_size,
         )
+
+
+def _to_device_in_one_copy(arrays: dict[str, tuple[np.ndarray, type]], device: torch.device) -> dict[str, torch.Tensor]:
+    """{name: device tensor} for {name: (array, numpy dtype)}: packed into one byte buffer (each
+    array at an offset aligned to 8 bytes, so every view is aligned for its dtype), copied once."""
+    layout, offset = {}, 0
+    for name, (a, dtype) in arrays.items():
+        a = np.ascontiguousarray(a, dtype=dtype)
+        layout[name] = (a, offset)
+        offset += -(-a.nbytes // 8) * 8
+    host = torch.empty(offset, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    staging = host.numpy()
+    for a, start in layout.values():
+        staging[start : start + a.nbytes] = a.reshape(-1).view(np.uint8)
+    packed = host.to(device, non_blocking=True)
+    out = {}
+    for name, (a, start) in layout.items():
+        dtype = torch.from_numpy(a[:0]).dtype
+        out[name] = packed[start : start + a.nbytes].view(dtype).view(a.shape)
+    return out

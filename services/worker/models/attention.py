@@ -4,14 +4,21 @@ q/k get a per-head RMSNorm before RoPE; the new tokens' K/V are written to their
 then every new token attends causally to its request's context and new tokens, read through the
 request's page table (so a request only ever touches rows of its own pages). Hybrid models
 (`attn_output_gate`) have q_proj yield, per head, the query followed by a gate, and multiply the
-attention output by sigmoid(gate) before o_proj."""
+attention output by sigmoid(gate) before o_proj.
+
+q, k and v are row blocks of one weight (q_proj/k_proj/v_proj keep their checkpoint names as
+views of it), so the three projections are one GEMM. On CUDA the q/k norms, the rotary embedding and the K/V write are one Triton kernel
+(kernels/qk_norm_rope.py); the torch code below is the CPU path and that kernel's twin."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from kernels.dispatch import use_triton
 from kernels.paged_attention import paged_attention, write_kv
+from kernels.qk_norm_rope import qk_norm_rope_kv_triton
 from services.worker.models.context import StepContext
 from services.worker.models.norms import make_norm
 from services.worker.models.rotary import RotaryEmbedding
@@ -29,33 +36,55 @@ class PagedAttention(nn.Module):
         h, bias = spec.hidden_size, spec.attention_bias
         q_out = self.heads * self.head_dim * (2 if self.gated else 1)
         kw = dict(dtype=dtype, device=device)
-        self.q_proj = nn.Linear(h, q_out, bias=bias, **kw)
-        self.k_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=bias, **kw)
-        self.v_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=bias, **kw)
+        kv_out = self.kv_heads * self.head_dim
+        self._splits = (q_out, kv_out, kv_out)
+        self._qkv_weight, self._qkv_bias, (self.q_proj, self.k_proj, self.v_proj) = _row_blocks_of_one_weight(
+            h, self._splits, bias, dtype, device
+        )
         self.o_proj = nn.Linear(self.heads * self.head_dim, h, bias=bias, **kw)
         self.q_norm = make_norm(spec.is_hybrid, self.head_dim, spec.rms_norm_eps, dtype, device)
         self.k_norm = make_norm(spec.is_hybrid, self.head_dim, spec.rms_norm_eps, dtype, device)
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x)
+        q, k, v = F.linear(x, self._qkv_weight, self._qkv_bias).split(self._splits, dim=-1)
         gate = None
         if self.gated:
             q, gate = q.view(t, self.heads, 2 * self.head_dim).split(self.head_dim, dim=-1)
             gate = gate.reshape(t, -1)
-        q = self.q_norm(q.reshape(t, self.heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(t, self.kv_heads, self.head_dim))
-        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
-        q = self.rotary.apply(q, ctx.cos, ctx.sin)
-        k = self.rotary.apply(k, ctx.cos, ctx.sin)
-
+        q = q.reshape(t, self.heads, self.head_dim)
+        k = k.view(t, self.kv_heads, self.head_dim)
+        v = v.view(t, self.kv_heads, self.head_dim)
         b = ctx.batch
         k_cache, v_cache = ctx.pools.kv.layer(self.layer_idx)
-        write_kv(k_cache, v_cache, b.slot_mapping, k, v)
+        if use_triton(x):
+            norm = self.q_norm
+            q = qk_norm_rope_kv_triton(q, k, v, norm.weight, self.k_norm.weight, norm.eps, norm.zero_centered,
+                                       ctx.cos, ctx.sin, self.rotary.rotary_dim, b.slot_mapping, k_cache, v_cache)  # fmt: skip
+        else:
+            q = self.rotary.apply(self.q_norm(q), ctx.cos, ctx.sin)
+            k = self.rotary.apply(self.k_norm(k), ctx.cos, ctx.sin)
+            write_kv(k_cache, v_cache, b.slot_mapping, k, v)
         out = paged_attention(
             q.contiguous(), k_cache, v_cache, b.page_table, b.query_start, b.positions,
-            b.query_lens_host, b.context_lens_host, self.scale,
+            b.query_lens_host, b.context_lens_host, self.scale, token_request=b.token_request,
         ).reshape(t, -1)  # fmt: skip
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.o_proj(out)
+
+
+def _row_blocks_of_one_weight(in_features: int, outs: tuple[int, ...], bias: bool, dtype, device):
+    """(weight [sum(outs), in], bias or None, one nn.Linear per block whose parameters are views
+    of those rows): the loader fills the blocks by their own names, the forward multiplies once."""
+    weight = torch.empty(sum(outs), in_features, dtype=dtype, device=device)
+    fused_bias = torch.zeros(sum(outs), dtype=dtype, device=device) if bias else None
+    linears, start = [], 0
+    for n in outs:
+        linear = nn.Linear(in_features, n, bias=bias, device="meta")
+        linear.weight = nn.Parameter(weight[start : start + n], requires_grad=False)
+        if bias:
+            linear.bias = nn.Parameter(fused_bias[start : start + n], requires_grad=False)
+        linears.append(linear)
+        start += n
+    return weight, fused_bias, linears

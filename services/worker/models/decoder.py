@@ -45,10 +45,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = make_norm(spec.is_hybrid, spec.hidden_size, spec.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = make_norm(spec.is_hybrid, spec.hidden_size, spec.rms_norm_eps, dtype, device)
 
-    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's input is residual + x (x alone for the first layer, residual None); returns
+        (mlp output, residual), the add left to the next norm. Each residual add is thus fused
+        into the RMSNorm after it (one kernel on CUDA instead of two); the sums are the same."""
         mixer = self.linear_attn if self.is_linear else self.self_attn
-        x = x + mixer(self.input_layernorm(x), ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.forward_add(x, residual)
+        h, residual = self.post_attention_layernorm.forward_add(mixer(h, ctx), residual)
+        return self.mlp(h), residual
 
 
 class CausalLM(nn.Module):
@@ -96,10 +103,10 @@ class CausalLM(nn.Module):
             fresh = batch.state_slots[batch.reset_state]
             fresh = fresh if fresh.numel() else None
         ctx = StepContext(batch, pools, cos, sin, fresh)
-        x = self.embed_tokens(batch.tokens)
+        x, residual = self.embed_tokens(batch.tokens), None
         for layer in self.layers:
-            x = layer(x, ctx)
-        return self.norm(x)
+            x, residual = layer(x, residual, ctx)
+        return self.norm(x) if residual is None else self.norm.forward_add(x, residual)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

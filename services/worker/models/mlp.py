@@ -24,7 +24,11 @@ class DenseMLP(nn.Module):
 
 
 class TopKRouter(nn.Module):
-    """softmax over all experts (float32), keep the top k, optionally renormalise them to sum to 1."""
+    """softmax over all experts (float32), keep the top k, optionally renormalise them to sum to 1.
+
+    Renormalised, that is exp(l_i) / sum over the top k of exp(l_j): a softmax over the top-k
+    logits alone, which is how it is computed (top-k, softmax, cast: 3 kernels instead of 5;
+    softmax is monotonic, so the same experts are picked). Equal up to float rounding."""
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device=None):
         super().__init__()
@@ -36,10 +40,11 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x, self.weight)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+            top, ids = torch.topk(logits, self.top_k, dim=-1)
+            weights = torch.softmax(top, dim=-1, dtype=torch.float32)
+        else:
+            weights, ids = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
         return ids, weights.to(logits.dtype)
 
 

@@ -4,7 +4,12 @@ They differ in where the weight sits and in which dtype it is applied, and both 
 parity in bf16: `RMSNorm` (qwen3_moe) scales the normalised input after casting it back to the
 model dtype; `ZeroCenteredRMSNorm` (qwen3_next, qwen3_5_moe) stores w around 0, multiplies by
 (1 + w) in float32 and casts last; `GatedRMSNorm` (Gated DeltaNet output) is a plain RMSNorm
-followed by a SiLU gate computed in float32."""
+followed by a SiLU gate computed in float32.
+
+All three run as one Triton kernel on CUDA (kernels/rms_norm.py), the
+code here being the CPU path and the kernel's reference twin. `forward_add(x, residual)` is the
+pre-norm residual step `residual = residual + x; return norm(residual), residual`, fused into that
+one kernel on CUDA (bit for bit what adding first and normalising after gives on CPU)."""
 
 from __future__ import annotations
 
@@ -12,29 +17,49 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.dispatch import use_triton
+from kernels.rms_norm import rms_norm_triton
+
 
 def _normalise(x: torch.Tensor, eps: float) -> torch.Tensor:
     x = x.float()
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
-class RMSNorm(nn.Module):
+class _FusableRMSNorm(nn.Module):
+    zero_centered = False
+
     def __init__(self, dim: int, eps: float, dtype: torch.dtype, device=None):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
+        identity = torch.zeros if self.zero_centered else torch.ones
+        self.weight = nn.Parameter(identity(dim, dtype=dtype, device=device), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_triton(x):
+            return rms_norm_triton(x, self.weight, self.eps, self.zero_centered)
+        return self.reference(x)
+
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x)."""
+        if use_triton(x):
+            return rms_norm_triton(x, self.weight, self.eps, self.zero_centered, residual)
+        residual = residual + x
+        return self.reference(residual), residual
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class RMSNorm(_FusableRMSNorm):
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
         return self.weight * _normalise(x, self.eps).to(x.dtype)
 
 
-class ZeroCenteredRMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device=None):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(dim, dtype=dtype, device=device), requires_grad=False)
+class ZeroCenteredRMSNorm(_FusableRMSNorm):
+    zero_centered = True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
         return (_normalise(x, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
 
 
@@ -45,9 +70,14 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if use_triton(x) and x.stride(-1) == 1 and gate.stride(-1) == 1 and x.dim() in (2, 3):
+            return rms_norm_triton(x, self.weight, self.eps, False, gate=gate)
+        return self.reference(x, gate)
+
+    def reference(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         y = self.weight * _normalise(x, self.eps).to(x.dtype)
         return (y * F.silu(gate.float())).to(x.dtype)
 
 
-def make_norm(zero_centered: bool, dim: int, eps: float, dtype: torch.dtype, device=None) -> nn.Module:
+def make_norm(zero_centered: bool, dim: int, eps: float, dtype: torch.dtype, device=None) -> _FusableRMSNorm:
     return (ZeroCenteredRMSNorm if zero_centered else RMSNorm)(dim, eps, dtype, device)

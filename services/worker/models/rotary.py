@@ -16,11 +16,12 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = int(head_dim * partial_rotary_factor)
         exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.float32, device=device) / self.rotary_dim
         self.register_buffer("inv_freq", 1.0 / (theta**exponents), persistent=False)
+        # the frequencies twice over (rotate_half's two halves), so a step's angles need no cat
+        self.register_buffer("inv_freq_both", self.inv_freq.repeat(2), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, rotary_dim] each, in the model dtype (as the reference rounds them)."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        angles = torch.cat([freqs, freqs], dim=-1)
+        angles = positions.float()[:, None] * self.inv_freq_both[None, :]
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -35,6 +35,8 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
+from kernels.expert_pair_gemv import expert_pair_rows_triton, use_pair_kernel
+from kernels.expert_rows_sum import sum_rows
 from kernels.grouped_expert_gemm import (
     align_pairs_by_slot_host,
     block_m_for,
@@ -129,12 +131,13 @@ class OffloadedExperts:
         self.stats.record_lookup(lookup.hits, len(misses), len(misses) * self.banks.expert_nbytes)
         chunks = _split(misses, 1 if x.shape[0] < self.prefill_tokens else self.pipeline_chunks)
         groups = self._group_slots(ids, experts, lookup.slots, lookup.hits > 0, chunks)
-        rows = torch.zeros(x.shape[0], topk_ids.shape[1], x.shape[1], dtype=torch.float32, device=x.device)
+        # no zero fill: the groups partition the pairs, so every row is written by exactly one group
+        rows = torch.empty(x.shape[0], topk_ids.shape[1], x.shape[1], dtype=torch.float32, device=x.device)
         if self._cuda:
             self._forward_pipelined_cuda(moe_layer, x, groups, topk_weights, chunks, rows)
         else:
             self._forward_sequential(moe_layer, x, groups, topk_weights, chunks, rows)
-        return rows.sum(dim=1).to(x.dtype)
+        return sum_rows(rows, x.dtype)  # as the all-resident store finishes: same bits
 
     def _group_slots(self, ids: np.ndarray, experts: np.ndarray, slots: tuple[int, ...], has_hits: bool,
                      chunks: list) -> list[np.ndarray | None]:  # fmt: skip
@@ -197,7 +200,11 @@ class OffloadedExperts:
             self._compute(x, groups[1 + i], topk_weights, rows, aligned[1 + i])
 
     def _aligned(self, groups: list[np.ndarray | None], num_pairs: int) -> list:
-        """Host-made alignments for the Triton kernel, or None per group (the kernel aligns on the device)."""
+        """Per group, what the Triton kernels read: for small steps (decode) the group's [T, k] slots
+        (the pair-by-pair kernel, as the all-resident store uses for the same step size), else a
+        host-made alignment, or None (the kernel aligns on the device)."""
+        if self._triton and use_pair_kernel(num_pairs):
+            return self._slots_on_device(groups)
         if self._triton and num_pairs <= self.host_align_max_pairs:
             return self._align_on_host(groups, num_pairs)
         return [None] * len(groups)
@@ -219,7 +226,17 @@ class OffloadedExperts:
             offset += n_pairs + n_blocks
         return out
 
+    def _slots_on_device(self, groups: list[np.ndarray | None]) -> list:
+        """Every group's slots sent in one host-to-device copy, as [T, k] int32 views."""
+        present = [g for g in groups if g is not None]
+        packed = torch.from_numpy(np.stack(present).astype(np.int32)).to(self.device)
+        views = iter(packed.unbind(0))
+        return [next(views) if g is not None else None for g in groups]
+
     def _compute(self, x, group_slots, topk_weights, rows, aligned=None) -> None:
+        if isinstance(aligned, torch.Tensor):  # a small step's slots, pair by pair
+            expert_pair_rows_triton(x, aligned, topk_weights, self.slots.w13, self.slots.w2, rows)
+            return
         if aligned is not None:
             grouped_expert_rows_triton(x, None, topk_weights, self.slots.w13, self.slots.w2, rows, aligned=aligned)
             return

@@ -6,13 +6,21 @@ twin on CPU) — the same kernel `OffloadedExperts` uses, so the two agree bit f
 
 It keeps the same statistics as the offload store (every lookup a hit, nothing copied), so every
 worker exports the same expert-cache metrics whatever its plan. Counting the layer's distinct
-experts on the host would cost a device sync per layer; instead they are summed on the device
-and read once per step in `end_step`, after the executor has already waited for the step."""
+experts on the host would cost a device sync per layer; instead each layer marks its routed
+experts in a [layers, experts] device table (one launch), which `end_step` sums and reads once,
+after the executor has already waited for the step.
+
+Small steps (decode) on the GPU go pair by pair (kernels/expert_pair_gemv.py) with the layer's
+slot offset passed to the kernel: the routed expert ids are used as they are, with no alignment
+and no add, and every pair is routed, so the row buffer needs no zero fill."""
 
 from __future__ import annotations
 
 import torch
 
+from kernels.dispatch import use_triton
+from kernels.expert_pair_gemv import expert_pair_rows_triton, use_pair_kernel
+from kernels.expert_rows_sum import sum_rows
 from kernels.grouped_expert_gemm import grouped_expert_forward
 from services.worker.offload.stats import ExpertCacheStats
 from services.worker.pools import ExpertSlotPool
@@ -31,7 +39,7 @@ class ResidentExperts:
         self.num_moe_layers = num_moe_layers
         self.num_experts = num_experts
         self.stats = ExpertCacheStats()
-        self._step_lookups: torch.Tensor | None = None  # distinct experts routed this step, on the device
+        self._routed: torch.Tensor | None = None  # bool [layers, experts]: routed this step, on the device
         self._last_layer = -1
 
     def _slot(self, moe_layer: int, expert: int) -> int:
@@ -52,22 +60,28 @@ class ResidentExperts:
         if moe_layer <= self._last_layer:  # layer 0 came round again without end_step: a new step
             self.end_step()
         self._last_layer = moe_layer
-        self._count_lookups(topk_ids)
-        topk_slots = topk_ids + moe_layer * self.num_experts
+        self._count_lookups(moe_layer, topk_ids)
+        offset = moe_layer * self.num_experts
+        if use_triton(x) and use_pair_kernel(topk_ids.numel()):
+            rows = torch.empty(x.shape[0], topk_ids.shape[1], x.shape[1], dtype=torch.float32, device=x.device)
+            expert_pair_rows_triton(x, topk_ids, topk_weights, self.slots.w13, self.slots.w2, rows, slot_offset=offset)
+            return sum_rows(rows, x.dtype)
+        topk_slots = topk_ids + offset
         return grouped_expert_forward(x, topk_slots, topk_weights, self.slots.w13, self.slots.w2,
                                       max_distinct_slots=self.num_experts)  # one layer's experts at most
 
-    def _count_lookups(self, topk_ids: torch.Tensor) -> None:
+    def _count_lookups(self, moe_layer: int, topk_ids: torch.Tensor) -> None:
         # index_fill, not bincount: bincount on CUDA reads the maximum back to the host
-        routed = torch.zeros(self.num_experts, dtype=torch.int64, device=topk_ids.device)
-        distinct = routed.index_fill_(0, topk_ids.reshape(-1).to(torch.int64), 1).sum()
-        self._step_lookups = distinct if self._step_lookups is None else self._step_lookups + distinct
+        if self._routed is None:  # a new table per step: one launch per step, not per layer
+            self._routed = torch.zeros(self.num_moe_layers, self.num_experts, dtype=torch.bool, device=topk_ids.device)
+        self._routed[moe_layer].index_fill_(0, topk_ids.reshape(-1).to(torch.int64), True)
 
     def end_step(self) -> None:
         """Fold the step's lookups (all hits) into the statistics."""
-        if self._step_lookups is not None:
-            self.stats.record_lookup(int(self._step_lookups), 0, 0)
-            self._step_lookups = None
+        if self._routed is not None:
+            # dropped, not zeroed: it may be an inference tensor, and end_step may run outside inference mode
+            self.stats.record_lookup(int(self._routed.sum()), 0, 0)
+            self._routed = None
         self.stats.end_step()
         self._last_layer = -1
 

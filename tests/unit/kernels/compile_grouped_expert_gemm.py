@@ -11,6 +11,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+import kernels.expert_pair_gemv as pair
+import kernels.expert_rows_sum as rows_sum
 import kernels.grouped_expert_gemm as k
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -31,6 +33,16 @@ def signatures(dtype: str) -> list:
             consts = {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 64, "UPCAST": upcast, "PRECISION": precision}
             out.append((f"{fn.__name__}[{dtype}, BLOCK_M={block_m}]", fn, {**sig, **{c: "constexpr" for c in consts}},
                         consts))  # fmt: skip
+    pair_gate_up = {"x_ptr": f"*{dtype}", "w13_ptr": f"*{dtype}", "act_ptr": f"*{dtype}", "slots_ptr": "*i64",
+                    **ints("slot_offset", "top_k", "H", "I", "stride_xt", "stride_ws", "stride_wn")}  # fmt: skip
+    pair_down = {"act_ptr": f"*{dtype}", "w2_ptr": f"*{dtype}", "rows_ptr": "*fp32", "weights_ptr": f"*{dtype}",
+                 "slots_ptr": "*i32", **ints("slot_offset", "H", "I", "stride_ws", "stride_wh")}  # fmt: skip
+    for fn, sig, block_n in ((pair._pair_gate_up_kernel, pair_gate_up, pair.GATE_UP_BLOCK_N),
+                             (pair._pair_down_kernel, pair_down, pair.DOWN_BLOCK_N)):  # fmt: skip
+        consts = {"BLOCK_N": block_n, "BLOCK_K": pair.BLOCK_K}
+        out.append((f"{fn.__name__}[{dtype}]", fn, {**sig, **{c: "constexpr" for c in consts}}, consts))
+    sum_sig = {"rows_ptr": "*fp32", "out_ptr": f"*{dtype}", "top_k": "i32", "H": "i32", "BLOCK": "constexpr"}
+    out.append((f"_sum_rows_kernel[{dtype}]", rows_sum._sum_rows_kernel, sum_sig, {"BLOCK": rows_sum.BLOCK_H}))
     return out
 
 

@@ -23,6 +23,8 @@ from kernels.grouped_expert_gemm import (  # noqa: E402
     block_m_for,
     grouped_expert_rows_triton,
 )
+from kernels.expert_pair_gemv import expert_pair_rows_triton  # noqa: E402
+from kernels.expert_rows_sum import sum_rows_triton  # noqa: E402
 from kernels.moe_reference import grouped_expert_forward_reference, grouped_expert_rows_reference  # noqa: E402
 
 
@@ -98,7 +100,53 @@ def alignment_groups_pairs_by_slot():
     assert (block_slot[len(real) :] == -1).all()
 
 
+def pair_kernel_matches(seed, tokens, top_k, hidden, inter, slots, skip, offset):
+    """The pair-by-pair kernel (small steps): ragged shapes (blocks past H and I masked), skipped
+    pairs untouched, and the slot offset the all-resident store passes instead of adding it."""
+    x, topk, weights, w13, w2 = make_case(seed, tokens, top_k, hidden, inter, slots + offset, torch.float32, skip)
+    topk = torch.where(topk >= 0, topk % slots, -1)  # ids of one "layer"; its slots start at offset
+    got = torch.full((tokens, top_k, hidden), float("nan"))
+    want = torch.full((tokens, top_k, hidden), float("nan"))
+    expert_pair_rows_triton(x, topk, weights, w13, w2, got, slot_offset=offset)
+    grouped_expert_rows_reference(x, torch.where(topk >= 0, topk + offset, -1), weights, w13, w2, want)
+    skipped = topk < 0
+    assert torch.isnan(got[skipped]).all(), "skipped pairs must be left untouched"
+    assert not torch.isnan(got[~skipped]).any(), "every routed pair must be written"
+    torch.testing.assert_close(got[~skipped], want[~skipped], rtol=1e-5, atol=1e-5)
+
+
+def pair_kernel_groups_give_the_same_bits():
+    """A layer computed in two groups (the offload store) equals it computed at once (all-resident)."""
+    x, topk, weights, w13, w2 = make_case(11, 3, 4, 200, 150, 9, torch.bfloat16)
+    at_once = torch.full((3, 4, 200), float("nan"))
+    expert_pair_rows_triton(x, topk.to(torch.int32), weights, w13, w2, at_once)
+    first = torch.rand(3, 4, generator=torch.Generator().manual_seed(1)) < 0.5
+    grouped = torch.full((3, 4, 200), float("nan"))
+    expert_pair_rows_triton(x, torch.where(first, topk, -1), weights, w13, w2, grouped)
+    expert_pair_rows_triton(x, torch.where(first, -1, topk), weights, w13, w2, grouped)
+    assert torch.equal(at_once, grouped)
+    want = grouped_expert_forward_reference(x, topk, weights, w13, w2).float()
+    torch.testing.assert_close(at_once.sum(dim=1).to(torch.bfloat16).float(), want, rtol=2e-2, atol=2e-2)
+
+
+def rows_summed_in_k_order():
+    """The stores' last step: float32 rows added in k order (exactly, in float32), cast last."""
+    g = torch.Generator().manual_seed(21)
+    rows = torch.randn(3, 5, 1500, generator=g)  # H past one block: the masked tail
+    want = rows[:, 0].clone()
+    for j in range(1, 5):
+        want = want + rows[:, j]
+    got = sum_rows_triton(rows, torch.float32, out=torch.full((3, 1500), float("nan")))
+    assert torch.equal(got, want)
+    bf16 = sum_rows_triton(rows, torch.bfloat16, out=torch.full((3, 1500), float("nan"), dtype=torch.bfloat16))
+    torch.testing.assert_close(bf16.float(), want, rtol=1e-2, atol=1e-2)
+
+
 CASES = {
+    "rows_summed_in_k_order": rows_summed_in_k_order,
+    "pair_kernel_decode_one_token": lambda: pair_kernel_matches(12, 1, 8, 64, 48, 16, 0, 0),
+    "pair_kernel_ragged_skipped_offset": lambda: pair_kernel_matches(13, 5, 3, 300, 170, 7, 3, 14),
+    "pair_kernel_groups_give_the_same_bits": pair_kernel_groups_give_the_same_bits,
     "decode_one_token": lambda: rows_match_in_float32(0, 1, 2, 32, 16, 4, 0),
     "ragged_shapes_and_skipped_pairs": lambda: rows_match_in_float32(1, 5, 3, 48, 40, 7, 2),
     "several_blocks_of_one_slot": lambda: rows_match_in_float32(2, 37, 4, 80, 72, 6, 5),

@@ -14,7 +14,9 @@ from kernels.moe_reference import grouped_expert_forward_reference
 
 ROOT = Path(__file__).resolve().parents[3]
 CASES = ["decode_one_token", "ragged_shapes_and_skipped_pairs", "several_blocks_of_one_slot", "host_aligned_rows",
-         "tight_grid_with_max_distinct_slots", "bfloat16_within_rounding", "alignment_groups_pairs_by_slot"]  # fmt: skip
+         "tight_grid_with_max_distinct_slots", "bfloat16_within_rounding", "alignment_groups_pairs_by_slot",
+         "pair_kernel_decode_one_token", "pair_kernel_ragged_skipped_offset", "pair_kernel_groups_give_the_same_bits",
+         "rows_summed_in_k_order"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +93,7 @@ def test_kernels_compile_for_hopper():
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(proc.stdout)
-    assert len(results) == 8
+    assert len(results) == 14
     for name, r in results.items():
         assert "error" not in r, f"{name}: {r.get('error')}"
-        assert r["cubin"] and 0 < r["shared"] <= H200_MAX_SHARED, (name, r)
+        assert r["cubin"] and 0 <= r["shared"] <= H200_MAX_SHARED, (name, r)  # the row sum needs none

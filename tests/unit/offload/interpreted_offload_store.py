@@ -1,6 +1,8 @@
-"""The offload store computing with the Triton kernel (host alignment per compute group, the CUDA
-path's bookkeeping) under TRITON_INTERPRET=1, run in a child process by test_expert_cache.py
-(triton decides at import whether to interpret). Prints JSON: null or the failure."""
+"""The offload store computing with the Triton kernels (the CUDA path's bookkeeping: the pair-by-pair
+kernel for small steps, host or device alignment for larger ones) under TRITON_INTERPRET=1, against
+the all-resident store on its own Triton path (FERRY_TRITON_ON_CPU=1), run in a child process by
+test_expert_cache.py (triton decides at import whether to interpret). Small steps must agree bit
+for bit, as on the GPU. Prints JSON: null or the failure."""
 
 from __future__ import annotations
 
@@ -12,9 +14,11 @@ import traceback
 import torch
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run me with TRITON_INTERPRET=1"
+assert os.environ.get("FERRY_TRITON_ON_CPU") == "1", "run me with FERRY_TRITON_ON_CPU=1"
 
 from offload_tiny import random_experts, random_routing, slot_pool, tiny_spec  # noqa: E402
 
+from kernels.expert_pair_gemv import use_pair_kernel  # noqa: E402
 from services.worker.offload.resident import ResidentExperts  # noqa: E402
 from services.worker.offload.expert_cache import OffloadedExperts  # noqa: E402
 from services.worker.offload.host_banks import HostBanks  # noqa: E402
@@ -24,7 +28,7 @@ from services.worker.offload.policy import LRUExpertPolicy  # noqa: E402
 def check() -> None:
     spec = tiny_spec(layers=2, experts=6, top_k=3, hidden=32, inter=16)
     layers = 2
-    for num_slots, host_align_max_pairs in ((6, 4096), (9, 16)):  # 16: steps of 10 tokens align on the device
+    for num_slots, host_align_max_pairs in ((6, 4096), (9, 16)):  # 16: steps of 30 tokens align on the device
         resident = ResidentExperts(slot_pool(spec, layers * 6), layers, 6)
         store = OffloadedExperts(slot_pool(spec, num_slots), HostBanks.for_model(spec, "float32", progress=False),
                                  LRUExpertPolicy(layers, 6, num_slots), "cpu", pipeline_chunks=2, prefill_tokens=8,
@@ -33,12 +37,15 @@ def check() -> None:
             resident.load_expert(layer, e, *weights)
             store.load_expert(layer, e, *weights)
         g = torch.Generator().manual_seed(num_slots)
-        for tokens in (1, 2, 10, 1):  # decode, and a step of 10 tokens: misses copied in two chunks
+        for tokens in (1, 2, 30, 1):  # decode (pair by pair), and 30 tokens: grouped, misses in two chunks
             for layer in range(layers):
                 x, ids, w = random_routing(spec, tokens, g)
                 got = store.forward(layer, x, ids, w)
                 want = resident.forward(layer, x, ids, w)
-                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+                if use_pair_kernel(ids.numel()):
+                    assert torch.equal(got, want), f"{tokens} tokens: the stores differ"
+                else:
+                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         store.end_step()
         assert store.stats.total.misses > 0
 

@@ -117,7 +117,7 @@ def test_the_triton_path_with_host_alignment_under_the_interpreter():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[3]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "FERRY_TRITON_ON_CPU": "1", "PYTHONPATH": str(root)}
     proc = subprocess.run([sys.executable, str(Path(__file__).with_name("interpreted_offload_store.py"))],
                           cwd=root, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]

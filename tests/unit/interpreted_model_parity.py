@@ -1,0 +1,50 @@
+"""Child process of test_triton_path_parity.py: tiny models served through the CUDA path's kernels
+(FERRY_TRITON_ON_CPU=1 under TRITON_INTERPRET=1: fused norms, q/k norm + rotary + KV write, paged
+attention and prefill, pair-by-pair experts) against transformers, as test_model_parity.py does
+for the CPU path: prompt logits, greedy tokens and their logits. Prints JSON {case: null | failure}."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+assert os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("FERRY_TRITON_ON_CPU") == "1"
+
+import torch  # noqa: E402
+from model_harness import PagedRunner, assert_logits_close, hf_greedy  # noqa: E402
+from tiny_models import tiny_model  # noqa: E402
+
+STEPS = 6
+
+CASES = {
+    "qwen3_moe-norm_topk-gqa": ("qwen3_moe", dict(num_hidden_layers=3, num_experts=8, num_experts_per_tok=3,
+                                norm_topk_prob=True, mlp_only_layers=[1], num_attention_heads=8,
+                                num_key_value_heads=2, head_dim=8), 4),  # fmt: skip
+    "qwen3_5_moe-gated-partial-rotary": ("qwen3_5_moe", dict(num_hidden_layers=2,
+                                         layer_types=["linear_attention", "full_attention"], num_experts=8,
+                                         num_experts_per_tok=4, rope_parameters={"rope_type": "default",
+                                         "rope_theta": 5000.0, "partial_rotary_factor": 0.5}), 1),  # fmt: skip
+}
+
+
+def check(arch, overrides, page_size):
+    hf, spec = tiny_model(arch, **overrides)
+    prompt = torch.randint(0, 96, (11,), generator=torch.Generator().manual_seed(3)).tolist()
+    prompt_logits, tokens, step_logits = PagedRunner(spec, hf, page_size).generate(1, prompt, STEPS, [6])
+    ref_tokens, ref_step_logits, ref_prompt_logits = hf_greedy(hf, prompt, STEPS)
+    assert_logits_close(prompt_logits, ref_prompt_logits)
+    assert tokens == ref_tokens, (tokens, ref_tokens)
+    assert_logits_close(step_logits, ref_step_logits)
+
+
+if __name__ == "__main__":
+    results = {}
+    for name, case in CASES.items():
+        try:
+            check(*case)
+            results[name] = None
+        except Exception:  # noqa: BLE001 - reported to the parent test
+            results[name] = traceback.format_exc()
+    json.dump(results, sys.stdout)
