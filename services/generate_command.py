@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from shared.eos import eos_token_ids
 from shared.errors import ConfigError
 from shared.logging import configure_logging
 from shared.sampling import SamplingParams
@@ -40,15 +41,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     parser.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
     add_boot_arguments(parser)
-
-
-def _eos_ids(model_dir: Path, spec) -> set[int]:
-    ids = set(spec.eos_token_ids)
-    gen = model_dir / "generation_config.json"
-    if gen.is_file():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    return ids
 
 
 def _load_tokenizer(model_dir: Path):
@@ -180,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
     )  # fmt: skip
-    token_ids, logprobs, reason = generate(recording, prompt_ids, params, _eos_ids(model_dir, executor.spec))
+    token_ids, logprobs, reason = generate(recording, prompt_ids, params, eos_token_ids(model_dir))
     text = tokenizer.decode(token_ids, skip_special_tokens=True) if tokenizer is not None else None
     if args.json:
         out = {"prompt_token_ids": prompt_ids, "token_ids": token_ids, "logprobs": logprobs, "text": text,

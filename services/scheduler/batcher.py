@@ -87,7 +87,14 @@ class BatchScheduler:
                 f"no room for a single output token; shorten the prompt"
             )
         if max_tokens is None:
-            max_tokens = limit - prompt_len
+            # no max_tokens (the chat default): as many as the model length and the KV pool allow,
+            # so a pool smaller than one max-length sequence never turns it into a 400
+            max_tokens = min(limit, self.kv.total * self.pool.page_size) - prompt_len
+            if max_tokens < 1:
+                raise InvalidRequest(
+                    f"the prompt is {prompt_len} tokens but the server's KV pool holds "
+                    f"{self.kv.total * self.pool.page_size}: no room for a single output token; shorten the prompt"
+                )
         if max_tokens < 1:
             raise InvalidRequest(f"max_tokens must be at least 1, got {max_tokens}")
         if prompt_len + max_tokens > limit:
@@ -227,12 +234,11 @@ class BatchScheduler:
     def complete(self, output: StepOutput) -> Outcome:
         """Apply the in-flight step's output: advance requests, emit tokens, finish the done ones."""
         out = Outcome()
-        entries, self._in_flight = self._in_flight or [], None
-        if output.step_id != self._in_flight_step:
-            err = EngineError(f"the worker answered step {output.step_id}, expected {self._in_flight_step}")
-            for e in entries:
-                self._fail(e.req, err, out)
+        if self._in_flight is None or output.step_id != self._in_flight_step:
+            # A late answer to a step already given up on (--step-timeout): its requests failed
+            # then. Failing the step now in flight would cascade to every later step.
             return out
+        entries, self._in_flight = self._in_flight, None
         sampled = dict(zip(output.req_ids.tolist(), output.token_ids.tolist()))
         for e in entries:
             req = e.req
@@ -258,7 +264,9 @@ class BatchScheduler:
     def fail_step(self, step_id: int, err: FerryError) -> Outcome:
         """The worker could not run the in-flight step: its requests fail, everything else goes on."""
         out = Outcome()
-        entries, self._in_flight = self._in_flight or [], None
+        if self._in_flight is None or step_id != self._in_flight_step:
+            return out  # a late failure of a step already given up on (see complete)
+        entries, self._in_flight = self._in_flight, None
         for e in entries:
             self._fail(e.req, err, out)
         return out

@@ -14,7 +14,6 @@ workspace is estimated (costs.py)."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -88,20 +87,22 @@ def host_available_bytes() -> int | None:
     return None
 
 
-def _free_memory(device: torch.device, req: PlanRequest) -> tuple[int | None, PlanRequest]:
-    """Free device memory, and the request with a CPU default budget filled in when none was given."""
+def _free_memory(device: torch.device, req: PlanRequest) -> tuple[int | None, str]:
+    """Free device memory and where it came from. On CPU without --gpu-memory that is a default
+    budget, passed as free memory so that no message names a flag the user did not set."""
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
-        return int(free), req
+        return int(free), "measured"
     available = host_available_bytes()
     if req.gpu_memory is None:
         default = CPU_DEFAULT_BUDGET if available is None else min(CPU_DEFAULT_BUDGET, available // 2)
+        origin = (f"the CPU default, min({format_bytes(CPU_DEFAULT_BUDGET)}, half of MemAvailable"
+                  f"{'' if available is None else ' ' + format_bytes(available)})")  # fmt: skip
         log.warning("cpu_default_budget", budget=format_bytes(default), budget_bytes=default,
-                    message=f"no --gpu-memory on CPU: budget {format_bytes(default)} (the CPU default, "
-                    f"min({format_bytes(CPU_DEFAULT_BUDGET)}, half of MemAvailable"
-                    f"{'' if available is None else ' ' + format_bytes(available)})); set --gpu-memory to change it")  # fmt: skip
-        req = dataclasses.replace(req, gpu_memory=default)
-    return available, req
+                    message=f"no --gpu-memory on CPU: budget {format_bytes(default)} ({origin}); "
+                    "set --gpu-memory to change it")  # fmt: skip
+        return default, origin
+    return available, "MemAvailable"
 
 
 def _reserved(device: torch.device) -> int:
@@ -160,10 +161,14 @@ def _load_dummy_experts(store, spec, dtype: torch.dtype, device: torch.device) -
 
 def boot_worker(args: argparse.Namespace) -> tuple[StepExecutor, Plan]:
     device = resolve_device(getattr(args, "device", None))
+    if device.type == "cuda":
+        # Triton launches on the current device, whatever device its tensors are on
+        torch.cuda.set_device(device)
     files = open_model(args.model, args.load_format, getattr(args, "revision", None))
     spec = files.spec
     policy = getattr(args, "expert_policy", DEFAULT_EXPERT_POLICY)
-    free, req = _free_memory(device, plan_request_from_args(args))
+    req = plan_request_from_args(args)
+    free, free_source = _free_memory(device, req)
     r = resolve(spec, req)
     dtype = TORCH_DTYPES[r.dtype]
     if device.type == "cuda":
@@ -188,7 +193,7 @@ def boot_worker(args: argparse.Namespace) -> tuple[StepExecutor, Plan]:
             workspace = workspace_bytes_estimate(spec, r.dtype, r.max_prefill_tokens, r.max_running_requests,
                                                  r.max_model_len)  # fmt: skip
             workspace_source = "estimate"
-        plan = plan_for_expert_store(spec, req, Measured(weights, workspace, free, "measured", workspace_source))
+        plan = plan_for_expert_store(spec, req, Measured(weights, workspace, free, "measured", workspace_source, free_source))
         banks = _host_banks(spec, plan)  # before any pool is allocated (rule 4)
         pools = allocate_pools(spec, plan, device)
         store = build_expert_store(spec, plan, pools.experts, device, policy=policy, banks=banks)

@@ -58,6 +58,7 @@ class Measured:
     free_bytes: int | None = None  # free device memory before loading; None: no device here
     weights_source: str = "estimate"  # measured | safetensors | shapes
     workspace_source: str = "estimate"  # profiled | estimate
+    free_source: str = "measured"  # how free_bytes was obtained, for the budget's derivation
 
 
 @dataclass(frozen=True)
@@ -175,7 +176,7 @@ def _budget(req: PlanRequest, ratio: float, measured: Measured) -> tuple[int, st
             )
         base, base_text = req.gpu_memory, f"--gpu-memory {format_bytes(req.gpu_memory)}"
     elif measured.free_bytes is not None:
-        base, base_text = measured.free_bytes, f"free device memory {format_bytes(measured.free_bytes)} (measured)"
+        base, base_text = measured.free_bytes, f"free device memory {format_bytes(measured.free_bytes)} ({measured.free_source})"
     else:
         raise ConfigError("no GPU here to measure: give the device budget with --gpu-memory (e.g. --gpu-memory 24GiB)")
     budget = math.floor(base * ratio)
@@ -293,9 +294,11 @@ def make_plan(spec: ModelSpec, req: PlanRequest, measured: Measured) -> Plan:
         grown = _largest(lambda s: expert_cost(s) - expert_cost(slots), remaining, slots, total_experts)
         remaining -= expert_cost(grown) - expert_cost(slots)
         slots = grown
-    # KV grows past its floor only once every expert is resident: crumbs smaller than one expert
-    # slot stay headroom, so a KV floor of N tokens and a requirement of N give the same plan.
-    if kv_required_pages is None and slots == total_experts:
+    # KV grows past its floor once the experts can take no more: every expert is resident, or
+    # their count is a requirement. While experts are filled automatically, crumbs smaller than
+    # one expert slot stay headroom, so a KV floor of N tokens and a requirement of N give the
+    # same plan.
+    if kv_required_pages is None and (expert_required is not None or slots == total_experts):
         upper = kv_pages + remaining // max(L.kv_bytes_per_token(spec, r.dtype) * r.page_size, 1) + 1
         grown = _largest(lambda p: kv_cost(p) - kv_cost(kv_pages), remaining, kv_pages, upper)
         remaining -= kv_cost(grown) - kv_cost(kv_pages)

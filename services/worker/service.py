@@ -137,11 +137,13 @@ class WorkerService:
         except Exception as exc:  # noqa: BLE001 - a failed step must reach the scheduler, not kill the worker
             log.exception("step_failed", step_id=batch.step_id)
             self.results.send(StepFailed(step_id=batch.step_id, message=f"{type(exc).__name__}: {exc}"))
-            return
-        finally:
             self.heartbeat.step_started = None
+            return
         self.metrics.observe_step(time.perf_counter() - t0, len(batch.tokens), len(batch.req_ids))
+        # the answer goes out before the heartbeat may say "idle": the scheduler must not hand out
+        # a new step while this one's answer is still on its way
         self.results.send(StepDone(output))
+        self.heartbeat.step_started = None
 
     def close(self) -> None:
         self.heartbeat.stopped.set()

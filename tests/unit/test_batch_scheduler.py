@@ -198,3 +198,29 @@ def test_an_unusable_pool_report_is_refused_naming_the_field():
         make(prefill=0)
     with pytest.raises(ValueError, match="kv_pages"):
         make(pages=0)
+
+
+def test_default_max_tokens_is_capped_by_a_pool_smaller_than_the_model_length():
+    sched, model = make(pages=8, page_size=4, model_len=128)  # 32 tokens of KV, model length 128
+    req = add(sched, 1, prompt(0, 10), None)
+    assert req.sampling.max_tokens == 32 - 10
+    tokens, finished = run_to_end(sched, model)
+    assert len(tokens[1]) == 22 and finished[1] == "length"
+    with pytest.raises(InvalidRequest, match="KV pool holds 32"):
+        add(sched, 2, prompt(1, 40), None)
+
+
+def test_a_late_answer_to_a_step_given_up_on_fails_nothing_now_in_flight():
+    """After --step-timeout the scheduler fails the hung step and moves on; the worker's late
+    StepDone for it must not fail the step that is in flight by then."""
+    sched, model = make(running=1)
+    add(sched, 1, prompt(1, 5), 5)
+    hung = sched.schedule()
+    sched.fail_step(hung.step_id, EngineError("step timeout"))
+    add(sched, 2, prompt(2, 5), 5)
+    current = sched.schedule()
+    late = model.execute(hung)
+    assert not sched.complete(late).failed and sched.step_in_flight
+    assert not sched.fail_step(hung.step_id, EngineError("late failure")).failed and sched.step_in_flight
+    out = sched.complete(model.execute(current))
+    assert not out.failed and [r.rid for r, _ in out.tokens] == [2]

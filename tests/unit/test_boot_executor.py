@@ -45,6 +45,14 @@ def test_cpu_default_budget_is_stated(tiny_models, monkeypatch, capsys):
     assert events["cpu_default_budget"]["level"] == "warning"
     assert events["plan"]["expert_slots"] == plan.experts.slots and events["plan"]["process"] == "worker"
     assert plan.budget_bytes == int(48 * 2**20 * 0.9)
+    assert "the CPU default" in plan.budget_derivation and "--gpu-memory" not in plan.budget_derivation
+
+
+def test_cpu_default_budget_failure_names_no_flag_the_user_did_not_set(tiny_models, monkeypatch):
+    monkeypatch.setattr(boot_module, "CPU_DEFAULT_BUDGET", 4 * 2**20)
+    with pytest.raises(PlanError) as err:
+        boot_worker(boot_args(tiny_models["qwen3_moe"]))
+    assert "the CPU default" in str(err.value) and "--gpu-memory" not in str(err.value)
 
 
 def _json_lines(text: str) -> list[str]:

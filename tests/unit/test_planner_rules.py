@@ -5,6 +5,7 @@ import pytest
 from shared.errors import ConfigError, PlanError
 from shared.model_config import parse_model_config
 from services.worker.planner import Measured, PlanRequest, make_plan
+from services.worker import pool_layout as L
 from services.worker.pools import allocate_pools
 
 TINY = {
@@ -108,3 +109,10 @@ def test_memory_ratio_hint_when_the_user_set_it():
         make_plan(SPEC, PlanRequest(gpu_memory=total, memory_ratio=0.5, **flags), FACTS)
     assert "--memory-ratio would have to be at least 1" in str(err.value)
     make_plan(SPEC, PlanRequest(gpu_memory=total, memory_ratio=1.0, **flags), FACTS)
+
+
+def test_kv_takes_the_rest_when_the_expert_cache_size_is_fixed():
+    for flags in (dict(moe_cache_size=32), dict(moe_cache_rate=0.5)):
+        p = make_plan(SPEC_BIG, PlanRequest(gpu_memory=400_000_000, memory_ratio=1.0, **flags), FACTS)
+        assert p.experts.slots == 32 and p.kv.tokens > 512
+        assert p.headroom_bytes < L.kv_bytes_per_token(SPEC_BIG, p.dtype) * p.kv.page_size + 2 * 2**20
