@@ -43,6 +43,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_boot_arguments(parser)
 
 
+def _stop_ids(model_dir: Path, tokenizer) -> set[int]:
+    """The model's EOS ids and the tokenizer's: the same set the api stops on."""
+    ids = eos_token_ids(model_dir)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids
+
+
 def _load_tokenizer(model_dir: Path):
     from transformers import AutoTokenizer
 
@@ -172,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
     )  # fmt: skip
-    token_ids, logprobs, reason = generate(recording, prompt_ids, params, eos_token_ids(model_dir))
+    token_ids, logprobs, reason = generate(recording, prompt_ids, params, _stop_ids(model_dir, tokenizer))
     text = tokenizer.decode(token_ids, skip_special_tokens=True) if tokenizer is not None else None
     if args.json:
         out = {"prompt_token_ids": prompt_ids, "token_ids": token_ids, "logprobs": logprobs, "text": text,

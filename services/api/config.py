@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import uuid
 from dataclasses import dataclass
 
 from shared.errors import ConfigError
@@ -43,5 +44,7 @@ def api_config_from_args(args: argparse.Namespace, scheduler_addr: str, tokenize
         host=args.host, port=args.port, scheduler_addr=scheduler_addr, tokenizer=tokenizer,
         served_model_name=args.served_model_name or tokenizer, api_key=args.api_key or None,  # '' from compose: no key
         max_body_bytes=max_body,
-        identity=f"api-{socket.gethostname()}-{os.getpid()}",
+        # unique per start: a restarted container keeps its hostname and pid 1, and must not
+        # inherit the old replica's request ids at the scheduler
+        identity=f"api-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}",
     )  # fmt: skip

@@ -153,12 +153,18 @@ class SchedulerService:
             if isinstance(exc, InvalidRequest):
                 self.metrics.rejected.inc()
             log.info("request_rejected", error=str(exc))
-            self.router.send(client, Failed(req_id=msg.req_id, error_type=type(exc).__name__, message=str(exc)))
+            self._send(client, Failed(req_id=msg.req_id, error_type=type(exc).__name__, message=str(exc)))
             return
         finally:
             structlog.contextvars.unbind_contextvars("client", "client_req_id")
         self.rids[(client, msg.req_id)] = rid
         log.debug("request_queued", rid=rid, prompt_tokens=req.prompt_len, max_tokens=req.sampling.max_tokens)
+
+    def _send(self, client: bytes, msg) -> None:
+        """To one api replica; a message it cannot take (disconnected right now) is logged, since
+        its request then waits on the api side until that replica is declared lost."""
+        if not self.router.send(client, msg):
+            log.warning("api_message_dropped", client=client.decode(errors="replace"), message=type(msg).__name__)
 
     def _emit(self, out: Outcome) -> None:
         per_client: dict[bytes, tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
@@ -167,16 +173,16 @@ class SchedulerService:
             ids.append(req.client_req_id)
             toks.append(token)
         for client, (ids, toks) in per_client.items():
-            self.router.send(client, Tokens(np.array(ids, dtype=np.int64), np.array(toks, dtype=np.int32)))
+            self._send(client, Tokens(np.array(ids, dtype=np.int64), np.array(toks, dtype=np.int32)))
         for req, reason in out.finished:
             self.rids.pop((req.client, req.client_req_id), None)
-            self.router.send(req.client, Finished(
+            self._send(req.client, Finished(
                 req_id=req.client_req_id, reason=reason, prompt_tokens=req.prompt_len,
                 completion_tokens=req.output_len, cached_tokens=req.cached_tokens,
             ))  # fmt: skip
         for req, err in out.failed:
             self.rids.pop((req.client, req.client_req_id), None)
-            self.router.send(req.client, Failed(req_id=req.client_req_id, error_type=type(err).__name__, message=str(err)))
+            self._send(req.client, Failed(req_id=req.client_req_id, error_type=type(err).__name__, message=str(err)))
 
     # ---- liveness --------------------------------------------------------------------------------
 

@@ -147,7 +147,8 @@ def workspace_bytes_estimate(spec: ModelSpec, dtype: str, max_step_tokens: int, 
     attention projections and one layer's K/V context gathered from the pages, the MoE gather/GEMM buffers
     (the float32 row buffer of the expert stores included) and
     router scores, the Gated DeltaNet projections and per-chunk states, and fp32 logits and
-    probabilities of every sampled row. A 25% margin covers allocator fragmentation."""
+    probabilities of every sampled row, the sampler state of every penalised request. A 25% margin
+    covers allocator fragmentation."""
     b = DTYPE_BYTES[dtype]
     t, h = max_step_tokens, spec.hidden_size
     residual = 4 * t * h * b
@@ -170,6 +171,8 @@ def workspace_bytes_estimate(spec: ModelSpec, dtype: str, max_step_tokens: int, 
         linear += (-(-t // 64)) * nv * dk * dv * 4  # per-chunk states of the chunked delta rule
     widest_layer = max(attention, linear) + max(moe, dense)
     logits = 2 * max_running_requests * spec.vocab_size * 4
+    # per running request with penalties, the sampler keeps output counts (fp32) and a seen mask (bool)
+    logits += max_running_requests * (spec.vocab_size * 5 + 2 * ALLOC_GRANULE)
     return round_up(int((residual + widest_layer + logits) * 1.25), 2**20)
 
 

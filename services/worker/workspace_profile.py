@@ -69,10 +69,16 @@ def _prepare(experts: LateBoundExperts, spec: ModelSpec, r: Resolved, device: to
     step.tokens %= spec.vocab_size
     pools = temporary_pools(spec, r, step, device)
     experts.bind(SharedLayerExperts(pools.experts, spec.num_experts))
+    return step, pools
+
+
+def _sampler(spec: ModelSpec, step: StepBatch, device: torch.device) -> Sampler:
+    """The sampler with every request of the step registered: each penalised request keeps
+    per-vocabulary state on the device for its lifetime, which the workspace must include."""
     sampler = Sampler(spec.vocab_size, device, seed=0)
     for rid in step.req_ids.tolist():
         sampler.add_request(NewRequest(rid, step.tokens[:8], PROFILE_SAMPLING))
-    return step, pools, sampler
+    return sampler
 
 
 def _run(model, step: StepBatch, pools: Pools, sampler: Sampler, r: Resolved, device: torch.device) -> torch.Tensor:
@@ -85,9 +91,9 @@ def _run(model, step: StepBatch, pools: Pools, sampler: Sampler, r: Resolved, de
 
 def run_largest_step(model, experts: LateBoundExperts, spec: ModelSpec, r: Resolved, device: torch.device) -> torch.Tensor:
     """Forward and sample the largest step on temporary pools; returns the sampled tokens."""
-    step, pools, sampler = _prepare(experts, spec, r, device)
+    step, pools = _prepare(experts, spec, r, device)
     try:
-        return _run(model, step, pools, sampler, r, device)
+        return _run(model, step, pools, _sampler(spec, step, device), r, device)
     finally:
         experts.unbind()
 
@@ -96,13 +102,15 @@ def profile_workspace_cuda(model, experts: LateBoundExperts, spec: ModelSpec, r:
     """Peak bytes the largest step takes beyond its inputs (allocator segments included), plus
     the long-context gather."""
     # The temporary pools are part of the baseline, not of the workspace: allocate them first.
-    step, pools, sampler = _prepare(experts, spec, r, device)
+    step, pools = _prepare(experts, spec, r, device)
+    sampler = None
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     baseline_allocated = torch.cuda.memory_allocated(device)
     baseline_reserved = torch.cuda.memory_reserved(device)
     torch.cuda.reset_peak_memory_stats(device)
     try:
+        sampler = _sampler(spec, step, device)
         _run(model, step, pools, sampler, r, device)
         torch.cuda.synchronize(device)
         # Reserved, not only allocated: the allocator takes whole segments (2 MiB, or 20 MiB for

@@ -35,7 +35,7 @@ class GreedyReference:
         from transformers import AutoTokenizer
 
         from services.cli import build_parser
-        from services.generate_command import _eos_ids
+        from shared.eos import eos_token_ids
         from services.worker.boot import boot_worker
 
         argv = ["generate", "--model", str(model_dir), "--prompt", "unused", "--device", "cpu", "--num-pages", "64",
@@ -43,7 +43,7 @@ class GreedyReference:
         self.torch = torch
         self.executor, _ = boot_worker(build_parser("generate").parse_args(argv))
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.eos_ids = _eos_ids(model_dir, self.executor.spec)
+        self.eos_ids = eos_token_ids(model_dir)
 
     def chat_ids(self, messages) -> list[int]:
         """The prompt the api builds for a chat request (services/api/tokenizer.py)."""
