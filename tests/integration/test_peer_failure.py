@@ -58,7 +58,7 @@ def test_killing_the_worker_fails_requests_fast_and_health_turns_503(slow_model_
             raise AssertionError("a request succeeded without a worker")
         except openai.APIStatusError as exc:
             assert exc.status_code == 503
-        assert time.monotonic() - t0 < 2
+        assert time.monotonic() - t0 < 5  # refused, not queued until the client's 10 s timeout
     finally:
         c.stop()
 
@@ -76,7 +76,7 @@ def test_killing_the_scheduler_turns_api_health_503(model_dir, tmp_path):
             raise AssertionError("a request succeeded without a scheduler")
         except openai.APIStatusError as exc:
             assert exc.status_code == 503
-        assert time.monotonic() - t0 < 2
+        assert time.monotonic() - t0 < 5  # refused, not queued until the client's 10 s timeout
     finally:
         c.stop()
 
@@ -111,7 +111,7 @@ def test_a_worker_hung_in_one_step_fails_its_requests_and_recovers(tmp_path_fact
     from tests.integration.harness import make_model_dir
 
     model = make_model_dir(tiny_tokenizer_dir, tmp_path_factory.mktemp("models") / "hung", tiny_tokenizer,
-                           step_delay_s=3.0)  # fmt: skip
+                           step_delay_s=6.0)  # fmt: skip
     c = start_cluster(model, tmp_path_factory.mktemp("hung"), scheduler_flags=["--step-timeout", "1"])
     try:
         client = openai.OpenAI(base_url=c.base_url + "/v1", api_key="x", max_retries=0, timeout=30)
@@ -121,10 +121,10 @@ def test_a_worker_hung_in_one_step_fails_its_requests_and_recovers(tmp_path_fact
             raise AssertionError("a request finished although every step outlasts --step-timeout")
         except openai.APIStatusError as exc:
             assert exc.status_code == 503 and "step-timeout" in exc.message
-        assert time.monotonic() - t0 < 2.9, "failed only when the step ended, not when it overran"
+        assert time.monotonic() - t0 < 5.5, "failed only when the step ended, not when it overran"
         status, body = eventually(lambda: (lambda r: r if r[0] == 503 else None)(http_get(c.base_url + "/health")),
-                                  timeout=1.0) or (200, "")  # fmt: skip
+                                  timeout=3.0) or (200, "")  # fmt: skip
         assert status == 503 and "step-timeout" in body
-        assert eventually(lambda: http_get(c.base_url + "/health")[0] == 200, timeout=6)  # the step ended: idle again
+        assert eventually(lambda: http_get(c.base_url + "/health")[0] == 200, timeout=12)  # the step ended: idle again
     finally:
         c.stop()
