@@ -196,3 +196,26 @@ def stream_concurrently(base_url: str, jobs: list[tuple[str, int]]) -> list[tupl
             await client.close()
 
     return asyncio.run(main())
+
+
+def health_turns_503(base_url: str, reason: str, timeout: float = 5.0) -> str:
+    """Wait for /health to answer 503; returns its body, which must name `reason`."""
+    found = eventually(lambda: (lambda r: r if r[0] == 503 else None)(http_get(base_url + "/health")), timeout=timeout)
+    status, body = found or (0, "")
+    assert status == 503 and reason in body, f"/health did not turn 503 naming {reason!r}: {status} {body[:200]}"
+    return body
+
+
+def assert_new_request_refused(base_url: str, within_s: float = 5.0) -> None:
+    """A request sent now gets a 503 at once, not a place in a queue until the client's 10 s timeout."""
+    import openai
+
+    t0 = time.monotonic()
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0, timeout=10)
+    try:
+        client.completions.create(model="tiny", prompt="anyone?", max_tokens=3)
+    except openai.APIStatusError as exc:
+        assert exc.status_code == 503, exc
+    else:
+        raise AssertionError("a request succeeded although the server cannot serve")
+    assert time.monotonic() - t0 < within_s
