@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 BIN   := $(VENV)/bin
 STAMP := $(VENV)/.ferry-installed
 
-.PHONY: venv serve test test-fast lint lint-tools image clean
+.PHONY: venv serve test lint-tools image clean gpu-check
 
 venv: $(STAMP)
 
@@ -38,6 +38,15 @@ lint-tools:
 
 test: $(STAMP) lint-tools
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The GPU release check (bench/gpu_check.py): the CUDA tests, then `ferry serve` with the Qwen3-30B-A3B
+# config and the openai client. Run it on a CUDA host, from this tree, with a CUDA torch installed
+# (e.g. `make venv TORCH_SPEC=... TORCH_INDEX=...`); results land in $(OUT)/gpu_check.json.
+OUT        ?= out
+GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+
+gpu-check:
+	$(GPU_PYTHON) bench/gpu_check.py --out $(OUT)
 
 image:
 	docker build -t ferry:0.1.0 .

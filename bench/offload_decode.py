@@ -42,6 +42,7 @@ from kernels.grouped_expert_gemm import grouped_expert_forward  # noqa: E402
 from kernels.moe_reference import grouped_expert_forward_reference  # noqa: E402
 from shared.model_config import load_model_config  # noqa: E402
 from shared.units import parse_bytes  # noqa: E402
+from services.worker.device import select_device  # noqa: E402
 from services.worker import pool_layout as L  # noqa: E402
 from services.worker.costs import resident_weight_bytes_from_shapes, workspace_bytes_estimate  # noqa: E402
 from services.worker.offload.expert_cache import OffloadedExperts  # noqa: E402
@@ -220,7 +221,7 @@ def decode_run(store: OffloadedExperts, banks: HostBanks, spec, args, batch: int
 
 
 def run(args: argparse.Namespace) -> dict:
-    device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = select_device(args.device)
     clock = Clock(device)
     spec = load_model_config(args.model)
     dtype = args.dtype or spec.dtype

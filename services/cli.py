@@ -14,6 +14,7 @@ COMMANDS = {
     "plan": ("services.plan_command", "print the worker's memory plan for a model and a device budget"),
     "generate": ("services.generate_command", "generate from one prompt offline, through the worker's boot and executor"),
     "make-tiny-model": ("services.make_tiny_model", "write the tiny random-weight demo checkpoint (also the tests' model)"),
+    "make-bench-model": ("services.bench_model", "write a model directory of a real config's shapes (tokenizer included) for --load-format dummy"),
     "serve": ("services.serve_command", "run api, scheduler and worker on this host (an OpenAI-compatible server)"),
     "api": ("services.api.command", "run one api replica: the OpenAI-compatible HTTP server"),
     "scheduler": ("services.scheduler.command", "run the scheduler"),

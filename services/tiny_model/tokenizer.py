@@ -59,3 +59,69 @@ def train_tokenizer(vocab_size: int = 640) -> PreTrainedTokenizerFast:
     )
     fast.chat_template = CHATML_TEMPLATE
     return fast
+
+
+def printable_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer with exactly `vocab_size` ids, for real model shapes with random
+    weights: a model of Qwen's 151,936-token vocabulary samples any id, and every id must decode.
+
+    The 256 byte tokens, then merges of printable ASCII (pairs, then triples) up to
+    `vocab_size - 3`, then the three special tokens. Every merged token is ASCII, so a random
+    model's output streams as text instead of being held back as incomplete UTF-8."""
+    if vocab_size < 256 + len(SPECIAL_TOKENS) + 1:
+        raise ValueError(f"vocab_size must be at least {256 + len(SPECIAL_TOKENS) + 1}, got {vocab_size}")
+    to_char = bytes_to_unicode()
+    vocab = {to_char[b]: b for b in range(256)}
+    printable = [to_char[b] for b in range(32, 127)]
+    merges: list[tuple[str, str]] = []
+    wanted = vocab_size - len(SPECIAL_TOKENS)
+
+    def add(a: str, b: str) -> bool:
+        if len(vocab) >= wanted:
+            return False
+        vocab[a + b] = len(vocab)
+        merges.append((a, b))
+        return True
+
+    pairs = [a + b for a in printable for b in printable]
+    done = not all(add(p[0], p[1]) for p in pairs)
+    for p in pairs:  # triples: a pair then one more character
+        if done:
+            break
+        for c in printable:
+            if not add(p, c):
+                done = True
+                break
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=None,
+        eos_token=IM_END,
+        pad_token=ENDOFTEXT,
+        additional_special_tokens=[IM_START],
+        clean_up_tokenization_spaces=False,
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    return fast
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map, which byte-level BPE vocabularies are written in."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))

@@ -25,6 +25,7 @@ import torch
 from shared.errors import ConfigError, FerryError
 from shared.units import MiB, format_bytes
 from services.worker.costs import workspace_bytes_estimate
+from services.worker.device import select_device
 from services.worker.executor import StepExecutor
 from services.worker.dummy_weights import iter_dummy_experts
 from services.worker.late_bound_experts import LateBoundExperts
@@ -59,20 +60,6 @@ def add_boot_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="auto, cpu, cuda or cuda:N (default auto: cuda if available, else cpu)")
     add_expert_policy_flag(parser)
     add_planner_flags(parser)  # fmt: skip
-
-
-def resolve_device(name: str | None) -> torch.device:
-    if name is None or name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError as exc:
-        raise ConfigError(f"--device {name!r} is not a device: use cpu, cuda or cuda:N") from exc
-    if device.type not in ("cpu", "cuda"):
-        raise ConfigError(f"--device {name!r}: Ferry runs on cpu or cuda")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"--device {name}: torch sees no CUDA device here (use --device cpu)")
-    return device
 
 
 def host_available_bytes() -> int | None:
@@ -160,10 +147,7 @@ def _load_dummy_experts(store, spec, dtype: torch.dtype, device: torch.device) -
 
 
 def boot_worker(args: argparse.Namespace) -> tuple[StepExecutor, Plan]:
-    device = resolve_device(getattr(args, "device", None))
-    if device.type == "cuda":
-        # Triton launches on the current device, whatever device its tensors are on
-        torch.cuda.set_device(device)
+    device = select_device(getattr(args, "device", None))
     files = open_model(args.model, args.load_format, getattr(args, "revision", None))
     spec = files.spec
     policy = getattr(args, "expert_policy", DEFAULT_EXPERT_POLICY)

@@ -32,3 +32,15 @@ def transformers_torch_reference(monkeypatch):
             original = getattr(fn, "__wrapped__", None)
             if original is not None:
                 monkeypatch.setattr(module, fn_name, original)
+
+
+@pytest.fixture(scope="session")
+def cuda_device():
+    """The CUDA device Ferry's APIs are given here, resolved (and made current) as boot does it."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from services.worker.device import select_device
+
+    return select_device("cuda")

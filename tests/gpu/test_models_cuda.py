@@ -38,7 +38,7 @@ def _teacher_forced(runner: PagedRunner, prompt: list[int], continuation: list[i
 
 
 @pytest.mark.parametrize("arch,page_size", [("qwen3_moe", 16), ("qwen3_next", 1), ("qwen3_5_moe", 16)])
-def test_bf16_on_cuda_tracks_transformers(arch, page_size):
+def test_bf16_on_cuda_tracks_transformers(arch, page_size, cuda_device):
     hf32, spec = tiny_model(arch, seed=31)
     ids = torch.tensor([PROMPT])
     with torch.no_grad():
@@ -50,7 +50,7 @@ def test_bf16_on_cuda_tracks_transformers(arch, page_size):
         full = torch.tensor([PROMPT + generated])
         exact = hf32(full).logits[0, len(PROMPT) - 1 : -1].float()
         theirs = hf16(full.cuda()).logits[0, len(PROMPT) - 1 : -1].float().cpu()
-    ours = _teacher_forced(PagedRunner(spec, hf16, page_size, dtype=torch.bfloat16, device="cuda"), PROMPT, generated)
+    ours = _teacher_forced(PagedRunner(spec, hf16, page_size, dtype=torch.bfloat16, device=cuda_device), PROMPT, generated)
 
     scale = exact.abs().max().item()
     their_err = (theirs - exact).abs().mean().item()
@@ -60,10 +60,10 @@ def test_bf16_on_cuda_tracks_transformers(arch, page_size):
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe"])
-def test_float32_on_cuda_matches_transformers(arch):
+def test_float32_on_cuda_matches_transformers(arch, cuda_device):
     """float32 end to end on the GPU: only accumulation order (and fla's tf32 dots) differ."""
     hf, spec = tiny_model(arch, seed=32)
     with torch.no_grad():
         exact = hf(torch.tensor([PROMPT])).logits[0].float()
-    ours = PagedRunner(spec, hf, 4, device="cuda").step([(1, PROMPT)])[0].cpu()
+    ours = PagedRunner(spec, hf, 4, device=cuda_device).step([(1, PROMPT)])[0].cpu()
     assert (ours - exact).abs().max().item() <= 5e-3 * exact.abs().max().item()

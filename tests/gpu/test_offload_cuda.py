@@ -23,12 +23,12 @@ LAYERS, E = 4, 16
 
 
 @pytest.mark.parametrize("num_slots", [16, 24, 64])
-def test_offloaded_matches_all_resident_on_cuda(num_slots):
+def test_offloaded_matches_all_resident_on_cuda(num_slots, cuda_device):
     banks = HostBanks.for_model(SPEC, "bfloat16", progress=False)
     assert banks.pinned
     banks.fill_dummy(seed=num_slots, progress=False)
-    slots = ExpertSlotPool(allocate_pool(L.expert_slot_layout(SPEC, "bfloat16", num_slots), "cuda"))
-    store = OffloadedExperts(slots, banks, LRUExpertPolicy(LAYERS, E, num_slots), "cuda", prefill_tokens=32)
+    slots = ExpertSlotPool(allocate_pool(L.expert_slot_layout(SPEC, "bfloat16", num_slots), cuda_device))
+    store = OffloadedExperts(slots, banks, LRUExpertPolicy(LAYERS, E, num_slots), cuda_device, prefill_tokens=32)
     if num_slots == LAYERS * E:
         assert store.preload() == LAYERS * E
     # every expert resident, slot = layer * E + expert: the answer the cache must give

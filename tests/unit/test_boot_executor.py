@@ -192,17 +192,3 @@ def test_reserving_more_than_gpu_memory_fails_clearly(monkeypatch):
         _check_budget(torch.device("cuda"), PlanRequest(gpu_memory=1000), None, earlier_peak=1001)
     with pytest.raises(MemoryBudgetExceeded, match="free memory"):
         _check_budget(torch.device("cuda"), PlanRequest(), 800, earlier_peak=0)
-
-
-def test_device_flag_is_checked():
-    import torch
-
-    from services.worker.boot import resolve_device
-
-    assert resolve_device("cpu") == torch.device("cpu")
-    assert resolve_device("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    with pytest.raises(ConfigError, match="--device"):
-        resolve_device("tpu")
-    if not torch.cuda.is_available():
-        with pytest.raises(ConfigError, match="no CUDA device"):
-            resolve_device("cuda")

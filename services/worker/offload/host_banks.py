@@ -72,7 +72,8 @@ def _host_block(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.
     cudart = torch.cuda.cudart()
     if not hasattr(cudart, "cudaHostRegister"):  # an old torch: its pinned allocator, rounding and all
         return torch.empty(shape, dtype=dtype, pin_memory=True)
-    err = int(cudart.cudaHostRegister(block.data_ptr(), block.nbytes, 1))  # 1: cudaHostRegisterPortable
+    # 1 | 2: cudaHostRegisterPortable | cudaHostRegisterMapped: the GPU reads the banks itself (kernels/expert_copy.py)
+    err = int(cudart.cudaHostRegister(block.data_ptr(), block.nbytes, 3))
     if err != 0:
         raise HostMemoryError(f"page-locking {format_bytes(block.nbytes)} of host memory for the expert banks "
                               f"failed (cudaError {err}); check `ulimit -l` and the container's memlock limit")  # fmt: skip

@@ -1,0 +1,302 @@
+"""The GPU release check (`make gpu-check`): what CI cannot run, in one command on a CUDA host.
+
+1. the CUDA tests (`tests/gpu`), all of them, with no stop at the first failure;
+2. `ferry serve` as a user runs it: default flags except `--model` (a directory with the
+   Qwen3-30B-A3B config and a tokenizer of its vocabulary, `ferry make-bench-model`),
+   `--load-format dummy --gpu-memory 24GiB` (and `--worker-health-port`, since the worker's
+   /metrics is off by default); then the official `openai` client: a streamed chat, a streamed
+   completion with `stream_options.include_usage`, 8 concurrent streams; `/health` and the
+   worker's `/metrics` scraped; SIGTERM, and a check that serve and its three children exited.
+
+Writes OUT/gpu_check.json (commit, device, test counts, serve_ok, each step, single-stream tok/s)
+and OUT/gpu_check.log. Exit status 0 only if every CUDA test passed and serving worked.
+
+    python3 bench/gpu_check.py --out out        # make gpu-check OUT=out
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import urllib.request
+import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = ROOT / "tests/data/models/qwen3-30b-a3b/config.json"
+
+
+class Log:
+    """Everything the check prints goes to the terminal and to OUT/gpu_check.log."""
+
+    def __init__(self, path: Path):
+        self.file = path.open("a")
+
+    def __call__(self, *parts) -> None:
+        line = " ".join(str(p) for p in parts)
+        print(line, flush=True)
+        self.file.write(line + "\n")
+        self.file.flush()
+
+
+def commit_of_tree() -> tuple[str, bool | None]:
+    """(HEAD of this tree, whether it has uncommitted changes); FERRY_COMMIT where there is no git
+    (the device machine gets a copy of the working tree without .git)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, check=True).stdout.strip() != ""  # fmt: skip
+        return head.stdout.strip(), dirty
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("FERRY_COMMIT", "unknown"), None
+
+
+def junit_counts(path: Path) -> dict:
+    """passed/failed/errors/skipped from pytest's JUnit XML."""
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    n = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+    failed = [f"{c.get('classname')}::{c.get('name')}" for c in root.iter("testcase")
+              if c.find("failure") is not None or c.find("error") is not None]  # fmt: skip
+    return {"passed": n["tests"] - n["failures"] - n["errors"] - n["skipped"], "failed": n["failures"] + n["errors"],
+            "skipped": n["skipped"], "failed_tests": failed}  # fmt: skip
+
+
+def run_cuda_tests(out: Path, log: Log, tests: str, timeout: float) -> dict:
+    xml = out / "gpu_tests.xml"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", tests, f"--junitxml={xml}"]
+    log("$", " ".join(cmd))
+    t0 = time.monotonic()
+    with (out / "gpu_tests.log").open("w") as f:
+        try:
+            rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    counts = junit_counts(xml) if xml.is_file() else {"passed": 0, "failed": 1, "skipped": 0,
+                                                      "failed_tests": [f"pytest did not finish (rc {rc})"]}  # fmt: skip
+    counts.update(rc=rc, seconds=round(time.monotonic() - t0, 1))
+    log(f"CUDA tests: {counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped "
+        f"in {counts['seconds']} s (rc {rc})")  # fmt: skip
+    for name in counts["failed_tests"]:
+        log("  FAILED", name)
+    return counts
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def children_of(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(entry.name))
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def stream_completion(client, model: str, prompt: str, max_tokens: int) -> dict:
+    """One streamed completion (include_usage, ignore_eos): token count, arrival times, text."""
+    t0 = time.perf_counter()
+    arrivals, text, usage = [], [], None
+    stream = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, stream=True,
+                                       stream_options={"include_usage": True}, temperature=0.0,
+                                       extra_body={"ignore_eos": True})  # fmt: skip
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        if chunk.choices and chunk.choices[0].text:
+            arrivals.append(time.perf_counter() - t0)
+            text.append(chunk.choices[0].text)
+    if usage is None:
+        raise AssertionError("the stream ended without a usage chunk (stream_options.include_usage)")
+    if usage.completion_tokens != max_tokens:
+        raise AssertionError(f"completion_tokens {usage.completion_tokens}, expected {max_tokens} (ignore_eos)")
+    if len(arrivals) < 2:
+        raise AssertionError(f"only {len(arrivals)} text chunks arrived")
+    decode_s = arrivals[-1] - arrivals[0]
+    return {"completion_tokens": usage.completion_tokens, "prompt_tokens": usage.prompt_tokens, "chunks": len(arrivals),
+            "ttft_s": arrivals[0], "decode_s": decode_s, "tok_s": (max_tokens - 1) / decode_s if decode_s > 0 else None,
+            "text_head": "".join(text)[:80]}  # fmt: skip
+
+
+def check_serve(out: Path, log: Log, config: Path, serve_args: list[str], ready_timeout: float, tokens: int) -> dict:
+    """`ferry serve` + the openai client; every step's outcome under "steps"."""
+    from openai import OpenAI
+
+    steps: dict = {}
+    result: dict = {"steps": steps}
+    model_dir = Path(tempfile.mkdtemp(prefix="ferry-gpu-check-")) / config.parent.name
+    subprocess.run([sys.executable, "-m", "services.cli", "make-bench-model", str(model_dir), "--config", str(config)],
+                   cwd=ROOT, check=True, capture_output=True)  # fmt: skip
+    port, worker_port = free_port(), free_port()
+    cmd = [sys.executable, "-m", "services.cli", "serve", "--model", str(model_dir), "--port", str(port),
+           "--worker-health-port", str(worker_port), *serve_args]  # fmt: skip
+    result["command"] = " ".join(["ferry", *cmd[3:]])
+    log("$", result["command"])
+    serve_log = (out / "serve.log").open("w")
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=serve_log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        while True:  # ready: /health 200
+            if proc.poll() is not None:
+                raise AssertionError(f"ferry serve exited with {proc.returncode} before it was ready (see serve.log)")
+            if time.monotonic() - t0 > ready_timeout:
+                raise AssertionError(f"not ready after {ready_timeout:.0f} s")
+            try:
+                if http_get(base + "/health", 2)[0] == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(1)
+        result["ready_s"] = round(time.monotonic() - t0, 1)
+        log(f"ready in {result['ready_s']} s")
+        client = OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=300)
+        model = client.models.list().data[0].id
+
+        def step(name, fn):
+            try:
+                steps[name] = {"ok": True, **(fn() or {})}
+            except Exception as exc:  # noqa: BLE001 - every step is reported, the check goes on
+                steps[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+                log(traceback.format_exc())
+            log(f"{name}: {json.dumps(steps[name])[:400]}")
+
+        def chat():
+            t = time.perf_counter()
+            stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hello."}],
+                                                    max_tokens=32, stream=True)  # fmt: skip
+            chunks = [c for c in stream]
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+            if not text or reasons not in (["stop"], ["length"]):
+                raise AssertionError(f"chat stream gave text {text!r}, finish reasons {reasons}")
+            return {"chunks": len(chunks), "finish_reason": reasons[0], "seconds": round(time.perf_counter() - t, 3)}
+
+        step("streamed_chat", chat)
+        step("streamed_completion", lambda: stream_completion(client, model, "The ferry leaves at", tokens))
+
+        def concurrent():
+            t = time.perf_counter()
+            with ThreadPoolExecutor(8) as pool:
+                runs = list(pool.map(lambda i: stream_completion(client, model, f"Stream {i} starts", tokens), range(8)))
+            wall = time.perf_counter() - t
+            return {"streams": 8, "wall_s": round(wall, 3), "aggregate_tok_s": round(8 * tokens / wall, 2),
+                    "per_stream_tok_s": [round(r["tok_s"], 2) for r in runs]}  # fmt: skip
+
+        step("eight_concurrent_streams", concurrent)
+
+        def health():
+            code, body = http_get(base + "/health")
+            if code != 200:
+                raise AssertionError(f"/health answered {code}: {body[:200]}")
+            return {"status": code}
+
+        def worker_metrics():
+            code, body = http_get(f"http://127.0.0.1:{worker_port}/metrics")
+            needed = ("ferry_worker_expert_hits_total", "ferry_worker_expert_misses_total")
+            missing = [m for m in needed if m not in body]
+            if code != 200 or missing:
+                raise AssertionError(f"worker /metrics answered {code}, missing {missing}")
+            return {"status": code, "series": sum(1 for line in body.splitlines() if line and not line.startswith("#"))}
+
+        step("health", health)
+        step("worker_metrics", worker_metrics)
+    except Exception as exc:  # noqa: BLE001
+        steps["boot"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        log(f"boot: {steps['boot']}")
+    finally:
+        children = children_of(proc.pid) if proc.poll() is None else []
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            rc = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            rc = "killed after 60 s"
+        time.sleep(0.5)
+        left = [pid for pid in children if alive(pid)]
+        steps["sigterm"] = {"ok": rc == 0 and not left and len(children) == 3, "exit_status": rc,
+                            "children": len(children), "children_left": left}  # fmt: skip
+        log(f"sigterm: {steps['sigterm']}")
+        serve_log.close()
+    result["serve_ok"] = "boot" not in steps and all(s["ok"] for s in steps.values()) and len(steps) == 6
+    completion = steps.get("streamed_completion", {})
+    result["single_stream_tok_s"] = round(completion["tok_s"], 2) if completion.get("ok") else None
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=os.environ.get("OUT", "out"), help="folder for gpu_check.json and the logs")
+    parser.add_argument("--tests", default="tests/gpu", help="the CUDA tests (a pytest path)")
+    parser.add_argument("--skip-tests", action="store_true", help="serve only (counts as failed tests: 0 run)")
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="the served model's config.json")
+    parser.add_argument("--serve-args", default="--load-format dummy --gpu-memory 24GiB",
+                        help="flags for ferry serve beyond --model, --port and --worker-health-port")  # fmt: skip
+    parser.add_argument("--tokens", type=int, default=64, help="tokens per streamed completion")
+    parser.add_argument("--ready-timeout", type=float, default=300.0)
+    parser.add_argument("--tests-timeout", type=float, default=300.0)
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log = Log(out / "gpu_check.log")
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    commit, dirty = commit_of_tree()
+    import torch
+
+    device_name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu (no CUDA device)"
+    log(f"gpu check of {commit}{' (uncommitted changes)' if dirty else ''} on {device_name}")
+    result = {"commit": commit, "dirty": dirty, "device_name": device_name, "torch": torch.__version__,
+              "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
+    t0 = time.monotonic()
+    if args.skip_tests:
+        tests = {"passed": 0, "failed": 0, "skipped": 0, "failed_tests": [], "rc": "skipped"}
+    else:
+        tests = run_cuda_tests(out, log, args.tests, args.tests_timeout)
+    result.update(cuda_tests_passed=tests["passed"], cuda_tests_failed=tests["failed"],
+                  cuda_tests_skipped=tests["skipped"], cuda_tests=tests)  # fmt: skip
+    serve = check_serve(out, log, args.config, args.serve_args.split(), args.ready_timeout, args.tokens)
+    result.update(serve_ok=serve["serve_ok"], single_stream_tok_s=serve["single_stream_tok_s"], serve=serve,
+                  seconds=round(time.monotonic() - t0, 1))  # fmt: skip
+    (out / "gpu_check.json").write_text(json.dumps(result, indent=1) + "\n")
+    ok = tests["failed"] == 0 and (args.skip_tests or tests["passed"] > 0) and serve["serve_ok"]
+    log(f"gpu check {'PASSED' if ok else 'FAILED'}: {tests['passed']} CUDA tests passed, {tests['failed']} failed; "
+        f"serve_ok {serve['serve_ok']}; single stream {serve['single_stream_tok_s']} tok/s; {result['seconds']} s")  # fmt: skip
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

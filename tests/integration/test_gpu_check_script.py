@@ -1,0 +1,44 @@
+"""The GPU release check's own machinery, run on CPU with a tiny config: `ferry serve` exactly as the
+check starts it, the openai client's steps, SIGTERM and the JSON it commits. (On the GPU the same
+script runs the CUDA tests first and serves the Qwen3-30B-A3B config.)"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_release_check_serves_streams_and_stops_cleanly(tiny_models, tmp_path):
+    out = tmp_path / "out"
+    cmd = [sys.executable, "bench/gpu_check.py", "--out", str(out), "--skip-tests", "--tokens", "12",
+           "--config", str(tiny_models["qwen3_moe"] / "config.json"),
+           "--serve-args", "--load-format dummy --device cpu --gpu-memory 128MiB --max-model-len 256"]  # fmt: skip
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads((out / "gpu_check.json").read_text())
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    assert result["commit"] == head
+    assert result["serve_ok"] is True and result["cuda_tests_failed"] == 0
+    steps = result["serve"]["steps"]
+    assert set(steps) == {"streamed_chat", "streamed_completion", "eight_concurrent_streams", "health",
+                          "worker_metrics", "sigterm"}  # fmt: skip
+    assert steps["streamed_completion"]["completion_tokens"] == 12
+    assert len(steps["eight_concurrent_streams"]["per_stream_tok_s"]) == 8
+    assert steps["sigterm"] == {"ok": True, "exit_status": 0, "children": 3, "children_left": []}
+    assert result["single_stream_tok_s"] > 0
+    assert (out / "gpu_check.log").read_text().strip().endswith(f"{result['seconds']} s")
+
+
+def test_junit_counts_read_failures_and_errors(tmp_path):
+    sys.path.insert(0, str(ROOT))
+    from bench.gpu_check import junit_counts
+
+    xml = tmp_path / "r.xml"
+    xml.write_text('<testsuites><testsuite tests="5" failures="1" errors="1" skipped="1">'
+                   '<testcase classname="a" name="ok"/><testcase classname="a" name="bad"><failure/></testcase>'
+                   '<testcase classname="b" name="boom"><error/></testcase></testsuite></testsuites>')  # fmt: skip
+    assert junit_counts(xml) == {"passed": 2, "failed": 2, "skipped": 1, "failed_tests": ["a::bad", "b::boom"]}
