@@ -49,15 +49,17 @@ class Log:
 
 
 def commit_of_tree() -> tuple[str, bool | None]:
-    """(HEAD of this tree, whether it has uncommitted changes); FERRY_COMMIT where there is no git
-    (the device machine gets a copy of the working tree without .git)."""
+    """(the commit this tree is, whether it has uncommitted changes). FERRY_COMMIT wins when set: a
+    copy of the working tree sent to a GPU host may carry no .git, or a stale one."""
+    if os.environ.get("FERRY_COMMIT"):
+        return os.environ["FERRY_COMMIT"], None
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
                                capture_output=True, text=True, check=True).stdout.strip() != ""  # fmt: skip
         return head.stdout.strip(), dirty
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("FERRY_COMMIT", "unknown"), None
+        return "unknown", None
 
 
 def junit_counts(path: Path) -> dict:
