@@ -222,7 +222,7 @@ def make_plan(spec: ModelSpec, req: PlanRequest, measured: Measured) -> Plan:
         return L.kv_pool_layout(spec, r.dtype, pages, r.page_size).nbytes
 
     def expert_cost(slots: int) -> int:
-        return L.expert_slot_layout(spec, r.dtype, slots).nbytes
+        return L.expert_slot_layout(spec, r.dtype, slots, r.max_prefill_tokens).nbytes
 
     has_linear = bool(spec.linear_attention_layers)
     linear_slots = r.max_running_requests if has_linear else 0

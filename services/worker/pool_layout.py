@@ -19,6 +19,8 @@ from shared.units import MiB, round_up
 
 POOL_ALIGN = 2 * MiB
 VIEW_ALIGN = 256
+# element sizes of every tensor a pool holds: model dtypes, and the integer state of the expert cache
+ELEMENT_BYTES = {**DTYPE_BYTES, "int8": 1, "int32": 4, "int64": 8}
 
 # Page 0 of the KV pool is never handed to a request: padded and masked-out positions of a
 # batch write there, so a real page is never touched by a token that is not its own.
@@ -37,7 +39,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * DTYPE_BYTES[self.dtype]
+        return math.prod(self.shape) * ELEMENT_BYTES[self.dtype]
 
 
 @dataclass(frozen=True)
@@ -105,10 +107,44 @@ def expert_bytes(spec: ModelSpec, dtype: str) -> int:
     return 3 * spec.moe_intermediate_size * spec.hidden_size * DTYPE_BYTES[dtype]
 
 
-def expert_slot_layout(spec: ModelSpec, dtype: str, slots: int) -> PoolLayout:
-    """`slots` expert slots shared by all MoE layers: w13 = [gate; up], w2 = down."""
+def expert_slot_layout(spec: ModelSpec, dtype: str, slots: int, max_step_tokens: int = 0) -> PoolLayout:
+    """`slots` expert slots shared by all MoE layers: w13 = [gate; up], w2 = down. With fewer
+    slots than experts, also the state of the device-side expert cache (`expert_cache_state`)."""
     h, i = spec.hidden_size, spec.moe_intermediate_size
-    return PoolLayout(
-        "experts",
-        (TensorSpec("w13", (slots, 2 * i, h), dtype), TensorSpec("w2", (slots, h, i), dtype)),
+    weights = (TensorSpec("w13", (slots, 2 * i, h), dtype), TensorSpec("w2", (slots, h, i), dtype))
+    if slots >= spec.total_experts:
+        return PoolLayout("experts", weights)
+    return PoolLayout("experts", weights + expert_cache_state(spec, slots, max_step_tokens))
+
+
+# Counters of the device-side expert cache (kernels/expert_cache_lookup.py's NUM_COUNTERS).
+EXPERT_CACHE_COUNTERS = 8
+
+
+def expert_cache_state(spec: ModelSpec, slots: int, max_step_tokens: int) -> tuple[TensorSpec, ...]:
+    """What the device-side expert cache keeps (services/worker/offload/device_cache.py): the slot
+    map and its inverse, the replacement state, scratch for its kernel, and what each MoE layer's
+    lookup and prefetch hand to the copy kernel and the expert GEMMs. Priced with the slots, so the
+    plan stays exact whatever the number of slots."""
+    layers, e, k = len(spec.moe_layer_indices), spec.num_experts, spec.num_experts_per_tok
+    pairs = max(1, max_step_tokens) * k
+    return (
+        TensorSpec("slot_of", (layers, e), "int32"),
+        TensorSpec("requests", (layers, e), "float32"),
+        TensorSpec("layer_of_slot", (slots,), "int32"),
+        TensorSpec("expert_of_slot", (slots,), "int32"),
+        TensorSpec("stamp", (slots,), "int64"),
+        TensorSpec("prefetched", (slots,), "int8"),
+        TensorSpec("slot_flags", (slots,), "int8"),
+        TensorSpec("assign", (slots,), "int32"),
+        TensorSpec("expert_flags", (e,), "int8"),
+        TensorSpec("clock", (1,), "int64"),
+        TensorSpec("counters", (EXPERT_CACHE_COUNTERS,), "int64"),
+        TensorSpec("hit_slots", (pairs,), "int32"),
+        TensorSpec("miss_slots", (pairs,), "int32"),
+        TensorSpec("lookup_misses", (layers, e, 2), "int32"),
+        TensorSpec("lookup_count", (layers,), "int32"),
+        TensorSpec("prefetch_misses", (layers, e, 2), "int32"),
+        TensorSpec("prefetch_count", (layers,), "int32"),
+        TensorSpec("copy_stamps", (layers, 4), "int64"),
     )

@@ -17,6 +17,8 @@ from services.worker import pool_layout as L
 from services.worker.planner import Plan
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# every element type a pool holds (the expert cache's state is integers)
+POOL_DTYPES = {**TORCH_DTYPES, "int8": torch.int8, "int32": torch.int32, "int64": torch.int64}
 
 
 class PoolAllocationError(FerryError):
@@ -38,7 +40,7 @@ def allocate_pool(layout: L.PoolLayout, device: torch.device | str) -> Allocated
     buffer = torch.zeros(layout.nbytes, dtype=torch.uint8, device=device)
     views = {}
     for spec, offset in zip(layout.tensors, layout.offsets()):
-        flat = buffer[offset : offset + spec.nbytes].view(TORCH_DTYPES[spec.dtype])
+        flat = buffer[offset : offset + spec.nbytes].view(POOL_DTYPES[spec.dtype])
         views[spec.name] = flat.view(spec.shape)
     return AllocatedPool(layout, buffer, views)
 
@@ -74,12 +76,14 @@ class LinearStatePool:
 
 
 class ExpertSlotPool:
-    """GPU expert slots shared by all MoE layers: w13 [slots, 2*I, H] (gate rows then up rows), w2 [slots, H, I]."""
+    """GPU expert slots shared by all MoE layers: w13 [slots, 2*I, H] (gate rows then up rows), w2 [slots, H, I];
+    `cache_state`: the device-side expert cache's tensors by name when the pool offloads, else {}."""
 
     def __init__(self, pool: AllocatedPool):
         self.pool = pool
         self.w13 = pool.views["w13"]
         self.w2 = pool.views["w2"]
+        self.cache_state = {name: t for name, t in pool.views.items() if name not in ("w13", "w2")}
 
     @property
     def num_slots(self) -> int:
@@ -103,7 +107,7 @@ def pool_layouts(spec: ModelSpec, plan: Plan) -> tuple[L.PoolLayout, L.PoolLayou
     return (
         L.kv_pool_layout(spec, plan.dtype, plan.kv.pages, plan.kv.page_size),
         L.linear_state_layout(spec, plan.dtype, plan.linear_state.slots),
-        L.expert_slot_layout(spec, plan.dtype, plan.experts.slots),
+        L.expert_slot_layout(spec, plan.dtype, plan.experts.slots, plan.max_prefill_tokens),
     )
 
 

@@ -105,7 +105,7 @@ def test_plan_keeps_its_promises_or_fails_in_the_plan(data):
     layouts = [
         (L.kv_pool_layout(spec, plan.dtype, plan.kv.pages, ps), plan.kv.bytes),
         (L.linear_state_layout(spec, plan.dtype, plan.linear_state.slots), plan.linear_state.bytes),
-        (L.expert_slot_layout(spec, plan.dtype, plan.experts.slots), plan.experts.bytes),
+        (L.expert_slot_layout(spec, plan.dtype, plan.experts.slots, plan.max_prefill_tokens), plan.experts.bytes),
     ]
     for layout, priced in layouts:
         assert layout.nbytes == priced

@@ -5,14 +5,20 @@ evicts the experts used longest ago, which are exactly those of the layers about
 lookup misses. Routing is skewed and fairly stable per layer, so the number of times an expert
 was requested predicts its next use far better. Counts cover every expert (resident or not),
 so an expert that keeps coming back earns its place; they halve every `half_life` lookups so
-the cache follows drifting traffic. Ties go to the least recently used slot.
+the cache follows drifting traffic. Ties go to the least recently used slot (by lookup clock,
+ages clamped at AGE_CLAMP lookups), then to the lowest slot.
+
+Counts are float32, halved and incremented exactly as the device-side twin does it
+(kernels/expert_cache_lookup.py), so both make the same decisions bit for bit.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from services.worker.offload.policy import NO_SLOT, ExpertSlotPolicy
+from services.worker.offload.policy import ExpertSlotPolicy
+
+AGE_CLAMP = 2**32 - 1
 
 
 class LFUExpertPolicy(ExpertSlotPolicy):
@@ -24,36 +30,24 @@ class LFUExpertPolicy(ExpertSlotPolicy):
         self.half_life = half_life if half_life is not None else 256 * num_layers
         if self.half_life < 1:
             raise ValueError(f"half_life must be at least 1 lookup, got {self.half_life}")
-        self.requests = np.zeros((num_layers, num_experts), dtype=np.float64)
-        self._last_use = np.zeros(num_slots, dtype=np.int64)
-        self._clock = 0
+        self.requests = np.zeros((num_layers, num_experts), dtype=np.float32)
+        self.last_use = np.zeros(num_slots, dtype=np.int64)  # the clock of the slot's last touch
 
-    def lookup(self, layer, experts):
-        self._clock += 1
-        if self._clock % self.half_life == 0:
-            self.requests *= 0.5
-        return super().lookup(layer, experts)
+    def _on_tick(self) -> None:
+        if self.clock % self.half_life == 0:
+            self.requests *= np.float32(0.5)
 
-    def place_in_free_slot(self, layer: int, expert: int) -> int | None:
-        s = super().place_in_free_slot(layer, expert)
-        if s is not None:
-            self.requests[layer, expert] -= 1.0  # a warm-up placement is not a request
-        return s
+    def _on_hit(self, layer: int, expert: int, slot: int) -> None:
+        self.requests[layer, expert] += np.float32(1.0)
+        self.last_use[slot] = self.clock
 
-    def _touched(self, layer: int, expert: int, slot: int) -> None:
-        self.requests[layer, expert] += 1.0
-        self._last_use[slot] = self._clock
+    def _on_placed(self, layer: int, expert: int, slot: int, how: str) -> None:
+        if how == "miss":  # a request; a prefetch or a warm-up placement is not
+            self.requests[layer, expert] += np.float32(1.0)
+        self.last_use[slot] = self.clock
 
-    def _victims(self, protected: set[int], count: int) -> list[int]:
-        score = self.requests[self.layer_of_slot, self.expert_of_slot]
-        score[self.layer_of_slot == NO_SLOT] = np.inf  # free slots are taken before any victim
-        if protected:
-            score[list(protected)] = np.inf
-        # only slots scoring at most the count-th lowest can be victims: sort just those (this
-        # runs on the host while the GPU waits, once per layer with misses)
-        if count < score.size:
-            candidates = np.flatnonzero(score <= np.partition(score, count - 1)[count - 1])
-        else:
-            candidates = np.arange(score.size)
-        order = np.lexsort((self._last_use[candidates], score[candidates]))  # fewest requests, then least recent
-        return [int(s) for s in candidates[order[:count]]]
+    def _keys(self, slots: np.ndarray) -> np.ndarray:
+        """requests' float32 bits above, then the clamped age inverted (older is smaller)."""
+        score = self.requests[self.layer_of_slot[slots], self.expert_of_slot[slots]].view(np.int32).astype(np.int64)
+        age = np.minimum(self.clock - self.last_use[slots], AGE_CLAMP)
+        return (score << 32) | (AGE_CLAMP - age)

@@ -7,10 +7,18 @@ computing. Experts requested by the current lookup are protected: a miss of the 
 evicts another expert that the same layer is about to use, so one layer's routed experts all
 fit together as long as S >= num_experts (the planner's floor).
 
-`ExpertSlotPolicy` keeps the maps, the free slots and the counters; a subclass only says which
-slots to evict (`_victims`) and what a use means to it (`_touched`). LRU is here;
-`frequency_policy.py` holds LFU, which suits the cyclic layer-by-layer access of decode better
-once a step's working set exceeds the cache (LRU then evicts exactly what the next layers need).
+`ExpertSlotPolicy` keeps the maps, the free slots and the counters; a subclass only gives each
+occupied slot an eviction key (`_keys`: the least key goes first, ties to the lowest slot) and
+says what a use means to it (the `_on_*` hooks). LRU is here; `frequency_policy.py` holds LFU,
+which suits the cyclic layer-by-layer access of decode better once a step's working set exceeds
+the cache (LRU then evicts exactly what the next layers need).
+
+These objects are also the reference twin of the device-side cache (kernels/expert_cache_lookup.py),
+which makes the same decisions on the GPU and is tested against them on the same traces: that is
+why the order of everything is spelled out (experts ascending; free slots lowest first; victims by
+key, then slot), why LRU keeps integer stamps rather than a list, and why LFU counts in float32.
+`prefetch` places a layer's predicted experts ahead of its lookup (DESIGN §3's next-layer
+prefetch); the next lookup of that layer counts each as useful (routed) or wasted.
 """
 
 from __future__ import annotations
@@ -61,23 +69,31 @@ class ExpertSlotPolicy:
         self.slot_of = np.full((num_layers, num_experts), NO_SLOT, dtype=np.int64)
         self.layer_of_slot = np.full(num_slots, NO_SLOT, dtype=np.int64)
         self.expert_of_slot = np.full(num_slots, NO_SLOT, dtype=np.int64)
+        self.prefetched = np.zeros(num_slots, dtype=bool)  # placed by prefetch, not yet looked up
         self._free: deque[int] = deque(range(num_slots))
+        self.clock = 0  # lookups so far
         self.hits = 0
         self.misses = 0
         self.evictions = 0
         self.lookups = 0
+        self.prefetched_total = 0
+        self.prefetch_useful = 0
+        self.prefetch_wasted = 0
 
     # ---- what a subclass decides -----------------------------------------------------------
-    def _touched(self, layer: int, expert: int, slot: int) -> None:
-        """(layer, expert) in `slot` was just requested (a hit, or a miss now placed)."""
+    def _keys(self, slots: np.ndarray) -> np.ndarray:
+        """int64 eviction keys of these occupied slots: the least is evicted first."""
         raise NotImplementedError
 
-    def _victims(self, protected: set[int], count: int) -> list[int]:
-        """`count` occupied slots outside `protected` to evict, the first victim first."""
+    def _on_tick(self) -> None:
+        """A lookup began (self.clock was just advanced)."""
+
+    def _on_hit(self, layer: int, expert: int, slot: int) -> None:
         raise NotImplementedError
 
-    def _forget(self, slot: int) -> None:
-        """`slot` was just emptied."""
+    def _on_placed(self, layer: int, expert: int, slot: int, how: str) -> None:
+        """(layer, expert) was just put in `slot`; how: "miss", "prefetch" or "warm-up"."""
+        raise NotImplementedError
 
     # ---- queries ---------------------------------------------------------------------------
     @property
@@ -98,16 +114,21 @@ class ExpertSlotPolicy:
             "hit_rate": self.hits / total if total else 0.0,
             "resident": self.resident,
             "slots": self.num_slots,
+            "prefetched": self.prefetched_total,
+            "prefetch_useful": self.prefetch_useful,
+            "prefetch_wasted": self.prefetch_wasted,
         }
 
     # ---- the lookup ------------------------------------------------------------------------
     def lookup(self, layer: int, experts: Iterable[int]) -> Lookup:
-        """Map the unique `experts` routed in `layer` to slots, choosing a slot for each miss.
+        """Map the distinct `experts` routed in `layer` to slots, choosing a slot for each miss.
 
         Hits are touched first and every slot of this lookup is protected, so the layer's own
         experts are never victims of its own misses."""
-        experts = tuple(int(e) for e in experts)
+        experts = tuple(sorted(int(e) for e in experts))
         self._check_request(layer, experts)
+        self.clock += 1
+        self._on_tick()
         self.lookups += 1
         protected: set[int] = set()
         slots = [NO_SLOT] * len(experts)
@@ -119,32 +140,39 @@ class ExpertSlotPolicy:
                 continue
             slots[i] = s
             protected.add(s)
-            self._touched(layer, e, s)
-        # every victim is chosen before any miss is placed: the policy sees this lookup's hits
-        # as protected and as just used, and nothing of this lookup's misses yet
-        needed = max(0, len(missing) - len(self._free))
-        victims = self._victims(protected, needed) if needed else []
-        if (len(victims) != needed or len(set(victims)) != needed or protected.intersection(victims)
-                or any(self.layer_of_slot[v] == NO_SLOT for v in victims)):  # fmt: skip
-            raise RuntimeError(f"{self.name} policy chose victims {victims} for {needed} misses, protected {protected}")
-        victims.reverse()  # popped from the end: first victim first
-        misses, evictions = [], []
-        for i in missing:
-            if self._free:
-                s = self._free.popleft()
+        # prefetched experts of this layer: useful if routed now, wasted if not
+        for s in np.flatnonzero((self.layer_of_slot == layer) & self.prefetched).tolist():
+            if s in protected:
+                self.prefetch_useful += 1
             else:
-                s = victims.pop()
-                evictions.append((int(self.layer_of_slot[s]), int(self.expert_of_slot[s])))
-                self.slot_of[evictions[-1]] = NO_SLOT
-                self._forget(s)
-            self._place(layer, experts[i], s)
-            protected.add(s)
+                self.prefetch_wasted += 1
+            self.prefetched[s] = False
+        placed, evictions = self._place(layer, [experts[i] for i in missing], protected, "miss")
+        for i, (_, s) in zip(missing, placed):
             slots[i] = s
-            misses.append((experts[i], s))
+        for i, e in enumerate(experts):  # hits touched once the victims are chosen (they were protected)
+            if i not in missing:
+                self._on_hit(layer, e, slots[i])
         self.hits += len(experts) - len(missing)
         self.misses += len(missing)
-        self.evictions += len(evictions)
-        return Lookup(layer, experts, tuple(slots), tuple(misses), tuple(evictions))
+        return Lookup(layer, experts, tuple(slots), tuple(placed), tuple(evictions))
+
+    def prefetch(self, layer: int, experts: Iterable[int], protected_slots: Iterable[int] = ()) -> Prefetch:
+        """Give the predicted `experts` of `layer` slots ahead of its lookup, evicting nothing in
+        `protected_slots` (the layer computing meanwhile) nor `layer`'s resident predicted experts.
+        As many as the unprotected slots allow, in ascending expert order; nothing is touched."""
+        experts = tuple(sorted(int(e) for e in experts))
+        self._check_request(layer, experts)
+        protected = {int(s) for s in protected_slots}
+        protected |= {int(self.slot_of[layer, e]) for e in experts if self.slot_of[layer, e] != NO_SLOT}
+        missing = [e for e in experts if self.slot_of[layer, e] == NO_SLOT]
+        candidates = int(((self.layer_of_slot != NO_SLOT) & ~np.isin(np.arange(self.num_slots), list(protected))).sum())
+        missing = missing[: min(len(missing), len(self._free) + candidates)]
+        placed, evictions = self._place(layer, missing, protected, "prefetch")
+        for _, s in placed:
+            self.prefetched[s] = True
+        self.prefetched_total += len(placed)
+        return Prefetch(layer, tuple(placed), tuple(evictions))
 
     def place_in_free_slot(self, layer: int, expert: int) -> int | None:
         """Warm-up: give (layer, expert) a free slot without evicting anything and without
@@ -153,10 +181,44 @@ class ExpertSlotPolicy:
         if not self._free or self.slot_of[layer, expert] != NO_SLOT:
             return None
         s = self._free.popleft()
-        self._place(layer, expert, s)
+        self._set(layer, expert, s)
+        self._on_placed(layer, expert, s, "warm-up")
         return s
 
     # ---- internals -------------------------------------------------------------------------
+    def _victims(self, protected: set[int], count: int) -> list[int]:
+        """`count` occupied slots outside `protected`, the least key first (ties: lowest slot)."""
+        occupied = np.flatnonzero(self.layer_of_slot != NO_SLOT)
+        candidates = occupied[~np.isin(occupied, list(protected))]
+        order = np.lexsort((candidates, self._keys(candidates)))  # by key, then by slot
+        return [int(s) for s in candidates[order[:count]]]
+
+    def _place(self, layer: int, experts: list[int], protected: set[int], how: str):
+        """Slots for `experts` (ascending): free ones first (lowest first), then victims chosen
+        all at once before any is placed. Returns ((expert, slot), ...) and the evictions."""
+        needed = max(0, len(experts) - len(self._free))
+        victims = self._victims(protected, needed) if needed else []
+        if len(victims) != needed:
+            raise RuntimeError(f"{self.name} policy found {len(victims)} victims for {needed} misses, protected {protected}")
+        victims.reverse()  # popped from the end: first victim first
+        placed, evictions = [], []
+        for e in experts:
+            if self._free:
+                s = self._free.popleft()
+            else:
+                s = victims.pop()
+                evicted = (int(self.layer_of_slot[s]), int(self.expert_of_slot[s]))
+                evictions.append(evicted)
+                self.slot_of[evicted] = NO_SLOT
+                if self.prefetched[s]:  # prefetched and evicted before its layer looked
+                    self.prefetch_wasted += 1
+                    self.prefetched[s] = False
+            self._set(layer, e, s)
+            self._on_placed(layer, e, s, how)
+            placed.append((e, s))
+        self.evictions += len(evictions)
+        return placed, evictions
+
     def _check_request(self, layer: int, experts: tuple[int, ...]) -> None:
         if not 0 <= layer < self.num_layers:
             raise IndexError(f"MoE layer {layer} out of range [0, {self.num_layers})")
@@ -166,38 +228,49 @@ class ExpertSlotPolicy:
         if len(set(experts)) != len(experts):
             raise ValueError(f"lookup wants unique experts, got duplicates in {list(experts)}")
 
-    def _place(self, layer: int, expert: int, s: int) -> None:
+    def _set(self, layer: int, expert: int, s: int) -> None:
         self.slot_of[layer, expert] = s
         self.layer_of_slot[s] = layer
         self.expert_of_slot[s] = expert
-        self._touched(layer, expert, s)
 
 
 class LRUExpertPolicy(ExpertSlotPolicy):
-    """Least recently used first."""
+    """Least recently used first. Recency is a stamp per slot, increasing with every touch: in
+    a lookup at clock c, hits get 3·E·c + e, misses 3·E·c + E + e, prefetch placements after it
+    3·E·c + 2·E + e (warm-up placements negative stamps, in placement order), so the order of
+    stamps is the order of touches."""
 
     name = "lru"
 
     def __init__(self, num_layers: int, num_experts: int, num_slots: int):
         super().__init__(num_layers, num_experts, num_slots)
-        self._recency: OrderedDict[int, None] = OrderedDict()  # occupied slots, least recent first
+        self.stamp = np.zeros(num_slots, dtype=np.int64)
+        self._warm_stamp = -num_slots
 
     def lru_order(self) -> list[tuple[int, int]]:
         """Resident (layer, expert) pairs, the next victim first."""
-        return [(int(self.layer_of_slot[s]), int(self.expert_of_slot[s])) for s in self._recency]
+        occupied = np.flatnonzero(self.layer_of_slot != NO_SLOT)
+        return [(int(self.layer_of_slot[s]), int(self.expert_of_slot[s])) for s in occupied[np.argsort(self.stamp[occupied])]]
 
-    def _touched(self, layer: int, expert: int, slot: int) -> None:
-        self._recency[slot] = None
-        self._recency.move_to_end(slot)
+    def _keys(self, slots: np.ndarray) -> np.ndarray:
+        return self.stamp[slots]
 
-    def _victims(self, protected: set[int], count: int) -> list[int]:
-        out = []
-        for s in self._recency:  # least recent first; protected slots were just touched, so are last
-            if len(out) == count:
-                break
-            if s not in protected:
-                out.append(s)
-        return out
+    def _on_hit(self, layer: int, expert: int, slot: int) -> None:
+        self.stamp[slot] = 3 * self.num_experts * self.clock + expert
 
-    def _forget(self, slot: int) -> None:
-        del self._recency[slot]
+    def _on_placed(self, layer: int, expert: int, slot: int, how: str) -> None:
+        if how == "warm-up":
+            self.stamp[slot] = self._warm_stamp
+            self._warm_stamp += 1
+            return
+        phase = 1 if how == "miss" else 2
+        self.stamp[slot] = 3 * self.num_experts * self.clock + phase * self.num_experts + expert
+
+
+@dataclass(frozen=True)
+class Prefetch:
+    """What a prefetch placed: (expert, slot) to copy ahead of the layer's lookup."""
+
+    layer: int
+    placed: tuple[tuple[int, int], ...]
+    evictions: tuple[tuple[int, int], ...]

@@ -18,8 +18,9 @@ def tiny_spec(layers: int = 3, experts: int = 6, top_k: int = 3, hidden: int = 1
     })  # fmt: skip
 
 
-def slot_pool(spec: ModelSpec, slots: int, dtype: str = "float32") -> ExpertSlotPool:
-    return ExpertSlotPool(allocate_pool(L.expert_slot_layout(spec, dtype, slots), "cpu"))
+def slot_pool(spec: ModelSpec, slots: int, dtype: str = "float32", max_step_tokens: int = 256,
+              device: str = "cpu") -> ExpertSlotPool:  # fmt: skip
+    return ExpertSlotPool(allocate_pool(L.expert_slot_layout(spec, dtype, slots, max_step_tokens), device))
 
 
 def random_experts(spec: ModelSpec, seed: int) -> dict[tuple[int, int], tuple[torch.Tensor, ...]]:

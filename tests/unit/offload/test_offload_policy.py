@@ -10,16 +10,16 @@ from services.worker.offload.policy import NO_SLOT, LRUExpertPolicy
 
 def test_free_slots_first_then_least_recent_is_evicted():
     p = LRUExpertPolicy(num_layers=3, num_experts=4, num_slots=4)
-    first = p.lookup(0, [2, 0])
-    assert first.misses == ((2, 0), (0, 1)) and first.evictions == ()
-    p.lookup(1, [3, 1])  # fills slots 2, 3; recency now: (0,2) (0,0) (1,3) (1,1)
+    first = p.lookup(0, [2, 0])  # taken in ascending expert order
+    assert first.misses == ((0, 0), (2, 1)) and first.evictions == ()
+    p.lookup(1, [3, 1])  # fills slots 2, 3; recency now: (0,0) (0,2) (1,1) (1,3)
     p.lookup(0, [2])  # hit: (0,2) becomes most recent
-    assert p.lru_order() == [(0, 0), (1, 3), (1, 1), (0, 2)]
+    assert p.lru_order() == [(0, 0), (1, 1), (1, 3), (0, 2)]
     got = p.lookup(2, [1, 2])
-    assert got.evictions == ((0, 0), (1, 3))  # the two least recent, in order
-    assert got.misses == ((1, 1), (2, 2))  # the slot of (0,0) went to the first miss, of (1,3) to the second
-    assert not p.is_resident(0, 0) and not p.is_resident(1, 3)
-    assert p.lru_order() == [(1, 1), (0, 2), (2, 1), (2, 2)]
+    assert got.evictions == ((0, 0), (1, 1))  # the two least recent, in order
+    assert got.misses == ((1, 0), (2, 2))  # the slot of (0,0) went to the first miss, of (1,1) to the second
+    assert not p.is_resident(0, 0) and not p.is_resident(1, 1)
+    assert p.lru_order() == [(1, 3), (0, 2), (2, 1), (2, 2)]
 
 
 def test_hits_of_the_current_layer_are_never_evicted_by_its_own_misses():

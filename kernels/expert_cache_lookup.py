@@ -1,0 +1,229 @@
+"""The expert cache's decisions on the device: one single-program kernel per MoE layer.
+
+`lookup` (MODE 0): for the routed expert ids [T, k] of one MoE layer it finds each distinct
+expert's slot, chooses victims for the misses (never a slot this layer routed), rewrites the
+slot map, its inverse and the replacement state, and writes for the expert GEMMs the slot of
+every (token, k) pair split in two ([T, k] hits, [T, k] misses, -1 elsewhere) and the miss list
+(expert, slot) with its count for the copy kernel (kernels/expert_copy.py). Nothing reaches the
+host, so a whole decode step can be replayed as a CUDA graph.
+
+`prefetch` (MODE 1): the same for a layer's *predicted* experts, before that layer runs: the
+missing ones get slots (as far as slots outside the protected set allow) and are listed for
+copying ahead; they count as neither hits nor misses, and are marked so that the next lookup of
+their layer counts them as useful (routed) or wasted (not routed).
+
+The decisions are exactly those of the host policies (services/worker/offload/policy.py and
+frequency_policy.py), which are this kernel's reference twin and are tested against it on the
+same traces:
+* misses and placements in ascending expert order; free slots first, lowest index first;
+* victims in order of the eviction key, ties to the lowest slot:
+  LFU: (requests[layer, expert] as float32, then least recently used, the age clamped at 2^32-1
+  lookups); LRU: the stamp of the last touch (a global order: lookup hits, then lookup misses,
+  then prefetch placements, each in ascending expert order);
+* LFU counts halve every `half_life` lookups (float32, exactly as the twin does it).
+
+One program does everything: the layer's state fits in registers (S slots up to 16K, E experts
+up to 512), and a few block-wide reductions (one argmin per victim) cost microseconds. Global
+scratch (flags per expert and per slot, the slot assignment by rank) carries values between
+phases, with a barrier between; every scratch flag is cleared before the program ends.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOOKUP, PREFETCH = 0, 1
+LRU, LFU = 0, 1
+# counters (int64): what the cache did since boot
+LOOKUPS, HITS, MISSES, EVICTIONS, PREFETCHED, PREFETCH_USEFUL, PREFETCH_WASTED = range(7)
+NUM_COUNTERS = 8
+AGE_CLAMP = 2**32 - 1  # LFU's recency tie-break compares ages up to this many lookups
+INT64_MAX = 2**63 - 1
+
+
+@triton.jit
+def _expert_cache_kernel(
+    ids_ptr, n_rows_ptr, T, K, layer,
+    slot_of_ptr, layer_of_slot_ptr, expert_of_slot_ptr, requests_ptr, stamp_ptr, prefetched_ptr,
+    clock_ptr, counters_ptr, flags_ptr, protect_ptr, assign_ptr,
+    hit_slots_ptr, miss_slots_ptr, list_ptr, count_ptr, guard_hits_ptr, guard_misses_ptr,
+    E, S, half_life, num_layers,
+    MODE: tl.constexpr, POLICY: tl.constexpr, HAS_GUARD: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr,
+):  # fmt: skip
+    e_idx = tl.arange(0, BLOCK_E)
+    e_ok = e_idx < E
+    s_idx = tl.arange(0, BLOCK_S)
+    s_ok = s_idx < S
+    n_pairs = tl.load(n_rows_ptr) * K
+    row_base = layer * E
+
+    # ---- the clock (lookups only) and LFU's periodic halving -----------------------------
+    clock = tl.load(clock_ptr)
+    if MODE == 0:
+        clock += 1
+        tl.store(clock_ptr, clock)
+        if POLICY == 1:
+            if clock % half_life == 0:
+                for start in range(0, num_layers * E, BLOCK_E):
+                    r = start + e_idx
+                    ok = r < num_layers * E
+                    tl.store(requests_ptr + r, tl.load(requests_ptr + r, mask=ok) * 0.5, mask=ok)
+
+    # ---- the distinct experts wanted: flags[e] = 1 (scatter; duplicates write the same value)
+    for start in range(0, n_pairs, BLOCK_P):
+        p = start + tl.arange(0, BLOCK_P)
+        ok = p < n_pairs
+        e = tl.load(ids_ptr + p, mask=ok, other=0).to(tl.int32)
+        tl.store(flags_ptr + e, tl.full([BLOCK_P], 1, tl.int8), mask=ok)
+    tl.debug_barrier()
+    wanted = (tl.load(flags_ptr + e_idx, mask=e_ok, other=0) != 0) & e_ok
+    cur = tl.load(slot_of_ptr + row_base + e_idx, mask=e_ok, other=-1)
+    resident = cur >= 0
+    hit = wanted & resident
+    missing = wanted & ~resident
+    n_hit = tl.sum(hit.to(tl.int32), axis=0)
+    n_missing = tl.sum(missing.to(tl.int32), axis=0)
+    miss_rank = tl.cumsum(missing.to(tl.int32), axis=0) - 1
+
+    # ---- protected slots: this layer's hits (and for a prefetch, the layer being computed) ----
+    safe_cur = tl.where(resident, cur, 0)
+    tl.store(protect_ptr + safe_cur, tl.full([BLOCK_E], 1, tl.int8), mask=hit)
+    if HAS_GUARD:  # prefetch: the slots of the lookup whose layer is computing now
+        for start in range(0, T * K, BLOCK_P):
+            p = start + tl.arange(0, BLOCK_P)
+            ok = p < T * K
+            gh = tl.load(guard_hits_ptr + p, mask=ok, other=-1)
+            gm = tl.load(guard_misses_ptr + p, mask=ok, other=-1)
+            tl.store(protect_ptr + gh, tl.full([BLOCK_P], 1, tl.int8), mask=ok & (gh >= 0))
+            tl.store(protect_ptr + gm, tl.full([BLOCK_P], 1, tl.int8), mask=ok & (gm >= 0))
+    tl.debug_barrier()
+
+    # ---- prefetch bookkeeping of this layer's resident experts -------------------------------
+    useful = 0
+    wasted = 0
+    if MODE == 0:
+        pf = tl.load(prefetched_ptr + safe_cur, mask=resident & e_ok, other=0) != 0
+        useful = tl.sum((pf & hit).to(tl.int32), axis=0)
+        wasted = tl.sum((pf & resident & ~wanted & e_ok).to(tl.int32), axis=0)
+        tl.store(prefetched_ptr + safe_cur, tl.zeros([BLOCK_E], tl.int8), mask=pf & resident & e_ok)
+
+    # ---- how many get a slot now, and how many victims that takes -----------------------------
+    owner = tl.load(layer_of_slot_ptr + s_idx, mask=s_ok, other=-1)
+    occupied = (owner >= 0) & s_ok
+    free = (owner < 0) & s_ok
+    n_free = tl.sum(free.to(tl.int32), axis=0)
+    protected = tl.load(protect_ptr + s_idx, mask=s_ok, other=0) != 0
+    candidate = occupied & ~protected
+    if MODE == 0:
+        n_place = n_missing
+    else:
+        n_place = tl.minimum(n_missing, n_free + tl.sum(candidate.to(tl.int32), axis=0))
+    needed = tl.maximum(n_place - n_free, 0)
+
+    # ---- victims: `needed` times the least key among the candidates -------------------------
+    stamp = tl.load(stamp_ptr + s_idx, mask=s_ok, other=0)
+    if POLICY == 1:
+        owner_expert = tl.load(expert_of_slot_ptr + s_idx, mask=occupied, other=0)
+        score = tl.load(requests_ptr + owner * E + owner_expert, mask=candidate, other=0.0)
+        age = tl.minimum(clock - stamp, 4294967295)
+        key = (score.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (4294967295 - age)
+    else:
+        key = stamp
+    key = tl.where(candidate, key, 9223372036854775807)
+    free_rank = tl.cumsum(free.to(tl.int32), axis=0) - 1
+    # slots by placement rank: the free ones first (lowest index first), then the victims in order
+    tl.store(assign_ptr + free_rank, s_idx, mask=free & (free_rank < n_place))
+    for i in range(needed):
+        v = tl.argmin(key, axis=0)
+        tl.store(assign_ptr + n_free + i, v.to(tl.int32))
+        key = tl.where(s_idx == v, 9223372036854775807, key)
+    tl.debug_barrier()
+
+    # ---- evict ---------------------------------------------------------------------------
+    vi = tl.arange(0, BLOCK_E)
+    is_victim = vi < needed
+    victims = tl.load(assign_ptr + n_free + vi, mask=is_victim, other=0)
+    old_layer = tl.load(layer_of_slot_ptr + victims, mask=is_victim, other=0)
+    old_expert = tl.load(expert_of_slot_ptr + victims, mask=is_victim, other=0)
+    victim_pf = tl.load(prefetched_ptr + victims, mask=is_victim, other=0) != 0
+    wasted += tl.sum((victim_pf & is_victim).to(tl.int32), axis=0)
+    tl.store(prefetched_ptr + victims, tl.zeros([BLOCK_E], tl.int8), mask=is_victim)
+    tl.store(slot_of_ptr + old_layer * E + old_expert, tl.full([BLOCK_E], -1, tl.int32), mask=is_victim)
+
+    # ---- place -----------------------------------------------------------------------------
+    placed = missing & (miss_rank < n_place)
+    new_slot = tl.load(assign_ptr + tl.where(placed, miss_rank, 0), mask=placed, other=-1)
+    safe_new = tl.where(placed, new_slot, 0)
+    tl.store(slot_of_ptr + row_base + e_idx, new_slot, mask=placed)
+    tl.store(layer_of_slot_ptr + safe_new, tl.full([BLOCK_E], 0, tl.int32) + layer, mask=placed)
+    tl.store(expert_of_slot_ptr + safe_new, e_idx, mask=placed)
+    if POLICY == 1:
+        tl.store(stamp_ptr + safe_new, tl.zeros([BLOCK_E], tl.int64) + clock, mask=placed)
+    else:
+        phase = 1 if MODE == 0 else 2
+        tl.store(stamp_ptr + safe_new, clock * 3 * E + phase * E + e_idx, mask=placed)
+    tl.store(list_ptr + 2 * miss_rank, e_idx, mask=placed)
+    tl.store(list_ptr + 2 * miss_rank + 1, new_slot, mask=placed)
+    tl.store(count_ptr, n_place)
+    if MODE == 0:
+        if POLICY == 1:
+            tl.store(stamp_ptr + safe_cur, tl.zeros([BLOCK_E], tl.int64) + clock, mask=hit)
+            r = tl.load(requests_ptr + row_base + e_idx, mask=wanted, other=0.0)
+            tl.store(requests_ptr + row_base + e_idx, r + 1.0, mask=wanted)
+        else:
+            tl.store(stamp_ptr + safe_cur, clock * 3 * E + e_idx, mask=hit)
+        # per expert: 1 hit, 2 miss (read back by the pairs below)
+        tl.store(flags_ptr + e_idx, tl.where(hit, 1, 2).to(tl.int8), mask=wanted)
+    else:
+        tl.store(prefetched_ptr + safe_new, tl.full([BLOCK_E], 1, tl.int8), mask=placed)
+    tl.debug_barrier()
+
+    # ---- the slot of every (token, k) pair: hits and misses apart ---------------------------
+    if MODE == 0:
+        for start in range(0, T * K, BLOCK_P):
+            p = start + tl.arange(0, BLOCK_P)
+            in_range = p < T * K
+            real = p < n_pairs
+            e = tl.load(ids_ptr + p, mask=real, other=0).to(tl.int32)
+            s = tl.load(slot_of_ptr + row_base + e, mask=real, other=-1)
+            kind = tl.load(flags_ptr + e, mask=real, other=0)
+            tl.store(hit_slots_ptr + p, tl.where(real & (kind == 1), s, -1), mask=in_range)
+            tl.store(miss_slots_ptr + p, tl.where(real & (kind == 2), s, -1), mask=in_range)
+    tl.debug_barrier()
+
+    # ---- counters, then clear the scratch flags for the next call ----------------------------
+    if MODE == 0:
+        tl.store(counters_ptr + 0, tl.load(counters_ptr + 0) + 1)
+        tl.store(counters_ptr + 1, tl.load(counters_ptr + 1) + n_hit)
+        tl.store(counters_ptr + 2, tl.load(counters_ptr + 2) + n_missing)
+        tl.store(counters_ptr + 5, tl.load(counters_ptr + 5) + useful)
+    else:
+        tl.store(counters_ptr + 4, tl.load(counters_ptr + 4) + n_place)
+    tl.store(counters_ptr + 3, tl.load(counters_ptr + 3) + needed)
+    tl.store(counters_ptr + 6, tl.load(counters_ptr + 6) + wasted)
+    tl.store(flags_ptr + e_idx, tl.zeros([BLOCK_E], tl.int8), mask=e_ok)
+    tl.store(protect_ptr + s_idx, tl.zeros([BLOCK_S], tl.int8), mask=s_ok)
+
+
+def block_sizes(num_experts: int, num_slots: int) -> tuple[int, int]:
+    return triton.next_power_of_2(num_experts), triton.next_power_of_2(num_slots)
+
+
+def launch(mode: int, policy: int, ids, n_rows, layer: int, state, out, guard=None, block_p: int = 256) -> None:
+    """One lookup or prefetch over `state` (a DeviceCacheState's tensors) writing `out` (a
+    CacheCallOutputs); `guard` = (hit_slots, miss_slots) of the layer being computed (prefetch)."""
+    t, k = ids.shape
+    block_e, block_s = block_sizes(state.num_experts, state.num_slots)
+    guard_hits, guard_misses = guard if guard is not None else (out.hit_slots, out.miss_slots)
+    num_warps = 4 if block_s <= 1024 else (8 if block_s <= 4096 else 16)
+    _expert_cache_kernel[(1,)](
+        ids, n_rows, t, k, layer,
+        state.slot_of, state.layer_of_slot, state.expert_of_slot, state.requests, state.stamp, state.prefetched,
+        state.clock, state.counters, state.expert_flags, state.slot_flags, state.assign,
+        out.hit_slots, out.miss_slots, out.misses, out.count, guard_hits, guard_misses,
+        state.num_experts, state.num_slots, state.half_life, state.num_layers,
+        MODE=mode, POLICY=policy, HAS_GUARD=guard is not None,
+        BLOCK_E=block_e, BLOCK_S=block_s, BLOCK_P=block_p, num_warps=num_warps,
+    )  # fmt: skip
