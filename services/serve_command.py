@@ -21,6 +21,7 @@ import structlog
 from shared.logging import configure_logging
 from services.api.config import add_api_flags
 from services.worker.command import DEFAULT_BOOT, add_worker_model_flags
+from services.worker.execution_flags import execution_flag_args
 from services.worker.planner_flags import PLANNER_FIELDS
 
 log = structlog.get_logger("serve")
@@ -64,7 +65,8 @@ def child_commands(args: argparse.Namespace, model: str, rundir: Path) -> dict[s
     if args.scheduler_health_port is not None:
         scheduler += ["--health-port", str(args.scheduler_health_port)]
     worker = [*ferry, "worker", "--model", model, "--load-format", args.load_format, "--device", args.device,
-              "--expert-policy", args.expert_policy, "--steps-addr", steps_addr, "--results-addr", results_addr, "--boot", args.boot]  # fmt: skip
+              "--expert-policy", args.expert_policy, "--steps-addr", steps_addr, "--results-addr", results_addr, "--boot", args.boot,
+              *execution_flag_args(args)]  # fmt: skip
     for name in PLANNER_FIELDS:
         if getattr(args, name) is not None:
             worker += [_flag(name), str(getattr(args, name))]

@@ -30,6 +30,7 @@ from services.worker.executor import StepExecutor
 from services.worker.dummy_weights import iter_dummy_experts
 from services.worker.late_bound_experts import LateBoundExperts
 from services.worker.loader import LOAD_FORMATS, open_model, resident_weights, routed_expert_weights
+from services.worker.execution_flags import add_execution_flags
 from services.worker.expert_policy_flag import DEFAULT_EXPERT_POLICY, add_expert_policy_flag
 from services.worker.offload.build import build_expert_store, host_banks_for, is_offloaded
 from services.worker.plan_report import plan_log_fields
@@ -59,6 +60,7 @@ def add_boot_arguments(parser: argparse.ArgumentParser) -> None:
                         help="auto/safetensors: read the checkpoint; dummy: random weights of the right shapes")
     parser.add_argument("--device", default=None, help="auto, cpu, cuda or cuda:N (default auto: cuda if available, else cpu)")
     add_expert_policy_flag(parser)
+    add_execution_flags(parser)
     add_planner_flags(parser)  # fmt: skip
 
 

@@ -6,6 +6,7 @@ import argparse
 import signal
 
 from shared.logging import configure_logging
+from services.worker.execution_flags import add_execution_flags
 from services.worker.expert_policy_flag import add_expert_policy_flag
 from services.worker.planner_flags import add_planner_flags
 
@@ -19,6 +20,7 @@ def add_worker_model_flags(parser: argparse.ArgumentParser, model_required: bool
     parser.add_argument("--load-format", default="auto", help="auto | safetensors | dummy (random weights of the right shapes)")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     add_expert_policy_flag(parser)
+    add_execution_flags(parser)
     add_planner_flags(parser)
 
 

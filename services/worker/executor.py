@@ -1,4 +1,9 @@
-"""One scheduler step on the worker: forget, register, forward, sample (shared/step.py's contract)."""
+"""One scheduler step on the worker: forget, register, forward, sample (shared/step.py's contract).
+
+A decode step that a CUDA graph covers (decode_graphs.py) replays it; any other step runs the
+model eagerly. Either way the host waits for the device once per step, for the sampled tokens
+(and, queued before them, the expert store's statistics); everything before is queued without
+waiting (the sampler decides from the requests' parameters, the inputs cross in one copy)."""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ import torch
 from shared.errors import FerryError
 from shared.model_config import ModelSpec
 from shared.step import StepBatch, StepOutput
+from services.worker.decode_graphs import DecodeGraphs
 from services.worker.experts import ExpertStore
 from services.worker.forward_batch import ForwardBatch
 from services.worker.planner import Plan
@@ -21,10 +27,13 @@ class StepBatchError(FerryError):
 
 class StepExecutor:
     def __init__(self, model, pools: Pools, spec: ModelSpec, plan: Plan, device: torch.device | str,
-                 sampler_seed: int | None = None, store: ExpertStore | None = None):  # fmt: skip
-        """`store`: the model's expert store, told when each step ends and asked for its statistics."""
+                 sampler_seed: int | None = None, store: ExpertStore | None = None,
+                 graphs: DecodeGraphs | None = None):  # fmt: skip
+        """`store`: the model's expert store, told when each step ends and asked for its statistics;
+        `graphs`: the captured decode graphs (CUDA), or None to run every step eagerly."""
         self.model = model
         self.store = store
+        self.graphs = graphs
         self.pools = pools
         self.spec = spec
         self.plan = plan
@@ -41,16 +50,18 @@ class StepExecutor:
         if len(batch.req_ids) == 0:
             return StepOutput(batch.step_id, sampled_ids, np.zeros(0, np.int32), np.zeros(0, np.float32))
         self._check(batch)
-        forward_batch = ForwardBatch.from_step(batch, self.plan.kv.page_size, self.device)
+        bucket = self.graphs.bucket_for(batch) if self.graphs is not None else None
         with torch.inference_mode():
-            logits = self.model(forward_batch, self.pools)
-            tokens, logprobs = self.sampler.sample(sampled_ids.tolist(), logits)
-        output = StepOutput(
-            step_id=batch.step_id,
-            req_ids=sampled_ids,
-            token_ids=tokens.to("cpu", torch.int32).numpy(),
-            logprobs=logprobs.to("cpu", torch.float32).numpy(),
-        )
+            if bucket is not None:
+                logits = self.graphs.run(batch, bucket)
+            else:
+                logits = self.model(ForwardBatch.from_step(batch, self.plan.kv.page_size, self.device), self.pools)
+            tokens, logprobs = self.sampler.choose(sampled_ids.tolist(), logits)
+            if self.store is not None:
+                self.store.stats_to_host()  # queued before the results: the one wait below covers both
+            token_ids, logprobs = _to_host(tokens.to(torch.int32), logprobs.to(torch.float32))
+        self.sampler.record(sampled_ids.tolist(), token_ids.tolist())
+        output = StepOutput(step_id=batch.step_id, req_ids=sampled_ids, token_ids=token_ids, logprobs=logprobs)
         if self.store is not None:  # after the results reached the host: the step's work is done
             self.store.end_step()
         return output
@@ -97,3 +108,16 @@ class StepExecutor:
             problems.append(f"state slots must be in 0..{self.plan.linear_state.slots}")
         if problems:
             raise StepBatchError(f"step {batch.step_id}: " + "; ".join(problems))
+
+
+def _to_host(*tensors: torch.Tensor) -> list[np.ndarray]:
+    """The tensors on the host as numpy arrays, after one wait for everything queued before them."""
+    if not tensors[0].is_cuda:
+        return [t.numpy() for t in tensors]
+    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    for h, t in zip(host, tensors):
+        h.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(tensors[0].device))
+    done.synchronize()
+    return [h.numpy() for h in host]

@@ -20,14 +20,21 @@ class ExpertStore(Protocol):
     def load_expert(self, moe_layer: int, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
         """Take one expert's weights: gate and up [I, H], down [H, I] (checkpoint layout)."""
 
-    def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) for every token t; [T, H] in x's dtype."""
+    def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                n_rows: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) for every token t; [T, H] in x's dtype.
+        `n_rows` (int32 [1] on the device): rows past it are padding, whose output is never read
+        and whose experts must not be fetched or counted."""
 
     def preload(self) -> int:
         """After every expert is loaded: warm the slots; returns how many experts were placed."""
 
+    def stats_to_host(self) -> None:
+        """Queue the copy of the step's device-side statistics to the host (no waiting): the
+        executor calls it before the step's one synchronisation, `end_step` after it."""
+
     def end_step(self) -> None:
-        """The executor's step is over: close the step's statistics."""
+        """The executor's step is over (its results are on the host): close the step's statistics."""
 
     def report(self) -> dict:
         """Cumulative statistics (hits, misses, hit_rate, bytes_copied, copy_time_s,

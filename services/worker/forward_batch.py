@@ -33,7 +33,9 @@ class ForwardBatch:
     reset_state: torch.Tensor  # bool [R]
     logits_rows: torch.Tensor  # int64 [S]
     token_request: torch.Tensor  # int32 [T]: the request of every new token (attention kernels)
+    real_tokens: torch.Tensor  # int32 [1]: T, or fewer in a CUDA graph's padded batch (rows past it are padding)
     sample_mask: np.ndarray  # bool [R] (host)
+    reset_any: bool  # whether any request starts in this step (its linear state is zeroed first)
     query_lens_host: list[int]
     context_lens_host: list[int]
     page_size: int
@@ -47,7 +49,14 @@ class ForwardBatch:
         return int(self.tokens.shape[0])
 
     @classmethod
-    def from_step(cls, step: StepBatch, page_size: int, device: torch.device | str) -> "ForwardBatch":
+    def from_step(cls, step: StepBatch, page_size: int, device: torch.device | str, pad_to: int | None = None,
+                  max_pages: int | None = None, into: torch.Tensor | None = None) -> "ForwardBatch":  # fmt: skip
+        """The step's tensors on `device`. For a CUDA graph's fixed shapes (decode steps only:
+        one token per request), `pad_to` rows and `max_pages` page-table columns, written `into`
+        the graph's static input buffer (its layout is the same for every step of that shape).
+        Padding rows are harmless by the index conventions of shared/step.py: token 0 at position
+        0 of the sentinel page, the padding state slot, and `real_tokens` tells the expert store
+        to leave them out."""
         qlens = step.query_lens.astype(np.int64)
         clens = step.context_lens.astype(np.int64)
         qstart = np.zeros(len(qlens) + 1, dtype=np.int64)
@@ -63,20 +72,55 @@ class ForwardBatch:
             state_slots=(step.state_slots, np.int64), logits_rows=(logits_rows, np.int64),
             query_start=(qstart, np.int32), query_lens=(qlens, np.int32), context_lens=(clens, np.int32),
             page_table=(step.page_table, np.int32), token_request=(req_of_token, np.int32),
-            reset_state=(step.reset_state, np.bool_),
+            reset_state=(step.reset_state, np.bool_), real_tokens=(np.array([qstart[-1]]), np.int32),
         )  # fmt: skip
+        rows = len(qlens)
+        if pad_to is not None:
+            arrays = _padded_decode(arrays, rows, pad_to, max_pages)
+            rows = pad_to
+        pad = rows - len(qlens)
         return cls(
-            **_to_device_in_one_copy(arrays, torch.device(device)),
-            sample_mask=step.sample.astype(bool),
-            query_lens_host=qlens.tolist(),
-            context_lens_host=clens.tolist(),
+            **_to_device_in_one_copy(arrays, torch.device(device), into),
+            sample_mask=np.concatenate([step.sample.astype(bool), np.ones(pad, bool)]),
+            reset_any=bool(np.asarray(step.reset_state).any()),
+            query_lens_host=qlens.tolist() + [1] * pad,
+            context_lens_host=clens.tolist() + [0] * pad,
             page_size=page_size,
         )
 
 
-def _to_device_in_one_copy(arrays: dict[str, tuple[np.ndarray, type]], device: torch.device) -> dict[str, torch.Tensor]:
+def _padded_decode(arrays: dict, rows: int, pad_to: int, max_pages: int) -> dict:
+    """A decode step's arrays (one token per request, every request sampling) padded to
+    `pad_to` rows and a `max_pages`-wide page table."""
+    if rows > pad_to or arrays["page_table"][0].shape[1] > max_pages:
+        raise ValueError(f"a step of {rows} requests and {arrays['page_table'][0].shape[1]} pages does not fit "
+                         f"a graph of {pad_to} rows and {max_pages} pages")  # fmt: skip
+    if int(arrays["query_start"][0][-1]) != rows or len(arrays["logits_rows"][0]) != rows:
+        raise ValueError("only decode steps (one token per request, every request sampling) are padded")
+    extra = pad_to - rows
+
+    def tail(a, value=0):
+        return np.concatenate([np.asarray(a), np.full(extra, value, dtype=np.asarray(a).dtype)])
+
+    out = {name: (tail(a), dt) for name, (a, dt) in arrays.items()
+           if name in ("tokens", "positions", "slot_mapping", "state_slots", "context_lens", "reset_state")}  # fmt: skip
+    out["query_lens"] = (np.ones(pad_to, np.int64), np.int32)
+    out["query_start"] = (np.arange(pad_to + 1), np.int32)
+    out["token_request"] = (np.arange(pad_to), np.int32)
+    out["logits_rows"] = (np.arange(pad_to), np.int64)
+    table = np.zeros((pad_to, max_pages), dtype=np.int32)
+    pt = arrays["page_table"][0]
+    table[: pt.shape[0], : pt.shape[1]] = pt
+    out["page_table"] = (table, np.int32)
+    out["real_tokens"] = arrays["real_tokens"]
+    return {name: out[name] for name in arrays}  # the same order, so the same layout every step
+
+
+def _to_device_in_one_copy(arrays: dict[str, tuple[np.ndarray, type]], device: torch.device,
+                           into: torch.Tensor | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
     """{name: device tensor} for {name: (array, numpy dtype)}: packed into one byte buffer (each
-    array at an offset aligned to 8 bytes, so every view is aligned for its dtype), copied once."""
+    array at an offset aligned to 8 bytes, so every view is aligned for its dtype), copied once,
+    into `into` when given (it must have exactly the packed size)."""
     layout, offset = {}, 0
     for name, (a, dtype) in arrays.items():
         a = np.ascontiguousarray(a, dtype=dtype)
@@ -86,9 +130,22 @@ def _to_device_in_one_copy(arrays: dict[str, tuple[np.ndarray, type]], device: t
     staging = host.numpy()
     for a, start in layout.values():
         staging[start : start + a.nbytes] = a.reshape(-1).view(np.uint8)
-    packed = host.to(device, non_blocking=True)
+    if into is None:
+        packed = host.to(device, non_blocking=True)
+    else:
+        if into.numel() != offset:
+            raise ValueError(f"the static input buffer has {into.numel()} bytes, the step packs {offset}")
+        packed = into.copy_(host, non_blocking=True)
     out = {}
     for name, (a, start) in layout.items():
         dtype = torch.from_numpy(a[:0]).dtype
         out[name] = packed[start : start + a.nbytes].view(dtype).view(a.shape)
     return out
+
+
+def packed_bytes(rows: int, max_pages: int) -> int:
+    """Bytes of a padded decode step's packed inputs (the size of a graph's static input buffer)."""
+    sizes = {"tokens": 8 * rows, "positions": 8 * rows, "slot_mapping": 8 * rows, "state_slots": 8 * rows,
+             "logits_rows": 8 * rows, "query_start": 4 * (rows + 1), "query_lens": 4 * rows, "context_lens": 4 * rows,
+             "page_table": 4 * rows * max_pages, "token_request": 4 * rows, "reset_state": rows, "real_tokens": 4}  # fmt: skip
+    return sum(-(-n // 8) * 8 for n in sizes.values())

@@ -36,8 +36,9 @@ class LateBoundExperts:
     def load_expert(self, moe_layer: int, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
         self.store.load_expert(moe_layer, expert, gate, up, down)
 
-    def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        return self.store.forward(moe_layer, x, topk_ids, topk_weights)
+    def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                n_rows: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        return self.store.forward(moe_layer, x, topk_ids, topk_weights, n_rows=n_rows)
 
 
 class SharedLayerExperts(ResidentExperts):
@@ -47,5 +48,6 @@ class SharedLayerExperts(ResidentExperts):
     def __init__(self, slots: ExpertSlotPool, num_experts: int):
         super().__init__(slots, 1, num_experts)
 
-    def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        return super().forward(0, x, topk_ids, topk_weights)
+    def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                n_rows: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        return super().forward(0, x, topk_ids, topk_weights, n_rows=n_rows)

@@ -119,6 +119,10 @@ def expert_slot_layout(spec: ModelSpec, dtype: str, slots: int, max_step_tokens:
 
 # Counters of the device-side expert cache (kernels/expert_cache_lookup.py's NUM_COUNTERS).
 EXPERT_CACHE_COUNTERS = 8
+# Device timestamps per MoE layer (services/worker/offload/device_store.py): copies of the misses
+# (start, end), of the next layer's prefetch (start, end), the compute stream before it waits for
+# the prefetched experts and once it has computed the hits.
+COPY_STAMPS = 6
 
 
 def expert_cache_state(spec: ModelSpec, slots: int, max_step_tokens: int) -> tuple[TensorSpec, ...]:
@@ -146,5 +150,5 @@ def expert_cache_state(spec: ModelSpec, slots: int, max_step_tokens: int) -> tup
         TensorSpec("lookup_count", (layers,), "int32"),
         TensorSpec("prefetch_misses", (layers, e, 2), "int32"),
         TensorSpec("prefetch_count", (layers,), "int32"),
-        TensorSpec("copy_stamps", (layers, 4), "int64"),
+        TensorSpec("copy_stamps", (layers, COPY_STAMPS), "int64"),
     )

@@ -89,6 +89,15 @@ class Sampler:
         """Sample one token per row of `logits` ([S, V], row i belongs to req_ids[i]); record it.
 
         Returns (token ids int64 [S], logprobs float32 [S]) on the sampling device."""
+        tokens, logprobs = self.choose(req_ids, logits)
+        self.record(req_ids, tokens.tolist())
+        return tokens, logprobs
+
+    @torch.no_grad()
+    def choose(self, req_ids: Sequence[int], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`sample` without recording and without waiting for the device: every decision about
+        which rows need what is made from the requests' parameters on the host, and the tokens
+        stay on the device. The caller brings them to the host and then calls `record`."""
         if logits.shape[0] != len(req_ids):
             raise ValueError(f"{logits.shape[0]} logits rows for {len(req_ids)} requests")
         try:
@@ -100,24 +109,26 @@ class Sampler:
             empty = torch.empty(0, device=self.device)
             return empty.long(), empty
         logits = apply_penalties(logits, states, self.vocab_size)
-        tokens, logprobs = self._choose(logits, states)
-        for state, token in zip(states, tokens.tolist()):
-            state.record(token)
-        return tokens, logprobs
+        return self._choose(logits, states)
+
+    def record(self, req_ids: Sequence[int], tokens: Sequence[int]) -> None:
+        """The tokens `choose` drew, now on the host: each request's history and penalty counts."""
+        for req_id, token in zip(req_ids, tokens):
+            self.requests[int(req_id)].record(int(token))
 
     def _choose(self, logits: torch.Tensor, states: list[RequestSamplingState]) -> tuple[torch.Tensor, torch.Tensor]:
         params = [s.params for s in states]
-        greedy = torch.tensor([p.greedy for p in params], device=self.device)
         tokens = logits.argmax(dim=-1)
         logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
-        if bool(greedy.all()):
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        if not sampled:
             return tokens, logprobs
-        rows = (~greedy).nonzero().squeeze(1)
-        sub_params = [params[i] for i in rows.tolist()]
-        temperature = torch.tensor([p.temperature for p in sub_params], device=self.device)
+        rows = to_device(sampled, torch.int64, self.device)
+        sub_params = [params[i] for i in sampled]
+        temperature = to_device([p.temperature for p in sub_params], torch.float32, self.device)
         filtered = filter_logits(logits[rows] / temperature[:, None], sub_params)
         probs = torch.softmax(filtered, dim=-1)
-        noise = self._exponential_noise(probs, [states[i] for i in rows.tolist()])
+        noise = self._exponential_noise(probs, [states[i] for i in sampled])
         drawn = (probs / noise).argmax(dim=-1)
         tokens[rows] = drawn
         logprobs[rows] = torch.log_softmax(filtered, dim=-1).gather(1, drawn[:, None]).squeeze(1)
@@ -130,6 +141,15 @@ class Sampler:
                 noise[i].exponential_(generator=state.generator)
         # An exact 0 draw would turn a masked token's 0/0 into NaN, which argmax picks.
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on `device` without waiting: a pageable host-to-device copy synchronises
+    with the device, so on CUDA the list goes through pinned memory."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def check_sampling_params(p: SamplingParams) -> None:
@@ -161,14 +181,14 @@ def apply_penalties(logits: torch.Tensor, states: list[RequestSamplingState], vo
     if needs_repetition:
         unseen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
         seen = torch.stack([s.seen if s.seen is not None else unseen for s in states])
-        penalty = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
+        penalty = to_device([p.repetition_penalty for p in params], torch.float32, device)[:, None]
         penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
         logits = torch.where(seen, penalised, logits)
     if needs_openai:
         none = torch.zeros(vocab_size, dtype=torch.float32, device=device)
         counts = torch.stack([s.output_counts if s.output_counts is not None else none for s in states])
-        presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
-        frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
+        presence = to_device([p.presence_penalty for p in params], torch.float32, device)[:, None]
+        frequency = to_device([p.frequency_penalty for p in params], torch.float32, device)[:, None]
         logits = logits - frequency * counts - presence * (counts > 0).float()
     return logits
 
@@ -181,10 +201,11 @@ def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
     is at least min_p times the most likely token's."""
     vocab = logits.shape[-1]
     device = logits.device
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
-    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
-    if bool((top_k < vocab).any()) or bool((top_p < 1.0).any()):
+    k_values = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    # which filters run is decided from the parameters on the host: no wait for the device
+    if any(k < vocab for k in k_values) or any(p.top_p < 1.0 for p in params):
+        top_k = to_device(k_values, torch.int64, device)
+        top_p = to_device([p.top_p for p in params], torch.float32, device)
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         rank = torch.arange(vocab, device=device)[None, :]
         sorted_logits = sorted_logits.masked_fill(rank >= top_k[:, None], float("-inf"))
@@ -193,7 +214,8 @@ def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
         drop = (mass_before >= top_p[:, None]) & (rank > 0)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
-    if bool((min_p > 0).any()):
+    if any(p.min_p > 0 for p in params):
+        min_p = to_device([p.min_p for p in params], torch.float32, device)
         probs = torch.softmax(logits, dim=-1)
         threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(probs < threshold, float("-inf"))

@@ -55,7 +55,7 @@ class DecoderLayer(nn.Module):
         else:
             h, residual = self.input_layernorm.forward_add(x, residual)
         h, residual = self.post_attention_layernorm.forward_add(mixer(h, ctx), residual)
-        return self.mlp(h), residual
+        return self.mlp(h, ctx), residual
 
 
 class CausalLM(nn.Module):
@@ -97,11 +97,10 @@ class CausalLM(nn.Module):
             raise ValueError("this model has linear-attention layers but the pools have no linear_state pool")
         cos, sin = self.rotary.cos_sin(batch.positions, self.dtype)
         fresh = None
-        if self.spec.linear_attention_layers:
-            # one host sync per step (not per layer): most steps start no request, and then no
-            # state row needs touching
+        if self.spec.linear_attention_layers and batch.reset_any:
+            # the host knows whether any request starts now: most steps start none, and then no
+            # state row is touched and nothing waits for the device
             fresh = batch.state_slots[batch.reset_state]
-            fresh = fresh if fresh.numel() else None
         ctx = StepContext(batch, pools, cos, sin, fresh)
         x, residual = self.embed_tokens(batch.tokens), None
         for layer in self.layers:

@@ -19,7 +19,7 @@ class DenseMLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, **kw)
         self.down_proj = nn.Linear(intermediate, hidden, **kw)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -60,9 +60,11 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = DenseMLP(spec.hidden_size, spec.shared_expert_intermediate_size, dtype, device)
             self.shared_expert_gate = nn.Linear(spec.hidden_size, 1, bias=False, dtype=dtype, device=device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
+        """`ctx` (the step's StepContext) tells the store how many rows are real (a CUDA graph's
+        batch is padded to its size)."""
         ids, weights = self.gate(x)
-        out = self.experts.forward(self.moe_layer, x, ids, weights)
+        out = self.experts.forward(self.moe_layer, x, ids, weights, n_rows=ctx.batch.real_tokens if ctx else None)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

@@ -119,7 +119,12 @@ class OffloadedExperts:
         self.stats.end_step()
         self._last_layer = -1
 
-    def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    def stats_to_host(self) -> None:
+        """Nothing to queue: the host policy counted on the host."""
+
+    def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                n_rows: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """`n_rows` is not read: the host path never runs padded batches (CUDA graphs use DeviceDrivenExperts)."""
         if moe_layer <= self._last_layer:
             self.stats.end_step()
         self._last_layer = moe_layer

@@ -7,8 +7,8 @@ twin on CPU) — the same kernel `OffloadedExperts` uses, so the two agree bit f
 It keeps the same statistics as the offload store (every lookup a hit, nothing copied), so every
 worker exports the same expert-cache metrics whatever its plan. Counting the layer's distinct
 experts on the host would cost a device sync per layer; instead each layer marks its routed
-experts in a [layers, experts] device table (one launch), which `end_step` sums and reads once,
-after the executor has already waited for the step.
+experts in a persistent [layers, experts] device table (one scatter, graph-safe), which
+`stats_to_host` sums and queues to the host before the step's one synchronisation.
 
 Small steps (decode) on the GPU go pair by pair (kernels/expert_pair_gemv.py) with the layer's
 slot offset passed to the kernel: the routed expert ids are used as they are, with no alignment
@@ -39,8 +39,8 @@ class ResidentExperts:
         self.num_moe_layers = num_moe_layers
         self.num_experts = num_experts
         self.stats = ExpertCacheStats()
-        self._routed: torch.Tensor | None = None  # bool [layers, experts]: routed this step, on the device
-        self._last_layer = -1
+        self._routed: torch.Tensor | None = None  # uint8 [layers, experts]: routed this step, on the device
+        self._pending = False  # a count queued by stats_to_host, not yet read
 
     def _slot(self, moe_layer: int, expert: int) -> int:
         return moe_layer * self.num_experts + expert
@@ -56,11 +56,9 @@ class ResidentExperts:
         """Nothing to warm: every expert was loaded straight into its slot."""
         return 0
 
-    def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        if moe_layer <= self._last_layer:  # layer 0 came round again without end_step: a new step
-            self.end_step()
-        self._last_layer = moe_layer
-        self._count_lookups(moe_layer, topk_ids)
+    def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                n_rows: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        self._count_lookups(moe_layer, topk_ids, n_rows)
         offset = moe_layer * self.num_experts
         if use_triton(x) and use_pair_kernel(topk_ids.numel()):
             rows = torch.empty(x.shape[0], topk_ids.shape[1], x.shape[1], dtype=torch.float32, device=x.device)
@@ -70,20 +68,38 @@ class ResidentExperts:
         return grouped_expert_forward(x, topk_slots, topk_weights, self.slots.w13, self.slots.w2,
                                       max_distinct_slots=self.num_experts)  # one layer's experts at most
 
-    def _count_lookups(self, moe_layer: int, topk_ids: torch.Tensor) -> None:
-        # index_fill, not bincount: bincount on CUDA reads the maximum back to the host
-        if self._routed is None:  # a new table per step: one launch per step, not per layer
-            self._routed = torch.zeros(self.num_moe_layers, self.num_experts, dtype=torch.bool, device=topk_ids.device)
-        self._routed[moe_layer].index_fill_(0, topk_ids.reshape(-1).to(torch.int64), True)
+    def _count_lookups(self, moe_layer: int, topk_ids: torch.Tensor, n_rows: torch.Tensor | None) -> None:
+        """Mark the layer's routed experts in the step's [layers, experts] device table: one
+        scatter, no host sync, rows past n_rows (padding) left out; graph-safe (fixed addresses)."""
+        if self._routed is None or self._routed.device != topk_ids.device:
+            self._routed = torch.zeros(self.num_moe_layers, self.num_experts, dtype=torch.uint8, device=topk_ids.device)
+            self._routed_sum = torch.zeros(1, dtype=torch.int64, device=topk_ids.device)
+            self._routed_host = torch.zeros(1, dtype=torch.int64, pin_memory=topk_ids.is_cuda)
+        t, k = topk_ids.shape
+        marks = torch.ones(t, k, dtype=torch.uint8, device=topk_ids.device)
+        if n_rows is not None:
+            marks = (torch.arange(t, device=topk_ids.device) < n_rows)[:, None].expand(t, k).to(torch.uint8)
+        self._routed[moe_layer].scatter_reduce_(0, topk_ids.reshape(-1).to(torch.int64), marks.reshape(-1), reduce="amax")
+
+    def stats_to_host(self) -> None:
+        """Queue the step's count of distinct routed experts to the host, and clear the table."""
+        if self._routed is None:
+            return
+        self._routed_sum.copy_(self._routed.sum(dtype=torch.int64).view(1))
+        self._routed.zero_()
+        self._routed_host.copy_(self._routed_sum, non_blocking=self._routed.is_cuda)
+        self._pending = True
 
     def end_step(self) -> None:
         """Fold the step's lookups (all hits) into the statistics."""
-        if self._routed is not None:
-            # dropped, not zeroed: it may be an inference tensor, and end_step may run outside inference mode
-            self.stats.record_lookup(int(self._routed.sum()), 0, 0)
-            self._routed = None
+        if self._routed is not None and not self._pending:
+            self.stats_to_host()
+        if self._pending:
+            if self._routed.is_cuda:
+                torch.cuda.current_stream(self._routed.device).synchronize()
+            self.stats.record_lookup(int(self._routed_host[0]), 0, 0)
+            self._pending = False
         self.stats.end_step()
-        self._last_layer = -1
 
     def report(self) -> dict:
         """Same keys as `OffloadedExperts.report()`: misses, bytes and copy times stay zero."""

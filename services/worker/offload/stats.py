@@ -21,6 +21,10 @@ class CacheCounters:
     copy_time_s: float = 0.0
     exposed_copy_time_s: float = 0.0
     steps: int = 0
+    # next-layer prefetch: experts copied ahead, then routed (useful) or not (wasted)
+    prefetched: int = 0
+    prefetch_useful: int = 0
+    prefetch_wasted: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -28,11 +32,18 @@ class CacheCounters:
         return self.hits / looked_up if looked_up else 0.0
 
     def add(self, other: "CacheCounters") -> None:
-        for name in ("hits", "misses", "bytes_copied", "copy_time_s", "exposed_copy_time_s", "steps"):
+        for name in ("hits", "misses", "bytes_copied", "copy_time_s", "exposed_copy_time_s", "steps", "prefetched",
+                     "prefetch_useful", "prefetch_wasted"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
+    @property
+    def prefetch_accuracy(self) -> float:
+        """Of the prefetched experts whose layer has looked since, the share that was routed."""
+        judged = self.prefetch_useful + self.prefetch_wasted
+        return self.prefetch_useful / judged if judged else 0.0
+
     def to_dict(self) -> dict:
-        return {**asdict(self), "hit_rate": self.hit_rate}
+        return {**asdict(self), "hit_rate": self.hit_rate, "prefetch_accuracy": self.prefetch_accuracy}
 
 
 @dataclass
@@ -58,6 +69,12 @@ class ExpertCacheStats:
         c.hits += hits
         c.misses += misses
         c.bytes_copied += bytes_copied
+
+    def record_prefetch(self, prefetched: int, useful: int, wasted: int) -> None:
+        c = self._step.counters
+        c.prefetched += prefetched
+        c.prefetch_useful += useful
+        c.prefetch_wasted += wasted
 
     def record_copy_seconds(self, seconds: float, exposed: float) -> None:
         self._step.counters.copy_time_s += seconds

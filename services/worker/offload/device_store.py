@@ -1,0 +1,279 @@
+"""The offloading expert store driven from the device (DESIGN §3): what `ferry serve` runs on CUDA.
+
+Per MoE layer of a decode step (few (token, k) pairs), with no host round trip, so the whole
+step can be replayed as a CUDA graph:
+
+    lookup kernel ──▶ miss list ──▶ copy kernel (copy stream: host banks -> slots, GPU-driven)
+         │                    └──▶ router of layer L+1 on this layer's input ─▶ prefetch kernel
+         │                                                                  ─▶ copy kernel (copy stream)
+         └──▶ hits' expert GEMV (compute stream; first waits for this layer's prefetched experts)
+              ──▶ wait for the misses' copy ──▶ misses' expert GEMV ──▶ sum over k
+
+* the cache's state and decisions are on the device (device_cache.py, kernels/expert_cache_lookup.py);
+* misses cross PCIe through the copy kernel (kernels/expert_copy.py), which reads the miss list
+  and its count on the device; the hits are computed meanwhile;
+* next-layer prefetch: layer L+1's router applied to layer L's input predicts its experts; the
+  missing ones get slots (never one layer L uses) and start crossing on the copy stream, behind
+  layer L's own misses, while layer L computes. What the prediction missed is fetched by
+  layer L+1's own lookup. `prefetch=False` turns it off.
+
+Larger steps (prefill, big decode batches) take the same decisions on the device but read the
+lists on the host and copy with the copy engine (cudaMemcpyAsync: the higher bandwidth when many
+experts cross at once, bench/copy_paths.py), in chunks that are computed as they land; their
+next layer is prefetched the same way. Each (token, k) pair is computed exactly once into a
+float32 row buffer summed over k, with the same kernels as the all-resident store: the result is
+bit for bit what an all-resident store computes.
+
+Statistics come from the cache's device counters and the copy stamps, copied to the host with
+the step's results (`stats_to_host` before the step's one synchronisation, `end_step` after).
+On CPU this store runs through the Triton interpreter (tests of the CUDA path); plain CPU runs
+use `OffloadedExperts`, whose host policy is this store's reference twin.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from kernels.expert_copy import copy_experts_triton
+from kernels.expert_pair_gemv import expert_pair_rows_triton, use_pair_kernel
+from kernels.expert_rows_sum import sum_rows
+from kernels.grouped_expert_gemm import grouped_expert_rows_triton
+from services.worker.offload.device_cache import CacheCall, DeviceExpertCache
+from services.worker.offload.expert_cache import DEFAULT_PIPELINE_CHUNKS, OffloadedExperts, _split
+
+# copy_stamps columns (pool_layout.COPY_STAMPS)
+MISS_START, MISS_END, PREFETCH_START, PREFETCH_END, BEFORE_PREFETCH_WAIT, HITS_DONE = range(6)
+
+
+class DeviceDrivenExperts(OffloadedExperts):
+    """An `ExpertStore` whose cache lives on the device. Loading and warm-up are the host
+    store's (`load_expert`, `preload`); the device state starts from the warmed-up twin."""
+
+    def __init__(self, slots, banks, policy, device, prefetch: bool = True,
+                 pipeline_chunks: int = DEFAULT_PIPELINE_CHUNKS):  # fmt: skip
+        super().__init__(slots, banks, policy, device, pipeline_chunks=pipeline_chunks, use_triton=True)
+        self.prefetch_enabled = prefetch
+        self.routers: list[torch.Tensor] | None = None  # [E, H] router weight of every MoE layer
+        self.cache: DeviceExpertCache | None = None
+        self._prefetch_done: dict[int, torch.cuda.Event] = {}
+        self._timing = self._cuda
+        self._host_counters = torch.zeros(slots.cache_state["counters"].shape, dtype=torch.int64,
+                                          pin_memory=self._cuda)  # fmt: skip
+        self._host_stamps = torch.zeros(slots.cache_state["copy_stamps"].shape, dtype=torch.int64,
+                                        pin_memory=self._cuda)  # fmt: skip
+        self._stats_ready: torch.cuda.Event | None = None
+        self._last_counters: dict[str, int] | None = None
+        self._step_copy_events: list = []
+
+    def set_routers(self, routers: list[torch.Tensor]) -> None:
+        """The router weights of the MoE layers, in order: what the next-layer prediction applies."""
+        if len(routers) != self.policy.num_layers:
+            raise ValueError(f"{len(routers)} routers for {self.policy.num_layers} MoE layers")
+        self.routers = routers
+
+    def preload(self) -> int:
+        placed = super().preload()
+        self.cache = DeviceExpertCache(self.slots, self.policy)  # from here on the device decides
+        self._last_counters = self._warm_counters = self.cache.counters_dict(self.cache.counters.cpu().numpy())
+        return placed
+
+    # ---- the step ------------------------------------------------------------------------------
+    def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                n_rows: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        if self.cache is None:
+            self.preload()
+        if moe_layer == 0:
+            self._prefetch_done.clear()  # a new step (every entry is consumed within a step)
+        t, k = topk_ids.shape
+        if n_rows is None:
+            n_rows = torch.full((1,), t, dtype=torch.int32, device=x.device)
+        ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+        rows = torch.empty(t, k, x.shape[1], dtype=torch.float32, device=x.device)
+        if use_pair_kernel(t * k):
+            self._decode_layer(moe_layer, x, ids, topk_weights, n_rows, rows)
+        else:
+            self._large_layer(moe_layer, x, ids, topk_weights, n_rows, rows)
+        return sum_rows(rows, x.dtype)
+
+    def _decode_layer(self, layer, x, ids, weights, n_rows, rows) -> None:
+        """Graph-safe: no host synchronisation, fixed addresses, fixed launch shapes."""
+        t, k = ids.shape
+        call = self.cache.lookup(layer, ids, n_rows)
+        stamps = self.cache.copy_stamps[layer]
+        copied = self._on_copy_stream(lambda: self._copy_sm(layer, call), stamps, MISS_START, MISS_END)
+        self._prefetch_next(layer, x, n_rows, call, large=False)
+        self._wait_prefetched(layer, stamps)
+        expert_pair_rows_triton(x, call.hit_slots.view(t, k), weights, self.slots.w13, self.slots.w2, rows)
+        self._stamp(stamps, HITS_DONE)
+        if copied is not None:
+            torch.cuda.current_stream(self.device).wait_event(copied)
+        expert_pair_rows_triton(x, call.miss_slots.view(t, k), weights, self.slots.w13, self.slots.w2, rows)
+
+    def _large_layer(self, layer, x, ids, weights, n_rows, rows) -> None:
+        """Prefill and large batches: the decisions on the device, the lists read on the host, the
+        copy engine moving them in chunks, each chunk's pairs computed once it has landed."""
+        t, k = ids.shape
+        call = self.cache.lookup(layer, ids, n_rows)
+        misses = self._read_list(call)
+        chunks = _split(misses, self.pipeline_chunks)
+        landed = [self._on_copy_stream(lambda c=c: self._copy_ce(layer, c), None, 0, 0, timed=True) for c in chunks]
+        self._prefetch_next(layer, x, n_rows, call, large=True)
+        self._wait_prefetched(layer, None)
+        hit_slots = call.hit_slots.view(t, k)
+        grouped_expert_rows_triton(x, hit_slots, weights, self.slots.w13, self.slots.w2, rows,
+                                   max_distinct_slots=self.num_experts)  # fmt: skip
+        miss_slots = call.miss_slots.view(t, k)
+        for chunk, done in zip(chunks, landed):
+            if done is not None:
+                self._stall(done)
+            mine = torch.tensor([s for _, s in chunk], dtype=miss_slots.dtype, device=x.device)
+            group = torch.where(torch.isin(miss_slots, mine), miss_slots, -1)
+            grouped_expert_rows_triton(x, group, weights, self.slots.w13, self.slots.w2, rows,
+                                       max_distinct_slots=self.num_experts)  # fmt: skip
+
+    # ---- prefetch ----------------------------------------------------------------------------
+    def _prefetch_next(self, layer: int, x: torch.Tensor, n_rows: torch.Tensor, call: CacheCall, large: bool) -> None:
+        nxt = layer + 1
+        if not self.prefetch_enabled or self.routers is None or nxt >= self.policy.num_layers:
+            return
+        predicted = torch.topk(F.linear(x, self.routers[nxt]), call.hit_slots.numel() // x.shape[0], dim=-1).indices
+        pcall = self.cache.prefetch(nxt, predicted.contiguous(), n_rows, call)
+        stamps = self.cache.copy_stamps[layer]
+        if large:
+            placed = self._read_list(pcall)
+            done = self._on_copy_stream(lambda: self._copy_ce(nxt, placed), None, 0, 0, timed=True)
+        else:
+            done = self._on_copy_stream(lambda: self._copy_sm(nxt, pcall), stamps, PREFETCH_START, PREFETCH_END)
+        if done is not None:
+            self._prefetch_done[nxt] = done
+
+    def _wait_prefetched(self, layer: int, stamps: torch.Tensor | None) -> None:
+        done = self._prefetch_done.pop(layer, None)
+        if done is None:
+            return
+        if stamps is not None:
+            self._stamp(stamps, BEFORE_PREFETCH_WAIT)
+            torch.cuda.current_stream(self.device).wait_event(done)
+        else:
+            self._stall(done)
+
+    # ---- copies --------------------------------------------------------------------------------
+    def _copy_sm(self, layer: int, call: CacheCall) -> None:
+        copy_experts_triton(self.banks.w13[layer], self.banks.w2[layer], self.slots.w13, self.slots.w2,
+                            call.misses, call.count)  # fmt: skip
+
+    def _copy_ce(self, layer: int, pairs: list[tuple[int, int]]) -> None:
+        for expert, s in pairs:
+            self._copy_expert(layer, expert, s, non_blocking=self._cuda)
+
+    def _on_copy_stream(self, work, stamps, first: int, last: int, timed: bool = False):
+        """Run `work` on the copy stream after everything queued so far on the compute stream;
+        returns the event that marks it done (None on CPU, where it ran synchronously)."""
+        if not self._cuda:
+            work()
+            return None
+        compute, copy = torch.cuda.current_stream(self.device), self._copy_stream
+        queued = torch.cuda.Event()
+        queued.record(compute)
+        copy.wait_event(queued)
+        with torch.cuda.stream(copy):
+            if timed:  # eager steps: timing events
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record(copy)
+                work()
+                end.record(copy)
+                self._step_copy_events.append((start, end))
+            else:
+                self._stamp(stamps, first)
+                work()
+                self._stamp(stamps, last)
+        done = torch.cuda.Event()
+        done.record(copy)
+        return done
+
+    def _stall(self, done: torch.cuda.Event) -> None:
+        """The compute stream waits for a copy (eager steps), timed as exposed copy time."""
+        compute = torch.cuda.current_stream(self.device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(compute)
+        compute.wait_event(done)
+        end.record(compute)
+        self.stats.record_stall_events(start, end)
+
+    def _stamp(self, stamps: torch.Tensor | None, column: int) -> None:
+        if self._timing and stamps is not None:
+            from kernels.device_clock import stamp
+
+            stamp(stamps, column)
+
+    def _read_list(self, call: CacheCall) -> list[tuple[int, int]]:
+        """The (expert, slot) list on the host: one synchronisation (large steps only)."""
+        count = int(call.count[0])
+        return [tuple(r) for r in call.misses[:count].tolist()]
+
+    # ---- statistics ------------------------------------------------------------------------------
+    def stats_to_host(self) -> None:
+        """Queue the copy of the step's counters and stamps to the host (before the step's sync)."""
+        if self.cache is None:
+            return
+        self._host_counters.copy_(self.cache.counters, non_blocking=self._cuda)
+        self._host_stamps.copy_(self.cache.copy_stamps, non_blocking=self._cuda)
+        if self._cuda:
+            self._stats_ready = torch.cuda.Event()
+            self._stats_ready.record(torch.cuda.current_stream(self.device))
+        else:
+            self._stats_ready = None
+
+    def end_step(self) -> None:
+        if self.cache is None:
+            return
+        if self._stats_ready is None and self._cuda:
+            self.stats_to_host()
+        if self._stats_ready is not None:
+            self._stats_ready.synchronize()
+            self._stats_ready = None
+        now = self.cache.counters_dict(self._host_counters.numpy())
+        before = self._last_counters
+        delta = {n: now[n] - before[n] for n in now}
+        self._last_counters = now
+        copies = delta["misses"] + delta["prefetched"]
+        if delta["lookups"]:
+            self.stats.record_lookup(delta["hits"], delta["misses"], copies * self.banks.expert_nbytes)
+            self.stats.record_prefetch(delta["prefetched"], delta["prefetch_useful"], delta["prefetch_wasted"])
+            copy_s, exposed_s = self._stamped_seconds()
+            for start, end in self._step_copy_events:
+                self.stats.record_copy_events(start, end)
+            self.stats.record_copy_seconds(copy_s, exposed_s)
+        self._step_copy_events = []
+        self.stats.end_step()
+        self._last_layer = -1
+
+    def _stamped_seconds(self) -> tuple[float, float]:
+        """(copy time, exposed copy time) of the graph-safe layers, from the device stamps; each
+        stamp row is zeroed once read, so a layer that ran no decode path this step adds nothing."""
+        if not self._timing:
+            return 0.0, 0.0
+        s = self._host_stamps.numpy().astype(np.int64)
+        ran = s[:, MISS_END] > 0
+        copy = np.where(ran, s[:, MISS_END] - s[:, MISS_START], 0)
+        pref = s[:, PREFETCH_END] > 0
+        copy += np.where(pref, s[:, PREFETCH_END] - s[:, PREFETCH_START], 0)
+        exposed = np.where(ran & (s[:, HITS_DONE] > 0), np.maximum(0, s[:, MISS_END] - s[:, HITS_DONE]), 0)
+        # the wait for this layer's prefetched experts: stamped in the previous layer's row
+        waited = np.zeros(len(s), dtype=np.int64)
+        waited[1:] = np.where(pref[:-1] & (s[1:, BEFORE_PREFETCH_WAIT] > 0),
+                              np.maximum(0, s[:-1, PREFETCH_END] - s[1:, BEFORE_PREFETCH_WAIT]), 0)  # fmt: skip
+        self.cache.copy_stamps.zero_()
+        return float(copy.sum()) / 1e9, float((exposed + waited).sum()) / 1e9
+
+    def report(self) -> dict:
+        """The host store's report, with what the device decided since: evictions, and how many
+        slots are filled (a placement takes a free slot while there is one, and slots never empty)."""
+        out = {**super().report(), "prefetch": self.prefetch_enabled}
+        if self.cache is not None:
+            c, start = self._last_counters, self._warm_counters
+            placements = c["misses"] + c["prefetched"] - start["misses"] - start["prefetched"]
+            out.update(evictions=c["evictions"], resident=min(self.policy.num_slots, self.policy.resident + placements))
+        return out
