@@ -38,7 +38,8 @@ from services.worker.planner import Measured, Plan, PlanRequest, resolve
 from services.worker.planner_flags import add_planner_flags, plan_request_from_args
 from services.worker.pools import TORCH_DTYPES, allocate_pools
 from services.worker.store_plan import plan_for_expert_store
-from services.worker.workspace_profile import profile_workspace_cuda
+from services.worker.decode_graphs import DecodeGraphs, graph_buckets
+from services.worker.workspace_profile import profile_decode_graphs_cuda, profile_workspace_cuda
 
 log = structlog.get_logger("worker")
 
@@ -157,6 +158,8 @@ def boot_worker(args: argparse.Namespace) -> tuple[StepExecutor, Plan]:
     free, free_source = _free_memory(device, req)
     r = resolve(spec, req)
     dtype = TORCH_DTYPES[r.dtype]
+    graphs_wanted = device.type == "cuda" and not getattr(args, "enforce_eager", False)
+    buckets = graph_buckets(spec.num_experts_per_tok, r.max_running_requests)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
@@ -174,6 +177,10 @@ def boot_worker(args: argparse.Namespace) -> tuple[StepExecutor, Plan]:
             # profiling resets the allocator's peak counters: keep the peak of loading
             booted["loading_peak_reserved"] = torch.cuda.max_memory_reserved(device)
             workspace, workspace_source = profile_workspace_cuda(model, experts, spec, r, device), "profiled"
+            if graphs_wanted:  # the decode graphs' pool and buffers: workspace the plan must hold
+                booted["graph_bytes"] = profile_decode_graphs_cuda(model, experts, spec, r, device, buckets)
+                workspace += booted["graph_bytes"]
+                workspace_source = f"profiled, {format_bytes(booted['graph_bytes'])} of it decode graphs"
         else:
             weights = _tensor_bytes(model)
             workspace = workspace_bytes_estimate(spec, r.dtype, r.max_prefill_tokens, r.max_running_requests,
@@ -182,7 +189,10 @@ def boot_worker(args: argparse.Namespace) -> tuple[StepExecutor, Plan]:
         plan = plan_for_expert_store(spec, req, Measured(weights, workspace, free, "measured", workspace_source, free_source))
         banks = _host_banks(spec, plan)  # before any pool is allocated (rule 4)
         pools = allocate_pools(spec, plan, device)
-        store = build_expert_store(spec, plan, pools.experts, device, policy=policy, banks=banks)
+        store = build_expert_store(spec, plan, pools.experts, device, policy=policy, banks=banks,
+                                   prefetch=getattr(args, "expert_prefetch", True))  # fmt: skip
+        if hasattr(store, "set_routers"):  # next-layer prediction: each MoE layer's router weight
+            store.set_routers([layer.mlp.gate.weight for layer in model.layers if hasattr(layer.mlp, "gate")])
         experts.bind(store)
         # an offloaded store's experts go to host banks: read them to CPU, never through the device
         booted.update(plan=plan, pools=pools, store=store, expert_device=torch.device("cpu") if banks else device,
@@ -202,10 +212,36 @@ def boot_worker(args: argparse.Namespace) -> tuple[StepExecutor, Plan]:
     preloaded = store.preload()  # an offload store warms its free slots; the all-resident one has nothing to do
     log.info("experts_loaded", seconds=round(time.monotonic() - booted["experts_started"], 3),
              source="dummy" if dummy else "checkpoint", preloaded_slots=preloaded)  # fmt: skip
+    graphs = _capture_graphs(model, booted["pools"], plan, device, buckets, booted.get("graph_bytes", 0), store) \
+        if graphs_wanted else None  # fmt: skip
     _check_budget(device, req, free, booted.get("loading_peak_reserved", 0))
     log.info("plan", **plan_log_fields(plan), model=str(files.model_dir), device=str(device),
-             load_format=files.load_format, expert_store=store.report()["policy"])  # fmt: skip
-    return StepExecutor(model, booted["pools"], spec, plan, device, store=store), plan
+             load_format=files.load_format, expert_store=store.report()["policy"],
+             cuda_graphs=graphs.buckets if graphs is not None else None)  # fmt: skip
+    return StepExecutor(model, booted["pools"], spec, plan, device, store=store, graphs=graphs), plan
+
+
+def _capture_graphs(model, pools, plan: Plan, device: torch.device, buckets: list[int], priced: int, store):
+    """Capture the decode graphs into the workspace the plan priced for them (measured before the
+    plan by capturing the same graphs); if the real capture takes more, it is dropped and every
+    step runs eagerly, so the promise of --gpu-memory holds either way."""
+    t0 = time.monotonic()
+    before = _reserved(device)
+    graphs = DecodeGraphs(model, pools, plan.kv.page_size, plan.max_model_len, buckets, device)
+    graphs.capture()
+    taken = _reserved(device) - before
+    store.stats_to_host()  # warm-up ran padding rows only: start the statistics afresh
+    store.end_step()
+    store.stats.reset()
+    if taken > priced:
+        log.warning("cuda_graphs_dropped", taken=taken, priced=priced,
+                    message=f"the decode graphs took {format_bytes(taken)}, more than the {format_bytes(priced)} "
+                    "the plan holds for them: decode runs eagerly")  # fmt: skip
+        del graphs
+        torch.cuda.empty_cache()
+        return None
+    log.info("cuda_graphs", buckets=buckets, bytes=taken, priced=priced, seconds=round(time.monotonic() - t0, 3))
+    return graphs
 
 
 def _check_budget(device: torch.device, req: PlanRequest, free: int | None, earlier_peak: int) -> None:

@@ -98,6 +98,37 @@ def run_largest_step(model, experts: LateBoundExperts, spec: ModelSpec, r: Resol
         experts.unbind()
 
 
+def profile_decode_graphs_cuda(model, experts: LateBoundExperts, spec: ModelSpec, r: Resolved, device: torch.device,
+                               buckets: list[int]) -> int:  # fmt: skip
+    """Device memory the decode graphs take (their shared pool and static buffers), measured by
+    capturing them on temporary pools with one MoE layer's slots serving every layer, then freed.
+    The offloading store's graph-safe path allocates a few more small tensors per layer (the next
+    layer's router logits and top-k for the prefetch, [T, experts] at most 64 rows): one more
+    small-allocation segment covers them, and boot checks the real capture against this."""
+    from services.worker.decode_graphs import DecodeGraphs
+
+    _step, pools = _prepare(experts, spec, r, device)
+    graphs = None
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    baseline = torch.cuda.memory_reserved(device)
+    try:
+        graphs = DecodeGraphs(model, pools, r.page_size, r.max_model_len, buckets, device)
+        graphs.capture()
+        torch.cuda.synchronize(device)
+        taken = torch.cuda.memory_reserved(device) - baseline
+    finally:
+        experts.unbind()
+        del graphs, pools
+        torch.cuda.empty_cache()
+    return int(taken + GRAPH_OFFLOAD_MARGIN)
+
+
+# What the offloading store's graph-safe path allocates beyond the profiled all-resident path
+# (see profile_decode_graphs_cuda): one segment of the caching allocator's small-block pool.
+GRAPH_OFFLOAD_MARGIN = 2 * 2**20
+
+
 def profile_workspace_cuda(model, experts: LateBoundExperts, spec: ModelSpec, r: Resolved, device: torch.device) -> int:
     """Peak bytes the largest step takes beyond its inputs (allocator segments included), plus
     the long-context gather."""

@@ -62,6 +62,10 @@ class ExpertCacheStats:
         self._step = _PendingStep()
         self._open = False
 
+    def reset(self) -> None:
+        """Forget everything so far (boot's warm-up steps are not traffic)."""
+        self.__init__()
+
     # ---- recording (called by the mechanism) -----------------------------------------------
     def record_lookup(self, hits: int, misses: int, bytes_copied: int) -> None:
         self._open = True

@@ -23,6 +23,8 @@ from services.worker.offload.resident import ResidentExperts  # noqa: E402
 from services.worker.offload.expert_cache import OffloadedExperts  # noqa: E402
 from services.worker.offload.host_banks import HostBanks  # noqa: E402
 from services.worker.offload.policy import LRUExpertPolicy  # noqa: E402
+from services.worker.offload.device_store import DeviceDrivenExperts  # noqa: E402
+from services.worker.offload.frequency_policy import LFUExpertPolicy  # noqa: E402
 
 
 def check() -> None:
@@ -50,9 +52,46 @@ def check() -> None:
         assert store.stats.total.misses > 0
 
 
+def check_device_driven() -> None:
+    """The device-driven store (lookup, copies and prefetch by kernels) against the all-resident
+    store: bit for bit on decode steps (padded ones included), prefetch on and off, both policies."""
+    spec = tiny_spec(layers=3, experts=6, top_k=2, hidden=32, inter=16)
+    layers = 3
+    for num_slots, policy_cls, prefetch in ((6, LRUExpertPolicy, False), (8, LFUExpertPolicy, True),
+                                            (7, LRUExpertPolicy, True)):  # fmt: skip
+        resident = ResidentExperts(slot_pool(spec, layers * 6), layers, 6)
+        store = DeviceDrivenExperts(slot_pool(spec, num_slots, max_step_tokens=32),
+                                    HostBanks.for_model(spec, "float32", progress=False),
+                                    policy_cls(layers, 6, num_slots), "cpu", prefetch=prefetch, pipeline_chunks=2)  # fmt: skip
+        for (layer, e), weights in random_experts(spec, num_slots).items():
+            resident.load_expert(layer, e, *weights)
+            store.load_expert(layer, e, *weights)
+        g = torch.Generator().manual_seed(num_slots)
+        store.set_routers([torch.randn(6, 32, generator=g) for _ in range(layers)])
+        store.preload()
+        for tokens, real in ((1, 1), (4, 4), (4, 2), (20, 20), (1, 1), (3, 3)):  # 20 tokens: the large path
+            for layer in range(layers):
+                x, ids, w = random_routing(spec, tokens, g)
+                got = store.forward(layer, x, ids, w, n_rows=torch.tensor([real], dtype=torch.int32))
+                want = resident.forward(layer, x, ids, w)
+                if use_pair_kernel(ids.numel()):
+                    assert torch.equal(got[:real], want[:real]), f"{tokens} tokens ({real} real): the stores differ"
+                else:
+                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            store.stats_to_host()
+            store.end_step()
+        total = store.stats.total
+        assert total.misses > 0 and total.hits + total.misses > 0
+        assert (total.prefetched > 0) == prefetch, total
+        assert total.bytes_copied == (total.misses + total.prefetched) * store.banks.expert_nbytes
+        if prefetch:
+            assert total.prefetch_useful + total.prefetch_wasted > 0
+
+
 if __name__ == "__main__":
     try:
         check()
+        check_device_driven()
         json.dump(None, sys.stdout)
     except Exception:  # noqa: BLE001 - reported to the parent test
         json.dump(traceback.format_exc(), sys.stdout)
