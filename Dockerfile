@@ -25,6 +25,7 @@ WORKDIR /opt/ferry
 RUN pip install --no-cache-dir "${TORCH_SPEC}" --index-url "${TORCH_INDEX}"
 
 COPY pyproject.toml README.md ./
+COPY ferry ./ferry
 COPY shared ./shared
 COPY services ./services
 COPY kernels ./kernels

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.errors import FerryError
-from shared.model_config import ModelSpec
-from services.worker import pool_layout as L
-from services.worker.planner import Plan
+from ferry.shared.errors import FerryError
+from ferry.shared.model_config import ModelSpec
+from ferry.services.worker import pool_layout as L
+from ferry.services.worker.planner import Plan
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 

@@ -16,15 +16,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from shared.model_config import DTYPE_BYTES, ModelSpec
-from shared.sampling import SamplingParams
-from shared.step import NewRequest, StepBatch
-from services.worker import pool_layout as L
-from services.worker.forward_batch import ForwardBatch
-from services.worker.late_bound_experts import LateBoundExperts, SharedLayerExperts
-from services.worker.planner import Resolved
-from services.worker.pools import ExpertSlotPool, KVPool, LinearStatePool, Pools, allocate_pool
-from services.worker.sampler import Sampler
+from ferry.shared.model_config import DTYPE_BYTES, ModelSpec
+from ferry.shared.sampling import SamplingParams
+from ferry.shared.step import NewRequest, StepBatch
+from ferry.services.worker import pool_layout as L
+from ferry.services.worker.forward_batch import ForwardBatch
+from ferry.services.worker.late_bound_experts import LateBoundExperts, SharedLayerExperts
+from ferry.services.worker.planner import Resolved
+from ferry.services.worker.pools import ExpertSlotPool, KVPool, LinearStatePool, Pools, allocate_pool
+from ferry.services.worker.sampler import Sampler
 
 # The sampling path with the most workspace: a full-vocabulary sort for top-k/top-p, and min-p.
 PROFILE_SAMPLING = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.01, repetition_penalty=1.1)

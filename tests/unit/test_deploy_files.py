@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.cli import COMMANDS, build_parser
-from shared.env_flags import env_name
+from ferry.services.cli import COMMANDS, build_parser
+from ferry.shared.env_flags import env_name
 
 REPO = Path(__file__).resolve().parents[2]
 DCLINT = "dclint@3.1.0"  # the Makefile's lint-tools target puts this version in the npx cache

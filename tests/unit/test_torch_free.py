@@ -11,11 +11,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 IMPORT_ALL = """
 import importlib, pkgutil, sys
-import shared, services.api, services.scheduler
-for pkg in (shared, services.api, services.scheduler):
+import shared, ferry.services.api, ferry.services.scheduler
+for pkg in (shared, ferry.services.api, ferry.services.scheduler):
     for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
         importlib.import_module(m.name)
-import services.cli, services.serve_command, services.worker.service, services.worker.command
+import ferry.services.cli, ferry.services.serve_command, ferry.services.worker.service, ferry.services.worker.command
 loaded = [m for m in sys.modules if m == "torch" or m.startswith("torch.")]
 assert not loaded, loaded
 print("ok")
@@ -23,9 +23,9 @@ print("ok")
 
 TOKENIZER = """
 import sys
-from shared.torch_free import forbid_torch
+from ferry.shared.torch_free import forbid_torch
 forbid_torch()
-from services.api.tokenizer import PromptTokenizer
+from ferry.services.api.tokenizer import PromptTokenizer
 t = PromptTokenizer(sys.argv[1])
 assert t.chat_prompt([{"role": "user", "content": "hi"}])
 assert not [m for m, v in sys.modules.items() if m.startswith("torch") and v is not None]

@@ -17,16 +17,16 @@ from __future__ import annotations
 
 import torch
 
-from shared.errors import ConfigError
-from shared.model_config import ModelSpec
-from services.worker.expert_policy_flag import DEFAULT_EXPERT_POLICY, EXPERT_POLICIES
-from services.worker.offload.expert_cache import OffloadedExperts
-from services.worker.offload.host_banks import HostBanks
-from services.worker.offload.frequency_policy import LFUExpertPolicy
-from services.worker.offload.policy import ExpertSlotPolicy, LRUExpertPolicy
-from services.worker.offload.resident import ResidentExperts
-from services.worker.planner import Plan
-from services.worker.pools import ExpertSlotPool
+from ferry.shared.errors import ConfigError
+from ferry.shared.model_config import ModelSpec
+from ferry.services.worker.expert_policy_flag import DEFAULT_EXPERT_POLICY, EXPERT_POLICIES
+from ferry.services.worker.offload.expert_cache import OffloadedExperts
+from ferry.services.worker.offload.host_banks import HostBanks
+from ferry.services.worker.offload.frequency_policy import LFUExpertPolicy
+from ferry.services.worker.offload.policy import ExpertSlotPolicy, LRUExpertPolicy
+from ferry.services.worker.offload.resident import ResidentExperts
+from ferry.services.worker.planner import Plan
+from ferry.services.worker.pools import ExpertSlotPool
 
 
 POLICIES: dict[str, type[ExpertSlotPolicy]] = {"lru": LRUExpertPolicy, "lfu": LFUExpertPolicy}

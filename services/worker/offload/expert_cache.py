@@ -35,18 +35,18 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
-from kernels.expert_pair_gemv import expert_pair_rows_triton, use_pair_kernel
-from kernels.expert_rows_sum import sum_rows
-from kernels.grouped_expert_gemm import (
+from ferry.kernels.expert_pair_gemv import expert_pair_rows_triton, use_pair_kernel
+from ferry.kernels.expert_rows_sum import sum_rows
+from ferry.kernels.grouped_expert_gemm import (
     align_pairs_by_slot_host,
     block_m_for,
     grouped_expert_rows,
     grouped_expert_rows_triton,
 )
-from services.worker.offload.host_banks import HostBanks
-from services.worker.offload.policy import NO_SLOT, ExpertSlotPolicy
-from services.worker.offload.stats import ExpertCacheStats
-from services.worker.pools import ExpertSlotPool
+from ferry.services.worker.offload.host_banks import HostBanks
+from ferry.services.worker.offload.policy import NO_SLOT, ExpertSlotPolicy
+from ferry.services.worker.offload.stats import ExpertCacheStats
+from ferry.services.worker.pools import ExpertSlotPool
 
 DEFAULT_PIPELINE_CHUNKS = 4
 DEFAULT_PREFILL_TOKENS = 64

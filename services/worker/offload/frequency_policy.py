@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from services.worker.offload.policy import NO_SLOT, ExpertSlotPolicy
+from ferry.services.worker.offload.policy import NO_SLOT, ExpertSlotPolicy
 
 
 class LFUExpertPolicy(ExpertSlotPolicy):
