@@ -11,7 +11,7 @@ from ferry.shared.errors import FerryError
 
 # subcommand -> (module with add_arguments(parser) and run(args) -> int, help)
 COMMANDS = {
-    "plan": ("ferry.services.plan_command", "print the worker's memory plan for a model and a device budget"),
+    "plan": ("ferry.plan.plan_command", "print the worker's memory plan for a model and a device budget"),
     "generate": ("ferry.services.generate_command", "generate from one prompt offline, through the worker's boot and executor"),
     "make-tiny-model": ("ferry.services.make_tiny_model", "write the tiny random-weight demo checkpoint (also the tests' model)"),
     "make-bench-model": ("ferry.services.bench_model", "write a model directory of a real config's shapes (tokenizer included) for --load-format dummy"),

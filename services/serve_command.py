@@ -21,7 +21,7 @@ import structlog
 from ferry.shared.logging import configure_logging
 from ferry.services.api.config import add_api_flags
 from ferry.services.worker.command import DEFAULT_BOOT, add_worker_model_flags
-from ferry.services.worker.planner_flags import PLANNER_FIELDS
+from ferry.plan.planner_flags import PLANNER_FIELDS
 
 log = structlog.get_logger("serve")
 STOP_GRACE_S = 10.0

@@ -9,7 +9,7 @@ store then warms its slots (`preload`). Log lines are structlog events (shared/l
 
 Everything the planner is given is a measurement of this process on this device, except on
 CPU, where there is no allocator to ask: weights are counted from the parameters and the
-workspace is estimated (costs.py)."""
+workspace is estimated (plan/costs.py)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import torch
 
 from ferry.shared.errors import ConfigError, FerryError
 from ferry.shared.units import MiB, format_bytes
-from ferry.services.worker.costs import workspace_bytes_estimate
+from ferry.plan.costs import workspace_bytes_estimate
 from ferry.services.worker.device import select_device
 from ferry.services.worker.executor import StepExecutor
 from ferry.services.worker.dummy_weights import iter_dummy_experts
@@ -32,11 +32,11 @@ from ferry.services.worker.late_bound_experts import LateBoundExperts
 from ferry.services.worker.loader import LOAD_FORMATS, open_model, resident_weights, routed_expert_weights
 from ferry.services.worker.expert_policy_flag import DEFAULT_EXPERT_POLICY, add_expert_policy_flag
 from ferry.services.worker.offload.build import build_expert_store, host_banks_for, is_offloaded
-from ferry.services.worker.plan_report import plan_log_fields
-from ferry.services.worker.planner import Measured, Plan, PlanRequest, resolve
-from ferry.services.worker.planner_flags import add_planner_flags, plan_request_from_args
+from ferry.plan.plan_report import plan_log_fields
+from ferry.plan.planner import Measured, Plan, PlanRequest, resolve
+from ferry.plan.planner_flags import add_planner_flags, plan_request_from_args
 from ferry.services.worker.pools import TORCH_DTYPES, allocate_pools
-from ferry.services.worker.store_plan import plan_for_expert_store
+from ferry.plan.store_plan import plan_for_expert_store
 from ferry.services.worker.workspace_profile import profile_workspace_cuda
 
 log = structlog.get_logger("worker")

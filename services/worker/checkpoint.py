@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from ferry.shared.errors import ModelLoadError
-from ferry.services.worker.costs import is_routed_expert, is_served
+from ferry.plan.costs import is_routed_expert, is_served
 
 INDEX_FILE = "model.safetensors.index.json"
 

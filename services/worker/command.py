@@ -7,7 +7,7 @@ import signal
 
 from ferry.shared.logging import configure_logging
 from ferry.services.worker.expert_policy_flag import add_expert_policy_flag
-from ferry.services.worker.planner_flags import add_planner_flags
+from ferry.plan.planner_flags import add_planner_flags
 
 DEFAULT_BOOT = "ferry.services.worker.boot:boot_worker"
 

@@ -6,11 +6,11 @@ import numpy as np
 import torch
 
 from ferry.shared.errors import FerryError
-from ferry.shared.model_config import ModelSpec
+from ferry.plan.model_config import ModelSpec
 from ferry.shared.step import StepBatch, StepOutput
 from ferry.services.worker.experts import ExpertStore
 from ferry.services.worker.forward_batch import ForwardBatch
-from ferry.services.worker.planner import Plan
+from ferry.plan.planner import Plan
 from ferry.services.worker.pools import Pools
 from ferry.services.worker.sampler import Sampler
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from ferry.shared.errors import FerryError
-from ferry.shared.model_config import ModelSpec
-from ferry.services.worker import pool_layout as L
-from ferry.services.worker.planner import Plan
+from ferry.plan.model_config import ModelSpec
+from ferry.plan import pool_layout as L
+from ferry.plan.planner import Plan
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 

@@ -39,7 +39,7 @@ class WorkerConfig:
 
 
 def pool_report_from_plan(plan: Any) -> PoolReport:
-    """The scheduler's view of the memory plan (ferry.services.worker.planner.Plan)."""
+    """The scheduler's view of the memory plan (ferry.plan.planner.Plan)."""
     return PoolReport(
         kv_pages=plan.kv.pages, page_size=plan.kv.page_size, state_slots=plan.linear_state.slots,
         max_running_requests=plan.max_running_requests, max_prefill_tokens=plan.max_prefill_tokens,

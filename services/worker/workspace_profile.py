@@ -9,20 +9,20 @@ slots shared by every layer — that is freed before the real pools are planned.
 On CUDA the peak allocation above the baseline is the workspace. Attention over long contexts
 is not in this step (its requests have no cached context), so the bytes of one layer's K/V
 context gathered at max_model_len are added from the estimate. On CPU there is no allocator to
-measure: the worker uses the estimate of `costs.py`."""
+measure: the worker uses the estimate of `plan/costs.py`."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from ferry.shared.model_config import DTYPE_BYTES, ModelSpec
+from ferry.plan.model_config import DTYPE_BYTES, ModelSpec
 from ferry.shared.sampling import SamplingParams
 from ferry.shared.step import NewRequest, StepBatch
-from ferry.services.worker import pool_layout as L
+from ferry.plan import pool_layout as L
 from ferry.services.worker.forward_batch import ForwardBatch
 from ferry.services.worker.late_bound_experts import LateBoundExperts, SharedLayerExperts
-from ferry.services.worker.planner import Resolved
+from ferry.plan.planner import Resolved
 from ferry.services.worker.pools import ExpertSlotPool, KVPool, LinearStatePool, Pools, allocate_pool
 from ferry.services.worker.sampler import Sampler
 

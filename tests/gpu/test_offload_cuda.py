@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from ferry.kernels.grouped_expert_gemm import grouped_expert_forward
-from ferry.shared.model_config import parse_model_config
-from ferry.services.worker import pool_layout as L
+from ferry.plan.model_config import parse_model_config
+from ferry.plan import pool_layout as L
 from ferry.services.worker.offload.expert_cache import OffloadedExperts
 from ferry.services.worker.offload.host_banks import HostBanks
 from ferry.services.worker.offload.policy import LRUExpertPolicy

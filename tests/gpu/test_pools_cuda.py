@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from ferry.shared.model_config import load_model_config
-from ferry.services.worker.planner import Measured, PlanRequest, make_plan
+from ferry.plan.model_config import load_model_config
+from ferry.plan.planner import Measured, PlanRequest, make_plan
 from ferry.services.worker.pools import allocate_pools
 from tests.helpers import QWEN3_6_35B
 

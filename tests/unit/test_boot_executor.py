@@ -165,7 +165,7 @@ def test_largest_step_runs_on_temporary_pools(tiny_model):
     from ferry.services.worker.late_bound_experts import LateBoundExperts
     from ferry.services.worker.models import build_model
     from ferry.services.worker.loader import open_model
-    from ferry.services.worker.planner import PlanRequest, resolve
+    from ferry.plan.planner import PlanRequest, resolve
     from ferry.services.worker.workspace_profile import largest_step, run_largest_step
 
     files = open_model(str(tiny_model), load_format="dummy")
@@ -184,7 +184,7 @@ def test_reserving_more_than_gpu_memory_fails_clearly(monkeypatch):
     import torch
 
     from ferry.services.worker.boot import MemoryBudgetExceeded, _check_budget
-    from ferry.services.worker.planner import PlanRequest
+    from ferry.plan.planner import PlanRequest
 
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 900)
     _check_budget(torch.device("cuda"), PlanRequest(gpu_memory=1000), None, earlier_peak=950)

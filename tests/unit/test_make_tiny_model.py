@@ -7,7 +7,7 @@ import json
 import pytest
 
 from ferry.services.make_tiny_model import make_tiny_model
-from ferry.shared.model_config import load_model_config
+from ferry.plan.model_config import load_model_config
 
 
 def test_same_seed_gives_byte_identical_checkpoint(tiny_models, tmp_path):

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from ferry.shared.errors import ConfigError
-from ferry.shared.model_config import FULL_ATTENTION, LINEAR_ATTENTION, load_model_config, parse_model_config
+from ferry.plan.model_config import FULL_ATTENTION, LINEAR_ATTENTION, load_model_config, parse_model_config
 from tests.helpers import QWEN3_6_35B, QWEN3_30B
 
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from ferry.services.worker.costs import resident_weight_bytes_from_checkpoint, resident_weight_bytes_from_shapes
-from ferry.shared.model_config import load_model_config
+from ferry.plan.costs import resident_weight_bytes_from_checkpoint, resident_weight_bytes_from_shapes
+from ferry.plan.model_config import load_model_config
 from tests.helpers import QWEN3_6_35B, QWEN3_30B
 
 FIELDS = {

@@ -6,9 +6,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ferry.shared.errors import ConfigError, PlanError
-from ferry.shared.model_config import parse_model_config
-from ferry.services.worker import pool_layout as L
-from ferry.services.worker.planner import Measured, PlanRequest, make_plan
+from ferry.plan.model_config import parse_model_config
+from ferry.plan import pool_layout as L
+from ferry.plan.planner import Measured, PlanRequest, make_plan
 from ferry.services.worker.pools import allocate_pool
 
 

@@ -3,10 +3,10 @@
 import pytest
 
 from ferry.shared.errors import PlanError
-from ferry.shared.model_config import load_model_config
+from ferry.plan.model_config import load_model_config
 from ferry.shared.units import GiB
-from ferry.services.worker.costs import resident_weight_bytes_from_shapes, workspace_bytes_estimate
-from ferry.services.worker.planner import Measured, PlanRequest, make_plan, resolve
+from ferry.plan.costs import resident_weight_bytes_from_shapes, workspace_bytes_estimate
+from ferry.plan.planner import Measured, PlanRequest, make_plan, resolve
 from tests.helpers import QWEN3_6_35B, QWEN3_30B
 
 MiB2 = 2 * 2**20

@@ -3,9 +3,9 @@
 import pytest
 
 from ferry.shared.errors import ConfigError, PlanError
-from ferry.shared.model_config import parse_model_config
-from ferry.services.worker.planner import Measured, PlanRequest, make_plan
-from ferry.services.worker import pool_layout as L
+from ferry.plan.model_config import parse_model_config
+from ferry.plan.planner import Measured, PlanRequest, make_plan
+from ferry.plan import pool_layout as L
 from ferry.services.worker.pools import allocate_pools
 
 TINY = {

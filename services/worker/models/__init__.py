@@ -12,7 +12,7 @@ from ferry.services.worker.experts import ExpertStore
 from ferry.services.worker.models.decoder import CausalLM
 from ferry.services.worker.models.weights import WeightLoadError
 from ferry.shared.errors import ConfigError
-from ferry.shared.model_config import ARCHITECTURES, ModelSpec
+from ferry.plan.model_config import ARCHITECTURES, ModelSpec
 
 __all__ = ["CausalLM", "WeightLoadError", "build_model"]
 

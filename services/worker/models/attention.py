@@ -22,7 +22,7 @@ from ferry.kernels.qk_norm_rope import qk_norm_rope_kv_triton
 from ferry.services.worker.models.context import StepContext
 from ferry.services.worker.models.norms import make_norm
 from ferry.services.worker.models.rotary import RotaryEmbedding
-from ferry.shared.model_config import ModelSpec
+from ferry.plan.model_config import ModelSpec
 
 
 class PagedAttention(nn.Module):

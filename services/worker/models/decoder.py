@@ -18,7 +18,7 @@ from ferry.services.worker.models.norms import make_norm
 from ferry.services.worker.models.rotary import RotaryEmbedding
 from ferry.services.worker.models.weights import checkpoint_shapes, load_checkpoint_weights
 from ferry.services.worker.pools import Pools
-from ferry.shared.model_config import LINEAR_ATTENTION, ModelSpec
+from ferry.plan.model_config import LINEAR_ATTENTION, ModelSpec
 
 
 class DecoderLayer(nn.Module):

@@ -20,7 +20,7 @@ from ferry.kernels.causal_conv1d_reference import causal_conv1d_decode, causal_c
 from ferry.kernels.gated_delta_rule import gated_delta_rule_varlen
 from ferry.services.worker.models.context import StepContext
 from ferry.services.worker.models.norms import GatedRMSNorm
-from ferry.shared.model_config import ModelSpec
+from ferry.plan.model_config import ModelSpec
 
 
 class GatedDeltaNet(nn.Module):

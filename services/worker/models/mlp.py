@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ferry.services.worker.experts import ExpertStore
-from ferry.shared.model_config import ModelSpec
+from ferry.plan.model_config import ModelSpec
 
 
 class DenseMLP(nn.Module):

@@ -18,14 +18,14 @@ from __future__ import annotations
 import torch
 
 from ferry.shared.errors import ConfigError
-from ferry.shared.model_config import ModelSpec
+from ferry.plan.model_config import ModelSpec
 from ferry.services.worker.expert_policy_flag import DEFAULT_EXPERT_POLICY, EXPERT_POLICIES
 from ferry.services.worker.offload.expert_cache import OffloadedExperts
 from ferry.services.worker.offload.host_banks import HostBanks
 from ferry.services.worker.offload.frequency_policy import LFUExpertPolicy
 from ferry.services.worker.offload.policy import ExpertSlotPolicy, LRUExpertPolicy
 from ferry.services.worker.offload.resident import ResidentExperts
-from ferry.services.worker.planner import Plan
+from ferry.plan.planner import Plan
 from ferry.services.worker.pools import ExpertSlotPool
 
 

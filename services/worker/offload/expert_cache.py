@@ -23,7 +23,7 @@ over k at the end, so the result is bit for bit what an all-resident store compu
 On CPU the same schedule runs with plain synchronous copies: every bookkeeping path is tested.
 
 Per-step device memory beyond the all-resident compute path (a group's slot map, the host-made
-alignment) is stated in costs.py:offload_workspace_bytes, which the plan adds when it offloads:
+alignment) is stated in plan/costs.py:offload_workspace_bytes, which the plan adds when it offloads:
 allocate more per step here and that function must say so.
 """
 

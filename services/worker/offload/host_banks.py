@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 from ferry.shared.errors import FerryError
-from ferry.shared.model_config import ModelSpec
+from ferry.plan.model_config import ModelSpec
 from ferry.shared.units import GiB, format_bytes
 from ferry.services.worker.pools import TORCH_DTYPES
 

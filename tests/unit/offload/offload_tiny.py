@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ferry.shared.model_config import ModelSpec, parse_model_config
-from ferry.services.worker import pool_layout as L
+from ferry.plan.model_config import ModelSpec, parse_model_config
+from ferry.plan import pool_layout as L
 from ferry.services.worker.pools import ExpertSlotPool, allocate_pool
 
 

@@ -10,7 +10,7 @@ from ferry.kernels.moe_reference import grouped_expert_forward_reference
 from ferry.services.worker.offload.build import build_expert_store
 from ferry.services.worker.offload.expert_cache import OffloadedExperts
 from ferry.services.worker.offload.resident import ResidentExperts
-from ferry.services.worker.planner import Measured, PlanRequest, make_plan
+from ferry.plan.planner import Measured, PlanRequest, make_plan
 from ferry.services.worker.pools import allocate_pools
 
 SPEC = tiny_spec(layers=3, experts=6, top_k=2)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ferry.shared.model_config import DTYPE_BYTES, ModelSpec
+from ferry.plan.model_config import DTYPE_BYTES, ModelSpec
 from ferry.shared.units import MiB, round_up
 
 POOL_ALIGN = 2 * MiB

@@ -11,7 +11,7 @@ import struct
 from pathlib import Path
 
 from ferry.shared.errors import ModelLoadError
-from ferry.shared.model_config import DTYPE_BYTES, ModelSpec
+from ferry.plan.model_config import DTYPE_BYTES, ModelSpec
 from ferry.shared.units import round_up
 
 # The CUDA caching allocator hands out blocks in multiples of 512 bytes.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ferry.shared.units import parse_bytes
-from ferry.services.worker.planner import PlanRequest
+from ferry.plan.planner import PlanRequest
 
 PLANNER_FIELDS = (
     "gpu_memory", "memory_ratio", "num_tokens", "num_pages", "kv_reserve_tokens", "moe_cache_size",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ferry.shared.units import format_bytes
-from ferry.services.worker.planner import Plan
+from ferry.plan.planner import Plan
 
 
 def plan_table(plan: Plan) -> str:
