@@ -29,6 +29,7 @@ COPY ferry ./ferry
 COPY shared ./shared
 COPY services ./services
 COPY kernels ./kernels
+COPY plan ./plan
 # the project itself, with its extra for CUDA (fla-core); versions come from pyproject.toml
 # hadolint ignore=DL3013
 RUN pip install --no-cache-dir ".[cuda]"
