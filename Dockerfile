@@ -25,9 +25,11 @@ WORKDIR /opt/ferry
 RUN pip install --no-cache-dir "${TORCH_SPEC}" --index-url "${TORCH_INDEX}"
 
 COPY pyproject.toml README.md ./
+COPY ferry ./ferry
 COPY shared ./shared
 COPY services ./services
 COPY kernels ./kernels
+COPY plan ./plan
 # the project itself, with its extra for CUDA (fla-core); versions come from pyproject.toml
 # hadolint ignore=DL3013
 RUN pip install --no-cache-dir ".[cuda]"

@@ -160,10 +160,10 @@ def check_serve(out: Path, log: Log, config: Path, serve_args: list[str], ready_
     steps: dict = {}
     result: dict = {"steps": steps}
     model_dir = Path(tempfile.mkdtemp(prefix="ferry-gpu-check-")) / config.parent.name
-    subprocess.run([sys.executable, "-m", "services.cli", "make-bench-model", str(model_dir), "--config", str(config)],
+    subprocess.run([sys.executable, "-m", "ferry.services.cli", "make-bench-model", str(model_dir), "--config", str(config)],
                    cwd=ROOT, check=True, capture_output=True)  # fmt: skip
     port, worker_port = free_port(), free_port()
-    cmd = [sys.executable, "-m", "services.cli", "serve", "--model", str(model_dir), "--port", str(port),
+    cmd = [sys.executable, "-m", "ferry.services.cli", "serve", "--model", str(model_dir), "--port", str(port),
            "--worker-health-port", str(worker_port), *serve_args]  # fmt: skip
     result["command"] = " ".join(["ferry", *cmd[3:]])
     log("$", result["command"])

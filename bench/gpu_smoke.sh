@@ -6,7 +6,7 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-}:. PYTHONUNBUFFERED=1
 python3 -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/gpu} > "$OUT/gpu_tests.log" 2>&1; tail -8 "$OUT/gpu_tests.log"
 for model in ${GENERATE_MODELS-qwen3-30b-a3b}; do
-  /usr/bin/time -v python3 -m services.cli generate --model tests/data/models/$model --load-format dummy \
+  /usr/bin/time -v python3 -m ferry.services.cli generate --model tests/data/models/$model --load-format dummy \
     --prompt-ids 1,2,3,4,5,6,7,8 --max-tokens 32 --ignore-eos --max-model-len 4096 --json \
     > "$OUT/generate_$model.json" 2> "$OUT/generate_$model.err"
   echo "generate $model rc=$?"; tail -5 "$OUT/generate_$model.err"

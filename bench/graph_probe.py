@@ -22,8 +22,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.serve_decode import Streams  # noqa: E402
-from services.worker.boot import add_boot_arguments, boot_worker  # noqa: E402
-from services.worker.forward_batch import ForwardBatch  # noqa: E402
+from ferry.services.worker.boot import add_boot_arguments, boot_worker  # noqa: E402
+from ferry.services.worker.forward_batch import ForwardBatch  # noqa: E402
 
 
 def main() -> int:
@@ -42,7 +42,7 @@ def main() -> int:
 
     def batch_for(token: int) -> ForwardBatch:
         # the StepBatch Streams.step would send, turned into device tensors
-        from shared.step import StepBatch
+        from ferry.shared.step import StepBatch
 
         n = 1
         table = np.arange(1, 1 + streams.pages_each, dtype=np.int32)[None]

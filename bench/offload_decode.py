@@ -38,18 +38,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from kernels.grouped_expert_gemm import grouped_expert_forward  # noqa: E402
-from kernels.moe_reference import grouped_expert_forward_reference  # noqa: E402
-from shared.model_config import load_model_config  # noqa: E402
-from shared.units import parse_bytes  # noqa: E402
-from services.worker.device import select_device  # noqa: E402
-from services.worker import pool_layout as L  # noqa: E402
-from services.worker.costs import resident_weight_bytes_from_shapes, workspace_bytes_estimate  # noqa: E402
-from services.worker.offload.expert_cache import OffloadedExperts  # noqa: E402
-from services.worker.offload.host_banks import HostBanks  # noqa: E402
-from services.worker.offload.build import POLICIES, make_policy  # noqa: E402
-from services.worker.planner import Measured, PlanRequest, make_plan  # noqa: E402
-from services.worker.pools import ExpertSlotPool, allocate_pool  # noqa: E402
+from ferry.kernels.grouped_expert_gemm import grouped_expert_forward  # noqa: E402
+from ferry.kernels.moe_reference import grouped_expert_forward_reference  # noqa: E402
+from ferry.plan.model_config import load_model_config  # noqa: E402
+from ferry.shared.units import parse_bytes  # noqa: E402
+from ferry.services.worker.device import select_device  # noqa: E402
+from ferry.plan import pool_layout as L  # noqa: E402
+from ferry.plan.costs import resident_weight_bytes_from_shapes, workspace_bytes_estimate  # noqa: E402
+from ferry.services.worker.offload.expert_cache import OffloadedExperts  # noqa: E402
+from ferry.services.worker.offload.host_banks import HostBanks  # noqa: E402
+from ferry.services.worker.offload.build import POLICIES, make_policy  # noqa: E402
+from ferry.plan.planner import Measured, PlanRequest, make_plan  # noqa: E402
+from ferry.services.worker.pools import ExpertSlotPool, allocate_pool  # noqa: E402
 
 
 class Clock:

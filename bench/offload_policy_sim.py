@@ -20,12 +20,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from shared.model_config import load_model_config  # noqa: E402
-from shared.units import parse_bytes  # noqa: E402
-from services.worker import pool_layout as L  # noqa: E402
-from services.worker.costs import resident_weight_bytes_from_shapes, workspace_bytes_estimate  # noqa: E402
-from services.worker.offload.build import POLICIES, make_policy  # noqa: E402
-from services.worker.planner import Measured, PlanRequest, make_plan  # noqa: E402
+from ferry.plan.model_config import load_model_config  # noqa: E402
+from ferry.shared.units import parse_bytes  # noqa: E402
+from ferry.plan import pool_layout as L  # noqa: E402
+from ferry.plan.costs import resident_weight_bytes_from_shapes, workspace_bytes_estimate  # noqa: E402
+from ferry.services.worker.offload.build import POLICIES, make_policy  # noqa: E402
+from ferry.plan.planner import Measured, PlanRequest, make_plan  # noqa: E402
 
 # H200, PCIe Gen5 pinned host->device and HBM, as measured on the target machine
 DEFAULT_H2D_GBPS = 55.0

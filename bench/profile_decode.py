@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.serve_decode import Streams  # noqa: E402
-from services.worker.boot import add_boot_arguments, boot_worker  # noqa: E402
+from ferry.services.worker.boot import add_boot_arguments, boot_worker  # noqa: E402
 
 
 def main() -> None:

@@ -35,10 +35,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from shared.sampling import SamplingParams  # noqa: E402
-from shared.step import NewRequest, StepBatch  # noqa: E402
-from shared.units import GiB, format_bytes  # noqa: E402
-from services.worker.boot import add_boot_arguments, boot_worker  # noqa: E402
+from ferry.shared.sampling import SamplingParams  # noqa: E402
+from ferry.shared.step import NewRequest, StepBatch  # noqa: E402
+from ferry.shared.units import GiB, format_bytes  # noqa: E402
+from ferry.services.worker.boot import add_boot_arguments, boot_worker  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 30, ignore_eos=True)
 

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import use_triton
+from ferry.kernels.dispatch import use_triton
 
 BLOCK_H = 1024
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.gated_delta_rule_reference import gated_delta_rule_chunked, gated_delta_rule_recurrent
+from ferry.kernels.gated_delta_rule_reference import gated_delta_rule_chunked, gated_delta_rule_recurrent
 
 
 def gated_delta_rule_varlen(

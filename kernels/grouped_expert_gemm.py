@@ -25,10 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import use_triton
-from kernels.expert_pair_gemv import expert_pair_rows_triton, use_pair_kernel
-from kernels.expert_rows_sum import sum_rows
-from kernels.moe_reference import grouped_expert_rows_reference
+from ferry.kernels.dispatch import use_triton
+from ferry.kernels.expert_pair_gemv import expert_pair_rows_triton, use_pair_kernel
+from ferry.kernels.expert_rows_sum import sum_rows
+from ferry.kernels.moe_reference import grouped_expert_rows_reference
 
 # The Triton interpreter (TRITON_INTERPRET=1, CPU tests) computes bf16 dots wrongly: upcast there.
 _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"

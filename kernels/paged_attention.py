@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.dispatch import use_triton
-from kernels.paged_attention_reference import paged_attention_reference, write_kv
+from ferry.kernels.dispatch import use_triton
+from ferry.kernels.paged_attention_reference import paged_attention_reference, write_kv
 
 __all__ = ["paged_attention", "write_kv"]
 
@@ -26,10 +26,10 @@ def paged_attention(
     if not use_triton(q):
         return paged_attention_reference(q, k_cache, v_cache, page_table, query_lens, context_lens, scale)
     if q.shape[0] == len(query_lens):  # one new token per request: decode
-        from kernels.paged_attention_triton import paged_attention_triton
+        from ferry.kernels.paged_attention_triton import paged_attention_triton
 
         return paged_attention_triton(q, k_cache, v_cache, page_table, query_start, positions, scale,
                                       token_request=token_request)
-    from kernels.paged_prefill_triton import paged_prefill_triton
+    from ferry.kernels.paged_prefill_triton import paged_prefill_triton
 
     return paged_prefill_triton(q, k_cache, v_cache, page_table, query_start, positions, query_lens, scale)

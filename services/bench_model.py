@@ -31,7 +31,7 @@ def cut_config(config: dict, num_layers: int | None) -> dict:
 
 def write_bench_model(out_dir: str | Path, config_path: str | Path, num_layers: int | None = None) -> Path:
     """Write config.json, the tokenizer and generation_config.json into `out_dir`; return it."""
-    from services.tiny_model.tokenizer import ENDOFTEXT, IM_END, printable_tokenizer
+    from ferry.services.tiny_model.tokenizer import ENDOFTEXT, IM_END, printable_tokenizer
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -6,19 +6,19 @@ import argparse
 import importlib
 import sys
 
-from shared.env_flags import apply_env_defaults
-from shared.errors import FerryError
+from ferry.shared.env_flags import apply_env_defaults
+from ferry.shared.errors import FerryError
 
 # subcommand -> (module with add_arguments(parser) and run(args) -> int, help)
 COMMANDS = {
-    "plan": ("services.plan_command", "print the worker's memory plan for a model and a device budget"),
-    "generate": ("services.generate_command", "generate from one prompt offline, through the worker's boot and executor"),
-    "make-tiny-model": ("services.make_tiny_model", "write the tiny random-weight demo checkpoint (also the tests' model)"),
-    "make-bench-model": ("services.bench_model", "write a model directory of a real config's shapes (tokenizer included) for --load-format dummy"),
-    "serve": ("services.serve_command", "run api, scheduler and worker on this host (an OpenAI-compatible server)"),
-    "api": ("services.api.command", "run one api replica: the OpenAI-compatible HTTP server"),
-    "scheduler": ("services.scheduler.command", "run the scheduler"),
-    "worker": ("services.worker.command", "run the worker: loads the model and executes steps"),
+    "plan": ("ferry.plan.plan_command", "print the worker's memory plan for a model and a device budget"),
+    "generate": ("ferry.services.generate_command", "generate from one prompt offline, through the worker's boot and executor"),
+    "make-tiny-model": ("ferry.services.make_tiny_model", "write the tiny random-weight demo checkpoint (also the tests' model)"),
+    "make-bench-model": ("ferry.services.bench_model", "write a model directory of a real config's shapes (tokenizer included) for --load-format dummy"),
+    "serve": ("ferry.services.serve_command", "run api, scheduler and worker on this host (an OpenAI-compatible server)"),
+    "api": ("ferry.services.api.command", "run one api replica: the OpenAI-compatible HTTP server"),
+    "scheduler": ("ferry.services.scheduler.command", "run the scheduler"),
+    "worker": ("ferry.services.worker.command", "run the worker: loads the model and executes steps"),
 }
 
 

@@ -10,7 +10,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from shared.errors import ModelLoadError
+from ferry.shared.errors import ModelLoadError
 
 DEMO_ARCH = "qwen3_moe"
 
@@ -26,7 +26,7 @@ def ensure_demo_model() -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".tiny-", dir=target.parent))  # same filesystem: rename is atomic
-    cmd = [sys.executable, "-m", "services.cli", "make-tiny-model", str(staging), "--arch", DEMO_ARCH]
+    cmd = [sys.executable, "-m", "ferry.services.cli", "make-tiny-model", str(staging), "--arch", DEMO_ARCH]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         shutil.rmtree(staging, ignore_errors=True)

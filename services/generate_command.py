@@ -12,19 +12,19 @@ from pathlib import Path
 
 import numpy as np
 
-from shared.eos import eos_token_ids
-from shared.errors import ConfigError
-from shared.logging import configure_logging
-from shared.sampling import SamplingParams
-from shared.step import NewRequest, StepBatch
-from services.worker.expert_cache_delta import report_delta, step_figures
+from ferry.shared.eos import eos_token_ids
+from ferry.shared.errors import ConfigError
+from ferry.shared.logging import configure_logging
+from ferry.shared.sampling import SamplingParams
+from ferry.shared.step import NewRequest, StepBatch
+from ferry.services.worker.expert_cache_delta import report_delta, step_figures
 
 REQ_ID = 1
 STATE_SLOT = 1  # slot 0 is the padding slot
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from services.worker.boot import add_boot_arguments
+    from ferry.services.worker.boot import add_boot_arguments
 
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text (tokenized as is, no chat template)")
@@ -163,8 +163,8 @@ def _empty_step():
 
 
 def run(args: argparse.Namespace) -> int:
-    from services.worker.boot import boot_worker
-    from services.worker.model_source import resolve_model_dir
+    from ferry.services.worker.boot import boot_worker
+    from ferry.services.worker.model_source import resolve_model_dir
 
     if args.max_tokens < 1:
         raise ConfigError(f"--max-tokens must be at least 1, got {args.max_tokens}")

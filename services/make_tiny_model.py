@@ -53,7 +53,7 @@ def make_tiny_model(out_dir: str | Path, arch: str, seed: int = 0) -> Path:
     import torch
     from transformers import GenerationConfig
 
-    from services.tiny_model.tokenizer import ENDOFTEXT, IM_END, train_tokenizer
+    from ferry.services.tiny_model.tokenizer import ENDOFTEXT, IM_END, train_tokenizer
 
     if arch not in TINY_CONFIGS:
         raise ValueError(f"--arch must be one of {', '.join(ARCHS)}, got {arch!r}")

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import structlog
 
-from shared.logging import configure_logging
-from services.api.config import add_api_flags
-from services.worker.command import DEFAULT_BOOT, add_worker_model_flags
-from services.worker.execution_flags import execution_flag_args
-from services.worker.planner_flags import PLANNER_FIELDS
+from ferry.shared.logging import configure_logging
+from ferry.services.api.config import add_api_flags
+from ferry.services.worker.command import DEFAULT_BOOT, add_worker_model_flags
+from ferry.services.worker.execution_flags import execution_flag_args
+from ferry.plan.planner_flags import PLANNER_FIELDS
 
 log = structlog.get_logger("serve")
 STOP_GRACE_S = 10.0
@@ -58,7 +58,7 @@ def served_model_name(args: argparse.Namespace, model: str) -> str:
 
 def child_commands(args: argparse.Namespace, model: str, rundir: Path) -> dict[str, list[str]]:
     api_addr, steps_addr, results_addr = (f"ipc://{rundir}/{n}.sock" for n in ("api", "steps", "results"))
-    ferry = [sys.executable, "-m", "services.cli"]
+    ferry = [sys.executable, "-m", "ferry.services.cli"]
     log_level = ["--log-level", args.log_level]
     scheduler = [*ferry, "scheduler", "--api-addr", api_addr, "--steps-addr", steps_addr, "--results-addr", results_addr,
                  "--step-timeout", str(args.step_timeout)]  # fmt: skip
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     configure_logging("serve", args.log_level)
     model = args.model
     if model is None:
-        from services.demo_model import ensure_demo_model
+        from ferry.services.demo_model import ensure_demo_model
 
         model = str(ensure_demo_model())
         log.info("demo_model", path=model)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from shared.errors import ConfigError
+from ferry.shared.errors import ConfigError
 
 PREFIX = "FERRY_"
 _TRUE = {"1", "true", "yes", "on"}

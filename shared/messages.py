@@ -16,8 +16,8 @@ from typing import Union
 import msgspec
 import numpy as np
 
-from shared.sampling import SamplingParams
-from shared.step import StepBatch, StepOutput
+from ferry.shared.sampling import SamplingParams
+from ferry.shared.step import StepBatch, StepOutput
 
 
 class PoolReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -72,7 +72,7 @@ class Finished(msgspec.Struct, tag=True, kw_only=True):
 
 
 class Failed(msgspec.Struct, tag=True, kw_only=True):
-    """The request cannot go on; error_type names a shared.errors class, which decides the HTTP status."""
+    """The request cannot go on; error_type names a ferry.shared.errors class, which decides the HTTP status."""
 
     req_id: int
     error_type: str

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shared.sampling import SamplingParams
+from ferry.shared.sampling import SamplingParams
 
 SENTINEL_PAGE = 0
 PADDING_STATE_SLOT = 0

@@ -23,7 +23,7 @@ TINY_ARCHS = ("qwen3_moe", "qwen3_5_moe")
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     """{arch: directory of a tiny random-weight checkpoint (seed 0)} for both architectures."""
-    from services.make_tiny_model import make_tiny_model
+    from ferry.services.make_tiny_model import make_tiny_model
 
     root = tmp_path_factory.mktemp("tiny-models")
     return {arch: make_tiny_model(root / arch, arch, seed=0) for arch in TINY_ARCHS}

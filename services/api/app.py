@@ -8,12 +8,12 @@ import signal
 import structlog
 from aiohttp import web
 
-from services.api.config import ApiConfig
-from services.api.http_errors import api_key_check, openai_errors
-from services.api.metrics import ApiMetrics
-from services.api.routes import OpenAIRoutes
-from services.api.scheduler_client import SchedulerClient
-from services.api.tokenizer import PromptTokenizer
+from ferry.services.api.config import ApiConfig
+from ferry.services.api.http_errors import api_key_check, openai_errors
+from ferry.services.api.metrics import ApiMetrics
+from ferry.services.api.routes import OpenAIRoutes
+from ferry.services.api.scheduler_client import SchedulerClient
+from ferry.services.api.tokenizer import PromptTokenizer
 
 log = structlog.get_logger("api")
 

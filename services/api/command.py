@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from shared.logging import configure_logging
-from services.api.config import add_api_flags, api_config_from_args
+from ferry.shared.logging import configure_logging
+from ferry.services.api.config import add_api_flags, api_config_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,13 +18,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     configure_logging("api", args.log_level)
-    from shared.torch_free import forbid_torch
+    from ferry.shared.torch_free import forbid_torch
 
     forbid_torch()  # before transformers is imported (by the tokenizer)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # not its "PyTorch was not found" warning: we know
     import uvloop
 
-    from services.api.app import serve
+    from ferry.services.api.app import serve
 
     uvloop.run(serve(api_config_from_args(args, args.scheduler_addr, args.model)))
     return 0

@@ -8,8 +8,8 @@ import socket
 import uuid
 from dataclasses import dataclass
 
-from shared.errors import ConfigError
-from shared.units import parse_bytes
+from ferry.shared.errors import ConfigError
+from ferry.shared.units import parse_bytes
 
 DEFAULT_MAX_BODY = "4MiB"
 

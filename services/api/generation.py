@@ -9,13 +9,13 @@ from dataclasses import dataclass
 
 import structlog
 
-from shared.errors import FerryError
-from shared.messages import Finished
-from shared.sampling import SamplingParams
-from services.api.detokenizer import IncrementalDetokenizer
-from services.api.metrics import ApiMetrics
-from services.api.scheduler_client import SchedulerClient, Token
-from services.api.stop_strings import StopStringFilter
+from ferry.shared.errors import FerryError
+from ferry.shared.messages import Finished
+from ferry.shared.sampling import SamplingParams
+from ferry.services.api.detokenizer import IncrementalDetokenizer
+from ferry.services.api.metrics import ApiMetrics
+from ferry.services.api.scheduler_client import SchedulerClient, Token
+from ferry.services.api.stop_strings import StopStringFilter
 
 log = structlog.get_logger("api.generation")
 

@@ -7,8 +7,8 @@ import hmac
 import structlog
 from aiohttp import web
 
-from shared.errors import FerryError, Unauthorized
-from services.api.responses import error_body
+from ferry.shared.errors import FerryError, Unauthorized
+from ferry.services.api.responses import error_body
 
 log = structlog.get_logger("api.http")
 

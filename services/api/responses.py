@@ -6,7 +6,7 @@ import json
 import time
 import uuid
 
-from services.api.generation import Usage
+from ferry.services.api.generation import Usage
 
 
 class ResponseFormat:

@@ -10,14 +10,14 @@ from concurrent.futures import ThreadPoolExecutor
 import structlog
 from aiohttp import web
 
-from shared.errors import FerryError, NotFound
-from services.api import schema
-from services.api.config import ApiConfig
-from services.api.generation import Generation
-from services.api.metrics import ApiMetrics
-from services.api.responses import ChatFormat, CompletionFormat, ResponseFormat, error_body, sse
-from services.api.scheduler_client import SchedulerClient
-from services.api.tokenizer import PromptTokenizer
+from ferry.shared.errors import FerryError, NotFound
+from ferry.services.api import schema
+from ferry.services.api.config import ApiConfig
+from ferry.services.api.generation import Generation
+from ferry.services.api.metrics import ApiMetrics
+from ferry.services.api.responses import ChatFormat, CompletionFormat, ResponseFormat, error_body, sse
+from ferry.services.api.scheduler_client import SchedulerClient
+from ferry.services.api.tokenizer import PromptTokenizer
 
 log = structlog.get_logger("api.routes")
 

@@ -17,13 +17,13 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from shared.errors import FerryError, ServiceUnavailable, error_from_wire
-from shared.liveness import HEARTBEAT_INTERVAL_S, Liveness
-from shared.messages import (
+from ferry.shared.errors import FerryError, ServiceUnavailable, error_from_wire
+from ferry.shared.liveness import HEARTBEAT_INTERVAL_S, Liveness
+from ferry.shared.messages import (
     Abort, ApiHeartbeat, Failed, Finished, SchedulerStatus, SchedulerToApi, Submit, Tokens,
 )  # fmt: skip
-from shared.sampling import SamplingParams
-from shared.wire import AsyncDealer, WireError
+from ferry.shared.sampling import SamplingParams
+from ferry.shared.wire import AsyncDealer, WireError
 
 log = structlog.get_logger("api.scheduler_client")
 

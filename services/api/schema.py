@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import msgspec
 
-from shared.errors import InvalidRequest
-from shared.sampling import SamplingParams
+from ferry.shared.errors import InvalidRequest
+from ferry.shared.sampling import SamplingParams
 
 
 class StreamOptions(msgspec.Struct):

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from shared.eos import eos_token_ids
-from shared.errors import InvalidRequest, ModelLoadError
+from ferry.shared.eos import eos_token_ids
+from ferry.shared.errors import InvalidRequest, ModelLoadError
 
 
 class PromptTokenizer:

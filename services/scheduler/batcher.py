@@ -22,13 +22,13 @@ from dataclasses import dataclass, field
 import msgspec
 import numpy as np
 
-from shared.errors import EngineError, FerryError, InvalidRequest
-from shared.messages import PoolReport
-from shared.sampling import SamplingParams
-from shared.step import NewRequest, StepBatch, StepOutput
-from services.scheduler.kv_pool import KvPool, pages_for
-from services.scheduler.request import Request
-from services.scheduler.state_slots import StateSlotAllocator
+from ferry.shared.errors import EngineError, FerryError, InvalidRequest
+from ferry.shared.messages import PoolReport
+from ferry.shared.sampling import SamplingParams
+from ferry.shared.step import NewRequest, StepBatch, StepOutput
+from ferry.services.scheduler.kv_pool import KvPool, pages_for
+from ferry.services.scheduler.request import Request
+from ferry.services.scheduler.state_slots import StateSlotAllocator
 
 
 @dataclass

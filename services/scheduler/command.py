@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import signal
 
-from shared.logging import configure_logging
-from services.scheduler.config import add_scheduler_flags, scheduler_config_from_args
+from ferry.shared.logging import configure_logging
+from ferry.services.scheduler.config import add_scheduler_flags, scheduler_config_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -16,10 +16,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     configure_logging("scheduler", args.log_level)
-    from shared.torch_free import forbid_torch
+    from ferry.shared.torch_free import forbid_torch
 
     forbid_torch()
-    from services.scheduler.service import SchedulerService
+    from ferry.services.scheduler.service import SchedulerService
 
     service = SchedulerService(scheduler_config_from_args(args))
     for sig in (signal.SIGINT, signal.SIGTERM):

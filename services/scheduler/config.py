@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from shared.errors import ConfigError
+from ferry.shared.errors import ConfigError
 
 
 @dataclass(frozen=True)

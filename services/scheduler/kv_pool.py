@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from services.scheduler.page_allocator import PageAllocator
-from services.scheduler.radix_cache import RadixCache
-from services.scheduler.request import Request
+from ferry.services.scheduler.page_allocator import PageAllocator
+from ferry.services.scheduler.radix_cache import RadixCache
+from ferry.services.scheduler.request import Request
 
 
 def pages_for(tokens: int, page_size: int) -> int:

@@ -14,7 +14,7 @@ import heapq
 import itertools
 from collections.abc import Sequence
 
-from services.scheduler.page_allocator import PageAllocator
+from ferry.services.scheduler.page_allocator import PageAllocator
 
 
 class Node:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.sampling import SamplingParams
-from services.scheduler.radix_cache import Node
+from ferry.shared.sampling import SamplingParams
+from ferry.services.scheduler.radix_cache import Node
 
 
 @dataclass(eq=False)

@@ -17,17 +17,17 @@ import numpy as np
 import structlog
 import zmq
 
-from shared.errors import EngineError, FerryError, InvalidRequest, ServiceUnavailable
-from shared.liveness import HEARTBEAT_INTERVAL_S, Liveness
-from shared.messages import (
+from ferry.shared.errors import EngineError, FerryError, InvalidRequest, ServiceUnavailable
+from ferry.shared.liveness import HEARTBEAT_INTERVAL_S, Liveness
+from ferry.shared.messages import (
     Abort, ApiHeartbeat, ApiToScheduler, Failed, Finished, PoolReport, RunStep, SchedulerStatus, StepDone,
     StepFailed, Submit, Tokens, WorkerAlive, WorkerToScheduler,
 )  # fmt: skip
-from shared.side_http import serve_side_http
-from shared.wire import PeerSocket, RouterSocket, WireError
-from services.scheduler.batcher import BatchScheduler, Outcome
-from services.scheduler.config import SchedulerConfig
-from services.scheduler.metrics import SchedulerMetrics
+from ferry.shared.side_http import serve_side_http
+from ferry.shared.wire import PeerSocket, RouterSocket, WireError
+from ferry.services.scheduler.batcher import BatchScheduler, Outcome
+from ferry.services.scheduler.config import SchedulerConfig
+from ferry.services.scheduler.metrics import SchedulerMetrics
 
 log = structlog.get_logger("scheduler")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from services.tiny_model.corpus import CORPUS
+from ferry.services.tiny_model.corpus import CORPUS
 
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"

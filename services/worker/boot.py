@@ -22,24 +22,24 @@ from itertools import chain
 import structlog
 import torch
 
-from shared.errors import ConfigError, FerryError
-from shared.units import MiB, format_bytes
-from services.worker.costs import workspace_bytes_estimate
-from services.worker.device import select_device
-from services.worker.executor import StepExecutor
-from services.worker.dummy_weights import iter_dummy_experts
-from services.worker.late_bound_experts import LateBoundExperts
-from services.worker.loader import LOAD_FORMATS, open_model, resident_weights, routed_expert_weights
-from services.worker.execution_flags import add_execution_flags
-from services.worker.expert_policy_flag import DEFAULT_EXPERT_POLICY, add_expert_policy_flag
-from services.worker.offload.build import build_expert_store, host_banks_for, is_offloaded
-from services.worker.plan_report import plan_log_fields
-from services.worker.planner import Measured, Plan, PlanRequest, resolve
-from services.worker.planner_flags import add_planner_flags, plan_request_from_args
-from services.worker.pools import TORCH_DTYPES, allocate_pools
-from services.worker.store_plan import plan_for_expert_store
-from services.worker.decode_graphs import DecodeGraphs, graph_buckets
-from services.worker.workspace_profile import profile_decode_graphs_cuda, profile_workspace_cuda
+from ferry.shared.errors import ConfigError, FerryError
+from ferry.shared.units import MiB, format_bytes
+from ferry.plan.costs import workspace_bytes_estimate
+from ferry.services.worker.device import select_device
+from ferry.services.worker.executor import StepExecutor
+from ferry.services.worker.dummy_weights import iter_dummy_experts
+from ferry.services.worker.late_bound_experts import LateBoundExperts
+from ferry.services.worker.loader import LOAD_FORMATS, open_model, resident_weights, routed_expert_weights
+from ferry.services.worker.execution_flags import add_execution_flags
+from ferry.services.worker.expert_policy_flag import DEFAULT_EXPERT_POLICY, add_expert_policy_flag
+from ferry.services.worker.offload.build import build_expert_store, host_banks_for, is_offloaded
+from ferry.plan.plan_report import plan_log_fields
+from ferry.plan.planner import Measured, Plan, PlanRequest, resolve
+from ferry.plan.planner_flags import add_planner_flags, plan_request_from_args
+from ferry.services.worker.pools import TORCH_DTYPES, allocate_pools
+from ferry.plan.store_plan import plan_for_expert_store
+from ferry.services.worker.decode_graphs import DecodeGraphs, graph_buckets
+from ferry.services.worker.workspace_profile import profile_decode_graphs_cuda, profile_workspace_cuda
 
 log = structlog.get_logger("worker")
 
@@ -163,7 +163,7 @@ def boot_worker(args: argparse.Namespace) -> tuple[StepExecutor, Plan]:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
-    from services.worker.models import build_model
+    from ferry.services.worker.models import build_model
 
     before = _reserved(device)
     experts = LateBoundExperts(spec.num_experts)

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from shared.errors import ModelLoadError
-from services.worker.costs import is_routed_expert, is_served
+from ferry.shared.errors import ModelLoadError
+from ferry.plan.costs import is_routed_expert, is_served
 
 INDEX_FILE = "model.safetensors.index.json"
 

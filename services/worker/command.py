@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import signal
 
-from shared.logging import configure_logging
-from services.worker.execution_flags import add_execution_flags
-from services.worker.expert_policy_flag import add_expert_policy_flag
-from services.worker.planner_flags import add_planner_flags
+from ferry.shared.logging import configure_logging
+from ferry.services.worker.execution_flags import add_execution_flags
+from ferry.services.worker.expert_policy_flag import add_expert_policy_flag
+from ferry.plan.planner_flags import add_planner_flags
 
-DEFAULT_BOOT = "services.worker.boot:boot_worker"
+DEFAULT_BOOT = "ferry.services.worker.boot:boot_worker"
 
 
 def add_worker_model_flags(parser: argparse.ArgumentParser, model_required: bool = True) -> None:
@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     configure_logging("worker", args.log_level)
-    from services.worker.service import WorkerConfig, WorkerService
+    from ferry.services.worker.service import WorkerConfig, WorkerService
 
     cfg = WorkerConfig(args.steps_addr, args.results_addr, args.health_host, args.health_port, args.boot)
     service = WorkerService(cfg, args)

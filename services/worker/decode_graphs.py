@@ -20,9 +20,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kernels.expert_pair_gemv import PAIR_KERNEL_MAX_PAIRS
-from shared.step import StepBatch
-from services.worker.forward_batch import ForwardBatch, packed_bytes
+from ferry.kernels.expert_pair_gemv import PAIR_KERNEL_MAX_PAIRS
+from ferry.shared.step import StepBatch
+from ferry.services.worker.forward_batch import ForwardBatch, packed_bytes
 
 
 def graph_buckets(top_k: int, max_running_requests: int) -> list[int]:

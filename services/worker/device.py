@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from shared.errors import ConfigError
+from ferry.shared.errors import ConfigError
 
 DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
 

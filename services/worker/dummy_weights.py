@@ -17,8 +17,8 @@ from collections.abc import Iterator
 
 import torch
 
-from shared.model_config import HYBRID_ARCHITECTURES, ModelSpec
-from services.worker.costs import resident_weight_shapes
+from ferry.plan.model_config import HYBRID_ARCHITECTURES, ModelSpec
+from ferry.plan.costs import resident_weight_shapes
 
 LINEAR_STD = 0.02
 

@@ -10,15 +10,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from shared.errors import FerryError
-from shared.model_config import ModelSpec
-from shared.step import StepBatch, StepOutput
-from services.worker.decode_graphs import DecodeGraphs
-from services.worker.experts import ExpertStore
-from services.worker.forward_batch import ForwardBatch
-from services.worker.planner import Plan
-from services.worker.pools import Pools
-from services.worker.sampler import Sampler
+from ferry.shared.errors import FerryError
+from ferry.plan.model_config import ModelSpec
+from ferry.shared.step import StepBatch, StepOutput
+from ferry.services.worker.decode_graphs import DecodeGraphs
+from ferry.services.worker.experts import ExpertStore
+from ferry.services.worker.forward_batch import ForwardBatch
+from ferry.plan.planner import Plan
+from ferry.services.worker.pools import Pools
+from ferry.services.worker.sampler import Sampler
 
 
 class StepBatchError(FerryError):

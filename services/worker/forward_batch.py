@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from shared.step import StepBatch
+from ferry.shared.step import StepBatch
 
 
 @dataclass

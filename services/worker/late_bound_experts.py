@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from services.worker.experts import ExpertStore
-from services.worker.offload.resident import ResidentExperts
-from services.worker.pools import ExpertSlotPool
+from ferry.services.worker.experts import ExpertStore
+from ferry.services.worker.offload.resident import ResidentExperts
+from ferry.services.worker.pools import ExpertSlotPool
 
 
 class LateBoundExperts:

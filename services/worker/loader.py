@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch
 
-from shared.errors import ConfigError, ModelLoadError
-from shared.model_config import ModelSpec, load_model_config
-from services.worker.checkpoint import checkpoint_files, iter_checkpoint_tensors, resident_tensor, routed_expert_tensor
-from services.worker.dummy_weights import iter_dummy_tensors
-from services.worker.model_source import resolve_model_dir
+from ferry.shared.errors import ConfigError, ModelLoadError
+from ferry.plan.model_config import ModelSpec, load_model_config
+from ferry.services.worker.checkpoint import checkpoint_files, iter_checkpoint_tensors, resident_tensor, routed_expert_tensor
+from ferry.services.worker.dummy_weights import iter_dummy_tensors
+from ferry.services.worker.model_source import resolve_model_dir
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 

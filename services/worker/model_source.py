@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from shared.errors import ModelLoadError
+from ferry.shared.errors import ModelLoadError
 
 
 def hub_cache_dir() -> Path | None:

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.errors import FerryError
-from shared.model_config import ModelSpec
-from services.worker import pool_layout as L
-from services.worker.planner import Plan
+from ferry.shared.errors import FerryError
+from ferry.plan.model_config import ModelSpec
+from ferry.plan import pool_layout as L
+from ferry.plan.planner import Plan
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # every element type a pool holds (the expert cache's state is integers)

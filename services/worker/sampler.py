@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shared.errors import ConfigError
-from shared.sampling import SamplingParams
-from shared.step import NewRequest
+from ferry.shared.errors import ConfigError
+from ferry.shared.sampling import SamplingParams
+from ferry.shared.step import NewRequest
 
 
 @dataclass

@@ -19,12 +19,12 @@ from typing import Any, Callable
 import structlog
 import zmq
 
-from shared.errors import ConfigError
-from shared.liveness import HEARTBEAT_INTERVAL_S
-from shared.messages import PoolReport, RunStep, SchedulerToWorker, StepDone, StepFailed, WorkerAlive
-from shared.side_http import serve_side_http
-from shared.wire import PeerSocket, WireError
-from services.worker.metrics import WorkerMetrics
+from ferry.shared.errors import ConfigError
+from ferry.shared.liveness import HEARTBEAT_INTERVAL_S
+from ferry.shared.messages import PoolReport, RunStep, SchedulerToWorker, StepDone, StepFailed, WorkerAlive
+from ferry.shared.side_http import serve_side_http
+from ferry.shared.wire import PeerSocket, WireError
+from ferry.services.worker.metrics import WorkerMetrics
 
 log = structlog.get_logger("worker")
 
@@ -39,7 +39,7 @@ class WorkerConfig:
 
 
 def pool_report_from_plan(plan: Any) -> PoolReport:
-    """The scheduler's view of the memory plan (services.worker.planner.Plan)."""
+    """The scheduler's view of the memory plan (ferry.plan.planner.Plan)."""
     return PoolReport(
         kv_pages=plan.kv.pages, page_size=plan.kv.page_size, state_slots=plan.linear_state.slots,
         max_running_requests=plan.max_running_requests, max_prefill_tokens=plan.max_prefill_tokens,

@@ -9,22 +9,22 @@ slots shared by every layer — that is freed before the real pools are planned.
 On CUDA the peak allocation above the baseline is the workspace. Attention over long contexts
 is not in this step (its requests have no cached context), so the bytes of one layer's K/V
 context gathered at max_model_len are added from the estimate. On CPU there is no allocator to
-measure: the worker uses the estimate of `costs.py`."""
+measure: the worker uses the estimate of `plan/costs.py`."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from shared.model_config import DTYPE_BYTES, ModelSpec
-from shared.sampling import SamplingParams
-from shared.step import NewRequest, StepBatch
-from services.worker import pool_layout as L
-from services.worker.forward_batch import ForwardBatch
-from services.worker.late_bound_experts import LateBoundExperts, SharedLayerExperts
-from services.worker.planner import Resolved
-from services.worker.pools import ExpertSlotPool, KVPool, LinearStatePool, Pools, allocate_pool
-from services.worker.sampler import Sampler
+from ferry.plan.model_config import DTYPE_BYTES, ModelSpec
+from ferry.shared.sampling import SamplingParams
+from ferry.shared.step import NewRequest, StepBatch
+from ferry.plan import pool_layout as L
+from ferry.services.worker.forward_batch import ForwardBatch
+from ferry.services.worker.late_bound_experts import LateBoundExperts, SharedLayerExperts
+from ferry.plan.planner import Resolved
+from ferry.services.worker.pools import ExpertSlotPool, KVPool, LinearStatePool, Pools, allocate_pool
+from ferry.services.worker.sampler import Sampler
 
 # The sampling path with the most workspace: a full-vocabulary sort for top-k/top-p, and min-p.
 PROFILE_SAMPLING = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.01, repetition_penalty=1.1)
@@ -105,7 +105,7 @@ def profile_decode_graphs_cuda(model, experts: LateBoundExperts, spec: ModelSpec
     The offloading store's graph-safe path allocates a few more small tensors per layer (the next
     layer's router logits and top-k for the prefetch, [T, experts] at most 64 rows): one more
     small-allocation segment covers them, and boot checks the real capture against this."""
-    from services.worker.decode_graphs import DecodeGraphs
+    from ferry.services.worker.decode_graphs import DecodeGraphs
 
     _step, pools = _prepare(experts, spec, r, device)
     graphs = None

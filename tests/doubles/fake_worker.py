@@ -13,7 +13,7 @@ import json
 import time
 from pathlib import Path
 
-from services.worker.planner import ExpertPlan, KVPlan, LinearStatePlan, Plan
+from ferry.plan.planner import ExpertPlan, KVPlan, LinearStatePlan, Plan
 from tests.doubles.paged_model import PagedHashModel
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from shared.step import StepBatch, StepOutput
+from ferry.shared.step import StepBatch, StepOutput
 
 _MOD = (1 << 61) - 1
 _BASE = 1_000_003

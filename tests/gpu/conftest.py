@@ -41,6 +41,6 @@ def cuda_device():
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    from services.worker.device import select_device
+    from ferry.services.worker.device import select_device
 
     return select_device("cuda")

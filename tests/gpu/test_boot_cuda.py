@@ -15,7 +15,7 @@ pytestmark = [
 
 
 def _args(model_dir, *extra):
-    from services.worker.boot import add_boot_arguments
+    from ferry.services.worker.boot import add_boot_arguments
 
     parser = argparse.ArgumentParser()
     add_boot_arguments(parser)
@@ -24,7 +24,7 @@ def _args(model_dir, *extra):
 
 
 def test_cuda_boot_measures_profiles_and_keeps_the_budget(tiny_model):
-    from services.worker.boot import boot_worker
+    from ferry.services.worker.boot import boot_worker
 
     budget = 512 * 2**20
     torch.cuda.empty_cache()
@@ -38,7 +38,7 @@ def test_cuda_boot_measures_profiles_and_keeps_the_budget(tiny_model):
 def test_cuda_greedy_matches_transformers(tiny_model, capsys):
     import json
 
-    from services.cli import main
+    from ferry.services.cli import main
     from transformers import AutoModelForCausalLM
 
     prompt_ids = [5, 17, 33, 2, 8, 100, 41, 9]

@@ -12,13 +12,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 
-from kernels.paged_attention_reference import write_kv  # noqa: E402
-from kernels.qk_norm_rope import qk_norm_rope_kv_triton  # noqa: E402
-from kernels.rms_norm import rms_norm_triton  # noqa: E402
+from ferry.kernels.paged_attention_reference import write_kv  # noqa: E402
+from ferry.kernels.qk_norm_rope import qk_norm_rope_kv_triton  # noqa: E402
+from ferry.kernels.rms_norm import rms_norm_triton  # noqa: E402
 from test_kernel_qk_norm_rope import CASES as ROPE_CASES, _case as rope_case  # noqa: E402
 from test_kernel_rms_norm import CASES as NORM_CASES, GATED_CASES, _case as norm_case  # noqa: E402
 
-from services.worker.models.norms import GatedRMSNorm  # noqa: E402
+from ferry.services.worker.models.norms import GatedRMSNorm  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from kernels.grouped_expert_gemm import grouped_expert_forward, grouped_expert_rows
-from kernels.moe_reference import grouped_expert_forward_reference, grouped_expert_rows_reference
+from ferry.kernels.grouped_expert_gemm import grouped_expert_forward, grouped_expert_rows
+from ferry.kernels.moe_reference import grouped_expert_forward_reference, grouped_expert_rows_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -11,9 +11,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 
-from kernels.gated_delta_rule import gated_delta_rule_varlen  # noqa: E402
-from kernels.gated_delta_rule_reference import gated_delta_rule_chunked, gated_delta_rule_recurrent  # noqa: E402
-from kernels.paged_attention_reference import paged_attention_reference  # noqa: E402
+from ferry.kernels.gated_delta_rule import gated_delta_rule_varlen  # noqa: E402
+from ferry.kernels.gated_delta_rule_reference import gated_delta_rule_chunked, gated_delta_rule_recurrent  # noqa: E402
+from ferry.kernels.paged_attention_reference import paged_attention_reference  # noqa: E402
 from test_kernel_paged_attention import CASES, _scenario  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_paged_attention_on_cuda(case, dtype):
-    from kernels.paged_attention_triton import paged_attention_triton
+    from ferry.kernels.paged_attention_triton import paged_attention_triton
 
     page_size, heads, kv_heads, head_dim, qlens, clens = case
     q, kc, vc, pt, qs, pos, _, _ = _scenario(1, page_size, heads, kv_heads, head_dim, qlens, clens, dtype)
@@ -39,7 +39,7 @@ def test_triton_paged_attention_on_cuda(case, dtype):
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_paged_prefill_on_cuda(case, dtype):
-    from kernels.paged_prefill_triton import paged_prefill_triton
+    from ferry.kernels.paged_prefill_triton import paged_prefill_triton
 
     page_size, heads, kv_heads, head_dim, qlens, clens = case
     q, kc, vc, pt, qs, pos, _, _ = _scenario(2, page_size, heads, kv_heads, head_dim, qlens, clens, dtype)

@@ -3,13 +3,13 @@
 import pytest
 import torch
 
-from kernels.grouped_expert_gemm import grouped_expert_forward
-from shared.model_config import parse_model_config
-from services.worker import pool_layout as L
-from services.worker.offload.expert_cache import OffloadedExperts
-from services.worker.offload.host_banks import HostBanks
-from services.worker.offload.policy import LRUExpertPolicy
-from services.worker.pools import ExpertSlotPool, allocate_pool
+from ferry.kernels.grouped_expert_gemm import grouped_expert_forward
+from ferry.plan.model_config import parse_model_config
+from ferry.plan import pool_layout as L
+from ferry.services.worker.offload.expert_cache import OffloadedExperts
+from ferry.services.worker.offload.host_banks import HostBanks
+from ferry.services.worker.offload.policy import LRUExpertPolicy
+from ferry.services.worker.pools import ExpertSlotPool, allocate_pool
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from shared.model_config import load_model_config
-from services.worker.planner import Measured, PlanRequest, make_plan
-from services.worker.pools import allocate_pools
+from ferry.plan.model_config import load_model_config
+from ferry.plan.planner import Measured, PlanRequest, make_plan
+from ferry.services.worker.pools import allocate_pools
 from tests.helpers import QWEN3_6_35B
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -27,16 +27,16 @@ def cluster(model_dir, tmp_path_factory):
 
 class GreedyReference:
     """The single-request greedy output of a real tiny checkpoint, computed in this process by the code
-    `ferry generate` runs (services.generate_command.generate over boot_worker's executor), with every
+    `ferry generate` runs (ferry.services.generate_command.generate over boot_worker's executor), with every
     expert resident: what the served cluster must reproduce however it batches, offloads or preempts."""
 
     def __init__(self, model_dir):
         import torch
         from transformers import AutoTokenizer
 
-        from services.cli import build_parser
-        from shared.eos import eos_token_ids
-        from services.worker.boot import boot_worker
+        from ferry.services.cli import build_parser
+        from ferry.shared.eos import eos_token_ids
+        from ferry.services.worker.boot import boot_worker
 
         argv = ["generate", "--model", str(model_dir), "--prompt", "unused", "--device", "cpu", "--num-pages", "64",
                 "--max-model-len", "512", "--max-running-requests", "4"]  # fmt: skip
@@ -55,8 +55,8 @@ class GreedyReference:
 
     def ids(self, prompt_ids: list[int], max_tokens: int, ignore_eos: bool = True) -> tuple[list[int], str]:
         """(greedy token ids, finish reason)."""
-        from services.generate_command import generate
-        from shared.sampling import SamplingParams
+        from ferry.services.generate_command import generate
+        from ferry.shared.sampling import SamplingParams
 
         threads = self.torch.get_num_threads()
         self.torch.set_num_threads(1)  # tiny ops: one thread is several times faster on a busy 2-core runner

@@ -126,7 +126,7 @@ def start_cluster(model_dir: Path, rundir: Path, worker_flags=(), api_flags=(), 
     sock_dir.mkdir(mode=0o700)  # ipc paths must stay short (108 bytes), pytest's tmp paths are long
     api_addr, steps, results = (f"ipc://{sock_dir}/{n}" for n in ("api", "steps", "results"))
     c = Cluster(rundir, model_dir, free_port(), free_port(), free_port(), api_addr, sock_dir)
-    ferry = [sys.executable, "-m", "services.cli"]
+    ferry = [sys.executable, "-m", "ferry.services.cli"]
     cmds = {
         "scheduler": [*ferry, "scheduler", "--api-addr", api_addr, "--steps-addr", steps, "--results-addr", results,
                       "--health-port", str(c.scheduler_health_port), *scheduler_flags],
@@ -147,7 +147,7 @@ REAL_WORKER_ENV = {"OMP_NUM_THREADS": "1"}
 
 
 def api_command(model_dir: Path, scheduler_addr: str, port: int, *flags: str) -> list[str]:
-    return [sys.executable, "-m", "services.cli", "api", "--model", str(model_dir), "--scheduler-addr", scheduler_addr,
+    return [sys.executable, "-m", "ferry.services.cli", "api", "--model", str(model_dir), "--scheduler-addr", scheduler_addr,
             "--port", str(port), "--served-model-name", "tiny", *flags]  # fmt: skip
 
 

@@ -1,4 +1,4 @@
-"""The real worker (services.worker.boot) behind the real api and scheduler, on CPU with the tiny
+"""The real worker (ferry.services.worker.boot) behind the real api and scheduler, on CPU with the tiny
 qwen3_moe model: greedy output through the openai client equals `ferry generate`. The served worker
 offloads experts (12 slots for 24 experts) while `ferry generate` keeps all of them resident, so equal
 outputs also say offload changes nothing; the expert-cache counters reach the worker's and the api's
@@ -35,7 +35,7 @@ PROMPT = "The ferry carries"
 
 
 def ferry(*args: str) -> str:
-    done = subprocess.run([sys.executable, "-m", "services.cli", *args], cwd=REPO, env=child_env(),
+    done = subprocess.run([sys.executable, "-m", "ferry.services.cli", *args], cwd=REPO, env=child_env(),
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
@@ -47,7 +47,7 @@ def real_cluster(tiny_models, tmp_path_factory):
     # writes: tests/unit/test_make_tiny_model.py), built once for the unit tests and these
     c = start_cluster(tiny_models["qwen3_moe"], tmp_path_factory.mktemp("real-run"),
                       worker_flags=["--device", "cpu", "--max-model-len", "512", "--moe-cache-size", "12"],
-                      boot="services.worker.boot:boot_worker", worker_env=REAL_WORKER_ENV)  # fmt: skip
+                      boot="ferry.services.worker.boot:boot_worker", worker_env=REAL_WORKER_ENV)  # fmt: skip
     yield c
     c.stop()
 

@@ -33,7 +33,7 @@ def test_serve_runs_three_torch_free_control_processes_and_stops_them_on_sigterm
     env["TMPDIR"] = str(tmp_path)
     log = open(tmp_path / "serve.log", "w")
     serve = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "serve", "--model", str(model_dir), "--port", str(port),
+        [sys.executable, "-m", "ferry.services.cli", "serve", "--model", str(model_dir), "--port", str(port),
          "--boot", FAKE_BOOT, "--served-model-name", "tiny", "--max-model-len", "256"],
         cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
@@ -76,7 +76,7 @@ def test_serve_stops_everything_and_fails_when_one_process_dies(model_dir, tmp_p
     env = child_env()
     env["TMPDIR"] = str(tmp_path)
     serve = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "serve", "--model", str(model_dir), "--port", str(port),
+        [sys.executable, "-m", "ferry.services.cli", "serve", "--model", str(model_dir), "--port", str(port),
          "--boot", FAKE_BOOT, "--max-model-len", "256"],
         cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip

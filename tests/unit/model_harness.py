@@ -10,13 +10,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from services.worker import pool_layout as L
-from services.worker.offload.resident import ResidentExperts
-from services.worker.forward_batch import ForwardBatch
-from services.worker.models import CausalLM, build_model
-from services.worker.pools import ExpertSlotPool, KVPool, LinearStatePool, Pools, allocate_pool
-from shared.model_config import ModelSpec
-from shared.step import StepBatch
+from ferry.plan import pool_layout as L
+from ferry.services.worker.offload.resident import ResidentExperts
+from ferry.services.worker.forward_batch import ForwardBatch
+from ferry.services.worker.models import CausalLM, build_model
+from ferry.services.worker.pools import ExpertSlotPool, KVPool, LinearStatePool, Pools, allocate_pool
+from ferry.plan.model_config import ModelSpec
+from ferry.shared.step import StepBatch
 
 # Tiny models gain nothing from intra-op threads, and on a loaded 2-core machine OpenMP's spin
 # waits made single steps take 100x longer; one thread keeps these tests fast and steady.

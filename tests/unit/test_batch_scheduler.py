@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from shared.errors import InvalidRequest, EngineError
-from shared.messages import PoolReport
-from shared.sampling import SamplingParams
-from services.scheduler.batcher import BatchScheduler
+from ferry.shared.errors import InvalidRequest, EngineError
+from ferry.shared.messages import PoolReport
+from ferry.shared.sampling import SamplingParams
+from ferry.services.scheduler.batcher import BatchScheduler
 from tests.doubles.paged_model import PagedHashModel, reference_continuation
 
 FIRST, COUNT = 10, 200

@@ -8,13 +8,13 @@ import json
 import numpy as np
 import pytest
 
-from shared.errors import ConfigError, PlanError
-from shared.logging import configure_logging
-from shared.sampling import SamplingParams
-from shared.step import NewRequest, StepBatch
-from services.worker import boot as boot_module
-from services.worker.boot import add_boot_arguments, boot_worker
-from services.worker.executor import StepBatchError
+from ferry.shared.errors import ConfigError, PlanError
+from ferry.shared.logging import configure_logging
+from ferry.shared.sampling import SamplingParams
+from ferry.shared.step import NewRequest, StepBatch
+from ferry.services.worker import boot as boot_module
+from ferry.services.worker.boot import add_boot_arguments, boot_worker
+from ferry.services.worker.executor import StepBatchError
 
 
 def boot_args(model_dir, *extra: str) -> argparse.Namespace:
@@ -65,7 +65,7 @@ def test_budget_too_small_fails_in_the_plan(tiny_models):
 
 
 def test_fewer_slots_than_experts_boots_the_offload_store(tiny_models, capsys):
-    from services.worker.offload.expert_cache import OffloadedExperts
+    from ferry.services.worker.offload.expert_cache import OffloadedExperts
 
     configure_logging("worker")
     executor, plan = boot_worker(boot_args(tiny_models["qwen3_moe"], "--gpu-memory", "64MiB", "--moe-cache-size", "8",
@@ -80,7 +80,7 @@ def test_fewer_slots_than_experts_boots_the_offload_store(tiny_models, capsys):
 
 
 def test_host_ram_shortage_fails_before_any_pool(tiny_models, monkeypatch):
-    from services.worker.offload import host_banks
+    from ferry.services.worker.offload import host_banks
 
     monkeypatch.setattr(host_banks, "mem_available_bytes", lambda meminfo=None: 2**30)  # less than the 2 GiB reserve
     allocated = []
@@ -162,11 +162,11 @@ def test_largest_step_runs_on_temporary_pools(tiny_model):
     """The profiling step (run on CUDA at boot) is a valid batch for the model."""
     import torch
 
-    from services.worker.late_bound_experts import LateBoundExperts
-    from services.worker.models import build_model
-    from services.worker.loader import open_model
-    from services.worker.planner import PlanRequest, resolve
-    from services.worker.workspace_profile import largest_step, run_largest_step
+    from ferry.services.worker.late_bound_experts import LateBoundExperts
+    from ferry.services.worker.models import build_model
+    from ferry.services.worker.loader import open_model
+    from ferry.plan.planner import PlanRequest, resolve
+    from ferry.services.worker.workspace_profile import largest_step, run_largest_step
 
     files = open_model(str(tiny_model), load_format="dummy")
     r = resolve(files.spec, PlanRequest(max_running_requests=5, max_prefill_tokens=40))
@@ -183,8 +183,8 @@ def test_largest_step_runs_on_temporary_pools(tiny_model):
 def test_reserving_more_than_gpu_memory_fails_clearly(monkeypatch):
     import torch
 
-    from services.worker.boot import MemoryBudgetExceeded, _check_budget
-    from services.worker.planner import PlanRequest
+    from ferry.services.worker.boot import MemoryBudgetExceeded, _check_budget
+    from ferry.plan.planner import PlanRequest
 
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 900)
     _check_budget(torch.device("cuda"), PlanRequest(gpu_memory=1000), None, earlier_peak=950)

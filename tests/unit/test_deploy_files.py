@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.cli import COMMANDS, build_parser
-from shared.env_flags import env_name
+from ferry.services.cli import COMMANDS, build_parser
+from ferry.shared.env_flags import env_name
 
 REPO = Path(__file__).resolve().parents[2]
 DCLINT = "dclint@3.1.0"  # the Makefile's lint-tools target puts this version in the npx cache
@@ -91,3 +91,11 @@ def test_compose_reserves_the_gpu_for_the_worker_only_and_mounts_the_model_read_
         mounts = [v for v in services[name]["volumes"] if v.split(":")[-2] == services[name]["environment"]["FERRY_MODEL"]]
         assert mounts and all(v.endswith(":ro") for v in mounts), name
     assert all(p.startswith("127.0.0.1:") for p in services["api"]["ports"]), "published on loopback only"
+
+
+def test_dockerfile_copies_every_folder_the_package_is_built_from():
+    import tomllib
+
+    package_dir = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    copied = set(re.findall(r"^COPY (\S+) \./\1$", (REPO / "Dockerfile").read_text(), re.M))
+    assert set(package_dir.values()) <= copied, set(package_dir.values()) - copied

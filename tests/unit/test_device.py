@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.worker.boot import add_boot_arguments, boot_worker
-from services.worker.device import resolve_device, select_device
-from shared.errors import ConfigError
+from ferry.services.worker.boot import add_boot_arguments, boot_worker
+from ferry.services.worker.device import resolve_device, select_device
+from ferry.shared.errors import ConfigError
 
 
 class FakeCuda:
@@ -77,7 +77,7 @@ def test_boot_selects_an_indexed_device_for_the_default_flags(monkeypatch, tiny_
     def stop(*_args, **_kwargs):
         raise _BootReachedThePlan
 
-    monkeypatch.setattr("services.worker.boot.open_model", stop)  # boot's next step after the device
+    monkeypatch.setattr("ferry.services.worker.boot.open_model", stop)  # boot's next step after the device
     parser = argparse.ArgumentParser()
     add_boot_arguments(parser)
     with pytest.raises(_BootReachedThePlan):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from shared.env_flags import apply_env_defaults
-from shared.errors import ConfigError
-from services.cli import build_parser
+from ferry.shared.env_flags import apply_env_defaults
+from ferry.shared.errors import ConfigError
+from ferry.services.cli import build_parser
 
 
 def parse(argv, monkeypatch, **env):
@@ -45,7 +45,7 @@ def test_a_required_model_flag_is_still_required_without_its_variable(monkeypatc
 
 
 def test_demo_model_is_served_under_a_readable_name():
-    from services.serve_command import DEMO_MODEL_NAME, served_model_name
+    from ferry.services.serve_command import DEMO_MODEL_NAME, served_model_name
 
     demo = build_parser("serve").parse_args(["serve"])
     assert served_model_name(demo, "/home/u/.cache/ferry/tiny-qwen3-moe") == DEMO_MODEL_NAME

@@ -1,7 +1,7 @@
 import json
 
-from services.api.tokenizer import PromptTokenizer
-from shared.eos import eos_token_ids
+from ferry.services.api.tokenizer import PromptTokenizer
+from ferry.shared.eos import eos_token_ids
 
 
 def test_eos_ids_come_from_config_and_generation_config(tmp_path):

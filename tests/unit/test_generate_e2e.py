@@ -7,7 +7,7 @@ import json
 
 import torch
 
-from services.cli import main
+from ferry.services.cli import main
 
 
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
 
-from kernels.gated_delta_rule import gated_delta_rule_varlen
-from kernels.gated_delta_rule_reference import gated_delta_rule_chunked, gated_delta_rule_recurrent
+from ferry.kernels.gated_delta_rule import gated_delta_rule_varlen
+from ferry.kernels.gated_delta_rule_reference import gated_delta_rule_chunked, gated_delta_rule_recurrent
 
 
 def _inputs(length, k_heads, v_heads, k_dim, v_dim, seed=0):

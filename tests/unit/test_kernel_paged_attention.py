@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from interpreted_triton import run_interpreted
-from kernels.paged_attention_reference import gather_request_kv, paged_attention_reference, write_kv
+from ferry.kernels.paged_attention_reference import gather_request_kv, paged_attention_reference, write_kv
 
 
 def _scenario(seed, page_size, heads, kv_heads, head_dim, query_lens, context_lens, dtype=torch.float32):
@@ -83,7 +83,7 @@ def interpreted_runs():
         expected.append(paged_attention_reference(q, kc, vc, pt, qlens, clens, head_dim**-0.5))
         out = torch.full_like(q, float("nan"))  # every element must be written by the kernel
         calls.append(((q, kc, vc, pt, qs, pos, head_dim**-0.5), dict(out=out, block_n=8)))
-    outs = run_interpreted("kernels.paged_attention_triton", "paged_attention_triton", calls)
+    outs = run_interpreted("ferry.kernels.paged_attention_triton", "paged_attention_triton", calls)
     return list(zip(expected, outs))
 
 
@@ -95,7 +95,7 @@ def interpreted_prefill_runs():
         expected.append(paged_attention_reference(q, kc, vc, pt, qlens, clens, head_dim**-0.5))
         out = torch.full_like(q, float("nan"))
         calls.append(((q, kc, vc, pt, qs, pos, qlens, head_dim**-0.5), dict(out=out, block_m=16, block_n=16)))
-    outs = run_interpreted("kernels.paged_prefill_triton", "paged_prefill_triton", calls)
+    outs = run_interpreted("ferry.kernels.paged_prefill_triton", "paged_prefill_triton", calls)
     return list(zip(expected, outs))
 
 
@@ -108,7 +108,7 @@ def test_triton_prefill_kernel_matches_reference(index, interpreted_prefill_runs
 
 
 def test_prefill_query_blocks_split_each_request():
-    from kernels.paged_prefill_triton import query_blocks
+    from ferry.kernels.paged_prefill_triton import query_blocks
 
     assert query_blocks([3, 0, 20, 1], block_m=8) == ([0, 2, 2, 2, 3], [0, 3, 11, 19, 23])
 
@@ -122,7 +122,7 @@ def test_triton_kernel_matches_reference(index, interpreted_runs):
 
 
 def test_triton_token_requests_follow_query_start():
-    from kernels.paged_attention_triton import token_requests  # plain torch: no kernel launch
+    from ferry.kernels.paged_attention_triton import token_requests  # plain torch: no kernel launch
 
     qs = torch.tensor([0, 2, 3, 3, 7], dtype=torch.int32)  # request 2 has no new tokens
     assert token_requests(qs, 7).tolist() == [0, 0, 1, 3, 3, 3, 3]

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from interpreted_triton import run_interpreted
-from kernels.paged_attention_reference import write_kv
-from services.worker.models.norms import make_norm
-from services.worker.models.rotary import RotaryEmbedding
+from ferry.kernels.paged_attention_reference import write_kv
+from ferry.services.worker.models.norms import make_norm
+from ferry.services.worker.models.rotary import RotaryEmbedding
 
 # (tokens, heads, kv_heads, head_dim, partial_rotary_factor, zero_centred, gated q, dtype)
 CASES = [

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from interpreted_triton import run_interpreted
-from services.worker.models.norms import GatedRMSNorm, RMSNorm, ZeroCenteredRMSNorm
+from ferry.services.worker.models.norms import GatedRMSNorm, RMSNorm, ZeroCenteredRMSNorm
 
 # (shape, strided per-head view?, zero-centred?, with residual?, dtype)
 CASES = [
@@ -44,7 +44,7 @@ def runs():
         if residual is not None:
             poison["residual_out"] = torch.full(shape, float("nan"), dtype=dtype)
         calls.append(((x, norm.weight.detach(), 1e-6, zc, residual), poison))
-    outs = run_interpreted("kernels.rms_norm", "rms_norm_triton", calls)
+    outs = run_interpreted("ferry.kernels.rms_norm", "rms_norm_triton", calls)
     return list(zip(expected, outs))
 
 
@@ -78,7 +78,7 @@ def gated_runs():
         gate = (torch.randn(shape[0], shape[1], 3 * d, generator=g) * 2).to(dtype)[..., d : 2 * d]
         expected.append(norm.reference(x, gate))
         calls.append(((x, norm.weight.detach(), 1e-6, False), dict(gate=gate, out=torch.full(shape, float("nan"), dtype=dtype))))
-    outs = run_interpreted("kernels.rms_norm", "rms_norm_triton", calls)
+    outs = run_interpreted("ferry.kernels.rms_norm", "rms_norm_triton", calls)
     return list(zip(expected, outs))
 
 

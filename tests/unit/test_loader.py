@@ -8,10 +8,10 @@ import shutil
 import pytest
 import torch
 
-from shared.errors import ModelLoadError
-from services.worker.costs import is_routed_expert, resident_weight_shapes
-from services.worker.dummy_weights import dummy_tensor, iter_dummy_tensors, routed_expert_shapes
-from services.worker.loader import open_model, resident_weights, routed_expert_weights
+from ferry.shared.errors import ModelLoadError
+from ferry.plan.costs import is_routed_expert, resident_weight_shapes
+from ferry.services.worker.dummy_weights import dummy_tensor, iter_dummy_tensors, routed_expert_shapes
+from ferry.services.worker.loader import open_model, resident_weights, routed_expert_weights
 
 
 def test_local_directory_two_passes_cover_the_checkpoint(tiny_model):
@@ -146,7 +146,7 @@ class _CountingStore:
 def _qwen3_next_spec():
     from transformers import Qwen3NextConfig
 
-    from shared.model_config import parse_model_config
+    from ferry.plan.model_config import parse_model_config
 
     config = Qwen3NextConfig(num_hidden_layers=4, hidden_size=256, num_experts=16, moe_intermediate_size=64,
                              shared_expert_intermediate_size=64, vocab_size=1000)  # fmt: skip
@@ -159,8 +159,8 @@ def test_dummy_names_and_shapes_are_what_the_real_models_load(config_dir):
     exactly what the model accepts (checked on the meta device: no memory, no compute)."""
     from pathlib import Path
 
-    from services.worker.models import build_model
-    from shared.model_config import load_model_config
+    from ferry.services.worker.models import build_model
+    from ferry.plan.model_config import load_model_config
 
     if config_dir == "qwen3_next":  # no published config in tests/data: transformers' defaults, made small
         spec = _qwen3_next_spec()

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from services.make_tiny_model import make_tiny_model
-from shared.model_config import load_model_config
+from ferry.services.make_tiny_model import make_tiny_model
+from ferry.plan.model_config import load_model_config
 
 
 def test_same_seed_gives_byte_identical_checkpoint(tiny_models, tmp_path):
@@ -66,7 +66,7 @@ def test_unknown_arch_is_rejected(tmp_path):
 
 
 def test_cli_writes_the_same_checkpoint(tiny_models, tmp_path, capsys):
-    from services.cli import main
+    from ferry.services.cli import main
 
     assert main(["make-tiny-model", str(tmp_path / "cli"), "--arch", "qwen3_moe", "--seed", "0"]) == 0
     assert "wrote a tiny qwen3_moe checkpoint" in capsys.readouterr().out

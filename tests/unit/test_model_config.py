@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from shared.errors import ConfigError
-from shared.model_config import FULL_ATTENTION, LINEAR_ATTENTION, load_model_config, parse_model_config
+from ferry.shared.errors import ConfigError
+from ferry.plan.model_config import FULL_ATTENTION, LINEAR_ATTENTION, load_model_config, parse_model_config
 from tests.helpers import QWEN3_6_35B, QWEN3_30B
 
 

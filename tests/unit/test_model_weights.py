@@ -10,10 +10,10 @@ from safetensors.torch import load_file
 from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
 
 from model_harness import PagedRunner, assert_logits_close, make_pools
-from services.worker.offload.resident import ResidentExperts
-from services.worker.models import WeightLoadError, build_model
-from shared.errors import ConfigError
-from shared.model_config import parse_model_config
+from ferry.services.worker.offload.resident import ResidentExperts
+from ferry.services.worker.models import WeightLoadError, build_model
+from ferry.shared.errors import ConfigError
+from ferry.plan.model_config import parse_model_config
 from tiny_models import _config, _redraw, tiny_model
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from services.worker.costs import resident_weight_bytes_from_checkpoint, resident_weight_bytes_from_shapes
-from shared.model_config import load_model_config
+from ferry.plan.costs import resident_weight_bytes_from_checkpoint, resident_weight_bytes_from_shapes
+from ferry.plan.model_config import load_model_config
 from tests.helpers import QWEN3_6_35B, QWEN3_30B
 
 FIELDS = {
@@ -18,7 +18,7 @@ FIELDS = {
 
 
 def ferry(*args):
-    return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "ferry.services.cli", *args], capture_output=True, text=True, timeout=120)
 
 
 @pytest.mark.parametrize("model", [QWEN3_30B, QWEN3_6_35B])

@@ -5,11 +5,11 @@ allocated bytes equal to its priced bytes."""
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shared.errors import ConfigError, PlanError
-from shared.model_config import parse_model_config
-from services.worker import pool_layout as L
-from services.worker.planner import Measured, PlanRequest, make_plan
-from services.worker.pools import allocate_pool
+from ferry.shared.errors import ConfigError, PlanError
+from ferry.plan.model_config import parse_model_config
+from ferry.plan import pool_layout as L
+from ferry.plan.planner import Measured, PlanRequest, make_plan
+from ferry.services.worker.pools import allocate_pool
 
 
 @st.composite

@@ -2,11 +2,11 @@
 
 import pytest
 
-from shared.errors import PlanError
-from shared.model_config import load_model_config
-from shared.units import GiB
-from services.worker.costs import resident_weight_bytes_from_shapes, workspace_bytes_estimate
-from services.worker.planner import Measured, PlanRequest, make_plan, resolve
+from ferry.shared.errors import PlanError
+from ferry.plan.model_config import load_model_config
+from ferry.shared.units import GiB
+from ferry.plan.costs import resident_weight_bytes_from_shapes, workspace_bytes_estimate
+from ferry.plan.planner import Measured, PlanRequest, make_plan, resolve
 from tests.helpers import QWEN3_6_35B, QWEN3_30B
 
 MiB2 = 2 * 2**20

@@ -2,11 +2,11 @@
 
 import pytest
 
-from shared.errors import ConfigError, PlanError
-from shared.model_config import parse_model_config
-from services.worker.planner import Measured, PlanRequest, make_plan
-from services.worker import pool_layout as L
-from services.worker.pools import allocate_pools
+from ferry.shared.errors import ConfigError, PlanError
+from ferry.plan.model_config import parse_model_config
+from ferry.plan.planner import Measured, PlanRequest, make_plan
+from ferry.plan import pool_layout as L
+from ferry.services.worker.pools import allocate_pools
 
 TINY = {
     "model_type": "qwen3_moe", "vocab_size": 256, "hidden_size": 32, "num_hidden_layers": 3,

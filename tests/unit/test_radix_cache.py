@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from shared.messages import PoolReport
-from shared.sampling import SamplingParams
-from services.scheduler.batcher import BatchScheduler
-from services.scheduler.page_allocator import PageAllocator
-from services.scheduler.radix_cache import RadixCache
+from ferry.shared.messages import PoolReport
+from ferry.shared.sampling import SamplingParams
+from ferry.services.scheduler.batcher import BatchScheduler
+from ferry.services.scheduler.page_allocator import PageAllocator
+from ferry.services.scheduler.radix_cache import RadixCache
 from tests.doubles.paged_model import PagedHashModel, reference_continuation
 
 

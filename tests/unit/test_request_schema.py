@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from shared.errors import InvalidRequest
-from services.api import schema
+from ferry.shared.errors import InvalidRequest
+from ferry.services.api import schema
 
 
 def chat(**body):

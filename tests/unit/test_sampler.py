@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from shared.sampling import SamplingParams
-from shared.step import NewRequest
-from services.worker.sampler import Sampler, apply_penalties, filter_logits
+from ferry.shared.sampling import SamplingParams
+from ferry.shared.step import NewRequest
+from ferry.services.worker.sampler import Sampler, apply_penalties, filter_logits
 
 V = 50
 
@@ -158,7 +158,7 @@ def test_rows_mix_greedy_and_sampled_with_their_own_filters():
     "bad", [dict(temperature=-1.0), dict(top_p=0.0), dict(min_p=1.5), dict(top_k=-2), dict(repetition_penalty=0.0)]
 )
 def test_meaningless_parameters_are_rejected_by_name(bad):
-    from shared.errors import ConfigError
+    from ferry.shared.errors import ConfigError
 
     with pytest.raises(ConfigError, match=next(iter(bad))):
         make_sampler({0: SamplingParams(**bad)})

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from hypothesis import given, settings, strategies as st
 
-from services.api.detokenizer import REPLACEMENT, IncrementalDetokenizer
-from services.api.stop_strings import StopStringFilter
+from ferry.services.api.detokenizer import REPLACEMENT, IncrementalDetokenizer
+from ferry.services.api.stop_strings import StopStringFilter
 
 
 def stream(tok, ids):

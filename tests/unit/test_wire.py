@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 import zmq
 
-from shared.messages import (
+from ferry.shared.messages import (
     Abort, ApiHeartbeat, ApiToScheduler, Failed, Finished, PoolReport, RunStep, SchedulerStatus, SchedulerToApi,
     SchedulerToWorker, StepDone, StepFailed, Submit, Tokens, WorkerAlive, WorkerToScheduler,
 )  # fmt: skip
-from shared.sampling import SamplingParams
-from shared.step import NewRequest, StepBatch, StepOutput
-from shared.wire import Codec, PeerSocket, RouterSocket, WireError
+from ferry.shared.sampling import SamplingParams
+from ferry.shared.step import NewRequest, StepBatch, StepOutput
+from ferry.shared.wire import Codec, PeerSocket, RouterSocket, WireError
 
 
 def batch() -> StepBatch:

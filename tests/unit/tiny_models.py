@@ -18,7 +18,7 @@ from transformers import (
     Qwen3NextForCausalLM,
 )
 
-from shared.model_config import ModelSpec, parse_model_config
+from ferry.plan.model_config import ModelSpec, parse_model_config
 
 COMMON = dict(vocab_size=96, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
               num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, max_position_embeddings=512,

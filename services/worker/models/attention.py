@@ -16,13 +16,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.dispatch import use_triton
-from kernels.paged_attention import paged_attention, write_kv
-from kernels.qk_norm_rope import qk_norm_rope_kv_triton
-from services.worker.models.context import StepContext
-from services.worker.models.norms import make_norm
-from services.worker.models.rotary import RotaryEmbedding
-from shared.model_config import ModelSpec
+from ferry.kernels.dispatch import use_triton
+from ferry.kernels.paged_attention import paged_attention, write_kv
+from ferry.kernels.qk_norm_rope import qk_norm_rope_kv_triton
+from ferry.services.worker.models.context import StepContext
+from ferry.services.worker.models.norms import make_norm
+from ferry.services.worker.models.rotary import RotaryEmbedding
+from ferry.plan.model_config import ModelSpec
 
 
 class PagedAttention(nn.Module):

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from services.worker.forward_batch import ForwardBatch
-from services.worker.pools import Pools
+from ferry.services.worker.forward_batch import ForwardBatch
+from ferry.services.worker.pools import Pools
 
 
 @dataclass

@@ -8,17 +8,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.worker.experts import ExpertStore
-from services.worker.forward_batch import ForwardBatch
-from services.worker.models.attention import PagedAttention
-from services.worker.models.context import StepContext
-from services.worker.models.gated_deltanet import GatedDeltaNet
-from services.worker.models.mlp import DenseMLP, SparseMoeBlock
-from services.worker.models.norms import make_norm
-from services.worker.models.rotary import RotaryEmbedding
-from services.worker.models.weights import checkpoint_shapes, load_checkpoint_weights
-from services.worker.pools import Pools
-from shared.model_config import LINEAR_ATTENTION, ModelSpec
+from ferry.services.worker.experts import ExpertStore
+from ferry.services.worker.forward_batch import ForwardBatch
+from ferry.services.worker.models.attention import PagedAttention
+from ferry.services.worker.models.context import StepContext
+from ferry.services.worker.models.gated_deltanet import GatedDeltaNet
+from ferry.services.worker.models.mlp import DenseMLP, SparseMoeBlock
+from ferry.services.worker.models.norms import make_norm
+from ferry.services.worker.models.rotary import RotaryEmbedding
+from ferry.services.worker.models.weights import checkpoint_shapes, load_checkpoint_weights
+from ferry.services.worker.pools import Pools
+from ferry.plan.model_config import LINEAR_ATTENTION, ModelSpec
 
 
 class DecoderLayer(nn.Module):

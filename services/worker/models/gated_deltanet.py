@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.causal_conv1d_reference import causal_conv1d_decode, causal_conv1d_varlen
-from kernels.gated_delta_rule import gated_delta_rule_varlen
-from services.worker.models.context import StepContext
-from services.worker.models.norms import GatedRMSNorm
-from shared.model_config import ModelSpec
+from ferry.kernels.causal_conv1d_reference import causal_conv1d_decode, causal_conv1d_varlen
+from ferry.kernels.gated_delta_rule import gated_delta_rule_varlen
+from ferry.services.worker.models.context import StepContext
+from ferry.services.worker.models.norms import GatedRMSNorm
+from ferry.plan.model_config import ModelSpec
 
 
 class GatedDeltaNet(nn.Module):

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.worker.experts import ExpertStore
-from shared.model_config import ModelSpec
+from ferry.services.worker.experts import ExpertStore
+from ferry.plan.model_config import ModelSpec
 
 
 class DenseMLP(nn.Module):

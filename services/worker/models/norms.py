@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.dispatch import use_triton
-from kernels.rms_norm import rms_norm_triton
+from ferry.kernels.dispatch import use_triton
+from ferry.kernels.rms_norm import rms_norm_triton
 
 
 def _normalise(x: torch.Tensor, eps: float) -> torch.Tensor:

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 
 import torch
 
-from shared.errors import ModelLoadError
+from ferry.shared.errors import ModelLoadError
 
 PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
 SKIPPED_PREFIXES = ("visual.", "mtp.", "model.visual.", "model.mtp.", "vision_tower.")

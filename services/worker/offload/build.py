@@ -17,18 +17,18 @@ from __future__ import annotations
 
 import torch
 
-from shared.errors import ConfigError
-from shared.model_config import ModelSpec
-from services.worker.expert_policy_flag import DEFAULT_EXPERT_POLICY, EXPERT_POLICIES
-from kernels.dispatch import use_triton
-from services.worker.offload.device_store import DeviceDrivenExperts
-from services.worker.offload.expert_cache import OffloadedExperts
-from services.worker.offload.host_banks import HostBanks
-from services.worker.offload.frequency_policy import LFUExpertPolicy
-from services.worker.offload.policy import ExpertSlotPolicy, LRUExpertPolicy
-from services.worker.offload.resident import ResidentExperts
-from services.worker.planner import Plan
-from services.worker.pools import ExpertSlotPool
+from ferry.shared.errors import ConfigError
+from ferry.plan.model_config import ModelSpec
+from ferry.services.worker.expert_policy_flag import DEFAULT_EXPERT_POLICY, EXPERT_POLICIES
+from ferry.kernels.dispatch import use_triton
+from ferry.services.worker.offload.device_store import DeviceDrivenExperts
+from ferry.services.worker.offload.expert_cache import OffloadedExperts
+from ferry.services.worker.offload.host_banks import HostBanks
+from ferry.services.worker.offload.frequency_policy import LFUExpertPolicy
+from ferry.services.worker.offload.policy import ExpertSlotPolicy, LRUExpertPolicy
+from ferry.services.worker.offload.resident import ResidentExperts
+from ferry.plan.planner import Plan
+from ferry.services.worker.pools import ExpertSlotPool
 
 
 POLICIES: dict[str, type[ExpertSlotPolicy]] = {"lru": LRUExpertPolicy, "lfu": LFUExpertPolicy}

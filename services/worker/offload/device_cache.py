@@ -20,13 +20,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.expert_cache_lookup import (
+from ferry.kernels.expert_cache_lookup import (
     EVICTIONS, HITS, LFU, LOOKUP, LOOKUPS, LRU, MISSES, NUM_COUNTERS, PREFETCH, PREFETCH_USEFUL,
     PREFETCH_WASTED, PREFETCHED, launch,
 )  # fmt: skip
-from services.worker.offload.frequency_policy import LFUExpertPolicy
-from services.worker.offload.policy import ExpertSlotPolicy, LRUExpertPolicy
-from services.worker.pools import ExpertSlotPool
+from ferry.services.worker.offload.frequency_policy import LFUExpertPolicy
+from ferry.services.worker.offload.policy import ExpertSlotPolicy, LRUExpertPolicy
+from ferry.services.worker.pools import ExpertSlotPool
 
 
 @dataclass

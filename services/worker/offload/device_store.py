@@ -36,12 +36,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels.expert_copy import copy_experts_triton
-from kernels.expert_pair_gemv import expert_pair_rows_triton, use_pair_kernel
-from kernels.expert_rows_sum import sum_rows
-from kernels.grouped_expert_gemm import grouped_expert_rows_triton
-from services.worker.offload.device_cache import CacheCall, DeviceExpertCache
-from services.worker.offload.expert_cache import DEFAULT_PIPELINE_CHUNKS, OffloadedExperts, _split
+from ferry.kernels.expert_copy import copy_experts_triton
+from ferry.kernels.expert_pair_gemv import expert_pair_rows_triton, use_pair_kernel
+from ferry.kernels.expert_rows_sum import sum_rows
+from ferry.kernels.grouped_expert_gemm import grouped_expert_rows_triton
+from ferry.services.worker.offload.device_cache import CacheCall, DeviceExpertCache
+from ferry.services.worker.offload.expert_cache import DEFAULT_PIPELINE_CHUNKS, OffloadedExperts, _split
 
 # copy_stamps columns (pool_layout.COPY_STAMPS)
 MISS_START, MISS_END, PREFETCH_START, PREFETCH_END, BEFORE_PREFETCH_WAIT, HITS_DONE = range(6)
@@ -204,7 +204,7 @@ class DeviceDrivenExperts(OffloadedExperts):
 
     def _stamp(self, stamps: torch.Tensor | None, column: int) -> None:
         if self._timing and stamps is not None:
-            from kernels.device_clock import stamp
+            from ferry.kernels.device_clock import stamp
 
             stamp(stamps, column)
 

@@ -23,7 +23,7 @@ over k at the end, so the result is bit for bit what an all-resident store compu
 On CPU the same schedule runs with plain synchronous copies: every bookkeeping path is tested.
 
 Per-step device memory beyond the all-resident compute path (a group's slot map, the host-made
-alignment) is stated in costs.py:offload_workspace_bytes, which the plan adds when it offloads:
+alignment) is stated in plan/costs.py:offload_workspace_bytes, which the plan adds when it offloads:
 allocate more per step here and that function must say so.
 """
 
@@ -35,18 +35,18 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
-from kernels.expert_pair_gemv import expert_pair_rows_triton, use_pair_kernel
-from kernels.expert_rows_sum import sum_rows
-from kernels.grouped_expert_gemm import (
+from ferry.kernels.expert_pair_gemv import expert_pair_rows_triton, use_pair_kernel
+from ferry.kernels.expert_rows_sum import sum_rows
+from ferry.kernels.grouped_expert_gemm import (
     align_pairs_by_slot_host,
     block_m_for,
     grouped_expert_rows,
     grouped_expert_rows_triton,
 )
-from services.worker.offload.host_banks import HostBanks
-from services.worker.offload.policy import NO_SLOT, ExpertSlotPolicy
-from services.worker.offload.stats import ExpertCacheStats
-from services.worker.pools import ExpertSlotPool
+from ferry.services.worker.offload.host_banks import HostBanks
+from ferry.services.worker.offload.policy import NO_SLOT, ExpertSlotPolicy
+from ferry.services.worker.offload.stats import ExpertCacheStats
+from ferry.services.worker.pools import ExpertSlotPool
 
 DEFAULT_PIPELINE_CHUNKS = 4
 DEFAULT_PREFILL_TOKENS = 64

@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from shared.errors import FerryError
-from shared.model_config import ModelSpec
-from shared.units import GiB, format_bytes
-from services.worker.pools import TORCH_DTYPES
+from ferry.shared.errors import FerryError
+from ferry.plan.model_config import ModelSpec
+from ferry.shared.units import GiB, format_bytes
+from ferry.services.worker.pools import TORCH_DTYPES
 
 # Host memory the banks must leave to everything else (the worker, the page cache of a
 # checkpoint being read, the OS); asking for the last byte of MemAvailable ends in the OOM killer.

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import torch
 
-from kernels.dispatch import use_triton
-from kernels.expert_pair_gemv import expert_pair_rows_triton, use_pair_kernel
-from kernels.expert_rows_sum import sum_rows
-from kernels.grouped_expert_gemm import grouped_expert_forward
-from services.worker.offload.stats import ExpertCacheStats
-from services.worker.pools import ExpertSlotPool
+from ferry.kernels.dispatch import use_triton
+from ferry.kernels.expert_pair_gemv import expert_pair_rows_triton, use_pair_kernel
+from ferry.kernels.expert_rows_sum import sum_rows
+from ferry.kernels.grouped_expert_gemm import grouped_expert_forward
+from ferry.services.worker.offload.stats import ExpertCacheStats
+from ferry.services.worker.pools import ExpertSlotPool
 
 
 class ResidentExperts:

@@ -10,8 +10,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels.qk_norm_rope import _qk_norm_rope_kv_kernel
-from kernels.rms_norm import _rms_norm_kernel
+from ferry.kernels.qk_norm_rope import _qk_norm_rope_kv_kernel
+from ferry.kernels.rms_norm import _rms_norm_kernel
 
 HOPPER = GPUTarget("cuda", 90, 32)
 

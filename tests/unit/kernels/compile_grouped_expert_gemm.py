@@ -11,9 +11,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-import kernels.expert_pair_gemv as pair
-import kernels.expert_rows_sum as rows_sum
-import kernels.grouped_expert_gemm as k
+import ferry.kernels.expert_pair_gemv as pair
+import ferry.kernels.expert_rows_sum as rows_sum
+import ferry.kernels.grouped_expert_gemm as k
 
 HOPPER = GPUTarget("cuda", 90, 32)
 

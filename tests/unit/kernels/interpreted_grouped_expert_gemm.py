@@ -17,15 +17,15 @@ import torch
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run me with TRITON_INTERPRET=1"
 
-from kernels.grouped_expert_gemm import (  # noqa: E402
+from ferry.kernels.grouped_expert_gemm import (  # noqa: E402
     align_pairs_by_slot,
     align_pairs_by_slot_host,
     block_m_for,
     grouped_expert_rows_triton,
 )
-from kernels.expert_pair_gemv import expert_pair_rows_triton  # noqa: E402
-from kernels.expert_rows_sum import sum_rows_triton  # noqa: E402
-from kernels.moe_reference import grouped_expert_forward_reference, grouped_expert_rows_reference  # noqa: E402
+from ferry.kernels.expert_pair_gemv import expert_pair_rows_triton  # noqa: E402
+from ferry.kernels.expert_rows_sum import sum_rows_triton  # noqa: E402
+from ferry.kernels.moe_reference import grouped_expert_forward_reference, grouped_expert_rows_reference  # noqa: E402
 
 
 def make_case(seed, tokens, top_k, hidden, inter, slots, dtype, skip=0):

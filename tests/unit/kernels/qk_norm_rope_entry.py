@@ -1,7 +1,7 @@
 """Child-process entry for test_kernel_qk_norm_rope.py (run by interpreted_triton.run_interpreted):
 the kernel writes the KV caches in place, so they are returned alongside q to cross back."""
 
-from kernels.qk_norm_rope import qk_norm_rope_kv_triton
+from ferry.kernels.qk_norm_rope import qk_norm_rope_kv_triton
 
 
 def run_and_return_caches(*args, **kwargs):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.expert_copy import copy_experts_reference, copy_experts_triton
+from ferry.kernels.expert_copy import copy_experts_reference, copy_experts_triton
 
 
 def _case(seed: int, experts=6, slots=5, inter=24, hidden=40):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.moe_reference import grouped_expert_forward_reference
+from ferry.kernels.moe_reference import grouped_expert_forward_reference
 
 ROOT = Path(__file__).resolve().parents[3]
 CASES = ["decode_one_token", "ragged_shapes_and_skipped_pairs", "several_blocks_of_one_slot", "host_aligned_rows",
@@ -46,7 +46,7 @@ def _case(seed, tokens, top_k, hidden, inter, slots):
 
 
 def test_dispatch_uses_the_reference_on_cpu():
-    from kernels.grouped_expert_gemm import grouped_expert_forward
+    from ferry.kernels.grouped_expert_gemm import grouped_expert_forward
 
     x, topk, weights, w13, w2 = _case(4, 6, 2, 16, 8, 4)
     assert torch.equal(grouped_expert_forward(x, topk, weights, w13, w2),
@@ -65,7 +65,7 @@ def test_the_result_does_not_depend_on_slot_numbering():
 
 
 def test_host_alignment_equals_the_device_alignment():
-    from kernels.grouped_expert_gemm import align_pairs_by_slot, align_pairs_by_slot_host
+    from ferry.kernels.grouped_expert_gemm import align_pairs_by_slot, align_pairs_by_slot_host
 
     g = torch.Generator().manual_seed(7)
     for trial in range(40):

@@ -18,13 +18,13 @@ assert os.environ.get("FERRY_TRITON_ON_CPU") == "1", "run me with FERRY_TRITON_O
 
 from offload_tiny import random_experts, random_routing, slot_pool, tiny_spec  # noqa: E402
 
-from kernels.expert_pair_gemv import use_pair_kernel  # noqa: E402
-from services.worker.offload.resident import ResidentExperts  # noqa: E402
-from services.worker.offload.expert_cache import OffloadedExperts  # noqa: E402
-from services.worker.offload.host_banks import HostBanks  # noqa: E402
-from services.worker.offload.policy import LRUExpertPolicy  # noqa: E402
-from services.worker.offload.device_store import DeviceDrivenExperts  # noqa: E402
-from services.worker.offload.frequency_policy import LFUExpertPolicy  # noqa: E402
+from ferry.kernels.expert_pair_gemv import use_pair_kernel  # noqa: E402
+from ferry.services.worker.offload.resident import ResidentExperts  # noqa: E402
+from ferry.services.worker.offload.expert_cache import OffloadedExperts  # noqa: E402
+from ferry.services.worker.offload.host_banks import HostBanks  # noqa: E402
+from ferry.services.worker.offload.policy import LRUExpertPolicy  # noqa: E402
+from ferry.services.worker.offload.device_store import DeviceDrivenExperts  # noqa: E402
+from ferry.services.worker.offload.frequency_policy import LFUExpertPolicy  # noqa: E402
 
 
 def check() -> None:

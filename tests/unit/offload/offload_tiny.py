@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from shared.model_config import ModelSpec, parse_model_config
-from services.worker import pool_layout as L
-from services.worker.pools import ExpertSlotPool, allocate_pool
+from ferry.plan.model_config import ModelSpec, parse_model_config
+from ferry.plan import pool_layout as L
+from ferry.services.worker.pools import ExpertSlotPool, allocate_pool
 
 
 def tiny_spec(layers: int = 3, experts: int = 6, top_k: int = 3, hidden: int = 16, inter: int = 8) -> ModelSpec:

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from services.worker.offload.device_cache import DeviceExpertCache
-from services.worker.offload.frequency_policy import LFUExpertPolicy
-from services.worker.offload.policy import NO_SLOT, LRUExpertPolicy
+from ferry.services.worker.offload.device_cache import DeviceExpertCache
+from ferry.services.worker.offload.frequency_policy import LFUExpertPolicy
+from ferry.services.worker.offload.policy import NO_SLOT, LRUExpertPolicy
 from tests.unit.offload.offload_tiny import slot_pool, tiny_spec
 
 

@@ -5,10 +5,10 @@ import json
 import pytest
 import torch
 
-from services.worker.offload.resident import ResidentExperts
-from services.worker.offload.expert_cache import OffloadedExperts
-from services.worker.offload.host_banks import HostBanks
-from services.worker.offload.policy import LRUExpertPolicy
+from ferry.services.worker.offload.resident import ResidentExperts
+from ferry.services.worker.offload.expert_cache import OffloadedExperts
+from ferry.services.worker.offload.host_banks import HostBanks
+from ferry.services.worker.offload.policy import LRUExpertPolicy
 from offload_tiny import random_experts, random_routing, slot_pool, tiny_spec
 
 SPEC = tiny_spec(layers=3, experts=6, top_k=3)

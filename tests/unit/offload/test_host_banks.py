@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from shared.units import GiB, MiB
-from services.worker.offload.host_banks import HostBanks, HostMemoryError, check_host_memory, mem_available_bytes
+from ferry.shared.units import GiB, MiB
+from ferry.services.worker.offload.host_banks import HostBanks, HostMemoryError, check_host_memory, mem_available_bytes
 
 
 def _meminfo(tmp_path, kib: int):
@@ -58,7 +58,7 @@ def test_too_little_host_ram_is_a_clear_error_before_allocating(tmp_path):
 
 
 def test_banks_for_a_model_spec(tmp_path):
-    from shared.model_config import load_model_config
+    from ferry.plan.model_config import load_model_config
 
     spec = load_model_config("tests/data/models/qwen3-30b-a3b")
     with pytest.raises(HostMemoryError, match="host banks for 48 MoE layers x 128 experts"):

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.worker.offload.policy import NO_SLOT, LRUExpertPolicy
+from ferry.services.worker.offload.policy import NO_SLOT, LRUExpertPolicy
 
 
 def test_free_slots_first_then_least_recent_is_evicted():

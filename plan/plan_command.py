@@ -7,16 +7,16 @@ import json
 import sys
 from pathlib import Path
 
-from shared.model_config import load_model_config
-from services.worker.costs import (
+from ferry.plan.model_config import load_model_config
+from ferry.plan.costs import (
     resident_weight_bytes_from_checkpoint,
     resident_weight_bytes_from_shapes,
     workspace_bytes_estimate,
 )
-from services.worker.plan_report import plan_table
-from services.worker.planner import Measured, resolve
-from services.worker.planner_flags import add_planner_flags, plan_request_from_args
-from services.worker.store_plan import plan_for_expert_store
+from ferry.plan.plan_report import plan_table
+from ferry.plan.planner import Measured, resolve
+from ferry.plan.planner_flags import add_planner_flags, plan_request_from_args
+from ferry.plan.store_plan import plan_for_expert_store
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

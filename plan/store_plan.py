@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from shared.model_config import ModelSpec
-from services.worker.costs import offload_workspace_bytes
-from services.worker.planner import Measured, Plan, PlanRequest, make_plan
+from ferry.plan.model_config import ModelSpec
+from ferry.plan.costs import offload_workspace_bytes
+from ferry.plan.planner import Measured, Plan, PlanRequest, make_plan
 
 
 def plan_for_expert_store(spec: ModelSpec, req: PlanRequest, measured: Measured) -> Plan:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shared.errors import ConfigError
+from ferry.shared.errors import ConfigError
 
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"

@@ -10,9 +10,9 @@ import json
 import struct
 from pathlib import Path
 
-from shared.errors import ModelLoadError
-from shared.model_config import DTYPE_BYTES, ModelSpec
-from shared.units import round_up
+from ferry.shared.errors import ModelLoadError
+from ferry.plan.model_config import DTYPE_BYTES, ModelSpec
+from ferry.shared.units import round_up
 
 # The CUDA caching allocator hands out blocks in multiples of 512 bytes.
 ALLOC_GRANULE = 512

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from shared.units import parse_bytes
-from services.worker.planner import PlanRequest
+from ferry.shared.units import parse_bytes
+from ferry.plan.planner import PlanRequest
 
 PLANNER_FIELDS = (
     "gpu_memory", "memory_ratio", "num_tokens", "num_pages", "kv_reserve_tokens", "moe_cache_size",

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from shared.units import format_bytes
-from services.worker.planner import Plan
+from ferry.shared.units import format_bytes
+from ferry.plan.planner import Plan
 
 
 def plan_table(plan: Plan) -> str:

@@ -17,10 +17,10 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from shared.errors import ConfigError, PlanError
-from shared.model_config import ModelSpec
-from shared.units import format_bytes
-from services.worker import pool_layout as L
+from ferry.shared.errors import ConfigError, PlanError
+from ferry.plan.model_config import ModelSpec
+from ferry.shared.units import format_bytes
+from ferry.plan import pool_layout as L
 
 DEFAULT_MEMORY_RATIO = 0.9
 DEFAULT_PAGE_SIZE = 16
@@ -123,7 +123,7 @@ class Resolved:
 
 
 def resolve(spec: ModelSpec, req: PlanRequest) -> Resolved:
-    from shared.model_config import normalize_dtype
+    from ferry.plan.model_config import normalize_dtype
 
     dtype = normalize_dtype(req.dtype) if req.dtype and req.dtype != "auto" else spec.dtype
     page_size = req.page_size if req.page_size is not None else DEFAULT_PAGE_SIZE

@@ -14,8 +14,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from shared.model_config import DTYPE_BYTES, ModelSpec
-from shared.units import MiB, round_up
+from ferry.plan.model_config import DTYPE_BYTES, ModelSpec
+from ferry.shared.units import MiB, round_up
 
 POOL_ALIGN = 2 * MiB
 VIEW_ALIGN = 256

@@ -1,0 +1,127 @@
+"""`pip install .` as a user does it: a wheel built from the source folders, installed into a fresh
+venv, gives one import package, `ferry`, with every module of the tree in it, and no top-level
+`shared`, `services`, `kernels` or `plan`. The checks run from a directory outside the repository,
+with no PYTHONPATH, so the tree itself cannot be imported by accident. And with no install at all,
+PYTHONPATH=<repo root> runs the same modules from the tree (ferry/__init__.py maps the folders)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tomllib
+import venv
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+QWEN3_30B = REPO / "tests/data/models/qwen3-30b-a3b"
+
+CHECK = """
+import importlib.util, json, sys
+import ferry, ferry.services.cli, ferry.plan.planner, ferry.shared.wire
+print(json.dumps({
+    "ferry": ferry.__file__,
+    "path": list(ferry.__path__),
+    "cli": ferry.services.cli.__file__,
+    "top_level": {name: importlib.util.find_spec(name) is not None for name in ("shared", "services", "kernels", "plan")},
+}))
+"""
+
+
+def setuptools_is_new_enough() -> bool:
+    try:
+        return int(version("setuptools").split(".")[0]) >= 77
+    except Exception:
+        return False
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> dict:
+    """A fresh venv with Ferry installed from a wheel of a copy of the source folders."""
+    tmp = tmp_path_factory.mktemp("install")
+    package_dir = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    src = tmp / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    for folder in package_dir.values():
+        shutil.copytree(REPO / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    isolation = ["--no-build-isolation"] if setuptools_is_new_enough() else []  # offline and fast when it can
+    wheels = tmp / "wheels"
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", *isolation, "-w", str(wheels), str(src)],
+                           capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert built.returncode == 0, built.stdout + built.stderr
+    (wheel,) = wheels.glob("ferry-*.whl")
+
+    there = fresh_venv(tmp / "venv")
+    done = subprocess.run([sys.executable, "-m", "pip", "--python", str(there["python"]), "install", "-q", "--no-deps",
+                           "--no-index", str(wheel)], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    return there
+
+
+def fresh_venv(env_dir: Path) -> dict:
+    """A venv without Ferry that sees this interpreter's packages (the dependencies) through a .pth
+    line (which does not run the .pth files there, such as an editable install's finder)."""
+    venv.create(env_dir, with_pip=False)
+    python = env_dir / "bin" / "python"
+    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    outer = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+    (Path(site) / "outer_dependencies.pth").write_text("\n".join(sorted(outer)) + "\n")
+    cwd = env_dir.parent / "elsewhere"
+    cwd.mkdir()
+    return {"python": python, "bin": env_dir / "bin", "site": Path(site), "cwd": cwd}
+
+
+def run_there(there: dict, *cmd, **env_extra: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    return subprocess.run([str(c) for c in cmd], cwd=there["cwd"], env={**env, **env_extra}, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+
+
+def test_installed_ferry_imports_and_the_generic_top_level_names_do_not(installed):
+    done = run_there(installed, installed["python"], "-c", CHECK)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+    ferry_dir = installed["site"] / "ferry"
+    assert Path(seen["ferry"]).parent == ferry_dir and seen["path"] == [str(ferry_dir)], seen
+    assert Path(seen["cli"]) == ferry_dir / "services" / "cli.py"
+    assert seen["top_level"] == {"shared": False, "services": False, "kernels": False, "plan": False}
+
+
+def test_the_wheel_holds_every_module_of_the_source_folders(installed):
+    package_dir = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    for name, folder in package_dir.items():
+        target = installed["site"].joinpath(*name.split("."))
+        pattern = "*.py" if name == "ferry" else "**/*.py"  # ferry's subpackages are the other folders
+        source = {p.relative_to(REPO / folder) for p in (REPO / folder).glob(pattern)}
+        wheel = {p.relative_to(target) for p in target.glob(pattern)}
+        assert source == wheel, f"{folder}/ -> {name}: missing {sorted(map(str, source - wheel))}"
+    assert not [p.name for p in installed["site"].iterdir() if p.name in ("shared", "services", "kernels", "plan")]
+
+
+def test_the_installed_console_script_plans(installed):
+    done = run_there(installed, installed["bin"] / "ferry", "plan", "--model", QWEN3_30B, "--gpu-memory", "24GiB", "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["budget_bytes"] == int(24 * 2**30 * 0.9)
+
+
+def test_run_from_the_tree_without_an_install(tmp_path):
+    """How the GPU machine runs it: PYTHONPATH=<repo root>, `python3 -m ferry.services.cli`, no install."""
+    there = fresh_venv(tmp_path / "venv")
+    bare = run_there(there, there["python"], "-c", "import ferry")
+    assert bare.returncode != 0 and "No module named 'ferry'" in bare.stderr, "this venv must not have Ferry"
+    done = run_there(there, there["python"], "-c", CHECK, PYTHONPATH=str(REPO))
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+    assert seen["path"] == [str(REPO / "ferry"), str(REPO)] and seen["cli"] == str(REPO / "services" / "cli.py")
+    done = run_there(there, there["python"], "-m", "ferry.services.cli", "plan", "--model", QWEN3_30B,
+                     "--gpu-memory", "24GiB", "--json", PYTHONPATH=str(REPO))  # fmt: skip
+    assert done.returncode == 0 and json.loads(done.stdout)["budget_bytes"] == int(24 * 2**30 * 0.9), done.stderr
