@@ -3,7 +3,14 @@
 A published `config.json` (optionally cut to fewer layers), a byte-level tokenizer with exactly
 the config's vocabulary (every id a random model samples decodes to printable text) and a
 generation config: with `--load-format dummy` this serves at full size through every route,
-chat included, with no download."""
+chat included, with no download.
+
+`--weights random` also writes the weights, as safetensors shards in the Hugging Face per-expert
+layout (`model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight`), so that any engine — a peer
+measured with the same client — loads the same model. They follow the dummy recipe
+(services/worker/dummy_weights.py: a strong token embedding and weak output projections, so
+routing changes with every token; `--routing-skew` makes some experts popular), and with no skew
+the resident tensors are exactly what `--load-format dummy` makes."""
 
 from __future__ import annotations
 
@@ -29,6 +36,46 @@ def cut_config(config: dict, num_layers: int | None) -> dict:
     return config
 
 
+SHARD_BYTES = 2 * 2**30
+
+
+def write_random_weights(out: Path, routing_skew: float = 0.0, seed: int = 0, device: str = "cpu",
+                         dtype: str = "bfloat16") -> int:  # fmt: skip
+    """Shards of every tensor the model loads, named as the Hugging Face checkpoint; returns the bytes written."""
+    import torch
+    from safetensors.torch import save_file
+
+    from ferry.plan.costs import resident_weight_shapes
+    from ferry.plan.model_config import load_model_config
+    from ferry.services.worker.dummy_weights import dummy_tensor, routed_expert_shapes
+    from ferry.services.worker.pools import TORCH_DTYPES
+
+    spec = load_model_config(out)
+    shapes = {**resident_weight_shapes(spec), **routed_expert_shapes(spec)}
+    weight_map, shard, shard_bytes, total, index = {}, {}, 0, 0, 0
+
+    def flush() -> None:
+        nonlocal shard, shard_bytes, index
+        if shard:
+            index += 1
+            name = f"model-{index:05d}.safetensors"
+            save_file(shard, str(out / name), metadata={"format": "pt"})
+            weight_map.update({n: name for n in shard})
+            shard, shard_bytes = {}, 0
+
+    for name, shape in shapes.items():
+        t = dummy_tensor(spec, name, shape, TORCH_DTYPES[dtype], torch.device(device), seed, routing_skew)
+        shard[name] = t.cpu().contiguous()
+        shard_bytes += t.nbytes
+        total += t.nbytes
+        if shard_bytes >= SHARD_BYTES:
+            flush()
+    flush()
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1) + "\n")
+    return total
+
+
 def write_bench_model(out_dir: str | Path, config_path: str | Path, num_layers: int | None = None) -> Path:
     """Write config.json, the tokenizer and generation_config.json into `out_dir`; return it."""
     from ferry.services.tiny_model.tokenizer import ENDOFTEXT, IM_END, printable_tokenizer
@@ -52,11 +99,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", help="output directory (created if missing)")
     parser.add_argument("--config", required=True, help="a model's config.json (e.g. a published checkpoint's)")
     parser.add_argument("--num-layers", type=int, default=None, help="keep only the first N decoder layers")
+    parser.add_argument("--weights", choices=("none", "random"), default="none",
+                        help="none (default): serve with --load-format dummy; random: also write safetensors "
+                             "weights whose routing changes with every token")  # fmt: skip
+    parser.add_argument("--routing-skew", type=float, default=0.0,
+                        help="with --weights random: 0 (default) routes uniformly, s > 0 makes expert of rank r "
+                             "about r^-s as likely (a logit bias of -s ln(1 + r))")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0, help="the weights are a pure function of this")
+    parser.add_argument("--generate-on", default="cpu", help="device that draws the random weights (cpu, cuda)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.routing_skew < 0:
+        print("ferry make-bench-model: error: --routing-skew must be >= 0", file=sys.stderr)
+        return 2
+    if args.routing_skew and args.weights != "random":
+        print("ferry make-bench-model: error: --routing-skew needs --weights random", file=sys.stderr)
+        return 2
     try:
         out = write_bench_model(args.dir, args.config, args.num_layers)
+        if args.weights == "random":
+            size = write_random_weights(out, args.routing_skew, args.seed, args.generate_on)
+            print(f"wrote {out} with {size / 2**30:.2f} GiB of random weights (routing skew {args.routing_skew})")
+            return 0
     except (OSError, ValueError, KeyError) as exc:
         print(f"ferry make-bench-model: error: {exc}", file=sys.stderr)
         return 2

@@ -5,10 +5,19 @@ target device in the run dtype (no host round trip: a 30B model's dummy weights 
 a GPU), from a generator seeded by the tensor's name, so a tensor's values do not depend on
 which other tensors exist or on the order they are made in.
 
-Scales are chosen so a forward stays finite and the router sees distinct experts: linear
-weights ~ N(0, 0.02) as in the architectures' own init; RMSNorm weights at the architecture's
-identity (ones, or zeros where the norm computes x * (1 + w)); Gated DeltaNet decay terms like
-the reference init (A = exp(A_log) in [1, 16], dt_bias = 1); biases zero."""
+Scales are chosen so a forward stays finite and routing behaves like a trained model's: it changes
+with every token and a layer's input predicts the next layer's routing. With every weight at the
+architectures' init scale (0.02) the attention output swamps the token embedding and averages over
+the context, so the router sees almost the same input at every step and a benchmark's expert
+cache hits far more than it would on a real checkpoint. Here the token embedding is strong
+(N(0, 1)) and what each layer writes back into the residual stream is weak (o_proj, out_proj and
+every down_proj ~ N(0, 0.002)); other linear weights ~ N(0, 0.02); RMSNorm weights at the
+architecture's identity (ones, or zeros where the norm computes x * (1 + w)); Gated DeltaNet decay
+terms like the reference init (A = exp(A_log) in [1, 16], dt_bias = 1); biases zero.
+
+`routing_skew` s > 0 makes some experts popular, as in trained models: every token embedding
+shares one direction u, and expert e's router row gains a component along u worth a logit bias
+of -s * ln(1 + rank_e), the ranks a seeded permutation per layer (s = 0: uniform popularity)."""
 
 from __future__ import annotations
 
@@ -21,6 +30,18 @@ from ferry.plan.model_config import HYBRID_ARCHITECTURES, ModelSpec
 from ferry.plan.costs import resident_weight_shapes
 
 LINEAR_STD = 0.02
+EMBED_STD = 1.0  # the token embedding dominates the residual stream: routing follows the token
+OUTPUT_STD = 0.002  # what a layer writes back into the residual stream
+OUTPUT_PROJECTIONS = ("o_proj.weight", "out_proj.weight", "down_proj.weight")
+
+
+def linear_std(name: str) -> float:
+    """The standard deviation of a dummy linear weight (or the embedding) by its checkpoint name."""
+    if name.endswith("embed_tokens.weight"):
+        return EMBED_STD
+    if name.endswith(OUTPUT_PROJECTIONS):
+        return OUTPUT_STD
+    return LINEAR_STD
 
 
 def routed_expert_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
@@ -48,7 +69,7 @@ def _zero_centered_norms(spec: ModelSpec) -> bool:
 
 
 def dummy_tensor(spec: ModelSpec, name: str, shape: tuple[int, ...], dtype: torch.dtype,
-                 device: torch.device, seed: int = 0) -> torch.Tensor:  # fmt: skip
+                 device: torch.device, seed: int = 0, routing_skew: float = 0.0) -> torch.Tensor:  # fmt: skip
     leaf = name.rsplit(".", 1)[-1]
     if name.endswith("A_log"):
         g = torch.Generator(device=device).manual_seed(name_seed(name, seed))
@@ -64,16 +85,34 @@ def dummy_tensor(spec: ModelSpec, name: str, shape: tuple[int, ...], dtype: torc
             return torch.zeros(shape, dtype=dtype, device=device)
         return torch.ones(shape, dtype=dtype, device=device)
     g = torch.Generator(device=device).manual_seed(name_seed(name, seed))
-    return torch.randn(shape, dtype=dtype, device=device, generator=g).mul_(LINEAR_STD)
+    t = torch.randn(shape, dtype=torch.float32, device=device, generator=g).mul_(linear_std(name))
+    if routing_skew > 0:
+        _skew(spec, name, t, device, seed, routing_skew)
+    return t.to(dtype)
+
+
+def _skew(spec: ModelSpec, name: str, t: torch.Tensor, device: torch.device, seed: int, s: float) -> None:
+    """Add the shared direction to the embedding, and the popularity bias to the routers' rows."""
+    h = spec.hidden_size
+    g = torch.Generator(device=device).manual_seed(name_seed("routing direction", seed))
+    u = torch.randn(h, device=device, generator=g)
+    u /= u.norm()
+    if name.endswith("embed_tokens.weight"):
+        t += u * h**0.5  # as large as the token's own part: after the norm, x . u ~ sqrt(h / 2)
+    elif name.endswith("mlp.gate.weight"):
+        g = torch.Generator(device=device).manual_seed(name_seed(name + " ranks", seed))
+        rank = torch.randperm(t.shape[0], device=device, generator=g).float()
+        bias = -s * torch.log1p(rank)
+        t += bias[:, None] * u[None, :] / (h / 2) ** 0.5
 
 
 def iter_dummy_tensors(spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, routed_experts: bool,
-                       seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+                       seed: int = 0, routing_skew: float = 0.0) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
     """The resident tensors (routed_experts=False) or the routed experts (True), like the checkpoint passes."""
     device = torch.device(device)
     shapes = routed_expert_shapes(spec) if routed_experts else resident_weight_shapes(spec)
     for name, shape in shapes.items():
-        yield name, dummy_tensor(spec, name, shape, dtype, device, seed)
+        yield name, dummy_tensor(spec, name, shape, dtype, device, seed, routing_skew)
 
 
 def iter_dummy_experts(spec: ModelSpec, dtype: torch.dtype, device: torch.device | str,

@@ -148,21 +148,24 @@ class HostBanks:
         w13[i:].copy_(up)
         self.w2[moe_layer][expert].copy_(down)
 
-    def fill_dummy(self, seed: int = 0, std: float = 0.02, progress: bool = True) -> None:
+    def fill_dummy(self, seed: int = 0, std: float = 0.02, down_std: float = 0.002, progress: bool = True) -> None:
         """Deterministic random weights at memory-copy speed, for benchmarks of 30B shapes.
 
         Drawing tens of GB of normal samples would take minutes, and tens of thousands of
         expert-sized copies run far below memcpy speed on a busy host; instead each family draws
         one seeded pattern of DUMMY_CHUNK elements and every layer block is filled with large
         copies of windows of it, each window at its own offset. Experts differ from each other
-        (other windows), a run repeats exactly, and the extra memory is one pattern."""
+        (other windows), a run repeats exactly, and the extra memory is one pattern. The down
+        projections get `down_std`, as dummy_weights.py scales every output projection: the
+        residual stream stays dominated by the token, so routing changes with every token."""
         gen = torch.Generator().manual_seed(seed)
         stride, offsets = 97, 4099  # window offsets: stride * (a number below `offsets`, prime)
         pattern = torch.randn(DUMMY_CHUNK + stride * offsets, generator=gen, dtype=self.dtype).mul_(std)
+        patterns = (pattern, pattern * (down_std / std))
         chunk_index = 0
         for layer in tqdm(range(self.num_layers), desc="filling dummy expert banks", unit="layer",
                           disable=not progress):  # fmt: skip
-            for bank in (self.w13[layer], self.w2[layer]):
+            for bank, pattern in zip((self.w13[layer], self.w2[layer]), patterns):
                 flat = bank.view(-1)
                 for start in range(0, flat.numel(), DUMMY_CHUNK):
                     n = min(DUMMY_CHUNK, flat.numel() - start)

@@ -1,0 +1,116 @@
+"""Benchmark models: `ferry make-bench-model` directories, and weights whose routing behaves like a
+trained model's (it changes with every token; a layer's input predicts the next layer's routing;
+a skew knob makes some experts popular) — the honest workload of the decode benchmarks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from ferry.plan.model_config import load_model_config, parse_model_config
+from ferry.services.bench_model import cut_config, write_bench_model, write_random_weights
+from ferry.services.worker.dummy_weights import iter_dummy_tensors
+from ferry.services.worker.loader import open_model, resident_weights
+from tests.unit.model_harness import PagedRunner
+
+QWEN36 = "tests/data/models/qwen3.6-35b-a3b/config.json"
+
+
+def test_a_cut_config_keeps_its_per_layer_lists_consistent():
+    config = json.loads(open(QWEN36).read())
+    cut = cut_config(config, 8)
+    text = cut["text_config"]
+    assert text["num_hidden_layers"] == 8 and len(text["layer_types"]) == 8
+    assert text["layer_types"][:4] == ["linear_attention"] * 3 + ["full_attention"]
+    assert config["text_config"]["num_hidden_layers"] == 40  # the input is left alone
+    with pytest.raises(ValueError, match="--num-layers must be in 1..40"):
+        cut_config(config, 41)
+
+
+def test_bench_model_directory_serves_every_id_of_the_vocabulary(tmp_path):
+    out = write_bench_model(tmp_path / "m", QWEN36, num_layers=4)
+    spec = load_model_config(out)
+    assert spec.num_layers == 4
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(out)
+    assert len(tok) == spec.vocab_size
+    config = json.loads((out / "config.json").read_text())
+    assert config["text_config"]["eos_token_id"] == tok.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
+    ids = np.random.default_rng(0).integers(256, spec.vocab_size - 3, 50).tolist()
+    assert tok.decode(ids).isascii()
+
+
+def test_random_weights_load_as_a_checkpoint_and_match_the_dummy_recipe(tiny_models, tmp_path):
+    out = write_bench_model(tmp_path / "r", tiny_models["qwen3_moe"] / "config.json")
+    size = write_random_weights(out, dtype="float32")
+    files = open_model(str(out), load_format="safetensors")
+    got = dict(resident_weights(files, torch.float32, "cpu", progress=False))
+    want = dict(iter_dummy_tensors(files.spec, torch.float32, "cpu", routed_experts=False))
+    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in got)
+    assert size == sum(t.nbytes for t in want.values()) + sum(
+        t.nbytes for _, t in iter_dummy_tensors(files.spec, torch.float32, "cpu", routed_experts=True))
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert "model.layers.0.mlp.experts.3.down_proj.weight" in index["weight_map"]  # the per-expert layout
+
+
+def test_the_command_refuses_skew_without_weights(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "ferry.services.cli", "make-bench-model", str(tmp_path / "x"),
+                           "--config", QWEN36, "--routing-skew", "1"], capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 2 and "--routing-skew needs --weights random" in done.stderr
+
+
+SPEC = parse_model_config({
+    "model_type": "qwen3_moe", "vocab_size": 512, "hidden_size": 256, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "num_experts": 32,
+    "num_experts_per_tok": 4, "moe_intermediate_size": 64, "intermediate_size": 256,
+    "max_position_embeddings": 512, "torch_dtype": "float32", "norm_topk_prob": True,
+})  # fmt: skip
+
+
+def _routing(skew: float, tokens: int = 64):
+    """Per MoE layer: the router's input and the routed ids of every prompt token (dummy weights)."""
+    weights = {}
+    for routed in (False, True):
+        weights.update(iter_dummy_tensors(SPEC, torch.float32, "cpu", routed, routing_skew=skew))
+
+    class _State:
+        def state_dict(self):
+            return weights
+
+    runner = PagedRunner(SPEC, _State(), page_size=16)
+    seen = []
+    for layer in runner.model.layers:
+        layer.mlp.gate.register_forward_hook(lambda m, args, out: seen.append((args[0].clone(), out[0].clone())))
+    prompt = np.random.default_rng(1).integers(0, SPEC.vocab_size, tokens).tolist()
+    runner.step([(1, prompt)])
+    return seen, [layer.mlp.gate.weight for layer in runner.model.layers]
+
+
+def test_dummy_routing_changes_with_every_token_and_the_next_layer_is_predictable():
+    seen, routers = _routing(skew=0.0)
+    for layer, (x, ids) in enumerate(seen):
+        sets = [set(r.tolist()) for r in ids]
+        overlap = np.mean([len(a & b) / 4 for a, b in zip(sets, sets[1:])])
+        assert overlap < 0.4, f"layer {layer}: consecutive tokens share {overlap:.0%} of their experts"
+        assert len(set().union(*sets)) == SPEC.num_experts  # every expert is used by someone
+        if layer + 1 < len(seen):  # the next router on this layer's input predicts the next layer
+            predicted = torch.topk(x @ routers[layer + 1].T, 4, dim=-1).indices
+            actual = seen[layer + 1][1]
+            hit = np.mean([len(set(p.tolist()) & set(a.tolist())) / 4 for p, a in zip(predicted, actual)])
+            assert hit > 0.75, f"layer {layer + 1} predicted at {hit:.0%}"
+
+
+def test_routing_skew_makes_experts_popular():
+    counts = {}
+    for skew in (0.0, 2.0):
+        seen, _ = _routing(skew=skew, tokens=128)
+        ids = seen[0][1].reshape(-1)
+        counts[skew] = np.sort(np.bincount(ids.numpy(), minlength=SPEC.num_experts))[::-1]
+    top4_share = {s: c[:4].sum() / c.sum() for s, c in counts.items()}
+    assert top4_share[0.0] < 0.3 < 0.5 < top4_share[2.0], top4_share
