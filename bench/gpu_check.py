@@ -19,19 +19,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
-import urllib.request
 import xml.etree.ElementTree as ET
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.serve_process import http_get, make_bench_model, start_serve  # noqa: E402
+
 DEFAULT_CONFIG = ROOT / "tests/data/models/qwen3-30b-a3b/config.json"
 
 
@@ -93,41 +94,6 @@ def run_cuda_tests(out: Path, log: Log, tests: str, timeout: float) -> dict:
     return counts
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status, r.read().decode()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
-
-
-def children_of(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                out.append(int(entry.name))
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 def stream_completion(client, model: str, prompt: str, max_tokens: int) -> dict:
     """One streamed completion (include_usage, ignore_eos): token count, arrival times, text."""
     t0 = time.perf_counter()
@@ -159,33 +125,14 @@ def check_serve(out: Path, log: Log, config: Path, serve_args: list[str], ready_
 
     steps: dict = {}
     result: dict = {"steps": steps}
-    model_dir = Path(tempfile.mkdtemp(prefix="ferry-gpu-check-")) / config.parent.name
-    subprocess.run([sys.executable, "-m", "ferry.services.cli", "make-bench-model", str(model_dir), "--config", str(config)],
-                   cwd=ROOT, check=True, capture_output=True)  # fmt: skip
-    port, worker_port = free_port(), free_port()
-    cmd = [sys.executable, "-m", "ferry.services.cli", "serve", "--model", str(model_dir), "--port", str(port),
-           "--worker-health-port", str(worker_port), *serve_args]  # fmt: skip
-    result["command"] = " ".join(["ferry", *cmd[3:]])
-    log("$", result["command"])
-    serve_log = (out / "serve.log").open("w")
-    t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=serve_log, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
+    model_dir = make_bench_model(Path(tempfile.mkdtemp(prefix="ferry-gpu-check-")) / config.parent.name, config)
+    served = start_serve(model_dir, serve_args, out / "serve.log")
+    result["command"] = served.command
+    log("$", served.command)
     try:
-        while True:  # ready: /health 200
-            if proc.poll() is not None:
-                raise AssertionError(f"ferry serve exited with {proc.returncode} before it was ready (see serve.log)")
-            if time.monotonic() - t0 > ready_timeout:
-                raise AssertionError(f"not ready after {ready_timeout:.0f} s")
-            try:
-                if http_get(base + "/health", 2)[0] == 200:
-                    break
-            except OSError:
-                pass
-            time.sleep(1)
-        result["ready_s"] = round(time.monotonic() - t0, 1)
+        result["ready_s"] = round(served.wait_ready(ready_timeout), 1)
         log(f"ready in {result['ready_s']} s")
-        client = OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=300)
+        client = OpenAI(base_url=served.base + "/v1", api_key="none", max_retries=0, timeout=300)
         model = client.models.list().data[0].id
 
         def step(name, fn):
@@ -221,13 +168,13 @@ def check_serve(out: Path, log: Log, config: Path, serve_args: list[str], ready_
         step("eight_concurrent_streams", concurrent)
 
         def health():
-            code, body = http_get(base + "/health")
+            code, body = http_get(served.base + "/health")
             if code != 200:
                 raise AssertionError(f"/health answered {code}: {body[:200]}")
             return {"status": code}
 
         def worker_metrics():
-            code, body = http_get(f"http://127.0.0.1:{worker_port}/metrics")
+            code, body = http_get(served.worker_metrics)
             needed = ("ferry_worker_expert_hits_total", "ferry_worker_expert_misses_total")
             missing = [m for m in needed if m not in body]
             if code != 200 or missing:
@@ -240,20 +187,10 @@ def check_serve(out: Path, log: Log, config: Path, serve_args: list[str], ready_
         steps["boot"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         log(f"boot: {steps['boot']}")
     finally:
-        children = children_of(proc.pid) if proc.poll() is None else []
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            rc = proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            rc = "killed after 60 s"
-        time.sleep(0.5)
-        left = [pid for pid in children if alive(pid)]
-        steps["sigterm"] = {"ok": rc == 0 and not left and len(children) == 3, "exit_status": rc,
-                            "children": len(children), "children_left": left}  # fmt: skip
+        stopped = served.stop()
+        steps["sigterm"] = {"ok": stopped["exit_status"] == 0 and not stopped["children_left"] and stopped["children"] == 3,
+                            **stopped}  # fmt: skip
         log(f"sigterm: {steps['sigterm']}")
-        serve_log.close()
     result["serve_ok"] = "boot" not in steps and all(s["ok"] for s in steps.values()) and len(steps) == 6
     completion = steps.get("streamed_completion", {})
     result["single_stream_tok_s"] = round(completion["tok_s"], 2) if completion.get("ok") else None

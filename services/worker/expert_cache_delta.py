@@ -3,8 +3,10 @@ store's cumulative report taken before and after: counters are differences, the 
 
 from __future__ import annotations
 
-COUNTERS = ("hits", "misses", "bytes_copied", "copy_time_s", "exposed_copy_time_s", "steps")
-STEP_FIELDS = ("hits", "misses", "bytes_copied", "copy_time_s", "exposed_copy_time_s")
+COUNTERS = ("hits", "misses", "bytes_copied", "copy_time_s", "exposed_copy_time_s", "steps", "prefetched",
+            "prefetch_useful", "prefetch_wasted")
+STEP_FIELDS = ("hits", "misses", "bytes_copied", "copy_time_s", "exposed_copy_time_s", "prefetched",
+               "prefetch_useful", "prefetch_wasted")
 
 
 def report_delta(before: dict, after: dict) -> dict:
@@ -12,6 +14,8 @@ def report_delta(before: dict, after: dict) -> dict:
     out.update({k: after[k] - before[k] for k in COUNTERS})
     looked_up = out["hits"] + out["misses"]
     out["hit_rate"] = out["hits"] / looked_up if looked_up else 0.0
+    judged = out["prefetch_useful"] + out["prefetch_wasted"]
+    out["prefetch_accuracy"] = out["prefetch_useful"] / judged if judged else 0.0
     return out
 
 

@@ -15,6 +15,9 @@ EXPERT_COUNTERS = (
     ("copy_time_s", "ferry_worker_expert_copy_seconds", "time the copy stream spent copying missed experts"),
     ("exposed_copy_time_s", "ferry_worker_expert_exposed_copy_seconds",
      "copy time not hidden behind compute (the compute stream waited for it)"),
+    ("prefetched", "ferry_worker_expert_prefetched", "experts copied ahead for the next layer (its router's prediction)"),
+    ("prefetch_useful", "ferry_worker_expert_prefetch_useful", "prefetched experts that the layer then routed to"),
+    ("prefetch_wasted", "ferry_worker_expert_prefetch_wasted", "prefetched experts that the layer did not route to"),
 )  # fmt: skip
 
 

@@ -1,0 +1,125 @@
+"""The decode benchmarks of the device-side expert cache, end to end: for each workload, a bench model
+directory (`ferry make-bench-model`, dummy weights whose routing changes with every token), `ferry
+serve` with the workload's flags, then bench/serve_openai.py (the official openai client, streaming)
+for TTFT of a 2,000-token prompt and decode at 1 and 8 streams, with the bound measured in the same
+run (bench/bandwidth.py's ceilings). Writes OUT/decode_<workload>[_<variant>].json with the keys
+bench/NOTES.md tabulates: single_stream_tok_s, single_stream_bound_tok_s, streams8_tok_s, ttft_2k_s,
+hit_rate, commit (and the whole serve_openai result under "detail").
+
+    python3 bench/decode_suite.py --out out --workloads 12layer,hybrid8 [--variants default,no-prefetch,eager]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.serve_process import make_bench_model, start_serve  # noqa: E402
+
+MODELS = ROOT / "tests/data/models"
+# name: (config, layers or None for all, serve flags)
+WORKLOADS = {
+    "12layer": (MODELS / "qwen3-30b-a3b/config.json", 12,
+                ["--moe-cache-size", "512", "--gpu-memory", "12GiB", "--max-running-requests", "8"]),
+    "hybrid8": (MODELS / "qwen3.6-35b-a3b/config.json", 8,
+                ["--moe-cache-size", "640", "--gpu-memory", "12GiB", "--max-running-requests", "8"]),
+    "30b": (MODELS / "qwen3-30b-a3b/config.json", None,
+            ["--gpu-memory", "24GiB", "--max-running-requests", "8", "--max-model-len", "8192"]),
+    "36b": (MODELS / "qwen3.6-35b-a3b/config.json", None,
+            ["--gpu-memory", "24GiB", "--max-running-requests", "8", "--max-model-len", "8192"]),
+}  # fmt: skip
+VARIANTS = {"default": [], "no-prefetch": ["--no-expert-prefetch"], "eager": ["--enforce-eager"]}
+
+
+def commit() -> str:
+    if os.environ.get("FERRY_COMMIT"):
+        return os.environ["FERRY_COMMIT"]
+    done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return done.stdout.strip() or "unknown"
+
+
+def run_workload(name: str, variant: str, out: Path, ceilings: Path, args) -> dict:
+    config, layers, flags = WORKLOADS[name]
+    tag = name if variant == "default" else f"{name}_{variant}"
+    model_dir = make_bench_model(Path(tempfile.mkdtemp(prefix="ferry-bench-")) / tag, config, layers)
+    served = start_serve(model_dir, ["--load-format", "dummy", *flags, *VARIANTS[variant]], out / f"serve_{tag}.log")
+    print(f"[{tag}] {served.command}", flush=True)
+    try:
+        ready = served.wait_ready(args.ready_timeout)
+        print(f"[{tag}] ready in {ready:.0f} s", flush=True)
+        detail_path = out / f"openai_{tag}.json"
+        cmd = [sys.executable, str(ROOT / "bench/serve_openai.py"), "--base-url", served.base + "/v1",
+               "--streams", "1,8", "--max-tokens", str(args.max_tokens), "--ttft-prompt-len", str(args.ttft_prompt_len),
+               "--metrics", served.worker_metrics, "--config", str(model_dir), "--ceilings", str(ceilings),
+               "--out", str(detail_path)]  # fmt: skip
+        subprocess.run(cmd, cwd=ROOT, check=True, timeout=args.run_timeout)
+    finally:
+        stopped = served.stop()
+    detail = json.loads(detail_path.read_text())
+    one = next(r for r in detail["runs"] if r["streams"] == 1)
+    eight = next(r for r in detail["runs"] if r["streams"] == 8)
+    result = {
+        "workload": name, "variant": variant, "serve": served.command, "ready_s": round(ready, 1),
+        "single_stream_tok_s": round(one["median_stream_tok_s"], 2),
+        "single_stream_bound_tok_s": round(one["bound_tok_s"], 2) if "bound_tok_s" in one else None,
+        "single_stream_bound_fraction": round(one["bound_fraction"], 3) if "bound_fraction" in one else None,
+        "streams8_tok_s": round(eight["aggregate_tok_s"], 2), "ttft_2k_s": round(detail["ttft_s"], 4),
+        "hit_rate": one["expert_cache"]["hit_rate"] if one["expert_cache"] else None,
+        "hit_rate_8": eight["expert_cache"]["hit_rate"] if eight["expert_cache"] else None,
+        "prefetch_accuracy": one["expert_cache"]["prefetch_accuracy"] if one["expert_cache"] else None,
+        "commit": commit(), "ceilings": json.loads(ceilings.read_text()), "stopped": stopped, "detail": detail,
+    }  # fmt: skip
+    (out / f"decode_{tag}.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(f"[{tag}] 1 stream {result['single_stream_tok_s']} tok/s (bound {result['single_stream_bound_tok_s']}, "
+          f"{result['single_stream_bound_fraction']}), 8 streams {result['streams8_tok_s']} tok/s, TTFT 2k "
+          f"{result['ttft_2k_s']} s, hit rate {result['hit_rate']}, prefetch accuracy {result['prefetch_accuracy']}",
+          flush=True)  # fmt: skip
+    return result
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=os.environ.get("OUT", "out"))
+    p.add_argument("--workloads", default="12layer,hybrid8")
+    p.add_argument("--variants", default="default")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--ttft-prompt-len", type=int, default=2000)
+    p.add_argument("--ready-timeout", type=float, default=240)
+    p.add_argument("--run-timeout", type=float, default=300)
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    from bench.bandwidth import measure
+
+    t0 = time.monotonic()
+    ceilings = out / "ceilings.json"
+    import torch
+
+    if torch.cuda.is_available():
+        ceilings.write_text(json.dumps(measure(512 << 20)) + "\n")
+    else:  # a dry run of the suite on CPU: nominal ceilings, said so
+        ceilings.write_text(json.dumps({"h2d_pinned_GBps": 55.0, "hbm_copy_GBps": 4200.0, "note": "nominal (no CUDA)"}) + "\n")
+    print(f"ceilings: {ceilings.read_text().strip()}", flush=True)
+    failed = []
+    for workload in args.workloads.split(","):
+        for variant in args.variants.split(","):
+            try:
+                run_workload(workload, variant, out, ceilings, args)
+            except Exception as exc:  # noqa: BLE001 - the next workload still runs
+                failed.append(f"{workload}/{variant}: {type(exc).__name__}: {exc}")
+                print(f"[{workload}/{variant}] FAILED: {exc}", flush=True)
+    print(f"suite done in {time.monotonic() - t0:.0f} s; failed: {failed or 'none'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

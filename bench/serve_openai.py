@@ -1,0 +1,176 @@
+"""Decode and TTFT measured as a user sees them: the official `openai` client streaming from any
+OpenAI-compatible server (Ferry, or a peer measured with the very same script).
+
+* TTFT: one completion with a `--ttft-prompt-len` token prompt (sent as token ids), max_tokens 1,
+  time to the first streamed chunk (median of `--ttft-runs`);
+* decode: for each N in `--streams`, N concurrent streamed completions of `--max-tokens` tokens at
+  `--temperature` with `ignore_eos`; per stream, tokens/s from chunk arrival times (the tokens
+  after the first over the time between the first and the last chunk), and the aggregate
+  (all tokens over the wall time from the first chunk to the last).
+
+With `--metrics URL` (Ferry's worker /metrics), the expert cache's counters over each run: hit
+rate, prefetch accuracy and bytes copied per token. With `--config DIR --ceilings JSON` as well
+(the model's config.json and bench/bandwidth.py's output, measured in the same run), the bound
+per token next to each single-stream figure:
+
+    expert bytes that had to cross (misses + prefetched experts that were used) / pinned H2D
+    + (dense weights read + routed experts computed + KV read) / HBM
+
+    python3 bench/serve_openai.py --base-url http://127.0.0.1:8000/v1 --streams 1,8 --out run.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def scrape(url: str | None) -> dict[str, float]:
+    """Counter samples of a Prometheus text page (name -> value, `_total` names)."""
+    if not url:
+        return {}
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#") and "{" not in line:
+            name, _, value = line.partition(" ")
+            try:
+                out[name] = float(value)
+            except ValueError:
+                pass
+    return out
+
+
+def cache_delta(before: dict, after: dict) -> dict | None:
+    p = "ferry_worker_expert_"
+    if p + "hits_total" not in after:
+        return None
+    d = {k: after.get(p + k + "_total", 0.0) - before.get(p + k + "_total", 0.0)
+         for k in ("hits", "misses", "copied_bytes", "prefetched", "prefetch_useful", "prefetch_wasted")}  # fmt: skip
+    looked = d["hits"] + d["misses"]
+    d["hit_rate"] = d["hits"] / looked if looked else None
+    judged = d["prefetch_useful"] + d["prefetch_wasted"]
+    d["prefetch_accuracy"] = d["prefetch_useful"] / judged if judged else None
+    return d
+
+
+def stream(client, model: str, prompt, max_tokens: int, temperature: float) -> dict:
+    t0 = time.perf_counter()
+    arrivals, usage = [], None
+    resp = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, stream=True,
+                                     temperature=temperature, stream_options={"include_usage": True},
+                                     extra_body={"ignore_eos": True})  # fmt: skip
+    for chunk in resp:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        if chunk.choices and chunk.choices[0].text:
+            arrivals.append(time.perf_counter() - t0)
+    tokens = usage.completion_tokens if usage is not None else len(arrivals)
+    span = arrivals[-1] - arrivals[0] if len(arrivals) > 1 else 0.0
+    return {"tokens": tokens, "chunks": len(arrivals), "ttft_s": arrivals[0] if arrivals else None,
+            "first_s": arrivals[0] if arrivals else None, "last_s": arrivals[-1] if arrivals else None,
+            "start": t0, "tok_s": (tokens - 1) / span if span > 0 else None}  # fmt: skip
+
+
+def hbm_bytes_per_token(config_dir: str, context: float) -> tuple[float, int]:
+    """(bytes a single-stream decode step must read from HBM at least, bytes of one expert)."""
+    from ferry.plan import pool_layout as L
+    from ferry.plan.costs import resident_weight_bytes_from_shapes
+    from ferry.plan.model_config import DTYPE_BYTES, load_model_config
+
+    spec = load_model_config(config_dir)
+    dtype = spec.dtype
+    embedding = spec.vocab_size * spec.hidden_size * DTYPE_BYTES[dtype]  # gathered one row, not read
+    dense = resident_weight_bytes_from_shapes(spec, dtype) - embedding
+    expert = L.expert_bytes(spec, dtype)
+    computed = len(spec.moe_layer_indices) * spec.num_experts_per_tok * expert
+    kv = context * L.kv_bytes_per_token(spec, dtype)
+    linear = 2 * L.linear_state_bytes_per_slot(spec, dtype)
+    return dense + computed + kv + linear, expert
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
+    p.add_argument("--api-key", default="none")
+    p.add_argument("--model", default=None, help="model id (default: the server's first)")
+    p.add_argument("--streams", default="1,8")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens of the decode runs")
+    p.add_argument("--ttft-prompt-len", type=int, default=2000)
+    p.add_argument("--ttft-runs", type=int, default=3)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--vocab", type=int, default=None, help="prompt token ids are drawn below this (default: from --config, else 10000)")
+    p.add_argument("--metrics", default=None, help="the worker's Prometheus /metrics URL (Ferry)")
+    p.add_argument("--config", default=None, help="the model directory (config.json), for the bound")
+    p.add_argument("--ceilings", default=None, help="bench/bandwidth.py JSON measured in the same run, for the bound")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+
+    import numpy as np
+    from openai import OpenAI
+
+    client = OpenAI(base_url=args.base_url, api_key=args.api_key, max_retries=0, timeout=600)
+    model = args.model or client.models.list().data[0].id
+    vocab = args.vocab
+    if vocab is None and args.config:
+        from ferry.plan.model_config import load_model_config
+
+        vocab = load_model_config(args.config).vocab_size
+    rng = np.random.default_rng(0)
+    high = min(vocab or 10000, 100000)
+    prompt = lambda n: rng.integers(min(1000, high // 2), high, n).tolist()  # noqa: E731
+    result: dict = {"base_url": args.base_url, "model": model, "max_tokens": args.max_tokens,
+                    "temperature": args.temperature, "runs": []}  # fmt: skip
+
+    stream(client, model, prompt(args.prompt_len), 16, args.temperature)  # warm-up
+    ttfts = [stream(client, model, prompt(args.ttft_prompt_len), 1, args.temperature)["ttft_s"]
+             for _ in range(args.ttft_runs)]  # fmt: skip
+    result["ttft_s"] = statistics.median(ttfts)
+    result["ttft_runs_s"] = ttfts
+    print(f"TTFT ({args.ttft_prompt_len}-token prompt): median {1e3 * result['ttft_s']:.0f} ms of {len(ttfts)}")
+
+    ceilings = json.loads(Path(args.ceilings).read_text()) if args.ceilings else None
+    for n in [int(s) for s in args.streams.split(",")]:
+        before = scrape(args.metrics)
+        with ThreadPoolExecutor(n) as pool:
+            runs = list(pool.map(lambda _: stream(client, model, prompt(args.prompt_len), args.max_tokens,
+                                                  args.temperature), range(n)))  # fmt: skip
+        cache = cache_delta(before, scrape(args.metrics))
+        first = min(r["start"] + r["first_s"] for r in runs)
+        last = max(r["start"] + r["last_s"] for r in runs)
+        tokens = sum(r["tokens"] for r in runs)
+        run = {"streams": n, "per_stream_tok_s": [r["tok_s"] for r in runs],
+               "median_stream_tok_s": statistics.median(r["tok_s"] for r in runs),
+               "aggregate_tok_s": (tokens - n) / (last - first), "tokens": tokens, "expert_cache": cache}  # fmt: skip
+        if cache is not None:
+            run["copied_bytes_per_token"] = cache["copied_bytes"] / tokens
+        if cache is not None and ceilings and args.config and n == 1:
+            hbm, expert = hbm_bytes_per_token(args.config, args.prompt_len + args.max_tokens / 2)
+            needed = (cache["misses"] + cache["prefetch_useful"]) * expert / tokens
+            h2d, hbm_bw = ceilings["h2d_pinned_GBps"] * 1e9, ceilings["hbm_copy_GBps"] * 1e9
+            bound_s = needed / h2d + hbm / hbm_bw
+            run.update(bound_tok_s=1 / bound_s, bound_fraction=run["median_stream_tok_s"] * bound_s,
+                       needed_bytes_per_token=needed, hbm_bytes_per_token=hbm)  # fmt: skip
+        result["runs"].append(run)
+        hit = f"hit rate {cache['hit_rate']:.3f}" if cache and cache["hit_rate"] is not None else ""
+        pre = f"prefetch accuracy {cache['prefetch_accuracy']:.3f}" if cache and cache["prefetch_accuracy"] is not None else ""
+        bound = f"bound {run['bound_tok_s']:.1f} tok/s ({run['bound_fraction']:.2f} of it)" if "bound_tok_s" in run else ""
+        print(f"{n} streams: median {run['median_stream_tok_s']:.1f} tok/s per stream, aggregate "
+              f"{run['aggregate_tok_s']:.1f} tok/s  {hit}  {pre}  {bound}")  # fmt: skip
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
