@@ -8,6 +8,7 @@ varies like a real model's. Prints the top ops by self CPU time and by device ti
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -26,6 +27,7 @@ def main() -> None:
     add_boot_arguments(parser)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rows", type=int, default=25)
+    parser.add_argument("--out", default=None, help="write the per-step call counts as JSON here")
     args = parser.parse_args()
     executor, plan = boot_worker(args)
     rng = np.random.default_rng(0)
@@ -41,7 +43,8 @@ def main() -> None:
     t0 = time.perf_counter()
     for _ in range(args.steps):
         step()
-    print(f"ms/step without profiler: {(time.perf_counter() - t0) / args.steps * 1e3:.2f}  "
+    ms = (time.perf_counter() - t0) / args.steps * 1e3
+    print(f"ms/step without profiler: {ms:.2f}  "
           f"(slots {plan.experts.slots}/{plan.experts.total})")  # fmt: skip
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
@@ -53,6 +56,29 @@ def main() -> None:
     print(table.table(sort_by="self_cpu_time_total", row_limit=args.rows))
     if torch.cuda.is_available():
         print(table.table(sort_by="self_device_time_total", row_limit=args.rows))
+    per_step = host_calls_per_step(table, args.steps)
+    print("per decode step, calls from the host:", json.dumps(per_step))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"steps": args.steps, "per_step": per_step,
+                                              "ms_per_step_unprofiled": ms}, indent=1) + "\n")  # fmt: skip
+
+
+# CUDA runtime/driver calls as the profiler names them: what launches work, and what makes the host wait
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+GRAPH_LAUNCHES = ("cudaGraphLaunch",)
+WAITS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize")
+
+
+def host_calls_per_step(table, steps: int) -> dict:
+    """Kernel launches, graph launches (a replay counts once) and host synchronisations per step;
+    also the host-to-device and device-to-host copies issued (each a call, some of them waits)."""
+    counts = {e.key: e.count for e in table}
+
+    def total(names):
+        return sum(counts.get(n, 0) for n in names) / steps
+
+    return {"kernel_launches": total(LAUNCHES), "graph_launches": total(GRAPH_LAUNCHES),
+            "host_synchronizations": total(WAITS), "memcpy_calls": total(("cudaMemcpyAsync", "cudaMemcpy"))}  # fmt: skip
 
 
 if __name__ == "__main__":

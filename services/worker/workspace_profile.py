@@ -116,6 +116,7 @@ def profile_decode_graphs_cuda(model, experts: LateBoundExperts, spec: ModelSpec
         graphs = DecodeGraphs(model, pools, r.page_size, r.max_model_len, buckets, device)
         graphs.capture()
         torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()  # what the eager warm-ups cached is the eager workspace's, not the graphs'
         taken = torch.cuda.memory_reserved(device) - baseline
     finally:
         experts.unbind()

@@ -39,7 +39,7 @@ class ResidentExperts:
         self.num_moe_layers = num_moe_layers
         self.num_experts = num_experts
         self.stats = ExpertCacheStats()
-        self._routed: torch.Tensor | None = None  # uint8 [layers, experts]: routed this step, on the device
+        self._routed: torch.Tensor | None = None  # int32 [layers, experts]: routed this step, on the device
         self._pending = False  # a count queued by stats_to_host, not yet read
 
     def _slot(self, moe_layer: int, expert: int) -> int:
@@ -72,13 +72,13 @@ class ResidentExperts:
         """Mark the layer's routed experts in the step's [layers, experts] device table: one
         scatter, no host sync, rows past n_rows (padding) left out; graph-safe (fixed addresses)."""
         if self._routed is None or self._routed.device != topk_ids.device:
-            self._routed = torch.zeros(self.num_moe_layers, self.num_experts, dtype=torch.uint8, device=topk_ids.device)
+            self._routed = torch.zeros(self.num_moe_layers, self.num_experts, dtype=torch.int32, device=topk_ids.device)
             self._routed_sum = torch.zeros(1, dtype=torch.int64, device=topk_ids.device)
             self._routed_host = torch.zeros(1, dtype=torch.int64, pin_memory=topk_ids.is_cuda)
         t, k = topk_ids.shape
-        marks = torch.ones(t, k, dtype=torch.uint8, device=topk_ids.device)
+        marks = torch.ones(t, k, dtype=torch.int32, device=topk_ids.device)
         if n_rows is not None:
-            marks = (torch.arange(t, device=topk_ids.device) < n_rows)[:, None].expand(t, k).to(torch.uint8)
+            marks = (torch.arange(t, device=topk_ids.device) < n_rows)[:, None].expand(t, k).to(torch.int32)
         self._routed[moe_layer].scatter_reduce_(0, topk_ids.reshape(-1).to(torch.int64), marks.reshape(-1), reduce="amax")
 
     def stats_to_host(self) -> None:
