@@ -37,7 +37,8 @@ WORKLOADS = {
     "36b": (MODELS / "qwen3.6-35b-a3b/config.json", None,
             ["--gpu-memory", "24GiB", "--max-running-requests", "8", "--max-model-len", "8192"]),
 }  # fmt: skip
-VARIANTS = {"default": [], "no-prefetch": ["--no-expert-prefetch"], "eager": ["--enforce-eager"]}
+VARIANTS = {"default": [], "no-prefetch": ["--no-expert-prefetch"], "eager": ["--enforce-eager"],
+            "ce8": ["--expert-copy-engine-tokens", "8"]}
 
 
 def commit() -> str:

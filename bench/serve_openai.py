@@ -133,8 +133,10 @@ def main() -> int:
                     "temperature": args.temperature, "runs": []}  # fmt: skip
 
     stream(client, model, prompt(args.prompt_len), 16, args.temperature)  # warm-up
+    before = scrape(args.metrics)
     ttfts = [stream(client, model, prompt(args.ttft_prompt_len), 1, args.temperature)["ttft_s"]
              for _ in range(args.ttft_runs)]  # fmt: skip
+    result["ttft_expert_cache"] = cache_delta(before, scrape(args.metrics))  # what the prefills copied
     result["ttft_s"] = statistics.median(ttfts)
     result["ttft_runs_s"] = ttfts
     print(f"TTFT ({args.ttft_prompt_len}-token prompt): median {1e3 * result['ttft_s']:.0f} ms of {len(ttfts)}")

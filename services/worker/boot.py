@@ -159,7 +159,11 @@ def boot_worker(args: argparse.Namespace) -> tuple[StepExecutor, Plan]:
     r = resolve(spec, req)
     dtype = TORCH_DTYPES[r.dtype]
     graphs_wanted = device.type == "cuda" and not getattr(args, "enforce_eager", False)
-    buckets = graph_buckets(spec.num_experts_per_tok, r.max_running_requests)
+    copy_engine_tokens = getattr(args, "expert_copy_engine_tokens", None)
+    if copy_engine_tokens is not None and copy_engine_tokens < 1:
+        raise ConfigError(f"--expert-copy-engine-tokens must be at least 1, got {copy_engine_tokens}")
+    buckets = graph_buckets(spec.num_experts_per_tok, r.max_running_requests, below=copy_engine_tokens)
+    graphs_wanted = graphs_wanted and bool(buckets)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
@@ -190,7 +194,8 @@ def boot_worker(args: argparse.Namespace) -> tuple[StepExecutor, Plan]:
         banks = _host_banks(spec, plan)  # before any pool is allocated (rule 4)
         pools = allocate_pools(spec, plan, device)
         store = build_expert_store(spec, plan, pools.experts, device, policy=policy, banks=banks,
-                                   prefetch=getattr(args, "expert_prefetch", True))  # fmt: skip
+                                   prefetch=getattr(args, "expert_prefetch", True),
+                                   copy_engine_tokens=copy_engine_tokens)  # fmt: skip
         if hasattr(store, "set_routers"):  # next-layer prediction: each MoE layer's router weight
             store.set_routers([layer.mlp.gate.weight for layer in model.layers if hasattr(layer.mlp, "gate")])
         experts.bind(store)

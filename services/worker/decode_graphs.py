@@ -25,9 +25,14 @@ from ferry.shared.step import StepBatch
 from ferry.services.worker.forward_batch import ForwardBatch, packed_bytes
 
 
-def graph_buckets(top_k: int, max_running_requests: int) -> list[int]:
-    """Batch sizes that get a graph: 1, 2, 4, ... up to the pair kernel's limit and the request cap."""
+def graph_buckets(top_k: int, max_running_requests: int, below: int | None = None) -> list[int]:
+    """Batch sizes that get a graph: 1, 2, 4, ... up to the pair kernel's limit and the request cap,
+    and under `below` (the steps that take the expert store's copy-engine path run eagerly)."""
     largest = min(max_running_requests, max(1, PAIR_KERNEL_MAX_PAIRS // top_k))
+    if below is not None:
+        largest = min(largest, below - 1)
+    if largest < 1:
+        return []
     out, b = [], 1
     while b < largest:
         out.append(b)

@@ -63,7 +63,7 @@ class StepExecutor:
         self.sampler.record(sampled_ids.tolist(), token_ids.tolist())
         output = StepOutput(step_id=batch.step_id, req_ids=sampled_ids, token_ids=token_ids, logprobs=logprobs)
         if self.store is not None:  # after the results reached the host: the step's work is done
-            self.store.end_step()
+            self.store.end_step(synced=True)
         return output
 
     def expert_stats(self) -> tuple[int, int]:

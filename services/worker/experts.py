@@ -33,8 +33,9 @@ class ExpertStore(Protocol):
         """Queue the copy of the step's device-side statistics to the host (no waiting): the
         executor calls it before the step's one synchronisation, `end_step` after it."""
 
-    def end_step(self) -> None:
-        """The executor's step is over (its results are on the host): close the step's statistics."""
+    def end_step(self, synced: bool = False) -> None:
+        """The executor's step is over (its results are on the host): close the step's statistics.
+        `synced`: everything queued before has completed (no need to wait for `stats_to_host`)."""
 
     def report(self) -> dict:
         """Cumulative statistics (hits, misses, hit_rate, bytes_copied, copy_time_s,

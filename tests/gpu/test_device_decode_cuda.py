@@ -117,9 +117,12 @@ def test_graphs_and_the_device_cache_decode_token_for_token(tiny_models, arch):
         "offload-graphs": ["--moe-cache-size", "10"],
         "offload-graphs-no-prefetch": ["--moe-cache-size", "10", "--no-expert-prefetch"],
         "offload-eager": ["--moe-cache-size", "10", "--enforce-eager"],
+        "offload-copy-engine": ["--moe-cache-size", "10", "--expert-copy-engine-tokens", "2"],
     }.items():
         executor, plan = _boot(model, *flags)
         assert (executor.graphs is None) == ("--enforce-eager" in flags)
+        if "--expert-copy-engine-tokens" in flags:
+            assert executor.graphs.buckets == [1]  # 3-row decode steps take the copy-engine path, eagerly
         runs[name] = _greedy_batch(executor, prompts, steps=12)
         report = executor.expert_cache_report()
         if "--moe-cache-size" in flags:

@@ -83,3 +83,13 @@ def test_boot_selects_an_indexed_device_for_the_default_flags(monkeypatch, tiny_
     with pytest.raises(_BootReachedThePlan):
         boot_worker(parser.parse_args(["--model", str(tiny_model)]))
     assert fake.selected == [0]
+
+
+def test_graph_buckets_stop_at_the_pair_kernel_the_request_cap_and_the_copy_engine_steps():
+    from ferry.services.worker.decode_graphs import graph_buckets
+
+    assert graph_buckets(top_k=8, max_running_requests=64) == [1, 2, 4, 8]  # 64 pairs: the pair kernel's limit
+    assert graph_buckets(top_k=8, max_running_requests=6) == [1, 2, 4, 6]
+    assert graph_buckets(top_k=2, max_running_requests=64) == [1, 2, 4, 8, 16, 32]
+    assert graph_buckets(top_k=8, max_running_requests=64, below=8) == [1, 2, 4, 7]
+    assert graph_buckets(top_k=8, max_running_requests=64, below=1) == []

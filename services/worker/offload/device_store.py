@@ -52,9 +52,12 @@ class DeviceDrivenExperts(OffloadedExperts):
     store's (`load_expert`, `preload`); the device state starts from the warmed-up twin."""
 
     def __init__(self, slots, banks, policy, device, prefetch: bool = True,
-                 pipeline_chunks: int = DEFAULT_PIPELINE_CHUNKS):  # fmt: skip
+                 pipeline_chunks: int = DEFAULT_PIPELINE_CHUNKS, copy_engine_tokens: int | None = None):  # fmt: skip
+        """`copy_engine_tokens`: steps of at least this many tokens take the copy-engine path even
+        when the graph-safe one could serve them (None: only steps too large for the pair kernel)."""
         super().__init__(slots, banks, policy, device, pipeline_chunks=pipeline_chunks, use_triton=True)
         self.prefetch_enabled = prefetch
+        self.copy_engine_tokens = copy_engine_tokens
         self.routers: list[torch.Tensor] | None = None  # [E, H] router weight of every MoE layer
         self.cache: DeviceExpertCache | None = None
         self._prefetch_done: dict[int, torch.cuda.Event] = {}
@@ -91,7 +94,7 @@ class DeviceDrivenExperts(OffloadedExperts):
             n_rows = torch.full((1,), t, dtype=torch.int32, device=x.device)
         ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
         rows = torch.empty(t, k, x.shape[1], dtype=torch.float32, device=x.device)
-        if use_pair_kernel(t * k):
+        if use_pair_kernel(t * k) and (self.copy_engine_tokens is None or t < self.copy_engine_tokens):
             self._decode_layer(moe_layer, x, ids, topk_weights, n_rows, rows)
         else:
             self._large_layer(moe_layer, x, ids, topk_weights, n_rows, rows)
@@ -121,16 +124,23 @@ class DeviceDrivenExperts(OffloadedExperts):
         landed = [self._on_copy_stream(lambda c=c: self._copy_ce(layer, c), None, 0, 0, timed=True) for c in chunks]
         self._prefetch_next(layer, x, n_rows, call, large=True)
         self._wait_prefetched(layer, None)
-        hit_slots = call.hit_slots.view(t, k)
-        grouped_expert_rows_triton(x, hit_slots, weights, self.slots.w13, self.slots.w2, rows,
-                                   max_distinct_slots=self.num_experts)  # fmt: skip
+        self._compute(x, call.hit_slots.view(t, k), weights, rows)
         miss_slots = call.miss_slots.view(t, k)
+        start = 0
         for chunk, done in zip(chunks, landed):
             if done is not None:
                 self._stall(done)
-            mine = torch.tensor([s for _, s in chunk], dtype=miss_slots.dtype, device=x.device)
-            group = torch.where(torch.isin(miss_slots, mine), miss_slots, -1)
-            grouped_expert_rows_triton(x, group, weights, self.slots.w13, self.slots.w2, rows,
+            mine = call.misses[start : start + len(chunk), 1]  # this chunk's slots, already on the device
+            start += len(chunk)
+            self._compute(x, torch.where(torch.isin(miss_slots, mine), miss_slots, -1), weights, rows)
+
+    def _compute(self, x, group_slots, weights, rows) -> None:
+        """One group's pairs (slot -1 elsewhere): pair by pair for small steps, as the all-resident
+        store computes them (same bits), else the grouped GEMM aligned on the device."""
+        if use_pair_kernel(group_slots.numel()):
+            expert_pair_rows_triton(x, group_slots, weights, self.slots.w13, self.slots.w2, rows)
+        else:
+            grouped_expert_rows_triton(x, group_slots, weights, self.slots.w13, self.slots.w2, rows,
                                        max_distinct_slots=self.num_experts)  # fmt: skip
 
     # ---- prefetch ----------------------------------------------------------------------------
@@ -226,14 +236,17 @@ class DeviceDrivenExperts(OffloadedExperts):
         else:
             self._stats_ready = None
 
-    def end_step(self) -> None:
+    def end_step(self, synced: bool = False) -> None:
+        """Fold the step into the statistics; `synced`: the caller already waited for everything
+        queued (the executor's one wait per step covers the copies `stats_to_host` queued)."""
         if self.cache is None:
             return
         if self._stats_ready is None and self._cuda:
             self.stats_to_host()
-        if self._stats_ready is not None:
+            synced = False
+        if self._stats_ready is not None and not synced:
             self._stats_ready.synchronize()
-            self._stats_ready = None
+        self._stats_ready = None
         now = self.cache.counters_dict(self._host_counters.numpy())
         before = self._last_counters
         delta = {n: now[n] - before[n] for n in now}

@@ -114,7 +114,7 @@ class OffloadedExperts:
                 "evictions": self.policy.evictions, "host_bank_bytes": self.banks.nbytes}  # fmt: skip
 
     # ---- the step ----------------------------------------------------------------------------
-    def end_step(self) -> None:
+    def end_step(self, synced: bool = False) -> None:
         """Close the current step's statistics (also done when layer 0 comes round again)."""
         self.stats.end_step()
         self._last_layer = -1

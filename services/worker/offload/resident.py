@@ -85,17 +85,19 @@ class ResidentExperts:
         """Queue the step's count of distinct routed experts to the host, and clear the table."""
         if self._routed is None:
             return
-        self._routed_sum.copy_(self._routed.sum(dtype=torch.int64).view(1))
-        self._routed.zero_()
-        self._routed_host.copy_(self._routed_sum, non_blocking=self._routed.is_cuda)
+        with torch.inference_mode():  # the table was made inside the forward's inference mode
+            self._routed_sum.copy_(self._routed.sum(dtype=torch.int64).view(1))
+            self._routed.zero_()
+            self._routed_host.copy_(self._routed_sum, non_blocking=self._routed.is_cuda)
         self._pending = True
 
-    def end_step(self) -> None:
-        """Fold the step's lookups (all hits) into the statistics."""
+    def end_step(self, synced: bool = False) -> None:
+        """Fold the step's lookups (all hits) into the statistics. `synced`: the caller has already
+        waited for everything queued (the executor's one wait per step), so no second wait here."""
         if self._routed is not None and not self._pending:
             self.stats_to_host()
         if self._pending:
-            if self._routed.is_cuda:
+            if self._routed.is_cuda and not synced:
                 torch.cuda.current_stream(self._routed.device).synchronize()
             self.stats.record_lookup(int(self._routed_host[0]), 0, 0)
             self._pending = False

@@ -57,12 +57,14 @@ def check_device_driven() -> None:
     store: bit for bit on decode steps (padded ones included), prefetch on and off, both policies."""
     spec = tiny_spec(layers=3, experts=6, top_k=2, hidden=32, inter=16)
     layers = 3
-    for num_slots, policy_cls, prefetch in ((6, LRUExpertPolicy, False), (8, LFUExpertPolicy, True),
-                                            (7, LRUExpertPolicy, True)):  # fmt: skip
+    for num_slots, policy_cls, prefetch, copy_engine_tokens in (
+            (6, LRUExpertPolicy, False, None), (8, LFUExpertPolicy, True, None), (7, LRUExpertPolicy, True, None),
+            (7, LFUExpertPolicy, True, 2)):  # 2: every step of 2+ tokens takes the copy-engine path  # fmt: skip
         resident = ResidentExperts(slot_pool(spec, layers * 6), layers, 6)
         store = DeviceDrivenExperts(slot_pool(spec, num_slots, max_step_tokens=32),
                                     HostBanks.for_model(spec, "float32", progress=False),
-                                    policy_cls(layers, 6, num_slots), "cpu", prefetch=prefetch, pipeline_chunks=2)  # fmt: skip
+                                    policy_cls(layers, 6, num_slots), "cpu", prefetch=prefetch, pipeline_chunks=2,
+                                    copy_engine_tokens=copy_engine_tokens)  # fmt: skip
         for (layer, e), weights in random_experts(spec, num_slots).items():
             resident.load_expert(layer, e, *weights)
             store.load_expert(layer, e, *weights)
