@@ -25,7 +25,7 @@ class PoolReport(msgspec.Struct, frozen=True, kw_only=True):
 
     kv_pages: int  # usable pages, ids 1..kv_pages (0 is the sentinel)
     page_size: int
-    state_slots: int  # usable linear-state slots, ids 1..state_slots (0 = padding); 0 for models without linear attention
+    linear_state_slots: int  # usable linear-state slots, ids 1..linear_state_slots (0 = padding); 0 without linear attention
     max_running_requests: int
     max_prefill_tokens: int
     max_model_len: int

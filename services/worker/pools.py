@@ -45,8 +45,9 @@ def allocate_pool(layout: L.PoolLayout, device: torch.device | str) -> Allocated
     return AllocatedPool(layout, buffer, views)
 
 
-class KVPool:
-    """Paged K/V of every full-attention layer: [layers, 2, pages + sentinel, page_size, kv_heads, head_dim]."""
+class KvTensorPool:
+    """The worker's KV pool, the tensors behind the scheduler's page ids (its KvPagePool): paged K/V of
+    every full-attention layer, [layers, 2, pages + sentinel, page_size, kv_heads, head_dim]."""
 
     def __init__(self, pool: AllocatedPool, full_attention_layers: tuple[int, ...], page_size: int):
         self.pool = pool
@@ -92,7 +93,7 @@ class ExpertSlotPool:
 
 @dataclass
 class Pools:
-    kv: KVPool
+    kv: KvTensorPool
     linear_state: LinearStatePool | None
     experts: ExpertSlotPool
 
@@ -122,7 +123,7 @@ def allocate_pools(spec: ModelSpec, plan: Plan, device: torch.device | str) -> P
             raise PoolAllocationError(f"{layout.name} pool layout is {layout.nbytes} B but the plan priced "
                                       f"{priced[layout.name]} B: the plan was made for another model or dtype")  # fmt: skip
     before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-    kv = KVPool(allocate_pool(kv_layout, device), spec.full_attention_layers, plan.kv.page_size)
+    kv = KvTensorPool(allocate_pool(kv_layout, device), spec.full_attention_layers, plan.kv.page_size)
     linear = (
         LinearStatePool(allocate_pool(linear_layout, device), spec.linear_attention_layers)
         if linear_layout.tensors

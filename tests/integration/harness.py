@@ -43,9 +43,9 @@ def ascii_word_tokens(tokenizer) -> list[int]:
     return ids
 
 
-def make_model_dir(tokenizer_dir: Path, target: Path, tokenizer, step_delay_s: float = 0.0, state_slots: int = 0) -> Path:
+def make_model_dir(tokenizer_dir: Path, target: Path, tokenizer, step_delay_s: float = 0.0, linear_state_slots: int = 0) -> Path:
     shutil.copytree(tokenizer_dir, target)
-    spec = {"vocab": ascii_word_tokens(tokenizer), "step_delay_s": step_delay_s, "state_slots": state_slots}
+    spec = {"vocab": ascii_word_tokens(tokenizer), "step_delay_s": step_delay_s, "linear_state_slots": linear_state_slots}
     (target / "paged_hash_model.json").write_text(json.dumps(spec))
     return target
 

@@ -111,7 +111,7 @@ def test_hybrid_model_runs_at_most_one_request_per_state_slot(tmp_path_factory, 
     from tests.integration.harness import make_model_dir
 
     model = make_model_dir(tiny_tokenizer_dir, tmp_path_factory.mktemp("models") / "hybrid", tiny_tokenizer,
-                           state_slots=3)  # fmt: skip
+                           linear_state_slots=3)  # fmt: skip
     c = start_cluster(model, tmp_path_factory.mktemp("hybrid"), worker_flags=["--max-model-len", "256"])
     try:
         jobs = [(f"same system prompt, user {i}", 12) for i in range(7)]
