@@ -19,7 +19,7 @@ from typing import Callable
 
 from ferry.shared.errors import ConfigError, PlanError
 from ferry.plan.model_config import ModelSpec
-from ferry.shared.units import format_bytes
+from ferry.shared.units import ceil_div, format_bytes
 from ferry.plan import pool_layout as L
 
 DEFAULT_MEMORY_RATIO = 0.9
@@ -236,9 +236,9 @@ def make_plan(spec: ModelSpec, req: PlanRequest, measured: Measured) -> Plan:
     if req.num_pages is not None:
         kv_required_pages = req.num_pages
     elif req.num_tokens is not None:
-        kv_required_pages = -(-req.num_tokens // r.page_size)
+        kv_required_pages = ceil_div(req.num_tokens, r.page_size)
     kv_floor_tokens = req.kv_reserve_tokens if req.kv_reserve_tokens is not None else r.max_model_len
-    kv_floor_pages = -(-kv_floor_tokens // r.page_size)
+    kv_floor_pages = ceil_div(kv_floor_tokens, r.page_size)
 
     expert_required: int | None = None
     if req.moe_cache_size is not None:

@@ -10,13 +10,14 @@ import torch
 
 from interpreted_triton import run_interpreted
 from ferry.kernels.paged_attention_reference import gather_request_kv, paged_attention_reference, write_kv
+from ferry.shared.units import ceil_div
 
 
 def _scenario(seed, page_size, heads, kv_heads, head_dim, query_lens, context_lens, dtype=torch.float32):
     """A poisoned pool, each request's K/V written into shuffled pages; returns everything the kernels need."""
     g = torch.Generator().manual_seed(seed)
     totals = [q + c for q, c in zip(query_lens, context_lens)]
-    pages_needed = [-(-t // page_size) for t in totals]
+    pages_needed = [ceil_div(t, page_size) for t in totals]
     num_pages = sum(pages_needed) + 3
     k_cache = torch.full((num_pages + 1, page_size, kv_heads, head_dim), float("nan"), dtype=dtype)
     v_cache = torch.full_like(k_cache, float("nan"))
