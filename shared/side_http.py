@@ -6,7 +6,6 @@ endpoints only read a snapshot the main loop keeps current.
 
 from __future__ import annotations
 
-import argparse
 import json
 import threading
 from collections.abc import Callable

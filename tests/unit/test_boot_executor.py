@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from ferry.shared.errors import ConfigError, PlanError
+from ferry.shared.errors import PlanError
 from ferry.shared.logging import configure_logging
 from ferry.shared.sampling import SamplingParams
 from ferry.shared.step import NewRequest, StepBatch

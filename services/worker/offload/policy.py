@@ -23,7 +23,7 @@ prefetch); the next lookup of that layer counts each as useful (routed) or waste
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass
 from typing import Iterable
 
