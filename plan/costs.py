@@ -1,6 +1,6 @@
 """Fixed byte costs of a model on the GPU: resident weights and the activation workspace.
 
-`ferry plan` uses these; the worker replaces both with measurements at boot (DESIGN §2 rule 3).
+`ferry plan` uses these; the worker replaces both with measurements at boot (docs/ARCHITECTURE.md §2 rule 3).
 No torch here.
 """
 

@@ -1,4 +1,4 @@
-"""The memory planner: a device budget in, exact pool sizes out (DESIGN §2).
+"""The memory planner: a device budget in, exact pool sizes out (docs/ARCHITECTURE.md §2).
 
 Pure integer arithmetic over the pools' own cost functions (`pool_layout`), so it runs and is
 tested without a GPU. The worker calls `make_plan` at boot with measured free memory, measured

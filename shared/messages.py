@@ -1,6 +1,6 @@
 """Every message that crosses a process boundary: one msgspec tagged union per direction of each edge.
 
-Edges (DESIGN §1):  api DEALER -> scheduler ROUTER : ApiToScheduler
+Edges (docs/ARCHITECTURE.md §1):  api DEALER -> scheduler ROUTER : ApiToScheduler
                     scheduler ROUTER -> api DEALER : SchedulerToApi
                     scheduler PUSH -> worker PULL   : SchedulerToWorker
                     worker PUSH -> scheduler PULL   : WorkerToScheduler

@@ -1,4 +1,4 @@
-"""Worker boot, in the order of DESIGN §2 rule 3: measure, load dense weights, measure them,
+"""Worker boot, in the order of docs/ARCHITECTURE.md §2 rule 3: measure, load dense weights, measure them,
 profile the workspace, plan, allocate the pools, load the experts.
 
     free memory ─▶ dense weights ─▶ weight bytes ─▶ workspace ─▶ plan ─▶ [host banks] ─▶ pools ─▶ experts

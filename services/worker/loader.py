@@ -4,7 +4,7 @@
 `routed_expert_weights` then yield (checkpoint name, tensor) pairs for the model's
 `load_weights`, either read from safetensors or fabricated (`--load-format dummy`). The boot
 sequence calls the resident pass before planning and the expert pass after the expert pool
-is allocated (DESIGN §2 rule 3)."""
+is allocated (docs/ARCHITECTURE.md §2 rule 3)."""
 
 from __future__ import annotations
 

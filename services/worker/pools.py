@@ -1,4 +1,4 @@
-"""The GPU pools, allocated exactly as `pool_layout` prices them (DESIGN §2 rule 1).
+"""The GPU pools, allocated exactly as `pool_layout` prices them (docs/ARCHITECTURE.md §2 rule 1).
 
 Each pool is one flat byte buffer carved into typed views, so the bytes the allocator takes
 are the bytes the planner priced; `allocate_pools` checks that and refuses to continue if not.
@@ -62,7 +62,7 @@ class KvTensorPool:
 
 
 class LinearStatePool:
-    """Gated DeltaNet state: conv [layers, slots + padding, conv_dim, kernel - 1] and
+    """The linear state (Gated DeltaNet layers): conv [layers, slots + padding, conv_dim, kernel - 1] and
     recurrent [layers, slots + padding, v_heads, k_head_dim, v_head_dim] (float32)."""
 
     def __init__(self, pool: AllocatedPool, linear_attention_layers: tuple[int, ...]):
@@ -135,5 +135,5 @@ def allocate_pools(spec: ModelSpec, plan: Plan, device: torch.device | str) -> P
     taken = torch.cuda.memory_allocated(device) - before if device.type == "cuda" else pools.nbytes
     if taken != planned:
         raise PoolAllocationError(f"the pools took {taken} B of device memory but the plan priced {planned} B; "
-                                  "refusing to start (DESIGN §2 rule 1)")  # fmt: skip
+                                  "refusing to start (docs/ARCHITECTURE.md §2 rule 1)")  # fmt: skip
     return pools

@@ -1,4 +1,4 @@
-"""The activation workspace: measured by running the largest step once (DESIGN §2 rule 3).
+"""The activation workspace: measured by running the largest step once (docs/ARCHITECTURE.md §2 rule 3).
 
 The largest step is `max_prefill_tokens` new tokens spread over as many requests as may run
 together, every one of them sampling: one long prefill chunk carries most tokens (the widest

@@ -87,7 +87,8 @@ def test_preemption_lets_every_request_finish_when_the_pool_is_too_small(tmp_pat
         c.stop()
 
 
-def test_hybrid_model_runs_at_most_one_request_per_state_slot(tmp_path_factory, tiny_tokenizer_dir, tiny_tokenizer):
+def test_hybrid_model_runs_at_most_one_request_per_linear_state_slot(tmp_path_factory, tiny_tokenizer_dir,
+                                                                    tiny_tokenizer):  # fmt: skip
     from tests.integration.harness import make_model_dir
 
     model = make_model_dir(tiny_tokenizer_dir, tmp_path_factory.mktemp("models") / "hybrid", tiny_tokenizer,

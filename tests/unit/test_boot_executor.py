@@ -94,7 +94,7 @@ def test_host_ram_shortage_fails_before_any_pool(tiny_models, monkeypatch):
 
 
 def _step(step_id, reqs, new=(), finished=()):
-    """reqs: list of (req_id, tokens, context_len, first_page, state_slot, sample)."""
+    """reqs: list of (req_id, tokens, context_len, first_page, linear_state_slot, sample)."""
     page_size = 16
     rows = max(ceil_div(c + len(t), page_size) for _, t, c, _, _, _ in reqs)
     table = np.zeros((len(reqs), rows), np.int32)
