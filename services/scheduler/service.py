@@ -267,10 +267,7 @@ class SchedulerService:
     def _update_metrics(self, s: SchedulerStatus) -> None:
         m = self.metrics
         m.worker_ready.set(1 if s.ready else 0)
-        m.running.set(s.running)
-        m.waiting.set(s.waiting)
-        m.kv_total.set(s.kv_pages_total)
-        m.kv_available.set(s.kv_pages_available)
+        m.status.set_from(s)
         m.kv_cached.set(s.kv_pages_cached)
         if s.preemptions > self._preemptions_seen:
             m.preemptions.inc(s.preemptions - self._preemptions_seen)

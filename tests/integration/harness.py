@@ -17,6 +17,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ferry.shared.defaults import ipc_addresses
+
 REPO = Path(__file__).resolve().parents[2]
 FAKE_BOOT = "tests.doubles.fake_worker:boot_paged_hash_model"
 
@@ -124,7 +126,7 @@ def start_cluster(model_dir: Path, rundir: Path, worker_flags=(), api_flags=(), 
     rundir.mkdir(parents=True, exist_ok=True)
     sock_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"ferry-test-{os.getpid()}-{free_port()}"
     sock_dir.mkdir(mode=0o700)  # ipc paths must stay short (108 bytes), pytest's tmp paths are long
-    api_addr, steps, results = (f"ipc://{sock_dir}/{n}" for n in ("api", "steps", "results"))
+    api_addr, steps, results = ipc_addresses(sock_dir)
     c = Cluster(rundir, model_dir, free_port(), free_port(), free_port(), api_addr, sock_dir)
     ferry = [sys.executable, "-m", "ferry.services.cli"]
     cmds = {
