@@ -22,16 +22,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.serve_decode import Streams  # noqa: E402
-from ferry.services.worker.boot import add_boot_arguments, boot_worker  # noqa: E402
+from ferry.services.worker.boot import boot_worker  # noqa: E402
+from ferry.services.worker.flags import add_worker_flags, boot_config_from_args  # noqa: E402
 from ferry.services.worker.forward_batch import ForwardBatch  # noqa: E402
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    add_boot_arguments(parser)
+    add_worker_flags(parser)
     parser.add_argument("--steps", type=int, default=50)
     args = parser.parse_args()
-    executor, plan = boot_worker(args)
+    executor, plan = boot_worker(boot_config_from_args(args))
     rng = np.random.default_rng(0)
     vocab = executor.spec.vocab_size
     streams = Streams(executor, 1, 256, first_req_id=1)
@@ -48,8 +49,8 @@ def main() -> int:
         table = np.arange(1, 1 + streams.pages_each, dtype=np.int32)[None]
         step = StepBatch(step_id=0, req_ids=np.array([1]), tokens=np.array([token], np.int32),
                          query_lens=np.array([1], np.int32), context_lens=np.array(streams.context, np.int32),
-                         page_table=table, state_slots=np.arange(1, n + 1, dtype=np.int32),
-                         reset_state=np.array([False]), sample=np.array([True]))  # fmt: skip
+                         page_table=table, linear_state_slots=np.arange(1, n + 1, dtype=np.int32),
+                         reset_linear_state=np.array([False]), sample=np.array([True]))  # fmt: skip
         return ForwardBatch.from_step(step, plan.kv.page_size, executor.device)
 
     def eager_times(n: int) -> list[float]:

@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 from ferry.kernels.grouped_expert_gemm import grouped_expert_forward  # noqa: E402
-from ferry.kernels.moe_reference import grouped_expert_forward_reference  # noqa: E402
+from ferry.kernels.grouped_expert_gemm_reference import grouped_expert_forward_reference  # noqa: E402
 from ferry.plan.model_config import load_model_config  # noqa: E402
 from ferry.shared.units import parse_bytes  # noqa: E402
 from ferry.services.worker.device import select_device  # noqa: E402

@@ -19,17 +19,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.serve_decode import Streams  # noqa: E402
-from ferry.services.worker.boot import add_boot_arguments, boot_worker  # noqa: E402
+from ferry.services.worker.boot import boot_worker  # noqa: E402
+from ferry.services.worker.flags import add_worker_flags, boot_config_from_args  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    add_boot_arguments(parser)
+    add_worker_flags(parser)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rows", type=int, default=25)
     parser.add_argument("--out", default=None, help="write the per-step call counts as JSON here")
     args = parser.parse_args()
-    executor, plan = boot_worker(args)
+    executor, plan = boot_worker(boot_config_from_args(args))
     rng = np.random.default_rng(0)
     vocab = executor.spec.vocab_size
     streams = Streams(executor, 1, 64 + 3 * args.steps + 8, first_req_id=1)

@@ -37,24 +37,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 from ferry.shared.sampling import SamplingParams  # noqa: E402
 from ferry.shared.step import NewRequest, StepBatch  # noqa: E402
-from ferry.shared.units import GiB, format_bytes  # noqa: E402
-from ferry.services.worker.boot import add_boot_arguments, boot_worker  # noqa: E402
+from ferry.shared.units import GiB, ceil_div, format_bytes  # noqa: E402
+from ferry.services.worker.boot import boot_worker  # noqa: E402
+from ferry.services.worker.flags import add_worker_flags, boot_config_from_args  # noqa: E402
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 30, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
 
 
 class Streams:
-    """Requests with fixed page ranges and state slots, stepped together (what the scheduler does)."""
+    """Requests with fixed page ranges and linear-state slots, stepped together (what the scheduler does)."""
 
     def __init__(self, executor, count: int, max_len: int, first_req_id: int):
         plan = executor.plan
         self.executor, self.page_size = executor, plan.kv.page_size
-        self.pages_each = -(-max_len // self.page_size)
+        self.pages_each = ceil_div(max_len, self.page_size)
         if count * self.pages_each > plan.kv.pages:
             raise SystemExit(f"{count} streams of {max_len} tokens need {count * self.pages_each} KV pages; "
                              f"the plan has {plan.kv.pages}")  # fmt: skip
         if plan.linear_state.slots and count > plan.linear_state.slots:
-            raise SystemExit(f"{count} streams need {count} state slots; the plan has {plan.linear_state.slots}")
+            raise SystemExit(f"{count} streams need {count} linear-state slots; the plan has {plan.linear_state.slots}")
         self.req_ids = list(range(first_req_id, first_req_id + count))
         self.context = [0] * count
         self.step_id = first_req_id * 100_000
@@ -73,18 +74,19 @@ class Streams:
             query_lens=np.array([len(ts) for ts in tokens], dtype=np.int32),
             context_lens=np.array(self.context, dtype=np.int32),
             page_table=table,
-            state_slots=np.arange(1, n + 1, dtype=np.int32),
-            reset_state=np.array([c == 0 for c in self.context]),
+            linear_state_slots=np.arange(1, n + 1, dtype=np.int32),
+            reset_linear_state=np.array([c == 0 for c in self.context]),
             sample=np.array([sample] * n),
-            new_requests=new or [],
-            finished_req_ids=finished or [],
+            new_requests=tuple(new or ()),
+            finished_req_ids=tuple(finished or ()),
         )
         out = self.executor.execute(batch)
         self.context = [c + len(ts) for c, ts in zip(self.context, tokens)]
         return out
 
     def prefill(self, prompts: list[list[int]]) -> list[int]:
-        new = [NewRequest(r, np.array(p, dtype=np.int32), GREEDY) for r, p in zip(self.req_ids, prompts)]
+        new = [NewRequest(req_id=r, prompt_token_ids=np.array(p, dtype=np.int32), sampling=GREEDY)
+               for r, p in zip(self.req_ids, prompts)]  # fmt: skip
         chunk = max(1, self.executor.plan.max_prefill_tokens // len(prompts))
         done = 0
         while done < len(prompts[0]):
@@ -95,10 +97,7 @@ class Streams:
         return out.token_ids.tolist()
 
     def finish(self) -> None:
-        self.executor.execute(StepBatch(self.step_id + 1, np.zeros(0, np.int64), np.zeros(0, np.int32),
-                                        np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros((0, 1), np.int32),
-                                        np.zeros(0, np.int32), np.zeros(0, bool), np.zeros(0, bool),
-                                        finished_req_ids=self.req_ids))  # fmt: skip
+        self.executor.execute(StepBatch.empty(step_id=self.step_id + 1, finished_req_ids=tuple(self.req_ids)))
 
 
 def _cache_counters(executor) -> dict:
@@ -170,7 +169,7 @@ def summarize(executor, run: dict, streams: int, h2d: float, hbm: float) -> dict
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_boot_arguments(parser)
+    add_worker_flags(parser)
     parser.add_argument("--prompt-len", type=int, default=2048)
     parser.add_argument("--decode-tokens", type=int, default=256)
     parser.add_argument("--streams", default="1,8", help="comma-separated stream counts to decode with")
@@ -190,7 +189,7 @@ def main() -> int:
 
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    executor, plan = boot_worker(args)
+    executor, plan = boot_worker(boot_config_from_args(args))
     boot_s = time.perf_counter() - t0
     device = executor.device
     cuda = torch.device(device).type == "cuda"

@@ -1,6 +1,6 @@
 """Routed experts for small steps (decode), one matrix-vector product per (token, k) pair, in Triton.
 
-Twin of `kernels/moe_reference.py` (same contract as `grouped_expert_rows`): for every pair with a
+Twin of `kernels/grouped_expert_gemm_reference.py` (same contract as `grouped_expert_rows`): for every pair with a
 slot s >= 0, rows[t, k] = w[t, k] * W2[s] (silu(G[s] x_t) * (U[s] x_t)).
 
 Why a second kernel: the grouped GEMM sorts pairs by slot so that one program multiplies one

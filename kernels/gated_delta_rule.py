@@ -1,4 +1,4 @@
-"""Gated delta rule over a batch of requests, each continuing from its state slot.
+"""Gated delta rule over a batch of requests, each continuing from its linear-state slot.
 
 CUDA with bf16/fp16 activations: fla-core's Triton kernels over the whole varlen batch
 (`cu_seqlens`), imported only there because fla needs a GPU (and its chunked kernel refuses

@@ -1,4 +1,4 @@
-"""Grouped expert GEMM by slot, in Triton; twin of `kernels/moe_reference.py`.
+"""Grouped expert GEMM by slot, in Triton; twin: `kernels/grouped_expert_gemm_reference.py`.
 
 For every (token, k) pair with a slot s >= 0: rows[t, k] = w[t, k] * W2[s] (silu(G[s] x) * (U[s] x)),
 where W13[s] = [G; U]. Pairs are sorted by slot and each slot's pairs padded to BLOCK_M rows
@@ -28,10 +28,19 @@ import triton.language as tl
 from ferry.kernels.dispatch import use_triton
 from ferry.kernels.expert_pair_gemv import expert_pair_rows_triton, use_pair_kernel
 from ferry.kernels.expert_rows_sum import sum_rows
-from ferry.kernels.moe_reference import grouped_expert_rows_reference
+from ferry.kernels.grouped_expert_gemm_reference import grouped_expert_rows_reference
 
 # The Triton interpreter (TRITON_INTERPRET=1, CPU tests) computes bf16 dots wrongly: upcast there.
 _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _block_rows(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr):
+    """The BLOCK_M rows of aligned block `pid_m` (all of one slot): their places in the aligned order,
+    their (token * k + j) pairs, and which rows are real (padding rows hold the sentinel num_pairs)."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_pairs_ptr + offs_m).to(tl.int64)
+    return offs_m, pair, pair < num_pairs
 
 
 @triton.jit
@@ -47,9 +56,7 @@ def _gate_up_kernel(
     slot = tl.load(block_slot_ptr + pid_m)
     if slot < 0:
         return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_pairs_ptr + offs_m).to(tl.int64)
-    row_ok = pair < num_pairs
+    offs_m, pair, row_ok = _block_rows(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M)
     token = pair // top_k
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < I
@@ -95,9 +102,7 @@ def _down_kernel(
     slot = tl.load(block_slot_ptr + pid_m)
     if slot < 0:
         return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_pairs_ptr + offs_m).to(tl.int64)
-    row_ok = pair < num_pairs
+    offs_m, pair, row_ok = _block_rows(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output features (H)
     n_ok = offs_n < H
     offs_k = tl.arange(0, BLOCK_K)  # reduction over I
@@ -198,15 +203,14 @@ def grouped_expert_rows_triton(x, topk_slots, topk_weights, w13, w2, rows,
     upcast = _INTERPRETING or x.dtype == torch.float32
     precision = "ieee" if x.dtype == torch.float32 else None  # fp32 in, fp32 accuracy out (no TF32)
     num_blocks = block_slot.numel()
+    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast, PRECISION=precision)  # both kernels
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, block_n))](
         x, w13, act, sorted_pairs, block_slot, num_pairs, top_k, h, inter,
-        x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0), act.stride(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast, PRECISION=precision,
+        x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0), act.stride(1), **meta,
     )  # fmt: skip
     _down_kernel[(num_blocks, triton.cdiv(h, block_n))](
         act, w2, rows, weights, sorted_pairs, block_slot, num_pairs, h, inter,
-        act.stride(0), act.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast, PRECISION=precision,
+        act.stride(0), act.stride(1), w2.stride(0), w2.stride(1), w2.stride(2), **meta,
     )  # fmt: skip
 
 

@@ -25,11 +25,10 @@ def paged_attention(
 ) -> torch.Tensor:
     if not use_triton(q):
         return paged_attention_reference(q, k_cache, v_cache, page_table, query_lens, context_lens, scale)
+    from ferry.kernels import paged_attention_triton as triton_kernels
+
     if q.shape[0] == len(query_lens):  # one new token per request: decode
-        from ferry.kernels.paged_attention_triton import paged_attention_triton
-
-        return paged_attention_triton(q, k_cache, v_cache, page_table, query_start, positions, scale,
-                                      token_request=token_request)
-    from ferry.kernels.paged_prefill_triton import paged_prefill_triton
-
-    return paged_prefill_triton(q, k_cache, v_cache, page_table, query_start, positions, query_lens, scale)
+        return triton_kernels.paged_attention_decode_triton(q, k_cache, v_cache, page_table, query_start, positions,
+                                                            scale, token_request=token_request)  # fmt: skip
+    return triton_kernels.paged_attention_prefill_triton(q, k_cache, v_cache, page_table, query_start, positions,
+                                                         query_lens, scale)  # fmt: skip

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from ferry.shared.units import ceil_div
+
 
 def write_kv(
     k_cache: torch.Tensor,  # [pages, page_size, kv_heads, head_dim]
@@ -27,7 +29,7 @@ def write_kv(
 def gather_request_kv(cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
     """The first `length` positions of one request, [length, kv_heads, head_dim], read through its page list."""
     page_size = cache.shape[1]
-    needed = -(-length // page_size)
+    needed = ceil_div(length, page_size)
     rows = cache[pages[:needed].long()]  # [needed, page_size, kv_heads, head_dim]
     return rows.reshape(-1, *cache.shape[2:])[:length]
 

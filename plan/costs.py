@@ -1,6 +1,6 @@
 """Fixed byte costs of a model on the GPU: resident weights and the activation workspace.
 
-`ferry plan` uses these; the worker replaces both with measurements at boot (DESIGN §2 rule 3).
+`ferry plan` uses these; the worker replaces both with measurements at boot (docs/ARCHITECTURE.md §2 rule 3).
 No torch here.
 """
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ferry.shared.errors import ModelLoadError
 from ferry.plan.model_config import DTYPE_BYTES, ModelSpec
-from ferry.shared.units import round_up
+from ferry.shared.units import ceil_div, round_up
 
 # The CUDA caching allocator hands out blocks in multiples of 512 bytes.
 ALLOC_GRANULE = 512
@@ -168,7 +168,7 @@ def workspace_bytes_estimate(spec: ModelSpec, dtype: str, max_step_tokens: int, 
         nv, dk, dv = spec.linear_num_value_heads, spec.linear_key_head_dim, spec.linear_value_head_dim
         linear = 2 * t * (spec.linear_conv_dim + spec.linear_value_dim + 2 * nv) * b
         linear += 3 * t * spec.linear_conv_dim * 4  # fp32 q, k, v inside the delta rule
-        linear += (-(-t // 64)) * nv * dk * dv * 4  # per-chunk states of the chunked delta rule
+        linear += ceil_div(t, 64) * nv * dk * dv * 4  # per-chunk states of the chunked delta rule
     widest_layer = max(attention, linear) + max(moe, dense)
     logits = 2 * max_running_requests * spec.vocab_size * 4
     # per running request with penalties, the sampler keeps output counts (fp32) and a seen mask (bool)

@@ -45,7 +45,6 @@ class ModelSpec:
     """Everything the planner, the loader and the models need to know about an architecture."""
 
     arch: str  # qwen3_moe | qwen3_next | qwen3_5_moe
-    model_type: str  # as written in config.json (text part)
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -76,8 +75,6 @@ class ModelSpec:
     linear_num_value_heads: int = 0
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
     text_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     # ---- derived quantities -------------------------------------------------------------
@@ -182,27 +179,14 @@ def parse_model_config(raw: dict[str, Any], where: str = "config.json") -> Model
         )
     cfg = _text_config(raw)
     arch = ARCHITECTURES[outer_type]
-
     num_layers = int(_require(cfg, "num_hidden_layers", where))
-    hidden = int(_require(cfg, "hidden_size", where))
-    heads = int(_require(cfg, "num_attention_heads", where))
-    kv_heads = int(_first(cfg, "num_key_value_heads", default=heads))
-    head_dim = int(_first(cfg, "head_dim", default=hidden // max(heads, 1)))
+    attention = _attention_fields(cfg, arch, where)
     num_experts = int(_first(cfg, "num_experts", "num_local_experts", default=0))
-    top_k = int(_first(cfg, "num_experts_per_tok", default=0))
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    rope_theta = float(_first(cfg, "rope_theta", default=rope.get("rope_theta", 10000.0)))
-    default_partial = 0.25 if arch in HYBRID_ARCHITECTURES else 1.0
-    partial = float(_first(cfg, "partial_rotary_factor", default=rope.get("partial_rotary_factor", default_partial)))
-    eos = cfg.get("eos_token_id", raw.get("eos_token_id"))
-    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    mlp = _mlp_fields(cfg, arch, num_experts)
     dtype = normalize_dtype(_first(cfg, "torch_dtype", "dtype", default=_first(raw, "torch_dtype", "dtype", default="bfloat16")))
-
     spec = ModelSpec(
         arch=arch,
-        model_type=str(cfg.get("model_type", outer_type)),
         vocab_size=int(_require(cfg, "vocab_size", where)),
-        hidden_size=hidden,
         num_layers=num_layers,
         layer_types=_layer_types(cfg, arch, num_layers, where),
         moe_layers=_moe_layers(cfg, arch, num_layers, num_experts),
@@ -210,33 +194,56 @@ def parse_model_config(raw: dict[str, Any], where: str = "config.json") -> Model
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
         dtype=dtype,
+        text_config=cfg,
+        **attention,
+        **mlp,
+        **_linear_attention_fields(cfg, arch),
+    )
+    _validate(spec, where)
+    return spec
+
+
+def _attention_fields(cfg: dict[str, Any], arch: str, where: str) -> dict[str, Any]:
+    """Hidden size, heads and rotary embedding (the rope fields moved into rope_parameters in
+    newer configs; hybrids rotate a quarter of each head by default)."""
+    hidden = int(_require(cfg, "hidden_size", where))
+    heads = int(_require(cfg, "num_attention_heads", where))
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    default_partial = 0.25 if arch in HYBRID_ARCHITECTURES else 1.0
+    return dict(
+        hidden_size=hidden,
         num_attention_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
+        num_kv_heads=int(_first(cfg, "num_key_value_heads", default=heads)),
+        head_dim=int(_first(cfg, "head_dim", default=hidden // max(heads, 1))),
         attention_bias=bool(cfg.get("attention_bias", False)),
         attn_output_gate=bool(cfg.get("attn_output_gate", arch in HYBRID_ARCHITECTURES)),
-        rope_theta=rope_theta,
-        partial_rotary_factor=partial,
+        rope_theta=float(_first(cfg, "rope_theta", default=rope.get("rope_theta", 10000.0))),
+        partial_rotary_factor=float(_first(cfg, "partial_rotary_factor",
+                                           default=rope.get("partial_rotary_factor", default_partial))),  # fmt: skip
+    )
+
+
+def _mlp_fields(cfg: dict[str, Any], arch: str, num_experts: int) -> dict[str, Any]:
+    """Routed experts, the shared expert (hybrids only) and dense MLP layers."""
+    return dict(
         intermediate_size=int(cfg.get("intermediate_size", 0) or 0),
         num_experts=num_experts,
-        num_experts_per_tok=top_k,
+        num_experts_per_tok=int(_first(cfg, "num_experts_per_tok", default=0)),
         moe_intermediate_size=int(cfg.get("moe_intermediate_size", 0) or 0),
         # qwen3_5_moe's router always renormalises its top-k weights (no flag in its config)
         norm_topk_prob=bool(cfg.get("norm_topk_prob", arch == "qwen3_5_moe" or arch == "qwen3_next")),
         shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size", 0) or 0)
         if arch in HYBRID_ARCHITECTURES
         else 0,
-        linear_conv_kernel_dim=int(cfg.get("linear_conv_kernel_dim", 0) or 0) if arch in HYBRID_ARCHITECTURES else 0,
-        linear_num_key_heads=int(cfg.get("linear_num_key_heads", 0) or 0) if arch in HYBRID_ARCHITECTURES else 0,
-        linear_num_value_heads=int(cfg.get("linear_num_value_heads", 0) or 0) if arch in HYBRID_ARCHITECTURES else 0,
-        linear_key_head_dim=int(cfg.get("linear_key_head_dim", 0) or 0) if arch in HYBRID_ARCHITECTURES else 0,
-        linear_value_head_dim=int(cfg.get("linear_value_head_dim", 0) or 0) if arch in HYBRID_ARCHITECTURES else 0,
-        bos_token_id=cfg.get("bos_token_id", raw.get("bos_token_id")),
-        eos_token_ids=eos_ids,
-        text_config=cfg,
     )
-    _validate(spec, where)
-    return spec
+
+
+def _linear_attention_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """The Gated DeltaNet's shapes; zeros for architectures without linear attention."""
+    names = ("linear_conv_kernel_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+             "linear_value_head_dim")  # fmt: skip
+    hybrid = arch in HYBRID_ARCHITECTURES
+    return {name: int(cfg.get(name, 0) or 0) if hybrid else 0 for name in names}
 
 
 def _validate(spec: ModelSpec, where: str) -> None:

@@ -1,4 +1,4 @@
-"""The memory planner: a device budget in, exact pool sizes out (DESIGN §2).
+"""The memory planner: a device budget in, exact pool sizes out (docs/ARCHITECTURE.md §2).
 
 Pure integer arithmetic over the pools' own cost functions (`pool_layout`), so it runs and is
 tested without a GPU. The worker calls `make_plan` at boot with measured free memory, measured
@@ -19,7 +19,7 @@ from typing import Callable
 
 from ferry.shared.errors import ConfigError, PlanError
 from ferry.plan.model_config import ModelSpec
-from ferry.shared.units import format_bytes
+from ferry.shared.units import ceil_div, format_bytes
 from ferry.plan import pool_layout as L
 
 DEFAULT_MEMORY_RATIO = 0.9
@@ -213,40 +213,64 @@ class _Terms:
         return "\n".join(f"  {label:<62} {format_bytes(b):>12}" for label, b in self.lines)
 
 
+@dataclass(frozen=True)
+class _Costs:
+    """What each pool costs at a given count, by `pool_layout`'s functions: the one cost model."""
+
+    spec: ModelSpec
+    r: Resolved
+
+    def kv(self, pages: int) -> int:
+        return L.kv_pool_layout(self.spec, self.r.dtype, pages, self.r.page_size).nbytes
+
+    def experts(self, slots: int) -> int:
+        return L.expert_slot_layout(self.spec, self.r.dtype, slots, self.r.max_prefill_tokens).nbytes
+
+    def linear_state(self, slots: int) -> int:
+        return L.linear_state_layout(self.spec, self.r.dtype, slots).nbytes
+
+
+@dataclass
+class _Sizes:
+    """The pools' sizes as the plan is made: requirements, or floors until the automatic fill."""
+
+    kv_pages: int
+    kv_required: bool  # --num-tokens / --num-pages fixed kv_pages
+    expert_slots: int
+    experts_required: bool  # --moe-cache-size / --moe-cache-rate fixed expert_slots
+    linear_slots: int  # max_running_requests for a model with linear attention, else 0
+
+
 def make_plan(spec: ModelSpec, req: PlanRequest, measured: Measured) -> Plan:
-    """The planner's single entry point (worker boot and `ferry plan` alike)."""
+    """The planner's single entry point (worker boot and `ferry plan` alike): fixed costs, then
+    requirements and floors (or a PlanError listing every term), then the automatic fill."""
     r = resolve(spec, req)
     budget, derivation = _budget(req, r.memory_ratio, measured)
+    costs = _Costs(spec, r)
+    sizes = _requirements_and_floors(spec, req, r)
+    terms = _terms(spec, req, r, measured, sizes, costs)
+    if terms.total > budget:
+        raise PlanError(_explain_failure(_Failure(spec, req, r, measured, budget, derivation, terms, sizes, costs)))
+    _fill(spec, sizes, costs, budget - terms.total)
+    return _plan(spec, r, measured, budget, derivation, sizes, costs)
 
-    def kv_cost(pages: int) -> int:
-        return L.kv_pool_layout(spec, r.dtype, pages, r.page_size).nbytes
 
-    def expert_cost(slots: int) -> int:
-        return L.expert_slot_layout(spec, r.dtype, slots, r.max_prefill_tokens).nbytes
-
-    has_linear = bool(spec.linear_attention_layers)
-    linear_slots = r.max_running_requests if has_linear else 0
-    linear_padding = L.LINEAR_PADDING_SLOTS if has_linear else 0
-    linear_bytes = L.linear_state_layout(spec, r.dtype, linear_slots).nbytes
-
-    total_experts, floor_slots = spec.total_experts, min_expert_slots(spec)
-
-    # ---- requirements (exact) and floors (lower bounds) --------------------------------
-    kv_required_pages: int | None = None
+def _requirements_and_floors(spec: ModelSpec, req: PlanRequest, r: Resolved) -> _Sizes:
+    """Exact sizes where a flag requires one, floors elsewhere; an expert requirement outside
+    [one MoE layer, every expert] is a ConfigError."""
     if req.num_pages is not None:
-        kv_required_pages = req.num_pages
+        kv_pages = req.num_pages
     elif req.num_tokens is not None:
-        kv_required_pages = -(-req.num_tokens // r.page_size)
-    kv_floor_tokens = req.kv_reserve_tokens if req.kv_reserve_tokens is not None else r.max_model_len
-    kv_floor_pages = -(-kv_floor_tokens // r.page_size)
-
+        kv_pages = ceil_div(req.num_tokens, r.page_size)
+    else:
+        kv_floor_tokens = req.kv_reserve_tokens if req.kv_reserve_tokens is not None else r.max_model_len
+        kv_pages = ceil_div(kv_floor_tokens, r.page_size)
+    total_experts, floor_slots = spec.total_experts, min_expert_slots(spec)
     expert_required: int | None = None
     if req.moe_cache_size is not None:
-        expert_required = req.moe_cache_size
-        flag = "--moe-cache-size"
+        expert_required, flag = req.moe_cache_size, "--moe-cache-size"
     elif req.moe_cache_rate is not None:
-        expert_required = math.ceil(req.moe_cache_rate * total_experts)
-        flag = "--moe-cache-rate"
+        expert_required, flag = math.ceil(req.moe_cache_rate * total_experts), "--moe-cache-rate"
     if expert_required is not None:
         if expert_required > total_experts:
             raise ConfigError(
@@ -260,60 +284,72 @@ def make_plan(spec: ModelSpec, req: PlanRequest, measured: Measured) -> Plan:
                 f"{flag} gives {expert_required} expert slots, fewer than the {floor_slots} the offload loop "
                 f"needs (one MoE layer's experts at once); the smallest value is {smallest}"
             )
+    return _Sizes(
+        kv_pages=kv_pages, kv_required=req.num_pages is not None or req.num_tokens is not None,
+        expert_slots=expert_required if expert_required is not None else floor_slots,
+        experts_required=expert_required is not None,
+        linear_slots=r.max_running_requests if spec.linear_attention_layers else 0,
+    )  # fmt: skip
 
-    kv_pages = kv_required_pages if kv_required_pages is not None else kv_floor_pages
-    slots = expert_required if expert_required is not None else floor_slots
 
+def _terms(spec: ModelSpec, req: PlanRequest, r: Resolved, measured: Measured, sizes: _Sizes, costs: _Costs) -> _Terms:
+    """Fixed costs, then the KV pool and the expert slots at their requirement or floor, labelled."""
     terms = _Terms()
     terms.add(f"weights, GPU-resident ({measured.weights_source})", measured.weights_bytes)
     terms.add(f"activation workspace ({measured.workspace_source}, {r.max_prefill_tokens}-token step)",
               measured.workspace_bytes)  # fmt: skip
-    if has_linear:
-        terms.add(f"linear-state pool: {linear_slots} slots + {linear_padding} padding", linear_bytes)
+    if spec.linear_attention_layers:
+        terms.add(f"linear-state pool: {sizes.linear_slots} slots + {L.LINEAR_PADDING_SLOTS} padding",
+                  costs.linear_state(sizes.linear_slots))  # fmt: skip
     kv_label = (
-        f"KV pool: {kv_pages} pages x {r.page_size} tokens + {L.KV_SENTINEL_PAGES} sentinel page ("
+        f"KV pool: {sizes.kv_pages} pages x {r.page_size} tokens + {L.KV_SENTINEL_PAGES} sentinel page ("
         + ("--num-pages" if req.num_pages is not None else "--num-tokens" if req.num_tokens is not None
            else "--kv-reserve-tokens" if req.kv_reserve_tokens is not None
            else f"floor: one max-length sequence, max_model_len {r.max_model_len}")
         + ")"
     )  # fmt: skip
-    terms.add(kv_label, kv_cost(kv_pages))
-    expert_label = f"expert slots: {slots} x {format_bytes(L.expert_bytes(spec, r.dtype))} (" + (
+    terms.add(kv_label, costs.kv(sizes.kv_pages))
+    expert_label = f"expert slots: {sizes.expert_slots} x {format_bytes(L.expert_bytes(spec, r.dtype))} (" + (
         "--moe-cache-size" if req.moe_cache_size is not None else "--moe-cache-rate"
         if req.moe_cache_rate is not None else "floor: one MoE layer"
     ) + ")"  # fmt: skip
-    terms.add(expert_label, expert_cost(slots))
+    terms.add(expert_label, costs.experts(sizes.expert_slots))
+    return terms
 
-    if terms.total > budget:
-        raise PlanError(_explain_failure(spec, req, r, measured, budget, derivation, terms, kv_pages, slots,
-                                         linear_bytes, kv_cost, expert_cost))  # fmt: skip
 
-    # ---- automatic fill: experts first (they set decode speed), then KV ----------------
-    remaining = budget - terms.total
-    if expert_required is None:
-        grown = _largest(lambda s: expert_cost(s) - expert_cost(slots), remaining, slots, total_experts)
-        remaining -= expert_cost(grown) - expert_cost(slots)
-        slots = grown
+def _fill(spec: ModelSpec, sizes: _Sizes, costs: _Costs, remaining: int) -> None:
+    """The automatic fill of what remains: experts first (they set decode speed), then KV."""
+    total_experts = spec.total_experts
+    if not sizes.experts_required:
+        slots = sizes.expert_slots
+        grown = _largest(lambda s: costs.experts(s) - costs.experts(slots), remaining, slots, total_experts)
+        remaining -= costs.experts(grown) - costs.experts(slots)
+        sizes.expert_slots = grown
     # KV grows past its floor once the experts can take no more: every expert is resident, or
     # their count is a requirement. While experts are filled automatically, crumbs smaller than
     # one expert slot stay headroom, so a KV floor of N tokens and a requirement of N give the
     # same plan.
-    if kv_required_pages is None and (expert_required is not None or slots == total_experts):
-        upper = kv_pages + remaining // max(L.kv_bytes_per_token(spec, r.dtype) * r.page_size, 1) + 1
-        grown = _largest(lambda p: kv_cost(p) - kv_cost(kv_pages), remaining, kv_pages, upper)
-        remaining -= kv_cost(grown) - kv_cost(kv_pages)
-        kv_pages = grown
+    if not sizes.kv_required and (sizes.experts_required or sizes.expert_slots == total_experts):
+        pages = sizes.kv_pages
+        page_bytes = L.kv_bytes_per_token(spec, costs.r.dtype) * costs.r.page_size
+        upper = pages + remaining // max(page_bytes, 1) + 1
+        sizes.kv_pages = _largest(lambda p: costs.kv(p) - costs.kv(pages), remaining, pages, upper)
 
+
+def _plan(spec: ModelSpec, r: Resolved, measured: Measured, budget: int, derivation: str, sizes: _Sizes,
+          costs: _Costs) -> Plan:  # fmt: skip
     kv = KVPlan(
         page_size=r.page_size,
-        pages=kv_pages,
+        pages=sizes.kv_pages,
         sentinel_pages=L.KV_SENTINEL_PAGES,
-        tokens=kv_pages * r.page_size,
+        tokens=sizes.kv_pages * r.page_size,
         bytes_per_token=L.kv_bytes_per_token(spec, r.dtype),
-        bytes=kv_cost(kv_pages),
+        bytes=costs.kv(sizes.kv_pages),
     )
-    linear = LinearStatePlan(linear_slots, linear_padding, L.linear_state_bytes_per_slot(spec, r.dtype), linear_bytes)
-    experts = ExpertPlan(slots, total_experts, floor_slots, L.expert_bytes(spec, r.dtype), expert_cost(slots))
+    linear = LinearStatePlan(sizes.linear_slots, L.LINEAR_PADDING_SLOTS if spec.linear_attention_layers else 0,
+                             L.linear_state_bytes_per_slot(spec, r.dtype), costs.linear_state(sizes.linear_slots))  # fmt: skip
+    experts = ExpertPlan(sizes.expert_slots, spec.total_experts, min_expert_slots(spec), L.expert_bytes(spec, r.dtype),
+                         costs.experts(sizes.expert_slots))  # fmt: skip
     total = measured.weights_bytes + measured.workspace_bytes + kv.bytes + linear.bytes + experts.bytes
     assert total <= budget, "planner arithmetic broke its own invariant"
     return Plan(
@@ -335,65 +371,40 @@ def make_plan(spec: ModelSpec, req: PlanRequest, measured: Measured) -> Plan:
     )
 
 
-def _explain_failure(spec, req, r, measured, budget, derivation, terms, kv_pages, slots, linear_bytes,
-                     kv_cost, expert_cost) -> str:  # fmt: skip
-    """Rule 4: every term, how the budget was derived, and for each flag the user set that
-    sizes a term, the largest value that would fit with everything else unchanged."""
-    over = terms.total - budget
+# ---- rule 4: a plan that does not fit ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """Everything a failed plan's message is made from."""
+
+    spec: ModelSpec
+    req: PlanRequest
+    r: Resolved
+    measured: Measured
+    budget: int
+    derivation: str
+    terms: _Terms
+    sizes: _Sizes
+    costs: _Costs
+
+    def room_for(self, cost: Callable[[int], int], count: int) -> int:
+        """The bytes a term costing cost(count) could take, with every other term unchanged."""
+        return self.budget - (self.terms.total - cost(count))
+
+
+def _explain_failure(f: _Failure) -> str:
+    """Every term, how the budget was derived, and for each flag the user set that sizes a term,
+    the largest value that would fit with everything else unchanged."""
     lines = [
-        f"the memory plan does not fit: it needs {format_bytes(terms.total)} but the budget is "
-        f"{format_bytes(budget)} ({format_bytes(over)} over).",
-        f"budget: {derivation}",
+        f"the memory plan does not fit: it needs {format_bytes(f.terms.total)} but the budget is "
+        f"{format_bytes(f.budget)} ({format_bytes(f.terms.total - f.budget)} over).",
+        f"budget: {f.derivation}",
         "terms:",
-        terms.render(),
-        f"  {'total':<62} {format_bytes(terms.total):>12}",
+        f.terms.render(),
+        f"  {'total':<62} {format_bytes(f.terms.total):>12}",
     ]
-    others_kv = terms.total - kv_cost(kv_pages)
-    others_experts = terms.total - expert_cost(slots)
-    hints = []
-
-    def pages_fitting() -> int | None:
-        upper = max(kv_pages, 1)
-        return _largest(kv_cost, budget - others_kv, 0, upper)
-
-    if req.num_tokens is not None or req.num_pages is not None or req.kv_reserve_tokens is not None:
-        pages = pages_fitting()
-        usable = pages if pages is not None else 0
-        if req.num_pages is not None:
-            hints.append(_hint("--num-pages", usable, 1))
-        elif req.num_tokens is not None:
-            hints.append(_hint("--num-tokens", usable * r.page_size, 1))
-        else:
-            hints.append(_hint("--kv-reserve-tokens", usable * r.page_size, 0))
-    if req.moe_cache_size is not None or req.moe_cache_rate is not None:
-        s = _largest(expert_cost, budget - others_experts, 0, slots) or 0
-        floor = min_expert_slots(spec)
-        if req.moe_cache_size is not None:
-            hints.append(_hint("--moe-cache-size", s, floor))
-        else:
-            rate = math.floor(s / spec.total_experts * 1e6) / 1e6
-            while rate > 0 and math.ceil(rate * spec.total_experts) > s:
-                rate -= 1e-6
-            hints.append(_hint("--moe-cache-rate", rate if s >= floor else 0, floor / spec.total_experts))
-    if req.max_running_requests is not None and spec.linear_attention_layers:
-        def linear(n: int) -> int:
-            return L.linear_state_layout(spec, r.dtype, n).nbytes
-        n = _largest(linear, budget - (terms.total - linear_bytes), 0, r.max_running_requests) or 0
-        hints.append(_hint("--max-running-requests", n, 1))
-    if req.max_model_len is not None and req.kv_reserve_tokens is None and kv_pages and \
-            req.num_tokens is None and req.num_pages is None:  # fmt: skip
-        pages = pages_fitting() or 0
-        hints.append(_hint("--max-model-len", pages * r.page_size, 1))
-    if req.gpu_memory is not None:
-        need = math.ceil(terms.total / r.memory_ratio)
-        while math.floor(need * r.memory_ratio) < terms.total:
-            need += 1
-        hints.append(f"--gpu-memory would have to be at least {need} bytes ({format_bytes(need)})")
-    if req.memory_ratio is not None:
-        base = req.gpu_memory if req.gpu_memory is not None else measured.free_bytes
-        needed_ratio = math.ceil(terms.total / base * 1e4) / 1e4
-        hints.append(f"--memory-ratio would have to be at least {needed_ratio:g}" if needed_ratio <= 1 else
-                     "--memory-ratio: no value up to 1 fits")  # fmt: skip
+    hints = [*_kv_hints(f), *_expert_hints(f), *_linear_state_hints(f), *_max_model_len_hints(f), *_budget_hints(f)]
     if hints:
         lines.append("to fit, with everything else unchanged:")
         lines.extend(f"  {h}" for h in hints)
@@ -403,6 +414,70 @@ def _explain_failure(spec, req, r, measured, budget, derivation, terms, kv_pages
             "max_model_len tokens, and the expert floor is one MoE layer's experts"
         )
     return "\n".join(lines)
+
+
+def _kv_pages_fitting(f: _Failure) -> int:
+    pages = f.sizes.kv_pages
+    return _largest(f.costs.kv, f.room_for(f.costs.kv, pages), 0, max(pages, 1)) or 0
+
+
+def _kv_hints(f: _Failure) -> list[str]:
+    """The KV pool's requirement or floor flag, if the user set one."""
+    req, page_size = f.req, f.r.page_size
+    if req.num_pages is not None:
+        return [_hint("--num-pages", _kv_pages_fitting(f), 1)]
+    if req.num_tokens is not None:
+        return [_hint("--num-tokens", _kv_pages_fitting(f) * page_size, 1)]
+    if req.kv_reserve_tokens is not None:
+        return [_hint("--kv-reserve-tokens", _kv_pages_fitting(f) * page_size, 0)]
+    return []
+
+
+def _max_model_len_hints(f: _Failure) -> list[str]:
+    """With no KV flag set, the KV floor is one sequence of --max-model-len tokens."""
+    req = f.req
+    if req.max_model_len is None or req.kv_reserve_tokens is not None or req.num_tokens is not None or \
+            req.num_pages is not None or not f.sizes.kv_pages:  # fmt: skip
+        return []
+    return [_hint("--max-model-len", _kv_pages_fitting(f) * f.r.page_size, 1)]
+
+
+def _expert_hints(f: _Failure) -> list[str]:
+    req, spec, slots = f.req, f.spec, f.sizes.expert_slots
+    if req.moe_cache_size is None and req.moe_cache_rate is None:
+        return []
+    s = _largest(f.costs.experts, f.room_for(f.costs.experts, slots), 0, slots) or 0
+    floor = min_expert_slots(spec)
+    if req.moe_cache_size is not None:
+        return [_hint("--moe-cache-size", s, floor)]
+    rate = math.floor(s / spec.total_experts * 1e6) / 1e6
+    while rate > 0 and math.ceil(rate * spec.total_experts) > s:
+        rate -= 1e-6
+    return [_hint("--moe-cache-rate", rate if s >= floor else 0, floor / spec.total_experts)]
+
+
+def _linear_state_hints(f: _Failure) -> list[str]:
+    if f.req.max_running_requests is None or not f.spec.linear_attention_layers:
+        return []
+    n = _largest(f.costs.linear_state, f.room_for(f.costs.linear_state, f.sizes.linear_slots), 0,
+                 f.r.max_running_requests) or 0  # fmt: skip
+    return [_hint("--max-running-requests", n, 1)]
+
+
+def _budget_hints(f: _Failure) -> list[str]:
+    req, r, total = f.req, f.r, f.terms.total
+    hints = []
+    if req.gpu_memory is not None:
+        need = math.ceil(total / r.memory_ratio)
+        while math.floor(need * r.memory_ratio) < total:
+            need += 1
+        hints.append(f"--gpu-memory would have to be at least {need} bytes ({format_bytes(need)})")
+    if req.memory_ratio is not None:
+        base = req.gpu_memory if req.gpu_memory is not None else f.measured.free_bytes
+        needed_ratio = math.ceil(total / base * 1e4) / 1e4
+        hints.append(f"--memory-ratio would have to be at least {needed_ratio:g}" if needed_ratio <= 1 else
+                     "--memory-ratio: no value up to 1 fits")  # fmt: skip
+    return hints
 
 
 def _hint(flag: str, largest: float, smallest_meaningful: float) -> str:

@@ -3,7 +3,7 @@
 A pool is one flat byte buffer carved into typed views. Its size is the sum of its tensors,
 each starting at a VIEW_ALIGN boundary, rounded up to POOL_ALIGN: the CUDA caching allocator
 reserves large blocks in 2 MiB granules, so a buffer of a multiple of 2 MiB makes the bytes the
-process reserves equal the bytes we priced (DESIGN §2 rule 1). Sentinel pages and padding slots
+process reserves equal the bytes we priced (docs/ARCHITECTURE.md §2 rule 1). Sentinel pages and padding slots
 are tensors rows like any other, so they are priced like any other.
 
 No torch here: `ferry plan` prices pools on machines without it; `pools.py` allocates them.
@@ -88,7 +88,7 @@ def linear_state_bytes_per_slot(spec: ModelSpec, dtype: str) -> int:
 
 
 def linear_state_layout(spec: ModelSpec, dtype: str, slots: int, padding: int = LINEAR_PADDING_SLOTS) -> PoolLayout:
-    """Conv and recurrent state of every Gated DeltaNet layer, for `slots` requests plus padding."""
+    """The linear state (conv and recurrent parts) of every Gated DeltaNet layer, for `slots` requests plus padding."""
     layers = len(spec.linear_attention_layers)
     if layers == 0:
         return PoolLayout("linear_state", ())

@@ -1,4 +1,4 @@
-"""The plan with the expert store's own per-step workspace in it (DESIGN §2 rule 1: the plan is exact).
+"""The plan with the expert store's own per-step workspace in it (docs/ARCHITECTURE.md §2 rule 1: the plan is exact).
 
 Which store runs depends on the plan (offload when it gives fewer slots than experts), and the
 offload store needs a little more per-step memory than the all-resident path the workspace was

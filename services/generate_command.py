@@ -1,7 +1,8 @@
 """`ferry generate`: offline generation for one prompt, in one process, through the worker's own
 boot and step executor — the same code a served request runs, with a minimal scheduler loop
 (one request: pages handed out in order, linear-state slot 1, prompt prefilled in chunks of at
-most --max-prefill-tokens, then one decode step per token)."""
+most --max-prefill-tokens, then one decode step per token). The request is built here, so its
+sampling parameters are checked here (shared/sampling.py's rules)."""
 
 from __future__ import annotations
 
@@ -15,17 +16,17 @@ import numpy as np
 from ferry.shared.eos import eos_token_ids
 from ferry.shared.errors import ConfigError
 from ferry.shared.logging import configure_logging
-from ferry.shared.sampling import SamplingParams
+from ferry.shared.sampling import SamplingParams, sampling_problems
 from ferry.shared.step import NewRequest, StepBatch
+from ferry.shared.units import ceil_div
 from ferry.services.worker.expert_cache_delta import report_delta, step_figures
+from ferry.services.worker.flags import add_worker_flags, boot_config_from_args
 
 REQ_ID = 1
-STATE_SLOT = 1  # slot 0 is the padding slot
+LINEAR_STATE_SLOT = 1  # slot 0 is the padding slot
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ferry.services.worker.boot import add_boot_arguments
-
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text (tokenized as is, no chat template)")
     prompt.add_argument("--prompt-ids", help="prompt token ids, comma-separated: 1,2,3")
@@ -40,15 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     parser.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
-    add_boot_arguments(parser)
-
-
-def _stop_ids(model_dir: Path, tokenizer) -> set[int]:
-    """The model's EOS ids and the tokenizer's: the same set the api stops on."""
-    ids = eos_token_ids(model_dir)
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    return ids
+    add_worker_flags(parser)
 
 
 def _load_tokenizer(model_dir: Path):
@@ -87,9 +80,8 @@ class OneRequestScheduler:
     def capacity(self) -> int:
         return self.pages * self.page_size
 
-    def step(self, tokens: list[int], context: int, sample: bool, new: list[NewRequest]) -> StepBatch:
-        end = context + len(tokens)
-        pages_needed = -(-end // self.page_size)
+    def step(self, tokens: list[int], context: int, sample: bool, new: tuple[NewRequest, ...]) -> StepBatch:
+        pages_needed = ceil_div(context + len(tokens), self.page_size)
         self.step_id += 1
         return StepBatch(
             step_id=self.step_id,
@@ -98,15 +90,15 @@ class OneRequestScheduler:
             query_lens=np.array([len(tokens)], dtype=np.int32),
             context_lens=np.array([context], dtype=np.int32),
             page_table=np.arange(1, pages_needed + 1, dtype=np.int32)[None, :],
-            state_slots=np.array([STATE_SLOT], dtype=np.int32),
-            reset_state=np.array([context == 0]),
+            linear_state_slots=np.array([LINEAR_STATE_SLOT], dtype=np.int32),
+            reset_linear_state=np.array([context == 0]),
             sample=np.array([sample]),
             new_requests=new,
         )
 
 
-def generate(executor, prompt_ids: list[int], params: SamplingParams,
-             eos_ids: set[int]) -> tuple[list[int], list[float], str]:  # fmt: skip
+def generate(executor, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
+             eos_ids: tuple[int, ...]) -> tuple[list[int], list[float], str]:  # fmt: skip
     """Run the request to completion; (generated token ids, their logprobs, finish reason: stop | length)."""
     plan = executor.plan
     scheduler = OneRequestScheduler(plan.kv.page_size, plan.kv.pages, plan.max_prefill_tokens)
@@ -114,14 +106,14 @@ def generate(executor, prompt_ids: list[int], params: SamplingParams,
     if len(prompt_ids) >= limit:
         raise ConfigError(f"the prompt has {len(prompt_ids)} tokens; this plan holds at most {limit - 1} "
                           "(raise --max-model-len or the KV pool)")  # fmt: skip
-    new = [NewRequest(REQ_ID, np.array(prompt_ids, dtype=np.int32), params)]
+    new = (NewRequest(req_id=REQ_ID, prompt_token_ids=np.array(prompt_ids, dtype=np.int32), sampling=params),)
     context, output, logprobs = 0, [], []
     chunk = plan.max_prefill_tokens
     while context < len(prompt_ids):  # prefill, in chunks
         part = prompt_ids[context : context + chunk]
         last = context + len(part) == len(prompt_ids)
         result = executor.execute(scheduler.step(part, context, last, new))
-        new, context = [], context + len(part)
+        new, context = (), context + len(part)
     while True:
         token = int(result.token_ids[0])
         output.append(token)
@@ -129,13 +121,28 @@ def generate(executor, prompt_ids: list[int], params: SamplingParams,
         if token in eos_ids and not params.ignore_eos or token in params.stop_token_ids:
             reason = "stop"
             break
-        if len(output) >= params.max_tokens or context + 1 >= limit:
+        if len(output) >= max_tokens or context + 1 >= limit:
             reason = "length"
             break
-        result = executor.execute(scheduler.step([token], context, True, []))
+        result = executor.execute(scheduler.step([token], context, True, ()))
         context += 1
-    executor.execute(StepBatch(scheduler.step_id + 1, *_empty_step(), finished_req_ids=[REQ_ID]))
+    executor.execute(StepBatch.empty(step_id=scheduler.step_id + 1, finished_req_ids=(REQ_ID,)))
     return output, logprobs, reason
+
+
+def _sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """The request's sampling parameters, checked before anything boots."""
+    if args.max_tokens < 1:
+        raise ConfigError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed,
+        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, ignore_eos=args.ignore_eos,
+    )  # fmt: skip
+    problems = sampling_problems(params)
+    if problems:
+        raise ConfigError("; ".join("--" + p.replace("_", "-", p.split()[0].count("_")) for p in problems))  # flag names
+    return params
 
 
 class StepRecordingExecutor:
@@ -157,30 +164,20 @@ class StepRecordingExecutor:
         return {**report_delta(self.before, self.executor.expert_cache_report()), "per_step": self.steps}
 
 
-def _empty_step():
-    return (np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32),
-            np.zeros((0, 1), np.int32), np.zeros(0, np.int32), np.zeros(0, bool), np.zeros(0, bool))  # fmt: skip
-
-
 def run(args: argparse.Namespace) -> int:
     from ferry.services.worker.boot import boot_worker
     from ferry.services.worker.model_source import resolve_model_dir
 
-    if args.max_tokens < 1:
-        raise ConfigError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    params = _sampling_params(args)
     # the boot's log lines (the plan, the CPU budget's origin) go to stderr as JSON lines; stdout stays the result
     configure_logging("generate")
-    executor, plan = boot_worker(args)
+    executor, plan = boot_worker(boot_config_from_args(args))
     recording = StepRecordingExecutor(executor)
     model_dir = resolve_model_dir(args.model, args.revision)
     tokenizer = _load_tokenizer(model_dir)
     prompt_ids = _prompt_ids(args, tokenizer, executor.spec.vocab_size)
-    params = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed,
-        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
-    )  # fmt: skip
-    token_ids, logprobs, reason = generate(recording, prompt_ids, params, _stop_ids(model_dir, tokenizer))
+    eos_ids = eos_token_ids(model_dir, tokenizer)  # the same ids the api stops on
+    token_ids, logprobs, reason = generate(recording, prompt_ids, params, args.max_tokens, eos_ids)
     text = tokenizer.decode(token_ids, skip_special_tokens=True) if tokenizer is not None else None
     if args.json:
         out = {"prompt_token_ids": prompt_ids, "token_ids": token_ids, "logprobs": logprobs, "text": text,

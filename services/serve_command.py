@@ -18,11 +18,12 @@ from pathlib import Path
 
 import structlog
 
-from ferry.shared.logging import configure_logging
+from ferry.shared.defaults import ipc_addresses
+from ferry.shared.logging import add_log_level_flag, configure_logging
 from ferry.services.api.config import add_api_flags
-from ferry.services.worker.command import DEFAULT_BOOT, add_worker_model_flags
-from ferry.services.worker.execution_flags import execution_flag_args
-from ferry.plan.planner_flags import PLANNER_FIELDS
+from ferry.services.scheduler.config import add_step_timeout_flag
+from ferry.services.worker.command import add_boot_flag
+from ferry.services.worker.flags import add_worker_flags, boot_config_from_args, worker_flag_args
 
 log = structlog.get_logger("serve")
 STOP_GRACE_S = 10.0
@@ -30,19 +31,14 @@ STOP_GRACE_S = 10.0
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model directory or hub id (default: the built-in tiny demo model)")
-    add_worker_model_flags(parser, model_required=False)
+    add_worker_flags(parser, model_required=False)
     add_api_flags(parser)
     g = parser.add_argument_group("processes")
     g.add_argument("--scheduler-health-port", type=int, default=None, help="scheduler /health and /metrics port (default: none)")
     g.add_argument("--worker-health-port", type=int, default=None, help="worker /health and /metrics port (default: none)")
-    g.add_argument("--step-timeout", type=float, default=300.0,
-                   help="seconds one worker step may run before its requests fail as hung (default 300)")  # fmt: skip
-    g.add_argument("--boot", default=DEFAULT_BOOT, help="module:function the worker boots with (default: the real model)")
-    parser.add_argument("--log-level", default="info", help="debug, info, warning or error")
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
+    add_step_timeout_flag(g)
+    add_boot_flag(g)
+    add_log_level_flag(parser)
 
 
 DEMO_MODEL_NAME = "ferry-tiny-demo"
@@ -57,19 +53,15 @@ def served_model_name(args: argparse.Namespace, model: str) -> str:
 
 
 def child_commands(args: argparse.Namespace, model: str, rundir: Path) -> dict[str, list[str]]:
-    api_addr, steps_addr, results_addr = (f"ipc://{rundir}/{n}.sock" for n in ("api", "steps", "results"))
+    api_addr, steps_addr, results_addr = ipc_addresses(rundir)
     ferry = [sys.executable, "-m", "ferry.services.cli"]
     log_level = ["--log-level", args.log_level]
     scheduler = [*ferry, "scheduler", "--api-addr", api_addr, "--steps-addr", steps_addr, "--results-addr", results_addr,
                  "--step-timeout", str(args.step_timeout)]  # fmt: skip
     if args.scheduler_health_port is not None:
         scheduler += ["--health-port", str(args.scheduler_health_port)]
-    worker = [*ferry, "worker", "--model", model, "--load-format", args.load_format, "--device", args.device,
-              "--expert-policy", args.expert_policy, "--steps-addr", steps_addr, "--results-addr", results_addr, "--boot", args.boot,
-              *execution_flag_args(args)]  # fmt: skip
-    for name in PLANNER_FIELDS:
-        if getattr(args, name) is not None:
-            worker += [_flag(name), str(getattr(args, name))]
+    worker = [*ferry, "worker", *worker_flag_args(boot_config_from_args(args, model)), "--steps-addr", steps_addr,
+              "--results-addr", results_addr, "--boot", args.boot]  # fmt: skip
     if args.worker_health_port is not None:
         worker += ["--health-port", str(args.worker_health_port)]
     api = [*ferry, "api", "--model", model, "--scheduler-addr", api_addr, "--host", args.host, "--port", str(args.port),

@@ -1,5 +1,5 @@
-"""End-of-sequence token ids as transformers' `generate` uses them: the model config's and
-generation_config.json's (either may be one id or a list). No torch."""
+"""End-of-sequence token ids: the one place that says which tokens end a request (unless it sets
+ignore_eos). The api and `ferry generate` both ask here. No torch."""
 
 from __future__ import annotations
 
@@ -13,14 +13,19 @@ def _ids(value) -> set[int]:
     return {int(v) for v in value} if isinstance(value, list) else {int(value)}
 
 
-def eos_token_ids(model_dir: str | Path) -> set[int]:
-    model_dir = Path(model_dir)
+def eos_token_ids(model_dir: str | Path | None, tokenizer=None) -> tuple[int, ...]:
+    """The tokenizer's eos_token_id and the model's (config.json, its text_config, and
+    generation_config.json; each may be one id or a list), sorted. transformers' `generate` stops on
+    all of them: chat models often end a turn with a token that is not the tokenizer's eos_token.
+    `model_dir` None (a tokenizer from the hub, no local directory): the tokenizer's only."""
     ids: set[int] = set()
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
     for name in ("config.json", "generation_config.json"):
-        path = model_dir / name
-        if not path.is_file():
+        path = Path(model_dir) / name if model_dir is not None else None
+        if path is None or not path.is_file():
             continue
         raw = json.loads(path.read_text())
         ids |= _ids(raw.get("eos_token_id"))
         ids |= _ids((raw.get("text_config") or {}).get("eos_token_id"))
-    return ids
+    return tuple(sorted(ids))

@@ -20,7 +20,7 @@ class ConfigError(FerryError):
 
 
 class PlanError(FerryError):
-    """The memory plan cannot fit the device budget (DESIGN §2 rule 4)."""
+    """The memory plan cannot fit the device budget (docs/ARCHITECTURE.md §2 rule 4)."""
 
     exit_status = 2
 

@@ -1,4 +1,4 @@
-"""Heartbeat bookkeeping: a peer that has been silent longer than `timeout` is dead (DESIGN §1)."""
+"""Heartbeat bookkeeping: a peer that has been silent longer than `timeout` is dead (docs/ARCHITECTURE.md §1)."""
 
 from __future__ import annotations
 

@@ -4,6 +4,7 @@ renderer, so a process's log is JSON lines only."""
 
 from __future__ import annotations
 
+import argparse
 import logging
 import sys
 
@@ -25,6 +26,10 @@ class _StderrLogger:
         sys.stderr.flush()
 
     log = debug = info = warn = warning = error = critical = exception = fatal = failure = err = msg
+
+
+def add_log_level_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--log-level", default="info", help="debug, info, warning or error")
 
 
 def configure_logging(process: str, level: str = "info") -> None:

@@ -1,6 +1,6 @@
 """Every message that crosses a process boundary: one msgspec tagged union per direction of each edge.
 
-Edges (DESIGN §1):  api DEALER -> scheduler ROUTER : ApiToScheduler
+Edges (docs/ARCHITECTURE.md §1):  api DEALER -> scheduler ROUTER : ApiToScheduler
                     scheduler ROUTER -> api DEALER : SchedulerToApi
                     scheduler PUSH -> worker PULL   : SchedulerToWorker
                     worker PUSH -> scheduler PULL   : WorkerToScheduler
@@ -25,7 +25,7 @@ class PoolReport(msgspec.Struct, frozen=True, kw_only=True):
 
     kv_pages: int  # usable pages, ids 1..kv_pages (0 is the sentinel)
     page_size: int
-    state_slots: int  # usable linear-state slots, ids 1..state_slots (0 = padding); 0 for models without linear attention
+    linear_state_slots: int  # usable linear-state slots, ids 1..linear_state_slots (0 = padding); 0 without linear attention
     max_running_requests: int
     max_prefill_tokens: int
     max_model_len: int

@@ -2,29 +2,26 @@
 
 The scheduler owns every page and slot; the worker only reads the indices it is given. Arrays
 are numpy so they can cross the wire as zero-copy frames (shared/wire.py); the executor turns
-them into device tensors. No torch here.
+them into device tensors. The structs are frozen and built by keyword; the arrays in them are not
+copied (those decoded from the wire are read-only views of the received frames). No torch here.
 
-Index conventions (shared by the planner, the pools and the allocators):
+Index conventions (shared by the planner, the pools and the allocators; docs/ARCHITECTURE.md,
+"The memory planner"):
 * KV pool: physical page 0 is the sentinel page, never allocated; usable pages are 1..pages.
   Unused entries of `page_table` hold 0, so padded positions write only the sentinel.
 * Linear-state pool: slot 0 is the padding slot; usable slots are 1..slots. Models without
-  linear attention ignore `state_slots`.
+  linear attention ignore `linear_state_slots`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
+import msgspec
 import numpy as np
 
 from ferry.shared.sampling import SamplingParams
 
-SENTINEL_PAGE = 0
-PADDING_STATE_SLOT = 0
 
-
-@dataclass
-class NewRequest:
+class NewRequest(msgspec.Struct, frozen=True, kw_only=True):
     """Sent once, with a request's first chunk: what the sampler keeps for the request's lifetime."""
 
     req_id: int
@@ -32,8 +29,7 @@ class NewRequest:
     sampling: SamplingParams
 
 
-@dataclass
-class StepBatch:
+class StepBatch(msgspec.Struct, frozen=True, kw_only=True):
     """One forward step over R requests and T = sum(query_lens) new tokens.
 
     Request i contributes tokens[qs[i]:qs[i]+query_lens[i]] (qs = exclusive cumsum of query_lens)
@@ -47,15 +43,24 @@ class StepBatch:
     query_lens: np.ndarray  # int32 [R], >= 1
     context_lens: np.ndarray  # int32 [R], tokens already in KV (cached prefix or earlier chunks)
     page_table: np.ndarray  # int32 [R, max_pages], page ids; 0 (sentinel) past the end
-    state_slots: np.ndarray  # int32 [R], linear-state slot (0 = padding slot / unused)
-    reset_state: np.ndarray  # bool [R], zero the linear state before this chunk (a request's first chunk)
+    linear_state_slots: np.ndarray  # int32 [R], linear-state slot (0 = padding slot / unused)
+    reset_linear_state: np.ndarray  # bool [R], zero the linear state before this chunk (a request's first chunk)
     sample: np.ndarray  # bool [R], sample a next token after this chunk (last prefill chunk, or decode)
-    new_requests: list[NewRequest] = field(default_factory=list)
-    finished_req_ids: list[int] = field(default_factory=list)  # forget sampler state of these, before the step
+    new_requests: tuple[NewRequest, ...] = ()
+    finished_req_ids: tuple[int, ...] = ()  # forget sampler state of these, before the step
+
+    @classmethod
+    def empty(cls, step_id: int, finished_req_ids: tuple[int, ...] = ()) -> "StepBatch":
+        """A step of no requests: it only makes the worker forget `finished_req_ids` (and, all padding,
+        it is what the decode graphs are captured on)."""
+        return cls(step_id=step_id, req_ids=np.zeros(0, np.int64), tokens=np.zeros(0, np.int32),
+                   query_lens=np.zeros(0, np.int32), context_lens=np.zeros(0, np.int32),
+                   page_table=np.zeros((0, 1), np.int32), linear_state_slots=np.zeros(0, np.int32),
+                   reset_linear_state=np.zeros(0, bool), sample=np.zeros(0, bool),
+                   finished_req_ids=tuple(finished_req_ids))  # fmt: skip
 
 
-@dataclass
-class StepOutput:
+class StepOutput(msgspec.Struct, frozen=True, kw_only=True):
     """What one step produced: a token for each request whose `sample` flag was set, in batch order."""
 
     step_id: int

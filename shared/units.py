@@ -49,5 +49,10 @@ def format_bytes(n: int) -> str:
     return f"{sign}{n} B"
 
 
+def ceil_div(n, d):
+    """n / d rounded up, for ints and numpy integer arrays alike (floor division of the negation)."""
+    return -(-n // d)
+
+
 def round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
+    return ceil_div(n, multiple) * multiple

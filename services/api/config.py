@@ -8,6 +8,7 @@ import socket
 import uuid
 from dataclasses import dataclass
 
+from ferry.shared.defaults import LOOPBACK
 from ferry.shared.errors import ConfigError
 from ferry.shared.units import parse_bytes
 
@@ -28,7 +29,7 @@ class ApiConfig:
 
 def add_api_flags(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("api")
-    g.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1: this host only)")
+    g.add_argument("--host", default=LOOPBACK, help=f"interface to listen on (default {LOOPBACK}: this host only)")
     g.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (default: open)")
     g.add_argument("--served-model-name", default=None, help="the model id clients send and /v1/models lists (default: the model path)")

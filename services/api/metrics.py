@@ -6,6 +6,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ferry.shared.messages import SchedulerStatus
+from ferry.shared.status_gauges import StatusGauges
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -21,11 +22,8 @@ class ApiMetrics:
         self.itl = Histogram("ferry_inter_token_latency_seconds", "time between consecutive tokens",
                              buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5), registry=r)  # fmt: skip
         self.e2e = Histogram("ferry_e2e_request_latency_seconds", "request arrival to last token", buckets=_LATENCY, registry=r)
-        self.running = Gauge("ferry_running_requests", "requests being prefilled or decoded", registry=r)
-        self.waiting = Gauge("ferry_waiting_requests", "requests queued for admission", registry=r)
+        self.status = StatusGauges(r, "ferry_")
         self.kv_usage = Gauge("ferry_kv_cache_usage", "fraction of KV pages held by requests (0..1)", registry=r)
-        self.kv_total = Gauge("ferry_kv_pages_total", "usable KV pages", registry=r)
-        self.kv_available = Gauge("ferry_kv_pages_available", "KV pages free or cached-and-unreferenced", registry=r)
         self.expert_hit_rate = Gauge("ferry_expert_hit_rate", "expert-cache hits / lookups since the worker started", registry=r)
         self.preemptions = Gauge("ferry_preemptions", "requests preempted for lack of KV pages (since the worker started)", registry=r)
         self.ready = Gauge("ferry_ready", "1 when scheduler and worker are ready", registry=r)
@@ -34,10 +32,7 @@ class ApiMetrics:
         self.ready.set(1 if ready else 0)
         if status is None:
             return
-        self.running.set(status.running)
-        self.waiting.set(status.waiting)
-        self.kv_total.set(status.kv_pages_total)
-        self.kv_available.set(status.kv_pages_available)
+        self.status.set_from(status)
         if status.kv_pages_total:
             self.kv_usage.set(1 - status.kv_pages_available / status.kv_pages_total)
         lookups = status.expert_hits + status.expert_misses

@@ -11,6 +11,7 @@ import structlog
 from aiohttp import web
 
 from ferry.shared.errors import FerryError, NotFound
+from ferry.shared.sampling import SamplingParams
 from ferry.services.api import schema
 from ferry.services.api.config import ApiConfig
 from ferry.services.api.generation import Generation
@@ -40,32 +41,35 @@ class OpenAIRoutes:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         req = schema.decode_body(await request.read(), schema.ChatCompletionRequest)
         max_tokens = schema.chat_max_tokens(req)
-        self._check_common(req, max_tokens)
+        sampling = self._check_common(req, max_tokens)
         prompt = await self._tokenize(self.tokenizer.chat_prompt, schema.chat_messages(req))
-        return await self._generate(request, req, "chat", prompt, max_tokens, ChatFormat(self.cfg.served_model_name))
+        fmt = ChatFormat(self.cfg.served_model_name)
+        return await self._generate(request, req, "chat", prompt, sampling, max_tokens, fmt)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = schema.decode_body(await request.read(), schema.CompletionRequest)
-        self._check_common(req, req.max_tokens)
+        sampling = self._check_common(req, req.max_tokens)
         prompt = await self._tokenize(self.tokenizer.text_prompt, schema.completion_prompt(req))
         fmt = CompletionFormat(self.cfg.served_model_name)
-        return await self._generate(request, req, "completions", prompt, req.max_tokens, fmt)
+        return await self._generate(request, req, "completions", prompt, sampling, req.max_tokens, fmt)
 
     async def _tokenize(self, fn, arg) -> list[int]:
         """Off the event loop (a prompt near the body limit takes long enough to stall every stream),
         on one thread (a fast tokenizer is not meant to encode from several threads at once)."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, arg)
 
-    def _check_common(self, req, max_tokens: int | None) -> None:
+    def _check_common(self, req, max_tokens: int | None) -> SamplingParams:
+        """Everything about the body that can be refused before tokenizing; the request's sampling."""
         if req.model is not None and req.model != self.cfg.served_model_name:
             raise NotFound(f"the model {req.model!r} does not exist here; this server serves {self.cfg.served_model_name!r}")
         schema.validate_generation(req, max_tokens)
+        return schema.sampling_params(req, self.tokenizer.eos_token_ids)
 
-    async def _generate(self, request: web.Request, req, route: str, prompt: list[int], max_tokens: int | None,
-                        fmt: ResponseFormat) -> web.StreamResponse:  # fmt: skip
+    async def _generate(self, request: web.Request, req, route: str, prompt: list[int], sampling: SamplingParams,
+                        max_tokens: int | None, fmt: ResponseFormat) -> web.StreamResponse:  # fmt: skip
         structlog.contextvars.bind_contextvars(request_id=fmt.id)
-        gen = Generation(self.client, self.tokenizer.hf, self.metrics, route, prompt,
-                         schema.sampling_params(req, self.tokenizer.eos_token_ids), max_tokens, schema.stop_strings(req))  # fmt: skip
+        gen = Generation(self.client, self.tokenizer.hf, self.metrics, route, prompt, sampling, max_tokens,
+                         schema.stop_strings(req))  # fmt: skip
         async with contextlib.aclosing(gen.deltas()) as deltas:
             if not req.stream:
                 parts, reason = [], None

@@ -1,12 +1,15 @@
 """The OpenAI request bodies we accept, as msgspec structs (a wrong type names the field), and their
-translation to SamplingParams. Unknown fields are ignored, like OpenAI's own server does."""
+translation to SamplingParams. Unknown fields are ignored, like OpenAI's own server does.
+
+The sampling fields default to None ("not sent"): their defaults and their rules belong to
+SamplingParams (shared/sampling.py), which gets only the fields a client sent."""
 
 from __future__ import annotations
 
 import msgspec
 
 from ferry.shared.errors import InvalidRequest
-from ferry.shared.sampling import SamplingParams
+from ferry.shared.sampling import SamplingParams, sampling_problems
 
 
 class StreamOptions(msgspec.Struct):
@@ -27,21 +30,26 @@ class ChatMessage(msgspec.Struct):
 class _Generation(msgspec.Struct, kw_only=True):
     model: str | None = None
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = None
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
+    ignore_eos: bool | None = None
     user: str | None = None
+
+
+# the body fields that are SamplingParams fields of the same name (stop_token_ids is built, not copied)
+SAMPLING_FIELDS = tuple(f for f in SamplingParams.__struct_fields__ if f in _Generation.__struct_fields__
+                        and f != "stop_token_ids")  # fmt: skip
 
 
 class ChatCompletionRequest(_Generation, kw_only=True):
@@ -74,15 +82,9 @@ def _check(ok: bool, message: str) -> None:
 
 
 def validate_generation(req: _Generation, max_tokens: int | None) -> None:
+    """What a body asks beyond sampling (SamplingParams' own rules are checked by `sampling_params`)."""
     _check(req.n == 1, f"n must be 1 (this server returns one choice per request), got {req.n}")
     _check(max_tokens is None or max_tokens >= 1, f"max_tokens must be at least 1, got {max_tokens}")
-    _check(req.temperature >= 0, f"temperature must be >= 0, got {req.temperature}")
-    _check(0 < req.top_p <= 1, f"top_p must be in (0, 1], got {req.top_p}")
-    _check(req.top_k >= -1, f"top_k must be -1, 0 (both: disabled) or positive, got {req.top_k}")
-    _check(0 <= req.min_p <= 1, f"min_p must be in [0, 1], got {req.min_p}")
-    _check(req.repetition_penalty > 0, f"repetition_penalty must be > 0, got {req.repetition_penalty}")
-    _check(-2 <= req.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {req.presence_penalty}")
-    _check(-2 <= req.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {req.frequency_penalty}")
     if isinstance(req.stop, list):
         _check(len(req.stop) <= 16, f"at most 16 stop strings, got {len(req.stop)}")
 
@@ -94,12 +96,13 @@ def stop_strings(req: _Generation) -> list[str]:
 
 
 def sampling_params(req: _Generation, eos_token_ids: tuple[int, ...]) -> SamplingParams:
+    """The request's SamplingParams, from the fields it sent; InvalidRequest naming a field out of range."""
     stop_ids = tuple(req.stop_token_ids or ()) + (() if req.ignore_eos else eos_token_ids)
-    return SamplingParams(
-        temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0), min_p=req.min_p, seed=req.seed,
-        repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty, ignore_eos=req.ignore_eos, stop_token_ids=tuple(dict.fromkeys(stop_ids)),
-    )  # fmt: skip
+    sent = {name: getattr(req, name) for name in SAMPLING_FIELDS if getattr(req, name) is not None}
+    params = SamplingParams(**sent, stop_token_ids=tuple(dict.fromkeys(stop_ids)))
+    problems = sampling_problems(params)
+    _check(not problems, "; ".join(problems))
+    return params
 
 
 def chat_max_tokens(req: ChatCompletionRequest) -> int | None:

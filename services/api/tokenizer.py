@@ -17,13 +17,7 @@ class PromptTokenizer:
             self.hf: Any = AutoTokenizer.from_pretrained(path)
         except Exception as exc:  # noqa: BLE001 - any failure here means: no usable tokenizer at that path
             raise ModelLoadError(f"cannot load a tokenizer from {path!r}: {exc}") from exc
-        # the tokenizer's EOS and the model's (config.json, generation_config.json), as transformers'
-        # generate stops on all of them: chat models often end turns with a token that is not the
-        # tokenizer's eos_token
-        eos = {int(self.hf.eos_token_id)} if self.hf.eos_token_id is not None else set()
-        if Path(path).is_dir():
-            eos |= eos_token_ids(path)
-        self.eos_token_ids: tuple[int, ...] = tuple(sorted(eos))
+        self.eos_token_ids = eos_token_ids(path if Path(path).is_dir() else None, self.hf)
         self.vocab_size = len(self.hf)
 
     def chat_prompt(self, messages: list[dict]) -> list[int]:

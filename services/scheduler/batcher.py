@@ -2,7 +2,7 @@
 
 Each step: running requests first, oldest first (decodes take one token, unfinished prefills take
 a chunk), then waiting requests in arrival order while the step's token budget
-(`max_prefill_tokens`), `max_running_requests`, state slots and pages allow. When a running
+(`max_prefill_tokens`), `max_running_requests`, linear-state slots and pages allow. When a running
 request needs a page and none is left, the newest running request not yet in this step is
 preempted: its pages are freed (full ones stay in the prefix cache) and it goes back to the head
 of the queue, to be recomputed from its prompt plus the tokens it already produced.
@@ -19,16 +19,16 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-import msgspec
 import numpy as np
 
 from ferry.shared.errors import EngineError, FerryError, InvalidRequest
 from ferry.shared.messages import PoolReport
 from ferry.shared.sampling import SamplingParams
 from ferry.shared.step import NewRequest, StepBatch, StepOutput
-from ferry.services.scheduler.kv_pool import KvPool, pages_for
+from ferry.shared.units import ceil_div
+from ferry.services.scheduler.kv_page_pool import KvPagePool
+from ferry.services.scheduler.linear_state_slots import LinearStateSlotAllocator
 from ferry.services.scheduler.request import Request
-from ferry.services.scheduler.state_slots import StateSlotAllocator
 
 
 @dataclass
@@ -52,19 +52,19 @@ def check_pool(pool: PoolReport) -> None:
     for name in ("kv_pages", "page_size", "max_running_requests", "max_prefill_tokens", "max_model_len"):
         if getattr(pool, name) < 1:
             raise ValueError(f"{name} must be at least 1, the worker reported {getattr(pool, name)}")
-    if pool.state_slots < 0:
-        raise ValueError(f"state_slots must be >= 0, the worker reported {pool.state_slots}")
+    if pool.linear_state_slots < 0:
+        raise ValueError(f"linear_state_slots must be >= 0, the worker reported {pool.linear_state_slots}")
 
 
 class BatchScheduler:
     def __init__(self, pool: PoolReport, first_step_id: int = 1):
         check_pool(pool)
         self.pool = pool
-        self.hybrid = pool.state_slots > 0
+        self.hybrid = pool.linear_state_slots > 0
         # Hybrid (linear-attention) models: a cached KV prefix is useless without the linear state at
         # the same position, and we keep no state snapshots, so prefix reuse is off for them.
-        self.kv = KvPool(pool.kv_pages, pool.page_size, prefix_reuse=not self.hybrid)
-        self.slots = StateSlotAllocator(pool.state_slots)
+        self.kv = KvPagePool(pool.kv_pages, pool.page_size, prefix_reuse=not self.hybrid)
+        self.linear_state = LinearStateSlotAllocator(pool.linear_state_slots)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is the newest
         self.by_rid: dict[int, Request] = {}
@@ -102,7 +102,7 @@ class BatchScheduler:
                 f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {prompt_len + max_tokens} "
                 f"exceeds the model length {limit}; lower max_tokens to at most {limit - prompt_len}"
             )
-        need = pages_for(prompt_len + max_tokens, self.pool.page_size)
+        need = ceil_div(prompt_len + max_tokens, self.pool.page_size)
         if need > self.kv.total:
             fits = self.kv.total * self.pool.page_size - prompt_len
             raise InvalidRequest(
@@ -116,8 +116,8 @@ class BatchScheduler:
             max_tokens: int | None) -> Request:  # fmt: skip
         resolved = self.resolve_max_tokens(len(prompt), max_tokens)
         req = Request(
-            rid=rid, client=client, client_req_id=client_req_id, prompt_len=len(prompt),
-            sampling=msgspec.structs.replace(sampling, max_tokens=resolved), tokens=[int(t) for t in prompt],
+            rid=rid, client=client, client_req_id=client_req_id, prompt_len=len(prompt), sampling=sampling,
+            max_tokens=resolved, tokens=[int(t) for t in prompt],
         )  # fmt: skip
         self.waiting.append(req)
         self.by_rid[rid] = req
@@ -139,9 +139,6 @@ class BatchScheduler:
     @property
     def step_in_flight(self) -> bool:
         return self._in_flight is not None
-
-    def has_work(self) -> bool:
-        return bool(self.running or self.waiting)
 
     def schedule(self) -> StepBatch | None:
         """The next step, or None when a step is in flight or nothing can run."""
@@ -186,15 +183,15 @@ class BatchScheduler:
     def _admit(self, req: Request, budget: int) -> bool:
         slot = 0
         if self.hybrid:
-            slot = self.slots.allocate()
+            slot = self.linear_state.allocate()
             if slot is None:
                 return False
         self.kv.reuse_prefix(req)
         if not self.kv.grow(req, req.num_computed + min(req.to_compute, budget)):
             self.kv.release(req)
-            self.slots.release(slot)
+            self.linear_state.release(slot)
             return False
-        req.slot = slot
+        req.linear_state_slot = slot
         if not req.admitted_once:
             req.cached_tokens = req.num_computed
             req.admitted_once = True
@@ -213,7 +210,8 @@ class BatchScheduler:
             if not r.announced:
                 # After a preemption the tokens already produced are part of the recomputed prefix, so
                 # they count as seen for the repetition penalty.
-                new_requests.append(NewRequest(r.rid, np.asarray(r.tokens, dtype=np.int32), r.sampling))
+                new_requests.append(NewRequest(req_id=r.rid, prompt_token_ids=np.asarray(r.tokens, dtype=np.int32),
+                                               sampling=r.sampling))  # fmt: skip
                 r.announced = True
         self._in_flight_step = next(self._step_ids)
         forget, self._forget = self._forget, []
@@ -224,11 +222,11 @@ class BatchScheduler:
             query_lens=np.array([e.query_len for e in entries], dtype=np.int32),
             context_lens=np.array([e.req.num_computed for e in entries], dtype=np.int32),
             page_table=page_table,
-            state_slots=np.array([e.req.slot for e in entries], dtype=np.int32),
-            reset_state=np.array([e.req.num_computed == 0 for e in entries], dtype=bool),
+            linear_state_slots=np.array([e.req.linear_state_slot for e in entries], dtype=np.int32),
+            reset_linear_state=np.array([e.req.num_computed == 0 for e in entries], dtype=bool),
             sample=np.array([e.sample for e in entries], dtype=bool),
-            new_requests=new_requests,
-            finished_req_ids=forget,
+            new_requests=tuple(new_requests),
+            finished_req_ids=tuple(forget),
         )
 
     def complete(self, output: StepOutput) -> Outcome:
@@ -284,14 +282,14 @@ class BatchScheduler:
     def _finish_reason(self, req: Request, token: int) -> str | None:
         if token in req.sampling.stop_token_ids:
             return "stop"
-        if req.output_len >= req.sampling.max_tokens or len(req.tokens) >= self.pool.max_model_len:
+        if req.output_len >= req.max_tokens or len(req.tokens) >= self.pool.max_model_len:
             return "length"
         return None
 
     def _release(self, req: Request) -> None:
         self.kv.release(req)
-        self.slots.release(req.slot)
-        req.slot = 0
+        self.linear_state.release(req.linear_state_slot)
+        req.linear_state_slot = 0
         if req.announced:
             self._forget.append(req.rid)
             req.announced = False

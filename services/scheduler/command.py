@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import signal
 
-from ferry.shared.logging import configure_logging
+from ferry.shared.logging import add_log_level_flag, configure_logging
 from ferry.services.scheduler.config import add_scheduler_flags, scheduler_config_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_scheduler_flags(parser)
-    parser.add_argument("--log-level", default="info", help="debug, info, warning or error")
+    add_log_level_flag(parser)
 
 
 def run(args: argparse.Namespace) -> int:

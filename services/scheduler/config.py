@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from ferry.shared.defaults import API_ADDR, RESULTS_ADDR, STEP_TIMEOUT_S, STEPS_ADDR
 from ferry.shared.errors import ConfigError
+from ferry.shared.side_http import add_side_http_flags
 
 
 @dataclass(frozen=True)
@@ -20,13 +22,17 @@ class SchedulerConfig:
 
 def add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("scheduler")
-    g.add_argument("--api-addr", default="tcp://127.0.0.1:5555", help="where the scheduler's ROUTER binds (api replicas connect)")
-    g.add_argument("--steps-addr", default="tcp://127.0.0.1:5556", help="where the scheduler pushes steps (worker connects)")
-    g.add_argument("--results-addr", default="tcp://127.0.0.1:5557", help="where the scheduler pulls results (worker connects)")
-    g.add_argument("--health-host", default="127.0.0.1", help="interface for /health and /metrics")
-    g.add_argument("--health-port", type=int, default=None, help="port for /health and /metrics (default: none)")
-    g.add_argument("--step-timeout", type=float, default=300.0,
-                   help="seconds one worker step may run before its requests fail as hung (default 300)")  # fmt: skip
+    g.add_argument("--api-addr", default=API_ADDR, help="where the scheduler's ROUTER binds (api replicas connect)")
+    g.add_argument("--steps-addr", default=STEPS_ADDR, help="where the scheduler pushes steps (worker connects)")
+    g.add_argument("--results-addr", default=RESULTS_ADDR, help="where the scheduler pulls results (worker connects)")
+    add_side_http_flags(g)
+    add_step_timeout_flag(g)
+
+
+def add_step_timeout_flag(group) -> None:
+    """`--step-timeout`, for `ferry scheduler` and `ferry serve` (which passes it on)."""
+    group.add_argument("--step-timeout", type=float, default=STEP_TIMEOUT_S,
+                       help=f"seconds one worker step may run before its requests fail as hung (default {STEP_TIMEOUT_S:g})")  # fmt: skip
 
 
 def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:

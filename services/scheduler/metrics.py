@@ -4,16 +4,14 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from ferry.shared.status_gauges import StatusGauges
+
 
 class SchedulerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.running = Gauge("ferry_scheduler_running_requests", "requests being prefilled or decoded", registry=r)
-        self.waiting = Gauge("ferry_scheduler_waiting_requests", "requests queued for admission", registry=r)
-        self.kv_total = Gauge("ferry_scheduler_kv_pages_total", "usable KV pages reported by the worker", registry=r)
-        self.kv_available = Gauge("ferry_scheduler_kv_pages_available",
-                                  "KV pages free or cached-and-unreferenced", registry=r)  # fmt: skip
+        self.status = StatusGauges(r, "ferry_scheduler_")
         self.kv_cached = Gauge("ferry_scheduler_kv_pages_cached", "KV pages held by the prefix cache", registry=r)
         self.steps = Counter("ferry_scheduler_steps", "steps sent to the worker", registry=r)
         self.step_tokens = Counter("ferry_scheduler_step_tokens", "tokens sent to the worker in steps", registry=r)

@@ -14,13 +14,14 @@ class Request:
     client: bytes  # the api replica's identity
     client_req_id: int  # the id that replica gave it
     prompt_len: int
-    sampling: SamplingParams  # max_tokens resolved
+    sampling: SamplingParams
+    max_tokens: int  # resolved at admission: the request stops with "length" after this many tokens
     tokens: list[int]  # prompt + output so far: what the KV must hold, and the key for the prefix cache
     output_len: int = 0
     pages: list[int] = field(default_factory=list)  # KV pages, in sequence order
     nodes: list[Node] = field(default_factory=list)  # prefix-cache nodes held; nodes[i].page == pages[i]
     num_computed: int = 0  # tokens whose K/V are in `pages`
-    slot: int = 0  # linear-state slot (hybrid models)
+    linear_state_slot: int = 0  # hybrid models; 0: none (the padding slot)
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache at first admission
     admitted_once: bool = False
     announced: bool = False  # the worker holds sampler state for it (NewRequest sent)

@@ -158,7 +158,7 @@ class SchedulerService:
         finally:
             structlog.contextvars.unbind_contextvars("client", "client_req_id")
         self.rids[(client, msg.req_id)] = rid
-        log.debug("request_queued", rid=rid, prompt_tokens=req.prompt_len, max_tokens=req.sampling.max_tokens)
+        log.debug("request_queued", rid=rid, prompt_tokens=req.prompt_len, max_tokens=req.max_tokens)
 
     def _send(self, client: bytes, msg) -> None:
         """To one api replica; a message it cannot take (disconnected right now) is logged, since
@@ -219,7 +219,7 @@ class SchedulerService:
         self.not_ready_reason = ""
         self._preemptions_seen = 0
         log.info("worker_ready", boot_id=boot_id, kv_pages=pool.kv_pages, page_size=pool.page_size,
-                 state_slots=pool.state_slots, max_running_requests=pool.max_running_requests,
+                 linear_state_slots=pool.linear_state_slots, max_running_requests=pool.max_running_requests,
                  max_prefill_tokens=pool.max_prefill_tokens, max_model_len=pool.max_model_len)  # fmt: skip
 
     def _worker_lost(self, why: str) -> None:
@@ -267,10 +267,7 @@ class SchedulerService:
     def _update_metrics(self, s: SchedulerStatus) -> None:
         m = self.metrics
         m.worker_ready.set(1 if s.ready else 0)
-        m.running.set(s.running)
-        m.waiting.set(s.waiting)
-        m.kv_total.set(s.kv_pages_total)
-        m.kv_available.set(s.kv_pages_available)
+        m.status.set_from(s)
         m.kv_cached.set(s.kv_pages_cached)
         if s.preemptions > self._preemptions_seen:
             m.preemptions.inc(s.preemptions - self._preemptions_seen)

@@ -49,16 +49,7 @@ def train_tokenizer(vocab_size: int = 640) -> PreTrainedTokenizerFast:
         show_progress=False,
     )
     tok.train_from_iterator(CORPUS.splitlines(keepends=True), trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=None,
-        eos_token=IM_END,
-        pad_token=ENDOFTEXT,
-        additional_special_tokens=[IM_START],
-        clean_up_tokenization_spaces=False,
-    )
-    fast.chat_template = CHATML_TEMPLATE
-    return fast
+    return _chatml_tokenizer(tok)
 
 
 def printable_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
@@ -102,16 +93,7 @@ def printable_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     )
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(list(SPECIAL_TOKENS))
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=None,
-        eos_token=IM_END,
-        pad_token=ENDOFTEXT,
-        additional_special_tokens=[IM_START],
-        clean_up_tokenization_spaces=False,
-    )
-    fast.chat_template = CHATML_TEMPLATE
-    return fast
+    return _chatml_tokenizer(tok)
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -125,3 +107,17 @@ def bytes_to_unicode() -> dict[int, str]:
             cs.append(256 + n)
             n += 1
     return dict(zip(bs, map(chr, cs)))
+
+
+def _chatml_tokenizer(tok: Tokenizer) -> PreTrainedTokenizerFast:
+    """`tok` as transformers' fast tokenizer with ChatML's special tokens and template."""
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=None,
+        eos_token=IM_END,
+        pad_token=ENDOFTEXT,
+        additional_special_tokens=[IM_START],
+        clean_up_tokenization_spaces=False,
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    return fast

@@ -1,4 +1,4 @@
-"""Worker boot, in the order of DESIGN §2 rule 3: measure, load dense weights, measure them,
+"""Worker boot, in the order of docs/ARCHITECTURE.md §2 rule 3: measure, load dense weights, measure them,
 profile the workspace, plan, allocate the pools, load the experts.
 
     free memory ─▶ dense weights ─▶ weight bytes ─▶ workspace ─▶ plan ─▶ [host banks] ─▶ pools ─▶ experts
@@ -13,7 +13,6 @@ workspace is estimated (costs.py)."""
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -22,20 +21,19 @@ from itertools import chain
 import structlog
 import torch
 
-from ferry.shared.errors import ConfigError, FerryError
+from ferry.shared.errors import FerryError
 from ferry.shared.units import MiB, format_bytes
 from ferry.plan.costs import workspace_bytes_estimate
 from ferry.services.worker.device import select_device
 from ferry.services.worker.executor import StepExecutor
 from ferry.services.worker.dummy_weights import iter_dummy_experts
 from ferry.services.worker.late_bound_experts import LateBoundExperts
-from ferry.services.worker.loader import LOAD_FORMATS, open_model, resident_weights, routed_expert_weights
-from ferry.services.worker.execution_flags import add_execution_flags
-from ferry.services.worker.expert_policy_flag import DEFAULT_EXPERT_POLICY, add_expert_policy_flag
+from ferry.services.worker.flags import WorkerBootConfig
+from ferry.services.worker.loader import ModelFiles, open_model, resident_weights, routed_expert_weights
 from ferry.services.worker.offload.build import build_expert_store, host_banks_for, is_offloaded
+from ferry.services.worker.offload.host_banks import mem_available_bytes
 from ferry.plan.plan_report import plan_log_fields
-from ferry.plan.planner import Measured, Plan, PlanRequest, resolve
-from ferry.plan.planner_flags import add_planner_flags, plan_request_from_args
+from ferry.plan.planner import Measured, Plan, PlanRequest, Resolved, resolve
 from ferry.services.worker.pools import TORCH_DTYPES, allocate_pools
 from ferry.plan.store_plan import plan_for_expert_store
 from ferry.services.worker.decode_graphs import DecodeGraphs, graph_buckets
@@ -54,36 +52,13 @@ class MemoryBudgetExceeded(FerryError):
     exit_status = 2
 
 
-def add_boot_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="a Hugging Face model directory, or a hub id already in the local cache")
-    parser.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) of a hub id")
-    parser.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
-                        help="auto/safetensors: read the checkpoint; dummy: random weights of the right shapes")
-    parser.add_argument("--device", default=None, help="auto, cpu, cuda or cuda:N (default auto: cuda if available, else cpu)")
-    add_expert_policy_flag(parser)
-    add_execution_flags(parser)
-    add_planner_flags(parser)  # fmt: skip
-
-
-def host_available_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (no psutil): what a CPU run may use without swapping."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 def _free_memory(device: torch.device, req: PlanRequest) -> tuple[int | None, str]:
     """Free device memory and where it came from. On CPU without --gpu-memory that is a default
     budget, passed as free memory so that no message names a flag the user did not set."""
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return int(free), "measured"
-    available = host_available_bytes()
+    available = mem_available_bytes()  # what a CPU run may use without swapping
     if req.gpu_memory is None:
         default = CPU_DEFAULT_BUDGET if available is None else min(CPU_DEFAULT_BUDGET, available // 2)
         origin = (f"the CPU default, min({format_bytes(CPU_DEFAULT_BUDGET)}, half of MemAvailable"
@@ -149,30 +124,40 @@ def _load_dummy_experts(store, spec, dtype: torch.dtype, device: torch.device) -
         store.load_expert(moe_layer, expert, gate, up, down)
 
 
-def boot_worker(args: argparse.Namespace) -> tuple[StepExecutor, Plan]:
-    device = select_device(getattr(args, "device", None))
-    files = open_model(args.model, args.load_format, getattr(args, "revision", None))
-    spec = files.spec
-    policy = getattr(args, "expert_policy", DEFAULT_EXPERT_POLICY)
-    req = plan_request_from_args(args)
+def boot_worker(cfg: WorkerBootConfig) -> tuple[StepExecutor, Plan]:
+    """Boot in three parts: resolve what was asked (here), load the dense weights, measure, plan and
+    allocate (`_load_and_plan`), then load the experts and make the executor (`_finish_boot`)."""
+    device = select_device(cfg.device)
+    files = open_model(cfg.model, cfg.load_format, cfg.revision)
+    req = cfg.plan
     free, free_source = _free_memory(device, req)
-    r = resolve(spec, req)
-    dtype = TORCH_DTYPES[r.dtype]
-    graphs_wanted = device.type == "cuda" and not getattr(args, "enforce_eager", False)
-    copy_engine_tokens = getattr(args, "expert_copy_engine_tokens", None)
-    if copy_engine_tokens is not None and copy_engine_tokens < 1:
-        raise ConfigError(f"--expert-copy-engine-tokens must be at least 1, got {copy_engine_tokens}")
-    buckets = graph_buckets(spec.num_experts_per_tok, r.max_running_requests, below=copy_engine_tokens)
-    graphs_wanted = graphs_wanted and bool(buckets)
+    r = resolve(files.spec, req)
+    if cfg.expert_copy_engine_tokens is not None and cfg.expert_copy_engine_tokens < 1:
+        raise ConfigError(f"--expert-copy-engine-tokens must be at least 1, got {cfg.expert_copy_engine_tokens}")
+    buckets = graph_buckets(files.spec.num_experts_per_tok, r.max_running_requests, below=cfg.expert_copy_engine_tokens)
+    graphs_wanted = device.type == "cuda" and not cfg.enforce_eager and bool(buckets)
+    baseline = 0
     if device.type == "cuda":
+        baseline = _reserved(device)  # what this process held before: not this boot's (tests boot many times)
         torch.cuda.reset_peak_memory_stats(device)
+    booted = _load_and_plan(cfg, files, r, device, free, free_source, graphs_wanted, buckets)
+    booted["baseline_reserved"] = baseline
+    return _finish_boot(files, booted, r, device, req, free, graphs_wanted, buckets)
 
+
+def _load_and_plan(cfg: WorkerBootConfig, files: ModelFiles, r: Resolved, device: torch.device, free: int | None,
+                   free_source: str, graphs_wanted: bool, buckets: list[int]) -> dict:  # fmt: skip
+    """Build the model, load its dense weights, then (between the two weight passes) measure,
+    plan, allocate the pools and bind the expert store, then load the routed experts. Returns
+    what the rest of boot needs: model, plan, pools, store and the measurements."""
     from ferry.services.worker.models import build_model
+
+    spec, dtype, req = files.spec, TORCH_DTYPES[r.dtype], cfg.plan
 
     before = _reserved(device)
     experts = LateBoundExperts(spec.num_experts)
     model = build_model(spec, dtype, device, experts)
-    booted: dict = {}
+    booted: dict = {"model": model}
 
     def plan_and_allocate() -> None:
         """Runs between the two weight passes: the dense weights are in, the experts not yet."""
@@ -183,6 +168,7 @@ def boot_worker(args: argparse.Namespace) -> tuple[StepExecutor, Plan]:
             workspace, workspace_source = profile_workspace_cuda(model, experts, spec, r, device), "profiled"
             if graphs_wanted:  # the decode graphs' pool and buffers: workspace the plan must hold
                 booted["graph_bytes"] = profile_decode_graphs_cuda(model, experts, spec, r, device, buckets)
+            if booted.get("graph_bytes") is not None:
                 workspace += booted["graph_bytes"]
                 workspace_source = f"profiled, {format_bytes(booted['graph_bytes'])} of it decode graphs"
         else:
@@ -193,9 +179,9 @@ def boot_worker(args: argparse.Namespace) -> tuple[StepExecutor, Plan]:
         plan = plan_for_expert_store(spec, req, Measured(weights, workspace, free, "measured", workspace_source, free_source))
         banks = _host_banks(spec, plan)  # before any pool is allocated (rule 4)
         pools = allocate_pools(spec, plan, device)
-        store = build_expert_store(spec, plan, pools.experts, device, policy=policy, banks=banks,
-                                   prefetch=getattr(args, "expert_prefetch", True),
-                                   copy_engine_tokens=copy_engine_tokens)  # fmt: skip
+        store = build_expert_store(spec, plan, pools.experts, device, policy=cfg.expert_policy, banks=banks,
+                                   prefetch=cfg.expert_prefetch,
+                                   copy_engine_tokens=cfg.expert_copy_engine_tokens)  # fmt: skip
         if hasattr(store, "set_routers"):  # next-layer prediction: each MoE layer's router weight
             store.set_routers([layer.mlp.gate.weight for layer in model.layers if hasattr(layer.mlp, "gate")])
         experts.bind(store)
@@ -208,6 +194,15 @@ def boot_worker(args: argparse.Namespace) -> tuple[StepExecutor, Plan]:
     expert_pass = (lambda: ()) if dummy else (lambda: routed_expert_weights(files, dtype, booted["expert_device"], progress))
     model.load_weights(chain(resident_weights(files, dtype, device, progress), _then(plan_and_allocate, expert_pass)),
                        routed_experts=not dummy)  # fmt: skip
+    return booted
+
+
+def _finish_boot(files: ModelFiles, booted: dict, r: Resolved, device: torch.device, req: PlanRequest,
+                 free: int | None, graphs_wanted: bool, buckets: list[int]) -> tuple[StepExecutor, Plan]:  # fmt: skip
+    """Load dummy experts, warm the offload store's slots, capture the decode graphs, check the
+    budget was kept, log the plan, and hand back the executor."""
+    spec, dtype, model = files.spec, TORCH_DTYPES[r.dtype], booted["model"]
+    dummy = files.load_format == "dummy"
     plan: Plan = booted["plan"]
     store = booted["store"]
     if dummy:
@@ -217,9 +212,9 @@ def boot_worker(args: argparse.Namespace) -> tuple[StepExecutor, Plan]:
     preloaded = store.preload()  # an offload store warms its free slots; the all-resident one has nothing to do
     log.info("experts_loaded", seconds=round(time.monotonic() - booted["experts_started"], 3),
              source="dummy" if dummy else "checkpoint", preloaded_slots=preloaded)  # fmt: skip
-    graphs = _capture_graphs(model, booted["pools"], plan, device, buckets, booted.get("graph_bytes", 0), store) \
-        if graphs_wanted else None  # fmt: skip
-    _check_budget(device, req, free, booted.get("loading_peak_reserved", 0))
+    graphs = _capture_graphs(model, booted["pools"], plan, device, buckets, booted["graph_bytes"], store) \
+        if booted.get("graph_bytes") is not None else None  # fmt: skip
+    _check_budget(device, req, free, booted.get("loading_peak_reserved", 0), booted["baseline_reserved"])
     log.info("plan", **plan_log_fields(plan), model=str(files.model_dir), device=str(device),
              load_format=files.load_format, expert_store=store.report()["policy"],
              cuda_graphs=graphs.buckets if graphs is not None else None)  # fmt: skip
@@ -233,11 +228,17 @@ def _capture_graphs(model, pools, plan: Plan, device: torch.device, buckets: lis
     t0 = time.monotonic()
     before = _reserved(device)
     graphs = DecodeGraphs(model, pools, plan.kv.page_size, plan.max_model_len, buckets, device)
-    graphs.capture()
+    try:
+        graphs.capture()
+    except RuntimeError as exc:  # profiling captured the same graphs, so this is not expected; stay up anyway
+        log.warning("cuda_graphs_unavailable", error=str(exc), message="decode runs eagerly")
+        graphs = None
     taken = _reserved(device) - before
     store.stats_to_host()  # warm-up ran padding rows only: start the statistics afresh
     store.end_step()
     store.stats.reset()
+    if graphs is None:
+        return None
     if taken > priced:
         log.warning("cuda_graphs_dropped", taken=taken, priced=priced,
                     message=f"the decode graphs took {format_bytes(taken)}, more than the {format_bytes(priced)} "
@@ -249,12 +250,14 @@ def _capture_graphs(model, pools, plan: Plan, device: torch.device, buckets: lis
     return graphs
 
 
-def _check_budget(device: torch.device, req: PlanRequest, free: int | None, earlier_peak: int) -> None:
-    """--gpu-memory is a promise: after boot, what the process ever reserved must be within it."""
+def _check_budget(device: torch.device, req: PlanRequest, free: int | None, earlier_peak: int,
+                  baseline: int = 0) -> None:  # fmt: skip
+    """--gpu-memory is a promise: after boot, what this boot ever reserved (beyond what the process
+    held before it: `baseline`) must be within it."""
     if device.type != "cuda":
         return
     limit = req.gpu_memory if req.gpu_memory is not None else free
-    reserved = max(torch.cuda.max_memory_reserved(device), earlier_peak)
+    reserved = max(torch.cuda.max_memory_reserved(device), earlier_peak) - baseline
     if limit is not None and reserved > limit:
         what = f"--gpu-memory {format_bytes(limit)}" if req.gpu_memory is not None else f"free memory {format_bytes(limit)}"
         raise MemoryBudgetExceeded(

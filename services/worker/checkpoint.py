@@ -1,6 +1,6 @@
 """Reading a safetensors checkpoint: its files, and its tensors one at a time with a progress bar.
 
-Two passes over the same files (DESIGN §2 rule 3): the GPU-resident tensors first, before the
+Two passes over the same files (docs/ARCHITECTURE.md §2 rule 3): the GPU-resident tensors first, before the
 planner runs, and the routed experts after the expert pool exists. `safe_open` reads only the
 tensors a pass selects, so neither pass touches the other's bytes."""
 

@@ -5,35 +5,29 @@ from __future__ import annotations
 import argparse
 import signal
 
-from ferry.shared.logging import configure_logging
-from ferry.services.worker.execution_flags import add_execution_flags
-from ferry.services.worker.expert_policy_flag import add_expert_policy_flag
-from ferry.plan.planner_flags import add_planner_flags
+from ferry.shared.defaults import RESULTS_ADDR, STEPS_ADDR
+from ferry.shared.logging import add_log_level_flag, configure_logging
+from ferry.shared.side_http import add_side_http_flags
+from ferry.services.worker.flags import add_worker_flags, boot_config_from_args
 
 DEFAULT_BOOT = "ferry.services.worker.boot:boot_worker"
 
 
-def add_worker_model_flags(parser: argparse.ArgumentParser, model_required: bool = True) -> None:
-    """The flags boot_worker reads (shared with `ferry serve`, where --model is optional)."""
-    if model_required:
-        parser.add_argument("--model", required=True, help="model directory (safetensors + config.json) or hub id")
-    parser.add_argument("--load-format", default="auto", help="auto | safetensors | dummy (random weights of the right shapes)")
-    parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    add_expert_policy_flag(parser)
-    add_execution_flags(parser)
-    add_planner_flags(parser)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_worker_model_flags(parser)
+    add_worker_flags(parser)
     g = parser.add_argument_group("worker wiring")
-    g.add_argument("--steps-addr", default="tcp://127.0.0.1:5556", help="the scheduler's step address (we connect)")
-    g.add_argument("--results-addr", default="tcp://127.0.0.1:5557", help="the scheduler's result address (we connect)")
-    g.add_argument("--health-host", default="127.0.0.1", help="interface for /health and /metrics")
-    g.add_argument("--health-port", type=int, default=None, help="port for /health and /metrics (default: none)")
-    g.add_argument("--boot", default=DEFAULT_BOOT,
-                   help="module:function that loads the model and returns (executor, plan)")  # fmt: skip
-    parser.add_argument("--log-level", default="info", help="debug, info, warning or error")
+    g.add_argument("--steps-addr", default=STEPS_ADDR, help="the scheduler's step address (we connect)")
+    g.add_argument("--results-addr", default=RESULTS_ADDR, help="the scheduler's result address (we connect)")
+    add_side_http_flags(g)
+    add_boot_flag(g)
+    add_log_level_flag(parser)
+
+
+def add_boot_flag(group) -> None:
+    """`--boot`, for `ferry worker` and `ferry serve` (which passes it on)."""
+    group.add_argument("--boot", default=DEFAULT_BOOT,
+                       help="module:function that takes a WorkerBootConfig, loads the model and returns "
+                            "(executor, plan) (default: the real model)")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -41,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     from ferry.services.worker.service import WorkerConfig, WorkerService
 
     cfg = WorkerConfig(args.steps_addr, args.results_addr, args.health_host, args.health_port, args.boot)
-    service = WorkerService(cfg, args)
+    service = WorkerService(cfg, boot_config_from_args(args))
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: service.stop())
     service.run()

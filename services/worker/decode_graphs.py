@@ -17,11 +17,11 @@ ones reuse its blocks; the pool and the static buffers are workspace that the pl
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from ferry.kernels.expert_pair_gemv import PAIR_KERNEL_MAX_PAIRS
 from ferry.shared.step import StepBatch
+from ferry.shared.units import ceil_div
 from ferry.services.worker.forward_batch import ForwardBatch, packed_bytes
 
 
@@ -40,14 +40,6 @@ def graph_buckets(top_k: int, max_running_requests: int, below: int | None = Non
     return out + [largest]
 
 
-def _blank_decode_step(rows: int) -> StepBatch:
-    """A decode step whose every row is padding (what warm-up and capture run)."""
-    return StepBatch(step_id=0, req_ids=np.zeros(0, np.int64), tokens=np.zeros(0, np.int32),
-                     query_lens=np.zeros(0, np.int32), context_lens=np.zeros(0, np.int32),
-                     page_table=np.zeros((0, 1), np.int32), state_slots=np.zeros(0, np.int32),
-                     reset_state=np.zeros(0, bool), sample=np.zeros(0, bool))  # fmt: skip
-
-
 class _Graph:
     def __init__(self, rows: int, inputs: torch.Tensor, batch: ForwardBatch):
         self.rows, self.inputs, self.batch = rows, inputs, batch
@@ -58,7 +50,7 @@ class _Graph:
 class DecodeGraphs:
     def __init__(self, model, pools, page_size: int, max_model_len: int, buckets: list[int], device: torch.device):
         self.model, self.pools, self.page_size, self.device = model, pools, page_size, torch.device(device)
-        self.max_pages = -(-max_model_len // page_size)
+        self.max_pages = ceil_div(max_model_len, page_size)
         self.buckets = sorted(buckets)
         self.graphs: dict[int, _Graph] = {}
 
@@ -69,7 +61,7 @@ class DecodeGraphs:
         with torch.inference_mode():
             for rows in sorted(self.buckets, reverse=True):
                 inputs = torch.empty(packed_bytes(rows, self.max_pages), dtype=torch.uint8, device=self.device)
-                batch = self._load(_blank_decode_step(rows), rows, inputs)
+                batch = self._load(StepBatch.empty(step_id=0), rows, inputs)  # every row padding
                 g = _Graph(rows, inputs, batch)
                 for _ in range(warmups):
                     self.model(batch, self.pools)
@@ -85,7 +77,7 @@ class DecodeGraphs:
         r = len(step.req_ids)
         if r == 0 or not self.graphs or r > self.buckets[-1]:
             return None
-        if len(step.tokens) != r or not step.sample.all() or step.reset_state.any():
+        if len(step.tokens) != r or not step.sample.all() or step.reset_linear_state.any():
             return None
         if step.page_table.shape[1] > self.max_pages:
             return None

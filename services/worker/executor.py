@@ -13,6 +13,7 @@ import torch
 from ferry.shared.errors import FerryError
 from ferry.plan.model_config import ModelSpec
 from ferry.shared.step import StepBatch, StepOutput
+from ferry.shared.units import ceil_div
 from ferry.services.worker.decode_graphs import DecodeGraphs
 from ferry.services.worker.experts import ExpertStore
 from ferry.services.worker.forward_batch import ForwardBatch
@@ -48,7 +49,8 @@ class StepExecutor:
         sample_mask = batch.sample.astype(bool)
         sampled_ids = np.asarray(batch.req_ids, dtype=np.int64)[sample_mask]
         if len(batch.req_ids) == 0:
-            return StepOutput(batch.step_id, sampled_ids, np.zeros(0, np.int32), np.zeros(0, np.float32))
+            return StepOutput(step_id=batch.step_id, req_ids=sampled_ids, token_ids=np.zeros(0, np.int32),
+                              logprobs=np.zeros(0, np.float32))  # fmt: skip
         self._check(batch)
         bucket = self.graphs.bucket_for(batch) if self.graphs is not None else None
         with torch.inference_mode():
@@ -91,7 +93,7 @@ class StepExecutor:
             problems.append(f"{t} tokens exceed max_prefill_tokens {self.plan.max_prefill_tokens}")
         if r > self.plan.max_running_requests:
             problems.append(f"{r} requests exceed max_running_requests {self.plan.max_running_requests}")
-        for name in ("context_lens", "state_slots", "reset_state", "sample"):
+        for name in ("context_lens", "linear_state_slots", "reset_linear_state", "sample"):
             if len(getattr(batch, name)) != r:
                 problems.append(f"{name} has {len(getattr(batch, name))} entries for {r} requests")
         if batch.page_table.ndim != 2 or batch.page_table.shape[0] != r:
@@ -99,13 +101,14 @@ class StepExecutor:
         elif batch.page_table.size and (batch.page_table.min() < 0 or batch.page_table.max() > self.plan.kv.pages):
             problems.append(f"page ids must be in 0..{self.plan.kv.pages}")
         else:
-            needed = -(-(batch.context_lens.astype(np.int64) + q) // self.plan.kv.page_size)
+            needed = ceil_div(batch.context_lens.astype(np.int64) + q, self.plan.kv.page_size)
             if (needed > batch.page_table.shape[1]).any():
                 problems.append("a request's tokens run past the pages in its page_table row")
-        if self.spec.linear_attention_layers and len(batch.state_slots) == r and (
-            (batch.state_slots < 0).any() or (batch.state_slots > self.plan.linear_state.slots).any()
+        slots = batch.linear_state_slots
+        if self.spec.linear_attention_layers and len(slots) == r and (
+            (slots < 0).any() or (slots > self.plan.linear_state.slots).any()
         ):
-            problems.append(f"state slots must be in 0..{self.plan.linear_state.slots}")
+            problems.append(f"linear-state slots must be in 0..{self.plan.linear_state.slots}")
         if problems:
             raise StepBatchError(f"step {batch.step_id}: " + "; ".join(problems))
 

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from ferry.shared.step import StepBatch
+from ferry.shared.units import round_up
 
 
 @dataclass
@@ -69,10 +70,10 @@ class ForwardBatch:
         logits_rows = (qstart[1:] - 1)[step.sample.astype(bool)]
         arrays = dict(
             tokens=(step.tokens, np.int64), positions=(positions, np.int64), slot_mapping=(slot_mapping, np.int64),
-            state_slots=(step.state_slots, np.int64), logits_rows=(logits_rows, np.int64),
+            state_slots=(step.linear_state_slots, np.int64), logits_rows=(logits_rows, np.int64),
             query_start=(qstart, np.int32), query_lens=(qlens, np.int32), context_lens=(clens, np.int32),
             page_table=(step.page_table, np.int32), token_request=(req_of_token, np.int32),
-            reset_state=(step.reset_state, np.bool_), real_tokens=(np.array([qstart[-1]]), np.int32),
+            reset_state=(step.reset_linear_state, np.bool_), real_tokens=(np.array([qstart[-1]]), np.int32),
         )  # fmt: skip
         rows = len(qlens)
         if pad_to is not None:
@@ -82,7 +83,7 @@ class ForwardBatch:
         return cls(
             **_to_device_in_one_copy(arrays, torch.device(device), into),
             sample_mask=np.concatenate([step.sample.astype(bool), np.ones(pad, bool)]),
-            reset_any=bool(np.asarray(step.reset_state).any()),
+            reset_any=bool(np.asarray(step.reset_linear_state).any()),
             query_lens_host=qlens.tolist() + [1] * pad,
             context_lens_host=clens.tolist() + [0] * pad,
             page_size=page_size,
@@ -125,7 +126,7 @@ def _to_device_in_one_copy(arrays: dict[str, tuple[np.ndarray, type]], device: t
     for name, (a, dtype) in arrays.items():
         a = np.ascontiguousarray(a, dtype=dtype)
         layout[name] = (a, offset)
-        offset += -(-a.nbytes // 8) * 8
+        offset += round_up(a.nbytes, 8)
     host = torch.empty(offset, dtype=torch.uint8, pin_memory=device.type == "cuda")
     staging = host.numpy()
     for a, start in layout.values():
@@ -148,4 +149,4 @@ def packed_bytes(rows: int, max_pages: int) -> int:
     sizes = {"tokens": 8 * rows, "positions": 8 * rows, "slot_mapping": 8 * rows, "state_slots": 8 * rows,
              "logits_rows": 8 * rows, "query_start": 4 * (rows + 1), "query_lens": 4 * rows, "context_lens": 4 * rows,
              "page_table": 4 * rows * max_pages, "token_request": 4 * rows, "reset_state": rows, "real_tokens": 4}  # fmt: skip
-    return sum(-(-n // 8) * 8 for n in sizes.values())
+    return sum(round_up(n, 8) for n in sizes.values())

@@ -1,7 +1,7 @@
 """An ExpertStore handle the model can be built with before the expert pool exists.
 
 Boot builds the model and loads its dense weights *before* the planner sizes the expert pool
-(DESIGN §2 rule 3: weights are measured, then planned around). The model keeps a reference to
+(docs/ARCHITECTURE.md §2 rule 3: weights are measured, then planned around). The model keeps a reference to
 its store, so it is given this handle, and the real store — resident slots, a profiling store,
 or the offload engine — is bound to it once it exists. Using it unbound is a boot-order bug."""
 

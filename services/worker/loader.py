@@ -4,7 +4,7 @@
 `routed_expert_weights` then yield (checkpoint name, tensor) pairs for the model's
 `load_weights`, either read from safetensors or fabricated (`--load-format dummy`). The boot
 sequence calls the resident pass before planning and the expert pass after the expert pool
-is allocated (DESIGN §2 rule 3)."""
+is allocated (docs/ARCHITECTURE.md §2 rule 3)."""
 
 from __future__ import annotations
 
@@ -18,9 +18,8 @@ from ferry.shared.errors import ConfigError, ModelLoadError
 from ferry.plan.model_config import ModelSpec, load_model_config
 from ferry.services.worker.checkpoint import checkpoint_files, iter_checkpoint_tensors, resident_tensor, routed_expert_tensor
 from ferry.services.worker.dummy_weights import iter_dummy_tensors
+from ferry.services.worker.flags import LOAD_FORMATS
 from ferry.services.worker.model_source import resolve_model_dir
-
-LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 
 @dataclass(frozen=True)
@@ -30,9 +29,6 @@ class ModelFiles:
     model_dir: Path
     spec: ModelSpec
     load_format: str  # safetensors | dummy (auto resolved)
-
-    def has_tokenizer(self) -> bool:
-        return (self.model_dir / "tokenizer.json").is_file() or (self.model_dir / "tokenizer_config.json").is_file()
 
 
 def open_model(model: str, load_format: str = "auto", revision: str | None = None) -> ModelFiles:

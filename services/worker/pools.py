@@ -1,4 +1,4 @@
-"""The GPU pools, allocated exactly as `pool_layout` prices them (DESIGN §2 rule 1).
+"""The GPU pools, allocated exactly as `pool_layout` prices them (docs/ARCHITECTURE.md §2 rule 1).
 
 Each pool is one flat byte buffer carved into typed views, so the bytes the allocator takes
 are the bytes the planner priced; `allocate_pools` checks that and refuses to continue if not.
@@ -45,8 +45,9 @@ def allocate_pool(layout: L.PoolLayout, device: torch.device | str) -> Allocated
     return AllocatedPool(layout, buffer, views)
 
 
-class KVPool:
-    """Paged K/V of every full-attention layer: [layers, 2, pages + sentinel, page_size, kv_heads, head_dim]."""
+class KvTensorPool:
+    """The worker's KV pool, the tensors behind the scheduler's page ids (its KvPagePool): paged K/V of
+    every full-attention layer, [layers, 2, pages + sentinel, page_size, kv_heads, head_dim]."""
 
     def __init__(self, pool: AllocatedPool, full_attention_layers: tuple[int, ...], page_size: int):
         self.pool = pool
@@ -61,7 +62,7 @@ class KVPool:
 
 
 class LinearStatePool:
-    """Gated DeltaNet state: conv [layers, slots + padding, conv_dim, kernel - 1] and
+    """The linear state (Gated DeltaNet layers): conv [layers, slots + padding, conv_dim, kernel - 1] and
     recurrent [layers, slots + padding, v_heads, k_head_dim, v_head_dim] (float32)."""
 
     def __init__(self, pool: AllocatedPool, linear_attention_layers: tuple[int, ...]):
@@ -92,7 +93,7 @@ class ExpertSlotPool:
 
 @dataclass
 class Pools:
-    kv: KVPool
+    kv: KvTensorPool
     linear_state: LinearStatePool | None
     experts: ExpertSlotPool
 
@@ -122,7 +123,7 @@ def allocate_pools(spec: ModelSpec, plan: Plan, device: torch.device | str) -> P
             raise PoolAllocationError(f"{layout.name} pool layout is {layout.nbytes} B but the plan priced "
                                       f"{priced[layout.name]} B: the plan was made for another model or dtype")  # fmt: skip
     before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-    kv = KVPool(allocate_pool(kv_layout, device), spec.full_attention_layers, plan.kv.page_size)
+    kv = KvTensorPool(allocate_pool(kv_layout, device), spec.full_attention_layers, plan.kv.page_size)
     linear = (
         LinearStatePool(allocate_pool(linear_layout, device), spec.linear_attention_layers)
         if linear_layout.tensors
@@ -134,5 +135,5 @@ def allocate_pools(spec: ModelSpec, plan: Plan, device: torch.device | str) -> P
     taken = torch.cuda.memory_allocated(device) - before if device.type == "cuda" else pools.nbytes
     if taken != planned:
         raise PoolAllocationError(f"the pools took {taken} B of device memory but the plan priced {planned} B; "
-                                  "refusing to start (DESIGN §2 rule 1)")  # fmt: skip
+                                  "refusing to start (docs/ARCHITECTURE.md §2 rule 1)")  # fmt: skip
     return pools

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ferry.shared.errors import ConfigError
 from ferry.shared.sampling import SamplingParams
 from ferry.shared.step import NewRequest
 
@@ -76,8 +75,8 @@ class Sampler:
 
     # ---- request lifetime ------------------------------------------------------------
     def add_request(self, new: NewRequest) -> None:
-        """Register a request (replacing any earlier state under the same id)."""
-        check_sampling_params(new.sampling)
+        """Register a request (replacing any earlier state under the same id). Its parameters were
+        checked where the request was built (shared/sampling.py's `sampling_problems`)."""
         self.requests[new.req_id] = RequestSamplingState.create(new, self.vocab_size, self.device)
 
     def remove_request(self, req_id: int) -> None:
@@ -150,23 +149,6 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
-
-
-def check_sampling_params(p: SamplingParams) -> None:
-    """Values the sampling arithmetic has no meaning for (the api should reject them before they get here)."""
-    problems = []
-    if not p.temperature >= 0:
-        problems.append(f"temperature must be >= 0, got {p.temperature}")
-    if not 0 < p.top_p <= 1:
-        problems.append(f"top_p must be in (0, 1], got {p.top_p}")
-    if not 0 <= p.min_p <= 1:
-        problems.append(f"min_p must be in [0, 1], got {p.min_p}")
-    if p.top_k < -1:
-        problems.append(f"top_k must be -1, 0 (disabled) or positive, got {p.top_k}")
-    if not p.repetition_penalty > 0:
-        problems.append(f"repetition_penalty must be > 0, got {p.repetition_penalty}")
-    if problems:
-        raise ConfigError("; ".join(problems))
 
 
 def apply_penalties(logits: torch.Tensor, states: list[RequestSamplingState], vocab_size: int) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The worker process's control loop: boot the executor, report the pools, execute steps.
 
-Thin on purpose: everything about the model lives behind `boot_worker(args) -> (executor, plan)` and
+Thin on purpose: everything about the model lives behind `boot_worker(cfg) -> (executor, plan)` and
 `executor.execute(StepBatch) -> StepOutput`. A heartbeat thread with its own socket announces the
 worker (and, once booted, its PoolReport) every HEARTBEAT_INTERVAL_S, so the scheduler notices a
 dead worker even while a long step runs here.
@@ -8,7 +8,6 @@ dead worker even while a long step runs here.
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import threading
 import time
@@ -24,6 +23,7 @@ from ferry.shared.liveness import HEARTBEAT_INTERVAL_S
 from ferry.shared.messages import PoolReport, RunStep, SchedulerToWorker, StepDone, StepFailed, WorkerAlive
 from ferry.shared.side_http import serve_side_http
 from ferry.shared.wire import PeerSocket, WireError
+from ferry.services.worker.flags import WorkerBootConfig
 from ferry.services.worker.metrics import WorkerMetrics
 
 log = structlog.get_logger("worker")
@@ -35,21 +35,21 @@ class WorkerConfig:
     results_addr: str  # the scheduler's PULL; we connect PUSHes (main loop and heartbeat thread)
     health_host: str
     health_port: int | None
-    boot: str  # "module:function" returning (executor, plan)
+    boot: str  # "module:function" taking a WorkerBootConfig, returning (executor, plan)
 
 
 def pool_report_from_plan(plan: Any) -> PoolReport:
     """The scheduler's view of the memory plan (ferry.plan.planner.Plan)."""
     return PoolReport(
-        kv_pages=plan.kv.pages, page_size=plan.kv.page_size, state_slots=plan.linear_state.slots,
+        kv_pages=plan.kv.pages, page_size=plan.kv.page_size, linear_state_slots=plan.linear_state.slots,
         max_running_requests=plan.max_running_requests, max_prefill_tokens=plan.max_prefill_tokens,
         max_model_len=plan.max_model_len,
-        plan_summary=f"{plan.kv.pages} KV pages x {plan.kv.page_size} tokens, {plan.linear_state.slots} state slots, "
+        plan_summary=f"{plan.kv.pages} KV pages x {plan.kv.page_size} tokens, {plan.linear_state.slots} linear-state slots, "
         f"{plan.experts.slots}/{plan.experts.total} expert slots",
     )  # fmt: skip
 
 
-def load_boot(spec: str) -> Callable[[argparse.Namespace], tuple[Any, Any]]:
+def load_boot(spec: str) -> Callable[[WorkerBootConfig], tuple[Any, Any]]:
     module, _, name = spec.partition(":")
     try:
         return getattr(importlib.import_module(module), name)
@@ -79,8 +79,8 @@ class _Heartbeat(threading.Thread):
 
 
 class WorkerService:
-    def __init__(self, cfg: WorkerConfig, args: argparse.Namespace, ctx: zmq.Context | None = None):
-        self.cfg, self.args = cfg, args
+    def __init__(self, cfg: WorkerConfig, boot_config: WorkerBootConfig, ctx: zmq.Context | None = None):
+        self.cfg, self.boot_config = cfg, boot_config
         self.ctx = ctx or zmq.Context.instance()
         self.boot_id = uuid.uuid4().hex
         self.metrics = WorkerMetrics()
@@ -102,7 +102,7 @@ class WorkerService:
     def boot(self) -> None:
         self.heartbeat.start()  # the scheduler hears "loading" while the model loads
         t0 = time.monotonic()
-        self.executor, self.plan = load_boot(self.cfg.boot)(self.args)
+        self.executor, self.plan = load_boot(self.cfg.boot)(self.boot_config)
         stats = getattr(self.executor, "expert_stats", None)  # (hits, misses) from the expert cache, if it has one
         self.heartbeat.expert_stats = stats if callable(stats) else None
         report = getattr(self.executor, "expert_cache_report", None)  # a test double's boot may have none

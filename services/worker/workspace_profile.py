@@ -1,9 +1,9 @@
-"""The activation workspace: measured by running the largest step once (DESIGN §2 rule 3).
+"""The activation workspace: measured by running the largest step once (docs/ARCHITECTURE.md §2 rule 3).
 
 The largest step is `max_prefill_tokens` new tokens spread over as many requests as may run
 together, every one of them sampling: one long prefill chunk carries most tokens (the widest
 activations), the other requests one token each (the most logits rows). It runs on a temporary
-minimal pool set — just enough KV pages and state slots for itself, one MoE layer's expert
+minimal pool set — just enough KV pages and linear-state slots for itself, one MoE layer's expert
 slots shared by every layer — that is freed before the real pools are planned.
 
 On CUDA the peak allocation above the baseline is the workspace. Attention over long contexts
@@ -14,16 +14,20 @@ measure: the worker uses the estimate of `plan/costs.py`."""
 from __future__ import annotations
 
 import numpy as np
+import structlog
 import torch
 
 from ferry.plan.model_config import DTYPE_BYTES, ModelSpec
 from ferry.shared.sampling import SamplingParams
 from ferry.shared.step import NewRequest, StepBatch
+from ferry.shared.units import ceil_div
 from ferry.plan import pool_layout as L
 from ferry.services.worker.forward_batch import ForwardBatch
 from ferry.services.worker.late_bound_experts import LateBoundExperts, SharedLayerExperts
+
+log = structlog.get_logger("worker")
 from ferry.plan.planner import Resolved
-from ferry.services.worker.pools import ExpertSlotPool, KVPool, LinearStatePool, Pools, allocate_pool
+from ferry.services.worker.pools import ExpertSlotPool, KvTensorPool, LinearStatePool, Pools, allocate_pool
 from ferry.services.worker.sampler import Sampler
 
 # The sampling path with the most workspace: a full-vocabulary sort for top-k/top-p, and min-p.
@@ -34,7 +38,7 @@ def largest_step(r: Resolved) -> StepBatch:
     requests = max(1, min(r.max_running_requests, r.max_prefill_tokens))
     query_lens = np.ones(requests, dtype=np.int32)
     query_lens[0] = r.max_prefill_tokens - (requests - 1)
-    pages_per_request = -(-query_lens.astype(np.int64) // r.page_size)
+    pages_per_request = ceil_div(query_lens.astype(np.int64), r.page_size)
     page_table = np.zeros((requests, int(pages_per_request.max())), dtype=np.int32)
     next_page = 1  # page 0 is the sentinel
     for i, n in enumerate(pages_per_request):
@@ -48,15 +52,15 @@ def largest_step(r: Resolved) -> StepBatch:
         query_lens=query_lens,
         context_lens=np.zeros(requests, dtype=np.int32),
         page_table=page_table,
-        state_slots=np.arange(1, requests + 1, dtype=np.int32),
-        reset_state=np.ones(requests, dtype=bool),
+        linear_state_slots=np.arange(1, requests + 1, dtype=np.int32),
+        reset_linear_state=np.ones(requests, dtype=bool),
         sample=np.ones(requests, dtype=bool),
     )
 
 
 def temporary_pools(spec: ModelSpec, r: Resolved, step: StepBatch, device: torch.device) -> Pools:
     pages = int(step.page_table.max())
-    kv = KVPool(allocate_pool(L.kv_pool_layout(spec, r.dtype, pages, r.page_size), device),
+    kv = KvTensorPool(allocate_pool(L.kv_pool_layout(spec, r.dtype, pages, r.page_size), device),
                 spec.full_attention_layers, r.page_size)  # fmt: skip
     linear_layout = L.linear_state_layout(spec, r.dtype, len(step.req_ids))
     linear = LinearStatePool(allocate_pool(linear_layout, device), spec.linear_attention_layers) if linear_layout.tensors else None
@@ -66,7 +70,7 @@ def temporary_pools(spec: ModelSpec, r: Resolved, step: StepBatch, device: torch
 
 def _prepare(experts: LateBoundExperts, spec: ModelSpec, r: Resolved, device: torch.device):
     step = largest_step(r)
-    step.tokens %= spec.vocab_size
+    np.remainder(step.tokens, spec.vocab_size, out=step.tokens)  # in place: the struct is frozen, not its arrays
     pools = temporary_pools(spec, r, step, device)
     experts.bind(SharedLayerExperts(pools.experts, spec.num_experts))
     return step, pools
@@ -77,7 +81,7 @@ def _sampler(spec: ModelSpec, step: StepBatch, device: torch.device) -> Sampler:
     per-vocabulary state on the device for its lifetime, which the workspace must include."""
     sampler = Sampler(spec.vocab_size, device, seed=0)
     for rid in step.req_ids.tolist():
-        sampler.add_request(NewRequest(rid, step.tokens[:8], PROFILE_SAMPLING))
+        sampler.add_request(NewRequest(req_id=rid, prompt_token_ids=step.tokens[:8], sampling=PROFILE_SAMPLING))
     return sampler
 
 
@@ -99,7 +103,7 @@ def run_largest_step(model, experts: LateBoundExperts, spec: ModelSpec, r: Resol
 
 
 def profile_decode_graphs_cuda(model, experts: LateBoundExperts, spec: ModelSpec, r: Resolved, device: torch.device,
-                               buckets: list[int]) -> int:  # fmt: skip
+                               buckets: list[int]) -> int | None:  # fmt: skip
     """Device memory the decode graphs take (their shared pool and static buffers), measured by
     capturing them on temporary pools with one MoE layer's slots serving every layer, then freed.
     The offloading store's graph-safe path allocates a few more small tensors per layer (the next
@@ -118,6 +122,9 @@ def profile_decode_graphs_cuda(model, experts: LateBoundExperts, spec: ModelSpec
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()  # what the eager warm-ups cached is the eager workspace's, not the graphs'
         taken = torch.cuda.memory_reserved(device) - baseline
+    except RuntimeError as exc:  # a decode path that waits for the device (e.g. float32 Gated DeltaNet)
+        log.warning("cuda_graphs_unavailable", error=str(exc), message="this model decodes eagerly")
+        return None
     finally:
         experts.unbind()
         del graphs, pools

@@ -38,12 +38,12 @@ def reference_continuation(prompt: list[int], n: int, vocab, stop_ids=()) -> lis
 
 
 class PagedHashModel:
-    def __init__(self, pages: int, page_size: int, vocab, state_slots: int = 0):
+    def __init__(self, pages: int, page_size: int, vocab, linear_state_slots: int = 0):
         self.page_size = page_size
         self.vocab = list(vocab)  # the token ids it may produce
         self.kv = np.full((pages + 1, page_size), -1, dtype=np.int64)
-        self.state = np.zeros(state_slots + 1, dtype=np.int64)
-        self.hybrid = state_slots > 0
+        self.state = np.zeros(linear_state_slots + 1, dtype=np.int64)
+        self.hybrid = linear_state_slots > 0
         self.known: set[int] = set()  # requests the sampler holds state for
         self.steps = 0
         self.batches: list[StepBatch] = []
@@ -70,9 +70,9 @@ class PagedHashModel:
                 assert page != 0, f"request {rid} writes position {pos} into the sentinel page"
                 self.kv[page, pos % ps] = tok
             if self.hybrid:
-                slot = int(batch.state_slots[i])
-                assert slot != 0, f"hybrid request {rid} has no state slot"
-                if batch.reset_state[i]:
+                slot = int(batch.linear_state_slots[i])
+                assert slot != 0, f"hybrid request {rid} has no linear-state slot"
+                if batch.reset_linear_state[i]:
                     assert ctx == 0, "state reset in the middle of a sequence"
                     self.state[slot] = 0
                 h = int(self.state[slot])
@@ -86,7 +86,7 @@ class PagedHashModel:
                     assert tok >= 0, f"request {rid} reads an unwritten KV slot at position {pos}"
                     h = _extend(h, tok)
                 if self.hybrid:
-                    assert h == int(self.state[int(batch.state_slots[i])]), "linear state diverged from KV"
+                    assert h == int(self.state[int(batch.linear_state_slots[i])]), "linear state diverged from KV"
                 out_ids.append(rid)
                 out_tokens.append(next_token(h, self.vocab))
         assert start == len(batch.tokens), "query_lens do not cover the batch's tokens"

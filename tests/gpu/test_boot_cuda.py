@@ -15,12 +15,13 @@ pytestmark = [
 
 
 def _args(model_dir, *extra):
-    from ferry.services.worker.boot import add_boot_arguments
+    from ferry.services.worker.flags import add_worker_flags, boot_config_from_args
 
     parser = argparse.ArgumentParser()
-    add_boot_arguments(parser)
-    return parser.parse_args(["--model", str(model_dir), "--device", "cuda", "--max-running-requests", "8",
-                              "--max-prefill-tokens", "256", *extra])  # fmt: skip
+    add_worker_flags(parser)
+    return boot_config_from_args(parser.parse_args(["--model", str(model_dir), "--device", "cuda",
+                                                    "--max-running-requests", "8", "--max-prefill-tokens", "256",
+                                                    *extra]))  # fmt: skip
 
 
 def test_cuda_boot_measures_profiles_and_keeps_the_budget(tiny_model):

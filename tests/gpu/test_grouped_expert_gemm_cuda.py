@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ferry.kernels.grouped_expert_gemm import grouped_expert_forward, grouped_expert_rows
-from ferry.kernels.moe_reference import grouped_expert_forward_reference, grouped_expert_rows_reference
+from ferry.kernels.grouped_expert_gemm_reference import grouped_expert_forward_reference, grouped_expert_rows_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

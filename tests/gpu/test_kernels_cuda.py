@@ -19,38 +19,30 @@ from test_kernel_paged_attention import CASES, _scenario  # noqa: E402
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_paged_attention_on_cuda(case, dtype):
-    from ferry.kernels.paged_attention_triton import paged_attention_triton
-
-    page_size, heads, kv_heads, head_dim, qlens, clens = case
-    q, kc, vc, pt, qs, pos, _, _ = _scenario(1, page_size, heads, kv_heads, head_dim, qlens, clens, dtype)
-    expected = paged_attention_reference(q, kc, vc, pt, qlens, clens, head_dim**-0.5)
-    cuda = [t.cuda() for t in (q, kc, vc, pt, qs, pos)]
-    out = torch.full_like(cuda[0], float("nan"))
-    paged_attention_triton(*cuda, head_dim**-0.5, out=out)
-    assert torch.isfinite(out).all()
-    # fp32: both accumulate in fp32, orders differ; bf16: one final rounding of the same value (2^-8)
-    tol = 1e-4 if dtype == torch.float32 else 1e-2
-    torch.testing.assert_close(out.cpu().float(), expected.float(), rtol=tol, atol=tol)
+# kernel -> (scenario seed, tolerance for float32, for bfloat16). Decode: both accumulate in fp32, orders
+# differ; bf16 is one final rounding of the same value (2^-8). Prefill: fp32 dots run as tf32 on tensor
+# cores (10-bit mantissa, ~1e-3); bf16 probabilities are rounded before the second dot, on top of that.
+PAGED_KERNELS = {"decode": (1, 1e-4, 1e-2), "prefill": (2, 2e-3, 2e-2)}
 
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_paged_prefill_on_cuda(case, dtype):
-    from ferry.kernels.paged_prefill_triton import paged_prefill_triton
+@pytest.mark.parametrize("kernel", list(PAGED_KERNELS))
+def test_triton_paged_attention_on_cuda(case, dtype, kernel):
+    from ferry.kernels import paged_attention_triton as kernels
 
+    seed, tol32, tol16 = PAGED_KERNELS[kernel]
     page_size, heads, kv_heads, head_dim, qlens, clens = case
-    q, kc, vc, pt, qs, pos, _, _ = _scenario(2, page_size, heads, kv_heads, head_dim, qlens, clens, dtype)
+    q, kc, vc, pt, qs, pos, _, _ = _scenario(seed, page_size, heads, kv_heads, head_dim, qlens, clens, dtype)
     expected = paged_attention_reference(q, kc, vc, pt, qlens, clens, head_dim**-0.5)
     cuda = [t.cuda() for t in (q, kc, vc, pt, qs, pos)]
     out = torch.full_like(cuda[0], float("nan"))
-    paged_prefill_triton(*cuda, qlens, head_dim**-0.5, out=out)
+    if kernel == "decode":
+        kernels.paged_attention_decode_triton(*cuda, head_dim**-0.5, out=out)
+    else:
+        kernels.paged_attention_prefill_triton(*cuda, qlens, head_dim**-0.5, out=out)
     assert torch.isfinite(out).all()
-    # fp32 dots run as tf32 on tensor cores (10-bit mantissa, ~1e-3); bf16: probabilities are
-    # rounded to bf16 before the second dot, on top of the output rounding
-    tol = 2e-3 if dtype == torch.float32 else 2e-2
+    tol = tol32 if dtype == torch.float32 else tol16
     torch.testing.assert_close(out.cpu().float(), expected.float(), rtol=tol, atol=tol)
 
 

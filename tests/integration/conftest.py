@@ -34,16 +34,17 @@ class GreedyReference:
         import torch
         from transformers import AutoTokenizer
 
-        from ferry.services.cli import build_parser
+        from ferry.plan.planner import PlanRequest
         from ferry.shared.eos import eos_token_ids
         from ferry.services.worker.boot import boot_worker
+        from ferry.services.worker.flags import WorkerBootConfig
 
-        argv = ["generate", "--model", str(model_dir), "--prompt", "unused", "--device", "cpu", "--num-pages", "64",
-                "--max-model-len", "512", "--max-running-requests", "4"]  # fmt: skip
+        cfg = WorkerBootConfig(model=str(model_dir), device="cpu",
+                               plan=PlanRequest(num_pages=64, max_model_len=512, max_running_requests=4))  # fmt: skip
         self.torch = torch
-        self.executor, _ = boot_worker(build_parser("generate").parse_args(argv))
+        self.executor, _ = boot_worker(cfg)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.eos_ids = eos_token_ids(model_dir)
+        self.eos_ids = eos_token_ids(model_dir, self.tokenizer)  # what `ferry generate` stops on
 
     def chat_ids(self, messages) -> list[int]:
         """The prompt the api builds for a chat request (services/api/tokenizer.py)."""
@@ -61,8 +62,8 @@ class GreedyReference:
         threads = self.torch.get_num_threads()
         self.torch.set_num_threads(1)  # tiny ops: one thread is several times faster on a busy 2-core runner
         try:
-            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
-            out, _, reason = generate(self.executor, list(prompt_ids), params, self.eos_ids)
+            params = SamplingParams(temperature=0.0, ignore_eos=ignore_eos)
+            out, _, reason = generate(self.executor, list(prompt_ids), params, max_tokens, self.eos_ids)
         finally:
             self.torch.set_num_threads(threads)
         return out, reason

@@ -17,6 +17,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ferry.shared.defaults import ipc_addresses
+
 REPO = Path(__file__).resolve().parents[2]
 FAKE_BOOT = "tests.doubles.fake_worker:boot_paged_hash_model"
 
@@ -43,9 +45,9 @@ def ascii_word_tokens(tokenizer) -> list[int]:
     return ids
 
 
-def make_model_dir(tokenizer_dir: Path, target: Path, tokenizer, step_delay_s: float = 0.0, state_slots: int = 0) -> Path:
+def make_model_dir(tokenizer_dir: Path, target: Path, tokenizer, step_delay_s: float = 0.0, linear_state_slots: int = 0) -> Path:
     shutil.copytree(tokenizer_dir, target)
-    spec = {"vocab": ascii_word_tokens(tokenizer), "step_delay_s": step_delay_s, "state_slots": state_slots}
+    spec = {"vocab": ascii_word_tokens(tokenizer), "step_delay_s": step_delay_s, "linear_state_slots": linear_state_slots}
     (target / "paged_hash_model.json").write_text(json.dumps(spec))
     return target
 
@@ -124,7 +126,7 @@ def start_cluster(model_dir: Path, rundir: Path, worker_flags=(), api_flags=(), 
     rundir.mkdir(parents=True, exist_ok=True)
     sock_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"ferry-test-{os.getpid()}-{free_port()}"
     sock_dir.mkdir(mode=0o700)  # ipc paths must stay short (108 bytes), pytest's tmp paths are long
-    api_addr, steps, results = (f"ipc://{sock_dir}/{n}" for n in ("api", "steps", "results"))
+    api_addr, steps, results = ipc_addresses(sock_dir)
     c = Cluster(rundir, model_dir, free_port(), free_port(), free_port(), api_addr, sock_dir)
     ferry = [sys.executable, "-m", "ferry.services.cli"]
     cmds = {
@@ -170,9 +172,10 @@ def labelled_metric(base_url: str, name: str, **labels: str) -> float:
     return 0.0
 
 
-async def _stream_completion(client, prompt: str, n: int) -> tuple[str, int | None, str | None]:
+async def _stream_completion(client, prompt: str, n: int, ignore_eos: bool) -> tuple[str, int | None, str | None]:
     stream = await client.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0, stream=True,
-                                             stream_options={"include_usage": True}, extra_body={"ignore_eos": True})  # fmt: skip
+                                             stream_options={"include_usage": True},
+                                             extra_body={"ignore_eos": True} if ignore_eos else None)  # fmt: skip
     text, usage, reason = [], None, None
     async for chunk in stream:
         if chunk.choices:
@@ -183,19 +186,64 @@ async def _stream_completion(client, prompt: str, n: int) -> tuple[str, int | No
     return "".join(text), usage, reason
 
 
-def stream_concurrently(base_url: str, jobs: list[tuple[str, int]]) -> list[tuple[str, int | None, str | None]]:
-    """Stream every (prompt, max_tokens) job at once through the openai AsyncOpenAI client, greedy with
-    ignore_eos; [(text, usage.completion_tokens, finish_reason)] in the jobs' order."""
+def stream_concurrently(base_url: str, jobs: list[tuple[str, int]], api_key: str = "x",
+                        ignore_eos: bool = True) -> list[tuple[str, int | None, str | None]]:  # fmt: skip
+    """Stream every (prompt, max_tokens) job at once through the openai AsyncOpenAI client, greedy (with
+    ignore_eos unless told otherwise); [(text, usage.completion_tokens, finish_reason)] in the jobs' order."""
     import openai
 
     async def main():
-        client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0, timeout=60)
+        client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key=api_key, max_retries=0, timeout=60)
         try:
-            return await asyncio.wait_for(asyncio.gather(*(_stream_completion(client, p, n) for p, n in jobs)), 90)
+            streams = (_stream_completion(client, p, n, ignore_eos) for p, n in jobs)
+            return await asyncio.wait_for(asyncio.gather(*streams), 90)
         finally:
             await client.close()
 
     return asyncio.run(main())
+
+
+def kill_worker_mid_streams(c: "Cluster", prompt: str, extra_body: dict | None = None) -> None:
+    """SIGKILL the worker while four streams and one plain request are generating: every one fails
+    within 5 s naming the worker, /health turns 503 and a new request is refused at once."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=c.base_url + "/v1", api_key="x", max_retries=0, timeout=30)
+
+    async def one(i: int, started: asyncio.Event):
+        try:
+            stream = await client.completions.create(model="tiny", prompt=f"{prompt} {i}", max_tokens=400, stream=True,
+                                                     extra_body=extra_body)  # fmt: skip
+            async for _ in stream:
+                started.set()
+        except openai.APIError as exc:
+            return time.monotonic(), exc
+        return time.monotonic(), None
+
+    async def main():
+        started = [asyncio.Event() for _ in range(4)]
+        streams = [asyncio.create_task(one(i, started[i])) for i in range(4)]
+        plain = asyncio.create_task(client.completions.create(model="tiny", prompt=f"{prompt} too", max_tokens=400,
+                                                              extra_body=extra_body))  # fmt: skip
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 20)  # all four are generating
+        c.procs["worker"].send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        results = await asyncio.wait_for(asyncio.gather(*streams), 10)
+        try:
+            await asyncio.wait_for(plain, 10)
+            plain_error = None
+        except openai.APIStatusError as exc:
+            plain_error = exc
+        await client.close()
+        return killed, results, plain_error
+
+    killed, results, plain_error = asyncio.run(main())
+    for ended, err in results:
+        assert err is not None, "a stream finished normally although its worker died"
+        assert "worker" in str(err) and ended - killed < 5.0
+    assert plain_error is not None and plain_error.status_code == 503 and "worker" in plain_error.message
+    health_turns_503(c.base_url, "worker")
+    assert_new_request_refused(c.base_url)
 
 
 def health_turns_503(base_url: str, reason: str, timeout: float = 5.0) -> str:

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from tests.doubles.paged_model import reference_continuation
-from tests.integration.harness import ascii_word_tokens, eventually, http_get, metric, start_cluster
+from tests.integration.harness import ascii_word_tokens, eventually, http_get, metric, start_cluster, stream_concurrently
 
 
 def expected(tok, prompt, n):
@@ -19,28 +19,8 @@ def expected(tok, prompt, n):
     return tok.decode(reference_continuation(ids, n, ascii_word_tokens(tok)), skip_special_tokens=True)
 
 
-async def stream_completion(client: openai.AsyncOpenAI, prompt: str, n: int) -> tuple[str, int, str]:
-    stream = await client.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0, stream=True,
-                                             stream_options={"include_usage": True})  # fmt: skip
-    text, usage, reason = [], None, None
-    async for chunk in stream:
-        if chunk.choices:
-            text.append(chunk.choices[0].text)
-            reason = chunk.choices[0].finish_reason or reason
-        if chunk.usage:
-            usage = chunk.usage.completion_tokens
-    return "".join(text), usage, reason
-
-
 def run_concurrently(base_url: str, jobs: list[tuple[str, int]], api_key: str = "unused"):
-    async def main():
-        client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key=api_key, max_retries=0, timeout=60)
-        try:
-            return await asyncio.gather(*(stream_completion(client, p, n) for p, n in jobs))
-        finally:
-            await client.close()
-
-    return asyncio.run(main())
+    return stream_concurrently(base_url, jobs, api_key=api_key, ignore_eos=False)
 
 
 def test_sixteen_concurrent_streams_all_finish_with_the_right_tokens(cluster, tiny_tokenizer):
@@ -107,11 +87,12 @@ def test_preemption_lets_every_request_finish_when_the_pool_is_too_small(tmp_pat
         c.stop()
 
 
-def test_hybrid_model_runs_at_most_one_request_per_state_slot(tmp_path_factory, tiny_tokenizer_dir, tiny_tokenizer):
+def test_hybrid_model_runs_at_most_one_request_per_linear_state_slot(tmp_path_factory, tiny_tokenizer_dir,
+                                                                    tiny_tokenizer):  # fmt: skip
     from tests.integration.harness import make_model_dir
 
     model = make_model_dir(tiny_tokenizer_dir, tmp_path_factory.mktemp("models") / "hybrid", tiny_tokenizer,
-                           state_slots=3)  # fmt: skip
+                           linear_state_slots=3)  # fmt: skip
     c = start_cluster(model, tmp_path_factory.mktemp("hybrid"), worker_flags=["--max-model-len", "256"])
     try:
         jobs = [(f"same system prompt, user {i}", 12) for i in range(7)]

@@ -2,54 +2,20 @@
 
 from __future__ import annotations
 
-import asyncio
 import signal
 import time
 
 import openai
 
-from tests.integration.harness import assert_new_request_refused, eventually, health_turns_503, http_get, start_cluster
+from tests.integration.harness import (
+    assert_new_request_refused, eventually, health_turns_503, http_get, kill_worker_mid_streams, start_cluster,
+)  # fmt: skip
 
 
 def test_killing_the_worker_fails_requests_fast_and_health_turns_503(slow_model_dir, tmp_path):
     c = start_cluster(slow_model_dir, tmp_path, worker_flags=["--max-model-len", "512"])
     try:
-        client = openai.AsyncOpenAI(base_url=c.base_url + "/v1", api_key="x", max_retries=0, timeout=30)
-
-        async def one(i: int, started: asyncio.Event):
-            try:
-                stream = await client.completions.create(model="tiny", prompt=f"doomed {i}", max_tokens=400, stream=True)
-                async for _ in stream:
-                    started.set()
-            except openai.APIError as exc:
-                return time.monotonic(), exc
-            return time.monotonic(), None
-
-        async def main():
-            started = asyncio.Event()
-            streams = [asyncio.create_task(one(i, started)) for i in range(4)]
-            plain = asyncio.create_task(client.completions.create(model="tiny", prompt="doomed too", max_tokens=400))
-            await asyncio.wait_for(started.wait(), 10)
-            await asyncio.sleep(0.2)
-            c.procs["worker"].send_signal(signal.SIGKILL)
-            killed = time.monotonic()
-            results = await asyncio.wait_for(asyncio.gather(*streams), 10)
-            try:
-                await asyncio.wait_for(plain, 10)
-                plain_error = None
-            except openai.APIStatusError as exc:
-                plain_error = exc
-            await client.close()
-            return killed, results, plain_error
-
-        killed, results, plain_error = asyncio.run(main())
-        for ended, err in results:
-            assert err is not None, "a stream finished normally although its worker died"
-            assert "worker" in str(err)
-            assert ended - killed < 5.0
-        assert plain_error is not None and plain_error.status_code == 503 and "worker" in plain_error.message
-        health_turns_503(c.base_url, "worker")
-        assert_new_request_refused(c.base_url)
+        kill_worker_mid_streams(c, "doomed")
     finally:
         c.stop()
 

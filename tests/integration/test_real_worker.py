@@ -16,7 +16,6 @@ Preemption under a small pool: test_real_worker_preemption.py.
 from __future__ import annotations
 
 import asyncio
-import signal
 import subprocess
 import sys
 import time
@@ -26,8 +25,8 @@ import openai
 import pytest
 
 from tests.integration.harness import (
-    REAL_WORKER_ENV, REPO, assert_new_request_refused, child_env, eventually, health_turns_503, http_get,
-    labelled_metric, metric, start_cluster, stream_concurrently,
+    REAL_WORKER_ENV, REPO, child_env, eventually, http_get,
+    kill_worker_mid_streams, labelled_metric, metric, start_cluster, stream_concurrently,
 )  # fmt: skip
 from tests.integration.test_bad_input import CASES as BAD_REQUESTS, post
 
@@ -226,40 +225,4 @@ def test_a_prompt_one_token_short_of_the_model_length_gets_one_token(real_cluste
 
 # Kills the module's worker: keep it the last test of this module.
 def test_killing_the_real_worker_fails_requests_fast_and_health_turns_503(real_cluster):
-    c = real_cluster
-    client = openai.AsyncOpenAI(base_url=c.base_url + "/v1", api_key="x", max_retries=0, timeout=30)
-
-    async def one(i: int, started: asyncio.Event):
-        try:
-            stream = await client.completions.create(model="tiny", prompt=f"doomed crossing {i}", max_tokens=400,
-                                                     stream=True, extra_body={"ignore_eos": True})  # fmt: skip
-            async for _ in stream:
-                started.set()
-        except openai.APIError as exc:
-            return time.monotonic(), exc
-        return time.monotonic(), None
-
-    async def main():
-        started = [asyncio.Event() for _ in range(4)]
-        streams = [asyncio.create_task(one(i, started[i])) for i in range(4)]
-        plain = asyncio.create_task(client.completions.create(model="tiny", prompt="doomed too", max_tokens=400,
-                                                              extra_body={"ignore_eos": True}))  # fmt: skip
-        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 20)  # all four are generating
-        c.procs["worker"].send_signal(signal.SIGKILL)
-        killed = time.monotonic()
-        results = await asyncio.wait_for(asyncio.gather(*streams), 10)
-        try:
-            await asyncio.wait_for(plain, 10)
-            plain_error = None
-        except openai.APIStatusError as exc:
-            plain_error = exc
-        await client.close()
-        return killed, results, plain_error
-
-    killed, results, plain_error = asyncio.run(main())
-    for ended, err in results:
-        assert err is not None, "a stream finished normally although its worker died"
-        assert "worker" in str(err) and ended - killed < 5.0
-    assert plain_error is not None and plain_error.status_code == 503 and "worker" in plain_error.message
-    health_turns_503(c.base_url, "worker")
-    assert_new_request_refused(c.base_url)
+    kill_worker_mid_streams(real_cluster, "doomed crossing", extra_body={"ignore_eos": True})

@@ -14,7 +14,7 @@ from ferry.plan import pool_layout as L
 from ferry.services.worker.offload.resident import ResidentExperts
 from ferry.services.worker.forward_batch import ForwardBatch
 from ferry.services.worker.models import CausalLM, build_model
-from ferry.services.worker.pools import ExpertSlotPool, KVPool, LinearStatePool, Pools, allocate_pool
+from ferry.services.worker.pools import ExpertSlotPool, KvTensorPool, LinearStatePool, Pools, allocate_pool
 from ferry.plan.model_config import ModelSpec
 from ferry.shared.step import StepBatch
 
@@ -31,7 +31,7 @@ def make_pools(
     """Pools laid out exactly as the planner prices them, every expert resident."""
     name = DTYPE_NAMES[dtype]
     kv_pool = allocate_pool(L.kv_pool_layout(spec, name, num_pages, page_size), device)
-    kv = KVPool(kv_pool, spec.full_attention_layers, page_size)
+    kv = KvTensorPool(kv_pool, spec.full_attention_layers, page_size)
     linear_layout = L.linear_state_layout(spec, name, num_slots)
     linear = None
     if linear_layout.tensors:
@@ -109,8 +109,8 @@ class PagedRunner:
             query_lens=np.array([len(ts) for _, ts in items] + [1] * padding, dtype=np.int32),
             context_lens=np.array([r.context_len for r in reqs] + [0] * padding, dtype=np.int32),
             page_table=page_table,
-            state_slots=np.array([r.slot for r in reqs] + [0] * padding, dtype=np.int32),
-            reset_state=np.array(reset + [False] * padding, dtype=bool),
+            linear_state_slots=np.array([r.slot for r in reqs] + [0] * padding, dtype=np.int32),
+            reset_linear_state=np.array(reset + [False] * padding, dtype=bool),
             sample=np.array([True] * len(items) + [False] * padding, dtype=bool),
         )
         self.step_id += 1

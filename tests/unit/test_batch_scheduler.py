@@ -16,7 +16,7 @@ VOCAB = range(FIRST, FIRST + COUNT)
 
 
 def make(pages=64, page_size=4, slots=0, running=8, prefill=32, model_len=128):
-    pool = PoolReport(kv_pages=pages, page_size=page_size, state_slots=slots, max_running_requests=running,
+    pool = PoolReport(kv_pages=pages, page_size=page_size, linear_state_slots=slots, max_running_requests=running,
                       max_prefill_tokens=prefill, max_model_len=model_len)  # fmt: skip
     return BatchScheduler(pool), PagedHashModel(pages, page_size, VOCAB, slots)
 
@@ -27,7 +27,7 @@ def run_to_end(sched, model, max_steps=10_000):
     for _ in range(max_steps):
         batch = sched.schedule()
         if batch is None:
-            assert not sched.has_work(), "work left but nothing schedulable"
+            assert not (sched.running or sched.waiting), "work left but nothing schedulable"
             return tokens, finished
         out = sched.complete(model.execute(batch))
         assert not out.failed
@@ -130,12 +130,12 @@ def test_requests_that_can_never_fit_are_rejected_at_once():
         add(sched, 3, prompt(0, 10), 30)
     with pytest.raises(InvalidRequest, match="at least 1"):
         add(sched, 4, prompt(0, 10), 0)
-    assert not sched.has_work()
+    assert not (sched.running or sched.waiting)
 
 
 def test_default_max_tokens_fills_the_model_length():
     sched, _ = make(pages=64, page_size=4, model_len=64)
-    assert add(sched, 1, prompt(0, 10), None).sampling.max_tokens == 54
+    assert add(sched, 1, prompt(0, 10), None).max_tokens == 54
 
 
 def test_abort_frees_pages_immediately_or_when_the_step_in_flight_returns():
@@ -161,7 +161,7 @@ def test_aborted_requests_are_forgotten_by_the_worker():
     sched.complete(model.execute(sched.schedule()))
     sched.abort(1)
     batch = sched.schedule()
-    assert batch.finished_req_ids == [1]
+    assert batch.finished_req_ids == (1,)
     assert batch.req_ids.tolist() == [2]
 
 
@@ -173,7 +173,7 @@ def test_hybrid_models_get_one_state_slot_per_running_request_and_no_prefix_reus
         add(sched, rid, p, 6)
     tokens, _ = run_to_end(sched, model)
     assert max(len(b.req_ids) for b in model.batches) <= 2
-    assert all(set(b.state_slots.tolist()) <= {1, 2} for b in model.batches)
+    assert all(set(b.linear_state_slots.tolist()) <= {1, 2} for b in model.batches)
     for rid, p in prompts.items():
         assert tokens[rid] == reference_continuation(p.tolist(), 6, VOCAB)
     assert sched.kv.cache.nodes == 0
@@ -189,7 +189,7 @@ def test_worker_loss_fails_every_request_and_step_failure_only_its_batch():
     assert sched.schedule().req_ids.tolist() == [2]
     out = sched.fail_all(EngineError("worker lost"))
     assert [r.rid for r, _ in out.failed] == [2]
-    assert not sched.has_work() and sched.kv.available == sched.kv.total
+    assert not (sched.running or sched.waiting) and sched.kv.available == sched.kv.total
 
 
 
@@ -203,7 +203,7 @@ def test_an_unusable_pool_report_is_refused_naming_the_field():
 def test_default_max_tokens_is_capped_by_a_pool_smaller_than_the_model_length():
     sched, model = make(pages=8, page_size=4, model_len=128)  # 32 tokens of KV, model length 128
     req = add(sched, 1, prompt(0, 10), None)
-    assert req.sampling.max_tokens == 32 - 10
+    assert req.max_tokens == 32 - 10
     tokens, finished = run_to_end(sched, model)
     assert len(tokens[1]) == 22 and finished[1] == "length"
     with pytest.raises(InvalidRequest, match="KV pool holds 32"):

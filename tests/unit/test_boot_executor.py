@@ -8,20 +8,23 @@ import json
 import numpy as np
 import pytest
 
-from ferry.shared.errors import ConfigError, PlanError
+from ferry.shared.errors import PlanError
 from ferry.shared.logging import configure_logging
 from ferry.shared.sampling import SamplingParams
 from ferry.shared.step import NewRequest, StepBatch
+from ferry.shared.units import ceil_div
 from ferry.services.worker import boot as boot_module
-from ferry.services.worker.boot import add_boot_arguments, boot_worker
+from ferry.services.worker.boot import boot_worker
 from ferry.services.worker.executor import StepBatchError
+from ferry.services.worker.flags import WorkerBootConfig, add_worker_flags, boot_config_from_args
 
 
-def boot_args(model_dir, *extra: str) -> argparse.Namespace:
+def boot_args(model_dir, *extra: str) -> WorkerBootConfig:
     parser = argparse.ArgumentParser()
-    add_boot_arguments(parser)
-    return parser.parse_args(["--model", str(model_dir), "--device", "cpu", "--max-running-requests", "4",
-                              "--max-prefill-tokens", "64", *extra])  # fmt: skip
+    add_worker_flags(parser)
+    return boot_config_from_args(parser.parse_args(["--model", str(model_dir), "--device", "cpu",
+                                                    "--max-running-requests", "4", "--max-prefill-tokens", "64",
+                                                    *extra]))  # fmt: skip
 
 
 def test_boot_allocates_exactly_the_plan(tiny_model):
@@ -91,12 +94,12 @@ def test_host_ram_shortage_fails_before_any_pool(tiny_models, monkeypatch):
 
 
 def _step(step_id, reqs, new=(), finished=()):
-    """reqs: list of (req_id, tokens, context_len, first_page, state_slot, sample)."""
+    """reqs: list of (req_id, tokens, context_len, first_page, linear_state_slot, sample)."""
     page_size = 16
-    rows = max(-(-(c + len(t)) // page_size) for _, t, c, _, _, _ in reqs)
+    rows = max(ceil_div(c + len(t), page_size) for _, t, c, _, _, _ in reqs)
     table = np.zeros((len(reqs), rows), np.int32)
     for i, (_, t, c, first, _, _) in enumerate(reqs):
-        n = -(-(c + len(t)) // page_size)
+        n = ceil_div(c + len(t), page_size)
         table[i, :n] = np.arange(first, first + n)
     return StepBatch(
         step_id=step_id,
@@ -105,18 +108,19 @@ def _step(step_id, reqs, new=(), finished=()):
         query_lens=np.array([len(r[1]) for r in reqs], np.int32),
         context_lens=np.array([r[2] for r in reqs], np.int32),
         page_table=table,
-        state_slots=np.array([r[4] for r in reqs], np.int32),
-        reset_state=np.array([r[2] == 0 for r in reqs]),
+        linear_state_slots=np.array([r[4] for r in reqs], np.int32),
+        reset_linear_state=np.array([r[2] == 0 for r in reqs]),
         sample=np.array([r[5] for r in reqs]),
-        new_requests=list(new),
-        finished_req_ids=list(finished),
+        new_requests=tuple(new),
+        finished_req_ids=tuple(finished),
     )
 
 
 def _decode_alone(executor, req_id, prompt, steps, first_page, slot):
     greedy = SamplingParams(temperature=0.0)
     out = executor.execute(_step(1, [(req_id, prompt, 0, first_page, slot, True)],
-                                 new=[NewRequest(req_id, np.array(prompt, np.int32), greedy)]))  # fmt: skip
+                                 new=[NewRequest(req_id=req_id, prompt_token_ids=np.array(prompt, np.int32),
+                                                 sampling=greedy)]))  # fmt: skip
     tokens = [int(out.token_ids[0])]
     for i in range(steps - 1):
         out = executor.execute(_step(2 + i, [(req_id, [tokens[-1]], len(prompt) + i, first_page, slot, True)]))
@@ -131,7 +135,8 @@ def test_batched_requests_match_each_request_alone(tiny_model):
     alone_a = _decode_alone(executor, 1, a, 5, first_page=1, slot=1)
     alone_b = _decode_alone(executor, 2, b, 5, first_page=10, slot=2)
     greedy = SamplingParams(temperature=0.0)
-    new = [NewRequest(3, np.array(a, np.int32), greedy), NewRequest(4, np.array(b, np.int32), greedy)]
+    new = [NewRequest(req_id=3, prompt_token_ids=np.array(a, np.int32), sampling=greedy),
+           NewRequest(req_id=4, prompt_token_ids=np.array(b, np.int32), sampling=greedy)]
     # a's prompt in two chunks; b joins in the second step; then both decode together
     out = executor.execute(_step(1, [(3, a[:10], 0, 20, 3, False), (4, b, 0, 30, 4, True)], new=new))
     assert out.req_ids.tolist() == [4]
@@ -149,7 +154,7 @@ def test_batched_requests_match_each_request_alone(tiny_model):
 
 def test_executor_rejects_out_of_plan_steps(tiny_models):
     executor, plan = boot_worker(boot_args(tiny_models["qwen3_moe"], "--gpu-memory", "64MiB"))
-    new = [NewRequest(1, np.array([1, 2], np.int32), SamplingParams())]
+    new = [NewRequest(req_id=1, prompt_token_ids=np.array([1, 2], np.int32), sampling=SamplingParams())]
     bad_page = _step(1, [(1, [1, 2], 0, plan.kv.pages + 5, 1, True)], new=new)
     with pytest.raises(StepBatchError, match="page ids"):
         executor.execute(bad_page)
@@ -188,6 +193,7 @@ def test_reserving_more_than_gpu_memory_fails_clearly(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 900)
     _check_budget(torch.device("cuda"), PlanRequest(gpu_memory=1000), None, earlier_peak=950)
+    _check_budget(torch.device("cuda"), PlanRequest(gpu_memory=1000), None, earlier_peak=1500, baseline=600)  # not ours
     with pytest.raises(MemoryBudgetExceeded, match="--gpu-memory"):
         _check_budget(torch.device("cuda"), PlanRequest(gpu_memory=1000), None, earlier_peak=1001)
     with pytest.raises(MemoryBudgetExceeded, match="free memory"):

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ferry.services.worker.boot import add_boot_arguments, boot_worker
+from ferry.services.worker.boot import boot_worker
+from ferry.services.worker.flags import WorkerBootConfig
 from ferry.services.worker.device import resolve_device, select_device
 from ferry.shared.errors import ConfigError
 
@@ -70,18 +71,14 @@ class _BootReachedThePlan(Exception):
 def test_boot_selects_an_indexed_device_for_the_default_flags(monkeypatch, tiny_model):
     """boot_worker with no --device on a (fake) CUDA host: it must make an *indexed* device
     current before anything else; the fake refuses what the real torch refused in issue 8."""
-    import argparse
-
     fake = FakeCuda(count=1, current=0).install(monkeypatch)
 
     def stop(*_args, **_kwargs):
         raise _BootReachedThePlan
 
     monkeypatch.setattr("ferry.services.worker.boot.open_model", stop)  # boot's next step after the device
-    parser = argparse.ArgumentParser()
-    add_boot_arguments(parser)
     with pytest.raises(_BootReachedThePlan):
-        boot_worker(parser.parse_args(["--model", str(tiny_model)]))
+        boot_worker(WorkerBootConfig(model=str(tiny_model)))  # every other field at its flag's default
     assert fake.selected == [0]
 
 

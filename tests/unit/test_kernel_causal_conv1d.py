@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ferry.kernels.causal_conv1d_reference import causal_conv1d_decode, causal_conv1d_varlen, causal_conv1d_with_state
+from ferry.kernels.causal_conv1d import causal_conv1d_decode, causal_conv1d_varlen, causal_conv1d_with_state
 
 
 def _whole_sequence(x, weight):

@@ -10,13 +10,14 @@ import torch
 
 from interpreted_triton import run_interpreted
 from ferry.kernels.paged_attention_reference import gather_request_kv, paged_attention_reference, write_kv
+from ferry.shared.units import ceil_div
 
 
 def _scenario(seed, page_size, heads, kv_heads, head_dim, query_lens, context_lens, dtype=torch.float32):
     """A poisoned pool, each request's K/V written into shuffled pages; returns everything the kernels need."""
     g = torch.Generator().manual_seed(seed)
     totals = [q + c for q, c in zip(query_lens, context_lens)]
-    pages_needed = [-(-t // page_size) for t in totals]
+    pages_needed = [ceil_div(t, page_size) for t in totals]
     num_pages = sum(pages_needed) + 3
     k_cache = torch.full((num_pages + 1, page_size, kv_heads, head_dim), float("nan"), dtype=dtype)
     v_cache = torch.full_like(k_cache, float("nan"))
@@ -74,51 +75,40 @@ DTYPES = [torch.float32, torch.bfloat16]
 KERNEL_CASES = [(case, dtype) for case in CASES for dtype in DTYPES]
 
 
-@pytest.fixture(scope="module")
-def interpreted_runs():
-    """Every (case, dtype) through the interpreted kernel in one subprocess: (expected, out) pairs."""
+def _interpreted(kernel: str, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every (case, dtype) through one interpreted kernel (decode or prefill), in one subprocess:
+    (expected, out) pairs."""
     calls, expected = [], []
     for (page_size, heads, kv_heads, head_dim, qlens, clens), dtype in KERNEL_CASES:
-        q, kc, vc, pt, qs, pos, _, _ = _scenario(1, page_size, heads, kv_heads, head_dim, qlens, clens, dtype)
+        q, kc, vc, pt, qs, pos, _, _ = _scenario(seed, page_size, heads, kv_heads, head_dim, qlens, clens, dtype)
         expected.append(paged_attention_reference(q, kc, vc, pt, qlens, clens, head_dim**-0.5))
         out = torch.full_like(q, float("nan"))  # every element must be written by the kernel
-        calls.append(((q, kc, vc, pt, qs, pos, head_dim**-0.5), dict(out=out, block_n=8)))
-    outs = run_interpreted("ferry.kernels.paged_attention_triton", "paged_attention_triton", calls)
+        if kernel == "decode":
+            calls.append(((q, kc, vc, pt, qs, pos, head_dim**-0.5), dict(out=out, block_n=8)))
+        else:
+            calls.append(((q, kc, vc, pt, qs, pos, qlens, head_dim**-0.5), dict(out=out, block_m=16, block_n=16)))
+    outs = run_interpreted("ferry.kernels.paged_attention_triton", f"paged_attention_{kernel}_triton", calls)
     return list(zip(expected, outs))
 
 
 @pytest.fixture(scope="module")
-def interpreted_prefill_runs():
-    calls, expected = [], []
-    for (page_size, heads, kv_heads, head_dim, qlens, clens), dtype in KERNEL_CASES:
-        q, kc, vc, pt, qs, pos, _, _ = _scenario(2, page_size, heads, kv_heads, head_dim, qlens, clens, dtype)
-        expected.append(paged_attention_reference(q, kc, vc, pt, qlens, clens, head_dim**-0.5))
-        out = torch.full_like(q, float("nan"))
-        calls.append(((q, kc, vc, pt, qs, pos, qlens, head_dim**-0.5), dict(out=out, block_m=16, block_n=16)))
-    outs = run_interpreted("ferry.kernels.paged_prefill_triton", "paged_prefill_triton", calls)
-    return list(zip(expected, outs))
+def interpreted_runs():
+    return {"decode": _interpreted("decode", seed=1), "prefill": _interpreted("prefill", seed=2)}
 
 
+@pytest.mark.parametrize("kernel", ["decode", "prefill"])
 @pytest.mark.parametrize("index", range(len(KERNEL_CASES)), ids=[f"{i}-{d}" for i, (_, d) in enumerate(KERNEL_CASES)])
-def test_triton_prefill_kernel_matches_reference(index, interpreted_prefill_runs):
-    expected, out = interpreted_prefill_runs[index]
+def test_triton_kernel_matches_reference(kernel, index, interpreted_runs):
+    expected, out = interpreted_runs[kernel][index]
     assert torch.isfinite(out).all()
-    tol = 1e-5 if out.dtype == torch.float32 else 1e-2
+    tol = 1e-5 if out.dtype == torch.float32 else 1e-2  # bf16: both round the same fp32 result once
     torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol)
 
 
 def test_prefill_query_blocks_split_each_request():
-    from ferry.kernels.paged_prefill_triton import query_blocks
+    from ferry.kernels.paged_attention_triton import query_blocks
 
     assert query_blocks([3, 0, 20, 1], block_m=8) == ([0, 2, 2, 2, 3], [0, 3, 11, 19, 23])
-
-
-@pytest.mark.parametrize("index", range(len(KERNEL_CASES)), ids=[f"{i}-{d}" for i, (_, d) in enumerate(KERNEL_CASES)])
-def test_triton_kernel_matches_reference(index, interpreted_runs):
-    expected, out = interpreted_runs[index]
-    assert torch.isfinite(out).all()
-    tol = 1e-5 if out.dtype == torch.float32 else 1e-2  # bf16: both round the same fp32 result once
-    torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol)
 
 
 def test_triton_token_requests_follow_query_start():

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from ferry.shared.eos import eos_token_ids
 from ferry.services.make_tiny_model import make_tiny_model
 from ferry.plan.model_config import load_model_config
 
@@ -33,7 +34,7 @@ def test_checkpoint_is_a_servable_moe_model(tiny_model):
     assert spec.num_experts > 1 and all(spec.moe_layers)
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
     gen = json.loads((tiny_model / "generation_config.json").read_text())
-    assert gen["eos_token_id"] == im_end and spec.eos_token_ids == (im_end,)
+    assert gen["eos_token_id"] == im_end and eos_token_ids(tiny_model, tok) == (im_end,)
     for special in ("<|endoftext|>", "<|im_start|>", "<|im_end|>"):
         assert tok.convert_ids_to_tokens(tok(special)["input_ids"]) == [special]
     if spec.arch == "qwen3_5_moe":

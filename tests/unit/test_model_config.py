@@ -24,7 +24,7 @@ def test_qwen3_moe_published_config():
 
 def test_qwen3_5_moe_multimodal_wrapper_reads_text_config():
     spec = load_model_config(QWEN3_6_35B)
-    assert spec.arch == "qwen3_5_moe" and spec.model_type == "qwen3_5_moe_text"
+    assert spec.arch == "qwen3_5_moe" and spec.text_config["model_type"] == "qwen3_5_moe_text"
     assert spec.full_attention_layers == tuple(range(3, 40, 4))
     assert len(spec.linear_attention_layers) == 30
     assert spec.linear_conv_dim == 2 * 16 * 128 + 32 * 128

@@ -1,7 +1,7 @@
-"""A request reads and writes only its own pages and state slot.
+"""A request reads and writes only its own pages and linear-state slot.
 
 Every KV row and linear-state slot starts as NaN: a request that read anything but its own
-freshly written rows, or a state slot it did not reset, would produce NaN logits or differ from
+freshly written rows, or a linear-state slot it did not reset, would produce NaN logits or differ from
 the clean run; a write anywhere else would leave a non-NaN in a page or slot nobody owns."""
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ from ferry.shared.errors import ConfigError, PlanError
 from ferry.plan.model_config import parse_model_config
 from ferry.plan import pool_layout as L
 from ferry.plan.planner import Measured, PlanRequest, make_plan
+from ferry.shared.units import ceil_div
 from ferry.services.worker.pools import allocate_pool
 
 
@@ -90,7 +91,7 @@ def test_plan_keeps_its_promises_or_fails_in_the_plan(data):
     if req.num_pages is not None:
         assert plan.kv.pages == req.num_pages
     elif req.num_tokens is not None:
-        assert plan.kv.pages == -(-req.num_tokens // ps)
+        assert plan.kv.pages == ceil_div(req.num_tokens, ps)
     else:
         floor = req.kv_reserve_tokens if req.kv_reserve_tokens is not None else plan.max_model_len
         assert plan.kv.tokens >= floor

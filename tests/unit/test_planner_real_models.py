@@ -4,7 +4,7 @@ import pytest
 
 from ferry.shared.errors import PlanError
 from ferry.plan.model_config import load_model_config
-from ferry.shared.units import GiB
+from ferry.shared.units import GiB, round_up
 from ferry.plan.costs import resident_weight_bytes_from_shapes, workspace_bytes_estimate
 from ferry.plan.planner import Measured, PlanRequest, make_plan, resolve
 from tests.helpers import QWEN3_6_35B, QWEN3_30B
@@ -37,7 +37,7 @@ def test_qwen3_30b_costs_by_hand():
     assert p.linear_state.slots == p.linear_state.bytes == p.linear_state.bytes_per_slot == 0
     assert p.linear_state.padding_slots == 0
     # KV pool: (pages + 1 sentinel) x 16 tokens x bytes/token, rounded up to the 2 MiB pool granule
-    assert p.kv.bytes == -(-(p.kv.pages + 1) * 16 * 98_304 // MiB2) * MiB2
+    assert p.kv.bytes == round_up((p.kv.pages + 1) * 16 * 98_304, MiB2)
 
 
 def test_qwen3_6_35b_costs_by_hand():
@@ -52,7 +52,7 @@ def test_qwen3_6_35b_costs_by_hand():
     per_slot = 30 * ((2 * 16 * 128 + 32 * 128) * 3 * 2 + 32 * 128 * 128 * 4)
     assert p.linear_state.bytes_per_slot == per_slot == 64_389_120
     assert (p.linear_state.slots, p.linear_state.padding_slots) == (16, 1)
-    assert p.linear_state.bytes == -(-17 * per_slot // MiB2) * MiB2
+    assert p.linear_state.bytes == round_up(17 * per_slot, MiB2)
 
 
 def test_reported_failure_num_tokens_is_a_requirement_experts_fill_the_rest():

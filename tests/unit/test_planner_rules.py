@@ -1,4 +1,4 @@
-"""DESIGN §2 rules on a small synthetic model: sentinels priced, exact fit, error text, flag handling."""
+"""docs/ARCHITECTURE.md §2 rules on a small synthetic model: sentinels priced, exact fit, error text, flag handling."""
 
 import pytest
 

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from ferry.shared.errors import InvalidRequest
+from ferry.shared.sampling import SamplingParams
 from ferry.services.api import schema
 
 
@@ -19,7 +20,7 @@ def test_sampling_fields_reach_sampling_params_and_eos_is_a_stop_token():
     req = chat(temperature=0.3, top_p=0.8, top_k=-1, min_p=0.1, seed=5, repetition_penalty=1.2,
                presence_penalty=0.4, frequency_penalty=-0.2, stop_token_ids=[7])  # fmt: skip
     p = schema.sampling_params(req, eos_token_ids=(2,))
-    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.seed) == (0.3, 0.8, 0, 0.1, 5)
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.seed) == (0.3, 0.8, -1, 0.1, 5)
     assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.2, 0.4, -0.2)
     assert p.stop_token_ids == (7, 2)
 
@@ -54,11 +55,20 @@ def test_a_batch_of_prompts_is_refused():
 
 
 @pytest.mark.parametrize("field,value", [("temperature", -1), ("top_p", 1.5), ("min_p", 2), ("top_k", -3),
-                                         ("presence_penalty", 3), ("repetition_penalty", 0), ("n", 3)])  # fmt: skip
-def test_out_of_range_fields_are_named(field, value):
+                                         ("presence_penalty", 3), ("repetition_penalty", 0)])  # fmt: skip
+def test_out_of_range_sampling_fields_are_named(field, value):
     req = chat(**{field: value})
     with pytest.raises(InvalidRequest, match=field):
-        schema.validate_generation(req, None)
+        schema.sampling_params(req, eos_token_ids=())
+
+
+def test_sampling_fields_not_sent_take_sampling_params_defaults():
+    assert schema.sampling_params(chat(temperature=None), eos_token_ids=()) == SamplingParams()
+
+
+def test_more_than_one_choice_is_refused():
+    with pytest.raises(InvalidRequest, match="n must be 1"):
+        schema.validate_generation(chat(n=3), None)
 
 
 def test_wrong_type_error_names_the_json_path():

@@ -22,30 +22,31 @@ def batch() -> StepBatch:
     return StepBatch(
         step_id=7, req_ids=np.array([3, 4], np.int64), tokens=np.arange(5, dtype=np.int32),
         query_lens=np.array([4, 1], np.int32), context_lens=np.array([0, 9], np.int32),
-        page_table=np.array([[1, 2, 0], [5, 6, 7]], np.int32), state_slots=np.array([1, 2], np.int32),
-        reset_state=np.array([True, False]), sample=np.array([True, True]),
-        new_requests=[NewRequest(3, np.arange(4, dtype=np.int32), SamplingParams(temperature=0.5, seed=1, stop_token_ids=(2,)))],
-        finished_req_ids=[1, 2],
+        page_table=np.array([[1, 2, 0], [5, 6, 7]], np.int32), linear_state_slots=np.array([1, 2], np.int32),
+        reset_linear_state=np.array([True, False]), sample=np.array([True, True]),
+        new_requests=(NewRequest(req_id=3, prompt_token_ids=np.arange(4, dtype=np.int32),
+                                 sampling=SamplingParams(temperature=0.5, seed=1, stop_token_ids=(2,))),),
+        finished_req_ids=(1, 2),
     )  # fmt: skip
 
 
 def assert_same(a, b):
     assert type(a) is type(b)
-    fields = a.__struct_fields__ if hasattr(a, "__struct_fields__") else a.__dataclass_fields__
-    for name in fields:
+    for name in a.__struct_fields__:
         x, y = getattr(a, name), getattr(b, name)
         if isinstance(x, np.ndarray):
             assert x.dtype == y.dtype and x.shape == y.shape and (x == y).all(), name
-        elif hasattr(x, "__dataclass_fields__") or hasattr(x, "__struct_fields__") and not isinstance(x, SamplingParams):
+        elif hasattr(x, "__struct_fields__") and not isinstance(x, SamplingParams):
             assert_same(x, y)
-        elif isinstance(x, list) and x and hasattr(x[0], "__dataclass_fields__"):
+        elif isinstance(x, tuple) and x and hasattr(x[0], "__struct_fields__"):
+            assert len(x) == len(y), name
             for u, v in zip(x, y):
                 assert_same(u, v)
         else:
             assert x == y, name
 
 
-POOL = PoolReport(kv_pages=10, page_size=16, state_slots=2, max_running_requests=4, max_prefill_tokens=64, max_model_len=128)
+POOL = PoolReport(kv_pages=10, page_size=16, linear_state_slots=2, max_running_requests=4, max_prefill_tokens=64, max_model_len=128)
 MESSAGES = [
     (ApiToScheduler, Submit(req_id=1, prompt_token_ids=np.array([5, 6, 7], np.int32), sampling=SamplingParams(), max_tokens=None)),
     (ApiToScheduler, Abort(3)),
@@ -56,7 +57,8 @@ MESSAGES = [
     (SchedulerToApi, SchedulerStatus(boot_id="s", ready=True, reason="", running=2)),
     (SchedulerToWorker, RunStep(batch())),
     (WorkerToScheduler, WorkerAlive(boot_id="b", pool=POOL, expert_hits=3)),
-    (WorkerToScheduler, StepDone(StepOutput(7, np.array([3], np.int64), np.array([42], np.int32), np.zeros(1, np.float32)))),
+    (WorkerToScheduler, StepDone(StepOutput(step_id=7, req_ids=np.array([3], np.int64), token_ids=np.array([42], np.int32),
+                                            logprobs=np.zeros(1, np.float32)))),
     (WorkerToScheduler, StepFailed(step_id=7, message="oom")),
 ]
 
@@ -72,6 +74,20 @@ def test_arrays_travel_as_extra_frames_not_inside_the_header():
     frames = Codec(SchedulerToWorker).encode(RunStep(batch()))
     assert len(frames) == 1 + 8 + 1  # header + eight batch arrays + the new request's prompt
     assert bytes(frames[5]) == np.array([[1, 2, 0], [5, 6, 7]], np.int32).tobytes()
+
+
+def test_the_step_contract_is_frozen_and_built_by_keyword():
+    step = batch()
+    with pytest.raises(AttributeError):
+        step.step_id = 8
+    with pytest.raises(TypeError):
+        StepOutput(7, np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.float32))
+
+
+def test_decoded_arrays_are_read_only_views_of_the_frames():
+    codec = Codec(SchedulerToWorker)
+    got = codec.decode([bytes(f) for f in codec.encode(RunStep(batch()))]).batch
+    assert not got.tokens.flags.writeable and got.new_requests[0].prompt_token_ids.tolist() == [0, 1, 2, 3]
 
 
 def test_a_message_of_another_union_is_refused():

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ferry.kernels.causal_conv1d_reference import causal_conv1d_decode, causal_conv1d_varlen
+from ferry.kernels.causal_conv1d import causal_conv1d_decode, causal_conv1d_varlen
 from ferry.kernels.gated_delta_rule import gated_delta_rule_varlen
 from ferry.services.worker.models.context import StepContext
 from ferry.services.worker.models.norms import GatedRMSNorm

@@ -19,7 +19,7 @@ import torch
 
 from ferry.shared.errors import ConfigError
 from ferry.plan.model_config import ModelSpec
-from ferry.services.worker.expert_policy_flag import DEFAULT_EXPERT_POLICY, EXPERT_POLICIES
+from ferry.services.worker.flags import DEFAULT_EXPERT_POLICY, EXPERT_POLICIES
 from ferry.kernels.dispatch import use_triton
 from ferry.services.worker.offload.device_store import DeviceDrivenExperts
 from ferry.services.worker.offload.expert_cache import OffloadedExperts

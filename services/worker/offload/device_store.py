@@ -1,4 +1,4 @@
-"""The offloading expert store driven from the device (DESIGN §3): what `ferry serve` runs on CUDA.
+"""The offloading expert store driven from the device (docs/ARCHITECTURE.md §3): what `ferry serve` runs on CUDA.
 
 Per MoE layer of a decode step (few (token, k) pairs), with no host round trip, so the whole
 step can be replayed as a CUDA graph:

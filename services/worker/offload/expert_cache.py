@@ -1,6 +1,6 @@
 """The offloading expert store: a cache of expert slots on the device, misses copied from host banks.
 
-Per MoE layer (DESIGN §3): route -> the layer's unique experts -> the policy gives each a slot
+Per MoE layer (docs/ARCHITECTURE.md §3): route -> the layer's unique experts -> the policy gives each a slot
 and names the misses -> misses are copied host bank -> slot on a dedicated copy stream -> the
 grouped expert GEMM computes by slot. Copies and compute are ordered by CUDA events, not by
 host synchronisation (the host waits only for the routing it needs, once per layer):
@@ -16,7 +16,8 @@ host synchronisation (the host waits only for the routing it needs, once per lay
   more split them into `pipeline_chunks` chunks.
 
 Overlapping the *next* layer's copies with this layer's compute needs the next layer's routing
-before it exists, i.e. prediction; that is the prefetch item of DESIGN §3's "later" list.
+before it exists, i.e. prediction: the device-driven store's next-layer prefetch (device_store.py,
+docs/ARCHITECTURE.md §3).
 Each (token, k) pair is computed in exactly one group into a float32 row buffer that is summed
 over k at the end, so the result is bit for bit what an all-resident store computes.
 

@@ -1,6 +1,6 @@
 """Which expert lives in which GPU slot: pure replacement policies over S slots shared by all MoE layers.
 
-No torch and no device here, only bookkeeping, so every path is tested on CPU (DESIGN §3). The
+No torch and no device here, only bookkeeping, so every path is tested on CPU (docs/ARCHITECTURE.md §3). The
 mechanism (`expert_cache.py`) asks `lookup(layer, experts)` for the unique experts a layer's
 tokens were routed to, and gets back the slot of each and the misses it must copy before
 computing. Experts requested by the current lookup are protected: a miss of the layer never
@@ -17,13 +17,13 @@ These objects are also the reference twin of the device-side cache (kernels/expe
 which makes the same decisions on the GPU and is tested against them on the same traces: that is
 why the order of everything is spelled out (experts ascending; free slots lowest first; victims by
 key, then slot), why LRU keeps integer stamps rather than a list, and why LFU counts in float32.
-`prefetch` places a layer's predicted experts ahead of its lookup (DESIGN §3's next-layer
-prefetch); the next lookup of that layer counts each as useful (routed) or wasted.
+`prefetch` places a layer's predicted experts ahead of its lookup (the next-layer prefetch of
+docs/ARCHITECTURE.md §3); the next lookup of that layer counts each as useful (routed) or wasted.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -99,9 +99,6 @@ class ExpertSlotPolicy:
     @property
     def resident(self) -> int:
         return self.num_slots - len(self._free)
-
-    def is_resident(self, layer: int, expert: int) -> bool:
-        return bool(self.slot_of[layer, expert] != NO_SLOT)
 
     def counters(self) -> dict[str, int | float | str]:
         total = self.hits + self.misses
@@ -246,11 +243,6 @@ class LRUExpertPolicy(ExpertSlotPolicy):
         super().__init__(num_layers, num_experts, num_slots)
         self.stamp = np.zeros(num_slots, dtype=np.int64)
         self._warm_stamp = -num_slots
-
-    def lru_order(self) -> list[tuple[int, int]]:
-        """Resident (layer, expert) pairs, the next victim first."""
-        occupied = np.flatnonzero(self.layer_of_slot != NO_SLOT)
-        return [(int(self.layer_of_slot[s]), int(self.expert_of_slot[s])) for s in occupied[np.argsort(self.stamp[occupied])]]
 
     def _keys(self, slots: np.ndarray) -> np.ndarray:
         return self.stamp[slots]

@@ -1,4 +1,4 @@
-"""Expert-cache statistics: per step and cumulative hits, misses, bytes and copy times (DESIGN §3).
+"""Expert-cache statistics: per step and cumulative hits, misses, bytes and copy times (docs/ARCHITECTURE.md §3).
 
 "Copy time" is how long the copy stream spent copying misses; "exposed copy time" is how long
 the compute stream stood waiting for those copies, i.e. the copy time not hidden behind

@@ -1,19 +1,13 @@
-"""Compile the fused RMSNorm and q/k norm + rotary + KV-write kernels for Hopper (sm_90) without a
-GPU, in a child process started by test_fused_kernels_compile.py with TRITON_INTERPRET unset (as
-compile_grouped_expert_gemm.py does): a kernel that would not compile fails on CPU CI. Prints JSON."""
+"""The fused RMSNorm and q/k norm + rotary + KV-write kernels, and the paged attention kernels,
+compiled for Hopper without a GPU (hopper_compile.py; run by test_fused_kernels_compile.py)."""
 
 from __future__ import annotations
 
-import json
+from hopper_compile import print_results
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-
+from ferry.kernels.paged_attention_triton import _decode_kernel, _prefill_kernel
 from ferry.kernels.qk_norm_rope import _qk_norm_rope_kv_kernel
 from ferry.kernels.rms_norm import _rms_norm_kernel
-
-HOPPER = GPUTarget("cuda", 90, 32)
 
 
 def signatures(dtype: str) -> list:
@@ -33,21 +27,17 @@ def signatures(dtype: str) -> list:
     for zc in (False, True):
         consts = {"ZERO_CENTERED": zc, "BLOCK_D": 256}
         out.append((f"qk_norm_rope_kv[{dtype}, zc={zc}]", _qk_norm_rope_kv_kernel, rope, consts))
+    strides = ints("stride_qt", "stride_qh", "stride_kp", "stride_ks", "stride_kh", "stride_vp", "stride_vs",
+                   "stride_vh", "stride_ot", "stride_oh", "stride_pt")  # fmt: skip
+    paged = {**{p: f"*{dtype}" for p in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}, "page_table_ptr": "*i32",
+             "positions_ptr": "*i64", **strides, "scale": "fp32"}  # fmt: skip
+    shape = {"PAGE_SIZE": 16, "GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_N": 32}
+    out.append((f"paged_attention_decode[{dtype}]", _decode_kernel, {**paged, "token_req_ptr": "*i32"}, shape))
+    prefill = {**paged, **{p: "*i32" for p in ("query_start_ptr", "block_req_ptr", "block_first_ptr")}}
+    out.append((f"paged_attention_prefill[{dtype}]", _prefill_kernel, prefill,
+                {**shape, "BLOCK_M": 16, "FP32_DOT": dtype == "fp32"}))  # fmt: skip
     return out
 
 
-def main() -> None:
-    results = {}
-    for dtype in ("bf16", "fp32"):
-        for name, fn, sig, consts in signatures(dtype):
-            try:
-                src = ASTSource(fn=fn, signature={**sig, **{c: "constexpr" for c in consts}}, constexprs=consts)
-                compiled = triton.compile(src, target=HOPPER)
-                results[name] = {"cubin": "cubin" in compiled.asm}
-            except Exception as exc:  # noqa: BLE001 - reported to the parent test
-                results[name] = {"error": f"{type(exc).__name__}: {exc}"[:3000]}
-    print(json.dumps(results))
-
-
 if __name__ == "__main__":
-    main()
+    print_results(signatures)

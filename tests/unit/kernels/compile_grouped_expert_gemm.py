@@ -1,21 +1,13 @@
-"""Compile the grouped expert GEMM kernels for Hopper (sm_90, the H200) without a GPU, in a child
-process started by test_grouped_expert_gemm.py with TRITON_INTERPRET unset: a kernel that would
-not compile on the target fails on CPU CI, not first on the GPU machine. Prints JSON."""
+"""The routed-expert kernels (grouped GEMM, pair GEMV, row sum) compiled for Hopper without a GPU
+(hopper_compile.py; run by test_grouped_expert_gemm.py)."""
 
 from __future__ import annotations
 
-import json
-import sys
-
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from hopper_compile import print_results
 
 import ferry.kernels.expert_pair_gemv as pair
 import ferry.kernels.expert_rows_sum as rows_sum
 import ferry.kernels.grouped_expert_gemm as k
-
-HOPPER = GPUTarget("cuda", 90, 32)
 
 
 def signatures(dtype: str) -> list:
@@ -46,17 +38,5 @@ def signatures(dtype: str) -> list:
     return out
 
 
-def main() -> None:
-    results = {}
-    for dtype in ("bf16", "fp32"):
-        for name, fn, sig, consts in signatures(dtype):
-            try:
-                compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=HOPPER)
-                results[name] = {"cubin": "cubin" in compiled.asm, "shared": compiled.metadata.shared}
-            except Exception as exc:  # noqa: BLE001 - reported to the parent test
-                results[name] = {"error": f"{type(exc).__name__}: {exc}"[:3000]}
-    json.dump(results, sys.stdout)
-
-
 if __name__ == "__main__":
-    main()
+    print_results(signatures)

@@ -25,7 +25,7 @@ from ferry.kernels.grouped_expert_gemm import (  # noqa: E402
 )
 from ferry.kernels.expert_pair_gemv import expert_pair_rows_triton  # noqa: E402
 from ferry.kernels.expert_rows_sum import sum_rows_triton  # noqa: E402
-from ferry.kernels.moe_reference import grouped_expert_forward_reference, grouped_expert_rows_reference  # noqa: E402
+from ferry.kernels.grouped_expert_gemm_reference import grouped_expert_forward_reference, grouped_expert_rows_reference  # noqa: E402
 
 
 def make_case(seed, tokens, top_k, hidden, inter, slots, dtype, skip=0):

@@ -6,7 +6,7 @@ from offload_tiny import random_experts, random_routing, tiny_spec
 
 from ferry.shared.errors import ConfigError
 from ferry.shared.units import MiB
-from ferry.kernels.moe_reference import grouped_expert_forward_reference
+from ferry.kernels.grouped_expert_gemm_reference import grouped_expert_forward_reference
 from ferry.services.worker.offload.build import build_expert_store
 from ferry.services.worker.offload.expert_cache import OffloadedExperts
 from ferry.services.worker.offload.resident import ResidentExperts

@@ -49,7 +49,7 @@ def test_current_layer_is_protected_even_when_it_has_the_fewest_requests():
     for _ in range(5):
         p.lookup(0, [0, 1, 2, 3])  # layer 0 is hot and fills the cache
     got = p.lookup(1, [0, 1, 2, 3])  # all four of layer 1 must fit: evicts all of layer 0
-    assert len(got.evictions) == 4 and all(p.is_resident(1, e) for e in range(4))
+    assert len(got.evictions) == 4 and all(p.slot_of[1, e] != NO_SLOT for e in range(4))
 
 
 def _decode_hit_rate(policy_cls, seed=0, layers=8, experts=32, top_k=4, batch=4, slots=64, steps=300):

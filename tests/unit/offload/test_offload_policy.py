@@ -5,7 +5,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ferry.services.worker.offload.policy import NO_SLOT, LRUExpertPolicy
+from ferry.services.worker.offload.policy import NO_SLOT, ExpertSlotPolicy, LRUExpertPolicy
+
+
+def is_resident(p: ExpertSlotPolicy, layer: int, expert: int) -> bool:
+    return bool(p.slot_of[layer, expert] != NO_SLOT)
+
+
+def lru_order(p: LRUExpertPolicy) -> list[tuple[int, int]]:
+    """Resident (layer, expert) pairs, the next victim first (the oldest stamp)."""
+    occupied = np.flatnonzero(p.layer_of_slot != NO_SLOT)
+    return [(int(p.layer_of_slot[s]), int(p.expert_of_slot[s])) for s in occupied[np.argsort(p.stamp[occupied])]]
 
 
 def test_free_slots_first_then_least_recent_is_evicted():
@@ -14,12 +24,12 @@ def test_free_slots_first_then_least_recent_is_evicted():
     assert first.misses == ((0, 0), (2, 1)) and first.evictions == ()
     p.lookup(1, [3, 1])  # fills slots 2, 3; recency now: (0,0) (0,2) (1,1) (1,3)
     p.lookup(0, [2])  # hit: (0,2) becomes most recent
-    assert p.lru_order() == [(0, 0), (1, 1), (1, 3), (0, 2)]
+    assert lru_order(p) == [(0, 0), (1, 1), (1, 3), (0, 2)]
     got = p.lookup(2, [1, 2])
     assert got.evictions == ((0, 0), (1, 1))  # the two least recent, in order
     assert got.misses == ((1, 0), (2, 2))  # the slot of (0,0) went to the first miss, of (1,1) to the second
-    assert not p.is_resident(0, 0) and not p.is_resident(1, 1)
-    assert p.lru_order() == [(1, 3), (0, 2), (2, 1), (2, 2)]
+    assert not is_resident(p, 0, 0) and not is_resident(p, 1, 1)
+    assert lru_order(p) == [(1, 3), (0, 2), (2, 1), (2, 2)]
 
 
 def test_hits_of_the_current_layer_are_never_evicted_by_its_own_misses():
@@ -27,12 +37,12 @@ def test_hits_of_the_current_layer_are_never_evicted_by_its_own_misses():
     p.lookup(0, [0, 1, 2, 3])  # the whole cache is layer 0, expert 0 least recent
     got = p.lookup(1, [0])  # evicts (0,0)
     assert got.evictions == ((0, 0),)
-    assert p.lru_order() == [(0, 1), (0, 2), (0, 3), (1, 0)]
+    assert lru_order(p) == [(0, 1), (0, 2), (0, 3), (1, 0)]
     # layer 0 now needs 0 (a miss) and 1, 2 (hits, yet the two least recent slots): the miss
     # must not take the slot of 1 or 2, so (0,3) is the victim
     got = p.lookup(0, [0, 1, 2])
     assert got.evictions == ((0, 3),)
-    assert p.is_resident(0, 1) and p.is_resident(0, 2) and p.is_resident(0, 0)
+    assert is_resident(p, 0, 1) and is_resident(p, 0, 2) and is_resident(p, 0, 0)
 
 
 def test_a_full_layer_fits_in_the_minimum_cache():
@@ -40,7 +50,7 @@ def test_a_full_layer_fits_in_the_minimum_cache():
     for layer in (0, 1, 2, 0):
         got = p.lookup(layer, [4, 3, 2, 1, 0])
         assert sorted(got.slots) == [0, 1, 2, 3, 4]
-        assert all(p.is_resident(layer, e) for e in range(5))
+        assert all(is_resident(p, layer, e) for e in range(5))
 
 
 def test_counters_and_hit_rate():
@@ -121,7 +131,7 @@ def test_matches_a_reference_lru_and_keeps_the_maps_consistent(num_layers, num_e
         experts = sorted({e % num_experts for e in experts})
         got = p.lookup(layer, experts)
         assert list(got.evictions) == ref.lookup(layer, experts)
-        assert p.lru_order() == ref.order
+        assert lru_order(p) == ref.order
         hits, misses = hits + got.hits, misses + len(got.misses)
         # every requested expert is resident where the lookup says, and no two share a slot
         for e, s in zip(experts, got.slots):

@@ -1,5 +1,5 @@
 """The plan prices the expert store that it leads to: an offloading plan carries the offload
-store's per-step workspace, an all-resident plan does not (DESIGN §2 rule 1)."""
+store's per-step workspace, an all-resident plan does not (docs/ARCHITECTURE.md §2 rule 1)."""
 
 from offload_tiny import tiny_spec
 

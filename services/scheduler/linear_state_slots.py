@@ -1,9 +1,9 @@
-"""Linear-attention state slots: usable ids 1..slots; slot 0 is the worker's padding slot."""
+"""The scheduler's linear-state slots (hybrid models): usable ids 1..slots; slot 0 is the worker's padding slot."""
 
 from __future__ import annotations
 
 
-class StateSlotAllocator:
+class LinearStateSlotAllocator:
     def __init__(self, slots: int):
         self.total = slots
         self._free = list(range(slots, 0, -1))

@@ -1,4 +1,5 @@
-"""Reference twin of the depthwise causal conv1d with carried state (the Gated DeltaNet's short conv).
+"""The depthwise causal conv1d with carried state (the Gated DeltaNet's short conv), in plain torch on
+every device: there is no Triton version of it, so it is its own reference.
 
 A request's conv state holds its last `kernel - 1` inputs, oldest first ([channels, kernel - 1]);
 a fresh request starts from zeros, which is exactly the zero left-padding of a plain causal conv.

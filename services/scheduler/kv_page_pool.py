@@ -1,17 +1,15 @@
-"""The KV pages as the scheduler sees them: a free list plus the prefix cache that may lend pages back."""
+"""The scheduler's KV page pool: which pages are free, which each request holds, and the prefix cache
+that may lend pages back. Page ids only: the K/V tensors are the worker's (its KvTensorPool)."""
 
 from __future__ import annotations
 
+from ferry.shared.units import ceil_div
 from ferry.services.scheduler.page_allocator import PageAllocator
 from ferry.services.scheduler.radix_cache import RadixCache
 from ferry.services.scheduler.request import Request
 
 
-def pages_for(tokens: int, page_size: int) -> int:
-    return -(-tokens // page_size)
-
-
-class KvPool:
+class KvPagePool:
     def __init__(self, pages: int, page_size: int, prefix_reuse: bool):
         self.page_size = page_size
         self.allocator = PageAllocator(pages)
@@ -35,7 +33,7 @@ class KvPool:
 
     def grow(self, req: Request, tokens: int) -> bool:
         """Give `req` enough pages to hold `tokens` tokens; False (and nothing taken) if the pool is short."""
-        need = pages_for(tokens, self.page_size) - len(req.pages)
+        need = ceil_div(tokens, self.page_size) - len(req.pages)
         if need <= 0:
             return True
         new = self.allocate(need)

@@ -1,0 +1,93 @@
+"""The worker's flags and its frozen boot configuration: one builder for `ferry worker`, `ferry
+generate` and `ferry serve` (which passes them on to its worker), and one object boot reads.
+
+Torch-free, so the commands that only forward flags (serve) define them without importing the
+worker. The configuration is built once, in each command's `run`, and handed to
+`boot_worker(cfg)` (services/worker/boot.py); boot never reads argparse (docs/ARCHITECTURE.md,
+"Layout and the torch boundary")."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from ferry.plan.planner import PlanRequest
+from ferry.plan.planner_flags import PLANNER_FIELDS, add_planner_flags, plan_request_from_args
+
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+EXPERT_POLICIES = ("lfu", "lru")  # the names offload/build.py's POLICIES maps to classes
+DEFAULT_EXPERT_POLICY = "lfu"
+
+EXPERT_POLICY_HELP = (
+    "replacement policy of the GPU expert cache when experts are offloaded (default lfu): decode visits "
+    "the layers in a cycle, so once a step routes to more experts than there are slots, LRU evicts exactly "
+    "the experts the next layers need and its hit rate collapses, where LFU keeps the often-routed ones"
+)
+
+
+@dataclass(frozen=True)
+class WorkerBootConfig:
+    """Everything `boot_worker` needs to know, as the user gave it."""
+
+    model: str  # a model directory, or a hub id already in the local cache
+    revision: str | None = None  # hub revision of a hub id
+    load_format: str = "auto"  # auto | safetensors | dummy
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    expert_policy: str = DEFAULT_EXPERT_POLICY
+    enforce_eager: bool = False  # never replay decode steps as CUDA graphs
+    expert_prefetch: bool = True  # copy the next MoE layer's predicted experts ahead
+    expert_copy_engine_tokens: int | None = None  # decode steps of this many tokens or more copy with the copy engine
+    plan: PlanRequest = PlanRequest()
+
+
+def add_worker_flags(parser: argparse.ArgumentParser, model_required: bool = True) -> None:
+    """Every flag WorkerBootConfig is built from (`ferry serve` makes --model optional: the demo model)."""
+    if model_required:
+        parser.add_argument("--model", required=True,
+                            help="a Hugging Face model directory, or a hub id already in the local cache")  # fmt: skip
+    parser.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) of a hub id")
+    parser.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
+                        help="auto/safetensors: read the checkpoint; dummy: random weights of the right shapes")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto: cuda if available, else cpu)")
+    parser.add_argument("--expert-policy", choices=EXPERT_POLICIES, default=DEFAULT_EXPERT_POLICY,
+                        help=EXPERT_POLICY_HELP)  # fmt: skip
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="never replay decode steps as CUDA graphs (by default a graph per batch-size bucket "
+                             "is captured at boot and small decode steps replay it)")  # fmt: skip
+    parser.add_argument("--no-expert-prefetch", dest="expert_prefetch", action="store_false",
+                        help="do not copy the next MoE layer's predicted experts ahead (its router applied to the "
+                             "current layer's input); only what a layer's own routing misses crosses PCIe")  # fmt: skip
+    parser.add_argument("--expert-copy-engine-tokens", type=int, default=None, metavar="N",
+                        help="decode steps of at least N tokens copy missed experts with the copy engine (the host "
+                             "reads each layer's miss list) and run eagerly; by default only steps too large for "
+                             "the graph-safe path (prefill) do, and decode copies with the GPU's cores")  # fmt: skip
+    add_planner_flags(parser)
+
+
+def boot_config_from_args(args: argparse.Namespace, model: str | None = None) -> WorkerBootConfig:
+    """The frozen configuration; `model` replaces --model (serve resolves the demo model first)."""
+    return WorkerBootConfig(
+        model=model if model is not None else args.model, revision=args.revision, load_format=args.load_format,
+        device=args.device, expert_policy=args.expert_policy, enforce_eager=args.enforce_eager,
+        expert_prefetch=args.expert_prefetch, expert_copy_engine_tokens=args.expert_copy_engine_tokens,
+        plan=plan_request_from_args(args),
+    )  # fmt: skip
+
+
+def worker_flag_args(cfg: WorkerBootConfig) -> list[str]:
+    """The command line that rebuilds `cfg` in another process (ferry serve -> ferry worker)."""
+    out = ["--model", cfg.model, "--load-format", cfg.load_format, "--device", cfg.device,
+           "--expert-policy", cfg.expert_policy]  # fmt: skip
+    if cfg.revision is not None:
+        out += ["--revision", cfg.revision]
+    if cfg.enforce_eager:
+        out.append("--enforce-eager")
+    if not cfg.expert_prefetch:
+        out.append("--no-expert-prefetch")
+    if cfg.expert_copy_engine_tokens is not None:
+        out += ["--expert-copy-engine-tokens", str(cfg.expert_copy_engine_tokens)]
+    for name in PLANNER_FIELDS:
+        value = getattr(cfg.plan, name)
+        if value is not None:
+            out += ["--" + name.replace("_", "-"), str(value)]
+    return out
