@@ -48,7 +48,7 @@ def _expert_cache_kernel(
     slot_of_ptr, layer_of_slot_ptr, expert_of_slot_ptr, requests_ptr, stamp_ptr, prefetched_ptr,
     clock_ptr, counters_ptr, flags_ptr, protect_ptr, assign_ptr,
     hit_slots_ptr, miss_slots_ptr, list_ptr, count_ptr, guard_hits_ptr, guard_misses_ptr,
-    E, S, half_life, num_layers,
+    E, S, half_life, num_layers, evict_below,
     MODE: tl.constexpr, POLICY: tl.constexpr, HAS_GUARD: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr,
 ):  # fmt: skip
@@ -131,13 +131,18 @@ def _expert_cache_kernel(
         key = (score.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (4294967295 - age)
     else:
         key = stamp
-    key = tl.where(candidate, key, 9223372036854775807)
+    # the slots of layers below `evict_below` go first (a prefill has passed them), then the rest
+    passed = candidate & (owner < evict_below)
+    key_passed = tl.where(passed, key, 9223372036854775807)
+    key = tl.where(candidate & ~passed, key, 9223372036854775807)
     free_rank = tl.cumsum(free.to(tl.int32), axis=0) - 1
     # slots by placement rank: the free ones first (lowest index first), then the victims in order
     tl.store(assign_ptr + free_rank, s_idx, mask=free & (free_rank < n_place))
     for i in range(needed):
-        v = tl.argmin(key, axis=0)
+        from_passed = tl.min(key_passed, axis=0) < 9223372036854775807
+        v = tl.where(from_passed, tl.argmin(key_passed, axis=0), tl.argmin(key, axis=0))
         tl.store(assign_ptr + n_free + i, v.to(tl.int32))
+        key_passed = tl.where(s_idx == v, 9223372036854775807, key_passed)
         key = tl.where(s_idx == v, 9223372036854775807, key)
     tl.debug_barrier()
 
@@ -211,9 +216,11 @@ def block_sizes(num_experts: int, num_slots: int) -> tuple[int, int]:
     return triton.next_power_of_2(num_experts), triton.next_power_of_2(num_slots)
 
 
-def launch(mode: int, policy: int, ids, n_rows, layer: int, state, out, guard=None, block_p: int = 256) -> None:
+def launch(mode: int, policy: int, ids, n_rows, layer: int, state, out, guard=None, block_p: int = 256,
+           evict_below: int = 0) -> None:  # fmt: skip
     """One lookup or prefetch over `state` (a DeviceCacheState's tensors) writing `out` (a
-    CacheCallOutputs); `guard` = (hit_slots, miss_slots) of the layer being computed (prefetch)."""
+    CacheCallOutputs); `guard` = (hit_slots, miss_slots) of the layer being computed (prefetch);
+    victims from layers below `evict_below` first (the twin's rule, policy.py)."""
     t, k = ids.shape
     block_e, block_s = block_sizes(state.num_experts, state.num_slots)
     guard_hits, guard_misses = guard if guard is not None else (out.hit_slots, out.miss_slots)
@@ -223,7 +230,7 @@ def launch(mode: int, policy: int, ids, n_rows, layer: int, state, out, guard=No
         state.slot_of, state.layer_of_slot, state.expert_of_slot, state.requests, state.stamp, state.prefetched,
         state.clock, state.counters, state.expert_flags, state.slot_flags, state.assign,
         out.hit_slots, out.miss_slots, out.misses, out.count, guard_hits, guard_misses,
-        state.num_experts, state.num_slots, state.half_life, state.num_layers,
+        state.num_experts, state.num_slots, state.half_life, state.num_layers, evict_below,
         MODE=mode, POLICY=policy, HAS_GUARD=guard is not None,
         BLOCK_E=block_e, BLOCK_S=block_s, BLOCK_P=block_p, num_warps=num_warps,
     )  # fmt: skip

@@ -34,14 +34,16 @@ def test_the_device_cache_makes_the_twins_decisions_at_real_sizes(cuda_device):
             n = torch.tensor([real], dtype=torch.int32, device=cuda_device)
             for layer in range(layers):
                 ids = torch.tensor(np.stack([rng.choice(experts, k, replace=False) for _ in range(8)]), device=cuda_device)
-                call = dev.lookup(layer, ids, n)
-                got = policy.lookup(layer, np.unique(ids[:real].cpu().numpy()))
+                below = layer if step % 3 == 1 else 0  # some steps scan (prefill's rule)
+                call = dev.lookup(layer, ids, n, evict_below=below)
+                got = policy.lookup(layer, np.unique(ids[:real].cpu().numpy()), evict_below=below)
                 assert [tuple(r) for r in call.misses[: int(call.count[0])].tolist()] == list(got.misses)
                 if layer + 1 < layers:
                     predicted = torch.tensor(np.stack([rng.choice(experts, k, replace=False) for _ in range(8)]),
                                              device=cuda_device)  # fmt: skip
-                    pcall = dev.prefetch(layer + 1, predicted, n, call)
-                    pgot = policy.prefetch(layer + 1, np.unique(predicted[:real].cpu().numpy()), got.slots)
+                    pcall = dev.prefetch(layer + 1, predicted, n, call, evict_below=below)
+                    pgot = policy.prefetch(layer + 1, np.unique(predicted[:real].cpu().numpy()), got.slots,
+                                           evict_below=below)  # fmt: skip
                     assert [tuple(r) for r in pcall.misses[: int(pcall.count[0])].tolist()] == list(pgot.placed)
             _assert_same_state(policy, dev)
 

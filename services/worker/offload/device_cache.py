@@ -97,18 +97,21 @@ class DeviceExpertCache:
         return {n: getattr(self, n).cpu().numpy().copy() for n in names}
 
     # ---- the calls ---------------------------------------------------------------------------
-    def lookup(self, layer: int, topk_ids: torch.Tensor, n_rows: torch.Tensor) -> CacheCall:
+    def lookup(self, layer: int, topk_ids: torch.Tensor, n_rows: torch.Tensor, evict_below: int = 0) -> CacheCall:
         """Hits, misses and the miss list of MoE layer `layer` for the first n_rows[0] rows of
-        topk_ids [T, k] (later rows are padding: their pairs get slot -1 in both outputs)."""
+        topk_ids [T, k] (later rows are padding: their pairs get slot -1 in both outputs); victims
+        from layers below `evict_below` first (a prefill's passed layers, policy.py)."""
         call = self._call(layer, topk_ids, LOOKUP)
-        launch(LOOKUP, self.policy_code, topk_ids, n_rows, layer, self, call)
+        launch(LOOKUP, self.policy_code, topk_ids, n_rows, layer, self, call, evict_below=evict_below)
         return call
 
-    def prefetch(self, layer: int, predicted_ids: torch.Tensor, n_rows: torch.Tensor, guard: CacheCall) -> CacheCall:
+    def prefetch(self, layer: int, predicted_ids: torch.Tensor, n_rows: torch.Tensor, guard: CacheCall,
+                 evict_below: int = 0) -> CacheCall:  # fmt: skip
         """Slots for the predicted experts of `layer` (its list and count in the result), evicting
         none of the slots in `guard` (the lookup of the layer computing meanwhile)."""
         call = self._call(layer, predicted_ids, PREFETCH)
-        launch(PREFETCH, self.policy_code, predicted_ids, n_rows, layer, self, call, guard=(guard.hit_slots, guard.miss_slots))
+        launch(PREFETCH, self.policy_code, predicted_ids, n_rows, layer, self, call,
+               guard=(guard.hit_slots, guard.miss_slots), evict_below=evict_below)  # fmt: skip
         return call
 
     def _call(self, layer: int, ids: torch.Tensor, mode: int) -> CacheCall:

@@ -118,11 +118,14 @@ class DeviceDrivenExperts(OffloadedExperts):
         """Prefill and large batches: the decisions on the device, the lists read on the host, the
         copy engine moving them in chunks, each chunk's pairs computed once it has landed."""
         t, k = ids.shape
-        call = self.cache.lookup(layer, ids, n_rows)
+        # a prefill passes through (nearly) every expert of every layer once: evict the passed
+        # layers' experts first, not those the layers ahead are about to read
+        scan_below = 0 if use_pair_kernel(t * k) else layer
+        call = self.cache.lookup(layer, ids, n_rows, evict_below=scan_below)
         misses = self._read_list(call)
         chunks = _split(misses, self.pipeline_chunks)
         landed = [self._on_copy_stream(lambda c=c: self._copy_ce(layer, c), None, 0, 0, timed=True) for c in chunks]
-        self._prefetch_next(layer, x, n_rows, call, large=True)
+        self._prefetch_next(layer, x, n_rows, call, large=True, evict_below=scan_below)
         self._wait_prefetched(layer, None)
         self._compute(x, call.hit_slots.view(t, k), weights, rows)
         miss_slots = call.miss_slots.view(t, k)
@@ -144,12 +147,13 @@ class DeviceDrivenExperts(OffloadedExperts):
                                        max_distinct_slots=self.num_experts)  # fmt: skip
 
     # ---- prefetch ----------------------------------------------------------------------------
-    def _prefetch_next(self, layer: int, x: torch.Tensor, n_rows: torch.Tensor, call: CacheCall, large: bool) -> None:
+    def _prefetch_next(self, layer: int, x: torch.Tensor, n_rows: torch.Tensor, call: CacheCall, large: bool,
+                       evict_below: int = 0) -> None:  # fmt: skip
         nxt = layer + 1
         if not self.prefetch_enabled or self.routers is None or nxt >= self.policy.num_layers:
             return
         predicted = torch.topk(F.linear(x, self.routers[nxt]), call.hit_slots.numel() // x.shape[0], dim=-1).indices
-        pcall = self.cache.prefetch(nxt, predicted.contiguous(), n_rows, call)
+        pcall = self.cache.prefetch(nxt, predicted.contiguous(), n_rows, call, evict_below=evict_below)
         stamps = self.cache.copy_stamps[layer]
         if large:
             placed = self._read_list(pcall)

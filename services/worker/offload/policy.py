@@ -117,11 +117,14 @@ class ExpertSlotPolicy:
         }
 
     # ---- the lookup ------------------------------------------------------------------------
-    def lookup(self, layer: int, experts: Iterable[int]) -> Lookup:
+    def lookup(self, layer: int, experts: Iterable[int], evict_below: int = 0) -> Lookup:
         """Map the distinct `experts` routed in `layer` to slots, choosing a slot for each miss.
 
         Hits are touched first and every slot of this lookup is protected, so the layer's own
-        experts are never victims of its own misses."""
+        experts are never victims of its own misses. `evict_below` L: victims come from the
+        experts of layers below L first (a prefill step has passed them and will not need them
+        again; the layers after it will need theirs: a scan through every layer's experts should
+        not evict what it is about to read)."""
         experts = tuple(sorted(int(e) for e in experts))
         self._check_request(layer, experts)
         self.clock += 1
@@ -144,7 +147,7 @@ class ExpertSlotPolicy:
             else:
                 self.prefetch_wasted += 1
             self.prefetched[s] = False
-        placed, evictions = self._place(layer, [experts[i] for i in missing], protected, "miss")
+        placed, evictions = self._place(layer, [experts[i] for i in missing], protected, "miss", evict_below)
         for i, (_, s) in zip(missing, placed):
             slots[i] = s
         for i, e in enumerate(experts):  # hits touched once the victims are chosen (they were protected)
@@ -154,7 +157,8 @@ class ExpertSlotPolicy:
         self.misses += len(missing)
         return Lookup(layer, experts, tuple(slots), tuple(placed), tuple(evictions))
 
-    def prefetch(self, layer: int, experts: Iterable[int], protected_slots: Iterable[int] = ()) -> Prefetch:
+    def prefetch(self, layer: int, experts: Iterable[int], protected_slots: Iterable[int] = (),
+                 evict_below: int = 0) -> Prefetch:  # fmt: skip
         """Give the predicted `experts` of `layer` slots ahead of its lookup, evicting nothing in
         `protected_slots` (the layer computing meanwhile) nor `layer`'s resident predicted experts.
         As many as the unprotected slots allow, in ascending expert order; nothing is touched."""
@@ -165,7 +169,7 @@ class ExpertSlotPolicy:
         missing = [e for e in experts if self.slot_of[layer, e] == NO_SLOT]
         candidates = int(((self.layer_of_slot != NO_SLOT) & ~np.isin(np.arange(self.num_slots), list(protected))).sum())
         missing = missing[: min(len(missing), len(self._free) + candidates)]
-        placed, evictions = self._place(layer, missing, protected, "prefetch")
+        placed, evictions = self._place(layer, missing, protected, "prefetch", evict_below)
         for _, s in placed:
             self.prefetched[s] = True
         self.prefetched_total += len(placed)
@@ -183,18 +187,20 @@ class ExpertSlotPolicy:
         return s
 
     # ---- internals -------------------------------------------------------------------------
-    def _victims(self, protected: set[int], count: int) -> list[int]:
-        """`count` occupied slots outside `protected`, the least key first (ties: lowest slot)."""
+    def _victims(self, protected: set[int], count: int, evict_below: int = 0) -> list[int]:
+        """`count` occupied slots outside `protected`: those of layers below `evict_below` first,
+        then the rest; within each, the least key first (ties: lowest slot)."""
         occupied = np.flatnonzero(self.layer_of_slot != NO_SLOT)
         candidates = occupied[~np.isin(occupied, list(protected))]
-        order = np.lexsort((candidates, self._keys(candidates)))  # by key, then by slot
+        later = self.layer_of_slot[candidates] >= evict_below
+        order = np.lexsort((candidates, self._keys(candidates), later))  # passed layers, then key, then slot
         return [int(s) for s in candidates[order[:count]]]
 
-    def _place(self, layer: int, experts: list[int], protected: set[int], how: str):
+    def _place(self, layer: int, experts: list[int], protected: set[int], how: str, evict_below: int = 0):
         """Slots for `experts` (ascending): free ones first (lowest first), then victims chosen
         all at once before any is placed. Returns ((expert, slot), ...) and the evictions."""
         needed = max(0, len(experts) - len(self._free))
-        victims = self._victims(protected, needed) if needed else []
+        victims = self._victims(protected, needed, evict_below) if needed else []
         if len(victims) != needed:
             raise RuntimeError(f"{self.name} policy found {len(victims)} victims for {needed} misses, protected {protected}")
         victims.reverse()  # popped from the end: first victim first

@@ -62,8 +62,9 @@ def test_device_cache_makes_the_twins_decisions(policy, seed, layers, experts, s
         for layer in range(layers):
             ids = _ids(rng, rows, experts, top_k, skew=1.0)
             n_rows = torch.tensor([real], dtype=torch.int32)
-            call = dev.lookup(layer, ids, n_rows)
-            got = host.lookup(layer, np.unique(ids[:real].numpy()))
+            below = layer if step % 3 == 1 else 0  # some steps scan: the passed layers' experts go first
+            call = dev.lookup(layer, ids, n_rows, evict_below=below)
+            got = host.lookup(layer, np.unique(ids[:real].numpy()), evict_below=below)
             # the miss list, in ascending expert order, and its count
             n = int(call.count[0])
             assert n == len(got.misses)
@@ -81,8 +82,8 @@ def test_device_cache_makes_the_twins_decisions(policy, seed, layers, experts, s
             _assert_same_state(host, dev)
             if layer + 1 < layers and step % 2 == 0:  # prefetch the next layer, guarding this one
                 predicted = _ids(rng, rows, experts, top_k, skew=1.0)
-                pcall = dev.prefetch(layer + 1, predicted, n_rows, call)
-                pgot = host.prefetch(layer + 1, np.unique(predicted[:real].numpy()), got.slots)
+                pcall = dev.prefetch(layer + 1, predicted, n_rows, call, evict_below=below)
+                pgot = host.prefetch(layer + 1, np.unique(predicted[:real].numpy()), got.slots, evict_below=below)
                 pn = int(pcall.count[0])
                 assert [tuple(r) for r in pcall.misses[:pn].tolist()] == list(pgot.placed)
                 assert not set(s for _, s in pgot.placed) & set(got.slots)

@@ -144,3 +144,17 @@ def test_matches_a_reference_lru_and_keeps_the_maps_consistent(num_layers, num_e
                 assert p.slot_of[p.layer_of_slot[s], p.expert_of_slot[s]] == s
         assert int((p.slot_of != NO_SLOT).sum()) == p.resident == len(ref.order)
     assert (p.hits, p.misses) == (hits, misses)
+
+
+def test_a_scan_evicts_the_layers_it_has_passed_first():
+    """A prefill reads every layer's experts once, in order: evicting a passed layer's experts
+    (least recent or not) is right, evicting the next layer's is a copy paid twice."""
+    p = LRUExpertPolicy(num_layers=3, num_experts=2, num_slots=4)
+    p.lookup(2, [0, 1])  # oldest: layer 2, about to be read again by the scan
+    p.lookup(0, [0, 1])
+    got = p.lookup(1, [0, 1], evict_below=1)
+    assert got.evictions == ((0, 0), (0, 1))  # layer 0's, though layer 2's are older
+    plain = LRUExpertPolicy(num_layers=3, num_experts=2, num_slots=4)
+    plain.lookup(2, [0, 1])
+    plain.lookup(0, [0, 1])
+    assert plain.lookup(1, [0, 1]).evictions == ((2, 0), (2, 1))
