@@ -31,6 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.serve_openai import stream  # noqa: E402
 from bench.serve_process import http_get, make_bench_model, start_serve  # noqa: E402
 
 DEFAULT_CONFIG = ROOT / "tests/data/models/qwen3-30b-a3b/config.json"
@@ -95,28 +96,17 @@ def run_cuda_tests(out: Path, log: Log, tests: str, timeout: float) -> dict:
 
 
 def stream_completion(client, model: str, prompt: str, max_tokens: int) -> dict:
-    """One streamed completion (include_usage, ignore_eos): token count, arrival times, text."""
-    t0 = time.perf_counter()
-    arrivals, text, usage = [], [], None
-    stream = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, stream=True,
-                                       stream_options={"include_usage": True}, temperature=0.0,
-                                       extra_body={"ignore_eos": True})  # fmt: skip
-    for chunk in stream:
-        if chunk.usage is not None:
-            usage = chunk.usage
-        if chunk.choices and chunk.choices[0].text:
-            arrivals.append(time.perf_counter() - t0)
-            text.append(chunk.choices[0].text)
-    if usage is None:
+    """One greedy streamed completion that must carry its usage and exactly `max_tokens` tokens."""
+    got = stream(client, model, prompt, max_tokens, temperature=0.0)
+    if got["usage"] is None:
         raise AssertionError("the stream ended without a usage chunk (stream_options.include_usage)")
-    if usage.completion_tokens != max_tokens:
-        raise AssertionError(f"completion_tokens {usage.completion_tokens}, expected {max_tokens} (ignore_eos)")
-    if len(arrivals) < 2:
-        raise AssertionError(f"only {len(arrivals)} text chunks arrived")
-    decode_s = arrivals[-1] - arrivals[0]
-    return {"completion_tokens": usage.completion_tokens, "prompt_tokens": usage.prompt_tokens, "chunks": len(arrivals),
-            "ttft_s": arrivals[0], "decode_s": decode_s, "tok_s": (max_tokens - 1) / decode_s if decode_s > 0 else None,
-            "text_head": "".join(text)[:80]}  # fmt: skip
+    if got["tokens"] != max_tokens:
+        raise AssertionError(f"completion_tokens {got['tokens']}, expected {max_tokens} (ignore_eos)")
+    if got["chunks"] < 2:
+        raise AssertionError(f"only {got['chunks']} text chunks arrived")
+    return {"completion_tokens": got["tokens"], "prompt_tokens": got["usage"].prompt_tokens, "chunks": got["chunks"],
+            "ttft_s": got["ttft_s"], "decode_s": got["last_s"] - got["first_s"], "tok_s": got["tok_s"],
+            "text_head": got["text"][:80]}  # fmt: skip
 
 
 def check_serve(out: Path, log: Log, config: Path, serve_args: list[str], ready_timeout: float, tokens: int) -> dict:

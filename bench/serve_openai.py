@@ -64,8 +64,9 @@ def cache_delta(before: dict, after: dict) -> dict | None:
 
 
 def stream(client, model: str, prompt, max_tokens: int, temperature: float) -> dict:
+    """One streamed completion (include_usage, ignore_eos): tokens, chunk arrival times, text."""
     t0 = time.perf_counter()
-    arrivals, usage = [], None
+    arrivals, text, usage = [], [], None
     resp = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, stream=True,
                                      temperature=temperature, stream_options={"include_usage": True},
                                      extra_body={"ignore_eos": True})  # fmt: skip
@@ -74,9 +75,11 @@ def stream(client, model: str, prompt, max_tokens: int, temperature: float) -> d
             usage = chunk.usage
         if chunk.choices and chunk.choices[0].text:
             arrivals.append(time.perf_counter() - t0)
+            text.append(chunk.choices[0].text)
     tokens = usage.completion_tokens if usage is not None else len(arrivals)
     span = arrivals[-1] - arrivals[0] if len(arrivals) > 1 else 0.0
-    return {"tokens": tokens, "chunks": len(arrivals), "ttft_s": arrivals[0] if arrivals else None,
+    return {"tokens": tokens, "usage": usage, "text": "".join(text), "chunks": len(arrivals),
+            "ttft_s": arrivals[0] if arrivals else None,
             "first_s": arrivals[0] if arrivals else None, "last_s": arrivals[-1] if arrivals else None,
             "start": t0, "tok_s": (tokens - 1) / span if span > 0 else None}  # fmt: skip
 
