@@ -14,7 +14,8 @@ import numpy as np
 
 from ferry.shared.eos import eos_token_ids
 from ferry.shared.errors import ConfigError
-from ferry.shared.logging import configure_logging
+from ferry.shared.logging import add_log_flags, configure_logging
+from ferry.shared.model_flag import require_model
 from ferry.shared.sampling import SamplingParams
 from ferry.shared.step import NewRequest, StepBatch
 from ferry.services.worker.expert_cache_delta import report_delta, step_figures
@@ -24,7 +25,7 @@ STATE_SLOT = 1  # slot 0 is the padding slot
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ferry.services.worker.boot import add_boot_arguments
+    from ferry.services.worker.boot_flags import add_boot_arguments
 
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text (tokenized as is, no chat template)")
@@ -41,6 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     parser.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
     add_boot_arguments(parser)
+    add_log_flags(parser)
 
 
 def _stop_ids(model_dir: Path, tokenizer) -> set[int]:
@@ -166,10 +168,11 @@ def run(args: argparse.Namespace) -> int:
     from ferry.services.worker.boot import boot_worker
     from ferry.services.worker.model_source import resolve_model_dir
 
+    args.model = require_model(args, "generate")
     if args.max_tokens < 1:
         raise ConfigError(f"--max-tokens must be at least 1, got {args.max_tokens}")
-    # the boot's log lines (the plan, the CPU budget's origin) go to stderr as JSON lines; stdout stays the result
-    configure_logging("generate")
+    # the boot's log lines (the plan, the CPU budget's origin) go to stderr; stdout stays the result
+    configure_logging("generate", args.log_level, args.log_format)
     executor, plan = boot_worker(args)
     recording = StepRecordingExecutor(executor)
     model_dir = resolve_model_dir(args.model, args.revision)

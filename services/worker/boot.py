@@ -29,13 +29,13 @@ from ferry.services.worker.device import select_device
 from ferry.services.worker.executor import StepExecutor
 from ferry.services.worker.dummy_weights import iter_dummy_experts
 from ferry.services.worker.late_bound_experts import LateBoundExperts
-from ferry.services.worker.loader import LOAD_FORMATS, open_model, resident_weights, routed_expert_weights
-from ferry.services.worker.execution_flags import add_execution_flags
-from ferry.services.worker.expert_policy_flag import DEFAULT_EXPERT_POLICY, add_expert_policy_flag
+from ferry.services.worker.boot_flags import add_boot_arguments  # noqa: F401 (its home before boot_flags.py)
+from ferry.services.worker.loader import open_model, resident_weights, routed_expert_weights
+from ferry.services.worker.expert_policy_flag import DEFAULT_EXPERT_POLICY
 from ferry.services.worker.offload.build import build_expert_store, host_banks_for, is_offloaded
 from ferry.plan.plan_report import plan_log_fields
 from ferry.plan.planner import Measured, Plan, PlanRequest, resolve
-from ferry.plan.planner_flags import add_planner_flags, plan_request_from_args
+from ferry.plan.planner_flags import plan_request_from_args
 from ferry.services.worker.pools import TORCH_DTYPES, allocate_pools
 from ferry.plan.store_plan import plan_for_expert_store
 from ferry.services.worker.decode_graphs import DecodeGraphs, graph_buckets
@@ -52,17 +52,6 @@ class MemoryBudgetExceeded(FerryError):
     """The worker reserved more device memory than --gpu-memory allows."""
 
     exit_status = 2
-
-
-def add_boot_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="a Hugging Face model directory, or a hub id already in the local cache")
-    parser.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) of a hub id")
-    parser.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
-                        help="auto/safetensors: read the checkpoint; dummy: random weights of the right shapes")
-    parser.add_argument("--device", default=None, help="auto, cpu, cuda or cuda:N (default auto: cuda if available, else cpu)")
-    add_expert_policy_flag(parser)
-    add_execution_flags(parser)
-    add_planner_flags(parser)  # fmt: skip
 
 
 def host_available_bytes() -> int | None:
@@ -186,7 +175,8 @@ def boot_worker(args: argparse.Namespace) -> tuple[StepExecutor, Plan]:
             workspace = workspace_bytes_estimate(spec, r.dtype, r.max_prefill_tokens, r.max_running_requests,
                                                  r.max_model_len)  # fmt: skip
             workspace_source = "estimate"
-        plan = plan_for_expert_store(spec, req, Measured(weights, workspace, free, "measured", workspace_source, free_source))
+        plan = plan_for_expert_store(spec, req, Measured(weights, workspace, free, "measured", workspace_source, free_source,
+                                                         host_available_bytes=host_available_bytes()))  # fmt: skip
         banks = _host_banks(spec, plan)  # before any pool is allocated (rule 4)
         pools = allocate_pools(spec, plan, device)
         store = build_expert_store(spec, plan, pools.experts, device, policy=policy, banks=banks,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import signal
 
-from ferry.shared.logging import configure_logging
+from ferry.shared.logging import add_log_flags, configure_logging
 from ferry.services.worker.execution_flags import add_execution_flags
 from ferry.services.worker.expert_policy_flag import add_expert_policy_flag
 from ferry.plan.planner_flags import add_planner_flags
@@ -33,11 +33,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--health-port", type=int, default=None, help="port for /health and /metrics (default: none)")
     g.add_argument("--boot", default=DEFAULT_BOOT,
                    help="module:function that loads the model and returns (executor, plan)")  # fmt: skip
-    parser.add_argument("--log-level", default="info", help="debug, info, warning or error")
+    add_log_flags(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    configure_logging("worker", args.log_level)
+    configure_logging("worker", args.log_level, args.log_format)
     from ferry.services.worker.service import WorkerConfig, WorkerService
 
     cfg = WorkerConfig(args.steps_addr, args.results_addr, args.health_host, args.health_port, args.boot)

@@ -16,11 +16,10 @@ import torch
 
 from ferry.shared.errors import ConfigError, ModelLoadError
 from ferry.plan.model_config import ModelSpec, load_model_config
+from ferry.services.worker.boot_flags import LOAD_FORMATS  # defined torch-free, for `ferry generate --help`
 from ferry.services.worker.checkpoint import checkpoint_files, iter_checkpoint_tensors, resident_tensor, routed_expert_tensor
 from ferry.services.worker.dummy_weights import iter_dummy_tensors
 from ferry.services.worker.model_source import resolve_model_dir
-
-LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 
 @dataclass(frozen=True)
