@@ -31,10 +31,15 @@ def error_response(status: int, error_type: str, message: str, request: web.Requ
 
 
 def route_label(request: web.Request) -> str:
-    """The matched route's path ("unmatched" for any other): a bounded label set for /metrics."""
-    route = request.match_info.route
-    resource = route.resource if route is not None else None
-    return resource.canonical if resource is not None else "unmatched"
+    """The matched route's path (a wrong method on a known path: that path; any other: "unmatched"),
+    so the label set stays bounded whatever paths clients try."""
+    match = request.match_info
+    resource = getattr(match.route, "resource", None)
+    if resource is not None:
+        return resource.canonical
+    if isinstance(getattr(match, "http_exception", None), web.HTTPMethodNotAllowed):
+        return request.path
+    return "unmatched"
 
 
 def error_responses(metrics: ApiMetrics):
