@@ -13,7 +13,7 @@ from ferry.shared.errors import ConfigError
 from ferry.shared.units import parse_bytes
 
 # the parsers' names (services/api/output_parsers.py registers them; kept here so --help stays light)
-TOOL_CALL_PARSERS = ("qwen", "hermes", "qwen3_coder", "none")
+TOOL_CALL_PARSERS = ("qwen", "hermes", "qwen25", "qwen3_coder", "none")  # one parser; vLLM's and SGLang's names
 REASONING_PARSERS = ("qwen3", "deepseek_r1", "none")
 
 DEFAULT_MAX_BODY = "4MiB"
@@ -46,7 +46,8 @@ def add_api_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-body-size", default=DEFAULT_MAX_BODY, help=f"largest request body accepted, e.g. 4MiB (default {DEFAULT_MAX_BODY})")
     g.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default="qwen",
                    help="how tool calls are read from the model's output: qwen (default; <tool_call> blocks holding "
-                        "JSON, as hermes, or <function=...> XML, as qwen3_coder; both names are accepted) or none")
+                        "JSON, as vLLM's hermes and SGLang's qwen25 read, or <function=...> XML, as qwen3_coder; "
+                        "all three names are accepted) or none")
     g.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default="qwen3",
                    help="how reasoning is read from the output: qwen3 (default; <think>...</think>, also named "
                         "deepseek_r1) or none")  # fmt: skip

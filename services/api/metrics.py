@@ -13,18 +13,19 @@ from ferry.shared.messages import SchedulerStatus
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
-# Ferry's family -> vLLM's (the same series: same type, same meaning, same unit)
+# Ferry's family -> vLLM's names for it (the same series: same type, meaning and unit; the second name
+# of a pair is what vLLM called it before its V1 engine, which older dashboards still read)
 VLLM_ALIASES = {
-    "ferry_running_requests": "vllm:num_requests_running",
-    "ferry_waiting_requests": "vllm:num_requests_waiting",
-    "ferry_kv_cache_usage": "vllm:kv_cache_usage_perc",
-    "ferry_prompt_tokens": "vllm:prompt_tokens",
-    "ferry_generation_tokens": "vllm:generation_tokens",
-    "ferry_time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
-    "ferry_inter_token_latency_seconds": "vllm:inter_token_latency_seconds",
-    "ferry_e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
-    "ferry_preemptions": "vllm:num_preemptions",
-    "ferry_prefix_cached_tokens": "vllm:prefix_cache_hits",
+    "ferry_running_requests": ("vllm:num_requests_running",),
+    "ferry_waiting_requests": ("vllm:num_requests_waiting",),
+    "ferry_kv_cache_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    "ferry_prompt_tokens": ("vllm:prompt_tokens",),
+    "ferry_generation_tokens": ("vllm:generation_tokens",),
+    "ferry_time_to_first_token_seconds": ("vllm:time_to_first_token_seconds",),
+    "ferry_inter_token_latency_seconds": ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
+    "ferry_e2e_request_latency_seconds": ("vllm:e2e_request_latency_seconds",),
+    "ferry_preemptions": ("vllm:num_preemptions",),
+    "ferry_prefix_cached_tokens": ("vllm:prefix_cache_hits",),
 }
 # vLLM's finished_reason label from Ferry's request outcome (errors are not "finished")
 FINISHED_REASONS = {"stop": "stop", "length": "length", "disconnected": "abort"}
@@ -62,15 +63,12 @@ class VllmAliases:
                     reason = FINISHED_REASONS.get(s.labels.get("outcome", ""))
                     if s.name.endswith("_total") and reason is not None:
                         success[reason] = success.get(reason, 0.0) + s.value
-            target = VLLM_ALIASES.get(family.name)
-            if target is None:
-                continue
-            alias = Metric(target, family.documentation + " (alias of " + family.name + ")", family.type)
-            for s in family.samples:
-                if s.name.endswith("_created"):
-                    continue
-                alias.add_sample(target + s.name[len(family.name):], {**s.labels, **label}, s.value)
-            yield alias
+            for target in VLLM_ALIASES.get(family.name, ()):
+                alias = Metric(target, family.documentation + " (alias of " + family.name + ")", family.type)
+                for s in family.samples:
+                    if not s.name.endswith("_created"):
+                        alias.add_sample(target + s.name[len(family.name):], {**s.labels, **label}, s.value)
+                yield alias
         # vLLM counts prefix-cache lookups in tokens: every prompt token is looked up
         looked_up = CounterMetricFamily("vllm:prefix_cache_queries", "prompt tokens looked up in the prefix cache",
                                         labels=["model_name"])  # fmt: skip
