@@ -79,17 +79,23 @@ def side_ports(args: argparse.Namespace) -> dict[str, int | None]:
     (steps, preemptions, expert-cache counters) can be scraped without a restart. `auto` prefers
     --port + 1 and + 2 (what compose.yaml uses), else any free port; `off` serves none."""
     chosen: dict[str, int | None] = {}
+    auto = []
+    given = {getattr(args, f"{n}_health_port") for n in ("scheduler", "worker")}
     for k, name in ((1, "scheduler"), (2, "worker")):
         value = getattr(args, f"{name}_health_port")
         if value == "off":
             chosen[name] = None
         elif value == "auto":
             preferred = args.port + k
-            taken = {p for p in chosen.values() if p is not None} | {args.port}
-            chosen[name] = preferred if preferred < 65536 and preferred not in taken and _port_free(preferred) \
-                else _any_free_port()  # fmt: skip
+            usable = preferred < 65536 and preferred not in given and _port_free(preferred)
+            chosen[name] = preferred if usable else None
+            if chosen[name] is None:
+                auto.append(name)
         else:
             chosen[name] = value
+    for name in auto:  # the preferred port is taken: any free one that is not the api's or the other's
+        taken = {args.port, *(p for p in chosen.values() if p is not None)}
+        chosen[name] = next(p for p in iter(_any_free_port, None) if p not in taken)
     return chosen
 
 

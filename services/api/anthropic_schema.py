@@ -200,7 +200,8 @@ def _assistant_turn(blocks: list, where: str) -> dict:
 
 
 def template_tools(req: CountTokensRequest) -> list[dict] | None:
-    """The tools as apply_chat_template(tools=...) takes them (OpenAI function specs); None for none."""
+    """The tools as apply_chat_template(tools=...) takes them (OpenAI function specs); None for none
+    (no tools, or tool_choice none)."""
     if not req.tools:
         return None
     out, names = [], set()
@@ -216,6 +217,8 @@ def template_tools(req: CountTokensRequest) -> list[dict] | None:
     choice = req.tool_choice
     if choice is not None and choice.type == "tool":
         _check(choice.name in names, f"tool_choice.name: {choice.name!r} is not one of the tools given")
+    if choice is not None and choice.type == "none":
+        return None  # no call may be made: the model is not shown the tools (there is no grammar to forbid a call)
     return out
 
 

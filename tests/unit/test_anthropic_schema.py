@@ -44,6 +44,7 @@ def test_tools_and_choices():
                                                                               "parameters": tool["input_schema"]}}]  # fmt: skip
     assert schema.tool_schemas(req) == {"w": tool["input_schema"]}
     assert schema.tool_schemas(request(tools=[tool], tool_choice={"type": "none"})) is None  # no call may be parsed
+    assert schema.template_tools(request(tools=[tool], tool_choice={"type": "none"})) is None  # nor is one offered
     assert schema.template_kwargs(req) == {}  # the template's own default
     assert schema.template_kwargs(request(thinking={"type": "disabled"})) == {"enable_thinking": False}
     assert schema.template_kwargs(request(thinking={"type": "enabled", "budget_tokens": 1024})) == {"enable_thinking": True}

@@ -76,19 +76,39 @@ def test_the_api_key_never_goes_on_a_command_line(monkeypatch, tmp_path):
     assert "FERRY_API_KEY" not in envs["worker"] and "FERRY_API_KEY" not in envs["scheduler"]
 
 
-def test_side_metrics_ports_are_on_by_default_next_to_the_api_port():
+def _three_free_ports() -> int:
+    """A port p with p, p + 1 and p + 2 all free now."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port + 2 < 65536 and all(side_ports_free(p) for p in (port, port + 1, port + 2)):
+            return port
+    raise RuntimeError("no three consecutive free ports")
+
+
+def side_ports_free(port: int) -> bool:
     import socket
 
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # a free base port; +1 and +2 are very likely free too
-    chosen = side_ports(parse("serve", "--port", str(port)))
-    assert set(chosen) == {"scheduler", "worker"} and None not in chosen.values()
-    assert len({port, *chosen.values()}) == 3
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def test_side_metrics_ports_are_on_by_default_next_to_the_api_port():
+    import socket
+
+    port = _three_free_ports()
+    assert side_ports(parse("serve", "--port", str(port))) == {"scheduler": port + 1, "worker": port + 2}
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", port + 1))
         chosen = side_ports(parse("serve", "--port", str(port)))
-        assert chosen["scheduler"] != port + 1 and chosen["scheduler"] is not None
+        assert chosen["scheduler"] not in (None, port, port + 1) and chosen["worker"] == port + 2
     assert side_ports(parse("serve", "--scheduler-health-port", "off", "--worker-health-port", "9999")) == \
         {"scheduler": None, "worker": 9999}  # fmt: skip
 
