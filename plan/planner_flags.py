@@ -39,14 +39,14 @@ def _byte_size(flag: str):
 
 def add_planner_flags(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("memory plan")
-    g.add_argument("--gpu-memory", type=_byte_size("--gpu-memory"), default=None,
+    g.add_argument("--gpu-memory", type=_byte_size("--gpu-memory"), default=None, metavar="SIZE",
                    help="device memory the worker may use, with a unit: 24GiB, 80GB (default: the GPU's free memory); "
                         "never exceeded")
     g.add_argument("--memory-ratio", "--gpu-memory-utilization", "--mem-fraction-static", dest="memory_ratio",
                    type=float, default=None,
                    help="fraction of --gpu-memory (or of the GPU's free memory) handed to the planner (default 0.9); "
                         "--gpu-memory-utilization (vLLM) and --mem-fraction-static (SGLang) are the same flag")
-    g.add_argument("--host-memory", type=_byte_size("--host-memory"), default=None,
+    g.add_argument("--host-memory", type=_byte_size("--host-memory"), default=None, metavar="SIZE",
                    help="host RAM the offloaded experts' pinned banks may take, with a unit: 64GiB (default: this "
                         "machine's MemAvailable); give it to `ferry plan` for another machine")
     kv = g.add_mutually_exclusive_group()
