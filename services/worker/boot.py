@@ -21,7 +21,7 @@ from itertools import chain
 import structlog
 import torch
 
-from ferry.shared.errors import FerryError
+from ferry.shared.errors import ConfigError, FerryError
 from ferry.shared.units import MiB, format_bytes
 from ferry.plan.costs import workspace_bytes_estimate
 from ferry.services.worker.device import select_device
