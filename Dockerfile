@@ -2,7 +2,8 @@
 # The worker needs a CUDA build of torch; api and scheduler never import it.
 FROM python:3.11-slim-bookworm
 
-ARG TORCH_SPEC="torch==2.11.0"
+# The CUDA variant of the torch wheel: CUDA 13.0. Its version is not chosen here but in constraints.txt,
+# which `make` installs from too, so the image runs the torch the test suite ran.
 ARG TORCH_INDEX="https://download.pytorch.org/whl/cu130"
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -19,10 +20,10 @@ RUN useradd --create-home --uid 10001 ferry
 
 WORKDIR /opt/ferry
 
-# torch first and alone: the largest layer, and the one that changes least often. Its version is
-# pinned by the TORCH_SPEC build argument.
+# torch first and alone: the largest layer, and the one that changes least often; pinned by constraints.txt
+COPY constraints.txt ./
 # hadolint ignore=DL3013
-RUN pip install --no-cache-dir "${TORCH_SPEC}" --index-url "${TORCH_INDEX}"
+RUN pip install --no-cache-dir -c constraints.txt torch --index-url "${TORCH_INDEX}"
 
 COPY pyproject.toml README.md ./
 COPY ferry ./ferry
@@ -30,12 +31,17 @@ COPY shared ./shared
 COPY services ./services
 COPY kernels ./kernels
 COPY plan ./plan
-# the project itself, with its extra for CUDA (fla-core); versions come from pyproject.toml
+# the project itself, with its extra for CUDA (fla-core); the constraints keep pip from replacing torch
 # hadolint ignore=DL3013
-RUN pip install --no-cache-dir ".[cuda]"
+RUN pip install --no-cache-dir -c constraints.txt ".[cuda]"
 
 USER 10001
 ENV FERRY_CACHE_DIR=/home/ferry/.cache/ferry
 EXPOSE 8000 8001 8002
+# /health of whichever command runs: FERRY_HEALTH_PORT (scheduler, worker), else FERRY_PORT (api, serve), else 8000
+HEALTHCHECK --interval=10s --timeout=5s --start-period=600s --retries=3 \
+    CMD ["python", "-m", "ferry.services.healthcheck"]
 ENTRYPOINT ["ferry"]
+# Without arguments: the built-in demo model on every interface of the container (publish the port on
+# loopback, as compose.yaml does). Without FERRY_API_KEY the api says at start that it is open.
 CMD ["serve", "--host", "0.0.0.0"]

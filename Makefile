@@ -1,11 +1,11 @@
 # Ferry: `make serve` and `make test` each create (or reuse) .venv and install what they need.
 #
-# TORCH_SPEC picks the torch build installed before the project. The default is the CPU build
-# that CI and the developers' machines carry on local disk. On a GPU machine use a CUDA build:
-#   make serve TORCH_SPEC='torch==2.11.0' TORCH_INDEX=https://download.pytorch.org/whl/cu130 MODEL=/models/qwen3-30b-a3b
+# torch's version is pinned in constraints.txt, which the image installs from too. TORCH_INDEX picks
+# the build: by default the CPU build that CI and the developers' machines carry on local disk; on a
+# GPU machine the CUDA build of the same version:
+#   make serve TORCH_INDEX=https://download.pytorch.org/whl/cu130 MODEL=/models/qwen3-30b-a3b
 PYTHON      ?= python3
 VENV        ?= .venv
-TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 MODEL       ?=
 SERVE_ARGS  ?=
@@ -18,15 +18,15 @@ STAMP := $(VENV)/.ferry-installed
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q -c constraints.txt torch $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[test]"
 	touch $(STAMP)
 
 serve: $(STAMP)
-	$(BIN)/ferry serve $(if $(MODEL),--model $(MODEL)) $(SERVE_ARGS)
+	$(BIN)/ferry serve $(MODEL) $(SERVE_ARGS)
 
 # dclint (compose.yaml's linter) runs through npx; fetching it once puts it in the npm cache, after which
 # the suite runs it with --offline.
@@ -41,7 +41,7 @@ test: $(STAMP) lint-tools
 
 # The GPU release check (bench/gpu_check.py): the CUDA tests, then `ferry serve` with the Qwen3-30B-A3B
 # config and the openai client. Run it on a CUDA host, from this tree, with a CUDA torch installed
-# (e.g. `make venv TORCH_SPEC=... TORCH_INDEX=...`); results land in $(OUT)/gpu_check.json.
+# (e.g. `make venv TORCH_INDEX=https://download.pytorch.org/whl/cu130`); results land in $(OUT)/gpu_check.json.
 OUT        ?= out
 GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
 

@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+from ferry.shared.model_flag import add_model_argument, require_model
+from ferry.plan.host_memory import mem_available_bytes
 from ferry.plan.model_config import load_model_config
 from ferry.plan.costs import (
     resident_weight_bytes_from_checkpoint,
@@ -20,16 +22,17 @@ from ferry.plan.store_plan import plan_for_expert_store
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="a model directory holding config.json (safetensors optional)")
+    add_model_argument(parser, "a model directory holding config.json (safetensors optional)")
     parser.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
     add_planner_flags(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    spec = load_model_config(args.model)
+    model = require_model(args, "plan")
+    spec = load_model_config(model)
     req = plan_request_from_args(args)
     r = resolve(spec, req)
-    weights = resident_weight_bytes_from_checkpoint(Path(args.model), r.dtype)
+    weights = resident_weight_bytes_from_checkpoint(Path(model), r.dtype)
     source = "safetensors"
     if weights is None:
         weights, source = resident_weight_bytes_from_shapes(spec, r.dtype), "shapes"
@@ -37,7 +40,9 @@ def run(args: argparse.Namespace) -> int:
     free = None
     if req.gpu_memory is None:
         free = _local_free_memory()
-    plan = plan_for_expert_store(spec, req, Measured(weights, workspace, free, source, "estimate"))
+    # host RAM: this machine's, as the worker would find it here (--host-memory plans for another one)
+    measured = Measured(weights, workspace, free, source, "estimate", host_available_bytes=mem_available_bytes())
+    plan = plan_for_expert_store(spec, req, measured)
     if args.json:
         json.dump(plan.to_dict(), sys.stdout)
         sys.stdout.write("\n")

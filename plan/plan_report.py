@@ -5,6 +5,8 @@ from __future__ import annotations
 from ferry.shared.units import format_bytes
 from ferry.plan.planner import Plan
 
+HEADER = ("term", "size", "bytes", "how it was sized")
+
 
 def plan_table(plan: Plan) -> str:
     rows = [
@@ -20,14 +22,33 @@ def plan_table(plan: Plan) -> str:
         ("expert slots", plan.experts.bytes,
          f"{plan.experts.slots} of {plan.experts.total} experts "
          f"({100 * plan.experts.slots / max(plan.experts.total, 1):.1f}%); {plan.experts.bytes_per_slot} B/slot"),
-        ("total", plan.total_bytes, ""),
+        ("total", plan.total_bytes, "device memory the worker takes"),
         ("headroom", plan.headroom_bytes, "budget - total"),
     ]  # fmt: skip
-    width = max(len(r[0]) for r in rows)
-    lines = [f"{name:<{width}}  {format_bytes(n):>11}  {n:>15}  {detail}".rstrip() for name, n, detail in rows]
-    lines.append(
-        f"dtype {plan.dtype}, max_model_len {plan.max_model_len}, max_running_requests {plan.max_running_requests}"
+    host = plan.host
+    banks_detail = (f"every routed expert pinned in host RAM ({plan.experts.total} x {plan.experts.bytes_per_slot} B)"
+                    if host.expert_bank_bytes else "none: every expert has a GPU slot")  # fmt: skip
+    host_rows = [("host: expert banks (pinned)", host.expert_bank_bytes, banks_detail)]
+    if host.available_bytes is not None:
+        host_rows.append(("host: available", host.available_bytes,
+                          f"{host.available_source}; {format_bytes(host.reserve_bytes)} of it kept for the rest"))  # fmt: skip
+    else:
+        host_rows.append(("host: available", None, "unknown (no /proc/meminfo); give --host-memory to check"))
+    return _render([*rows, *host_rows], split_before=len(rows)) + (
+        f"\ndtype {plan.dtype}, max_model_len {plan.max_model_len}, max_running_requests {plan.max_running_requests}"
     )
+
+
+def _render(rows: list[tuple[str, int | None, str]], split_before: int) -> str:
+    cells = [(name, format_bytes(n) if n is not None else "-", f"{n}" if n is not None else "-", detail)
+             for name, n, detail in rows]  # fmt: skip
+    widths = [max(len(c[i]) for c in [HEADER, *cells]) for i in range(3)]
+
+    def line(c: tuple[str, str, str, str]) -> str:
+        return f"{c[0]:<{widths[0]}}  {c[1]:>{widths[1]}}  {c[2]:>{widths[2]}}  {c[3]}".rstrip()
+
+    rule = "  ".join("-" * w for w in widths) + "  " + "-" * len(HEADER[3])
+    lines = [line(HEADER), rule, *(line(c) for c in cells[:split_before]), rule, *(line(c) for c in cells[split_before:])]
     return "\n".join(lines)
 
 
@@ -46,4 +67,6 @@ def plan_log_fields(plan: Plan) -> dict:
         "expert_slots": plan.experts.slots,
         "expert_total": plan.experts.total,
         "expert_bytes": plan.experts.bytes,
+        "host_expert_bank_bytes": plan.host.expert_bank_bytes,
+        "host_available_bytes": plan.host.available_bytes,
     }

@@ -20,6 +20,7 @@ from typing import Callable
 from ferry.shared.errors import ConfigError, PlanError
 from ferry.plan.model_config import ModelSpec
 from ferry.shared.units import ceil_div, format_bytes
+from ferry.plan import host_memory as H
 from ferry.plan import pool_layout as L
 
 DEFAULT_MEMORY_RATIO = 0.9
@@ -44,6 +45,7 @@ class PlanRequest:
     max_prefill_tokens: int | None = None
     max_model_len: int | None = None
     dtype: str | None = None
+    host_memory: int | None = None  # host RAM for the expert banks; None: what the machine has
 
     def is_set(self, name: str) -> bool:
         return getattr(self, name) is not None
@@ -59,6 +61,7 @@ class Measured:
     weights_source: str = "estimate"  # measured | safetensors | shapes
     workspace_source: str = "estimate"  # profiled | estimate
     free_source: str = "measured"  # how free_bytes was obtained, for the budget's derivation
+    host_available_bytes: int | None = None  # this machine's MemAvailable; None: unknown (no host check)
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,17 @@ class ExpertPlan:
 
 
 @dataclass(frozen=True)
+class HostPlan:
+    """Host RAM: the pinned banks of the offloaded experts (0 when every expert has a GPU slot) and
+    what the banks may take (--host-memory, else MemAvailable; None when unknown)."""
+
+    expert_bank_bytes: int
+    available_bytes: int | None
+    available_source: str  # --host-memory | MemAvailable | unknown
+    reserve_bytes: int  # kept free for the rest of the process and the OS
+
+
+@dataclass(frozen=True)
 class Plan:
     budget_bytes: int
     budget_derivation: str
@@ -105,6 +119,7 @@ class Plan:
     max_running_requests: int
     max_prefill_tokens: int
     max_model_len: int
+    host: HostPlan
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -144,6 +159,7 @@ def resolve(spec: ModelSpec, req: PlanRequest) -> Resolved:
         (req.moe_cache_rate is None or 0 < req.moe_cache_rate <= 1,
          f"--moe-cache-rate must be in (0, 1], got {req.moe_cache_rate}"),
         (req.gpu_memory is None or req.gpu_memory > 0, f"--gpu-memory must be positive, got {req.gpu_memory}"),
+        (req.host_memory is None or req.host_memory > 0, f"--host-memory must be positive, got {req.host_memory}"),
     ]  # fmt: skip
     for ok, message in checks:
         if not ok:
@@ -243,7 +259,8 @@ class _Sizes:
 
 def make_plan(spec: ModelSpec, req: PlanRequest, measured: Measured) -> Plan:
     """The planner's single entry point (worker boot and `ferry plan` alike): fixed costs, then
-    requirements and floors (or a PlanError listing every term), then the automatic fill."""
+    requirements and floors (or a PlanError listing every term), then the automatic fill, then the
+    host RAM the offloaded experts' banks take (a PlanError when they cannot fit)."""
     r = resolve(spec, req)
     budget, derivation = _budget(req, r.memory_ratio, measured)
     costs = _Costs(spec, r)
@@ -252,7 +269,8 @@ def make_plan(spec: ModelSpec, req: PlanRequest, measured: Measured) -> Plan:
     if terms.total > budget:
         raise PlanError(_explain_failure(_Failure(spec, req, r, measured, budget, derivation, terms, sizes, costs)))
     _fill(spec, sizes, costs, budget - terms.total)
-    return _plan(spec, r, measured, budget, derivation, sizes, costs)
+    host = _host_plan(spec, req, r.dtype, measured, offloaded=sizes.expert_slots < spec.total_experts)
+    return _plan(spec, r, measured, budget, derivation, sizes, costs, host)
 
 
 def _requirements_and_floors(spec: ModelSpec, req: PlanRequest, r: Resolved) -> _Sizes:
@@ -337,7 +355,7 @@ def _fill(spec: ModelSpec, sizes: _Sizes, costs: _Costs, remaining: int) -> None
 
 
 def _plan(spec: ModelSpec, r: Resolved, measured: Measured, budget: int, derivation: str, sizes: _Sizes,
-          costs: _Costs) -> Plan:  # fmt: skip
+          costs: _Costs, host: HostPlan) -> Plan:  # fmt: skip
     kv = KVPlan(
         page_size=r.page_size,
         pages=sizes.kv_pages,
@@ -368,7 +386,37 @@ def _plan(spec: ModelSpec, r: Resolved, measured: Measured, budget: int, derivat
         max_running_requests=r.max_running_requests,
         max_prefill_tokens=r.max_prefill_tokens,
         max_model_len=r.max_model_len,
+        host=host,
     )
+
+
+# ---- host RAM: the offloaded experts' pinned banks ----------------------------------------
+
+
+def _host_plan(spec: ModelSpec, req: PlanRequest, dtype: str, measured: Measured, offloaded: bool) -> HostPlan:
+    """The banks' host RAM, checked against what the machine (or --host-memory) has: an offload
+    plan whose banks cannot fit is a plan error, before anything is allocated (rule 4)."""
+    if req.host_memory is not None:
+        available, source = req.host_memory, "--host-memory"
+    elif measured.host_available_bytes is not None:
+        available, source = measured.host_available_bytes, "MemAvailable"
+    else:
+        available, source = None, "unknown"
+    banks = H.expert_bank_bytes(spec, dtype) if offloaded else 0
+    host = HostPlan(banks, available, source, H.HOST_RESERVE_BYTES)
+    if banks and available is not None and banks + H.HOST_RESERVE_BYTES > available:
+        where = (f"--host-memory {format_bytes(available)}" if source == "--host-memory"
+                 else f"this machine has {format_bytes(available)} available (MemAvailable)")  # fmt: skip
+        raise PlanError(
+            f"the offloaded experts do not fit in host RAM: their pinned banks need {format_bytes(banks)} "
+            f"({len(spec.moe_layer_indices)} MoE layers x {spec.num_experts} experts x "
+            f"{L.expert_bytes(spec, dtype):,} B) plus {format_bytes(H.HOST_RESERVE_BYTES)} kept for the rest of the "
+            f"process, but {where}.\n"
+            f"the banks need a host with at least {format_bytes(banks + H.HOST_RESERVE_BYTES)} available"
+            + ("; to plan for another machine, give its RAM with --host-memory (e.g. --host-memory 64GiB)"
+               if source == "MemAvailable" else "")
+        )  # fmt: skip
+    return host
 
 
 # ---- rule 4: a plan that does not fit ----------------------------------------------------

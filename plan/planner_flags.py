@@ -10,22 +10,45 @@ from ferry.plan.planner import PlanRequest
 PLANNER_FIELDS = (
     "gpu_memory", "memory_ratio", "num_tokens", "num_pages", "kv_reserve_tokens", "moe_cache_size",
     "moe_cache_rate", "page_size", "max_running_requests", "max_prefill_tokens", "max_model_len", "dtype",
+    "host_memory",
 )  # fmt: skip
+# the fields that are byte sizes (forwarded to a child process with their unit: `--gpu-memory 123B`)
+BYTE_FIELDS = ("gpu_memory", "host_memory")
 
 
-def _byte_size(text: str) -> int:
-    try:
-        return parse_bytes(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from exc
+def _byte_size(flag: str):
+    """argparse type of a budget flag: a size with a unit. A bare number is refused with the form to
+    use; one in (0, 1] is most likely vLLM's --gpu-memory-utilization, so the message says so."""
+
+    def parse(text: str) -> int:
+        try:
+            return parse_bytes(text, require_unit=True)
+        except ValueError as exc:
+            message = str(exc)
+            try:
+                fraction = 0 < float(text) <= 1
+            except ValueError:
+                fraction = False
+            if fraction:
+                message += f" (a fraction of the device is --gpu-memory-utilization {text}, the same as --memory-ratio)"
+            raise argparse.ArgumentTypeError(f"{message}; e.g. {flag} 24GiB") from exc
+
+    parse.__name__ = "byte size"  # argparse names the type in some messages
+    return parse
 
 
 def add_planner_flags(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("memory plan")
-    g.add_argument("--gpu-memory", type=_byte_size, default=None,
-                   help="device memory the worker may use, e.g. 24GiB (default: the GPU's free memory); never exceeded")
-    g.add_argument("--memory-ratio", type=float, default=None,
-                   help="fraction of --gpu-memory handed to the planner (default 0.9)")
+    g.add_argument("--gpu-memory", type=_byte_size("--gpu-memory"), default=None, metavar="SIZE",
+                   help="device memory the worker may use, with a unit: 24GiB, 80GB (default: the GPU's free memory); "
+                        "never exceeded")
+    g.add_argument("--memory-ratio", "--gpu-memory-utilization", "--mem-fraction-static", dest="memory_ratio",
+                   type=float, default=None,
+                   help="fraction of --gpu-memory (or of the GPU's free memory) handed to the planner (default 0.9); "
+                        "--gpu-memory-utilization (vLLM) and --mem-fraction-static (SGLang) are the same flag")
+    g.add_argument("--host-memory", type=_byte_size("--host-memory"), default=None, metavar="SIZE",
+                   help="host RAM the offloaded experts' pinned banks may take, with a unit: 64GiB (default: this "
+                        "machine's MemAvailable); give it to `ferry plan` for another machine")
     kv = g.add_mutually_exclusive_group()
     kv.add_argument("--num-tokens", type=int, default=None, help="KV pool size in tokens (exact requirement)")
     kv.add_argument("--num-pages", type=int, default=None, help="KV pool size in pages (exact requirement)")
@@ -36,12 +59,16 @@ def add_planner_flags(parser: argparse.ArgumentParser) -> None:
     moe.add_argument("--moe-cache-rate", type=float, default=None,
                      help="GPU expert slots as a fraction of all experts, in (0, 1] (exact requirement)")
     g.add_argument("--page-size", type=int, default=None, help="tokens per KV page (default 16)")
-    g.add_argument("--max-running-requests", type=int, default=None,
-                   help="requests decoded together; sizes the linear-state pool (default 64)")
-    g.add_argument("--max-prefill-tokens", type=int, default=None,
-                   help="tokens in one step, prefill chunks and decodes together (default 8192)")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="longest sequence, prompt + output (default: the model's max_position_embeddings)")
+    g.add_argument("--max-running-requests", "--max-num-seqs", dest="max_running_requests", type=int, default=None,
+                   help="requests decoded together; sizes the linear-state pool (default 64); "
+                        "--max-num-seqs (vLLM) is the same flag")
+    g.add_argument("--max-prefill-tokens", "--max-num-batched-tokens", dest="max_prefill_tokens", type=int,
+                   default=None,
+                   help="tokens in one step, prefill chunks and decodes together (default 8192); "
+                        "--max-num-batched-tokens (vLLM) is the same flag")
+    g.add_argument("--max-model-len", "--context-length", dest="max_model_len", type=int, default=None,
+                   help="longest sequence, prompt + output (default: the model's max_position_embeddings); "
+                        "--context-length (SGLang) is the same flag")
     g.add_argument("--dtype", default=None, help="weights and KV dtype: auto, bfloat16, float16, float32")  # fmt: skip
 
 

@@ -15,8 +15,8 @@ COMMANDS = {
     "generate": ("ferry.services.generate_command", "generate from one prompt offline, through the worker's boot and executor"),
     "make-tiny-model": ("ferry.services.make_tiny_model", "write the tiny random-weight demo checkpoint (also the tests' model)"),
     "make-bench-model": ("ferry.services.bench_model", "write a model directory of a real config's shapes (tokenizer included) for --load-format dummy"),
-    "serve": ("ferry.services.serve_command", "run api, scheduler and worker on this host (an OpenAI-compatible server)"),
-    "api": ("ferry.services.api.command", "run one api replica: the OpenAI-compatible HTTP server"),
+    "serve": ("ferry.services.serve_command", "run api, scheduler and worker on this host (an OpenAI- and Anthropic-compatible server)"),
+    "api": ("ferry.services.api.command", "run one api replica: the OpenAI- and Anthropic-compatible HTTP server"),
     "scheduler": ("ferry.services.scheduler.command", "run the scheduler"),
     "worker": ("ferry.services.worker.command", "run the worker: loads the model and executes steps"),
 }

@@ -15,7 +15,8 @@ import numpy as np
 
 from ferry.shared.eos import eos_token_ids
 from ferry.shared.errors import ConfigError
-from ferry.shared.logging import configure_logging
+from ferry.shared.logging import add_log_flags, configure_logging
+from ferry.shared.model_flag import require_model
 from ferry.shared.sampling import SamplingParams, sampling_problems
 from ferry.shared.step import NewRequest, StepBatch
 from ferry.shared.units import ceil_div
@@ -41,7 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     parser.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
-    add_worker_flags(parser)
+    add_worker_flags(parser, positional_model=True)
+    add_log_flags(parser)
 
 
 def _load_tokenizer(model_dir: Path):
@@ -168,9 +170,10 @@ def run(args: argparse.Namespace) -> int:
     from ferry.services.worker.boot import boot_worker
     from ferry.services.worker.model_source import resolve_model_dir
 
+    args.model = require_model(args, "generate")
     params = _sampling_params(args)
-    # the boot's log lines (the plan, the CPU budget's origin) go to stderr as JSON lines; stdout stays the result
-    configure_logging("generate")
+    # the boot's log lines (the plan, the CPU budget's origin) go to stderr; stdout stays the result
+    configure_logging("generate", args.log_level, args.log_format)
     executor, plan = boot_worker(boot_config_from_args(args))
     recording = StepRecordingExecutor(executor)
     model_dir = resolve_model_dir(args.model, args.revision)

@@ -8,8 +8,10 @@ non-zero, naming it.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -18,8 +20,10 @@ from pathlib import Path
 
 import structlog
 
-from ferry.shared.defaults import ipc_addresses
-from ferry.shared.logging import add_log_level_flag, configure_logging
+from ferry.shared.defaults import LOOPBACK, ipc_addresses
+from ferry.shared.errors import ConfigError
+from ferry.shared.logging import add_log_flags, configure_logging
+from ferry.shared.model_flag import add_model_argument
 from ferry.services.api.config import add_api_flags
 from ferry.services.scheduler.config import add_step_timeout_flag
 from ferry.services.worker.command import add_boot_flag
@@ -29,16 +33,74 @@ log = structlog.get_logger("serve")
 STOP_GRACE_S = 10.0
 
 
+def _side_port(text: str) -> int | str:
+    if text in ("auto", "off"):
+        return text
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 < port < 65536:
+        raise argparse.ArgumentTypeError(f"expected auto, off or a port number, got {text!r}")
+    return port
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="model directory or hub id (default: the built-in tiny demo model)")
+    add_model_argument(parser, "model directory or hub id (default: the built-in tiny demo model)")
     add_worker_flags(parser, model_required=False)
     add_api_flags(parser)
     g = parser.add_argument_group("processes")
-    g.add_argument("--scheduler-health-port", type=int, default=None, help="scheduler /health and /metrics port (default: none)")
-    g.add_argument("--worker-health-port", type=int, default=None, help="worker /health and /metrics port (default: none)")
+    side = (f"/health and /metrics port, on {LOOPBACK}: a number, off, or auto (default: the api's --port + {{k}} when "
+            "free, else any free port; the chosen port is logged at start)")  # fmt: skip
+    g.add_argument("--scheduler-health-port", type=_side_port, default="auto", help="the scheduler's " + side.format(k=1))
+    g.add_argument("--worker-health-port", type=_side_port, default="auto", help="the worker's " + side.format(k=2))
     add_step_timeout_flag(g)
     add_boot_flag(g)
-    add_log_level_flag(parser)
+    add_log_flags(parser)
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((LOOPBACK, port))
+        except OSError:
+            return False
+    return True
+
+
+def _any_free_port() -> int:
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+def side_ports(args: argparse.Namespace) -> dict[str, int | None]:
+    """The scheduler's and the worker's /health + /metrics ports: on by default, so that their series
+    (steps, preemptions, expert-cache counters) can be scraped without a restart. `auto` prefers
+    --port + 1 and + 2 (what compose.yaml uses), else any free port; `off` serves none."""
+    chosen: dict[str, int | None] = {}
+    auto = []
+    given = {getattr(args, f"{n}_health_port") for n in ("scheduler", "worker")}
+    for k, name in ((1, "scheduler"), (2, "worker")):
+        value = getattr(args, f"{name}_health_port")
+        if value == "off":
+            chosen[name] = None
+        elif value == "auto":
+            preferred = args.port + k
+            usable = preferred < 65536 and preferred not in given and _port_free(preferred)
+            chosen[name] = preferred if usable else None
+            if chosen[name] is None:
+                auto.append(name)
+        else:
+            chosen[name] = value
+    for name in auto:  # the preferred port is taken: any free one that is not the api's or the other's
+        taken = {args.port, *(p for p in chosen.values() if p is not None)}
+        chosen[name] = next(p for p in iter(_any_free_port, None) if p not in taken)
+    return chosen
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 DEMO_MODEL_NAME = "ferry-tiny-demo"
@@ -52,27 +114,51 @@ def served_model_name(args: argparse.Namespace, model: str) -> str:
     return model if args.model is not None else DEMO_MODEL_NAME
 
 
-def child_commands(args: argparse.Namespace, model: str, rundir: Path) -> dict[str, list[str]]:
+def child_commands(args: argparse.Namespace, model: str, rundir: Path,
+                   ports: dict[str, int | None] | None = None) -> dict[str, list[str]]:  # fmt: skip
+    """The three command lines. Nothing secret goes on them (a command line is world-readable in
+    /proc): the API key travels in the api's environment (child_environments)."""
+    ports = ports if ports is not None else {"scheduler": None, "worker": None}
     api_addr, steps_addr, results_addr = ipc_addresses(rundir)
     ferry = [sys.executable, "-m", "ferry.services.cli"]
-    log_level = ["--log-level", args.log_level]
+    log_flags = ["--log-level", args.log_level, "--log-format", args.log_format]
     scheduler = [*ferry, "scheduler", "--api-addr", api_addr, "--steps-addr", steps_addr, "--results-addr", results_addr,
                  "--step-timeout", str(args.step_timeout)]  # fmt: skip
-    if args.scheduler_health_port is not None:
-        scheduler += ["--health-port", str(args.scheduler_health_port)]
+    if ports["scheduler"] is not None:
+        scheduler += ["--health-port", str(ports["scheduler"])]
     worker = [*ferry, "worker", *worker_flag_args(boot_config_from_args(args, model)), "--steps-addr", steps_addr,
               "--results-addr", results_addr, "--boot", args.boot]  # fmt: skip
-    if args.worker_health_port is not None:
-        worker += ["--health-port", str(args.worker_health_port)]
+    if ports["worker"] is not None:
+        worker += ["--health-port", str(ports["worker"])]
     api = [*ferry, "api", "--model", model, "--scheduler-addr", api_addr, "--host", args.host, "--port", str(args.port),
-           "--max-body-size", args.max_body_size, "--served-model-name", served_model_name(args, model)]  # fmt: skip
-    if args.api_key is not None:
-        api += ["--api-key", args.api_key]
-    return {"scheduler": scheduler + log_level, "worker": worker + log_level, "api": api + log_level}
+           "--max-body-size", args.max_body_size, "--served-model-name", served_model_name(args, model),
+           *api_passthrough_flags(args)]  # fmt: skip
+    return {"scheduler": scheduler + log_flags, "worker": worker + log_flags, "api": api + log_flags}
+
+
+def api_passthrough_flags(args: argparse.Namespace) -> list[str]:
+    out = []
+    if args.api_key_file is not None:  # a path, not the key
+        out += ["--api-key-file", args.api_key_file]
+    for name in ("tool_call_parser", "reasoning_parser"):
+        out += [_flag(name), getattr(args, name)]
+    return out
+
+
+def child_environments(args: argparse.Namespace) -> dict[str, dict[str, str]]:
+    """Each child's environment: serve's own, plus the API key for the api alone."""
+    env = dict(os.environ)
+    env.pop("FERRY_API_KEY", None)  # only the api gets it, and only as serve resolved it
+    api_env = dict(env)
+    if args.api_key:
+        api_env["FERRY_API_KEY"] = args.api_key
+    return {"scheduler": env, "worker": env, "api": api_env}
 
 
 def run(args: argparse.Namespace) -> int:
-    configure_logging("serve", args.log_level)
+    configure_logging("serve", args.log_level, args.log_format)
+    if args.api_key and args.api_key_file:
+        raise ConfigError("--api-key and --api-key-file both give the key: give only one")
     model = args.model
     if model is None:
         from ferry.services.demo_model import ensure_demo_model
@@ -91,10 +177,15 @@ def run(args: argparse.Namespace) -> int:
     rundir = Path(tempfile.mkdtemp(prefix="ferry-"))  # mode 0700: only this user reaches the sockets
     procs: dict[str, subprocess.Popen] = {}
     status = 0
+    ports = side_ports(args)
+    envs = child_environments(args)
     try:
-        for name, cmd in child_commands(args, model, rundir).items():
-            procs[name] = subprocess.Popen(cmd)
+        for name, cmd in child_commands(args, model, rundir, ports).items():
+            procs[name] = subprocess.Popen(cmd, env=envs[name])
             log.info("started", child=name, pid=procs[name].pid)
+        log.info("serving", api=f"http://{args.host}:{args.port}/v1",
+                 metrics={"api": f"http://{args.host}:{args.port}/metrics",
+                          **{n: f"http://{LOOPBACK}:{p}/metrics" for n, p in ports.items() if p is not None}})  # fmt: skip
         while not stopping:
             dead = [(n, p.returncode) for n, p in procs.items() if p.poll() is not None]
             if dead:

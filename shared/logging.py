@@ -1,6 +1,7 @@
-"""structlog set up once per process: one JSON line per event on stderr, context vars (request ids)
-merged in. Records from the standard library's logging (aiohttp, zmq, ...) go through the same
-renderer, so a process's log is JSON lines only."""
+"""structlog set up once per process, on stderr: human-readable lines when stderr is a terminal,
+one JSON object per line otherwise (what log collectors parse), or as `--log-format` says.
+Context vars (request ids) are merged in. Records from the standard library's logging (aiohttp,
+zmq, ...) go through the same renderer, so a process's log is in one format only."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import logging
 import sys
 
 import structlog
+
+LOG_FORMATS = ("auto", "console", "json")
 
 _SHARED = [
     structlog.contextvars.merge_contextvars,
@@ -28,16 +31,40 @@ class _StderrLogger:
     log = debug = info = warn = warning = error = critical = exception = fatal = failure = err = msg
 
 
-def add_log_level_flag(parser: argparse.ArgumentParser) -> None:
+def add_log_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info", help="debug, info, warning or error")
+    parser.add_argument("--log-format", choices=LOG_FORMATS, default="auto",
+                        help="console: readable lines; json: one JSON object per line; auto (default): console when "
+                             "stderr is a terminal, else json")  # fmt: skip
 
 
-def configure_logging(process: str, level: str = "info") -> None:
+def resolve_log_format(fmt: str) -> str:
+    if fmt == "auto":
+        return "console" if sys.stderr.isatty() else "json"
+    return fmt
+
+
+def _process_as_logger_name(_logger, _name, event_dict: dict) -> dict:
+    """The console renderer prints `logger` as a [prefix]: the process says where a line came from."""
+    process = event_dict.pop("process", None)
+    if process is not None:
+        event_dict.setdefault("logger", process)
+    return event_dict
+
+
+def _renderers(fmt: str) -> list:
+    if fmt == "console":
+        return [_process_as_logger_name, structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())]
+    return [structlog.processors.format_exc_info, structlog.processors.JSONRenderer()]
+
+
+def configure_logging(process: str, level: str = "info", fmt: str = "auto") -> None:
     numeric = logging.getLevelName(level.upper())
     if not isinstance(numeric, int):
         numeric = logging.INFO
+    fmt = resolve_log_format(fmt)
     structlog.configure(
-        processors=[*_SHARED, structlog.processors.format_exc_info, structlog.processors.JSONRenderer()],
+        processors=[*_SHARED, *_renderers(fmt)],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
         logger_factory=lambda *_: _StderrLogger(),
         cache_logger_on_first_use=True,
@@ -45,8 +72,7 @@ def configure_logging(process: str, level: str = "info") -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(structlog.stdlib.ProcessorFormatter(
         foreign_pre_chain=[*_SHARED, structlog.stdlib.add_logger_name],
-        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, structlog.processors.format_exc_info,
-                    structlog.processors.JSONRenderer()],
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *_renderers(fmt)],
     ))  # fmt: skip
     root = logging.getLogger()
     root.handlers = [handler]

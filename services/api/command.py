@@ -6,7 +6,7 @@ import argparse
 import os
 
 from ferry.shared.defaults import API_ADDR
-from ferry.shared.logging import add_log_level_flag, configure_logging
+from ferry.shared.logging import add_log_flags, configure_logging
 from ferry.services.api.config import add_api_flags, api_config_from_args
 
 
@@ -14,11 +14,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="model directory or hub id (its tokenizer and chat template are used)")
     parser.add_argument("--scheduler-addr", default=API_ADDR, help="the scheduler's ROUTER address")
     add_api_flags(parser)
-    add_log_level_flag(parser)
+    add_log_flags(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    configure_logging("api", args.log_level)
+    configure_logging("api", args.log_level, args.log_format)
     from ferry.shared.torch_free import forbid_torch
 
     forbid_torch()  # before transformers is imported (by the tokenizer)

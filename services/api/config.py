@@ -7,10 +7,15 @@ import os
 import socket
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 from ferry.shared.defaults import LOOPBACK
 from ferry.shared.errors import ConfigError
 from ferry.shared.units import parse_bytes
+
+# the parsers' names (services/api/output_parsers.py registers them; kept here so --help stays light)
+TOOL_CALL_PARSERS = ("qwen", "hermes", "qwen25", "qwen3_coder", "none")  # one parser; vLLM's and SGLang's names
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "none")
 
 DEFAULT_MAX_BODY = "4MiB"
 
@@ -25,15 +30,41 @@ class ApiConfig:
     api_key: str | None
     max_body_bytes: int
     identity: str  # this replica's DEALER identity, unique among replicas
+    tool_call_parser: str = "qwen"  # output_parsers.TOOL_CALL_PARSERS
+    reasoning_parser: str = "qwen3"  # output_parsers.REASONING_PARSERS
 
 
 def add_api_flags(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("api")
     g.add_argument("--host", default=LOOPBACK, help=f"interface to listen on (default {LOOPBACK}: this host only)")
     g.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
-    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (default: open)")
+    g.add_argument("--api-key", default=None,
+                   help="require the key on /v1/*, as 'Authorization: Bearer KEY' or 'x-api-key: KEY' (default: open); "
+                        "prefer FERRY_API_KEY or --api-key-file: a command line is visible to every user of the host")
+    g.add_argument("--api-key-file", default=None,
+                   help="read the API key from this file (a Docker/Compose secret: /run/secrets/NAME)")
     g.add_argument("--served-model-name", default=None, help="the model id clients send and /v1/models lists (default: the model path)")
     g.add_argument("--max-body-size", default=DEFAULT_MAX_BODY, help=f"largest request body accepted, e.g. 4MiB (default {DEFAULT_MAX_BODY})")
+    g.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default="qwen",
+                   help="how tool calls are read from the model's output: qwen (default; <tool_call> blocks holding "
+                        "JSON, as vLLM's hermes and SGLang's qwen25 read, or <function=...> XML, as qwen3_coder; "
+                        "all three names are accepted) or none")
+    g.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default="qwen3",
+                   help="how reasoning is read from the output: qwen3 (default; <think>...</think>, also named "
+                        "deepseek_r1) or none")  # fmt: skip
+
+
+def api_key_from_args(args: argparse.Namespace) -> str | None:
+    """--api-key (or FERRY_API_KEY), else the contents of --api-key-file; '' (compose's unset variable) is no key."""
+    key_file = getattr(args, "api_key_file", None)
+    if args.api_key and key_file:
+        raise ConfigError("--api-key and --api-key-file both give the key: give only one")
+    if key_file:
+        try:
+            return Path(key_file).read_text().strip() or None
+        except OSError as exc:
+            raise ConfigError(f"--api-key-file: cannot read {key_file}: {exc.strerror}") from exc
+    return args.api_key or None
 
 
 def api_config_from_args(args: argparse.Namespace, scheduler_addr: str, tokenizer: str) -> ApiConfig:
@@ -43,8 +74,8 @@ def api_config_from_args(args: argparse.Namespace, scheduler_addr: str, tokenize
         raise ConfigError(f"--max-body-size: {exc}") from exc
     return ApiConfig(
         host=args.host, port=args.port, scheduler_addr=scheduler_addr, tokenizer=tokenizer,
-        served_model_name=args.served_model_name or tokenizer, api_key=args.api_key or None,  # '' from compose: no key
-        max_body_bytes=max_body,
+        served_model_name=args.served_model_name or tokenizer, api_key=api_key_from_args(args),
+        max_body_bytes=max_body, tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
         # unique per start: a restarted container keeps its hostname and pid 1, and must not
         # inherit the old replica's request ids at the scheduler
         identity=f"api-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}",

@@ -50,7 +50,9 @@ class Generation:
         self.stops = StopStringFilter(stops)
         self.usage = Usage(prompt_tokens=len(prompt))
         self.arrived = time.perf_counter()
+        self.first_token_at: float | None = None
         self.outcome = "disconnected"  # until the request ends another way
+        self.stop_sequence: str | None = None  # the stop string that ended it, if one did
 
     async def deltas(self) -> AsyncIterator[Delta]:
         """Text deltas; the last one carries the finish reason. Raises FerryError when the request
@@ -68,7 +70,9 @@ class Generation:
                     if self.usage.completion_tokens == 0:
                         self.metrics.prompt_tokens.inc(len(self.prompt))
                     text, hit = self.stops.push(self.detok.flush())
-                    if not hit:
+                    if hit:
+                        self.stop_sequence = self.stops.matched
+                    else:
                         text += self.stops.flush()
                     self.usage.cached_tokens = ev.cached_tokens
                     yield self._finish(text, "stop" if hit else ev.reason)
@@ -78,6 +82,7 @@ class Generation:
                 last = ev.at
                 text, hit = self.stops.push(self.detok.push(ev.token_id))
                 if hit:
+                    self.stop_sequence = self.stops.matched
                     self.client.abort(stream)
                     yield self._finish(text, "stop")
                     return
@@ -87,9 +92,22 @@ class Generation:
             if stream is not None and not stream.done:
                 self.client.abort(stream)  # the caller left (disconnect) before the request finished
             self.metrics.requests.labels(self.route, self.outcome).inc()
+            self._log_end()
+
+    def _log_end(self) -> None:
+        """One line per request that reached the scheduler, however it ended: finished (stop, length),
+        aborted (the client disconnected) or failed (the error's type). The request id is in the context."""
+        finished = self.outcome in ("stop", "length")
+        ttft = None if self.first_token_at is None else round(self.first_token_at - self.arrived, 4)
+        (log.info if finished or self.outcome == "disconnected" else log.warning)(
+            "request_finished" if finished else "request_aborted", route=self.route, outcome=self.outcome,
+            prompt_tokens=self.usage.prompt_tokens, completion_tokens=self.usage.completion_tokens,
+            cached_tokens=self.usage.cached_tokens, ttft_s=ttft, seconds=round(time.perf_counter() - self.arrived, 4),
+        )  # fmt: skip
 
     def _observe(self, ev: Token, previous: float | None) -> None:
         if previous is None:
+            self.first_token_at = ev.at
             self.metrics.ttft.observe(ev.at - self.arrived)
             self.metrics.prompt_tokens.inc(len(self.prompt))
         else:
@@ -101,7 +119,4 @@ class Generation:
         self.outcome = reason
         self.metrics.e2e.observe(time.perf_counter() - self.arrived)
         self.metrics.cached_tokens.inc(self.usage.cached_tokens)
-        log.info("request_finished", finish_reason=reason, prompt_tokens=self.usage.prompt_tokens,
-                 completion_tokens=self.usage.completion_tokens, cached_tokens=self.usage.cached_tokens,
-                 seconds=round(time.perf_counter() - self.arrived, 4))  # fmt: skip
         return Delta(text, reason)

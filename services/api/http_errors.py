@@ -1,4 +1,9 @@
-"""The one place where errors become HTTP responses (OpenAI error objects), plus API-key checking."""
+"""The one place where errors become HTTP responses, plus API-key checking.
+
+Error bodies take the shape of the API the route belongs to: Anthropic's
+{"type": "error", "error": {"type", "message"}} under /v1/messages, OpenAI's
+{"error": {"message", "type", "param", "code"}} everywhere else. Every error response is counted
+by route and status (`ferry_refused_requests_total`)."""
 
 from __future__ import annotations
 
@@ -8,44 +13,72 @@ import structlog
 from aiohttp import web
 
 from ferry.shared.errors import FerryError, Unauthorized
+from ferry.services.api import anthropic_responses
+from ferry.services.api.metrics import ApiMetrics
 from ferry.services.api.responses import error_body
 
 log = structlog.get_logger("api.http")
 
 _TYPE_BY_STATUS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                    405: "invalid_request_error", 413: "invalid_request_error"}  # fmt: skip
+ANTHROPIC_PREFIX = "/v1/messages"
 
 
-def error_response(status: int, error_type: str, message: str) -> web.Response:
+def error_response(status: int, error_type: str, message: str, request: web.Request | None = None) -> web.Response:
+    if request is not None and request.path.startswith(ANTHROPIC_PREFIX):
+        return web.json_response(anthropic_responses.error_body(status, message), status=status)
     return web.json_response(error_body(status, error_type, message), status=status)
 
 
-@web.middleware
-async def openai_errors(request: web.Request, handler):
-    try:
-        return await handler(request)
-    except FerryError as exc:
-        if exc.http_status >= 500:
-            log.error("request_failed", path=request.path, error=str(exc), error_type=type(exc).__name__)
-        return error_response(exc.http_status, exc.error_type, str(exc))
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        return error_response(exc.status, _TYPE_BY_STATUS.get(exc.status, "invalid_request_error"), exc.text or exc.reason)
-    except Exception:  # noqa: BLE001 - a bug must still answer with an error object, and be logged in full
-        log.exception("unhandled_error", path=request.path)
-        return error_response(500, "internal_error", "internal server error (logged by the api)")
+def route_label(request: web.Request) -> str:
+    """The matched route's path (a wrong method on a known path: that path; any other: "unmatched"),
+    so the label set stays bounded whatever paths clients try."""
+    match = request.match_info
+    resource = getattr(match.route, "resource", None)
+    if resource is not None:
+        return resource.canonical
+    if isinstance(getattr(match, "http_exception", None), web.HTTPMethodNotAllowed):
+        return request.path
+    return "unmatched"
+
+
+def error_responses(metrics: ApiMetrics):
+    @web.middleware
+    async def middleware(request: web.Request, handler):
+        try:
+            response = await handler(request)
+        except FerryError as exc:
+            if exc.http_status >= 500:
+                log.error("request_failed", path=request.path, error=str(exc), error_type=type(exc).__name__)
+            response = error_response(exc.http_status, exc.error_type, str(exc), request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            response = error_response(exc.status, _TYPE_BY_STATUS.get(exc.status, "invalid_request_error"),
+                                      exc.text or exc.reason, request)  # fmt: skip
+        except Exception:  # noqa: BLE001 - a bug must still answer with an error object, and be logged in full
+            log.exception("unhandled_error", path=request.path)
+            response = error_response(500, "internal_error", "internal server error (logged by the api)", request)
+        if response.status >= 400:
+            metrics.refused.labels(route_label(request), str(response.status)).inc()
+        return response
+
+    return middleware
 
 
 def api_key_check(api_key: str | None):
-    """Bearer-token check on /v1/*; /health and /metrics stay open for probes and scrapers."""
+    """The key on /v1/*, as `Authorization: Bearer KEY` (OpenAI's clients) or `x-api-key: KEY`
+    (Anthropic's); /health and /metrics stay open for probes and scrapers."""
+    bearer, plain = f"Bearer {api_key}".encode(), (api_key or "").encode()
 
     @web.middleware
     async def check(request: web.Request, handler):
         if api_key is not None and request.path.startswith("/v1/"):
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                raise Unauthorized("missing or wrong API key: send the header 'Authorization: Bearer <key>'")
+            by_bearer = hmac.compare_digest(request.headers.get("Authorization", "").encode(), bearer)
+            by_header = hmac.compare_digest(request.headers.get("x-api-key", "").encode(), plain)
+            if not (by_bearer or by_header):
+                raise Unauthorized("missing or wrong API key: send the header 'Authorization: Bearer <key>' "
+                                   "or 'x-api-key: <key>'")  # fmt: skip
         return await handler(request)
 
     return check

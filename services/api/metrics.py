@@ -1,20 +1,93 @@
 """The api's Prometheus metrics: what clients experienced, plus the scheduler's gauges (from its
-heartbeat status) so one scrape of the api shows the whole server."""
+heartbeat status) so one scrape of the api shows the whole server.
+
+`vllm:` aliases: the series a vLLM dashboard reads, under vLLM's names and with its `model_name`
+label, copied from Ferry's own at scrape time (README: "Metrics for vLLM dashboards")."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, Metric
 
 from ferry.shared.messages import SchedulerStatus
 from ferry.shared.status_gauges import StatusGauges
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
+# Ferry's family -> vLLM's names for it (the same series: same type, meaning and unit; the second name
+# of a pair is what vLLM called it before its V1 engine, which older dashboards still read)
+VLLM_ALIASES = {
+    "ferry_running_requests": ("vllm:num_requests_running",),
+    "ferry_waiting_requests": ("vllm:num_requests_waiting",),
+    "ferry_kv_cache_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    "ferry_prompt_tokens": ("vllm:prompt_tokens",),
+    "ferry_generation_tokens": ("vllm:generation_tokens",),
+    "ferry_time_to_first_token_seconds": ("vllm:time_to_first_token_seconds",),
+    "ferry_inter_token_latency_seconds": ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
+    "ferry_e2e_request_latency_seconds": ("vllm:e2e_request_latency_seconds",),
+    "ferry_preemptions": ("vllm:num_preemptions",),
+    "ferry_prefix_cached_tokens": ("vllm:prefix_cache_hits",),
+}
+# vLLM's finished_reason label from Ferry's request outcome (errors are not "finished")
+FINISHED_REASONS = {"stop": "stop", "length": "length", "disconnected": "abort"}
+
+
+class _StatusCounters:
+    """Counters whose value the scheduler keeps (its heartbeat status carries it): exported as
+    counters, not gauges, so rate() works; a restarted scheduler starts again from 0, which
+    Prometheus reads as a counter reset."""
+
+    def __init__(self) -> None:
+        self.preemptions = 0
+
+    def collect(self):
+        family = CounterMetricFamily("ferry_preemptions", "requests preempted for lack of KV pages (since the worker started)")
+        family.add_metric([], self.preemptions)
+        yield family
+
+
+class VllmAliases:
+    """Re-exports Ferry's series under vLLM's names (a collector on its own registry, reading Ferry's)."""
+
+    def __init__(self, source: CollectorRegistry, model_name: str):
+        self.source, self.model_name = source, model_name
+
+    def collect(self):
+        label = {"model_name": self.model_name}
+        queries = 0.0
+        success: dict[str, float] = {}
+        for family in self.source.collect():
+            if family.name == "ferry_prompt_tokens":
+                queries = next(s.value for s in family.samples if s.name.endswith("_total"))
+            if family.name == "ferry_requests":
+                for s in family.samples:
+                    reason = FINISHED_REASONS.get(s.labels.get("outcome", ""))
+                    if s.name.endswith("_total") and reason is not None:
+                        success[reason] = success.get(reason, 0.0) + s.value
+            for target in VLLM_ALIASES.get(family.name, ()):
+                alias = Metric(target, family.documentation + " (alias of " + family.name + ")", family.type)
+                for s in family.samples:
+                    if not s.name.endswith("_created"):
+                        alias.add_sample(target + s.name[len(family.name):], {**s.labels, **label}, s.value)
+                yield alias
+        # vLLM counts prefix-cache lookups in tokens: every prompt token is looked up
+        looked_up = CounterMetricFamily("vllm:prefix_cache_queries", "prompt tokens looked up in the prefix cache",
+                                        labels=["model_name"])  # fmt: skip
+        looked_up.add_metric([self.model_name], queries)
+        yield looked_up
+        finished = CounterMetricFamily("vllm:request_success", "finished requests by finish reason (alias of "
+                                       "ferry_requests by outcome)", labels=["model_name", "finished_reason"])  # fmt: skip
+        for reason in ("stop", "length", "abort"):
+            finished.add_metric([self.model_name, reason], success.get(reason, 0.0))
+        yield finished
+
 
 class ApiMetrics:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "ferry") -> None:
         self.registry = r = CollectorRegistry()
         self.requests = Counter("ferry_requests", "finished requests by route and outcome", ["route", "outcome"], registry=r)
+        self.refused = Counter("ferry_refused_requests", "requests answered with an error status (4xx, 5xx), by route and status",
+                               ["route", "status"], registry=r)  # fmt: skip
         self.prompt_tokens = Counter("ferry_prompt_tokens", "prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("ferry_generation_tokens", "tokens generated", registry=r)
         self.cached_tokens = Counter("ferry_prefix_cached_tokens", "prompt tokens reused from the prefix cache", registry=r)
@@ -25,8 +98,11 @@ class ApiMetrics:
         self.status = StatusGauges(r, "ferry_")
         self.kv_usage = Gauge("ferry_kv_cache_usage", "fraction of KV pages held by requests (0..1)", registry=r)
         self.expert_hit_rate = Gauge("ferry_expert_hit_rate", "expert-cache hits / lookups since the worker started", registry=r)
-        self.preemptions = Gauge("ferry_preemptions", "requests preempted for lack of KV pages (since the worker started)", registry=r)
+        self._status_counters = _StatusCounters()
+        r.register(self._status_counters)
         self.ready = Gauge("ferry_ready", "1 when scheduler and worker are ready", registry=r)
+        self.aliases = CollectorRegistry()
+        self.aliases.register(VllmAliases(r, model_name))
 
     def refresh_from(self, status: SchedulerStatus | None, ready: bool) -> None:
         self.ready.set(1 if ready else 0)
@@ -37,4 +113,9 @@ class ApiMetrics:
             self.kv_usage.set(1 - status.kv_pages_available / status.kv_pages_total)
         lookups = status.expert_hits + status.expert_misses
         self.expert_hit_rate.set(status.expert_hits / lookups if lookups else 0)
-        self.preemptions.set(status.preemptions)
+        self._status_counters.preemptions = status.preemptions
+
+    def exposition(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry) + generate_latest(self.aliases)

@@ -115,9 +115,8 @@ class OpenAIRoutes:
         return web.json_response({"status": "unavailable", "reason": reason}, status=503)
 
     async def prometheus(self, request: web.Request) -> web.Response:
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+        from prometheus_client import CONTENT_TYPE_LATEST
 
         self.metrics.refresh_from(self.client.status, self.client.readiness()[0])
-        body = generate_latest(self.metrics.registry)
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return web.Response(body=self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 

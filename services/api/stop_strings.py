@@ -8,6 +8,7 @@ class StopStringFilter:
     def __init__(self, stops: list[str]):
         self.stops = [s for s in stops if s]
         self.held = ""
+        self.matched: str | None = None  # the stop string that ended the output, once one did
 
     def push(self, delta: str) -> tuple[str, bool]:
         """(text safe to emit, whether a stop string was hit). After a hit the request is over; the
@@ -15,10 +16,11 @@ class StopStringFilter:
         if not self.stops:
             return delta, False
         text = self.held + delta
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for i, s in ((text.find(s), s) for s in self.stops) if i >= 0]
         if hits:
             self.held = ""
-            return text[: min(hits)], True
+            first, self.matched = min(hits, key=lambda hit: hit[0])
+            return text[:first], True
         keep = 0
         for s in self.stops:
             for k in range(min(len(s) - 1, len(text)), keep, -1):

@@ -21,12 +21,24 @@ class PromptTokenizer:
         self.vocab_size = len(self.hf)
 
     def chat_prompt(self, messages: list[dict]) -> list[int]:
+        return self.encode(self.chat_text(messages))
+
+    def chat_text(self, messages: list[dict], tools: list[dict] | None = None, continue_final: bool = False,
+                  **template_kwargs) -> str:  # fmt: skip
+        """The rendered prompt. `tools` go to the template (apply_chat_template(tools=...)), which
+        writes them the way the model was trained to read them; `continue_final` continues the last
+        (assistant) message instead of opening a new turn; other keywords are template variables
+        (Qwen3's `enable_thinking`)."""
         if not self.hf.chat_template:
             raise InvalidRequest("this model has no chat template; use /v1/completions")
         try:
-            text = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return self.hf.apply_chat_template(messages, tools=tools, add_generation_prompt=not continue_final,
+                                               continue_final_message=continue_final, tokenize=False,
+                                               **template_kwargs)  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - template errors (e.g. role order) are the client's to fix
             raise InvalidRequest(f"the chat template rejected these messages: {exc}") from exc
+
+    def encode(self, text: str) -> list[int]:
         return self.hf.encode(text, add_special_tokens=False)
 
     def text_prompt(self, prompt: str | list[int]) -> list[int]:

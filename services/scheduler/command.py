@@ -5,17 +5,17 @@ from __future__ import annotations
 import argparse
 import signal
 
-from ferry.shared.logging import add_log_level_flag, configure_logging
+from ferry.shared.logging import add_log_flags, configure_logging
 from ferry.services.scheduler.config import add_scheduler_flags, scheduler_config_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_scheduler_flags(parser)
-    add_log_level_flag(parser)
+    add_log_flags(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    configure_logging("scheduler", args.log_level)
+    configure_logging("scheduler", args.log_level, args.log_format)
     from ferry.shared.torch_free import forbid_torch
 
     forbid_torch()

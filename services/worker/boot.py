@@ -21,7 +21,7 @@ from itertools import chain
 import structlog
 import torch
 
-from ferry.shared.errors import FerryError
+from ferry.shared.errors import ConfigError, FerryError
 from ferry.shared.units import MiB, format_bytes
 from ferry.plan.costs import workspace_bytes_estimate
 from ferry.services.worker.device import select_device
@@ -176,7 +176,8 @@ def _load_and_plan(cfg: WorkerBootConfig, files: ModelFiles, r: Resolved, device
             workspace = workspace_bytes_estimate(spec, r.dtype, r.max_prefill_tokens, r.max_running_requests,
                                                  r.max_model_len)  # fmt: skip
             workspace_source = "estimate"
-        plan = plan_for_expert_store(spec, req, Measured(weights, workspace, free, "measured", workspace_source, free_source))
+        plan = plan_for_expert_store(spec, req, Measured(weights, workspace, free, "measured", workspace_source, free_source,
+                                                         host_available_bytes=mem_available_bytes()))  # fmt: skip
         banks = _host_banks(spec, plan)  # before any pool is allocated (rule 4)
         pools = allocate_pools(spec, plan, device)
         store = build_expert_store(spec, plan, pools.experts, device, policy=cfg.expert_policy, banks=banks,

@@ -6,7 +6,7 @@ import argparse
 import signal
 
 from ferry.shared.defaults import RESULTS_ADDR, STEPS_ADDR
-from ferry.shared.logging import add_log_level_flag, configure_logging
+from ferry.shared.logging import add_log_flags, configure_logging
 from ferry.shared.side_http import add_side_http_flags
 from ferry.services.worker.flags import add_worker_flags, boot_config_from_args
 
@@ -20,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--results-addr", default=RESULTS_ADDR, help="the scheduler's result address (we connect)")
     add_side_http_flags(g)
     add_boot_flag(g)
-    add_log_level_flag(parser)
+    add_log_flags(parser)
 
 
 def add_boot_flag(group) -> None:
@@ -31,7 +31,7 @@ def add_boot_flag(group) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    configure_logging("worker", args.log_level)
+    configure_logging("worker", args.log_level, args.log_format)
     from ferry.services.worker.service import WorkerConfig, WorkerService
 
     cfg = WorkerConfig(args.steps_addr, args.results_addr, args.health_host, args.health_port, args.boot)

@@ -11,8 +11,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from ferry.shared.model_flag import add_model_argument
 from ferry.plan.planner import PlanRequest
-from ferry.plan.planner_flags import PLANNER_FIELDS, add_planner_flags, plan_request_from_args
+from ferry.plan.planner_flags import BYTE_FIELDS, PLANNER_FIELDS, add_planner_flags, plan_request_from_args
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 EXPERT_POLICIES = ("lfu", "lru")  # the names offload/build.py's POLICIES maps to classes
@@ -40,11 +41,17 @@ class WorkerBootConfig:
     plan: PlanRequest = PlanRequest()
 
 
-def add_worker_flags(parser: argparse.ArgumentParser, model_required: bool = True) -> None:
-    """Every flag WorkerBootConfig is built from (`ferry serve` makes --model optional: the demo model)."""
-    if model_required:
-        parser.add_argument("--model", required=True,
-                            help="a Hugging Face model directory, or a hub id already in the local cache")  # fmt: skip
+MODEL_HELP = "a Hugging Face model directory, or a hub id already in the local cache"
+
+
+def add_worker_flags(parser: argparse.ArgumentParser, model_required: bool = True, positional_model: bool = False) -> None:
+    """Every flag WorkerBootConfig is built from. The model: `--model`, required (`ferry worker`); with
+    `positional_model`, MODEL or --model (`ferry generate`; shared/model_flag.py, the command calls
+    require_model); with `model_required=False` none: the caller adds it (`ferry serve`: the demo model)."""
+    if positional_model:
+        add_model_argument(parser, MODEL_HELP)
+    elif model_required:
+        parser.add_argument("--model", required=True, help=MODEL_HELP)
     parser.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) of a hub id")
     parser.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
                         help="auto/safetensors: read the checkpoint; dummy: random weights of the right shapes")
@@ -88,6 +95,6 @@ def worker_flag_args(cfg: WorkerBootConfig) -> list[str]:
         out += ["--expert-copy-engine-tokens", str(cfg.expert_copy_engine_tokens)]
     for name in PLANNER_FIELDS:
         value = getattr(cfg.plan, name)
-        if value is not None:
-            out += ["--" + name.replace("_", "-"), str(value)]
+        if value is not None:  # byte budgets with their unit: a bare number is refused
+            out += ["--" + name.replace("_", "-"), f"{value}B" if name in BYTE_FIELDS else str(value)]
     return out

@@ -2,8 +2,12 @@
 PagedHashModel double, for integration tests until the real executor is merged.
 
 The model directory holds the test tokenizer plus `paged_hash_model.json`:
-{"vocab": [token ids it may produce], "step_delay_s": float, "linear_state_slots": int}.
-Pool sizes come from the planner flags, as the real boot's plan would.
+{"vocab": [token ids it may produce], "step_delay_s": float, "linear_state_slots": int,
+ "script": {"trigger": text, "token_ids": [...]}}  (optional).
+With a script, a request whose prompt contains the trigger text gets the script's tokens as its
+output, one per step (fixed model output, e.g. a tool call, through the real api and scheduler);
+every other request gets the hash model's continuation. Pool sizes come from the planner flags,
+as the real boot's plan would.
 """
 
 from __future__ import annotations
@@ -12,19 +16,35 @@ import json
 import time
 from pathlib import Path
 
-from ferry.plan.planner import ExpertPlan, KVPlan, LinearStatePlan, Plan
+from ferry.plan.planner import ExpertPlan, HostPlan, KVPlan, LinearStatePlan, Plan
 from ferry.services.worker.flags import WorkerBootConfig
 from tests.doubles.paged_model import PagedHashModel
 
 
 class DelayedExecutor:
-    def __init__(self, model: PagedHashModel, delay: float):
+    def __init__(self, model: PagedHashModel, delay: float, script: dict | None = None, tokenizer=None):
         self.model, self.delay = model, delay
+        self.script = script
+        self.tokenizer = tokenizer
+        self.scripted: dict[int, int] = {}  # req id -> script tokens emitted so far
 
     def execute(self, batch):
         if self.delay:
             time.sleep(self.delay)
-        return self.model.execute(batch)
+        if self.script is not None:
+            for nr in batch.new_requests:
+                if self.script["trigger"] in self.tokenizer.decode(nr.prompt_token_ids.tolist()):
+                    self.scripted[nr.req_id] = 0
+            for rid in batch.finished_req_ids:
+                self.scripted.pop(rid, None)
+        out = self.model.execute(batch)
+        for i, rid in enumerate(out.req_ids.tolist()):
+            k = self.scripted.get(rid)
+            if k is not None:
+                ids = self.script["token_ids"]
+                out.token_ids[i] = ids[min(k, len(ids) - 1)]
+                self.scripted[rid] = k + 1
+        return out
 
     def expert_stats(self) -> tuple[int, int]:
         return 3 * self.model.steps, self.model.steps  # a fixed 75% hit rate, to see it reach /metrics
@@ -45,6 +65,12 @@ def boot_paged_hash_model(cfg: WorkerBootConfig):
         experts=ExpertPlan(slots=0, total=0, min_slots=0, bytes_per_slot=0, bytes=0), dtype="float32",
         max_running_requests=mrr, max_prefill_tokens=req.max_prefill_tokens or 8192,
         max_model_len=req.max_model_len or 512,
+        host=HostPlan(expert_bank_bytes=0, available_bytes=None, available_source="unknown", reserve_bytes=0),
     )  # fmt: skip
     model = PagedHashModel(pages, page_size, spec["vocab"], slots)
-    return DelayedExecutor(model, spec.get("step_delay_s", 0.0)), plan
+    script, tokenizer = spec.get("script"), None
+    if script is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    return DelayedExecutor(model, spec.get("step_delay_s", 0.0), script, tokenizer), plan

@@ -1,5 +1,5 @@
 """A real (if tiny) tokenizer for tests: byte-level BPE trained on a short text, saved as a
-transformers PreTrainedTokenizerFast with a ChatML chat template, loadable with AutoTokenizer."""
+transformers PreTrainedTokenizerFast with the demo model's ChatML chat template, loadable with AutoTokenizer."""
 
 from __future__ import annotations
 
@@ -7,10 +7,6 @@ from pathlib import Path
 
 import pytest
 
-CHATML = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = (
     "The ferry carries experts across the bus. Mixture of experts models route each token to a few experts. "
@@ -22,6 +18,8 @@ def build_tiny_tokenizer(directory: Path) -> Path:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
+    from ferry.services.tiny_model.tokenizer import CHATML_TEMPLATE
+
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -30,7 +28,7 @@ def build_tiny_tokenizer(directory: Path) -> Path:
     tok.train_from_iterator([CORPUS], trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    bos_token=None, unk_token=None)  # fmt: skip
-    fast.chat_template = CHATML
+    fast.chat_template = CHATML_TEMPLATE  # the demo model's: ChatML, with Qwen's way of writing tools
     directory.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(str(directory))
     return directory

@@ -29,7 +29,7 @@ def test_cuda_boot_measures_profiles_and_keeps_the_budget(tiny_model):
 
     budget = 512 * 2**20
     torch.cuda.empty_cache()
-    executor, plan = boot_worker(_args(tiny_model, "--gpu-memory", str(budget)))
+    executor, plan = boot_worker(_args(tiny_model, "--gpu-memory", f"{budget}B"))  # a budget needs its unit
     assert plan.weights_source == "measured" and plan.workspace_source.startswith("profiled")
     assert plan.workspace_bytes > 0
     assert executor.pools.nbytes == plan.kv.bytes + plan.linear_state.bytes + plan.experts.bytes

@@ -45,9 +45,14 @@ def ascii_word_tokens(tokenizer) -> list[int]:
     return ids
 
 
-def make_model_dir(tokenizer_dir: Path, target: Path, tokenizer, step_delay_s: float = 0.0, linear_state_slots: int = 0) -> Path:
+def make_model_dir(tokenizer_dir: Path, target: Path, tokenizer, step_delay_s: float = 0.0, linear_state_slots: int = 0,
+                   script: dict | None = None) -> Path:  # fmt: skip
+    """A model directory for the PagedHashModel double (tests/doubles/fake_worker.py); `script`:
+    {"trigger": text, "token_ids": [...]}, the fixed output of prompts holding the trigger."""
     shutil.copytree(tokenizer_dir, target)
     spec = {"vocab": ascii_word_tokens(tokenizer), "step_delay_s": step_delay_s, "linear_state_slots": linear_state_slots}
+    if script is not None:
+        spec["script"] = script
     (target / "paged_hash_model.json").write_text(json.dumps(spec))
     return target
 

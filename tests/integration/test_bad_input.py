@@ -76,3 +76,23 @@ def test_every_log_line_is_one_json_object_and_api_events_carry_request_ids(clus
     events = logs["api"]
     finished = [e for e in events if e["event"] == "request_finished"]
     assert finished and all(e["request_id"].startswith("cmpl-") and e["process"] == "api" for e in finished)
+
+
+def test_every_refused_request_is_counted_by_route_and_status(cluster):
+    from tests.integration.harness import labelled_metric
+
+    def count(route: str, status: int) -> float:
+        return labelled_metric(cluster.base_url, "ferry_refused_requests_total", route=route, status=str(status))
+
+    before = {k: count(*k) for k in [("/v1/chat/completions", 400), ("/v1/completions", 404), ("unmatched", 404),
+                                     ("/v1/completions", 405), ("/v1/completions", 413)]}  # fmt: skip
+    post(cluster.base_url, "/v1/chat/completions", b"{not json")  # 400 from validation
+    post(cluster.base_url, "/v1/chat/completions", {"messages": MSG, "max_tokens": 100000})  # 400 from the scheduler
+    post(cluster.base_url, "/v1/completions", {"model": "gpt-9", "prompt": "hi"})  # 404 unknown model
+    http_get(cluster.base_url + "/v1/nothing")  # 404 unknown route
+    http_get(cluster.base_url + "/v1/completions")  # 405 wrong method
+    post(cluster.base_url, "/v1/completions", {"prompt": "x" * (5 * 2**20)})  # 413 over --max-body-size (4MiB)
+    after = {k: count(*k) for k in before}
+    assert {k: after[k] - before[k] for k in before} == {("/v1/chat/completions", 400): 2, ("/v1/completions", 404): 1,
+                                                         ("unmatched", 404): 1, ("/v1/completions", 405): 1,
+                                                         ("/v1/completions", 413): 1}  # fmt: skip

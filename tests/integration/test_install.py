@@ -108,7 +108,8 @@ def test_the_wheel_holds_every_module_of_the_source_folders(installed):
 
 
 def test_the_installed_console_script_plans(installed):
-    done = run_there(installed, installed["bin"] / "ferry", "plan", "--model", QWEN3_30B, "--gpu-memory", "24GiB", "--json")
+    done = run_there(installed, installed["bin"] / "ferry", "plan", QWEN3_30B, "--gpu-memory", "24GiB",
+                     "--host-memory", "128GiB", "--json")  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["budget_bytes"] == int(24 * 2**30 * 0.9)
 
@@ -123,5 +124,5 @@ def test_run_from_the_tree_without_an_install(tmp_path):
     seen = json.loads(done.stdout)
     assert seen["path"] == [str(REPO / "ferry"), str(REPO)] and seen["cli"] == str(REPO / "services" / "cli.py")
     done = run_there(there, there["python"], "-m", "ferry.services.cli", "plan", "--model", QWEN3_30B,
-                     "--gpu-memory", "24GiB", "--json", PYTHONPATH=str(REPO))  # fmt: skip
+                     "--gpu-memory", "24GiB", "--host-memory", "128GiB", "--json", PYTHONPATH=str(REPO))  # fmt: skip
     assert done.returncode == 0 and json.loads(done.stdout)["budget_bytes"] == int(24 * 2**30 * 0.9), done.stderr

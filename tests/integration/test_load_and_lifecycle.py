@@ -70,7 +70,7 @@ def test_preemption_lets_every_request_finish_when_the_pool_is_too_small(tmp_pat
         for (prompt, n), (text, usage, reason) in zip(jobs, results):
             assert (usage, reason) == (n, "length")
             assert text == expected(tiny_tokenizer, prompt, n)
-        assert eventually(lambda: metric(c.base_url, "ferry_preemptions") > 0)
+        assert eventually(lambda: metric(c.base_url, "ferry_preemptions_total") > 0)
         assert eventually(lambda: metric(c.base_url, "ferry_kv_pages_available") == 24)
 
         # while we have it: the API key and the body limit
@@ -101,7 +101,7 @@ def test_hybrid_model_runs_at_most_one_request_per_linear_state_slot(tmp_path_fa
             assert usage == n and text == expected(tiny_tokenizer, prompt, n)
         # The double checks every step: a request without a slot, or two requests sharing one (their
         # running hashes would diverge from their KV), fails the step and so the request.
-        assert metric(c.base_url, "ferry_preemptions") == 0
+        assert metric(c.base_url, "ferry_preemptions_total") == 0
         assert "ferry_scheduler_kv_pages_cached 0.0" in http_get(f"http://127.0.0.1:{c.scheduler_health_port}/metrics")[1]
     finally:
         c.stop()

@@ -17,13 +17,18 @@ FIELDS = {
 }  # fmt: skip
 
 
+# the full-size configs offload at 24GiB: their banks (54 and 60 GiB) are checked against host RAM,
+# so plans meant for a bigger machine than this one say how much it has
+HOST = ("--host-memory", "128GiB")
+
+
 def ferry(*args):
     return subprocess.run([sys.executable, "-m", "ferry.services.cli", *args], capture_output=True, text=True, timeout=120)
 
 
 @pytest.mark.parametrize("model", [QWEN3_30B, QWEN3_6_35B])
 def test_json_is_one_object_with_the_documented_fields(model):
-    out = ferry("plan", "--model", str(model), "--gpu-memory", "24GiB", "--max-model-len", "32768", "--json")
+    out = ferry("plan", "--model", str(model), "--gpu-memory", "24GiB", "--max-model-len", "32768", "--json", *HOST)
     assert out.returncode == 0, out.stderr
     plan = json.loads(out.stdout)  # exactly one JSON document, nothing else on stdout
     assert FIELDS <= plan.keys()
@@ -37,14 +42,14 @@ def test_json_is_one_object_with_the_documented_fields(model):
 
 
 def test_readable_table():
-    out = ferry("plan", "--model", str(QWEN3_30B), "--gpu-memory", "24GiB", "--num-tokens", "131072")
+    out = ferry("plan", "--model", str(QWEN3_30B), "--gpu-memory", "24GiB", "--num-tokens", "131072", *HOST)
     assert out.returncode == 0, out.stderr
     assert "8192 pages x 16 = 131072 tokens + 1 sentinel" in out.stdout
     assert "headroom" in out.stdout
 
 
 def test_plan_that_cannot_fit_exits_2_with_the_explanation_on_stderr():
-    out = ferry("plan", "--model", str(QWEN3_30B), "--gpu-memory", "24GiB", "--num-tokens", "1000000", "--json")
+    out = ferry("plan", "--model", str(QWEN3_30B), "--gpu-memory", "24GiB", "--num-tokens", "1000000", "--json", *HOST)
     assert out.returncode == 2 and out.stdout == ""
     assert "does not fit" in out.stderr and "--num-tokens: the largest value that fits is" in out.stderr
 
@@ -52,7 +57,7 @@ def test_plan_that_cannot_fit_exits_2_with_the_explanation_on_stderr():
 @pytest.mark.parametrize("pair", [("--num-tokens", "16", "--num-pages", "1"),
                                   ("--moe-cache-size", "200", "--moe-cache-rate", "0.5")])  # fmt: skip
 def test_mutually_exclusive_flags_are_rejected_by_the_parser(pair):
-    out = ferry("plan", "--model", str(QWEN3_30B), "--gpu-memory", "24GiB", *pair)
+    out = ferry("plan", "--model", str(QWEN3_30B), "--gpu-memory", "24GiB", *pair, *HOST)
     assert out.returncode == 2 and "not allowed with argument" in out.stderr
 
 
@@ -71,7 +76,7 @@ def test_weights_from_safetensors_headers_are_exact(tmp_path):
     }
     save_file(tensors, str(tmp_path / "model.safetensors"))
     assert resident_weight_bytes_from_checkpoint(tmp_path, "bfloat16") == 512 + 1536
-    out = ferry("plan", "--model", str(tmp_path), "--gpu-memory", "24GiB", "--json")
+    out = ferry("plan", "--model", str(tmp_path), "--gpu-memory", "24GiB", "--json", *HOST)
     assert json.loads(out.stdout)["weights_bytes"] == 2048
 
 
@@ -82,3 +87,67 @@ def test_weights_from_shapes_count_everything_but_routed_experts():
     expected_min = 2 * 151936 * 2048 * 2 + 48 * per_layer
     got = resident_weight_bytes_from_shapes(spec, "bfloat16")
     assert expected_min <= got <= expected_min + (48 * 7 + 3) * 512  # per-tensor 512-byte allocator granules
+
+
+@pytest.mark.parametrize("model, layers, experts, per_expert", [
+    (QWEN3_30B, 48, 128, 9_437_184),  # 3 x moe_intermediate_size 768 x hidden 2048 x 2 B (bf16)
+    (QWEN3_6_35B, 40, 256, 6_291_456),  # 3 x 512 x 2048 x 2 B
+])  # fmt: skip
+def test_json_host_figures_are_the_pinned_expert_banks(model, layers, experts, per_expert):
+    out = ferry("plan", str(model), "--gpu-memory", "24GiB", "--host-memory", "100GiB", "--json")
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    assert plan["experts"]["slots"] < plan["experts"]["total"] == layers * experts  # 24GiB offloads
+    assert plan["host"]["expert_bank_bytes"] == layers * experts * per_expert  # 54 GiB, 60 GiB
+    assert plan["host"]["available_bytes"] == 100 * 2**30 and plan["host"]["available_source"] == "--host-memory"
+    # without --host-memory: what this machine has (MemAvailable), read when the plan is made
+    here = ferry("plan", str(model), "--gpu-memory", "200GiB", "--moe-cache-rate", "1.0", "--json")
+    assert here.returncode == 0, here.stderr
+    host = json.loads(here.stdout)["host"]
+    assert host["expert_bank_bytes"] == 0 and host["available_source"] == "MemAvailable"  # every expert resident
+    assert 0 < host["available_bytes"] <= 2**50
+
+
+def test_offload_that_does_not_fit_host_ram_is_a_plan_error_with_the_figures():
+    out = ferry("plan", str(QWEN3_30B), "--gpu-memory", "24GiB", "--host-memory", "40GiB", "--json")
+    assert out.returncode == 2 and out.stdout == ""
+    assert "do not fit in host RAM" in out.stderr and "54.00 GiB" in out.stderr and "48 MoE layers x 128 experts" in out.stderr
+    assert "--host-memory 40.00 GiB" in out.stderr and "at least 56.00 GiB" in out.stderr
+
+
+def test_table_has_a_header_row_labelled_columns_and_host_rows():
+    out = ferry("plan", str(QWEN3_6_35B), "--gpu-memory", "24GiB", *HOST)
+    assert out.returncode == 0, out.stderr
+    header, rule, *rows = out.stdout.splitlines()
+    assert header.split()[:3] == ["term", "size", "bytes"] and "how it was sized" in header
+    assert set(rule.replace(" ", "")) == {"-"}
+    banks = next(r for r in rows if r.startswith("host: expert banks (pinned)"))
+    assert "60.00 GiB" in banks and str(40 * 256 * 6_291_456) in banks
+    assert any(r.startswith("host: available") and "128.00 GiB" in r for r in rows)
+
+
+@pytest.mark.parametrize("value, hint", [("24", "24GiB"), ("0.9", "--gpu-memory-utilization 0.9")])
+def test_gpu_memory_without_a_unit_is_refused_with_the_form_to_use(value, hint):
+    out = ferry("plan", str(QWEN3_30B), "--gpu-memory", value)
+    assert out.returncode == 2 and "no unit" in out.stderr and hint in out.stderr and "24GiB" in out.stderr
+
+
+def test_vllm_and_sglang_names_of_the_flags_are_aliases():
+    ours = ferry("plan", str(QWEN3_30B), "--gpu-memory", "80GiB", "--memory-ratio", "0.8", "--max-running-requests", "8",
+                 "--max-prefill-tokens", "2048", "--max-model-len", "4096", "--json", *HOST)  # fmt: skip
+    vllm = ferry("plan", str(QWEN3_30B), "--gpu-memory", "80GiB", "--gpu-memory-utilization", "0.8", "--max-num-seqs", "8",
+                 "--max-num-batched-tokens", "2048", "--max-model-len", "4096", "--json", *HOST)  # fmt: skip
+    sglang = ferry("plan", "--model", str(QWEN3_30B), "--gpu-memory", "80GiB", "--mem-fraction-static", "0.8",
+                   "--max-running-requests", "8", "--max-prefill-tokens", "2048", "--context-length", "4096", "--json",
+                   *HOST)  # fmt: skip
+    assert ours.returncode == vllm.returncode == sglang.returncode == 0, ours.stderr + vllm.stderr + sglang.stderr
+    assert json.loads(ours.stdout) == json.loads(vllm.stdout) == json.loads(sglang.stdout)
+    plan = json.loads(ours.stdout)
+    assert plan["budget_bytes"] == int(80 * 2**30 * 0.8) and plan["max_running_requests"] == 8
+
+
+def test_the_model_is_given_once_positionally_or_by_flag():
+    missing = ferry("plan", "--gpu-memory", "24GiB")
+    assert missing.returncode == 2 and "ferry plan MODEL" in missing.stderr and "--model MODEL" in missing.stderr
+    twice = ferry("plan", str(QWEN3_30B), "--model", str(QWEN3_6_35B), "--gpu-memory", "24GiB")
+    assert twice.returncode == 2 and "two models given" in twice.stderr

@@ -18,7 +18,7 @@ QWEN3_30B = REPO / "tests/data/models/qwen3-30b-a3b"
 TORCH_FREE = {"shared": "ferry.shared", "plan": "ferry.plan", "services": "ferry.services"}
 TORCH_ALLOWED = {"services/worker": "ferry.services.worker", "kernels": "ferry.kernels"}
 # worker modules the control plane imports to parse the worker's flags and read its plan
-LIGHT_WORKER_MODULES = ("ferry.services.worker.command", "ferry.services.worker.service")
+LIGHT_WORKER_MODULES = ("ferry.services.worker.command", "ferry.services.worker.service", "ferry.services.worker.flags")
 
 
 def modules_under(folder: str, package: str) -> list[str]:
@@ -105,7 +105,7 @@ def test_importing_every_module_outside_the_worker_and_the_kernels_loads_no_torc
 def test_ferry_plan_runs_where_importing_torch_raises():
     blocked = run(NO_TORCH + "import torch")
     assert blocked.returncode != 0 and "torch is blocked in this test" in blocked.stderr
-    done = run(FERRY_WITHOUT_TORCH, "plan", "--model", str(QWEN3_30B), "--gpu-memory", "24GiB", "--json")
+    done = run(FERRY_WITHOUT_TORCH, "plan", str(QWEN3_30B), "--gpu-memory", "24GiB", "--host-memory", "128GiB", "--json")
     assert done.returncode == 0 and json.loads(done.stdout)["budget_bytes"] == int(24 * 2**30 * 0.9), done.stderr
     # without a budget it asks torch for the GPU's free memory: torch missing reads as "no GPU here"
     done = run(FERRY_WITHOUT_TORCH, "plan", "--model", str(QWEN3_30B))

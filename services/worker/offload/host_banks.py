@@ -24,13 +24,11 @@ from tqdm import tqdm
 
 from ferry.shared.errors import FerryError
 from ferry.plan.model_config import ModelSpec
-from ferry.shared.units import GiB, format_bytes
+# the reserve the banks leave to everything else, and MemAvailable: one owner, shared with the planner
+from ferry.plan.host_memory import HOST_RESERVE_BYTES, MEMINFO, mem_available_bytes
+from ferry.shared.units import format_bytes
 from ferry.services.worker.pools import TORCH_DTYPES
 
-# Host memory the banks must leave to everything else (the worker, the page cache of a
-# checkpoint being read, the OS); asking for the last byte of MemAvailable ends in the OOM killer.
-HOST_RESERVE_BYTES = 2 * GiB
-MEMINFO = Path("/proc/meminfo")
 # Elements per copy of the dummy fill: large copies run at memcpy speed (see fill_dummy).
 DUMMY_CHUNK = 1 << 25
 
@@ -39,18 +37,6 @@ class HostMemoryError(FerryError):
     """The host has too little RAM for the expert banks."""
 
     exit_status = 2
-
-
-def mem_available_bytes(meminfo: Path = MEMINFO) -> int | None:
-    """MemAvailable from /proc/meminfo in bytes; None where there is no such file (not Linux)."""
-    try:
-        for line in Path(meminfo).read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                value, unit = line.split()[1:3]
-                return int(value) * (1024 if unit.lower() == "kb" else 1)
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 def check_host_memory(needed: int, what: str, meminfo: Path = MEMINFO, reserve: int = HOST_RESERVE_BYTES) -> None:

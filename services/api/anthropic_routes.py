@@ -1,0 +1,158 @@
+"""The Anthropic Messages API: POST /v1/messages (streamed or not) and /v1/messages/count_tokens.
+
+A request: validate -> render the conversation and its tools through the model's chat template ->
+Generation (the same path as the OpenAI routes: scheduler, detokenizer, stop strings) -> the output
+parser (reasoning, text, tool calls) -> a message, or its event stream. Authentication (x-api-key or
+a bearer token) and the error shapes are the middlewares' (http_errors.py).
+
+tool_choice any / tool (a forced call): the prompt already opens the call (`<tool_call>` and, for
+`tool`, the name), so the model can only write the arguments; the parser reads the call with that
+start. There is no grammar-constrained decoding here: a model may still write a malformed call,
+which then comes back as text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+
+import structlog
+from aiohttp import web
+
+from ferry.shared.errors import FerryError, NotFound
+from ferry.services.api import anthropic_schema as schema
+from ferry.services.api.anthropic_responses import PING, MessageBuilder, error_body, sse_event
+from ferry.services.api.config import ApiConfig
+from ferry.services.api.generation import Generation
+from ferry.services.api.metrics import ApiMetrics
+from ferry.services.api.output_parsers import OutputParser
+from ferry.services.api.reasoning_parser import prompt_opens_reasoning
+from ferry.services.api.schema import decode_body
+from ferry.services.api.scheduler_client import SchedulerClient
+from ferry.services.api.tokenizer import PromptTokenizer
+
+log = structlog.get_logger("api.anthropic")
+
+PING_INTERVAL_S = 10.0  # a ping when no other event went out for this long (proxies close idle streams)
+
+
+@dataclass
+class Prompt:
+    ids: list[int]
+    text: str
+    tool_prefix: str  # the start of a forced tool call, already in the prompt
+
+
+def forced_call_prefix(tokenizer: PromptTokenizer, choice: schema.ToolChoice | None, prompt_text: str) -> tuple[str, str]:
+    """(text appended to the prompt, the tool-call part of it) for tool_choice any / tool: the call's
+    opening in the model's own format (XML when its template writes <function=...>, else JSON)."""
+    if choice is None or choice.type not in ("any", "tool"):
+        return "", ""
+    xml = "<function=" in (tokenizer.hf.chat_template or "")
+    if choice.type == "tool":
+        call = f"<tool_call>\n<function={choice.name}>\n" if xml else f'<tool_call>\n{{"name": "{choice.name}", "arguments": '
+    else:
+        call = "<tool_call>\n<function=" if xml else '<tool_call>\n{"name": "'
+    close = "</think>\n\n" if prompt_opens_reasoning(prompt_text) else ""  # a template that always opens reasoning
+    return close + call, call
+
+
+class AnthropicRoutes:
+    def __init__(self, cfg: ApiConfig, client: SchedulerClient, tokenizer: PromptTokenizer, metrics: ApiMetrics,
+                 tokenize):  # fmt: skip
+        """`tokenize(fn, arg)`: runs fn(arg) on the tokenizer thread (shared with the OpenAI routes)."""
+        self.cfg, self.client, self.tokenizer, self.metrics = cfg, client, tokenizer, metrics
+        self._tokenize = tokenize
+
+    def add_to(self, app: web.Application) -> None:
+        app.router.add_post("/v1/messages", self.messages)
+        app.router.add_post("/v1/messages/count_tokens", self.count_tokens)
+
+    # ---- prompt ----------------------------------------------------------------------------------
+
+    def _prompt(self, req: schema.CountTokensRequest) -> Prompt:
+        """On the tokenizer thread: render (messages, tools, template variables) and encode."""
+        messages = schema.template_messages(req)
+        continue_final = messages[-1]["role"] == "assistant"  # a prefilled answer: the model continues it
+        text = self.tokenizer.chat_text(messages, tools=schema.template_tools(req), continue_final=continue_final,
+                                        **schema.template_kwargs(req))  # fmt: skip
+        added, call = forced_call_prefix(self.tokenizer, req.tool_choice, text)
+        text += added
+        return Prompt(self.tokenizer.encode(text), text, call)
+
+    def _check_model(self, req: schema.CountTokensRequest) -> None:
+        if req.model != self.cfg.served_model_name:
+            raise NotFound(f"the model {req.model!r} does not exist here; this server serves {self.cfg.served_model_name!r}")
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        req = decode_body(await request.read(), schema.CountTokensRequest)
+        self._check_model(req)
+        prompt = await self._tokenize(self._prompt, req)
+        return web.json_response({"input_tokens": len(prompt.ids)})
+
+    # ---- messages --------------------------------------------------------------------------------
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        req = decode_body(await request.read(), schema.MessagesRequest)
+        self._check_model(req)
+        schema.validate(req)
+        prompt = await self._tokenize(self._prompt, req)
+        choice = req.tool_choice
+        builder = MessageBuilder(self.cfg.served_model_name,
+                                 single_tool_call=bool(choice and choice.disable_parallel_tool_use))  # fmt: skip
+        structlog.contextvars.bind_contextvars(request_id=builder.id)
+        parser = OutputParser(self.cfg.reasoning_parser, self.cfg.tool_call_parser, schema.tool_schemas(req),
+                              prompt_text=prompt.text, tool_prefix=prompt.tool_prefix)  # fmt: skip
+        gen = Generation(self.client, self.tokenizer.hf, self.metrics, "messages", prompt.ids,
+                         schema.sampling_params(req, self.tokenizer.eos_token_ids), req.max_tokens,
+                         list(req.stop_sequences or []))  # fmt: skip
+        headers = {"request-id": builder.id}
+        async with contextlib.aclosing(gen.deltas()) as deltas:
+            if not req.stream:
+                reason = None
+                async for d in deltas:
+                    builder.apply(parser.push(d.text) + (parser.flush() if d.finish_reason else []))
+                    reason = d.finish_reason
+                return web.json_response(builder.message(reason, gen.stop_sequence, gen.usage), headers=headers)
+            first = await anext(deltas)  # a rejection raises here, before any header: a plain 4xx/5xx
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                                   **headers})  # fmt: skip
+            await response.prepare(request)
+            try:
+                await _write(response, builder.start(len(prompt.ids)))
+                d = first
+                while True:
+                    await _write(response, builder.apply(parser.push(d.text) + (parser.flush() if d.finish_reason else [])))
+                    if d.finish_reason:
+                        break
+                    d = await _next_with_pings(deltas, response)
+                await _write(response, builder.finish(d.finish_reason, gen.stop_sequence, gen.usage))
+            except FerryError as exc:  # lost mid-stream: headers are gone, so the error travels as an event
+                await response.write(sse_event(error_body(exc.http_status, str(exc))))
+            except ConnectionResetError:
+                pass  # the client left: leaving the `async with` aborts the request, and Generation logs it
+            return response
+
+
+async def _write(response: web.StreamResponse, events: list[dict]) -> None:
+    if events:
+        await response.write(b"".join(sse_event(e) for e in events))
+
+
+async def _next_with_pings(deltas, response: web.StreamResponse):
+    """The next delta; a ping goes out every PING_INTERVAL_S while none comes (a queued or preempted
+    request). If the handler is cancelled (the client left), the pending step is cancelled too and
+    awaited, so the generator has run its cleanup (abort, log) before it is closed."""
+    step = asyncio.ensure_future(anext(deltas))
+    try:
+        while True:
+            done, _ = await asyncio.wait({step}, timeout=PING_INTERVAL_S)
+            if done:
+                return step.result()
+            await response.write(sse_event(PING))
+    finally:
+        if not step.done():
+            step.cancel()
+            with contextlib.suppress(BaseException):
+                await step

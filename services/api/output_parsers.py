@@ -1,0 +1,77 @@
+"""The model's output as a client of a chat route wants it: reasoning, answer text and tool calls,
+from the detokenized stream, by the parsers `--reasoning-parser` and `--tool-call-parser` name.
+
+    OutputParser(...).push(delta) -> [Reasoning | Text | ToolCall]      (and .flush() at the end)
+
+Shared by the routes: the Anthropic Messages route makes thinking / text / tool_use blocks of the
+events; the OpenAI chat route can make reasoning_content / content / tool_calls deltas of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ferry.services.api.config import REASONING_PARSERS, TOOL_CALL_PARSERS
+from ferry.services.api.reasoning_parser import Piece, ReasoningParser, prompt_opens_reasoning
+from ferry.services.api.tool_call_parser import ToolCall, ToolCallParser
+
+__all__ = ["OutputParser", "Reasoning", "Text", "ToolCall", "REASONING_PARSERS", "TOOL_CALL_PARSERS"]
+
+
+@dataclass
+class Reasoning:
+    text: str
+
+
+@dataclass
+class Text:
+    text: str
+
+
+Event = Reasoning | Text | ToolCall
+
+
+class OutputParser:
+    """`reasoning`: a REASONING_PARSERS name ("none": no reasoning is split off). `tools`: the
+    request's tools as {name: JSON schema of the arguments}; None when the request offers none (or
+    must not call one), and then no tool call is parsed. `prompt_text`: the rendered prompt, which
+    says whether the output starts inside the reasoning. `tool_prefix`: the part of a tool call the
+    prompt already holds (a forced tool choice)."""
+
+    def __init__(self, reasoning: str, tool_calls: str, tools: dict[str, dict] | None, prompt_text: str = "",
+                 tool_prefix: str = ""):  # fmt: skip
+        if reasoning not in REASONING_PARSERS or tool_calls not in TOOL_CALL_PARSERS:
+            raise ValueError(f"unknown parser: {reasoning!r} / {tool_calls!r}")
+        self.reasoning = None
+        if reasoning != "none" and not tool_prefix:
+            self.reasoning = ReasoningParser(starts_in_reasoning=prompt_opens_reasoning(prompt_text))
+        self.tools = None
+        if tool_calls != "none" and tools is not None:
+            self.tools = ToolCallParser(tools, prefix=tool_prefix)
+
+    def push(self, delta: str) -> list[Event]:
+        pieces = self.reasoning.push(delta) if self.reasoning else [Piece("content", delta)]
+        return self._route(pieces, final=False)
+
+    def flush(self) -> list[Event]:
+        pieces = self.reasoning.flush() if self.reasoning else []
+        return self._route(pieces, final=True)
+
+    def _route(self, pieces: list[Piece], final: bool) -> list[Event]:
+        out: list[Event] = []
+        for piece in pieces:
+            text = piece.text
+            if piece.kind == "reasoning":
+                out.append(Reasoning(text))
+            elif self.tools is None:
+                if text:
+                    out.append(Text(text))
+            else:
+                out.extend(self._text_or_call(e) for e in self.tools.push(text))
+        if final and self.tools is not None:
+            out.extend(self._text_or_call(e) for e in self.tools.flush())
+        return out
+
+    @staticmethod
+    def _text_or_call(e: str | ToolCall) -> Text | ToolCall:
+        return Text(e) if isinstance(e, str) else e

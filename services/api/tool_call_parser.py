@@ -1,0 +1,142 @@
+"""Tool calls in streamed output: Qwen's `<tool_call>…</tool_call>` blocks.
+
+Inside a block, either of the two formats Qwen models write (and chat templates render):
+  JSON (Qwen2.5/Qwen3, vLLM's `hermes`):  {"name": "get_weather", "arguments": {"city": "Paris"}}
+  XML (Qwen3-Coder/Qwen3.5, `qwen3_coder`): <function=get_weather><parameter=city>Paris</parameter></function>
+XML parameter values are text; they are converted to the type the tool's JSON schema gives them.
+
+Text that could start `<tool_call>` is held back until the next delta decides, as is whitespace
+right before a block (it separates the answer from the call, and is not part of either). A block
+that does not parse (a cut-off or malformed call) is passed on as the text it was, never dropped.
+
+Route-independent: the Anthropic route makes tool_use blocks of the calls; the OpenAI chat route
+can make `tool_calls` of them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.S)
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.S)
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: dict
+    id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
+
+    def arguments_json(self) -> str:
+        return json.dumps(self.arguments, ensure_ascii=False)
+
+
+def _convert(value: str, schema: dict | None):
+    """An XML parameter's text as the JSON type its schema says (strings stay as written)."""
+    kind = (schema or {}).get("type")
+    if kind == "string" or (isinstance(kind, list) and "string" in kind):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
+
+
+def parse_tool_call(body: str, schemas: dict[str, dict] | None = None) -> ToolCall | None:
+    """One block's inside -> a ToolCall, or None when it is neither format."""
+    body = body.strip()
+    if body.startswith("<function="):
+        m = _FUNCTION.match(body)
+        if m is None:
+            return None
+        name = m.group(1).strip()
+        props = ((schemas or {}).get(name) or {}).get("properties", {})
+        args = {}
+        for p in _PARAMETER.finditer(m.group(2)):
+            key = p.group(1).strip()
+            value = p.group(2)
+            value = value[1:] if value.startswith("\n") else value
+            value = value[:-1] if value.endswith("\n") else value
+            args[key] = _convert(value, props.get(key))
+        return ToolCall(name, args)
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):  # some models write the arguments as a JSON string
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            return None
+    return ToolCall(obj["name"], args) if isinstance(args, dict) else None
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
+
+
+class ToolCallParser:
+    """push(text) / flush() -> [str | ToolCall]: answer text and complete tool calls, in order."""
+
+    def __init__(self, schemas: dict[str, dict] | None = None, prefix: str = ""):
+        self.schemas = schemas or {}
+        self.held = ""  # text not yet decided (a partial <tool_call>, or whitespace before one)
+        self.block: str | None = None  # inside a block: what it holds so far
+        self.calls = 0
+        if prefix:  # the part of a call the prompt already wrote (a forced tool choice)
+            self.push(prefix)
+
+    def push(self, delta: str) -> list[str | ToolCall]:
+        text = self.held + delta
+        self.held = ""
+        out: list[str | ToolCall] = []
+        while text:
+            if self.block is not None:
+                self.block += text  # the closing tag may have begun in an earlier delta
+                end = self.block.find(CLOSE)
+                if end < 0:
+                    break
+                self.block, text = self.block[:end], self.block[end + len(CLOSE):]
+                out.append(self._close_block(self.block + CLOSE))
+                self.block = None
+                continue
+            start = text.find(OPEN)
+            if start >= 0:
+                if text[:start].strip():
+                    out.append(text[:start].rstrip())
+                self.block, text = "", text[start + len(OPEN):]
+                continue
+            keep = _partial_suffix(text, OPEN)
+            body = text[: len(text) - keep]
+            emit = body.rstrip()
+            self.held = text[len(emit):]
+            if emit:
+                out.append(emit)
+            break
+        return out
+
+    def _close_block(self, raw_tail: str) -> str | ToolCall:
+        call = parse_tool_call(self.block or "", self.schemas)
+        self.calls += call is not None
+        return call if call is not None else OPEN + raw_tail
+
+    def flush(self) -> list[str | ToolCall]:
+        out: list[str | ToolCall] = []
+        if self.block is not None:  # cut off inside a block: a call if what came parses, else the text
+            call = parse_tool_call(self.block, self.schemas)
+            out.append(call if call is not None else OPEN + self.block + self.held)
+            self.block = None
+        elif self.held and (self.held.strip() or not self.calls):  # not the newline after the last call
+            out.append(self.held)
+        self.held = ""
+        return out

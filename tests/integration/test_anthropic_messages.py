@@ -1,0 +1,212 @@
+"""The Anthropic Messages API through the official `anthropic` client, against the real api and
+scheduler with the PagedHashModel double as the worker. Prompts that mention the weather get a fixed
+output (the double's script: reasoning, a sentence, a Qwen-style tool call), so the route's
+thinking / text / tool_use blocks are checked exactly; other prompts get the double's known
+continuation (max_tokens, stop_sequences). The real model behind `ferry serve`: test_serve_user_facing.py."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import anthropic
+import pytest
+
+from tests.doubles.paged_model import reference_continuation
+from tests.integration.harness import ascii_word_tokens, http_get, labelled_metric, make_model_dir, start_cluster
+
+KEY = "sesame"
+SCRIPT = ('<think>\nThe user asks about the weather.\n</think>\n\nLet me check.\n\n<tool_call>\n'
+          '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call><|im_end|>')  # fmt: skip
+WEATHER = {"name": "get_weather", "description": "Current weather in a city",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string"}},
+                            "required": ["city"]}}  # fmt: skip
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def scripted(tiny_tokenizer_dir, tiny_tokenizer, tmp_path_factory):
+    script = {"trigger": "weather", "token_ids": script_ids(tiny_tokenizer)}
+    model = make_model_dir(tiny_tokenizer_dir, tmp_path_factory.mktemp("models") / "scripted", tiny_tokenizer,
+                           script=script)  # fmt: skip
+    c = start_cluster(model, tmp_path_factory.mktemp("anthropic"), worker_flags=["--max-model-len", "1024"],
+                      api_flags=["--api-key", KEY])  # fmt: skip
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def client(scripted):
+    return anthropic.Anthropic(base_url=scripted.base_url, api_key=KEY, max_retries=0, timeout=30)
+
+
+def expected_blocks():
+    return [("thinking", "The user asks about the weather."), ("text", "Let me check."),
+            ("tool_use", "get_weather", {"city": "Paris", "unit": "celsius"})]  # fmt: skip
+
+
+def blocks(content) -> list[tuple]:
+    out = []
+    for b in content:
+        if b.type == "thinking":
+            out.append(("thinking", b.thinking))
+        elif b.type == "text":
+            out.append(("text", b.text))
+        else:
+            out.append(("tool_use", b.name, b.input))
+            assert b.id.startswith("toolu_")
+    return out
+
+
+def script_ids(tok) -> list[int]:
+    return tok.encode(SCRIPT, add_special_tokens=False)
+
+
+def test_tool_use_not_streamed(client, tiny_tokenizer):
+    msg = client.messages.create(model="tiny", max_tokens=200, tools=[WEATHER], messages=ASK)
+    assert blocks(msg.content) == expected_blocks()
+    assert msg.stop_reason == "tool_use" and msg.stop_sequence is None and msg.role == "assistant"
+    assert msg.id.startswith("msg_") and msg.model == "tiny"
+    counted = client.messages.count_tokens(model="tiny", tools=[WEATHER], messages=ASK).input_tokens
+    assert msg.usage.input_tokens + (msg.usage.cache_read_input_tokens or 0) == counted
+    assert msg.usage.output_tokens == len(script_ids(tiny_tokenizer))  # the end-of-turn token included
+
+
+def test_tool_use_streamed_event_sequence_and_final_message(client):
+    with client.messages.stream(model="tiny", max_tokens=200, tools=[WEATHER], messages=ASK) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    assert blocks(final.content) == expected_blocks() and final.stop_reason == "tool_use"
+    kinds = [e.type for e in events if e.type in ("message_start", "content_block_start", "content_block_stop",
+                                                   "message_delta", "message_stop")]  # fmt: skip
+    assert kinds == ["message_start", *["content_block_start", "content_block_stop"] * 3, "message_delta", "message_stop"]
+    starts = [e.content_block.type for e in events if e.type == "content_block_start"]
+    assert starts == ["thinking", "text", "tool_use"]
+    deltas = {e.delta.type for e in events if e.type == "content_block_delta"}
+    assert deltas == {"thinking_delta", "text_delta", "input_json_delta"}
+    assert final.usage.output_tokens > 0
+
+
+def test_raw_stream_names_every_event_and_pings_after_message_start(scripted):
+    req = urllib.request.Request(scripted.base_url + "/v1/messages", method="POST", headers={
+        "x-api-key": KEY, "content-type": "application/json", "anthropic-version": "2023-06-01"},
+        data=json.dumps({"model": "tiny", "max_tokens": 5, "stream": True, "messages": [
+            {"role": "user", "content": "Mixture of experts"}]}).encode())  # fmt: skip
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert r.headers["Content-Type"].startswith("text/event-stream") and r.headers["request-id"].startswith("msg_")
+        frames = r.read().decode().strip().split("\n\n")
+    names = []
+    for frame in frames:
+        event, data = frame.split("\n")
+        assert event.startswith("event: ") and data.startswith("data: ")
+        assert json.loads(data[6:])["type"] == event[7:]
+        names.append(event[7:])
+    assert names[:2] == ["message_start", "ping"] and names[-2:] == ["message_delta", "message_stop"]
+    delta = json.loads(frames[-2].split("\n")[1][6:])
+    assert delta["delta"]["stop_reason"] == "max_tokens" and delta["usage"]["output_tokens"] == 5
+
+
+def test_multi_turn_with_tool_result_renders_through_the_chat_template(client, tiny_tokenizer):
+    first = client.messages.create(model="tiny", max_tokens=200, tools=[WEATHER], messages=ASK)
+    call = next(b for b in first.content if b.type == "tool_use")
+    turns = [*ASK, {"role": "assistant", "content": first.content},
+             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "18 C, sunny"},
+                                          {"type": "text", "text": "Thanks, and tomorrow?"}]}]  # fmt: skip
+    counted = client.messages.count_tokens(model="tiny", system="Be brief.", tools=[WEATHER], messages=turns)
+    tool = {"type": "function", "function": {"name": WEATHER["name"], "description": WEATHER["description"],
+                                             "parameters": WEATHER["input_schema"]}}  # fmt: skip
+    rendered = tiny_tokenizer.apply_chat_template([
+        {"role": "system", "content": "Be brief."}, ASK[0],
+        {"role": "assistant", "content": "Let me check.", "reasoning_content": "The user asks about the weather.",
+         "tool_calls": [{"id": call.id, "type": "function", "function": {"name": "get_weather", "arguments": call.input}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "18 C, sunny"},
+        {"role": "user", "content": "Thanks, and tomorrow?"}], tools=[tool], add_generation_prompt=True, tokenize=False)  # fmt: skip
+    assert "<tool_response>\n18 C, sunny\n</tool_response>" in rendered and '"name": "get_weather"' in rendered
+    assert counted.input_tokens == len(tiny_tokenizer.encode(rendered, add_special_tokens=False))
+    again = client.messages.create(model="tiny", max_tokens=200, system="Be brief.", tools=[WEATHER], messages=turns)
+    assert again.stop_reason == "tool_use"
+
+
+def expected_text(tok, messages, n):
+    ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False)
+    return tok.decode(reference_continuation(ids, n, ascii_word_tokens(tok)), skip_special_tokens=True)
+
+
+def test_max_tokens_stop_sequences_and_sampling_fields(client, tiny_tokenizer):
+    """The double's output does not depend on sampling; the fields must be accepted and validated."""
+    messages = [{"role": "user", "content": "Carry the experts across."}]
+    text = expected_text(tiny_tokenizer, messages, 30)
+    # sampling fields through extra_body: newer clients dropped them from create()'s signature, the API still takes them
+    msg = client.messages.create(model="tiny", max_tokens=30, messages=messages,
+                                 extra_body={"temperature": 0, "top_p": 0.9, "top_k": 5})  # fmt: skip
+    assert msg.stop_reason == "max_tokens" and msg.usage.output_tokens == 30
+    assert [(b.type, b.text) for b in msg.content] == [("text", text)]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    cut = client.messages.create(model="tiny", max_tokens=30, messages=messages, stop_sequences=[stop])
+    assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
+    assert cut.content[0].text == text[: text.index(stop)]
+    streamed = client.messages.create(model="tiny", max_tokens=30, messages=messages, stop_sequences=[stop], stream=True)
+    events = list(streamed)
+    assert "".join(e.delta.text for e in events if e.type == "content_block_delta") == text[: text.index(stop)]
+    assert [e.delta.stop_sequence for e in events if e.type == "message_delta"] == [stop]
+
+
+def test_system_prompt_and_assistant_prefill(client, tiny_tokenizer):
+    messages = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "The ferry"}]
+    msg = client.messages.create(model="tiny", max_tokens=8, system=[{"type": "text", "text": "You are a ferry."}],
+                                 messages=messages)  # fmt: skip
+    prompt = tiny_tokenizer.apply_chat_template([{"role": "system", "content": "You are a ferry."}, *messages],
+                                                continue_final_message=True, tokenize=False)  # fmt: skip
+    assert prompt.endswith("<|im_start|>assistant\nThe ferry")
+    ids = tiny_tokenizer.encode(prompt, add_special_tokens=False)
+    assert msg.content[0].text == tiny_tokenizer.decode(reference_continuation(ids, 8, ascii_word_tokens(tiny_tokenizer)))
+    assert msg.usage.input_tokens + (msg.usage.cache_read_input_tokens or 0) == len(ids)
+
+
+def test_errors_have_anthropic_shapes_and_are_counted(scripted, client):
+    before = labelled_metric(scripted.base_url, "ferry_refused_requests_total", route="/v1/messages", status="401")
+    bad_key = anthropic.Anthropic(base_url=scripted.base_url, api_key="wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as err:
+        bad_key.messages.create(model="tiny", max_tokens=5, messages=ASK)
+    assert err.value.body == {"type": "error", "error": {"type": "authentication_error", "message": err.value.body["error"]["message"]}}
+    assert "x-api-key" in err.value.body["error"]["message"]
+    assert labelled_metric(scripted.base_url, "ferry_refused_requests_total", route="/v1/messages", status="401") == before + 1
+    bearer = anthropic.Anthropic(base_url=scripted.base_url, auth_token=KEY, max_retries=0)  # Authorization: Bearer
+    assert bearer.messages.count_tokens(model="tiny", messages=ASK).input_tokens > 0
+    with pytest.raises(anthropic.NotFoundError) as err:
+        client.messages.create(model="claude-opus-4", max_tokens=5, messages=ASK)
+    assert err.value.body["error"]["type"] == "not_found_error" and "tiny" in err.value.body["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError) as err:
+        client.messages.create(model="tiny", max_tokens=5, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}])  # fmt: skip
+    assert err.value.body["error"]["type"] == "invalid_request_error" and "text-only" in err.value.body["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError) as err:
+        client.messages.create(model="tiny", max_tokens=0, messages=ASK)
+    assert "max_tokens" in err.value.body["error"]["message"]
+    status, body = _post(scripted.base_url + "/v1/messages", {"model": "tiny", "messages": ASK})  # no max_tokens
+    assert status == 400 and json.loads(body)["type"] == "error" and "max_tokens" in body
+    status, body = http_get(scripted.base_url + "/v1/models")  # the OpenAI routes keep OpenAI's shape
+    assert status == 401 and "error" in json.loads(body) and "type" not in json.loads(body)
+
+
+def test_forced_tool_choice_opens_the_call_in_the_prompt(client, tiny_tokenizer):
+    plain = client.messages.count_tokens(model="tiny", tools=[WEATHER], messages=[{"role": "user", "content": "hi"}])
+    forced = client.messages.count_tokens(model="tiny", tools=[WEATHER], messages=[{"role": "user", "content": "hi"}],
+                                          tool_choice={"type": "tool", "name": "get_weather"})  # fmt: skip
+    opening = '<tool_call>\n{"name": "get_weather", "arguments": '
+    assert forced.input_tokens > plain.input_tokens
+    with pytest.raises(anthropic.BadRequestError):
+        client.messages.create(model="tiny", max_tokens=5, tools=[WEATHER], messages=ASK,
+                               tool_choice={"type": "tool", "name": "no_such_tool"})  # fmt: skip
+    assert opening  # the exact opening is checked on fixed text in tests/unit/test_anthropic_schema.py
+
+
+def _post(url: str, body: dict) -> tuple[int, str]:
+    req = urllib.request.Request(url, method="POST", data=json.dumps(body).encode(),
+                                 headers={"x-api-key": KEY, "content-type": "application/json"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()

@@ -1,0 +1,50 @@
+"""The api's /metrics text: vLLM's names for the common series carry Ferry's values, preemptions are a
+counter, and refusals are counted by status."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from ferry.services.api.metrics import ApiMetrics
+from ferry.shared.messages import SchedulerStatus
+
+
+def samples(m: ApiMetrics) -> dict[tuple[str, tuple], float]:
+    out = {}
+    for family in text_string_to_metric_families(m.exposition().decode()):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_vllm_aliases_carry_ferrys_values():
+    m = ApiMetrics("tiny")
+    m.prompt_tokens.inc(30)
+    m.generation_tokens.inc(7)
+    m.cached_tokens.inc(16)
+    m.ttft.observe(0.02)
+    for outcome in ("stop", "stop", "length", "disconnected", "InvalidRequest"):
+        m.requests.labels("chat", outcome).inc()
+    m.refresh_from(SchedulerStatus(boot_id="b", ready=True, reason="", running=3, waiting=2, kv_pages_total=100,
+                                   kv_pages_available=25, preemptions=4), True)  # fmt: skip
+    got = samples(m)
+    tiny = (("model_name", "tiny"),)
+    assert got[("vllm:num_requests_running", tiny)] == 3 and got[("vllm:num_requests_waiting", tiny)] == 2
+    assert got[("vllm:kv_cache_usage_perc", tiny)] == got[("vllm:gpu_cache_usage_perc", tiny)] == 0.75
+    assert got[("vllm:prompt_tokens_total", tiny)] == got[("ferry_prompt_tokens_total", ())] == 30
+    assert got[("vllm:generation_tokens_total", tiny)] == 7
+    assert got[("vllm:prefix_cache_queries_total", tiny)] == 30 and got[("vllm:prefix_cache_hits_total", tiny)] == 16
+    assert got[("vllm:time_to_first_token_seconds_count", tiny)] == 1
+    assert got[("vllm:time_to_first_token_seconds_bucket", (("le", "0.025"), ("model_name", "tiny")))] == 1
+    assert got[("ferry_preemptions_total", ())] == got[("vllm:num_preemptions_total", tiny)] == 4
+    reasons = {dict(k[1])["finished_reason"]: v for k, v in got.items() if k[0] == "vllm:request_success_total"}
+    assert reasons == {"stop": 2, "length": 1, "abort": 1}  # errors are not successes
+
+
+def test_preemptions_are_a_counter_and_refusals_are_labelled():
+    m = ApiMetrics("tiny")
+    m.refused.labels("/v1/messages", "401").inc()
+    text = m.exposition().decode()
+    types = {f.name: f.type for f in text_string_to_metric_families(text)}
+    assert types["ferry_preemptions"] == types["vllm:num_preemptions"] == "counter"
+    assert 'ferry_refused_requests_total{route="/v1/messages",status="401"} 1.0' in text
