@@ -29,11 +29,15 @@ def test_cuda_boot_measures_profiles_and_keeps_the_budget(tiny_model):
 
     budget = 512 * 2**20
     torch.cuda.empty_cache()
+    # what the process already holds is not this boot's: e.g. the cuBLAS workspace of the graph
+    # capture stream, which an earlier boot in this process made and torch keeps for the process
+    held_before = torch.cuda.memory_reserved()
+    torch.cuda.reset_peak_memory_stats()
     executor, plan = boot_worker(_args(tiny_model, "--gpu-memory", f"{budget}B"))  # a budget needs its unit
     assert plan.weights_source == "measured" and plan.workspace_source.startswith("profiled")
     assert plan.workspace_bytes > 0
     assert executor.pools.nbytes == plan.kv.bytes + plan.linear_state.bytes + plan.experts.bytes
-    assert torch.cuda.max_memory_reserved() <= budget
+    assert torch.cuda.max_memory_reserved() - held_before <= budget
 
 
 def test_cuda_greedy_matches_transformers(tiny_model, capsys):

@@ -95,13 +95,14 @@ def _greedy_batch(executor, prompts: list[list[int]], steps: int) -> list[list[i
                           context_lens=np.array(context, np.int32), page_table=table,
                           linear_state_slots=np.arange(1, n + 1, dtype=np.int32),
                           reset_linear_state=np.array([c == 0 for c in context]), sample=np.ones(n, bool),
-                          new_requests=list(new))  # fmt: skip
+                          new_requests=tuple(new))  # fmt: skip
         result = executor.execute(batch)
         for i, ts in enumerate(tokens):
             context[i] += len(ts)
         return result.token_ids.tolist()
 
-    last = step(prompts, [NewRequest(int(r), np.array(p, np.int32), greedy) for r, p in zip(ids, prompts)], 1)
+    news = [NewRequest(req_id=int(r), prompt_token_ids=np.array(p, np.int32), sampling=greedy) for r, p in zip(ids, prompts)]
+    last = step(prompts, news, 1)
     for s in range(steps):
         for i, t in enumerate(last):
             out[i].append(t)
