@@ -129,7 +129,7 @@ def test_requests_that_can_never_fit_are_rejected_at_once():
     with pytest.raises(InvalidRequest, match="8 pages"):
         add(sched, 3, prompt(0, 10), 30)
     with pytest.raises(InvalidRequest, match="at least 1"):
-        add(sched, 4, prompt(0, 10), 0)
+        add(sched, 4, prompt(0, 10), -1)
     assert not (sched.running or sched.waiting)
 
 
