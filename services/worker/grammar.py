@@ -46,7 +46,7 @@ class GrammarSet:
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32
         self.device = device
-        self._bits = torch.arange(32, dtype=torch.int32, device=device)
+        self._bits: torch.Tensor | None = None  # made on first use: a worker that never sees a grammar allocates nothing
 
     def matcher(self, grammar: str):
         import llguidance
@@ -81,6 +81,8 @@ class GrammarSet:
     def apply(self, logits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
         """`logits` [n, V] with every token the masks leave out at -inf (a new tensor)."""
         n, vocab = logits.shape
+        if self._bits is None:
+            self._bits = torch.arange(32, dtype=torch.int32, device=self.device)
         allowed = ((masks.unsqueeze(-1) >> self._bits) & 1).view(n, -1)[:, :vocab].bool()
         if allowed.shape[1] < vocab:  # logits wider than the tokenizer's vocabulary: never allowed
             allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
