@@ -53,10 +53,14 @@ class OpenAIRoutes:
         schema.validate_generation(req, max_tokens)
         tools = schema.template_tools(req)
         forced = schema.forced_tools(req)
-        fmt_grammar = structured.response_format_grammar(req.response_format)
+        # grammars are checked off the event loop, on the tokenizer thread: a large schema takes a while
+        fmt_grammar = await self._tokenize(structured.response_format_grammar, req.response_format)
         if forced and fmt_grammar is not None:
             raise InvalidRequest("response_format: cannot be combined with tool_choice required or a named function")
-        grammar = structured.tool_call_grammar(forced, parallel=req.parallel_tool_calls is not False) if forced else fmt_grammar
+        grammar = fmt_grammar
+        if forced:
+            grammar = await self._tokenize(lambda f: structured.tool_call_grammar(f, parallel=req.parallel_tool_calls is not False),
+                                           forced)  # fmt: skip
         logprobs = schema.chat_logprobs(req)
         sampling = schema.sampling_params(req, self.tokenizer.eos_token_ids, self.tokenizer.vocab_size,
                                           logprobs=logprobs, grammar=grammar)  # fmt: skip
@@ -178,8 +182,8 @@ def _seeded(sampling: SamplingParams, j: int) -> SamplingParams:
 
 
 def _check_choices(count: int) -> None:
-    if count > schema.MAX_CHOICES * schema.MAX_PROMPTS:
-        raise InvalidRequest(f"n times the prompts is {count}, over {schema.MAX_CHOICES * schema.MAX_PROMPTS}")
+    if count > schema.MAX_PROMPTS:
+        raise InvalidRequest(f"n times the number of prompts is {count}: at most {schema.MAX_PROMPTS} choices per request")
 
 
 async def _all(*aws):

@@ -144,8 +144,8 @@ class CompletionRequest(_Generation, kw_only=True):
     suffix: str | None = None
 
 
-MAX_CHOICES = 16  # n (times the prompts of a completions batch) per request
-MAX_PROMPTS = 64  # prompts in one completions request
+MAX_CHOICES = 16  # n
+MAX_PROMPTS = 64  # prompts in one completions request, and choices (prompts times n) in one request
 
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
