@@ -17,7 +17,7 @@ import msgspec
 import numpy as np
 
 from ferry.shared.sampling import SamplingParams
-from ferry.shared.step import StepBatch, StepOutput
+from ferry.shared.step import Logprobs, StepBatch, StepOutput
 
 
 class PoolReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -39,7 +39,7 @@ class Submit(msgspec.Struct, tag=True, kw_only=True):
     req_id: int  # unique per api replica; the scheduler keys requests by (replica identity, req_id)
     prompt_token_ids: np.ndarray  # int32 [P]
     sampling: SamplingParams
-    max_tokens: int | None = None  # None: as many as the model length allows (chat default)
+    max_tokens: int | None = None  # None: as many as the model length allows (chat default); 0: score the prompt only
 
 
 class Abort(msgspec.Struct, tag=True):
@@ -61,6 +61,8 @@ class Tokens(msgspec.Struct, tag=True):
 
     req_ids: np.ndarray  # int64 [N]
     token_ids: np.ndarray  # int32 [N]
+    logprobs: tuple[Logprobs, ...] = ()  # of those tokens, for the requests that asked (req_id: the api's id)
+    prompt_logprobs: tuple[Logprobs, ...] = ()  # prompt tokens' log-probabilities (echo), before any token
 
 
 class Finished(msgspec.Struct, tag=True, kw_only=True):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import msgspec
 
+MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs (chat) and logprobs (completions)
+
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """OpenAI / vLLM semantics. temperature 0 means greedy; top_k 0 (or -1) and top_p 1 disable those
@@ -29,6 +31,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     frequency_penalty: float = 0.0
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    # What a request may ask beyond sampling proper; each default asks nothing, and a request that asks
+    # nothing takes the sampler's plain path (no extra work on the device, no wait for it).
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), OpenAI's -100..100
+    logprobs: int | None = None  # the sampled tokens' log-probabilities, with this many top alternatives (0..20)
+    prompt_logprobs: int | None = None  # the prompt tokens' log-probabilities (completions' echo), top alternatives
+    grammar: str | None = None  # llguidance grammar (JSON) the output must match: structured outputs, forced tool calls
 
     @property
     def greedy(self) -> bool:
@@ -45,5 +53,9 @@ def sampling_problems(p: SamplingParams) -> list[str]:
         (p.repetition_penalty > 0, f"repetition_penalty must be > 0, got {p.repetition_penalty}"),
         (-2 <= p.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {p.presence_penalty}"),
         (-2 <= p.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {p.frequency_penalty}"),
+        (all(-100 <= b <= 100 for _, b in p.logit_bias), "logit_bias values must be in [-100, 100]"),
+        (p.logprobs is None or 0 <= p.logprobs <= MAX_LOGPROBS, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {p.logprobs}"),
+        (p.prompt_logprobs is None or 0 <= p.prompt_logprobs <= MAX_LOGPROBS,
+         f"logprobs must be in [0, {MAX_LOGPROBS}], got {p.prompt_logprobs}"),
     ]
     return [message for ok, message in rules if not ok]

@@ -48,6 +48,9 @@ class StepBatch(msgspec.Struct, frozen=True, kw_only=True):
     sample: np.ndarray  # bool [R], sample a next token after this chunk (last prefill chunk, or decode)
     new_requests: tuple[NewRequest, ...] = ()
     finished_req_ids: tuple[int, ...] = ()  # forget sampler state of these, before the step
+    # bool [R]: give the log-probabilities of this chunk's next tokens (prompt logprobs; None: no row asks).
+    # A step with such a row runs eagerly: it needs the logits of more rows than the ones that sample.
+    prompt_logprobs: np.ndarray | None = None
 
     @classmethod
     def empty(cls, step_id: int, finished_req_ids: tuple[int, ...] = ()) -> "StepBatch":
@@ -60,6 +63,19 @@ class StepBatch(msgspec.Struct, frozen=True, kw_only=True):
                    finished_req_ids=tuple(finished_req_ids))  # fmt: skip
 
 
+class Logprobs(msgspec.Struct, frozen=True, kw_only=True):
+    """Log-probabilities of a run of consecutive tokens of one request under the model's own distribution
+    (the log-softmax of its logits, before penalties, biases, grammar masks, temperature and filters), with
+    the k most likely tokens at each position, most likely first. `start` is the position, in the request's
+    sequence (prompt then output), of the first token described."""
+
+    req_id: int
+    start: int
+    token_logprobs: np.ndarray  # float32 [n]
+    top_ids: np.ndarray  # int32 [n, k]
+    top_logprobs: np.ndarray  # float32 [n, k], descending
+
+
 class StepOutput(msgspec.Struct, frozen=True, kw_only=True):
     """What one step produced: a token for each request whose `sample` flag was set, in batch order."""
 
@@ -67,3 +83,5 @@ class StepOutput(msgspec.Struct, frozen=True, kw_only=True):
     req_ids: np.ndarray  # int64 [S]
     token_ids: np.ndarray  # int32 [S]
     logprobs: np.ndarray  # float32 [S], log-probability of the sampled token under the sampling distribution
+    sampled_logprobs: tuple[Logprobs, ...] = ()  # the sampled token, for each request whose `logprobs` is set
+    prompt_logprobs: tuple[Logprobs, ...] = ()  # the rows StepBatch.prompt_logprobs asked for, per request

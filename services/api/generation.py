@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 
@@ -14,7 +14,7 @@ from ferry.shared.messages import Finished
 from ferry.shared.sampling import SamplingParams
 from ferry.services.api.detokenizer import IncrementalDetokenizer
 from ferry.services.api.metrics import ApiMetrics
-from ferry.services.api.scheduler_client import SchedulerClient, Token
+from ferry.services.api.scheduler_client import PromptLogprobs, SchedulerClient, Token
 from ferry.services.api.stop_strings import StopStringFilter
 
 log = structlog.get_logger("api.generation")
@@ -24,6 +24,7 @@ log = structlog.get_logger("api.generation")
 class Delta:
     text: str
     finish_reason: str | None = None  # set on the last delta
+    tokens: list[Token] = field(default_factory=list)  # the tokens whose text this delta completes (with logprobs)
 
 
 @dataclass
@@ -53,6 +54,8 @@ class Generation:
         self.first_token_at: float | None = None
         self.outcome = "disconnected"  # until the request ends another way
         self.stop_sequence: str | None = None  # the stop string that ended it, if one did
+        self.prompt_logprobs: list = []  # Logprobs of prompt positions, in order (completions' echo)
+        self._pending: list[Token] = []  # tokens not yet handed out with a delta
 
     async def deltas(self) -> AsyncIterator[Delta]:
         """Text deltas; the last one carries the finish reason. Raises FerryError when the request
@@ -66,6 +69,9 @@ class Generation:
                 if isinstance(ev, FerryError):
                     self.outcome = type(ev).__name__
                     raise ev
+                if isinstance(ev, PromptLogprobs):
+                    self.prompt_logprobs.append(ev.logprobs)
+                    continue
                 if isinstance(ev, Finished):
                     if self.usage.completion_tokens == 0:
                         self.metrics.prompt_tokens.inc(len(self.prompt))
@@ -80,6 +86,7 @@ class Generation:
                 assert isinstance(ev, Token)
                 self._observe(ev, last)
                 last = ev.at
+                self._pending.append(ev)
                 text, hit = self.stops.push(self.detok.push(ev.token_id))
                 if hit:
                     self.stop_sequence = self.stops.matched
@@ -87,7 +94,7 @@ class Generation:
                     yield self._finish(text, "stop")
                     return
                 if text:
-                    yield Delta(text)
+                    yield Delta(text, tokens=self._take())
         finally:
             if stream is not None and not stream.done:
                 self.client.abort(stream)  # the caller left (disconnect) before the request finished
@@ -115,8 +122,12 @@ class Generation:
         self.usage.completion_tokens += 1
         self.metrics.generation_tokens.inc()
 
+    def _take(self) -> list[Token]:
+        out, self._pending = self._pending, []
+        return out
+
     def _finish(self, text: str, reason: str) -> Delta:
         self.outcome = reason
         self.metrics.e2e.observe(time.perf_counter() - self.arrived)
         self.metrics.cached_tokens.inc(self.usage.cached_tokens)
-        return Delta(text, reason)
+        return Delta(text, reason, self._take())

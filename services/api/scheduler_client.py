@@ -23,6 +23,7 @@ from ferry.shared.messages import (
     Abort, ApiHeartbeat, Failed, Finished, SchedulerStatus, SchedulerToApi, Submit, Tokens,
 )  # fmt: skip
 from ferry.shared.sampling import SamplingParams
+from ferry.shared.step import Logprobs
 from ferry.shared.wire import AsyncDealer, WireError
 
 log = structlog.get_logger("api.scheduler_client")
@@ -32,9 +33,17 @@ log = structlog.get_logger("api.scheduler_client")
 class Token:
     token_id: int
     at: float  # time.perf_counter() when it arrived
+    logprobs: Logprobs | None = None  # for a request that asked
 
 
-Event = Token | Finished | FerryError
+@dataclass
+class PromptLogprobs:
+    """Log-probabilities of some of the prompt's tokens (completions' echo); they come before any Token."""
+
+    logprobs: Logprobs
+
+
+Event = Token | PromptLogprobs | Finished | FerryError
 
 
 class RequestStream:
@@ -47,7 +56,7 @@ class RequestStream:
 
     async def next(self) -> Event:
         ev = await self.queue.get()
-        if not isinstance(ev, Token):
+        if not isinstance(ev, (Token, PromptLogprobs)):
             self.done = True
         return ev
 
@@ -126,9 +135,13 @@ class SchedulerClient:
             now = time.perf_counter()
             match msg:
                 case Tokens(req_ids=ids, token_ids=toks):
+                    for lp in msg.prompt_logprobs:
+                        if (s := self.streams.get(lp.req_id)) is not None:
+                            s.queue.put_nowait(PromptLogprobs(lp))
+                    lps = {lp.req_id: lp for lp in msg.logprobs}
                     for rid, tok in zip(ids.tolist(), toks.tolist()):
                         if (s := self.streams.get(rid)) is not None:
-                            s.queue.put_nowait(Token(tok, now))
+                            s.queue.put_nowait(Token(tok, now, lps.get(rid)))
                 case Finished(req_id=rid):
                     if (s := self.streams.pop(rid, None)) is not None:
                         s.queue.put_nowait(msg)

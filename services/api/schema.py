@@ -1,19 +1,25 @@
 """The OpenAI request bodies we accept, as msgspec structs (a wrong type names the field), and their
-translation to SamplingParams. Unknown fields are ignored, like OpenAI's own server does.
+translation to SamplingParams. Every field of OpenAI's chat and completions requests is either taken
+or refused with a 400 that names it (`refused_fields`; README, "The OpenAI API: every field"); fields
+outside OpenAI's spec that we do not know are ignored, as OpenAI's own server does.
 
 The sampling fields default to None ("not sent"): their defaults and their rules belong to
 SamplingParams (shared/sampling.py), which gets only the fields a client sent."""
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import msgspec
 
 from ferry.shared.errors import InvalidRequest
-from ferry.shared.sampling import SamplingParams, sampling_problems
+from ferry.shared.sampling import MAX_LOGPROBS, SamplingParams, sampling_problems
 
 
 class StreamOptions(msgspec.Struct):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # accepted; no obfuscation padding is sent (README's table)
 
 
 class ContentPart(msgspec.Struct):
@@ -21,10 +27,57 @@ class ContentPart(msgspec.Struct):
     text: str | None = None
 
 
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str | dict | None = None  # OpenAI sends a JSON string; some clients send the object
+
+
+class ToolCallIn(msgspec.Struct):
+    function: FunctionCall
+    id: str | None = None
+    type: str = "function"
+
+
 class ChatMessage(msgspec.Struct):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn's answer to a call
+    reasoning_content: str | None = None  # an assistant turn's reasoning, as this server returns it
+
+
+class FunctionDef(msgspec.Struct):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct):
+    type: str
+    function: FunctionDef | None = None
+
+
+class NamedFunction(msgspec.Struct):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct):
+    type: str
+    function: NamedFunction | None = None
+
+
+class JsonSchemaFormat(msgspec.Struct):
+    name: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(msgspec.Struct):
+    type: str
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _Generation(msgspec.Struct, kw_only=True):
@@ -44,22 +97,55 @@ class _Generation(msgspec.Struct, kw_only=True):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
+    logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # OpenAI fields this server refuses unless null (or, for some, a value that asks for nothing):
+    # REFUSED below says why; README's table lists every field.
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None  # a routing hint: the prefix cache is automatic here
+    safety_identifier: str | None = None
 
 
 # the body fields that are SamplingParams fields of the same name (stop_token_ids is built, not copied)
 SAMPLING_FIELDS = tuple(f for f in SamplingParams.__struct_fields__ if f in _Generation.__struct_fields__
-                        and f != "stop_token_ids")  # fmt: skip
+                        and f not in ("stop_token_ids", "logit_bias", "logprobs"))  # fmt: skip
 
 
 class ChatCompletionRequest(_Generation, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: str | None = None  # none/minimal: the template's enable_thinking off; else on
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: extra template variables (enable_thinking)
+    separate_reasoning: bool = True  # SGLang's: false leaves <think>...</think> in content
+    # refused unless null
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: list[str] | None = None
+    prediction: Any = None
+    web_search_options: Any = None
+    verbosity: str | None = None
 
 
 class CompletionRequest(_Generation, kw_only=True):
-    prompt: str | list[str | int | list[int]]  # text, token ids, or a batch of one of either
+    prompt: str | list[str | int | list[int]]  # text, token ids, or a batch of either
     max_tokens: int | None = 16  # OpenAI's default for completions (chat defaults to the model length)
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+MAX_CHOICES = 16  # n
+MAX_PROMPTS = 64  # prompts in one completions request, and choices (prompts times n) in one request
 
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -81,12 +167,45 @@ def _check(ok: bool, message: str) -> None:
         raise InvalidRequest(message)
 
 
-def validate_generation(req: _Generation, max_tokens: int | None) -> None:
+def validate_generation(req: _Generation, max_tokens: int | None, allow_zero: bool = False) -> None:
     """What a body asks beyond sampling (SamplingParams' own rules are checked by `sampling_params`)."""
-    _check(req.n == 1, f"n must be 1 (this server returns one choice per request), got {req.n}")
-    _check(max_tokens is None or max_tokens >= 1, f"max_tokens must be at least 1, got {max_tokens}")
+    _check(1 <= req.n <= MAX_CHOICES, f"n must be in [1, {MAX_CHOICES}], got {req.n}")
+    low = 0 if allow_zero else 1
+    _check(max_tokens is None or max_tokens >= low,
+           f"max_tokens must be at least {low}{' (0 only scores the prompt, with echo)' if allow_zero else ''}, got {max_tokens}")  # fmt: skip
     if isinstance(req.stop, list):
         _check(len(req.stop) <= 16, f"at most 16 stop strings, got {len(req.stop)}")
+    refused_fields(req)
+
+
+# field -> (the values that ask for nothing, why anything else is refused)
+_REFUSED = {
+    "metadata": ((None,), "metadata is only kept with store, and this server stores no completions"),
+    "store": ((None, False), "this server stores no completions"),
+    "service_tier": ((None, "auto", "default"), "this server has one service tier: send auto or default"),
+    "functions": ((None,), "the deprecated functions field is not supported: send tools"),
+    "function_call": ((None,), "the deprecated function_call field is not supported: send tool_choice"),
+    "audio": ((None,), "audio output is not supported: the served models write text"),
+    "prediction": ((None,), "predicted outputs are not supported"),
+    "web_search_options": ((None,), "web search is not supported"),
+    "verbosity": ((None, "medium"), "verbosity is not supported"),
+    "suffix": ((None, ""), "suffix (fill-in-the-middle) is not supported"),
+}
+
+
+def refused_fields(req: _Generation) -> None:
+    """A 400 naming the first OpenAI field sent with a value this server cannot honour."""
+    for field, (fine, why) in _REFUSED.items():
+        value = getattr(req, field, None)
+        _check(value in fine, f"{field}: {why}")
+    modalities = getattr(req, "modalities", None)
+    _check(modalities is None or list(modalities) == ["text"], "modalities: only [\"text\"] is supported")
+    best_of = getattr(req, "best_of", None)
+    _check(best_of is None or best_of == req.n,
+           f"best_of: only best_of equal to n (or absent) is supported (no server-side ranking), got {best_of}")
+    effort = getattr(req, "reasoning_effort", None)
+    _check(effort in (None, "none", "minimal", "low", "medium", "high"),
+           f"reasoning_effort must be one of none, minimal, low, medium, high, got {effort!r}")
 
 
 def stop_strings(req: _Generation) -> list[str]:
@@ -95,14 +214,48 @@ def stop_strings(req: _Generation) -> list[str]:
     return [req.stop] if isinstance(req.stop, str) else list(req.stop)
 
 
-def sampling_params(req: _Generation, eos_token_ids: tuple[int, ...]) -> SamplingParams:
+def sampling_params(req: _Generation, eos_token_ids: tuple[int, ...], vocab_size: int | None = None,
+                    logprobs: int | None = None, prompt_logprobs: int | None = None,
+                    grammar: str | None = None) -> SamplingParams:  # fmt: skip
     """The request's SamplingParams, from the fields it sent; InvalidRequest naming a field out of range."""
     stop_ids = tuple(req.stop_token_ids or ()) + (() if req.ignore_eos else eos_token_ids)
     sent = {name: getattr(req, name) for name in SAMPLING_FIELDS if getattr(req, name) is not None}
-    params = SamplingParams(**sent, stop_token_ids=tuple(dict.fromkeys(stop_ids)))
+    bias = _logit_bias(req.logit_bias, vocab_size)
+    _check(grammar is None or not req.ignore_eos,
+           "ignore_eos cannot be combined with response_format or a forced tool call: the output ends where its grammar does")
+    params = SamplingParams(**sent, stop_token_ids=tuple(dict.fromkeys(stop_ids)), logit_bias=bias, logprobs=logprobs,
+                            prompt_logprobs=prompt_logprobs, grammar=grammar)  # fmt: skip
     problems = sampling_problems(params)
     _check(not problems, "; ".join(problems))
     return params
+
+
+def _logit_bias(bias: dict[str, float] | None, vocab_size: int | None) -> tuple[tuple[int, float], ...]:
+    out = []
+    for key, value in (bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise InvalidRequest(f"logit_bias: keys must be token ids, got {key!r}") from None
+        _check(vocab_size is None or 0 <= token < vocab_size,
+               f"logit_bias: token id {token} is outside the vocabulary (0..{(vocab_size or 0) - 1})")  # fmt: skip
+        _check(-100 <= value <= 100, f"logit_bias: the bias of token {token} must be in [-100, 100], got {value}")
+        out.append((token, float(value)))
+    return tuple(out)
+
+
+def chat_logprobs(req: ChatCompletionRequest) -> int | None:
+    """How many top alternatives the chat request wants with each token's logprob (None: no logprobs)."""
+    if req.top_logprobs is not None:
+        _check(0 <= req.top_logprobs <= MAX_LOGPROBS, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}")
+        _check(bool(req.logprobs), "top_logprobs requires logprobs: true")
+    return (req.top_logprobs or 0) if req.logprobs else None
+
+
+def completion_logprobs(req: CompletionRequest) -> int | None:
+    if req.logprobs is not None:
+        _check(0 <= req.logprobs <= MAX_LOGPROBS, f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}")
+    return req.logprobs
 
 
 def chat_max_tokens(req: ChatCompletionRequest) -> int | None:
@@ -110,7 +263,8 @@ def chat_max_tokens(req: ChatCompletionRequest) -> int | None:
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict]:
-    """Messages as the chat template expects them: role + plain-text content."""
+    """Messages as the chat template expects them: role + plain-text content; an assistant turn's
+    `tool_calls` (arguments as objects) and `reasoning_content`; a tool turn's `tool_call_id`."""
     _check(len(req.messages) > 0, "messages must not be empty")
     out = []
     for i, m in enumerate(req.messages):
@@ -123,20 +277,99 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
         else:
             content = m.content or ""
         _check(m.role == "assistant" or content != "", f"messages[{i}].content must not be empty")
-        out.append({"role": m.role, "content": content})
+        msg: dict = {"role": m.role, "content": content}
+        if m.tool_calls:
+            _check(m.role == "assistant", f"messages[{i}].tool_calls: only an assistant message makes tool calls")
+            msg["tool_calls"] = [_template_call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(m.tool_calls)]
+        if m.role == "tool":
+            _check(m.tool_call_id is not None, f"messages[{i}].tool_call_id: a tool message must name the call it answers")
+            msg["tool_call_id"] = m.tool_call_id
+        if m.reasoning_content and m.role == "assistant":
+            msg["reasoning_content"] = m.reasoning_content
+        if m.name is not None:
+            msg["name"] = m.name
+        out.append(msg)
     return out
 
 
-def completion_prompt(req: CompletionRequest) -> str | list[int]:
+def _template_call(call: ToolCallIn, where: str) -> dict:
+    args = call.function.arguments
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            raise InvalidRequest(f"{where}.function.arguments is not valid JSON") from None
+    return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": args or {}}}
+
+
+def template_tools(req: ChatCompletionRequest) -> list[dict] | None:
+    """The tools as apply_chat_template(tools=...) takes them; None for none (no tools, or tool_choice none)."""
+    if not req.tools:
+        _check(req.tool_choice in (None, "none", "auto"), "tool_choice: no tools were given")
+        return None
+    names = set()
+    out = []
+    for i, t in enumerate(req.tools):
+        _check(t.type == "function" and t.function is not None,
+               f"tools[{i}].type: only function tools are supported, got {t.type!r}")  # fmt: skip
+        _check(t.function.name not in names, f"tools[{i}].function.name: {t.function.name!r} is used twice")
+        names.add(t.function.name)
+        params = t.function.parameters if t.function.parameters is not None else {"type": "object", "properties": {}}
+        out.append({"type": "function", "function": {"name": t.function.name, "description": t.function.description or "",
+                                                     "parameters": params}})  # fmt: skip
+    choice = req.tool_choice
+    if isinstance(choice, str):
+        _check(choice in ("none", "auto", "required"), f"tool_choice must be none, auto, required or a named function, got {choice!r}")
+        if choice == "none":
+            return None
+    elif choice is not None:
+        _check(choice.type == "function" and choice.function is not None,
+               f"tool_choice.type: only a named function can be chosen, got {choice.type!r}")  # fmt: skip
+        _check(choice.function.name in names, f"tool_choice.function.name: {choice.function.name!r} is not one of the tools")
+    return out
+
+
+def tool_schemas(req: ChatCompletionRequest) -> dict[str, dict] | None:
+    """{name: parameters schema}: the tool-call parser's view; None when no call may be made."""
+    if not req.tools or req.tool_choice == "none":
+        return None
+    return {t.function.name: t.function.parameters or {} for t in req.tools if t.function is not None}
+
+
+def forced_tools(req: ChatCompletionRequest) -> list[tuple[str, dict]] | None:
+    """[(name, parameters schema)] the output must call (tool_choice required: any of them; a named
+    function: that one); None when no call is forced."""
+    choice = req.tool_choice
+    if not req.tools or choice in (None, "none", "auto"):
+        return None
+    tools = [(t.function.name, t.function.parameters or {"type": "object"}) for t in req.tools if t.function]
+    if isinstance(choice, str):  # required
+        return tools
+    return [t for t in tools if t[0] == choice.function.name]
+
+
+def template_kwargs(req: ChatCompletionRequest, forced: bool) -> dict:
+    """Chat-template variables: chat_template_kwargs, then reasoning_effort (none/minimal turn Qwen3's
+    enable_thinking off); a grammar from the first token (a forced call, response_format) turns it off."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.reasoning_effort is not None:
+        kwargs["enable_thinking"] = req.reasoning_effort not in ("none", "minimal")
+    if forced:
+        kwargs["enable_thinking"] = False
+    return kwargs
+
+
+def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
+    """The request's prompts: one text or token-id list, or a batch of either."""
     p = req.prompt
     if isinstance(p, str):
         _check(p != "", "prompt must not be empty")
-        return p
+        return [p]
     _check(len(p) > 0, "prompt must not be empty")
     if all(isinstance(x, int) for x in p):
-        return list(p)
-    _check(len(p) == 1, f"prompt: one prompt per request, got a batch of {len(p)}")
-    only = p[0]
-    _check(not isinstance(only, int), "prompt: mixes token ids and texts")
-    _check(len(only) > 0, "prompt must not be empty")
-    return only
+        return [list(p)]
+    _check(not any(isinstance(x, int) for x in p), "prompt: mixes token ids and texts")
+    _check(len(p) <= MAX_PROMPTS, f"prompt: at most {MAX_PROMPTS} prompts in one request, got {len(p)}")
+    for i, one in enumerate(p):
+        _check(len(one) > 0, f"prompt[{i}] must not be empty")
+    return list(p)

@@ -24,7 +24,7 @@ import numpy as np
 from ferry.shared.errors import EngineError, FerryError, InvalidRequest
 from ferry.shared.messages import PoolReport
 from ferry.shared.sampling import SamplingParams
-from ferry.shared.step import NewRequest, StepBatch, StepOutput
+from ferry.shared.step import Logprobs, NewRequest, StepBatch, StepOutput
 from ferry.shared.units import ceil_div
 from ferry.services.scheduler.kv_page_pool import KvPagePool
 from ferry.services.scheduler.linear_state_slots import LinearStateSlotAllocator
@@ -36,6 +36,8 @@ class Outcome:
     """What the api replicas must hear after a scheduler action."""
 
     tokens: list[tuple[Request, int]] = field(default_factory=list)
+    logprobs: list[tuple[Request, Logprobs]] = field(default_factory=list)  # of the tokens, for requests that asked
+    prompt_logprobs: list[tuple[Request, Logprobs]] = field(default_factory=list)  # prompt positions, each sent once
     finished: list[tuple[Request, str]] = field(default_factory=list)  # reason: stop | length | abort
     failed: list[tuple[Request, FerryError]] = field(default_factory=list)
 
@@ -81,6 +83,13 @@ class BatchScheduler:
         limit = self.pool.max_model_len
         if prompt_len < 1:
             raise InvalidRequest("the prompt is empty: send at least one token")
+        if max_tokens == 0:  # the prompt scored (completions' echo + logprobs), nothing generated
+            if prompt_len > limit:
+                raise InvalidRequest(f"the prompt is {prompt_len} tokens but the model length is {limit}; shorten the prompt")
+            if ceil_div(prompt_len, self.pool.page_size) > self.kv.total:
+                raise InvalidRequest(f"the prompt is {prompt_len} tokens but the server's KV pool holds "
+                                     f"{self.kv.total * self.pool.page_size}; shorten the prompt")  # fmt: skip
+            return 0
         if prompt_len >= limit:
             raise InvalidRequest(
                 f"the prompt is {prompt_len} tokens but the model length is {limit}: "
@@ -161,24 +170,39 @@ class BatchScheduler:
                 if victim is req:
                     break
             else:
-                entries.append(_Entry(req, q, req.num_computed + q == len(req.tokens)))
+                entries.append(_Entry(req, q, self._samples(req, q)))
                 in_step.add(req.rid)
                 budget -= q
         # No admissions in a step that had to preempt: the pool is short, and re-admitting the victim at
         # once would only thrash.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.pool.max_running_requests:
             req = self.waiting[0]
-            if not self._admit(req, budget):
+            if self._prefix_being_computed(req) or not self._admit(req, budget):
                 break
             self.waiting.popleft()
             self.running.append(req)
             q = min(req.to_compute, budget)
-            entries.append(_Entry(req, q, req.num_computed + q == len(req.tokens)))
+            entries.append(_Entry(req, q, self._samples(req, q)))
             budget -= q
         if not entries:
             return None
         self._in_flight = entries
         return self._build_batch(entries)
+
+    @staticmethod
+    def _samples(req: Request, q: int) -> bool:
+        """Whether this chunk ends the computed sequence, so its last position samples the next token
+        (never for a request that only scores its prompt: max_tokens 0)."""
+        return req.num_computed + q == len(req.tokens) and req.max_tokens > 0
+
+    def _prefix_being_computed(self, req: Request) -> bool:
+        """A running request still prefills the same first page (n > 1 choices, or the same prompt sent
+        twice at once): wait for its pages to reach the prefix cache rather than compute them twice."""
+        ps = self.pool.page_size
+        if not self.kv.prefix_reuse or req.prompt_logprobs_pending or len(req.tokens) <= ps:
+            return False
+        head = req.tokens[:ps]
+        return any(r.num_computed < r.prompt_len and r.tokens[:ps] == head for r in self.running)
 
     def _admit(self, req: Request, budget: int) -> bool:
         slot = 0
@@ -186,7 +210,8 @@ class BatchScheduler:
             slot = self.linear_state.allocate()
             if slot is None:
                 return False
-        self.kv.reuse_prefix(req)
+        # prompt logprobs come from computing the positions: reuse only a prefix whose logprobs were sent
+        self.kv.reuse_prefix(req, req.prompt_logprobs_done if req.prompt_logprobs_pending else None)
         if not self.kv.grow(req, req.num_computed + min(req.to_compute, budget)):
             self.kv.release(req)
             self.linear_state.release(slot)
@@ -203,9 +228,13 @@ class BatchScheduler:
         page_table = np.zeros((n, width), dtype=np.int32)
         tokens: list[int] = []
         new_requests = []
+        prompt_logprobs = np.zeros(n, dtype=bool)
         for i, e in enumerate(entries):
             r = e.req
             page_table[i, : len(r.pages)] = r.pages
+            # rows of this chunk at positions p give the logprob of token p + 1; those still to send: done..P-2
+            prompt_logprobs[i] = (r.prompt_logprobs_pending and r.num_computed <= r.prompt_len - 2
+                                  and r.num_computed + e.query_len - 1 >= r.prompt_logprobs_done)  # fmt: skip
             tokens.extend(r.tokens[r.num_computed : r.num_computed + e.query_len])
             if not r.announced:
                 # After a preemption the tokens already produced are part of the recomputed prefix, so
@@ -227,6 +256,7 @@ class BatchScheduler:
             sample=np.array([e.sample for e in entries], dtype=bool),
             new_requests=tuple(new_requests),
             finished_req_ids=tuple(forget),
+            prompt_logprobs=prompt_logprobs if prompt_logprobs.any() else None,  # None: the step is as before
         )
 
     def complete(self, output: StepOutput) -> Outcome:
@@ -238,11 +268,17 @@ class BatchScheduler:
             return out
         entries, self._in_flight = self._in_flight, None
         sampled = dict(zip(output.req_ids.tolist(), output.token_ids.tolist()))
+        sampled_lps = {lp.req_id: lp for lp in output.sampled_logprobs}
+        for lp in output.prompt_logprobs:
+            self._take_prompt_logprobs(lp, out)
         for e in entries:
             req = e.req
             req.num_computed += e.query_len
             if req.abort_pending:
                 self._finish(req, "abort", out)
+                continue
+            if req.max_tokens == 0 and req.num_computed == len(req.tokens):
+                self._finish(req, "length", out)  # the prompt is scored; nothing to generate
                 continue
             if e.sample:
                 token = sampled.get(req.rid)
@@ -252,12 +288,29 @@ class BatchScheduler:
                 req.tokens.append(token)
                 req.output_len += 1
                 out.tokens.append((req, token))
+                if (lp := sampled_lps.get(req.rid)) is not None:
+                    out.logprobs.append((req, lp))
                 reason = self._finish_reason(req, token)
                 if reason:
                     self._finish(req, reason, out)
                     continue
             self.kv.cache_full_pages(req)
         return out
+
+    def _take_prompt_logprobs(self, lp: Logprobs, out: Outcome) -> None:
+        """The part of `lp` not sent yet (positions done+1 .. prompt_len-1), to be sent now."""
+        req = self.by_rid.get(lp.req_id)
+        if req is None or not req.prompt_logprobs_pending:
+            return
+        first, last = req.prompt_logprobs_done + 1, req.prompt_len - 1  # positions wanted, inclusive
+        a = max(first, lp.start) - lp.start
+        b = min(last + 1, lp.start + len(lp.token_logprobs)) - lp.start
+        if lp.start > first or b <= a:
+            return  # a gap (never expected: chunks arrive in order) or nothing new
+        part = Logprobs(req_id=req.client_req_id, start=lp.start + a, token_logprobs=lp.token_logprobs[a:b],
+                        top_ids=lp.top_ids[a:b], top_logprobs=lp.top_logprobs[a:b])  # fmt: skip
+        req.prompt_logprobs_done = lp.start + b - 1
+        out.prompt_logprobs.append((req, part))
 
     def fail_step(self, step_id: int, err: FerryError) -> Outcome:
         """The worker could not run the in-flight step: its requests fail, everything else goes on."""

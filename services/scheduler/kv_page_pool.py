@@ -42,12 +42,15 @@ class KvPagePool:
         req.pages.extend(new)
         return True
 
-    def reuse_prefix(self, req: Request) -> None:
+    def reuse_prefix(self, req: Request, limit: int | None = None) -> None:
         """Attach the longest cached prefix of req.tokens (leaving at least one token to compute, whose
-        logits give the next token)."""
+        logits give the next token), of at most `limit` tokens."""
         if not self.prefix_reuse:
             return
-        chain = self.cache.match(req.tokens, (len(req.tokens) - 1) // self.page_size)
+        pages = (len(req.tokens) - 1) // self.page_size
+        if limit is not None:
+            pages = min(pages, limit // self.page_size)
+        chain = self.cache.match(req.tokens, pages)
         self.cache.acquire(chain)
         req.nodes = chain
         req.pages = [n.page for n in chain]

@@ -26,6 +26,12 @@ class Request:
     admitted_once: bool = False
     announced: bool = False  # the worker holds sampler state for it (NewRequest sent)
     abort_pending: bool = False  # aborted while in the step in flight: finish when that step returns
+    prompt_logprobs_done: int = 0  # prompt positions 1..this have had their log-probabilities sent
+
+    @property
+    def prompt_logprobs_pending(self) -> bool:
+        """Asked for prompt logprobs (completions' echo) and not all of them were sent yet."""
+        return self.sampling.prompt_logprobs is not None and self.prompt_logprobs_done < self.prompt_len - 1
 
     @property
     def to_compute(self) -> int:

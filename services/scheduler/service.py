@@ -13,6 +13,7 @@ import time
 import uuid
 from collections import defaultdict
 
+import msgspec
 import numpy as np
 import structlog
 import zmq
@@ -167,13 +168,18 @@ class SchedulerService:
             log.warning("api_message_dropped", client=client.decode(errors="replace"), message=type(msg).__name__)
 
     def _emit(self, out: Outcome) -> None:
-        per_client: dict[bytes, tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
+        per_client: dict[bytes, tuple[list[int], list[int], list, list]] = defaultdict(lambda: ([], [], [], []))
+        for req, lp in out.prompt_logprobs:  # already under the api's request id
+            per_client[req.client][3].append(lp)
         for req, token in out.tokens:
-            ids, toks = per_client[req.client]
+            ids, toks, _, _ = per_client[req.client]
             ids.append(req.client_req_id)
             toks.append(token)
-        for client, (ids, toks) in per_client.items():
-            self._send(client, Tokens(np.array(ids, dtype=np.int64), np.array(toks, dtype=np.int32)))
+        for req, lp in out.logprobs:
+            per_client[req.client][2].append(msgspec.structs.replace(lp, req_id=req.client_req_id))
+        for client, (ids, toks, lps, prompt_lps) in per_client.items():
+            self._send(client, Tokens(np.array(ids, dtype=np.int64), np.array(toks, dtype=np.int32),
+                                      logprobs=tuple(lps), prompt_logprobs=tuple(prompt_lps)))  # fmt: skip
         for req, reason in out.finished:
             self.rids.pop((req.client, req.client_req_id), None)
             self._send(req.client, Finished(

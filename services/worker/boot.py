@@ -25,6 +25,7 @@ from ferry.shared.errors import ConfigError, FerryError
 from ferry.shared.units import MiB, format_bytes
 from ferry.plan.costs import workspace_bytes_estimate
 from ferry.services.worker.device import select_device
+from ferry.shared.eos import eos_token_ids
 from ferry.services.worker.executor import StepExecutor
 from ferry.services.worker.dummy_weights import iter_dummy_experts
 from ferry.services.worker.late_bound_experts import LateBoundExperts
@@ -219,7 +220,8 @@ def _finish_boot(files: ModelFiles, booted: dict, r: Resolved, device: torch.dev
     log.info("plan", **plan_log_fields(plan), model=str(files.model_dir), device=str(device),
              load_format=files.load_format, expert_store=store.report()["policy"],
              cuda_graphs=graphs.buckets if graphs is not None else None)  # fmt: skip
-    return StepExecutor(model, booted["pools"], spec, plan, device, store=store, graphs=graphs), plan
+    return StepExecutor(model, booted["pools"], spec, plan, device, store=store, graphs=graphs,
+                        tokenizer_dir=files.model_dir, eos_token_ids=eos_token_ids(files.model_dir)), plan  # fmt: skip
 
 
 def _capture_graphs(model, pools, plan: Plan, device: torch.device, buckets: list[int], priced: int, store):

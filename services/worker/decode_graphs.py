@@ -73,12 +73,15 @@ class DecodeGraphs:
 
     def bucket_for(self, step: StepBatch) -> int | None:
         """The bucket that replays this step, or None when it must run eagerly (prefill, a request
-        starting, a row that does not sample, more rows than the largest graph)."""
+        starting, a row that does not sample, a row that asks for prompt logprobs, more rows than the
+        largest graph)."""
         r = len(step.req_ids)
         if r == 0 or not self.graphs or r > self.buckets[-1]:
             return None
         if len(step.tokens) != r or not step.sample.all() or step.reset_linear_state.any():
             return None
+        if step.prompt_logprobs is not None and step.prompt_logprobs.any():
+            return None  # prompt logprobs need the logits of rows the graph does not keep
         if step.page_table.shape[1] > self.max_pages:
             return None
         return next(b for b in self.buckets if b >= r)

@@ -3,7 +3,14 @@
 A decode step that a CUDA graph covers (decode_graphs.py) replays it; any other step runs the
 model eagerly. Either way the host waits for the device once per step, for the sampled tokens
 (and, queued before them, the expert store's statistics); everything before is queued without
-waiting (the sampler decides from the requests' parameters, the inputs cross in one copy)."""
+waiting (the sampler decides from the requests' parameters, the inputs cross in one copy).
+
+Log-probabilities ride along: the sampled tokens' (and their top alternatives) for requests that ask,
+computed from the logits the step has anyway; prompt tokens' for the rows StepBatch.prompt_logprobs
+marks, which need the logits of every position of those rows' chunks: such a step runs eagerly
+(DecodeGraphs.bucket_for refuses it), keeps the model's hidden states, and turns the marked rows into
+logits in slices no larger than the sampling logits of a full batch. Steps that ask for neither run
+exactly as before."""
 
 from __future__ import annotations
 
@@ -12,14 +19,15 @@ import torch
 
 from ferry.shared.errors import FerryError
 from ferry.plan.model_config import ModelSpec
-from ferry.shared.step import StepBatch, StepOutput
+from ferry.shared.step import Logprobs, StepBatch, StepOutput
 from ferry.shared.units import ceil_div
 from ferry.services.worker.decode_graphs import DecodeGraphs
 from ferry.services.worker.experts import ExpertStore
 from ferry.services.worker.forward_batch import ForwardBatch
 from ferry.plan.planner import Plan
 from ferry.services.worker.pools import Pools
-from ferry.services.worker.sampler import Sampler
+from ferry.services.worker.grammar import tokenizer_factory
+from ferry.services.worker.sampler import Sampler, log_softmax_top, to_device
 
 
 class StepBatchError(FerryError):
@@ -29,9 +37,10 @@ class StepBatchError(FerryError):
 class StepExecutor:
     def __init__(self, model, pools: Pools, spec: ModelSpec, plan: Plan, device: torch.device | str,
                  sampler_seed: int | None = None, store: ExpertStore | None = None,
-                 graphs: DecodeGraphs | None = None):  # fmt: skip
+                 graphs: DecodeGraphs | None = None, tokenizer_dir=None, eos_token_ids: tuple[int, ...] = ()):  # fmt: skip
         """`store`: the model's expert store, told when each step ends and asked for its statistics;
-        `graphs`: the captured decode graphs (CUDA), or None to run every step eagerly."""
+        `graphs`: the captured decode graphs (CUDA), or None to run every step eagerly; `tokenizer_dir`:
+        where the model's tokenizer is, for requests with a grammar (structured outputs)."""
         self.model = model
         self.store = store
         self.graphs = graphs
@@ -39,7 +48,8 @@ class StepExecutor:
         self.spec = spec
         self.plan = plan
         self.device = torch.device(device)
-        self.sampler = Sampler(spec.vocab_size, self.device, seed=sampler_seed)
+        grammar_tokenizer = None if tokenizer_dir is None else tokenizer_factory(tokenizer_dir, spec.vocab_size, eos_token_ids)
+        self.sampler = Sampler(spec.vocab_size, self.device, seed=sampler_seed, grammar_tokenizer=grammar_tokenizer)
 
     def execute(self, batch: StepBatch) -> StepOutput:
         for req_id in batch.finished_req_ids:
@@ -53,20 +63,79 @@ class StepExecutor:
                               logprobs=np.zeros(0, np.float32))  # fmt: skip
         self._check(batch)
         bucket = self.graphs.bucket_for(batch) if self.graphs is not None else None
+        prompt_rows = batch.prompt_logprobs is not None and bool(np.asarray(batch.prompt_logprobs).any())
+        prompt_parts: list = []
         with torch.inference_mode():
             if bucket is not None:
                 logits = self.graphs.run(batch, bucket)
+            elif prompt_rows:
+                fb = ForwardBatch.from_step(batch, self.plan.kv.page_size, self.device)
+                hidden = self.model.hidden_states(fb, self.pools)
+                logits = self.model.logits(hidden[fb.logits_rows])
+                prompt_parts = self._prompt_logprobs(batch, hidden)
             else:
                 logits = self.model(ForwardBatch.from_step(batch, self.plan.kv.page_size, self.device), self.pools)
             tokens, logprobs = self.sampler.choose(sampled_ids.tolist(), logits)
+            top = self.sampler.top_logprobs(sampled_ids.tolist(), logits, tokens)
             if self.store is not None:
                 self.store.stats_to_host()  # queued before the results: the one wait below covers both
-            token_ids, logprobs = _to_host(tokens.to(torch.int32), logprobs.to(torch.float32))
+            extra = [] if top is None else list(top[1:])
+            for _, _, _, tensors in prompt_parts:
+                extra.extend(tensors)
+            token_ids, logprobs, *extra = _to_host(tokens.to(torch.int32), logprobs.to(torch.float32), *extra)
         self.sampler.record(sampled_ids.tolist(), token_ids.tolist())
-        output = StepOutput(step_id=batch.step_id, req_ids=sampled_ids, token_ids=token_ids, logprobs=logprobs)
+        sampled_lps = ()
+        if top is not None:
+            sampled_lps, extra = self._sampled_logprobs(sampled_ids, top[0], extra[:3]), extra[3:]
+        prompt_lps = tuple(Logprobs(req_id=rid, start=start, token_logprobs=extra[3 * j],
+                                    top_ids=extra[3 * j + 1][:, :k], top_logprobs=extra[3 * j + 2][:, :k])
+                           for j, (rid, start, k, _) in enumerate(prompt_parts))  # fmt: skip
+        output = StepOutput(step_id=batch.step_id, req_ids=sampled_ids, token_ids=token_ids, logprobs=logprobs,
+                            sampled_logprobs=sampled_lps, prompt_logprobs=prompt_lps)  # fmt: skip
         if self.store is not None:  # after the results reached the host: the step's work is done
             self.store.end_step(synced=True)
         return output
+
+    def _sampled_logprobs(self, sampled_ids: np.ndarray, rows: list[int], host: list[np.ndarray]) -> tuple:
+        token_lps, top_ids, top_lps = host
+        out = []
+        for j, i in enumerate(rows):
+            rid = int(sampled_ids[i])
+            state = self.sampler.requests[rid]
+            k = state.params.logprobs
+            position = len(state.known_tokens) + len(state.output_token_ids) - 1  # the token just recorded
+            out.append(Logprobs(req_id=rid, start=position, token_logprobs=token_lps[j : j + 1],
+                                top_ids=top_ids[j : j + 1, :k], top_logprobs=top_lps[j : j + 1, :k]))  # fmt: skip
+        return tuple(out)
+
+    def _prompt_logprobs(self, batch: StepBatch, hidden: torch.Tensor) -> list:
+        """[(req_id, start, k, [token logprobs, top ids, top logprobs] on the device)] for the marked rows: the
+        log-probability of each next token of the row's chunk that this worker knows (the prompt), from the
+        logits of the position before it. Logits are made in slices of at most max_running_requests rows."""
+        qstart = np.concatenate([[0], np.cumsum(batch.query_lens)])
+        token_rows, targets, parts = [], [], []
+        for i in np.flatnonzero(np.asarray(batch.prompt_logprobs)):
+            rid = int(batch.req_ids[i])
+            state = self.sampler.requests[rid]
+            c, q = int(batch.context_lens[i]), int(batch.query_lens[i])
+            nxt = [state.token_at(p + 1) for p in range(c, c + q)]
+            n = next((j for j, t in enumerate(nxt) if t is None), q)
+            if n == 0:
+                continue
+            parts.append((rid, c + 1, state.params.prompt_logprobs or 0, len(token_rows), n))
+            token_rows.extend(range(int(qstart[i]), int(qstart[i]) + n))
+            targets.extend(nxt[:n])
+        if not parts:
+            return []
+        k = max(p[2] for p in parts)
+        rows = to_device(token_rows, torch.int64, self.device)
+        wanted = to_device(targets, torch.int64, self.device)
+        slice_rows = max(1, self.plan.max_running_requests)
+        pieces = [log_softmax_top(self.model.logits(hidden[rows[a : a + slice_rows]]), wanted[a : a + slice_rows], k)
+                  for a in range(0, len(token_rows), slice_rows)]  # fmt: skip
+        token_lps, top_ids, top_lps = (torch.cat(t) for t in zip(*pieces))
+        return [(rid, start, kk, [token_lps[a : a + n], top_ids[a : a + n], top_lps[a : a + n]])
+                for rid, start, kk, a, n in parts]  # fmt: skip
 
     def expert_stats(self) -> tuple[int, int]:
         """(hits, misses) of the expert cache since boot: the worker's heartbeat carries them."""

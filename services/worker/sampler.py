@@ -5,6 +5,7 @@ Per-request state lives from the request's `NewRequest` until its id appears in
 
   logits -> repetition penalty (prompt + output tokens; transformers/vLLM semantics)
          -> presence and frequency penalties (output tokens; OpenAI semantics)
+         -> logit_bias (OpenAI), then the grammar's mask (structured outputs: grammar.py)
          -> greedy rows: argmax
          -> other rows: / temperature -> top-k -> top-p -> min-p -> draw
 
@@ -22,8 +23,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+import numpy as np
+
 from ferry.shared.sampling import SamplingParams
 from ferry.shared.step import NewRequest
+from ferry.services.worker.grammar import GrammarSet
 
 
 @dataclass
@@ -37,14 +41,19 @@ class RequestSamplingState:
     output_token_ids: list[int] = field(default_factory=list)
     output_counts: torch.Tensor | None = None  # float32 [V]: presence/frequency/repetition penalties
     seen: torch.Tensor | None = None  # bool [V], prompt and output tokens: repetition penalty
+    known_tokens: np.ndarray | None = None  # the sequence as announced (prompt, and output before a preemption)
+    matcher: object | None = None  # llguidance matcher, for a request with a grammar
 
     @classmethod
-    def create(cls, new: NewRequest, vocab_size: int, device: torch.device) -> "RequestSamplingState":
+    def create(cls, new: NewRequest, vocab_size: int, device: torch.device,
+               grammars: GrammarSet | None = None) -> "RequestSamplingState":  # fmt: skip
         p = new.sampling
         generator = None
         if p.seed is not None:
             generator = torch.Generator(device=device).manual_seed(int(p.seed) & (2**63 - 1))
-        state = cls(p, generator)
+        state = cls(p, generator, known_tokens=new.prompt_token_ids)
+        if p.grammar is not None and grammars is not None:
+            state.matcher = grammars.matcher(p.grammar)
         if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
             state.output_counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
         if p.repetition_penalty != 1.0:
@@ -53,7 +62,17 @@ class RequestSamplingState:
             state.seen[prompt[(prompt >= 0) & (prompt < vocab_size)]] = True
         return state
 
+    def token_at(self, position: int) -> int | None:
+        """The token at `position` of the request's sequence, if this worker has seen it."""
+        known = len(self.known_tokens) if self.known_tokens is not None else 0
+        if position < known:
+            return int(self.known_tokens[position])
+        position -= known
+        return self.output_token_ids[position] if position < len(self.output_token_ids) else None
+
     def record(self, token: int) -> None:
+        if self.matcher is not None:
+            self.matcher.consume_token(token)  # a token the mask did not allow leaves it in its error state
         self.output_token_ids.append(token)
         if self.output_counts is not None:
             self.output_counts[token] += 1
@@ -62,10 +81,14 @@ class RequestSamplingState:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, device: torch.device | str, seed: int | None = None):
+    def __init__(self, vocab_size: int, device: torch.device | str, seed: int | None = None,
+                 grammar_tokenizer=None):  # fmt: skip
+        """`grammar_tokenizer`: builds the llguidance tokenizer (grammar.tokenizer_factory), needed only
+        by requests with a grammar."""
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.requests: dict[int, RequestSamplingState] = {}
+        self.grammars = GrammarSet(grammar_tokenizer, vocab_size, self.device)
         # Noise for unseeded requests: one generator for the whole worker.
         self._generator = torch.Generator(device=self.device)
         if seed is None:
@@ -77,7 +100,7 @@ class Sampler:
     def add_request(self, new: NewRequest) -> None:
         """Register a request (replacing any earlier state under the same id). Its parameters were
         checked where the request was built (shared/sampling.py's `sampling_problems`)."""
-        self.requests[new.req_id] = RequestSamplingState.create(new, self.vocab_size, self.device)
+        self.requests[new.req_id] = RequestSamplingState.create(new, self.vocab_size, self.device, self.grammars)
 
     def remove_request(self, req_id: int) -> None:
         self.requests.pop(req_id, None)
@@ -108,7 +131,39 @@ class Sampler:
             empty = torch.empty(0, device=self.device)
             return empty.long(), empty
         logits = apply_penalties(logits, states, self.vocab_size)
+        logits = apply_logit_bias(logits, states, self.vocab_size)
+        logits = self._apply_grammars(logits, states)
         return self._choose(logits, states)
+
+    def _apply_grammars(self, logits: torch.Tensor, states: list[RequestSamplingState]) -> torch.Tensor:
+        rows = [i for i, s in enumerate(states) if s.matcher is not None]
+        if not rows:
+            return logits
+        masks = self.grammars.masks([states[i].matcher for i in rows])
+        if len(rows) == len(states):
+            return self.grammars.apply(logits, masks)
+        index = to_device(rows, torch.int64, self.device)
+        logits = logits.clone()
+        logits[index] = self.grammars.apply(logits[index], masks)
+        return logits
+
+    @torch.no_grad()
+    def top_logprobs(self, req_ids: Sequence[int], logits: torch.Tensor, tokens: torch.Tensor):
+        """For the rows whose request asks for `logprobs`: (row indices, the sampled tokens' log-probabilities
+        [m], the top-k token ids [m, k] and log-probabilities [m, k], k the most any of them asks), under the
+        model's own distribution (`logits` as the model gave them); None when no row asks (nothing runs)."""
+        states = [self.requests[int(r)] for r in req_ids]
+        rows = [i for i, s in enumerate(states) if s.params.logprobs is not None]
+        if not rows:
+            return None
+        k = max(states[i].params.logprobs for i in rows)
+        index = to_device(rows, torch.int64, self.device) if len(rows) < len(states) else None
+        raw = logits.to(device=self.device, dtype=torch.float32)
+        chosen = tokens
+        if index is not None:
+            raw, chosen = raw[index], tokens[index]
+        token_lps, top_ids, top_lps = log_softmax_top(raw, chosen, k)
+        return rows, token_lps, top_ids, top_lps
 
     def record(self, req_ids: Sequence[int], tokens: Sequence[int]) -> None:
         """The tokens `choose` drew, now on the host: each request's history and penalty counts."""
@@ -149,6 +204,36 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def log_softmax_top(logits: torch.Tensor, targets: torch.Tensor, k: int):
+    """(log-probability of each row's target [n], top-k ids int32 [n, k], top-k log-probabilities [n, k]),
+    from one log-softmax, so a target that is the most likely token has exactly the top entry's value."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, targets.long()[:, None]).squeeze(1)
+    top = lp.topk(k, dim=-1) if k > 0 else None
+    if top is None:
+        empty = torch.empty((lp.shape[0], 0), device=lp.device)
+        return chosen, empty.int(), empty
+    return chosen, top.indices.int(), top.values
+
+
+def apply_logit_bias(logits: torch.Tensor, states: list[RequestSamplingState], vocab_size: int) -> torch.Tensor:
+    """OpenAI's logit_bias: each (token, bias) of a row's request added to that row's logit."""
+    if not any(s.params.logit_bias for s in states):
+        return logits
+    rows, cols, values = [], [], []
+    for i, s in enumerate(states):
+        for token, bias in s.params.logit_bias:
+            if 0 <= token < vocab_size:
+                rows.append(i)
+                cols.append(token)
+                values.append(bias)
+    if not rows:
+        return logits
+    device = logits.device
+    index = (to_device(rows, torch.int64, device), to_device(cols, torch.int64, device))
+    return logits.index_put(index, to_device(values, torch.float32, device), accumulate=True)
 
 
 def apply_penalties(logits: torch.Tensor, states: list[RequestSamplingState], vocab_size: int) -> torch.Tensor:

@@ -129,7 +129,7 @@ def test_requests_that_can_never_fit_are_rejected_at_once():
     with pytest.raises(InvalidRequest, match="8 pages"):
         add(sched, 3, prompt(0, 10), 30)
     with pytest.raises(InvalidRequest, match="at least 1"):
-        add(sched, 4, prompt(0, 10), 0)
+        add(sched, 4, prompt(0, 10), -1)
     assert not (sched.running or sched.waiting)
 
 
@@ -224,3 +224,80 @@ def test_a_late_answer_to_a_step_given_up_on_fails_nothing_now_in_flight():
     assert not sched.fail_step(hung.step_id, EngineError("late failure")).failed and sched.step_in_flight
     out = sched.complete(model.execute(current))
     assert not out.failed and [r.rid for r, _ in out.tokens] == [2]
+
+
+# ---- issue 11: prompt logprobs, max_tokens 0, prefix sharing ---------------------------------------------
+
+
+class ScoringModel(PagedHashModel):
+    """The double, answering prompt-logprob rows: the logprob of token p + 1 is -(p + 1), so what reaches the
+    api says which positions were computed."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.prompts: dict[int, list[int]] = {}
+
+    def execute(self, batch):
+        from ferry.shared.step import Logprobs, StepOutput
+
+        for nr in batch.new_requests:
+            self.prompts[nr.req_id] = nr.prompt_token_ids.tolist()
+        out = super().execute(batch)
+        parts = []
+        for i in np.flatnonzero(batch.prompt_logprobs if batch.prompt_logprobs is not None else []):
+            rid, c, q = int(batch.req_ids[i]), int(batch.context_lens[i]), int(batch.query_lens[i])
+            n = min(q, len(self.prompts[rid]) - c - 1)
+            if n > 0:
+                parts.append(Logprobs(req_id=rid, start=c + 1, token_logprobs=-np.arange(c + 1, c + 1 + n, dtype=np.float32),
+                                      top_ids=np.zeros((n, 0), np.int32), top_logprobs=np.zeros((n, 0), np.float32)))  # fmt: skip
+        return StepOutput(step_id=out.step_id, req_ids=out.req_ids, token_ids=out.token_ids, logprobs=out.logprobs,
+                          prompt_logprobs=tuple(parts))  # fmt: skip
+
+
+def run_scoring(sched, model):
+    got: dict[int, list[float]] = {}
+    tokens: dict[int, list[int]] = {}
+    finished = {}
+    while (batch := sched.schedule()) is not None:
+        out = sched.complete(model.execute(batch))
+        for req, lp in out.prompt_logprobs:
+            assert lp.start == len(got.get(req.rid, [])) + 1, "positions arrive in order, each once"
+            got.setdefault(req.rid, []).extend(lp.token_logprobs.tolist())
+        for req, tok in out.tokens:
+            tokens.setdefault(req.rid, []).append(tok)
+        finished.update({req.rid: reason for req, reason in out.finished})
+    return got, tokens, finished
+
+
+@pytest.mark.parametrize("max_tokens", [0, 1, 3])
+def test_prompt_logprobs_cover_every_position_once_even_from_a_cached_prefix(max_tokens):
+    sched, _ = make(prefill=8)
+    model = ScoringModel(64, 4, VOCAB)
+    p = prompt(3, 21)
+    add(sched, 1, p, 2)  # fills the prefix cache with p's pages
+    run_scoring(sched, model)
+    add(sched, 2, p, max_tokens, prompt_logprobs=1)
+    got, tokens, finished = run_scoring(sched, model)
+    assert got[2] == [-float(i) for i in range(1, 21)]  # positions 1..20, computed (not taken from the cache)
+    assert len(tokens.get(2, [])) == max_tokens and finished[2] == "length"
+    assert sched.kv.available == sched.kv.total
+
+
+def test_steps_without_prompt_logprobs_mark_nothing():
+    sched, model = make()
+    add(sched, 1, prompt(0, 9), 3)
+    batch = sched.schedule()
+    assert batch.prompt_logprobs is None
+
+
+def test_a_second_request_with_the_same_prompt_waits_to_reuse_its_pages():
+    sched, model = make(prefill=64)
+    p = prompt(5, 17)
+    add(sched, 1, p, 2)
+    add(sched, 2, p, 2)
+    first = sched.schedule()
+    assert first.req_ids.tolist() == [1]  # 2 waits while 1 prefills the same first page
+    sched.complete(model.execute(first))
+    second = sched.schedule()
+    assert 2 in second.req_ids.tolist()
+    assert sched.by_rid[2].cached_tokens == 16  # 1's full pages, from the prefix cache

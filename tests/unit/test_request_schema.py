@@ -42,16 +42,17 @@ def test_content_parts_are_joined_and_images_refused():
         schema.chat_messages(req)
 
 
-@pytest.mark.parametrize("prompt,expected", [("hi", "hi"), ([1, 2], [1, 2]), (["hi"], "hi"), ([[3, 4]], [3, 4])])
+@pytest.mark.parametrize("prompt,expected", [("hi", ["hi"]), ([1, 2], [[1, 2]]), (["hi"], ["hi"]), ([[3, 4]], [[3, 4]]),
+                                             (["a", "b"], ["a", "b"]), ([[1], [2, 3]], [[1], [2, 3]])])  # fmt: skip
 def test_completion_prompt_forms(prompt, expected):
     req = schema.decode_body(json.dumps({"prompt": prompt}).encode(), schema.CompletionRequest)
-    assert schema.completion_prompt(req) == expected
+    assert schema.completion_prompts(req) == expected
 
 
-def test_a_batch_of_prompts_is_refused():
-    req = schema.decode_body(b'{"prompt": ["a", "b"]}', schema.CompletionRequest)
-    with pytest.raises(InvalidRequest, match="batch of 2"):
-        schema.completion_prompt(req)
+def test_a_batch_mixing_ids_and_texts_is_refused():
+    req = schema.decode_body(b'{"prompt": ["a", 5]}', schema.CompletionRequest)
+    with pytest.raises(InvalidRequest, match="mixes token ids and texts"):
+        schema.completion_prompts(req)
 
 
 @pytest.mark.parametrize("field,value", [("temperature", -1), ("top_p", 1.5), ("min_p", 2), ("top_k", -3),
@@ -66,9 +67,68 @@ def test_sampling_fields_not_sent_take_sampling_params_defaults():
     assert schema.sampling_params(chat(temperature=None), eos_token_ids=()) == SamplingParams()
 
 
-def test_more_than_one_choice_is_refused():
-    with pytest.raises(InvalidRequest, match="n must be 1"):
-        schema.validate_generation(chat(n=3), None)
+def test_n_is_bounded():
+    schema.validate_generation(chat(n=3), None)
+    with pytest.raises(InvalidRequest, match=r"n must be in \[1, 16\]"):
+        schema.validate_generation(chat(n=0), None)
+
+
+# every OpenAI field that this server cannot honour, with a value that asks for it: a 400 naming the field
+REFUSED = [("metadata", {"k": "v"}), ("store", True), ("service_tier", "flex"), ("functions", [{"name": "f"}]),
+           ("function_call", "auto"), ("audio", {"voice": "alloy"}), ("prediction", {"type": "content"}),
+           ("web_search_options", {}), ("verbosity", "high"), ("modalities", ["text", "audio"]),
+           ("reasoning_effort", "maximal")]  # fmt: skip
+
+
+@pytest.mark.parametrize("field,value", REFUSED)
+def test_fields_that_cannot_be_honoured_are_refused_by_name(field, value):
+    with pytest.raises(InvalidRequest, match=field):
+        schema.validate_generation(chat(**{field: value}), None)
+
+
+@pytest.mark.parametrize("field,value", [("store", False), ("service_tier", "auto"), ("modalities", ["text"]),
+                                         ("verbosity", "medium"), ("reasoning_effort", "low"), ("user", "u1"),
+                                         ("prompt_cache_key", "k"), ("safety_identifier", "s")])  # fmt: skip
+def test_values_that_ask_for_nothing_new_are_taken(field, value):
+    schema.validate_generation(chat(**{field: value}), None)
+
+
+def test_completion_fields_suffix_and_best_of():
+    def completion(**body):
+        return schema.decode_body(json.dumps({"prompt": "x", **body}).encode(), schema.CompletionRequest)
+
+    with pytest.raises(InvalidRequest, match="suffix"):
+        schema.validate_generation(completion(suffix="y"), 16)
+    with pytest.raises(InvalidRequest, match="best_of"):
+        schema.validate_generation(completion(best_of=2), 16)
+    schema.validate_generation(completion(best_of=2, n=2), 16)
+
+
+def test_logit_bias_and_logprobs_reach_sampling_params():
+    p = schema.sampling_params(chat(logit_bias={"5": -100, "7": 2.5}), eos_token_ids=(), vocab_size=10, logprobs=3)
+    assert p.logit_bias == ((5, -100.0), (7, 2.5)) and p.logprobs == 3
+    with pytest.raises(InvalidRequest, match="logit_bias"):
+        schema.sampling_params(chat(logit_bias={"12": 1}), eos_token_ids=(), vocab_size=10)
+    with pytest.raises(InvalidRequest, match="logit_bias"):
+        schema.sampling_params(chat(logit_bias={"1": 101}), eos_token_ids=(), vocab_size=10)
+
+
+def test_chat_logprobs_fields():
+    assert schema.chat_logprobs(chat()) is None
+    assert schema.chat_logprobs(chat(logprobs=True)) == 0
+    assert schema.chat_logprobs(chat(logprobs=True, top_logprobs=4)) == 4
+    with pytest.raises(InvalidRequest, match="requires logprobs"):
+        schema.chat_logprobs(chat(top_logprobs=4))
+
+
+def test_tool_messages_and_assistant_calls_reach_the_template():
+    req = chat(messages=[{"role": "user", "content": "w?"},
+                         {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                          "function": {"name": "f", "arguments": "{\"a\": 1}"}}]},
+                         {"role": "tool", "tool_call_id": "c1", "content": "ok"}])  # fmt: skip
+    msgs = schema.chat_messages(req)
+    assert msgs[1]["tool_calls"][0]["function"] == {"name": "f", "arguments": {"a": 1}}
+    assert msgs[2] == {"role": "tool", "content": "ok", "tool_call_id": "c1"}
 
 
 def test_wrong_type_error_names_the_json_path():

@@ -164,3 +164,88 @@ def test_the_sampling_rules_name_each_meaningless_parameter(bad):
     (problem,) = sampling_problems(SamplingParams(**bad))
     assert problem.startswith(next(iter(bad)))
     assert sampling_problems(SamplingParams()) == []
+
+
+# ---- issue 11: logit_bias, top logprobs, grammar masks -----------------------------------------------
+
+
+def test_logit_bias_moves_only_the_rows_that_ask():
+    logits = random_logits(2)
+    sampler = make_sampler({0: SamplingParams(temperature=0.0, logit_bias=((7, 100.0),)), 1: SamplingParams(temperature=0.0)})
+    tokens, _ = sampler.sample([0, 1], logits)
+    assert tokens.tolist() == [7, int(logits[1].argmax())]
+
+
+def test_top_logprobs_are_the_models_own_and_none_when_no_row_asks():
+    logits = random_logits(3)
+    sampler = make_sampler({0: SamplingParams(temperature=0.0, logprobs=4), 1: SamplingParams(temperature=0.0),
+                            2: SamplingParams(temperature=0.0, repetition_penalty=1.5, logprobs=2)})  # fmt: skip
+    tokens, _ = sampler.choose([0, 1, 2], logits)
+    rows, token_lps, top_ids, top_lps = sampler.top_logprobs([0, 1, 2], logits, tokens)
+    assert rows == [0, 2] and top_ids.shape == (2, 4)
+    ref = torch.log_softmax(logits, dim=-1)
+    assert torch.equal(top_lps, ref[[0, 2]].topk(4).values)
+    assert token_lps[0] == top_lps[0, 0]  # greedy without penalties: the top entry, exactly
+    assert torch.allclose(token_lps, ref[[0, 2]].gather(1, tokens[[0, 2]][:, None]).squeeze(1))
+    plain = make_sampler({0: SamplingParams(temperature=0.0)})
+    assert plain.top_logprobs([0], logits[:1], logits[:1].argmax(-1)) is None
+
+
+class _Matcher:
+    """A stand-in llguidance matcher: allows a fixed set of tokens, records what it consumed."""
+
+    def __init__(self, allowed):
+        self.allowed, self.consumed = allowed, []
+
+    def is_error(self):
+        return False
+
+    def consume_token(self, t):
+        self.consumed.append(t)
+        return True
+
+
+def test_grammar_rows_sample_only_allowed_tokens(monkeypatch):
+    sampler = make_sampler({0: SamplingParams(temperature=1.0, seed=1), 1: SamplingParams(temperature=0.0)})
+    matcher = _Matcher([3, 40])
+    sampler.requests[0].matcher = matcher
+
+    def masks(matchers):
+        out = torch.zeros((len(matchers), (V + 31) // 32), dtype=torch.int32)
+        for i, m in enumerate(matchers):
+            for t in m.allowed:
+                out[i, t // 32] |= 1 << (t % 32)
+        return out
+
+    monkeypatch.setattr(sampler.grammars, "masks", masks)
+    logits = random_logits(2)
+    for _ in range(20):
+        tokens, _ = sampler.sample([0, 1], logits)
+        assert tokens[0] in (3, 40) and tokens[1] == int(logits[1].argmax())
+    assert len(matcher.consumed) == 20
+
+
+def test_grammar_with_llguidance_and_the_tiny_tokenizer(tiny_tokenizer_dir):
+    import json
+
+    import llguidance
+
+    from ferry.services.worker.grammar import tokenizer_factory
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    vocab = len(tok) + 5  # a model's embedding may be wider than the tokenizer
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    sampler = Sampler(vocab, "cpu", seed=0, grammar_tokenizer=tokenizer_factory(tiny_tokenizer_dir, vocab, [eos]))
+    sampler.add_request(NewRequest(req_id=1, prompt_token_ids=np.array([1], np.int32),
+                                   sampling=SamplingParams(temperature=1.0, seed=3, grammar=grammar)))  # fmt: skip
+    out = []
+    for _ in range(40):
+        token = int(sampler.sample([1], torch.randn(1, vocab))[0][0])
+        if token == eos:
+            break
+        out.append(token)
+    assert json.loads(tok.decode(out)) in ({"ok": True}, {"ok": False})

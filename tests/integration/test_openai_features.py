@@ -1,0 +1,250 @@
+"""Issue 11's must-shows against the real worker (the tiny random-weight qwen3_moe, float32, on CPU) behind
+the real api and scheduler: prompt logprobs (echo, max_tokens 0 and 1) equal transformers' log-softmax of
+the same checkpoint; chat top_logprobs are sorted and hold the sampled token; json_schema outputs validate
+for 20 seeds, streamed and not; tool_choice required / a named function give tool_calls whose arguments
+validate; n: 3; a batch of prompts; logit_bias; /v1/models/{id}; a schema the grammar engine cannot
+compile is a 400 naming the field."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from tests.integration.harness import REAL_WORKER_ENV, start_cluster
+
+PROMPT = "The ferry carries the experts across the water"
+
+
+@pytest.fixture(scope="module")
+def real(tiny_models, tmp_path_factory):
+    c = start_cluster(tiny_models["qwen3_moe"], tmp_path_factory.mktemp("features"),
+                      worker_flags=["--device", "cpu", "--max-model-len", "1024", "--max-prefill-tokens", "64"],
+                      boot="ferry.services.worker.boot:boot_worker", worker_env=REAL_WORKER_ENV)  # fmt: skip
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def client(real):
+    return openai.OpenAI(base_url=real.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def hf_logprobs(tiny_models):
+    """log_softmax of transformers' own model of the checkpoint, float32: [P, V] for a prompt's ids."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_models["qwen3_moe"], dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_models["qwen3_moe"])
+
+    def run(ids: list[int]):
+        with torch.no_grad():
+            return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+    return run, tok
+
+
+@pytest.mark.parametrize("max_tokens", [0, 1])
+def test_echo_prompt_logprobs_equal_transformers_log_softmax(client, hf_logprobs, max_tokens):
+    run, tok = hf_logprobs
+    # long enough for two prefill chunks (--max-prefill-tokens 64) and a prefix cache hit the second time
+    prompt = " ".join([PROMPT] * 12)
+    ids = tok.encode(prompt, add_special_tokens=False)
+    assert len(ids) > 64
+    ref = run(ids)
+    for attempt in range(2):  # the second request's prefix is in the radix cache: it still gets every logprob
+        r = client.completions.create(model="tiny", prompt=ids, max_tokens=max_tokens, echo=True, logprobs=3,
+                                      temperature=0)  # fmt: skip
+        lp = r.choices[0].logprobs
+        assert len(lp.token_logprobs) == len(ids) + max_tokens
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        got = lp.token_logprobs[1 : len(ids)]
+        want = [float(ref[p - 1, ids[p]]) for p in range(1, len(ids))]
+        assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4
+        for p in range(1, len(ids)):  # the top alternatives are transformers' top 3, most likely first
+            values = list(lp.top_logprobs[p].values())
+            assert values == sorted(values, reverse=True)
+            assert values[0] == pytest.approx(float(ref[p - 1].max()), abs=1e-4)
+        assert r.choices[0].text.startswith(prompt)
+        assert r.usage.completion_tokens == max_tokens and r.usage.prompt_tokens == len(ids)
+        if max_tokens == 1:  # the generated token: greedy, so the top entry's value exactly
+            assert lp.token_logprobs[-1] == max(lp.top_logprobs[-1].values())
+            assert lp.token_logprobs[-1] == pytest.approx(float(ref[-1].max()), abs=1e-4)
+
+
+def test_echo_with_logprobs_streamed(client):
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, echo=True, logprobs=1,
+                                            temperature=0, stream=True))  # fmt: skip
+    plain = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, echo=True, logprobs=1, temperature=0)
+    streamed = [v for c in chunks if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed == plain.choices[0].logprobs.token_logprobs
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == plain.choices[0].text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_top_logprobs_are_sorted_and_hold_the_sampled_token(client, stream):
+    kwargs = dict(model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=8, temperature=0,
+                  logprobs=True, top_logprobs=5)  # fmt: skip
+    if stream:
+        entries = [e for c in client.chat.completions.create(**kwargs, stream=True)
+                   if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]  # fmt: skip
+    else:
+        entries = client.chat.completions.create(**kwargs).choices[0].logprobs.content
+    assert len(entries) == 8
+    for e in entries:
+        tops = [t.logprob for t in e.top_logprobs]
+        assert len(tops) == 5 and tops == sorted(tops, reverse=True)
+        assert (e.token, e.logprob) in [(t.token, t.logprob) for t in e.top_logprobs]  # greedy: it is the first
+        assert bytes(e.bytes).decode("utf-8", errors="replace") == e.token or "\ufffd" in e.token
+
+
+def test_sampled_tokens_logprobs_with_temperature(client):
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=10,
+                                       temperature=1.0, seed=11, logprobs=True, top_logprobs=20)  # fmt: skip
+    for e in r.choices[0].logprobs.content:
+        tops = {t.token: t.logprob for t in e.top_logprobs}
+        assert e.token in tops and tops[e.token] == e.logprob or e.logprob <= min(tops.values())
+
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "member", "role"],
+          "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 130},
+                         "member": {"type": "boolean"}, "role": {"enum": ["captain", "crew", "passenger"]}}}  # fmt: skip
+
+
+async def _json_schema_outputs(base_url: str, stream: bool) -> list[tuple[str, str]]:
+    client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0, timeout=300)
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+
+    async def one(seed: int) -> tuple[str, str]:
+        kwargs = dict(model="tiny", messages=[{"role": "user", "content": "Describe a person."}], max_tokens=200,
+                      temperature=1.0, seed=seed, response_format=fmt)  # fmt: skip
+        if not stream:
+            r = await client.chat.completions.create(**kwargs)
+            return r.choices[0].message.content, r.choices[0].finish_reason
+        text, reason = [], None
+        async for c in await client.chat.completions.create(**kwargs, stream=True):
+            if c.choices:
+                text.append(c.choices[0].delta.content or "")
+                reason = c.choices[0].finish_reason or reason
+        return "".join(text), reason
+
+    try:
+        return await asyncio.gather(*(one(seed) for seed in range(20)))
+    finally:
+        await client.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [False, True])
+def test_json_schema_outputs_of_a_random_model_validate(real, stream):
+    outputs = asyncio.run(_json_schema_outputs(real.base_url, stream))
+    assert len({text for text, _ in outputs}) > 10, "20 seeds, mostly different outputs"
+    for text, reason in outputs:
+        assert reason == "stop", text
+        jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_json_object_output_is_an_object(client):
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "json"}], max_tokens=30,
+                                       temperature=0, response_format={"type": "json_object"})  # fmt: skip
+    text = r.choices[0].message.content
+    assert text.startswith("{")
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["city", "days"],
+    "properties": {"city": {"type": "string", "maxLength": 10}, "days": {"type": "integer", "minimum": 1, "maximum": 7}}}}}  # fmt: skip
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["zone"],
+    "properties": {"zone": {"enum": ["UTC", "CET", "JST"]}}}}}  # fmt: skip
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_forced_tool_calls_have_arguments_that_validate(client, choice):
+    for seed in range(3):
+        r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Weather?"}],
+                                           tools=[WEATHER, TIME], tool_choice=choice, parallel_tool_calls=False,
+                                           max_tokens=80, temperature=1.0, seed=seed)  # fmt: skip
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls", c.message
+        (call,) = c.message.tool_calls
+        assert call.type == "function" and call.id.startswith("call_")
+        if isinstance(choice, dict):
+            assert call.function.name == "get_time"
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def test_forced_tool_call_streamed_as_tool_call_deltas(client):
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER], tool_choice="required",
+        parallel_tool_calls=False, max_tokens=80, temperature=1.0, seed=5, stream=True))  # fmt: skip
+    calls = [tc for c in chunks if c.choices and c.choices[0].delta.tool_calls for tc in c.choices[0].delta.tool_calls]
+    assert len(calls) == 1 and calls[0].index == 0 and calls[0].function.name == "get_weather"
+    jsonschema.validate(json.loads(calls[0].function.arguments), SCHEMAS["get_weather"])
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+
+
+def test_n_choices_with_distinct_seeds_and_usage(client):
+    kwargs = dict(model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=6, temperature=1.0, seed=3)
+    r = client.chat.completions.create(**kwargs, n=3)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    texts = [c.message.content for c in r.choices]
+    assert len(set(texts)) == 3
+    single = client.chat.completions.create(**kwargs)  # choice 0 is the request's own seed
+    assert single.choices[0].message.content == texts[0]
+    assert r.usage.prompt_tokens == single.usage.prompt_tokens  # one prompt, counted once
+    assert r.usage.completion_tokens == 18 and r.usage.total_tokens == r.usage.prompt_tokens + 18
+    streamed = {}
+    for c in client.chat.completions.create(**kwargs, n=3, stream=True):
+        for ch in c.choices:
+            streamed[ch.index] = streamed.get(ch.index, "") + (ch.delta.content or "")
+    assert [streamed[i] for i in range(3)] == texts
+
+
+def test_a_batch_of_prompts_on_completions(client):
+    r = client.completions.create(model="tiny", prompt=["The ferry", "Experts cross"], max_tokens=4, temperature=0, n=2)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    one = client.completions.create(model="tiny", prompt="Experts cross", max_tokens=4, temperature=0)
+    assert r.choices[2].text == r.choices[3].text == one.choices[0].text
+    assert r.usage.completion_tokens == 16
+
+
+def test_logit_bias_forces_a_token(client, hf_logprobs):
+    _, tok = hf_logprobs
+    target = tok.encode(" ferry", add_special_tokens=False)[0]
+    r = client.completions.create(model="tiny", prompt="Hello", max_tokens=5, temperature=0,
+                                  logit_bias={str(target): 100})  # fmt: skip
+    assert r.choices[0].text == tok.decode([target] * 5)
+
+
+def test_models_retrieve(client):
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-9")
+
+
+@pytest.mark.parametrize("body,needle", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string", "pattern": "(?<=a)b"}}}],
+      "tool_choice": "required"}, "tools[f].function.parameters"),
+    ({"top_logprobs": 3}, "top_logprobs requires logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs must be in [0, 20]"),
+    ({"audio": {"voice": "alloy"}}, "audio"),
+    ({"store": True}, "store"),
+    ({"logit_bias": {"999999": 5}}, "logit_bias"),
+])  # fmt: skip
+def test_fields_that_cannot_be_honoured_are_400s_naming_them(client, body, needle):
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                       extra_body=body)  # fmt: skip
+    assert needle in exc.value.message
