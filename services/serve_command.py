@@ -1,14 +1,19 @@
 """`ferry serve`: api, scheduler and worker on this host, wired by ipc sockets in a private directory.
 
 The three run as child processes (`ferry scheduler|worker|api`, exactly what compose runs). SIGINT or
-SIGTERM stops them all; if one of them exits on its own the others are stopped too and serve exits
-non-zero, naming it.
+SIGTERM stops them all: the api first, which drains (requests in flight get --drain-timeout to
+finish), then the worker and the scheduler. If one of them exits on its own the others are stopped
+too and serve exits non-zero, naming it. The children die with serve even when it is killed outright
+(PR_SET_PDEATHSIG), and a launch's socket directory left behind by a killed serve is removed by the
+next start.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
+import re
 import shutil
 import signal
 import socket
@@ -24,7 +29,7 @@ from ferry.shared.defaults import LOOPBACK, ipc_addresses
 from ferry.shared.errors import ConfigError
 from ferry.shared.logging import add_log_flags, configure_logging
 from ferry.shared.model_flag import add_model_argument
-from ferry.services.api.config import add_api_flags
+from ferry.services.api.config import DEFAULT_DRAIN_TIMEOUT_S, add_api_flags
 from ferry.services.scheduler.config import add_step_timeout_flag
 from ferry.services.worker.command import add_boot_flag
 from ferry.services.worker.flags import add_worker_flags, boot_config_from_args, worker_flag_args
@@ -132,6 +137,7 @@ def child_commands(args: argparse.Namespace, model: str, rundir: Path,
         worker += ["--health-port", str(ports["worker"])]
     api = [*ferry, "api", "--model", model, "--scheduler-addr", api_addr, "--host", args.host, "--port", str(args.port),
            "--max-body-size", args.max_body_size, "--served-model-name", served_model_name(args, model),
+           "--read-timeout", str(args.read_timeout), "--drain-timeout", str(args.drain_timeout),
            *api_passthrough_flags(args)]  # fmt: skip
     return {"scheduler": scheduler + log_flags, "worker": worker + log_flags, "api": api + log_flags}
 
@@ -174,14 +180,16 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
-    rundir = Path(tempfile.mkdtemp(prefix="ferry-"))  # mode 0700: only this user reaches the sockets
+    remove_stale_rundirs(Path(tempfile.gettempdir()))
+    # mode 0700: only this user reaches the sockets; the name carries serve's pid (see remove_stale_rundirs)
+    rundir = Path(tempfile.mkdtemp(prefix=f"ferry-{os.getpid()}-"))
     procs: dict[str, subprocess.Popen] = {}
     status = 0
     ports = side_ports(args)
     envs = child_environments(args)
     try:
         for name, cmd in child_commands(args, model, rundir, ports).items():
-            procs[name] = subprocess.Popen(cmd, env=envs[name])
+            procs[name] = subprocess.Popen(cmd, env=envs[name], preexec_fn=_die_with_parent(os.getpid()))
             log.info("started", child=name, pid=procs[name].pid)
         log.info("serving", api=f"http://{args.host}:{args.port}/v1",
                  metrics={"api": f"http://{args.host}:{args.port}/metrics",
@@ -194,23 +202,91 @@ def run(args: argparse.Namespace) -> int:
                 break
             time.sleep(0.2)
     finally:
-        _stop_all(procs)
+        _stop_all(procs, getattr(args, "drain_timeout", DEFAULT_DRAIN_TIMEOUT_S))
         shutil.rmtree(rundir, ignore_errors=True)
     log.info("stopped", exit_status=status)
     return status
 
 
-def _stop_all(procs: dict[str, subprocess.Popen]) -> None:
-    # api first (no new requests), then the worker, then the scheduler
-    for name in ("api", "worker", "scheduler"):
+def _stop_all(procs: dict[str, subprocess.Popen], drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S) -> None:
+    """The api first: it drains (no new requests; those in flight finish while the worker and the
+    scheduler still run), then the worker and the scheduler."""
+    api = procs.get("api")
+    if api is not None and api.poll() is None:
+        api.send_signal(signal.SIGTERM)
+        _wait_or_kill("api", api, drain_timeout + STOP_GRACE_S)
+    for name in ("worker", "scheduler"):
         p = procs.get(name)
         if p is not None and p.poll() is None:
             p.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + STOP_GRACE_S
     for name, p in procs.items():
+        _wait_or_kill(name, p, max(0.1, deadline - time.monotonic()))
+
+
+def _wait_or_kill(name: str, p: subprocess.Popen, timeout: float) -> None:
+    try:
+        p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        log.warning("killing", child=name, pid=p.pid)
+        p.kill()
+        p.wait()
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent: int):
+    """A child's pre-exec step: the kernel sends it SIGTERM when serve dies, however serve dies (kill -9
+    included), so no child outlives it under PID 1. Linux only; elsewhere a no-op."""
+
+    def set_pdeathsig() -> None:
         try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            log.warning("killing", child=name, pid=p.pid)
-            p.kill()
-            p.wait()
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        except (OSError, AttributeError):
+            return
+        if os.getppid() != parent:  # serve died before the prctl took effect
+            os._exit(1)
+
+    return set_pdeathsig
+
+
+_RUNDIR = re.compile(r"ferry-(\d+)-[A-Za-z0-9_]+$")
+
+
+def remove_stale_rundirs(tmp: Path) -> list[Path]:
+    """Socket directories of earlier launches whose serve is gone (killed outright: nothing ran its
+    cleanup), this user's only. Returns what was removed."""
+    removed = []
+    try:
+        entries = list(tmp.iterdir())
+    except OSError:
+        return removed
+    for d in entries:
+        m = _RUNDIR.match(d.name)
+        if m is None or not d.is_dir() or d.is_symlink():
+            continue
+        try:
+            if d.stat().st_uid != os.getuid() or _serve_alive(int(m.group(1))):
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d)
+        log.info("stale_rundir_removed", path=str(d))
+    return removed
+
+
+def _serve_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return True
+    return b"serve" in cmd

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import msgspec
 
+from ferry.shared.bounds import Int64
+
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """OpenAI / vLLM semantics. temperature 0 means greedy; top_k 0 (or -1) and top_p 1 disable those
@@ -21,14 +23,14 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
 
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0
+    top_k: Int64 = 0
     min_p: float = 0.0
-    seed: int | None = None
+    seed: Int64 | None = None
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     ignore_eos: bool = False
-    stop_token_ids: tuple[int, ...] = ()
+    stop_token_ids: tuple[Int64, ...] = ()
 
     @property
     def greedy(self) -> bool:

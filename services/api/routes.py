@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import structlog
 from aiohttp import web
 
-from ferry.shared.errors import FerryError, NotFound
+from ferry.shared.errors import FerryError, NotFound, ServiceUnavailable
 from ferry.shared.sampling import SamplingParams
 from ferry.services.api import schema
 from ferry.services.api.config import ApiConfig
@@ -18,16 +18,27 @@ from ferry.services.api.generation import Generation
 from ferry.services.api.metrics import ApiMetrics
 from ferry.services.api.responses import ChatFormat, CompletionFormat, ResponseFormat, error_body, sse
 from ferry.services.api.scheduler_client import SchedulerClient
-from ferry.services.api.tokenizer import PromptTokenizer
+from ferry.services.api.tokenizer import PromptTokenizer, TooLong
 
 log = structlog.get_logger("api.routes")
 
+# Prompts that may wait for (or use) the tokenizer thread at once; more are refused with a 503. With
+# the character limit (PromptTokenizer.check_chars) this bounds the work and memory queued behind it.
+MAX_TOKENIZATIONS = 16
+
+
+class TokenizerBusy(ServiceUnavailable):
+    retry_after = 1
+
 
 class OpenAIRoutes:
-    def __init__(self, cfg: ApiConfig, client: SchedulerClient, tokenizer: PromptTokenizer, metrics: ApiMetrics):
+    def __init__(self, cfg: ApiConfig, client: SchedulerClient, tokenizer: PromptTokenizer, metrics: ApiMetrics,
+                 drain=None):  # fmt: skip
         self.cfg, self.client, self.tokenizer, self.metrics = cfg, client, tokenizer, metrics
+        self.drain = drain
         self.created = int(time.time())
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+        self._tokenizations = 0
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
@@ -42,21 +53,57 @@ class OpenAIRoutes:
         req = schema.decode_body(await request.read(), schema.ChatCompletionRequest)
         max_tokens = schema.chat_max_tokens(req)
         sampling = self._check_common(req, max_tokens)
-        prompt = await self._tokenize(self.tokenizer.chat_prompt, schema.chat_messages(req))
+        messages = schema.chat_messages(req)
+        self._check_chars(sum(len(m["content"]) for m in messages))
+        prompt = await self._tokenize(self.tokenizer.chat_prompt, messages)
         fmt = ChatFormat(self.cfg.served_model_name)
         return await self._generate(request, req, "chat", prompt, sampling, max_tokens, fmt)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = schema.decode_body(await request.read(), schema.CompletionRequest)
         sampling = self._check_common(req, req.max_tokens)
-        prompt = await self._tokenize(self.tokenizer.text_prompt, schema.completion_prompt(req))
+        text = schema.completion_prompt(req)
+        if isinstance(text, str):
+            self._check_chars(len(text))
+        prompt = await self._tokenize(self.tokenizer.text_prompt, text)
         fmt = CompletionFormat(self.cfg.served_model_name)
         return await self._generate(request, req, "completions", prompt, sampling, req.max_tokens, fmt)
 
-    async def _tokenize(self, fn, arg) -> list[int]:
+    def _check_chars(self, n: int) -> None:
+        """On the event loop, before anything is queued for the tokenizer: a prompt too long in
+        characters alone to fit the model length is refused at once."""
+        self._update_model_len()
+        try:
+            self.tokenizer.check_chars(n)
+        except TooLong:
+            self.metrics.tokenize_refused.labels("too_long").inc()
+            raise
+
+    def _update_model_len(self) -> None:
+        status = self.client.status
+        if status is not None and status.ready and status.max_model_len:
+            self.tokenizer.max_model_len = status.max_model_len
+
+    async def _tokenize(self, fn, arg):
         """Off the event loop (a prompt near the body limit takes long enough to stall every stream),
-        on one thread (a fast tokenizer is not meant to encode from several threads at once)."""
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, arg)
+        on one thread (a fast tokenizer is not meant to encode from several threads at once), at most
+        MAX_TOKENIZATIONS prompts queued or running (more: 503 with Retry-After)."""
+        self._update_model_len()
+        if self._tokenizations >= MAX_TOKENIZATIONS:
+            self.metrics.tokenize_refused.labels("busy").inc()
+            raise TokenizerBusy(f"{self._tokenizations} prompts are waiting for the tokenizer; retry shortly")
+        self._tokenizations += 1
+        self.metrics.tokenizing.inc()
+        t0 = time.perf_counter()
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, arg)
+        except TooLong:
+            self.metrics.tokenize_refused.labels("too_long").inc()
+            raise
+        finally:
+            self._tokenizations -= 1
+            self.metrics.tokenizing.dec()
+            self.metrics.tokenize_seconds.observe(time.perf_counter() - t0)
 
     def _check_common(self, req, max_tokens: int | None) -> SamplingParams:
         """Everything about the body that can be refused before tokenizing; the request's sampling."""
@@ -110,9 +157,14 @@ class OpenAIRoutes:
 
     async def health(self, request: web.Request) -> web.Response:
         ready, reason = self.client.readiness()
+        if self.drain is not None and self.drain.draining:
+            ready, reason = False, f"draining: {self.drain.in_flight} requests in flight, no new ones admitted"
+        status = self.client.status
+        peers = {"scheduler": "ready" if self.client.scheduler.alive() else "silent",
+                 "worker": "ready" if status is not None and status.ready else "not ready"}  # fmt: skip
         if ready:
-            return web.json_response({"status": "ready"})
-        return web.json_response({"status": "unavailable", "reason": reason}, status=503)
+            return web.json_response({"status": "ready", "peers": peers})
+        return web.json_response({"status": "unavailable", "reason": reason, "peers": peers}, status=503)
 
     async def prometheus(self, request: web.Request) -> web.Response:
         from prometheus_client import CONTENT_TYPE_LATEST

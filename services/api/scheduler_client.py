@@ -17,7 +17,8 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from ferry.shared.errors import FerryError, ServiceUnavailable, error_from_wire
+from ferry.shared.contract import token_ids_problem
+from ferry.shared.errors import EngineError, FerryError, ServiceUnavailable, error_from_wire
 from ferry.shared.liveness import HEARTBEAT_INTERVAL_S, Liveness
 from ferry.shared.messages import (
     Abort, ApiHeartbeat, Failed, Finished, SchedulerStatus, SchedulerToApi, Submit, Tokens,
@@ -35,6 +36,7 @@ class Token:
 
 
 Event = Token | Finished | FerryError
+FINISH_REASONS = ("stop", "length", "abort")
 
 
 class RequestStream:
@@ -53,11 +55,14 @@ class RequestStream:
 
 
 class SchedulerClient:
-    def __init__(self, addr: str, identity: str):
+    def __init__(self, addr: str, identity: str, secure=None, vocab_size: int = 0):
+        """`secure`: the CURVE setup of the DEALER (shared/wire_keys.py), None without keys; `vocab_size`:
+        token ids the scheduler sends must be below it (0: unchecked)."""
         self.addr = addr
         self.identity = identity
+        self.vocab_size = vocab_size
         self.ctx = zmq.asyncio.Context()
-        self.dealer: AsyncDealer = AsyncDealer(self.ctx, addr, SchedulerToApi, identity.encode())
+        self.dealer: AsyncDealer = AsyncDealer(self.ctx, addr, SchedulerToApi, identity.encode(), secure)
         self.status: SchedulerStatus | None = None
         self.scheduler = Liveness()
         self.streams: dict[int, RequestStream] = {}
@@ -126,12 +131,20 @@ class SchedulerClient:
             now = time.perf_counter()
             match msg:
                 case Tokens(req_ids=ids, token_ids=toks):
+                    problem = token_ids_problem("token_ids", toks, self.vocab_size)
+                    if problem is not None or not (ids.dtype.kind in "iu" and ids.ndim == 1 and len(ids) == len(toks)):
+                        log.error("bad_scheduler_message", error=problem or "Tokens: req_ids do not match token_ids")
+                        for rid in (ids.tolist() if ids.ndim == 1 else []):
+                            if (s := self.streams.pop(rid, None)) is not None:
+                                s.queue.put_nowait(EngineError(f"the scheduler sent an unusable token: {problem}"))
+                        continue
                     for rid, tok in zip(ids.tolist(), toks.tolist()):
                         if (s := self.streams.get(rid)) is not None:
                             s.queue.put_nowait(Token(tok, now))
                 case Finished(req_id=rid):
                     if (s := self.streams.pop(rid, None)) is not None:
-                        s.queue.put_nowait(msg)
+                        ok = msg.reason in FINISH_REASONS
+                        s.queue.put_nowait(msg if ok else EngineError(f"unknown finish reason {msg.reason[:40]!r}"))
                 case Failed(req_id=rid, error_type=kind, message=text):
                     if (s := self.streams.pop(rid, None)) is not None:
                         s.queue.put_nowait(error_from_wire(kind, text))

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import msgspec
 
+from ferry.shared.bounds import Int64
 from ferry.shared.errors import InvalidRequest
 from ferry.shared.sampling import SamplingParams, sampling_problems
+from ferry.services.api.json_limits import check_depth
 
 
 class StreamOptions(msgspec.Struct):
@@ -29,20 +31,20 @@ class ChatMessage(msgspec.Struct):
 
 class _Generation(msgspec.Struct, kw_only=True):
     model: str | None = None
-    max_tokens: int | None = None
+    max_tokens: Int64 | None = None  # Int64: every integer field is range-checked (400 naming it)
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     repetition_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    n: int = 1
+    n: Int64 = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int64] | None = None
     ignore_eos: bool | None = None
     user: str | None = None
 
@@ -54,12 +56,12 @@ SAMPLING_FIELDS = tuple(f for f in SamplingParams.__struct_fields__ if f in _Gen
 
 class ChatCompletionRequest(_Generation, kw_only=True):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int64 | None = None
 
 
 class CompletionRequest(_Generation, kw_only=True):
-    prompt: str | list[str | int | list[int]]  # text, token ids, or a batch of one of either
-    max_tokens: int | None = 16  # OpenAI's default for completions (chat defaults to the model length)
+    prompt: str | list[str | Int64 | list[Int64]]  # text, token ids, or a batch of one of either
+    max_tokens: Int64 | None = 16  # OpenAI's default for completions (chat defaults to the model length)
 
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -68,6 +70,7 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 def decode_body(body: bytes, kind: type[msgspec.Struct]) -> msgspec.Struct:
     if not body.strip():
         raise InvalidRequest("the request body is empty; send a JSON object")
+    check_depth(body)
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
