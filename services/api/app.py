@@ -149,8 +149,9 @@ async def serve(cfg: ApiConfig) -> None:
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
     # keepalive_timeout: aiohttp closes a connection that has not sent a whole request within it (from
     # the connection's start, or since its last response), which bounds slow or incomplete headers.
+    # lingering_time: how long aiohttp still reads an unread body after answering (a late body's 408)
     runner = _Runner(app, handler_cancellation=True, access_log=None, keepalive_timeout=cfg.read_timeout_s,
-                     shutdown_timeout=1.0)  # fmt: skip
+                     lingering_time=1.0, shutdown_timeout=1.0)  # fmt: skip
     await runner.setup()
     try:
         await web.TCPSite(runner, cfg.host, cfg.port).start()
