@@ -22,9 +22,13 @@ from ferry.services.api.tokenizer import PromptTokenizer, TooLong
 
 log = structlog.get_logger("api.routes")
 
-# Prompts that may wait for (or use) the tokenizer thread at once; more are refused with a 503. With
-# the character limit (PromptTokenizer.check_chars) this bounds the work and memory queued behind it.
-MAX_TOKENIZATIONS = 16
+# Two tokenizer threads, each with its own tokenizer (a fast tokenizer is not meant to encode from
+# several threads at once): bodies up to LONG_BODY_BYTES on one, larger ones on the other, so a short
+# prompt never waits behind a long one. Each lane takes at most so many prompts waiting or running;
+# more are refused with a 503 and Retry-After. With the character limit (PromptTokenizer.check_chars)
+# this bounds the work and the memory queued behind the tokenizer.
+LONG_BODY_BYTES = 256 * 1024
+MAX_TOKENIZATIONS = {"short": 256, "long": 4}
 
 
 class TokenizerBusy(ServiceUnavailable):
@@ -37,8 +41,9 @@ class OpenAIRoutes:
         self.cfg, self.client, self.tokenizer, self.metrics = cfg, client, tokenizer, metrics
         self.drain = drain
         self.created = int(time.time())
-        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
-        self._tokenizations = 0
+        self._lanes = {"short": (ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer"), tokenizer),
+                       "long": (ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer-long"), None)}  # fmt: skip
+        self._tokenizations = {"short": 0, "long": 0}
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
@@ -55,7 +60,7 @@ class OpenAIRoutes:
         sampling = self._check_common(req, max_tokens)
         messages = schema.chat_messages(req)
         self._check_chars(sum(len(m["content"]) for m in messages))
-        prompt = await self._tokenize(self.tokenizer.chat_prompt, messages)
+        prompt = await self._tokenize(PromptTokenizer.chat_prompt, messages, request.content_length)
         fmt = ChatFormat(self.cfg.served_model_name)
         return await self._generate(request, req, "chat", prompt, sampling, max_tokens, fmt)
 
@@ -65,7 +70,7 @@ class OpenAIRoutes:
         text = schema.completion_prompt(req)
         if isinstance(text, str):
             self._check_chars(len(text))
-        prompt = await self._tokenize(self.tokenizer.text_prompt, text)
+        prompt = await self._tokenize(PromptTokenizer.text_prompt, text, request.content_length)
         fmt = CompletionFormat(self.cfg.served_model_name)
         return await self._generate(request, req, "completions", prompt, sampling, req.max_tokens, fmt)
 
@@ -82,26 +87,33 @@ class OpenAIRoutes:
     def _update_model_len(self) -> None:
         status = self.client.status
         if status is not None and status.ready and status.max_model_len:
-            self.tokenizer.max_model_len = status.max_model_len
+            for _, tokenizer in self._lanes.values():
+                if tokenizer is not None:
+                    tokenizer.max_model_len = status.max_model_len
 
-    async def _tokenize(self, fn, arg):
-        """Off the event loop (a prompt near the body limit takes long enough to stall every stream),
-        on one thread (a fast tokenizer is not meant to encode from several threads at once), at most
-        MAX_TOKENIZATIONS prompts queued or running (more: 503 with Retry-After)."""
+    async def _tokenize(self, fn, arg, body_bytes: int | None):
+        """fn(tokenizer, arg) off the event loop (a prompt near the body limit takes long enough to stall
+        every stream), in the lane of the body's size, at most MAX_TOKENIZATIONS[lane] prompts queued
+        or running there (more: 503 with Retry-After)."""
         self._update_model_len()
-        if self._tokenizations >= MAX_TOKENIZATIONS:
+        lane = "long" if (body_bytes or 0) > LONG_BODY_BYTES else "short"
+        if self._tokenizations[lane] >= MAX_TOKENIZATIONS[lane]:
             self.metrics.tokenize_refused.labels("busy").inc()
-            raise TokenizerBusy(f"{self._tokenizations} prompts are waiting for the tokenizer; retry shortly")
-        self._tokenizations += 1
+            raise TokenizerBusy(f"{self._tokenizations[lane]} prompts are waiting for the tokenizer; retry shortly")
+        thread, tokenizer = self._lanes[lane]
+        if tokenizer is None:  # the long lane's own copy, made on first use
+            tokenizer = self.tokenizer.copy()
+            self._lanes[lane] = (thread, tokenizer)
+        self._tokenizations[lane] += 1
         self.metrics.tokenizing.inc()
         t0 = time.perf_counter()
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, arg)
+            return await asyncio.get_running_loop().run_in_executor(thread, fn, tokenizer, arg)
         except TooLong:
             self.metrics.tokenize_refused.labels("too_long").inc()
             raise
         finally:
-            self._tokenizations -= 1
+            self._tokenizations[lane] -= 1
             self.metrics.tokenizing.dec()
             self.metrics.tokenize_seconds.observe(time.perf_counter() - t0)
 

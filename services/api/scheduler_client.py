@@ -95,8 +95,9 @@ class SchedulerClient:
     # ---- requests ----------------------------------------------------------------------------------
 
     async def submit(self, prompt: list[int], sampling: SamplingParams, max_tokens: int | None) -> RequestStream:
-        if not self.scheduler.alive():
-            raise ServiceUnavailable(self.readiness()[1])
+        ready, why = self.readiness()
+        if not ready:  # refused here, at once: the scheduler would refuse it too
+            raise ServiceUnavailable(why)
         stream = RequestStream(next(self._ids))
         self.streams[stream.req_id] = stream
         sent = await self.dealer.send(Submit(req_id=stream.req_id, prompt_token_ids=np.asarray(prompt, dtype=np.int32),

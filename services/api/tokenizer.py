@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,12 @@ class PromptTokenizer:
         # max_model_len x this cannot fit the model, whatever it tokenizes to.
         self.longest_token_chars = max((len(t) for t in self.hf.get_vocab()), default=1) or 1
         self.max_model_len: int | None = None  # set from the scheduler's status (routes); None: unchecked
+
+    def copy(self) -> "PromptTokenizer":
+        """Another PromptTokenizer over a copy of the same tokenizer, for another thread."""
+        twin = copy.copy(self)
+        twin.hf = copy.deepcopy(self.hf)
+        return twin
 
     def check_chars(self, n: int) -> None:
         """Refuse, before tokenizing, a text whose length alone says it cannot fit the model."""

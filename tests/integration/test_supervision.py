@@ -89,7 +89,7 @@ def test_a_step_never_answered_fails_its_request_though_the_worker_says_idle(mod
 
     try:
         deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and http_get(f"http://127.0.0.1:{c.scheduler_health_port}/health")[0] != 200:
+        while time.monotonic() < deadline and not _ready(c.scheduler_health_port):
             beat()
             time.sleep(0.3)
         send(api, Submit(req_id=1, prompt_token_ids=np.array([3, 4, 5], np.int32), sampling=SamplingParams(),
@@ -167,7 +167,7 @@ def test_serve_a_dead_worker_is_named_to_the_requests_it_took(slow_model_dir, tm
     try:
         assert eventually(lambda: _ready(port), timeout=60), (tmp_path / "serve.log").read_text()[-3000:]
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=30)
-        stream = client.completions.create(model="tiny", prompt="doomed", max_tokens=400, stream=True)
+        stream = client.completions.create(model="tiny", prompt="doomed", max_tokens=200, stream=True)
         chunks = iter(stream)
         next(chunks)
         worker = next(pid for pid in children_of(serve.pid) if "worker" in open(f"/proc/{pid}/cmdline").read().split("\0"))
