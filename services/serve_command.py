@@ -122,7 +122,7 @@ def served_model_name(args: argparse.Namespace, model: str) -> str:
 def child_commands(args: argparse.Namespace, model: str, rundir: Path,
                    ports: dict[str, int | None] | None = None) -> dict[str, list[str]]:  # fmt: skip
     """The three command lines. Nothing secret goes on them (a command line is world-readable in
-    /proc): the API key travels in the api's environment (child_environments)."""
+    /proc): the API key reaches the api as a file in the private run directory (write_api_key)."""
     ports = ports if ports is not None else {"scheduler": None, "worker": None}
     api_addr, steps_addr, results_addr = ipc_addresses(rundir)
     ferry = [sys.executable, "-m", "ferry.services.cli"]
@@ -138,27 +138,40 @@ def child_commands(args: argparse.Namespace, model: str, rundir: Path,
     api = [*ferry, "api", "--model", model, "--scheduler-addr", api_addr, "--host", args.host, "--port", str(args.port),
            "--max-body-size", args.max_body_size, "--served-model-name", served_model_name(args, model),
            "--read-timeout", str(args.read_timeout), "--drain-timeout", str(args.drain_timeout),
-           *api_passthrough_flags(args)]  # fmt: skip
+           *api_passthrough_flags(args, rundir)]  # fmt: skip
     return {"scheduler": scheduler + log_flags, "worker": worker + log_flags, "api": api + log_flags}
 
 
-def api_passthrough_flags(args: argparse.Namespace) -> list[str]:
+def api_key_path(rundir: Path) -> Path:
+    return rundir / "api-key"
+
+
+def write_api_key(args: argparse.Namespace, rundir: Path) -> None:
+    """The key given to serve (--api-key or FERRY_API_KEY), in a 0600 file of the 0700 run directory:
+    neither a command line nor an environment (`ps e` shows one) carries it to the api."""
+    if args.api_key:
+        fd = os.open(api_key_path(rundir), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(args.api_key)
+
+
+def api_passthrough_flags(args: argparse.Namespace, rundir: Path | None = None) -> list[str]:
     out = []
     if args.api_key_file is not None:  # a path, not the key
         out += ["--api-key-file", args.api_key_file]
+    elif args.api_key and rundir is not None:
+        out += ["--api-key-file", str(api_key_path(rundir))]
     for name in ("tool_call_parser", "reasoning_parser"):
         out += [_flag(name), getattr(args, name)]
     return out
 
 
 def child_environments(args: argparse.Namespace) -> dict[str, dict[str, str]]:
-    """Each child's environment: serve's own, plus the API key for the api alone."""
+    """Each child's environment: serve's own, without the API key (the api reads it from its file)."""
     env = dict(os.environ)
-    env.pop("FERRY_API_KEY", None)  # only the api gets it, and only as serve resolved it
-    api_env = dict(env)
-    if args.api_key:
-        api_env["FERRY_API_KEY"] = args.api_key
-    return {"scheduler": env, "worker": env, "api": api_env}
+    env.pop("FERRY_API_KEY", None)
+    env.pop("FERRY_API_KEY_FILE", None)  # serve passes the file it resolved, as a flag
+    return {"scheduler": env, "worker": env, "api": dict(env)}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -187,6 +200,7 @@ def run(args: argparse.Namespace) -> int:
     status = 0
     ports = side_ports(args)
     envs = child_environments(args)
+    write_api_key(args, rundir)
     try:
         for name, cmd in child_commands(args, model, rundir, ports).items():
             procs[name] = subprocess.Popen(cmd, env=envs[name], preexec_fn=_die_with_parent(os.getpid()))

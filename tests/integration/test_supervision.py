@@ -134,9 +134,12 @@ def test_kill_9_of_serve_takes_its_children_and_the_next_start_clears_the_leftov
         assert eventually(lambda: _ready(port), timeout=60), (tmp_path / "serve1.log").read_text()[-3000:]
         kids = children_of(serve.pid)
         assert len(kids) == 3
-        # 7. the key reaches the api by its environment only: no child's command line holds it
+        # 7. the key reaches the api in a file of the private run directory: no child's command line
+        # nor environment (`ps e`) holds it, and the api does want it
         for pid in kids:
             assert secret not in Path(f"/proc/{pid}/cmdline").read_text(), pid
+            assert secret not in Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace"), pid
+        assert http_get(f"http://127.0.0.1:{port}/v1/models")[0] == 401
         rundirs = [p for p in tmp_path.iterdir() if p.name.startswith("ferry-")]
         assert len(rundirs) == 1
         # 6. kill -9 of serve: its children follow it

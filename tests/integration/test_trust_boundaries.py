@@ -30,7 +30,7 @@ from tests.integration.harness import (
 from tests.integration.test_bad_input import post
 from tests.integration.wire_peers import peer, replies, send
 
-FORGED_POOL = PoolReport(kv_pages=2**31 - 1, page_size=16, linear_state_slots=0, max_running_requests=64,
+FORGED_POOL = PoolReport(kv_pages=8, page_size=16, linear_state_slots=0, max_running_requests=64,
                          max_prefill_tokens=8192, max_model_len=512)  # fmt: skip
 
 
@@ -62,11 +62,20 @@ def ipc(paced_model_dir, tmp_path_factory):
     c.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def tcp(paced_model_dir, tmp_path_factory, keys):
-    """The tcp layout on loopback, as compose wires it, with the CURVE keys."""
+    """The tcp layout on loopback, as compose wires it, with the CURVE keys; one per test (a rogue peer
+    that wedged or killed the scheduler of old must not fail the next test for its own reason)."""
     c = start_cluster(paced_model_dir, tmp_path_factory.mktemp("tcp"), worker_flags=["--max-model-len", "512"],
                       layout="tcp", env={"FERRY_WIRE_KEYS": str(keys)})  # fmt: skip
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+def fresh_ipc(paced_model_dir, tmp_path_factory):
+    """An ipc cluster of its own, for a test whose peer took the whole scheduler down before the fix."""
+    c = start_cluster(paced_model_dir, tmp_path_factory.mktemp("ipc1"), worker_flags=["--max-model-len", "512"])
     yield c
     c.stop()
 
@@ -112,7 +121,8 @@ def test_1_a_stray_peer_on_the_steps_port_takes_no_step_and_wedges_nothing(tcp, 
 # ---- 2. one message kills the scheduler -----------------------------------------------------------
 
 
-def test_2_malformed_messages_are_refused_and_the_scheduler_lives(ipc):
+def test_2_malformed_messages_are_refused_and_the_scheduler_lives(fresh_ipc):
+    ipc = fresh_ipc
     api = peer(zmq.DEALER, ipc.api_addr, b"rogue-api")
     sp = SamplingParams()
     try:
@@ -158,7 +168,7 @@ def test_3_one_bad_submit_fails_alone_not_its_batch(ipc):
         api.close()
 
 
-@pytest.mark.parametrize("layout", ["ipc", "tcp"])
+@pytest.mark.parametrize("layout", ["fresh_ipc", "tcp"])
 def test_3_a_forged_worker_heartbeat_changes_nothing(layout, request, keys):
     c = request.getfixturevalue(layout)
     forger = peer(zmq.PUSH, c.results_addr)
@@ -193,7 +203,7 @@ MSG = [{"role": "user", "content": "hi"}]
 HUGE = 2**70
 
 
-@pytest.mark.parametrize("field,value", [("max_tokens", HUGE), ("seed", HUGE), ("top_k", -HUGE),
+@pytest.mark.parametrize("field,value", [("max_tokens", HUGE), ("seed", HUGE), ("top_k", HUGE),
                                          ("stop_token_ids", [1, HUGE]), ("max_completion_tokens", HUGE),
                                          ("n", HUGE)])  # fmt: skip
 def test_4_integers_out_of_range_are_a_400_naming_the_field(ipc, field, value):
