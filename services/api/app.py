@@ -128,7 +128,8 @@ def build_app(cfg: ApiConfig, tokenizer: PromptTokenizer, drain: Drain | None = 
                           middlewares=[error_responses(metrics), api_key_check(cfg.api_key), drain.middleware(),
                                        body_timeout(cfg.read_timeout_s)])  # fmt: skip
     secure = WireKeys(cfg.wire_keys, "api").client() if cfg.wire_keys else None
-    client = SchedulerClient(cfg.scheduler_addr, cfg.identity, secure, vocab_size=tokenizer.vocab_size)
+    # token ids are checked for shape and sign only: a model's vocabulary may be larger than its tokenizer's
+    client = SchedulerClient(cfg.scheduler_addr, cfg.identity, secure)
     openai_routes = OpenAIRoutes(cfg, client, tokenizer, metrics, drain)
     openai_routes.add_to(app)
     AnthropicRoutes(cfg, client, tokenizer, metrics, openai_routes._tokenize).add_to(app)
