@@ -178,6 +178,9 @@ def run(args: argparse.Namespace) -> int:
     configure_logging("serve", args.log_level, args.log_format)
     if args.api_key and args.api_key_file:
         raise ConfigError("--api-key and --api-key-file both give the key: give only one")
+    if getattr(args, "wire_keys", None):
+        log.warning("wire_keys_ignored", reason="ferry serve wires its processes by ipc sockets in a private "
+                    "directory; --wire-keys is for the tcp layout (ferry api|scheduler|worker)")  # fmt: skip
     model = args.model
     if model is None:
         from ferry.services.demo_model import ensure_demo_model

@@ -25,8 +25,7 @@ import structlog
 import zmq
 
 from ferry.shared.errors import EngineError, FerryError, InvalidRequest, ServiceUnavailable
-from ferry.shared.liveness import HEARTBEAT_INTERVAL_S, Liveness
-from ferry.shared.liveness import PEER_TIMEOUT_S
+from ferry.shared.liveness import HEARTBEAT_INTERVAL_S, PEER_TIMEOUT_S, Liveness
 from ferry.shared.messages import (
     Abort, ApiHeartbeat, ApiToScheduler, Failed, Finished, PoolReport, RunStep, SchedulerBeat, SchedulerStatus,
     StepDone, StepFailed, Submit, Tokens, WorkerAlive, WorkerToScheduler,
@@ -139,8 +138,10 @@ class SchedulerService:
             raw = msgspec.msgpack.decode(exc.head)
         except (msgspec.DecodeError, ValueError, TypeError, RecursionError):
             return
-        req_id = raw.get("req_id") if isinstance(raw, dict) else None
-        if raw.get("type") == "Submit" and isinstance(req_id, int) and 0 <= req_id < 2**63:
+        if not isinstance(raw, dict) or raw.get("type") != "Submit":
+            return
+        req_id = raw.get("req_id")
+        if isinstance(req_id, int) and not isinstance(req_id, bool) and 0 <= req_id < 2**63:
             self._send(exc.peer, Failed(req_id=req_id, error_type="InvalidRequest", message=f"invalid request: {exc}"))
 
     def _drain_worker(self) -> None:
