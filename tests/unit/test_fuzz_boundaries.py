@@ -218,3 +218,11 @@ def test_the_scheduler_service_handles_any_decodable_message(scheduler_service, 
         svc._worker_alive(WorkerAlive(boot_id="real2", pool=POOL))
     assert svc.core is not None and svc.core.pool.kv_pages == POOL.kv_pages
     svc.rids.clear()
+
+
+@FUZZ
+@given(head=st.binary(max_size=64) | msgpack_values.map(lambda v: msgspec.msgpack.encode({"type": "Submit", "req_id": v})))
+def test_the_scheduler_refuses_an_undecodable_submit_without_crashing(scheduler_service, head):
+    from ferry.shared.wire import PeerWireError
+
+    scheduler_service._refuse_undecodable(PeerWireError("undecodable", b"fuzz", head))
