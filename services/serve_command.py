@@ -1,14 +1,19 @@
 """`ferry serve`: api, scheduler and worker on this host, wired by ipc sockets in a private directory.
 
 The three run as child processes (`ferry scheduler|worker|api`, exactly what compose runs). SIGINT or
-SIGTERM stops them all; if one of them exits on its own the others are stopped too and serve exits
-non-zero, naming it.
+SIGTERM stops them all: the api first, which drains (requests in flight get --drain-timeout to
+finish), then the worker and the scheduler. If one of them exits on its own the others are stopped
+too and serve exits non-zero, naming it. The children die with serve even when it is killed outright
+(PR_SET_PDEATHSIG), and a launch's socket directory left behind by a killed serve is removed by the
+next start.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
+import re
 import shutil
 import signal
 import socket
@@ -24,7 +29,7 @@ from ferry.shared.defaults import LOOPBACK, ipc_addresses
 from ferry.shared.errors import ConfigError
 from ferry.shared.logging import add_log_flags, configure_logging
 from ferry.shared.model_flag import add_model_argument
-from ferry.services.api.config import add_api_flags
+from ferry.services.api.config import DEFAULT_DRAIN_TIMEOUT_S, add_api_flags
 from ferry.services.scheduler.config import add_step_timeout_flag
 from ferry.services.worker.command import add_boot_flag
 from ferry.services.worker.flags import add_worker_flags, boot_config_from_args, worker_flag_args
@@ -117,7 +122,7 @@ def served_model_name(args: argparse.Namespace, model: str) -> str:
 def child_commands(args: argparse.Namespace, model: str, rundir: Path,
                    ports: dict[str, int | None] | None = None) -> dict[str, list[str]]:  # fmt: skip
     """The three command lines. Nothing secret goes on them (a command line is world-readable in
-    /proc): the API key travels in the api's environment (child_environments)."""
+    /proc): the API key reaches the api as a file in the private run directory (write_api_key)."""
     ports = ports if ports is not None else {"scheduler": None, "worker": None}
     api_addr, steps_addr, results_addr = ipc_addresses(rundir)
     ferry = [sys.executable, "-m", "ferry.services.cli"]
@@ -132,33 +137,50 @@ def child_commands(args: argparse.Namespace, model: str, rundir: Path,
         worker += ["--health-port", str(ports["worker"])]
     api = [*ferry, "api", "--model", model, "--scheduler-addr", api_addr, "--host", args.host, "--port", str(args.port),
            "--max-body-size", args.max_body_size, "--served-model-name", served_model_name(args, model),
-           *api_passthrough_flags(args)]  # fmt: skip
+           "--read-timeout", str(args.read_timeout), "--drain-timeout", str(args.drain_timeout),
+           *api_passthrough_flags(args, rundir)]  # fmt: skip
     return {"scheduler": scheduler + log_flags, "worker": worker + log_flags, "api": api + log_flags}
 
 
-def api_passthrough_flags(args: argparse.Namespace) -> list[str]:
+def api_key_path(rundir: Path) -> Path:
+    return rundir / "api-key"
+
+
+def write_api_key(args: argparse.Namespace, rundir: Path) -> None:
+    """The key given to serve (--api-key or FERRY_API_KEY), in a 0600 file of the 0700 run directory:
+    neither a command line nor an environment (`ps e` shows one) carries it to the api."""
+    if args.api_key:
+        fd = os.open(api_key_path(rundir), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(args.api_key)
+
+
+def api_passthrough_flags(args: argparse.Namespace, rundir: Path | None = None) -> list[str]:
     out = []
     if args.api_key_file is not None:  # a path, not the key
         out += ["--api-key-file", args.api_key_file]
+    elif args.api_key and rundir is not None:
+        out += ["--api-key-file", str(api_key_path(rundir))]
     for name in ("tool_call_parser", "reasoning_parser"):
         out += [_flag(name), getattr(args, name)]
     return out
 
 
 def child_environments(args: argparse.Namespace) -> dict[str, dict[str, str]]:
-    """Each child's environment: serve's own, plus the API key for the api alone."""
+    """Each child's environment: serve's own, without the API key (the api reads it from its file)."""
     env = dict(os.environ)
-    env.pop("FERRY_API_KEY", None)  # only the api gets it, and only as serve resolved it
-    api_env = dict(env)
-    if args.api_key:
-        api_env["FERRY_API_KEY"] = args.api_key
-    return {"scheduler": env, "worker": env, "api": api_env}
+    env.pop("FERRY_API_KEY", None)
+    env.pop("FERRY_API_KEY_FILE", None)  # serve passes the file it resolved, as a flag
+    return {"scheduler": env, "worker": env, "api": dict(env)}
 
 
 def run(args: argparse.Namespace) -> int:
     configure_logging("serve", args.log_level, args.log_format)
     if args.api_key and args.api_key_file:
         raise ConfigError("--api-key and --api-key-file both give the key: give only one")
+    if getattr(args, "wire_keys", None):
+        log.warning("wire_keys_ignored", reason="ferry serve wires its processes by ipc sockets in a private "
+                    "directory; --wire-keys is for the tcp layout (ferry api|scheduler|worker)")  # fmt: skip
     model = args.model
     if model is None:
         from ferry.services.demo_model import ensure_demo_model
@@ -174,14 +196,17 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
-    rundir = Path(tempfile.mkdtemp(prefix="ferry-"))  # mode 0700: only this user reaches the sockets
+    remove_stale_rundirs(Path(tempfile.gettempdir()))
+    # mode 0700: only this user reaches the sockets; the name carries serve's pid (see remove_stale_rundirs)
+    rundir = Path(tempfile.mkdtemp(prefix=f"ferry-{os.getpid()}-"))
     procs: dict[str, subprocess.Popen] = {}
     status = 0
     ports = side_ports(args)
     envs = child_environments(args)
+    write_api_key(args, rundir)
     try:
         for name, cmd in child_commands(args, model, rundir, ports).items():
-            procs[name] = subprocess.Popen(cmd, env=envs[name])
+            procs[name] = subprocess.Popen(cmd, env=envs[name], preexec_fn=_die_with_parent(os.getpid()))
             log.info("started", child=name, pid=procs[name].pid)
         log.info("serving", api=f"http://{args.host}:{args.port}/v1",
                  metrics={"api": f"http://{args.host}:{args.port}/metrics",
@@ -194,23 +219,91 @@ def run(args: argparse.Namespace) -> int:
                 break
             time.sleep(0.2)
     finally:
-        _stop_all(procs)
+        _stop_all(procs, getattr(args, "drain_timeout", DEFAULT_DRAIN_TIMEOUT_S))
         shutil.rmtree(rundir, ignore_errors=True)
     log.info("stopped", exit_status=status)
     return status
 
 
-def _stop_all(procs: dict[str, subprocess.Popen]) -> None:
-    # api first (no new requests), then the worker, then the scheduler
-    for name in ("api", "worker", "scheduler"):
+def _stop_all(procs: dict[str, subprocess.Popen], drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S) -> None:
+    """The api first: it drains (no new requests; those in flight finish while the worker and the
+    scheduler still run), then the worker and the scheduler."""
+    api = procs.get("api")
+    if api is not None and api.poll() is None:
+        api.send_signal(signal.SIGTERM)
+        _wait_or_kill("api", api, drain_timeout + STOP_GRACE_S)
+    for name in ("worker", "scheduler"):
         p = procs.get(name)
         if p is not None and p.poll() is None:
             p.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + STOP_GRACE_S
     for name, p in procs.items():
+        _wait_or_kill(name, p, max(0.1, deadline - time.monotonic()))
+
+
+def _wait_or_kill(name: str, p: subprocess.Popen, timeout: float) -> None:
+    try:
+        p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        log.warning("killing", child=name, pid=p.pid)
+        p.kill()
+        p.wait()
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent: int):
+    """A child's pre-exec step: the kernel sends it SIGTERM when serve dies, however serve dies (kill -9
+    included), so no child outlives it under PID 1. Linux only; elsewhere a no-op."""
+
+    def set_pdeathsig() -> None:
         try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            log.warning("killing", child=name, pid=p.pid)
-            p.kill()
-            p.wait()
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        except (OSError, AttributeError):
+            return
+        if os.getppid() != parent:  # serve died before the prctl took effect
+            os._exit(1)
+
+    return set_pdeathsig
+
+
+_RUNDIR = re.compile(r"ferry-(\d+)-[A-Za-z0-9_]+$")
+
+
+def remove_stale_rundirs(tmp: Path) -> list[Path]:
+    """Socket directories of earlier launches whose serve is gone (killed outright: nothing ran its
+    cleanup), this user's only. Returns what was removed."""
+    removed = []
+    try:
+        entries = list(tmp.iterdir())
+    except OSError:
+        return removed
+    for d in entries:
+        m = _RUNDIR.match(d.name)
+        if m is None or not d.is_dir() or d.is_symlink():
+            continue
+        try:
+            if d.stat().st_uid != os.getuid() or _serve_alive(int(m.group(1))):
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d)
+        log.info("stale_rundir_removed", path=str(d))
+    return removed
+
+
+def _serve_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return True
+    return b"serve" in cmd

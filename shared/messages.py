@@ -16,6 +16,7 @@ from typing import Union
 import msgspec
 import numpy as np
 
+from ferry.shared.bounds import Count32, Id, Int64, Positive32
 from ferry.shared.sampling import SamplingParams
 from ferry.shared.step import Logprobs, StepBatch, StepOutput
 
@@ -23,27 +24,28 @@ from ferry.shared.step import Logprobs, StepBatch, StepOutput
 class PoolReport(msgspec.Struct, frozen=True, kw_only=True):
     """The worker's memory plan, as far as the scheduler needs it: the only source of its pool sizes."""
 
-    kv_pages: int  # usable pages, ids 1..kv_pages (0 is the sentinel)
-    page_size: int
-    linear_state_slots: int  # usable linear-state slots, ids 1..linear_state_slots (0 = padding); 0 without linear attention
-    max_running_requests: int
-    max_prefill_tokens: int
-    max_model_len: int
+    kv_pages: Positive32  # usable pages, ids 1..kv_pages (0 is the sentinel)
+    page_size: Positive32
+    linear_state_slots: Count32  # usable linear-state slots, ids 1..linear_state_slots (0 = padding); 0 without linear attention
+    max_running_requests: Positive32
+    max_prefill_tokens: Positive32
+    max_model_len: Positive32
     plan_summary: str = ""  # human-readable plan, shown by the scheduler's /health
+    vocab_size: Count32 = 0  # the model's vocabulary: prompt token ids must be below it (0: unknown, unchecked)
 
 
 # ---- api -> scheduler --------------------------------------------------------------------------
 
 
 class Submit(msgspec.Struct, tag=True, kw_only=True):
-    req_id: int  # unique per api replica; the scheduler keys requests by (replica identity, req_id)
-    prompt_token_ids: np.ndarray  # int32 [P]
+    req_id: Id  # unique per api replica; the scheduler keys requests by (replica identity, req_id)
+    prompt_token_ids: np.ndarray  # int32 [P]; the scheduler checks dtype, shape and vocabulary per request
     sampling: SamplingParams
-    max_tokens: int | None = None  # None: as many as the model length allows (chat default); 0: score the prompt only
+    max_tokens: Int64 | None = None  # None: as many as the model length allows (chat default); 0: score the prompt only
 
 
 class Abort(msgspec.Struct, tag=True):
-    req_id: int
+    req_id: Id
 
 
 class ApiHeartbeat(msgspec.Struct, tag=True):
@@ -108,7 +110,14 @@ class RunStep(msgspec.Struct, tag=True):
     batch: StepBatch
 
 
-SchedulerToWorker = Union[RunStep]
+class SchedulerBeat(msgspec.Struct, tag=True):
+    """Sent every heartbeat interval to the worker the scheduler adopted: the worker's /health shows
+    whether its scheduler is there."""
+
+    boot_id: str  # the scheduler's
+
+
+SchedulerToWorker = Union[RunStep, SchedulerBeat]
 
 
 # ---- worker -> scheduler -----------------------------------------------------------------------
@@ -121,8 +130,9 @@ class WorkerAlive(msgspec.Struct, tag=True, kw_only=True):
     boot_id: str
     pool: PoolReport | None = None
     step_running_s: float = 0.0  # how long the step now executing has run (0: idle); a hung step shows here
-    expert_hits: int = 0
-    expert_misses: int = 0
+    expert_hits: Int64 = 0
+    expert_misses: Int64 = 0
+    last_step: Int64 = 0  # the id of the last step the worker received: a step sent but never received shows here
 
 
 class StepDone(msgspec.Struct, tag=True):
@@ -130,7 +140,7 @@ class StepDone(msgspec.Struct, tag=True):
 
 
 class StepFailed(msgspec.Struct, tag=True, kw_only=True):
-    step_id: int
+    step_id: Int64
     message: str
 
 

@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import msgspec
 
+from ferry.shared.bounds import Int64
+
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs (chat) and logprobs (completions)
+MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
+MAX_GRAMMAR_CHARS = 16 * 2**20  # a grammar's length: several times what a default 4 MiB body's schema compiles to
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -23,19 +27,21 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
 
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0
+    top_k: Int64 = 0
     min_p: float = 0.0
-    seed: int | None = None
+    seed: Int64 | None = None
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     ignore_eos: bool = False
-    stop_token_ids: tuple[int, ...] = ()
+    stop_token_ids: tuple[Int64, ...] = ()
     # What a request may ask beyond sampling proper; each default asks nothing, and a request that asks
-    # nothing takes the sampler's plain path (no extra work on the device, no wait for it).
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), OpenAI's -100..100
-    logprobs: int | None = None  # the sampled tokens' log-probabilities, with this many top alternatives (0..20)
-    prompt_logprobs: int | None = None  # the prompt tokens' log-probabilities (completions' echo), top alternatives
+    # nothing takes the sampler's plain path (no extra work on the device, no wait for it). Integers are
+    # Int64 on the wire like the others; their ranges (and logit_bias's token ids against the
+    # vocabulary: shared/contract.py) are the rules below.
+    logit_bias: tuple[tuple[Int64, float], ...] = ()  # (token id, bias added to its logit), OpenAI's -100..100
+    logprobs: Int64 | None = None  # the sampled tokens' log-probabilities, with this many top alternatives (0..20)
+    prompt_logprobs: Int64 | None = None  # the prompt tokens' log-probabilities (completions' echo), top alternatives
     grammar: str | None = None  # llguidance grammar (JSON) the output must match: structured outputs, forced tool calls
 
     @property
@@ -53,9 +59,13 @@ def sampling_problems(p: SamplingParams) -> list[str]:
         (p.repetition_penalty > 0, f"repetition_penalty must be > 0, got {p.repetition_penalty}"),
         (-2 <= p.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {p.presence_penalty}"),
         (-2 <= p.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {p.frequency_penalty}"),
+        (len(p.logit_bias) <= MAX_LOGIT_BIAS, f"logit_bias: at most {MAX_LOGIT_BIAS} tokens, got {len(p.logit_bias)}"),
         (all(-100 <= b <= 100 for _, b in p.logit_bias), "logit_bias values must be in [-100, 100]"),
+        (all(t >= 0 for t, _ in p.logit_bias), "logit_bias keys must be token ids (>= 0)"),
         (p.logprobs is None or 0 <= p.logprobs <= MAX_LOGPROBS, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {p.logprobs}"),
         (p.prompt_logprobs is None or 0 <= p.prompt_logprobs <= MAX_LOGPROBS,
          f"logprobs must be in [0, {MAX_LOGPROBS}], got {p.prompt_logprobs}"),
+        (p.grammar is None or len(p.grammar) <= MAX_GRAMMAR_CHARS,
+         f"the grammar (response_format or a forced tool call) is {len(p.grammar or '')} characters; at most {MAX_GRAMMAR_CHARS}"),
     ]
     return [message for ok, message in rules if not ok]

@@ -18,13 +18,14 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
+from ferry.shared.bounds import Count32, Id
 from ferry.shared.sampling import SamplingParams
 
 
 class NewRequest(msgspec.Struct, frozen=True, kw_only=True):
     """Sent once, with a request's first chunk: what the sampler keeps for the request's lifetime."""
 
-    req_id: int
+    req_id: Id
     prompt_token_ids: np.ndarray  # int32 [P], for repetition penalty
     sampling: SamplingParams
 
@@ -37,7 +38,7 @@ class StepBatch(msgspec.Struct, frozen=True, kw_only=True):
     in its pages; its K/V for the new tokens are written to the same pages at those positions.
     """
 
-    step_id: int
+    step_id: Id
     req_ids: np.ndarray  # int64 [R]
     tokens: np.ndarray  # int32 [T]
     query_lens: np.ndarray  # int32 [R], >= 1
@@ -47,7 +48,7 @@ class StepBatch(msgspec.Struct, frozen=True, kw_only=True):
     reset_linear_state: np.ndarray  # bool [R], zero the linear state before this chunk (a request's first chunk)
     sample: np.ndarray  # bool [R], sample a next token after this chunk (last prefill chunk, or decode)
     new_requests: tuple[NewRequest, ...] = ()
-    finished_req_ids: tuple[int, ...] = ()  # forget sampler state of these, before the step
+    finished_req_ids: tuple[Id, ...] = ()  # forget sampler state of these, before the step
     # bool [R]: give the log-probabilities of this chunk's next tokens (prompt logprobs; None: no row asks).
     # A step with such a row runs eagerly: it needs the logits of more rows than the ones that sample.
     prompt_logprobs: np.ndarray | None = None
@@ -69,8 +70,8 @@ class Logprobs(msgspec.Struct, frozen=True, kw_only=True):
     the k most likely tokens at each position, most likely first. `start` is the position, in the request's
     sequence (prompt then output), of the first token described."""
 
-    req_id: int
-    start: int
+    req_id: Id
+    start: Count32  # a position: below max_model_len, which an int32 holds
     token_logprobs: np.ndarray  # float32 [n]
     top_ids: np.ndarray  # int32 [n, k]
     top_logprobs: np.ndarray  # float32 [n, k], descending
@@ -79,7 +80,7 @@ class Logprobs(msgspec.Struct, frozen=True, kw_only=True):
 class StepOutput(msgspec.Struct, frozen=True, kw_only=True):
     """What one step produced: a token for each request whose `sample` flag was set, in batch order."""
 
-    step_id: int
+    step_id: Id
     req_ids: np.ndarray  # int64 [S]
     token_ids: np.ndarray  # int32 [S]
     logprobs: np.ndarray  # float32 [S], log-probability of the sampled token under the sampling distribution

@@ -7,6 +7,7 @@ received buffer without a copy (the resulting arrays are read-only views).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 import msgspec
@@ -15,6 +16,11 @@ import zmq
 import zmq.asyncio
 
 T = TypeVar("T")
+
+ARRAY_KINDS = "biuf"  # bool, signed and unsigned integers, floats: what the contract's arrays hold
+# The largest message a receiving socket takes: a peer that sends more is disconnected by ZeroMQ before
+# the message is read into memory (the largest real one, a step's page table, is a few MiB).
+MAX_MESSAGE_BYTES = 256 * 2**20
 
 
 class Codec(Generic[T]):
@@ -37,7 +43,14 @@ class Codec(Generic[T]):
     def _dec_hook(self, typ: type, obj: Any) -> Any:
         if typ is np.ndarray:
             index, dtype, shape = obj
-            return np.frombuffer(self._frames[index], dtype=np.dtype(dtype)).reshape(shape)
+            if not isinstance(index, int) or not 1 <= index < len(self._frames):
+                raise ValueError(f"an array refers to frame {index!r} of {len(self._frames)}")
+            kind = np.dtype(dtype)
+            if kind.kind not in ARRAY_KINDS or kind.hasobject or kind.itemsize == 0:
+                raise ValueError(f"arrays of dtype {kind} do not cross the wire")
+            if not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape):
+                raise ValueError(f"an array's shape must be a list of sizes, got {shape!r}")
+            return np.frombuffer(self._frames[index], dtype=kind).reshape(shape)
         raise NotImplementedError(f"cannot decode a {typ!r}")
 
     def encode(self, msg: Any) -> list[Any]:
@@ -54,7 +67,7 @@ class Codec(Generic[T]):
         self._frames = [f.buffer if isinstance(f, zmq.Frame) else f for f in frames]
         try:
             return self._decoder.decode(self._frames[0])
-        except (msgspec.DecodeError, ValueError, IndexError, TypeError) as exc:
+        except (msgspec.DecodeError, ValueError, IndexError, TypeError, OverflowError, RecursionError) as exc:
             raise WireError(f"undecodable message: {exc}") from exc
         finally:
             self._frames = []
@@ -64,17 +77,32 @@ class WireError(Exception):
     """A peer sent something that is not a message of this socket's union (a bug or a version skew)."""
 
 
-def _configure(sock: zmq.Socket) -> None:
+class PeerWireError(WireError):
+    """A WireError on a ROUTER: which peer sent it, and the message's first frame (to answer it)."""
+
+    def __init__(self, message: str, peer: bytes, head: bytes):
+        super().__init__(message)
+        self.peer, self.head = peer, head
+
+
+Secure = Callable[[zmq.Socket], None]  # sets a socket's CURVE options before it binds or connects (wire_keys.py)
+
+
+def _configure(sock: zmq.Socket, secure: Secure | None, receives: bool) -> None:
     sock.setsockopt(zmq.LINGER, 0)  # never block process exit on undeliverable messages
+    # a send-only socket reads nothing, so nothing a peer sends it may be large
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES if receives else 1024)
+    if secure is not None:
+        secure(sock)
 
 
 class PeerSocket(Generic[T]):
     """A synchronous PUSH, PULL or DEALER socket carrying one union in, anything out."""
 
     def __init__(self, ctx: zmq.Context, kind: int, addr: str, decode_type: Any, *, bind: bool,
-                 identity: bytes | None = None):  # fmt: skip
+                 identity: bytes | None = None, secure: Secure | None = None):  # fmt: skip
         self.sock = ctx.socket(kind)
-        _configure(self.sock)
+        _configure(self.sock, secure, decode_type is not None)
         if identity is not None:
             self.sock.setsockopt(zmq.IDENTITY, identity)
         self.sock.bind(addr) if bind else self.sock.connect(addr)
@@ -102,9 +130,9 @@ class PeerSocket(Generic[T]):
 class RouterSocket(Generic[T]):
     """The scheduler's ROUTER: messages are addressed by the peer's identity."""
 
-    def __init__(self, ctx: zmq.Context, addr: str, decode_type: Any):
+    def __init__(self, ctx: zmq.Context, addr: str, decode_type: Any, secure: Secure | None = None):
         self.sock = ctx.socket(zmq.ROUTER)
-        _configure(self.sock)
+        _configure(self.sock, secure, decode_type is not None)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a message to a gone peer raises instead of vanishing
         # No send limit: dropping a Finished for a slow (but live) replica would hang its client; a dead
         # replica is noticed by its missing heartbeats and its queue goes with it.
@@ -121,11 +149,16 @@ class RouterSocket(Generic[T]):
             return False
 
     def recv(self) -> tuple[bytes, T] | None:
+        """(peer, message), or None when nothing is waiting. A message that does not decode raises
+        PeerWireError, which names the peer."""
         try:
             frames = self.sock.recv_multipart(copy=False, flags=zmq.NOBLOCK)
         except zmq.Again:
             return None
-        return frames[0].bytes, self.codec.decode(frames[1:])
+        try:
+            return frames[0].bytes, self.codec.decode(frames[1:])
+        except WireError as exc:
+            raise PeerWireError(str(exc), frames[0].bytes, frames[1].bytes if len(frames) > 1 else b"") from exc
 
     def close(self) -> None:
         self.sock.close(linger=0)
@@ -134,9 +167,10 @@ class RouterSocket(Generic[T]):
 class AsyncDealer(Generic[T]):
     """An api replica's DEALER to the scheduler, for asyncio code."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, addr: str, decode_type: Any, identity: bytes):
+    def __init__(self, ctx: zmq.asyncio.Context, addr: str, decode_type: Any, identity: bytes,
+                 secure: Secure | None = None):  # fmt: skip
         self.sock = ctx.socket(zmq.DEALER)
-        _configure(self.sock)
+        _configure(self.sock, secure, decode_type is not None)
         self.sock.setsockopt(zmq.IDENTITY, identity)
         # Queue only on a live connection: with the scheduler gone a send fails at once (zmq.Again)
         # instead of piling up messages for whichever scheduler starts next.

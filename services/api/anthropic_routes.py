@@ -61,7 +61,8 @@ def forced_call_prefix(tokenizer: PromptTokenizer, choice: schema.ToolChoice | N
 class AnthropicRoutes:
     def __init__(self, cfg: ApiConfig, client: SchedulerClient, tokenizer: PromptTokenizer, metrics: ApiMetrics,
                  tokenize):  # fmt: skip
-        """`tokenize(fn, arg)`: runs fn(arg) on the tokenizer thread (shared with the OpenAI routes)."""
+        """`tokenize(fn, arg, body_bytes)`: runs fn(tokenizer, arg) on a tokenizer thread (shared with the
+        OpenAI routes)."""
         self.cfg, self.client, self.tokenizer, self.metrics = cfg, client, tokenizer, metrics
         self._tokenize = tokenize
 
@@ -71,15 +72,16 @@ class AnthropicRoutes:
 
     # ---- prompt ----------------------------------------------------------------------------------
 
-    def _prompt(self, req: schema.CountTokensRequest) -> Prompt:
-        """On the tokenizer thread: render (messages, tools, template variables) and encode."""
+    def _prompt(self, tokenizer: PromptTokenizer, req: schema.CountTokensRequest) -> Prompt:
+        """On a tokenizer thread, with that thread's tokenizer: render (messages, tools, template
+        variables) and encode."""
         messages = schema.template_messages(req)
         continue_final = messages[-1]["role"] == "assistant"  # a prefilled answer: the model continues it
-        text = self.tokenizer.chat_text(messages, tools=schema.template_tools(req), continue_final=continue_final,
-                                        **schema.template_kwargs(req))  # fmt: skip
-        added, call = forced_call_prefix(self.tokenizer, req.tool_choice, text)
+        text = tokenizer.chat_text(messages, tools=schema.template_tools(req), continue_final=continue_final,
+                                   **schema.template_kwargs(req))  # fmt: skip
+        added, call = forced_call_prefix(tokenizer, req.tool_choice, text)
         text += added
-        return Prompt(self.tokenizer.encode(text), text, call)
+        return Prompt(tokenizer.encode(text), text, call)
 
     def _check_model(self, req: schema.CountTokensRequest) -> None:
         if req.model != self.cfg.served_model_name:
@@ -88,7 +90,7 @@ class AnthropicRoutes:
     async def count_tokens(self, request: web.Request) -> web.Response:
         req = decode_body(await request.read(), schema.CountTokensRequest)
         self._check_model(req)
-        prompt = await self._tokenize(self._prompt, req)
+        prompt = await self._tokenize(self._prompt, req, request.content_length)
         return web.json_response({"input_tokens": len(prompt.ids)})
 
     # ---- messages --------------------------------------------------------------------------------
@@ -97,7 +99,7 @@ class AnthropicRoutes:
         req = decode_body(await request.read(), schema.MessagesRequest)
         self._check_model(req)
         schema.validate(req)
-        prompt = await self._tokenize(self._prompt, req)
+        prompt = await self._tokenize(self._prompt, req, request.content_length)
         choice = req.tool_choice
         builder = MessageBuilder(self.cfg.served_model_name,
                                  single_tool_call=bool(choice and choice.disable_parallel_tool_use))  # fmt: skip

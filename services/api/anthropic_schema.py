@@ -14,6 +14,7 @@ from typing import Any, Literal, Union
 
 import msgspec
 
+from ferry.shared.bounds import Int64
 from ferry.shared.errors import InvalidRequest
 from ferry.shared.sampling import SamplingParams, sampling_problems
 
@@ -74,7 +75,7 @@ class ToolChoice(msgspec.Struct, kw_only=True):
 
 class ThinkingConfig(msgspec.Struct, kw_only=True):
     type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: int | None = None
+    budget_tokens: Int64 | None = None
 
 
 class CountTokensRequest(msgspec.Struct, kw_only=True):
@@ -87,12 +88,12 @@ class CountTokensRequest(msgspec.Struct, kw_only=True):
 
 
 class MessagesRequest(CountTokensRequest, kw_only=True):
-    max_tokens: int
+    max_tokens: Int64
     stop_sequences: list[str] | None = None
     stream: bool = False
     temperature: float = 1.0
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int64 | None = None
 
 
 def _check(ok: bool, message: str) -> None:

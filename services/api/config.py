@@ -12,12 +12,15 @@ from pathlib import Path
 from ferry.shared.defaults import LOOPBACK
 from ferry.shared.errors import ConfigError
 from ferry.shared.units import parse_bytes
+from ferry.shared.wire_keys import WireKeys, add_wire_keys_flag, check_exposure
 
 # the parsers' names (services/api/output_parsers.py registers them; kept here so --help stays light)
 TOOL_CALL_PARSERS = ("qwen", "hermes", "qwen25", "qwen3_coder", "none")  # one parser; vLLM's and SGLang's names
 REASONING_PARSERS = ("qwen3", "deepseek_r1", "none")
 
 DEFAULT_MAX_BODY = "4MiB"
+DEFAULT_READ_TIMEOUT_S = 30.0
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,9 @@ class ApiConfig:
     identity: str  # this replica's DEALER identity, unique among replicas
     tool_call_parser: str = "qwen"  # output_parsers.TOOL_CALL_PARSERS
     reasoning_parser: str = "qwen3"  # output_parsers.REASONING_PARSERS
+    read_timeout_s: float = DEFAULT_READ_TIMEOUT_S  # a request's headers, and then its body, must arrive within this
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S  # on SIGTERM: how long requests in flight may take to finish
+    wire_keys: str | None = None  # the CURVE key directory (shared/wire_keys.py); None: no CURVE
 
 
 def add_api_flags(parser: argparse.ArgumentParser) -> None:
@@ -45,6 +51,12 @@ def add_api_flags(parser: argparse.ArgumentParser) -> None:
                    help="read the API key from this file (a Docker/Compose secret: /run/secrets/NAME)")
     g.add_argument("--served-model-name", default=None, help="the model id clients send and /v1/models lists (default: the model path)")
     g.add_argument("--max-body-size", default=DEFAULT_MAX_BODY, help=f"largest request body accepted, e.g. 4MiB (default {DEFAULT_MAX_BODY})")
+    g.add_argument("--read-timeout", type=float, default=DEFAULT_READ_TIMEOUT_S,
+                   help="seconds a client has to send a request's headers, and then as long for its body; a connection "
+                        f"that takes longer is answered 408 or closed (default {DEFAULT_READ_TIMEOUT_S:g})")
+    g.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
+                   help="on SIGTERM, stop admitting (503 with Retry-After) and give requests in flight this many "
+                        f"seconds to finish before exiting (default {DEFAULT_DRAIN_TIMEOUT_S:g})")
     g.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default="qwen",
                    help="how tool calls are read from the model's output: qwen (default; <tool_call> blocks holding "
                         "JSON, as vLLM's hermes and SGLang's qwen25 read, or <function=...> XML, as qwen3_coder; "
@@ -52,6 +64,7 @@ def add_api_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default="qwen3",
                    help="how reasoning is read from the output: qwen3 (default; <think>...</think>, also named "
                         "deepseek_r1) or none")  # fmt: skip
+    add_wire_keys_flag(g)
 
 
 def api_key_from_args(args: argparse.Namespace) -> str | None:
@@ -72,10 +85,19 @@ def api_config_from_args(args: argparse.Namespace, scheduler_addr: str, tokenize
         max_body = parse_bytes(args.max_body_size)
     except ValueError as exc:
         raise ConfigError(f"--max-body-size: {exc}") from exc
+    for flag in ("read_timeout", "drain_timeout"):
+        if not getattr(args, flag, 1.0) > 0:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    keys = getattr(args, "wire_keys", None) or None
+    if keys:
+        WireKeys(keys, "api")  # a missing key is a config error at start
+    check_exposure("--scheduler-addr", scheduler_addr, keys)
     return ApiConfig(
         host=args.host, port=args.port, scheduler_addr=scheduler_addr, tokenizer=tokenizer,
         served_model_name=args.served_model_name or tokenizer, api_key=api_key_from_args(args),
         max_body_bytes=max_body, tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+        read_timeout_s=getattr(args, "read_timeout", DEFAULT_READ_TIMEOUT_S),
+        drain_timeout_s=getattr(args, "drain_timeout", DEFAULT_DRAIN_TIMEOUT_S), wire_keys=keys,
         # unique per start: a restarted container keeps its hostname and pid 1, and must not
         # inherit the old replica's request ids at the scheduler
         identity=f"api-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}",

@@ -52,8 +52,12 @@ class Generation:
         self.usage = Usage(prompt_tokens=len(prompt))
         self.arrived = time.perf_counter()
         self.first_token_at: float | None = None
-        self.outcome = "disconnected"  # until the request ends another way
+        # What happened, for ferry_requests_total{outcome}: stop | length (completed), disconnected (the
+        # client left first), refused (turned away before it ran: a 4xx, or a 503 at admission),
+        # failed (lost or broken after it was admitted). "disconnected" until it ends another way.
+        self.outcome = "disconnected"
         self.stop_sequence: str | None = None  # the stop string that ended it, if one did
+        self.error: str | None = None  # the error's type, when it ended in one
         self.prompt_logprobs: list = []  # Logprobs of prompt positions, in order (completions' echo)
         self._pending: list[Token] = []  # tokens not yet handed out with a delta
 
@@ -62,12 +66,17 @@ class Generation:
         is rejected or lost. Closing the iterator early aborts the request."""
         stream = None
         try:
-            stream = await self.client.submit(self.prompt, self.sampling, self.max_tokens)
+            try:
+                stream = await self.client.submit(self.prompt, self.sampling, self.max_tokens)
+            except FerryError:
+                self.outcome = "refused"
+                raise
             last = None
             while True:
                 ev = await stream.next()
                 if isinstance(ev, FerryError):
-                    self.outcome = type(ev).__name__
+                    self.outcome = "refused" if ev.http_status < 500 else "failed"
+                    self.error = type(ev).__name__
                     raise ev
                 if isinstance(ev, PromptLogprobs):
                     self.prompt_logprobs.append(ev.logprobs)
@@ -95,6 +104,10 @@ class Generation:
                     return
                 if text:
                     yield Delta(text, tokens=self._take())
+        except Exception:
+            if self.outcome == "disconnected":
+                self.outcome = "failed"  # not the client's doing: a bug on this side (logged by the middleware)
+            raise
         finally:
             if stream is not None and not stream.done:
                 self.client.abort(stream)  # the caller left (disconnect) before the request finished
@@ -108,6 +121,7 @@ class Generation:
         ttft = None if self.first_token_at is None else round(self.first_token_at - self.arrived, 4)
         (log.info if finished or self.outcome == "disconnected" else log.warning)(
             "request_finished" if finished else "request_aborted", route=self.route, outcome=self.outcome,
+            error=self.error,
             prompt_tokens=self.usage.prompt_tokens, completion_tokens=self.usage.completion_tokens,
             cached_tokens=self.usage.cached_tokens, ttft_s=ttft, seconds=round(time.perf_counter() - self.arrived, 4),
         )  # fmt: skip

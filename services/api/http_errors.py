@@ -24,10 +24,11 @@ _TYPE_BY_STATUS = {400: "invalid_request_error", 401: "authentication_error", 40
 ANTHROPIC_PREFIX = "/v1/messages"
 
 
-def error_response(status: int, error_type: str, message: str, request: web.Request | None = None) -> web.Response:
+def error_response(status: int, error_type: str, message: str, request: web.Request | None = None,
+                   headers: dict | None = None) -> web.Response:  # fmt: skip
     if request is not None and request.path.startswith(ANTHROPIC_PREFIX):
-        return web.json_response(anthropic_responses.error_body(status, message), status=status)
-    return web.json_response(error_body(status, error_type, message), status=status)
+        return web.json_response(anthropic_responses.error_body(status, message), status=status, headers=headers)
+    return web.json_response(error_body(status, error_type, message), status=status, headers=headers)
 
 
 def route_label(request: web.Request) -> str:
@@ -50,7 +51,9 @@ def error_responses(metrics: ApiMetrics):
         except FerryError as exc:
             if exc.http_status >= 500:
                 log.error("request_failed", path=request.path, error=str(exc), error_type=type(exc).__name__)
-            response = error_response(exc.http_status, exc.error_type, str(exc), request)
+            # a 503 says when to come back: a refusal while the server is not ready or is draining
+            headers = {"Retry-After": str(getattr(exc, "retry_after", 1))} if exc.http_status == 503 else None
+            response = error_response(exc.http_status, exc.error_type, str(exc), request, headers)
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise

@@ -101,6 +101,13 @@ class ApiMetrics:
         self._status_counters = _StatusCounters()
         r.register(self._status_counters)
         self.ready = Gauge("ferry_ready", "1 when scheduler and worker are ready", registry=r)
+        self.tokenizing = Gauge("ferry_tokenizations_in_flight", "prompts being tokenized or waiting for the "
+                                "tokenizer thread", registry=r)  # fmt: skip
+        self.tokenize_seconds = Histogram("ferry_tokenization_seconds", "time to render and tokenize one prompt "
+                                          "(waiting for the tokenizer thread included)", buckets=_LATENCY, registry=r)  # fmt: skip
+        self.tokenize_refused = Counter("ferry_tokenizations_refused", "prompts refused before tokenizing, by reason "
+                                        "(too_long: more characters than the model length could hold; busy: too "
+                                        "many prompts waiting for the tokenizer)", ["reason"], registry=r)  # fmt: skip
         self.aliases = CollectorRegistry()
         self.aliases.register(VllmAliases(r, model_name))
 

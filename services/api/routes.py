@@ -12,7 +12,7 @@ from aiohttp import web
 
 import msgspec
 
-from ferry.shared.errors import FerryError, InvalidRequest, NotFound
+from ferry.shared.errors import FerryError, InvalidRequest, NotFound, ServiceUnavailable
 from ferry.shared.sampling import SamplingParams
 from ferry.services.api import schema, structured
 from ferry.services.api.config import ApiConfig
@@ -24,16 +24,32 @@ from ferry.services.api.responses import (
     ChatChoice, ChatFormat, CompletionChoice, CompletionFormat, ResponseFormat, error_body, sse, total_usage,
 )  # fmt: skip
 from ferry.services.api.scheduler_client import SchedulerClient
-from ferry.services.api.tokenizer import PromptTokenizer
+from ferry.services.api.tokenizer import PromptTokenizer, TooLong
 
 log = structlog.get_logger("api.routes")
 
+# Two tokenizer threads, each with its own tokenizer (a fast tokenizer is not meant to encode from
+# several threads at once): bodies up to LONG_BODY_BYTES on one, larger ones on the other, so a short
+# prompt never waits behind a long one. Each lane takes at most so many prompts waiting or running;
+# more are refused with a 503 and Retry-After. With the character limit (PromptTokenizer.check_chars)
+# this bounds the work and the memory queued behind the tokenizer.
+LONG_BODY_BYTES = 256 * 1024
+MAX_TOKENIZATIONS = {"short": 256, "long": 4}
+
+
+class TokenizerBusy(ServiceUnavailable):
+    retry_after = 1
+
 
 class OpenAIRoutes:
-    def __init__(self, cfg: ApiConfig, client: SchedulerClient, tokenizer: PromptTokenizer, metrics: ApiMetrics):
+    def __init__(self, cfg: ApiConfig, client: SchedulerClient, tokenizer: PromptTokenizer, metrics: ApiMetrics,
+                 drain=None):  # fmt: skip
         self.cfg, self.client, self.tokenizer, self.metrics = cfg, client, tokenizer, metrics
+        self.drain = drain
         self.created = int(time.time())
-        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+        self._lanes = {"short": (ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer"), tokenizer),
+                       "long": (ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer-long"), None)}  # fmt: skip
+        self._tokenizations = {"short": 0, "long": 0}
         self._token_text = TokenText(tokenizer.hf)
 
     def add_to(self, app: web.Application) -> None:
@@ -53,21 +69,25 @@ class OpenAIRoutes:
         schema.validate_generation(req, max_tokens)
         tools = schema.template_tools(req)
         forced = schema.forced_tools(req)
-        # grammars are checked off the event loop, on the tokenizer thread: a large schema takes a while
-        fmt_grammar = await self._tokenize(structured.response_format_grammar, req.response_format)
+        size = request.content_length
+        # grammars are built and checked off the event loop, in the tokenizer lane of the body's size (and
+        # counted against its bound): a large schema takes a while
+        fmt_grammar = None
+        if req.response_format is not None and req.response_format.type != "text":
+            fmt_grammar = await self._tokenize(_response_format_grammar, req.response_format, size)
         if forced and fmt_grammar is not None:
             raise InvalidRequest("response_format: cannot be combined with tool_choice required or a named function")
         grammar = fmt_grammar
         if forced:
-            grammar = await self._tokenize(lambda f: structured.tool_call_grammar(f, parallel=req.parallel_tool_calls is not False),
-                                           forced)  # fmt: skip
+            grammar = await self._tokenize(_tool_call_grammar, (forced, req.parallel_tool_calls is not False), size)
         logprobs = schema.chat_logprobs(req)
         sampling = schema.sampling_params(req, self.tokenizer.eos_token_ids, self.tokenizer.vocab_size,
                                           logprobs=logprobs, grammar=grammar)  # fmt: skip
         messages = schema.chat_messages(req)
+        self._check_chars(sum(len(m["content"]) for m in messages))
         kwargs = schema.template_kwargs(req, forced=grammar is not None)
-        text = await self._tokenize(lambda a: self.tokenizer.chat_text(*a[:2], **a[2]), (messages, tools, kwargs))
-        prompt = await self._tokenize(self.tokenizer.encode, text)
+        text = await self._tokenize(_chat_text, (messages, tools, kwargs), size)
+        prompt = await self._tokenize(PromptTokenizer.encode, text, size)
         fmt = ChatFormat(self.cfg.served_model_name)
         reasoning = self.cfg.reasoning_parser if req.separate_reasoning else "none"
         token_text = self._token_text if logprobs is not None else None
@@ -88,7 +108,10 @@ class OpenAIRoutes:
             raise InvalidRequest("max_tokens must be at least 1 (0 only scores the prompt, with echo), got 0")
         sampling = schema.sampling_params(req, self.tokenizer.eos_token_ids, self.tokenizer.vocab_size, logprobs=logprobs,
                                           prompt_logprobs=logprobs if req.echo else None)  # fmt: skip
-        ids = [await self._tokenize(self.tokenizer.text_prompt, p) for p in prompts]
+        texts = [p for p in prompts if isinstance(p, str)]
+        if texts:
+            self._check_chars(max(len(t) for t in texts))
+        ids = [await self._tokenize(PromptTokenizer.text_prompt, p, request.content_length) for p in prompts]
         fmt = CompletionFormat(self.cfg.served_model_name)
         token_text = self._token_text if logprobs is not None else None
         runs, choices = [], []
@@ -103,10 +126,48 @@ class OpenAIRoutes:
         if req.model is not None and req.model != self.cfg.served_model_name:
             raise NotFound(f"the model {req.model!r} does not exist here; this server serves {self.cfg.served_model_name!r}")
 
-    async def _tokenize(self, fn, arg):
-        """Off the event loop (a prompt near the body limit takes long enough to stall every stream),
-        on one thread (a fast tokenizer is not meant to encode from several threads at once)."""
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn, arg)
+    def _check_chars(self, n: int) -> None:
+        """On the event loop, before anything is queued for the tokenizer: a prompt too long in
+        characters alone to fit the model length is refused at once."""
+        self._update_model_len()
+        try:
+            self.tokenizer.check_chars(n)
+        except TooLong:
+            self.metrics.tokenize_refused.labels("too_long").inc()
+            raise
+
+    def _update_model_len(self) -> None:
+        status = self.client.status
+        if status is not None and status.ready and status.max_model_len:
+            for _, tokenizer in self._lanes.values():
+                if tokenizer is not None:
+                    tokenizer.max_model_len = status.max_model_len
+
+    async def _tokenize(self, fn, arg, body_bytes: int | None):
+        """fn(tokenizer, arg) off the event loop (a prompt near the body limit takes long enough to stall
+        every stream), in the lane of the body's size, at most MAX_TOKENIZATIONS[lane] prompts queued
+        or running there (more: 503 with Retry-After)."""
+        self._update_model_len()
+        lane = "long" if (body_bytes or 0) > LONG_BODY_BYTES else "short"
+        if self._tokenizations[lane] >= MAX_TOKENIZATIONS[lane]:
+            self.metrics.tokenize_refused.labels("busy").inc()
+            raise TokenizerBusy(f"{self._tokenizations[lane]} prompts are waiting for the tokenizer; retry shortly")
+        thread, tokenizer = self._lanes[lane]
+        if tokenizer is None:  # the long lane's own copy, made on first use
+            tokenizer = self.tokenizer.copy()
+            self._lanes[lane] = (thread, tokenizer)
+        self._tokenizations[lane] += 1
+        self.metrics.tokenizing.inc()
+        t0 = time.perf_counter()
+        try:
+            return await asyncio.get_running_loop().run_in_executor(thread, fn, tokenizer, arg)
+        except TooLong:
+            self.metrics.tokenize_refused.labels("too_long").inc()
+            raise
+        finally:
+            self._tokenizations[lane] -= 1
+            self.metrics.tokenizing.dec()
+            self.metrics.tokenize_seconds.observe(time.perf_counter() - t0)
 
     async def _generate(self, request: web.Request, req, route: str, runs: list, max_tokens: int | None,
                         fmt: ResponseFormat, choices: list) -> web.StreamResponse:  # fmt: skip
@@ -162,9 +223,14 @@ class OpenAIRoutes:
 
     async def health(self, request: web.Request) -> web.Response:
         ready, reason = self.client.readiness()
+        if self.drain is not None and self.drain.draining:
+            ready, reason = False, f"draining: {self.drain.in_flight} requests in flight, no new ones admitted"
+        status = self.client.status
+        peers = {"scheduler": "ready" if self.client.scheduler.alive() else "silent",
+                 "worker": "ready" if status is not None and status.ready else "not ready"}  # fmt: skip
         if ready:
-            return web.json_response({"status": "ready"})
-        return web.json_response({"status": "unavailable", "reason": reason}, status=503)
+            return web.json_response({"status": "ready", "peers": peers})
+        return web.json_response({"status": "unavailable", "reason": reason, "peers": peers}, status=503)
 
     async def prometheus(self, request: web.Request) -> web.Response:
         from prometheus_client import CONTENT_TYPE_LATEST
@@ -172,6 +238,23 @@ class OpenAIRoutes:
         self.metrics.refresh_from(self.client.status, self.client.readiness()[0])
         return web.Response(body=self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
+
+
+# What the tokenizer lanes run: fn(tokenizer, arg) (OpenAIRoutes._tokenize)
+
+
+def _chat_text(tokenizer: PromptTokenizer, arg) -> str:
+    messages, tools, kwargs = arg
+    return tokenizer.chat_text(messages, tools, **kwargs)
+
+
+def _response_format_grammar(_tokenizer: PromptTokenizer, fmt) -> str | None:
+    return structured.response_format_grammar(fmt)
+
+
+def _tool_call_grammar(_tokenizer: PromptTokenizer, arg) -> str:
+    forced, parallel = arg
+    return structured.tool_call_grammar(forced, parallel=parallel)
 
 
 def _seeded(sampling: SamplingParams, j: int) -> SamplingParams:

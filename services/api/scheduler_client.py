@@ -17,7 +17,8 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from ferry.shared.errors import FerryError, ServiceUnavailable, error_from_wire
+from ferry.shared.contract import logprobs_problem, token_ids_problem
+from ferry.shared.errors import EngineError, FerryError, ServiceUnavailable, error_from_wire
 from ferry.shared.liveness import HEARTBEAT_INTERVAL_S, Liveness
 from ferry.shared.messages import (
     Abort, ApiHeartbeat, Failed, Finished, SchedulerStatus, SchedulerToApi, Submit, Tokens,
@@ -44,6 +45,7 @@ class PromptLogprobs:
 
 
 Event = Token | PromptLogprobs | Finished | FerryError
+FINISH_REASONS = ("stop", "length", "abort")
 
 
 class RequestStream:
@@ -62,11 +64,14 @@ class RequestStream:
 
 
 class SchedulerClient:
-    def __init__(self, addr: str, identity: str):
+    def __init__(self, addr: str, identity: str, secure=None, vocab_size: int = 0):
+        """`secure`: the CURVE setup of the DEALER (shared/wire_keys.py), None without keys; `vocab_size`:
+        token ids the scheduler sends must be below it (0: unchecked)."""
         self.addr = addr
         self.identity = identity
+        self.vocab_size = vocab_size
         self.ctx = zmq.asyncio.Context()
-        self.dealer: AsyncDealer = AsyncDealer(self.ctx, addr, SchedulerToApi, identity.encode())
+        self.dealer: AsyncDealer = AsyncDealer(self.ctx, addr, SchedulerToApi, identity.encode(), secure)
         self.status: SchedulerStatus | None = None
         self.scheduler = Liveness()
         self.streams: dict[int, RequestStream] = {}
@@ -99,8 +104,9 @@ class SchedulerClient:
     # ---- requests ----------------------------------------------------------------------------------
 
     async def submit(self, prompt: list[int], sampling: SamplingParams, max_tokens: int | None) -> RequestStream:
-        if not self.scheduler.alive():
-            raise ServiceUnavailable(self.readiness()[1])
+        ready, why = self.readiness()
+        if not ready:  # refused here, at once: the scheduler would refuse it too
+            raise ServiceUnavailable(why)
         stream = RequestStream(next(self._ids))
         self.streams[stream.req_id] = stream
         sent = await self.dealer.send(Submit(req_id=stream.req_id, prompt_token_ids=np.asarray(prompt, dtype=np.int32),
@@ -123,6 +129,32 @@ class SchedulerClient:
                                               flags=zmq.NOBLOCK)  # fmt: skip
         fut.add_done_callback(lambda f: f.cancelled() or f.exception())
 
+    def _on_tokens(self, msg: Tokens, now: float) -> None:
+        """A step's tokens (and any logprobs) to their streams. A message that breaks the contract (token
+        ids of the wrong shape or sign, logprobs of the wrong shapes or ids) fails the requests it names,
+        not the replica: nothing of it reaches a client."""
+        ids, toks = msg.req_ids, msg.token_ids
+        problem = token_ids_problem("token_ids", toks, self.vocab_size)
+        if problem is None and not (ids.dtype.kind in "iu" and ids.ndim == 1 and len(ids) == len(toks)):
+            problem = "Tokens: req_ids do not match token_ids"
+        for lp in (*msg.logprobs, *msg.prompt_logprobs):
+            if problem is None:
+                problem = logprobs_problem(lp, self.vocab_size)
+        if problem is not None:
+            log.error("bad_scheduler_message", error=problem)
+            named = (ids.tolist() if ids.ndim == 1 else []) + [lp.req_id for lp in (*msg.logprobs, *msg.prompt_logprobs)]
+            for rid in named:
+                if (s := self.streams.pop(rid, None)) is not None:
+                    s.queue.put_nowait(EngineError(f"the scheduler sent an unusable token: {problem}"))
+            return
+        for lp in msg.prompt_logprobs:
+            if (s := self.streams.get(lp.req_id)) is not None:
+                s.queue.put_nowait(PromptLogprobs(lp))
+        lps = {lp.req_id: lp for lp in msg.logprobs}
+        for rid, tok in zip(ids.tolist(), toks.tolist()):
+            if (s := self.streams.get(rid)) is not None:
+                s.queue.put_nowait(Token(tok, now, lps.get(rid)))
+
     # ---- background --------------------------------------------------------------------------------
 
     async def _read(self) -> None:
@@ -134,17 +166,12 @@ class SchedulerClient:
                 continue
             now = time.perf_counter()
             match msg:
-                case Tokens(req_ids=ids, token_ids=toks):
-                    for lp in msg.prompt_logprobs:
-                        if (s := self.streams.get(lp.req_id)) is not None:
-                            s.queue.put_nowait(PromptLogprobs(lp))
-                    lps = {lp.req_id: lp for lp in msg.logprobs}
-                    for rid, tok in zip(ids.tolist(), toks.tolist()):
-                        if (s := self.streams.get(rid)) is not None:
-                            s.queue.put_nowait(Token(tok, now, lps.get(rid)))
+                case Tokens():
+                    self._on_tokens(msg, now)
                 case Finished(req_id=rid):
                     if (s := self.streams.pop(rid, None)) is not None:
-                        s.queue.put_nowait(msg)
+                        ok = msg.reason in FINISH_REASONS
+                        s.queue.put_nowait(msg if ok else EngineError(f"unknown finish reason {msg.reason[:40]!r}"))
                 case Failed(req_id=rid, error_type=kind, message=text):
                     if (s := self.streams.pop(rid, None)) is not None:
                         s.queue.put_nowait(error_from_wire(kind, text))

@@ -13,8 +13,10 @@ from typing import Any
 
 import msgspec
 
+from ferry.shared.bounds import INT64_MAX, Int64
 from ferry.shared.errors import InvalidRequest
-from ferry.shared.sampling import MAX_LOGPROBS, SamplingParams, sampling_problems
+from ferry.shared.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, sampling_problems
+from ferry.services.api.json_limits import check_depth
 
 
 class StreamOptions(msgspec.Struct):
@@ -82,20 +84,20 @@ class ResponseFormat(msgspec.Struct):
 
 class _Generation(msgspec.Struct, kw_only=True):
     model: str | None = None
-    max_tokens: int | None = None
+    max_tokens: Int64 | None = None  # Int64: every integer field is range-checked (400 naming it)
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int64 | None = None
     min_p: float | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     repetition_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    n: int = 1
+    n: Int64 = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int64] | None = None
     ignore_eos: bool | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
@@ -115,9 +117,9 @@ SAMPLING_FIELDS = tuple(f for f in SamplingParams.__struct_fields__ if f in _Gen
 
 class ChatCompletionRequest(_Generation, kw_only=True):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int64 | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: str | NamedToolChoice | None = None
@@ -136,11 +138,11 @@ class ChatCompletionRequest(_Generation, kw_only=True):
 
 
 class CompletionRequest(_Generation, kw_only=True):
-    prompt: str | list[str | int | list[int]]  # text, token ids, or a batch of either
-    max_tokens: int | None = 16  # OpenAI's default for completions (chat defaults to the model length)
-    logprobs: int | None = None
+    prompt: str | list[str | Int64 | list[Int64]]  # text, token ids, or a batch of either
+    max_tokens: Int64 | None = 16  # OpenAI's default for completions (chat defaults to the model length)
+    logprobs: Int64 | None = None
     echo: bool = False
-    best_of: int | None = None
+    best_of: Int64 | None = None
     suffix: str | None = None
 
 
@@ -154,6 +156,7 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 def decode_body(body: bytes, kind: type[msgspec.Struct]) -> msgspec.Struct:
     if not body.strip():
         raise InvalidRequest("the request body is empty; send a JSON object")
+    check_depth(body)
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
@@ -232,13 +235,14 @@ def sampling_params(req: _Generation, eos_token_ids: tuple[int, ...], vocab_size
 
 def _logit_bias(bias: dict[str, float] | None, vocab_size: int | None) -> tuple[tuple[int, float], ...]:
     out = []
+    _check(len(bias or ()) <= MAX_LOGIT_BIAS, f"logit_bias: at most {MAX_LOGIT_BIAS} tokens, got {len(bias or ())}")
     for key, value in (bias or {}).items():
         try:
             token = int(key)
         except ValueError:
-            raise InvalidRequest(f"logit_bias: keys must be token ids, got {key!r}") from None
-        _check(vocab_size is None or 0 <= token < vocab_size,
-               f"logit_bias: token id {token} is outside the vocabulary (0..{(vocab_size or 0) - 1})")  # fmt: skip
+            raise InvalidRequest(f"logit_bias: keys must be token ids, got {key[:40]!r}") from None
+        _check(0 <= token < (vocab_size or INT64_MAX),
+               f"logit_bias: token id {token} is outside the vocabulary (0..{(vocab_size or INT64_MAX) - 1})")  # fmt: skip
         _check(-100 <= value <= 100, f"logit_bias: the bias of token {token} must be in [-100, 100], got {value}")
         out.append((token, float(value)))
     return tuple(out)

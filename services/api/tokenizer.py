@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
 from ferry.shared.eos import eos_token_ids
 from ferry.shared.errors import InvalidRequest, ModelLoadError
+
+
+class TooLong(InvalidRequest):
+    """A prompt refused by its length in characters, before it was tokenized."""
 
 
 class PromptTokenizer:
@@ -19,6 +24,25 @@ class PromptTokenizer:
             raise ModelLoadError(f"cannot load a tokenizer from {path!r}: {exc}") from exc
         self.eos_token_ids = eos_token_ids(path if Path(path).is_dir() else None, self.hf)
         self.vocab_size = len(self.hf)
+        # The most characters one token can stand for (byte-level vocabularies spell a token with one
+        # character per byte, so this bounds the decoded text too): a text longer than
+        # max_model_len x this cannot fit the model, whatever it tokenizes to.
+        self.longest_token_chars = max((len(t) for t in self.hf.get_vocab()), default=1) or 1
+        self.max_model_len: int | None = None  # set from the scheduler's status (routes); None: unchecked
+
+    def copy(self) -> "PromptTokenizer":
+        """Another PromptTokenizer over a copy of the same tokenizer, for another thread."""
+        twin = copy.copy(self)
+        twin.hf = copy.deepcopy(self.hf)
+        return twin
+
+    def check_chars(self, n: int) -> None:
+        """Refuse, before tokenizing, a text whose length alone says it cannot fit the model."""
+        length = self.max_model_len
+        if length and n > length * self.longest_token_chars:
+            raise TooLong(f"the prompt is {n} characters but the model length is {length} tokens, and no token of "
+                          f"this model stands for more than {self.longest_token_chars} characters: it cannot fit; "
+                          "shorten the prompt")  # fmt: skip
 
     def chat_prompt(self, messages: list[dict]) -> list[int]:
         return self.encode(self.chat_text(messages))
@@ -39,11 +63,12 @@ class PromptTokenizer:
             raise InvalidRequest(f"the chat template rejected these messages: {exc}") from exc
 
     def encode(self, text: str) -> list[int]:
+        self.check_chars(len(text))
         return self.hf.encode(text, add_special_tokens=False)
 
     def text_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            return self.hf.encode(prompt, add_special_tokens=False)
+            return self.encode(prompt)
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequest(f"prompt: token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")

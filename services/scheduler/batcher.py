@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ferry.shared.contract import sampling_wire_problems, step_output_problem, token_ids_problem
 from ferry.shared.errors import EngineError, FerryError, InvalidRequest
 from ferry.shared.messages import PoolReport
 from ferry.shared.sampling import SamplingParams
@@ -121,8 +122,20 @@ class BatchScheduler:
             )
         return max_tokens
 
+    def check_request(self, prompt: np.ndarray, sampling: SamplingParams) -> None:
+        """The request as it came off the wire, held to the contract: InvalidRequest for it alone, never a
+        failed step for the requests batched with it (docs/ARCHITECTURE.md §1, "Trust")."""
+        problem = token_ids_problem("prompt_token_ids", prompt, self.pool.vocab_size)
+        if problem is None and prompt.size and int(prompt.max()) > 2**31 - 1:
+            problem = f"prompt_token_ids: token id {int(prompt.max())} does not fit int32"
+        problems = [problem] if problem else []
+        problems += sampling_wire_problems(sampling, self.pool.vocab_size)
+        if problems:
+            raise InvalidRequest("; ".join(problems))
+
     def add(self, rid: int, client: bytes, client_req_id: int, prompt: np.ndarray, sampling: SamplingParams,
             max_tokens: int | None) -> Request:  # fmt: skip
+        self.check_request(prompt, sampling)
         resolved = self.resolve_max_tokens(len(prompt), max_tokens)
         req = Request(
             rid=rid, client=client, client_req_id=client_req_id, prompt_len=len(prompt), sampling=sampling,
@@ -148,6 +161,11 @@ class BatchScheduler:
     @property
     def step_in_flight(self) -> bool:
         return self._in_flight is not None
+
+    @property
+    def in_flight_step(self) -> int:
+        """The id of the step in flight (meaningful while step_in_flight)."""
+        return self._in_flight_step
 
     def schedule(self) -> StepBatch | None:
         """The next step, or None when a step is in flight or nothing can run."""
@@ -266,8 +284,12 @@ class BatchScheduler:
             # A late answer to a step already given up on (--step-timeout): its requests failed
             # then. Failing the step now in flight would cascade to every later step.
             return out
+        problem = step_output_problem(output, self.pool.vocab_size)
+        if problem is not None:
+            return self.fail_step(output.step_id, EngineError(f"the worker's answer to step {output.step_id} is unusable: {problem}"))
         entries, self._in_flight = self._in_flight, None
         sampled = dict(zip(output.req_ids.tolist(), output.token_ids.tolist()))
+        vocab = self.pool.vocab_size
         sampled_lps = {lp.req_id: lp for lp in output.sampled_logprobs}
         for lp in output.prompt_logprobs:
             self._take_prompt_logprobs(lp, out)
@@ -284,6 +306,10 @@ class BatchScheduler:
                 token = sampled.get(req.rid)
                 if token is None:
                     self._fail(req, EngineError(f"the worker returned no token for request {req.rid}"), out)
+                    continue
+                if token < 0 or (vocab and token >= vocab) or token > 2**31 - 1:
+                    self._fail(req, EngineError(f"the worker returned token {token} for request {req.rid}, outside "
+                                                f"the vocabulary"), out)  # fmt: skip
                     continue
                 req.tokens.append(token)
                 req.output_len += 1

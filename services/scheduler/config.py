@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from ferry.shared.defaults import API_ADDR, RESULTS_ADDR, STEP_TIMEOUT_S, STEPS_ADDR
 from ferry.shared.errors import ConfigError
 from ferry.shared.side_http import add_side_http_flags
+from ferry.shared.wire_keys import WireKeys, add_wire_keys_flag, check_exposure
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,7 @@ class SchedulerConfig:
     health_host: str
     health_port: int | None  # side port for /health and /metrics; None: no side server
     step_timeout_s: float  # a worker step running longer than this counts as a hung worker
+    wire_keys: str | None = None  # the CURVE key directory (shared/wire_keys.py); None: no CURVE
 
 
 def add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
@@ -27,6 +29,7 @@ def add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--results-addr", default=RESULTS_ADDR, help="where the scheduler pulls results (worker connects)")
     add_side_http_flags(g)
     add_step_timeout_flag(g)
+    add_wire_keys_flag(g)
 
 
 def add_step_timeout_flag(group) -> None:
@@ -38,5 +41,10 @@ def add_step_timeout_flag(group) -> None:
 def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
     if args.step_timeout <= 0:
         raise ConfigError(f"--step-timeout must be positive, got {args.step_timeout}")
+    keys = getattr(args, "wire_keys", None)
+    if keys:
+        WireKeys(keys, "scheduler")  # a missing or unreadable key is a config error now, not at the first socket
+    for flag, addr in (("--api-addr", args.api_addr), ("--steps-addr", args.steps_addr), ("--results-addr", args.results_addr)):
+        check_exposure(flag, addr, keys)
     return SchedulerConfig(args.api_addr, args.steps_addr, args.results_addr, args.health_host, args.health_port,
-                           args.step_timeout)  # fmt: skip
+                           args.step_timeout, keys or None)  # fmt: skip

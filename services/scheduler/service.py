@@ -4,6 +4,12 @@ It owns no sizes of its own: a BatchScheduler is built from each new worker's Po
 the worker's heartbeat) and thrown away with that worker. Liveness runs both ways: a worker or api
 replica silent for PEER_TIMEOUT_S is dead; a dead worker fails every request at once, a dead api
 replica has its requests aborted.
+
+Trust (docs/ARCHITECTURE.md §1): every message is checked before it changes anything, and a bad one
+is answered for its request alone. Steps go to the adopted worker only (a ROUTER addressed by its boot
+id: another peer on the steps port gets none, and one posing under the same id is refused); a second
+worker that heartbeats while the adopted one is alive is ignored; a step is timed by this process's
+own clock, so one that is never answered fails its requests whatever the worker's heartbeat says.
 """
 
 from __future__ import annotations
@@ -19,13 +25,14 @@ import structlog
 import zmq
 
 from ferry.shared.errors import EngineError, FerryError, InvalidRequest, ServiceUnavailable
-from ferry.shared.liveness import HEARTBEAT_INTERVAL_S, Liveness
+from ferry.shared.liveness import HEARTBEAT_INTERVAL_S, PEER_TIMEOUT_S, Liveness
 from ferry.shared.messages import (
-    Abort, ApiHeartbeat, ApiToScheduler, Failed, Finished, PoolReport, RunStep, SchedulerStatus, StepDone,
-    StepFailed, Submit, Tokens, WorkerAlive, WorkerToScheduler,
+    Abort, ApiHeartbeat, ApiToScheduler, Failed, Finished, PoolReport, RunStep, SchedulerBeat, SchedulerStatus,
+    StepDone, StepFailed, Submit, Tokens, WorkerAlive, WorkerToScheduler,
 )  # fmt: skip
 from ferry.shared.side_http import serve_side_http
-from ferry.shared.wire import PeerSocket, RouterSocket, WireError
+from ferry.shared.wire import PeerSocket, PeerWireError, RouterSocket, WireError
+from ferry.shared.wire_keys import WireKeys
 from ferry.services.scheduler.batcher import BatchScheduler, Outcome
 from ferry.services.scheduler.config import SchedulerConfig
 from ferry.services.scheduler.metrics import SchedulerMetrics
@@ -37,14 +44,23 @@ class SchedulerService:
     def __init__(self, cfg: SchedulerConfig, ctx: zmq.Context | None = None):
         self.cfg = cfg
         self.ctx = ctx or zmq.Context.instance()
-        self.router: RouterSocket = RouterSocket(self.ctx, cfg.api_addr, ApiToScheduler)
-        self.steps: PeerSocket = PeerSocket(self.ctx, zmq.PUSH, cfg.steps_addr, None, bind=True)
-        self.results: PeerSocket = PeerSocket(self.ctx, zmq.PULL, cfg.results_addr, WorkerToScheduler, bind=True)
+        self.keys = WireKeys(cfg.wire_keys, "scheduler") if cfg.wire_keys else None
+        if self.keys is not None:
+            self.keys.start_authenticator(self.ctx)
+        api_secure, worker_secure = (self.keys.server("api"), self.keys.server("worker")) if self.keys else (None, None)
+        self.router: RouterSocket = RouterSocket(self.ctx, cfg.api_addr, ApiToScheduler, api_secure)
+        # steps go to one peer, by identity (the adopted worker's boot id); nothing is read from this socket
+        self.steps: RouterSocket = RouterSocket(self.ctx, cfg.steps_addr, None, worker_secure)
+        self.results: PeerSocket = PeerSocket(self.ctx, zmq.PULL, cfg.results_addr, WorkerToScheduler, bind=True,
+                                              secure=worker_secure)  # fmt: skip
         self.core: BatchScheduler | None = None
         self.worker_boot: str | None = None
         self.worker = Liveness()
         self.not_ready_reason = "waiting for the worker to report its pools"
         self.expert_hits = self.expert_misses = 0
+        self._step_sent_at: float | None = None  # this process's clock: when the step in flight went out
+        self._worker_said: tuple[float, int, float] = (0.0, 0, 0.0)  # (when, last_step, step_running_s) of its last beat
+        self._intruders: set[str] = set()  # boot ids of other workers heard while ours is alive (logged once)
         self.apis: dict[bytes, Liveness] = {}
         self.rids: dict[tuple[bytes, int], int] = {}
         # Worker request ids start past any earlier scheduler's, so a worker that outlives a scheduler
@@ -85,6 +101,8 @@ class SchedulerService:
     def close(self) -> None:
         for s in (self.router, self.steps, self.results):
             s.close()
+        if self.keys is not None:
+            self.keys.stop()
         if self.http is not None:
             self.http.shutdown()
 
@@ -92,8 +110,8 @@ class SchedulerService:
         while True:
             try:
                 got = self.router.recv()
-            except WireError as exc:
-                log.error("bad_api_message", error=str(exc))
+            except PeerWireError as exc:
+                self._refuse_undecodable(exc)
                 continue
             if got is None:
                 return
@@ -101,6 +119,9 @@ class SchedulerService:
             self.apis.setdefault(client, Liveness()).beat()
             match msg:
                 case Submit():
+                    if (client, msg.req_id) in self.rids:
+                        log.warning("duplicate_request_id", client=client.decode(errors="replace"), client_req_id=msg.req_id)
+                        continue  # the request already running under that id goes on; the copy is dropped
                     self._submit(client, msg)
                 case Abort(req_id=req_id):
                     rid = self.rids.get((client, req_id))
@@ -108,6 +129,20 @@ class SchedulerService:
                         self._emit(self.core.abort(rid))
                 case ApiHeartbeat():
                     pass
+
+    def _refuse_undecodable(self, exc: PeerWireError) -> None:
+        """An api message that is not a valid ApiToScheduler: logged, and when it names a request id
+        that request alone is refused (its replica then answers its client with a 400)."""
+        log.error("bad_api_message", client=exc.peer.decode(errors="replace"), error=str(exc))
+        try:
+            raw = msgspec.msgpack.decode(exc.head)
+        except (msgspec.DecodeError, ValueError, TypeError, RecursionError):
+            return
+        if not isinstance(raw, dict) or raw.get("type") != "Submit":
+            return
+        req_id = raw.get("req_id")
+        if isinstance(req_id, int) and not isinstance(req_id, bool) and 0 <= req_id < 2**63:
+            self._send(exc.peer, Failed(req_id=req_id, error_type="InvalidRequest", message=f"invalid request: {exc}"))
 
     def _drain_worker(self) -> None:
         while True:
@@ -124,10 +159,12 @@ class SchedulerService:
                 case StepDone(output=output):
                     if self.core is not None and self.core.step_in_flight:
                         self._emit(self.core.complete(output))
+                        self._step_sent_at = None if not self.core.step_in_flight else self._step_sent_at
                 case StepFailed(step_id=step_id, message=message):
                     log.error("step_failed", step_id=step_id, error=message)
                     if self.core is not None and self.core.step_in_flight:
                         self._emit(self.core.fail_step(step_id, EngineError(f"the worker failed a step: {message}")))
+                        self._step_sent_at = None if not self.core.step_in_flight else self._step_sent_at
 
     def _maybe_step(self) -> None:
         if self.core is None or self.core.step_in_flight:
@@ -135,9 +172,10 @@ class SchedulerService:
         batch = self.core.schedule()
         if batch is None:
             return
-        if not self.steps.send(RunStep(batch), block=False):
+        if not self.steps.send(self.worker_boot.encode(), RunStep(batch)):
             self._emit(self.core.fail_step(batch.step_id, ServiceUnavailable("the worker is not connected")))
             return
+        self._step_sent_at = time.monotonic()
         self.metrics.steps.inc()
         self.metrics.step_tokens.inc(len(batch.tokens))
 
@@ -193,7 +231,18 @@ class SchedulerService:
     # ---- liveness --------------------------------------------------------------------------------
 
     def _worker_alive(self, msg: WorkerAlive) -> None:
+        if self.worker_boot is not None and msg.boot_id != self.worker_boot:
+            if self.worker.alive():
+                # Another worker (or a peer posing as one) while ours is alive: it gets nothing, and
+                # changes nothing. Ours going silent is what lets a restarted worker in.
+                if msg.boot_id not in self._intruders and len(self._intruders) < 64:
+                    self._intruders.add(msg.boot_id)
+                    log.error("second_worker_ignored", boot_id=msg.boot_id[:64], adopted=self.worker_boot)
+                return
+            if self.core is not None:
+                self._worker_lost("the worker restarted")
         self.worker.beat()
+        self._worker_said = (time.monotonic(), msg.last_step, msg.step_running_s)
         self.expert_hits, self.expert_misses = msg.expert_hits, msg.expert_misses
         timeout = self.cfg.step_timeout_s
         if msg.step_running_s > timeout:
@@ -211,6 +260,25 @@ class SchedulerService:
             self.not_ready_reason = "the worker is loading the model"
             return
         self._adopt_pool(msg.boot_id, msg.pool)
+
+    def _check_step_in_flight(self) -> None:
+        """A step this process sent and never heard back about, timed by its own clock: past
+        --step-timeout the worker is failed, whatever it reports; a worker that reports itself idle
+        without ever having received the step (lost, or taken by another peer) fails the step alone."""
+        if self.core is None or not self.core.step_in_flight or self._step_sent_at is None:
+            return
+        now = time.monotonic()
+        waited = now - self._step_sent_at
+        if waited > self.cfg.step_timeout_s:
+            self._worker_lost(f"the worker did not answer a step within --step-timeout {self.cfg.step_timeout_s:g}s")
+            return
+        said_at, last_step, running = self._worker_said
+        step_id = self.core.in_flight_step
+        if waited > PEER_TIMEOUT_S and said_at - self._step_sent_at > PEER_TIMEOUT_S and last_step != step_id and running == 0:
+            log.error("step_lost", step_id=step_id, worker_last_step=last_step)
+            self._step_sent_at = None
+            self._emit(self.core.fail_step(step_id, ServiceUnavailable(
+                f"the worker never received step {step_id}; the request was lost")))  # fmt: skip
 
     def _adopt_pool(self, boot_id: str, pool: PoolReport) -> None:
         try:
@@ -231,11 +299,14 @@ class SchedulerService:
     def _worker_lost(self, why: str) -> None:
         log.error("worker_lost", reason=why)
         core, self.core, self.worker_boot = self.core, None, None
+        self._step_sent_at = None
+        self._intruders.clear()
         self.not_ready_reason = why
         if core is not None:
             self._emit(core.fail_all(ServiceUnavailable(f"{why}; the request was lost")))
 
     def _heartbeat(self) -> None:
+        self._check_step_in_flight()
         if self.core is not None and not self.worker.alive():
             self._worker_lost(f"the worker stopped responding (no heartbeat for {self.worker.silent_for():.1f}s)")
         elif self.core is None and self.worker.ever_seen and not self.worker.alive() and self.worker_boot is None:
@@ -247,6 +318,8 @@ class SchedulerService:
         self._snapshot = (status, self._pool_dict())
         for client in self.apis:
             self.router.send(client, status)
+        if self.worker_boot is not None:
+            self.steps.send(self.worker_boot.encode(), SchedulerBeat(boot_id=self.boot_id))
         self._update_metrics(status)
 
     def _api_lost(self, client: bytes) -> None:
@@ -287,6 +360,10 @@ class SchedulerService:
     def _health(self) -> tuple[bool, dict]:
         """Called from the side-HTTP thread: reads only the snapshot the loop replaces every heartbeat."""
         s, pool = self._snapshot
-        body = {"status": "ready" if s.ready else "unavailable", "reason": s.reason, "pool": pool}
+        silent = self.worker.silent_for()
+        body = {"status": "ready" if s.ready else "unavailable", "reason": s.reason, "pool": pool,
+                "peers": {"worker": "ready" if s.ready else ("silent" if silent is None or silent > PEER_TIMEOUT_S
+                                                                else "not ready"),
+                          "api_replicas": len(self.apis)}}  # fmt: skip
         return s.ready, body
 

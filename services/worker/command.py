@@ -8,6 +8,7 @@ import signal
 from ferry.shared.defaults import RESULTS_ADDR, STEPS_ADDR
 from ferry.shared.logging import add_log_flags, configure_logging
 from ferry.shared.side_http import add_side_http_flags
+from ferry.shared.wire_keys import WireKeys, add_wire_keys_flag, check_exposure
 from ferry.services.worker.flags import add_worker_flags, boot_config_from_args
 
 DEFAULT_BOOT = "ferry.services.worker.boot:boot_worker"
@@ -19,6 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--steps-addr", default=STEPS_ADDR, help="the scheduler's step address (we connect)")
     g.add_argument("--results-addr", default=RESULTS_ADDR, help="the scheduler's result address (we connect)")
     add_side_http_flags(g)
+    add_wire_keys_flag(g)
     add_boot_flag(g)
     add_log_flags(parser)
 
@@ -34,7 +36,12 @@ def run(args: argparse.Namespace) -> int:
     configure_logging("worker", args.log_level, args.log_format)
     from ferry.services.worker.service import WorkerConfig, WorkerService
 
-    cfg = WorkerConfig(args.steps_addr, args.results_addr, args.health_host, args.health_port, args.boot)
+    if args.wire_keys:
+        WireKeys(args.wire_keys, "worker")  # a missing key is a config error before the model loads
+    for flag, addr in (("--steps-addr", args.steps_addr), ("--results-addr", args.results_addr)):
+        check_exposure(flag, addr, args.wire_keys)
+    cfg = WorkerConfig(args.steps_addr, args.results_addr, args.health_host, args.health_port, args.boot,
+                       args.wire_keys or None)  # fmt: skip
     service = WorkerService(cfg, boot_config_from_args(args))
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: service.stop())

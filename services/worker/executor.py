@@ -17,10 +17,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ferry.shared.contract import StepLimits, step_problems
 from ferry.shared.errors import FerryError
 from ferry.plan.model_config import ModelSpec
 from ferry.shared.step import Logprobs, StepBatch, StepOutput
-from ferry.shared.units import ceil_div
 from ferry.services.worker.decode_graphs import DecodeGraphs
 from ferry.services.worker.experts import ExpertStore
 from ferry.services.worker.forward_batch import ForwardBatch
@@ -52,6 +52,7 @@ class StepExecutor:
         self.sampler = Sampler(spec.vocab_size, self.device, seed=sampler_seed, grammar_tokenizer=grammar_tokenizer)
 
     def execute(self, batch: StepBatch) -> StepOutput:
+        self._check(batch)  # before anything changes: a step that breaks the contract changes nothing
         for req_id in batch.finished_req_ids:
             self.sampler.remove_request(int(req_id))
         for new in batch.new_requests:
@@ -61,7 +62,6 @@ class StepExecutor:
         if len(batch.req_ids) == 0:
             return StepOutput(step_id=batch.step_id, req_ids=sampled_ids, token_ids=np.zeros(0, np.int32),
                               logprobs=np.zeros(0, np.float32))  # fmt: skip
-        self._check(batch)
         bucket = self.graphs.bucket_for(batch) if self.graphs is not None else None
         prompt_rows = batch.prompt_logprobs is not None and bool(np.asarray(batch.prompt_logprobs).any())
         prompt_parts: list = []
@@ -151,33 +151,20 @@ class StepExecutor:
             raise RuntimeError("this executor was built without an expert store")
         return self.store.report()
 
+    @property
+    def vocab_size(self) -> int:
+        return self.spec.vocab_size
+
     def _check(self, batch: StepBatch) -> None:
-        """Cheap host-side checks: an out-of-range page or slot would corrupt another request's state."""
-        r, t = len(batch.req_ids), len(batch.tokens)
-        q = batch.query_lens
-        problems = []
-        if int(q.sum()) != t or (q < 1).any():
-            problems.append(f"query_lens {q.tolist()} do not split {t} tokens into non-empty chunks")
-        if t > self.plan.max_prefill_tokens:
-            problems.append(f"{t} tokens exceed max_prefill_tokens {self.plan.max_prefill_tokens}")
-        if r > self.plan.max_running_requests:
-            problems.append(f"{r} requests exceed max_running_requests {self.plan.max_running_requests}")
-        for name in ("context_lens", "linear_state_slots", "reset_linear_state", "sample"):
-            if len(getattr(batch, name)) != r:
-                problems.append(f"{name} has {len(getattr(batch, name))} entries for {r} requests")
-        if batch.page_table.ndim != 2 or batch.page_table.shape[0] != r:
-            problems.append(f"page_table has shape {batch.page_table.shape}, expected ({r}, max_pages)")
-        elif batch.page_table.size and (batch.page_table.min() < 0 or batch.page_table.max() > self.plan.kv.pages):
-            problems.append(f"page ids must be in 0..{self.plan.kv.pages}")
-        else:
-            needed = ceil_div(batch.context_lens.astype(np.int64) + q, self.plan.kv.page_size)
-            if (needed > batch.page_table.shape[1]).any():
-                problems.append("a request's tokens run past the pages in its page_table row")
-        slots = batch.linear_state_slots
-        if self.spec.linear_attention_layers and len(slots) == r and (
-            (slots < 0).any() or (slots > self.plan.linear_state.slots).any()
-        ):
-            problems.append(f"linear-state slots must be in 0..{self.plan.linear_state.slots}")
+        """Cheap host-side checks of what the worker received (shared/contract.py: dtypes and shapes, the
+        plan's limits, token ids, page and slot ids, announced requests): an out-of-range page or slot
+        would corrupt another request's state, an unknown token or request would fail the step later."""
+        p = self.plan
+        limits = StepLimits(kv_pages=p.kv.pages, page_size=p.kv.page_size,
+                            linear_state_slots=p.linear_state.slots if self.spec.linear_attention_layers else 0,
+                            max_running_requests=p.max_running_requests, max_prefill_tokens=p.max_prefill_tokens,
+                            max_model_len=p.max_model_len, vocab_size=self.spec.vocab_size)  # fmt: skip
+        problems = step_problems(batch, limits, self.sampler.requests)
         if problems:
             raise StepBatchError(f"step {batch.step_id}: " + "; ".join(problems))
 

@@ -9,6 +9,7 @@ dead worker even while a long step runs here.
 from __future__ import annotations
 
 import importlib
+import re
 import threading
 import time
 import uuid
@@ -19,10 +20,13 @@ import structlog
 import zmq
 
 from ferry.shared.errors import ConfigError
-from ferry.shared.liveness import HEARTBEAT_INTERVAL_S
-from ferry.shared.messages import PoolReport, RunStep, SchedulerToWorker, StepDone, StepFailed, WorkerAlive
+from ferry.shared.liveness import HEARTBEAT_INTERVAL_S, Liveness
+from ferry.shared.messages import (
+    PoolReport, RunStep, SchedulerBeat, SchedulerToWorker, StepDone, StepFailed, WorkerAlive,
+)  # fmt: skip
 from ferry.shared.side_http import serve_side_http
 from ferry.shared.wire import PeerSocket, WireError
+from ferry.shared.wire_keys import WireKeys
 from ferry.services.worker.flags import WorkerBootConfig
 from ferry.services.worker.metrics import WorkerMetrics
 
@@ -36,14 +40,15 @@ class WorkerConfig:
     health_host: str
     health_port: int | None
     boot: str  # "module:function" taking a WorkerBootConfig, returning (executor, plan)
+    wire_keys: str | None = None  # the CURVE key directory (shared/wire_keys.py); None: no CURVE
 
 
-def pool_report_from_plan(plan: Any) -> PoolReport:
+def pool_report_from_plan(plan: Any, vocab_size: int = 0) -> PoolReport:
     """The scheduler's view of the memory plan (ferry.plan.planner.Plan)."""
     return PoolReport(
         kv_pages=plan.kv.pages, page_size=plan.kv.page_size, linear_state_slots=plan.linear_state.slots,
         max_running_requests=plan.max_running_requests, max_prefill_tokens=plan.max_prefill_tokens,
-        max_model_len=plan.max_model_len,
+        max_model_len=plan.max_model_len, vocab_size=vocab_size,
         plan_summary=f"{plan.kv.pages} KV pages x {plan.kv.page_size} tokens, {plan.linear_state.slots} linear-state slots, "
         f"{plan.experts.slots}/{plan.experts.total} expert slots",
     )  # fmt: skip
@@ -58,14 +63,15 @@ def load_boot(spec: str) -> Callable[[WorkerBootConfig], tuple[Any, Any]]:
 
 
 class _Heartbeat(threading.Thread):
-    def __init__(self, ctx: zmq.Context, cfg: WorkerConfig, boot_id: str):
+    def __init__(self, ctx: zmq.Context, cfg: WorkerConfig, boot_id: str, secure=None):
         super().__init__(name="worker-heartbeat", daemon=True)
-        self.sock = PeerSocket(ctx, zmq.PUSH, cfg.results_addr, None, bind=False)
+        self.sock = PeerSocket(ctx, zmq.PUSH, cfg.results_addr, None, bind=False, secure=secure)
         self.sock.sock.setsockopt(zmq.SNDHWM, 4)  # a scheduler that is away need not get a backlog of beats
         self.boot_id = boot_id
         self.pool: PoolReport | None = None
         self.expert_stats: Callable[[], tuple[int, int]] | None = None
         self.step_started: float | None = None  # time.monotonic() when the current step began
+        self.last_step = 0  # the id of the last step received
         self.stopped = threading.Event()
 
     def run(self) -> None:
@@ -74,7 +80,8 @@ class _Heartbeat(threading.Thread):
             started = self.step_started
             running = time.monotonic() - started if started is not None else 0.0
             self.sock.send(WorkerAlive(boot_id=self.boot_id, pool=self.pool, step_running_s=running,
-                                       expert_hits=hits, expert_misses=misses), block=False)  # fmt: skip
+                                       expert_hits=hits, expert_misses=misses, last_step=self.last_step),
+                           block=False)  # fmt: skip
         self.sock.close()
 
 
@@ -87,17 +94,33 @@ class WorkerService:
         self.plan: Any = None
         self.executor: Any = None
         self._running = True
-        self.steps = PeerSocket(self.ctx, zmq.PULL, cfg.steps_addr, SchedulerToWorker, bind=False)
-        self.results = PeerSocket(self.ctx, zmq.PUSH, cfg.results_addr, None, bind=False)
-        self.heartbeat = _Heartbeat(self.ctx, cfg, self.boot_id)
+        secure = WireKeys(cfg.wire_keys, "worker").client() if cfg.wire_keys else None
+        # steps arrive on a DEALER named by the boot id: the scheduler addresses the worker it adopted
+        self.steps = PeerSocket(self.ctx, zmq.DEALER, cfg.steps_addr, SchedulerToWorker, bind=False,
+                                identity=self.boot_id.encode(), secure=secure)  # fmt: skip
+        self.results = PeerSocket(self.ctx, zmq.PUSH, cfg.results_addr, None, bind=False, secure=secure)
+        self.heartbeat = _Heartbeat(self.ctx, cfg, self.boot_id, secure)
+        self.scheduler = Liveness()  # the adopting scheduler's beats (SchedulerBeat)
         self.http = None
         if cfg.health_port is not None:
             self.http = serve_side_http(cfg.health_host, cfg.health_port, self._health, self.metrics.registry)
 
     def _health(self) -> tuple[bool, dict]:
+        """Ready once booted and adopted by a live scheduler; the plan's figures, never a path."""
         if self.plan is None:
             return False, {"status": "loading", "boot_id": self.boot_id}
-        return True, {"status": "ready", "boot_id": self.boot_id, "plan": self.plan.to_dict()}
+        silent = self.scheduler.silent_for()
+        if silent is None:
+            peer = "no scheduler has adopted this worker yet"
+        elif not self.scheduler.alive():
+            peer = f"the scheduler stopped responding ({silent:.1f}s without a beat)"
+        else:
+            peer = ""
+        body = {"status": "unavailable" if peer else "ready", "boot_id": self.boot_id,
+                "peers": {"scheduler": peer or "ready"}, "plan": without_paths(self.plan.to_dict())}  # fmt: skip
+        if peer:
+            body["reason"] = peer
+        return not peer, body
 
     def boot(self) -> None:
         self.heartbeat.start()  # the scheduler hears "loading" while the model loads
@@ -108,7 +131,8 @@ class WorkerService:
         report = getattr(self.executor, "expert_cache_report", None)  # a test double's boot may have none
         if callable(report):
             self.metrics.watch_expert_cache(report)
-        self.heartbeat.pool = pool_report_from_plan(self.plan)
+        vocab = getattr(self.executor, "vocab_size", 0)
+        self.heartbeat.pool = pool_report_from_plan(self.plan, vocab if isinstance(vocab, int) else 0)
         log.info("worker_ready", boot_s=round(time.monotonic() - t0, 3), plan=self.plan.to_dict())
 
     def stop(self) -> None:
@@ -126,7 +150,10 @@ class WorkerService:
                 continue
             match msg:
                 case RunStep(batch=batch):
+                    self.heartbeat.last_step = batch.step_id
                     self._execute(batch)
+                case SchedulerBeat():
+                    self.scheduler.beat()
         self.close()
 
     def _execute(self, batch) -> None:
@@ -152,3 +179,18 @@ class WorkerService:
         self.results.close()
         if self.http is not None:
             self.http.shutdown()
+
+
+_PATH = re.compile(r"(?<![\w.])(?:~|\.{1,2})?/[^\s,;:()'\"]+")
+
+
+def without_paths(value: Any) -> Any:
+    """The plan for /health with every file-system path in its strings replaced by "<path>": a health
+    probe may be public, and the host's layout (model directory, cache, /proc) is none of its business."""
+    if isinstance(value, dict):
+        return {k: without_paths(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [without_paths(v) for v in value]
+    if isinstance(value, str):
+        return _PATH.sub("<path>", value)
+    return value

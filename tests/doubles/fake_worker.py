@@ -2,7 +2,7 @@
 PagedHashModel double, for integration tests until the real executor is merged.
 
 The model directory holds the test tokenizer plus `paged_hash_model.json`:
-{"vocab": [token ids it may produce], "step_delay_s": float, "linear_state_slots": int,
+{"vocab": [token ids it may produce], "vocab_size": int, "step_delay_s": float, "linear_state_slots": int,
  "script": {"trigger": text, "token_ids": [...]}}  (optional).
 With a script, a request whose prompt contains the trigger text gets the script's tokens as its
 output, one per step (fixed model output, e.g. a tool call, through the real api and scheduler);
@@ -22,13 +22,17 @@ from tests.doubles.paged_model import PagedHashModel
 
 
 class DelayedExecutor:
-    def __init__(self, model: PagedHashModel, delay: float, script: dict | None = None, tokenizer=None):
+    def __init__(self, model: PagedHashModel, delay: float, script: dict | None = None, tokenizer=None,
+                 vocab_size: int = 0):  # fmt: skip
         self.model, self.delay = model, delay
+        self.vocab_size = vocab_size  # as the real model: a token id past it fails the whole step
         self.script = script
         self.tokenizer = tokenizer
         self.scripted: dict[int, int] = {}  # req id -> script tokens emitted so far
 
     def execute(self, batch):
+        if self.vocab_size and batch.tokens.size and int(batch.tokens.max()) >= self.vocab_size:
+            raise IndexError(f"index {int(batch.tokens.max())} is out of bounds for the embedding of {self.vocab_size}")
         if self.delay:
             time.sleep(self.delay)
         if self.script is not None:
@@ -73,4 +77,4 @@ def boot_paged_hash_model(cfg: WorkerBootConfig):
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-    return DelayedExecutor(model, spec.get("step_delay_s", 0.0), script, tokenizer), plan
+    return DelayedExecutor(model, spec.get("step_delay_s", 0.0), script, tokenizer, spec.get("vocab_size", 0)), plan

@@ -50,7 +50,8 @@ def make_model_dir(tokenizer_dir: Path, target: Path, tokenizer, step_delay_s: f
     """A model directory for the PagedHashModel double (tests/doubles/fake_worker.py); `script`:
     {"trigger": text, "token_ids": [...]}, the fixed output of prompts holding the trigger."""
     shutil.copytree(tokenizer_dir, target)
-    spec = {"vocab": ascii_word_tokens(tokenizer), "step_delay_s": step_delay_s, "linear_state_slots": linear_state_slots}
+    spec = {"vocab": ascii_word_tokens(tokenizer), "step_delay_s": step_delay_s, "linear_state_slots": linear_state_slots,
+            "vocab_size": len(tokenizer)}
     if script is not None:
         spec["script"] = script
     (target / "paged_hash_model.json").write_text(json.dumps(spec))
@@ -83,6 +84,14 @@ class Cluster:
     api_addr: str = ""
     sock_dir: Path | None = None
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    steps_addr: str = ""
+    results_addr: str = ""
+    envs: dict[str, dict[str, str]] = field(default_factory=dict)
+
+    def restart(self, name: str) -> subprocess.Popen:
+        """Start `name` again with the command and environment it had (what compose's restart policy does)."""
+        old = self.procs[name]
+        return self.launch(name, list(old.args), self.envs.get(name))
 
     @property
     def base_url(self) -> str:
@@ -103,7 +112,7 @@ class Cluster:
         raise TimeoutError("the server did not become ready: " + "".join(self.log(n)[-1500:] for n in self.procs))
 
     def launch(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-        log = open(self.rundir / f"{name}.log", "w")
+        log = open(self.rundir / f"{name}.log", "a")
         self.procs[name] = subprocess.Popen(cmd, cwd=REPO, env={**child_env(), **(env or {})}, stdout=log,
                                             stderr=subprocess.STDOUT)  # fmt: skip
         return self.procs[name]
@@ -126,13 +135,26 @@ class Cluster:
             shutil.rmtree(self.sock_dir, ignore_errors=True)
 
 
+def tcp_addresses() -> tuple[str, str, str]:
+    """(api, steps, results) on loopback ports free now: the tcp layout, as compose wires it."""
+    return tuple(f"tcp://127.0.0.1:{free_port()}" for _ in range(3))  # type: ignore[return-value]
+
+
 def start_cluster(model_dir: Path, rundir: Path, worker_flags=(), api_flags=(), boot: str = FAKE_BOOT,
-                  scheduler_flags=(), worker_env: dict[str, str] | None = None) -> Cluster:  # fmt: skip
+                  scheduler_flags=(), worker_env: dict[str, str] | None = None, layout: str = "ipc",
+                  env: dict[str, str] | None = None, wait: bool = True) -> Cluster:  # fmt: skip
+    """The three processes; `layout` "tcp" puts them on loopback tcp ports (compose's layout), `env`
+    goes to all three (FERRY_WIRE_KEYS: the CURVE key directory)."""
     rundir.mkdir(parents=True, exist_ok=True)
-    sock_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"ferry-test-{os.getpid()}-{free_port()}"
-    sock_dir.mkdir(mode=0o700)  # ipc paths must stay short (108 bytes), pytest's tmp paths are long
-    api_addr, steps, results = ipc_addresses(sock_dir)
+    sock_dir = None
+    if layout == "tcp":
+        api_addr, steps, results = tcp_addresses()
+    else:
+        sock_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"ferry-test-{os.getpid()}-{free_port()}"
+        sock_dir.mkdir(mode=0o700)  # ipc paths must stay short (108 bytes), pytest's tmp paths are long
+        api_addr, steps, results = ipc_addresses(sock_dir)
     c = Cluster(rundir, model_dir, free_port(), free_port(), free_port(), api_addr, sock_dir)
+    c.steps_addr, c.results_addr = steps, results
     ferry = [sys.executable, "-m", "ferry.services.cli"]
     cmds = {
         "scheduler": [*ferry, "scheduler", "--api-addr", api_addr, "--steps-addr", steps, "--results-addr", results,
@@ -142,8 +164,10 @@ def start_cluster(model_dir: Path, rundir: Path, worker_flags=(), api_flags=(), 
         "api": api_command(model_dir, api_addr, c.port, *api_flags),
     }  # fmt: skip
     for name, cmd in cmds.items():
-        c.launch(name, cmd, worker_env if name == "worker" else None)
-    c.wait_ready()
+        c.launch(name, cmd, {**(env or {}), **((worker_env or {}) if name == "worker" else {})})
+    c.envs = {name: {**(env or {}), **((worker_env or {}) if name == "worker" else {})} for name in cmds}
+    if wait:
+        c.wait_ready()
     return c
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -161,6 +162,17 @@ def test_executor_rejects_out_of_plan_steps(tiny_models):
     too_long = _step(2, [(1, list(range(65)), 0, 1, 1, True)], new=new)
     with pytest.raises(StepBatchError, match="max_prefill_tokens"):
         executor.execute(too_long)
+    # issue 11's fields, held to the same contract before anything changes: a prompt-logprobs mask of the
+    # wrong shape, a logit_bias token outside the vocabulary, a top-logprobs count past 20
+    marks = msgspec.structs.replace(_step(3, [(1, [1, 2], 0, 1, 1, True)], new=new), prompt_logprobs=np.ones(2, bool))
+    with pytest.raises(StepBatchError, match="prompt_logprobs"):
+        executor.execute(marks)
+    for bad, word in [(SamplingParams(logit_bias=((executor.spec.vocab_size, 5.0),)), "vocabulary"),
+                      (SamplingParams(logprobs=21), "top_logprobs")]:  # fmt: skip
+        forged = [NewRequest(req_id=2, prompt_token_ids=np.array([1, 2], np.int32), sampling=bad)]
+        with pytest.raises(StepBatchError, match=word):
+            executor.execute(_step(4, [(2, [1, 2], 0, 1, 1, True)], new=forged))
+    assert 2 not in executor.sampler.requests  # refused before the sampler took the request
 
 
 def test_largest_step_runs_on_temporary_pools(tiny_model):

@@ -4,6 +4,8 @@ secret on a command line, and the scheduler's and worker's /metrics ports on by 
 
 from __future__ import annotations
 
+import os
+
 import subprocess
 import sys
 import time
@@ -12,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ferry.services.cli import COMMANDS, build_parser
-from ferry.services.serve_command import child_commands, child_environments, side_ports
+from ferry.services.serve_command import child_commands, child_environments, side_ports, write_api_key
 from tests.helpers import QWEN3_30B
 
 HELP_LIMIT_S = 1.0
@@ -66,14 +68,16 @@ def test_vllm_aliases_reach_the_worker_as_the_planner_flags():
     assert parse("worker", "--model", "m", "--gpu-memory", flags["--gpu-memory"]).gpu_memory == 24 * 2**30
 
 
-def test_the_api_key_never_goes_on_a_command_line(monkeypatch, tmp_path):
-    monkeypatch.delenv("FERRY_API_KEY", raising=False)
-    args = parse("serve", "--api-key", "s3cret")
+def test_the_api_key_never_goes_on_a_command_line_nor_in_an_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("FERRY_API_KEY", "s3cret")
+    args = parse("serve")
     commands = child_commands(args, "/models/m", tmp_path)
     assert not any("s3cret" in part for cmd in commands.values() for part in cmd)
     envs = child_environments(args)
-    assert envs["api"]["FERRY_API_KEY"] == "s3cret"
-    assert "FERRY_API_KEY" not in envs["worker"] and "FERRY_API_KEY" not in envs["scheduler"]
+    assert not any("s3cret" in v for env in envs.values() for v in env.values())
+    write_api_key(args, tmp_path)
+    key_file = commands["api"][commands["api"].index("--api-key-file") + 1]
+    assert open(key_file).read() == "s3cret" and os.stat(key_file).st_mode & 0o077 == 0
 
 
 def _three_free_ports() -> int:

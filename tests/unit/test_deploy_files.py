@@ -194,3 +194,17 @@ def test_torch_is_pinned_once_for_the_image_and_make():
     assert "TORCH_SPEC" not in dockerfile and "TORCH_SPEC" not in makefile
     assert makefile.count("-c constraints.txt") == 2 and "constraints.txt" in makefile.split("$(STAMP):")[1].splitlines()[0]
     assert re.search(r'^ARG TORCH_INDEX="https://download.pytorch.org/whl/cu\d+"$', dockerfile, re.M)
+
+
+def test_the_wire_keys_are_compose_secrets_each_service_gets_only_its_own(compose):
+    """The tcp layout's CURVE keys (`ferry keys DIR`) reach each service as secrets under /run/secrets,
+    named as `--wire-keys` reads them: its own secret key, the scheduler's public key, and for the
+    scheduler the public keys it admits."""
+    want = {"api": {"api.key_secret", "scheduler.key"}, "worker": {"worker.key_secret", "scheduler.key"},
+            "scheduler": {"scheduler.key_secret", "api.key", "worker.key"}}  # fmt: skip
+    for name, files in want.items():
+        svc = compose["services"][name]
+        assert svc["environment"]["FERRY_WIRE_KEYS"] == "/run/secrets"
+        assert {s["target"] for s in svc["secrets"]} == files, name
+        for s in svc["secrets"]:
+            assert compose["secrets"][s["source"]]["file"].endswith("/" + s["target"])

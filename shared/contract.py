@@ -1,0 +1,169 @@
+"""The contract's checks on what a process receives: each returns what is wrong (a message naming the
+field) or nothing, and costs a few numpy reductions over arrays the size of one step. No torch.
+
+The wire (shared/wire.py, msgspec constraints in messages.py) already refused what is not a message of
+the socket's union or holds an integer out of its range; these check what a well-formed message may
+still get wrong: array dtypes and shapes, token ids against the vocabulary, indices against the pools
+(docs/ARCHITECTURE.md §1, "Trust"). A problem found here is answered for the one request (or step)
+it concerns; nothing raises past the receiving loop.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ferry.shared.sampling import MAX_LOGPROBS, SamplingParams, sampling_problems
+
+_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
+def _is_ints(a: np.ndarray) -> bool:
+    return isinstance(a, np.ndarray) and a.dtype.kind in "iu"
+
+
+def token_ids_problem(name: str, ids: np.ndarray, vocab_size: int) -> str | None:
+    """A 1-D integer array of token ids, each in 0..vocab_size-1 (vocab_size 0: not checked)."""
+    if not _is_ints(ids) or ids.ndim != 1:
+        kind = ids.dtype if isinstance(ids, np.ndarray) else type(ids).__name__
+        shape = getattr(ids, "shape", "?")
+        return f"{name} must be a 1-D array of integer token ids, got {kind} of shape {shape}"
+    if ids.size and (int(ids.min()) < 0 or (vocab_size and int(ids.max()) >= vocab_size)):
+        bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+        return f"{name}: token id {bad} is outside the vocabulary (0..{vocab_size - 1})"
+    return None
+
+
+def sampling_wire_problems(p: SamplingParams, vocab_size: int = 0) -> list[str]:
+    """shared/sampling.py's rules (ranges, including logit_bias, the logprobs counts and the grammar's
+    size), plus what only a forged message can get wrong: non-finite numbers, and logit_bias token ids
+    outside the vocabulary (vocab_size 0: not checked)."""
+    problems = [f"{f} must be a finite number, got {getattr(p, f)}" for f in _FLOATS if not math.isfinite(getattr(p, f))]
+    problems = problems or sampling_problems(p)
+    if not problems and vocab_size and p.logit_bias:
+        bad = max(t for t, _ in p.logit_bias)
+        if bad >= vocab_size:
+            problems.append(f"logit_bias: token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
+    return problems
+
+
+@dataclass(frozen=True)
+class StepLimits:
+    """What the worker's plan allows a step (the worker checks every RunStep against them)."""
+
+    kv_pages: int
+    page_size: int
+    linear_state_slots: int  # 0: the model has no linear attention (slots are then ignored)
+    max_running_requests: int
+    max_prefill_tokens: int
+    max_model_len: int
+    vocab_size: int
+
+
+_ARRAYS = {"req_ids": "iu", "tokens": "iu", "query_lens": "iu", "context_lens": "iu", "page_table": "iu",
+           "linear_state_slots": "iu", "reset_linear_state": "b", "sample": "b"}  # fmt: skip
+
+
+def step_problems(batch, limits: StepLimits, known: set[int] | dict) -> list[str]:
+    """What is wrong with a StepBatch for this worker: dtypes and shapes, the plan's limits, token ids,
+    page and slot ids, and request ids (a request that samples must be known or announced in this step)."""
+    problems: list[str] = []
+    for name, kinds in _ARRAYS.items():
+        a = getattr(batch, name)
+        if not isinstance(a, np.ndarray) or a.dtype.kind not in kinds:
+            problems.append(f"{name} has dtype {getattr(a, 'dtype', type(a).__name__)}")
+        elif a.ndim != (2 if name == "page_table" else 1):
+            problems.append(f"{name} has {a.ndim} dimensions")
+    marks = batch.prompt_logprobs  # optional: bool [R], the rows whose next tokens' logprobs are wanted
+    if marks is not None and (not isinstance(marks, np.ndarray) or marks.dtype.kind != "b" or marks.ndim != 1):
+        problems.append(f"prompt_logprobs must be a 1-D bool array, got {getattr(marks, 'dtype', type(marks).__name__)} "
+                        f"of shape {getattr(marks, 'shape', '?')}")  # fmt: skip
+    if problems:
+        return problems
+    r, t = len(batch.req_ids), len(batch.tokens)
+    if marks is not None and len(marks) != r:
+        problems.append(f"prompt_logprobs has {len(marks)} entries for {r} requests")
+    q = batch.query_lens.astype(np.int64)
+    if int(q.sum()) != t or (q < 1).any():
+        problems.append(f"query_lens do not split {t} tokens into {r} non-empty chunks")
+    if t > limits.max_prefill_tokens:
+        problems.append(f"{t} tokens exceed max_prefill_tokens {limits.max_prefill_tokens}")
+    if r > limits.max_running_requests:
+        problems.append(f"{r} requests exceed max_running_requests {limits.max_running_requests}")
+    for name in ("query_lens", "context_lens", "linear_state_slots", "reset_linear_state", "sample"):
+        if len(getattr(batch, name)) != r:
+            problems.append(f"{name} has {len(getattr(batch, name))} entries for {r} requests")
+    if len(np.unique(batch.req_ids)) != r:
+        problems.append("a request appears twice")
+    if (bad := token_ids_problem("tokens", batch.tokens, limits.vocab_size)) is not None:
+        problems.append(bad)
+    if problems:
+        return problems
+    ctx = batch.context_lens.astype(np.int64)
+    if r and ((ctx < 0).any() or int((ctx + q).max()) > limits.max_model_len):
+        problems.append(f"positions must lie in 0..{limits.max_model_len - 1}")
+    pt = batch.page_table
+    if pt.shape[0] != r:
+        problems.append(f"page_table has shape {pt.shape}, expected ({r}, max_pages)")
+    elif pt.size and (int(pt.min()) < 0 or int(pt.max()) > limits.kv_pages):
+        problems.append(f"page ids must be in 0..{limits.kv_pages}")
+    elif r and (-(-(ctx + q) // limits.page_size) > pt.shape[1]).any():
+        problems.append("a request's tokens run past the pages in its page_table row")
+    slots = batch.linear_state_slots
+    if limits.linear_state_slots and slots.size and (int(slots.min()) < 0 or int(slots.max()) > limits.linear_state_slots):
+        problems.append(f"linear-state slots must be in 0..{limits.linear_state_slots}")
+    announced = set()
+    for new in batch.new_requests:
+        announced.add(new.req_id)
+        if (bad := token_ids_problem(f"request {new.req_id}'s prompt", new.prompt_token_ids, limits.vocab_size)):
+            problems.append(bad)
+        problems += [f"request {new.req_id}: {p}" for p in sampling_wire_problems(new.sampling, limits.vocab_size)]
+    forgotten = set(batch.finished_req_ids)
+    # rows that sample or want prompt logprobs use the request's sampler state: it must exist
+    uses_state = batch.sample if marks is None else batch.sample | marks
+    for rid in batch.req_ids[uses_state].tolist():
+        if rid not in announced and (rid not in known or rid in forgotten):
+            problems.append(f"request {rid} samples (or wants prompt logprobs) but was never announced (no NewRequest)")
+            break
+    return problems
+
+
+def _is_floats(a) -> bool:
+    return isinstance(a, np.ndarray) and a.dtype.kind == "f"
+
+
+def logprobs_problem(lp, vocab_size: int = 0) -> str | None:
+    """A Logprobs' arrays (shared/step.py): float token_logprobs [n >= 1], integer top_ids and float
+    top_logprobs [n, k] with k at most MAX_LOGPROBS, and top ids in the vocabulary (vocab_size 0: not
+    checked). The values themselves may be anything a float holds (-inf: a token the model rules out)."""
+    where = f"request {lp.req_id}'s logprobs"
+    vals, ids, tops = lp.token_logprobs, lp.top_ids, lp.top_logprobs
+    if not _is_floats(vals) or vals.ndim != 1 or len(vals) < 1:
+        return f"{where}: token_logprobs must be a non-empty 1-D float array"
+    if not _is_ints(ids) or not _is_floats(tops) or ids.ndim != 2 or ids.shape != tops.shape or ids.shape[0] != len(vals):
+        return f"{where}: top_ids and top_logprobs must be integer and float arrays of shape ({len(vals)}, k)"
+    if ids.shape[1] > MAX_LOGPROBS:
+        return f"{where}: {ids.shape[1]} top alternatives; at most {MAX_LOGPROBS}"
+    if ids.size and (int(ids.min()) < 0 or (vocab_size and int(ids.max()) >= vocab_size)):
+        return f"{where}: a top token id is outside the vocabulary"
+    return None
+
+
+def step_output_problem(output, vocab_size: int = 0) -> str | None:
+    """A StepOutput's arrays: 1-D integer req_ids and token_ids of one length (the scheduler then
+    checks each request's token on its own); its logprobs well-formed, the sampled ones one position
+    each, for requests that sampled in this step."""
+    ids, toks = output.req_ids, output.token_ids
+    if not _is_ints(ids) or not _is_ints(toks) or ids.ndim != 1 or toks.ndim != 1 or len(ids) != len(toks):
+        return "a step's output must hold 1-D integer req_ids and token_ids of one length"
+    for lp in (*output.sampled_logprobs, *output.prompt_logprobs):
+        if (problem := logprobs_problem(lp, vocab_size)) is not None:
+            return problem
+    if output.sampled_logprobs:
+        sampled = set(ids.tolist())
+        for lp in output.sampled_logprobs:
+            if lp.req_id not in sampled or len(lp.token_logprobs) != 1:
+                return f"request {lp.req_id}'s sampled logprobs must describe the one token it sampled in this step"
+    return None

@@ -1,0 +1,125 @@
+"""ZeroMQ CURVE for the tcp layout: `ferry keys DIR` writes one key pair per role, and `--wire-keys DIR`
+(FERRY_WIRE_KEYS; compose mounts the files as secrets under /run/secrets) makes every socket
+encrypted and authenticated (docs/ARCHITECTURE.md §1, "Trust").
+
+The scheduler is the CURVE server of all three of its sockets and runs pyzmq's ZAP authenticator:
+its api port (ZAP domain "api") admits only the api key, its steps and results ports (domain
+"worker") only the worker key. A peer without the right secret key cannot complete the handshake,
+so it can neither submit requests, nor take steps, nor pose as a worker. The ipc layout (`ferry
+serve`) needs none of this: its sockets live in a 0700 directory only the user reaches.
+
+Each process needs only its own secret and the scheduler's public key; the scheduler needs the api's
+and the worker's public keys. Nothing secret goes on a command line: the flag names a directory.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+from ferry.shared.errors import ConfigError
+
+ROLES = ("scheduler", "api", "worker")
+CLIENT_ROLES = ("api", "worker")  # ZAP domain of each scheduler socket: the role allowed on it
+
+
+def add_wire_keys_flag(group) -> None:
+    group.add_argument("--wire-keys", default=None, metavar="DIR",
+                       help="directory of the CURVE keys `ferry keys DIR` wrote (compose: the secrets' directory, "
+                            "/run/secrets): authenticates and encrypts the ZeroMQ wire; required for tcp addresses "
+                            "beyond loopback")  # fmt: skip
+
+
+def generate(directory: Path) -> list[Path]:
+    """One key pair per role in `directory` (created 0700): ROLE.key (public) and ROLE.key_secret (0600)."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    written = []
+    for role in ROLES:
+        for suffix in (".key", ".key_secret"):
+            if (directory / f"{role}{suffix}").exists():
+                raise ConfigError(f"{directory / (role + suffix)} exists: keys are never overwritten; use a new directory")
+    for role in ROLES:
+        public, secret = zmq.auth.create_certificates(str(directory), role)
+        os.chmod(secret, 0o600)
+        os.chmod(public, 0o644)
+        written += [Path(public), Path(secret)]
+    return written
+
+
+def _load(path: Path, secret: bool) -> tuple[bytes, bytes | None]:
+    try:
+        public, secret_key = zmq.auth.load_certificate(str(path))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--wire-keys: cannot read {path.name} in the key directory ({exc}); "
+                          "write the keys with `ferry keys DIR`") from exc  # fmt: skip
+    if secret and secret_key is None:
+        raise ConfigError(f"--wire-keys: {path.name} holds no secret key")
+    return public, secret_key
+
+
+class WireKeys:
+    """One process's CURVE keys: its own pair, the scheduler's public key and, for the scheduler, the
+    public keys it admits per ZAP domain."""
+
+    def __init__(self, directory: str | Path, role: str):
+        d = Path(directory)
+        if not d.is_dir():
+            raise ConfigError(f"--wire-keys: {directory} is not a directory; write the keys with `ferry keys DIR`")
+        self.role = role
+        self.public, self.secret = _load(d / f"{role}.key_secret", secret=True)
+        self.server_public = self.public if role == "scheduler" else _load(d / "scheduler.key", secret=False)[0]
+        self.admitted = {r: _load(d / f"{r}.key", secret=False)[0] for r in CLIENT_ROLES} if role == "scheduler" else {}
+        self._auth: ThreadAuthenticator | None = None
+
+    def server(self, domain: str):
+        """Socket setup for one of the scheduler's bound sockets, admitting the `domain` role's key only."""
+
+        def secure(sock: zmq.Socket) -> None:
+            sock.curve_secretkey, sock.curve_publickey, sock.curve_server = self.secret, self.public, True
+            sock.zap_domain = domain.encode()
+
+        return secure
+
+    def client(self):
+        def secure(sock: zmq.Socket) -> None:
+            sock.curve_secretkey, sock.curve_publickey, sock.curve_serverkey = self.secret, self.public, self.server_public
+
+        return secure
+
+    def start_authenticator(self, ctx: zmq.Context) -> None:
+        """The scheduler's ZAP handler (a thread of pyzmq's): each domain admits its role's key only."""
+        auth = ThreadAuthenticator(ctx)
+        auth.start()
+        for domain, key in self.admitted.items():
+            auth.configure_curve_callback(domain, _Admit(key))
+        self._auth = auth
+
+    def stop(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+
+
+class _Admit:
+    def __init__(self, key: bytes):
+        self.key = key
+
+    def callback(self, domain: str, client_key: bytes) -> bool:
+        return client_key == self.key
+
+
+def check_exposure(flag: str, addr: str, keys: object | None) -> None:
+    """A tcp address beyond loopback needs --wire-keys: anyone who reaches such a port could otherwise
+    submit requests past the api's checks, take steps or pose as the worker."""
+    if keys is not None or not addr.startswith("tcp://"):
+        return
+    host = addr[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    if host in ("127.0.0.1", "localhost", "::1") or host.startswith("127."):
+        return
+    raise ConfigError(f"{flag} {addr} is reachable beyond this host but the wire is not authenticated: write keys with "
+                      "`ferry keys DIR` and pass --wire-keys DIR (FERRY_WIRE_KEYS) to the api, the scheduler and the "
+                      "worker, or use a loopback address")  # fmt: skip
