@@ -12,21 +12,10 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-
-def _bytes_to_unicode() -> dict[str, int]:
-    """GPT-2's byte <-> printable-character table, which byte-level BPE vocabularies are written in."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
+from ferry.shared.byte_level import unicode_to_bytes
 
 
-_BYTE_OF = _bytes_to_unicode()
+_BYTE_OF = unicode_to_bytes()
 
 
 class TokenText:

@@ -9,6 +9,8 @@ from __future__ import annotations
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from ferry.shared.byte_level import bytes_to_unicode
+
 from ferry.services.tiny_model.corpus import CORPUS
 
 ENDOFTEXT = "<|endoftext|>"
@@ -126,18 +128,6 @@ def printable_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     tok.add_special_tokens(list(SPECIAL_TOKENS))
     return _chatml_tokenizer(tok)
 
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character map, which byte-level BPE vocabularies are written in."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
 
 
 def _chatml_tokenizer(tok: Tokenizer) -> PreTrainedTokenizerFast:

@@ -14,6 +14,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -296,3 +297,48 @@ def assert_new_request_refused(base_url: str, within_s: float = 5.0) -> None:
     else:
         raise AssertionError("a request succeeded although the server cannot serve")
     assert time.monotonic() - t0 < within_s
+
+
+@dataclass
+class ServedModel:
+    """A `ferry serve` child: its process, its url, its log (JSON lines)."""
+
+    proc: subprocess.Popen
+    url: str
+    log_path: Path
+
+    def events(self) -> list[dict]:
+        return [json.loads(line) for line in self.log_path.read_text().splitlines() if line.startswith("{")]
+
+
+@contextmanager
+def serve_model(model_dir: Path, tmp: Path, env: dict[str, str] | None = None, *flags: str):
+    """`ferry serve MODEL` on the CPU as a user runs it (the model positional), with
+    `--served-model-name tiny`, until the block ends (then SIGTERM)."""
+    port = free_port()
+    log_path = tmp / "serve.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "ferry.services.cli", "serve", str(model_dir),
+                                 "--port", str(port), "--device", "cpu", "--max-model-len", "512",
+                                 "--served-model-name", "tiny", *flags], cwd=REPO,
+                                env={**child_env(), **(env or {}), "TMPDIR": str(tmp)},
+                                stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    served = ServedModel(proc, f"http://127.0.0.1:{port}", log_path)
+    try:
+        ok = eventually(lambda: proc.poll() is None and _healthy(served.url), timeout=180, interval=0.2)
+        assert ok, log_path.read_text()[-3000:]
+        yield served
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return http_get(url + "/health", timeout=1)[0] == 200
+    except OSError:
+        return False

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,39 +14,15 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import DATA
-from tests.integration.harness import REAL_WORKER_ENV, REPO, child_env, eventually, free_port, http_get
+from tests.integration.harness import REAL_WORKER_ENV, serve_model
 
 TASKS = DATA / "lm_eval"
 
 
 @pytest.fixture(scope="module")
 def served(tiny_models, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("serve-lm-eval")
-    port = free_port()
-    env = {**child_env(), **REAL_WORKER_ENV, "TMPDIR": str(tmp)}
-    log_path = tmp / "serve.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "ferry.services.cli", "serve", str(tiny_models["qwen3_moe"]),
-                                 "--port", str(port), "--device", "cpu", "--max-model-len", "512",
-                                 "--served-model-name", "tiny"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        ok = eventually(lambda: proc.poll() is None and _healthy(url), timeout=180, interval=0.2)
-        assert ok, log_path.read_text()[-3000:]
-        yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return http_get(url + "/health", timeout=1)[0] == 200
-    except OSError:
-        return False
+    with serve_model(tiny_models["qwen3_moe"], tmp_path_factory.mktemp("serve-lm-eval"), REAL_WORKER_ENV) as s:
+        yield s.url
 
 
 def lm_eval(tmp: Path, *args: str) -> dict:

@@ -8,19 +8,14 @@ api's /metrics has the vLLM names; every request ends in one log line (finished 
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
-import sys
-import time
 import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 
 import anthropic
 import openai
 import pytest
 
-from tests.integration.harness import REAL_WORKER_ENV, REPO, child_env, eventually, free_port, http_get, metric
+from tests.integration.harness import REAL_WORKER_ENV, eventually, http_get, metric, serve_model
 from tests.integration.test_serve_command import children_of
 
 KEY = "serve-key-123"
@@ -29,45 +24,12 @@ WEATHER = {"name": "get_weather", "description": "Current weather in a city",
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-@dataclass
-class Served:
-    proc: subprocess.Popen
-    url: str
-    log_path: Path
-
-    def events(self) -> list[dict]:
-        return [json.loads(line) for line in self.log_path.read_text().splitlines() if line.startswith("{")]
-
-
 @pytest.fixture(scope="module")
 def served(tiny_models, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("serve-real")
-    port = free_port()
-    env = {**child_env(), **REAL_WORKER_ENV, "TMPDIR": str(tmp), "FERRY_API_KEY": KEY}
-    log_path = tmp / "serve.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "ferry.services.cli", "serve", str(tiny_models["qwen3_moe"]),
-                                 "--port", str(port), "--device", "cpu", "--max-model-len", "512",
-                                 "--served-model-name", "tiny"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
-    s = Served(proc, f"http://127.0.0.1:{port}", log_path)
-    try:
-        ok = eventually(lambda: proc.poll() is None and _healthy(s.url), timeout=180, interval=0.2)
-        assert ok, log_path.read_text()[-3000:]
+    """The key in FERRY_API_KEY, as a deployment would set it."""
+    env = {**REAL_WORKER_ENV, "FERRY_API_KEY": KEY}
+    with serve_model(tiny_models["qwen3_moe"], tmp_path_factory.mktemp("serve-real"), env) as s:
         yield s
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return http_get(url + "/health", timeout=1)[0] == 200
-    except OSError:
-        return False
 
 
 def test_anthropic_client_streamed_and_not_with_a_tool_definition(served, tiny_models, greedy_reference):
