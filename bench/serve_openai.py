@@ -81,7 +81,9 @@ def stream(client, model: str, prompt, max_tokens: int, temperature: float) -> d
     return {"tokens": tokens, "usage": usage, "text": "".join(text), "chunks": len(arrivals),
             "ttft_s": arrivals[0] if arrivals else None,
             "first_s": arrivals[0] if arrivals else None, "last_s": arrivals[-1] if arrivals else None,
-            "start": t0, "tok_s": (tokens - 1) / span if span > 0 else None}  # fmt: skip
+            "start": t0, "tok_s": (tokens - 1) / span if span > 0 else None,
+            # the longest wait between two chunks: a stall (a compile, a preemption) shows here, not in a mean
+            "max_gap_s": max(b - a for a, b in zip(arrivals, arrivals[1:])) if len(arrivals) > 1 else None}  # fmt: skip
 
 
 def hbm_bytes_per_token(config_dir: str, context: float) -> tuple[float, int]:
@@ -156,6 +158,7 @@ def main() -> int:
         tokens = sum(r["tokens"] for r in runs)
         run = {"streams": n, "per_stream_tok_s": [r["tok_s"] for r in runs],
                "median_stream_tok_s": statistics.median(r["tok_s"] for r in runs),
+               "max_gap_s": [r["max_gap_s"] for r in runs],
                "aggregate_tok_s": (tokens - n) / (last - first), "tokens": tokens, "expert_cache": cache}  # fmt: skip
         if cache is not None:
             run["copied_bytes_per_token"] = cache["copied_bytes"] / tokens
@@ -170,8 +173,9 @@ def main() -> int:
         hit = f"hit rate {cache['hit_rate']:.3f}" if cache and cache["hit_rate"] is not None else ""
         pre = f"prefetch accuracy {cache['prefetch_accuracy']:.3f}" if cache and cache["prefetch_accuracy"] is not None else ""
         bound = f"bound {run['bound_tok_s']:.1f} tok/s ({run['bound_fraction']:.2f} of it)" if "bound_tok_s" in run else ""
+        gap = max((g for g in run["max_gap_s"] if g is not None), default=0.0)
         print(f"{n} streams: median {run['median_stream_tok_s']:.1f} tok/s per stream, aggregate "
-              f"{run['aggregate_tok_s']:.1f} tok/s  {hit}  {pre}  {bound}")  # fmt: skip
+              f"{run['aggregate_tok_s']:.1f} tok/s, longest gap {1e3 * gap:.0f} ms  {hit}  {pre}  {bound}")  # fmt: skip
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0

@@ -42,7 +42,9 @@ AGE_CLAMP = 2**32 - 1  # LFU's recency tie-break compares ages up to this many l
 INT64_MAX = 2**63 - 1
 
 
-@triton.jit
+# The step's token count and the layer vary from call to call: specialising on them (Triton's ==1 and
+# multiple-of-16 classes) would compile new variants in the middle of serving, seconds each.
+@triton.jit(do_not_specialize=["T", "layer", "evict_below"])
 def _expert_cache_kernel(
     ids_ptr, n_rows_ptr, T, K, layer,
     slot_of_ptr, layer_of_slot_ptr, expert_of_slot_ptr, requests_ptr, stamp_ptr, prefetched_ptr,

@@ -43,7 +43,9 @@ def _block_rows(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr):
     return offs_m, pair, pair < num_pairs
 
 
-@triton.jit
+# num_pairs follows the step's token count: not specialised on, so a step of a new size class never
+# compiles a new variant mid-serving (warmup.py runs the classes that remain at boot)
+@triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up_kernel(
     x_ptr, w13_ptr, act_ptr, sorted_pairs_ptr, block_slot_ptr,
     num_pairs, top_k, H, I,
@@ -89,7 +91,7 @@ def _gate_up_kernel(
     tl.store(a_ptrs, act, mask=row_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _down_kernel(
     act_ptr, w2_ptr, rows_ptr, weights_ptr, sorted_pairs_ptr, block_slot_ptr,
     num_pairs, H, I,

@@ -49,7 +49,9 @@ def _paged_kv_block(
     return k, v
 
 
-@triton.jit
+# stride_pt is the step's page-table width (its longest request's pages): it changes as requests grow,
+# and specialising on it would compile new variants mid-serving
+@triton.jit(do_not_specialize=["stride_pt"])
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, page_table_ptr, token_req_ptr, positions_ptr,
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_ot, stride_oh,
@@ -89,7 +91,7 @@ def _decode_kernel(
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_pt"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, page_table_ptr, positions_ptr, query_start_ptr, block_req_ptr, block_first_ptr,
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_ot, stride_oh,

@@ -38,6 +38,7 @@ from ferry.plan.planner import Measured, Plan, PlanRequest, Resolved, resolve
 from ferry.services.worker.pools import TORCH_DTYPES, allocate_pools
 from ferry.plan.store_plan import plan_for_expert_store
 from ferry.services.worker.decode_graphs import DecodeGraphs, graph_buckets
+from ferry.services.worker.warmup import warm_up, warmup_shapes
 from ferry.services.worker.workspace_profile import profile_decode_graphs_cuda, profile_workspace_cuda
 
 log = structlog.get_logger("worker")
@@ -214,8 +215,15 @@ def _finish_boot(files: ModelFiles, booted: dict, r: Resolved, device: torch.dev
     preloaded = store.preload()  # an offload store warms its free slots; the all-resident one has nothing to do
     log.info("experts_loaded", seconds=round(time.monotonic() - booted["experts_started"], 3),
              source="dummy" if dummy else "checkpoint", preloaded_slots=preloaded)  # fmt: skip
+    if device.type == "cuda":  # first-use compiles and tunings at boot, not inside a request
+        t0 = time.monotonic()
+        ran = warm_up(model, booted["pools"], plan.kv.page_size, device,
+                      warmup_shapes(plan.max_prefill_tokens, plan.max_running_requests))  # fmt: skip
+        log.info("warmed_up", steps=ran, seconds=round(time.monotonic() - t0, 3))
     graphs = _capture_graphs(model, booted["pools"], plan, device, buckets, booted["graph_bytes"], store) \
         if booted.get("graph_bytes") is not None else None  # fmt: skip
+    if device.type == "cuda":
+        _restart_statistics(store)  # the warm-up and the captures ran padding rows only
     _check_budget(device, req, free, booted.get("loading_peak_reserved", 0), booted["baseline_reserved"])
     log.info("plan", **plan_log_fields(plan), model=str(files.model_dir), device=str(device),
              load_format=files.load_format, expert_store=store.report()["policy"],
@@ -237,9 +245,6 @@ def _capture_graphs(model, pools, plan: Plan, device: torch.device, buckets: lis
         log.warning("cuda_graphs_unavailable", error=str(exc), message="decode runs eagerly")
         graphs = None
     taken = _reserved(device) - before
-    store.stats_to_host()  # warm-up ran padding rows only: start the statistics afresh
-    store.end_step()
-    store.stats.reset()
     if graphs is None:
         return None
     if taken > priced:
@@ -251,6 +256,13 @@ def _capture_graphs(model, pools, plan: Plan, device: torch.device, buckets: lis
         return None
     log.info("cuda_graphs", buckets=buckets, bytes=taken, priced=priced, seconds=round(time.monotonic() - t0, 3))
     return graphs
+
+
+def _restart_statistics(store) -> None:
+    """The expert store's statistics start afresh: what boot ran is not served traffic."""
+    store.stats_to_host()
+    store.end_step()
+    store.stats.reset()
 
 
 def _check_budget(device: torch.device, req: PlanRequest, free: int | None, earlier_peak: int,

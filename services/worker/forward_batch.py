@@ -10,6 +10,11 @@ import torch
 from ferry.shared.step import StepBatch
 from ferry.shared.units import round_up
 
+# Every packed array starts on a 16-byte boundary: Triton specialises pointer arguments on 16-byte
+# alignment, so an 8-byte layout would make the alignment of (say) `positions` depend on the step's
+# token count, and a step of a new parity would compile new kernel variants in the middle of serving.
+PACK_ALIGN = 16
+
 
 @dataclass
 class ForwardBatch:
@@ -120,13 +125,13 @@ def _padded_decode(arrays: dict, rows: int, pad_to: int, max_pages: int) -> dict
 def _to_device_in_one_copy(arrays: dict[str, tuple[np.ndarray, type]], device: torch.device,
                            into: torch.Tensor | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
     """{name: device tensor} for {name: (array, numpy dtype)}: packed into one byte buffer (each
-    array at an offset aligned to 8 bytes, so every view is aligned for its dtype), copied once,
-    into `into` when given (it must have exactly the packed size)."""
+    array at an offset aligned to PACK_ALIGN bytes), copied once, into `into` when given (it must
+    have exactly the packed size)."""
     layout, offset = {}, 0
     for name, (a, dtype) in arrays.items():
         a = np.ascontiguousarray(a, dtype=dtype)
         layout[name] = (a, offset)
-        offset += round_up(a.nbytes, 8)
+        offset += round_up(a.nbytes, PACK_ALIGN)
     host = torch.empty(offset, dtype=torch.uint8, pin_memory=device.type == "cuda")
     staging = host.numpy()
     for a, start in layout.values():
@@ -149,4 +154,4 @@ def packed_bytes(rows: int, max_pages: int) -> int:
     sizes = {"tokens": 8 * rows, "positions": 8 * rows, "slot_mapping": 8 * rows, "state_slots": 8 * rows,
              "logits_rows": 8 * rows, "query_start": 4 * (rows + 1), "query_lens": 4 * rows, "context_lens": 4 * rows,
              "page_table": 4 * rows * max_pages, "token_request": 4 * rows, "reset_state": rows, "real_tokens": 4}  # fmt: skip
-    return sum(round_up(n, 8) for n in sizes.values())
+    return sum(round_up(n, PACK_ALIGN) for n in sizes.values())

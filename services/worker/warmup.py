@@ -1,0 +1,69 @@
+"""Eager steps at boot over the shapes that served steps take, before the server says ready.
+
+Whatever compiles or tunes on first use (a Triton kernel's variant for a new class of arguments,
+fla's autotuned Gated DeltaNet kernels, the expert store's prefill path, library handles) then
+does so at boot, not inside a request: a variant compiled while eight streams decode stalls every
+one of them for the seconds it takes (bench/NOTES.md, "Mid-serving compiles").
+
+The shapes: one row and several, one token per row (eager decode: a starting request, more
+rows than the largest decode graph) and several (prefill chunks, mixed steps), token counts in
+each of Triton's integer classes (1, a multiple of 16, neither) and of both parities, within
+--max-prefill-tokens and --max-running-requests. Each runs once.
+
+No request is touched: every row writes the sentinel KV page and the padding linear-state slot
+(shared/step.py's conventions), and `real_tokens` 0 tells the device-driven expert store that
+every row is padding, so no expert is looked up or copied. (The host-driven store ignores
+`real_tokens`; there the warm-up's rows are looked up like any step's, which changes only
+which experts are resident.) The caller resets the store's statistics afterwards.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ferry.shared.step import StepBatch
+from ferry.shared.units import ceil_div
+from ferry.services.worker.forward_batch import ForwardBatch
+
+# query_lens of each warm-up step, before the plan's limits trim the list
+_SHAPES: tuple[tuple[int, ...], ...] = (
+    (1,), (2,), (3,), (16,), (17,), (64,), (65,),
+    (1, 1), (1, 2), (1, 16), (8, 8), (1, 1, 1), (3, 17, 30),
+    (1,) * 16, (1,) * 17, (1,) * 64,
+)
+
+
+def warmup_shapes(max_prefill_tokens: int, max_running_requests: int) -> list[tuple[int, ...]]:
+    """The warm-up steps' query_lens that the plan allows (a step's tokens within
+    --max-prefill-tokens, its rows within --max-running-requests), each once."""
+    out = []
+    for shape in _SHAPES:
+        if len(shape) <= max_running_requests and sum(shape) <= max_prefill_tokens and shape not in out:
+            out.append(shape)
+    return out
+
+
+def warmup_step(query_lens: tuple[int, ...], page_size: int) -> StepBatch:
+    """A step of len(query_lens) starting requests whose every page is the sentinel page, on the
+    padding state slot."""
+    rows = len(query_lens)
+    pages = ceil_div(max(query_lens), page_size)
+    return StepBatch(
+        step_id=0, req_ids=np.arange(rows, dtype=np.int64), tokens=np.ones(sum(query_lens), np.int32),
+        query_lens=np.asarray(query_lens, np.int32), context_lens=np.zeros(rows, np.int32),
+        page_table=np.zeros((rows, pages), np.int32), linear_state_slots=np.zeros(rows, np.int32),
+        reset_linear_state=np.ones(rows, bool), sample=np.ones(rows, bool),
+    )  # fmt: skip
+
+
+def warm_up(model, pools, page_size: int, device: torch.device, shapes: list[tuple[int, ...]]) -> int:
+    """Run the model eagerly once on each shape, every row padding; returns how many ran."""
+    with torch.inference_mode():
+        for shape in shapes:
+            batch = ForwardBatch.from_step(warmup_step(shape, page_size), page_size, device)
+            batch.real_tokens.zero_()  # padding for the expert store: nothing looked up, nothing copied
+            model(batch, pools)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return len(shapes)

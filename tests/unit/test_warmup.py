@@ -1,0 +1,46 @@
+"""Boot's warm-up steps (services/worker/warmup.py): within the plan's limits, and touching no request's state."""
+
+from __future__ import annotations
+
+import torch
+
+from ferry.services.worker.boot import boot_worker
+from ferry.services.worker.warmup import warm_up, warmup_shapes, warmup_step
+from tests.unit.test_boot_executor import boot_args
+
+
+def test_shapes_stay_within_the_plan_and_cover_the_integer_classes():
+    shapes = warmup_shapes(max_prefill_tokens=64, max_running_requests=4)
+    assert shapes and len(set(shapes)) == len(shapes)
+    assert all(len(s) <= 4 and sum(s) <= 64 for s in shapes)
+    tokens = {sum(s) for s in shapes}
+    assert 1 in tokens and any(t % 16 == 0 for t in tokens) and any(t > 1 and t % 2 for t in tokens)
+    assert any(len(s) > 1 and max(s) == 1 for s in shapes) and any(len(s) > 1 and max(s) > 1 for s in shapes)
+    assert warmup_shapes(max_prefill_tokens=1, max_running_requests=1) == [(1,)]
+
+
+def test_a_warmup_step_lives_on_the_sentinel_page_and_the_padding_slot():
+    step = warmup_step((3, 17, 30), page_size=16)
+    assert step.page_table.shape == (3, 2) and not step.page_table.any()
+    assert not step.linear_state_slots.any() and step.reset_linear_state.all() and step.sample.all()
+    assert step.query_lens.tolist() == [3, 17, 30] and len(step.tokens) == 50 and not step.context_lens.any()
+
+
+def test_warm_up_runs_every_shape_and_changes_no_request_state(tiny_model):
+    executor, plan = boot_worker(boot_args(tiny_model, "--gpu-memory", "64MiB"))
+    pools = executor.pools
+    kv = pools.kv.kv  # [layers, 2, pages + 1, page_size, heads, D]; page 0 is the sentinel
+    kv[:, :, 1:] = 1.0
+    kv[:, :, 0] = 0.0
+    linear = [t for t in (pools.linear_state.conv, pools.linear_state.recurrent)] if pools.linear_state else []
+    for t in linear:  # [layers, slots + 1, ...]; slot 0 is the padding slot
+        t[:, 1:] = 1.0
+    experts = {name: t.clone() for name, t in pools.experts.cache_state.items()}
+    shapes = warmup_shapes(plan.max_prefill_tokens, plan.max_running_requests)
+    assert warm_up(executor.model, pools, plan.kv.page_size, torch.device("cpu"), shapes) == len(shapes)
+    assert bool((kv[:, :, 1:] == 1.0).all()), "a warm-up step wrote a usable KV page"
+    assert bool(kv[:, :, 0].abs().sum() > 0), "the warm-up never reached attention"
+    for t in linear:
+        assert bool((t[:, 1:] == 1.0).all()), "a warm-up step wrote a usable linear-state slot"
+    for name, before in experts.items():
+        assert torch.equal(pools.experts.cache_state[name], before), name
