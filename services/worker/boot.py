@@ -136,7 +136,9 @@ def boot_worker(cfg: WorkerBootConfig) -> tuple[StepExecutor, Plan]:
     r = resolve(files.spec, req)
     if cfg.expert_copy_engine_tokens is not None and cfg.expert_copy_engine_tokens < 1:
         raise ConfigError(f"--expert-copy-engine-tokens must be at least 1, got {cfg.expert_copy_engine_tokens}")
-    buckets = graph_buckets(files.spec.num_experts_per_tok, r.max_running_requests, below=cfg.expert_copy_engine_tokens)
+    # every bucket is profiled (the plan prices the largest set); an offloaded store then captures
+    # only those under --expert-copy-engine-tokens (_finish_boot), which take no more memory
+    buckets = graph_buckets(files.spec.num_experts_per_tok, r.max_running_requests)
     graphs_wanted = device.type == "cuda" and not cfg.enforce_eager and bool(buckets)
     baseline = 0
     if device.type == "cuda":
@@ -220,8 +222,13 @@ def _finish_boot(files: ModelFiles, booted: dict, r: Resolved, device: torch.dev
         ran = warm_up(model, booted["pools"], plan.kv.page_size, device,
                       warmup_shapes(plan.max_prefill_tokens, plan.max_running_requests))  # fmt: skip
         log.info("warmed_up", steps=ran, seconds=round(time.monotonic() - t0, 3))
+    # decode steps the store copies with the copy engine run eagerly: no graph for them
+    # (a smaller set than the one profiled, so within the price)
+    below = getattr(store, "copy_engine_tokens", None)
+    if below is not None:
+        buckets = graph_buckets(spec.num_experts_per_tok, plan.max_running_requests, below=below)
     graphs = _capture_graphs(model, booted["pools"], plan, device, buckets, booted["graph_bytes"], store) \
-        if booted.get("graph_bytes") is not None else None  # fmt: skip
+        if booted.get("graph_bytes") is not None and buckets else None  # fmt: skip
     if device.type == "cuda":
         _restart_statistics(store)  # the warm-up and the captures ran padding rows only
     _check_budget(device, req, free, booted.get("loading_peak_reserved", 0), booted["baseline_reserved"])

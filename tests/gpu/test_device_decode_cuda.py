@@ -116,6 +116,9 @@ def test_graphs_and_the_device_cache_decode_token_for_token(tiny_models, arch, d
     copies) == all-resident. The hybrid in bf16, its serving dtype: in float32 its Gated DeltaNet takes
     the reference twin, which waits for the device and so decodes eagerly (no graphs). Every compared
     path runs the same expert kernels, so the tokens must be equal, not close."""
+    from ferry.services.worker.decode_graphs import graph_buckets
+    from ferry.services.worker.flags import DEFAULT_COPY_ENGINE_TOKENS
+
     model = tiny_models[arch]
     prompts = [[5, 17, 33, 2, 8, 100, 41, 9], [7, 7, 3], [250, 1, 64, 64, 12]]
     runs = {}
@@ -131,6 +134,12 @@ def test_graphs_and_the_device_cache_decode_token_for_token(tiny_models, arch, d
         assert (executor.graphs is None) == ("--enforce-eager" in flags)
         if "--expert-copy-engine-tokens" in flags:
             assert executor.graphs.buckets == [1]  # 3-row decode steps take the copy-engine path, eagerly
+        elif executor.graphs is not None:  # all-resident: every bucket; offloaded: those under the default 8
+            every = graph_buckets(executor.spec.num_experts_per_tok, plan.max_running_requests)
+            below = DEFAULT_COPY_ENGINE_TOKENS if "--moe-cache-size" in flags else None
+            assert executor.graphs.buckets == graph_buckets(executor.spec.num_experts_per_tok,
+                                                            plan.max_running_requests, below=below)  # fmt: skip
+            assert (executor.graphs.buckets == every) == (below is None or every[-1] < below)
         runs[name] = _greedy_batch(executor, prompts, steps=12)
         report = executor.expert_cache_report()
         if "--moe-cache-size" in flags:
