@@ -80,11 +80,17 @@ def step_problems(batch, limits: StepLimits, known: set[int] | dict) -> list[str
     if marks is not None and (not isinstance(marks, np.ndarray) or marks.dtype.kind != "b" or marks.ndim != 1):
         problems.append(f"prompt_logprobs must be a 1-D bool array, got {getattr(marks, 'dtype', type(marks).__name__)} "
                         f"of shape {getattr(marks, 'shape', '?')}")  # fmt: skip
+    feed = batch.feed_sampled  # optional: bool [R], rows whose token is the one sampled in the step before
+    if feed is not None and (not isinstance(feed, np.ndarray) or feed.dtype.kind != "b" or feed.ndim != 1):
+        problems.append(f"feed_sampled must be a 1-D bool array, got {getattr(feed, 'dtype', type(feed).__name__)} "
+                        f"of shape {getattr(feed, 'shape', '?')}")  # fmt: skip
     if problems:
         return problems
     r, t = len(batch.req_ids), len(batch.tokens)
     if marks is not None and len(marks) != r:
         problems.append(f"prompt_logprobs has {len(marks)} entries for {r} requests")
+    if feed is not None and len(feed) != r:
+        problems.append(f"feed_sampled has {len(feed)} entries for {r} requests")
     q = batch.query_lens.astype(np.int64)
     if int(q.sum()) != t or (q < 1).any():
         problems.append(f"query_lens do not split {t} tokens into {r} non-empty chunks")
@@ -97,6 +103,9 @@ def step_problems(batch, limits: StepLimits, known: set[int] | dict) -> list[str
             problems.append(f"{name} has {len(getattr(batch, name))} entries for {r} requests")
     if len(np.unique(batch.req_ids)) != r:
         problems.append("a request appears twice")
+    if not problems and feed is not None and feed.any():
+        if (batch.query_lens[feed] != 1).any() or (batch.context_lens[feed] < 1).any() or batch.reset_linear_state[feed].any():
+            problems.append("a feed_sampled row must decode one token of a request already started")
     if (bad := token_ids_problem("tokens", batch.tokens, limits.vocab_size)) is not None:
         problems.append(bad)
     if problems:

@@ -48,6 +48,14 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     def greedy(self) -> bool:
         return self.temperature <= 0.0
 
+    @property
+    def reads_its_output(self) -> bool:
+        """Whether drawing a token reads the request's earlier output on the worker's host (penalty
+        counts, a grammar's matcher): such a request's next step waits for its last token to come
+        back, and is never scheduled ahead (shared/step.py, `feed_sampled`)."""
+        return (self.grammar is not None or self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)  # fmt: skip
+
 
 def sampling_problems(p: SamplingParams) -> list[str]:
     """What is wrong with `p`, one message per field, each naming the field ([] when nothing is)."""

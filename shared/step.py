@@ -52,6 +52,10 @@ class StepBatch(msgspec.Struct, frozen=True, kw_only=True):
     # bool [R]: give the log-probabilities of this chunk's next tokens (prompt logprobs; None: no row asks).
     # A step with such a row runs eagerly: it needs the logits of more rows than the ones that sample.
     prompt_logprobs: np.ndarray | None = None
+    # bool [R]: the row's one token is the one this request sampled in the step just before, which the
+    # scheduler sent before that step's answer came back (its entry in `tokens` is a placeholder, 0).
+    # The worker takes it from that step's sampled tokens on the device. None: no such row.
+    feed_sampled: np.ndarray | None = None
 
     @classmethod
     def empty(cls, step_id: int, finished_req_ids: tuple[int, ...] = ()) -> "StepBatch":

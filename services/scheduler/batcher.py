@@ -7,8 +7,16 @@ request needs a page and none is left, the newest running request not yet in thi
 preempted: its pages are freed (full ones stay in the prefix cache) and it goes back to the head
 of the queue, to be recomputed from its prompt plus the tokens it already produced.
 
-Only one step is in flight at a time: the pages of requests in that step are never touched until
-its output comes back, so an abort during a step takes effect when the step returns.
+Scheduling ahead: while a decode step is in flight, the next one may be sent at once, before the
+first one's tokens come back (`schedule_ahead`): the same requests, one token each, that token being
+the one the worker samples in the step before (StepBatch.feed_sampled). So the worker starts step N+1
+without waiting for the scheduler to hear of step N. It only continues what is running: it never
+admits, preempts or grows a request past what it may hold, and it stops (the pipeline drains) when a
+request waits, when a request's next token may be its last, or when a request's sampling reads its
+own output on the worker (penalties, grammars). The full policy (`schedule`) runs only with no step
+in flight, so the pages of requests in a step are never touched until its output comes back, and a
+request that finishes in step N while it is also in step N+1 keeps its pages, its state slot and its
+sampler state until N+1 returns (whose token for it is dropped).
 
 Pure Python + numpy, no sockets: the service feeds it messages and sends what it returns.
 """
@@ -73,9 +81,8 @@ class BatchScheduler:
         self.by_rid: dict[int, Request] = {}
         self.preemptions = 0
         self._forget: list[int] = []  # worker sampler state to drop before the next step
-        self._in_flight: list[_Entry] | None = None
+        self._in_flight: deque[tuple[int, list[_Entry]]] = deque()  # (step id, rows), oldest first: at most two
         self._step_ids = itertools.count(first_step_id)
-        self._in_flight_step = 0
 
     # ---- admission -------------------------------------------------------------------------------
 
@@ -150,7 +157,7 @@ class BatchScheduler:
         req = self.by_rid.get(rid)
         if req is None:
             return out
-        if self._in_flight is not None and any(e.req is req for e in self._in_flight):
+        if req.in_flight:
             req.abort_pending = True
         else:
             self._finish(req, "abort", out)
@@ -160,16 +167,21 @@ class BatchScheduler:
 
     @property
     def step_in_flight(self) -> bool:
-        return self._in_flight is not None
+        return bool(self._in_flight)
 
     @property
     def in_flight_step(self) -> int:
-        """The id of the step in flight (meaningful while step_in_flight)."""
-        return self._in_flight_step
+        """The id of the oldest step in flight, the one whose answer is due next (meaningful while
+        step_in_flight)."""
+        return self._in_flight[0][0] if self._in_flight else 0
+
+    @property
+    def steps_in_flight(self) -> int:
+        return len(self._in_flight)
 
     def schedule(self) -> StepBatch | None:
         """The next step, or None when a step is in flight or nothing can run."""
-        if self._in_flight is not None:
+        if self._in_flight:
             return None
         budget = self.pool.max_prefill_tokens
         entries: list[_Entry] = []
@@ -204,8 +216,28 @@ class BatchScheduler:
             budget -= q
         if not entries:
             return None
-        self._in_flight = entries
         return self._build_batch(entries)
+
+    def schedule_ahead(self) -> StepBatch | None:
+        """The step after the one in flight, sent before that one's answer: each of its requests decodes
+        the token it samples there. None unless exactly one step is in flight and it may be continued
+        (the module docstring says when)."""
+        if len(self._in_flight) != 1 or self.waiting:
+            return None
+        _, previous = self._in_flight[0]
+        limit = self.pool.max_model_len
+        for e in previous:
+            r = e.req
+            produced = r.output_len + r.in_flight  # its tokens once every step in flight is back
+            if (not e.sample or r.done or r.abort_pending or r.sampling.reads_its_output or r.prompt_logprobs_pending
+                    or produced + 1 > r.max_tokens or len(r.tokens) + r.in_flight + 1 > limit):  # fmt: skip
+                return None
+        # each row reads the position its previous row produced: the sequence so far plus the in-flight token
+        positions = [len(e.req.tokens) + e.req.in_flight - 1 for e in previous]
+        if not all(self.kv.grow(e.req, pos + 1) for e, pos in zip(previous, positions)):
+            return None  # no page to grow into: the next full step may preempt (pages grown here are used then)
+        entries = [_Entry(e.req, 1, True) for e in previous]
+        return self._build_batch(entries, ahead_positions=positions)
 
     @staticmethod
     def _samples(req: Request, q: int) -> bool:
@@ -240,7 +272,9 @@ class BatchScheduler:
             req.admitted_once = True
         return True
 
-    def _build_batch(self, entries: list[_Entry]) -> StepBatch:
+    def _build_batch(self, entries: list[_Entry], ahead_positions: list[int] | None = None) -> StepBatch:
+        """The step of these rows, now in flight. `ahead_positions`: a step scheduled ahead, every row
+        decoding, at these positions, the token the worker sampled for it in the step before."""
         n = len(entries)
         width = max(len(e.req.pages) for e in entries)
         page_table = np.zeros((n, width), dtype=np.int32)
@@ -253,41 +287,48 @@ class BatchScheduler:
             # rows of this chunk at positions p give the logprob of token p + 1; those still to send: done..P-2
             prompt_logprobs[i] = (r.prompt_logprobs_pending and r.num_computed <= r.prompt_len - 2
                                   and r.num_computed + e.query_len - 1 >= r.prompt_logprobs_done)  # fmt: skip
-            tokens.extend(r.tokens[r.num_computed : r.num_computed + e.query_len])
+            if ahead_positions is None:
+                tokens.extend(r.tokens[r.num_computed : r.num_computed + e.query_len])
+            else:
+                tokens.append(0)  # the worker puts the token it sampled for this request in the step before
+            r.in_flight += 1
             if not r.announced:
                 # After a preemption the tokens already produced are part of the recomputed prefix, so
                 # they count as seen for the repetition penalty.
                 new_requests.append(NewRequest(req_id=r.rid, prompt_token_ids=np.asarray(r.tokens, dtype=np.int32),
                                                sampling=r.sampling))  # fmt: skip
                 r.announced = True
-        self._in_flight_step = next(self._step_ids)
+        step_id = next(self._step_ids)
+        self._in_flight.append((step_id, entries))
         forget, self._forget = self._forget, []
+        contexts = [e.req.num_computed for e in entries] if ahead_positions is None else ahead_positions
         return StepBatch(
-            step_id=self._in_flight_step,
+            step_id=step_id,
             req_ids=np.array([e.req.rid for e in entries], dtype=np.int64),
             tokens=np.array(tokens, dtype=np.int32),
             query_lens=np.array([e.query_len for e in entries], dtype=np.int32),
-            context_lens=np.array([e.req.num_computed for e in entries], dtype=np.int32),
+            context_lens=np.array(contexts, dtype=np.int32),
             page_table=page_table,
             linear_state_slots=np.array([e.req.linear_state_slot for e in entries], dtype=np.int32),
-            reset_linear_state=np.array([e.req.num_computed == 0 for e in entries], dtype=bool),
+            reset_linear_state=np.array([c == 0 for c in contexts], dtype=bool),
             sample=np.array([e.sample for e in entries], dtype=bool),
             new_requests=tuple(new_requests),
             finished_req_ids=tuple(forget),
             prompt_logprobs=prompt_logprobs if prompt_logprobs.any() else None,  # None: the step is as before
+            feed_sampled=None if ahead_positions is None else np.ones(n, dtype=bool),
         )
 
     def complete(self, output: StepOutput) -> Outcome:
         """Apply the in-flight step's output: advance requests, emit tokens, finish the done ones."""
         out = Outcome()
-        if self._in_flight is None or output.step_id != self._in_flight_step:
+        if not self._in_flight or output.step_id != self._in_flight[0][0]:
             # A late answer to a step already given up on (--step-timeout): its requests failed
             # then. Failing the step now in flight would cascade to every later step.
             return out
         problem = step_output_problem(output, self.pool.vocab_size)
         if problem is not None:
             return self.fail_step(output.step_id, EngineError(f"the worker's answer to step {output.step_id} is unusable: {problem}"))
-        entries, self._in_flight = self._in_flight, None
+        entries = self._landed()
         sampled = dict(zip(output.req_ids.tolist(), output.token_ids.tolist()))
         vocab = self.pool.vocab_size
         sampled_lps = {lp.req_id: lp for lp in output.sampled_logprobs}
@@ -295,6 +336,9 @@ class BatchScheduler:
             self._take_prompt_logprobs(lp, out)
         for e in entries:
             req = e.req
+            if req.done:  # it finished in the step before, scheduled ahead of its end: drop this row
+                self._release_if_idle(req)
+                continue
             req.num_computed += e.query_len
             if req.abort_pending:
                 self._finish(req, "abort", out)
@@ -341,17 +385,29 @@ class BatchScheduler:
     def fail_step(self, step_id: int, err: FerryError) -> Outcome:
         """The worker could not run the in-flight step: its requests fail, everything else goes on."""
         out = Outcome()
-        if self._in_flight is None or step_id != self._in_flight_step:
+        if not self._in_flight or step_id != self._in_flight[0][0]:
             return out  # a late failure of a step already given up on (see complete)
-        entries, self._in_flight = self._in_flight, None
-        for e in entries:
-            self._fail(e.req, err, out)
+        for e in self._landed():
+            if e.req.done:
+                self._release_if_idle(e.req)
+            else:
+                self._fail(e.req, err, out)
         return out
+
+    def _landed(self) -> list[_Entry]:
+        """The oldest step in flight is back: its rows, each request holding one step fewer."""
+        _, entries = self._in_flight.popleft()
+        for e in entries:
+            e.req.in_flight -= 1
+        return entries
 
     def fail_all(self, err: FerryError) -> Outcome:
         """The worker is gone: every request fails now (its pools died with it)."""
         out = Outcome()
-        self._in_flight = None
+        for _, entries in self._in_flight:
+            for e in entries:
+                e.req.in_flight = 0  # the worker and its pools are gone: nothing is in flight any more
+        self._in_flight.clear()
         for req in [*self.running, *self.waiting]:
             self._fail(req, err, out)
         return out
@@ -374,12 +430,19 @@ class BatchScheduler:
             req.announced = False
 
     def _remove(self, req: Request) -> None:
-        self._release(req)
+        """Out of the queues for good; its pages, state slot and sampler state are released once no
+        step in flight holds it (a step scheduled ahead may still)."""
+        req.done = True
+        self._release_if_idle(req)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         self.by_rid.pop(req.rid, None)
+
+    def _release_if_idle(self, req: Request) -> None:
+        if req.in_flight == 0:
+            self._release(req)
 
     def _finish(self, req: Request, reason: str, out: Outcome) -> None:
         self._remove(req)

@@ -20,6 +20,7 @@ class SchedulerConfig:
     health_port: int | None  # side port for /health and /metrics; None: no side server
     step_timeout_s: float  # a worker step running longer than this counts as a hung worker
     wire_keys: str | None = None  # the CURVE key directory (shared/wire_keys.py); None: no CURVE
+    schedule_ahead: bool = True  # send a decode step's successor before its answer (batcher.py)
 
 
 def add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
@@ -29,6 +30,7 @@ def add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--results-addr", default=RESULTS_ADDR, help="where the scheduler pulls results (worker connects)")
     add_side_http_flags(g)
     add_step_timeout_flag(g)
+    add_schedule_ahead_flag(g)
     add_wire_keys_flag(g)
 
 
@@ -36,6 +38,13 @@ def add_step_timeout_flag(group) -> None:
     """`--step-timeout`, for `ferry scheduler` and `ferry serve` (which passes it on)."""
     group.add_argument("--step-timeout", type=float, default=STEP_TIMEOUT_S,
                        help=f"seconds one worker step may run before its requests fail as hung (default {STEP_TIMEOUT_S:g})")  # fmt: skip
+
+
+def add_schedule_ahead_flag(group) -> None:
+    """`--no-schedule-ahead`, for `ferry scheduler` and `ferry serve` (which passes it on)."""
+    group.add_argument("--no-schedule-ahead", dest="schedule_ahead", action="store_false",
+                       help="send each decode step only after the worker answered the one before (by default the "
+                            "next decode step goes out at once, and the worker feeds it the tokens it samples)")  # fmt: skip
 
 
 def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
@@ -47,4 +56,4 @@ def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
     for flag, addr in (("--api-addr", args.api_addr), ("--steps-addr", args.steps_addr), ("--results-addr", args.results_addr)):
         check_exposure(flag, addr, keys)
     return SchedulerConfig(args.api_addr, args.steps_addr, args.results_addr, args.health_host, args.health_port,
-                           args.step_timeout, keys or None)  # fmt: skip
+                           args.step_timeout, keys or None, schedule_ahead=args.schedule_ahead)  # fmt: skip

@@ -25,7 +25,9 @@ class Request:
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache at first admission
     admitted_once: bool = False
     announced: bool = False  # the worker holds sampler state for it (NewRequest sent)
-    abort_pending: bool = False  # aborted while in the step in flight: finish when that step returns
+    abort_pending: bool = False  # aborted while in a step in flight: finish when that step returns
+    in_flight: int = 0  # steps in flight that hold a row of it (two when the second was scheduled ahead)
+    done: bool = False  # finished, failed or aborted; its pages wait for in_flight to reach 0
     prompt_logprobs_done: int = 0  # prompt positions 1..this have had their log-probabilities sent
 
     @property

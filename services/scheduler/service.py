@@ -158,26 +158,42 @@ class SchedulerService:
                     self._worker_alive(msg)
                 case StepDone(output=output):
                     if self.core is not None and self.core.step_in_flight:
-                        self._emit(self.core.complete(output))
-                        self._step_sent_at = None if not self.core.step_in_flight else self._step_sent_at
+                        self._step_landed(self.core.complete(output))
                 case StepFailed(step_id=step_id, message=message):
                     log.error("step_failed", step_id=step_id, error=message)
                     if self.core is not None and self.core.step_in_flight:
-                        self._emit(self.core.fail_step(step_id, EngineError(f"the worker failed a step: {message}")))
-                        self._step_sent_at = None if not self.core.step_in_flight else self._step_sent_at
+                        self._step_landed(self.core.fail_step(step_id, EngineError(f"the worker failed a step: {message}")))
+
+    def _step_landed(self, out: Outcome) -> None:
+        """After an answer: tell the api replicas, and time the step now due from here (a step
+        scheduled ahead waited behind the one that just landed)."""
+        self._emit(out)
+        self._step_sent_at = time.monotonic() if self.core is not None and self.core.step_in_flight else None
 
     def _maybe_step(self) -> None:
-        if self.core is None or self.core.step_in_flight:
+        """Send the next step when none is in flight, and then, while one is, the step after it
+        (BatchScheduler.schedule_ahead): the worker starts it without waiting for this process."""
+        if self.core is None:
             return
-        batch = self.core.schedule()
-        if batch is None:
-            return
+        if not self.core.step_in_flight:
+            batch = self.core.schedule()
+            if batch is None or not self._send_step(batch):
+                return
+        if self.cfg.schedule_ahead and (batch := self.core.schedule_ahead()) is not None:
+            self._send_step(batch)
+
+    def _send_step(self, batch) -> bool:
         if not self.steps.send(self.worker_boot.encode(), RunStep(batch)):
-            self._emit(self.core.fail_step(batch.step_id, ServiceUnavailable("the worker is not connected")))
-            return
-        self._step_sent_at = time.monotonic()
+            # every step in flight fails: a step scheduled ahead needs the one before it
+            while self.core.step_in_flight:
+                self._emit(self.core.fail_step(self.core.in_flight_step, ServiceUnavailable("the worker is not connected")))
+            self._step_sent_at = None
+            return False
+        if self._step_sent_at is None:
+            self._step_sent_at = time.monotonic()
         self.metrics.steps.inc()
         self.metrics.step_tokens.inc(len(batch.tokens))
+        return True
 
     # ---- requests --------------------------------------------------------------------------------
 

@@ -86,10 +86,14 @@ class DecodeGraphs:
             return None
         return next(b for b in self.buckets if b >= r)
 
-    def run(self, step: StepBatch, rows: int) -> torch.Tensor:
-        """Replay the bucket's graph on this step; float32 logits of its requests, [R, vocab]."""
+    def run(self, step: StepBatch, rows: int, before_replay=None) -> torch.Tensor:
+        """Replay the bucket's graph on this step; float32 logits of its requests, [R, vocab].
+        `before_replay(tokens)`: rewrites the loaded token ids in place (the rows fed from the previous
+        step's samples, StepBatch.feed_sampled), queued before the replay."""
         g = self.graphs[rows]
         self._load(step, rows, g.inputs)
+        if before_replay is not None:
+            before_replay(g.batch.tokens)
         g.graph.replay()
         return g.logits[: len(step.req_ids)]
 

@@ -14,6 +14,8 @@ exactly as before."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 import torch
 
@@ -50,9 +52,18 @@ class StepExecutor:
         self.device = torch.device(device)
         grammar_tokenizer = None if tokenizer_dir is None else tokenizer_factory(tokenizer_dir, spec.vocab_size, eos_token_ids)
         self.sampler = Sampler(spec.vocab_size, self.device, seed=sampler_seed, grammar_tokenizer=grammar_tokenizer)
+        self._last_sampled: tuple | None = None  # (req ids, device tokens) the last launched step sampled
 
     def execute(self, batch: StepBatch) -> StepOutput:
+        return self.finish(self.launch(batch))
+
+    def launch(self, batch: StepBatch) -> "_Launched":
+        """Queue the step on the device (forward, sampling, the copies of its results to the host)
+        without waiting for it; `finish` waits and builds its StepOutput. The worker launches a step
+        scheduled ahead before finishing the one before it, whose sampled tokens feed it on the device."""
+        previous, self._last_sampled = self._last_sampled, None  # a fed row may only read the step just before
         self._check(batch)  # before anything changes: a step that breaks the contract changes nothing
+        feed = self._feed_rows(batch, previous)
         for req_id in batch.finished_req_ids:
             self.sampler.remove_request(int(req_id))
         for new in batch.new_requests:
@@ -60,29 +71,39 @@ class StepExecutor:
         sample_mask = batch.sample.astype(bool)
         sampled_ids = np.asarray(batch.req_ids, dtype=np.int64)[sample_mask]
         if len(batch.req_ids) == 0:
-            return StepOutput(step_id=batch.step_id, req_ids=sampled_ids, token_ids=np.zeros(0, np.int32),
-                              logprobs=np.zeros(0, np.float32))  # fmt: skip
+            return _Launched(batch, sampled_ids, output=StepOutput(
+                step_id=batch.step_id, req_ids=sampled_ids, token_ids=np.zeros(0, np.int32),
+                logprobs=np.zeros(0, np.float32)))  # fmt: skip
         bucket = self.graphs.bucket_for(batch) if self.graphs is not None else None
         prompt_rows = batch.prompt_logprobs is not None and bool(np.asarray(batch.prompt_logprobs).any())
         prompt_parts: list = []
         with torch.inference_mode():
             if bucket is not None:
-                logits = self.graphs.run(batch, bucket)
+                logits = self.graphs.run(batch, bucket, before_replay=feed)
             elif prompt_rows:
-                fb = ForwardBatch.from_step(batch, self.plan.kv.page_size, self.device)
+                fb = self._forward_batch(batch, feed)
                 hidden = self.model.hidden_states(fb, self.pools)
                 logits = self.model.logits(hidden[fb.logits_rows])
                 prompt_parts = self._prompt_logprobs(batch, hidden)
             else:
-                logits = self.model(ForwardBatch.from_step(batch, self.plan.kv.page_size, self.device), self.pools)
+                logits = self.model(self._forward_batch(batch, feed), self.pools)
             tokens, logprobs = self.sampler.choose(sampled_ids.tolist(), logits)
             top = self.sampler.top_logprobs(sampled_ids.tolist(), logits, tokens)
             if self.store is not None:
-                self.store.stats_to_host()  # queued before the results: the one wait below covers both
+                self.store.stats_to_host()  # queued before the results: the one wait in finish covers both
             extra = [] if top is None else list(top[1:])
             for _, _, _, tensors in prompt_parts:
                 extra.extend(tensors)
-            token_ids, logprobs, *extra = _to_host(tokens.to(torch.int32), logprobs.to(torch.float32), *extra)
+            copies = _to_host_async(tokens.to(torch.int32), logprobs.to(torch.float32), *extra)
+        self._last_sampled = (sampled_ids, tokens)
+        return _Launched(batch, sampled_ids, top=top, prompt_parts=prompt_parts, copies=copies)
+
+    def finish(self, launched: "_Launched") -> StepOutput:
+        """Wait for a launched step's results and build its StepOutput (steps finish in launch order)."""
+        if launched.output is not None:
+            return launched.output
+        batch, sampled_ids, top, prompt_parts = launched.batch, launched.sampled_ids, launched.top, launched.prompt_parts
+        token_ids, logprobs, *extra = _wait_for_host(*launched.copies)
         self.sampler.record(sampled_ids.tolist(), token_ids.tolist())
         sampled_lps = ()
         if top is not None:
@@ -137,6 +158,42 @@ class StepExecutor:
         return [(rid, start, kk, [token_lps[a : a + n], top_ids[a : a + n], top_lps[a : a + n]])
                 for rid, start, kk, a, n in parts]  # fmt: skip
 
+    def _feed_rows(self, batch: StepBatch, previous: tuple | None):
+        """For a step scheduled ahead: a function putting, into the step's device tokens, each fed row's
+        token from the previous step's sampled tokens (still on the device); None when no row is fed.
+        A fed row whose request did not sample in the previous step, or whose sampling reads its own
+        output here (penalties, a grammar: `record` has not seen the previous token yet), is refused."""
+        feed = batch.feed_sampled
+        if feed is None or not feed.any():
+            return None
+        if previous is None:
+            raise StepBatchError(f"step {batch.step_id} feeds rows from a previous step, and none came just before it")
+        previous_ids, previous_tokens = previous
+        where = {int(r): j for j, r in enumerate(previous_ids.tolist())}
+        qstart = np.concatenate([[0], np.cumsum(batch.query_lens)])
+        rows, sources = [], []
+        for i in np.flatnonzero(feed).tolist():
+            rid = int(batch.req_ids[i])
+            state = self.sampler.requests.get(rid)
+            if rid not in where or state is None or state.params.reads_its_output:
+                raise StepBatchError(f"step {batch.step_id}: request {rid} is fed a token it did not sample in the "
+                                     "step just before, or its sampling reads its own output")  # fmt: skip
+            rows.append(int(qstart[i]))
+            sources.append(where[rid])
+
+        def put(tokens: torch.Tensor) -> None:
+            dst = to_device(rows, torch.int64, tokens.device)
+            src = previous_tokens.index_select(0, to_device(sources, torch.int64, previous_tokens.device))
+            tokens.index_copy_(0, dst, src.to(tokens.dtype))
+
+        return put
+
+    def _forward_batch(self, batch: StepBatch, feed) -> ForwardBatch:
+        fb = ForwardBatch.from_step(batch, self.plan.kv.page_size, self.device)
+        if feed is not None:
+            feed(fb.tokens)
+        return fb
+
     def expert_stats(self) -> tuple[int, int]:
         """(hits, misses) of the expert cache since boot: the worker's heartbeat carries them."""
         if self.store is None:
@@ -169,14 +226,32 @@ class StepExecutor:
             raise StepBatchError(f"step {batch.step_id}: " + "; ".join(problems))
 
 
-def _to_host(*tensors: torch.Tensor) -> list[np.ndarray]:
-    """The tensors on the host as numpy arrays, after one wait for everything queued before them."""
+@dataclass
+class _Launched:
+    """A step on its way: what `finish` needs (or, for a step of no requests, its output already)."""
+
+    batch: StepBatch
+    sampled_ids: np.ndarray
+    top: tuple | None = None
+    prompt_parts: list = field(default_factory=list)
+    copies: tuple = ()  # (host tensors, ready event or None) from _to_host_async
+    output: StepOutput | None = None
+
+
+def _to_host_async(*tensors: torch.Tensor) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
+    """Queue the tensors' copies to the host (pinned) and an event after them; nothing waits."""
     if not tensors[0].is_cuda:
-        return [t.numpy() for t in tensors]
+        return [t.clone() for t in tensors], None
     host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
     for h, t in zip(host, tensors):
         h.copy_(t, non_blocking=True)
     done = torch.cuda.Event()
     done.record(torch.cuda.current_stream(tensors[0].device))
-    done.synchronize()
+    return host, done
+
+
+def _wait_for_host(host: list[torch.Tensor], done) -> list[np.ndarray]:
+    """The copies `_to_host_async` queued, as numpy arrays, after one wait for everything before them."""
+    if done is not None:
+        done.synchronize()
     return [h.numpy() for h in host]

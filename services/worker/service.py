@@ -139,9 +139,17 @@ class WorkerService:
         self._running = False
 
     def run(self) -> None:
+        """Steps are launched as they arrive and answered in order. A step launched on the device is
+        finished (its tokens waited for and sent) only when no next step is already waiting: one the
+        scheduler sent ahead is launched first, so the device goes from one step to the next without
+        waiting for this loop or the scheduler."""
         self.boot()
+        pending = None  # (batch, launched, started): launched, not yet answered
         while self._running:
-            if not self.steps.sock.poll(200):
+            if not self.steps.sock.poll(0 if pending is not None else 200):
+                if pending is not None:
+                    self._answer(*pending)
+                    pending = None
                 continue
             try:
                 msg = self.steps.recv()
@@ -151,25 +159,46 @@ class WorkerService:
             match msg:
                 case RunStep(batch=batch):
                     self.heartbeat.last_step = batch.step_id
-                    self._execute(batch)
+                    if self.heartbeat.step_started is None:
+                        self.heartbeat.step_started = time.monotonic()
+                    launched = self._launch(batch)
+                    if pending is not None:
+                        self._answer(*pending)
+                    pending = None
+                    if isinstance(launched, Exception):
+                        self._fail(batch, launched)
+                    else:
+                        pending = (batch, launched, time.perf_counter())
+                        self.heartbeat.step_started = time.monotonic()  # the step now running
                 case SchedulerBeat():
                     self.scheduler.beat()
         self.close()
 
-    def _execute(self, batch) -> None:
-        t0 = time.perf_counter()
-        self.heartbeat.step_started = time.monotonic()
+    def _launch(self, batch):
+        """The executor's handle on the launched step, or the exception that stopped it. An executor
+        without `launch` (a test double) runs the whole step here."""
         try:
-            output = self.executor.execute(batch)
+            launch = getattr(self.executor, "launch", None)
+            return launch(batch) if launch is not None else self.executor.execute(batch)
         except Exception as exc:  # noqa: BLE001 - a failed step must reach the scheduler, not kill the worker
             log.exception("step_failed", step_id=batch.step_id)
-            self.results.send(StepFailed(step_id=batch.step_id, message=f"{type(exc).__name__}: {exc}"))
-            self.heartbeat.step_started = None
+            return exc
+
+    def _answer(self, batch, launched, started: float) -> None:
+        try:
+            output = self.executor.finish(launched) if hasattr(self.executor, "launch") else launched
+        except Exception as exc:  # noqa: BLE001
+            log.exception("step_failed", step_id=batch.step_id)
+            self._fail(batch, exc)
             return
-        self.metrics.observe_step(time.perf_counter() - t0, len(batch.tokens), len(batch.req_ids))
+        self.metrics.observe_step(time.perf_counter() - started, len(batch.tokens), len(batch.req_ids))
         # the answer goes out before the heartbeat may say "idle": the scheduler must not hand out
         # a new step while this one's answer is still on its way
         self.results.send(StepDone(output))
+        self.heartbeat.step_started = None
+
+    def _fail(self, batch, exc: Exception) -> None:
+        self.results.send(StepFailed(step_id=batch.step_id, message=f"{type(exc).__name__}: {exc}"))
         self.heartbeat.step_started = None
 
     def close(self) -> None:

@@ -16,6 +16,9 @@ import json
 import time
 from pathlib import Path
 
+import msgspec
+import numpy as np
+
 from ferry.plan.planner import ExpertPlan, HostPlan, KVPlan, LinearStatePlan, Plan
 from ferry.services.worker.flags import WorkerBootConfig
 from tests.doubles.paged_model import PagedHashModel
@@ -29,6 +32,7 @@ class DelayedExecutor:
         self.script = script
         self.tokenizer = tokenizer
         self.scripted: dict[int, int] = {}  # req id -> script tokens emitted so far
+        self.last_sampled: dict[int, int] = {}  # req id -> the token the step just before sampled for it
 
     def execute(self, batch):
         if self.vocab_size and batch.tokens.size and int(batch.tokens.max()) >= self.vocab_size:
@@ -41,17 +45,35 @@ class DelayedExecutor:
                     self.scripted[nr.req_id] = 0
             for rid in batch.finished_req_ids:
                 self.scripted.pop(rid, None)
-        out = self.model.execute(batch)
+        previous, self.last_sampled = self.last_sampled, {}
+        out = self.model.execute(_fed(batch, previous))
         for i, rid in enumerate(out.req_ids.tolist()):
             k = self.scripted.get(rid)
             if k is not None:
                 ids = self.script["token_ids"]
                 out.token_ids[i] = ids[min(k, len(ids) - 1)]
                 self.scripted[rid] = k + 1
+        self.last_sampled = dict(zip(out.req_ids.tolist(), out.token_ids.tolist()))
         return out
 
     def expert_stats(self) -> tuple[int, int]:
         return 3 * self.model.steps, self.model.steps  # a fixed 75% hit rate, to see it reach /metrics
+
+
+def _fed(batch, previous: dict[int, int]):
+    """The batch with each feed_sampled row's token taken from the step just before, as the real
+    executor does on the device; a row that step did not sample for is a scheduler bug."""
+    feed = batch.feed_sampled
+    if feed is None or not feed.any():
+        return batch
+    tokens = batch.tokens.copy()
+    qstart = np.concatenate([[0], np.cumsum(batch.query_lens)])
+    for i in np.flatnonzero(feed).tolist():
+        rid = int(batch.req_ids[i])
+        if rid not in previous:
+            raise ValueError(f"step {batch.step_id}: request {rid} is fed a token the step before did not sample")
+        tokens[qstart[i]] = previous[rid]
+    return msgspec.structs.replace(batch, tokens=tokens, feed_sampled=None)
 
 
 def boot_paged_hash_model(cfg: WorkerBootConfig):

@@ -32,6 +32,8 @@ use `OffloadedExperts`, whose host policy is this store's reference twin.
 
 from __future__ import annotations
 
+from collections import deque
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -62,11 +64,9 @@ class DeviceDrivenExperts(OffloadedExperts):
         self.cache: DeviceExpertCache | None = None
         self._prefetch_done: dict[int, torch.cuda.Event] = {}
         self._timing = self._cuda
-        self._host_counters = torch.zeros(slots.cache_state["counters"].shape, dtype=torch.int64,
-                                          pin_memory=self._cuda)  # fmt: skip
-        self._host_stamps = torch.zeros(slots.cache_state["copy_stamps"].shape, dtype=torch.int64,
-                                        pin_memory=self._cuda)  # fmt: skip
-        self._stats_ready: torch.cuda.Event | None = None
+        # (counters, stamps, ready event, copy events) queued by stats_to_host, one per step in flight,
+        # oldest first: a step scheduled ahead is launched before the one before it is folded
+        self._stats_queue: deque[tuple] = deque()
         self._last_counters: dict[str, int] | None = None
         self._step_copy_events: list = []
 
@@ -232,26 +232,30 @@ class DeviceDrivenExperts(OffloadedExperts):
         """Queue the copy of the step's counters and stamps to the host (before the step's sync)."""
         if self.cache is None:
             return
-        self._host_counters.copy_(self.cache.counters, non_blocking=self._cuda)
-        self._host_stamps.copy_(self.cache.copy_stamps, non_blocking=self._cuda)
+        counters = torch.empty(self.cache.counters.shape, dtype=torch.int64, pin_memory=self._cuda)
+        stamps = torch.empty(self.cache.copy_stamps.shape, dtype=torch.int64, pin_memory=self._cuda)
+        counters.copy_(self.cache.counters, non_blocking=self._cuda)
+        stamps.copy_(self.cache.copy_stamps, non_blocking=self._cuda)
+        self.cache.copy_stamps.zero_()  # in stream order: the next step stamps afresh
+        ready = None
         if self._cuda:
-            self._stats_ready = torch.cuda.Event()
-            self._stats_ready.record(torch.cuda.current_stream(self.device))
-        else:
-            self._stats_ready = None
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+        self._stats_queue.append((counters, stamps, ready, self._step_copy_events))
+        self._step_copy_events = []
 
     def end_step(self, synced: bool = False) -> None:
         """Fold the step into the statistics; `synced`: the caller already waited for everything
         queued (the executor's one wait per step covers the copies `stats_to_host` queued)."""
         if self.cache is None:
             return
-        if self._stats_ready is None and self._cuda:
+        if not self._stats_queue:
             self.stats_to_host()
             synced = False
-        if self._stats_ready is not None and not synced:
-            self._stats_ready.synchronize()
-        self._stats_ready = None
-        now = self.cache.counters_dict(self._host_counters.numpy())
+        counters, stamps, ready, copy_events = self._stats_queue.popleft()
+        if ready is not None and not synced:
+            ready.synchronize()
+        now = self.cache.counters_dict(counters.numpy())
         before = self._last_counters
         delta = {n: now[n] - before[n] for n in now}
         self._last_counters = now
@@ -259,20 +263,19 @@ class DeviceDrivenExperts(OffloadedExperts):
         if delta["lookups"]:
             self.stats.record_lookup(delta["hits"], delta["misses"], copies * self.banks.expert_nbytes)
             self.stats.record_prefetch(delta["prefetched"], delta["prefetch_useful"], delta["prefetch_wasted"])
-            copy_s, exposed_s = self._stamped_seconds()
-            for start, end in self._step_copy_events:
+            copy_s, exposed_s = self._stamped_seconds(stamps)
+            for start, end in copy_events:
                 self.stats.record_copy_events(start, end)
             self.stats.record_copy_seconds(copy_s, exposed_s)
-        self._step_copy_events = []
         self.stats.end_step()
         self._last_layer = -1
 
-    def _stamped_seconds(self) -> tuple[float, float]:
-        """(copy time, exposed copy time) of the graph-safe layers, from the device stamps; each
-        stamp row is zeroed once read, so a layer that ran no decode path this step adds nothing."""
+    def _stamped_seconds(self, stamps: torch.Tensor) -> tuple[float, float]:
+        """(copy time, exposed copy time) of the graph-safe layers, from one step's copy of the device
+        stamps; the device rows are zeroed once copied, so a layer that ran no decode path adds nothing."""
         if not self._timing:
             return 0.0, 0.0
-        s = self._host_stamps.numpy().astype(np.int64)
+        s = stamps.numpy().astype(np.int64)
         ran = s[:, MISS_END] > 0
         copy = np.where(ran, s[:, MISS_END] - s[:, MISS_START], 0)
         pref = s[:, PREFETCH_END] > 0
@@ -282,7 +285,6 @@ class DeviceDrivenExperts(OffloadedExperts):
         waited = np.zeros(len(s), dtype=np.int64)
         waited[1:] = np.where(pref[:-1] & (s[1:, BEFORE_PREFETCH_WAIT] > 0),
                               np.maximum(0, s[:-1, PREFETCH_END] - s[1:, BEFORE_PREFETCH_WAIT]), 0)  # fmt: skip
-        self.cache.copy_stamps.zero_()
         return float(copy.sum()) / 1e9, float((exposed + waited).sum()) / 1e9
 
     def report(self) -> dict:

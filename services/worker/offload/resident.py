@@ -16,6 +16,8 @@ and no add, and every pair is routed, so the row buffer needs no zero fill."""
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 
 from ferry.kernels.dispatch import use_triton
@@ -40,7 +42,9 @@ class ResidentExperts:
         self.num_experts = num_experts
         self.stats = ExpertCacheStats()
         self._routed: torch.Tensor | None = None  # int32 [layers, experts]: routed this step, on the device
-        self._pending = False  # a count queued by stats_to_host, not yet read
+        # counts queued by stats_to_host, not yet read: one per step in flight, oldest first (a step
+        # scheduled ahead is launched before the one before it is folded)
+        self._queued: deque[torch.Tensor] = deque()
 
     def _slot(self, moe_layer: int, expert: int) -> int:
         return moe_layer * self.num_experts + expert
@@ -74,7 +78,6 @@ class ResidentExperts:
         if self._routed is None or self._routed.device != topk_ids.device:
             self._routed = torch.zeros(self.num_moe_layers, self.num_experts, dtype=torch.int32, device=topk_ids.device)
             self._routed_sum = torch.zeros(1, dtype=torch.int64, device=topk_ids.device)
-            self._routed_host = torch.zeros(1, dtype=torch.int64, pin_memory=topk_ids.is_cuda)
         t, k = topk_ids.shape
         marks = torch.ones(t, k, dtype=torch.int32, device=topk_ids.device)
         if n_rows is not None:
@@ -88,19 +91,21 @@ class ResidentExperts:
         with torch.inference_mode():  # the table was made inside the forward's inference mode
             self._routed_sum.copy_(self._routed.sum(dtype=torch.int64).view(1))
             self._routed.zero_()
-            self._routed_host.copy_(self._routed_sum, non_blocking=self._routed.is_cuda)
-        self._pending = True
+            host = torch.empty(1, dtype=torch.int64, pin_memory=self._routed.is_cuda)
+            host.copy_(self._routed_sum, non_blocking=self._routed.is_cuda)
+        self._queued.append(host)
 
     def end_step(self, synced: bool = False) -> None:
         """Fold the step's lookups (all hits) into the statistics. `synced`: the caller has already
         waited for everything queued (the executor's one wait per step), so no second wait here."""
-        if self._routed is not None and not self._pending:
+        if self._routed is not None and not self._queued:
             self.stats_to_host()
-        if self._pending:
+            synced = False
+        if self._queued:
+            host = self._queued.popleft()
             if self._routed.is_cuda and not synced:
                 torch.cuda.current_stream(self._routed.device).synchronize()
-            self.stats.record_lookup(int(self._routed_host[0]), 0, 0)
-            self._pending = False
+            self.stats.record_lookup(int(host[0]), 0, 0)
         self.stats.end_step()
 
     def report(self) -> dict:
