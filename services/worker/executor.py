@@ -98,6 +98,12 @@ class StepExecutor:
         self._last_sampled = (sampled_ids, tokens)
         return _Launched(batch, sampled_ids, top=top, prompt_parts=prompt_parts, copies=copies)
 
+    @staticmethod
+    def done(launched: "_Launched") -> bool:
+        """Whether the device has finished the launched step (its results wait on the host)."""
+        event = launched.copies[1] if launched.copies else None
+        return event is None or bool(event.query())
+
     def finish(self, launched: "_Launched") -> StepOutput:
         """Wait for a launched step's results and build its StepOutput (steps finish in launch order)."""
         if launched.output is not None:

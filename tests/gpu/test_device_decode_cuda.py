@@ -151,3 +151,22 @@ def test_graphs_and_the_device_cache_decode_token_for_token(tiny_models, arch, d
     want = runs.pop("resident-eager")
     for name, got in runs.items():
         assert got == want, f"{name} differs from all-resident eager decoding"
+
+
+@pytest.mark.parametrize("arch, dtype", [("qwen3_moe", "float32"), ("qwen3_5_moe", "bfloat16")])
+def test_steps_scheduled_ahead_decode_as_one_by_one_through_graphs_and_the_device_cache(tiny_models, arch, dtype):
+    """A step launched before the previous one finished, its tokens fed from that step's samples on the
+    device (before the graph replays, or into an eager step), gives the tokens of running them one by one."""
+    from tests.unit.test_executor_ahead import decode_two_requests
+
+    for flags in ([], ["--moe-cache-size", "10"], ["--moe-cache-size", "10", "--enforce-eager"]):
+        executor, _ = _boot(tiny_models[arch], dtype, *flags)
+        assert (executor.graphs is None) == ("--enforce-eager" in flags)
+        one_by_one = decode_two_requests(executor, ahead=False)
+        del executor
+        gc.collect()
+        executor, _ = _boot(tiny_models[arch], dtype, *flags)
+        assert decode_two_requests(executor, ahead=True) == one_by_one, flags
+        del executor
+        gc.collect()
+        torch.cuda.empty_cache()

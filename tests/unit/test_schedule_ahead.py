@@ -1,0 +1,139 @@
+"""Scheduling ahead (BatchScheduler.schedule_ahead): a decode step sent before the previous step's answer,
+its rows fed the tokens the worker sampled there, against the model double that reads its context back
+from the KV pages, so a page released or reused while a step ahead still writes it changes the output."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+from ferry.shared.sampling import SamplingParams
+from tests.doubles.fake_worker import _fed
+from tests.doubles.paged_model import reference_continuation
+from tests.unit.test_batch_scheduler import VOCAB, add, make, prompt
+
+
+def run_ahead_to_end(sched, model, abort_at: dict[int, int] | None = None, max_answers=10_000):
+    """Drive the scheduler as its service does: send a step when none is in flight, then the step ahead;
+    the worker runs what it was sent in order (feeding fed rows from the step before); one answer lands at a
+    time. `abort_at`: {rid: after how many answers to abort it}. Returns tokens, finish reasons, and how many
+    steps were sent ahead and the most in flight at once."""
+    tokens: dict[int, list[int]] = {}
+    finished: dict[int, str] = {}
+    sent, answers, last = deque(), deque(), {}
+    unanswered: deque[set[int]] = deque()  # the rows of each step sent and not answered yet
+
+    def send(batch) -> None:
+        # the worker forgets a request's sampler state when told: never while a step it is in still runs
+        held = set().union(*unanswered) if unanswered else set()
+        assert held.isdisjoint(batch.finished_req_ids), "a request forgotten while a step in flight holds it"
+        unanswered.append(set(batch.req_ids.tolist()))
+        sent.append(batch)
+
+    ahead = most = landed = 0
+    for _ in range(max_answers):
+        if not sched.step_in_flight and (batch := sched.schedule()) is not None:
+            send(batch)
+        if (batch := sched.schedule_ahead()) is not None:
+            assert batch.feed_sampled is not None and batch.feed_sampled.all()
+            send(batch)
+            ahead += 1
+        most = max(most, sched.steps_in_flight)
+        while sent:  # the worker launches each step as it arrives
+            out = model.execute(_fed(sent.popleft(), last))
+            last = dict(zip(out.req_ids.tolist(), out.token_ids.tolist()))
+            answers.append(out)
+        if not answers:
+            assert not (sched.running or sched.waiting), "work left but nothing schedulable"
+            return tokens, finished, ahead, most
+        result = sched.complete(answers.popleft())
+        unanswered.popleft()
+        landed += 1
+        assert not result.failed
+        for req, tok in result.tokens:
+            tokens.setdefault(req.rid, []).append(tok)
+        for req, reason in result.finished:
+            finished[req.rid] = reason
+        for rid, when in (abort_at or {}).items():
+            if when == landed:
+                for req, reason in sched.abort(rid).finished:
+                    finished[req.rid] = reason
+    raise AssertionError("did not finish")
+
+
+def test_decoding_ahead_gives_the_reference_continuations_and_returns_every_page():
+    sched, model = make(pages=64, page_size=4)
+    prompts = {rid: prompt(rid, 5 + 3 * rid) for rid in range(1, 5)}
+    lengths = {1: 1, 2: 7, 3: 12, 4: 20}
+    for rid, p in prompts.items():
+        add(sched, rid, p, lengths[rid])
+    tokens, finished, ahead, most = run_ahead_to_end(sched, model)
+    for rid, p in prompts.items():
+        assert tokens[rid] == reference_continuation(p.tolist(), lengths[rid], VOCAB), rid
+    assert finished == {rid: "length" for rid in prompts}
+    assert ahead > 10 and most == 2
+    assert sched.kv.available == sched.kv.total and not sched.steps_in_flight
+
+
+def test_a_request_that_stops_while_its_next_step_is_in_flight_drops_that_token_and_keeps_its_pages_till_then():
+    sched, model = make(pages=16, page_size=4)
+    p = prompt(7, 6)
+    reference = reference_continuation(p.tolist(), 30, VOCAB)
+    stop = reference[9]  # its 10th token stops it, with the step after it already sent
+    expect = reference_continuation(p.tolist(), 30, VOCAB, stop_ids=(stop,))
+    add(sched, 1, p, 30, stop_token_ids=(stop,))
+    other = prompt(8, 9)
+    add(sched, 2, other, 25)  # decodes on, in pages the stopped request's might be handed to too early
+    tokens, finished, ahead, _ = run_ahead_to_end(sched, model)
+    assert tokens[1] == expect and finished[1] == "stop"
+    assert tokens[2] == reference_continuation(other.tolist(), 25, VOCAB) and finished[2] == "length"
+    assert ahead > 0 and sched.kv.available == sched.kv.total
+
+
+def test_an_abort_with_two_steps_in_flight_finishes_the_request_once_and_frees_it_after_both():
+    sched, model = make()
+    add(sched, 1, prompt(1, 8), 40)
+    add(sched, 2, prompt(2, 8), 12)
+    tokens, finished, _, _ = run_ahead_to_end(sched, model, abort_at={1: 5})
+    assert finished == {1: "abort", 2: "length"}
+    assert len(tokens[1]) < 40 and tokens[1] == reference_continuation(prompt(1, 8).tolist(), 40, VOCAB)[: len(tokens[1])]
+    assert sched.kv.available == sched.kv.total
+
+
+def test_no_step_goes_ahead_for_sampling_that_reads_its_own_output_nor_past_the_last_token_nor_with_a_queue():
+    sched, model = make()
+    add(sched, 1, prompt(1, 8), 10, repetition_penalty=1.2)
+    assert sched.schedule() is not None and sched.schedule_ahead() is None  # penalties read the output on the worker
+    sched, model = make()
+    add(sched, 1, prompt(1, 8), 1)
+    assert sched.schedule() is not None and sched.schedule_ahead() is None  # the token in flight is its last
+    sched, model = make(running=1)
+    add(sched, 1, prompt(1, 8), 10)
+    add(sched, 2, prompt(2, 8), 10)
+    assert sched.schedule() is not None and sched.schedule_ahead() is None  # a request waits: the pipeline drains
+    sched, model = make()
+    add(sched, 1, prompt(1, 8), 10)
+    batch = sched.schedule()
+    ahead = sched.schedule_ahead()
+    assert ahead is not None and sched.schedule_ahead() is None  # two in flight at most
+    assert ahead.context_lens.tolist() == [8] and not ahead.reset_linear_state.any() and ahead.tokens.tolist() == [0]
+    assert batch.feed_sampled is None
+
+
+def test_sampling_params_say_which_requests_read_their_own_output():
+    assert not SamplingParams().reads_its_output and not SamplingParams(seed=3, logit_bias=((5, 1.0),)).reads_its_output
+    for reads in ({"repetition_penalty": 1.1}, {"presence_penalty": 0.5}, {"frequency_penalty": -0.5}, {"grammar": "{}"}):
+        assert SamplingParams(**reads).reads_its_output
+
+
+def test_hybrid_rows_ahead_keep_their_linear_state_slot():
+    sched, model = make(slots=2)
+    prompts = {1: prompt(3, 7), 2: prompt(4, 11)}
+    for rid, p in prompts.items():
+        add(sched, rid, p, 15)
+    tokens, finished, ahead, _ = run_ahead_to_end(sched, model)
+    for rid, p in prompts.items():
+        assert tokens[rid] == reference_continuation(p.tolist(), 15, VOCAB)
+    assert ahead > 0 and sched.linear_state.available == 2 if hasattr(sched.linear_state, "available") else ahead > 0
+    assert np.all([f == "length" for f in finished.values()])
