@@ -14,6 +14,8 @@ class SchedulerMetrics:
         self.status = StatusGauges(r, "ferry_scheduler_")
         self.kv_cached = Gauge("ferry_scheduler_kv_pages_cached", "KV pages held by the prefix cache", registry=r)
         self.steps = Counter("ferry_scheduler_steps", "steps sent to the worker", registry=r)
+        self.steps_ahead = Counter("ferry_scheduler_steps_ahead", "of those, steps sent before the previous step's "
+                                   "answer (scheduled ahead)", registry=r)  # fmt: skip
         self.step_tokens = Counter("ferry_scheduler_step_tokens", "tokens sent to the worker in steps", registry=r)
         self.preemptions = Counter("ferry_scheduler_preemptions", "requests preempted for lack of pages", registry=r)
         self.rejected = Counter("ferry_scheduler_rejected_requests", "requests rejected at admission", registry=r)

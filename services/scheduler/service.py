@@ -179,8 +179,8 @@ class SchedulerService:
             batch = self.core.schedule()
             if batch is None or not self._send_step(batch):
                 return
-        if self.cfg.schedule_ahead and (batch := self.core.schedule_ahead()) is not None:
-            self._send_step(batch)
+        if self.cfg.schedule_ahead and (batch := self.core.schedule_ahead()) is not None and self._send_step(batch):
+            self.metrics.steps_ahead.inc()
 
     def _send_step(self, batch) -> bool:
         if not self.steps.send(self.worker_boot.encode(), RunStep(batch)):

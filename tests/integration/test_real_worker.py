@@ -148,12 +148,15 @@ def test_sixteen_concurrent_streams_equal_their_single_request_greedy_outputs(re
     alone = {p: ref.ids(ref.text_ids(p), 20)[0] for p in prompts}
     sched = scheduler_url(real_cluster)
     steps_before = metric(sched, "ferry_scheduler_steps_total")
+    ahead_before = metric(sched, "ferry_scheduler_steps_ahead_total")
     results = stream_concurrently(real_cluster.base_url, jobs)
     for (prompt, n), (text, usage, reason) in zip(jobs, results):
         assert (usage, reason) == (n, "length"), prompt
         assert text == ref.text(alone[prompt][:n]), f"batching changed the greedy output of {prompt!r}"
     # they really ran together: one at a time would take at least one step per generated token
     assert metric(sched, "ferry_scheduler_steps_total") - steps_before < sum(n for _, n in jobs) / 2
+    # and decode steps went out ahead of their predecessors' answers, the worker feeding them its samples
+    assert metric(sched, "ferry_scheduler_steps_ahead_total") - ahead_before > 0
 
 
 def test_client_that_disconnects_mid_stream_frees_its_pages(real_cluster):

@@ -68,6 +68,16 @@ def test_vllm_aliases_reach_the_worker_as_the_planner_flags():
     assert parse("worker", "--model", "m", "--gpu-memory", flags["--gpu-memory"]).gpu_memory == 24 * 2**30
 
 
+def test_no_schedule_ahead_reaches_the_scheduler_from_serve():
+    from ferry.services.scheduler.config import scheduler_config_from_args
+
+    for extra, ahead in (((), True), (("--no-schedule-ahead",), False)):
+        scheduler = child_commands(parse("serve", "/models/m", *extra), "/models/m", Path("/tmp/x"))["scheduler"]
+        assert ("--no-schedule-ahead" in scheduler) == (not ahead)
+        cfg = scheduler_config_from_args(parse("scheduler", *scheduler[4:]))
+        assert cfg.schedule_ahead is ahead
+
+
 def test_the_api_key_never_goes_on_a_command_line_nor_in_an_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("FERRY_API_KEY", "s3cret")
     args = parse("serve")
