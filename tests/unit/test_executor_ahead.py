@@ -79,3 +79,20 @@ def test_a_fed_row_is_refused_without_the_step_before_or_when_its_sampling_reads
     _, executor = _decode(tiny_model, ahead=False, steps=1, repetition_penalty=1.3)
     with pytest.raises(StepBatchError, match="reads its own output"):
         executor.execute(_step(60, {11: [0]}, {11: 8}, ps, fed=True))
+
+
+def test_the_contract_holds_feed_sampled_to_its_shape_and_to_rows_that_continue_a_request():
+    from ferry.shared.contract import StepLimits, step_problems
+
+    limits = StepLimits(kv_pages=64, page_size=16, linear_state_slots=4, max_running_requests=8, max_prefill_tokens=64,
+                        max_model_len=256, vocab_size=512)  # fmt: skip
+    known = {11: None, 12: None}
+    good = _step(1, {11: [0], 12: [0]}, {11: 5, 12: 7}, 16, fed=True)
+    assert step_problems(good, limits, known) == []
+    import msgspec
+
+    for bad, why in ((msgspec.structs.replace(good, feed_sampled=np.ones(2, np.int32)), "1-D bool"),
+                     (msgspec.structs.replace(good, feed_sampled=np.ones(3, bool)), "3 entries for 2"),
+                     (_step(2, {11: [0, 0]}, {11: 5}, 16, fed=True), "already started"),
+                     (_step(3, {11: [0]}, {11: 0}, 16, fed=True), "already started")):  # fmt: skip
+        assert any(why in p for p in step_problems(bad, limits, known)), why
