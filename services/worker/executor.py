@@ -5,10 +5,6 @@ model eagerly. Either way the host waits for the device once per step, for the s
 (and, queued before them, the expert store's statistics); everything before is queued without
 waiting (the sampler decides from the requests' parameters, the inputs cross in one copy).
 
-`launch` queues a step and `finish` waits for it: the worker launches a step scheduled ahead (its
-rows fed, on the device, the tokens the step before samples: StepBatch.feed_sampled) before it
-finishes the step before, so the device goes from one to the next without waiting for the host.
-
 Log-probabilities ride along: the sampled tokens' (and their top alternatives) for requests that ask,
 computed from the logits the step has anyway; prompt tokens' for the rows StepBatch.prompt_logprobs
 marks, which need the logits of every position of those rows' chunks: such a step runs eagerly
