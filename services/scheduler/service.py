@@ -290,11 +290,15 @@ class SchedulerService:
             return
         said_at, last_step, running = self._worker_said
         step_id = self.core.in_flight_step
-        if waited > PEER_TIMEOUT_S and said_at - self._step_sent_at > PEER_TIMEOUT_S and last_step != step_id and running == 0:
+        # step ids only grow: a worker whose last step is this one or a later one (a step scheduled
+        # ahead) has received it
+        if waited > PEER_TIMEOUT_S and said_at - self._step_sent_at > PEER_TIMEOUT_S and last_step < step_id and running == 0:
             log.error("step_lost", step_id=step_id, worker_last_step=last_step)
             self._step_sent_at = None
-            self._emit(self.core.fail_step(step_id, ServiceUnavailable(
-                f"the worker never received step {step_id}; the request was lost")))  # fmt: skip
+            while self.core.step_in_flight:  # a step sent after it (scheduled ahead) went the same way
+                lost = self.core.in_flight_step
+                self._emit(self.core.fail_step(lost, ServiceUnavailable(
+                    f"the worker never received step {lost}; the request was lost")))  # fmt: skip
 
     def _adopt_pool(self, boot_id: str, pool: PoolReport) -> None:
         try:

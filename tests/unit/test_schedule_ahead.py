@@ -137,3 +137,35 @@ def test_hybrid_rows_ahead_keep_their_linear_state_slot():
         assert tokens[rid] == reference_continuation(p.tolist(), 15, VOCAB)
     assert ahead > 0 and sched.linear_state.available == 2 if hasattr(sched.linear_state, "available") else ahead > 0
     assert np.all([f == "length" for f in finished.values()])
+
+
+def test_the_service_does_not_call_a_step_lost_when_the_worker_already_holds_the_step_after_it(tmp_path):
+    """The worker's heartbeat names the last step it received: with a step scheduled ahead that is newer
+    than the oldest in flight, which the worker has therefore received too (it may say idle for a moment
+    between answering one step and starting the next)."""
+    import time
+
+    import zmq
+
+    from ferry.shared.messages import PoolReport, WorkerAlive
+    from ferry.services.scheduler.config import SchedulerConfig
+    from ferry.services.scheduler.service import SchedulerService
+
+    ctx = zmq.Context()
+    svc = SchedulerService(SchedulerConfig(f"ipc://{tmp_path}/a", f"ipc://{tmp_path}/s", f"ipc://{tmp_path}/r",
+                                           "127.0.0.1", None, 60.0), ctx)  # fmt: skip
+    try:
+        pool = PoolReport(kv_pages=64, page_size=4, linear_state_slots=0, max_running_requests=8, max_prefill_tokens=32,
+                          max_model_len=128, vocab_size=1000)  # fmt: skip
+        svc._worker_alive(WorkerAlive(boot_id="w", pool=pool))
+        add(svc.core, 1, prompt(1, 8), 10)
+        first, ahead = svc.core.schedule(), svc.core.schedule_ahead()
+        now = time.monotonic()
+        svc._step_sent_at = now - 10
+        for last_step, lost in ((ahead.step_id, False), (first.step_id, False), (first.step_id - 1, True)):
+            svc._worker_said = (now, last_step, 0.0)
+            svc._check_step_in_flight()
+            assert svc.core.step_in_flight is not lost, last_step
+    finally:
+        svc.close()
+        ctx.term()
