@@ -387,12 +387,23 @@ class BatchScheduler:
         out = Outcome()
         if not self._in_flight or step_id != self._in_flight[0][0]:
             return out  # a late failure of a step already given up on (see complete)
-        for e in self._landed():
-            if e.req.done:
+        self._fail_rows(self._landed(), err, out)
+        return out
+
+    def fail_in_flight(self, err: FerryError) -> Outcome:
+        """Every step in flight failed (never delivered, or lost on the way): a step scheduled ahead
+        goes with the one before it."""
+        out = Outcome()
+        while self._in_flight:
+            self._fail_rows(self._landed(), err, out)
+        return out
+
+    def _fail_rows(self, entries: list[_Entry], err: FerryError, out: Outcome) -> None:
+        for e in entries:
+            if e.req.done:  # failed (or finished) with an earlier step: only its resources wait
                 self._release_if_idle(e.req)
             else:
                 self._fail(e.req, err, out)
-        return out
 
     def _landed(self) -> list[_Entry]:
         """The oldest step in flight is back: its rows, each request holding one step fewer."""

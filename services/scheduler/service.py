@@ -185,8 +185,7 @@ class SchedulerService:
     def _send_step(self, batch) -> bool:
         if not self.steps.send(self.worker_boot.encode(), RunStep(batch)):
             # every step in flight fails: a step scheduled ahead needs the one before it
-            while self.core.step_in_flight:
-                self._emit(self.core.fail_step(self.core.in_flight_step, ServiceUnavailable("the worker is not connected")))
+            self._emit(self.core.fail_in_flight(ServiceUnavailable("the worker is not connected")))
             self._step_sent_at = None
             return False
         if self._step_sent_at is None:
@@ -295,10 +294,9 @@ class SchedulerService:
         if waited > PEER_TIMEOUT_S and said_at - self._step_sent_at > PEER_TIMEOUT_S and last_step < step_id and running == 0:
             log.error("step_lost", step_id=step_id, worker_last_step=last_step)
             self._step_sent_at = None
-            while self.core.step_in_flight:  # a step sent after it (scheduled ahead) went the same way
-                lost = self.core.in_flight_step
-                self._emit(self.core.fail_step(lost, ServiceUnavailable(
-                    f"the worker never received step {lost}; the request was lost")))  # fmt: skip
+            # a step sent after it (scheduled ahead) went the same way
+            self._emit(self.core.fail_in_flight(ServiceUnavailable(
+                f"the worker never received step {step_id}; the request was lost")))  # fmt: skip
 
     def _adopt_pool(self, boot_id: str, pool: PoolReport) -> None:
         try:
