@@ -12,6 +12,11 @@ missing ones get slots (as far as slots outside the protected set allow) and are
 copying ahead; they count as neither hits nor misses, and are marked so that the next lookup of
 their layer counts them as useful (routed) or wasted (not routed).
 
+`stream` (MODE 2): a lookup that places nothing (a prefill, which streams every non-resident
+expert of the layer through staging slots outside the cache): hits as in a lookup, the routed
+experts that are not resident requested but given no slot (their pairs get -1 in both outputs),
+an empty list; counted as the twin's `stream_lookup` counts (the staged experts as prefetched).
+
 The decisions are exactly those of the host policies (services/worker/offload/policy.py and
 frequency_policy.py), which are this kernel's reference twin and are tested against it on the
 same traces:
@@ -33,7 +38,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LOOKUP, PREFETCH = 0, 1
+LOOKUP, PREFETCH, STREAM = 0, 1, 2
 LRU, LFU = 0, 1
 # counters (int64): what the cache did since boot
 LOOKUPS, HITS, MISSES, EVICTIONS, PREFETCHED, PREFETCH_USEFUL, PREFETCH_WASTED = range(7)
@@ -63,7 +68,7 @@ def _expert_cache_kernel(
 
     # ---- the clock (lookups only) and LFU's periodic halving -----------------------------
     clock = tl.load(clock_ptr)
-    if MODE == 0:
+    if MODE != 1:
         clock += 1
         tl.store(clock_ptr, clock)
         if POLICY == 1:
@@ -105,7 +110,7 @@ def _expert_cache_kernel(
     # ---- prefetch bookkeeping of this layer's resident experts -------------------------------
     useful = 0
     wasted = 0
-    if MODE == 0:
+    if MODE != 1:
         pf = tl.load(prefetched_ptr + safe_cur, mask=resident & e_ok, other=0) != 0
         useful = tl.sum((pf & hit).to(tl.int32), axis=0)
         wasted = tl.sum((pf & resident & ~wanted & e_ok).to(tl.int32), axis=0)
@@ -120,8 +125,10 @@ def _expert_cache_kernel(
     candidate = occupied & ~protected
     if MODE == 0:
         n_place = n_missing
-    else:
+    elif MODE == 1:
         n_place = tl.minimum(n_missing, n_free + tl.sum(candidate.to(tl.int32), axis=0))
+    else:
+        n_place = n_missing * 0
     needed = tl.maximum(n_place - n_free, 0)
 
     # ---- victims: `needed` times the least key among the candidates -------------------------
@@ -174,7 +181,7 @@ def _expert_cache_kernel(
     tl.store(list_ptr + 2 * miss_rank, e_idx, mask=placed)
     tl.store(list_ptr + 2 * miss_rank + 1, new_slot, mask=placed)
     tl.store(count_ptr, n_place)
-    if MODE == 0:
+    if MODE != 1:
         if POLICY == 1:
             tl.store(stamp_ptr + safe_cur, tl.zeros([BLOCK_E], tl.int64) + clock, mask=hit)
             r = tl.load(requests_ptr + row_base + e_idx, mask=wanted, other=0.0)
@@ -188,7 +195,7 @@ def _expert_cache_kernel(
     tl.debug_barrier()
 
     # ---- the slot of every (token, k) pair: hits and misses apart ---------------------------
-    if MODE == 0:
+    if MODE != 1:
         for start in range(0, T * K, BLOCK_P):
             p = start + tl.arange(0, BLOCK_P)
             in_range = p < T * K
@@ -206,6 +213,13 @@ def _expert_cache_kernel(
         tl.store(counters_ptr + 1, tl.load(counters_ptr + 1) + n_hit)
         tl.store(counters_ptr + 2, tl.load(counters_ptr + 2) + n_missing)
         tl.store(counters_ptr + 5, tl.load(counters_ptr + 5) + useful)
+    elif MODE == 2:  # every non-resident expert of the layer staged (none for a step of padding only)
+        staged = tl.where(n_pairs > 0, E - tl.sum(resident.to(tl.int32), axis=0), 0)
+        tl.store(counters_ptr + 0, tl.load(counters_ptr + 0) + 1)
+        tl.store(counters_ptr + 1, tl.load(counters_ptr + 1) + n_hit + n_missing)
+        tl.store(counters_ptr + 4, tl.load(counters_ptr + 4) + staged)
+        tl.store(counters_ptr + 5, tl.load(counters_ptr + 5) + useful + n_missing)
+        wasted += staged - n_missing
     else:
         tl.store(counters_ptr + 4, tl.load(counters_ptr + 4) + n_place)
     tl.store(counters_ptr + 3, tl.load(counters_ptr + 3) + needed)

@@ -330,7 +330,8 @@ def _terms(spec: ModelSpec, req: PlanRequest, r: Resolved, measured: Measured, s
     expert_label = f"expert slots: {sizes.expert_slots} x {format_bytes(L.expert_bytes(spec, r.dtype))} (" + (
         "--moe-cache-size" if req.moe_cache_size is not None else "--moe-cache-rate"
         if req.moe_cache_rate is not None else "floor: one MoE layer"
-    ) + ")"  # fmt: skip
+    ) + ")" + (f" + {L.prefill_staging_slots(spec)} prefill staging slots" if sizes.expert_slots < spec.total_experts
+               else "")  # fmt: skip
     terms.add(expert_label, costs.experts(sizes.expert_slots))
     return terms
 
@@ -340,7 +341,12 @@ def _fill(spec: ModelSpec, sizes: _Sizes, costs: _Costs, remaining: int) -> None
     total_experts = spec.total_experts
     if not sizes.experts_required:
         slots = sizes.expert_slots
-        grown = _largest(lambda s: costs.experts(s) - costs.experts(slots), remaining, slots, total_experts)
+        # every expert resident drops the cache's state and staging slots: cheaper than one slot fewer,
+        # so it is tried first (the search below needs a cost that grows with the slots)
+        if costs.experts(total_experts) - costs.experts(slots) <= remaining:
+            grown = total_experts
+        else:
+            grown = _largest(lambda s: costs.experts(s) - costs.experts(slots), remaining, slots, total_experts - 1)
         remaining -= costs.experts(grown) - costs.experts(slots)
         sizes.expert_slots = grown
     # KV grows past its floor once the experts can take no more: every expert is resident, or

@@ -107,14 +107,27 @@ def expert_bytes(spec: ModelSpec, dtype: str) -> int:
     return 3 * spec.moe_intermediate_size * spec.hidden_size * DTYPE_BYTES[dtype]
 
 
+# Staging slots of a prefill that streams its missed experts (services/worker/offload/staging_ring.py):
+# outside the cache, so a prefill, which routes to nearly every expert of every layer, copies each
+# missed expert once and evicts nothing that the layers after it are about to read.
+PREFILL_STAGING_SLOTS = 32
+
+
+def prefill_staging_slots(spec: ModelSpec) -> int:
+    return min(PREFILL_STAGING_SLOTS, spec.num_experts)
+
+
 def expert_slot_layout(spec: ModelSpec, dtype: str, slots: int, max_step_tokens: int = 0) -> PoolLayout:
     """`slots` expert slots shared by all MoE layers: w13 = [gate; up], w2 = down. With fewer
-    slots than experts, also the state of the device-side expert cache (`expert_cache_state`)."""
+    slots than experts, also the prefill's staging slots (`prefill_staging_slots`) and the state
+    of the device-side expert cache (`expert_cache_state`)."""
     h, i = spec.hidden_size, spec.moe_intermediate_size
     weights = (TensorSpec("w13", (slots, 2 * i, h), dtype), TensorSpec("w2", (slots, h, i), dtype))
     if slots >= spec.total_experts:
         return PoolLayout("experts", weights)
-    return PoolLayout("experts", weights + expert_cache_state(spec, slots, max_step_tokens))
+    r = prefill_staging_slots(spec)
+    staging = (TensorSpec("staging_w13", (r, 2 * i, h), dtype), TensorSpec("staging_w2", (r, h, i), dtype))
+    return PoolLayout("experts", weights + staging + expert_cache_state(spec, slots, max_step_tokens))
 
 
 # Counters of the device-side expert cache (kernels/expert_cache_lookup.py's NUM_COUNTERS).

@@ -78,13 +78,17 @@ class LinearStatePool:
 
 class ExpertSlotPool:
     """GPU expert slots shared by all MoE layers: w13 [slots, 2*I, H] (gate rows then up rows), w2 [slots, H, I];
-    `cache_state`: the device-side expert cache's tensors by name when the pool offloads, else {}."""
+    when the pool offloads, the prefill's staging slots `staging_w13`/`staging_w2` (same rows, outside
+    the cache) and `cache_state`, the device-side expert cache's tensors by name; else None and {}."""
 
     def __init__(self, pool: AllocatedPool):
         self.pool = pool
         self.w13 = pool.views["w13"]
         self.w2 = pool.views["w2"]
-        self.cache_state = {name: t for name, t in pool.views.items() if name not in ("w13", "w2")}
+        self.staging_w13 = pool.views.get("staging_w13")
+        self.staging_w2 = pool.views.get("staging_w2")
+        weights = ("w13", "w2", "staging_w13", "staging_w2")
+        self.cache_state = {name: t for name, t in pool.views.items() if name not in weights}
 
     @property
     def num_slots(self) -> int:

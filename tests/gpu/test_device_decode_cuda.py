@@ -170,3 +170,36 @@ def test_steps_scheduled_ahead_decode_as_one_by_one_through_graphs_and_the_devic
         del executor
         gc.collect()
         torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("arch, dtype", [("qwen3_moe", "float32"), ("qwen3_5_moe", "bfloat16")])
+def test_a_prefill_streamed_past_the_cache_decodes_as_all_resident(tiny_models, arch, dtype):
+    """A prefill of 95 tokens (190 (token, k) pairs over 8 experts: past the pair kernel, 4+ pairs per
+    expert) streams every non-resident expert through the staging ring, copy-engine copies running
+    ahead of the computation across layers; it places nothing in the cache. Its tokens, and those
+    decoded after it, equal all-resident decoding, prefetch on and off."""
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(1, 250, n).tolist() for n in (40, 25, 30)]
+    runs = {}
+    for name, flags in {
+        "resident": ["--enforce-eager"],
+        "offload": ["--moe-cache-size", "10"],
+        "offload-no-prefetch": ["--moe-cache-size", "10", "--no-expert-prefetch"],
+    }.items():
+        executor, plan = _boot(tiny_models[arch], dtype, *flags)
+        before = executor.store.ring.staged_total if "--moe-cache-size" in flags else 0
+        assert before == 0  # boot's warm-up steps are padding only: they stage nothing
+        runs[name] = _greedy_batch(executor, prompts, steps=6)
+        if "--moe-cache-size" in flags:
+            staged = executor.store.ring.staged_total
+            # every MoE layer's non-resident experts, once (the cache holds 10 of them, the rest crossed)
+            layers = len(executor.spec.moe_layer_indices)
+            assert staged >= layers * executor.spec.num_experts - plan.experts.slots > 0
+            if "--no-expert-prefetch" in flags:  # the staged experts are counted as prefetched, and only they
+                assert executor.expert_cache_report()["prefetched"] == staged
+        del executor
+        gc.collect()
+        torch.cuda.empty_cache()
+    want = runs.pop("resident")
+    for name, got in runs.items():
+        assert got == want, f"{name} differs from all-resident decoding"

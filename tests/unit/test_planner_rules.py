@@ -36,7 +36,7 @@ def test_a_budget_of_exactly_the_total_plans_and_allocates_within_it_one_byte_le
 
 def test_requirement_and_floor_give_the_same_kv_when_experts_do_not_all_fit():
     spec = SPEC_BIG
-    budget = 40_000_000
+    budget = 60_000_000  # 18 of 64 expert slots, and the 16 prefill staging slots
     req = make_plan(spec, PlanRequest(gpu_memory=budget, memory_ratio=1.0, num_tokens=1024), FACTS)
     floor = make_plan(spec, PlanRequest(gpu_memory=budget, memory_ratio=1.0, kv_reserve_tokens=1024), FACTS)
     assert req.experts.slots < req.experts.total

@@ -22,7 +22,7 @@ import torch
 
 from ferry.kernels.expert_cache_lookup import (
     EVICTIONS, HITS, LFU, LOOKUP, LOOKUPS, LRU, MISSES, NUM_COUNTERS, PREFETCH, PREFETCH_USEFUL,
-    PREFETCH_WASTED, PREFETCHED, launch,
+    PREFETCH_WASTED, PREFETCHED, STREAM, launch,
 )  # fmt: skip
 from ferry.services.worker.offload.frequency_policy import LFUExpertPolicy
 from ferry.services.worker.offload.policy import ExpertSlotPolicy, LRUExpertPolicy
@@ -103,6 +103,13 @@ class DeviceExpertCache:
         from layers below `evict_below` first (a prefill's passed layers, policy.py)."""
         call = self._call(layer, topk_ids, LOOKUP)
         launch(LOOKUP, self.policy_code, topk_ids, n_rows, layer, self, call, evict_below=evict_below)
+        return call
+
+    def stream_lookup(self, layer: int, topk_ids: torch.Tensor, n_rows: torch.Tensor) -> CacheCall:
+        """The twin's `stream_lookup`: the hits' slots (`hit_slots`; -1 for every other pair), the
+        replacement state and counters updated, nothing placed (a prefill streams the rest)."""
+        call = self._call(layer, topk_ids, LOOKUP)
+        launch(STREAM, self.policy_code, topk_ids, n_rows, layer, self, call)
         return call
 
     def prefetch(self, layer: int, predicted_ids: torch.Tensor, n_rows: torch.Tensor, guard: CacheCall,

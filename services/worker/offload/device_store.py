@@ -17,10 +17,13 @@ step can be replayed as a CUDA graph:
   layer L's own misses, while layer L computes. What the prediction missed is fetched by
   layer L+1's own lookup. `prefetch=False` turns it off.
 
-Larger steps (prefill, big decode batches) take the same decisions on the device but read the
-lists on the host and copy with the copy engine (cudaMemcpyAsync: the higher bandwidth when many
-experts cross at once, bench/copy_paths.py), in chunks that are computed as they land; their
-next layer is prefetched the same way. Each (token, k) pair is computed exactly once into a
+Larger steps (big decode batches, short prefills) take the same decisions on the device but read
+the lists on the host and copy with the copy engine (cudaMemcpyAsync: the higher bandwidth when
+many experts cross at once, bench/copy_paths.py), in chunks that are computed as they land; their
+next layer is prefetched the same way. Steps that route to nearly every expert of every layer
+(at least STREAM_PAIRS_PER_EXPERT (token, k) pairs per expert: a prefill) place nothing in the
+cache: they stream every non-resident expert through the staging ring (staging_ring.py), so each
+crosses once and the cache keeps what the decode uses. Each (token, k) pair is computed exactly once into a
 float32 row buffer summed over k, with the same kernels as the all-resident store: the result is
 bit for bit what an all-resident store computes.
 
@@ -44,9 +47,13 @@ from ferry.kernels.expert_rows_sum import sum_rows
 from ferry.kernels.grouped_expert_gemm import grouped_expert_rows_triton
 from ferry.services.worker.offload.device_cache import CacheCall, DeviceExpertCache
 from ferry.services.worker.offload.expert_cache import DEFAULT_PIPELINE_CHUNKS, OffloadedExperts, _split
+from ferry.services.worker.offload.staging_ring import StagingRing
 
 # copy_stamps columns (pool_layout.COPY_STAMPS)
 MISS_START, MISS_END, PREFETCH_START, PREFETCH_END, BEFORE_PREFETCH_WAIT, HITS_DONE = range(6)
+# A step with at least this many (token, k) pairs per expert routes to nearly every expert of a layer
+# (1 - e^-4 = 98% of them with uniform routing): it streams the non-resident ones (staging_ring.py).
+STREAM_PAIRS_PER_EXPERT = 4
 
 
 class DeviceDrivenExperts(OffloadedExperts):
@@ -69,6 +76,9 @@ class DeviceDrivenExperts(OffloadedExperts):
         self._stats_queue: deque[tuple] = deque()
         self._last_counters: dict[str, int] | None = None
         self._step_copy_events: list = []
+        self.ring = None
+        if slots.staging_w13 is not None:
+            self.ring = StagingRing(slots.staging_w13, slots.staging_w2, banks, self._copy_stream if self._cuda else None)
 
     def set_routers(self, routers: list[torch.Tensor]) -> None:
         """The router weights of the MoE layers, in order: what the next-layer prediction applies."""
@@ -96,6 +106,8 @@ class DeviceDrivenExperts(OffloadedExperts):
         rows = torch.empty(t, k, x.shape[1], dtype=torch.float32, device=x.device)
         if use_pair_kernel(t * k) and (self.copy_engine_tokens is None or t < self.copy_engine_tokens):
             self._decode_layer(moe_layer, x, ids, topk_weights, n_rows, rows)
+        elif self.ring is not None and not use_pair_kernel(t * k) and t * k >= STREAM_PAIRS_PER_EXPERT * self.num_experts:
+            self._streamed_layer(moe_layer, x, ids, topk_weights, n_rows, rows)
         else:
             self._large_layer(moe_layer, x, ids, topk_weights, n_rows, rows)
         return sum_rows(rows, x.dtype)
@@ -136,6 +148,35 @@ class DeviceDrivenExperts(OffloadedExperts):
             mine = call.misses[start : start + len(chunk), 1]  # this chunk's slots, already on the device
             start += len(chunk)
             self._compute(x, torch.where(torch.isin(miss_slots, mine), miss_slots, -1), weights, rows)
+
+    def _streamed_layer(self, layer, x, ids, weights, n_rows, rows) -> None:
+        """A prefill: the hits from their slots, every other expert of the layer through the
+        staging ring (copied ahead since the step began, computed chunk by chunk as it lands);
+        the cache places nothing. No host synchronisation but one per step, at its first layer."""
+        t, k = ids.shape
+        if layer == 0:  # the maps as the step starts: nothing changes them until it ends
+            resident = (self.cache.slot_of >= 0).cpu().numpy()
+            real = int(n_rows[0])  # the stream is idle now: no second wait (0: boot's warm-up, all padding)
+            self.ring.begin([np.flatnonzero(~r).tolist() if real else [] for r in resident])
+        call = self.cache.stream_lookup(layer, ids, n_rows)
+        self._compute(x, call.hit_slots.view(t, k), weights, rows)
+        # padding rows (past n_rows) look up the sentinel entry E of each chunk's table: no slot
+        padding = torch.arange(t, device=x.device).unsqueeze(1) >= n_rows.to(x.device)
+        live_ids = torch.where(padding, self.num_experts, ids)
+        while (chunk := self.ring.take(layer)) is not None:
+            table = torch.full((self.num_experts + 1,), -1, dtype=torch.int32)
+            table[chunk.experts] = torch.tensor(chunk.slots, dtype=torch.int32)
+            if self._cuda:
+                table = table.pin_memory().to(x.device, non_blocking=True)
+                self._stall(chunk.landed)
+                self._step_copy_events.append(chunk.copy_events)
+            grouped_expert_rows_triton(x, table[live_ids], weights, self.ring.w13, self.ring.w2, rows,
+                                       max_distinct_slots=len(chunk.experts))  # fmt: skip
+            computed = None
+            if self._cuda:
+                computed = torch.cuda.Event()
+                computed.record(torch.cuda.current_stream(self.device))
+            self.ring.release(chunk, computed)
 
     def _compute(self, x, group_slots, weights, rows) -> None:
         """One group's pairs (slot -1 elsewhere): pair by pair for small steps, as the all-resident
@@ -294,5 +335,6 @@ class DeviceDrivenExperts(OffloadedExperts):
         if self.cache is not None:
             c, start = self._last_counters, self._warm_counters
             placements = c["misses"] + c["prefetched"] - start["misses"] - start["prefetched"]
+            placements -= self.ring.staged_total if self.ring is not None else 0  # staged (since boot), never placed
             out.update(evictions=c["evictions"], resident=min(self.policy.num_slots, self.policy.resident + placements))
         return out

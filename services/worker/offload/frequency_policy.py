@@ -46,6 +46,9 @@ class LFUExpertPolicy(ExpertSlotPolicy):
             self.requests[layer, expert] += np.float32(1.0)
         self.last_use[slot] = self.clock
 
+    def _on_streamed(self, layer: int, expert: int) -> None:
+        self.requests[layer, expert] += np.float32(1.0)  # a request, like a miss
+
     def _keys(self, slots: np.ndarray) -> np.ndarray:
         """requests' float32 bits above, then the clamped age inverted (older is smaller)."""
         score = self.requests[self.layer_of_slot[slots], self.expert_of_slot[slots]].view(np.int32).astype(np.int64)

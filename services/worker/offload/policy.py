@@ -95,6 +95,9 @@ class ExpertSlotPolicy:
         """(layer, expert) was just put in `slot`; how: "miss", "prefetch" or "warm-up"."""
         raise NotImplementedError
 
+    def _on_streamed(self, layer: int, expert: int) -> None:
+        """(layer, expert) was routed but not resident, and streamed past the cache (`stream_lookup`)."""
+
     # ---- queries ---------------------------------------------------------------------------
     @property
     def resident(self) -> int:
@@ -156,6 +159,41 @@ class ExpertSlotPolicy:
         self.hits += len(experts) - len(missing)
         self.misses += len(missing)
         return Lookup(layer, experts, tuple(slots), tuple(placed), tuple(evictions))
+
+    def stream_lookup(self, layer: int, experts: Iterable[int]) -> Streamed:
+        """A lookup that places nothing, for a step that routes to (nearly) every expert of every
+        layer (a prefill): the store streams *every* expert of `layer` that is not resident through
+        staging slots outside the cache, routed or not, so the scan evicts nothing the decode and
+        the layers after it use. Hits are touched as by `lookup`; a routed expert that is not
+        resident is a request (LFU counts it) but takes no slot. Counted like a prefetch that was
+        used: the layer's non-resident experts as prefetched, the routed ones among them as useful
+        and as hits (as a prefetched expert is when its layer looks), the rest as wasted. A step
+        of padding rows only (no experts) stages nothing."""
+        experts = tuple(sorted(int(e) for e in experts))
+        self._check_request(layer, experts)
+        self.clock += 1
+        self._on_tick()
+        self.lookups += 1
+        slots = tuple(int(self.slot_of[layer, e]) for e in experts)
+        hit_slots = {s for s in slots if s != NO_SLOT}
+        for s in np.flatnonzero((self.layer_of_slot == layer) & self.prefetched).tolist():
+            if s in hit_slots:
+                self.prefetch_useful += 1
+            else:
+                self.prefetch_wasted += 1
+            self.prefetched[s] = False
+        streamed = tuple(e for e, s in zip(experts, slots) if s == NO_SLOT)
+        for e, s in zip(experts, slots):
+            if s == NO_SLOT:
+                self._on_streamed(layer, e)
+            else:
+                self._on_hit(layer, e, s)
+        staged = self.num_experts - int((self.slot_of[layer] != NO_SLOT).sum()) if experts else 0  # padding only
+        self.hits += len(experts)
+        self.prefetched_total += staged
+        self.prefetch_useful += len(streamed)
+        self.prefetch_wasted += staged - len(streamed)
+        return Streamed(layer, experts, slots, streamed, staged)
 
     def prefetch(self, layer: int, experts: Iterable[int], protected_slots: Iterable[int] = (),
                  evict_below: int = 0) -> Prefetch:  # fmt: skip
@@ -263,6 +301,18 @@ class LRUExpertPolicy(ExpertSlotPolicy):
             return
         phase = 1 if how == "miss" else 2
         self.stamp[slot] = 3 * self.num_experts * self.clock + phase * self.num_experts + expert
+
+
+@dataclass(frozen=True)
+class Streamed:
+    """A `stream_lookup`: `slots[i]` holds `experts[i]` (NO_SLOT for the streamed ones); `staged`: how
+    many experts of the layer were not resident, every one of which the store streams."""
+
+    layer: int
+    experts: tuple[int, ...]
+    slots: tuple[int, ...]
+    streamed: tuple[int, ...]
+    staged: int
 
 
 @dataclass(frozen=True)

@@ -61,7 +61,7 @@ def check_device_driven() -> None:
             (6, LRUExpertPolicy, False, None), (8, LFUExpertPolicy, True, None), (7, LRUExpertPolicy, True, None),
             (7, LFUExpertPolicy, True, 2)):  # 2: every step of 2+ tokens takes the copy-engine path  # fmt: skip
         resident = ResidentExperts(slot_pool(spec, layers * 6), layers, 6)
-        store = DeviceDrivenExperts(slot_pool(spec, num_slots, max_step_tokens=32),
+        store = DeviceDrivenExperts(slot_pool(spec, num_slots, max_step_tokens=48),
                                     HostBanks.for_model(spec, "float32", progress=False),
                                     policy_cls(layers, 6, num_slots), "cpu", prefetch=prefetch, pipeline_chunks=2,
                                     copy_engine_tokens=copy_engine_tokens)  # fmt: skip
@@ -71,7 +71,11 @@ def check_device_driven() -> None:
         g = torch.Generator().manual_seed(num_slots)
         store.set_routers([torch.randn(6, 32, generator=g) for _ in range(layers)])
         store.preload()
-        for tokens, real in ((1, 1), (4, 4), (4, 2), (20, 20), (1, 1), (3, 3)):  # 20 tokens: the large path
+        # 20 tokens: the large path; 40 and 36 (past the pair kernel, 4+ pairs per expert): prefills,
+        # streamed through the staging ring
+        for tokens, real in ((1, 1), (4, 4), (4, 2), (20, 20), (40, 40), (1, 1), (36, 33), (3, 3)):
+            maps = store.cache.slot_of.clone() if store.cache is not None else None
+            staged = store.ring.staged_total
             for layer in range(layers):
                 x, ids, w = random_routing(spec, tokens, g)
                 got = store.forward(layer, x, ids, w, n_rows=torch.tensor([real], dtype=torch.int32))
@@ -79,12 +83,15 @@ def check_device_driven() -> None:
                 if use_pair_kernel(ids.numel()):
                     assert torch.equal(got[:real], want[:real]), f"{tokens} tokens ({real} real): the stores differ"
                 else:
-                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+                    torch.testing.assert_close(got[:real], want[:real], rtol=1e-5, atol=1e-5)
+            if tokens >= 33:  # streamed: every non-resident expert staged once, nothing placed
+                assert torch.equal(store.cache.slot_of, maps)
+                assert store.ring.staged_total - staged == int((maps < 0).sum())
             store.stats_to_host()
             store.end_step()
         total = store.stats.total
         assert total.misses > 0 and total.hits + total.misses > 0
-        assert (total.prefetched > 0) == prefetch, total
+        assert (total.prefetched > store.ring.staged_total > 0) == prefetch, total  # the staged count as prefetched
         assert total.bytes_copied == (total.misses + total.prefetched) * store.banks.expert_nbytes
         if prefetch:
             assert total.prefetch_useful + total.prefetch_wasted > 0

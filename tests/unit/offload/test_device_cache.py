@@ -117,3 +117,49 @@ def test_bad_calls_are_refused():
         dev.lookup(2, torch.tensor([[0, 1]]), n)
     with pytest.raises(ValueError, match="at most"):
         dev.lookup(0, torch.zeros(200, 2, dtype=torch.int64), n)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("seed, layers, experts, slots, top_k, rows", [(5, 3, 6, 7, 2, 4), (6, 2, 8, 10, 3, 6)])
+def test_a_stream_lookup_makes_the_twins_decisions_and_places_nothing(policy, seed, layers, experts, slots, top_k, rows):
+    """Prefill steps (stream lookups) between decode steps (lookups and prefetches): same state,
+    same counters; a stream lookup gives the hits their slots and every other pair -1, and leaves
+    the maps as they were."""
+    rng = np.random.default_rng(seed)
+    host, dev = _twins(policy, layers, experts, slots, top_k, warm=slots)
+    for step in range(6):
+        real = int(rng.integers(1, rows + 1))
+        n_rows = torch.tensor([real], dtype=torch.int32)
+        for layer in range(layers):
+            ids = _ids(rng, rows, experts, top_k, skew=0.5)
+            wanted = np.unique(ids[:real].numpy())
+            if step % 2 == 1:
+                maps = host.slot_of.copy()
+                call = dev.stream_lookup(layer, ids, n_rows)
+                got = host.stream_lookup(layer, wanted)
+                assert np.array_equal(host.slot_of, maps)
+                assert got.staged == int((maps[layer] == NO_SLOT).sum())
+                assert set(got.streamed) == {e for e in wanted if maps[layer, e] == NO_SLOT}
+                for p, e in enumerate(ids.reshape(-1).tolist()):
+                    want = int(maps[layer, e]) if p < real * top_k else -1
+                    assert int(call.hit_slots[p]) == want and int(call.miss_slots[p]) == -1
+                assert int(call.count[0]) == 0
+            else:
+                call = dev.lookup(layer, ids, n_rows)
+                got = host.lookup(layer, wanted)
+                if layer + 1 < layers:
+                    predicted = _ids(rng, rows, experts, top_k, skew=0.5)
+                    dev.prefetch(layer + 1, predicted, n_rows, call)
+                    host.prefetch(layer + 1, np.unique(predicted[:real].numpy()), got.slots)
+            _assert_same_state(host, dev)
+    c = host.counters()
+    assert c["prefetched"] >= c["prefetch_useful"] > 0
+
+
+def test_a_stream_lookup_of_padding_only_stages_nothing():
+    host, dev = _twins("lfu", 2, 6, 7, 2, warm=4)
+    dev.stream_lookup(0, torch.tensor([[0, 1], [2, 3]]), torch.tensor([0], dtype=torch.int32))
+    got = host.stream_lookup(0, [])
+    assert got.staged == 0
+    _assert_same_state(host, dev)
+    assert host.prefetched_total == 0

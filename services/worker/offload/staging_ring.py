@@ -1,0 +1,127 @@
+"""The staging slots through which a prefill streams its missed experts, past the cache (docs/ARCHITECTURE.md §3).
+
+A prefill of more than a few dozen tokens routes to nearly every expert of every MoE layer. Put
+through the cache, its misses evict what the layers after it are about to read (the cache holds
+about slots/experts of each layer, a scan needs all of them), and the scan leaves the cache
+holding its own last layers. So such a step places nothing (`DeviceDrivenExperts`,
+`stream_lookup`): every expert of a layer that is not resident crosses PCIe once, into one of R
+staging slots outside the cache (priced with the expert pool: pool_layout.prefill_staging_slots),
+is computed there, and its slot goes to the next staged expert. A prefill copies exactly the
+experts it lacks, and the cache keeps what the decode uses.
+
+The ring is one FIFO over the whole step: the staged experts of every layer in layer order, cut
+into chunks of one layer's experts. A chunk's copies (copy engine, on the copy stream) are
+enqueued as soon as enough slots are free, and a slot is free once the computation of the chunk
+that used it last is *enqueued*: the copy waits for that computation on the device, by its
+event. So the copies run up to R experts ahead of the computation, across layer boundaries, and
+the host never waits for the device during the step. A chunk's computation waits for its copies
+by their event. On CPU everything runs in order and no events are needed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class StagedChunk:
+    """Experts of one MoE layer, and the staging slots they were copied into (once enqueued)."""
+
+    layer: int
+    experts: list[int]
+    slots: list[int] = field(default_factory=list)
+    landed: torch.cuda.Event | None = None  # the copies are done (CUDA)
+    copy_events: tuple | None = None  # (start, end) timing events of the copies (CUDA)
+
+
+class StagingRing:
+    """R staging slots (`w13` [R, 2I, H], `w2` [R, H, I]) filled from the host `banks` on `copy_stream`
+    (None on CPU: synchronous copies), in chunks of at most `chunk` experts."""
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, banks, copy_stream: torch.cuda.Stream | None,
+                 chunk: int | None = None):  # fmt: skip
+        if w13.shape[0] != w2.shape[0] or w13.shape[0] < 1:
+            raise ValueError(f"staging slots must be a non-empty [R, ...] pair, got {w13.shape[0]} and {w2.shape[0]}")
+        self.w13, self.w2, self.banks, self.copy_stream = w13, w2, banks, copy_stream
+        self.size = w13.shape[0]
+        # four chunks in the ring: a chunk computes while the next ones cross
+        self.chunk = chunk if chunk is not None else max(1, -(-self.size // 4))
+        if not 1 <= self.chunk <= self.size:
+            raise ValueError(f"a chunk of {self.chunk} experts does not fit {self.size} staging slots")
+        # free slots, each with the event of the last computation that read it (None: nothing pending)
+        self._free: deque[tuple[int, torch.cuda.Event | None]] = deque((s, None) for s in range(self.size))
+        self._queued: deque[StagedChunk] = deque()  # not copied yet
+        self._copied: deque[StagedChunk] = deque()  # copies enqueued, computation not yet
+        self._taken: StagedChunk | None = None  # handed out, not yet released
+        self.staged_total = 0  # experts staged since boot
+
+    def begin(self, staged: list[list[int]]) -> None:
+        """A new step, which stages `staged[layer]` (ascending experts) for every MoE layer."""
+        # a step that stopped midway: its copies are ordered on the copy stream, and a computation
+        # it enqueued comes before the next step's on the compute stream (the copies wait for it)
+        unfinished = [*self._copied, *([self._taken] if self._taken is not None else [])]
+        for chunk in unfinished:
+            self._free.extend((s, chunk.landed) for s in chunk.slots)
+        self._copied.clear()
+        self._taken = None
+        self._queued.clear()
+        for layer, experts in enumerate(staged):
+            for i in range(0, len(experts), self.chunk):
+                self._queued.append(StagedChunk(layer, list(experts[i : i + self.chunk])))
+            self.staged_total += len(experts)
+        self.fill()
+
+    def take(self, layer: int) -> StagedChunk | None:
+        """The next chunk of `layer` (its copies enqueued), or None when the layer has no more;
+        `release` it before taking the next."""
+        if self._taken is not None:
+            raise RuntimeError("staging ring: release the chunk taken before taking the next")
+        self.fill()
+        head = self._copied[0] if self._copied else self._queued[0] if self._queued else None
+        if head is None or head.layer > layer:
+            return None
+        if head.layer < layer:
+            raise RuntimeError(f"staging ring: MoE layer {layer} computes before layer {head.layer}'s staged experts")
+        if not self._copied:
+            raise RuntimeError("staging ring: a chunk found no free slots although nothing is in flight")
+        self._taken = self._copied.popleft()
+        return self._taken
+
+    def release(self, chunk: StagedChunk, computed: torch.cuda.Event | None) -> None:
+        """`chunk`'s computation is enqueued (`computed` marks it done): its slots take the next copies."""
+        if chunk is not self._taken:
+            raise RuntimeError("staging ring: release the chunk that was taken")
+        self._taken = None
+        self._free.extend((s, computed) for s in chunk.slots)
+        self.fill()
+
+    def fill(self) -> None:
+        """Enqueue the copies of every queued chunk that the free slots can take, in order."""
+        while self._queued and len(self._free) >= len(self._queued[0].experts):
+            chunk = self._queued.popleft()
+            taken = [self._free.popleft() for _ in chunk.experts]
+            chunk.slots = [s for s, _ in taken]
+            waits = list({id(e): e for _, e in taken if e is not None}.values())
+            self._copy(chunk, waits)
+            self._copied.append(chunk)
+
+    def _copy(self, chunk: StagedChunk, waits: list[torch.cuda.Event]) -> None:
+        bank13, bank2 = self.banks.w13[chunk.layer], self.banks.w2[chunk.layer]
+        if self.copy_stream is None:
+            for e, s in zip(chunk.experts, chunk.slots):
+                self.w13[s].copy_(bank13[e])
+                self.w2[s].copy_(bank2[e])
+            return
+        with torch.cuda.stream(self.copy_stream):
+            for event in waits:
+                self.copy_stream.wait_event(event)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(self.copy_stream)
+            for e, s in zip(chunk.experts, chunk.slots):
+                self.w13[s].copy_(bank13[e], non_blocking=True)
+                self.w2[s].copy_(bank2[e], non_blocking=True)
+            end.record(self.copy_stream)
+        chunk.landed, chunk.copy_events = end, (start, end)

@@ -1,0 +1,68 @@
+"""The staging ring of a streamed prefill (services/worker/offload/staging_ring.py), on CPU: every
+staged expert is copied into a free slot before its chunk is handed out, chunks come in layer
+order, a slot is reused only once its chunk was released, and a layer asked out of order is refused."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from ferry.services.worker.offload.staging_ring import StagingRing
+
+
+def _banks(layers: int, experts: int):
+    w13 = [torch.arange(experts * 4, dtype=torch.float32).view(experts, 2, 2) + 100 * layer for layer in range(layers)]
+    w2 = [-t for t in w13]
+    return SimpleNamespace(w13=w13, w2=w2)
+
+
+def test_chunks_come_in_layer_order_with_their_experts_copied():
+    banks = _banks(4, 9)
+    ring = StagingRing(torch.zeros(4, 2, 2), torch.zeros(4, 2, 2), banks, None, chunk=2)
+    staged = [[0, 1, 2], [3], [], [4, 5, 6, 7, 8]]
+    ring.begin(staged)
+    seen = []
+    for layer in range(4):
+        while (chunk := ring.take(layer)) is not None:
+            assert chunk.layer == layer and len(chunk.experts) <= 2
+            for e, s in zip(chunk.experts, chunk.slots):
+                assert torch.equal(ring.w13[s], banks.w13[layer][e]) and torch.equal(ring.w2[s], banks.w2[layer][e])
+            seen.append((layer, chunk.experts))
+            ring.release(chunk, None)
+    assert seen == [(0, [0, 1]), (0, [2]), (1, [3]), (3, [4, 5]), (3, [6, 7]), (3, [8])]
+    assert ring.staged_total == 9
+
+
+def test_a_slot_is_not_reused_before_its_chunk_is_released():
+    ring = StagingRing(torch.zeros(2, 2, 2), torch.zeros(2, 2, 2), _banks(1, 6), None, chunk=2)
+    ring.begin([[0, 1, 2, 3]])
+    first = ring.take(0)
+    with pytest.raises(RuntimeError, match="release the chunk taken before"):
+        ring.take(0)  # the second chunk would need the slots the first still holds
+    ring.release(first, None)
+    second = ring.take(0)
+    assert second.experts == [2, 3] and sorted(second.slots) == sorted(first.slots)
+
+
+def test_a_layer_asked_before_an_earlier_layer_is_done_is_refused():
+    ring = StagingRing(torch.zeros(4, 2, 2), torch.zeros(4, 2, 2), _banks(2, 6), None, chunk=2)
+    ring.begin([[0, 1, 2], [3]])
+    ring.release(ring.take(0), None)  # layer 0 still has expert 2 staged
+    with pytest.raises(RuntimeError, match="computes before layer 0"):
+        ring.take(1)
+
+
+def test_a_new_step_takes_back_the_slots_of_a_step_that_stopped_midway():
+    ring = StagingRing(torch.zeros(2, 2, 2), torch.zeros(2, 2, 2), _banks(1, 6), None, chunk=2)
+    ring.begin([[0, 1, 2, 3]])
+    ring.take(0)  # never released: the step failed
+    ring.begin([[4, 5]])
+    chunk = ring.take(0)
+    assert chunk.experts == [4, 5]
+
+
+def test_bad_shapes_are_refused():
+    with pytest.raises(ValueError, match="does not fit"):
+        StagingRing(torch.zeros(2, 2, 2), torch.zeros(2, 2, 2), _banks(1, 2), None, chunk=3)
