@@ -7,8 +7,10 @@ one of them for the seconds it takes (bench/NOTES.md, "Mid-serving compiles").
 
 The shapes: one row and several, one token per row (eager decode: a starting request, more
 rows than the largest decode graph) and several (prefill chunks, mixed steps), token counts in
-each of Triton's integer classes (1, a multiple of 16, neither) and of both parities, within
---max-prefill-tokens and --max-running-requests. Each runs once.
+each of Triton's integer classes (1, a multiple of 16, neither) and of both parities, and one
+long enough (300 tokens) that even a 512-expert model streams its prefill through the staging
+slots (offload/device_store.py), within --max-prefill-tokens and --max-running-requests. Each
+runs once.
 
 No request is touched: every row writes the sentinel KV page and the padding linear-state slot
 (shared/step.py's conventions), and `real_tokens` 0 tells the device-driven expert store that
@@ -28,7 +30,7 @@ from ferry.services.worker.forward_batch import ForwardBatch
 
 # query_lens of each warm-up step, before the plan's limits trim the list
 _SHAPES: tuple[tuple[int, ...], ...] = (
-    (1,), (2,), (3,), (16,), (17,), (64,), (65,),
+    (1,), (2,), (3,), (16,), (17,), (64,), (65,), (300,),
     (1, 1), (1, 2), (1, 16), (8, 8), (1, 1, 1), (3, 17, 30),
     (1,) * 16, (1,) * 17, (1,) * 64,
 )
