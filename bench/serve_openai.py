@@ -2,7 +2,9 @@
 OpenAI-compatible server (Ferry, or a peer measured with the very same script).
 
 * TTFT: one completion with a `--ttft-prompt-len` token prompt (sent as token ids), max_tokens 1,
-  time to the first streamed chunk (median of `--ttft-runs`);
+  time to the first streamed chunk (median of `--ttft-runs`), from the call into the client
+  (`ttft_s`) and from the moment the HTTP request leaves it (`ttft_wire_s`, an httpx request
+  hook): the openai client spends tens of milliseconds building a request of 2,000 token ids;
 * decode: for each N in `--streams`, N concurrent streamed completions of `--max-tokens` tokens at
   `--temperature` with `ignore_eos`; per stream, tokens/s from chunk arrival times (the tokens
   after the first over the time between the first and the last chunk), and the aggregate
@@ -25,6 +27,7 @@ import argparse
 import json
 import statistics
 import sys
+import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -63,8 +66,25 @@ def cache_delta(before: dict, after: dict) -> dict | None:
     return d
 
 
+_sent = threading.local()  # when this thread's last HTTP request left the client
+
+
+def _mark_sent(request) -> None:
+    _sent.at = time.perf_counter()
+
+
+def timed_http_client():
+    """An httpx client that marks when each request is sent (None: the openai client's default)."""
+    try:
+        import httpx
+    except ImportError:
+        return None
+    return httpx.Client(event_hooks={"request": [_mark_sent]}, timeout=600)
+
+
 def stream(client, model: str, prompt, max_tokens: int, temperature: float) -> dict:
     """One streamed completion (include_usage, ignore_eos): tokens, chunk arrival times, text."""
+    _sent.at = None
     t0 = time.perf_counter()
     arrivals, text, usage = [], [], None
     resp = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, stream=True,
@@ -80,6 +100,7 @@ def stream(client, model: str, prompt, max_tokens: int, temperature: float) -> d
     span = arrivals[-1] - arrivals[0] if len(arrivals) > 1 else 0.0
     return {"tokens": tokens, "usage": usage, "text": "".join(text), "chunks": len(arrivals),
             "ttft_s": arrivals[0] if arrivals else None,
+            "ttft_wire_s": t0 + arrivals[0] - _sent.at if arrivals and _sent.at is not None else None,
             "first_s": arrivals[0] if arrivals else None, "last_s": arrivals[-1] if arrivals else None,
             "start": t0, "tok_s": (tokens - 1) / span if span > 0 else None,
             # the longest wait between two chunks: a stall (a compile, a preemption) shows here, not in a mean
@@ -124,7 +145,8 @@ def main() -> int:
     import numpy as np
     from openai import OpenAI
 
-    client = OpenAI(base_url=args.base_url, api_key=args.api_key, max_retries=0, timeout=600)
+    client = OpenAI(base_url=args.base_url, api_key=args.api_key, max_retries=0, timeout=600,
+                    http_client=timed_http_client())  # fmt: skip
     model = args.model or client.models.list().data[0].id
     vocab = args.vocab
     if vocab is None and args.config:
@@ -139,11 +161,14 @@ def main() -> int:
 
     stream(client, model, prompt(args.prompt_len), 16, args.temperature)  # warm-up
     before = scrape(args.metrics)
-    ttfts = [stream(client, model, prompt(args.ttft_prompt_len), 1, args.temperature)["ttft_s"]
-             for _ in range(args.ttft_runs)]  # fmt: skip
+    firsts = [stream(client, model, prompt(args.ttft_prompt_len), 1, args.temperature) for _ in range(args.ttft_runs)]
     result["ttft_expert_cache"] = cache_delta(before, scrape(args.metrics))  # what the prefills copied
+    ttfts = [r["ttft_s"] for r in firsts]
     result["ttft_s"] = statistics.median(ttfts)
     result["ttft_runs_s"] = ttfts
+    wire = [r["ttft_wire_s"] for r in firsts if r["ttft_wire_s"] is not None]
+    result["ttft_wire_s"] = statistics.median(wire) if wire else None
+    result["ttft_wire_runs_s"] = wire
     print(f"TTFT ({args.ttft_prompt_len}-token prompt): median {1e3 * result['ttft_s']:.0f} ms of {len(ttfts)}")
 
     ceilings = json.loads(Path(args.ceilings).read_text()) if args.ceilings else None

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from ferry.kernels.expert_copy import copy_experts_triton
 from ferry.kernels.expert_pair_gemv import expert_pair_rows_triton, use_pair_kernel
 from ferry.kernels.expert_rows_sum import sum_rows
-from ferry.kernels.grouped_expert_gemm import grouped_expert_rows_triton
+from ferry.kernels.grouped_expert_gemm import align_pairs_by_slot, block_m_for, grouped_expert_rows_triton
 from ferry.services.worker.offload.device_cache import CacheCall, DeviceExpertCache
 from ferry.services.worker.offload.expert_cache import DEFAULT_PIPELINE_CHUNKS, OffloadedExperts, _split
 from ferry.services.worker.offload.staging_ring import StagingRing
@@ -152,31 +152,50 @@ class DeviceDrivenExperts(OffloadedExperts):
     def _streamed_layer(self, layer, x, ids, weights, n_rows, rows) -> None:
         """A prefill: the hits from their slots, every other expert of the layer through the
         staging ring (copied ahead since the step began, computed chunk by chunk as it lands);
-        the cache places nothing. No host synchronisation but one per step, at its first layer."""
+        the cache places nothing. No host synchronisation but one per step, at its first layer.
+
+        The streamed pairs are grouped once per layer, by their expert's position in the layer's
+        staged list; a chunk computes the blocks of its positions, pointed at its bay."""
         t, k = ids.shape
         if layer == 0:  # the maps as the step starts: nothing changes them until it ends
-            resident = (self.cache.slot_of >= 0).cpu().numpy()
-            real = int(n_rows[0])  # the stream is idle now: no second wait (0: boot's warm-up, all padding)
-            self.ring.begin([np.flatnonzero(~r).tolist() if real else [] for r in resident])
+            self._begin_stream(n_rows)
         call = self.cache.stream_lookup(layer, ids, n_rows)
         self._compute(x, call.hit_slots.view(t, k), weights, rows)
-        # padding rows (past n_rows) look up the sentinel entry E of each chunk's table: no slot
+        staged = self._staged_count[layer]
+        if not staged:
+            return
+        # padding rows (past n_rows) look up the sentinel entry E: not staged
         padding = torch.arange(t, device=x.device).unsqueeze(1) >= n_rows.to(x.device)
-        live_ids = torch.where(padding, self.num_experts, ids)
+        position = self._staged_position[layer][torch.where(padding, self.num_experts, ids)]
+        sorted_pairs, block_position = align_pairs_by_slot(position, staged, block_m_for(t * k), staged)
         while (chunk := self.ring.take(layer)) is not None:
-            table = torch.full((self.num_experts + 1,), -1, dtype=torch.int32)
-            table[chunk.experts] = torch.tensor(chunk.slots, dtype=torch.int32)
             if self._cuda:
-                table = table.pin_memory().to(x.device, non_blocking=True)
-                self._stall(chunk.landed)
+                torch.cuda.current_stream(self.device).wait_event(chunk.landed)
                 self._step_copy_events.append(chunk.copy_events)
-            grouped_expert_rows_triton(x, table[live_ids], weights, self.ring.w13, self.ring.w2, rows,
-                                       max_distinct_slots=len(chunk.experts))  # fmt: skip
+            lo, hi = chunk.first, chunk.first + len(chunk.experts)
+            block_slot = torch.where((block_position >= lo) & (block_position < hi),
+                                     block_position + (chunk.slots[0] - lo), -1)  # fmt: skip
+            grouped_expert_rows_triton(x, None, weights, self.ring.w13, self.ring.w2, rows,
+                                       aligned=(sorted_pairs, block_slot))  # fmt: skip
             computed = None
             if self._cuda:
                 computed = torch.cuda.Event()
                 computed.record(torch.cuda.current_stream(self.device))
             self.ring.release(chunk, computed)
+
+    def _begin_stream(self, n_rows: torch.Tensor) -> None:
+        """Stage every non-resident expert of every layer (none for a step of padding only, boot's
+        warm-up), and put each one's position in its layer's list on the device (-1: not staged)."""
+        resident = (self.cache.slot_of >= 0).cpu().numpy()
+        real = int(n_rows[0])  # the stream is idle now: no second wait
+        staged = [np.flatnonzero(~r).tolist() if real else [] for r in resident]
+        position = np.full((len(staged), self.num_experts + 1), -1, dtype=np.int32)
+        for layer, experts in enumerate(staged):
+            position[layer, experts] = np.arange(len(experts), dtype=np.int32)
+        table = torch.from_numpy(position)
+        self._staged_position = table.pin_memory().to(self.device, non_blocking=True) if self._cuda else table
+        self._staged_count = [len(e) for e in staged]
+        self.ring.begin(staged)
 
     def _compute(self, x, group_slots, weights, rows) -> None:
         """One group's pairs (slot -1 elsewhere): pair by pair for small steps, as the all-resident

@@ -10,12 +10,14 @@ is computed there, and its slot goes to the next staged expert. A prefill copies
 experts it lacks, and the cache keeps what the decode uses.
 
 The ring is one FIFO over the whole step: the staged experts of every layer in layer order, cut
-into chunks of one layer's experts. A chunk's copies (copy engine, on the copy stream) are
-enqueued as soon as enough slots are free, and a slot is free once the computation of the chunk
-that used it last is *enqueued*: the copy waits for that computation on the device, by its
-event. So the copies run up to R experts ahead of the computation, across layer boundaries, and
-the host never waits for the device during the step. A chunk's computation waits for its copies
-by their event. On CPU everything runs in order and no events are needed.
+into chunks of up to C of one layer's experts; the R slots are R/C bays of C consecutive slots,
+one chunk per bay (consecutive experts then cross in one copy, into consecutive slots). A
+chunk's copies (copy engine, on the copy stream) are enqueued as soon as a bay is free, and a
+bay is free once the computation of the chunk that used it last is *enqueued*: the copy waits
+for that computation on the device, by its event. So the copies run up to R experts ahead of
+the computation, across layer boundaries, and the host never waits for the device during the
+step. A chunk's computation waits for its copies by their event. On CPU everything runs in
+order and no events are needed.
 """
 
 from __future__ import annotations
@@ -31,15 +33,16 @@ class StagedChunk:
     """Experts of one MoE layer, and the staging slots they were copied into (once enqueued)."""
 
     layer: int
+    first: int  # position of experts[0] in the layer's staged list
     experts: list[int]
-    slots: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)  # consecutive: bay * C + i
     landed: torch.cuda.Event | None = None  # the copies are done (CUDA)
     copy_events: tuple | None = None  # (start, end) timing events of the copies (CUDA)
 
 
 class StagingRing:
     """R staging slots (`w13` [R, 2I, H], `w2` [R, H, I]) filled from the host `banks` on `copy_stream`
-    (None on CPU: synchronous copies), in chunks of at most `chunk` experts."""
+    (None on CPU: synchronous copies), in chunks of at most `chunk` experts (R // chunk bays)."""
 
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor, banks, copy_stream: torch.cuda.Stream | None,
                  chunk: int | None = None):  # fmt: skip
@@ -47,30 +50,36 @@ class StagingRing:
             raise ValueError(f"staging slots must be a non-empty [R, ...] pair, got {w13.shape[0]} and {w2.shape[0]}")
         self.w13, self.w2, self.banks, self.copy_stream = w13, w2, banks, copy_stream
         self.size = w13.shape[0]
-        # four chunks in the ring: a chunk computes while the next ones cross
-        self.chunk = chunk if chunk is not None else max(1, -(-self.size // 4))
+        # four bays: a chunk computes while the next ones cross
+        self.chunk = chunk if chunk is not None else max(1, self.size // 4)
         if not 1 <= self.chunk <= self.size:
             raise ValueError(f"a chunk of {self.chunk} experts does not fit {self.size} staging slots")
-        # free slots, each with the event of the last computation that read it (None: nothing pending)
-        self._free: deque[tuple[int, torch.cuda.Event | None]] = deque((s, None) for s in range(self.size))
+        self._free: deque[tuple[int, torch.cuda.Event | None]] = deque()
+        self._reset_bays()
         self._queued: deque[StagedChunk] = deque()  # not copied yet
         self._copied: deque[StagedChunk] = deque()  # copies enqueued, computation not yet
         self._taken: StagedChunk | None = None  # handed out, not yet released
         self.staged_total = 0  # experts staged since boot
 
+    def _reset_bays(self) -> None:
+        """Every bay free (its last reader's event, or None: nothing pending)."""
+        self._free = deque((bay, None) for bay in range(self.size // self.chunk))
+
     def begin(self, staged: list[list[int]]) -> None:
         """A new step, which stages `staged[layer]` (ascending experts) for every MoE layer."""
-        # a step that stopped midway: its copies are ordered on the copy stream, and a computation
-        # it enqueued comes before the next step's on the compute stream (the copies wait for it)
-        unfinished = [*self._copied, *([self._taken] if self._taken is not None else [])]
-        for chunk in unfinished:
-            self._free.extend((s, chunk.landed) for s in chunk.slots)
+        if self._copied or self._taken is not None or len(self._free) != self.size // self.chunk:
+            # a step that stopped midway (or another chunk size, bench/profile_prefill.py): wait for
+            # what it enqueued, once, rather than track it
+            if self.copy_stream is not None:
+                torch.cuda.current_stream().wait_stream(self.copy_stream)
+                self.copy_stream.wait_stream(torch.cuda.current_stream())
+            self._reset_bays()
         self._copied.clear()
         self._taken = None
         self._queued.clear()
         for layer, experts in enumerate(staged):
             for i in range(0, len(experts), self.chunk):
-                self._queued.append(StagedChunk(layer, list(experts[i : i + self.chunk])))
+                self._queued.append(StagedChunk(layer, i, list(experts[i : i + self.chunk])))
             self.staged_total += len(experts)
         self.fill()
 
@@ -95,33 +104,48 @@ class StagingRing:
         if chunk is not self._taken:
             raise RuntimeError("staging ring: release the chunk that was taken")
         self._taken = None
-        self._free.extend((s, computed) for s in chunk.slots)
+        self._free.append((chunk.slots[0] // self.chunk, computed))
         self.fill()
 
     def fill(self) -> None:
         """Enqueue the copies of every queued chunk that the free slots can take, in order."""
-        while self._queued and len(self._free) >= len(self._queued[0].experts):
+        while self._queued and self._free:
             chunk = self._queued.popleft()
-            taken = [self._free.popleft() for _ in chunk.experts]
-            chunk.slots = [s for s, _ in taken]
-            waits = list({id(e): e for _, e in taken if e is not None}.values())
-            self._copy(chunk, waits)
+            bay, last_reader = self._free.popleft()
+            chunk.slots = list(range(bay * self.chunk, bay * self.chunk + len(chunk.experts)))
+            self._copy(chunk, last_reader)
             self._copied.append(chunk)
 
-    def _copy(self, chunk: StagedChunk, waits: list[torch.cuda.Event]) -> None:
+    def _copy(self, chunk: StagedChunk, last_reader: torch.cuda.Event | None) -> None:
+        """The chunk's experts into its bay: one copy per run of consecutive experts, per weight."""
         bank13, bank2 = self.banks.w13[chunk.layer], self.banks.w2[chunk.layer]
+        runs = _runs(chunk.experts)
+        s = chunk.slots[0]
         if self.copy_stream is None:
-            for e, s in zip(chunk.experts, chunk.slots):
-                self.w13[s].copy_(bank13[e])
-                self.w2[s].copy_(bank2[e])
+            for e, n in runs:
+                self.w13[s : s + n].copy_(bank13[e : e + n])
+                self.w2[s : s + n].copy_(bank2[e : e + n])
+                s += n
             return
         with torch.cuda.stream(self.copy_stream):
-            for event in waits:
-                self.copy_stream.wait_event(event)
+            if last_reader is not None:
+                self.copy_stream.wait_event(last_reader)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(self.copy_stream)
-            for e, s in zip(chunk.experts, chunk.slots):
-                self.w13[s].copy_(bank13[e], non_blocking=True)
-                self.w2[s].copy_(bank2[e], non_blocking=True)
+            for e, n in runs:
+                self.w13[s : s + n].copy_(bank13[e : e + n], non_blocking=True)
+                self.w2[s : s + n].copy_(bank2[e : e + n], non_blocking=True)
+                s += n
             end.record(self.copy_stream)
         chunk.landed, chunk.copy_events = end, (start, end)
+
+
+def _runs(experts: list[int]) -> list[tuple[int, int]]:
+    """Ascending experts as (first, count) runs of consecutive ids."""
+    runs: list[tuple[int, int]] = []
+    for e in experts:
+        if runs and runs[-1][0] + runs[-1][1] == e:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((e, 1))
+    return runs

@@ -66,3 +66,18 @@ def test_a_new_step_takes_back_the_slots_of_a_step_that_stopped_midway():
 def test_bad_shapes_are_refused():
     with pytest.raises(ValueError, match="does not fit"):
         StagingRing(torch.zeros(2, 2, 2), torch.zeros(2, 2, 2), _banks(1, 2), None, chunk=3)
+
+
+def test_a_chunk_fills_consecutive_slots_of_one_bay_and_knows_its_place_in_the_layer():
+    banks = _banks(1, 12)
+    ring = StagingRing(torch.zeros(6, 2, 2), torch.zeros(6, 2, 2), banks, None, chunk=3)  # two bays of 3
+    ring.begin([[0, 1, 2, 5, 7, 8, 9]])
+    firsts = []
+    while (chunk := ring.take(0)) is not None:
+        assert chunk.slots == list(range(chunk.slots[0], chunk.slots[0] + len(chunk.experts)))
+        assert chunk.slots[0] % 3 == 0
+        for e, s in zip(chunk.experts, chunk.slots):
+            assert torch.equal(ring.w13[s], banks.w13[0][e])
+        firsts.append(chunk.first)
+        ring.release(chunk, None)
+    assert firsts == [0, 3, 6]
