@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.serve_decode import Streams  # noqa: E402
+from bench.serve_decode import Streams, _cache_counters, _delta  # noqa: E402
 from ferry.services.worker.boot import boot_worker  # noqa: E402
 from ferry.services.worker.flags import add_worker_flags, boot_config_from_args  # noqa: E402
 
@@ -61,14 +61,15 @@ def main() -> None:
             by_chunk[chunk] = statistics.median(prefill() for _ in range(args.runs))
             ring.chunk = default
     walls = [prefill() for _ in range(args.runs)]
-    copied = executor.expert_cache_report()
+    before = _cache_counters(executor)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:  # fmt: skip
         profiled_wall = prefill()
+    copied = _delta(_cache_counters(executor), before)  # the profiled prefill's own
     result = {"prompt_len": args.prompt_len, "wall_s": walls, "median_wall_s": statistics.median(walls),
               "profiled_wall_s": profiled_wall, "slots": plan.experts.slots, "experts": plan.experts.total,
               "ring_chunk": ring.chunk if ring is not None else None, "median_wall_s_by_ring_chunk": by_chunk,
-              "report": {k: copied.get(k) for k in ("hits", "misses", "prefetched", "bytes_copied")},
+              "profiled_prefill_expert_cache": copied,
               **device_timeline(prof)}  # fmt: skip
     print(json.dumps(result, indent=1))
     if args.out:
@@ -84,13 +85,17 @@ def device_timeline(prof) -> dict:
                 launches.append((e.time_range.start, e.time_range.end))
             continue
         span = (e.time_range.start, e.time_range.end)
-        (copies if "Memcpy HtoD" in e.name else kernels).append(span)
+        if "Memcpy HtoD" in e.name:  # the expert copies, and the step's own uploads
+            copies.append(span)
+        elif "Memcpy" not in e.name and "Memset" not in e.name:
+            kernels.append(span)
     if not copies:
         return {"copies": 0}
     copies.sort()
     start, end = copies[0][0], max(c[1] for c in copies)
-    busy = sum(b - a for a, b in _union(copies))
-    gaps = [b[0] - a[1] for a, b in zip(_union(copies), _union(copies)[1:])]
+    merged = _union(copies)
+    busy = sum(b - a for a, b in merged)
+    gaps = [b[0] - a[1] for a, b in zip(merged, merged[1:])]
     first_kernel = min(k[0] for k in kernels) if kernels else start
     last_kernel = max(k[1] for k in kernels) if kernels else end
     return {
