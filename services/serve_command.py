@@ -168,10 +168,12 @@ def api_passthrough_flags(args: argparse.Namespace, rundir: Path | None = None) 
 
 
 def child_environments(args: argparse.Namespace) -> dict[str, dict[str, str]]:
-    """Each child's environment: serve's own, without the API key (the api reads it from its file)."""
+    """Each child's environment: serve's own, without the API key (the api reads it from its file) and
+    without the wire keys (serve wires its children by ipc sockets and ignores them, as it says)."""
     env = dict(os.environ)
     env.pop("FERRY_API_KEY", None)
     env.pop("FERRY_API_KEY_FILE", None)  # serve passes the file it resolved, as a flag
+    env.pop("FERRY_WIRE_KEYS", None)
     return {"scheduler": env, "worker": env, "api": dict(env)}
 
 

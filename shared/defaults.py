@@ -10,6 +10,12 @@ from __future__ import annotations
 from pathlib import Path
 
 LOOPBACK = "127.0.0.1"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a name or an address, IPv6 with or without brackets) is this machine only."""
+    host = host.strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
 API_ADDR = f"tcp://{LOOPBACK}:5555"  # the scheduler's ROUTER binds here; api replicas connect DEALERs
 STEPS_ADDR = f"tcp://{LOOPBACK}:5556"  # the scheduler PUSHes steps from here; the worker connects a PULL
 RESULTS_ADDR = f"tcp://{LOOPBACK}:5557"  # the scheduler PULLs results here; the worker connects PUSHes

@@ -21,6 +21,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
+from ferry.shared.defaults import is_loopback
 from ferry.shared.errors import ConfigError
 
 ROLES = ("scheduler", "api", "worker")
@@ -117,8 +118,7 @@ def check_exposure(flag: str, addr: str, keys: object | None) -> None:
     submit requests past the api's checks, take steps or pose as the worker."""
     if keys is not None or not addr.startswith("tcp://"):
         return
-    host = addr[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
-    if host in ("127.0.0.1", "localhost", "::1") or host.startswith("127."):
+    if is_loopback(addr[len("tcp://"):].rsplit(":", 1)[0]):
         return
     raise ConfigError(f"{flag} {addr} is reachable beyond this host but the wire is not authenticated: write keys with "
                       "`ferry keys DIR` and pass --wire-keys DIR (FERRY_WIRE_KEYS) to the api, the scheduler and the "

@@ -88,18 +88,20 @@ class AnthropicRoutes:
             raise NotFound(f"the model {req.model!r} does not exist here; this server serves {self.cfg.served_model_name!r}")
 
     async def count_tokens(self, request: web.Request) -> web.Response:
-        req = decode_body(await request.read(), schema.CountTokensRequest)
+        body = await request.read()
+        req = decode_body(body, schema.CountTokensRequest)
         self._check_model(req)
-        prompt = await self._tokenize(self._prompt, req, request.content_length)
+        prompt = await self._tokenize(self._prompt, req, len(body))
         return web.json_response({"input_tokens": len(prompt.ids)})
 
     # ---- messages --------------------------------------------------------------------------------
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
-        req = decode_body(await request.read(), schema.MessagesRequest)
+        body = await request.read()
+        req = decode_body(body, schema.MessagesRequest)
         self._check_model(req)
         schema.validate(req)
-        prompt = await self._tokenize(self._prompt, req, request.content_length)
+        prompt = await self._tokenize(self._prompt, req, len(body))
         choice = req.tool_choice
         builder = MessageBuilder(self.cfg.served_model_name,
                                  single_tool_call=bool(choice and choice.disable_parallel_tool_use))  # fmt: skip

@@ -19,6 +19,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_server import Server
 
+from ferry.shared.defaults import is_loopback
 from ferry.shared.errors import ConfigError, FerryError, ServiceUnavailable
 from ferry.shared.wire_keys import WireKeys
 from ferry.services.api.config import ApiConfig
@@ -162,7 +163,7 @@ async def serve(cfg: ApiConfig) -> None:
         raise ConfigError(f"--port {cfg.port} on {cfg.host} {why}: stop what listens there or choose another --port") from None
     log.info("api_listening", host=cfg.host, port=cfg.port, scheduler_addr=cfg.scheduler_addr,
              model=cfg.served_model_name, auth=cfg.api_key is not None, wire_keys=cfg.wire_keys is not None)  # fmt: skip
-    if cfg.api_key is None and cfg.host not in ("127.0.0.1", "localhost", "::1"):
+    if cfg.api_key is None and not is_loopback(cfg.host):
         log.warning("no_api_key", host=cfg.host,
                     message=f"listening on {cfg.host} without an API key: whoever reaches port {cfg.port} can use "
                             "the model; set FERRY_API_KEY or --api-key-file")  # fmt: skip

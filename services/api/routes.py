@@ -63,13 +63,14 @@ class OpenAIRoutes:
     # ---- generation ------------------------------------------------------------------------------
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        req = schema.decode_body(await request.read(), schema.ChatCompletionRequest)
+        body = await request.read()
+        req = schema.decode_body(body, schema.ChatCompletionRequest)
         max_tokens = schema.chat_max_tokens(req)
         self._check_model(req)
         schema.validate_generation(req, max_tokens)
         tools = schema.template_tools(req)
         forced = schema.forced_tools(req)
-        size = request.content_length
+        size = len(body)  # the body read, not its Content-Length header: a chunked upload sends none
         # grammars are built and checked off the event loop, in the tokenizer lane of the body's size (and
         # counted against its bound): a large schema takes a while
         fmt_grammar = None
@@ -98,7 +99,8 @@ class OpenAIRoutes:
         return await self._generate(request, req, "chat", runs, max_tokens, fmt, choices)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        req = schema.decode_body(await request.read(), schema.CompletionRequest)
+        body = await request.read()
+        req = schema.decode_body(body, schema.CompletionRequest)
         self._check_model(req)
         schema.validate_generation(req, req.max_tokens, allow_zero=True)
         logprobs = schema.completion_logprobs(req)
@@ -111,7 +113,7 @@ class OpenAIRoutes:
         texts = [p for p in prompts if isinstance(p, str)]
         if texts:
             self._check_chars(max(len(t) for t in texts))
-        ids = [await self._tokenize(PromptTokenizer.text_prompt, p, request.content_length) for p in prompts]
+        ids = [await self._tokenize(PromptTokenizer.text_prompt, p, len(body)) for p in prompts]
         fmt = CompletionFormat(self.cfg.served_model_name)
         token_text = self._token_text if logprobs is not None else None
         runs, choices = [], []
@@ -143,24 +145,21 @@ class OpenAIRoutes:
                 if tokenizer is not None:
                     tokenizer.max_model_len = status.max_model_len
 
-    async def _tokenize(self, fn, arg, body_bytes: int | None):
+    async def _tokenize(self, fn, arg, body_bytes: int):
         """fn(tokenizer, arg) off the event loop (a prompt near the body limit takes long enough to stall
         every stream), in the lane of the body's size, at most MAX_TOKENIZATIONS[lane] prompts queued
         or running there (more: 503 with Retry-After)."""
         self._update_model_len()
-        lane = "long" if (body_bytes or 0) > LONG_BODY_BYTES else "short"
+        lane = "long" if body_bytes > LONG_BODY_BYTES else "short"
         if self._tokenizations[lane] >= MAX_TOKENIZATIONS[lane]:
             self.metrics.tokenize_refused.labels("busy").inc()
             raise TokenizerBusy(f"{self._tokenizations[lane]} prompts are waiting for the tokenizer; retry shortly")
-        thread, tokenizer = self._lanes[lane]
-        if tokenizer is None:  # the long lane's own copy, made on first use
-            tokenizer = self.tokenizer.copy()
-            self._lanes[lane] = (thread, tokenizer)
+        thread = self._lanes[lane][0]
         self._tokenizations[lane] += 1
         self.metrics.tokenizing.inc()
         t0 = time.perf_counter()
         try:
-            return await asyncio.get_running_loop().run_in_executor(thread, fn, tokenizer, arg)
+            return await asyncio.get_running_loop().run_in_executor(thread, self._in_lane, lane, fn, arg)
         except TooLong:
             self.metrics.tokenize_refused.labels("too_long").inc()
             raise
@@ -168,6 +167,16 @@ class OpenAIRoutes:
             self._tokenizations[lane] -= 1
             self.metrics.tokenizing.dec()
             self.metrics.tokenize_seconds.observe(time.perf_counter() - t0)
+
+    def _in_lane(self, lane: str, fn, arg):
+        """fn(tokenizer, arg) on the lane's own thread. The long lane makes its copy of the tokenizer
+        here, on first use: for a large vocabulary that takes a while, which would stall every
+        stream on the event loop (the lane has one thread, so it is made once)."""
+        thread, tokenizer = self._lanes[lane]
+        if tokenizer is None:
+            tokenizer = self.tokenizer.copy()
+            self._lanes[lane] = (thread, tokenizer)
+        return fn(tokenizer, arg)
 
     async def _generate(self, request: web.Request, req, route: str, runs: list, max_tokens: int | None,
                         fmt: ResponseFormat, choices: list) -> web.StreamResponse:  # fmt: skip

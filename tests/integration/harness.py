@@ -325,7 +325,7 @@ def serve_model(model_dir: Path, tmp: Path, env: dict[str, str] | None = None, *
                                 stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
     served = ServedModel(proc, f"http://127.0.0.1:{port}", log_path)
     try:
-        ok = eventually(lambda: proc.poll() is None and _healthy(served.url), timeout=180, interval=0.2)
+        ok = eventually(lambda: proc.poll() is None and healthy(served.url), timeout=180, interval=0.2)
         assert ok, log_path.read_text()[-3000:]
         yield served
     finally:
@@ -337,7 +337,8 @@ def serve_model(model_dir: Path, tmp: Path, env: dict[str, str] | None = None, *
             proc.wait()
 
 
-def _healthy(url: str) -> bool:
+def healthy(url: str) -> bool:
+    """Whether the server at `url` answers /health with 200 (False while it cannot be reached)."""
     try:
         return http_get(url + "/health", timeout=1)[0] == 200
     except OSError:

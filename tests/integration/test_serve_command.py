@@ -10,7 +10,7 @@ import sys
 
 import openai
 
-from tests.integration.harness import FAKE_BOOT, REPO, child_env, eventually, free_port, http_get
+from tests.integration.harness import FAKE_BOOT, REPO, child_env, eventually, free_port, healthy
 
 
 def children_of(pid: int) -> list[int]:
@@ -39,7 +39,7 @@ def test_serve_runs_three_torch_free_control_processes_and_stops_them_on_sigterm
     )  # fmt: skip
     try:
         url = f"http://127.0.0.1:{port}"
-        assert eventually(lambda: _ok(url), timeout=60), (tmp_path / "serve.log").read_text()[-3000:]
+        assert eventually(lambda: healthy(url), timeout=60), (tmp_path / "serve.log").read_text()[-3000:]
         r = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0).completions.create(
             model="tiny", prompt="hello", max_tokens=4)
         assert r.usage.completion_tokens == 4
@@ -64,13 +64,6 @@ def test_serve_runs_three_torch_free_control_processes_and_stops_them_on_sigterm
             serve.wait()
 
 
-def _ok(url: str) -> bool:
-    try:
-        return http_get(url + "/health", timeout=1)[0] == 200
-    except OSError:
-        return False
-
-
 def test_serve_stops_everything_and_fails_when_one_process_dies(model_dir, tmp_path):
     port = free_port()
     env = child_env()
@@ -81,7 +74,7 @@ def test_serve_stops_everything_and_fails_when_one_process_dies(model_dir, tmp_p
         cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        assert eventually(lambda: _ok(f"http://127.0.0.1:{port}"), timeout=60)
+        assert eventually(lambda: healthy(f"http://127.0.0.1:{port}"), timeout=60)
         kids = children_of(serve.pid)
         worker = next(pid for pid in kids if "worker" in open(f"/proc/{pid}/cmdline").read().split("\0"))
         os.kill(worker, signal.SIGKILL)

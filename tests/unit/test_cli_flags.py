@@ -90,6 +90,12 @@ def test_the_api_key_never_goes_on_a_command_line_nor_in_an_environment(monkeypa
     assert open(key_file).read() == "s3cret" and os.stat(key_file).st_mode & 0o077 == 0
 
 
+def test_serve_keeps_the_wire_keys_it_ignores_from_its_children(monkeypatch, tmp_path):
+    monkeypatch.setenv("FERRY_WIRE_KEYS", str(tmp_path))
+    envs = child_environments(parse("serve"))
+    assert not any("FERRY_WIRE_KEYS" in env for env in envs.values())
+
+
 def _three_free_ports() -> int:
     """A port p with p, p + 1 and p + 2 all free now."""
     import socket
