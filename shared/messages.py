@@ -67,9 +67,12 @@ class Tokens(msgspec.Struct, tag=True):
     prompt_logprobs: tuple[Logprobs, ...] = ()  # prompt tokens' log-probabilities (echo), before any token
 
 
+FINISH_REASONS = ("stop", "length", "abort")  # what Finished.reason may say
+
+
 class Finished(msgspec.Struct, tag=True, kw_only=True):
     req_id: int
-    reason: str  # stop | length | abort
+    reason: str  # one of FINISH_REASONS
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0

@@ -20,7 +20,7 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_server import Server
 
 from ferry.shared.defaults import is_loopback
-from ferry.shared.errors import ConfigError, FerryError, ServiceUnavailable
+from ferry.shared.errors import ConfigError, ServiceUnavailable
 from ferry.shared.wire_keys import WireKeys
 from ferry.services.api.config import ApiConfig
 from ferry.services.api.anthropic_routes import AnthropicRoutes
@@ -179,4 +179,4 @@ async def serve(cfg: ApiConfig) -> None:
     await runner.cleanup()
 
 
-__all__ = ["build_app", "serve", "Drain", "FerryError"]
+__all__ = ["build_app", "serve", "Drain"]

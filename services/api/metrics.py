@@ -9,7 +9,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, Metric
 
-from ferry.shared.messages import SchedulerStatus
+from ferry.shared.messages import FINISH_REASONS, SchedulerStatus
 from ferry.shared.status_gauges import StatusGauges
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -77,7 +77,7 @@ class VllmAliases:
         yield looked_up
         finished = CounterMetricFamily("vllm:request_success", "finished requests by finish reason (alias of "
                                        "ferry_requests by outcome)", labels=["model_name", "finished_reason"])  # fmt: skip
-        for reason in ("stop", "length", "abort"):
+        for reason in FINISH_REASONS:
             finished.add_metric([self.model_name, reason], success.get(reason, 0.0))
         yield finished
 

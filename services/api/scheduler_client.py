@@ -21,7 +21,7 @@ from ferry.shared.contract import logprobs_problem, token_ids_problem
 from ferry.shared.errors import EngineError, FerryError, ServiceUnavailable, error_from_wire
 from ferry.shared.liveness import HEARTBEAT_INTERVAL_S, Liveness
 from ferry.shared.messages import (
-    Abort, ApiHeartbeat, Failed, Finished, SchedulerStatus, SchedulerToApi, Submit, Tokens,
+    Abort, ApiHeartbeat, FINISH_REASONS, Failed, Finished, SchedulerStatus, SchedulerToApi, Submit, Tokens,
 )  # fmt: skip
 from ferry.shared.sampling import SamplingParams
 from ferry.shared.step import Logprobs
@@ -45,7 +45,6 @@ class PromptLogprobs:
 
 
 Event = Token | PromptLogprobs | Finished | FerryError
-FINISH_REASONS = ("stop", "length", "abort")
 
 
 class RequestStream:
