@@ -3,8 +3,9 @@ own cores reading mapped pinned memory (kernels/expert_copy.py, a miss list held
 
 For one MoE layer's host bank of a model's shapes (default Qwen3-30B-A3B: 9.44 MB per expert),
 N missed experts (1, 6, 40: a single-stream layer, an 8-stream layer) are copied into random
-slots, each repetition other experts (the banks are far larger than L2). Reported per variant:
-median time and GB/s, next to cudaMemcpy's bandwidth for one large block. Then:
+slots, each repetition other experts (the banks are far larger than L2). Reported per variant
+(the copy engine from one stream, spread over several, beside the copy kernel; the copy kernel's
+grid and block): median time and GB/s, next to cudaMemcpy's bandwidth for one large block. Then:
 
 * the copy kernel captured in a CUDA graph and replayed with new miss lists (it must copy
   exactly what the device-held list says: checked byte for byte);
@@ -85,6 +86,7 @@ def main() -> int:
         plan.update(layer=layer, pairs=list(zip(experts.tolist(), slots.tolist())))
         misses[:n].copy_(torch.stack([experts, slots], 1).to(torch.int32))
         count.fill_(n)
+        count_rest.fill_(n - n // 2)
         torch.cuda.synchronize()
 
     def ce() -> None:
@@ -93,11 +95,49 @@ def main() -> int:
             w13[s].copy_(banks.w13[layer][ex], non_blocking=True)
             w2[s].copy_(banks.w2[layer][ex], non_blocking=True)
 
+    copy_streams = [torch.cuda.Stream(device) for _ in range(4)]
+
+    def ce_spread(streams: int, by_family: bool = False):
+        """Copy-engine copies spread over `streams` side streams, expert by expert (or w13 on one, w2
+        on the other): a copy can start while the one before it drains."""
+
+        def run() -> None:
+            layer, here = plan["layer"], torch.cuda.current_stream()
+            for st in copy_streams[:streams]:
+                st.wait_stream(here)
+            for i, (ex, s) in enumerate(plan["pairs"]):
+                with torch.cuda.stream(copy_streams[0 if by_family else i % streams]):
+                    w13[s].copy_(banks.w13[layer][ex], non_blocking=True)
+                with torch.cuda.stream(copy_streams[1 if by_family else i % streams]):
+                    w2[s].copy_(banks.w2[layer][ex], non_blocking=True)
+            for st in copy_streams[:streams]:
+                here.wait_stream(st)
+
+        return run
+
+    def ce_beside_sm() -> None:
+        """Half the experts by the copy engine, half by the copy kernel on a side stream, at once."""
+        layer, here, pairs = plan["layer"], torch.cuda.current_stream(), plan["pairs"]
+        half = len(pairs) // 2
+        side = copy_streams[3]
+        side.wait_stream(here)
+        with torch.cuda.stream(side):  # the kernel copies the list's rows from `half` on
+            copy_experts_triton(banks.w13[layer], banks.w2[layer], w13, w2, misses[half:], count_rest,
+                                programs=32, block=4096)  # fmt: skip
+        for ex, s in pairs[:half]:
+            w13[s].copy_(banks.w13[layer][ex], non_blocking=True)
+            w2[s].copy_(banks.w2[layer][ex], non_blocking=True)
+        here.wait_stream(side)
+
+    count_rest = torch.zeros(1, dtype=torch.int32, device=device)
+
     def sm(programs: int, block: int):
         return lambda: copy_experts_triton(banks.w13[plan["layer"]], banks.w2[plan["layer"]], w13, w2, misses, count,
                                            programs=programs, block=block)  # fmt: skip
 
-    variants = [("copy engine", ce)] + [(f"SM P={pr} B={bl}", sm(pr, bl)) for pr in (8, 16, 32, 64, 132)
+    variants = [("copy engine", ce), ("copy engine, 2 streams", ce_spread(2)),
+                ("copy engine, 4 streams", ce_spread(4)), ("copy engine, w13 | w2", ce_spread(2, by_family=True)),
+                ("copy engine + SM, halves", ce_beside_sm)] + [(f"SM P={pr} B={bl}", sm(pr, bl)) for pr in (8, 16, 32, 64, 132)
                                         for bl in (2048, 4096, 8192)]  # fmt: skip
     print(f"{'variant':<22}" + "".join(f"{f'{n} experts':>22}" for n in (1, 6, 40)))
     for name, fn in variants:

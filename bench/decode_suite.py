@@ -39,7 +39,9 @@ WORKLOADS = {
 }  # fmt: skip
 VARIANTS = {"default": [], "no-prefetch": ["--no-expert-prefetch"], "eager": ["--enforce-eager"],
             # decode steps of 8 tokens copy with the GPU's cores inside the graph (the default before 8 streams measured faster on the copy engine)
-            "core-copies8": ["--expert-copy-engine-tokens", "9"]}
+            "core-copies8": ["--expert-copy-engine-tokens", "9"],
+            # every step copies with the copy engine, decode included: eager, its lists read on the host
+            "copy-engine1": ["--expert-copy-engine-tokens", "1"]}
 
 
 def commit() -> str:
@@ -76,6 +78,9 @@ def run_workload(name: str, variant: str, out: Path, ceilings: Path, args) -> di
         "single_stream_bound_fraction": round(one["bound_fraction"], 3) if "bound_fraction" in one else None,
         "streams8_tok_s": round(eight["aggregate_tok_s"], 2), "ttft_2k_s": round(detail["ttft_s"], 4),
         "ttft_2k_wire_s": round(detail["ttft_wire_s"], 4) if detail.get("ttft_wire_s") is not None else None,
+        "ttft_2k_prompt": detail.get("ttft_prompt", "ids"),  # the prompt of ttft_2k_s: text, or token ids
+        "ttft_2k_ids_s": round(detail["ttft_ids_s"], 4) if detail.get("ttft_ids_s") is not None else None,
+        "ttft_2k_ids_wire_s": round(detail["ttft_ids_wire_s"], 4) if detail.get("ttft_ids_wire_s") is not None else None,
         "hit_rate": one["expert_cache"]["hit_rate"] if one["expert_cache"] else None,
         "hit_rate_8": eight["expert_cache"]["hit_rate"] if eight["expert_cache"] else None,
         "prefetch_accuracy": one["expert_cache"]["prefetch_accuracy"] if one["expert_cache"] else None,
@@ -84,7 +89,8 @@ def run_workload(name: str, variant: str, out: Path, ceilings: Path, args) -> di
     (out / f"decode_{tag}.json").write_text(json.dumps(result, indent=1) + "\n")
     print(f"[{tag}] 1 stream {result['single_stream_tok_s']} tok/s (bound {result['single_stream_bound_tok_s']}, "
           f"{result['single_stream_bound_fraction']}), 8 streams {result['streams8_tok_s']} tok/s, TTFT 2k "
-          f"{result['ttft_2k_s']} s (from the request leaving the client {result['ttft_2k_wire_s']} s), hit rate {result['hit_rate']}, prefetch accuracy {result['prefetch_accuracy']}",
+          f"{result['ttft_2k_s']} s as {result['ttft_2k_prompt']} (from the request leaving the client "
+          f"{result['ttft_2k_wire_s']} s; as ids {result['ttft_2k_ids_s']} s), hit rate {result['hit_rate']}, prefetch accuracy {result['prefetch_accuracy']}",
           flush=True)  # fmt: skip
     return result
 

@@ -1,6 +1,9 @@
 """Where a decode step's time goes: torch.profiler over a few single-stream decode steps through
 boot + executor (CPU-side op time, device kernel time), with random input tokens so routing
-varies like a real model's. Prints the top ops by self CPU time and by device time.
+varies like a real model's. Prints the top ops by self CPU time and by device time, the calls
+from the host per step, and how busy the expert copies kept PCIe: their busy time over the
+profiled steps and the gaps between them (short ones: one copy kernel ending and the next
+starting; one long one a step: the step's end and the next one's first layer).
 
     python3 bench/profile_decode.py --model DIR --load-format dummy --gpu-memory 24GiB [--moe-cache-size N]
 """
@@ -18,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.profile_prefill import device_timeline  # noqa: E402
 from bench.serve_decode import Streams  # noqa: E402
 from ferry.services.worker.boot import boot_worker  # noqa: E402
 from ferry.services.worker.flags import add_worker_flags, boot_config_from_args  # noqa: E402
@@ -59,9 +63,17 @@ def main() -> None:
         print(table.table(sort_by="self_device_time_total", row_limit=args.rows))
     per_step = host_calls_per_step(table, args.steps)
     print("per decode step, calls from the host:", json.dumps(per_step))
+    timeline = device_timeline(prof, is_expert_copy, largest=2 * args.steps) if torch.cuda.is_available() else {}
+    print("copies on the device over the profiled steps:", json.dumps(timeline))
     if args.out:
-        Path(args.out).write_text(json.dumps({"steps": args.steps, "per_step": per_step,
-                                              "ms_per_step_unprofiled": ms}, indent=1) + "\n")  # fmt: skip
+        Path(args.out).write_text(json.dumps({"steps": args.steps, "per_step": per_step, "ms_per_step_unprofiled": ms,
+                                              "timeline": timeline}, indent=1) + "\n")  # fmt: skip
+
+
+def is_expert_copy(name: str) -> bool:
+    """The device events that move experts: the copy kernel (graph-safe steps) or a host-to-device
+    copy (copy-engine steps, and the step's input upload)."""
+    return "copy_experts" in name or "Memcpy HtoD" in name
 
 
 # CUDA runtime/driver calls as the profiler names them: what launches work, and what makes the host wait

@@ -76,8 +76,13 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 
 
-def device_timeline(prof) -> dict:
-    """Busy time and gaps of the host -> device copies and of the compute kernels, from the trace (µs)."""
+def is_host_to_device(name: str) -> bool:
+    return "Memcpy HtoD" in name  # the expert copies, and the step's own uploads
+
+
+def device_timeline(prof, is_copy=is_host_to_device, largest: int = 8) -> dict:
+    """Busy time and gaps of the expert copies (`is_copy` of the device event's name: by default the
+    host -> device copies) and of the compute kernels, from the trace (µs)."""
     copies, kernels, launches = [], [], []
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:
@@ -85,7 +90,7 @@ def device_timeline(prof) -> dict:
                 launches.append((e.time_range.start, e.time_range.end))
             continue
         span = (e.time_range.start, e.time_range.end)
-        if "Memcpy HtoD" in e.name:  # the expert copies, and the step's own uploads
+        if is_copy(e.name):
             copies.append(span)
         elif "Memcpy" not in e.name and "Memset" not in e.name:
             kernels.append(span)
@@ -101,7 +106,8 @@ def device_timeline(prof) -> dict:
     return {
         "copies": len(copies), "copy_span_ms": (end - start) / 1e3, "copy_busy_ms": busy / 1e3,
         "copy_gaps_over_50us": sum(1 for g in gaps if g > 50), "copy_gap_ms": sum(gaps) / 1e3,
-        "largest_copy_gaps_ms": sorted((g / 1e3 for g in gaps), reverse=True)[:8],
+        "copy_gaps_under_20us": sum(1 for g in gaps if g < 20), "copy_gap_under_20us_ms": sum(g for g in gaps if g < 20) / 1e3,
+        "largest_copy_gaps_ms": sorted((g / 1e3 for g in gaps), reverse=True)[:largest],
         "device_span_ms": (max(last_kernel, end) - min(first_kernel, start)) / 1e3,
         "before_first_copy_ms": (start - first_kernel) / 1e3, "after_last_copy_ms": (last_kernel - end) / 1e3,
         "kernel_busy_ms": sum(b - a for a, b in _union(kernels)) / 1e3,

@@ -1,10 +1,14 @@
 """Decode and TTFT measured as a user sees them: the official `openai` client streaming from any
 OpenAI-compatible server (Ferry, or a peer measured with the very same script).
 
-* TTFT: one completion with a `--ttft-prompt-len` token prompt (sent as token ids), max_tokens 1,
-  time to the first streamed chunk (median of `--ttft-runs`), from the call into the client
-  (`ttft_s`) and from the moment the HTTP request leaves it (`ttft_wire_s`, an httpx request
-  hook): the openai client spends tens of milliseconds building a request of 2,000 token ids;
+* TTFT: one completion of max_tokens 1 with a `--ttft-prompt-len` token prompt, time to the first
+  streamed chunk (median of `--ttft-runs`), from the call into the client (`ttft_s`) and from the
+  moment the HTTP request leaves it (`ttft_wire_s`, an httpx request hook). The prompt is text, as
+  people send it, which the server tokenizes: with the model directory's tokenizer (`--tokenizer`,
+  default `--config`) the text is built to be exactly that many tokens, and the server's
+  `usage.prompt_tokens` is recorded to show it. The same is measured with the prompt sent as token
+  ids (`ttft_ids_s`, `ttft_ids_wire_s`): there the openai client spends 20-40 ms building the
+  request of 2,000 ids before it sends it. Without a tokenizer only the ids are sent;
 * decode: for each N in `--streams`, N concurrent streamed completions of `--max-tokens` tokens at
   `--temperature` with `ignore_eos`; per stream, tokens/s from chunk arrival times (the tokens
   after the first over the time between the first and the last chunk), and the aggregate
@@ -107,6 +111,32 @@ def stream(client, model: str, prompt, max_tokens: int, temperature: float) -> d
             "max_gap_s": max(b - a for a, b in zip(arrivals, arrivals[1:])) if len(arrivals) > 1 else None}  # fmt: skip
 
 
+def text_of_tokens(tokenizer_dir: str, n: int, rng, low: int, high: int) -> str:
+    """Text that the tokenizer of `tokenizer_dir` encodes to exactly `n` tokens: random ids decoded,
+    encoded again (a merge can join two ids' text), cut or topped up until it holds."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
+    ids = rng.integers(low, high, n).tolist()
+    for _ in range(16):
+        text = tok.decode(ids)
+        got = tok.encode(text, add_special_tokens=False).ids
+        if len(got) == n:
+            return text
+        ids = (got + rng.integers(low, high, n).tolist())[:n]
+    raise SystemExit(f"could not build a text of exactly {n} tokens with {tokenizer_dir}; pass --tokenizer")
+
+
+def ttft_runs(client, model: str, prompts: list, temperature: float) -> dict:
+    """Median TTFT of one-token completions, from the call and from the wire, and the prompt sizes
+    the server counted."""
+    runs = [stream(client, model, p, 1, temperature) for p in prompts]
+    wire = [r["ttft_wire_s"] for r in runs if r["ttft_wire_s"] is not None]
+    return {"ttft_s": statistics.median(r["ttft_s"] for r in runs), "ttft_runs_s": [r["ttft_s"] for r in runs],
+            "ttft_wire_s": statistics.median(wire) if wire else None, "ttft_wire_runs_s": wire,
+            "prompt_tokens": [r["usage"].prompt_tokens if r["usage"] is not None else None for r in runs]}  # fmt: skip
+
+
 def hbm_bytes_per_token(config_dir: str, context: float) -> tuple[float, int]:
     """(bytes a single-stream decode step must read from HBM at least, bytes of one expert)."""
     from ferry.plan import pool_layout as L
@@ -138,6 +168,8 @@ def main() -> int:
     p.add_argument("--vocab", type=int, default=None, help="prompt token ids are drawn below this (default: from --config, else 10000)")
     p.add_argument("--metrics", default=None, help="the worker's Prometheus /metrics URL (Ferry)")
     p.add_argument("--config", default=None, help="the model directory (config.json), for the bound")
+    p.add_argument("--tokenizer", default=None,
+                   help="directory with the model's tokenizer.json, for TTFT's text prompt (default: --config)")
     p.add_argument("--ceilings", default=None, help="bench/bandwidth.py JSON measured in the same run, for the bound")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -160,16 +192,24 @@ def main() -> int:
                     "temperature": args.temperature, "runs": []}  # fmt: skip
 
     stream(client, model, prompt(args.prompt_len), 16, args.temperature)  # warm-up
+    tokenizer_dir = args.tokenizer or args.config
+    if tokenizer_dir and not (Path(tokenizer_dir) / "tokenizer.json").is_file():
+        tokenizer_dir = None
     before = scrape(args.metrics)
-    firsts = [stream(client, model, prompt(args.ttft_prompt_len), 1, args.temperature) for _ in range(args.ttft_runs)]
+    by_ids = ttft_runs(client, model, [prompt(args.ttft_prompt_len) for _ in range(args.ttft_runs)], args.temperature)
+    by_text = None
+    if tokenizer_dir:
+        texts = [text_of_tokens(tokenizer_dir, args.ttft_prompt_len, rng, min(1000, high // 2), high)
+                 for _ in range(args.ttft_runs)]  # fmt: skip
+        by_text = ttft_runs(client, model, texts, args.temperature)
     result["ttft_expert_cache"] = cache_delta(before, scrape(args.metrics))  # what the prefills copied
-    ttfts = [r["ttft_s"] for r in firsts]
-    result["ttft_s"] = statistics.median(ttfts)
-    result["ttft_runs_s"] = ttfts
-    wire = [r["ttft_wire_s"] for r in firsts if r["ttft_wire_s"] is not None]
-    result["ttft_wire_s"] = statistics.median(wire) if wire else None
-    result["ttft_wire_runs_s"] = wire
-    print(f"TTFT ({args.ttft_prompt_len}-token prompt): median {1e3 * result['ttft_s']:.0f} ms of {len(ttfts)}")
+    result["ttft_prefills"] = args.ttft_runs * (2 if by_text else 1)
+    result.update({f"ttft_ids_{k[len('ttft_'):]}" if k.startswith("ttft_") else f"ids_{k}": v for k, v in by_ids.items()})
+    result.update(by_text or by_ids)
+    result["ttft_prompt"] = "text" if by_text else "ids"
+    print(f"TTFT ({args.ttft_prompt_len}-token prompt): median {1e3 * result['ttft_s']:.0f} ms of {args.ttft_runs} "
+          f"({result['ttft_prompt']}; server counted {result['prompt_tokens']} tokens); as token ids "
+          f"{1e3 * by_ids['ttft_s']:.0f} ms, {1e3 * (by_ids['ttft_wire_s'] or float('nan')):.0f} ms from the wire")  # fmt: skip
 
     ceilings = json.loads(Path(args.ceilings).read_text()) if args.ceilings else None
     for n in [int(s) for s in args.streams.split(",")]:
