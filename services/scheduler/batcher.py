@@ -12,8 +12,10 @@ first one's tokens come back (`schedule_ahead`): the same requests, one token ea
 the one the worker samples in the step before (StepBatch.feed_sampled). So the worker starts step N+1
 without waiting for the scheduler to hear of step N. It only continues what is running: it never
 admits, preempts or grows a request past what it may hold, and it stops (the pipeline drains) when a
-request waits, when a request's next token may be its last, or when a request's sampling reads its
-own output on the worker (penalties, grammars). The full policy (`schedule`) runs only with no step
+request waits while `max_running_requests` leaves room to admit it, when a request's next token may
+be its last, or when a request's sampling reads its own output on the worker (penalties, grammars).
+With the batch full a waiting request could not be admitted anyway: the pipeline keeps going until
+a running request ends (its last token, or a stop seen when its step comes back). The full policy (`schedule`) runs only with no step
 in flight, so the pages of requests in a step are never touched until its output comes back, and a
 request that finishes in step N while it is also in step N+1 keeps its pages, its state slot and its
 sampler state until N+1 returns (whose token for it is dropped).
@@ -222,8 +224,8 @@ class BatchScheduler:
         """The step after the one in flight, sent before that one's answer: each of its requests decodes
         the token it samples there. None unless exactly one step is in flight and it may be continued
         (the module docstring says when)."""
-        if len(self._in_flight) != 1 or self.waiting:
-            return None
+        if len(self._in_flight) != 1 or (self.waiting and len(self.running) < self.pool.max_running_requests):
+            return None  # a request waits and could be admitted: the full policy must run
         _, previous = self._in_flight[0]
         limit = self.pool.max_model_len
         for e in previous:

@@ -100,17 +100,18 @@ def test_an_abort_with_two_steps_in_flight_finishes_the_request_once_and_frees_i
     assert sched.kv.available == sched.kv.total
 
 
-def test_no_step_goes_ahead_for_sampling_that_reads_its_own_output_nor_past_the_last_token_nor_with_a_queue():
+def test_no_step_goes_ahead_for_sampling_that_reads_its_own_output_nor_past_the_last_token_nor_with_room_for_a_queue():
     sched, model = make()
     add(sched, 1, prompt(1, 8), 10, repetition_penalty=1.2)
     assert sched.schedule() is not None and sched.schedule_ahead() is None  # penalties read the output on the worker
     sched, model = make()
     add(sched, 1, prompt(1, 8), 1)
     assert sched.schedule() is not None and sched.schedule_ahead() is None  # the token in flight is its last
-    sched, model = make(running=1)
+    sched, model = make(running=2)
     add(sched, 1, prompt(1, 8), 10)
+    assert sched.schedule() is not None
     add(sched, 2, prompt(2, 8), 10)
-    assert sched.schedule() is not None and sched.schedule_ahead() is None  # a request waits: the pipeline drains
+    assert sched.schedule_ahead() is None  # a request waits and the batch has room for it: the pipeline drains
     sched, model = make()
     add(sched, 1, prompt(1, 8), 10)
     batch = sched.schedule()
@@ -118,6 +119,27 @@ def test_no_step_goes_ahead_for_sampling_that_reads_its_own_output_nor_past_the_
     assert ahead is not None and sched.schedule_ahead() is None  # two in flight at most
     assert ahead.context_lens.tolist() == [8] and not ahead.reset_linear_state.any() and ahead.tokens.tolist() == [0]
     assert batch.feed_sampled is None
+
+
+def test_a_full_batch_keeps_going_ahead_while_requests_wait_and_admits_them_as_running_ones_end():
+    # one request may run: the others wait whatever the pipeline does, so it does not drain for them
+    sched, model = make(running=1)
+    add(sched, 1, prompt(1, 8), 10)
+    add(sched, 2, prompt(2, 8), 10)
+    assert sched.schedule() is not None and sched.schedule_ahead() is not None
+    sched, model = make(running=2)
+    prompts = {rid: prompt(rid, 6 + rid) for rid in range(1, 6)}
+    lengths = {1: 9, 2: 14, 3: 6, 4: 11, 5: 8}
+    stop = reference_continuation(prompts[2].tolist(), 14, VOCAB)[4]  # request 2 stops early, on a token
+    for rid, p in prompts.items():
+        add(sched, rid, p, lengths[rid], **({"stop_token_ids": (stop,)} if rid == 2 else {}))
+    tokens, finished, ahead, most = run_ahead_to_end(sched, model)
+    for rid, p in prompts.items():
+        expect = reference_continuation(p.tolist(), lengths[rid], VOCAB, stop_ids=(stop,) if rid == 2 else ())
+        assert tokens[rid] == expect, rid
+    assert finished == {1: "length", 2: "stop", 3: "length", 4: "length", 5: "length"}
+    # queued requests no longer drain the pipeline at every step: 16 steps went ahead here, 7 when they did
+    assert ahead > 12 and most == 2 and sched.kv.available == sched.kv.total
 
 
 def test_failing_every_step_in_flight_fails_each_request_once_and_frees_it():
