@@ -72,7 +72,8 @@ def add_worker_flags(parser: argparse.ArgumentParser, model_required: bool = Tru
     parser.add_argument("--expert-copy-engine-tokens", type=int, default=DEFAULT_COPY_ENGINE_TOKENS, metavar="N",
                         help="decode steps of at least N tokens copy missed experts with the copy engine (the host "
                              "reads each layer's miss list) and run eagerly; smaller ones copy with the GPU's cores "
-                             f"inside a CUDA graph; prefill always takes the copy engine (default {DEFAULT_COPY_ENGINE_TOKENS})")  # fmt: skip
+                             f"inside a CUDA graph; a prefill of N+ tokens, and any step past 64 (token, k) pairs, takes the "
+                             f"copy engine too (default {DEFAULT_COPY_ENGINE_TOKENS})")  # fmt: skip
     add_planner_flags(parser)
 
 

@@ -128,11 +128,7 @@ class ExpertSlotPolicy:
         experts of layers below L first (a prefill step has passed them and will not need them
         again; the layers after it will need theirs: a scan through every layer's experts should
         not evict what it is about to read)."""
-        experts = tuple(sorted(int(e) for e in experts))
-        self._check_request(layer, experts)
-        self.clock += 1
-        self._on_tick()
-        self.lookups += 1
+        experts = self._begin_lookup(layer, experts)
         protected: set[int] = set()
         slots = [NO_SLOT] * len(experts)
         missing = []
@@ -143,13 +139,7 @@ class ExpertSlotPolicy:
                 continue
             slots[i] = s
             protected.add(s)
-        # prefetched experts of this layer: useful if routed now, wasted if not
-        for s in np.flatnonzero((self.layer_of_slot == layer) & self.prefetched).tolist():
-            if s in protected:
-                self.prefetch_useful += 1
-            else:
-                self.prefetch_wasted += 1
-            self.prefetched[s] = False
+        self._judge_prefetched(layer, protected)
         placed, evictions = self._place(layer, [experts[i] for i in missing], protected, "miss", evict_below)
         for i, (_, s) in zip(missing, placed):
             slots[i] = s
@@ -169,19 +159,9 @@ class ExpertSlotPolicy:
         used: the layer's non-resident experts as prefetched, the routed ones among them as useful
         and as hits (as a prefetched expert is when its layer looks), the rest as wasted. A step
         of padding rows only (no experts) stages nothing."""
-        experts = tuple(sorted(int(e) for e in experts))
-        self._check_request(layer, experts)
-        self.clock += 1
-        self._on_tick()
-        self.lookups += 1
+        experts = self._begin_lookup(layer, experts)
         slots = tuple(int(self.slot_of[layer, e]) for e in experts)
-        hit_slots = {s for s in slots if s != NO_SLOT}
-        for s in np.flatnonzero((self.layer_of_slot == layer) & self.prefetched).tolist():
-            if s in hit_slots:
-                self.prefetch_useful += 1
-            else:
-                self.prefetch_wasted += 1
-            self.prefetched[s] = False
+        self._judge_prefetched(layer, {s for s in slots if s != NO_SLOT})
         streamed = tuple(e for e, s in zip(experts, slots) if s == NO_SLOT)
         for e, s in zip(experts, slots):
             if s == NO_SLOT:
@@ -194,6 +174,24 @@ class ExpertSlotPolicy:
         self.prefetch_useful += len(streamed)
         self.prefetch_wasted += staged - len(streamed)
         return Streamed(layer, experts, slots, streamed, staged)
+
+    def _begin_lookup(self, layer: int, experts: Iterable[int]) -> tuple[int, ...]:
+        """The distinct experts, sorted and checked; the clock ticks once per lookup."""
+        experts = tuple(sorted(int(e) for e in experts))
+        self._check_request(layer, experts)
+        self.clock += 1
+        self._on_tick()
+        self.lookups += 1
+        return experts
+
+    def _judge_prefetched(self, layer: int, used_slots: set[int]) -> None:
+        """The experts prefetched for `layer` are judged when it looks: useful if it uses them, else wasted."""
+        for s in np.flatnonzero((self.layer_of_slot == layer) & self.prefetched).tolist():
+            if s in used_slots:
+                self.prefetch_useful += 1
+            else:
+                self.prefetch_wasted += 1
+            self.prefetched[s] = False
 
     def prefetch(self, layer: int, experts: Iterable[int], protected_slots: Iterable[int] = (),
                  evict_below: int = 0) -> Prefetch:  # fmt: skip
