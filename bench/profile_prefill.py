@@ -83,7 +83,7 @@ def is_host_to_device(name: str) -> bool:
 def device_timeline(prof, is_copy=is_host_to_device, largest: int = 8) -> dict:
     """Busy time and gaps of the expert copies (`is_copy` of the device event's name: by default the
     host -> device copies) and of the compute kernels, from the trace (µs)."""
-    copies, kernels, launches = [], [], []
+    copies, kernels, launches, named = [], [], [], []
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:
             if e.name in HOST_LAUNCHES:
@@ -94,6 +94,7 @@ def device_timeline(prof, is_copy=is_host_to_device, largest: int = 8) -> dict:
             copies.append(span)
         elif "Memcpy" not in e.name and "Memset" not in e.name:
             kernels.append(span)
+            named.append((*span, e.name))
     if not copies:
         return {"copies": 0}
     copies.sort()
@@ -101,6 +102,7 @@ def device_timeline(prof, is_copy=is_host_to_device, largest: int = 8) -> dict:
     merged = _union(copies)
     busy = sum(b - a for a, b in merged)
     gaps = [b[0] - a[1] for a, b in zip(merged, merged[1:])]
+    at = sorted(((a[1] - start, b[0] - a[1]) for a, b in zip(merged, merged[1:])), key=lambda g: -g[1])[:largest]
     first_kernel = min(k[0] for k in kernels) if kernels else start
     last_kernel = max(k[1] for k in kernels) if kernels else end
     return {
@@ -108,9 +110,13 @@ def device_timeline(prof, is_copy=is_host_to_device, largest: int = 8) -> dict:
         "copy_gaps_over_50us": sum(1 for g in gaps if g > 50), "copy_gap_ms": sum(gaps) / 1e3,
         "copy_gaps_under_20us": sum(1 for g in gaps if g < 20), "copy_gap_under_20us_ms": sum(g for g in gaps if g < 20) / 1e3,
         "largest_copy_gaps_ms": sorted((g / 1e3 for g in gaps), reverse=True)[:largest],
+        # where they open, from the first copy: (ms after it, ms long)
+        "largest_copy_gaps_at_ms": [(round(t / 1e3, 3), round(g / 1e3, 3)) for t, g in at],
         "device_span_ms": (max(last_kernel, end) - min(first_kernel, start)) / 1e3,
         "before_first_copy_ms": (start - first_kernel) / 1e3, "after_last_copy_ms": (last_kernel - end) / 1e3,
         "kernel_busy_ms": sum(b - a for a, b in _union(kernels)) / 1e3,
+        # what computed while the copies paused: the kernels of the four longest gaps, by time inside them
+        "kernels_in_largest_gaps": [_busiest(named, start + t, start + t + g) for t, g in at[:4]],
         # how long the host took to enqueue the step, from its first launch or copy to its last
         "host_enqueue_span_ms": (max(b for _, b in launches) - min(a for a, _ in launches)) / 1e3 if launches else None,
         "host_launches": len(launches),
@@ -119,6 +125,16 @@ def device_timeline(prof, is_copy=is_host_to_device, largest: int = 8) -> dict:
 
 HOST_LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaMemcpyAsync",
                  "cudaGraphLaunch")  # fmt: skip
+
+
+def _busiest(named: list[tuple[float, float, str]], lo: float, hi: float, top: int = 3) -> list[tuple[str, float]]:
+    """The `top` kernel names by their time (ms) inside [lo, hi] (µs)."""
+    inside: dict[str, float] = {}
+    for a, b, name in named:
+        overlap = min(b, hi) - max(a, lo)
+        if overlap > 0:
+            inside[name[:60]] = inside.get(name[:60], 0.0) + overlap / 1e3
+    return sorted(inside.items(), key=lambda kv: -kv[1])[:top]
 
 
 def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:

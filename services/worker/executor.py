@@ -78,6 +78,8 @@ class StepExecutor:
         prompt_rows = batch.prompt_logprobs is not None and bool(np.asarray(batch.prompt_logprobs).any())
         prompt_parts: list = []
         with torch.inference_mode():
+            if bucket is None and self.store is not None:  # an eager step: its copies may start now
+                self.store.begin_step(int(np.sum(batch.query_lens)), self.spec.num_experts_per_tok)
             if bucket is not None:
                 logits = self.graphs.run(batch, bucket, before_replay=feed)
             elif prompt_rows:

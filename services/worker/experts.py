@@ -29,6 +29,11 @@ class ExpertStore(Protocol):
     def preload(self) -> int:
         """After every expert is loaded: warm the slots; returns how many experts were placed."""
 
+    def begin_step(self, num_tokens: int, top_k: int) -> None:
+        """An eager step of `num_tokens` tokens (no padding), `top_k` experts each, is about to run
+        (the executor calls it before the model's first layer; CUDA graph replays never do). A
+        store may start the step's expert copies now, while the first layer's attention computes."""
+
     def stats_to_host(self) -> None:
         """Queue the copy of the step's device-side statistics to the host (no waiting): the
         executor calls it before the step's one synchronisation, `end_step` after it."""

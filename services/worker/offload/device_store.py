@@ -77,6 +77,7 @@ class DeviceDrivenExperts(OffloadedExperts):
         self._last_counters: dict[str, int] | None = None
         self._step_copy_events: list = []
         self.ring = None
+        self._stream_begun = False  # begin_step started this step's stream (a prefill) before layer 0
         if slots.staging_w13 is not None:
             self.ring = StagingRing(slots.staging_w13, slots.staging_w2, banks, self._copy_stream if self._cuda else None)
 
@@ -93,12 +94,26 @@ class DeviceDrivenExperts(OffloadedExperts):
         return placed
 
     # ---- the step ------------------------------------------------------------------------------
+    def begin_step(self, num_tokens: int, top_k: int) -> None:
+        """A step that will stream (a prefill) starts its copies now: which experts to stage is
+        known from the maps alone, so they cross while the first layer's attention computes."""
+        self._stream_begun = False
+        if self.cache is not None and self._streams(num_tokens * top_k):
+            self._begin_stream(num_tokens)
+            self._stream_begun = True
+
+    def _streams(self, pairs: int) -> bool:
+        """Whether a step of `pairs` (token, k) pairs streams past the cache (see STREAM_PAIRS_PER_EXPERT)."""
+        return self.ring is not None and not use_pair_kernel(pairs) and pairs >= STREAM_PAIRS_PER_EXPERT * self.num_experts
+
     def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 n_rows: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         if self.cache is None:
             self.preload()
+        begun = False
         if moe_layer == 0:
             self._prefetch_done.clear()  # a new step (every entry is consumed within a step)
+            begun, self._stream_begun = self._stream_begun, False
         t, k = topk_ids.shape
         if n_rows is None:
             n_rows = torch.full((1,), t, dtype=torch.int32, device=x.device)
@@ -106,7 +121,9 @@ class DeviceDrivenExperts(OffloadedExperts):
         rows = torch.empty(t, k, x.shape[1], dtype=torch.float32, device=x.device)
         if use_pair_kernel(t * k) and (self.copy_engine_tokens is None or t < self.copy_engine_tokens):
             self._decode_layer(moe_layer, x, ids, topk_weights, n_rows, rows)
-        elif self.ring is not None and not use_pair_kernel(t * k) and t * k >= STREAM_PAIRS_PER_EXPERT * self.num_experts:
+        elif self._streams(t * k):
+            if moe_layer == 0 and not begun:  # the maps as the step starts: nothing changes them until it ends
+                self._begin_stream(int(n_rows[0]))  # one wait: the maps are then read from an idle stream
             self._streamed_layer(moe_layer, x, ids, topk_weights, n_rows, rows)
         else:
             self._large_layer(moe_layer, x, ids, topk_weights, n_rows, rows)
@@ -152,13 +169,11 @@ class DeviceDrivenExperts(OffloadedExperts):
     def _streamed_layer(self, layer, x, ids, weights, n_rows, rows) -> None:
         """A prefill: the hits from their slots, every other expert of the layer through the
         staging ring (copied ahead since the step began, computed chunk by chunk as it lands);
-        the cache places nothing. No host synchronisation but one per step, at its first layer.
+        the cache places nothing. No host synchronisation but one per step, as it begins.
 
         The streamed pairs are grouped once per layer, by their expert's position in the layer's
         staged list; a chunk computes the blocks of its positions, pointed at its bay."""
         t, k = ids.shape
-        if layer == 0:  # the maps as the step starts: nothing changes them until it ends
-            self._begin_stream(n_rows)
         call = self.cache.stream_lookup(layer, ids, n_rows)
         self._compute(x, call.hit_slots.view(t, k), weights, rows)
         staged = self._staged_count[layer]
@@ -183,11 +198,11 @@ class DeviceDrivenExperts(OffloadedExperts):
                 computed.record(torch.cuda.current_stream(self.device))
             self.ring.release(chunk, computed)
 
-    def _begin_stream(self, n_rows: torch.Tensor) -> None:
-        """Stage every non-resident expert of every layer (none for a step of padding only, boot's
-        warm-up), and put each one's position in its layer's list on the device (-1: not staged)."""
+    def _begin_stream(self, real: int) -> None:
+        """Stage every non-resident expert of every layer (none for a step of `real` 0 rows: padding
+        only, boot's warm-up), and put each one's position in its layer's list on the device (-1:
+        not staged). Called by `begin_step`, or at layer 0 when the step did not begin through it."""
         resident = (self.cache.slot_of >= 0).cpu().numpy()
-        real = int(n_rows[0])  # the stream is idle now: no second wait
         staged = [np.flatnonzero(~r).tolist() if real else [] for r in resident]
         position = np.full((len(staged), self.num_experts + 1), -1, dtype=np.int32)
         for layer, experts in enumerate(staged):

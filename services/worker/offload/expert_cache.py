@@ -120,6 +120,9 @@ class OffloadedExperts:
         self.stats.end_step()
         self._last_layer = -1
 
+    def begin_step(self, num_tokens: int, top_k: int) -> None:
+        """Nothing to start: the host path copies each layer's misses once it has looked them up."""
+
     def stats_to_host(self) -> None:
         """Nothing to queue: the host policy counted on the host."""
 

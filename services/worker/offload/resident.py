@@ -84,6 +84,9 @@ class ResidentExperts:
             marks = (torch.arange(t, device=topk_ids.device) < n_rows)[:, None].expand(t, k).to(torch.int32)
         self._routed[moe_layer].scatter_reduce_(0, topk_ids.reshape(-1).to(torch.int64), marks.reshape(-1), reduce="amax")
 
+    def begin_step(self, num_tokens: int, top_k: int) -> None:
+        """Nothing to copy: every expert is resident."""
+
     def stats_to_host(self) -> None:
         """Queue the step's count of distinct routed experts to the host, and clear the table."""
         if self._routed is None:

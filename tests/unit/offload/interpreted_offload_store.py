@@ -72,10 +72,15 @@ def check_device_driven() -> None:
         store.set_routers([torch.randn(6, 32, generator=g) for _ in range(layers)])
         store.preload()
         # 20 tokens: the large path; 40 and 36 (past the pair kernel, 4+ pairs per expert): prefills,
-        # streamed through the staging ring
-        for tokens, real in ((1, 1), (4, 4), (4, 2), (20, 20), (40, 40), (1, 1), (36, 33), (3, 3)):
+        # streamed through the staging ring. `begun`: the executor's begin_step ran first (an eager
+        # step): a prefill's copies start there, and its first layer must not stage them again
+        for tokens, real, begun in ((1, 1, False), (4, 4, True), (4, 2, False), (20, 20, True), (40, 40, False),
+                                    (1, 1, False), (36, 33, False), (40, 40, True), (3, 3, False)):  # fmt: skip
             maps = store.cache.slot_of.clone() if store.cache is not None else None
             staged = store.ring.staged_total
+            if begun:
+                store.begin_step(tokens, spec.num_experts_per_tok)
+                assert (store.ring.staged_total > staged) == (tokens >= 33), "only a prefill starts its copies"
             for layer in range(layers):
                 x, ids, w = random_routing(spec, tokens, g)
                 got = store.forward(layer, x, ids, w, n_rows=torch.tensor([real], dtype=torch.int32))
