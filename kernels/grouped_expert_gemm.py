@@ -44,11 +44,13 @@ def _block_rows(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr):
 
 
 # num_pairs follows the step's token count: not specialised on, so a step of a new size class never
-# compiles a new variant mid-serving (warmup.py runs the classes that remain at boot)
-@triton.jit(do_not_specialize=["num_pairs"])
+# compiles a new variant mid-serving (warmup.py runs the classes that remain at boot); nor is the
+# slot window (slot_lo <= block_slot < slot_hi computes, at slot block_slot + slot_shift), which
+# follows a streamed chunk
+@triton.jit(do_not_specialize=["num_pairs", "slot_lo", "slot_hi", "slot_shift"])
 def _gate_up_kernel(
     x_ptr, w13_ptr, act_ptr, sorted_pairs_ptr, block_slot_ptr,
-    num_pairs, top_k, H, I,
+    num_pairs, top_k, H, I, slot_lo, slot_hi, slot_shift,
     stride_xt, stride_xh, stride_ws, stride_wn, stride_wh, stride_am, stride_an,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
@@ -56,8 +58,9 @@ def _gate_up_kernel(
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     slot = tl.load(block_slot_ptr + pid_m)
-    if slot < 0:
+    if (slot < slot_lo) | (slot >= slot_hi):  # -1 (past the end), or outside the caller's window
         return
+    slot += slot_shift
     offs_m, pair, row_ok = _block_rows(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M)
     token = pair // top_k
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -91,10 +94,10 @@ def _gate_up_kernel(
     tl.store(a_ptrs, act, mask=row_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["num_pairs"])
+@triton.jit(do_not_specialize=["num_pairs", "slot_lo", "slot_hi", "slot_shift"])
 def _down_kernel(
     act_ptr, w2_ptr, rows_ptr, weights_ptr, sorted_pairs_ptr, block_slot_ptr,
-    num_pairs, H, I,
+    num_pairs, H, I, slot_lo, slot_hi, slot_shift,
     stride_am, stride_an, stride_ws, stride_wh, stride_wi,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
@@ -102,8 +105,9 @@ def _down_kernel(
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     slot = tl.load(block_slot_ptr + pid_m)
-    if slot < 0:
+    if (slot < slot_lo) | (slot >= slot_hi):  # -1 (past the end), or outside the caller's window
         return
+    slot += slot_shift
     offs_m, pair, row_ok = _block_rows(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output features (H)
     n_ok = offs_n < H
@@ -180,13 +184,20 @@ def block_m_for(num_pairs: int) -> int:
     return 16 if num_pairs <= 1024 else 64
 
 
+SLOT_WINDOW_ALL = (0, 2**31 - 1, 0)
+
+
 def grouped_expert_rows_triton(x, topk_slots, topk_weights, w13, w2, rows,
                                aligned: tuple[torch.Tensor, torch.Tensor] | None = None,
-                               max_distinct_slots: int | None = None) -> None:  # fmt: skip
+                               max_distinct_slots: int | None = None,
+                               slot_window: tuple[int, int, int] = SLOT_WINDOW_ALL) -> None:  # fmt: skip
     """Triton twin of `grouped_expert_rows_reference` (same arguments, same contract).
 
     `aligned`: (sorted_pairs, block_slot) already on the device, made with BLOCK_M =
-    block_m_for(T * k) (e.g. by `align_pairs_by_slot_host`); `topk_slots` is then not read."""
+    block_m_for(T * k) (e.g. by `align_pairs_by_slot_host`); `topk_slots` is then not read.
+    `slot_window` (lo, hi, shift): only the blocks whose block_slot b has lo <= b < hi are
+    computed, with the weights of slot b + shift (a streamed chunk: its experts' positions in the
+    layer's list, and the staging slots they landed in), with no tensor made per chunk."""
     t, h = x.shape
     top_k = topk_weights.shape[1]
     inter = w2.shape[2]
@@ -206,12 +217,13 @@ def grouped_expert_rows_triton(x, topk_slots, topk_weights, w13, w2, rows,
     precision = "ieee" if x.dtype == torch.float32 else None  # fp32 in, fp32 accuracy out (no TF32)
     num_blocks = block_slot.numel()
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast, PRECISION=precision)  # both kernels
+    lo, hi, shift = slot_window
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, block_n))](
-        x, w13, act, sorted_pairs, block_slot, num_pairs, top_k, h, inter,
+        x, w13, act, sorted_pairs, block_slot, num_pairs, top_k, h, inter, lo, hi, shift,
         x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0), act.stride(1), **meta,
     )  # fmt: skip
     _down_kernel[(num_blocks, triton.cdiv(h, block_n))](
-        act, w2, rows, weights, sorted_pairs, block_slot, num_pairs, h, inter,
+        act, w2, rows, weights, sorted_pairs, block_slot, num_pairs, h, inter, lo, hi, shift,
         act.stride(0), act.stride(1), w2.stride(0), w2.stride(1), w2.stride(2), **meta,
     )  # fmt: skip
 

@@ -330,7 +330,7 @@ def _terms(spec: ModelSpec, req: PlanRequest, r: Resolved, measured: Measured, s
     expert_label = f"expert slots: {sizes.expert_slots} x {format_bytes(L.expert_bytes(spec, r.dtype))} (" + (
         "--moe-cache-size" if req.moe_cache_size is not None else "--moe-cache-rate"
         if req.moe_cache_rate is not None else "floor: one MoE layer"
-    ) + ")" + (f" + {L.prefill_staging_slots(spec)} prefill staging slots" if sizes.expert_slots < spec.total_experts
+    ) + ")" + (f" + {L.prefill_staging_slots(spec, r.dtype)} prefill staging slots" if sizes.expert_slots < spec.total_experts
                else "")  # fmt: skip
     terms.add(expert_label, costs.experts(sizes.expert_slots))
     return terms

@@ -109,12 +109,18 @@ def expert_bytes(spec: ModelSpec, dtype: str) -> int:
 
 # Staging slots of a prefill that streams its missed experts (services/worker/offload/staging_ring.py):
 # outside the cache, so a prefill, which routes to nearly every expert of every layer, copies each
-# missed expert once and evicts nothing that the layers after it are about to read.
-PREFILL_STAGING_SLOTS = 32
+# missed expert once and evicts nothing that the layers after it are about to read. As many bytes
+# for every model: 32 of Qwen3-30B-A3B's 9.44 MB experts, 48 of Qwen3.6-35B-A3B's 6.29 MB ones.
+# The ring cuts them into four bays, and each bay's chunk costs the host the same work whatever its
+# size: with smaller experts more of them go to a chunk, so the copies, not the host, set the pace
+# (bench/NOTES.md, "Streamed prefill").
+PREFILL_STAGING_BYTES = 32 * 3 * 768 * 2048 * 2
 
 
-def prefill_staging_slots(spec: ModelSpec) -> int:
-    return min(PREFILL_STAGING_SLOTS, spec.num_experts)
+def prefill_staging_slots(spec: ModelSpec, dtype: str) -> int:
+    """How many staging slots an offloading pool carries: PREFILL_STAGING_BYTES of experts, at least
+    one, at most one layer's experts."""
+    return max(1, min(spec.num_experts, PREFILL_STAGING_BYTES // expert_bytes(spec, dtype)))
 
 
 def expert_slot_layout(spec: ModelSpec, dtype: str, slots: int, max_step_tokens: int = 0) -> PoolLayout:
@@ -125,7 +131,7 @@ def expert_slot_layout(spec: ModelSpec, dtype: str, slots: int, max_step_tokens:
     weights = (TensorSpec("w13", (slots, 2 * i, h), dtype), TensorSpec("w2", (slots, h, i), dtype))
     if slots >= spec.total_experts:
         return PoolLayout("experts", weights)
-    r = prefill_staging_slots(spec)
+    r = prefill_staging_slots(spec, dtype)
     staging = (TensorSpec("staging_w13", (r, 2 * i, h), dtype), TensorSpec("staging_w2", (r, h, i), dtype))
     return PoolLayout("experts", weights + staging + expert_cache_state(spec, slots, max_step_tokens))
 

@@ -78,17 +78,15 @@ class StepExecutor:
         prompt_rows = batch.prompt_logprobs is not None and bool(np.asarray(batch.prompt_logprobs).any())
         prompt_parts: list = []
         with torch.inference_mode():
-            if bucket is None and self.store is not None:  # an eager step: its copies may start now
-                self.store.begin_step(int(np.sum(batch.query_lens)), self.spec.num_experts_per_tok)
             if bucket is not None:
                 logits = self.graphs.run(batch, bucket, before_replay=feed)
             elif prompt_rows:
-                fb = self._forward_batch(batch, feed)
+                fb = self._eager_batch(batch, feed)
                 hidden = self.model.hidden_states(fb, self.pools)
                 logits = self.model.logits(hidden[fb.logits_rows])
                 prompt_parts = self._prompt_logprobs(batch, hidden)
             else:
-                logits = self.model(self._forward_batch(batch, feed), self.pools)
+                logits = self.model(self._eager_batch(batch, feed), self.pools)
             tokens, logprobs = self.sampler.choose(sampled_ids.tolist(), logits)
             top = self.sampler.top_logprobs(sampled_ids.tolist(), logits, tokens)
             if self.store is not None:
@@ -195,6 +193,16 @@ class StepExecutor:
             tokens.index_copy_(0, dst, src.to(tokens.dtype))
 
         return put
+
+    def _eager_batch(self, batch: StepBatch, feed) -> ForwardBatch:
+        """The step's inputs on the device, then the expert store told the step begins: a prefill's
+        expert copies start behind the inputs' upload (host-to-device copies of both streams may
+        share one copy engine: the first layer must not wait behind 32 experts for its inputs) and
+        overlap the first layer's attention."""
+        fb = self._forward_batch(batch, feed)
+        if self.store is not None:
+            self.store.begin_step(int(fb.tokens.shape[0]), self.spec.num_experts_per_tok)
+        return fb
 
     def _forward_batch(self, batch: StepBatch, feed) -> ForwardBatch:
         fb = ForwardBatch.from_step(batch, self.plan.kv.page_size, self.device)

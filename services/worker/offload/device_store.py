@@ -188,10 +188,9 @@ class DeviceDrivenExperts(OffloadedExperts):
                 torch.cuda.current_stream(self.device).wait_event(chunk.landed)
                 self._step_copy_events.append(chunk.copy_events)
             lo, hi = chunk.first, chunk.first + len(chunk.experts)
-            block_slot = torch.where((block_position >= lo) & (block_position < hi),
-                                     block_position + (chunk.slots[0] - lo), -1)  # fmt: skip
             grouped_expert_rows_triton(x, None, weights, self.ring.w13, self.ring.w2, rows,
-                                       aligned=(sorted_pairs, block_slot))  # fmt: skip
+                                       aligned=(sorted_pairs, block_position),
+                                       slot_window=(lo, hi, chunk.slots[0] - lo))  # fmt: skip
             computed = None
             if self._cuda:
                 computed = torch.cuda.Event()

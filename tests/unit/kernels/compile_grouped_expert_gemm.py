@@ -14,11 +14,11 @@ def signatures(dtype: str) -> list:
     ints = lambda *names: {n: "i32" for n in names}  # noqa: E731
     upcast, precision = dtype == "fp32", ("ieee" if dtype == "fp32" else None)
     gate_up = {"x_ptr": f"*{dtype}", "w13_ptr": f"*{dtype}", "act_ptr": f"*{dtype}", "sorted_pairs_ptr": "*i32",
-               "block_slot_ptr": "*i32", **ints("num_pairs", "top_k", "H", "I", "stride_xt", "stride_xh", "stride_ws",
+               "block_slot_ptr": "*i32", **ints("num_pairs", "top_k", "H", "I", "slot_lo", "slot_hi", "slot_shift", "stride_xt", "stride_xh", "stride_ws",
                                                 "stride_wn", "stride_wh", "stride_am", "stride_an")}  # fmt: skip
     down = {"act_ptr": f"*{dtype}", "w2_ptr": f"*{dtype}", "rows_ptr": "*fp32", "weights_ptr": "*fp32",
             "sorted_pairs_ptr": "*i32", "block_slot_ptr": "*i32",
-            **ints("num_pairs", "H", "I", "stride_am", "stride_an", "stride_ws", "stride_wh", "stride_wi")}  # fmt: skip
+            **ints("num_pairs", "H", "I", "slot_lo", "slot_hi", "slot_shift", "stride_am", "stride_an", "stride_ws", "stride_wh", "stride_wi")}  # fmt: skip
     out = []
     for fn, sig in ((k._gate_up_kernel, gate_up), (k._down_kernel, down)):
         for block_m in (16, 64):  # the decode and the prefill block

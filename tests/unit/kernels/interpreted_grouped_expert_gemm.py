@@ -67,6 +67,27 @@ def host_aligned_rows_match(seed, tokens, top_k, hidden, inter, slots, skip):
     torch.testing.assert_close(got[~skipped], want[~skipped], rtol=1e-5, atol=1e-5)
 
 
+def slot_window_computes_one_chunk_at_its_staging_slots():
+    """The streamed prefill's way: blocks aligned by position in a list of 9 experts, computed in
+    chunks of 4 whose weights sit in a 4-slot bay elsewhere (slot_window): each pair exactly once,
+    from its chunk's bay, as the reference computes it from the full list."""
+    x, topk, weights, w13, w2 = make_case(14, 40, 3, 40, 24, 9, torch.float32, skip=5)
+    sorted_pairs, block_position = align_pairs_by_slot(topk, 9, block_m_for(topk.numel()), 9)
+    want = torch.full((40, 3, 40), float("nan"))
+    grouped_expert_rows_reference(x, topk, weights, w13, w2, want)
+    got = torch.full((40, 3, 40), float("nan"))
+    bay13, bay2 = torch.full((6, *w13.shape[1:]), float("nan")), torch.full((6, *w2.shape[1:]), float("nan"))
+    for lo, hi, bay in ((0, 4, 2), (4, 8, 0), (8, 9, 1)):  # positions [lo, hi) land in slots bay..bay+hi-lo
+        bay13[bay : bay + hi - lo], bay2[bay : bay + hi - lo] = w13[lo:hi], w2[lo:hi]
+        grouped_expert_rows_triton(x, None, weights, bay13, bay2, got, aligned=(sorted_pairs, block_position),
+                                   slot_window=(lo, hi, bay - lo))  # fmt: skip
+        bay13.fill_(float("nan"))  # a pair computed again from a stale bay would turn NaN
+        bay2.fill_(float("nan"))
+    skipped = topk < 0
+    assert torch.isnan(got[skipped]).all() and not torch.isnan(got[~skipped]).any()
+    torch.testing.assert_close(got[~skipped], want[~skipped], rtol=1e-5, atol=1e-5)
+
+
 def tight_grid_with_max_distinct_slots():
     """Many slots in the pool, few used: the grid bounded by the caller's distinct-slot count."""
     x, _, weights, w13, w2 = make_case(8, 40, 2, 32, 16, 30, torch.float32)
@@ -151,6 +172,7 @@ CASES = {
     "ragged_shapes_and_skipped_pairs": lambda: rows_match_in_float32(1, 5, 3, 48, 40, 7, 2),
     "several_blocks_of_one_slot": lambda: rows_match_in_float32(2, 37, 4, 80, 72, 6, 5),
     "host_aligned_rows": lambda: host_aligned_rows_match(6, 70, 3, 40, 24, 9, 7),
+    "slot_window_computes_one_chunk_at_its_staging_slots": slot_window_computes_one_chunk_at_its_staging_slots,
     "tight_grid_with_max_distinct_slots": tight_grid_with_max_distinct_slots,
     "bfloat16_within_rounding": bfloat16_within_rounding,
     "alignment_groups_pairs_by_slot": alignment_groups_pairs_by_slot,

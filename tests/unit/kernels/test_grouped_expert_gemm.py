@@ -14,6 +14,7 @@ from ferry.kernels.grouped_expert_gemm_reference import grouped_expert_forward_r
 from hopper_compile import ROOT, compile_in_child
 
 CASES = ["decode_one_token", "ragged_shapes_and_skipped_pairs", "several_blocks_of_one_slot", "host_aligned_rows",
+         "slot_window_computes_one_chunk_at_its_staging_slots",
          "tight_grid_with_max_distinct_slots", "bfloat16_within_rounding", "alignment_groups_pairs_by_slot",
          "pair_kernel_decode_one_token", "pair_kernel_ragged_skipped_offset", "pair_kernel_groups_give_the_same_bits",
          "rows_summed_in_k_order"]  # fmt: skip
