@@ -1,0 +1,64 @@
+"""What the benchmark scripts compute from what they observe, on CPU: TTFT's text prompt holds
+exactly the tokens it claims (bench/serve_openai.py), and a profile's copy timeline
+(bench/profile_prefill.py's device_timeline, which profile_decode.py shares) finds the copies'
+busy time, the gaps between them, where the gaps open and what computed inside them."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from bench.profile_decode import is_expert_copy
+from bench.profile_prefill import device_timeline, is_host_to_device
+from bench.serve_openai import text_of_tokens
+from ferry.services.bench_model import write_bench_model
+
+QWEN3 = "tests/data/models/qwen3-30b-a3b/config.json"
+
+
+def test_the_ttft_text_prompt_encodes_to_exactly_the_asked_number_of_tokens(tmp_path, tiny_models):
+    from tokenizers import Tokenizer
+
+    bench = write_bench_model(tmp_path / "m", QWEN3, num_layers=1)  # the 151,936-id tokenizer the suite uses
+    for model, high in ((bench, 100_000), (tiny_models["qwen3_moe"], None)):
+        tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+        high = high or tok.get_vocab_size()
+        rng = np.random.default_rng(1)
+        for n in (1, 37, 2000):
+            text = text_of_tokens(str(model), n, rng, min(1000, high // 2), high)
+            assert len(tok.encode(text, add_special_tokens=False).ids) == n, (model.name, n)
+
+
+def _event(name: str, start: float, end: float, cuda: bool = True):
+    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    return SimpleNamespace(name=name, device_type=kind, time_range=SimpleNamespace(start=start, end=end))
+
+
+def test_the_copy_timeline_finds_busy_time_gaps_where_they_open_and_what_ran_in_them():
+    # µs: copies [0, 250) (two touching), [400, 500), [1500, 1600); kernels inside the gaps
+    events = [
+        _event("cudaMemcpyAsync", -5, -2, cuda=False), _event("cudaLaunchKernel", 300, 310, cuda=False),
+        _event("Memcpy HtoD (Pinned -> Device)", 0, 100), _event("Memcpy HtoD (Pinned -> Device)", 100, 250),
+        _event("Memcpy HtoD (Pinned -> Device)", 400, 500), _event("Memcpy HtoD (Pinned -> Device)", 1500, 1600),
+        _event("Memcpy DtoH (Device -> Pinned)", 1600, 1610),  # neither a copy in nor a kernel
+        _event("_gate_up_kernel", 260, 390), _event("_prefill_kernel", 600, 1400), _event("_rms_norm_kernel", 1450, 1460),
+    ]  # fmt: skip
+    t = device_timeline(SimpleNamespace(events=lambda: events), largest=4)
+    assert t["copies"] == 4 and t["copy_busy_ms"] == pytest.approx(0.45) and t["copy_span_ms"] == pytest.approx(1.6)
+    assert t["copy_gap_ms"] == pytest.approx(1.15) and t["copy_gaps_over_50us"] == 2 and t["copy_gaps_under_20us"] == 0
+    assert t["largest_copy_gaps_ms"] == pytest.approx([1.0, 0.15])
+    assert t["largest_copy_gaps_at_ms"] == [(0.5, 1.0), (0.25, 0.15)]
+    longest, second = t["kernels_in_largest_gaps"]
+    assert [n for n, _ in longest] == ["_prefill_kernel", "_rms_norm_kernel"] and longest[0][1] == pytest.approx(0.8)
+    assert second == [("_gate_up_kernel", pytest.approx(0.13))]
+    assert t["kernel_busy_ms"] == pytest.approx(0.94) and t["host_launches"] == 2
+    assert t["host_enqueue_span_ms"] == pytest.approx(0.315)
+
+
+def test_a_decode_profile_counts_the_copy_kernel_and_copy_engine_copies_as_expert_copies():
+    assert is_expert_copy("_copy_experts_kernel") and is_expert_copy("Memcpy HtoD (Pinned -> Device)")
+    assert not is_expert_copy("_pair_gate_up_kernel") and not is_expert_copy("Memcpy DtoH (Device -> Pinned)")
+    assert is_host_to_device("Memcpy HtoD (Pinned -> Device)") and not is_host_to_device("_copy_experts_kernel")
