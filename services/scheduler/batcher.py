@@ -15,10 +15,11 @@ admits, preempts or grows a request past what it may hold, and it stops (the pip
 request waits while `max_running_requests` leaves room to admit it, when a request's next token may
 be its last, or when a request's sampling reads its own output on the worker (penalties, grammars).
 With the batch full a waiting request could not be admitted anyway: the pipeline keeps going until
-a running request ends (its last token, or a stop seen when its step comes back). The full policy (`schedule`) runs only with no step
-in flight, so the pages of requests in a step are never touched until its output comes back, and a
-request that finishes in step N while it is also in step N+1 keeps its pages, its state slot and its
-sampler state until N+1 returns (whose token for it is dropped).
+a running request ends (its last token, or a stop seen when its step comes back). The full policy
+(`schedule`) runs only with no step in flight, so the pages of requests in a step are never touched
+until its output comes back, and a request that finishes in step N while it is also in step N+1
+keeps its pages, its state slot and its sampler state until N+1 returns (whose token for it is
+dropped).
 
 Pure Python + numpy, no sockets: the service feeds it messages and sends what it returns.
 """
