@@ -133,7 +133,7 @@ def _busiest(named: list[tuple[float, float, str]], lo: float, hi: float, top: i
     for a, b, name in named:
         overlap = min(b, hi) - max(a, lo)
         if overlap > 0:
-            inside[name[:60]] = inside.get(name[:60], 0.0) + overlap / 1e3
+            inside[name[:120]] = inside.get(name[:120], 0.0) + overlap / 1e3
     return sorted(inside.items(), key=lambda kv: -kv[1])[:top]
 
 

@@ -8,7 +8,9 @@ OpenAI-compatible server (Ferry, or a peer measured with the very same script).
   default `--config`) the text is built to be exactly that many tokens, and the server's
   `usage.prompt_tokens` is recorded to show it. The same is measured with the prompt sent as token
   ids (`ttft_ids_s`, `ttft_ids_wire_s`): there the openai client spends 20-40 ms building the
-  request of 2,000 ids before it sends it. Without a tokenizer only the ids are sent;
+  request of 2,000 ids before it sends it. Without a tokenizer (or when no text of exactly that
+  many tokens is found) only the ids are sent. One untimed prompt of that length goes first, and
+  the text and ids runs alternate;
 * decode: for each N in `--streams`, N concurrent streamed completions of `--max-tokens` tokens at
   `--temperature` with `ignore_eos`; per stream, tokens/s from chunk arrival times (the tokens
   after the first over the time between the first and the last chunk), and the aggregate
@@ -28,6 +30,7 @@ per token next to each single-stream figure:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -111,26 +114,42 @@ def stream(client, model: str, prompt, max_tokens: int, temperature: float) -> d
             "max_gap_s": max(b - a for a, b in zip(arrivals, arrivals[1:])) if len(arrivals) > 1 else None}  # fmt: skip
 
 
-def text_of_tokens(tokenizer_dir: str, n: int, rng, low: int, high: int) -> str:
-    """Text that the tokenizer of `tokenizer_dir` encodes to exactly `n` tokens: random ids decoded,
-    encoded again (a merge can join two ids' text), cut or topped up until it holds."""
+def text_of_tokens(tokenizer_dir: str, n: int, rng, low: int, high: int) -> str | None:
+    """Text that the tokenizer of `tokenizer_dir` encodes to exactly `n` tokens, or None when none
+    was found: random ids decoded, encoded again (a merge can join two ids' text), cut or topped
+    up until it holds. Only ids whose text stands alone are drawn: a byte-level vocabulary's
+    tokens that hold part of a UTF-8 character decode to U+FFFD, which encodes to other ids."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
-    ids = rng.integers(low, high, n).tolist()
+    whole = _whole_ids(tokenizer_dir, low, high)
+    if not len(whole):
+        return None
+    ids = rng.choice(whole, n).tolist()
     for _ in range(16):
         text = tok.decode(ids)
         got = tok.encode(text, add_special_tokens=False).ids
         if len(got) == n:
             return text
-        ids = (got + rng.integers(low, high, n).tolist())[:n]
-    raise SystemExit(f"could not build a text of exactly {n} tokens with {tokenizer_dir}; pass --tokenizer")
+        ids = (got + rng.choice(whole, n).tolist())[:n]
+    return None
 
 
-def ttft_runs(client, model: str, prompts: list, temperature: float) -> dict:
+@functools.lru_cache(maxsize=4)
+def _whole_ids(tokenizer_dir: str, low: int, high: int):
+    """The ids in [low, high) whose own text holds no U+FFFD (no part of a UTF-8 character)."""
+    import numpy as np
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
+    ids = list(range(low, min(high, tok.get_vocab_size())))
+    texts = tok.decode_batch([[i] for i in ids])
+    return np.array([i for i, t in zip(ids, texts) if t and "\ufffd" not in t], dtype=np.int64)
+
+
+def ttft_summary(runs: list[dict]) -> dict:
     """Median TTFT of one-token completions, from the call and from the wire, and the prompt sizes
     the server counted."""
-    runs = [stream(client, model, p, 1, temperature) for p in prompts]
     wire = [r["ttft_wire_s"] for r in runs if r["ttft_wire_s"] is not None]
     return {"ttft_s": statistics.median(r["ttft_s"] for r in runs), "ttft_runs_s": [r["ttft_s"] for r in runs],
             "ttft_wire_s": statistics.median(wire) if wire else None, "ttft_wire_runs_s": wire,
@@ -173,6 +192,8 @@ def main() -> int:
     p.add_argument("--ceilings", default=None, help="bench/bandwidth.py JSON measured in the same run, for the bound")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    if args.tokenizer and not (Path(args.tokenizer) / "tokenizer.json").is_file():
+        p.error(f"--tokenizer {args.tokenizer}: no tokenizer.json there")
 
     import numpy as np
     from openai import OpenAI
@@ -193,15 +214,24 @@ def main() -> int:
 
     stream(client, model, prompt(args.prompt_len), 16, args.temperature)  # warm-up
     tokenizer_dir = args.tokenizer or args.config
-    if tokenizer_dir and not (Path(tokenizer_dir) / "tokenizer.json").is_file():
-        tokenizer_dir = None
-    before = scrape(args.metrics)
-    by_ids = ttft_runs(client, model, [prompt(args.ttft_prompt_len) for _ in range(args.ttft_runs)], args.temperature)
-    by_text = None
-    if tokenizer_dir:
-        texts = [text_of_tokens(tokenizer_dir, args.ttft_prompt_len, rng, min(1000, high // 2), high)
+    texts = None
+    if tokenizer_dir and (Path(tokenizer_dir) / "tokenizer.json").is_file():
+        text_rng = np.random.default_rng(1)  # its own: the decode runs' prompts do not depend on it
+        texts = [text_of_tokens(tokenizer_dir, args.ttft_prompt_len, text_rng, min(1000, high // 2), high)
                  for _ in range(args.ttft_runs)]  # fmt: skip
-        by_text = ttft_runs(client, model, texts, args.temperature)
+        if any(t is None for t in texts):
+            print(f"warning: no text of exactly {args.ttft_prompt_len} tokens found with {tokenizer_dir}: "
+                  "TTFT is measured with token ids only", file=sys.stderr)  # fmt: skip
+            texts = None
+    stream(client, model, prompt(args.ttft_prompt_len), 1, args.temperature)  # the first prompt of this length: untimed
+    before = scrape(args.metrics)
+    ids_runs, text_runs = [], []
+    for i in range(args.ttft_runs):  # interleaved: neither kind takes all the early runs
+        ids_runs.append(stream(client, model, prompt(args.ttft_prompt_len), 1, args.temperature))
+        if texts:
+            text_runs.append(stream(client, model, texts[i], 1, args.temperature))
+    by_ids = ttft_summary(ids_runs)
+    by_text = ttft_summary(text_runs) if texts else None
     result["ttft_expert_cache"] = cache_delta(before, scrape(args.metrics))  # what the prefills copied
     result["ttft_prefills"] = args.ttft_runs * (2 if by_text else 1)
     result.update({f"ttft_ids_{k[len('ttft_'):]}" if k.startswith("ttft_") else f"ids_{k}": v for k, v in by_ids.items()})

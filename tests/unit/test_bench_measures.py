@@ -32,6 +32,27 @@ def test_the_ttft_text_prompt_encodes_to_exactly_the_asked_number_of_tokens(tmp_
             assert len(tok.encode(text, add_special_tokens=False).ids) == n, (model.name, n)
 
 
+def test_a_byte_level_vocabulary_gets_only_ids_whose_text_stands_alone(tmp_path):
+    """Byte tokens of a byte-level BPE decode, alone, to U+FFFD when they hold part of a UTF-8
+    character, and that encodes to other ids: only the ids whose text stands alone are drawn, and
+    a range with none of them gives None (the caller measures with token ids instead)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    byte_chars = pre_tokenizers.ByteLevel.alphabet()
+    order = sorted(byte_chars, key=lambda c: bytes(c, "utf-8"))  # not the byte order: mixed on purpose
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(order)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    singles = tok.decode_batch([[i] for i in range(256)])
+    assert sum("\ufffd" in t for t in singles) == 128  # the bytes 0x80-0xff
+    for seed in range(6):
+        text = text_of_tokens(str(tmp_path), 300, np.random.default_rng(seed), 0, 256)
+        assert text is not None and len(tok.encode(text, add_special_tokens=False).ids) == 300
+    lone = [i for i, t in enumerate(singles) if "\ufffd" in t]
+    assert text_of_tokens(str(tmp_path), 10, np.random.default_rng(0), min(lone), min(lone) + 1) is None
+
+
 def _event(name: str, start: float, end: float, cuda: bool = True):
     kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
     return SimpleNamespace(name=name, device_type=kind, time_range=SimpleNamespace(start=start, end=end))
