@@ -210,3 +210,18 @@ def test_reserving_more_than_gpu_memory_fails_clearly(monkeypatch):
         _check_budget(torch.device("cuda"), PlanRequest(gpu_memory=1000), None, earlier_peak=1001)
     with pytest.raises(MemoryBudgetExceeded, match="free memory"):
         _check_budget(torch.device("cuda"), PlanRequest(), 800, earlier_peak=0)
+
+
+def test_every_eager_step_tells_the_expert_store_it_begins_once_its_inputs_are_built(tiny_models):
+    """`begin_step` (a prefill's expert copies start there, on CUDA) comes after the step's inputs are
+    made, so those are uploaded first, and carries the step's token count and top-k."""
+    executor, _ = boot_worker(boot_args(tiny_models["qwen3_moe"], "--gpu-memory", "64MiB", "--moe-cache-size", "8"))
+    order: list = []
+    build, begin = executor._forward_batch, executor.store.begin_step
+    executor._forward_batch = lambda batch, feed: (order.append("inputs"), build(batch, feed))[1]
+    executor.store.begin_step = lambda n, k: (order.append(("begin", n, k)), begin(n, k))[1]
+    k = executor.spec.num_experts_per_tok
+    tokens = _decode_alone(executor, 1, [5, 17, 33, 2, 8, 100, 41, 9, 12, 77, 3], 3, first_page=1, slot=1)
+    assert len(tokens) == 3
+    assert order == ["inputs", ("begin", 11, k), "inputs", ("begin", 1, k), "inputs", ("begin", 1, k),
+                     "inputs", ("begin", 1, k)]  # the last: the step that tells the worker request 1 finished
