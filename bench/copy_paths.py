@@ -77,6 +77,7 @@ def main() -> int:
 
     misses = torch.zeros(64, 2, dtype=torch.int32, device=device)
     count = torch.zeros(1, dtype=torch.int32, device=device)
+    count_rest = torch.zeros(1, dtype=torch.int32, device=device)  # the copy kernel's half in ce_beside_sm
     plan: dict = {}
 
     def choose(n: int, i: int) -> None:
@@ -128,8 +129,6 @@ def main() -> int:
             w13[s].copy_(banks.w13[layer][ex], non_blocking=True)
             w2[s].copy_(banks.w2[layer][ex], non_blocking=True)
         here.wait_stream(side)
-
-    count_rest = torch.zeros(1, dtype=torch.int32, device=device)
 
     def sm(programs: int, block: int):
         return lambda: copy_experts_triton(banks.w13[plan["layer"]], banks.w2[plan["layer"]], w13, w2, misses, count,

@@ -78,11 +78,10 @@ def run_workload(name: str, variant: str, out: Path, ceilings: Path, args) -> di
         "single_stream_tok_s": round(one["median_stream_tok_s"], 2),
         "single_stream_bound_tok_s": round(one["bound_tok_s"], 2) if "bound_tok_s" in one else None,
         "single_stream_bound_fraction": round(one["bound_fraction"], 3) if "bound_fraction" in one else None,
-        "streams8_tok_s": round(eight["aggregate_tok_s"], 2), "ttft_2k_s": round(detail["ttft_s"], 4),
-        "ttft_2k_wire_s": round(detail["ttft_wire_s"], 4) if detail.get("ttft_wire_s") is not None else None,
-        "ttft_2k_prompt": detail.get("ttft_prompt", "ids"),  # the prompt of ttft_2k_s: text, or token ids
-        "ttft_2k_ids_s": round(detail["ttft_ids_s"], 4) if detail.get("ttft_ids_s") is not None else None,
-        "ttft_2k_ids_wire_s": round(detail["ttft_ids_wire_s"], 4) if detail.get("ttft_ids_wire_s") is not None else None,
+        "streams8_tok_s": round(eight["aggregate_tok_s"], 2),
+        "ttft_2k_prompt": detail["ttft_prompt"],  # the prompt of ttft_2k_s: text, or token ids
+        **{f"ttft_2k{k}": None if detail[f"ttft{k}"] is None else round(detail[f"ttft{k}"], 4)
+           for k in ("_s", "_wire_s", "_ids_s", "_ids_wire_s")},
         "hit_rate": one["expert_cache"]["hit_rate"] if one["expert_cache"] else None,
         "hit_rate_8": eight["expert_cache"]["hit_rate"] if eight["expert_cache"] else None,
         "prefetch_accuracy": one["expert_cache"]["prefetch_accuracy"] if one["expert_cache"] else None,

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.profile_prefill import device_timeline  # noqa: E402
+from bench.profile_prefill import GRAPH_LAUNCHES, LAUNCHES, device_timeline, is_host_to_device  # noqa: E402
 from bench.serve_decode import Streams  # noqa: E402
 from ferry.services.worker.boot import boot_worker  # noqa: E402
 from ferry.services.worker.flags import add_worker_flags, boot_config_from_args  # noqa: E402
@@ -73,12 +73,10 @@ def main() -> None:
 def is_expert_copy(name: str) -> bool:
     """The device events that move experts: the copy kernel (graph-safe steps) or a host-to-device
     copy (copy-engine steps, and the step's input upload)."""
-    return "copy_experts" in name or "Memcpy HtoD" in name
+    return "copy_experts" in name or is_host_to_device(name)
 
 
-# CUDA runtime/driver calls as the profiler names them: what launches work, and what makes the host wait
-LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
-GRAPH_LAUNCHES = ("cudaGraphLaunch",)
+# CUDA runtime calls as the profiler names them that make the host wait (launches: profile_prefill.py)
 WAITS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize")
 
 

@@ -97,19 +97,19 @@ def device_timeline(prof, is_copy=is_host_to_device, largest: int = 8) -> dict:
             named.append((*span, e.name))
     if not copies:
         return {"copies": 0}
-    copies.sort()
-    start, end = copies[0][0], max(c[1] for c in copies)
     merged = _union(copies)
+    start, end = merged[0][0], merged[-1][1]
     busy = sum(b - a for a, b in merged)
-    gaps = [b[0] - a[1] for a, b in zip(merged, merged[1:])]
-    at = sorted(((a[1] - start, b[0] - a[1]) for a, b in zip(merged, merged[1:])), key=lambda g: -g[1])[:largest]
+    gaps_at = [(a[1] - start, b[0] - a[1]) for a, b in zip(merged, merged[1:])]  # (opens after the first copy, long)
+    gaps = [g for _, g in gaps_at]
+    at = sorted(gaps_at, key=lambda g: -g[1])[:largest]
     first_kernel = min(k[0] for k in kernels) if kernels else start
     last_kernel = max(k[1] for k in kernels) if kernels else end
     return {
         "copies": len(copies), "copy_span_ms": (end - start) / 1e3, "copy_busy_ms": busy / 1e3,
         "copy_gaps_over_50us": sum(1 for g in gaps if g > 50), "copy_gap_ms": sum(gaps) / 1e3,
         "copy_gaps_under_20us": sum(1 for g in gaps if g < 20), "copy_gap_under_20us_ms": sum(g for g in gaps if g < 20) / 1e3,
-        "largest_copy_gaps_ms": sorted((g / 1e3 for g in gaps), reverse=True)[:largest],
+        "largest_copy_gaps_ms": [g / 1e3 for _, g in at],
         # where they open, from the first copy: (ms after it, ms long)
         "largest_copy_gaps_at_ms": [(round(t / 1e3, 3), round(g / 1e3, 3)) for t, g in at],
         "device_span_ms": (max(last_kernel, end) - min(first_kernel, start)) / 1e3,
@@ -123,8 +123,10 @@ def device_timeline(prof, is_copy=is_host_to_device, largest: int = 8) -> dict:
     }  # fmt: skip
 
 
-HOST_LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaMemcpyAsync",
-                 "cudaGraphLaunch")  # fmt: skip
+# CUDA runtime/driver calls as the profiler names them: what launches work
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+GRAPH_LAUNCHES = ("cudaGraphLaunch",)
+HOST_LAUNCHES = LAUNCHES + GRAPH_LAUNCHES + ("cudaMemcpyAsync",)
 
 
 def _busiest(named: list[tuple[float, float, str]], lo: float, hi: float, top: int = 3) -> list[tuple[str, float]]:

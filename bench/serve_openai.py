@@ -81,12 +81,15 @@ def _mark_sent(request) -> None:
 
 
 def timed_http_client():
-    """An httpx client that marks when each request is sent (None: the openai client's default)."""
-    try:
-        import httpx
-    except ImportError:
-        return None
-    return httpx.Client(event_hooks={"request": [_mark_sent]}, timeout=600)
+    """An HTTP client of the openai client's kind (httpx, or httpx2 for newer openai releases) that
+    marks when each request is sent (None when neither is installed: the openai client's default)."""
+    for name in ("httpx", "httpx2"):
+        try:
+            module = __import__(name)
+        except ImportError:
+            continue
+        return module.Client(event_hooks={"request": [_mark_sent]}, timeout=600)
+    return None
 
 
 def stream(client, model: str, prompt, max_tokens: int, temperature: float) -> dict:
@@ -119,9 +122,7 @@ def text_of_tokens(tokenizer_dir: str, n: int, rng, low: int, high: int) -> str 
     was found: random ids decoded, encoded again (a merge can join two ids' text), cut or topped
     up until it holds. Only ids whose text stands alone are drawn: a byte-level vocabulary's
     tokens that hold part of a UTF-8 character decode to U+FFFD, which encodes to other ids."""
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
+    tok = _tokenizer(tokenizer_dir)
     whole = _whole_ids(tokenizer_dir, low, high)
     if not len(whole):
         return None
@@ -136,24 +137,30 @@ def text_of_tokens(tokenizer_dir: str, n: int, rng, low: int, high: int) -> str 
 
 
 @functools.lru_cache(maxsize=4)
+def _tokenizer(tokenizer_dir: str):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
+
+
+@functools.lru_cache(maxsize=4)
 def _whole_ids(tokenizer_dir: str, low: int, high: int):
     """The ids in [low, high) whose own text holds no U+FFFD (no part of a UTF-8 character)."""
     import numpy as np
-    from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
+    tok = _tokenizer(tokenizer_dir)
     ids = list(range(low, min(high, tok.get_vocab_size())))
     texts = tok.decode_batch([[i] for i in ids])
     return np.array([i for i, t in zip(ids, texts) if t and "\ufffd" not in t], dtype=np.int64)
 
 
-def ttft_summary(runs: list[dict]) -> dict:
+def ttft_summary(runs: list[dict], kind: str = "") -> dict:
     """Median TTFT of one-token completions, from the call and from the wire, and the prompt sizes
-    the server counted."""
+    the server counted; keys ttft{kind}_s, ... (kind "" for the text prompt, "_ids" for token ids)."""
     wire = [r["ttft_wire_s"] for r in runs if r["ttft_wire_s"] is not None]
-    return {"ttft_s": statistics.median(r["ttft_s"] for r in runs), "ttft_runs_s": [r["ttft_s"] for r in runs],
-            "ttft_wire_s": statistics.median(wire) if wire else None, "ttft_wire_runs_s": wire,
-            "prompt_tokens": [r["usage"].prompt_tokens if r["usage"] is not None else None for r in runs]}  # fmt: skip
+    return {f"ttft{kind}_s": statistics.median(r["ttft_s"] for r in runs), f"ttft{kind}_runs_s": [r["ttft_s"] for r in runs],
+            f"ttft{kind}_wire_s": statistics.median(wire) if wire else None, f"ttft{kind}_wire_runs_s": wire,
+            f"ttft{kind}_prompt_tokens": [r["usage"].prompt_tokens if r["usage"] is not None else None for r in runs]}  # fmt: skip
 
 
 def hbm_bytes_per_token(config_dir: str, context: float) -> tuple[float, int]:
@@ -208,7 +215,8 @@ def main() -> int:
         vocab = load_model_config(args.config).vocab_size
     rng = np.random.default_rng(0)
     high = min(vocab or 10000, 100000)
-    prompt = lambda n: rng.integers(min(1000, high // 2), high, n).tolist()  # noqa: E731
+    low = min(1000, high // 2)
+    prompt = lambda n: rng.integers(low, high, n).tolist()  # noqa: E731
     result: dict = {"base_url": args.base_url, "model": model, "max_tokens": args.max_tokens,
                     "temperature": args.temperature, "runs": []}  # fmt: skip
 
@@ -217,8 +225,7 @@ def main() -> int:
     texts = None
     if tokenizer_dir and (Path(tokenizer_dir) / "tokenizer.json").is_file():
         text_rng = np.random.default_rng(1)  # its own: the decode runs' prompts do not depend on it
-        texts = [text_of_tokens(tokenizer_dir, args.ttft_prompt_len, text_rng, min(1000, high // 2), high)
-                 for _ in range(args.ttft_runs)]  # fmt: skip
+        texts = [text_of_tokens(tokenizer_dir, args.ttft_prompt_len, text_rng, low, high) for _ in range(args.ttft_runs)]
         if any(t is None for t in texts):
             print(f"warning: no text of exactly {args.ttft_prompt_len} tokens found with {tokenizer_dir}: "
                   "TTFT is measured with token ids only", file=sys.stderr)  # fmt: skip
@@ -230,16 +237,14 @@ def main() -> int:
         ids_runs.append(stream(client, model, prompt(args.ttft_prompt_len), 1, args.temperature))
         if texts:
             text_runs.append(stream(client, model, texts[i], 1, args.temperature))
-    by_ids = ttft_summary(ids_runs)
-    by_text = ttft_summary(text_runs) if texts else None
     result["ttft_expert_cache"] = cache_delta(before, scrape(args.metrics))  # what the prefills copied
-    result["ttft_prefills"] = args.ttft_runs * (2 if by_text else 1)
-    result.update({f"ttft_ids_{k[len('ttft_'):]}" if k.startswith("ttft_") else f"ids_{k}": v for k, v in by_ids.items()})
-    result.update(by_text or by_ids)
-    result["ttft_prompt"] = "text" if by_text else "ids"
+    result["ttft_prefills"] = len(ids_runs) + len(text_runs)
+    result.update(ttft_summary(ids_runs, "_ids"))
+    result.update(ttft_summary(text_runs or ids_runs))  # ttft_s: the text prompt's, else the ids'
+    result["ttft_prompt"] = "text" if text_runs else "ids"
     print(f"TTFT ({args.ttft_prompt_len}-token prompt): median {1e3 * result['ttft_s']:.0f} ms of {args.ttft_runs} "
-          f"({result['ttft_prompt']}; server counted {result['prompt_tokens']} tokens); as token ids "
-          f"{1e3 * by_ids['ttft_s']:.0f} ms, {1e3 * (by_ids['ttft_wire_s'] or float('nan')):.0f} ms from the wire")  # fmt: skip
+          f"({result['ttft_prompt']}; server counted {result['ttft_prompt_tokens']} tokens); as token ids "
+          f"{1e3 * result['ttft_ids_s']:.0f} ms, {1e3 * (result['ttft_ids_wire_s'] or float('nan')):.0f} ms from the wire")  # fmt: skip
 
     ceilings = json.loads(Path(args.ceilings).read_text()) if args.ceilings else None
     for n in [int(s) for s in args.streams.split(",")]:
