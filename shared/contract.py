@@ -76,21 +76,18 @@ def step_problems(batch, limits: StepLimits, known: set[int] | dict) -> list[str
             problems.append(f"{name} has dtype {getattr(a, 'dtype', type(a).__name__)}")
         elif a.ndim != (2 if name == "page_table" else 1):
             problems.append(f"{name} has {a.ndim} dimensions")
-    marks = batch.prompt_logprobs  # optional: bool [R], the rows whose next tokens' logprobs are wanted
-    if marks is not None and (not isinstance(marks, np.ndarray) or marks.dtype.kind != "b" or marks.ndim != 1):
-        problems.append(f"prompt_logprobs must be a 1-D bool array, got {getattr(marks, 'dtype', type(marks).__name__)} "
-                        f"of shape {getattr(marks, 'shape', '?')}")  # fmt: skip
-    feed = batch.feed_sampled  # optional: bool [R], rows whose token is the one sampled in the step before
-    if feed is not None and (not isinstance(feed, np.ndarray) or feed.dtype.kind != "b" or feed.ndim != 1):
-        problems.append(f"feed_sampled must be a 1-D bool array, got {getattr(feed, 'dtype', type(feed).__name__)} "
-                        f"of shape {getattr(feed, 'shape', '?')}")  # fmt: skip
+    # optional bool [R] rows: whose next tokens' logprobs are wanted; whose token is the one sampled in the step before
+    optional = {name: getattr(batch, name) for name in ("prompt_logprobs", "feed_sampled")}
+    for name, a in optional.items():
+        if a is not None and (not isinstance(a, np.ndarray) or a.dtype.kind != "b" or a.ndim != 1):
+            problems.append(f"{name} must be a 1-D bool array, got {getattr(a, 'dtype', type(a).__name__)} "
+                            f"of shape {getattr(a, 'shape', '?')}")  # fmt: skip
     if problems:
         return problems
     r, t = len(batch.req_ids), len(batch.tokens)
-    if marks is not None and len(marks) != r:
-        problems.append(f"prompt_logprobs has {len(marks)} entries for {r} requests")
-    if feed is not None and len(feed) != r:
-        problems.append(f"feed_sampled has {len(feed)} entries for {r} requests")
+    for name, a in optional.items():
+        if a is not None and len(a) != r:
+            problems.append(f"{name} has {len(a)} entries for {r} requests")
     q = batch.query_lens.astype(np.int64)
     if int(q.sum()) != t or (q < 1).any():
         problems.append(f"query_lens do not split {t} tokens into {r} non-empty chunks")
@@ -103,6 +100,7 @@ def step_problems(batch, limits: StepLimits, known: set[int] | dict) -> list[str
             problems.append(f"{name} has {len(getattr(batch, name))} entries for {r} requests")
     if len(np.unique(batch.req_ids)) != r:
         problems.append("a request appears twice")
+    feed, marks = batch.feed_sampled, batch.prompt_logprobs
     if not problems and feed is not None and feed.any():
         if (batch.query_lens[feed] != 1).any() or (batch.context_lens[feed] < 1).any() or batch.reset_linear_state[feed].any():
             problems.append("a feed_sampled row must decode one token of a request already started")

@@ -104,11 +104,8 @@ class Cluster:
             for name, p in self.procs.items():
                 if p.poll() is not None:
                     raise RuntimeError(f"{name} exited with {p.returncode}; log: {self.log(name)[-3000:]}")
-            try:
-                if http_get(self.base_url + "/health", timeout=1)[0] == 200:
-                    return
-            except OSError:
-                pass
+            if healthy(self.base_url):
+                return
             time.sleep(0.1)
         raise TimeoutError("the server did not become ready: " + "".join(self.log(n)[-1500:] for n in self.procs))
 

@@ -168,6 +168,10 @@ def test_the_step_contract_holds_issue_11s_fields():
     assert "prompt_logprobs" in step_problems(_step(prompt_logprobs=np.array([1], np.int32)), LIMITS, set())[0]
     assert "prompt_logprobs" in step_problems(_step(prompt_logprobs=np.array([True, False])), LIMITS, set())[0]
     assert "prompt_logprobs" in step_problems(_step(prompt_logprobs=np.array([[True]])), LIMITS, set())[0]
+    # feed_sampled (a step scheduled ahead) is held to the same shape and length
+    assert step_problems(_step(feed_sampled=np.array([False])), LIMITS, set()) == []
+    assert "feed_sampled must be a 1-D bool" in step_problems(_step(feed_sampled=np.array([1], np.int32)), LIMITS, set())[0]
+    assert "feed_sampled has 2 entries" in step_problems(_step(feed_sampled=np.array([True, False])), LIMITS, set())[0]
     # a row that wants prompt logprobs but does not sample still needs a request the worker knows
     unknown = _step(sample=np.array([False]), prompt_logprobs=np.array([True]), new_requests=())
     assert "never announced" in " ".join(step_problems(unknown, LIMITS, set()))

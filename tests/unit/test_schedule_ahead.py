@@ -8,19 +8,22 @@ from collections import deque
 
 from ferry.shared.errors import EngineError
 from ferry.shared.sampling import SamplingParams
-from tests.doubles.fake_worker import _fed
+from tests.doubles.fake_worker import DelayedExecutor
 from tests.doubles.paged_model import reference_continuation
 from tests.unit.test_batch_scheduler import VOCAB, add, make, prompt
 
 
-def run_ahead_to_end(sched, model, abort_at: dict[int, int] | None = None, max_answers=10_000):
+def run_ahead_to_end(sched, model, abort_at: dict[int, int] | None = None, max_answers=10_000,
+                     in_flight_at_abort: dict[int, int] | None = None):  # fmt: skip
     """Drive the scheduler as its service does: send a step when none is in flight, then the step ahead;
     the worker runs what it was sent in order (feeding fed rows from the step before); one answer lands at a
-    time. `abort_at`: {rid: after how many answers to abort it}. Returns tokens, finish reasons, and how many
-    steps were sent ahead and the most in flight at once."""
+    time. `abort_at`: {rid: after how many answers to abort it}, the abort arriving before the next answer
+    lands (`in_flight_at_abort` records how many steps were in flight then). Returns tokens, finish
+    reasons, and how many steps were sent ahead and the most in flight at once."""
     tokens: dict[int, list[int]] = {}
     finished: dict[int, str] = {}
-    sent, answers, last = deque(), deque(), {}
+    worker = DelayedExecutor(model, 0)
+    sent, answers = deque(), deque()
     unanswered: deque[set[int]] = deque()  # the rows of each step sent and not answered yet
 
     def send(batch) -> None:
@@ -40,12 +43,17 @@ def run_ahead_to_end(sched, model, abort_at: dict[int, int] | None = None, max_a
             ahead += 1
         most = max(most, sched.steps_in_flight)
         while sent:  # the worker launches each step as it arrives
-            out = model.execute(_fed(sent.popleft(), last))
-            last = dict(zip(out.req_ids.tolist(), out.token_ids.tolist()))
-            answers.append(out)
+            answers.append(worker.execute(sent.popleft()))
         if not answers:
             assert not (sched.running or sched.waiting), "work left but nothing schedulable"
             return tokens, finished, ahead, most
+        for rid, when in (abort_at or {}).items():
+            if when == landed:
+                if in_flight_at_abort is not None:
+                    in_flight_at_abort[rid] = sched.steps_in_flight
+                for req, reason in sched.abort(rid).finished:
+                    assert req.rid not in finished, f"request {req.rid} finished twice"
+                    finished[req.rid] = reason
         result = sched.complete(answers.popleft())
         unanswered.popleft()
         landed += 1
@@ -53,11 +61,8 @@ def run_ahead_to_end(sched, model, abort_at: dict[int, int] | None = None, max_a
         for req, tok in result.tokens:
             tokens.setdefault(req.rid, []).append(tok)
         for req, reason in result.finished:
+            assert req.rid not in finished, f"request {req.rid} finished twice"
             finished[req.rid] = reason
-        for rid, when in (abort_at or {}).items():
-            if when == landed:
-                for req, reason in sched.abort(rid).finished:
-                    finished[req.rid] = reason
     raise AssertionError("did not finish")
 
 
@@ -94,7 +99,9 @@ def test_an_abort_with_two_steps_in_flight_finishes_the_request_once_and_frees_i
     sched, model = make()
     add(sched, 1, prompt(1, 8), 40)
     add(sched, 2, prompt(2, 8), 12)
-    tokens, finished, _, _ = run_ahead_to_end(sched, model, abort_at={1: 5})
+    when: dict[int, int] = {}
+    tokens, finished, _, _ = run_ahead_to_end(sched, model, abort_at={1: 5}, in_flight_at_abort=when)
+    assert when == {1: 2}, "the abort must come with a step and the one scheduled ahead of it in flight"
     assert finished == {1: "abort", 2: "length"}
     assert len(tokens[1]) < 40 and tokens[1] == reference_continuation(prompt(1, 8).tolist(), 40, VOCAB)[: len(tokens[1])]
     assert sched.kv.available == sched.kv.total
