@@ -43,7 +43,9 @@ VARIANTS = {"default": [], "no-prefetch": ["--no-expert-prefetch"], "eager": ["-
             # decode steps of 8 tokens copy with the GPU's cores inside the graph (the default before 8 streams measured faster on the copy engine)
             "core-copies8": ["--expert-copy-engine-tokens", "9"],
             # every step copies with the copy engine, decode included: eager, its lists read on the host
-            "copy-engine1": ["--expert-copy-engine-tokens", "1"]}
+            "copy-engine1": ["--expert-copy-engine-tokens", "1"],
+            # the experts kept in host RAM as bf16 (the default packs them to 12 bits a value)
+            "plain": ["--expert-bank-format", "plain"]}
 
 
 def commit() -> str:
@@ -78,6 +80,9 @@ def run_workload(name: str, variant: str, out: Path, ceilings: Path, args) -> di
         "single_stream_tok_s": round(one["median_stream_tok_s"], 2),
         "single_stream_bound_tok_s": round(one["bound_tok_s"], 2) if "bound_tok_s" in one else None,
         "single_stream_bound_fraction": round(one["bound_fraction"], 3) if "bound_fraction" in one else None,
+        # the bound were the experts to cross as bf16 (plain banks), and what one expert's copy moved
+        "single_stream_bound_bf16_tok_s": round(one["bound_bf16_tok_s"], 2) if "bound_bf16_tok_s" in one else None,
+        "wire_bytes_per_expert": round(one["wire_bytes_per_expert"]) if "wire_bytes_per_expert" in one else None,
         "streams8_tok_s": round(eight["aggregate_tok_s"], 2),
         "ttft_2k_prompt": detail["ttft_prompt"],  # the prompt of ttft_2k_s: text, or token ids
         **{f"ttft_2k{k}": None if detail[f"ttft{k}"] is None else round(detail[f"ttft{k}"], 4)
@@ -89,7 +94,7 @@ def run_workload(name: str, variant: str, out: Path, ceilings: Path, args) -> di
     }  # fmt: skip
     (out / f"decode_{tag}.json").write_text(json.dumps(result, indent=1) + "\n")
     print(f"[{tag}] 1 stream {result['single_stream_tok_s']} tok/s (bound {result['single_stream_bound_tok_s']}, "
-          f"{result['single_stream_bound_fraction']}), 8 streams {result['streams8_tok_s']} tok/s, TTFT 2k "
+          f"{result['single_stream_bound_fraction']}; bf16 bound {result['single_stream_bound_bf16_tok_s']}), 8 streams {result['streams8_tok_s']} tok/s, TTFT 2k "
           f"{result['ttft_2k_s']} s as {result['ttft_2k_prompt']} (from the request leaving the client "
           f"{result['ttft_2k_wire_s']} s; as ids {result['ttft_2k_ids_s']} s), hit rate {result['hit_rate']}, prefetch accuracy {result['prefetch_accuracy']}",
           flush=True)  # fmt: skip

@@ -21,8 +21,46 @@ HOST_RESERVE_BYTES = 2 * GiB
 MEMINFO = Path("/proc/meminfo")
 
 
-def expert_bank_bytes(spec: ModelSpec, dtype: str) -> int:
-    """Every routed expert of every MoE layer, in host banks."""
+# Expert bank formats (--expert-bank-format): "packed" keeps bf16 experts losslessly in 12 bits a
+# value (kernels/expert_pack.py: a quarter fewer bytes in RAM and on the wire), "plain" as the slots
+# hold them. Packing applies to bf16 only; "auto" packs exactly then.
+BANK_FORMATS = ("auto", "packed", "plain")
+# A packed expert's values outside its exponent window are kept whole, 6 bytes each (int32 position,
+# int16 bits). Normal and trained weights have about 1e-4 of them; the plan sets aside room for
+# 1/512 of the values (0.8% of the packed bytes), and the banks check what they really hold.
+PACKED_ESCAPE_BYTES = 6
+PACKED_ESCAPE_SHARE = 512
+
+
+def bank_format(requested: str | None, dtype: str) -> str:
+    """"packed" or "plain" for the flag's value (None: auto) and the model's dtype."""
+    requested = requested or "auto"
+    if requested not in BANK_FORMATS:
+        raise ValueError(f"--expert-bank-format: unknown format {requested!r}; choose one of {', '.join(BANK_FORMATS)}")
+    if requested == "packed" and dtype != "bfloat16":
+        raise ValueError(f"--expert-bank-format packed keeps bf16 experts; this model runs in {dtype}: "
+                         "use --expert-bank-format plain (or auto), or --dtype bfloat16")  # fmt: skip
+    return "packed" if requested == "packed" or (requested == "auto" and dtype == "bfloat16") else "plain"
+
+
+def packed_expert_bytes(values: int) -> int:
+    """One packed expert of `values` values (3 I H) without its escapes: a byte (sign, mantissa)
+    and half a byte (exponent code) per value, and two int32 exponent bases (one per family)."""
+    return values + values // 2 + 2 * 4
+
+
+def packed_bank_bytes(num_layers: int, num_experts: int, values: int) -> int:
+    """Packed banks of experts of `values` values: the fixed part, the escape allowance, and each
+    layer's escape offsets (int64, one per expert and one more)."""
+    allowance = values // PACKED_ESCAPE_SHARE * PACKED_ESCAPE_BYTES
+    return num_layers * (num_experts * (packed_expert_bytes(values) + allowance) + (num_experts + 1) * 8)
+
+
+def expert_bank_bytes(spec: ModelSpec, dtype: str, fmt: str = "plain") -> int:
+    """Every routed expert of every MoE layer, in host banks of format `fmt`."""
+    if fmt == "packed":
+        values = 3 * spec.moe_intermediate_size * spec.hidden_size
+        return packed_bank_bytes(len(spec.moe_layer_indices), spec.num_experts, values)
     return spec.total_experts * L.expert_bytes(spec, dtype)
 
 

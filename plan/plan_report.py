@@ -26,8 +26,13 @@ def plan_table(plan: Plan) -> str:
         ("headroom", plan.headroom_bytes, "budget - total"),
     ]  # fmt: skip
     host = plan.host
-    banks_detail = (f"every routed expert pinned in host RAM ({plan.experts.total} x {plan.experts.bytes_per_slot} B)"
-                    if host.expert_bank_bytes else "none: every expert has a GPU slot")  # fmt: skip
+    if not host.expert_bank_bytes:
+        banks_detail = "none: every expert has a GPU slot"
+    elif host.expert_bank_format == "packed":
+        banks_detail = (f"every routed expert pinned in host RAM, packed to 12 bits a value ({plan.experts.total} x "
+                        f"{plan.experts.bytes_per_slot} B as bf16; with room for escapes)")  # fmt: skip
+    else:
+        banks_detail = f"every routed expert pinned in host RAM ({plan.experts.total} x {plan.experts.bytes_per_slot} B)"
     host_rows = [("host: expert banks (pinned)", host.expert_bank_bytes, banks_detail)]
     if host.available_bytes is not None:
         host_rows.append(("host: available", host.available_bytes,
@@ -68,5 +73,6 @@ def plan_log_fields(plan: Plan) -> dict:
         "expert_total": plan.experts.total,
         "expert_bytes": plan.experts.bytes,
         "host_expert_bank_bytes": plan.host.expert_bank_bytes,
+        "host_expert_bank_format": plan.host.expert_bank_format,
         "host_available_bytes": plan.host.available_bytes,
     }

@@ -46,6 +46,7 @@ class PlanRequest:
     max_model_len: int | None = None
     dtype: str | None = None
     host_memory: int | None = None  # host RAM for the expert banks; None: what the machine has
+    expert_bank_format: str | None = None  # packed | plain | auto (None: auto, packed for bf16)
 
     def is_set(self, name: str) -> bool:
         return getattr(self, name) is not None
@@ -97,6 +98,7 @@ class HostPlan:
     what the banks may take (--host-memory, else MemAvailable; None when unknown)."""
 
     expert_bank_bytes: int
+    expert_bank_format: str  # packed (12 bits a value, lossless) | plain (as the slots hold them)
     available_bytes: int | None
     available_source: str  # --host-memory | MemAvailable | unknown
     reserve_bytes: int  # kept free for the rest of the process and the OS
@@ -408,15 +410,18 @@ def _host_plan(spec: ModelSpec, req: PlanRequest, dtype: str, measured: Measured
         available, source = measured.host_available_bytes, "MemAvailable"
     else:
         available, source = None, "unknown"
-    banks = H.expert_bank_bytes(spec, dtype) if offloaded else 0
-    host = HostPlan(banks, available, source, H.HOST_RESERVE_BYTES)
+    try:
+        fmt = H.bank_format(req.expert_bank_format, dtype)
+    except ValueError as exc:
+        raise PlanError(str(exc)) from exc
+    banks = H.expert_bank_bytes(spec, dtype, fmt) if offloaded else 0
+    host = HostPlan(banks, fmt, available, source, H.HOST_RESERVE_BYTES)
     if banks and available is not None and banks + H.HOST_RESERVE_BYTES > available:
         where = (f"--host-memory {format_bytes(available)}" if source == "--host-memory"
                  else f"this machine has {format_bytes(available)} available (MemAvailable)")  # fmt: skip
         raise PlanError(
             f"the offloaded experts do not fit in host RAM: their pinned banks need {format_bytes(banks)} "
-            f"({len(spec.moe_layer_indices)} MoE layers x {spec.num_experts} experts x "
-            f"{L.expert_bytes(spec, dtype):,} B) plus {format_bytes(H.HOST_RESERVE_BYTES)} kept for the rest of the "
+            f"({len(spec.moe_layer_indices)} MoE layers x {spec.num_experts} experts, {fmt}) plus {format_bytes(H.HOST_RESERVE_BYTES)} kept for the rest of the "
             f"process, but {where}.\n"
             f"the banks need a host with at least {format_bytes(banks + H.HOST_RESERVE_BYTES)} available"
             + ("; to plan for another machine, give its RAM with --host-memory (e.g. --host-memory 64GiB)"

@@ -5,12 +5,13 @@ from __future__ import annotations
 import argparse
 
 from ferry.shared.units import parse_bytes
+from ferry.plan.host_memory import BANK_FORMATS
 from ferry.plan.planner import PlanRequest
 
 PLANNER_FIELDS = (
     "gpu_memory", "memory_ratio", "num_tokens", "num_pages", "kv_reserve_tokens", "moe_cache_size",
     "moe_cache_rate", "page_size", "max_running_requests", "max_prefill_tokens", "max_model_len", "dtype",
-    "host_memory",
+    "host_memory", "expert_bank_format",
 )  # fmt: skip
 # the fields that are byte sizes (forwarded to a child process with their unit: `--gpu-memory 123B`)
 BYTE_FIELDS = ("gpu_memory", "host_memory")
@@ -49,6 +50,10 @@ def add_planner_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host-memory", type=_byte_size("--host-memory"), default=None, metavar="SIZE",
                    help="host RAM the offloaded experts' pinned banks may take, with a unit: 64GiB (default: this "
                         "machine's MemAvailable); give it to `ferry plan` for another machine")
+    g.add_argument("--expert-bank-format", choices=BANK_FORMATS, default=None,
+                   help="how the offloaded experts are kept in host RAM: packed (bf16 only: losslessly in 12 bits a "
+                        "value, so a quarter fewer bytes in RAM and across PCIe, unpacked by the GPU as it copies), "
+                        "plain (as the GPU slots hold them), auto (default: packed for bf16 models, else plain)")
     kv = g.add_mutually_exclusive_group()
     kv.add_argument("--num-tokens", type=int, default=None, help="KV pool size in tokens (exact requirement)")
     kv.add_argument("--num-pages", type=int, default=None, help="KV pool size in pages (exact requirement)")

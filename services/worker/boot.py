@@ -29,7 +29,7 @@ from ferry.shared.eos import eos_token_ids
 from ferry.services.worker.executor import StepExecutor
 from ferry.services.worker.dummy_weights import iter_dummy_experts
 from ferry.services.worker.late_bound_experts import LateBoundExperts
-from ferry.services.worker.flags import WorkerBootConfig
+from ferry.services.worker.flags import DEFAULT_COPY_ENGINE_TOKENS, WorkerBootConfig
 from ferry.services.worker.loader import ModelFiles, open_model, resident_weights, routed_expert_weights
 from ferry.services.worker.offload.build import build_expert_store, host_banks_for, is_offloaded
 from ferry.services.worker.offload.host_banks import mem_available_bytes
@@ -184,9 +184,11 @@ def _load_and_plan(cfg: WorkerBootConfig, files: ModelFiles, r: Resolved, device
                                                          host_available_bytes=mem_available_bytes()))  # fmt: skip
         banks = _host_banks(spec, plan)  # before any pool is allocated (rule 4)
         pools = allocate_pools(spec, plan, device)
+        copy_engine_tokens = cfg.expert_copy_engine_tokens
+        if copy_engine_tokens is None and not getattr(banks, "packed", False):
+            copy_engine_tokens = DEFAULT_COPY_ENGINE_TOKENS  # plain banks: the copy engine for large decode steps
         store = build_expert_store(spec, plan, pools.experts, device, policy=cfg.expert_policy, banks=banks,
-                                   prefetch=cfg.expert_prefetch,
-                                   copy_engine_tokens=cfg.expert_copy_engine_tokens)  # fmt: skip
+                                   prefetch=cfg.expert_prefetch, copy_engine_tokens=copy_engine_tokens)  # fmt: skip
         if hasattr(store, "set_routers"):  # next-layer prediction: each MoE layer's router weight
             store.set_routers([layer.mlp.gate.weight for layer in model.layers if hasattr(layer.mlp, "gate")])
         experts.bind(store)

@@ -25,9 +25,12 @@ EXPERT_POLICY_HELP = (
     "the experts the next layers need and its hit rate collapses, where LFU keeps the often-routed ones"
 )
 
-# Decode steps of this many tokens or more copy their missed experts with the copy engine rather than
-# the GPU's cores. Measured on the H200 (bench/NOTES.md, 12-layer Qwen3-30B-A3B cut, top-8): at 8 streams
-# the copy engine gave 93.0 tok/s against 86.4 for core copies in the CUDA graph; one stream is the same.
+# With plain expert banks, decode steps of this many tokens or more copy their missed experts with the
+# copy engine rather than the GPU's cores. Measured on the H200 (bench/NOTES.md, 12-layer Qwen3-30B-A3B
+# cut, top-8): at 8 streams the copy engine gave 93.0 tok/s against 86.4 for core copies in the CUDA
+# graph; one stream is the same. Packed banks have no threshold by default: their unpacking copy
+# delivers more bf16 bytes a second than the copy engine (bench/pack_copy.py), so every decode step
+# that fits the pair kernel replays its graph.
 DEFAULT_COPY_ENGINE_TOKENS = 8
 
 
@@ -42,7 +45,7 @@ class WorkerBootConfig:
     expert_policy: str = DEFAULT_EXPERT_POLICY
     enforce_eager: bool = False  # never replay decode steps as CUDA graphs
     expert_prefetch: bool = True  # copy the next MoE layer's predicted experts ahead
-    expert_copy_engine_tokens: int | None = DEFAULT_COPY_ENGINE_TOKENS  # decode steps of this many tokens or more copy with the copy engine
+    expert_copy_engine_tokens: int | None = None  # decode steps of this many tokens or more copy with the copy engine; None: by bank format
     plan: PlanRequest = PlanRequest()
 
 
@@ -69,11 +72,12 @@ def add_worker_flags(parser: argparse.ArgumentParser, model_required: bool = Tru
     parser.add_argument("--no-expert-prefetch", dest="expert_prefetch", action="store_false",
                         help="do not copy the next MoE layer's predicted experts ahead (its router applied to the "
                              "current layer's input); only what a layer's own routing misses crosses PCIe")  # fmt: skip
-    parser.add_argument("--expert-copy-engine-tokens", type=int, default=DEFAULT_COPY_ENGINE_TOKENS, metavar="N",
-                        help="decode steps of at least N tokens copy missed experts with the copy engine (the host "
-                             "reads each layer's miss list) and run eagerly; smaller ones copy with the GPU's cores "
-                             f"inside a CUDA graph; a prefill of N+ tokens, and any step past 64 (token, k) pairs, takes the "
-                             f"copy engine too (default {DEFAULT_COPY_ENGINE_TOKENS})")  # fmt: skip
+    parser.add_argument("--expert-copy-engine-tokens", type=int, default=None, metavar="N",
+                        help="decode steps of at least N tokens read each layer's miss list on the host and run "
+                             "eagerly, copying with the copy engine (plain banks) or the unpacking kernel (packed); "
+                             "smaller ones copy with the GPU's cores inside a CUDA graph; a prefill of N+ tokens, and "
+                             "any step past 64 (token, k) pairs, takes the host-read path too (default: "
+                             f"{DEFAULT_COPY_ENGINE_TOKENS} with plain banks, none with packed ones)")  # fmt: skip
     add_planner_flags(parser)
 
 

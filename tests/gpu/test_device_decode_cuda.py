@@ -64,6 +64,51 @@ def test_the_gpu_reads_the_mapped_banks(cuda_device):
     assert torch.isnan(w13[3].float()).all()  # past the count: untouched
 
 
+def test_the_gpu_unpacks_the_mapped_packed_banks_bit_for_bit(cuda_device):
+    """Packed banks (packed on the GPU as they fill) hold the plain banks' bits: unpacked by the GPU
+    from a device-held list inside a CUDA graph, from a host list, and after an expert is reloaded
+    with values that escape their window (zeros, a subnormal, inf, NaN, a huge one)."""
+    from ferry.services.worker.offload.host_banks import HostBanks
+    from ferry.services.worker.offload.packed_banks import PackedHostBanks
+
+    shape = (2, 16, 256, 128, torch.bfloat16)
+    plain = HostBanks.allocate(*shape, pin=True, progress=False)
+    plain.fill_dummy(seed=3, progress=False)
+    packed = PackedHostBanks.allocate(*shape, pin=True, progress=False)
+    packed.fill_dummy(seed=3, progress=False)
+    g = torch.Generator().manual_seed(0)
+    gate, up, down = (torch.randn(128, 256, generator=g) * 0.02).bfloat16(), torch.randn(128, 256, generator=g).bfloat16(), \
+        (torch.randn(256, 128, generator=g) * 1e-3).bfloat16()  # fmt: skip
+    gate[0, :6] = torch.tensor([0.0, -0.0, 1e-40, float("inf"), float("nan"), 1e30])
+    for banks in (plain, packed):
+        banks.load_expert(1, 5, gate, up, down)
+    packed.seal()
+    w13 = torch.full((10, 256, 256), float("nan"), dtype=torch.bfloat16, device=cuda_device)
+    w2 = torch.full((10, 256, 128), float("nan"), dtype=torch.bfloat16, device=cuda_device)
+    misses = torch.zeros(4, 2, dtype=torch.int32, device=cuda_device)
+    count = torch.zeros(1, dtype=torch.int32, device=cuda_device)
+    packed.copy_listed(1, w13, w2, misses, count)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        packed.copy_listed(1, w13, w2, misses, count)
+
+    def same(slot: int, layer: int, expert: int) -> bool:
+        return torch.equal(w13[slot].cpu().view(torch.int16), plain.w13[layer][expert].view(torch.int16)) and \
+            torch.equal(w2[slot].cpu().view(torch.int16), plain.w2[layer][expert].view(torch.int16))  # fmt: skip
+
+    for listed in ([[15, 9], [5, 0], [7, 4]], [[5, 3], [0, 1]]):
+        misses[: len(listed)].copy_(torch.tensor(listed, dtype=torch.int32))
+        count.fill_(len(listed))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(same(s, 1, e) for e, s in listed), listed
+    assert torch.isnan(w13[2].float()).all()  # never listed: untouched
+    packed.copy_experts(0, [(3, 2), (4, 8)], w13, w2)
+    torch.cuda.synchronize()
+    assert same(2, 0, 3) and same(8, 0, 4)
+    assert packed.escape_count >= 4 and packed.expert_nbytes < 0.76 * plain.expert_nbytes
+
+
 def _boot(model_dir, dtype, *flags):
     from ferry.services.worker.boot import boot_worker
     from ferry.services.worker.flags import add_worker_flags, boot_config_from_args
@@ -122,21 +167,28 @@ def test_graphs_and_the_device_cache_decode_token_for_token(tiny_models, arch, d
     model = tiny_models[arch]
     prompts = [[5, 17, 33, 2, 8, 100, 41, 9], [7, 7, 3], [250, 1, 64, 64, 12]]
     runs = {}
-    for name, flags in {
+    variants = {
         "resident-eager": ["--enforce-eager"],
         "resident-graphs": [],
         "offload-graphs": ["--moe-cache-size", "10"],
         "offload-graphs-no-prefetch": ["--moe-cache-size", "10", "--no-expert-prefetch"],
         "offload-eager": ["--moe-cache-size", "10", "--enforce-eager"],
         "offload-copy-engine": ["--moe-cache-size", "10", "--expert-copy-engine-tokens", "2"],
-    }.items():
+    }
+    if dtype == "bfloat16":  # packed banks by default: the plain ones too, graphs and copy engine
+        variants["offload-plain-banks"] = ["--moe-cache-size", "10", "--expert-bank-format", "plain"]
+    for name, flags in variants.items():
         executor, plan = _boot(model, dtype, *flags)
+        if "--moe-cache-size" in flags:
+            want_format = "packed" if dtype == "bfloat16" and "plain" not in flags else "plain"
+            assert plan.host.expert_bank_format == want_format and executor.store.banks.packed == (want_format == "packed")
         assert (executor.graphs is None) == ("--enforce-eager" in flags)
         if "--expert-copy-engine-tokens" in flags:
             assert executor.graphs.buckets == [1]  # 3-row decode steps take the copy-engine path, eagerly
-        elif executor.graphs is not None:  # all-resident: every bucket; offloaded: those under the default 8
+        elif executor.graphs is not None:  # all-resident, packed banks: every bucket; plain: those under 8
             every = graph_buckets(executor.spec.num_experts_per_tok, plan.max_running_requests)
-            below = DEFAULT_COPY_ENGINE_TOKENS if "--moe-cache-size" in flags else None
+            plain = "--moe-cache-size" in flags and plan.host.expert_bank_format == "plain"
+            below = DEFAULT_COPY_ENGINE_TOKENS if plain else None  # packed banks: no copy-engine threshold
             assert executor.graphs.buckets == graph_buckets(executor.spec.num_experts_per_tok,
                                                             plan.max_running_requests, below=below)  # fmt: skip
             assert (executor.graphs.buckets == every) == (below is None or every[-1] < below)

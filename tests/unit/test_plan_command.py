@@ -89,16 +89,23 @@ def test_weights_from_shapes_count_everything_but_routed_experts():
     assert expected_min <= got <= expected_min + (48 * 7 + 3) * 512  # per-tensor 512-byte allocator granules
 
 
-@pytest.mark.parametrize("model, layers, experts, per_expert", [
-    (QWEN3_30B, 48, 128, 9_437_184),  # 3 x moe_intermediate_size 768 x hidden 2048 x 2 B (bf16)
-    (QWEN3_6_35B, 40, 256, 6_291_456),  # 3 x 512 x 2048 x 2 B
+@pytest.mark.parametrize("model, layers, experts, values", [
+    (QWEN3_30B, 48, 128, 3 * 768 * 2048),  # 3 x moe_intermediate_size x hidden
+    (QWEN3_6_35B, 40, 256, 3 * 512 * 2048),
 ])  # fmt: skip
-def test_json_host_figures_are_the_pinned_expert_banks(model, layers, experts, per_expert):
-    out = ferry("plan", str(model), "--gpu-memory", "24GiB", "--host-memory", "100GiB", "--json")
+@pytest.mark.parametrize("fmt", ["plain", "packed", None])
+def test_json_host_figures_are_the_pinned_expert_banks(model, layers, experts, values, fmt):
+    flags = ["--expert-bank-format", fmt] if fmt else []
+    out = ferry("plan", str(model), "--gpu-memory", "24GiB", "--host-memory", "100GiB", "--json", *flags)
     assert out.returncode == 0, out.stderr
     plan = json.loads(out.stdout)
     assert plan["experts"]["slots"] < plan["experts"]["total"] == layers * experts  # 24GiB offloads
-    assert plan["host"]["expert_bank_bytes"] == layers * experts * per_expert  # 54 GiB, 60 GiB
+    assert plan["host"]["expert_bank_format"] == (fmt or "packed")  # bf16 models pack by default
+    if fmt == "plain":
+        assert plan["host"]["expert_bank_bytes"] == layers * experts * values * 2  # 54 GiB, 60 GiB
+    else:  # 1.5 B a value, two int32 bases, 6 B for every 512th value (escapes), int64 offsets per layer
+        per_expert = values * 3 // 2 + 8 + values // 512 * 6
+        assert plan["host"]["expert_bank_bytes"] == layers * (experts * per_expert + (experts + 1) * 8)
     assert plan["host"]["available_bytes"] == 100 * 2**30 and plan["host"]["available_source"] == "--host-memory"
     # without --host-memory: what this machine has (MemAvailable), read when the plan is made
     here = ferry("plan", str(model), "--gpu-memory", "200GiB", "--moe-cache-rate", "1.0", "--json")
@@ -109,10 +116,25 @@ def test_json_host_figures_are_the_pinned_expert_banks(model, layers, experts, p
 
 
 def test_offload_that_does_not_fit_host_ram_is_a_plan_error_with_the_figures():
-    out = ferry("plan", str(QWEN3_30B), "--gpu-memory", "24GiB", "--host-memory", "40GiB", "--json")
+    out = ferry("plan", str(QWEN3_30B), "--gpu-memory", "24GiB", "--host-memory", "40GiB", "--json",
+                "--expert-bank-format", "plain")  # fmt: skip
     assert out.returncode == 2 and out.stdout == ""
-    assert "do not fit in host RAM" in out.stderr and "54.00 GiB" in out.stderr and "48 MoE layers x 128 experts" in out.stderr
+    assert "do not fit in host RAM" in out.stderr and "54.00 GiB" in out.stderr
+    assert "48 MoE layers x 128 experts, plain" in out.stderr
     assert "--host-memory 40.00 GiB" in out.stderr and "at least 56.00 GiB" in out.stderr
+    packed = ferry("plan", str(QWEN3_30B), "--gpu-memory", "24GiB", "--host-memory", "40GiB", "--json")
+    assert packed.returncode == 2 and "40.82 GiB" in packed.stderr and "experts, packed" in packed.stderr
+    fits = ferry("plan", str(QWEN3_30B), "--gpu-memory", "24GiB", "--host-memory", "43GiB", "--json")
+    assert fits.returncode == 0, fits.stderr  # packed banks fit where plain ones would not
+
+
+def test_packed_banks_are_refused_for_a_model_that_is_not_bf16():
+    out = ferry("plan", str(QWEN3_30B), "--gpu-memory", "24GiB", "--host-memory", "100GiB", "--dtype", "float16",
+                "--expert-bank-format", "packed")  # fmt: skip
+    assert out.returncode != 0 and "--expert-bank-format" in out.stderr and "float16" in out.stderr
+    auto = ferry("plan", str(QWEN3_30B), "--gpu-memory", "24GiB", "--host-memory", "100GiB", "--dtype", "float16",
+                 "--json")  # fmt: skip
+    assert auto.returncode == 0 and json.loads(auto.stdout)["host"]["expert_bank_format"] == "plain"
 
 
 def test_table_has_a_header_row_labelled_columns_and_host_rows():
@@ -122,7 +144,7 @@ def test_table_has_a_header_row_labelled_columns_and_host_rows():
     assert header.split()[:3] == ["term", "size", "bytes"] and "how it was sized" in header
     assert set(rule.replace(" ", "")) == {"-"}
     banks = next(r for r in rows if r.startswith("host: expert banks (pinned)"))
-    assert "60.00 GiB" in banks and str(40 * 256 * 6_291_456) in banks
+    assert "packed to 12 bits a value" in banks and "6291456 B as bf16" in banks
     assert any(r.startswith("host: available") and "128.00 GiB" in r for r in rows)
 
 

@@ -24,6 +24,7 @@ from ferry.kernels.dispatch import use_triton
 from ferry.services.worker.offload.device_store import DeviceDrivenExperts
 from ferry.services.worker.offload.expert_cache import OffloadedExperts
 from ferry.services.worker.offload.host_banks import HostBanks
+from ferry.services.worker.offload.packed_banks import PackedHostBanks
 from ferry.services.worker.offload.frequency_policy import LFUExpertPolicy
 from ferry.services.worker.offload.policy import ExpertSlotPolicy, LRUExpertPolicy
 from ferry.services.worker.offload.resident import ResidentExperts
@@ -51,10 +52,13 @@ def is_offloaded(spec: ModelSpec, plan: Plan) -> bool:
     return plan.experts.slots < spec.total_experts
 
 
-def host_banks_for(spec: ModelSpec, plan: Plan, pin: bool | None = None, progress: bool = True) -> HostBanks:
-    """Host banks for every routed expert, pinned when CUDA is present; a HostMemoryError naming
-    the bytes needed and available comes before anything is allocated."""
-    return HostBanks.for_model(spec, plan.dtype, pin=pin, progress=progress)
+def host_banks_for(spec: ModelSpec, plan: Plan, pin: bool | None = None,
+                   progress: bool = True) -> HostBanks | PackedHostBanks:  # fmt: skip
+    """Host banks for every routed expert in the plan's format (packed: 12 bits a value), pinned
+    when CUDA is present; a HostMemoryError naming the bytes needed and available comes before
+    anything is allocated."""
+    kind = PackedHostBanks if plan.host.expert_bank_format == "packed" else HostBanks
+    return kind.for_model(spec, plan.dtype, pin=pin, progress=progress)
 
 
 def build_offloaded_experts(spec: ModelSpec, plan: Plan, slots: ExpertSlotPool, device: torch.device | str,

@@ -41,7 +41,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ferry.kernels.expert_copy import copy_experts_triton
 from ferry.kernels.expert_pair_gemv import expert_pair_rows_triton, use_pair_kernel
 from ferry.kernels.expert_rows_sum import sum_rows
 from ferry.kernels.grouped_expert_gemm import align_pairs_by_slot, block_m_for, grouped_expert_rows_triton
@@ -249,12 +248,12 @@ class DeviceDrivenExperts(OffloadedExperts):
 
     # ---- copies --------------------------------------------------------------------------------
     def _copy_sm(self, layer: int, call: CacheCall) -> None:
-        copy_experts_triton(self.banks.w13[layer], self.banks.w2[layer], self.slots.w13, self.slots.w2,
-                            call.misses, call.count)  # fmt: skip
+        """The device-held list, copied by the GPU's cores (plain banks) or unpacked (packed banks)."""
+        self.banks.copy_listed(layer, self.slots.w13, self.slots.w2, call.misses, call.count)
 
     def _copy_ce(self, layer: int, pairs: list[tuple[int, int]]) -> None:
-        for expert, s in pairs:
-            self._copy_expert(layer, expert, s, non_blocking=self._cuda)
+        """A list read on the host: the copy engine (plain banks), or the unpacking kernel (packed)."""
+        self.banks.copy_experts(layer, pairs, self.slots.w13, self.slots.w2, non_blocking=self._cuda)
 
     def _on_copy_stream(self, work, stamps, first: int, last: int, timed: bool = False):
         """Run `work` on the copy stream after everything queued so far on the compute stream;

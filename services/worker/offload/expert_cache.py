@@ -88,21 +88,23 @@ class OffloadedExperts:
         self.banks.load_expert(moe_layer, expert, gate, up, down)
         s = int(self.policy.slot_of[moe_layer, expert])
         if s != NO_SLOT:  # reloaded while cached: the slot must not keep the old weights
-            self._copy_expert(moe_layer, expert, s, non_blocking=False)
+            self.banks.copy_experts(moe_layer, [(expert, s)], self.slots.w13, self.slots.w2)
 
     def preload(self) -> int:
         """Warm-up after loading: copy experts into the free slots, layer by layer, without
         counting misses. A cache with a slot for every expert then never copies again."""
         placed = 0
         stream = self._copy_stream
+        self.banks.seal()  # loading is over (packed banks lay their escapes out)
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
             for layer in range(self.policy.num_layers):
+                pairs = []
                 for expert in range(self.num_experts):
                     s = self.policy.place_in_free_slot(layer, expert)
-                    if s is None:
-                        continue
-                    self._copy_expert(layer, expert, s, non_blocking=True)
-                    placed += 1
+                    if s is not None:
+                        pairs.append((expert, s))
+                self.banks.copy_experts(layer, pairs, self.slots.w13, self.slots.w2, non_blocking=True)
+                placed += len(pairs)
         if stream is not None:
             stream.synchronize()
         return placed
@@ -172,8 +174,7 @@ class OffloadedExperts:
             self._compute(x, groups[0], topk_weights, rows, aligned[0])
         for i, chunk in enumerate(chunks):
             start = time.perf_counter()
-            for expert, s in chunk:
-                self._copy_expert(layer, expert, s, non_blocking=False)
+            self.banks.copy_experts(layer, chunk, self.slots.w13, self.slots.w2)
             seconds = time.perf_counter() - start
             self.stats.record_copy_seconds(seconds, exposed=seconds)
             self._compute(x, groups[1 + i], topk_weights, rows, aligned[1 + i])
@@ -193,8 +194,7 @@ class OffloadedExperts:
             for chunk in chunks:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record(copy)
-                for expert, s in chunk:
-                    self._copy_expert(layer, expert, s, non_blocking=True)
+                self.banks.copy_experts(layer, chunk, self.slots.w13, self.slots.w2, non_blocking=True)
                 end.record(copy)
                 self.stats.record_copy_events(start, end)
                 copied.append(end)
@@ -256,9 +256,6 @@ class OffloadedExperts:
         else:  # the reference on CPU (or whatever the dispatcher picks for this device)
             grouped_expert_rows(x, slots, topk_weights, self.slots.w13, self.slots.w2, rows)
 
-    def _copy_expert(self, layer: int, expert: int, s: int, non_blocking: bool) -> None:
-        self.slots.w13[s].copy_(self.banks.w13[layer][expert], non_blocking=non_blocking)
-        self.slots.w2[s].copy_(self.banks.w2[layer][expert], non_blocking=non_blocking)
 
 
 def _split(misses: list, chunks: int) -> list[list]:
@@ -274,7 +271,8 @@ def _check_compatible(slots: ExpertSlotPool, banks: HostBanks, policy: ExpertSlo
     if (banks.num_layers, banks.num_experts) != (policy.num_layers, policy.num_experts):
         raise ValueError(f"host banks hold {banks.num_layers} layers x {banks.num_experts} experts, the policy "
                          f"{policy.num_layers} x {policy.num_experts}")  # fmt: skip
-    if tuple(slots.w13.shape[1:]) != tuple(banks.w13[0].shape[1:]) or slots.w13.dtype != banks.dtype:
+    expert = (2 * banks.intermediate_size, banks.hidden_size)
+    if tuple(slots.w13.shape[1:]) != expert or slots.w13.dtype != banks.dtype:
         raise ValueError(f"slot shape {tuple(slots.w13.shape[1:])} {slots.w13.dtype} differs from the host banks' "
-                         f"{tuple(banks.w13[0].shape[1:])} {banks.dtype}")  # fmt: skip
+                         f"{expert} {banks.dtype}")  # fmt: skip
 

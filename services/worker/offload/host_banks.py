@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ferry.kernels.expert_copy import copy_experts_triton
 from ferry.shared.errors import FerryError
 from ferry.plan.model_config import ModelSpec
 # the reserve the banks leave to everything else, and MemAvailable: one owner, shared with the planner
@@ -31,6 +32,8 @@ from ferry.services.worker.pools import TORCH_DTYPES
 
 # Elements per copy of the dummy fill: large copies run at memcpy speed (see fill_dummy).
 DUMMY_CHUNK = 1 << 25
+# The dummy weights' scales: dummy_weights.py scales every output projection down the same way.
+DUMMY_STD, DUMMY_DOWN_STD = 0.02, 0.002
 
 
 class HostMemoryError(FerryError):
@@ -68,6 +71,8 @@ def _host_block(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.
 
 
 def _unregister(blocks: list[torch.Tensor]) -> None:
+    if not blocks:
+        return
     cudart = torch.cuda.cudart()
     for block in blocks:
         cudart.cudaHostUnregister(block.data_ptr())
@@ -86,6 +91,7 @@ class HostBanks:
         self.intermediate_size = two_i // 2
         self.dtype = w13[0].dtype
         self.pinned = bool(w13[0].is_pinned())
+        self.packed = False  # rows as the slots hold them (PackedHostBanks: 12 bits a value)
         registered = [t for t in (*w13, *w2) if getattr(t, "_ferry_host_registered", False)]
         if registered:  # unlock the pages before the blocks are freed
             weakref.finalize(self, _unregister, registered)
@@ -134,27 +140,75 @@ class HostBanks:
         w13[i:].copy_(up)
         self.w2[moe_layer][expert].copy_(down)
 
-    def fill_dummy(self, seed: int = 0, std: float = 0.02, down_std: float = 0.002, progress: bool = True) -> None:
-        """Deterministic random weights at memory-copy speed, for benchmarks of 30B shapes.
-
-        Drawing tens of GB of normal samples would take minutes, and tens of thousands of
-        expert-sized copies run far below memcpy speed on a busy host; instead each family draws
-        one seeded pattern of DUMMY_CHUNK elements and every layer block is filled with large
-        copies of windows of it, each window at its own offset. Experts differ from each other
-        (other windows), a run repeats exactly, and the extra memory is one pattern. The down
-        projections get `down_std`, as dummy_weights.py scales every output projection: the
-        residual stream stays dominated by the token, so routing changes with every token."""
-        gen = torch.Generator().manual_seed(seed)
-        stride, offsets = 97, 4099  # window offsets: stride * (a number below `offsets`, prime)
-        pattern = torch.randn(DUMMY_CHUNK + stride * offsets, generator=gen, dtype=self.dtype).mul_(std)
-        patterns = (pattern, pattern * (down_std / std))
-        chunk_index = 0
+    def fill_dummy(self, seed: int = 0, std: float = DUMMY_STD, down_std: float = DUMMY_DOWN_STD,
+                   progress: bool = True) -> None:  # fmt: skip
+        """Deterministic random weights at memory-copy speed, for benchmarks of 30B shapes (DummyPattern)."""
+        pattern = DummyPattern(self.dtype, seed, std, down_std)
         for layer in tqdm(range(self.num_layers), desc="filling dummy expert banks", unit="layer",
                           disable=not progress):  # fmt: skip
-            for bank, pattern in zip((self.w13[layer], self.w2[layer]), patterns):
-                flat = bank.view(-1)
-                for start in range(0, flat.numel(), DUMMY_CHUNK):
-                    n = min(DUMMY_CHUNK, flat.numel() - start)
-                    offset = stride * ((chunk_index * 1031) % offsets)
-                    flat[start : start + n].copy_(pattern[offset : offset + n])
-                    chunk_index += 1
+            pattern.fill(self.w13[layer], self.w2[layer])
+
+    # ---- copies into device slots ----------------------------------------------------------------
+    def seal(self) -> None:
+        """Nothing to finish: the rows are what the slots receive (see PackedHostBanks.seal)."""
+
+    def expert(self, moe_layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One expert's (w13 [2I, H], w2 [H, I]) as the slots receive them."""
+        return self.w13[moe_layer][expert], self.w2[moe_layer][expert]
+
+    def copy_experts(self, moe_layer: int, pairs: list[tuple[int, int]], dst13: torch.Tensor, dst2: torch.Tensor,
+                     non_blocking: bool = False) -> None:  # fmt: skip
+        """dst13[s], dst2[s] = expert e's rows for each (e, s) listed on the host, with the copy
+        engine on the current stream: one copy per weight family and run of consecutive experts
+        going to consecutive slots."""
+        bank13, bank2 = self.w13[moe_layer], self.w2[moe_layer]
+        for e, s, n in _runs(pairs):
+            dst13[s : s + n].copy_(bank13[e : e + n], non_blocking=non_blocking)
+            dst2[s : s + n].copy_(bank2[e : e + n], non_blocking=non_blocking)
+
+    def copy_listed(self, moe_layer: int, dst13: torch.Tensor, dst2: torch.Tensor, misses: torch.Tensor,
+                    count: torch.Tensor, **tuning) -> None:  # fmt: skip
+        """The first count[0] (expert, slot) rows of `misses`, both on the device, copied by the
+        GPU itself (kernels/expert_copy.py): no host synchronisation, graph-capturable."""
+        copy_experts_triton(self.w13[moe_layer], self.w2[moe_layer], dst13, dst2, misses, count, **tuning)
+
+
+class DummyPattern:
+    """Deterministic random expert weights at memory-copy speed, layer after layer.
+
+    Drawing tens of GB of normal samples would take minutes, and tens of thousands of
+    expert-sized copies run far below memcpy speed on a busy host; instead each family draws
+    one seeded pattern of DUMMY_CHUNK elements and every layer block is filled with large
+    copies of windows of it, each window at its own offset. Experts differ from each other
+    (other windows), a run repeats exactly, and the extra memory is one pattern. The down
+    projections get `down_std`: the residual stream stays dominated by the token, so routing
+    changes with every token. Both bank formats fill through this, so they hold the same bits."""
+
+    def __init__(self, dtype: torch.dtype, seed: int, std: float, down_std: float):
+        gen = torch.Generator().manual_seed(seed)
+        self.stride, self.offsets = 97, 4099  # window offsets: stride * (a number below `offsets`, prime)
+        pattern = torch.randn(DUMMY_CHUNK + self.stride * self.offsets, generator=gen, dtype=dtype).mul_(std)
+        self.patterns = (pattern, pattern * (down_std / std))
+        self.chunk_index = 0
+
+    def fill(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        """The next layer's w13 [E, 2I, H] and w2 [E, H, I] blocks."""
+        for bank, pattern in zip((w13, w2), self.patterns):
+            flat = bank.view(-1)
+            for start in range(0, flat.numel(), DUMMY_CHUNK):
+                n = min(DUMMY_CHUNK, flat.numel() - start)
+                offset = self.stride * ((self.chunk_index * 1031) % self.offsets)
+                flat[start : start + n].copy_(pattern[offset : offset + n])
+                self.chunk_index += 1
+
+
+def _runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(expert, slot) pairs as (first expert, first slot, count) runs of consecutive experts into
+    consecutive slots."""
+    runs: list[tuple[int, int, int]] = []
+    for e, s in pairs:
+        if runs and runs[-1][0] + runs[-1][2] == e and runs[-1][1] + runs[-1][2] == s:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((e, s, 1))
+    return runs

@@ -117,35 +117,18 @@ class StagingRing:
             self._copied.append(chunk)
 
     def _copy(self, chunk: StagedChunk, last_reader: torch.cuda.Event | None) -> None:
-        """The chunk's experts into its bay: one copy per run of consecutive experts, per weight."""
-        bank13, bank2 = self.banks.w13[chunk.layer], self.banks.w2[chunk.layer]
-        runs = _runs(chunk.experts)
-        s = chunk.slots[0]
+        """The chunk's experts into its bay (plain banks: one copy per run of consecutive experts
+        and weight family; packed: one unpacking launch)."""
+        pairs = list(zip(chunk.experts, chunk.slots))
         if self.copy_stream is None:
-            for e, n in runs:
-                self.w13[s : s + n].copy_(bank13[e : e + n])
-                self.w2[s : s + n].copy_(bank2[e : e + n])
-                s += n
+            self.banks.copy_experts(chunk.layer, pairs, self.w13, self.w2)
             return
         with torch.cuda.stream(self.copy_stream):
             if last_reader is not None:
                 self.copy_stream.wait_event(last_reader)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(self.copy_stream)
-            for e, n in runs:
-                self.w13[s : s + n].copy_(bank13[e : e + n], non_blocking=True)
-                self.w2[s : s + n].copy_(bank2[e : e + n], non_blocking=True)
-                s += n
+            self.banks.copy_experts(chunk.layer, pairs, self.w13, self.w2, non_blocking=True)
             end.record(self.copy_stream)
         chunk.landed, chunk.copy_events = end, (start, end)
 
-
-def _runs(experts: list[int]) -> list[tuple[int, int]]:
-    """Ascending experts as (first, count) runs of consecutive ids."""
-    runs: list[tuple[int, int]] = []
-    for e in experts:
-        if runs and runs[-1][0] + runs[-1][1] == e:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((e, 1))
-    return runs

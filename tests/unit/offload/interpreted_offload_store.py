@@ -22,6 +22,7 @@ from ferry.kernels.expert_pair_gemv import use_pair_kernel  # noqa: E402
 from ferry.services.worker.offload.resident import ResidentExperts  # noqa: E402
 from ferry.services.worker.offload.expert_cache import OffloadedExperts  # noqa: E402
 from ferry.services.worker.offload.host_banks import HostBanks  # noqa: E402
+from ferry.services.worker.offload.packed_banks import PackedHostBanks  # noqa: E402
 from ferry.services.worker.offload.policy import LRUExpertPolicy  # noqa: E402
 from ferry.services.worker.offload.device_store import DeviceDrivenExperts  # noqa: E402
 from ferry.services.worker.offload.frequency_policy import LFUExpertPolicy  # noqa: E402
@@ -54,22 +55,27 @@ def check() -> None:
 
 def check_device_driven() -> None:
     """The device-driven store (lookup, copies and prefetch by kernels) against the all-resident
-    store: bit for bit on decode steps (padded ones included), prefetch on and off, both policies."""
+    store: bit for bit on decode steps (padded ones included), prefetch on and off, both policies,
+    plain float32 banks and packed bf16 ones (every copy path then unpacks)."""
     spec = tiny_spec(layers=3, experts=6, top_k=2, hidden=32, inter=16)
     layers = 3
-    for num_slots, policy_cls, prefetch, copy_engine_tokens in (
-            (6, LRUExpertPolicy, False, None), (8, LFUExpertPolicy, True, None), (7, LRUExpertPolicy, True, None),
-            (7, LFUExpertPolicy, True, 2)):  # 2: every step of 2+ tokens takes the copy-engine path  # fmt: skip
-        resident = ResidentExperts(slot_pool(spec, layers * 6), layers, 6)
-        store = DeviceDrivenExperts(slot_pool(spec, num_slots, max_step_tokens=48),
-                                    HostBanks.for_model(spec, "float32", progress=False),
+    for num_slots, policy_cls, prefetch, copy_engine_tokens, dtype in (
+            (6, LRUExpertPolicy, False, None, "float32"), (8, LFUExpertPolicy, True, None, "float32"),
+            (7, LRUExpertPolicy, True, None, "float32"),
+            (7, LFUExpertPolicy, True, 2, "float32"),  # 2: every step of 2+ tokens takes the copy-engine path
+            (7, LFUExpertPolicy, True, None, "bfloat16"), (6, LRUExpertPolicy, True, 2, "bfloat16")):  # fmt: skip
+        torch_dtype = getattr(torch, dtype)
+        banks_kind = PackedHostBanks if dtype == "bfloat16" else HostBanks
+        resident = ResidentExperts(slot_pool(spec, layers * 6, dtype=dtype), layers, 6)
+        store = DeviceDrivenExperts(slot_pool(spec, num_slots, dtype=dtype, max_step_tokens=48),
+                                    banks_kind.for_model(spec, dtype, progress=False),
                                     policy_cls(layers, 6, num_slots), "cpu", prefetch=prefetch, pipeline_chunks=2,
                                     copy_engine_tokens=copy_engine_tokens)  # fmt: skip
         for (layer, e), weights in random_experts(spec, num_slots).items():
             resident.load_expert(layer, e, *weights)
             store.load_expert(layer, e, *weights)
         g = torch.Generator().manual_seed(num_slots)
-        store.set_routers([torch.randn(6, 32, generator=g) for _ in range(layers)])
+        store.set_routers([torch.randn(6, 32, generator=g).to(torch_dtype) for _ in range(layers)])
         store.preload()
         # 20 tokens: the large path; 40 and 36 (past the pair kernel, 4+ pairs per expert): prefills,
         # streamed through the staging ring. `begun`: the executor's begin_step ran first (an eager
@@ -83,12 +89,14 @@ def check_device_driven() -> None:
                 assert (store.ring.staged_total > staged) == (tokens >= 33), "only a prefill starts its copies"
             for layer in range(layers):
                 x, ids, w = random_routing(spec, tokens, g)
+                x = x.to(torch_dtype)
                 got = store.forward(layer, x, ids, w, n_rows=torch.tensor([real], dtype=torch.int32))
                 want = resident.forward(layer, x, ids, w)
                 if use_pair_kernel(ids.numel()):
                     assert torch.equal(got[:real], want[:real]), f"{tokens} tokens ({real} real): the stores differ"
                 else:
-                    torch.testing.assert_close(got[:real], want[:real], rtol=1e-5, atol=1e-5)
+                    tol = 1e-5 if dtype == "float32" else 2e-2
+                    torch.testing.assert_close(got[:real], want[:real], rtol=tol, atol=tol)
             if tokens >= 33:  # streamed: every non-resident expert staged once, nothing placed
                 assert torch.equal(store.cache.slot_of, maps)
                 assert store.ring.staged_total - staged == int((maps < 0).sum())

@@ -4,18 +4,17 @@ order, a slot is reused only once its chunk was released, and a layer asked out 
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
+from ferry.services.worker.offload.host_banks import HostBanks
 from ferry.services.worker.offload.staging_ring import StagingRing
 
 
 def _banks(layers: int, experts: int):
     w13 = [torch.arange(experts * 4, dtype=torch.float32).view(experts, 2, 2) + 100 * layer for layer in range(layers)]
     w2 = [-t for t in w13]
-    return SimpleNamespace(w13=w13, w2=w2)
+    return HostBanks(w13, w2)
 
 
 def test_chunks_come_in_layer_order_with_their_experts_copied():

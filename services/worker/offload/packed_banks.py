@@ -1,0 +1,224 @@
+"""Host banks of packed experts: every routed expert in 12 bits a value, losslessly (kernels/expert_pack.py).
+
+The same role as host_banks.py's plain banks (misses are copied from here into device slots, which
+hold plain bf16), with a quarter fewer bytes in host RAM and on PCIe: the decode's copies are
+paced by PCIe (bench/NOTES.md, session 5), so a quarter fewer bytes is up to a third more speed.
+
+Per MoE layer: `lo` [E, V] uint8 and `hi` [E, V // 2] uint8 (V = 3 I H values, w13 then w2),
+`base` [E, 2] int32, and the escapes (values outside an expert's exponent window, kept whole).
+Every block is page-locked and mapped (cudaHostRegisterMapped), so the GPU unpacks straight from
+here: `copy_listed` for a list held on the device (graph-safe), `copy_experts` for one the host
+holds (the list goes up in one small copy, then the same kernel). Without CUDA (tests) the same
+bits come from the reference unpacker, or through the Triton interpreter.
+
+Experts are packed on the GPU as they load (`load_expert`, `fill_dummy`): a few launches per
+expert, in groups whose temporaries stay under PACK_TEMP_BYTES (freed device memory the plan's
+workspace covers: nothing else runs on the device while experts load). The escapes are gathered
+on the host while loading and laid out once, by `seal` (the store's `preload` calls it).
+"""
+
+from __future__ import annotations
+
+import weakref
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ferry.kernels.dispatch import use_triton
+from ferry.kernels.expert_pack import pack_experts, unpack_expert_reference, unpack_experts_triton
+from ferry.plan import host_memory as H
+from ferry.plan.host_memory import MEMINFO
+from ferry.services.worker.offload.host_banks import (
+    DUMMY_DOWN_STD,
+    DUMMY_STD,
+    DummyPattern,
+    _host_block,
+    _unregister,
+    check_host_memory,
+)
+from ferry.plan.model_config import ModelSpec
+from ferry.shared.units import format_bytes
+
+PACK_TEMP_BYTES = 256 << 20  # the packer's device temporaries: about 24 bytes a value
+
+
+class PackedHostBanks:
+    """Per MoE layer: lo[layer], hi[layer], base[layer] and the escapes; see the module docstring."""
+
+    packed = True
+
+    def __init__(self, num_layers: int, num_experts: int, hidden_size: int, intermediate_size: int, pin: bool,
+                 progress: bool = True):  # fmt: skip
+        self.num_layers, self.num_experts = num_layers, num_experts
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.dtype = torch.bfloat16
+        self.pinned = pin
+        self.v13, self.v2 = 2 * intermediate_size * hidden_size, hidden_size * intermediate_size
+        v = self.v13 + self.v2
+        self.lo, self.hi, self.base = [], [], []
+        for _ in tqdm(range(num_layers), desc="pinning packed expert banks" if pin else "allocating packed expert banks",
+                      unit="layer", disable=not progress):  # fmt: skip
+            self.lo.append(_host_block((num_experts, v), torch.uint8, pin))
+            self.hi.append(_host_block((num_experts, v // 2), torch.uint8, pin))
+            self.base.append(_host_block((num_experts, 2), torch.int32, pin))
+        # escapes: per layer and expert (positions int32, bits int16) while loading; laid out by seal()
+        empty = (torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.int16))
+        self._escapes = [[empty] * num_experts for _ in range(num_layers)]
+        self.esc_offsets: list[torch.Tensor] = []
+        self.esc_index: list[torch.Tensor] = []
+        self.esc_bits: list[torch.Tensor] = []
+        self._sealed = False
+        self._registered = [t for t in (*self.lo, *self.hi, *self.base) if getattr(t, "_ferry_host_registered", False)]
+        weakref.finalize(self, _unregister, self._registered)  # the list grows as seal() registers escapes
+        self._pack_device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+    @classmethod
+    def allocate(cls, num_layers: int, num_experts: int, hidden_size: int, intermediate_size: int,
+                 dtype: torch.dtype = torch.bfloat16, pin: bool | None = None, progress: bool = True,
+                 meminfo: Path = MEMINFO) -> "PackedHostBanks":  # fmt: skip
+        """Uninitialised banks (with room for escapes checked); `pin=None` pins exactly when CUDA is available."""
+        if dtype != torch.bfloat16:
+            raise ValueError(f"packed expert banks hold bf16 experts, not {dtype}")
+        pin = torch.cuda.is_available() if pin is None else pin
+        needed = H.packed_bank_bytes(num_layers, num_experts, 3 * intermediate_size * hidden_size)
+        check_host_memory(needed, f"packed host banks for {num_layers} MoE layers x {num_experts} experts "
+                                  f"({format_bytes(needed // max(1, num_layers * num_experts))} each)", meminfo)  # fmt: skip
+        return cls(num_layers, num_experts, hidden_size, intermediate_size, pin, progress)
+
+    @classmethod
+    def for_model(cls, spec: ModelSpec, dtype: str, **kwargs) -> "PackedHostBanks":
+        if dtype != "bfloat16":
+            raise ValueError(f"packed expert banks hold bf16 experts, not {dtype}")
+        return cls.allocate(len(spec.moe_layer_indices), spec.num_experts, spec.hidden_size,
+                            spec.moe_intermediate_size, **kwargs)  # fmt: skip
+
+    # ---- sizes ---------------------------------------------------------------------------------
+    @property
+    def escape_count(self) -> int:
+        return sum(len(i) for layer in self._escapes for i, _ in layer)
+
+    @property
+    def expert_nbytes(self) -> int:
+        """Bytes one expert's copy moves, on average (lo, hi, base and its share of the escapes)."""
+        experts = self.num_layers * self.num_experts
+        escapes = self.escape_count * H.PACKED_ESCAPE_BYTES
+        return self.lo[0][0].nbytes + self.hi[0][0].nbytes + self.base[0][0].nbytes + escapes // experts
+
+    @property
+    def nbytes(self) -> int:
+        fixed = sum(t.nbytes for t in (*self.lo, *self.hi, *self.base))
+        return fixed + self.escape_count * H.PACKED_ESCAPE_BYTES + self.num_layers * (self.num_experts + 1) * 8
+
+    # ---- loading -------------------------------------------------------------------------------
+    def load_expert(self, moe_layer: int, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+        """Pack one expert in checkpoint layout (gate, up [I, H]; down [H, I]) into its rows."""
+        i, h = self.intermediate_size, self.hidden_size
+        for name, t, shape in (("gate", gate, (i, h)), ("up", up, (i, h)), ("down", down, (h, i))):
+            if tuple(t.shape) != shape:
+                raise ValueError(f"MoE layer {moe_layer} expert {expert}: {name} has shape {tuple(t.shape)}, "
+                                 f"expected {shape}")  # fmt: skip
+        dev = self._pack_device
+        w13 = torch.cat([gate.to(dev, torch.bfloat16), up.to(dev, torch.bfloat16)]).unsqueeze(0)
+        self._pack(moe_layer, expert, w13, down.to(dev, torch.bfloat16).unsqueeze(0))
+
+    def fill_dummy(self, seed: int = 0, std: float = DUMMY_STD, down_std: float = DUMMY_DOWN_STD,
+                   progress: bool = True) -> None:  # fmt: skip
+        """The plain banks' dummy weights (DummyPattern: the same bits), packed layer by layer
+        through one plain layer's worth of host memory."""
+        i, h, e = self.intermediate_size, self.hidden_size, self.num_experts
+        w13 = _host_block((e, 2 * i, h), torch.bfloat16, self.pinned)  # pinned: it crosses to the packer fast
+        w2 = _host_block((e, h, i), torch.bfloat16, self.pinned)
+        try:
+            pattern = DummyPattern(torch.bfloat16, seed, std, down_std)
+            group = max(1, PACK_TEMP_BYTES // (24 * (self.v13 + self.v2)))
+            for layer in tqdm(range(self.num_layers), desc="filling packed dummy expert banks", unit="layer",
+                              disable=not progress):  # fmt: skip
+                pattern.fill(w13, w2)
+                for first in range(0, e, group):
+                    last = min(e, first + group)
+                    self._pack(layer, first, w13[first:last].to(self._pack_device, non_blocking=True),
+                               w2[first:last].to(self._pack_device, non_blocking=True))  # fmt: skip
+        finally:
+            _unregister([t for t in (w13, w2) if getattr(t, "_ferry_host_registered", False)])
+
+    def _pack(self, layer: int, first: int, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        """Experts first.. of `layer` from bf16 w13 [n, 2I, H], w2 [n, H, I] on the packing device."""
+        p = pack_experts(w13, w2)
+        n = w13.shape[0]
+        self.lo[layer][first : first + n].copy_(p["lo"])
+        self.hi[layer][first : first + n].copy_(p["hi"])
+        self.base[layer][first : first + n].copy_(p["base"])
+        counts = p["counts"].tolist()
+        index, bits = p["esc_index"].cpu(), p["esc_bits"].cpu()
+        start = 0
+        for k, c in enumerate(counts):
+            self._escapes[layer][first + k] = (index[start : start + c].clone(), bits[start : start + c].clone())
+            start += c
+        self._sealed = False
+
+    def seal(self) -> None:
+        """Lay the escapes out per layer (offsets [E + 1], positions, bits), page-locked and mapped
+        for the unpacking kernel; checks the host RAM they take. Again after any later load."""
+        if self._sealed:
+            return
+        total = self.escape_count * H.PACKED_ESCAPE_BYTES
+        check_host_memory(total, f"the packed banks' {self.escape_count:,} escaped values")
+        old = [t for t in (*self.esc_offsets, *self.esc_index, *self.esc_bits) if getattr(t, "_ferry_host_registered", False)]
+        _unregister(old)
+        self._registered[:] = [t for t in self._registered if not any(t is o for o in old)]
+        self.esc_offsets, self.esc_index, self.esc_bits = [], [], []
+        for layer in self._escapes:
+            counts = torch.tensor([len(i) for i, _ in layer], dtype=torch.int64)
+            n = int(counts.sum())
+            offsets = _host_block((self.num_experts + 1,), torch.int64, self.pinned)
+            offsets[0] = 0
+            torch.cumsum(counts, 0, out=offsets[1:])
+            index = _host_block((max(1, n),), torch.int32, self.pinned)  # one unread element when there are none
+            bits = _host_block((max(1, n),), torch.int16, self.pinned)
+            if n:
+                torch.cat([i for i, _ in layer], out=index[:n])
+                torch.cat([b for _, b in layer], out=bits[:n])
+            self.esc_offsets.append(offsets)
+            self.esc_index.append(index)
+            self.esc_bits.append(bits)
+            self._registered += [t for t in (offsets, index, bits) if getattr(t, "_ferry_host_registered", False)]
+        self._sealed = True
+
+    # ---- copies into device slots ----------------------------------------------------------------
+    def expert(self, moe_layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One expert's (w13 [2I, H], w2 [H, I]) unpacked on the host, as the slots receive them."""
+        index, bits = self._escapes[moe_layer][expert]
+        flat = unpack_expert_reference(self.lo[moe_layer][expert], self.hi[moe_layer][expert],
+                                       self.base[moe_layer][expert], index, bits, self.v13)  # fmt: skip
+        i, h = self.intermediate_size, self.hidden_size
+        return flat[: self.v13].view(2 * i, h), flat[self.v13 :].view(h, i)
+
+    def copy_experts(self, moe_layer: int, pairs: list[tuple[int, int]], dst13: torch.Tensor, dst2: torch.Tensor,
+                     non_blocking: bool = False) -> None:  # fmt: skip
+        """dst13[s], dst2[s] = expert e for each (e, s) listed on the host: the list crosses in one
+        small copy on the current stream, then the unpacking kernel runs (`non_blocking` is moot:
+        kernels never block the host)."""
+        if not pairs:
+            return
+        if not use_triton(dst13):  # CPU: the reference's bits
+            for e, s in pairs:
+                w13, w2 = self.expert(moe_layer, e)
+                dst13[s].copy_(w13)
+                dst2[s].copy_(w2)
+            return
+        listed = torch.tensor(pairs, dtype=torch.int32)
+        if dst13.is_cuda:
+            listed = listed.pin_memory().to(dst13.device, non_blocking=True)
+        self.copy_listed(moe_layer, dst13, dst2, listed, len(pairs))
+
+    def copy_listed(self, moe_layer: int, dst13: torch.Tensor, dst2: torch.Tensor, misses: torch.Tensor,
+                    count: torch.Tensor | int, **tuning) -> None:  # fmt: skip
+        """The first `count` (expert, slot) rows of `misses` (on the device; `count` an int32 [1]
+        device tensor: graph-capturable, or an int), unpacked by the GPU from the mapped banks."""
+        if not self._sealed:
+            self.seal()
+        unpack_experts_triton(self.lo[moe_layer], self.hi[moe_layer], self.base[moe_layer],
+                              self.esc_offsets[moe_layer], self.esc_index[moe_layer], self.esc_bits[moe_layer],
+                              dst13, dst2, misses, count, **tuning)  # fmt: skip
+
