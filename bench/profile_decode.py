@@ -71,9 +71,9 @@ def main() -> None:
 
 
 def is_expert_copy(name: str) -> bool:
-    """The device events that move experts: the copy kernel (graph-safe steps) or a host-to-device
-    copy (copy-engine steps, and the step's input upload)."""
-    return "copy_experts" in name or is_host_to_device(name)
+    """The device events that move experts: the copy kernel or the unpacking one (packed banks), on
+    graph-safe steps, or a host-to-device copy (copy-engine steps, and the step's input upload)."""
+    return "copy_experts" in name or "unpack_experts" in name or is_host_to_device(name)
 
 
 # CUDA runtime calls as the profiler names them that make the host wait (launches: profile_prefill.py)
