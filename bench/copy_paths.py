@@ -50,14 +50,18 @@ def timed(fn, reps: int, setup=None) -> list[float]:
     return out
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def layer_bench_setup(doc: str):
+    """The flags of a one-layer copy benchmark (--config, --reps, --out), parsed: (args, device, spec)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="tests/data/models/qwen3-30b-a3b/config.json")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    device = select_device("cuda")
-    spec = load_model_config(Path(args.config).parent)
+    return args, select_device("cuda"), load_model_config(Path(args.config).parent)
+
+
+def main() -> int:
+    args, device, spec = layer_bench_setup(__doc__)
     banks = HostBanks.allocate(2, spec.num_experts, spec.hidden_size, spec.moe_intermediate_size, torch.bfloat16,
                                pin=True, progress=False)  # fmt: skip
     banks.fill_dummy(seed=1, progress=False)

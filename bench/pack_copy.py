@@ -10,7 +10,6 @@ kernel in a CUDA graph, replayed for new device-held lists, checked bit for bit.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -20,22 +19,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.copy_paths import timed  # noqa: E402
+from bench.copy_paths import layer_bench_setup, timed  # noqa: E402
 from ferry.kernels.expert_copy import copy_experts_triton  # noqa: E402
-from ferry.plan.model_config import load_model_config  # noqa: E402
-from ferry.services.worker.device import select_device  # noqa: E402
 from ferry.services.worker.offload.host_banks import HostBanks  # noqa: E402
 from ferry.services.worker.offload.packed_banks import PackedHostBanks  # noqa: E402
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="tests/data/models/qwen3-30b-a3b/config.json")
-    p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--out", default=None)
-    args = p.parse_args()
-    device = select_device("cuda")
-    spec = load_model_config(Path(args.config).parent)
+    args, device, spec = layer_bench_setup(__doc__)
     shape = (2, spec.num_experts, spec.hidden_size, spec.moe_intermediate_size, torch.bfloat16)
     raw = HostBanks.allocate(*shape, pin=True, progress=False)
     raw.fill_dummy(seed=1, progress=False)

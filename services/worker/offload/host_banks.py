@@ -54,6 +54,15 @@ def check_host_memory(needed: int, what: str, meminfo: Path = MEMINFO, reserve: 
     )
 
 
+def check_expert_shapes(moe_layer: int, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                        i: int, h: int) -> None:  # fmt: skip
+    """An expert in checkpoint layout: gate and up [I, H], down [H, I]; a ValueError naming the tensor."""
+    for name, t, shape in (("gate", gate, (i, h)), ("up", up, (i, h)), ("down", down, (h, i))):
+        if tuple(t.shape) != shape:
+            raise ValueError(f"MoE layer {moe_layer} expert {expert}: {name} has shape {tuple(t.shape)}, "
+                             f"expected {shape}")  # fmt: skip
+
+
 def _host_block(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
     block = torch.empty(shape, dtype=dtype)
     if not pin:
@@ -130,11 +139,8 @@ class HostBanks:
 
     def load_expert(self, moe_layer: int, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
         """Copy one expert in checkpoint layout (gate, up [I, H]; down [H, I]) into its bank rows."""
-        i, h = self.intermediate_size, self.hidden_size
-        for name, t, shape in (("gate", gate, (i, h)), ("up", up, (i, h)), ("down", down, (h, i))):
-            if tuple(t.shape) != shape:
-                raise ValueError(f"MoE layer {moe_layer} expert {expert}: {name} has shape {tuple(t.shape)}, "
-                                 f"expected {shape}")  # fmt: skip
+        check_expert_shapes(moe_layer, expert, gate, up, down, self.intermediate_size, self.hidden_size)
+        i = self.intermediate_size
         w13 = self.w13[moe_layer][expert]
         w13[:i].copy_(gate)
         w13[i:].copy_(up)

@@ -35,6 +35,7 @@ from ferry.services.worker.offload.host_banks import (
     DummyPattern,
     _host_block,
     _unregister,
+    check_expert_shapes,
     check_host_memory,
 )
 from ferry.plan.model_config import ModelSpec
@@ -113,11 +114,7 @@ class PackedHostBanks:
     # ---- loading -------------------------------------------------------------------------------
     def load_expert(self, moe_layer: int, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
         """Pack one expert in checkpoint layout (gate, up [I, H]; down [H, I]) into its rows."""
-        i, h = self.intermediate_size, self.hidden_size
-        for name, t, shape in (("gate", gate, (i, h)), ("up", up, (i, h)), ("down", down, (h, i))):
-            if tuple(t.shape) != shape:
-                raise ValueError(f"MoE layer {moe_layer} expert {expert}: {name} has shape {tuple(t.shape)}, "
-                                 f"expected {shape}")  # fmt: skip
+        check_expert_shapes(moe_layer, expert, gate, up, down, self.intermediate_size, self.hidden_size)
         dev = self._pack_device
         w13 = torch.cat([gate.to(dev, torch.bfloat16), up.to(dev, torch.bfloat16)]).unsqueeze(0)
         self._pack(moe_layer, expert, w13, down.to(dev, torch.bfloat16).unsqueeze(0))
