@@ -10,16 +10,18 @@ step can be replayed as a CUDA graph:
               ──▶ wait for the misses' copy ──▶ misses' expert GEMV ──▶ sum over k
 
 * the cache's state and decisions are on the device (device_cache.py, kernels/expert_cache_lookup.py);
-* misses cross PCIe through the copy kernel (kernels/expert_copy.py), which reads the miss list
-  and its count on the device; the hits are computed meanwhile;
+* misses cross PCIe through the banks' `copy_listed`: the copy kernel (kernels/expert_copy.py),
+  or for packed banks the unpacking one (kernels/expert_pack.py), reads the miss list and its
+  count on the device; the hits are computed meanwhile;
 * next-layer prefetch: layer L+1's router applied to layer L's input predicts its experts; the
   missing ones get slots (never one layer L uses) and start crossing on the copy stream, behind
   layer L's own misses, while layer L computes. What the prediction missed is fetched by
   layer L+1's own lookup. `prefetch=False` turns it off.
 
 Larger steps (big decode batches, short prefills) take the same decisions on the device but read
-the lists on the host and copy with the copy engine (cudaMemcpyAsync: the higher bandwidth when
-many experts cross at once, bench/copy_paths.py), in chunks that are computed as they land; their
+the lists on the host and copy them with the banks' `copy_experts` (plain banks: the copy engine,
+cudaMemcpyAsync, the higher bandwidth when many experts cross at once, bench/copy_paths.py;
+packed banks: the unpacking kernel), in chunks that are computed as they land; their
 next layer is prefetched the same way. Steps that route to nearly every expert of every layer
 (at least STREAM_PAIRS_PER_EXPERT (token, k) pairs per expert: a prefill) place nothing in the
 cache: they stream every non-resident expert through the staging ring (staging_ring.py), so each

@@ -257,7 +257,6 @@ class OffloadedExperts:
             grouped_expert_rows(x, slots, topk_weights, self.slots.w13, self.slots.w2, rows)
 
 
-
 def _split(misses: list, chunks: int) -> list[list]:
     """Misses in at most `chunks` consecutive chunks of near-equal size (none if no misses)."""
     n = min(chunks, len(misses))

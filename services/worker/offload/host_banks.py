@@ -63,7 +63,9 @@ def check_expert_shapes(moe_layer: int, expert: int, gate: torch.Tensor, up: tor
                              f"expected {shape}")  # fmt: skip
 
 
-def _host_block(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+def pinnable_host_block(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """An uninitialised host block; with `pin`, page-locked in place and mapped for the GPU (marked
+    `_ferry_host_registered`: unregister_host_blocks unlocks it before it is freed)."""
     block = torch.empty(shape, dtype=dtype)
     if not pin:
         return block
@@ -79,7 +81,8 @@ def _host_block(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.
     return block
 
 
-def _unregister(blocks: list[torch.Tensor]) -> None:
+def unregister_host_blocks(blocks: list[torch.Tensor]) -> None:
+    """Unlock blocks that pinnable_host_block page-locked."""
     if not blocks:
         return
     cudart = torch.cuda.cudart()
@@ -103,7 +106,7 @@ class HostBanks:
         self.packed = False  # rows as the slots hold them (PackedHostBanks: 12 bits a value)
         registered = [t for t in (*w13, *w2) if getattr(t, "_ferry_host_registered", False)]
         if registered:  # unlock the pages before the blocks are freed
-            weakref.finalize(self, _unregister, registered)
+            weakref.finalize(self, unregister_host_blocks, registered)
 
     @classmethod
     def allocate(cls, num_layers: int, num_experts: int, hidden_size: int, intermediate_size: int,
@@ -119,8 +122,8 @@ class HostBanks:
         w13, w2 = [], []
         for _ in tqdm(range(num_layers), desc="pinning expert banks" if pin else "allocating expert banks",
                       unit="layer", disable=not progress):  # fmt: skip
-            w13.append(_host_block((num_experts, 2 * intermediate_size, hidden_size), dtype, pin))
-            w2.append(_host_block((num_experts, hidden_size, intermediate_size), dtype, pin))
+            w13.append(pinnable_host_block((num_experts, 2 * intermediate_size, hidden_size), dtype, pin))
+            w2.append(pinnable_host_block((num_experts, hidden_size, intermediate_size), dtype, pin))
         return cls(w13, w2)
 
     @classmethod

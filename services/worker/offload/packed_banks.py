@@ -33,8 +33,8 @@ from ferry.services.worker.offload.host_banks import (
     DUMMY_DOWN_STD,
     DUMMY_STD,
     DummyPattern,
-    _host_block,
-    _unregister,
+    pinnable_host_block,
+    unregister_host_blocks,
     check_expert_shapes,
     check_host_memory,
 )
@@ -60,9 +60,9 @@ class PackedHostBanks:
         self.lo, self.hi, self.base = [], [], []
         for _ in tqdm(range(num_layers), desc="pinning packed expert banks" if pin else "allocating packed expert banks",
                       unit="layer", disable=not progress):  # fmt: skip
-            self.lo.append(_host_block((num_experts, v), torch.uint8, pin))
-            self.hi.append(_host_block((num_experts, v // 2), torch.uint8, pin))
-            self.base.append(_host_block((num_experts, 2), torch.int32, pin))
+            self.lo.append(pinnable_host_block((num_experts, v), torch.uint8, pin))
+            self.hi.append(pinnable_host_block((num_experts, v // 2), torch.uint8, pin))
+            self.base.append(pinnable_host_block((num_experts, 2), torch.int32, pin))
         # escapes: per layer and expert (positions int32, bits int16) while loading; laid out by seal()
         empty = (torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.int16))
         self._escapes = [[empty] * num_experts for _ in range(num_layers)]
@@ -71,7 +71,7 @@ class PackedHostBanks:
         self.esc_bits: list[torch.Tensor] = []
         self._sealed = False
         self._registered = [t for t in (*self.lo, *self.hi, *self.base) if getattr(t, "_ferry_host_registered", False)]
-        weakref.finalize(self, _unregister, self._registered)  # the list grows as seal() registers escapes
+        weakref.finalize(self, unregister_host_blocks, self._registered)  # the list grows as seal() registers escapes
         self._pack_device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
     @classmethod
@@ -124,8 +124,8 @@ class PackedHostBanks:
         """The plain banks' dummy weights (DummyPattern: the same bits), packed layer by layer
         through one plain layer's worth of host memory."""
         i, h, e = self.intermediate_size, self.hidden_size, self.num_experts
-        w13 = _host_block((e, 2 * i, h), torch.bfloat16, self.pinned)  # pinned: it crosses to the packer fast
-        w2 = _host_block((e, h, i), torch.bfloat16, self.pinned)
+        w13 = pinnable_host_block((e, 2 * i, h), torch.bfloat16, self.pinned)  # pinned: it crosses to the packer fast
+        w2 = pinnable_host_block((e, h, i), torch.bfloat16, self.pinned)
         try:
             pattern = DummyPattern(torch.bfloat16, seed, std, down_std)
             group = max(1, PACK_TEMP_BYTES // (24 * (self.v13 + self.v2)))
@@ -137,7 +137,7 @@ class PackedHostBanks:
                     self._pack(layer, first, w13[first:last].to(self._pack_device, non_blocking=True),
                                w2[first:last].to(self._pack_device, non_blocking=True))  # fmt: skip
         finally:
-            _unregister([t for t in (w13, w2) if getattr(t, "_ferry_host_registered", False)])
+            unregister_host_blocks([t for t in (w13, w2) if getattr(t, "_ferry_host_registered", False)])
 
     def _pack(self, layer: int, first: int, w13: torch.Tensor, w2: torch.Tensor) -> None:
         """Experts first.. of `layer` from bf16 w13 [n, 2I, H], w2 [n, H, I] on the packing device."""
@@ -162,17 +162,17 @@ class PackedHostBanks:
         total = self.escape_count * H.PACKED_ESCAPE_BYTES
         check_host_memory(total, f"the packed banks' {self.escape_count:,} escaped values")
         old = [t for t in (*self.esc_offsets, *self.esc_index, *self.esc_bits) if getattr(t, "_ferry_host_registered", False)]
-        _unregister(old)
+        unregister_host_blocks(old)
         self._registered[:] = [t for t in self._registered if not any(t is o for o in old)]
         self.esc_offsets, self.esc_index, self.esc_bits = [], [], []
         for layer in self._escapes:
             counts = torch.tensor([len(i) for i, _ in layer], dtype=torch.int64)
             n = int(counts.sum())
-            offsets = _host_block((self.num_experts + 1,), torch.int64, self.pinned)
+            offsets = pinnable_host_block((self.num_experts + 1,), torch.int64, self.pinned)
             offsets[0] = 0
             torch.cumsum(counts, 0, out=offsets[1:])
-            index = _host_block((max(1, n),), torch.int32, self.pinned)  # one unread element when there are none
-            bits = _host_block((max(1, n),), torch.int16, self.pinned)
+            index = pinnable_host_block((max(1, n),), torch.int32, self.pinned)  # one unread element when there are none
+            bits = pinnable_host_block((max(1, n),), torch.int16, self.pinned)
             if n:
                 torch.cat([i for i, _ in layer], out=index[:n])
                 torch.cat([b for _, b in layer], out=bits[:n])

@@ -12,8 +12,9 @@ experts it lacks, and the cache keeps what the decode uses.
 The ring is one FIFO over the whole step: the staged experts of every layer in layer order, cut
 into chunks of up to C of one layer's experts; the R slots are R/C bays of C consecutive slots,
 one chunk per bay (consecutive experts then cross in one copy, into consecutive slots). A
-chunk's copies (copy engine, on the copy stream) are enqueued as soon as a bay is free, and a
-bay is free once the computation of the chunk that used it last is *enqueued*: the copy waits
+chunk's copies (on the copy stream: the copy engine, or the unpacking kernel for packed banks)
+are enqueued as soon as a bay is free, and a bay is free once the computation of the chunk that
+used it last is *enqueued*: the copy waits
 for that computation on the device, by its event. So the copies run up to R experts ahead of
 the computation, across layer boundaries, and the host never waits for the device during the
 step. A chunk's computation waits for its copies by their event. On CPU everything runs in
