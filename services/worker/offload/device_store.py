@@ -75,6 +75,7 @@ class DeviceDrivenExperts(OffloadedExperts):
         # (counters, stamps, ready event, copy events) queued by stats_to_host, one per step in flight,
         # oldest first: a step scheduled ahead is launched before the one before it is folded
         self._stats_queue: deque[tuple] = deque()
+        self._spare_stats: list[tuple[torch.Tensor, torch.Tensor]] = []  # host buffers end_step has read
         self._last_counters: dict[str, int] | None = None
         self._step_copy_events: list = []
         self.ring = None
@@ -307,8 +308,11 @@ class DeviceDrivenExperts(OffloadedExperts):
         """Queue the copy of the step's counters and stamps to the host (before the step's sync)."""
         if self.cache is None:
             return
-        counters = torch.empty(self.cache.counters.shape, dtype=torch.int64, pin_memory=self._cuda)
-        stamps = torch.empty(self.cache.copy_stamps.shape, dtype=torch.int64, pin_memory=self._cuda)
+        if self._spare_stats:  # pinned buffers are reused, not allocated each step
+            counters, stamps = self._spare_stats.pop()
+        else:
+            counters = torch.empty(self.cache.counters.shape, dtype=torch.int64, pin_memory=self._cuda)
+            stamps = torch.empty(self.cache.copy_stamps.shape, dtype=torch.int64, pin_memory=self._cuda)
         counters.copy_(self.cache.counters, non_blocking=self._cuda)
         stamps.copy_(self.cache.copy_stamps, non_blocking=self._cuda)
         self.cache.copy_stamps.zero_()  # in stream order: the next step stamps afresh
@@ -342,6 +346,7 @@ class DeviceDrivenExperts(OffloadedExperts):
             for start, end in copy_events:
                 self.stats.record_copy_events(start, end)
             self.stats.record_copy_seconds(copy_s, exposed_s)
+        self._spare_stats.append((counters, stamps))  # read: the next step's copy may take them
         self.stats.end_step()
         self._last_layer = -1
 
