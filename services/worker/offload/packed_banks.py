@@ -66,6 +66,7 @@ class PackedHostBanks:
         # escapes: per layer and expert (positions int32, bits int16) while loading; laid out by seal()
         empty = (torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.int16))
         self._escapes = [[empty] * num_experts for _ in range(num_layers)]
+        self._escape_count = 0  # kept as experts load: expert_nbytes is read every step
         self.esc_offsets: list[torch.Tensor] = []
         self.esc_index: list[torch.Tensor] = []
         self.esc_bits: list[torch.Tensor] = []
@@ -97,7 +98,7 @@ class PackedHostBanks:
     # ---- sizes ---------------------------------------------------------------------------------
     @property
     def escape_count(self) -> int:
-        return sum(len(i) for layer in self._escapes for i, _ in layer)
+        return self._escape_count
 
     @property
     def expert_nbytes(self) -> int:
@@ -150,6 +151,7 @@ class PackedHostBanks:
         index, bits = p["esc_index"].cpu(), p["esc_bits"].cpu()
         start = 0
         for k, c in enumerate(counts):
+            self._escape_count += c - len(self._escapes[layer][first + k][0])
             self._escapes[layer][first + k] = (index[start : start + c].clone(), bits[start : start + c].clone())
             start += c
         self._sealed = False
