@@ -3,7 +3,9 @@ against the plain copy kernel (kernels/expert_copy.py) and the copy engine, for 
 model's shapes (default Qwen3-30B-A3B), N missed experts (1, 6, 40) into random slots, each
 repetition other experts. Reported per variant: median time, the GB/s of bytes that crossed PCIe
 (packed: lo + hi + base + escapes) and the bf16 GB/s it delivers into the slots. Then the unpacking
-kernel in a CUDA graph, replayed for new device-held lists, checked bit for bit.
+kernel in a CUDA graph, replayed for new device-held lists, checked bit for bit. Last, the packing
+itself (as experts load): its bf16 GB/s and its peak device temporaries a value, against the
+PACK_BYTES_PER_VALUE that packed_banks.py sizes its groups by, and the dummy weights' exact zeros.
 
     python3 bench/pack_copy.py --config tests/data/models/qwen3-30b-a3b/config.json --out pack_copy.json
 """
@@ -21,8 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.copy_paths import layer_bench_setup, timed  # noqa: E402
 from ferry.kernels.expert_copy import copy_experts_triton  # noqa: E402
+from ferry.kernels.expert_pack import pack_experts  # noqa: E402
 from ferry.services.worker.offload.host_banks import HostBanks  # noqa: E402
-from ferry.services.worker.offload.packed_banks import PackedHostBanks  # noqa: E402
+from ferry.services.worker.offload.packed_banks import PACK_BYTES_PER_VALUE, PACK_TEMP_BYTES, PackedHostBanks  # noqa: E402
 
 
 def main() -> int:
@@ -108,9 +111,29 @@ def main() -> int:
     results["graph_unpack_correct"] = ok
     print(f"unpacking copy in a CUDA graph, 5 new lists, bit for bit: {ok}; "
           f"6 experts {results.get('graph_replay_6_experts_ms', float('nan')):.3f} ms")
+    results["packing"] = packing_cost(raw, device, args.reps)
+    print(f"packing: {results['packing']}")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
     return 0
+
+
+def packing_cost(raw: HostBanks, device: torch.device, reps: int) -> dict:
+    """One group of PACK_TEMP_BYTES' size packed on the device, as `fill_dummy` and loading do."""
+    values = raw.w13[0][0].numel() + raw.w2[0][0].numel()
+    n = min(raw.num_experts, max(1, PACK_TEMP_BYTES // (PACK_BYTES_PER_VALUE * values)))
+    w13, w2 = raw.w13[0][:n].to(device), raw.w2[0][:n].to(device)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    pack_experts(w13, w2)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated(device) - before
+    med = statistics.median(timed(lambda: pack_experts(w13, w2), reps))
+    zeros = sum(int((t == 0).sum()) for t in (raw.w13[0], raw.w2[0]))
+    return {"experts": n, "median_ms": med, "bf16_GBps": n * values * 2 / med / 1e6,
+            "peak_temp_bytes_per_value": peak / (n * values), "pack_bytes_per_value_assumed": PACK_BYTES_PER_VALUE,
+            "dummy_zero_fraction": zeros / (raw.num_experts * values), "torch": torch.__version__}  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from ferry.shared.eos import eos_token_ids
 from ferry.services.worker.executor import StepExecutor
 from ferry.services.worker.dummy_weights import iter_dummy_experts
 from ferry.services.worker.late_bound_experts import LateBoundExperts
-from ferry.services.worker.flags import DEFAULT_COPY_ENGINE_TOKENS, WorkerBootConfig
+from ferry.services.worker.flags import WorkerBootConfig, copy_engine_tokens
 from ferry.services.worker.loader import ModelFiles, open_model, resident_weights, routed_expert_weights
 from ferry.services.worker.offload.build import build_expert_store, host_banks_for, is_offloaded
 from ferry.services.worker.offload.host_banks import mem_available_bytes
@@ -134,8 +134,10 @@ def boot_worker(cfg: WorkerBootConfig) -> tuple[StepExecutor, Plan]:
     req = cfg.plan
     free, free_source = _free_memory(device, req)
     r = resolve(files.spec, req)
-    if cfg.expert_copy_engine_tokens is not None and cfg.expert_copy_engine_tokens < 1:
-        raise ConfigError(f"--expert-copy-engine-tokens must be at least 1, got {cfg.expert_copy_engine_tokens}")
+    try:
+        copy_engine_tokens(cfg.expert_copy_engine_tokens, packed_banks=True)  # refused before anything loads
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
     # every bucket is profiled (the plan prices the largest set); an offloaded store then captures
     # only those under --expert-copy-engine-tokens (_finish_boot), which take no more memory
     buckets = graph_buckets(files.spec.num_experts_per_tok, r.max_running_requests)
@@ -184,11 +186,10 @@ def _load_and_plan(cfg: WorkerBootConfig, files: ModelFiles, r: Resolved, device
                                                          host_available_bytes=mem_available_bytes()))  # fmt: skip
         banks = _host_banks(spec, plan)  # before any pool is allocated (rule 4)
         pools = allocate_pools(spec, plan, device)
-        copy_engine_tokens = cfg.expert_copy_engine_tokens
-        if copy_engine_tokens is None and not getattr(banks, "packed", False):
-            copy_engine_tokens = DEFAULT_COPY_ENGINE_TOKENS  # plain banks: the copy engine for large decode steps
         store = build_expert_store(spec, plan, pools.experts, device, policy=cfg.expert_policy, banks=banks,
-                                   prefetch=cfg.expert_prefetch, copy_engine_tokens=copy_engine_tokens)  # fmt: skip
+                                   prefetch=cfg.expert_prefetch,
+                                   copy_engine_tokens=copy_engine_tokens(cfg.expert_copy_engine_tokens,
+                                                                         getattr(banks, "packed", False)))  # fmt: skip
         if hasattr(store, "set_routers"):  # next-layer prediction: each MoE layer's router weight
             store.set_routers([layer.mlp.gate.weight for layer in model.layers if hasattr(layer.mlp, "gate")])
         experts.bind(store)

@@ -34,6 +34,15 @@ EXPERT_POLICY_HELP = (
 DEFAULT_COPY_ENGINE_TOKENS = 8
 
 
+def copy_engine_tokens(requested: int | None, packed_banks: bool) -> int | None:
+    """--expert-copy-engine-tokens as given, else the bank format's default (see above)."""
+    if requested is not None and requested < 1:
+        raise ValueError(f"--expert-copy-engine-tokens must be at least 1, got {requested}")
+    if requested is None and not packed_banks:
+        return DEFAULT_COPY_ENGINE_TOKENS
+    return requested
+
+
 @dataclass(frozen=True)
 class WorkerBootConfig:
     """Everything `boot_worker` needs to know, as the user gave it."""

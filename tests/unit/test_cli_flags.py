@@ -68,6 +68,24 @@ def test_vllm_aliases_reach_the_worker_as_the_planner_flags():
     assert parse("worker", "--model", "m", "--gpu-memory", flags["--gpu-memory"]).gpu_memory == 24 * 2**30
 
 
+def test_expert_bank_and_copy_flags_reach_the_worker_from_serve_and_resolve_by_bank_format():
+    from ferry.services.worker.flags import boot_config_from_args, copy_engine_tokens
+
+    for extra, fmt, tokens in (((), None, None),
+                               (("--expert-bank-format", "plain", "--expert-copy-engine-tokens", "4"), "plain", 4)):  # fmt: skip
+        worker = child_commands(parse("serve", "/models/m", *extra), "/models/m", Path("/tmp/x"))["worker"]
+        assert ("--expert-bank-format" in worker) == (fmt is not None)
+        cfg = boot_config_from_args(parse("worker", *worker[4:]))
+        assert (cfg.plan.expert_bank_format, cfg.expert_copy_engine_tokens) == (fmt, tokens)
+    assert copy_engine_tokens(None, packed_banks=False) == 8  # plain banks: the copy engine for 8+ tokens
+    assert copy_engine_tokens(None, packed_banks=True) is None  # packed: the unpacking kernel always
+    assert copy_engine_tokens(3, packed_banks=True) == 3
+    with pytest.raises(ValueError, match="--expert-copy-engine-tokens must be at least 1"):
+        copy_engine_tokens(0, packed_banks=False)
+    with pytest.raises(SystemExit):
+        parse("serve", "/models/m", "--expert-bank-format", "zip")
+
+
 def test_no_schedule_ahead_reaches_the_scheduler_from_serve():
     from ferry.services.scheduler.config import scheduler_config_from_args
 

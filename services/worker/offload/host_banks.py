@@ -202,13 +202,40 @@ class DummyPattern:
 
     def fill(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
         """The next layer's w13 [E, 2I, H] and w2 [E, H, I] blocks."""
-        for bank, pattern in zip((w13, w2), self.patterns):
-            flat = bank.view(-1)
-            for start in range(0, flat.numel(), DUMMY_CHUNK):
-                n = min(DUMMY_CHUNK, flat.numel() - start)
-                offset = self.stride * ((self.chunk_index * 1031) % self.offsets)
-                flat[start : start + n].copy_(pattern[offset : offset + n])
-                self.chunk_index += 1
+        layer = self.next_layer(w13.numel(), w2.numel())
+        layer.fill(w13, w2, 0, 0)
+
+    def next_layer(self, numel13: int, numel2: int) -> "DummyLayer":
+        """The next layer (of blocks of these sizes), to fill part by part: the same bits as `fill`."""
+        chunks13 = -(-numel13 // DUMMY_CHUNK)
+        layer = DummyLayer(self, self.chunk_index, self.chunk_index + chunks13)
+        self.chunk_index += chunks13 + -(-numel2 // DUMMY_CHUNK)
+        return layer
+
+    def copy_range(self, out: torch.Tensor, family: int, first_chunk: int, start: int) -> None:
+        """out (flat) = the values at positions start.. of a block of `family` (0: w13, 1: w2) whose
+        first chunk is numbered `first_chunk`: each chunk of DUMMY_CHUNK values is a window of the
+        family's pattern at the chunk's own offset."""
+        pattern, flat, done = self.patterns[family], out.view(-1), 0
+        while done < flat.numel():
+            chunk, within = divmod(start + done, DUMMY_CHUNK)
+            n = min(DUMMY_CHUNK - within, flat.numel() - done)
+            offset = self.stride * (((first_chunk + chunk) * 1031) % self.offsets) + within
+            flat[done : done + n].copy_(pattern[offset : offset + n])
+            done += n
+
+
+class DummyLayer:
+    """One layer of a DummyPattern, filled in parts (PackedHostBanks packs a few experts at a time
+    through a small buffer instead of a whole plain layer)."""
+
+    def __init__(self, pattern: DummyPattern, chunk13: int, chunk2: int):
+        self.pattern, self.chunk13, self.chunk2 = pattern, chunk13, chunk2
+
+    def fill(self, w13: torch.Tensor, w2: torch.Tensor, start13: int, start2: int) -> None:
+        """w13 and w2 = the layer's values from flat positions start13 and start2 of its blocks."""
+        self.pattern.copy_range(w13, 0, self.chunk13, start13)
+        self.pattern.copy_range(w2, 1, self.chunk2, start2)
 
 
 def _runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:

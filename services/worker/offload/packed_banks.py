@@ -13,8 +13,10 @@ bits come from the reference unpacker, or through the Triton interpreter.
 
 Experts are packed on the GPU as they load (`load_expert`, `fill_dummy`): a few launches per
 expert, in groups whose temporaries stay under PACK_TEMP_BYTES (freed device memory the plan's
-workspace covers: nothing else runs on the device while experts load). The escapes are gathered
-on the host while loading and laid out once, by `seal` (the store's `preload` calls it).
+workspace covers: nothing else runs on the device while experts load; an expert too large for
+that is packed on the CPU). The escapes are gathered on the host while loading and laid out
+once, by `seal` (the store's `preload` calls it). The layout is final from the first copy on:
+copies, and CUDA graphs captured around them, hold its addresses, so a later load is refused.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import weakref
 from pathlib import Path
 
+import structlog
 import torch
 from tqdm import tqdm
 
@@ -41,7 +44,10 @@ from ferry.services.worker.offload.host_banks import (
 from ferry.plan.model_config import ModelSpec
 from ferry.shared.units import format_bytes
 
-PACK_TEMP_BYTES = 256 << 20  # the packer's device temporaries: about 24 bytes a value
+log = structlog.get_logger("worker.offload")
+
+PACK_TEMP_BYTES = 256 << 20  # the packer's device temporaries at most (freed memory the workspace covers)
+PACK_BYTES_PER_VALUE = 24  # pack_experts' peak temporaries a value: the input, its int32 bits and a few int32 steps
 
 
 class PackedHostBanks:
@@ -50,11 +56,11 @@ class PackedHostBanks:
     packed = True
 
     def __init__(self, num_layers: int, num_experts: int, hidden_size: int, intermediate_size: int, pin: bool,
-                 progress: bool = True):  # fmt: skip
+                 progress: bool = True, meminfo: Path = MEMINFO):  # fmt: skip
         self.num_layers, self.num_experts = num_layers, num_experts
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.dtype = torch.bfloat16
-        self.pinned = pin
+        self.pinned, self.meminfo = pin, meminfo
         self.v13, self.v2 = 2 * intermediate_size * hidden_size, hidden_size * intermediate_size
         v = self.v13 + self.v2
         self.lo, self.hi, self.base = [], [], []
@@ -73,7 +79,7 @@ class PackedHostBanks:
         self._sealed = False
         self._registered = [t for t in (*self.lo, *self.hi, *self.base) if getattr(t, "_ferry_host_registered", False)]
         weakref.finalize(self, unregister_host_blocks, self._registered)  # the list grows as seal() registers escapes
-        self._pack_device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        self._copied = False  # set by the first copy: the escape layout is final from then on
 
     @classmethod
     def allocate(cls, num_layers: int, num_experts: int, hidden_size: int, intermediate_size: int,
@@ -86,7 +92,7 @@ class PackedHostBanks:
         needed = H.packed_bank_bytes(num_layers, num_experts, 3 * intermediate_size * hidden_size)
         check_host_memory(needed, f"packed host banks for {num_layers} MoE layers x {num_experts} experts "
                                   f"({format_bytes(needed // max(1, num_layers * num_experts))} each)", meminfo)  # fmt: skip
-        return cls(num_layers, num_experts, hidden_size, intermediate_size, pin, progress)
+        return cls(num_layers, num_experts, hidden_size, intermediate_size, pin, progress, meminfo)
 
     @classmethod
     def for_model(cls, spec: ModelSpec, dtype: str, **kwargs) -> "PackedHostBanks":
@@ -116,32 +122,45 @@ class PackedHostBanks:
     def load_expert(self, moe_layer: int, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
         """Pack one expert in checkpoint layout (gate, up [I, H]; down [H, I]) into its rows."""
         check_expert_shapes(moe_layer, expert, gate, up, down, self.intermediate_size, self.hidden_size)
-        dev = self._pack_device
+        dev = self._packing_device()
         w13 = torch.cat([gate.to(dev, torch.bfloat16), up.to(dev, torch.bfloat16)]).unsqueeze(0)
         self._pack(moe_layer, expert, w13, down.to(dev, torch.bfloat16).unsqueeze(0))
 
     def fill_dummy(self, seed: int = 0, std: float = DUMMY_STD, down_std: float = DUMMY_DOWN_STD,
                    progress: bool = True) -> None:  # fmt: skip
-        """The plain banks' dummy weights (DummyPattern: the same bits), packed layer by layer
-        through one plain layer's worth of host memory."""
+        """The plain banks' dummy weights (DummyPattern: the same bits), a group of experts at a
+        time through a buffer of the packer's size (not a whole plain layer: host RAM the plan
+        does not price)."""
         i, h, e = self.intermediate_size, self.hidden_size, self.num_experts
-        w13 = pinnable_host_block((e, 2 * i, h), torch.bfloat16, self.pinned)  # pinned: it crosses to the packer fast
-        w2 = pinnable_host_block((e, h, i), torch.bfloat16, self.pinned)
+        device = self._packing_device()
+        group = min(e, max(1, PACK_TEMP_BYTES // (PACK_BYTES_PER_VALUE * (self.v13 + self.v2))))
+        pin = self.pinned and device.type == "cuda"  # pinned: it crosses to the packer fast
+        w13 = pinnable_host_block((group, 2 * i, h), torch.bfloat16, pin)
+        w2 = pinnable_host_block((group, h, i), torch.bfloat16, pin)
         try:
             pattern = DummyPattern(torch.bfloat16, seed, std, down_std)
-            group = max(1, PACK_TEMP_BYTES // (24 * (self.v13 + self.v2)))
             for layer in tqdm(range(self.num_layers), desc="filling packed dummy expert banks", unit="layer",
                               disable=not progress):  # fmt: skip
-                pattern.fill(w13, w2)
+                values = pattern.next_layer(e * self.v13, e * self.v2)
                 for first in range(0, e, group):
-                    last = min(e, first + group)
-                    self._pack(layer, first, w13[first:last].to(self._pack_device, non_blocking=True),
-                               w2[first:last].to(self._pack_device, non_blocking=True))  # fmt: skip
+                    n = min(group, e - first)
+                    values.fill(w13[:n], w2[:n], first * self.v13, first * self.v2)
+                    # _pack waits for its escape counts: the buffer has crossed when it returns
+                    self._pack(layer, first, w13[:n].to(device, non_blocking=True), w2[:n].to(device, non_blocking=True))
         finally:
             unregister_host_blocks([t for t in (w13, w2) if getattr(t, "_ferry_host_registered", False)])
 
+    def _packing_device(self) -> torch.device:
+        """The GPU when one expert's packing temporaries fit in PACK_TEMP_BYTES, else the CPU (the
+        same bits, slower): loading never takes device memory the plan did not price."""
+        fits = PACK_BYTES_PER_VALUE * (self.v13 + self.v2) <= PACK_TEMP_BYTES
+        return torch.device("cuda") if torch.cuda.is_available() and fits else torch.device("cpu")
+
     def _pack(self, layer: int, first: int, w13: torch.Tensor, w2: torch.Tensor) -> None:
         """Experts first.. of `layer` from bf16 w13 [n, 2I, H], w2 [n, H, I] on the packing device."""
+        if self._copied:  # a reload would move escapes that copies (and captured CUDA graphs) read
+            raise RuntimeError(f"packed host banks: MoE layer {layer} expert {first} is loaded after the banks' "
+                               "first copy into the device slots; load every expert before copying from them")  # fmt: skip
         p = pack_experts(w13, w2)
         n = w13.shape[0]
         self.lo[layer][first : first + n].copy_(p["lo"])
@@ -158,13 +177,21 @@ class PackedHostBanks:
 
     def seal(self) -> None:
         """Lay the escapes out per layer (offsets [E + 1], positions, bits), page-locked and mapped
-        for the unpacking kernel; checks the host RAM they take. Again after any later load."""
+        for the unpacking kernel. Each layer's loose lists become views of its blocks as it goes,
+        so sealing holds one layer's escapes twice at most. Again after a later load (before the
+        first copy: `_pack` refuses loads after it)."""
         if self._sealed:
             return
-        total = self.escape_count * H.PACKED_ESCAPE_BYTES
-        check_host_memory(total, f"the packed banks' {self.escape_count:,} escaped values")
+        allowance = (self.v13 + self.v2) // H.PACKED_ESCAPE_SHARE * self.num_layers * self.num_experts
+        if self.escape_count > allowance:  # the plan priced fewer: the host RAM check below is the guard
+            log.warning("packed_banks_escapes_above_plan", escapes=self.escape_count, planned=allowance,
+                        extra_bytes=(self.escape_count - allowance) * H.PACKED_ESCAPE_BYTES)  # fmt: skip
+        # what sealing adds on top of the loose lists: one layer's escapes (the reserve was checked with the banks)
+        largest = max(sum(len(i) for i, _ in layer) for layer in self._escapes)
+        check_host_memory(largest * H.PACKED_ESCAPE_BYTES, f"laying out one layer's {largest:,} escaped values", self.meminfo,
+                          reserve=0)  # fmt: skip
         old = [t for t in (*self.esc_offsets, *self.esc_index, *self.esc_bits) if getattr(t, "_ferry_host_registered", False)]
-        unregister_host_blocks(old)
+        unregister_host_blocks(old)  # no copy has read them (a load after one is refused)
         self._registered[:] = [t for t in self._registered if not any(t is o for o in old)]
         self.esc_offsets, self.esc_index, self.esc_bits = [], [], []
         for layer in self._escapes:
@@ -178,6 +205,8 @@ class PackedHostBanks:
             if n:
                 torch.cat([i for i, _ in layer], out=index[:n])
                 torch.cat([b for _, b in layer], out=bits[:n])
+            ends = offsets.tolist()
+            layer[:] = [(index[ends[e] : ends[e + 1]], bits[ends[e] : ends[e + 1]]) for e in range(self.num_experts)]
             self.esc_offsets.append(offsets)
             self.esc_index.append(index)
             self.esc_bits.append(bits)
@@ -200,6 +229,7 @@ class PackedHostBanks:
         kernels never block the host)."""
         if not pairs:
             return
+        self._copied = True
         if not use_triton(dst13):  # CPU: the reference's bits
             for e, s in pairs:
                 w13, w2 = self.expert(moe_layer, e)
@@ -217,6 +247,7 @@ class PackedHostBanks:
         device tensor: graph-capturable, or an int), unpacked by the GPU from the mapped banks."""
         if not self._sealed:
             self.seal()
+        self._copied = True
         unpack_experts_triton(self.lo[moe_layer], self.hi[moe_layer], self.base[moe_layer],
                               self.esc_offsets[moe_layer], self.esc_index[moe_layer], self.esc_bits[moe_layer],
                               dst13, dst2, misses, count, **tuning)  # fmt: skip

@@ -59,8 +59,11 @@ def test_a_normal_expert_packs_to_three_quarters_of_its_bytes():
     w13 = (torch.randn(4, 128, 96, generator=g) * 0.02).to(torch.bfloat16)
     w2 = (torch.randn(4, 96, 64, generator=g) * 0.002).to(torch.bfloat16)
     p = pack_experts(w13, w2)
-    packed = 4 * packed_expert_bytes(128 * 96 + 96 * 64) + PACKED_ESCAPE_BYTES * int(p["counts"].sum())
-    assert packed < 0.76 * (w13.nbytes + w2.nbytes)
+    values = 128 * 96 + 96 * 64
+    assert p["lo"].shape == (4, values) and p["hi"].shape == (4, values // 2) and p["base"].shape == (4, 2)
+    held = sum(p[k].nbytes for k in ("lo", "hi", "base", "esc_index", "esc_bits"))  # what the banks keep
+    assert held == 4 * packed_expert_bytes(values) + PACKED_ESCAPE_BYTES * int(p["counts"].sum())  # as the plan prices it
+    assert int(p["counts"].sum()) < 4 * values // 512 and held < 0.76 * (w13.nbytes + w2.nbytes)
 
 
 def test_packing_refuses_what_it_cannot_hold():

@@ -98,3 +98,80 @@ def test_the_bank_format_follows_the_flag_and_the_dtype(requested, dtype, want):
 def test_packing_a_model_that_is_not_bf16_is_refused_naming_the_flag():
     with pytest.raises(ValueError, match="--expert-bank-format"):
         H.bank_format("packed", "float16")
+
+
+def _wide_expert(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An expert whose values span 2^-60..2^60: most fall outside a 15-binade window and escape."""
+    g = torch.Generator().manual_seed(seed)
+
+    def wide(*shape):
+        return (torch.randn(*shape, generator=g) * torch.exp2(torch.randint(-60, 60, shape, generator=g).float())).bfloat16()
+
+    return wide(16, 32), wide(16, 32), wide(32, 16)
+
+
+def test_sealing_shares_the_loose_escape_lists_and_a_load_after_the_first_copy_is_refused():
+    plain, packed = _pair()
+    for banks in (plain, packed):
+        banks.load_expert(0, 1, *_wide_expert(2))
+    packed.seal()
+    index, bits = packed._escapes[0][1]
+    assert len(index) > 100  # the loose list is now a view of the layer's block, not a second copy
+    assert index.untyped_storage().data_ptr() == packed.esc_index[0].untyped_storage().data_ptr()
+    assert bits.untyped_storage().data_ptr() == packed.esc_bits[0].untyped_storage().data_ptr()
+    for banks in (plain, packed):  # before any copy a reload is laid out again
+        banks.load_expert(0, 3, *_wide_expert(4))
+    s13, s2 = torch.zeros(2, 32, 32, dtype=torch.bfloat16), torch.zeros(2, 32, 16, dtype=torch.bfloat16)
+    packed.copy_experts(0, [(1, 0), (3, 1)], s13, s2)
+    _assert_slot(s13, s2, 0, plain, 0, 1)
+    _assert_slot(s13, s2, 1, plain, 0, 3)
+    with pytest.raises(RuntimeError, match="load every expert before copying"):
+        packed.load_expert(0, 3, *_wide_expert(5))  # copies (and graphs) hold the escapes' addresses now
+    w13, _ = packed.expert(0, 3)
+    assert torch.equal(_bits(w13), _bits(plain.w13[0][3]))  # the refused load changed nothing
+
+
+def test_escapes_beyond_the_plans_allowance_are_logged_and_checked_against_host_ram(tmp_path):
+    from structlog.testing import capture_logs
+
+    meminfo = Path(tmp_path) / "meminfo"
+    meminfo.write_text("MemAvailable:    4194304 kB\n")  # 4 GiB: room for the banks and the reserve
+    packed = PackedHostBanks.allocate(*SHAPE, pin=False, progress=False, meminfo=meminfo)
+    packed.fill_dummy(seed=3, progress=False)
+    with capture_logs() as logs:
+        packed.seal()  # the dummy weights' escapes fit the allowance: nothing to say
+    assert not [e for e in logs if e["event"] == "packed_banks_escapes_above_plan"]
+    packed.load_expert(1, 0, *_wide_expert(6))
+    with capture_logs() as logs:
+        packed.seal()
+    warned = [e for e in logs if e["event"] == "packed_banks_escapes_above_plan"]
+    assert warned and warned[0]["escapes"] == packed.escape_count > warned[0]["planned"] == 30
+    meminfo.write_text("MemAvailable:    0 kB\n")
+    packed.load_expert(1, 1, *_wide_expert(7))
+    with pytest.raises(HostMemoryError, match="escaped values"):
+        packed.seal()
+
+
+def test_a_dummy_layer_filled_in_parts_holds_the_whole_fills_bits(monkeypatch):
+    from ferry.services.worker.offload import host_banks
+
+    monkeypatch.setattr(host_banks, "DUMMY_CHUNK", 1000)  # parts that start and end inside chunks
+    whole, parts = (host_banks.DummyPattern(torch.bfloat16, 5, 0.02, 0.002) for _ in range(2))
+    w13, w2 = torch.empty(5, 32, 32, dtype=torch.bfloat16), torch.empty(5, 32, 16, dtype=torch.bfloat16)
+    for _ in range(2):  # two layers: the second starts where the first's chunks end
+        whole.fill(w13, w2)
+        layer = parts.next_layer(w13.numel(), w2.numel())
+        p13, p2 = torch.empty_like(w13), torch.empty_like(w2)
+        for first, last in ((0, 2), (2, 3), (3, 5)):
+            layer.fill(p13[first:last], p2[first:last], first * 32 * 32, first * 32 * 16)
+        assert torch.equal(_bits(p13), _bits(w13)) and torch.equal(_bits(p2), _bits(w2))
+
+
+def test_an_expert_whose_packing_would_outgrow_its_device_budget_is_packed_on_the_cpu(monkeypatch):
+    from ferry.services.worker.offload import packed_banks
+
+    _, packed = _pair()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert packed._packing_device().type == "cuda"
+    monkeypatch.setattr(packed_banks, "PACK_TEMP_BYTES", packed_banks.PACK_BYTES_PER_VALUE * (packed.v13 + packed.v2) - 1)
+    assert packed._packing_device().type == "cpu"
