@@ -49,10 +49,15 @@ def packed_expert_bytes(values: int) -> int:
     return values + values // 2 + 2 * 4
 
 
+def packed_escape_allowance(values: int) -> int:
+    """The escaped values the plan prices for one packed expert of `values` values."""
+    return values // PACKED_ESCAPE_SHARE
+
+
 def packed_bank_bytes(num_layers: int, num_experts: int, values: int) -> int:
     """Packed banks of experts of `values` values: the fixed part, the escape allowance, and each
     layer's escape offsets (int64, one per expert and one more)."""
-    allowance = values // PACKED_ESCAPE_SHARE * PACKED_ESCAPE_BYTES
+    allowance = packed_escape_allowance(values) * PACKED_ESCAPE_BYTES
     return num_layers * (num_experts * (packed_expert_bytes(values) + allowance) + (num_experts + 1) * 8)
 
 

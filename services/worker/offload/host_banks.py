@@ -93,6 +93,8 @@ def unregister_host_blocks(blocks: list[torch.Tensor]) -> None:
 class HostBanks:
     """Per MoE layer: w13[layer] [E, 2I, H] and w2[layer] [E, H, I], pinned when CUDA is present."""
 
+    packed = False  # rows as the slots hold them (PackedHostBanks: 12 bits a value)
+
     def __init__(self, w13: list[torch.Tensor], w2: list[torch.Tensor]):
         if not w13 or len(w13) != len(w2):
             raise ValueError(f"need one w13 and one w2 block per MoE layer, got {len(w13)} and {len(w2)}")
@@ -103,7 +105,6 @@ class HostBanks:
         self.intermediate_size = two_i // 2
         self.dtype = w13[0].dtype
         self.pinned = bool(w13[0].is_pinned())
-        self.packed = False  # rows as the slots hold them (PackedHostBanks: 12 bits a value)
         registered = [t for t in (*w13, *w2) if getattr(t, "_ferry_host_registered", False)]
         if registered:  # unlock the pages before the blocks are freed
             weakref.finalize(self, unregister_host_blocks, registered)

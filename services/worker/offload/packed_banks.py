@@ -182,7 +182,7 @@ class PackedHostBanks:
         first copy: `_pack` refuses loads after it)."""
         if self._sealed:
             return
-        allowance = (self.v13 + self.v2) // H.PACKED_ESCAPE_SHARE * self.num_layers * self.num_experts
+        allowance = H.packed_escape_allowance(self.v13 + self.v2) * self.num_layers * self.num_experts
         if self.escape_count > allowance:  # the plan priced fewer: the host RAM check below is the guard
             log.warning("packed_banks_escapes_above_plan", escapes=self.escape_count, planned=allowance,
                         extra_bytes=(self.escape_count - allowance) * H.PACKED_ESCAPE_BYTES)  # fmt: skip
