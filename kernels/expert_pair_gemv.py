@@ -24,6 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ferry.kernels.quantized_expert_gemv import quantized_pair_rows_triton
+from ferry.kernels.quantized_experts import QuantizedFamily
+
 # Above this many (token, k) pairs a step reads each expert's weights once per pair here, but once
 # per block of tokens in the grouped GEMM: past a few tokens per expert the grouped GEMM wins. Both
 # expert stores must decide by the same number (it selects the rounding order), hence one function.
@@ -102,7 +105,10 @@ def _pair_down_kernel(
 def expert_pair_rows_triton(x, topk_slots, topk_weights, w13, w2, rows, slot_offset: int = 0) -> None:
     """Same contract as `grouped_expert_rows_reference`, plus `slot_offset`: the slot of a pair is
     topk_slots + slot_offset (pairs whose topk_slots is -1 are skipped), so the all-resident store
-    can pass a layer's expert ids unchanged instead of launching an add."""
+    can pass a layer's expert ids unchanged instead of launching an add. Quantized slots
+    (`QuantizedFamily` w13, w2) go to their twin, quantized_expert_gemv.py."""
+    if isinstance(w13, QuantizedFamily):
+        return quantized_pair_rows_triton(x, topk_slots, topk_weights, w13, w2, rows, slot_offset)
     t, h = x.shape
     top_k = topk_slots.shape[1]
     inter = w2.shape[2]

@@ -13,7 +13,8 @@ exit at once. A caller that has the routing on the host anyway (the offload stor
 it for its policy) aligns there instead with `align_pairs_by_slot_host`: one small copy replaces
 two dozen tiny kernels per call, which is most of a decode step's launch overhead.
 `grouped_expert_forward` dispatches: CUDA -> Triton (pair by pair for small steps, see
-expert_pair_gemv.py), anything else -> reference.
+expert_pair_gemv.py), anything else -> reference. Quantized slots (`QuantizedFamily`,
+kernels/quantized_experts.py) take the same paths, each entry handing them to its quantized twin.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from ferry.kernels.dispatch import use_triton
 from ferry.kernels.expert_pair_gemv import expert_pair_rows_triton, use_pair_kernel
 from ferry.kernels.expert_rows_sum import sum_rows
 from ferry.kernels.grouped_expert_gemm_reference import grouped_expert_rows_reference
+from ferry.kernels.quantized_experts import QuantizedFamily
 
 # The Triton interpreter (TRITON_INTERPRET=1, CPU tests) computes bf16 dots wrongly: upcast there.
 _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
@@ -197,7 +199,13 @@ def grouped_expert_rows_triton(x, topk_slots, topk_weights, w13, w2, rows,
     block_m_for(T * k) (e.g. by `align_pairs_by_slot_host`); `topk_slots` is then not read.
     `slot_window` (lo, hi, shift): only the blocks whose block_slot b has lo <= b < hi are
     computed, with the weights of slot b + shift (a streamed chunk: its experts' positions in the
-    layer's list, and the staging slots they landed in), with no tensor made per chunk."""
+    layer's list, and the staging slots they landed in), with no tensor made per chunk.
+    Quantized slots (`QuantizedFamily` w13, w2) go to their twin, quantized_expert_gemm.py."""
+    if isinstance(w13, QuantizedFamily):
+        from ferry.kernels.quantized_expert_gemm import quantized_grouped_rows_triton  # it imports this module
+
+        return quantized_grouped_rows_triton(x, topk_slots, topk_weights, w13, w2, rows, aligned, max_distinct_slots,
+                                             slot_window)  # fmt: skip
     t, h = x.shape
     top_k = topk_weights.shape[1]
     inter = w2.shape[2]

@@ -22,6 +22,10 @@ def grouped_expert_rows_reference(
     w2: torch.Tensor,  # [S, H, I]
     rows: torch.Tensor,  # float32 [T, k, H], written where topk_slots >= 0, untouched elsewhere
 ) -> None:
+    if not isinstance(w13, torch.Tensor):  # quantized slots (QuantizedFamily): dequantized, then computed here
+        from ferry.kernels.quantized_experts import quantized_expert_rows_reference  # it imports this module
+
+        return quantized_expert_rows_reference(x, topk_slots, topk_weights, w13, w2, rows)
     for slot in torch.unique(topk_slots).tolist():
         if slot < 0:
             continue

@@ -118,22 +118,36 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:
     return header
 
 
+# The scales and packed codes of quantized checkpoints (plan/quantization.py). Their dense weights
+# are dequantized once at load (services/worker/quantized_weight.py): the scales are not kept, and a
+# quantized weight takes its dequantized size in the run dtype.
+QUANT_SCALE_SUFFIXES = (".weight_scale", ".weight_scale_2", ".weight_scale_inv", ".weight_global_scale",
+                        ".input_scale", ".input_global_scale", ".k_scale", ".v_scale", ".weight_zero_point")  # fmt: skip
+_PACKED_FP4_SUFFIXES = (".weight_packed",)  # compressed-tensors' name for nvfp4 codes
+
+
 def resident_weight_bytes_from_checkpoint(model_dir: Path, dtype: str) -> int | None:
     """Exact resident bytes from the checkpoint's safetensors headers; None when there are none.
 
-    Floating-point tensors are counted at the run dtype (they are converted on load)."""
+    Floating-point tensors are counted at the run dtype (they are converted on load); so are
+    quantized ones (uint8 nvfp4 codes hold two values a byte, float8 one), which are dequantized
+    on load, and their scales are not kept."""
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         return None
     total = 0
     for path in files:
         for name, info in read_safetensors_header(path).items():
-            if is_routed_expert(name) or not is_served(name):
+            if is_routed_expert(name) or not is_served(name) or name.endswith(QUANT_SCALE_SUFFIXES):
                 continue
             numel = 1
             for d in info["shape"]:
                 numel *= d
             kind = info["dtype"]
+            if kind == "U8" and name.endswith((".weight", *_PACKED_FP4_SUFFIXES)):  # nvfp4 codes
+                kind, numel = "BF16", 2 * numel
+            elif kind in ("F8_E4M3", "F8_E5M2"):
+                kind = "BF16"
             itemsize = DTYPE_BYTES[dtype] if kind in _FLOAT_DTYPES else SAFETENSORS_DTYPE_BYTES.get(kind, 1)
             total += _tensor_bytes(numel, itemsize)
     return total

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ferry.shared.errors import ConfigError
+from ferry.plan.quantization import QuantScheme, parse_quantization
 
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
@@ -75,6 +76,8 @@ class ModelSpec:
     linear_num_value_heads: int = 0
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
+    # the checkpoint's quantization (plan/quantization.py); None: unquantized
+    quantization: QuantScheme | None = None
     text_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     # ---- derived quantities -------------------------------------------------------------
@@ -167,8 +170,10 @@ def _moe_layers(cfg: dict[str, Any], arch: str, num_layers: int, num_experts: in
     return tuple(i not in mlp_only and (i + 1) % step == 0 for i in range(num_layers))
 
 
-def parse_model_config(raw: dict[str, Any], where: str = "config.json") -> ModelSpec:
-    """Build a ModelSpec from a config.json dict; a clear ConfigError for anything we cannot serve."""
+def parse_model_config(raw: dict[str, Any], where: str = "config.json",
+                       hf_quant_config: dict[str, Any] | None = None) -> ModelSpec:  # fmt: skip
+    """Build a ModelSpec from a config.json dict (and the checkpoint's hf_quant_config.json, when it
+    has one); a clear ConfigError for anything we cannot serve."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: expected a JSON object")
     outer_type = raw.get("model_type")
@@ -194,6 +199,7 @@ def parse_model_config(raw: dict[str, Any], where: str = "config.json") -> Model
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
         dtype=dtype,
+        quantization=parse_quantization(raw, hf_quant_config, where),
         text_config=cfg,
         **attention,
         **mlp,
@@ -292,8 +298,14 @@ def load_model_config(model_dir: str | Path) -> ModelSpec:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise ConfigError(f"no config.json in {model_dir} (--model)")
+    raw = _read_json(path)
+    quant_path = Path(model_dir) / "hf_quant_config.json"  # modelopt's own copy of its quantization
+    hf_quant = _read_json(quant_path) if quant_path.is_file() else None
+    return parse_model_config(raw, where=str(path), hf_quant_config=hf_quant)
+
+
+def _read_json(path: Path) -> Any:
     try:
-        raw = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path}: not valid JSON ({exc})") from exc
-    return parse_model_config(raw, where=str(path))

@@ -21,13 +21,17 @@ def plan_table(plan: Plan) -> str:
          f"{format_bytes(plan.linear_state.bytes_per_slot)}/slot"),
         ("expert slots", plan.experts.bytes,
          f"{plan.experts.slots} of {plan.experts.total} experts "
-         f"({100 * plan.experts.slots / max(plan.experts.total, 1):.1f}%); {plan.experts.bytes_per_slot} B/slot"),
+         f"({100 * plan.experts.slots / max(plan.experts.total, 1):.1f}%); {plan.experts.bytes_per_slot} B/slot, "
+         f"{plan.experts.format}"),
         ("total", plan.total_bytes, "device memory the worker takes"),
         ("headroom", plan.headroom_bytes, "budget - total"),
     ]  # fmt: skip
     host = plan.host
     if not host.expert_bank_bytes:
         banks_detail = "none: every expert has a GPU slot"
+    elif plan.experts.format in ("nvfp4", "fp8-block"):
+        banks_detail = (f"every routed expert pinned in host RAM in {plan.experts.format}, as the slots hold it "
+                        f"({plan.experts.total} x {plan.experts.bytes_per_slot} B)")  # fmt: skip
     elif host.expert_bank_format == "packed":
         banks_detail = (f"every routed expert pinned in host RAM, packed to 12 bits a value ({plan.experts.total} x "
                         f"{plan.experts.bytes_per_slot} B as bf16; with room for escapes)")  # fmt: skip
@@ -72,6 +76,7 @@ def plan_log_fields(plan: Plan) -> dict:
         "expert_slots": plan.experts.slots,
         "expert_total": plan.experts.total,
         "expert_bytes": plan.experts.bytes,
+        "expert_format": plan.experts.format,
         "host_expert_bank_bytes": plan.host.expert_bank_bytes,
         "host_expert_bank_format": plan.host.expert_bank_format,
         "host_available_bytes": plan.host.available_bytes,

@@ -20,6 +20,7 @@ from typing import Callable
 from ferry.shared.errors import ConfigError, PlanError
 from ferry.plan.model_config import ModelSpec
 from ferry.shared.units import ceil_div, format_bytes
+from ferry.plan import expert_formats as F
 from ferry.plan import host_memory as H
 from ferry.plan import pool_layout as L
 
@@ -90,6 +91,7 @@ class ExpertPlan:
     min_slots: int
     bytes_per_slot: int
     bytes: int
+    format: str = "bf16"  # the expert format (plan/expert_formats.py): bf16 | bf16-packed | nvfp4 | fp8-block
 
 
 @dataclass(frozen=True)
@@ -375,7 +377,7 @@ def _plan(spec: ModelSpec, r: Resolved, measured: Measured, budget: int, derivat
     linear = LinearStatePlan(sizes.linear_slots, L.LINEAR_PADDING_SLOTS if spec.linear_attention_layers else 0,
                              L.linear_state_bytes_per_slot(spec, r.dtype), costs.linear_state(sizes.linear_slots))  # fmt: skip
     experts = ExpertPlan(sizes.expert_slots, spec.total_experts, min_expert_slots(spec), L.expert_bytes(spec, r.dtype),
-                         costs.experts(sizes.expert_slots))  # fmt: skip
+                         costs.experts(sizes.expert_slots), F.expert_format_name(spec, host.expert_bank_format if host.expert_bank_bytes else "plain"))  # fmt: skip
     total = measured.weights_bytes + measured.workspace_bytes + kv.bytes + linear.bytes + experts.bytes
     assert total <= budget, "planner arithmetic broke its own invariant"
     return Plan(
@@ -411,7 +413,7 @@ def _host_plan(spec: ModelSpec, req: PlanRequest, dtype: str, measured: Measured
     else:
         available, source = None, "unknown"
     try:
-        fmt = H.bank_format(req.expert_bank_format, dtype)
+        fmt = H.bank_format(req.expert_bank_format, dtype, F.slot_format(spec))
     except ValueError as exc:
         raise PlanError(str(exc)) from exc
     banks = H.expert_bank_bytes(spec, dtype, fmt) if offloaded else 0

@@ -14,13 +14,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ferry.plan import expert_formats as F
 from ferry.plan.model_config import DTYPE_BYTES, ModelSpec
 from ferry.shared.units import MiB, round_up
 
 POOL_ALIGN = 2 * MiB
 VIEW_ALIGN = 256
 # element sizes of every tensor a pool holds: model dtypes, and the integer state of the expert cache
-ELEMENT_BYTES = {**DTYPE_BYTES, "int8": 1, "int32": 4, "int64": 8}
+ELEMENT_BYTES = {**DTYPE_BYTES, "int8": 1, "uint8": 1, "int32": 4, "int64": 8}
 
 # Page 0 of the KV pool is never handed to a request: padded and masked-out positions of a
 # batch write there, so a real page is never touched by a token that is not its own.
@@ -103,8 +104,19 @@ def linear_state_layout(spec: ModelSpec, dtype: str, slots: int, padding: int = 
 
 
 def expert_bytes(spec: ModelSpec, dtype: str) -> int:
-    """One routed expert: the fused gate+up projection and the down projection."""
-    return 3 * spec.moe_intermediate_size * spec.hidden_size * DTYPE_BYTES[dtype]
+    """One routed expert in its slot: the fused gate+up projection and the down projection, in the
+    slots' format (the run dtype, or the checkpoint's quantized format: plan/expert_formats.py)."""
+    return sum(F.slot_family_bytes(spec, dtype))
+
+
+def expert_weight_tensors(spec: ModelSpec, dtype: str, slots: int, prefix: str = "") -> tuple[TensorSpec, ...]:
+    """w13 = [gate; up] and w2 = down of `slots` slots: [S, 2I, H] and [S, H, I] of the run dtype, or
+    for a quantized format one row of bytes per slot and family ([S, row bytes] uint8)."""
+    h, i = spec.hidden_size, spec.moe_intermediate_size
+    if F.slot_format(spec) == F.BF16:
+        return (TensorSpec(prefix + "w13", (slots, 2 * i, h), dtype), TensorSpec(prefix + "w2", (slots, h, i), dtype))
+    b13, b2 = F.slot_family_bytes(spec, dtype)
+    return (TensorSpec(prefix + "w13", (slots, b13), "uint8"), TensorSpec(prefix + "w2", (slots, b2), "uint8"))
 
 
 # Staging slots of a prefill that streams its missed experts (services/worker/offload/staging_ring.py):
@@ -127,12 +139,10 @@ def expert_slot_layout(spec: ModelSpec, dtype: str, slots: int, max_step_tokens:
     """`slots` expert slots shared by all MoE layers: w13 = [gate; up], w2 = down. With fewer
     slots than experts, also the prefill's staging slots (`prefill_staging_slots`) and the state
     of the device-side expert cache (`expert_cache_state`)."""
-    h, i = spec.hidden_size, spec.moe_intermediate_size
-    weights = (TensorSpec("w13", (slots, 2 * i, h), dtype), TensorSpec("w2", (slots, h, i), dtype))
+    weights = expert_weight_tensors(spec, dtype, slots)
     if slots >= spec.total_experts:
         return PoolLayout("experts", weights)
-    r = prefill_staging_slots(spec, dtype)
-    staging = (TensorSpec("staging_w13", (r, 2 * i, h), dtype), TensorSpec("staging_w2", (r, h, i), dtype))
+    staging = expert_weight_tensors(spec, dtype, prefill_staging_slots(spec, dtype), prefix="staging_")
     return PoolLayout("experts", weights + staging + expert_cache_state(spec, slots, max_step_tokens))
 
 

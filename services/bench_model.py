@@ -5,6 +5,10 @@ the config's vocabulary (every id a random model samples decodes to printable te
 generation config: with `--load-format dummy` this serves at full size through every route,
 chat included, with no download.
 
+`--format nvfp4|fp8` writes them (and config.json's quantization_config) in nvidia modelopt's NVFP4 or
+Qwen's FP8 block layout (services/quantized_checkpoint.py); without weights, `--load-format dummy` then
+makes dummy experts in that format at full size.
+
 `--weights random` also writes the weights, as safetensors shards in the Hugging Face per-expert
 layout (`model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight`), so that any engine — a peer
 measured with the same client — loads the same model. They follow the dummy recipe
@@ -40,13 +44,16 @@ SHARD_BYTES = 2 * 2**30
 
 
 def write_random_weights(out: Path, routing_skew: float = 0.0, seed: int = 0, device: str = "cpu",
-                         dtype: str = "bfloat16") -> int:  # fmt: skip
-    """Shards of every tensor the model loads, named as the Hugging Face checkpoint; returns the bytes written."""
+                         dtype: str = "bfloat16", fmt: str | None = None) -> int:  # fmt: skip
+    """Shards of every tensor the model loads, named as the Hugging Face checkpoint; returns the bytes
+    written. `fmt` (nvfp4 | fp8): each linear quantized in that published layout
+    (services/quantized_checkpoint.py), and config.json's quantization_config says so."""
     import torch
     from safetensors.torch import save_file
 
     from ferry.plan.costs import resident_weight_shapes
     from ferry.plan.model_config import load_model_config
+    from ferry.services.quantized_checkpoint import quantize_tensors
     from ferry.services.worker.dummy_weights import dummy_tensor, routed_expert_shapes
     from ferry.services.worker.pools import TORCH_DTYPES
 
@@ -65,15 +72,29 @@ def write_random_weights(out: Path, routing_skew: float = 0.0, seed: int = 0, de
 
     for name, shape in shapes.items():
         t = dummy_tensor(spec, name, shape, TORCH_DTYPES[dtype], torch.device(device), seed, routing_skew)
-        shard[name] = t.cpu().contiguous()
-        shard_bytes += t.nbytes
-        total += t.nbytes
+        tensors = quantize_tensors(fmt, {name: t}) if fmt else {name: t}
+        for n, q in tensors.items():
+            shard[n] = q.cpu().contiguous()
+            shard_bytes += q.nbytes
+            total += q.nbytes
         if shard_bytes >= SHARD_BYTES:
             flush()
     flush()
     (out / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1) + "\n")
+    if fmt:
+        set_quantization(out, fmt, list(shapes))
     return total
+
+
+def set_quantization(out: Path, fmt: str, names: list[str]) -> None:
+    """config.json's quantization_config for a checkpoint of these tensors in format `fmt`."""
+    from ferry.services.quantized_checkpoint import quantization_config
+
+    path = out / "config.json"
+    config = json.loads(path.read_text())
+    config["quantization_config"] = quantization_config(fmt, names)
+    path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def write_bench_model(out_dir: str | Path, config_path: str | Path, num_layers: int | None = None) -> Path:
@@ -107,6 +128,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "about r^-s as likely (a logit bias of -s ln(1 + r))")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="the weights are a pure function of this")
     parser.add_argument("--generate-on", default="cpu", help="device that draws the random weights (cpu, cuda)")
+    parser.add_argument("--format", choices=("bf16", "nvfp4", "fp8"), default="bf16",
+                        help="bf16 (default); nvfp4: nvidia modelopt's NVFP4 layout (routed and shared experts); "
+                             "fp8: Qwen's FP8 layout (128 x 128 blocks). With --weights none, config.json says the "
+                             "format and --load-format dummy serves it")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -116,12 +141,21 @@ def run(args: argparse.Namespace) -> int:
     if args.routing_skew and args.weights != "random":
         print("ferry make-bench-model: error: --routing-skew needs --weights random", file=sys.stderr)
         return 2
+    fmt = None if args.format == "bf16" else args.format
     try:
         out = write_bench_model(args.dir, args.config, args.num_layers)
         if args.weights == "random":
-            size = write_random_weights(out, args.routing_skew, args.seed, args.generate_on)
-            print(f"wrote {out} with {size / 2**30:.2f} GiB of random weights (routing skew {args.routing_skew})")
+            size = write_random_weights(out, args.routing_skew, args.seed, args.generate_on, fmt=fmt)
+            print(f"wrote {out} with {size / 2**30:.2f} GiB of random weights in {args.format} "
+                  f"(routing skew {args.routing_skew})")  # fmt: skip
             return 0
+        if fmt:
+            from ferry.plan.costs import resident_weight_shapes
+            from ferry.plan.model_config import load_model_config
+            from ferry.services.worker.dummy_weights import routed_expert_shapes
+
+            spec = load_model_config(out)
+            set_quantization(out, fmt, [*resident_weight_shapes(spec), *routed_expert_shapes(spec)])
     except (OSError, ValueError, KeyError) as exc:
         print(f"ferry make-bench-model: error: {exc}", file=sys.stderr)
         return 2

@@ -117,10 +117,14 @@ def _host_banks(spec, plan: Plan):
 
 def _load_dummy_experts(store, spec, dtype: torch.dtype, device: torch.device) -> None:
     """--load-format dummy: the offload store's host banks take the fast seeded fill (tens of GB
-    at memcpy speed); an all-resident store gets the per-name dummy tensors on the device."""
+    at memcpy speed); an all-resident store gets the per-name dummy tensors on the device, or in a
+    quantized expert format its slots filled in place by the format."""
     banks = getattr(store, "banks", None)
     if banks is not None:
         banks.fill_dummy(seed=0, progress=_progress_bars())
+        return
+    if store.slots.format.quantized:
+        store.fill_dummy(seed=0)
         return
     for moe_layer, expert, gate, up, down in iter_dummy_experts(spec, dtype, device):
         store.load_expert(moe_layer, expert, gate, up, down)

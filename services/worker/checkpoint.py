@@ -14,6 +14,7 @@ import torch
 
 from ferry.shared.errors import ModelLoadError
 from ferry.plan.costs import is_routed_expert, is_served
+from ferry.services.worker.quantized_weight import group_quantized_tensors
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -51,18 +52,27 @@ def routed_expert_tensor(name: str) -> bool:
 def iter_checkpoint_tensors(
     model_dir: Path, select: Callable[[str], bool], desc: str, progress: bool = True
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(checkpoint name, CPU tensor as stored) for every selected tensor, shard by shard.
+    """(checkpoint name, CPU tensor as stored) for every selected tensor, shard by shard; each
+    quantized linear as one (`module.weight`, QuantizedWeight) once all its parts are read
+    (quantized_weight.py).
 
     The model's load_weights copies each into its parameter (converting dtype and moving it to
-    the device), so at most one tensor is held on the host at a time."""
+    the device), so at most one tensor (or one quantized module) is held on the host at a time."""
     from safetensors import safe_open
-    from tqdm import tqdm
 
     files = checkpoint_files(model_dir)
     names_by_file = []
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
             names_by_file.append((path, [n for n in f.keys() if select(n)]))
+    names = [n for _, ns in names_by_file for n in ns]
+    return group_quantized_tensors(_read_tensors(names_by_file, desc, progress), names)
+
+
+def _read_tensors(names_by_file: list[tuple[Path, list[str]]], desc: str, progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+    from tqdm import tqdm
+
     total = sum(len(names) for _, names in names_by_file)
     with tqdm(total=total, desc=desc, unit="tensor", disable=not progress, leave=False) as bar:
         for path, names in names_by_file:

@@ -34,8 +34,8 @@ class ExpertCacheCollector:
             family = CounterMetricFamily(name, text)
             family.add_metric([], report[key])
             yield family
-        slots = GaugeMetricFamily("ferry_worker_expert_slots", "GPU expert slots of the plan")
-        slots.add_metric([], report["slots"])
+        slots = GaugeMetricFamily("ferry_worker_expert_slots", "GPU expert slots of the plan", labels=["format"])
+        slots.add_metric([report.get("expert_format", "bf16")], report["slots"])
         yield slots
 
 

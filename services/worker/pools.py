@@ -15,10 +15,11 @@ from ferry.shared.errors import FerryError
 from ferry.plan.model_config import ModelSpec
 from ferry.plan import pool_layout as L
 from ferry.plan.planner import Plan
+from ferry.services.worker.expert_formats import expert_format_for
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # every element type a pool holds (the expert cache's state is integers)
-POOL_DTYPES = {**TORCH_DTYPES, "int8": torch.int8, "int32": torch.int32, "int64": torch.int64}
+POOL_DTYPES = {**TORCH_DTYPES, "int8": torch.int8, "uint8": torch.uint8, "int32": torch.int32, "int64": torch.int64}
 
 
 class PoolAllocationError(FerryError):
@@ -77,11 +78,17 @@ class LinearStatePool:
 
 
 class ExpertSlotPool:
-    """GPU expert slots shared by all MoE layers: w13 [slots, 2*I, H] (gate rows then up rows), w2 [slots, H, I];
+    """GPU expert slots shared by all MoE layers: w13 [slots, 2*I, H] (gate rows then up rows), w2 [slots, H, I]
+    in the run dtype, or for a quantized expert format one byte row per slot and family ([slots, B]);
     when the pool offloads, the prefill's staging slots `staging_w13`/`staging_w2` (same rows, outside
-    the cache) and `cache_state`, the device-side expert cache's tensors by name; else None and {}."""
+    the cache) and `cache_state`, the device-side expert cache's tensors by name; else None and {}.
 
-    def __init__(self, pool: AllocatedPool):
+    Copies move the rows (`w13`, `w2`); the expert kernels read `gemm13`/`gemm2` (and
+    `staging_gemm13`/`staging_gemm2`): the same tensors in bf16, typed views of the rows' parts
+    (kernels/quantized_experts.py) in a quantized format. `fmt` (services/worker/expert_formats)
+    says which; without it the pool must hold plain rows."""
+
+    def __init__(self, pool: AllocatedPool, fmt=None):
         self.pool = pool
         self.w13 = pool.views["w13"]
         self.w2 = pool.views["w2"]
@@ -89,6 +96,17 @@ class ExpertSlotPool:
         self.staging_w2 = pool.views.get("staging_w2")
         weights = ("w13", "w2", "staging_w13", "staging_w2")
         self.cache_state = {name: t for name, t in pool.views.items() if name not in weights}
+        if fmt is None:
+            from ferry.services.worker.expert_formats.bf16 import Bf16Experts
+
+            if self.w13.dim() != 3:
+                raise ValueError("a pool of quantized expert rows needs its expert format (fmt)")
+            fmt = Bf16Experts(self.w13.shape[2], self.w2.shape[2], self.w13.dtype)
+        self.format = fmt
+        self.gemm13, self.gemm2 = fmt.gemm_views(self.w13, self.w2)
+        self.staging_gemm13 = self.staging_gemm2 = None
+        if self.staging_w13 is not None:
+            self.staging_gemm13, self.staging_gemm2 = fmt.gemm_views(self.staging_w13, self.staging_w2)
 
     @property
     def num_slots(self) -> int:
@@ -133,7 +151,7 @@ def allocate_pools(spec: ModelSpec, plan: Plan, device: torch.device | str) -> P
         if linear_layout.tensors
         else None
     )
-    experts = ExpertSlotPool(allocate_pool(expert_layout, device))
+    experts = ExpertSlotPool(allocate_pool(expert_layout, device), expert_format_for(spec, TORCH_DTYPES[plan.dtype]))
     pools = Pools(kv, linear, experts)
     planned = plan.kv.bytes + plan.linear_state.bytes + plan.experts.bytes
     taken = torch.cuda.memory_allocated(device) - before if device.type == "cuda" else pools.nbytes

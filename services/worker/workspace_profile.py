@@ -27,7 +27,8 @@ from ferry.services.worker.late_bound_experts import LateBoundExperts, SharedLay
 
 log = structlog.get_logger("worker")
 from ferry.plan.planner import Resolved
-from ferry.services.worker.pools import ExpertSlotPool, KvTensorPool, LinearStatePool, Pools, allocate_pool
+from ferry.services.worker.expert_formats import expert_format_for
+from ferry.services.worker.pools import TORCH_DTYPES, ExpertSlotPool, KvTensorPool, LinearStatePool, Pools, allocate_pool
 from ferry.services.worker.sampler import Sampler
 
 # The sampling path with the most workspace: a full-vocabulary sort for top-k/top-p, and min-p.
@@ -64,7 +65,8 @@ def temporary_pools(spec: ModelSpec, r: Resolved, step: StepBatch, device: torch
                 spec.full_attention_layers, r.page_size)  # fmt: skip
     linear_layout = L.linear_state_layout(spec, r.dtype, len(step.req_ids))
     linear = LinearStatePool(allocate_pool(linear_layout, device), spec.linear_attention_layers) if linear_layout.tensors else None
-    experts = ExpertSlotPool(allocate_pool(L.expert_slot_layout(spec, r.dtype, spec.num_experts), device))
+    experts = ExpertSlotPool(allocate_pool(L.expert_slot_layout(spec, r.dtype, spec.num_experts), device),
+                             expert_format_for(spec, TORCH_DTYPES[r.dtype]))  # fmt: skip
     return Pools(kv, linear, experts)
 
 

@@ -11,6 +11,10 @@ qwen3_5_moe wrapper; `lm_head.weight` unprefixed):
   `in_proj_qkvz` / `in_proj_ba`, written into row blocks of our single `in_proj`.
 Vision-tower (`visual.`) and multi-token-prediction (`mtp.`) tensors are skipped: only the text
 model is served. Anything else, or anything missing at the end, raises WeightLoadError naming it.
+
+Quantized linears arrive as one `QuantizedWeight` each (services/worker/quantized_weight.py): a
+routed expert's go to the store as they are (it keeps them in their format), every other one is
+dequantized once, on the model's device, into its bf16 parameter.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from collections.abc import Iterable
 import torch
 
 from ferry.shared.errors import ModelLoadError
+from ferry.services.worker.quantized_weight import QuantizedWeight
 
 PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
 SKIPPED_PREFIXES = ("visual.", "mtp.", "model.visual.", "model.mtp.", "vision_tower.")
@@ -63,6 +68,9 @@ class _Loader:
             self.pending.update(
                 f"expert[{m}][{e}]" for m in range(len(self.spec.moe_layer_indices)) for e in range(self.spec.num_experts)
             )
+        first = next(iter(self.params.values()), None)
+        self.dtype = first.dtype if first is not None else torch.float32
+        self.device = first.device if first is not None else torch.device("cpu")
         self.per_expert: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self.fused: dict[int, dict[str, torch.Tensor]] = {}
 
@@ -95,7 +103,13 @@ class _Loader:
             return  # tied embeddings: the head is embed_tokens; a saved copy is redundant
         if m := _PER_EXPERT.fullmatch(name):
             self._expert_part(self._moe_layer(int(m[1]), source), int(m[2]), m[3], tensor, source)
-        elif m := _FUSED_EXPERTS.fullmatch(name):
+            return
+        if isinstance(tensor, QuantizedWeight):  # a dense linear: dequantized once, here
+            if _FUSED_EXPERTS.fullmatch(name):
+                raise WeightLoadError(f"checkpoint tensor {source!r}: quantized experts must be stored per expert "
+                                      "(layers.L.mlp.experts.E.{gate,up,down}_proj)")  # fmt: skip
+            tensor = tensor.dequantize(self.dtype, self.device)
+        if m := _FUSED_EXPERTS.fullmatch(name):
             self._fused_experts(self._moe_layer(int(m[1]), source), m[2], tensor, source)
         elif m := _IN_PROJ.fullmatch(name):
             self._in_proj(m[1], m[3], tensor, source)

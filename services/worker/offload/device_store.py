@@ -81,7 +81,8 @@ class DeviceDrivenExperts(OffloadedExperts):
         self.ring = None
         self._stream_begun = False  # begin_step started this step's stream (a prefill) before layer 0
         if slots.staging_w13 is not None:
-            self.ring = StagingRing(slots.staging_w13, slots.staging_w2, banks, self._copy_stream if self._cuda else None)
+            self.ring = StagingRing(slots.staging_w13, slots.staging_w2, banks, self._copy_stream if self._cuda else None,
+                                    gemm=(slots.staging_gemm13, slots.staging_gemm2))  # fmt: skip
 
     def set_routers(self, routers: list[torch.Tensor]) -> None:
         """The router weights of the MoE layers, in order: what the next-layer prediction applies."""
@@ -139,11 +140,11 @@ class DeviceDrivenExperts(OffloadedExperts):
         copied = self._on_copy_stream(lambda: self._copy_sm(layer, call), stamps, MISS_START, MISS_END)
         self._prefetch_next(layer, x, n_rows, call, large=False)
         self._wait_prefetched(layer, stamps)
-        expert_pair_rows_triton(x, call.hit_slots.view(t, k), weights, self.slots.w13, self.slots.w2, rows)
+        expert_pair_rows_triton(x, call.hit_slots.view(t, k), weights, self.slots.gemm13, self.slots.gemm2, rows)
         self._stamp(stamps, HITS_DONE)
         if copied is not None:
             torch.cuda.current_stream(self.device).wait_event(copied)
-        expert_pair_rows_triton(x, call.miss_slots.view(t, k), weights, self.slots.w13, self.slots.w2, rows)
+        expert_pair_rows_triton(x, call.miss_slots.view(t, k), weights, self.slots.gemm13, self.slots.gemm2, rows)
 
     def _large_layer(self, layer, x, ids, weights, n_rows, rows) -> None:
         """Prefill and large batches: the decisions on the device, the lists read on the host, the
@@ -190,7 +191,7 @@ class DeviceDrivenExperts(OffloadedExperts):
                 torch.cuda.current_stream(self.device).wait_event(chunk.landed)
                 self._step_copy_events.append(chunk.copy_events)
             lo, hi = chunk.first, chunk.first + len(chunk.experts)
-            grouped_expert_rows_triton(x, None, weights, self.ring.w13, self.ring.w2, rows,
+            grouped_expert_rows_triton(x, None, weights, self.ring.gemm13, self.ring.gemm2, rows,
                                        aligned=(sorted_pairs, block_position),
                                        slot_window=(lo, hi, chunk.slots[0] - lo))  # fmt: skip
             computed = None
@@ -217,9 +218,9 @@ class DeviceDrivenExperts(OffloadedExperts):
         """One group's pairs (slot -1 elsewhere): pair by pair for small steps, as the all-resident
         store computes them (same bits), else the grouped GEMM aligned on the device."""
         if use_pair_kernel(group_slots.numel()):
-            expert_pair_rows_triton(x, group_slots, weights, self.slots.w13, self.slots.w2, rows)
+            expert_pair_rows_triton(x, group_slots, weights, self.slots.gemm13, self.slots.gemm2, rows)
         else:
-            grouped_expert_rows_triton(x, group_slots, weights, self.slots.w13, self.slots.w2, rows,
+            grouped_expert_rows_triton(x, group_slots, weights, self.slots.gemm13, self.slots.gemm2, rows,
                                        max_distinct_slots=self.num_experts)  # fmt: skip
 
     # ---- prefetch ----------------------------------------------------------------------------

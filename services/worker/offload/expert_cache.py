@@ -114,7 +114,8 @@ class OffloadedExperts:
         (cumulative, with "last_step") and what the cache is."""
         return {**self.stats.to_dict(), "policy": self.policy.name, "slots": self.policy.num_slots,
                 "total_experts": self.policy.num_layers * self.num_experts, "resident": self.policy.resident,
-                "evictions": self.policy.evictions, "host_bank_bytes": self.banks.nbytes}  # fmt: skip
+                "evictions": self.policy.evictions, "host_bank_bytes": self.banks.nbytes,
+                "expert_format": "bf16-packed" if self.banks.packed else self.slots.format.name}  # fmt: skip
 
     # ---- the step ----------------------------------------------------------------------------
     def end_step(self, synced: bool = False) -> None:
@@ -244,17 +245,17 @@ class OffloadedExperts:
 
     def _compute(self, x, group_slots, topk_weights, rows, aligned=None) -> None:
         if isinstance(aligned, torch.Tensor):  # a small step's slots, pair by pair
-            expert_pair_rows_triton(x, aligned, topk_weights, self.slots.w13, self.slots.w2, rows)
+            expert_pair_rows_triton(x, aligned, topk_weights, self.slots.gemm13, self.slots.gemm2, rows)
             return
         if aligned is not None:
-            grouped_expert_rows_triton(x, None, topk_weights, self.slots.w13, self.slots.w2, rows, aligned=aligned)
+            grouped_expert_rows_triton(x, None, topk_weights, self.slots.gemm13, self.slots.gemm2, rows, aligned=aligned)
             return
         slots = torch.from_numpy(group_slots).to(x.device)
         if self._triton:  # a large step: the kernel aligns on the device, its grid bounded by this layer's experts
-            grouped_expert_rows_triton(x, slots, topk_weights, self.slots.w13, self.slots.w2, rows,
+            grouped_expert_rows_triton(x, slots, topk_weights, self.slots.gemm13, self.slots.gemm2, rows,
                                        max_distinct_slots=self.num_experts)  # fmt: skip
         else:  # the reference on CPU (or whatever the dispatcher picks for this device)
-            grouped_expert_rows(x, slots, topk_weights, self.slots.w13, self.slots.w2, rows)
+            grouped_expert_rows(x, slots, topk_weights, self.slots.gemm13, self.slots.gemm2, rows)
 
 
 def _split(misses: list, chunks: int) -> list[list]:
@@ -270,8 +271,8 @@ def _check_compatible(slots: ExpertSlotPool, banks: HostBanks, policy: ExpertSlo
     if (banks.num_layers, banks.num_experts) != (policy.num_layers, policy.num_experts):
         raise ValueError(f"host banks hold {banks.num_layers} layers x {banks.num_experts} experts, the policy "
                          f"{policy.num_layers} x {policy.num_experts}")  # fmt: skip
-    expert = (2 * banks.intermediate_size, banks.hidden_size)
-    if tuple(slots.w13.shape[1:]) != expert or slots.w13.dtype != banks.dtype:
+    expert, dtype = banks.slot_rows
+    if tuple(slots.w13.shape[1:]) != expert or slots.w13.dtype != dtype:
         raise ValueError(f"slot shape {tuple(slots.w13.shape[1:])} {slots.w13.dtype} differs from the host banks' "
-                         f"{expert} {banks.dtype}")  # fmt: skip
+                         f"{expert} {dtype}")  # fmt: skip
 

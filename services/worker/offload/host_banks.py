@@ -16,6 +16,7 @@ tensor at a time, so RAM never holds a second full copy) or by `fill_dummy` for 
 
 from __future__ import annotations
 
+import math
 import weakref
 from pathlib import Path
 
@@ -28,6 +29,8 @@ from ferry.plan.model_config import ModelSpec
 # the reserve the banks leave to everything else, and MemAvailable: one owner, shared with the planner
 from ferry.plan.host_memory import HOST_RESERVE_BYTES, MEMINFO, mem_available_bytes
 from ferry.shared.units import format_bytes
+from ferry.services.worker.expert_formats import expert_format_for
+from ferry.services.worker.expert_formats.bf16 import Bf16Experts
 from ferry.services.worker.pools import TORCH_DTYPES
 
 # Elements per copy of the dummy fill: large copies run at memcpy speed (see fill_dummy).
@@ -91,18 +94,25 @@ def unregister_host_blocks(blocks: list[torch.Tensor]) -> None:
 
 
 class HostBanks:
-    """Per MoE layer: w13[layer] [E, 2I, H] and w2[layer] [E, H, I], pinned when CUDA is present."""
+    """Per MoE layer: w13[layer] [E, 2I, H] and w2[layer] [E, H, I], pinned when CUDA is present; for
+    a quantized expert format (services/worker/expert_formats) one byte row per expert and family,
+    [E, B13] and [E, B2], exactly as the slots hold them."""
 
     packed = False  # rows as the slots hold them (PackedHostBanks: 12 bits a value)
 
-    def __init__(self, w13: list[torch.Tensor], w2: list[torch.Tensor]):
+    def __init__(self, w13: list[torch.Tensor], w2: list[torch.Tensor], fmt=None):
         if not w13 or len(w13) != len(w2):
             raise ValueError(f"need one w13 and one w2 block per MoE layer, got {len(w13)} and {len(w2)}")
+        if fmt is None:
+            if w13[0].dim() != 3:
+                raise ValueError("host banks of quantized expert rows need their expert format (fmt)")
+            fmt = Bf16Experts(w13[0].shape[2], w2[0].shape[2], w13[0].dtype)
+        self.format = fmt
         self.w13 = w13
         self.w2 = w2
         self.num_layers = len(w13)
-        self.num_experts, two_i, self.hidden_size = w13[0].shape
-        self.intermediate_size = two_i // 2
+        self.num_experts = w13[0].shape[0]
+        self.hidden_size, self.intermediate_size = fmt.hidden, fmt.inter
         self.dtype = w13[0].dtype
         self.pinned = bool(w13[0].is_pinned())
         registered = [t for t in (*w13, *w2) if getattr(t, "_ferry_host_registered", False)]
@@ -112,25 +122,33 @@ class HostBanks:
     @classmethod
     def allocate(cls, num_layers: int, num_experts: int, hidden_size: int, intermediate_size: int,
                  dtype: torch.dtype, pin: bool | None = None, progress: bool = True,
-                 meminfo: Path = MEMINFO) -> "HostBanks":  # fmt: skip
-        """Uninitialised banks; `pin=None` pins exactly when CUDA is available."""
+                 meminfo: Path = MEMINFO, fmt=None) -> "HostBanks":  # fmt: skip
+        """Uninitialised banks of rows in `fmt` (default: `dtype`'s plain rows); `pin=None` pins
+        exactly when CUDA is available."""
         pin = torch.cuda.is_available() if pin is None else pin
-        item = torch.empty((), dtype=dtype).element_size()
-        per_layer = 3 * num_experts * intermediate_size * hidden_size * item
+        fmt = fmt if fmt is not None else Bf16Experts(hidden_size, intermediate_size, dtype)
+        (shape13, dtype13), (shape2, dtype2) = fmt.row_shapes()
+        per_expert = sum(math.prod(s) * torch.empty((), dtype=d).element_size() for s, d in fmt.row_shapes())
         check_host_memory(
-            per_layer * num_layers, f"host banks for {num_layers} MoE layers x {num_experts} experts "
-            f"({format_bytes(per_layer // num_experts)} each)", meminfo)  # fmt: skip
+            per_expert * num_experts * num_layers, f"host banks for {num_layers} MoE layers x {num_experts} experts "
+            f"({format_bytes(per_expert)} each, {fmt.name})", meminfo)  # fmt: skip
         w13, w2 = [], []
         for _ in tqdm(range(num_layers), desc="pinning expert banks" if pin else "allocating expert banks",
                       unit="layer", disable=not progress):  # fmt: skip
-            w13.append(pinnable_host_block((num_experts, 2 * intermediate_size, hidden_size), dtype, pin))
-            w2.append(pinnable_host_block((num_experts, hidden_size, intermediate_size), dtype, pin))
-        return cls(w13, w2)
+            w13.append(pinnable_host_block((num_experts, *shape13), dtype13, pin))
+            w2.append(pinnable_host_block((num_experts, *shape2), dtype2, pin))
+        return cls(w13, w2, fmt)
 
     @classmethod
     def for_model(cls, spec: ModelSpec, dtype: str, **kwargs) -> "HostBanks":
+        fmt = expert_format_for(spec, TORCH_DTYPES[dtype])
         return cls.allocate(len(spec.moe_layer_indices), spec.num_experts, spec.hidden_size,
-                            spec.moe_intermediate_size, TORCH_DTYPES[dtype], **kwargs)  # fmt: skip
+                            spec.moe_intermediate_size, TORCH_DTYPES[dtype], fmt=fmt, **kwargs)  # fmt: skip
+
+    @property
+    def slot_rows(self) -> tuple[tuple[int, ...], torch.dtype]:
+        """(shape, dtype) of one expert's w13 row as the slots receive it."""
+        return tuple(self.w13[0].shape[1:]), self.dtype
 
     @property
     def expert_nbytes(self) -> int:
@@ -142,21 +160,22 @@ class HostBanks:
         return self.expert_nbytes * self.num_experts * self.num_layers
 
     def load_expert(self, moe_layer: int, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
-        """Copy one expert in checkpoint layout (gate, up [I, H]; down [H, I]) into its bank rows."""
-        check_expert_shapes(moe_layer, expert, gate, up, down, self.intermediate_size, self.hidden_size)
-        i = self.intermediate_size
-        w13 = self.w13[moe_layer][expert]
-        w13[:i].copy_(gate)
-        w13[i:].copy_(up)
-        self.w2[moe_layer][expert].copy_(down)
+        """Copy one expert in checkpoint layout (gate, up [I, H]; down [H, I]; QuantizedWeights for a
+        quantized format) into its bank rows, in the banks' format."""
+        self.format.write_expert(self.w13[moe_layer][expert], self.w2[moe_layer][expert], gate, up, down,
+                                 f"MoE layer {moe_layer} expert {expert}")  # fmt: skip
 
     def fill_dummy(self, seed: int = 0, std: float = DUMMY_STD, down_std: float = DUMMY_DOWN_STD,
                    progress: bool = True) -> None:  # fmt: skip
-        """Deterministic random weights at memory-copy speed, for benchmarks of 30B shapes (DummyPattern)."""
-        pattern = DummyPattern(self.dtype, seed, std, down_std)
+        """Deterministic random weights at memory-copy speed, for benchmarks of 30B shapes (DummyPattern;
+        a quantized format fills its own rows)."""
+        pattern = None if self.format.quantized else DummyPattern(self.dtype, seed, std, down_std)
         for layer in tqdm(range(self.num_layers), desc="filling dummy expert banks", unit="layer",
                           disable=not progress):  # fmt: skip
-            pattern.fill(self.w13[layer], self.w2[layer])
+            if pattern is None:
+                self.format.fill_dummy_layer(self.w13[layer], self.w2[layer], layer, seed)
+            else:
+                pattern.fill(self.w13[layer], self.w2[layer])
 
     # ---- copies into device slots ----------------------------------------------------------------
     def seal(self) -> None:

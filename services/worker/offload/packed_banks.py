@@ -107,6 +107,11 @@ class PackedHostBanks:
         return self._escape_count
 
     @property
+    def slot_rows(self) -> tuple[tuple[int, ...], torch.dtype]:
+        """(shape, dtype) of one expert's w13 row as the slots receive it (unpacked)."""
+        return (2 * self.intermediate_size, self.hidden_size), self.dtype
+
+    @property
     def expert_nbytes(self) -> int:
         """Bytes one expert's copy moves, on average (lo, hi, base and its share of the escapes)."""
         experts = self.num_layers * self.num_experts

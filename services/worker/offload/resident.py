@@ -50,11 +50,17 @@ class ResidentExperts:
         return moe_layer * self.num_experts + expert
 
     def load_expert(self, moe_layer: int, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+        """Straight into its slot, in the slots' format (a quantized expert stays quantized)."""
         s = self._slot(moe_layer, expert)
-        inter = gate.shape[0]
-        self.slots.w13[s, :inter].copy_(gate)
-        self.slots.w13[s, inter:].copy_(up)
-        self.slots.w2[s].copy_(down)
+        self.slots.format.write_expert(self.slots.w13[s], self.slots.w2[s], gate, up, down,
+                                       f"MoE layer {moe_layer} expert {expert}")  # fmt: skip
+
+    def fill_dummy(self, seed: int = 0) -> None:
+        """--load-format dummy for a quantized format: every layer's slots filled in place."""
+        e = self.num_experts
+        for layer in range(self.num_moe_layers):
+            rows = slice(layer * e, (layer + 1) * e)
+            self.slots.format.fill_dummy_layer(self.slots.w13[rows], self.slots.w2[rows], layer, seed)
 
     def preload(self) -> int:
         """Nothing to warm: every expert was loaded straight into its slot."""
@@ -66,10 +72,11 @@ class ResidentExperts:
         offset = moe_layer * self.num_experts
         if use_triton(x) and use_pair_kernel(topk_ids.numel()):
             rows = torch.empty(x.shape[0], topk_ids.shape[1], x.shape[1], dtype=torch.float32, device=x.device)
-            expert_pair_rows_triton(x, topk_ids, topk_weights, self.slots.w13, self.slots.w2, rows, slot_offset=offset)
+            expert_pair_rows_triton(x, topk_ids, topk_weights, self.slots.gemm13, self.slots.gemm2, rows,
+                                    slot_offset=offset)  # fmt: skip
             return sum_rows(rows, x.dtype)
         topk_slots = topk_ids + offset
-        return grouped_expert_forward(x, topk_slots, topk_weights, self.slots.w13, self.slots.w2,
+        return grouped_expert_forward(x, topk_slots, topk_weights, self.slots.gemm13, self.slots.gemm2,
                                       max_distinct_slots=self.num_experts)  # one layer's experts at most
 
     def _count_lookups(self, moe_layer: int, topk_ids: torch.Tensor, n_rows: torch.Tensor | None) -> None:
@@ -115,4 +122,5 @@ class ResidentExperts:
         """Same keys as `OffloadedExperts.report()`: misses, bytes and copy times stay zero."""
         total = self.num_moe_layers * self.num_experts
         return {**self.stats.to_dict(), "policy": self.policy_name, "slots": self.slots.num_slots,
-                "total_experts": total, "resident": total, "evictions": 0, "host_bank_bytes": 0}  # fmt: skip
+                "total_experts": total, "resident": total, "evictions": 0, "host_bank_bytes": 0,
+                "expert_format": self.slots.format.name}  # fmt: skip

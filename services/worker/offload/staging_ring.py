@@ -42,14 +42,17 @@ class StagedChunk:
 
 
 class StagingRing:
-    """R staging slots (`w13` [R, 2I, H], `w2` [R, H, I]) filled from the host `banks` on `copy_stream`
-    (None on CPU: synchronous copies), in chunks of at most `chunk` experts (R // chunk bays)."""
+    """R staging slots (`w13` [R, 2I, H], `w2` [R, H, I], or byte rows in a quantized format) filled
+    from the host `banks` on `copy_stream` (None on CPU: synchronous copies), in chunks of at most
+    `chunk` experts (R // chunk bays); the expert kernels read them through `gemm` (the slot
+    pool's staging_gemm13/2; by default the tensors themselves)."""
 
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor, banks, copy_stream: torch.cuda.Stream | None,
-                 chunk: int | None = None):  # fmt: skip
+                 chunk: int | None = None, gemm: tuple | None = None):  # fmt: skip
         if w13.shape[0] != w2.shape[0] or w13.shape[0] < 1:
             raise ValueError(f"staging slots must be a non-empty [R, ...] pair, got {w13.shape[0]} and {w2.shape[0]}")
         self.w13, self.w2, self.banks, self.copy_stream = w13, w2, banks, copy_stream
+        self.gemm13, self.gemm2 = gemm if gemm is not None else (w13, w2)
         self.size = w13.shape[0]
         # four bays: a chunk computes while the next ones cross
         self.chunk = chunk if chunk is not None else max(1, self.size // 4)

@@ -1,0 +1,274 @@
+"""Grouped expert GEMM by slot straight from quantized slots, in Triton: the NVFP4 and FP8-block
+twins of grouped_expert_gemm.py (same alignment, grid, slot window, fusions and rounding);
+reference: `quantized_expert_rows_reference` (kernels/quantized_experts.py).
+
+Each program dequantizes its slot's weight tile in registers (as `dequantize_slot` does, rounded to
+x's dtype: quantized_expert_gemv.py says why that gives the same values) and feeds it to tl.dot
+with BLOCK_M of the slot's tokens, so every weight byte is read once per block of tokens and no
+dense copy of the weights exists. The reduction steps are laid out so scales need no shuffle:
+* NVFP4: a step of BLOCK_K inputs is BLOCK_K / 2 bytes; the low nibbles [BLOCK_K / 2, BLOCK_N] meet
+  x's even inputs and the high nibbles its odd ones, in two dots (the same sum, without
+  interleaving the nibbles); each byte's group scale is loaded with the group's other 7 bytes
+  (repeated addresses: one load from the cache).
+* FP8-block: a step stays in one 128-column block, so its scales are one per output row.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ferry.kernels.grouped_expert_gemm import (
+    _INTERPRETING,
+    SLOT_WINDOW_ALL,
+    _block_rows,
+    align_pairs_by_slot,
+    block_m_for,
+)
+from ferry.kernels.quantized_expert_gemv import _e2m1_high, _e2m1_low, check_quantized_families
+from ferry.kernels.quantized_experts import NVFP4, QuantizedFamily
+
+BLOCK_N, BLOCK_K = 64, 128  # BLOCK_K inputs a step: 64 bytes of NVFP4 codes, or 128 of FP8 (one column block)
+
+
+@triton.jit
+def _nvfp4_tiles(b, scale, gscale, W_TY: tl.constexpr):
+    """Byte tile b [J, N] as its low-nibble and high-nibble weights in W_TY (code * group scale, times
+    2**14 in `scale`, then * gscale [1, N]: dequantize_slot's products in its order)."""
+    lo = ((_e2m1_low(b) * scale) * gscale).to(W_TY)
+    hi = ((_e2m1_high(b) * scale) * gscale).to(W_TY)
+    return lo, hi
+
+
+@triton.jit(do_not_specialize=["num_pairs", "slot_lo", "slot_hi", "slot_shift"])
+def _nvfp4_gate_up_kernel(
+    x_ptr, q_ptr, s_ptr, g_ptr, act_ptr, sorted_pairs_ptr, block_slot_ptr,
+    num_pairs, top_k, H, I, slot_lo, slot_hi, slot_shift,
+    stride_xt, stride_xh, stride_qs, stride_qo, stride_ss, stride_so, stride_gs, stride_am, stride_an,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    slot = tl.load(block_slot_ptr + pid_m)
+    if (slot < slot_lo) | (slot >= slot_hi):  # -1 (past the end), or outside the caller's window
+        return
+    slot = (slot + slot_shift).to(tl.int64)
+    offs_m, pair, row_ok = _block_rows(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M)
+    token = pair // top_k
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < I
+    offs_j = tl.arange(0, BLOCK_K // 2)  # byte j of a step: inputs 2j (low nibble) and 2j + 1 (high)
+    x_lo = x_ptr + token[:, None] * stride_xt + (2 * offs_j)[None, :] * stride_xh  # [BLOCK_M, BLOCK_K / 2]
+    q_g = q_ptr + slot * stride_qs + offs_n[None, :] * stride_qo + offs_j[:, None]  # [BLOCK_K / 2, BLOCK_N]
+    q_u = q_g + I * stride_qo  # up rows follow the gate rows
+    s_g = s_ptr + slot * stride_ss + offs_n[None, :] * stride_so + (offs_j // 8)[:, None]
+    s_u = s_g + I * stride_so
+    g_row = g_ptr + slot * stride_gs + offs_n
+    gs_g = tl.load(g_row, mask=n_ok, other=0.0)[None, :]
+    gs_u = tl.load(g_row + I, mask=n_ok, other=0.0)[None, :]
+    w_ty = act_ptr.dtype.element_ty
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    half = H // 2
+    for j0 in range(0, half, BLOCK_K // 2):
+        j_ok = offs_j + j0 < half
+        a_mask = row_ok[:, None] & j_ok[None, :]
+        a_lo = tl.load(x_lo + 2 * j0 * stride_xh, mask=a_mask, other=0.0)
+        a_hi = tl.load(x_lo + (2 * j0 + 1) * stride_xh, mask=a_mask, other=0.0)
+        w_mask = j_ok[:, None] & n_ok[None, :]
+        sg = tl.load(s_g + j0 // 8, mask=w_mask, other=0.0).to(tl.float32) * 16384.0  # 2**14: see _e2m1_low
+        su = tl.load(s_u + j0 // 8, mask=w_mask, other=0.0).to(tl.float32) * 16384.0
+        g_lo, g_hi = _nvfp4_tiles(tl.load(q_g + j0, mask=w_mask, other=0), sg, gs_g, w_ty)
+        u_lo, u_hi = _nvfp4_tiles(tl.load(q_u + j0, mask=w_mask, other=0), su, gs_u, w_ty)
+        if UPCAST:
+            a_lo, a_hi = a_lo.to(tl.float32), a_hi.to(tl.float32)
+            g_lo, g_hi, u_lo, u_hi = g_lo.to(tl.float32), g_hi.to(tl.float32), u_lo.to(tl.float32), u_hi.to(tl.float32)
+        acc_g = tl.dot(a_lo, g_lo, acc_g, input_precision=PRECISION)
+        acc_g = tl.dot(a_hi, g_hi, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a_lo, u_lo, acc_u, input_precision=PRECISION)
+        acc_u = tl.dot(a_hi, u_hi, acc_u, input_precision=PRECISION)
+    # round as the reference does: projections in x's dtype, then silu(gate) * up
+    gate = acc_g.to(w_ty).to(tl.float32)
+    up = acc_u.to(w_ty).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(w_ty).to(tl.float32)
+    a_ptrs = act_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_n[None, :] * stride_an
+    tl.store(a_ptrs, (silu * up).to(w_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_pairs", "slot_lo", "slot_hi", "slot_shift"])
+def _nvfp4_down_kernel(
+    act_ptr, q_ptr, s_ptr, g_ptr, rows_ptr, weights_ptr, sorted_pairs_ptr, block_slot_ptr,
+    num_pairs, H, I, slot_lo, slot_hi, slot_shift,
+    stride_am, stride_an, stride_qs, stride_qo, stride_ss, stride_so, stride_gs,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    slot = tl.load(block_slot_ptr + pid_m)
+    if (slot < slot_lo) | (slot >= slot_hi):
+        return
+    slot = (slot + slot_shift).to(tl.int64)
+    offs_m, pair, row_ok = _block_rows(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output features (H)
+    n_ok = offs_n < H
+    offs_j = tl.arange(0, BLOCK_K // 2)  # reduction over I, two inputs a byte
+    a_lo = act_ptr + offs_m[:, None].to(tl.int64) * stride_am + (2 * offs_j)[None, :] * stride_an
+    q_w = q_ptr + slot * stride_qs + offs_n[None, :] * stride_qo + offs_j[:, None]
+    s_w = s_ptr + slot * stride_ss + offs_n[None, :] * stride_so + (offs_j // 8)[:, None]
+    gs = tl.load(g_ptr + slot * stride_gs + offs_n, mask=n_ok, other=0.0)[None, :]
+    w_ty = act_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    half = I // 2
+    for j0 in range(0, half, BLOCK_K // 2):
+        j_ok = offs_j + j0 < half
+        a_mask = row_ok[:, None] & j_ok[None, :]
+        x_lo = tl.load(a_lo + 2 * j0 * stride_an, mask=a_mask, other=0.0)
+        x_hi = tl.load(a_lo + (2 * j0 + 1) * stride_an, mask=a_mask, other=0.0)
+        w_mask = j_ok[:, None] & n_ok[None, :]
+        s = tl.load(s_w + j0 // 8, mask=w_mask, other=0.0).to(tl.float32) * 16384.0
+        w_lo, w_hi = _nvfp4_tiles(tl.load(q_w + j0, mask=w_mask, other=0), s, gs, w_ty)
+        if UPCAST:
+            x_lo, x_hi, w_lo, w_hi = x_lo.to(tl.float32), x_hi.to(tl.float32), w_lo.to(tl.float32), w_hi.to(tl.float32)
+        acc = tl.dot(x_lo, w_lo, acc, input_precision=PRECISION)
+        acc = tl.dot(x_hi, w_hi, acc, input_precision=PRECISION)
+    routing = tl.load(weights_ptr + pair, mask=row_ok, other=0.0)
+    y = acc.to(w_ty).to(tl.float32) * routing[:, None]
+    tl.store(rows_ptr + pair[:, None] * H + offs_n[None, :], y, mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_pairs", "slot_lo", "slot_hi", "slot_shift"])
+def _fp8_gate_up_kernel(
+    x_ptr, q_ptr, s_ptr, act_ptr, sorted_pairs_ptr, block_slot_ptr,
+    num_pairs, top_k, H, I, slot_lo, slot_hi, slot_shift, up_row_block,
+    stride_xt, stride_xh, stride_qs, stride_qo, stride_ss, stride_so, stride_am, stride_an,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    tl.static_assert(128 % BLOCK_K == 0, "a step must stay in one column block")
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    slot = tl.load(block_slot_ptr + pid_m)
+    if (slot < slot_lo) | (slot >= slot_hi):
+        return
+    slot = (slot + slot_shift).to(tl.int64)
+    offs_m, pair, row_ok = _block_rows(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M)
+    token = pair // top_k
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < I
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :] * stride_xh
+    q_g = q_ptr + slot * stride_qs + offs_n[None, :] * stride_qo + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
+    q_u = q_g + I * stride_qo
+    # gate row o is in scale row o // 128; up's blocks restart at row I, after gate's ceil(I / 128)
+    s_g = s_ptr + slot * stride_ss + (offs_n // 128) * stride_so
+    s_u = s_g + up_row_block * stride_so
+    w_ty = act_ptr.dtype.element_ty
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k_ok = offs_k + k0 < H
+        a = tl.load(x_ptrs + k0 * stride_xh, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w_mask = k_ok[:, None] & n_ok[None, :]
+        sg = tl.load(s_g + k0 // 128, mask=n_ok, other=0.0)[None, :]
+        su = tl.load(s_u + k0 // 128, mask=n_ok, other=0.0)[None, :]
+        g = (tl.load(q_g + k0, mask=w_mask, other=0.0).to(tl.float32) * sg).to(w_ty)
+        u = (tl.load(q_u + k0, mask=w_mask, other=0.0).to(tl.float32) * su).to(w_ty)
+        if UPCAST:
+            a, g, u = a.to(tl.float32), g.to(tl.float32), u.to(tl.float32)
+        acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
+    gate = acc_g.to(w_ty).to(tl.float32)
+    up = acc_u.to(w_ty).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(w_ty).to(tl.float32)
+    a_ptrs = act_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_n[None, :] * stride_an
+    tl.store(a_ptrs, (silu * up).to(w_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_pairs", "slot_lo", "slot_hi", "slot_shift"])
+def _fp8_down_kernel(
+    act_ptr, q_ptr, s_ptr, rows_ptr, weights_ptr, sorted_pairs_ptr, block_slot_ptr,
+    num_pairs, H, I, slot_lo, slot_hi, slot_shift,
+    stride_am, stride_an, stride_qs, stride_qo, stride_ss, stride_so,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    tl.static_assert(128 % BLOCK_K == 0, "a step must stay in one column block")
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    slot = tl.load(block_slot_ptr + pid_m)
+    if (slot < slot_lo) | (slot >= slot_hi):
+        return
+    slot = (slot + slot_shift).to(tl.int64)
+    offs_m, pair, row_ok = _block_rows(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output features (H)
+    n_ok = offs_n < H
+    offs_k = tl.arange(0, BLOCK_K)  # reduction over I
+    a_ptrs = act_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_an
+    q_w = q_ptr + slot * stride_qs + offs_n[None, :] * stride_qo + offs_k[:, None]
+    s_w = s_ptr + slot * stride_ss + (offs_n // 128) * stride_so  # w2 is one part
+    w_ty = act_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        k_ok = offs_k + k0 < I
+        a = tl.load(a_ptrs + k0 * stride_an, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        s = tl.load(s_w + k0 // 128, mask=n_ok, other=0.0)[None, :]
+        w = (tl.load(q_w + k0, mask=k_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32) * s).to(w_ty)
+        if UPCAST:
+            a, w = a.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    routing = tl.load(weights_ptr + pair, mask=row_ok, other=0.0)
+    y = acc.to(w_ty).to(tl.float32) * routing[:, None]
+    tl.store(rows_ptr + pair[:, None] * H + offs_n[None, :], y, mask=row_ok[:, None] & n_ok[None, :])
+
+
+def quantized_grouped_rows_triton(x, topk_slots, topk_weights, w13: QuantizedFamily, w2: QuantizedFamily, rows,
+                                  aligned: tuple[torch.Tensor, torch.Tensor] | None = None,
+                                  max_distinct_slots: int | None = None,
+                                  slot_window: tuple[int, int, int] = SLOT_WINDOW_ALL) -> None:  # fmt: skip
+    """`grouped_expert_rows_triton` for quantized slots (same arguments, `aligned` and
+    `slot_window` included, same contract)."""
+    t, h = x.shape
+    top_k = topk_weights.shape[1]
+    inter = check_quantized_families(h, w13, w2)
+    if rows.dtype != torch.float32 or tuple(rows.shape) != (t, top_k, h) or not rows.is_contiguous():
+        raise ValueError(f"rows must be a contiguous float32 [{t}, {top_k}, {h}] tensor")
+    num_pairs = t * top_k
+    block_m = block_m_for(num_pairs)
+    if aligned is None:
+        aligned = align_pairs_by_slot(topk_slots, w13.num_slots, block_m, max_distinct_slots)
+    sorted_pairs, block_slot = aligned
+    if num_pairs == 0 or block_slot.numel() == 0:
+        return
+    act = torch.empty(sorted_pairs.numel(), inter, dtype=x.dtype, device=x.device)
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    upcast = _INTERPRETING or x.dtype == torch.float32
+    precision = "ieee" if x.dtype == torch.float32 else None  # fp32 in, fp32 accuracy out (no TF32)
+    num_blocks = block_slot.numel()
+    meta = dict(BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, UPCAST=upcast, PRECISION=precision)  # all four kernels
+    lo, hi, shift = slot_window
+    up_grid, down_grid = (num_blocks, triton.cdiv(inter, BLOCK_N)), (num_blocks, triton.cdiv(h, BLOCK_N))
+    if w13.fmt == NVFP4:
+        _nvfp4_gate_up_kernel[up_grid](
+            x, w13.q, w13.scale, w13.gscale, act, sorted_pairs, block_slot, num_pairs, top_k, h, inter, lo, hi, shift,
+            x.stride(0), x.stride(1), w13.q.stride(0), w13.q.stride(1), w13.scale.stride(0), w13.scale.stride(1),
+            w13.gscale.stride(0), act.stride(0), act.stride(1), **meta,
+        )  # fmt: skip
+        _nvfp4_down_kernel[down_grid](
+            act, w2.q, w2.scale, w2.gscale, rows, weights, sorted_pairs, block_slot, num_pairs, h, inter, lo, hi, shift,
+            act.stride(0), act.stride(1), w2.q.stride(0), w2.q.stride(1), w2.scale.stride(0), w2.scale.stride(1),
+            w2.gscale.stride(0), **meta,
+        )  # fmt: skip
+    else:
+        _fp8_gate_up_kernel[up_grid](
+            x, w13.q, w13.scale, act, sorted_pairs, block_slot, num_pairs, top_k, h, inter, lo, hi, shift,
+            w13.row_blocks_per_part, x.stride(0), x.stride(1), w13.q.stride(0), w13.q.stride(1),
+            w13.scale.stride(0), w13.scale.stride(1), act.stride(0), act.stride(1), **meta,
+        )  # fmt: skip
+        _fp8_down_kernel[down_grid](
+            act, w2.q, w2.scale, rows, weights, sorted_pairs, block_slot, num_pairs, h, inter, lo, hi, shift,
+            act.stride(0), act.stride(1), w2.q.stride(0), w2.q.stride(1), w2.scale.stride(0), w2.scale.stride(1),
+            **meta,
+        )  # fmt: skip

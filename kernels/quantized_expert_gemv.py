@@ -1,0 +1,282 @@
+"""Routed experts pair by pair (decode) straight from quantized slots, in Triton: the NVFP4 and
+FP8-block twins of expert_pair_gemv.py (same contract, grid, fusions and rounding); reference:
+`quantized_expert_rows_reference` (kernels/quantized_experts.py).
+
+Why in registers: decode is paced by the bytes the GEMV reads, and a quantized slot holds 0.28
+(NVFP4) or 0.5 (FP8) of a bf16 slot's bytes; a dense copy would write and read the bf16 bytes on
+top. Every weight is dequantized as `dequantize_slot` does it (the same float32 products in the
+same order, so the same bits), rounded once to x's dtype, then multiplied and accumulated in
+float32 as the plain kernel does with its bf16 weights: the same values meet the same arithmetic.
+
+Tiles keep each scale on its own axis, so a scale is loaded once and broadcast, never gathered:
+* NVFP4 [BLOCK_N, groups, 8 bytes]: byte b of group g holds inputs 16g + 2b (low nibble) and
+  16g + 2b + 1 (high); the two nibbles are decoded apart and meet x's even and odd inputs (no
+  interleaving); the group's float8 scale broadcasts along the bytes, the row's gscale along both.
+* FP8-block [BLOCK_N, column blocks, 128]: one float32 scale per (row block, column block).
+Both read 128 bytes of codes per weight row per step.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ferry.kernels.quantized_experts import FP8_BLOCK, NVFP4, NVFP4_GROUP, QuantizedFamily
+
+GATE_UP_BLOCK_N, DOWN_BLOCK_N = 16, 32  # as the plain pair kernel
+NVFP4_GROUPS_PER_STEP = 16  # 256 inputs, 128 bytes of codes per row
+FP8_BLOCKS_PER_STEP = 1  # 128 inputs, 128 bytes per row
+
+
+@triton.jit
+def _e2m1_low(b):
+    """The e2m1 codes in the low nibbles of uint8 `b`, times 2**-14, as float32: sign and the three
+    value bits placed as a float16's sign, low exponent bits and top mantissa bit read exactly
+    2**-14 times the code's value (code 1, 0.5, as the float16 subnormal 2**-15). No table, no branch."""
+    h = ((b & 0x08).to(tl.uint16) << 12) | ((b & 0x07).to(tl.uint16) << 9)
+    return h.to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _e2m1_high(b):
+    """`_e2m1_low` for the high nibbles."""
+    h = ((b & 0x80).to(tl.uint16) << 8) | ((b & 0x70).to(tl.uint16) << 5)
+    return h.to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _nvfp4_times_x(b, scale, gscale, x_lo, x_hi, W_TY: tl.constexpr):
+    """Byte tile b [N, G, 8] dequantized (code * group scale, then * gscale: dequantize_slot's order;
+    `scale` [N, G] already times 2**14, exact) and rounded to W_TY, times x's even inputs x_lo
+    [G, 8] (low nibbles) and odd ones x_hi (high nibbles), elementwise in float32."""
+    s = scale[:, :, None]
+    g = gscale[:, None, None]
+    w_lo = ((_e2m1_low(b) * s) * g).to(W_TY).to(tl.float32)
+    w_hi = ((_e2m1_high(b) * s) * g).to(W_TY).to(tl.float32)
+    return w_lo * x_lo[None, :, :] + w_hi * x_hi[None, :, :]
+
+
+@triton.jit
+def _fp8_times_x(q, scale, x, W_TY: tl.constexpr):
+    """float8 tile q [N, C, 128] times its block scales [N, C], rounded to W_TY, times x [C, 128]."""
+    w = (q.to(tl.float32) * scale[:, :, None]).to(W_TY).to(tl.float32)
+    return w * x[None, :, :]
+
+
+@triton.jit
+def _silu_and_mul(acc_g, acc_u, out_ty: tl.constexpr):
+    """The plain kernel's epilogue: projections, silu and the product each rounded to out_ty."""
+    gate = acc_g.to(out_ty).to(tl.float32)
+    up = acc_u.to(out_ty).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32)
+    return (silu * up).to(out_ty)
+
+
+# slot_offset follows the layer (the all-resident store passes the layer's first slot): not specialised on
+@triton.jit(do_not_specialize=["slot_offset"])
+def _nvfp4_pair_gate_up_kernel(
+    x_ptr, q_ptr, s_ptr, g_ptr, act_ptr, slots_ptr, slot_offset, top_k, H, I,
+    stride_xt, stride_qs, stride_qo, stride_ss, stride_so, stride_gs,
+    BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
+):  # fmt: skip
+    pair = tl.program_id(0)
+    slot = tl.load(slots_ptr + pair).to(tl.int64)
+    if slot < 0:  # skipped pair (another group computes it): leave its row alone
+        return
+    slot += slot_offset
+    token = pair // top_k
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < I
+    rows = offs_n.to(tl.int64)
+    offs_g = tl.arange(0, GROUPS)
+    offs_b = tl.arange(0, 8)
+    q_g = q_ptr + slot * stride_qs + rows[:, None, None] * stride_qo + offs_g[None, :, None] * 8 + offs_b[None, None, :]
+    q_u = q_g + I * stride_qo  # up rows follow the gate rows
+    s_g = s_ptr + slot * stride_ss + rows[:, None] * stride_so + offs_g[None, :]
+    s_u = s_g + I * stride_so
+    g_row = g_ptr + slot * stride_gs + offs_n
+    gs_g = tl.load(g_row, mask=n_ok, other=0.0)
+    gs_u = tl.load(g_row + I, mask=n_ok, other=0.0)
+    x_lo = x_ptr + token * stride_xt + offs_g[:, None] * 16 + offs_b[None, :] * 2  # [GROUPS, 8]: even inputs
+    w_ty = act_ptr.dtype.element_ty
+    acc_g = tl.zeros((BLOCK_N, GROUPS, 8), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, GROUPS, 8), dtype=tl.float32)
+    groups = H // 16
+    for g0 in range(0, groups, GROUPS):
+        g_ok = offs_g + g0 < groups
+        a_lo = tl.load(x_lo + g0 * 16, mask=g_ok[:, None], other=0.0).to(tl.float32)
+        a_hi = tl.load(x_lo + g0 * 16 + 1, mask=g_ok[:, None], other=0.0).to(tl.float32)
+        m2 = n_ok[:, None] & g_ok[None, :]
+        m3 = m2[:, :, None]
+        sg = tl.load(s_g + g0, mask=m2, other=0.0).to(tl.float32) * 16384.0  # 2**14: see _e2m1_low
+        su = tl.load(s_u + g0, mask=m2, other=0.0).to(tl.float32) * 16384.0
+        acc_g += _nvfp4_times_x(tl.load(q_g + g0 * 8, mask=m3, other=0), sg, gs_g, a_lo, a_hi, w_ty)
+        acc_u += _nvfp4_times_x(tl.load(q_u + g0 * 8, mask=m3, other=0), su, gs_u, a_lo, a_hi, w_ty)
+    act = _silu_and_mul(tl.sum(tl.sum(acc_g, axis=2), axis=1), tl.sum(tl.sum(acc_u, axis=2), axis=1), w_ty)
+    tl.store(act_ptr + pair.to(tl.int64) * I + offs_n, act, mask=n_ok)
+
+
+@triton.jit(do_not_specialize=["slot_offset"])
+def _nvfp4_pair_down_kernel(
+    act_ptr, q_ptr, s_ptr, g_ptr, rows_ptr, weights_ptr, slots_ptr, slot_offset, H, I,
+    stride_qs, stride_qo, stride_ss, stride_so, stride_gs,
+    BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
+):  # fmt: skip
+    pair = tl.program_id(0)
+    slot = tl.load(slots_ptr + pair).to(tl.int64)
+    if slot < 0:
+        return
+    slot += slot_offset
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # output features (H)
+    n_ok = offs_n < H
+    rows = offs_n.to(tl.int64)
+    offs_g = tl.arange(0, GROUPS)  # reduction over I, 16 inputs a group
+    offs_b = tl.arange(0, 8)
+    q_w = q_ptr + slot * stride_qs + rows[:, None, None] * stride_qo + offs_g[None, :, None] * 8 + offs_b[None, None, :]
+    s_w = s_ptr + slot * stride_ss + rows[:, None] * stride_so + offs_g[None, :]
+    gs = tl.load(g_ptr + slot * stride_gs + offs_n, mask=n_ok, other=0.0)
+    a_lo = act_ptr + pair.to(tl.int64) * I + offs_g[:, None] * 16 + offs_b[None, :] * 2
+    w_ty = act_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_N, GROUPS, 8), dtype=tl.float32)
+    groups = I // 16
+    for g0 in range(0, groups, GROUPS):
+        g_ok = offs_g + g0 < groups
+        x_lo = tl.load(a_lo + g0 * 16, mask=g_ok[:, None], other=0.0).to(tl.float32)
+        x_hi = tl.load(a_lo + g0 * 16 + 1, mask=g_ok[:, None], other=0.0).to(tl.float32)
+        m2 = n_ok[:, None] & g_ok[None, :]
+        s = tl.load(s_w + g0, mask=m2, other=0.0).to(tl.float32) * 16384.0
+        acc += _nvfp4_times_x(tl.load(q_w + g0 * 8, mask=m2[:, :, None], other=0), s, gs, x_lo, x_hi, w_ty)
+    y = tl.sum(tl.sum(acc, axis=2), axis=1).to(w_ty).to(tl.float32)
+    routing = tl.load(weights_ptr + pair).to(tl.float32)
+    tl.store(rows_ptr + pair.to(tl.int64) * H + offs_n, y * routing, mask=n_ok)
+
+
+@triton.jit(do_not_specialize=["slot_offset"])
+def _fp8_pair_gate_up_kernel(
+    x_ptr, q_ptr, s_ptr, act_ptr, slots_ptr, slot_offset, top_k, H, I, up_row_block,
+    stride_xt, stride_qs, stride_qo, stride_ss, stride_so,
+    BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr,
+):  # fmt: skip
+    pair = tl.program_id(0)
+    slot = tl.load(slots_ptr + pair).to(tl.int64)
+    if slot < 0:
+        return
+    slot += slot_offset
+    token = pair // top_k
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < I
+    rows = offs_n.to(tl.int64)
+    offs_c = tl.arange(0, BLOCKS)
+    offs_i = tl.arange(0, 128)
+    cols = offs_c[:, None] * 128 + offs_i[None, :]  # [BLOCKS, 128]
+    q_g = q_ptr + slot * stride_qs + rows[:, None, None] * stride_qo + cols[None, :, :]
+    q_u = q_g + I * stride_qo
+    # gate row o is in scale row o // 128; up's blocks restart at row I, after gate's ceil(I / 128)
+    s_g = s_ptr + slot * stride_ss + (offs_n // 128)[:, None] * stride_so + offs_c[None, :]
+    s_u = s_g + up_row_block * stride_so
+    x_row = x_ptr + token * stride_xt + cols
+    w_ty = act_ptr.dtype.element_ty
+    acc_g = tl.zeros((BLOCK_N, BLOCKS, 128), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCKS, 128), dtype=tl.float32)
+    for c0 in range(0, tl.cdiv(H, 128), BLOCKS):
+        k_ok = cols + c0 * 128 < H  # the last column block may be partial
+        a = tl.load(x_row + c0 * 128, mask=k_ok, other=0.0).to(tl.float32)
+        m2 = n_ok[:, None] & (offs_c[None, :] + c0 < tl.cdiv(H, 128))
+        m3 = n_ok[:, None, None] & k_ok[None, :, :]
+        sg = tl.load(s_g + c0, mask=m2, other=0.0)
+        su = tl.load(s_u + c0, mask=m2, other=0.0)
+        acc_g += _fp8_times_x(tl.load(q_g + c0 * 128, mask=m3, other=0.0), sg, a, w_ty)
+        acc_u += _fp8_times_x(tl.load(q_u + c0 * 128, mask=m3, other=0.0), su, a, w_ty)
+    act = _silu_and_mul(tl.sum(tl.sum(acc_g, axis=2), axis=1), tl.sum(tl.sum(acc_u, axis=2), axis=1), w_ty)
+    tl.store(act_ptr + pair.to(tl.int64) * I + offs_n, act, mask=n_ok)
+
+
+@triton.jit(do_not_specialize=["slot_offset"])
+def _fp8_pair_down_kernel(
+    act_ptr, q_ptr, s_ptr, rows_ptr, weights_ptr, slots_ptr, slot_offset, H, I,
+    stride_qs, stride_qo, stride_ss, stride_so,
+    BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr,
+):  # fmt: skip
+    pair = tl.program_id(0)
+    slot = tl.load(slots_ptr + pair).to(tl.int64)
+    if slot < 0:
+        return
+    slot += slot_offset
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # output features (H)
+    n_ok = offs_n < H
+    rows = offs_n.to(tl.int64)
+    offs_c = tl.arange(0, BLOCKS)
+    offs_i = tl.arange(0, 128)
+    cols = offs_c[:, None] * 128 + offs_i[None, :]  # reduction over I
+    q_w = q_ptr + slot * stride_qs + rows[:, None, None] * stride_qo + cols[None, :, :]
+    s_w = s_ptr + slot * stride_ss + (offs_n // 128)[:, None] * stride_so + offs_c[None, :]  # w2 is one part
+    a_row = act_ptr + pair.to(tl.int64) * I + cols
+    w_ty = act_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_N, BLOCKS, 128), dtype=tl.float32)
+    for c0 in range(0, tl.cdiv(I, 128), BLOCKS):
+        k_ok = cols + c0 * 128 < I
+        a = tl.load(a_row + c0 * 128, mask=k_ok, other=0.0).to(tl.float32)
+        s = tl.load(s_w + c0, mask=n_ok[:, None] & (offs_c[None, :] + c0 < tl.cdiv(I, 128)), other=0.0)
+        acc += _fp8_times_x(tl.load(q_w + c0 * 128, mask=n_ok[:, None, None] & k_ok[None, :, :], other=0.0), s, a, w_ty)
+    y = tl.sum(tl.sum(acc, axis=2), axis=1).to(w_ty).to(tl.float32)
+    routing = tl.load(weights_ptr + pair).to(tl.float32)
+    tl.store(rows_ptr + pair.to(tl.int64) * H + offs_n, y * routing, mask=n_ok)
+
+
+def check_quantized_families(h: int, w13: QuantizedFamily, w2: QuantizedFamily) -> int:
+    """I (the intermediate size) once the two families fit H and each other, and their views are what
+    the kernels assume (one format, NVFP4 inputs in whole groups, last axes unit-stride)."""
+    if not isinstance(w2, QuantizedFamily) or w13.fmt != w2.fmt or w13.fmt not in (NVFP4, FP8_BLOCK):
+        raise ValueError(f"w13 and w2 must be QuantizedFamily of one format ({NVFP4} or {FP8_BLOCK})")
+    inter = w2.cols
+    if (w13.rows, w13.cols, w13.part_rows, w2.rows, w2.part_rows) != (2 * inter, h, inter, h, h):
+        raise ValueError(f"quantized families do not fit H={h}: w13 {w13.rows}x{w13.cols} (parts of "
+                         f"{w13.part_rows}), w2 {w2.rows}x{w2.cols} (parts of {w2.part_rows})")  # fmt: skip
+    if w13.fmt == NVFP4 and (h % NVFP4_GROUP or inter % NVFP4_GROUP):
+        raise ValueError(f"nvfp4 needs H ({h}) and I ({inter}) to be multiples of {NVFP4_GROUP}")
+    views = [v for f in (w13, w2) for v in (f.q, f.scale, f.gscale) if v is not None]
+    if any(v.stride(-1) != 1 for v in views):
+        raise ValueError("the last axis of every quantized view must be contiguous")
+    return inter
+
+
+def quantized_pair_rows_triton(x, topk_slots, topk_weights, w13: QuantizedFamily, w2: QuantizedFamily, rows,
+                               slot_offset: int = 0) -> None:  # fmt: skip
+    """`expert_pair_rows_triton` for quantized slots (same contract, `slot_offset` included)."""
+    t, h = x.shape
+    top_k = topk_slots.shape[1]
+    inter = check_quantized_families(h, w13, w2)
+    if x.stride(1) != 1:
+        raise ValueError("x rows must be contiguous")
+    if rows.dtype != torch.float32 or tuple(rows.shape) != (t, top_k, h) or not rows.is_contiguous():
+        raise ValueError(f"rows must be a contiguous float32 [{t}, {top_k}, {h}] tensor")
+    num_pairs = t * top_k
+    if num_pairs == 0:
+        return
+    slots = topk_slots if topk_slots.is_contiguous() else topk_slots.contiguous()
+    weights = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
+    act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    up_grid, down_grid = (num_pairs, triton.cdiv(inter, GATE_UP_BLOCK_N)), (num_pairs, triton.cdiv(h, DOWN_BLOCK_N))
+    if w13.fmt == NVFP4:
+        _nvfp4_pair_gate_up_kernel[up_grid](
+            x, w13.q, w13.scale, w13.gscale, act, slots, slot_offset, top_k, h, inter,
+            x.stride(0), w13.q.stride(0), w13.q.stride(1), w13.scale.stride(0), w13.scale.stride(1), w13.gscale.stride(0),
+            BLOCK_N=GATE_UP_BLOCK_N, GROUPS=NVFP4_GROUPS_PER_STEP,
+        )  # fmt: skip
+        _nvfp4_pair_down_kernel[down_grid](
+            act, w2.q, w2.scale, w2.gscale, rows, weights, slots, slot_offset, h, inter,
+            w2.q.stride(0), w2.q.stride(1), w2.scale.stride(0), w2.scale.stride(1), w2.gscale.stride(0),
+            BLOCK_N=DOWN_BLOCK_N, GROUPS=NVFP4_GROUPS_PER_STEP,
+        )  # fmt: skip
+    else:
+        _fp8_pair_gate_up_kernel[up_grid](
+            x, w13.q, w13.scale, act, slots, slot_offset, top_k, h, inter, w13.row_blocks_per_part,
+            x.stride(0), w13.q.stride(0), w13.q.stride(1), w13.scale.stride(0), w13.scale.stride(1),
+            BLOCK_N=GATE_UP_BLOCK_N, BLOCKS=FP8_BLOCKS_PER_STEP,
+        )  # fmt: skip
+        _fp8_pair_down_kernel[down_grid](
+            act, w2.q, w2.scale, rows, weights, slots, slot_offset, h, inter,
+            w2.q.stride(0), w2.q.stride(1), w2.scale.stride(0), w2.scale.stride(1),
+            BLOCK_N=DOWN_BLOCK_N, BLOCKS=FP8_BLOCKS_PER_STEP,
+        )  # fmt: skip

@@ -1,0 +1,126 @@
+"""Expert weights held quantized in their slots: what the expert GEMV/GEMM kernels read for the NVFP4
+and FP8-block formats, and the dequantizing reference twin (docs/ARCHITECTURE.md §3, "Expert formats").
+
+A quantized slot keeps each weight family of an expert (w13 = [gate; up] with [2I, H] values, w2 =
+down with [H, I]) as one row of bytes, so one expert is still one contiguous copy per family from
+the host banks into its slot (kernels/expert_copy.py copies bytes; the copy engine too). Inside a
+row the parts lie one after the other, each at a 16-byte boundary (plan/expert_formats.py prices
+the same layout). `QuantizedFamily` holds the typed strided views of those parts over all slots:
+
+* **nvfp4** (W4A16 on Hopper: no FP4 tensor cores, so the kernels dequantize in registers):
+  `q` uint8 [S, O, IN/2], two e2m1 codes per byte, element 2j in the low nibble of byte j and
+  2j+1 in the high one (nvidia modelopt's and compressed-tensors' order); `scale` float8_e4m3fn
+  [S, O, IN/16], one per group of 16 consecutive inputs; `gscale` float32 [S, O], the per-tensor
+  scale of the projection the row came from (modelopt's `weight_scale_2`, or 1 /
+  compressed-tensors' `weight_global_scale`), kept per row because gate and up have their own.
+  w[o, i] = e2m1(code[o, i]) * float(scale[o, i // 16]) * gscale[o].
+* **fp8-block** (Qwen's `-FP8` releases, W8A16): `q` float8_e4m3fn [S, O, IN]; `scale` float32
+  [S, P * ceil(part_rows / 128), ceil(IN / 128)], one per block of 128 x 128 of each part (w13's
+  gate and up are separate projections whose blocks restart at row I; w2 is one part), partial
+  blocks at the edges included. w[o, i] = float(q[o, i]) * scale[row_block(o), i // 128] with
+  row_block(o) = (o // part_rows) * ceil(part_rows / 128) + (o % part_rows) // 128.
+
+Dequantization is computed in float32 and rounded once to the activations' dtype; the kernels do
+the same per element, so the reference below (dequantize the slot, then the plain reference GEMM)
+is their twin. The e2m1 magnitudes by code (bits 0-2; bit 3 is the sign): 0, 0.5, 1, 1.5, 2, 3, 4, 6.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ferry.kernels.grouped_expert_gemm_reference import grouped_expert_rows_reference
+
+NVFP4, FP8_BLOCK = "nvfp4", "fp8-block"
+NVFP4_GROUP = 16  # inputs per float8 scale
+FP8_BLOCK_SIZE = 128  # rows and columns per float32 scale
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class QuantizedFamily:
+    """One weight family of S quantized slots: typed views (see the module docstring) into one
+    uint8 [S, row_bytes] buffer. `rows` = O outputs per slot, `cols` = IN inputs, `part_rows` =
+    rows per projection (I for w13, H for w2)."""
+
+    fmt: str
+    rows: int
+    cols: int
+    part_rows: int
+    q: torch.Tensor
+    scale: torch.Tensor
+    gscale: torch.Tensor | None = None
+
+    @property
+    def num_slots(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    @property
+    def parts(self) -> int:
+        return self.rows // self.part_rows
+
+    @property
+    def row_blocks_per_part(self) -> int:
+        return ceil_div(self.part_rows, FP8_BLOCK_SIZE)
+
+    def window(self, start: int, stop: int) -> "QuantizedFamily":
+        """Slots start..stop-1 (views, nothing copied)."""
+        g = self.gscale[start:stop] if self.gscale is not None else None
+        return QuantizedFamily(self.fmt, self.rows, self.cols, self.part_rows, self.q[start:stop],
+                               self.scale[start:stop], g)  # fmt: skip
+
+
+def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes (low 4 bits) -> float32 e2m1 values."""
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
+    c = codes.to(torch.int64)
+    magnitude = table[c & 7]
+    return torch.where((c & 8) != 0, -magnitude, magnitude)
+
+
+def unpack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., N/2] -> uint8 codes [..., N]: the low nibble first."""
+    low, high = q & 0x0F, q >> 4
+    return torch.stack((low, high), dim=-1).flatten(-2)
+
+
+def row_block_index(rows: int, part_rows: int, device=None) -> torch.Tensor:
+    """fp8-block: the scale row of each of `rows` rows (blocks restart at every part)."""
+    o = torch.arange(rows, device=device)
+    return (o // part_rows) * ceil_div(part_rows, FP8_BLOCK_SIZE) + (o % part_rows) // FP8_BLOCK_SIZE
+
+
+def dequantize_slot(family: QuantizedFamily, slot: int, dtype: torch.dtype) -> torch.Tensor:
+    """Slot `slot`'s weights as a dense [O, IN] tensor of `dtype` (float32 math, one rounding)."""
+    if family.fmt == NVFP4:
+        values = e2m1_decode(unpack_nibbles(family.q[slot]))
+        scale = family.scale[slot].to(torch.float32).repeat_interleave(NVFP4_GROUP, dim=1)[:, : family.cols]
+        return (values * scale * family.gscale[slot][:, None]).to(dtype)
+    if family.fmt == FP8_BLOCK:
+        blocks = family.scale[slot][row_block_index(family.rows, family.part_rows, family.device)]
+        scale = blocks.repeat_interleave(FP8_BLOCK_SIZE, dim=1)[:, : family.cols]
+        return (family.q[slot].to(torch.float32) * scale).to(dtype)
+    raise ValueError(f"unknown quantized expert format {family.fmt!r}")
+
+
+def quantized_expert_rows_reference(x: torch.Tensor, topk_slots: torch.Tensor, topk_weights: torch.Tensor,
+                                    w13: QuantizedFamily, w2: QuantizedFamily, rows: torch.Tensor) -> None:  # fmt: skip
+    """`grouped_expert_rows_reference` for quantized slots: each slot a pair routes to is
+    dequantized to x's dtype, then computed exactly as plain slots are (same rounding order)."""
+    for slot in torch.unique(topk_slots).tolist():
+        if slot < 0:
+            continue
+        g13 = dequantize_slot(w13, slot, x.dtype).unsqueeze(0)
+        g2 = dequantize_slot(w2, slot, x.dtype).unsqueeze(0)
+        one = torch.where(topk_slots == slot, 0, -1)
+        grouped_expert_rows_reference(x, one, topk_weights, g13, g2, rows)

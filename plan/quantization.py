@@ -1,0 +1,170 @@
+"""A checkpoint's quantization, read from `config.json`'s `quantization_config` (or `hf_quant_config.json`).
+
+Three published layouts are served (docs/ARCHITECTURE.md §3, "Expert formats"):
+
+* **modelopt** (nvidia's `*-NVFP4` releases): `quant_method: modelopt`, `quant_algo: NVFP4`, or
+  `MIXED_PRECISION` with a `quantized_layers` map that gives each module (or the experts' parent,
+  `layers.N.mlp.experts`) its own algorithm (`NVFP4` / `W4A16_NVFP4`, or `FP8` per tensor). Per linear: `weight` uint8 [O, IN/2], `weight_scale` float8
+  [O, IN/16], `weight_scale_2` fp32, `input_scale` fp32 (unused: activations stay bf16).
+  `exclude_modules` (globs) stay bf16.
+* **compressed-tensors** NVFP4 (`format: nvfp4-pack-quantized`): `weight_packed`, `weight_scale`,
+  `weight_global_scale` (the weight is code x scale / global scale), `ignore` (names or `re:`
+  patterns) stays bf16.
+* **fp8** block (Qwen's `-FP8` releases): `quant_method: fp8`, `fmt: e4m3`, `weight_block_size:
+  [128, 128]`: `weight` float8_e4m3fn with `weight_scale_inv` [ceil(O/128), ceil(IN/128)]
+  (multiplied); `modules_to_not_convert`, and any linear the checkpoint stores without a scale,
+  stay bf16.
+
+Anything else is refused here, when the config is read (so `ferry plan` refuses it too, before a
+byte is loaded), by a ConfigError naming what was found and what is supported. What this module
+decides is the *expert format*: how the routed experts are held in host RAM, in their slots and
+across PCIe (plan/expert_formats.py). Which dense linear is quantized is decided by the tensors
+the checkpoint holds (services/worker/quantized_weight.py); dense weights are dequantized once at
+load. No torch here.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from ferry.shared.errors import ConfigError
+
+SUPPORTED = ("modelopt (quant_algo NVFP4, or MIXED_PRECISION of NVFP4 and FP8 layers), "
+             "compressed-tensors (format nvfp4-pack-quantized), fp8 (fmt e4m3, weight_block_size [128, 128])")  # fmt: skip
+# The module names a routed expert's projections have in the checkpoints (with any wrapper prefix).
+_EXPERT_PREFIXES = ("model.layers", "model.language_model.layers", "language_model.model.layers", "layers")
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """What the checkpoint says about its quantization (the parts Ferry acts on)."""
+
+    method: str  # modelopt | compressed-tensors | fp8
+    algo: str  # NVFP4 | MIXED_PRECISION | nvfp4-pack-quantized | fp8-block
+    expert_format: str | None  # nvfp4 | fp8-block; None: the routed experts are not quantized
+    source: str  # where it was read: config.json or hf_quant_config.json
+    kv_cache_quant_algo: str | None = None  # noted, not applied: the KV pool stays in the run dtype
+
+    def describe(self) -> str:
+        experts = self.expert_format or "bf16 (not quantized)"
+        return f"{self.method} {self.algo}; routed experts {experts}"
+
+
+def parse_quantization(raw: dict[str, Any], hf_quant_config: dict[str, Any] | None = None,
+                       where: str = "config.json") -> QuantScheme | None:  # fmt: skip
+    """The checkpoint's QuantScheme, None for an unquantized one; a ConfigError for what is not served."""
+    qc = raw.get("quantization_config")
+    if qc is None and isinstance(raw.get("text_config"), dict):
+        qc = raw["text_config"].get("quantization_config")
+    source = where
+    if qc is None and hf_quant_config is not None:
+        qc = {"quant_method": "modelopt", **(hf_quant_config.get("quantization") or {})}
+        source = "hf_quant_config.json"
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):
+        raise ConfigError(f"{source}: quantization_config must be an object")
+    method = str(qc.get("quant_method", "")).lower()
+    if method == "modelopt":
+        return _modelopt(qc, source)
+    if method == "compressed-tensors":
+        return _compressed_tensors(qc, source)
+    if method == "fp8":
+        return _fp8(qc, source)
+    raise ConfigError(f"{source}: quantization_config quant_method {qc.get('quant_method')!r} is not supported; "
+                      f"Ferry serves {SUPPORTED}, or unquantized checkpoints")  # fmt: skip
+
+
+def expert_module_names(layer: int = 0, expert: int = 0) -> list[str]:
+    """The names one routed expert's projections may have in a checkpoint or a quantization config."""
+    return [f"{p}.{layer}.mlp.experts.{expert}.{proj}" for p in _EXPERT_PREFIXES
+            for proj in ("gate_proj", "up_proj", "down_proj")]  # fmt: skip
+
+
+def _unsupported_algo(source: str, algo: Any, what: str = "quant_algo") -> ConfigError:
+    return ConfigError(f"{source}: modelopt {what} {algo!r} is not supported; Ferry serves {SUPPORTED}")
+
+
+# W4A16_NVFP4: the same tensors as NVFP4, with activations left unquantized (how Ferry runs NVFP4 anyway)
+_MODELOPT_ALIASES = {"W4A16_NVFP4": "NVFP4"}
+
+
+def _modelopt(qc: dict[str, Any], source: str) -> QuantScheme:
+    algo = str(qc.get("quant_algo", "")).upper()
+    algo = _MODELOPT_ALIASES.get(algo, algo)
+    kv = qc.get("kv_cache_quant_algo")
+    if algo == "NVFP4":
+        group = int(qc.get("group_size", 16) or 16)
+        if group != 16:
+            raise ConfigError(f"{source}: modelopt NVFP4 group_size {group} is not supported (only 16)")
+        excluded = [str(p) for p in qc.get("exclude_modules") or qc.get("ignore") or []]
+        experts_excluded = any(_glob_any(excluded, n) for n in expert_module_names())
+        return QuantScheme("modelopt", "NVFP4", None if experts_excluded else "nvfp4", source, kv)
+    if algo == "MIXED_PRECISION":
+        layers = qc.get("quantized_layers")
+        if not isinstance(layers, dict):
+            raise ConfigError(f"{source}: modelopt MIXED_PRECISION needs a 'quantized_layers' object")
+        algos = set()
+        for name, entry in layers.items():
+            layer_algo = str((entry or {}).get("quant_algo", "")).upper() if isinstance(entry, dict) else ""
+            layer_algo = _MODELOPT_ALIASES.get(layer_algo, layer_algo)
+            if layer_algo not in ("NVFP4", "FP8"):
+                raise _unsupported_algo(source, layer_algo, f"quantized_layers[{name!r}].quant_algo")
+            if layer_algo == "NVFP4" and int(entry.get("group_size", 16) or 16) != 16:
+                raise ConfigError(f"{source}: quantized_layers[{name!r}]: NVFP4 group_size must be 16")
+            if ".mlp.experts" in name:  # the experts' parent (`layers.N.mlp.experts`) or each of them
+                algos.add(layer_algo)
+        if len(algos) > 1:
+            raise ConfigError(f"{source}: the routed experts mix {sorted(algos)} in quantized_layers; Ferry holds "
+                              "every routed expert in one format")  # fmt: skip
+        expert_format = {"NVFP4": "nvfp4", "FP8": "fp8-block"}.get(algos.pop()) if algos else None
+        return QuantScheme("modelopt", "MIXED_PRECISION", expert_format, source, kv)
+    raise _unsupported_algo(source, qc.get("quant_algo"))
+
+
+def _compressed_tensors(qc: dict[str, Any], source: str) -> QuantScheme:
+    fmt = str(qc.get("format", ""))
+    groups = qc.get("config_groups") or {}
+    if not isinstance(groups, dict) or not groups:
+        raise ConfigError(f"{source}: compressed-tensors quantization_config has no config_groups")
+    for name, group in groups.items():
+        weights = (group or {}).get("weights") or {}
+        group_fmt = str((group or {}).get("format") or fmt)
+        nvfp4 = (weights.get("num_bits") == 4 and weights.get("type") == "float"
+                 and weights.get("strategy") == "tensor_group" and int(weights.get("group_size") or 0) == 16)  # fmt: skip
+        if group_fmt != "nvfp4-pack-quantized" or not nvfp4:
+            raise ConfigError(f"{source}: compressed-tensors config_groups[{name!r}] (format {group_fmt!r}, weights "
+                              f"{weights.get('num_bits')}-bit {weights.get('type')} {weights.get('strategy')}) is not "
+                              f"supported; Ferry serves {SUPPORTED}")  # fmt: skip
+    ignored = [str(p) for p in qc.get("ignore") or []]
+    experts_ignored = all(any(_ct_ignored(p, n) for p in ignored) for n in expert_module_names())
+    return QuantScheme("compressed-tensors", "nvfp4-pack-quantized", None if experts_ignored else "nvfp4", source)
+
+
+def _fp8(qc: dict[str, Any], source: str) -> QuantScheme:
+    fmt = str(qc.get("fmt", "e4m3")).lower()
+    block = qc.get("weight_block_size")
+    if fmt != "e4m3" or list(block or []) != [128, 128]:
+        raise ConfigError(f"{source}: fp8 quantization_config with fmt {fmt!r} and weight_block_size {block!r} is not "
+                          f"supported; Ferry serves {SUPPORTED}")  # fmt: skip
+    skipped = [str(m) for m in qc.get("modules_to_not_convert") or qc.get("ignored_layers") or []]
+    experts_skipped = any(_module_listed(m, n) for m in skipped for n in expert_module_names())
+    return QuantScheme("fp8", "fp8-block", None if experts_skipped else "fp8-block", source)
+
+
+def _glob_any(patterns: list[str], name: str) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(name, p + ".*") for p in patterns)
+
+
+def _ct_ignored(pattern: str, name: str) -> bool:
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], name) is not None
+    return name == pattern or name.endswith("." + pattern)
+
+
+def _module_listed(entry: str, name: str) -> bool:
+    """fp8's modules_to_not_convert: whole dotted components of the module's name."""
+    return f".{entry}." in f".{name}."

@@ -1,0 +1,95 @@
+"""What the quantized expert formats share: one byte row per weight family (plan/expert_formats.py's
+`family_layout`), written part by part, viewed part by part.
+
+A row's parts are typed views of its bytes: `part(row, p)` for one row [B] (loading), `part(rows, p)`
+for [S, B] (the kernels' `QuantizedFamily`, strided: one slot's parts are B bytes apart)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from ferry.kernels.quantized_experts import QuantizedFamily
+from ferry.plan import expert_formats as F
+from ferry.services.worker.dummy_weights import name_seed
+from ferry.services.worker.quantized_weight import QuantizedWeight
+
+TORCH_PART_DTYPES = {"uint8": torch.uint8, "float8_e4m3fn": torch.float8_e4m3fn, "float32": torch.float32}
+# Dummy weights (--load-format dummy): the dummy recipe's scales (dummy_weights.py), the weights
+# that feed the residual stream (down) ten times weaker, so routing follows the token.
+DUMMY_STD, DUMMY_DOWN_STD = 0.02, 0.002
+DUMMY_EXPERT_STRIDE = 4099  # bytes between consecutive experts' windows of a layer's pattern (prime)
+
+
+def raw(rows: torch.Tensor, p: F.RowPart) -> torch.Tensor:
+    """Part `p`'s bytes in a byte row [B] ([p.nbytes]) or in byte rows [S, B] ([S, p.nbytes])."""
+    return rows[..., p.offset : p.offset + p.nbytes]
+
+
+def part(rows: torch.Tensor, p: F.RowPart) -> torch.Tensor:
+    """Part `p` of a byte row [B] ([*p.shape]) or of byte rows [S, B] ([S, *p.shape])."""
+    return raw(rows, p).view(TORCH_PART_DTYPES[p.dtype]).unflatten(-1, p.shape)
+
+
+def fill_bytes_of(rows: torch.Tensor, p: F.RowPart, value: float) -> None:
+    """Every element of part `p` = `value` (written as the part's bytes: float8 has no fill)."""
+    one = torch.tensor([value], dtype=torch.float32).to(TORCH_PART_DTYPES[p.dtype]).view(torch.uint8)
+    raw(rows, p).view(*rows.shape[:-1], -1, one.numel()).copy_(one)
+
+
+class QuantizedExperts(ABC):
+    """A quantized expert format over experts of hidden size H and intermediate size I."""
+
+    quantized = True
+    name = ""
+
+    def __init__(self, hidden: int, inter: int):
+        self.hidden, self.inter = hidden, inter
+        self.layout13 = F.family_layout(self.name, 2 * inter, hidden, inter)
+        self.layout2 = F.family_layout(self.name, hidden, inter, hidden)
+
+    def row_shapes(self):
+        return ((self.layout13.nbytes,), torch.uint8), ((self.layout2.nbytes,), torch.uint8)
+
+    def gemm_views(self, w13: torch.Tensor, w2: torch.Tensor) -> tuple[QuantizedFamily, QuantizedFamily]:
+        return self.family(w13, self.layout13), self.family(w2, self.layout2)
+
+    def family(self, rows: torch.Tensor, layout: F.FamilyLayout) -> QuantizedFamily:
+        views = {p.name: part(rows, p) for p in layout.parts}
+        return QuantizedFamily(self.name, layout.rows, layout.cols, layout.part_rows, views["q"], views["scale"],
+                               views.get("gscale"))  # fmt: skip
+
+    def write_expert(self, dst13: torch.Tensor, dst2: torch.Tensor, gate, up, down, where: str) -> None:
+        i, h = self.inter, self.hidden
+        for name, t, shape in (("gate", gate, (i, h)), ("up", up, (i, h)), ("down", down, (h, i))):
+            if not isinstance(t, QuantizedWeight):
+                raise ValueError(f"{where}: {name} is not quantized in the checkpoint, but config.json's "
+                                 f"quantization_config makes the routed experts {self.name}: every expert must be")  # fmt: skip
+            if tuple(t.shape) != shape:
+                raise ValueError(f"{where}: {name} has shape {tuple(t.shape)}, expected {shape}")
+        self._write(dst13, self.layout13, (gate, up))
+        self._write(dst2, self.layout2, (down,))
+
+    @abstractmethod
+    def _write(self, row: torch.Tensor, layout: F.FamilyLayout, projections: tuple[QuantizedWeight, ...]) -> None:
+        """The projections (stacked along the rows) into one byte row: each part of the format."""
+
+    def fill_dummy_layer(self, w13: torch.Tensor, w2: torch.Tensor, layer: int, seed: int) -> None:
+        for rows, layout, std, family in ((w13, self.layout13, DUMMY_STD, 0), (w2, self.layout2, DUMMY_DOWN_STD, 1)):
+            gen = torch.Generator().manual_seed(name_seed(f"{self.name} experts, layer {layer}, family {family}", seed))
+            self._fill_dummy(rows, layout, std, gen)
+
+    @abstractmethod
+    def _fill_dummy(self, rows: torch.Tensor, layout: F.FamilyLayout, std: float, gen: torch.Generator) -> None:
+        """One layer's rows [E, B] of one family: weights of about `std`, drawn from `gen`."""
+
+
+def expert_windows(pattern: torch.Tensor, experts: int, width: int) -> torch.Tensor:
+    """[experts, width] windows of a 1-D pattern, DUMMY_EXPERT_STRIDE apart: experts differ, one copy fills them."""
+    return pattern.as_strided((experts, width), (DUMMY_EXPERT_STRIDE, 1))
+
+
+def dummy_pattern(experts: int, width: int) -> int:
+    """The length of a pattern whose `expert_windows` cover `experts` rows of `width`."""
+    return (experts - 1) * DUMMY_EXPERT_STRIDE + width

@@ -1,0 +1,225 @@
+"""Cases for the quantized expert kernels (NVFP4, FP8-block) under TRITON_INTERPRET=1, run in a child
+process by test_quantized_expert_kernels.py (interpreted_grouped_expert_gemm.py says why). Each
+kernel is reached through the plain entry points' dispatch and compared with
+`quantized_expert_rows_reference`; outputs poisoned first."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from unittest import mock
+
+import torch
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run me with TRITON_INTERPRET=1"
+
+import ferry.kernels.quantized_experts as qe  # noqa: E402
+from ferry.kernels.expert_pair_gemv import expert_pair_rows_triton  # noqa: E402
+from ferry.kernels.grouped_expert_gemm import (  # noqa: E402
+    align_pairs_by_slot,
+    align_pairs_by_slot_host,
+    block_m_for,
+    grouped_expert_rows_triton,
+)
+from ferry.kernels.quantized_experts import FP8_BLOCK, NVFP4, QuantizedFamily, quantized_expert_rows_reference  # noqa: E402
+from quantized_slots import make_experts  # noqa: E402
+
+TIGHT = dict(rtol=1e-5, atol=1e-5)  # float32 x: only the order of the float32 sums differs
+BF16 = dict(rtol=2e-2, atol=2e-2)  # as the plain kernels' bf16 cases
+
+
+def make_case(fmt, seed, tokens, top_k, hidden, inter, slots, dtype=torch.float32, skip=0):
+    g = torch.Generator().manual_seed(seed)
+    w13, w2 = make_experts(fmt, hidden, inter, slots, g, exact_bf16=dtype == torch.bfloat16)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    topk = torch.stack([torch.randperm(slots, generator=g)[:top_k] for _ in range(tokens)])
+    for _ in range(skip):  # some pairs skipped (slot -1), as when a layer is computed in groups
+        topk[torch.randint(tokens, (1,), generator=g), torch.randint(top_k, (1,), generator=g)] = -1
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=g), dim=-1)
+    return x, topk, weights, w13, w2
+
+
+def nan_rows(x, topk):
+    return torch.full((*topk.shape, x.shape[1]), float("nan"))
+
+
+def reference_rows(x, topk, weights, w13, w2):
+    want = nan_rows(x, topk)
+    quantized_expert_rows_reference(x, topk, weights, w13, w2, want)
+    return want
+
+
+def assert_rows(got, want, topk, tol=TIGHT):
+    skipped = topk < 0
+    assert torch.isnan(got[skipped]).all(), "skipped pairs must be left untouched"
+    assert not torch.isnan(got[~skipped]).any(), "every routed pair must be written"
+    torch.testing.assert_close(got[~skipped], want[~skipped], **tol)
+
+
+def pair_kernel_matches(fmt, seed, tokens, top_k, hidden, inter, slots, skip, offset):
+    """Pair by pair: ragged shapes, skipped pairs untouched, and the all-resident store's slot offset."""
+    x, topk, weights, w13, w2 = make_case(fmt, seed, tokens, top_k, hidden, inter, slots + offset, skip=skip)
+    topk = torch.where(topk >= 0, topk % slots, -1)  # ids of one "layer"; its slots start at offset
+    got = nan_rows(x, topk)
+    expert_pair_rows_triton(x, topk, weights, w13, w2, got, slot_offset=offset)
+    assert_rows(got, reference_rows(x, torch.where(topk >= 0, topk + offset, -1), weights, w13, w2), topk)
+
+
+def grouped_kernel_matches(fmt, seed, tokens, top_k, hidden, inter, slots, skip):
+    x, topk, weights, w13, w2 = make_case(fmt, seed, tokens, top_k, hidden, inter, slots, skip=skip)
+    got = nan_rows(x, topk)
+    grouped_expert_rows_triton(x, topk, weights, w13, w2, got)
+    assert_rows(got, reference_rows(x, topk, weights, w13, w2), topk)
+
+
+def host_aligned_rows_match(fmt):
+    """The offload store's way: alignment made on the host; topk_slots must not be read."""
+    x, topk, weights, w13, w2 = make_case(fmt, 6, 40, 3, 64, 32, 9, skip=7)
+    sorted_pairs, block_slot = align_pairs_by_slot_host(topk.numpy(), block_m_for(topk.numel()))
+    got = nan_rows(x, topk)
+    grouped_expert_rows_triton(x, torch.full_like(topk, 10**6), weights, w13, w2, got,
+                               aligned=(torch.from_numpy(sorted_pairs), torch.from_numpy(block_slot)))  # fmt: skip
+    assert_rows(got, reference_rows(x, topk, weights, w13, w2), topk)
+
+
+def copy_slots(dst: QuantizedFamily, start: int, src: QuantizedFamily, lo: int, hi: int) -> None:
+    """What a copy into slots does: each part's bytes of slots lo..hi-1 into dst's slots from start."""
+    for name in ("q", "scale", "gscale"):
+        d, s = getattr(dst, name), getattr(src, name)
+        if s is not None:
+            d[start : start + hi - lo] = s[lo:hi]
+
+
+def poison(family: QuantizedFamily) -> None:
+    """NaN scales: a weight read from a stale slot turns its result NaN."""
+    family.scale.fill_(float("nan"))
+    if family.gscale is not None:
+        family.gscale.fill_(float("nan"))
+
+
+def slot_window_computes_one_chunk_at_its_staging_slots(fmt):
+    """The streamed prefill's way (as the plain case): 9 experts in chunks of 4, each chunk's weights
+    in a bay of a 6-slot staging family, computed through a slot window; each pair exactly once."""
+    x, topk, weights, w13, w2 = make_case(fmt, 14, 40, 3, 64, 32, 9, skip=5)
+    sorted_pairs, block_position = align_pairs_by_slot(topk, 9, block_m_for(topk.numel()), 9)
+    want = reference_rows(x, topk, weights, w13, w2)
+    bay13, bay2 = make_experts(fmt, 64, 32, 6, torch.Generator().manual_seed(1))
+    poison(bay13)
+    poison(bay2)
+    got = nan_rows(x, topk)
+    for lo, hi, bay in ((0, 4, 2), (4, 8, 0), (8, 9, 1)):  # positions [lo, hi) land in slots bay..bay+hi-lo
+        copy_slots(bay13, bay, w13, lo, hi)
+        copy_slots(bay2, bay, w2, lo, hi)
+        grouped_expert_rows_triton(x, None, weights, bay13, bay2, got, aligned=(sorted_pairs, block_position),
+                                   slot_window=(lo, hi, bay - lo))  # fmt: skip
+        poison(bay13)
+        poison(bay2)
+    assert_rows(got, want, topk)
+
+
+def tight_grid_with_max_distinct_slots(fmt):
+    x, _, weights, w13, w2 = make_case(fmt, 8, 40, 2, 64, 32, 30)
+    g = torch.Generator().manual_seed(8)
+    used = torch.randperm(30, generator=g)[:3]
+    topk = torch.stack([used[torch.randperm(3, generator=g)[:2]] for _ in range(40)])
+    got = nan_rows(x, topk)
+    grouped_expert_rows_triton(x, topk, weights, w13, w2, got, max_distinct_slots=3)
+    assert_rows(got, reference_rows(x, topk, weights, w13, w2), topk)
+
+
+def bfloat16_within_rounding(fmt):
+    """bf16 x: both kernels within rounding of the reference (the plain cases' shape and tolerance; the
+    interpreter rounds toward zero, so larger shapes drift further; the weights are exact in bf16, see
+    make_family), and the pair kernel computing a layer in two groups gives the bits it gives at
+    once (what lets an offloading store agree with a resident one)."""
+    x, topk, weights, w13, w2 = make_case(fmt, 3, 9, 2, 64, 32, 5, dtype=torch.bfloat16)
+    want = reference_rows(x, topk, weights, w13, w2).sum(dim=1).to(torch.bfloat16).float()
+    for kernel in (grouped_expert_rows_triton, expert_pair_rows_triton):
+        got = nan_rows(x, topk)
+        kernel(x, topk, weights, w13, w2, got)
+        torch.testing.assert_close(got.sum(dim=1).to(torch.bfloat16).float(), want, **BF16)
+    x, topk, weights, w13, w2 = make_case(fmt, 11, 3, 4, 256, 192, 9, dtype=torch.bfloat16)
+    at_once = nan_rows(x, topk)
+    expert_pair_rows_triton(x, topk.to(torch.int32), weights, w13, w2, at_once)
+    first = torch.rand(3, 4, generator=torch.Generator().manual_seed(1)) < 0.5
+    in_groups = nan_rows(x, topk)
+    expert_pair_rows_triton(x, torch.where(first, topk, -1), weights, w13, w2, in_groups)
+    expert_pair_rows_triton(x, torch.where(first, -1, topk), weights, w13, w2, in_groups)
+    assert torch.equal(at_once, in_groups)
+
+
+def _dequantize_wrongly(mistake):
+    """`dequantize_slot` with one mistake a kernel could make."""
+
+    def dequantize(family, slot, dtype):
+        if family.fmt == NVFP4:
+            q = family.q[slot]
+            if mistake == "nibbles swapped":
+                q = (q << 4) | (q >> 4)
+            values = qe.e2m1_decode(qe.unpack_nibbles(q))
+            scale = family.scale[slot].to(torch.float32).repeat_interleave(qe.NVFP4_GROUP, dim=1)
+            scale = 1 / scale if mistake == "scale divided" else scale
+            return (values * scale * family.gscale[slot][:, None]).to(dtype)
+        part_rows = family.rows if mistake == "blocks not restarted at each part" else family.part_rows
+        blocks = family.scale[slot][qe.row_block_index(family.rows, part_rows)]
+        scale = blocks.repeat_interleave(qe.FP8_BLOCK_SIZE, dim=1)[:, : family.cols]
+        scale = 1 / scale if mistake == "scale divided" else scale
+        return (family.q[slot].to(torch.float32) * scale).to(dtype)
+
+    return dequantize
+
+
+def mistakes_are_detected(fmt):
+    """The comparisons are sensitive: a reference with the nibbles swapped, the scale divided instead of
+    multiplied, or (FP8) w13's row blocks not restarting at up's first row is far from the kernels."""
+    x, topk, weights, w13, w2 = make_case(fmt, 17, 3, 2, 64, 32, 4)
+    pair, grouped = nan_rows(x, topk), nan_rows(x, topk)
+    expert_pair_rows_triton(x, topk, weights, w13, w2, pair)
+    grouped_expert_rows_triton(x, topk, weights, w13, w2, grouped)
+    want = reference_rows(x, topk, weights, w13, w2)
+    torch.testing.assert_close(pair, want, **TIGHT)
+    torch.testing.assert_close(grouped, want, **TIGHT)
+    mistakes = ["scale divided"] + (["nibbles swapped"] if fmt == NVFP4 else ["blocks not restarted at each part"])
+    for mistake in mistakes:
+        with mock.patch.object(qe, "dequantize_slot", _dequantize_wrongly(mistake)):
+            wrong = reference_rows(x, topk, weights, w13, w2)
+        for name, got in (("pair", pair), ("grouped", grouped)):
+            error = ((got - wrong).abs() / (wrong.abs() + 1e-3)).max().item()
+            assert error > 0.1, f"{name} kernel within {error:.2g} of a reference with {mistake}"
+
+
+CASES = {}
+for _fmt in (NVFP4, FP8_BLOCK):
+    CASES.update({
+        f"{_fmt}/pair_tiny_skipped_offset": lambda f=_fmt: pair_kernel_matches(f, 12, 2, 4, 64, 32, 6, 2, 3),
+        f"{_fmt}/pair_i_not_a_multiple_of_128": lambda f=_fmt: pair_kernel_matches(f, 13, 2, 2, 256, 192, 4, 1, 0),
+        f"{_fmt}/pair_ragged_two_steps": lambda f=_fmt: pair_kernel_matches(f, 15, 2, 2, 288 if f == NVFP4 else 200,
+                                                                           48 if f == NVFP4 else 72, 3, 1, 1),
+        f"{_fmt}/grouped_tiny_several_blocks_of_one_slot": lambda f=_fmt: grouped_kernel_matches(f, 2, 37, 4, 64, 32, 6, 5),
+        f"{_fmt}/grouped_i_not_a_multiple_of_128": lambda f=_fmt: grouped_kernel_matches(f, 1, 5, 2, 256, 192, 4, 2),
+        f"{_fmt}/grouped_ragged": lambda f=_fmt: grouped_kernel_matches(f, 4, 6, 2, 288 if f == NVFP4 else 200,
+                                                                        48 if f == NVFP4 else 72, 3, 1),
+        f"{_fmt}/host_aligned_rows": lambda f=_fmt: host_aligned_rows_match(f),
+        f"{_fmt}/slot_window_computes_one_chunk_at_its_staging_slots":
+            lambda f=_fmt: slot_window_computes_one_chunk_at_its_staging_slots(f),
+        f"{_fmt}/tight_grid_with_max_distinct_slots": lambda f=_fmt: tight_grid_with_max_distinct_slots(f),
+        f"{_fmt}/bfloat16_within_rounding": lambda f=_fmt: bfloat16_within_rounding(f),
+        f"{_fmt}/mistakes_are_detected": lambda f=_fmt: mistakes_are_detected(f),
+    })  # fmt: skip
+
+
+def main() -> None:
+    results = {}
+    for name, case in CASES.items():
+        try:
+            case()
+            results[name] = None
+        except Exception:  # noqa: BLE001 - every failure is reported to the parent test
+            results[name] = traceback.format_exc()
+    json.dump(results, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

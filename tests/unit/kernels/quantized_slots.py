@@ -1,0 +1,59 @@
+"""Random quantized slots for the kernel tests: `QuantizedFamily` views over one uint8 [S, row_bytes]
+buffer laid out as kernels/quantized_experts.py describes (parts in order, each at a 16-byte
+boundary, one slot's parts row_bytes apart), with random valid contents. The bytes between and
+after the parts are random too, so a kernel reading outside its part is not reading zeros."""
+
+from __future__ import annotations
+
+import torch
+
+from ferry.kernels.quantized_experts import FP8_BLOCK, FP8_BLOCK_SIZE, NVFP4, NVFP4_GROUP, QuantizedFamily, ceil_div
+
+PART_ALIGN = 16
+
+
+def _parts(fmt: str, rows: int, cols: int, part_rows: int) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    if fmt == NVFP4:
+        return [("q", torch.uint8, (rows, cols // 2)), ("scale", torch.float8_e4m3fn, (rows, cols // NVFP4_GROUP)),
+                ("gscale", torch.float32, (rows,))]  # fmt: skip
+    row_blocks = (rows // part_rows) * ceil_div(part_rows, FP8_BLOCK_SIZE)
+    return [("q", torch.float8_e4m3fn, (rows, cols)), ("scale", torch.float32, (row_blocks, ceil_div(cols, FP8_BLOCK_SIZE)))]
+
+
+def make_family(fmt: str, rows: int, cols: int, part_rows: int, slots: int, gen: torch.Generator,
+                exact_bf16: bool = False) -> QuantizedFamily:  # fmt: skip
+    """S slots of one weight family (rows x cols values, projections of part_rows rows), weights of
+    root mean square about 1/sqrt(cols), as the plain kernels' tests draw them. `exact_bf16`: every
+    scale a power of two, so every weight dequantizes exactly to bf16 (the Triton interpreter rounds
+    toward zero where the GPU and torch round to nearest: these weights round alike everywhere)."""
+    layout, cursor = [], 0
+    for name, dtype, shape in _parts(fmt, rows, cols, part_rows):
+        nbytes = dtype.itemsize * int(torch.tensor(shape).prod())
+        layout.append((name, dtype, shape, cursor, nbytes))
+        cursor = -(-(cursor + nbytes) // PART_ALIGN) * PART_ALIGN
+    buf = torch.randint(0, 256, (slots, cursor), dtype=torch.uint8, generator=gen)  # garbage between parts
+    views = {name: buf[:, off : off + n].view(dtype).unflatten(-1, shape) for name, dtype, shape, off, n in layout}
+    def spread(*shape):  # 0.5 .. 2, root mean square 1.163
+        e = torch.rand(*shape, generator=gen) * 2 - 1
+        return torch.exp2(e.round() if exact_bf16 else e)
+
+    if fmt == NVFP4:
+        # codes: any byte is two valid e2m1 codes (root mean square 2.93)
+        views["gscale"].copy_(0.01 * spread(slots, rows))
+        scale = spread(slots, rows, cols // NVFP4_GROUP) / (2.93 * 1.353 * 0.01 * cols**0.5)
+        scale = torch.exp2(scale.log2().round()) if exact_bf16 else scale
+        views["scale"].copy_(scale.to(torch.float8_e4m3fn))
+    elif fmt == FP8_BLOCK:
+        views["q"].copy_((torch.randn(slots, rows, cols, generator=gen) * 0.5).to(torch.float8_e4m3fn))
+        scale = spread(*views["scale"].shape) * 2 / (1.163 * cols**0.5)
+        views["scale"].copy_(torch.exp2(scale.log2().round()) if exact_bf16 else scale)
+    else:
+        raise ValueError(fmt)
+    return QuantizedFamily(fmt, rows, cols, part_rows, views["q"], views["scale"], views.get("gscale"))
+
+
+def make_experts(fmt: str, hidden: int, inter: int, slots: int, gen: torch.Generator,
+                 exact_bf16: bool = False) -> tuple[QuantizedFamily, QuantizedFamily]:  # fmt: skip
+    """(w13, w2) of `slots` experts: w13 = [gate; up] [2I, H] in parts of I rows, w2 = down [H, I]."""
+    return (make_family(fmt, 2 * inter, hidden, inter, slots, gen, exact_bf16),
+            make_family(fmt, hidden, inter, hidden, slots, gen, exact_bf16))  # fmt: skip
