@@ -28,7 +28,9 @@ sys.path.insert(0, str(ROOT))
 from bench.serve_process import make_bench_model, start_serve  # noqa: E402
 
 MODELS = ROOT / "tests/data/models"
-# name: (config, layers or None for all, serve flags)
+# name: (config, layers or None for all, serve flags[, checkpoint format: bf16 (default), nvfp4, fp8])
+HYBRID8 = ["--gpu-memory", "12GiB", "--max-running-requests", "8"]
+FULL = ["--gpu-memory", "24GiB", "--max-running-requests", "8", "--max-model-len", "8192"]
 WORKLOADS = {
     "12layer": (MODELS / "qwen3-30b-a3b/config.json", 12,
                 ["--moe-cache-size", "512", "--gpu-memory", "12GiB", "--max-running-requests", "8"]),
@@ -38,6 +40,14 @@ WORKLOADS = {
             ["--gpu-memory", "24GiB", "--max-running-requests", "8", "--max-model-len", "8192"]),
     "36b": (MODELS / "qwen3.6-35b-a3b/config.json", None,
             ["--gpu-memory", "24GiB", "--max-running-requests", "8", "--max-model-len", "8192"]),
+    # the quantized checkpoints (issue 21): the hybrid cut with 640 slots and with Ferry's own plan
+    "hybrid8_nvfp4": (MODELS / "qwen3.6-35b-a3b/config.json", 8, ["--moe-cache-size", "640", *HYBRID8], "nvfp4"),
+    "hybrid8_nvfp4_auto": (MODELS / "qwen3.6-35b-a3b/config.json", 8, HYBRID8, "nvfp4"),
+    "hybrid8_fp8": (MODELS / "qwen3.6-35b-a3b/config.json", 8, ["--moe-cache-size", "640", *HYBRID8], "fp8"),
+    "hybrid8_fp8_auto": (MODELS / "qwen3.6-35b-a3b/config.json", 8, HYBRID8, "fp8"),
+    "36b_nvfp4": (MODELS / "qwen3.6-35b-a3b/config.json", None, FULL, "nvfp4"),
+    "36b_fp8": (MODELS / "qwen3.6-35b-a3b/config.json", None, FULL, "fp8"),
+    "30b_fp8": (MODELS / "qwen3-30b-a3b/config.json", None, FULL, "fp8"),
 }  # fmt: skip
 VARIANTS = {"default": [], "no-prefetch": ["--no-expert-prefetch"], "eager": ["--enforce-eager"],
             # decode steps of 8 tokens copy with the GPU's cores inside the graph (the default before 8 streams measured faster on the copy engine)
@@ -55,15 +65,29 @@ def commit() -> str:
     return done.stdout.strip() or "unknown"
 
 
+def expert_slots(metrics_url: str | None) -> tuple[str, int] | None:
+    """(expert format, GPU expert slots) from the worker's /metrics."""
+    import re
+    import urllib.request
+
+    if not metrics_url:
+        return None
+    with urllib.request.urlopen(metrics_url, timeout=10) as r:
+        m = re.search(r'^ferry_worker_expert_slots\{format="([^"]+)"\} (\S+)$', r.read().decode(), re.M)
+    return (m[1], int(float(m[2]))) if m else None
+
+
 def run_workload(name: str, variant: str, out: Path, ceilings: Path, args) -> dict:
-    config, layers, flags = WORKLOADS[name]
+    config, layers, flags, *fmt = WORKLOADS[name]
+    fmt = fmt[0] if fmt else "bf16"
     tag = name if variant == "default" else f"{name}_{variant}"
-    model_dir = make_bench_model(Path(tempfile.mkdtemp(prefix="ferry-bench-")) / tag, config, layers)
+    model_dir = make_bench_model(Path(tempfile.mkdtemp(prefix="ferry-bench-")) / tag, config, layers, fmt)
     served = start_serve(model_dir, ["--load-format", "dummy", *flags, *VARIANTS[variant]], out / f"serve_{tag}.log")
     print(f"[{tag}] {served.command}", flush=True)
     try:
         ready = served.wait_ready(args.ready_timeout)
         print(f"[{tag}] ready in {ready:.0f} s", flush=True)
+        slots = expert_slots(served.worker_metrics)
         detail_path = out / f"openai_{tag}.json"
         cmd = [sys.executable, str(ROOT / "bench/serve_openai.py"), "--base-url", served.base + "/v1",
                "--streams", "1,8", "--max-tokens", str(args.max_tokens), "--ttft-prompt-len", str(args.ttft_prompt_len),
@@ -87,6 +111,7 @@ def run_workload(name: str, variant: str, out: Path, ceilings: Path, args) -> di
         "ttft_2k_prompt": detail["ttft_prompt"],  # the prompt of ttft_2k_s: text, or token ids
         **{f"ttft_2k{k}": None if detail[f"ttft{k}"] is None else round(detail[f"ttft{k}"], 4)
            for k in ("_s", "_wire_s", "_ids_s", "_ids_wire_s")},
+        "expert_format": slots[0] if slots else fmt, "expert_slots": slots[1] if slots else None,
         "hit_rate": one["expert_cache"]["hit_rate"] if one["expert_cache"] else None,
         "hit_rate_8": eight["expert_cache"]["hit_rate"] if eight["expert_cache"] else None,
         "prefetch_accuracy": one["expert_cache"]["prefetch_accuracy"] if one["expert_cache"] else None,

@@ -108,8 +108,10 @@ def start_serve(model_dir: str | Path, args: list[str], log_path: Path) -> Serve
     return Served(proc, port, worker_port, " ".join(["ferry", *cmd[3:]]), log)
 
 
-def make_bench_model(out: Path, config: Path, num_layers: int | None = None) -> Path:
-    cmd = [sys.executable, "-m", "ferry.services.cli", "make-bench-model", str(out), "--config", str(config)]
+def make_bench_model(out: Path, config: Path, num_layers: int | None = None, fmt: str = "bf16") -> Path:
+    """A bench model directory (config in expert format `fmt`: bf16, nvfp4 or fp8), for --load-format dummy."""
+    cmd = [sys.executable, "-m", "ferry.services.cli", "make-bench-model", str(out), "--config", str(config),
+           "--format", fmt]  # fmt: skip
     if num_layers is not None:
         cmd += ["--num-layers", str(num_layers)]
     subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)

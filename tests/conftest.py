@@ -33,3 +33,19 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
 def tiny_model(request, tiny_models) -> Path:
     """One tiny checkpoint per architecture (tests using it run once for each)."""
     return tiny_models[request.param]
+
+
+@pytest.fixture(scope="session")
+def quantized_tiny_models(tiny_models, tmp_path_factory):
+    """(arch, layout) -> a quantized copy of that tiny checkpoint (tests/quantized_models.py), made once."""
+    from tests.quantized_models import quantize_tiny
+
+    root = tmp_path_factory.mktemp("quantized-tiny-models")
+    made: dict[tuple[str, str], Path] = {}
+
+    def get(arch: str, layout: str) -> Path:
+        if (arch, layout) not in made:
+            made[(arch, layout)] = quantize_tiny(tiny_models[arch], root / f"{arch}-{layout}", layout)
+        return made[(arch, layout)]
+
+    return get

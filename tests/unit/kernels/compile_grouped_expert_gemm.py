@@ -1,5 +1,5 @@
-"""The routed-expert kernels (grouped GEMM, pair GEMV, row sum) compiled for Hopper without a GPU
-(hopper_compile.py; run by test_grouped_expert_gemm.py)."""
+"""The routed-expert kernels (grouped GEMM, pair GEMV, row sum, and their NVFP4 / FP8-block twins)
+compiled for Hopper without a GPU (hopper_compile.py; run by test_grouped_expert_gemm.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ from hopper_compile import print_results
 import ferry.kernels.expert_pair_gemv as pair
 import ferry.kernels.expert_rows_sum as rows_sum
 import ferry.kernels.grouped_expert_gemm as k
+import ferry.kernels.quantized_expert_gemm as qk
+import ferry.kernels.quantized_expert_gemv as qpair
 
 
 def signatures(dtype: str) -> list:
@@ -35,6 +37,58 @@ def signatures(dtype: str) -> list:
         out.append((f"{fn.__name__}[{dtype}]", fn, {**sig, **{c: "constexpr" for c in consts}}, consts))
     sum_sig = {"rows_ptr": "*fp32", "out_ptr": f"*{dtype}", "top_k": "i32", "H": "i32", "BLOCK": "constexpr"}
     out.append((f"_sum_rows_kernel[{dtype}]", rows_sum._sum_rows_kernel, sum_sig, {"BLOCK": rows_sum.BLOCK_H}))
+    return out + quantized_signatures(dtype)
+
+
+def quantized_signatures(dtype: str) -> list:
+    """The NVFP4 and FP8-block kernels: codes, scales (and NVFP4's per-row gscale) in place of the weights."""
+    ints = lambda *names: {n: "i32" for n in names}  # noqa: E731
+    upcast, precision = dtype == "fp32", ("ieee" if dtype == "fp32" else None)
+    nvfp4 = {"q_ptr": "*u8", "s_ptr": "*fp8e4nv", "g_ptr": "*fp32"}
+    fp8 = {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
+    aligned = {"sorted_pairs_ptr": "*i32", "block_slot_ptr": "*i32"}
+    window = ("num_pairs", "slot_lo", "slot_hi", "slot_shift")
+    grouped = [
+        (qk._nvfp4_gate_up_kernel, {"x_ptr": f"*{dtype}", **nvfp4, "act_ptr": f"*{dtype}", **aligned,
+                                    **ints(*window, "top_k", "H", "I", "stride_xt", "stride_xh", "stride_qs", "stride_qo",
+                                           "stride_ss", "stride_so", "stride_gs", "stride_am", "stride_an")}),
+        (qk._nvfp4_down_kernel, {"act_ptr": f"*{dtype}", **nvfp4, "rows_ptr": "*fp32", "weights_ptr": "*fp32", **aligned,
+                                 **ints(*window, "H", "I", "stride_am", "stride_an", "stride_qs", "stride_qo", "stride_ss",
+                                        "stride_so", "stride_gs")}),
+        (qk._fp8_gate_up_kernel, {"x_ptr": f"*{dtype}", **fp8, "act_ptr": f"*{dtype}", **aligned,
+                                  **ints(*window, "top_k", "H", "I", "up_row_block", "stride_xt", "stride_xh", "stride_qs",
+                                         "stride_qo", "stride_ss", "stride_so", "stride_am", "stride_an")}),
+        (qk._fp8_down_kernel, {"act_ptr": f"*{dtype}", **fp8, "rows_ptr": "*fp32", "weights_ptr": "*fp32", **aligned,
+                               **ints(*window, "H", "I", "stride_am", "stride_an", "stride_qs", "stride_qo", "stride_ss",
+                                      "stride_so")}),
+    ]  # fmt: skip
+    out = []
+    for fn, sig in grouped:
+        for block_m in (16, 64):  # the decode and the prefill block
+            consts = {"BLOCK_M": block_m, "BLOCK_N": qk.BLOCK_N, "BLOCK_K": qk.BLOCK_K, "UPCAST": upcast,
+                      "PRECISION": precision}  # fmt: skip
+            out.append((f"{fn.__name__}[{dtype}, BLOCK_M={block_m}]", fn, {**sig, **{c: "constexpr" for c in consts}},
+                        consts))  # fmt: skip
+    pair = [
+        (qpair._nvfp4_pair_gate_up_kernel, {"x_ptr": f"*{dtype}", **nvfp4, "act_ptr": f"*{dtype}", "slots_ptr": "*i64",
+                                            **ints("slot_offset", "top_k", "H", "I", "stride_xt", "stride_qs", "stride_qo",
+                                                   "stride_ss", "stride_so", "stride_gs")},
+         {"BLOCK_N": qpair.GATE_UP_BLOCK_N, "GROUPS": qpair.NVFP4_GROUPS_PER_STEP}),
+        (qpair._nvfp4_pair_down_kernel, {"act_ptr": f"*{dtype}", **nvfp4, "rows_ptr": "*fp32", "weights_ptr": f"*{dtype}",
+                                         "slots_ptr": "*i32", **ints("slot_offset", "H", "I", "stride_qs", "stride_qo",
+                                                                     "stride_ss", "stride_so", "stride_gs")},
+         {"BLOCK_N": qpair.DOWN_BLOCK_N, "GROUPS": qpair.NVFP4_GROUPS_PER_STEP}),
+        (qpair._fp8_pair_gate_up_kernel, {"x_ptr": f"*{dtype}", **fp8, "act_ptr": f"*{dtype}", "slots_ptr": "*i64",
+                                          **ints("slot_offset", "top_k", "H", "I", "up_row_block", "stride_xt", "stride_qs",
+                                                 "stride_qo", "stride_ss", "stride_so")},
+         {"BLOCK_N": qpair.GATE_UP_BLOCK_N, "BLOCKS": qpair.FP8_BLOCKS_PER_STEP}),
+        (qpair._fp8_pair_down_kernel, {"act_ptr": f"*{dtype}", **fp8, "rows_ptr": "*fp32", "weights_ptr": f"*{dtype}",
+                                       "slots_ptr": "*i32", **ints("slot_offset", "H", "I", "stride_qs", "stride_qo",
+                                                                   "stride_ss", "stride_so")},
+         {"BLOCK_N": qpair.DOWN_BLOCK_N, "BLOCKS": qpair.FP8_BLOCKS_PER_STEP}),
+    ]  # fmt: skip
+    for fn, sig, consts in pair:
+        out.append((f"{fn.__name__}[{dtype}]", fn, {**sig, **{c: "constexpr" for c in consts}}, consts))
     return out
 
 

@@ -23,9 +23,10 @@ def _parts(fmt: str, rows: int, cols: int, part_rows: int) -> list[tuple[str, to
 def make_family(fmt: str, rows: int, cols: int, part_rows: int, slots: int, gen: torch.Generator,
                 exact_bf16: bool = False) -> QuantizedFamily:  # fmt: skip
     """S slots of one weight family (rows x cols values, projections of part_rows rows), weights of
-    root mean square about 1/sqrt(cols), as the plain kernels' tests draw them. `exact_bf16`: every
-    scale a power of two, so every weight dequantizes exactly to bf16 (the Triton interpreter rounds
-    toward zero where the GPU and torch round to nearest: these weights round alike everywhere)."""
+    root mean square about 1/sqrt(cols), as the plain kernels' tests draw them. `exact_bf16`: scales
+    of few significant bits (NVFP4's gscale 2, FP8's block scales 4: with the codes' 2 + 4 or 4, at
+    most bf16's 8), so every weight dequantizes exactly to bf16 (the Triton interpreter rounds toward
+    zero where the GPU and torch round to nearest: these weights round alike everywhere)."""
     layout, cursor = [], 0
     for name, dtype, shape in _parts(fmt, rows, cols, part_rows):
         nbytes = dtype.itemsize * int(torch.tensor(shape).prod())
@@ -33,20 +34,20 @@ def make_family(fmt: str, rows: int, cols: int, part_rows: int, slots: int, gen:
         cursor = -(-(cursor + nbytes) // PART_ALIGN) * PART_ALIGN
     buf = torch.randint(0, 256, (slots, cursor), dtype=torch.uint8, generator=gen)  # garbage between parts
     views = {name: buf[:, off : off + n].view(dtype).unflatten(-1, shape) for name, dtype, shape, off, n in layout}
-    def spread(*shape):  # 0.5 .. 2, root mean square 1.163
-        e = torch.rand(*shape, generator=gen) * 2 - 1
-        return torch.exp2(e.round() if exact_bf16 else e)
-
+    spread = lambda *shape: torch.exp2(torch.rand(*shape, generator=gen) * 2 - 1)  # noqa: E731  (0.5 .. 2, rms 1.163)
     if fmt == NVFP4:
         # codes: any byte is two valid e2m1 codes (root mean square 2.93)
-        views["gscale"].copy_(0.01 * spread(slots, rows))
+        gscale = 0.01 * spread(slots, rows)
+        if exact_bf16:
+            mantissa, exponent = torch.frexp(gscale)
+            gscale = torch.ldexp((mantissa * 4).round() / 4, exponent)
+        views["gscale"].copy_(gscale)
         scale = spread(slots, rows, cols // NVFP4_GROUP) / (2.93 * 1.353 * 0.01 * cols**0.5)
-        scale = torch.exp2(scale.log2().round()) if exact_bf16 else scale
         views["scale"].copy_(scale.to(torch.float8_e4m3fn))
     elif fmt == FP8_BLOCK:
         views["q"].copy_((torch.randn(slots, rows, cols, generator=gen) * 0.5).to(torch.float8_e4m3fn))
         scale = spread(*views["scale"].shape) * 2 / (1.163 * cols**0.5)
-        views["scale"].copy_(torch.exp2(scale.log2().round()) if exact_bf16 else scale)
+        views["scale"].copy_(scale.to(torch.float8_e4m3fn).float() if exact_bf16 else scale)
     else:
         raise ValueError(fmt)
     return QuantizedFamily(fmt, rows, cols, part_rows, views["q"], views["scale"], views.get("gscale"))
