@@ -29,7 +29,9 @@ from ferry.kernels.grouped_expert_gemm import (
 from ferry.kernels.quantized_expert_gemv import _e2m1_high, _e2m1_low, check_quantized_families
 from ferry.kernels.quantized_experts import NVFP4, QuantizedFamily
 
-BLOCK_N, BLOCK_K = 64, 128  # BLOCK_K inputs a step: 64 bytes of NVFP4 codes, or 128 of FP8 (one column block)
+# BLOCK_K inputs a step: for 16-bit x 128 (64 bytes of NVFP4 codes a row, or 128 of FP8: one column
+# block); float32 tiles are twice the bytes, so half the step (and half the compile time)
+BLOCK_N, BLOCK_K_16BIT, BLOCK_K_FP32 = 64, 128, 64
 
 
 @triton.jit
@@ -247,7 +249,8 @@ def quantized_grouped_rows_triton(x, topk_slots, topk_weights, w13: QuantizedFam
     upcast = _INTERPRETING or x.dtype == torch.float32
     precision = "ieee" if x.dtype == torch.float32 else None  # fp32 in, fp32 accuracy out (no TF32)
     num_blocks = block_slot.numel()
-    meta = dict(BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, UPCAST=upcast, PRECISION=precision)  # all four kernels
+    block_k = BLOCK_K_FP32 if x.dtype == torch.float32 else BLOCK_K_16BIT
+    meta = dict(BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k, UPCAST=upcast, PRECISION=precision)  # all four kernels
     lo, hi, shift = slot_window
     up_grid, down_grid = (num_blocks, triton.cdiv(inter, BLOCK_N)), (num_blocks, triton.cdiv(h, BLOCK_N))
     if w13.fmt == NVFP4:

@@ -65,7 +65,8 @@ def quantized_signatures(dtype: str) -> list:
     out = []
     for fn, sig in grouped:
         for block_m in (16, 64):  # the decode and the prefill block
-            consts = {"BLOCK_M": block_m, "BLOCK_N": qk.BLOCK_N, "BLOCK_K": qk.BLOCK_K, "UPCAST": upcast,
+            block_k = qk.BLOCK_K_FP32 if dtype == "fp32" else qk.BLOCK_K_16BIT
+            consts = {"BLOCK_M": block_m, "BLOCK_N": qk.BLOCK_N, "BLOCK_K": block_k, "UPCAST": upcast,
                       "PRECISION": precision}  # fmt: skip
             out.append((f"{fn.__name__}[{dtype}, BLOCK_M={block_m}]", fn, {**sig, **{c: "constexpr" for c in consts}},
                         consts))  # fmt: skip
