@@ -1,0 +1,49 @@
+"""Quantized checkpoints served by `ferry serve` (issue 21): a tiny checkpoint of each architecture in each
+published layout (tests/quantized_models.py: nvidia modelopt NVFP4, compressed-tensors NVFP4 made by
+compressed-tensors itself, Qwen's FP8 blocks), through the real api, scheduler and worker on CPU, the
+official openai client asking for prompt logprobs (echo): they equal transformers' log-softmax of the
+same checkpoint dequantized (float32) within 0.05. Half of them run offloaded (fewer expert slots than
+experts: the quantized rows cross from the host banks), and /metrics names the format."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.conftest import TINY_ARCHS
+from tests.integration.harness import REAL_WORKER_ENV, serve_model
+from tests.quantized_models import LAYOUTS, dequantized_copy
+
+PROMPT = " ".join(["The ferry carries the experts across the water"] * 6)
+TOLERANCE = 0.05  # activations stay float32 here (W4A16, W8A16): the issue's bound for NVFP4 holds both
+
+
+def _hf_logprobs(model_dir, ids: list[int]):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_served_prompt_logprobs_equal_transformers_on_the_dequantized_weights(quantized_tiny_models, tmp_path,
+                                                                              arch, layout):  # fmt: skip
+    from transformers import AutoTokenizer
+
+    model = quantized_tiny_models(arch, layout)
+    reference = dequantized_copy(model, tmp_path / "dequantized")
+    ids = AutoTokenizer.from_pretrained(model).encode(PROMPT, add_special_tokens=False)
+    want = _hf_logprobs(reference, ids)
+    offload = ("--moe-cache-size", "9") if (arch == "qwen3_5_moe") == (layout != "fp8") else ()
+    with serve_model(model, tmp_path, REAL_WORKER_ENV, "--dtype", "float32", *offload) as served:
+        client = openai.OpenAI(base_url=served.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        r = client.completions.create(model="tiny", prompt=ids, max_tokens=0, echo=True, logprobs=1, temperature=0)
+        got = r.choices[0].logprobs.token_logprobs
+        assert len(got) == len(ids) and got[0] is None
+        worst = max(abs(got[p] - float(want[p - 1, ids[p]])) for p in range(1, len(ids)))
+        assert worst < TOLERANCE, f"{layout} {arch}: prompt logprobs off by {worst}"
+        fmt = "fp8-block" if layout == "fp8" else "nvfp4"
+        assert any(e.get("event") == "plan" and e.get("expert_format") == fmt for e in served.events())
