@@ -5,11 +5,12 @@ reference: `quantized_expert_rows_reference` (kernels/quantized_experts.py).
 Each program dequantizes its slot's weight tile in registers (as `dequantize_slot` does, rounded to
 x's dtype: quantized_expert_gemv.py says why that gives the same values) and feeds it to tl.dot
 with BLOCK_M of the slot's tokens, so every weight byte is read once per block of tokens and no
-dense copy of the weights exists. The reduction steps are laid out so scales need no shuffle:
+dense copy of the weights exists. Every load is a whole tile (vectorised, and pipelined by Triton):
 * NVFP4: a step of BLOCK_K inputs is BLOCK_K / 2 bytes; the low nibbles [BLOCK_K / 2, BLOCK_N] meet
   x's even inputs and the high nibbles its odd ones, in two dots (the same sum, without
-  interleaving the nibbles); each byte's group scale is loaded with the group's other 7 bytes
-  (repeated addresses: one load from the cache).
+  interleaving the nibbles); x's tile is split into its even and odd columns in registers, and the
+  step's BLOCK_K / 16 group scales are loaded once and spread over their groups' bytes there
+  (a gather per byte costs one load instruction per weight byte).
 * FP8-block: a step stays in one 128-column block, so its scales are one per output row.
 """
 
@@ -29,18 +30,34 @@ from ferry.kernels.grouped_expert_gemm import (
 from ferry.kernels.quantized_expert_gemv import _e2m1_high, _e2m1_low, check_quantized_families
 from ferry.kernels.quantized_experts import NVFP4, QuantizedFamily
 
-# BLOCK_K inputs a step: for 16-bit x 128 (64 bytes of NVFP4 codes a row, or 128 of FP8: one column
-# block); float32 tiles are twice the bytes, so half the step (and half the compile time)
-BLOCK_N, BLOCK_K_16BIT, BLOCK_K_FP32 = 64, 128, 64
+BLOCK_N = 64
+
+
+def block_k_for(fmt: str, block_m: int, dtype: torch.dtype) -> int:
+    """Inputs a reduction step (a divisor of 128, so an FP8 step stays in one column block). Measured
+    on the H200 (Qwen3-30B-A3B's experts): 64, but 128 for FP8 with bf16 x at decode's BLOCK_M
+    (179 us against 260 at 64 tokens); float32 tiles are twice the bytes (and compile slowly), 64."""
+    return 128 if fmt != NVFP4 and block_m <= 16 and dtype != torch.float32 else 64
 
 
 @triton.jit
 def _nvfp4_tiles(b, scale, gscale, W_TY: tl.constexpr):
-    """Byte tile b [J, N] as its low-nibble and high-nibble weights in W_TY (code * group scale, times
-    2**14 in `scale`, then * gscale [1, N]: dequantize_slot's products in its order)."""
-    lo = ((_e2m1_low(b) * scale) * gscale).to(W_TY)
-    hi = ((_e2m1_high(b) * scale) * gscale).to(W_TY)
+    """Byte tile b [J, N] as its low-nibble and high-nibble weights in W_TY: code * group scale (its
+    [J / 8, N] group scales, times 2**14 (see _e2m1_low), each spread over its group's 8 bytes), then
+    * gscale [1, N]: dequantize_slot's products in its order."""
+    groups: tl.constexpr = scale.shape[0]
+    cols: tl.constexpr = scale.shape[1]
+    s = tl.reshape(tl.broadcast_to(scale[:, None, :], (groups, 8, cols)), (groups * 8, cols))
+    lo = ((_e2m1_low(b) * s) * gscale).to(W_TY)
+    hi = ((_e2m1_high(b) * s) * gscale).to(W_TY)
     return lo, hi
+
+
+@triton.jit
+def _even_odd(x_ptrs, mask, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A [BLOCK_M, BLOCK_K] tile loaded whole (vector loads), split into its even and odd columns."""
+    x = tl.load(x_ptrs, mask=mask, other=0.0)
+    return tl.split(tl.reshape(x, (BLOCK_M, BLOCK_K // 2, 2)))
 
 
 @triton.jit(do_not_specialize=["num_pairs", "slot_lo", "slot_hi", "slot_shift"])
@@ -61,11 +78,13 @@ def _nvfp4_gate_up_kernel(
     token = pair // top_k
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < I
+    offs_k = tl.arange(0, BLOCK_K)
     offs_j = tl.arange(0, BLOCK_K // 2)  # byte j of a step: inputs 2j (low nibble) and 2j + 1 (high)
-    x_lo = x_ptr + token[:, None] * stride_xt + (2 * offs_j)[None, :] * stride_xh  # [BLOCK_M, BLOCK_K / 2]
+    offs_s = tl.arange(0, BLOCK_K // 16)  # the step's groups
+    x_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :] * stride_xh
     q_g = q_ptr + slot * stride_qs + offs_n[None, :] * stride_qo + offs_j[:, None]  # [BLOCK_K / 2, BLOCK_N]
     q_u = q_g + I * stride_qo  # up rows follow the gate rows
-    s_g = s_ptr + slot * stride_ss + offs_n[None, :] * stride_so + (offs_j // 8)[:, None]
+    s_g = s_ptr + slot * stride_ss + offs_n[None, :] * stride_so + offs_s[:, None]  # [BLOCK_K / 16, BLOCK_N]
     s_u = s_g + I * stride_so
     g_row = g_ptr + slot * stride_gs + offs_n
     gs_g = tl.load(g_row, mask=n_ok, other=0.0)[None, :]
@@ -73,17 +92,14 @@ def _nvfp4_gate_up_kernel(
     w_ty = act_ptr.dtype.element_ty
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    half = H // 2
-    for j0 in range(0, half, BLOCK_K // 2):
-        j_ok = offs_j + j0 < half
-        a_mask = row_ok[:, None] & j_ok[None, :]
-        a_lo = tl.load(x_lo + 2 * j0 * stride_xh, mask=a_mask, other=0.0)
-        a_hi = tl.load(x_lo + (2 * j0 + 1) * stride_xh, mask=a_mask, other=0.0)
-        w_mask = j_ok[:, None] & n_ok[None, :]
-        sg = tl.load(s_g + j0 // 8, mask=w_mask, other=0.0).to(tl.float32) * 16384.0  # 2**14: see _e2m1_low
-        su = tl.load(s_u + j0 // 8, mask=w_mask, other=0.0).to(tl.float32) * 16384.0
-        g_lo, g_hi = _nvfp4_tiles(tl.load(q_g + j0, mask=w_mask, other=0), sg, gs_g, w_ty)
-        u_lo, u_hi = _nvfp4_tiles(tl.load(q_u + j0, mask=w_mask, other=0), su, gs_u, w_ty)
+    for k0 in range(0, H, BLOCK_K):  # H % 16 == 0: a group is in or out whole
+        a_lo, a_hi = _even_odd(x_ptrs + k0 * stride_xh, row_ok[:, None] & (offs_k + k0 < H)[None, :], BLOCK_M, BLOCK_K)
+        w_mask = (offs_j + k0 // 2 < H // 2)[:, None] & n_ok[None, :]
+        s_mask = (offs_s + k0 // 16 < H // 16)[:, None] & n_ok[None, :]
+        sg = tl.load(s_g + k0 // 16, mask=s_mask, other=0.0).to(tl.float32) * 16384.0
+        su = tl.load(s_u + k0 // 16, mask=s_mask, other=0.0).to(tl.float32) * 16384.0
+        g_lo, g_hi = _nvfp4_tiles(tl.load(q_g + k0 // 2, mask=w_mask, other=0), sg, gs_g, w_ty)
+        u_lo, u_hi = _nvfp4_tiles(tl.load(q_u + k0 // 2, mask=w_mask, other=0), su, gs_u, w_ty)
         if UPCAST:
             a_lo, a_hi = a_lo.to(tl.float32), a_hi.to(tl.float32)
             g_lo, g_hi, u_lo, u_hi = g_lo.to(tl.float32), g_hi.to(tl.float32), u_lo.to(tl.float32), u_hi.to(tl.float32)
@@ -116,22 +132,20 @@ def _nvfp4_down_kernel(
     offs_m, pair, row_ok = _block_rows(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output features (H)
     n_ok = offs_n < H
-    offs_j = tl.arange(0, BLOCK_K // 2)  # reduction over I, two inputs a byte
-    a_lo = act_ptr + offs_m[:, None].to(tl.int64) * stride_am + (2 * offs_j)[None, :] * stride_an
+    offs_k = tl.arange(0, BLOCK_K)  # reduction over I
+    offs_j = tl.arange(0, BLOCK_K // 2)  # two inputs a byte
+    offs_s = tl.arange(0, BLOCK_K // 16)
+    a_ptrs = act_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_an
     q_w = q_ptr + slot * stride_qs + offs_n[None, :] * stride_qo + offs_j[:, None]
-    s_w = s_ptr + slot * stride_ss + offs_n[None, :] * stride_so + (offs_j // 8)[:, None]
+    s_w = s_ptr + slot * stride_ss + offs_n[None, :] * stride_so + offs_s[:, None]
     gs = tl.load(g_ptr + slot * stride_gs + offs_n, mask=n_ok, other=0.0)[None, :]
     w_ty = act_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    half = I // 2
-    for j0 in range(0, half, BLOCK_K // 2):
-        j_ok = offs_j + j0 < half
-        a_mask = row_ok[:, None] & j_ok[None, :]
-        x_lo = tl.load(a_lo + 2 * j0 * stride_an, mask=a_mask, other=0.0)
-        x_hi = tl.load(a_lo + (2 * j0 + 1) * stride_an, mask=a_mask, other=0.0)
-        w_mask = j_ok[:, None] & n_ok[None, :]
-        s = tl.load(s_w + j0 // 8, mask=w_mask, other=0.0).to(tl.float32) * 16384.0
-        w_lo, w_hi = _nvfp4_tiles(tl.load(q_w + j0, mask=w_mask, other=0), s, gs, w_ty)
+    for k0 in range(0, I, BLOCK_K):
+        x_lo, x_hi = _even_odd(a_ptrs + k0 * stride_an, row_ok[:, None] & (offs_k + k0 < I)[None, :], BLOCK_M, BLOCK_K)
+        w_mask = (offs_j + k0 // 2 < I // 2)[:, None] & n_ok[None, :]
+        s = tl.load(s_w + k0 // 16, mask=(offs_s + k0 // 16 < I // 16)[:, None] & n_ok[None, :], other=0.0)
+        w_lo, w_hi = _nvfp4_tiles(tl.load(q_w + k0 // 2, mask=w_mask, other=0), s.to(tl.float32) * 16384.0, gs, w_ty)
         if UPCAST:
             x_lo, x_hi, w_lo, w_hi = x_lo.to(tl.float32), x_hi.to(tl.float32), w_lo.to(tl.float32), w_hi.to(tl.float32)
         acc = tl.dot(x_lo, w_lo, acc, input_precision=PRECISION)
@@ -249,8 +263,8 @@ def quantized_grouped_rows_triton(x, topk_slots, topk_weights, w13: QuantizedFam
     upcast = _INTERPRETING or x.dtype == torch.float32
     precision = "ieee" if x.dtype == torch.float32 else None  # fp32 in, fp32 accuracy out (no TF32)
     num_blocks = block_slot.numel()
-    block_k = BLOCK_K_FP32 if x.dtype == torch.float32 else BLOCK_K_16BIT
-    meta = dict(BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k, UPCAST=upcast, PRECISION=precision)  # all four kernels
+    block_k = block_k_for(w13.fmt, block_m, x.dtype)
+    meta = dict(BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k, UPCAST=upcast, PRECISION=precision)  # all four
     lo, hi, shift = slot_window
     up_grid, down_grid = (num_blocks, triton.cdiv(inter, BLOCK_N)), (num_blocks, triton.cdiv(h, BLOCK_N))
     if w13.fmt == NVFP4:

@@ -103,10 +103,13 @@ def slot_family_bytes(spec: ModelSpec, dtype: str) -> tuple[int, int]:
     return w13.nbytes, w2.nbytes
 
 
-def expert_format_name(spec: ModelSpec, bank_format: str) -> str:
+def expert_format_name(spec: ModelSpec, bank_format: str, dtype: str = "bfloat16") -> str:
     """The format's name for the plan, /metrics and `generate --json`: the slot format, or for
-    unquantized experts the banks' (`bf16-packed` when packed)."""
+    unquantized experts the banks' (`bf16-packed` when packed; the run dtype's name for plain
+    experts in another dtype than bf16, e.g. `float32` on CPU)."""
     fmt = slot_format(spec)
     if fmt != BF16:
         return fmt
-    return BF16_PACKED if bank_format == "packed" else BF16
+    if bank_format == "packed":
+        return BF16_PACKED
+    return BF16 if dtype == "bfloat16" else dtype

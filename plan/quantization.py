@@ -140,7 +140,7 @@ def _compressed_tensors(qc: dict[str, Any], source: str) -> QuantScheme:
                               f"{weights.get('num_bits')}-bit {weights.get('type')} {weights.get('strategy')}) is not "
                               f"supported; Ferry serves {SUPPORTED}")  # fmt: skip
     ignored = [str(p) for p in qc.get("ignore") or []]
-    experts_ignored = all(any(_ct_ignored(p, n) for p in ignored) for n in expert_module_names())
+    experts_ignored = any(_ct_ignored(p, n) for p in ignored for n in expert_module_names())
     return QuantScheme("compressed-tensors", "nvfp4-pack-quantized", None if experts_ignored else "nvfp4", source)
 
 

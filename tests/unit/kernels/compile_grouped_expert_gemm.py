@@ -3,6 +3,7 @@ compiled for Hopper without a GPU (hopper_compile.py; run by test_grouped_expert
 
 from __future__ import annotations
 
+import torch
 from hopper_compile import print_results
 
 import ferry.kernels.expert_pair_gemv as pair
@@ -10,6 +11,7 @@ import ferry.kernels.expert_rows_sum as rows_sum
 import ferry.kernels.grouped_expert_gemm as k
 import ferry.kernels.quantized_expert_gemm as qk
 import ferry.kernels.quantized_expert_gemv as qpair
+from ferry.kernels.quantized_experts import FP8_BLOCK, NVFP4
 
 
 def signatures(dtype: str) -> list:
@@ -47,25 +49,26 @@ def quantized_signatures(dtype: str) -> list:
     nvfp4 = {"q_ptr": "*u8", "s_ptr": "*fp8e4nv", "g_ptr": "*fp32"}
     fp8 = {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
     aligned = {"sorted_pairs_ptr": "*i32", "block_slot_ptr": "*i32"}
-    window = ("num_pairs", "slot_lo", "slot_hi", "slot_shift")
-    grouped = [
+    window = ("slot_lo", "slot_hi", "slot_shift")
+    grouped = [  # arguments in the kernels' order
         (qk._nvfp4_gate_up_kernel, {"x_ptr": f"*{dtype}", **nvfp4, "act_ptr": f"*{dtype}", **aligned,
-                                    **ints(*window, "top_k", "H", "I", "stride_xt", "stride_xh", "stride_qs", "stride_qo",
-                                           "stride_ss", "stride_so", "stride_gs", "stride_am", "stride_an")}),
+                                    **ints("num_pairs", "top_k", "H", "I", *window, "stride_xt", "stride_xh", "stride_qs",
+                                           "stride_qo", "stride_ss", "stride_so", "stride_gs", "stride_am", "stride_an")}),
         (qk._nvfp4_down_kernel, {"act_ptr": f"*{dtype}", **nvfp4, "rows_ptr": "*fp32", "weights_ptr": "*fp32", **aligned,
-                                 **ints(*window, "H", "I", "stride_am", "stride_an", "stride_qs", "stride_qo", "stride_ss",
-                                        "stride_so", "stride_gs")}),
+                                 **ints("num_pairs", "H", "I", *window, "stride_am", "stride_an", "stride_qs", "stride_qo",
+                                        "stride_ss", "stride_so", "stride_gs")}),
         (qk._fp8_gate_up_kernel, {"x_ptr": f"*{dtype}", **fp8, "act_ptr": f"*{dtype}", **aligned,
-                                  **ints(*window, "top_k", "H", "I", "up_row_block", "stride_xt", "stride_xh", "stride_qs",
-                                         "stride_qo", "stride_ss", "stride_so", "stride_am", "stride_an")}),
+                                  **ints("num_pairs", "top_k", "H", "I", *window, "up_row_block", "stride_xt", "stride_xh",
+                                         "stride_qs", "stride_qo", "stride_ss", "stride_so", "stride_am", "stride_an")}),
         (qk._fp8_down_kernel, {"act_ptr": f"*{dtype}", **fp8, "rows_ptr": "*fp32", "weights_ptr": "*fp32", **aligned,
-                               **ints(*window, "H", "I", "stride_am", "stride_an", "stride_qs", "stride_qo", "stride_ss",
-                                      "stride_so")}),
+                               **ints("num_pairs", "H", "I", *window, "stride_am", "stride_an", "stride_qs", "stride_qo",
+                                      "stride_ss", "stride_so")}),
     ]  # fmt: skip
     out = []
     for fn, sig in grouped:
         for block_m in (16, 64):  # the decode and the prefill block
-            block_k = qk.BLOCK_K_FP32 if dtype == "fp32" else qk.BLOCK_K_16BIT
+            fmt = NVFP4 if "nvfp4" in fn.__name__ else FP8_BLOCK
+            block_k = qk.block_k_for(fmt, block_m, torch.float32 if dtype == "fp32" else torch.bfloat16)
             consts = {"BLOCK_M": block_m, "BLOCK_N": qk.BLOCK_N, "BLOCK_K": block_k, "UPCAST": upcast,
                       "PRECISION": precision}  # fmt: skip
             out.append((f"{fn.__name__}[{dtype}, BLOCK_M={block_m}]", fn, {**sig, **{c: "constexpr" for c in consts}},

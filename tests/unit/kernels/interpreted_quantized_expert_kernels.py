@@ -23,7 +23,12 @@ from ferry.kernels.grouped_expert_gemm import (  # noqa: E402
     block_m_for,
     grouped_expert_rows_triton,
 )
-from ferry.kernels.quantized_experts import FP8_BLOCK, NVFP4, QuantizedFamily, quantized_expert_rows_reference  # noqa: E402
+from ferry.kernels.quantized_experts import (  # noqa: E402
+    FP8_BLOCK,
+    NVFP4,
+    QuantizedFamily,
+    quantized_expert_rows_reference,
+)
 from quantized_slots import make_experts  # noqa: E402
 
 TIGHT = dict(rtol=1e-5, atol=1e-5)  # float32 x: only the order of the float32 sums differs
@@ -197,7 +202,8 @@ for _fmt in (NVFP4, FP8_BLOCK):
         f"{_fmt}/pair_i_not_a_multiple_of_128": lambda f=_fmt: pair_kernel_matches(f, 13, 2, 2, 256, 192, 4, 1, 0),
         f"{_fmt}/pair_ragged_two_steps": lambda f=_fmt: pair_kernel_matches(f, 15, 2, 2, 288 if f == NVFP4 else 200,
                                                                            48 if f == NVFP4 else 72, 3, 1, 1),
-        f"{_fmt}/grouped_tiny_several_blocks_of_one_slot": lambda f=_fmt: grouped_kernel_matches(f, 2, 37, 4, 64, 32, 6, 5),
+        f"{_fmt}/grouped_tiny_several_blocks_of_one_slot":
+            lambda f=_fmt: grouped_kernel_matches(f, 2, 37, 4, 64, 32, 6, 5),
         f"{_fmt}/grouped_i_not_a_multiple_of_128": lambda f=_fmt: grouped_kernel_matches(f, 1, 5, 2, 256, 192, 4, 2),
         f"{_fmt}/grouped_ragged": lambda f=_fmt: grouped_kernel_matches(f, 4, 6, 2, 288 if f == NVFP4 else 200,
                                                                         48 if f == NVFP4 else 72, 3, 1),

@@ -17,7 +17,8 @@ def _parts(fmt: str, rows: int, cols: int, part_rows: int) -> list[tuple[str, to
         return [("q", torch.uint8, (rows, cols // 2)), ("scale", torch.float8_e4m3fn, (rows, cols // NVFP4_GROUP)),
                 ("gscale", torch.float32, (rows,))]  # fmt: skip
     row_blocks = (rows // part_rows) * ceil_div(part_rows, FP8_BLOCK_SIZE)
-    return [("q", torch.float8_e4m3fn, (rows, cols)), ("scale", torch.float32, (row_blocks, ceil_div(cols, FP8_BLOCK_SIZE)))]
+    return [("q", torch.float8_e4m3fn, (rows, cols)),
+            ("scale", torch.float32, (row_blocks, ceil_div(cols, FP8_BLOCK_SIZE)))]  # fmt: skip
 
 
 def make_family(fmt: str, rows: int, cols: int, part_rows: int, slots: int, gen: torch.Generator,
