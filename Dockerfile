@@ -3,7 +3,9 @@
 FROM python:3.11-slim-bookworm
 
 # The CUDA variant of the torch wheel: CUDA 13.0. Its version is not chosen here but in constraints.txt,
-# which `make` installs from too, so the image runs the torch the test suite ran.
+# which `make` installs from too, so the image runs the torch the test suite ran. A CPU-only image (the
+# demo, no GPU) takes the CPU build instead, a few hundred MB rather than several GB:
+#   TORCH_INDEX=https://download.pytorch.org/whl/cpu docker compose --profile cpu build
 ARG TORCH_INDEX="https://download.pytorch.org/whl/cu130"
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -16,7 +18,12 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 
-RUN useradd --create-home --uid 10001 ferry
+# Every directory compose.yaml mounts exists here, owned by the image's user: Docker seeds an empty named
+# volume from the image's directory, owner included, and makes one the image lacks root-owned, which uid
+# 10001 cannot write (the demo's model cache, FERRY_CACHE_DIR below).
+RUN useradd --create-home --uid 10001 ferry \
+    && mkdir -p /home/ferry/.cache/ferry /model \
+    && chown ferry:ferry /home/ferry/.cache /home/ferry/.cache/ferry /model
 
 WORKDIR /opt/ferry
 
@@ -31,9 +38,11 @@ COPY shared ./shared
 COPY services ./services
 COPY kernels ./kernels
 COPY plan ./plan
-# the project itself, with its extra for CUDA (fla-core); the constraints keep pip from replacing torch
+# the project itself, with its extra for CUDA (fla-core) unless torch is the CPU build (fla's kernels
+# cannot run on CPU tensors); the constraints keep pip from replacing torch
 # hadolint ignore=DL3013
-RUN pip install --no-cache-dir -c constraints.txt ".[cuda]"
+RUN case "${TORCH_INDEX}" in */cpu) extras="" ;; *) extras="[cuda]" ;; esac \
+    && pip install --no-cache-dir -c constraints.txt ".${extras}"
 
 USER 10001
 ENV FERRY_CACHE_DIR=/home/ferry/.cache/ferry

@@ -48,8 +48,10 @@ GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
 gpu-check:
 	$(GPU_PYTHON) bench/gpu_check.py --out $(OUT)
 
+# TORCH_INDEX, when set, picks the image's torch build too (the Dockerfile's default is the CUDA one):
+#   make image TORCH_INDEX=https://download.pytorch.org/whl/cpu
 image:
-	docker build -t ferry:0.1.0 .
+	docker build $(if $(TORCH_INDEX),--build-arg TORCH_INDEX=$(TORCH_INDEX)) -t ferry:0.1.0 .
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

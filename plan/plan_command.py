@@ -3,52 +3,97 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
-from ferry.shared.model_flag import add_model_argument, require_model
+from ferry.shared.errors import ConfigError
+from ferry.shared.model_flag import add_model_argument
 from ferry.plan.host_memory import mem_available_bytes
-from ferry.plan.model_config import load_model_config
+from ferry.plan.model_config import ModelSpec, load_model_config
 from ferry.plan.costs import (
     resident_weight_bytes_from_checkpoint,
     resident_weight_bytes_from_shapes,
     workspace_bytes_estimate,
 )
-from ferry.plan.plan_report import plan_table
-from ferry.plan.planner import Measured, resolve
+from ferry.plan.plan_report import HOST_NOT_CHECKED, plan_table
+from ferry.plan.planner import Measured, Plan, PlanRequest, resolve
 from ferry.plan.planner_flags import add_planner_flags, plan_request_from_args
 from ferry.plan.store_plan import plan_for_expert_store
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_model_argument(parser, "a model directory holding config.json (safetensors optional)")
+    add_model_argument(parser, "a model directory holding config.json, or that config.json (safetensors optional)")
     parser.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
     add_planner_flags(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    model = require_model(args, "plan")
-    spec = load_model_config(model)
     req = plan_request_from_args(args)
+    model, free = _model_and_free_memory(args, req)
+    spec = load_model_config(model)
     r = resolve(spec, req)
-    weights = resident_weight_bytes_from_checkpoint(Path(model), r.dtype)
+    weights = resident_weight_bytes_from_checkpoint(model, r.dtype)
     source = "safetensors"
     if weights is None:
         weights, source = resident_weight_bytes_from_shapes(spec, r.dtype), "shapes"
     workspace = workspace_bytes_estimate(spec, r.dtype, r.max_prefill_tokens, r.max_running_requests, r.max_model_len)
-    free = None
-    if req.gpu_memory is None:
-        free = _local_free_memory()
-    # host RAM: this machine's, as the worker would find it here (--host-memory plans for another one)
-    measured = Measured(weights, workspace, free, source, "estimate", host_available_bytes=mem_available_bytes())
-    plan = plan_for_expert_store(spec, req, measured)
+    measured = Measured(weights, workspace, free, source, "estimate")
+    plan, here = _plan_and_host_check(spec, req, measured, mem_available_bytes())
     if args.json:
         json.dump(plan.to_dict(), sys.stdout)
         sys.stdout.write("\n")
     else:
-        print(plan_table(plan))
+        print(plan_table(plan, host_here=here))
     return 0
+
+
+def _model_and_free_memory(args: argparse.Namespace, req: PlanRequest) -> tuple[Path, int | None]:
+    """The model directory and the local GPU's free memory (None with --gpu-memory), or one error
+    naming everything missing: a newcomer should not learn the required flags one failure at a time."""
+    missing = []
+    model = getattr(args, "model", None)
+    if not model:
+        missing.append("the model: `ferry plan MODEL` or `ferry plan --model MODEL` (a directory holding config.json)")
+    free = None
+    if req.gpu_memory is None:
+        free = _local_free_memory()
+        if free is None:
+            missing.append("the device budget: there is no GPU here to measure, so give it with --gpu-memory "
+                           "(e.g. --gpu-memory 24GiB)")  # fmt: skip
+    if missing:
+        raise ConfigError("the plan needs " + ("these" if len(missing) > 1 else "this") + ":\n"
+                          + "\n".join(f"  {m}" for m in missing))  # fmt: skip
+    return _model_dir(model), free
+
+
+def _model_dir(model: str) -> Path:
+    """The model directory, also when given as its config.json (what a shell's completion offers)."""
+    path = Path(model)
+    if path.is_file():
+        if path.name != "config.json":
+            raise ConfigError(f"{model} is a file: give the model directory (the one holding config.json), "
+                              "or its config.json")  # fmt: skip
+        return path.parent
+    return path
+
+
+def _plan_and_host_check(spec: ModelSpec, req: PlanRequest, measured: Measured,
+                         here: int | None) -> tuple[Plan, int | None]:  # fmt: skip
+    """The plan, with its host-RAM check against --host-memory, else this machine's MemAvailable
+    (`here`). A plan whose budget is --gpu-memory may well be for another machine: there, banks that
+    do not fit this machine's RAM are shown as not checked instead of failing the plan; with the
+    budget measured from this machine's GPU, or with --host-memory, they fail it (rule 4). Returns
+    the plan and, when its host check was skipped, this machine's MemAvailable for the table."""
+    checked = dataclasses.replace(measured, host_available_bytes=here)
+    if req.host_memory is not None or req.gpu_memory is None or here is None:
+        return plan_for_expert_store(spec, req, checked), None
+    unchecked = plan_for_expert_store(spec, req, dataclasses.replace(measured, host_available_bytes=None))
+    host = unchecked.host
+    if not host.expert_bank_bytes or host.expert_bank_bytes + host.reserve_bytes <= here:
+        return plan_for_expert_store(spec, req, checked), None  # fits this machine too: say so
+    return dataclasses.replace(unchecked, host=dataclasses.replace(host, available_source=HOST_NOT_CHECKED)), here
 
 
 def _local_free_memory() -> int | None:

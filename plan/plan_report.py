@@ -4,11 +4,16 @@ from __future__ import annotations
 
 from ferry.shared.units import format_bytes
 from ferry.plan.planner import Plan
+from ferry.plan.pool_layout import POOL_ALIGN, VIEW_ALIGN
 
 HEADER = ("term", "size", "bytes", "how it was sized")
+# HostPlan.available_source of a plan for another machine whose banks this one could not hold
+# (`ferry plan --gpu-memory` without --host-memory): its host RAM is not checked, not failed
+HOST_NOT_CHECKED = "not checked"
 
 
-def plan_table(plan: Plan) -> str:
+def plan_table(plan: Plan, host_here: int | None = None) -> str:
+    """The table; `host_here`: this machine's MemAvailable when the host check was not made."""
     rows = [
         ("budget", plan.budget_bytes, plan.budget_derivation),
         ("weights (GPU-resident)", plan.weights_bytes, plan.weights_source),
@@ -19,10 +24,11 @@ def plan_table(plan: Plan) -> str:
         ("linear-state pool", plan.linear_state.bytes,
          f"{plan.linear_state.slots} slots + {plan.linear_state.padding_slots} padding; "
          f"{format_bytes(plan.linear_state.bytes_per_slot)}/slot"),
-        ("expert slots", plan.experts.bytes,
+        ("expert pool", plan.experts.bytes,
          f"{plan.experts.slots} of {plan.experts.total} experts "
          f"({100 * plan.experts.slots / max(plan.experts.total, 1):.1f}%); {plan.experts.bytes_per_slot} B/slot, "
-         f"{plan.experts.format}"),
+         f"{plan.experts.format}" + ("; the parts below" if _expert_parts(plan) else "")),
+        *_expert_parts(plan),
         ("total", plan.total_bytes, "device memory the worker takes"),
         ("headroom", plan.headroom_bytes, "budget - total"),
     ]  # fmt: skip
@@ -38,7 +44,13 @@ def plan_table(plan: Plan) -> str:
     else:
         banks_detail = f"every routed expert pinned in host RAM ({plan.experts.total} x {plan.experts.bytes_per_slot} B)"
     host_rows = [("host: expert banks (pinned)", host.expert_bank_bytes, banks_detail)]
-    if host.available_bytes is not None:
+    if host.available_source == HOST_NOT_CHECKED:
+        here = f"{format_bytes(host_here)}" if host_here is not None else "less"
+        host_rows.append(("host: available", None,
+                          f"not checked: the banks need {format_bytes(host.expert_bank_bytes + host.reserve_bytes)} "
+                          f"({format_bytes(host.reserve_bytes)} reserve included), this machine has {here} "
+                          "(MemAvailable); give --host-memory SIZE of the machine the worker will run on"))  # fmt: skip
+    elif host.available_bytes is not None:
         host_rows.append(("host: available", host.available_bytes,
                           f"{host.available_source}; {format_bytes(host.reserve_bytes)} of it kept for the rest"))  # fmt: skip
     else:
@@ -46,6 +58,27 @@ def plan_table(plan: Plan) -> str:
     return _render([*rows, *host_rows], split_before=len(rows)) + (
         f"\ndtype {plan.dtype}, max_model_len {plan.max_model_len}, max_running_requests {plan.max_running_requests}"
     )
+
+
+def _expert_parts(plan: Plan) -> list[tuple[str, int, str]]:
+    """The expert pool's bytes, named (indented: parts of the row above, not more terms of the total);
+    none when the pool is its slots alone."""
+    e = plan.experts
+    slot_bytes = e.slots * e.bytes_per_slot
+    if slot_bytes == e.bytes:
+        return []
+    rows = [("  expert slots", slot_bytes, f"{e.slots} x {e.bytes_per_slot} B")]
+    if e.staging_slots:
+        rows.append(("  prefill staging slots", e.staging_bytes,
+                     f"{e.staging_slots} x {e.bytes_per_slot} B: a prefill's missed experts stream through them, "
+                     "past the cache"))  # fmt: skip
+    if e.cache_state_bytes:
+        rows.append(("  expert cache state", e.cache_state_bytes,
+                     "the device cache's slot map, replacement state and per-layer lookup and copy lists"))
+    if e.padding_bytes:
+        rows.append(("  alignment", e.padding_bytes, f"views on {VIEW_ALIGN} B boundaries, the pool rounded to "
+                                                     f"{format_bytes(POOL_ALIGN)} allocator segments"))  # fmt: skip
+    return rows
 
 
 def _render(rows: list[tuple[str, int | None, str]], split_before: int) -> str:
@@ -77,6 +110,8 @@ def plan_log_fields(plan: Plan) -> dict:
         "expert_total": plan.experts.total,
         "expert_bytes": plan.experts.bytes,
         "expert_format": plan.experts.format,
+        "expert_staging_bytes": plan.experts.staging_bytes,
+        "expert_cache_state_bytes": plan.experts.cache_state_bytes,
         "host_expert_bank_bytes": plan.host.expert_bank_bytes,
         "host_expert_bank_format": plan.host.expert_bank_format,
         "host_available_bytes": plan.host.available_bytes,

@@ -92,6 +92,12 @@ class ExpertPlan:
     bytes_per_slot: int
     bytes: int
     format: str = "bf16"  # the expert format (plan/expert_formats.py): bf16 | bf16-packed | nvfp4 | fp8-block
+    # the rest of `bytes`, named (pool_layout.expert_pool_parts):
+    # slots x bytes_per_slot + staging_bytes + cache_state_bytes + padding_bytes == bytes
+    staging_slots: int = 0  # the prefill's staging slots, outside the cache (offload only)
+    staging_bytes: int = 0
+    cache_state_bytes: int = 0  # the device-side expert cache's state (offload only)
+    padding_bytes: int = 0  # alignment: views on VIEW_ALIGN, the pool rounded to POOL_ALIGN
 
 
 @dataclass(frozen=True)
@@ -376,8 +382,11 @@ def _plan(spec: ModelSpec, r: Resolved, measured: Measured, budget: int, derivat
     )
     linear = LinearStatePlan(sizes.linear_slots, L.LINEAR_PADDING_SLOTS if spec.linear_attention_layers else 0,
                              L.linear_state_bytes_per_slot(spec, r.dtype), costs.linear_state(sizes.linear_slots))  # fmt: skip
+    parts = L.expert_pool_parts(spec, r.dtype, sizes.expert_slots, r.max_prefill_tokens)
     experts = ExpertPlan(sizes.expert_slots, spec.total_experts, min_expert_slots(spec), L.expert_bytes(spec, r.dtype),
-                         costs.experts(sizes.expert_slots), F.expert_format_name(spec, host.expert_bank_format if host.expert_bank_bytes else "plain"))  # fmt: skip
+                         costs.experts(sizes.expert_slots), F.expert_format_name(spec, host.expert_bank_format if host.expert_bank_bytes else "plain",
+                                                                 r.dtype),
+                         parts.staging_slots, parts.staging_bytes, parts.cache_state_bytes, parts.padding_bytes)  # fmt: skip
     total = measured.weights_bytes + measured.workspace_bytes + kv.bytes + linear.bytes + experts.bytes
     assert total <= budget, "planner arithmetic broke its own invariant"
     return Plan(

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from ferry.shared.errors import ConfigError
 from ferry.shared.units import parse_bytes
+from ferry.plan.model_config import DTYPE_BYTES, normalize_dtype
 from ferry.plan.host_memory import BANK_FORMATS
 from ferry.plan.planner import PlanRequest
 
@@ -36,6 +38,23 @@ def _byte_size(flag: str):
 
     parse.__name__ = "byte size"  # argparse names the type in some messages
     return parse
+
+
+# --dtype's values: auto (the checkpoint's dtype) and the run dtypes; bf16, fp16, half, fp32 name them too
+DTYPE_CHOICES = ("auto", *DTYPE_BYTES)
+
+
+def _dtype(text: str) -> str:
+    """argparse type of --dtype: refused at parse time with every choice, auto included."""
+    if text.lower() == "auto":
+        return "auto"
+    try:
+        return normalize_dtype(text)
+    except ConfigError:
+        raise argparse.ArgumentTypeError(f"unknown dtype {text!r}: choose one of {', '.join(DTYPE_CHOICES)}") from None
+
+
+_dtype.__name__ = "dtype"  # argparse names the type in some messages
 
 
 def add_planner_flags(parser: argparse.ArgumentParser) -> None:
@@ -74,7 +93,8 @@ def add_planner_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", "--context-length", dest="max_model_len", type=int, default=None,
                    help="longest sequence, prompt + output (default: the model's max_position_embeddings); "
                         "--context-length (SGLang) is the same flag")
-    g.add_argument("--dtype", default=None, help="weights and KV dtype: auto, bfloat16, float16, float32")  # fmt: skip
+    g.add_argument("--dtype", type=_dtype, default=None, metavar="DTYPE",
+                   help=f"weights and KV dtype: {', '.join(DTYPE_CHOICES)} (default auto: the checkpoint's)")
 
 
 def plan_request_from_args(args: argparse.Namespace) -> PlanRequest:

@@ -146,6 +146,36 @@ def expert_slot_layout(spec: ModelSpec, dtype: str, slots: int, max_step_tokens:
     return PoolLayout("experts", weights + staging + expert_cache_state(spec, slots, max_step_tokens))
 
 
+@dataclass(frozen=True)
+class ExpertPoolParts:
+    """What the expert pool's bytes are, read from its layout's tensors (for the plan to name them):
+    the slots, the prefill's staging slots, the device cache's state and the alignment between views
+    and at the pool's end. The four add up to the pool's bytes."""
+
+    slot_bytes: int
+    staging_slots: int
+    staging_bytes: int
+    cache_state_bytes: int
+    padding_bytes: int
+
+
+def expert_pool_parts(spec: ModelSpec, dtype: str, slots: int, max_step_tokens: int = 0) -> ExpertPoolParts:
+    """`expert_slot_layout`'s bytes by part: its tensors by name, the alignment as what is left."""
+    layout = expert_slot_layout(spec, dtype, slots, max_step_tokens)
+    weights = {t.name for t in expert_weight_tensors(spec, dtype, slots)}
+    staging = {t.name for t in expert_weight_tensors(spec, dtype, 1, prefix="staging_")}
+    by_part = {"slots": 0, "staging": 0, "state": 0}
+    for t in layout.tensors:
+        by_part["slots" if t.name in weights else "staging" if t.name in staging else "state"] += t.nbytes
+    return ExpertPoolParts(
+        slot_bytes=by_part["slots"],
+        staging_slots=prefill_staging_slots(spec, dtype) if by_part["staging"] else 0,
+        staging_bytes=by_part["staging"],
+        cache_state_bytes=by_part["state"],
+        padding_bytes=layout.nbytes - sum(by_part.values()),
+    )
+
+
 # Counters of the device-side expert cache (kernels/expert_cache_lookup.py's NUM_COUNTERS).
 EXPERT_CACHE_COUNTERS = 8
 # Device timestamps per MoE layer (services/worker/offload/device_store.py): copies of the misses

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 def cut_config(config: dict, num_layers: int | None) -> dict:
@@ -41,6 +42,43 @@ def cut_config(config: dict, num_layers: int | None) -> dict:
 
 
 SHARD_BYTES = 2 * 2**30
+# Random weights take a while (Qwen3-30B-A3B cut to a few layers: 3.5 GiB in about 20 s): progress on
+# stderr, as a bar on a terminal, else (a log file, CI) a line this often and one at the end.
+PROGRESS_EVERY_S = 5.0
+
+
+class _Progress:
+    """Tensors drawn and bytes so far: a tqdm bar on a terminal, plain lines elsewhere (a bar's
+    carriage-return redraws are noise in a file)."""
+
+    def __init__(self, total: int, stream=None):
+        from tqdm import tqdm
+
+        stream = stream or sys.stderr
+        self.total, self.stream = total, stream
+        self.bar = tqdm(total=total, desc="random weights", unit="tensor", file=stream, leave=False) \
+            if stream.isatty() else None  # fmt: skip
+        self.done = self.bytes = 0
+        self.started = self.last = time.monotonic()
+
+    def update(self, nbytes: int) -> None:
+        self.done += 1
+        self.bytes += nbytes
+        if self.bar is not None:
+            self.bar.update(1)
+        elif time.monotonic() - self.last >= PROGRESS_EVERY_S:
+            self._line()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        else:
+            self._line()
+
+    def _line(self) -> None:
+        self.last = time.monotonic()
+        print(f"make-bench-model: {self.done}/{self.total} tensors, {self.bytes / 2**30:.2f} GiB, "
+              f"{self.last - self.started:.0f} s", file=self.stream, flush=True)  # fmt: skip
 
 
 def write_random_weights(out: Path, routing_skew: float = 0.0, seed: int = 0, device: str = "cpu",
@@ -60,6 +98,7 @@ def write_random_weights(out: Path, routing_skew: float = 0.0, seed: int = 0, de
     spec = load_model_config(out)
     shapes = {**resident_weight_shapes(spec), **routed_expert_shapes(spec)}
     weight_map, shard, shard_bytes, total, index = {}, {}, 0, 0, 0
+    progress = _Progress(len(shapes))
 
     def flush() -> None:
         nonlocal shard, shard_bytes, index
@@ -79,7 +118,9 @@ def write_random_weights(out: Path, routing_skew: float = 0.0, seed: int = 0, de
             total += q.nbytes
         if shard_bytes >= SHARD_BYTES:
             flush()
+        progress.update(sum(q.nbytes for q in tensors.values()))
     flush()
+    progress.close()
     (out / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1) + "\n")
     if fmt:

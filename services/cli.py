@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from ferry.shared.env_flags import apply_env_defaults
@@ -23,10 +24,29 @@ COMMANDS = {
 }
 
 
+class _VersionAction(argparse.Action):
+    """`ferry --version`: the installed package's version, read only when asked (the metadata
+    lookup walks sys.path, which every other command can do without)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            text = version("ferry")
+        except PackageNotFoundError:  # run from the tree without an install (PYTHONPATH=.)
+            text = "(not installed: no package metadata)"
+        print(f"ferry {text}")  # on stdout, as argparse's own version action prints
+        parser.exit()
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; only the chosen command's module is imported (and its flags registered), so
     `ferry api` and `ferry scheduler` never import what the worker's commands import (torch)."""
     parser = argparse.ArgumentParser(prog="ferry", description="Serve MoE models from GPUs too small to hold them.")
+    parser.add_argument("--version", action=_VersionAction, help="print the installed version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
@@ -50,10 +70,24 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     module = importlib.import_module(COMMANDS[args.command][0])
     try:
-        return module.run(args)
+        status = module.run(args)
+        sys.stdout.flush()  # here, so that a reader gone away (`| head`) is caught below, not at exit
+        return status
     except FerryError as exc:
         print(f"ferry {args.command}: error: {exc}", file=sys.stderr)
         return exc.exit_status
+    except BrokenPipeError:
+        return _reader_gone()
+
+
+def _reader_gone() -> int:
+    """stdout's reader closed it (`ferry plan ... | head`): stop quietly, as a C tool killed by SIGPIPE
+    would, with its status (128 + 13). stdout goes to /dev/null first, or the interpreter's own flush
+    at exit would print a second BrokenPipeError."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + 13
 
 
 if __name__ == "__main__":

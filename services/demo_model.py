@@ -24,8 +24,11 @@ def ensure_demo_model() -> Path:
     target = demo_model_dir()
     if (target / "config.json").is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".tiny-", dir=target.parent))  # same filesystem: rename is atomic
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".tiny-", dir=target.parent))  # same filesystem: rename is atomic
+    except OSError as exc:
+        raise ModelLoadError(_not_writable(target.parent, exc)) from exc
     cmd = [sys.executable, "-m", "ferry.services.cli", "make-tiny-model", str(staging), "--arch", DEMO_ARCH]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
@@ -36,3 +39,14 @@ def ensure_demo_model() -> Path:
     except OSError:  # another `ferry serve` made it first
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def _not_writable(cache: Path, exc: OSError) -> str:
+    """What to do when the cache cannot take the demo model: most often a compose volume that Docker
+    made root-owned (an image older than the one that creates its mount point) for uid 10001."""
+    return (
+        f"the demo model cannot be written to its cache {cache}: {exc.strerror or exc} (this process runs as uid "
+        f"{os.getuid()}). Give a writable directory with FERRY_CACHE_DIR, or serve a model with --model DIR. "
+        "Under compose, a demo-cache volume made by an older image is root-owned: remove it "
+        "(`docker compose --profile cpu down -v`, or `docker volume rm ferry_demo-cache`) and start again"
+    )

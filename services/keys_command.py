@@ -7,7 +7,10 @@ also needs api.key and worker.key. Existing keys are never overwritten."""
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
+
+from ferry.shared.errors import ConfigError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -17,6 +20,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ferry.shared.wire_keys import generate
 
-    for path in generate(Path(args.dir)):
+    try:
+        written = generate(Path(args.dir))
+    except PermissionError as exc:
+        raise ConfigError(_not_writable(args.dir, exc)) from exc
+    for path in written:
         print(path)
     return 0
+
+
+def _not_writable(directory: str, exc: PermissionError) -> str:
+    """Most often the image's user (uid 10001) writing into a directory mounted from the host, which
+    is the host user's: run the container as that user instead, so the keys are theirs too."""
+    return (
+        f"cannot write the keys to {directory}: {exc.strerror} ({exc.filename}); this process runs as uid "
+        f"{os.getuid()}. In the image (uid 10001), run it as your own user: "
+        'mkdir -p keys && docker run --rm -u "$(id -u):$(id -g)" -v "$PWD/keys:/keys" ferry:0.1.0 keys /keys/new '
+        "(mkdir first: a directory Docker makes for the mount is root's)"
+    )

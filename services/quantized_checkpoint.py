@@ -13,16 +13,22 @@ and how the tests make quantized tiny models (plan/quantization.py reads them ba
   `in_proj_b`/`in_proj_a` and lm_head (`modules_to_not_convert`).
 
 Rounding is round-to-nearest on the e2m1 grid (a tie to the smaller magnitude) and torch's float8
-cast. A reader is held to these files by what they say, not by how they were rounded."""
+cast. A reader is held to these files by what they say, not by how they were rounded.
+
+torch is imported where tensors are made: `ferry make-bench-model` is a control-plane command and
+imports this module before it knows whether it will write weights."""
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 NVFP4, FP8 = "nvfp4", "fp8"
 FORMATS = (NVFP4, FP8)
 E2M1_MAX, E4M3_MAX = 6.0, 448.0
-_E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # Linears that keep bf16 in every format: routers and the shared expert's gate (one row each)
 ALWAYS_BF16 = (".mlp.gate.weight", ".shared_expert_gate.weight")
 FP8_BF16 = (".in_proj_b.weight", ".in_proj_a.weight", ".in_proj_ba.weight")
@@ -30,13 +36,17 @@ FP8_BF16 = (".in_proj_b.weight", ".in_proj_a.weight", ".in_proj_ba.weight")
 
 def _e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     """Nearest e2m1 code (uint8, sign in bit 3) of every value of x (already scaled into [-6, 6])."""
+    import torch
+
     mag = x.abs().clamp(max=E2M1_MAX)
-    code = (mag.unsqueeze(-1) - _E2M1_GRID.to(x.device)).abs().argmin(dim=-1)
+    code = (mag.unsqueeze(-1) - torch.tensor(E2M1_GRID, device=x.device)).abs().argmin(dim=-1)
     return (code | torch.where(x < 0, 8, 0)).to(torch.uint8)
 
 
 def quantize_nvfp4(w: torch.Tensor) -> dict[str, torch.Tensor]:
     """One linear [O, IN] in modelopt's NVFP4 tensors (IN a multiple of 16)."""
+    import torch
+
     w = w.to(torch.float32)
     o, n = w.shape
     if n % 16:
@@ -54,6 +64,8 @@ def quantize_nvfp4(w: torch.Tensor) -> dict[str, torch.Tensor]:
 
 def quantize_fp8_block(w: torch.Tensor, block: int = 128) -> dict[str, torch.Tensor]:
     """One linear [O, IN] in Qwen's FP8 block tensors (partial blocks at the edges)."""
+    import torch
+
     w = w.to(torch.float32)
     o, n = w.shape
     rb, cb = -(-o // block), -(-n // block)

@@ -1,4 +1,5 @@
-"""Reading a safetensors checkpoint: its files, and its tensors one at a time with a progress bar.
+"""Reading a safetensors checkpoint: its files, and its tensors one at a time with a progress bar
+(on a terminal) or `loading_progress` log events (in JSON logs).
 
 Two passes over the same files (docs/ARCHITECTURE.md §2 rule 3): the GPU-resident tensors first, before the
 planner runs, and the routed experts after the expert pool exists. `safe_open` reads only the
@@ -7,16 +8,25 @@ tensors a pass selects, so neither pass touches the other's bytes."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import structlog
 import torch
 
 from ferry.shared.errors import ModelLoadError
+from ferry.shared.units import format_bytes
 from ferry.plan.costs import is_routed_expert, is_served
 from ferry.services.worker.quantized_weight import group_quantized_tensors
 
 INDEX_FILE = "model.safetensors.index.json"
+# Without a terminal there is no bar: a service's stderr is JSON lines (boot.py's _progress_bars). A pass
+# takes minutes at full size (Qwen3-30B-A3B's experts: about two), so every this many seconds it logs
+# a `loading_progress` event instead, for a log reader to see the load advance rather than a silence.
+PROGRESS_EVERY_S = 5.0
+
+log = structlog.get_logger("worker")
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -74,11 +84,46 @@ def _read_tensors(names_by_file: list[tuple[Path, list[str]]], desc: str, progre
     from tqdm import tqdm
 
     total = sum(len(names) for _, names in names_by_file)
+    events = None if progress else _ProgressEvents(desc, total)
     with tqdm(total=total, desc=desc, unit="tensor", disable=not progress, leave=False) as bar:
         for path, names in names_by_file:
             if not names:
                 continue
             with safe_open(path, framework="pt", device="cpu") as f:
                 for name in names:
-                    yield name, f.get_tensor(name)
+                    tensor = f.get_tensor(name)
+                    nbytes = tensor.nbytes
+                    yield name, tensor
                     bar.update(1)
+                    if events is not None:
+                        events.update(nbytes)
+    if events is not None:
+        events.close()
+
+
+class _ProgressEvents:
+    """The progress bar as log events: tensors done of the pass's total, bytes read, seconds so far.
+    The time counted is the pass's, the consumer's copies to the device included (they are the load)."""
+
+    def __init__(self, desc: str, total: int):
+        self.desc, self.total, self.every = desc, total, PROGRESS_EVERY_S
+        self.started = self.last = time.monotonic()
+        self.done = self.bytes = 0
+        self.logged_done = 0
+
+    def update(self, nbytes: int) -> None:
+        self.done += 1
+        self.bytes += nbytes
+        now = time.monotonic()
+        if now - self.last >= self.every:
+            self._log(now)
+
+    def close(self) -> None:
+        """A pass that logged progress also logs its end; a short one stays silent (boot logs its duration)."""
+        if self.logged_done and self.logged_done != self.done:
+            self._log(time.monotonic())
+
+    def _log(self, now: float) -> None:
+        self.last, self.logged_done = now, self.done
+        log.info("loading_progress", what=self.desc, tensors=self.done, total=self.total, bytes=self.bytes,
+                 size=format_bytes(self.bytes), seconds=round(now - self.started, 1))  # fmt: skip

@@ -156,3 +156,38 @@ def test_bad_flags_are_refused_by_the_parser():
                  ["serve", "--log-format", "xml"]):  # fmt: skip
         with pytest.raises(SystemExit):
             parse(*argv)
+
+
+# ---- what a newcomer types first ------------------------------------------------------------------------------
+
+
+def test_version_prints_the_package_version_and_exits_0():
+    import tomllib
+
+    version = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]["version"]
+    done = subprocess.run([sys.executable, "-m", "ferry.services.cli", "--version"], capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert done.returncode == 0 and done.stdout == f"ferry {version}\n", done.stdout + done.stderr
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly():
+    """`ferry plan ... | head`: the reader closes the pipe; no BrokenPipeError traceback, the status
+    of a tool killed by SIGPIPE (the read end is closed before the command starts, so it always hits)."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run([sys.executable, "-m", "ferry.services.cli", "plan", str(QWEN3_30B), "--gpu-memory",
+                               "80GiB", "--moe-cache-rate", "1.0"], stdout=write, stderr=subprocess.PIPE, text=True,
+                              timeout=120)  # fmt: skip
+    finally:
+        os.close(write)
+    assert "Traceback" not in done.stderr and "BrokenPipeError" not in done.stderr, done.stderr
+    assert done.returncode == 128 + 13 and done.stderr == ""
+
+
+def test_a_bad_dtype_lists_every_choice_auto_included():
+    done = subprocess.run([sys.executable, "-m", "ferry.services.cli", "plan", str(QWEN3_30B), "--gpu-memory", "24GiB",
+                           "--dtype", "int7"], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 2 and "--dtype" in done.stderr
+    assert "auto, bfloat16, float16, float32" in done.stderr, done.stderr
+    assert parse("plan", "m", "--dtype", "bf16").dtype == "bfloat16" and parse("plan", "m", "--dtype", "auto").dtype == "auto"

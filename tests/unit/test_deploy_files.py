@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -81,7 +82,9 @@ def test_compose_healthchecks_probe_each_services_own_health_port(compose):
         env = svc["environment"]
         own_port = env.get("FERRY_PORT") or env.get("FERRY_HEALTH_PORT")
         probe = " ".join(svc["healthcheck"]["test"])
-        assert re.search(rf"127\.0\.0\.1:{own_port}/health", probe), (name, probe)
+        # the scheduler's is a liveness probe (any answer of its /health), the others want a 200
+        assert re.search(rf"127\.0\.0\.1:{own_port}/health", probe) or \
+            re.search(rf"HTTPConnection\('127\.0\.0\.1', {own_port}\b.*'/health'", probe), (name, probe)  # fmt: skip
 
 
 def test_compose_reserves_the_gpu_for_the_worker_only_and_mounts_the_model_read_only(compose):
@@ -162,6 +165,8 @@ def test_the_image_healthcheck_probes_the_port_of_whichever_command_runs(compose
     dockerfile = (REPO / "Dockerfile").read_text()
     assert re.search(r'^HEALTHCHECK .*\\\n\s+CMD \["python", "-m", "ferry.services.healthcheck"\]', dockerfile, re.M)
     for name, svc in compose["services"].items():
+        if name == "scheduler":  # compose probes its liveness instead (test_a_failed_worker_...)
+            continue
         env = {k: str(v) for k, v in svc["environment"].items()}
         probe = " ".join(svc["healthcheck"]["test"])
         assert health_url(env) in probe, name  # the image's check and compose's agree
@@ -208,3 +213,109 @@ def test_the_wire_keys_are_compose_secrets_each_service_gets_only_its_own(compos
         assert {s["target"] for s in svc["secrets"]} == files, name
         for s in svc["secrets"]:
             assert compose["secrets"][s["source"]]["file"].endswith("/" + s["target"])
+
+
+# ---- compose as a newcomer meets it: mounts the image's user can write, a worker that cannot start ------------
+
+
+def dockerfile_run_of(command: str) -> str:
+    """The Dockerfile's RUN instruction that runs `command`, its continuation lines joined."""
+    text = (REPO / "Dockerfile").read_text().replace("\\\n", " ")
+    runs = [ln for ln in text.splitlines() if ln.startswith("RUN ") and command in ln]
+    assert len(runs) == 1, (command, runs)
+    return runs[0]
+
+
+def test_the_image_makes_every_directory_compose_mounts_and_its_user_owns_them(compose):
+    """Docker seeds an empty named volume from the image's directory, owner included; one the image
+    lacks is made root-owned, and the demo (uid 10001) died on a PermissionError in its cache."""
+    dockerfile = (REPO / "Dockerfile").read_text()
+    run = dockerfile_run_of("useradd")
+    user, uid = re.search(r"useradd .*--uid (\d+) (\w+)", run).group(2, 1)
+    assert re.search(r"^USER (\S+)$", dockerfile, re.M).group(1) in (user, uid)
+    home = f"/home/{user}"
+    made = set(re.search(r"mkdir -p ((?:/\S+ ?)+)", run).group(1).split())
+    owned = set(re.search(rf"chown {user}:{user} ((?:/\S+ ?)+)", run).group(1).split())
+    targets = {default_of(v).split(":")[1] for svc in compose["services"].values() for v in svc.get("volumes", [])}
+    assert targets and targets <= made, targets - made
+    for directory in made:  # each, and each parent the mkdir made below the user's home, is the user's
+        parents = [str(p) for p in Path(directory).parents if str(p).startswith(home + "/")]
+        assert {directory, *parents} <= owned, (directory, {directory, *parents} - owned)
+    cache = re.search(r"^ENV FERRY_CACHE_DIR=(\S+)$", dockerfile, re.M).group(1)
+    assert f"demo-cache:{cache}" in compose["services"]["demo"]["volumes"]  # the demo's cache is that volume
+
+
+def seconds(duration: str) -> float:
+    return sum(float(n) * {"s": 1, "m": 60, "h": 3600}[u] for n, u in re.findall(r"(\d+(?:\.\d+)?)([smh])", duration))
+
+
+def test_a_worker_that_cannot_start_fails_up_in_minutes_and_does_not_restart_forever(compose):
+    """An empty ./models: the worker exits with status 2. `up` waits for it to be healthy; it used to
+    restart it forever (restart: unless-stopped) and wait out a 900 s start period (13 min 40 s)."""
+    services = compose["services"]
+    for name in ("worker", "demo"):
+        policy = default_of(services[name]["restart"])
+        assert re.fullmatch(r"on-failure:[1-5]", policy), (name, policy)  # a few tries, then it stays down
+    check = {k: default_of(str(v)) for k, v in services["worker"]["healthcheck"].items() if k != "test"}
+    unhealthy_after = seconds(check["start_period"]) + int(check["retries"]) * seconds(check["interval"])
+    assert unhealthy_after <= 6 * 60, unhealthy_after  # a hung worker: minutes, not a quarter of an hour
+
+
+@pytest.fixture
+def answering_503():
+    """A local /health that answers 503 (a scheduler with no worker), and its port."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_response(503)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server.server_address[1]
+    server.shutdown()
+    server.server_close()
+
+
+def run_probe(svc: dict, port: int) -> int:
+    """Run a compose healthcheck's command here, pointed at `port`."""
+    cmd, python, flag, code = svc["healthcheck"]["test"]
+    assert (cmd, python, flag) == ("CMD", "python", "-c")
+    own = str(svc["environment"]["FERRY_HEALTH_PORT"])
+    return subprocess.run([sys.executable, "-c", code.replace(own, str(port))], capture_output=True, timeout=30).returncode
+
+
+def test_the_scheduler_is_healthy_while_it_answers_so_a_failed_worker_does_not_poison_the_next_up(compose, answering_503):
+    """The scheduler's /health is 503 until a worker reports its pools. As its container health that
+    marked it unhealthy after a worker failed, and the next `up` failed on it before a new worker
+    could start; now it is healthy while it answers at all, and the worker's own check gates the api."""
+    services = compose["services"]
+    assert run_probe(services["scheduler"], answering_503) == 0
+    assert run_probe(services["worker"], answering_503) != 0  # the worker's check still wants ready
+    with socket.socket() as s:  # a port nothing listens on: a scheduler that is gone
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    assert run_probe(services["scheduler"], closed) != 0
+    assert seconds(services["scheduler"]["healthcheck"]["start_period"]) <= 60
+    assert services["api"]["depends_on"]["worker"] == {"condition": "service_healthy"}
+
+
+def test_a_cpu_only_image_can_take_the_cpu_torch(compose):
+    """`TORCH_INDEX=https://download.pytorch.org/whl/cpu docker compose --profile cpu build`: the
+    variable reaches the build (a bare arg: the environment's value, else the Dockerfile's default),
+    and the CPU build installs no CUDA extra."""
+    assert compose["x-ferry-image"]["build"]["args"] == ["TORCH_INDEX"]
+    assert all(svc["build"]["args"] == ["TORCH_INDEX"] for svc in compose["services"].values())
+    dockerfile = (REPO / "Dockerfile").read_text()
+    assert dockerfile.index("ARG TORCH_INDEX") < dockerfile.index('--index-url "${TORCH_INDEX}"')
+    case = re.search(r'(case "\$\{TORCH_INDEX\}" in .*? esac)', dockerfile_run_of('".${extras}"')).group(1)
+    for index, extras in (("https://download.pytorch.org/whl/cpu", ""), ("https://download.pytorch.org/whl/cu130", "[cuda]")):
+        done = subprocess.run(["sh", "-c", f'{case}; printf %s "$extras"'], env={"TORCH_INDEX": index},
+                              capture_output=True, text=True)  # fmt: skip
+        assert done.returncode == 0 and done.stdout == extras, (index, done)

@@ -1,6 +1,8 @@
 """`ferry plan` as a user runs it: a real subprocess, its stdout, stderr and exit status."""
 
 import json
+import os
+import re
 import subprocess
 import sys
 
@@ -173,3 +175,85 @@ def test_the_model_is_given_once_positionally_or_by_flag():
     assert missing.returncode == 2 and "ferry plan MODEL" in missing.stderr and "--model MODEL" in missing.stderr
     twice = ferry("plan", str(QWEN3_30B), "--model", str(QWEN3_6_35B), "--gpu-memory", "24GiB")
     assert twice.returncode == 2 and "two models given" in twice.stderr
+
+
+# ---- a newcomer's first plans ------------------------------------------------------------------------------
+
+
+def test_the_model_may_be_given_as_its_config_json():
+    by_dir = ferry("plan", str(QWEN3_30B), "--gpu-memory", "24GiB", "--json", *HOST)
+    by_file = ferry("plan", str(QWEN3_30B / "config.json"), "--gpu-memory", "24GiB", "--json", *HOST)
+    assert by_dir.returncode == by_file.returncode == 0, by_file.stderr
+    assert json.loads(by_file.stdout) == json.loads(by_dir.stdout)
+
+
+def test_another_file_is_refused_with_what_to_give(tmp_path):
+    (tmp_path / "model.safetensors").write_text("")
+    out = ferry("plan", str(tmp_path / "model.safetensors"), "--gpu-memory", "24GiB")
+    assert out.returncode == 2 and "is a file: give the model directory" in out.stderr
+
+
+def test_on_a_host_without_a_gpu_everything_missing_is_said_at_once():
+    no_gpu = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run([sys.executable, "-m", "ferry.services.cli", "plan"], capture_output=True, text=True,
+                         timeout=120, env=no_gpu)  # fmt: skip
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "ferry plan MODEL" in out.stderr and "--model MODEL" in out.stderr and "--gpu-memory" in out.stderr
+
+
+def _plan_here(monkeypatch, capsys, mem_available, *argv, local_gpu=None):
+    """`ferry plan` in this process, on a machine with `mem_available` bytes of MemAvailable."""
+    from ferry.plan import plan_command
+    from ferry.services.cli import main
+
+    monkeypatch.setattr(plan_command, "mem_available_bytes", lambda: mem_available)
+    monkeypatch.setattr(plan_command, "_local_free_memory", lambda: local_gpu)
+    status = main(["plan", str(QWEN3_30B), *argv])
+    out = capsys.readouterr()
+    return status, out.out, out.err
+
+
+def test_a_plan_for_another_machine_needs_only_gpu_memory_and_says_its_host_ram_is_not_checked(monkeypatch, capsys):
+    """24 GiB offloads Qwen3-30B-A3B: its packed banks need 40.82 GiB + the 2 GiB reserve. On a
+    laptop of 8 GiB that used to fail the plan, asking for --host-memory."""
+    status, out, err = _plan_here(monkeypatch, capsys, 8 * 2**30, "--gpu-memory", "24GiB", "--json")
+    assert status == 0, err
+    host = json.loads(out)["host"]
+    assert host["available_source"] == "not checked" and host["available_bytes"] is None
+    assert host["expert_bank_bytes"] > 8 * 2**30
+    status, out, err = _plan_here(monkeypatch, capsys, 8 * 2**30, "--gpu-memory", "24GiB")
+    row = next(r for r in out.splitlines() if r.startswith("host: available"))
+    assert status == 0 and "not checked" in row and "8.00 GiB" in row and "--host-memory" in row
+    # enough RAM here: checked against it, as before
+    status, out, _ = _plan_here(monkeypatch, capsys, 256 * 2**30, "--gpu-memory", "24GiB", "--json")
+    assert status == 0 and json.loads(out)["host"]["available_source"] == "MemAvailable"
+    # --host-memory too small, or a plan for this machine's own GPU: still a plan error (rule 4)
+    status, _, err = _plan_here(monkeypatch, capsys, 8 * 2**30, "--gpu-memory", "24GiB", "--host-memory", "16GiB")
+    assert status == 2 and "do not fit in host RAM" in err
+    status, _, err = _plan_here(monkeypatch, capsys, 8 * 2**30, local_gpu=24 * 2**30)
+    assert status == 2 and "do not fit in host RAM" in err and "this machine has 8.00 GiB" in err
+
+
+def test_the_expert_pool_names_every_byte(monkeypatch, capsys):
+    """`expert slots 4.77 GiB: 511 of 6144 experts; 9437184 B/slot` was 288 MiB more than 511 x 9437184:
+    the prefill's staging slots and the device cache's state, unnamed. Table and JSON name them."""
+    status, out, err = _plan_here(monkeypatch, capsys, 256 * 2**30, "--gpu-memory", "16GiB", "--json")
+    assert status == 0, err
+    e = json.loads(out)["experts"]
+    assert 0 < e["slots"] < e["total"]  # offloads
+    assert e["staging_slots"] == 32 and e["staging_bytes"] == 32 * e["bytes_per_slot"]  # 288 MiB of 9437184 B experts
+    assert e["cache_state_bytes"] > 0 and 0 <= e["padding_bytes"] < 2 * 2**20 + 64 * 256
+    assert e["slots"] * e["bytes_per_slot"] + e["staging_bytes"] + e["cache_state_bytes"] + e["padding_bytes"] == e["bytes"]
+    status, table, _ = _plan_here(monkeypatch, capsys, 256 * 2**30, "--gpu-memory", "16GiB")
+    rows = {re.split(r"\s{2,}", r.strip())[0]: r for r in table.splitlines()}
+    for name, nbytes in (("expert pool", e["bytes"]), ("expert slots", e["slots"] * e["bytes_per_slot"]),
+                         ("prefill staging slots", e["staging_bytes"]), ("expert cache state", e["cache_state_bytes"]),
+                         ("alignment", e["padding_bytes"])):  # fmt: skip
+        assert f" {nbytes} " in rows[name], (name, rows.get(name))
+    assert f"{e['staging_slots']} x {e['bytes_per_slot']} B" in rows["prefill staging slots"]
+    # every expert resident: the pool is its slots (and alignment), nothing to name
+    status, out, _ = _plan_here(monkeypatch, capsys, 256 * 2**30, "--gpu-memory", "80GiB", "--moe-cache-rate", "1.0",
+                                "--json")  # fmt: skip
+    e = json.loads(out)["experts"]
+    assert (e["staging_slots"], e["staging_bytes"], e["cache_state_bytes"]) == (0, 0, 0)
+    assert e["slots"] * e["bytes_per_slot"] + e["padding_bytes"] == e["bytes"]

@@ -108,6 +108,7 @@ def test_plan_keeps_its_promises_or_fails_in_the_plan(data):
         (L.linear_state_layout(spec, plan.dtype, plan.linear_state.slots), plan.linear_state.bytes),
         (L.expert_slot_layout(spec, plan.dtype, plan.experts.slots, plan.max_prefill_tokens), plan.experts.bytes),
     ]
+    _expert_pool_is_named_to_the_byte(spec, plan)
     for layout, priced in layouts:
         assert layout.nbytes == priced
         if priced <= 64 * 2**20:
@@ -115,3 +116,19 @@ def test_plan_keeps_its_promises_or_fails_in_the_plan(data):
             assert pool.nbytes == priced
             for t in layout.tensors:
                 assert tuple(pool.views[t.name].shape) == t.shape
+
+
+def _expert_pool_is_named_to_the_byte(spec, plan) -> None:
+    """The expert pool's bytes as `ferry plan` names them (table and --json): its slots, the prefill's
+    staging slots and the device cache's state (when it offloads), and the alignment between and after
+    them, which add up to the pool; each part read from the layout's own tensors."""
+    e = plan.experts
+    assert e.slots * e.bytes_per_slot + e.staging_bytes + e.cache_state_bytes + e.padding_bytes == e.bytes
+    layout = L.expert_slot_layout(spec, plan.dtype, e.slots, plan.max_prefill_tokens)
+    offloads = e.slots < e.total
+    assert e.staging_slots == (L.prefill_staging_slots(spec, plan.dtype) if offloads else 0)
+    assert e.staging_bytes == e.staging_slots * e.bytes_per_slot
+    state = L.expert_cache_state(spec, e.slots, plan.max_prefill_tokens) if offloads else ()
+    assert e.cache_state_bytes == sum(t.nbytes for t in state)
+    assert 0 <= e.padding_bytes < L.POOL_ALIGN + L.VIEW_ALIGN * len(layout.tensors)
+    assert e.padding_bytes == layout.nbytes - sum(t.nbytes for t in layout.tensors)
