@@ -3,9 +3,9 @@
 The three run as child processes (`ferry scheduler|worker|api`, exactly what compose runs). SIGINT or
 SIGTERM stops them all: the api first, which drains (requests in flight get --drain-timeout to
 finish), then the worker and the scheduler. If one of them exits on its own the others are stopped
-too and serve exits non-zero, naming it. The children die with serve even when it is killed outright
-(PR_SET_PDEATHSIG), and a launch's socket directory left behind by a killed serve is removed by the
-next start.
+too and serve exits non-zero, naming it. The children die with serve even when it is killed outright,
+stopped children included (PR_SET_PDEATHSIG with SIGKILL), and a launch's socket directory left behind
+by a killed serve is removed by the next start.
 """
 
 from __future__ import annotations
@@ -257,13 +257,16 @@ _PR_SET_PDEATHSIG = 1
 
 
 def _die_with_parent(parent: int):
-    """A child's pre-exec step: the kernel sends it SIGTERM when serve dies, however serve dies (kill -9
-    included), so no child outlives it under PID 1. Linux only; elsewhere a no-op."""
+    """A child's pre-exec step: the kernel sends it SIGKILL when serve dies, however serve dies (kill -9
+    included), so no child outlives it under PID 1. SIGKILL, not SIGTERM: a stopped child (kill -STOP,
+    a debugger) does not act on SIGTERM until it is continued, and would stay behind in state T; SIGKILL
+    ends a stopped process too. Serve's own stop (SIGTERM, SIGINT) still stops its children gracefully
+    (_stop_all): this is only for a serve that could not. Linux only; elsewhere a no-op."""
 
     def set_pdeathsig() -> None:
         try:
             libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         except (OSError, AttributeError):
             return
         if os.getppid() != parent:  # serve died before the prctl took effect

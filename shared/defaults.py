@@ -17,7 +17,7 @@ def is_loopback(host: str) -> bool:
     host = host.strip("[]")
     return host in ("localhost", "::1") or host.startswith("127.")
 API_ADDR = f"tcp://{LOOPBACK}:5555"  # the scheduler's ROUTER binds here; api replicas connect DEALERs
-STEPS_ADDR = f"tcp://{LOOPBACK}:5556"  # the scheduler PUSHes steps from here; the worker connects a PULL
+STEPS_ADDR = f"tcp://{LOOPBACK}:5556"  # the scheduler's ROUTER sends steps from here; the worker connects a DEALER
 RESULTS_ADDR = f"tcp://{LOOPBACK}:5557"  # the scheduler PULLs results here; the worker connects PUSHes
 STEP_TIMEOUT_S = 300.0  # one worker step running longer than this counts as a hung worker
 

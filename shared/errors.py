@@ -10,6 +10,10 @@ class FerryError(Exception):
     http_status = 500
     error_type = "internal_error"
 
+    def __init__(self, *args: object, param: str | None = None):
+        super().__init__(*args)
+        self.param = param  # the request field it concerns ("temperature", "messages[2].content"), if one
+
 
 class ConfigError(FerryError):
     """A flag, a config.json or an environment variable is wrong: the message names which."""

@@ -1,7 +1,9 @@
 """structlog set up once per process, on stderr: human-readable lines when stderr is a terminal,
 one JSON object per line otherwise (what log collectors parse), or as `--log-format` says.
 Context vars (request ids) are merged in. Records from the standard library's logging (aiohttp,
-zmq, ...) go through the same renderer, so a process's log is in one format only."""
+zmq, ...) go through the same renderer, so a process's log is in one format only. No logged value is
+longer than MAX_LOGGED_CHARS (a traceback: MAX_TRACEBACK_CHARS): a value a client or a peer chose (a
+16 MiB grammar in an error message) would otherwise make one line of tens of megabytes."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import sys
 import structlog
 
 LOG_FORMATS = ("auto", "console", "json")
+MAX_LOGGED_CHARS = 4096
+MAX_TRACEBACK_CHARS = 64 * 1024
 
 _SHARED = [
     structlog.contextvars.merge_contextvars,
@@ -52,10 +56,35 @@ def _process_as_logger_name(_logger, _name, event_dict: dict) -> dict:
     return event_dict
 
 
+def _capped(value, limit: int, depth: int = 0):
+    """`value` with every string (and bytes) in it cut to `limit` characters, marked where cut."""
+    if isinstance(value, (str, bytes)):
+        if len(value) <= limit:
+            return value
+        text = value if isinstance(value, str) else repr(value[:limit])
+        return f"{text[:limit]}...[{len(value) - limit} more characters]"
+    if isinstance(value, (dict, list, tuple)) and depth >= 4:
+        return _capped(repr(value), limit)
+    if isinstance(value, dict):
+        return {_capped(k, limit, depth + 1): _capped(v, limit, depth + 1) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_capped(v, limit, depth + 1) for v in value)
+    return value
+
+
+def cap_values(_logger, _name, event_dict: dict) -> dict:
+    """Every field cut to MAX_LOGGED_CHARS; a formatted traceback to MAX_TRACEBACK_CHARS (an exc_info
+    the console renderer formats is left to it)."""
+    for key, value in event_dict.items():
+        if key != "exc_info":
+            event_dict[key] = _capped(value, MAX_TRACEBACK_CHARS if key == "exception" else MAX_LOGGED_CHARS)
+    return event_dict
+
+
 def _renderers(fmt: str) -> list:
     if fmt == "console":
-        return [_process_as_logger_name, structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())]
-    return [structlog.processors.format_exc_info, structlog.processors.JSONRenderer()]
+        return [_process_as_logger_name, cap_values, structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())]
+    return [structlog.processors.format_exc_info, cap_values, structlog.processors.JSONRenderer()]
 
 
 def configure_logging(process: str, level: str = "info", fmt: str = "auto") -> None:

@@ -2,7 +2,7 @@
 
 Edges (docs/ARCHITECTURE.md §1):  api DEALER -> scheduler ROUTER : ApiToScheduler
                     scheduler ROUTER -> api DEALER : SchedulerToApi
-                    scheduler PUSH -> worker PULL   : SchedulerToWorker
+                    scheduler ROUTER -> worker DEALER : SchedulerToWorker (the adopted worker, by boot id)
                     worker PUSH -> scheduler PULL   : WorkerToScheduler
 
 Only token ids, positions, page/slot indices, sampling parameters and results travel. numpy arrays
@@ -11,7 +11,7 @@ are carried by shared/wire.py as extra zero-copy frames (fields typed `np.ndarra
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Annotated, Union
 
 import msgspec
 import numpy as np
@@ -19,6 +19,8 @@ import numpy as np
 from ferry.shared.bounds import Count32, Id, Int64, Positive32
 from ferry.shared.sampling import SamplingParams
 from ferry.shared.step import Logprobs, StepBatch, StepOutput
+
+ReplicaName = Annotated[str, msgspec.Meta(max_length=256)]  # an api replica's socket identity
 
 
 class PoolReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -49,7 +51,11 @@ class Abort(msgspec.Struct, tag=True):
 
 
 class ApiHeartbeat(msgspec.Struct, tag=True):
-    pass
+    """A replica's beat. `replica`: the identity of the replica's main socket, when the beat comes from
+    its heartbeat thread on a socket of its own (so a busy event loop never silences it); "": the
+    sending socket is the replica."""
+
+    replica: ReplicaName = ""
 
 
 ApiToScheduler = Union[Submit, Abort, ApiHeartbeat]

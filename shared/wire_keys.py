@@ -10,10 +10,15 @@ serve`) needs none of this: its sockets live in a 0700 directory only the user r
 
 Each process needs only its own secret and the scheduler's public key; the scheduler needs the api's
 and the worker's public keys. Nothing secret goes on a command line: the flag names a directory.
+
+tcp without keys is refused, loopback included: any local process (any user's) reaches a loopback port,
+and could submit requests past the api's key or pose as the worker. `--insecure-wire`
+(FERRY_INSECURE_WIRE) accepts that on loopback, and only there.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 from pathlib import Path
 
@@ -26,13 +31,35 @@ from ferry.shared.errors import ConfigError
 
 ROLES = ("scheduler", "api", "worker")
 CLIENT_ROLES = ("api", "worker")  # ZAP domain of each scheduler socket: the role allowed on it
+INSECURE_ENV = "FERRY_INSECURE_WIRE"
+_TRUE = {"1", "true", "yes", "on"}
+_insecure_flag = False  # --insecure-wire was on this process's command line (_InsecureWireFlag)
 
 
 def add_wire_keys_flag(group) -> None:
     group.add_argument("--wire-keys", default=None, metavar="DIR",
                        help="directory of the CURVE keys `ferry keys DIR` wrote (compose: the secrets' directory, "
                             "/run/secrets): authenticates and encrypts the ZeroMQ wire; required for tcp addresses "
-                            "beyond loopback")  # fmt: skip
+                            "(loopback too, unless --insecure-wire)")  # fmt: skip
+    group.add_argument("--insecure-wire", action=_InsecureWireFlag,
+                       help="accept tcp addresses on loopback without --wire-keys: any local process can then submit "
+                            "requests past the api's key and pose as the worker (ferry serve needs neither: it uses "
+                            "private ipc sockets)")  # fmt: skip
+
+
+class _InsecureWireFlag(argparse._StoreTrueAction):  # argparse has no public base for a store_true flag
+    """Also remembered for the whole process: the api and the worker check their wire where they set it
+    up (require_keys_for_tcp), and their configs do not carry this flag there."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        global _insecure_flag
+        _insecure_flag = True
+        super().__call__(parser, namespace, values, option_string)
+
+
+def insecure_wire_allowed(environ=os.environ) -> bool:
+    """--insecure-wire on this process's command line, or FERRY_INSECURE_WIRE set true."""
+    return _insecure_flag or environ.get(INSECURE_ENV, "").strip().lower() in _TRUE
 
 
 def generate(directory: Path) -> list[Path]:
@@ -123,3 +150,17 @@ def check_exposure(flag: str, addr: str, keys: object | None) -> None:
     raise ConfigError(f"{flag} {addr} is reachable beyond this host but the wire is not authenticated: write keys with "
                       "`ferry keys DIR` and pass --wire-keys DIR (FERRY_WIRE_KEYS) to the api, the scheduler and the "
                       "worker, or use a loopback address")  # fmt: skip
+
+
+def require_keys_for_tcp(flag: str, addr: str, keys: object | None, insecure: bool | None = None) -> None:
+    """A tcp address, loopback included, needs keys unless `insecure` (default: insecure_wire_allowed()).
+    check_exposure refuses tcp beyond loopback without keys whatever this says."""
+    if keys is not None or not addr.startswith("tcp://"):
+        return
+    if insecure_wire_allowed() if insecure is None else insecure:
+        return
+    raise ConfigError(f"{flag} {addr} is a tcp address but the wire is not authenticated: any local process could "
+                      "submit requests past the api's key or pose as the worker. Write keys with `ferry keys DIR` and "
+                      "pass --wire-keys DIR (FERRY_WIRE_KEYS) to the api, the scheduler and the worker; or run "
+                      "`ferry serve`, whose private ipc sockets need no keys; or pass --insecure-wire "
+                      "(FERRY_INSECURE_WIRE=1) to accept that risk on loopback")  # fmt: skip

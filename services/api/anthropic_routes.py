@@ -5,10 +5,12 @@ Generation (the same path as the OpenAI routes: scheduler, detokenizer, stop str
 parser (reasoning, text, tool calls) -> a message, or its event stream. Authentication (x-api-key or
 a bearer token) and the error shapes are the middlewares' (http_errors.py).
 
-tool_choice any / tool (a forced call): the prompt already opens the call (`<tool_call>` and, for
-`tool`, the name), so the model can only write the arguments; the parser reads the call with that
-start. There is no grammar-constrained decoding here: a model may still write a malformed call,
-which then comes back as text.
+tool_choice any / tool (a forced call): as on the OpenAI route (tool_choice required / a named
+function), a grammar holds the output to one or more `<tool_call>` blocks (one with
+disable_parallel_tool_use) whose arguments match the tool's input_schema (structured.py), so even a
+model that would not call writes a call that validates; they come back as tool_use blocks with
+stop_reason tool_use. Otherwise (auto, or no tool_choice) the model's own `<tool_call>` markup is
+parsed into tool_use blocks.
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ from aiohttp import web
 
 from ferry.shared.errors import FerryError, NotFound
 from ferry.services.api import anthropic_schema as schema
+from ferry.services.api import structured
 from ferry.services.api.anthropic_responses import PING, MessageBuilder, error_body, sse_event
 from ferry.services.api.config import ApiConfig
 from ferry.services.api.generation import Generation
-from ferry.services.api.metrics import ApiMetrics
+from ferry.services.api.metrics import ApiMetrics, mark_counted_by_generations
 from ferry.services.api.output_parsers import OutputParser
 from ferry.services.api.reasoning_parser import prompt_opens_reasoning
 from ferry.services.api.schema import decode_body
@@ -41,28 +44,19 @@ PING_INTERVAL_S = 10.0  # a ping when no other event went out for this long (pro
 class Prompt:
     ids: list[int]
     text: str
-    tool_prefix: str  # the start of a forced tool call, already in the prompt
 
 
-def forced_call_prefix(tokenizer: PromptTokenizer, choice: schema.ToolChoice | None, prompt_text: str) -> tuple[str, str]:
-    """(text appended to the prompt, the tool-call part of it) for tool_choice any / tool: the call's
-    opening in the model's own format (XML when its template writes <function=...>, else JSON)."""
-    if choice is None or choice.type not in ("any", "tool"):
-        return "", ""
-    xml = "<function=" in (tokenizer.hf.chat_template or "")
-    if choice.type == "tool":
-        call = f"<tool_call>\n<function={choice.name}>\n" if xml else f'<tool_call>\n{{"name": "{choice.name}", "arguments": '
-    else:
-        call = "<tool_call>\n<function=" if xml else '<tool_call>\n{"name": "'
-    close = "</think>\n\n" if prompt_opens_reasoning(prompt_text) else ""  # a template that always opens reasoning
-    return close + call, call
+def forced_prompt_suffix(req: schema.CountTokensRequest, prompt_text: str) -> str:
+    """What a forced call (tool_choice any / tool) adds to the prompt: the closing of a reasoning the
+    template always opens (the grammar starts the call at once, so the model cannot close it itself)."""
+    return "</think>\n\n" if schema.forced(req) and prompt_opens_reasoning(prompt_text) else ""
 
 
 class AnthropicRoutes:
     def __init__(self, cfg: ApiConfig, client: SchedulerClient, tokenizer: PromptTokenizer, metrics: ApiMetrics,
                  tokenize):  # fmt: skip
-        """`tokenize(fn, arg, body_bytes)`: runs fn(tokenizer, arg) on a tokenizer thread (shared with the
-        OpenAI routes)."""
+        """`tokenize(fn, arg, body_bytes, lane=None)`: runs fn(tokenizer, arg) on a tokenizer thread, or a
+        grammar's fn on the grammar lane (OpenAIRoutes._tokenize, shared with the OpenAI routes)."""
         self.cfg, self.client, self.tokenizer, self.metrics = cfg, client, tokenizer, metrics
         self._tokenize = tokenize
 
@@ -79,9 +73,8 @@ class AnthropicRoutes:
         continue_final = messages[-1]["role"] == "assistant"  # a prefilled answer: the model continues it
         text = tokenizer.chat_text(messages, tools=schema.template_tools(req), continue_final=continue_final,
                                    **schema.template_kwargs(req))  # fmt: skip
-        added, call = forced_call_prefix(tokenizer, req.tool_choice, text)
-        text += added
-        return Prompt(tokenizer.encode(text), text, call)
+        text += forced_prompt_suffix(req, text)
+        return Prompt(tokenizer.encode(text), text)
 
     def _check_model(self, req: schema.CountTokensRequest) -> None:
         if req.model != self.cfg.served_model_name:
@@ -101,18 +94,21 @@ class AnthropicRoutes:
         req = decode_body(body, schema.MessagesRequest)
         self._check_model(req)
         schema.validate(req)
-        prompt = await self._tokenize(self._prompt, req, len(body))
-        choice = req.tool_choice
-        builder = MessageBuilder(self.cfg.served_model_name,
-                                 single_tool_call=bool(choice and choice.disable_parallel_tool_use))  # fmt: skip
+        prompt = await self._tokenize(self._prompt, req, len(body))  # checks the tools and tool_choice too
+        grammar = None
+        if (forced := schema.forced_tools(req)) is not None:  # built off the event loop: a large schema takes a while
+            grammar = await self._tokenize(_tool_call_grammar, (forced, schema.parallel_calls(req)), len(body),
+                                           lane="grammar")  # on its own lane: no prompt waits behind it  # fmt: skip
+        builder = MessageBuilder(self.cfg.served_model_name, single_tool_call=not schema.parallel_calls(req))
         structlog.contextvars.bind_contextvars(request_id=builder.id)
         parser = OutputParser(self.cfg.reasoning_parser, self.cfg.tool_call_parser, schema.tool_schemas(req),
-                              prompt_text=prompt.text, tool_prefix=prompt.tool_prefix)  # fmt: skip
+                              prompt_text=prompt.text, forced=grammar is not None)  # fmt: skip
         gen = Generation(self.client, self.tokenizer.hf, self.metrics, "messages", prompt.ids,
-                         schema.sampling_params(req, self.tokenizer.eos_token_ids), req.max_tokens,
+                         schema.sampling_params(req, self.tokenizer.eos_token_ids, grammar), req.max_tokens,
                          list(req.stop_sequences or []))  # fmt: skip
         headers = {"request-id": builder.id}
         async with contextlib.aclosing(gen.deltas()) as deltas:
+            mark_counted_by_generations(request)  # it starts below, and counts itself
             if not req.stream:
                 reason = None
                 async for d in deltas:
@@ -137,6 +133,11 @@ class AnthropicRoutes:
             except ConnectionResetError:
                 pass  # the client left: leaving the `async with` aborts the request, and Generation logs it
             return response
+
+
+def _tool_call_grammar(_tokenizer: PromptTokenizer, arg) -> str:
+    forced, parallel = arg
+    return structured.tool_call_grammar(forced, parallel, field="tools[{}].input_schema")
 
 
 async def _write(response: web.StreamResponse, events: list[dict]) -> None:

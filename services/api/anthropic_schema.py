@@ -111,11 +111,12 @@ def validate(req: MessagesRequest) -> None:
     _check(all(s for s in stops), "stop_sequences: must not contain an empty string")
 
 
-def sampling_params(req: MessagesRequest, eos_token_ids: tuple[int, ...]) -> SamplingParams:
+def sampling_params(req: MessagesRequest, eos_token_ids: tuple[int, ...], grammar: str | None = None) -> SamplingParams:
     """The request's SamplingParams, held to shared/sampling.py's rules where the request is built
-    (`validate` has refused what the Messages API itself does not allow)."""
+    (`validate` has refused what the Messages API itself does not allow). `grammar`: a forced tool
+    call's (structured.tool_call_grammar of `forced_tools`)."""
     params = SamplingParams(temperature=req.temperature, top_p=req.top_p if req.top_p is not None else 1.0,
-                            top_k=req.top_k or 0, stop_token_ids=tuple(eos_token_ids))  # fmt: skip
+                            top_k=req.top_k or 0, stop_token_ids=tuple(eos_token_ids), grammar=grammar)  # fmt: skip
     problems = sampling_problems(params)
     _check(not problems, "; ".join(problems))
     return params
@@ -209,6 +210,8 @@ def template_tools(req: CountTokensRequest) -> list[dict] | None:
     """The tools as apply_chat_template(tools=...) takes them (OpenAI function specs); None for none
     (no tools, or tool_choice none)."""
     if not req.tools:
+        _check(req.tool_choice is None or req.tool_choice.type in ("auto", "none"),
+               "tool_choice: any and tool need tools, and none were given")  # fmt: skip
         return None
     out, names = [], set()
     for i, t in enumerate(req.tools):
@@ -235,11 +238,32 @@ def tool_schemas(req: CountTokensRequest) -> dict[str, dict] | None:
     return {t.name: t.input_schema or {} for t in req.tools}
 
 
+def forced(req: CountTokensRequest) -> bool:
+    """tool_choice any or tool: the answer is tool calls, held to them by a grammar."""
+    return bool(req.tools) and req.tool_choice is not None and req.tool_choice.type in ("any", "tool")
+
+
+def forced_tools(req: CountTokensRequest) -> list[tuple[str, dict]] | None:
+    """[(name, input schema)] the output must call (tool_choice any: any of them; tool: that one), for
+    structured.tool_call_grammar; None when no call is forced. Call template_tools first (it checks
+    the names)."""
+    if not forced(req):
+        return None
+    tools = [(t.name, t.input_schema if t.input_schema is not None else {"type": "object"}) for t in req.tools]
+    if req.tool_choice.type == "tool":
+        return [t for t in tools if t[0] == req.tool_choice.name]
+    return tools
+
+
+def parallel_calls(req: CountTokensRequest) -> bool:
+    """Whether one turn may hold several calls (Anthropic's default; disable_parallel_tool_use: one)."""
+    return not (req.tool_choice is not None and req.tool_choice.disable_parallel_tool_use)
+
+
 def template_kwargs(req: CountTokensRequest) -> dict:
     """Extra chat-template variables: Qwen3's templates read `enable_thinking`. Without a `thinking`
     field the template's own default holds; a forced tool call (tool_choice any/tool) never thinks first."""
-    forced = req.tool_choice is not None and req.tool_choice.type in ("any", "tool")
-    if forced:
+    if forced(req):
         _check(req.thinking is None or req.thinking.type == "disabled",
                "thinking may not be enabled when tool_choice forces tool use")  # Anthropic's own rule
         return {"enable_thinking": False}

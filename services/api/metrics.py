@@ -6,6 +6,7 @@ label, copied from Ferry's own at scrape time (README: "Metrics for vLLM dashboa
 
 from __future__ import annotations
 
+from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, Metric
 
@@ -30,6 +31,18 @@ VLLM_ALIASES = {
 }
 # vLLM's finished_reason label from Ferry's request outcome (errors are not "finished")
 FINISHED_REASONS = {"stop": "stop", "length": "length", "disconnected": "abort"}
+
+# Set on an aiohttp request once its generations run: each Generation counts itself in ferry_requests_total
+# however it ends, and the error middleware (http_errors.py) counts only the requests none counted.
+_COUNTED_KEY = web.RequestKey("ferry_counted_by_generations", bool)
+
+
+def mark_counted_by_generations(request) -> None:
+    request[_COUNTED_KEY] = True
+
+
+def counted_by_generations(request) -> bool:
+    return request.get(_COUNTED_KEY, False)
 
 
 class _StatusCounters:

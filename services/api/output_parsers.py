@@ -35,19 +35,23 @@ class OutputParser:
     """`reasoning`: a REASONING_PARSERS name ("none": no reasoning is split off). `tools`: the
     request's tools as {name: JSON schema of the arguments}; None when the request offers none (or
     must not call one), and then no tool call is parsed. `prompt_text`: the rendered prompt, which
-    says whether the output starts inside the reasoning. `tool_prefix`: the part of a tool call the
-    prompt already holds (a forced tool choice)."""
+    says whether the output starts inside the reasoning. `forced`: a grammar holds the output to
+    tool calls (a forced tool choice: structured.tool_call_grammar), so it is read as calls whatever
+    `tool_calls` names (the grammar writes that format), no reasoning is split off, and no text is
+    passed on: between the calls there is only their separator, and after them, when max_tokens
+    or a stop sequence cut the output, only the unfinished start of another."""
 
     def __init__(self, reasoning: str, tool_calls: str, tools: dict[str, dict] | None, prompt_text: str = "",
-                 tool_prefix: str = ""):  # fmt: skip
+                 forced: bool = False):  # fmt: skip
         if reasoning not in REASONING_PARSERS or tool_calls not in TOOL_CALL_PARSERS:
             raise ValueError(f"unknown parser: {reasoning!r} / {tool_calls!r}")
+        self.forced = forced
         self.reasoning = None
-        if reasoning != "none" and not tool_prefix:
+        if reasoning != "none" and not forced:
             self.reasoning = ReasoningParser(starts_in_reasoning=prompt_opens_reasoning(prompt_text))
         self.tools = None
-        if tool_calls != "none" and tools is not None:
-            self.tools = ToolCallParser(tools, prefix=tool_prefix)
+        if (tool_calls != "none" or forced) and tools is not None:
+            self.tools = ToolCallParser(tools)
 
     def push(self, delta: str) -> list[Event]:
         pieces = self.reasoning.push(delta) if self.reasoning else [Piece("content", delta)]
@@ -70,7 +74,7 @@ class OutputParser:
                 out.extend(self._text_or_call(e) for e in self.tools.push(text))
         if final and self.tools is not None:
             out.extend(self._text_or_call(e) for e in self.tools.flush())
-        return out
+        return [e for e in out if isinstance(e, ToolCall)] if self.forced else out
 
     @staticmethod
     def _text_or_call(e: str | ToolCall) -> Text | ToolCall:

@@ -18,7 +18,7 @@ from ferry.services.api import schema, structured
 from ferry.services.api.config import ApiConfig
 from ferry.services.api.generation import Generation
 from ferry.services.api.logprobs import TokenText
-from ferry.services.api.metrics import ApiMetrics
+from ferry.services.api.metrics import ApiMetrics, mark_counted_by_generations
 from ferry.services.api.output_parsers import OutputParser
 from ferry.services.api.responses import (
     ChatChoice, ChatFormat, CompletionChoice, CompletionFormat, ResponseFormat, error_body, sse, total_usage,
@@ -30,11 +30,15 @@ log = structlog.get_logger("api.routes")
 
 # Two tokenizer threads, each with its own tokenizer (a fast tokenizer is not meant to encode from
 # several threads at once): bodies up to LONG_BODY_BYTES on one, larger ones on the other, so a short
-# prompt never waits behind a long one. Each lane takes at most so many prompts waiting or running;
-# more are refused with a 503 and Retry-After. With the character limit (PromptTokenizer.check_chars)
-# this bounds the work and the memory queued behind the tokenizer.
+# prompt never waits behind a long one. A third thread builds and checks grammars (response_format, a
+# forced tool call: llguidance, no tokenizer), so no prompt waits behind a schema of thousands of
+# properties, which takes the better part of a second (llguidance releases the GIL meanwhile: the
+# event loop keeps running). Each lane takes at most so many jobs waiting or running; more are refused
+# with a 503 and Retry-After. With the character limit (PromptTokenizer.check_chars) this bounds the
+# work and the memory queued behind the threads.
 LONG_BODY_BYTES = 256 * 1024
-MAX_TOKENIZATIONS = {"short": 256, "long": 4}
+MAX_TOKENIZATIONS = {"short": 256, "long": 4, "grammar": 64}
+NO_TOKENIZER_LANES = ("grammar",)
 
 
 class TokenizerBusy(ServiceUnavailable):
@@ -48,8 +52,9 @@ class OpenAIRoutes:
         self.drain = drain
         self.created = int(time.time())
         self._lanes = {"short": (ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer"), tokenizer),
-                       "long": (ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer-long"), None)}  # fmt: skip
-        self._tokenizations = {"short": 0, "long": 0}
+                       "long": (ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer-long"), None),
+                       "grammar": (ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar"), None)}  # fmt: skip
+        self._tokenizations = {lane: 0 for lane in self._lanes}
         self._token_text = TokenText(tokenizer.hf)
 
     def add_to(self, app: web.Application) -> None:
@@ -71,21 +76,22 @@ class OpenAIRoutes:
         tools = schema.template_tools(req)
         forced = schema.forced_tools(req)
         size = len(body)  # the body read, not its Content-Length header: a chunked upload sends none
-        # grammars are built and checked off the event loop, in the tokenizer lane of the body's size (and
-        # counted against its bound): a large schema takes a while
-        fmt_grammar = None
+        if forced and req.response_format is not None and req.response_format.type != "text":
+            raise InvalidRequest("response_format: cannot be combined with tool_choice required or a named function",
+                                 param="response_format")  # fmt: skip
+        # grammars are built and checked off the event loop, in their own lane (a large schema takes a
+        # while), once per request: its n choices share the one grammar
+        grammar = None
         if req.response_format is not None and req.response_format.type != "text":
-            fmt_grammar = await self._tokenize(_response_format_grammar, req.response_format, size)
-        if forced and fmt_grammar is not None:
-            raise InvalidRequest("response_format: cannot be combined with tool_choice required or a named function")
-        grammar = fmt_grammar
+            grammar = await self._tokenize(_response_format_grammar, req.response_format, size, lane="grammar")
         if forced:
-            grammar = await self._tokenize(_tool_call_grammar, (forced, req.parallel_tool_calls is not False), size)
+            grammar = await self._tokenize(_tool_call_grammar, (forced, req.parallel_tool_calls is not False), size,
+                                           lane="grammar")  # fmt: skip
         logprobs = schema.chat_logprobs(req)
         sampling = schema.sampling_params(req, self.tokenizer.eos_token_ids, self.tokenizer.vocab_size,
                                           logprobs=logprobs, grammar=grammar)  # fmt: skip
         messages = schema.chat_messages(req)
-        self._check_chars(sum(len(m["content"]) for m in messages))
+        self._check_chars(sum(len(m["content"]) for m in messages), "messages")
         kwargs = schema.template_kwargs(req, forced=grammar is not None)
         text = await self._tokenize(_chat_text, (messages, tools, kwargs), size)
         prompt = await self._tokenize(PromptTokenizer.encode, text, size)
@@ -93,7 +99,8 @@ class OpenAIRoutes:
         reasoning = self.cfg.reasoning_parser if req.separate_reasoning else "none"
         token_text = self._token_text if logprobs is not None else None
         schemas = schema.tool_schemas(req) if tools is not None else None
-        choices = [ChatChoice(j, OutputParser(reasoning, self.cfg.tool_call_parser, schemas, prompt_text=text),
+        choices = [ChatChoice(j, OutputParser(reasoning, self.cfg.tool_call_parser, schemas, prompt_text=text,
+                                              forced=bool(forced)),
                               token_text, single_call=req.parallel_tool_calls is False) for j in range(req.n)]  # fmt: skip
         runs = [(prompt, _seeded(sampling, j)) for j in range(req.n)]
         return await self._generate(request, req, "chat", runs, max_tokens, fmt, choices)
@@ -107,12 +114,13 @@ class OpenAIRoutes:
         prompts = schema.completion_prompts(req)
         _check_choices(len(prompts) * req.n)
         if req.max_tokens == 0 and not req.echo:
-            raise InvalidRequest("max_tokens must be at least 1 (0 only scores the prompt, with echo), got 0")
+            raise InvalidRequest("max_tokens must be at least 1 (0 only scores the prompt, with echo), got 0",
+                                 param="max_tokens")  # fmt: skip
         sampling = schema.sampling_params(req, self.tokenizer.eos_token_ids, self.tokenizer.vocab_size, logprobs=logprobs,
                                           prompt_logprobs=logprobs if req.echo else None)  # fmt: skip
         texts = [p for p in prompts if isinstance(p, str)]
         if texts:
-            self._check_chars(max(len(t) for t in texts))
+            self._check_chars(max(len(t) for t in texts), "prompt")
         ids = [await self._tokenize(PromptTokenizer.text_prompt, p, len(body)) for p in prompts]
         fmt = CompletionFormat(self.cfg.served_model_name)
         token_text = self._token_text if logprobs is not None else None
@@ -126,16 +134,18 @@ class OpenAIRoutes:
 
     def _check_model(self, req) -> None:
         if req.model is not None and req.model != self.cfg.served_model_name:
-            raise NotFound(f"the model {req.model!r} does not exist here; this server serves {self.cfg.served_model_name!r}")
+            raise NotFound(f"the model {req.model!r} does not exist here; this server serves {self.cfg.served_model_name!r}",
+                           param="model")  # fmt: skip
 
-    def _check_chars(self, n: int) -> None:
+    def _check_chars(self, n: int, field: str) -> None:
         """On the event loop, before anything is queued for the tokenizer: a prompt too long in
-        characters alone to fit the model length is refused at once."""
+        characters alone to fit the model length is refused at once (naming `field`)."""
         self._update_model_len()
         try:
             self.tokenizer.check_chars(n)
-        except TooLong:
+        except TooLong as exc:
             self.metrics.tokenize_refused.labels("too_long").inc()
+            exc.param = field
             raise
 
     def _update_model_len(self) -> None:
@@ -145,15 +155,17 @@ class OpenAIRoutes:
                 if tokenizer is not None:
                     tokenizer.max_model_len = status.max_model_len
 
-    async def _tokenize(self, fn, arg, body_bytes: int):
+    async def _tokenize(self, fn, arg, body_bytes: int, lane: str | None = None):
         """fn(tokenizer, arg) off the event loop (a prompt near the body limit takes long enough to stall
-        every stream), in the lane of the body's size, at most MAX_TOKENIZATIONS[lane] prompts queued
-        or running there (more: 503 with Retry-After)."""
+        every stream), in the lane of the body's size (or `lane`: "grammar" for a grammar, whose fn gets
+        no tokenizer), at most MAX_TOKENIZATIONS[lane] jobs queued or running there (more: 503 with
+        Retry-After)."""
         self._update_model_len()
-        lane = "long" if body_bytes > LONG_BODY_BYTES else "short"
+        lane = lane or ("long" if body_bytes > LONG_BODY_BYTES else "short")
         if self._tokenizations[lane] >= MAX_TOKENIZATIONS[lane]:
             self.metrics.tokenize_refused.labels("busy").inc()
-            raise TokenizerBusy(f"{self._tokenizations[lane]} prompts are waiting for the tokenizer; retry shortly")
+            what = "grammars are waiting to be built" if lane in NO_TOKENIZER_LANES else "prompts are waiting for the tokenizer"
+            raise TokenizerBusy(f"{self._tokenizations[lane]} {what}; retry shortly")
         thread = self._lanes[lane][0]
         self._tokenizations[lane] += 1
         self.metrics.tokenizing.inc()
@@ -173,7 +185,7 @@ class OpenAIRoutes:
         here, on first use: for a large vocabulary that takes a while, which would stall every
         stream on the event loop (the lane has one thread, so it is made once)."""
         thread, tokenizer = self._lanes[lane]
-        if tokenizer is None:
+        if tokenizer is None and lane not in NO_TOKENIZER_LANES:
             tokenizer = self.tokenizer.copy()
             self._lanes[lane] = (thread, tokenizer)
         return fn(tokenizer, arg)
@@ -189,6 +201,7 @@ class OpenAIRoutes:
             choices = [CompletionChoice(i, g, echo, tt) for i, (g, (echo, tt)) in enumerate(zip(gens, choices))]
         async with contextlib.AsyncExitStack() as stack:
             deltas = [await stack.enter_async_context(contextlib.aclosing(g.deltas())) for g in gens]
+            mark_counted_by_generations(request)  # each generation starts below, and counts itself
             if not req.stream:
                 await _all(*(_drain(d, c) for d, c in zip(deltas, choices)))
                 return web.json_response(fmt.full([c.full() for c in choices], total_usage(gens)))
@@ -275,7 +288,8 @@ def _seeded(sampling: SamplingParams, j: int) -> SamplingParams:
 
 def _check_choices(count: int) -> None:
     if count > schema.MAX_PROMPTS:
-        raise InvalidRequest(f"n times the number of prompts is {count}: at most {schema.MAX_PROMPTS} choices per request")
+        raise InvalidRequest(f"n times the number of prompts is {count}: at most {schema.MAX_PROMPTS} choices per request",
+                             param="n")  # fmt: skip
 
 
 async def _all(*aws):

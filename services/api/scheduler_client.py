@@ -2,13 +2,18 @@
 per-request queues, and heartbeats both ways.
 
 If the scheduler falls silent for PEER_TIMEOUT_S every request in flight fails with 503 and
-/health turns 503; nothing waits forever.
+/health turns 503; nothing waits forever. What clients read (503s, /health's reason) says "the
+scheduler", never its address: an ipc address is a path in the private socket directory. This
+replica's own beats go out from a thread with a socket of its own, so a busy event loop never makes
+it look lost to the scheduler; and time this loop spent not reading (woken late, messages waiting
+unread) is not the scheduler's silence (shared/liveness.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 import time
 from dataclasses import dataclass
 
@@ -25,7 +30,8 @@ from ferry.shared.messages import (
 )  # fmt: skip
 from ferry.shared.sampling import SamplingParams
 from ferry.shared.step import Logprobs
-from ferry.shared.wire import AsyncDealer, WireError
+from ferry.shared.wire import AsyncDealer, PeerSocket, WireError
+from ferry.shared.wire_keys import require_keys_for_tcp
 
 log = structlog.get_logger("api.scheduler_client")
 
@@ -66,11 +72,13 @@ class SchedulerClient:
     def __init__(self, addr: str, identity: str, secure=None, vocab_size: int = 0):
         """`secure`: the CURVE setup of the DEALER (shared/wire_keys.py), None without keys; `vocab_size`:
         token ids the scheduler sends must be below it (0: unchecked)."""
+        require_keys_for_tcp("--scheduler-addr", addr, secure)
         self.addr = addr
         self.identity = identity
         self.vocab_size = vocab_size
         self.ctx = zmq.asyncio.Context()
         self.dealer: AsyncDealer = AsyncDealer(self.ctx, addr, SchedulerToApi, identity.encode(), secure)
+        self._beats = _BeatThread(addr, identity, secure)
         self.status: SchedulerStatus | None = None
         self.scheduler = Liveness()
         self.streams: dict[int, RequestStream] = {}
@@ -79,23 +87,26 @@ class SchedulerClient:
         self._started = time.monotonic()
 
     async def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._beat())]
+        self._beats.start()
+        self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
 
     async def close(self) -> None:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._beats.stop()
         self.dealer.close()
         self.ctx.term()
 
     # ---- readiness ---------------------------------------------------------------------------------
 
     def readiness(self) -> tuple[bool, str]:
+        """(ready, why not): the reason goes to clients, so it names no address."""
         if not self.scheduler.alive():
             silent = self.scheduler.silent_for()
             if silent is None:
-                return False, f"no contact with the scheduler at {self.addr} yet"
-            return False, f"the scheduler at {self.addr} stopped responding ({silent:.1f}s without a heartbeat)"
+                return False, "no contact with the scheduler yet"
+            return False, f"the scheduler stopped responding ({silent:.1f}s without a heartbeat)"
         if self.status is None or not self.status.ready:
             return False, self.status.reason if self.status else "waiting for the scheduler's status"
         return True, ""
@@ -112,7 +123,7 @@ class SchedulerClient:
                                              sampling=sampling, max_tokens=max_tokens))  # fmt: skip
         if not sent:
             self.streams.pop(stream.req_id, None)
-            raise ServiceUnavailable(f"the scheduler at {self.addr} is not connected")
+            raise ServiceUnavailable("the scheduler is not connected")
         return stream
 
     def abort(self, stream: RequestStream) -> None:
@@ -169,26 +180,77 @@ class SchedulerClient:
                     self._on_tokens(msg, now)
                 case Finished(req_id=rid):
                     if (s := self.streams.pop(rid, None)) is not None:
-                        ok = msg.reason in FINISH_REASONS
-                        s.queue.put_nowait(msg if ok else EngineError(f"unknown finish reason {msg.reason[:40]!r}"))
+                        s.queue.put_nowait(_finish_event(msg))
                 case Failed(req_id=rid, error_type=kind, message=text):
                     if (s := self.streams.pop(rid, None)) is not None:
                         s.queue.put_nowait(error_from_wire(kind, text))
                 case SchedulerStatus():
-                    self.scheduler.beat()
                     if self.status is not None and self.status.boot_id != msg.boot_id:
                         self._fail_all("the scheduler restarted")
                     self.status = msg
+            if self.status is not None:
+                self.scheduler.beat()  # anything it sends says its loop runs (once it has said who it is)
 
-    async def _beat(self) -> None:
+    async def _watch(self) -> None:
+        """Fail every request once the scheduler has been silent PEER_TIMEOUT_S of this loop's listening:
+        not while messages wait unread (the reader is behind, not the scheduler), and not for the time
+        this loop itself did not run (it woke late)."""
+        due = time.monotonic() + HEARTBEAT_INTERVAL_S
         while True:
-            if self.streams and self.scheduler.ever_seen and not self.scheduler.alive():
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            now = time.monotonic()
+            self.scheduler.excuse(now - due)
+            due = now + HEARTBEAT_INTERVAL_S
+            unread = self.dealer.sock.get(zmq.EVENTS) & zmq.POLLIN
+            if self.streams and self.scheduler.ever_seen and not unread and not self.scheduler.alive():
                 self._fail_all(self.readiness()[1])
-            await self.dealer.send(ApiHeartbeat())
-            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
     def _fail_all(self, why: str) -> None:
         err = ServiceUnavailable(f"{why}; the request was lost")
         for s in self.streams.values():
             s.queue.put_nowait(err)
         self.streams.clear()
+
+
+def _finish_event(msg: Finished) -> Finished | FerryError:
+    """A request that finished (stop, length) ends normally. One the scheduler aborted while this replica
+    still waits for it (this replica forgets a request before it asks for an abort) did not finish: it
+    ends in an error its client sees, never in a normal-looking stop."""
+    if msg.reason in ("stop", "length"):
+        return msg
+    if msg.reason in FINISH_REASONS:
+        return ServiceUnavailable(f"the scheduler aborted the request after {msg.completion_tokens} tokens, "
+                                  "before it finished")  # fmt: skip
+    return EngineError(f"unknown finish reason {msg.reason[:40]!r}")
+
+
+class _BeatThread(threading.Thread):
+    """This replica's ApiHeartbeat every HEARTBEAT_INTERVAL_S, from a thread and a socket of its own (a
+    sync one: a ZeroMQ socket belongs to one thread), naming the replica's main socket."""
+
+    def __init__(self, addr: str, identity: str, secure):
+        super().__init__(name="api-heartbeat", daemon=True)
+        self.identity = identity
+        self.ctx = zmq.Context()
+        self.sock = PeerSocket(self.ctx, zmq.DEALER, addr, None, bind=False, identity=f"{identity}/beat".encode(),
+                               secure=secure)  # fmt: skip
+        self.sock.sock.setsockopt(zmq.IMMEDIATE, 1)  # beats go to a live scheduler, never into a backlog
+        self.sock.sock.setsockopt(zmq.SNDHWM, 4)
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        beat = ApiHeartbeat(replica=self.identity)
+        while True:
+            self.sock.send(beat, block=False)
+            if self.stopped.wait(HEARTBEAT_INTERVAL_S):
+                break
+        self.sock.close()
+
+    def stop(self) -> None:
+        self.stopped.set()
+        if self.is_alive():
+            self.join(timeout=2)  # it closes its socket as it ends
+        else:  # never started
+            self.sock.close()
+        if not self.is_alive():
+            self.ctx.term()

@@ -9,6 +9,7 @@ SamplingParams (shared/sampling.py), which gets only the fields a client sent.""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import msgspec
@@ -153,6 +154,10 @@ MAX_PROMPTS = 64  # prompts in one completions request, and choices (prompts tim
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
+# msgspec ends a validation error with the path of the value it concerns: "... - at `$.messages[0].role`"
+_AT_PATH = re.compile(r" - at `\$\.?(.+)`$")
+
+
 def decode_body(body: bytes, kind: type[msgspec.Struct]) -> msgspec.Struct:
     if not body.strip():
         raise InvalidRequest("the request body is empty; send a JSON object")
@@ -160,25 +165,45 @@ def decode_body(body: bytes, kind: type[msgspec.Struct]) -> msgspec.Struct:
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
-        raise InvalidRequest(f"invalid request: {exc}") from exc
+        at = _AT_PATH.search(str(exc))
+        raise InvalidRequest(f"invalid request: {exc}", param=at.group(1) if at else None) from exc
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"the request body is not valid JSON: {exc}") from exc
 
 
-def _check(ok: bool, message: str) -> None:
+def _check(ok: bool, message: str, param: str | None = None) -> None:
+    """InvalidRequest(message) unless `ok`; `param`: the field it concerns (the error object's param)."""
     if not ok:
-        raise InvalidRequest(message)
+        raise InvalidRequest(message, param=param)
 
 
 def validate_generation(req: _Generation, max_tokens: int | None, allow_zero: bool = False) -> None:
     """What a body asks beyond sampling (SamplingParams' own rules are checked by `sampling_params`)."""
-    _check(1 <= req.n <= MAX_CHOICES, f"n must be in [1, {MAX_CHOICES}], got {req.n}")
+    _check(1 <= req.n <= MAX_CHOICES, f"n must be in [1, {MAX_CHOICES}], got {req.n}", "n")
     low = 0 if allow_zero else 1
+    field = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
     _check(max_tokens is None or max_tokens >= low,
-           f"max_tokens must be at least {low}{' (0 only scores the prompt, with echo)' if allow_zero else ''}, got {max_tokens}")  # fmt: skip
+           f"max_tokens must be at least {low}{' (0 only scores the prompt, with echo)' if allow_zero else ''}, got {max_tokens}",
+           field)  # fmt: skip
     if isinstance(req.stop, list):
-        _check(len(req.stop) <= 16, f"at most 16 stop strings, got {len(req.stop)}")
+        _check(len(req.stop) <= 16, f"at most 16 stop strings, got {len(req.stop)}", "stop")
     refused_fields(req)
+    for key in getattr(req, "chat_template_kwargs", None) or ():
+        _check(key not in RESERVED_TEMPLATE_KWARGS,
+               f"chat_template_kwargs.{key}: {key!r} is a parameter of the template call, not a template variable"
+               + (f"; send the request's own {key} field" if key in ("messages", "tools") else ""),
+               f"chat_template_kwargs.{key}")  # fmt: skip
+
+
+# The parameters of PromptTokenizer.chat_text and of transformers' apply_chat_template, which
+# chat_template_kwargs go to as keywords: one of them there would collide with the call (a TypeError,
+# a 500) or change what it does (tokenize, return_dict, chat_template: a template of the client's).
+# tests/unit/test_api_http_edge.py checks this list against both signatures.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "self", "messages", "tools", "continue_final", "conversation", "documents", "chat_template",
+    "add_generation_prompt", "continue_final_message", "tokenize", "sanitize_control_tokens", "padding",
+    "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})  # fmt: skip
 
 
 # field -> (the values that ask for nothing, why anything else is refused)
@@ -200,15 +225,15 @@ def refused_fields(req: _Generation) -> None:
     """A 400 naming the first OpenAI field sent with a value this server cannot honour."""
     for field, (fine, why) in _REFUSED.items():
         value = getattr(req, field, None)
-        _check(value in fine, f"{field}: {why}")
+        _check(value in fine, f"{field}: {why}", field)
     modalities = getattr(req, "modalities", None)
-    _check(modalities is None or list(modalities) == ["text"], "modalities: only [\"text\"] is supported")
+    _check(modalities is None or list(modalities) == ["text"], "modalities: only [\"text\"] is supported", "modalities")
     best_of = getattr(req, "best_of", None)
     _check(best_of is None or best_of == req.n,
-           f"best_of: only best_of equal to n (or absent) is supported (no server-side ranking), got {best_of}")
+           f"best_of: only best_of equal to n (or absent) is supported (no server-side ranking), got {best_of}", "best_of")
     effort = getattr(req, "reasoning_effort", None)
     _check(effort in (None, "none", "minimal", "low", "medium", "high"),
-           f"reasoning_effort must be one of none, minimal, low, medium, high, got {effort!r}")
+           f"reasoning_effort must be one of none, minimal, low, medium, high, got {effort!r}", "reasoning_effort")
 
 
 def stop_strings(req: _Generation) -> list[str]:
@@ -225,25 +250,37 @@ def sampling_params(req: _Generation, eos_token_ids: tuple[int, ...], vocab_size
     sent = {name: getattr(req, name) for name in SAMPLING_FIELDS if getattr(req, name) is not None}
     bias = _logit_bias(req.logit_bias, vocab_size)
     _check(grammar is None or not req.ignore_eos,
-           "ignore_eos cannot be combined with response_format or a forced tool call: the output ends where its grammar does")
+           "ignore_eos cannot be combined with response_format or a forced tool call: the output ends where its grammar does",
+           "ignore_eos")  # fmt: skip
     params = SamplingParams(**sent, stop_token_ids=tuple(dict.fromkeys(stop_ids)), logit_bias=bias, logprobs=logprobs,
                             prompt_logprobs=prompt_logprobs, grammar=grammar)  # fmt: skip
     problems = sampling_problems(params)
-    _check(not problems, "; ".join(problems))
+    _check(not problems, "; ".join(problems), problem_field(problems, type(req)))
     return params
+
+
+def problem_field(problems: list[str], kind: type[msgspec.Struct]) -> str | None:
+    """The body field that `sampling_problems` names, when there is one problem and it names one
+    (each message begins with the field: "temperature must be >= 0, ...")."""
+    if len(problems) != 1:
+        return None
+    word = re.match(r"[a-z_]+", problems[0])
+    return word.group(0) if word and word.group(0) in kind.__struct_fields__ else None
 
 
 def _logit_bias(bias: dict[str, float] | None, vocab_size: int | None) -> tuple[tuple[int, float], ...]:
     out = []
-    _check(len(bias or ()) <= MAX_LOGIT_BIAS, f"logit_bias: at most {MAX_LOGIT_BIAS} tokens, got {len(bias or ())}")
+    _check(len(bias or ()) <= MAX_LOGIT_BIAS, f"logit_bias: at most {MAX_LOGIT_BIAS} tokens, got {len(bias or ())}",
+           "logit_bias")  # fmt: skip
     for key, value in (bias or {}).items():
         try:
             token = int(key)
         except ValueError:
-            raise InvalidRequest(f"logit_bias: keys must be token ids, got {key[:40]!r}") from None
+            raise InvalidRequest(f"logit_bias: keys must be token ids, got {key[:40]!r}", param="logit_bias") from None
         _check(0 <= token < (vocab_size or INT64_MAX),
-               f"logit_bias: token id {token} is outside the vocabulary (0..{(vocab_size or INT64_MAX) - 1})")  # fmt: skip
-        _check(-100 <= value <= 100, f"logit_bias: the bias of token {token} must be in [-100, 100], got {value}")
+               f"logit_bias: token id {token} is outside the vocabulary (0..{(vocab_size or INT64_MAX) - 1})", "logit_bias")  # fmt: skip
+        _check(-100 <= value <= 100, f"logit_bias: the bias of token {token} must be in [-100, 100], got {value}",
+               "logit_bias")  # fmt: skip
         out.append((token, float(value)))
     return tuple(out)
 
@@ -251,14 +288,15 @@ def _logit_bias(bias: dict[str, float] | None, vocab_size: int | None) -> tuple[
 def chat_logprobs(req: ChatCompletionRequest) -> int | None:
     """How many top alternatives the chat request wants with each token's logprob (None: no logprobs)."""
     if req.top_logprobs is not None:
-        _check(0 <= req.top_logprobs <= MAX_LOGPROBS, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}")
-        _check(bool(req.logprobs), "top_logprobs requires logprobs: true")
+        _check(0 <= req.top_logprobs <= MAX_LOGPROBS, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
+               "top_logprobs")  # fmt: skip
+        _check(bool(req.logprobs), "top_logprobs requires logprobs: true", "top_logprobs")
     return (req.top_logprobs or 0) if req.logprobs else None
 
 
 def completion_logprobs(req: CompletionRequest) -> int | None:
     if req.logprobs is not None:
-        _check(0 <= req.logprobs <= MAX_LOGPROBS, f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}")
+        _check(0 <= req.logprobs <= MAX_LOGPROBS, f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}", "logprobs")
     return req.logprobs
 
 
@@ -269,24 +307,28 @@ def chat_max_tokens(req: ChatCompletionRequest) -> int | None:
 def chat_messages(req: ChatCompletionRequest) -> list[dict]:
     """Messages as the chat template expects them: role + plain-text content; an assistant turn's
     `tool_calls` (arguments as objects) and `reasoning_content`; a tool turn's `tool_call_id`."""
-    _check(len(req.messages) > 0, "messages must not be empty")
+    _check(len(req.messages) > 0, "messages must not be empty", "messages")
     out = []
     for i, m in enumerate(req.messages):
-        _check(m.role in CHAT_ROLES, f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {m.role!r}")
+        _check(m.role in CHAT_ROLES, f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {m.role!r}",
+               f"messages[{i}].role")  # fmt: skip
         if isinstance(m.content, list):
             for j, part in enumerate(m.content):
                 _check(part.type == "text" and part.text is not None,
-                       f"messages[{i}].content[{j}]: only text parts are supported, got type {part.type!r}")  # fmt: skip
+                       f"messages[{i}].content[{j}]: only text parts are supported, got type {part.type!r}",
+                       f"messages[{i}].content[{j}]")  # fmt: skip
             content = "".join(p.text for p in m.content)
         else:
             content = m.content or ""
-        _check(m.role == "assistant" or content != "", f"messages[{i}].content must not be empty")
+        _check(m.role == "assistant" or content != "", f"messages[{i}].content must not be empty", f"messages[{i}].content")
         msg: dict = {"role": m.role, "content": content}
         if m.tool_calls:
-            _check(m.role == "assistant", f"messages[{i}].tool_calls: only an assistant message makes tool calls")
+            _check(m.role == "assistant", f"messages[{i}].tool_calls: only an assistant message makes tool calls",
+                   f"messages[{i}].tool_calls")  # fmt: skip
             msg["tool_calls"] = [_template_call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(m.tool_calls)]
         if m.role == "tool":
-            _check(m.tool_call_id is not None, f"messages[{i}].tool_call_id: a tool message must name the call it answers")
+            _check(m.tool_call_id is not None, f"messages[{i}].tool_call_id: a tool message must name the call it answers",
+                   f"messages[{i}].tool_call_id")  # fmt: skip
             msg["tool_call_id"] = m.tool_call_id
         if m.reasoning_content and m.role == "assistant":
             msg["reasoning_content"] = m.reasoning_content
@@ -299,37 +341,46 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
 def _template_call(call: ToolCallIn, where: str) -> dict:
     args = call.function.arguments
     if isinstance(args, str):
+        field = f"{where}.function.arguments"
         try:
+            # JSON inside a JSON string: the body's depth check did not see into it, and json.loads of a
+            # thousand brackets raises RecursionError (a 500), not ValueError
+            check_depth(args.encode())
             args = json.loads(args) if args.strip() else {}
+        except InvalidRequest as exc:
+            raise InvalidRequest(f"{field}: {exc}", param=field) from None
         except ValueError:
-            raise InvalidRequest(f"{where}.function.arguments is not valid JSON") from None
+            raise InvalidRequest(f"{field} is not valid JSON", param=field) from None
     return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": args or {}}}
 
 
 def template_tools(req: ChatCompletionRequest) -> list[dict] | None:
     """The tools as apply_chat_template(tools=...) takes them; None for none (no tools, or tool_choice none)."""
     if not req.tools:
-        _check(req.tool_choice in (None, "none", "auto"), "tool_choice: no tools were given")
+        _check(req.tool_choice in (None, "none", "auto"), "tool_choice: no tools were given", "tool_choice")
         return None
     names = set()
     out = []
     for i, t in enumerate(req.tools):
         _check(t.type == "function" and t.function is not None,
-               f"tools[{i}].type: only function tools are supported, got {t.type!r}")  # fmt: skip
-        _check(t.function.name not in names, f"tools[{i}].function.name: {t.function.name!r} is used twice")
+               f"tools[{i}].type: only function tools are supported, got {t.type!r}", f"tools[{i}].type")  # fmt: skip
+        _check(t.function.name not in names, f"tools[{i}].function.name: {t.function.name!r} is used twice",
+               f"tools[{i}].function.name")  # fmt: skip
         names.add(t.function.name)
         params = t.function.parameters if t.function.parameters is not None else {"type": "object", "properties": {}}
         out.append({"type": "function", "function": {"name": t.function.name, "description": t.function.description or "",
                                                      "parameters": params}})  # fmt: skip
     choice = req.tool_choice
     if isinstance(choice, str):
-        _check(choice in ("none", "auto", "required"), f"tool_choice must be none, auto, required or a named function, got {choice!r}")
+        _check(choice in ("none", "auto", "required"), f"tool_choice must be none, auto, required or a named function, got {choice!r}",
+               "tool_choice")  # fmt: skip
         if choice == "none":
             return None
     elif choice is not None:
         _check(choice.type == "function" and choice.function is not None,
-               f"tool_choice.type: only a named function can be chosen, got {choice.type!r}")  # fmt: skip
-        _check(choice.function.name in names, f"tool_choice.function.name: {choice.function.name!r} is not one of the tools")
+               f"tool_choice.type: only a named function can be chosen, got {choice.type!r}", "tool_choice.type")  # fmt: skip
+        _check(choice.function.name in names, f"tool_choice.function.name: {choice.function.name!r} is not one of the tools",
+               "tool_choice.function.name")  # fmt: skip
     return out
 
 
@@ -367,13 +418,13 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
     """The request's prompts: one text or token-id list, or a batch of either."""
     p = req.prompt
     if isinstance(p, str):
-        _check(p != "", "prompt must not be empty")
+        _check(p != "", "prompt must not be empty", "prompt")
         return [p]
-    _check(len(p) > 0, "prompt must not be empty")
+    _check(len(p) > 0, "prompt must not be empty", "prompt")
     if all(isinstance(x, int) for x in p):
         return [list(p)]
-    _check(not any(isinstance(x, int) for x in p), "prompt: mixes token ids and texts")
-    _check(len(p) <= MAX_PROMPTS, f"prompt: at most {MAX_PROMPTS} prompts in one request, got {len(p)}")
+    _check(not any(isinstance(x, int) for x in p), "prompt: mixes token ids and texts", "prompt")
+    _check(len(p) <= MAX_PROMPTS, f"prompt: at most {MAX_PROMPTS} prompts in one request, got {len(p)}", "prompt")
     for i, one in enumerate(p):
-        _check(len(one) > 0, f"prompt[{i}] must not be empty")
+        _check(len(one) > 0, f"prompt[{i}] must not be empty", f"prompt[{i}]")
     return list(p)

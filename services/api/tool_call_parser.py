@@ -6,8 +6,10 @@ Inside a block, either of the two formats Qwen models write (and chat templates 
 XML parameter values are text; they are converted to the type the tool's JSON schema gives them.
 
 Text that could start `<tool_call>` is held back until the next delta decides, as is whitespace
-right before a block (it separates the answer from the call, and is not part of either). A block
-that does not parse (a cut-off or malformed call) is passed on as the text it was, never dropped.
+right before a block (it separates the answer from the call, and is not part of either). A complete
+block that does not parse (a malformed call) is passed on as the text it was; a block the end of the
+output cut off (max_tokens, a stop sequence) is a call if what came parses, else it is dropped: it
+is no call, and its raw markup is no part of the answer either.
 
 Route-independent: the Anthropic route makes tool_use blocks of the calls; the OpenAI chat route
 can make `tool_calls` of them.
@@ -88,13 +90,11 @@ def _partial_suffix(text: str, tag: str) -> int:
 class ToolCallParser:
     """push(text) / flush() -> [str | ToolCall]: answer text and complete tool calls, in order."""
 
-    def __init__(self, schemas: dict[str, dict] | None = None, prefix: str = ""):
+    def __init__(self, schemas: dict[str, dict] | None = None):
         self.schemas = schemas or {}
         self.held = ""  # text not yet decided (a partial <tool_call>, or whitespace before one)
         self.block: str | None = None  # inside a block: what it holds so far
         self.calls = 0
-        if prefix:  # the part of a call the prompt already wrote (a forced tool choice)
-            self.push(prefix)
 
     def push(self, delta: str) -> list[str | ToolCall]:
         text = self.held + delta
@@ -132,9 +132,11 @@ class ToolCallParser:
 
     def flush(self) -> list[str | ToolCall]:
         out: list[str | ToolCall] = []
-        if self.block is not None:  # cut off inside a block: a call if what came parses, else the text
+        if self.block is not None:  # cut off inside a block: a call if what came parses, else nothing
             call = parse_tool_call(self.block, self.schemas)
-            out.append(call if call is not None else OPEN + self.block + self.held)
+            if call is not None:
+                self.calls += 1
+                out.append(call)
             self.block = None
         elif self.held and (self.held.strip() or not self.calls):  # not the newline after the last call
             out.append(self.held)

@@ -50,7 +50,7 @@ class Outcome:
     tokens: list[tuple[Request, int]] = field(default_factory=list)
     logprobs: list[tuple[Request, Logprobs]] = field(default_factory=list)  # of the tokens, for requests that asked
     prompt_logprobs: list[tuple[Request, Logprobs]] = field(default_factory=list)  # prompt positions, each sent once
-    finished: list[tuple[Request, str]] = field(default_factory=list)  # reason: stop | length | abort
+    finished: list[tuple[Request, str]] = field(default_factory=list)  # reason: stop | length | abort (asked by its replica)
     failed: list[tuple[Request, FerryError]] = field(default_factory=list)
 
 
@@ -155,16 +155,28 @@ class BatchScheduler:
         self.by_rid[rid] = req
         return req
 
-    def abort(self, rid: int) -> Outcome:
+    def abort(self, rid: int, error: FerryError | None = None) -> Outcome:
+        """Stop a request: its api replica asked (it has forgotten the request: a finish "abort"), or,
+        with `error`, the server gave up on it (its replica declared lost), which is a failure for
+        whoever still listens, never a normal-looking finish. A request in a step in flight ends
+        when that step returns."""
         out = Outcome()
         req = self.by_rid.get(rid)
         if req is None:
             return out
+        if error is not None and req.abort_error is None:
+            req.abort_error = error
         if req.in_flight:
             req.abort_pending = True
         else:
-            self._finish(req, "abort", out)
+            self._end_aborted(req, out)
         return out
+
+    def _end_aborted(self, req: Request, out: Outcome) -> None:
+        if req.abort_error is not None:
+            self._fail(req, req.abort_error, out)
+        else:
+            self._finish(req, "abort", out)
 
     # ---- steps -----------------------------------------------------------------------------------
 
@@ -344,7 +356,7 @@ class BatchScheduler:
                 continue
             req.num_computed += e.query_len
             if req.abort_pending:
-                self._finish(req, "abort", out)
+                self._end_aborted(req, out)
                 continue
             if req.max_tokens == 0 and req.num_computed == len(req.tokens):
                 self._finish(req, "length", out)  # the prompt is scored; nothing to generate

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from ferry.shared.defaults import API_ADDR, RESULTS_ADDR, STEP_TIMEOUT_S, STEPS_ADDR
 from ferry.shared.errors import ConfigError
 from ferry.shared.side_http import add_side_http_flags
-from ferry.shared.wire_keys import WireKeys, add_wire_keys_flag, check_exposure
+from ferry.shared.wire_keys import WireKeys, add_wire_keys_flag, check_exposure, require_keys_for_tcp
 
 
 @dataclass(frozen=True)
@@ -55,5 +55,6 @@ def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         WireKeys(keys, "scheduler")  # a missing or unreadable key is a config error now, not at the first socket
     for flag, addr in (("--api-addr", args.api_addr), ("--steps-addr", args.steps_addr), ("--results-addr", args.results_addr)):
         check_exposure(flag, addr, keys)
+        require_keys_for_tcp(flag, addr, keys or None, getattr(args, "insecure_wire", None))
     return SchedulerConfig(args.api_addr, args.steps_addr, args.results_addr, args.health_host, args.health_port,
                            args.step_timeout, keys or None, schedule_ahead=args.schedule_ahead)  # fmt: skip

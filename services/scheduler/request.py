@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ferry.shared.errors import FerryError
 from ferry.shared.sampling import SamplingParams
 from ferry.services.scheduler.radix_cache import Node
 
@@ -26,6 +27,7 @@ class Request:
     admitted_once: bool = False
     announced: bool = False  # the worker holds sampler state for it (NewRequest sent)
     abort_pending: bool = False  # aborted while in a step in flight: finish when that step returns
+    abort_error: FerryError | None = None  # the server aborted it (not its replica): it ends as this failure
     in_flight: int = 0  # steps in flight that hold a row of it (two when the second was scheduled ahead)
     done: bool = False  # finished, failed or aborted; its pages wait for in_flight to reach 0
     prompt_logprobs_done: int = 0  # prompt positions 1..this have had their log-probabilities sent

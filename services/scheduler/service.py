@@ -90,7 +90,9 @@ class SchedulerService:
         while self._running:
             now = time.monotonic()
             if now >= next_beat:
-                self._heartbeat()
+                # woken this late: this process did not read its sockets meanwhile, so that time is
+                # not its peers' silence (shared/liveness.py)
+                self._heartbeat(late_s=now - next_beat if next_beat else 0.0)
                 next_beat = now + HEARTBEAT_INTERVAL_S
             poller.poll(max(1, int((next_beat - time.monotonic()) * 1000)))
             self._drain_worker()
@@ -116,6 +118,10 @@ class SchedulerService:
             if got is None:
                 return
             client, msg = got
+            if isinstance(msg, ApiHeartbeat) and msg.replica:
+                # from the replica's heartbeat thread, on a socket of its own: it speaks for the replica
+                self.apis.setdefault(msg.replica.encode(), Liveness()).beat()
+                continue
             self.apis.setdefault(client, Liveness()).beat()
             match msg:
                 case Submit():
@@ -323,7 +329,19 @@ class SchedulerService:
         if core is not None:
             self._emit(core.fail_all(ServiceUnavailable(f"{why}; the request was lost")))
 
-    def _heartbeat(self) -> None:
+    def _heartbeat(self, late_s: float = 0.0) -> None:
+        """Beat first (nothing queued ahead of the beats), then judge the peers on what they sent:
+        everything waiting is read before anyone is declared lost, and time this process spent not
+        listening (`late_s`) is excused (shared/liveness.py)."""
+        status = self._status()
+        for client in self.apis:
+            self.router.send(client, status)
+        if self.worker_boot is not None:
+            self.steps.send(self.worker_boot.encode(), SchedulerBeat(boot_id=self.boot_id))
+        for live in (self.worker, *self.apis.values()):
+            live.excuse(late_s)
+        self._drain_worker()
+        self._drain_apis()
         self._check_step_in_flight()
         if self.core is not None and not self.worker.alive():
             self._worker_lost(f"the worker stopped responding (no heartbeat for {self.worker.silent_for():.1f}s)")
@@ -331,24 +349,29 @@ class SchedulerService:
             self.not_ready_reason = f"the worker stopped responding (no heartbeat for {self.worker.silent_for():.1f}s)"
         for client, live in list(self.apis.items()):
             if not live.alive():
-                self._api_lost(client)
+                self._api_lost(client, live.silent_for() or 0.0)
         status = self._status()
         self._snapshot = (status, self._pool_dict())
-        for client in self.apis:
-            self.router.send(client, status)
-        if self.worker_boot is not None:
-            self.steps.send(self.worker_boot.encode(), SchedulerBeat(boot_id=self.boot_id))
         self._update_metrics(status)
 
-    def _api_lost(self, client: bytes) -> None:
+    def _api_lost(self, client: bytes, silent_s: float) -> None:
+        """Its requests are aborted, each as a failure (never a normal finish): should the replica still
+        be there after all, its clients get an error, not a stream that looks complete."""
         del self.apis[client]
         mine = [rid for (c, _), rid in self.rids.items() if c == client]
-        log.warning("api_replica_lost", client=client.decode(errors="replace"), aborted=len(mine))
+        log.warning("api_replica_lost", client=client.decode(errors="replace"), aborted=len(mine),
+                    silent_s=round(silent_s, 1))  # fmt: skip
+        if self.core is None:
+            for key in [k for k in self.rids if k[0] == client]:
+                del self.rids[key]
+            return
+        err = ServiceUnavailable(f"the scheduler heard nothing from this api replica for {silent_s:.1f}s and "
+                                 "aborted its requests")  # fmt: skip
         for key in [k for k in self.rids if k[0] == client]:
-            del self.rids[key]
-        if self.core is not None:
-            for rid in mine:
-                self.core.abort(rid)
+            if self.rids[key] in self.core.by_rid:
+                self._emit(self.core.abort(self.rids[key], err))  # pops the key, now or when its step lands
+            else:
+                del self.rids[key]
 
     def _status(self) -> SchedulerStatus:
         c = self.core

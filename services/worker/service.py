@@ -26,7 +26,7 @@ from ferry.shared.messages import (
 )  # fmt: skip
 from ferry.shared.side_http import serve_side_http
 from ferry.shared.wire import PeerSocket, WireError
-from ferry.shared.wire_keys import WireKeys
+from ferry.shared.wire_keys import WireKeys, require_keys_for_tcp
 from ferry.services.worker.flags import WorkerBootConfig
 from ferry.services.worker.metrics import WorkerMetrics
 
@@ -99,6 +99,8 @@ class WorkerService:
         self.plan: Any = None
         self.executor: Any = None
         self._running = True
+        for flag, addr in (("--steps-addr", cfg.steps_addr), ("--results-addr", cfg.results_addr)):
+            require_keys_for_tcp(flag, addr, cfg.wire_keys)
         secure = WireKeys(cfg.wire_keys, "worker").client() if cfg.wire_keys else None
         # steps arrive on a DEALER named by the boot id: the scheduler addresses the worker it adopted
         self.steps = PeerSocket(self.ctx, zmq.DEALER, cfg.steps_addr, SchedulerToWorker, bind=False,
@@ -111,9 +113,10 @@ class WorkerService:
             self.http = serve_side_http(cfg.health_host, cfg.health_port, self._health, self.metrics.registry)
 
     def _health(self) -> tuple[bool, dict]:
-        """Ready once booted and adopted by a live scheduler; the plan's figures, never a path."""
+        """Ready once booted and adopted by a live scheduler; the plan's figures, never a path, and never
+        the boot id (whoever knows it could pose as this worker on a wire without keys)."""
         if self.plan is None:
-            return False, {"status": "loading", "boot_id": self.boot_id}
+            return False, {"status": "loading"}
         silent = self.scheduler.silent_for()
         if silent is None:
             peer = "no scheduler has adopted this worker yet"
@@ -121,8 +124,8 @@ class WorkerService:
             peer = f"the scheduler stopped responding ({silent:.1f}s without a beat)"
         else:
             peer = ""
-        body = {"status": "unavailable" if peer else "ready", "boot_id": self.boot_id,
-                "peers": {"scheduler": peer or "ready"}, "plan": without_paths(self.plan.to_dict())}  # fmt: skip
+        body = {"status": "unavailable" if peer else "ready", "peers": {"scheduler": peer or "ready"},
+                "plan": without_paths(self.plan.to_dict())}  # fmt: skip
         if peer:
             body["reason"] = peer
         return not peer, body
@@ -153,10 +156,20 @@ class WorkerService:
         pending = None  # (batch, launched, started): launched, not yet answered
         while self._running:
             if pending is not None and self._done(pending[1]):
+                self.scheduler.deaf()
                 self._answer(*pending)
                 pending = None
-            if not self.steps.sock.poll(200 if pending is None else WATCH_INTERVAL_MS):
-                continue
+            if not self.steps.sock.poll(0):
+                # Everything sent is read: the scheduler's silence counts from here again, and with no
+                # step running the heartbeat may say idle (not before: a step waiting unread in the
+                # socket must not pass for a step never received, in the scheduler's lost-step check).
+                self.scheduler.hearing()
+                if pending is None:
+                    self.heartbeat.step_started = None
+                if not self.steps.sock.poll(200 if pending is None else WATCH_INTERVAL_MS):
+                    continue
+            # busy from here until the socket is empty again: a long step is not the scheduler's silence
+            self.scheduler.deaf()
             try:
                 msg = self.steps.recv()
             except WireError as exc:
@@ -203,14 +216,12 @@ class WorkerService:
             self._fail(batch, exc)
             return
         self.metrics.observe_step(time.perf_counter() - started, len(batch.tokens), len(batch.req_ids))
-        # the answer goes out before the heartbeat may say "idle": the scheduler must not hand out
-        # a new step while this one's answer is still on its way
+        # the answer goes out before the heartbeat may say "idle" (run, once the socket is empty): the
+        # scheduler must not hand out a new step while this one's answer is still on its way
         self.results.send(StepDone(output))
-        self.heartbeat.step_started = None
 
     def _fail(self, batch, exc: Exception) -> None:
         self.results.send(StepFailed(step_id=batch.step_id, message=f"{type(exc).__name__}: {exc}"))
-        self.heartbeat.step_started = None
 
     def close(self) -> None:
         self.heartbeat.stopped.set()

@@ -2,7 +2,10 @@
 scheduler with the PagedHashModel double as the worker. Prompts that mention the weather get a fixed
 output (the double's script: reasoning, a sentence, a Qwen-style tool call), so the route's
 thinking / text / tool_use blocks are checked exactly; other prompts get the double's known
-continuation (max_tokens, stop_sequences). The real model behind `ferry serve`: test_serve_user_facing.py."""
+continuation (max_tokens, stop_sequences). Forced tool choices (any, tool) run on the real worker
+(the tiny random-weight qwen3_moe on CPU): only the grammar makes its output a call, and the tool_use
+blocks' input must validate against the input_schema. The real model behind `ferry serve`:
+test_serve_user_facing.py."""
 
 from __future__ import annotations
 
@@ -11,10 +14,13 @@ import urllib.error
 import urllib.request
 
 import anthropic
+import jsonschema
 import pytest
 
 from tests.doubles.paged_model import reference_continuation
-from tests.integration.harness import ascii_word_tokens, http_get, labelled_metric, make_model_dir, start_cluster
+from tests.integration.harness import (
+    REAL_WORKER_ENV, ascii_word_tokens, http_get, labelled_metric, make_model_dir, start_cluster,
+)  # fmt: skip
 
 KEY = "sesame"
 SCRIPT = ('<think>\nThe user asks about the weather.\n</think>\n\nLet me check.\n\n<tool_call>\n'
@@ -63,9 +69,13 @@ def script_ids(tok) -> list[int]:
     return tok.encode(SCRIPT, add_special_tokens=False)
 
 
-def test_tool_use_not_streamed(client, tiny_tokenizer):
-    msg = client.messages.create(model="tiny", max_tokens=200, tools=[WEATHER], messages=ASK)
+@pytest.mark.parametrize("choice", [None, {"type": "auto"}])
+def test_tool_use_not_streamed(client, tiny_tokenizer, choice):
+    """tool_choice auto (or none given): the model's own <tool_call> markup becomes a tool_use block."""
+    extra = {"tool_choice": choice} if choice else {}
+    msg = client.messages.create(model="tiny", max_tokens=200, tools=[WEATHER], messages=ASK, **extra)
     assert blocks(msg.content) == expected_blocks()
+    jsonschema.validate(msg.content[-1].input, WEATHER["input_schema"])
     assert msg.stop_reason == "tool_use" and msg.stop_sequence is None and msg.role == "assistant"
     assert msg.id.startswith("msg_") and msg.model == "tiny"
     counted = client.messages.count_tokens(model="tiny", tools=[WEATHER], messages=ASK).input_tokens
@@ -190,16 +200,110 @@ def test_errors_have_anthropic_shapes_and_are_counted(scripted, client):
     assert status == 401 and "error" in json.loads(body) and "type" not in json.loads(body)
 
 
-def test_forced_tool_choice_opens_the_call_in_the_prompt(client, tiny_tokenizer):
-    plain = client.messages.count_tokens(model="tiny", tools=[WEATHER], messages=[{"role": "user", "content": "hi"}])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_cut_off_by_max_tokens_leaks_no_markup(client, tiny_tokenizer, stream):
+    """max_tokens ends the output inside the model's own call: stop_reason max_tokens, the blocks before
+    it, and neither a tool_use block nor any of the call's raw markup in the text."""
+    cut = len(tiny_tokenizer.encode(SCRIPT[: SCRIPT.index('"city"')], add_special_tokens=False))
+    kwargs = dict(model="tiny", max_tokens=cut, tools=[WEATHER], messages=ASK)
+    if stream:
+        with client.messages.stream(**kwargs) as s:
+            texts = [e.delta.text for e in s if e.type == "content_block_delta" and e.delta.type == "text_delta"]
+            msg = s.get_final_message()
+        assert "".join(texts) == "Let me check."
+    else:
+        msg = client.messages.create(**kwargs)
+    assert msg.stop_reason == "max_tokens" and msg.usage.output_tokens == cut
+    assert blocks(msg.content) == expected_blocks()[:2]
+
+
+def test_forced_tool_choice_needs_tools_and_a_known_name(client, tiny_tokenizer):
     forced = client.messages.count_tokens(model="tiny", tools=[WEATHER], messages=[{"role": "user", "content": "hi"}],
                                           tool_choice={"type": "tool", "name": "get_weather"})  # fmt: skip
-    opening = '<tool_call>\n{"name": "get_weather", "arguments": '
-    assert forced.input_tokens > plain.input_tokens
-    with pytest.raises(anthropic.BadRequestError):
+    tool = {"type": "function", "function": {"name": WEATHER["name"], "description": WEATHER["description"],
+                                             "parameters": WEATHER["input_schema"]}}  # fmt: skip
+    rendered = tiny_tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=[tool], tokenize=False,
+                                                  add_generation_prompt=True, enable_thinking=False)  # fmt: skip
+    # the prompt is the template's, thinking off: the grammar writes the whole call, the prompt none of it
+    assert forced.input_tokens == len(tiny_tokenizer.encode(rendered, add_special_tokens=False))
+    with pytest.raises(anthropic.BadRequestError, match="not one of the tools"):
         client.messages.create(model="tiny", max_tokens=5, tools=[WEATHER], messages=ASK,
                                tool_choice={"type": "tool", "name": "no_such_tool"})  # fmt: skip
-    assert opening  # the exact opening is checked on fixed text in tests/unit/test_anthropic_schema.py
+    with pytest.raises(anthropic.BadRequestError, match="need tools"):
+        client.messages.create(model="tiny", max_tokens=5, messages=ASK, tool_choice={"type": "any"})
+    bad = {"name": "f", "input_schema": {"type": "object", "properties": {"a": {"type": "string", "pattern": "(?<=a)b"}}}}
+    with pytest.raises(anthropic.BadRequestError, match=r"tools\[f\]\.input_schema"):
+        client.messages.create(model="tiny", max_tokens=5, tools=[bad], messages=ASK, tool_choice={"type": "any"})
+
+
+# ---- forced tool choices on the real worker (the tiny random-weight model) ------------------------
+
+CITY = {"name": "get_weather", "description": "Weather in a city", "input_schema": {
+    "type": "object", "additionalProperties": False, "required": ["city", "days"],
+    "properties": {"city": {"type": "string", "maxLength": 10}, "days": {"type": "integer", "minimum": 1, "maximum": 7}}}}  # fmt: skip
+TIME = {"name": "get_time", "input_schema": {"type": "object", "additionalProperties": False, "required": ["zone"],
+                                             "properties": {"zone": {"enum": ["UTC", "CET", "JST"]}}}}  # fmt: skip
+SCHEMAS = {t["name"]: t["input_schema"] for t in (CITY, TIME)}
+
+
+@pytest.fixture(scope="module")
+def real_client(tiny_models, tmp_path_factory):
+    c = start_cluster(tiny_models["qwen3_moe"], tmp_path_factory.mktemp("anthropic-real"),
+                      worker_flags=["--device", "cpu", "--max-model-len", "1024", "--max-prefill-tokens", "64"],
+                      boot="ferry.services.worker.boot:boot_worker", worker_env=REAL_WORKER_ENV)  # fmt: skip
+    yield anthropic.Anthropic(base_url=c.base_url, api_key="x", max_retries=0, timeout=120)
+    c.stop()
+
+
+def _tool_uses(msg, choice: dict) -> list:
+    """The message's tool_use blocks, checked: all of it, each valid, as many as the choice allows."""
+    assert msg.stop_reason == "tool_use" and msg.stop_sequence is None, msg
+    assert msg.content and all(b.type == "tool_use" for b in msg.content), msg.content
+    assert 1 <= len(msg.content) <= (1 if choice.get("disable_parallel_tool_use") else 4)  # structured.MAX_CALLS
+    for b in msg.content:
+        assert b.id.startswith("toolu_") and b.name == choice.get("name", b.name)
+        jsonschema.validate(b.input, SCHEMAS[b.name])
+    return msg.content
+
+
+CHOICES = [{"type": "any"}, {"type": "tool", "name": "get_time"}, {"type": "any", "disable_parallel_tool_use": True},
+           {"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True}]  # fmt: skip
+
+
+def _forced(client, choice: dict) -> dict:
+    """The request: both tools, and max_tokens up to the model length (1024), as an agent would send it."""
+    body = dict(model="tiny", tools=[CITY, TIME], tool_choice=choice, messages=[{"role": "user", "content": "Hi"}])
+    return {**body, "max_tokens": 1024 - client.messages.count_tokens(**body).input_tokens}
+
+
+@pytest.mark.parametrize("choice", CHOICES)
+def test_forced_tool_choice_gives_tool_use_blocks_that_validate(real_client, choice):
+    """A model that writes arbitrary tokens calls the tool anyway: the grammar holds its output to
+    calls whose arguments match the input_schema, and ends it after them; several tries, each a
+    different sample (the Messages API has no seed)."""
+    for _ in range(5):
+        _tool_uses(real_client.messages.create(**_forced(real_client, choice)), choice)
+
+
+@pytest.mark.parametrize("choice", CHOICES[:3])
+def test_forced_tool_choice_streamed_as_tool_use_events(real_client, choice):
+    for _ in range(3):
+        with real_client.messages.stream(**_forced(real_client, choice)) as stream:
+            events = list(stream)
+            final = stream.get_final_message()
+        uses = _tool_uses(final, choice)
+        starts = [e for e in events if e.type == "content_block_start"]
+        assert [(e.content_block.type, e.content_block.name, e.content_block.input) for e in starts] == [
+            ("tool_use", b.name, {}) for b in uses]  # fmt: skip
+        for i, b in enumerate(uses):  # each block: start, its input as input_json_delta, stop
+            partial = "".join(e.delta.partial_json for e in events if e.type == "content_block_delta" and e.index == i)
+            assert json.loads(partial) == b.input
+            assert {e.delta.type for e in events if e.type == "content_block_delta" and e.index == i} == {"input_json_delta"}
+        kinds = [e.type for e in events if e.type in ("message_start", "content_block_start", "content_block_stop",
+                                                       "message_delta", "message_stop")]  # not the client's own
+        assert kinds == ["message_start", *["content_block_start", "content_block_stop"] * len(uses), "message_delta",
+                         "message_stop"]  # fmt: skip
+        assert [e.delta.stop_reason for e in events if e.type == "message_delta"] == ["tool_use"]
 
 
 def _post(url: str, body: dict) -> tuple[int, str]:

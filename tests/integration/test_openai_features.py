@@ -2,8 +2,9 @@
 the real api and scheduler: prompt logprobs (echo, max_tokens 0 and 1) equal transformers' log-softmax of
 the same checkpoint; chat top_logprobs are sorted and hold the sampled token; json_schema outputs validate
 for 20 seeds, streamed and not; tool_choice required / a named function give tool_calls whose arguments
-validate; n: 3; a batch of prompts; logit_bias; /v1/models/{id}; a schema the grammar engine cannot
-compile is a 400 naming the field."""
+validate, and (issue 22) end after the calls with parallel calls allowed, leaking no markup into content
+when max_tokens cuts a call; n: 3; a batch of prompts; logit_bias; /v1/models/{id}; a schema the grammar
+engine cannot compile is a 400 naming the field."""
 
 from __future__ import annotations
 
@@ -190,6 +191,56 @@ def test_forced_tool_call_streamed_as_tool_call_deltas(client):
     assert len(calls) == 1 and calls[0].index == 0 and calls[0].function.name == "get_weather"
     jsonschema.validate(json.loads(calls[0].function.arguments), SCHEMAS["get_weather"])
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+
+
+def _forced_chat(client, stream: bool, **kwargs) -> tuple[str, list[dict], str]:
+    """(content, calls as {name, arguments}, finish_reason) of one choice, streamed or not."""
+    kwargs = dict(model="tiny", messages=[{"role": "user", "content": "What time is it?"}], temperature=1.0, **kwargs)
+    if not stream:
+        c = client.chat.completions.create(**kwargs).choices[0]
+        calls = [{"name": t.function.name, "arguments": t.function.arguments} for t in c.message.tool_calls or []]
+        return c.message.content or "", calls, c.finish_reason
+    content, calls, reasons = "", [], []
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for ch in chunk.choices:
+            content += ch.delta.content or ""
+            calls += [{"name": t.function.name, "arguments": t.function.arguments} for t in ch.delta.tool_calls or []]
+            reasons += [ch.finish_reason] if ch.finish_reason else []
+    assert len(reasons) == 1
+    return content, calls, reasons[0]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_forced_parallel_tool_calls_end_after_the_calls(client, choice, stream):
+    """Parallel calls allowed (the default), no max_tokens (up to the model length): a random model writes
+    another call more often than not, yet the grammar lets it end after any call and makes it end after
+    structured.MAX_CALLS (4) of them, which fit: every seed ends with tool_calls, content empty."""
+    counts = []
+    for seed in range(8):
+        content, calls, reason = _forced_chat(client, stream, tools=[WEATHER, TIME], tool_choice=choice, seed=seed)
+        assert reason == "tool_calls" and content == "", (seed, content, calls)
+        assert 1 <= len(calls) <= 4
+        for call in calls:
+            assert call["name"] == "get_time" or choice == "required"
+            jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+        counts.append(len(calls))
+    assert min(counts) == 1 and max(counts) > 1, counts  # it ends after one call, or goes on: parallel calls
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_tool_calls_cut_by_max_tokens_leak_no_markup(client, stream):
+    """max_tokens ends the output inside a call: finish_reason length, the complete calls before it
+    (each valid), and neither the unfinished call nor any of its markup in content."""
+    seen = set()
+    for seed, max_tokens in [(0, 20), (0, 90), (3, 150), (5, 200), (7, 230)]:
+        content, calls, reason = _forced_chat(client, stream, tools=[WEATHER, TIME], tool_choice="required",
+                                              max_tokens=max_tokens, seed=seed)  # fmt: skip
+        assert "<tool_call" not in content and "tool_call>" not in content and content.strip() == "", content
+        for call in calls:
+            jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+        seen.add((reason, len(calls) > 0))
+    assert ("length", True) in seen and ("length", False) in seen, seen
 
 
 def test_n_choices_with_distinct_seeds_and_usage(client):

@@ -162,6 +162,36 @@ def test_kill_9_of_serve_takes_its_children_and_the_next_start_clears_the_leftov
                     p.kill()
 
 
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(") ")[1][0]
+
+
+def test_kill_9_of_serve_takes_a_stopped_child_too(model_dir, tmp_path):
+    """Issue 22, 6: `kill -STOP <worker>; kill -9 <serve>` left the worker in state T under PID 1: a
+    stopped process does not act on SIGTERM (serve's death signal of old). SIGKILL ends it, stopped or not."""
+    port = free_port()
+    serve = _serve(model_dir, tmp_path, port, "serve.log")
+    kids: list[int] = []
+    try:
+        assert eventually(lambda: _ready(port), timeout=60), (tmp_path / "serve.log").read_text()[-3000:]
+        kids = children_of(serve.pid)
+        worker = next(pid for pid in kids if "worker" in open(f"/proc/{pid}/cmdline").read().split("\0"))
+        os.kill(worker, signal.SIGSTOP)
+        assert eventually(lambda: _state(worker) == "T", timeout=5)
+        serve.send_signal(signal.SIGKILL)
+        serve.wait()
+        assert eventually(lambda: not any(alive(pid) for pid in kids), timeout=10), \
+            {pid: _state(pid) for pid in kids if alive(pid)}  # fmt: skip
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait()
+        for pid in kids:  # what the old death signal left behind: this test's own processes
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 def test_serve_a_dead_worker_is_named_to_the_requests_it_took(slow_model_dir, tmp_path):
     """9. the worker dies under serve: a stream in flight ends with an error naming the worker (the api
     drains while the others stop), not a cut connection blamed on the scheduler."""

@@ -7,7 +7,7 @@ import pytest
 
 from ferry.services.api import anthropic_schema as schema
 from ferry.services.api.anthropic_responses import MessageBuilder, error_body
-from ferry.services.api.anthropic_routes import forced_call_prefix
+from ferry.services.api.anthropic_routes import forced_prompt_suffix
 from ferry.services.api.generation import Usage
 from ferry.services.api.output_parsers import Reasoning, Text, ToolCall
 from ferry.shared.errors import InvalidRequest
@@ -57,23 +57,27 @@ def test_tools_and_choices():
         schema.template_tools(request(tools=[tool], tool_choice={"type": "tool", "name": "x"}))
 
 
-class _Tok:
-    def __init__(self, template: str):
-        self.hf = type("HF", (), {"chat_template": template})()
+def test_forced_tool_choices_name_the_tools_the_grammar_holds_the_output_to():
+    w = {"name": "w", "input_schema": {"type": "object", "properties": {"c": {"type": "string"}}}}
+    t = {"name": "t"}  # no input_schema: any object
+    assert schema.forced_tools(request(tools=[w, t])) is None  # auto: the model's own markup is parsed
+    assert schema.forced_tools(request(tools=[w, t], tool_choice={"type": "auto"})) is None
+    assert schema.forced_tools(request(tools=[w, t], tool_choice={"type": "any"})) == [
+        ("w", w["input_schema"]), ("t", {"type": "object"})]  # fmt: skip
+    assert schema.forced_tools(request(tools=[w, t], tool_choice={"type": "tool", "name": "t"})) == [("t", {"type": "object"})]
+    assert schema.parallel_calls(request(tools=[w], tool_choice={"type": "any"}))
+    assert not schema.parallel_calls(request(tools=[w], tool_choice={"type": "any", "disable_parallel_tool_use": True}))
+    for kind in ("any", "tool"):
+        with pytest.raises(InvalidRequest, match="need tools"):
+            schema.template_tools(request(tool_choice={"type": kind, "name": "w"}))
+    assert schema.template_tools(request(tool_choice={"type": "auto"})) is None
 
 
-@pytest.mark.parametrize("template, kind, name, expected", [
-    ("json style", "tool", "w", '<tool_call>\n{"name": "w", "arguments": '),
-    ("json style", "any", None, '<tool_call>\n{"name": "'),
-    ("writes <function=...>", "tool", "w", "<tool_call>\n<function=w>\n"),
-    ("writes <function=...>", "any", None, "<tool_call>\n<function="),
-])  # fmt: skip
-def test_a_forced_tool_choice_opens_the_call_in_the_models_format(template, kind, name, expected):
-    choice = schema.ToolChoice(type=kind, name=name)
-    assert forced_call_prefix(_Tok(template), choice, "<|im_start|>assistant\n") == (expected, expected)
-    # a template that always opens the reasoning: closed first, and the call follows
-    assert forced_call_prefix(_Tok(template), choice, "assistant\n<think>\n") == ("</think>\n\n" + expected, expected)
-    assert forced_call_prefix(_Tok(template), schema.ToolChoice(type="auto"), "x") == ("", "")
+def test_a_forced_call_closes_a_reasoning_the_template_always_opens():
+    forced = request(tools=[{"name": "w"}], tool_choice={"type": "any"})
+    assert forced_prompt_suffix(forced, "<|im_start|>assistant\n") == ""  # the grammar opens the call itself
+    assert forced_prompt_suffix(forced, "assistant\n<think>\n") == "</think>\n\n"
+    assert forced_prompt_suffix(request(tools=[{"name": "w"}]), "assistant\n<think>\n") == ""  # auto: the model thinks
 
 
 def test_sampling_and_validation():

@@ -86,22 +86,32 @@ def test_two_calls_and_xml_format_with_schema_types():
                                  ("call", "get_weather", {"city": "Oslo"})]  # fmt: skip
 
 
-def test_malformed_or_cut_off_calls_stay_text_and_no_tools_means_no_parsing():
+def test_malformed_calls_stay_text_cut_off_ones_are_dropped_and_no_tools_means_no_parsing():
     bad = "<tool_call>\n{not json}\n</tool_call>"
     assert every_split(bad) == [("Text", bad)]
+    # cut off (max_tokens, a stop sequence) inside a call: no call, and its raw markup is no answer either
     cut = '<tool_call>\n{"name": "get_weather", "argu'
-    assert every_split(cut) == [("Text", cut)]
+    assert every_split(cut) == []
+    assert every_split("It is sunny.\n\n" + cut) == [("Text", "It is sunny.")]
     done = '<tool_call>\n{"name": "get_weather", "arguments": {}}'  # complete JSON, closing tag not reached
     assert every_split(done) == [("call", "get_weather", {})]
     call = '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'
     assert every_split(call, tools=None) == [("Text", call)]
 
 
-def test_forced_tool_choice_prefix_is_part_of_the_call():
-    prefix = '<tool_call>\n{"name": "get_weather", "arguments": '
-    parser = OutputParser("qwen3", "qwen", WEATHER, tool_prefix=prefix)
-    events = parser.push('{"city": "Rome"}}\n</tool_call>') + parser.flush()
-    assert merged(events) == [("call", "get_weather", {"city": "Rome"})]
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("tail", ["", "\n", "\n<tool_c", "\n<tool_call>\n{\"name\": \"get_wea", "\n<tool_call>\n{}"])
+def test_a_forced_output_is_only_its_calls_whatever_the_cut(tail):
+    """A grammar-forced output (tool_choice required / any / a named tool) holds calls and their
+    separators; cut off anywhere, no raw markup comes out as text, and --tool-call-parser none does
+    not matter (the grammar wrote the format)."""
+    want = [("call", "get_weather", {"city": "Rome"})] * 2
+    for tool_calls in ("qwen", "none"):
+        assert every_split(CALL + "\n" + CALL + tail, tool_calls=tool_calls, forced=True) == want
+    prompt = "<|im_start|>assistant\n<think>\n"  # no reasoning is split off a forced output
+    assert every_split(CALL + tail, forced=True, prompt_text=prompt) == want[:1]
 
 
 @pytest.mark.parametrize("body, name, args", [

@@ -32,6 +32,12 @@ def model_configs(draw):
         "torch_dtype": draw(st.sampled_from(["bfloat16", "float32"])),
     }
     raw["num_experts_per_tok"] = draw(st.integers(1, raw["num_experts"]))
+    quantized = draw(st.sampled_from([None, "nvfp4", "fp8"]))
+    if quantized == "nvfp4":  # NVFP4 groups 16 inputs: both projections' input sizes are multiples of 16
+        raw["moe_intermediate_size"] = 16 * draw(st.integers(1, 6))
+        raw["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}
+    elif quantized == "fp8":
+        raw["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
     if hybrid:
         interval = draw(st.integers(1, 4))
         raw["layer_types"] = ["full_attention" if (i + 1) % interval == 0 or i == layers - 1 else "linear_attention"
@@ -65,6 +71,8 @@ def requests(draw, spec):
         max_running_requests=draw(opt() | st.integers(1, 64)),
         max_prefill_tokens=draw(opt() | st.integers(1, 8192)),
         max_model_len=draw(opt() | st.integers(1, spec.max_position_embeddings)),
+        host_memory=draw(opt() | st.integers(1, 4 * 2**30)),
+        expert_bank_format=draw(opt() | st.sampled_from(["auto", "packed", "plain"])),
     )
 
 
@@ -81,7 +89,9 @@ def test_plan_keeps_its_promises_or_fails_in_the_plan(data):
         assert "--moe-cache-rate" in str(exc)
         return
     except PlanError as exc:
-        assert "budget" in str(exc) and "terms:" in str(exc)
+        message = str(exc)
+        assert ("budget" in message and "terms:" in message) or "host RAM" in message \
+            or "--expert-bank-format packed keeps bf16 experts" in message, message
         return
 
     assert plan.total_bytes <= plan.budget_bytes and plan.headroom_bytes >= 0
@@ -101,6 +111,7 @@ def test_plan_keeps_its_promises_or_fails_in_the_plan(data):
     elif req.moe_cache_rate is None:
         assert spec.num_experts <= plan.experts.slots <= spec.total_experts
     assert plan.linear_state.slots == (plan.max_running_requests if spec.linear_attention_layers else 0)
+    _host_banks_are_priced_in_the_expert_format(spec, req, plan)
 
     # each pool allocates exactly what it priced (small enough to allocate on CPU here)
     layouts = [
@@ -116,6 +127,23 @@ def test_plan_keeps_its_promises_or_fails_in_the_plan(data):
             assert pool.nbytes == priced
             for t in layout.tensors:
                 assert tuple(pool.views[t.name].shape) == t.shape
+
+
+def _host_banks_are_priced_in_the_expert_format(spec, req, plan) -> None:
+    """Banks only when the plan offloads, in the slots' format for quantized experts (a packed request
+    for them fails in the plan), within --host-memory less the reserve when it is given."""
+    from ferry.plan import expert_formats as F
+    from ferry.plan import host_memory as H
+
+    host = plan.host
+    if plan.experts.slots == plan.experts.total:
+        assert host.expert_bank_bytes == 0
+        return
+    if F.slot_format(spec) != F.BF16:
+        assert host.expert_bank_format == "plain" and plan.experts.format == F.slot_format(spec)
+    assert host.expert_bank_bytes == H.expert_bank_bytes(spec, plan.dtype, host.expert_bank_format)
+    if req.host_memory is not None:
+        assert host.expert_bank_bytes + H.HOST_RESERVE_BYTES <= req.host_memory
 
 
 def _expert_pool_is_named_to_the_byte(spec, plan) -> None:
