@@ -38,7 +38,7 @@ from ferry.plan.planner import Measured, Plan, PlanRequest, Resolved, resolve
 from ferry.services.worker.pools import TORCH_DTYPES, allocate_pools
 from ferry.plan.store_plan import plan_for_expert_store
 from ferry.services.worker.decode_graphs import DecodeGraphs, graph_buckets
-from ferry.services.worker.warmup import warm_up, warmup_shapes
+from ferry.services.worker.warmup import real_warmup_shapes, warm_up, warmup_shapes
 from ferry.services.worker.workspace_profile import profile_decode_graphs_cuda, profile_workspace_cuda
 
 log = structlog.get_logger("worker")
@@ -227,7 +227,8 @@ def _finish_boot(files: ModelFiles, booted: dict, r: Resolved, device: torch.dev
     if device.type == "cuda":  # first-use compiles and tunings at boot, not inside a request
         t0 = time.monotonic()
         ran = warm_up(model, booted["pools"], plan.kv.page_size, device,
-                      warmup_shapes(plan.max_prefill_tokens, plan.max_running_requests))  # fmt: skip
+                      warmup_shapes(plan.max_prefill_tokens, plan.max_running_requests),
+                      real_warmup_shapes(plan.max_prefill_tokens, plan.max_running_requests))  # fmt: skip
         log.info("warmed_up", steps=ran, seconds=round(time.monotonic() - t0, 3))
     # decode steps the store copies with the copy engine run eagerly: no graph for them
     # (a smaller set than the one profiled, so within the price)

@@ -17,6 +17,13 @@ No request is touched: every row writes the sentinel KV page and the padding lin
 every row is padding, so no expert is looked up or copied. (The host-driven store ignores
 `real_tokens`; there the warm-up's rows are looked up like any step's, which changes only
 which experts are resident.) The caller resets the store's statistics afterwards.
+
+Then a few steps whose rows count as real for the expert store (`REAL_SHAPES`: a one-token decode,
+two rows, a 16-token prompt): still on the sentinel page and the padding slot, but their experts are
+looked up, missed and copied, so the paths a first request takes through the store (the lookup with
+real rows, the graph-safe copy and the host-read one, the unpacking kernels of packed banks) compile
+here too. Without them the first 16-token request after "ready" waited 1.28 s on the H200 (issue 22).
+They change only which experts are resident.
 """
 
 from __future__ import annotations
@@ -36,14 +43,27 @@ _SHAPES: tuple[tuple[int, ...], ...] = (
 )
 
 
-def warmup_shapes(max_prefill_tokens: int, max_running_requests: int) -> list[tuple[int, ...]]:
-    """The warm-up steps' query_lens that the plan allows (a step's tokens within
-    --max-prefill-tokens, its rows within --max-running-requests), each once."""
+# query_lens of the warm-up steps whose rows the expert store treats as real (see the module docstring)
+REAL_SHAPES: tuple[tuple[int, ...], ...] = ((1,), (1, 1), (16,))
+
+
+def _allowed(shapes, max_prefill_tokens: int, max_running_requests: int) -> list[tuple[int, ...]]:
     out = []
-    for shape in _SHAPES:
+    for shape in shapes:
         if len(shape) <= max_running_requests and sum(shape) <= max_prefill_tokens and shape not in out:
             out.append(shape)
     return out
+
+
+def warmup_shapes(max_prefill_tokens: int, max_running_requests: int) -> list[tuple[int, ...]]:
+    """The warm-up steps' query_lens that the plan allows (a step's tokens within
+    --max-prefill-tokens, its rows within --max-running-requests), each once."""
+    return _allowed(_SHAPES, max_prefill_tokens, max_running_requests)
+
+
+def real_warmup_shapes(max_prefill_tokens: int, max_running_requests: int) -> list[tuple[int, ...]]:
+    """REAL_SHAPES that the plan allows."""
+    return _allowed(REAL_SHAPES, max_prefill_tokens, max_running_requests)
 
 
 def warmup_step(query_lens: tuple[int, ...], page_size: int) -> StepBatch:
@@ -59,13 +79,17 @@ def warmup_step(query_lens: tuple[int, ...], page_size: int) -> StepBatch:
     )  # fmt: skip
 
 
-def warm_up(model, pools, page_size: int, device: torch.device, shapes: list[tuple[int, ...]]) -> int:
-    """Run the model eagerly once on each shape, every row padding; returns how many ran."""
+def warm_up(model, pools, page_size: int, device: torch.device, shapes: list[tuple[int, ...]],
+            real_shapes: list[tuple[int, ...]] = ()) -> int:  # fmt: skip
+    """Run the model eagerly once on each shape, every row padding for the expert store, then once
+    on each of `real_shapes`, whose rows it looks up and copies; returns how many steps ran."""
     with torch.inference_mode():
         for shape in shapes:
             batch = ForwardBatch.from_step(warmup_step(shape, page_size), page_size, device)
             batch.real_tokens.zero_()  # padding for the expert store: nothing looked up, nothing copied
             model(batch, pools)
+        for shape in real_shapes:  # real rows for the store; the sentinel page and padding slot still
+            model(ForwardBatch.from_step(warmup_step(shape, page_size), page_size, device), pools)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return len(shapes)
+    return len(shapes) + len(real_shapes)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ferry.services.worker.boot import boot_worker
-from ferry.services.worker.warmup import warm_up, warmup_shapes, warmup_step
+from ferry.services.worker.warmup import real_warmup_shapes, warm_up, warmup_shapes, warmup_step
 from tests.unit.test_boot_executor import boot_args
 
 
@@ -38,8 +38,27 @@ def test_warm_up_runs_every_shape_and_changes_no_request_state(tiny_model):
     for t in linear:  # [layers, slots + 1, ...]; slot 0 is the padding slot
         t[:, 1:] = 1.0
     shapes = warmup_shapes(plan.max_prefill_tokens, plan.max_running_requests)
-    assert warm_up(executor.model, pools, plan.kv.page_size, torch.device("cpu"), shapes) == len(shapes)
+    real = real_warmup_shapes(plan.max_prefill_tokens, plan.max_running_requests)
+    assert real == [(1,), (1, 1), (16,)]
+    assert warm_up(executor.model, pools, plan.kv.page_size, torch.device("cpu"), shapes, real) == len(shapes) + 3
     assert bool((kv[:, :, 1:] == 1.0).all()), "a warm-up step wrote a usable KV page"
     assert bool(kv[:, :, 0].abs().sum() > 0), "the warm-up never reached attention"
     for t in linear:
         assert bool((t[:, 1:] == 1.0).all()), "a warm-up step wrote a usable linear-state slot"
+
+
+def test_the_warm_up_ends_with_steps_whose_rows_the_expert_store_counts_as_real(tiny_model):
+    """A first request's path through the expert store (real rows: looked up, missed, copied) compiles
+    at boot: the last warm-up steps give the store their real row count, the others 0 (padding)."""
+    executor, plan = boot_worker(boot_args(tiny_model, "--gpu-memory", "64MiB"))
+    seen = []
+
+    class Recording:
+        def __call__(self, batch, pools):
+            seen.append(int(batch.real_tokens[0]))
+
+    shapes = warmup_shapes(plan.max_prefill_tokens, plan.max_running_requests)
+    real = real_warmup_shapes(plan.max_prefill_tokens, plan.max_running_requests)
+    warm_up(Recording(), executor.pools, plan.kv.page_size, torch.device("cpu"), shapes, real)
+    assert seen[: len(shapes)] == [0] * len(shapes)
+    assert seen[len(shapes):] == [sum(s) for s in real] == [1, 2, 16]
