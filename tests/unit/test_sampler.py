@@ -249,3 +249,48 @@ def test_grammar_with_llguidance_and_the_tiny_tokenizer(tiny_tokenizer_dir):
             break
         out.append(token)
     assert json.loads(tok.decode(out)) in ({"ok": True}, {"ok": False})
+
+
+def test_requests_with_one_grammar_compile_it_once_and_keep_their_own_state(tiny_tokenizer_dir, monkeypatch):
+    """n choices arrive as n requests with one grammar: the worker compiles it once (compiling runs on the
+    step thread) and gives each a copy, whose state is its own: each still samples valid JSON."""
+    import json
+
+    import llguidance
+
+    from ferry.services.worker import grammar as G
+
+    compiled = []
+    real = llguidance.LLMatcher
+
+    def counting(*args, **kwargs):
+        compiled.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(llguidance, "LLMatcher", counting)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    grammar = real.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    vocab = len(tok)
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    sampler = Sampler(vocab, "cpu", seed=0, grammar_tokenizer=G.tokenizer_factory(tiny_tokenizer_dir, vocab, [eos]))
+    ids = [1, 2, 3, 4]
+    for r in ids:
+        sampler.add_request(NewRequest(req_id=r, prompt_token_ids=np.array([1], np.int32),
+                                       sampling=SamplingParams(temperature=1.0, seed=r, grammar=grammar)))  # fmt: skip
+    assert len(compiled) == 1
+    outs = {r: [] for r in ids}
+    done = set()
+    for _ in range(40):
+        live = [r for r in ids if r not in done]
+        if not live:
+            break
+        tokens = sampler.sample(live, torch.randn(len(live), vocab))[0]
+        for r, t in zip(live, tokens.tolist()):
+            if t == eos:
+                done.add(r)
+            else:
+                outs[r].append(t)
+    assert all(json.loads(tok.decode(o)) in ({"ok": True}, {"ok": False}) for o in outs.values())
