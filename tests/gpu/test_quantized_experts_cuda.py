@@ -49,7 +49,7 @@ def test_quantized_kernels_equal_their_twin_at_35b_shapes(cuda_device, fmt, toke
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("arch, dtype", [("qwen3_moe", "float32"), ("qwen3_5_moe", "bfloat16")])
-def test_quantized_checkpoints_decode_token_for_token(quantized_tiny_models, layout, arch, dtype):
+def test_quantized_checkpoints_decode_token_for_token(cuda_device, quantized_tiny_models, layout, arch, dtype):
     model = quantized_tiny_models(arch, layout)
     rng = np.random.default_rng(3)
     # 95 prompt tokens in one step: a prefill streamed past the cache when offloaded; then 3-row decode steps
