@@ -48,10 +48,6 @@ class QuantScheme:
     source: str  # where it was read: config.json or hf_quant_config.json
     kv_cache_quant_algo: str | None = None  # noted, not applied: the KV pool stays in the run dtype
 
-    def describe(self) -> str:
-        experts = self.expert_format or "bf16 (not quantized)"
-        return f"{self.method} {self.algo}; routed experts {experts}"
-
 
 def parse_quantization(raw: dict[str, Any], hf_quant_config: dict[str, Any] | None = None,
                        where: str = "config.json") -> QuantScheme | None:  # fmt: skip
