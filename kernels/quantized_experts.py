@@ -32,15 +32,9 @@ from dataclasses import dataclass
 import torch
 
 from ferry.kernels.grouped_expert_gemm_reference import grouped_expert_rows_reference
-
-NVFP4, FP8_BLOCK = "nvfp4", "fp8-block"
-NVFP4_GROUP = 16  # inputs per float8 scale
-FP8_BLOCK_SIZE = 128  # rows and columns per float32 scale
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
+# the formats' names and constants have one owner, the torch-free layout module
+from ferry.plan.expert_formats import E2M1_VALUES, FP8_BLOCK, FP8_BLOCK_SIZE, NVFP4, NVFP4_GROUP  # noqa: F401
+from ferry.shared.units import ceil_div
 
 
 @dataclass(frozen=True)
@@ -73,12 +67,6 @@ class QuantizedFamily:
     def row_blocks_per_part(self) -> int:
         return ceil_div(self.part_rows, FP8_BLOCK_SIZE)
 
-    def window(self, start: int, stop: int) -> "QuantizedFamily":
-        """Slots start..stop-1 (views, nothing copied)."""
-        g = self.gscale[start:stop] if self.gscale is not None else None
-        return QuantizedFamily(self.fmt, self.rows, self.cols, self.part_rows, self.q[start:stop],
-                               self.scale[start:stop], g)  # fmt: skip
-
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
     """uint8 codes (low 4 bits) -> float32 e2m1 values."""
@@ -100,16 +88,28 @@ def row_block_index(rows: int, part_rows: int, device=None) -> torch.Tensor:
     return (o // part_rows) * ceil_div(part_rows, FP8_BLOCK_SIZE) + (o % part_rows) // FP8_BLOCK_SIZE
 
 
+def dequantize_nvfp4(q: torch.Tensor, scale: torch.Tensor, row_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[O, IN] in `dtype` from codes q [O, IN/2], float8 group scales [O, IN/16] and the per-row (or
+    per-tensor: broadcast) float32 scale: e2m1 x group scale x row scale, float32 math, one rounding."""
+    values = e2m1_decode(unpack_nibbles(q))
+    groups = scale.to(torch.float32).repeat_interleave(NVFP4_GROUP, dim=1)[:, : values.shape[1]]
+    return (values * groups * row_scale.to(torch.float32).reshape(-1, 1)).to(dtype)
+
+
+def dequantize_fp8_blocks(q: torch.Tensor, scale: torch.Tensor, part_rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """[O, IN] in `dtype` from float8 q [O, IN] and the float32 scales of its 128 x 128 blocks, whose
+    rows restart every `part_rows` rows (w13's gate and up; a single projection: part_rows = O)."""
+    rows, cols = q.shape
+    blocks = scale.to(torch.float32)[row_block_index(rows, part_rows, q.device)]
+    return (q.to(torch.float32) * blocks.repeat_interleave(FP8_BLOCK_SIZE, dim=1)[:, :cols]).to(dtype)
+
+
 def dequantize_slot(family: QuantizedFamily, slot: int, dtype: torch.dtype) -> torch.Tensor:
     """Slot `slot`'s weights as a dense [O, IN] tensor of `dtype` (float32 math, one rounding)."""
     if family.fmt == NVFP4:
-        values = e2m1_decode(unpack_nibbles(family.q[slot]))
-        scale = family.scale[slot].to(torch.float32).repeat_interleave(NVFP4_GROUP, dim=1)[:, : family.cols]
-        return (values * scale * family.gscale[slot][:, None]).to(dtype)
+        return dequantize_nvfp4(family.q[slot], family.scale[slot], family.gscale[slot], dtype)
     if family.fmt == FP8_BLOCK:
-        blocks = family.scale[slot][row_block_index(family.rows, family.part_rows, family.device)]
-        scale = blocks.repeat_interleave(FP8_BLOCK_SIZE, dim=1)[:, : family.cols]
-        return (family.q[slot].to(torch.float32) * scale).to(dtype)
+        return dequantize_fp8_blocks(family.q[slot], family.scale[slot], family.part_rows, dtype)
     raise ValueError(f"unknown quantized expert format {family.fmt!r}")
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ferry.shared.errors import ModelLoadError
 from ferry.plan.model_config import DTYPE_BYTES, ModelSpec
+from ferry.plan.quantization import DROPPED_SUFFIXES, SCALE_SUFFIXES, WEIGHT_SUFFIXES
 from ferry.shared.units import ceil_div, round_up
 
 # The CUDA caching allocator hands out blocks in multiples of 512 bytes.
@@ -121,9 +122,8 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:
 # The scales and packed codes of quantized checkpoints (plan/quantization.py). Their dense weights
 # are dequantized once at load (services/worker/quantized_weight.py): the scales are not kept, and a
 # quantized weight takes its dequantized size in the run dtype.
-QUANT_SCALE_SUFFIXES = (".weight_scale", ".weight_scale_2", ".weight_scale_inv", ".weight_global_scale",
-                        ".input_scale", ".input_global_scale", ".k_scale", ".v_scale", ".weight_zero_point")  # fmt: skip
-_PACKED_FP4_SUFFIXES = (".weight_packed",)  # compressed-tensors' name for nvfp4 codes
+QUANT_SCALE_SUFFIXES = tuple("." + s for s in (*SCALE_SUFFIXES, *DROPPED_SUFFIXES))
+_CODE_SUFFIXES = tuple("." + s for s in WEIGHT_SUFFIXES)  # a uint8 one holds nvfp4 codes, two a byte
 
 
 def resident_weight_bytes_from_checkpoint(model_dir: Path, dtype: str) -> int | None:
@@ -144,7 +144,7 @@ def resident_weight_bytes_from_checkpoint(model_dir: Path, dtype: str) -> int | 
             for d in info["shape"]:
                 numel *= d
             kind = info["dtype"]
-            if kind == "U8" and name.endswith((".weight", *_PACKED_FP4_SUFFIXES)):  # nvfp4 codes
+            if kind == "U8" and name.endswith(_CODE_SUFFIXES):  # nvfp4 codes
                 kind, numel = "BF16", 2 * numel
             elif kind in ("F8_E4M3", "F8_E5M2"):
                 kind = "BF16"

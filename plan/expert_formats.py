@@ -29,8 +29,9 @@ BF16, BF16_PACKED, NVFP4, FP8_BLOCK = "bf16", "bf16-packed", "nvfp4", "fp8-block
 FORMATS = (BF16, BF16_PACKED, NVFP4, FP8_BLOCK)
 QUANTIZED = (NVFP4, FP8_BLOCK)
 PART_ALIGN = 16  # every part of a quantized row starts here: vector loads, and fp32 views of the bytes
-NVFP4_GROUP = 16
-FP8_BLOCK_SIZE = 128
+NVFP4_GROUP = 16  # inputs per float8 scale
+FP8_BLOCK_SIZE = 128  # rows and columns per float32 scale
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # e2m1 magnitudes by code (bits 0-2; bit 3 is the sign)
 
 
 @dataclass(frozen=True)

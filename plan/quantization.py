@@ -32,6 +32,15 @@ from typing import Any
 
 from ferry.shared.errors import ConfigError
 
+# The tensors beside a quantized linear's weight, by their last name component (the checkpoints'
+# names): its codes' other name, its scales, and what is read and dropped (activation and KV-cache
+# scales: Ferry keeps activations and the KV cache in the run dtype). One list for the planner's
+# pricing (plan/costs.py) and the loader's grouping (services/worker/quantized_weight.py).
+WEIGHT_SUFFIXES = ("weight", "weight_packed")  # weight_packed: compressed-tensors' nvfp4 codes
+SCALE_SUFFIXES = ("weight_scale", "weight_scale_2", "weight_scale_inv", "weight_global_scale")
+DROPPED_SUFFIXES = ("input_scale", "input_global_scale", "k_scale", "v_scale", "weight_zero_point")
+QUANT_SUFFIXES = (*SCALE_SUFFIXES, *DROPPED_SUFFIXES, "weight_packed")
+
 SUPPORTED = ("modelopt (quant_algo NVFP4, or MIXED_PRECISION of NVFP4 and FP8 layers), "
              "compressed-tensors (format nvfp4-pack-quantized), fp8 (fmt e4m3, weight_block_size [128, 128])")  # fmt: skip
 # The module names a routed expert's projections have in the checkpoints (with any wrapper prefix).

@@ -22,13 +22,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ferry.plan.expert_formats import E2M1_VALUES
+
 if TYPE_CHECKING:
     import torch
 
 NVFP4, FP8 = "nvfp4", "fp8"
 FORMATS = (NVFP4, FP8)
 E2M1_MAX, E4M3_MAX = 6.0, 448.0
-E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
 # Linears that keep bf16 in every format: routers and the shared expert's gate (one row each)
 ALWAYS_BF16 = (".mlp.gate.weight", ".shared_expert_gate.weight")
 FP8_BF16 = (".in_proj_b.weight", ".in_proj_a.weight", ".in_proj_ba.weight")
@@ -39,7 +41,7 @@ def _e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     import torch
 
     mag = x.abs().clamp(max=E2M1_MAX)
-    code = (mag.unsqueeze(-1) - torch.tensor(E2M1_GRID, device=x.device)).abs().argmin(dim=-1)
+    code = (mag.unsqueeze(-1) - torch.tensor(E2M1_VALUES, device=x.device)).abs().argmin(dim=-1)
     return (code | torch.where(x < 0, 8, 0)).to(torch.uint8)
 
 

@@ -26,14 +26,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ferry.kernels.quantized_experts import FP8_BLOCK_SIZE, NVFP4_GROUP, e2m1_decode, unpack_nibbles
+from ferry.kernels.quantized_experts import dequantize_fp8_blocks, dequantize_nvfp4
+from ferry.plan.expert_formats import FP8_BLOCK, FP8_BLOCK_SIZE, NVFP4, NVFP4_GROUP
+from ferry.plan.quantization import DROPPED_SUFFIXES, QUANT_SUFFIXES, WEIGHT_SUFFIXES
 from ferry.shared.errors import ModelLoadError
 
-WEIGHT_SUFFIXES = ("weight", "weight_packed")
-SCALE_SUFFIXES = ("weight_scale", "weight_scale_2", "weight_scale_inv", "weight_global_scale")
-DROPPED_SUFFIXES = ("input_scale", "input_global_scale", "k_scale", "v_scale", "weight_zero_point")
-QUANT_SUFFIXES = (*SCALE_SUFFIXES, *DROPPED_SUFFIXES, "weight_packed")
-NVFP4, FP8_BLOCK, FP8_TENSOR = "nvfp4", "fp8-block", "fp8-tensor"
+FP8_TENSOR = "fp8-tensor"  # modelopt's per-tensor FP8 (dense linears; experts are held as fp8-block)
 
 
 class QuantizedWeightError(ModelLoadError):
@@ -61,19 +59,11 @@ class QuantizedWeight:
         """The dense weight [O, IN] in `dtype` (float32 math, one rounding)."""
         q = self.q.to(device) if device is not None else self.q
         scale = self.scale.to(q.device)
-        o, n = self.shape
         if self.fmt == NVFP4:
-            values = e2m1_decode(unpack_nibbles(q))
-            blocks = scale.to(torch.float32).repeat_interleave(NVFP4_GROUP, dim=1)
-            return (values * blocks * self.global_scale.to(q.device)).to(dtype)
+            return dequantize_nvfp4(q, scale, self.global_scale.to(q.device), dtype)
         if self.fmt == FP8_BLOCK:
-            blocks = scale.to(torch.float32).repeat_interleave(FP8_BLOCK_SIZE, 0).repeat_interleave(FP8_BLOCK_SIZE, 1)
-            return (q.to(torch.float32) * blocks[:o, :n]).to(dtype)
+            return dequantize_fp8_blocks(q, scale, q.shape[0], dtype)  # one projection: one part
         return (q.to(torch.float32) * scale.to(torch.float32)).to(dtype)
-
-    def to(self, device: torch.device | str) -> "QuantizedWeight":
-        g = self.global_scale.to(device) if self.global_scale is not None else None
-        return QuantizedWeight(self.fmt, self.q.to(device), self.scale.to(device), g, self.source)
 
 
 def split_module(name: str) -> tuple[str, str]:

@@ -40,6 +40,14 @@ class ExpertFormat(Protocol):
     # dummy's deterministic weights for one MoE layer's rows (bf16 ones come from dummy_weights.py)
 
 
+def check_expert_shapes(where: str, gate, up, down, inter: int, hidden: int) -> None:
+    """An expert in checkpoint layout: gate and up [I, H], down [H, I] (tensors or QuantizedWeights,
+    by their logical shape); a ValueError naming `where` and the tensor."""
+    for name, t, shape in (("gate", gate, (inter, hidden)), ("up", up, (inter, hidden)), ("down", down, (hidden, inter))):
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{where}: {name} has shape {tuple(t.shape)}, expected {shape}")
+
+
 def expert_format_for(spec: ModelSpec, dtype: torch.dtype) -> ExpertFormat:
     """The slots' format for this model (the checkpoint's quantized format, else the run dtype)."""
     fmt = F.slot_format(spec)

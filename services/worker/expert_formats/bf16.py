@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from ferry.services.worker.expert_formats import check_expert_shapes
 from ferry.services.worker.quantized_weight import QuantizedWeight
 
 
@@ -24,10 +25,8 @@ class Bf16Experts:
         if any(isinstance(t, QuantizedWeight) for t in (gate, up, down)):
             raise ValueError(f"{where} is quantized in the checkpoint, but its config.json has no quantization_config "
                              "that says so: use the checkpoint's own config.json (and hf_quant_config.json)")  # fmt: skip
-        i, h = self.inter, self.hidden
-        for name, t, shape in (("gate", gate, (i, h)), ("up", up, (i, h)), ("down", down, (h, i))):
-            if tuple(t.shape) != shape:
-                raise ValueError(f"{where}: {name} has shape {tuple(t.shape)}, expected {shape}")
+        check_expert_shapes(where, gate, up, down, self.inter, self.hidden)
+        i = self.inter
         dst13[:i].copy_(gate)
         dst13[i:].copy_(up)
         dst2.copy_(down)

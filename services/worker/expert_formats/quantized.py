@@ -13,6 +13,7 @@ import torch
 from ferry.kernels.quantized_experts import QuantizedFamily
 from ferry.plan import expert_formats as F
 from ferry.services.worker.dummy_weights import name_seed
+from ferry.services.worker.expert_formats import check_expert_shapes
 from ferry.services.worker.quantized_weight import QuantizedWeight
 
 TORCH_PART_DTYPES = {"uint8": torch.uint8, "float8_e4m3fn": torch.float8_e4m3fn, "float32": torch.float32}
@@ -61,13 +62,11 @@ class QuantizedExperts(ABC):
                                views.get("gscale"))  # fmt: skip
 
     def write_expert(self, dst13: torch.Tensor, dst2: torch.Tensor, gate, up, down, where: str) -> None:
-        i, h = self.inter, self.hidden
-        for name, t, shape in (("gate", gate, (i, h)), ("up", up, (i, h)), ("down", down, (h, i))):
+        for name, t in (("gate", gate), ("up", up), ("down", down)):
             if not isinstance(t, QuantizedWeight):
                 raise ValueError(f"{where}: {name} is not quantized in the checkpoint, but config.json's "
                                  f"quantization_config makes the routed experts {self.name}: every expert must be")  # fmt: skip
-            if tuple(t.shape) != shape:
-                raise ValueError(f"{where}: {name} has shape {tuple(t.shape)}, expected {shape}")
+        check_expert_shapes(where, gate, up, down, self.inter, self.hidden)
         self._write(dst13, self.layout13, (gate, up))
         self._write(dst2, self.layout2, (down,))
 

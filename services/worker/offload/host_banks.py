@@ -57,15 +57,6 @@ def check_host_memory(needed: int, what: str, meminfo: Path = MEMINFO, reserve: 
     )
 
 
-def check_expert_shapes(moe_layer: int, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-                        i: int, h: int) -> None:  # fmt: skip
-    """An expert in checkpoint layout: gate and up [I, H], down [H, I]; a ValueError naming the tensor."""
-    for name, t, shape in (("gate", gate, (i, h)), ("up", up, (i, h)), ("down", down, (h, i))):
-        if tuple(t.shape) != shape:
-            raise ValueError(f"MoE layer {moe_layer} expert {expert}: {name} has shape {tuple(t.shape)}, "
-                             f"expected {shape}")  # fmt: skip
-
-
 def pinnable_host_block(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
     """An uninitialised host block; with `pin`, page-locked in place and mapped for the GPU (marked
     `_ferry_host_registered`: unregister_host_blocks unlocks it before it is freed)."""

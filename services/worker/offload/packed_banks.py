@@ -38,10 +38,10 @@ from ferry.services.worker.offload.host_banks import (
     DummyPattern,
     pinnable_host_block,
     unregister_host_blocks,
-    check_expert_shapes,
     check_host_memory,
 )
 from ferry.plan.model_config import ModelSpec
+from ferry.services.worker.expert_formats import check_expert_shapes
 from ferry.shared.units import format_bytes
 
 log = structlog.get_logger("worker.offload")
@@ -126,7 +126,8 @@ class PackedHostBanks:
     # ---- loading -------------------------------------------------------------------------------
     def load_expert(self, moe_layer: int, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
         """Pack one expert in checkpoint layout (gate, up [I, H]; down [H, I]) into its rows."""
-        check_expert_shapes(moe_layer, expert, gate, up, down, self.intermediate_size, self.hidden_size)
+        check_expert_shapes(f"MoE layer {moe_layer} expert {expert}", gate, up, down, self.intermediate_size,
+                            self.hidden_size)  # fmt: skip
         dev = self._packing_device()
         w13 = torch.cat([gate.to(dev, torch.bfloat16), up.to(dev, torch.bfloat16)]).unsqueeze(0)
         self._pack(moe_layer, expert, w13, down.to(dev, torch.bfloat16).unsqueeze(0))
