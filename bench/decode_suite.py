@@ -30,6 +30,7 @@ from bench.serve_process import make_bench_model, start_serve  # noqa: E402
 MODELS = ROOT / "tests/data/models"
 # name: (config, layers or None for all, serve flags[, checkpoint format: bf16 (default), nvfp4, fp8])
 HYBRID8 = ["--gpu-memory", "12GiB", "--max-running-requests", "8"]
+RESIDENT = ["--gpu-memory", "40GiB", "--max-running-requests", "8"]
 FULL = ["--gpu-memory", "24GiB", "--max-running-requests", "8", "--max-model-len", "8192"]
 WORKLOADS = {
     "12layer": (MODELS / "qwen3-30b-a3b/config.json", 12,
@@ -48,6 +49,9 @@ WORKLOADS = {
     "36b_nvfp4": (MODELS / "qwen3.6-35b-a3b/config.json", None, FULL, "nvfp4"),
     "36b_fp8": (MODELS / "qwen3.6-35b-a3b/config.json", None, FULL, "fp8"),
     "30b_fp8": (MODELS / "qwen3-30b-a3b/config.json", None, FULL, "fp8"),
+    # every expert resident (issue 24): the compute path alone, against the HBM bound
+    "hybrid8_resident": (MODELS / "qwen3.6-35b-a3b/config.json", 8, RESIDENT + ["--moe-cache-size", "2048"]),
+    "12layer_resident": (MODELS / "qwen3-30b-a3b/config.json", 12, RESIDENT + ["--moe-cache-size", "1536"]),
 }  # fmt: skip
 VARIANTS = {"default": [], "no-prefetch": ["--no-expert-prefetch"], "eager": ["--enforce-eager"],
             # decode steps of 8 tokens copy with the GPU's cores inside the graph (the default before 8 streams measured faster on the copy engine)

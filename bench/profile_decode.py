@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.profile_prefill import GRAPH_LAUNCHES, LAUNCHES, device_timeline, is_host_to_device  # noqa: E402
+from bench.profile_prefill import GRAPH_LAUNCHES, LAUNCHES, _union, device_timeline, is_host_to_device  # noqa: E402
 from bench.serve_decode import Streams  # noqa: E402
 from ferry.services.worker.boot import boot_worker  # noqa: E402
 from ferry.services.worker.flags import add_worker_flags, boot_config_from_args  # noqa: E402
@@ -32,16 +32,18 @@ def main() -> None:
     add_worker_flags(parser)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rows", type=int, default=25)
+    parser.add_argument("--streams", type=int, default=1, help="decode this many requests together")
     parser.add_argument("--out", default=None, help="write the per-step call counts as JSON here")
     args = parser.parse_args()
     executor, plan = boot_worker(boot_config_from_args(args))
     rng = np.random.default_rng(0)
     vocab = executor.spec.vocab_size
-    streams = Streams(executor, 1, 64 + 3 * args.steps + 8, first_req_id=1)
-    streams.prefill([rng.integers(0, vocab, 64).tolist()])
+    n = args.streams
+    streams = Streams(executor, n, 64 + 3 * args.steps + 8, first_req_id=1)
+    streams.prefill([rng.integers(0, vocab, 64).tolist() for _ in range(n)])
 
     def step():
-        streams.step([[int(rng.integers(0, vocab))]], sample=True)
+        streams.step([[int(rng.integers(0, vocab))] for _ in range(n)], sample=True)
 
     for _ in range(args.steps):
         step()
@@ -65,9 +67,16 @@ def main() -> None:
     print("per decode step, calls from the host:", json.dumps(per_step))
     timeline = device_timeline(prof, is_expert_copy, largest=2 * args.steps) if torch.cuda.is_available() else {}
     print("copies on the device over the profiled steps:", json.dumps(timeline))
+    kernels = kernel_families(prof, args.steps) if torch.cuda.is_available() else {}
+    if kernels:
+        print(f"device time per step: span {kernels['span_us']:.0f} µs, kernels {kernels['kernel_us']:.0f} µs, "
+              f"gaps {kernels['gap_us']:.0f} µs over {kernels['kernels']:.0f} kernels")
+        for fam, row in kernels["families"].items():
+            print(f"  {fam:<28} {row['count']:6.1f} kernels {row['us']:8.1f} µs")
     if args.out:
-        Path(args.out).write_text(json.dumps({"steps": args.steps, "per_step": per_step, "ms_per_step_unprofiled": ms,
-                                              "timeline": timeline}, indent=1) + "\n")  # fmt: skip
+        Path(args.out).write_text(json.dumps({"steps": args.steps, "streams": n, "per_step": per_step,
+                                              "ms_per_step_unprofiled": ms, "timeline": timeline,
+                                              "kernels": kernels}, indent=1) + "\n")  # fmt: skip
 
 
 def is_expert_copy(name: str) -> bool:
@@ -78,6 +87,74 @@ def is_expert_copy(name: str) -> bool:
 
 # CUDA runtime calls as the profiler names them that make the host wait (launches: profile_prefill.py)
 WAITS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize")
+
+
+# kernel name substring -> family, first match wins (the names Triton, fla, cuBLAS and torch give them)
+FAMILIES = (
+    ("routed experts gate/up", ("gate_up", "pair_gemv_13", "gemv13", "gemm13")),
+    ("routed experts down", ("pair_gemv_2", "gemv2", "gemm2", "_down")),
+    ("expert rows sum", ("rows_sum",)),
+    ("expert cache lookup", ("lookup",)),
+    ("expert copies", ("copy_experts", "unpack_experts")),
+    ("gated delta rule", ("gated_delta", "fused_recurrent", "chunk_")),
+    ("causal conv1d", ("conv1d",)),
+    ("paged attention", ("paged_attention", "attention")),
+    ("rms norm", ("rms_norm", "rmsnorm")),
+    ("qk norm + rope", ("qk_norm", "rope")),
+    ("gemm/gemv (cuBLAS)", ("gemv", "gemm", "sm90_xmma", "cutlass", "nvjet", "splitKreduce")),
+    ("top-k / sort", ("topk", "sort", "radix")),
+    ("softmax", ("softmax",)),
+    ("elementwise", ("elementwise", "vectorized", "unrolled", "CatArrayBatched", "index", "scatter", "gather",
+                     "reduce", "fill")),
+)
+
+
+def kernel_family(name: str) -> str:
+    low = name.lower()
+    for family, keys in FAMILIES:
+        if any(k.lower() in low for k in keys):
+            return family
+    return "other"
+
+
+def kernel_families(prof, steps: int) -> dict:
+    """Device kernel time per step by family, the busy span per step and the gaps inside it (µs),
+    and each distinct kernel name's count and time (so a family's members can be read)."""
+    spans, named, by_name = [], [], {}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA or "Memcpy" in e.name or "Memset" in e.name:
+            continue
+        a, b = e.time_range.start, e.time_range.end
+        spans.append((a, b))
+        named.append((a, b, e.name))
+        row = by_name.setdefault(e.name, [0, 0.0])
+        row[0] += 1
+        row[1] += b - a
+    if not spans:
+        return {}
+    spans.sort()
+    busy = sum(b - a for a, b in _union(spans))
+    # the span of each step: the profiled steps run back to back, so their span is the sum of the
+    # steps' device spans plus the host's time between them; report the device-side view per step
+    span = spans[-1][1] - spans[0][0]
+    families: dict[str, dict] = {}
+    for name, (count, us) in by_name.items():
+        fam = families.setdefault(kernel_family(name), {"count": 0.0, "us": 0.0, "names": {}})
+        fam["count"] += count / steps
+        fam["us"] += us / steps
+        fam["names"][name[:120]] = {"count": count / steps, "us": round(us / steps, 2)}
+    families = dict(sorted(families.items(), key=lambda kv: -kv[1]["us"]))
+    named.sort()
+    gaps = [(named[i + 1][0] - named[i][1], named[i][2], named[i + 1][2]) for i in range(len(named) - 1)]
+    large = [g for g in gaps if g[0] > 20]
+    # the last two steps' kernels in order: (name, µs, µs idle before it), to read a step's sequence
+    tail = named[-2 * len(named) // steps:]
+    sequence = [(n[:70], round(b - a, 1), round(a - tail[i - 1][1], 1) if i else 0.0) for i, (a, b, n) in enumerate(tail)]
+    return {"span_us": span / steps, "kernel_us": busy / steps, "gap_us": (span - busy) / steps,
+            "kernels": len(spans) / steps, "gaps_over_20us_per_step": len(large) / steps,
+            "gap_over_20us_us_per_step": sum(g[0] for g in large) / steps,
+            "largest_gaps": [(round(g[0], 1), g[1][:60], g[2][:60]) for g in sorted(large, reverse=True)[:12]],
+            "families": families, "sequence": sequence}  # fmt: skip
 
 
 def host_calls_per_step(table, steps: int) -> dict:
