@@ -24,15 +24,15 @@ import torch
 import triton
 import triton.language as tl
 
+from ferry.kernels.pair_tiles import TILES
 from ferry.kernels.quantized_expert_gemv import quantized_pair_rows_triton
+from ferry.plan.expert_formats import BF16
 from ferry.kernels.quantized_experts import QuantizedFamily
 
 # Above this many (token, k) pairs a step reads each expert's weights once per pair here, but once
 # per block of tokens in the grouped GEMM: past a few tokens per expert the grouped GEMM wins. Both
 # expert stores must decide by the same number (it selects the rounding order), hence one function.
 PAIR_KERNEL_MAX_PAIRS = 64
-
-GATE_UP_BLOCK_N, DOWN_BLOCK_N, BLOCK_K = 16, 32, 128
 
 
 def use_pair_kernel(num_pairs: int) -> bool:
@@ -122,11 +122,12 @@ def expert_pair_rows_triton(x, topk_slots, topk_weights, w13, w2, rows, slot_off
     slots = topk_slots if topk_slots.is_contiguous() else topk_slots.contiguous()
     weights = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    _pair_gate_up_kernel[(num_pairs, triton.cdiv(inter, GATE_UP_BLOCK_N))](
+    tiles = TILES[BF16]
+    _pair_gate_up_kernel[(num_pairs, triton.cdiv(inter, tiles.gate_up_rows))](
         x, w13, act, slots, slot_offset, top_k, h, inter, x.stride(0), w13.stride(0), w13.stride(1),
-        BLOCK_N=GATE_UP_BLOCK_N, BLOCK_K=BLOCK_K,
+        BLOCK_N=tiles.gate_up_rows, BLOCK_K=tiles.gate_up_k, num_warps=tiles.gate_up_warps,
     )  # fmt: skip
-    _pair_down_kernel[(num_pairs, triton.cdiv(h, DOWN_BLOCK_N))](
+    _pair_down_kernel[(num_pairs, triton.cdiv(h, tiles.down_rows))](
         act, w2, rows, weights, slots, slot_offset, h, inter, w2.stride(0), w2.stride(1),
-        BLOCK_N=DOWN_BLOCK_N, BLOCK_K=BLOCK_K,
+        BLOCK_N=tiles.down_rows, BLOCK_K=tiles.down_k, num_warps=tiles.down_warps,
     )  # fmt: skip

@@ -21,16 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ferry.kernels.pair_tiles import TILES
 from ferry.kernels.quantized_experts import FP8_BLOCK, NVFP4, NVFP4_GROUP, QuantizedFamily
-
-# Tiles measured on the H200 (Qwen3-30B-A3B's experts, 1 to 8 tokens, CUDA graphs): half the plain
-# kernel's rows a program (twice the programs in flight) makes NVFP4, whose dequantization is
-# ALU-bound, 14-17 % faster, and FP8 13 % faster at 1 token (2 % slower at 8). Both formats share
-# the rows (bench/quantized_gemv.py sweeps them); FP8 alone would take 16 / 32 rows and 256 inputs
-# a step: 23.7 us at 1 token against 26.0 here, 133.5 against 129.4 at 8.
-GATE_UP_BLOCK_N, DOWN_BLOCK_N = 8, 16
-NVFP4_GROUPS_PER_STEP = 16  # 256 inputs, 128 bytes of codes a row
-FP8_BLOCKS_PER_STEP = 1  # 128 inputs, 128 bytes a row
 
 
 @triton.jit
@@ -261,27 +253,30 @@ def quantized_pair_rows_triton(x, topk_slots, topk_weights, w13: QuantizedFamily
     slots = topk_slots if topk_slots.is_contiguous() else topk_slots.contiguous()
     weights = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    up_grid, down_grid = (num_pairs, triton.cdiv(inter, GATE_UP_BLOCK_N)), (num_pairs, triton.cdiv(h, DOWN_BLOCK_N))
+    tiles = TILES[w13.fmt]
+    up_grid, down_grid = (num_pairs, triton.cdiv(inter, tiles.gate_up_rows)), (num_pairs, triton.cdiv(h, tiles.down_rows))
+    up_tile = dict(BLOCK_N=tiles.gate_up_rows, num_warps=tiles.gate_up_warps)
+    down_tile = dict(BLOCK_N=tiles.down_rows, num_warps=tiles.down_warps)
     if w13.fmt == NVFP4:
         _nvfp4_pair_gate_up_kernel[up_grid](
             x, w13.q, w13.scale, w13.gscale, act, slots, slot_offset, top_k, h, inter,
             x.stride(0), w13.q.stride(0), w13.q.stride(1), w13.scale.stride(0), w13.scale.stride(1),
             w13.gscale.stride(0),
-            BLOCK_N=GATE_UP_BLOCK_N, GROUPS=NVFP4_GROUPS_PER_STEP,
+            GROUPS=tiles.gate_up_k, **up_tile,
         )  # fmt: skip
         _nvfp4_pair_down_kernel[down_grid](
             act, w2.q, w2.scale, w2.gscale, rows, weights, slots, slot_offset, h, inter,
             w2.q.stride(0), w2.q.stride(1), w2.scale.stride(0), w2.scale.stride(1), w2.gscale.stride(0),
-            BLOCK_N=DOWN_BLOCK_N, GROUPS=NVFP4_GROUPS_PER_STEP,
+            GROUPS=tiles.down_k, **down_tile,
         )  # fmt: skip
     else:
         _fp8_pair_gate_up_kernel[up_grid](
             x, w13.q, w13.scale, act, slots, slot_offset, top_k, h, inter, w13.row_blocks_per_part,
             x.stride(0), w13.q.stride(0), w13.q.stride(1), w13.scale.stride(0), w13.scale.stride(1),
-            BLOCK_N=GATE_UP_BLOCK_N, BLOCKS=FP8_BLOCKS_PER_STEP,
+            BLOCKS=tiles.gate_up_k, **up_tile,
         )  # fmt: skip
         _fp8_pair_down_kernel[down_grid](
             act, w2.q, w2.scale, rows, weights, slots, slot_offset, h, inter,
             w2.q.stride(0), w2.q.stride(1), w2.scale.stride(0), w2.scale.stride(1),
-            BLOCK_N=DOWN_BLOCK_N, BLOCKS=FP8_BLOCKS_PER_STEP,
+            BLOCKS=tiles.down_k, **down_tile,
         )  # fmt: skip

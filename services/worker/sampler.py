@@ -9,9 +9,9 @@ Per-request state lives from the request's `NewRequest` until its id appears in
          -> greedy rows: argmax
          -> other rows: / temperature -> top-k -> top-p -> min-p -> draw
 
-Draws use the exponential race (argmax p / q with q ~ Exp(1)), so a seeded request draws
-its noise from its own torch.Generator and its tokens do not depend on what it is batched
-with. The logprob returned is that of the chosen token under the distribution it was drawn
+Draws use the exponential race (argmax p / q with q ~ Exp(1), computed as argmax s - log q over the
+scaled logits s: kernels/sample_rows.py), so a seeded request draws its noise from its own
+torch.Generator and its tokens do not depend on what it is batched with. The logprob returned is that of the chosen token under the distribution it was drawn
 from: after penalties, temperature and filters for sampled rows, after penalties (at
 temperature 1) for greedy rows.
 """
@@ -25,6 +25,7 @@ import torch
 
 import numpy as np
 
+from ferry.kernels.sample_rows import sample_rows
 from ferry.shared.sampling import SamplingParams
 from ferry.shared.step import NewRequest
 from ferry.services.worker.grammar import GrammarSet
@@ -171,29 +172,36 @@ class Sampler:
             self.requests[int(req_id)].record(int(token))
 
     def _choose(self, logits: torch.Tensor, states: list[RequestSamplingState]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy rows take the argmax, sampled ones race their noise (kernels/sample_rows.py), in one
+        pass over the vocabulary; rows that filter (top-k, top-p, min-p) are filtered first."""
         params = [s.params for s in states]
-        tokens = logits.argmax(dim=-1)
-        logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
-        if not sampled:
-            return tokens, logprobs
-        rows = to_device(sampled, torch.int64, self.device)
-        sub_params = [params[i] for i in sampled]
-        temperature = to_device([p.temperature for p in sub_params], torch.float32, self.device)
-        filtered = filter_logits(logits[rows] / temperature[:, None], sub_params)
-        probs = torch.softmax(filtered, dim=-1)
-        noise = self._exponential_noise(probs, [states[i] for i in sampled])
-        drawn = (probs / noise).argmax(dim=-1)
-        tokens[rows] = drawn
-        logprobs[rows] = torch.log_softmax(filtered, dim=-1).gather(1, drawn[:, None]).squeeze(1)
-        return tokens, logprobs
+        inv_t = [1.0 if p.greedy else 1.0 / p.temperature for p in params]
+        filtering = [i for i in sampled if needs_filter(params[i], self.vocab_size)]
+        if filtering:
+            rows = to_device(filtering, torch.int64, self.device)
+            logits = logits.clone()
+            logits[rows] = filter_logits(logits[rows] * to_device([inv_t[i] for i in filtering], torch.float32,
+                                                                  self.device)[:, None],
+                                         [params[i] for i in filtering])  # fmt: skip
+            for i in filtering:  # already scaled
+                inv_t[i] = 1.0
+        noise = None
+        noise_rows = [-1] * len(params)
+        if sampled:
+            noise = self._exponential_noise(len(sampled), [states[i] for i in sampled])
+            for j, i in enumerate(sampled):
+                noise_rows[i] = j
+        return sample_rows(logits, to_device(inv_t, torch.float32, self.device), noise,
+                           to_device(noise_rows, torch.int64, self.device))  # fmt: skip
 
-    def _exponential_noise(self, probs: torch.Tensor, states: list[RequestSamplingState]) -> torch.Tensor:
-        noise = torch.empty_like(probs).exponential_(generator=self._generator)
+    def _exponential_noise(self, rows: int, states: list[RequestSamplingState]) -> torch.Tensor:
+        noise = torch.empty(rows, self.vocab_size, dtype=torch.float32, device=self.device)
+        noise.exponential_(generator=self._generator)
         for i, state in enumerate(states):
             if state.generator is not None:
                 noise[i].exponential_(generator=state.generator)
-        # An exact 0 draw would turn a masked token's 0/0 into NaN, which argmax picks.
+        # an exact 0 draw would make log(q) -inf and let a masked (-inf) token tie the race
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
 
 
@@ -258,6 +266,11 @@ def apply_penalties(logits: torch.Tensor, states: list[RequestSamplingState], vo
         frequency = to_device([p.frequency_penalty for p in params], torch.float32, device)[:, None]
         logits = logits - frequency * counts - presence * (counts > 0).float()
     return logits
+
+
+def needs_filter(p: SamplingParams, vocab: int) -> bool:
+    """Whether a sampled row's top-k, top-p or min-p removes any token (`filter_logits` would run)."""
+    return 0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0
 
 
 def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

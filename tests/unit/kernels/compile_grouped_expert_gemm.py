@@ -11,7 +11,9 @@ import ferry.kernels.expert_rows_sum as rows_sum
 import ferry.kernels.grouped_expert_gemm as k
 import ferry.kernels.quantized_expert_gemm as qk
 import ferry.kernels.quantized_expert_gemv as qpair
+from ferry.kernels.pair_tiles import TILES
 from ferry.kernels.quantized_experts import FP8_BLOCK, NVFP4
+from ferry.plan.expert_formats import BF16
 
 
 def signatures(dtype: str) -> list:
@@ -33,9 +35,10 @@ def signatures(dtype: str) -> list:
                     **ints("slot_offset", "top_k", "H", "I", "stride_xt", "stride_ws", "stride_wn")}  # fmt: skip
     pair_down = {"act_ptr": f"*{dtype}", "w2_ptr": f"*{dtype}", "rows_ptr": "*fp32", "weights_ptr": f"*{dtype}",
                  "slots_ptr": "*i32", **ints("slot_offset", "H", "I", "stride_ws", "stride_wh")}  # fmt: skip
-    for fn, sig, block_n in ((pair._pair_gate_up_kernel, pair_gate_up, pair.GATE_UP_BLOCK_N),
-                             (pair._pair_down_kernel, pair_down, pair.DOWN_BLOCK_N)):  # fmt: skip
-        consts = {"BLOCK_N": block_n, "BLOCK_K": pair.BLOCK_K}
+    bf16 = TILES[BF16]
+    for fn, sig, block_n, block_k in ((pair._pair_gate_up_kernel, pair_gate_up, bf16.gate_up_rows, bf16.gate_up_k),
+                                      (pair._pair_down_kernel, pair_down, bf16.down_rows, bf16.down_k)):  # fmt: skip
+        consts = {"BLOCK_N": block_n, "BLOCK_K": block_k}
         out.append((f"{fn.__name__}[{dtype}]", fn, {**sig, **{c: "constexpr" for c in consts}}, consts))
     sum_sig = {"rows_ptr": "*fp32", "out_ptr": f"*{dtype}", "top_k": "i32", "H": "i32", "BLOCK": "constexpr"}
     out.append((f"_sum_rows_kernel[{dtype}]", rows_sum._sum_rows_kernel, sum_sig, {"BLOCK": rows_sum.BLOCK_H}))
@@ -77,19 +80,19 @@ def quantized_signatures(dtype: str) -> list:
         (qpair._nvfp4_pair_gate_up_kernel, {"x_ptr": f"*{dtype}", **nvfp4, "act_ptr": f"*{dtype}", "slots_ptr": "*i64",
                                             **ints("slot_offset", "top_k", "H", "I", "stride_xt", "stride_qs", "stride_qo",
                                                    "stride_ss", "stride_so", "stride_gs")},
-         {"BLOCK_N": qpair.GATE_UP_BLOCK_N, "GROUPS": qpair.NVFP4_GROUPS_PER_STEP}),
+         {"BLOCK_N": TILES[NVFP4].gate_up_rows, "GROUPS": TILES[NVFP4].gate_up_k}),
         (qpair._nvfp4_pair_down_kernel, {"act_ptr": f"*{dtype}", **nvfp4, "rows_ptr": "*fp32", "weights_ptr": f"*{dtype}",
                                          "slots_ptr": "*i32", **ints("slot_offset", "H", "I", "stride_qs", "stride_qo",
                                                                      "stride_ss", "stride_so", "stride_gs")},
-         {"BLOCK_N": qpair.DOWN_BLOCK_N, "GROUPS": qpair.NVFP4_GROUPS_PER_STEP}),
+         {"BLOCK_N": TILES[NVFP4].down_rows, "GROUPS": TILES[NVFP4].down_k}),
         (qpair._fp8_pair_gate_up_kernel, {"x_ptr": f"*{dtype}", **fp8, "act_ptr": f"*{dtype}", "slots_ptr": "*i64",
                                           **ints("slot_offset", "top_k", "H", "I", "up_row_block", "stride_xt", "stride_qs",
                                                  "stride_qo", "stride_ss", "stride_so")},
-         {"BLOCK_N": qpair.GATE_UP_BLOCK_N, "BLOCKS": qpair.FP8_BLOCKS_PER_STEP}),
+         {"BLOCK_N": TILES[FP8_BLOCK].gate_up_rows, "BLOCKS": TILES[FP8_BLOCK].gate_up_k}),
         (qpair._fp8_pair_down_kernel, {"act_ptr": f"*{dtype}", **fp8, "rows_ptr": "*fp32", "weights_ptr": f"*{dtype}",
                                        "slots_ptr": "*i32", **ints("slot_offset", "H", "I", "stride_qs", "stride_qo",
                                                                    "stride_ss", "stride_so")},
-         {"BLOCK_N": qpair.DOWN_BLOCK_N, "BLOCKS": qpair.FP8_BLOCKS_PER_STEP}),
+         {"BLOCK_N": TILES[FP8_BLOCK].down_rows, "BLOCKS": TILES[FP8_BLOCK].down_k}),
     ]  # fmt: skip
     for fn, sig, consts in pair:
         out.append((f"{fn.__name__}[{dtype}]", fn, {**sig, **{c: "constexpr" for c in consts}}, consts))

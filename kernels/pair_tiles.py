@@ -1,0 +1,34 @@
+"""The tile shapes of the decode expert GEMVs (kernels/expert_pair_gemv.py and its quantized twins in
+kernels/quantized_expert_gemv.py), one entry per expert format, in one table so that the bench that
+measures them (bench/pair_gemv_sweep.py) and the kernels read the same numbers.
+
+A decode step reads each routed expert's weights once, so the kernels are paced by how many bytes
+are in flight: the rows a program computes (`*_rows`) times the inputs it reads per loop step
+(`*_k`: inputs for bf16, 16-input groups for NVFP4, 128-input blocks for FP8) set one program's
+loads, and the program count (pairs x outputs / rows) how many of those run at once. The values
+are the H200 sweep's best (bench/NOTES.md, "The compute path"). A tile decides the order in which
+a program sums its products, so results move by float32 rounding from one tile to another; every
+store computes a step with the same tiles, so offloaded and all-resident still agree bit for bit."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ferry.plan.expert_formats import BF16, FP8_BLOCK, NVFP4
+
+
+@dataclass(frozen=True)
+class PairTiles:
+    gate_up_rows: int  # outputs (of I) a gate/up program computes, for gate and up each
+    gate_up_k: int  # inputs (of H) a gate/up loop step reads: values (bf16), groups of 16 (NVFP4), blocks of 128 (FP8)
+    down_rows: int  # outputs (of H) a down program computes
+    down_k: int  # inputs (of I) a down loop step reads, in the same units
+    gate_up_warps: int = 4
+    down_warps: int = 4
+
+
+TILES = {
+    BF16: PairTiles(gate_up_rows=16, gate_up_k=128, down_rows=32, down_k=128),
+    NVFP4: PairTiles(gate_up_rows=8, gate_up_k=16, down_rows=16, down_k=16),
+    FP8_BLOCK: PairTiles(gate_up_rows=8, gate_up_k=1, down_rows=16, down_k=1),
+}

@@ -1,0 +1,51 @@
+"""The one-pass sampling kernels (kernels/sample_rows.py) against their torch twin under the Triton
+interpreter (a child process), and the twin against the race it stands for (argmax of p / q)."""
+
+import torch
+
+from interpreted_triton import run_interpreted
+from ferry.kernels.sample_rows import BLOCK_V, sample_rows_reference
+
+
+def _case(seed: int, rows: int, vocab: int, greedy: list[bool], masked: bool = False):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=g) * 4
+    if masked:  # a filtered row: most of its tokens -inf, whole blocks of them included
+        logits[0, : vocab - 3] = float("-inf")
+    inv_t = torch.tensor([1.0 if gr else 1 / 0.7 for gr in greedy])
+    drawn = [i for i, gr in enumerate(greedy) if not gr]
+    noise = torch.empty(len(drawn), vocab).exponential_(generator=g).clamp_min_(1e-38) if drawn else None
+    noise_rows = torch.full((rows,), -1, dtype=torch.int64)
+    for j, i in enumerate(drawn):
+        noise_rows[i] = j
+    return logits, inv_t, noise, noise_rows
+
+
+CASES = [
+    _case(0, 3, 2 * BLOCK_V + 17, [True, False, False]),  # a partial last block
+    _case(1, 2, BLOCK_V, [False, False], masked=True),
+    _case(2, 1, 100, [True]),
+    _case(3, 4, 3 * BLOCK_V, [False, True, False, True], masked=True),
+]
+
+
+def test_kernels_equal_the_twin():
+    results = run_interpreted("ferry.kernels.sample_rows", "sample_rows_triton", [(case, {}) for case in CASES])
+    for case, (tokens, logprobs) in zip(CASES, results):
+        ref_tokens, ref_logprobs = sample_rows_reference(*case)
+        assert torch.equal(tokens, ref_tokens)
+        assert torch.allclose(logprobs, ref_logprobs, atol=1e-5), (logprobs, ref_logprobs)
+
+
+def test_twin_is_the_exponential_race_and_ties_go_to_the_lowest_id():
+    logits, inv_t, noise, noise_rows = _case(5, 3, 500, [False, False, True])
+    tokens, logprobs = sample_rows_reference(logits, inv_t, noise, noise_rows)
+    probs = torch.softmax(logits[:2] * inv_t[:2, None], -1)
+    assert torch.equal(tokens[:2], (probs / noise).argmax(-1))
+    assert int(tokens[2]) == int(logits[2].argmax())
+    assert torch.allclose(logprobs, torch.log_softmax(logits * inv_t[:, None], -1).gather(1, tokens[:, None])[:, 0])
+    tied = torch.zeros(1, 50)
+    tied[0, [7, 30]] = 1.0
+    (tok,), _ = run_interpreted("ferry.kernels.sample_rows", "sample_rows_triton",
+                                [((tied, torch.ones(1), None, torch.tensor([-1])), {})])[0]  # fmt: skip
+    assert int(tok) == 7 == int(sample_rows_reference(tied, torch.ones(1), None, torch.tensor([-1]))[0])
