@@ -1,12 +1,17 @@
 """Routed experts pair by pair (decode) straight from quantized slots, in Triton: the NVFP4 and
-FP8-block twins of expert_pair_gemv.py (same contract, grid, fusions and rounding); reference:
+FP8-block twins of expert_pair_gemv.py (same contract, grid and fusions); reference:
 `quantized_expert_rows_reference` (kernels/quantized_experts.py).
 
 Why in registers: decode is paced by the bytes the GEMV reads, and a quantized slot holds 0.28
 (NVFP4) or 0.5 (FP8) of a bf16 slot's bytes; a dense copy would write and read the bf16 bytes on
-top. Every weight is dequantized as `dequantize_slot` does it (the same float32 products in the
-same order, so the same bits), rounded once to x's dtype, then multiplied and accumulated in
-float32 as the plain kernel does with its bf16 weights: the same values meet the same arithmetic.
+top. The codes are decoded to float32 and meet x in float32; each scale group's (NVFP4: 16 inputs,
+FP8: a 128-input block) sum of code x input is then multiplied by its scale once, and NVFP4's row
+scale once per output. That is the twin's sum of dequantized weights times inputs, reassociated: the
+same value up to float32 rounding, without rounding each weight to x's dtype as `dequantize_slot`
+does (a bf16 x differs from the twin by that rounding; the tests allow it). Dequantizing each weight
+took three multiplies and two conversions per code, and made the kernels ALU-bound at 6x the HBM
+bound (bench/NOTES.md, "The compute path"). The projections, silu and the product are rounded as
+the plain kernel rounds them.
 
 Tiles keep each scale on its own axis, so a scale is loaded once and broadcast, never gathered:
 * NVFP4 [BLOCK_N, groups, 8 bytes]: byte b of group g holds inputs 16g + 2b (low nibble) and
@@ -42,22 +47,19 @@ def _e2m1_high(b):
 
 
 @triton.jit
-def _nvfp4_times_x(b, scale, gscale, x_lo, x_hi, W_TY: tl.constexpr):
-    """Byte tile b [N, G, 8] dequantized (code * group scale, then * gscale: dequantize_slot's order;
-    `scale` [N, G] already times 2**14, exact) and rounded to W_TY, times x's even inputs x_lo
-    [G, 8] (low nibbles) and odd ones x_hi (high nibbles), elementwise in float32."""
-    s = scale[:, :, None]
-    g = gscale[:, None, None]
-    w_lo = ((_e2m1_low(b) * s) * g).to(W_TY).to(tl.float32)
-    w_hi = ((_e2m1_high(b) * s) * g).to(W_TY).to(tl.float32)
-    return w_lo * x_lo[None, :, :] + w_hi * x_hi[None, :, :]
+def _nvfp4_group_dots(b, scale, x_lo, x_hi):
+    """[N, G]: for byte tile b [N, G, 8], each group's sum of code x input (codes as `_e2m1_low` reads
+    them: the low nibbles meet x's even inputs x_lo [G, 8], the high ones the odd x_hi), times the
+    group's scale [N, G] (already times 2**14, exact). The row's gscale is applied once, at the end."""
+    dots = tl.sum(_e2m1_low(b) * x_lo[None, :, :] + _e2m1_high(b) * x_hi[None, :, :], axis=2)
+    return dots * scale
 
 
 @triton.jit
-def _fp8_times_x(q, scale, x, W_TY: tl.constexpr):
-    """float8 tile q [N, C, 128] times its block scales [N, C], rounded to W_TY, times x [C, 128]."""
-    w = (q.to(tl.float32) * scale[:, :, None]).to(W_TY).to(tl.float32)
-    return w * x[None, :, :]
+def _fp8_block_dots(q, scale, x):
+    """[N, C]: for float8 tile q [N, C, 128], each column block's sum of code x input (x [C, 128]),
+    times the block's scale [N, C]."""
+    return tl.sum(q.to(tl.float32) * x[None, :, :], axis=2) * scale
 
 
 @triton.jit
@@ -96,8 +98,8 @@ def _nvfp4_pair_gate_up_kernel(
     gs_u = tl.load(g_row + I, mask=n_ok, other=0.0)
     x_lo = x_ptr + token * stride_xt + offs_g[:, None] * 16 + offs_b[None, :] * 2  # [GROUPS, 8]: even inputs
     w_ty = act_ptr.dtype.element_ty
-    acc_g = tl.zeros((BLOCK_N, GROUPS, 8), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N, GROUPS, 8), dtype=tl.float32)
+    acc_g = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
     groups = H // 16
     for g0 in range(0, groups, GROUPS):
         g_ok = offs_g + g0 < groups
@@ -107,9 +109,9 @@ def _nvfp4_pair_gate_up_kernel(
         m3 = m2[:, :, None]
         sg = tl.load(s_g + g0, mask=m2, other=0.0).to(tl.float32) * 16384.0  # 2**14: see _e2m1_low
         su = tl.load(s_u + g0, mask=m2, other=0.0).to(tl.float32) * 16384.0
-        acc_g += _nvfp4_times_x(tl.load(q_g + g0 * 8, mask=m3, other=0), sg, gs_g, a_lo, a_hi, w_ty)
-        acc_u += _nvfp4_times_x(tl.load(q_u + g0 * 8, mask=m3, other=0), su, gs_u, a_lo, a_hi, w_ty)
-    act = _silu_and_mul(tl.sum(tl.sum(acc_g, axis=2), axis=1), tl.sum(tl.sum(acc_u, axis=2), axis=1), w_ty)
+        acc_g += _nvfp4_group_dots(tl.load(q_g + g0 * 8, mask=m3, other=0), sg, a_lo, a_hi)
+        acc_u += _nvfp4_group_dots(tl.load(q_u + g0 * 8, mask=m3, other=0), su, a_lo, a_hi)
+    act = _silu_and_mul(tl.sum(acc_g, axis=1) * gs_g, tl.sum(acc_u, axis=1) * gs_u, w_ty)
     tl.store(act_ptr + pair.to(tl.int64) * I + offs_n, act, mask=n_ok)
 
 
@@ -134,7 +136,7 @@ def _nvfp4_pair_down_kernel(
     gs = tl.load(g_ptr + slot * stride_gs + offs_n, mask=n_ok, other=0.0)
     a_lo = act_ptr + pair.to(tl.int64) * I + offs_g[:, None] * 16 + offs_b[None, :] * 2
     w_ty = act_ptr.dtype.element_ty
-    acc = tl.zeros((BLOCK_N, GROUPS, 8), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
     groups = I // 16
     for g0 in range(0, groups, GROUPS):
         g_ok = offs_g + g0 < groups
@@ -142,8 +144,8 @@ def _nvfp4_pair_down_kernel(
         x_hi = tl.load(a_lo + g0 * 16 + 1, mask=g_ok[:, None], other=0.0).to(tl.float32)
         m2 = n_ok[:, None] & g_ok[None, :]
         s = tl.load(s_w + g0, mask=m2, other=0.0).to(tl.float32) * 16384.0
-        acc += _nvfp4_times_x(tl.load(q_w + g0 * 8, mask=m2[:, :, None], other=0), s, gs, x_lo, x_hi, w_ty)
-    y = tl.sum(tl.sum(acc, axis=2), axis=1).to(w_ty).to(tl.float32)
+        acc += _nvfp4_group_dots(tl.load(q_w + g0 * 8, mask=m2[:, :, None], other=0), s, x_lo, x_hi)
+    y = (tl.sum(acc, axis=1) * gs).to(w_ty).to(tl.float32)
     routing = tl.load(weights_ptr + pair).to(tl.float32)
     tl.store(rows_ptr + pair.to(tl.int64) * H + offs_n, y * routing, mask=n_ok)
 
@@ -173,8 +175,8 @@ def _fp8_pair_gate_up_kernel(
     s_u = s_g + up_row_block * stride_so
     x_row = x_ptr + token * stride_xt + cols
     w_ty = act_ptr.dtype.element_ty
-    acc_g = tl.zeros((BLOCK_N, BLOCKS, 128), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N, BLOCKS, 128), dtype=tl.float32)
+    acc_g = tl.zeros((BLOCK_N, BLOCKS), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCKS), dtype=tl.float32)
     for c0 in range(0, tl.cdiv(H, 128), BLOCKS):
         k_ok = cols + c0 * 128 < H  # the last column block may be partial
         a = tl.load(x_row + c0 * 128, mask=k_ok, other=0.0).to(tl.float32)
@@ -182,9 +184,9 @@ def _fp8_pair_gate_up_kernel(
         m3 = n_ok[:, None, None] & k_ok[None, :, :]
         sg = tl.load(s_g + c0, mask=m2, other=0.0)
         su = tl.load(s_u + c0, mask=m2, other=0.0)
-        acc_g += _fp8_times_x(tl.load(q_g + c0 * 128, mask=m3, other=0.0), sg, a, w_ty)
-        acc_u += _fp8_times_x(tl.load(q_u + c0 * 128, mask=m3, other=0.0), su, a, w_ty)
-    act = _silu_and_mul(tl.sum(tl.sum(acc_g, axis=2), axis=1), tl.sum(tl.sum(acc_u, axis=2), axis=1), w_ty)
+        acc_g += _fp8_block_dots(tl.load(q_g + c0 * 128, mask=m3, other=0.0), sg, a)
+        acc_u += _fp8_block_dots(tl.load(q_u + c0 * 128, mask=m3, other=0.0), su, a)
+    act = _silu_and_mul(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), w_ty)
     tl.store(act_ptr + pair.to(tl.int64) * I + offs_n, act, mask=n_ok)
 
 
@@ -209,13 +211,13 @@ def _fp8_pair_down_kernel(
     s_w = s_ptr + slot * stride_ss + (offs_n // 128)[:, None] * stride_so + offs_c[None, :]  # w2 is one part
     a_row = act_ptr + pair.to(tl.int64) * I + cols
     w_ty = act_ptr.dtype.element_ty
-    acc = tl.zeros((BLOCK_N, BLOCKS, 128), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCKS), dtype=tl.float32)
     for c0 in range(0, tl.cdiv(I, 128), BLOCKS):
         k_ok = cols + c0 * 128 < I
         a = tl.load(a_row + c0 * 128, mask=k_ok, other=0.0).to(tl.float32)
         s = tl.load(s_w + c0, mask=n_ok[:, None] & (offs_c[None, :] + c0 < tl.cdiv(I, 128)), other=0.0)
-        acc += _fp8_times_x(tl.load(q_w + c0 * 128, mask=n_ok[:, None, None] & k_ok[None, :, :], other=0.0), s, a, w_ty)
-    y = tl.sum(tl.sum(acc, axis=2), axis=1).to(w_ty).to(tl.float32)
+        acc += _fp8_block_dots(tl.load(q_w + c0 * 128, mask=n_ok[:, None, None] & k_ok[None, :, :], other=0.0), s, a)
+    y = tl.sum(acc, axis=1).to(w_ty).to(tl.float32)
     routing = tl.load(weights_ptr + pair).to(tl.float32)
     tl.store(rows_ptr + pair.to(tl.int64) * H + offs_n, y * routing, mask=n_ok)
 
