@@ -6,11 +6,12 @@ Arguments, shared by both entry points (and by the dispatch):
   contiguous); page_table int32 [R, max_pages]; query_start int32 [R + 1]; positions int64 [T];
   scale; `out` [T, heads, head_dim] is written (allocated when not given).
 
-Decode (`paged_attention_decode_triton`): one program per (new token, query head), an online
-softmax over the token's visible keys read page by page. It serves any batch (every new token is
-its own program) but is made for one new token per request. Scores use elementwise products and
-sums rather than `tl.dot`, so there is no minimum block shape and no bf16-dot issue under
-TRITON_INTERPRET=1; accumulation is in float32.
+Decode (`paged_attention_decode_triton`): one program per (new token, kv head, split of its keys):
+the kv head's query heads together (padded to 16 rows for tensor-core dots) over the split's keys
+read page by page, an online softmax; a second kernel folds the splits. Every key is read once per kv
+head, not once per query head. It serves any batch (every new token has its own programs) but is made
+for one new token per request. Under TRITON_INTERPRET=1 the dots run in float32; accumulation is
+float32 everywhere.
 
 Prefill (`paged_attention_prefill_triton`): one program per (block of a request's new tokens, query
 head), tensor-core dots over key blocks. Every query row attends to keys 0..its own position
@@ -30,6 +31,12 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+# Decode splits each token's keys into this many shares, computed by as many programs per kv head and
+# folded by a second kernel: one token of a model with 2 kv heads is otherwise 2 programs on 132 SMs,
+# each reading every key in turn (flash-decoding's split-K). A fixed count keeps the grid the same for
+# every step, as a CUDA graph needs; short contexts leave the last splits empty.
+DECODE_SPLITS = 16
 
 
 @triton.jit
@@ -52,43 +59,84 @@ def _paged_kv_block(
 # stride_pt is the step's page-table width (its longest request's pages): it changes as requests grow,
 # and specialising on it would compile new variants mid-serving
 @triton.jit(do_not_specialize=["stride_pt"])
-def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, page_table_ptr, token_req_ptr, positions_ptr,
+def _decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, part_ptr, page_table_ptr, token_req_ptr, positions_ptr,
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_ot, stride_oh,
     stride_pt, scale,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, SPLITS: tl.constexpr, FP32_DOT: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
 ):  # fmt: skip
+    """One (token, kv head, split): the GROUP query heads of the kv head over the split's share of the
+    token's keys, an online softmax with tensor-core dots; writes (max, sum, unnormalised output)."""
     t = tl.program_id(0)
-    h = tl.program_id(1)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
     req = tl.load(token_req_ptr + t).to(tl.int64)
     num_keys = tl.load(positions_ptr + t).to(tl.int64) + 1  # causal: keys 0..own position
-    kv_head = h // GROUP
+    # each split takes a whole number of key blocks, so no block straddles two splits
+    per_split = tl.cdiv(tl.cdiv(num_keys, SPLITS), BLOCK_N) * BLOCK_N
+    first = split * per_split
+    last = tl.minimum(first + per_split, num_keys)
 
+    g = tl.arange(0, BLOCK_G)
+    g_mask = g < GROUP
+    heads = kv_head * GROUP + g
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
-    q = tl.load(q_ptr + t * stride_qt + h * stride_qh + d, mask=d_mask, other=0.0).to(tl.float32)
+    q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # fmt: skip
+    if FP32_DOT:
+        q = q.to(tl.float32)
 
-    m_i = -float("inf")  # running max and normaliser: fp32 scalars once the loop has run
-    l_i = 0.0
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for start in range(0, num_keys, BLOCK_N):
+    m_i = tl.zeros([BLOCK_G], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    for start in range(first, last, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
-        n_mask = n < num_keys
+        n_mask = n < last
         k, v = _paged_kv_block(k_ptr, v_ptr, page_table_ptr, req, stride_pt, n, n_mask, d, d_mask, kv_head,
                                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, PAGE_SIZE)  # fmt: skip
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-        s = tl.sum(k * q[None, :], axis=1) * scale
-        s = tl.where(n_mask, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=0))
-        p = tl.exp(s - m_new)
+        if FP32_DOT:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        if IEEE_DOT:  # float32 models: exact float32 products, not tf32's
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE_DOT:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    out = acc / l_i
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+    # partials [T, heads, SPLITS, 2 + BLOCK_D]: max, sum, then the output row (an empty split: -inf, 0, 0)
+    row = part_ptr + ((t * (tl.num_programs(1) * GROUP) + heads) * SPLITS + split).to(tl.int64) * (2 + BLOCK_D)
+    tl.store(row, m_i, mask=g_mask)
+    tl.store(row + 1, l_i, mask=g_mask)
+    tl.store(row[:, None] + 2 + d[None, :], acc, mask=g_mask[:, None])
+
+
+@triton.jit
+def _decode_combine_kernel(part_ptr, out_ptr, stride_ot, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                           SPLITS: tl.constexpr):  # fmt: skip
+    """One (token, head): the splits' partial softmaxes folded into the output row."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.arange(0, SPLITS)
+    d = tl.arange(0, BLOCK_D)
+    base = part_ptr + ((t * tl.num_programs(1) + h) * SPLITS + sp).to(tl.int64) * (2 + BLOCK_D)
+    m = tl.load(base)
+    big_m = tl.max(m, axis=0)  # finite: key 0 is visible to every token, and split 0 holds it
+    w = tl.exp(m - big_m)  # an empty split's -inf gives 0
+    l_sum = tl.sum(tl.load(base + 1) * w, axis=0)
+    acc = tl.sum(tl.load(base[:, None] + 2 + d[None, :]) * w[:, None], axis=0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, (acc / l_sum).to(out_ptr.dtype.element_ty),
+             mask=d < HEAD_DIM)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["stride_pt"])
@@ -177,10 +225,17 @@ def paged_attention_decode_triton(q, k_cache, v_cache, page_table, query_start, 
     if num_tokens == 0:
         return out
     token_req = token_requests(query_start, num_tokens) if token_request is None else token_request
-    _decode_kernel[(num_tokens, heads)](
-        q, k_cache, v_cache, out, page_table, token_req, positions, *strides, scale, **shape,
-        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=block_n,
+    kv_heads = k_cache.shape[2]
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    parts = torch.empty(num_tokens, heads, DECODE_SPLITS, 2 + block_d, dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(num_tokens, kv_heads, DECODE_SPLITS)](
+        q, k_cache, v_cache, parts, page_table, token_req, positions, *strides, scale, **shape,
+        BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_G=max(16, triton.next_power_of_2(shape["GROUP"])),
+        SPLITS=DECODE_SPLITS, FP32_DOT=os.environ.get("TRITON_INTERPRET") == "1" or q.dtype == torch.float32,
+        IEEE_DOT=q.dtype == torch.float32 and os.environ.get("TRITON_INTERPRET") != "1",
     )  # fmt: skip
+    _decode_combine_kernel[(num_tokens, heads)](parts, out, out.stride(0), out.stride(1), HEAD_DIM=head_dim,
+                                                BLOCK_D=block_d, SPLITS=DECODE_SPLITS)  # fmt: skip
     return out
 
 

@@ -1,13 +1,16 @@
-"""The fused RMSNorm and q/k norm + rotary + KV-write kernels, and the paged attention kernels,
-compiled for Hopper without a GPU (hopper_compile.py; run by test_fused_kernels_compile.py)."""
+"""The fused RMSNorm and q/k norm + rotary + KV-write kernels, the paged attention kernels, and the
+MoE block's router / routed-marking / SiLU-and-mul / combine kernels, compiled for Hopper without a
+GPU (hopper_compile.py; run by test_fused_kernels_compile.py)."""
 
 from __future__ import annotations
 
 from hopper_compile import print_results
 
-from ferry.kernels.paged_attention_triton import _decode_kernel, _prefill_kernel
+from ferry.kernels.moe_combine import _moe_combine_kernel, _silu_mul_kernel
+from ferry.kernels.paged_attention_triton import DECODE_SPLITS, _decode_combine_kernel, _decode_split_kernel, _prefill_kernel
 from ferry.kernels.qk_norm_rope import _qk_norm_rope_kv_kernel
 from ferry.kernels.rms_norm import _rms_norm_kernel
+from ferry.kernels.router_topk import _mark_routed_kernel, _router_topk_kernel
 
 
 def signatures(dtype: str) -> list:
@@ -32,10 +35,40 @@ def signatures(dtype: str) -> list:
     paged = {**{p: f"*{dtype}" for p in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}, "page_table_ptr": "*i32",
              "positions_ptr": "*i64", **strides, "scale": "fp32"}  # fmt: skip
     shape = {"PAGE_SIZE": 16, "GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_N": 32}
-    out.append((f"paged_attention_decode[{dtype}]", _decode_kernel, {**paged, "token_req_ptr": "*i32"}, shape))
+    decode = {**paged, "token_req_ptr": "*i32", "part_ptr": "*fp32"}
+    decode.pop("out_ptr")
+    out.append((f"paged_attention_decode[{dtype}]", _decode_split_kernel, decode,
+                {**shape, "BLOCK_G": 16, "SPLITS": DECODE_SPLITS, "FP32_DOT": dtype == "fp32",
+                 "IEEE_DOT": dtype == "fp32"}))  # fmt: skip
+    out.append((f"paged_attention_decode_combine[{dtype}]", _decode_combine_kernel,
+                {"part_ptr": "*fp32", "out_ptr": f"*{dtype}", **ints("stride_ot", "stride_oh")},
+                {"HEAD_DIM": 128, "BLOCK_D": 128, "SPLITS": DECODE_SPLITS}))  # fmt: skip
     prefill = {**paged, **{p: "*i32" for p in ("query_start_ptr", "block_req_ptr", "block_first_ptr")}}
     out.append((f"paged_attention_prefill[{dtype}]", _prefill_kernel, prefill,
                 {**shape, "BLOCK_M": 16, "FP32_DOT": dtype == "fp32"}))  # fmt: skip
+    out.extend(moe_block_signatures(dtype))
+    return out
+
+
+def moe_block_signatures(dtype: str) -> list:
+    """The MoE block's kernels at the H200 benchmark's shapes (Qwen3.6-35B-A3B: 256 experts, top 8,
+    hidden 2048, shared expert intermediate 512)."""
+    ints = lambda *names: {n: "i32" for n in names}  # noqa: E731
+    out = []
+    router = {"logits_ptr": f"*{dtype}", "ids_ptr": "*i64", "weights_ptr": f"*{dtype}", "shared_ptr": f"*{dtype}",
+              **ints("stride_t", "E")}  # fmt: skip
+    for norm in (False, True):
+        for shared in (False, True):
+            consts = {"TOP_K": 8, "NORM_TOPK": norm, "HAS_SHARED": shared, "BLOCK_E": 256, "BLOCK_K": 8}
+            out.append((f"router_topk[{dtype}, norm={norm}, shared={shared}]", _router_topk_kernel, router, consts))
+    mark = {"ids_ptr": "*i64", "n_rows_ptr": "*i32", "table_ptr": "*i32", **ints("stride_t", "layer", "E")}
+    for has_n_rows in (False, True):
+        out.append((f"mark_routed[{dtype}, n_rows={has_n_rows}]", _mark_routed_kernel, mark,
+                    {"TOP_K": 8, "HAS_N_ROWS": has_n_rows, "BLOCK_K": 8}))  # fmt: skip
+    silu = {"gate_up_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "I": "i32"}
+    out.append((f"silu_mul[{dtype}]", _silu_mul_kernel, silu, {"BLOCK_I": 512}))
+    combine = {**{p: f"*{dtype}" for p in ("routed_ptr", "gate_ptr", "shared_ptr", "out_ptr")}, "H": "i32"}
+    out.append((f"moe_combine[{dtype}]", _moe_combine_kernel, combine, {"BLOCK_H": 1024}))
     return out
 
 
