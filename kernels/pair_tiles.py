@@ -27,8 +27,16 @@ class PairTiles:
     down_warps: int = 4
 
 
+# H200, bench/pair_gemv_sweep.py, one layer's 8 pairs at 1 token and 64 at 8, 35B / 30B expert shapes,
+# µs against the HBM bound (results/pair_gemv_sweep_h200.json, c29c60d; the quantized kernels after
+# summing per scale group, results/pair_gemv_sweep_quantized_h200.json, 365c6ff):
+#   bf16   16.3 / 26.9 at 1 token (bounds 12.8 / 19.2; the earlier 16-row, 128-input tiles: 36.4 / 41.0),
+#          101.2 / 144.5 at 8 (bounds 96.1 / 144.2): 512 inputs a step keep 16 KB of loads in flight a program
+#   nvfp4  17.7 / 24.0 at 1 token (bounds 3.5 / 5.2; 22.5 / 31.2 dequantizing every weight): no tile moved
+#          it, the decoding of the codes paces it
+#   fp8    11.2 / 13.9 at 1 token (bounds 6.2 / 9.2; 17.2 / 23.8 before), 61.6 / 83.0 at 8 (46.2 / 69.3)
 TILES = {
-    BF16: PairTiles(gate_up_rows=16, gate_up_k=128, down_rows=32, down_k=128),
+    BF16: PairTiles(gate_up_rows=16, gate_up_k=512, down_rows=16, down_k=128, down_warps=8),
     NVFP4: PairTiles(gate_up_rows=8, gate_up_k=16, down_rows=16, down_k=16),
-    FP8_BLOCK: PairTiles(gate_up_rows=8, gate_up_k=1, down_rows=16, down_k=1),
+    FP8_BLOCK: PairTiles(gate_up_rows=8, gate_up_k=2, down_rows=32, down_k=2),
 }
