@@ -8,7 +8,11 @@ Both states live in the request's LinearStatePool slot; a request's first chunk 
 zeroes them first, later chunks and decode steps continue from them. The input projection is one
 matrix whose rows are [q | k | v | z | b | a] in head order (qwen3_5_moe's layout); qwen3_next's
 per-key-head interleaved in_proj_qkvz / in_proj_ba are permuted into it at load time
-(`weights.py`), so one forward serves both."""
+(`weights.py`), so one forward serves both.
+
+A decode step on the Triton path (bf16/fp16) runs everything between in_proj and out_proj in two
+launches (kernels/gated_deltanet_decode.py, ~35 kernels in torch + fla); prefill and chunked steps,
+and the CPU, run the torch composition, which is also those kernels' twin."""
 
 from __future__ import annotations
 
@@ -17,7 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ferry.kernels.causal_conv1d import causal_conv1d_decode, causal_conv1d_varlen
+from ferry.kernels.dispatch import use_triton
 from ferry.kernels.gated_delta_rule import gated_delta_rule_varlen
+from ferry.kernels.gated_deltanet_decode import gated_deltanet_decode
 from ferry.services.worker.models.context import StepContext
 from ferry.services.worker.models.norms import GatedRMSNorm
 from ferry.plan.model_config import ModelSpec
@@ -70,6 +76,14 @@ class GatedDeltaNet(nn.Module):
         t = x.shape[0]
         qkv, z, beta_logit, a = self.in_proj(x).split(list(self.in_proj_parts.values()), dim=-1)
         conv_weight = self.conv1d.weight[:, 0, :]
+        if t == b.num_requests and use_triton(x) and x.dtype in (torch.bfloat16, torch.float16):
+            # a decode step on the GPU: conv, gates, rule and norm in two launches instead of ~35
+            # (kernels/gated_deltanet_decode.py; its twin is the composition below)
+            core = gated_deltanet_decode(
+                qkv, z, beta_logit, a, conv_weight, self.A_log, self.dt_bias, self.norm.weight, self.norm.eps,
+                conv_states, recurrent_states, b.state_slots, self.k_heads,
+            )  # fmt: skip
+            return self.out_proj(core)
         if t == b.num_requests:  # one token per request: a decode step
             qkv = causal_conv1d_decode(qkv, conv_states, b.state_slots, conv_weight)
         else:

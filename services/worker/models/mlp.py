@@ -1,5 +1,19 @@
 """The feed-forward blocks: a dense SwiGLU MLP (mlp_only layers, shared experts) and the routed
-MoE block, which only reaches its routed experts through the ExpertStore."""
+MoE block, which only reaches its routed experts through the ExpertStore.
+
+At one decode token a MoE block's cost on the GPU is its launches, not its bytes, so on the Triton
+path (CUDA) the block is a few fused launches:
+
+    router + shared gate GEMV ─▶ router kernel (softmax/top-k/renormalise, sigmoid of the gate)
+      ─▶ routed experts (the store) ─▶ shared gate/up GEMV ─▶ SiLU-and-mul ─▶ down GEMV ─▶ combine
+
+For that, weights the checkpoint stores apart are one parameter here: the router [E, hidden] and
+the shared expert's gate [1, hidden] are the rows of one [E + 1, hidden] weight, gate_proj and
+up_proj one [2I, hidden]. A module says which checkpoint tensors are which rows of which of its
+parameters (`checkpoint_rows`), and the loader (weights.py) writes each into its row view; no
+tensor is held twice. Elsewhere (CPU) the same code as before runs on row views of the fused
+weights, one linear each: it is the reference twin, and matches transformers' sequence op for op.
+"""
 
 from __future__ import annotations
 
@@ -7,64 +21,107 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ferry.kernels.dispatch import use_triton
+from ferry.kernels.moe_combine import moe_combine, moe_combine_reference, silu_mul_triton
+from ferry.kernels.router_topk import router_topk_triton
+from ferry.kernels.router_topk_reference import router_topk_reference
 from ferry.services.worker.experts import ExpertStore
 from ferry.plan.model_config import ModelSpec
 
 
 class DenseMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)), with gate_proj and up_proj stacked in `gate_up_proj` [2I, hidden]."""
+
     def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, device=None):
         super().__init__()
         kw = dict(bias=False, dtype=dtype, device=device)
-        self.gate_proj = nn.Linear(hidden, intermediate, **kw)
-        self.up_proj = nn.Linear(hidden, intermediate, **kw)
+        self.intermediate = intermediate
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, **kw)
         self.down_proj = nn.Linear(intermediate, hidden, **kw)
+        # {parameter: {checkpoint tensor: its rows}}, names relative to this module (weights.py)
+        i = intermediate
+        self.checkpoint_rows = {"gate_up_proj.weight": {"gate_proj.weight": slice(0, i), "up_proj.weight": slice(i, 2 * i)}}
 
     def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if use_triton(x):  # one GEMV for gate and up, one kernel for SiLU and the product
+            return self.down_proj(silu_mul_triton(F.linear(x, self.gate_up_proj.weight)))
+        return self.reference(x)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        w, i = self.gate_up_proj.weight, self.intermediate
+        return self.down_proj(F.silu(F.linear(x, w[:i])) * F.linear(x, w[i:]))
 
 
 class TopKRouter(nn.Module):
-    """softmax over all experts (float32), keep the top k, optionally renormalise them to sum to 1.
+    """softmax over all experts (float32), keep the top k, optionally renormalise them to sum to 1
+    (kernels/router_topk_reference.py says how); with a shared expert, also the sigmoid of its gate.
 
-    Renormalised, that is exp(l_i) / sum over the top k of exp(l_j): a softmax over the top-k
-    logits alone, which is how it is computed (top-k, softmax, cast: 3 kernels instead of 5;
-    softmax is monotonic, so the same experts are picked). Equal up to float rounding."""
+    `logit_weight` holds every row the block computes from x before its experts: the E router rows,
+    then the shared expert's gate row when there is one. `weight` is the router's [E, hidden] view
+    (what the offload store's next-layer prediction applies), `shared_gate_weight` the gate's."""
 
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device=None):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device=None, shared_gate: bool = False):
         super().__init__()
+        self.num_experts = spec.num_experts
         self.top_k = spec.num_experts_per_tok
         self.norm_topk_prob = spec.norm_topk_prob
-        self.weight = nn.Parameter(
-            torch.zeros(spec.num_experts, spec.hidden_size, dtype=dtype, device=device), requires_grad=False
+        self.has_shared_gate = shared_gate
+        rows = spec.num_experts + (1 if shared_gate else 0)
+        self.logit_weight = nn.Parameter(
+            torch.zeros(rows, spec.hidden_size, dtype=dtype, device=device), requires_grad=False
         )
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, self.weight)
-        if self.norm_topk_prob:
-            top, ids = torch.topk(logits, self.top_k, dim=-1)
-            weights = torch.softmax(top, dim=-1, dtype=torch.float32)
-        else:
-            weights, ids = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
-        return ids, weights.to(logits.dtype)
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.logit_weight[: self.num_experts]
+
+    @property
+    def shared_gate_weight(self) -> torch.Tensor | None:
+        return self.logit_weight[self.num_experts :] if self.has_shared_gate else None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(ids int64 [T, k], weights [T, k], sigmoid(shared gate logit) [T, 1] or None), x's dtype."""
+        if use_triton(x):  # one GEMV for the router and the shared gate, one kernel for the rest
+            return router_topk_triton(F.linear(x, self.logit_weight), self.top_k, self.norm_topk_prob, self.num_experts)
+        return self.reference(x)
+
+    def reference(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        ids, weights, _ = router_topk_reference(F.linear(x, self.weight), self.top_k, self.norm_topk_prob,
+                                                self.num_experts)  # fmt: skip
+        shared = torch.sigmoid(F.linear(x, self.shared_gate_weight)) if self.has_shared_gate else None
+        return ids, weights, shared
 
 
 class SparseMoeBlock(nn.Module):
     def __init__(self, spec: ModelSpec, moe_layer: int, experts: ExpertStore, dtype: torch.dtype, device=None):
         super().__init__()
         self.moe_layer = moe_layer  # index of this layer among the MoE layers: the store's key
-        self.gate = TopKRouter(spec, dtype, device)
+        shared = spec.shared_expert_intermediate_size > 0
+        self.gate = TopKRouter(spec, dtype, device, shared_gate=shared)
         # a plain reference, never a registered submodule: the store's slots are not this model's parameters
         object.__setattr__(self, "experts", experts)
         self.shared_expert = None
-        if spec.shared_expert_intermediate_size > 0:
+        e = spec.num_experts
+        rows = {"gate.weight": slice(0, e)}
+        if shared:
             self.shared_expert = DenseMLP(spec.hidden_size, spec.shared_expert_intermediate_size, dtype, device)
-            self.shared_expert_gate = nn.Linear(spec.hidden_size, 1, bias=False, dtype=dtype, device=device)
+            rows["shared_expert_gate.weight"] = slice(e, e + 1)
+        self.checkpoint_rows = {"gate.logit_weight": rows}  # see DenseMLP
 
     def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
         """`ctx` (the step's StepContext) tells the store how many rows are real (a CUDA graph's
         batch is padded to its size)."""
-        ids, weights = self.gate(x)
+        ids, weights, shared_gate = self.gate(x)
         out = self.experts.forward(self.moe_layer, x, ids, weights, n_rows=ctx.batch.real_tokens if ctx else None)
-        if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        if self.shared_expert is None:
+            return out
+        return moe_combine(out, shared_gate, self.shared_expert(x))
+
+    def reference(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
+        """The plain-torch block whatever the device (the store computes the routed experts as it
+        always does): what the fused path is compared with on a GPU."""
+        ids, weights, shared_gate = self.gate.reference(x)
+        out = self.experts.forward(self.moe_layer, x, ids, weights, n_rows=ctx.batch.real_tokens if ctx else None)
+        if self.shared_expert is None:
+            return out
+        return moe_combine_reference(out, shared_gate, self.shared_expert.reference(x))

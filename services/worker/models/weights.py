@@ -8,7 +8,11 @@ qwen3_5_moe wrapper; `lm_head.weight` unprefixed):
   state_dict): `layers.L.mlp.experts.gate_up_proj` [E, 2I, H] and `layers.L.mlp.experts.down_proj`
   [E, H, I]. Both go to `ExpertStore.load_expert`, never into the module tree;
 * Gated DeltaNet input projections: qwen3_5_moe's `in_proj_qkv|z|b|a` or qwen3_next's interleaved
-  `in_proj_qkvz` / `in_proj_ba`, written into row blocks of our single `in_proj`.
+  `in_proj_qkvz` / `in_proj_ba`, written into row blocks of our single `in_proj`;
+* tensors a module keeps as row blocks of one fused parameter, as its `checkpoint_rows` lists
+  them (models/mlp.py: `mlp.gate.weight` and `mlp.shared_expert_gate.weight` into the router's
+  `gate.logit_weight`, `gate_proj.weight` and `up_proj.weight` into a dense MLP's `gate_up_proj`).
+  Each is written into its row view, checked against the view's shape, and expected once.
 Vision-tower (`visual.`) and multi-token-prediction (`mtp.`) tensors are skipped: only the text
 model is served. Anything else, or anything missing at the end, raises WeightLoadError naming it.
 
@@ -57,8 +61,13 @@ class _Loader:
         self.model = model
         self.spec = model.spec
         self.params = dict(model.named_parameters())
-        self.pending: set[str] = set()
+        # checkpoint name -> (fused parameter, its rows); the fused parameters are pending by part
+        self.rows = fused_rows(model)
+        self.fused_params = {param for param, _ in self.rows.values()}
+        self.pending: set[str] = set(self.rows)
         for name in self.params:
+            if name in self.fused_params:
+                continue
             if name.endswith("linear_attn.in_proj.weight"):
                 layer = name.removesuffix(".in_proj.weight")
                 self.pending.update(f"{layer}.in_proj[{part}]" for part in ("qkv", "z", "b", "a"))
@@ -113,7 +122,11 @@ class _Loader:
             self._fused_experts(self._moe_layer(int(m[1]), source), m[2], tensor, source)
         elif m := _IN_PROJ.fullmatch(name):
             self._in_proj(m[1], m[3], tensor, source)
-        elif name in self.params:
+        elif name in self.rows:
+            param, rows = self.rows[name]
+            self._done(name, source)
+            self._copy(self.params[param][rows], tensor, source)
+        elif name in self.params and name not in self.fused_params:  # a fused one is loaded by its parts
             self._done(name, source)
             self._copy(self.params[name], tensor, source)
         else:
@@ -199,14 +212,31 @@ class _Loader:
             )
 
 
+def fused_rows(model) -> dict[str, tuple[str, slice]]:
+    """{checkpoint name (unprefixed): (parameter name, rows)} from every module's `checkpoint_rows`."""
+    out: dict[str, tuple[str, slice]] = {}
+    for prefix, module in model.named_modules():
+        for param, parts in getattr(module, "checkpoint_rows", {}).items():
+            for source, rows in parts.items():
+                out[f"{prefix}.{source}" if prefix else source] = (f"{prefix}.{param}" if prefix else param, rows)
+    return out
+
+
 def checkpoint_shapes(model) -> dict[str, tuple[int, ...]]:
     """Every tensor a checkpoint of this model holds, under the names `save_pretrained` writes
     (per-expert routed experts; qwen3_next's fused in_proj_qkvz/ba, qwen3_5_moe's split ones),
     with its shape: what a dummy-weights loader fabricates."""
     spec = model.spec
     shapes: dict[str, tuple[int, ...]] = {}
+    parts_of: dict[str, list[tuple[str, slice]]] = {}
+    for source, (param, rows) in fused_rows(model).items():
+        parts_of.setdefault(param, []).append((source, rows))
     for name, param in model.named_parameters():
         full = name if name.startswith("lm_head.") else f"model.{name}"
+        if name in parts_of:  # a fused parameter: its parts, as the checkpoint stores them
+            for source, rows in parts_of[name]:
+                shapes[f"model.{source}"] = (rows.stop - rows.start, *param.shape[1:])
+            continue
         if not name.endswith("linear_attn.in_proj.weight"):
             shapes[full] = tuple(param.shape)
             continue

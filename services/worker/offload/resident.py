@@ -24,6 +24,7 @@ from ferry.kernels.dispatch import use_triton
 from ferry.kernels.expert_pair_gemv import expert_pair_rows_triton, use_pair_kernel
 from ferry.kernels.expert_rows_sum import sum_rows
 from ferry.kernels.grouped_expert_gemm import grouped_expert_forward
+from ferry.kernels.router_topk import mark_routed
 from ferry.services.worker.offload.stats import ExpertCacheStats
 from ferry.services.worker.pools import ExpertSlotPool
 
@@ -80,16 +81,14 @@ class ResidentExperts:
                                       max_distinct_slots=self.num_experts)  # one layer's experts at most
 
     def _count_lookups(self, moe_layer: int, topk_ids: torch.Tensor, n_rows: torch.Tensor | None) -> None:
-        """Mark the layer's routed experts in the step's [layers, experts] device table: one
-        scatter, no host sync, rows past n_rows (padding) left out; graph-safe (fixed addresses)."""
+        """Mark the layer's routed experts in the step's [layers, experts] device table, rows past
+        n_rows (padding) left out; no host sync, graph-safe (fixed addresses). One small kernel on
+        the Triton path (kernels/router_topk.py), one scatter in its torch twin elsewhere: the
+        torch sequence was five launches per MoE layer of a decode step."""
         if self._routed is None or self._routed.device != topk_ids.device:
             self._routed = torch.zeros(self.num_moe_layers, self.num_experts, dtype=torch.int32, device=topk_ids.device)
             self._routed_sum = torch.zeros(1, dtype=torch.int64, device=topk_ids.device)
-        t, k = topk_ids.shape
-        marks = torch.ones(t, k, dtype=torch.int32, device=topk_ids.device)
-        if n_rows is not None:
-            marks = (torch.arange(t, device=topk_ids.device) < n_rows)[:, None].expand(t, k).to(torch.int32)
-        self._routed[moe_layer].scatter_reduce_(0, topk_ids.reshape(-1).to(torch.int64), marks.reshape(-1), reduce="amax")
+        mark_routed(self._routed, moe_layer, topk_ids, n_rows)
 
     def begin_step(self, num_tokens: int, top_k: int) -> None:
         """Nothing to copy: every expert is resident."""

@@ -1,11 +1,12 @@
-"""The fused RMSNorm and q/k norm + rotary + KV-write kernels, the paged attention kernels, and the
-MoE block's router / routed-marking / SiLU-and-mul / combine kernels, compiled for Hopper without a
-GPU (hopper_compile.py; run by test_fused_kernels_compile.py)."""
+"""The fused RMSNorm and q/k norm + rotary + KV-write kernels, the paged attention kernels, the
+MoE block's router / routed-marking / SiLU-and-mul / combine kernels, and the Gated DeltaNet decode
+kernels, compiled for Hopper without a GPU (hopper_compile.py; run by test_fused_kernels_compile.py)."""
 
 from __future__ import annotations
 
 from hopper_compile import print_results
 
+from ferry.kernels.gated_deltanet_decode import _conv_decode_kernel, _rule_norm_kernel
 from ferry.kernels.moe_combine import _moe_combine_kernel, _silu_mul_kernel
 from ferry.kernels.paged_attention_triton import DECODE_SPLITS, _decode_combine_kernel, _decode_split_kernel, _prefill_kernel
 from ferry.kernels.qk_norm_rope import _qk_norm_rope_kv_kernel
@@ -47,6 +48,7 @@ def signatures(dtype: str) -> list:
     out.append((f"paged_attention_prefill[{dtype}]", _prefill_kernel, prefill,
                 {**shape, "BLOCK_M": 16, "FP32_DOT": dtype == "fp32"}))  # fmt: skip
     out.extend(moe_block_signatures(dtype))
+    out.extend(gated_deltanet_signatures(dtype))
     return out
 
 
@@ -70,6 +72,24 @@ def moe_block_signatures(dtype: str) -> list:
     combine = {**{p: f"*{dtype}" for p in ("routed_ptr", "gate_ptr", "shared_ptr", "out_ptr")}, "H": "i32"}
     out.append((f"moe_combine[{dtype}]", _moe_combine_kernel, combine, {"BLOCK_H": 1024}))
     return out
+
+
+def gated_deltanet_signatures(dtype: str) -> list:
+    """The Gated DeltaNet decode kernels at the 35B's shapes (16 key heads, 32 value heads, 128-dim
+    heads, conv kernel 4)."""
+    ints = lambda *names: {n: "i32" for n in names}  # noqa: E731
+    conv = {**{p: f"*{dtype}" for p in ("x_ptr", "conv_ptr", "w_ptr", "out_ptr")}, "slot_ptr": "*i64",
+            **ints("C", "stride_x", "stride_cs", "stride_cc", "stride_wc")}  # fmt: skip
+    rule = {**{p: f"*{dtype}" for p in ("qkv_ptr", "z_ptr", "b_ptr", "a_ptr", "norm_w_ptr", "out_ptr")},
+            **{p: "*fp32" for p in ("a_log_ptr", "dt_bias_ptr", "state_ptr")}, "slot_ptr": "*i64",
+            **ints("stride_qkv", "stride_z", "stride_b", "stride_a", "stride_ss", "stride_sh", "key_size", "v_heads",
+                   "group"), "scale": "fp32", "eps": "fp32"}  # fmt: skip
+    return [
+        (f"gated_deltanet_conv_decode[{dtype}]", _conv_decode_kernel, conv,
+         {"KERNEL": 4, "BLOCK_K": 4, "BLOCK_C": 256}),
+        (f"gated_deltanet_rule_norm[{dtype}]", _rule_norm_kernel, rule,
+         {"K_DIM": 128, "V_DIM": 128, "BLOCK_K": 128, "BLOCK_V": 128}),
+    ]  # fmt: skip
 
 
 if __name__ == "__main__":

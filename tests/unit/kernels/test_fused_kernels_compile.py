@@ -1,5 +1,5 @@
-"""The fused norm / rotary kernels and the paged attention kernels compile for the H200 (sm_90) on a
-machine without a GPU."""
+"""The fused norm / rotary kernels, the paged attention kernels, the MoE block's kernels and the
+Gated DeltaNet decode kernels compile for the H200 (sm_90) on a machine without a GPU."""
 
 import pytest
 import torch
@@ -10,6 +10,10 @@ from hopper_compile import compile_in_child
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU, tests/gpu compiles and runs the kernels for real")
 def test_fused_and_paged_attention_kernels_compile_for_hopper():
     results = compile_in_child("compile_fused_kernels.py")
-    assert len(results) == 18
+    # 10 norm / rotary / attention kernels per dtype (paged attention's decode is split + combine), 8 MoE block
+    # kernels (router, marking, SiLU-and-mul, combine) per dtype, 2 Gated DeltaNet decode kernels per dtype
+    assert len(results) == 20 + 16 + 4
+    assert sum(name.startswith("gated_deltanet_") for name in results) == 4
+    assert any(name.startswith("router_topk[") for name in results)
     for name, r in results.items():
         assert "error" not in r and r["cubin"], f"{name}: {r}"

@@ -1,0 +1,184 @@
+"""The fused MoE block on a real GPU at the published models' shapes (skipped without CUDA).
+
+Qwen3.6-35B-A3B (hidden 2048, 256 experts, top 8, renormalised, shared expert 512) and
+Qwen3-30B-A3B (128 experts, top 8, no shared expert), one MoE layer each, bf16, all resident:
+* the router kernel against its twin on the same fused logits (same experts in the same order,
+  weights and the shared gate's sigmoid within one bf16 rounding), both norm_topk_prob variants,
+  ties, and token counts from one decode row to a prefill chunk, with one compiled variant;
+* SiLU-and-mul and the combine against torch's ops (the combine bit for bit: no transcendental);
+* the marking kernel against the scatter;
+* the whole block, fused path against its plain-torch reference, and replayed as a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ferry.kernels.moe_combine import moe_combine_reference, moe_combine_triton, silu_mul_reference, silu_mul_triton
+from ferry.kernels.router_topk import _router_topk_kernel, mark_routed_triton, router_topk_triton
+from ferry.kernels.router_topk_reference import mark_routed_reference, router_topk_reference
+from ferry.plan import pool_layout as L
+from ferry.plan.model_config import parse_model_config
+from ferry.services.worker.models.mlp import SparseMoeBlock
+from ferry.services.worker.offload.resident import ResidentExperts
+from ferry.services.worker.pools import ExpertSlotPool, allocate_pool
+from tests.helpers import QWEN3_30B, QWEN3_6_35B
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+TOKENS = (1, 3, 8, 17, 64, 512, 4096)  # decode rows to a prefill chunk
+BF16_ULP = 2**-7  # bf16 keeps 8 significant bits: one ulp is 2^-8 to 2^-7 of the value
+
+
+def _one_layer_spec(model_dir: Path):
+    raw = json.loads((model_dir / "config.json").read_text())
+    text = raw.get("text_config", raw)
+    text.update(num_hidden_layers=1, layer_types=["full_attention"], mlp_only_layers=[])
+    return parse_model_config(raw)
+
+
+SPECS = {"qwen3.6-35b-a3b": lambda: _one_layer_spec(QWEN3_6_35B), "qwen3-30b-a3b": lambda: _one_layer_spec(QWEN3_30B)}
+
+
+@pytest.fixture(scope="module", params=list(SPECS))
+def block(request):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    spec = SPECS[request.param]()
+    device = torch.device("cuda")
+    slots = ExpertSlotPool(allocate_pool(L.expert_slot_layout(spec, "bfloat16", spec.num_experts), device))
+    store = ResidentExperts(slots, 1, spec.num_experts)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        slots.w13.normal_(0, 0.02, generator=g)
+        slots.w2.normal_(0, 0.02, generator=g)
+        moe = SparseMoeBlock(spec, 0, store, torch.bfloat16, device)
+        for name, p in moe.named_parameters():
+            p.normal_(0, 0.02 if "down" not in name else 0.002, generator=g)
+    return spec, moe, store
+
+
+def _x(t: int, hidden: int, seed: int) -> torch.Tensor:
+    return torch.randn(t, hidden, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed)).bfloat16()
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_router_kernel_matches_its_twin_on_the_fused_logits(block, norm):
+    spec, moe, _ = block
+    for t in TOKENS:
+        logits = F.linear(_x(t, spec.hidden_size, t), moe.gate.logit_weight)
+        ids, w, shared = router_topk_triton(logits, spec.num_experts_per_tok, norm, spec.num_experts)
+        want_ids, want_w, want_shared = router_topk_reference(logits, spec.num_experts_per_tok, norm, spec.num_experts)
+        assert torch.equal(ids, want_ids), f"T={t}"
+        torch.testing.assert_close(w.float(), want_w.float(), rtol=BF16_ULP, atol=1e-3)
+        if want_shared is not None:
+            torch.testing.assert_close(shared.float(), want_shared.float(), rtol=BF16_ULP, atol=1e-3)
+        else:
+            assert shared is None
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_router_ties_go_to_the_lower_expert_id_on_cuda(norm):
+    g = torch.Generator(device="cuda").manual_seed(1)
+    logits = (torch.randint(0, 4, (257, 257), device="cuda", generator=g).float() * 0.25).bfloat16()
+    ids, _, _ = router_topk_triton(logits, 8, norm, 256)
+    assert torch.equal(ids, router_topk_reference(logits, 8, norm, 256)[0])
+
+
+def test_router_kernel_compiles_once_whatever_the_token_count(block):
+    spec, moe, _ = block
+    router_topk_triton(F.linear(_x(1, spec.hidden_size, 0), moe.gate.logit_weight), spec.num_experts_per_tok,
+                       spec.norm_topk_prob, spec.num_experts)  # fmt: skip
+    cache = _router_topk_kernel.device_caches[torch.cuda.current_device()][0]
+    before = len(cache)
+    for t in TOKENS + (16, 32, 1000):
+        router_topk_triton(F.linear(_x(t, spec.hidden_size, t), moe.gate.logit_weight), spec.num_experts_per_tok,
+                           spec.norm_topk_prob, spec.num_experts)  # fmt: skip
+    assert len(cache) == before, "a new token count compiled a new variant"
+
+
+def test_silu_mul_and_combine_round_as_torch_does():
+    g = torch.Generator(device="cuda").manual_seed(2)
+    for t in TOKENS:
+        gate_up = (torch.randn(t, 1024, device="cuda", generator=g) * 3).bfloat16()
+        got, want = silu_mul_triton(gate_up), silu_mul_reference(gate_up)
+        # Triton's exp and division are approximate, CUDA's expf and division are not: the silu may
+        # round one ulp apart near a rounding boundary, and its product then by up to two
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 * BF16_ULP, atol=1e-3)
+        assert (got != want).float().mean() < 0.01
+        routed, shared = (torch.randn(t, 2048, device="cuda", generator=g).bfloat16() for _ in range(2))
+        gate = torch.rand(t, 1, device="cuda", generator=g).bfloat16()
+        assert torch.equal(moe_combine_triton(routed, gate, shared), moe_combine_reference(routed, gate, shared))
+
+
+def test_marking_kernel_matches_the_scatter():
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for t, n in ((1, 1), (8, 5), (4096, 4000)):
+        ids = torch.rand(t, 256, device="cuda", generator=g).topk(8, dim=-1).indices
+        n_rows = torch.tensor([n], dtype=torch.int32, device="cuda")
+        got = torch.zeros(40, 256, dtype=torch.int32, device="cuda")
+        want = got.clone()
+        mark_routed_triton(got, 39, ids, n_rows)
+        mark_routed_reference(want, 39, ids, n_rows)
+        assert torch.equal(got, want)
+
+
+def _ctx(n: int):
+    return SimpleNamespace(batch=SimpleNamespace(real_tokens=torch.tensor([n], dtype=torch.int32, device="cuda")))
+
+
+@torch.inference_mode()
+def test_fused_block_matches_its_reference(block):
+    """The fused router's logits come from one [E + 1, hidden] GEMM instead of two, whose bf16
+    roundings may differ by an ulp and flip a near-tied expert: rows routed alike must agree to bf16
+    rounding, and almost every row must be routed alike."""
+    spec, moe, _ = block
+    for t in TOKENS:
+        x = _x(t, spec.hidden_size, 100 + t)
+        ids, _, _ = moe.gate(x)
+        ref_ids, _, _ = moe.gate.reference(x)
+        same = (ids.sort(dim=-1).values == ref_ids.sort(dim=-1).values).all(dim=-1)
+        assert same.float().mean() >= 0.9, f"T={t}: {same.float().mean():.2%} of rows routed alike"
+        got, want = moe(x, _ctx(t)), moe.reference(x, _ctx(t))
+        assert torch.isfinite(got).all()
+        # a few bf16 roundings apart (the GEMMs' sums differ, so do the roundings after them); near
+        # zero a cancelling sum keeps an ulp of its larger operand: an absolute floor at the output's scale
+        scale = want.float().abs().mean().item()
+        torch.testing.assert_close(got[same].float(), want[same].float(), rtol=2**-6, atol=0.05 * scale)
+        err = (got.float() - want.float()).abs()[same]
+        assert err.mean() <= 0.02 * scale, f"T={t}: mean error {err.mean()} at scale {scale}"
+
+
+@torch.inference_mode()
+def test_fused_block_replays_as_a_cuda_graph(block):
+    """Graph-safe: no host synchronisation, fixed addresses; padding rows (past real_tokens) are
+    not marked in the resident store's table."""
+    spec, moe, store = block
+    t, real = 8, 5
+    x = _x(t, spec.hidden_size, 7)
+    ctx = _ctx(real)
+    eager = moe(x, ctx).clone()
+    torch.cuda.synchronize()
+    store._routed.zero_()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe(x, ctx)
+    store._routed.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+    ids = moe.gate(x)[0]
+    want = torch.zeros_like(store._routed)
+    mark_routed_reference(want, 0, ids, ctx.batch.real_tokens)
+    assert torch.equal(store._routed, want)
+    x.copy_(_x(t, spec.hidden_size, 8))  # new inputs in the same buffer: the replay follows them
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, moe(x, ctx))
+    store._routed.zero_()
