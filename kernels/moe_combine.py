@@ -81,9 +81,11 @@ def _moe_combine_kernel(routed_ptr, gate_ptr, shared_ptr, out_ptr, H, BLOCK_H: t
 
 def moe_combine_triton(routed: torch.Tensor, gate: torch.Tensor, shared: torch.Tensor,
                        out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """routed, shared: [T, H]; gate: [T, 1]; all one dtype -> contiguous [T, H]."""
+    """routed, shared: [T, H]; gate: [T, 1]; one dtype, except that `shared` may be float32 holding values
+    of that dtype (the pair kernels' rows, DenseMLP.forward_rows) -> contiguous [T, H] in routed's dtype."""
     t, h = routed.shape
-    if shared.shape != routed.shape or gate.shape != (t, 1) or len({routed.dtype, gate.dtype, shared.dtype}) != 1:
+    shared_ok = shared.dtype in (routed.dtype, torch.float32)
+    if shared.shape != routed.shape or gate.shape != (t, 1) or routed.dtype != gate.dtype or not shared_ok:
         raise ValueError(f"moe_combine: routed {tuple(routed.shape)} {routed.dtype}, gate {tuple(gate.shape)} "
                          f"{gate.dtype}, shared {tuple(shared.shape)} {shared.dtype}")  # fmt: skip
     # a store returns its own [T, H] (contiguous from both of today's); anything else is made so

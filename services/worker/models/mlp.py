@@ -5,7 +5,9 @@ At one decode token a MoE block's cost on the GPU is its launches, not its bytes
 path (CUDA) the block is a few fused launches:
 
     router + shared gate GEMV ─▶ router kernel (softmax/top-k/renormalise, sigmoid of the gate)
-      ─▶ routed experts (the store) ─▶ shared gate/up GEMV ─▶ SiLU-and-mul ─▶ down GEMV ─▶ combine
+      ─▶ routed experts (the store) ─▶ shared expert (the pair kernels, as one more expert) ─▶ combine
+
+(past the pair kernels' 64 rows, the shared expert is a gate/up GEMV, SiLU-and-mul and a down GEMV).
 
 For that, weights the checkpoint stores apart are one parameter here: the router [E, hidden] and
 the shared expert's gate [1, hidden] are the rows of one [E + 1, hidden] weight, gate_proj and
@@ -22,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ferry.kernels.dispatch import use_triton
+from ferry.kernels.expert_pair_gemv import PAIR_KERNEL_MAX_PAIRS, expert_pair_rows_triton, use_pair_kernel
 from ferry.kernels.moe_combine import moe_combine, moe_combine_reference, silu_mul_triton
 from ferry.kernels.router_topk import router_topk_triton
 from ferry.kernels.router_topk_reference import router_topk_reference
@@ -38,6 +41,7 @@ class DenseMLP(nn.Module):
         self.intermediate = intermediate
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, **kw)
         self.down_proj = nn.Linear(intermediate, hidden, **kw)
+        self._single_expert: tuple[torch.Tensor, torch.Tensor] | None = None  # see forward_rows
         # {parameter: {checkpoint tensor: its rows}}, names relative to this module (weights.py)
         i = intermediate
         self.checkpoint_rows = {"gate_up_proj.weight": {"gate_proj.weight": slice(0, i), "up_proj.weight": slice(i, 2 * i)}}
@@ -46,6 +50,28 @@ class DenseMLP(nn.Module):
         if use_triton(x):  # one GEMV for gate and up, one kernel for SiLU and the product
             return self.down_proj(silu_mul_triton(F.linear(x, self.gate_up_proj.weight)))
         return self.reference(x)
+
+    def forward_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """`forward` for the MoE block's combine on the Triton path: float32 [T, H] holding the bf16
+        values. A decode step's few rows go through the routed experts' pair kernels, as one expert
+        whose slot is this MLP's weights (gate/up with SiLU fused, then down): at one token cuBLAS
+        took 13 µs for the stacked gate/up GEMV alone, the pair kernels ~5 for the whole MLP
+        (bench/NOTES.md, "The compute path"); the roundings are the same (projections, SiLU and
+        product, down, each rounded to the dtype). Larger steps take `forward`."""
+        t = x.shape[0]
+        if not use_pair_kernel(t) or not x.is_contiguous():
+            return self.forward(x).float()
+        if self._single_expert is None or self._single_expert[0].device != x.device:
+            # the pair kernel's slot (0) and routing weight (1) of every row, made once: a step
+            # captured in a CUDA graph reads them at fixed addresses
+            n = PAIR_KERNEL_MAX_PAIRS
+            self._single_expert = (torch.zeros(n, 1, dtype=torch.int64, device=x.device),
+                                   torch.ones(n, 1, dtype=x.dtype, device=x.device))  # fmt: skip
+        slots, weights = self._single_expert
+        rows = torch.empty(t, 1, x.shape[1], dtype=torch.float32, device=x.device)
+        expert_pair_rows_triton(x, slots[:t], weights[:t], self.gate_up_proj.weight[None], self.down_proj.weight[None],
+                                rows)  # fmt: skip
+        return rows.view(t, x.shape[1])
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         w, i = self.gate_up_proj.weight, self.intermediate
@@ -115,6 +141,8 @@ class SparseMoeBlock(nn.Module):
         out = self.experts.forward(self.moe_layer, x, ids, weights, n_rows=ctx.batch.real_tokens if ctx else None)
         if self.shared_expert is None:
             return out
+        if use_triton(x):
+            return moe_combine(out, shared_gate, self.shared_expert.forward_rows(x))
         return moe_combine(out, shared_gate, self.shared_expert(x))
 
     def reference(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
