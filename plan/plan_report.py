@@ -24,6 +24,7 @@ def plan_table(plan: Plan, host_here: int | None = None) -> str:
         ("linear-state pool", plan.linear_state.bytes,
          f"{plan.linear_state.slots} slots + {plan.linear_state.padding_slots} padding; "
          f"{format_bytes(plan.linear_state.bytes_per_slot)}/slot"),
+        *_snapshot_rows(plan),
         ("expert pool", plan.experts.bytes,
          f"{plan.experts.slots} of {plan.experts.total} experts "
          f"({100 * plan.experts.slots / max(plan.experts.total, 1):.1f}%); {plan.experts.bytes_per_slot} B/slot, "
@@ -58,6 +59,17 @@ def plan_table(plan: Plan, host_here: int | None = None) -> str:
     return _render([*rows, *host_rows], split_before=len(rows)) + (
         f"\ndtype {plan.dtype}, max_model_len {plan.max_model_len}, max_running_requests {plan.max_running_requests}"
     )
+
+
+def _snapshot_rows(plan: Plan) -> list[tuple[str, int, str]]:
+    """The linear-state snapshots (hybrid models only): the prefix cache's states, and how many."""
+    s = plan.linear_state_snapshots
+    if not plan.linear_state.slots:
+        return []
+    if not s.snapshots:
+        return [("linear-state snapshots", 0, f"none: prefix reuse is off for this hybrid model ({s.source})")]
+    return [("linear-state snapshots", s.bytes,
+             f"{s.snapshots} x {format_bytes(s.bytes_per_snapshot)}: the prefix cache's Gated DeltaNet states ({s.source})")]
 
 
 def _expert_parts(plan: Plan) -> list[tuple[str, int, str]]:
@@ -106,6 +118,8 @@ def plan_log_fields(plan: Plan) -> dict:
         "kv_bytes": plan.kv.bytes,
         "linear_state_slots": plan.linear_state.slots,
         "linear_state_bytes": plan.linear_state.bytes,
+        "linear_state_snapshots": plan.linear_state_snapshots.snapshots,
+        "linear_state_snapshot_bytes": plan.linear_state_snapshots.bytes,
         "expert_slots": plan.experts.slots,
         "expert_total": plan.experts.total,
         "expert_bytes": plan.experts.bytes,

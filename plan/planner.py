@@ -4,7 +4,7 @@ Pure integer arithmetic over the pools' own cost functions (`pool_layout`), so i
 tested without a GPU. The worker calls `make_plan` at boot with measured free memory, measured
 weight bytes and a profiled workspace; `ferry plan` calls it with estimates.
 
-Order (rule 3): fixed costs (weights, workspace, linear-state pool) -> requirements
+Order (rule 3): fixed costs (weights, workspace, linear-state pool and its snapshots) -> requirements
 (--num-tokens/--num-pages, --moe-cache-size/--moe-cache-rate: exact) -> floors
 (--kv-reserve-tokens, the minimum expert slots: lower bounds) -> automatic fill (expert slots
 first, up to every expert; only then KV pages past their floor). If requirements and floors do not fit, we fail here,
@@ -28,6 +28,15 @@ DEFAULT_MEMORY_RATIO = 0.9
 DEFAULT_PAGE_SIZE = 16
 DEFAULT_MAX_RUNNING_REQUESTS = 64
 DEFAULT_MAX_PREFILL_TOKENS = 8192
+# Linear-state snapshots (the prefix cache of hybrid models) when --linear-state-snapshots is not given: two
+# per request that may run, so that every running conversation can keep both its prompt's end and its
+# output's last page boundary (where its next turn resumes) while shared prefixes and long prefills' chunk
+# ends hold the rest (docs/ARCHITECTURE.md §1, "Prefix cache"); but at most a sixteenth of the budget, since
+# on a small GPU the same bytes are expert slots, which set decode speed (Qwen3.6-35B-A3B: 61.4 MiB a
+# snapshot, 122 on an H200, 22 in 24 GiB). A default that does not fit beside the floors shrinks (to 0 at
+# worst: no prefix reuse); an explicit count is a requirement.
+DEFAULT_SNAPSHOTS_PER_RUNNING_REQUEST = 2
+DEFAULT_SNAPSHOT_BUDGET_SHARE = 16  # the default takes at most budget / this
 
 
 @dataclass(frozen=True)
@@ -48,6 +57,7 @@ class PlanRequest:
     dtype: str | None = None
     host_memory: int | None = None  # host RAM for the expert banks; None: what the machine has
     expert_bank_format: str | None = None  # packed | plain | auto (None: auto, packed for bf16)
+    linear_state_snapshots: int | None = None  # hybrid models' prefix-cache states; None: the default (above)
 
     def is_set(self, name: str) -> bool:
         return getattr(self, name) is not None
@@ -82,6 +92,18 @@ class LinearStatePlan:
     padding_slots: int
     bytes_per_slot: int
     bytes: int
+
+
+@dataclass(frozen=True)
+class LinearSnapshotPlan:
+    """The linear-state snapshots of hybrid models (plan/pool_layout.py's linear_state_snapshot_layout):
+    each the whole Gated DeltaNet state of one sequence at a cached prefix's end. 0 without linear
+    attention, or when hybrid prefix reuse is off (--linear-state-snapshots 0)."""
+
+    snapshots: int = 0
+    bytes_per_snapshot: int = 0
+    bytes: int = 0
+    source: str = ""  # how the count was chosen: --linear-state-snapshots, or the default (and whether it shrank)
 
 
 @dataclass(frozen=True)
@@ -130,6 +152,7 @@ class Plan:
     max_prefill_tokens: int
     max_model_len: int
     host: HostPlan
+    linear_state_snapshots: LinearSnapshotPlan = LinearSnapshotPlan()
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -170,6 +193,8 @@ def resolve(spec: ModelSpec, req: PlanRequest) -> Resolved:
          f"--moe-cache-rate must be in (0, 1], got {req.moe_cache_rate}"),
         (req.gpu_memory is None or req.gpu_memory > 0, f"--gpu-memory must be positive, got {req.gpu_memory}"),
         (req.host_memory is None or req.host_memory > 0, f"--host-memory must be positive, got {req.host_memory}"),
+        (req.linear_state_snapshots is None or req.linear_state_snapshots >= 0,
+         f"--linear-state-snapshots must not be negative, got {req.linear_state_snapshots}"),
     ]  # fmt: skip
     for ok, message in checks:
         if not ok:
@@ -255,6 +280,9 @@ class _Costs:
     def linear_state(self, slots: int) -> int:
         return L.linear_state_layout(self.spec, self.r.dtype, slots).nbytes
 
+    def snapshots(self, snapshots: int) -> int:
+        return L.linear_state_snapshot_layout(self.spec, self.r.dtype, snapshots).nbytes
+
 
 @dataclass
 class _Sizes:
@@ -265,6 +293,10 @@ class _Sizes:
     expert_slots: int
     experts_required: bool  # --moe-cache-size / --moe-cache-rate fixed expert_slots
     linear_slots: int  # max_running_requests for a model with linear attention, else 0
+    snapshots: int = 0  # linear-state snapshots (hybrid models)
+    snapshots_required: bool = False  # --linear-state-snapshots fixed them
+    snapshots_capped: bool = False  # the default was more than its share of the budget
+    snapshots_shrunk: bool = False  # the default did not fit beside the floors and gave way
 
 
 def make_plan(spec: ModelSpec, req: PlanRequest, measured: Measured) -> Plan:
@@ -275,7 +307,17 @@ def make_plan(spec: ModelSpec, req: PlanRequest, measured: Measured) -> Plan:
     budget, derivation = _budget(req, r.memory_ratio, measured)
     costs = _Costs(spec, r)
     sizes = _requirements_and_floors(spec, req, r)
+    if sizes.snapshots and not sizes.snapshots_required:
+        share = _largest(costs.snapshots, budget // DEFAULT_SNAPSHOT_BUDGET_SHARE, 0, sizes.snapshots) or 0
+        sizes.snapshots_capped = share < sizes.snapshots
+        sizes.snapshots = share
     terms = _terms(spec, req, r, measured, sizes, costs)
+    if terms.total > budget and sizes.snapshots and not sizes.snapshots_required:
+        # the default snapshot count never fails a plan that fits without it: it takes what is left
+        room = budget - (terms.total - costs.snapshots(sizes.snapshots))
+        sizes.snapshots = _largest(costs.snapshots, room, 0, sizes.snapshots) or 0
+        sizes.snapshots_shrunk = True
+        terms = _terms(spec, req, r, measured, sizes, costs)
     if terms.total > budget:
         raise PlanError(_explain_failure(_Failure(spec, req, r, measured, budget, derivation, terms, sizes, costs)))
     _fill(spec, sizes, costs, budget - terms.total)
@@ -312,12 +354,25 @@ def _requirements_and_floors(spec: ModelSpec, req: PlanRequest, r: Resolved) -> 
                 f"{flag} gives {expert_required} expert slots, fewer than the {floor_slots} the offload loop "
                 f"needs (one MoE layer's experts at once); the smallest value is {smallest}"
             )
+    snapshots = 0
+    if spec.linear_attention_layers:
+        snapshots = (req.linear_state_snapshots if req.linear_state_snapshots is not None
+                     else DEFAULT_SNAPSHOTS_PER_RUNNING_REQUEST * r.max_running_requests)  # fmt: skip
     return _Sizes(
         kv_pages=kv_pages, kv_required=req.num_pages is not None or req.num_tokens is not None,
         expert_slots=expert_required if expert_required is not None else floor_slots,
         experts_required=expert_required is not None,
         linear_slots=r.max_running_requests if spec.linear_attention_layers else 0,
+        snapshots=snapshots, snapshots_required=req.linear_state_snapshots is not None,
     )  # fmt: skip
+
+
+def _snapshot_source(sizes: _Sizes) -> str:
+    if sizes.snapshots_required:
+        return "--linear-state-snapshots"
+    return (f"default: {DEFAULT_SNAPSHOTS_PER_RUNNING_REQUEST} x max_running_requests"
+            + (f", capped at 1/{DEFAULT_SNAPSHOT_BUDGET_SHARE} of the budget" if sizes.snapshots_capped else "")
+            + (", fewer to fit beside the floors" if sizes.snapshots_shrunk else ""))  # fmt: skip
 
 
 def _terms(spec: ModelSpec, req: PlanRequest, r: Resolved, measured: Measured, sizes: _Sizes, costs: _Costs) -> _Terms:
@@ -329,6 +384,8 @@ def _terms(spec: ModelSpec, req: PlanRequest, r: Resolved, measured: Measured, s
     if spec.linear_attention_layers:
         terms.add(f"linear-state pool: {sizes.linear_slots} slots + {L.LINEAR_PADDING_SLOTS} padding",
                   costs.linear_state(sizes.linear_slots))  # fmt: skip
+    if sizes.snapshots:
+        terms.add(f"linear-state snapshots: {sizes.snapshots} ({_snapshot_source(sizes)})", costs.snapshots(sizes.snapshots))
     kv_label = (
         f"KV pool: {sizes.kv_pages} pages x {r.page_size} tokens + {L.KV_SENTINEL_PAGES} sentinel page ("
         + ("--num-pages" if req.num_pages is not None else "--num-tokens" if req.num_tokens is not None
@@ -387,7 +444,10 @@ def _plan(spec: ModelSpec, r: Resolved, measured: Measured, budget: int, derivat
                          costs.experts(sizes.expert_slots), F.expert_format_name(spec, host.expert_bank_format if host.expert_bank_bytes else "plain",
                                                                  r.dtype),
                          parts.staging_slots, parts.staging_bytes, parts.cache_state_bytes, parts.padding_bytes)  # fmt: skip
-    total = measured.weights_bytes + measured.workspace_bytes + kv.bytes + linear.bytes + experts.bytes
+    snapshots = LinearSnapshotPlan(sizes.snapshots, L.linear_state_bytes_per_slot(spec, r.dtype) if sizes.snapshots else 0,
+                                   costs.snapshots(sizes.snapshots),
+                                   _snapshot_source(sizes) if spec.linear_attention_layers else "")  # fmt: skip
+    total = measured.weights_bytes + measured.workspace_bytes + kv.bytes + linear.bytes + snapshots.bytes + experts.bytes
     assert total <= budget, "planner arithmetic broke its own invariant"
     return Plan(
         budget_bytes=budget,
@@ -406,6 +466,7 @@ def _plan(spec: ModelSpec, r: Resolved, measured: Measured, budget: int, derivat
         max_prefill_tokens=r.max_prefill_tokens,
         max_model_len=r.max_model_len,
         host=host,
+        linear_state_snapshots=snapshots,
     )
 
 
@@ -474,7 +535,8 @@ def _explain_failure(f: _Failure) -> str:
         f.terms.render(),
         f"  {'total':<62} {format_bytes(f.terms.total):>12}",
     ]
-    hints = [*_kv_hints(f), *_expert_hints(f), *_linear_state_hints(f), *_max_model_len_hints(f), *_budget_hints(f)]
+    hints = [*_kv_hints(f), *_expert_hints(f), *_linear_state_hints(f), *_snapshot_hints(f), *_max_model_len_hints(f),
+             *_budget_hints(f)]  # fmt: skip
     if hints:
         lines.append("to fit, with everything else unchanged:")
         lines.extend(f"  {h}" for h in hints)
@@ -532,6 +594,14 @@ def _linear_state_hints(f: _Failure) -> list[str]:
     n = _largest(f.costs.linear_state, f.room_for(f.costs.linear_state, f.sizes.linear_slots), 0,
                  f.r.max_running_requests) or 0  # fmt: skip
     return [_hint("--max-running-requests", n, 1)]
+
+
+def _snapshot_hints(f: _Failure) -> list[str]:
+    if f.req.linear_state_snapshots is None or not f.sizes.snapshots:
+        return []
+    n = _largest(f.costs.snapshots, f.room_for(f.costs.snapshots, f.sizes.snapshots), 0, f.sizes.snapshots) or 0
+    return [_hint("--linear-state-snapshots", n, 0) if n else
+            "--linear-state-snapshots: no value above 0 fits; 0 turns hybrid prefix reuse off"]
 
 
 def _budget_hints(f: _Failure) -> list[str]:

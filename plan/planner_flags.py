@@ -13,7 +13,7 @@ from ferry.plan.planner import PlanRequest
 PLANNER_FIELDS = (
     "gpu_memory", "memory_ratio", "num_tokens", "num_pages", "kv_reserve_tokens", "moe_cache_size",
     "moe_cache_rate", "page_size", "max_running_requests", "max_prefill_tokens", "max_model_len", "dtype",
-    "host_memory", "expert_bank_format",
+    "host_memory", "expert_bank_format", "linear_state_snapshots",
 )  # fmt: skip
 # the fields that are byte sizes (forwarded to a child process with their unit: `--gpu-memory 123B`)
 BYTE_FIELDS = ("gpu_memory", "host_memory")
@@ -93,6 +93,11 @@ def add_planner_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", "--context-length", dest="max_model_len", type=int, default=None,
                    help="longest sequence, prompt + output (default: the model's max_position_embeddings); "
                         "--context-length (SGLang) is the same flag")
+    g.add_argument("--linear-state-snapshots", type=int, default=None, metavar="N",
+                   help="hybrid models (Gated DeltaNet): linear-state snapshots kept for the prefix cache, each the "
+                        "whole recurrent and conv state of a sequence at a cached prefix's end (61.4 MiB for "
+                        "Qwen3.6-35B-A3B); 0 turns prefix reuse off for them (default: 2 x --max-running-requests, "
+                        "at most 1/16 of the budget, fewer if they would not fit beside the other pools' floors)")
     g.add_argument("--dtype", type=_dtype, default=None, metavar="DTYPE",
                    help=f"weights and KV dtype: {', '.join(DTYPE_CHOICES)} (default auto: the checkpoint's)")
 

@@ -67,7 +67,7 @@ class PoolLayout:
         return round_up(end, POOL_ALIGN) if end else 0
 
 
-# ---- the three pools --------------------------------------------------------------------
+# ---- the pools --------------------------------------------------------------------
 
 
 def kv_bytes_per_token(spec: ModelSpec, dtype: str) -> int:
@@ -101,6 +101,24 @@ def linear_state_layout(spec: ModelSpec, dtype: str, slots: int, padding: int = 
         LINEAR_RECURRENT_DTYPE,
     )
     return PoolLayout("linear_state", (conv, recurrent))
+
+
+def linear_state_snapshot_layout(spec: ModelSpec, dtype: str, snapshots: int) -> PoolLayout:
+    """`snapshots` copies of the whole linear state of one sequence at one position (every Gated DeltaNet
+    layer's conv and recurrent state): the prefix cache of hybrid models (services/scheduler/
+    state_snapshots.py hands out their ids 0..snapshots-1). Snapshot-major, [snapshots, layers, ...], so
+    each snapshot is one contiguous block and a copy to or from a request's slot is one strided copy per
+    tensor. No padding row: no batch row ever reads or writes a snapshot, only the step's state copies."""
+    layers = len(spec.linear_attention_layers)
+    if layers == 0 or snapshots <= 0:
+        return PoolLayout("linear_state_snapshots", ())
+    conv = TensorSpec("snapshot_conv", (snapshots, layers, spec.linear_conv_dim, spec.linear_conv_kernel_dim - 1), dtype)
+    recurrent = TensorSpec(
+        "snapshot_recurrent",
+        (snapshots, layers, spec.linear_num_value_heads, spec.linear_key_head_dim, spec.linear_value_head_dim),
+        LINEAR_RECURRENT_DTYPE,
+    )
+    return PoolLayout("linear_state_snapshots", (conv, recurrent))
 
 
 def expert_bytes(spec: ModelSpec, dtype: str) -> int:

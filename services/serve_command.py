@@ -30,7 +30,7 @@ from ferry.shared.errors import ConfigError
 from ferry.shared.logging import add_log_flags, configure_logging
 from ferry.shared.model_flag import add_model_argument
 from ferry.services.api.config import DEFAULT_DRAIN_TIMEOUT_S, add_api_flags
-from ferry.services.scheduler.config import add_schedule_ahead_flag, add_step_timeout_flag
+from ferry.services.scheduler.config import add_prefix_cache_flag, add_schedule_ahead_flag, add_step_timeout_flag
 from ferry.services.worker.command import add_boot_flag
 from ferry.services.worker.flags import add_worker_flags, boot_config_from_args, worker_flag_args
 
@@ -61,6 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--worker-health-port", type=_side_port, default="auto", help="the worker's " + side.format(k=2))
     add_step_timeout_flag(g)
     add_schedule_ahead_flag(g)
+    add_prefix_cache_flag(g)
     add_boot_flag(g)
     add_log_flags(parser)
 
@@ -130,10 +131,14 @@ def child_commands(args: argparse.Namespace, model: str, rundir: Path,
     log_flags = ["--log-level", args.log_level, "--log-format", args.log_format]
     scheduler = [*ferry, "scheduler", "--api-addr", api_addr, "--steps-addr", steps_addr, "--results-addr", results_addr,
                  "--step-timeout", str(args.step_timeout)] + ([] if args.schedule_ahead else ["--no-schedule-ahead"])  # fmt: skip
+    if not args.prefix_cache:
+        scheduler.append("--no-prefix-cache")
     if ports["scheduler"] is not None:
         scheduler += ["--health-port", str(ports["scheduler"])]
     worker = [*ferry, "worker", *worker_flag_args(boot_config_from_args(args, model)), "--steps-addr", steps_addr,
               "--results-addr", results_addr, "--boot", args.boot]  # fmt: skip
+    if not args.prefix_cache and args.linear_state_snapshots is None:
+        worker += ["--linear-state-snapshots", "0"]  # no prefix reuse: the snapshots' memory goes to the other pools
     if ports["worker"] is not None:
         worker += ["--health-port", str(ports["worker"])]
     api = [*ferry, "api", "--model", model, "--scheduler-addr", api_addr, "--host", args.host, "--port", str(args.port),

@@ -60,6 +60,7 @@ class StepLimits:
     max_prefill_tokens: int
     max_model_len: int
     vocab_size: int
+    linear_state_snapshots: int = 0  # snapshot ids 0..this-1 (hybrid models' prefix cache); 0: none
 
 
 _ARRAYS = {"req_ids": "iu", "tokens": "iu", "query_lens": "iu", "context_lens": "iu", "page_table": "iu",
@@ -82,10 +83,16 @@ def step_problems(batch, limits: StepLimits, known: set[int] | dict) -> list[str
         if a is not None and (not isinstance(a, np.ndarray) or a.dtype.kind != "b" or a.ndim != 1):
             problems.append(f"{name} must be a 1-D bool array, got {getattr(a, 'dtype', type(a).__name__)} "
                             f"of shape {getattr(a, 'shape', '?')}")  # fmt: skip
+    # optional int [R] rows: the snapshot each row's state is restored from / saved to (-1: none)
+    copies = {name: getattr(batch, name, None) for name in ("restore_state", "save_state")}
+    for name, a in copies.items():
+        if a is not None and (not _is_ints(a) or a.ndim != 1):
+            problems.append(f"{name} must be a 1-D integer array, got {getattr(a, 'dtype', type(a).__name__)} "
+                            f"of shape {getattr(a, 'shape', '?')}")  # fmt: skip
     if problems:
         return problems
     r, t = len(batch.req_ids), len(batch.tokens)
-    for name, a in optional.items():
+    for name, a in {**optional, **copies}.items():
         if a is not None and len(a) != r:
             problems.append(f"{name} has {len(a)} entries for {r} requests")
     q = batch.query_lens.astype(np.int64)
@@ -121,6 +128,7 @@ def step_problems(batch, limits: StepLimits, known: set[int] | dict) -> list[str
     slots = batch.linear_state_slots
     if limits.linear_state_slots and slots.size and (int(slots.min()) < 0 or int(slots.max()) > limits.linear_state_slots):
         problems.append(f"linear-state slots must be in 0..{limits.linear_state_slots}")
+    problems += _state_copy_problems(batch, copies, limits)
     announced = set()
     for new in batch.new_requests:
         announced.add(new.req_id)
@@ -134,6 +142,35 @@ def step_problems(batch, limits: StepLimits, known: set[int] | dict) -> list[str
         if rid not in announced and (rid not in known or rid in forgotten):
             problems.append(f"request {rid} samples (or wants prompt logprobs) but was never announced (no NewRequest)")
             break
+    return problems
+
+
+def _state_copy_problems(batch, copies: dict, limits: StepLimits) -> list[str]:
+    """The linear-state snapshot ids of a step's state copies (shared/step.py): in the snapshot pool,
+    between a snapshot and a real slot, a restore only into a request that starts from a cached prefix
+    (context > 0, no reset, not fed), and never two saves into one snapshot in a step."""
+    problems: list[str] = []
+    n = limits.linear_state_snapshots if limits.linear_state_slots else 0
+    for name, a in copies.items():
+        if a is None or len(a) != len(batch.req_ids):
+            continue  # the length was reported above
+        used = a[a != -1]
+        if used.size == 0:
+            continue
+        if int(used.min()) < 0 or int(used.max()) >= n:
+            problems.append(f"{name}: snapshot ids must be -1 or in 0..{n - 1}" if n else
+                            f"{name}: this worker keeps no linear-state snapshots")  # fmt: skip
+            continue
+        rows = a != -1
+        if (batch.linear_state_slots[rows] < 1).any():
+            problems.append(f"{name}: a row copying a snapshot must hold a linear-state slot (1..)")
+        if name == "save_state" and len(np.unique(used)) != used.size:
+            problems.append("save_state: two rows save into one snapshot")
+        if name == "restore_state":
+            fed = batch.feed_sampled[rows].any() if batch.feed_sampled is not None else False
+            if (batch.context_lens[rows] < 1).any() or batch.reset_linear_state[rows].any() or fed:
+                problems.append("restore_state: a restored row must start from a cached prefix (context > 0, "
+                                "no state reset, not fed)")  # fmt: skip
     return problems
 
 

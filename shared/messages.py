@@ -34,6 +34,9 @@ class PoolReport(msgspec.Struct, frozen=True, kw_only=True):
     max_model_len: Positive32
     plan_summary: str = ""  # human-readable plan, shown by the scheduler's /health
     vocab_size: Count32 = 0  # the model's vocabulary: prompt token ids must be below it (0: unknown, unchecked)
+    # linear-state snapshots, ids 0..linear_state_snapshots-1: the prefix cache of hybrid models (0: none,
+    # and then no prefix reuse for them)
+    linear_state_snapshots: Count32 = 0
 
 
 # ---- api -> scheduler --------------------------------------------------------------------------
@@ -107,6 +110,9 @@ class SchedulerStatus(msgspec.Struct, tag=True, kw_only=True):
     expert_hits: int = 0
     expert_misses: int = 0
     preemptions: int = 0
+    prefix_hits: int = 0  # requests admitted with part of their prompt from the prefix cache (since the worker started)
+    snapshot_evictions: int = 0  # linear-state snapshots dropped, with their KV pages or for room (hybrid models)
+    state_snapshots: int = 0  # linear-state snapshots the prefix cache holds now
 
 
 SchedulerToApi = Union[Tokens, Finished, Failed, SchedulerStatus]

@@ -11,6 +11,9 @@ Index conventions (shared by the planner, the pools and the allocators; docs/ARC
   Unused entries of `page_table` hold 0, so padded positions write only the sentinel.
 * Linear-state pool: slot 0 is the padding slot; usable slots are 1..slots. Models without
   linear attention ignore `linear_state_slots`.
+* Linear-state snapshots (hybrid models' prefix cache): ids 0..snapshots-1, in a pool of their own; no
+  batch row reads or writes one, only the step's state copies (`restore_state`, `save_state`), and -1
+  means none.
 """
 
 from __future__ import annotations
@@ -56,6 +59,14 @@ class StepBatch(msgspec.Struct, frozen=True, kw_only=True):
     # scheduler sent before that step's answer came back (its entry in `tokens` is a placeholder, 0).
     # The worker takes it from that step's sampled tokens on the device. None: no such row.
     feed_sampled: np.ndarray | None = None
+    # Linear-state copies (hybrid models' prefix cache, docs/ARCHITECTURE.md §1 "Prefix cache"), int32 [R]
+    # snapshot ids, -1 for none; None: no row copies. `restore_state`: before the forward, the row's slot
+    # takes that snapshot's state (a request starting from a cached prefix: its context_lens is the
+    # snapshot's position and reset_linear_state is False). `save_state`: after the forward, that snapshot
+    # takes the row's state (the state at the end of this chunk, context_lens + query_lens). Restores run
+    # before saves, so a snapshot may be read by one row and rewritten by another in the same step.
+    restore_state: np.ndarray | None = None
+    save_state: np.ndarray | None = None
 
     @classmethod
     def empty(cls, step_id: int, finished_req_ids: tuple[int, ...] = ()) -> "StepBatch":

@@ -50,13 +50,26 @@ class _StatusCounters:
     counters, not gauges, so rate() works; a restarted scheduler starts again from 0, which
     Prometheus reads as a counter reset."""
 
+    FAMILIES = {
+        "preemptions": ("ferry_preemptions", "requests preempted for lack of KV pages (since the worker started)"),
+        "prefix_hits": ("ferry_prefix_cache_hits", "requests admitted from a cached prefix (hybrid models: from a "
+                        "linear-state snapshot; since the worker started)"),
+        "snapshot_evictions": ("ferry_state_snapshot_evictions", "linear-state snapshots of hybrid models dropped, "
+                               "with their KV pages or for room (since the worker started)"),
+    }  # fmt: skip
+
     def __init__(self) -> None:
-        self.preemptions = 0
+        self.values = dict.fromkeys(self.FAMILIES, 0)
+
+    @property
+    def preemptions(self) -> int:
+        return self.values["preemptions"]
 
     def collect(self):
-        family = CounterMetricFamily("ferry_preemptions", "requests preempted for lack of KV pages (since the worker started)")
-        family.add_metric([], self.preemptions)
-        yield family
+        for key, (name, doc) in self.FAMILIES.items():
+            family = CounterMetricFamily(name, doc)
+            family.add_metric([], self.values[key])
+            yield family
 
 
 class VllmAliases:
@@ -110,6 +123,8 @@ class ApiMetrics:
         self.e2e = Histogram("ferry_e2e_request_latency_seconds", "request arrival to last token", buckets=_LATENCY, registry=r)
         self.status = StatusGauges(r, "ferry_")
         self.kv_usage = Gauge("ferry_kv_cache_usage", "fraction of KV pages held by requests (0..1)", registry=r)
+        self.state_snapshots = Gauge("ferry_state_snapshots", "linear-state snapshots the prefix cache holds (hybrid "
+                                     "models)", registry=r)  # fmt: skip
         self.expert_hit_rate = Gauge("ferry_expert_hit_rate", "expert-cache hits / lookups since the worker started", registry=r)
         self._status_counters = _StatusCounters()
         r.register(self._status_counters)
@@ -133,7 +148,9 @@ class ApiMetrics:
             self.kv_usage.set(1 - status.kv_pages_available / status.kv_pages_total)
         lookups = status.expert_hits + status.expert_misses
         self.expert_hit_rate.set(status.expert_hits / lookups if lookups else 0)
-        self._status_counters.preemptions = status.preemptions
+        self.state_snapshots.set(status.state_snapshots)
+        for key in self._status_counters.values:
+            self._status_counters.values[key] = getattr(status, key)
 
     def exposition(self) -> bytes:
         from prometheus_client import generate_latest

@@ -21,6 +21,26 @@ until its output comes back, and a request that finishes in step N while it is a
 keeps its pages, its state slot and its sampler state until N+1 returns (whose token for it is
 dropped).
 
+Prefix cache of hybrid models (docs/ARCHITECTURE.md §1): a cached KV prefix is usable only with the
+Gated DeltaNet state at its end, so these models reuse a prefix from a linear-state *snapshot*
+(state_snapshots.py): a request starts from the deepest snapshot on its path (the KV pages before it
+shared, the state copied into its own slot on the worker before its first chunk: StepBatch.restore_state)
+and computes the rest. Snapshots sit on page boundaries, so the pages before one are all full pages of the
+radix cache; a chunk that ends on a page boundary saves its state after the forward (StepBatch.save_state),
+and the chunks are cut so that they end where a later request will want to start:
+* the prompt's last page boundary at least PROMPT_END_MARGIN tokens before its end: where the next turn of
+  a conversation, another choice of the same prompt (n > 1) or the same prompt sent again resumes (its
+  tail is computed in the next step). The margin: the next turn renders the same history but not the
+  generation prompt (`<|im_start|>assistant\n<think>\n`), so it parts from this prompt a few tokens before
+  its end;
+* where the request leaves the cached tree: a prefix computed before by a request that went another way
+  (a shared system prompt, the second time it is seen), or shared with a request waiting beside it;
+* every chunk of a long prefill that the step's budget cuts short (rounded down to a page boundary);
+* every page boundary of its output, keeping only the last: where the next turn resumes when the chat
+  template reproduces the output, and where a preempted request resumes.
+A waiting request whose prefix a running one is about to snapshot waits for it, rather than compute the
+same prefix twice.
+
 Pure Python + numpy, no sockets: the service feeds it messages and sends what it returns.
 """
 
@@ -40,7 +60,18 @@ from ferry.shared.step import Logprobs, NewRequest, StepBatch, StepOutput
 from ferry.shared.units import ceil_div
 from ferry.services.scheduler.kv_page_pool import KvPagePool
 from ferry.services.scheduler.linear_state_slots import LinearStateSlotAllocator
+from ferry.services.scheduler.radix_cache import Node
 from ferry.services.scheduler.request import Request
+from ferry.services.scheduler.state_snapshots import Snapshot, StateSnapshots
+
+# How many waiting requests a hybrid request's admission compares its prompt with, for the prefix they
+# share (a snapshot point): a queue of requests sharing a system prompt is caught, a long queue costs nothing.
+SHARED_PREFIX_LOOKAHEAD = 16
+# The prompt-end snapshot sits at the last page boundary at least this many tokens before the prompt's end:
+# a chat template's generation prompt (Qwen3.5's `<|im_start|>assistant\n<think>\n` is 5 tokens) is what the
+# next turn's rendering of the same history does not repeat, so a snapshot inside it would be off the next
+# turn's path one prompt in 16 (the others' tails grow by at most this many tokens).
+PROMPT_END_MARGIN = 8
 
 
 @dataclass
@@ -59,6 +90,8 @@ class _Entry:
     req: Request
     query_len: int
     sample: bool
+    save: Snapshot | None = None  # the snapshot this row's state goes to after the forward (pending)
+    save_at: int = 0  # ... the position it holds: the row's chunk end, a page boundary
 
 
 def check_pool(pool: PoolReport) -> None:
@@ -70,14 +103,26 @@ def check_pool(pool: PoolReport) -> None:
         raise ValueError(f"linear_state_slots must be >= 0, the worker reported {pool.linear_state_slots}")
 
 
+def _to_deepest_snapshot(chain: list[Node]) -> int:
+    """How many nodes of a cached chain lead to the deepest one holding a linear-state snapshot (0: none)."""
+    return next((i + 1 for i in range(len(chain) - 1, -1, -1) if chain[i].snapshot is not None), 0)
+
+
 class BatchScheduler:
-    def __init__(self, pool: PoolReport, first_step_id: int = 1):
+    def __init__(self, pool: PoolReport, first_step_id: int = 1, prefix_cache: bool = True):
+        """`prefix_cache`: reuse cached prefixes (False: --no-prefix-cache, every prompt computed whole)."""
         check_pool(pool)
         self.pool = pool
         self.hybrid = pool.linear_state_slots > 0
         # Hybrid (linear-attention) models: a cached KV prefix is useless without the linear state at
-        # the same position, and we keep no state snapshots, so prefix reuse is off for them.
-        self.kv = KvPagePool(pool.kv_pages, pool.page_size, prefix_reuse=not self.hybrid)
+        # the same position, so their prefix reuse needs the worker's linear-state snapshots; with none
+        # (--linear-state-snapshots 0) it is off.
+        snapshots = pool.linear_state_snapshots if self.hybrid and prefix_cache else 0
+        self.kv = KvPagePool(pool.kv_pages, pool.page_size,
+                             prefix_reuse=prefix_cache and (not self.hybrid or snapshots > 0))  # fmt: skip
+        self.snapshots = StateSnapshots(snapshots)
+        self.kv.cache.on_evict = self.snapshots.drop
+        self.prefix_hits = 0  # admissions that started from a cached prefix
         self.linear_state = LinearStateSlotAllocator(pool.linear_state_slots)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is the newest
@@ -202,12 +247,16 @@ class BatchScheduler:
         entries: list[_Entry] = []
         in_step: set[int] = set()
         preempted = False
+        if self.snapshots.total:
+            # before the running prefills' chunks are cut: the prefixes they share with queued requests
+            for req in itertools.islice(self.waiting, SHARED_PREFIX_LOOKAHEAD):
+                self._state_being_computed(req)
         for req in list(self.running):
             if budget <= 0:
                 break
             if req.rid not in self.by_rid or req not in self.running:
                 continue  # preempted earlier in this loop
-            q = min(req.to_compute, budget)
+            q = self._chunk_len(req, budget)
             while not self.kv.grow(req, req.num_computed + q):
                 victim = next(r for r in reversed(self.running) if r.rid not in in_step)
                 self._preempt(victim)
@@ -226,7 +275,7 @@ class BatchScheduler:
                 break
             self.waiting.popleft()
             self.running.append(req)
-            q = min(req.to_compute, budget)
+            q = self._chunk_len(req, budget)
             entries.append(_Entry(req, q, self._samples(req, q)))
             budget -= q
         if not entries:
@@ -262,12 +311,136 @@ class BatchScheduler:
 
     def _prefix_being_computed(self, req: Request) -> bool:
         """A running request still prefills the same first page (n > 1 choices, or the same prompt sent
-        twice at once): wait for its pages to reach the prefix cache rather than compute them twice."""
+        twice at once): wait for its pages to reach the prefix cache rather than compute them twice.
+        Hybrid models wait for the snapshot they will start from instead (`_state_being_computed`)."""
         ps = self.pool.page_size
         if not self.kv.prefix_reuse or req.prompt_logprobs_pending or len(req.tokens) <= ps:
             return False
+        if self.snapshots.total:
+            return self._state_being_computed(req)
         head = req.tokens[:ps]
         return any(r.num_computed < r.prompt_len and r.tokens[:ps] == head for r in self.running)
+
+    # ---- hybrid models' prefix cache: snapshots --------------------------------------------------
+
+    def _state_being_computed(self, req: Request) -> bool:
+        """A running request still prefills a prefix `req` shares, past the deepest snapshot `req` could
+        start from now: that request's chunks are made to end at the shared prefix's last page boundary
+        (a snapshot point) and `req` waits for the snapshot, rather than compute the prefix twice. A
+        request that already computed past the shared prefix without keeping its state there is not
+        waited for: `req` computes it, and keeps it (the point where it leaves the cached tree)."""
+        ps = self.pool.page_size
+        if req.prompt_logprobs_pending or len(req.tokens) <= ps:
+            return False
+        head, last = req.tokens[:ps], (len(req.tokens) - 1) // ps * ps
+        ahead = []  # (running prefill, the prefix req shares with it) that it has not computed yet
+        for r in self.running:
+            if r.to_compute > 1 and r.tokens[:ps] == head:
+                shared = min(self._shared_pages(req, r) * ps, last, (len(r.tokens) - 1) // ps * ps)
+                shared = min(shared, self._prompt_end(r))  # up to r's own prompt-end snapshot: no cut of its own
+                if r.num_computed < shared:
+                    ahead.append((r, shared))
+        if not ahead:
+            return False
+        depth = _to_deepest_snapshot(self.kv.cache.match(req.tokens, max(shared for _, shared in ahead) // ps)) * ps
+        for r, shared in ahead:
+            if shared > depth:
+                r.snapshot_points.add(shared)
+                return True
+        return False
+
+    def _shared_pages(self, a: Request, b: Request) -> int:
+        """How many full pages a's and b's tokens share from the start (remembered on `a`: a waiting
+        request's tokens do not change, nor do a prefilling one's)."""
+        n = a.shared_pages.get(b.rid)
+        if n is None:
+            ps, ta, tb = self.pool.page_size, a.tokens, b.tokens
+            limit, n = min(len(ta), len(tb)) // ps, 0
+            while n < limit and ta[n * ps : (n + 1) * ps] == tb[n * ps : (n + 1) * ps]:
+                n += 1
+            a.shared_pages[b.rid] = n
+        return n
+
+    def _snapshot_chain(self, req: Request) -> tuple[list[Node], int]:
+        """(the cached chain of req's prefix, how many of its nodes lead to the deepest snapshot on it):
+        reuse ends at that snapshot, since the state after it is not kept."""
+        # prompt logprobs come from computing the positions: reuse only a prefix whose logprobs were sent
+        chain = self.kv.match(req, req.prompt_logprobs_done if req.prompt_logprobs_pending else None)
+        return chain, _to_deepest_snapshot(chain)
+
+    def _prompt_end(self, req: Request) -> int:
+        """Where req's prompt-end snapshot goes (the module docstring): its last page boundary at least
+        PROMPT_END_MARGIN tokens before the end of its tokens."""
+        ps = self.pool.page_size
+        return max(0, len(req.tokens) - PROMPT_END_MARGIN) // ps * ps
+
+    def _reuse_snapshot(self, req: Request) -> None:
+        """Start `req` from the deepest snapshot on its path (its KV pages held, the state restored into its
+        slot in its first step) and choose where its chunks end (the module docstring's snapshot points)."""
+        ps = self.pool.page_size
+        chain, usable = self._snapshot_chain(req)
+        self.kv.hold(req, chain[:usable])
+        if usable:
+            snap = chain[usable - 1].snapshot
+            self.snapshots.touch(snap)
+            req.restore_from = snap.id
+        last, end = (len(req.tokens) - 1) // ps * ps, self._prompt_end(req)  # the deepest reusable point; the prompt's end
+        points = {end, len(chain) * ps}  # and where it leaves the cached tree
+        for other in itertools.islice(self.waiting, SHARED_PREFIX_LOOKAHEAD):
+            if other is not req and other.tokens[:ps] == req.tokens[:ps]:  # the prefix they share, up to `end`
+                points.add(min(self._shared_pages(other, req) * ps, (len(other.tokens) - 1) // ps * ps, end))
+        req.snapshot_points = {p for p in points if req.num_computed < p <= last}
+
+    def _chunk_len(self, req: Request, budget: int) -> int:
+        """The tokens of req's next chunk: as many as remain and the budget allows; with snapshots, a
+        prefill chunk ends at the next of its snapshot points, and one the budget cuts short ends on a page
+        boundary (its state is kept there: a long prefill keeps one at every chunk's end)."""
+        q = min(req.to_compute, budget)
+        if not self.snapshots.total or q <= 1:
+            return q
+        start, end, ps = req.num_computed, req.num_computed + q, self.pool.page_size
+        cuts = [p for p in req.snapshot_points if start < p < end]
+        if cuts:
+            return min(cuts) - start
+        if end < len(req.tokens) and end - end % ps > start:
+            return end - end % ps - start
+        return q
+
+    def _save_for(self, req: Request, end: int) -> Snapshot | None:
+        """The pending snapshot a row ending at page boundary `end` saves into, or None (every id is pending).
+        In the output only the last one is kept: it takes the id of the request's previous one there."""
+        rolling = end > req.prompt_len
+        if rolling and req.rolling is not None and req.rolling.pending:
+            return None  # its last one has not landed yet (pages of a token or two): one in flight is enough
+        if rolling and req.rolling is not None and req.rolling.node is not None:
+            snap = self.snapshots.recycle(req.rolling)
+        else:
+            snap = self.snapshots.take()
+        if rolling:
+            req.rolling = snap
+        return snap
+
+    def _attach_snapshot(self, e: _Entry) -> None:
+        """A row's save landed: its snapshot joins the radix node whose page ends at its position."""
+        req, snap, e.save = e.req, e.save, None
+        node = None
+        if req.num_computed == e.save_at:
+            self.kv.cache_full_pages(req)
+            i = e.save_at // self.pool.page_size - 1
+            node = req.nodes[i] if i < len(req.nodes) else None
+        if node is None or not self.snapshots.attach(snap, node):
+            if node is None:
+                self.snapshots.free(snap)
+            if req.rolling is snap:
+                req.rolling = None
+
+    def _abandon_saves(self, entries: list[_Entry]) -> None:
+        for e in entries:
+            if e.save is not None:
+                if e.req.rolling is e.save:
+                    e.req.rolling = None
+                self.snapshots.free(e.save)
+                e.save = None
 
     def _admit(self, req: Request, budget: int) -> bool:
         slot = 0
@@ -275,13 +448,19 @@ class BatchScheduler:
             slot = self.linear_state.allocate()
             if slot is None:
                 return False
-        # prompt logprobs come from computing the positions: reuse only a prefix whose logprobs were sent
-        self.kv.reuse_prefix(req, req.prompt_logprobs_done if req.prompt_logprobs_pending else None)
-        if not self.kv.grow(req, req.num_computed + min(req.to_compute, budget)):
+        if self.snapshots.total:
+            self._reuse_snapshot(req)
+        else:
+            # prompt logprobs come from computing the positions: reuse only a prefix whose logprobs were sent
+            self.kv.reuse_prefix(req, req.prompt_logprobs_done if req.prompt_logprobs_pending else None)
+        if not self.kv.grow(req, req.num_computed + self._chunk_len(req, budget)):
             self.kv.release(req)
             self.linear_state.release(slot)
+            req.restore_from = -1
             return False
         req.linear_state_slot = slot
+        if req.num_computed:
+            self.prefix_hits += 1
         if not req.admitted_once:
             req.cached_tokens = req.num_computed
             req.admitted_once = True
@@ -296,9 +475,16 @@ class BatchScheduler:
         tokens: list[int] = []
         new_requests = []
         prompt_logprobs = np.zeros(n, dtype=bool)
+        restore = np.full(n, -1, dtype=np.int32)
+        save = np.full(n, -1, dtype=np.int32)
+        ps = self.pool.page_size
         for i, e in enumerate(entries):
             r = e.req
             page_table[i, : len(r.pages)] = r.pages
+            restore[i], r.restore_from = r.restore_from, -1
+            end = (r.num_computed if ahead_positions is None else ahead_positions[i]) + e.query_len
+            if self.snapshots.total and end % ps == 0 and (snap := self._save_for(r, end)) is not None:
+                e.save, e.save_at, save[i] = snap, end, snap.id
             # rows of this chunk at positions p give the logprob of token p + 1; those still to send: done..P-2
             prompt_logprobs[i] = (r.prompt_logprobs_pending and r.num_computed <= r.prompt_len - 2
                                   and r.num_computed + e.query_len - 1 >= r.prompt_logprobs_done)  # fmt: skip
@@ -331,6 +517,8 @@ class BatchScheduler:
             finished_req_ids=tuple(forget),
             prompt_logprobs=prompt_logprobs if prompt_logprobs.any() else None,  # None: the step is as before
             feed_sampled=None if ahead_positions is None else np.ones(n, dtype=bool),
+            restore_state=restore if (restore >= 0).any() else None,  # None: no row copies a state
+            save_state=save if (save >= 0).any() else None,
         )
 
     def complete(self, output: StepOutput) -> Outcome:
@@ -352,9 +540,12 @@ class BatchScheduler:
         for e in entries:
             req = e.req
             if req.done:  # it finished in the step before, scheduled ahead of its end: drop this row
+                self._abandon_saves([e])
                 self._release_if_idle(req)
                 continue
             req.num_computed += e.query_len
+            if e.save is not None:
+                self._attach_snapshot(e)
             if req.abort_pending:
                 self._end_aborted(req, out)
                 continue
@@ -414,6 +605,7 @@ class BatchScheduler:
         return out
 
     def _fail_rows(self, entries: list[_Entry], err: FerryError, out: Outcome) -> None:
+        self._abandon_saves(entries)
         for e in entries:
             if e.req.done:  # failed (or finished) with an earlier step: only its resources wait
                 self._release_if_idle(e.req)

@@ -21,6 +21,7 @@ class SchedulerConfig:
     step_timeout_s: float  # a worker step running longer than this counts as a hung worker
     wire_keys: str | None = None  # the CURVE key directory (shared/wire_keys.py); None: no CURVE
     schedule_ahead: bool = True  # send a decode step's successor before its answer (batcher.py)
+    prefix_cache: bool = True  # reuse cached prompt prefixes (False: --no-prefix-cache)
 
 
 def add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
@@ -31,6 +32,7 @@ def add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
     add_side_http_flags(g)
     add_step_timeout_flag(g)
     add_schedule_ahead_flag(g)
+    add_prefix_cache_flag(g)
     add_wire_keys_flag(g)
 
 
@@ -47,6 +49,14 @@ def add_schedule_ahead_flag(group) -> None:
                             "next decode step goes out at once, and the worker feeds it the tokens it samples)")  # fmt: skip
 
 
+def add_prefix_cache_flag(group) -> None:
+    """`--no-prefix-cache`, for `ferry scheduler` and `ferry serve` (which passes it on)."""
+    group.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                       help="compute every prompt whole: no KV pages or linear-state snapshots are reused from "
+                            "earlier requests, for any architecture (by default a prompt starts after the longest "
+                            "cached prefix it shares; hybrid models from the deepest linear-state snapshot on it)")  # fmt: skip
+
+
 def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
     if args.step_timeout <= 0:
         raise ConfigError(f"--step-timeout must be positive, got {args.step_timeout}")
@@ -57,4 +67,5 @@ def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         check_exposure(flag, addr, keys)
         require_keys_for_tcp(flag, addr, keys or None, getattr(args, "insecure_wire", None))
     return SchedulerConfig(args.api_addr, args.steps_addr, args.results_addr, args.health_host, args.health_port,
-                           args.step_timeout, keys or None, schedule_ahead=args.schedule_ahead)  # fmt: skip
+                           args.step_timeout, keys or None, schedule_ahead=args.schedule_ahead,
+                           prefix_cache=getattr(args, "prefix_cache", True))  # fmt: skip

@@ -47,12 +47,20 @@ class KvPagePool:
         logits give the next token), of at most `limit` tokens."""
         if not self.prefix_reuse:
             return
+        self.hold(req, self.match(req, limit))
+
+    def match(self, req: Request, limit: int | None = None) -> list:
+        """The longest cached chain of full pages prefixing req.tokens that leaves at least one token to
+        compute, of at most `limit` tokens; nothing is held."""
         pages = (len(req.tokens) - 1) // self.page_size
         if limit is not None:
             pages = min(pages, limit // self.page_size)
-        chain = self.cache.match(req.tokens, pages)
+        return self.cache.match(req.tokens, pages)
+
+    def hold(self, req: Request, chain: list) -> None:
+        """req starts from `chain` (a prefix of a `match`): its pages are shared, its computation starts after it."""
         self.cache.acquire(chain)
-        req.nodes = chain
+        req.nodes = list(chain)
         req.pages = [n.page for n in chain]
         req.num_computed = len(chain) * self.page_size
 

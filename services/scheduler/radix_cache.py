@@ -6,19 +6,22 @@ have refs > 0. Nodes no request holds stay cached until the allocator needs thei
 they are evicted least-recently-used first, leaves before their parents (a child's KV depends on
 its parent's prefix, and a touched path is touched from the root down, so LRU order and
 leaf-first order agree).
+
+Hybrid models also attach a linear-state snapshot to some nodes (`Node.snapshot`, state_snapshots.py):
+the state after the node's whole prefix. An evicted node takes its snapshot with it (`on_evict`).
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ferry.services.scheduler.page_allocator import PageAllocator
 
 
 class Node:
-    __slots__ = ("page", "key", "parent", "children", "refs", "last_used")
+    __slots__ = ("page", "key", "parent", "children", "refs", "last_used", "snapshot")
 
     def __init__(self, page: int, key: tuple[int, ...], parent: Node | None):
         self.page = page
@@ -27,6 +30,7 @@ class Node:
         self.children: dict[tuple[int, ...], Node] = {}
         self.refs = 0
         self.last_used = 0
+        self.snapshot = None  # hybrid models: the linear-state Snapshot at this node's end, if one is kept
 
 
 class RadixCache:
@@ -39,6 +43,7 @@ class RadixCache:
         self._tick = itertools.count(1)
         self._evictable: list[tuple[int, int, Node]] = []  # (last_used, seq, node); stale entries skipped
         self._seq = itertools.count()
+        self.on_evict: Callable[[Node], None] | None = None  # told of each node evicted (its snapshot goes too)
 
     def match(self, tokens: Sequence[int], max_pages: int) -> list[Node]:
         """The longest cached chain of full pages that prefixes `tokens`, at most max_pages long."""
@@ -94,6 +99,8 @@ class RadixCache:
             self.nodes -= 1
             self.unreferenced -= 1
             self.allocator.release([node.page])
+            if node.snapshot is not None and self.on_evict is not None:
+                self.on_evict(node)
             freed += 1
             if parent is not self.root:
                 self._push_if_evictable(parent)

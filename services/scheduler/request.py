@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from ferry.shared.errors import FerryError
 from ferry.shared.sampling import SamplingParams
 from ferry.services.scheduler.radix_cache import Node
+from ferry.services.scheduler.state_snapshots import Snapshot
 
 
 @dataclass(eq=False)
@@ -31,6 +32,11 @@ class Request:
     in_flight: int = 0  # steps in flight that hold a row of it (two when the second was scheduled ahead)
     done: bool = False  # finished, failed or aborted; its pages wait for in_flight to reach 0
     prompt_logprobs_done: int = 0  # prompt positions 1..this have had their log-probabilities sent
+    # hybrid models' prefix cache (batcher.py, state_snapshots.py):
+    restore_from: int = -1  # the snapshot its slot takes in the next step (admitted from a cached prefix)
+    rolling: Snapshot | None = None  # its last snapshot inside its output, replaced by the next one
+    snapshot_points: set[int] = field(default_factory=set)  # page boundaries its prefill chunks end on
+    shared_pages: dict[int, int] = field(default_factory=dict)  # rid -> full pages its tokens share with that request's
 
     @property
     def prompt_logprobs_pending(self) -> bool:

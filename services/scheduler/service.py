@@ -68,6 +68,7 @@ class SchedulerService:
         self._rid = itertools.count(time.time_ns() // 1000)
         self.metrics = SchedulerMetrics()
         self._preemptions_seen = 0
+        self._counters_seen = {"prefix_hits": 0, "snapshot_evictions": 0}  # of the current core, exported so far
         self._running = True
         self.boot_id = uuid.uuid4().hex
         self._snapshot: tuple[SchedulerStatus, dict | None] = (self._status(), None)
@@ -308,7 +309,7 @@ class SchedulerService:
         try:
             # Step ids unique across scheduler restarts: a worker that outlived the previous scheduler
             # may still answer one of its steps, which must not pass for ours.
-            self.core = BatchScheduler(pool, first_step_id=time.time_ns() // 1000)
+            self.core = BatchScheduler(pool, first_step_id=time.time_ns() // 1000, prefix_cache=self.cfg.prefix_cache)
         except ValueError as exc:
             self.not_ready_reason = f"the worker's pool report is unusable: {exc}"
             log.error("bad_pool_report", error=str(exc))
@@ -316,9 +317,11 @@ class SchedulerService:
         self.worker_boot = boot_id
         self.not_ready_reason = ""
         self._preemptions_seen = 0
+        self._counters_seen = {"prefix_hits": 0, "snapshot_evictions": 0}
         log.info("worker_ready", boot_id=boot_id, kv_pages=pool.kv_pages, page_size=pool.page_size,
-                 linear_state_slots=pool.linear_state_slots, max_running_requests=pool.max_running_requests,
-                 max_prefill_tokens=pool.max_prefill_tokens, max_model_len=pool.max_model_len)  # fmt: skip
+                 linear_state_slots=pool.linear_state_slots, linear_state_snapshots=pool.linear_state_snapshots,
+                 max_running_requests=pool.max_running_requests, max_prefill_tokens=pool.max_prefill_tokens,
+                 max_model_len=pool.max_model_len, prefix_cache=self.core.kv.prefix_reuse)  # fmt: skip
 
     def _worker_lost(self, why: str) -> None:
         log.error("worker_lost", reason=why)
@@ -381,7 +384,8 @@ class SchedulerService:
             boot_id=self.boot_id, ready=True, reason="", max_model_len=c.pool.max_model_len, running=len(c.running),
             waiting=len(c.waiting), kv_pages_total=c.kv.total, kv_pages_available=c.kv.available,
             kv_pages_cached=c.kv.cache.nodes, expert_hits=self.expert_hits, expert_misses=self.expert_misses,
-            preemptions=c.preemptions,
+            preemptions=c.preemptions, prefix_hits=c.prefix_hits, snapshot_evictions=c.snapshots.evictions,
+            state_snapshots=c.snapshots.held,
         )  # fmt: skip
 
     def _update_metrics(self, s: SchedulerStatus) -> None:
@@ -392,6 +396,12 @@ class SchedulerService:
         if s.preemptions > self._preemptions_seen:
             m.preemptions.inc(s.preemptions - self._preemptions_seen)
             self._preemptions_seen = s.preemptions
+        m.state_snapshots.set(s.state_snapshots)
+        for name, counter in (("prefix_hits", m.prefix_hits), ("snapshot_evictions", m.snapshot_evictions)):
+            value = getattr(s, name)
+            if value > self._counters_seen[name]:
+                counter.inc(value - self._counters_seen[name])
+                self._counters_seen[name] = value
 
     def _pool_dict(self) -> dict | None:
         if self.core is None:

@@ -10,7 +10,11 @@ computed from the logits the step has anyway; prompt tokens' for the rows StepBa
 marks, which need the logits of every position of those rows' chunks: such a step runs eagerly
 (DecodeGraphs.bucket_for refuses it), keeps the model's hidden states, and turns the marked rows into
 logits in slices no larger than the sampling logits of a full batch. Steps that ask for neither run
-exactly as before."""
+exactly as before.
+
+Linear-state snapshots (hybrid models' prefix cache) ride along too: a row's slot takes a snapshot's
+state before the forward (StepBatch.restore_state), a snapshot takes a row's state after it
+(StepBatch.save_state); device-to-device copies queued with the step, eagerly around a graph replay."""
 
 from __future__ import annotations
 
@@ -78,6 +82,7 @@ class StepExecutor:
         prompt_rows = batch.prompt_logprobs is not None and bool(np.asarray(batch.prompt_logprobs).any())
         prompt_parts: list = []
         with torch.inference_mode():
+            self._restore_states(batch)
             if bucket is not None:
                 logits = self.graphs.run(batch, bucket, before_replay=feed)
             elif prompt_rows:
@@ -87,6 +92,7 @@ class StepExecutor:
                 prompt_parts = self._prompt_logprobs(batch, hidden)
             else:
                 logits = self.model(self._eager_batch(batch, feed), self.pools)
+            self._save_states(batch)
             tokens, logprobs = self.sampler.choose(sampled_ids.tolist(), logits)
             top = self.sampler.top_logprobs(sampled_ids.tolist(), logits, tokens)
             if self.store is not None:
@@ -164,6 +170,18 @@ class StepExecutor:
         return [(rid, start, kk, [token_lps[a : a + n], top_ids[a : a + n], top_lps[a : a + n]])
                 for rid, start, kk, a, n in parts]  # fmt: skip
 
+    def _restore_states(self, batch: StepBatch) -> None:
+        """Before the forward: each restoring row's linear-state slot takes its snapshot (already checked)."""
+        if batch.restore_state is not None:
+            rows = np.flatnonzero(batch.restore_state >= 0)
+            self.pools.linear_state.restore([(int(batch.restore_state[i]), int(batch.linear_state_slots[i])) for i in rows])
+
+    def _save_states(self, batch: StepBatch) -> None:
+        """After the forward: each saving row's snapshot takes the state at the end of the row's chunk."""
+        if batch.save_state is not None:
+            rows = np.flatnonzero(batch.save_state >= 0)
+            self.pools.linear_state.save([(int(batch.linear_state_slots[i]), int(batch.save_state[i])) for i in rows])
+
     def _feed_rows(self, batch: StepBatch, previous: tuple | None):
         """For a step scheduled ahead: a function putting, into the step's device tokens, each fed row's
         token from the previous step's sampled tokens (still on the device); None when no row is fed.
@@ -236,10 +254,15 @@ class StepExecutor:
         limits = StepLimits(kv_pages=p.kv.pages, page_size=p.kv.page_size,
                             linear_state_slots=p.linear_state.slots if self.spec.linear_attention_layers else 0,
                             max_running_requests=p.max_running_requests, max_prefill_tokens=p.max_prefill_tokens,
-                            max_model_len=p.max_model_len, vocab_size=self.spec.vocab_size)  # fmt: skip
+                            max_model_len=p.max_model_len, vocab_size=self.spec.vocab_size,
+                            linear_state_snapshots=self._snapshot_count())  # fmt: skip
         problems = step_problems(batch, limits, self.sampler.requests)
         if problems:
             raise StepBatchError(f"step {batch.step_id}: " + "; ".join(problems))
+
+    def _snapshot_count(self) -> int:
+        linear = self.pools.linear_state if self.spec.linear_attention_layers else None
+        return linear.num_snapshots if linear is not None else 0
 
 
 @dataclass

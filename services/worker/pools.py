@@ -64,17 +64,46 @@ class KvTensorPool:
 
 class LinearStatePool:
     """The linear state (Gated DeltaNet layers): conv [layers, slots + padding, conv_dim, kernel - 1] and
-    recurrent [layers, slots + padding, v_heads, k_head_dim, v_head_dim] (float32)."""
+    recurrent [layers, slots + padding, v_heads, k_head_dim, v_head_dim] (float32); and, in a pool of its
+    own (`snapshots`, None when the plan has none), the prefix cache's snapshots of whole states,
+    snapshot-major: snapshot_conv [snapshots, layers, ...], snapshot_recurrent [snapshots, layers, ...].
 
-    def __init__(self, pool: AllocatedPool, linear_attention_layers: tuple[int, ...]):
+    A snapshot moves to or from a request's slot with `restore` / `save`: one device-side copy per
+    tensor and pair, no host round trip and no temporary (the step's state copies, shared/step.py)."""
+
+    def __init__(self, pool: AllocatedPool, linear_attention_layers: tuple[int, ...],
+                 snapshots: AllocatedPool | None = None):  # fmt: skip
         self.pool = pool
         self.conv = pool.views.get("conv")
         self.recurrent = pool.views.get("recurrent")
         self._index = {layer: i for i, layer in enumerate(linear_attention_layers)}
+        self.snapshots = snapshots
+        self.snapshot_conv = snapshots.views["snapshot_conv"] if snapshots is not None else None
+        self.snapshot_recurrent = snapshots.views["snapshot_recurrent"] if snapshots is not None else None
+
+    @property
+    def num_snapshots(self) -> int:
+        return 0 if self.snapshot_conv is None else int(self.snapshot_conv.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        return self.pool.nbytes + (self.snapshots.nbytes if self.snapshots is not None else 0)
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         i = self._index[layer_idx]
         return self.conv[i], self.recurrent[i]
+
+    def restore(self, pairs: list[tuple[int, int]]) -> None:
+        """(snapshot, slot): the slot takes the snapshot's state (every layer's conv and recurrent parts)."""
+        for snapshot, slot in pairs:
+            self.conv[:, slot].copy_(self.snapshot_conv[snapshot])
+            self.recurrent[:, slot].copy_(self.snapshot_recurrent[snapshot])
+
+    def save(self, pairs: list[tuple[int, int]]) -> None:
+        """(slot, snapshot): the snapshot takes the slot's state."""
+        for slot, snapshot in pairs:
+            self.snapshot_conv[snapshot].copy_(self.conv[:, slot])
+            self.snapshot_recurrent[snapshot].copy_(self.recurrent[:, slot])
 
 
 class ExpertSlotPool:
@@ -122,38 +151,40 @@ class Pools:
     @property
     def nbytes(self) -> int:
         total = self.kv.pool.nbytes + self.experts.pool.nbytes
-        return total + (self.linear_state.pool.nbytes if self.linear_state else 0)
+        return total + (self.linear_state.nbytes if self.linear_state else 0)
 
 
-def pool_layouts(spec: ModelSpec, plan: Plan) -> tuple[L.PoolLayout, L.PoolLayout, L.PoolLayout]:
-    """The layouts the plan priced, rebuilt from the plan's counts with the same functions."""
+def pool_layouts(spec: ModelSpec, plan: Plan) -> tuple[L.PoolLayout, ...]:
+    """The layouts the plan priced, rebuilt from the plan's counts with the same functions: KV, linear
+    state, expert slots, linear-state snapshots."""
     return (
         L.kv_pool_layout(spec, plan.dtype, plan.kv.pages, plan.kv.page_size),
         L.linear_state_layout(spec, plan.dtype, plan.linear_state.slots),
         L.expert_slot_layout(spec, plan.dtype, plan.experts.slots, plan.max_prefill_tokens),
+        L.linear_state_snapshot_layout(spec, plan.dtype, plan.linear_state_snapshots.snapshots),
     )
 
 
 def allocate_pools(spec: ModelSpec, plan: Plan, device: torch.device | str) -> Pools:
-    """Allocate the three pools and check, on CUDA through the allocator's own counter, that
-    the memory taken equals the plan."""
+    """Allocate the pools and check, on CUDA through the allocator's own counter, that the memory
+    taken equals the plan."""
     device = torch.device(device)
-    kv_layout, linear_layout, expert_layout = pool_layouts(spec, plan)
-    priced = {"kv": plan.kv.bytes, "linear_state": plan.linear_state.bytes, "experts": plan.experts.bytes}
-    for layout in (kv_layout, linear_layout, expert_layout):
+    kv_layout, linear_layout, expert_layout, snapshot_layout = pool_layouts(spec, plan)
+    priced = {"kv": plan.kv.bytes, "linear_state": plan.linear_state.bytes, "experts": plan.experts.bytes,
+              "linear_state_snapshots": plan.linear_state_snapshots.bytes}  # fmt: skip
+    for layout in (kv_layout, linear_layout, expert_layout, snapshot_layout):
         if layout.nbytes != priced[layout.name]:
             raise PoolAllocationError(f"{layout.name} pool layout is {layout.nbytes} B but the plan priced "
                                       f"{priced[layout.name]} B: the plan was made for another model or dtype")  # fmt: skip
     before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     kv = KvTensorPool(allocate_pool(kv_layout, device), spec.full_attention_layers, plan.kv.page_size)
-    linear = (
-        LinearStatePool(allocate_pool(linear_layout, device), spec.linear_attention_layers)
-        if linear_layout.tensors
-        else None
-    )
+    linear = None
+    if linear_layout.tensors:
+        snapshots = allocate_pool(snapshot_layout, device) if snapshot_layout.tensors else None
+        linear = LinearStatePool(allocate_pool(linear_layout, device), spec.linear_attention_layers, snapshots)
     experts = ExpertSlotPool(allocate_pool(expert_layout, device), expert_format_for(spec, TORCH_DTYPES[plan.dtype]))
     pools = Pools(kv, linear, experts)
-    planned = plan.kv.bytes + plan.linear_state.bytes + plan.experts.bytes
+    planned = plan.kv.bytes + plan.linear_state.bytes + plan.linear_state_snapshots.bytes + plan.experts.bytes
     taken = torch.cuda.memory_allocated(device) - before if device.type == "cuda" else pools.nbytes
     if taken != planned:
         raise PoolAllocationError(f"the pools took {taken} B of device memory but the plan priced {planned} B; "

@@ -54,8 +54,9 @@ def pool_report_from_plan(plan: Any, vocab_size: int = 0) -> PoolReport:
         kv_pages=plan.kv.pages, page_size=plan.kv.page_size, linear_state_slots=plan.linear_state.slots,
         max_running_requests=plan.max_running_requests, max_prefill_tokens=plan.max_prefill_tokens,
         max_model_len=plan.max_model_len, vocab_size=vocab_size,
+        linear_state_snapshots=plan.linear_state_snapshots.snapshots,
         plan_summary=f"{plan.kv.pages} KV pages x {plan.kv.page_size} tokens, {plan.linear_state.slots} linear-state slots, "
-        f"{plan.experts.slots}/{plan.experts.total} expert slots",
+        f"{plan.linear_state_snapshots.snapshots} linear-state snapshots, {plan.experts.slots}/{plan.experts.total} expert slots",
     )  # fmt: skip
 
 

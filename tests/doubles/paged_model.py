@@ -3,7 +3,10 @@ read back from the KV pages it wrote. A wrong page table, a reused page whose co
 page freed while in use, or a write to the sentinel page changes the output or raises, so tests
 that compare against `reference_continuation` check the scheduler's page bookkeeping for real.
 
-Hybrid mode also keeps a per-slot running hash (the 'linear state') and checks it against the pages.
+Hybrid mode also keeps a per-slot running hash (the 'linear state') and checks it against the pages, and
+linear-state snapshots (the prefix cache's): a restored slot takes a snapshot's hash before the step, a saved
+snapshot the slot's hash after it, so a snapshot restored at the wrong position, or overwritten while it is
+still wanted, gives a state that disagrees with the pages (an assertion) and a wrong continuation.
 """
 
 from __future__ import annotations
@@ -38,11 +41,14 @@ def reference_continuation(prompt: list[int], n: int, vocab, stop_ids=()) -> lis
 
 
 class PagedHashModel:
-    def __init__(self, pages: int, page_size: int, vocab, linear_state_slots: int = 0):
+    def __init__(self, pages: int, page_size: int, vocab, linear_state_slots: int = 0, snapshots: int = 0):
         self.page_size = page_size
         self.vocab = list(vocab)  # the token ids it may produce
         self.kv = np.full((pages + 1, page_size), -1, dtype=np.int64)
         self.state = np.zeros(linear_state_slots + 1, dtype=np.int64)
+        # each snapshot: (hash, position) of the state it holds; position -1: never written
+        self.snapshots = np.full((snapshots, 2), -1, dtype=np.int64)
+        self.restored_tokens = 0  # tokens whose state came from a snapshot rather than being computed
         self.hybrid = linear_state_slots > 0
         self.known: set[int] = set()  # requests the sampler holds state for
         self.steps = 0
@@ -59,6 +65,13 @@ class PagedHashModel:
         out_ids, out_tokens = [], []
         start = 0
         ps = self.page_size
+        if batch.restore_state is not None:  # before the forward
+            for i in np.flatnonzero(batch.restore_state >= 0).tolist():
+                h, pos = self.snapshots[int(batch.restore_state[i])].tolist()
+                assert pos == int(batch.context_lens[i]), f"snapshot of position {pos} restored at {batch.context_lens[i]}"
+                assert not batch.reset_linear_state[i]
+                self.state[int(batch.linear_state_slots[i])] = h
+                self.restored_tokens += pos
         for i, rid in enumerate(batch.req_ids.tolist()):
             assert rid in self.known, f"request {rid} stepped without a NewRequest"
             q, ctx = int(batch.query_lens[i]), int(batch.context_lens[i])
@@ -90,6 +103,11 @@ class PagedHashModel:
                 out_ids.append(rid)
                 out_tokens.append(next_token(h, self.vocab))
         assert start == len(batch.tokens), "query_lens do not cover the batch's tokens"
+        if batch.save_state is not None:  # after the forward
+            ends = batch.context_lens + batch.query_lens
+            for i in np.flatnonzero(batch.save_state >= 0).tolist():
+                assert int(ends[i]) % ps == 0, "a snapshot off a page boundary"
+                self.snapshots[int(batch.save_state[i])] = (int(self.state[int(batch.linear_state_slots[i])]), int(ends[i]))
         return StepOutput(
             step_id=batch.step_id,
             req_ids=np.array(out_ids, dtype=np.int64),

@@ -36,7 +36,8 @@ def test_cuda_boot_measures_profiles_and_keeps_the_budget(tiny_model):
     executor, plan = boot_worker(_args(tiny_model, "--gpu-memory", f"{budget}B"))  # a budget needs its unit
     assert plan.weights_source == "measured" and plan.workspace_source.startswith("profiled")
     assert plan.workspace_bytes > 0
-    assert executor.pools.nbytes == plan.kv.bytes + plan.linear_state.bytes + plan.experts.bytes
+    assert executor.pools.nbytes == (plan.kv.bytes + plan.linear_state.bytes + plan.linear_state_snapshots.bytes
+                                     + plan.experts.bytes)  # fmt: skip
     assert torch.cuda.max_memory_reserved() - held_before <= budget
 
 

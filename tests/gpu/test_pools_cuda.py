@@ -20,7 +20,8 @@ def test_allocated_equals_priced_on_cuda(cuda_device):
     before_alloc, before_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     pools = allocate_pools(spec, plan, cuda_device)
     torch.cuda.synchronize()
-    priced = plan.kv.bytes + plan.linear_state.bytes + plan.experts.bytes
+    priced = plan.kv.bytes + plan.linear_state.bytes + plan.linear_state_snapshots.bytes + plan.experts.bytes
+    assert plan.linear_state_snapshots.snapshots > 0  # the prefix cache's snapshots: a pool of their own, as priced
     assert torch.cuda.memory_allocated() - before_alloc == priced
     assert torch.cuda.memory_reserved() - before_reserved == priced  # 2 MiB granules: nothing reserved beyond
     del pools

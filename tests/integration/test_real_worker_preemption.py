@@ -4,7 +4,8 @@ request recomputed from its prompt plus what it already produced) must not chang
 Both architectures: qwen3_moe, where a preempted request's full pages stay in the prefix cache and
 its recomputation starts after the longest cached prefix (shared with other requests' pages); and the
 hybrid qwen3_5_moe (Gated DeltaNet + gated attention + MoE), where a preempted request also gives up
-its linear-state slot and restarts its recurrent state from zero, with no prefix reuse."""
+its linear-state slot and restarts from the deepest linear-state snapshot on its path (its output's last page
+boundary, or its prompt's), or from zero when the KV cache evicted those with their pages."""
 
 from __future__ import annotations
 

@@ -48,3 +48,14 @@ def test_preemptions_are_a_counter_and_refusals_are_labelled():
     types = {f.name: f.type for f in text_string_to_metric_families(text)}
     assert types["ferry_preemptions"] == types["vllm:num_preemptions"] == "counter"
     assert 'ferry_refused_requests_total{route="/v1/messages",status="401"} 1.0' in text
+
+
+def test_prefix_hits_and_snapshot_evictions_are_counters_from_the_schedulers_status():
+    m = ApiMetrics("tiny")
+    m.refresh_from(SchedulerStatus(boot_id="b", ready=True, reason="", prefix_hits=5, snapshot_evictions=2,
+                                   state_snapshots=7), True)  # fmt: skip
+    got = samples(m)
+    assert got[("ferry_prefix_cache_hits_total", ())] == 5 and got[("ferry_state_snapshot_evictions_total", ())] == 2
+    assert got[("ferry_state_snapshots", ())] == 7
+    types = {f.name: f.type for f in text_string_to_metric_families(m.exposition().decode())}
+    assert types["ferry_prefix_cache_hits"] == types["ferry_state_snapshot_evictions"] == "counter"

@@ -31,7 +31,8 @@ def boot_args(model_dir, *extra: str) -> WorkerBootConfig:
 def test_boot_allocates_exactly_the_plan(tiny_model):
     executor, plan = boot_worker(boot_args(tiny_model, "--gpu-memory", "64MiB"))
     pools = executor.pools
-    assert pools.nbytes == plan.kv.bytes + plan.linear_state.bytes + plan.experts.bytes
+    assert pools.nbytes == plan.kv.bytes + plan.linear_state.bytes + plan.linear_state_snapshots.bytes + plan.experts.bytes
+    assert (plan.linear_state_snapshots.snapshots > 0) == bool(executor.spec.linear_attention_layers)
     assert plan.total_bytes <= plan.budget_bytes == int(64 * 2**20 * 0.9)
     params = sum(p.numel() * p.element_size() for p in executor.model.parameters())
     assert params <= plan.weights_bytes and plan.weights_source == "measured"

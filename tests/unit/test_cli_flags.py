@@ -96,6 +96,21 @@ def test_no_schedule_ahead_reaches_the_scheduler_from_serve():
         assert cfg.schedule_ahead is ahead
 
 
+def test_no_prefix_cache_reaches_the_scheduler_and_frees_the_workers_snapshots():
+    from ferry.services.scheduler.config import scheduler_config_from_args
+    from ferry.services.worker.flags import boot_config_from_args
+
+    cases = (((), True, None), (("--no-prefix-cache",), False, 0),
+             (("--no-prefix-cache", "--linear-state-snapshots", "8"), False, 8), (("--linear-state-snapshots", "3"), True, 3))
+    for extra, cache, snapshots in cases:  # fmt: skip
+        commands = child_commands(parse("serve", "/models/m", *extra), "/models/m", Path("/tmp/x"))
+        assert scheduler_config_from_args(parse("scheduler", *commands["scheduler"][4:])).prefix_cache is cache
+        # without the cache the snapshots' memory goes to the other pools, unless a count was asked for
+        assert boot_config_from_args(parse("worker", *commands["worker"][4:])).plan.linear_state_snapshots == snapshots
+    with pytest.raises(SystemExit):
+        parse("worker", "--model", "m", "--linear-state-snapshots", "many")
+
+
 def test_the_api_key_never_goes_on_a_command_line_nor_in_an_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("FERRY_API_KEY", "s3cret")
     args = parse("serve")

@@ -188,6 +188,57 @@ def test_the_step_contract_holds_issue_11s_fields():
             BatchScheduler(POOL).add(1, b"c", 1, np.array([1, 2, 3], np.int32), bad, 4)
 
 
+HYBRID_LIMITS = StepLimits(kv_pages=16, page_size=4, linear_state_slots=4, max_running_requests=4, max_prefill_tokens=32,
+                           max_model_len=64, vocab_size=100, linear_state_snapshots=3)  # fmt: skip
+
+
+def _hybrid_step(**fields) -> StepBatch:
+    """Request 5 resumes from a cached prefix: 3 tokens at positions 4..6, in slot 2."""
+    base = dict(context_lens=np.array([4], np.int32), page_table=np.array([[1, 2]], np.int32),
+                linear_state_slots=np.array([2], np.int32), reset_linear_state=np.array([False]))  # fmt: skip
+    return _step(**{**base, **fields})
+
+
+def test_the_step_contract_holds_the_linear_state_copies():
+    ok = _hybrid_step(restore_state=np.array([2], np.int32), save_state=np.array([0], np.int32))
+    assert step_problems(ok, HYBRID_LIMITS, set()) == []
+    assert step_problems(_hybrid_step(restore_state=np.array([-1], np.int32)), HYBRID_LIMITS, set()) == []
+    for fields, word in [
+        (dict(restore_state=np.array([3], np.int32)), "snapshot ids must be -1 or in 0..2"),
+        (dict(save_state=np.array([-2], np.int32)), "snapshot ids"),
+        (dict(save_state=np.array([0, 1], np.int32)), "save_state has 2 entries"),
+        (dict(restore_state=np.array([True])), "restore_state must be a 1-D integer array"),
+        (dict(save_state=np.array([[0]], np.int32)), "save_state must be a 1-D integer array"),
+        (dict(restore_state=np.array([0], np.int32), linear_state_slots=np.array([0], np.int32)), "linear-state slot"),
+        (dict(restore_state=np.array([0], np.int32), reset_linear_state=np.array([True])), "cached prefix"),
+        (dict(restore_state=np.array([0], np.int32), context_lens=np.array([0], np.int32),
+              reset_linear_state=np.array([True])), "cached prefix"),
+    ]:  # fmt: skip
+        problems = " ".join(step_problems(_hybrid_step(**fields), HYBRID_LIMITS, set()))
+        assert word in problems, (fields, problems)
+    # two rows saving into one snapshot; a model without linear state (or without snapshots) takes no copy
+    two = _hybrid_step(req_ids=np.array([5, 6], np.int64), tokens=np.array([1, 2], np.int32),
+                       query_lens=np.array([1, 1], np.int32), context_lens=np.array([4, 4], np.int32),
+                       page_table=np.array([[1, 2], [3, 4]], np.int32), linear_state_slots=np.array([1, 2], np.int32),
+                       reset_linear_state=np.array([False, False]), sample=np.array([False, False]),
+                       save_state=np.array([1, 1], np.int32))  # fmt: skip
+    assert "two rows save into one snapshot" in " ".join(step_problems(two, HYBRID_LIMITS, set()))
+    assert "keeps no linear-state snapshots" in step_problems(_step(save_state=np.array([0], np.int32)), LIMITS, set())[0]
+
+
+@FUZZ
+@given(restore=st.none() | arrays(1), save=st.none() | arrays(1), slots=arrays(1), context=arrays(1), reset=arrays(1))
+def test_the_worker_refuses_any_state_copy_outside_its_pools(restore, save, slots, context, reset):
+    batch = _hybrid_step(restore_state=restore, save_state=save, linear_state_slots=slots, context_lens=context,
+                         reset_linear_state=reset)  # fmt: skip
+    problems = step_problems(batch, HYBRID_LIMITS, {5})
+    if not problems:  # what the executor then indexes the pools with: -1 (none) or an id within the pool
+        for a, bound in ((restore, 3), (save, 3), (slots, 5)):
+            if a is not None:
+                assert a.dtype.kind in "iu" and a.shape == (1,)
+                assert int(a[0]) == -1 and a is not slots or 0 <= int(a[0]) < bound
+
+
 def test_a_forged_grammar_or_bias_crosses_the_wire_only_within_its_bounds():
     codec = Codec(ApiToScheduler)
     head = _head("Submit", {"req_id": 1, "prompt_token_ids": [1, "<i4", [0]], "max_tokens": 1,

@@ -37,7 +37,8 @@ def test_json_is_one_object_with_the_documented_fields(model):
     assert {"page_size", "pages", "sentinel_pages", "tokens", "bytes_per_token", "bytes"} <= plan["kv"].keys()
     assert {"slots", "padding_slots", "bytes_per_slot", "bytes"} <= plan["linear_state"].keys()
     assert {"slots", "total", "bytes_per_slot", "bytes"} <= plan["experts"].keys()
-    parts = plan["weights_bytes"] + plan["workspace_bytes"] + sum(plan[k]["bytes"] for k in ("kv", "linear_state", "experts"))
+    pools = ("kv", "linear_state", "linear_state_snapshots", "experts")
+    parts = plan["weights_bytes"] + plan["workspace_bytes"] + sum(plan[k]["bytes"] for k in pools)
     assert plan["total_bytes"] == parts
     assert plan["headroom_bytes"] == plan["budget_bytes"] - plan["total_bytes"] >= 0
     assert plan["budget_bytes"] == int(24 * 2**30 * 0.9)

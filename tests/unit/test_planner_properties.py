@@ -73,6 +73,7 @@ def requests(draw, spec):
         max_model_len=draw(opt() | st.integers(1, spec.max_position_embeddings)),
         host_memory=draw(opt() | st.integers(1, 4 * 2**30)),
         expert_bank_format=draw(opt() | st.sampled_from(["auto", "packed", "plain"])),
+        linear_state_snapshots=draw(opt() | st.integers(0, 200)),
     )
 
 
@@ -95,8 +96,8 @@ def test_plan_keeps_its_promises_or_fails_in_the_plan(data):
         return
 
     assert plan.total_bytes <= plan.budget_bytes and plan.headroom_bytes >= 0
-    assert plan.total_bytes == (plan.weights_bytes + plan.workspace_bytes + plan.kv.bytes
-                                + plan.linear_state.bytes + plan.experts.bytes)  # fmt: skip
+    assert plan.total_bytes == (plan.weights_bytes + plan.workspace_bytes + plan.kv.bytes + plan.linear_state.bytes
+                                + plan.linear_state_snapshots.bytes + plan.experts.bytes)  # fmt: skip
     ps = plan.kv.page_size
     if req.num_pages is not None:
         assert plan.kv.pages == req.num_pages
@@ -111,6 +112,7 @@ def test_plan_keeps_its_promises_or_fails_in_the_plan(data):
     elif req.moe_cache_rate is None:
         assert spec.num_experts <= plan.experts.slots <= spec.total_experts
     assert plan.linear_state.slots == (plan.max_running_requests if spec.linear_attention_layers else 0)
+    _snapshots_are_a_requirement_or_a_default_that_only_shrinks(spec, req, plan)
     _host_banks_are_priced_in_the_expert_format(spec, req, plan)
 
     # each pool allocates exactly what it priced (small enough to allocate on CPU here)
@@ -118,6 +120,8 @@ def test_plan_keeps_its_promises_or_fails_in_the_plan(data):
         (L.kv_pool_layout(spec, plan.dtype, plan.kv.pages, ps), plan.kv.bytes),
         (L.linear_state_layout(spec, plan.dtype, plan.linear_state.slots), plan.linear_state.bytes),
         (L.expert_slot_layout(spec, plan.dtype, plan.experts.slots, plan.max_prefill_tokens), plan.experts.bytes),
+        (L.linear_state_snapshot_layout(spec, plan.dtype, plan.linear_state_snapshots.snapshots),
+         plan.linear_state_snapshots.bytes),
     ]
     _expert_pool_is_named_to_the_byte(spec, plan)
     for layout, priced in layouts:
@@ -127,6 +131,24 @@ def test_plan_keeps_its_promises_or_fails_in_the_plan(data):
             assert pool.nbytes == priced
             for t in layout.tensors:
                 assert tuple(pool.views[t.name].shape) == t.shape
+
+
+def _snapshots_are_a_requirement_or_a_default_that_only_shrinks(spec, req, plan) -> None:
+    """--linear-state-snapshots N gives N exactly (hybrid models; none otherwise); the default is two per
+    running request, fewer only when those did not fit beside the floors."""
+    from ferry.plan.planner import DEFAULT_SNAPSHOT_BUDGET_SHARE, DEFAULT_SNAPSHOTS_PER_RUNNING_REQUEST
+
+    s = plan.linear_state_snapshots
+    if not spec.linear_attention_layers:
+        assert s.snapshots == s.bytes == 0
+        return
+    assert s.bytes_per_snapshot == (L.linear_state_bytes_per_slot(spec, plan.dtype) if s.snapshots else 0)
+    if req.linear_state_snapshots is not None:
+        assert s.snapshots == req.linear_state_snapshots and s.source == "--linear-state-snapshots"
+    else:
+        default = DEFAULT_SNAPSHOTS_PER_RUNNING_REQUEST * plan.max_running_requests
+        assert s.snapshots == default or (("fewer to fit" in s.source or "capped" in s.source) and s.snapshots < default)
+        assert s.bytes <= plan.budget_bytes // DEFAULT_SNAPSHOT_BUDGET_SHARE
 
 
 def _host_banks_are_priced_in_the_expert_format(spec, req, plan) -> None:

@@ -1,0 +1,176 @@
+"""Issue 23's measurements on a real hybrid model (Qwen3.6-35B-A3B on an H200), through `ferry serve` and the
+official clients. Skipped unless FERRY_MUST_SHOW_MODEL names the model directory (it needs the GPU and the
+model); FERRY_MUST_SHOW_FLAGS adds serve flags, FERRY_MUST_SHOW_OUT names the JSON file the figures go to,
+FERRY_MUST_SHOW_TOKENS="32000,4000" the first turn's and the system prompt's lengths (a smoke run on CPU with
+the tiny model: FERRY_MUST_SHOW_TOKENS=300,200 FERRY_MUST_SHOW_FLAGS="--device cpu --max-model-len 1024").
+
+* A three-turn conversation through the openai client and another through the anthropic client, each with
+  a first turn of 32k prompt tokens: turns 2 and 3 start from the snapshots of the turn before, and their
+  time to first token is at most 0.5 s.
+* 8 concurrent streams sharing a 4k-token system prompt (each with its own question): their first tokens
+  come at least 5x sooner than with `--no-prefix-cache`. Two rounds each: the first sees the system prompt
+  cold (one stream computes it, keeping its state where the prompts part, while the others wait for that
+  snapshot), the second warm (as a deployment's steady state); the 5x is asserted on the warm round, and
+  both are recorded.
+
+    FERRY_MUST_SHOW_MODEL=/models/qwen3.6-35b-a3b .venv/bin/python -m pytest -q -s tests/gpu/test_prefix_cache_must_show.py
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tests.integration.harness import REPO, child_env, eventually, free_port, healthy
+
+MODEL = os.environ.get("FERRY_MUST_SHOW_MODEL")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not MODEL, reason="FERRY_MUST_SHOW_MODEL is not set")]
+FLAGS = shlex.split(os.environ.get("FERRY_MUST_SHOW_FLAGS", ""))
+OUT = Path(os.environ.get("FERRY_MUST_SHOW_OUT", "prefix_cache_must_show.json"))
+FIRST_TURN, SYSTEM_PROMPT = map(int, os.environ.get("FERRY_MUST_SHOW_TOKENS", "32000,4000").split(","))
+WORDS = ("ferry river harbour cargo timetable crossing dawn captain deck rope tide lantern bridge quay anchor "
+         "passenger ticket engine current mooring channel island bell fog signal").split()  # fmt: skip
+RESULTS: dict = {}
+
+
+def _text(tokenizer, tokens: int, seed: int) -> str:
+    """Words of about `tokens` tokens (by the model's tokenizer)."""
+    rng = random.Random(seed)
+    words = [rng.choice(WORDS) for _ in range(tokens)]
+    while len(tokenizer.encode(" ".join(words), add_special_tokens=False)) > tokens:
+        words = words[: int(len(words) * 0.95)]
+    return " ".join(words)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(MODEL)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def write_results():
+    yield
+    OUT.write_text(json.dumps(RESULTS, indent=2) + "\n")
+
+
+@contextlib.contextmanager
+def _serve(tmp: Path, *flags: str):
+    """`ferry serve MODEL` on the GPU until the block ends; loading the model may take minutes."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    with open(tmp / "serve.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "ferry.services.cli", "serve", MODEL, "--port", str(port),
+                                 "--served-model-name", "tiny", "--max-model-len", "65536", *FLAGS, *flags],
+                                cwd=REPO, env=child_env(), stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        ok = eventually(lambda: proc.poll() is None and healthy(url), timeout=1800, interval=1)
+        assert ok, (tmp / "serve.log").read_text()[-3000:]
+        yield type("Served", (), {"url": url})
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _openai_turn(url, messages, max_tokens=128):
+    import openai
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=600)
+    t0, first, text, usage = time.perf_counter(), None, [], None
+    for chunk in client.chat.completions.create(model="tiny", messages=messages, max_tokens=max_tokens, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}):  # fmt: skip
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            delta = c.delta.model_dump()
+            if first is None and any(delta.get(k) for k in ("content", "reasoning_content", "tool_calls")):
+                first = time.perf_counter() - t0
+            text.append(delta.get("content") or "")
+    return first, "".join(text), usage.prompt_tokens_details.cached_tokens, usage.prompt_tokens
+
+
+def _anthropic_turn(url, system, messages, max_tokens=128):
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0, timeout=600)
+    t0, first = time.perf_counter(), None
+    with client.messages.stream(model="tiny", max_tokens=max_tokens, system=system, messages=messages,
+                                extra_body={"temperature": 0}) as stream:  # fmt: skip
+        for event in stream:
+            if first is None and event.type == "content_block_delta":
+                first = time.perf_counter() - t0
+        final = stream.get_final_message()
+    text = "".join(b.text for b in final.content if b.type == "text")
+    return first, text, final.usage.cache_read_input_tokens, final.usage.input_tokens + final.usage.cache_read_input_tokens
+
+
+def test_three_turns_with_a_32k_first_turn_answer_turns_2_and_3_within_half_a_second(tokenizer, tmp_path):
+    questions = ["Summarise the log above in one sentence.", "Which word comes up most?", "And the least?"]
+    with _serve(tmp_path) as served:
+        ttft = {}
+        messages = [{"role": "user", "content": _text(tokenizer, FIRST_TURN, 1) + "\n\n" + questions[0]}]
+        for turn, question in enumerate(questions, start=1):
+            if turn > 1:
+                messages.append({"role": "user", "content": question})
+            first, text, cached, prompt = _openai_turn(served.url, messages)
+            ttft[f"openai_turn_{turn}"] = {"ttft_s": first, "cached_tokens": cached, "prompt_tokens": prompt}
+            messages.append({"role": "assistant", "content": text})
+        system, messages = "You read logs.", [{"role": "user", "content": _text(tokenizer, FIRST_TURN, 2) + "\n\n" + questions[0]}]
+        for turn, question in enumerate(questions, start=1):
+            if turn > 1:
+                messages.append({"role": "user", "content": question})
+            first, text, cached, prompt = _anthropic_turn(served.url, system, messages)
+            ttft[f"anthropic_turn_{turn}"] = {"ttft_s": first, "cached_tokens": cached, "prompt_tokens": prompt}
+            messages.append({"role": "assistant", "content": text or "."})
+    RESULTS["three_turns"] = ttft
+    print(json.dumps(ttft, indent=2))
+    for api in ("openai", "anthropic"):
+        assert ttft[f"{api}_turn_1"]["prompt_tokens"] >= FIRST_TURN
+        for turn in (2, 3):
+            got = ttft[f"{api}_turn_{turn}"]
+            assert got["cached_tokens"] > 0 and got["ttft_s"] <= 0.5, (api, turn, got)
+
+
+def _eight_streams(url, system: str, seed: int) -> list[float]:
+    def one(i):
+        messages = [{"role": "system", "content": system},
+                    {"role": "user", "content": f"Question {seed}-{i}: " + " ".join(random.Random(seed * 100 + i).choices(WORDS, k=40))}]  # fmt: skip
+        return _openai_turn(url, messages, max_tokens=16)[0]
+
+    with ThreadPoolExecutor(8) as pool:
+        return list(pool.map(one, range(8)))
+
+
+def test_eight_streams_sharing_a_4k_system_prompt_start_5x_sooner_than_without_the_prefix_cache(tokenizer, tmp_path):
+    system = "You answer questions about this harbour log.\n" + _text(tokenizer, SYSTEM_PROMPT, 3)
+    figures = {}
+    for name, flags in (("prefix_cache", ()), ("no_prefix_cache", ("--no-prefix-cache",))):
+        with _serve(tmp_path / name, *flags) as served:
+            # first-time costs (kernel compiles, autotuning, the expert cache) paid on an unrelated prompt
+            _eight_streams(served.url, "Unrelated.\n" + _text(tokenizer, SYSTEM_PROMPT, 4), 0)
+            cold, warm = _eight_streams(served.url, system, 1), _eight_streams(served.url, system, 2)
+        figures[name] = {"cold_ttft_s": cold, "warm_ttft_s": warm, "cold_mean_s": statistics.mean(cold),
+                         "warm_mean_s": statistics.mean(warm)}  # fmt: skip
+    for rnd in ("cold", "warm"):
+        figures[f"{rnd}_speedup"] = figures["no_prefix_cache"][f"{rnd}_mean_s"] / figures["prefix_cache"][f"{rnd}_mean_s"]
+    RESULTS["eight_streams"] = figures
+    print(json.dumps(figures, indent=2))
+    assert figures["warm_speedup"] >= 5, figures
