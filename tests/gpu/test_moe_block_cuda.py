@@ -103,7 +103,7 @@ def test_router_kernel_compiles_once_whatever_the_token_count(block):
     assert len(cache) == before, "a new token count compiled a new variant"
 
 
-def test_silu_mul_and_combine_round_as_torch_does():
+def test_silu_mul_and_combine_stay_within_an_ulp_of_torch():
     g = torch.Generator(device="cuda").manual_seed(2)
     for t in TOKENS:
         gate_up = (torch.randn(t, 1024, device="cuda", generator=g) * 3).bfloat16()
@@ -114,14 +114,17 @@ def test_silu_mul_and_combine_round_as_torch_does():
         assert (got != want).float().mean() < 0.05, f"T={t}: {float((got != want).float().mean()):.2%} differ"
         routed, shared = (torch.randn(t, 2048, device="cuda", generator=g).bfloat16() for _ in range(2))
         gate = torch.rand(t, 1, device="cuda", generator=g).bfloat16()
-        # the product and the sum each rounded to bf16 as torch does; the H200 showed a few elements apart.
-        # A product an ulp apart stays an ulp of the product after the sum, however small the sum (the two
-        # may cancel): so the bound is an ulp of the operands, not of the result
+        # torch rounds the product and then the sum; the compiled kernel keeps only the sum's rounding
+        # (on the H200, a3cc1af: 13.5% of the elements an ulp apart at T=1, all within this bound). A
+        # difference in the product's rounding stays an ulp of the product after the sum, however small
+        # the sum (the two may cancel): so the bound is an ulp of the operands, not of the result; and the
+        # kernel must be nearer the exact sum than that
         got, want = moe_combine_triton(routed, gate, shared), moe_combine_reference(routed, gate, shared)
         operands = routed.float().abs() + (gate.float() * shared.float()).abs()
         err = (got.float() - want.float()).abs()
         assert (err <= BF16_ULP * operands + 1e-6).all(), f"T={t}: {float((err / operands).max())} of an operand"
-        assert (got != want).float().mean() < 0.05, f"T={t}: {float((got != want).float().mean()):.2%} differ"
+        exact = routed.double() + gate.double() * shared.double()
+        assert ((got.double() - exact).abs() <= BF16_ULP * operands.double() + 1e-6).all()
 
 
 def test_marking_kernel_matches_the_scatter():
