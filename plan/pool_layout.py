@@ -93,14 +93,7 @@ def linear_state_layout(spec: ModelSpec, dtype: str, slots: int, padding: int = 
     layers = len(spec.linear_attention_layers)
     if layers == 0:
         return PoolLayout("linear_state", ())
-    total = slots + padding
-    conv = TensorSpec("conv", (layers, total, spec.linear_conv_dim, spec.linear_conv_kernel_dim - 1), dtype)
-    recurrent = TensorSpec(
-        "recurrent",
-        (layers, total, spec.linear_num_value_heads, spec.linear_key_head_dim, spec.linear_value_head_dim),
-        LINEAR_RECURRENT_DTYPE,
-    )
-    return PoolLayout("linear_state", (conv, recurrent))
+    return PoolLayout("linear_state", _linear_state_tensors(spec, dtype, "", (layers, slots + padding)))
 
 
 def linear_state_snapshot_layout(spec: ModelSpec, dtype: str, snapshots: int) -> PoolLayout:
@@ -112,13 +105,18 @@ def linear_state_snapshot_layout(spec: ModelSpec, dtype: str, snapshots: int) ->
     layers = len(spec.linear_attention_layers)
     if layers == 0 or snapshots <= 0:
         return PoolLayout("linear_state_snapshots", ())
-    conv = TensorSpec("snapshot_conv", (snapshots, layers, spec.linear_conv_dim, spec.linear_conv_kernel_dim - 1), dtype)
+    return PoolLayout("linear_state_snapshots", _linear_state_tensors(spec, dtype, "snapshot_", (snapshots, layers)))
+
+
+def _linear_state_tensors(spec: ModelSpec, dtype: str, prefix: str, lead: tuple[int, int]) -> tuple[TensorSpec, ...]:
+    """The conv state (model dtype) and the recurrent state (float32) of one position, behind `lead` axes."""
+    conv = TensorSpec(prefix + "conv", (*lead, spec.linear_conv_dim, spec.linear_conv_kernel_dim - 1), dtype)
     recurrent = TensorSpec(
-        "snapshot_recurrent",
-        (snapshots, layers, spec.linear_num_value_heads, spec.linear_key_head_dim, spec.linear_value_head_dim),
+        prefix + "recurrent",
+        (*lead, spec.linear_num_value_heads, spec.linear_key_head_dim, spec.linear_value_head_dim),
         LINEAR_RECURRENT_DTYPE,
     )
-    return PoolLayout("linear_state_snapshots", (conv, recurrent))
+    return (conv, recurrent)
 
 
 def expert_bytes(spec: ModelSpec, dtype: str) -> int:
