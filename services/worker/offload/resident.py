@@ -7,7 +7,7 @@ twin on CPU) — the same kernel `OffloadedExperts` uses, so the two agree bit f
 It keeps the same statistics as the offload store (every lookup a hit, nothing copied), so every
 worker exports the same expert-cache metrics whatever its plan. Counting the layer's distinct
 experts on the host would cost a device sync per layer; instead each layer marks its routed
-experts in a persistent [layers, experts] device table (one scatter, graph-safe), which
+experts in a persistent [layers, experts] device table (one small kernel, graph-safe), which
 `stats_to_host` sums and queues to the host before the step's one synchronisation.
 
 Small steps (decode) on the GPU go pair by pair (kernels/expert_pair_gemv.py) with the layer's
