@@ -1,0 +1,161 @@
+"""Where the served decode step's host time goes: py-spy samples the api, the scheduler and the worker
+of a running `ferry serve` while N streams decode, and this script folds the samples into one JSON.
+
+The decode step's device time is measured by bench/profile_decode.py; when the served rate is well
+below it, one of the three processes' loops paces the server. py-spy (a sampling profiler outside
+the process: it costs the target nothing it would notice) tells which: per process and thread the
+fraction of wall time it was on a CPU (`busy`), and the functions it was in (`self`: the innermost
+frame; `inclusive`: anywhere on the stack), as fractions of the samples.
+
+    python3 bench/profile_serve.py --workload hybrid8_resident --streams 1,8 --seconds 6 --out out.json
+
+py-spy comes from its wheel (`pip install py-spy`); `--py-spy PATH` names the binary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.decode_suite import WORKLOADS, commit  # noqa: E402
+from bench.serve_process import children_of, make_bench_model, start_serve  # noqa: E402
+
+ROLES = ("api", "scheduler", "worker")
+
+
+def role_pids(serve_pid: int) -> dict[str, int]:
+    """The api, scheduler and worker processes `ferry serve` started (by their command lines)."""
+    out = {}
+    for pid in children_of(serve_pid):
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        words = [a.decode(errors="replace") for a in argv]
+        for role in ROLES:
+            if role in words and role not in out:
+                out[role] = pid
+    return out
+
+
+def fold(raw: Path, seconds: float, rate: int, top: int) -> dict:
+    """py-spy's raw output (`frames... count` lines, the thread first with --threads) as busy fractions
+    per thread and the top functions by self and inclusive samples."""
+    threads: dict[str, dict] = {}
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack:
+            continue
+        frames = stack.split(";")
+        thread, frames = frames[0], frames[1:]
+        n = int(count)
+        t = threads.setdefault(thread, {"samples": 0, "self": collections.Counter(), "inclusive": collections.Counter()})
+        t["samples"] += n
+        if frames:
+            t["self"][frames[-1]] += n
+        for f in set(frames):
+            t["inclusive"][f] += n
+    expected = seconds * rate
+    out = {}
+    for name, t in sorted(threads.items(), key=lambda kv: -kv[1]["samples"]):
+        s = t["samples"]
+        out[name] = {"busy": round(s / expected, 3), "samples": s,
+                     "self": [[f, round(c / s, 3)] for f, c in t["self"].most_common(top)],
+                     "inclusive": [[f, round(c / s, 3)] for f, c in t["inclusive"].most_common(top)]}  # fmt: skip
+    return out
+
+
+def load(base: str, streams: int, max_tokens: int, stop: threading.Event, counts: list) -> list[threading.Thread]:
+    """`streams` threads, each streaming completions of `max_tokens` tokens back to back until `stop`."""
+    from openai import OpenAI
+
+    def run(i: int) -> None:
+        client = OpenAI(base_url=base + "/v1", api_key="none", timeout=600)
+        model = client.models.list().data[0].id
+        while not stop.is_set():
+            resp = client.completions.create(model=model, prompt=[10 + i, 17, 99, 3], max_tokens=max_tokens,
+                                             stream=True, temperature=1.0, extra_body={"ignore_eos": True})  # fmt: skip
+            for chunk in resp:
+                if chunk.choices and chunk.choices[0].text:
+                    counts[i] += 1
+                if stop.is_set():
+                    break
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(streams)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def profile(served, py_spy: str, streams: int, max_tokens: int, seconds: float, rate: int, top: int, tmp: Path) -> dict:
+    pids = role_pids(served.proc.pid)
+    stop, counts = threading.Event(), [0] * streams
+    threads = load(served.base, streams, max_tokens, stop, counts)
+    time.sleep(4)  # the streams are decoding (and the graphs of their batch size are warm)
+    before, t0 = sum(counts), time.monotonic()
+    spies = {}
+    for role, pid in pids.items():
+        raw = tmp / f"{role}_{streams}.txt"
+        spies[role] = (raw, subprocess.Popen([py_spy, "record", "--pid", str(pid), "--duration", str(int(seconds)),
+                                              "--rate", str(rate), "--format", "raw", "--threads", "--nonblocking",
+                                              "--output", str(raw)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))  # fmt: skip
+    for role, (raw, proc) in spies.items():
+        proc.wait(timeout=seconds + 60)
+    tokens, wall = sum(counts) - before, time.monotonic() - t0
+    stop.set()
+    for t in threads:
+        t.join(timeout=30)
+    out = {"streams": streams, "tokens_per_s": round(tokens / wall, 1), "step_ms": round(1000 * wall * streams / max(tokens, 1), 3)}
+    for role, (raw, proc) in spies.items():
+        err = proc.stderr.read().decode()[-400:] if proc.stderr else ""
+        out[role] = fold(raw, seconds, rate, top) if raw.exists() else {"error": err}
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", default="hybrid8_resident", choices=sorted(WORKLOADS))
+    p.add_argument("--model", default=None, help="serve this model directory with --extra-flags instead of the workload's")
+    p.add_argument("--extra-flags", default="", help="more `ferry serve` flags, space-separated")
+    p.add_argument("--streams", default="1,8")
+    p.add_argument("--seconds", type=float, default=6)
+    p.add_argument("--max-tokens", type=int, default=2048, help="each stream's completions (back to back)")
+    p.add_argument("--rate", type=int, default=500, help="py-spy samples per second")
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--py-spy", default=shutil.which("py-spy") or "py-spy")
+    p.add_argument("--out", required=True)
+    p.add_argument("--ready-timeout", type=float, default=900)
+    args = p.parse_args()
+    config, layers, flags, *fmt = WORKLOADS[args.workload]
+    tmp = Path(tempfile.mkdtemp(prefix="ferry-profile-serve-"))
+    if args.model:
+        model_dir, flags = args.model, []
+    else:
+        model_dir, flags = make_bench_model(tmp / "model", config, layers, fmt[0] if fmt else "bf16"), ["--load-format", "dummy", *flags]
+    served = start_serve(model_dir, [*flags, *args.extra_flags.split()], tmp / "serve.log")
+    result = {"workload": args.workload, "serve": served.command, "commit": commit(), "rate": args.rate,
+              "seconds": args.seconds, "runs": []}  # fmt: skip
+    try:
+        served.wait_ready(args.ready_timeout)
+        for n in (int(s) for s in args.streams.split(",")):
+            result["runs"].append(profile(served, args.py_spy, n, args.max_tokens, args.seconds, args.rate, args.top, tmp))
+            print(json.dumps({k: v for k, v in result["runs"][-1].items() if k in ("streams", "tokens_per_s", "step_ms")}), flush=True)
+    finally:
+        served.stop()
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        if os.environ.get("FERRY_KEEP_SERVE_LOG"):
+            shutil.copy(tmp / "serve.log", os.environ["FERRY_KEEP_SERVE_LOG"])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
