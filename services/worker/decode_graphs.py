@@ -5,8 +5,17 @@ graph of the smallest bucket B >= R: its inputs are packed into the graph's stat
 (rows past R are padding: shared/step.py's sentinel page and padding state slot take their
 writes, and the expert store leaves them out through `real_tokens`), the graph replays the whole
 model forward — every layer's kernels, the expert cache's lookups, copies and prefetches on the
-device — and writes the logits of its B rows into its static output; the sampler runs eagerly on
-the first R rows. Launching a step costs one graph launch instead of about a thousand kernels.
+device — and writes the logits of its B rows into its static output. Launching a step costs one
+graph launch instead of about a thousand kernels.
+
+The graph holds the step's two ends too, so a plain decode step is, from the host, one input copy,
+the noise draws, one replay and one result copy (decode_io.py's pinned rings):
+* before the forward, the rows fed from the previous step's samples (StepBatch.feed_sampled) take
+  their token from `last_tokens`, where every step's sampled tokens are left on the device;
+* after it, kernels/sample_rows.py samples every row from the inverse temperatures and noise rows
+  the inputs carry and the noise drawn into `noise`, and packs [tokens | logprobs] for one copy.
+A step whose sampling needs more (penalties, logit_bias, a grammar, top-k/top-p/min-p, logprobs)
+ignores the graph's samples and runs the sampler on the graph's logits instead (executor.py).
 
 Buckets are powers of two up to the largest decode step whose experts take the pair-by-pair
 kernel (kernels/expert_pair_gemv.py: the graph-safe path of the device-driven store), capped by
@@ -19,10 +28,14 @@ from __future__ import annotations
 
 import torch
 
+import numpy as np
+
 from ferry.kernels.expert_pair_gemv import PAIR_KERNEL_MAX_PAIRS
+from ferry.kernels.sample_rows import sample_rows
 from ferry.shared.step import StepBatch
 from ferry.shared.units import ceil_div
-from ferry.services.worker.forward_batch import ForwardBatch, packed_bytes
+from ferry.services.worker.decode_io import TAIL_FIELDS, DecodeInputs, DecodeResults, device_views, forward_bytes
+from ferry.services.worker.forward_batch import ForwardBatch
 
 
 def graph_buckets(top_k: int, max_running_requests: int, below: int | None = None) -> list[int]:
@@ -41,18 +54,28 @@ def graph_buckets(top_k: int, max_running_requests: int, below: int | None = Non
 
 
 class _Graph:
-    def __init__(self, rows: int, inputs: torch.Tensor, batch: ForwardBatch):
-        self.rows, self.inputs, self.batch = rows, inputs, batch
-        self.graph = torch.cuda.CUDAGraph()
+    def __init__(self, rows: int, inputs: torch.Tensor, batch: ForwardBatch, tail: dict[str, torch.Tensor],
+                 staging: DecodeInputs, results: DecodeResults):  # fmt: skip
+        self.rows, self.inputs, self.batch, self.tail = rows, inputs, batch, tail
+        self.staging, self.results = staging, results
+        self.graph = torch.cuda.CUDAGraph() if inputs.is_cuda else None  # CPU: the tests of its parts
         self.logits: torch.Tensor | None = None
+        self.sampled: torch.Tensor | None = None  # uint8 [8 * rows]: tokens int32 then logprobs float32
 
 
 class DecodeGraphs:
-    def __init__(self, model, pools, page_size: int, max_model_len: int, buckets: list[int], device: torch.device):
+    def __init__(self, model, pools, page_size: int, max_model_len: int, buckets: list[int], device: torch.device,
+                 vocab_size: int, max_sampled_rows: int):  # fmt: skip
+        """`max_sampled_rows`: the most rows any step samples (the plan's max_running_requests): the
+        size of `last_tokens`, which every step (eager ones too, executor.py) leaves its samples in."""
         self.model, self.pools, self.page_size, self.device = model, pools, page_size, torch.device(device)
         self.max_pages = ceil_div(max_model_len, page_size)
         self.buckets = sorted(buckets)
+        self.vocab_size = vocab_size
         self.graphs: dict[int, _Graph] = {}
+        largest = max(self.buckets, default=1)
+        self.last_tokens = torch.zeros(max(max_sampled_rows, largest), dtype=torch.int64, device=self.device)
+        self.noise = torch.ones(largest, vocab_size, dtype=torch.float32, device=self.device)  # Exp(1) draws, shared
 
     def capture(self, warmups: int = 2) -> None:
         """Warm every bucket up eagerly (Triton compilation, library handles), then capture them,
@@ -60,16 +83,43 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         with torch.inference_mode():
             for rows in sorted(self.buckets, reverse=True):
-                inputs = torch.empty(packed_bytes(rows, self.max_pages), dtype=torch.uint8, device=self.device)
-                batch = self._load(StepBatch.empty(step_id=0), rows, inputs)  # every row padding
-                g = _Graph(rows, inputs, batch)
+                g = self._bucket(rows)
                 for _ in range(warmups):
-                    self.model(batch, self.pools)
+                    self._forward(g)
                 torch.cuda.synchronize(self.device)
                 with torch.cuda.graph(g.graph, pool=pool):
-                    g.logits = self.model(batch, self.pools)
+                    g.logits, g.sampled = self._forward(g)
                 self.graphs[rows] = g
         torch.cuda.synchronize(self.device)
+
+    def _bucket(self, rows: int) -> _Graph:
+        """A bucket's static input buffer (the forward's arrays, then the tail's: decode_io.py's layout),
+        loaded with a step of padding rows only, and its pinned rings."""
+        staging = DecodeInputs(rows, self.max_pages, self.page_size, self.device)
+        inputs = torch.zeros(staging.nbytes, dtype=torch.uint8, device=self.device)
+        staging.upload(StepBatch.empty(step_id=0), inputs)
+        batch = self._load(StepBatch.empty(step_id=0), rows, inputs[: forward_bytes(rows, self.max_pages)])
+        tail = device_views(inputs, staging.layout, [name for name, _, _ in TAIL_FIELDS])
+        return _Graph(rows, inputs, batch, tail, staging, DecodeResults(rows, self.device))
+
+    def _forward(self, g: _Graph) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a graph holds: the feed, the forward, the sampling of every row and its packed results."""
+        self._feed(g)
+        logits = self.model(g.batch, self.pools)
+        return logits, self._sample(g, logits)
+
+    def _feed(self, g: _Graph) -> None:
+        """The rows fed from the previous step take their token from `last_tokens`."""
+        tokens, src = g.batch.tokens, g.tail["feed_src"]
+        fed = self.last_tokens.index_select(0, src.clamp(min=0))
+        tokens.copy_(torch.where(src >= 0, fed, tokens))
+
+    def _sample(self, g: _Graph, logits: torch.Tensor) -> torch.Tensor:
+        """Every row drawn (kernels/sample_rows.py), the tokens left in `last_tokens`, and
+        [tokens int32 | logprobs float32] packed for one copy to the host."""
+        sampled, logprobs = sample_rows(logits, g.tail["inv_temperature"], self.noise[: g.rows], g.tail["noise_rows"])
+        self.last_tokens[: g.rows].copy_(sampled)
+        return torch.cat([sampled.to(torch.int32).view(torch.uint8), logprobs.view(torch.uint8)])
 
     def bucket_for(self, step: StepBatch) -> int | None:
         """The bucket that replays this step, or None when it must run eagerly (prefill, a request
@@ -86,16 +136,31 @@ class DecodeGraphs:
             return None
         return next(b for b in self.buckets if b >= r)
 
-    def run(self, step: StepBatch, rows: int, before_replay=None) -> torch.Tensor:
+    def run(self, step: StepBatch, rows: int, feed_src: np.ndarray | None = None,
+            sampling: tuple[list, list] | None = None) -> torch.Tensor:
         """Replay the bucket's graph on this step; float32 logits of its requests, [R, vocab].
-        `before_replay(tokens)`: rewrites the loaded token ids in place (the rows fed from the previous
-        step's samples, StepBatch.feed_sampled), queued before the replay."""
+        `feed_src`: for each row, the row of the previous step's samples that is its token, -1 for
+        none (None: no row is fed); `sampling`: (inverse temperatures, noise rows) when the graph's
+        own samples are the step's (the noise drawn into `noise` before), None when they are not."""
         g = self.graphs[rows]
-        self._load(step, rows, g.inputs)
-        if before_replay is not None:
-            before_replay(g.batch.tokens)
+        inv_t, noise_rows = sampling if sampling is not None else (None, None)
+        g.staging.upload(step, g.inputs, feed_src, inv_t, noise_rows)
         g.graph.replay()
         return g.logits[: len(step.req_ids)]
+
+    def fetch_samples(self, rows: int, n: int) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
+        """Queue the copy of the last replay's samples to the host: ([tokens int32 [n], logprobs [n]], event)."""
+        g = self.graphs[rows]
+        return g.results.fetch(g.sampled, n)
+
+    def keep_samples(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Leave a step's samples (sampled outside a graph) in `last_tokens`, where a graph's feed reads
+        them; returns the view that holds them."""
+        n = int(tokens.shape[0])
+        if n > self.last_tokens.shape[0]:
+            raise ValueError(f"a step sampled {n} rows, more than the {self.last_tokens.shape[0]} of max_running_requests")
+        self.last_tokens[:n].copy_(tokens)
+        return self.last_tokens[:n]
 
     def _load(self, step: StepBatch, rows: int, inputs: torch.Tensor) -> ForwardBatch:
         return ForwardBatch.from_step(step, self.page_size, self.device, pad_to=rows, max_pages=self.max_pages,

@@ -1,9 +1,13 @@
 """One scheduler step on the worker: forget, register, forward, sample (shared/step.py's contract).
 
-A decode step that a CUDA graph covers (decode_graphs.py) replays it; any other step runs the
-model eagerly. Either way the host waits for the device once per step, for the sampled tokens
-(and, queued before them, the expert store's statistics); everything before is queued without
-waiting (the sampler decides from the requests' parameters, the inputs cross in one copy).
+A decode step that a CUDA graph covers (decode_graphs.py) replays it, and when every row's sampling
+is plain (temperature only: `Sampler.graph_sampling`) the graph's own samples are the step's, so the
+host's part is an input copy, the noise draws, the replay and a result copy; otherwise the sampler
+runs on the graph's logits. Any other step runs the model eagerly. Either way the host waits for the
+device once per step, for the sampled tokens (and, queued before them, the expert store's
+statistics); everything before is queued without waiting (the sampler decides from the requests'
+parameters, the inputs cross in one copy). Every step leaves its samples in the graphs'
+`last_tokens`, where the next step's graph takes the tokens of the rows it is fed.
 
 Log-probabilities ride along: the sampled tokens' (and their top alternatives) for requests that ask,
 computed from the logits the step has anyway; prompt tokens' for the rows StepBatch.prompt_logprobs
@@ -67,7 +71,7 @@ class StepExecutor:
         scheduled ahead before finishing the one before it, whose sampled tokens feed it on the device."""
         previous, self._last_sampled = self._last_sampled, None  # a fed row may only read the step just before
         self._check(batch)  # before anything changes: a step that breaks the contract changes nothing
-        feed = self._feed_rows(batch, previous)
+        feed_src = self._feed_sources(batch, previous)
         for req_id in batch.finished_req_ids:
             self.sampler.remove_request(int(req_id))
         for new in batch.new_requests:
@@ -81,26 +85,38 @@ class StepExecutor:
         bucket = self.graphs.bucket_for(batch) if self.graphs is not None else None
         prompt_rows = batch.prompt_logprobs is not None and bool(np.asarray(batch.prompt_logprobs).any())
         prompt_parts: list = []
+        ids = sampled_ids.tolist()
         with torch.inference_mode():
             self._restore_states(batch)
+            in_graph = None  # the graph's own sampling serves the step: (inverse temperatures, noise rows)
             if bucket is not None:
-                logits = self.graphs.run(batch, bucket, before_replay=feed)
+                in_graph = self.sampler.graph_sampling(ids, self.graphs.noise)
+                logits = self.graphs.run(batch, bucket, feed_src, in_graph)
             elif prompt_rows:
-                fb = self._eager_batch(batch, feed)
+                fb = self._eager_batch(batch, previous, feed_src)
                 hidden = self.model.hidden_states(fb, self.pools)
                 logits = self.model.logits(hidden[fb.logits_rows])
                 prompt_parts = self._prompt_logprobs(batch, hidden)
             else:
-                logits = self.model(self._eager_batch(batch, feed), self.pools)
+                logits = self.model(self._eager_batch(batch, previous, feed_src), self.pools)
             self._save_states(batch)
-            tokens, logprobs = self.sampler.choose(sampled_ids.tolist(), logits)
-            top = self.sampler.top_logprobs(sampled_ids.tolist(), logits, tokens)
-            if self.store is not None:
-                self.store.stats_to_host()  # queued before the results: the one wait in finish covers both
-            extra = [] if top is None else list(top[1:])
-            for _, _, _, tensors in prompt_parts:
-                extra.extend(tensors)
-            copies = _to_host_async(tokens.to(torch.int32), logprobs.to(torch.float32), *extra)
+            top = None
+            if in_graph is not None:
+                if self.store is not None:
+                    self.store.stats_to_host()  # queued before the results: the one wait in finish covers both
+                copies = self.graphs.fetch_samples(bucket, len(ids))
+                tokens = self.graphs.last_tokens[: len(ids)]
+            else:
+                tokens, logprobs = self.sampler.choose(ids, logits)
+                top = self.sampler.top_logprobs(ids, logits, tokens)
+                if self.graphs is not None:  # where the next step's graph takes its fed tokens from
+                    self.graphs.keep_samples(tokens)
+                if self.store is not None:
+                    self.store.stats_to_host()
+                extra = [] if top is None else list(top[1:])
+                for _, _, _, tensors in prompt_parts:
+                    extra.extend(tensors)
+                copies = _to_host_async(tokens.to(torch.int32), logprobs.to(torch.float32), *extra)
         self._last_sampled = (sampled_ids, tokens)
         return _Launched(batch, sampled_ids, top=top, prompt_parts=prompt_parts, copies=copies)
 
@@ -182,50 +198,45 @@ class StepExecutor:
             rows = np.flatnonzero(batch.save_state >= 0)
             self.pools.linear_state.save([(int(batch.linear_state_slots[i]), int(batch.save_state[i])) for i in rows])
 
-    def _feed_rows(self, batch: StepBatch, previous: tuple | None):
-        """For a step scheduled ahead: a function putting, into the step's device tokens, each fed row's
-        token from the previous step's sampled tokens (still on the device); None when no row is fed.
-        A fed row whose request did not sample in the previous step, or whose sampling reads its own
-        output here (penalties, a grammar: `record` has not seen the previous token yet), is refused."""
+    def _feed_sources(self, batch: StepBatch, previous: tuple | None) -> np.ndarray | None:
+        """For a step scheduled ahead: for each row, the row of the previous step's sampled tokens (still
+        on the device) that is its token, -1 for a row not fed; None when no row is fed. A fed row whose
+        request did not sample in the previous step, or whose sampling reads its own output here
+        (penalties, a grammar: `record` has not seen the previous token yet), is refused."""
         feed = batch.feed_sampled
         if feed is None or not feed.any():
             return None
         if previous is None:
             raise StepBatchError(f"step {batch.step_id} feeds rows from a previous step, and none came just before it")
-        previous_ids, previous_tokens = previous
-        where = {int(r): j for j, r in enumerate(previous_ids.tolist())}
-        qstart = np.concatenate([[0], np.cumsum(batch.query_lens)])
-        rows, sources = [], []
+        where = {int(r): j for j, r in enumerate(previous[0].tolist())}
+        sources = np.full(len(batch.req_ids), -1, dtype=np.int64)
         for i in np.flatnonzero(feed).tolist():
             rid = int(batch.req_ids[i])
             state = self.sampler.requests.get(rid)
             if rid not in where or state is None or state.params.reads_its_output:
                 raise StepBatchError(f"step {batch.step_id}: request {rid} is fed a token it did not sample in the "
                                      "step just before, or its sampling reads its own output")  # fmt: skip
-            rows.append(int(qstart[i]))
-            sources.append(where[rid])
+            sources[i] = where[rid]
+        return sources
 
-        def put(tokens: torch.Tensor) -> None:
-            dst = to_device(rows, torch.int64, tokens.device)
-            src = previous_tokens.index_select(0, to_device(sources, torch.int64, previous_tokens.device))
-            tokens.index_copy_(0, dst, src.to(tokens.dtype))
-
-        return put
-
-    def _eager_batch(self, batch: StepBatch, feed) -> ForwardBatch:
-        """The step's inputs on the device, then the expert store told the step begins: a prefill's
-        expert copies start behind the inputs' upload (host-to-device copies of both streams may
-        share one copy engine: the first layer must not wait behind 32 experts for its inputs) and
-        overlap the first layer's attention."""
-        fb = self._forward_batch(batch, feed)
+    def _eager_batch(self, batch: StepBatch, previous: tuple | None, feed_src: np.ndarray | None) -> ForwardBatch:
+        """The step's inputs on the device (the fed rows' tokens put in from the previous step's samples),
+        then the expert store told the step begins: a prefill's expert copies start behind the inputs'
+        upload (host-to-device copies of both streams may share one copy engine: the first layer must
+        not wait behind 32 experts for its inputs) and overlap the first layer's attention."""
+        fb = self._forward_batch(batch, previous, feed_src)
         if self.store is not None:
             self.store.begin_step(int(fb.tokens.shape[0]), self.spec.num_experts_per_tok)
         return fb
 
-    def _forward_batch(self, batch: StepBatch, feed) -> ForwardBatch:
+    def _forward_batch(self, batch: StepBatch, previous: tuple | None, feed_src: np.ndarray | None) -> ForwardBatch:
         fb = ForwardBatch.from_step(batch, self.plan.kv.page_size, self.device)
-        if feed is not None:
-            feed(fb.tokens)
+        if feed_src is not None:
+            qstart = np.concatenate([[0], np.cumsum(batch.query_lens)])
+            rows = np.flatnonzero(feed_src >= 0)
+            dst = to_device(qstart[rows].tolist(), torch.int64, self.device)
+            src = previous[1].index_select(0, to_device(feed_src[rows].tolist(), torch.int64, self.device))
+            fb.tokens.index_copy_(0, dst, src.to(fb.tokens.dtype))
         return fb
 
     def expert_stats(self) -> tuple[int, int]:
@@ -290,7 +301,8 @@ def _to_host_async(*tensors: torch.Tensor) -> tuple[list[torch.Tensor], torch.cu
 
 
 def _wait_for_host(host: list[torch.Tensor], done) -> list[np.ndarray]:
-    """The copies `_to_host_async` queued, as numpy arrays, after one wait for everything before them."""
+    """The copies `_to_host_async` (or a graph's result ring) queued, as numpy arrays of their own (a
+    ring slot is written again a few steps later), after one wait for everything before them."""
     if done is not None:
         done.synchronize()
-    return [h.numpy() for h in host]
+    return [h.numpy().copy() for h in host]

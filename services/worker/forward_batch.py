@@ -147,11 +147,3 @@ def _to_device_in_one_copy(arrays: dict[str, tuple[np.ndarray, type]], device: t
         dtype = torch.from_numpy(a[:0]).dtype
         out[name] = packed[start : start + a.nbytes].view(dtype).view(a.shape)
     return out
-
-
-def packed_bytes(rows: int, max_pages: int) -> int:
-    """Bytes of a padded decode step's packed inputs (the size of a graph's static input buffer)."""
-    sizes = {"tokens": 8 * rows, "positions": 8 * rows, "slot_mapping": 8 * rows, "state_slots": 8 * rows,
-             "logits_rows": 8 * rows, "query_start": 4 * (rows + 1), "query_lens": 4 * rows, "context_lens": 4 * rows,
-             "page_table": 4 * rows * max_pages, "token_request": 4 * rows, "reset_state": rows, "real_tokens": 4}  # fmt: skip
-    return sum(round_up(n, PACK_ALIGN) for n in sizes.values())

@@ -44,6 +44,9 @@ class RequestSamplingState:
     seen: torch.Tensor | None = None  # bool [V], prompt and output tokens: repetition penalty
     known_tokens: np.ndarray | None = None  # the sequence as announced (prompt, and output before a preemption)
     matcher: object | None = None  # llguidance matcher, for a request with a grammar
+    # temperature is all its drawing needs (no penalty, logit_bias, grammar, filter or logprobs): a decode
+    # graph's own sampling serves it (decode_graphs.py)
+    plain: bool = False
 
     @classmethod
     def create(cls, new: NewRequest, vocab_size: int, device: torch.device,
@@ -52,7 +55,9 @@ class RequestSamplingState:
         generator = None
         if p.seed is not None:
             generator = torch.Generator(device=device).manual_seed(int(p.seed) & (2**63 - 1))
-        state = cls(p, generator, known_tokens=new.prompt_token_ids)
+        plain = (not p.reads_its_output and not p.logit_bias and p.logprobs is None
+                 and (p.greedy or not needs_filter(p, vocab_size)))  # fmt: skip
+        state = cls(p, generator, known_tokens=new.prompt_token_ids, plain=plain)
         if p.grammar is not None and grammars is not None:
             state.matcher = grammars.matcher(p.grammar)
         if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
@@ -194,6 +199,27 @@ class Sampler:
                 noise_rows[i] = j
         return sample_rows(logits, to_device(inv_t, torch.float32, self.device), noise,
                            to_device(noise_rows, torch.int64, self.device))  # fmt: skip
+
+    @torch.no_grad()
+    def graph_sampling(self, req_ids: Sequence[int], noise: torch.Tensor) -> tuple[list[float], list[int]] | None:
+        """For a decode graph that samples its rows itself (decode_graphs.py): (each row's inverse
+        temperature, its row of `noise`, -1 for greedy), with the noise drawn into `noise`'s first rows
+        as `choose` draws it (a seeded request from its own generator, so its tokens are the same either
+        way); None when a row needs more than its temperature, and `choose` must run on the logits."""
+        states = [self.requests[int(r)] for r in req_ids]
+        if not all(s.plain for s in states):
+            return None
+        sampled = [i for i, s in enumerate(states) if not s.params.greedy]
+        if sampled:
+            rows = noise[: len(states)]
+            if any(states[i].generator is None for i in sampled):
+                rows.exponential_(generator=self._generator)
+            for i in sampled:
+                if states[i].generator is not None:
+                    rows[i].exponential_(generator=states[i].generator)
+            rows.clamp_min_(torch.finfo(rows.dtype).tiny)
+        inv_t = [1.0 if s.params.greedy else 1.0 / s.params.temperature for s in states]
+        return inv_t, [-1 if s.params.greedy else i for i, s in enumerate(states)]
 
     def _exponential_noise(self, rows: int, states: list[RequestSamplingState]) -> torch.Tensor:
         noise = torch.empty(rows, self.vocab_size, dtype=torch.float32, device=self.device)

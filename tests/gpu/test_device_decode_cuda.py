@@ -120,12 +120,14 @@ def _boot(model_dir, dtype, *flags):
         "--max-running-requests", "8", "--max-prefill-tokens", "256", *flags])))  # fmt: skip
 
 
-def _greedy_batch(executor, prompts: list[list[int]], steps: int) -> list[list[int]]:
-    """Three requests prefilled together, then decoded together (3 rows: a padded graph bucket)."""
+def _greedy_batch(executor, prompts: list[list[int]], steps: int, sampling: list | None = None) -> list[list[int]]:
+    """Three requests prefilled together, then decoded together (3 rows: a padded graph bucket);
+    greedy unless `sampling` gives each request its SamplingParams."""
     from ferry.shared.sampling import SamplingParams
     from ferry.shared.step import NewRequest, StepBatch
 
     greedy = SamplingParams(temperature=0.0, ignore_eos=True)
+    sampling = sampling or [greedy] * len(prompts)
     page = executor.plan.kv.page_size
     n = len(prompts)
     pages_each = -(-(max(map(len, prompts)) + steps + 1) // page)
@@ -146,7 +148,8 @@ def _greedy_batch(executor, prompts: list[list[int]], steps: int) -> list[list[i
             context[i] += len(ts)
         return result.token_ids.tolist()
 
-    news = [NewRequest(req_id=int(r), prompt_token_ids=np.array(p, np.int32), sampling=greedy) for r, p in zip(ids, prompts)]
+    news = [NewRequest(req_id=int(r), prompt_token_ids=np.array(p, np.int32), sampling=sp)
+            for r, p, sp in zip(ids, prompts, sampling)]  # fmt: skip
     last = step(prompts, news, 1)
     for s in range(steps):
         for i, t in enumerate(last):
@@ -203,6 +206,26 @@ def test_graphs_and_the_device_cache_decode_token_for_token(tiny_models, arch, d
     want = runs.pop("resident-eager")
     for name, got in runs.items():
         assert got == want, f"{name} differs from all-resident eager decoding"
+
+
+def test_a_graph_samples_seeded_requests_as_the_eager_sampler_does(tiny_models):
+    """Temperature sampling with seeds: drawn inside the decode graph (plain sampling), by the sampler on
+    the graph's logits (a request asking for logprobs takes that path) and eagerly, the same tokens."""
+    from ferry.shared.sampling import SamplingParams
+
+    prompts = [[5, 17, 33, 2, 8, 100, 41, 9], [7, 7, 3], [250, 1, 64, 64, 12]]
+    plain = [SamplingParams(temperature=t, seed=s, ignore_eos=True) for t, s in ((0.8, 1), (1.3, 2), (0.0, None))]
+    asks = [SamplingParams(temperature=t, seed=s, ignore_eos=True, logprobs=1) for t, s in ((0.8, 1), (1.3, 2), (0.0, None))]
+    runs = {}
+    for name, flags, sampling in (("eager", ["--enforce-eager"], plain), ("in-graph", [], plain),
+                                  ("sampler-on-graph-logits", [], asks)):  # fmt: skip
+        executor, _ = _boot(tiny_models["qwen3_moe"], "float32", *flags)
+        assert (executor.graphs is None) == (name == "eager")
+        runs[name] = _greedy_batch(executor, prompts, steps=12, sampling=sampling)
+        del executor
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert runs["in-graph"] == runs["eager"] and runs["sampler-on-graph-logits"] == runs["eager"]
 
 
 @pytest.mark.parametrize("arch, dtype", [("qwen3_moe", "float32"), ("qwen3_5_moe", "bfloat16")])

@@ -219,7 +219,7 @@ def test_every_eager_step_tells_the_expert_store_it_begins_once_its_inputs_are_b
     executor, _ = boot_worker(boot_args(tiny_models["qwen3_moe"], "--gpu-memory", "64MiB", "--moe-cache-size", "8"))
     order: list = []
     build, begin = executor._forward_batch, executor.store.begin_step
-    executor._forward_batch = lambda batch, feed: (order.append("inputs"), build(batch, feed))[1]
+    executor._forward_batch = lambda *args: (order.append("inputs"), build(*args))[1]
     executor.store.begin_step = lambda n, k: (order.append(("begin", n, k)), begin(n, k))[1]
     k = executor.spec.num_experts_per_tok
     tokens = _decode_alone(executor, 1, [5, 17, 33, 2, 8, 100, 41, 9, 12, 77, 3], 3, first_page=1, slot=1)

@@ -18,7 +18,8 @@ def decode_step(rows: int, prompt_logprobs=None) -> StepBatch:
 
 
 def graphs() -> DecodeGraphs:
-    g = DecodeGraphs(model=None, pools=None, page_size=16, max_model_len=64, buckets=[1, 2, 4], device="cpu")
+    g = DecodeGraphs(model=None, pools=None, page_size=16, max_model_len=64, buckets=[1, 2, 4], device="cpu",
+                     vocab_size=32, max_sampled_rows=4)
     g.graphs = {1: object(), 2: object(), 4: object()}  # as if captured
     return g
 

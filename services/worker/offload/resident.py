@@ -46,6 +46,7 @@ class ResidentExperts:
         # counts queued by stats_to_host, not yet read: one per step in flight, oldest first (a step
         # scheduled ahead is launched before the one before it is folded)
         self._queued: deque[torch.Tensor] = deque()
+        self._spare: list[torch.Tensor] = []  # pinned counts already read: reused, not allocated each step
 
     def _slot(self, moe_layer: int, expert: int) -> int:
         return moe_layer * self.num_experts + expert
@@ -100,7 +101,7 @@ class ResidentExperts:
         with torch.inference_mode():  # the table was made inside the forward's inference mode
             self._routed_sum.copy_(self._routed.sum(dtype=torch.int64).view(1))
             self._routed.zero_()
-            host = torch.empty(1, dtype=torch.int64, pin_memory=self._routed.is_cuda)
+            host = self._spare.pop() if self._spare else torch.empty(1, dtype=torch.int64, pin_memory=self._routed.is_cuda)
             host.copy_(self._routed_sum, non_blocking=self._routed.is_cuda)
         self._queued.append(host)
 
@@ -115,6 +116,7 @@ class ResidentExperts:
             if self._routed.is_cuda and not synced:
                 torch.cuda.current_stream(self._routed.device).synchronize()
             self.stats.record_lookup(int(host[0]), 0, 0)
+            self._spare.append(host)
         self.stats.end_step()
 
     def report(self) -> dict:
