@@ -7,6 +7,13 @@ the process: it costs the target nothing it would notice) tells which: per proce
 fraction of wall time it was on a CPU (`busy`), and the functions it was in (`self`: the innermost
 frame; `inclusive`: anywhere on the stack), as fractions of the samples.
 
+The server runs with FERRY_STEP_TRACE (shared/step_trace.py), so each run also has the step's timeline
+(`timeline`, medians over the steps of the sampled window): the device's time per step and its idle
+time before each, the worker's launch, the time from the scheduler's send to the worker's read (the
+worker reads once its loop is free), from the worker's answer to the scheduler's read, and the
+scheduler's turn (from a step's answer landing to the step two after it leaving, the one it
+schedules ahead).
+
     python3 bench/profile_serve.py --workload hybrid8_resident --streams 1,8 --seconds 6 --out out.json
 
 py-spy comes from its wheel (`pip install py-spy`); `--py-spy PATH` names the binary.
@@ -53,7 +60,7 @@ def fold(raw: Path, seconds: float, rate: int, top: int) -> dict:
     threads: dict[str, dict] = {}
     for line in raw.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
-        if not stack:
+        if not stack or not count.isdigit():  # not a `frames count` line
             continue
         frames = stack.split(";")
         thread, frames = frames[0], frames[1:]
@@ -71,6 +78,39 @@ def fold(raw: Path, seconds: float, rate: int, top: int) -> dict:
         out[name] = {"busy": round(s / expected, 3), "samples": s,
                      "self": [[f, round(c / s, 3)] for f, c in t["self"].most_common(top)],
                      "inclusive": [[f, round(c / s, 3)] for f, c in t["inclusive"].most_common(top)]}  # fmt: skip
+    return out
+
+
+def _median(values: list) -> float | None:
+    values = sorted(v for v in values if v is not None)
+    return values[len(values) // 2] if values else None
+
+
+def timeline(scheduler: list[dict], worker: list[dict], t0: float, t1: float) -> dict:
+    """Medians (ms) over the steps the worker answered within [t0, t1], from the trace lines."""
+    sent = {e["step"]: e["sent"] for e in scheduler if "sent" in e}
+    landed = {e["step"]: e["landed"] for e in scheduler if "landed" in e}
+    steps = sorted((e for e in worker if t0 <= e["answered"] <= t1), key=lambda e: e["answered"])
+    ms = 1e3
+    ids = [e["step"] for e in steps]
+    return {
+        "steps": len(steps),
+        "rows": _median([e["rows"] for e in steps]),
+        "step_interval_ms": _median([(b["answered"] - a["answered"]) * ms for a, b in zip(steps, steps[1:])]),
+        "device_ms": _median([e["device_ms"] for e in steps]),
+        "device_idle_ms": _median([e["idle_ms"] for e in steps]),
+        "worker_launch_ms": _median([(e["launched"] - e["recv"]) * ms for e in steps]),
+        "worker_answer_ms": _median([(e["answered"] - e["launched"]) * ms for e in steps]),
+        "sent_to_worker_read_ms": _median([(e["recv"] - sent[e["step"]]) * ms for e in steps if e["step"] in sent]),
+        "answer_to_scheduler_ms": _median([(landed[e["step"]] - e["answered"]) * ms for e in steps if e["step"] in landed]),
+        "scheduler_turn_ms": _median([(sent[k + 2] - landed[k]) * ms for k in ids if k in landed and k + 2 in sent]),
+    }  # fmt: skip
+
+
+def _trace_lines(trace_dir: Path, role: str) -> list[dict]:
+    out = []
+    for path in trace_dir.glob(f"{role}-*.jsonl"):
+        out.extend(json.loads(line) for line in path.read_text().splitlines() if line)
     return out
 
 
@@ -96,7 +136,8 @@ def load(base: str, streams: int, max_tokens: int, stop: threading.Event, counts
     return threads
 
 
-def profile(served, py_spy: str, streams: int, max_tokens: int, seconds: float, rate: int, top: int, tmp: Path) -> dict:
+def profile(served, py_spy: str, streams: int, max_tokens: int, seconds: float, rate: int, top: int, tmp: Path,
+            trace_dir: Path) -> dict:  # fmt: skip
     pids = role_pids(served.proc.pid)
     stop, counts = threading.Event(), [0] * streams
     threads = load(served.base, streams, max_tokens, stop, counts)
@@ -110,11 +151,14 @@ def profile(served, py_spy: str, streams: int, max_tokens: int, seconds: float, 
                                               "--output", str(raw)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))  # fmt: skip
     for role, (raw, proc) in spies.items():
         proc.wait(timeout=seconds + 60)
-    tokens, wall = sum(counts) - before, time.monotonic() - t0
+    t1 = time.monotonic()
+    tokens, wall = sum(counts) - before, t1 - t0
+    time.sleep(1.0)  # still decoding: the processes write their trace lines at most 0.25 s after each
     stop.set()
     for t in threads:
         t.join(timeout=30)
-    out = {"streams": streams, "tokens_per_s": round(tokens / wall, 1), "step_ms": round(1000 * wall * streams / max(tokens, 1), 3)}
+    out = {"streams": streams, "tokens_per_s": round(tokens / wall, 1), "step_ms": round(1000 * wall * streams / max(tokens, 1), 3),
+           "timeline": timeline(_trace_lines(trace_dir, "scheduler"), _trace_lines(trace_dir, "worker"), t0, t1)}  # fmt: skip
     for role, (raw, proc) in spies.items():
         err = proc.stderr.read().decode()[-400:] if proc.stderr else ""
         out[role] = fold(raw, seconds, rate, top) if raw.exists() else {"error": err}
@@ -137,6 +181,7 @@ def main() -> int:
     args = p.parse_args()
     config, layers, flags, *fmt = WORKLOADS[args.workload]
     tmp = Path(tempfile.mkdtemp(prefix="ferry-profile-serve-"))
+    os.environ["FERRY_STEP_TRACE"] = str(tmp / "trace")  # the served processes inherit it
     if args.model:
         model_dir, flags = args.model, []
     else:
@@ -147,8 +192,10 @@ def main() -> int:
     try:
         served.wait_ready(args.ready_timeout)
         for n in (int(s) for s in args.streams.split(",")):
-            result["runs"].append(profile(served, args.py_spy, n, args.max_tokens, args.seconds, args.rate, args.top, tmp))
-            print(json.dumps({k: v for k, v in result["runs"][-1].items() if k in ("streams", "tokens_per_s", "step_ms")}), flush=True)
+            result["runs"].append(profile(served, args.py_spy, n, args.max_tokens, args.seconds, args.rate, args.top, tmp,
+                                          tmp / "trace"))
+            print(json.dumps({k: v for k, v in result["runs"][-1].items() if k in ("streams", "tokens_per_s", "step_ms", "timeline")}),
+                  flush=True)  # fmt: skip
     finally:
         served.stop()
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

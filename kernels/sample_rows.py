@@ -22,6 +22,10 @@ import triton.language as tl
 from ferry.kernels.dispatch import use_triton
 
 BLOCK_V = 4096
+# An exact 0 draw would make log(q) -inf and let a masked (-inf) token tie the race: a draw is taken
+# as at least the smallest normal float32 (here, so the sampler needs no clamp kernel of its own).
+TINY = 1.1754943508222875e-38
+_TINY = tl.constexpr(TINY)  # what a Triton kernel may read of a module global
 
 
 @triton.jit(do_not_specialize=["V", "blocks"])
@@ -41,7 +45,7 @@ def _row_blocks_kernel(logits_ptr, inv_t_ptr, noise_ptr, noise_row_ptr, part_ptr
     race = s
     if noise_row >= 0:
         q = tl.load(noise_ptr + noise_row * stride_q + offs, mask=ok, other=1.0)
-        race = s - tl.log(q)
+        race = s - tl.log(tl.maximum(q, _TINY))
     race = tl.where(ok, race, float("-inf"))
     best = tl.max(race, axis=0)
     # the lowest offset that reaches the best (an all -inf block picks its first entry)
@@ -75,7 +79,8 @@ def _fold_rows_kernel(logits_ptr, inv_t_ptr, part_ptr, token_ptr, logprob_ptr, b
 
 def sample_rows_reference(logits: torch.Tensor, inv_temperature: torch.Tensor, noise: torch.Tensor | None,
                           noise_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """logits float32 [S, V]; inv_temperature float32 [S]; noise float32 [N, V] (Exp(1), > 0) or None;
+    """logits float32 [S, V]; inv_temperature float32 [S]; noise float32 [N, V] (Exp(1) draws, each taken
+    as at least TINY) or None;
     noise_rows int64 [S]: the row of `noise` each row races with, -1 for greedy. Returns (token ids
     int64 [S], their log-probabilities float32 [S])."""
     s = logits * inv_temperature[:, None]
@@ -83,7 +88,7 @@ def sample_rows_reference(logits: torch.Tensor, inv_temperature: torch.Tensor, n
     if noise is not None:
         drawn = noise_rows >= 0
         log_q = torch.zeros_like(s)
-        log_q[drawn] = noise[noise_rows[drawn]].log()
+        log_q[drawn] = noise[noise_rows[drawn]].clamp_min(TINY).log()
         race = s - log_q
     tokens = race.argmax(dim=-1)
     logprobs = torch.log_softmax(s, dim=-1).gather(1, tokens[:, None]).squeeze(1)

@@ -31,6 +31,7 @@ from ferry.shared.messages import (
     StepDone, StepFailed, Submit, Tokens, WorkerAlive, WorkerToScheduler,
 )  # fmt: skip
 from ferry.shared.side_http import serve_side_http
+from ferry.shared.step_trace import StepTrace
 from ferry.shared.wire import PeerSocket, PeerWireError, RouterSocket, WireError
 from ferry.shared.wire_keys import WireKeys
 from ferry.services.scheduler.batcher import BatchScheduler, Outcome
@@ -67,6 +68,7 @@ class SchedulerService:
         # restart never sees an id twice.
         self._rid = itertools.count(time.time_ns() // 1000)
         self.metrics = SchedulerMetrics()
+        self.trace = StepTrace("scheduler")  # FERRY_STEP_TRACE: each step's timeline (bench/profile_serve.py)
         self._preemptions_seen = 0
         self._counters_seen = {"prefix_hits": 0, "snapshot_evictions": 0}  # of the current core, exported so far
         self._running = True
@@ -102,6 +104,7 @@ class SchedulerService:
         self.close()
 
     def close(self) -> None:
+        self.trace.flush()
         for s in (self.router, self.steps, self.results):
             s.close()
         if self.keys is not None:
@@ -164,6 +167,7 @@ class SchedulerService:
                 case WorkerAlive():
                     self._worker_alive(msg)
                 case StepDone(output=output):
+                    self.trace.add(step=output.step_id, landed=time.monotonic())
                     if self.core is not None and self.core.step_in_flight:
                         self._step_landed(self.core.complete(output))
                 case StepFailed(step_id=step_id, message=message):
@@ -172,10 +176,12 @@ class SchedulerService:
                         self._step_landed(self.core.fail_step(step_id, EngineError(f"the worker failed a step: {message}")))
 
     def _step_landed(self, out: Outcome) -> None:
-        """After an answer: tell the api replicas, and time the step now due from here (a step
-        scheduled ahead waited behind the one that just landed)."""
-        self._emit(out)
+        """After an answer: time the step now due from here (a step scheduled ahead waited behind the
+        one that just landed), send the next step, then tell the api replicas. The worker's next step
+        is the one thing waiting on this process; the api's tokens can follow it by a step's build."""
         self._step_sent_at = time.monotonic() if self.core is not None and self.core.step_in_flight else None
+        self._maybe_step()
+        self._emit(out)
 
     def _maybe_step(self) -> None:
         """Send the next step when none is in flight, and then, while one is, the step after it
@@ -197,6 +203,7 @@ class SchedulerService:
             return False
         if self._step_sent_at is None:
             self._step_sent_at = time.monotonic()
+        self.trace.add(step=batch.step_id, sent=time.monotonic())
         self.metrics.steps.inc()
         self.metrics.step_tokens.inc(len(batch.tokens))
         return True

@@ -235,7 +235,7 @@ def _finish_boot(files: ModelFiles, booted: dict, r: Resolved, device: torch.dev
     below = getattr(store, "copy_engine_tokens", None)
     if below is not None:
         buckets = graph_buckets(spec.num_experts_per_tok, plan.max_running_requests, below=below)
-    graphs = _capture_graphs(model, booted["pools"], spec, plan, device, buckets, booted["graph_bytes"]) \
+    graphs = _capture_graphs(model, booted["pools"], spec, plan, device, buckets, booted["graph_bytes"], store) \
         if booted.get("graph_bytes") is not None and buckets else None  # fmt: skip
     if device.type == "cuda":
         _restart_statistics(store)  # the warm-up and the captures ran padding rows only
@@ -247,14 +247,14 @@ def _finish_boot(files: ModelFiles, booted: dict, r: Resolved, device: torch.dev
                         tokenizer_dir=files.model_dir, eos_token_ids=eos_token_ids(files.model_dir)), plan  # fmt: skip
 
 
-def _capture_graphs(model, pools, spec, plan: Plan, device: torch.device, buckets: list[int], priced: int):
+def _capture_graphs(model, pools, spec, plan: Plan, device: torch.device, buckets: list[int], priced: int, store):
     """Capture the decode graphs into the workspace the plan priced for them (measured before the
     plan by capturing the same graphs); if the real capture takes more, it is dropped and every
     step runs eagerly, so the promise of --gpu-memory holds either way."""
     t0 = time.monotonic()
     before = _reserved(device)
     graphs = DecodeGraphs(model, pools, plan.kv.page_size, plan.max_model_len, buckets, device, spec.vocab_size,
-                          plan.max_running_requests)  # fmt: skip
+                          plan.max_running_requests, count_step=store.count_step_on_device)  # fmt: skip
     try:
         graphs.capture()
     except RuntimeError as exc:  # profiling captured the same graphs, so this is not expected; stay up anyway

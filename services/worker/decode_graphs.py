@@ -12,7 +12,8 @@ The graph holds the step's two ends too, so a plain decode step is, from the hos
 the noise draws, one replay and one result copy (decode_io.py's pinned rings):
 * before the forward, the rows fed from the previous step's samples (StepBatch.feed_sampled) take
   their token from `last_tokens`, where every step's sampled tokens are left on the device;
-* after it, kernels/sample_rows.py samples every row from the inverse temperatures and noise rows
+* after it, the expert store's step statistics are counted on the device (`count_step_on_device`),
+  and kernels/sample_rows.py samples every row from the inverse temperatures and noise rows
   the inputs carry and the noise drawn into `noise`, and packs [tokens | logprobs] for one copy.
 A step whose sampling needs more (penalties, logit_bias, a grammar, top-k/top-p/min-p, logprobs)
 ignores the graph's samples and runs the sampler on the graph's logits instead (executor.py).
@@ -65,14 +66,16 @@ class _Graph:
 
 class DecodeGraphs:
     def __init__(self, model, pools, page_size: int, max_model_len: int, buckets: list[int], device: torch.device,
-                 vocab_size: int, max_sampled_rows: int):  # fmt: skip
+                 vocab_size: int, max_sampled_rows: int, count_step=None):  # fmt: skip
         """`max_sampled_rows`: the most rows any step samples (the plan's max_running_requests): the
-        size of `last_tokens`, which every step (eager ones too, executor.py) leaves its samples in."""
+        size of `last_tokens`, which every step (eager ones too, executor.py) leaves its samples in.
+        `count_step`: the expert store's `count_step_on_device`, which the graphs hold after the forward."""
         self.model, self.pools, self.page_size, self.device = model, pools, page_size, torch.device(device)
         self.max_pages = ceil_div(max_model_len, page_size)
         self.buckets = sorted(buckets)
         self.vocab_size = vocab_size
         self.graphs: dict[int, _Graph] = {}
+        self.count_step = count_step
         largest = max(self.buckets, default=1)
         self.last_tokens = torch.zeros(max(max_sampled_rows, largest), dtype=torch.int64, device=self.device)
         self.noise = torch.ones(largest, vocab_size, dtype=torch.float32, device=self.device)  # Exp(1) draws, shared
@@ -106,6 +109,8 @@ class DecodeGraphs:
         """What a graph holds: the feed, the forward, the sampling of every row and its packed results."""
         self._feed(g)
         logits = self.model(g.batch, self.pools)
+        if self.count_step is not None:
+            self.count_step()
         return logits, self._sample(g, logits)
 
     def _feed(self, g: _Graph) -> None:

@@ -61,6 +61,9 @@ class StepExecutor:
         grammar_tokenizer = None if tokenizer_dir is None else tokenizer_factory(tokenizer_dir, spec.vocab_size, eos_token_ids)
         self.sampler = Sampler(spec.vocab_size, self.device, seed=sampler_seed, grammar_tokenizer=grammar_tokenizer)
         self._last_sampled: tuple | None = None  # (req ids, device tokens) the last launched step sampled
+        # FERRY_STEP_TRACE (the worker sets it): time each step on the device, and the device's idle time before it
+        self.trace_device = False
+        self._last_end: torch.cuda.Event | None = None
 
     def execute(self, batch: StepBatch) -> StepOutput:
         return self.finish(self.launch(batch))
@@ -86,6 +89,7 @@ class StepExecutor:
         prompt_rows = batch.prompt_logprobs is not None and bool(np.asarray(batch.prompt_logprobs).any())
         prompt_parts: list = []
         ids = sampled_ids.tolist()
+        timing = _timing_event(self.device) if self.trace_device else None
         with torch.inference_mode():
             self._restore_states(batch)
             in_graph = None  # the graph's own sampling serves the step: (inverse temperatures, noise rows)
@@ -102,8 +106,8 @@ class StepExecutor:
             self._save_states(batch)
             top = None
             if in_graph is not None:
-                if self.store is not None:
-                    self.store.stats_to_host()  # queued before the results: the one wait in finish covers both
+                if self.store is not None:  # counted in the graph; queued before the results: one wait covers both
+                    self.store.stats_to_host(counted=True)
                 copies = self.graphs.fetch_samples(bucket, len(ids))
                 tokens = self.graphs.last_tokens[: len(ids)]
             else:
@@ -112,13 +116,17 @@ class StepExecutor:
                 if self.graphs is not None:  # where the next step's graph takes its fed tokens from
                     self.graphs.keep_samples(tokens)
                 if self.store is not None:
-                    self.store.stats_to_host()
+                    self.store.stats_to_host(counted=bucket is not None)
                 extra = [] if top is None else list(top[1:])
                 for _, _, _, tensors in prompt_parts:
                     extra.extend(tensors)
                 copies = _to_host_async(tokens.to(torch.int32), logprobs.to(torch.float32), *extra)
         self._last_sampled = (sampled_ids, tokens)
-        return _Launched(batch, sampled_ids, top=top, prompt_parts=prompt_parts, copies=copies)
+        launched = _Launched(batch, sampled_ids, top=top, prompt_parts=prompt_parts, copies=copies)
+        if timing is not None:
+            launched.timing = (timing, _timing_event(self.device), self._last_end)
+            self._last_end = launched.timing[1]
+        return launched
 
     @staticmethod
     def done(launched: "_Launched") -> bool:
@@ -132,6 +140,10 @@ class StepExecutor:
             return launched.output
         batch, sampled_ids, top, prompt_parts = launched.batch, launched.sampled_ids, launched.top, launched.prompt_parts
         token_ids, logprobs, *extra = _wait_for_host(*launched.copies)
+        if launched.timing is not None:
+            start, end, before = launched.timing  # before: the previous step's end, done before this one began
+            end.synchronize()  # recorded just after the results' copy
+            launched.device_times = (start.elapsed_time(end), before.elapsed_time(start) if before is not None else None)
         self.sampler.record(sampled_ids.tolist(), token_ids.tolist())
         sampled_lps = ()
         if top is not None:
@@ -286,6 +298,16 @@ class _Launched:
     prompt_parts: list = field(default_factory=list)
     copies: tuple = ()  # (host tensors, ready event or None) from _to_host_async
     output: StepOutput | None = None
+    timing: tuple | None = None  # FERRY_STEP_TRACE: (start, end, the previous step's end) timing events
+    device_times: tuple | None = None  # (ms on the device, ms the device sat idle before it), once finished
+
+
+def _timing_event(device: torch.device) -> torch.cuda.Event | None:
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
 def _to_host_async(*tensors: torch.Tensor) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:

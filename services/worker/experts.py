@@ -34,9 +34,14 @@ class ExpertStore(Protocol):
         (the executor calls it before the model's first layer; CUDA graph replays never do). A
         store may start the step's expert copies now, while the first layer's attention computes."""
 
-    def stats_to_host(self) -> None:
+    def count_step_on_device(self) -> None:
+        """The device work that closes a step's statistics, graph-safe (no host values): a decode
+        graph holds it after its forward; `stats_to_host` runs it for any other step."""
+
+    def stats_to_host(self, counted: bool = False) -> None:
         """Queue the copy of the step's device-side statistics to the host (no waiting): the
-        executor calls it before the step's one synchronisation, `end_step` after it."""
+        executor calls it before the step's one synchronisation, `end_step` after it. `counted`:
+        the step's `count_step_on_device` already ran (inside its graph)."""
 
     def end_step(self, synced: bool = False) -> None:
         """The executor's step is over (its results are on the host): close the step's statistics.

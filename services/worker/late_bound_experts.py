@@ -40,6 +40,9 @@ class LateBoundExperts:
                 n_rows: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         return self.store.forward(moe_layer, x, topk_ids, topk_weights, n_rows=n_rows)
 
+    def count_step_on_device(self) -> None:
+        self.store.count_step_on_device()
+
 
 class SharedLayerExperts(ResidentExperts):
     """One MoE layer's worth of slots serving every layer: the store of the workspace-profiling

@@ -217,7 +217,6 @@ class Sampler:
             for i in sampled:
                 if states[i].generator is not None:
                     rows[i].exponential_(generator=states[i].generator)
-            rows.clamp_min_(torch.finfo(rows.dtype).tiny)
         inv_t = [1.0 if s.params.greedy else 1.0 / s.params.temperature for s in states]
         return inv_t, [-1 if s.params.greedy else i for i, s in enumerate(states)]
 
@@ -227,8 +226,7 @@ class Sampler:
         for i, state in enumerate(states):
             if state.generator is not None:
                 noise[i].exponential_(generator=state.generator)
-        # an exact 0 draw would make log(q) -inf and let a masked (-inf) token tie the race
-        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+        return noise  # an exact 0 draw is taken as the smallest normal float by sample_rows
 
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

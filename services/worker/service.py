@@ -25,6 +25,7 @@ from ferry.shared.messages import (
     PoolReport, RunStep, SchedulerBeat, SchedulerToWorker, StepDone, StepFailed, WorkerAlive,
 )  # fmt: skip
 from ferry.shared.side_http import serve_side_http
+from ferry.shared.step_trace import StepTrace
 from ferry.shared.wire import PeerSocket, WireError
 from ferry.shared.wire_keys import WireKeys, require_keys_for_tcp
 from ferry.services.worker.flags import WorkerBootConfig
@@ -108,6 +109,7 @@ class WorkerService:
                                 identity=self.boot_id.encode(), secure=secure)  # fmt: skip
         self.results = PeerSocket(self.ctx, zmq.PUSH, cfg.results_addr, None, bind=False, secure=secure)
         self.heartbeat = _Heartbeat(self.ctx, cfg, self.boot_id, secure)
+        self.trace = StepTrace("worker")  # FERRY_STEP_TRACE: each step's timeline (bench/profile_serve.py)
         self.scheduler = Liveness()  # the adopting scheduler's beats (SchedulerBeat)
         self.http = None
         if cfg.health_port is not None:
@@ -140,6 +142,8 @@ class WorkerService:
         report = getattr(self.executor, "expert_cache_report", None)  # a test double's boot may have none
         if callable(report):
             self.metrics.watch_expert_cache(report)
+        if self.trace.enabled and hasattr(self.executor, "trace_device"):
+            self.executor.trace_device = True
         vocab = getattr(self.executor, "vocab_size", 0)
         self.heartbeat.pool = pool_report_from_plan(self.plan, vocab if isinstance(vocab, int) else 0)
         log.info("worker_ready", boot_s=round(time.monotonic() - t0, 3), plan=self.plan.to_dict())
@@ -154,7 +158,7 @@ class WorkerService:
         running step is answered once the device is done with it. So the device goes from one step to
         the next without waiting for this loop or for the scheduler."""
         self.boot()
-        pending = None  # (batch, launched, started): launched, not yet answered
+        pending = None  # (batch, launched, started, received): launched, not yet answered
         while self._running:
             if pending is not None and self._done(pending[1]):
                 self.scheduler.deaf()
@@ -181,7 +185,7 @@ class WorkerService:
                     self.heartbeat.last_step = batch.step_id
                     if self.heartbeat.step_started is None:
                         self.heartbeat.step_started = time.monotonic()
-                    started = time.perf_counter()
+                    started, received = time.perf_counter(), time.monotonic()
                     launched = self._launch(batch)
                     if pending is not None:
                         self._answer(*pending)
@@ -189,7 +193,7 @@ class WorkerService:
                     if isinstance(launched, Exception):
                         self._fail(batch, launched)
                     else:
-                        pending = (batch, launched, started)
+                        pending = (batch, launched, started, (received, time.monotonic()))
                         self.heartbeat.step_started = time.monotonic()  # the step now running
                 case SchedulerBeat():
                     self.scheduler.beat()
@@ -209,7 +213,7 @@ class WorkerService:
         done = getattr(self.executor, "done", None)  # a test double answers at launch
         return done(launched) if done is not None else True
 
-    def _answer(self, batch, launched, started: float) -> None:
+    def _answer(self, batch, launched, started: float, received: tuple[float, float]) -> None:
         try:
             output = self.executor.finish(launched) if hasattr(self.executor, "launch") else launched
         except Exception as exc:  # noqa: BLE001
@@ -220,11 +224,16 @@ class WorkerService:
         # the answer goes out before the heartbeat may say "idle" (run, once the socket is empty): the
         # scheduler must not hand out a new step while this one's answer is still on its way
         self.results.send(StepDone(output))
+        if self.trace.enabled:
+            device = getattr(launched, "device_times", None) or (None, None)
+            self.trace.add(step=batch.step_id, rows=len(batch.req_ids), tokens=len(batch.tokens), recv=received[0],
+                           launched=received[1], answered=time.monotonic(), device_ms=device[0], idle_ms=device[1])  # fmt: skip
 
     def _fail(self, batch, exc: Exception) -> None:
         self.results.send(StepFailed(step_id=batch.step_id, message=f"{type(exc).__name__}: {exc}"))
 
     def close(self) -> None:
+        self.trace.flush()
         self.heartbeat.stopped.set()
         self.heartbeat.join(timeout=2)
         self.steps.close()

@@ -120,7 +120,7 @@ def profile_decode_graphs_cuda(model, experts: LateBoundExperts, spec: ModelSpec
     baseline = torch.cuda.memory_reserved(device)
     try:
         graphs = DecodeGraphs(model, pools, r.page_size, r.max_model_len, buckets, device, spec.vocab_size,
-                              r.max_running_requests)  # fmt: skip
+                              r.max_running_requests, count_step=experts.count_step_on_device)  # fmt: skip
         graphs.capture()
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()  # what the eager warm-ups cached is the eager workspace's, not the graphs'

@@ -169,7 +169,7 @@ def test_graphs_and_the_device_cache_decode_token_for_token(tiny_models, arch, d
 
     model = tiny_models[arch]
     prompts = [[5, 17, 33, 2, 8, 100, 41, 9], [7, 7, 3], [250, 1, 64, 64, 12]]
-    runs = {}
+    runs, hits = {}, {}
     variants = {
         "resident-eager": ["--enforce-eager"],
         "resident-graphs": [],
@@ -197,6 +197,7 @@ def test_graphs_and_the_device_cache_decode_token_for_token(tiny_models, arch, d
             assert (executor.graphs.buckets == every) == (below is None or every[-1] < below)
         runs[name] = _greedy_batch(executor, prompts, steps=12)
         report = executor.expert_cache_report()
+        hits[name] = report["hits"]
         if "--moe-cache-size" in flags:
             assert plan.experts.slots == 10 and report["misses"] > 0
             assert (report["prefetched"] > 0) == ("--no-expert-prefetch" not in flags)
@@ -206,6 +207,8 @@ def test_graphs_and_the_device_cache_decode_token_for_token(tiny_models, arch, d
     want = runs.pop("resident-eager")
     for name, got in runs.items():
         assert got == want, f"{name} differs from all-resident eager decoding"
+    # the graphs count the distinct routed experts of each step on the device, as eager steps do
+    assert hits["resident-graphs"] == hits["resident-eager"] > 0
 
 
 def test_a_graph_samples_seeded_requests_as_the_eager_sampler_does(tiny_models):

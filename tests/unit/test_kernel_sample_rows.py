@@ -7,14 +7,16 @@ from interpreted_triton import run_interpreted
 from ferry.kernels.sample_rows import BLOCK_V, sample_rows_reference
 
 
-def _case(seed: int, rows: int, vocab: int, greedy: list[bool], masked: bool = False):
+def _case(seed: int, rows: int, vocab: int, greedy: list[bool], masked: bool = False, zeros: bool = False):
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(rows, vocab, generator=g) * 4
     if masked:  # a filtered row: most of its tokens -inf, whole blocks of them included
         logits[0, : vocab - 3] = float("-inf")
     inv_t = torch.tensor([1.0 if gr else 1 / 0.7 for gr in greedy])
     drawn = [i for i, gr in enumerate(greedy) if not gr]
-    noise = torch.empty(len(drawn), vocab).exponential_(generator=g).clamp_min_(1e-38) if drawn else None
+    noise = torch.empty(len(drawn), vocab).exponential_(generator=g) if drawn else None
+    if zeros:  # exact 0 draws, on masked tokens too: taken as the smallest normal float, never a tie at -inf
+        noise[:, :5] = 0.0
     noise_rows = torch.full((rows,), -1, dtype=torch.int64)
     for j, i in enumerate(drawn):
         noise_rows[i] = j
@@ -26,6 +28,7 @@ CASES = [
     _case(1, 2, BLOCK_V, [False, False], masked=True),
     _case(2, 1, 100, [True]),
     _case(3, 4, 3 * BLOCK_V, [False, True, False, True], masked=True),
+    _case(4, 2, 300, [False, False], masked=True, zeros=True),
 ]
 
 
@@ -35,6 +38,7 @@ def test_kernels_equal_the_twin():
         ref_tokens, ref_logprobs = sample_rows_reference(*case)
         assert torch.equal(tokens, ref_tokens)
         assert torch.allclose(logprobs, ref_logprobs, atol=1e-5), (logprobs, ref_logprobs)
+        assert torch.isfinite(logprobs).all()  # never a masked token
 
 
 def test_twin_is_the_exponential_race_and_ties_go_to_the_lowest_id():

@@ -305,7 +305,10 @@ class DeviceDrivenExperts(OffloadedExperts):
         return [tuple(r) for r in call.misses[:count].tolist()]
 
     # ---- statistics ------------------------------------------------------------------------------
-    def stats_to_host(self) -> None:
+    def count_step_on_device(self) -> None:
+        """Nothing before the copy: the lookups count into the counters as they run."""
+
+    def stats_to_host(self, counted: bool = False) -> None:
         """Queue the copy of the step's counters and stamps to the host (before the step's sync)."""
         if self.cache is None:
             return

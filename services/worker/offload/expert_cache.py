@@ -126,7 +126,10 @@ class OffloadedExperts:
     def begin_step(self, num_tokens: int, top_k: int) -> None:
         """Nothing to start: the host path copies each layer's misses once it has looked them up."""
 
-    def stats_to_host(self) -> None:
+    def count_step_on_device(self) -> None:
+        """Nothing on the device: the host policy counts on the host."""
+
+    def stats_to_host(self, counted: bool = False) -> None:
         """Nothing to queue: the host policy counted on the host."""
 
     def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

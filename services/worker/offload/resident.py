@@ -94,15 +94,22 @@ class ResidentExperts:
     def begin_step(self, num_tokens: int, top_k: int) -> None:
         """Nothing to copy: every expert is resident."""
 
-    def stats_to_host(self) -> None:
-        """Queue the step's count of distinct routed experts to the host, and clear the table."""
+    def count_step_on_device(self) -> None:
+        """The step's count of distinct routed experts, and the table cleared for the next step."""
         if self._routed is None:
             return
         with torch.inference_mode():  # the table was made inside the forward's inference mode
             self._routed_sum.copy_(self._routed.sum(dtype=torch.int64).view(1))
             self._routed.zero_()
-            host = self._spare.pop() if self._spare else torch.empty(1, dtype=torch.int64, pin_memory=self._routed.is_cuda)
-            host.copy_(self._routed_sum, non_blocking=self._routed.is_cuda)
+
+    def stats_to_host(self, counted: bool = False) -> None:
+        """Queue the step's count of distinct routed experts to the host (counted first unless its graph did)."""
+        if self._routed is None:
+            return
+        if not counted:
+            self.count_step_on_device()
+        host = self._spare.pop() if self._spare else torch.empty(1, dtype=torch.int64, pin_memory=self._routed.is_cuda)
+        host.copy_(self._routed_sum, non_blocking=self._routed.is_cuda)
         self._queued.append(host)
 
     def end_step(self, synced: bool = False) -> None:

@@ -1,0 +1,46 @@
+"""FERRY_STEP_TRACE: off, nothing is kept or written; on, one JSON line per event in <role>-<pid>.jsonl,
+and a served step's lines from the scheduler and the worker fold into one timeline (bench/profile_serve.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from bench.profile_serve import timeline
+from ferry.shared.step_trace import StepTrace
+
+
+def test_off_unless_the_variable_names_a_directory(tmp_path):
+    trace = StepTrace("worker", environ={})
+    trace.add(step=1, recv=0.5)
+    trace.flush()
+    assert not trace.enabled and trace._lines == [] and list(tmp_path.iterdir()) == []
+
+
+def test_lines_are_appended_per_process(tmp_path):
+    trace = StepTrace("scheduler", environ={"FERRY_STEP_TRACE": str(tmp_path / "t")})
+    trace.add(step=1, sent=1.0)
+    trace.add(step=1, landed=2.0)
+    trace.flush()
+    trace.flush()
+    lines = (tmp_path / "t" / f"scheduler-{os.getpid()}.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == [{"step": 1, "sent": 1.0}, {"step": 1, "landed": 2.0}]
+
+
+def test_the_timeline_of_steps_scheduled_ahead():
+    """Steps 1..6 one ms apart on the device, each sent ahead when the answer two before it landed."""
+    sched, worker = [], []
+    for k in range(1, 7):
+        sent = k * 1.0e-3 - 0.9e-3
+        sched.append({"step": k, "sent": sent})
+        recv = sent + 0.05e-3
+        answered = k * 1.0e-3 + 0.02e-3
+        worker.append({"step": k, "rows": 1, "tokens": 1, "recv": recv, "launched": recv + 0.2e-3,
+                       "answered": answered, "device_ms": 1.0, "idle_ms": 0.0})
+        sched.append({"step": k, "landed": answered + 0.03e-3})
+    t = timeline(sched, worker, 0.0, 1.0)
+    assert t["steps"] == 6 and t["device_ms"] == 1.0 and t["device_idle_ms"] == 0.0
+    assert abs(t["worker_launch_ms"] - 0.2) < 1e-9 and abs(t["sent_to_worker_read_ms"] - 0.05) < 1e-9
+    assert abs(t["answer_to_scheduler_ms"] - 0.03) < 1e-9 and abs(t["step_interval_ms"] - 1.0) < 1e-9
+    # step k+2 was sent (k+1.1 ms) after step k's answer landed (k + 0.05 ms)
+    assert abs(t["scheduler_turn_ms"] - 1.05) < 1e-9
