@@ -137,7 +137,7 @@ def load(base: str, streams: int, max_tokens: int, stop: threading.Event, counts
 
 
 def profile(served, py_spy: str, streams: int, max_tokens: int, seconds: float, rate: int, top: int, tmp: Path,
-            trace_dir: Path) -> dict:  # fmt: skip
+            trace_dir: Path, spy_flags: tuple[str, ...] = ()) -> dict:  # fmt: skip
     pids = role_pids(served.proc.pid)
     stop, counts = threading.Event(), [0] * streams
     threads = load(served.base, streams, max_tokens, stop, counts)
@@ -148,7 +148,7 @@ def profile(served, py_spy: str, streams: int, max_tokens: int, seconds: float, 
         raw = tmp / f"{role}_{streams}.txt"
         spies[role] = (raw, subprocess.Popen([py_spy, "record", "--pid", str(pid), "--duration", str(int(seconds)),
                                               "--rate", str(rate), "--format", "raw", "--threads", "--nonblocking",
-                                              "--output", str(raw)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))  # fmt: skip
+                                              *spy_flags, "--output", str(raw)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))  # fmt: skip
     for role, (raw, proc) in spies.items():
         proc.wait(timeout=seconds + 60)
     t1 = time.monotonic()
@@ -176,6 +176,8 @@ def main() -> int:
     p.add_argument("--rate", type=int, default=500, help="py-spy samples per second")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--py-spy", default=shutil.which("py-spy") or "py-spy")
+    p.add_argument("--idle", action="store_true",
+                   help="sample threads off the CPU too (py-spy --idle): `busy` is then 1, and `self` says where each waits")
     p.add_argument("--out", required=True)
     p.add_argument("--ready-timeout", type=float, default=900)
     args = p.parse_args()
@@ -193,7 +195,7 @@ def main() -> int:
         served.wait_ready(args.ready_timeout)
         for n in (int(s) for s in args.streams.split(",")):
             result["runs"].append(profile(served, args.py_spy, n, args.max_tokens, args.seconds, args.rate, args.top, tmp,
-                                          tmp / "trace"))
+                                          tmp / "trace", ("--idle",) if args.idle else ()))
             print(json.dumps({k: v for k, v in result["runs"][-1].items() if k in ("streams", "tokens_per_s", "step_ms", "timeline")}),
                   flush=True)  # fmt: skip
     finally:
