@@ -3,7 +3,7 @@
 The scheduler owns every page and slot; the worker only reads the indices it is given. Arrays
 are numpy so they can cross the wire as typed buffers (shared/wire.py); the executor turns them
 into device tensors. The structs are frozen and built by keyword; the arrays in them are not
-copied (those decoded from the wire are read-only). No torch here.
+copied (shared/wire.py says how those decoded from the wire hold their bytes). No torch here.
 
 Index conventions (shared by the planner, the pools and the allocators; docs/ARCHITECTURE.md,
 "The memory planner"):

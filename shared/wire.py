@@ -6,7 +6,7 @@ onto the received buffer without a copy. An array under INLINE_ARRAY_BYTES is wr
 itself as [dtype, shape, bytes] (msgpack bin). Each frame of a message costs latency on both sides,
 and copying a few KiB costs less: a decode step's RunStep, ten small arrays, went from one process
 to the next in 0.27 ms as eleven frames and in 0.20 ms as one (bench/wire_hop.py, bench/NOTES.md).
-Decoded arrays are read-only either way.
+A frame's array is a view of the received frame, an inline one owns a copy of its bytes.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ class Codec(Generic[T]):
                 dtype, shape, data = obj
                 if not isinstance(data, bytes):
                     raise ValueError("an inline array's data must be bytes")
-                return np.frombuffer(data, dtype=_array_dtype(dtype)).reshape(_array_shape(shape))
+                # a buffer of its own, writable like an array mapped onto a received frame
+                return np.frombuffer(bytearray(data), dtype=_array_dtype(dtype)).reshape(_array_shape(shape))
             index, dtype, shape = obj
             if not isinstance(index, int) or not 1 <= index < len(self._frames):
                 raise ValueError(f"an array refers to frame {index!r} of {len(self._frames)}")

@@ -103,10 +103,14 @@ def test_the_step_contract_is_frozen_and_built_by_keyword():
         StepOutput(7, np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.float32))
 
 
-def test_decoded_arrays_are_read_only_views_of_the_frames():
+def test_decoded_arrays_hold_what_was_sent_not_the_senders_buffers():
     codec = Codec(SchedulerToWorker)
-    got = codec.decode([bytes(f) for f in codec.encode(RunStep(batch()))]).batch
-    assert not got.tokens.flags.writeable and got.new_requests[0].prompt_token_ids.tolist() == [0, 1, 2, 3]
+    step = batch()
+    frames = codec.encode(RunStep(step))
+    step.tokens[:] = 99  # the sender reuses its arrays once the message is encoded
+    got = codec.decode([bytes(f) for f in frames]).batch
+    assert got.tokens.tolist() == [0, 1, 2, 3, 4] and got.new_requests[0].prompt_token_ids.tolist() == [0, 1, 2, 3]
+    assert got.tokens.flags.writeable  # as an array mapped onto a received ZeroMQ frame is
 
 
 def test_a_message_of_another_union_is_refused():
