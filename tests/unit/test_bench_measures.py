@@ -83,3 +83,14 @@ def test_a_decode_profile_counts_the_copy_kernel_and_copy_engine_copies_as_exper
     assert is_expert_copy("_copy_experts_kernel") and is_expert_copy("Memcpy HtoD (Pinned -> Device)")
     assert not is_expert_copy("_pair_gate_up_kernel") and not is_expert_copy("Memcpy DtoH (Device -> Pinned)")
     assert is_host_to_device("Memcpy HtoD (Pinned -> Device)") and not is_host_to_device("_copy_experts_kernel")
+
+
+def test_the_cpu_expert_benchmark_computes_the_experts_of_the_model():
+    """bench/cpu_expert_bw.py times what the expert store computes: gate/up, SiLU-and-mul, down."""
+    from bench.cpu_expert_bw import expert_ffn
+    from ferry.kernels.grouped_expert_gemm_reference import grouped_expert_forward_reference
+
+    g = torch.Generator().manual_seed(0)
+    w13, w2, x = torch.randn(3, 16, 8, generator=g), torch.randn(3, 8, 8, generator=g), torch.randn(2, 8, generator=g)
+    want = grouped_expert_forward_reference(x, torch.tensor([[1], [1]]), torch.ones(2, 1), w13, w2)
+    assert torch.allclose(expert_ffn(x, w13[1], w2[1]), want, atol=1e-5)
