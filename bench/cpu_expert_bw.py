@@ -49,10 +49,10 @@ def _timed(fn) -> float:
 
 def expert_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """One expert on the CPU: x [T, H]; w13 [2I, H] (gate rows, then up rows); w2 [H, I]."""
-    gate_up = x @ w13.t()
+    gate_up = torch.nn.functional.linear(x, w13)
     inter = w13.shape[0] // 2
     h = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-    return h @ w2.t()
+    return torch.nn.functional.linear(h, w2)
 
 
 def expert_bandwidth(hidden: int, inter: int, tokens: int, experts: int, repeats: int) -> tuple[float, float]:
