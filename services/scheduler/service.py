@@ -69,6 +69,7 @@ class SchedulerService:
         self._rid = itertools.count(time.time_ns() // 1000)
         self.metrics = SchedulerMetrics()
         self.trace = StepTrace("scheduler")  # FERRY_STEP_TRACE: each step's timeline (bench/profile_serve.py)
+        self._landed: Outcome | None = None  # a landed step's outcome not yet told to the api (_step_landed)
         self._preemptions_seen = 0
         self._counters_seen = {"prefix_hits": 0, "snapshot_evictions": 0}  # of the current core, exported so far
         self._running = True
@@ -180,8 +181,16 @@ class SchedulerService:
         one that just landed), send the next step, then tell the api replicas. The worker's next step
         is the one thing waiting on this process; the api's tokens can follow it by a step's build."""
         self._step_sent_at = time.monotonic() if self.core is not None and self.core.step_in_flight else None
+        self._landed = out
         self._maybe_step()
-        self._emit(out)
+        self._emit_landed()
+
+    def _emit_landed(self) -> None:
+        """The landed step's outcome to the api replicas, once (and always before what a failed send
+        fails next, so a client gets its last tokens before its error)."""
+        out, self._landed = self._landed, None
+        if out is not None:
+            self._emit(out)
 
     def _maybe_step(self) -> None:
         """Send the next step when none is in flight, and then, while one is, the step after it
@@ -198,6 +207,7 @@ class SchedulerService:
     def _send_step(self, batch) -> bool:
         if not self.steps.send(self.worker_boot.encode(), RunStep(batch)):
             # every step in flight fails: a step scheduled ahead needs the one before it
+            self._emit_landed()
             self._emit(self.core.fail_in_flight(ServiceUnavailable("the worker is not connected")))
             self._step_sent_at = None
             return False
