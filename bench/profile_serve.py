@@ -26,6 +26,7 @@ import collections
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -82,8 +83,8 @@ def fold(raw: Path, seconds: float, rate: int, top: int) -> dict:
 
 
 def _median(values: list) -> float | None:
-    values = sorted(v for v in values if v is not None)
-    return values[len(values) // 2] if values else None
+    present = [v for v in values if v is not None]  # device times are None off CUDA
+    return statistics.median(present) if present else None
 
 
 def timeline(scheduler: list[dict], worker: list[dict], t0: float, t1: float) -> dict:

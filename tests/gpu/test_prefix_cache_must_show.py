@@ -22,22 +22,19 @@ commit, and every figure under "detail".
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
 import shlex
-import signal
 import statistics
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import REPO, child_env, eventually, free_port, healthy
+from bench.decode_suite import commit
+from tests.integration.harness import serve_model
 
 MODEL = os.environ.get("FERRY_MUST_SHOW_MODEL")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not MODEL, reason="FERRY_MUST_SHOW_MODEL is not set")]
@@ -75,7 +72,7 @@ def issue_keys(results: dict) -> dict:
     """The figures under the names bench/results/prefix_hybrid.json keeps: the anthropic client's turns
     (the openai client's beside them), the smallest cached fraction of turns 2 and 3 over both clients,
     the warm shared-prompt speedup, and the commit."""
-    out: dict = {"commit": os.environ.get("FERRY_COMMIT") or _git_head()}
+    out: dict = {"commit": commit()}
     turns = results.get("three_turns", {})
     for api, prefix in (("anthropic", ""), ("openai", "openai_")):
         for turn in (1, 2, 3):
@@ -87,32 +84,12 @@ def issue_keys(results: dict) -> dict:
     return out
 
 
-def _git_head() -> str:
-    done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    return done.stdout.strip() or "unknown"
-
-
-@contextlib.contextmanager
 def _serve(tmp: Path, *flags: str):
-    """`ferry serve MODEL` on the GPU until the block ends; loading the model may take minutes."""
+    """`ferry serve MODEL` on the GPU (or as FERRY_MUST_SHOW_FLAGS says) until the block ends; loading the
+    model may take minutes."""
     tmp.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    with open(tmp / "serve.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "ferry.services.cli", "serve", MODEL, "--port", str(port),
-                                 "--served-model-name", "tiny", "--max-model-len", "65536", *FLAGS, *flags],
-                                cwd=REPO, env=child_env(), stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        ok = eventually(lambda: proc.poll() is None and healthy(url), timeout=1800, interval=1)
-        assert ok, (tmp / "serve.log").read_text()[-3000:]
-        yield type("Served", (), {"url": url})
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    return serve_model(Path(MODEL), tmp, None, *FLAGS, *flags, device=None, max_model_len=65536,
+                       ready_timeout=1800, stop_timeout=60)  # fmt: skip
 
 
 def _openai_turn(url, messages, max_tokens=128):

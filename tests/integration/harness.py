@@ -309,26 +309,29 @@ class ServedModel:
 
 
 @contextmanager
-def serve_model(model_dir: Path, tmp: Path, env: dict[str, str] | None = None, *flags: str):
-    """`ferry serve MODEL` on the CPU as a user runs it (the model positional), with
-    `--served-model-name tiny`, until the block ends (then SIGTERM)."""
+def serve_model(model_dir: Path, tmp: Path, env: dict[str, str] | None = None, *flags: str, device: str | None = "cpu",
+                max_model_len: int = 512, ready_timeout: float = 180, stop_timeout: float = 20):  # fmt: skip
+    """`ferry serve MODEL` as a user runs it (the model positional), with `--served-model-name tiny`, until
+    the block ends (then SIGTERM). On the CPU unless `device` says otherwise (None: serve's own choice);
+    a real model on a GPU may take minutes to load (`ready_timeout`)."""
     port = free_port()
     log_path = tmp / "serve.log"
+    placed = ["--device", device] if device is not None else []
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "ferry.services.cli", "serve", str(model_dir),
-                                 "--port", str(port), "--device", "cpu", "--max-model-len", "512",
+                                 "--port", str(port), *placed, "--max-model-len", str(max_model_len),
                                  "--served-model-name", "tiny", *flags], cwd=REPO,
                                 env={**child_env(), **(env or {}), "TMPDIR": str(tmp)},
                                 stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
     served = ServedModel(proc, f"http://127.0.0.1:{port}", log_path)
     try:
-        ok = eventually(lambda: proc.poll() is None and healthy(served.url), timeout=180, interval=0.2)
+        ok = eventually(lambda: proc.poll() is None and healthy(served.url), timeout=ready_timeout, interval=0.2)
         assert ok, log_path.read_text()[-3000:]
         yield served
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(timeout=20)
+            proc.wait(timeout=stop_timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()

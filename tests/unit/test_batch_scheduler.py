@@ -38,6 +38,23 @@ def run_to_end(sched, model, max_steps=10_000):
     raise AssertionError("did not finish")
 
 
+def run_aborting_to_end(sched, model, aborted: set[int], after_step=lambda: None) -> dict[int, list[int]]:
+    """Run every step to the end, aborting each request of `aborted` once it has two tokens, with
+    `after_step` checking the scheduler's invariants after each step; the tokens each request got."""
+    got: dict[int, list[int]] = {}
+    while (batch := sched.schedule()) is not None:
+        out = sched.complete(model.execute(batch))
+        assert not out.failed
+        for req, tok in out.tokens:
+            got.setdefault(req.rid, []).append(tok)
+        for rid in list(aborted):
+            if len(got.get(rid, [])) >= 2:
+                sched.abort(rid)
+                aborted.discard(rid)
+        after_step()
+    return got
+
+
 def prompt(seed, n):
     return np.random.default_rng(seed).integers(FIRST, FIRST + COUNT, n).astype(np.int32)
 

@@ -15,7 +15,7 @@ from ferry.shared.messages import PoolReport
 from ferry.shared.sampling import SamplingParams
 from ferry.services.scheduler.batcher import PROMPT_END_MARGIN, BatchScheduler
 from tests.doubles.paged_model import PagedHashModel, reference_continuation
-from tests.unit.test_batch_scheduler import VOCAB, add, prompt, run_to_end
+from tests.unit.test_batch_scheduler import VOCAB, add, prompt, run_aborting_to_end, run_to_end
 from tests.unit.test_schedule_ahead import run_ahead_to_end
 
 
@@ -243,7 +243,7 @@ def test_random_hybrid_workloads_generate_the_reference_and_return_every_page_an
                       max_prefill_tokens=prefill, max_model_len=64, linear_state_snapshots=snapshots)  # fmt: skip
     sched, model = BatchScheduler(pool), PagedHashModel(pages, page_size, vocab, 3, snapshots)
     prefixes = [np.random.default_rng(p).integers(10, 60, 9).tolist() for p in range(4)]
-    expected, got, aborted, sequences = {}, {}, set(), []
+    expected, aborted, sequences = {}, set(), []
     for rid, (prefix, own, max_tokens, abort, extend) in enumerate(jobs, start=1):
         base = sequences[-1] if extend and sequences else prefixes[prefix]
         p = base + np.random.default_rng(100 + rid).integers(10, 60, own).tolist()
@@ -260,18 +260,13 @@ def test_random_hybrid_workloads_generate_the_reference_and_return_every_page_an
         for rid, t in tokens.items():
             assert t == expected[rid]
     else:
-        while (batch := sched.schedule()) is not None:
-            out = sched.complete(model.execute(batch))
-            assert not out.failed
-            for req, tok in out.tokens:
-                got.setdefault(req.rid, []).append(tok)
-            for rid in list(aborted):
-                if len(got.get(rid, [])) >= 2:
-                    sched.abort(rid)
-                    aborted.discard(rid)
+
+        def snapshots_add_up() -> None:
             attached = [n for n in _nodes(sched.kv.cache.root) if n.snapshot is not None]
             assert len(attached) == sched.snapshots.held <= snapshots
             assert len({n.snapshot.id for n in attached}) == len(attached)
+
+        got = run_aborting_to_end(sched, model, aborted, snapshots_add_up)
         for rid, tokens in got.items():
             assert tokens == expected[rid][: len(tokens)]
     assert not (sched.running or sched.waiting)

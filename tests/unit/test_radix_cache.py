@@ -11,6 +11,7 @@ from ferry.services.scheduler.batcher import BatchScheduler
 from ferry.services.scheduler.page_allocator import PageAllocator
 from ferry.services.scheduler.radix_cache import RadixCache
 from tests.doubles.paged_model import PagedHashModel, reference_continuation
+from tests.unit.test_batch_scheduler import run_aborting_to_end
 
 
 def chain(cache: RadixCache, alloc: PageAllocator, keys: list[tuple[int, ...]]):
@@ -62,7 +63,7 @@ def test_random_workloads_generate_the_reference_and_return_every_page(jobs, pag
                       max_prefill_tokens=prefill, max_model_len=64)  # fmt: skip
     sched, model = BatchScheduler(pool), PagedHashModel(pages, page_size, vocab)
     prefixes = [np.random.default_rng(p).integers(10, 60, 9).tolist() for p in range(4)]
-    expected, got, aborted = {}, {}, set()
+    expected, aborted = {}, set()
     for rid, (prefix, own, max_tokens, abort) in enumerate(jobs, start=1):
         p = prefixes[prefix] + np.random.default_rng(100 + rid).integers(10, 60, own).tolist()
         try:
@@ -72,19 +73,12 @@ def test_random_workloads_generate_the_reference_and_return_every_page(jobs, pag
         expected[rid] = reference_continuation(p, max_tokens, vocab)
         if abort:
             aborted.add(rid)
-    steps = 0
-    while (batch := sched.schedule()) is not None:
-        steps += 1
-        out = sched.complete(model.execute(batch))
-        assert not out.failed
-        for req, tok in out.tokens:
-            got.setdefault(req.rid, []).append(tok)
-        for rid in list(aborted):
-            if len(got.get(rid, [])) >= 2:
-                sched.abort(rid)
-                aborted.discard(rid)
+
+    def pages_add_up() -> None:
         held = sum(len(r.pages) - len(r.nodes) for r in sched.running)
         assert sched.kv.allocator.free_count + held + sched.kv.cache.nodes == pages
+
+    got = run_aborting_to_end(sched, model, aborted, pages_add_up)
     assert not (sched.running or sched.waiting)
     for rid, tokens in got.items():
         assert tokens == expected[rid][: len(tokens)]
