@@ -7,6 +7,7 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
+from typing import Callable
 
 from ferry.shared.errors import ConfigError
 from ferry.shared.model_flag import add_model_argument
@@ -20,7 +21,7 @@ from ferry.plan.costs import (
 from ferry.plan.plan_report import HOST_NOT_CHECKED, plan_table
 from ferry.plan.planner import Measured, Plan, PlanRequest, resolve
 from ferry.plan.planner_flags import add_planner_flags, plan_request_from_args
-from ferry.plan.store_plan import plan_for_expert_store
+from ferry.plan.prefill_chunk import plan_with_prefill_chunk
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,8 +39,11 @@ def run(args: argparse.Namespace) -> int:
     source = "safetensors"
     if weights is None:
         weights, source = resident_weight_bytes_from_shapes(spec, r.dtype), "shapes"
-    workspace = workspace_bytes_estimate(spec, r.dtype, r.max_prefill_tokens, r.max_running_requests, r.max_model_len)
-    measured = Measured(weights, workspace, free, source, "estimate")
+
+    def measured(tokens: int) -> Measured:
+        workspace = workspace_bytes_estimate(spec, r.dtype, tokens, r.max_running_requests, r.max_model_len)
+        return Measured(weights, workspace, free, source, "estimate")
+
     plan, here = _plan_and_host_check(spec, req, measured, mem_available_bytes())
     if args.json:
         json.dump(plan.to_dict(), sys.stdout)
@@ -79,20 +83,26 @@ def _model_dir(model: str) -> Path:
     return path
 
 
-def _plan_and_host_check(spec: ModelSpec, req: PlanRequest, measured: Measured,
+def _plan_and_host_check(spec: ModelSpec, req: PlanRequest, measured: Callable[[int], Measured],
                          here: int | None) -> tuple[Plan, int | None]:  # fmt: skip
     """The plan, with its host-RAM check against --host-memory, else this machine's MemAvailable
     (`here`). A plan whose budget is --gpu-memory may well be for another machine: there, banks that
     do not fit this machine's RAM are shown as not checked instead of failing the plan; with the
     budget measured from this machine's GPU, or with --host-memory, they fail it (rule 4). Returns
     the plan and, when its host check was skipped, this machine's MemAvailable for the table."""
-    checked = dataclasses.replace(measured, host_available_bytes=here)
+
+    def checked(tokens: int) -> Measured:
+        return dataclasses.replace(measured(tokens), host_available_bytes=here)
+
+    def host_unchecked(tokens: int) -> Measured:
+        return dataclasses.replace(measured(tokens), host_available_bytes=None)
+
     if req.host_memory is not None or req.gpu_memory is None or here is None:
-        return plan_for_expert_store(spec, req, checked), None
-    unchecked = plan_for_expert_store(spec, req, dataclasses.replace(measured, host_available_bytes=None))
+        return plan_with_prefill_chunk(spec, req, checked), None
+    unchecked = plan_with_prefill_chunk(spec, req, host_unchecked)
     host = unchecked.host
     if not host.expert_bank_bytes or host.expert_bank_bytes + host.reserve_bytes <= here:
-        return plan_for_expert_store(spec, req, checked), None  # fits this machine too: say so
+        return plan_with_prefill_chunk(spec, req, checked), None  # fits this machine too: say so
     return dataclasses.replace(unchecked, host=dataclasses.replace(host, available_source=HOST_NOT_CHECKED)), here
 
 

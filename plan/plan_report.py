@@ -17,7 +17,8 @@ def plan_table(plan: Plan, host_here: int | None = None) -> str:
     rows = [
         ("budget", plan.budget_bytes, plan.budget_derivation),
         ("weights (GPU-resident)", plan.weights_bytes, plan.weights_source),
-        ("activation workspace", plan.workspace_bytes, f"{plan.workspace_source}, {plan.max_prefill_tokens}-token step"),
+        ("activation workspace", plan.workspace_bytes, f"{plan.workspace_source}, {plan.max_prefill_tokens}-token step "
+         f"({plan.max_prefill_tokens_source})"),
         ("KV pool", plan.kv.bytes,
          f"{plan.kv.pages} pages x {plan.kv.page_size} = {plan.kv.tokens} tokens + {plan.kv.sentinel_pages} sentinel; "
          f"{plan.kv.bytes_per_token} B/token"),
@@ -114,6 +115,8 @@ def plan_log_fields(plan: Plan) -> dict:
         "headroom_bytes": plan.headroom_bytes,
         "weights_bytes": plan.weights_bytes,
         "workspace_bytes": plan.workspace_bytes,
+        "max_prefill_tokens": plan.max_prefill_tokens,
+        "max_prefill_tokens_source": plan.max_prefill_tokens_source,
         "kv_tokens": plan.kv.tokens,
         "kv_bytes": plan.kv.bytes,
         "linear_state_slots": plan.linear_state.slots,

@@ -153,6 +153,8 @@ class Plan:
     max_model_len: int
     host: HostPlan
     linear_state_snapshots: LinearSnapshotPlan = LinearSnapshotPlan()
+    # how max_prefill_tokens was set: --max-prefill-tokens, or chosen from memory (plan/prefill_chunk.py)
+    max_prefill_tokens_source: str = "default"
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -13,6 +13,8 @@ workspace is estimated (costs.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -36,7 +38,7 @@ from ferry.services.worker.offload.host_banks import mem_available_bytes
 from ferry.plan.plan_report import plan_log_fields
 from ferry.plan.planner import Measured, Plan, PlanRequest, Resolved, resolve
 from ferry.services.worker.pools import TORCH_DTYPES, allocate_pools
-from ferry.plan.store_plan import plan_for_expert_store
+from ferry.plan.prefill_chunk import plan_with_prefill_chunk
 from ferry.services.worker.decode_graphs import DecodeGraphs, graph_buckets
 from ferry.services.worker.warmup import real_warmup_shapes, warm_up, warmup_shapes
 from ferry.services.worker.workspace_profile import profile_decode_graphs_cuda, profile_workspace_cuda
@@ -175,19 +177,28 @@ def _load_and_plan(cfg: WorkerBootConfig, files: ModelFiles, r: Resolved, device
             weights = _reserved(device) - before  # with the allocator's segment rounding
             # profiling resets the allocator's peak counters: keep the peak of loading
             booted["loading_peak_reserved"] = torch.cuda.max_memory_reserved(device)
-            workspace, workspace_source = profile_workspace_cuda(model, experts, spec, r, device), "profiled"
-            if graphs_wanted:  # the decode graphs' pool and buffers: workspace the plan must hold
-                booted["graph_bytes"] = profile_decode_graphs_cuda(model, experts, spec, r, device, buckets)
-            if booted.get("graph_bytes") is not None:
-                workspace += booted["graph_bytes"]
-                workspace_source = f"profiled, {format_bytes(booted['graph_bytes'])} of it decode graphs"
         else:
             weights = _tensor_bytes(model)
-            workspace = workspace_bytes_estimate(spec, r.dtype, r.max_prefill_tokens, r.max_running_requests,
-                                                 r.max_model_len)  # fmt: skip
-            workspace_source = "estimate"
-        plan = plan_for_expert_store(spec, req, Measured(weights, workspace, free, "measured", workspace_source, free_source,
-                                                         host_available_bytes=mem_available_bytes()))  # fmt: skip
+
+        def measured(tokens: int) -> Measured:
+            """The facts for a `tokens`-token prefill chunk: its workspace profiled on CUDA (the decode
+            graphs' bytes added), estimated elsewhere; plan/prefill_chunk.py asks only for chunks it may take."""
+            if device.type == "cuda":
+                workspace = profile_workspace_cuda(model, experts, spec, dataclasses.replace(r, max_prefill_tokens=tokens),
+                                                   device)  # fmt: skip
+                if graphs_wanted and "graph_bytes" not in booted:  # the decode graphs' pool and buffers, once
+                    booted["graph_bytes"] = profile_decode_graphs_cuda(model, experts, spec, r, device, buckets)
+                source = "profiled"
+                if booted.get("graph_bytes") is not None:
+                    workspace += booted["graph_bytes"]
+                    source = f"profiled, {format_bytes(booted['graph_bytes'])} of it decode graphs"
+            else:
+                workspace = workspace_bytes_estimate(spec, r.dtype, tokens, r.max_running_requests, r.max_model_len)
+                source = "estimate"
+            return Measured(weights, workspace, free, "measured", source, free_source,
+                            host_available_bytes=mem_available_bytes())  # fmt: skip
+
+        plan = plan_with_prefill_chunk(spec, req, measured)
         banks = _host_banks(spec, plan)  # before any pool is allocated (rule 4)
         pools = allocate_pools(spec, plan, device)
         store = build_expert_store(spec, plan, pools.experts, device, policy=cfg.expert_policy, banks=banks,

@@ -1,0 +1,80 @@
+"""The prefill chunk chosen from memory (docs/ARCHITECTURE.md §2, "The prefill chunk").
+
+The largest step's new tokens (`max_prefill_tokens`: a prompt is prefilled in chunks of at most
+that many) set the activation workspace, and on a small GPU the workspace's bytes are expert slots
+(an 8192-token step of Qwen3.6-35B-A3B takes 2-3 GiB: 800 FP8 experts). `--max-prefill-tokens`
+fixes the chunk. Without it the plan takes, of CHUNK_CANDIDATES, the chunk that streams the fewest
+expert bytes per prompt token: a chunk streams each expert it misses once (past the cache, through
+the staging slots), so a prefill moves (experts without a slot) x (bytes an expert) / (chunk tokens)
+per token over PCIe. Where a shorter chunk's workspace gives slots to nearly every expert, it wins
+(the FP8 hybrid cut at 12 GiB: 824 experts without a slot at 8192 tokens, 101 at 2048), and decode
+misses less too. Where most experts live on the host anyway (a full-size 35B at 24 GiB), the longest
+chunk wins, since the slots a shorter one adds are a few per cent of the experts. With every expert
+resident a prefill streams nothing; the longest such chunk is taken (2048 tokens already give the
+GEMMs rows enough to run at their rate).
+
+Each candidate is priced by `measure` (the worker profiles the workspace on CUDA, `ferry plan`
+and CPU boots estimate it), so the plan stays exact for the chunk it chooses. A candidate is
+measured only when it could win: with no workspace at all the plan has its fewest experts without a
+slot, and a chunk for which even that many streams more per token than the best so far is skipped
+(so an offloaded boot that keeps the longest chunk profiles one step, as before)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from ferry.shared.errors import PlanError
+from ferry.plan.model_config import ModelSpec
+from ferry.plan.planner import Measured, Plan, PlanRequest, make_plan
+from ferry.plan.store_plan import plan_for_expert_store
+
+CHUNK_CANDIDATES = (8192, 4096, 2048)  # the first is DEFAULT_MAX_PREFILL_TOKENS
+_CANDIDATES = ", ".join(map(str, CHUNK_CANDIDATES))
+
+
+def plan_with_prefill_chunk(spec: ModelSpec, req: PlanRequest, measure: Callable[[int], Measured]) -> Plan:
+    """The plan for `req`, its prefill chunk chosen from memory unless --max-prefill-tokens gave it.
+    `measure(tokens)` gives the facts (weights, workspace of a `tokens`-token step, free memory)."""
+    if req.max_prefill_tokens is not None:
+        plan = plan_for_expert_store(spec, req, measure(req.max_prefill_tokens))
+        return dataclasses.replace(plan, max_prefill_tokens_source="--max-prefill-tokens")
+    best: Plan | None = None
+    error: PlanError | None = None
+    fewest_unslotted: int | None = None  # experts without a slot with no workspace at all: a lower bound
+    for tokens in CHUNK_CANDIDATES:
+        if best is not None and fewest_unslotted is not None and fewest_unslotted / tokens >= _streamed(spec, best):
+            continue  # even with no workspace this chunk would stream more a token than the best
+        chunk_req = dataclasses.replace(req, max_prefill_tokens=tokens)
+        measured = measure(tokens)
+        try:
+            plan = plan_for_expert_store(spec, chunk_req, measured)
+        except PlanError as e:  # this chunk's workspace does not fit beside the floors: a shorter one may
+            error = e
+            continue
+        if fewest_unslotted is None:
+            fewest_unslotted = _unslotted_without_workspace(spec, chunk_req, measured)
+        if best is None or _streamed(spec, plan) < _streamed(spec, best):
+            best = plan
+        if plan.experts.slots >= spec.total_experts:
+            break  # streams nothing: no shorter chunk does better
+    if best is None:
+        assert error is not None
+        raise PlanError(f"{error}\n(no prefill chunk of {_CANDIDATES} tokens fits, {CHUNK_CANDIDATES[-1]} tried last: "
+                        "--max-prefill-tokens can go lower)")
+    if best.experts.slots >= spec.total_experts:
+        why = "every expert resident"
+    else:
+        why = (f"{spec.total_experts - best.experts.slots} experts without a slot, each streamed once a chunk: "
+               f"the fewest a prompt token of {_CANDIDATES}")  # fmt: skip
+    return dataclasses.replace(best, max_prefill_tokens_source=f"chosen from memory: {why}")
+
+
+def _streamed(spec: ModelSpec, plan: Plan) -> float:
+    """Experts a prefill streams per prompt token under `plan` (those without a slot, once a chunk)."""
+    return (spec.total_experts - plan.experts.slots) / plan.max_prefill_tokens
+
+
+def _unslotted_without_workspace(spec: ModelSpec, req: PlanRequest, measured: Measured) -> int:
+    """Experts without a slot were the workspace free: no chunk leaves fewer."""
+    return spec.total_experts - make_plan(spec, req, dataclasses.replace(measured, workspace_bytes=0)).experts.slots

@@ -1,0 +1,135 @@
+"""The prefill chunk chosen from memory (plan/prefill_chunk.py): the one streaming the fewest expert
+bytes per prompt token of the candidates, found without pricing candidates that cannot win."""
+
+import json
+
+import pytest
+
+from ferry.shared.errors import PlanError
+from ferry.plan.costs import resident_weight_bytes_from_shapes, workspace_bytes_estimate
+from ferry.plan.model_config import parse_model_config
+from ferry.plan.planner import Measured, PlanRequest, resolve
+from ferry.plan.prefill_chunk import CHUNK_CANDIDATES, plan_with_prefill_chunk
+from ferry.plan.store_plan import plan_for_expert_store
+from ferry.shared.units import GiB
+from tests.helpers import QWEN3_6_35B
+
+FP8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
+
+
+def _spec(layers=None, quantization=None):
+    """Qwen3.6-35B-A3B as published, cut to its first `layers` text layers (as make-bench-model does)."""
+    raw = json.loads((QWEN3_6_35B / "config.json").read_text())
+    text = raw["text_config"]
+    if layers is not None:
+        raw["text_config"] = text | {"num_hidden_layers": layers, "layer_types": text["layer_types"][:layers]}
+    if quantization is not None:
+        raw["quantization_config"] = quantization
+    return parse_model_config(raw)
+
+
+class Estimates:
+    """`measure` for the chooser: shapes and the workspace estimate, with the chunks it was asked for."""
+
+    def __init__(self, spec, req):
+        self.spec, self.r, self.asked = spec, resolve(spec, req), []
+
+    def __call__(self, tokens):
+        self.asked.append(tokens)
+        return Measured(resident_weight_bytes_from_shapes(self.spec, self.r.dtype),
+                        workspace_bytes_estimate(self.spec, self.r.dtype, tokens, self.r.max_running_requests,
+                                                 self.r.max_model_len))  # fmt: skip
+
+
+def _streamed(spec, plan):
+    return (spec.total_experts - plan.experts.slots) / plan.max_prefill_tokens
+
+
+def _every_candidate(spec, req, measure):
+    """Each candidate's plan by brute force (None where it does not fit)."""
+    plans = {}
+    for tokens in CHUNK_CANDIDATES:
+        try:
+            plans[tokens] = plan_for_expert_store(spec, PlanRequest(**{**req.__dict__, "max_prefill_tokens": tokens}),
+                                                  measure(tokens))  # fmt: skip
+        except PlanError:
+            plans[tokens] = None
+    return plans
+
+
+@pytest.mark.parametrize("gib", [9, 10, 11, 12, 13, 16, 40])
+def test_the_chosen_chunk_streams_the_fewest_expert_bytes_a_token(gib):
+    """Against every candidate planned by brute force: the chosen plan is one of them, the one whose
+    prefill streams the fewest experts a prompt token (the longest on a tie), and it is exact."""
+    spec = _spec(layers=8, quantization=FP8)
+    req = PlanRequest(gpu_memory=gib * GiB, max_running_requests=8, host_memory=100 * GiB)
+    chosen = plan_with_prefill_chunk(spec, req, Estimates(spec, req))
+    plans = {t: p for t, p in _every_candidate(spec, req, Estimates(spec, req)).items() if p is not None}
+    best = min(plans.values(), key=lambda p: (_streamed(spec, p), -p.max_prefill_tokens))
+    assert chosen.max_prefill_tokens == best.max_prefill_tokens
+    assert chosen.experts.slots == best.experts.slots and chosen.total_bytes == best.total_bytes
+    assert chosen.max_prefill_tokens_source.startswith("chosen from memory")
+
+
+def test_fp8_hybrid_cut_at_12gib_takes_a_shorter_chunk_for_its_experts():
+    """The workload of issue 21's FP8 cut with Ferry's own plan: at 8192 tokens the workspace costs
+    ~800 expert slots; at 2048 nearly every expert has one."""
+    spec = _spec(layers=8, quantization=FP8)
+    req = PlanRequest(gpu_memory=12 * GiB, max_running_requests=8, host_memory=100 * GiB)
+    plan = plan_with_prefill_chunk(spec, req, Estimates(spec, req))
+    longest = plan_for_expert_store(spec, PlanRequest(**{**req.__dict__, "max_prefill_tokens": 8192}),
+                                    Estimates(spec, req)(8192))  # fmt: skip
+    assert plan.max_prefill_tokens == 2048
+    assert plan.experts.slots > longest.experts.slots + 600
+    assert plan.workspace_bytes < longest.workspace_bytes
+
+
+def test_every_expert_resident_keeps_the_longest_chunk_and_prices_only_it():
+    spec = _spec(layers=8, quantization=FP8)
+    req = PlanRequest(gpu_memory=40 * GiB, max_running_requests=8, host_memory=100 * GiB)
+    measure = Estimates(spec, req)
+    plan = plan_with_prefill_chunk(spec, req, measure)
+    assert (plan.max_prefill_tokens, plan.experts.slots) == (8192, spec.total_experts)
+    assert measure.asked == [8192]
+    assert plan.max_prefill_tokens_source == "chosen from memory: every expert resident"
+
+
+def test_mostly_offloaded_keeps_the_longest_chunk_without_profiling_the_others():
+    """Full-size 35B at 24 GiB: four fifths of the experts live on the host whatever the chunk, so
+    the longest streams them the fewest times, and the others are never priced (one profile at boot)."""
+    spec = _spec()
+    req = PlanRequest(gpu_memory=24 * GiB, max_running_requests=8, max_model_len=8192, host_memory=400 * GiB)
+    measure = Estimates(spec, req)
+    plan = plan_with_prefill_chunk(spec, req, measure)
+    assert plan.max_prefill_tokens == 8192 and plan.experts.slots < spec.total_experts
+    assert measure.asked == [8192]
+
+
+def test_the_flag_fixes_the_chunk():
+    spec = _spec(layers=8, quantization=FP8)
+    req = PlanRequest(gpu_memory=12 * GiB, max_running_requests=8, host_memory=100 * GiB, max_prefill_tokens=8192)
+    measure = Estimates(spec, req)
+    plan = plan_with_prefill_chunk(spec, req, measure)
+    assert (plan.max_prefill_tokens, plan.max_prefill_tokens_source, measure.asked) == (8192, "--max-prefill-tokens", [8192])
+
+
+def test_a_budget_too_small_for_the_longest_chunk_boots_with_a_shorter_one():
+    """Before, a budget whose 8192-token workspace did not fit beside the floors failed the plan."""
+    spec = _spec(layers=8, quantization=FP8)
+    base = dict(max_running_requests=8, host_memory=100 * GiB)
+    fits = None
+    for mib in range(5000, 9000, 100):
+        req = PlanRequest(gpu_memory=mib * 2**20, **base)
+        plans = _every_candidate(spec, req, Estimates(spec, req))
+        if plans[8192] is None and plans[2048] is not None:
+            fits = req
+            break
+    assert fits is not None, "no budget between the two chunks' needs: the test's range is wrong"
+    assert plan_with_prefill_chunk(spec, fits, Estimates(spec, fits)).max_prefill_tokens < 8192
+
+
+def test_nothing_fits_names_the_flag():
+    spec = _spec(layers=8, quantization=FP8)
+    req = PlanRequest(gpu_memory=3 * GiB, max_running_requests=8, host_memory=100 * GiB)
+    with pytest.raises(PlanError, match="--max-prefill-tokens can go lower"):
+        plan_with_prefill_chunk(spec, req, Estimates(spec, req))
