@@ -6,7 +6,8 @@ Edges (docs/ARCHITECTURE.md §1):  api DEALER -> scheduler ROUTER : ApiToSchedul
                     worker PUSH -> scheduler PULL   : WorkerToScheduler
 
 Only token ids, positions, page/slot indices, sampling parameters and results travel. numpy arrays
-are carried by shared/wire.py as extra zero-copy frames (fields typed `np.ndarray`). No pickle.
+are carried by shared/wire.py (fields typed `np.ndarray`: large ones as extra zero-copy frames, small ones
+inside the header). No pickle.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The contract between the scheduler and the worker: one step of the model over a batch.
 
 The scheduler owns every page and slot; the worker only reads the indices it is given. Arrays
-are numpy so they can cross the wire as zero-copy frames (shared/wire.py); the executor turns
-them into device tensors. The structs are frozen and built by keyword; the arrays in them are not
-copied (those decoded from the wire are read-only views of the received frames). No torch here.
+are numpy so they can cross the wire as typed buffers (shared/wire.py); the executor turns them
+into device tensors. The structs are frozen and built by keyword; the arrays in them are not
+copied (shared/wire.py says how those decoded from the wire hold their bytes). No torch here.
 
 Index conventions (shared by the planner, the pools and the allocators; docs/ARCHITECTURE.md,
 "The memory planner"):

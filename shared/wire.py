@@ -1,8 +1,12 @@
-"""msgspec over ZeroMQ: one typed codec per socket, numpy arrays as extra zero-copy frames.
+"""msgspec over ZeroMQ: one typed codec per socket, large numpy arrays as extra zero-copy frames.
 
-A message is frame 0 (msgpack of the tagged struct) followed by one frame per numpy array in it.
-In frame 0 an array is written as [frame_index, dtype, shape]; decoding maps it back onto the
-received buffer without a copy (the resulting arrays are read-only views).
+A message is frame 0 (msgpack of the tagged struct) followed by one frame per large numpy array in
+it. In frame 0 a large array is written as [frame_index, dtype, shape], and decoding maps it back
+onto the received buffer without a copy. An array under INLINE_ARRAY_BYTES is written into frame 0
+itself as [dtype, shape, bytes] (msgpack bin). Each frame of a message costs latency on both sides,
+and copying a few KiB costs less: a decode step's RunStep, ten small arrays, went from one process
+to the next in 0.27 ms as eleven frames and in 0.20 ms as one (bench/wire_hop.py, bench/NOTES.md).
+A frame's array is a view of the received frame, an inline one owns a copy of its bytes.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ ARRAY_KINDS = "biuf"  # bool, signed and unsigned integers, floats: what the con
 # The largest message a receiving socket takes: a peer that sends more is disconnected by ZeroMQ before
 # the message is read into memory (the largest real one, a step's page table, is a few MiB).
 MAX_MESSAGE_BYTES = 256 * 2**20
+INLINE_ARRAY_BYTES = 64 * 2**10  # smaller arrays ride inside frame 0
 
 
 class Codec(Generic[T]):
@@ -36,21 +41,26 @@ class Codec(Generic[T]):
     def _enc_hook(self, obj: Any) -> Any:
         if isinstance(obj, np.ndarray):
             arr = np.ascontiguousarray(obj)
+            if arr.nbytes < INLINE_ARRAY_BYTES:
+                return [arr.dtype.str, list(arr.shape), arr.tobytes()]
             self._arrays.append(arr)
             return [len(self._arrays), arr.dtype.str, list(arr.shape)]
         raise NotImplementedError(f"cannot send a {type(obj).__name__} over the wire")
 
     def _dec_hook(self, typ: type, obj: Any) -> Any:
         if typ is np.ndarray:
+            if not isinstance(obj, list) or len(obj) != 3:
+                raise ValueError(f"an array must be [frame, dtype, shape] or [dtype, shape, bytes], got {obj!r:.80}")
+            if isinstance(obj[0], str):  # inline: [dtype, shape, bytes]
+                dtype, shape, data = obj
+                if not isinstance(data, bytes):
+                    raise ValueError("an inline array's data must be bytes")
+                # a buffer of its own, writable like an array mapped onto a received frame
+                return np.frombuffer(bytearray(data), dtype=_array_dtype(dtype)).reshape(_array_shape(shape))
             index, dtype, shape = obj
             if not isinstance(index, int) or not 1 <= index < len(self._frames):
                 raise ValueError(f"an array refers to frame {index!r} of {len(self._frames)}")
-            kind = np.dtype(dtype)
-            if kind.kind not in ARRAY_KINDS or kind.hasobject or kind.itemsize == 0:
-                raise ValueError(f"arrays of dtype {kind} do not cross the wire")
-            if not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape):
-                raise ValueError(f"an array's shape must be a list of sizes, got {shape!r}")
-            return np.frombuffer(self._frames[index], dtype=kind).reshape(shape)
+            return np.frombuffer(self._frames[index], dtype=_array_dtype(dtype)).reshape(_array_shape(shape))
         raise NotImplementedError(f"cannot decode a {typ!r}")
 
     def encode(self, msg: Any) -> list[Any]:
@@ -71,6 +81,21 @@ class Codec(Generic[T]):
             raise WireError(f"undecodable message: {exc}") from exc
         finally:
             self._frames = []
+
+
+def _array_dtype(dtype: Any) -> np.dtype:
+    if not isinstance(dtype, str):
+        raise ValueError(f"an array's dtype must be a string, got {dtype!r:.40}")
+    kind = np.dtype(dtype)
+    if kind.kind not in ARRAY_KINDS or kind.hasobject or kind.itemsize == 0:
+        raise ValueError(f"arrays of dtype {kind} do not cross the wire")
+    return kind
+
+
+def _array_shape(shape: Any) -> list[int]:
+    if not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape):
+        raise ValueError(f"an array's shape must be a list of sizes, got {shape!r:.80}")
+    return shape
 
 
 class WireError(Exception):

@@ -1,10 +1,11 @@
-"""The wire: every message round-trips through the codec, arrays ride in extra frames, and a message
-of the wrong union is refused."""
+"""The wire: every message round-trips through the codec, small arrays ride in the header and large ones
+in extra frames, and a message of the wrong union (or a malformed array) is refused."""
 
 from __future__ import annotations
 
 import time
 
+import msgspec
 import numpy as np
 import pytest
 import zmq
@@ -15,7 +16,7 @@ from ferry.shared.messages import (
 )  # fmt: skip
 from ferry.shared.sampling import SamplingParams
 from ferry.shared.step import NewRequest, StepBatch, StepOutput
-from ferry.shared.wire import Codec, PeerSocket, RouterSocket, WireError
+from ferry.shared.wire import INLINE_ARRAY_BYTES, Codec, PeerSocket, RouterSocket, WireError
 
 
 def batch() -> StepBatch:
@@ -70,10 +71,28 @@ def test_round_trip(union, msg):
     assert_same(codec.decode([bytes(f) for f in frames]), msg)
 
 
-def test_arrays_travel_as_extra_frames_not_inside_the_header():
+def test_small_arrays_ride_in_the_header_and_large_ones_in_frames_of_their_own():
     frames = Codec(SchedulerToWorker).encode(RunStep(batch()))
-    assert len(frames) == 1 + 8 + 1  # header + eight batch arrays + the new request's prompt
-    assert bytes(frames[5]) == np.array([[1, 2, 0], [5, 6, 7]], np.int32).tobytes()
+    assert len(frames) == 1  # every array of a small step inside frame 0: one frame, one hop's latency
+    wide = np.arange(2 * INLINE_ARRAY_BYTES // 4, dtype=np.int32).reshape(2, -1)  # a long context's page table
+    step = msgspec.structs.replace(batch(), page_table=wide)
+    codec = Codec(SchedulerToWorker)
+    frames = codec.encode(RunStep(step))
+    assert len(frames) == 2 and bytes(frames[1]) == wide.tobytes()  # zero-copy: the array's own buffer
+    got = codec.decode([bytes(f) for f in frames]).batch
+    assert np.array_equal(got.page_table, wide) and got.tokens.tolist() == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("array", [["<i4", [2], b"\x00" * 7],  # the bytes do not hold the shape
+                                   ["<i4", [2], "not bytes"], ["|O", [1], b"\x00" * 8],  # an object dtype
+                                   ["<i4", [-1], b""], [1, "<i4"], "x"])  # fmt: skip
+def test_a_malformed_inline_array_is_a_wire_error(array):
+    head = msgspec.msgpack.encode({"type": "Abort", "req_id": 3})
+    raw = msgspec.msgpack.decode(Codec(SchedulerToApi).encode(Tokens(np.array([1], np.int64), np.array([2], np.int32)))[0])
+    raw["req_ids"] = array
+    with pytest.raises(WireError):
+        Codec(SchedulerToApi).decode([msgspec.msgpack.encode(raw)])
+    assert Codec(ApiToScheduler).decode([head]) == Abort(3)
 
 
 def test_the_step_contract_is_frozen_and_built_by_keyword():
@@ -84,10 +103,14 @@ def test_the_step_contract_is_frozen_and_built_by_keyword():
         StepOutput(7, np.zeros(0, np.int64), np.zeros(0, np.int32), np.zeros(0, np.float32))
 
 
-def test_decoded_arrays_are_read_only_views_of_the_frames():
+def test_decoded_arrays_hold_what_was_sent_not_the_senders_buffers():
     codec = Codec(SchedulerToWorker)
-    got = codec.decode([bytes(f) for f in codec.encode(RunStep(batch()))]).batch
-    assert not got.tokens.flags.writeable and got.new_requests[0].prompt_token_ids.tolist() == [0, 1, 2, 3]
+    step = batch()
+    frames = codec.encode(RunStep(step))
+    step.tokens[:] = 99  # the sender reuses its arrays once the message is encoded
+    got = codec.decode([bytes(f) for f in frames]).batch
+    assert got.tokens.tolist() == [0, 1, 2, 3, 4] and got.new_requests[0].prompt_token_ids.tolist() == [0, 1, 2, 3]
+    assert got.tokens.flags.writeable  # as an array mapped onto a received ZeroMQ frame is
 
 
 def test_a_message_of_another_union_is_refused():
