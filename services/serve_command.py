@@ -25,7 +25,7 @@ from pathlib import Path
 
 import structlog
 
-from ferry.shared.defaults import LOOPBACK, ipc_addresses
+from ferry.shared.defaults import LOOPBACK, ipc_addresses, rundir_base
 from ferry.shared.errors import ConfigError
 from ferry.shared.logging import add_log_flags, configure_logging
 from ferry.shared.model_flag import add_model_argument
@@ -204,9 +204,13 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
-    remove_stale_rundirs(Path(tempfile.gettempdir()))
+    try:
+        base = rundir_base(tempfile.gettempdir())
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    remove_stale_rundirs(Path(base))
     # mode 0700: only this user reaches the sockets; the name carries serve's pid (see remove_stale_rundirs)
-    rundir = Path(tempfile.mkdtemp(prefix=f"ferry-{os.getpid()}-"))
+    rundir = Path(tempfile.mkdtemp(prefix=f"ferry-{os.getpid()}-", dir=base))
     procs: dict[str, subprocess.Popen] = {}
     status = 0
     ports = side_ports(args)

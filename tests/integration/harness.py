@@ -325,8 +325,9 @@ def serve_model(model_dir: Path, tmp: Path, env: dict[str, str] | None = None, *
                                 stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
     served = ServedModel(proc, f"http://127.0.0.1:{port}", log_path)
     try:
-        ok = eventually(lambda: proc.poll() is None and healthy(served.url), timeout=ready_timeout, interval=0.2)
-        assert ok, log_path.read_text()[-3000:]
+        # a serve that exited fails at once, with its log, rather than after the whole ready_timeout
+        eventually(lambda: proc.poll() is not None or healthy(served.url), timeout=ready_timeout, interval=0.2)
+        assert proc.poll() is None and healthy(served.url), log_path.read_text()[-3000:]
         yield served
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -26,9 +26,13 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def served(tiny_models, tmp_path_factory):
-    """The key in FERRY_API_KEY, as a deployment would set it."""
+    """The key in FERRY_API_KEY, as a deployment would set it; and a TMPDIR deeper than a Unix socket's path
+    may be (as CI runners and pytest's own directories are): serve puts its sockets where they fit."""
     env = {**REAL_WORKER_ENV, "FERRY_API_KEY": KEY}
-    with serve_model(tiny_models["qwen3_moe"], tmp_path_factory.mktemp("serve-real"), env) as s:
+    deep = tmp_path_factory.mktemp("serve-real") / ("a-directory-deeper-than-a-unix-socket-path-may-be-" * 2)
+    deep.mkdir()
+    assert len(str(deep)) > 108
+    with serve_model(tiny_models["qwen3_moe"], deep, env) as s:
         yield s
 
 
