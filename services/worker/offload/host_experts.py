@@ -19,6 +19,10 @@ the worker's main thread (which drives the GPU and its own CPU ops) with its own
 Python threads would only add a hand-off per expert: one expert's matrices are already spread over
 the team. What `set_num_threads` also writes globally is the default of a thread that has not run
 a parallel op yet: the worker's main thread has, long before any expert is computed on the host.
+The main thread's own team must leave the cores to this one, though: with both teams' threads
+above the cores, libgomp puts its helpers to sleep between parallel regions and every small op of
+a decode pays a wake-up (on the 2-core EPYC a packed decode took 7.3 ms beside a main team of 2
+threads, 1.5 ms beside none: bench/NOTES.md), so whoever sizes `threads` sizes the main thread too.
 """
 
 from __future__ import annotations
