@@ -13,7 +13,19 @@ host's memory delivers. Here, for each thread count:
 Experts are taken round-robin from a bank of `--experts` experts bigger than the caches, as misses
 would be, so every one is read from memory.
 
+`--format bf16,packed,nvfp4,fp8` times Ferry's own host path instead (services/worker/offload/host_experts.py)
+on one MoE layer's host bank of that expert format, filled as `--load-format dummy` fills it, bf16
+activations: `bank_GBps` is the expert's bank bytes (what a PCIe copy of it would move) over the time of
+`HostExperts.compute` for one expert and `tokens` tokens, `decode_us` the part of it that turns the bank's
+rows into bf16 weights (0 for plain bf16 banks, read in place).
+
+Every measurement runs on a thread of its own whose OpenMP team is `threads` wide, and the main thread
+keeps one thread: two teams on a host with fewer cores than their threads put libgomp's helpers to
+sleep between parallel regions (its throttled spin), and each of the decode's many small ops then pays
+a wake-up (bench/NOTES.md, issue 25: a packed decode took 7.3 ms instead of 1.5 on the 2-core EPYC).
+
     python3 bench/cpu_expert_bw.py --config tests/data/models/qwen3-30b-a3b --threads 1,2,4,8,15
+    python3 bench/cpu_expert_bw.py --threads 1,2 --format bf16,packed,nvfp4,fp8
 """
 
 from __future__ import annotations
@@ -24,6 +36,7 @@ import os
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -31,6 +44,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ferry.plan.model_config import load_model_config  # noqa: E402
+from ferry.services.worker.expert_formats.fp8_block import Fp8BlockExperts  # noqa: E402
+from ferry.services.worker.expert_formats.nvfp4 import Nvfp4Experts  # noqa: E402
+from ferry.services.worker.offload.host_banks import HostBanks  # noqa: E402
+from ferry.services.worker.offload.host_expert_weights import expert_reader  # noqa: E402
+from ferry.services.worker.offload.host_experts import HostExperts  # noqa: E402
+from ferry.services.worker.offload.packed_banks import PackedHostBanks  # noqa: E402
+
+FORMATS = ("bf16", "packed", "nvfp4", "fp8")
 
 
 def read_bandwidth(nbytes: int, repeats: int) -> float:
@@ -39,6 +60,12 @@ def read_bandwidth(nbytes: int, repeats: int) -> float:
     block.sum()
     best = min(_timed(lambda: block.sum()) for _ in range(repeats))
     return nbytes / best / 1e9
+
+
+def on_thread(threads: int, fn, *args):
+    """fn(*args) on a new thread with an OpenMP team of `threads`; the thread, and its team, end after."""
+    with ThreadPoolExecutor(1, initializer=torch.set_num_threads, initargs=(threads,)) as pool:
+        return pool.submit(fn, *args).result()
 
 
 def _timed(fn) -> float:
@@ -71,6 +98,39 @@ def expert_bandwidth(hidden: int, inter: int, tokens: int, experts: int, repeats
     return nbytes / per / 1e9, per * 1e6
 
 
+def format_banks(fmt: str, hidden: int, inter: int, experts: int):
+    """One MoE layer of `experts` host experts in `fmt`, with --load-format dummy's weights."""
+    if fmt == "packed":
+        banks = PackedHostBanks.allocate(1, experts, hidden, inter, pin=False, progress=False)
+    else:
+        layout = {"bf16": None, "nvfp4": Nvfp4Experts(hidden, inter), "fp8": Fp8BlockExperts(hidden, inter)}[fmt]
+        banks = HostBanks.allocate(1, experts, hidden, inter, torch.bfloat16, pin=False, progress=False, fmt=layout)
+    banks.fill_dummy(seed=0, progress=False)
+    banks.seal()
+    return banks
+
+
+def decode_time(banks, repeats: int) -> float:
+    """Median seconds the expert reader takes to decode one expert, round-robin over the bank."""
+    reader = expert_reader(banks, torch.bfloat16)
+    return statistics.median(_timed(lambda: reader.expert(0, i % banks.num_experts)) for i in range(repeats))
+
+
+def host_experts_bandwidth(banks, threads: int, tokens: int, repeats: int) -> dict:
+    """HostExperts.compute of one expert for `tokens` tokens, round-robin over the bank's experts, and
+    the decode alone (on a thread of as many threads)."""
+    decode, walk = on_thread(threads, decode_time, banks, repeats), range(repeats)
+    host = HostExperts(banks, torch.bfloat16, threads)
+    x = torch.randn(tokens, banks.hidden_size).to(torch.bfloat16)
+    pairs = lambda e: [(t, e, 1.0 / tokens) for t in range(tokens)]  # noqa: E731
+    for e in range(min(banks.num_experts, 4)):
+        host.compute(0, x, pairs(e))
+    per = statistics.median(_timed(lambda: host.compute(0, x, pairs(i % banks.num_experts))) for i in walk)
+    host.close()
+    return {"bank_GBps": round(banks.expert_nbytes / per / 1e9, 2), "expert_us": round(per * 1e6, 1),
+            "decode_us": round(decode * 1e6, 1), "bank_MB": round(banks.expert_nbytes / 1e6, 2)}  # fmt: skip
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="tests/data/models/qwen3-30b-a3b", help="a model directory (its config.json)")
@@ -79,20 +139,34 @@ def main() -> int:
     p.add_argument("--experts", type=int, default=48, help="experts in the walked bank (more than the caches hold)")
     p.add_argument("--repeats", type=int, default=60)
     p.add_argument("--read-bytes", type=int, default=1 << 30)
+    p.add_argument("--format", default=None, help=f"comma-separated bank formats ({', '.join(FORMATS)}): time "
+                                                  "Ferry's host path on them instead of bare torch")  # fmt: skip
     p.add_argument("--out", default=None)
     args = p.parse_args()
     spec = load_model_config(args.config)
     cores = os.cpu_count() or 1
     threads = [int(t) for t in args.threads.split(",")] if args.threads else sorted({1, cores})
+    formats = args.format.split(",") if args.format else []
+    if unknown := [f for f in formats if f not in FORMATS]:
+        p.error(f"unknown --format {', '.join(unknown)} (one of {', '.join(FORMATS)})")
+    torch.set_num_threads(1)  # before any parallel op: this thread never owns an OpenMP team (docstring)
     rows = []
-    for n in threads:
-        torch.set_num_threads(n)
-        gbps, us = expert_bandwidth(spec.hidden_size, spec.moe_intermediate_size, args.tokens, args.experts, args.repeats)
-        rows.append({"threads": n, "read_GBps": round(read_bandwidth(args.read_bytes, 5), 1),
-                     "expert_GBps": round(gbps, 1), "expert_us": round(us, 1)})  # fmt: skip
-        print(json.dumps(rows[-1]), flush=True)
+    for fmt in formats or [None]:
+        banks = format_banks(fmt, spec.hidden_size, spec.moe_intermediate_size, args.experts) if fmt else None
+        for n in threads:
+            row = {"threads": n, "read_GBps": round(on_thread(n, read_bandwidth, args.read_bytes, 5), 1)}
+            if banks is None:
+                gbps, us = on_thread(n, expert_bandwidth, spec.hidden_size, spec.moe_intermediate_size, args.tokens,
+                                     args.experts, args.repeats)  # fmt: skip
+                row |= {"expert_GBps": round(gbps, 1), "expert_us": round(us, 1)}
+            else:
+                row = {"format": fmt, **row, **host_experts_bandwidth(banks, n, args.tokens, args.repeats)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del banks
     result = {"config": args.config, "hidden": spec.hidden_size, "moe_intermediate": spec.moe_intermediate_size,
-              "tokens": args.tokens, "cpu": _cpu_name(), "cores": cores, "torch": torch.__version__, "rows": rows}  # fmt: skip
+              "tokens": args.tokens, "cpu": _cpu_name(), "cores": cores, "torch": torch.__version__,
+              "rows": rows}  # fmt: skip
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0

@@ -228,6 +228,11 @@ class PackedHostBanks:
         i, h = self.intermediate_size, self.hidden_size
         return flat[: self.v13].view(2 * i, h), flat[self.v13 :].view(h, i)
 
+    def escapes(self, moe_layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One expert's escapes: positions (int32, into its V values) and their bf16 bits (int16),
+        loose lists while loading, views of the sealed layout after (the host's expert readers)."""
+        return self._escapes[moe_layer][expert]
+
     def copy_experts(self, moe_layer: int, pairs: list[tuple[int, int]], dst13: torch.Tensor, dst2: torch.Tensor,
                      non_blocking: bool = False) -> None:  # fmt: skip
         """dst13[s], dst2[s] = expert e for each (e, s) listed on the host: the list crosses in one
