@@ -38,6 +38,9 @@ class PoolReport(msgspec.Struct, frozen=True, kw_only=True):
     # linear-state snapshots, ids 0..linear_state_snapshots-1: the prefix cache of hybrid models (0: none,
     # and then no prefix reuse for them)
     linear_state_snapshots: Count32 = 0
+    # some routed experts live on the host: a prefill step then also pays a pass over the experts it misses,
+    # so the scheduler cuts a prompt for a snapshot only where the snapshot saves more (batcher.py)
+    experts_offloaded: bool = False
 
 
 # ---- api -> scheduler --------------------------------------------------------------------------

@@ -39,7 +39,9 @@ and the chunks are cut so that they end where a later request will want to start
 * every page boundary of its output, keeping only the last: where the next turn resumes when the chat
   template reproduces the output, and where a preempted request resumes.
 A waiting request whose prefix a running one is about to snapshot waits for it, rather than compute the
-same prefix twice.
+same prefix twice. With experts offloaded a cut costs a step that pays a pass over the missed experts, so
+points closer than OFFLOADED_SNAPSHOT_SPAN tokens to where a request starts, or to a deeper point, are not
+cut for (nor waited for): a short prompt is one step, as without the cache.
 
 Pure Python + numpy, no sockets: the service feeds it messages and sends what it returns.
 """
@@ -72,6 +74,13 @@ SHARED_PREFIX_LOOKAHEAD = 16
 # next turn's rendering of the same history does not repeat, so a snapshot inside it would be off the next
 # turn's path one prompt in 16 (the others' tails grow by at most this many tokens).
 PROMPT_END_MARGIN = 8
+# With experts offloaded, a cut for a snapshot costs the request a step, and every step that prefills pays
+# a pass over the experts it misses (the hybrid cut with 640 of 2048 slots: ~0.12 s; a full-size 35B at
+# 24 GiB: ~0.7 s), as much as prefilling hundreds to thousands of tokens. There a snapshot point is kept
+# only this many tokens past where the request starts and past the deeper points kept: a shorter span
+# is recomputed by whoever would have started from it, for less than the cut costs. With every expert
+# resident a cut costs a round trip of milliseconds, and every point is kept.
+OFFLOADED_SNAPSHOT_SPAN = 256
 
 
 @dataclass
@@ -103,6 +112,16 @@ def check_pool(pool: PoolReport) -> None:
         raise ValueError(f"linear_state_slots must be >= 0, the worker reported {pool.linear_state_slots}")
 
 
+def _worth_a_cut(points: set[int], start: int, span: int) -> set[int]:
+    """The snapshot points kept: each at least `span` tokens past `start` and past the deeper ones kept
+    (OFFLOADED_SNAPSHOT_SPAN), the deepest first, since the deepest saves its users the most."""
+    kept: list[int] = []
+    for p in sorted(points, reverse=True):
+        if p - start >= span and all(q - p >= span for q in kept):
+            kept.append(p)
+    return set(kept)
+
+
 def _to_deepest_snapshot(chain: list[Node]) -> int:
     """How many nodes of a cached chain lead to the deepest one holding a linear-state snapshot (0: none)."""
     return next((i + 1 for i in range(len(chain) - 1, -1, -1) if chain[i].snapshot is not None), 0)
@@ -121,6 +140,7 @@ class BatchScheduler:
         self.kv = KvPagePool(pool.kv_pages, pool.page_size,
                              prefix_reuse=prefix_cache and (not self.hybrid or snapshots > 0))  # fmt: skip
         self.snapshots = StateSnapshots(snapshots)
+        self.snapshot_span = OFFLOADED_SNAPSHOT_SPAN if pool.experts_offloaded else 1
         self.kv.cache.on_evict = self.snapshots.drop
         self.prefix_hits = 0  # admissions that started from a cached prefix
         self.linear_state = LinearStateSlotAllocator(pool.linear_state_slots)
@@ -344,7 +364,9 @@ class BatchScheduler:
             return False
         depth = _to_deepest_snapshot(self.kv.cache.match(req.tokens, max(shared for _, shared in ahead) // ps)) * ps
         for r, shared in ahead:
-            if shared > depth:
+            # worth waiting for: it saves req a span's worth, and costs r no cut within a span of its own
+            if shared - depth >= self.snapshot_span and all(abs(shared - p) >= self.snapshot_span or p == shared
+                                                             for p in r.snapshot_points):  # fmt: skip
                 r.snapshot_points.add(shared)
                 return True
         return False
@@ -389,7 +411,8 @@ class BatchScheduler:
         for other in itertools.islice(self.waiting, SHARED_PREFIX_LOOKAHEAD):
             if other is not req and other.tokens[:ps] == req.tokens[:ps]:  # the prefix they share, up to `end`
                 points.add(min(self._shared_pages(other, req) * ps, (len(other.tokens) - 1) // ps * ps, end))
-        req.snapshot_points = {p for p in points if req.num_computed < p <= last}
+        req.snapshot_points = _worth_a_cut({p for p in points if req.num_computed < p <= last}, req.num_computed,
+                                           self.snapshot_span)  # fmt: skip
 
     def _chunk_len(self, req: Request, budget: int) -> int:
         """The tokens of req's next chunk: as many as remain and the budget allows; with snapshots, a

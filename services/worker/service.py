@@ -56,6 +56,7 @@ def pool_report_from_plan(plan: Any, vocab_size: int = 0) -> PoolReport:
         max_running_requests=plan.max_running_requests, max_prefill_tokens=plan.max_prefill_tokens,
         max_model_len=plan.max_model_len, vocab_size=vocab_size,
         linear_state_snapshots=plan.linear_state_snapshots.snapshots,
+        experts_offloaded=plan.experts.slots < plan.experts.total,
         plan_summary=f"{plan.kv.pages} KV pages x {plan.kv.page_size} tokens, {plan.linear_state.slots} linear-state slots, "
         f"{plan.linear_state_snapshots.snapshots} linear-state snapshots, {plan.experts.slots}/{plan.experts.total} expert slots",
     )  # fmt: skip

@@ -169,7 +169,8 @@ def _eight_streams(url, system: str, seed: int) -> list[float]:
     def one(i):
         messages = [{"role": "system", "content": system},
                     {"role": "user", "content": f"Question {seed}-{i}: " + " ".join(random.Random(seed * 100 + i).choices(WORDS, k=40))}]  # fmt: skip
-        return _openai_turn(url, messages, max_tokens=16)[0]
+        first, _text, cached, prompt = _openai_turn(url, messages, max_tokens=16)
+        return first, cached, prompt
 
     with ThreadPoolExecutor(8) as pool:
         return list(pool.map(one, range(8)))
@@ -182,9 +183,11 @@ def test_eight_streams_sharing_a_4k_system_prompt_start_5x_sooner_than_without_t
         with _serve(tmp_path / name, *flags) as served:
             # first-time costs (kernel compiles, autotuning, the expert cache) paid on an unrelated prompt
             _eight_streams(served.url, "Unrelated.\n" + _text(tokenizer, SYSTEM_PROMPT, 4), 0)
-            cold, warm = _eight_streams(served.url, system, 1), _eight_streams(served.url, system, 2)
-        figures[name] = {"cold_ttft_s": cold, "warm_ttft_s": warm, "cold_mean_s": statistics.mean(cold),
-                         "warm_mean_s": statistics.mean(warm)}  # fmt: skip
+            rounds = {"cold": _eight_streams(served.url, system, 1), "warm": _eight_streams(served.url, system, 2)}
+        figures[name] = {}
+        for rnd, streams in rounds.items():
+            figures[name] |= {f"{rnd}_ttft_s": [t for t, _, _ in streams], f"{rnd}_mean_s": statistics.mean(t for t, _, _ in streams),
+                              f"{rnd}_cached_tokens": [c for _, c, _ in streams], f"{rnd}_prompt_tokens": [p for _, _, p in streams]}  # fmt: skip
     for rnd in ("cold", "warm"):
         figures[f"{rnd}_speedup"] = figures["no_prefix_cache"][f"{rnd}_mean_s"] / figures["prefix_cache"][f"{rnd}_mean_s"]
     RESULTS["eight_streams"] = figures | {"model": MODEL, "flags": FLAGS, "commit": commit()}

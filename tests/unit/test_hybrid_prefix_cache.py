@@ -13,15 +13,17 @@ from hypothesis import strategies as st
 
 from ferry.shared.messages import PoolReport
 from ferry.shared.sampling import SamplingParams
-from ferry.services.scheduler.batcher import PROMPT_END_MARGIN, BatchScheduler
+from ferry.services.scheduler.batcher import OFFLOADED_SNAPSHOT_SPAN, PROMPT_END_MARGIN, BatchScheduler, _worth_a_cut
 from tests.doubles.paged_model import PagedHashModel, reference_continuation
 from tests.unit.test_batch_scheduler import VOCAB, add, prompt, run_aborting_to_end, run_to_end
 from tests.unit.test_schedule_ahead import run_ahead_to_end
 
 
-def make(pages=64, page_size=4, slots=4, snapshots=16, running=4, prefill=32, model_len=128, prefix_cache=True):
+def make(pages=64, page_size=4, slots=4, snapshots=16, running=4, prefill=32, model_len=128, prefix_cache=True,
+         offloaded=False):
     pool = PoolReport(kv_pages=pages, page_size=page_size, linear_state_slots=slots, max_running_requests=running,
-                      max_prefill_tokens=prefill, max_model_len=model_len, linear_state_snapshots=snapshots)  # fmt: skip
+                      max_prefill_tokens=prefill, max_model_len=model_len, linear_state_snapshots=snapshots,
+                      experts_offloaded=offloaded)  # fmt: skip
     return BatchScheduler(pool, prefix_cache=prefix_cache), PagedHashModel(pages, page_size, VOCAB, slots, snapshots)
 
 
@@ -280,3 +282,66 @@ def _nodes(root):
         node = stack.pop()
         yield node
         stack.extend(node.children.values())
+
+
+# ---- experts offloaded: a cut for a snapshot costs a pass over the missed experts ----------------------
+
+
+def _finish(sched, model, first):
+    """Every request's tokens: those of `first` (scheduled by the test) and of the steps after it."""
+    out = sched.complete(model.execute(first))
+    tokens, _ = run_to_end(sched, model)
+    for req, tok in reversed(out.tokens):
+        tokens.setdefault(req.rid, []).insert(0, tok)
+    return tokens
+
+
+def test_points_closer_than_the_span_give_way_to_the_deeper_one():
+    assert _worth_a_cut({10, 20, 300}, 0, 256) == {300}
+    assert _worth_a_cut({300, 520}, 0, 256) == {520}
+    assert _worth_a_cut({300, 600}, 0, 256) == {300, 600}
+    assert _worth_a_cut({300, 600}, 100, 256) == {600}
+    assert _worth_a_cut({4, 8, 12}, 0, 1) == {4, 8, 12}  # every expert resident: every point
+
+
+def test_offloaded_a_short_prompt_is_one_step_without_a_prompt_end_cut():
+    sched, model = make(prefill=64, offloaded=True)
+    add(sched, 1, prompt(3, 22), 3)
+    first = sched.schedule()
+    assert first.query_lens.tolist() == [22] and first.sample.tolist() == [True]
+    tokens = _finish(sched, model, first)
+    assert tokens[1] == reference_continuation(prompt(3, 22).tolist(), 3, VOCAB)
+
+
+def test_offloaded_a_long_prompt_keeps_its_prompt_end_snapshot_for_the_next_turn():
+    long = OFFLOADED_SNAPSHOT_SPAN + 46
+    sched, model = make(pages=512, prefill=1024, model_len=1024, offloaded=True)
+    first = prompt(11, long)
+    one_turn(sched, model, 1, first, 3)
+    req, _ = one_turn(sched, model, 2, np.concatenate([first, prompt(12, 7)]), 3)
+    assert req.cached_tokens == (long - PROMPT_END_MARGIN) // 4 * 4
+
+
+def test_offloaded_requests_sharing_a_cached_system_prompt_take_one_step_each():
+    """The warm round of issue 23's 8 streams: the system prompt's snapshot is cached, and each request's own
+    part (a shared header, then its question: shorter than the span) is computed in the same step as the
+    others' and samples there. With every expert resident the same requests are cut where they part and
+    at their prompts' ends (three steps), since there a cut costs only a round trip."""
+    for offloaded in (True, False):
+        sched, model = make(pages=1024, prefill=2048, running=8, slots=8, model_len=1024, offloaded=offloaded)
+        system = prompt(13, 300)
+        one_turn(sched, model, 1, np.concatenate([system, prompt(14, 9)]), 2)
+        one_turn(sched, model, 2, np.concatenate([system, prompt(15, 9)]), 2)  # kept where the two part: 300
+        header = prompt(16, 8)
+        prompts = {rid: np.concatenate([system, header, prompt(100 + rid, 40)]) for rid in range(3, 11)}
+        for rid, p in prompts.items():
+            add(sched, rid, p, 3)
+        first = sched.schedule()
+        if offloaded:
+            assert sorted(first.req_ids.tolist()) == list(range(3, 11)) and first.sample.all()
+            assert first.query_lens.tolist() == [48] * 8  # from the snapshot at 300
+        else:
+            assert first.req_ids.tolist() == [3] and first.query_lens.tolist() == [8] and not first.sample.any()
+        tokens = _finish(sched, model, first)
+        for rid, p in prompts.items():
+            assert tokens[rid] == reference_continuation(p.tolist(), 3, VOCAB)
