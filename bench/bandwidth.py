@@ -45,6 +45,13 @@ def measure(size_bytes: int = 1 << 30, repeats: int = 20) -> dict:
     }
 
 
+def matmul_tflops(n: int = 8192, repeats: int = 10) -> float:
+    """The device's bf16 matmul rate on an n x n x n product (TFLOP/s): the compute bound's ceiling."""
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    return 2 * n**3 / _time_ms(lambda: a @ b, repeats) / 1e9
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--size", type=int, default=1 << 30)
