@@ -132,8 +132,9 @@ def _anthropic_turn(url, system, messages, max_tokens=128):
 
 def test_three_turns_with_a_32k_first_turn_answer_turns_2_and_3_within_half_a_second(tokenizer, tmp_path):
     questions = ["Summarise the log above in one sentence.", "Which word comes up most?", "And the least?"]
+    ttft: dict = {"model": MODEL, "flags": FLAGS, "commit": commit()}
+    RESULTS["three_turns"] = ttft  # filled turn by turn: a client that fails keeps the other's figures
     with _serve(tmp_path) as served:
-        ttft = {}
         messages = [{"role": "user", "content": _text(tokenizer, FIRST_TURN, 1) + "\n\n" + questions[0]}]
         for turn, question in enumerate(questions, start=1):
             if turn > 1:
@@ -148,7 +149,6 @@ def test_three_turns_with_a_32k_first_turn_answer_turns_2_and_3_within_half_a_se
             first, text, cached, prompt = _anthropic_turn(served.url, system, messages)
             ttft[f"anthropic_turn_{turn}"] = _turn(first, cached, prompt, ttft.get(f"anthropic_turn_{turn - 1}"))
             messages.append({"role": "assistant", "content": text or "."})
-    RESULTS["three_turns"] = ttft | {"model": MODEL, "flags": FLAGS, "commit": commit()}
     print(json.dumps(ttft, indent=2))
     for api in ("openai", "anthropic"):
         assert ttft[f"{api}_turn_1"]["prompt_tokens"] >= FIRST_TURN
