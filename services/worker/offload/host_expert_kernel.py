@@ -18,6 +18,7 @@ import ctypes
 import functools
 import importlib.util
 import os
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -144,6 +145,7 @@ class HostKernel:
         self.lib, self.handle = lib, lib.ferry_host_kernel_create(threads)
         if not self.handle:
             raise KernelUnavailable(f"the host kernel could not start {threads} threads")
+        self._destroy = weakref.finalize(self, lib.ferry_host_kernel_destroy, self.handle)  # joins its threads
 
     def compute(self, moe_layer: int, x: torch.Tensor, pairs: Sequence[tuple[int, int, float]]) -> torch.Tensor:
         """float32 [T, H], HostExperts.compute's contract; x [T, H] in the compute dtype, on the CPU."""
@@ -157,15 +159,12 @@ class HostKernel:
                   inter=self.inter, x=x.data_ptr(), n_pairs=len(pairs), pair_token=tokens.data_ptr(),
                   pair_expert=experts.data_ptr(), pair_weight=weights.data_ptr(), w13=w13, w2=w2,
                   out=out.data_ptr())  # fmt: skip
+        if not self._destroy.alive:
+            raise RuntimeError("the host kernel is closed")
         err = self.lib.ferry_host_kernel_compute(self.handle, ctypes.byref(job))
         if err:
             raise RuntimeError(f"the host expert kernel refused the call: {ERRORS.get(err, err)}")
         return out
 
     def close(self) -> None:
-        if self.handle:
-            self.lib.ferry_host_kernel_destroy(self.handle)
-            self.handle = None
-
-    def __del__(self):
-        self.close()
+        self._destroy()
