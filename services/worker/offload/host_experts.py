@@ -102,7 +102,13 @@ class HostExperts:
         return self._pool.submit(self._compute, moe_layer, x, list(pairs))
 
     def compute(self, moe_layer: int, x: torch.Tensor, pairs: Sequence[Pair]) -> torch.Tensor:
-        """float32 [T, H]: the sum over `pairs` of router weight x expert(x[token]) (module docstring)."""
+        """float32 [T, H]: the sum over `pairs` of router weight x expert(x[token]) (module docstring).
+        The C kernel runs on the caller's thread (its own pool does the work, the GIL released): a hop
+        to the dedicated thread, a Future's hand-off and wake-up, would only add latency to a call that
+        runs no torch op."""
+        if self.c_kernel is not None:
+            self._check(moe_layer, x, pairs)
+            return self.c_kernel.compute(moe_layer, x, list(pairs))
         return self.submit(moe_layer, x, pairs).result()
 
     def close(self) -> None:
