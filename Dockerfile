@@ -12,7 +12,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
-# Triton builds its small launcher stubs with a C compiler at run time.
+# Triton builds its small launcher stubs with a C compiler at run time, and `pip install` below builds the
+# host expert kernel (kernels/host_experts_c/: C, pthreads and libm only) with the same gcc and libc6-dev.
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \

@@ -18,7 +18,8 @@ STAMP := $(VENV)/.ferry-installed
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile constraints.txt
+# the host expert kernel's C sources too: `pip install -e .` compiles them in place, so a change needs a reinstall
+$(STAMP): pyproject.toml Makefile constraints.txt $(wildcard kernels/host_experts_c/*)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -c constraints.txt torch $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))

@@ -19,6 +19,10 @@ activations: `bank_GBps` is the expert's bank bytes (what a PCIe copy of it woul
 `HostExperts.compute` for one expert and `tokens` tokens, `decode_us` the part of it that turns the bank's
 rows into bf16 weights (0 for plain bf16 banks, read in place).
 
+`--backend torch,c` picks HostExperts' backends to time (default torch): `c` is the host's own kernel
+(services/worker/offload/host_expert_kernel.py), on its own pool of `threads` pthreads, its rows' instruction
+set `--isa` (auto: AVX-512 BF16 where the CPU has it); it decodes in its rows, so no `decode_us` is given.
+
 Every measurement runs on a thread of its own whose OpenMP team is `threads` wide, and the main thread
 keeps one thread: two teams on a host with fewer cores than their threads put libgomp's helpers to
 sleep between parallel regions (its throttled spin), and each of the decode's many small ops then pays
@@ -26,6 +30,7 @@ a wake-up (bench/NOTES.md, issue 25: a packed decode took 7.3 ms instead of 1.5 
 
     python3 bench/cpu_expert_bw.py --config tests/data/models/qwen3-30b-a3b --threads 1,2,4,8,15
     python3 bench/cpu_expert_bw.py --threads 1,2 --format bf16,packed,nvfp4,fp8
+    python3 bench/cpu_expert_bw.py --threads 1,2 --format bf16,fp8,nvfp4 --backend torch,c
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from ferry.services.worker.offload.host_experts import HostExperts  # noqa: E402
 from ferry.services.worker.offload.packed_banks import PackedHostBanks  # noqa: E402
 
 FORMATS = ("bf16", "packed", "nvfp4", "fp8")
+BACKENDS = ("torch", "c")
 
 
 def read_bandwidth(nbytes: int, repeats: int) -> float:
@@ -116,19 +122,23 @@ def decode_time(banks, repeats: int) -> float:
     return statistics.median(_timed(lambda: reader.expert(0, i % banks.num_experts)) for i in range(repeats))
 
 
-def host_experts_bandwidth(banks, threads: int, tokens: int, repeats: int) -> dict:
+def host_experts_bandwidth(banks, threads: int, tokens: int, repeats: int, backend: str = "torch",
+                           isa: str | None = None) -> dict:  # fmt: skip
     """HostExperts.compute of one expert for `tokens` tokens, round-robin over the bank's experts, and
-    the decode alone (on a thread of as many threads)."""
-    decode, walk = on_thread(threads, decode_time, banks, repeats), range(repeats)
-    host = HostExperts(banks, torch.bfloat16, threads)
+    for the torch backend the decode alone (on a thread of as many threads)."""
+    walk = range(repeats)
+    decode = on_thread(threads, decode_time, banks, repeats) if backend == "torch" else None
+    host = HostExperts(banks, torch.bfloat16, threads, kernel=backend, isa=isa)
     x = torch.randn(tokens, banks.hidden_size).to(torch.bfloat16)
     pairs = lambda e: [(t, e, 1.0 / tokens) for t in range(tokens)]  # noqa: E731
     for e in range(min(banks.num_experts, 4)):
         host.compute(0, x, pairs(e))
     per = statistics.median(_timed(lambda: host.compute(0, x, pairs(i % banks.num_experts))) for i in walk)
+    isa = host.c_kernel.isa if host.c_kernel is not None else None
     host.close()
     return {"bank_GBps": round(banks.expert_nbytes / per / 1e9, 2), "expert_us": round(per * 1e6, 1),
-            "decode_us": round(decode * 1e6, 1), "bank_MB": round(banks.expert_nbytes / 1e6, 2)}  # fmt: skip
+            "decode_us": None if decode is None else round(decode * 1e6, 1), "isa": isa,
+            "bank_MB": round(banks.expert_nbytes / 1e6, 2)}  # fmt: skip
 
 
 def main() -> int:
@@ -141,6 +151,9 @@ def main() -> int:
     p.add_argument("--read-bytes", type=int, default=1 << 30)
     p.add_argument("--format", default=None, help=f"comma-separated bank formats ({', '.join(FORMATS)}): time "
                                                   "Ferry's host path on them instead of bare torch")  # fmt: skip
+    p.add_argument("--backend", default="torch", help=f"comma-separated HostExperts backends ({', '.join(BACKENDS)}) "
+                                                      "for --format")  # fmt: skip
+    p.add_argument("--isa", default=None, choices=("auto", "avx512", "portable"), help="the c backend's rows")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     spec = load_model_config(args.config)
@@ -149,6 +162,9 @@ def main() -> int:
     formats = args.format.split(",") if args.format else []
     if unknown := [f for f in formats if f not in FORMATS]:
         p.error(f"unknown --format {', '.join(unknown)} (one of {', '.join(FORMATS)})")
+    backends = args.backend.split(",")
+    if unknown := [b for b in backends if b not in BACKENDS]:
+        p.error(f"unknown --backend {', '.join(unknown)} (one of {', '.join(BACKENDS)})")
     torch.set_num_threads(1)  # before any parallel op: this thread never owns an OpenMP team (docstring)
     rows = []
     for fmt in formats or [None]:
@@ -159,10 +175,13 @@ def main() -> int:
                 gbps, us = on_thread(n, expert_bandwidth, spec.hidden_size, spec.moe_intermediate_size, args.tokens,
                                      args.experts, args.repeats)  # fmt: skip
                 row |= {"expert_GBps": round(gbps, 1), "expert_us": round(us, 1)}
-            else:
-                row = {"format": fmt, **row, **host_experts_bandwidth(banks, n, args.tokens, args.repeats)}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                continue
+            for backend in backends:  # each beside the read bandwidth of the same thread count
+                timed = host_experts_bandwidth(banks, n, args.tokens, args.repeats, backend, args.isa)
+                rows.append({"format": fmt, "backend": backend, **row, **timed})
+                print(json.dumps(rows[-1]), flush=True)
         del banks
     result = {"config": args.config, "hidden": spec.hidden_size, "moe_intermediate": spec.moe_intermediate_size,
               "tokens": args.tokens, "cpu": _cpu_name(), "cores": cores, "torch": torch.__version__,

@@ -107,6 +107,15 @@ def test_the_wheel_holds_every_module_of_the_source_folders(installed):
     assert not [p.name for p in installed["site"].iterdir() if p.name in ("shared", "services", "kernels", "plan")]
 
 
+def test_the_wheel_builds_the_host_expert_kernel(installed):
+    """pip compiles the C kernel (pyproject.toml's ext-modules) into ferry.kernels, and it loads: the
+    portable rows are on every machine (torch is not needed to load it, only to call it)."""
+    (library,) = (installed["site"] / "ferry" / "kernels").glob("_host_experts_c.*")
+    done = run_there(installed, installed["python"], "-c", f"import ctypes; print(ctypes.CDLL({str(library)!r})"
+                     ".ferry_host_isa_available(1))")  # fmt: skip
+    assert done.returncode == 0 and done.stdout.strip() == "1", done.stderr
+
+
 def test_the_installed_console_script_plans(installed):
     done = run_there(installed, installed["bin"] / "ferry", "plan", QWEN3_30B, "--gpu-memory", "24GiB",
                      "--host-memory", "128GiB", "--json")  # fmt: skip

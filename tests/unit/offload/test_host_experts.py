@@ -1,5 +1,8 @@
 """Routed experts computed on the host (services/worker/offload/host_experts.py) against the reference twin.
 
+These test HostExperts' torch backend (kernel="torch"), itself the C kernel's twin
+(test_host_expert_kernel.py).
+
 For every bank format (plain, packed, nvfp4, fp8-block) the host's sum over (token, expert, weight)
 pairs equals kernels/grouped_expert_gemm_reference.py's over the same bank (quantized banks through
 its dequantizing twin, packed ones through unpack_expert_reference) in float32, and each decoded
@@ -109,7 +112,7 @@ def _x(tokens: int = 3, dtype: torch.dtype = torch.float32) -> torch.Tensor:
 
 
 def _computes_the_reference(banks, chunk: int = W.DECODE_CHUNK) -> bool:
-    host = HostExperts(banks, torch.float32, threads=1, decode_chunk=chunk)
+    host = HostExperts(banks, torch.float32, threads=1, decode_chunk=chunk, kernel="torch")
     try:
         x = _x()
         sums = [(host.compute(layer, x, PAIRS), reference_sum(banks, layer, x, PAIRS)) for layer in range(LAYERS)]
@@ -153,7 +156,7 @@ def test_each_decoded_expert_is_the_references_dequantization_bit_for_bit(banks_
 @pytest.mark.parametrize("fmt", ["packed", "nvfp4", "fp8-block"])
 def test_bf16_activations_compute_within_bf16_rounding_of_the_reference(banks_of, fmt):
     banks, x = banks_of(fmt), _x(dtype=torch.bfloat16)
-    host = HostExperts(banks, torch.bfloat16, threads=1)
+    host = HostExperts(banks, torch.bfloat16, threads=1, kernel="torch")
     got, want = host.compute(1, x, PAIRS), reference_sum(banks, 1, x, PAIRS)
     host.close()
     assert got.dtype == torch.float32
@@ -197,7 +200,7 @@ def test_a_mistaken_layout_breaks_the_equality(mistake):
         else:  # block scales read transposed within the first projection's blocks
             f13.scale.copy_(f13.scale.roll(1, dims=-1))
     x = _x()
-    host = HostExperts(wrong, torch.float32, threads=1)
+    host = HostExperts(wrong, torch.float32, threads=1, kernel="torch")
     got = host.compute(0, x, PAIRS)
     host.close()
     assert not torch.allclose(got, reference_sum(right, 0, x, PAIRS), rtol=1e-3, atol=1e-4)
@@ -228,7 +231,7 @@ def test_a_mistaken_decoder_fails_the_bit_for_bit_check(monkeypatch, banks_of, m
 
 def test_no_pairs_give_zeros_and_a_repeated_token_sums_its_pairs(banks_of):
     banks = banks_of("nvfp4")
-    host = HostExperts(banks, torch.float32, threads=1)
+    host = HostExperts(banks, torch.float32, threads=1, kernel="torch")
     x = _x(4)
     empty = host.compute(0, x, [])
     assert empty.dtype == torch.float32 and empty.shape == (4, HIDDEN) and not empty.any()
@@ -244,16 +247,16 @@ def test_no_pairs_give_zeros_and_a_repeated_token_sums_its_pairs(banks_of):
 
 def test_threads_are_set_on_the_dedicated_thread_only(banks_of):
     before = torch.get_num_threads()
-    host = HostExperts(banks_of("plain"), torch.float32, threads=before + 1)
+    host = HostExperts(banks_of("plain"), torch.float32, threads=before + 1, kernel="torch")
     assert host._pool.submit(torch.get_num_threads).result() == before + 1
     assert torch.get_num_threads() == before
     host.close()
     with pytest.raises(ValueError, match="at least one thread"):
-        HostExperts(banks_of("plain"), torch.float32, threads=0)
+        HostExperts(banks_of("plain"), torch.float32, threads=0, kernel="torch")
 
 
 def test_bad_calls_are_refused_before_any_work(banks_of):
-    host = HostExperts(banks_of("fp8-block"), torch.float32, threads=1)
+    host = HostExperts(banks_of("fp8-block"), torch.float32, threads=1, kernel="torch")
     x = _x()
     for layer, xs, pairs, match in ((0, x, [(3, 0, 1.0)], "outside 3 tokens"), (0, x, [(0, EXPERTS, 1.0)], "expert 4"),
                                     (LAYERS, x, [], "MoE layer 2"), (0, x.bfloat16(), [], "float32"),

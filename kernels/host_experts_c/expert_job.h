@@ -1,0 +1,76 @@
+/* One call of the host expert kernel (services/worker/offload/host_expert_kernel.py fills it through
+ * ctypes; every field is 8 bytes wide so the two sides cannot disagree on padding).
+ *
+ * Weights are read where they lie, in the host banks: expert e's family f starts at
+ * f.base + e * f.expert_stride. Plain banks are rows of float32 or bf16 values; quantized banks are
+ * the byte rows of plan/expert_formats.py, whose parts (codes, scales, row scales) sit at the offsets
+ * given here, so this file never needs to know how the layout is priced. */
+#ifndef FERRY_EXPERT_JOB_H
+#define FERRY_EXPERT_JOB_H
+
+#include <stdint.h>
+
+enum ferry_format { FERRY_F32 = 0, FERRY_BF16 = 1, FERRY_FP8_BLOCK = 2, FERRY_NVFP4 = 3 };
+/* the compute dtype: the torch path multiplies in it, so its roundings are the contract */
+enum ferry_act { FERRY_ACT_F32 = 0, FERRY_ACT_BF16 = 1 };
+enum ferry_isa { FERRY_ISA_AUTO = 0, FERRY_ISA_PORTABLE = 1, FERRY_ISA_AVX512_BF16 = 2 };
+
+typedef struct {
+    const uint8_t *base;   /* expert 0's row of this family in the layer's bank */
+    int64_t expert_stride; /* bytes from one expert to the next */
+    int64_t rows, cols;    /* outputs, inputs */
+    int64_t part_rows;     /* rows per projection: fp8 block rows restart at every part */
+    int64_t q_offset;      /* bytes from the expert's row start to its values or codes */
+    int64_t scale_offset;  /* fp8: float32 [block rows, col_blocks]; nvfp4: e4m3 [rows, cols / 16] */
+    int64_t gscale_offset; /* nvfp4: float32 [rows] */
+    int64_t col_blocks;    /* fp8: ceil(cols / 128) */
+} ferry_family;
+
+typedef struct {
+    int64_t format, act, isa;
+    int64_t tokens, hidden, inter;
+    const void *x; /* [tokens, hidden] in the compute dtype */
+    int64_t n_pairs;
+    const int64_t *pair_token, *pair_expert;
+    const float *pair_weight;
+    ferry_family w13, w2;
+    float *out; /* float32 [tokens, hidden], overwritten */
+} ferry_job;
+
+/* The rows one instruction set computes: y[t * y_stride + (r - r0)] = sum_c w[r, c] * a[t * a_stride + c]
+ * for rows r0 <= r < r1 of family f of the expert whose bytes start at `expert`, n tokens.
+ * `a` is bf16 (uint16 bits) when the ISA computes in bf16 pairs and act is bf16, else float32, with
+ * its columns zero-padded to a multiple of 32 (a_stride). In bf16 compute, every weight is rounded
+ * to bf16 first, as the torch path's reader does. */
+typedef void (*ferry_rows_fn)(const ferry_family *f, int format, int act, const uint8_t *expert,
+                              const void *a, int64_t a_stride, int n, int64_t r0, int64_t r1,
+                              float *y, int64_t y_stride);
+
+void ferry_rows_portable(const ferry_family *f, int format, int act, const uint8_t *expert, const void *a,
+                         int64_t a_stride, int n, int64_t r0, int64_t r1, float *y, int64_t y_stride);
+#if defined(__x86_64__)
+void ferry_rows_avx512(const ferry_family *f, int format, int act, const uint8_t *expert, const void *a,
+                       int64_t a_stride, int n, int64_t r0, int64_t r1, float *y, int64_t y_stride);
+#endif
+
+/* Exact value tables, shared by both ISAs so they decode alike. */
+extern float ferry_e4m3_value[256]; /* e4m3fn code -> value (0x7F/0xFF: 480, as the torch path decodes) */
+extern const float ferry_e2m1_value[16];
+extern uint16_t ferry_e2m1_bf16[32]; /* the same as bf16 bits, for one vpermw; 16-31 unused */
+void ferry_tables_init(void);
+
+static inline float ferry_bf16_to_f32(uint16_t b) {
+    union { uint32_t u; float f; } v = {(uint32_t)b << 16};
+    return v.f;
+}
+
+/* float32 -> bf16 bits, round to nearest even (torch's rounding); NaN stays NaN */
+static inline uint16_t ferry_f32_to_bf16(float f) {
+    union { float f; uint32_t u; } v = {f};
+    if ((v.u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((v.u >> 16) | 0x40);
+    return (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+static inline float ferry_round_bf16(float f) { return ferry_bf16_to_f32(ferry_f32_to_bf16(f)); }
+
+#endif

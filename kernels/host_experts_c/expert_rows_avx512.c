@@ -1,0 +1,168 @@
+/* The AVX-512 BF16 rows (Zen 4, Sapphire Rapids and later), chosen at load when the CPU has them.
+ *
+ * bf16 compute: the weights, as bf16 pairs, and the activations, as bf16 pairs, go through
+ * _mm512_dpbf16_ps: 32 products a instruction, each exact in float32, accumulated in float32. Plain
+ * bf16 banks are read as they lie; every other format is decoded to float32 (the reference's
+ * dequantization, bit for bit) and rounded to bf16 pairs once, as the torch path's reader does.
+ * float32 compute: the weights widened to float32 (bf16 by a shift) and FMAs with float32 activations.
+ *
+ * Every function carries the target attribute rather than the file a -mavx512 flag, so one build
+ * serves every x86-64: nothing here runs unless cpuid said the CPU has the instructions. */
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+#include "expert_job.h"
+
+#define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+#define INLINE static inline __attribute__((always_inline)) TARGET
+
+typedef struct {
+    const uint8_t *q;       /* the row's values or codes */
+    const float *bscale;    /* fp8: the row's block row of scales */
+    const uint8_t *groups;  /* nvfp4: the row's e4m3 group scales */
+    float row_scale;        /* nvfp4 */
+    int64_t cols, ngroups;
+} row_src;
+
+INLINE void widen_bf16(__m512i raw, __m512 *lo, __m512 *hi) {
+    *lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw)), 16));
+    *hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(raw, 1)), 16));
+}
+
+/* columns 32v..32v+31 as float32: lo the first 16, hi the next; lanes outside `m` are zero */
+INLINE void decode_f32(int format, const row_src *s, int64_t v, __mmask32 m, __m512 *lo, __m512 *hi) {
+    if (format == FERRY_F32) {
+        const float *p = (const float *)s->q + 32 * v;
+        *lo = _mm512_maskz_loadu_ps((__mmask16)m, p);
+        *hi = _mm512_maskz_loadu_ps((__mmask16)(m >> 16), p + 16);
+    } else if (format == FERRY_BF16) {
+        widen_bf16(_mm512_maskz_loadu_epi16(m, (const uint16_t *)s->q + 32 * v), lo, hi);
+    } else if (format == FERRY_FP8_BLOCK) {
+        /* e4m3's 7 magnitude bits shifted left 7 are float16's exponent and mantissa fields: the
+         * float16 is the value x 2^-8 exactly, subnormals included (host_expert_weights.py) */
+        __m512i h = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(m, s->q + 32 * v));
+        h = _mm512_and_si512(_mm512_slli_epi16(h, 7), _mm512_set1_epi16((short)0xBFFF));
+        /* a vector of 32 never straddles a block of 128: the 2^8 folds into its scale exactly */
+        __m512 scale = _mm512_set1_ps(s->bscale[(32 * v) >> 7] * 256.0f);
+        *lo = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(h)), scale);
+        *hi = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)), scale);
+    } else { /* nvfp4: 16 bytes, element 2j in byte j's low nibble */
+        __mmask16 bytes = (__mmask16)(m == 0xFFFFFFFFu ? 0xFFFF : (1u << ((__builtin_popcount(m) + 1) / 2)) - 1);
+        __m512i d = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(bytes, s->q + 16 * v));
+        /* each byte's two codes into the two 16-bit halves of its lane: elements in their order */
+        __m512i codes = _mm512_or_si512(_mm512_and_si512(d, _mm512_set1_epi32(15)),
+                                        _mm512_slli_epi32(_mm512_srli_epi32(d, 4), 16));
+        widen_bf16(_mm512_permutexvar_epi16(codes, _mm512_loadu_si512(ferry_e2m1_bf16)), lo, hi);
+        /* a vector is two groups of 16; the second may lie past a row that ends half way */
+        float g0 = ferry_e4m3_value[s->groups[2 * v]];
+        float g1 = 2 * v + 1 < s->ngroups ? ferry_e4m3_value[s->groups[2 * v + 1]] : 0.0f;
+        __m512 rs = _mm512_set1_ps(s->row_scale);
+        /* code x group scale is exact; the row scale rounds once, in the reference's order */
+        *lo = _mm512_mul_ps(_mm512_mul_ps(*lo, _mm512_set1_ps(g0)), rs);
+        *hi = _mm512_mul_ps(_mm512_mul_ps(*hi, _mm512_set1_ps(g1)), rs);
+    }
+}
+
+INLINE __m512bh decode_bf16(int format, const row_src *s, int64_t v, __mmask32 m) {
+    if (format == FERRY_BF16) return (__m512bh)_mm512_maskz_loadu_epi16(m, (const uint16_t *)s->q + 32 * v);
+    __m512 lo, hi;
+    decode_f32(format, s, v, m, &lo, &hi);
+    return _mm512_cvtne2ps_pbh(hi, lo); /* round to nearest even, as torch rounds to bf16 */
+}
+
+/* one row against N tokens; two sums a token hide the FMA latency at one token.
+ * One row at a time on purpose: blocks of 2-4 rows against each activation vector (fewer activation
+ * loads) measured 13-17 GB/s at one token on the 2-core EPYC against 24-28 for a row at a time
+ * (the same at 8 tokens, which are bound by the dpbf16 rate there); software prefetch 8-32 vectors
+ * ahead changed nothing. */
+INLINE void row_dots(int format, int act, int N, const row_src *s, const void *a, int64_t as, float *y, int64_t ys) {
+    __m512 acc0[8], acc1[8];
+    for (int t = 0; t < N; t++) acc0[t] = acc1[t] = _mm512_setzero_ps();
+    int64_t nv = s->cols / 32, v = 0;
+    int tail = (int)(s->cols % 32);
+    if (act == FERRY_ACT_BF16) {
+        const uint16_t *x = (const uint16_t *)a;
+        for (; v + 2 <= nv; v += 2) {
+            __m512bh w0 = decode_bf16(format, s, v, 0xFFFFFFFFu), w1 = decode_bf16(format, s, v + 1, 0xFFFFFFFFu);
+            for (int t = 0; t < N; t++) {
+                acc0[t] = _mm512_dpbf16_ps(acc0[t], w0, (__m512bh)_mm512_loadu_si512(x + t * as + 32 * v));
+                acc1[t] = _mm512_dpbf16_ps(acc1[t], w1, (__m512bh)_mm512_loadu_si512(x + t * as + 32 * v + 32));
+            }
+        }
+        for (; v < nv + (tail != 0); v++) { /* an odd last vector, then the partial one */
+            __m512bh w = decode_bf16(format, s, v, v < nv ? 0xFFFFFFFFu : (1u << tail) - 1);
+            for (int t = 0; t < N; t++)
+                acc0[t] = _mm512_dpbf16_ps(acc0[t], w, (__m512bh)_mm512_loadu_si512(x + t * as + 32 * v));
+        }
+    } else {
+        const float *x = (const float *)a;
+        for (; v < nv + (tail != 0); v++) {
+            __m512 lo, hi;
+            decode_f32(format, s, v, v < nv ? 0xFFFFFFFFu : (1u << tail) - 1, &lo, &hi);
+            for (int t = 0; t < N; t++) {
+                acc0[t] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x + t * as + 32 * v), acc0[t]);
+                acc1[t] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + t * as + 32 * v + 16), acc1[t]);
+            }
+        }
+    }
+    for (int t = 0; t < N; t++) y[t * ys] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[t], acc1[t]));
+}
+
+INLINE void row_source(const ferry_family *f, int format, const uint8_t *expert, int64_t r, row_src *s) {
+    const uint8_t *q = expert + f->q_offset;
+    s->cols = f->cols;
+    if (format == FERRY_F32) s->q = q + r * f->cols * 4;
+    else if (format == FERRY_BF16) s->q = q + r * f->cols * 2;
+    else if (format == FERRY_FP8_BLOCK) {
+        int64_t block_row = r / f->part_rows * ((f->part_rows + 127) / 128) + r % f->part_rows / 128;
+        s->q = q + r * f->cols;
+        s->bscale = (const float *)(expert + f->scale_offset) + block_row * f->col_blocks;
+    } else {
+        s->q = q + r * (f->cols / 2);
+        s->ngroups = f->cols / 16;
+        s->groups = expert + f->scale_offset + r * s->ngroups;
+        s->row_scale = ((const float *)(expert + f->gscale_offset))[r];
+    }
+}
+
+/* one function per (format, compute dtype), switching on the token count so each count's
+ * accumulators live in registers */
+#define ROWS(NAME, FORMAT, ACT)                                                                          \
+    static TARGET void NAME(const ferry_family *f, const uint8_t *expert, const void *a, int64_t as, int n, \
+                            int64_t r0, int64_t r1, float *y, int64_t ys) {                                \
+        for (int64_t r = r0; r < r1; r++) {                                                             \
+            row_src s;                                                                                  \
+            row_source(f, FORMAT, expert, r, &s);                                                       \
+            float *yr = y + (r - r0);                                                                   \
+            switch (n) {                                                                                \
+            case 1: row_dots(FORMAT, ACT, 1, &s, a, as, yr, ys); break;                                  \
+            case 2: row_dots(FORMAT, ACT, 2, &s, a, as, yr, ys); break;                                  \
+            case 3: row_dots(FORMAT, ACT, 3, &s, a, as, yr, ys); break;                                  \
+            case 4: row_dots(FORMAT, ACT, 4, &s, a, as, yr, ys); break;                                  \
+            case 5: row_dots(FORMAT, ACT, 5, &s, a, as, yr, ys); break;                                  \
+            case 6: row_dots(FORMAT, ACT, 6, &s, a, as, yr, ys); break;                                  \
+            case 7: row_dots(FORMAT, ACT, 7, &s, a, as, yr, ys); break;                                  \
+            default: row_dots(FORMAT, ACT, 8, &s, a, as, yr, ys); break;                                 \
+            }                                                                                           \
+        }                                                                                               \
+    }
+
+ROWS(rows_f32_f32, FERRY_F32, FERRY_ACT_F32)
+ROWS(rows_f32_bf16, FERRY_F32, FERRY_ACT_BF16)
+ROWS(rows_bf16_f32, FERRY_BF16, FERRY_ACT_F32)
+ROWS(rows_bf16_bf16, FERRY_BF16, FERRY_ACT_BF16)
+ROWS(rows_fp8_f32, FERRY_FP8_BLOCK, FERRY_ACT_F32)
+ROWS(rows_fp8_bf16, FERRY_FP8_BLOCK, FERRY_ACT_BF16)
+ROWS(rows_nvfp4_f32, FERRY_NVFP4, FERRY_ACT_F32)
+ROWS(rows_nvfp4_bf16, FERRY_NVFP4, FERRY_ACT_BF16)
+
+typedef void (*rows_impl)(const ferry_family *, const uint8_t *, const void *, int64_t, int, int64_t, int64_t,
+                          float *, int64_t);
+static const rows_impl IMPLS[4][2] = {{rows_f32_f32, rows_f32_bf16}, {rows_bf16_f32, rows_bf16_bf16},
+                                      {rows_fp8_f32, rows_fp8_bf16}, {rows_nvfp4_f32, rows_nvfp4_bf16}};
+
+void ferry_rows_avx512(const ferry_family *f, int format, int act, const uint8_t *expert, const void *a,
+                       int64_t a_stride, int n, int64_t r0, int64_t r1, float *y, int64_t y_stride) {
+    IMPLS[format][act](f, expert, a, a_stride, n, r0, r1, y, y_stride);
+}
+#endif

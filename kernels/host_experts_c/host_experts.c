@@ -1,0 +1,282 @@
+/* The host expert kernel's entry points (ctypes: services/worker/offload/host_expert_kernel.py).
+ *
+ * One call computes one MoE layer's listed (token, expert, router weight) pairs for a few tokens,
+ * the contract of HostExperts.compute (host_experts.py): per expert, gate/up rows for all of its
+ * tokens at once (every weight read once), SiLU(gate) * up, down, then per token the pairs' weighted
+ * rows summed in the order the pairs are listed, into float32 [T, H]. In bf16 compute the values
+ * are rounded to bf16 where the torch path rounds them (its F.linear outputs, SiLU, the product),
+ * so the two agree to float32 sums' order; in float32 compute nothing is rounded but the sums.
+ *
+ * Work split, on the pool's threads: phase 1 cuts the used experts' intermediate rows (a gate row
+ * and its up row together, so a thread finishes its h values alone) into one contiguous range a
+ * thread; one barrier; phase 2 gives each thread a range of output rows of every expert's down
+ * projection, and the weighted sum of exactly those rows, so no second barrier and no atomics. */
+#define _GNU_SOURCE
+#include <math.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "expert_job.h"
+#include "thread_pool.h"
+
+#define MAX_TOKENS 8 /* tokens the rows take at once; an expert with more is read again for the rest */
+#define CHUNK 64     /* intermediate rows a thread computes between two combines */
+#define PAD 32       /* activations' columns are padded to this: one bf16 vector */
+
+enum { FERRY_OK = 0, FERRY_EINVAL = -1, FERRY_EISA = -2, FERRY_ENOMEM = -3 };
+
+typedef struct {
+    ferry_pool *pool;
+    pthread_mutex_t busy; /* one call at a time: the scratch is the handle's */
+    void *scratch;
+    size_t capacity;
+} ferry_kernel;
+
+typedef struct {
+    const ferry_job *job;
+    ferry_pool *pool;
+    ferry_rows_fn rows;
+    int a_bf16;             /* activations and h are bf16 bits (dpbf16 rows), else float32 */
+    int64_t used;           /* experts listed */
+    const int64_t *expert;  /* [used] in order of first appearance */
+    const int64_t *first;   /* [used + 1]: slots of expert u are first[u] .. first[u + 1] */
+    const int64_t *slot_token;
+    const int64_t *pair_slot;
+    int64_t hpad, ipad;
+    void *xa;               /* [slots, hpad] */
+    void *ha;               /* [slots, ipad] */
+    float *y;               /* [slots, hidden] */
+    float *gate_up;         /* [workers, 2, MAX_TOKENS, CHUNK] */
+} plan;
+
+static int avx512_bf16_available(void) {
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("avx512bf16");
+#else
+    return 0;
+#endif
+}
+
+int ferry_host_isa_available(int isa) {
+    return isa == FERRY_ISA_PORTABLE || (isa == FERRY_ISA_AVX512_BF16 && avx512_bf16_available());
+}
+
+void *ferry_host_kernel_create(int threads) {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, ferry_tables_init);
+    ferry_kernel *k = calloc(1, sizeof *k);
+    if (!k) return NULL;
+    if (!(k->pool = ferry_pool_create(threads))) {
+        free(k);
+        return NULL;
+    }
+    pthread_mutex_init(&k->busy, NULL);
+    return k;
+}
+
+void ferry_host_kernel_destroy(void *handle) {
+    ferry_kernel *k = handle;
+    if (!k) return;
+    ferry_pool_destroy(k->pool);
+    pthread_mutex_destroy(&k->busy);
+    free(k->scratch);
+    free(k);
+}
+
+static inline float silu(float g) { return g / (1.0f + expf(-g)); }
+
+/* h for rows i0.. of slots s0..s0+n from their gate and up rows (g, u: [n, CHUNK]) */
+static void combine(const plan *p, int64_t s0, int n, int64_t i0, int len, const float *g, const float *u) {
+    int bf16 = p->job->act == FERRY_ACT_BF16;
+    for (int t = 0; t < n; t++)
+        for (int j = 0; j < len; j++) {
+            float gate = g[t * CHUNK + j], up = u[t * CHUNK + j], h;
+            if (bf16) { /* the torch path: bf16 linear outputs, bf16 SiLU, a bf16 product */
+                up = ferry_round_bf16(up);
+                h = ferry_round_bf16(ferry_round_bf16(silu(ferry_round_bf16(gate))) * up);
+            } else {
+                h = silu(gate) * up;
+            }
+            int64_t at = (s0 + t) * p->ipad + i0 + j;
+            if (p->a_bf16) ((uint16_t *)p->ha)[at] = ferry_f32_to_bf16(h); /* exact: h is bf16 already */
+            else ((float *)p->ha)[at] = h;
+        }
+}
+
+static const uint8_t *expert_bytes(const ferry_family *f, int64_t expert) {
+    return f->base + expert * f->expert_stride;
+}
+
+static void gate_up_phase(const plan *p, int worker, int workers) {
+    const ferry_job *job = p->job;
+    int64_t inter = job->inter, units = p->used * inter;
+    int64_t u0 = units * worker / workers, u1 = units * (worker + 1) / workers;
+    float *g = p->gate_up + (size_t)worker * 2 * MAX_TOKENS * CHUNK, *u = g + MAX_TOKENS * CHUNK;
+    size_t asize = p->a_bf16 ? 2 : 4;
+    for (int64_t at = u0; at < u1;) {
+        int64_t e = at / inter, i0 = at % inter;
+        int64_t i1 = inter - i0 < u1 - at ? inter : i0 + (u1 - at);
+        const uint8_t *w = expert_bytes(&job->w13, p->expert[e]);
+        for (int64_t c = i0; c < i1; c += CHUNK) {
+            int len = i1 - c < CHUNK ? (int)(i1 - c) : CHUNK;
+            for (int64_t s0 = p->first[e]; s0 < p->first[e + 1]; s0 += MAX_TOKENS) {
+                int n = p->first[e + 1] - s0 < MAX_TOKENS ? (int)(p->first[e + 1] - s0) : MAX_TOKENS;
+                const void *a = (const uint8_t *)p->xa + (size_t)s0 * p->hpad * asize;
+                p->rows(&job->w13, (int)job->format, (int)job->act, w, a, p->hpad, n, c, c + len, g, CHUNK);
+                p->rows(&job->w13, (int)job->format, (int)job->act, w, a, p->hpad, n, inter + c, inter + c + len,
+                        u, CHUNK);
+                combine(p, s0, n, c, len, g, u);
+            }
+        }
+        at += i1 - i0;
+    }
+}
+
+static void down_phase(const plan *p, int worker, int workers) {
+    const ferry_job *job = p->job;
+    int64_t hidden = job->hidden, r0 = hidden * worker / workers, r1 = hidden * (worker + 1) / workers;
+    size_t asize = p->a_bf16 ? 2 : 4;
+    if (r0 == r1) return;
+    for (int64_t e = 0; e < p->used; e++) {
+        const uint8_t *w = expert_bytes(&job->w2, p->expert[e]);
+        for (int64_t s0 = p->first[e]; s0 < p->first[e + 1]; s0 += MAX_TOKENS) {
+            int n = p->first[e + 1] - s0 < MAX_TOKENS ? (int)(p->first[e + 1] - s0) : MAX_TOKENS;
+            const void *a = (const uint8_t *)p->ha + (size_t)s0 * p->ipad * asize;
+            p->rows(&job->w2, (int)job->format, (int)job->act, w, a, p->ipad, n, r0, r1, p->y + s0 * hidden + r0,
+                    hidden);
+        }
+    }
+    /* this thread's rows of every token: the pairs' weighted rows in the order they are listed */
+    int bf16 = job->act == FERRY_ACT_BF16;
+    for (int64_t t = 0; t < job->tokens; t++) memset(job->out + t * hidden + r0, 0, (size_t)(r1 - r0) * sizeof(float));
+    for (int64_t q = 0; q < job->n_pairs; q++) {
+        float *o = job->out + job->pair_token[q] * hidden;
+        const float *y = p->y + p->pair_slot[q] * hidden;
+        float weight = job->pair_weight[q];
+        for (int64_t r = r0; r < r1; r++) o[r] += (bf16 ? ferry_round_bf16(y[r]) : y[r]) * weight;
+    }
+}
+
+static void run_plan(void *arg, int worker, int workers) {
+    plan *p = arg;
+    gate_up_phase(p, worker, workers);
+    ferry_pool_barrier(p->pool); /* every h is written before any down row reads it */
+    down_phase(p, worker, workers);
+}
+
+static size_t aligned(size_t bytes) { return (bytes + 63) & ~(size_t)63; }
+
+static int valid(const ferry_job *job) {
+    if (job->format < FERRY_F32 || job->format > FERRY_NVFP4 || job->act < 0 || job->act > 1) return 0;
+    if (job->tokens < 0 || job->hidden < 1 || job->inter < 1 || job->n_pairs < 0) return 0;
+    if (job->format == FERRY_NVFP4 && (job->hidden % 16 || job->inter % 16)) return 0;
+    for (int64_t q = 0; q < job->n_pairs; q++)
+        if (job->pair_token[q] < 0 || job->pair_token[q] >= job->tokens || job->pair_expert[q] < 0) return 0;
+    return 1;
+}
+
+/* experts in order of first appearance, each with its distinct tokens as consecutive slots */
+static void group_pairs(const ferry_job *job, int64_t *expert, int64_t *first, int64_t *slot_token,
+                        int64_t *pair_slot, int64_t *pair_use, int64_t *token_slot, int64_t *used_out) {
+    int64_t used = 0, slots = 0;
+    for (int64_t q = 0; q < job->n_pairs; q++) {
+        int64_t u = 0;
+        while (u < used && expert[u] != job->pair_expert[q]) u++;
+        if (u == used) expert[used++] = job->pair_expert[q];
+        pair_use[q] = u;
+    }
+    for (int64_t t = 0; t < job->tokens; t++) token_slot[t] = -1;
+    for (int64_t u = 0; u < used; u++) {
+        first[u] = slots;
+        for (int64_t q = 0; q < job->n_pairs; q++) {
+            if (pair_use[q] != u) continue;
+            int64_t t = job->pair_token[q];
+            if (token_slot[t] < 0) {
+                token_slot[t] = slots;
+                slot_token[slots++] = t;
+            }
+            pair_slot[q] = token_slot[t];
+        }
+        for (int64_t s = first[u]; s < slots; s++) token_slot[slot_token[s]] = -1;
+    }
+    first[used] = slots;
+    *used_out = used;
+}
+
+/* each slot's token, in the rows' dtype, its columns zero-padded */
+static void gather_activations(const ferry_job *job, const plan *p, int64_t slots) {
+    for (int64_t s = 0; s < slots; s++) {
+        int64_t t = p->slot_token[s], h = job->hidden;
+        if (p->a_bf16) {
+            uint16_t *dst = (uint16_t *)p->xa + s * p->hpad;
+            memcpy(dst, (const uint16_t *)job->x + t * h, (size_t)h * 2);
+            memset(dst + h, 0, (size_t)(p->hpad - h) * 2);
+        } else {
+            float *dst = (float *)p->xa + s * p->hpad;
+            if (job->act == FERRY_ACT_BF16)
+                for (int64_t c = 0; c < h; c++) dst[c] = ferry_bf16_to_f32(((const uint16_t *)job->x)[t * h + c]);
+            else
+                memcpy(dst, (const float *)job->x + t * h, (size_t)h * 4);
+            memset(dst + h, 0, (size_t)(p->hpad - h) * 4);
+        }
+    }
+}
+
+int ferry_host_kernel_compute(void *handle, const ferry_job *job) {
+    ferry_kernel *k = handle;
+    if (!k || !valid(job)) return FERRY_EINVAL;
+    int isa = (int)job->isa;
+    if (isa == FERRY_ISA_AUTO) isa = avx512_bf16_available() ? FERRY_ISA_AVX512_BF16 : FERRY_ISA_PORTABLE;
+    if (!ferry_host_isa_available(isa)) return FERRY_EISA;
+    if (job->n_pairs == 0) {
+        memset(job->out, 0, (size_t)(job->tokens * job->hidden) * sizeof(float));
+        return FERRY_OK;
+    }
+    plan p = {.job = job, .pool = k->pool};
+#if defined(__x86_64__)
+    p.rows = isa == FERRY_ISA_AVX512_BF16 ? ferry_rows_avx512 : ferry_rows_portable;
+#else
+    p.rows = ferry_rows_portable;
+#endif
+    /* the AVX-512 rows multiply bf16 pairs in bf16 compute; every other case takes float32 */
+    p.a_bf16 = isa == FERRY_ISA_AVX512_BF16 && job->act == FERRY_ACT_BF16;
+    p.hpad = (job->hidden + PAD - 1) / PAD * PAD;
+    p.ipad = (job->inter + PAD - 1) / PAD * PAD;
+    int64_t P = job->n_pairs, workers = ferry_pool_size(k->pool);
+    size_t asize = p.a_bf16 ? 2 : 4, ints = aligned((size_t)P * 8), firsts = aligned((size_t)(P + 1) * 8);
+    size_t sizes[] = {ints, firsts, ints, ints, ints, aligned((size_t)job->tokens * 8),
+                      aligned((size_t)P * p.hpad * asize), aligned((size_t)P * p.ipad * asize),
+                      aligned((size_t)P * job->hidden * 4), aligned((size_t)workers * 2 * MAX_TOKENS * CHUNK * 4)};
+    size_t total = 0;
+    for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++) total += sizes[i];
+    pthread_mutex_lock(&k->busy);
+    if (total > k->capacity) { /* kept between calls: a fresh block a call would page-fault every time */
+        void *grown = NULL;
+        if (posix_memalign(&grown, 64, total) != 0) {
+            pthread_mutex_unlock(&k->busy);
+            return FERRY_ENOMEM;
+        }
+        free(k->scratch);
+        k->scratch = grown;
+        k->capacity = total;
+    }
+    uint8_t *at = k->scratch;
+    void *part[sizeof sizes / sizeof *sizes];
+    for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++) part[i] = at, at += sizes[i];
+    int64_t *expert = part[0], *pair_use = part[4], *token_slot = part[5];
+    group_pairs(job, expert, part[1], part[2], part[3], pair_use, token_slot, &p.used);
+    p.expert = expert, p.first = part[1], p.slot_token = part[2], p.pair_slot = part[3];
+    p.xa = part[6], p.ha = part[7], p.y = part[8], p.gate_up = part[9];
+    gather_activations(job, &p, p.first[p.used]);
+    if (p.ipad > job->inter) { /* h's padding columns: zeros, so the down rows' last vector adds nothing */
+        for (int64_t s = 0; s < p.first[p.used]; s++)
+            memset((uint8_t *)p.ha + ((size_t)s * p.ipad + job->inter) * asize, 0, (size_t)(p.ipad - job->inter) * asize);
+    }
+    ferry_pool_run(k->pool, run_plan, &p);
+    pthread_mutex_unlock(&k->busy);
+    return FERRY_OK;
+}

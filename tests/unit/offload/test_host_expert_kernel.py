@@ -1,0 +1,230 @@
+"""The host's C expert kernel (HostExperts' `c` backend: services/worker/offload/host_expert_kernel.py,
+kernels/host_experts_c/) against its twin, HostExperts' torch backend, itself tested against the
+reference grouped GEMM (test_host_experts.py).
+
+For every format the kernel has (plain bf16 and float32 banks, fp8-block, nvfp4), both instruction
+sets (the AVX-512 BF16 rows where the CPU has them, the portable rows always), float32 and bf16
+compute, 1 and 8 tokens, 1 and 3 threads, shapes whose H and I are no multiple of the vector width
+(and fp8 blocks cut at every edge), pairs with repeated experts, a token listed twice for the same
+expert and tokens with no pair: the C kernel's sum equals the torch path's within float32's
+tolerance. With no library (or banks it cannot compute) HostExperts keeps the torch path and logs
+why once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from structlog.testing import capture_logs
+
+from ferry.services.worker.expert_formats.fp8_block import Fp8BlockExperts
+from ferry.services.worker.expert_formats.nvfp4 import Nvfp4Experts
+from ferry.services.worker.offload import host_expert_kernel as K
+from ferry.services.worker.offload import host_experts as HE
+from ferry.services.worker.offload.host_banks import HostBanks
+from ferry.services.worker.offload.host_experts import HostExperts
+from ferry.services.worker.offload.packed_banks import PackedHostBanks
+
+LAYERS, EXPERTS = 2, 6
+FORMATS = ("bf16", "float32", "fp8-block", "nvfp4")
+# (hidden, inter): the test suite's shapes (fp8 blocks of 128 + 32 columns); then odd ones: H and I
+# short of a vector of 32 by 24 (fp8: partial row and column blocks, one row block below 128 rows)
+# or by 16 for nvfp4, whose inputs come in groups of 16 (a vector's second group past the row's end)
+SHAPES = {"even": (256, 160), "odd": (200, 72), "odd-nvfp4": (208, 80)}
+
+needs_library = pytest.mark.skipif(K.library()[0] is None, reason=f"host kernel not built: {K.library()[1]}")
+
+
+def isas() -> list:
+    lib = K.library()[0]
+    avx = lib is not None and lib.ferry_host_isa_available(K.ISAS["avx512"])
+    return ["portable", pytest.param("avx512", marks=pytest.mark.skipif(not avx, reason="no AVX-512 BF16 here"))]
+
+
+def make_banks(fmt: str, hidden: int, inter: int, seed: int = 0) -> HostBanks:
+    """Random weights in `fmt`: fp8 codes with zeros and subnormals, random scales in every part."""
+    g = torch.Generator().manual_seed(seed)
+    if fmt in ("bf16", "float32"):
+        dtype = torch.bfloat16 if fmt == "bf16" else torch.float32
+        banks = HostBanks.allocate(LAYERS, EXPERTS, hidden, inter, dtype, pin=False, progress=False)
+        for layer in range(LAYERS):
+            banks.w13[layer].copy_(torch.randn(banks.w13[layer].shape, generator=g) * hidden**-0.5)
+            banks.w2[layer].copy_(torch.randn(banks.w2[layer].shape, generator=g) * inter**-0.5)
+        return banks
+    layout = Nvfp4Experts(hidden, inter) if fmt == "nvfp4" else Fp8BlockExperts(hidden, inter)
+    banks = HostBanks.allocate(LAYERS, EXPERTS, hidden, inter, torch.bfloat16, pin=False, progress=False, fmt=layout)
+    for layer in range(LAYERS):
+        for f in banks.format.gemm_views(banks.w13[layer], banks.w2[layer]):
+            if fmt == "nvfp4":
+                f.q.copy_(torch.randint(0, 256, f.q.shape, generator=g, dtype=torch.uint8))
+                f.scale.copy_(torch.exp2(torch.rand(f.scale.shape, generator=g) * 4 - 3).to(torch.float8_e4m3fn))
+                f.gscale.copy_(0.2 * f.cols**-0.5 * torch.exp2(torch.rand(f.gscale.shape, generator=g)))
+            else:
+                f.q.copy_(torch.randn(f.q.shape, generator=g).to(torch.float8_e4m3fn))
+                f.q.view(torch.uint8)[:, :, :8] = torch.tensor([0, 1, 2, 7, 0x80, 0x81, 0x86, 0x87], dtype=torch.uint8)
+                f.scale.copy_(torch.exp2(torch.rand(f.scale.shape, generator=g) * 2 - 1) * f.cols**-0.5)
+    return banks
+
+
+def pairs_for(tokens: int, seed: int) -> list:
+    """Each token routed to 3 of the experts (experts shared between tokens), one (token, expert)
+    listed twice, and the last token of several without any pair."""
+    g = torch.Generator().manual_seed(seed)
+    listed = tokens if tokens == 1 else tokens - 1
+    pairs = [(t, int(e), float(w)) for t in range(listed)
+             for e, w in zip(torch.randperm(EXPERTS, generator=g)[:3], torch.rand(3, generator=g) + 0.1)]  # fmt: skip
+    return pairs + [(0, pairs[0][1], -0.375)]
+
+
+@pytest.fixture(scope="module")
+def banks_of():
+    made: dict = {}
+    return lambda fmt, shape: made.setdefault((fmt, shape), make_banks(fmt, *SHAPES[shape]))
+
+
+def _both(banks, dtype, x, pairs, layer, isa, threads):
+    c = HostExperts(banks, dtype, threads=threads, kernel="c", isa=isa)
+    t = HostExperts(banks, dtype, threads=1, kernel="torch")
+    try:
+        assert c.backend == "c" and c.c_kernel.isa == isa
+        return c.compute(layer, x, pairs), t.compute(layer, x, pairs)
+    finally:
+        c.close()
+        t.close()
+
+
+def _shapes(fmt: str) -> list[str]:
+    return ["even", "odd-nvfp4" if fmt == "nvfp4" else "odd"]
+
+
+@needs_library
+@pytest.mark.parametrize("isa", isas())
+@pytest.mark.parametrize("tokens", [1, 8])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_float32_compute_equals_the_torch_path_within_float32_tolerance(banks_of, fmt, tokens, isa):
+    for shape, threads in zip(_shapes(fmt), (1, 3)):
+        banks = banks_of(fmt, shape)
+        x = torch.randn(tokens, banks.hidden_size, generator=torch.Generator().manual_seed(tokens))
+        for layer in range(LAYERS):
+            got, want = _both(banks, torch.float32, x, pairs_for(tokens, layer), layer, isa, threads)
+            assert got.dtype == torch.float32 and got.shape == (tokens, banks.hidden_size)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
+            if tokens > 1:
+                assert not got[-1].any()  # the token without pairs
+
+
+@needs_library
+@pytest.mark.parametrize("isa", isas())
+@pytest.mark.parametrize("tokens", [1, 8])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_bf16_compute_rounds_where_the_torch_path_rounds(banks_of, fmt, tokens, isa):
+    """In bf16 the kernel rounds the linear outputs, SiLU and the product to bf16 where torch does, so
+    the two differ only where a float32 sum's order tips a rounding: nearly every value is equal
+    within float32's tolerance, and every one within a bf16 rounding."""
+    for shape, threads in zip(_shapes(fmt), (1, 3)):
+        banks = banks_of(fmt, shape)
+        x = torch.randn(tokens, banks.hidden_size, generator=torch.Generator().manual_seed(5)).bfloat16()
+        got, want = _both(banks, torch.bfloat16, x, pairs_for(tokens, 7), 1, isa, threads)
+        scale = want.abs().max().item()
+        close = torch.isclose(got, want, rtol=1e-5, atol=1e-6 * scale)
+        assert close.float().mean() > 0.98
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=4e-3 * scale)
+
+
+@needs_library
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_two_instruction_sets_agree(banks_of, fmt):
+    lib = K.library()[0]
+    if not lib.ferry_host_isa_available(K.ISAS["avx512"]):
+        pytest.skip("no AVX-512 BF16 here")
+    banks = banks_of(fmt, _shapes(fmt)[1])
+    x = torch.randn(8, banks.hidden_size, generator=torch.Generator().manual_seed(3))
+    pairs = pairs_for(8, 3)
+    out = {}
+    for isa in ("avx512", "portable"):
+        host = HostExperts(banks, torch.float32, threads=2, kernel="c", isa=isa)
+        out[isa] = host.compute(0, x, pairs)
+        host.close()
+    torch.testing.assert_close(out["avx512"], out["portable"], rtol=1e-5, atol=1e-6 * out["portable"].abs().max().item())
+
+
+@needs_library
+@pytest.mark.parametrize("isa", isas())
+def test_no_pairs_give_zeros_and_the_pairs_sum_in_order(banks_of, isa):
+    banks = banks_of("fp8-block", "odd")
+    host = HostExperts(banks, torch.float32, threads=2, kernel="c", isa=isa)
+    x = torch.randn(4, banks.hidden_size, generator=torch.Generator().manual_seed(1))
+    empty = host.compute(0, x, [])
+    assert empty.dtype == torch.float32 and empty.shape == (4, banks.hidden_size) and not empty.any()
+    repeated = [(2, 1, 0.5), (2, 3, 0.25), (0, 1, 1.0), (2, 1, 0.125), (2, 0, -1.0)]
+    got = host.compute(0, x, repeated)
+    one_at_a_time = sum(host.compute(0, x, [pair]) for pair in repeated)
+    torch.testing.assert_close(got, one_at_a_time, rtol=1e-5, atol=1e-6)
+    assert not got[1].any() and not got[3].any() and got[2].abs().sum() > 0
+    host.close()
+
+
+@needs_library
+def test_the_isa_comes_from_the_environment_and_a_bad_one_is_refused(banks_of, monkeypatch):
+    monkeypatch.setenv(K.ISA_ENV, "portable")
+    host = HostExperts(banks_of("bf16", "even"), torch.bfloat16, threads=1)
+    assert host.backend == "c" and host.c_kernel.isa == "portable"
+    host.close()
+    monkeypatch.setenv(K.ISA_ENV, "sse9")
+    with pytest.raises(ValueError, match="sse9"):
+        HostExperts(banks_of("bf16", "even"), torch.bfloat16, threads=1)
+
+
+@pytest.fixture
+def no_library(monkeypatch):
+    """The library as if it had not been built: its module name points nowhere."""
+    K.library.cache_clear()
+    HE._torch_path_once.cache_clear()
+    monkeypatch.setattr(K, "LIBRARY_MODULE", "ferry.kernels._no_such_host_kernel")
+    yield
+    K.library.cache_clear()
+
+
+def test_without_the_library_auto_keeps_the_torch_path_and_says_so_once(banks_of, no_library):
+    banks = banks_of("bf16", "even")
+    x = torch.randn(2, banks.hidden_size).bfloat16()
+    with capture_logs() as logs:
+        hosts = [HostExperts(banks, torch.bfloat16, threads=1) for _ in range(2)]
+    assert [h.backend for h in hosts] == ["torch", "torch"]
+    lines = [e for e in logs if e["event"] == "host_experts_torch_path"]
+    assert len(lines) == 1 and "not built" in lines[0]["reason"]
+    assert hosts[0].compute(0, x, [(1, 2, 0.5)])[1].abs().sum() > 0
+    for h in hosts:
+        h.close()
+    with pytest.raises(K.KernelUnavailable, match="not built"):
+        HostExperts(banks, torch.bfloat16, threads=1, kernel="c")
+
+
+def test_a_library_that_fails_to_load_keeps_the_torch_path(banks_of, monkeypatch, tmp_path):
+    broken = tmp_path / "broken.so"
+    broken.write_bytes(b"not an ELF file")
+    K.library.cache_clear()
+    monkeypatch.setattr(K, "library_path", lambda: str(broken))
+    try:
+        host = HostExperts(banks_of("bf16", "even"), torch.bfloat16, threads=1)
+        assert host.backend == "torch"
+        host.close()
+        assert "failed to load" in K.library()[1]
+    finally:
+        K.library.cache_clear()
+
+
+@needs_library
+def test_banks_the_kernel_lacks_keep_the_torch_path():
+    packed = PackedHostBanks.allocate(1, 2, 64, 32, pin=False, progress=False)
+    packed.fill_dummy(progress=False)
+    packed.seal()
+    half = HostBanks.allocate(1, 2, 64, 32, torch.float16, pin=False, progress=False)
+    HE._torch_path_once.cache_clear()
+    for banks, dtype, why in ((packed, torch.bfloat16, "packed"), (half, torch.float16, "float16")):
+        with capture_logs() as logs:
+            host = HostExperts(banks, dtype, threads=1)
+        assert host.backend == "torch"
+        assert [e["reason"] for e in logs if e["event"] == "host_experts_torch_path"][0].count(why)
+        host.close()
+        with pytest.raises(K.KernelUnavailable, match=why):
+            HostExperts(banks, dtype, threads=1, kernel="c")
