@@ -4,13 +4,16 @@
  * Weights are read where they lie, in the host banks: expert e's family f starts at
  * f.base + e * f.expert_stride. Plain banks are rows of float32 or bf16 values; quantized banks are
  * the byte rows of plan/expert_formats.py, whose parts (codes, scales, row scales) sit at the offsets
- * given here, so this file never needs to know how the layout is priced. */
+ * given here, so this file never needs to know how the layout is priced. Packed banks
+ * (kernels/expert_pack.py) keep a family's values in two blocks, its sign-and-mantissa bytes at
+ * base and its exponent codes at hi, with a per-expert exponent base and escape list
+ * (packed_rows.h decodes them). */
 #ifndef FERRY_EXPERT_JOB_H
 #define FERRY_EXPERT_JOB_H
 
 #include <stdint.h>
 
-enum ferry_format { FERRY_F32 = 0, FERRY_BF16 = 1, FERRY_FP8_BLOCK = 2, FERRY_NVFP4 = 3 };
+enum ferry_format { FERRY_F32 = 0, FERRY_BF16 = 1, FERRY_FP8_BLOCK = 2, FERRY_NVFP4 = 3, FERRY_PACKED = 4 };
 /* the compute dtype: the torch path multiplies in it, so its roundings are the contract */
 enum ferry_act { FERRY_ACT_F32 = 0, FERRY_ACT_BF16 = 1 };
 enum ferry_isa { FERRY_ISA_AUTO = 0, FERRY_ISA_PORTABLE = 1, FERRY_ISA_AVX512_BF16 = 2 };
@@ -24,6 +27,14 @@ typedef struct {
     int64_t scale_offset;  /* fp8: float32 [block rows, col_blocks]; nvfp4: e4m3 [rows, cols / 16] */
     int64_t gscale_offset; /* nvfp4: float32 [rows] */
     int64_t col_blocks;    /* fp8: ceil(cols / 128) */
+    /* packed only: base is expert 0's lo bytes of this family and expert_stride a packed row (V bytes) */
+    const uint8_t *hi;          /* expert 0's exponent codes of this family, two a byte (low nibble first) */
+    int64_t hi_stride;          /* bytes from one expert's codes to the next (V / 2) */
+    const int32_t *exp_base;    /* expert 0's exponent base of this family; expert e's is exp_base[2 e] */
+    const int64_t *esc_offsets; /* [E + 1]: expert e's escapes are esc_offsets[e] .. esc_offsets[e + 1] */
+    const int32_t *esc_index;   /* positions in the expert's V values, ascending within an expert */
+    const uint16_t *esc_bits;   /* their bf16 bits, kept whole */
+    int64_t first_value;        /* this family's first value in the expert's row of V (0 or V13) */
 } ferry_family;
 
 typedef struct {
@@ -51,6 +62,14 @@ void ferry_rows_portable(const ferry_family *f, int format, int act, const uint8
 #if defined(__x86_64__)
 void ferry_rows_avx512(const ferry_family *f, int format, int act, const uint8_t *expert, const void *a,
                        int64_t a_stride, int n, int64_t r0, int64_t r1, float *y, int64_t y_stride);
+#endif
+
+/* A packed family's rows r0..r1 of one expert as bf16 bits [r1 - r0, cols], decoded by each ISA's
+ * own code, the very code its rows multiply with: the tests' window on the decode (ferry_host_decode_packed). */
+void ferry_packed_bits_portable(const ferry_family *f, const uint8_t *expert, int64_t r, int64_t c0, int n,
+                                uint16_t *bits);
+#if defined(__x86_64__)
+void ferry_packed_rows_avx512(const ferry_family *f, const uint8_t *expert, int64_t r0, int64_t r1, uint16_t *bits);
 #endif
 
 /* Exact value tables, shared by both ISAs so they decode alike. */

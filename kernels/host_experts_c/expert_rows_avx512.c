@@ -12,6 +12,7 @@
 #include <immintrin.h>
 
 #include "expert_job.h"
+#include "packed_rows.h"
 
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 #define INLINE static inline __attribute__((always_inline)) TARGET
@@ -22,6 +23,7 @@ typedef struct {
     const uint8_t *groups;  /* nvfp4: the row's e4m3 group scales */
     float row_scale;        /* nvfp4 */
     int64_t cols, ngroups;
+    ferry_packed_row packed; /* packed: the row's bytes, base and escape cursor (advanced as vectors decode) */
 } row_src;
 
 INLINE void widen_bf16(__m512i raw, __m512 *lo, __m512 *hi) {
@@ -29,14 +31,44 @@ INLINE void widen_bf16(__m512i raw, __m512 *lo, __m512 *hi) {
     *hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(raw, 1)), 16));
 }
 
+/* packed: columns 32v..32v+31 as bf16 bits (packed_rows.h), lanes outside `m` zero. Vectors of a row
+ * must be decoded in ascending order: the escape cursor only moves forward. */
+INLINE __m512i decode_packed(row_src *s, int64_t v, __mmask32 m) {
+    ferry_packed_row *p = &s->packed;
+    __m512i lo = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(m, p->lo + 32 * v));
+    /* 16 code bytes, or the (even) tail's half: each byte's two codes into the two 16-bit halves of
+     * its 32-bit lane, so 16-bit lane j holds value j's code */
+    __mmask16 bytes = (__mmask16)(m == 0xFFFFFFFFu ? 0xFFFF : (1u << ((__builtin_popcount(m) + 1) / 2)) - 1);
+    __m512i d = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(bytes, p->hi + 16 * v));
+    __m512i codes = _mm512_or_si512(_mm512_and_si512(d, _mm512_set1_epi32(15)),
+                                    _mm512_slli_epi32(_mm512_srli_epi32(d, 4), 16));
+    __mmask32 nonzero = _mm512_test_epi16_mask(codes, codes);
+    __m512i sign = _mm512_slli_epi16(_mm512_and_si512(lo, _mm512_set1_epi16(0x80)), 8);
+    __m512i body = _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi16(0x7F)),
+                                   _mm512_slli_epi16(_mm512_add_epi16(codes, _mm512_set1_epi16((short)p->base)), 7));
+    /* code 0: the signed zero alone (an escape's lo mantissa 0x01 is dropped, as the reference drops it) */
+    __m512i bits = _mm512_maskz_mov_epi16(m, _mm512_mask_mov_epi16(sign, nonzero, _mm512_or_si512(sign, body)));
+    int64_t end = p->pos + 32 * v + 32;
+    if (__builtin_expect(p->esc < p->esc_end && p->esc_index[p->esc] < end, 0)) { /* rare: through memory */
+        uint16_t lanes[32];
+        _mm512_storeu_si512(lanes, bits);
+        for (; p->esc < p->esc_end && p->esc_index[p->esc] < end; p->esc++)
+            lanes[p->esc_index[p->esc] - (end - 32)] = p->esc_bits[p->esc];
+        bits = _mm512_loadu_si512(lanes);
+    }
+    return bits;
+}
+
 /* columns 32v..32v+31 as float32: lo the first 16, hi the next; lanes outside `m` are zero */
-INLINE void decode_f32(int format, const row_src *s, int64_t v, __mmask32 m, __m512 *lo, __m512 *hi) {
+INLINE void decode_f32(int format, row_src *s, int64_t v, __mmask32 m, __m512 *lo, __m512 *hi) {
     if (format == FERRY_F32) {
         const float *p = (const float *)s->q + 32 * v;
         *lo = _mm512_maskz_loadu_ps((__mmask16)m, p);
         *hi = _mm512_maskz_loadu_ps((__mmask16)(m >> 16), p + 16);
     } else if (format == FERRY_BF16) {
         widen_bf16(_mm512_maskz_loadu_epi16(m, (const uint16_t *)s->q + 32 * v), lo, hi);
+    } else if (format == FERRY_PACKED) {
+        widen_bf16(decode_packed(s, v, m), lo, hi);
     } else if (format == FERRY_FP8_BLOCK) {
         /* e4m3's 7 magnitude bits shifted left 7 are float16's exponent and mantissa fields: the
          * float16 is the value x 2^-8 exactly, subnormals included (host_expert_weights.py) */
@@ -63,8 +95,9 @@ INLINE void decode_f32(int format, const row_src *s, int64_t v, __mmask32 m, __m
     }
 }
 
-INLINE __m512bh decode_bf16(int format, const row_src *s, int64_t v, __mmask32 m) {
+INLINE __m512bh decode_bf16(int format, row_src *s, int64_t v, __mmask32 m) {
     if (format == FERRY_BF16) return (__m512bh)_mm512_maskz_loadu_epi16(m, (const uint16_t *)s->q + 32 * v);
+    if (format == FERRY_PACKED) return (__m512bh)decode_packed(s, v, m); /* bf16 already: no rounding */
     __m512 lo, hi;
     decode_f32(format, s, v, m, &lo, &hi);
     return _mm512_cvtne2ps_pbh(hi, lo); /* round to nearest even, as torch rounds to bf16 */
@@ -75,7 +108,7 @@ INLINE __m512bh decode_bf16(int format, const row_src *s, int64_t v, __mmask32 m
  * loads) measured 13-17 GB/s at one token on the 2-core EPYC against 24-28 for a row at a time
  * (the same at 8 tokens, which are bound by the dpbf16 rate there); software prefetch 8-32 vectors
  * ahead changed nothing. */
-INLINE void row_dots(int format, int act, int N, const row_src *s, const void *a, int64_t as, float *y, int64_t ys) {
+INLINE void row_dots(int format, int act, int N, row_src *s, const void *a, int64_t as, float *y, int64_t ys) {
     __m512 acc0[8], acc1[8];
     for (int t = 0; t < N; t++) acc0[t] = acc1[t] = _mm512_setzero_ps();
     int64_t nv = s->cols / 32, v = 0;
@@ -113,6 +146,7 @@ INLINE void row_source(const ferry_family *f, int format, const uint8_t *expert,
     s->cols = f->cols;
     if (format == FERRY_F32) s->q = q + r * f->cols * 4;
     else if (format == FERRY_BF16) s->q = q + r * f->cols * 2;
+    else if (format == FERRY_PACKED) ferry_packed_row_at(f, expert, r, 0, f->cols, &s->packed);
     else if (format == FERRY_FP8_BLOCK) {
         int64_t block_row = r / f->part_rows * ((f->part_rows + 127) / 128) + r % f->part_rows / 128;
         s->q = q + r * f->cols;
@@ -155,14 +189,32 @@ ROWS(rows_fp8_f32, FERRY_FP8_BLOCK, FERRY_ACT_F32)
 ROWS(rows_fp8_bf16, FERRY_FP8_BLOCK, FERRY_ACT_BF16)
 ROWS(rows_nvfp4_f32, FERRY_NVFP4, FERRY_ACT_F32)
 ROWS(rows_nvfp4_bf16, FERRY_NVFP4, FERRY_ACT_BF16)
+ROWS(rows_packed_f32, FERRY_PACKED, FERRY_ACT_F32)
+ROWS(rows_packed_bf16, FERRY_PACKED, FERRY_ACT_BF16)
 
 typedef void (*rows_impl)(const ferry_family *, const uint8_t *, const void *, int64_t, int, int64_t, int64_t,
                           float *, int64_t);
-static const rows_impl IMPLS[4][2] = {{rows_f32_f32, rows_f32_bf16}, {rows_bf16_f32, rows_bf16_bf16},
-                                      {rows_fp8_f32, rows_fp8_bf16}, {rows_nvfp4_f32, rows_nvfp4_bf16}};
+static const rows_impl IMPLS[5][2] = {{rows_f32_f32, rows_f32_bf16}, {rows_bf16_f32, rows_bf16_bf16},
+                                      {rows_fp8_f32, rows_fp8_bf16}, {rows_nvfp4_f32, rows_nvfp4_bf16},
+                                      {rows_packed_f32, rows_packed_bf16}};
 
 void ferry_rows_avx512(const ferry_family *f, int format, int act, const uint8_t *expert, const void *a,
                        int64_t a_stride, int n, int64_t r0, int64_t r1, float *y, int64_t y_stride) {
     IMPLS[format][act](f, expert, a, a_stride, n, r0, r1, y, y_stride);
+}
+
+TARGET void ferry_packed_rows_avx512(const ferry_family *f, const uint8_t *expert, int64_t r0, int64_t r1,
+                                     uint16_t *bits) {
+    int64_t nv = f->cols / 32;
+    int tail = (int)(f->cols % 32);
+    for (int64_t r = r0; r < r1; r++) {
+        row_src s;
+        row_source(f, FERRY_PACKED, expert, r, &s);
+        uint16_t *out = bits + (r - r0) * f->cols;
+        for (int64_t v = 0; v < nv + (tail != 0); v++) { /* the vectors row_dots decodes, in its order */
+            __mmask32 m = v < nv ? 0xFFFFFFFFu : (1u << tail) - 1;
+            _mm512_mask_storeu_epi16(out + 32 * v, m, decode_packed(&s, v, m));
+        }
+    }
 }
 #endif

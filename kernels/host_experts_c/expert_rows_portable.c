@@ -7,6 +7,7 @@
 #include <math.h>
 
 #include "expert_job.h"
+#include "packed_rows.h"
 
 #define TILE 64    /* columns decoded at a time: a multiple of 32 (the activations' padding) */
 #define LANES 16
@@ -28,6 +29,19 @@ void ferry_tables_init(void) {
     }
 }
 
+/* bf16 bits of columns c0..c0+n of packed row r (packed_rows.h): every value from lo and its code,
+ * then the tile's escapes from the list */
+void ferry_packed_bits_portable(const ferry_family *f, const uint8_t *expert, int64_t r, int64_t c0, int n,
+                                uint16_t *bits) {
+    ferry_packed_row p;
+    ferry_packed_row_at(f, expert, r, c0, c0 + n, &p);
+    for (int j = 0; j < n; j++) {
+        uint8_t codes = p.hi[j / 2];
+        bits[j] = ferry_packed_bits(p.lo[j], (j & 1) ? codes >> 4 : codes & 15, p.base);
+    }
+    for (int64_t k = p.esc; k < p.esc_end; k++) bits[p.esc_index[k] - p.pos] = p.esc_bits[k];
+}
+
 /* weights w[0..n) of row r from column c0 (n <= TILE), in float32 after the compute dtype's rounding */
 static void decode_tile(const ferry_family *f, int format, int act, const uint8_t *expert, int64_t r,
                         int64_t c0, int n, float *w) {
@@ -39,6 +53,11 @@ static void decode_tile(const ferry_family *f, int format, int act, const uint8_
         const uint16_t *row = (const uint16_t *)q + r * f->cols + c0;
         for (int j = 0; j < n; j++) w[j] = ferry_bf16_to_f32(row[j]);
         return; /* already bf16 */
+    } else if (format == FERRY_PACKED) {
+        uint16_t bits[TILE];
+        ferry_packed_bits_portable(f, expert, r, c0, n, bits);
+        for (int j = 0; j < n; j++) w[j] = ferry_bf16_to_f32(bits[j]);
+        return; /* bf16 values, as the plain bf16 rows read them */
     } else if (format == FERRY_FP8_BLOCK) {
         int64_t part = r / f->part_rows;
         int64_t block_row = part * ((f->part_rows + 127) / 128) + (r % f->part_rows) / 128;

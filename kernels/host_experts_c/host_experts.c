@@ -23,6 +23,7 @@
 #define MAX_TOKENS 8 /* tokens the rows take at once; an expert with more is read again for the rest */
 #define CHUNK 64     /* intermediate rows a thread computes between two combines */
 #define PAD 32       /* activations' columns are padded to this: one bf16 vector */
+#define PORTABLE_TILE 64 /* expert_rows_portable.c's TILE: the decode hook cuts rows as its rows do */
 
 enum { FERRY_OK = 0, FERRY_EINVAL = -1, FERRY_EISA = -2, FERRY_ENOMEM = -3 };
 
@@ -171,9 +172,11 @@ static void run_plan(void *arg, int worker, int workers) {
 static size_t aligned(size_t bytes) { return (bytes + 63) & ~(size_t)63; }
 
 static int valid(const ferry_job *job) {
-    if (job->format < FERRY_F32 || job->format > FERRY_NVFP4 || job->act < 0 || job->act > 1) return 0;
+    if (job->format < FERRY_F32 || job->format > FERRY_PACKED || job->act < 0 || job->act > 1) return 0;
     if (job->tokens < 0 || job->hidden < 1 || job->inter < 1 || job->n_pairs < 0) return 0;
     if (job->format == FERRY_NVFP4 && (job->hidden % 16 || job->inter % 16)) return 0;
+    /* packed rows must start on a code byte (packed_rows.h) */
+    if (job->format == FERRY_PACKED && (job->hidden % 2 || job->inter % 2)) return 0;
     for (int64_t q = 0; q < job->n_pairs; q++)
         if (job->pair_token[q] < 0 || job->pair_token[q] >= job->tokens || job->pair_expert[q] < 0) return 0;
     return 1;
@@ -278,5 +281,27 @@ int ferry_host_kernel_compute(void *handle, const ferry_job *job) {
     }
     ferry_pool_run(k->pool, run_plan, &p);
     pthread_mutex_unlock(&k->busy);
+    return FERRY_OK;
+}
+
+/* The tests' window on the packed decode: rows r0..r1 of family f of expert `expert` as bf16 bits
+ * [r1 - r0, cols], decoded by the instruction set's own code (the code its rows multiply with),
+ * to be held bit for bit to kernels/expert_pack.py's unpack_expert_reference. */
+int ferry_host_decode_packed(const ferry_family *f, int isa, int64_t expert, int64_t r0, int64_t r1, uint16_t *out) {
+    if (isa == FERRY_ISA_AUTO) isa = avx512_bf16_available() ? FERRY_ISA_AVX512_BF16 : FERRY_ISA_PORTABLE;
+    if (!ferry_host_isa_available(isa)) return FERRY_EISA;
+    if (expert < 0 || r0 < 0 || r1 > f->rows || r0 > r1 || f->cols % 2) return FERRY_EINVAL;
+    const uint8_t *w = expert_bytes(f, expert);
+#if defined(__x86_64__)
+    if (isa == FERRY_ISA_AVX512_BF16) {
+        ferry_packed_rows_avx512(f, w, r0, r1, out);
+        return FERRY_OK;
+    }
+#endif
+    for (int64_t r = r0; r < r1; r++) /* the portable rows' tiles, as decode_tile cuts them */
+        for (int64_t c0 = 0; c0 < f->cols; c0 += PORTABLE_TILE) {
+            int n = f->cols - c0 < PORTABLE_TILE ? (int)(f->cols - c0) : PORTABLE_TILE;
+            ferry_packed_bits_portable(f, w, r, c0, n, out + (r - r0) * f->cols + c0);
+        }
     return FERRY_OK;
 }

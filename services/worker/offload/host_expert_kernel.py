@@ -10,6 +10,10 @@ The library is built from source by `pip install` (pyproject.toml's ext-modules,
 machine without a C compiler still installs) and loaded with ctypes, which releases the GIL for the
 call; torch is no build requirement. `library()` says why it is not there when it is not.
 
+Packed banks (packed_banks.py, the default host format for bf16 models) are decoded in the rows too:
+lo, hi and the family's exponent base into bf16 bits in registers, the escapes written from the
+sealed escape lists (the banks are sealed here if they are not yet), then the plain bf16 rows' math.
+
 FERRY_HOST_KERNEL_ISA=portable|avx512|auto picks the rows' instruction set (the tests force each)."""
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import torch
 LIBRARY_MODULE = "ferry.kernels._host_experts_c"
 ISA_ENV = "FERRY_HOST_KERNEL_ISA"
 ISAS = {"auto": 0, "portable": 1, "avx512": 2}  # enum ferry_isa (expert_job.h)
-F32, BF16, FP8_BLOCK, NVFP4 = range(4)  # enum ferry_format
+F32, BF16, FP8_BLOCK, NVFP4, PACKED = range(5)  # enum ferry_format
 ACTS = {torch.float32: 0, torch.bfloat16: 1}  # enum ferry_act: the compute dtypes the kernel has
 ERRORS = {-1: "an invalid job", -2: "an instruction set this CPU lacks", -3: "out of memory"}
 
@@ -37,7 +41,9 @@ class Family(ctypes.Structure):
     _fields_ = [("base", ctypes.c_void_p), ("expert_stride", ctypes.c_int64), ("rows", ctypes.c_int64),
                 ("cols", ctypes.c_int64), ("part_rows", ctypes.c_int64), ("q_offset", ctypes.c_int64),
                 ("scale_offset", ctypes.c_int64), ("gscale_offset", ctypes.c_int64),
-                ("col_blocks", ctypes.c_int64)]  # fmt: skip
+                ("col_blocks", ctypes.c_int64), ("hi", ctypes.c_void_p), ("hi_stride", ctypes.c_int64),
+                ("exp_base", ctypes.c_void_p), ("esc_offsets", ctypes.c_void_p), ("esc_index", ctypes.c_void_p),
+                ("esc_bits", ctypes.c_void_p), ("first_value", ctypes.c_int64)]  # fmt: skip
 
 
 class Job(ctypes.Structure):
@@ -81,6 +87,9 @@ def library() -> tuple[ctypes.CDLL | None, str]:
     lib.ferry_host_kernel_destroy.restype = None
     lib.ferry_host_kernel_compute.argtypes = [ctypes.c_void_p, ctypes.POINTER(Job)]
     lib.ferry_host_kernel_compute.restype = ctypes.c_int
+    lib.ferry_host_decode_packed.argtypes = [ctypes.POINTER(Family), ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
+                                             ctypes.c_int64, ctypes.c_void_p]  # fmt: skip
+    lib.ferry_host_decode_packed.restype = ctypes.c_int
     return lib, ""
 
 
@@ -107,10 +116,47 @@ def _family(rows: torch.Tensor, out_rows: int, cols: int, part_rows: int, layout
     return f
 
 
+def _packed_families(banks, layer: int) -> tuple[Family, Family]:
+    """One layer of packed banks (lo [E, V], hi [E, V // 2], base [E, 2], the sealed escapes): w13's
+    values 0..V13 of each expert's row, w2's V13..V, each with its own exponent base."""
+    lo, hi, base = banks.lo[layer], banks.hi[layer], banks.base[layer]
+    h, i, v13 = banks.hidden_size, banks.intermediate_size, banks.v13
+    escapes = dict(esc_offsets=banks.esc_offsets[layer].data_ptr(), esc_index=banks.esc_index[layer].data_ptr(),
+                   esc_bits=banks.esc_bits[layer].data_ptr())  # fmt: skip
+
+    def family(which: int, first: int, rows: int, cols: int, part_rows: int) -> Family:
+        return Family(base=lo.data_ptr() + first, expert_stride=lo.stride(0), rows=rows, cols=cols, part_rows=part_rows,
+                      hi=hi.data_ptr() + first // 2, hi_stride=hi.stride(0), exp_base=base.data_ptr() + 4 * which,
+                      first_value=first, **escapes)  # fmt: skip
+
+    return family(0, 0, 2 * i, h, i), family(1, v13, h, i, h)
+
+
+def check_packed(banks) -> None:
+    """KernelUnavailable unless the C kernel can read these packed banks as packed_rows.h does: even
+    H and I (a row's codes start on a byte) and each expert's escape positions ascending (a row's
+    escapes one run, walked in order; pack_experts writes them so)."""
+    if banks.hidden_size % 2 or banks.intermediate_size % 2:
+        raise KernelUnavailable(f"packed banks of odd shapes ({banks.hidden_size} x {banks.intermediate_size}) "
+                                "have no C kernel: a row's codes must start on a byte")  # fmt: skip
+    for blocks in (banks.lo, banks.hi, banks.base):
+        if not all(b.is_contiguous() for b in blocks):
+            raise KernelUnavailable("the C kernel reads contiguous bank blocks")
+    v = banks.v13 + banks.v2
+    for offsets, index in zip(banks.esc_offsets, banks.esc_index):
+        n = int(offsets[-1])
+        if n < 2:
+            continue
+        experts = torch.repeat_interleave(torch.arange(banks.num_experts), offsets.diff())
+        key = experts * v + index[:n].long()  # strictly ascending exactly when each expert's positions are
+        if not bool((key.diff() > 0).all()):
+            raise KernelUnavailable("packed banks whose escapes are not in ascending order have no C kernel")
+
+
 def bank_format(banks) -> int:
     """The kernel's format code for these banks, or KernelUnavailable."""
     if getattr(banks, "packed", False):
-        raise KernelUnavailable("packed banks have no C kernel yet (12-bit decode: the torch path)")
+        return PACKED
     name = banks.format.name
     if banks.format.quantized:
         codes = {"nvfp4": NVFP4, "fp8-block": FP8_BLOCK}
@@ -133,22 +179,58 @@ class HostKernel:
         self.format, self.act, self.isa = bank_format(banks), ACTS[dtype], resolve_isa(isa)
         if not lib.ferry_host_isa_available(ISAS[self.isa]):
             raise KernelUnavailable(f"this CPU lacks the {self.isa} instructions the host kernel was asked for")
+        self.banks, self.hidden, self.inter = banks, banks.hidden_size, banks.intermediate_size  # alive while pointed at
+        if self.format == PACKED:
+            self._escape_blocks = None
+            self._packed_layout()
+        else:
+            self.families = self._plain_or_quantized_families(banks)
+        self.lib, self.handle = lib, lib.ferry_host_kernel_create(threads)
+        if not self.handle:
+            raise KernelUnavailable(f"the host kernel could not start {threads} threads")
+        self._destroy = weakref.finalize(self, lib.ferry_host_kernel_destroy, self.handle)  # joins its threads
+
+    @staticmethod
+    def _plain_or_quantized_families(banks) -> list[tuple[Family, Family]]:
         for block in (*banks.w13, *banks.w2):
             if not block.is_contiguous():
                 raise KernelUnavailable("the C kernel reads contiguous bank blocks")
         h, i = banks.hidden_size, banks.intermediate_size
         quantized = banks.format.quantized
         layout13, layout2 = (banks.format.layout13, banks.format.layout2) if quantized else (None, None)
-        self.families = [(_family(w13, 2 * i, h, i, layout13), _family(w2, h, i, h, layout2))
-                         for w13, w2 in zip(banks.w13, banks.w2)]  # fmt: skip
-        self.banks, self.hidden, self.inter = banks, h, i  # the banks stay alive while their pointers are held
-        self.lib, self.handle = lib, lib.ferry_host_kernel_create(threads)
-        if not self.handle:
-            raise KernelUnavailable(f"the host kernel could not start {threads} threads")
-        self._destroy = weakref.finalize(self, lib.ferry_host_kernel_destroy, self.handle)  # joins its threads
+        return [(_family(w13, 2 * i, h, i, layout13), _family(w2, h, i, h, layout2))
+                for w13, w2 in zip(banks.w13, banks.w2)]  # fmt: skip
+
+    def _packed_layout(self) -> None:
+        """The packed families over the banks' sealed escapes, (re)made when they are (re)laid out: a load
+        after the last seal unseals the banks, and seal() lays the escapes out in new blocks."""
+        banks = self.banks
+        banks.seal()  # a no-op when sealed
+        if self._escape_blocks is not None and all(a is b for a, b in zip(self._escape_blocks, banks.esc_index)):
+            return
+        check_packed(banks)
+        self.families = [_packed_families(banks, layer) for layer in range(banks.num_layers)]
+        self._escape_blocks = list(banks.esc_index)  # held: the pointers above stay valid until remade
+
+    def decode_packed(self, moe_layer: int, expert: int) -> torch.Tensor:
+        """One packed expert's V values (w13 then w2, flattened) as this kernel's rows decode them, bf16:
+        the tests hold it bit for bit to unpack_expert_reference."""
+        if self.format != PACKED or not 0 <= expert < self.banks.num_experts:
+            raise ValueError(f"decode_packed reads an expert of packed banks, not expert {expert} of these")
+        self._packed_layout()
+        out = torch.empty(self.banks.v13 + self.banks.v2, dtype=torch.bfloat16)
+        at = out.data_ptr()
+        for f in self.families[moe_layer]:
+            err = self.lib.ferry_host_decode_packed(ctypes.byref(f), ISAS[self.isa], expert, 0, f.rows, at)
+            if err:
+                raise RuntimeError(f"the packed decode refused the call: {ERRORS.get(err, err)}")
+            at += f.rows * f.cols * 2
+        return out
 
     def compute(self, moe_layer: int, x: torch.Tensor, pairs: Sequence[tuple[int, int, float]]) -> torch.Tensor:
         """float32 [T, H], HostExperts.compute's contract; x [T, H] in the compute dtype, on the CPU."""
+        if self.format == PACKED:
+            self._packed_layout()
         x = x.contiguous()
         out = torch.empty(x.shape[0], self.hidden, dtype=torch.float32)
         tokens = torch.tensor([p[0] for p in pairs], dtype=torch.int64)

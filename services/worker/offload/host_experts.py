@@ -12,14 +12,14 @@ Each listed expert is read once, whatever the number of its tokens. Two backends
 
 * `c`: the host's own kernel (host_expert_kernel.py, kernels/host_experts_c/): decodes and multiplies
   in one pass over the bank, AVX-512 BF16 where the CPU has it, on a pthread pool of `threads`;
-  plain (bf16, float32), fp8-block and nvfp4 banks, computing in float32 or bf16;
+  plain (bf16, float32), packed (12-bit bf16), fp8-block and nvfp4 banks, computing in float32 or bf16;
 * `torch`, the reference twin: the bank read in place (plain banks in the compute dtype) or decoded
   into a scratch of one expert (host_expert_weights.py), and multiplied with torch's CPU kernels
   (F.linear: oneDNN). torch reaches a sixth of the H200 host's read bandwidth on plain banks, and
   its decode of the other formats is 10-60x slower still (bench/NOTES.md): it is the oracle.
 
-`auto` takes `c` where it can compute these banks, else `torch` (packed banks, float16, a library
-that is not built), saying once in a log line why.
+`auto` takes `c` where it can compute these banks, else `torch` (float16, packed banks of odd shapes,
+a library that is not built), saying once in a log line why.
 
 Threads: the work runs on one dedicated Python thread whose intra-op team is `threads` wide. The
 calls that matter here (F.linear through oneDNN, the elementwise ops) parallelise with OpenMP, whose

@@ -7,8 +7,8 @@ sets (the AVX-512 BF16 rows where the CPU has them, the portable rows always), f
 compute, 1 and 8 tokens, 1 and 3 threads, shapes whose H and I are no multiple of the vector width
 (and fp8 blocks cut at every edge), pairs with repeated experts, a token listed twice for the same
 expert and tokens with no pair: the C kernel's sum equals the torch path's within float32's
-tolerance. With no library (or banks it cannot compute) HostExperts keeps the torch path and logs
-why once."""
+tolerance (packed banks: test_host_kernel_packed.py). With no library (or banks it cannot compute:
+float16, packed banks of odd shapes) HostExperts keeps the torch path and logs why once."""
 
 from __future__ import annotations
 
@@ -215,7 +215,7 @@ def test_a_library_that_fails_to_load_keeps_the_torch_path(banks_of, monkeypatch
 
 @needs_library
 def test_banks_the_kernel_lacks_keep_the_torch_path():
-    packed = PackedHostBanks.allocate(1, 2, 64, 32, pin=False, progress=False)
+    packed = PackedHostBanks.allocate(1, 2, 61, 4, pin=False, progress=False)  # odd H: rows start mid-byte
     packed.fill_dummy(progress=False)
     packed.seal()
     half = HostBanks.allocate(1, 2, 64, 32, torch.float16, pin=False, progress=False)
