@@ -35,19 +35,30 @@ INLINE void widen_bf16(__m512i raw, __m512 *lo, __m512 *hi) {
  * must be decoded in ascending order: the escape cursor only moves forward. */
 INLINE __m512i decode_packed(row_src *s, int64_t v, __mmask32 m) {
     ferry_packed_row *p = &s->packed;
-    __m512i lo = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(m, p->lo + 32 * v));
-    /* 16 code bytes, or the (even) tail's half: each byte's two codes into the two 16-bit halves of
-     * its 32-bit lane, so 16-bit lane j holds value j's code */
+    /* few instructions a vector, and no cross-lane widening but one vpermq: the decode, not memory,
+     * bounds these rows on one core (bench/NOTES.md). lo: qword q of the 32 bytes to 128-bit lane q,
+     * then each byte twice in its 16-bit lane (unpacklo with itself): the sign on bit 15, the mantissa
+     * in bits 0-6, value j in lane j */
+    __m512i q = _mm512_castsi256_si512(_mm256_maskz_loadu_epi8(m, p->lo + 32 * v));
+    q = _mm512_permutexvar_epi64(_mm512_set_epi64(3, 3, 2, 2, 1, 1, 0, 0), q);
+    __m512i twice = _mm512_unpacklo_epi8(q, q);
+    /* the 16 code bytes (a tail's half: the tail is even) in every 128-bit lane; byte k into the low
+     * bytes of 16-bit lanes 2k and 2k + 1, whose codes (low, high nibble) shift to bits 7-10 */
     __mmask16 bytes = (__mmask16)(m == 0xFFFFFFFFu ? 0xFFFF : (1u << ((__builtin_popcount(m) + 1) / 2)) - 1);
-    __m512i d = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(bytes, p->hi + 16 * v));
-    __m512i codes = _mm512_or_si512(_mm512_and_si512(d, _mm512_set1_epi32(15)),
-                                    _mm512_slli_epi32(_mm512_srli_epi32(d, 4), 16));
+    __m512i h = _mm512_broadcast_i32x4(_mm_maskz_loadu_epi8(bytes, p->hi + 16 * v));
+    const __m512i spread = _mm512_set_epi32(
+        (int)0x800F800F, (int)0x800E800E, (int)0x800D800D, (int)0x800C800C, (int)0x800B800B, (int)0x800A800A,
+        (int)0x80098009, (int)0x80088008, (int)0x80078007, (int)0x80068006, (int)0x80058005, (int)0x80048004,
+        (int)0x80038003, (int)0x80028002, (int)0x80018001, (int)0x80008000);
+    __m512i codes = _mm512_and_si512(_mm512_sllv_epi16(_mm512_shuffle_epi8(h, spread), _mm512_set1_epi32(0x00030007)),
+                                     _mm512_set1_epi16(0x0780));
     __mmask32 nonzero = _mm512_test_epi16_mask(codes, codes);
-    __m512i sign = _mm512_slli_epi16(_mm512_and_si512(lo, _mm512_set1_epi16(0x80)), 8);
-    __m512i body = _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi16(0x7F)),
-                                   _mm512_slli_epi16(_mm512_add_epi16(codes, _mm512_set1_epi16((short)p->base)), 7));
-    /* code 0: the signed zero alone (an escape's lo mantissa 0x01 is dropped, as the reference drops it) */
-    __m512i bits = _mm512_maskz_mov_epi16(m, _mm512_mask_mov_epi16(sign, nonzero, _mm512_or_si512(sign, body)));
+    /* the exponent field: (code + base) << 7 (its low 16 bits, as the reference keeps), 0 for code 0 */
+    __m512i exponent = _mm512_maskz_add_epi16(nonzero, codes, _mm512_set1_epi16((short)(p->base << 7)));
+    /* code 0 keeps only the sign: the signed zero (an escape's lo mantissa 0x01 is dropped, as the
+     * reference drops it); lanes outside m are zero already (lo and codes loaded as zeros) */
+    __m512i keep = _mm512_mask_blend_epi16(nonzero, _mm512_set1_epi16((short)0x8000), _mm512_set1_epi16((short)0x807F));
+    __m512i bits = _mm512_ternarylogic_epi32(twice, keep, exponent, 0xEA); /* (a & b) | c */
     int64_t end = p->pos + 32 * v + 32;
     if (__builtin_expect(p->esc < p->esc_end && p->esc_index[p->esc] < end, 0)) { /* rare: through memory */
         uint16_t lanes[32];
@@ -141,12 +152,13 @@ INLINE void row_dots(int format, int act, int N, row_src *s, const void *a, int6
     for (int t = 0; t < N; t++) y[t * ys] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[t], acc1[t]));
 }
 
-INLINE void row_source(const ferry_family *f, int format, const uint8_t *expert, int64_t r, row_src *s) {
+/* `from`: packed rows' escape cursor carried from the row before (packed_rows.h), else -1 */
+INLINE void row_source(const ferry_family *f, int format, const uint8_t *expert, int64_t r, int64_t from, row_src *s) {
     const uint8_t *q = expert + f->q_offset;
     s->cols = f->cols;
     if (format == FERRY_F32) s->q = q + r * f->cols * 4;
     else if (format == FERRY_BF16) s->q = q + r * f->cols * 2;
-    else if (format == FERRY_PACKED) ferry_packed_row_at(f, expert, r, 0, f->cols, &s->packed);
+    else if (format == FERRY_PACKED) ferry_packed_row_at(f, expert, r, 0, f->cols, from, &s->packed);
     else if (format == FERRY_FP8_BLOCK) {
         int64_t block_row = r / f->part_rows * ((f->part_rows + 127) / 128) + r % f->part_rows / 128;
         s->q = q + r * f->cols;
@@ -164,9 +176,11 @@ INLINE void row_source(const ferry_family *f, int format, const uint8_t *expert,
 #define ROWS(NAME, FORMAT, ACT)                                                                          \
     static TARGET void NAME(const ferry_family *f, const uint8_t *expert, const void *a, int64_t as, int n, \
                             int64_t r0, int64_t r1, float *y, int64_t ys) {                                \
+        int64_t from = -1;                                                                              \
         for (int64_t r = r0; r < r1; r++) {                                                             \
             row_src s;                                                                                  \
-            row_source(f, FORMAT, expert, r, &s);                                                       \
+            row_source(f, FORMAT, expert, r, from, &s);                                                 \
+            if (FORMAT == FERRY_PACKED) from = s.packed.esc_end;                                        \
             float *yr = y + (r - r0);                                                                   \
             switch (n) {                                                                                \
             case 1: row_dots(FORMAT, ACT, 1, &s, a, as, yr, ys); break;                                  \
@@ -207,9 +221,11 @@ TARGET void ferry_packed_rows_avx512(const ferry_family *f, const uint8_t *exper
                                      uint16_t *bits) {
     int64_t nv = f->cols / 32;
     int tail = (int)(f->cols % 32);
-    for (int64_t r = r0; r < r1; r++) {
+    int64_t from = -1;
+    for (int64_t r = r0; r < r1; r++) { /* rows chained as the ROWS functions chain them */
         row_src s;
-        row_source(f, FERRY_PACKED, expert, r, &s);
+        row_source(f, FERRY_PACKED, expert, r, from, &s);
+        from = s.packed.esc_end;
         uint16_t *out = bits + (r - r0) * f->cols;
         for (int64_t v = 0; v < nv + (tail != 0); v++) { /* the vectors row_dots decodes, in its order */
             __mmask32 m = v < nv ? 0xFFFFFFFFu : (1u << tail) - 1;

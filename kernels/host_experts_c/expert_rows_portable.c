@@ -34,10 +34,11 @@ void ferry_tables_init(void) {
 void ferry_packed_bits_portable(const ferry_family *f, const uint8_t *expert, int64_t r, int64_t c0, int n,
                                 uint16_t *bits) {
     ferry_packed_row p;
-    ferry_packed_row_at(f, expert, r, c0, c0 + n, &p);
-    for (int j = 0; j < n; j++) {
-        uint8_t codes = p.hi[j / 2];
-        bits[j] = ferry_packed_bits(p.lo[j], (j & 1) ? codes >> 4 : codes & 15, p.base);
+    ferry_packed_row_at(f, expert, r, c0, c0 + n, -1, &p);
+    for (int k = 0; k < n / 2; k++) { /* a code byte a pair of values (n is even: even rows), no branch */
+        uint8_t codes = p.hi[k];
+        bits[2 * k] = ferry_packed_bits(p.lo[2 * k], codes & 15, p.base);
+        bits[2 * k + 1] = ferry_packed_bits(p.lo[2 * k + 1], codes >> 4, p.base);
     }
     for (int64_t k = p.esc; k < p.esc_end; k++) bits[p.esc_index[k] - p.pos] = p.esc_bits[k];
 }

@@ -34,9 +34,11 @@ static inline int64_t ferry_first_escape(const int32_t *index, int64_t lo, int64
     return lo;
 }
 
-/* columns c0..c1 of row r of family f, for the expert whose lo bytes of f start at `expert` */
+/* columns c0..c1 of row r of family f, for the expert whose lo bytes of f start at `expert`. `from`:
+ * the previous row's esc_end when this row follows it (its first escape, found without a search:
+ * a binary search a row cost a fifth of a hot expert's time), else -1. */
 static inline void ferry_packed_row_at(const ferry_family *f, const uint8_t *expert, int64_t r, int64_t c0,
-                                       int64_t c1, ferry_packed_row *p) {
+                                       int64_t c1, int64_t from, ferry_packed_row *p) {
     /* the expert's number: `expert` is f->base + e * f->expert_stride (host_experts.c's expert_bytes) */
     int64_t e = (expert - f->base) / f->expert_stride;
     int64_t at = r * f->cols + c0; /* from the family's first value */
@@ -47,16 +49,18 @@ static inline void ferry_packed_row_at(const ferry_family *f, const uint8_t *exp
     p->esc_index = f->esc_index;
     p->esc_bits = f->esc_bits;
     int64_t first = f->esc_offsets[e], last = f->esc_offsets[e + 1];
-    p->esc = ferry_first_escape(f->esc_index, first, last, p->pos);
-    p->esc_end = ferry_first_escape(f->esc_index, p->esc, last, p->pos + (c1 - c0));
+    p->esc = from >= 0 ? from : ferry_first_escape(f->esc_index, first, last, p->pos);
+    int64_t end = p->esc, stop = p->pos + (c1 - c0);
+    while (end < last && f->esc_index[end] < stop) end++; /* a row holds few escapes */
+    p->esc_end = end;
 }
 
 /* one value's bf16 bits from its lo byte and exponent code, escapes aside (the reference's formula:
  * the low 16 bits of sign | (code + base) << 7 | mantissa, or the signed zero for code 0) */
 static inline uint16_t ferry_packed_bits(uint8_t lo, unsigned code, int32_t base) {
     uint32_t sign = (uint32_t)(lo & 0x80) << 8;
-    if (code == 0) return (uint16_t)sign;
-    return (uint16_t)(sign | ((uint32_t)(code + base) << 7) | (lo & 0x7F));
+    uint32_t body = ((uint32_t)(code + base) << 7) | (lo & 0x7F);
+    return (uint16_t)(sign | (code ? body : 0)); /* a select, not a branch: the portable loop vectorises */
 }
 
 #endif
