@@ -99,6 +99,22 @@ def test_the_kernels_decode_is_the_references_bit_for_bit(banks_of, shape, isa):
     assert nan.tolist() == _bits(0x7F80, 0xFF80, 0x7FC0, 0xFFC1, 0x7F81).view(torch.int16).tolist()
 
 
+@pytest.mark.parametrize("isa", isas())
+def test_a_zeros_stray_mantissa_bits_are_dropped_as_the_reference_drops_them(isa):
+    """The packer writes a zero's lo as its sign alone, but the reference decodes any code-0 value not
+    listed as an escape to the signed zero whatever its lo holds; so does the kernel."""
+    banks = make_packed(*SHAPES["narrow"], seed=2)
+    assert banks.lo[0][1][2:4].tolist() == [0x80, 0x00] and banks.hi[0][1][1] == 0  # expert 1's -0.0, 0.0
+    banks.lo[0][1][2:4] = torch.tensor([0xC3, 0x7F], dtype=torch.uint8)
+    host = HostExperts(banks, torch.bfloat16, threads=1, kernel="c", isa=isa)
+    try:
+        got, want = host.c_kernel.decode_packed(0, 1), _reference(banks, 0, 1)
+    finally:
+        host.close()
+    assert want.view(torch.int16)[2:4].tolist() == [-0x8000, 0]
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
 def _pairs(tokens: int, seed: int) -> list:
     """3 experts a token (the escape and outlier experts among them), one pair repeated."""
     g = torch.Generator().manual_seed(seed)
