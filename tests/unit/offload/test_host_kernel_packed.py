@@ -18,6 +18,7 @@ from ferry.kernels.expert_pack import unpack_expert_reference
 from ferry.services.worker.offload import host_expert_kernel as K
 from ferry.services.worker.offload.host_experts import HostExperts
 from ferry.services.worker.offload.packed_banks import PackedHostBanks
+from tests.unit.offload.test_host_expert_kernel import _both  # the C and the torch path on the same call
 
 pytestmark = pytest.mark.skipif(K.library()[0] is None, reason=f"host kernel not built: {K.library()[1]}")
 
@@ -121,17 +122,6 @@ def _pairs(tokens: int, seed: int) -> list:
     pairs = [(t, int(e), float(w)) for t in range(tokens)
              for e, w in zip(torch.randperm(EXPERTS, generator=g)[:3], torch.rand(3, generator=g) + 0.1)]  # fmt: skip
     return pairs + [(0, 2, 0.25), (tokens - 1, 1, -0.5), (0, 3, 0.125)]
-
-
-def _both(banks, dtype, x, pairs, layer, isa, threads):
-    c = HostExperts(banks, dtype, threads=threads, kernel="c", isa=isa)
-    t = HostExperts(banks, dtype, threads=1, kernel="torch")
-    try:
-        assert c.backend == "c" and c.c_kernel.isa == isa
-        return c.compute(layer, x, pairs), t.compute(layer, x, pairs)
-    finally:
-        c.close()
-        t.close()
 
 
 @pytest.mark.parametrize("isa", isas())
