@@ -58,3 +58,15 @@ def causal_conv1d_varlen(
         conv_states[slot] = new_state.to(conv_states.dtype)
         start += qlen
     return out
+
+
+def conv_state_after(
+    state: torch.Tensor,  # [channels, kernel - 1], the request's inputs before its chunk
+    x: torch.Tensor,  # [n, channels], the chunk's first n inputs
+    kernel: int,
+) -> torch.Tensor:
+    """The conv state after a chunk's first n inputs (its last kernel - 1 inputs, oldest first): what a
+    snapshot kept inside the chunk holds (the state `causal_conv1d_with_state` would leave had the
+    chunk ended there)."""
+    window = torch.cat([state, x.t().to(state.dtype)], dim=1)
+    return window[:, window.shape[1] - (kernel - 1) :]

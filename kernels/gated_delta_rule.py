@@ -8,6 +8,7 @@ of the batch's slots are read before and written after, in place, in the float32
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ferry.kernels.gated_delta_rule_reference import gated_delta_rule_chunked, gated_delta_rule_recurrent
@@ -63,3 +64,41 @@ def _fla_varlen(q, k, v, g, beta, states, state_slots, query_start, query_lens):
     )
     states[state_slots] = final.float()
     return out[0].to(v.dtype)
+
+
+def gated_delta_rule_varlen_keeping(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    states: torch.Tensor, state_slots: torch.Tensor, query_start: torch.Tensor, query_lens: list[int],
+    inside: list[tuple[int, int]],
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """`gated_delta_rule_varlen`, also keeping some rows' states at a point inside their chunk: `inside`
+    holds (row, tokens of the row before the point), 0 < tokens < the row's length. Two passes over the
+    same kernels: every row up to its point (the others whole), the inside rows' states copied out,
+    then those rows' remainders continuing from them (the state is carried exactly: the chunked rule's
+    state after n tokens is the state a chunk ending there leaves). Returns (outputs [T, v_heads,
+    v_dim], the state at each inside row's point, in `inside`'s order)."""
+    if not inside:
+        return gated_delta_rule_varlen(q, k, v, g, beta, states, state_slots, query_start, query_lens), []
+    starts = np.concatenate([[0], np.cumsum(query_lens)])
+    cut = dict(inside)
+    first = [cut.get(i, n) for i, n in enumerate(query_lens)]
+    rows = [i for i, _ in inside]
+    rest = [query_lens[i] - cut[i] for i in rows]
+    device = q.device
+
+    def positions(spans) -> torch.Tensor:
+        return torch.from_numpy(np.concatenate([np.arange(a, b) for a, b in spans])).to(device)
+
+    def cumulative(lens) -> torch.Tensor:
+        return torch.from_numpy(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)).to(device)
+
+    out = torch.empty_like(v)
+    head = positions((starts[i], starts[i] + n) for i, n in enumerate(first))
+    out[head] = gated_delta_rule_varlen(q[head], k[head], v[head], g[head], beta[head], states, state_slots,
+                                        cumulative(first), first)  # fmt: skip
+    slots = state_slots[torch.tensor(rows, device=state_slots.device)]
+    kept = [states[slot].clone() for slot in slots.tolist()]
+    tail = positions((starts[i] + cut[i], starts[i + 1]) for i in rows)
+    out[tail] = gated_delta_rule_varlen(q[tail], k[tail], v[tail], g[tail], beta[tail], states, slots,
+                                        cumulative(rest), rest)  # fmt: skip
+    return out, kept

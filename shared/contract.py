@@ -84,7 +84,7 @@ def step_problems(batch, limits: StepLimits, known: set[int] | dict) -> list[str
             problems.append(f"{name} must be a 1-D bool array, got {getattr(a, 'dtype', type(a).__name__)} "
                             f"of shape {getattr(a, 'shape', '?')}")  # fmt: skip
     # optional int [R] rows: the snapshot each row's state is restored from / saved to (-1: none)
-    copies = {name: getattr(batch, name, None) for name in ("restore_state", "save_state")}
+    copies = {name: getattr(batch, name, None) for name in ("restore_state", "save_state", "save_offset")}
     for name, a in copies.items():
         if a is not None and (not _is_ints(a) or a.ndim != 1):
             problems.append(f"{name} must be a 1-D integer array, got {getattr(a, 'dtype', type(a).__name__)} "
@@ -128,7 +128,7 @@ def step_problems(batch, limits: StepLimits, known: set[int] | dict) -> list[str
     slots = batch.linear_state_slots
     if limits.linear_state_slots and slots.size and (int(slots.min()) < 0 or int(slots.max()) > limits.linear_state_slots):
         problems.append(f"linear-state slots must be in 0..{limits.linear_state_slots}")
-    problems += _state_copy_problems(batch, copies, limits)
+    problems += _state_copy_problems(batch, {k: copies[k] for k in ("restore_state", "save_state")}, limits)
     announced = set()
     for new in batch.new_requests:
         announced.add(new.req_id)
@@ -166,6 +166,10 @@ def _state_copy_problems(batch, copies: dict, limits: StepLimits) -> list[str]:
             problems.append(f"{name}: a row copying a snapshot must hold a linear-state slot (1..)")
         if name == "save_state" and len(np.unique(used)) != used.size:
             problems.append("save_state: two rows save into one snapshot")
+        if name == "save_state" and batch.save_offset is not None and len(batch.save_offset) == len(a):
+            off = batch.save_offset[rows].astype(np.int64)
+            if (off < 1).any() or (off > batch.query_lens[rows]).any():
+                problems.append("save_offset: a saving row's offset must be in 1..its query_lens")
         if name == "restore_state":
             fed = batch.feed_sampled[rows].any() if batch.feed_sampled is not None else False
             if (batch.context_lens[rows] < 1).any() or batch.reset_linear_state[rows].any() or fed:

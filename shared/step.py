@@ -67,6 +67,11 @@ class StepBatch(msgspec.Struct, frozen=True, kw_only=True):
     # before saves, so a snapshot may be read by one row and rewritten by another in the same step.
     restore_state: np.ndarray | None = None
     save_state: np.ndarray | None = None
+    # int32 [R]: where in its chunk a saving row's state is kept, in tokens of the row (1..query_lens); None,
+    # or a row's query_lens: at its end, after the forward. A row saved inside its chunk (a prompt's
+    # snapshot point that is not its chunk's end) is saved by the linear layers during the forward, so
+    # the prompt is not cut into one more step (with experts offloaded, one more pass over the misses).
+    save_offset: np.ndarray | None = None
 
     @classmethod
     def empty(cls, step_id: int, finished_req_ids: tuple[int, ...] = ()) -> "StepBatch":

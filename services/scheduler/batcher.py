@@ -39,9 +39,11 @@ and the chunks are cut so that they end where a later request will want to start
 * every page boundary of its output, keeping only the last: where the next turn resumes when the chat
   template reproduces the output, and where a preempted request resumes.
 A waiting request whose prefix a running one is about to snapshot waits for it, rather than compute the
-same prefix twice. With experts offloaded a cut costs a step that pays a pass over the missed experts, so
-points closer than OFFLOADED_SNAPSHOT_SPAN tokens to where a request starts, or to a deeper point, are not
-cut for (nor waited for): a short prompt is one step, as without the cache.
+same prefix twice. A chunk's one snapshot point is kept inside the step (StepBatch.save_offset: the linear layers save the
+state there during the forward) rather than cut for, unless the chunk's own end keeps one (a row keeps
+one state a step). With experts offloaded a cut costs a step that pays a pass over the missed experts, so
+there points closer than OFFLOADED_SNAPSHOT_SPAN tokens to where a request starts, or to a deeper point,
+are not cut for (nor waited for): a short prompt is one step, as without the cache.
 
 Pure Python + numpy, no sockets: the service feeds it messages and sends what it returns.
 """
@@ -99,8 +101,10 @@ class _Entry:
     req: Request
     query_len: int
     sample: bool
-    save: Snapshot | None = None  # the snapshot this row's state goes to after the forward (pending)
-    save_at: int = 0  # ... the position it holds: the row's chunk end, a page boundary
+    inside: int = 0  # a snapshot point strictly inside the row's chunk, saved there during the forward (0: none)
+    save: Snapshot | None = None  # the snapshot this row's state goes to (pending)
+    save_at: int = 0  # ... the position it holds, a page boundary: the row's chunk end, or `inside`
+    row_end: int = 0  # the position the row's chunk ends at
 
 
 def check_pool(pool: PoolReport) -> None:
@@ -113,11 +117,12 @@ def check_pool(pool: PoolReport) -> None:
 
 
 def _worth_a_cut(points: set[int], start: int, span: int) -> set[int]:
-    """The snapshot points kept: each at least `span` tokens past `start` and past the deeper ones kept
-    (OFFLOADED_SNAPSHOT_SPAN), the deepest first, since the deepest saves its users the most."""
+    """The snapshot points kept: the deepest (it saves its users the most, and alone in its chunk it is
+    kept inside the step, for no cut: BatchScheduler._save_inside), then each at least `span` tokens past
+    `start` and past the deeper ones kept (OFFLOADED_SNAPSHOT_SPAN)."""
     kept: list[int] = []
     for p in sorted(points, reverse=True):
-        if p - start >= span and all(q - p >= span for q in kept):
+        if not kept or (p - start >= span and all(q - p >= span for q in kept)):
             kept.append(p)
     return set(kept)
 
@@ -284,7 +289,7 @@ class BatchScheduler:
                 if victim is req:
                     break
             else:
-                entries.append(_Entry(req, q, self._samples(req, q)))
+                entries.append(_Entry(req, q, self._samples(req, q), self._save_inside(req, q)))
                 in_step.add(req.rid)
                 budget -= q
         # No admissions in a step that had to preempt: the pool is short, and re-admitting the victim at
@@ -296,7 +301,7 @@ class BatchScheduler:
             self.waiting.popleft()
             self.running.append(req)
             q = self._chunk_len(req, budget)
-            entries.append(_Entry(req, q, self._samples(req, q)))
+            entries.append(_Entry(req, q, self._samples(req, q), self._save_inside(req, q)))
             budget -= q
         if not entries:
             return None
@@ -422,12 +427,26 @@ class BatchScheduler:
         if not self.snapshots.total or q <= 1:
             return q
         start, end, ps = req.num_computed, req.num_computed + q, self.pool.page_size
-        cuts = [p for p in req.snapshot_points if start < p < end]
-        if cuts:
-            return min(cuts) - start
-        if end < len(req.tokens) and end - end % ps > start:
-            return end - end % ps - start
-        return q
+        cuts = sorted(p for p in req.snapshot_points if start < p < end)
+        budget_cut = end < len(req.tokens) and end - end % ps > start
+        if not cuts:
+            return end - end % ps - start if budget_cut else q
+        if len(cuts) == 1 and not budget_cut and end % ps:
+            return q  # its one point is saved inside the chunk (_save_inside): its end keeps no snapshot
+        if cuts[0] - start < self.snapshot_span:  # a cut this close is not worth its step (offloaded experts)
+            req.snapshot_points.discard(cuts[0])
+            return self._chunk_len(req, budget)
+        return cuts[0] - start
+
+    def _save_inside(self, req: Request, q: int) -> int:
+        """The snapshot point saved inside req's next chunk of q tokens (0: none): the chunk's only point,
+        when its end keeps no snapshot of its own (a row saves one state a step). The linear layers keep
+        the state there during the forward, so the chunk is not cut into two steps (_chunk_len)."""
+        start, end = req.num_computed, req.num_computed + q
+        if not self.snapshots.total or q <= 1 or end % self.pool.page_size == 0:
+            return 0
+        inside = [p for p in req.snapshot_points if start < p < end]
+        return inside[0] if len(inside) == 1 else 0
 
     def _save_for(self, req: Request, end: int) -> Snapshot | None:
         """The pending snapshot a row ending at page boundary `end` saves into, or None (every id is pending).
@@ -447,7 +466,7 @@ class BatchScheduler:
         """A row's save landed: its snapshot joins the radix node whose page ends at its position."""
         req, snap, e.save = e.req, e.save, None
         node = None
-        if req.num_computed == e.save_at:
+        if req.num_computed == e.row_end:
             self.kv.cache_full_pages(req)
             i = e.save_at // self.pool.page_size - 1
             node = req.nodes[i] if i < len(req.nodes) else None
@@ -500,14 +519,18 @@ class BatchScheduler:
         prompt_logprobs = np.zeros(n, dtype=bool)
         restore = np.full(n, -1, dtype=np.int32)
         save = np.full(n, -1, dtype=np.int32)
+        offset = np.array([e.query_len for e in entries], dtype=np.int32)
         ps = self.pool.page_size
         for i, e in enumerate(entries):
             r = e.req
             page_table[i, : len(r.pages)] = r.pages
             restore[i], r.restore_from = r.restore_from, -1
             end = (r.num_computed if ahead_positions is None else ahead_positions[i]) + e.query_len
+            e.row_end = end
             if self.snapshots.total and end % ps == 0 and (snap := self._save_for(r, end)) is not None:
                 e.save, e.save_at, save[i] = snap, end, snap.id
+            elif e.inside and (snap := self._save_for(r, e.inside)) is not None:
+                e.save, e.save_at, save[i], offset[i] = snap, e.inside, snap.id, e.inside - r.num_computed
             # rows of this chunk at positions p give the logprob of token p + 1; those still to send: done..P-2
             prompt_logprobs[i] = (r.prompt_logprobs_pending and r.num_computed <= r.prompt_len - 2
                                   and r.num_computed + e.query_len - 1 >= r.prompt_logprobs_done)  # fmt: skip
@@ -542,6 +565,7 @@ class BatchScheduler:
             feed_sampled=None if ahead_positions is None else np.ones(n, dtype=bool),
             restore_state=restore if (restore >= 0).any() else None,  # None: no row copies a state
             save_state=save if (save >= 0).any() else None,
+            save_offset=offset if (offset < np.array([e.query_len for e in entries])).any() else None,
         )
 
     def complete(self, output: StepOutput) -> Outcome:

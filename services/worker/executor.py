@@ -205,9 +205,13 @@ class StepExecutor:
             self.pools.linear_state.restore([(int(batch.restore_state[i]), int(batch.linear_state_slots[i])) for i in rows])
 
     def _save_states(self, batch: StepBatch) -> None:
-        """After the forward: each saving row's snapshot takes the state at the end of the row's chunk."""
+        """After the forward: each saving row's snapshot takes the state at the end of the row's chunk (rows
+        saved inside their chunk were saved by the linear layers, during the forward)."""
         if batch.save_state is not None:
-            rows = np.flatnonzero(batch.save_state >= 0)
+            at_end = batch.save_state >= 0
+            if batch.save_offset is not None:
+                at_end &= batch.save_offset >= batch.query_lens
+            rows = np.flatnonzero(at_end)
             self.pools.linear_state.save([(int(batch.linear_state_slots[i]), int(batch.save_state[i])) for i in rows])
 
     def _feed_sources(self, batch: StepBatch, previous: tuple | None) -> np.ndarray | None:

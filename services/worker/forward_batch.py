@@ -45,6 +45,9 @@ class ForwardBatch:
     query_lens_host: list[int]
     context_lens_host: list[int]
     page_size: int
+    # (row, tokens of the row before it, snapshot id): the rows whose linear state is saved inside their
+    # chunk (StepBatch.save_offset), by the linear layers during the forward (host data; prefill steps only)
+    inside_saves: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def num_requests(self) -> int:
@@ -85,6 +88,12 @@ class ForwardBatch:
             arrays = _padded_decode(arrays, rows, pad_to, max_pages)
             rows = pad_to
         pad = rows - len(qlens)
+        inside = ()
+        if step.save_state is not None and step.save_offset is not None:
+            saving = (step.save_state >= 0) & (step.save_offset < step.query_lens)
+            inside = tuple((int(i), int(step.save_offset[i]), int(step.save_state[i])) for i in np.flatnonzero(saving))
+            if inside and pad_to is not None:
+                raise ValueError("a decode graph's step saves no state inside a row (one token a row)")
         return cls(
             **_to_device_in_one_copy(arrays, torch.device(device), into),
             sample_mask=np.concatenate([step.sample.astype(bool), np.ones(pad, bool)]),
@@ -92,6 +101,7 @@ class ForwardBatch:
             query_lens_host=qlens.tolist() + [1] * pad,
             context_lens_host=clens.tolist() + [0] * pad,
             page_size=page_size,
+            inside_saves=inside,
         )
 
 

@@ -105,6 +105,13 @@ class LinearStatePool:
             self.snapshot_conv[snapshot].copy_(self.conv[:, slot])
             self.snapshot_recurrent[snapshot].copy_(self.recurrent[:, slot])
 
+    def save_layer(self, layer: int, snapshot: int, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """One linear layer's part of a snapshot, from states computed inside a row's chunk (a save at a
+        point of the chunk that is not its end: the layer keeps it during the forward)."""
+        i = self._index[layer]
+        self.snapshot_conv[snapshot, i].copy_(conv)
+        self.snapshot_recurrent[snapshot, i].copy_(recurrent)
+
 
 class ExpertSlotPool:
     """GPU expert slots shared by all MoE layers: w13 [slots, 2*I, H] (gate rows then up rows), w2 [slots, H, I]

@@ -49,10 +49,19 @@ class PagedHashModel:
         # each snapshot: (hash, position) of the state it holds; position -1: never written
         self.snapshots = np.full((snapshots, 2), -1, dtype=np.int64)
         self.restored_tokens = 0  # tokens whose state came from a snapshot rather than being computed
+        self.saved_inside = 0  # snapshots taken inside a row's chunk (StepBatch.save_offset)
         self.hybrid = linear_state_slots > 0
         self.known: set[int] = set()  # requests the sampler holds state for
         self.steps = 0
         self.batches: list[StepBatch] = []
+
+    @staticmethod
+    def _inside(batch: StepBatch, i: int, q: int) -> int | None:
+        """How many of row i's q tokens come before its save inside the chunk (None: no such save)."""
+        if batch.save_state is None or batch.save_offset is None or batch.save_state[i] < 0:
+            return None
+        offset = int(batch.save_offset[i])
+        return offset if offset < q else None
 
     def execute(self, batch: StepBatch) -> StepOutput:
         self.steps += 1
@@ -89,7 +98,10 @@ class PagedHashModel:
                     assert ctx == 0, "state reset in the middle of a sequence"
                     self.state[slot] = 0
                 h = int(self.state[slot])
-                for tok in chunk:
+                inside = self._inside(batch, i, q)
+                for j, tok in enumerate(chunk):
+                    if j == inside:  # a save inside the chunk keeps the state after its first `inside` tokens
+                        self.snapshots[int(batch.save_state[i])] = (h, ctx + j)
                     h = _extend(h, tok)
                 self.state[slot] = h
             if batch.sample[i]:
@@ -106,8 +118,12 @@ class PagedHashModel:
         if batch.save_state is not None:  # after the forward
             ends = batch.context_lens + batch.query_lens
             for i in np.flatnonzero(batch.save_state >= 0).tolist():
-                assert int(ends[i]) % ps == 0, "a snapshot off a page boundary"
-                self.snapshots[int(batch.save_state[i])] = (int(self.state[int(batch.linear_state_slots[i])]), int(ends[i]))
+                at = int(batch.context_lens[i]) + (int(batch.save_offset[i]) if batch.save_offset is not None
+                                                   else int(batch.query_lens[i]))  # fmt: skip
+                assert at % ps == 0, "a snapshot off a page boundary"
+                if at == int(ends[i]):
+                    self.snapshots[int(batch.save_state[i])] = (int(self.state[int(batch.linear_state_slots[i])]), at)
+                self.saved_inside += at != int(ends[i])
         return StepOutput(
             step_id=batch.step_id,
             req_ids=np.array(out_ids, dtype=np.int64),

@@ -202,6 +202,8 @@ def _hybrid_step(**fields) -> StepBatch:
 def test_the_step_contract_holds_the_linear_state_copies():
     ok = _hybrid_step(restore_state=np.array([2], np.int32), save_state=np.array([0], np.int32))
     assert step_problems(ok, HYBRID_LIMITS, set()) == []
+    inside = _hybrid_step(save_state=np.array([0], np.int32), save_offset=np.array([1], np.int32))
+    assert step_problems(inside, HYBRID_LIMITS, set()) == []
     assert step_problems(_hybrid_step(restore_state=np.array([-1], np.int32)), HYBRID_LIMITS, set()) == []
     for fields, word in [
         (dict(restore_state=np.array([3], np.int32)), "snapshot ids must be -1 or in 0..2"),
@@ -213,6 +215,10 @@ def test_the_step_contract_holds_the_linear_state_copies():
         (dict(restore_state=np.array([0], np.int32), reset_linear_state=np.array([True])), "cached prefix"),
         (dict(restore_state=np.array([0], np.int32), context_lens=np.array([0], np.int32),
               reset_linear_state=np.array([True])), "cached prefix"),
+        (dict(save_state=np.array([0], np.int32), save_offset=np.array([0], np.int32)), "save_offset"),
+        (dict(save_state=np.array([0], np.int32), save_offset=np.array([4], np.int32)), "save_offset"),
+        (dict(save_state=np.array([0], np.int32), save_offset=np.array([1, 1], np.int32)), "save_offset has 2 entries"),
+        (dict(save_state=np.array([0], np.int32), save_offset=np.array([0.5])), "save_offset must be a 1-D integer"),
     ]:  # fmt: skip
         problems = " ".join(step_problems(_hybrid_step(**fields), HYBRID_LIMITS, set()))
         assert word in problems, (fields, problems)

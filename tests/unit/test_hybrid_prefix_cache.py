@@ -39,6 +39,15 @@ def one_turn(sched, model, rid, p, n):
     return req, tokens[rid]
 
 
+def _finish(sched, model, first):
+    """Every request's tokens: those of `first` (scheduled by the test) and of the steps after it."""
+    out = sched.complete(model.execute(first))
+    tokens, _ = run_to_end(sched, model)
+    for req, tok in reversed(out.tokens):
+        tokens.setdefault(req.rid, []).insert(0, tok)
+    return tokens
+
+
 @pytest.mark.parametrize("length", [22, 20], ids=["prompt-ends-mid-page", "prompt-ends-on-a-page-boundary"])
 def test_a_next_turn_starts_from_the_snapshot_at_the_end_of_the_earlier_prompt(length):
     sched, model = make()
@@ -53,15 +62,28 @@ def test_a_next_turn_starts_from_the_snapshot_at_the_end_of_the_earlier_prompt(l
     assert sched.prefix_hits == 1 and sched.kv.available == sched.kv.total
 
 
-def test_the_prompt_is_cut_at_its_last_page_boundary_before_the_margin_and_its_tail_computed_next():
+def test_the_prompt_end_snapshot_is_kept_inside_its_chunk_in_one_step():
+    """The last page boundary PROMPT_END_MARGIN tokens before the prompt's end (12 of 22) is saved by the
+    forward itself (StepBatch.save_offset): the prompt is one step, not a cut and a tail."""
     sched, model = make(prefill=64)
     add(sched, 1, prompt(3, 22), 3)
     first = sched.schedule()
-    assert first.query_lens.tolist() == [12] and first.sample.tolist() == [False]
-    assert first.save_state is not None and first.save_state[0] >= 0
+    assert first.query_lens.tolist() == [22] and first.sample.tolist() == [True]
+    assert first.save_state is not None and first.save_state[0] >= 0 and first.save_offset.tolist() == [12]
+    sched.complete(model.execute(first))
+    assert model.saved_inside == 1 and sched.snapshots.held == 1
+
+
+def test_a_prompt_ending_on_a_page_boundary_is_still_cut_for_its_snapshot_before_the_margin():
+    """A row keeps one state a step: a prompt whose end is itself a page boundary (it saves there) is cut
+    at its prompt-end point as before, and its tail computed next."""
+    sched, model = make(prefill=64)
+    add(sched, 1, prompt(3, 24), 3)
+    first = sched.schedule()
+    assert first.query_lens.tolist() == [16] and first.sample.tolist() == [False] and first.save_offset is None
     sched.complete(model.execute(first))
     second = sched.schedule()
-    assert second.query_lens.tolist() == [10] and second.sample.tolist() == [True]
+    assert second.query_lens.tolist() == [8] and second.sample.tolist() == [True]
 
 
 def test_a_conversation_resumes_from_the_last_page_boundary_of_its_output():
@@ -92,8 +114,8 @@ def test_n_choices_compute_the_prompt_once():
         add(sched, rid, p, 4)
     first = sched.schedule()
     assert first.req_ids.tolist() == [1]  # the others wait for its snapshot
-    sched.complete(model.execute(first))
-    tokens, _ = run_to_end(sched, model)
+    assert first.query_lens.tolist() == [30] and first.save_offset.tolist() == [20]  # kept inside the step
+    tokens = _finish(sched, model, first)
     expected = reference_continuation(p.tolist(), 4, VOCAB)
     assert all(tokens[rid] == expected for rid in (1, 2, 3))
     assert [sched.by_rid.get(rid) for rid in (1, 2, 3)] == [None] * 3
@@ -109,13 +131,13 @@ def test_requests_sharing_a_system_prompt_wait_for_its_snapshot_and_compute_only
     for rid, p in prompts.items():
         add(sched, rid, p, 3)
     first = sched.schedule()
-    assert first.req_ids.tolist() == [1] and first.query_lens.tolist() == [48]  # cut where the prompts part
-    sched.complete(model.execute(first))
-    tokens, _ = run_to_end(sched, model)
+    # where the prompts part (48, also its prompt-end point) is kept inside request 1's one step
+    assert first.req_ids.tolist() == [1] and first.query_lens.tolist() == [59] and first.save_offset.tolist() == [48]
+    tokens = _finish(sched, model, first)
     for rid, p in prompts.items():
         assert tokens[rid] == reference_continuation(p.tolist(), 3, VOCAB)
     assert model.restored_tokens == 7 * 48
-    assert computed(model) == 48 + 8 * 11 + 8 * 2
+    assert computed(model) == 59 + 7 * 11 + 8 * 2
 
 
 def test_requests_arriving_while_the_first_computes_their_shared_prompt_wait_for_the_second_to_keep_it():
@@ -123,12 +145,13 @@ def test_requests_arriving_while_the_first_computes_their_shared_prompt_wait_for
     system = prompt(9, 50)
     add(sched, 1, np.concatenate([system, prompt(200, 20)]), 3)
     first = sched.schedule()  # request 1 alone: the others arrive while its step runs, past where they part
-    assert first.query_lens.tolist() == [60]  # its prompt-end snapshot
+    assert first.query_lens.tolist() == [70] and first.save_offset.tolist() == [60]  # its prompt-end snapshot
     later = [add(sched, rid, np.concatenate([system, prompt(200 + rid, 20)]), 3) for rid in range(2, 9)]
     sched.complete(model.execute(first))
     second = sched.schedule()
-    # request 2 computes the shared part again, keeping its state where the prompts part; 3..8 wait for it
-    assert second.req_ids.tolist() == [1, 2] and second.query_lens.tolist() == [10, 48]
+    # request 2 computes the shared part again, keeping its state where the prompts part (a cut: its
+    # prompt-end point follows in the same chunk); 3..8 wait for it
+    assert second.req_ids.tolist() == [1, 2] and second.query_lens.tolist() == [1, 48]
     sched.complete(model.execute(second))
     run_to_end(sched, model)
     assert [r.cached_tokens for r in later] == [0] + [48] * 6
@@ -287,30 +310,24 @@ def _nodes(root):
 # ---- experts offloaded: a cut for a snapshot costs a pass over the missed experts ----------------------
 
 
-def _finish(sched, model, first):
-    """Every request's tokens: those of `first` (scheduled by the test) and of the steps after it."""
-    out = sched.complete(model.execute(first))
-    tokens, _ = run_to_end(sched, model)
-    for req, tok in reversed(out.tokens):
-        tokens.setdefault(req.rid, []).insert(0, tok)
-    return tokens
-
-
 def test_points_closer_than_the_span_give_way_to_the_deeper_one():
     assert _worth_a_cut({10, 20, 300}, 0, 256) == {300}
     assert _worth_a_cut({300, 520}, 0, 256) == {520}
     assert _worth_a_cut({300, 600}, 0, 256) == {300, 600}
     assert _worth_a_cut({300, 600}, 100, 256) == {600}
+    assert _worth_a_cut({10, 20}, 0, 256) == {20}  # the deepest alone costs no cut: it is saved inside its step
     assert _worth_a_cut({4, 8, 12}, 0, 1) == {4, 8, 12}  # every expert resident: every point
 
 
-def test_offloaded_a_short_prompt_is_one_step_without_a_prompt_end_cut():
+def test_offloaded_a_short_prompt_ending_on_a_page_is_one_step_without_its_prompt_end_cut():
+    """Its prompt-end point would be a cut (its end keeps a snapshot of its own), 16 tokens in: not worth a
+    step with experts offloaded (a mid-page end keeps it inside the step: the test above)."""
     sched, model = make(prefill=64, offloaded=True)
-    add(sched, 1, prompt(3, 22), 3)
+    add(sched, 1, prompt(3, 24), 3)
     first = sched.schedule()
-    assert first.query_lens.tolist() == [22] and first.sample.tolist() == [True]
+    assert first.query_lens.tolist() == [24] and first.sample.tolist() == [True] and first.save_offset is None
     tokens = _finish(sched, model, first)
-    assert tokens[1] == reference_continuation(prompt(3, 22).tolist(), 3, VOCAB)
+    assert tokens[1] == reference_continuation(prompt(3, 24).tolist(), 3, VOCAB)
 
 
 def test_offloaded_a_long_prompt_keeps_its_prompt_end_snapshot_for_the_next_turn():

@@ -43,6 +43,7 @@ class Engine:
         self.executor = StepExecutor(model, pools, spec, self.plan, "cpu")
         self.sched = BatchScheduler(pool_report_from_plan(self.plan, spec.vocab_size), prefix_cache=prefix_cache)
         self.computed = 0  # tokens the model computed
+        self.saved_inside = 0  # snapshots kept inside a row's chunk (StepBatch.save_offset)
         self.rid = 0
 
     def run(self, prompts: list[list[int]], n: int) -> list[tuple[list[int], int]]:
@@ -54,6 +55,8 @@ class Engine:
         got: dict[int, list[int]] = {r.rid: [] for r in reqs}
         while (batch := self.sched.schedule()) is not None:
             self.computed += len(batch.tokens)
+            if batch.save_offset is not None:
+                self.saved_inside += int(((batch.save_state >= 0) & (batch.save_offset < batch.query_lens)).sum())
             out = self.sched.complete(self.executor.execute(batch))
             assert not out.failed, out.failed
             for r, t in out.tokens:
@@ -85,6 +88,8 @@ def test_a_conversation_from_its_snapshots_equals_full_recompute_and_transformer
     first = _prompt(length, 1)
     (out1, cached1), = engine.run([first], 12)
     assert cached1 == 0
+    # mid-page, the prompt-end snapshot (16) is kept inside the prompt's one step, by the linear layers
+    assert engine.saved_inside == (1 if length == 37 else 0)
     # the next turn extends the prompt and its output (where the output's last snapshot is)
     second = first + out1 + _prompt(9, 2)
     (out2, cached2), = engine.run([second], 8)

@@ -62,3 +62,16 @@ def test_batched_decode_matches_per_request():
     out = causal_conv1d_decode(x, states, slots, weight)
     torch.testing.assert_close(out, expected)
     torch.testing.assert_close(states, expected_states, equal_nan=True)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7])
+def test_the_state_after_a_chunks_first_inputs_is_the_state_a_chunk_ending_there_leaves(n):
+    """conv_state_after (a snapshot kept inside a chunk) against causal_conv1d_with_state on those inputs,
+    including chunks shorter than the kernel's memory."""
+    from ferry.kernels.causal_conv1d import conv_state_after
+
+    g = torch.Generator().manual_seed(n)
+    channels, kernel = 6, 4
+    state, x, weight = torch.randn(channels, kernel - 1, generator=g), torch.randn(10, channels, generator=g), torch.randn(channels, kernel, generator=g)
+    _, want = causal_conv1d_with_state(x[:n], state, weight)
+    assert torch.equal(conv_state_after(state, x[:n], kernel), want)

@@ -68,3 +68,32 @@ def test_varlen_updates_only_batch_slots_in_place():
     torch.testing.assert_close(states[2], s_b)
     for untouched in (0, 1, 3):
         assert torch.isnan(states[untouched]).all()
+
+
+def test_keeping_a_state_inside_a_row_gives_the_same_outputs_and_the_state_there():
+    """gated_delta_rule_varlen_keeping: three rows, two keeping their state inside their chunk (after 5 of
+    12 tokens, after 16 of 17), one not: the outputs and final states are those of the plain varlen call,
+    and each kept state is the state after that row's first n tokens, from the same initial state."""
+    from ferry.kernels.gated_delta_rule import gated_delta_rule_varlen_keeping
+
+    lens, inside = [12, 4, 17], [(0, 5), (2, 16)]
+    q, k, v, g, beta, _ = _inputs(sum(lens), 2, 4, 8, 16, seed=3)
+    states = torch.randn(4, 4, 8, 16, generator=torch.Generator().manual_seed(4))
+    slots = torch.tensor([3, 1, 2])
+    qstart = torch.tensor([0, 12, 16, 33], dtype=torch.int32)
+    plain_states = states.clone()
+    plain = gated_delta_rule_varlen(q, k, v, g, beta, plain_states, slots, qstart, lens)
+    kept_states = states.clone()
+    out, kept = gated_delta_rule_varlen_keeping(q, k, v, g, beta, kept_states, slots, qstart, lens, inside)
+    torch.testing.assert_close(out, plain, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(kept_states, plain_states, rtol=1e-4, atol=1e-5)
+    starts = [0, 12, 16]
+    for (row, n), state in zip(inside, kept):
+        a = starts[row]
+        _, want = gated_delta_rule_chunked(q[a : a + n], k[a : a + n], v[a : a + n], g[a : a + n], beta[a : a + n],
+                                           states[int(slots[row])])  # fmt: skip
+        torch.testing.assert_close(state, want, rtol=1e-4, atol=1e-5)
+    # nothing inside: the plain call, and no states kept
+    again, none = gated_delta_rule_varlen_keeping(q, k, v, g, beta, states.clone(), slots, qstart, lens, [])
+    torch.testing.assert_close(again, plain)
+    assert none == []

@@ -16,13 +16,15 @@ and the CPU, run the torch composition, which is also those kernels' twin."""
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ferry.kernels.causal_conv1d import causal_conv1d_decode, causal_conv1d_varlen
+from ferry.kernels.causal_conv1d import causal_conv1d_decode, causal_conv1d_varlen, conv_state_after
 from ferry.kernels.dispatch import use_triton
-from ferry.kernels.gated_delta_rule import gated_delta_rule_varlen
+from ferry.kernels.gated_delta_rule import gated_delta_rule_varlen_keeping
 from ferry.kernels.gated_deltanet_decode import gated_deltanet_decode
 from ferry.services.worker.models.context import StepContext
 from ferry.services.worker.models.norms import GatedRMSNorm
@@ -84,14 +86,18 @@ class GatedDeltaNet(nn.Module):
                 conv_states, recurrent_states, b.state_slots, self.k_heads,
             )  # fmt: skip
             return self.out_proj(core)
+        inside = b.inside_saves if t != b.num_requests else ()
         if t == b.num_requests:  # one token per request: a decode step
             qkv = causal_conv1d_decode(qkv, conv_states, b.state_slots, conv_weight)
         else:
-            qkv = causal_conv1d_varlen(qkv, conv_states, b.state_slots.tolist(), b.query_lens_host, conv_weight)
+            slots = b.state_slots.tolist()
+            before = [conv_states[slots[row]].clone() for row, _, _ in inside]  # the conv states the chunks start from
+            inputs = qkv
+            qkv = causal_conv1d_varlen(qkv, conv_states, slots, b.query_lens_host, conv_weight)
         q, k, v = qkv.split([self.key_size, self.key_size, self.value_size], dim=-1)
         beta = torch.sigmoid(beta_logit)
         g = -self.A_log.exp() * F.softplus(a.float() + self.dt_bias)
-        core = gated_delta_rule_varlen(
+        core, kept = gated_delta_rule_varlen_keeping(
             q.reshape(t, self.k_heads, self.k_dim),
             k.reshape(t, self.k_heads, self.k_dim),
             v.reshape(t, self.v_heads, self.v_dim),
@@ -101,6 +107,13 @@ class GatedDeltaNet(nn.Module):
             b.state_slots,
             b.query_start,
             b.query_lens_host,
+            [(row, n) for row, n, _ in inside],
         )
+        if inside:  # snapshots kept inside their rows' chunks (StepBatch.save_offset): this layer's part
+            starts = [0, *itertools.accumulate(b.query_lens_host)]
+            kernel = conv_weight.shape[1]
+            for (row, n, snapshot), state, recurrent in zip(inside, before, kept):
+                conv = conv_state_after(state, inputs[starts[row] : starts[row] + n], kernel)
+                ctx.pools.linear_state.save_layer(self.layer_idx, snapshot, conv, recurrent)
         core = self.norm(core, z.reshape(t, self.v_heads, self.v_dim))
         return self.out_proj(core.reshape(t, self.value_size))
