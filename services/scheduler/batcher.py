@@ -116,13 +116,17 @@ def check_pool(pool: PoolReport) -> None:
         raise ValueError(f"linear_state_slots must be >= 0, the worker reported {pool.linear_state_slots}")
 
 
-def _worth_a_cut(points: set[int], start: int, span: int) -> set[int]:
-    """The snapshot points kept: the deepest (it saves its users the most, and alone in its chunk it is
-    kept inside the step, for no cut: BatchScheduler._save_inside), then each at least `span` tokens past
-    `start` and past the deeper ones kept (OFFLOADED_SNAPSHOT_SPAN)."""
+def _worth_a_cut(points: set[int], start: int, span: int, wanted: set[int] = frozenset()) -> set[int]:
+    """The snapshot points kept: first those `wanted` by requests known to need them (a prefix shared with a
+    waiting request, or one a request left the cached tree at), then the others (the prompt's end, kept
+    for a next turn that may come). In each group the deepest first (it saves its users the most, and
+    alone in its chunk it is kept inside the step, for no cut: BatchScheduler._save_inside), then each at
+    least `span` tokens past `start` and from every point kept before it (OFFLOADED_SNAPSHOT_SPAN). So a
+    prompt end a few pages past a shared system prompt gives way to it: the other way, the requests waiting
+    for the system prompt's state would find none on their path and compute it again, one after another."""
     kept: list[int] = []
-    for p in sorted(points, reverse=True):
-        if not kept or (p - start >= span and all(q - p >= span for q in kept)):
+    for p in sorted(points & wanted, reverse=True) + sorted(points - wanted, reverse=True):
+        if not kept or (p - start >= span and all(abs(q - p) >= span for q in kept)):
             kept.append(p)
     return set(kept)
 
@@ -370,8 +374,10 @@ class BatchScheduler:
         depth = _to_deepest_snapshot(self.kv.cache.match(req.tokens, max(shared for _, shared in ahead) // ps)) * ps
         for r, shared in ahead:
             # worth waiting for: it saves req a span's worth, and costs r no cut within a span of its own
-            if shared - depth >= self.snapshot_span and all(abs(shared - p) >= self.snapshot_span or p == shared
-                                                             for p in r.snapshot_points):  # fmt: skip
+            # points but its prompt end, which gives way to it (_worth_a_cut: a wanted point comes first)
+            near = {p for p in r.snapshot_points if p != shared and abs(shared - p) < self.snapshot_span}
+            if shared - depth >= self.snapshot_span and near <= {self._prompt_end(r)}:
+                r.snapshot_points -= near
                 r.snapshot_points.add(shared)
                 return True
         return False
@@ -412,12 +418,12 @@ class BatchScheduler:
             self.snapshots.touch(snap)
             req.restore_from = snap.id
         last, end = (len(req.tokens) - 1) // ps * ps, self._prompt_end(req)  # the deepest reusable point; the prompt's end
-        points = {end, len(chain) * ps}  # and where it leaves the cached tree
+        wanted = {len(chain) * ps}  # where it leaves the cached tree
         for other in itertools.islice(self.waiting, SHARED_PREFIX_LOOKAHEAD):
             if other is not req and other.tokens[:ps] == req.tokens[:ps]:  # the prefix they share, up to `end`
-                points.add(min(self._shared_pages(other, req) * ps, (len(other.tokens) - 1) // ps * ps, end))
-        req.snapshot_points = _worth_a_cut({p for p in points if req.num_computed < p <= last}, req.num_computed,
-                                           self.snapshot_span)  # fmt: skip
+                wanted.add(min(self._shared_pages(other, req) * ps, (len(other.tokens) - 1) // ps * ps, end))
+        req.snapshot_points = _worth_a_cut({p for p in wanted | {end} if req.num_computed < p <= last}, req.num_computed,
+                                           self.snapshot_span, wanted)  # fmt: skip
 
     def _chunk_len(self, req: Request, budget: int) -> int:
         """The tokens of req's next chunk: as many as remain and the budget allows; with snapshots, a

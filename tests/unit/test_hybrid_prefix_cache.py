@@ -319,6 +319,42 @@ def test_points_closer_than_the_span_give_way_to_the_deeper_one():
     assert _worth_a_cut({4, 8, 12}, 0, 1) == {4, 8, 12}  # every expert resident: every point
 
 
+def test_a_point_other_requests_want_comes_before_a_deeper_prompt_end_within_the_span():
+    assert _worth_a_cut({3952, 4096}, 0, 256, wanted={3952}) == {3952}
+    assert _worth_a_cut({3952, 4096}, 0, 256) == {4096}  # nobody waits for 3952: the prompt end, the deepest
+    assert _worth_a_cut({300, 4096}, 0, 256, wanted={300}) == {300, 4096}  # far apart: both
+
+
+@pytest.mark.parametrize("together", [True, False], ids=["arriving-together", "arriving-after-the-first-step"])
+def test_offloaded_streams_sharing_a_cold_system_prompt_wait_for_its_snapshot_and_sample_in_one_step(together):
+    """The cold round of issue 23's 8 streams (measured on the H200: 10.4 s against 0.62 s without the cache):
+    the first request's prompt end lay within the span past the system prompt it shares with the others,
+    and was kept in its place, so the others found no snapshot where they part, computed the system
+    prompt's second chunk again and again, each waiting for the one before. Now the shared point is kept,
+    the others wait for it, and all eight sample in the step after it."""
+    system = prompt(21, 900)
+    prompts = {rid: np.concatenate([system, prompt(200 + rid, 20 + rid)]) for rid in range(8)}
+    sched, model = make(pages=2048, prefill=512, running=8, slots=8, snapshots=32, model_len=1024, offloaded=True)
+    add(sched, 0, prompts[0], 3)
+    if together:
+        for rid in range(1, 8):
+            add(sched, rid, prompts[rid], 3)
+    first_token, steps = {}, []
+    while len(first_token) < 8:
+        batch = sched.schedule()
+        steps.append(batch.query_lens.tolist())
+        if not together and len(steps) == 1:
+            for rid in range(1, 8):
+                add(sched, rid, prompts[rid], 3)
+        for req, _ in sched.complete(model.execute(batch)).tokens:
+            first_token.setdefault(req.rid, len(steps))
+    assert steps[:2] == [[512], [388]]  # the system prompt in two chunks, the second ending where they part
+    assert set(first_token.values()) == {3} and sorted(steps[2]) == [20 + rid for rid in range(8)]
+    tokens, _ = run_to_end(sched, model)
+    for rid, p in prompts.items():
+        assert tokens[rid] == reference_continuation(p.tolist(), 3, VOCAB)[1:]
+
+
 def test_offloaded_a_short_prompt_ending_on_a_page_is_one_step_without_its_prompt_end_cut():
     """Its prompt-end point would be a cut (its end keeps a snapshot of its own), 16 tokens in: not worth a
     step with experts offloaded (a mid-page end keeps it inside the step: the test above)."""
