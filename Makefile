@@ -10,6 +10,8 @@ TORCH_INDEX ?=
 MODEL       ?=
 SERVE_ARGS  ?=
 PYTEST_ARGS ?=
+# pytest-xdist workers: CI's machine has 2 cores, and half the suite waits on served processes and sockets
+TEST_WORKERS ?= 2
 
 BIN   := $(VENV)/bin
 STAMP := $(VENV)/.ferry-installed
@@ -38,7 +40,7 @@ lint-tools:
 	npx --yes $(DCLINT) --version >/dev/null
 
 test: $(STAMP) lint-tools
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # The GPU release check (bench/gpu_check.py): the CUDA tests, then `ferry serve` with the Qwen3-30B-A3B
 # config and the openai client. Run it on a CUDA host, from this tree, with a CUDA torch installed

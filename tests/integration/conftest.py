@@ -82,3 +82,17 @@ def greedy_reference(tiny_models):
             return self[arch]
 
     return Lazy()
+
+
+@pytest.fixture
+def short_tmp_path():
+    """A fresh directory right under /tmp, for tests that look for serve's socket directory in TMPDIR:
+    pytest's tmp_path can be too deep for a Unix socket's path (under pytest-xdist it is one level deeper),
+    and then serve rightly puts its sockets in /tmp instead (shared.defaults.rundir_base)."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    path = Path(tempfile.mkdtemp(prefix="ferry-test-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

@@ -27,11 +27,11 @@ def alive(pid: int) -> bool:
         return f.read().split(") ")[1][0] != "Z"
 
 
-def test_serve_runs_three_torch_free_control_processes_and_stops_them_on_sigterm(model_dir, tmp_path):
+def test_serve_runs_three_torch_free_control_processes_and_stops_them_on_sigterm(model_dir, short_tmp_path):
     port = free_port()
     env = child_env()
-    env["TMPDIR"] = str(tmp_path)
-    log = open(tmp_path / "serve.log", "w")
+    env["TMPDIR"] = str(short_tmp_path)
+    log = open(short_tmp_path / "serve.log", "w")
     serve = subprocess.Popen(
         [sys.executable, "-m", "ferry.services.cli", "serve", "--model", str(model_dir), "--port", str(port),
          "--boot", FAKE_BOOT, "--served-model-name", "tiny", "--max-model-len", "256"],
@@ -39,14 +39,14 @@ def test_serve_runs_three_torch_free_control_processes_and_stops_them_on_sigterm
     )  # fmt: skip
     try:
         url = f"http://127.0.0.1:{port}"
-        assert eventually(lambda: healthy(url), timeout=60), (tmp_path / "serve.log").read_text()[-3000:]
+        assert eventually(lambda: healthy(url), timeout=60), (short_tmp_path / "serve.log").read_text()[-3000:]
         r = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0).completions.create(
             model="tiny", prompt="hello", max_tokens=4)
         assert r.usage.completion_tokens == 4
         kids = children_of(serve.pid)
         assert len(kids) == 3
         # sockets live in a private directory
-        rundirs = [p for p in tmp_path.iterdir() if p.name.startswith("ferry-")]
+        rundirs = [p for p in short_tmp_path.iterdir() if p.name.startswith("ferry-")]
         assert len(rundirs) == 1 and (rundirs[0].stat().st_mode & 0o077) == 0
         assert {p.name for p in rundirs[0].iterdir()} == {"api.sock", "steps.sock", "results.sock"}
         # control-plane processes never load torch
@@ -64,10 +64,10 @@ def test_serve_runs_three_torch_free_control_processes_and_stops_them_on_sigterm
             serve.wait()
 
 
-def test_serve_stops_everything_and_fails_when_one_process_dies(model_dir, tmp_path):
+def test_serve_stops_everything_and_fails_when_one_process_dies(model_dir, short_tmp_path):
     port = free_port()
     env = child_env()
-    env["TMPDIR"] = str(tmp_path)
+    env["TMPDIR"] = str(short_tmp_path)
     serve = subprocess.Popen(
         [sys.executable, "-m", "ferry.services.cli", "serve", "--model", str(model_dir), "--port", str(port),
          "--boot", FAKE_BOOT, "--max-model-len", "256"],

@@ -31,12 +31,12 @@ def _complete(base_url: str, prompt: str, n: int = 4) -> int:
     return client.completions.create(model="tiny", prompt=prompt, max_tokens=n).usage.completion_tokens
 
 
-def test_killed_services_restarted_as_compose_would_serve_again_in_the_tcp_layout(model_dir, tmp_path):
-    keys = tmp_path / "keys"
+def test_killed_services_restarted_as_compose_would_serve_again_in_the_tcp_layout(model_dir, short_tmp_path):
+    keys = short_tmp_path / "keys"
     keys.mkdir()
     for role in ("scheduler", "api", "worker"):
         zmq.auth.create_certificates(str(keys), role)
-    c = start_cluster(model_dir, tmp_path / "run", worker_flags=["--max-model-len", "512"], layout="tcp",
+    c = start_cluster(model_dir, short_tmp_path / "run", worker_flags=["--max-model-len", "512"], layout="tcp",
                       env={"FERRY_WIRE_KEYS": str(keys)})  # fmt: skip
     try:
         assert _complete(c.base_url, "before") == 4
@@ -70,10 +70,10 @@ def test_killed_services_restarted_as_compose_would_serve_again_in_the_tcp_layou
         c.stop()
 
 
-def test_a_step_never_answered_fails_its_request_though_the_worker_says_idle(model_dir, tmp_path):
+def test_a_step_never_answered_fails_its_request_though_the_worker_says_idle(model_dir, short_tmp_path):
     """A worker that heartbeats "idle" and never answers (its step lost, or taken by another peer): the
     request fails within a few seconds, by the scheduler's own clock, and the worker is kept."""
-    c = start_cluster(model_dir, tmp_path, wait=False)
+    c = start_cluster(model_dir, short_tmp_path, wait=False)
     for name in ("api", "worker"):
         c.procs[name].kill()
         c.procs[name].wait()
@@ -109,12 +109,12 @@ def test_a_step_never_answered_fails_its_request_though_the_worker_says_idle(mod
         c.stop()
 
 
-def _serve(model_dir, tmp_path, port: int, log_name: str, env_extra: dict | None = None) -> subprocess.Popen:
-    env = {**child_env(), "TMPDIR": str(tmp_path), **(env_extra or {})}
+def _serve(model_dir, short_tmp_path, port: int, log_name: str, env_extra: dict | None = None) -> subprocess.Popen:
+    env = {**child_env(), "TMPDIR": str(short_tmp_path), **(env_extra or {})}
     return subprocess.Popen(
         [sys.executable, "-m", "ferry.services.cli", "serve", "--model", str(model_dir), "--port", str(port),
          "--boot", FAKE_BOOT, "--served-model-name", "tiny", "--max-model-len", "256"],
-        cwd=REPO, env=env, stdout=open(tmp_path / log_name, "w"), stderr=subprocess.STDOUT,
+        cwd=REPO, env=env, stdout=open(short_tmp_path / log_name, "w"), stderr=subprocess.STDOUT,
     )  # fmt: skip
 
 
@@ -125,13 +125,13 @@ def _ready(port: int) -> bool:
         return False
 
 
-def test_kill_9_of_serve_takes_its_children_and_the_next_start_clears_the_leftovers(model_dir, tmp_path):
+def test_kill_9_of_serve_takes_its_children_and_the_next_start_clears_the_leftovers(model_dir, short_tmp_path):
     secret = "sk-never-on-a-command-line"
     port = free_port()
-    serve = _serve(model_dir, tmp_path, port, "serve1.log", {"FERRY_API_KEY": secret})
+    serve = _serve(model_dir, short_tmp_path, port, "serve1.log", {"FERRY_API_KEY": secret})
     second = None
     try:
-        assert eventually(lambda: _ready(port), timeout=60), (tmp_path / "serve1.log").read_text()[-3000:]
+        assert eventually(lambda: _ready(port), timeout=60), (short_tmp_path / "serve1.log").read_text()[-3000:]
         kids = children_of(serve.pid)
         assert len(kids) == 3
         # 7. the key reaches the api in a file of the private run directory: no child's command line
@@ -140,7 +140,7 @@ def test_kill_9_of_serve_takes_its_children_and_the_next_start_clears_the_leftov
             assert secret not in Path(f"/proc/{pid}/cmdline").read_text(), pid
             assert secret not in Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace"), pid
         assert http_get(f"http://127.0.0.1:{port}/v1/models")[0] == 401
-        rundirs = [p for p in tmp_path.iterdir() if p.name.startswith("ferry-")]
+        rundirs = [p for p in short_tmp_path.iterdir() if p.name.startswith("ferry-")]
         assert len(rundirs) == 1
         # 6. kill -9 of serve: its children follow it
         serve.send_signal(signal.SIGKILL)
@@ -148,10 +148,10 @@ def test_kill_9_of_serve_takes_its_children_and_the_next_start_clears_the_leftov
         assert eventually(lambda: not any(alive(pid) for pid in kids), timeout=10), [p for p in kids if alive(p)]
         assert rundirs[0].exists()  # nothing ran serve's cleanup
         port2 = free_port()
-        second = _serve(model_dir, tmp_path, port2, "serve2.log")
-        assert eventually(lambda: _ready(port2), timeout=60), (tmp_path / "serve2.log").read_text()[-3000:]
+        second = _serve(model_dir, short_tmp_path, port2, "serve2.log")
+        assert eventually(lambda: _ready(port2), timeout=60), (short_tmp_path / "serve2.log").read_text()[-3000:]
         assert not rundirs[0].exists(), "the killed serve's socket directory is still there"
-        assert len([p for p in tmp_path.iterdir() if p.name.startswith("ferry-")]) == 1
+        assert len([p for p in short_tmp_path.iterdir() if p.name.startswith("ferry-")]) == 1
     finally:
         for p in (serve, second):
             if p is not None and p.poll() is None:
@@ -167,14 +167,14 @@ def _state(pid: int) -> str:
         return f.read().split(") ")[1][0]
 
 
-def test_kill_9_of_serve_takes_a_stopped_child_too(model_dir, tmp_path):
+def test_kill_9_of_serve_takes_a_stopped_child_too(model_dir, short_tmp_path):
     """Issue 22, 6: `kill -STOP <worker>; kill -9 <serve>` left the worker in state T under PID 1: a
     stopped process does not act on SIGTERM (serve's death signal of old). SIGKILL ends it, stopped or not."""
     port = free_port()
-    serve = _serve(model_dir, tmp_path, port, "serve.log")
+    serve = _serve(model_dir, short_tmp_path, port, "serve.log")
     kids: list[int] = []
     try:
-        assert eventually(lambda: _ready(port), timeout=60), (tmp_path / "serve.log").read_text()[-3000:]
+        assert eventually(lambda: _ready(port), timeout=60), (short_tmp_path / "serve.log").read_text()[-3000:]
         kids = children_of(serve.pid)
         worker = next(pid for pid in kids if "worker" in open(f"/proc/{pid}/cmdline").read().split("\0"))
         os.kill(worker, signal.SIGSTOP)
@@ -192,13 +192,13 @@ def test_kill_9_of_serve_takes_a_stopped_child_too(model_dir, tmp_path):
                 os.kill(pid, signal.SIGKILL)
 
 
-def test_serve_a_dead_worker_is_named_to_the_requests_it_took(slow_model_dir, tmp_path):
+def test_serve_a_dead_worker_is_named_to_the_requests_it_took(slow_model_dir, short_tmp_path):
     """9. the worker dies under serve: a stream in flight ends with an error naming the worker (the api
     drains while the others stop), not a cut connection blamed on the scheduler."""
     port = free_port()
-    serve = _serve(slow_model_dir, tmp_path, port, "serve.log")
+    serve = _serve(slow_model_dir, short_tmp_path, port, "serve.log")
     try:
-        assert eventually(lambda: _ready(port), timeout=60), (tmp_path / "serve.log").read_text()[-3000:]
+        assert eventually(lambda: _ready(port), timeout=60), (short_tmp_path / "serve.log").read_text()[-3000:]
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=30)
         stream = client.completions.create(model="tiny", prompt="doomed", max_tokens=200, stream=True)
         chunks = iter(stream)

@@ -2,7 +2,7 @@
 kernel for small steps, host or device alignment for larger ones) under TRITON_INTERPRET=1, against
 the all-resident store on its own Triton path (FERRY_TRITON_ON_CPU=1), run in a child process by
 test_expert_cache.py (triton decides at import whether to interpret). Small steps must agree bit
-for bit, as on the GPU. Prints JSON: null or the failure."""
+for bit, as on the GPU. Prints JSON: null or the failure. Its argument names the check (CHECKS)."""
 
 from __future__ import annotations
 
@@ -53,17 +53,22 @@ def check() -> None:
         assert store.stats.total.misses > 0
 
 
-def check_device_driven() -> None:
+DEVICE_DRIVEN_CASES = (  # (slots, policy, prefetch, copy_engine_tokens, dtype)
+    (6, LRUExpertPolicy, False, None, "float32"), (8, LFUExpertPolicy, True, None, "float32"),
+    (7, LRUExpertPolicy, True, None, "float32"),
+    (7, LFUExpertPolicy, True, 2, "float32"),  # 2: every step of 2+ tokens takes the copy-engine path
+    (7, LFUExpertPolicy, True, None, "bfloat16"), (6, LRUExpertPolicy, True, 2, "bfloat16"))  # fmt: skip
+
+
+def check_device_driven(dtype_wanted: str) -> None:
     """The device-driven store (lookup, copies and prefetch by kernels) against the all-resident
     store: bit for bit on decode steps (padded ones included), prefetch on and off, both policies,
-    plain float32 banks and packed bf16 ones (every copy path then unpacks)."""
+    plain float32 banks and packed bf16 ones (every copy path then unpacks), the cases of one dtype."""
     spec = tiny_spec(layers=3, experts=6, top_k=2, hidden=32, inter=16)
     layers = 3
-    for num_slots, policy_cls, prefetch, copy_engine_tokens, dtype in (
-            (6, LRUExpertPolicy, False, None, "float32"), (8, LFUExpertPolicy, True, None, "float32"),
-            (7, LRUExpertPolicy, True, None, "float32"),
-            (7, LFUExpertPolicy, True, 2, "float32"),  # 2: every step of 2+ tokens takes the copy-engine path
-            (7, LFUExpertPolicy, True, None, "bfloat16"), (6, LRUExpertPolicy, True, 2, "bfloat16")):  # fmt: skip
+    for num_slots, policy_cls, prefetch, copy_engine_tokens, dtype in DEVICE_DRIVEN_CASES:
+        if dtype != dtype_wanted:
+            continue
         torch_dtype = getattr(torch, dtype)
         banks_kind = PackedHostBanks if dtype == "bfloat16" else HostBanks
         resident = ResidentExperts(slot_pool(spec, layers * 6, dtype=dtype), layers, 6)
@@ -110,10 +115,12 @@ def check_device_driven() -> None:
             assert total.prefetch_useful + total.prefetch_wasted > 0
 
 
-if __name__ == "__main__":
+CHECKS = {"store": check, "device-driven-float32": lambda: check_device_driven("float32"),
+          "device-driven-bfloat16": lambda: check_device_driven("bfloat16")}
+
+if __name__ == "__main__":  # argv[1]: one of CHECKS (the test runs each in its own process, side by side under xdist)
     try:
-        check()
-        check_device_driven()
+        CHECKS[sys.argv[1]]()
         json.dump(None, sys.stdout)
     except Exception:  # noqa: BLE001 - reported to the parent test
         json.dump(traceback.format_exc(), sys.stdout)

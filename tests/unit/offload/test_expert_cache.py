@@ -108,7 +108,8 @@ def test_mismatched_parts_are_refused():
         OffloadedExperts(slot_pool(SPEC, 6, dtype="bfloat16"), banks, LRUExpertPolicy(LAYERS, 6, 6), "cpu")
 
 
-def test_the_triton_path_with_host_alignment_under_the_interpreter():
+@pytest.mark.parametrize("check", ["store", "device-driven-float32", "device-driven-bfloat16"])
+def test_the_triton_path_with_host_alignment_under_the_interpreter(check):
     """What CUDA runs (Triton over host-aligned groups), on CPU through TRITON_INTERPRET=1."""
     import json
     import os
@@ -118,7 +119,7 @@ def test_the_triton_path_with_host_alignment_under_the_interpreter():
 
     root = Path(__file__).resolve().parents[3]
     env = {**os.environ, "TRITON_INTERPRET": "1", "FERRY_TRITON_ON_CPU": "1", "PYTHONPATH": str(root)}
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("interpreted_offload_store.py"))],
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("interpreted_offload_store.py")), check],
                           cwd=root, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     failure = json.loads(proc.stdout)
