@@ -13,13 +13,16 @@ head, not once per query head. It serves any batch (every new token has its own 
 for one new token per request. Under TRITON_INTERPRET=1 the dots run in float32; accumulation is
 float32 everywhere.
 
-Prefill (`paged_attention_prefill_triton`): one program per (block of a request's new tokens, query
-head), tensor-core dots over key blocks. Every query row attends to keys 0..its own position
-(context + the chunk's earlier tokens and itself); rows of a block past the request's last token
-compute but are not stored. The first key block always holds key 0, visible to every row, so the
-running maximum is finite from the first block on and masked blocks contribute exactly zero.
-Under TRITON_INTERPRET=1 the dots run in float32 (the interpreter's bf16 dot is wrong); compiled,
-they take the cache dtype with float32 accumulation.
+Prefill (`paged_attention_prefill_triton`): one program per (block of a request's new tokens, kv
+head), its rows the block's tokens times the kv head's query heads (GQA: each key block is read once
+for all the query heads that share it, and the tile is 64 rows tall for the tensor cores:
+`prefill_tiles`), dots over key blocks of 16-32, an online softmax in exp2. Every query row attends to
+keys 0..its own position (context + the chunk's earlier tokens and itself); the key blocks before the
+block's first position are visible to every row and skip the causal mask, the rest are masked per row.
+Rows of a block past the request's last token compute but are not stored. The first key block always
+holds key 0, visible to every row, so the running maximum is finite from the first block on and masked
+blocks contribute exactly zero. Under TRITON_INTERPRET=1 the dots run in float32 (the interpreter's
+bf16 dot is wrong); compiled, they take the cache dtype with float32 accumulation.
 
 Both read keys through the same helper (`_paged_kv_block`): masked lanes read the sentinel page 0,
 never another request's page (docs/ARCHITECTURE.md, "The memory planner")."""
@@ -37,6 +40,7 @@ import triton.language as tl
 # each reading every key in turn (flash-decoding's split-K). A fixed count keeps the grid the same for
 # every step, as a CUDA graph needs; short contexts leave the last splits empty.
 DECODE_SPLITS = 16
+LOG2E = 1.4426950408889634  # the prefill's softmax runs in exp2: scores are scaled by scale x log2(e)
 
 
 @triton.jit
@@ -143,33 +147,51 @@ def _decode_combine_kernel(part_ptr, out_ptr, stride_ot, stride_oh, HEAD_DIM: tl
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, page_table_ptr, positions_ptr, query_start_ptr, block_req_ptr, block_first_ptr,
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_ot, stride_oh,
-    stride_pt, scale,
+    stride_pt, scale_log2,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, FP32_DOT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, FP32_DOT: tl.constexpr,
 ):  # fmt: skip
     blk = tl.program_id(0)
-    h = tl.program_id(1)
+    kv_head = tl.program_id(1)
     req = tl.load(block_req_ptr + blk).to(tl.int64)
     first = tl.load(block_first_ptr + blk).to(tl.int64)
     end = tl.load(query_start_ptr + req + 1).to(tl.int64)
-    kv_head = h // GROUP
 
-    m = first + tl.arange(0, BLOCK_M)
-    m_mask = m < end
+    # the block's rows: BLOCK_T tokens x the GROUP query heads of this kv head, token-major
+    r = tl.arange(0, BLOCK_R)
+    t = first + r // GROUP
+    h = kv_head * GROUP + r % GROUP
+    m_mask = (r < BLOCK_T * GROUP) & (t < end)
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
-    pos_m = tl.load(positions_ptr + m, mask=m_mask, other=0)
-    q_mask = m_mask[:, None] & d_mask[None, :]
-    q = tl.load(q_ptr + m[:, None] * stride_qt + h * stride_qh + d[None, :], mask=q_mask, other=0.0)
+    pos_m = tl.load(positions_ptr + t, mask=m_mask, other=0)
+    q = tl.load(q_ptr + t[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :],
+                mask=m_mask[:, None] & d_mask[None, :], other=0.0)  # fmt: skip
     if FP32_DOT:
         q = q.to(tl.float32)
-    last = tl.minimum(end, first + BLOCK_M) - 1
+    last = tl.minimum(end, first + BLOCK_T) - 1
     num_keys = tl.load(positions_ptr + last).to(tl.int64) + 1
+    # keys before the block's first position are visible to every row: those blocks need no causal mask
+    unmasked_end = (tl.load(positions_ptr + first).to(tl.int64) + 1) // BLOCK_N * BLOCK_N
 
-    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for start in range(0, num_keys, BLOCK_N):
+    m_i = tl.zeros([BLOCK_R], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    for start in range(0, unmasked_end, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        k, v = _paged_kv_block(k_ptr, v_ptr, page_table_ptr, req, stride_pt, n, n < unmasked_end, d, d_mask, kv_head,
+                               stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, PAGE_SIZE)  # fmt: skip
+        if FP32_DOT:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k)) * scale_log2
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    for start in range(unmasked_end, num_keys, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_mask = n < num_keys
         k, v = _paged_kv_block(k_ptr, v_ptr, page_table_ptr, req, stride_pt, n, n_mask, d, d_mask, kv_head,
@@ -177,17 +199,16 @@ def _prefill_kernel(
         if FP32_DOT:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k)) * scale
-        visible = (n[None, :] <= pos_m[:, None]) & n_mask[None, :]
-        s = tl.where(visible, s, float("-inf"))
+        s = tl.dot(q, tl.trans(k)) * scale_log2
+        s = tl.where((n[None, :] <= pos_m[:, None]) & n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     out = acc / l_i[:, None]
-    tl.store(out_ptr + m[:, None] * stride_ot + h * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
+    tl.store(out_ptr + t[:, None] * stride_ot + h[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=m_mask[:, None] & d_mask[None, :])  # fmt: skip
 
 
@@ -250,18 +271,37 @@ def query_blocks(query_lens: list[int], block_m: int) -> tuple[list[int], list[i
     return reqs, firsts
 
 
+def prefill_tiles(head_dim: int, group: int) -> tuple[int, int, int]:
+    """(rows a program computes, key block, warps) for a head size: the rows are tokens x the GROUP query
+    heads of one kv head, so a key block is read once for all of them. The largest tiles whose registers
+    hold on sm_90 without spilling (cuobjdump -res-usage of the compiled kernel, 255 registers a thread):
+    64 rows x 32 keys at head_dim 128 (186 registers), 64 x 16 at 256 (213; 64 x 32 spills 200 bytes a
+    thread). tests/unit/kernels/test_fused_kernels_compile.py keeps them spill-free; bench/prefill_attention.py
+    times them on the device."""
+    rows, keys = (64, 32) if head_dim <= 128 else (64, 16)
+    return max(rows, triton.next_power_of_2(group)), keys, 8
+
+
 def paged_attention_prefill_triton(q, k_cache, v_cache, page_table, query_start, positions, query_lens: list[int],
-                                   scale: float, out: torch.Tensor | None = None, block_m: int = 16,
-                                   block_n: int = 32) -> torch.Tensor:  # fmt: skip
+                                   scale: float, out: torch.Tensor | None = None, block_rows: int | None = None,
+                                   block_n: int | None = None, num_warps: int | None = None) -> torch.Tensor:  # fmt: skip
+    """`block_rows`, `block_n`, `num_warps` override prefill_tiles (tests and the bench)."""
     out, page_table, strides, shape = _prepare("paged_attention_prefill_triton", q, k_cache, v_cache, page_table, out)
-    reqs, firsts = query_blocks(query_lens, block_m)
+    rows, keys, warps = prefill_tiles(q.shape[2], shape["GROUP"])
+    rows, block_n, num_warps = block_rows or rows, block_n or keys, num_warps or warps
+    if rows < shape["GROUP"] or rows & (rows - 1):
+        raise ValueError(f"block_rows ({rows}) must be a power of two of at least the query heads a kv head has "
+                         f"({shape['GROUP']})")  # fmt: skip
+    block_t = rows // shape["GROUP"]
+    reqs, firsts = query_blocks(query_lens, block_t)
     if not reqs:
         return out
     block_req = torch.tensor(reqs, dtype=torch.int32).to(q.device, non_blocking=True)
     block_first = torch.tensor(firsts, dtype=torch.int32).to(q.device, non_blocking=True)
-    _prefill_kernel[(len(reqs), q.shape[1])](
-        q, k_cache, v_cache, out, page_table, positions, query_start, block_req, block_first, *strides, scale,
-        **shape, BLOCK_D=max(16, triton.next_power_of_2(q.shape[2])), BLOCK_N=block_n, BLOCK_M=block_m,
-        FP32_DOT=os.environ.get("TRITON_INTERPRET") == "1" or q.dtype == torch.float32,
+    _prefill_kernel[(len(reqs), k_cache.shape[2])](
+        q, k_cache, v_cache, out, page_table, positions, query_start, block_req, block_first, *strides,
+        scale * LOG2E, **shape, BLOCK_D=max(16, triton.next_power_of_2(q.shape[2])), BLOCK_N=block_n,
+        BLOCK_T=block_t, BLOCK_R=rows, FP32_DOT=os.environ.get("TRITON_INTERPRET") == "1" or q.dtype == torch.float32,
+        num_warps=num_warps, num_stages=2,
     )  # fmt: skip
     return out

@@ -23,9 +23,12 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 # differ; bf16 is one final rounding of the same value (2^-8). Prefill: fp32 dots run as tf32 on tensor
 # cores (10-bit mantissa, ~1e-3); bf16 probabilities are rounded before the second dot, on top of that.
 PAGED_KERNELS = {"decode": (1, 1e-4, 1e-2), "prefill": (2, 2e-3, 2e-2)}
+# the served models' own attention shapes, with the prefill's real tiles (prefill_tiles) over thousands of
+# keys: Qwen3.5/3.6's gated attention (16 heads, 2 kv heads, 256) and Qwen3-30B-A3B's (32, 4, 128)
+SERVED_CASES = [(16, 16, 2, 256, [300, 1, 40], [2000, 700, 0]), (16, 32, 4, 128, [129, 64], [1500, 3])]
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", CASES + SERVED_CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kernel", list(PAGED_KERNELS))
 def test_triton_paged_attention_on_cuda(case, dtype, kernel):

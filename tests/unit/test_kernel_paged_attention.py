@@ -47,6 +47,8 @@ CASES = [
     (1, 4, 4, 16, [7, 1], [0, 9]),  # page size 1, prefill + decode mixed
     (4, 8, 2, 24, [5, 3, 1, 6], [3, 0, 13, 8]),  # head_dim not a power of two, chunk after context
     (16, 2, 1, 8, [33], [20]),  # long chunk across pages, MQA
+    (16, 6, 2, 16, [9, 2], [0, 21]),  # 3 query heads a kv head: a prefill block's rows are not a power of two
+    (8, 8, 1, 32, [40], [100]),  # a long context: the prefill's unmasked key blocks, then the causal ones
 ]
 
 
@@ -86,7 +88,7 @@ def _interpreted(kernel: str, seed: int) -> list[tuple[torch.Tensor, torch.Tenso
         if kernel == "decode":
             calls.append(((q, kc, vc, pt, qs, pos, head_dim**-0.5), dict(out=out, block_n=8)))
         else:
-            calls.append(((q, kc, vc, pt, qs, pos, qlens, head_dim**-0.5), dict(out=out, block_m=16, block_n=16)))
+            calls.append(((q, kc, vc, pt, qs, pos, qlens, head_dim**-0.5), dict(out=out, block_rows=16, block_n=16)))
     outs = run_interpreted("ferry.kernels.paged_attention_triton", f"paged_attention_{kernel}_triton", calls)
     return list(zip(expected, outs))
 
@@ -103,6 +105,16 @@ def test_triton_kernel_matches_reference(kernel, index, interpreted_runs):
     assert torch.isfinite(out).all()
     tol = 1e-5 if out.dtype == torch.float32 else 1e-2  # bf16: both round the same fp32 result once
     torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol)
+
+
+def test_prefill_tiles_hold_a_kv_heads_query_heads_and_refuse_a_block_that_cannot():
+    from ferry.kernels.paged_attention_triton import paged_attention_prefill_triton, prefill_tiles
+
+    assert prefill_tiles(128, 8) == (64, 32, 8) and prefill_tiles(256, 8) == (64, 16, 8)
+    assert prefill_tiles(64, 256)[0] == 256  # more query heads a kv head than rows: the rows grow
+    q, kc, vc, pt, qs, pos, _, _ = _scenario(0, 4, 8, 2, 16, [5], [0])
+    with pytest.raises(ValueError, match="block_rows"):
+        paged_attention_prefill_triton(q, kc, vc, pt, qs, pos, [5], 0.25, block_rows=2)
 
 
 def test_prefill_query_blocks_split_each_request():

@@ -8,7 +8,8 @@ from hopper_compile import print_results
 
 from ferry.kernels.gated_deltanet_decode import _conv_decode_kernel, _rule_norm_kernel
 from ferry.kernels.moe_combine import _moe_combine_kernel, _silu_mul_kernel
-from ferry.kernels.paged_attention_triton import DECODE_SPLITS, _decode_combine_kernel, _decode_split_kernel, _prefill_kernel
+from ferry.kernels.paged_attention_triton import (DECODE_SPLITS, _decode_combine_kernel, _decode_split_kernel,
+                                                 _prefill_kernel, prefill_tiles)
 from ferry.kernels.qk_norm_rope import _qk_norm_rope_kv_kernel
 from ferry.kernels.rms_norm import _rms_norm_kernel
 from ferry.kernels.router_topk import _mark_routed_kernel, _router_topk_kernel
@@ -45,8 +46,15 @@ def signatures(dtype: str) -> list:
                 {"part_ptr": "*fp32", "out_ptr": f"*{dtype}", **ints("stride_ot", "stride_oh")},
                 {"HEAD_DIM": 128, "BLOCK_D": 128, "SPLITS": DECODE_SPLITS}))  # fmt: skip
     prefill = {**paged, **{p: "*i32" for p in ("query_start_ptr", "block_req_ptr", "block_first_ptr")}}
-    out.append((f"paged_attention_prefill[{dtype}]", _prefill_kernel, prefill,
-                {**shape, "BLOCK_M": 16, "FP32_DOT": dtype == "fp32"}))  # fmt: skip
+    prefill["scale_log2"] = prefill.pop("scale")
+    # with the tiles and warps the entry point launches, at both head sizes served: Qwen3-30B-A3B (32 heads,
+    # 4 kv heads, 128) and Qwen3.5/3.6's gated attention (16 heads, 2 kv heads, 256)
+    for head_dim, group in ((128, 8), (256, 8)):
+        rows, keys, warps = prefill_tiles(head_dim, group)
+        consts = {"PAGE_SIZE": 16, "GROUP": group, "HEAD_DIM": head_dim, "BLOCK_D": head_dim, "BLOCK_N": keys,
+                  "BLOCK_T": rows // group, "BLOCK_R": rows, "FP32_DOT": dtype == "fp32"}  # fmt: skip
+        out.append((f"paged_attention_prefill[{dtype}, d={head_dim}]", _prefill_kernel, prefill, consts,
+                     {"num_warps": warps, "num_stages": 2}))  # fmt: skip
     out.extend(moe_block_signatures(dtype))
     out.extend(gated_deltanet_signatures(dtype))
     return out

@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 def compile_in_child(script: str) -> dict:
-    """{kernel name: {"cubin": bool, "shared": bytes} or {"error": text}} from compile_<script>.py."""
+    """{kernel name: {"cubin": bool, "shared": bytes, "stack": spilled bytes a thread or None} or
+    {"error": text}} from compile_<script>.py."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=os.pathsep.join([str(ROOT), str(Path(__file__).parent)]), TRITON_DEFAULT_FP_FUSION="1")
     proc = subprocess.run([sys.executable, str(Path(__file__).with_name(script))],
@@ -26,19 +27,39 @@ def compile_in_child(script: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def spilled_bytes(cubin: bytes) -> int | None:
+    """The stack frame a thread of the compiled kernel uses (registers spilled past the 255 a thread has),
+    from triton's own cuobjdump -res-usage; None where that tool is missing."""
+    import re
+    import tempfile
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+    if not tool.exists():
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True).stdout
+    stacks = [int(m) for m in re.findall(r"STACK:(\d+)", usage)]
+    return max(stacks) if stacks else None
+
+
 def compile_each(signatures: list) -> dict:
-    """Compile every (name, jit function, signature, constexprs) for sm_90 (child side)."""
+    """Compile every (name, jit function, signature, constexprs[, options]) for sm_90 (child side)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     hopper = GPUTarget("cuda", 90, 32)
     results = {}
-    for name, fn, sig, consts in signatures:
+    for name, fn, sig, consts, *options in signatures:
         try:
             src = ASTSource(fn=fn, signature={**sig, **{c: "constexpr" for c in consts}}, constexprs=consts)
-            compiled = triton.compile(src, target=hopper)
-            results[name] = {"cubin": "cubin" in compiled.asm, "shared": compiled.metadata.shared}
+            compiled = triton.compile(src, target=hopper, options=options[0] if options else None)
+            results[name] = {"cubin": "cubin" in compiled.asm, "shared": compiled.metadata.shared,
+                             "stack": spilled_bytes(compiled.asm["cubin"])}  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - reported to the parent test
             results[name] = {"error": f"{type(exc).__name__}: {exc}"[:3000]}
     return results
