@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from hopper_compile import print_results
 
-from ferry.kernels.gated_deltanet_decode import _conv_decode_kernel, _rule_norm_kernel
+from ferry.kernels.gated_deltanet_decode import _conv_decode_kernel, _rule_norm_kernel, rule_norm_warps
 from ferry.kernels.moe_combine import _moe_combine_kernel, _silu_mul_kernel
 from ferry.kernels.paged_attention_triton import (DECODE_SPLITS, _decode_combine_kernel, _decode_split_kernel,
                                                  _prefill_kernel, prefill_tiles)
@@ -96,7 +96,7 @@ def gated_deltanet_signatures(dtype: str) -> list:
         (f"gated_deltanet_conv_decode[{dtype}]", _conv_decode_kernel, conv,
          {"KERNEL": 4, "BLOCK_K": 4, "BLOCK_C": 256}),
         (f"gated_deltanet_rule_norm[{dtype}]", _rule_norm_kernel, rule,
-         {"K_DIM": 128, "V_DIM": 128, "BLOCK_K": 128, "BLOCK_V": 128}),
+         {"K_DIM": 128, "V_DIM": 128, "BLOCK_K": 128, "BLOCK_V": 128}, {"num_warps": rule_norm_warps(128, 128)}),
     ]  # fmt: skip
 
 

@@ -18,6 +18,8 @@ def test_fused_and_paged_attention_kernels_compile_for_hopper():
     assert any(name.startswith("router_topk[") for name in results)
     for name, r in results.items():
         assert "error" not in r and r["cubin"], f"{name}: {r}"
-    # the long prefill's tiles hold in registers (prefill_tiles): a spill there costs every key block of 262k
-    for name in (n for n in results if n.startswith("paged_attention_prefill[bf16")):
+    # at the served dtype and the warps they launch with, their registers hold (a spill is a round trip to
+    # memory in every key block of a 262k prefill, or in every decode step): the prefill's tiles
+    # (prefill_tiles) and the Gated DeltaNet decode's 8 warps were chosen so; float32 runs only in tests
+    for name in (n for n in results if "[bf16" in n):
         assert results[name]["stack"] in (0, None), f"{name} spills: {results[name]}"
