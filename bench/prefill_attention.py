@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import sys
 from pathlib import Path
 
@@ -29,24 +28,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.bandwidth import _time_ms  # noqa: E402
 from ferry.kernels.paged_attention_triton import paged_attention_prefill_triton, prefill_tiles  # noqa: E402
 
 PAGE = 16
-
-
-def _time_ms(fn, repeats: int) -> float:
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def causal_flops(chunk: int, context: int, heads: int, head_dim: int) -> float:

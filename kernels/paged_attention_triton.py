@@ -143,6 +143,15 @@ def _decode_combine_kernel(part_ptr, out_ptr, stride_ot, stride_oh, HEAD_DIM: tl
              mask=d < HEAD_DIM)  # fmt: skip
 
 
+@triton.jit
+def _softmax_block(s, v, m_i, l_i, acc):
+    """One key block of the online softmax: scores s [rows, keys] (log2 units), their values v."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    p = tl.math.exp2(s - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    return m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+
+
 @triton.jit(do_not_specialize=["stride_pt"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, page_table_ptr, positions_ptr, query_start_ptr, block_req_ptr, block_first_ptr,
@@ -184,13 +193,7 @@ def _prefill_kernel(
         if FP32_DOT:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k)) * scale_log2
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_block(tl.dot(q, tl.trans(k)) * scale_log2, v, m_i, l_i, acc)
     for start in range(unmasked_end, num_keys, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_mask = n < num_keys
@@ -199,14 +202,8 @@ def _prefill_kernel(
         if FP32_DOT:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k)) * scale_log2
-        s = tl.where((n[None, :] <= pos_m[:, None]) & n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        s = tl.where((n[None, :] <= pos_m[:, None]) & n_mask[None, :], tl.dot(q, tl.trans(k)) * scale_log2, float("-inf"))
+        m_i, l_i, acc = _softmax_block(s, v, m_i, l_i, acc)
     out = acc / l_i[:, None]
     tl.store(out_ptr + t[:, None] * stride_ot + h[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=m_mask[:, None] & d_mask[None, :])  # fmt: skip
