@@ -135,3 +135,51 @@ class HostShare:
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)
+
+
+def _median_s(fn, repeats: int, cuda: bool) -> float:
+    import statistics
+    import time
+
+    fn()  # first-use costs (the C kernel's pool, a copy's first pages) out of the timing
+    times = []
+    for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def calibrate(store, experts: HostExperts, device: torch.device, probe_experts: int = 8, repeats: int = 5) -> HostCost:
+    """The HostCost of this machine, measured at boot on the store's own paths: the staging ring's copy of
+    `probe_experts` experts of the first MoE layer (the copy engine, or the unpacking kernel for packed
+    banks), HostExperts computing them for 1 and 16 tokens each, and a hand-off of a 512-token layer
+    (its input and routing to the host, a result back) with nothing to compute."""
+    cuda = torch.device(device).type == "cuda"
+    ring, h = store.ring, experts.hidden_size
+    n = min(probe_experts, ring.size, experts.num_experts)
+    pairs = [(e, e) for e in range(n)]
+    pcie = _median_s(lambda: store.banks.copy_experts(0, pairs, ring.w13, ring.w2, non_blocking=cuda), repeats, cuda) / n
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(16, h, generator=g).to(experts.dtype)
+
+    def host(tokens: int) -> float:
+        listed = [(t, e, 1.0) for e in range(n) for t in range(tokens)]
+        return _median_s(lambda: experts.compute(0, x, listed), repeats, False) / n
+
+    at_1, at_16 = host(1), host(16)
+    top_k = 8
+    share = HostShare(experts, HostCost(pcie, at_1, 0.0, 0.0), max_tokens=512, top_k=top_k, device=device)
+    xs = torch.zeros(512, h, dtype=experts.dtype, device=device)
+    ids = torch.zeros(512, top_k, dtype=torch.int64, device=device)
+    weights = torch.zeros(512, top_k, dtype=torch.float32, device=device)
+    rows = torch.zeros(512, top_k, h, dtype=torch.float32, device=device)
+    mask = torch.zeros(512, top_k, dtype=torch.bool, device=device)
+    nothing = np.zeros(0, dtype=np.int64)
+    overhead = _median_s(lambda: share.finish(share.start(0, xs, ids, weights, 512, nothing), rows, mask), repeats, cuda)
+    share.close()
+    return HostCost(pcie_s=pcie, host_s_at_1=at_1, host_s_per_token=max(0.0, (at_16 - at_1) / 15), overhead_s=overhead)

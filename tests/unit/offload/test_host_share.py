@@ -41,3 +41,24 @@ def test_split_gives_the_host_the_tail_of_the_layers_list():
     share = HostShare.__new__(HostShare)  # split reads only the cost
     share.cost = HostCost(1.0, 1.0, 0.0, 0.0)
     assert share.split([3, 5, 8, 9], tokens=4, top_k=2, num_experts=8) == ([3, 5], [8, 9])
+
+
+def test_calibration_runs_on_the_stores_own_paths():
+    """On CPU the figures mean nothing, but every measurement runs: the ring's copy, the host's computation
+    at 1 and 16 tokens, the hand-off; the host's time grows with its tokens."""
+    import torch
+
+    from offload_tiny import slot_pool, tiny_spec
+    from ferry.services.worker.offload.device_store import DeviceDrivenExperts
+    from ferry.services.worker.offload.frequency_policy import LFUExpertPolicy
+    from ferry.services.worker.offload.host_banks import HostBanks
+    from ferry.services.worker.offload.host_experts import HostExperts
+    from ferry.services.worker.offload.host_share import calibrate
+
+    spec = tiny_spec(layers=2, experts=6, top_k=2, hidden=256, inter=128)
+    banks = HostBanks.for_model(spec, "float32", progress=False)
+    store = DeviceDrivenExperts(slot_pool(spec, 7, max_step_tokens=48), banks, LFUExpertPolicy(2, 6, 7), "cpu")
+    cost = calibrate(store, HostExperts(banks, torch.float32, threads=1), torch.device("cpu"), probe_experts=4,
+                     repeats=3)  # fmt: skip
+    assert cost.pcie_s > 0 and cost.host_s_at_1 > 0 and cost.overhead_s > 0
+    assert cost.host_s(16) >= cost.host_s(1)
