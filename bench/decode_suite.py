@@ -64,7 +64,9 @@ VARIANTS = {"default": [], "no-prefetch": ["--no-expert-prefetch"], "eager": ["-
             # every step copies with the copy engine, decode included: eager, its lists read on the host
             "copy-engine1": ["--expert-copy-engine-tokens", "1"],
             # the experts kept in host RAM as bf16 (the default packs them to 12 bits a value)
-            "plain": ["--expert-bank-format", "plain"]}
+            "plain": ["--expert-bank-format", "plain"],
+            # the host computes part of each streamed prefill's missed experts (host_share.py), 12 of the H200 host's 16 cores
+            "host-share": ["--host-expert-threads", "12"]}
 
 
 def commit() -> str:

@@ -210,7 +210,7 @@ def _load_and_plan(cfg: WorkerBootConfig, files: ModelFiles, r: Resolved, device
         experts.bind(store)
         # an offloaded store's experts go to host banks: read them to CPU, never through the device
         booted.update(plan=plan, pools=pools, store=store, expert_device=torch.device("cpu") if banks else device,
-                      experts_started=time.monotonic())  # fmt: skip
+                      experts_started=time.monotonic(), host_expert_threads=cfg.host_expert_threads)  # fmt: skip
 
     dummy = files.load_format == "dummy"
     progress = _progress_bars()
@@ -218,6 +218,27 @@ def _load_and_plan(cfg: WorkerBootConfig, files: ModelFiles, r: Resolved, device
     model.load_weights(chain(resident_weights(files, dtype, device, progress), _then(plan_and_allocate, expert_pass)),
                        routed_experts=not dummy)  # fmt: skip
     return booted
+
+
+def _attach_host_share(store, spec, plan: Plan, dtype: torch.dtype, device: torch.device, threads: int) -> None:
+    """--host-expert-threads: the host's share of streamed prefills (offload/host_share.py), its costs
+    measured here on this machine's paths and logged."""
+    from ferry.services.worker.offload.device_store import DeviceDrivenExperts
+    from ferry.services.worker.offload.host_experts import HostExperts
+    from ferry.services.worker.offload.host_share import HostShare, calibrate
+
+    why = ("the model runs on the CPU: every expert is computed there already" if device.type != "cuda" else
+           "every expert has a GPU slot" if not isinstance(store, DeviceDrivenExperts) else
+           "the plan has no staging slots for prefills to stream through" if store.ring is None else None)  # fmt: skip
+    if why is not None:
+        log.info("host_share_off", reason=why, host_expert_threads=threads)
+        return
+    experts = HostExperts(store.banks, dtype, threads)
+    cost = calibrate(store, experts, device)
+    store.host_share = HostShare(experts, cost, plan.max_prefill_tokens, spec.num_experts_per_tok, device)
+    log.info("host_share", threads=threads, backend=experts.backend, pcie_us=round(cost.pcie_s * 1e6, 1),
+             host_us_at_1=round(cost.host_s_at_1 * 1e6, 1), host_us_per_token=round(cost.host_s_per_token * 1e6, 2),
+             overhead_us=round(cost.overhead_s * 1e6, 1))  # fmt: skip
 
 
 def _finish_boot(files: ModelFiles, booted: dict, r: Resolved, device: torch.device, req: PlanRequest,
@@ -235,6 +256,8 @@ def _finish_boot(files: ModelFiles, booted: dict, r: Resolved, device: torch.dev
     preloaded = store.preload()  # an offload store warms its free slots; the all-resident one has nothing to do
     log.info("experts_loaded", seconds=round(time.monotonic() - booted["experts_started"], 3),
              source="dummy" if dummy else "checkpoint", preloaded_slots=preloaded)  # fmt: skip
+    if booted.get("host_expert_threads"):  # measured on the loaded banks
+        _attach_host_share(store, spec, plan, dtype, device, booted["host_expert_threads"])
     if device.type == "cuda":  # first-use compiles and tunings at boot, not inside a request
         t0 = time.monotonic()
         ran = warm_up(model, booted["pools"], plan.kv.page_size, device,

@@ -48,6 +48,7 @@ from ferry.kernels.expert_rows_sum import sum_rows
 from ferry.kernels.grouped_expert_gemm import align_pairs_by_slot, block_m_for, grouped_expert_rows_triton
 from ferry.services.worker.offload.device_cache import CacheCall, DeviceExpertCache
 from ferry.services.worker.offload.expert_cache import DEFAULT_PIPELINE_CHUNKS, OffloadedExperts, _split
+from ferry.services.worker.offload.host_share import HostShare
 from ferry.services.worker.offload.staging_ring import StagingRing
 
 # copy_stamps columns (pool_layout.COPY_STAMPS)
@@ -62,10 +63,16 @@ class DeviceDrivenExperts(OffloadedExperts):
     store's (`load_expert`, `preload`); the device state starts from the warmed-up twin."""
 
     def __init__(self, slots, banks, policy, device, prefetch: bool = True,
-                 pipeline_chunks: int = DEFAULT_PIPELINE_CHUNKS, copy_engine_tokens: int | None = None):  # fmt: skip
+                 pipeline_chunks: int = DEFAULT_PIPELINE_CHUNKS, copy_engine_tokens: int | None = None,
+                 host_share: HostShare | None = None):  # fmt: skip
         """`copy_engine_tokens`: steps of at least this many tokens take the copy-engine path even
-        when the graph-safe one could serve them (None: only steps too large for the pair kernel)."""
+        when the graph-safe one could serve them (None: only steps too large for the pair kernel).
+        `host_share`: the host computes part of a streamed step's missed experts (host_share.py)."""
         super().__init__(slots, banks, policy, device, pipeline_chunks=pipeline_chunks, use_triton=True)
+        self.host_share = host_share
+        self._host_experts: list[np.ndarray] = []  # per layer, the streamed step's experts the host computes
+        self._host_table: torch.Tensor | None = None  # [layers, E + 1] bool on the device: the same
+        self._stream_real = 0  # the streamed step's real rows
         self.prefetch_enabled = prefetch
         self.copy_engine_tokens = copy_engine_tokens
         self.routers: list[torch.Tensor] | None = None  # [E, H] router weight of every MoE layer
@@ -102,7 +109,7 @@ class DeviceDrivenExperts(OffloadedExperts):
         known from the maps alone, so they cross while the first layer's attention computes."""
         self._stream_begun = False
         if self.cache is not None and self._streams(num_tokens * top_k):
-            self._begin_stream(num_tokens)
+            self._begin_stream(num_tokens, top_k)
             self._stream_begun = True
 
     def _streams(self, pairs: int) -> bool:
@@ -126,7 +133,7 @@ class DeviceDrivenExperts(OffloadedExperts):
             self._decode_layer(moe_layer, x, ids, topk_weights, n_rows, rows)
         elif self._streams(t * k):
             if moe_layer == 0 and not begun:  # the maps as the step starts: nothing changes them until it ends
-                self._begin_stream(int(n_rows[0]))  # one wait: the maps are then read from an idle stream
+                self._begin_stream(int(n_rows[0]), k)  # one wait: the maps are then read from an idle stream
             self._streamed_layer(moe_layer, x, ids, topk_weights, n_rows, rows)
         else:
             self._large_layer(moe_layer, x, ids, topk_weights, n_rows, rows)
@@ -178,12 +185,22 @@ class DeviceDrivenExperts(OffloadedExperts):
         staged list; a chunk computes the blocks of its positions, pointed at its bay."""
         t, k = ids.shape
         call = self.cache.stream_lookup(layer, ids, n_rows)
+        # padding rows (past n_rows) look up the sentinel entry E: neither staged nor the host's
+        padding = torch.arange(t, device=x.device).unsqueeze(1) >= n_rows.to(x.device)
+        host = None
+        if self.host_share is not None and len(self._host_experts[layer]):
+            host = self.host_share.start(layer, x, ids, weights, self._stream_real, self._host_experts[layer])
         self._compute(x, call.hit_slots.view(t, k), weights, rows)
+        self._stream_staged(layer, x, ids, weights, rows, padding)
+        if host is not None:
+            self.host_share.finish(host, rows, self._host_table[layer][torch.where(padding, self.num_experts, ids)])
+
+    def _stream_staged(self, layer, x, ids, weights, rows, padding) -> None:
+        """The layer's staged experts, chunk by chunk as they land in the ring."""
+        t, k = ids.shape
         staged = self._staged_count[layer]
         if not staged:
             return
-        # padding rows (past n_rows) look up the sentinel entry E: not staged
-        padding = torch.arange(t, device=x.device).unsqueeze(1) >= n_rows.to(x.device)
         position = self._staged_position[layer][torch.where(padding, self.num_experts, ids)]
         sorted_pairs, block_position = align_pairs_by_slot(position, staged, block_m_for(t * k), staged)
         while (chunk := self.ring.take(layer)) is not None:
@@ -200,12 +217,25 @@ class DeviceDrivenExperts(OffloadedExperts):
                 computed.record(torch.cuda.current_stream(self.device))
             self.ring.release(chunk, computed)
 
-    def _begin_stream(self, real: int) -> None:
+    def _begin_stream(self, real: int, top_k: int) -> None:
         """Stage every non-resident expert of every layer (none for a step of `real` 0 rows: padding
-        only, boot's warm-up), and put each one's position in its layer's list on the device (-1:
-        not staged). Called by `begin_step`, or at layer 0 when the step did not begin through it."""
+        only, boot's warm-up) but the host's share of them (host_share.py), and put each one's position
+        in its layer's list on the device (-1: not staged). Called by `begin_step`, or at layer 0 when
+        the step did not begin through it."""
         resident = (self.cache.slot_of >= 0).cpu().numpy()
-        staged = [np.flatnonzero(~r).tolist() if real else [] for r in resident]
+        missed = [np.flatnonzero(~r).tolist() if real else [] for r in resident]
+        self._stream_real = real
+        if self.host_share is not None:
+            splits = [self.host_share.split(m, real, top_k, self.num_experts) for m in missed]
+            staged = [gpu for gpu, _ in splits]
+            self._host_experts = [np.asarray(host, dtype=np.int64) for _, host in splits]
+            table = np.zeros((len(missed), self.num_experts + 1), dtype=bool)
+            for layer, host in enumerate(self._host_experts):
+                table[layer, host] = True
+            table = torch.from_numpy(table)
+            self._host_table = table.pin_memory().to(self.device, non_blocking=True) if self._cuda else table
+        else:
+            staged = missed
         position = np.full((len(staged), self.num_experts + 1), -1, dtype=np.int32)
         for layer, experts in enumerate(staged):
             position[layer, experts] = np.arange(len(experts), dtype=np.int32)
@@ -375,6 +405,8 @@ class DeviceDrivenExperts(OffloadedExperts):
         """The host store's report, with what the device decided since: evictions, and how many
         slots are filled (a placement takes a free slot while there is one, and slots never empty)."""
         out = {**super().report(), "prefetch": self.prefetch_enabled}
+        if self.host_share is not None:  # streamed layers that took a host share, and the experts it computed
+            out["host_share"] = {"layers": self.host_share.layers, "experts": self.host_share.computed}
         if self.cache is not None:
             c, start = self._last_counters, self._warm_counters
             placements = c["misses"] + c["prefetched"] - start["misses"] - start["prefetched"]

@@ -115,8 +115,46 @@ def check_device_driven(dtype_wanted: str) -> None:
             assert total.prefetch_useful + total.prefetch_wasted > 0
 
 
+def check_host_share() -> None:
+    """Streamed prefills with the host computing half of every layer's missed experts (host_share.py):
+    the same rows as the all-resident store, in float32; the ring stages only the rest."""
+    from ferry.services.worker.offload.host_experts import HostExperts
+    from ferry.services.worker.offload.host_share import HostCost, HostShare
+
+    spec = tiny_spec(layers=3, experts=6, top_k=2, hidden=32, inter=16)
+    layers = 3
+    resident = ResidentExperts(slot_pool(spec, layers * 6), layers, 6)
+    banks = HostBanks.for_model(spec, "float32", progress=False)
+    share = HostShare(HostExperts(banks, torch.float32, threads=1), HostCost(1.0, 1.0, 0.0, 0.0), max_tokens=48,
+                      top_k=2, device="cpu")  # fmt: skip
+    store = DeviceDrivenExperts(slot_pool(spec, 7, max_step_tokens=48), banks, LFUExpertPolicy(layers, 6, 7), "cpu",
+                                prefetch=True, pipeline_chunks=2, host_share=share)  # fmt: skip
+    for (layer, e), weights in random_experts(spec, 7).items():
+        resident.load_expert(layer, e, *weights)
+        store.load_expert(layer, e, *weights)
+    g = torch.Generator().manual_seed(3)
+    store.set_routers([torch.randn(6, 32, generator=g) for _ in range(layers)])
+    store.preload()
+    for tokens, real in ((40, 40), (1, 1), (36, 33), (40, 40)):
+        maps = store.cache.slot_of.clone()
+        staged = store.ring.staged_total
+        for layer in range(layers):
+            x, ids, w = random_routing(spec, tokens, g)
+            got = store.forward(layer, x, ids, w, n_rows=torch.tensor([real], dtype=torch.int32))
+            torch.testing.assert_close(got[:real], resident.forward(layer, x, ids, w)[:real], rtol=1e-5, atol=1e-5)
+        if tokens >= 33:  # streamed: half of each layer's missed experts (rounded down) staged, the rest the host's
+            missed = (maps < 0).sum(dim=1)
+            assert store.ring.staged_total - staged == int((missed - missed // 2).sum())
+            assert all(len(h) == m // 2 for h, m in zip(store._host_experts, missed.tolist()))
+        store.stats_to_host()
+        store.end_step()
+    assert share.layers > 0 and share.computed > 0
+    assert store.report()["host_share"] == {"layers": share.layers, "experts": share.computed}
+    share.close()
+
+
 CHECKS = {"store": check, "device-driven-float32": lambda: check_device_driven("float32"),
-          "device-driven-bfloat16": lambda: check_device_driven("bfloat16")}
+          "device-driven-bfloat16": lambda: check_device_driven("bfloat16"), "host-share": check_host_share}
 
 if __name__ == "__main__":  # argv[1]: one of CHECKS (the test runs each in its own process, side by side under xdist)
     try:

@@ -108,7 +108,7 @@ def test_mismatched_parts_are_refused():
         OffloadedExperts(slot_pool(SPEC, 6, dtype="bfloat16"), banks, LRUExpertPolicy(LAYERS, 6, 6), "cpu")
 
 
-@pytest.mark.parametrize("check", ["store", "device-driven-float32", "device-driven-bfloat16"])
+@pytest.mark.parametrize("check", ["store", "device-driven-float32", "device-driven-bfloat16", "host-share"])
 def test_the_triton_path_with_host_alignment_under_the_interpreter(check):
     """What CUDA runs (Triton over host-aligned groups), on CPU through TRITON_INTERPRET=1."""
     import json

@@ -1,0 +1,185 @@
+"""The host's share of a streamed prefill's missed experts (issue 25, on the prefill's path).
+
+A prefill streams every expert a layer lacks through the staging ring (staging_ring.py): one pass over
+the missed experts a step, over PCIe. A step of a few hundred tokens (the next turn of a conversation
+whose prefix is cached, the own parts of requests sharing a system prompt) pays that whole pass for few
+tokens an expert, and there the host can compute some of those experts where they lie, from the same
+banks, while the others cross: HostExperts (host_experts.py) reads a bf16 or packed bank at 62 and 48
+GB/s on the H200's host with 15 threads, against the link's 55 (bench/NOTES.md, issue 25).
+
+The split is decided when the step begins, from the maps alone, as the ring's staging is: of a layer's
+N missed experts the host takes the last h, so that both sides end together,
+
+    (N - h) x pcie_s  =  overhead_s + h x host_s(n),    n = the step's (token, k) pairs / experts,
+
+where `pcie_s` is one expert's copy, `host_s(n)` one expert's computation for n tokens (a + b n: memory
+bound at few tokens, compute bound at many, so a long prefill's share falls to nothing), and `overhead_s`
+the hand-off (the layer's input to the host, the result back). `HostCost` holds those measured figures.
+
+Per layer (`HostShare.start`, then `finish`): the layer's input x, its routing and its real row count
+are copied into pinned buffers behind the router's kernels, with an event; a host thread waits for that
+event, computes the pairs routed to its experts (HostExperts: the router weight applied, summed per token)
+and returns float32 [T, H]. Meanwhile the device computes the hits and the staged experts. Before the
+layer's rows are summed, the host pairs' rows (which no kernel wrote) are zeroed and the host's sum is
+added into the first of each token's rows, on the compute stream behind its copy to the device. The
+launching thread waits for the host's result there: by then the device is busy with the work queued
+for the layer, which the split sized to take as long.
+"""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ferry.services.worker.offload.host_experts import HostExperts
+
+
+@dataclass(frozen=True)
+class HostCost:
+    """Measured costs, seconds: one expert's copy over PCIe; one expert computed on the host for n tokens,
+    `host_s_at_1 + host_s_per_token x (n - 1)`; the per-layer hand-off."""
+
+    pcie_s: float
+    host_s_at_1: float
+    host_s_per_token: float
+    overhead_s: float
+
+    def host_s(self, tokens_per_expert: float) -> float:
+        return self.host_s_at_1 + self.host_s_per_token * max(0.0, tokens_per_expert - 1)
+
+    def host_count(self, missed: int, tokens_per_expert: float) -> int:
+        """How many of a layer's `missed` experts the host takes (module docstring), 0 where the
+        hand-off alone costs more than what the host would save the link."""
+        if missed < 1:
+            return 0
+        host = self.host_s(tokens_per_expert)
+        h = math.floor((missed * self.pcie_s - self.overhead_s) / (self.pcie_s + host))
+        h = max(0, min(missed, h))
+        # the step's layer time with and without the host: take it only where it is shorter
+        with_host = max((missed - h) * self.pcie_s, self.overhead_s + h * host)
+        return h if h and with_host < missed * self.pcie_s else 0
+
+
+class HostShare:
+    """The host's part of streamed layers: `experts` (HostExperts over the store's banks), `cost`
+    (HostCost), buffers for steps of up to `max_tokens` tokens of `top_k` pairs, hidden size H."""
+
+    def __init__(self, experts: HostExperts, cost: HostCost, max_tokens: int, top_k: int, device: torch.device):
+        self.experts, self.cost, self.device = experts, cost, torch.device(device)
+        self._cuda = self.device.type == "cuda"
+        h = experts.hidden_size
+        pin = self._cuda
+        self._x = torch.empty(max_tokens, h, dtype=experts.dtype, pin_memory=pin)
+        self._ids = torch.empty(max_tokens, top_k, dtype=torch.int64, pin_memory=pin)
+        self._weights = torch.empty(max_tokens, top_k, dtype=torch.float32, pin_memory=pin)
+        self._out = torch.empty(max_tokens, h, dtype=torch.float32, pin_memory=pin)
+        self._out_free: torch.cuda.Event | None = None  # the last copy of _out to the device has run
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-share")
+        self.computed = 0  # experts computed on the host since boot
+        self.layers = 0  # layers that took a host share since boot
+
+    def split(self, missed: list[int], tokens: int, top_k: int, num_experts: int) -> tuple[list[int], list[int]]:
+        """(experts to stage, experts for the host) of one layer's missed experts, for a step of `tokens`."""
+        h = self.cost.host_count(len(missed), tokens * top_k / num_experts)
+        return missed[: len(missed) - h], missed[len(missed) - h :]
+
+    def start(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, real: int,
+              host_experts: np.ndarray) -> Future:  # fmt: skip
+        """Queue the copies of the layer's input and routing to the host and hand the layer's host pairs
+        (rows below `real`, experts in `host_experts`) to the host thread; returns its Future."""
+        t = x.shape[0]
+        if t > self._x.shape[0] or ids.shape[1] != self._ids.shape[1]:
+            raise ValueError(f"a step of {t} tokens x {ids.shape[1]} exceeds the host share's buffers "
+                             f"({self._x.shape[0]} x {self._ids.shape[1]})")  # fmt: skip
+        xs, ids_h, w_h = self._x[:t], self._ids[:t], self._weights[:t]
+        xs.copy_(x, non_blocking=self._cuda)
+        ids_h.copy_(ids, non_blocking=self._cuda)
+        w_h.copy_(weights, non_blocking=self._cuda)
+        ready = None
+        if self._cuda:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+        self.layers += 1
+        return self._thread.submit(self._compute, layer, xs, ids_h, w_h, real, host_experts, ready)
+
+    def _compute(self, layer, xs, ids_h, w_h, real, host_experts, ready) -> torch.Tensor:
+        if ready is not None:
+            ready.synchronize()
+        ids = ids_h[:real].numpy()
+        mine = np.isin(ids, host_experts)
+        tok, j = np.nonzero(mine)
+        pairs = list(zip(tok.tolist(), ids[tok, j].tolist(), w_h[:real].numpy()[tok, j].tolist()))
+        self.computed += len(np.unique(ids[tok, j]))
+        return self.experts.compute(layer, xs, pairs)
+
+    def finish(self, done: Future, rows: torch.Tensor, host_mask: torch.Tensor) -> None:
+        """Fold the host's sum into the layer's rows [T, k, H] (float32): the host pairs' rows zeroed
+        (`host_mask` [T, k]), the sum added to each token's first row, behind its copy to the device."""
+        rows.masked_fill_(host_mask.unsqueeze(-1), 0.0)
+        out = done.result()
+        t = out.shape[0]
+        if self._cuda:
+            if self._out_free is not None:
+                self._out_free.synchronize()  # the last layer's copy out of the pinned buffer has run
+            self._out[:t].copy_(out)
+            on_device = self._out[:t].to(self.device, non_blocking=True)
+            self._out_free = torch.cuda.Event()
+            self._out_free.record(torch.cuda.current_stream(self.device))
+        else:
+            on_device = out
+        rows[:, 0].add_(on_device)
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True)
+
+
+def _median_s(fn, repeats: int, cuda: bool) -> float:
+    import statistics
+    import time
+
+    fn()  # first-use costs (the C kernel's pool, a copy's first pages) out of the timing
+    times = []
+    for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def calibrate(store, experts: HostExperts, device: torch.device, probe_experts: int = 8, repeats: int = 5) -> HostCost:
+    """The HostCost of this machine, measured at boot on the store's own paths: the staging ring's copy of
+    `probe_experts` experts of the first MoE layer (the copy engine, or the unpacking kernel for packed
+    banks), HostExperts computing them for 1 and 16 tokens each, and a hand-off of a 512-token layer
+    (its input and routing to the host, a result back) with nothing to compute."""
+    cuda = torch.device(device).type == "cuda"
+    ring, h = store.ring, experts.hidden_size
+    n = min(probe_experts, ring.size, experts.num_experts)
+    pairs = [(e, e) for e in range(n)]
+    pcie = _median_s(lambda: store.banks.copy_experts(0, pairs, ring.w13, ring.w2, non_blocking=cuda), repeats, cuda) / n
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(16, h, generator=g).to(experts.dtype)
+
+    def host(tokens: int) -> float:
+        listed = [(t, e, 1.0) for e in range(n) for t in range(tokens)]
+        return _median_s(lambda: experts.compute(0, x, listed), repeats, False) / n
+
+    at_1, at_16 = host(1), host(16)
+    top_k = 8
+    share = HostShare(experts, HostCost(pcie, at_1, 0.0, 0.0), max_tokens=512, top_k=top_k, device=device)
+    xs = torch.zeros(512, h, dtype=experts.dtype, device=device)
+    ids = torch.zeros(512, top_k, dtype=torch.int64, device=device)
+    weights = torch.zeros(512, top_k, dtype=torch.float32, device=device)
+    rows = torch.zeros(512, top_k, h, dtype=torch.float32, device=device)
+    mask = torch.zeros(512, top_k, dtype=torch.bool, device=device)
+    nothing = np.zeros(0, dtype=np.int64)
+    overhead = _median_s(lambda: share.finish(share.start(0, xs, ids, weights, 512, nothing), rows, mask), repeats, cuda)
+    share.close()
+    return HostCost(pcie_s=pcie, host_s_at_1=at_1, host_s_per_token=max(0.0, (at_16 - at_1) / 15), overhead_s=overhead)

@@ -1,0 +1,64 @@
+"""The host's share of a streamed prefill's missed experts: how many a layer gives the host (HostCost),
+which ones (HostShare.split). The computation itself is checked against the all-resident store in
+interpreted_offload_store.py (check_host_share)."""
+
+from __future__ import annotations
+
+from ferry.services.worker.offload.host_share import HostCost
+
+
+def test_equal_costs_split_the_missed_experts_in_half():
+    assert HostCost(1.0, 1.0, 0.0, 0.0).host_count(10, 1) == 5
+    assert HostCost(1.0, 1.0, 0.0, 0.0).host_count(11, 1) == 5  # rounded down: the link's side is never the longer by more
+
+
+def test_the_h200_figures_give_the_host_a_third_of_a_short_prefills_misses():
+    """A packed Qwen3-30B expert (7.08 MB): 129 us over 55 GB/s, 148 us on 15 host threads at one token
+    (bench/NOTES.md), ~10 us more a token (9.4 MFLOP a token); 9 tokens an expert, 205 missed."""
+    cost = HostCost(pcie_s=129e-6, host_s_at_1=148e-6, host_s_per_token=10e-6, overhead_s=50e-6)
+    h = cost.host_count(205, 9)
+    assert h == 73
+    layer = max((205 - h) * cost.pcie_s, cost.overhead_s + h * cost.host_s(9))
+    assert layer < 0.65 * 205 * cost.pcie_s  # the pass takes under two thirds of the link's time alone
+
+
+def test_a_long_prefills_share_falls_to_nothing():
+    """At hundreds of tokens an expert the host is compute bound: a few experts at 256 tokens (the host's 2.7 ms
+    each against the link's 0.13), none at 4096."""
+    cost = HostCost(pcie_s=129e-6, host_s_at_1=148e-6, host_s_per_token=10e-6, overhead_s=50e-6)
+    assert 0 < cost.host_count(205, 256) <= 0.05 * 205
+    assert cost.host_count(205, 4096) == 0
+
+
+def test_nothing_to_share_or_a_hand_off_dearer_than_the_saving_gives_the_host_nothing():
+    assert HostCost(1.0, 1.0, 0.0, 0.0).host_count(0, 1) == 0
+    assert HostCost(1e-4, 1e-4, 0.0, 1e-2).host_count(20, 1) == 0  # 10 ms of hand-off against 2 ms of copies
+
+
+def test_split_gives_the_host_the_tail_of_the_layers_list():
+    from ferry.services.worker.offload.host_share import HostShare
+
+    share = HostShare.__new__(HostShare)  # split reads only the cost
+    share.cost = HostCost(1.0, 1.0, 0.0, 0.0)
+    assert share.split([3, 5, 8, 9], tokens=4, top_k=2, num_experts=8) == ([3, 5], [8, 9])
+
+
+def test_calibration_runs_on_the_stores_own_paths():
+    """On CPU the figures mean nothing, but every measurement runs: the ring's copy, the host's computation
+    at 1 and 16 tokens, the hand-off; the host's time grows with its tokens."""
+    import torch
+
+    from offload_tiny import slot_pool, tiny_spec
+    from ferry.services.worker.offload.device_store import DeviceDrivenExperts
+    from ferry.services.worker.offload.frequency_policy import LFUExpertPolicy
+    from ferry.services.worker.offload.host_banks import HostBanks
+    from ferry.services.worker.offload.host_experts import HostExperts
+    from ferry.services.worker.offload.host_share import calibrate
+
+    spec = tiny_spec(layers=2, experts=6, top_k=2, hidden=256, inter=128)
+    banks = HostBanks.for_model(spec, "float32", progress=False)
+    store = DeviceDrivenExperts(slot_pool(spec, 7, max_step_tokens=48), banks, LFUExpertPolicy(2, 6, 7), "cpu")
+    cost = calibrate(store, HostExperts(banks, torch.float32, threads=1), torch.device("cpu"), probe_experts=4,
+                     repeats=3)  # fmt: skip
+    assert cost.pcie_s > 0 and cost.host_s_at_1 > 0 and cost.overhead_s > 0
+    assert cost.host_s(16) >= cost.host_s(1)
