@@ -6,6 +6,7 @@ import copy
 from pathlib import Path
 from typing import Any
 
+from ferry.services.api.segment_cache import MIN_PROMPT_CHARS, SegmentCache
 from ferry.shared.eos import eos_token_ids
 from ferry.shared.errors import InvalidRequest, ModelLoadError
 
@@ -29,9 +30,12 @@ class PromptTokenizer:
         # max_model_len x this cannot fit the model, whatever it tokenizes to.
         self.longest_token_chars = max((len(t) for t in self.hf.get_vocab()), default=1) or 1
         self.max_model_len: int | None = None  # set from the scheduler's status (routes); None: unchecked
+        # long prompts are tokenized segment by segment, the segments sent before looked up (segment_cache.py)
+        self.segments = SegmentCache.for_tokenizer(self.hf)
 
     def copy(self) -> "PromptTokenizer":
-        """Another PromptTokenizer over a copy of the same tokenizer, for another thread."""
+        """Another PromptTokenizer over a copy of the same tokenizer, for another thread (the segment
+        cache is shared: it has its own lock, and tokenizes with the tokenizer of the thread asking)."""
         twin = copy.copy(self)
         twin.hf = copy.deepcopy(self.hf)
         return twin
@@ -64,6 +68,8 @@ class PromptTokenizer:
 
     def encode(self, text: str) -> list[int]:
         self.check_chars(len(text))
+        if self.segments is not None and len(text) >= MIN_PROMPT_CHARS:
+            return self.segments.encode(text, self.hf)
         return self.hf.encode(text, add_special_tokens=False)
 
     def text_prompt(self, prompt: str | list[int]) -> list[int]:
