@@ -122,6 +122,7 @@ class _Runner(web.AppRunner):
 
 def build_app(cfg: ApiConfig, tokenizer: PromptTokenizer, drain: Drain | None = None) -> web.Application:
     metrics = ApiMetrics(cfg.served_model_name)
+    metrics.watch_segment_cache(tokenizer.segments)
     drain = drain or Drain()
     # error mapping outermost, so that auth failures, drain refusals and oversized or late bodies become
     # error objects too; the key is checked before a body is read

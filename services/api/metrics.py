@@ -72,6 +72,23 @@ class _StatusCounters:
             yield family
 
 
+class _SegmentCounters:
+    """The api tokenizer's segment cache (segment_cache.py), read at scrape time: segments of long prompts
+    found there and segments tokenized, since the api started."""
+
+    def __init__(self, cache) -> None:
+        self.cache = cache
+
+    def collect(self):
+        for name, doc, value in (
+                ("ferry_prompt_segments_cached", "segments of long prompts found in the api's segment cache "
+                 "(a conversation's earlier messages: not tokenized again)", self.cache.hits),
+                ("ferry_prompt_segments_tokenized", "segments of long prompts tokenized (new text)", self.cache.misses)):  # fmt: skip
+            family = CounterMetricFamily(name, doc)
+            family.add_metric([], value)
+            yield family
+
+
 class VllmAliases:
     """Re-exports Ferry's series under vLLM's names (a collector on its own registry, reading Ferry's)."""
 
@@ -138,6 +155,11 @@ class ApiMetrics:
                                         "many prompts waiting for the tokenizer)", ["reason"], registry=r)  # fmt: skip
         self.aliases = CollectorRegistry()
         self.aliases.register(VllmAliases(r, model_name))
+
+    def watch_segment_cache(self, cache) -> None:
+        """Export the tokenizer's segment cache counters (none where the tokenizer has no cache)."""
+        if cache is not None:
+            self.registry.register(_SegmentCounters(cache))
 
     def refresh_from(self, status: SchedulerStatus | None, ready: bool) -> None:
         self.ready.set(1 if ready else 0)

@@ -85,3 +85,22 @@ def test_the_prompt_tokenizer_uses_it_for_long_prompts_and_its_copies_share_it(t
     assert twin.segments is tok.segments and tok.segments.hits == 1  # one cache, each thread's own tokenizer
     tok.encode("short <|im_end|>")  # below MIN_PROMPT_CHARS: tokenized whole
     assert tok.segments.misses == 1
+
+
+def test_metrics_count_the_segments_found_and_tokenized(tokenizers):
+    from prometheus_client import generate_latest
+
+    from ferry.services.api.metrics import ApiMetrics
+
+    hf = tokenizers["tiny"]
+    cache = SegmentCache.for_tokenizer(hf)
+    metrics = ApiMetrics()
+    metrics.watch_segment_cache(cache)
+    turn = "<|im_start|>user\n" + "hello world " * 50 + "<|im_end|>\n<|im_start|>assistant\n"
+    cache.encode(turn, hf)
+    cache.encode(turn + "hi<|im_end|>", hf)
+    text = generate_latest(metrics.registry).decode()
+    # turn 1: the question, the newline between the messages, the assistant's opening; turn 2: the opening with "hi"
+    assert "ferry_prompt_segments_tokenized_total 4.0" in text
+    assert "ferry_prompt_segments_cached_total 2.0" in text
+    ApiMetrics().watch_segment_cache(None)  # a tokenizer without a cache: nothing to export, no error
