@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The device calls that land branch pending-gpu (the long-prefill attention kernel, the host's share of
+# streamed prefills, the expert-parallel store), one part a call (each fits the device's 600 s), run from
+# the tree with the device's python3 and the .whl/ site on PYTHONPATH; everything lands in $OUT.
+#   PART=check  make gpu-check (the release check; gpu_check.json and its log)                   ~6-8 min
+#   PART=prefill bench/prefill_attention.py on the 35B's attention shapes, then the 262k-token TTFT  ~6-8 min
+#   PART=share   hybrid8 decode with and without --host-expert-threads, then three turns in bf16     ~8-9 min
+set -uo pipefail
+OUT=${OUT:-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TMPDIR=${TMPDIR:-/tmp}
+case "${PART:-check}" in
+  check)
+    make gpu-check OUT=/tmp/gpu GPU_PYTHON=python3 > "$OUT/gpu_check_stdout.log" 2>&1; echo "gpu-check rc=$?"
+    cp /tmp/gpu/* "$OUT/" 2>/dev/null; tail -3 "$OUT/gpu_check_stdout.log" ;;
+  prefill)
+    timeout 150 python3 bench/prefill_attention.py --contexts 0,65536,131072,253952 --whole-prompt 261988 \
+      --tiles "32,32,8;64,16,4" --out "$OUT/prefill_attention_h200.json" > "$OUT/prefill_attention.log" 2>&1
+    echo "prefill_attention rc=$?"; tail -6 "$OUT/prefill_attention.log"
+    timeout 400 python3 bench/decode_suite.py --out "$OUT" --workloads long_context_36b --ready-timeout 240 \
+      --run-timeout 300 > "$OUT/long_context.log" 2>&1
+    echo "long_context rc=$?"; tail -3 "$OUT/long_context.log" ;;
+  share)
+    timeout 260 python3 bench/decode_suite.py --out "$OUT" --workloads hybrid8 --variants default,host-share \
+      --max-tokens 128 > "$OUT/suite_share.log" 2>&1
+    echo "hybrid8 rc=$?"; grep '^\[hybrid8' "$OUT/suite_share.log" | tail -4
+    python3 -m ferry.services.cli make-bench-model /tmp/m36 --config tests/data/models/qwen3.6-35b-a3b/config.json > /dev/null
+    FERRY_MUST_SHOW_MODEL=/tmp/m36 FERRY_MUST_SHOW_FLAGS="--load-format dummy --gpu-memory 24GiB --host-expert-threads 12" \
+      FERRY_MUST_SHOW_OUT="$OUT/prefix_hybrid_bf16_host_share.json" timeout 250 python3 -m pytest -q -s -p no:cacheprovider \
+      tests/gpu/test_prefix_cache_must_show.py -k three > "$OUT/three_share.log" 2>&1
+    echo "three turns rc=$?"; tail -3 "$OUT/three_share.log" ;;
+  *) echo "PART must be check, prefill or share" >&2; exit 2 ;;
+esac
