@@ -17,7 +17,7 @@ sum, so the ranks go on with the same hidden states.
 
 Eager only: gathering the owned pairs reads their count on the host. The CUDA graph form (fixed-size pair
 lists, NCCL inside the capture) is the next step, with the plan of every GPU and the launch of one worker
-process per GPU (docs/ARCHITECTURE.md §3).
+process per GPU (docs/ARCHITECTURE.md §3, "Experts partitioned across ranks").
 """
 
 from __future__ import annotations
