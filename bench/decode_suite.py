@@ -25,6 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.long_context import LONG_PROMPT  # noqa: E402
 from bench.serve_process import make_bench_model, start_serve  # noqa: E402
 
 MODELS = ROOT / "tests/data/models"
@@ -57,7 +58,6 @@ WORKLOADS = {
     "long_context_36b": (MODELS / "qwen3.6-35b-a3b/config.json", None,
                          ["--gpu-memory", "24GiB", "--max-running-requests", "8", "--num-tokens", "262144"]),
 }  # fmt: skip
-LONG_PROMPT = 261_988  # the prompt: the 35B's 262,144-token context less a completion's room
 VARIANTS = {"default": [], "no-prefetch": ["--no-expert-prefetch"], "eager": ["--enforce-eager"],
             # decode steps of 8 tokens copy with the GPU's cores inside the graph (the default before 8 streams measured faster on the copy engine)
             "core-copies8": ["--expert-copy-engine-tokens", "9"],

@@ -184,6 +184,21 @@ def hbm_bytes_per_token(config_dir: str, context: float) -> tuple[float, int]:
     return dense + computed + kv + linear, expert
 
 
+def id_range(vocab: int | None) -> tuple[int, int]:
+    """The token ids the prompts draw from: ordinary ones, past the first thousand (specials, bytes) and
+    under 100k."""
+    high = min(vocab or 10000, 100000)
+    return min(1000, high // 2), high
+
+
+def prompt_ids(vocab: int | None, seed: int = 0):
+    """A function n -> n random token ids of `id_range`, seeded."""
+    import numpy as np
+
+    rng, (low, high) = np.random.default_rng(seed), id_range(vocab)
+    return lambda n: rng.integers(low, high, n).tolist()
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
@@ -217,10 +232,7 @@ def main() -> int:
         from ferry.plan.model_config import load_model_config
 
         vocab = load_model_config(args.config).vocab_size
-    rng = np.random.default_rng(0)
-    high = min(vocab or 10000, 100000)
-    low = min(1000, high // 2)
-    prompt = lambda n: rng.integers(low, high, n).tolist()  # noqa: E731
+    prompt, (low, high) = prompt_ids(vocab), id_range(vocab)
     result: dict = {"base_url": args.base_url, "model": model, "max_tokens": args.max_tokens,
                     "temperature": args.temperature, "runs": []}  # fmt: skip
 

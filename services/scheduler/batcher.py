@@ -437,8 +437,8 @@ class BatchScheduler:
         budget_cut = end < len(req.tokens) and end - end % ps > start
         if not cuts:
             return end - end % ps - start if budget_cut else q
-        if len(cuts) == 1 and not budget_cut and (end % ps or self.snapshot_span > 1):
-            return q  # its one point is saved inside the chunk (_save_inside): its end keeps no snapshot
+        if len(cuts) == 1 and not budget_cut and not self._end_keeps_snapshot(req, end):
+            return q  # its one point is saved inside the chunk (_save_inside)
         if cuts[0] - start < self.snapshot_span:  # a cut this close is not worth its step (offloaded experts)
             req.snapshot_points.discard(cuts[0])
             return self._chunk_len(req, budget)
@@ -446,21 +446,25 @@ class BatchScheduler:
 
     def _save_inside(self, req: Request, q: int) -> int:
         """The snapshot point saved inside req's next chunk of q tokens (0: none): the chunk's only point,
-        when its end keeps no snapshot of its own (a row saves one state a step). The linear layers keep
-        the state there during the forward, so the chunk is not cut into two steps (_chunk_len). A chunk
-        ending on a page boundary keeps its end: a long prefill's every-chunk point where the budget cuts
-        it short, or the exact end of what there is to compute (for a request extending this prompt
-        exactly, a /v1/completions prompt sent again longer). With experts offloaded the last chunk keeps
-        its inside point instead: the cut both would need costs a step with a pass over the missed
-        experts (the bench's 2,000-token prompt is 125 pages; its TTFT on the hybrid cut rose from 0.18 s
-        to 0.24 when that cut came in), while the next turn, another choice of the prompt and the prompt sent again all
-        resume at the inside point, a few tokens before the end (PROMPT_END_MARGIN); the output keeps its
-        own page boundaries."""
-        start, end, ps = req.num_computed, req.num_computed + q, self.pool.page_size
-        if not self.snapshots.total or q <= 1 or (end % ps == 0 and (end < len(req.tokens) or self.snapshot_span == 1)):
+        when its end keeps no snapshot of its own (a row saves one state a step: _end_keeps_snapshot). The
+        linear layers keep the state there during the forward, so the chunk is not cut into two steps
+        (_chunk_len)."""
+        start, end = req.num_computed, req.num_computed + q
+        if not self.snapshots.total or q <= 1 or self._end_keeps_snapshot(req, end):
             return 0
         inside = [p for p in req.snapshot_points if start < p < end]
         return inside[0] if len(inside) == 1 else 0
+
+    def _end_keeps_snapshot(self, req: Request, end: int) -> bool:
+        """Whether a chunk of req ending at `end` saves its state there. A chunk ending on a page boundary
+        keeps its end: a long prefill's every-chunk point where the budget cuts it short, or the exact end
+        of what there is to compute (for a request extending this prompt exactly, a /v1/completions prompt
+        sent again longer). With experts offloaded the last chunk keeps its inside point instead: the cut
+        both would need costs a step with a pass over the missed experts (the bench's 2,000-token prompt is
+        125 pages; its TTFT on the hybrid cut rose from 0.18 s to 0.24 when that cut came in), while the
+        next turn, another choice of the prompt and the prompt sent again all resume at the inside point,
+        a few tokens before the end (PROMPT_END_MARGIN); the output keeps its own page boundaries."""
+        return end % self.pool.page_size == 0 and (end < len(req.tokens) or self.snapshot_span == 1)
 
     def _save_for(self, req: Request, end: int) -> Snapshot | None:
         """The pending snapshot a row ending at page boundary `end` saves into, or None (every id is pending).
@@ -533,7 +537,8 @@ class BatchScheduler:
         prompt_logprobs = np.zeros(n, dtype=bool)
         restore = np.full(n, -1, dtype=np.int32)
         save = np.full(n, -1, dtype=np.int32)
-        offset = np.array([e.query_len for e in entries], dtype=np.int32)
+        query_lens = np.array([e.query_len for e in entries], dtype=np.int32)
+        offset = query_lens.copy()  # where each row's state is saved: its end unless kept inside
         ps = self.pool.page_size
         for i, e in enumerate(entries):
             r = e.req
@@ -568,7 +573,7 @@ class BatchScheduler:
             step_id=step_id,
             req_ids=np.array([e.req.rid for e in entries], dtype=np.int64),
             tokens=np.array(tokens, dtype=np.int32),
-            query_lens=np.array([e.query_len for e in entries], dtype=np.int32),
+            query_lens=query_lens,
             context_lens=np.array(contexts, dtype=np.int32),
             page_table=page_table,
             linear_state_slots=np.array([e.req.linear_state_slot for e in entries], dtype=np.int32),
@@ -580,7 +585,7 @@ class BatchScheduler:
             feed_sampled=None if ahead_positions is None else np.ones(n, dtype=bool),
             restore_state=restore if (restore >= 0).any() else None,  # None: no row copies a state
             save_state=save if (save >= 0).any() else None,
-            save_offset=offset if (offset < np.array([e.query_len for e in entries])).any() else None,
+            save_offset=offset if (offset < query_lens).any() else None,
         )
 
     def complete(self, output: StepOutput) -> Outcome:

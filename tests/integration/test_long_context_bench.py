@@ -29,7 +29,7 @@ def test_the_bounds_of_the_issues_prompt_by_hand():
     # and each token multiplies ~2.4 G weights (8 of 256 experts, the shared expert, the projections)
     assert 2.2e9 < flops["linear_flops"] / (2 * L) < 2.6e9
     # 32 chunks of 8192 tokens, each streaming the 8,210 experts without a slot at 24 GiB, packed (4.72 MB)
-    packed = crossing_bytes({"host_expert_bank_bytes": 10240 * 4_718_592, "expert_total": 10240}, spec)
+    packed = crossing_bytes({"host_expert_bank_bytes": 10240 * 4_718_592, "expert_total": 10240}, spec, spec.dtype)
     assert packed == 4_718_592
     moved = streamed_bytes(10240, 2030, packed, L, 8192)
     assert moved == 32 * 8210 * 4_718_592

@@ -31,12 +31,12 @@ def _complete(base_url: str, prompt: str, n: int = 4) -> int:
     return client.completions.create(model="tiny", prompt=prompt, max_tokens=n).usage.completion_tokens
 
 
-def test_killed_services_restarted_as_compose_would_serve_again_in_the_tcp_layout(model_dir, short_tmp_path):
-    keys = short_tmp_path / "keys"
+def test_killed_services_restarted_as_compose_would_serve_again_in_the_tcp_layout(model_dir, tmp_path):
+    keys = tmp_path / "keys"
     keys.mkdir()
     for role in ("scheduler", "api", "worker"):
         zmq.auth.create_certificates(str(keys), role)
-    c = start_cluster(model_dir, short_tmp_path / "run", worker_flags=["--max-model-len", "512"], layout="tcp",
+    c = start_cluster(model_dir, tmp_path / "run", worker_flags=["--max-model-len", "512"], layout="tcp",
                       env={"FERRY_WIRE_KEYS": str(keys)})  # fmt: skip
     try:
         assert _complete(c.base_url, "before") == 4
@@ -70,10 +70,10 @@ def test_killed_services_restarted_as_compose_would_serve_again_in_the_tcp_layou
         c.stop()
 
 
-def test_a_step_never_answered_fails_its_request_though_the_worker_says_idle(model_dir, short_tmp_path):
+def test_a_step_never_answered_fails_its_request_though_the_worker_says_idle(model_dir, tmp_path):
     """A worker that heartbeats "idle" and never answers (its step lost, or taken by another peer): the
     request fails within a few seconds, by the scheduler's own clock, and the worker is kept."""
-    c = start_cluster(model_dir, short_tmp_path, wait=False)
+    c = start_cluster(model_dir, tmp_path, wait=False)
     for name in ("api", "worker"):
         c.procs[name].kill()
         c.procs[name].wait()

@@ -167,6 +167,23 @@ def bank_format(banks) -> int:
     return codes[name]
 
 
+def check_call(banks, dtype: torch.dtype, moe_layer: int, x: torch.Tensor, tokens: torch.Tensor,
+               experts: torch.Tensor) -> None:
+    """A host expert call over `banks` in `dtype` (HostExperts' contract, both backends), or ValueError
+    naming what is wrong: the layer, x [T, H] on the CPU in the compute dtype, each pair's token row and
+    expert (int64 [P] each). The C code reads the banks by these indices unchecked."""
+    if not 0 <= moe_layer < banks.num_layers:
+        raise ValueError(f"MoE layer {moe_layer} is outside the banks' {banks.num_layers} layers")
+    if x.dim() != 2 or x.shape[1] != banks.hidden_size or x.dtype != dtype or x.device.type != "cpu":
+        raise ValueError(f"x must be a CPU {dtype} tensor [T, {banks.hidden_size}], got {x.dtype} "
+                         f"{tuple(x.shape)} on {x.device}")  # fmt: skip
+    bad = (tokens < 0) | (tokens >= x.shape[0]) | (experts < 0) | (experts >= banks.num_experts)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        raise ValueError(f"pair (token {int(tokens[i])}, expert {int(experts[i])}) is outside {x.shape[0]} tokens "
+                         f"and {banks.num_experts} experts")  # fmt: skip
+
+
 class HostKernel:
     """The C kernel over one set of host banks, computing in `dtype` on `threads` threads (its own pool)."""
 
@@ -177,6 +194,7 @@ class HostKernel:
         if dtype not in ACTS:
             raise KernelUnavailable(f"the C kernel computes in float32 or bfloat16, not {dtype}")
         self.format, self.act, self.isa = bank_format(banks), ACTS[dtype], resolve_isa(isa)
+        self.dtype = dtype
         if not lib.ferry_host_isa_available(ISAS[self.isa]):
             raise KernelUnavailable(f"this CPU lacks the {self.isa} instructions the host kernel was asked for")
         self.banks, self.hidden, self.inter = banks, banks.hidden_size, banks.intermediate_size  # alive while pointed at
@@ -228,14 +246,16 @@ class HostKernel:
         return out
 
     def compute(self, moe_layer: int, x: torch.Tensor, pairs: Sequence[tuple[int, int, float]]) -> torch.Tensor:
-        """float32 [T, H], HostExperts.compute's contract; x [T, H] in the compute dtype, on the CPU."""
+        """float32 [T, H], HostExperts.compute's contract; x [T, H] in the compute dtype, on the CPU. Every
+        index the C code follows is checked here first (it reads the banks by them, unchecked)."""
+        tokens = torch.tensor([p[0] for p in pairs], dtype=torch.int64)
+        experts = torch.tensor([p[1] for p in pairs], dtype=torch.int64)
+        weights = torch.tensor([p[2] for p in pairs], dtype=torch.float32)
+        check_call(self.banks, self.dtype, moe_layer, x, tokens, experts)
         if self.format == PACKED:
             self._packed_layout()
         x = x.contiguous()
         out = torch.empty(x.shape[0], self.hidden, dtype=torch.float32)
-        tokens = torch.tensor([p[0] for p in pairs], dtype=torch.int64)
-        experts = torch.tensor([p[1] for p in pairs], dtype=torch.int64)
-        weights = torch.tensor([p[2] for p in pairs], dtype=torch.float32)
         w13, w2 = self.families[moe_layer]
         job = Job(format=self.format, act=self.act, isa=ISAS[self.isa], tokens=x.shape[0], hidden=self.hidden,
                   inter=self.inter, x=x.data_ptr(), n_pairs=len(pairs), pair_token=tokens.data_ptr(),

@@ -46,7 +46,7 @@ import structlog
 import torch
 import torch.nn.functional as F
 
-from ferry.services.worker.offload.host_expert_kernel import HostKernel, KernelUnavailable
+from ferry.services.worker.offload.host_expert_kernel import HostKernel, KernelUnavailable, check_call
 from ferry.services.worker.offload.host_expert_weights import DECODE_CHUNK, expert_reader
 
 log = structlog.get_logger("worker.offload")
@@ -106,8 +106,7 @@ class HostExperts:
         The C kernel runs on the caller's thread (its own pool does the work, the GIL released): a hop
         to the dedicated thread, a Future's hand-off and wake-up, would only add latency to a call that
         runs no torch op."""
-        if self.c_kernel is not None:
-            self._check(moe_layer, x, pairs)
+        if self.c_kernel is not None:  # it checks the call itself, before its C code follows any index
             return self.c_kernel.compute(moe_layer, x, list(pairs))
         return self.submit(moe_layer, x, pairs).result()
 
@@ -117,15 +116,9 @@ class HostExperts:
             self.c_kernel.close()
 
     def _check(self, moe_layer: int, x: torch.Tensor, pairs: Sequence[Pair]) -> None:
-        if not 0 <= moe_layer < self.num_layers:
-            raise ValueError(f"MoE layer {moe_layer} is outside the banks' {self.num_layers} layers")
-        if x.dim() != 2 or x.shape[1] != self.hidden_size or x.dtype != self.dtype or x.device.type != "cpu":
-            raise ValueError(f"x must be a CPU {self.dtype} tensor [T, {self.hidden_size}], got {x.dtype} "
-                             f"{tuple(x.shape)} on {x.device}")  # fmt: skip
-        for token, expert, _ in pairs:
-            if not (0 <= token < x.shape[0] and 0 <= expert < self.num_experts):
-                raise ValueError(f"pair (token {token}, expert {expert}) is outside {x.shape[0]} tokens "
-                                 f"and {self.num_experts} experts")  # fmt: skip
+        tokens = torch.tensor([p[0] for p in pairs], dtype=torch.int64)
+        experts = torch.tensor([p[1] for p in pairs], dtype=torch.int64)
+        check_call(self.banks, self.dtype, moe_layer, x, tokens, experts)
 
     @torch.no_grad()
     def _compute(self, moe_layer: int, x: torch.Tensor, pairs: list[Pair]) -> torch.Tensor:

@@ -108,7 +108,21 @@ def test_mismatched_parts_are_refused():
         OffloadedExperts(slot_pool(SPEC, 6, dtype="bfloat16"), banks, LRUExpertPolicy(LAYERS, 6, 6), "cpu")
 
 
-@pytest.mark.parametrize("check", ["store", "device-driven-float32", "device-driven-bfloat16", "host-share"])
+INTERPRETED_CHECKS = ["store", "device-driven-float32", "device-driven-bfloat16", "host-share"]
+
+
+def test_every_check_of_the_interpreted_script_runs():
+    """The script's CHECKS (read from its source: importing it needs the interpreter) are the ones below."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse(Path(__file__).with_name("interpreted_offload_store.py").read_text())
+    checks = next(n.value for n in tree.body if isinstance(n, ast.Assign)
+                  and getattr(n.targets[0], "id", None) == "CHECKS")
+    assert [k.value for k in checks.keys] == INTERPRETED_CHECKS
+
+
+@pytest.mark.parametrize("check", INTERPRETED_CHECKS)
 def test_the_triton_path_with_host_alignment_under_the_interpreter(check):
     """What CUDA runs (Triton over host-aligned groups), on CPU through TRITON_INTERPRET=1."""
     import json

@@ -255,12 +255,20 @@ def test_threads_are_set_on_the_dedicated_thread_only(banks_of):
         HostExperts(banks_of("plain"), torch.float32, threads=0, kernel="torch")
 
 
-def test_bad_calls_are_refused_before_any_work(banks_of):
-    host = HostExperts(banks_of("fp8-block"), torch.float32, threads=1, kernel="torch")
+@pytest.mark.parametrize("kernel", ["torch", "c"])
+def test_bad_calls_are_refused_before_any_work(banks_of, kernel):
+    """On either backend: the C kernel reads the banks by these indices, unchecked, so a bad one must
+    never reach it (an expert past the banks read memory past them)."""
+    from ferry.services.worker.offload import host_expert_kernel as K
+
+    if kernel == "c" and K.library()[0] is None:
+        pytest.skip(f"host kernel not built: {K.library()[1]}")
+    host = HostExperts(banks_of("fp8-block"), torch.float32, threads=1, kernel=kernel)
     x = _x()
     for layer, xs, pairs, match in ((0, x, [(3, 0, 1.0)], "outside 3 tokens"), (0, x, [(0, EXPERTS, 1.0)], "expert 4"),
-                                    (LAYERS, x, [], "MoE layer 2"), (0, x.bfloat16(), [], "float32"),
-                                    (0, x[:, :-1], [], "float32")):  # fmt: skip
+                                    (0, x, [(0, 10**7, 1.0)], "expert 10000000"), (0, x, [(-1, 0, 1.0)], "token -1"),
+                                    (LAYERS, x, [], "MoE layer 2"), (-1, x, [], "MoE layer -1"),
+                                    (0, x.bfloat16(), [], "float32"), (0, x[:, :-1], [], "float32")):  # fmt: skip
         with pytest.raises(ValueError, match=match):
             host.compute(layer, xs, pairs)
     host.close()

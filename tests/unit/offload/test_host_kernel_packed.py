@@ -18,7 +18,7 @@ from ferry.kernels.expert_pack import unpack_expert_reference
 from ferry.services.worker.offload import host_expert_kernel as K
 from ferry.services.worker.offload.host_experts import HostExperts
 from ferry.services.worker.offload.packed_banks import PackedHostBanks
-from tests.unit.offload.test_host_expert_kernel import _both  # the C and the torch path on the same call
+from tests.unit.offload.test_host_expert_kernel import _both, isas  # the C and the torch path on one call; the ISAs here
 
 pytestmark = pytest.mark.skipif(K.library()[0] is None, reason=f"host kernel not built: {K.library()[1]}")
 
@@ -27,11 +27,6 @@ COMPUTED_LAYERS = (0, 1)  # layer 2 holds the inf / NaN expert: decoded bit for 
 # (hidden, inter): vectors of 32 whole; rows ending 18 and 14 values into a vector; w2 rows of 18
 # values, shorter than one vector
 SHAPES = {"even": (256, 160), "odd": (210, 46), "narrow": (66, 18)}
-
-
-def isas() -> list:
-    avx = K.library()[0].ferry_host_isa_available(K.ISAS["avx512"])
-    return ["portable", pytest.param("avx512", marks=pytest.mark.skipif(not avx, reason="no AVX-512 BF16 here"))]
 
 
 def _bits(*values: int) -> torch.Tensor:
