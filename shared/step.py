@@ -73,6 +73,13 @@ class StepBatch(msgspec.Struct, frozen=True, kw_only=True):
     # the prompt is not cut into one more step (with experts offloaded, one more pass over the misses).
     save_offset: np.ndarray | None = None
 
+    def saved_inside(self) -> np.ndarray:
+        """bool [R]: the rows whose state is saved inside their chunk (by the linear layers, during the
+        forward); the other saving rows save at their chunk's end, after it."""
+        if self.save_state is None or self.save_offset is None:
+            return np.zeros(len(self.req_ids), dtype=bool)
+        return (self.save_state >= 0) & (self.save_offset < self.query_lens)
+
     @classmethod
     def empty(cls, step_id: int, finished_req_ids: tuple[int, ...] = ()) -> "StepBatch":
         """A step of no requests: it only makes the worker forget `finished_req_ids` (and, all padding,

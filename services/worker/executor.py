@@ -208,10 +208,7 @@ class StepExecutor:
         """After the forward: each saving row's snapshot takes the state at the end of the row's chunk (rows
         saved inside their chunk were saved by the linear layers, during the forward)."""
         if batch.save_state is not None:
-            at_end = batch.save_state >= 0
-            if batch.save_offset is not None:
-                at_end &= batch.save_offset >= batch.query_lens
-            rows = np.flatnonzero(at_end)
+            rows = np.flatnonzero((batch.save_state >= 0) & ~batch.saved_inside())
             self.pools.linear_state.save([(int(batch.linear_state_slots[i]), int(batch.save_state[i])) for i in rows])
 
     def _feed_sources(self, batch: StepBatch, previous: tuple | None) -> np.ndarray | None:

@@ -88,12 +88,9 @@ class ForwardBatch:
             arrays = _padded_decode(arrays, rows, pad_to, max_pages)
             rows = pad_to
         pad = rows - len(qlens)
-        inside = ()
-        if step.save_state is not None and step.save_offset is not None:
-            saving = (step.save_state >= 0) & (step.save_offset < step.query_lens)
-            inside = tuple((int(i), int(step.save_offset[i]), int(step.save_state[i])) for i in np.flatnonzero(saving))
-            if inside and pad_to is not None:
-                raise ValueError("a decode graph's step saves no state inside a row (one token a row)")
+        inside = tuple((int(i), int(step.save_offset[i]), int(step.save_state[i])) for i in np.flatnonzero(step.saved_inside()))
+        if inside and pad_to is not None:
+            raise ValueError("a decode graph's step saves no state inside a row (one token a row)")
         return cls(
             **_to_device_in_one_copy(arrays, torch.device(device), into),
             sample_mask=np.concatenate([step.sample.astype(bool), np.ones(pad, bool)]),
