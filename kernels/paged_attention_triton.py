@@ -270,13 +270,13 @@ def query_blocks(query_lens: list[int], block_m: int) -> tuple[list[int], list[i
 
 def prefill_tiles(head_dim: int, group: int) -> tuple[int, int, int]:
     """(rows a program computes, key block, warps) for a head size: the rows are tokens x the GROUP query
-    heads of one kv head, so a key block is read once for all of them. The largest tiles whose registers
-    hold on sm_90 without spilling (cuobjdump -res-usage of the compiled kernel, 255 registers a thread):
-    64 rows x 32 keys at head_dim 128 (186 registers), 64 x 16 at 256 (213; 64 x 32 spills 200 bytes a
-    thread). tests/unit/kernels/test_fused_kernels_compile.py keeps them spill-free; bench/prefill_attention.py
-    times them on the device."""
-    rows, keys = (64, 32) if head_dim <= 128 else (64, 16)
-    return max(rows, triton.next_power_of_2(group)), keys, 8
+    heads of one kv head, so a key block is read once for all of them. Measured on the H200
+    (bench/prefill_attention.py, bench/NOTES.md): at head_dim 256, 64 rows x 16 keys on 4 warps (one
+    warpgroup) ran 193-198 TFLOPS against 82-89 on 8 warps, though 4 warps spill 40 bytes a thread
+    (cuobjdump -res-usage; 8 warps hold in 213 registers); at 128, 64 x 32 on 8 warps holds in 186
+    registers. tests/unit/kernels/test_fused_kernels_compile.py holds each to its measured spill."""
+    rows, keys, warps = (64, 32, 8) if head_dim <= 128 else (64, 16, 4)
+    return max(rows, triton.next_power_of_2(group)), keys, warps
 
 
 def paged_attention_prefill_triton(q, k_cache, v_cache, page_table, query_start, positions, query_lens: list[int],

@@ -110,7 +110,7 @@ def test_triton_kernel_matches_reference(kernel, index, interpreted_runs):
 def test_prefill_tiles_hold_a_kv_heads_query_heads_and_refuse_a_block_that_cannot():
     from ferry.kernels.paged_attention_triton import paged_attention_prefill_triton, prefill_tiles
 
-    assert prefill_tiles(128, 8) == (64, 32, 8) and prefill_tiles(256, 8) == (64, 16, 8)
+    assert prefill_tiles(128, 8) == (64, 32, 8) and prefill_tiles(256, 8) == (64, 16, 4)
     assert prefill_tiles(64, 256)[0] == 256  # more query heads a kv head than rows: the rows grow
     q, kc, vc, pt, qs, pos, _, _ = _scenario(0, 4, 8, 2, 16, [5], [0])
     with pytest.raises(ValueError, match="block_rows"):

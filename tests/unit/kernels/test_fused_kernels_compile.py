@@ -19,7 +19,10 @@ def test_fused_and_paged_attention_kernels_compile_for_hopper():
     for name, r in results.items():
         assert "error" not in r and r["cubin"], f"{name}: {r}"
     # at the served dtype and the warps they launch with, their registers hold (a spill is a round trip to
-    # memory in every key block of a 262k prefill, or in every decode step): the prefill's tiles
-    # (prefill_tiles) and the Gated DeltaNet decode's 8 warps were chosen so; float32 runs only in tests
+    # memory in every key block of a 262k prefill, or in every decode step): the Gated DeltaNet decode's 8
+    # warps were chosen so. The one exception was measured: the prefill at head_dim 256 on one warpgroup
+    # spills 40 bytes a thread and runs 2.3x the spill-free 8 warps on the H200 (prefill_tiles); it may not
+    # spill more than that. float32 runs only in tests
+    allowed = {"paged_attention_prefill[bf16, d=256]": 40}
     for name in (n for n in results if "[bf16" in n):
-        assert results[name]["stack"] in (0, None), f"{name} spills: {results[name]}"
+        assert (results[name]["stack"] or 0) <= allowed.get(name, 0), f"{name} spills: {results[name]}"
