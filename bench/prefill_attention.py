@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bandwidth import _time_ms  # noqa: E402
+from bench.decode_suite import commit  # noqa: E402
 from ferry.kernels.paged_attention_triton import paged_attention_prefill_triton, prefill_tiles  # noqa: E402
 
 PAGE = 16
@@ -118,8 +119,8 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         del paged, dense
         torch.cuda.empty_cache()
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "heads": heads, "kv_heads": kv,
-              "head_dim": hd, "default_tiles": default, "runs": rows_out}  # fmt: skip
+    result = {"commit": commit(), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "heads": heads, "kv_heads": kv, "head_dim": hd, "default_tiles": default, "runs": rows_out}  # fmt: skip
     if args.whole_prompt:
         total_ms = 0.0
         for context in range(0, args.whole_prompt, chunk):
