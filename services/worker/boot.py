@@ -221,8 +221,8 @@ def _load_and_plan(cfg: WorkerBootConfig, files: ModelFiles, r: Resolved, device
 
 
 def _attach_host_share(store, spec, plan: Plan, dtype: torch.dtype, device: torch.device, threads: int) -> None:
-    """--host-expert-threads: the host's share of streamed prefills (offload/host_share.py), its costs
-    measured here on this machine's paths and logged."""
+    """--host-expert-threads: the host's share of streamed prefills (offload/host_share.py) and of decode
+    layers (offload/host_decode.py), their costs measured here on this machine's paths and logged."""
     from ferry.services.worker.offload.device_store import DeviceDrivenExperts
     from ferry.services.worker.offload.host_experts import HostExperts
     from ferry.services.worker.offload.host_share import HostShare, calibrate
@@ -239,6 +239,28 @@ def _attach_host_share(store, spec, plan: Plan, dtype: torch.dtype, device: torc
     log.info("host_share", threads=threads, backend=experts.backend, pcie_us=round(cost.pcie_s * 1e6, 1),
              host_us_at_1=round(cost.host_s_at_1 * 1e6, 1), host_us_per_token=round(cost.host_s_per_token * 1e6, 2),
              overhead_us=round(cost.overhead_s * 1e6, 1))  # fmt: skip
+    _attach_host_decode(store, spec, experts, cost, device)
+
+
+def _attach_host_decode(store, spec, experts, cost, device: torch.device) -> None:
+    """The host's share of decode layers' misses (offload/host_decode.py): a host node in the decode
+    graph, so only the C kernel (no Python, no GIL where it runs); its hand-off measured here."""
+    from ferry.kernels.expert_pair_gemv import PAIR_KERNEL_MAX_PAIRS
+    from ferry.services.worker.offload.host_decode import HostDecodeShare, calibrate_handoff
+
+    if experts.c_kernel is None:
+        log.info("host_decode_off", reason="the host's C expert kernel is not available here (host_experts_torch_path "
+                                           "says why): a graph's host node runs it without Python")  # fmt: skip
+        return
+    k = spec.num_experts_per_tok
+    ns = [round(v * 1e9) for v in (cost.pcie_s, cost.host_s_at_1, cost.host_s_per_token)]
+    share = HostDecodeShare(experts.c_kernel, (*ns, 0), max(1, PAIR_KERNEL_MAX_PAIRS // k), k, spec.num_experts,
+                            device)  # fmt: skip
+    overhead = calibrate_handoff(share, store.cache)
+    share.costs_ns = (*ns, round(overhead * 1e9))
+    store.host_decode = share
+    log.info("host_decode", pcie_us=round(cost.pcie_s * 1e6, 1), host_us_at_1=round(cost.host_s_at_1 * 1e6, 1),
+             handoff_us=round(overhead * 1e6, 1), max_tokens=share.max_tokens)  # fmt: skip
 
 
 def _finish_boot(files: ModelFiles, booted: dict, r: Resolved, device: torch.device, req: PlanRequest,

@@ -55,7 +55,7 @@ class WorkerBootConfig:
     enforce_eager: bool = False  # never replay decode steps as CUDA graphs
     expert_prefetch: bool = True  # copy the next MoE layer's predicted experts ahead
     expert_copy_engine_tokens: int | None = None  # decode steps of this many tokens or more copy with the copy engine; None: by bank format
-    host_expert_threads: int = 0  # > 0: the host computes part of a streamed prefill's missed experts on this many threads
+    host_expert_threads: int = 0  # > 0: the host computes part of the missed experts (prefill and decode) on this many threads
     plan: PlanRequest = PlanRequest()
 
 
@@ -89,10 +89,11 @@ def add_worker_flags(parser: argparse.ArgumentParser, model_required: bool = Tru
                              "any step past 64 (token, k) pairs, takes the host-read path too (default: "
                              f"{DEFAULT_COPY_ENGINE_TOKENS} with plain banks, none with packed ones)")  # fmt: skip
     parser.add_argument("--host-expert-threads", type=int, default=0, metavar="N",
-                        help="with experts offloaded on CUDA: the host computes part of each prefill's missed "
-                             "experts, where they lie in host RAM, on N threads, while the rest cross PCIe; the "
-                             "split comes from a calibration at boot, logged as host_share (default 0: off; "
-                             "leave the cores the three processes need)")  # fmt: skip
+                        help="with experts offloaded on CUDA: the host computes part of the missed experts, "
+                             "where they lie in host RAM, on N threads, while the rest cross PCIe: of each "
+                             "prefill's layers and, with the C kernel built, of each decode layer inside its CUDA "
+                             "graph; the split comes from a calibration at boot, logged as host_share and "
+                             "host_decode (default 0: off; leave the cores the three processes need)")  # fmt: skip
     add_planner_flags(parser)
 
 
