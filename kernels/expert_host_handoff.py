@@ -45,7 +45,7 @@ def _hand_to_host_kernel(
     overhead_ns = tl.load(costs_ptr + 3)
     m = tl.load(count_ptr).to(tl.int64)
     # the missed pairs per missed expert
-    missed_pairs = 0
+    missed_pairs = tl.zeros([], tl.int64)
     for start in range(0, T * K, BLOCK_P):
         p = start + tl.arange(0, BLOCK_P)
         s = tl.load(miss_slots_ptr + p, mask=p < n_pairs, other=-1)
@@ -70,7 +70,7 @@ def _hand_to_host_kernel(
     tl.debug_barrier()
 
     # their pairs: out of the miss slots, listed for the host in pair order
-    listed = 0
+    listed = tl.zeros([], tl.int64)
     for start in range(0, T * K, BLOCK_P):
         p = start + tl.arange(0, BLOCK_P)
         in_range = p < T * K
@@ -90,7 +90,7 @@ def _hand_to_host_kernel(
 
     tl.store(expert_flags_ptr + e, tl.zeros([BLOCK_E], tl.int8), mask=mine)  # the lookup's scratch, cleared
     tl.store(count_ptr, keep.to(tl.int32))
-    tl.store(meta_ptr, (T + 0 * m).to(tl.int64))
+    tl.store(meta_ptr, tl.zeros([], tl.int64) + T)
     tl.store(meta_ptr + 1, listed)
     tl.store(totals_ptr, tl.load(totals_ptr) + h)
     tl.store(totals_ptr + 1, tl.load(totals_ptr + 1) + listed)
