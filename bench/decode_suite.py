@@ -66,9 +66,11 @@ VARIANTS = {"default": [], "no-prefetch": ["--no-expert-prefetch"], "eager": ["-
             # the experts kept in host RAM as bf16 (the default packs them to 12 bits a value)
             "plain": ["--expert-bank-format", "plain"],
             # the host computes part of each streamed prefill's missed experts (host_share.py), 12 of the H200 host's 16 cores
-            "host-share": ["--host-expert-threads", "12"],
+            "host-share": ["--expert-backend", "hybrid", "--host-expert-threads", "12"],
             # the same with no next-layer prefetch: every expert a decode layer lacks is then a miss the host may share
-            "host-share-no-prefetch": ["--host-expert-threads", "12", "--no-expert-prefetch"]}
+            "host-share-no-prefetch": ["--expert-backend", "hybrid", "--host-expert-threads", "12", "--no-expert-prefetch"],
+            # the GPU alone (the default, auto, takes a host share where the host has cores to spare)
+            "gpu": ["--expert-backend", "gpu"]}
 
 
 def commit() -> str:
@@ -173,7 +175,8 @@ def write_hybrid_cpu(workload: str, variant: str, gpu_only: dict, hybrid: dict, 
     kernel, from the GPU-only bound (missed bytes over the measured link) scaled by the experts a second
     the host adds to the link's, both as the worker measured them at boot (its host_decode line)."""
     tag = workload if variant == "host-share" else f"{workload}_{variant.removeprefix('host-share-')}"
-    boot = logged_event(out / f"serve_{workload}_{variant}.log", "host_decode")
+    log = out / (f"serve_{workload}.log" if variant == "default" else f"serve_{workload}_{variant}.log")
+    boot = logged_event(log, "host_decode")
     pcie_us, host_us = float(boot.get("pcie_us", "nan")), float(boot.get("host_us_at_1", "nan"))
     link_bound = gpu_only["single_stream_bound_tok_s"]
     both = link_bound * (1 + pcie_us / host_us) if link_bound and pcie_us == pcie_us and host_us == host_us else None
@@ -230,9 +233,9 @@ def main() -> int:
             except Exception as exc:  # noqa: BLE001 - the next workload still runs
                 failed.append(f"{workload}/{variant}: {type(exc).__name__}: {exc}")
                 print(f"[{workload}/{variant}] FAILED: {exc}", flush=True)
-        for variant in ("host-share", "host-share-no-prefetch"):
-            if "default" in results and variant in results:
-                write_hybrid_cpu(workload, variant, results["default"], results[variant], out)
+        for variant in ("host-share", "host-share-no-prefetch", "default"):  # each against the GPU alone
+            if "gpu" in results and variant in results:
+                write_hybrid_cpu(workload, variant, results["gpu"], results[variant], out)
     print(f"suite done in {time.monotonic() - t0:.0f} s; failed: {failed or 'none'}")
     return 1 if failed else 0
 

@@ -210,7 +210,7 @@ def _load_and_plan(cfg: WorkerBootConfig, files: ModelFiles, r: Resolved, device
         experts.bind(store)
         # an offloaded store's experts go to host banks: read them to CPU, never through the device
         booted.update(plan=plan, pools=pools, store=store, expert_device=torch.device("cpu") if banks else device,
-                      experts_started=time.monotonic(), host_expert_threads=cfg.host_expert_threads)  # fmt: skip
+                      experts_started=time.monotonic())  # fmt: skip
 
     dummy = files.load_format == "dummy"
     progress = _progress_bars()
@@ -220,31 +220,38 @@ def _load_and_plan(cfg: WorkerBootConfig, files: ModelFiles, r: Resolved, device
     return booted
 
 
-def _attach_host_share(store, spec, plan: Plan, dtype: torch.dtype, device: torch.device, threads: int) -> None:
-    """--host-expert-threads: the host's share of streamed prefills (offload/host_share.py) and of decode
-    layers (offload/host_decode.py), their costs measured here on this machine's paths and logged."""
+def _attach_host_share(store, spec, plan: Plan, dtype: torch.dtype, device: torch.device) -> None:
+    """--expert-backend hybrid | cpu | auto (plan.expert_backend): the host's share of streamed prefills
+    (offload/host_share.py) and of decode layers (offload/host_decode.py), their costs measured here on
+    this machine's paths and logged. `cpu` hands the host every miss; `auto` keeps the decode share only
+    where the calibration says the host shortens a decode layer."""
     from ferry.services.worker.offload.device_store import DeviceDrivenExperts
     from ferry.services.worker.offload.host_experts import HostExperts
-    from ferry.services.worker.offload.host_share import HostShare, calibrate
+    from ferry.services.worker.offload.host_share import HostCost, HostShare, calibrate
 
+    chosen = plan.expert_backend
     why = ("the model runs on the CPU: every expert is computed there already" if device.type != "cuda" else
            "every expert has a GPU slot" if not isinstance(store, DeviceDrivenExperts) else
            "the plan has no staging slots for prefills to stream through" if store.ring is None else None)  # fmt: skip
     if why is not None:
-        log.info("host_share_off", reason=why, host_expert_threads=threads)
+        log.info("host_share_off", reason=why, expert_backend=chosen.requested)
         return
+    threads = chosen.host_threads
     experts = HostExperts(store.banks, dtype, threads)
     cost = calibrate(store, experts, device)
-    store.host_share = HostShare(experts, cost, plan.max_prefill_tokens, spec.num_experts_per_tok, device)
-    log.info("host_share", threads=threads, backend=experts.backend, pcie_us=round(cost.pcie_s * 1e6, 1),
+    log.info("host_share", expert_backend=chosen.backend, requested=chosen.requested, threads=threads,
+             threads_from=chosen.reason, backend=experts.backend, pcie_us=round(cost.pcie_s * 1e6, 1),
              host_us_at_1=round(cost.host_s_at_1 * 1e6, 1), host_us_per_token=round(cost.host_s_per_token * 1e6, 2),
              overhead_us=round(cost.overhead_s * 1e6, 1))  # fmt: skip
-    _attach_host_decode(store, spec, experts, cost, device)
+    split = HostCost(1.0, 0.0, 0.0, 0.0) if chosen.backend == "cpu" else cost  # cpu: the host takes every miss
+    store.host_share = HostShare(experts, split, plan.max_prefill_tokens, spec.num_experts_per_tok, device)
+    _attach_host_decode(store, spec, experts, cost, device, chosen.backend, chosen.requested == "auto")
 
 
-def _attach_host_decode(store, spec, experts, cost, device: torch.device) -> None:
+def _attach_host_decode(store, spec, experts, cost, device: torch.device, backend: str, auto: bool) -> None:
     """The host's share of decode layers' misses (offload/host_decode.py): a host node in the decode
     graph, so only the C kernel (no Python, no GIL where it runs); its hand-off measured here."""
+    from ferry.kernels.expert_host_handoff import host_count_reference
     from ferry.kernels.expert_pair_gemv import PAIR_KERNEL_MAX_PAIRS
     from ferry.services.worker.offload.host_decode import HostDecodeShare, calibrate_handoff
 
@@ -257,10 +264,17 @@ def _attach_host_decode(store, spec, experts, cost, device: torch.device) -> Non
     share = HostDecodeShare(experts.c_kernel, (*ns, 0), max(1, PAIR_KERNEL_MAX_PAIRS // k), k, spec.num_experts,
                             device)  # fmt: skip
     overhead = calibrate_handoff(share, store.cache)
-    share.costs_ns = (*ns, round(overhead * 1e9))
+    measured = (*ns, round(overhead * 1e9))
+    # a single stream's layer misses up to k experts of one token each: what the host must shorten
+    takes = host_count_reference(k, k, measured)
+    fields = dict(pcie_us=round(cost.pcie_s * 1e6, 1), host_us_at_1=round(cost.host_s_at_1 * 1e6, 1),
+                  handoff_us=round(overhead * 1e6, 1), host_takes_of_k_misses=takes, max_tokens=share.max_tokens)  # fmt: skip
+    if auto and not takes:
+        log.info("host_decode_off", reason="auto: by the calibration the host shortens no decode layer", **fields)
+        return
+    share.costs_ns = (1, 0, 0, 0) if backend == "cpu" else measured  # cpu: every miss to the host
     store.host_decode = share
-    log.info("host_decode", pcie_us=round(cost.pcie_s * 1e6, 1), host_us_at_1=round(cost.host_s_at_1 * 1e6, 1),
-             handoff_us=round(overhead * 1e6, 1), max_tokens=share.max_tokens)  # fmt: skip
+    log.info("host_decode", **fields)
 
 
 def _finish_boot(files: ModelFiles, booted: dict, r: Resolved, device: torch.device, req: PlanRequest,
@@ -278,8 +292,8 @@ def _finish_boot(files: ModelFiles, booted: dict, r: Resolved, device: torch.dev
     preloaded = store.preload()  # an offload store warms its free slots; the all-resident one has nothing to do
     log.info("experts_loaded", seconds=round(time.monotonic() - booted["experts_started"], 3),
              source="dummy" if dummy else "checkpoint", preloaded_slots=preloaded)  # fmt: skip
-    if booted.get("host_expert_threads"):  # measured on the loaded banks
-        _attach_host_share(store, spec, plan, dtype, device, booted["host_expert_threads"])
+    if plan.expert_backend.backend != "gpu":  # measured on the loaded banks
+        _attach_host_share(store, spec, plan, dtype, device)
     if device.type == "cuda":  # first-use compiles and tunings at boot, not inside a request
         t0 = time.monotonic()
         ran = warm_up(model, booted["pools"], plan.kv.page_size, device,

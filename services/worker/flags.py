@@ -55,7 +55,6 @@ class WorkerBootConfig:
     enforce_eager: bool = False  # never replay decode steps as CUDA graphs
     expert_prefetch: bool = True  # copy the next MoE layer's predicted experts ahead
     expert_copy_engine_tokens: int | None = None  # decode steps of this many tokens or more copy with the copy engine; None: by bank format
-    host_expert_threads: int = 0  # > 0: the host computes part of the missed experts (prefill and decode) on this many threads
     plan: PlanRequest = PlanRequest()
 
 
@@ -88,20 +87,7 @@ def add_worker_flags(parser: argparse.ArgumentParser, model_required: bool = Tru
                              "smaller ones copy with the GPU's cores inside a CUDA graph; a prefill of N+ tokens, and "
                              "any step past 64 (token, k) pairs, takes the host-read path too (default: "
                              f"{DEFAULT_COPY_ENGINE_TOKENS} with plain banks, none with packed ones)")  # fmt: skip
-    parser.add_argument("--host-expert-threads", type=int, default=0, metavar="N",
-                        help="with experts offloaded on CUDA: the host computes part of the missed experts, "
-                             "where they lie in host RAM, on N threads, while the rest cross PCIe: of each "
-                             "prefill's layers and, with the C kernel built, of each decode layer inside its CUDA "
-                             "graph; the split comes from a calibration at boot, logged as host_share and "
-                             "host_decode (default 0: off; leave the cores the three processes need)")  # fmt: skip
     add_planner_flags(parser)
-
-
-def host_expert_threads(requested: int) -> int:
-    """--host-expert-threads, checked."""
-    if requested < 0:
-        raise ValueError(f"--host-expert-threads must not be negative, got {requested}")
-    return requested
 
 
 def boot_config_from_args(args: argparse.Namespace, model: str | None = None) -> WorkerBootConfig:
@@ -110,7 +96,7 @@ def boot_config_from_args(args: argparse.Namespace, model: str | None = None) ->
         model=model if model is not None else args.model, revision=args.revision, load_format=args.load_format,
         device=args.device, expert_policy=args.expert_policy, enforce_eager=args.enforce_eager,
         expert_prefetch=args.expert_prefetch, expert_copy_engine_tokens=args.expert_copy_engine_tokens,
-        host_expert_threads=host_expert_threads(args.host_expert_threads), plan=plan_request_from_args(args),
+        plan=plan_request_from_args(args),
     )  # fmt: skip
 
 
@@ -126,8 +112,6 @@ def worker_flag_args(cfg: WorkerBootConfig) -> list[str]:
         out.append("--no-expert-prefetch")
     if cfg.expert_copy_engine_tokens is not None:
         out += ["--expert-copy-engine-tokens", str(cfg.expert_copy_engine_tokens)]
-    if cfg.host_expert_threads:
-        out += ["--host-expert-threads", str(cfg.host_expert_threads)]
     for name in PLANNER_FIELDS:
         value = getattr(cfg.plan, name)
         if value is not None:  # byte budgets with their unit: a bare number is refused

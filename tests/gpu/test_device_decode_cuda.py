@@ -267,7 +267,8 @@ def test_a_prefill_streamed_past_the_cache_decodes_as_all_resident(tiny_models, 
         "offload-no-prefetch": ["--moe-cache-size", "10", "--no-expert-prefetch"],
     }
     if dtype == "float32":  # the host computes part of each streamed layer's misses (host_share.py): same tokens
-        variants["offload-host-share"] = ["--moe-cache-size", "10", "--host-expert-threads", "2"]
+        variants["offload-host-share"] = ["--moe-cache-size", "10", "--expert-backend", "hybrid",
+                                          "--host-expert-threads", "2"]
     for name, flags in variants.items():
         executor, plan = _boot(tiny_models[arch], dtype, *flags)
         if "--host-expert-threads" in flags:

@@ -13,6 +13,7 @@ BOOT = ("2026-12-01 10:00:00 [info     ] host_decode                    handoff_
 
 def test_the_record_holds_both_runs_and_the_bound_of_both_paths(tmp_path):
     (tmp_path / "serve_12layer_host-share.log").write_text("2026-12-01 [info ] plan budget_bytes=1\n" + BOOT)
+    (tmp_path / "serve_12layer.log").write_text(BOOT)  # the default variant (auto) logs to the workload's name
     assert logged_event(tmp_path / "serve_12layer_host-share.log", "host_decode")["pcie_us"] == "129.0"
     gpu = {"single_stream_tok_s": 97.9, "streams8_tok_s": 200.0, "single_stream_bound_tok_s": 108.0, "commit": "a",
            "hit_rate": 0.5}  # fmt: skip
@@ -23,6 +24,8 @@ def test_the_record_holds_both_runs_and_the_bound_of_both_paths(tmp_path):
     assert got["single_stream_speedup"] == round(150.0 / 97.9, 3) and got["commit"] == "b"
     # the link carries an expert in 129 µs, the host computes one in 148: together 1 + 129/148 times the link
     assert got["bound_tok_s"] == round(108.0 * (1 + 129.0 / 148.0), 2)
+    auto = write_hybrid_cpu("12layer", "default", gpu, hybrid, tmp_path)
+    assert auto["bound_tok_s"] == got["bound_tok_s"] and (tmp_path / "decode_12layer_default_hybrid_cpu.json").is_file()
 
 
 def test_without_the_boot_line_there_is_no_bound_rather_than_a_made_up_one(tmp_path):
