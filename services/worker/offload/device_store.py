@@ -418,7 +418,10 @@ class DeviceDrivenExperts(OffloadedExperts):
         slots are filled (a placement takes a free slot while there is one, and slots never empty)."""
         out = {**super().report(), "prefetch": self.prefetch_enabled}
         if self.host_share is not None:  # streamed layers that took a host share, and the experts it computed
-            out["host_share"] = {"layers": self.host_share.layers, "experts": self.host_share.computed}
+            c = self.host_share.cost
+            out["host_share"] = {"layers": self.host_share.layers, "experts": self.host_share.computed,
+                                 "costs_ns": [round(v * 1e9) for v in (c.pcie_s, c.host_s_at_1, c.host_s_per_token,
+                                                                       c.overhead_s)]}  # fmt: skip
         if self.host_decode is not None:  # decode misses the host computed, and their pairs
             out["host_decode"] = self.host_decode.report()
         if self.cache is not None:
