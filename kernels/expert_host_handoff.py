@@ -52,7 +52,7 @@ def _hand_to_host_kernel(
         missed_pairs += tl.sum((s >= 0).to(tl.int64), axis=0)
     per_expert = tl.maximum(missed_pairs // tl.maximum(m, 1), 1)
     host = host_at_1_ns + host_per_token_ns * (per_expert - 1)
-    h = (m * pcie_ns - overhead_ns) // (pcie_ns + host)
+    h = (m * pcie_ns - overhead_ns) // tl.maximum(pcie_ns + host, 1)
     h = tl.minimum(tl.maximum(h, 0), m)
     with_host = tl.maximum((m - h) * pcie_ns, overhead_ns + h * host)
     h = tl.where((h > 0) & (with_host < m * pcie_ns), h, 0)
@@ -118,7 +118,7 @@ def host_count_reference(m: int, missed_pairs: int, costs_ns) -> int:
     pcie, at_1, per_token, overhead = (int(c) for c in costs_ns)
     per_expert = max(missed_pairs // max(m, 1), 1)
     host = at_1 + per_token * (per_expert - 1)
-    h = min(max((m * pcie - overhead) // (pcie + host), 0), m)
+    h = min(max((m * pcie - overhead) // max(pcie + host, 1), 0), m)
     with_host = max((m - h) * pcie, overhead + h * host)
     return h if h > 0 and with_host < m * pcie else 0
 

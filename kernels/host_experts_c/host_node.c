@@ -23,6 +23,10 @@ void ferry_host_node(void *arg) {
     t->job.tokens = tokens;
     t->job.n_pairs = n;
     int err = ferry_host_kernel_compute(t->kernel, &t->job);
-    if (err && !t->status) t->status = err;
+    if (err) { /* refused: zeros rather than the previous layer's sum, and the error for the step's end */
+        if (!t->status) t->status = err;
+        memset(t->job.out, 0, (size_t)(t->max_tokens * t->job.hidden) * sizeof(float));
+        return;
+    }
     t->pairs += n;
 }

@@ -273,6 +273,9 @@ def _attach_host_decode(store, spec, experts, cost, device: torch.device, backen
         log.info("host_decode_off", reason="auto: by the calibration the host shortens no decode layer", **fields)
         return
     share.costs_ns = (1, 0, 0, 0) if backend == "cpu" else measured  # cpu: every miss to the host
+    if backend == "cpu" and store.prefetch_enabled:  # a prefetch would copy over PCIe what the host computes
+        store.prefetch_enabled = False
+        log.info("expert_prefetch_off", reason="--expert-backend cpu: the host computes every miss")
     store.host_decode = share
     log.info("host_decode", **fields)
 

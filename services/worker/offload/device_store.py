@@ -27,7 +27,8 @@ next layer is prefetched the same way. Steps that route to nearly every expert o
 cache: they stream every non-resident expert through the staging ring (staging_ring.py), so each
 crosses once and the cache keeps what the decode uses. Each (token, k) pair is computed exactly once into a
 float32 row buffer summed over k, with the same kernels as the all-resident store: the result is
-bit for bit what an all-resident store computes.
+bit for bit what an all-resident store computes (not with a host share: the host's per-token sum joins each
+token's first row, a float32 reassociation).
 
 Statistics come from the cache's device counters and the copy stamps, copied to the host with
 the step's results (`stats_to_host` before the step's one synchronisation, `end_step` after).
@@ -378,6 +379,7 @@ class DeviceDrivenExperts(OffloadedExperts):
         if ready is not None and not synced:
             ready.synchronize()
         if self.host_decode is not None:
+            self.host_decode.count(handed)
             self.host_decode.check()  # a host node cannot raise where it runs: its error surfaces here
         now = self.cache.counters_dict(counters.numpy())
         now["host_decode"] = int(handed[0])  # misses the host computed: they never crossed
@@ -429,5 +431,8 @@ class DeviceDrivenExperts(OffloadedExperts):
             placements = c["misses"] + c["prefetched"] - start["misses"] - start["prefetched"]
             placements -= self.ring.staged_total if self.ring is not None else 0  # staged (since boot), never placed
             placements -= c.get("host_decode", 0)  # handed to the host: their slots were freed
-            out.update(evictions=c["evictions"], resident=min(self.policy.num_slots, self.policy.resident + placements))
+            resident = self.policy.resident + placements
+            if c.get("host_decode", 0):  # a handed miss may have evicted a victim for a slot it then left empty
+                resident -= c["evictions"] - start["evictions"]
+            out.update(evictions=c["evictions"], resident=min(self.policy.num_slots, resident))
         return out

@@ -52,3 +52,20 @@ def test_a_pair_out_of_range_is_refused_and_raised_after_the_step(bad):
     assert torch.equal(share._out, torch.zeros_like(share._out))  # the layer gets zeros, not garbage
     with pytest.raises(RuntimeError, match="MoE layer 0 failed: host pairs out of range"):
         share.check()
+
+
+def test_a_call_the_kernel_refuses_leaves_zeros_and_fails_one_step_only():
+    banks = make_banks("bf16", 256, 160)
+    share = HostDecodeShare(HostKernel(banks, torch.bfloat16, threads=1), (1, 1, 0, 0), max_tokens=4, top_k=2,
+                            num_experts=banks.num_experts, device="cpu")  # fmt: skip
+    p = share.pinned
+    p.pair_token[0], p.pair_expert[0], p.pair_weight[0] = 0, 1, 1.0
+    p.meta[0], p.meta[1] = 2, 1
+    task = share.tasks[0]
+    task.job.format = 99  # a job the C kernel refuses as invalid
+    share._out.fill_(float("nan"))
+    share.kernel.lib.ferry_host_node(ctypes.addressof(task))
+    assert torch.equal(share._out, torch.zeros_like(share._out))  # not the previous layer's sum
+    with pytest.raises(RuntimeError, match="MoE layer 0 failed: an invalid job"):
+        share.check()
+    share.check()  # cleared: the next step runs
