@@ -11,7 +11,7 @@ Per layer, inside the step's CUDA graph (no host round trip; the split is decide
     lookup ─▶ hand-off kernel (kernels/expert_host_handoff.py): the last h misses go to the host
               │      (slots freed, their pairs listed, the copy kernel's count cut to m - h)
               ├─▶ copy stream: the m - h copies, as before
-              └─▶ host stream: pair list and x to pinned memory ─▶ host node (the C kernel's
+              └─▶ host stream: pair list and x to pinned memory (two copies) ─▶ host node (the C kernel's
                   ferry_host_node on the driver's callback thread) ─▶ its float32 sum back
     hits' GEMV ─▶ wait for the copies ─▶ misses' GEMV ─▶ wait for the host ─▶ host pairs' rows
     zeroed, the host's sum added to each token's first row
@@ -64,7 +64,8 @@ def _launch_host_func():
 @dataclass
 class HostDecodeBuffers:
     """What the hand-off kernel writes (device) and its pinned copies: per pair a host flag, the host's
-    compacted pairs (token row, expert, router weight), meta [T, pairs], totals [experts, pairs]."""
+    compacted pairs (token row, expert, router weight), meta [T, pairs], totals [experts, pairs]. Meta
+    and the pairs are views of one byte block, so they cross to the host in one copy."""
 
     host_pairs: torch.Tensor
     pair_token: torch.Tensor
@@ -72,14 +73,18 @@ class HostDecodeBuffers:
     pair_weight: torch.Tensor
     meta: torch.Tensor
     totals: torch.Tensor
+    block: torch.Tensor  # uint8: meta, pair_token, pair_expert (int64), pair_weight (float32), in that order
 
     @classmethod
     def make(cls, max_pairs: int, device: torch.device, pin: bool = False) -> HostDecodeBuffers:
         def empty(n, dtype):
             return torch.zeros(n, dtype=dtype, device=device, pin_memory=pin)
 
-        return cls(empty(max_pairs, torch.int8), empty(max_pairs, torch.int64), empty(max_pairs, torch.int64),
-                   empty(max_pairs, torch.float32), empty(2, torch.int64), empty(2, torch.int64))  # fmt: skip
+        p = max_pairs
+        block = empty(8 * (2 + 2 * p) + 4 * p, torch.uint8)
+        ints = block[: 8 * (2 + 2 * p)].view(torch.int64)
+        return cls(empty(p, torch.int8), ints[2 : 2 + p], ints[2 + p :], block[8 * (2 + 2 * p) :].view(torch.float32),
+                   ints[:2], empty(2, torch.int64), block)  # fmt: skip
 
 
 @dataclass
@@ -162,12 +167,9 @@ class HostDecodeShare:
         return Handed(host_rows, done)
 
     def _to_pinned(self, x: torch.Tensor, t: int) -> None:
-        nb = self._cuda
-        d, p = self.dev, self.pinned
-        for src, dst in ((d.meta, p.meta), (d.pair_token, p.pair_token), (d.pair_expert, p.pair_expert),
-                         (d.pair_weight, p.pair_weight)):  # fmt: skip
-            dst.copy_(src, non_blocking=nb)
-        self._x[:t].copy_(x, non_blocking=nb)
+        """Two copies: the pair block (meta and the pairs) and the layer's input rows."""
+        self.pinned.block.copy_(self.dev.block, non_blocking=self._cuda)
+        self._x[:t].copy_(x, non_blocking=self._cuda)
 
     def finish(self, handed: Handed, rows: torch.Tensor) -> None:
         """Fold the host's sum into the layer's rows [T, k, H] float32 (their host pairs were never written)."""
