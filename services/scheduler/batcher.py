@@ -82,6 +82,11 @@ PROMPT_END_MARGIN = 8
 # only this many tokens past where the request starts and past the deeper points kept: a shorter span
 # is recomputed by whoever would have started from it, for less than the cut costs. With every expert
 # resident a cut costs a round trip of milliseconds, and every point is kept.
+# With experts offloaded every prefill step pays one pass over the experts without a GPU slot (0.1-1 s),
+# so an idle scheduler holds new prompts while more keep arriving, at most ARRIVAL_GAP_S apart and
+# --prefill-coalesce-ms after the first, and one step serves them all (arrival_hold_s)
+ARRIVAL_GAP_S = 0.004
+DEFAULT_PREFILL_COALESCE_MS = 25.0
 OFFLOADED_SNAPSHOT_SPAN = 256
 
 
@@ -137,8 +142,10 @@ def _to_deepest_snapshot(chain: list[Node]) -> int:
 
 
 class BatchScheduler:
-    def __init__(self, pool: PoolReport, first_step_id: int = 1, prefix_cache: bool = True):
-        """`prefix_cache`: reuse cached prefixes (False: --no-prefix-cache, every prompt computed whole)."""
+    def __init__(self, pool: PoolReport, first_step_id: int = 1, prefix_cache: bool = True,
+                 prefill_coalesce_s: float = DEFAULT_PREFILL_COALESCE_MS / 1000):  # fmt: skip
+        """`prefix_cache`: reuse cached prefixes (False: --no-prefix-cache, every prompt computed whole);
+        `prefill_coalesce_s`: how long new prompts may wait for more (arrival_hold_s; 0: never)."""
         check_pool(pool)
         self.pool = pool
         self.hybrid = pool.linear_state_slots > 0
@@ -155,6 +162,8 @@ class BatchScheduler:
         self.linear_state = LinearStateSlotAllocator(pool.linear_state_slots)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is the newest
+        self.prefill_coalesce_s = prefill_coalesce_s if pool.experts_offloaded else 0.0
+        self._arrivals: tuple[float, float] | None = None  # (first, last) arrival of the prompts held now
         self.by_rid: dict[int, Request] = {}
         self.preemptions = 0
         self._forget: list[int] = []  # worker sampler state to drop before the next step
@@ -218,7 +227,8 @@ class BatchScheduler:
             raise InvalidRequest("; ".join(problems))
 
     def add(self, rid: int, client: bytes, client_req_id: int, prompt: np.ndarray, sampling: SamplingParams,
-            max_tokens: int | None) -> Request:  # fmt: skip
+            max_tokens: int | None, now: float | None = None) -> Request:  # fmt: skip
+        """Queue a request; `now` (time.monotonic()) is its arrival, for arrival_hold_s."""
         self.check_request(prompt, sampling)
         resolved = self.resolve_max_tokens(len(prompt), max_tokens)
         req = Request(
@@ -227,7 +237,26 @@ class BatchScheduler:
         )  # fmt: skip
         self.waiting.append(req)
         self.by_rid[rid] = req
+        if now is not None:
+            first = self._arrivals[0] if self._arrivals is not None else now
+            self._arrivals = (first, now)
         return req
+
+    def arrival_hold_s(self, now: float) -> float:
+        """How long to hold the next step for more prompts (0: send it now). Only with experts offloaded,
+        nothing running or in flight (no decode waits on it) and prompts waiting: until ARRIVAL_GAP_S
+        after the last arrival while that is within prefill_coalesce_s of the first. Each prefill step
+        pays one pass over the experts without a GPU slot, so prompts that arrive together share one."""
+        if (not self.prefill_coalesce_s or self._arrivals is None or self._in_flight or self.running
+                or not self.waiting):  # fmt: skip
+            self._arrivals = None if not self.waiting else self._arrivals
+            return 0.0
+        first, last = self._arrivals
+        until = min(last + ARRIVAL_GAP_S, first + self.prefill_coalesce_s)
+        if now >= until:
+            self._arrivals = None  # the held prompts go: the next arrival starts a new window
+            return 0.0
+        return until - now
 
     def abort(self, rid: int, error: FerryError | None = None) -> Outcome:
         """Stop a request: its api replica asked (it has forgotten the request: a finish "abort"), or,

@@ -9,6 +9,9 @@ from ferry.shared.defaults import API_ADDR, RESULTS_ADDR, STEP_TIMEOUT_S, STEPS_
 from ferry.shared.errors import ConfigError
 from ferry.shared.side_http import add_side_http_flags
 from ferry.shared.wire_keys import WireKeys, add_wire_keys_flag, check_exposure, require_keys_for_tcp
+from ferry.services.scheduler.batcher import ARRIVAL_GAP_S, DEFAULT_PREFILL_COALESCE_MS
+
+ARRIVAL_GAP_MS = ARRIVAL_GAP_S * 1000
 
 
 @dataclass(frozen=True)
@@ -22,6 +25,7 @@ class SchedulerConfig:
     wire_keys: str | None = None  # the CURVE key directory (shared/wire_keys.py); None: no CURVE
     schedule_ahead: bool = True  # send a decode step's successor before its answer (batcher.py)
     prefix_cache: bool = True  # reuse cached prompt prefixes (False: --no-prefix-cache)
+    prefill_coalesce_s: float = DEFAULT_PREFILL_COALESCE_MS / 1000  # --prefill-coalesce-ms (batcher.arrival_hold_s)
 
 
 def add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
@@ -33,6 +37,7 @@ def add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
     add_step_timeout_flag(g)
     add_schedule_ahead_flag(g)
     add_prefix_cache_flag(g)
+    add_prefill_coalesce_flag(g)
     add_wire_keys_flag(g)
 
 
@@ -47,6 +52,15 @@ def add_schedule_ahead_flag(group) -> None:
     group.add_argument("--no-schedule-ahead", dest="schedule_ahead", action="store_false",
                        help="send each decode step only after the worker answered the one before (by default the "
                             "next decode step goes out at once, and the worker feeds it the tokens it samples)")  # fmt: skip
+
+
+def add_prefill_coalesce_flag(group) -> None:
+    """`--prefill-coalesce-ms`, for `ferry scheduler` and `ferry serve` (which passes it on)."""
+    group.add_argument("--prefill-coalesce-ms", type=float, default=DEFAULT_PREFILL_COALESCE_MS, metavar="MS",
+                       help="with experts offloaded and nothing running, new prompts wait for more to arrive while "
+                            f"they keep arriving ({ARRIVAL_GAP_MS:g} ms apart at most), up to MS after the first, so "
+                            "that one prefill step (one pass over the experts without a GPU slot) serves them all; "
+                            f"0: each goes at once (default {DEFAULT_PREFILL_COALESCE_MS:g})")  # fmt: skip
 
 
 def add_prefix_cache_flag(group) -> None:
@@ -68,4 +82,12 @@ def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         require_keys_for_tcp(flag, addr, keys or None, getattr(args, "insecure_wire", None))
     return SchedulerConfig(args.api_addr, args.steps_addr, args.results_addr, args.health_host, args.health_port,
                            args.step_timeout, keys or None, schedule_ahead=args.schedule_ahead,
-                           prefix_cache=getattr(args, "prefix_cache", True))  # fmt: skip
+                           prefix_cache=getattr(args, "prefix_cache", True),
+                           prefill_coalesce_s=prefill_coalesce_s(args.prefill_coalesce_ms))  # fmt: skip
+
+
+def prefill_coalesce_s(ms: float) -> float:
+    """--prefill-coalesce-ms, checked, in seconds."""
+    if not 0 <= ms <= 1000:
+        raise ConfigError(f"--prefill-coalesce-ms must be between 0 and 1000, got {ms:g}")
+    return ms / 1000

@@ -60,6 +60,7 @@ class SchedulerService:
         self.not_ready_reason = "waiting for the worker to report its pools"
         self.expert_hits = self.expert_misses = 0
         self._step_sent_at: float | None = None  # this process's clock: when the step in flight went out
+        self._hold_until: float | None = None  # new prompts held for more to arrive until then (arrival_hold_s)
         self._worker_said: tuple[float, int, float] = (0.0, 0, 0.0)  # (when, last_step, step_running_s) of its last beat
         self._intruders: set[str] = set()  # boot ids of other workers heard while ours is alive (logged once)
         self.apis: dict[bytes, Liveness] = {}
@@ -98,7 +99,8 @@ class SchedulerService:
                 # not its peers' silence (shared/liveness.py)
                 self._heartbeat(late_s=now - next_beat if next_beat else 0.0)
                 next_beat = now + HEARTBEAT_INTERVAL_S
-            poller.poll(max(1, int((next_beat - time.monotonic()) * 1000)))
+            wake = next_beat if self._hold_until is None else min(next_beat, self._hold_until)
+            poller.poll(max(1, int((wake - time.monotonic()) * 1000 + 0.999)))
             self._drain_worker()
             self._drain_apis()
             self._maybe_step()
@@ -198,6 +200,11 @@ class SchedulerService:
         if self.core is None:
             return
         if not self.core.step_in_flight:
+            hold = self.core.arrival_hold_s(time.monotonic())
+            if hold > 0:  # prompts arriving together share one prefill step (batcher.arrival_hold_s)
+                self._hold_until = time.monotonic() + hold
+                return
+            self._hold_until = None
             batch = self.core.schedule()
             if batch is None or not self._send_step(batch):
                 return
@@ -226,7 +233,8 @@ class SchedulerService:
             if self.core is None:
                 raise ServiceUnavailable(f"the server is not ready: {self.not_ready_reason}")
             rid = next(self._rid)
-            req = self.core.add(rid, client, msg.req_id, np.asarray(msg.prompt_token_ids), msg.sampling, msg.max_tokens)
+            req = self.core.add(rid, client, msg.req_id, np.asarray(msg.prompt_token_ids), msg.sampling, msg.max_tokens,
+                                now=time.monotonic())  # fmt: skip
         except FerryError as exc:
             if isinstance(exc, InvalidRequest):
                 self.metrics.rejected.inc()
@@ -326,7 +334,8 @@ class SchedulerService:
         try:
             # Step ids unique across scheduler restarts: a worker that outlived the previous scheduler
             # may still answer one of its steps, which must not pass for ours.
-            self.core = BatchScheduler(pool, first_step_id=time.time_ns() // 1000, prefix_cache=self.cfg.prefix_cache)
+            self.core = BatchScheduler(pool, first_step_id=time.time_ns() // 1000, prefix_cache=self.cfg.prefix_cache,
+                                       prefill_coalesce_s=self.cfg.prefill_coalesce_s)  # fmt: skip
         except ValueError as exc:
             self.not_ready_reason = f"the worker's pool report is unusable: {exc}"
             log.error("bad_pool_report", error=str(exc))
