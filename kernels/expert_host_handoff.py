@@ -9,8 +9,9 @@ m - h and the host's computation of these end together:
 n being the missed pairs per missed expert (integer nanoseconds throughout, so the kernel and its twin
 agree to the unit); h = 0 where the host would not make the layer shorter. For each expert it hands on:
 
-* its slot is freed (slot map, inverse map): nothing will be copied into it, and the next lookup takes
-  it first, as any free slot;
+* its slot goes back to the expert the lookup evicted for it (`evicted`, `evicted_stamp`: written by the
+  lookup for every slot it places into), whose weights are still there since nothing was copied over
+  them, with that expert's stamp, and the eviction uncounted; a slot that was free is freed again;
 * its pairs leave the miss slots (-1: no GPU kernel computes them), are marked in `host_pairs` [T * k]
   and listed, compacted in pair order, as (token row, expert, router weight) for the host;
 * the lookup's count becomes m - h, what the copy kernel then moves.
@@ -33,7 +34,8 @@ import triton.language as tl
 @triton.jit(do_not_specialize=["T", "layer"])
 def _hand_to_host_kernel(
     ids_ptr, weights_ptr, n_rows_ptr, miss_slots_ptr, list_ptr, count_ptr,
-    slot_of_ptr, layer_of_slot_ptr, expert_of_slot_ptr, expert_flags_ptr,
+    slot_of_ptr, layer_of_slot_ptr, expert_of_slot_ptr, expert_flags_ptr, evicted_ptr, evicted_stamp_ptr, stamp_ptr,
+    counters_ptr,
     host_pairs_ptr, pair_token_ptr, pair_expert_ptr, pair_weight_ptr, meta_ptr, totals_ptr,
     costs_ptr, T, K, E, layer,
     BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
@@ -58,15 +60,21 @@ def _hand_to_host_kernel(
     h = tl.where((h > 0) & (with_host < m * pcie_ns), h, 0)
     keep = m - h
 
-    # the last h listed experts: their slots freed, the experts flagged for their pairs below
+    # the last h listed experts: their slots given back to what the lookup evicted for them (its weights
+    # are still there: nothing was copied over them), or freed; the experts flagged for their pairs below
     i = tl.arange(0, BLOCK_E)
     mine = (i >= keep) & (i < m)
     e = tl.load(list_ptr + 2 * i, mask=mine, other=0)
     s = tl.load(list_ptr + 2 * i + 1, mask=mine, other=0)
+    prev = tl.load(evicted_ptr + s, mask=mine, other=-1)
+    back = mine & (prev >= 0)
     tl.store(slot_of_ptr + layer * E + e, tl.full([BLOCK_E], -1, tl.int32), mask=mine)
-    tl.store(layer_of_slot_ptr + s, tl.full([BLOCK_E], -1, tl.int32), mask=mine)
-    tl.store(expert_of_slot_ptr + s, tl.full([BLOCK_E], -1, tl.int32), mask=mine)
+    tl.store(slot_of_ptr + prev, s, mask=back)
+    tl.store(layer_of_slot_ptr + s, tl.where(back, prev // E, -1), mask=mine)
+    tl.store(expert_of_slot_ptr + s, tl.where(back, prev % E, -1), mask=mine)
+    tl.store(stamp_ptr + s, tl.load(evicted_stamp_ptr + s, mask=back, other=0), mask=back)
     tl.store(expert_flags_ptr + e, tl.full([BLOCK_E], 1, tl.int8), mask=mine)
+    tl.store(counters_ptr + 3, tl.load(counters_ptr + 3) - tl.sum(back.to(tl.int64), axis=0))  # not evicted after all
     tl.debug_barrier()
 
     # their pairs: out of the miss slots, listed for the host in pair order
@@ -106,7 +114,8 @@ def hand_to_host(ids, weights, n_rows, miss_slots, misses, count, cache, layer: 
     t, k = ids.shape
     _hand_to_host_kernel[(1,)](
         ids, weights, n_rows, miss_slots, misses, count,
-        cache.slot_of, cache.layer_of_slot, cache.expert_of_slot, cache.expert_flags,
+        cache.slot_of, cache.layer_of_slot, cache.expert_of_slot, cache.expert_flags, cache.evicted,
+        cache.evicted_stamp, cache.stamp, cache.counters,
         out.host_pairs, out.pair_token, out.pair_expert, out.pair_weight, out.meta, out.totals,
         costs_ns, t, k, cache.num_experts, layer,
         BLOCK_E=triton.next_power_of_2(cache.num_experts), BLOCK_P=256,
@@ -135,8 +144,14 @@ def hand_to_host_reference(ids, weights, n_rows, miss_slots, misses, count, cach
     experts = misses[keep:m, 0].long()
     slots = misses[keep:m, 1].long()
     cache.slot_of[layer, experts] = -1
-    cache.layer_of_slot[slots] = -1
-    cache.expert_of_slot[slots] = -1
+    prev = cache.evicted[slots].long()
+    back = prev >= 0
+    e_total = cache.num_experts
+    cache.slot_of.view(-1)[prev[back]] = slots[back].to(cache.slot_of.dtype)
+    cache.layer_of_slot[slots] = torch.where(back, prev // e_total, -1).to(cache.layer_of_slot.dtype)
+    cache.expert_of_slot[slots] = torch.where(back, prev % e_total, -1).to(cache.expert_of_slot.dtype)
+    cache.stamp[slots[back]] = cache.evicted_stamp[slots[back]]
+    cache.counters[3] -= int(back.sum())
     flat_ids = ids.reshape(-1)[:n_pairs].long()
     is_host = (real >= 0) & torch.isin(flat_ids, experts)
     where = is_host.nonzero().flatten()

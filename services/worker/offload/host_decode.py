@@ -9,7 +9,7 @@ PCIe), so splitting each layer's misses between the two roughly halves the layer
 Per layer, inside the step's CUDA graph (no host round trip; the split is decided on the device):
 
     lookup ─▶ hand-off kernel (kernels/expert_host_handoff.py): the last h misses go to the host
-              │      (slots freed, their pairs listed, the copy kernel's count cut to m - h)
+              │      (slots back to what they held, pairs listed, the copy kernel's count cut to m - h)
               ├─▶ copy stream: the m - h copies, as before
               └─▶ host stream: pair list and x to pinned memory (two copies) ─▶ host node (the C kernel's
                   ferry_host_node on the driver's callback thread) ─▶ its float32 sum back

@@ -164,7 +164,7 @@ def check_host_decode_kernel() -> None:
 
     g = torch.Generator().manual_seed(5)
     experts, slots, layers, k = 12, 9, 2, 3
-    handed = []
+    handed, restored = [], []
     for trial in range(12):
         t = int(torch.randint(1, 6, (1,), generator=g))
         real = int(torch.randint(1, t + 1, (1,), generator=g))
@@ -180,6 +180,12 @@ def check_host_decode_kernel() -> None:
         expert_of_slot = torch.full((slots,), -1, dtype=torch.int32)
         layer_of_slot[free[: len(wanted)]] = layer
         expert_of_slot[free[: len(wanted)]] = wanted.to(torch.int32)
+        # what the lookup evicted for each slot: a resident expert of the other layer (its map entry freed),
+        # or nothing (the slot was free)
+        evicted = torch.full((slots,), -1, dtype=torch.int32)
+        for slot in free[: len(wanted)].tolist():
+            if bool(torch.rand(1, generator=g) < 0.5):
+                evicted[slot] = (1 - layer) * experts + int(torch.randint(0, experts, (1,), generator=g))
         misses = torch.zeros(experts, 2, dtype=torch.int32)
         misses[: len(missed), 0] = missed.to(torch.int32)
         misses[: len(missed), 1] = slot_of[layer, missed]
@@ -191,18 +197,24 @@ def check_host_decode_kernel() -> None:
         for fn in (hand_to_host, hand_to_host_reference):
             cache = SimpleNamespace(slot_of=slot_of.clone(), layer_of_slot=layer_of_slot.clone(),
                                     expert_of_slot=expert_of_slot.clone(), num_experts=experts,
-                                    expert_flags=torch.zeros(experts, dtype=torch.int8))  # fmt: skip
+                                    expert_flags=torch.zeros(experts, dtype=torch.int8), evicted=evicted.clone(),
+                                    evicted_stamp=torch.arange(slots, dtype=torch.int64) * 7,
+                                    stamp=torch.arange(slots, dtype=torch.int64) + 100,
+                                    counters=torch.full((8,), 50, dtype=torch.int64))  # fmt: skip
             out = HostDecodeBuffers.make(t * k, torch.device("cpu"))
             ms, count = miss_slots.clone(), torch.tensor([len(missed)], dtype=torch.int32)
             fn(ids, weights, torch.tensor([real], dtype=torch.int32), ms, misses, count, cache, layer, costs, out)
             n = int(out.meta[1])
-            runs.append([cache.slot_of, cache.layer_of_slot, cache.expert_of_slot, cache.expert_flags, ms, count,
+            runs.append([cache.slot_of, cache.layer_of_slot, cache.expert_of_slot, cache.expert_flags, cache.stamp,
+                         cache.counters, ms, count,
                          out.host_pairs, out.pair_token[:n], out.pair_expert[:n], out.pair_weight[:n], out.meta,
                          out.totals])  # fmt: skip
         for got, want in zip(*runs):
             assert torch.equal(got, want), (trial, got, want)
         handed.append(int(runs[0][-1][0]))
+        restored.append(50 - int(runs[0][5][3]))  # evictions given back
     assert 0 < sum(h > 0 for h in handed) < len(handed), handed  # some layers split, some not
+    assert sum(restored) > 0, restored  # and some handed slots went back to what they held
 
 
 def check_host_decode() -> None:
@@ -241,6 +253,8 @@ def check_host_decode() -> None:
         store.end_step()
     handed = store.report()["host_decode"]
     assert handed["experts"] > 0 and handed["pairs"] >= handed["experts"], handed
+    # a handed miss gives its slot back to what the lookup evicted for it: the slots stay full
+    assert int((store.cache.snapshot()["layer_of_slot"] >= 0).sum()) == 7
     total = store.stats.total
     assert total.bytes_copied == (total.misses - handed["experts"] + total.prefetched) * banks.expert_nbytes
 
