@@ -265,12 +265,17 @@ def _attach_host_decode(store, spec, experts, cost, device: torch.device, backen
                             device)  # fmt: skip
     overhead = calibrate_handoff(share, store.cache)
     measured = (*ns, round(overhead * 1e9))
-    # a single stream's layer misses up to k experts of one token each: what the host must shorten
-    takes = host_count_reference(k, k, measured)
+    # a single stream's layer misses about k x (the share of experts without a slot) experts of one token
+    # each (before prefetch): the hand-off runs on every layer, so auto keeps it only where the host takes
+    # some of a layer that misses that many
+    typical = max(1, round(k * (1 - store.policy.num_slots / max(store.policy.num_layers * spec.num_experts, 1))))
+    takes = host_count_reference(typical, typical, measured)
     fields = dict(pcie_us=round(cost.pcie_s * 1e6, 1), host_us_at_1=round(cost.host_s_at_1 * 1e6, 1),
-                  handoff_us=round(overhead * 1e6, 1), host_takes_of_k_misses=takes, max_tokens=share.max_tokens)  # fmt: skip
+                  handoff_us=round(overhead * 1e6, 1), typical_misses=typical, host_takes=takes,
+                  max_tokens=share.max_tokens)  # fmt: skip
     if auto and not takes:
-        log.info("host_decode_off", reason="auto: by the calibration the host shortens no decode layer", **fields)
+        log.info("host_decode_off", reason="auto: by the calibration the host shortens no decode layer missing "
+                                           f"{typical} of its {k} experts", **fields)  # fmt: skip
         return
     share.costs_ns = (1, 0, 0, 0) if backend == "cpu" else measured  # cpu: every miss to the host
     if backend == "cpu" and store.prefetch_enabled:  # a prefetch would copy over PCIe what the host computes
