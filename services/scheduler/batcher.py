@@ -82,12 +82,12 @@ PROMPT_END_MARGIN = 8
 # only this many tokens past where the request starts and past the deeper points kept: a shorter span
 # is recomputed by whoever would have started from it, for less than the cut costs. With every expert
 # resident a cut costs a round trip of milliseconds, and every point is kept.
+OFFLOADED_SNAPSHOT_SPAN = 256
 # With experts offloaded every prefill step pays one pass over the experts without a GPU slot (0.1-1 s),
 # so an idle scheduler holds new prompts while more keep arriving, at most ARRIVAL_GAP_S apart and
 # --prefill-coalesce-ms after the first, and one step serves them all (arrival_hold_s)
 ARRIVAL_GAP_S = 0.004
 DEFAULT_PREFILL_COALESCE_MS = 25.0
-OFFLOADED_SNAPSHOT_SPAN = 256
 
 
 @dataclass
