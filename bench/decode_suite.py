@@ -74,8 +74,13 @@ VARIANTS = {"default": [], "no-prefetch": ["--no-expert-prefetch"], "eager": ["-
 
 
 def commit() -> str:
+    """FERRY_COMMIT, else this tree's HEAD; "unknown" for a tree that is not a checkout's top (a `git archive`
+    unpacked inside another checkout would otherwise report that checkout's HEAD)."""
     if os.environ.get("FERRY_COMMIT"):
         return os.environ["FERRY_COMMIT"]
+    top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=ROOT, capture_output=True, text=True)
+    if not top.stdout.strip() or Path(top.stdout.strip()).resolve() != ROOT.resolve():
+        return "unknown"
     done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     return done.stdout.strip() or "unknown"
 
@@ -150,8 +155,8 @@ def _long_context(name: str, tag: str, model_dir: Path, served, out: Path, ceili
            "--config", str(model_dir), "--serve-log", served.log.name, "--ceilings", str(ceilings),
            "--metrics", served.worker_metrics, "--prompt-len", str(args.long_prompt_len), "--out", str(path)]  # fmt: skip
     subprocess.run(cmd, cwd=ROOT, check=True, timeout=args.run_timeout)
-    result = json.loads(path.read_text()) | {"workload": name, "serve": served.command, "ready_s": round(ready, 1),
-                                             "commit": commit()}  # fmt: skip
+    result = json.loads(path.read_text()) | {"workload": name, "variant": tag.removeprefix(name).lstrip("_") or "default",
+                                             "serve": served.command, "ready_s": round(ready, 1), "commit": commit()}  # fmt: skip
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(f"[{tag}] TTFT {result['ttft_s']:.1f} s for {result['prompt_tokens']} tokens ({result['prefill_tok_s']:.0f} "
           f"tok/s; bound {result['bound_s']:.1f} s: compute {result['compute_s']}, PCIe {result['pcie_s']:.1f}); decode "
