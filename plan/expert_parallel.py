@@ -46,6 +46,19 @@ def rank_spec(spec: ModelSpec, rank: int, world: int) -> ModelSpec:
     return dataclasses.replace(spec, num_experts=owned_experts(spec.num_experts, rank, world))
 
 
+def add_expert_parallel_flags(parser) -> None:
+    """`--expert-parallel-size N` (alias `--gpus`), and vLLM's `--tensor-parallel-size N --enable-expert-parallel`:
+    `ferry plan` plans every GPU, `ferry worker` and `ferry serve` run one worker process a rank."""
+    g = parser.add_argument_group("expert parallelism")
+    g.add_argument("--expert-parallel-size", "--gpus", dest="expert_parallel_size", type=int, default=None,
+                   metavar="N", help="N ranks of one host (N GPUs, or N CPU processes with --device cpu), rank g "
+                                     "owning the experts e %% N == g of every MoE layer (its slots, host banks and "
+                                     "PCIe link); --gpu-memory is per GPU (default 1)")  # fmt: skip
+    g.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
+                   help="vLLM's spelling: with --enable-expert-parallel, the same as --expert-parallel-size N")
+    g.add_argument("--enable-expert-parallel", action="store_true", help="see --tensor-parallel-size")
+
+
 def expert_parallel_size(args) -> int:
     """--expert-parallel-size (alias --gpus), or vLLM's --tensor-parallel-size N with --enable-expert-parallel;
     ConfigError naming the flag for a combination Ferry does not run."""

@@ -18,7 +18,7 @@ from ferry.plan.costs import (
     resident_weight_bytes_from_shapes,
     workspace_bytes_estimate,
 )
-from ferry.plan.expert_parallel import expert_parallel_size, plan_every_gpu
+from ferry.plan.expert_parallel import add_expert_parallel_flags, expert_parallel_size, plan_every_gpu
 from ferry.plan.plan_report import HOST_NOT_CHECKED, plan_table
 from ferry.shared.units import format_bytes
 from ferry.plan.planner import Measured, Plan, PlanRequest, resolve
@@ -30,13 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_argument(parser, "a model directory holding config.json, or that config.json (safetensors optional)")
     parser.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
     add_planner_flags(parser)
-    ep = parser.add_argument_group("expert parallelism (plan only: the multi-GPU worker is not built yet)")
-    ep.add_argument("--expert-parallel-size", "--gpus", dest="expert_parallel_size", type=int, default=None,
-                    metavar="N", help="plan N GPUs of one host, GPU g owning the experts e %% N == g of every MoE "
-                                      "layer (its slots, host banks and PCIe link); --gpu-memory is per GPU")  # fmt: skip
-    ep.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
-                    help="vLLM's spelling: with --enable-expert-parallel, the same as --expert-parallel-size N")
-    ep.add_argument("--enable-expert-parallel", action="store_true", help="see --tensor-parallel-size")
+    add_expert_parallel_flags(parser)
 
 
 def run(args: argparse.Namespace) -> int:

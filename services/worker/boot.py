@@ -33,7 +33,9 @@ from ferry.services.worker.dummy_weights import iter_dummy_experts
 from ferry.services.worker.late_bound_experts import LateBoundExperts
 from ferry.services.worker.flags import WorkerBootConfig, copy_engine_tokens
 from ferry.services.worker.loader import ModelFiles, open_model, resident_weights, routed_expert_weights
+from ferry.plan.expert_parallel import nccl_workspace_bytes, rank_spec
 from ferry.services.worker.offload.build import build_expert_store, host_banks_for, is_offloaded
+from ferry.services.worker.offload.expert_parallel import ExpertParallelExperts
 from ferry.services.worker.offload.host_banks import mem_available_bytes
 from ferry.plan.plan_report import plan_log_fields
 from ferry.plan.planner import Measured, Plan, PlanRequest, Resolved, resolve
@@ -147,7 +149,8 @@ def boot_worker(cfg: WorkerBootConfig) -> tuple[StepExecutor, Plan]:
     # every bucket is profiled (the plan prices the largest set); an offloaded store then captures
     # only those under --expert-copy-engine-tokens (_finish_boot), which take no more memory
     buckets = graph_buckets(files.spec.num_experts_per_tok, r.max_running_requests)
-    graphs_wanted = device.type == "cuda" and not cfg.enforce_eager and bool(buckets)
+    # expert-parallel ranks run eagerly: a rank's share of a step's pairs is counted on the host
+    graphs_wanted = device.type == "cuda" and not cfg.enforce_eager and bool(buckets) and cfg.expert_parallel_size == 1
     baseline = 0
     if device.type == "cuda":
         baseline = _reserved(device)  # what this process held before: not this boot's (tests boot many times)
@@ -165,11 +168,16 @@ def _load_and_plan(cfg: WorkerBootConfig, files: ModelFiles, r: Resolved, device
     from ferry.services.worker.models import build_model
 
     spec, dtype, req = files.spec, TORCH_DTYPES[r.dtype], cfg.plan
+    world, rank = cfg.expert_parallel_size, cfg.expert_parallel_rank
+    # this rank's routed experts (all of them on one rank): what its plan, banks and store hold
+    store_spec = rank_spec(spec, rank, world) if world > 1 else spec
 
     before = _reserved(device)
     experts = LateBoundExperts(spec.num_experts)
     model = build_model(spec, dtype, device, experts)
-    booted: dict = {"model": model}
+    # expert-parallel ranks draw the same noise for unseeded requests: their samples, and so the tokens a
+    # step scheduled ahead is fed on each rank, are the same (services/worker/expert_ranks.py)
+    booted: dict = {"model": model, "sampler_seed": cfg.sampler_seed}
 
     def plan_and_allocate() -> None:
         """Runs between the two weight passes: the dense weights are in, the experts not yet."""
@@ -195,16 +203,20 @@ def _load_and_plan(cfg: WorkerBootConfig, files: ModelFiles, r: Resolved, device
             else:
                 workspace = workspace_bytes_estimate(spec, r.dtype, tokens, r.max_running_requests, r.max_model_len)
                 source = "estimate"
+            if world > 1:  # NCCL's buffers, outside torch's allocator (plan/expert_parallel.py)
+                workspace += nccl_workspace_bytes(world) if device.type == "cuda" else 0
             return Measured(weights, workspace, free, "measured", source, free_source,
                             host_available_bytes=mem_available_bytes())  # fmt: skip
 
-        plan = plan_with_prefill_chunk(spec, req, measured)
-        banks = _host_banks(spec, plan)  # before any pool is allocated (rule 4)
-        pools = allocate_pools(spec, plan, device)
-        store = build_expert_store(spec, plan, pools.experts, device, policy=cfg.expert_policy, banks=banks,
+        plan = plan_with_prefill_chunk(store_spec, req, measured)
+        banks = _host_banks(store_spec, plan)  # before any pool is allocated (rule 4)
+        pools = allocate_pools(store_spec, plan, device)
+        store = build_expert_store(store_spec, plan, pools.experts, device, policy=cfg.expert_policy, banks=banks,
                                    prefetch=cfg.expert_prefetch,
                                    copy_engine_tokens=copy_engine_tokens(cfg.expert_copy_engine_tokens,
                                                                          getattr(banks, "packed", False)))  # fmt: skip
+        if world > 1:  # the experts this rank owns, its partial sums added over the ranks
+            store = ExpertParallelExperts(store, rank, world, spec.num_experts)
         if hasattr(store, "set_routers"):  # next-layer prediction: each MoE layer's router weight
             store.set_routers([layer.mlp.gate.weight for layer in model.layers if hasattr(layer.mlp, "gate")])
         experts.bind(store)
@@ -322,7 +334,8 @@ def _finish_boot(files: ModelFiles, booted: dict, r: Resolved, device: torch.dev
              load_format=files.load_format, expert_store=store.report()["policy"],
              cuda_graphs=graphs.buckets if graphs is not None else None)  # fmt: skip
     return StepExecutor(model, booted["pools"], spec, plan, device, store=store, graphs=graphs,
-                        tokenizer_dir=files.model_dir, eos_token_ids=eos_token_ids(files.model_dir)), plan  # fmt: skip
+                        tokenizer_dir=files.model_dir, eos_token_ids=eos_token_ids(files.model_dir),
+                        sampler_seed=booted.get("sampler_seed")), plan  # fmt: skip
 
 
 def _capture_graphs(model, pools, spec, plan: Plan, device: torch.device, buckets: list[int], priced: int, store):

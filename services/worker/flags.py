@@ -12,6 +12,7 @@ import argparse
 from dataclasses import dataclass
 
 from ferry.shared.model_flag import add_model_argument
+from ferry.plan.expert_parallel import add_expert_parallel_flags, expert_parallel_size
 from ferry.plan.planner import PlanRequest
 from ferry.plan.planner_flags import BYTE_FIELDS, PLANNER_FIELDS, add_planner_flags, plan_request_from_args
 
@@ -56,6 +57,9 @@ class WorkerBootConfig:
     expert_prefetch: bool = True  # copy the next MoE layer's predicted experts ahead
     expert_copy_engine_tokens: int | None = None  # decode steps of this many tokens or more copy with the copy engine; None: by bank format
     plan: PlanRequest = PlanRequest()
+    expert_parallel_size: int = 1  # ranks the routed experts are partitioned over (services/worker/expert_ranks.py)
+    expert_parallel_rank: int = 0  # this process's rank: 0 talks to the scheduler, the others follow it
+    sampler_seed: int | None = None  # the noise of unseeded requests; the ranks share one (None: drawn at boot)
 
 
 MODEL_HELP = "a Hugging Face model directory, or a hub id already in the local cache"
@@ -88,6 +92,7 @@ def add_worker_flags(parser: argparse.ArgumentParser, model_required: bool = Tru
                              "any step past 64 (token, k) pairs, takes the host-read path too (default: "
                              f"{DEFAULT_COPY_ENGINE_TOKENS} with plain banks, none with packed ones)")  # fmt: skip
     add_planner_flags(parser)
+    add_expert_parallel_flags(parser)
 
 
 def boot_config_from_args(args: argparse.Namespace, model: str | None = None) -> WorkerBootConfig:
@@ -96,7 +101,7 @@ def boot_config_from_args(args: argparse.Namespace, model: str | None = None) ->
         model=model if model is not None else args.model, revision=args.revision, load_format=args.load_format,
         device=args.device, expert_policy=args.expert_policy, enforce_eager=args.enforce_eager,
         expert_prefetch=args.expert_prefetch, expert_copy_engine_tokens=args.expert_copy_engine_tokens,
-        plan=plan_request_from_args(args),
+        plan=plan_request_from_args(args), expert_parallel_size=expert_parallel_size(args),
     )  # fmt: skip
 
 
@@ -112,6 +117,8 @@ def worker_flag_args(cfg: WorkerBootConfig) -> list[str]:
         out.append("--no-expert-prefetch")
     if cfg.expert_copy_engine_tokens is not None:
         out += ["--expert-copy-engine-tokens", str(cfg.expert_copy_engine_tokens)]
+    if cfg.expert_parallel_size > 1:
+        out += ["--expert-parallel-size", str(cfg.expert_parallel_size)]
     for name in PLANNER_FIELDS:
         value = getattr(cfg.plan, name)
         if value is not None:  # byte budgets with their unit: a bare number is refused

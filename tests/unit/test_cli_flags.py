@@ -219,3 +219,13 @@ def test_a_bad_dtype_lists_every_choice_auto_included():
     assert done.returncode == 2 and "--dtype" in done.stderr
     assert "auto, bfloat16, float16, float32" in done.stderr, done.stderr
     assert parse("plan", "m", "--dtype", "bf16").dtype == "bfloat16" and parse("plan", "m", "--dtype", "auto").dtype == "auto"
+
+
+def test_the_expert_parallel_size_reaches_the_worker_from_serve():
+    from ferry.services.worker.flags import boot_config_from_args
+
+    for extra, world in (((), 1), (("--expert-parallel-size", "2"), 2), (("--tensor-parallel-size", "2",
+                                                                          "--enable-expert-parallel"), 2)):  # fmt: skip
+        worker = child_commands(parse("serve", "/models/m", *extra), "/models/m", Path("/tmp/x"))["worker"]
+        assert ("--expert-parallel-size" in worker) == (world > 1)
+        assert boot_config_from_args(parse("worker", *worker[4:])).expert_parallel_size == world
