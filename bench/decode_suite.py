@@ -70,7 +70,9 @@ VARIANTS = {"default": [], "no-prefetch": ["--no-expert-prefetch"], "eager": ["-
             # the same with no next-layer prefetch: every expert a decode layer lacks is then a miss the host may share
             "host-share-no-prefetch": ["--expert-backend", "hybrid", "--host-expert-threads", "12", "--no-expert-prefetch"],
             # the GPU alone (the default, auto, takes a host share where the host has cores to spare)
-            "gpu": ["--expert-backend", "gpu"]}
+            "gpu": ["--expert-backend", "gpu"],
+            # two GPUs, each owning half the experts (issue 26; eager, so compare with the eager variant too)
+            "ep2": ["--expert-parallel-size", "2"]}
 
 
 def commit() -> str:
