@@ -53,6 +53,8 @@ def init_group(rank: int, world: int, rendezvous: str, device: torch.device) -> 
     """Join the ranks' group (NCCL on CUDA, gloo on CPU) and make the control group (gloo); returns it."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=GROUP_TIMEOUT_S)
+    if device.type == "cuda" and device.index is not None:  # NCCL binds a rank to the current device
+        torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank, world_size=world, timeout=timeout)
     torch.manual_seed(SEED)
     return dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
