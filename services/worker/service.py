@@ -176,8 +176,10 @@ class WorkerService:
         followers, rendezvous = start_followers(world, worker_flag_args(self.boot_config),
                                                 self.boot_config.sampler_seed)  # fmt: skip
         self.ranks = RankGroup(0, world, None, followers)
-        self.ranks.control = init_group(0, world, rendezvous, select_device(self.boot_config.device))
+        # watched from before the group meets: a follower that fails to start would leave the rendezvous
+        # (and rank 0 in it) waiting for the group's timeout
         FollowerWatch(self.ranks, self._rank_failed).start()
+        self.ranks.control = init_group(0, world, rendezvous, select_device(self.boot_config.device))
 
     def _rank_failed(self, reason: str) -> None:
         """From the followers' watch: the loop fails the step in flight and stops; if it is stuck in a

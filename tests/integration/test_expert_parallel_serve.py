@@ -75,3 +75,24 @@ def test_a_lost_rank_fails_its_requests_and_health_turns_503(tiny_models, tmp_pa
         assert c.procs["worker"].returncode == 3  # RANK_FAILURE_EXIT
     finally:
         c.stop()
+
+
+def test_a_rank_lost_while_the_worker_boots_ends_it_at_once(tiny_models, tmp_path):
+    """Rank 1 killed as soon as rank 0 has started it: rank 0, waiting for it in the rendezvous or in a
+    collective of the boot, must not wait for the group's timeout."""
+    c = start_cluster(tiny_models["qwen3_moe"], tmp_path / "c", worker_flags=[*FLAGS, "--expert-parallel-size", "2"],
+                      boot=REAL_BOOT, worker_env=REAL_WORKER_ENV, wait=False)  # fmt: skip
+    try:
+        pid = eventually(lambda: follower_pid_or_none(c), timeout=60)
+        os.kill(pid, signal.SIGKILL)
+        assert eventually(lambda: c.procs["worker"].poll() is not None, timeout=30), c.log("worker")[-2000:]
+        assert c.procs["worker"].returncode == 3 and "expert-parallel rank 1 of 2 exited" in c.log("worker")
+    finally:
+        c.stop()
+
+
+def follower_pid_or_none(c) -> int | None:
+    try:
+        return follower_pid(c)
+    except AssertionError:
+        return None
