@@ -117,7 +117,11 @@ def follow(group: RankGroup, executor) -> None:
         if batch is None or os.getppid() != parent:
             return
         launch = getattr(executor, "launch", None)
-        out = executor.execute(batch) if launch is None else executor.finish(launch(batch))
+        try:
+            out = executor.execute(batch) if launch is None else executor.finish(launch(batch))
+        except Exception:  # noqa: BLE001 - as on rank 0: the step fails (there, to the scheduler), the rank goes on
+            log.exception("step_failed", rank=group.rank, step_id=batch.step_id)
+            continue
         sampled[out.step_id] = tokens_of(out)
         while len(sampled) > 4:  # rank 0 answers within two steps: older ones were checked or never will be
             sampled.pop(next(iter(sampled)))
