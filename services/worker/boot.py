@@ -216,6 +216,10 @@ def _load_and_plan(cfg: WorkerBootConfig, files: ModelFiles, r: Resolved, device
                                    copy_engine_tokens=copy_engine_tokens(cfg.expert_copy_engine_tokens,
                                                                          getattr(banks, "packed", False)))  # fmt: skip
         if world > 1:  # the experts this rank owns, its partial sums added over the ranks
+            # a rank's share of a step's pairs differs from layer to layer, and a streamed prefill is begun at
+            # layer 0 for the whole step: no streaming past the cache under expert parallelism (yet)
+            if getattr(store, "ring", None) is not None:
+                store.ring = None
             store = ExpertParallelExperts(store, rank, world, spec.num_experts)
         if hasattr(store, "set_routers"):  # next-layer prediction: each MoE layer's router weight
             store.set_routers([layer.mlp.gate.weight for layer in model.layers if hasattr(layer.mlp, "gate")])

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import signal
 
 from ferry.shared.logging import add_log_flags, configure_logging
 from ferry.services.worker.flags import add_worker_flags, boot_config_from_args
@@ -16,7 +18,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("rank")
     g.add_argument("--rendezvous", required=True, help="the file rank 0 made for the group to meet in")
     g.add_argument("--expert-parallel-rank", type=int, required=True, help="this process's rank, 1..N-1")
-    g.add_argument("--sampler-seed", type=int, required=True, help="rank 0's sampler seed: the ranks draw alike")
     add_log_flags(parser)
 
 
@@ -26,23 +27,28 @@ def run(args: argparse.Namespace) -> int:
 
     from ferry.services.worker.boot import boot_worker
     from ferry.services.worker.device import select_device
-    from ferry.services.worker.expert_ranks import RankGroup, follow, init_group
+    from ferry.services.worker.expert_ranks import SEED_ENV, RankGroup, check_same_plans, follow, init_group
 
     cfg = boot_config_from_args(args)
     rank, world = args.expert_parallel_rank, cfg.expert_parallel_size
     if not 0 < rank < world:
         raise SystemExit(f"ferry worker-rank: --expert-parallel-rank must be in 1..{world - 1}, got {rank}")
     device = rank_device(cfg.device, rank)
-    cfg = dataclasses.replace(cfg, expert_parallel_rank=rank, device=device, sampler_seed=args.sampler_seed)
+    seed = int(os.environ[SEED_ENV])  # rank 0's sampler seed: the ranks draw alike
+    cfg = dataclasses.replace(cfg, expert_parallel_rank=rank, device=device, sampler_seed=seed)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0 stops the followers (a terminal's Ctrl-C reaches all)
+        signal.signal(sig, signal.SIG_IGN)
     structlog.contextvars.bind_contextvars(rank=rank)
     group = RankGroup(rank, world, init_group(rank, world, args.rendezvous, select_device(device)), [])
-    executor, _ = boot_worker(cfg)
+    executor, plan = boot_worker(cfg)
+    check_same_plans(group, plan)
     follow(group, executor)
     return 0
 
 
 def rank_device(device: str, rank: int) -> str:
-    """Rank r's device: the r-th visible GPU where the worker's is the default one, else the worker's own."""
+    """Rank r's device: the r-th visible GPU where the worker's is the default one, else the worker's own
+    (the CPU; a single GPU named by --device cuda:K is refused for more than one rank: check_rank_devices)."""
     if device in ("auto", "cuda"):
         import torch
 

@@ -153,6 +153,10 @@ class WorkerService:
         if self.boot_config.expert_parallel_size > 1:
             self._start_ranks()
         self.executor, self.plan = load_boot(self.cfg.boot)(self.boot_config)
+        if self.ranks is not None:
+            from ferry.services.worker.expert_ranks import check_same_plans
+
+            check_same_plans(self.ranks, self.plan)
         stats = getattr(self.executor, "expert_stats", None)  # (hits, misses) from the expert cache, if it has one
         self.heartbeat.expert_stats = stats if callable(stats) else None
         report = getattr(self.executor, "expert_cache_report", None)  # a test double's boot may have none
@@ -168,17 +172,21 @@ class WorkerService:
         """Rank 0 of an expert-parallel worker: start the followers and join their group before booting (the
         boot's own steps run on every rank)."""
         from ferry.services.worker.device import select_device
-        from ferry.services.worker.expert_ranks import FollowerWatch, RankGroup, init_group, start_followers
+        from ferry.services.worker.expert_ranks import (
+            FollowerWatch, RankGroup, check_rank_devices, init_group, start_followers,
+        )  # fmt: skip
         from ferry.services.worker.flags import worker_flag_args
 
         world = self.boot_config.expert_parallel_size
+        check_rank_devices(self.boot_config.device, world)
         self.boot_config = dataclasses.replace(self.boot_config, sampler_seed=secrets.randbits(63))
         followers, rendezvous = start_followers(world, worker_flag_args(self.boot_config),
                                                 self.boot_config.sampler_seed)  # fmt: skip
-        self.ranks = RankGroup(0, world, None, followers)
+        self.ranks = RankGroup(0, world, None, followers, rendezvous)
         # watched from before the group meets: a follower that fails to start would leave the rendezvous
         # (and rank 0 in it) waiting for the group's timeout
-        FollowerWatch(self.ranks, self._rank_failed).start()
+        self.ranks.watch = FollowerWatch(self.ranks, self._rank_failed)
+        self.ranks.watch.start()
         self.ranks.control = init_group(0, world, rendezvous, select_device(self.boot_config.device))
 
     def _rank_failed(self, reason: str) -> None:
@@ -187,7 +195,13 @@ class WorkerService:
         log.error("expert_parallel_rank_failed", reason=reason)
         self.rank_failure = reason
         self._running = False
-        timer = threading.Timer(RANK_FAILURE_GRACE_S, lambda: os._exit(RANK_FAILURE_EXIT))
+        def end() -> None:
+            from ferry.services.worker.expert_ranks import remove_rendezvous
+
+            remove_rendezvous(self.ranks.rendezvous)
+            os._exit(RANK_FAILURE_EXIT)
+
+        timer = threading.Timer(RANK_FAILURE_GRACE_S, end)
         timer.daemon = True
         timer.start()
 
@@ -259,6 +273,7 @@ class WorkerService:
             return launch(batch) if launch is not None else self.executor.execute(batch)
         except Exception as exc:  # noqa: BLE001 - a failed step must reach the scheduler, not kill the worker
             log.exception("step_failed", step_id=batch.step_id)
+            self._rank_step_failed(batch, exc)
             return exc
 
     def _done(self, launched) -> bool:
@@ -270,6 +285,7 @@ class WorkerService:
             output = self.executor.finish(launched) if hasattr(self.executor, "launch") else launched
         except Exception as exc:  # noqa: BLE001
             log.exception("step_failed", step_id=batch.step_id)
+            self._rank_step_failed(batch, exc)
             self._fail(batch, exc)
             return
         self.metrics.observe_step(time.perf_counter() - started, len(batch.tokens), len(batch.req_ids))
@@ -285,15 +301,22 @@ class WorkerService:
             self.trace.add(step=batch.step_id, rows=len(batch.req_ids), tokens=len(batch.tokens), recv=received[0],
                            launched=received[1], answered=time.monotonic(), device_ms=device[0], idle_ms=device[1])  # fmt: skip
 
-    def _fail(self, batch, exc: Exception) -> None:
-        if self.ranks is not None and self.rank_failure is None:  # a collective that failed: a rank may be gone
-            from ferry.services.worker.expert_ranks import failed_follower
+    def _rank_step_failed(self, batch, exc: Exception) -> None:
+        """An expert-parallel step that failed past the executor's checks ends the worker: the ranks'
+        collectives would no longer pair. The reason names the rank that went, where one did."""
+        from ferry.services.worker.executor import StepBatchError
 
-            time.sleep(0.2)  # its exit is seen a moment after its socket closes
-            self.rank_failure = failed_follower(self.ranks)
-            if self.rank_failure is not None:
-                exc = RuntimeError(self.rank_failure)
-                self._running = False
+        if self.ranks is None or self.rank_failure is not None or isinstance(exc, StepBatchError):
+            return
+        from ferry.services.worker.expert_ranks import failed_follower
+
+        time.sleep(0.2)  # a follower's exit is seen a moment after its socket closes
+        self.rank_failure = failed_follower(self.ranks) or f"expert-parallel rank 0 failed step {batch.step_id}: {exc}"
+        self._running = False
+
+    def _fail(self, batch, exc: Exception) -> None:
+        if self.rank_failure is not None:
+            exc = RuntimeError(self.rank_failure)
         self.results.send(StepFailed(step_id=batch.step_id, message=f"{type(exc).__name__}: {exc}"))
 
     def close(self) -> None:
@@ -310,9 +333,11 @@ class WorkerService:
 
     def _stop_ranks(self) -> None:
         """Tell the followers to stop (they may be gone already) and reap them."""
-        from ferry.services.worker.expert_ranks import share_step
+        from ferry.services.worker.expert_ranks import remove_rendezvous, share_step
 
-        if self.rank_failure is None:
+        if self.ranks.watch is not None:
+            self.ranks.watch.stopped.set()  # the followers' exits from here on are this stop's
+        if self.rank_failure is None and self.ranks.control is not None:
             try:
                 share_step(self.ranks, None)
             except RuntimeError:
@@ -323,6 +348,7 @@ class WorkerService:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        remove_rendezvous(self.ranks.rendezvous)
 
 
 _PATH = re.compile(r"(?<![\w.])(?:~|\.{1,2})?/[^\s,;:()'\"]+")

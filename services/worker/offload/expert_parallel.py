@@ -44,6 +44,13 @@ class ExpertParallelExperts:
                              f"experts a layer; its store has {local.num_experts}")  # fmt: skip
         self.local, self.rank, self.world, self.num_experts, self.group = local, rank, world, num_experts, group
 
+    def __getattr__(self, name: str):
+        """What boot and the executor read of a store beyond the ExpertStore calls (stats, copy_engine_tokens,
+        ...) is the local store's: this one holds only the partition."""
+        if name == "local":  # not yet set (unpickling, a failed __init__): no recursion
+            raise AttributeError(name)
+        return getattr(self.local, name)
+
     @property
     def banks(self):
         """The local store's host banks (None: it offloads nothing): boot fills them with dummy weights."""
