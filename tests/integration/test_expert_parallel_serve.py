@@ -27,7 +27,8 @@ def completions(c) -> tuple[str, str, str]:
                                        seed=3)  # fmt: skip
     # unseeded: each rank draws its own noise, from the seed rank 0 handed it; a rank that drew other
     # tokens would stop the worker (follow's check) and this request would fail
-    unseeded = client.completions.create(model="tiny", prompt="unseeded", max_tokens=40, temperature=1.0)
+    unseeded = client.completions.create(model="tiny", prompt="unseeded", max_tokens=40, temperature=1.0,
+                                         extra_body={"ignore_eos": True})  # all 40: a sampled end must not cut it  # fmt: skip
     assert unseeded.choices[0].finish_reason == "length"
     return greedy.choices[0].text, seeded.choices[0].text, unseeded.choices[0].text
 
