@@ -134,8 +134,8 @@ def child_commands(args: argparse.Namespace, model: str, rundir: Path,
     ferry = [sys.executable, "-m", "ferry.services.cli"]
     log_flags = ["--log-level", args.log_level, "--log-format", args.log_format]
     scheduler = [*ferry, "scheduler", "--api-addr", api_addr, "--steps-addr", steps_addr, "--results-addr", results_addr,
-                 "--step-timeout", str(args.step_timeout), "--prefill-coalesce-ms", f"{args.prefill_coalesce_ms:g}"]
-    scheduler += [] if args.schedule_ahead else ["--no-schedule-ahead"]  # fmt: skip
+                 "--step-timeout", str(args.step_timeout), "--prefill-coalesce-ms", f"{args.prefill_coalesce_ms:g}",
+                 *([] if args.schedule_ahead else ["--no-schedule-ahead"])]  # fmt: skip
     if not args.prefix_cache:
         scheduler.append("--no-prefix-cache")
     if ports["scheduler"] is not None:

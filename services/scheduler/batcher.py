@@ -247,9 +247,9 @@ class BatchScheduler:
         nothing running or in flight (no decode waits on it) and prompts waiting: until ARRIVAL_GAP_S
         after the last arrival while that is within prefill_coalesce_s of the first. Each prefill step
         pays one pass over the experts without a GPU slot, so prompts that arrive together share one."""
-        if (not self.prefill_coalesce_s or self._arrivals is None or self._in_flight or self.running
-                or not self.waiting):  # fmt: skip
-            self._arrivals = None if not self.waiting else self._arrivals
+        if not self.waiting:
+            self._arrivals = None  # every held prompt was admitted (or aborted): the next one opens a window
+        if not self.prefill_coalesce_s or self._arrivals is None or self._in_flight or self.running:
             return 0.0
         first, last = self._arrivals
         until = min(last + ARRIVAL_GAP_S, first + self.prefill_coalesce_s)
