@@ -16,7 +16,7 @@ TEST_WORKERS ?= 2
 BIN   := $(VENV)/bin
 STAMP := $(VENV)/.ferry-installed
 
-.PHONY: venv serve test lint-tools image clean gpu-check
+.PHONY: venv serve test lint-tools image clean gpu-check gpu-check-multi
 
 venv: $(STAMP)
 
@@ -50,6 +50,12 @@ GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
 
 gpu-check:
 	$(GPU_PYTHON) bench/gpu_check.py --out $(OUT)
+
+# The same on a host of two GPUs or more, for expert parallelism (issue 26): the two-rank CUDA tests, then
+# `ferry serve --expert-parallel-size 2` with the openai client
+gpu-check-multi:
+	$(GPU_PYTHON) bench/gpu_check.py --out $(OUT) --tests tests/gpu_multi \
+	  --serve-args "--load-format dummy --gpu-memory 24GiB --expert-parallel-size 2"
 
 # TORCH_INDEX, when set, picks the image's torch build too (the Dockerfile's default is the CUDA one):
 #   make image TORCH_INDEX=https://download.pytorch.org/whl/cpu

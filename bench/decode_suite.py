@@ -66,7 +66,13 @@ VARIANTS = {"default": [], "no-prefetch": ["--no-expert-prefetch"], "eager": ["-
             # the experts kept in host RAM as bf16 (the default packs them to 12 bits a value)
             "plain": ["--expert-bank-format", "plain"],
             # the host computes part of each streamed prefill's missed experts (host_share.py), 12 of the H200 host's 16 cores
-            "host-share": ["--host-expert-threads", "12"]}
+            "host-share": ["--expert-backend", "hybrid", "--host-expert-threads", "12"],
+            # the same with no next-layer prefetch: every expert a decode layer lacks is then a miss the host may share
+            "host-share-no-prefetch": ["--expert-backend", "hybrid", "--host-expert-threads", "12", "--no-expert-prefetch"],
+            # the GPU alone (the default, auto, takes a host share where the host has cores to spare)
+            "gpu": ["--expert-backend", "gpu"],
+            # two GPUs, each owning half the experts (issue 26; eager, so compare with the eager variant too)
+            "ep2": ["--expert-parallel-size", "2"]}
 
 
 def commit() -> str:
@@ -160,6 +166,45 @@ def _long_context(name: str, tag: str, model_dir: Path, served, out: Path, ceili
     return result
 
 
+def logged_event(log: Path, event: str) -> dict[str, str]:
+    """The key=value fields of the first structlog line naming `event` in a serve log ({} if none)."""
+    import re
+
+    for line in log.read_text(errors="replace").splitlines() if log.is_file() else []:
+        if re.search(rf"\b{event}\b", line):
+            return dict(re.findall(r"(\w+)=(\S+)", line))
+    return {}
+
+
+def write_hybrid_cpu(workload: str, variant: str, gpu_only: dict, hybrid: dict, out: Path) -> dict:
+    """decode_<workload>_hybrid_cpu.json (issue 25): the host sharing decode misses against GPU-only in the
+    same run, with the bound of both paths together: a token's missed bytes over PCIe plus the host's
+    kernel, from the GPU-only bound (missed bytes over the measured link) scaled by the experts a second
+    the host adds to the link's, both as the worker measured them at boot (its host_decode line)."""
+    tag = workload if variant == "host-share" else f"{workload}_{variant.removeprefix('host-share-')}"
+    log = out / (f"serve_{workload}.log" if variant == "default" else f"serve_{workload}_{variant}.log")
+    boot = logged_event(log, "host_decode")
+    pcie_us, host_us = float(boot.get("pcie_us", "nan")), float(boot.get("host_us_at_1", "nan"))
+    link_bound = gpu_only["single_stream_bound_tok_s"]
+    both = link_bound * (1 + pcie_us / host_us) if link_bound and pcie_us == pcie_us and host_us == host_us else None
+    result = {
+        "workload": workload, "variant": variant, "commit": hybrid["commit"],
+        "single_stream_tok_s": hybrid["single_stream_tok_s"], "streams8_tok_s": hybrid["streams8_tok_s"],
+        "gpu_only_single_stream_tok_s": gpu_only["single_stream_tok_s"],
+        "gpu_only_streams8_tok_s": gpu_only["streams8_tok_s"],
+        "single_stream_speedup": round(hybrid["single_stream_tok_s"] / gpu_only["single_stream_tok_s"], 3),
+        "streams8_speedup": round(hybrid["streams8_tok_s"] / gpu_only["streams8_tok_s"], 3),
+        "pcie_bound_tok_s": link_bound, "bound_tok_s": round(both, 2) if both else None,
+        "bound_fraction": round(hybrid["single_stream_tok_s"] / both, 3) if both else None,
+        "host_decode_boot": boot or None, "hit_rate": hybrid["hit_rate"], "gpu_only_hit_rate": gpu_only["hit_rate"],
+    }  # fmt: skip
+    (out / f"decode_{tag}_hybrid_cpu.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(f"[{tag} hybrid cpu] {result['single_stream_tok_s']} vs {result['gpu_only_single_stream_tok_s']} tok/s "
+          f"single ({result['single_stream_speedup']}x; bound {result['bound_tok_s']}), {result['streams8_tok_s']} vs "
+          f"{result['gpu_only_streams8_tok_s']} at 8 ({result['streams8_speedup']}x)", flush=True)  # fmt: skip
+    return result
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.environ.get("OUT", "out"))
@@ -188,12 +233,16 @@ def main() -> int:
     print(f"ceilings: {ceilings.read_text().strip()}", flush=True)
     failed = []
     for workload in args.workloads.split(","):
+        results = {}
         for variant in args.variants.split(","):
             try:
-                run_workload(workload, variant, out, ceilings, args)
+                results[variant] = run_workload(workload, variant, out, ceilings, args)
             except Exception as exc:  # noqa: BLE001 - the next workload still runs
                 failed.append(f"{workload}/{variant}: {type(exc).__name__}: {exc}")
                 print(f"[{workload}/{variant}] FAILED: {exc}", flush=True)
+        for variant in ("host-share", "host-share-no-prefetch", "default"):  # each against the GPU alone
+            if "gpu" in results and variant in results:
+                write_hybrid_cpu(workload, variant, results["gpu"], results[variant], out)
     print(f"suite done in {time.monotonic() - t0:.0f} s; failed: {failed or 'none'}")
     return 1 if failed else 0
 

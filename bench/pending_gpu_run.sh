@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# The device calls that land branch pending-gpu (the long-prefill attention kernel, the host's share of
-# streamed prefills, the expert-parallel store), one part a call (each fits the device's 600 s), run from
-# the tree with the device's python3 and the .whl/ site on PYTHONPATH; everything lands in $OUT.
-#   PART=check  make gpu-check (the release check; gpu_check.json and its log)                   ~6-8 min
+# The device calls that land branch pending-gpu (now: the host's share of decode layers, issue 25), one
+# part a call (each fits the device's 600 s), run from the tree with the device's python3 and the .whl/
+# site on PYTHONPATH; everything lands in $OUT. Set FERRY_COMMIT to the tree's commit.
+#   PART=check   make gpu-check (the release check, which builds the host's C kernel; gpu_check.json)  ~7-8 min
 #   PART=prefill bench/prefill_attention.py on the 35B's attention shapes, then the 262k-token TTFT  ~6-8 min
 #   PART=share   hybrid8 decode with and without --host-expert-threads, then three turns in bf16     ~8-9 min
+#   PART=decode12 the 12-layer cut GPU-only, with the host's share, with it but no prefetch, and the
+#                default (auto): decode_12layer_hybrid_cpu.json (issue 25's must-show)              ~8-9 min
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TMPDIR=${TMPDIR:-/tmp}
@@ -20,13 +22,21 @@ case "${PART:-check}" in
       --run-timeout 300 > "$OUT/long_context.log" 2>&1
     echo "long_context rc=$?"; tail -3 "$OUT/long_context.log" ;;
   share)
-    timeout 260 python3 bench/decode_suite.py --out "$OUT" --workloads hybrid8 --variants default,host-share \
+    python3 -c "import sys; from setuptools import setup; sys.argv = ['setup.py', 'build_ext', '--inplace', '-q']; setup()" \
+      > "$OUT/host_kernel_build.log" 2>&1 || echo "host kernel build failed (see host_kernel_build.log)"
+    timeout 260 python3 bench/decode_suite.py --out "$OUT" --workloads hybrid8 --variants gpu,host-share \
       --max-tokens 128 > "$OUT/suite_share.log" 2>&1
     echo "hybrid8 rc=$?"; grep '^\[hybrid8' "$OUT/suite_share.log" | tail -4
     python3 -m ferry.services.cli make-bench-model /tmp/m36 --config tests/data/models/qwen3.6-35b-a3b/config.json > /dev/null
-    FERRY_MUST_SHOW_MODEL=/tmp/m36 FERRY_MUST_SHOW_FLAGS="--load-format dummy --gpu-memory 24GiB --host-expert-threads 12" \
+    FERRY_MUST_SHOW_MODEL=/tmp/m36 FERRY_MUST_SHOW_FLAGS="--load-format dummy --gpu-memory 24GiB --expert-backend hybrid --host-expert-threads 12" \
       FERRY_MUST_SHOW_OUT="$OUT/prefix_hybrid_bf16_host_share.json" timeout 250 python3 -m pytest -q -s -p no:cacheprovider \
       tests/gpu/test_prefix_cache_must_show.py -k three > "$OUT/three_share.log" 2>&1
     echo "three turns rc=$?"; tail -3 "$OUT/three_share.log" ;;
-  *) echo "PART must be check, prefill or share" >&2; exit 2 ;;
+  decode12)
+    python3 -c "import sys; from setuptools import setup; sys.argv = ['setup.py', 'build_ext', '--inplace', '-q']; setup()" \
+      > "$OUT/host_kernel_build.log" 2>&1 || echo "host kernel build failed (see host_kernel_build.log)"
+    timeout 560 python3 bench/decode_suite.py --out "$OUT" --workloads 12layer \
+      --variants gpu,host-share,host-share-no-prefetch,default --max-tokens 128 > "$OUT/suite_decode12.log" 2>&1
+    echo "12layer rc=$?"; grep '^\[12layer' "$OUT/suite_decode12.log" | tail -6 ;;
+  *) echo "PART must be check, prefill, share or decode12" >&2; exit 2 ;;
 esac

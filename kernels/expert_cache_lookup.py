@@ -53,7 +53,7 @@ INT64_MAX = 2**63 - 1
 def _expert_cache_kernel(
     ids_ptr, n_rows_ptr, T, K, layer,
     slot_of_ptr, layer_of_slot_ptr, expert_of_slot_ptr, requests_ptr, stamp_ptr, prefetched_ptr,
-    clock_ptr, counters_ptr, flags_ptr, protect_ptr, assign_ptr,
+    clock_ptr, counters_ptr, flags_ptr, protect_ptr, assign_ptr, evicted_ptr, evicted_stamp_ptr,
     hit_slots_ptr, miss_slots_ptr, list_ptr, count_ptr, guard_hits_ptr, guard_misses_ptr,
     E, S, half_life, num_layers, evict_below,
     MODE: tl.constexpr, POLICY: tl.constexpr, HAS_GUARD: tl.constexpr,
@@ -161,6 +161,10 @@ def _expert_cache_kernel(
     victims = tl.load(assign_ptr + n_free + vi, mask=is_victim, other=0)
     old_layer = tl.load(layer_of_slot_ptr + victims, mask=is_victim, other=0)
     old_expert = tl.load(expert_of_slot_ptr + victims, mask=is_victim, other=0)
+    # what each victim held, for a miss handed to the host to give back (kernels/expert_host_handoff.py)
+    tl.store(evicted_ptr + victims, old_layer * E + old_expert, mask=is_victim)
+    tl.store(evicted_stamp_ptr + victims, tl.load(stamp_ptr + victims, mask=is_victim, other=0), mask=is_victim)
+    tl.store(evicted_ptr + s_idx, tl.full([BLOCK_S], -1, tl.int32), mask=free & (free_rank < n_place))
     victim_pf = tl.load(prefetched_ptr + victims, mask=is_victim, other=0) != 0
     wasted += tl.sum((victim_pf & is_victim).to(tl.int32), axis=0)
     tl.store(prefetched_ptr + victims, tl.zeros([BLOCK_E], tl.int8), mask=is_victim)
@@ -244,7 +248,8 @@ def launch(mode: int, policy: int, ids, n_rows, layer: int, state, out, guard=No
     _expert_cache_kernel[(1,)](
         ids, n_rows, t, k, layer,
         state.slot_of, state.layer_of_slot, state.expert_of_slot, state.requests, state.stamp, state.prefetched,
-        state.clock, state.counters, state.expert_flags, state.slot_flags, state.assign,
+        state.clock, state.counters, state.expert_flags, state.slot_flags, state.assign, state.evicted,
+        state.evicted_stamp,
         out.hit_slots, out.miss_slots, out.misses, out.count, guard_hits, guard_misses,
         state.num_experts, state.num_slots, state.half_life, state.num_layers, evict_below,
         MODE=mode, POLICY=policy, HAS_GUARD=guard is not None,

@@ -18,7 +18,9 @@ from ferry.plan.costs import (
     resident_weight_bytes_from_shapes,
     workspace_bytes_estimate,
 )
+from ferry.plan.expert_parallel import add_expert_parallel_flags, expert_parallel_size, plan_every_gpu
 from ferry.plan.plan_report import HOST_NOT_CHECKED, plan_table
+from ferry.shared.units import format_bytes
 from ferry.plan.planner import Measured, Plan, PlanRequest, resolve
 from ferry.plan.planner_flags import add_planner_flags, plan_request_from_args
 from ferry.plan.prefill_chunk import plan_with_prefill_chunk
@@ -28,6 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_argument(parser, "a model directory holding config.json, or that config.json (safetensors optional)")
     parser.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
     add_planner_flags(parser)
+    add_expert_parallel_flags(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -44,6 +47,19 @@ def run(args: argparse.Namespace) -> int:
         workspace = workspace_bytes_estimate(spec, r.dtype, tokens, r.max_running_requests, r.max_model_len)
         return Measured(weights, workspace, free, source, "estimate")
 
+    world = expert_parallel_size(args)
+    if world > 1:
+        plans = plan_every_gpu(spec, req, measured, mem_available_bytes(), world)
+        if args.json:
+            json.dump({"expert_parallel_size": world, "gpus": [p.to_dict() for p in plans]}, sys.stdout)
+            sys.stdout.write("\n")
+        else:
+            for g, p in enumerate(plans):
+                print(f"GPU {g} of {world}: experts e % {world} == {g}, {p.experts.total // max(len(spec.moe_layer_indices), 1)}"
+                      f" of {spec.num_experts} a MoE layer; dense weights, KV and linear states replicated")  # fmt: skip
+                print(plan_table(p) + ("\n" if g < world - 1 else ""))
+            print(f"host: the {world} GPUs' banks together pin {format_bytes(sum(p.host.expert_bank_bytes for p in plans))}")
+        return 0
     plan, here = _plan_and_host_check(spec, req, measured, mem_available_bytes())
     if args.json:
         json.dump(plan.to_dict(), sys.stdout)

@@ -57,8 +57,16 @@ def plan_table(plan: Plan, host_here: int | None = None) -> str:
                           f"{host.available_source}; {format_bytes(host.reserve_bytes)} of it kept for the rest"))  # fmt: skip
     else:
         host_rows.append(("host: available", None, "unknown (no /proc/meminfo); give --host-memory to check"))
+    b = plan.expert_backend
+    backend = {"gpu": "the GPU computes every expert (each miss crosses PCIe)",
+               "hybrid": "the host computes part of each layer's misses while the rest cross PCIe, split by costs "
+                         "the worker measures at boot" + (" (decode share kept where they say it wins)"
+                                                          if b.requested == "auto" else ""),
+               "cpu": "the host computes every missed expert"}[b.backend]  # fmt: skip
+    threads = f"; {b.host_threads} host threads ({b.reason})" if b.host_threads else f" ({b.reason})"
     return _render([*rows, *host_rows], split_before=len(rows)) + (
         f"\ndtype {plan.dtype}, max_model_len {plan.max_model_len}, max_running_requests {plan.max_running_requests}"
+        f"\nexpert backend {b.backend} (--expert-backend {b.requested}): {backend}{threads}"
     )
 
 

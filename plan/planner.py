@@ -13,6 +13,7 @@ before any allocation, with every term listed (rule 4).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Callable
@@ -23,6 +24,7 @@ from ferry.shared.units import ceil_div, format_bytes
 from ferry.plan import expert_formats as F
 from ferry.plan import host_memory as H
 from ferry.plan import pool_layout as L
+from ferry.plan.expert_backend import ExpertBackendPlan, check_expert_backend_flags, physical_cores, plan_expert_backend
 
 DEFAULT_MEMORY_RATIO = 0.9
 DEFAULT_PAGE_SIZE = 16
@@ -58,6 +60,8 @@ class PlanRequest:
     host_memory: int | None = None  # host RAM for the expert banks; None: what the machine has
     expert_bank_format: str | None = None  # packed | plain | auto (None: auto, packed for bf16)
     linear_state_snapshots: int | None = None  # hybrid models' prefix-cache states; None: the default (above)
+    expert_backend: str | None = None  # auto | gpu | hybrid | cpu (plan/expert_backend.py); None: auto
+    host_expert_threads: int | None = None  # the host's expert threads; None: the cores the processes leave
 
     def is_set(self, name: str) -> bool:
         return getattr(self, name) is not None
@@ -74,6 +78,7 @@ class Measured:
     workspace_source: str = "estimate"  # profiled | estimate
     free_source: str = "measured"  # how free_bytes was obtained, for the budget's derivation
     host_available_bytes: int | None = None  # this machine's MemAvailable; None: unknown (no host check)
+    host_cores: int | None = None  # physical cores for the host's expert threads; None: this machine's
 
 
 @dataclass(frozen=True)
@@ -155,6 +160,8 @@ class Plan:
     linear_state_snapshots: LinearSnapshotPlan = LinearSnapshotPlan()
     # how max_prefill_tokens was set: --max-prefill-tokens, or chosen from memory (plan/prefill_chunk.py)
     max_prefill_tokens_source: str = "default"
+    # who computes missed experts, and on how many host threads (plan/expert_backend.py)
+    expert_backend: ExpertBackendPlan = ExpertBackendPlan()
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -198,6 +205,7 @@ def resolve(spec: ModelSpec, req: PlanRequest) -> Resolved:
         (req.linear_state_snapshots is None or req.linear_state_snapshots >= 0,
          f"--linear-state-snapshots must not be negative, got {req.linear_state_snapshots}"),
     ]  # fmt: skip
+    check_expert_backend_flags(req.expert_backend, req.host_expert_threads)
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
@@ -324,7 +332,11 @@ def make_plan(spec: ModelSpec, req: PlanRequest, measured: Measured) -> Plan:
         raise PlanError(_explain_failure(_Failure(spec, req, r, measured, budget, derivation, terms, sizes, costs)))
     _fill(spec, sizes, costs, budget - terms.total)
     host = _host_plan(spec, req, r.dtype, measured, offloaded=sizes.expert_slots < spec.total_experts)
-    return _plan(spec, r, measured, budget, derivation, sizes, costs, host)
+    plan = _plan(spec, r, measured, budget, derivation, sizes, costs, host)
+    cores = measured.host_cores if measured.host_cores is not None else physical_cores()
+    offloaded = sizes.expert_slots < spec.total_experts
+    return dataclasses.replace(plan, expert_backend=plan_expert_backend(req.expert_backend, req.host_expert_threads,
+                                                                         offloaded, cores))  # fmt: skip
 
 
 def _requirements_and_floors(spec: ModelSpec, req: PlanRequest, r: Resolved) -> _Sizes:

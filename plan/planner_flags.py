@@ -7,13 +7,14 @@ import argparse
 from ferry.shared.errors import ConfigError
 from ferry.shared.units import parse_bytes
 from ferry.plan.model_config import DTYPE_BYTES, normalize_dtype
+from ferry.plan.expert_backend import EXPERT_BACKENDS
 from ferry.plan.host_memory import BANK_FORMATS
 from ferry.plan.planner import PlanRequest
 
 PLANNER_FIELDS = (
     "gpu_memory", "memory_ratio", "num_tokens", "num_pages", "kv_reserve_tokens", "moe_cache_size",
     "moe_cache_rate", "page_size", "max_running_requests", "max_prefill_tokens", "max_model_len", "dtype",
-    "host_memory", "expert_bank_format", "linear_state_snapshots",
+    "host_memory", "expert_bank_format", "linear_state_snapshots", "expert_backend", "host_expert_threads",
 )  # fmt: skip
 # the fields that are byte sizes (forwarded to a child process with their unit: `--gpu-memory 123B`)
 BYTE_FIELDS = ("gpu_memory", "host_memory")
@@ -99,6 +100,15 @@ def add_planner_flags(parser: argparse.ArgumentParser) -> None:
                         "whole recurrent and conv state of a sequence at a cached prefix's end (61.4 MiB for "
                         "Qwen3.6-35B-A3B); 0 turns prefix reuse off for them (default: 2 x --max-running-requests, "
                         "at most 1/16 of the budget, fewer if they would not fit beside the other pools' floors)")
+    g.add_argument("--expert-backend", choices=EXPERT_BACKENDS, default=None,
+                   help="who computes the experts a step misses with experts offloaded on CUDA: gpu (each crosses "
+                        "PCIe), hybrid (the host computes part of each layer's misses where they lie in host RAM "
+                        "while the rest cross, split by costs measured at boot), cpu (the host computes every miss), "
+                        "auto (default: hybrid where the host has cores to spare, the decode share kept only where "
+                        "the boot's calibration says it shortens a layer)")  # fmt: skip
+    g.add_argument("--host-expert-threads", type=int, default=None, metavar="N",
+                   help="the host's expert kernel threads for --expert-backend hybrid, cpu or auto (default: the "
+                        "physical cores minus 3, for the api, the scheduler and the worker)")  # fmt: skip
     g.add_argument("--dtype", type=_dtype, default=None, metavar="DTYPE",
                    help=f"weights and KV dtype: {', '.join(DTYPE_CHOICES)} (default auto: the checkpoint's)")
 

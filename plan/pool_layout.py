@@ -217,6 +217,10 @@ def expert_cache_state(spec: ModelSpec, slots: int, max_step_tokens: int) -> tup
         TensorSpec("slot_flags", (slots,), "int8"),
         TensorSpec("assign", (slots,), "int32"),
         TensorSpec("expert_flags", (e,), "int8"),
+        # per slot, what the last placement into it evicted (layer * E + expert, -1: it was free) and that
+        # expert's stamp: a miss handed to the host gives its slot back to it (kernels/expert_host_handoff.py)
+        TensorSpec("evicted", (slots,), "int32"),
+        TensorSpec("evicted_stamp", (slots,), "int64"),
         TensorSpec("clock", (1,), "int64"),
         TensorSpec("counters", (EXPERT_CACHE_COUNTERS,), "int64"),
         TensorSpec("hit_slots", (pairs,), "int32"),

@@ -20,6 +20,8 @@ COMMANDS = {
     "api": ("ferry.services.api.command", "run one api replica: the OpenAI- and Anthropic-compatible HTTP server"),
     "scheduler": ("ferry.services.scheduler.command", "run the scheduler"),
     "worker": ("ferry.services.worker.command", "run the worker: loads the model and executes steps"),
+    "worker-rank": ("ferry.services.worker.rank_command",
+                    "rank r > 0 of an expert-parallel worker (started by `ferry worker --expert-parallel-size N`)"),
     "keys": ("ferry.services.keys_command", "write the CURVE keys that authenticate the ZeroMQ wire in the tcp layout"),
 }
 

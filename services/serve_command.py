@@ -11,7 +11,6 @@ by a killed serve is removed by the next start.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import re
 import shutil
@@ -26,6 +25,7 @@ from pathlib import Path
 import structlog
 
 from ferry.shared.defaults import LOOPBACK, ipc_addresses, rundir_base
+from ferry.shared.child_process import die_with_parent
 from ferry.shared.errors import ConfigError
 from ferry.shared.logging import add_log_flags, configure_logging
 from ferry.shared.model_flag import add_model_argument
@@ -224,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
     write_api_key(args, rundir)
     try:
         for name, cmd in child_commands(args, model, rundir, ports).items():
-            procs[name] = subprocess.Popen(cmd, env=envs[name], preexec_fn=_die_with_parent(os.getpid()))
+            procs[name] = subprocess.Popen(cmd, env=envs[name], preexec_fn=die_with_parent(os.getpid()))
             log.info("started", child=name, pid=procs[name].pid)
         log.info("serving", api=f"http://{args.host}:{args.port}/v1",
                  metrics={"api": f"http://{args.host}:{args.port}/metrics",
@@ -268,26 +268,6 @@ def _wait_or_kill(name: str, p: subprocess.Popen, timeout: float) -> None:
         p.wait()
 
 
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent(parent: int):
-    """A child's pre-exec step: the kernel sends it SIGKILL when serve dies, however serve dies (kill -9
-    included), so no child outlives it under PID 1. SIGKILL, not SIGTERM: a stopped child (kill -STOP,
-    a debugger) does not act on SIGTERM until it is continued, and would stay behind in state T; SIGKILL
-    ends a stopped process too. Serve's own stop (SIGTERM, SIGINT) still stops its children gracefully
-    (_stop_all): this is only for a serve that could not. Linux only; elsewhere a no-op."""
-
-    def set_pdeathsig() -> None:
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        except (OSError, AttributeError):
-            return
-        if os.getppid() != parent:  # serve died before the prctl took effect
-            os._exit(1)
-
-    return set_pdeathsig
 
 
 _RUNDIR = re.compile(r"ferry-(\d+)-[A-Za-z0-9_]+$")

@@ -82,6 +82,8 @@ void *ferry_host_kernel_create(int threads) {
 void ferry_host_kernel_destroy(void *handle) {
     ferry_kernel *k = handle;
     if (!k) return;
+    pthread_mutex_lock(&k->busy); /* a call still running (a graph's host node) finishes first */
+    pthread_mutex_unlock(&k->busy);
     ferry_pool_destroy(k->pool);
     pthread_mutex_destroy(&k->busy);
     free(k->scratch);

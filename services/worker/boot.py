@@ -33,7 +33,9 @@ from ferry.services.worker.dummy_weights import iter_dummy_experts
 from ferry.services.worker.late_bound_experts import LateBoundExperts
 from ferry.services.worker.flags import WorkerBootConfig, copy_engine_tokens
 from ferry.services.worker.loader import ModelFiles, open_model, resident_weights, routed_expert_weights
+from ferry.plan.expert_parallel import nccl_workspace_bytes, rank_spec
 from ferry.services.worker.offload.build import build_expert_store, host_banks_for, is_offloaded
+from ferry.services.worker.offload.expert_parallel import ExpertParallelExperts
 from ferry.services.worker.offload.host_banks import mem_available_bytes
 from ferry.plan.plan_report import plan_log_fields
 from ferry.plan.planner import Measured, Plan, PlanRequest, Resolved, resolve
@@ -147,7 +149,8 @@ def boot_worker(cfg: WorkerBootConfig) -> tuple[StepExecutor, Plan]:
     # every bucket is profiled (the plan prices the largest set); an offloaded store then captures
     # only those under --expert-copy-engine-tokens (_finish_boot), which take no more memory
     buckets = graph_buckets(files.spec.num_experts_per_tok, r.max_running_requests)
-    graphs_wanted = device.type == "cuda" and not cfg.enforce_eager and bool(buckets)
+    # expert-parallel ranks run eagerly: a rank's share of a step's pairs is counted on the host
+    graphs_wanted = device.type == "cuda" and not cfg.enforce_eager and bool(buckets) and cfg.expert_parallel_size == 1
     baseline = 0
     if device.type == "cuda":
         baseline = _reserved(device)  # what this process held before: not this boot's (tests boot many times)
@@ -165,11 +168,16 @@ def _load_and_plan(cfg: WorkerBootConfig, files: ModelFiles, r: Resolved, device
     from ferry.services.worker.models import build_model
 
     spec, dtype, req = files.spec, TORCH_DTYPES[r.dtype], cfg.plan
+    world, rank = cfg.expert_parallel_size, cfg.expert_parallel_rank
+    # this rank's routed experts (all of them on one rank): what its plan, banks and store hold
+    store_spec = rank_spec(spec, rank, world) if world > 1 else spec
 
     before = _reserved(device)
     experts = LateBoundExperts(spec.num_experts)
     model = build_model(spec, dtype, device, experts)
-    booted: dict = {"model": model}
+    # expert-parallel ranks draw the same noise for unseeded requests: their samples, and so the tokens a
+    # step scheduled ahead is fed on each rank, are the same (services/worker/expert_ranks.py)
+    booted: dict = {"model": model, "sampler_seed": cfg.sampler_seed}
 
     def plan_and_allocate() -> None:
         """Runs between the two weight passes: the dense weights are in, the experts not yet."""
@@ -195,22 +203,30 @@ def _load_and_plan(cfg: WorkerBootConfig, files: ModelFiles, r: Resolved, device
             else:
                 workspace = workspace_bytes_estimate(spec, r.dtype, tokens, r.max_running_requests, r.max_model_len)
                 source = "estimate"
+            if world > 1:  # NCCL's buffers, outside torch's allocator (plan/expert_parallel.py)
+                workspace += nccl_workspace_bytes(world) if device.type == "cuda" else 0
             return Measured(weights, workspace, free, "measured", source, free_source,
                             host_available_bytes=mem_available_bytes())  # fmt: skip
 
-        plan = plan_with_prefill_chunk(spec, req, measured)
-        banks = _host_banks(spec, plan)  # before any pool is allocated (rule 4)
-        pools = allocate_pools(spec, plan, device)
-        store = build_expert_store(spec, plan, pools.experts, device, policy=cfg.expert_policy, banks=banks,
+        plan = plan_with_prefill_chunk(store_spec, req, measured)
+        banks = _host_banks(store_spec, plan)  # before any pool is allocated (rule 4)
+        pools = allocate_pools(store_spec, plan, device)
+        store = build_expert_store(store_spec, plan, pools.experts, device, policy=cfg.expert_policy, banks=banks,
                                    prefetch=cfg.expert_prefetch,
                                    copy_engine_tokens=copy_engine_tokens(cfg.expert_copy_engine_tokens,
                                                                          getattr(banks, "packed", False)))  # fmt: skip
+        if world > 1:  # the experts this rank owns, its partial sums added over the ranks
+            # a rank's share of a step's pairs differs from layer to layer, and a streamed prefill is begun at
+            # layer 0 for the whole step: no streaming past the cache under expert parallelism (yet)
+            if getattr(store, "ring", None) is not None:
+                store.ring = None
+            store = ExpertParallelExperts(store, rank, world, spec.num_experts)
         if hasattr(store, "set_routers"):  # next-layer prediction: each MoE layer's router weight
             store.set_routers([layer.mlp.gate.weight for layer in model.layers if hasattr(layer.mlp, "gate")])
         experts.bind(store)
         # an offloaded store's experts go to host banks: read them to CPU, never through the device
         booted.update(plan=plan, pools=pools, store=store, expert_device=torch.device("cpu") if banks else device,
-                      experts_started=time.monotonic(), host_expert_threads=cfg.host_expert_threads)  # fmt: skip
+                      experts_started=time.monotonic())  # fmt: skip
 
     dummy = files.load_format == "dummy"
     progress = _progress_bars()
@@ -220,25 +236,69 @@ def _load_and_plan(cfg: WorkerBootConfig, files: ModelFiles, r: Resolved, device
     return booted
 
 
-def _attach_host_share(store, spec, plan: Plan, dtype: torch.dtype, device: torch.device, threads: int) -> None:
-    """--host-expert-threads: the host's share of streamed prefills (offload/host_share.py), its costs
-    measured here on this machine's paths and logged."""
+def _attach_host_share(store, spec, plan: Plan, dtype: torch.dtype, device: torch.device) -> None:
+    """--expert-backend hybrid | cpu | auto (plan.expert_backend): the host's share of streamed prefills
+    (offload/host_share.py) and of decode layers (offload/host_decode.py), their costs measured here on
+    this machine's paths and logged. `cpu` hands the host every miss; `auto` keeps the decode share only
+    where the calibration says the host shortens a decode layer."""
     from ferry.services.worker.offload.device_store import DeviceDrivenExperts
     from ferry.services.worker.offload.host_experts import HostExperts
-    from ferry.services.worker.offload.host_share import HostShare, calibrate
+    from ferry.services.worker.offload.host_share import HostCost, HostShare, calibrate
 
+    chosen = plan.expert_backend
     why = ("the model runs on the CPU: every expert is computed there already" if device.type != "cuda" else
            "every expert has a GPU slot" if not isinstance(store, DeviceDrivenExperts) else
            "the plan has no staging slots for prefills to stream through" if store.ring is None else None)  # fmt: skip
     if why is not None:
-        log.info("host_share_off", reason=why, host_expert_threads=threads)
+        log.info("host_share_off", reason=why, expert_backend=chosen.requested)
         return
+    threads = chosen.host_threads
     experts = HostExperts(store.banks, dtype, threads)
     cost = calibrate(store, experts, device)
-    store.host_share = HostShare(experts, cost, plan.max_prefill_tokens, spec.num_experts_per_tok, device)
-    log.info("host_share", threads=threads, backend=experts.backend, pcie_us=round(cost.pcie_s * 1e6, 1),
+    log.info("host_share", expert_backend=chosen.backend, requested=chosen.requested, threads=threads,
+             threads_from=chosen.reason, backend=experts.backend, pcie_us=round(cost.pcie_s * 1e6, 1),
              host_us_at_1=round(cost.host_s_at_1 * 1e6, 1), host_us_per_token=round(cost.host_s_per_token * 1e6, 2),
              overhead_us=round(cost.overhead_s * 1e6, 1))  # fmt: skip
+    split = HostCost(1.0, 0.0, 0.0, 0.0) if chosen.backend == "cpu" else cost  # cpu: the host takes every miss
+    store.host_share = HostShare(experts, split, plan.max_prefill_tokens, spec.num_experts_per_tok, device)
+    _attach_host_decode(store, spec, experts, cost, device, chosen.backend, chosen.requested == "auto")
+
+
+def _attach_host_decode(store, spec, experts, cost, device: torch.device, backend: str, auto: bool) -> None:
+    """The host's share of decode layers' misses (offload/host_decode.py): a host node in the decode
+    graph, so only the C kernel (no Python, no GIL where it runs); its hand-off measured here."""
+    from ferry.kernels.expert_host_handoff import host_count_reference
+    from ferry.kernels.expert_pair_gemv import PAIR_KERNEL_MAX_PAIRS
+    from ferry.services.worker.offload.host_decode import HostDecodeShare, calibrate_handoff
+
+    if experts.c_kernel is None:
+        log.info("host_decode_off", reason="the host's C expert kernel is not available here (host_experts_torch_path "
+                                           "says why): a graph's host node runs it without Python")  # fmt: skip
+        return
+    k = spec.num_experts_per_tok
+    ns = [round(v * 1e9) for v in (cost.pcie_s, cost.host_s_at_1, cost.host_s_per_token)]
+    share = HostDecodeShare(experts.c_kernel, (*ns, 0), max(1, PAIR_KERNEL_MAX_PAIRS // k), k, spec.num_experts,
+                            device)  # fmt: skip
+    overhead = calibrate_handoff(share, store.cache)
+    measured = (*ns, round(overhead * 1e9))
+    # a single stream's layer misses about k x (the share of experts without a slot) experts of one token
+    # each (before prefetch): the hand-off runs on every layer, so auto keeps it only where the host takes
+    # some of a layer that misses that many
+    typical = max(1, round(k * (1 - store.policy.num_slots / max(store.policy.num_layers * spec.num_experts, 1))))
+    takes = host_count_reference(typical, typical, measured)
+    fields = dict(pcie_us=round(cost.pcie_s * 1e6, 1), host_us_at_1=round(cost.host_s_at_1 * 1e6, 1),
+                  handoff_us=round(overhead * 1e6, 1), typical_misses=typical, host_takes=takes,
+                  max_tokens=share.max_tokens)  # fmt: skip
+    if auto and not takes:
+        log.info("host_decode_off", reason="auto: by the calibration the host shortens no decode layer missing "
+                                           f"{typical} of its {k} experts", **fields)  # fmt: skip
+        return
+    share.costs_ns = (1, 0, 0, 0) if backend == "cpu" else measured  # cpu: every miss to the host
+    if backend == "cpu" and store.prefetch_enabled:  # a prefetch would copy over PCIe what the host computes
+        store.prefetch_enabled = False
+        log.info("expert_prefetch_off", reason="--expert-backend cpu: the host computes every miss")
+    store.host_decode = share
+    log.info("host_decode", **fields)
 
 
 def _finish_boot(files: ModelFiles, booted: dict, r: Resolved, device: torch.device, req: PlanRequest,
@@ -256,8 +316,8 @@ def _finish_boot(files: ModelFiles, booted: dict, r: Resolved, device: torch.dev
     preloaded = store.preload()  # an offload store warms its free slots; the all-resident one has nothing to do
     log.info("experts_loaded", seconds=round(time.monotonic() - booted["experts_started"], 3),
              source="dummy" if dummy else "checkpoint", preloaded_slots=preloaded)  # fmt: skip
-    if booted.get("host_expert_threads"):  # measured on the loaded banks
-        _attach_host_share(store, spec, plan, dtype, device, booted["host_expert_threads"])
+    if plan.expert_backend.backend != "gpu":  # measured on the loaded banks
+        _attach_host_share(store, spec, plan, dtype, device)
     if device.type == "cuda":  # first-use compiles and tunings at boot, not inside a request
         t0 = time.monotonic()
         ran = warm_up(model, booted["pools"], plan.kv.page_size, device,
@@ -278,7 +338,8 @@ def _finish_boot(files: ModelFiles, booted: dict, r: Resolved, device: torch.dev
              load_format=files.load_format, expert_store=store.report()["policy"],
              cuda_graphs=graphs.buckets if graphs is not None else None)  # fmt: skip
     return StepExecutor(model, booted["pools"], spec, plan, device, store=store, graphs=graphs,
-                        tokenizer_dir=files.model_dir, eos_token_ids=eos_token_ids(files.model_dir)), plan  # fmt: skip
+                        tokenizer_dir=files.model_dir, eos_token_ids=eos_token_ids(files.model_dir),
+                        sampler_seed=booted.get("sampler_seed")), plan  # fmt: skip
 
 
 def _capture_graphs(model, pools, spec, plan: Plan, device: torch.device, buckets: list[int], priced: int, store):

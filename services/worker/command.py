@@ -34,7 +34,7 @@ def add_boot_flag(group) -> None:
 
 def run(args: argparse.Namespace) -> int:
     configure_logging("worker", args.log_level, args.log_format)
-    from ferry.services.worker.service import WorkerConfig, WorkerService
+    from ferry.services.worker.service import RANK_FAILURE_EXIT, WorkerConfig, WorkerService
 
     if args.wire_keys:
         WireKeys(args.wire_keys, "worker")  # a missing key is a config error before the model loads
@@ -46,4 +46,4 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: service.stop())
     service.run()
-    return 0
+    return RANK_FAILURE_EXIT if service.rank_failure else 0

@@ -12,6 +12,7 @@ import argparse
 from dataclasses import dataclass
 
 from ferry.shared.model_flag import add_model_argument
+from ferry.plan.expert_parallel import add_expert_parallel_flags, expert_parallel_size
 from ferry.plan.planner import PlanRequest
 from ferry.plan.planner_flags import BYTE_FIELDS, PLANNER_FIELDS, add_planner_flags, plan_request_from_args
 
@@ -55,8 +56,10 @@ class WorkerBootConfig:
     enforce_eager: bool = False  # never replay decode steps as CUDA graphs
     expert_prefetch: bool = True  # copy the next MoE layer's predicted experts ahead
     expert_copy_engine_tokens: int | None = None  # decode steps of this many tokens or more copy with the copy engine; None: by bank format
-    host_expert_threads: int = 0  # > 0: the host computes part of a streamed prefill's missed experts on this many threads
     plan: PlanRequest = PlanRequest()
+    expert_parallel_size: int = 1  # ranks the routed experts are partitioned over (services/worker/expert_ranks.py)
+    expert_parallel_rank: int = 0  # this process's rank: 0 talks to the scheduler, the others follow it
+    sampler_seed: int | None = None  # the noise of unseeded requests; the ranks share one (None: drawn at boot)
 
 
 MODEL_HELP = "a Hugging Face model directory, or a hub id already in the local cache"
@@ -88,19 +91,8 @@ def add_worker_flags(parser: argparse.ArgumentParser, model_required: bool = Tru
                              "smaller ones copy with the GPU's cores inside a CUDA graph; a prefill of N+ tokens, and "
                              "any step past 64 (token, k) pairs, takes the host-read path too (default: "
                              f"{DEFAULT_COPY_ENGINE_TOKENS} with plain banks, none with packed ones)")  # fmt: skip
-    parser.add_argument("--host-expert-threads", type=int, default=0, metavar="N",
-                        help="with experts offloaded on CUDA: the host computes part of each prefill's missed "
-                             "experts, where they lie in host RAM, on N threads, while the rest cross PCIe; the "
-                             "split comes from a calibration at boot, logged as host_share (default 0: off; "
-                             "leave the cores the three processes need)")  # fmt: skip
     add_planner_flags(parser)
-
-
-def host_expert_threads(requested: int) -> int:
-    """--host-expert-threads, checked."""
-    if requested < 0:
-        raise ValueError(f"--host-expert-threads must not be negative, got {requested}")
-    return requested
+    add_expert_parallel_flags(parser)
 
 
 def boot_config_from_args(args: argparse.Namespace, model: str | None = None) -> WorkerBootConfig:
@@ -109,7 +101,7 @@ def boot_config_from_args(args: argparse.Namespace, model: str | None = None) ->
         model=model if model is not None else args.model, revision=args.revision, load_format=args.load_format,
         device=args.device, expert_policy=args.expert_policy, enforce_eager=args.enforce_eager,
         expert_prefetch=args.expert_prefetch, expert_copy_engine_tokens=args.expert_copy_engine_tokens,
-        host_expert_threads=host_expert_threads(args.host_expert_threads), plan=plan_request_from_args(args),
+        plan=plan_request_from_args(args), expert_parallel_size=expert_parallel_size(args),
     )  # fmt: skip
 
 
@@ -125,8 +117,8 @@ def worker_flag_args(cfg: WorkerBootConfig) -> list[str]:
         out.append("--no-expert-prefetch")
     if cfg.expert_copy_engine_tokens is not None:
         out += ["--expert-copy-engine-tokens", str(cfg.expert_copy_engine_tokens)]
-    if cfg.host_expert_threads:
-        out += ["--host-expert-threads", str(cfg.host_expert_threads)]
+    if cfg.expert_parallel_size > 1:
+        out += ["--expert-parallel-size", str(cfg.expert_parallel_size)]
     for name in PLANNER_FIELDS:
         value = getattr(cfg.plan, name)
         if value is not None:  # byte budgets with their unit: a bare number is refused

@@ -37,6 +37,31 @@ class ExpertCacheCollector:
         slots = GaugeMetricFamily("ferry_worker_expert_slots", "GPU expert slots of the plan", labels=["format"])
         slots.add_metric([report.get("expert_format", "bf16")], report["slots"])
         yield slots
+        yield from host_share_metrics(report)
+
+
+# the costs a host share splits by, in its report's costs_ns order (offload/host_share.py, host_decode.py)
+COST_PATHS = ("pcie", "host_at_1", "host_per_token", "handoff")
+
+
+def host_share_metrics(report: dict):
+    """The host's share of missed experts (--expert-backend hybrid | cpu | auto): what it computed since
+    boot and the calibrated costs its split follows; nothing when the store has no host share."""
+    shares = [(name, report[key]) for name, key in (("prefill", "host_share"), ("decode", "host_decode"))
+              if report.get(key)]  # fmt: skip
+    if not shares:
+        return
+    experts = CounterMetricFamily("ferry_worker_host_experts", "missed experts the host computed instead of a copy",
+                                  labels=["share"])  # fmt: skip
+    costs = GaugeMetricFamily("ferry_worker_host_share_cost_seconds", "the boot calibration's costs of the host's "
+                              "share: one expert over PCIe, on the host at 1 token and per more token, the hand-off",
+                              labels=["share", "path"])  # fmt: skip
+    for name, share in shares:
+        experts.add_metric([name], share["experts"])
+        for path, ns in zip(COST_PATHS, share["costs_ns"]):
+            costs.add_metric([name, path], ns / 1e9)
+    yield experts
+    yield costs
 
 
 class WorkerMetrics:

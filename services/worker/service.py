@@ -8,8 +8,12 @@ dead worker even while a long step runs here.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import os
+import secrets
 import re
+import subprocess
 import threading
 import time
 import uuid
@@ -37,6 +41,10 @@ log = structlog.get_logger("worker")
 # (milliseconds, whole: ZeroMQ's poll takes no less): what it adds to a step's answer at most. The
 # next step, if sent ahead, is already queued on the device, so the device does not wait for it.
 WATCH_INTERVAL_MS = 1
+# An expert-parallel rank that exits ends the worker: after failing its step it exits with this status,
+# at the latest this long after the failure was seen (a collective with the lost rank may never return)
+RANK_FAILURE_EXIT = 3
+RANK_FAILURE_GRACE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -102,6 +110,9 @@ class WorkerService:
         self.plan: Any = None
         self.executor: Any = None
         self._running = True
+        self.ranks = None  # expert parallelism: the rank group rank 0 leads (expert_ranks.py)
+        self._answered: tuple[int, bytes] | None = None  # the last answered step's id and tokens, for the ranks' check
+        self.rank_failure: str | None = None  # set by the followers' watch: the worker stops, failing its step
         for flag, addr in (("--steps-addr", cfg.steps_addr), ("--results-addr", cfg.results_addr)):
             require_keys_for_tcp(flag, addr, cfg.wire_keys)
         secure = WireKeys(cfg.wire_keys, "worker").client() if cfg.wire_keys else None
@@ -119,6 +130,8 @@ class WorkerService:
     def _health(self) -> tuple[bool, dict]:
         """Ready once booted and adopted by a live scheduler; the plan's figures, never a path, and never
         the boot id (whoever knows it could pose as this worker on a wire without keys)."""
+        if self.rank_failure is not None:
+            return False, {"status": "unavailable", "reason": self.rank_failure}
         if self.plan is None:
             return False, {"status": "loading"}
         silent = self.scheduler.silent_for()
@@ -137,7 +150,13 @@ class WorkerService:
     def boot(self) -> None:
         self.heartbeat.start()  # the scheduler hears "loading" while the model loads
         t0 = time.monotonic()
+        if self.boot_config.expert_parallel_size > 1:
+            self._start_ranks()
         self.executor, self.plan = load_boot(self.cfg.boot)(self.boot_config)
+        if self.ranks is not None:
+            from ferry.services.worker.expert_ranks import check_same_plans
+
+            check_same_plans(self.ranks, self.plan)
         stats = getattr(self.executor, "expert_stats", None)  # (hits, misses) from the expert cache, if it has one
         self.heartbeat.expert_stats = stats if callable(stats) else None
         report = getattr(self.executor, "expert_cache_report", None)  # a test double's boot may have none
@@ -148,6 +167,43 @@ class WorkerService:
         vocab = getattr(self.executor, "vocab_size", 0)
         self.heartbeat.pool = pool_report_from_plan(self.plan, vocab if isinstance(vocab, int) else 0)
         log.info("worker_ready", boot_s=round(time.monotonic() - t0, 3), plan=self.plan.to_dict())
+
+    def _start_ranks(self) -> None:
+        """Rank 0 of an expert-parallel worker: start the followers and join their group before booting (the
+        boot's own steps run on every rank)."""
+        from ferry.services.worker.device import select_device
+        from ferry.services.worker.expert_ranks import (
+            FollowerWatch, RankGroup, check_rank_devices, init_group, start_followers,
+        )  # fmt: skip
+        from ferry.services.worker.flags import worker_flag_args
+
+        world = self.boot_config.expert_parallel_size
+        check_rank_devices(self.boot_config.device, world)
+        self.boot_config = dataclasses.replace(self.boot_config, sampler_seed=secrets.randbits(63))
+        followers, rendezvous = start_followers(world, worker_flag_args(self.boot_config),
+                                                self.boot_config.sampler_seed)  # fmt: skip
+        self.ranks = RankGroup(0, world, None, followers, rendezvous)
+        # watched from before the group meets: a follower that fails to start would leave the rendezvous
+        # (and rank 0 in it) waiting for the group's timeout
+        self.ranks.watch = FollowerWatch(self.ranks, self._rank_failed)
+        self.ranks.watch.start()
+        self.ranks.control = init_group(0, world, rendezvous, select_device(self.boot_config.device))
+
+    def _rank_failed(self, reason: str) -> None:
+        """From the followers' watch: the loop fails the step in flight and stops; if it is stuck in a
+        collective that will not return, the process ends here after a grace."""
+        log.error("expert_parallel_rank_failed", reason=reason)
+        self.rank_failure = reason
+        self._running = False
+        def end() -> None:
+            from ferry.services.worker.expert_ranks import remove_rendezvous
+
+            remove_rendezvous(self.ranks.rendezvous)
+            os._exit(RANK_FAILURE_EXIT)
+
+        timer = threading.Timer(RANK_FAILURE_GRACE_S, end)
+        timer.daemon = True
+        timer.start()
 
     def stop(self) -> None:
         self._running = False
@@ -160,7 +216,12 @@ class WorkerService:
         the next without waiting for this loop or for the scheduler."""
         self.boot()
         pending = None  # (batch, launched, started, received): launched, not yet answered
-        while self._running:
+        while self._running or (self.rank_failure and pending is not None):
+            if self.rank_failure is not None:  # a rank is gone: its step cannot finish
+                if pending is not None:
+                    self._fail(pending[0], RuntimeError(self.rank_failure))
+                    pending = None
+                break
             if pending is not None and self._done(pending[1]):
                 self.scheduler.deaf()
                 self._answer(*pending)
@@ -204,10 +265,15 @@ class WorkerService:
         """The executor's handle on the launched step, or the exception that stopped it. An executor
         without `launch` (a test double) runs the whole step here."""
         try:
+            if self.ranks is not None:  # every rank runs the step; rank 0 hands it on first
+                from ferry.services.worker.expert_ranks import share_step
+
+                share_step(self.ranks, batch, self._answered)
             launch = getattr(self.executor, "launch", None)
             return launch(batch) if launch is not None else self.executor.execute(batch)
         except Exception as exc:  # noqa: BLE001 - a failed step must reach the scheduler, not kill the worker
             log.exception("step_failed", step_id=batch.step_id)
+            self._rank_step_failed(batch, exc)
             return exc
 
     def _done(self, launched) -> bool:
@@ -219,9 +285,14 @@ class WorkerService:
             output = self.executor.finish(launched) if hasattr(self.executor, "launch") else launched
         except Exception as exc:  # noqa: BLE001
             log.exception("step_failed", step_id=batch.step_id)
+            self._rank_step_failed(batch, exc)
             self._fail(batch, exc)
             return
         self.metrics.observe_step(time.perf_counter() - started, len(batch.tokens), len(batch.req_ids))
+        if self.ranks is not None:
+            from ferry.services.worker.expert_ranks import tokens_of
+
+            self._answered = (output.step_id, tokens_of(output))
         # the answer goes out before the heartbeat may say "idle" (run, once the socket is empty): the
         # scheduler must not hand out a new step while this one's answer is still on its way
         self.results.send(StepDone(output))
@@ -230,10 +301,27 @@ class WorkerService:
             self.trace.add(step=batch.step_id, rows=len(batch.req_ids), tokens=len(batch.tokens), recv=received[0],
                            launched=received[1], answered=time.monotonic(), device_ms=device[0], idle_ms=device[1])  # fmt: skip
 
+    def _rank_step_failed(self, batch, exc: Exception) -> None:
+        """An expert-parallel step that failed past the executor's checks ends the worker: the ranks'
+        collectives would no longer pair. The reason names the rank that went, where one did."""
+        from ferry.services.worker.executor import StepBatchError
+
+        if self.ranks is None or self.rank_failure is not None or isinstance(exc, StepBatchError):
+            return
+        from ferry.services.worker.expert_ranks import failed_follower
+
+        time.sleep(0.2)  # a follower's exit is seen a moment after its socket closes
+        self.rank_failure = failed_follower(self.ranks) or f"expert-parallel rank 0 failed step {batch.step_id}: {exc}"
+        self._running = False
+
     def _fail(self, batch, exc: Exception) -> None:
+        if self.rank_failure is not None:
+            exc = RuntimeError(self.rank_failure)
         self.results.send(StepFailed(step_id=batch.step_id, message=f"{type(exc).__name__}: {exc}"))
 
     def close(self) -> None:
+        if self.ranks is not None:
+            self._stop_ranks()
         self.trace.flush()
         self.heartbeat.stopped.set()
         self.heartbeat.join(timeout=2)
@@ -241,6 +329,26 @@ class WorkerService:
         self.results.close()
         if self.http is not None:
             self.http.shutdown()
+
+
+    def _stop_ranks(self) -> None:
+        """Tell the followers to stop (they may be gone already) and reap them."""
+        from ferry.services.worker.expert_ranks import remove_rendezvous, share_step
+
+        if self.ranks.watch is not None:
+            self.ranks.watch.stopped.set()  # the followers' exits from here on are this stop's
+        if self.rank_failure is None and self.ranks.control is not None:
+            try:
+                share_step(self.ranks, None)
+            except RuntimeError:
+                pass
+        for proc in self.ranks.followers:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        remove_rendezvous(self.ranks.rendezvous)
 
 
 _PATH = re.compile(r"(?<![\w.])(?:~|\.{1,2})?/[^\s,;:()'\"]+")

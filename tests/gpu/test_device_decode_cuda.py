@@ -267,7 +267,8 @@ def test_a_prefill_streamed_past_the_cache_decodes_as_all_resident(tiny_models, 
         "offload-no-prefetch": ["--moe-cache-size", "10", "--no-expert-prefetch"],
     }
     if dtype == "float32":  # the host computes part of each streamed layer's misses (host_share.py): same tokens
-        variants["offload-host-share"] = ["--moe-cache-size", "10", "--host-expert-threads", "2"]
+        variants["offload-host-share"] = ["--moe-cache-size", "10", "--expert-backend", "hybrid",
+                                          "--host-expert-threads", "2"]
     for name, flags in variants.items():
         executor, plan = _boot(tiny_models[arch], dtype, *flags)
         if "--host-expert-threads" in flags:
@@ -277,6 +278,10 @@ def test_a_prefill_streamed_past_the_cache_decodes_as_all_resident(tiny_models, 
             assert executor.store.host_share is not None
             executor.store.host_share.cost = HostCost(pcie_s=1e-3, host_s_at_1=1e-9, host_s_per_token=0.0,
                                                       overhead_s=0.0)  # fmt: skip
+            # and of each decode layer's misses all but one, through the host node in the decode graphs
+            # (captured at boot: the hand-off kernel reads its costs from the device at run time)
+            assert executor.store.host_decode is not None, "the host's C kernel is not built (gpu_check builds it)"
+            executor.store.host_decode.costs_ns = (1_000_000, 1, 0, 0)
         before = executor.store.ring.staged_total if "--moe-cache-size" in flags else 0
         assert before == 0  # boot's warm-up steps are padding only: they stage nothing
         runs[name] = _greedy_batch(executor, prompts, steps=6)
@@ -291,6 +296,8 @@ def test_a_prefill_streamed_past_the_cache_decodes_as_all_resident(tiny_models, 
             if "--host-expert-threads" in flags:
                 shared = executor.store.report()["host_share"]
                 assert shared["layers"] > 0 and shared["experts"] > 0, shared
+                handed = executor.store.report()["host_decode"]
+                assert handed["experts"] > 0, handed
         del executor
         gc.collect()
         torch.cuda.empty_cache()

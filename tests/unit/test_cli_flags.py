@@ -86,15 +86,17 @@ def test_expert_bank_and_copy_flags_reach_the_worker_from_serve_and_resolve_by_b
         parse("serve", "/models/m", "--expert-bank-format", "zip")
 
 
-def test_host_expert_threads_reach_the_worker_from_serve_and_a_negative_count_is_refused():
+def test_the_expert_backend_and_its_threads_reach_the_worker_from_serve():
     from ferry.services.worker.flags import boot_config_from_args
 
-    for extra, threads in (((), 0), (("--host-expert-threads", "12"), 12)):
+    for extra, backend, threads in (((), None, None), (("--expert-backend", "hybrid", "--host-expert-threads", "12"),
+                                                       "hybrid", 12), (("--expert-backend", "gpu"), "gpu", None)):  # fmt: skip
         worker = child_commands(parse("serve", "/models/m", *extra), "/models/m", Path("/tmp/x"))["worker"]
-        assert ("--host-expert-threads" in worker) == bool(threads)
-        assert boot_config_from_args(parse("worker", *worker[4:])).host_expert_threads == threads
-    with pytest.raises(ValueError, match="--host-expert-threads must not be negative"):
-        boot_config_from_args(parse("worker", "--model", "m", "--host-expert-threads", "-1"))
+        assert ("--host-expert-threads" in worker) == bool(threads) and ("--expert-backend" in worker) == bool(backend)
+        plan = boot_config_from_args(parse("worker", *worker[4:])).plan
+        assert (plan.expert_backend, plan.host_expert_threads) == (backend, threads)
+    with pytest.raises(SystemExit):
+        parse("serve", "/models/m", "--expert-backend", "tpu")
 
 
 def test_no_schedule_ahead_reaches_the_scheduler_from_serve():
@@ -217,3 +219,13 @@ def test_a_bad_dtype_lists_every_choice_auto_included():
     assert done.returncode == 2 and "--dtype" in done.stderr
     assert "auto, bfloat16, float16, float32" in done.stderr, done.stderr
     assert parse("plan", "m", "--dtype", "bf16").dtype == "bfloat16" and parse("plan", "m", "--dtype", "auto").dtype == "auto"
+
+
+def test_the_expert_parallel_size_reaches_the_worker_from_serve():
+    from ferry.services.worker.flags import boot_config_from_args
+
+    for extra, world in (((), 1), (("--expert-parallel-size", "2"), 2), (("--tensor-parallel-size", "2",
+                                                                          "--enable-expert-parallel"), 2)):  # fmt: skip
+        worker = child_commands(parse("serve", "/models/m", *extra), "/models/m", Path("/tmp/x"))["worker"]
+        assert ("--expert-parallel-size" in worker) == (world > 1)
+        assert boot_config_from_args(parse("worker", *worker[4:])).expert_parallel_size == world

@@ -59,6 +59,7 @@ class DeviceExpertCache:
         self.layer_of_slot, self.expert_of_slot, self.stamp = st["layer_of_slot"], st["expert_of_slot"], st["stamp"]
         self.prefetched, self.slot_flags, self.assign = st["prefetched"], st["slot_flags"], st["assign"]
         self.expert_flags, self.clock, self.counters = st["expert_flags"], st["clock"], st["counters"]
+        self.evicted, self.evicted_stamp = st["evicted"], st["evicted_stamp"]
         self.hit_slots, self.miss_slots = st["hit_slots"], st["miss_slots"]
         self.lookup_misses, self.lookup_count = st["lookup_misses"], st["lookup_count"]
         self.prefetch_misses, self.prefetch_count = st["prefetch_misses"], st["prefetch_count"]

@@ -27,7 +27,8 @@ next layer is prefetched the same way. Steps that route to nearly every expert o
 cache: they stream every non-resident expert through the staging ring (staging_ring.py), so each
 crosses once and the cache keeps what the decode uses. Each (token, k) pair is computed exactly once into a
 float32 row buffer summed over k, with the same kernels as the all-resident store: the result is
-bit for bit what an all-resident store computes.
+bit for bit what an all-resident store computes (not with a host share: the host's per-token sum joins each
+token's first row, a float32 reassociation).
 
 Statistics come from the cache's device counters and the copy stamps, copied to the host with
 the step's results (`stats_to_host` before the step's one synchronisation, `end_step` after).
@@ -48,6 +49,7 @@ from ferry.kernels.expert_rows_sum import sum_rows
 from ferry.kernels.grouped_expert_gemm import align_pairs_by_slot, block_m_for, grouped_expert_rows_triton
 from ferry.services.worker.offload.device_cache import CacheCall, DeviceExpertCache
 from ferry.services.worker.offload.expert_cache import DEFAULT_PIPELINE_CHUNKS, OffloadedExperts, _split
+from ferry.services.worker.offload.host_decode import HostDecodeShare
 from ferry.services.worker.offload.host_share import HostShare
 from ferry.services.worker.offload.staging_ring import StagingRing
 
@@ -70,6 +72,7 @@ class DeviceDrivenExperts(OffloadedExperts):
         `host_share`: the host computes part of a streamed step's missed experts (host_share.py)."""
         super().__init__(slots, banks, policy, device, pipeline_chunks=pipeline_chunks, use_triton=True)
         self.host_share = host_share
+        self.host_decode: HostDecodeShare | None = None  # the host's share of decode layers' misses (boot sets it)
         self._host_experts: list[np.ndarray] = []  # per layer, the streamed step's experts the host computes
         self._host_table: torch.Tensor | None = None  # [layers, E + 1] bool on the device: the same
         self._stream_real = 0  # the streamed step's real rows
@@ -143,6 +146,8 @@ class DeviceDrivenExperts(OffloadedExperts):
         """Graph-safe: no host synchronisation, fixed addresses, fixed launch shapes."""
         t, k = ids.shape
         call = self.cache.lookup(layer, ids, n_rows)
+        # the host's share of the misses (host_decode.py): decided before the copy kernel reads the count
+        handed = self.host_decode.start(layer, x, ids, weights, n_rows, call, self.cache) if self.host_decode else None
         stamps = self.cache.copy_stamps[layer]
         copied = self._on_copy_stream(lambda: self._copy_sm(layer, call), stamps, MISS_START, MISS_END)
         self._prefetch_next(layer, x, n_rows, call, large=False)
@@ -152,6 +157,8 @@ class DeviceDrivenExperts(OffloadedExperts):
         if copied is not None:
             torch.cuda.current_stream(self.device).wait_event(copied)
         expert_pair_rows_triton(x, call.miss_slots.view(t, k), weights, self.slots.gemm13, self.slots.gemm2, rows)
+        if handed is not None:
+            self.host_decode.finish(handed, rows)
 
     def _large_layer(self, layer, x, ids, weights, n_rows, rows) -> None:
         """Prefill and large batches: the decisions on the device, the lists read on the host, the
@@ -343,18 +350,21 @@ class DeviceDrivenExperts(OffloadedExperts):
         if self.cache is None:
             return
         if self._spare_stats:  # pinned buffers are reused, not allocated each step
-            counters, stamps = self._spare_stats.pop()
+            counters, stamps, handed = self._spare_stats.pop()
         else:
             counters = torch.empty(self.cache.counters.shape, dtype=torch.int64, pin_memory=self._cuda)
             stamps = torch.empty(self.cache.copy_stamps.shape, dtype=torch.int64, pin_memory=self._cuda)
+            handed = torch.zeros(2, dtype=torch.int64, pin_memory=self._cuda)  # host_decode's totals
         counters.copy_(self.cache.counters, non_blocking=self._cuda)
         stamps.copy_(self.cache.copy_stamps, non_blocking=self._cuda)
+        if self.host_decode is not None:
+            handed.copy_(self.host_decode.dev.totals, non_blocking=self._cuda)
         self.cache.copy_stamps.zero_()  # in stream order: the next step stamps afresh
         ready = None
         if self._cuda:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
-        self._stats_queue.append((counters, stamps, ready, self._step_copy_events))
+        self._stats_queue.append((counters, stamps, handed, ready, self._step_copy_events))
         self._step_copy_events = []
 
     def end_step(self, synced: bool = False) -> None:
@@ -365,14 +375,18 @@ class DeviceDrivenExperts(OffloadedExperts):
         if not self._stats_queue:
             self.stats_to_host()
             synced = False
-        counters, stamps, ready, copy_events = self._stats_queue.popleft()
+        counters, stamps, handed, ready, copy_events = self._stats_queue.popleft()
         if ready is not None and not synced:
             ready.synchronize()
+        if self.host_decode is not None:
+            self.host_decode.count(handed)
+            self.host_decode.check()  # a host node cannot raise where it runs: its error surfaces here
         now = self.cache.counters_dict(counters.numpy())
+        now["host_decode"] = int(handed[0])  # misses the host computed: they never crossed
         before = self._last_counters
-        delta = {n: now[n] - before[n] for n in now}
+        delta = {n: now[n] - before.get(n, 0) for n in now}
         self._last_counters = now
-        copies = delta["misses"] + delta["prefetched"]
+        copies = delta["misses"] - delta["host_decode"] + delta["prefetched"]
         if delta["lookups"]:
             self.stats.record_lookup(delta["hits"], delta["misses"], copies * self.banks.expert_nbytes)
             self.stats.record_prefetch(delta["prefetched"], delta["prefetch_useful"], delta["prefetch_wasted"])
@@ -380,7 +394,7 @@ class DeviceDrivenExperts(OffloadedExperts):
             for start, end in copy_events:
                 self.stats.record_copy_events(start, end)
             self.stats.record_copy_seconds(copy_s, exposed_s)
-        self._spare_stats.append((counters, stamps))  # read: the next step's copy may take them
+        self._spare_stats.append((counters, stamps, handed))  # read: the next step's copy may take them
         self.stats.end_step()
         self._last_layer = -1
 
@@ -406,10 +420,19 @@ class DeviceDrivenExperts(OffloadedExperts):
         slots are filled (a placement takes a free slot while there is one, and slots never empty)."""
         out = {**super().report(), "prefetch": self.prefetch_enabled}
         if self.host_share is not None:  # streamed layers that took a host share, and the experts it computed
-            out["host_share"] = {"layers": self.host_share.layers, "experts": self.host_share.computed}
+            c = self.host_share.cost
+            out["host_share"] = {"layers": self.host_share.layers, "experts": self.host_share.computed,
+                                 "costs_ns": [round(v * 1e9) for v in (c.pcie_s, c.host_s_at_1, c.host_s_per_token,
+                                                                       c.overhead_s)]}  # fmt: skip
+        if self.host_decode is not None:  # decode misses the host computed, and their pairs
+            out["host_decode"] = self.host_decode.report()
         if self.cache is not None:
             c, start = self._last_counters, self._warm_counters
             placements = c["misses"] + c["prefetched"] - start["misses"] - start["prefetched"]
             placements -= self.ring.staged_total if self.ring is not None else 0  # staged (since boot), never placed
-            out.update(evictions=c["evictions"], resident=min(self.policy.num_slots, self.policy.resident + placements))
+            placements -= c.get("host_decode", 0)  # handed to the host: their slots were freed
+            resident = self.policy.resident + placements
+            if c.get("host_decode", 0):  # a handed miss may have evicted a victim for a slot it then left empty
+                resident -= c["evictions"] - start["evictions"]
+            out.update(evictions=c["evictions"], resident=min(self.policy.num_slots, resident))
         return out

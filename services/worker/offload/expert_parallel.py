@@ -16,8 +16,8 @@ its order; in bf16 each pair is rounded once more than there. The all-reduce han
 sum, so the ranks go on with the same hidden states.
 
 Eager only: gathering the owned pairs reads their count on the host. The CUDA graph form (fixed-size pair
-lists, NCCL inside the capture) is the next step, with the plan of every GPU and the launch of one worker
-process per GPU (docs/ARCHITECTURE.md §3, "Experts partitioned across ranks").
+lists, NCCL inside the capture) is the next step. The worker runs one process a rank
+(services/worker/expert_ranks.py), each planned for its own experts (plan/expert_parallel.py).
 """
 
 from __future__ import annotations
@@ -43,6 +43,25 @@ class ExpertParallelExperts:
             raise ValueError(f"rank {rank} of {world} owns {owned_count(num_experts, rank, world)} of {num_experts} "
                              f"experts a layer; its store has {local.num_experts}")  # fmt: skip
         self.local, self.rank, self.world, self.num_experts, self.group = local, rank, world, num_experts, group
+
+    def __getattr__(self, name: str):
+        """What boot and the executor read of a store beyond the ExpertStore calls (stats, copy_engine_tokens,
+        ...) is the local store's: this one holds only the partition."""
+        if name == "local":  # not yet set (unpickling, a failed __init__): no recursion
+            raise AttributeError(name)
+        return getattr(self.local, name)
+
+    @property
+    def banks(self):
+        """The local store's host banks (None: it offloads nothing): boot fills them with dummy weights."""
+        return getattr(self.local, "banks", None)
+
+    @property
+    def slots(self):
+        return self.local.slots
+
+    def fill_dummy(self, seed: int) -> None:
+        self.local.fill_dummy(seed)
 
     def owns(self, expert: int) -> bool:
         return expert % self.world == self.rank

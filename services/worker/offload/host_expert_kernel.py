@@ -90,6 +90,8 @@ def library() -> tuple[ctypes.CDLL | None, str]:
     lib.ferry_host_decode_packed.argtypes = [ctypes.POINTER(Family), ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
                                              ctypes.c_int64, ctypes.c_void_p]  # fmt: skip
     lib.ferry_host_decode_packed.restype = ctypes.c_int
+    lib.ferry_host_node.argtypes = [ctypes.c_void_p]  # host_node.h: a decode layer's host share (host_decode.py)
+    lib.ferry_host_node.restype = None
     return lib, ""
 
 
@@ -194,8 +196,9 @@ class HostKernel:
         if dtype not in ACTS:
             raise KernelUnavailable(f"the C kernel computes in float32 or bfloat16, not {dtype}")
         self.format, self.act, self.isa = bank_format(banks), ACTS[dtype], resolve_isa(isa)
+        self.isa_code = ISAS[self.isa]
         self.dtype = dtype
-        if not lib.ferry_host_isa_available(ISAS[self.isa]):
+        if not lib.ferry_host_isa_available(self.isa_code):
             raise KernelUnavailable(f"this CPU lacks the {self.isa} instructions the host kernel was asked for")
         self.banks, self.hidden, self.inter = banks, banks.hidden_size, banks.intermediate_size  # alive while pointed at
         if self.format == PACKED:
@@ -239,7 +242,7 @@ class HostKernel:
         out = torch.empty(self.banks.v13 + self.banks.v2, dtype=torch.bfloat16)
         at = out.data_ptr()
         for f in self.families[moe_layer]:
-            err = self.lib.ferry_host_decode_packed(ctypes.byref(f), ISAS[self.isa], expert, 0, f.rows, at)
+            err = self.lib.ferry_host_decode_packed(ctypes.byref(f), self.isa_code, expert, 0, f.rows, at)
             if err:
                 raise RuntimeError(f"the packed decode refused the call: {ERRORS.get(err, err)}")
             at += f.rows * f.cols * 2
@@ -257,7 +260,7 @@ class HostKernel:
         x = x.contiguous()
         out = torch.empty(x.shape[0], self.hidden, dtype=torch.float32)
         w13, w2 = self.families[moe_layer]
-        job = Job(format=self.format, act=self.act, isa=ISAS[self.isa], tokens=x.shape[0], hidden=self.hidden,
+        job = Job(format=self.format, act=self.act, isa=self.isa_code, tokens=x.shape[0], hidden=self.hidden,
                   inter=self.inter, x=x.data_ptr(), n_pairs=len(pairs), pair_token=tokens.data_ptr(),
                   pair_expert=experts.data_ptr(), pair_weight=weights.data_ptr(), w13=w13, w2=w2,
                   out=out.data_ptr())  # fmt: skip

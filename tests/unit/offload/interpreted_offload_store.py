@@ -149,12 +149,119 @@ def check_host_share() -> None:
         store.stats_to_host()
         store.end_step()
     assert share.layers > 0 and share.computed > 0
-    assert store.report()["host_share"] == {"layers": share.layers, "experts": share.computed}
+    assert store.report()["host_share"] == {"layers": share.layers, "experts": share.computed,
+                                            "costs_ns": [1_000_000_000, 1_000_000_000, 0, 0]}  # fmt: skip
     share.close()
 
 
+def check_host_decode_kernel() -> None:
+    """The hand-off kernel (kernels/expert_host_handoff.py) against its torch twin on random lookups:
+    the same maps, miss slots, count, host pair list, flags, meta and totals."""
+    from types import SimpleNamespace
+
+    from ferry.kernels.expert_host_handoff import hand_to_host, hand_to_host_reference
+    from ferry.services.worker.offload.host_decode import HostDecodeBuffers
+
+    g = torch.Generator().manual_seed(5)
+    experts, slots, layers, k = 12, 9, 2, 3
+    handed, restored = [], []
+    for trial in range(12):
+        t = int(torch.randint(1, 6, (1,), generator=g))
+        real = int(torch.randint(1, t + 1, (1,), generator=g))
+        layer = trial % layers
+        ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(t)])
+        weights = torch.rand(t, k, generator=g)
+        wanted = torch.unique(ids[:real])
+        missed = wanted[torch.rand(len(wanted), generator=g) < 0.7]  # the rest hit
+        slot_of = torch.full((layers, experts), -1, dtype=torch.int32)
+        free = torch.randperm(slots, generator=g)
+        slot_of[layer, wanted] = free[: len(wanted)].to(torch.int32)
+        layer_of_slot = torch.full((slots,), -1, dtype=torch.int32)
+        expert_of_slot = torch.full((slots,), -1, dtype=torch.int32)
+        layer_of_slot[free[: len(wanted)]] = layer
+        expert_of_slot[free[: len(wanted)]] = wanted.to(torch.int32)
+        # what the lookup evicted for each slot: a resident expert of the other layer (its map entry freed),
+        # or nothing (the slot was free)
+        evicted = torch.full((slots,), -1, dtype=torch.int32)
+        for slot in free[: len(wanted)].tolist():
+            if bool(torch.rand(1, generator=g) < 0.5):
+                evicted[slot] = (1 - layer) * experts + int(torch.randint(0, experts, (1,), generator=g))
+        misses = torch.zeros(experts, 2, dtype=torch.int32)
+        misses[: len(missed), 0] = missed.to(torch.int32)
+        misses[: len(missed), 1] = slot_of[layer, missed]
+        flat = ids.reshape(-1)
+        miss_slots = torch.where(torch.isin(flat, missed) & (torch.arange(t * k) < real * k),
+                                 slot_of[layer, flat], -1).to(torch.int32)  # fmt: skip
+        costs = torch.randint(1, 400, (4,), generator=g)
+        runs = []
+        for fn in (hand_to_host, hand_to_host_reference):
+            cache = SimpleNamespace(slot_of=slot_of.clone(), layer_of_slot=layer_of_slot.clone(),
+                                    expert_of_slot=expert_of_slot.clone(), num_experts=experts,
+                                    expert_flags=torch.zeros(experts, dtype=torch.int8), evicted=evicted.clone(),
+                                    evicted_stamp=torch.arange(slots, dtype=torch.int64) * 7,
+                                    stamp=torch.arange(slots, dtype=torch.int64) + 100,
+                                    counters=torch.full((8,), 50, dtype=torch.int64))  # fmt: skip
+            out = HostDecodeBuffers.make(t * k, torch.device("cpu"))
+            ms, count = miss_slots.clone(), torch.tensor([len(missed)], dtype=torch.int32)
+            fn(ids, weights, torch.tensor([real], dtype=torch.int32), ms, misses, count, cache, layer, costs, out)
+            n = int(out.meta[1])
+            runs.append([cache.slot_of, cache.layer_of_slot, cache.expert_of_slot, cache.expert_flags, cache.stamp,
+                         cache.counters, ms, count,
+                         out.host_pairs, out.pair_token[:n], out.pair_expert[:n], out.pair_weight[:n], out.meta,
+                         out.totals])  # fmt: skip
+        for got, want in zip(*runs):
+            assert torch.equal(got, want), (trial, got, want)
+        handed.append(int(runs[0][-1][0]))
+        restored.append(50 - int(runs[0][5][3]))  # evictions given back
+    assert 0 < sum(h > 0 for h in handed) < len(handed), handed  # some layers split, some not
+    assert sum(restored) > 0, restored  # and some handed slots went back to what they held
+
+
+def check_host_decode() -> None:
+    """Decode steps with the host computing all but one of each layer's missed experts (host_decode.py,
+    through the C host node): the same rows as the all-resident store in float32, with prefills streamed
+    between them; what crosses PCIe is counted without the host's experts."""
+    from ferry.services.worker.offload.host_decode import HostDecodeShare
+    from ferry.services.worker.offload.host_expert_kernel import HostKernel
+
+    spec = tiny_spec(layers=3, experts=6, top_k=2, hidden=32, inter=16)
+    layers = 3
+    resident = ResidentExperts(slot_pool(spec, layers * 6), layers, 6)
+    banks = HostBanks.for_model(spec, "float32", progress=False)
+    store = DeviceDrivenExperts(slot_pool(spec, 7, max_step_tokens=48), banks, LRUExpertPolicy(layers, 6, 7), "cpu",
+                                prefetch=True, pipeline_chunks=2)  # fmt: skip
+    for (layer, e), weights in random_experts(spec, 7).items():
+        resident.load_expert(layer, e, *weights)
+        store.load_expert(layer, e, *weights)
+    g = torch.Generator().manual_seed(4)
+    store.set_routers([torch.randn(6, 32, generator=g) for _ in range(layers)])
+    store.preload()
+    # a copy costs 1000 ns, the host nothing: of m misses the host takes m - 1
+    store.host_decode = HostDecodeShare(HostKernel(banks, torch.float32, threads=2), (1000, 1, 0, 0), max_tokens=8,
+                                        top_k=2, num_experts=6, device="cpu")  # fmt: skip
+    for tokens, real in ((1, 1), (4, 4), (3, 2), (40, 40), (1, 1), (4, 3), (2, 2), (1, 1)):
+        for layer in range(layers):
+            x, ids, w = random_routing(spec, tokens, g)
+            got = store.forward(layer, x, ids, w, n_rows=torch.tensor([real], dtype=torch.int32))
+            torch.testing.assert_close(got[:real], resident.forward(layer, x, ids, w)[:real], rtol=1e-5, atol=1e-5)
+        snap = store.cache.snapshot()  # the maps stay each other's inverse with the host's slots freed
+        for s in range(7):
+            lay, e = int(snap["layer_of_slot"][s]), int(snap["expert_of_slot"][s])
+            assert (lay < 0) == (e < 0) and (lay < 0 or snap["slot_of"][lay, e] == s), (s, lay, e)
+        assert int((snap["slot_of"] >= 0).sum()) == int((snap["layer_of_slot"] >= 0).sum())
+        store.stats_to_host()
+        store.end_step()
+    handed = store.report()["host_decode"]
+    assert handed["experts"] > 0 and handed["pairs"] >= handed["experts"], handed
+    # a handed miss gives its slot back to what the lookup evicted for it: the slots stay full
+    assert int((store.cache.snapshot()["layer_of_slot"] >= 0).sum()) == 7
+    total = store.stats.total
+    assert total.bytes_copied == (total.misses - handed["experts"] + total.prefetched) * banks.expert_nbytes
+
+
 CHECKS = {"store": check, "device-driven-float32": lambda: check_device_driven("float32"),
-          "device-driven-bfloat16": lambda: check_device_driven("bfloat16"), "host-share": check_host_share}
+          "device-driven-bfloat16": lambda: check_device_driven("bfloat16"), "host-share": check_host_share,
+          "host-decode-kernel": check_host_decode_kernel, "host-decode": check_host_decode}
 
 if __name__ == "__main__":  # argv[1]: one of CHECKS (the test runs each in its own process, side by side under xdist)
     try:

@@ -108,7 +108,8 @@ def test_mismatched_parts_are_refused():
         OffloadedExperts(slot_pool(SPEC, 6, dtype="bfloat16"), banks, LRUExpertPolicy(LAYERS, 6, 6), "cpu")
 
 
-INTERPRETED_CHECKS = ["store", "device-driven-float32", "device-driven-bfloat16", "host-share"]
+INTERPRETED_CHECKS = ["store", "device-driven-float32", "device-driven-bfloat16", "host-share", "host-decode-kernel",
+                      "host-decode"]
 
 
 def test_every_check_of_the_interpreted_script_runs():

@@ -1,0 +1,32 @@
+/* ferry_host_node: one decode layer's host pairs (host_node.h). */
+#include "host_node.h"
+
+#include <string.h>
+
+int ferry_host_kernel_compute(void *handle, const ferry_job *job);
+
+#define FERRY_ERANGE (-4)
+
+void ferry_host_node(void *arg) {
+    ferry_host_node_task *t = arg;
+    int64_t tokens = t->meta[0], n = t->meta[1];
+    t->calls++;
+    int bad = tokens < 0 || tokens > t->max_tokens || n < 0 || n > t->max_pairs;
+    for (int64_t q = 0; !bad && q < n; q++)
+        bad = t->job.pair_token[q] < 0 || t->job.pair_token[q] >= tokens || t->job.pair_expert[q] < 0 ||
+              t->job.pair_expert[q] >= t->num_experts;
+    if (bad) { /* nothing computed: the layer gets zeros from the host, and the step an error after it */
+        if (!t->status) t->status = FERRY_ERANGE;
+        memset(t->job.out, 0, (size_t)(t->max_tokens * t->job.hidden) * sizeof(float));
+        return;
+    }
+    t->job.tokens = tokens;
+    t->job.n_pairs = n;
+    int err = ferry_host_kernel_compute(t->kernel, &t->job);
+    if (err) { /* refused: zeros rather than the previous layer's sum, and the error for the step's end */
+        if (!t->status) t->status = err;
+        memset(t->job.out, 0, (size_t)(t->max_tokens * t->job.hidden) * sizeof(float));
+        return;
+    }
+    t->pairs += n;
+}

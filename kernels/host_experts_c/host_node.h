@@ -1,0 +1,25 @@
+/* The host's share of a decode layer, run as a host node of the step's CUDA graph
+ * (services/worker/offload/host_decode.py, issue 25): the device has written the pairs the host
+ * computes and copied them, with the layer's input, into pinned memory; this function computes them
+ * into pinned memory the graph then copies back. It runs on the CUDA driver's callback thread, with
+ * no Python and no CUDA call; errors are kept in `status` for the host to read after the step. */
+#ifndef FERRY_HOST_NODE_H
+#define FERRY_HOST_NODE_H
+
+#include <stdint.h>
+
+#include "expert_job.h"
+
+typedef struct {
+    void *kernel;        /* a ferry_host_kernel_create handle */
+    ferry_job job;       /* all but tokens and n_pairs set once; x, out and the pair arrays are pinned */
+    const int64_t *meta; /* pinned [2], written by the device: the step's token rows, the host's pairs */
+    int64_t num_experts; /* a pair's expert must be below it (the C rows read the banks by it unchecked) */
+    int64_t max_tokens, max_pairs; /* the buffers' sizes */
+    int64_t status;      /* 0, or the first error: FERRY_E* of host_experts.c, -4 for pairs out of range */
+    int64_t calls, pairs; /* since boot */
+} ferry_host_node_task;
+
+void ferry_host_node(void *task);
+
+#endif

@@ -1,0 +1,243 @@
+"""The host's share of a decode layer's misses (issue 25): the host computes some, the link carries the rest.
+
+On the graph-safe decode path (device_store.py) a layer's missed experts cross PCIe one after another
+while the GPU waits; at one stream the link is full (the 12-layer cut ran at 0.9 of its bound). The
+host can compute a missed expert where it lies, from the same banks, about as fast as the link moves
+one (bench/NOTES.md: 148 µs for a packed Qwen3-30B expert on the H200's host against 129 µs over
+PCIe), so splitting each layer's misses between the two roughly halves the layer's wait.
+
+Per layer, inside the step's CUDA graph (no host round trip; the split is decided on the device):
+
+    lookup ─▶ hand-off kernel (kernels/expert_host_handoff.py): the last h misses go to the host
+              │      (slots back to what they held, pairs listed, the copy kernel's count cut to m - h)
+              ├─▶ copy stream: the m - h copies, as before
+              └─▶ host stream: pair list and x to pinned memory (two copies) ─▶ host node (the C kernel's
+                  ferry_host_node on the driver's callback thread) ─▶ its float32 sum back
+    hits' GEMV ─▶ wait for the copies ─▶ misses' GEMV ─▶ wait for the host ─▶ host pairs' rows
+    zeroed, the host's sum added to each token's first row
+
+Why a host node rather than an event-driven hand-off to a Python thread: the decode step is one graph
+replay, and a host node keeps it one; the C function runs without Python or the GIL, so the worker's
+own thread stays free to launch the next step (scheduling ahead). CUDA runs host nodes one at a time
+on its callback thread: one layer's share at a time, which is what the step needs.
+
+The split's costs are integer nanoseconds (`costs_ns`): a PCIe copy of one expert, the host's
+computation of one for 1 and for each more token, and the hand-off itself, measured at boot
+(`calibrate_handoff`, with host_share.calibrate for the rest). On CPU (the tests, under the Triton
+interpreter) the same kernel and the same C function run synchronously.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ferry.kernels.expert_host_handoff import hand_to_host
+from ferry.services.worker.offload.host_expert_kernel import ERRORS, HostKernel, Job
+
+HOST_NODE_ERRORS = {**ERRORS, -4: "host pairs out of range (the device listed a token or expert past the buffers)"}
+
+
+class HostNodeTask(ctypes.Structure):
+    """ferry_host_node_task (kernels/host_experts_c/host_node.h)."""
+
+    _fields_ = [("kernel", ctypes.c_void_p), ("job", Job), ("meta", ctypes.c_void_p), ("num_experts", ctypes.c_int64),
+                ("max_tokens", ctypes.c_int64), ("max_pairs", ctypes.c_int64), ("status", ctypes.c_int64),
+                ("calls", ctypes.c_int64), ("pairs", ctypes.c_int64)]  # fmt: skip
+
+
+@functools.cache
+def _launch_host_func():
+    """cuLaunchHostFunc from the driver (capturable: it becomes a host node of the graph being captured)."""
+    cuda = ctypes.CDLL("libcuda.so.1")
+    fn = cuda.cuLaunchHostFunc
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+@dataclass
+class HostDecodeBuffers:
+    """What the hand-off kernel writes (device) and its pinned copies: per pair a host flag, the host's
+    compacted pairs (token row, expert, router weight), meta [T, pairs], totals [experts, pairs]. Meta
+    and the pairs are views of one byte block, so they cross to the host in one copy."""
+
+    host_pairs: torch.Tensor
+    pair_token: torch.Tensor
+    pair_expert: torch.Tensor
+    pair_weight: torch.Tensor
+    meta: torch.Tensor
+    totals: torch.Tensor
+    block: torch.Tensor  # uint8: meta, pair_token, pair_expert (int64), pair_weight (float32), in that order
+
+    @classmethod
+    def make(cls, max_pairs: int, device: torch.device, pin: bool = False) -> HostDecodeBuffers:
+        def empty(n, dtype):
+            return torch.zeros(n, dtype=dtype, device=device, pin_memory=pin)
+
+        p = max_pairs
+        block = empty(8 * (2 + 2 * p) + 4 * p, torch.uint8)
+        ints = block[: 8 * (2 + 2 * p)].view(torch.int64)
+        return cls(empty(p, torch.int8), ints[2 : 2 + p], ints[2 + p :], block[8 * (2 + 2 * p) :].view(torch.float32),
+                   ints[:2], empty(2, torch.int64), block)  # fmt: skip
+
+
+@dataclass
+class Handed:
+    """One layer's hand-off in flight: the device rows the host's sum lands in, and when it has."""
+
+    host_rows: torch.Tensor  # float32 [T, H]
+    done: torch.cuda.Event | None
+
+
+class HostDecodeShare:
+    """The host's share of decode layers over `kernel` (the C HostKernel over the store's banks), for
+    steps of up to `max_tokens` tokens of `top_k` pairs; `costs_ns` as the hand-off kernel takes them."""
+
+    def __init__(self, kernel: HostKernel, costs_ns: tuple[int, int, int, int], max_tokens: int, top_k: int,
+                 num_experts: int, device: torch.device):  # fmt: skip
+        self.kernel, self.device = kernel, torch.device(device)
+        self._costs_ns = tuple(int(c) for c in costs_ns)
+        self.costs = torch.tensor(self._costs_ns, dtype=torch.int64, device=self.device)
+        self.handed_experts = self.handed_pairs = 0  # since boot, as of the last step folded (count)
+        self._cuda = self.device.type == "cuda"
+        self.max_tokens, self.top_k, self.max_pairs = max_tokens, top_k, max_tokens * top_k
+        h = kernel.hidden
+        self.dev = HostDecodeBuffers.make(self.max_pairs, self.device)
+        self.pinned = HostDecodeBuffers.make(self.max_pairs, torch.device("cpu"), pin=self._cuda)
+        self._x = torch.zeros(max_tokens, h, dtype=kernel.dtype, pin_memory=self._cuda)
+        self._out = torch.zeros(max_tokens, h, dtype=torch.float32, pin_memory=self._cuda)
+        self._stream = torch.cuda.Stream(self.device) if self._cuda else None
+        p = self.pinned
+        self.tasks = []
+        for w13, w2 in kernel.families:  # one task a MoE layer: its families, the shared pinned buffers
+            job = Job(format=kernel.format, act=kernel.act, isa=kernel.isa_code, tokens=0, hidden=h,
+                      inter=kernel.inter, x=self._x.data_ptr(), n_pairs=0, pair_token=p.pair_token.data_ptr(),
+                      pair_expert=p.pair_expert.data_ptr(), pair_weight=p.pair_weight.data_ptr(), w13=w13, w2=w2,
+                      out=self._out.data_ptr())  # fmt: skip
+            self.tasks.append(HostNodeTask(kernel=kernel.handle, job=job, meta=p.meta.data_ptr(),
+                                           num_experts=num_experts, max_tokens=max_tokens, max_pairs=self.max_pairs))  # fmt: skip
+        self._node = ctypes.cast(kernel.lib.ferry_host_node, ctypes.c_void_p).value
+
+    @property
+    def costs_ns(self) -> tuple[int, int, int, int]:
+        return self._costs_ns
+
+    @costs_ns.setter
+    def costs_ns(self, costs: tuple[int, int, int, int]) -> None:
+        """New costs (boot's calibration, tests): the captured graphs read them from here at run time."""
+        self._costs_ns = tuple(int(c) for c in costs)
+        self.costs.copy_(torch.tensor(self._costs_ns, dtype=torch.int64))
+
+    def start(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, n_rows: torch.Tensor,
+              call, cache) -> Handed:  # fmt: skip
+        """After the layer's lookup (`call`, over `cache`): the hand-off kernel on the current stream, then
+        the host's part on the host stream (module docstring). The copy kernel must be queued after this."""
+        t, k = ids.shape
+        if t > self.max_tokens or k != self.top_k:
+            raise ValueError(f"a decode step of {t} tokens x {k} exceeds the host share's buffers "
+                             f"({self.max_tokens} x {self.top_k})")  # fmt: skip
+        weights = weights if weights.is_contiguous() else weights.contiguous()
+        hand_to_host(ids, weights, n_rows, call.miss_slots, call.misses, call.count, cache, layer, self.costs,
+                     self.dev)  # fmt: skip
+        host_rows = torch.empty(t, self.kernel.hidden, dtype=torch.float32, device=x.device)
+        task = ctypes.addressof(self.tasks[layer])
+        if not self._cuda:  # the interpreter's path: the same C function, now
+            self._to_pinned(x, t)
+            self.kernel.lib.ferry_host_node(task)
+            host_rows.copy_(self._out[:t])
+            return Handed(host_rows, None)
+        compute = torch.cuda.current_stream(self.device)
+        ready = torch.cuda.Event()
+        ready.record(compute)
+        self._stream.wait_event(ready)
+        with torch.cuda.stream(self._stream):
+            self._to_pinned(x, t)
+            err = _launch_host_func()(self._stream.cuda_stream, self._node, task)
+            if err:
+                raise RuntimeError(f"cuLaunchHostFunc failed with CUDA error {err}")
+            host_rows.copy_(self._out[:t], non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(self._stream)
+        return Handed(host_rows, done)
+
+    def _to_pinned(self, x: torch.Tensor, t: int) -> None:
+        """Two copies: the pair block (meta and the pairs) and the layer's input rows."""
+        self.pinned.block.copy_(self.dev.block, non_blocking=self._cuda)
+        self._x[:t].copy_(x, non_blocking=self._cuda)
+
+    def finish(self, handed: Handed, rows: torch.Tensor) -> None:
+        """Fold the host's sum into the layer's rows [T, k, H] float32 (their host pairs were never written)."""
+        t, k = rows.shape[:2]
+        if handed.done is not None:
+            torch.cuda.current_stream(self.device).wait_event(handed.done)
+        rows.masked_fill_(self.dev.host_pairs[: t * k].view(t, k, 1).bool(), 0.0)
+        rows[:, 0].add_(handed.host_rows)
+
+    def check(self) -> None:
+        """After a step has finished: RuntimeError if a host node failed (it cannot raise where it runs);
+        the error is cleared, so the step that met it fails and the next ones run."""
+        for layer, task in enumerate(self.tasks):
+            if task.status:
+                status, task.status = task.status, 0
+                raise RuntimeError(f"the host's share of MoE layer {layer} failed: "
+                                   f"{HOST_NODE_ERRORS.get(status, status)}")  # fmt: skip
+
+    def count(self, totals) -> None:
+        """The device totals as the step's statistics copied them (experts, pairs since boot): what
+        `report` says, without reading the device from the thread that asks."""
+        self.handed_experts, self.handed_pairs = int(totals[0]), int(totals[1])
+
+    def report(self) -> dict:
+        return {"experts": self.handed_experts, "pairs": self.handed_pairs, "costs_ns": list(self._costs_ns)}
+
+
+def calibrate_handoff(share: HostDecodeShare, cache, repeats: int = 20) -> float:
+    """Seconds of one layer's hand-off with nothing for the host (the kernel, the copies, the host node,
+    the copy back and the fold), as a one-token decode graph replays it: 8 in one captured graph, so its
+    launch and the wait for it are not counted as the hand-off's. Uses its own lookup outputs with no
+    misses, so the cache's maps are untouched. The host's own wake-up is in its per-expert cost."""
+    k, dev = share.top_k, share.device
+    ids = torch.zeros(1, k, dtype=torch.int64, device=dev)
+    weights = torch.zeros(1, k, dtype=torch.float32, device=dev)
+    n_rows = torch.ones(1, dtype=torch.int32, device=dev)
+    x = torch.zeros(1, share.kernel.hidden, dtype=share.kernel.dtype, device=dev)
+    rows = torch.zeros(1, k, share.kernel.hidden, dtype=torch.float32, device=dev)
+
+    class NoMisses:
+        miss_slots = torch.full((k,), -1, dtype=torch.int32, device=dev)
+        misses = torch.zeros(cache.num_experts, 2, dtype=torch.int32, device=dev)
+        count = torch.zeros(1, dtype=torch.int32, device=dev)
+
+    def once():
+        share.finish(share.start(0, x, ids, weights, n_rows, NoMisses, cache), rows)
+
+    def chain():  # the graph's launch and the wait for it are spread over `chained` hand-offs
+        for _ in range(chained):
+            once()
+
+    chained = 8
+    saved = share.dev.totals.clone()
+    if share._cuda:
+        once()  # compile the kernel outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            chain()
+        run = graph.replay
+    else:
+        run = chain
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run()
+        if share._cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    share.dev.totals.copy_(saved)
+    return statistics.median(times) / chained

@@ -1,0 +1,32 @@
+"""Issue 26 on two GPUs (`make gpu-check-multi`): the tiny models served with `--expert-parallel-size 2`
+(rank g on cuda:g, NCCL between them) complete greedily and with a seed exactly as one GPU holding every
+expert, in float32, and unseeded sampling stays in step on both ranks. Skipped without two GPUs; the same
+checks on CPU ranks over gloo are tests/integration/test_expert_parallel_serve.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.integration.harness import REAL_WORKER_ENV, start_cluster
+from tests.integration.test_expert_parallel_serve import REAL_BOOT, completions
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]
+
+FLAGS = ["--device", "cuda", "--dtype", "float32", "--max-model-len", "256", "--moe-cache-size", "10",
+         "--gpu-memory", "4GiB"]  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe"])
+def test_two_gpus_serve_as_one(tiny_models, tmp_path, arch):
+    got = {}
+    for world in ("1", "2"):
+        c = start_cluster(tiny_models[arch], tmp_path / world, worker_flags=[*FLAGS, "--expert-parallel-size", world],
+                          boot=REAL_BOOT, worker_env=REAL_WORKER_ENV, wait=False)  # fmt: skip
+        try:
+            c.wait_ready(timeout=300)
+            got[world] = completions(c)
+        finally:
+            c.stop()
+        assert "sampled other tokens" not in c.log("worker")
+    assert got["2"][:2] == got["1"][:2], got

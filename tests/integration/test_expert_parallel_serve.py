@@ -1,0 +1,99 @@
+"""Issue 26 on CPU: `ferry worker --expert-parallel-size 2` as served, one process a rank over gloo (rank 0
+starts rank 1: services/worker/expert_ranks.py). Through real processes and the OpenAI client: greedy and
+seeded completions equal one rank's, unseeded sampling stays in step on both ranks (rank 1 checks every
+step's tokens against rank 0's), and a rank that dies fails the requests in flight naming it and brings
+/health to 503, as a dead worker does."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import openai
+import pytest
+
+from tests.integration.harness import REAL_WORKER_ENV, eventually, health_turns_503, start_cluster
+
+REAL_BOOT = "ferry.services.worker.boot:boot_worker"
+FLAGS = ["--device", "cpu", "--dtype", "float32", "--max-model-len", "256", "--moe-cache-size", "10"]
+
+
+def completions(c) -> tuple[str, str, str]:
+    client = openai.OpenAI(base_url=c.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+    greedy = client.completions.create(model="tiny", prompt="hello world, this is", max_tokens=12, temperature=0)
+    seeded = client.completions.create(model="tiny", prompt="hello world, this is", max_tokens=12, temperature=0.8,
+                                       seed=3)  # fmt: skip
+    # unseeded: each rank draws its own noise, from the seed rank 0 handed it; a rank that drew other
+    # tokens would stop the worker (follow's check) and this request would fail
+    unseeded = client.completions.create(model="tiny", prompt="unseeded", max_tokens=40, temperature=1.0,
+                                         extra_body={"ignore_eos": True})  # all 40: a sampled end must not cut it  # fmt: skip
+    assert unseeded.choices[0].finish_reason == "length"
+    return greedy.choices[0].text, seeded.choices[0].text, unseeded.choices[0].text
+
+
+def test_two_ranks_serve_as_one(tiny_model, tmp_path):
+    got = {}
+    for world in ("1", "2"):
+        c = start_cluster(tiny_model, tmp_path / world, worker_flags=[*FLAGS, "--expert-parallel-size", world],
+                          boot=REAL_BOOT, worker_env=REAL_WORKER_ENV, wait=False)  # fmt: skip
+        try:
+            c.wait_ready(timeout=180)
+            got[world] = completions(c)
+        finally:
+            c.stop()
+        if world == "2":
+            assert "expert_parallel_followers" in c.log("worker")
+            assert "sampled other tokens" not in c.log("worker")
+    assert got["2"][:2] == got["1"][:2], got  # greedy and seeded: the same text as one rank holding every expert
+
+
+def follower_pid(c) -> int:
+    for line in c.log("worker").splitlines():
+        if line.startswith("{") and "expert_parallel_followers" in line:
+            return json.loads(line)["pids"][0]
+    raise AssertionError("rank 0 did not log its followers: " + c.log("worker")[-2000:])
+
+
+def test_a_lost_rank_fails_its_requests_and_health_turns_503(tiny_models, tmp_path):
+    c = start_cluster(tiny_models["qwen3_moe"], tmp_path / "c", worker_flags=[*FLAGS, "--expert-parallel-size", "2"],
+                      boot=REAL_BOOT, worker_env=REAL_WORKER_ENV, wait=False)  # fmt: skip
+    try:
+        c.wait_ready(timeout=180)
+        client = openai.OpenAI(base_url=c.base_url + "/v1", api_key="x", max_retries=0, timeout=60)
+        stream = client.completions.create(model="tiny", prompt="a long one", max_tokens=200, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+        next(iter(stream))  # generating
+        os.kill(follower_pid(c), signal.SIGKILL)
+        killed = time.monotonic()
+        with pytest.raises(openai.APIError) as err:
+            for _ in stream:
+                pass
+        assert "expert-parallel rank 1 of 2" in str(err.value) and time.monotonic() - killed < 10, err.value
+        health_turns_503(c.base_url, "worker", timeout=10)
+        assert eventually(lambda: c.procs["worker"].poll() is not None, timeout=10)
+        assert c.procs["worker"].returncode == 3  # RANK_FAILURE_EXIT
+    finally:
+        c.stop()
+
+
+def test_a_rank_lost_while_the_worker_boots_ends_it_at_once(tiny_models, tmp_path):
+    """Rank 1 killed as soon as rank 0 has started it: rank 0, waiting for it in the rendezvous or in a
+    collective of the boot, must not wait for the group's timeout."""
+    c = start_cluster(tiny_models["qwen3_moe"], tmp_path / "c", worker_flags=[*FLAGS, "--expert-parallel-size", "2"],
+                      boot=REAL_BOOT, worker_env=REAL_WORKER_ENV, wait=False)  # fmt: skip
+    try:
+        pid = eventually(lambda: follower_pid_or_none(c), timeout=60)
+        os.kill(pid, signal.SIGKILL)
+        assert eventually(lambda: c.procs["worker"].poll() is not None, timeout=30), c.log("worker")[-2000:]
+        assert c.procs["worker"].returncode == 3 and "expert-parallel rank 1 of 2 exited" in c.log("worker")
+    finally:
+        c.stop()
+
+
+def follower_pid_or_none(c) -> int | None:
+    try:
+        return follower_pid(c)
+    except AssertionError:
+        return None

@@ -1,0 +1,71 @@
+"""The decode graph's host node (kernels/host_experts_c/host_node.c, services/worker/offload/host_decode.py):
+called as CUDA calls it, with the pairs and meta the device would have copied to pinned memory, it computes
+what HostKernel.compute does for those pairs; pairs out of range are refused without reading the banks
+(zeros out, an error kept for the step's end, where HostDecodeShare.check raises it)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from ferry.services.worker.offload import host_expert_kernel as K
+from ferry.services.worker.offload.host_decode import HostDecodeShare
+from ferry.services.worker.offload.host_expert_kernel import HostKernel
+from tests.unit.offload.test_host_expert_kernel import make_banks
+
+pytestmark = pytest.mark.skipif(K.library()[0] is None, reason=f"host kernel not built: {K.library()[1]}")
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8-block"])
+def test_the_host_node_computes_the_listed_pairs_as_the_kernel_does(fmt):
+    banks = make_banks(fmt, 256, 160)
+    kernel = HostKernel(banks, torch.bfloat16, threads=2)
+    share = HostDecodeShare(kernel, (1, 1, 0, 0), max_tokens=4, top_k=2, num_experts=banks.num_experts, device="cpu")
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 256, generator=g).to(torch.bfloat16)
+    pairs = [(0, 4, 0.25), (2, 1, 0.5), (2, 4, 0.75), (1, 5, 1.0)]
+    p = share.pinned
+    for i, (t, e, w) in enumerate(pairs):
+        p.pair_token[i], p.pair_expert[i], p.pair_weight[i] = t, e, w
+    p.meta[0], p.meta[1] = 3, len(pairs)
+    share._x[:3] = x
+    for layer in (0, 1):
+        share._out.fill_(float("nan"))
+        kernel.lib.ferry_host_node(ctypes.addressof(share.tasks[layer]))
+        assert torch.equal(share._out[:3], kernel.compute(layer, x, pairs))
+    share.check()
+    assert share.tasks[1].calls == 1 and share.tasks[1].pairs == len(pairs)
+
+
+@pytest.mark.parametrize("bad", [(0, 6), (3, 1), (-1, 0)])
+def test_a_pair_out_of_range_is_refused_and_raised_after_the_step(bad):
+    banks = make_banks("bf16", 256, 160)
+    share = HostDecodeShare(HostKernel(banks, torch.bfloat16, threads=1), (1, 1, 0, 0), max_tokens=4, top_k=2,
+                            num_experts=banks.num_experts, device="cpu")  # fmt: skip
+    p = share.pinned
+    p.pair_token[0], p.pair_expert[0] = bad
+    p.meta[0], p.meta[1] = 3, 1
+    share._out.fill_(float("nan"))
+    share.kernel.lib.ferry_host_node(ctypes.addressof(share.tasks[0]))
+    assert torch.equal(share._out, torch.zeros_like(share._out))  # the layer gets zeros, not garbage
+    with pytest.raises(RuntimeError, match="MoE layer 0 failed: host pairs out of range"):
+        share.check()
+
+
+def test_a_call_the_kernel_refuses_leaves_zeros_and_fails_one_step_only():
+    banks = make_banks("bf16", 256, 160)
+    share = HostDecodeShare(HostKernel(banks, torch.bfloat16, threads=1), (1, 1, 0, 0), max_tokens=4, top_k=2,
+                            num_experts=banks.num_experts, device="cpu")  # fmt: skip
+    p = share.pinned
+    p.pair_token[0], p.pair_expert[0], p.pair_weight[0] = 0, 1, 1.0
+    p.meta[0], p.meta[1] = 2, 1
+    task = share.tasks[0]
+    task.job.format = 99  # a job the C kernel refuses as invalid
+    share._out.fill_(float("nan"))
+    share.kernel.lib.ferry_host_node(ctypes.addressof(task))
+    assert torch.equal(share._out, torch.zeros_like(share._out))  # not the previous layer's sum
+    with pytest.raises(RuntimeError, match="MoE layer 0 failed: an invalid job"):
+        share.check()
+    share.check()  # cleared: the next step runs

@@ -1,0 +1,37 @@
+"""bench/decode_suite.py's issue-25 record: the host-share run against GPU-only from the same suite run,
+with the bound of both paths read from the worker's boot line."""
+
+from __future__ import annotations
+
+import json
+
+from bench.decode_suite import logged_event, write_hybrid_cpu
+
+BOOT = ("2026-12-01 10:00:00 [info     ] host_decode                    handoff_us=31.2 host_us_at_1=148.0 "
+        "max_tokens=8 pcie_us=129.0\n")  # fmt: skip
+
+
+def test_the_record_holds_both_runs_and_the_bound_of_both_paths(tmp_path):
+    (tmp_path / "serve_12layer_host-share.log").write_text("2026-12-01 [info ] plan budget_bytes=1\n" + BOOT)
+    (tmp_path / "serve_12layer.log").write_text(BOOT)  # the default variant (auto) logs to the workload's name
+    assert logged_event(tmp_path / "serve_12layer_host-share.log", "host_decode")["pcie_us"] == "129.0"
+    gpu = {"single_stream_tok_s": 97.9, "streams8_tok_s": 200.0, "single_stream_bound_tok_s": 108.0, "commit": "a",
+           "hit_rate": 0.5}  # fmt: skip
+    hybrid = {"single_stream_tok_s": 150.0, "streams8_tok_s": 210.0, "commit": "b", "hit_rate": 0.4}
+    got = write_hybrid_cpu("12layer", "host-share", gpu, hybrid, tmp_path)
+    assert got == json.loads((tmp_path / "decode_12layer_hybrid_cpu.json").read_text())
+    assert got["gpu_only_single_stream_tok_s"] == 97.9 and got["single_stream_tok_s"] == 150.0
+    assert got["single_stream_speedup"] == round(150.0 / 97.9, 3) and got["commit"] == "b"
+    # the link carries an expert in 129 µs, the host computes one in 148: together 1 + 129/148 times the link
+    assert got["bound_tok_s"] == round(108.0 * (1 + 129.0 / 148.0), 2)
+    auto = write_hybrid_cpu("12layer", "default", gpu, hybrid, tmp_path)
+    assert auto["bound_tok_s"] == got["bound_tok_s"] and (tmp_path / "decode_12layer_default_hybrid_cpu.json").is_file()
+
+
+def test_without_the_boot_line_there_is_no_bound_rather_than_a_made_up_one(tmp_path):
+    gpu = {"single_stream_tok_s": 97.9, "streams8_tok_s": 200.0, "single_stream_bound_tok_s": 108.0, "commit": "a",
+           "hit_rate": 0.5}  # fmt: skip
+    hybrid = {"single_stream_tok_s": 99.0, "streams8_tok_s": 190.0, "commit": "b", "hit_rate": 0.5}
+    got = write_hybrid_cpu("hybrid8", "host-share-no-prefetch", gpu, hybrid, tmp_path)
+    assert got["bound_tok_s"] is None and got["bound_fraction"] is None
+    assert (tmp_path / "decode_hybrid8_no-prefetch_hybrid_cpu.json").is_file()

@@ -1,0 +1,29 @@
+"""The worker's /metrics name what the host's share of missed experts computed and the costs it splits by."""
+
+from __future__ import annotations
+
+from prometheus_client import generate_latest
+
+from ferry.services.worker.metrics import WorkerMetrics
+
+REPORT = {"hits": 5, "misses": 7, "bytes_copied": 10, "copy_time_s": 0.1, "exposed_copy_time_s": 0.05,
+          "prefetched": 2, "prefetch_useful": 1, "prefetch_wasted": 1, "slots": 12, "expert_format": "bf16"}  # fmt: skip
+
+
+def scrape(report: dict) -> str:
+    m = WorkerMetrics()
+    m.watch_expert_cache(lambda: report)
+    return generate_latest(m.registry).decode()
+
+
+def test_the_host_shares_experts_and_costs_are_exported():
+    text = scrape({**REPORT, "host_share": {"layers": 3, "experts": 40, "costs_ns": [129000, 148000, 2500, 751000]},
+                   "host_decode": {"experts": 9, "pairs": 11, "costs_ns": [129000, 148000, 2500, 31000]}})  # fmt: skip
+    assert 'ferry_worker_host_experts_total{share="prefill"} 40.0' in text
+    assert 'ferry_worker_host_experts_total{share="decode"} 9.0' in text
+    assert 'ferry_worker_host_share_cost_seconds{path="handoff",share="decode"} 3.1e-05' in text
+    assert 'ferry_worker_host_share_cost_seconds{path="pcie",share="prefill"} 0.000129' in text
+
+
+def test_without_a_host_share_there_is_no_host_series():
+    assert "ferry_worker_host" not in scrape(REPORT)
