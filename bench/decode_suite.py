@@ -166,12 +166,20 @@ def _long_context(name: str, tag: str, model_dir: Path, served, out: Path, ceili
     return result
 
 
-def logged_event(log: Path, event: str) -> dict[str, str]:
-    """The key=value fields of the first structlog line naming `event` in a serve log ({} if none)."""
+def logged_event(log: Path, event: str) -> dict:
+    """The fields of the first structlog line of `event` in a serve log ({} if none): JSON lines (the
+    worker's log when it is not a terminal) or key=value ones."""
     import re
 
     for line in log.read_text(errors="replace").splitlines() if log.is_file() else []:
-        if re.search(rf"\b{event}\b", line):
+        if line.startswith("{"):
+            try:
+                fields = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(fields, dict) and fields.get("event") == event:
+                return fields
+        elif re.search(rf"\b{event}\b", line):
             return dict(re.findall(r"(\w+)=(\S+)", line))
     return {}
 

@@ -10,7 +10,10 @@ host, so a whole decode step can be replayed as a CUDA graph.
 `prefetch` (MODE 1): the same for a layer's *predicted* experts, before that layer runs: the
 missing ones get slots (as far as slots outside the protected set allow) and are listed for
 copying ahead; they count as neither hits nor misses, and are marked so that the next lookup of
-their layer counts them as useful (routed) or wasted (not routed).
+their layer counts them as useful (routed) or wasted (not routed). With the host's share of decode
+layers on (HAS_HOST), the host's part of the predicted experts without a slot gets none: the link
+carries only the rest, and those come to their layer as misses that its hand-off gives the host
+(kernels/expert_host_handoff.py: the same integer rule, in `host_count`).
 
 `stream` (MODE 2): a lookup that places nothing (a prefill, which streams every non-resident
 expert of the layer through staging slots outside the cache): hits as in a lookup, the routed
@@ -38,6 +41,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ferry.kernels.expert_host_handoff import host_count
+
 LOOKUP, PREFETCH, STREAM = 0, 1, 2
 LRU, LFU = 0, 1
 # counters (int64): what the cache did since boot
@@ -54,9 +59,9 @@ def _expert_cache_kernel(
     ids_ptr, n_rows_ptr, T, K, layer,
     slot_of_ptr, layer_of_slot_ptr, expert_of_slot_ptr, requests_ptr, stamp_ptr, prefetched_ptr,
     clock_ptr, counters_ptr, flags_ptr, protect_ptr, assign_ptr, evicted_ptr, evicted_stamp_ptr,
-    hit_slots_ptr, miss_slots_ptr, list_ptr, count_ptr, guard_hits_ptr, guard_misses_ptr,
+    hit_slots_ptr, miss_slots_ptr, list_ptr, count_ptr, guard_hits_ptr, guard_misses_ptr, host_costs_ptr,
     E, S, half_life, num_layers, evict_below,
-    MODE: tl.constexpr, POLICY: tl.constexpr, HAS_GUARD: tl.constexpr,
+    MODE: tl.constexpr, POLICY: tl.constexpr, HAS_GUARD: tl.constexpr, HAS_HOST: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr,
 ):  # fmt: skip
     e_idx = tl.arange(0, BLOCK_E)
@@ -126,7 +131,18 @@ def _expert_cache_kernel(
     if MODE == 0:
         n_place = n_missing
     elif MODE == 1:
-        n_place = tl.minimum(n_missing, n_free + tl.sum(candidate.to(tl.int32), axis=0))
+        wanted_on_link = n_missing
+        if HAS_HOST:  # the host computes its share of them at their layer: they stay misses
+            missing_pairs = tl.zeros([], tl.int64)
+            for start in range(0, n_pairs, BLOCK_P):
+                p = start + tl.arange(0, BLOCK_P)
+                ok = p < n_pairs
+                e = tl.load(ids_ptr + p, mask=ok, other=0).to(tl.int32)
+                no_slot = tl.load(slot_of_ptr + row_base + e, mask=ok, other=0) < 0
+                missing_pairs += tl.sum((ok & no_slot).to(tl.int64), axis=0)
+            total = n_missing.to(tl.int64)
+            wanted_on_link = n_missing - host_count(total, total, missing_pairs, host_costs_ptr).to(tl.int32)
+        n_place = tl.minimum(wanted_on_link, n_free + tl.sum(candidate.to(tl.int32), axis=0))
     else:
         n_place = n_missing * 0
     needed = tl.maximum(n_place - n_free, 0)
@@ -237,10 +253,14 @@ def block_sizes(num_experts: int, num_slots: int) -> tuple[int, int]:
 
 
 def launch(mode: int, policy: int, ids, n_rows, layer: int, state, out, guard=None, block_p: int = 256,
-           evict_below: int = 0) -> None:  # fmt: skip
+           evict_below: int = 0, host_costs=None) -> None:  # fmt: skip
     """One lookup or prefetch over `state` (a DeviceCacheState's tensors) writing `out` (a
     CacheCallOutputs); `guard` = (hit_slots, miss_slots) of the layer being computed (prefetch);
-    victims from layers below `evict_below` first (the twin's rule, policy.py)."""
+    victims from layers below `evict_below` first (the twin's rule, policy.py); `host_costs` (prefetch
+    only: the host's share's int64 costs, kernels/expert_host_handoff.py) leaves the host its share of
+    the predicted experts without a slot, placing only the rest."""
+    if host_costs is not None and mode != PREFETCH:
+        raise ValueError("host_costs is for a prefetch: a lookup's misses go to the host through the hand-off")
     t, k = ids.shape
     block_e, block_s = block_sizes(state.num_experts, state.num_slots)
     guard_hits, guard_misses = guard if guard is not None else (out.hit_slots, out.miss_slots)
@@ -251,7 +271,8 @@ def launch(mode: int, policy: int, ids, n_rows, layer: int, state, out, guard=No
         state.clock, state.counters, state.expert_flags, state.slot_flags, state.assign, state.evicted,
         state.evicted_stamp,
         out.hit_slots, out.miss_slots, out.misses, out.count, guard_hits, guard_misses,
+        host_costs if host_costs is not None else state.counters,
         state.num_experts, state.num_slots, state.half_life, state.num_layers, evict_below,
-        MODE=mode, POLICY=policy, HAS_GUARD=guard is not None,
+        MODE=mode, POLICY=policy, HAS_GUARD=guard is not None, HAS_HOST=host_costs is not None,
         BLOCK_E=block_e, BLOCK_S=block_s, BLOCK_P=block_p, num_warps=num_warps,
     )  # fmt: skip

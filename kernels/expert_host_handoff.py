@@ -4,10 +4,14 @@ After a layer's lookup (kernels/expert_cache_lookup.py) has listed its m missed 
 gave them, this one-program kernel hands the last h of them to the host, so that the copies of the other
 m - h and the host's computation of these end together:
 
-    (m - h) x pcie  =  overhead + h x host(n),     host(n) = host_at_1 + host_per_token x (n - 1),
+    (q + m - h) x pcie  =  overhead + h x host(n),     host(n) = host_at_1 + host_per_token x (n - 1),
 
-n being the missed pairs per missed expert (integer nanoseconds throughout, so the kernel and its twin
-agree to the unit); h = 0 where the host would not make the layer shorter. For each expert it hands on:
+n being the missed pairs per missed expert and q the experts the previous layer's prefetch already put
+on the link for this one (`in_flight`: the link is that much busier; 0 without a prefetch), integer
+nanoseconds throughout, so the kernel and its twin agree to the unit; h = 0 where the host would not
+make the layer shorter. The prefetch leaves the host its share the same way (`host_count`, called by
+kernels/expert_cache_lookup.py): of P predicted experts without a slot it places P - host_count(P) and
+the rest come here as misses. For each expert it hands on:
 
 * its slot goes back to the expert the lookup evicted for it (`evicted`, `evicted_stamp`: written by the
   lookup for every slot it places into), whose weights are still there since nothing was copied over
@@ -31,9 +35,25 @@ import triton
 import triton.language as tl
 
 
+@triton.jit
+def host_count(total, cap, missed_pairs, costs_ptr):
+    """How many of `total` experts (at most `cap` of them) the host computes while the link carries the
+    rest, with `missed_pairs` pairs among them (host_count_reference is the twin)."""
+    pcie_ns = tl.load(costs_ptr)
+    host_at_1_ns = tl.load(costs_ptr + 1)
+    host_per_token_ns = tl.load(costs_ptr + 2)
+    overhead_ns = tl.load(costs_ptr + 3)
+    per_expert = tl.maximum(missed_pairs // tl.maximum(total, 1), 1)
+    host = host_at_1_ns + host_per_token_ns * (per_expert - 1)
+    h = (total * pcie_ns - overhead_ns) // tl.maximum(pcie_ns + host, 1)
+    h = tl.minimum(tl.maximum(h, 0), cap)
+    with_host = tl.maximum((total - h) * pcie_ns, overhead_ns + h * host)
+    return tl.where((h > 0) & (with_host < total * pcie_ns), h, 0)
+
+
 @triton.jit(do_not_specialize=["T", "layer"])
 def _hand_to_host_kernel(
-    ids_ptr, weights_ptr, n_rows_ptr, miss_slots_ptr, list_ptr, count_ptr,
+    ids_ptr, weights_ptr, n_rows_ptr, miss_slots_ptr, list_ptr, count_ptr, in_flight_ptr,
     slot_of_ptr, layer_of_slot_ptr, expert_of_slot_ptr, expert_flags_ptr, evicted_ptr, evicted_stamp_ptr, stamp_ptr,
     counters_ptr,
     host_pairs_ptr, pair_token_ptr, pair_expert_ptr, pair_weight_ptr, meta_ptr, totals_ptr,
@@ -41,23 +61,16 @@ def _hand_to_host_kernel(
     BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
 ):  # fmt: skip
     n_pairs = tl.load(n_rows_ptr) * K
-    pcie_ns = tl.load(costs_ptr)
-    host_at_1_ns = tl.load(costs_ptr + 1)
-    host_per_token_ns = tl.load(costs_ptr + 2)
-    overhead_ns = tl.load(costs_ptr + 3)
     m = tl.load(count_ptr).to(tl.int64)
-    # the missed pairs per missed expert
+    q = tl.load(in_flight_ptr).to(tl.int64)
+    # the missed pairs, for the pairs per missed expert
     missed_pairs = tl.zeros([], tl.int64)
     for start in range(0, T * K, BLOCK_P):
         p = start + tl.arange(0, BLOCK_P)
         s = tl.load(miss_slots_ptr + p, mask=p < n_pairs, other=-1)
         missed_pairs += tl.sum((s >= 0).to(tl.int64), axis=0)
-    per_expert = tl.maximum(missed_pairs // tl.maximum(m, 1), 1)
-    host = host_at_1_ns + host_per_token_ns * (per_expert - 1)
-    h = (m * pcie_ns - overhead_ns) // tl.maximum(pcie_ns + host, 1)
-    h = tl.minimum(tl.maximum(h, 0), m)
-    with_host = tl.maximum((m - h) * pcie_ns, overhead_ns + h * host)
-    h = tl.where((h > 0) & (with_host < m * pcie_ns), h, 0)
+    # as many pairs per expert for the prefetched ones as for the missed
+    h = host_count(q + m, m, missed_pairs * (q + m) // tl.maximum(m, 1), costs_ptr)
     keep = m - h
 
     # the last h listed experts: their slots given back to what the lookup evicted for them (its weights
@@ -104,16 +117,17 @@ def _hand_to_host_kernel(
     tl.store(totals_ptr + 1, tl.load(totals_ptr + 1) + listed)
 
 
-def hand_to_host(ids, weights, n_rows, miss_slots, misses, count, cache, layer: int, costs_ns: torch.Tensor,
-                 out) -> None:  # fmt: skip
+def hand_to_host(ids, weights, n_rows, miss_slots, misses, count, in_flight, cache, layer: int,
+                 costs_ns: torch.Tensor, out) -> None:  # fmt: skip
     """One layer's hand-off (module docstring). `ids`, `weights` [T, k] (contiguous), `n_rows` [1],
-    `miss_slots` [T * k] and the layer's list `misses` [E, 2] and `count` [1] from its lookup, `cache` the
+    `miss_slots` [T * k] and the layer's list `misses` [E, 2] and `count` [1] from its lookup, `in_flight`
+    int32 [1] the experts its prefetch placed (the prefetch's count; zeros without one), `cache` the
     DeviceExpertCache whose maps it frees, `costs_ns` int64 [4] on the device (pcie, host at 1 token,
     host per more token, overhead: read at run time, so a captured graph follows a new calibration);
     `out` the HostDecodeBuffers it writes (host_pairs, pair_token, pair_expert, pair_weight, meta, totals)."""
     t, k = ids.shape
     _hand_to_host_kernel[(1,)](
-        ids, weights, n_rows, miss_slots, misses, count,
+        ids, weights, n_rows, miss_slots, misses, count, in_flight,
         cache.slot_of, cache.layer_of_slot, cache.expert_of_slot, cache.expert_flags, cache.evicted,
         cache.evicted_stamp, cache.stamp, cache.counters,
         out.host_pairs, out.pair_token, out.pair_expert, out.pair_weight, out.meta, out.totals,
@@ -122,24 +136,24 @@ def hand_to_host(ids, weights, n_rows, miss_slots, misses, count, cache, layer: 
     )  # fmt: skip
 
 
-def host_count_reference(m: int, missed_pairs: int, costs_ns) -> int:
-    """How many of m missed experts the host takes: the kernel's integer rule."""
+def host_count_reference(total: int, missed_pairs: int, costs_ns, cap: int | None = None) -> int:
+    """How many of `total` experts (at most `cap`) the host takes: the kernels' integer rule (host_count)."""
     pcie, at_1, per_token, overhead = (int(c) for c in costs_ns)
-    per_expert = max(missed_pairs // max(m, 1), 1)
+    per_expert = max(missed_pairs // max(total, 1), 1)
     host = at_1 + per_token * (per_expert - 1)
-    h = min(max((m * pcie - overhead) // max(pcie + host, 1), 0), m)
-    with_host = max((m - h) * pcie, overhead + h * host)
-    return h if h > 0 and with_host < m * pcie else 0
+    h = min(max((total * pcie - overhead) // max(pcie + host, 1), 0), total if cap is None else cap)
+    with_host = max((total - h) * pcie, overhead + h * host)
+    return h if h > 0 and with_host < total * pcie else 0
 
 
-def hand_to_host_reference(ids, weights, n_rows, miss_slots, misses, count, cache, layer: int, costs_ns: torch.Tensor,
-                           out) -> None:  # fmt: skip
+def hand_to_host_reference(ids, weights, n_rows, miss_slots, misses, count, in_flight, cache, layer: int,
+                           costs_ns: torch.Tensor, out) -> None:  # fmt: skip
     """The kernel's twin, in torch on the same tensors (the tests hold one to the other)."""
     t, k = ids.shape
     n_pairs = int(n_rows[0]) * k
-    m = int(count[0])
+    m, q = int(count[0]), int(in_flight[0])
     real = miss_slots[:n_pairs]
-    h = host_count_reference(m, int((real >= 0).sum()), costs_ns)
+    h = host_count_reference(q + m, int((real >= 0).sum()) * (q + m) // max(m, 1), costs_ns, cap=m)
     keep = m - h
     experts = misses[keep:m, 0].long()
     slots = misses[keep:m, 1].long()

@@ -6,8 +6,9 @@
 * `hybrid`: the host computes part of each layer's misses while the rest cross, the split decided per
   layer by costs the worker measures at boot (services/worker/offload/host_share.py, host_decode.py);
 * `cpu`: the host computes every missed expert (what is resident in GPU slots stays on the GPU);
-* `auto` (default): hybrid where the host has cores to spare beside the three processes; the worker then
-  keeps the decode share only where its calibration says the host shortens a decode layer.
+* `auto` (default): the GPU alone, for now (AUTO_GPU_REASON says why); with `--host-expert-threads N` it
+  is hybrid on N threads, and the worker keeps the decode share only where its calibration says the host
+  shortens a decode layer.
 
 The host's threads: `--host-expert-threads N`, default the physical cores minus RESERVED_CORES (the api,
 the scheduler and the worker's own thread). Nothing here imports torch: `ferry plan` shows the choice.
@@ -23,7 +24,11 @@ from ferry.shared.errors import ConfigError
 
 EXPERT_BACKENDS = ("auto", "gpu", "hybrid", "cpu")
 RESERVED_CORES = 3  # the api, the scheduler, the worker's launching thread
-MIN_AUTO_THREADS = 2  # auto keeps the GPU alone when fewer would be left for the host's kernel
+# Measured on the H200 (bench/NOTES.md, "The host's share of decode layers with the prefetch"): the host's share
+# made the 12-layer Qwen3-30B cut 1.35x faster at one stream and 1.75x at eight, but the full-size Qwen3-30B
+# served 13.3 tok/s at one stream against 20-23 on the GPU alone, which the boot calibration did not foresee.
+AUTO_GPU_REASON = ("auto: the GPU alone until the host's share is measured to win at full size "
+                   "(--expert-backend hybrid turns it on)")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -74,12 +79,10 @@ def plan_expert_backend(requested: str | None, threads: int | None, offloaded: b
         return ExpertBackendPlan("gpu", 0, "every expert has a GPU slot", requested)
     if requested == "gpu":
         return ExpertBackendPlan("gpu", 0, "--expert-backend gpu", requested)
-    spare = cores - RESERVED_CORES
     if threads is not None:
         return ExpertBackendPlan("hybrid" if requested == "auto" else requested, threads,
                                  f"--host-expert-threads {threads}", requested)  # fmt: skip
-    if requested == "auto" and spare < MIN_AUTO_THREADS:
-        return ExpertBackendPlan("gpu", 0, f"{cores} physical cores leave fewer than {MIN_AUTO_THREADS} beside the "
-                                           f"{RESERVED_CORES} the processes need", requested)  # fmt: skip
-    return ExpertBackendPlan("hybrid" if requested == "auto" else requested, max(1, spare),
+    if requested == "auto":
+        return ExpertBackendPlan("gpu", 0, AUTO_GPU_REASON, requested)
+    return ExpertBackendPlan(requested, max(1, cores - RESERVED_CORES),
                              f"{cores} physical cores - {RESERVED_CORES} for the processes", requested)  # fmt: skip

@@ -35,3 +35,15 @@ def test_without_the_boot_line_there_is_no_bound_rather_than_a_made_up_one(tmp_p
     got = write_hybrid_cpu("hybrid8", "host-share-no-prefetch", gpu, hybrid, tmp_path)
     assert got["bound_tok_s"] is None and got["bound_fraction"] is None
     assert (tmp_path / "decode_hybrid8_no-prefetch_hybrid_cpu.json").is_file()
+
+
+def test_the_boot_line_is_read_from_the_workers_json_log(tmp_path):
+    """The worker logs JSON lines when its stderr is not a terminal (a suite run): the bound comes from them."""
+    line = {"pcie_us": 171.8, "host_us_at_1": 118.3, "handoff_us": 55.8, "event": "host_decode", "process": "worker"}
+    off = {"event": "host_decode_off", "reason": "auto", "pcie_us": 1.0}
+    (tmp_path / "serve_12layer_host-share.log").write_text(json.dumps(off) + "\n{not json\n" + json.dumps(line) + "\n")
+    assert logged_event(tmp_path / "serve_12layer_host-share.log", "host_decode")["pcie_us"] == 171.8
+    gpu = {"single_stream_tok_s": 99.9, "streams8_tok_s": 118.0, "single_stream_bound_tok_s": 107.2, "commit": "a",
+           "hit_rate": 0.9}  # fmt: skip
+    got = write_hybrid_cpu("12layer", "host-share", gpu, {**gpu, "commit": "b"}, tmp_path)
+    assert got["bound_tok_s"] == round(107.2 * (1 + 171.8 / 118.3), 2)

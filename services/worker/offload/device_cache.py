@@ -114,12 +114,13 @@ class DeviceExpertCache:
         return call
 
     def prefetch(self, layer: int, predicted_ids: torch.Tensor, n_rows: torch.Tensor, guard: CacheCall,
-                 evict_below: int = 0) -> CacheCall:  # fmt: skip
+                 evict_below: int = 0, host_costs: torch.Tensor | None = None) -> CacheCall:  # fmt: skip
         """Slots for the predicted experts of `layer` (its list and count in the result), evicting
-        none of the slots in `guard` (the lookup of the layer computing meanwhile)."""
+        none of the slots in `guard` (the lookup of the layer computing meanwhile); with `host_costs`
+        (the host's share of decode layers, host_decode.py) none for the host's share of them."""
         call = self._call(layer, predicted_ids, PREFETCH)
         launch(PREFETCH, self.policy_code, predicted_ids, n_rows, layer, self, call,
-               guard=(guard.hit_slots, guard.miss_slots), evict_below=evict_below)  # fmt: skip
+               guard=(guard.hit_slots, guard.miss_slots), evict_below=evict_below, host_costs=host_costs)  # fmt: skip
         return call
 
     def _call(self, layer: int, ids: torch.Tensor, mode: int) -> CacheCall:

@@ -16,7 +16,10 @@ step can be replayed as a CUDA graph:
 * next-layer prefetch: layer L+1's router applied to layer L's input predicts its experts; the
   missing ones get slots (never one layer L uses) and start crossing on the copy stream, behind
   layer L's own misses, while layer L computes. What the prediction missed is fetched by
-  layer L+1's own lookup. `prefetch=False` turns it off.
+  layer L+1's own lookup. `prefetch=False` turns it off. With the host's share of decode layers
+  (host_decode.py) the prefetch leaves the host's part of the predicted experts off the link: they
+  reach layer L+1 as misses, and its hand-off, counting the prefetched ones as the link's load,
+  gives them to the host.
 
 Larger steps (big decode batches, short prefills) take the same decisions on the device but read
 the lists on the host and copy them with the banks' `copy_experts` (plain banks: the copy engine,
@@ -81,6 +84,7 @@ class DeviceDrivenExperts(OffloadedExperts):
         self.routers: list[torch.Tensor] | None = None  # [E, H] router weight of every MoE layer
         self.cache: DeviceExpertCache | None = None
         self._prefetch_done: dict[int, torch.cuda.Event] = {}
+        self._prefetch_calls: dict[int, CacheCall] = {}  # this step's prefetches, by the layer they fill
         self._timing = self._cuda
         # (counters, stamps, ready event, copy events) queued by stats_to_host, one per step in flight,
         # oldest first: a step scheduled ahead is launched before the one before it is folded
@@ -126,6 +130,7 @@ class DeviceDrivenExperts(OffloadedExperts):
         begun = False
         if moe_layer == 0:
             self._prefetch_done.clear()  # a new step (every entry is consumed within a step)
+            self._prefetch_calls.clear()
             begun, self._stream_begun = self._stream_begun, False
         t, k = topk_ids.shape
         if n_rows is None:
@@ -146,8 +151,13 @@ class DeviceDrivenExperts(OffloadedExperts):
         """Graph-safe: no host synchronisation, fixed addresses, fixed launch shapes."""
         t, k = ids.shape
         call = self.cache.lookup(layer, ids, n_rows)
-        # the host's share of the misses (host_decode.py): decided before the copy kernel reads the count
-        handed = self.host_decode.start(layer, x, ids, weights, n_rows, call, self.cache) if self.host_decode else None
+        # the host's share of the misses (host_decode.py): decided before the copy kernel reads the count,
+        # knowing what this layer's prefetch has put on the link already
+        handed = None
+        if self.host_decode is not None:
+            prefetched = self._prefetch_calls.get(layer)
+            in_flight = prefetched.count if prefetched is not None else None
+            handed = self.host_decode.start(layer, x, ids, weights, n_rows, call, self.cache, in_flight)
         stamps = self.cache.copy_stamps[layer]
         copied = self._on_copy_stream(lambda: self._copy_sm(layer, call), stamps, MISS_START, MISS_END)
         self._prefetch_next(layer, x, n_rows, call, large=False)
@@ -267,7 +277,11 @@ class DeviceDrivenExperts(OffloadedExperts):
         if not self.prefetch_enabled or self.routers is None or nxt >= self.policy.num_layers:
             return
         predicted = torch.topk(F.linear(x, self.routers[nxt]), call.hit_slots.numel() // x.shape[0], dim=-1).indices
-        pcall = self.cache.prefetch(nxt, predicted.contiguous(), n_rows, call, evict_below=evict_below)
+        # a decode layer's host share: the host's part of the predicted experts stays off the link
+        host_costs = self.host_decode.costs if self.host_decode is not None and not large else None
+        pcall = self.cache.prefetch(nxt, predicted.contiguous(), n_rows, call, evict_below=evict_below,
+                                    host_costs=host_costs)  # fmt: skip
+        self._prefetch_calls[nxt] = pcall
         stamps = self.cache.copy_stamps[layer]
         if large:
             placed = self._read_list(pcall)

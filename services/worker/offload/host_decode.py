@@ -21,6 +21,11 @@ replay, and a host node keeps it one; the C function runs without Python or the 
 own thread stays free to launch the next step (scheduling ahead). CUDA runs host nodes one at a time
 on its callback thread: one layer's share at a time, which is what the step needs.
 
+With the next-layer prefetch on, the prefetch of layer L+1 already leaves the host its share of the
+predicted experts (kernels/expert_cache_lookup.py, HAS_HOST): copying them ahead would spend the link on
+what the host computes anyway, and the host can only compute at their layer, once its input exists.
+Layer L+1's hand-off then counts the prefetched experts as load the link already carries.
+
 The split's costs are integer nanoseconds (`costs_ns`): a PCIe copy of one expert, the host's
 computation of one for 1 and for each more token, and the hand-off itself, measured at boot
 (`calibrate_handoff`, with host_share.calibrate for the rest). On CPU (the tests, under the Triton
@@ -104,6 +109,7 @@ class HostDecodeShare:
         self.kernel, self.device = kernel, torch.device(device)
         self._costs_ns = tuple(int(c) for c in costs_ns)
         self.costs = torch.tensor(self._costs_ns, dtype=torch.int64, device=self.device)
+        self._no_flight = torch.zeros(1, dtype=torch.int32, device=self.device)  # a layer nothing prefetched
         self.handed_experts = self.handed_pairs = 0  # since boot, as of the last step folded (count)
         self._cuda = self.device.type == "cuda"
         self.max_tokens, self.top_k, self.max_pairs = max_tokens, top_k, max_tokens * top_k
@@ -135,16 +141,18 @@ class HostDecodeShare:
         self.costs.copy_(torch.tensor(self._costs_ns, dtype=torch.int64))
 
     def start(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, n_rows: torch.Tensor,
-              call, cache) -> Handed:  # fmt: skip
+              call, cache, in_flight: torch.Tensor | None = None) -> Handed:  # fmt: skip
         """After the layer's lookup (`call`, over `cache`): the hand-off kernel on the current stream, then
-        the host's part on the host stream (module docstring). The copy kernel must be queued after this."""
+        the host's part on the host stream (module docstring). `in_flight`: the count of the layer's
+        prefetch (int32 [1] on the device), None without one. The copy kernel must be queued after this."""
         t, k = ids.shape
         if t > self.max_tokens or k != self.top_k:
             raise ValueError(f"a decode step of {t} tokens x {k} exceeds the host share's buffers "
                              f"({self.max_tokens} x {self.top_k})")  # fmt: skip
         weights = weights if weights.is_contiguous() else weights.contiguous()
-        hand_to_host(ids, weights, n_rows, call.miss_slots, call.misses, call.count, cache, layer, self.costs,
-                     self.dev)  # fmt: skip
+        in_flight = self._no_flight if in_flight is None else in_flight
+        hand_to_host(ids, weights, n_rows, call.miss_slots, call.misses, call.count, in_flight, cache, layer,
+                     self.costs, self.dev)  # fmt: skip
         host_rows = torch.empty(t, self.kernel.hidden, dtype=torch.float32, device=x.device)
         task = ctypes.addressof(self.tasks[layer])
         if not self._cuda:  # the interpreter's path: the same C function, now

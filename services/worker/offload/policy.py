@@ -194,17 +194,18 @@ class ExpertSlotPolicy:
             self.prefetched[s] = False
 
     def prefetch(self, layer: int, experts: Iterable[int], protected_slots: Iterable[int] = (),
-                 evict_below: int = 0) -> Prefetch:  # fmt: skip
+                 evict_below: int = 0, left_to_host: int = 0) -> Prefetch:  # fmt: skip
         """Give the predicted `experts` of `layer` slots ahead of its lookup, evicting nothing in
         `protected_slots` (the layer computing meanwhile) nor `layer`'s resident predicted experts.
-        As many as the unprotected slots allow, in ascending expert order; nothing is touched."""
+        As many as the unprotected slots allow, in ascending expert order, but the last `left_to_host`
+        of those without a slot (the host computes them: kernels/expert_host_handoff.py); nothing is touched."""
         experts = tuple(sorted(int(e) for e in experts))
         self._check_request(layer, experts)
         protected = {int(s) for s in protected_slots}
         protected |= {int(self.slot_of[layer, e]) for e in experts if self.slot_of[layer, e] != NO_SLOT}
         missing = [e for e in experts if self.slot_of[layer, e] == NO_SLOT]
         candidates = int(((self.layer_of_slot != NO_SLOT) & ~np.isin(np.arange(self.num_slots), list(protected))).sum())
-        missing = missing[: min(len(missing), len(self._free) + candidates)]
+        missing = missing[: min(len(missing) - left_to_host, len(self._free) + candidates)]
         placed, evictions = self._place(layer, missing, protected, "prefetch", evict_below)
         for _, s in placed:
             self.prefetched[s] = True

@@ -1,6 +1,6 @@
 """The decode layer's hand-off to the host (kernels/expert_host_handoff.py), with the router's weights in
 both dtypes, and the expert cache's lookup whose outputs it rewrites (kernels/expert_cache_lookup.py, in
-its three modes and two policies), compiled for Hopper without a GPU (hopper_compile.py; run by
+its three modes, the prefetch with and without the host's share, and two policies), compiled for Hopper without a GPU (hopper_compile.py; run by
 test_host_handoff_compile.py)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from ferry.kernels.expert_host_handoff import _hand_to_host_kernel
 
 def signatures(dtype: str) -> list:
     sig = {"ids_ptr": "*i64", "weights_ptr": f"*{dtype}", "n_rows_ptr": "*i32", "miss_slots_ptr": "*i32",
-           "list_ptr": "*i32", "count_ptr": "*i32", "slot_of_ptr": "*i32", "layer_of_slot_ptr": "*i32",
+           "list_ptr": "*i32", "count_ptr": "*i32", "in_flight_ptr": "*i32", "slot_of_ptr": "*i32", "layer_of_slot_ptr": "*i32",
            "expert_of_slot_ptr": "*i32", "expert_flags_ptr": "*i8", "evicted_ptr": "*i32",
            "evicted_stamp_ptr": "*i64", "stamp_ptr": "*i64", "counters_ptr": "*i64", "host_pairs_ptr": "*i8",
            "pair_token_ptr": "*i64", "pair_expert_ptr": "*i64", "pair_weight_ptr": "*fp32", "meta_ptr": "*i64",
@@ -31,15 +31,15 @@ def lookup_signatures() -> list:
            "list_ptr", "count_ptr", "guard_hits_ptr", "guard_misses_ptr", "evicted_ptr", "n_rows_ptr")  # fmt: skip
     sig = {"ids_ptr": "*i64", **{n: "*i32" for n in i32}, "requests_ptr": "*fp32", "stamp_ptr": "*i64",
            "prefetched_ptr": "*i8", "clock_ptr": "*i64", "counters_ptr": "*i64", "flags_ptr": "*i8",
-           "protect_ptr": "*i8", "evicted_stamp_ptr": "*i64",
+           "protect_ptr": "*i8", "evicted_stamp_ptr": "*i64", "host_costs_ptr": "*i64",
            **{n: "i32" for n in ("T", "K", "layer", "E", "S", "half_life", "num_layers", "evict_below")}}  # fmt: skip
     out = []
-    for mode in (0, 1, 2):
+    for mode, host in ((0, False), (1, False), (1, True), (2, False)):  # a prefetch with or without the host's share
         for policy in (0, 1):
-            consts = {"MODE": mode, "POLICY": policy, "HAS_GUARD": mode == 1, "BLOCK_E": 128, "BLOCK_S": 1024,
-                      "BLOCK_P": 256}  # fmt: skip
-            out.append((f"expert_cache_lookup[mode={mode}, policy={policy}]", _expert_cache_kernel, sig, consts,
-                        {"num_warps": 4}))  # fmt: skip
+            consts = {"MODE": mode, "POLICY": policy, "HAS_GUARD": mode == 1, "HAS_HOST": host, "BLOCK_E": 128,
+                      "BLOCK_S": 1024, "BLOCK_P": 256}  # fmt: skip
+            out.append((f"expert_cache_lookup[mode={mode}, policy={policy}, host={host}]", _expert_cache_kernel, sig,
+                        consts, {"num_warps": 4}))  # fmt: skip
     return out
 
 

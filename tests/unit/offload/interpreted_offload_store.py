@@ -193,6 +193,9 @@ def check_host_decode_kernel() -> None:
         miss_slots = torch.where(torch.isin(flat, missed) & (torch.arange(t * k) < real * k),
                                  slot_of[layer, flat], -1).to(torch.int32)  # fmt: skip
         costs = torch.randint(1, 400, (4,), generator=g)
+        # experts the layer's prefetch already put on the link (none on every third trial)
+        in_flight = torch.tensor([0 if trial % 3 == 0 else int(torch.randint(0, 4, (1,), generator=g))],
+                                 dtype=torch.int32)  # fmt: skip
         runs = []
         for fn in (hand_to_host, hand_to_host_reference):
             cache = SimpleNamespace(slot_of=slot_of.clone(), layer_of_slot=layer_of_slot.clone(),
@@ -203,7 +206,8 @@ def check_host_decode_kernel() -> None:
                                     counters=torch.full((8,), 50, dtype=torch.int64))  # fmt: skip
             out = HostDecodeBuffers.make(t * k, torch.device("cpu"))
             ms, count = miss_slots.clone(), torch.tensor([len(missed)], dtype=torch.int32)
-            fn(ids, weights, torch.tensor([real], dtype=torch.int32), ms, misses, count, cache, layer, costs, out)
+            fn(ids, weights, torch.tensor([real], dtype=torch.int32), ms, misses, count, in_flight, cache, layer, costs,
+               out)  # fmt: skip
             n = int(out.meta[1])
             runs.append([cache.slot_of, cache.layer_of_slot, cache.expert_of_slot, cache.expert_flags, cache.stamp,
                          cache.counters, ms, count,

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from ferry.kernels.expert_host_handoff import host_count_reference
 from ferry.services.worker.offload.device_cache import DeviceExpertCache
 from ferry.services.worker.offload.frequency_policy import LFUExpertPolicy
 from ferry.services.worker.offload.policy import NO_SLOT, LRUExpertPolicy
@@ -82,12 +83,47 @@ def test_device_cache_makes_the_twins_decisions(policy, seed, layers, experts, s
             _assert_same_state(host, dev)
             if layer + 1 < layers and step % 2 == 0:  # prefetch the next layer, guarding this one
                 predicted = _ids(rng, rows, experts, top_k, skew=1.0)
-                pcall = dev.prefetch(layer + 1, predicted, n_rows, call, evict_below=below)
-                pgot = host.prefetch(layer + 1, np.unique(predicted[:real].numpy()), got.slots, evict_below=below)
+                # steps 2 and 4 with the host's decode share: its part of the predicted misses stays off the link
+                costs, left = None, 0
+                if step in (2, 4):
+                    costs = torch.tensor([1000, 1, 0, 0] if step == 2 else rng.integers(1, 1200, 4).tolist())
+                    no_slot = host.slot_of[layer + 1, predicted[:real].numpy()] == NO_SLOT
+                    distinct = len(np.unique(predicted[:real].numpy()[no_slot]))
+                    left = host_count_reference(distinct, int(no_slot.sum()), costs)
+                pcall = dev.prefetch(layer + 1, predicted, n_rows, call, evict_below=below, host_costs=costs)
+                pgot = host.prefetch(layer + 1, np.unique(predicted[:real].numpy()), got.slots, evict_below=below,
+                                     left_to_host=left)  # fmt: skip
                 pn = int(pcall.count[0])
                 assert [tuple(r) for r in pcall.misses[:pn].tolist()] == list(pgot.placed)
                 assert not set(s for _, s in pgot.placed) & set(got.slots)
                 _assert_same_state(host, dev)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_a_prefetch_leaves_the_host_its_share_of_the_predicted_misses(policy):
+    """With the host's decode share on, a copy costing 1000 ns and the host next to nothing: of 4 predicted
+    experts without a slot the host computes 3 at their layer, so the prefetch places only the first."""
+    host, dev = _twins(policy, 2, 8, 8, 4)
+    n = torch.tensor([1], dtype=torch.int32)
+    call = dev.lookup(0, torch.tensor([[0, 1, 2, 3]]), n)
+    got = host.lookup(0, [0, 1, 2, 3])
+    costs = torch.tensor([1000, 1, 0, 0])
+    predicted = torch.tensor([[6, 2, 5, 4]])
+    assert host_count_reference(4, 4, costs) == 3
+    pcall = dev.prefetch(1, predicted, n, call, host_costs=costs)
+    pgot = host.prefetch(1, [2, 4, 5, 6], got.slots, left_to_host=3)
+    assert int(pcall.count[0]) == len(pgot.placed) == 1
+    assert [tuple(r) for r in pcall.misses[:1].tolist()] == list(pgot.placed) and pgot.placed[0][0] == 2
+    _assert_same_state(host, dev)
+    # the host's rule says nothing for a slow host: every predicted expert crosses
+    pcall = dev.prefetch(1, torch.tensor([[7, 3, 1, 0]]), n, call, host_costs=torch.tensor([1000, 5000, 0, 0]))
+    pgot = host.prefetch(1, [0, 1, 3, 7], got.slots)
+    assert int(pcall.count[0]) == len(pgot.placed) == 4
+    _assert_same_state(host, dev)
+    with pytest.raises(ValueError, match="host_costs is for a prefetch"):
+        from ferry.kernels.expert_cache_lookup import LOOKUP, launch
+
+        launch(LOOKUP, dev.policy_code, predicted, n, 1, dev, dev._call(1, predicted, LOOKUP), host_costs=costs)
 
 
 def test_the_lookup_and_prefetch_lists_of_each_layer_are_their_own():
