@@ -91,6 +91,9 @@ def test_compose_reserves_the_gpu_for_the_worker_only_and_mounts_the_model_read_
     services = compose["services"]
     devices = services["worker"]["deploy"]["resources"]["reservations"]["devices"]
     assert devices[0]["capabilities"] == ["gpu"]
+    # every GPU of the host, of which an expert-parallel worker uses FERRY_EXPERT_PARALLEL_SIZE (issue 26)
+    assert devices[0]["count"] == "all"
+    assert services["worker"]["environment"]["FERRY_EXPERT_PARALLEL_SIZE"] == "${FERRY_EXPERT_PARALLEL_SIZE:-1}"
     assert all("deploy" not in services[n] for n in ("api", "scheduler", "demo"))
     for name in ("api", "worker"):
         mounts = [v for v in services[name]["volumes"] if v.split(":")[-2] == services[name]["environment"]["FERRY_MODEL"]]
