@@ -32,7 +32,7 @@ from ferry.shared.model_flag import add_model_argument
 from ferry.services.api.config import DEFAULT_DRAIN_TIMEOUT_S, add_api_flags
 from ferry.services.scheduler.config import (
     add_prefill_coalesce_flag, add_prefix_cache_flag, add_schedule_ahead_flag, add_step_timeout_flag,
-    prefill_coalesce_s,
+    prefill_coalesce_s, schedule_ahead_steps,
 )  # fmt: skip
 from ferry.services.worker.command import add_boot_flag
 from ferry.services.worker.flags import add_worker_flags, boot_config_from_args, worker_flag_args
@@ -135,7 +135,8 @@ def child_commands(args: argparse.Namespace, model: str, rundir: Path,
     log_flags = ["--log-level", args.log_level, "--log-format", args.log_format]
     scheduler = [*ferry, "scheduler", "--api-addr", api_addr, "--steps-addr", steps_addr, "--results-addr", results_addr,
                  "--step-timeout", str(args.step_timeout), "--prefill-coalesce-ms", f"{args.prefill_coalesce_ms:g}",
-                 *([] if args.schedule_ahead else ["--no-schedule-ahead"])]  # fmt: skip
+                 *(["--schedule-ahead-steps", str(args.schedule_ahead_steps)] if args.schedule_ahead
+                   else ["--no-schedule-ahead"])]  # fmt: skip
     if not args.prefix_cache:
         scheduler.append("--no-prefix-cache")
     if ports["scheduler"] is not None:
@@ -192,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
     if args.api_key and args.api_key_file:
         raise ConfigError("--api-key and --api-key-file both give the key: give only one")
     prefill_coalesce_s(args.prefill_coalesce_ms)  # refused here, not by the scheduler after the model loads
+    schedule_ahead_steps(args)
     if getattr(args, "wire_keys", None):
         log.warning("wire_keys_ignored", reason="ferry serve wires its processes by ipc sockets in a private "
                     "directory; --wire-keys is for the tcp layout (ferry api|scheduler|worker)")  # fmt: skip

@@ -10,7 +10,10 @@ of the queue, to be recomputed from its prompt plus the tokens it already produc
 Scheduling ahead: while a decode step is in flight, the next one may be sent at once, before the
 first one's tokens come back (`schedule_ahead`): the same requests, one token each, that token being
 the one the worker samples in the step before (StepBatch.feed_sampled). So the worker starts step N+1
-without waiting for the scheduler to hear of step N. It only continues what is running: it never
+without waiting for the scheduler to hear of step N. Up to `schedule_ahead_steps` such steps may be
+out beyond the oldest unanswered one (--schedule-ahead-steps), each fed by the one before it: with two,
+step N+2 is already in the worker's socket when N+1 starts, so the device need not wait for the
+scheduler's turn and the two hops even when they take longer than a step. It only continues what is running: it never
 admits, preempts or grows a request past what it may hold, and it stops (the pipeline drains) when a
 request waits while `max_running_requests` leaves room to admit it, when a request's next token may
 be its last, or when a request's sampling reads its own output on the worker (penalties, grammars).
@@ -143,9 +146,10 @@ def _to_deepest_snapshot(chain: list[Node]) -> int:
 
 class BatchScheduler:
     def __init__(self, pool: PoolReport, first_step_id: int = 1, prefix_cache: bool = True,
-                 prefill_coalesce_s: float = DEFAULT_PREFILL_COALESCE_MS / 1000):  # fmt: skip
+                 prefill_coalesce_s: float = DEFAULT_PREFILL_COALESCE_MS / 1000, schedule_ahead_steps: int = 1):  # fmt: skip
         """`prefix_cache`: reuse cached prefixes (False: --no-prefix-cache, every prompt computed whole);
-        `prefill_coalesce_s`: how long new prompts may wait for more (arrival_hold_s; 0: never)."""
+        `prefill_coalesce_s`: how long new prompts may wait for more (arrival_hold_s; 0: never);
+        `schedule_ahead_steps`: decode steps that may be in flight beyond the oldest (0: none ahead)."""
         check_pool(pool)
         self.pool = pool
         self.hybrid = pool.linear_state_slots > 0
@@ -167,7 +171,9 @@ class BatchScheduler:
         self.by_rid: dict[int, Request] = {}
         self.preemptions = 0
         self._forget: list[int] = []  # worker sampler state to drop before the next step
-        self._in_flight: deque[tuple[int, list[_Entry]]] = deque()  # (step id, rows), oldest first: at most two
+        self.schedule_ahead_steps = schedule_ahead_steps
+        # (step id, rows), oldest first: at most 1 + schedule_ahead_steps
+        self._in_flight: deque[tuple[int, list[_Entry]]] = deque()
         self._step_ids = itertools.count(first_step_id)
 
     # ---- admission -------------------------------------------------------------------------------
@@ -341,12 +347,15 @@ class BatchScheduler:
         return self._build_batch(entries)
 
     def schedule_ahead(self) -> StepBatch | None:
-        """The step after the one in flight, sent before that one's answer: each of its requests decodes
-        the token it samples there. None unless exactly one step is in flight and it may be continued
-        (the module docstring says when)."""
-        if len(self._in_flight) != 1 or (self.waiting and len(self.running) < self.pool.max_running_requests):
+        """The step after the newest one in flight, sent before that one's answer: each of its requests
+        decodes the token it samples there. None unless a step is in flight, fewer than
+        `schedule_ahead_steps` are ahead of the oldest, and the newest may be continued (the module
+        docstring says when)."""
+        if not 1 <= len(self._in_flight) <= self.schedule_ahead_steps:
+            return None
+        if self.waiting and len(self.running) < self.pool.max_running_requests:
             return None  # a request waits and could be admitted: the full policy must run
-        _, previous = self._in_flight[0]
+        _, previous = self._in_flight[-1]
         limit = self.pool.max_model_len
         for e in previous:
             r = e.req

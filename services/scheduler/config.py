@@ -24,6 +24,7 @@ class SchedulerConfig:
     step_timeout_s: float  # a worker step running longer than this counts as a hung worker
     wire_keys: str | None = None  # the CURVE key directory (shared/wire_keys.py); None: no CURVE
     schedule_ahead: bool = True  # send a decode step's successor before its answer (batcher.py)
+    schedule_ahead_steps: int = 1  # how many decode steps may go out ahead of the oldest unanswered one (if schedule_ahead)
     prefix_cache: bool = True  # reuse cached prompt prefixes (False: --no-prefix-cache)
     prefill_coalesce_s: float = DEFAULT_PREFILL_COALESCE_MS / 1000  # --prefill-coalesce-ms (batcher.arrival_hold_s)
 
@@ -47,11 +48,29 @@ def add_step_timeout_flag(group) -> None:
                        help=f"seconds one worker step may run before its requests fail as hung (default {STEP_TIMEOUT_S:g})")  # fmt: skip
 
 
+MAX_SCHEDULE_AHEAD_STEPS = 4  # past a few, a request's end only costs more steps computed for nothing
+
+
 def add_schedule_ahead_flag(group) -> None:
-    """`--no-schedule-ahead`, for `ferry scheduler` and `ferry serve` (which passes it on)."""
+    """`--no-schedule-ahead` and `--schedule-ahead-steps`, for `ferry scheduler` and `ferry serve` (which
+    passes them on)."""
     group.add_argument("--no-schedule-ahead", dest="schedule_ahead", action="store_false",
                        help="send each decode step only after the worker answered the one before (by default the "
                             "next decode step goes out at once, and the worker feeds it the tokens it samples)")  # fmt: skip
+    group.add_argument("--schedule-ahead-steps", type=int, default=1, metavar="N",
+                       help="decode steps that may go out ahead of the oldest one not yet answered, each fed the "
+                            "tokens the step before it samples (default 1; 2 keeps the scheduler's turn and both "
+                            f"hops off the device's path even when they take longer than a step; at most "
+                            f"{MAX_SCHEDULE_AHEAD_STEPS})")  # fmt: skip
+
+
+def schedule_ahead_steps(args: argparse.Namespace) -> int:
+    """--schedule-ahead-steps, checked (--no-schedule-ahead, SchedulerConfig.schedule_ahead, turns them off)."""
+    steps = getattr(args, "schedule_ahead_steps", 1)
+    if not 1 <= steps <= MAX_SCHEDULE_AHEAD_STEPS:
+        raise ConfigError(f"--schedule-ahead-steps must be between 1 and {MAX_SCHEDULE_AHEAD_STEPS}, got {steps} "
+                          "(--no-schedule-ahead turns scheduling ahead off)")  # fmt: skip
+    return steps
 
 
 def add_prefill_coalesce_flag(group) -> None:
@@ -74,6 +93,7 @@ def add_prefix_cache_flag(group) -> None:
 def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
     if args.step_timeout <= 0:
         raise ConfigError(f"--step-timeout must be positive, got {args.step_timeout}")
+    ahead_steps = schedule_ahead_steps(args)
     keys = getattr(args, "wire_keys", None)
     if keys:
         WireKeys(keys, "scheduler")  # a missing or unreadable key is a config error now, not at the first socket
@@ -82,6 +102,7 @@ def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         require_keys_for_tcp(flag, addr, keys or None, getattr(args, "insecure_wire", None))
     return SchedulerConfig(args.api_addr, args.steps_addr, args.results_addr, args.health_host, args.health_port,
                            args.step_timeout, keys or None, schedule_ahead=args.schedule_ahead,
+                           schedule_ahead_steps=ahead_steps,
                            prefix_cache=getattr(args, "prefix_cache", True),
                            prefill_coalesce_s=prefill_coalesce_s(args.prefill_coalesce_ms))  # fmt: skip
 

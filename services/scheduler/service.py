@@ -208,7 +208,8 @@ class SchedulerService:
             batch = self.core.schedule()
             if batch is None or not self._send_step(batch):
                 return
-        if self.cfg.schedule_ahead and (batch := self.core.schedule_ahead()) is not None and self._send_step(batch):
+        # as many as --schedule-ahead-steps allows: each fed what the one before it samples
+        while (batch := self.core.schedule_ahead()) is not None and self._send_step(batch):
             self.metrics.steps_ahead.inc()
 
     def _send_step(self, batch) -> bool:
@@ -335,7 +336,8 @@ class SchedulerService:
             # Step ids unique across scheduler restarts: a worker that outlived the previous scheduler
             # may still answer one of its steps, which must not pass for ours.
             self.core = BatchScheduler(pool, first_step_id=time.time_ns() // 1000, prefix_cache=self.cfg.prefix_cache,
-                                       prefill_coalesce_s=self.cfg.prefill_coalesce_s)  # fmt: skip
+                                       prefill_coalesce_s=self.cfg.prefill_coalesce_s,
+                                       schedule_ahead_steps=self.cfg.schedule_ahead_steps if self.cfg.schedule_ahead else 0)  # fmt: skip
         except ValueError as exc:
             self.not_ready_reason = f"the worker's pool report is unusable: {exc}"
             log.error("bad_pool_report", error=str(exc))

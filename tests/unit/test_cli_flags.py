@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from ferry.services.cli import COMMANDS, build_parser
+from ferry.shared.errors import ConfigError
 from ferry.services.serve_command import child_commands, child_environments, side_ports, write_api_key
 from tests.helpers import QWEN3_30B
 
@@ -102,11 +103,15 @@ def test_the_expert_backend_and_its_threads_reach_the_worker_from_serve():
 def test_no_schedule_ahead_reaches_the_scheduler_from_serve():
     from ferry.services.scheduler.config import scheduler_config_from_args
 
-    for extra, ahead in (((), True), (("--no-schedule-ahead",), False)):
+    for extra, ahead, steps in (((), True, 1), (("--no-schedule-ahead",), False, 1),
+                                (("--schedule-ahead-steps", "2"), True, 2)):  # fmt: skip
         scheduler = child_commands(parse("serve", "/models/m", *extra), "/models/m", Path("/tmp/x"))["scheduler"]
         assert ("--no-schedule-ahead" in scheduler) == (not ahead)
         cfg = scheduler_config_from_args(parse("scheduler", *scheduler[4:]))
-        assert cfg.schedule_ahead is ahead
+        assert cfg.schedule_ahead is ahead and cfg.schedule_ahead_steps == steps
+    for bad in ("0", "5"):
+        with pytest.raises(ConfigError, match="--schedule-ahead-steps must be between 1 and 4"):
+            scheduler_config_from_args(parse("scheduler", "--schedule-ahead-steps", bad))
 
 
 def test_no_prefix_cache_reaches_the_scheduler_and_frees_the_workers_snapshots():

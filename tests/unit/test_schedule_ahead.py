@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections import deque
 
+import pytest
+
 from ferry.shared.errors import EngineError
 from ferry.shared.sampling import SamplingParams
 from tests.doubles.fake_worker import DelayedExecutor
@@ -37,7 +39,7 @@ def run_ahead_to_end(sched, model, abort_at: dict[int, int] | None = None, max_a
     for _ in range(max_answers):
         if not sched.step_in_flight and (batch := sched.schedule()) is not None:
             send(batch)
-        if (batch := sched.schedule_ahead()) is not None:
+        while (batch := sched.schedule_ahead()) is not None:  # as many as the scheduler allows
             assert batch.feed_sampled is not None and batch.feed_sampled.all()
             send(batch)
             ahead += 1
@@ -78,6 +80,41 @@ def test_decoding_ahead_gives_the_reference_continuations_and_returns_every_page
     assert finished == {rid: "length" for rid in prompts}
     assert ahead > 10 and most == 2
     assert sched.kv.available == sched.kv.total and not sched.steps_in_flight
+
+
+@pytest.mark.parametrize("steps", [2, 3])
+def test_several_steps_ahead_give_the_reference_continuations_and_return_every_page(steps):
+    """--schedule-ahead-steps N: up to N decode steps out beyond the oldest unanswered one, each fed by the one
+    before it; requests of every length, one stopping on a token and one aborted while steps are in flight,
+    end with the reference tokens, each once, and every page back."""
+    sched, model = make(pages=64, page_size=4)
+    sched.schedule_ahead_steps = steps
+    prompts = {rid: prompt(rid, 5 + 3 * rid) for rid in range(1, 6)}
+    lengths = {1: 1, 2: 7, 3: 12, 4: 20, 5: 30}
+    stop = reference_continuation(prompts[3].tolist(), 12, VOCAB)[5]  # request 3 stops on its 6th token
+    for rid, p in prompts.items():
+        add(sched, rid, p, lengths[rid], **({"stop_token_ids": (stop,)} if rid == 3 else {}))
+    when: dict[int, int] = {}
+    tokens, finished, ahead, most = run_ahead_to_end(sched, model, abort_at={5: 9}, in_flight_at_abort=when)
+    for rid, p in prompts.items():
+        want = reference_continuation(p.tolist(), lengths[rid], VOCAB, stop_ids=(stop,) if rid == 3 else ())
+        assert tokens.get(rid, []) == want[: len(tokens.get(rid, []))], rid
+        if rid != 5:
+            assert tokens[rid] == want, rid
+    assert finished == {1: "length", 2: "length", 3: "stop", 4: "length", 5: "abort"}
+    assert most == 1 + steps and when[5] == 1 + steps  # the abort came with every step allowed in flight
+    assert ahead > 10 and sched.kv.available == sched.kv.total and not sched.steps_in_flight
+
+
+def test_the_steps_ahead_read_the_positions_the_steps_before_them_produce():
+    sched, model = make()
+    sched.schedule_ahead_steps = 3
+    add(sched, 1, prompt(1, 8), 10)
+    first = sched.schedule()
+    ahead = [sched.schedule_ahead() for _ in range(4)]
+    assert first.feed_sampled is None and ahead[3] is None  # three ahead at most
+    assert [a.context_lens.tolist() for a in ahead[:3]] == [[8], [9], [10]]
+    assert sched.steps_in_flight == 4
 
 
 def test_a_request_that_stops_while_its_next_step_is_in_flight_drops_that_token_and_keeps_its_pages_till_then():
