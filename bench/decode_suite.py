@@ -69,8 +69,10 @@ VARIANTS = {"default": [], "no-prefetch": ["--no-expert-prefetch"], "eager": ["-
             "host-share": ["--expert-backend", "hybrid", "--host-expert-threads", "12"],
             # the same with no next-layer prefetch: every expert a decode layer lacks is then a miss the host may share
             "host-share-no-prefetch": ["--expert-backend", "hybrid", "--host-expert-threads", "12", "--no-expert-prefetch"],
-            # the GPU alone (the default, auto, takes a host share where the host has cores to spare)
+            # the GPU alone (what auto is since c642fec's measurements; before, auto took a host share)
             "gpu": ["--expert-backend", "gpu"],
+            # two decode steps out beyond the oldest unanswered one (issue 24: the resident single stream's chain)
+            "ahead2": ["--schedule-ahead-steps", "2"],
             # two GPUs, each owning half the experts (issue 26; eager, so compare with the eager variant too)
             "ep2": ["--expert-parallel-size", "2"]}
 
