@@ -7,6 +7,7 @@
 #   PART=share   hybrid8 decode with and without --host-expert-threads, then three turns in bf16     ~8-9 min
 #   PART=decode12 the 12-layer cut GPU-only, with the host's share, with it but no prefetch, and the
 #                default (auto): decode_12layer_hybrid_cpu.json (issue 25's must-show)              ~3-4 min
+#   PART=decode30 the full-size Qwen3-30B at 24 GiB, GPU-only and with the host's share, its host nodes' time ~5 min
 #   PART=ahead   the resident hybrid cut with --schedule-ahead-steps 1 and 2 (issue 24)                ~4 min
 #   PART=eight   issue 23's 8 streams sharing a 4k system prompt on the 8-layer hybrid cut, 640 slots  ~3-4 min
 set -uo pipefail
@@ -41,6 +42,13 @@ case "${PART:-check}" in
       --variants gpu,host-share,host-share-no-prefetch,default --max-tokens 128 > "$OUT/suite_decode12.log" 2>&1
     echo "12layer rc=$?"; grep '^\[12layer' "$OUT/suite_decode12.log" | tail -6
     grep -h '"host_decode\|"host_share"\|expert_prefetch_off' "$OUT"/serve_12layer*.log | cut -c1-400 ;;
+  decode30)  # the full-size Qwen3-30B at 24 GiB, GPU-only against the host's share (which lost in its gpu-check serve)
+    python3 -c "import sys; from setuptools import setup; sys.argv = ['setup.py', 'build_ext', '--inplace', '-q']; setup()" \
+      > "$OUT/host_kernel_build.log" 2>&1 || echo "host kernel build failed (see host_kernel_build.log)"
+    timeout 560 python3 bench/decode_suite.py --out "$OUT" --workloads 30b --variants gpu,host-share --max-tokens 128 \
+      > "$OUT/suite_decode30.log" 2>&1
+    echo "30b rc=$?"; grep '^\[30b' "$OUT/suite_decode30.log" | tail -4
+    python3 -c "import json,sys; [print(f, json.load(open(f)).get('host_share')) for f in sys.argv[1:]]" "$OUT"/decode_30b*.json ;;
   ahead)  # issue 24's resident hybrid cut with one and two decode steps scheduled ahead
     timeout 560 python3 bench/decode_suite.py --out "$OUT" --workloads hybrid8_resident --variants default,ahead2 \
       --max-tokens 256 > "$OUT/suite_ahead.log" 2>&1
@@ -52,7 +60,7 @@ case "${PART:-check}" in
       FERRY_MUST_SHOW_OUT="$OUT/prefix_hybrid_eight.json" timeout "${EIGHT_TIMEOUT:-280}" python3 -m pytest -q -s -p no:cacheprovider \
       tests/gpu/test_prefix_cache_must_show.py -k eight > "$OUT/eight.log" 2>&1
     echo "eight streams rc=$?"; grep -A3 '_speedup' "$OUT/eight.log" | head -12; tail -3 "$OUT/eight.log" ;;
-  *) echo "PART must be check, prefill, share, decode12, ahead or eight" >&2; exit 2 ;;
+  *) echo "PART must be check, prefill, share, decode12, decode30, ahead or eight" >&2; exit 2 ;;
 esac
 # the device returns a few files a call (more are dropped, as the first decode12 run's logs were): one archive
 tar -czf "/tmp/${PART:-check}_out.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "/tmp/${PART:-check}_out.tgz" "$OUT/"
