@@ -13,10 +13,11 @@ the one the worker samples in the step before (StepBatch.feed_sampled). So the w
 without waiting for the scheduler to hear of step N. Up to `schedule_ahead_steps` such steps may be
 out beyond the oldest unanswered one (--schedule-ahead-steps), each fed by the one before it: with two,
 step N+2 is already in the worker's socket when N+1 starts, so the device need not wait for the
-scheduler's turn and the two hops even when they take longer than a step. It only continues what is running: it never
-admits, preempts or grows a request past what it may hold, and it stops (the pipeline drains) when a
-request waits while `max_running_requests` leaves room to admit it, when a request's next token may
-be its last, or when a request's sampling reads its own output on the worker (penalties, grammars).
+scheduler's turn and the two hops even when they take longer than a step. It only continues what is
+running: it never admits, preempts or grows a request past what it may hold, and it stops (the
+pipeline drains) when a request waits while `max_running_requests` leaves room to admit it, when a
+request's next token may be its last, or when a request's sampling reads its own output on the
+worker (penalties, grammars).
 With the batch full a waiting request could not be admitted anyway: the pipeline keeps going until
 a running request ends (its last token, or a stop seen when its step comes back). The full policy
 (`schedule`) runs only with no step in flight, so the pages of requests in a step are never touched
