@@ -24,10 +24,20 @@ REPO = Path(__file__).resolve().parents[2]
 FAKE_BOOT = "tests.doubles.fake_worker:boot_paged_hash_model"
 
 
+_HANDED_PORTS: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now and not handed out before by this process: a port closed again at once
+    may come back from the next bind to port 0, and a cluster asks for three in a row (in one suite run a
+    worker found its health port taken)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_PORTS:
+            _HANDED_PORTS.add(port)
+            return port
 
 
 def child_env() -> dict[str, str]:
