@@ -24,9 +24,10 @@ from ferry.shared.errors import ConfigError
 
 EXPERT_BACKENDS = ("auto", "gpu", "hybrid", "cpu")
 RESERVED_CORES = 3  # the api, the scheduler, the worker's launching thread
-# Measured on the H200 (bench/NOTES.md, "The host's share of decode layers with the prefetch"): the host's share
-# made the 12-layer Qwen3-30B cut 1.35x faster at one stream and 1.75x at eight, but the full-size Qwen3-30B
-# served 13.3 tok/s at one stream against 20-23 on the GPU alone, which the boot calibration did not foresee.
+# Measured on the H200 (bench/NOTES.md, "The host's share of decode layers with the prefetch"): the host's
+# share (auto, 13 threads) made the 12-layer Qwen3-30B cut 1.35x faster at one stream and 1.75x at eight,
+# but the full-size Qwen3-30B served 13.3 tok/s at one stream against 20-23 on the GPU alone, which the
+# boot calibration did not foresee.
 AUTO_GPU_REASON = ("auto: the GPU alone until the host's share is measured to win at full size "
                    "(--expert-backend hybrid turns it on)")  # fmt: skip
 
