@@ -10,6 +10,7 @@
 #   PART=decode30 the full-size Qwen3-30B at 24 GiB, GPU-only and with the host's share, its host nodes' time ~5 min
 #   PART=ahead   the resident hybrid cut with --schedule-ahead-steps 1 and 2 (issue 24)                ~4 min
 #   PART=eight   issue 23's 8 streams sharing a 4k system prompt on the 8-layer hybrid cut, 640 slots  ~3-4 min
+#                (EIGHT_FLAGS adds serve flags, e.g. "--expert-backend hybrid --host-expert-threads 13")
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TMPDIR=${TMPDIR:-/tmp}
@@ -56,7 +57,7 @@ case "${PART:-check}" in
   eight)
     python3 -m ferry.services.cli make-bench-model /tmp/m8 --config tests/data/models/qwen3.6-35b-a3b/config.json \
       --num-layers 8 > /dev/null
-    FERRY_MUST_SHOW_MODEL=/tmp/m8 FERRY_MUST_SHOW_FLAGS="--load-format dummy --moe-cache-size 640 --gpu-memory 12GiB --max-running-requests 8" \
+    FERRY_MUST_SHOW_MODEL=/tmp/m8 FERRY_MUST_SHOW_FLAGS="--load-format dummy --moe-cache-size 640 --gpu-memory 12GiB --max-running-requests 8 ${EIGHT_FLAGS:-}" \
       FERRY_MUST_SHOW_OUT="$OUT/prefix_hybrid_eight.json" timeout "${EIGHT_TIMEOUT:-280}" python3 -m pytest -q -s -p no:cacheprovider \
       tests/gpu/test_prefix_cache_must_show.py -k eight > "$OUT/eight.log" 2>&1
     echo "eight streams rc=$?"; grep -A3 '_speedup' "$OUT/eight.log" | head -12; tail -3 "$OUT/eight.log" ;;
