@@ -23,10 +23,15 @@ class SchedulerConfig:
     health_port: int | None  # side port for /health and /metrics; None: no side server
     step_timeout_s: float  # a worker step running longer than this counts as a hung worker
     wire_keys: str | None = None  # the CURVE key directory (shared/wire_keys.py); None: no CURVE
-    schedule_ahead: bool = True  # send a decode step's successor before its answer (batcher.py)
-    schedule_ahead_steps: int = 1  # how many decode steps may go out ahead of the oldest unanswered one (if schedule_ahead)
+    # how many decode steps may go out ahead of the oldest unanswered one (batcher.py; 0: --no-schedule-ahead)
+    schedule_ahead_steps: int = 1
     prefix_cache: bool = True  # reuse cached prompt prefixes (False: --no-prefix-cache)
     prefill_coalesce_s: float = DEFAULT_PREFILL_COALESCE_MS / 1000  # --prefill-coalesce-ms (batcher.arrival_hold_s)
+
+    @property
+    def schedule_ahead(self) -> bool:
+        """Whether a decode step's successor goes out before its answer."""
+        return self.schedule_ahead_steps > 0
 
 
 def add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
@@ -65,7 +70,7 @@ def add_schedule_ahead_flag(group) -> None:
 
 
 def schedule_ahead_steps(args: argparse.Namespace) -> int:
-    """--schedule-ahead-steps, checked (--no-schedule-ahead, SchedulerConfig.schedule_ahead, turns them off)."""
+    """--schedule-ahead-steps, checked (--no-schedule-ahead turns them off: SchedulerConfig's 0)."""
     steps = getattr(args, "schedule_ahead_steps", 1)
     if not 1 <= steps <= MAX_SCHEDULE_AHEAD_STEPS:
         raise ConfigError(f"--schedule-ahead-steps must be between 1 and {MAX_SCHEDULE_AHEAD_STEPS}, got {steps} "
@@ -101,8 +106,7 @@ def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         check_exposure(flag, addr, keys)
         require_keys_for_tcp(flag, addr, keys or None, getattr(args, "insecure_wire", None))
     return SchedulerConfig(args.api_addr, args.steps_addr, args.results_addr, args.health_host, args.health_port,
-                           args.step_timeout, keys or None, schedule_ahead=args.schedule_ahead,
-                           schedule_ahead_steps=ahead_steps,
+                           args.step_timeout, keys or None, schedule_ahead_steps=ahead_steps if args.schedule_ahead else 0,
                            prefix_cache=getattr(args, "prefix_cache", True),
                            prefill_coalesce_s=prefill_coalesce_s(args.prefill_coalesce_ms))  # fmt: skip
 

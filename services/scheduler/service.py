@@ -337,7 +337,7 @@ class SchedulerService:
             # may still answer one of its steps, which must not pass for ours.
             self.core = BatchScheduler(pool, first_step_id=time.time_ns() // 1000, prefix_cache=self.cfg.prefix_cache,
                                        prefill_coalesce_s=self.cfg.prefill_coalesce_s,
-                                       schedule_ahead_steps=self.cfg.schedule_ahead_steps if self.cfg.schedule_ahead else 0)  # fmt: skip
+                                       schedule_ahead_steps=self.cfg.schedule_ahead_steps)  # fmt: skip
         except ValueError as exc:
             self.not_ready_reason = f"the worker's pool report is unusable: {exc}"
             log.error("bad_pool_report", error=str(exc))

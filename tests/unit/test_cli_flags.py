@@ -103,7 +103,7 @@ def test_the_expert_backend_and_its_threads_reach_the_worker_from_serve():
 def test_no_schedule_ahead_reaches_the_scheduler_from_serve():
     from ferry.services.scheduler.config import scheduler_config_from_args
 
-    for extra, ahead, steps in (((), True, 1), (("--no-schedule-ahead",), False, 1),
+    for extra, ahead, steps in (((), True, 1), (("--no-schedule-ahead",), False, 0),
                                 (("--schedule-ahead-steps", "2"), True, 2)):  # fmt: skip
         scheduler = child_commands(parse("serve", "/models/m", *extra), "/models/m", Path("/tmp/x"))["scheduler"]
         assert ("--no-schedule-ahead" in scheduler) == (not ahead)
