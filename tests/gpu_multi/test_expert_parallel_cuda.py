@@ -8,8 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.integration.harness import REAL_WORKER_ENV, start_cluster
-from tests.integration.test_expert_parallel_serve import REAL_BOOT, completions
+from tests.integration.test_expert_parallel_serve import assert_two_ranks_serve_as_one
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]
 
@@ -19,14 +18,4 @@ FLAGS = ["--device", "cuda", "--dtype", "float32", "--max-model-len", "256", "--
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe"])
 def test_two_gpus_serve_as_one(tiny_models, tmp_path, arch):
-    got = {}
-    for world in ("1", "2"):
-        c = start_cluster(tiny_models[arch], tmp_path / world, worker_flags=[*FLAGS, "--expert-parallel-size", world],
-                          boot=REAL_BOOT, worker_env=REAL_WORKER_ENV, wait=False)  # fmt: skip
-        try:
-            c.wait_ready(timeout=300)
-            got[world] = completions(c)
-        finally:
-            c.stop()
-        assert "sampled other tokens" not in c.log("worker")
-    assert got["2"][:2] == got["1"][:2], got
+    assert_two_ranks_serve_as_one(tiny_models[arch], tmp_path, FLAGS, ready_timeout=300)

@@ -33,20 +33,26 @@ def completions(c) -> tuple[str, str, str]:
     return greedy.choices[0].text, seeded.choices[0].text, unseeded.choices[0].text
 
 
-def test_two_ranks_serve_as_one(tiny_model, tmp_path):
+def assert_two_ranks_serve_as_one(model, tmp_path, flags, ready_timeout: float) -> None:
+    """One rank, then two, with `flags`: greedy and seeded completions give the same text as one rank holding
+    every expert, and rank 1 sampled every unseeded token as rank 0 did."""
     got = {}
     for world in ("1", "2"):
-        c = start_cluster(tiny_model, tmp_path / world, worker_flags=[*FLAGS, "--expert-parallel-size", world],
+        c = start_cluster(model, tmp_path / world, worker_flags=[*flags, "--expert-parallel-size", world],
                           boot=REAL_BOOT, worker_env=REAL_WORKER_ENV, wait=False)  # fmt: skip
         try:
-            c.wait_ready(timeout=180)
+            c.wait_ready(timeout=ready_timeout)
             got[world] = completions(c)
         finally:
             c.stop()
         if world == "2":
             assert "expert_parallel_followers" in c.log("worker")
             assert "sampled other tokens" not in c.log("worker")
-    assert got["2"][:2] == got["1"][:2], got  # greedy and seeded: the same text as one rank holding every expert
+    assert got["2"][:2] == got["1"][:2], got
+
+
+def test_two_ranks_serve_as_one(tiny_model, tmp_path):
+    assert_two_ranks_serve_as_one(tiny_model, tmp_path, FLAGS, ready_timeout=180)
 
 
 def follower_pid(c) -> int:
