@@ -138,40 +138,60 @@ class HostShare:
 
 
 def _median_s(fn, repeats: int, cuda: bool) -> float:
+    """The median seconds of `fn(call)` over `repeats` calls, after one untimed (call 0): first-use costs
+    (the C kernel's pool, a copy's first pages) stay out of the timing."""
     import statistics
     import time
 
-    fn()  # first-use costs (the C kernel's pool, a copy's first pages) out of the timing
+    fn(0)
     times = []
-    for _ in range(repeats):
+    for call in range(1, repeats + 1):
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        fn()
+        fn(call)
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
+def probe(call: int, n: int, layers: int, num_experts: int) -> tuple[int, list[int]]:
+    """The MoE layer and the `n` experts the `call`-th timed call reads: ones no earlier call read, while
+    the model has that many, so each call reads host RAM as a decode step's misses do. Reading the same
+    few experts again would time what the call before left in the CPU's last-level cache: a faster host
+    than the one the split then relies on."""
+    layer = call % layers
+    base = (call // layers) * n % num_experts
+    return layer, [(base + i) % num_experts for i in range(n)]
+
+
 def calibrate(store, experts: HostExperts, device: torch.device, probe_experts: int = 8, repeats: int = 5) -> HostCost:
     """The HostCost of this machine, measured at boot on the store's own paths: the staging ring's copy of
-    `probe_experts` experts of the first MoE layer (the copy engine, or the unpacking kernel for packed
-    banks), HostExperts computing them for 1 and 16 tokens each, and a hand-off of a 512-token layer
-    (its input and routing to the host, a result back) with nothing to compute."""
+    `probe_experts` experts (the copy engine, or the unpacking kernel for packed banks), HostExperts
+    computing them for 1 and 16 tokens each, fresh experts each call (`probe`), and a hand-off of a
+    512-token layer (its input and routing to the host, a result back) with nothing to compute."""
     cuda = torch.device(device).type == "cuda"
     ring, h = store.ring, experts.hidden_size
     n = min(probe_experts, ring.size, experts.num_experts)
-    pairs = [(e, e) for e in range(n)]
-    pcie = _median_s(lambda: store.banks.copy_experts(0, pairs, ring.w13, ring.w2, non_blocking=cuda), repeats, cuda) / n
+    shape = (experts.num_layers, experts.num_experts)
+
+    def copy(call: int) -> None:
+        layer, ids = probe(call, n, *shape)
+        store.banks.copy_experts(layer, [(e, s) for s, e in enumerate(ids)], ring.w13, ring.w2, non_blocking=cuda)
+
+    pcie = _median_s(copy, repeats, cuda) / n
     g = torch.Generator().manual_seed(0)
     x = torch.randn(16, h, generator=g).to(experts.dtype)
 
-    def host(tokens: int) -> float:
-        listed = [(t, e, 1.0) for e in range(n) for t in range(tokens)]
-        return _median_s(lambda: experts.compute(0, x, listed), repeats, False) / n
+    def host(tokens: int, first_call: int) -> float:
+        def compute(call: int) -> None:
+            layer, ids = probe(first_call + call, n, *shape)
+            experts.compute(layer, x, [(t, e, 1.0) for e in ids for t in range(tokens)])
 
-    at_1, at_16 = host(1), host(16)
+        return _median_s(compute, repeats, False) / n
+
+    at_1, at_16 = host(1, repeats + 1), host(16, 2 * (repeats + 1))  # past the experts the copies read
     top_k = 8
     share = HostShare(experts, HostCost(pcie, at_1, 0.0, 0.0), max_tokens=512, top_k=top_k, device=device)
     xs = torch.zeros(512, h, dtype=experts.dtype, device=device)
@@ -180,6 +200,10 @@ def calibrate(store, experts: HostExperts, device: torch.device, probe_experts: 
     rows = torch.zeros(512, top_k, h, dtype=torch.float32, device=device)
     mask = torch.zeros(512, top_k, dtype=torch.bool, device=device)
     nothing = np.zeros(0, dtype=np.int64)
-    overhead = _median_s(lambda: share.finish(share.start(0, xs, ids, weights, 512, nothing), rows, mask), repeats, cuda)
+
+    def hand_off(call: int) -> None:
+        share.finish(share.start(0, xs, ids, weights, 512, nothing), rows, mask)
+
+    overhead = _median_s(hand_off, repeats, cuda)
     share.close()
     return HostCost(pcie_s=pcie, host_s_at_1=at_1, host_s_per_token=max(0.0, (at_16 - at_1) / 15), overhead_s=overhead)

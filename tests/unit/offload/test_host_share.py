@@ -62,3 +62,18 @@ def test_calibration_runs_on_the_stores_own_paths():
                      repeats=3)  # fmt: skip
     assert cost.pcie_s > 0 and cost.host_s_at_1 > 0 and cost.overhead_s > 0
     assert cost.host_s(16) >= cost.host_s(1)
+
+
+def test_each_timed_call_of_the_calibration_reads_experts_no_earlier_call_read():
+    """The calibration times host RAM, not what the call before left in the CPU's caches: while the model
+    has enough experts, the probes of successive calls never repeat a (layer, expert); past that they wrap
+    and stay in range."""
+    from ferry.services.worker.offload.host_share import probe
+
+    layers, experts, n = 48, 128, 8
+    calls = layers * experts // n
+    seen = [(layer, e) for c in range(calls) for layer, ids in [probe(c, n, layers, experts)] for e in ids]
+    assert len(set(seen)) == len(seen) == layers * experts
+    small = [probe(c, 4, 2, 6) for c in range(12)]
+    assert all(0 <= layer < 2 and len(set(ids)) == 4 and all(0 <= e < 6 for e in ids) for layer, ids in small)
+    assert len({(layer, tuple(ids)) for layer, ids in small[:3]}) == 3
