@@ -101,6 +101,33 @@ def expert_slots(metrics_url: str | None) -> tuple[str, int] | None:
     return (m[1], int(float(m[2]))) if m else None
 
 
+def host_share_series(metrics_url: str | None) -> dict | None:
+    """What the host's decode share did in the run, from the worker's /metrics (None without one): the
+    experts it computed, its host nodes' busy time and calls, the price of a host expert the split used
+    last (boot's, or refined in service) and the time a host expert took, to hold against each other."""
+    import re
+    import urllib.request
+
+    if not metrics_url:
+        return None
+    with urllib.request.urlopen(metrics_url, timeout=10) as r:
+        text = r.read().decode()
+
+    def value(pattern: str) -> float | None:
+        m = re.search(rf"^{pattern} (\S+)$", text, re.M)
+        return float(m[1]) if m else None
+
+    experts = value(r'ferry_worker_host_experts_total\{share="decode"\}')
+    busy = value("ferry_worker_host_node_busy_seconds_total")
+    if experts is None or busy is None:
+        return None
+    return {"experts": int(experts), "host_node_busy_s": round(busy, 4),
+            "host_node_calls": int(value("ferry_worker_host_node_calls_total") or 0),
+            "refinements": int(value("ferry_worker_host_share_refinements_total") or 0),
+            "host_at_1_s": value(r'ferry_worker_host_share_cost_seconds\{path="host_at_1",share="decode"\}'),
+            "host_node_s_per_expert": round(busy / experts, 9) if experts else None}  # fmt: skip
+
+
 def run_workload(name: str, variant: str, out: Path, ceilings: Path, args) -> dict:
     config, layers, flags, *fmt = WORKLOADS[name]
     fmt = fmt[0] if fmt else "bf16"
@@ -120,6 +147,7 @@ def run_workload(name: str, variant: str, out: Path, ceilings: Path, args) -> di
                "--metrics", served.worker_metrics, "--config", str(model_dir), "--ceilings", str(ceilings),
                "--out", str(detail_path)]  # fmt: skip
         subprocess.run(cmd, cwd=ROOT, check=True, timeout=args.run_timeout)
+        host_share = host_share_series(served.worker_metrics)
     finally:
         stopped = served.stop()
     detail = json.loads(detail_path.read_text())
@@ -141,6 +169,7 @@ def run_workload(name: str, variant: str, out: Path, ceilings: Path, args) -> di
         "hit_rate": one["expert_cache"]["hit_rate"] if one["expert_cache"] else None,
         "hit_rate_8": eight["expert_cache"]["hit_rate"] if eight["expert_cache"] else None,
         "prefetch_accuracy": one["expert_cache"]["prefetch_accuracy"] if one["expert_cache"] else None,
+        "host_share": host_share,
         "commit": commit(), "ceilings": json.loads(ceilings.read_text()), "stopped": stopped, "detail": detail,
     }  # fmt: skip
     (out / f"decode_{tag}.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -207,6 +236,7 @@ def write_hybrid_cpu(workload: str, variant: str, gpu_only: dict, hybrid: dict, 
         "pcie_bound_tok_s": link_bound, "bound_tok_s": round(both, 2) if both else None,
         "bound_fraction": round(hybrid["single_stream_tok_s"] / both, 3) if both else None,
         "host_decode_boot": boot or None, "hit_rate": hybrid["hit_rate"], "gpu_only_hit_rate": gpu_only["hit_rate"],
+        "host_share": hybrid.get("host_share"),  # what its host nodes took against the price the split used
     }  # fmt: skip
     (out / f"decode_{tag}_hybrid_cpu.json").write_text(json.dumps(result, indent=1) + "\n")
     print(f"[{tag} hybrid cpu] {result['single_stream_tok_s']} vs {result['gpu_only_single_stream_tok_s']} tok/s "

@@ -2,6 +2,7 @@
 #include "host_node.h"
 
 #include <string.h>
+#include <time.h>
 
 int ferry_host_kernel_compute(void *handle, const ferry_job *job);
 
@@ -22,7 +23,14 @@ void ferry_host_node(void *arg) {
     }
     t->job.tokens = tokens;
     t->job.n_pairs = n;
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
     int err = ferry_host_kernel_compute(t->kernel, &t->job);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    if (n > 0) {
+        t->busy_ns += (int64_t)(t1.tv_sec - t0.tv_sec) * 1000000000LL + (t1.tv_nsec - t0.tv_nsec);
+        t->busy_calls++;
+    }
     if (err) { /* refused: zeros rather than the previous layer's sum, and the error for the step's end */
         if (!t->status) t->status = err;
         memset(t->job.out, 0, (size_t)(t->max_tokens * t->job.hidden) * sizeof(float));

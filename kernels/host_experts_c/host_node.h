@@ -18,6 +18,8 @@ typedef struct {
     int64_t max_tokens, max_pairs; /* the buffers' sizes */
     int64_t status;      /* 0, or the first error: FERRY_E* of host_experts.c, -4 for pairs out of range */
     int64_t calls, pairs; /* since boot */
+    int64_t busy_ns, busy_calls; /* since boot: the wall time of the calls that computed pairs, and their
+                                  * number (what the split's price of a host expert is checked against) */
 } ferry_host_node_task;
 
 void ferry_host_node(void *task);

@@ -53,8 +53,9 @@ def host_share_metrics(report: dict):
         return
     experts = CounterMetricFamily("ferry_worker_host_experts", "missed experts the host computed instead of a copy",
                                   labels=["share"])  # fmt: skip
-    costs = GaugeMetricFamily("ferry_worker_host_share_cost_seconds", "the boot calibration's costs of the host's "
-                              "share: one expert over PCIe, on the host at 1 token and per more token, the hand-off",
+    costs = GaugeMetricFamily("ferry_worker_host_share_cost_seconds", "the costs the host's share splits by (boot's "
+                              "calibration, the decode share's host price refined in service): one expert over "
+                              "PCIe, on the host at 1 token and per more token, the hand-off",
                               labels=["share", "path"])  # fmt: skip
     for name, share in shares:
         experts.add_metric([name], share["experts"])
@@ -62,6 +63,19 @@ def host_share_metrics(report: dict):
             costs.add_metric([name, path], ns / 1e9)
     yield experts
     yield costs
+    decode = report.get("host_decode")
+    if decode and "busy_ns" in decode:  # the decode graph's host nodes time themselves (host_node.c)
+        busy = CounterMetricFamily("ferry_worker_host_node_busy_seconds", "time the decode graph's host nodes "
+                                   "spent computing the host's experts")  # fmt: skip
+        busy.add_metric([], decode["busy_ns"] / 1e9)
+        calls = CounterMetricFamily("ferry_worker_host_node_calls", "decode graph host nodes that computed pairs")
+        calls.add_metric([], decode["busy_calls"])
+        refined = CounterMetricFamily("ferry_worker_host_share_refinements", "times the decode split's price of a "
+                                      "host expert moved toward what the host nodes measured")  # fmt: skip
+        refined.add_metric([], decode["refinements"])
+        yield busy
+        yield calls
+        yield refined
 
 
 class WorkerMetrics:

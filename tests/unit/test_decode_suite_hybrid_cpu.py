@@ -47,3 +47,42 @@ def test_the_boot_line_is_read_from_the_workers_json_log(tmp_path):
            "hit_rate": 0.9}  # fmt: skip
     got = write_hybrid_cpu("12layer", "host-share", gpu, {**gpu, "commit": "b"}, tmp_path)
     assert got["bound_tok_s"] == round(107.2 * (1 + 171.8 / 118.3), 2)
+
+
+def test_the_host_shares_series_are_read_from_the_workers_metrics():
+    """host_share_series parses what the worker exports (services/worker/metrics.py), over HTTP."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from prometheus_client import generate_latest
+
+    from bench.decode_suite import host_share_series
+    from ferry.services.worker.metrics import WorkerMetrics
+
+    report = {"hits": 5, "misses": 7, "bytes_copied": 10, "copy_time_s": 0.1, "exposed_copy_time_s": 0.05,
+              "prefetched": 2, "prefetch_useful": 1, "prefetch_wasted": 1, "slots": 12, "expert_format": "bf16",
+              "host_decode": {"experts": 4000, "pairs": 4100, "costs_ns": [129000, 150000, 2500, 31000],
+                              "busy_ns": 800_000_000, "busy_calls": 900, "busy_ns_per_expert": 200000,
+                              "refinements": 1}}  # fmt: skip
+    metrics = WorkerMetrics()
+    metrics.watch_expert_cache(lambda: report)
+    body = generate_latest(metrics.registry)
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        got = host_share_series(f"http://127.0.0.1:{server.server_port}/metrics")
+    finally:
+        server.shutdown()
+    assert got == {"experts": 4000, "host_node_busy_s": 0.8, "host_node_calls": 900, "refinements": 1,
+                   "host_at_1_s": 0.00015, "host_node_s_per_expert": 0.0002}  # fmt: skip
+    assert host_share_series(None) is None

@@ -25,5 +25,14 @@ def test_the_host_shares_experts_and_costs_are_exported():
     assert 'ferry_worker_host_share_cost_seconds{path="pcie",share="prefill"} 0.000129' in text
 
 
+def test_the_host_nodes_time_and_the_refinements_are_exported():
+    decode = {"experts": 9, "pairs": 11, "costs_ns": [1, 2, 3, 4], "busy_ns": 1_500_000_000, "busy_calls": 7,
+              "busy_ns_per_expert": 166_666_667, "refinements": 2}  # fmt: skip
+    text = scrape({**REPORT, "host_decode": decode})
+    assert "ferry_worker_host_node_busy_seconds_total 1.5" in text
+    assert "ferry_worker_host_node_calls_total 7.0" in text
+    assert "ferry_worker_host_share_refinements_total 2.0" in text
+
+
 def test_without_a_host_share_there_is_no_host_series():
     assert "ferry_worker_host" not in scrape(REPORT)

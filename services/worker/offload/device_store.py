@@ -395,6 +395,7 @@ class DeviceDrivenExperts(OffloadedExperts):
         if self.host_decode is not None:
             self.host_decode.count(handed)
             self.host_decode.check()  # a host node cannot raise where it runs: its error surfaces here
+            self.host_decode.refine()  # the split's price of a host expert, against what the nodes took
         now = self.cache.counters_dict(counters.numpy())
         now["host_decode"] = int(handed[0])  # misses the host computed: they never crossed
         before = self._last_counters

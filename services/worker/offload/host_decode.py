@@ -40,10 +40,17 @@ import statistics
 import time
 from dataclasses import dataclass
 
+import structlog
 import torch
 
 from ferry.kernels.expert_host_handoff import hand_to_host
 from ferry.services.worker.offload.host_expert_kernel import ERRORS, HostKernel, Job
+
+log = structlog.get_logger("worker.offload")
+
+# host experts between two refinements of the split's price of one (HostDecodeShare.refine): a few
+# hundred decode steps of a single stream, enough that one slow step does not move it
+REFINE_EVERY = 2048
 
 HOST_NODE_ERRORS = {**ERRORS, -4: "host pairs out of range (the device listed a token or expert past the buffers)"}
 
@@ -53,7 +60,8 @@ class HostNodeTask(ctypes.Structure):
 
     _fields_ = [("kernel", ctypes.c_void_p), ("job", Job), ("meta", ctypes.c_void_p), ("num_experts", ctypes.c_int64),
                 ("max_tokens", ctypes.c_int64), ("max_pairs", ctypes.c_int64), ("status", ctypes.c_int64),
-                ("calls", ctypes.c_int64), ("pairs", ctypes.c_int64)]  # fmt: skip
+                ("calls", ctypes.c_int64), ("pairs", ctypes.c_int64), ("busy_ns", ctypes.c_int64),
+                ("busy_calls", ctypes.c_int64)]  # fmt: skip
 
 
 @functools.cache
@@ -107,11 +115,16 @@ class HostDecodeShare:
     def __init__(self, kernel: HostKernel, costs_ns: tuple[int, int, int, int], max_tokens: int, top_k: int,
                  num_experts: int, device: torch.device):  # fmt: skip
         self.kernel, self.device = kernel, torch.device(device)
+        self._cuda = self.device.type == "cuda"
         self._costs_ns = tuple(int(c) for c in costs_ns)
         self.costs = torch.tensor(self._costs_ns, dtype=torch.int64, device=self.device)
+        self._costs_staged = torch.zeros(4, dtype=torch.int64, pin_memory=self._cuda)  # an upload's source
+        self._uploaded: torch.cuda.Event | None = None
+        self.refines = True  # boot turns it off where the costs are not prices (--expert-backend cpu)
+        self.refinements = 0
+        self._refined_from = (0, 0, 0)  # (busy ns, experts, pairs) at the last refinement
         self._no_flight = torch.zeros(1, dtype=torch.int32, device=self.device)  # a layer nothing prefetched
         self.handed_experts = self.handed_pairs = 0  # since boot, as of the last step folded (count)
-        self._cuda = self.device.type == "cuda"
         self.max_tokens, self.top_k, self.max_pairs = max_tokens, top_k, max_tokens * top_k
         h = kernel.hidden
         self.dev = HostDecodeBuffers.make(self.max_pairs, self.device)
@@ -136,9 +149,17 @@ class HostDecodeShare:
 
     @costs_ns.setter
     def costs_ns(self, costs: tuple[int, int, int, int]) -> None:
-        """New costs (boot's calibration, tests): the captured graphs read them from here at run time."""
+        """New costs (boot's calibration, `refine`, tests): the captured graphs read them from the device at
+        run time. The upload is queued on the current stream from pinned memory, so it lands between the
+        steps queued before and after it without the launching thread waiting for either."""
         self._costs_ns = tuple(int(c) for c in costs)
-        self.costs.copy_(torch.tensor(self._costs_ns, dtype=torch.int64))
+        if self._uploaded is not None:
+            self._uploaded.synchronize()  # the last upload has read the staging buffer
+        self._costs_staged.copy_(torch.tensor(self._costs_ns, dtype=torch.int64))
+        self.costs.copy_(self._costs_staged, non_blocking=self._cuda)
+        if self._cuda:
+            self._uploaded = torch.cuda.Event()
+            self._uploaded.record(torch.cuda.current_stream(self.device))
 
     def start(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, n_rows: torch.Tensor,
               call, cache, in_flight: torch.Tensor | None = None) -> Handed:  # fmt: skip
@@ -201,8 +222,39 @@ class HostDecodeShare:
         `report` says, without reading the device from the thread that asks."""
         self.handed_experts, self.handed_pairs = int(totals[0]), int(totals[1])
 
+    def busy(self) -> tuple[int, int]:
+        """(ns, calls) the host nodes spent computing pairs since boot, as the C function times them."""
+        return sum(t.busy_ns for t in self.tasks), sum(t.busy_calls for t in self.tasks)
+
+    def refine(self) -> bool:
+        """Every REFINE_EVERY host experts, move the split's price of one host expert at one token half way
+        to what the host nodes took for them: boot's calibration times a few experts on an idle machine,
+        while in service the host's threads share its memory with the copies, the api and the scheduler.
+        The price of more tokens an expert is kept; it explains the measured time beyond one token a pair.
+        Returns whether the costs changed (after a step has been counted)."""
+        ns, _ = self.busy()
+        busy0, experts0, pairs0 = self._refined_from
+        experts, pairs = self.handed_experts - experts0, self.handed_pairs - pairs0
+        if experts < REFINE_EVERY:
+            return False
+        self._refined_from = (ns, self.handed_experts, self.handed_pairs)
+        pcie, at_1, per_token, handoff = self._costs_ns
+        if not self.refines or ns <= busy0:  # nothing timed (a node that never computed)
+            return False
+        measured = max(1, round((ns - busy0 - per_token * max(0, pairs - experts)) / experts))
+        refined = (at_1 + measured) // 2
+        self.costs_ns = (pcie, refined, per_token, handoff)
+        self.refinements += 1
+        log.info("host_decode_refined", host_us_at_1=round(at_1 / 1e3, 1), measured_us=round(measured / 1e3, 1),
+                 refined_us=round(refined / 1e3, 1), experts=experts, pairs=pairs)  # fmt: skip
+        return True
+
     def report(self) -> dict:
-        return {"experts": self.handed_experts, "pairs": self.handed_pairs, "costs_ns": list(self._costs_ns)}
+        ns, calls = self.busy()
+        per_expert = ns / self.handed_experts if self.handed_experts else 0.0
+        return {"experts": self.handed_experts, "pairs": self.handed_pairs, "costs_ns": list(self._costs_ns),
+                "busy_ns": ns, "busy_calls": calls, "busy_ns_per_expert": round(per_expert),
+                "refinements": self.refinements}  # fmt: skip
 
 
 def calibrate_handoff(share: HostDecodeShare, cache, repeats: int = 20) -> float:

@@ -37,6 +37,11 @@ def test_the_host_node_computes_the_listed_pairs_as_the_kernel_does(fmt):
         assert torch.equal(share._out[:3], kernel.compute(layer, x, pairs))
     share.check()
     assert share.tasks[1].calls == 1 and share.tasks[1].pairs == len(pairs)
+    ns, calls = share.busy()  # both layers' calls computed pairs, and timed themselves
+    assert calls == 2 and ns > 0
+    p.meta[1] = 0  # a layer that gave the host nothing: called, not timed
+    kernel.lib.ferry_host_node(ctypes.addressof(share.tasks[0]))
+    assert share.tasks[0].calls == 2 and share.busy() == (ns, calls)
 
 
 @pytest.mark.parametrize("bad", [(0, 6), (3, 1), (-1, 0)])
@@ -69,3 +74,42 @@ def test_a_call_the_kernel_refuses_leaves_zeros_and_fails_one_step_only():
     with pytest.raises(RuntimeError, match="MoE layer 0 failed: an invalid job"):
         share.check()
     share.check()  # cleared: the next step runs
+
+
+def _timed(share: HostDecodeShare, busy_ns: int, experts: int, pairs: int) -> None:
+    """As if the host nodes had computed `experts` experts of `pairs` pairs in `busy_ns` since boot."""
+    share.tasks[0].busy_ns, share.tasks[0].busy_calls = busy_ns, experts
+    share.count([experts, pairs])
+
+
+def test_the_splits_price_of_a_host_expert_moves_half_way_to_what_the_nodes_took():
+    from ferry.services.worker.offload.host_decode import REFINE_EVERY
+
+    banks = make_banks("bf16", 256, 160)
+    share = HostDecodeShare(HostKernel(banks, torch.bfloat16, threads=1), (100_000, 150_000, 2_000, 30_000),
+                            max_tokens=4, top_k=2, num_experts=banks.num_experts, device="cpu")  # fmt: skip
+    _timed(share, 200_000 * (REFINE_EVERY - 1), REFINE_EVERY - 1, REFINE_EVERY - 1)
+    assert not share.refine() and share.costs_ns[1] == 150_000  # too few experts yet
+    # REFINE_EVERY experts at one token each (one pair an expert), then half as many more pairs: the
+    # price beyond one token a pair (2 µs each) is taken off before the per-expert price is read
+    n = REFINE_EVERY
+    _timed(share, 250_000 * n + 2_000 * (n // 2), n, n + n // 2)
+    assert share.refine()
+    assert share.costs_ns == (100_000, 200_000, 2_000, 30_000)
+    assert share.costs.tolist() == [100_000, 200_000, 2_000, 30_000]  # what the graphs read
+    assert share.report()["refinements"] == 1
+    # the next window is counted from there: measured 200 µs again, the price stays
+    _timed(share, 250_000 * n + 2_000 * (n // 2) + 200_000 * n, 2 * n, 2 * n + n // 2)
+    assert share.refine() and share.costs_ns[1] == 200_000
+
+
+def test_no_refinement_without_timed_calls_or_where_the_costs_are_a_rule():
+    banks = make_banks("bf16", 256, 160)
+    share = HostDecodeShare(HostKernel(banks, torch.bfloat16, threads=1), (1, 0, 0, 0), max_tokens=4, top_k=2,
+                            num_experts=banks.num_experts, device="cpu")  # fmt: skip
+    share.refines = False  # --expert-backend cpu: every miss to the host
+    _timed(share, 10**9, 4096, 4096)
+    assert not share.refine() and share.costs_ns == (1, 0, 0, 0)
+    share.refines = True
+    _timed(share, 10**9, 8192, 8192)  # no time since the last window: nothing measured
+    assert not share.refine() and share.refinements == 0
