@@ -7,6 +7,7 @@
 #   PART=share   hybrid8 decode with and without --host-expert-threads, then three turns in bf16     ~8-9 min
 #   PART=decode12 the 12-layer cut GPU-only, with the host's share, with it but no prefetch, and the
 #                default (auto): decode_12layer_hybrid_cpu.json (issue 25's must-show)              ~3-4 min
+#                (DECODE12_VARIANTS picks fewer)
 #   PART=decode30 the full-size Qwen3-30B at 24 GiB, GPU-only and with the host's share, its host nodes' time ~5 min
 #   PART=ahead   the resident hybrid cut with --schedule-ahead-steps 1 and 2 (issue 24)                ~4 min
 #   PART=eight   issue 23's 8 streams sharing a 4k system prompt on the 8-layer hybrid cut, 640 slots  ~3-4 min
@@ -40,9 +41,11 @@ case "${PART:-check}" in
     python3 -c "import sys; from setuptools import setup; sys.argv = ['setup.py', 'build_ext', '--inplace', '-q']; setup()" \
       > "$OUT/host_kernel_build.log" 2>&1 || echo "host kernel build failed (see host_kernel_build.log)"
     timeout 560 python3 bench/decode_suite.py --out "$OUT" --workloads 12layer \
-      --variants gpu,host-share,host-share-no-prefetch,default --max-tokens 128 > "$OUT/suite_decode12.log" 2>&1
+      --variants "${DECODE12_VARIANTS:-gpu,host-share,host-share-no-prefetch,default}" --max-tokens 128 \
+      > "$OUT/suite_decode12.log" 2>&1
     echo "12layer rc=$?"; grep '^\[12layer' "$OUT/suite_decode12.log" | tail -6
-    grep -h '"host_decode\|"host_share"\|expert_prefetch_off' "$OUT"/serve_12layer*.log | cut -c1-400 ;;
+    grep -h '"host_decode"\|"host_share"\|expert_prefetch_off' "$OUT"/serve_12layer*.log | cut -c1-400
+    python3 -c "import json,sys; [print(f, json.load(open(f)).get('host_share')) for f in sys.argv[1:]]" "$OUT"/decode_12layer*.json ;;
   decode30)  # the full-size Qwen3-30B at 24 GiB, GPU-only against the host's share (which lost in its gpu-check serve)
     python3 -c "import sys; from setuptools import setup; sys.argv = ['setup.py', 'build_ext', '--inplace', '-q']; setup()" \
       > "$OUT/host_kernel_build.log" 2>&1 || echo "host kernel build failed (see host_kernel_build.log)"

@@ -6,12 +6,12 @@
 * `hybrid`: the host computes part of each layer's misses while the rest cross, the split decided per
   layer by costs the worker measures at boot (services/worker/offload/host_share.py, host_decode.py);
 * `cpu`: the host computes every missed expert (what is resident in GPU slots stays on the GPU);
-* `auto` (default): the GPU alone, for now (AUTO_GPU_REASON says why); with `--host-expert-threads N` it
-  is hybrid on N threads, and the worker keeps the decode share only where its calibration says the host
-  shortens a decode layer.
+* `auto` (default): `hybrid` on the threads the machine can spare, if it can spare AUTO_MIN_THREADS, and
+  the worker keeps the decode share only where its calibration says the host shortens a decode layer;
+  the GPU alone otherwise. With `--host-expert-threads N` it is hybrid on N threads.
 
-The host's threads: `--host-expert-threads N`, default the physical cores minus RESERVED_CORES (the api,
-the scheduler and the worker's own thread). Nothing here imports torch: `ferry plan` shows the choice.
+The host's threads: `--host-expert-threads N`, default the physical cores minus RESERVED_CORES (the three
+processes' threads and one for the rest of the machine). Nothing here imports torch: `ferry plan` shows the choice.
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ from pathlib import Path
 from ferry.shared.errors import ConfigError
 
 EXPERT_BACKENDS = ("auto", "gpu", "hybrid", "cpu")
-RESERVED_CORES = 3  # the api, the scheduler, the worker's launching thread
-# Measured on the H200 (bench/NOTES.md, "The host's share of decode layers with the prefetch"): the host's
-# share (auto, 13 threads) made the 12-layer Qwen3-30B cut 1.35x faster at one stream and 1.75x at eight,
-# but the full-size Qwen3-30B served 13.3 tok/s at one stream against 20-23 on the GPU alone, which the
-# boot calibration did not foresee.
-AUTO_GPU_REASON = ("auto: the GPU alone until the host's share is measured to win at full size "
-                   "(--expert-backend hybrid turns it on)")  # fmt: skip
+# the api, the scheduler, the worker's launching thread, and one for the rest of the machine (a client on
+# it, the driver's threads): on the H200's 16 cores the 12-layer Qwen3-30B cut ran 1.42x GPU-only with 12
+# host threads against 1.35x with 13 (bench/NOTES.md)
+RESERVED_CORES = 4
+# fewer threads than this and auto keeps the GPU alone: the host's pool spins while it waits for work, and
+# on a machine of few cores it would take time the three processes need; unmeasured below 12 threads
+AUTO_MIN_THREADS = 4
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,9 @@ def plan_expert_backend(requested: str | None, threads: int | None, offloaded: b
     if threads is not None:
         return ExpertBackendPlan("hybrid" if requested == "auto" else requested, threads,
                                  f"--host-expert-threads {threads}", requested)  # fmt: skip
-    if requested == "auto":
-        return ExpertBackendPlan("gpu", 0, AUTO_GPU_REASON, requested)
-    return ExpertBackendPlan(requested, max(1, cores - RESERVED_CORES),
+    spare = cores - RESERVED_CORES
+    if requested == "auto" and spare < AUTO_MIN_THREADS:
+        return ExpertBackendPlan("gpu", 0, f"auto: {cores} physical cores leave fewer than {AUTO_MIN_THREADS} for "
+                                           "the host's share (--host-expert-threads N turns it on)", requested)  # fmt: skip
+    return ExpertBackendPlan("hybrid" if requested == "auto" else requested, max(1, spare),
                              f"{cores} physical cores - {RESERVED_CORES} for the processes", requested)  # fmt: skip

@@ -11,14 +11,18 @@ from ferry.plan.expert_backend import physical_cores, plan_expert_backend
 from ferry.shared.errors import ConfigError
 
 
-def test_auto_is_the_gpu_alone_unless_host_threads_are_given():
+def test_auto_is_hybrid_on_the_cores_the_processes_leave_where_there_are_enough():
     got = plan_expert_backend(None, None, offloaded=True, cores=16)
-    assert (got.backend, got.host_threads, got.requested) == ("gpu", 0, "auto")
-    assert "--expert-backend hybrid" in got.reason  # the plan says how to turn the host's share on
+    assert (got.backend, got.host_threads, got.requested) == ("hybrid", 12, "auto")
+    assert "16 physical cores - 4" in got.reason
+    got = plan_expert_backend(None, None, offloaded=True, cores=7)  # 3 threads to spare: the GPU alone
+    assert (got.backend, got.host_threads) == ("gpu", 0)
+    assert "fewer than 4" in got.reason and "--host-expert-threads" in got.reason  # and how to turn it on
+    assert plan_expert_backend(None, None, offloaded=True, cores=8).host_threads == 4
     got = plan_expert_backend("auto", 2, offloaded=True, cores=2)  # threads given: a host share on as many
     assert (got.backend, got.host_threads) == ("hybrid", 2)
-    got = plan_expert_backend("hybrid", None, offloaded=True, cores=16)  # asked for: the cores the processes leave
-    assert (got.backend, got.host_threads) == ("hybrid", 13) and "16 physical cores - 3" in got.reason
+    got = plan_expert_backend("hybrid", None, offloaded=True, cores=2)  # asked for: at least one thread
+    assert (got.backend, got.host_threads) == ("hybrid", 1)
 
 
 def test_every_expert_resident_needs_no_host_whatever_was_asked():
