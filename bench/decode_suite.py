@@ -219,11 +219,15 @@ def write_hybrid_cpu(workload: str, variant: str, gpu_only: dict, hybrid: dict, 
     """decode_<workload>_hybrid_cpu.json (issue 25): the host sharing decode misses against GPU-only in the
     same run, with the bound of both paths together: a token's missed bytes over PCIe plus the host's
     kernel, from the GPU-only bound (missed bytes over the measured link) scaled by the experts a second
-    the host adds to the link's, both as the worker measured them at boot (its host_decode line)."""
+    the host adds to the link's: the link's copy as the worker measured it at boot (its host_decode line),
+    the host's expert as its host nodes timed it in the run (boot's price where the run has no timing)."""
     tag = workload if variant == "host-share" else f"{workload}_{variant.removeprefix('host-share-')}"
     log = out / (f"serve_{workload}.log" if variant == "default" else f"serve_{workload}_{variant}.log")
     boot = logged_event(log, "host_decode")
     pcie_us, host_us = float(boot.get("pcie_us", "nan")), float(boot.get("host_us_at_1", "nan"))
+    timed = (hybrid.get("host_share") or {}).get("host_node_s_per_expert")
+    if timed:  # what a host expert took in this run, as its host nodes timed it, rather than boot's price
+        host_us = timed * 1e6
     link_bound = gpu_only["single_stream_bound_tok_s"]
     both = link_bound * (1 + pcie_us / host_us) if link_bound and pcie_us == pcie_us and host_us == host_us else None
     result = {
@@ -234,6 +238,7 @@ def write_hybrid_cpu(workload: str, variant: str, gpu_only: dict, hybrid: dict, 
         "single_stream_speedup": round(hybrid["single_stream_tok_s"] / gpu_only["single_stream_tok_s"], 3),
         "streams8_speedup": round(hybrid["streams8_tok_s"] / gpu_only["streams8_tok_s"], 3),
         "pcie_bound_tok_s": link_bound, "bound_tok_s": round(both, 2) if both else None,
+        "bound_host_us_per_expert": round(host_us, 1) if host_us == host_us else None,
         "bound_fraction": round(hybrid["single_stream_tok_s"] / both, 3) if both else None,
         "host_decode_boot": boot or None, "hit_rate": hybrid["hit_rate"], "gpu_only_hit_rate": gpu_only["hit_rate"],
         "host_share": hybrid.get("host_share"),  # what its host nodes took against the price the split used

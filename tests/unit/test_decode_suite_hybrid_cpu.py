@@ -86,3 +86,14 @@ def test_the_host_shares_series_are_read_from_the_workers_metrics():
     assert got == {"experts": 4000, "host_node_busy_s": 0.8, "host_node_calls": 900, "refinements": 1,
                    "host_at_1_s": 0.00015, "host_node_s_per_expert": 0.0002}  # fmt: skip
     assert host_share_series(None) is None
+
+
+def test_the_bound_takes_the_host_expert_its_host_nodes_timed_in_the_run(tmp_path):
+    (tmp_path / "serve_12layer_host-share.log").write_text(BOOT)
+    gpu = {"single_stream_tok_s": 97.9, "streams8_tok_s": 200.0, "single_stream_bound_tok_s": 108.0, "commit": "a",
+           "hit_rate": 0.5}  # fmt: skip
+    hybrid = {"single_stream_tok_s": 150.0, "streams8_tok_s": 210.0, "commit": "b", "hit_rate": 0.4,
+              "host_share": {"host_node_s_per_expert": 0.000129}}  # fmt: skip
+    got = write_hybrid_cpu("12layer", "host-share", gpu, hybrid, tmp_path)
+    assert got["bound_tok_s"] == round(108.0 * 2, 2) and got["bound_host_us_per_expert"] == 129.0
+    assert got["host_share"] == {"host_node_s_per_expert": 0.000129}
