@@ -11,7 +11,8 @@
 #   PART=decode30 the full-size Qwen3-30B at 24 GiB, GPU-only and with the host's share, its host nodes' time ~5 min
 #   PART=ahead   the resident hybrid cut with --schedule-ahead-steps 1 and 2 (issue 24)                ~4 min
 #   PART=eight   issue 23's 8 streams sharing a 4k system prompt on the 8-layer hybrid cut, 640 slots  ~3-4 min
-#                (EIGHT_FLAGS adds serve flags, e.g. "--expert-backend hybrid --host-expert-threads 13")
+#                (EIGHT_FLAGS adds serve flags, e.g. "--expert-backend gpu"); the servers' logs and step traces
+#                come back (trace/, pytest/), for the cold round's 10 s stall at faca160
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TMPDIR=${TMPDIR:-/tmp}
@@ -61,8 +62,25 @@ case "${PART:-check}" in
     python3 -m ferry.services.cli make-bench-model /tmp/m8 --config tests/data/models/qwen3.6-35b-a3b/config.json \
       --num-layers 8 > /dev/null
     FERRY_MUST_SHOW_MODEL=/tmp/m8 FERRY_MUST_SHOW_FLAGS="--load-format dummy --moe-cache-size 640 --gpu-memory 12GiB --max-running-requests 8 ${EIGHT_FLAGS:-}" \
-      FERRY_MUST_SHOW_OUT="$OUT/prefix_hybrid_eight.json" timeout "${EIGHT_TIMEOUT:-280}" python3 -m pytest -q -s -p no:cacheprovider \
+      FERRY_MUST_SHOW_OUT="$OUT/prefix_hybrid_eight.json" FERRY_STEP_TRACE="$OUT/trace" timeout "${EIGHT_TIMEOUT:-280}" \
+      python3 -m pytest -q -s -p no:cacheprovider --basetemp "$OUT/pytest" \
       tests/gpu/test_prefix_cache_must_show.py -k eight > "$OUT/eight.log" 2>&1
+    find "$OUT/pytest" -type s -delete 2>/dev/null  # the servers' sockets: the logs and traces stay
+    python3 - "$OUT/trace" <<'PY'  # the steps and the waits of half a second or more, per server
+import json, pathlib, sys
+for d in sorted(pathlib.Path(sys.argv[1]).iterdir()):
+    rows = [json.loads(x) for f in d.glob("worker-*.jsonl") for x in f.read_text().splitlines()]
+    sent = {json.loads(x)["step"]: json.loads(x).get("sent") for f in d.glob("scheduler-*.jsonl")
+            for x in f.read_text().splitlines() if "sent" in x}
+    last = None
+    for r in rows:
+        took, wait = r["answered"] - r["recv"], (r["recv"] - last) if last else 0.0
+        if took >= 0.5 or wait >= 0.5:
+            print(d.name, f"step {r['step'] % 100000} rows {r['rows']} tokens {r['tokens']}: took {took:.2f} s "
+                  f"(launch {r['launched'] - r['recv']:.2f}), {wait:.2f} s idle before, sent->recv "
+                  f"{r['recv'] - sent.get(r['step'], r['recv']):.3f} s")
+        last = r["answered"]
+PY
     echo "eight streams rc=$?"; grep -A3 '_speedup' "$OUT/eight.log" | head -12; tail -3 "$OUT/eight.log" ;;
   *) echo "PART must be check, prefill, share, decode12, decode30, ahead or eight" >&2; exit 2 ;;
 esac

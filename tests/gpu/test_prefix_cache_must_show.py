@@ -1,7 +1,8 @@
 """Issue 23's measurements on a real hybrid model (Qwen3.6-35B-A3B on an H200), through `ferry serve` and the
 official clients. Skipped unless FERRY_MUST_SHOW_MODEL names the model directory (it needs the GPU and the
 model); FERRY_MUST_SHOW_FLAGS adds serve flags, FERRY_MUST_SHOW_OUT names the JSON file the figures go to,
-FERRY_MUST_SHOW_TOKENS="32000,4000" the first turn's and the system prompt's lengths (a smoke run on CPU with
+FERRY_MUST_SHOW_TOKENS="32000,4000" the first turn's and the system prompt's lengths, FERRY_STEP_TRACE a folder
+for each server's step timeline (a smoke run on CPU with
 the tiny model: FERRY_MUST_SHOW_TOKENS=300,200 FERRY_MUST_SHOW_FLAGS="--device cpu --max-model-len 1024").
 
 * A three-turn conversation through the openai client and another through the anthropic client, each with
@@ -100,7 +101,12 @@ def _serve(tmp: Path, *flags: str):
     """`ferry serve MODEL` on the GPU (or as FERRY_MUST_SHOW_FLAGS says) until the block ends; loading the
     model may take minutes."""
     tmp.mkdir(parents=True, exist_ok=True)
-    return serve_model(Path(MODEL), tmp, None, *FLAGS, *flags, device=None, max_model_len=65536,
+    env = None
+    if os.environ.get("FERRY_STEP_TRACE"):  # each step's timeline (shared/step_trace.py), a folder a server
+        trace = Path(os.environ["FERRY_STEP_TRACE"]) / tmp.name
+        trace.mkdir(parents=True, exist_ok=True)
+        env = {"FERRY_STEP_TRACE": str(trace)}
+    return serve_model(Path(MODEL), tmp, env, *FLAGS, *flags, device=None, max_model_len=65536,
                        ready_timeout=1800, stop_timeout=60)  # fmt: skip
 
 
