@@ -81,6 +81,8 @@ for d in sorted(pathlib.Path(sys.argv[1]).iterdir()):
                   f"{r['recv'] - sent.get(r['step'], r['recv']):.3f} s")
         last = r["answered"]
 PY
+    # kernels compiled after the worker was ready (services/worker/compile_watch.py, where the tree has it)
+    grep -rh --include=serve.log kernel_compiled_in_service "$OUT/pytest" | cut -c1-300 | head -20
     echo "eight streams rc=$?"; grep -A3 '_speedup' "$OUT/eight.log" | head -12; tail -3 "$OUT/eight.log" ;;
   *) echo "PART must be check, prefill, share, decode12, decode30, ahead or eight" >&2; exit 2 ;;
 esac
