@@ -1,0 +1,95 @@
+"""The host's time for one expert against its tokens, and the straight-line price the split uses (issue 25).
+
+The host's share of a step (services/worker/offload/host_share.py, host_decode.py) prices one expert on
+the host as a line in its tokens, `host_s_at_1 + host_s_per_token x (n - 1)`, from two points the boot
+calibration measures. The host kernel is memory bound at few tokens (it reads the expert once, about flat
+in n) and compute bound past some tens (it multiplies it n times), so the line's second point decides what
+prefill steps of tens to hundreds of tokens an expert are charged. This times Ferry's host path
+(`HostExperts.compute`, the C kernel by default) at each of `--tokens`, `--per-call` experts a call as a
+layer's share hands them over, fresh experts each call (round-robin over a bank bigger than the caches), and prints every line through 1 token and one of
+`--points` beside each measurement: `ratio` is the line's price over the time taken (below 1: the split
+gives the host more than it can do in that time).
+
+    python3 bench/host_price_tokens.py --threads 2 --out bench/results/host_price_tokens_epyc2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.cpu_expert_bw import _cpu_name, format_banks, on_thread  # noqa: E402
+from ferry.plan.model_config import load_model_config  # noqa: E402
+from ferry.services.worker.offload.host_experts import HostExperts  # noqa: E402
+
+
+def expert_seconds(host: HostExperts, tokens: int, repeats: int, experts: int, per_call: int) -> float:
+    """Median seconds an expert, `per_call` experts of `tokens` tokens each a call (as a layer's share hands
+    them over together), each call on the next experts of the bank."""
+    x = torch.randn(tokens, host.hidden_size).to(torch.bfloat16)
+    times = []
+    for i in range(repeats + 1):
+        pairs = [(t, (i * per_call + e) % experts, 1.0) for e in range(per_call) for t in range(tokens)]
+        t0 = time.perf_counter()
+        host.compute(0, x, pairs)
+        if i:  # the first call pays the pool's first use
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times) / per_call
+
+
+def lines(measured: dict[int, float], points: list[int]) -> dict[int, dict[int, float]]:
+    """For each second point p: the line through (1, t1) and (p, tp), as its price over the time of every n."""
+    t1 = measured[1]
+    out = {}
+    for p in points:
+        slope = max(0.0, (measured[p] - t1) / (p - 1))
+        out[p] = {n: round((t1 + slope * (n - 1)) / t, 3) for n, t in measured.items()}
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="tests/data/models/qwen3.6-35b-a3b", help="a model directory (its config.json)")
+    p.add_argument("--format", default="bf16", choices=("bf16", "packed", "nvfp4", "fp8"))
+    p.add_argument("--backend", default="c", choices=("c", "torch"))
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--tokens", default="1,4,8,16,32,42,64,129,256")
+    p.add_argument("--points", default="16,64", help="second points of the lines compared (each among --tokens)")
+    p.add_argument("--experts", type=int, default=48, help="experts in the walked bank (more than the caches hold)")
+    p.add_argument("--per-call", type=int, default=8, help="experts a call (the calibration times 8 a call)")
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    tokens = sorted({int(t) for t in args.tokens.split(",")} | {1})
+    points = [int(t) for t in args.points.split(",")]
+    if missing := [q for q in points if q not in tokens or q < 2]:
+        p.error(f"--points {missing} must be among --tokens and above 1")
+    spec = load_model_config(args.config)
+    torch.set_num_threads(1)  # the measuring thread's own team: see bench/cpu_expert_bw.py
+    banks = format_banks(args.format, spec.hidden_size, spec.moe_intermediate_size, args.experts)
+    host = HostExperts(banks, torch.bfloat16, args.threads, kernel=args.backend)
+    measured = {n: on_thread(1, expert_seconds, host, n, args.repeats, args.experts, args.per_call) for n in tokens}
+    host.close()
+    ratios = lines(measured, points)
+    for n, t in measured.items():
+        print(f"{n:4d} tokens {t * 1e6:9.1f} us  " + "  ".join(f"line via {q}: {ratios[q][n]:.2f}" for q in points))
+    result = {"config": args.config, "format": args.format, "backend": args.backend, "threads": args.threads,
+              "per_call": args.per_call,
+              "cpu": _cpu_name(), "hidden": spec.hidden_size, "moe_intermediate": spec.moe_intermediate_size,
+              "expert_us": {n: round(t * 1e6, 1) for n, t in measured.items()},
+              "price_over_time": {f"line_via_{q}": r for q, r in ratios.items()}}  # fmt: skip
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
