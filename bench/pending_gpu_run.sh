@@ -45,6 +45,8 @@ case "${PART:-check}" in
       --variants "${DECODE12_VARIANTS:-gpu,host-share,host-share-no-prefetch,default}" --max-tokens 128 \
       > "$OUT/suite_decode12.log" 2>&1
     echo "12layer rc=$?"; grep '^\[12layer' "$OUT/suite_decode12.log" | tail -6
+    timeout 120 python3 bench/host_price_tokens.py --threads 12 --experts 64 --out "$OUT/host_price_tokens_h200.json" \
+      2>&1 | tail -9  # the host's time against its tokens beside the split's price
     grep -h '"host_decode"\|"host_share"\|expert_prefetch_off' "$OUT"/serve_12layer*.log | cut -c1-400
     python3 -c "import json,sys; [print(f, json.load(open(f)).get('host_share')) for f in sys.argv[1:]]" "$OUT"/decode_12layer*.json ;;
   decode30)  # the full-size Qwen3-30B at 24 GiB, GPU-only against the host's share (which lost in its gpu-check serve)
