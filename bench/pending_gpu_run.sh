@@ -82,6 +82,17 @@ for d in sorted(pathlib.Path(sys.argv[1]).iterdir()):
                   f"(launch {r['launched'] - r['recv']:.2f}), {wait:.2f} s idle before, sent->recv "
                   f"{r['recv'] - sent.get(r['step'], r['recv']):.3f} s")
         last = r["answered"]
+    arrived = sorted(json.loads(x)["arrived"] for f in d.glob("scheduler-*.jsonl")
+                     for x in f.read_text().splitlines() if "arrived" in x)
+    bursts, burst = [], []
+    for t in arrived:  # a round: prompts less than 0.25 s apart
+        if burst and t - burst[-1] > 0.25:
+            bursts.append(burst)
+            burst = []
+        burst.append(t)
+    for b in bursts + ([burst] if burst else []):
+        print(d.name, f"{len(b)} prompts over {(b[-1] - b[0]) * 1e3:.1f} ms, gaps (ms):",
+              [round((y - x) * 1e3, 1) for x, y in zip(b, b[1:])])
 PY
     # kernels compiled after the worker was ready (services/worker/compile_watch.py, where the tree has it)
     grep -rh --include=serve.log kernel_compiled_in_service "$OUT/pytest" | cut -c1-300 | head -20
