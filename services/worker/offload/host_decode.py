@@ -51,6 +51,10 @@ log = structlog.get_logger("worker.offload")
 # host experts between two refinements of the split's price of one (HostDecodeShare.refine): a few
 # hundred decode steps of a single stream, enough that one slow step does not move it
 REFINE_EVERY = 2048
+# a window of more pairs an expert than this is not used to refine the one-token price: its time mixes
+# in the price of more tokens, which the nodes' clock cannot separate (at 8 streams on the H200 the
+# calibrated 26 µs a token, taken off, left a one-token price below what the nodes took)
+REFINE_MAX_PAIRS_PER_EXPERT = 1.25
 
 HOST_NODE_ERRORS = {**ERRORS, -4: "host pairs out of range (the device listed a token or expert past the buffers)"}
 
@@ -230,7 +234,8 @@ class HostDecodeShare:
         """Every REFINE_EVERY host experts, move the split's price of one host expert at one token half way
         to what the host nodes took for them: boot's calibration times a few experts on an idle machine,
         while in service the host's threads share its memory with the copies, the api and the scheduler.
-        The price of more tokens an expert is kept; it explains the measured time beyond one token a pair.
+        The price of more tokens an expert is kept; it explains the measured time beyond one token a pair,
+        in windows of mostly one token an expert (REFINE_MAX_PAIRS_PER_EXPERT); other windows are skipped.
         Returns whether the costs changed (after a step has been counted)."""
         ns, _ = self.busy()
         busy0, experts0, pairs0 = self._refined_from
@@ -240,6 +245,8 @@ class HostDecodeShare:
         self._refined_from = (ns, self.handed_experts, self.handed_pairs)
         pcie, at_1, per_token, handoff = self._costs_ns
         if not self.refines or ns <= busy0:  # nothing timed (a node that never computed)
+            return False
+        if pairs > REFINE_MAX_PAIRS_PER_EXPERT * experts:  # many tokens an expert: not the one-token price
             return False
         measured = max(1, round((ns - busy0 - per_token * max(0, pairs - experts)) / experts))
         refined = (at_1 + measured) // 2

@@ -59,9 +59,13 @@ class HostCost:
         host = self.host_s(tokens_per_expert)
         h = math.floor((missed * self.pcie_s - self.overhead_s) / (self.pcie_s + host))
         h = max(0, min(missed, h))
-        # the step's layer time with and without the host: take it only where it is shorter
-        with_host = max((missed - h) * self.pcie_s, self.overhead_s + h * host)
-        return h if h and with_host < missed * self.pcie_s else 0
+
+        def layer_s(n: int) -> float:  # the step's layer time with n experts on the host
+            return max((missed - n) * self.pcie_s, self.overhead_s + n * host)
+
+        h = min((h, min(h + 1, missed)), key=layer_s)  # the balance point rounded down or up: the shorter
+        # take the host only where that is shorter than the link alone
+        return h if h and layer_s(h) < missed * self.pcie_s else 0
 
 
 class HostShare:

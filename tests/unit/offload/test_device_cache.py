@@ -101,13 +101,14 @@ def test_device_cache_makes_the_twins_decisions(policy, seed, layers, experts, s
 
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 def test_a_prefetch_leaves_the_host_its_share_of_the_predicted_misses(policy):
-    """With the host's decode share on, a copy costing 1000 ns and the host next to nothing: of 4 predicted
-    experts without a slot the host computes 3 at their layer, so the prefetch places only the first."""
+    """With the host's decode share on, a copy costing 1000 ns and the host 300: of 4 predicted experts
+    without a slot the host computes 3 at their layer (1,200 ns against the link's 1,000 for the fourth),
+    so the prefetch places only the first."""
     host, dev = _twins(policy, 2, 8, 8, 4)
     n = torch.tensor([1], dtype=torch.int32)
     call = dev.lookup(0, torch.tensor([[0, 1, 2, 3]]), n)
     got = host.lookup(0, [0, 1, 2, 3])
-    costs = torch.tensor([1000, 1, 0, 0])
+    costs = torch.tensor([1000, 300, 0, 0])
     predicted = torch.tensor([[6, 2, 5, 4]])
     assert host_count_reference(4, 4, costs) == 3
     pcall = dev.prefetch(1, predicted, n, call, host_costs=costs)

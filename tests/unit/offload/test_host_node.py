@@ -90,17 +90,30 @@ def test_the_splits_price_of_a_host_expert_moves_half_way_to_what_the_nodes_took
                             max_tokens=4, top_k=2, num_experts=banks.num_experts, device="cpu")  # fmt: skip
     _timed(share, 200_000 * (REFINE_EVERY - 1), REFINE_EVERY - 1, REFINE_EVERY - 1)
     assert not share.refine() and share.costs_ns[1] == 150_000  # too few experts yet
-    # REFINE_EVERY experts at one token each (one pair an expert), then half as many more pairs: the
-    # price beyond one token a pair (2 µs each) is taken off before the per-expert price is read
+    # REFINE_EVERY experts, an eighth of them with a second token: the price beyond one token a pair (2 µs
+    # each) is taken off before the per-expert price is read
     n = REFINE_EVERY
-    _timed(share, 250_000 * n + 2_000 * (n // 2), n, n + n // 2)
+    _timed(share, 250_000 * n + 2_000 * (n // 8), n, n + n // 8)
     assert share.refine()
     assert share.costs_ns == (100_000, 200_000, 2_000, 30_000)
     assert share.costs.tolist() == [100_000, 200_000, 2_000, 30_000]  # what the graphs read
     assert share.report()["refinements"] == 1
     # the next window is counted from there: measured 200 µs again, the price stays
-    _timed(share, 250_000 * n + 2_000 * (n // 2) + 200_000 * n, 2 * n, 2 * n + n // 2)
+    _timed(share, 250_000 * n + 2_000 * (n // 8) + 200_000 * n, 2 * n, 2 * n + n // 8)
     assert share.refine() and share.costs_ns[1] == 200_000
+
+
+def test_a_window_of_many_tokens_an_expert_does_not_refine_the_one_token_price():
+    from ferry.services.worker.offload.host_decode import REFINE_EVERY
+
+    banks = make_banks("bf16", 256, 160)
+    share = HostDecodeShare(HostKernel(banks, torch.bfloat16, threads=1), (100_000, 150_000, 26_000, 30_000),
+                            max_tokens=4, top_k=2, num_experts=banks.num_experts, device="cpu")  # fmt: skip
+    n = REFINE_EVERY
+    _timed(share, 160_000 * 3 * n, n, 3 * n)  # 8 streams: three tokens an expert
+    assert not share.refine() and share.costs_ns[1] == 150_000
+    _timed(share, 160_000 * 3 * n + 190_000 * n, 2 * n, 4 * n)  # then one stream: it moves, from there
+    assert share.refine() and share.costs_ns[1] == 170_000
 
 
 def test_no_refinement_without_timed_calls_or_where_the_costs_are_a_rule():
