@@ -40,6 +40,24 @@ class ExpertCacheCollector:
         yield from host_share_metrics(report)
 
 
+class CompileCollector:
+    """Triton kernels compiled after the worker became ready, and the seconds they took."""
+
+    def __init__(self, report: Callable[[], dict]):
+        self.report = report
+
+    def collect(self):
+        got = self.report()
+        compiles = CounterMetricFamily("ferry_worker_kernel_compiles", "Triton kernel variants compiled (or loaded "
+                                       "from its disk cache) after the worker was ready: the warm-up missed them")  # fmt: skip
+        compiles.add_metric([], got["compiles"])
+        seconds = CounterMetricFamily("ferry_worker_kernel_compile_seconds", "time those compiles took, which the "
+                                      "steps that met them waited")  # fmt: skip
+        seconds.add_metric([], got["seconds"])
+        yield compiles
+        yield seconds
+
+
 # the costs a host share splits by, in its report's costs_ns order (offload/host_share.py, host_decode.py)
 COST_PATHS = ("pcie", "host_at_1", "host_per_token", "handoff")
 
@@ -94,6 +112,10 @@ class WorkerMetrics:
     def watch_expert_cache(self, report: Callable[[], dict]) -> None:
         """Export the expert store's counters (called once the executor exists)."""
         self.registry.register(ExpertCacheCollector(report))
+
+    def watch_compiles(self, report: Callable[[], dict]) -> None:
+        """Export the kernels compiled in service (compile_watch.py): `report` gives compiles and seconds."""
+        self.registry.register(CompileCollector(report))
 
     def observe_step(self, seconds: float, tokens: int, requests: int) -> None:
         self.steps.inc()

@@ -32,6 +32,7 @@ from ferry.shared.side_http import serve_side_http
 from ferry.shared.step_trace import StepTrace
 from ferry.shared.wire import PeerSocket, WireError
 from ferry.shared.wire_keys import WireKeys, require_keys_for_tcp
+from ferry.services.worker.compile_watch import CompileWatch
 from ferry.services.worker.flags import WorkerBootConfig
 from ferry.services.worker.metrics import WorkerMetrics
 
@@ -122,6 +123,7 @@ class WorkerService:
         self.results = PeerSocket(self.ctx, zmq.PUSH, cfg.results_addr, None, bind=False, secure=secure)
         self.heartbeat = _Heartbeat(self.ctx, cfg, self.boot_id, secure)
         self.trace = StepTrace("worker")  # FERRY_STEP_TRACE: each step's timeline (bench/profile_serve.py)
+        self.compile_watch = CompileWatch()  # Triton compiles once ready: what the warm-up missed
         self.scheduler = Liveness()  # the adopting scheduler's beats (SchedulerBeat)
         self.http = None
         if cfg.health_port is not None:
@@ -166,7 +168,11 @@ class WorkerService:
             self.executor.trace_device = True
         vocab = getattr(self.executor, "vocab_size", 0)
         self.heartbeat.pool = pool_report_from_plan(self.plan, vocab if isinstance(vocab, int) else 0)
-        log.info("worker_ready", boot_s=round(time.monotonic() - t0, 3), plan=self.plan.to_dict())
+        # from here a Triton compile is one the warm-up missed, inside a request: logged and counted
+        if self.compile_watch.install():
+            self.metrics.watch_compiles(self.compile_watch.report)
+        log.info("worker_ready", boot_s=round(time.monotonic() - t0, 3), plan=self.plan.to_dict(),
+                 compile_watch=self.compile_watch.installed)  # fmt: skip
 
     def _start_ranks(self) -> None:
         """Rank 0 of an expert-parallel worker: start the followers and join their group before booting (the
