@@ -10,8 +10,9 @@ NCCL allocates its buffers outside torch's allocator: per peer and channel a sen
 of NCCL_BUFFSIZE (4 MiB by default), on up to NCCL_MAX_CHANNELS channels (32 on NVLink). That bound is
 what each GPU's plan prices; the worker that runs it checks at boot that it held.
 
-The host RAM is shared: the banks of every GPU are pinned in the one host, so their sum is what the
-host must hold (one check over all of them, as the one-GPU plan checks its banks).
+The host RAM is shared: the banks of every GPU are pinned in the one host, so their sum, with a reserve for
+each rank's process, is what the host must hold (`check_ranks_host`: one check over all of them, made by
+`ferry plan --gpus` and by the ranks together at boot, before any of them pins a bank).
 """
 
 from __future__ import annotations
@@ -74,6 +75,21 @@ def expert_parallel_size(args) -> int:
     return world
 
 
+def check_ranks_host(banks: list[int], reserve: int, available: int | None, source: str) -> None:
+    """PlanError unless the ranks' pinned banks (`banks`, one a rank) fit the host's `available` bytes together,
+    with `reserve` kept for each rank's process (its own interpreter, CUDA context and buffers); nothing to
+    check where `available` is unknown. `ferry plan --gpus` and the ranks' boot (before any bank is pinned)
+    both check here: a rank that checked alone would see the host before the others pinned theirs."""
+    world, total = len(banks), sum(banks)
+    if not total or available is None:
+        return
+    if total + reserve * world > available:
+        raise PlanError(f"the {world} GPUs' expert banks do not fit in host RAM: together they pin "
+                        f"{format_bytes(total)} plus {format_bytes(reserve)} kept for each of the {world} rank "
+                        f"processes, but {source} is {format_bytes(available)}; give fewer GPUs' experts to this "
+                        "host (--expert-parallel-size), or more --host-memory if the machine has it")  # fmt: skip
+
+
 def plan_every_gpu(spec: ModelSpec, req: PlanRequest, measured: Callable[[int], Measured], here: int | None,
                    world: int) -> list[Plan]:  # fmt: skip
     """One plan per GPU (module docstring); `measured(tokens)` gives the whole model's weights and workspace,
@@ -88,14 +104,8 @@ def plan_every_gpu(spec: ModelSpec, req: PlanRequest, measured: Callable[[int], 
                                    workspace_source=f"{m.workspace_source} + NCCL buffers {format_bytes(nccl)}")  # fmt: skip
 
     plans = [plan_with_prefill_chunk(rank_spec(spec, g, world), req, on_one_gpu) for g in range(world)]
-    banks = sum(p.host.expert_bank_bytes for p in plans)
     available, source = (req.host_memory, "--host-memory") if req.host_memory is not None else (here, "MemAvailable")
-    reserve = plans[0].host.reserve_bytes
-    if banks and available is not None and banks + reserve > available:
-        raise PlanError(f"the {world} GPUs' expert banks do not fit in host RAM: together they pin "
-                        f"{format_bytes(banks)} plus {format_bytes(reserve)} kept for the rest, but {source} is "
-                        f"{format_bytes(available)}; give fewer GPUs' experts to this host, or more --host-memory "
-                        "if the machine has it")  # fmt: skip
+    check_ranks_host([p.host.expert_bank_bytes for p in plans], plans[0].host.reserve_bytes, available, source)
     src = source if available is not None else "unknown"
     return [dataclasses.replace(p, host=dataclasses.replace(p.host, available_bytes=available, available_source=src))
             for p in plans]  # fmt: skip

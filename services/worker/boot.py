@@ -33,7 +33,7 @@ from ferry.services.worker.dummy_weights import iter_dummy_experts
 from ferry.services.worker.late_bound_experts import LateBoundExperts
 from ferry.services.worker.flags import WorkerBootConfig, copy_engine_tokens
 from ferry.services.worker.loader import ModelFiles, open_model, resident_weights, routed_expert_weights
-from ferry.plan.expert_parallel import nccl_workspace_bytes, rank_spec
+from ferry.plan.expert_parallel import check_ranks_host, nccl_workspace_bytes, rank_spec
 from ferry.services.worker.offload.build import build_expert_store, host_banks_for, is_offloaded
 from ferry.services.worker.offload.expert_parallel import ExpertParallelExperts
 from ferry.services.worker.offload.host_banks import mem_available_bytes
@@ -205,10 +205,13 @@ def _load_and_plan(cfg: WorkerBootConfig, files: ModelFiles, r: Resolved, device
                 source = "estimate"
             if world > 1:  # NCCL's buffers, outside torch's allocator (plan/expert_parallel.py)
                 workspace += nccl_workspace_bytes(world) if device.type == "cuda" else 0
-            return Measured(weights, workspace, free, "measured", source, free_source,
-                            host_available_bytes=mem_available_bytes())  # fmt: skip
+            # an expert-parallel rank's banks are checked with the others' (_ranks_host_checked), not alone
+            host = mem_available_bytes() if world == 1 else None
+            return Measured(weights, workspace, free, "measured", source, free_source, host_available_bytes=host)
 
         plan = plan_with_prefill_chunk(store_spec, req, measured)
+        if world > 1:
+            plan = _ranks_host_checked(plan, cfg, world)
         banks = _host_banks(store_spec, plan)  # before any pool is allocated (rule 4)
         pools = allocate_pools(store_spec, plan, device)
         store = build_expert_store(store_spec, plan, pools.experts, device, policy=cfg.expert_policy, banks=banks,
@@ -234,6 +237,25 @@ def _load_and_plan(cfg: WorkerBootConfig, files: ModelFiles, r: Resolved, device
     model.load_weights(chain(resident_weights(files, dtype, device, progress), _then(plan_and_allocate, expert_pass)),
                        routed_experts=not dummy)  # fmt: skip
     return booted
+
+
+def _ranks_host_checked(plan: Plan, cfg: WorkerBootConfig, world: int) -> Plan:
+    """Every expert-parallel rank, before it pins a bank: the ranks' banks together against the host as
+    rank 0 found it before any rank started (or --host-memory), PlanError on every rank alike where they
+    do not fit (plan/expert_parallel.py's check_ranks_host, which `ferry plan --gpus` makes too). Returns the
+    plan with the host it was checked against."""
+    import torch.distributed as dist
+
+    banks: list = [None] * world
+    dist.all_gather_object(banks, plan.host.expert_bank_bytes)  # every rank calls it here, once
+    if cfg.plan.host_memory is not None:
+        available, source = cfg.plan.host_memory, "--host-memory"
+    else:
+        available, source = cfg.host_available_bytes, "MemAvailable (before the ranks started)"
+    check_ranks_host(banks, plan.host.reserve_bytes, available, source)
+    host = dataclasses.replace(plan.host, available_bytes=available,
+                               available_source=source if available is not None else "unknown")  # fmt: skip
+    return dataclasses.replace(plan, host=host)
 
 
 def _attach_host_share(store, spec, plan: Plan, dtype: torch.dtype, device: torch.device) -> None:

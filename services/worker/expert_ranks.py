@@ -44,6 +44,7 @@ log = structlog.get_logger("worker.ranks")
 
 GROUP_TIMEOUT_S = 600.0  # a collective no rank completes for this long fails (a hung rank)
 SEED_ENV = "FERRY_RANK_SAMPLER_SEED"  # rank 0's sampler seed, for the followers
+HOST_AVAILABLE_ENV = "FERRY_RANK_HOST_AVAILABLE"  # MemAvailable as rank 0 read it before the ranks started
 SEED = 0  # every rank seeds its generators alike: the same samples on every rank
 CONTROL_TIMEOUT = datetime.timedelta(days=365)  # a follower waits for the next step as long as the server idles
 FOLLOWER_FAILED_EXIT = 4  # a follower whose step failed past its checks: its collectives no longer pair with rank 0's
@@ -106,13 +107,17 @@ def init_group(rank: int, world: int, rendezvous: str, device: torch.device) -> 
     return dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
 
 
-def start_followers(world: int, worker_flags: list[str], sampler_seed: int) -> tuple[list[subprocess.Popen], str]:
-    """Rank 0: start ranks 1..world-1 (`ferry worker-rank`) with the worker's own flags and its sampler's
-    seed; returns them and the rendezvous file rank 0 joins too."""
+def start_followers(world: int, worker_flags: list[str], sampler_seed: int,
+                    host_available: int | None = None) -> tuple[list[subprocess.Popen], str]:  # fmt: skip
+    """Rank 0: start ranks 1..world-1 (`ferry worker-rank`) with the worker's own flags, its sampler's seed
+    and the host's MemAvailable as it read it (`host_available`, None: unknown); returns them and the
+    rendezvous file rank 0 joins too."""
     rundir = Path(tempfile.mkdtemp(prefix="ferry-ranks-"))  # 0700
     rendezvous = str(rundir / "rendezvous")
     cmd = [sys.executable, "-m", "ferry.services.cli", "worker-rank", "--rendezvous", rendezvous, *worker_flags]
     env = {**os.environ, SEED_ENV: str(sampler_seed)}  # not on the command line, which any local user reads
+    if host_available is not None:
+        env[HOST_AVAILABLE_ENV] = str(host_available)
     followers = [subprocess.Popen([*cmd, "--expert-parallel-rank", str(r)], env=env,
                                   preexec_fn=die_with_parent(os.getpid())) for r in range(1, world)]  # fmt: skip
     log.info("expert_parallel_followers", world=world, pids=[p.pid for p in followers])

@@ -27,7 +27,9 @@ def run(args: argparse.Namespace) -> int:
 
     from ferry.services.worker.boot import boot_worker
     from ferry.services.worker.device import select_device
-    from ferry.services.worker.expert_ranks import SEED_ENV, RankGroup, check_same_plans, follow, init_group
+    from ferry.services.worker.expert_ranks import (
+        HOST_AVAILABLE_ENV, SEED_ENV, RankGroup, check_same_plans, follow, init_group,
+    )  # fmt: skip
 
     cfg = boot_config_from_args(args)
     rank, world = args.expert_parallel_rank, cfg.expert_parallel_size
@@ -35,7 +37,9 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"ferry worker-rank: --expert-parallel-rank must be in 1..{world - 1}, got {rank}")
     device = rank_device(cfg.device, rank)
     seed = int(os.environ[SEED_ENV])  # rank 0's sampler seed: the ranks draw alike
-    cfg = dataclasses.replace(cfg, expert_parallel_rank=rank, device=device, sampler_seed=seed)
+    available = os.environ.get(HOST_AVAILABLE_ENV)  # the host before any rank pinned (rank 0 read it)
+    cfg = dataclasses.replace(cfg, expert_parallel_rank=rank, device=device, sampler_seed=seed,
+                              host_available_bytes=int(available) if available else None)  # fmt: skip
     for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0 stops the followers (a terminal's Ctrl-C reaches all)
         signal.signal(sig, signal.SIG_IGN)
     structlog.contextvars.bind_contextvars(rank=rank)

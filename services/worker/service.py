@@ -183,11 +183,16 @@ class WorkerService:
         )  # fmt: skip
         from ferry.services.worker.flags import worker_flag_args
 
+        from ferry.plan.host_memory import mem_available_bytes
+
         world = self.boot_config.expert_parallel_size
         check_rank_devices(self.boot_config.device, world)
-        self.boot_config = dataclasses.replace(self.boot_config, sampler_seed=secrets.randbits(63))
+        # the host as it is before any rank pins a bank: what the ranks' banks are checked against together
+        self.boot_config = dataclasses.replace(self.boot_config, sampler_seed=secrets.randbits(63),
+                                               host_available_bytes=mem_available_bytes())  # fmt: skip
         followers, rendezvous = start_followers(world, worker_flag_args(self.boot_config),
-                                                self.boot_config.sampler_seed)  # fmt: skip
+                                                self.boot_config.sampler_seed,
+                                                self.boot_config.host_available_bytes)  # fmt: skip
         self.ranks = RankGroup(0, world, None, followers, rendezvous)
         # watched from before the group meets: a follower that fails to start would leave the rendezvous
         # (and rank 0 in it) waiting for the group's timeout

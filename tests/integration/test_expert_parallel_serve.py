@@ -103,3 +103,22 @@ def follower_pid_or_none(c) -> int | None:
         return follower_pid(c)
     except AssertionError:
         return None
+
+
+def test_ranks_whose_banks_fit_the_host_alone_but_not_together_stop_at_boot_naming_the_flag(tiny_models, tmp_path):
+    """Two ranks, each with its banks and its process's reserve within --host-memory, the two together not:
+    the ranks check their banks together before any pins one (boot's _ranks_host_checked), and the worker stops
+    with the plan's error rather than booting into the OOM killer."""
+    from ferry.plan.host_memory import HOST_RESERVE_BYTES
+
+    room = HOST_RESERVE_BYTES * 3 // 2
+    c = start_cluster(tiny_models["qwen3_moe"], tmp_path / "c",
+                      worker_flags=[*FLAGS, "--expert-parallel-size", "2", "--host-memory", f"{room}B"],
+                      boot=REAL_BOOT, worker_env=REAL_WORKER_ENV, wait=False)  # fmt: skip
+    try:
+        assert eventually(lambda: c.procs["worker"].poll() is not None, timeout=120), c.log("worker")[-2000:]
+        log = c.log("worker")
+        assert c.procs["worker"].returncode == 2, log[-2000:]
+        assert "the 2 GPUs' expert banks do not fit in host RAM" in log and "--host-memory" in log, log[-2000:]
+    finally:
+        c.stop()

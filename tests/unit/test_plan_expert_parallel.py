@@ -68,3 +68,23 @@ def test_the_table_names_each_gpu(capsys):
     out = capsys.readouterr().out
     assert "GPU 0 of 2: experts e % 2 == 0, 64 of 128" in out and "GPU 1 of 2" in out
     assert "the 2 GPUs' banks together pin" in out
+
+
+def test_each_ranks_process_keeps_its_own_reserve_beside_the_banks(capsys):
+    """Every rank is a process of its own (its interpreter, CUDA context, buffers): the banks of two GPUs and two
+    reserves must fit, where one GPU's host holds the same banks with one."""
+    from ferry.plan.expert_parallel import check_ranks_host
+    from ferry.plan.host_memory import HOST_RESERVE_BYTES
+    from ferry.shared.errors import PlanError
+
+    banks = plan_json(capsys)["host"]["expert_bank_bytes"]
+    room = banks + HOST_RESERVE_BYTES * 3 // 2  # one reserve fits, two do not
+    flags = [a for a in BASE if a != "100GiB"]
+    flags[flags.index("--host-memory") + 1 : flags.index("--host-memory") + 1] = [f"{room}B"]
+    assert main(flags) == 0
+    capsys.readouterr()
+    assert main([*flags, "--gpus", "2"]) != 0
+    assert "kept for each of the 2 rank processes" in capsys.readouterr().err
+    with pytest.raises(PlanError, match="--expert-parallel-size"):
+        check_ranks_host([banks // 2, banks // 2], HOST_RESERVE_BYTES, room, "MemAvailable")
+    check_ranks_host([banks // 2, banks // 2], HOST_RESERVE_BYTES, None, "unknown")  # nothing known: no check
