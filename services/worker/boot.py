@@ -345,7 +345,8 @@ def _finish_boot(files: ModelFiles, booted: dict, r: Resolved, device: torch.dev
         t0 = time.monotonic()
         ran = warm_up(model, booted["pools"], plan.kv.page_size, device,
                       warmup_shapes(plan.max_prefill_tokens, plan.max_running_requests),
-                      real_warmup_shapes(plan.max_prefill_tokens, plan.max_running_requests))  # fmt: skip
+                      real_warmup_shapes(plan.max_prefill_tokens, plan.max_running_requests),
+                      max_prefill_tokens=plan.max_prefill_tokens)  # fmt: skip
         log.info("warmed_up", steps=ran, seconds=round(time.monotonic() - t0, 3))
     # decode steps the store copies with the copy engine run eagerly: no graph for them
     # (a smaller set than the one profiled, so within the price)

@@ -18,6 +18,11 @@ every row is padding, so no expert is looked up or copied. (The host-driven stor
 `real_tokens`; there the warm-up's rows are looked up like any step's, which changes only
 which experts are resident.) The caller resets the store's statistics afterwards.
 
+A hybrid model with linear-state snapshots in its plan also runs the steps of a prefill that keeps its
+state at a point inside its chunk (`save_inside_shapes`: the prefix cache's snapshot points), whose Gated
+DeltaNet rule runs in two parts of their own token counts; a first request sharing a system prompt with
+others takes that path.
+
 Then a few steps whose rows count as real for the expert store (`REAL_SHAPES`: a one-token decode,
 two rows, a 16-token prompt): still on the sentinel page and the padding slot, but their experts are
 looked up, missed and copied, so the paths a first request takes through the store (the lookup with
@@ -28,6 +33,7 @@ They change only which experts are resident.
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import torch
 
@@ -45,6 +51,14 @@ _SHAPES: tuple[tuple[int, ...], ...] = (
 
 # query_lens of the warm-up steps whose rows the expert store treats as real (see the module docstring)
 REAL_SHAPES: tuple[tuple[int, ...], ...] = ((1,), (1, 1), (16,))
+
+# A hybrid model's prefill that keeps its state at a point inside its chunk (the prefix cache's snapshot
+# points: StepBatch.save_offset) runs the Gated DeltaNet rule in two parts, up to the point and on from it,
+# each with a token count of its own: the point on the first page boundary (16 tokens by default), the
+# rest 1, a page and a page plus one. Their rows save into the pool's last snapshot, which no request holds
+# yet at boot (a snapshot is read only after the scheduler had a step save it).
+def save_inside_shapes(page_size: int) -> tuple[tuple[int, ...], ...]:
+    return (page_size + 1,), (2 * page_size,), (2 * page_size + 1,)
 
 
 def _allowed(shapes, max_prefill_tokens: int, max_running_requests: int) -> list[tuple[int, ...]]:
@@ -79,17 +93,31 @@ def warmup_step(query_lens: tuple[int, ...], page_size: int) -> StepBatch:
     )  # fmt: skip
 
 
+def save_inside_step(query_len: int, page_size: int, snapshot: int) -> StepBatch:
+    """warmup_step of one row whose state is kept at its first page boundary, into `snapshot`."""
+    step = warmup_step((query_len,), page_size)
+    return msgspec.structs.replace(step, save_state=np.array([snapshot], np.int32),
+                                   save_offset=np.array([page_size], np.int32))  # fmt: skip
+
+
 def warm_up(model, pools, page_size: int, device: torch.device, shapes: list[tuple[int, ...]],
-            real_shapes: list[tuple[int, ...]] = ()) -> int:  # fmt: skip
-    """Run the model eagerly once on each shape, every row padding for the expert store, then once
-    on each of `real_shapes`, whose rows it looks up and copies; returns how many steps ran."""
+            real_shapes: list[tuple[int, ...]] = (), max_prefill_tokens: int | None = None) -> int:  # fmt: skip
+    """Run the model eagerly once on each shape, every row padding for the expert store, then (a hybrid
+    model with snapshots in its plan) the steps that keep a state inside their chunk, within
+    `max_prefill_tokens`, then once on each of `real_shapes`, whose rows it looks up and copies; returns
+    how many steps ran."""
+    linear = pools.linear_state
+    snapshots = linear.num_snapshots if linear is not None else 0
+    inside = [s for s in save_inside_shapes(page_size) if max_prefill_tokens is None or s[0] <= max_prefill_tokens]
+    steps = [warmup_step(shape, page_size) for shape in shapes]
+    steps += [save_inside_step(s[0], page_size, snapshots - 1) for s in inside] if snapshots else []
     with torch.inference_mode():
-        for shape in shapes:
-            batch = ForwardBatch.from_step(warmup_step(shape, page_size), page_size, device)
+        for step in steps:
+            batch = ForwardBatch.from_step(step, page_size, device)
             batch.real_tokens.zero_()  # padding for the expert store: nothing looked up, nothing copied
             model(batch, pools)
         for shape in real_shapes:  # real rows for the store; the sentinel page and padding slot still
             model(ForwardBatch.from_step(warmup_step(shape, page_size), page_size, device), pools)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return len(shapes) + len(real_shapes)
+    return len(steps) + len(real_shapes)
