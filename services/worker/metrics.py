@@ -31,9 +31,7 @@ class ExpertCacheCollector:
     def collect(self):
         report = self.report()
         for key, name, text in EXPERT_COUNTERS:
-            family = CounterMetricFamily(name, text)
-            family.add_metric([], report[key])
-            yield family
+            yield counter(name, text, report[key])
         slots = GaugeMetricFamily("ferry_worker_expert_slots", "GPU expert slots of the plan", labels=["format"])
         slots.add_metric([report.get("expert_format", "bf16")], report["slots"])
         yield slots
@@ -48,14 +46,17 @@ class CompileCollector:
 
     def collect(self):
         got = self.report()
-        compiles = CounterMetricFamily("ferry_worker_kernel_compiles", "Triton kernel variants compiled (or loaded "
-                                       "from its disk cache) after the worker was ready: the warm-up missed them")  # fmt: skip
-        compiles.add_metric([], got["compiles"])
-        seconds = CounterMetricFamily("ferry_worker_kernel_compile_seconds", "time those compiles took, which the "
-                                      "steps that met them waited")  # fmt: skip
-        seconds.add_metric([], got["seconds"])
-        yield compiles
-        yield seconds
+        yield counter("ferry_worker_kernel_compiles", "Triton kernel variants compiled (or loaded from its disk "
+                      "cache) after the worker was ready: the warm-up missed them", got["compiles"])  # fmt: skip
+        yield counter("ferry_worker_kernel_compile_seconds", "time those compiles took, which the steps that met "
+                      "them waited", got["seconds"])  # fmt: skip
+
+
+def counter(name: str, text: str, value: float) -> CounterMetricFamily:
+    """One unlabelled counter of a cumulative figure some report holds."""
+    family = CounterMetricFamily(name, text)
+    family.add_metric([], value)
+    return family
 
 
 # the costs a host share splits by, in its report's costs_ns order (offload/host_share.py, host_decode.py)
@@ -83,17 +84,12 @@ def host_share_metrics(report: dict):
     yield costs
     decode = report.get("host_decode")
     if decode and "busy_ns" in decode:  # the decode graph's host nodes time themselves (host_node.c)
-        busy = CounterMetricFamily("ferry_worker_host_node_busy_seconds", "time the decode graph's host nodes "
-                                   "spent computing the host's experts")  # fmt: skip
-        busy.add_metric([], decode["busy_ns"] / 1e9)
-        calls = CounterMetricFamily("ferry_worker_host_node_calls", "decode graph host nodes that computed pairs")
-        calls.add_metric([], decode["busy_calls"])
-        refined = CounterMetricFamily("ferry_worker_host_share_refinements", "times the decode split's price of a "
-                                      "host expert moved toward what the host nodes measured")  # fmt: skip
-        refined.add_metric([], decode["refinements"])
-        yield busy
-        yield calls
-        yield refined
+        yield counter("ferry_worker_host_node_busy_seconds", "time the decode graph's host nodes spent computing "
+                      "the host's experts", decode["busy_ns"] / 1e9)  # fmt: skip
+        yield counter("ferry_worker_host_node_calls", "decode graph host nodes that computed pairs",
+                      decode["busy_calls"])  # fmt: skip
+        yield counter("ferry_worker_host_share_refinements", "times the decode split's price of a host expert moved "
+                      "toward what the host nodes measured", decode["refinements"])  # fmt: skip
 
 
 class WorkerMetrics:
