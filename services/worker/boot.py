@@ -317,6 +317,8 @@ def _attach_host_decode(store, spec, experts, cost, device: torch.device, backen
         return
     share.costs_ns = (1, 0, 0, 0) if backend == "cpu" else measured  # cpu: every miss to the host
     share.refines = backend != "cpu"  # cpu's costs are a rule, not prices to refine
+    if share.refines and store.host_share is not None:  # the prefill's share is priced by the same host
+        share.on_refined = store.host_share.follow_host_price
     if backend == "cpu" and store.prefetch_enabled:  # a prefetch would copy over PCIe what the host computes
         store.prefetch_enabled = False
         log.info("expert_prefetch_off", reason="--expert-backend cpu: the host computes every miss")

@@ -125,6 +125,7 @@ class HostDecodeShare:
         self._costs_staged = torch.zeros(4, dtype=torch.int64, pin_memory=self._cuda)  # an upload's source
         self._uploaded: torch.cuda.Event | None = None
         self.refines = True  # boot turns it off where the costs are not prices (--expert-backend cpu)
+        self.on_refined = None  # called with each new one-token price (seconds): the prefill's share follows it
         self.refinements = 0
         self._refined_from = (0, 0, 0)  # (busy ns, experts, pairs) at the last refinement
         self._no_flight = torch.zeros(1, dtype=torch.int32, device=self.device)  # a layer nothing prefetched
@@ -252,6 +253,8 @@ class HostDecodeShare:
         refined = (at_1 + measured) // 2
         self.costs_ns = (pcie, refined, per_token, handoff)
         self.refinements += 1
+        if self.on_refined is not None:  # the same kernel over the same banks prices the prefill's share
+            self.on_refined(refined / 1e9)
         log.info("host_decode_refined", host_us_at_1=round(at_1 / 1e3, 1), measured_us=round(measured / 1e3, 1),
                  refined_us=round(refined / 1e3, 1), experts=experts, pairs=pairs)  # fmt: skip
         return True

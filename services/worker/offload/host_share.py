@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -85,6 +85,12 @@ class HostShare:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-share")
         self.computed = 0  # experts computed on the host since boot
         self.layers = 0  # layers that took a host share since boot
+
+    def follow_host_price(self, host_s_at_1: float) -> None:
+        """The one-token price of a host expert as the decode share refined it in service (host_decode.py:
+        the same kernel over the same banks, timed by its host nodes), in place of boot's calibration;
+        the price of more tokens an expert stays the calibrated one."""
+        self.cost = replace(self.cost, host_s_at_1=host_s_at_1)
 
     def split(self, missed: list[int], tokens: int, top_k: int, num_experts: int) -> tuple[list[int], list[int]]:
         """(experts to stage, experts for the host) of one layer's missed experts, for a step of `tokens`."""

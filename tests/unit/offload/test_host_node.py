@@ -103,6 +103,25 @@ def test_the_splits_price_of_a_host_expert_moves_half_way_to_what_the_nodes_took
     assert share.refine() and share.costs_ns[1] == 200_000
 
 
+def test_the_prefill_share_follows_the_refined_one_token_price():
+    """The decode share's host nodes time the same kernel over the same banks the prefill's share computes
+    with: each refinement hands its new one-token price on (boot wires it to HostShare.follow_host_price)."""
+    from ferry.services.worker.offload.host_decode import REFINE_EVERY
+    from ferry.services.worker.offload.host_share import HostCost, HostShare
+
+    banks = make_banks("bf16", 256, 160)
+    share = HostDecodeShare(HostKernel(banks, torch.bfloat16, threads=1), (100_000, 300_000, 2_000, 30_000),
+                            max_tokens=4, top_k=2, num_experts=banks.num_experts, device="cpu")  # fmt: skip
+    prefill = HostShare.__new__(HostShare)  # follow_host_price and split read only the cost
+    prefill.cost = HostCost(pcie_s=100e-6, host_s_at_1=300e-6, host_s_per_token=2e-6, overhead_s=30e-6)
+    share.on_refined = prefill.follow_host_price
+    before = prefill.split(list(range(40)), tokens=4, top_k=2, num_experts=8)[1]
+    _timed(share, 100_000 * REFINE_EVERY, REFINE_EVERY, REFINE_EVERY)  # the nodes took 100 µs an expert
+    assert share.refine() and prefill.cost.host_s_at_1 == pytest.approx(200e-6)
+    assert prefill.cost.host_s_per_token == 2e-6 and prefill.cost.pcie_s == 100e-6  # only the one-token price
+    assert len(prefill.split(list(range(40)), tokens=4, top_k=2, num_experts=8)[1]) > len(before)
+
+
 def test_a_window_of_many_tokens_an_expert_does_not_refine_the_one_token_price():
     from ferry.services.worker.offload.host_decode import REFINE_EVERY
 
