@@ -44,11 +44,13 @@ def _fla_varlen(q, k, v, g, beta, states, state_slots, query_start, query_lens):
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
     v_heads, k_heads = v.shape[1], k.shape[1]
+    all_decode = max(query_lens) == 1
+    if not all_decode:  # normalised here, not by fla's chunked rule (see _l2norm)
+        q, k = _l2norm(q), _l2norm(k)
     if v_heads != k_heads:  # grouped heads: give every value head its q/k head
         q = q.repeat_interleave(v_heads // k_heads, dim=1)
         k = k.repeat_interleave(v_heads // k_heads, dim=1)
     initial = states[state_slots]  # [R, v_heads, k_dim, v_dim]
-    all_decode = max(query_lens) == 1
     rule = fused_recurrent_gated_delta_rule if all_decode else chunk_gated_delta_rule
     # by keyword: fla's positional order differs between the two functions
     out, final = rule(
@@ -60,10 +62,22 @@ def _fla_varlen(q, k, v, g, beta, states, state_slots, query_start, query_lens):
         initial_state=initial.contiguous(),
         output_final_state=True,
         cu_seqlens=query_start.long(),
-        use_qk_l2norm_in_kernel=True,
+        use_qk_l2norm_in_kernel=all_decode,
     )
     states[state_slots] = final.float()
     return out[0].to(v.dtype)
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    """x / sqrt(sum x^2 + 1e-6) over the last dim, in float32, back in x's dtype: what fla's chunked
+    rule does with `use_qk_l2norm_in_kernel`, but not through fla's l2norm kernel. That kernel is
+    autotuned (25 variants) on a key that grows with tokens x heads (a block count of 65,536 rows), so
+    the first prefill chunk past each multiple (past 2,048 tokens on a 32-head model) tuned it inside a
+    request: a 9-10 s step on the H200 that the boot's warm-up, at 300 tokens, never reached (issue 23's
+    cold 8-stream round; services/worker/compile_watch.py logged it). Done before the heads are
+    repeated, on the q/k heads alone."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + 1e-6)).to(x.dtype)
 
 
 def gated_delta_rule_varlen_keeping(
