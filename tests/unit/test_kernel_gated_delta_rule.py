@@ -99,15 +99,15 @@ def test_keeping_a_state_inside_a_row_gives_the_same_outputs_and_the_state_there
     assert none == []
 
 
-def test_the_q_k_normalisation_ferry_does_before_fla_is_the_references_in_float32():
+def test_the_q_k_normalisation_ferry_does_before_fla_is_transformers_one_in_float32():
     # fla's chunked rule gets q and k normalised (its own l2norm kernel autotunes on tokens x heads, inside
-    # requests); the reference's normalisation in float32, each vector of unit length, back in bfloat16
+    # requests): transformers' twin of fla's in-kernel l2norm, in float32, back in bfloat16, of unit length
+    from transformers.models.qwen3_next.modeling_qwen3_next import l2norm as transformers_l2norm
+
     from ferry.kernels.gated_delta_rule import _l2norm
 
     x = (torch.randn(37, 4, 128) * 3).to(torch.bfloat16)
     got = _l2norm(x)
-    xf = x.float()
-    want = xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + 1e-6)
     assert got.dtype == torch.bfloat16 and got.shape == x.shape
-    torch.testing.assert_close(got.float(), want, atol=0, rtol=2**-8)
+    torch.testing.assert_close(got, transformers_l2norm(x.float()).to(torch.bfloat16), atol=0, rtol=0)
     torch.testing.assert_close(got.float().norm(dim=-1), torch.ones(37, 4), atol=1e-2, rtol=0)
