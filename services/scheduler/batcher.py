@@ -88,10 +88,13 @@ PROMPT_END_MARGIN = 8
 # resident a cut costs a round trip of milliseconds, and every point is kept.
 OFFLOADED_SNAPSHOT_SPAN = 256
 # With experts offloaded every prefill step pays one pass over the experts without a GPU slot (0.1-1 s),
-# so an idle scheduler holds new prompts while more keep arriving, at most ARRIVAL_GAP_S apart and
-# --prefill-coalesce-ms after the first, and one step serves them all (arrival_hold_s)
-ARRIVAL_GAP_S = 0.004
-DEFAULT_PREFILL_COALESCE_MS = 25.0
+# so an idle scheduler holds new prompts while more keep arriving, at most a third of --prefill-coalesce-ms
+# apart and the whole of it after the first, and one step serves them all (arrival_hold_s). Eight OpenAI
+# clients started together reach the api over ~50 ms, gaps up to 19 ms apart (each encodes a 4k-token body
+# in Python first: bench/NOTES.md, issue 23): with a 4 ms gap the first went alone and the other seven paid
+# a second pass behind it. A lone prompt waits the gap, 20 ms, against the 0.16-0.9 s of its step's pass.
+DEFAULT_PREFILL_COALESCE_MS = 60.0
+ARRIVAL_GAP_FRACTION = 1 / 3
 
 
 @dataclass
@@ -168,6 +171,7 @@ class BatchScheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is the newest
         self.prefill_coalesce_s = prefill_coalesce_s if pool.experts_offloaded else 0.0
+        self.arrival_gap_s = self.prefill_coalesce_s * ARRIVAL_GAP_FRACTION
         self._arrivals: tuple[float, float] | None = None  # (first, last) arrival of the prompts held now
         self.by_rid: dict[int, Request] = {}
         self.preemptions = 0
@@ -251,15 +255,16 @@ class BatchScheduler:
 
     def arrival_hold_s(self, now: float) -> float:
         """How long to hold the next step for more prompts (0: send it now). Only with experts offloaded,
-        nothing running or in flight (no decode waits on it) and prompts waiting: until ARRIVAL_GAP_S
-        after the last arrival while that is within prefill_coalesce_s of the first. Each prefill step
-        pays one pass over the experts without a GPU slot, so prompts that arrive together share one."""
+        nothing running or in flight (no decode waits on it) and prompts waiting: until a third of
+        prefill_coalesce_s (ARRIVAL_GAP_FRACTION) after the last arrival while that is within
+        prefill_coalesce_s of the first. Each prefill step pays one pass over the experts without a GPU
+        slot, so prompts that arrive together share one."""
         if not self.waiting:
             self._arrivals = None  # every held prompt was admitted (or aborted): the next one opens a window
         if not self.prefill_coalesce_s or self._arrivals is None or self._in_flight or self.running:
             return 0.0
         first, last = self._arrivals
-        until = min(last + ARRIVAL_GAP_S, first + self.prefill_coalesce_s)
+        until = min(last + self.arrival_gap_s, first + self.prefill_coalesce_s)
         if now >= until:
             self._arrivals = None  # the held prompts go: the next arrival starts a new window
             return 0.0

@@ -9,9 +9,9 @@ from ferry.shared.defaults import API_ADDR, RESULTS_ADDR, STEP_TIMEOUT_S, STEPS_
 from ferry.shared.errors import ConfigError
 from ferry.shared.side_http import add_side_http_flags
 from ferry.shared.wire_keys import WireKeys, add_wire_keys_flag, check_exposure, require_keys_for_tcp
-from ferry.services.scheduler.batcher import ARRIVAL_GAP_S, DEFAULT_PREFILL_COALESCE_MS
+from ferry.services.scheduler.batcher import ARRIVAL_GAP_FRACTION, DEFAULT_PREFILL_COALESCE_MS
 
-ARRIVAL_GAP_MS = ARRIVAL_GAP_S * 1000
+ARRIVAL_GAP_MS = DEFAULT_PREFILL_COALESCE_MS * ARRIVAL_GAP_FRACTION
 
 
 @dataclass(frozen=True)
@@ -82,9 +82,10 @@ def add_prefill_coalesce_flag(group) -> None:
     """`--prefill-coalesce-ms`, for `ferry scheduler` and `ferry serve` (which passes it on)."""
     group.add_argument("--prefill-coalesce-ms", type=float, default=DEFAULT_PREFILL_COALESCE_MS, metavar="MS",
                        help="with experts offloaded and nothing running, new prompts wait for more to arrive while "
-                            f"they keep arriving ({ARRIVAL_GAP_MS:g} ms apart at most), up to MS after the first, so "
-                            "that one prefill step (one pass over the experts without a GPU slot) serves them all; "
-                            f"0: each goes at once (default {DEFAULT_PREFILL_COALESCE_MS:g})")  # fmt: skip
+                            "they keep arriving (MS/3 apart at most: a lone prompt waits that long), up to MS after "
+                            "the first, so that one prefill step (one pass over the experts without a GPU slot) "
+                            f"serves them all; 0: each goes at once (default {DEFAULT_PREFILL_COALESCE_MS:g}, "
+                            f"so {ARRIVAL_GAP_MS:g} ms apart)")  # fmt: skip
 
 
 def add_prefix_cache_flag(group) -> None:

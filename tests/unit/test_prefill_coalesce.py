@@ -10,11 +10,14 @@ import pytest
 from ferry.shared.errors import ConfigError
 from ferry.shared.messages import PoolReport
 from ferry.shared.sampling import SamplingParams
-from ferry.services.scheduler.batcher import ARRIVAL_GAP_S, BatchScheduler
+from ferry.services.scheduler.batcher import ARRIVAL_GAP_FRACTION, DEFAULT_PREFILL_COALESCE_MS, BatchScheduler
 from ferry.services.scheduler.config import prefill_coalesce_s
 
 
-def make(offloaded=True, coalesce_s=0.025):
+ARRIVAL_GAP_S = DEFAULT_PREFILL_COALESCE_MS / 1000 * ARRIVAL_GAP_FRACTION  # 20 ms
+
+
+def make(offloaded=True, coalesce_s=DEFAULT_PREFILL_COALESCE_MS / 1000):
     pool = PoolReport(kv_pages=64, page_size=4, linear_state_slots=0, max_running_requests=8, max_prefill_tokens=64,
                       max_model_len=128, experts_offloaded=offloaded)  # fmt: skip
     return BatchScheduler(pool, prefill_coalesce_s=coalesce_s)
@@ -29,23 +32,36 @@ def test_a_burst_is_held_while_it_keeps_arriving_and_goes_as_one_step():
     sched = make()
     add(sched, 1, now=10.0)
     assert sched.arrival_hold_s(10.001) == pytest.approx(ARRIVAL_GAP_S - 0.001)
-    add(sched, 2, now=10.003)
-    add(sched, 3, now=10.005)
-    assert sched.arrival_hold_s(10.006) == pytest.approx(10.005 + ARRIVAL_GAP_S - 10.006)
-    assert sched.arrival_hold_s(10.005 + ARRIVAL_GAP_S) == 0.0  # the gap passed: they go
+    add(sched, 2, now=10.013)
+    add(sched, 3, now=10.015)
+    assert sched.arrival_hold_s(10.016) == pytest.approx(10.015 + ARRIVAL_GAP_S - 10.016)
+    assert sched.arrival_hold_s(10.015 + ARRIVAL_GAP_S) == 0.0  # the gap passed: they go
     batch = sched.schedule()
     assert sorted(set(batch.req_ids)) == [1, 2, 3]
 
 
 def test_the_hold_ends_at_the_window_however_long_the_arrivals_go_on():
-    sched = make(coalesce_s=0.010)
-    for rid, ms in enumerate((0, 3, 6), start=1):  # 3 ms apart, within the 4 ms gap: each one extends the hold
+    sched = make(coalesce_s=0.012)  # a gap of 4 ms
+    for rid, ms in enumerate((0, 3, 6), start=1):  # 3 ms apart, within the gap: each one extends the hold
         add(sched, rid, now=20 + ms / 1000)
         assert sched.arrival_hold_s(20 + (ms + 1) / 1000) == pytest.approx(0.003)
-    add(sched, 4, now=20.009)
-    assert sched.arrival_hold_s(20.0095) == pytest.approx(0.0005)  # cut at 10 ms after the first, not 13
-    assert sched.arrival_hold_s(20.010) == 0.0
+    add(sched, 4, now=20.011)
+    assert sched.arrival_hold_s(20.0115) == pytest.approx(0.0005)  # cut at 12 ms after the first, not 15
+    assert sched.arrival_hold_s(20.012) == 0.0
     assert sorted(set(sched.schedule().req_ids)) == [1, 2, 3, 4]
+
+
+def test_eight_clients_spread_as_measured_share_one_step():
+    """The warm round of issue 23's 8 streams on the H200 (6ca8627): the api saw the prompts over 49.6 ms,
+    these gaps apart. The old 4 ms gap sent the first alone; the default window takes all eight."""
+    sched = make()
+    now = 30.0
+    for rid, gap_ms in enumerate((0, 12.6, 2.0, 11.4, 3.6, 0.5, 18.6, 0.9), start=1):
+        now += gap_ms / 1000
+        assert rid == 1 or sched.arrival_hold_s(now) > 0  # the ones before are still held when it comes
+        add(sched, rid, now=now)
+    assert sched.arrival_hold_s(now + ARRIVAL_GAP_S) == 0.0
+    assert sorted(set(sched.schedule().req_ids)) == list(range(1, 9))
 
 
 def test_a_lone_prompt_waits_one_gap_at_most():
