@@ -11,8 +11,8 @@
 #   PART=decode30 the full-size Qwen3-30B at 24 GiB, GPU-only and with the host's share, its host nodes' time ~5 min
 #   PART=ahead   the resident hybrid cut with --schedule-ahead-steps 1 and 2 (issue 24)                ~4 min
 #   PART=eight   issue 23's 8 streams sharing a 4k system prompt on the 8-layer hybrid cut, 640 slots  ~3-4 min
-#                (EIGHT_FLAGS adds serve flags, e.g. "--expert-backend gpu"); the servers' logs and step traces
-#                come back (trace/, pytest/), for the cold round's 10 s stall at faca160
+#                a variant (EIGHT_VARIANTS="flags|flags", e.g. "|--expert-backend gpu": one run each, in v<i>/;
+#                EIGHT_FLAGS for one); the servers' logs and step traces come back (v<i>/trace, v<i>/pytest)
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TMPDIR=${TMPDIR:-/tmp}
@@ -60,28 +60,25 @@ case "${PART:-check}" in
     timeout 560 python3 bench/decode_suite.py --out "$OUT" --workloads hybrid8_resident --variants default,ahead2 \
       --max-tokens 256 > "$OUT/suite_ahead.log" 2>&1
     echo "hybrid8_resident rc=$?"; grep '^\[hybrid8_resident' "$OUT/suite_ahead.log" | tail -4 ;;
-  eight)
+  eight)  # EIGHT_VARIANTS="flags a|flags b" runs the must-show once per variant, each in $OUT/v<i>/
     python3 -m ferry.services.cli make-bench-model /tmp/m8 --config tests/data/models/qwen3.6-35b-a3b/config.json \
       --num-layers 8 > /dev/null
-    FERRY_MUST_SHOW_MODEL=/tmp/m8 FERRY_MUST_SHOW_FLAGS="--load-format dummy --moe-cache-size 640 --gpu-memory 12GiB --max-running-requests 8 ${EIGHT_FLAGS:-}" \
-      FERRY_MUST_SHOW_OUT="$OUT/prefix_hybrid_eight.json" FERRY_STEP_TRACE="$OUT/trace" timeout "${EIGHT_TIMEOUT:-280}" \
-      python3 -m pytest -q -s -p no:cacheprovider --basetemp "$OUT/pytest" \
-      tests/gpu/test_prefix_cache_must_show.py -k eight > "$OUT/eight.log" 2>&1
-    find "$OUT/pytest" -type s -delete 2>/dev/null  # the servers' sockets: the logs and traces stay
-    python3 - "$OUT/trace" <<'PY'  # the steps and the waits of half a second or more, per server
+    IFS='|' read -r -a variants <<< "${EIGHT_VARIANTS:-${EIGHT_FLAGS:-}}"
+    [ ${#variants[@]} -eq 0 ] && variants=("")
+    for i in "${!variants[@]}"; do
+      V="$OUT/v$i"; mkdir -p "$V"; echo "== variant $i: ${variants[$i]}" | tee "$V/flags.txt"
+      FERRY_MUST_SHOW_MODEL=/tmp/m8 FERRY_MUST_SHOW_FLAGS="--load-format dummy --moe-cache-size 640 --gpu-memory 12GiB --max-running-requests 8 ${variants[$i]}" \
+        FERRY_MUST_SHOW_OUT="$V/prefix_hybrid_eight.json" FERRY_STEP_TRACE="$V/trace" timeout "${EIGHT_TIMEOUT:-280}" \
+        python3 -m pytest -q -s -p no:cacheprovider --basetemp "$V/pytest" \
+        tests/gpu/test_prefix_cache_must_show.py -k eight > "$V/eight.log" 2>&1
+      echo "eight streams rc=$?"
+      find "$V/pytest" -type s -delete 2>/dev/null  # the servers' sockets: the logs and traces stay
+      python3 - "$V/trace" <<'PY'  # per server: the prefill steps (more than 64 tokens), the arrival bursts
 import json, pathlib, sys
 for d in sorted(pathlib.Path(sys.argv[1]).iterdir()):
     rows = [json.loads(x) for f in d.glob("worker-*.jsonl") for x in f.read_text().splitlines()]
-    sent = {json.loads(x)["step"]: json.loads(x).get("sent") for f in d.glob("scheduler-*.jsonl")
-            for x in f.read_text().splitlines() if "sent" in x}
-    last = None
-    for r in rows:
-        took, wait = r["answered"] - r["recv"], (r["recv"] - last) if last else 0.0
-        if took >= 0.5 or wait >= 0.5:
-            print(d.name, f"step {r['step'] % 100000} rows {r['rows']} tokens {r['tokens']}: took {took:.2f} s "
-                  f"(launch {r['launched'] - r['recv']:.2f}), {wait:.2f} s idle before, sent->recv "
-                  f"{r['recv'] - sent.get(r['step'], r['recv']):.3f} s")
-        last = r["answered"]
+    steps = [f"{r['rows']}r/{r['tokens']}t {r['answered'] - r['recv']:.3f}s" for r in rows if r["tokens"] > 64]
+    print(d.name, "prefill steps:", ", ".join(steps[-24:]))
     arrived = sorted(json.loads(x)["arrived"] for f in d.glob("scheduler-*.jsonl")
                      for x in f.read_text().splitlines() if "arrived" in x)
     bursts, burst = [], []
@@ -91,12 +88,12 @@ for d in sorted(pathlib.Path(sys.argv[1]).iterdir()):
             burst = []
         burst.append(t)
     for b in bursts + ([burst] if burst else []):
-        print(d.name, f"{len(b)} prompts over {(b[-1] - b[0]) * 1e3:.1f} ms, gaps (ms):",
-              [round((y - x) * 1e3, 1) for x, y in zip(b, b[1:])])
+        print(d.name, f"{len(b)} prompts over {(b[-1] - b[0]) * 1e3:.1f} ms")
 PY
-    # kernels compiled after the worker was ready (services/worker/compile_watch.py, where the tree has it)
-    grep -rh --include=serve.log kernel_compiled_in_service "$OUT/pytest" | cut -c1-300 | head -20
-    echo "eight streams rc=$?"; grep -A3 '_speedup' "$OUT/eight.log" | head -12; tail -3 "$OUT/eight.log" ;;
+      # kernels compiled after the worker was ready (services/worker/compile_watch.py)
+      grep -rh --include=serve.log kernel_compiled_in_service "$V/pytest" | cut -c1-300 | head -5
+      grep -A3 '_speedup' "$V/eight.log" | head -12; tail -2 "$V/eight.log"
+    done ;;
   *) echo "PART must be check, prefill, share, decode12, decode30, ahead or eight" >&2; exit 2 ;;
 esac
 # the device returns a few files a call (more are dropped, as the first decode12 run's logs were): one archive
