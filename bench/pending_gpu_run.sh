@@ -61,6 +61,8 @@ case "${PART:-check}" in
       --max-tokens 256 > "$OUT/suite_ahead.log" 2>&1
     echo "hybrid8_resident rc=$?"; grep '^\[hybrid8_resident' "$OUT/suite_ahead.log" | tail -4 ;;
   eight)  # EIGHT_VARIANTS="flags a|flags b" runs the must-show once per variant, each in $OUT/v<i>/
+    python3 -c "import sys; from setuptools import setup; sys.argv = ['setup.py', 'build_ext', '--inplace', '-q']; setup()" \
+      > "$OUT/host_kernel_build.log" 2>&1 || echo "host kernel build failed (see host_kernel_build.log)"
     python3 -m ferry.services.cli make-bench-model /tmp/m8 --config tests/data/models/qwen3.6-35b-a3b/config.json \
       --num-layers 8 > /dev/null
     IFS='|' read -r -a variants <<< "${EIGHT_VARIANTS:-${EIGHT_FLAGS:-}}"
