@@ -8,7 +8,10 @@
 * `cpu`: the host computes every missed expert (what is resident in GPU slots stays on the GPU);
 * `auto` (default): `hybrid` on the threads the machine can spare, if it can spare AUTO_MIN_THREADS, and
   the worker keeps the decode share only where its calibration says the host shortens a decode layer;
-  the GPU alone otherwise. With `--host-expert-threads N` it is hybrid on N threads.
+  the GPU alone otherwise. With `--host-expert-threads N` it is hybrid on N threads. Auto's hybrid has
+  no prefill share (`prefill_share`): on the H200 it made the hybrid cut's prefill steps slower at every
+  size measured (1.2-1.3x at 1,200 tokens, 2.7-3.3x at 8,192; bench/NOTES.md, issue 23); `hybrid` asked
+  for keeps it, within the sizes its costs were measured at.
 
 The host's threads: `--host-expert-threads N`, default the physical cores minus RESERVED_CORES (the three
 processes' threads and one for the rest of the machine). Nothing here imports torch: `ferry plan` shows the choice.
@@ -38,6 +41,12 @@ class ExpertBackendPlan:
     host_threads: int = 0
     reason: str = "every expert has a GPU slot"
     requested: str = "auto"
+
+    @property
+    def prefill_share(self) -> bool:
+        """Whether the host computes part of streamed prefills' misses too (services/worker/offload/
+        host_share.py): asked for with hybrid or cpu, not chosen by auto (module docstring)."""
+        return self.backend == "cpu" or (self.backend == "hybrid" and self.requested != "auto")
 
 
 def physical_cores() -> int:

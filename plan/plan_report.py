@@ -60,8 +60,9 @@ def plan_table(plan: Plan, host_here: int | None = None) -> str:
     b = plan.expert_backend
     backend = {"gpu": "the GPU computes every expert (each miss crosses PCIe)",
                "hybrid": "the host computes part of each layer's misses while the rest cross PCIe, split by costs "
-                         "the worker measures at boot" + (" (decode share kept where they say it wins)"
-                                                          if b.requested == "auto" else ""),
+                         "the worker measures at boot" + (" (auto: decode layers only, where they say it wins; "
+                                                          "--expert-backend hybrid shares prefills too)"
+                                                          if not b.prefill_share else ""),
                "cpu": "the host computes every missed expert"}[b.backend]  # fmt: skip
     threads = f"; {b.host_threads} host threads ({b.reason})" if b.host_threads else f" ({b.reason})"
     return _render([*rows, *host_rows], split_before=len(rows)) + (

@@ -262,7 +262,7 @@ def _attach_host_share(store, spec, plan: Plan, dtype: torch.dtype, device: torc
     """--expert-backend hybrid | cpu | auto (plan.expert_backend): the host's share of streamed prefills
     (offload/host_share.py) and of decode layers (offload/host_decode.py), their costs measured here on
     this machine's paths and logged. `cpu` hands the host every miss; `auto` keeps the decode share only
-    where the calibration says the host shortens a decode layer."""
+    where the calibration says the host shortens a decode layer, and no prefill share (prefill_share)."""
     from ferry.services.worker.offload.device_store import DeviceDrivenExperts
     from ferry.services.worker.offload.host_experts import HostExperts
     from ferry.services.worker.offload.host_share import HostCost, HostShare, calibrate
@@ -282,7 +282,11 @@ def _attach_host_share(store, spec, plan: Plan, dtype: torch.dtype, device: torc
              host_us_at_1=round(cost.host_s_at_1 * 1e6, 1), host_us_per_token=round(cost.host_s_per_token * 1e6, 2),
              overhead_us=round(cost.overhead_s * 1e6, 1))  # fmt: skip
     split = HostCost(1.0, 0.0, 0.0, 0.0) if chosen.backend == "cpu" else cost  # cpu: the host takes every miss
-    store.host_share = HostShare(experts, split, plan.max_prefill_tokens, spec.num_experts_per_tok, device)
+    if chosen.prefill_share:
+        store.host_share = HostShare(experts, split, plan.max_prefill_tokens, spec.num_experts_per_tok, device)
+    else:
+        log.info("host_prefill_share_off", reason="auto: the host's share lengthened prefill steps on the H200 "
+                                                  "(--expert-backend hybrid keeps it)")  # fmt: skip
     _attach_host_decode(store, spec, experts, cost, device, chosen.backend, chosen.requested == "auto")
 
 

@@ -25,6 +25,16 @@ def test_auto_is_hybrid_on_the_cores_the_processes_leave_where_there_are_enough(
     assert (got.backend, got.host_threads) == ("hybrid", 1)
 
 
+def test_auto_shares_decode_layers_only_and_hybrid_asked_for_shares_prefills_too():
+    """Auto's hybrid leaves prefills to the GPU: on the H200 the prefill share lengthened the hybrid cut's
+    steps at every size measured (bench/NOTES.md, issue 23)."""
+    assert not plan_expert_backend(None, None, offloaded=True, cores=16).prefill_share
+    assert not plan_expert_backend("auto", 6, offloaded=True, cores=16).prefill_share
+    assert plan_expert_backend("hybrid", None, offloaded=True, cores=16).prefill_share
+    assert plan_expert_backend("cpu", None, offloaded=True, cores=16).prefill_share
+    assert not plan_expert_backend("gpu", None, offloaded=True, cores=16).prefill_share
+
+
 def test_every_expert_resident_needs_no_host_whatever_was_asked():
     for backend in ("auto", "hybrid", "cpu"):
         got = plan_expert_backend(backend, None, offloaded=False, cores=16)
@@ -58,7 +68,10 @@ def test_ferry_plan_shows_the_backend_and_refuses_bad_flags(capsys):
     model = "tests/data/models/qwen3-30b-a3b/config.json"
     base = ["plan", "--model", model, "--gpu-memory", "12GiB", "--host-memory", "100GiB"]
     assert main([*base, "--expert-backend", "hybrid", "--host-expert-threads", "12"]) == 0
-    assert "expert backend hybrid (--expert-backend hybrid)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "expert backend hybrid (--expert-backend hybrid)" in out and "decode layers only" not in out
+    assert main([*base, "--host-expert-threads", "12"]) == 0
+    assert "(auto: decode layers only, where they say it wins" in capsys.readouterr().out
     assert main([*base, "--json", "--expert-backend", "cpu", "--host-expert-threads", "3"]) == 0
     assert json.loads(capsys.readouterr().out)["expert_backend"] == {"backend": "cpu", "host_threads": 3,
                                                                      "reason": "--host-expert-threads 3",

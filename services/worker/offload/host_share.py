@@ -14,7 +14,12 @@ N missed experts the host takes the last h, so that both sides end together,
 
 where `pcie_s` is one expert's copy, `host_s(n)` one expert's computation for n tokens (a + b n: memory
 bound at few tokens, compute bound at many, so a long prefill's share falls to nothing), and `overhead_s`
-the hand-off (the layer's input to the host, the result back). `HostCost` holds those measured figures.
+the hand-off (the layer's input to the host, the result back). `HostCost` holds those measured figures,
+and the range they were measured over: a step of more tokens, or of more tokens an expert, gives the host
+nothing. Outside it the model was wrong by far on the H200 (bench/NOTES.md, issue 23): with a few host
+experts a layer priced to save 3 %, 8,192-token chunks of the hybrid cut took 0.49-0.62 s against 0.18-0.19
+GPU-only, and 1,200-token steps 0.26-0.29 against 0.20-0.23 (the hand-off's copies grow with the step's
+tokens, its price was timed at 512; the kernel's time at 37-256 tokens an expert was extrapolated from 16).
 
 Per layer (`HostShare.start`, then `finish`): the layer's input x, its routing and its real row count
 are copied into pinned buffers behind the router's kernels, with an event; a host thread waits for that
@@ -41,20 +46,25 @@ from ferry.services.worker.offload.host_experts import HostExperts
 @dataclass(frozen=True)
 class HostCost:
     """Measured costs, seconds: one expert's copy over PCIe; one expert computed on the host for n tokens,
-    `host_s_at_1 + host_s_per_token x (n - 1)`; the per-layer hand-off."""
+    `host_s_at_1 + host_s_per_token x (n - 1)`; the per-layer hand-off. `max_step_tokens` and
+    `max_tokens_per_expert`: the largest step and tokens an expert they were measured at (calibrate); the
+    host takes nothing beyond them (unbounded for a rule rather than a measurement, as `cpu`'s)."""
 
     pcie_s: float
     host_s_at_1: float
     host_s_per_token: float
     overhead_s: float
+    max_step_tokens: float = math.inf
+    max_tokens_per_expert: float = math.inf
 
     def host_s(self, tokens_per_expert: float) -> float:
         return self.host_s_at_1 + self.host_s_per_token * max(0.0, tokens_per_expert - 1)
 
-    def host_count(self, missed: int, tokens_per_expert: float) -> int:
+    def host_count(self, missed: int, tokens_per_expert: float, step_tokens: int = 0) -> int:
         """How many of a layer's `missed` experts the host takes (module docstring), 0 where the
-        hand-off alone costs more than what the host would save the link."""
-        if missed < 1:
+        hand-off alone costs more than what the host would save the link, and for a step of
+        `step_tokens` (or tokens an expert) beyond what the costs were measured at."""
+        if missed < 1 or step_tokens > self.max_step_tokens or tokens_per_expert > self.max_tokens_per_expert:
             return 0
         host = self.host_s(tokens_per_expert)
         h = math.floor((missed * self.pcie_s - self.overhead_s) / (self.pcie_s + host))
@@ -94,7 +104,7 @@ class HostShare:
 
     def split(self, missed: list[int], tokens: int, top_k: int, num_experts: int) -> tuple[list[int], list[int]]:
         """(experts to stage, experts for the host) of one layer's missed experts, for a step of `tokens`."""
-        h = self.cost.host_count(len(missed), tokens * top_k / num_experts)
+        h = self.cost.host_count(len(missed), tokens * top_k / num_experts, tokens)
         return missed[: len(missed) - h], missed[len(missed) - h :]
 
     def start(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, real: int,
@@ -147,6 +157,12 @@ class HostShare:
         self._thread.shutdown(wait=True)
 
 
+# the sizes `calibrate` times: the hand-off of a step of this many tokens, the host's kernel at 1 and at this
+# many tokens an expert
+CALIBRATED_STEP_TOKENS = 512
+CALIBRATED_TOKENS_PER_EXPERT = 16
+
+
 def _median_s(fn, repeats: int, cuda: bool) -> float:
     """The median seconds of `fn(call)` over `repeats` calls, after one untimed (call 0): first-use costs
     (the C kernel's pool, a copy's first pages) stay out of the timing."""
@@ -179,8 +195,10 @@ def probe(call: int, n: int, layers: int, num_experts: int) -> tuple[int, list[i
 def calibrate(store, experts: HostExperts, device: torch.device, probe_experts: int = 8, repeats: int = 5) -> HostCost:
     """The HostCost of this machine, measured at boot on the store's own paths: the staging ring's copy of
     `probe_experts` experts (the copy engine, or the unpacking kernel for packed banks), HostExperts
-    computing them for 1 and 16 tokens each, fresh experts each call (`probe`), and a hand-off of a
-    512-token layer (its input and routing to the host, a result back) with nothing to compute."""
+    computing them for 1 and CALIBRATED_TOKENS_PER_EXPERT tokens each, fresh experts each call (`probe`), and
+    a hand-off of a CALIBRATED_STEP_TOKENS-token layer (its input and routing to the host, a result back) with
+    nothing to compute. Those
+    sizes bound the split (HostCost.max_step_tokens, max_tokens_per_expert)."""
     cuda = torch.device(device).type == "cuda"
     ring, h = store.ring, experts.hidden_size
     n = min(probe_experts, ring.size, experts.num_experts)
@@ -192,7 +210,7 @@ def calibrate(store, experts: HostExperts, device: torch.device, probe_experts: 
 
     pcie = _median_s(copy, repeats, cuda) / n
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(16, h, generator=g).to(experts.dtype)
+    x = torch.randn(CALIBRATED_TOKENS_PER_EXPERT, h, generator=g).to(experts.dtype)
 
     def host(tokens: int, first_call: int) -> float:
         def compute(call: int) -> None:
@@ -201,19 +219,21 @@ def calibrate(store, experts: HostExperts, device: torch.device, probe_experts: 
 
         return _median_s(compute, repeats, False) / n
 
-    at_1, at_16 = host(1, repeats + 1), host(16, 2 * (repeats + 1))  # past the experts the copies read
-    top_k = 8
-    share = HostShare(experts, HostCost(pcie, at_1, 0.0, 0.0), max_tokens=512, top_k=top_k, device=device)
-    xs = torch.zeros(512, h, dtype=experts.dtype, device=device)
-    ids = torch.zeros(512, top_k, dtype=torch.int64, device=device)
-    weights = torch.zeros(512, top_k, dtype=torch.float32, device=device)
-    rows = torch.zeros(512, top_k, h, dtype=torch.float32, device=device)
-    mask = torch.zeros(512, top_k, dtype=torch.bool, device=device)
+    n_tok = CALIBRATED_TOKENS_PER_EXPERT
+    at_1, at_n = host(1, repeats + 1), host(n_tok, 2 * (repeats + 1))  # past the experts the copies read
+    top_k, step = 8, CALIBRATED_STEP_TOKENS
+    share = HostShare(experts, HostCost(pcie, at_1, 0.0, 0.0), max_tokens=step, top_k=top_k, device=device)
+    xs = torch.zeros(step, h, dtype=experts.dtype, device=device)
+    ids = torch.zeros(step, top_k, dtype=torch.int64, device=device)
+    weights = torch.zeros(step, top_k, dtype=torch.float32, device=device)
+    rows = torch.zeros(step, top_k, h, dtype=torch.float32, device=device)
+    mask = torch.zeros(step, top_k, dtype=torch.bool, device=device)
     nothing = np.zeros(0, dtype=np.int64)
 
     def hand_off(call: int) -> None:
-        share.finish(share.start(0, xs, ids, weights, 512, nothing), rows, mask)
+        share.finish(share.start(0, xs, ids, weights, step, nothing), rows, mask)
 
     overhead = _median_s(hand_off, repeats, cuda)
     share.close()
-    return HostCost(pcie_s=pcie, host_s_at_1=at_1, host_s_per_token=max(0.0, (at_16 - at_1) / 15), overhead_s=overhead)
+    return HostCost(pcie_s=pcie, host_s_at_1=at_1, host_s_per_token=max(0.0, (at_n - at_1) / (n_tok - 1)),
+                    overhead_s=overhead, max_step_tokens=step, max_tokens_per_expert=n_tok)  # fmt: skip

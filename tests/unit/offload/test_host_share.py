@@ -54,6 +54,29 @@ def test_a_long_prefills_share_falls_to_nothing():
     assert cost.host_count(205, 4096) == 0
 
 
+def test_beyond_the_sizes_the_costs_were_measured_at_the_host_takes_nothing():
+    """The calibration times a 512-token hand-off and the kernel at 1 and 16 tokens an expert. On the H200 a
+    share priced from those at 1,200-token and 8,192-token steps made them 1.2-3.3x slower (bench/NOTES.md):
+    beyond either size the host takes nothing, within them the rule is as before."""
+    measured = HostCost(pcie_s=129e-6, host_s_at_1=148e-6, host_s_per_token=10e-6, overhead_s=50e-6,
+                        max_step_tokens=512, max_tokens_per_expert=16)  # fmt: skip
+    assert measured.host_count(205, 9, step_tokens=288) == 74  # as the unbounded rule gives (the test above)
+    assert measured.host_count(205, 9, step_tokens=513) == 0  # a step larger than the hand-off timed
+    assert measured.host_count(205, 37, step_tokens=500) == 0  # more tokens an expert than the kernel timed
+    assert measured.host_count(205, 16, step_tokens=512) > 0  # the edges themselves were measured
+    rule = HostCost(1.0, 0.0, 0.0, 0.0)  # cpu's rule: every miss to the host, at any size
+    assert rule.host_count(205, 256, step_tokens=8192) == 205
+
+
+def test_the_step_size_reaches_the_rule_through_split():
+    from ferry.services.worker.offload.host_share import HostShare
+
+    share = HostShare.__new__(HostShare)  # split reads only the cost
+    share.cost = HostCost(1.0, 1.0, 0.0, 0.0, max_step_tokens=4)
+    assert share.split([3, 5, 8, 9], tokens=4, top_k=2, num_experts=8) == ([3, 5], [8, 9])
+    assert share.split([3, 5, 8, 9], tokens=5, top_k=2, num_experts=8) == ([3, 5, 8, 9], [])
+
+
 def test_nothing_to_share_or_a_hand_off_dearer_than_the_saving_gives_the_host_nothing():
     assert HostCost(1.0, 1.0, 0.0, 0.0).host_count(0, 1) == 0
     assert HostCost(1e-4, 1e-4, 0.0, 1e-2).host_count(20, 1) == 0  # 10 ms of hand-off against 2 ms of copies
@@ -86,6 +109,7 @@ def test_calibration_runs_on_the_stores_own_paths():
                      repeats=3)  # fmt: skip
     assert cost.pcie_s > 0 and cost.host_s_at_1 > 0 and cost.overhead_s > 0
     assert cost.host_s(16) >= cost.host_s(1)
+    assert (cost.max_step_tokens, cost.max_tokens_per_expert) == (512, 16)  # what it timed bounds the split
 
 
 def test_each_timed_call_of_the_calibration_reads_experts_no_earlier_call_read():
