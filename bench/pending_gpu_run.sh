@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The device calls that land branch pending-gpu (now: the host's share of decode layers, issue 25), one
 # part a call (each fits the device's 600 s), run from the tree with the device's python3 and the .whl/
-# site on PYTHONPATH; everything lands in $OUT. Set FERRY_COMMIT to the tree's commit.
+# site on PYTHONPATH; everything lands in $OUT. Set FERRY_COMMIT to the tree's commit. PART=a,b runs several
+# parts in one call (one device start), e.g. PART=eight,ahead (~7 min).
 #   PART=check   make gpu-check (the release check, which builds the host's C kernel; gpu_check.json)  ~7-8 min
 #   PART=prefill bench/prefill_attention.py on the 35B's attention shapes, then the 262k-token TTFT  ~6-8 min
 #   PART=share   hybrid8 decode with and without --host-expert-threads, then three turns in bf16     ~8-9 min
@@ -14,9 +15,10 @@
 #                a variant (EIGHT_VARIANTS="flags|flags", e.g. "|--expert-backend gpu": one run each, in v<i>/;
 #                EIGHT_FLAGS for one); the servers' logs and step traces come back (v<i>/trace, v<i>/pytest)
 set -uo pipefail
-OUT=${OUT:-out}; mkdir -p "$OUT"
+OUT=${OUT:-out}; mkdir -p "$OUT"; PART=${PART:-check}
 export PYTHONUNBUFFERED=1 TMPDIR=${TMPDIR:-/tmp}
-case "${PART:-check}" in
+for part in ${PART//,/ }; do  # PART=eight,ahead runs both, in that order, in one call
+case "${part:-check}" in
   check)
     make gpu-check OUT=/tmp/gpu GPU_PYTHON=python3 > "$OUT/gpu_check_stdout.log" 2>&1; echo "gpu-check rc=$?"
     cp /tmp/gpu/* "$OUT/" 2>/dev/null; tail -3 "$OUT/gpu_check_stdout.log" ;;
@@ -96,7 +98,8 @@ PY
       grep -rh --include=serve.log kernel_compiled_in_service "$V/pytest" | cut -c1-300 | head -5
       grep -A3 '_speedup' "$V/eight.log" | head -12; tail -2 "$V/eight.log"
     done ;;
-  *) echo "PART must be check, prefill, share, decode12, decode30, ahead or eight" >&2; exit 2 ;;
+  *) echo "PART must be check, prefill, share, decode12, decode30, ahead or eight (or several, comma-separated)" >&2; exit 2 ;;
 esac
+done
 # the device returns a few files a call (more are dropped, as the first decode12 run's logs were): one archive
-tar -czf "/tmp/${PART:-check}_out.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "/tmp/${PART:-check}_out.tgz" "$OUT/"
+NAME=${PART//,/_}; tar -czf "/tmp/${NAME:-check}_out.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "/tmp/${NAME:-check}_out.tgz" "$OUT/"
