@@ -7,7 +7,7 @@ import argparse
 from ferry.shared.errors import ConfigError
 from ferry.shared.units import parse_bytes
 from ferry.plan.model_config import DTYPE_BYTES, normalize_dtype
-from ferry.plan.expert_backend import EXPERT_BACKENDS
+from ferry.plan.expert_backend import EXPERT_BACKENDS, RESERVED_CORES
 from ferry.plan.host_memory import BANK_FORMATS
 from ferry.plan.planner import PlanRequest
 
@@ -104,11 +104,12 @@ def add_planner_flags(parser: argparse.ArgumentParser) -> None:
                    help="who computes the experts a step misses with experts offloaded on CUDA: gpu (each crosses "
                         "PCIe), hybrid (the host computes part of each layer's misses where they lie in host RAM "
                         "while the rest cross, split by costs measured at boot), cpu (the host computes every miss), "
-                        "auto (default: hybrid where the host has cores to spare, the decode share kept only where "
-                        "the boot's calibration says it shortens a layer)")  # fmt: skip
+                        "auto (default: hybrid for decode layers where the host has cores to spare and the boot's "
+                        "calibration says it shortens a layer; prefills stay on the GPU, hybrid shares them too)")  # fmt: skip
     g.add_argument("--host-expert-threads", type=int, default=None, metavar="N",
                    help="the host's expert kernel threads for --expert-backend hybrid, cpu or auto (default: the "
-                        "physical cores minus 3, for the api, the scheduler and the worker)")  # fmt: skip
+                        f"physical cores minus {RESERVED_CORES}, for the api, the scheduler, the worker's launching "
+                        "thread and the rest of the machine)")  # fmt: skip
     g.add_argument("--dtype", type=_dtype, default=None, metavar="DTYPE",
                    help=f"weights and KV dtype: {', '.join(DTYPE_CHOICES)} (default auto: the checkpoint's)")
 
