@@ -171,7 +171,6 @@ class BatchScheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is the newest
         self.prefill_coalesce_s = prefill_coalesce_s if pool.experts_offloaded else 0.0
-        self.arrival_gap_s = self.prefill_coalesce_s * ARRIVAL_GAP_FRACTION
         self._arrivals: tuple[float, float] | None = None  # (first, last) arrival of the prompts held now
         self.by_rid: dict[int, Request] = {}
         self.preemptions = 0
@@ -264,7 +263,7 @@ class BatchScheduler:
         if not self.prefill_coalesce_s or self._arrivals is None or self._in_flight or self.running:
             return 0.0
         first, last = self._arrivals
-        until = min(last + self.arrival_gap_s, first + self.prefill_coalesce_s)
+        until = min(last + self.prefill_coalesce_s * ARRIVAL_GAP_FRACTION, first + self.prefill_coalesce_s)
         if now >= until:
             self._arrivals = None  # the held prompts go: the next arrival starts a new window
             return 0.0
