@@ -94,6 +94,10 @@ OFFLOADED_SNAPSHOT_SPAN = 256
 # in Python first: bench/NOTES.md, issue 23): with a 4 ms gap the first went alone and the other seven paid
 # a second pass behind it. A lone prompt waits the gap, 20 ms, against the 0.16-0.9 s of its step's pass.
 DEFAULT_PREFILL_COALESCE_MS = 60.0
+# decode steps out beyond the oldest unanswered one (--schedule-ahead-steps). Two, measured on the H200 (bench/NOTES.md,
+# "Two decode steps ahead"): a resident step (~1.0 ms) is shorter than the chain from an answer to the next
+# launch (~1.5 ms: the worker's launch, both hops, this process's turn), and with one ahead the device waited on it.
+DEFAULT_SCHEDULE_AHEAD_STEPS = 2
 ARRIVAL_GAP_FRACTION = 1 / 3
 
 
@@ -150,7 +154,8 @@ def _to_deepest_snapshot(chain: list[Node]) -> int:
 
 class BatchScheduler:
     def __init__(self, pool: PoolReport, first_step_id: int = 1, prefix_cache: bool = True,
-                 prefill_coalesce_s: float = DEFAULT_PREFILL_COALESCE_MS / 1000, schedule_ahead_steps: int = 1):  # fmt: skip
+                 prefill_coalesce_s: float = DEFAULT_PREFILL_COALESCE_MS / 1000,
+                 schedule_ahead_steps: int = DEFAULT_SCHEDULE_AHEAD_STEPS):  # fmt: skip
         """`prefix_cache`: reuse cached prefixes (False: --no-prefix-cache, every prompt computed whole);
         `prefill_coalesce_s`: how long new prompts may wait for more (arrival_hold_s; 0: never);
         `schedule_ahead_steps`: decode steps that may be in flight beyond the oldest (0: none ahead)."""
