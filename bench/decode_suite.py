@@ -73,6 +73,9 @@ VARIANTS = {"default": [], "no-prefetch": ["--no-expert-prefetch"], "eager": ["-
             "gpu": ["--expert-backend", "gpu"],
             # two decode steps out beyond the oldest unanswered one (issue 24: the resident single stream's chain)
             "ahead2": ["--schedule-ahead-steps", "2"],
+            # one decode step ahead (the default before two measured faster), on the GPU alone and under auto
+            "ahead1": ["--schedule-ahead-steps", "1"],
+            "gpu-ahead1": ["--expert-backend", "gpu", "--schedule-ahead-steps", "1"],
             # two GPUs, each owning half the experts (issue 26; eager, so compare with the eager variant too)
             "ep2": ["--expert-parallel-size", "2"]}
 
