@@ -68,8 +68,15 @@ def run_ahead_to_end(sched, model, abort_at: dict[int, int] | None = None, max_a
     raise AssertionError("did not finish")
 
 
-def test_decoding_ahead_gives_the_reference_continuations_and_returns_every_page():
-    sched, model = make(pages=64, page_size=4)
+def make_one_ahead(**pool):
+    """A scheduler with --schedule-ahead-steps 1 (the default is 2): at most two steps in flight."""
+    sched, model = make(**pool)
+    sched.schedule_ahead_steps = 1
+    return sched, model
+
+
+def test_one_step_ahead_gives_the_reference_continuations_and_returns_every_page():
+    sched, model = make_one_ahead(pages=64, page_size=4)
     prompts = {rid: prompt(rid, 5 + 3 * rid) for rid in range(1, 5)}
     lengths = {1: 1, 2: 7, 3: 12, 4: 20}
     for rid, p in prompts.items():
@@ -133,7 +140,7 @@ def test_a_request_that_stops_while_its_next_step_is_in_flight_drops_that_token_
 
 
 def test_an_abort_with_two_steps_in_flight_finishes_the_request_once_and_frees_it_after_both():
-    sched, model = make()
+    sched, model = make_one_ahead()
     add(sched, 1, prompt(1, 8), 40)
     add(sched, 2, prompt(2, 8), 12)
     when: dict[int, int] = {}
@@ -145,18 +152,18 @@ def test_an_abort_with_two_steps_in_flight_finishes_the_request_once_and_frees_i
 
 
 def test_no_step_goes_ahead_for_sampling_that_reads_its_own_output_nor_past_the_last_token_nor_with_room_for_a_queue():
-    sched, model = make()
+    sched, model = make_one_ahead()
     add(sched, 1, prompt(1, 8), 10, repetition_penalty=1.2)
     assert sched.schedule() is not None and sched.schedule_ahead() is None  # penalties read the output on the worker
-    sched, model = make()
+    sched, model = make_one_ahead()
     add(sched, 1, prompt(1, 8), 1)
     assert sched.schedule() is not None and sched.schedule_ahead() is None  # the token in flight is its last
-    sched, model = make(running=2)
+    sched, model = make_one_ahead(running=2)
     add(sched, 1, prompt(1, 8), 10)
     assert sched.schedule() is not None
     add(sched, 2, prompt(2, 8), 10)
     assert sched.schedule_ahead() is None  # a request waits and the batch has room for it: the pipeline drains
-    sched, model = make()
+    sched, model = make_one_ahead()
     add(sched, 1, prompt(1, 8), 10)
     batch = sched.schedule()
     ahead = sched.schedule_ahead()
@@ -167,11 +174,11 @@ def test_no_step_goes_ahead_for_sampling_that_reads_its_own_output_nor_past_the_
 
 def test_a_full_batch_keeps_going_ahead_while_requests_wait_and_admits_them_as_running_ones_end():
     # one request may run: the others wait whatever the pipeline does, so it does not drain for them
-    sched, model = make(running=1)
+    sched, model = make_one_ahead(running=1)
     add(sched, 1, prompt(1, 8), 10)
     add(sched, 2, prompt(2, 8), 10)
     assert sched.schedule() is not None and sched.schedule_ahead() is not None
-    sched, model = make(running=2)
+    sched, model = make_one_ahead(running=2)
     prompts = {rid: prompt(rid, 6 + rid) for rid in range(1, 6)}
     lengths = {1: 9, 2: 14, 3: 6, 4: 11, 5: 8}
     stop = reference_continuation(prompts[2].tolist(), 14, VOCAB)[4]  # request 2 stops early, on a token
