@@ -11,6 +11,9 @@ layer's share hands them over, fresh experts each call (round-robin over a bank 
 gives the host more than it can do in that time).
 
     python3 bench/host_price_tokens.py --threads 2 --out bench/results/host_price_tokens_epyc2.json
+
+`--huge-pages` times the same kernel on a bank advised onto transparent huge pages (bench/huge_pages.py);
+the result records the host's THP mode and how much of the process huge pages backed.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.cpu_expert_bw import _cpu_name, format_banks, on_thread  # noqa: E402
+from bench.huge_pages import anon_huge_bytes, thp_mode  # noqa: E402
 from ferry.plan.model_config import load_model_config  # noqa: E402
 from ferry.services.worker.offload.host_experts import HostExperts  # noqa: E402
 
@@ -66,6 +70,8 @@ def main() -> int:
     p.add_argument("--experts", type=int, default=48, help="experts in the walked bank (more than the caches hold)")
     p.add_argument("--per-call", type=int, default=8, help="experts a call (the calibration times 8 a call)")
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--huge-pages", action="store_true",
+                   help="advise the bank onto transparent huge pages before filling it (bench/huge_pages.py)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     tokens = sorted({int(t) for t in args.tokens.split(",")} | {1})
@@ -74,16 +80,21 @@ def main() -> int:
         p.error(f"--points {missing} must be among --tokens and above 1")
     spec = load_model_config(args.config)
     torch.set_num_threads(1)  # the measuring thread's own team: see bench/cpu_expert_bw.py
-    banks = format_banks(args.format, spec.hidden_size, spec.moe_intermediate_size, args.experts)
+    banks = format_banks(args.format, spec.hidden_size, spec.moe_intermediate_size, args.experts, args.huge_pages)
+    huge = anon_huge_bytes()  # while the bank lives: how much of it huge pages back
     host = HostExperts(banks, torch.bfloat16, args.threads, kernel=args.backend)
     measured = {n: on_thread(1, expert_seconds, host, n, args.repeats, args.experts, args.per_call) for n in tokens}
     host.close()
     ratios = lines(measured, points)
+    print(f"THP mode {thp_mode()}, huge pages advised: {args.huge_pages}, {huge} bytes on huge pages "
+          f"of a {banks.nbytes}-byte bank")
     for n, t in measured.items():
         print(f"{n:4d} tokens {t * 1e6:9.1f} us  " + "  ".join(f"line via {q}: {ratios[q][n]:.2f}" for q in points))
     result = {"config": args.config, "format": args.format, "backend": args.backend, "threads": args.threads,
               "per_call": args.per_call,
-              "cpu": _cpu_name(), "hidden": spec.hidden_size, "moe_intermediate": spec.moe_intermediate_size,
+              "cpu": _cpu_name(), "thp_mode": thp_mode(), "huge_pages_advised": args.huge_pages,
+              "anon_huge_bytes": huge, "bank_bytes": banks.nbytes,
+              "hidden": spec.hidden_size, "moe_intermediate": spec.moe_intermediate_size,
               "expert_us": {n: round(t * 1e6, 1) for n, t in measured.items()},
               "price_over_time": {f"line_via_{q}": r for q, r in ratios.items()}}  # fmt: skip
     if args.out:
