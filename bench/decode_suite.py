@@ -71,7 +71,8 @@ VARIANTS = {"default": [], "no-prefetch": ["--no-expert-prefetch"], "eager": ["-
             "host-share-no-prefetch": ["--expert-backend", "hybrid", "--host-expert-threads", "12", "--no-expert-prefetch"],
             # the GPU alone (what auto is since c642fec's measurements; before, auto took a host share)
             "gpu": ["--expert-backend", "gpu"],
-            # two decode steps out beyond the oldest unanswered one (issue 24: the resident single stream's chain)
+            # two decode steps out beyond the oldest unanswered one (issue 24: the resident single stream's chain);
+            # the default since c7b6274, kept by name for the runs before it
             "ahead2": ["--schedule-ahead-steps", "2"],
             # one decode step ahead (the default before two measured faster), on the GPU alone and under auto
             "ahead1": ["--schedule-ahead-steps", "1"],

@@ -66,8 +66,8 @@ case "${part:-check}" in
       timeout 100 python3 bench/host_price_tokens.py --threads 12 --experts 256 --format $fmt --tokens 1,4,8,16 \
         --points 16 $pages --out "$OUT/host_pages_${fmt}${pages:+_huge}_$round.json" 2>&1 | head -3 | tr '\n' ' '; echo
     done; done; done ;;
-  ahead)  # issue 24's resident hybrid cut with one and two decode steps scheduled ahead
-    timeout 560 python3 bench/decode_suite.py --out "$OUT" --workloads hybrid8_resident --variants default,ahead2 \
+  ahead)  # issue 24's resident hybrid cut with one and two (the default since c7b6274) decode steps scheduled ahead
+    timeout 560 python3 bench/decode_suite.py --out "$OUT" --workloads hybrid8_resident --variants ahead1,default \
       --max-tokens 256 > "$OUT/suite_ahead.log" 2>&1
     echo "hybrid8_resident rc=$?"; grep '^\[hybrid8_resident' "$OUT/suite_ahead.log" | tail -4 ;;
   eight)  # EIGHT_VARIANTS="flags a|flags b" runs the must-show once per variant, each in $OUT/v<i>/
