@@ -12,7 +12,8 @@ gives the host more than it can do in that time).
 
     python3 bench/host_price_tokens.py --threads 2 --out bench/results/host_price_tokens_epyc2.json
 
-`--huge-pages` times the same kernel on a bank advised onto transparent huge pages (bench/huge_pages.py);
+`--huge-pages off` times the same kernel on a bank left on small pages (the worker advises its banks onto
+transparent huge pages: services/worker/offload/host_pages.py);
 the result records the host's THP mode and how much of the process huge pages backed.
 """
 
@@ -31,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.cpu_expert_bw import _cpu_name, format_banks, on_thread  # noqa: E402
 from bench.huge_pages import anon_huge_bytes, thp_mode  # noqa: E402
+from ferry.plan.expert_backend import chosen_host_cpus, format_cpu_list  # noqa: E402
 from ferry.plan.model_config import load_model_config  # noqa: E402
 from ferry.services.worker.offload.host_experts import HostExperts  # noqa: E402
 
@@ -70,8 +72,11 @@ def main() -> int:
     p.add_argument("--experts", type=int, default=48, help="experts in the walked bank (more than the caches hold)")
     p.add_argument("--per-call", type=int, default=8, help="experts a call (the calibration times 8 a call)")
     p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--huge-pages", action="store_true",
-                   help="advise the bank onto transparent huge pages before filling it (bench/huge_pages.py)")
+    p.add_argument("--huge-pages", default="on", choices=("on", "off"),
+                   help="the bank advised onto transparent huge pages as the worker's are, or left on small pages")
+    p.add_argument("--cpus", default="auto",
+                   help="where the kernel's started threads are pinned, as --host-expert-cpus takes it: "
+                        "auto (the worker's default), none, or a CPU list")  # fmt: skip
     p.add_argument("--out", default=None)
     args = p.parse_args()
     tokens = sorted({int(t) for t in args.tokens.split(",")} | {1})
@@ -80,20 +85,22 @@ def main() -> int:
         p.error(f"--points {missing} must be among --tokens and above 1")
     spec = load_model_config(args.config)
     torch.set_num_threads(1)  # the measuring thread's own team: see bench/cpu_expert_bw.py
-    banks = format_banks(args.format, spec.hidden_size, spec.moe_intermediate_size, args.experts, args.huge_pages)
+    banks = format_banks(args.format, spec.hidden_size, spec.moe_intermediate_size, args.experts, args.huge_pages == "on")
     huge = anon_huge_bytes()  # while the bank lives: how much of it huge pages back
-    host = HostExperts(banks, torch.bfloat16, args.threads, kernel=args.backend)
+    cpus = chosen_host_cpus(args.threads, args.cpus)
+    host = HostExperts(banks, torch.bfloat16, args.threads, kernel=args.backend, cpus=cpus)
+    pinned = format_cpu_list(cpus[:host.c_kernel.pinned]) if host.c_kernel is not None else ""
     measured = {n: on_thread(1, expert_seconds, host, n, args.repeats, args.experts, args.per_call) for n in tokens}
     host.close()
     ratios = lines(measured, points)
     print(f"THP mode {thp_mode()}, huge pages advised: {args.huge_pages}, {huge} bytes on huge pages "
-          f"of a {banks.nbytes}-byte bank")
+          f"of a {banks.nbytes}-byte bank; threads pinned to CPUs {pinned or 'none'}")
     for n, t in measured.items():
         print(f"{n:4d} tokens {t * 1e6:9.1f} us  " + "  ".join(f"line via {q}: {ratios[q][n]:.2f}" for q in points))
     result = {"config": args.config, "format": args.format, "backend": args.backend, "threads": args.threads,
               "per_call": args.per_call,
-              "cpu": _cpu_name(), "thp_mode": thp_mode(), "huge_pages_advised": args.huge_pages,
-              "anon_huge_bytes": huge, "bank_bytes": banks.nbytes,
+              "cpu": _cpu_name(), "thp_mode": thp_mode(), "huge_pages_advised": args.huge_pages == "on",
+              "anon_huge_bytes": huge, "bank_bytes": banks.nbytes, "pinned_cpus": pinned,
               "hidden": spec.hidden_size, "moe_intermediate": spec.moe_intermediate_size,
               "expert_us": {n: round(t * 1e6, 1) for n, t in measured.items()},
               "price_over_time": {f"line_via_{q}": r for q, r in ratios.items()}}  # fmt: skip

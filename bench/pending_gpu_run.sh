@@ -12,6 +12,7 @@
 #   PART=decode30 the full-size Qwen3-30B at 24 GiB, GPU-only and with the host's share, its host nodes' time ~5 min
 #   PART=ahead   the resident hybrid cut with --schedule-ahead-steps 1 and 2 (issue 24)                ~4 min
 #   PART=hostpages the host kernel's time an expert on 4 KiB against transparent huge pages, alternated   ~2 min
+#   PART=pin     the host kernel's threads unpinned against pinned (--host-expert-cpus auto), alternated ~2 min
 #   PART=eight   issue 23's 8 streams sharing a 4k system prompt on the 8-layer hybrid cut, 640 slots  ~3-4 min
 #                a variant (EIGHT_VARIANTS="flags|flags", e.g. "|--expert-backend gpu": one run each, in v<i>/;
 #                EIGHT_FLAGS for one); the servers' logs and step traces come back (v<i>/trace, v<i>/pytest)
@@ -59,13 +60,20 @@ case "${part:-check}" in
       > "$OUT/suite_decode30.log" 2>&1
     echo "30b rc=$?"; grep '^\[30b' "$OUT/suite_decode30.log" | tail -4
     python3 -c "import json,sys; [print(f, json.load(open(f)).get('host_share')) for f in sys.argv[1:]]" "$OUT"/decode_30b*.json ;;
-  hostpages)  # issue 25: does the host kernel read faster from banks on huge pages (bench/huge_pages.py)?
+  hostpages)  # issue 25: the host kernel on banks left on 4 KiB pages against advised ones (host_pages.py)
     python3 -c "import sys; from setuptools import setup; sys.argv = ['setup.py', 'build_ext', '--inplace', '-q']; setup()" \
       > "$OUT/host_kernel_build.log" 2>&1 || echo "host kernel build failed (see host_kernel_build.log)"
-    for round in 1 2; do for fmt in packed bf16; do for pages in "" --huge-pages; do
-      timeout 100 python3 bench/host_price_tokens.py --threads 12 --experts 256 --format $fmt --tokens 1,4,8,16 \
-        --points 16 $pages --out "$OUT/host_pages_${fmt}${pages:+_huge}_$round.json" 2>&1 | head -3 | tr '\n' ' '; echo
+    for round in 1 2; do for fmt in packed bf16; do for pages in off on; do
+      timeout 150 python3 bench/host_price_tokens.py --threads 12 --experts 256 --format $fmt --tokens 1,4,8,16 \
+        --points 16 --huge-pages $pages --out "$OUT/host_pages_${fmt}_${pages}_$round.json" 2>&1 | head -3 | tr '\n' ' '; echo
     done; done; done ;;
+  pin)  # issue 25: the host kernel's threads unpinned against pinned one a core to the last cores (auto)
+    python3 -c "import sys; from setuptools import setup; sys.argv = ['setup.py', 'build_ext', '--inplace', '-q']; setup()" \
+      > "$OUT/host_kernel_build.log" 2>&1 || echo "host kernel build failed (see host_kernel_build.log)"
+    for round in 1 2 3; do for cpus in none auto; do
+      timeout 150 python3 bench/host_price_tokens.py --threads 12 --experts 256 --format bf16 --tokens 1,4,8,16 \
+        --points 16 --cpus $cpus --out "$OUT/host_pin_bf16_${cpus}_$round.json" 2>&1 | head -3 | tr '\n' ' '; echo
+    done; done ;;
   ahead)  # issue 24's resident hybrid cut with one and two (the default since c7b6274) decode steps scheduled ahead
     timeout 560 python3 bench/decode_suite.py --out "$OUT" --workloads hybrid8_resident --variants ahead1,default \
       --max-tokens 256 > "$OUT/suite_ahead.log" 2>&1
@@ -106,7 +114,7 @@ PY
       grep -rh --include=serve.log kernel_compiled_in_service "$V/pytest" | cut -c1-300 | head -5
       grep -A3 '_speedup' "$V/eight.log" | head -12; tail -2 "$V/eight.log"
     done ;;
-  *) echo "PART must be check, prefill, share, decode12, decode30, hostpages, ahead or eight (or several, comma-separated)" >&2; exit 2 ;;
+  *) echo "PART must be check, prefill, share, decode12, decode30, hostpages, pin, ahead or eight (or several, comma-separated)" >&2; exit 2 ;;
 esac
 done
 # the device returns a few files a call (more are dropped, as the first decode12 run's logs were): one archive

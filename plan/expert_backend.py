@@ -14,7 +14,8 @@
   for keeps it, within the sizes its costs were measured at.
 
 The host's threads: `--host-expert-threads N`, default the physical cores minus RESERVED_CORES (the three
-processes' threads and one for the rest of the machine). Nothing here imports torch: `ferry plan` shows the choice.
+processes' threads and one for the rest of the machine), pinned one a physical core to the last cores
+(`--host-expert-cpus auto|none|LIST`; chosen_host_cpus). Nothing here imports torch: `ferry plan` shows the choice.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class ExpertBackendPlan:
     host_threads: int = 0
     reason: str = "every expert has a GPU slot"
     requested: str = "auto"
+    host_cpus: tuple[int, ...] = ()  # where the host pool's started threads are pinned (chosen_host_cpus)
 
     @property
     def prefill_share(self) -> bool:
@@ -54,17 +56,9 @@ def physical_cores() -> int:
     (physical id, core id) pairs; the affinity count where those are not given."""
     logical = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     try:
-        text = Path("/proc/cpuinfo").read_text()
+        cores = set(core_map(Path("/proc/cpuinfo").read_text()).values())
     except OSError:
         return logical
-    cores, phys = set(), "0"
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip()
-        if key == "physical id":
-            phys = value.strip()
-        elif key == "core id":
-            cores.add((phys, value.strip()))
     return min(logical, len(cores)) if cores else logical
 
 
@@ -98,3 +92,83 @@ def plan_expert_backend(requested: str | None, threads: int | None, offloaded: b
                                            "the host's share (--host-expert-threads N turns it on)", requested)  # fmt: skip
     return ExpertBackendPlan("hybrid" if requested == "auto" else requested, max(1, spare),
                              f"{cores} physical cores - {RESERVED_CORES} for the processes", requested)  # fmt: skip
+
+
+
+def core_map(cpuinfo: str) -> dict[int, tuple[str, str]]:
+    """Each logical CPU's (physical id, core id) from /proc/cpuinfo's text; {} where it gives none."""
+    cores, cpu, phys = {}, None, "0"
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        key, value = key.strip(), value.strip()
+        if key == "processor":
+            cpu, phys = int(value), "0"
+        elif key == "physical id":
+            phys = value
+        elif key == "core id" and cpu is not None:
+            cores[cpu] = (phys, value)
+    return cores
+
+
+def host_thread_cpus(threads: int, allowed: list[int], cores: dict[int, tuple[str, str]]) -> list[int]:
+    """The CPUs for the host pool's `threads - 1` started workers (its caller is the last thread and stays
+    unpinned, thread_pool.c): one logical CPU a physical core, a hyperthread's sibling never beside a
+    worker, taken from the last cores of `allowed`. The first cores are left to the three processes, the
+    caller and the rest of the machine, which the kernel's scheduler places there as those are idle. Fewer
+    than asked (or none) where there are fewer cores than workers: two workers on one core would stall
+    the pool at each barrier, so those run unpinned."""
+    workers = threads - 1
+    if workers < 1:
+        return []
+    first_of_core: dict[tuple[str, str], int] = {}
+    for cpu in sorted(allowed):
+        first_of_core.setdefault(cores.get(cpu, ("cpu", str(cpu))), cpu)
+    firsts = sorted(first_of_core.values())
+    if workers > len(firsts):
+        return []
+    return firsts[len(firsts) - workers:]
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """A CPU list as taskset and cgroups write it ("0-3,8,10-11"), or ConfigError naming --host-expert-cpus."""
+    cpus: list[int] = []
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.strip().partition("-")
+            cpus.extend(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise ConfigError(f"--host-expert-cpus {text!r} is not a CPU list (auto, none, or like 4-15 or 4,6,8-11)") from None
+    if not cpus or min(cpus) < 0:
+        raise ConfigError(f"--host-expert-cpus {text!r} names no CPU (auto, none, or like 4-15 or 4,6,8-11)")
+    return cpus
+
+
+def chosen_host_cpus(threads: int, setting: str | None = None, cpuinfo: str | None = None,
+                     allowed: list[int] | None = None) -> list[int]:  # fmt: skip
+    """The CPUs the host pool's started workers are pinned to, by --host-expert-cpus `setting` (None: auto):
+    auto picks them (host_thread_cpus), none pins nothing, a list is taken as given (worker i on its
+    i-th CPU, round robin where the list is shorter)."""
+    setting = (setting or "").strip() or "auto"
+    if setting == "none":
+        return []
+    if setting != "auto":
+        return parse_cpu_list(setting)
+    if allowed is None:
+        allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    return host_thread_cpus(threads, allowed, core_map(cpuinfo))
+
+
+def format_cpu_list(cpus) -> str:
+    """CPUs as a list of ranges ("5-15", "0,2,4-6"), the form --host-expert-cpus takes; "" for none."""
+    runs: list[list[int]] = []
+    for cpu in cpus:
+        if runs and cpu == runs[-1][1] + 1:
+            runs[-1][1] = cpu
+        else:
+            runs.append([cpu, cpu])
+    return ",".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ferry.shared.units import format_bytes
+from ferry.plan.expert_backend import format_cpu_list
 from ferry.plan.planner import Plan
 from ferry.plan.pool_layout import POOL_ALIGN, VIEW_ALIGN
 
@@ -65,6 +66,9 @@ def plan_table(plan: Plan, host_here: int | None = None) -> str:
                                                           if not b.prefill_share else ""),
                "cpu": "the host computes every missed expert"}[b.backend]  # fmt: skip
     threads = f"; {b.host_threads} host threads ({b.reason})" if b.host_threads else f" ({b.reason})"
+    if b.host_threads:
+        threads += (f", {b.host_threads - 1} of them pinned to CPUs {format_cpu_list(b.host_cpus)}" if b.host_cpus else
+                    ", unpinned")  # fmt: skip
     return _render([*rows, *host_rows], split_before=len(rows)) + (
         f"\ndtype {plan.dtype}, max_model_len {plan.max_model_len}, max_running_requests {plan.max_running_requests}"
         f"\nexpert backend {b.backend} (--expert-backend {b.requested}): {backend}{threads}"

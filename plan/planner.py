@@ -24,7 +24,8 @@ from ferry.shared.units import ceil_div, format_bytes
 from ferry.plan import expert_formats as F
 from ferry.plan import host_memory as H
 from ferry.plan import pool_layout as L
-from ferry.plan.expert_backend import ExpertBackendPlan, check_expert_backend_flags, physical_cores, plan_expert_backend
+from ferry.plan.expert_backend import (ExpertBackendPlan, check_expert_backend_flags, chosen_host_cpus, parse_cpu_list,
+                                       physical_cores, plan_expert_backend)  # fmt: skip
 
 DEFAULT_MEMORY_RATIO = 0.9
 DEFAULT_PAGE_SIZE = 16
@@ -62,6 +63,7 @@ class PlanRequest:
     linear_state_snapshots: int | None = None  # hybrid models' prefix-cache states; None: the default (above)
     expert_backend: str | None = None  # auto | gpu | hybrid | cpu (plan/expert_backend.py); None: auto
     host_expert_threads: int | None = None  # the host's expert threads; None: the cores the processes leave
+    host_expert_cpus: str | None = None  # where they are pinned: auto | none | a CPU list; None: auto
 
     def is_set(self, name: str) -> bool:
         return getattr(self, name) is not None
@@ -206,6 +208,8 @@ def resolve(spec: ModelSpec, req: PlanRequest) -> Resolved:
          f"--linear-state-snapshots must not be negative, got {req.linear_state_snapshots}"),
     ]  # fmt: skip
     check_expert_backend_flags(req.expert_backend, req.host_expert_threads)
+    if req.host_expert_cpus not in (None, "auto", "none"):  # a bad list fails the plan before any weight loads
+        parse_cpu_list(req.host_expert_cpus)
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
@@ -335,8 +339,11 @@ def make_plan(spec: ModelSpec, req: PlanRequest, measured: Measured) -> Plan:
     plan = _plan(spec, r, measured, budget, derivation, sizes, costs, host)
     cores = measured.host_cores if measured.host_cores is not None else physical_cores()
     offloaded = sizes.expert_slots < spec.total_experts
-    return dataclasses.replace(plan, expert_backend=plan_expert_backend(req.expert_backend, req.host_expert_threads,
-                                                                         offloaded, cores))  # fmt: skip
+    backend = plan_expert_backend(req.expert_backend, req.host_expert_threads, offloaded, cores)
+    if backend.host_threads:  # chosen here, so `ferry plan` shows them
+        backend = dataclasses.replace(backend, host_cpus=tuple(chosen_host_cpus(backend.host_threads,
+                                                                                req.host_expert_cpus)))  # fmt: skip
+    return dataclasses.replace(plan, expert_backend=backend)
 
 
 def _requirements_and_floors(spec: ModelSpec, req: PlanRequest, r: Resolved) -> _Sizes:

@@ -15,6 +15,7 @@ PLANNER_FIELDS = (
     "gpu_memory", "memory_ratio", "num_tokens", "num_pages", "kv_reserve_tokens", "moe_cache_size",
     "moe_cache_rate", "page_size", "max_running_requests", "max_prefill_tokens", "max_model_len", "dtype",
     "host_memory", "expert_bank_format", "linear_state_snapshots", "expert_backend", "host_expert_threads",
+    "host_expert_cpus",
 )  # fmt: skip
 # the fields that are byte sizes (forwarded to a child process with their unit: `--gpu-memory 123B`)
 BYTE_FIELDS = ("gpu_memory", "host_memory")
@@ -110,6 +111,10 @@ def add_planner_flags(parser: argparse.ArgumentParser) -> None:
                    help="the host's expert kernel threads for --expert-backend hybrid, cpu or auto (default: the "
                         f"physical cores minus {RESERVED_CORES}, for the api, the scheduler, the worker's launching "
                         "thread and the rest of the machine)")  # fmt: skip
+    g.add_argument("--host-expert-cpus", default=None, metavar="auto|none|LIST",
+                   help="where the host's expert threads run, one a CPU: auto (default: one a physical core, the "
+                        "last cores this process may use, the first left to the processes), none (unpinned), or a "
+                        "CPU list such as 4-15 (the first thread is the caller's and stays unpinned)")  # fmt: skip
     g.add_argument("--dtype", type=_dtype, default=None, metavar="DTYPE",
                    help=f"weights and KV dtype: {', '.join(DTYPE_CHOICES)} (default auto: the checkpoint's)")
 

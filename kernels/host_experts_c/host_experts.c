@@ -66,18 +66,21 @@ int ferry_host_isa_available(int isa) {
     return isa == FERRY_ISA_PORTABLE || (isa == FERRY_ISA_AVX512_BF16 && avx512_bf16_available());
 }
 
-void *ferry_host_kernel_create(int threads) {
+/* cpus, ncpus: where the pool's started threads run (ferry_pool_create); ncpus 0 leaves them unpinned */
+void *ferry_host_kernel_create(int threads, const int *cpus, int ncpus) {
     static pthread_once_t once = PTHREAD_ONCE_INIT;
     pthread_once(&once, ferry_tables_init);
     ferry_kernel *k = calloc(1, sizeof *k);
     if (!k) return NULL;
-    if (!(k->pool = ferry_pool_create(threads))) {
+    if (!(k->pool = ferry_pool_create(threads, cpus, ncpus))) {
         free(k);
         return NULL;
     }
     pthread_mutex_init(&k->busy, NULL);
     return k;
 }
+
+int ferry_host_kernel_pinned(void *handle) { return ferry_pool_pinned(((ferry_kernel *)handle)->pool); }
 
 void ferry_host_kernel_destroy(void *handle) {
     ferry_kernel *k = handle;

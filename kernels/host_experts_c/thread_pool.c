@@ -1,7 +1,13 @@
 /* The pool's workers spin a short while for the next task before sleeping on a condition variable:
  * a decode step calls once per MoE layer, tens of microseconds apart, and a futex wake-up costs as
  * much as a layer's expert at one token; spinning longer would take the cores from torch's threads.
- * Barriers spin the same way, then yield. */
+ * Barriers spin the same way, then yield.
+ *
+ * Started workers can be pinned, one a CPU (ferry_pool_create's cpus): a worker the scheduler moves
+ * between cores loses its L1/L2 and, beside the three processes' threads on the same core, waits for
+ * its time slice while the whole pool waits for it at the barrier. The caller (worker 0: the worker's
+ * launching thread, or the CUDA driver's thread that runs a graph's host node) is left where it is:
+ * pinning it would pin its other work too. */
 #define _GNU_SOURCE
 #include "thread_pool.h"
 
@@ -24,6 +30,7 @@
 
 struct ferry_pool {
     int size;
+    int pinned;             /* started workers pinned to their CPU */
     pthread_t *threads;
     pthread_mutex_t lock;
     pthread_cond_t wake;
@@ -40,6 +47,21 @@ typedef struct {
     ferry_pool *pool;
     int index;
 } worker_arg;
+
+/* pin a started thread to one CPU; 0 when done, an errno where refused (a CPU outside the cgroup's set) */
+static int pin_thread(pthread_t thread, int cpu) {
+#if defined(__linux__)
+    if (cpu < 0 || cpu >= CPU_SETSIZE) return 22; /* EINVAL */
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(cpu, &set);
+    return pthread_setaffinity_np(thread, sizeof set, &set);
+#else
+    (void)thread;
+    (void)cpu;
+    return 95; /* EOPNOTSUPP: no affinity call here, the workers stay unpinned */
+#endif
+}
 
 static long long now_ns(void) {
     struct timespec ts;
@@ -80,7 +102,7 @@ static void *worker_main(void *p) {
     }
 }
 
-ferry_pool *ferry_pool_create(int threads) {
+ferry_pool *ferry_pool_create(int threads, const int *cpus, int ncpus) {
     if (threads < 1) return NULL;
     ferry_pool *pool = calloc(1, sizeof *pool);
     if (!pool) return NULL;
@@ -97,9 +119,12 @@ ferry_pool *ferry_pool_create(int threads) {
             ferry_pool_destroy(pool);
             return NULL;
         }
+        if (ncpus > 0 && cpus && pin_thread(pool->threads[i], cpus[(i - 1) % ncpus]) == 0) pool->pinned++;
     }
     return pool;
 }
+
+int ferry_pool_pinned(const ferry_pool *pool) { return pool->pinned; }
 
 void ferry_pool_destroy(ferry_pool *pool) {
     if (!pool) return;

@@ -7,7 +7,10 @@
 typedef struct ferry_pool ferry_pool;
 typedef void (*ferry_task)(void *arg, int worker, int workers);
 
-ferry_pool *ferry_pool_create(int threads);
+/* `threads` workers, the caller one of them; with ncpus > 0 started worker i (1..threads - 1) is pinned to
+ * cpus[(i - 1) % ncpus], and a worker the kernel refuses to pin runs unpinned (ferry_pool_pinned counts) */
+ferry_pool *ferry_pool_create(int threads, const int *cpus, int ncpus);
+int ferry_pool_pinned(const ferry_pool *pool);
 void ferry_pool_destroy(ferry_pool *pool);
 int ferry_pool_size(const ferry_pool *pool);
 /* task(arg, w, n) on every worker w < n, the caller as worker 0; returns when all have returned */

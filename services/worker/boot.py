@@ -37,6 +37,7 @@ from ferry.plan.expert_parallel import check_ranks_host, nccl_workspace_bytes, r
 from ferry.services.worker.offload.build import build_expert_store, host_banks_for, is_offloaded
 from ferry.services.worker.offload.expert_parallel import ExpertParallelExperts
 from ferry.services.worker.offload.host_banks import mem_available_bytes
+from ferry.services.worker.offload.host_pages import anon_huge_bytes, huge_pages_wanted, thp_mode
 from ferry.plan.plan_report import plan_log_fields
 from ferry.plan.planner import Measured, Plan, PlanRequest, Resolved, resolve
 from ferry.services.worker.pools import TORCH_DTYPES, allocate_pools
@@ -114,8 +115,11 @@ def _host_banks(spec, plan: Plan):
         return None
     t0 = time.monotonic()
     banks = host_banks_for(spec, plan, progress=_progress_bars())
+    huge = anon_huge_bytes()  # the process's, so the banks' and a little else: page-locking faulted them in
     log.info("expert_host_banks", bytes=banks.nbytes, size=format_bytes(banks.nbytes), pinned=banks.pinned,
-             layers=banks.num_layers, experts=banks.num_experts, seconds=round(time.monotonic() - t0, 3))  # fmt: skip
+             layers=banks.num_layers, experts=banks.num_experts, seconds=round(time.monotonic() - t0, 3),
+             thp_mode=thp_mode(), huge_pages_advised=huge_pages_wanted(),
+             huge_page_bytes=huge if banks.pinned else None)  # fmt: skip
     return banks
 
 
@@ -266,6 +270,7 @@ def _attach_host_share(store, spec, plan: Plan, dtype: torch.dtype, device: torc
     from ferry.services.worker.offload.device_store import DeviceDrivenExperts
     from ferry.services.worker.offload.host_experts import HostExperts
     from ferry.services.worker.offload.host_share import HostCost, HostShare, calibrate
+    from ferry.plan.expert_backend import format_cpu_list
 
     chosen = plan.expert_backend
     why = ("the model runs on the CPU: every expert is computed there already" if device.type != "cuda" else
@@ -275,10 +280,12 @@ def _attach_host_share(store, spec, plan: Plan, dtype: torch.dtype, device: torc
         log.info("host_share_off", reason=why, expert_backend=chosen.requested)
         return
     threads = chosen.host_threads
-    experts = HostExperts(store.banks, dtype, threads)
+    cpus = chosen.host_cpus
+    experts = HostExperts(store.banks, dtype, threads, cpus=cpus)
+    pinned = experts.c_kernel.pinned if experts.c_kernel is not None else 0
     cost = calibrate(store, experts, device)
     log.info("host_share", expert_backend=chosen.backend, requested=chosen.requested, threads=threads,
-             threads_from=chosen.reason, backend=experts.backend, pcie_us=round(cost.pcie_s * 1e6, 1),
+             threads_from=chosen.reason, backend=experts.backend, pinned_cpus=format_cpu_list(cpus[:pinned]), pcie_us=round(cost.pcie_s * 1e6, 1),
              host_us_at_1=round(cost.host_s_at_1 * 1e6, 1), host_us_per_token=round(cost.host_s_per_token * 1e6, 2),
              overhead_us=round(cost.overhead_s * 1e6, 1))  # fmt: skip
     split = HostCost(1.0, 0.0, 0.0, 0.0) if chosen.backend == "cpu" else cost  # cpu: the host takes every miss

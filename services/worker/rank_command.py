@@ -28,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
     from ferry.services.worker.boot import boot_worker
     from ferry.services.worker.device import select_device
     from ferry.services.worker.expert_ranks import (
-        HOST_AVAILABLE_ENV, SEED_ENV, RankGroup, check_same_plans, follow, init_group,
+        HOST_AVAILABLE_ENV, SEED_ENV, RankGroup, check_same_plans, follow, init_group, leave_group,
     )  # fmt: skip
 
     cfg = boot_config_from_args(args)
@@ -44,8 +44,12 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, signal.SIG_IGN)
     structlog.contextvars.bind_contextvars(rank=rank)
     group = RankGroup(rank, world, init_group(rank, world, args.rendezvous, select_device(device)), [])
-    executor, plan = boot_worker(cfg)
-    check_same_plans(group, plan)
+    try:
+        executor, plan = boot_worker(cfg)
+        check_same_plans(group, plan)
+    except BaseException:
+        leave_group()
+        raise
     follow(group, executor)
     return 0
 

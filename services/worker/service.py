@@ -152,13 +152,18 @@ class WorkerService:
     def boot(self) -> None:
         self.heartbeat.start()  # the scheduler hears "loading" while the model loads
         t0 = time.monotonic()
-        if self.boot_config.expert_parallel_size > 1:
-            self._start_ranks()
-        self.executor, self.plan = load_boot(self.cfg.boot)(self.boot_config)
-        if self.ranks is not None:
-            from ferry.services.worker.expert_ranks import check_same_plans
+        try:
+            if self.boot_config.expert_parallel_size > 1:
+                self._start_ranks()
+            self.executor, self.plan = load_boot(self.cfg.boot)(self.boot_config)
+            if self.ranks is not None:
+                from ferry.services.worker.expert_ranks import check_same_plans
 
-            check_same_plans(self.ranks, self.plan)
+                check_same_plans(self.ranks, self.plan)
+        except BaseException:
+            if self.ranks is not None:
+                self._leave_ranks()
+            raise
         stats = getattr(self.executor, "expert_stats", None)  # (hits, misses) from the expert cache, if it has one
         self.heartbeat.expert_stats = stats if callable(stats) else None
         report = getattr(self.executor, "expert_cache_report", None)  # a test double's boot may have none
@@ -353,13 +358,28 @@ class WorkerService:
                 share_step(self.ranks, None)
             except RuntimeError:
                 pass
+        self._reap_followers()
+        remove_rendezvous(self.ranks.rendezvous)
+
+    def _leave_ranks(self) -> None:
+        """Rank 0's boot failed: leave the group (expert_ranks.leave_group: the followers' collectives end),
+        reap the followers, which fail with it, and remove the rendezvous; the boot's error is then raised."""
+        from ferry.services.worker.expert_ranks import leave_group, remove_rendezvous
+
+        if self.ranks.watch is not None:
+            self.ranks.watch.stopped.set()  # their exits are this failure's, not a rank failing later
+        leave_group()
+        self._reap_followers()
+        remove_rendezvous(self.ranks.rendezvous)
+        self.ranks = None  # close() has nothing left to stop
+
+    def _reap_followers(self, grace_s: float = 10) -> None:
         for proc in self.ranks.followers:
             try:
-                proc.wait(timeout=10)
+                proc.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        remove_rendezvous(self.ranks.rendezvous)
 
 
 _PATH = re.compile(r"(?<![\w.])(?:~|\.{1,2})?/[^\s,;:()'\"]+")

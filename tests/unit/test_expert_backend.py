@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from ferry.plan.expert_backend import physical_cores, plan_expert_backend
+from ferry.plan.expert_backend import (chosen_host_cpus, core_map, format_cpu_list, host_thread_cpus, parse_cpu_list,
+                                       physical_cores, plan_expert_backend)  # fmt: skip
 from ferry.shared.errors import ConfigError
 
 
@@ -62,21 +63,72 @@ def test_physical_cores_counts_this_machine():
     assert 1 <= physical_cores() <= len(os.sched_getaffinity(0))
 
 
-def test_ferry_plan_shows_the_backend_and_refuses_bad_flags(capsys):
+def test_ferry_plan_shows_the_backend_and_refuses_bad_flags(capsys, monkeypatch):
     from ferry.services.cli import main
+
+    monkeypatch.setenv("FERRY_HOST_EXPERT_CPUS", "4-5")  # --host-expert-cpus, as every flag's variable
 
     model = "tests/data/models/qwen3-30b-a3b/config.json"
     base = ["plan", "--model", model, "--gpu-memory", "12GiB", "--host-memory", "100GiB"]
     assert main([*base, "--expert-backend", "hybrid", "--host-expert-threads", "12"]) == 0
     out = capsys.readouterr().out
     assert "expert backend hybrid (--expert-backend hybrid)" in out and "decode layers only" not in out
+    assert "12 host threads (--host-expert-threads 12), 11 of them pinned to CPUs 4-5" in out
     assert main([*base, "--host-expert-threads", "12"]) == 0
     assert "(auto: decode layers only, where they say it wins" in capsys.readouterr().out
     assert main([*base, "--json", "--expert-backend", "cpu", "--host-expert-threads", "3"]) == 0
     assert json.loads(capsys.readouterr().out)["expert_backend"] == {"backend": "cpu", "host_threads": 3,
                                                                      "reason": "--host-expert-threads 3",
-                                                                     "requested": "cpu"}  # fmt: skip
+                                                                     "requested": "cpu",
+                                                                     "host_cpus": [4, 5]}  # fmt: skip
     assert main([*base, "--expert-backend", "gpu", "--host-expert-threads", "3"]) != 0
     assert "--host-expert-threads with --expert-backend gpu" in capsys.readouterr().err
     assert main([*base[:3], "--gpu-memory", "80GiB", "--moe-cache-rate", "1.0"]) == 0  # all resident: the GPU alone
     assert "expert backend gpu (--expert-backend auto)" in capsys.readouterr().out
+
+
+def _cpuinfo(cores: list[tuple[int, int]]) -> str:
+    """/proc/cpuinfo's text for logical CPUs 0.. on (physical id, core id) `cores`."""
+    return "\n".join(f"processor\t: {cpu}\nphysical id\t: {phys}\ncore id\t\t: {core}\n"
+                     for cpu, (phys, core) in enumerate(cores))  # fmt: skip
+
+
+def test_the_pool_is_pinned_one_a_core_to_the_last_cores():
+    # 8 cores with hyperthreads as Linux numbers them: CPU c and c + 8 share core c
+    ht = _cpuinfo([(0, c) for c in range(8)] * 2)
+    assert core_map(ht)[11] == ("0", "3")
+    # 6 threads: the caller unpinned, 5 workers on the last 5 cores, never a sibling of another worker
+    assert host_thread_cpus(6, list(range(16)), core_map(ht)) == [3, 4, 5, 6, 7]
+    # a cgroup that allows only some CPUs: chosen among those
+    assert host_thread_cpus(3, [0, 1, 2, 8, 9, 10], core_map(ht)) == [1, 2]
+    # two sockets whose core ids repeat: (physical id, core id) tells their cores apart
+    two = _cpuinfo([(0, 0), (0, 1), (1, 0), (1, 1)])
+    assert host_thread_cpus(4, [0, 1, 2, 3], core_map(two)) == [1, 2, 3]
+    # more workers than cores: none pinned (two on a core would stall the pool at every barrier)
+    assert host_thread_cpus(6, [0, 1, 2, 3], core_map(two)) == []
+    assert host_thread_cpus(1, [0, 1, 2, 3], core_map(two)) == []  # no started thread at all
+    # no topology (a container's masked cpuinfo): every allowed CPU is its own core
+    assert host_thread_cpus(3, [4, 5, 6, 7], {}) == [6, 7]
+
+
+def test_the_pinning_setting_is_auto_none_or_a_cpu_list():
+    info = _cpuinfo([(0, c) for c in range(16)])
+    assert chosen_host_cpus(12, "auto", info, list(range(16))) == list(range(5, 16))
+    assert chosen_host_cpus(12, None, info, list(range(16))) == list(range(5, 16))  # not given: auto
+    assert chosen_host_cpus(12, "none", info, list(range(16))) == []
+    assert chosen_host_cpus(12, " 4-6,9 ", info, list(range(16))) == [4, 5, 6, 9]
+    for bad in ("4-x", "-1", ",", "five"):
+        with pytest.raises(ConfigError, match="--host-expert-cpus"):
+            chosen_host_cpus(12, bad, info, list(range(16)))
+    assert parse_cpu_list("0-2,8") == [0, 1, 2, 8]
+    assert format_cpu_list([0, 1, 2, 8, 10, 11]) == "0-2,8,10-11" and format_cpu_list([]) == ""
+
+
+def test_a_bad_cpu_list_fails_the_plan_naming_the_flag(capsys):
+    from ferry.services.cli import main
+
+    model = "tests/data/models/qwen3-30b-a3b/config.json"
+    for threads in ("3", "1"):  # whether or not a thread is started to pin
+        assert main(["plan", "--model", model, "--gpu-memory", "12GiB", "--host-memory", "100GiB",
+                     "--host-expert-threads", threads, "--host-expert-cpus", "4-x"]) != 0  # fmt: skip
+        assert "--host-expert-cpus '4-x' is not a CPU list" in capsys.readouterr().err

@@ -1,5 +1,5 @@
 """The expert-parallel worker's checks that need no second process (services/worker/expert_ranks.py): every
-rank must plan the same pools, and the ranks need a device each."""
+rank must plan the same pools, the ranks need a device each, and a rank whose boot failed leaves the group."""
 
 from __future__ import annotations
 
@@ -39,3 +39,14 @@ def test_a_single_gpu_named_for_several_ranks_is_refused():
     with pytest.raises(ConfigError, match="--device cuda:1 with --expert-parallel-size 2"):
         R.check_rank_devices("cuda:1", 2)
     R.check_rank_devices("cpu", 4)  # CPU ranks share the host
+
+
+def test_a_rank_whose_boot_failed_leaves_its_group(tmp_path):
+    """leave_group ends a live group (a one-rank gloo group here) and is a no-op without one."""
+    import torch
+
+    R.init_group(0, 1, str(tmp_path / "rendezvous"), torch.device("cpu"))
+    assert R.dist.is_initialized()
+    R.leave_group()
+    assert not R.dist.is_initialized()
+    R.leave_group()  # nothing to leave: no error

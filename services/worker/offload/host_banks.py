@@ -16,7 +16,9 @@ tensor at a time, so RAM never holds a second full copy) or by `fill_dummy` for 
 
 from __future__ import annotations
 
+import contextlib
 import math
+import sys
 import weakref
 from pathlib import Path
 
@@ -31,6 +33,7 @@ from ferry.plan.host_memory import HOST_RESERVE_BYTES, MEMINFO, mem_available_by
 from ferry.shared.units import format_bytes
 from ferry.services.worker.expert_formats import expert_format_for
 from ferry.services.worker.expert_formats.bf16 import Bf16Experts
+from ferry.services.worker.offload.host_pages import HUGE_PAGE, advise_huge_pages, huge_pages_wanted
 from ferry.services.worker.pools import TORCH_DTYPES
 
 # Elements per copy of the dummy fill: large copies run at memcpy speed (see fill_dummy).
@@ -58,9 +61,13 @@ def check_host_memory(needed: int, what: str, meminfo: Path = MEMINFO, reserve: 
 
 
 def pinnable_host_block(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """An uninitialised host block; with `pin`, page-locked in place and mapped for the GPU (marked
-    `_ferry_host_registered`: unregister_host_blocks unlocks it before it is freed)."""
+    """An uninitialised host block, advised onto huge pages when it spans one (host_pages.py); with `pin`,
+    page-locked in place and mapped for the GPU (marked `_ferry_host_registered`: unregister_host_blocks
+    unlocks it before it is freed)."""
     block = torch.empty(shape, dtype=dtype)
+    if huge_pages_wanted() and sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):  # no THP here: the block stays on small pages, as it would be
+            advise_huge_pages(block, smallest=HUGE_PAGE)
     if not pin:
         return block
     cudart = torch.cuda.cudart()

@@ -81,8 +81,10 @@ def library() -> tuple[ctypes.CDLL | None, str]:
         return None, f"{path} failed to load: {e}"
     lib.ferry_host_isa_available.argtypes = [ctypes.c_int]
     lib.ferry_host_isa_available.restype = ctypes.c_int
-    lib.ferry_host_kernel_create.argtypes = [ctypes.c_int]
+    lib.ferry_host_kernel_create.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.c_int]
     lib.ferry_host_kernel_create.restype = ctypes.c_void_p
+    lib.ferry_host_kernel_pinned.argtypes = [ctypes.c_void_p]
+    lib.ferry_host_kernel_pinned.restype = ctypes.c_int
     lib.ferry_host_kernel_destroy.argtypes = [ctypes.c_void_p]
     lib.ferry_host_kernel_destroy.restype = None
     lib.ferry_host_kernel_compute.argtypes = [ctypes.c_void_p, ctypes.POINTER(Job)]
@@ -187,9 +189,10 @@ def check_call(banks, dtype: torch.dtype, moe_layer: int, x: torch.Tensor, token
 
 
 class HostKernel:
-    """The C kernel over one set of host banks, computing in `dtype` on `threads` threads (its own pool)."""
+    """The C kernel over one set of host banks, computing in `dtype` on `threads` threads (its own pool),
+    the started ones pinned to `cpus` (thread_pool.c; empty: unpinned); `pinned` says how many were."""
 
-    def __init__(self, banks, dtype: torch.dtype, threads: int, isa: str | None = None):
+    def __init__(self, banks, dtype: torch.dtype, threads: int, isa: str | None = None, cpus: Sequence[int] = ()):
         lib, why = library()
         if lib is None:
             raise KernelUnavailable(why)
@@ -206,9 +209,12 @@ class HostKernel:
             self._packed_layout()
         else:
             self.families = self._plain_or_quantized_families(banks)
-        self.lib, self.handle = lib, lib.ferry_host_kernel_create(threads)
+        cpu_array = (ctypes.c_int * max(1, len(cpus)))(*cpus)
+        self.lib, self.handle = lib, lib.ferry_host_kernel_create(threads, cpu_array, len(cpus))
         if not self.handle:
             raise KernelUnavailable(f"the host kernel could not start {threads} threads")
+        self.cpus = list(cpus)
+        self.pinned = lib.ferry_host_kernel_pinned(self.handle)
         self._destroy = weakref.finalize(self, lib.ferry_host_kernel_destroy, self.handle)  # joins its threads
 
     @staticmethod

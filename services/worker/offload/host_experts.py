@@ -72,10 +72,12 @@ class HostExperts:
     PackedHostBanks), in `dtype` (the run dtype: x must be in it), on `threads` CPU threads;
     `decode_chunk`: values a decoding pass covers (host_expert_weights.py; the tests cross chunk edges);
     `kernel`: auto | c | torch (module docstring; `c` raises KernelUnavailable where it cannot);
-    `isa`: the C kernel's instruction set, auto | avx512 | portable (default: FERRY_HOST_KERNEL_ISA, else auto)."""
+    `isa`: the C kernel's instruction set, auto | avx512 | portable (default: FERRY_HOST_KERNEL_ISA, else auto);
+    `cpus`: where the C kernel's started threads are pinned (plan/expert_backend.chosen_host_cpus; the
+    torch path's threads are torch's own and stay unpinned)."""
 
     def __init__(self, banks, dtype: torch.dtype, threads: int, decode_chunk: int = DECODE_CHUNK,
-                 kernel: str = "auto", isa: str | None = None):  # fmt: skip
+                 kernel: str = "auto", isa: str | None = None, cpus: Sequence[int] = ()):  # fmt: skip
         if threads < 1:
             raise ValueError(f"host experts need at least one thread, got {threads}")
         if kernel not in KERNELS:
@@ -84,7 +86,7 @@ class HostExperts:
         self.c_kernel = None
         if kernel != "torch":
             try:
-                self.c_kernel = HostKernel(banks, dtype, threads, isa)
+                self.c_kernel = HostKernel(banks, dtype, threads, isa, cpus)
             except KernelUnavailable as e:
                 if kernel == "c":
                     raise

@@ -12,6 +12,8 @@ float16, packed banks of odd shapes) HostExperts keeps the torch path and logs w
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from structlog.testing import capture_logs
@@ -228,3 +230,39 @@ def test_banks_the_kernel_lacks_keep_the_torch_path():
         host.close()
         with pytest.raises(K.KernelUnavailable, match=why):
             HostExperts(banks, dtype, threads=1, kernel="c")
+
+
+def _thread_cpus() -> dict[int, str]:
+    """Each thread of this process: its Cpus_allowed_list."""
+    import pathlib
+
+    got = {}
+    for task in pathlib.Path("/proc/self/task").iterdir():
+        for line in (task / "status").read_text().splitlines():
+            if line.startswith("Cpus_allowed_list:"):
+                got[int(task.name)] = line.split(":", 1)[1].strip()
+    return got
+
+
+@needs_library
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="the threads' CPUs are read from Linux's /proc")
+def test_the_pools_started_threads_run_on_their_cpus_and_compute_the_same(banks_of):
+    banks = banks_of("bf16", "even")
+    allowed = sorted(os.sched_getaffinity(0))
+    x = torch.randn(2, banks.hidden_size).to(torch.bfloat16)
+    pairs = pairs_for(2, 3)
+    before = set(_thread_cpus())
+    unpinned = HostExperts(banks, torch.bfloat16, threads=3, kernel="c")
+    want = unpinned.compute(1, x, pairs)
+    unpinned.close()
+    # 3 threads: the caller and 2 started workers, on the last allowed CPU (round robin over a list of one)
+    host = HostExperts(banks, torch.bfloat16, threads=3, kernel="c", cpus=[allowed[-1]])
+    assert host.c_kernel.pinned == 2 and host.c_kernel.cpus == [allowed[-1]]
+    started = {tid: cpus for tid, cpus in _thread_cpus().items() if tid not in before}
+    assert sorted(started.values()).count(str(allowed[-1])) >= 2, started
+    assert torch.equal(host.compute(1, x, pairs), want)
+    host.close()
+    # a CPU the process may not run on: refused, the workers run unpinned and compute the same
+    refused = HostExperts(banks, torch.bfloat16, threads=3, kernel="c", cpus=[max(allowed) + 4096])
+    assert refused.c_kernel.pinned == 0 and torch.equal(refused.compute(1, x, pairs), want)
+    refused.close()

@@ -1,0 +1,89 @@
+"""Huge pages for the host banks (services/worker/offload/host_pages.py, and bench/huge_pages.py's A/B): the
+THP mode is read from its sysfs word, a block is advised over exactly its whole pages, every bank block
+of a huge page or more is advised as the worker allocates it (FERRY_HOST_HUGE_PAGES=0: none), and advised
+banks hold and compute the same experts."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.huge_pages import bank_blocks
+from ferry.services.worker.offload.host_banks import pinnable_host_block
+from ferry.services.worker.offload.host_pages import (HUGE_PAGE, PAGE, advise_huge_pages, anon_huge_bytes,
+                                                      huge_pages_advice, thp_mode)  # fmt: skip
+
+linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and /proc are Linux's")
+
+
+def test_the_thp_mode_is_the_bracketed_word(tmp_path):
+    for text, mode in (("always [madvise] never\n", "madvise"), ("[always] madvise never\n", "always"),
+                       ("always madvise [never]\n", "never"), ("garbled\n", None)):  # fmt: skip
+        (tmp_path / "enabled").write_text(text)
+        assert thp_mode(tmp_path / "enabled") == mode
+    assert thp_mode(tmp_path / "absent") is None
+
+
+@linux
+def test_a_block_is_advised_over_its_whole_pages_only():
+    block = torch.empty(8 * PAGE + 100, dtype=torch.uint8)
+    start = -block.data_ptr() % PAGE  # the first whole page's offset
+    assert advise_huge_pages(torch.empty(0, dtype=torch.uint8)) == 0
+    assert advise_huge_pages(block, smallest=HUGE_PAGE) == 0  # under a huge page: left alone
+    advised = advise_huge_pages(block)
+    assert advised % PAGE == 0 and advised == (block.nbytes - start) // PAGE * PAGE
+    assert isinstance(anon_huge_bytes(), int)
+
+
+def _advised(block: torch.Tensor) -> bool:
+    """Whether the mapping that holds the block's middle carries the huge-page advice (VmFlags `hg`)."""
+    at, flags = block.data_ptr() + block.nbytes // 2, None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= at < hi
+        elif head == "VmFlags:" and inside:
+            flags = line.split()[1:]
+    assert flags is not None, "the block's mapping was not found in smaps"
+    return "hg" in flags
+
+
+@linux
+@pytest.mark.skipif(thp_mode() in (None, "never"), reason="no transparent huge pages on this kernel")
+def test_bank_blocks_are_advised_as_the_worker_allocates_them(monkeypatch):
+    monkeypatch.delenv("FERRY_HOST_HUGE_PAGES", raising=False)
+    big = pinnable_host_block((2, HUGE_PAGE), torch.uint8, pin=False)  # the default: advised
+    assert _advised(big)
+    with huge_pages_advice(False):
+        assert not _advised(pinnable_host_block((2, HUGE_PAGE), torch.uint8, pin=False))
+    monkeypatch.setenv("FERRY_HOST_HUGE_PAGES", "0")
+    assert not _advised(pinnable_host_block((2, HUGE_PAGE), torch.uint8, pin=False))
+    with huge_pages_advice(True):
+        assert _advised(pinnable_host_block((2, HUGE_PAGE), torch.uint8, pin=False))
+    import os
+
+    assert os.environ["FERRY_HOST_HUGE_PAGES"] == "0"  # the A/B's context put it back
+
+
+@linux
+@pytest.mark.parametrize("fmt", ["bf16", "packed"])
+def test_advised_banks_hold_and_compute_the_same_experts(fmt):
+    from bench.cpu_expert_bw import format_banks
+    from ferry.services.worker.offload.host_experts import HostExperts
+
+    plain, advised = (format_banks(fmt, 64, 32, 4, huge_pages=h) for h in (False, True))
+    assert len(bank_blocks(advised)) == (3 if fmt == "packed" else 2)
+    for a, b in zip(bank_blocks(plain), bank_blocks(advised)):
+        assert torch.equal(a, b)
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    pairs = [(0, 1, 1.0), (1, 3, 0.5)]
+    outs = []
+    for banks in (plain, advised):
+        host = HostExperts(banks, torch.bfloat16, 1)
+        outs.append(host.compute(0, x, pairs))
+        host.close()
+    assert torch.equal(outs[0], outs[1])
