@@ -69,6 +69,8 @@ VARIANTS = {"default": [], "no-prefetch": ["--no-expert-prefetch"], "eager": ["-
             "host-share": ["--expert-backend", "hybrid", "--host-expert-threads", "12"],
             # the same with no next-layer prefetch: every expert a decode layer lacks is then a miss the host may share
             "host-share-no-prefetch": ["--expert-backend", "hybrid", "--host-expert-threads", "12", "--no-expert-prefetch"],
+            # the host's threads left to the OS scheduler (the default pins them one a core since dc27a33)
+            "unpinned": ["--host-expert-cpus", "none"],
             # the GPU alone (what auto is since c642fec's measurements; before, auto took a host share)
             "gpu": ["--expert-backend", "gpu"],
             # two decode steps out beyond the oldest unanswered one (issue 24: the resident single stream's chain);
