@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.cpu_expert_bw import _cpu_name, format_banks, on_thread  # noqa: E402
+from bench.cpu_steal import StealMeter  # noqa: E402
 from bench.huge_pages import anon_huge_bytes, thp_mode  # noqa: E402
 from ferry.plan.expert_backend import chosen_host_cpus, format_cpu_list  # noqa: E402
 from ferry.plan.model_config import load_model_config  # noqa: E402
@@ -90,17 +91,18 @@ def main() -> int:
     cpus = chosen_host_cpus(args.threads, args.cpus)
     host = HostExperts(banks, torch.bfloat16, args.threads, kernel=args.backend, cpus=cpus)
     pinned = format_cpu_list(cpus[:host.c_kernel.pinned]) if host.c_kernel is not None else ""
-    measured = {n: on_thread(1, expert_seconds, host, n, args.repeats, args.experts, args.per_call) for n in tokens}
+    with StealMeter() as steal:
+        measured = {n: on_thread(1, expert_seconds, host, n, args.repeats, args.experts, args.per_call) for n in tokens}
     host.close()
     ratios = lines(measured, points)
     print(f"THP mode {thp_mode()}, huge pages advised: {args.huge_pages}, {huge} bytes on huge pages "
-          f"of a {banks.nbytes}-byte bank; threads pinned to CPUs {pinned or 'none'}")
+          f"of a {banks.nbytes}-byte bank; threads pinned to CPUs {pinned or 'none'}; CPU time stolen {steal.fraction}")
     for n, t in measured.items():
         print(f"{n:4d} tokens {t * 1e6:9.1f} us  " + "  ".join(f"line via {q}: {ratios[q][n]:.2f}" for q in points))
     result = {"config": args.config, "format": args.format, "backend": args.backend, "threads": args.threads,
               "per_call": args.per_call,
               "cpu": _cpu_name(), "thp_mode": thp_mode(), "huge_pages_advised": args.huge_pages == "on",
-              "anon_huge_bytes": huge, "bank_bytes": banks.nbytes, "pinned_cpus": pinned,
+              "anon_huge_bytes": huge, "bank_bytes": banks.nbytes, "pinned_cpus": pinned, "cpu_steal_fraction": steal.fraction,
               "hidden": spec.hidden_size, "moe_intermediate": spec.moe_intermediate_size,
               "expert_us": {n: round(t * 1e6, 1) for n, t in measured.items()},
               "price_over_time": {f"line_via_{q}": r for q, r in ratios.items()}}  # fmt: skip

@@ -65,14 +65,14 @@ case "${part:-check}" in
       > "$OUT/host_kernel_build.log" 2>&1 || echo "host kernel build failed (see host_kernel_build.log)"
     for round in 1 2; do for fmt in packed bf16; do for pages in off on; do
       timeout 150 python3 bench/host_price_tokens.py --threads 12 --experts 256 --format $fmt --tokens 1,4,8,16 \
-        --points 16 --huge-pages $pages --out "$OUT/host_pages_${fmt}_${pages}_$round.json" 2>&1 | head -3 | tr '\n' ' '; echo
+        --points 16 --huge-pages $pages --out "$OUT/host_pages_${fmt}_${pages}_$round.json" 2>&1 | sed -n 1,3p | tr '\n' ' '; echo  # sed reads it all: head would close the pipe before the JSON is written
     done; done; done ;;
   pin)  # issue 25: the host kernel's threads unpinned against pinned one a core to the last cores (auto)
     python3 -c "import sys; from setuptools import setup; sys.argv = ['setup.py', 'build_ext', '--inplace', '-q']; setup()" \
       > "$OUT/host_kernel_build.log" 2>&1 || echo "host kernel build failed (see host_kernel_build.log)"
     for round in 1 2 3; do for cpus in none auto; do
       timeout 150 python3 bench/host_price_tokens.py --threads 12 --experts 256 --format bf16 --tokens 1,4,8,16 \
-        --points 16 --cpus $cpus --out "$OUT/host_pin_bf16_${cpus}_$round.json" 2>&1 | head -3 | tr '\n' ' '; echo
+        --points 16 --cpus $cpus --out "$OUT/host_pin_bf16_${cpus}_$round.json" 2>&1 | sed -n 1,3p | tr '\n' ' '; echo  # sed reads it all: head would close the pipe before the JSON is written
     done; done ;;
   ahead)  # issue 24's resident hybrid cut with one and two (the default since c7b6274) decode steps scheduled ahead
     timeout 560 python3 bench/decode_suite.py --out "$OUT" --workloads hybrid8_resident --variants ahead1,default \
