@@ -55,15 +55,17 @@ def _advised(block: torch.Tensor) -> bool:
 @linux
 @pytest.mark.skipif(thp_mode() in (None, "never"), reason="no transparent huge pages on this kernel")
 def test_bank_blocks_are_advised_as_the_worker_allocates_them(monkeypatch):
+    # 64 MiB blocks, never touched: above glibc's largest mmap threshold, so each is a mapping of its own
+    # (a smaller one may reuse heap that an advised block left behind, advice and all)
     monkeypatch.delenv("FERRY_HOST_HUGE_PAGES", raising=False)
-    big = pinnable_host_block((2, HUGE_PAGE), torch.uint8, pin=False)  # the default: advised
+    big = pinnable_host_block((32, HUGE_PAGE), torch.uint8, pin=False)  # the default: advised
     assert _advised(big)
     with huge_pages_advice(False):
-        assert not _advised(pinnable_host_block((2, HUGE_PAGE), torch.uint8, pin=False))
+        assert not _advised(pinnable_host_block((32, HUGE_PAGE), torch.uint8, pin=False))
     monkeypatch.setenv("FERRY_HOST_HUGE_PAGES", "0")
-    assert not _advised(pinnable_host_block((2, HUGE_PAGE), torch.uint8, pin=False))
+    assert not _advised(pinnable_host_block((32, HUGE_PAGE), torch.uint8, pin=False))
     with huge_pages_advice(True):
-        assert _advised(pinnable_host_block((2, HUGE_PAGE), torch.uint8, pin=False))
+        assert _advised(pinnable_host_block((32, HUGE_PAGE), torch.uint8, pin=False))
     import os
 
     assert os.environ["FERRY_HOST_HUGE_PAGES"] == "0"  # the A/B's context put it back
@@ -75,11 +77,14 @@ def test_advised_banks_hold_and_compute_the_same_experts(fmt):
     from bench.cpu_expert_bw import format_banks
     from ferry.services.worker.offload.host_experts import HostExperts
 
-    plain, advised = (format_banks(fmt, 64, 32, 4, huge_pages=h) for h in (False, True))
+    # 512 x 512, 4 experts: each bank's first block spans a huge page (w13 4 MiB, packed lo 3 MiB)
+    plain, advised = (format_banks(fmt, 512, 512, 4, huge_pages=h) for h in (False, True))
     assert len(bank_blocks(advised)) == (3 if fmt == "packed" else 2)
+    if thp_mode() not in (None, "never"):
+        assert _advised(bank_blocks(advised)[0])  # (plain's may sit in heap a freed advised block left)
     for a, b in zip(bank_blocks(plain), bank_blocks(advised)):
         assert torch.equal(a, b)
-    x = torch.randn(2, 64).to(torch.bfloat16)
+    x = torch.randn(2, 512).to(torch.bfloat16)
     pairs = [(0, 1, 1.0), (1, 3, 0.5)]
     outs = []
     for banks in (plain, advised):
