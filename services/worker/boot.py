@@ -303,6 +303,7 @@ def _attach_host_decode(store, spec, experts, cost, device: torch.device, backen
     from ferry.kernels.expert_host_handoff import host_count_reference
     from ferry.kernels.expert_pair_gemv import PAIR_KERNEL_MAX_PAIRS
     from ferry.services.worker.offload.host_decode import HostDecodeShare, calibrate_handoff
+    from ferry.services.worker.offload.share_guard import ShareGuard
 
     if experts.c_kernel is None:
         log.info("host_decode_off", reason="the host's C expert kernel is not available here (host_experts_torch_path "
@@ -327,6 +328,8 @@ def _attach_host_decode(store, spec, experts, cost, device: torch.device, backen
                                            f"{typical} of its {k} experts", **fields)  # fmt: skip
         return
     share.costs_ns = (1, 0, 0, 0) if backend == "cpu" else measured  # cpu: every miss to the host
+    if auto:  # auto keeps the share only while the decode steps with it are shorter (offload/share_guard.py)
+        share.guard = ShareGuard()
     share.refines = backend != "cpu"  # cpu's costs are a rule, not prices to refine
     if share.refines and store.host_share is not None:  # the prefill's share is priced by the same host
         share.on_refined = store.host_share.follow_host_price

@@ -154,7 +154,8 @@ class StepExecutor:
         output = StepOutput(step_id=batch.step_id, req_ids=sampled_ids, token_ids=token_ids, logprobs=logprobs,
                             sampled_logprobs=sampled_lps, prompt_logprobs=prompt_lps)  # fmt: skip
         if self.store is not None:  # after the results reached the host: the step's work is done
-            self.store.end_step(synced=True)
+            decode = batch.prompt_logprobs is None and bool((batch.query_lens == 1).all())
+            self.store.end_step(synced=True, decode_tokens=len(batch.query_lens) if decode else None)
         return output
 
     def _sampled_logprobs(self, sampled_ids: np.ndarray, rows: list[int], host: list[np.ndarray]) -> tuple:

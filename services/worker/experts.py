@@ -43,9 +43,11 @@ class ExpertStore(Protocol):
         executor calls it before the step's one synchronisation, `end_step` after it. `counted`:
         the step's `count_step_on_device` already ran (inside its graph)."""
 
-    def end_step(self, synced: bool = False) -> None:
+    def end_step(self, synced: bool = False, decode_tokens: int | None = None) -> None:
         """The executor's step is over (its results are on the host): close the step's statistics.
-        `synced`: everything queued before has completed (no need to wait for `stats_to_host`)."""
+        `synced`: everything queued before has completed (no need to wait for `stats_to_host`);
+        `decode_tokens`: the step's tokens if every row decoded one, else None (auto's guard over the
+        host's decode share times such steps: offload/share_guard.py)."""
 
     def report(self) -> dict:
         """Cumulative statistics (hits, misses, hit_rate, bytes_copied, copy_time_s,

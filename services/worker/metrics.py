@@ -90,6 +90,12 @@ def host_share_metrics(report: dict):
                       decode["busy_calls"])  # fmt: skip
         yield counter("ferry_worker_host_share_refinements", "times the decode split's price of a host expert moved "
                       "toward what the host nodes measured", decode["refinements"])  # fmt: skip
+    guard = (decode or {}).get("guard")
+    if guard:  # auto's guard over the decode share (offload/share_guard.py)
+        on = GaugeMetricFamily("ferry_worker_host_decode_share_on", "1 while auto's guard keeps the host's decode "
+                               "share on (its steps measured no longer than without it), 0 while it has it off")  # fmt: skip
+        on.add_metric([], 1.0 if guard["share_on"] else 0.0)
+        yield on
 
 
 class WorkerMetrics:

@@ -32,6 +32,16 @@ def test_the_host_nodes_time_and_the_refinements_are_exported():
     assert "ferry_worker_host_node_busy_seconds_total 1.5" in text
     assert "ferry_worker_host_node_calls_total 7.0" in text
     assert "ferry_worker_host_share_refinements_total 2.0" in text
+    assert "ferry_worker_host_decode_share_on" not in text  # no guard: hybrid asked for
+
+
+def test_autos_guard_says_whether_the_decode_share_is_on():
+    decode = {"experts": 9, "pairs": 11, "costs_ns": [1, 2, 3, 4], "busy_ns": 1, "busy_calls": 1,
+              "busy_ns_per_expert": 1, "refinements": 0}  # fmt: skip
+    for on in (True, False):
+        guard = {"share_on": on, "exploring": False, "decisions": []}
+        text = scrape({**REPORT, "host_decode": {**decode, "guard": guard}})
+        assert f"ferry_worker_host_decode_share_on {1.0 if on else 0.0}" in text
 
 
 def test_without_a_host_share_there_is_no_host_series():

@@ -41,6 +41,7 @@ use `OffloadedExperts`, whose host policy is this store's reference twin.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 import numpy as np
@@ -381,9 +382,10 @@ class DeviceDrivenExperts(OffloadedExperts):
         self._stats_queue.append((counters, stamps, handed, ready, self._step_copy_events))
         self._step_copy_events = []
 
-    def end_step(self, synced: bool = False) -> None:
+    def end_step(self, synced: bool = False, decode_tokens: int | None = None) -> None:
         """Fold the step into the statistics; `synced`: the caller already waited for everything
-        queued (the executor's one wait per step covers the copies `stats_to_host` queued)."""
+        queued (the executor's one wait per step covers the copies `stats_to_host` queued);
+        `decode_tokens` (ExpertStore.end_step) goes to auto's guard over the host's decode share."""
         if self.cache is None:
             return
         if not self._stats_queue:
@@ -396,6 +398,7 @@ class DeviceDrivenExperts(OffloadedExperts):
             self.host_decode.count(handed)
             self.host_decode.check()  # a host node cannot raise where it runs: its error surfaces here
             self.host_decode.refine()  # the split's price of a host expert, against what the nodes took
+            self.host_decode.observe_step(time.monotonic(), decode_tokens)  # auto's guard (share_guard.py)
         now = self.cache.counters_dict(counters.numpy())
         now["host_decode"] = int(handed[0])  # misses the host computed: they never crossed
         before = self._last_counters

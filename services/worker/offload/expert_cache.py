@@ -118,7 +118,7 @@ class OffloadedExperts:
                 "expert_format": "bf16-packed" if self.banks.packed else self.slots.format.name}  # fmt: skip
 
     # ---- the step ----------------------------------------------------------------------------
-    def end_step(self, synced: bool = False) -> None:
+    def end_step(self, synced: bool = False, decode_tokens: int | None = None) -> None:
         """Close the current step's statistics (also done when layer 0 comes round again)."""
         self.stats.end_step()
         self._last_layer = -1

@@ -105,8 +105,8 @@ class ExpertParallelExperts:
     def stats_to_host(self, counted: bool = False) -> None:
         self.local.stats_to_host(counted)
 
-    def end_step(self, synced: bool = False) -> None:
-        self.local.end_step(synced)
+    def end_step(self, synced: bool = False, decode_tokens: int | None = None) -> None:
+        self.local.end_step(synced, decode_tokens)
 
     def report(self) -> dict:
         return {**self.local.report(), "expert_parallel": {"rank": self.rank, "world": self.world}}

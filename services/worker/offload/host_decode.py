@@ -45,6 +45,7 @@ import torch
 
 from ferry.kernels.expert_host_handoff import hand_to_host
 from ferry.services.worker.offload.host_expert_kernel import ERRORS, HostKernel, Job
+from ferry.services.worker.offload.share_guard import ShareGuard
 
 log = structlog.get_logger("worker.offload")
 
@@ -55,6 +56,10 @@ REFINE_EVERY = 2048
 # in the price of more tokens, which the nodes' clock cannot separate (at 8 streams on the H200 the
 # calibrated 26 µs a token, taken off, left a one-token price below what the nodes took)
 REFINE_MAX_PAIRS_PER_EXPERT = 1.25
+
+# the price of a host expert while auto's guard has the share off (share_guard.py): the hand-off then gives
+# the host nothing, a second being more than any layer's copies
+OFF_PRICE_NS = 10**9
 
 HOST_NODE_ERRORS = {**ERRORS, -4: "host pairs out of range (the device listed a token or expert past the buffers)"}
 
@@ -127,6 +132,8 @@ class HostDecodeShare:
         self.refines = True  # boot turns it off where the costs are not prices (--expert-backend cpu)
         self.on_refined = None  # called with each new one-token price (seconds): the prefill's share follows it
         self.refinements = 0
+        self.guard: ShareGuard | None = None  # auto's check of the share against the steps (boot sets it)
+        self._on_costs_ns: tuple[int, int, int, int] | None = None  # the prices while the guard has it off
         self._refined_from = (0, 0, 0)  # (busy ns, experts, pairs) at the last refinement
         self._no_flight = torch.zeros(1, dtype=torch.int32, device=self.device)  # a layer nothing prefetched
         self.handed_experts = self.handed_pairs = 0  # since boot, as of the last step folded (count)
@@ -231,6 +238,23 @@ class HostDecodeShare:
         """(ns, calls) the host nodes spent computing pairs since boot, as the C function times them."""
         return sum(t.busy_ns for t in self.tasks), sum(t.busy_calls for t in self.tasks)
 
+    def observe_step(self, now: float, decode_tokens: int | None) -> None:
+        """A finished step, for auto's guard (share_guard.py): `now` its end (monotonic seconds),
+        `decode_tokens` its tokens if every row decoded one, else None. Applies the guard's choice."""
+        if self.guard is None:
+            return
+        decided = len(self.guard.decisions)
+        if self.guard.step(now, decode_tokens):
+            if self.guard.share_on:
+                costs, self._on_costs_ns = self._on_costs_ns or self._costs_ns, None
+                self.costs_ns = costs
+            else:
+                self._on_costs_ns = self._costs_ns
+                pcie, _, per_token, handoff = self._costs_ns
+                self.costs_ns = (pcie, OFF_PRICE_NS, per_token, handoff)
+        if len(self.guard.decisions) > decided:  # a choice made (kept or changed): logged with its medians
+            log.info("host_decode_guard", **self.guard.decisions[-1])
+
     def refine(self) -> bool:
         """Every REFINE_EVERY host experts, move the split's price of one host expert at one token half way
         to what the host nodes took for them: boot's calibration times a few experts on an idle machine,
@@ -245,7 +269,7 @@ class HostDecodeShare:
             return False
         self._refined_from = (ns, self.handed_experts, self.handed_pairs)
         pcie, at_1, per_token, handoff = self._costs_ns
-        if not self.refines or ns <= busy0:  # nothing timed (a node that never computed)
+        if not self.refines or ns <= busy0 or self._on_costs_ns is not None:  # nothing timed, or the guard's off
             return False
         if pairs > REFINE_MAX_PAIRS_PER_EXPERT * experts:  # many tokens an expert: not the one-token price
             return False
@@ -262,9 +286,11 @@ class HostDecodeShare:
     def report(self) -> dict:
         ns, calls = self.busy()
         per_expert = ns / self.handed_experts if self.handed_experts else 0.0
+        guard = None if self.guard is None else {"share_on": self.guard.share_on, "exploring": self.guard.exploring,
+                                                 "decisions": self.guard.decisions[-4:]}  # fmt: skip
         return {"experts": self.handed_experts, "pairs": self.handed_pairs, "costs_ns": list(self._costs_ns),
                 "busy_ns": ns, "busy_calls": calls, "busy_ns_per_expert": round(per_expert),
-                "refinements": self.refinements}  # fmt: skip
+                "refinements": self.refinements, "guard": guard}  # fmt: skip
 
 
 def calibrate_handoff(share: HostDecodeShare, cache, repeats: int = 20) -> float:

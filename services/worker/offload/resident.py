@@ -112,7 +112,7 @@ class ResidentExperts:
         host.copy_(self._routed_sum, non_blocking=self._routed.is_cuda)
         self._queued.append(host)
 
-    def end_step(self, synced: bool = False) -> None:
+    def end_step(self, synced: bool = False, decode_tokens: int | None = None) -> None:
         """Fold the step's lookups (all hits) into the statistics. `synced`: the caller has already
         waited for everything queued (the executor's one wait per step), so no second wait here."""
         if self._routed is not None and not self._queued:

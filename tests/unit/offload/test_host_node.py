@@ -145,3 +145,35 @@ def test_no_refinement_without_timed_calls_or_where_the_costs_are_a_rule():
     share.refines = True
     _timed(share, 10**9, 8192, 8192)  # no time since the last window: nothing measured
     assert not share.refine() and share.refinements == 0
+
+
+def test_autos_guard_prices_the_share_off_while_its_steps_are_longer_and_back_on_after(monkeypatch):
+    """observe_step feeds the guard (share_guard.py); its choice is applied to the costs the graphs read:
+    off, a host expert priced at OFF_PRICE_NS (the hand-off gives the host nothing, the prefetch copies
+    everything) and no refinement; on again, the prices from before."""
+    from ferry.kernels.expert_host_handoff import host_count_reference
+    from ferry.services.worker.offload.host_decode import OFF_PRICE_NS, REFINE_EVERY
+    from ferry.services.worker.offload.share_guard import ShareGuard
+
+    banks = make_banks("bf16", 256, 160)
+    costs = (100_000, 150_000, 2_000, 30_000)
+    share = HostDecodeShare(HostKernel(banks, torch.bfloat16, threads=1), costs, max_tokens=4, top_k=2,
+                            num_experts=banks.num_experts, device="cpu")  # fmt: skip
+    share.observe_step(0.0, 1)  # no guard (hybrid asked for, or not auto): nothing happens
+    assert share.costs_ns == costs and share.report()["guard"] is None
+    share.guard = ShareGuard(window=8, samples=8, hold=60)
+    now = 0.0
+    for _ in range(50):  # steps with the share take 30 ms, without it 10 ms
+        now += 0.030 if share.guard.share_on else 0.010
+        share.observe_step(now, 1)
+    assert not share.guard.share_on and not share.guard.exploring
+    assert share.costs_ns == (100_000, OFF_PRICE_NS, 2_000, 30_000) and share.costs.tolist()[1] == OFF_PRICE_NS
+    assert host_count_reference(8, 8, share.costs_ns) == 0  # the hand-off's rule: nothing for the host
+    _timed(share, 999_000 * REFINE_EVERY, REFINE_EVERY, REFINE_EVERY)
+    assert not share.refine() and share.costs_ns[1] == OFF_PRICE_NS  # off: no price to refine
+    report = share.report()["guard"]
+    assert report["share_on"] is False and report["decisions"][-1]["share_on"] is False
+    for _ in range(120):  # the hold ends: it explores again, and now the share wins
+        now += 0.007 if share.guard.share_on else 0.010
+        share.observe_step(now, 1)
+    assert share.guard.share_on and share.costs_ns == costs

@@ -1,0 +1,84 @@
+"""Auto's guard over the host's decode share (services/worker/offload/share_guard.py): it keeps the share
+where the decode steps with it are shorter, turns it off where they are longer, samples only back-to-back
+decode steps of one size, and explores again after holding a choice."""
+
+from __future__ import annotations
+
+import pytest
+
+from ferry.services.worker.offload.share_guard import BUCKETS, SETTLE_STEPS, ShareGuard, bucket_of
+
+
+def run(guard: ShareGuard, steps: int, on_s: float, off_s: float, tokens: int = 1, ahead: int = 2) -> list[bool]:
+    """Steps whose time is on_s or off_s by the mode they were launched in, `ahead` steps before they end
+    (the scheduler's steps ahead); returns the mode after each."""
+    now, launched, modes = 0.0, [guard.share_on] * ahead, []
+    for _ in range(steps):
+        mode = launched.pop(0)
+        now += on_s if mode else off_s
+        guard.step(now, tokens)
+        launched.append(guard.share_on)
+        modes.append(guard.share_on)
+    return modes
+
+
+def test_a_share_that_lengthens_the_steps_is_turned_off_and_held_off():
+    guard = ShareGuard(window=8, samples=16, hold=400)
+    modes = run(guard, 300, on_s=0.030, off_s=0.010)
+    assert not guard.exploring and not guard.share_on
+    assert guard.decisions[-1]["share_on"] is False and guard.decisions[-1]["bucket"] == 1
+    assert guard.decisions[-1]["on_ms"] == 30.0 and guard.decisions[-1]["off_ms"] == 10.0
+    decided_at = next(i for i in range(len(modes)) if not guard.exploring and all(not m for m in modes[i:]))
+    assert decided_at < 100  # explored for well under the hold
+    assert modes.count(True) < 60  # the losing share ran for its windows only
+
+
+def test_a_share_that_shortens_the_steps_is_kept():
+    guard = ShareGuard(window=8, samples=16, hold=400)
+    run(guard, 300, on_s=0.008, off_s=0.010)
+    assert guard.share_on and not guard.exploring and guard.decisions[-1]["share_on"] is True
+
+
+def test_within_the_margin_the_share_stays_on():
+    guard = ShareGuard(window=8, samples=16, hold=400, margin=0.05)
+    run(guard, 300, on_s=0.0102, off_s=0.0100)  # off 2 % shorter: not enough to drop it
+    assert guard.share_on and guard.decisions[-1]["share_on"] is True
+
+
+def test_after_the_hold_it_explores_again_and_follows_the_host():
+    guard = ShareGuard(window=8, samples=16, hold=200)
+    run(guard, 250, on_s=0.030, off_s=0.010)
+    assert not guard.share_on
+    run(guard, 600, on_s=0.007, off_s=0.010)  # the host quietened: the next exploration keeps the share
+    assert guard.share_on and [d["share_on"] for d in guard.decisions][:2] == [False, True]
+
+
+def test_only_back_to_back_decode_steps_of_one_size_are_samples():
+    guard = ShareGuard(window=1000, samples=4)
+    guard.step(0.0, 1)
+    guard.step(0.010, None)  # a prefill step: no sample, and the next interval starts after it
+    guard.step(0.020, 1)
+    guard.step(0.030, 1)  # a sample of 10 ms
+    guard.step(0.035, 3)  # another bucket: no sample
+    guard.step(0.045, 3)  # a sample in bucket 4
+    guard.step(2.0, 3)  # after idling: no sample
+    assert sorted(guard._times) == [(1, True), (4, True)]
+    assert all(v == [pytest.approx(0.010)] for v in guard._times.values())
+
+
+def test_the_steps_just_after_a_switch_give_no_sample():
+    guard = ShareGuard(window=4, samples=100)
+    for i in range(4):
+        guard.step(0.01 * i, 1)
+    assert not guard.share_on  # the window ended: off now
+    n_on = len(guard._times[(1, True)])
+    for i in range(4, 4 + SETTLE_STEPS):
+        guard.step(0.01 * i, 1)
+    assert (1, False) not in guard._times and len(guard._times[(1, True)]) == n_on
+    guard.step(0.01 * (4 + SETTLE_STEPS), 1)
+    assert len(guard._times[(1, False)]) == 1
+
+
+def test_buckets():
+    assert [bucket_of(t) for t in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 4, 4, 8, 8, None]
+    assert BUCKETS[-1] == 8
