@@ -1,11 +1,15 @@
-"""Paged attention dispatch: Triton on CUDA (the decode kernel when every request brings one
-token, the blocked prefill kernel otherwise), the reference twin elsewhere."""
+"""Paged attention dispatch: on CUDA the Triton decode kernel when every request brings one token,
+else FlashAttention for each request with a long query (kernels/paged_attention_flash.py: its K/V
+gathered from the pages) and the blocked Triton prefill kernel for the rest; the reference twin elsewhere."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
 from ferry.kernels.dispatch import use_triton
+from ferry.kernels.paged_attention_flash import flash_available, flash_prefill_into, flash_requests
 from ferry.kernels.paged_attention_reference import paged_attention_reference, write_kv
 
 __all__ = ["paged_attention", "write_kv"]
@@ -22,6 +26,7 @@ def paged_attention(
     context_lens: list[int],
     scale: float,
     token_request: torch.Tensor | None = None,  # int [T]: each token's request (decode kernel), optional
+    gather: Callable[[], tuple[torch.Tensor, torch.Tensor] | None] | None = None,  # FlashAttention's K/V buffers
 ) -> torch.Tensor:
     if not use_triton(q):
         return paged_attention_reference(q, k_cache, v_cache, page_table, query_lens, context_lens, scale)
@@ -30,5 +35,18 @@ def paged_attention(
     if q.shape[0] == len(query_lens):  # one new token per request: decode
         return triton_kernels.paged_attention_decode_triton(q, k_cache, v_cache, page_table, query_start, positions,
                                                             scale, token_request=token_request)  # fmt: skip
+    flash: set[int] = set()
+    out = torch.empty_like(q)
+    if flash_available(q, k_cache):
+        first_rows = [0]
+        for n in query_lens:
+            first_rows.append(first_rows[-1] + n)
+        buffers = gather() if gather is not None and flash_requests(query_lens) else None
+        for r in flash_requests(query_lens):
+            if flash_prefill_into(out, q, k_cache, v_cache, page_table[r], first_rows[r], query_lens[r],
+                                  context_lens[r], scale, buffers):  # fmt: skip
+                flash.add(r)
+    if len(flash) == sum(1 for n in query_lens if n):
+        return out
     return triton_kernels.paged_attention_prefill_triton(q, k_cache, v_cache, page_table, query_start, positions,
-                                                         query_lens, scale)  # fmt: skip
+                                                         query_lens, scale, out=out, skip=frozenset(flash))  # fmt: skip

@@ -30,6 +30,7 @@ never another request's page (docs/ARCHITECTURE.md, "The memory planner")."""
 from __future__ import annotations
 
 import os
+from collections.abc import Container
 
 import torch
 import triton
@@ -257,11 +258,12 @@ def paged_attention_decode_triton(q, k_cache, v_cache, page_table, query_start, 
     return out
 
 
-def query_blocks(query_lens: list[int], block_m: int) -> tuple[list[int], list[int]]:
-    """(request, first token row) of every block of `block_m` new tokens; empty requests have none."""
+def query_blocks(query_lens: list[int], block_m: int, skip: Container[int] = ()) -> tuple[list[int], list[int]]:
+    """(request, first token row) of every block of `block_m` new tokens; empty requests and those in
+    `skip` (another kernel computes their rows) have none."""
     reqs, firsts, start = [], [], 0
     for r, qlen in enumerate(query_lens):
-        for offset in range(0, qlen, block_m):
+        for offset in range(0, qlen if r not in skip else 0, block_m):
             reqs.append(r)
             firsts.append(start + offset)
         start += qlen
@@ -281,8 +283,10 @@ def prefill_tiles(head_dim: int, group: int) -> tuple[int, int, int]:
 
 def paged_attention_prefill_triton(q, k_cache, v_cache, page_table, query_start, positions, query_lens: list[int],
                                    scale: float, out: torch.Tensor | None = None, block_rows: int | None = None,
-                                   block_n: int | None = None, num_warps: int | None = None) -> torch.Tensor:  # fmt: skip
-    """`block_rows`, `block_n`, `num_warps` override prefill_tiles (tests and the bench)."""
+                                   block_n: int | None = None, num_warps: int | None = None,
+                                   skip: Container[int] = ()) -> torch.Tensor:  # fmt: skip
+    """`block_rows`, `block_n`, `num_warps` override prefill_tiles (tests and the bench); the rows of the
+    requests in `skip` are left as they are in `out` (kernels/paged_attention_flash.py computes them)."""
     out, page_table, strides, shape = _prepare("paged_attention_prefill_triton", q, k_cache, v_cache, page_table, out)
     rows, keys, warps = prefill_tiles(q.shape[2], shape["GROUP"])
     rows, block_n, num_warps = block_rows or rows, block_n or keys, num_warps or warps
@@ -290,7 +294,7 @@ def paged_attention_prefill_triton(q, k_cache, v_cache, page_table, query_start,
         raise ValueError(f"block_rows ({rows}) must be a power of two of at least the query heads a kv head has "
                          f"({shape['GROUP']})")  # fmt: skip
     block_t = rows // shape["GROUP"]
-    reqs, firsts = query_blocks(query_lens, block_t)
+    reqs, firsts = query_blocks(query_lens, block_t, skip)
     if not reqs:
         return out
     block_req = torch.tensor(reqs, dtype=torch.int32).to(q.device, non_blocking=True)

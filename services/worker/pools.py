@@ -48,13 +48,32 @@ def allocate_pool(layout: L.PoolLayout, device: torch.device | str) -> Allocated
 
 class KvTensorPool:
     """The worker's KV pool, the tensors behind the scheduler's page ids (its KvPagePool): paged K/V of
-    every full-attention layer, [layers, 2, pages + sentinel, page_size, kv_heads, head_dim]."""
+    every full-attention layer, [layers, 2, pages + sentinel, page_size, kv_heads, head_dim].
 
-    def __init__(self, pool: AllocatedPool, full_attention_layers: tuple[int, ...], page_size: int):
+    `gather_tokens` (the plan's max_model_len; None for the workspace profile's temporary pool) sizes
+    the buffers a long prefill gathers one request's K/V into for FlashAttention
+    (kernels/paged_attention_flash.py): allocated at the first such prefill and kept, so their bytes
+    are taken once, at the size the workspace priced (`gathered_context_bytes`), however the
+    contexts grow from chunk to chunk. Without it each gather is a fresh tensor."""
+
+    def __init__(self, pool: AllocatedPool, full_attention_layers: tuple[int, ...], page_size: int,
+                 gather_tokens: int | None = None):  # fmt: skip
         self.pool = pool
         self.kv = pool.views["kv"]
         self.page_size = page_size
         self._index = {layer: i for i, layer in enumerate(full_attention_layers)}
+        self.gather_pages = -(-gather_tokens // page_size) if gather_tokens else 0
+        self._gather: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def gather_buffers(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(K, V) [gather_pages, page_size, kv_heads, head_dim] for one request's context, or None."""
+        if not self.gather_pages:
+            return None
+        if self._gather is None:
+            shape = (self.gather_pages, *self.kv.shape[3:])
+            self._gather = (torch.empty(shape, dtype=self.kv.dtype, device=self.kv.device),
+                            torch.empty(shape, dtype=self.kv.dtype, device=self.kv.device))  # fmt: skip
+        return self._gather
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) of one full-attention layer, each [pages + sentinel, page_size, kv_heads, head_dim]."""
@@ -184,7 +203,8 @@ def allocate_pools(spec: ModelSpec, plan: Plan, device: torch.device | str) -> P
             raise PoolAllocationError(f"{layout.name} pool layout is {layout.nbytes} B but the plan priced "
                                       f"{priced[layout.name]} B: the plan was made for another model or dtype")  # fmt: skip
     before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-    kv = KvTensorPool(allocate_pool(kv_layout, device), spec.full_attention_layers, plan.kv.page_size)
+    kv = KvTensorPool(allocate_pool(kv_layout, device), spec.full_attention_layers, plan.kv.page_size,
+                      gather_tokens=plan.max_model_len)  # fmt: skip
     linear = None
     if linear_layout.tensors:
         snapshots = allocate_pool(snapshot_layout, device) if snapshot_layout.tensors else None

@@ -7,8 +7,9 @@ minimal pool set — just enough KV pages and linear-state slots for itself, one
 slots shared by every layer — that is freed before the real pools are planned.
 
 On CUDA the peak allocation above the baseline is the workspace. Attention over long contexts
-is not in this step (its requests have no cached context), so the bytes of one layer's K/V
-context gathered at max_model_len are added from the estimate. On CPU there is no allocator to
+is not in this step (its requests have no cached context), so the buffers a long prefill gathers
+one request's K/V into for FlashAttention (max_model_len of them, `gathered_context_bytes`) are
+added to it. On CPU there is no allocator to
 measure: the worker uses the estimate of `plan/costs.py`."""
 
 from __future__ import annotations
@@ -163,5 +164,13 @@ def profile_workspace_cuda(model, experts: LateBoundExperts, spec: ModelSpec, r:
         experts.unbind()
         del pools, sampler
         torch.cuda.empty_cache()
-    gathered_context = 2 * r.max_model_len * spec.num_kv_heads * spec.head_dim * DTYPE_BYTES[r.dtype]
-    return int(peak + gathered_context)
+    return int(peak + gathered_context_bytes(spec, r.dtype, r.max_model_len, r.page_size))
+
+
+def gathered_context_bytes(spec: ModelSpec, dtype: str, max_model_len: int, page_size: int) -> int:
+    """One request's K and V at max_model_len, in whole pages: the buffers a long prefill gathers them
+    into for FlashAttention (pools.KvTensorPool.gather_buffers), taken once and kept."""
+    if not spec.full_attention_layers:
+        return 0
+    tokens = -(-max_model_len // page_size) * page_size
+    return 2 * tokens * spec.num_kv_heads * spec.head_dim * DTYPE_BYTES[dtype]

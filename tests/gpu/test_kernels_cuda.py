@@ -49,6 +49,38 @@ def test_triton_paged_attention_on_cuda(case, dtype, kernel):
     torch.testing.assert_close(out.cpu().float(), expected.float(), rtol=tol, atol=tol)
 
 
+# requests of 128 new tokens or more take FlashAttention in bf16 (kernels/paged_attention_flash.py), the rest
+# the paged Triton kernel; float32 takes the paged kernel alone
+DISPATCH_CASES = [(16, 16, 2, 256, [300, 1, 40], [2000, 700, 0]), (16, 16, 2, 256, [1, 700, 128], [30, 5000, 0]),
+                  (16, 32, 4, 128, [129, 64], [1500, 3]), (16, 16, 2, 256, [4096], [0])]
+
+
+@pytest.mark.parametrize("buffered", [False, True], ids=["fresh", "pool-buffers"])
+@pytest.mark.parametrize("case", DISPATCH_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_dispatch_on_cuda(case, dtype, buffered, monkeypatch):
+    from ferry.kernels import paged_attention as dispatch
+
+    page_size, heads, kv_heads, head_dim, qlens, clens = case
+    q, kc, vc, pt, qs, pos, _, _ = _scenario(4, page_size, heads, kv_heads, head_dim, qlens, clens, dtype)
+    expected = paged_attention_reference(q, kc, vc, pt, qlens, clens, head_dim**-0.5)
+    flashed = []
+    real = dispatch.flash_prefill_into
+    monkeypatch.setattr(dispatch, "flash_prefill_into", lambda *a: flashed.append(a[5]) or real(*a))
+    cuda = [t.cuda() for t in (q, kc, vc, pt, qs, pos)]
+    gather = None
+    if buffered:  # as KvTensorPool.gather_buffers gives them: whole pages, poisoned
+        pages = max(-(-(q_ + c) // page_size) for q_, c in zip(qlens, clens))
+        buffers = tuple(torch.full((pages, *kc.shape[1:]), float("nan"), dtype=dtype, device="cuda") for _ in "kv")
+        gather = lambda: buffers  # noqa: E731
+    out = dispatch.paged_attention(*cuda, qlens, clens, head_dim**-0.5, gather=gather)
+    assert torch.isfinite(out).all()
+    long_rows = [sum(qlens[:r]) for r, n in enumerate(qlens) if n >= 128]
+    assert flashed == (long_rows if dtype == torch.bfloat16 else [])
+    tol = 2e-3 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.cpu().float(), expected.float(), rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("query_lens", [[1, 1, 1], [70, 1, 5], [17]])
 def test_fla_gated_delta_rule_matches_reference(query_lens):
     pytest.importorskip("fla")

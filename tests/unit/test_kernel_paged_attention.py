@@ -123,6 +123,34 @@ def test_prefill_query_blocks_split_each_request():
     assert query_blocks([3, 0, 20, 1], block_m=8) == ([0, 2, 2, 2, 3], [0, 3, 11, 19, 23])
 
 
+def test_prefill_query_blocks_skip_the_requests_another_kernel_computes():
+    from ferry.kernels.paged_attention_triton import query_blocks
+
+    # request 2's rows still count for the rows after it: request 3's block starts at row 23
+    assert query_blocks([3, 0, 20, 1], block_m=8, skip=frozenset({2})) == ([0, 3], [0, 23])
+
+
+def test_prefill_kernel_leaves_skipped_requests_rows_alone():
+    from ferry.kernels.paged_attention_triton import paged_attention_prefill_triton  # noqa: F401 (interpreted)
+
+    qlens, clens = [40, 3, 9], [100, 5, 0]
+    q, kc, vc, pt, qs, pos, _, _ = _scenario(3, 8, 8, 1, 32, qlens, clens)
+    expected = paged_attention_reference(q, kc, vc, pt, qlens, clens, 32**-0.5)
+    out = torch.full_like(q, 7.0)
+    (got,) = run_interpreted("ferry.kernels.paged_attention_triton", "paged_attention_prefill_triton",
+                             [((q, kc, vc, pt, qs, pos, qlens, 32**-0.5), dict(out=out, block_rows=16, block_n=16,
+                                                                              skip=(0,)))])  # fmt: skip
+    assert (got[:40] == 7.0).all(), "a skipped request's rows were written"
+    torch.testing.assert_close(got[40:], expected[40:], rtol=1e-5, atol=1e-5)
+
+
+def test_flash_takes_long_queries_of_half_precision_cuda_steps_only():
+    from ferry.kernels.paged_attention_flash import FLASH_MIN_QUERY_TOKENS, flash_available, flash_requests
+
+    assert flash_requests([1, FLASH_MIN_QUERY_TOKENS, FLASH_MIN_QUERY_TOKENS - 1, 8192]) == [1, 3]
+    assert not flash_available(torch.zeros(4, 16, 256, dtype=torch.bfloat16), torch.zeros(1, 16, 2, 256))  # on CPU
+
+
 def test_triton_token_requests_follow_query_start():
     from ferry.kernels.paged_attention_triton import token_requests  # plain torch: no kernel launch
 

@@ -68,6 +68,7 @@ class PagedAttention(nn.Module):
         out = paged_attention(
             q.contiguous(), k_cache, v_cache, b.page_table, b.query_start, b.positions,
             b.query_lens_host, b.context_lens_host, self.scale, token_request=b.token_request,
+            gather=ctx.pools.kv.gather_buffers,
         ).reshape(t, -1)  # fmt: skip
         if gate is not None:
             out = out * torch.sigmoid(gate)
