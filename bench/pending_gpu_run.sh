@@ -5,6 +5,8 @@
 # parts in one call (one device start), e.g. PART=eight,ahead (~7 min).
 #   PART=check   make gpu-check (the release check, which builds the host's C kernel; gpu_check.json)  ~7-8 min
 #   PART=prefill bench/prefill_attention.py on the 35B's attention shapes, then the 262k-token TTFT  ~6-8 min
+#   PART=flashtest the attention dispatch's CUDA tests (FlashAttention for long queries)               ~1 min
+#   PART=long    the 262k-token TTFT alone                                                          ~4-5 min
 #   PART=share   hybrid8 decode with and without --host-expert-threads, then three turns in bf16     ~8-9 min
 #   PART=decode12 the 12-layer cut GPU-only, with the host's share, with it but no prefetch, and the
 #                default (auto): decode_12layer_hybrid_cpu.json (issue 25's must-show)              ~3-4 min
@@ -31,6 +33,13 @@ case "${part:-check}" in
     timeout 400 python3 bench/decode_suite.py --out "$OUT" --workloads long_context_36b --ready-timeout 240 \
       --run-timeout 300 > "$OUT/long_context.log" 2>&1
     echo "long_context rc=$?"; tail -3 "$OUT/long_context.log" ;;
+  flashtest)  # the attention dispatch (FlashAttention for long queries, the paged kernel for the rest) on CUDA
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_cuda.py -k "dispatch or triton_paged" \
+      > "$OUT/flash_test.log" 2>&1; echo "flash test rc=$?"; tail -3 "$OUT/flash_test.log" ;;
+  long)  # the 262k-token TTFT alone (issue 24)
+    timeout 420 python3 bench/decode_suite.py --out "$OUT" --workloads long_context_36b --ready-timeout 240 \
+      --run-timeout 300 > "$OUT/long_context.log" 2>&1
+    echo "long_context rc=$?"; tail -3 "$OUT/long_context.log"; grep -h 'ttft\|error\|Error' "$OUT"/serve_long*.log 2>/dev/null | tail -5 ;;
   share)
     python3 -c "import sys; from setuptools import setup; sys.argv = ['setup.py', 'build_ext', '--inplace', '-q']; setup()" \
       > "$OUT/host_kernel_build.log" 2>&1 || echo "host kernel build failed (see host_kernel_build.log)"
@@ -114,7 +123,7 @@ PY
       grep -rh --include=serve.log kernel_compiled_in_service "$V/pytest" | cut -c1-300 | head -5
       grep -A3 '_speedup' "$V/eight.log" | head -12; tail -2 "$V/eight.log"
     done ;;
-  *) echo "PART must be check, prefill, share, decode12, decode30, hostpages, pin, ahead or eight (or several, comma-separated)" >&2; exit 2 ;;
+  *) echo "PART must be check, flashtest, long, prefill, share, decode12, decode30, hostpages, pin, ahead or eight (or several, comma-separated)" >&2; exit 2 ;;
 esac
 done
 # the device returns a few files a call (more are dropped, as the first decode12 run's logs were): one archive
