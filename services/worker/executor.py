@@ -32,7 +32,7 @@ from ferry.shared.errors import FerryError
 from ferry.plan.model_config import ModelSpec
 from ferry.shared.step import Logprobs, StepBatch, StepOutput
 from ferry.services.worker.decode_graphs import DecodeGraphs
-from ferry.services.worker.experts import ExpertStore
+from ferry.services.worker.experts import ExpertStore, is_long_context
 from ferry.services.worker.forward_batch import ForwardBatch
 from ferry.plan.planner import Plan
 from ferry.services.worker.pools import Pools
@@ -240,7 +240,8 @@ class StepExecutor:
         not wait behind 32 experts for its inputs) and overlap the first layer's attention."""
         fb = self._forward_batch(batch, previous, feed_src)
         if self.store is not None:
-            self.store.begin_step(int(fb.tokens.shape[0]), self.spec.num_experts_per_tok)
+            self.store.begin_step(int(fb.tokens.shape[0]), self.spec.num_experts_per_tok,
+                                  long_context=is_long_context(batch.query_lens, batch.context_lens))  # fmt: skip
         return fb
 
     def _forward_batch(self, batch: StepBatch, previous: tuple | None, feed_src: np.ndarray | None) -> ForwardBatch:

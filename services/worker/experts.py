@@ -13,6 +13,19 @@ from typing import Protocol
 
 import torch
 
+# A prefill chunk of at least LEND_QUERY_TOKENS new tokens whose request reaches LEND_CONTEXT_TOKENS keys
+# lends its ring cache slots (offload/device_store.py, `_slots_to_lend`): its full-attention layers then
+# compute for longer than their experts take to cross (an 8,192-token chunk at 32k keys: ~15 ms a layer on the H200
+# against ~19 ms of one layer's streamed experts, growing with the context), so without room ahead
+# the copy stream would wait through every such layer.
+LEND_QUERY_TOKENS = 1024
+LEND_CONTEXT_TOKENS = 32768
+
+
+def is_long_context(query_lens, context_lens) -> bool:
+    """Whether a step's prefill lends its ring cache slots (see LEND_CONTEXT_TOKENS)."""
+    return any(q >= LEND_QUERY_TOKENS and q + c >= LEND_CONTEXT_TOKENS for q, c in zip(query_lens, context_lens))
+
 
 class ExpertStore(Protocol):
     num_experts: int
@@ -29,10 +42,11 @@ class ExpertStore(Protocol):
     def preload(self) -> int:
         """After every expert is loaded: warm the slots; returns how many experts were placed."""
 
-    def begin_step(self, num_tokens: int, top_k: int) -> None:
+    def begin_step(self, num_tokens: int, top_k: int, long_context: bool = False) -> None:
         """An eager step of `num_tokens` tokens (no padding), `top_k` experts each, is about to run
         (the executor calls it before the model's first layer; CUDA graph replays never do). A
-        store may start the step's expert copies now, while the first layer's attention computes."""
+        store may start the step's expert copies now, while the first layer's attention computes.
+        `long_context`: a prefill chunk far into a long prompt (device_store.is_long_context)."""
 
     def count_step_on_device(self) -> None:
         """The device work that closes a step's statistics, graph-safe (no host values): a decode

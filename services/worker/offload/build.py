@@ -76,7 +76,9 @@ def build_offloaded_experts(spec: ModelSpec, plan: Plan, slots: ExpertSlotPool, 
     if device_driven is None:
         device_driven = use_triton(slots.w13)
     if device_driven:
-        return DeviceDrivenExperts(slots, banks, chosen, device, prefetch=prefetch, copy_engine_tokens=copy_engine_tokens)
+        store = DeviceDrivenExperts(slots, banks, chosen, device, prefetch=prefetch, copy_engine_tokens=copy_engine_tokens)
+        store.attention_period = max(1, round(num_layers / max(1, len(spec.full_attention_layers))))
+        return store
     return OffloadedExperts(slots, banks, chosen, device)
 
 

@@ -94,6 +94,10 @@ class DeviceDrivenExperts(OffloadedExperts):
         self._last_counters: dict[str, int] | None = None
         self._step_copy_events: list = []
         self.ring = None
+        # MoE layers from one full-attention layer to the next (build_offloaded_experts sets it from the
+        # model: 4 on the hybrids, 1 where every layer attends): what a long prefill lends its ring for
+        self.attention_period = 1
+        self.lent_evictions = 0  # experts evicted to lend their slots to a long prefill's ring, since boot
         self._stream_begun = False  # begin_step started this step's stream (a prefill) before layer 0
         if slots.staging_w13 is not None:
             self.ring = StagingRing(slots.staging_w13, slots.staging_w2, banks, self._copy_stream if self._cuda else None,
@@ -112,13 +116,26 @@ class DeviceDrivenExperts(OffloadedExperts):
         return placed
 
     # ---- the step ------------------------------------------------------------------------------
-    def begin_step(self, num_tokens: int, top_k: int) -> None:
+    def begin_step(self, num_tokens: int, top_k: int, long_context: bool = False) -> None:
         """A step that will stream (a prefill) starts its copies now: which experts to stage is
-        known from the maps alone, so they cross while the first layer's attention computes."""
+        known from the maps alone, so they cross while the first layer's attention computes. A
+        `long_context` step (a long prefill chunk far into its prompt) lends the ring cache slots."""
         self._stream_begun = False
         if self.cache is not None and self._streams(num_tokens * top_k):
-            self._begin_stream(num_tokens, top_k)
+            self._begin_stream(num_tokens, top_k, self._slots_to_lend() if long_context else 0)
             self._stream_begun = True
+
+    def _slots_to_lend(self) -> int:
+        """How many of the cache's slots a long-context prefill step lends its ring: enough for the
+        experts the layers from one full-attention layer to the next stream (`attention_period`
+        MoE layers' worth of the experts a layer lacks), so that the copies keep running through
+        an attention layer's long compute; at most every slot. It costs those slots' contents:
+        decode fills them again, free slots first, within a few tokens of misses, and the
+        step itself streams them too (each lent slot is one more expert copied)."""
+        slots = self.cache.num_slots
+        missing_per_layer = self.num_experts - slots / self.policy.num_layers
+        wanted = int(self.attention_period * missing_per_layer)
+        return min(slots, wanted) // self.ring.chunk * self.ring.chunk
 
     def _streams(self, pairs: int) -> bool:
         """Whether a step of `pairs` (token, k) pairs streams past the cache (see STREAM_PAIRS_PER_EXPERT)."""
@@ -226,7 +243,7 @@ class DeviceDrivenExperts(OffloadedExperts):
                 torch.cuda.current_stream(self.device).wait_event(chunk.landed)
                 self._step_copy_events.append(chunk.copy_events)
             lo, hi = chunk.first, chunk.first + len(chunk.experts)
-            grouped_expert_rows_triton(x, None, weights, self.ring.gemm13, self.ring.gemm2, rows,
+            grouped_expert_rows_triton(x, None, weights, chunk.bay.gemm13, chunk.bay.gemm2, rows,
                                        aligned=(sorted_pairs, block_position),
                                        slot_window=(lo, hi, chunk.slots[0] - lo))  # fmt: skip
             computed = None
@@ -235,11 +252,13 @@ class DeviceDrivenExperts(OffloadedExperts):
                 computed.record(torch.cuda.current_stream(self.device))
             self.ring.release(chunk, computed)
 
-    def _begin_stream(self, real: int, top_k: int) -> None:
+    def _begin_stream(self, real: int, top_k: int, lend: int = 0) -> None:
         """Stage every non-resident expert of every layer (none for a step of `real` 0 rows: padding
         only, boot's warm-up) but the host's share of them (host_share.py), and put each one's position
         in its layer's list on the device (-1: not staged). Called by `begin_step`, or at layer 0 when
-        the step did not begin through it."""
+        the step did not begin through it. `lend`: the cache's last slots the ring may use this step,
+        evicted first (their experts are then staged like any other missing one)."""
+        lent = self._evict_for_ring(lend) if lend and real else None
         resident = (self.cache.slot_of >= 0).cpu().numpy()
         missed = [np.flatnonzero(~r).tolist() if real else [] for r in resident]
         self._stream_real = real
@@ -260,7 +279,23 @@ class DeviceDrivenExperts(OffloadedExperts):
         table = torch.from_numpy(position)
         self._staged_position = table.pin_memory().to(self.device, non_blocking=True) if self._cuda else table
         self._staged_count = [len(e) for e in staged]
-        self.ring.begin(staged)
+        self.ring.begin(staged, lent)
+
+    def _evict_for_ring(self, count: int) -> tuple[int, int, tuple]:
+        """Empty the cache's last `count` slots on the device, in stream order behind every step
+        before (the caller's read of the slot map then synchronises): (first slot, count, the slot
+        tensors) for the ring. A free slot is what the lookups place into first, so decode takes them
+        back as it misses."""
+        c = self.cache
+        lent = slice(c.num_slots - count, c.num_slots)
+        layers, experts = c.layer_of_slot[lent].long(), c.expert_of_slot[lent].long()
+        held = layers >= 0
+        c.slot_of.view(-1)[(layers * c.num_experts + experts)[held]] = -1
+        self.lent_evictions += int(held.sum())  # a sync, as the caller's read of the map is
+        c.layer_of_slot[lent] = -1
+        c.expert_of_slot[lent] = -1
+        c.prefetched[lent] = 0
+        return c.num_slots - count, count, (self.slots.w13, self.slots.w2, self.slots.gemm13, self.slots.gemm2)
 
     def _compute(self, x, group_slots, weights, rows) -> None:
         """One group's pairs (slot -1 elsewhere): pair by pair for small steps, as the all-resident
@@ -449,8 +484,10 @@ class DeviceDrivenExperts(OffloadedExperts):
             placements = c["misses"] + c["prefetched"] - start["misses"] - start["prefetched"]
             placements -= self.ring.staged_total if self.ring is not None else 0  # staged (since boot), never placed
             placements -= c.get("host_decode", 0)  # handed to the host: their slots were freed
-            resident = self.policy.resident + placements
+            resident = self.policy.resident + placements - self.lent_evictions
             if c.get("host_decode", 0):  # a handed miss may have evicted a victim for a slot it then left empty
                 resident -= c["evictions"] - start["evictions"]
-            out.update(evictions=c["evictions"], resident=min(self.policy.num_slots, resident))
+            out.update(evictions=c["evictions"] + self.lent_evictions, resident=min(self.policy.num_slots, resident),
+                       prefill_lent_slots=self.ring.lent_total if self.ring is not None else 0,
+                       prefill_lent_evictions=self.lent_evictions)  # fmt: skip
         return out

@@ -123,7 +123,7 @@ class OffloadedExperts:
         self.stats.end_step()
         self._last_layer = -1
 
-    def begin_step(self, num_tokens: int, top_k: int) -> None:
+    def begin_step(self, num_tokens: int, top_k: int, long_context: bool = False) -> None:
         """Nothing to start: the host path copies each layer's misses once it has looked them up."""
 
     def count_step_on_device(self) -> None:

@@ -95,7 +95,7 @@ class ExpertParallelExperts:
     def preload(self) -> int:
         return self.local.preload()
 
-    def begin_step(self, num_tokens: int, top_k: int) -> None:
+    def begin_step(self, num_tokens: int, top_k: int, long_context: bool = False) -> None:
         """Nothing started early: how many pairs a rank gets is known only from the routing, and the local
         store decides its path (decode, copies, streaming) by that count at the first layer."""
 

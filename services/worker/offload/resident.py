@@ -91,7 +91,7 @@ class ResidentExperts:
             self._routed_sum = torch.zeros(1, dtype=torch.int64, device=topk_ids.device)
         mark_routed(self._routed, moe_layer, topk_ids, n_rows)
 
-    def begin_step(self, num_tokens: int, top_k: int) -> None:
+    def begin_step(self, num_tokens: int, top_k: int, long_context: bool = False) -> None:
         """Nothing to copy: every expert is resident."""
 
     def count_step_on_device(self) -> None:

@@ -9,6 +9,12 @@ staging slots outside the cache (priced with the expert pool: pool_layout.prefil
 is computed there, and its slot goes to the next staged expert. A prefill copies exactly the
 experts it lacks, and the cache keeps what the decode uses.
 
+A prefill with a long context may lend the ring the cache's last slots for its step (`begin`'s
+`lent`: the store evicted them first, device_store.py says when and how many): more bays, so the
+copies run ahead through a full-attention layer, whose compute over a long context takes longer
+than its experts' copies, instead of waiting at R experts ahead. After the step those slots are
+the cache's again, free, and decode fills them first.
+
 The ring is one FIFO over the whole step: the staged experts of every layer in layer order, cut
 into chunks of up to C of one layer's experts; the R slots are R/C bays of C consecutive slots,
 one chunk per bay (consecutive experts then cross in one copy, into consecutive slots). A
@@ -29,14 +35,27 @@ from dataclasses import dataclass, field
 import torch
 
 
+@dataclass(frozen=True)
+class Bay:
+    """C consecutive slots of one set of tensors: the staging slots' own, or the cache's lent for a step."""
+
+    first_slot: int
+    w13: torch.Tensor
+    w2: torch.Tensor
+    gemm13: torch.Tensor
+    gemm2: torch.Tensor
+    lent: bool = False
+
+
 @dataclass
 class StagedChunk:
-    """Experts of one MoE layer, and the staging slots they were copied into (once enqueued)."""
+    """Experts of one MoE layer, and the slots of its bay they were copied into (once enqueued)."""
 
     layer: int
     first: int  # position of experts[0] in the layer's staged list
     experts: list[int]
-    slots: list[int] = field(default_factory=list)  # consecutive: bay * C + i
+    slots: list[int] = field(default_factory=list)  # consecutive: bay.first_slot + i
+    bay: Bay | None = None
     landed: torch.cuda.Event | None = None  # the copies are done (CUDA)
     copy_events: tuple | None = None  # (start, end) timing events of the copies (CUDA)
 
@@ -58,26 +77,44 @@ class StagingRing:
         self.chunk = chunk if chunk is not None else max(1, self.size // 4)
         if not 1 <= self.chunk <= self.size:
             raise ValueError(f"a chunk of {self.chunk} experts does not fit {self.size} staging slots")
-        self._free: deque[tuple[int, torch.cuda.Event | None]] = deque()
+        self._bays: list[Bay] = []
+        self._free: deque[tuple[Bay, torch.cuda.Event | None]] = deque()
         self._reset_bays()
+        self._lent_bays = 0  # of the step begun last
+        self.lent_total = 0  # cache slots lent since boot
         self._queued: deque[StagedChunk] = deque()  # not copied yet
         self._copied: deque[StagedChunk] = deque()  # copies enqueued, computation not yet
         self._taken: StagedChunk | None = None  # handed out, not yet released
         self.staged_total = 0  # experts staged since boot
 
     def _reset_bays(self) -> None:
-        """Every bay free (its last reader's event, or None: nothing pending)."""
-        self._free = deque((bay, None) for bay in range(self.size // self.chunk))
+        """Every staging bay free (its last reader's event, or None: nothing pending), C slots each."""
+        self._bays = [Bay(b * self.chunk, self.w13, self.w2, self.gemm13, self.gemm2) for b in range(self.size // self.chunk)]
+        self._free = deque((bay, None) for bay in self._bays)
 
-    def begin(self, staged: list[list[int]]) -> None:
-        """A new step, which stages `staged[layer]` (ascending experts) for every MoE layer."""
-        if self._copied or self._taken is not None or len(self._free) != self.size // self.chunk:
+    def begin(self, staged: list[list[int]], lent: tuple[int, int, tuple] | None = None) -> None:
+        """A new step, which stages `staged[layer]` (ascending experts) for every MoE layer. `lent`
+        (first slot, count, (w13, w2, gemm13, gemm2) of the cache): slots the step may use besides
+        the staging slots, in bays of C; nothing may read or write them until the step's
+        computations are done (the caller evicted them and synchronised)."""
+        pending = len(self._free) != len(self._bays) + self._lent_bays
+        if self._copied or self._taken is not None or pending or len(self._bays) != self.size // self.chunk:
             # a step that stopped midway (or another chunk size, bench/profile_prefill.py): wait for
             # what it enqueued, once, rather than track it
             if self.copy_stream is not None:
                 torch.cuda.current_stream().wait_stream(self.copy_stream)
                 self.copy_stream.wait_stream(torch.cuda.current_stream())
             self._reset_bays()
+        # the last step's lent bays are the cache's again: its computations were enqueued before
+        # this step's synchronisation, and the cache's own copies wait for the lookups after them
+        self._free = deque((bay, event) for bay, event in self._free if not bay.lent)
+        self._lent_bays = 0
+        if lent is not None:
+            first, count, tensors = lent
+            bays = [Bay(first + b * self.chunk, *tensors, lent=True) for b in range(count // self.chunk)]
+            self._free.extendleft(reversed([(bay, None) for bay in bays]))
+            self._lent_bays = len(bays)
+            self.lent_total += len(bays) * self.chunk
         self._copied.clear()
         self._taken = None
         self._queued.clear()
@@ -108,7 +145,7 @@ class StagingRing:
         if chunk is not self._taken:
             raise RuntimeError("staging ring: release the chunk that was taken")
         self._taken = None
-        self._free.append((chunk.slots[0] // self.chunk, computed))
+        self._free.append((chunk.bay, computed))
         self.fill()
 
     def fill(self) -> None:
@@ -116,7 +153,8 @@ class StagingRing:
         while self._queued and self._free:
             chunk = self._queued.popleft()
             bay, last_reader = self._free.popleft()
-            chunk.slots = list(range(bay * self.chunk, bay * self.chunk + len(chunk.experts)))
+            chunk.bay = bay
+            chunk.slots = list(range(bay.first_slot, bay.first_slot + len(chunk.experts)))
             self._copy(chunk, last_reader)
             self._copied.append(chunk)
 
@@ -124,15 +162,16 @@ class StagingRing:
         """The chunk's experts into its bay (plain banks: one copy per run of consecutive experts
         and weight family; packed: one unpacking launch)."""
         pairs = list(zip(chunk.experts, chunk.slots))
+        w13, w2 = chunk.bay.w13, chunk.bay.w2
         if self.copy_stream is None:
-            self.banks.copy_experts(chunk.layer, pairs, self.w13, self.w2)
+            self.banks.copy_experts(chunk.layer, pairs, w13, w2)
             return
         with torch.cuda.stream(self.copy_stream):
             if last_reader is not None:
                 self.copy_stream.wait_event(last_reader)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(self.copy_stream)
-            self.banks.copy_experts(chunk.layer, pairs, self.w13, self.w2, non_blocking=True)
+            self.banks.copy_experts(chunk.layer, pairs, w13, w2, non_blocking=True)
             end.record(self.copy_stream)
         chunk.landed, chunk.copy_events = end, (start, end)
 

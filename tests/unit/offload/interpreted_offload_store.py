@@ -263,9 +263,56 @@ def check_host_decode() -> None:
     assert total.bytes_copied == (total.misses - handed["experts"] + total.prefetched) * banks.expert_nbytes
 
 
+def check_lent_slots() -> None:
+    """Long-context prefills lending the ring the cache's last slots (device_store._slots_to_lend): the
+    same rows as the all-resident store in float32, the lent slots emptied and their experts staged,
+    the next chunk lending the same (already empty) slots, and decode after them placing into them."""
+    from ferry.services.worker.experts import LEND_CONTEXT_TOKENS, LEND_QUERY_TOKENS, is_long_context
+
+    assert is_long_context([LEND_QUERY_TOKENS], [LEND_CONTEXT_TOKENS - LEND_QUERY_TOKENS])
+    assert not is_long_context([LEND_QUERY_TOKENS - 1, 1], [LEND_CONTEXT_TOKENS, LEND_CONTEXT_TOKENS])
+    assert not is_long_context([LEND_QUERY_TOKENS], [LEND_CONTEXT_TOKENS - LEND_QUERY_TOKENS - 1])
+    spec = tiny_spec(layers=3, experts=6, top_k=2, hidden=32, inter=16)
+    layers, num_slots = 3, 9
+    resident = ResidentExperts(slot_pool(spec, layers * 6), layers, 6)
+    store = DeviceDrivenExperts(slot_pool(spec, num_slots, max_step_tokens=48),
+                                HostBanks.for_model(spec, "float32", progress=False),
+                                LRUExpertPolicy(layers, 6, num_slots), "cpu", prefetch=True, pipeline_chunks=2)  # fmt: skip
+    store.attention_period = 2
+    for (layer, e), weights in random_experts(spec, num_slots).items():
+        resident.load_expert(layer, e, *weights)
+        store.load_expert(layer, e, *weights)
+    g = torch.Generator().manual_seed(11)
+    store.set_routers([torch.randn(6, 32, generator=g) for _ in range(layers)])
+    store.preload()
+    lend = store._slots_to_lend()
+    assert 0 < lend <= num_slots and lend % store.ring.chunk == 0, (lend, store.ring.chunk)
+    lent = slice(num_slots - lend, num_slots)
+    held_before = int((store.cache.layer_of_slot[lent] >= 0).sum())
+    for step, (tokens, long_context) in enumerate(((40, True), (40, True), (1, False), (1, False), (40, False))):
+        maps = store.cache.slot_of.clone()
+        staged = store.ring.staged_total
+        store.begin_step(tokens, spec.num_experts_per_tok, long_context=long_context)
+        if long_context:
+            assert (store.cache.layer_of_slot[lent] < 0).all() and not (store.cache.slot_of >= num_slots - lend).any()
+            evicted = int(((maps >= num_slots - lend)).sum())
+            assert store.ring.staged_total - staged == int((maps < 0).sum()) + evicted
+        for layer in range(layers):
+            x, ids, w = random_routing(spec, tokens, g)
+            got = store.forward(layer, x, ids, w, n_rows=torch.tensor([tokens], dtype=torch.int32))
+            torch.testing.assert_close(got, resident.forward(layer, x, ids, w), rtol=1e-5, atol=1e-5)
+        store.stats_to_host()
+        store.end_step()
+    assert store.ring.lent_total == 2 * lend and store.lent_evictions == held_before
+    report = store.report()
+    assert report["prefill_lent_slots"] == 2 * lend and report["prefill_lent_evictions"] == held_before
+    assert (store.cache.layer_of_slot[lent] >= 0).any(), "decode placed nothing into the freed slots"
+
+
 CHECKS = {"store": check, "device-driven-float32": lambda: check_device_driven("float32"),
           "device-driven-bfloat16": lambda: check_device_driven("bfloat16"), "host-share": check_host_share,
-          "host-decode-kernel": check_host_decode_kernel, "host-decode": check_host_decode}
+          "host-decode-kernel": check_host_decode_kernel, "host-decode": check_host_decode,
+          "lent-slots": check_lent_slots}
 
 if __name__ == "__main__":  # argv[1]: one of CHECKS (the test runs each in its own process, side by side under xdist)
     try:

@@ -80,3 +80,28 @@ def test_a_chunk_fills_consecutive_slots_of_one_bay_and_knows_its_place_in_the_l
         firsts.append(chunk.first)
         ring.release(chunk, None)
     assert firsts == [0, 3, 6]
+
+
+def test_lent_cache_slots_are_bays_of_that_step_only():
+    banks = _banks(2, 10)
+    cache13, cache2 = torch.zeros(6, 2, 2), torch.zeros(6, 2, 2)
+    ring = StagingRing(torch.zeros(2, 2, 2), torch.zeros(2, 2, 2), banks, None, chunk=2)
+    # slots 2..5 of the cache lent: two more bays, taken before the staging slots'
+    ring.begin([[0, 1, 2, 3], [4, 5]], lent=(2, 4, (cache13, cache2, cache13, cache2)))
+    held, used = [], []
+    for layer in range(2):
+        while (chunk := ring.take(layer)) is not None:
+            w13 = chunk.bay.w13
+            for e, s in zip(chunk.experts, chunk.slots):
+                assert torch.equal(w13[s], banks.w13[layer][e]) and torch.equal(chunk.bay.w2[s], banks.w2[layer][e])
+            used.append((chunk.bay.lent, chunk.slots))
+            held.append(chunk)
+            ring.release(chunk, None)
+    assert used[:2] == [(True, [2, 3]), (True, [4, 5])] and (False, [0, 1]) in used
+    assert ring.lent_total == 4
+    # the next step lends nothing: only the staging slots' bay is used, and nothing counts as pending
+    ring.begin([[6, 7, 8]])
+    chunk = ring.take(0)
+    assert not chunk.bay.lent and chunk.slots == [0, 1]
+    ring.release(chunk, None)
+    assert ring.take(0).slots == [0]
