@@ -100,8 +100,11 @@ class DeviceDrivenExperts(OffloadedExperts):
         self.lent_evictions = 0  # experts evicted to lend their slots to a long prefill's ring, since boot
         self._stream_begun = False  # begin_step started this step's stream (a prefill) before layer 0
         if slots.staging_w13 is not None:
-            self.ring = StagingRing(slots.staging_w13, slots.staging_w2, banks, self._copy_stream if self._cuda else None,
-                                    gemm=(slots.staging_gemm13, slots.staging_gemm2))  # fmt: skip
+            # the ring's own stream, at the highest priority (staging_ring.RING_UNPACK_PROGRAMS says why)
+            ring_stream = torch.cuda.Stream(self.device, priority=-100) if self._cuda else None
+            self.ring = StagingRing(slots.staging_w13, slots.staging_w2, banks, ring_stream,
+                                    gemm=(slots.staging_gemm13, slots.staging_gemm2),
+                                    after=self._copy_stream if self._cuda else None)  # fmt: skip
 
     def set_routers(self, routers: list[torch.Tensor]) -> None:
         """The router weights of the MoE layers, in order: what the next-layer prediction applies."""

@@ -184,10 +184,10 @@ class HostBanks:
         return self.w13[moe_layer][expert], self.w2[moe_layer][expert]
 
     def copy_experts(self, moe_layer: int, pairs: list[tuple[int, int]], dst13: torch.Tensor, dst2: torch.Tensor,
-                     non_blocking: bool = False) -> None:  # fmt: skip
+                     non_blocking: bool = False, **tuning) -> None:  # fmt: skip
         """dst13[s], dst2[s] = expert e's rows for each (e, s) listed on the host, with the copy
         engine on the current stream: one copy per weight family and run of consecutive experts
-        going to consecutive slots."""
+        going to consecutive slots (`tuning`, a kernel's grid for packed banks, does not apply)."""
         bank13, bank2 = self.w13[moe_layer], self.w2[moe_layer]
         for e, s, n in _runs(pairs):
             dst13[s : s + n].copy_(bank13[e : e + n], non_blocking=non_blocking)

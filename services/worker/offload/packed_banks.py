@@ -234,10 +234,10 @@ class PackedHostBanks:
         return self._escapes[moe_layer][expert]
 
     def copy_experts(self, moe_layer: int, pairs: list[tuple[int, int]], dst13: torch.Tensor, dst2: torch.Tensor,
-                     non_blocking: bool = False) -> None:  # fmt: skip
+                     non_blocking: bool = False, **tuning) -> None:  # fmt: skip
         """dst13[s], dst2[s] = expert e for each (e, s) listed on the host: the list crosses in one
         small copy on the current stream, then the unpacking kernel runs (`non_blocking` is moot:
-        kernels never block the host)."""
+        kernels never block the host; `tuning`: its grid, kernels/expert_pack.py)."""
         if not pairs:
             return
         self._copied = True
@@ -250,7 +250,7 @@ class PackedHostBanks:
         listed = torch.tensor(pairs, dtype=torch.int32)
         if dst13.is_cuda:
             listed = listed.pin_memory().to(dst13.device, non_blocking=True)
-        self.copy_listed(moe_layer, dst13, dst2, listed, len(pairs))
+        self.copy_listed(moe_layer, dst13, dst2, listed, len(pairs), **tuning)
 
     def copy_listed(self, moe_layer: int, dst13: torch.Tensor, dst2: torch.Tensor, misses: torch.Tensor,
                     count: torch.Tensor | int, **tuning) -> None:  # fmt: skip

@@ -34,6 +34,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+# The ring's copies run beside the step's compute on a stream of their own at the highest priority
+# (device_store.py), so the block scheduler places them as compute blocks retire instead of after
+# a whole attention kernel. For packed banks a copy is the unpacking kernel, on the GPU's own
+# cores: 32 programs, which measured 49.8 GB/s against 64's 50.1 (kernels/expert_pack.py), leave
+# the compute the other SMs.
+RING_UNPACK_PROGRAMS = 32
+
 
 @dataclass(frozen=True)
 class Bay:
@@ -67,10 +74,11 @@ class StagingRing:
     pool's staging_gemm13/2; by default the tensors themselves)."""
 
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor, banks, copy_stream: torch.cuda.Stream | None,
-                 chunk: int | None = None, gemm: tuple | None = None):  # fmt: skip
+                 chunk: int | None = None, gemm: tuple | None = None, after: torch.cuda.Stream | None = None):  # fmt: skip
         if w13.shape[0] != w2.shape[0] or w13.shape[0] < 1:
             raise ValueError(f"staging slots must be a non-empty [R, ...] pair, got {w13.shape[0]} and {w2.shape[0]}")
         self.w13, self.w2, self.banks, self.copy_stream = w13, w2, banks, copy_stream
+        self.after = after  # the cache's own copy stream: a step's copies start behind what it enqueued
         self.gemm13, self.gemm2 = gemm if gemm is not None else (w13, w2)
         self.size = w13.shape[0]
         # four bays: a chunk computes while the next ones cross
@@ -115,6 +123,8 @@ class StagingRing:
             self._free.extendleft(reversed([(bay, None) for bay in bays]))
             self._lent_bays = len(bays)
             self.lent_total += len(bays) * self.chunk
+        if self.copy_stream is not None and self.after is not None:
+            self.copy_stream.wait_stream(self.after)
         self._copied.clear()
         self._taken = None
         self._queued.clear()
@@ -171,7 +181,7 @@ class StagingRing:
                 self.copy_stream.wait_event(last_reader)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(self.copy_stream)
-            self.banks.copy_experts(chunk.layer, pairs, w13, w2, non_blocking=True)
+            self.banks.copy_experts(chunk.layer, pairs, w13, w2, non_blocking=True, programs=RING_UNPACK_PROGRAMS)
             end.record(self.copy_stream)
         chunk.landed, chunk.copy_events = end, (start, end)
 
