@@ -220,9 +220,12 @@ def test_every_eager_step_tells_the_expert_store_it_begins_once_its_inputs_are_b
     order: list = []
     build, begin = executor._forward_batch, executor.store.begin_step
     executor._forward_batch = lambda *args: (order.append("inputs"), build(*args))[1]
-    executor.store.begin_step = lambda n, k: (order.append(("begin", n, k)), begin(n, k))[1]
+    executor.store.begin_step = lambda n, k, long_context: (order.append(("begin", n, k, long_context)),
+                                                            begin(n, k, long_context))[1]  # fmt: skip
     k = executor.spec.num_experts_per_tok
     tokens = _decode_alone(executor, 1, [5, 17, 33, 2, 8, 100, 41, 9, 12, 77, 3], 3, first_page=1, slot=1)
     assert len(tokens) == 3
-    assert order == ["inputs", ("begin", 11, k), "inputs", ("begin", 1, k), "inputs", ("begin", 1, k),
-                     "inputs", ("begin", 1, k)]  # the last: the step that tells the worker request 1 finished
+    # none of these is a long-context prefill (experts.is_long_context), which lends cache slots to its ring
+    assert order == ["inputs", ("begin", 11, k, False), "inputs", ("begin", 1, k, False), "inputs",
+                     ("begin", 1, k, False), "inputs", ("begin", 1, k, False)]  # the last: the step that tells
+    # the worker request 1 finished
