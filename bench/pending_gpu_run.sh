@@ -6,7 +6,7 @@
 #   PART=check   make gpu-check (the release check, which builds the host's C kernel; gpu_check.json)  ~7-8 min
 #   PART=prefill bench/prefill_attention.py on the 35B's attention shapes, then the 262k-token TTFT  ~6-8 min
 #   PART=flashtest the attention dispatch's CUDA tests (FlashAttention for long queries)               ~1 min
-#   PART=long    the 262k-token TTFT alone                                                          ~4-5 min
+#   PART=long    the 262k-token TTFT alone (LONG_VARIANTS picks decode_suite variants)                 ~4-5 min a variant
 #   PART=share   hybrid8 decode with and without --host-expert-threads, then three turns in bf16     ~8-9 min
 #   PART=decode12 the 12-layer cut GPU-only, with the host's share, with it but no prefetch, and the
 #                default (auto): decode_12layer_hybrid_cpu.json (issue 25's must-show)              ~3-4 min
@@ -36,8 +36,8 @@ case "${part:-check}" in
   flashtest)  # the attention dispatch (FlashAttention for long queries, the paged kernel for the rest) on CUDA
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_cuda.py -k "dispatch or triton_paged" \
       > "$OUT/flash_test.log" 2>&1; echo "flash test rc=$?"; tail -3 "$OUT/flash_test.log" ;;
-  long)  # the 262k-token TTFT alone (issue 24)
-    timeout 420 python3 bench/decode_suite.py --out "$OUT" --workloads long_context_36b --ready-timeout 240 \
+  long)  # the 262k-token TTFT alone (issue 24); LONG_VARIANTS=default,plain also runs it on plain bf16 banks
+    timeout 560 python3 bench/decode_suite.py --out "$OUT" --workloads long_context_36b --variants "${LONG_VARIANTS:-default}" --ready-timeout 240 \
       --run-timeout 300 > "$OUT/long_context.log" 2>&1
     echo "long_context rc=$?"; tail -3 "$OUT/long_context.log"; grep -h 'ttft\|error\|Error' "$OUT"/serve_long*.log 2>/dev/null | tail -5 ;;
   share)
