@@ -7,6 +7,7 @@
 #   PART=prefill bench/prefill_attention.py on the 35B's attention shapes, then the 262k-token TTFT  ~6-8 min
 #   PART=flashtest the attention dispatch's CUDA tests (FlashAttention for long queries)               ~1 min
 #   PART=long    the 262k-token TTFT alone (LONG_VARIANTS picks decode_suite variants)                 ~4-5 min a variant
+#   PART=overlap does a long attention chunk hide the ring's copies (bench/ring_overlap.py)         ~2 min
 #   PART=share   hybrid8 decode with and without --host-expert-threads, then three turns in bf16     ~8-9 min
 #   PART=decode12 the 12-layer cut GPU-only, with the host's share, with it but no prefetch, and the
 #                default (auto): decode_12layer_hybrid_cpu.json (issue 25's must-show)              ~3-4 min
@@ -40,6 +41,11 @@ case "${part:-check}" in
     timeout 560 python3 bench/decode_suite.py --out "$OUT" --workloads long_context_36b --variants "${LONG_VARIANTS:-default}" --ready-timeout 240 \
       --run-timeout 300 > "$OUT/long_context.log" 2>&1
     echo "long_context rc=$?"; tail -3 "$OUT/long_context.log"; grep -h 'ttft\|error\|Error' "$OUT"/serve_long*.log 2>/dev/null | tail -5 ;;
+  overlap)  # issue 24: a long attention chunk beside one layer's ring copies, per bank format, programs, priority
+    for ctx in 32768 131072; do
+      timeout 200 python3 bench/ring_overlap.py --context $ctx --out "$OUT/ring_overlap_$ctx.json" > "$OUT/ring_overlap_$ctx.log" 2>&1
+      echo "ring_overlap $ctx rc=$?"; cat "$OUT/ring_overlap_$ctx.log" | tail -8
+    done ;;
   share)
     python3 -c "import sys; from setuptools import setup; sys.argv = ['setup.py', 'build_ext', '--inplace', '-q']; setup()" \
       > "$OUT/host_kernel_build.log" 2>&1 || echo "host kernel build failed (see host_kernel_build.log)"
@@ -123,7 +129,7 @@ PY
       grep -rh --include=serve.log kernel_compiled_in_service "$V/pytest" | cut -c1-300 | head -5
       grep -A3 '_speedup' "$V/eight.log" | head -12; tail -2 "$V/eight.log"
     done ;;
-  *) echo "PART must be check, flashtest, long, prefill, share, decode12, decode30, hostpages, pin, ahead or eight (or several, comma-separated)" >&2; exit 2 ;;
+  *) echo "PART must be check, flashtest, long, overlap, prefill, share, decode12, decode30, hostpages, pin, ahead or eight (or several, comma-separated)" >&2; exit 2 ;;
 esac
 done
 # the device returns a few files a call (more are dropped, as the first decode12 run's logs were): one archive
