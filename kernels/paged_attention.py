@@ -4,6 +4,7 @@ gathered from the pages) and the blocked Triton prefill kernel for the rest; the
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -38,11 +39,10 @@ def paged_attention(
     flash: set[int] = set()
     out = torch.empty_like(q)
     if flash_available(q, k_cache):
-        first_rows = [0]
-        for n in query_lens:
-            first_rows.append(first_rows[-1] + n)
-        buffers = gather() if gather is not None and flash_requests(query_lens) else None
-        for r in flash_requests(query_lens):
+        first_rows = [0, *itertools.accumulate(query_lens)]
+        long_queries = flash_requests(query_lens)
+        buffers = gather() if gather is not None and long_queries else None
+        for r in long_queries:
             if flash_prefill_into(out, q, k_cache, v_cache, page_table[r], first_rows[r], query_lens[r],
                                   context_lens[r], scale, buffers):  # fmt: skip
                 flash.add(r)

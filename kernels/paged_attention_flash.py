@@ -62,8 +62,8 @@ def flash_prefill_into(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor
     rows = slice(first_row, first_row + query_len)
     # [1, heads, L, D] views of [L, heads, D] rows: FlashAttention runs on the [B, L, H, D] layout, so no copy
     query = q[rows].unsqueeze(0).transpose(1, 2)
-    key = _gather(k_cache, pages, total, buffers[0] if buffers else None).unsqueeze(0).transpose(1, 2)
-    value = _gather(v_cache, pages, total, buffers[1] if buffers else None).unsqueeze(0).transpose(1, 2)
+    key = gather_request_kv(k_cache, pages, total, buffers[0] if buffers else None).unsqueeze(0).transpose(1, 2)
+    value = gather_request_kv(v_cache, pages, total, buffers[1] if buffers else None).unsqueeze(0).transpose(1, 2)
     # asked before the call: where flash refuses, SDPA's causal-bias path would build the [L, S] mask
     if not can_use_flash_attention(SDPAParams(query, key, value, None, 0.0, True, True)):
         return False
@@ -74,11 +74,3 @@ def flash_prefill_into(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor
     out[rows] = result[0].transpose(0, 1)
     return True
 
-
-def _gather(cache: torch.Tensor, pages: torch.Tensor, length: int, into: torch.Tensor | None) -> torch.Tensor:
-    """The request's first `length` positions [length, kv_heads, head_dim], read through its pages."""
-    needed = -(-length // cache.shape[1])
-    if into is None or needed > into.shape[0]:
-        return gather_request_kv(cache, pages, length)
-    rows = torch.index_select(cache, 0, pages[:needed].long(), out=into[:needed])
-    return rows.reshape(-1, *cache.shape[2:])[:length]

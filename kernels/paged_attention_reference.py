@@ -26,11 +26,17 @@ def write_kv(
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def gather_request_kv(cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` positions of one request, [length, kv_heads, head_dim], read through its page list."""
+def gather_request_kv(cache: torch.Tensor, pages: torch.Tensor, length: int,
+                      into: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """The first `length` positions of one request, [length, kv_heads, head_dim], read through its page list;
+    into `into`'s first pages ([pages, page_size, kv_heads, head_dim]) where it has room, else a new tensor."""
     page_size = cache.shape[1]
     needed = ceil_div(length, page_size)
-    rows = cache[pages[:needed].long()]  # [needed, page_size, kv_heads, head_dim]
+    index = pages[:needed].long()
+    if into is not None and needed <= into.shape[0]:
+        rows = torch.index_select(cache, 0, index, out=into[:needed])
+    else:
+        rows = cache[index]  # [needed, page_size, kv_heads, head_dim]
     return rows.reshape(-1, *cache.shape[2:])[:length]
 
 

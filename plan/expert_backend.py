@@ -94,7 +94,6 @@ def plan_expert_backend(requested: str | None, threads: int | None, offloaded: b
                              f"{cores} physical cores - {RESERVED_CORES} for the processes", requested)  # fmt: skip
 
 
-
 def core_map(cpuinfo: str) -> dict[int, tuple[str, str]]:
     """Each logical CPU's (physical id, core id) from /proc/cpuinfo's text; {} where it gives none."""
     cores, cpu, phys = {}, None, "0"
@@ -111,7 +110,7 @@ def core_map(cpuinfo: str) -> dict[int, tuple[str, str]]:
 
 
 def host_thread_cpus(threads: int, allowed: list[int], cores: dict[int, tuple[str, str]]) -> list[int]:
-    """The CPUs for the host pool's `threads - 1` started workers (its caller is the last thread and stays
+    """The CPUs for the host pool's `threads - 1` started workers (its caller is worker 0 and stays
     unpinned, thread_pool.c): one logical CPU a physical core, a hyperthread's sibling never beside a
     worker, taken from the last cores of `allowed`. The first cores are left to the three processes, the
     caller and the rest of the machine, which the kernel's scheduler places there as those are idle. Fewer

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ferry.shared.errors import FerryError
+from ferry.shared.units import ceil_div
 from ferry.plan.model_config import ModelSpec
 from ferry.plan import pool_layout as L
 from ferry.plan.planner import Plan
@@ -62,7 +63,7 @@ class KvTensorPool:
         self.kv = pool.views["kv"]
         self.page_size = page_size
         self._index = {layer: i for i, layer in enumerate(full_attention_layers)}
-        self.gather_pages = -(-gather_tokens // page_size) if gather_tokens else 0
+        self.gather_pages = ceil_div(gather_tokens, page_size) if gather_tokens else 0
         self._gather: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def gather_buffers(self) -> tuple[torch.Tensor, torch.Tensor] | None:

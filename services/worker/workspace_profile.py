@@ -172,5 +172,5 @@ def gathered_context_bytes(spec: ModelSpec, dtype: str, max_model_len: int, page
     into for FlashAttention (pools.KvTensorPool.gather_buffers), taken once and kept."""
     if not spec.full_attention_layers:
         return 0
-    tokens = -(-max_model_len // page_size) * page_size
+    tokens = ceil_div(max_model_len, page_size) * page_size
     return 2 * tokens * spec.num_kv_heads * spec.head_dim * DTYPE_BYTES[dtype]

@@ -71,6 +71,13 @@ def test_gather_reads_only_the_requests_pages():
     cache = torch.arange(5 * 2 * 1 * 1, dtype=torch.float32).reshape(5, 2, 1, 1)
     got = gather_request_kv(cache, torch.tensor([3, 1, 0], dtype=torch.int32), 3)
     assert got.flatten().tolist() == [6.0, 7.0, 2.0]
+    into = torch.full((4, 2, 1, 1), -1.0)  # a destination with room: filled, and the rows are its storage
+    held = gather_request_kv(cache, torch.tensor([3, 1, 0], dtype=torch.int32), 3, into=into)
+    assert held.flatten().tolist() == [6.0, 7.0, 2.0] and held.data_ptr() == into.data_ptr()
+    assert into[2:].flatten().tolist() == [-1.0] * 4
+    small = torch.zeros(1, 2, 1, 1)  # without room: a fresh tensor, the destination untouched
+    assert gather_request_kv(cache, torch.tensor([3, 1], dtype=torch.int32), 3, into=small).flatten().tolist() == \
+        [6.0, 7.0, 2.0] and small.flatten().tolist() == [0.0, 0.0]
 
 
 DTYPES = [torch.float32, torch.bfloat16]

@@ -42,7 +42,7 @@ import torch
 RING_UNPACK_PROGRAMS = 32
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Bay:
     """C consecutive slots of one set of tensors: the staging slots' own, or the cache's lent for a step."""
 

@@ -295,7 +295,7 @@ def check_lent_slots() -> None:
         store.begin_step(tokens, spec.num_experts_per_tok, long_context=long_context)
         if long_context:
             assert (store.cache.layer_of_slot[lent] < 0).all() and not (store.cache.slot_of >= num_slots - lend).any()
-            evicted = int(((maps >= num_slots - lend)).sum())
+            evicted = int((maps >= num_slots - lend).sum())
             assert store.ring.staged_total - staged == int((maps < 0).sum()) + evicted
         for layer in range(layers):
             x, ids, w = random_routing(spec, tokens, g)
