@@ -5,6 +5,8 @@
 # parts in one call (one device start), e.g. PART=eight,ahead (~7 min).
 #   PART=check   make gpu-check (the release check, which builds the host's C kernel; gpu_check.json)  ~7-8 min
 #   PART=prefill bench/prefill_attention.py on the 35B's attention shapes, then the 262k-token TTFT  ~6-8 min
+#   PART=three   issue 23's three turns (32k first turn) on the full-size 35B with NVFP4 experts, openai and anthropic
+#                clients (prefix_hybrid_three.json)                                              ~3 min
 #   PART=flashtest the attention dispatch's CUDA tests (FlashAttention for long queries)               ~1 min
 #   PART=long    the 262k-token TTFT alone (LONG_VARIANTS picks decode_suite variants)                 ~4-5 min a variant
 #   PART=overlap does a long attention chunk hide the ring's copies (bench/ring_overlap.py)         ~2 min
@@ -34,6 +36,13 @@ case "${part:-check}" in
     timeout 400 python3 bench/decode_suite.py --out "$OUT" --workloads long_context_36b --ready-timeout 240 \
       --run-timeout 300 > "$OUT/long_context.log" 2>&1
     echo "long_context rc=$?"; tail -3 "$OUT/long_context.log" ;;
+  three)  # issue 23: three turns of a 32k conversation through both clients, NVFP4 experts at 24 GiB
+    python3 -m ferry.services.cli make-bench-model /tmp/m36q --config tests/data/models/qwen3.6-35b-a3b/config.json \
+      --format nvfp4 > /dev/null
+    FERRY_MUST_SHOW_MODEL=/tmp/m36q FERRY_MUST_SHOW_FLAGS="--load-format dummy --gpu-memory 24GiB --max-running-requests 8" \
+      FERRY_MUST_SHOW_OUT="$OUT/prefix_hybrid_three.json" timeout 280 python3 -m pytest -q -s -p no:cacheprovider \
+      tests/gpu/test_prefix_cache_must_show.py -k three > "$OUT/three.log" 2>&1
+    echo "three turns rc=$?"; grep -A2 '_turn_[23]' "$OUT/three.log" | grep ttft | head -4; tail -2 "$OUT/three.log" ;;
   flashtest)  # the attention dispatch (FlashAttention for long queries, the paged kernel for the rest) on CUDA
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_cuda.py -k "dispatch or triton_paged" \
       > "$OUT/flash_test.log" 2>&1; echo "flash test rc=$?"; tail -3 "$OUT/flash_test.log" ;;
@@ -129,7 +138,7 @@ PY
       grep -rh --include=serve.log kernel_compiled_in_service "$V/pytest" | cut -c1-300 | head -5
       grep -A3 '_speedup' "$V/eight.log" | head -12; tail -2 "$V/eight.log"
     done ;;
-  *) echo "PART must be check, flashtest, long, overlap, prefill, share, decode12, decode30, hostpages, pin, ahead or eight (or several, comma-separated)" >&2; exit 2 ;;
+  *) echo "PART must be check, three, flashtest, long, overlap, prefill, share, decode12, decode30, hostpages, pin, ahead or eight (or several, comma-separated)" >&2; exit 2 ;;
 esac
 done
 # the device returns a few files a call (more are dropped, as the first decode12 run's logs were): one archive
