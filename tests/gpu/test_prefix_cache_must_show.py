@@ -48,11 +48,14 @@ RESULTS: dict = {}
 
 
 def _text(tokenizer, tokens: int, seed: int) -> str:
-    """Words of about `tokens` tokens (by the model's tokenizer)."""
+    """Words of at least `tokens` tokens by the model's tokenizer (the prompt around them adds the chat
+    template and the question): whole words are added until the text reaches that many."""
     rng = random.Random(seed)
     words = [rng.choice(WORDS) for _ in range(tokens)]
-    while len(tokenizer.encode(" ".join(words), add_special_tokens=False)) > tokens:
-        words = words[: int(len(words) * 0.95)]
+    counted = len(tokenizer.encode(" ".join(words), add_special_tokens=False))
+    words = words[: tokens * len(words) // counted]  # a word is one token or a little more
+    while (short := tokens - len(tokenizer.encode(" ".join(words), add_special_tokens=False))) > 0:
+        words += [rng.choice(WORDS) for _ in range(short)]
     return " ".join(words)
 
 
