@@ -7,6 +7,8 @@
 #   PART=prefill bench/prefill_attention.py on the 35B's attention shapes, then the 262k-token TTFT  ~6-8 min
 #   PART=three   issue 23's three turns (32k first turn) on the full-size 35B with NVFP4 experts, openai and anthropic
 #                clients (prefix_hybrid_three.json)                                              ~3 min
+#   PART=gemv    the decode projections' GEMV against cuBLAS (bench/dense_gemv_sweep.py), then the resident
+#                12-layer cut served with it and with FERRY_DENSE_GEMV=0 (cuBLAS), GEMV_WORKLOADS to change   ~8 min
 #   PART=flashtest the attention dispatch's CUDA tests (FlashAttention for long queries)               ~1 min
 #   PART=long    the 262k-token TTFT alone (LONG_VARIANTS picks decode_suite variants)                 ~4-5 min a variant
 #   PART=overlap does a long attention chunk hide the ring's copies (bench/ring_overlap.py)         ~2 min
@@ -43,6 +45,15 @@ case "${part:-check}" in
       FERRY_MUST_SHOW_OUT="$OUT/prefix_hybrid_three.json" timeout 280 python3 -m pytest -q -s -p no:cacheprovider \
       tests/gpu/test_prefix_cache_must_show.py -k three > "$OUT/three.log" 2>&1
     echo "three turns rc=$?"; grep -A2 '_turn_[23]' "$OUT/three.log" | grep ttft | head -4; tail -2 "$OUT/three.log" ;;
+  gemv)  # issue 24: the projections' GEMV swept against cuBLAS, then served against it
+    timeout 230 python3 bench/dense_gemv_sweep.py --out "$OUT" > "$OUT/dense_gemv_sweep.log" 2>&1
+    echo "dense_gemv_sweep rc=$?"; grep -h "one decode layer" "$OUT/dense_gemv_sweep.log"
+    for impl in gemv cublas; do
+      flag=1; [ $impl = cublas ] && flag=0
+      FERRY_DENSE_GEMV=$flag timeout 190 python3 bench/decode_suite.py --out "$OUT/$impl" --workloads "${GEMV_WORKLOADS:-12layer_resident}" \
+        --max-tokens 256 > "$OUT/suite_$impl.log" 2>&1
+      echo "$impl rc=$?"; grep -h '^\[' "$OUT/suite_$impl.log" | tail -3
+    done ;;
   flashtest)  # the attention dispatch (FlashAttention for long queries, the paged kernel for the rest) on CUDA
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_cuda.py -k "dispatch or triton_paged" \
       > "$OUT/flash_test.log" 2>&1; echo "flash test rc=$?"; tail -3 "$OUT/flash_test.log" ;;
@@ -138,7 +149,7 @@ PY
       grep -rh --include=serve.log kernel_compiled_in_service "$V/pytest" | cut -c1-300 | head -5
       grep -A3 '_speedup' "$V/eight.log" | head -12; tail -2 "$V/eight.log"
     done ;;
-  *) echo "PART must be check, three, flashtest, long, overlap, prefill, share, decode12, decode30, hostpages, pin, ahead or eight (or several, comma-separated)" >&2; exit 2 ;;
+  *) echo "PART must be check, three, gemv, flashtest, long, overlap, prefill, share, decode12, decode30, hostpages, pin, ahead or eight (or several, comma-separated)" >&2; exit 2 ;;
 esac
 done
 # the device returns a few files a call (more are dropped, as the first decode12 run's logs were): one archive

@@ -110,3 +110,37 @@ def test_fla_gated_delta_rule_matches_reference(query_lens):
     # bf16 output rounding (2^-8 relative) on O(1) values; fla's tensor-core dots add about as much
     torch.testing.assert_close(out.cpu().float(), torch.cat(expected), rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(cuda_states.cpu(), expected_states, rtol=2e-2, atol=2e-2)
+
+
+# the served models' projections (N, K): Qwen3-30B's fused q/k/v and o_proj, a router with the shared
+# expert's gate row, a Gated DeltaNet in_proj, and shapes no tile divides
+DENSE_SHAPES = [(5120, 2048), (2048, 4096), (257, 2048), (12352, 2048), (129, 200), (1, 64)]
+
+
+@pytest.mark.parametrize("shape", DENSE_SHAPES, ids=[f"{n}x{k}" for n, k in DENSE_SHAPES])
+@pytest.mark.parametrize("tokens", [1, 3, 8, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_gemv_matches_linear_on_cuda(shape, tokens, dtype):
+    """The decode projections' GEMV (compiled, tensor-core dots past one token) against F.linear in float32;
+    inside a CUDA graph too, where a decode step runs it."""
+    import torch.nn.functional as F
+
+    from ferry.kernels.dense_gemv import dense_gemv_triton, dense_linear
+
+    n, k = shape
+    g = torch.Generator(device="cuda").manual_seed(n + tokens)
+    weight = (torch.randn(n + 3, k, device="cuda", generator=g) * 0.05).to(dtype)[1 : 1 + n]  # a row view
+    bias = torch.randn(n, device="cuda", generator=g).to(dtype)
+    x = torch.randn(tokens, k, device="cuda", generator=g).to(dtype)
+    want = F.linear(x.double(), weight.double(), bias.double())
+    tol = 1e-4 if dtype == torch.float32 else 2**-7  # the sum's order; bf16: one rounding of the output
+    got = dense_gemv_triton(x, weight, bias)
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * want.abs().max().item())
+    out = torch.empty_like(got)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(dense_linear(x, weight, bias))
+    x.copy_(torch.randn(tokens, k, device="cuda", generator=g).to(dtype))
+    graph.replay()
+    want = F.linear(x.double(), weight.double(), bias.double())
+    torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol * want.abs().max().item())

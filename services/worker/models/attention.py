@@ -13,9 +13,9 @@ views of it), so the three projections are one GEMM. On CUDA the q/k norms, the 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from ferry.kernels.dense_gemv import dense_linear
 from ferry.kernels.dispatch import use_triton
 from ferry.kernels.paged_attention import paged_attention, write_kv
 from ferry.kernels.qk_norm_rope import qk_norm_rope_kv_triton
@@ -47,7 +47,7 @@ class PagedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = F.linear(x, self._qkv_weight, self._qkv_bias).split(self._splits, dim=-1)
+        q, k, v = dense_linear(x, self._qkv_weight, self._qkv_bias).split(self._splits, dim=-1)
         gate = None
         if self.gated:
             q, gate = q.view(t, self.heads, 2 * self.head_dim).split(self.head_dim, dim=-1)
@@ -72,7 +72,7 @@ class PagedAttention(nn.Module):
         ).reshape(t, -1)  # fmt: skip
         if gate is not None:
             out = out * torch.sigmoid(gate)
-        return self.o_proj(out)
+        return dense_linear(out, self.o_proj.weight, self.o_proj.bias)
 
 
 def _row_blocks_of_one_weight(in_features: int, outs: tuple[int, ...], bias: bool, dtype, device):

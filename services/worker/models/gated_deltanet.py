@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ferry.kernels.causal_conv1d import causal_conv1d_decode, causal_conv1d_varlen, conv_state_after
+from ferry.kernels.dense_gemv import dense_linear
 from ferry.kernels.dispatch import use_triton
 from ferry.kernels.gated_delta_rule import gated_delta_rule_varlen_keeping
 from ferry.kernels.gated_deltanet_decode import gated_deltanet_decode
@@ -76,7 +77,7 @@ class GatedDeltaNet(nn.Module):
             recurrent_states.index_fill_(0, ctx.fresh_state_slots, 0)
 
         t = x.shape[0]
-        qkv, z, beta_logit, a = self.in_proj(x).split(list(self.in_proj_parts.values()), dim=-1)
+        qkv, z, beta_logit, a = dense_linear(x, self.in_proj.weight).split(list(self.in_proj_parts.values()), dim=-1)
         conv_weight = self.conv1d.weight[:, 0, :]
         if t == b.num_requests and use_triton(x) and x.dtype in (torch.bfloat16, torch.float16):
             # a decode step on the GPU: conv, gates, rule and norm in two launches instead of ~35
@@ -85,7 +86,7 @@ class GatedDeltaNet(nn.Module):
                 qkv, z, beta_logit, a, conv_weight, self.A_log, self.dt_bias, self.norm.weight, self.norm.eps,
                 conv_states, recurrent_states, b.state_slots, self.k_heads,
             )  # fmt: skip
-            return self.out_proj(core)
+            return dense_linear(core, self.out_proj.weight)
         inside = b.inside_saves if t != b.num_requests else ()
         if t == b.num_requests:  # one token per request: a decode step
             qkv = causal_conv1d_decode(qkv, conv_states, b.state_slots, conv_weight)
@@ -116,4 +117,4 @@ class GatedDeltaNet(nn.Module):
                 conv = conv_state_after(state, inputs[starts[row] : starts[row] + n], kernel)
                 ctx.pools.linear_state.save_layer(self.layer_idx, snapshot, conv, recurrent)
         core = self.norm(core, z.reshape(t, self.v_heads, self.v_dim))
-        return self.out_proj(core.reshape(t, self.value_size))
+        return dense_linear(core.reshape(t, self.value_size), self.out_proj.weight)

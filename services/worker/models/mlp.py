@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ferry.kernels.dense_gemv import dense_linear
 from ferry.kernels.dispatch import use_triton
 from ferry.kernels.expert_pair_gemv import PAIR_KERNEL_MAX_PAIRS, expert_pair_rows_triton, use_pair_kernel
 from ferry.kernels.moe_combine import moe_combine, moe_combine_reference, silu_mul_triton
@@ -48,7 +49,7 @@ class DenseMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
         if use_triton(x):  # one GEMV for gate and up, one kernel for SiLU and the product
-            return self.down_proj(silu_mul_triton(F.linear(x, self.gate_up_proj.weight)))
+            return dense_linear(silu_mul_triton(dense_linear(x, self.gate_up_proj.weight)), self.down_proj.weight)
         return self.reference(x)
 
     def forward_rows(self, x: torch.Tensor) -> torch.Tensor:
@@ -108,7 +109,7 @@ class TopKRouter(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(ids int64 [T, k], weights [T, k], sigmoid(shared gate logit) [T, 1] or None), x's dtype."""
         if use_triton(x):  # one GEMV for the router and the shared gate, one kernel for the rest
-            return router_topk_triton(F.linear(x, self.logit_weight), self.top_k, self.norm_topk_prob, self.num_experts)
+            return router_topk_triton(dense_linear(x, self.logit_weight), self.top_k, self.norm_topk_prob, self.num_experts)
         return self.reference(x)
 
     def reference(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

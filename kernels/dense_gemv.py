@@ -1,0 +1,141 @@
+"""The dense projections of a decode step (a few tokens), in Triton: out[M, N] = x[M, K] @ W[N, K]^T + bias.
+
+Why not cuBLAS: for one token it picks tiles that leave HBM half idle on the shapes of our layers. In the
+12-layer Qwen3-30B cut's profile (bench/NOTES.md, "The compute path") o_proj's 16.8 MB took 9.0 µs
+through a split-K kernel and its reduce (1.9 TB/s of the H200's ~4), the fused q/k/v 21 MB 7.7 µs, and
+the router's 0.5 MB 4.9 µs on two programs. A decode step reads each weight once, so the kernel
+is paced by the bytes in flight. Each program computes BLOCK_N outputs for every token over the whole
+of K. It reads its weight rows once, BLOCK_K inputs a loop step, and enough programs run for the
+whole GPU, without split-K and without a second launch. One token multiplies and sums in
+registers. Two to sixteen tokens go through one tensor-core dot a step (the tokens padded to 16).
+
+Rounding follows cuBLAS: products summed in float32, bias added in float32, one rounding to the
+output dtype. Only the order of the sum differs (float32 rounding). `dense_linear` is F.linear's
+contract. Off the Triton path, or past DENSE_GEMV_MAX_TOKENS tokens (prefill, where cuBLAS's GEMMs
+are at their best), it is F.linear itself, the reference twin. `FERRY_DENSE_GEMV=0` in the worker's
+environment sends every call to F.linear (the bench's A/B against cuBLAS)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ferry.kernels.dispatch import use_triton
+
+DENSE_GEMV_MAX_TOKENS = 16  # the dot path's padded token block
+_DOT_TOKENS = 16  # tensor-core dots need 16 rows or more
+_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"  # its bf16 dots are wrong: upcast there
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_ENABLED = os.environ.get("FERRY_DENSE_GEMV", "1") != "0"
+
+
+@dataclass(frozen=True)
+class GemvTiles:
+    rows: int  # outputs (of N) a program computes
+    k: int  # inputs (of K) a loop step reads
+    warps: int = 4
+    min_programs: int = 256  # fewer rows a program until this many programs run (two an SM on the H200)
+    min_rows: int = 4
+
+
+# H200, bench/dense_gemv_sweep.py (results/dense_gemv_sweep_h200.json): the shapes of the 30B's and the
+# 35B's projections, one token and eight
+TILES = {1: GemvTiles(rows=16, k=512), _DOT_TOKENS: GemvTiles(rows=32, k=256, min_rows=16)}
+
+
+def use_dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether `dense_linear(x, weight, bias)` runs the Triton kernel (else it is F.linear)."""
+    return (_ENABLED and use_triton(x) and x.dim() == 2 and 0 < x.shape[0] <= DENSE_GEMV_MAX_TOKENS and weight.dim() == 2
+            and x.dtype == weight.dtype and x.dtype in _DTYPES and x.stride(1) == 1 and weight.stride(1) == 1
+            and x.shape[1] == weight.shape[1]
+            and (bias is None or (bias.dtype == x.dtype and bias.shape == weight.shape[:1] and bias.stride(0) == 1)))  # fmt: skip
+
+
+def tiles_for(tokens: int, n: int) -> GemvTiles:
+    """The tiles of a `tokens` x N call: the table's, with fewer rows a program while fewer than
+    `min_programs` programs would cover N (a router of 128 outputs, a shared expert's gate of one)."""
+    tiles = TILES[1 if tokens == 1 else _DOT_TOKENS]
+    rows = tiles.rows
+    while rows > tiles.min_rows and triton.cdiv(n, rows) < tiles.min_programs:
+        rows //= 2
+    return tiles if rows == tiles.rows else GemvTiles(rows, tiles.k, tiles.warps, tiles.min_programs, tiles.min_rows)
+
+
+# M follows the step's token count: not specialised on, so a step of a new size never compiles a new
+# variant mid-serving (one token and the dot path are the two variants a shape has)
+@triton.jit(do_not_specialize=["M"])
+def _dense_gemv_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    out_ty = out_ptr.dtype.element_ty
+    if BLOCK_M == 1:  # one token: products in registers, one sum across K at the end
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = offs_k + k0 < K
+            a = tl.load(x_ptr + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            acc += w * a[None, :]
+        y = tl.sum(acc, axis=1)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offs_n, y.to(out_ty), mask=n_ok)
+    else:  # a few tokens: W [BLOCK_N, BLOCK_K] times the tokens' inputs [BLOCK_K, BLOCK_M] on tensor cores
+        offs_m = tl.arange(0, BLOCK_M)
+        m_ok = offs_m < M
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = offs_k + k0 < K
+            a = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            if UPCAST:
+                a = a.to(tl.float32)
+                w = w.to(tl.float32)
+            acc = tl.dot(w, tl.trans(a), acc, input_precision=PRECISION)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+        tl.store(out_ptrs, acc.to(out_ty), mask=n_ok[:, None] & m_ok[None, :])
+
+
+def dense_gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                      tiles: GemvTiles | None = None) -> torch.Tensor:  # fmt: skip
+    """x [M, K] @ weight[N, K]^T (+ bias [N]) for 1 <= M <= DENSE_GEMV_MAX_TOKENS, x's dtype out; rows
+    of x and of the weight contiguous (a row view of a fused weight is fine). `tiles` overrides the
+    table's (the sweep)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if not 0 < m <= DENSE_GEMV_MAX_TOKENS or weight.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"dense_gemv_triton takes 1-{DENSE_GEMV_MAX_TOKENS} rows of K contiguous inputs and an "
+                         f"[N, K] weight with contiguous rows, not x {tuple(x.shape)} weight {tuple(weight.shape)}")  # fmt: skip
+    if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
+        raise ValueError(f"bias must be a contiguous [{n}] tensor, not {tuple(bias.shape)}")
+    tiles = tiles or tiles_for(m, n)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    block_m = 1 if m == 1 else _DOT_TOKENS
+    _dense_gemv_kernel[(triton.cdiv(n, tiles.rows),)](
+        x, weight, bias if bias is not None else out, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=tiles.rows, BLOCK_K=tiles.k,
+        UPCAST=_INTERPRETING or x.dtype == torch.float32, PRECISION="ieee" if x.dtype == torch.float32 else None,
+        num_warps=tiles.warps,
+    )  # fmt: skip
+    return out
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias): the Triton GEMV for a decode step's few tokens on the Triton path,
+    F.linear itself elsewhere (x of any rank there)."""
+    if use_dense_gemv(x, weight, bias):
+        return dense_gemv_triton(x, weight, bias)
+    return F.linear(x, weight, bias)
