@@ -8,7 +8,7 @@
 #   PART=three   issue 23's three turns (32k first turn) on the full-size 35B with NVFP4 experts, openai and anthropic
 #                clients (prefix_hybrid_three.json)                                              ~3 min
 #   PART=gemv    the decode projections' GEMV against cuBLAS (bench/dense_gemv_sweep.py), then the resident
-#                12-layer cut served with it and with FERRY_DENSE_GEMV=0 (cuBLAS), GEMV_WORKLOADS to change   ~8 min
+#                cuts served with the sweep's choices and with FERRY_DENSE_GEMV=0 (cuBLAS; GEMV_WORKLOADS)   ~8 min
 #   PART=flashtest the attention dispatch's CUDA tests (FlashAttention for long queries)               ~1 min
 #   PART=long    the 262k-token TTFT alone (LONG_VARIANTS picks decode_suite variants)                 ~4-5 min a variant
 #   PART=overlap does a long attention chunk hide the ring's copies (bench/ring_overlap.py)         ~2 min
@@ -45,15 +45,15 @@ case "${part:-check}" in
       FERRY_MUST_SHOW_OUT="$OUT/prefix_hybrid_three.json" timeout 280 python3 -m pytest -q -s -p no:cacheprovider \
       tests/gpu/test_prefix_cache_must_show.py -k three > "$OUT/three.log" 2>&1
     echo "three turns rc=$?"; grep -A2 '_turn_[23]' "$OUT/three.log" | grep ttft | head -4; tail -2 "$OUT/three.log" ;;
-  gemv)  # issue 24: the projections' GEMV swept against cuBLAS, then served against it
-    timeout 230 python3 bench/dense_gemv_sweep.py --out "$OUT" > "$OUT/dense_gemv_sweep.log" 2>&1
+  gemv)  # issue 24: the projections' GEMV swept against cuBLAS, then served with the sweep's choices against cuBLAS
+    timeout 240 python3 bench/dense_gemv_sweep.py --out "$OUT" > "$OUT/dense_gemv_sweep.log" 2>&1
     echo "dense_gemv_sweep rc=$?"; grep -h "one decode layer" "$OUT/dense_gemv_sweep.log"
     for impl in gemv cublas; do
-      flag=1; [ $impl = cublas ] && flag=0
-      FERRY_DENSE_GEMV=$flag timeout 190 python3 bench/decode_suite.py --out "$OUT/$impl" --workloads "${GEMV_WORKLOADS:-12layer_resident}" \
+      if [ $impl = gemv ]; then export FERRY_DENSE_GEMV=1 FERRY_DENSE_GEMV_TILES="$OUT/dense_gemv_sweep.json"; else export FERRY_DENSE_GEMV=0; fi
+      timeout 170 python3 bench/decode_suite.py --out "$OUT/$impl" --workloads "${GEMV_WORKLOADS:-12layer_resident,hybrid8_resident}" \
         --max-tokens 256 > "$OUT/suite_$impl.log" 2>&1
-      echo "$impl rc=$?"; grep -h '^\[' "$OUT/suite_$impl.log" | tail -3
-    done ;;
+      echo "$impl rc=$?"; grep -h '^\[.*1 stream' "$OUT/suite_$impl.log" | cut -c1-200
+    done; unset FERRY_DENSE_GEMV FERRY_DENSE_GEMV_TILES ;;
   flashtest)  # the attention dispatch (FlashAttention for long queries, the paged kernel for the rest) on CUDA
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_cuda.py -k "dispatch or triton_paged" \
       > "$OUT/flash_test.log" 2>&1; echo "flash test rc=$?"; tail -3 "$OUT/flash_test.log" ;;

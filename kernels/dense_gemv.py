@@ -39,31 +39,46 @@ class GemvTiles:
     rows: int  # outputs (of N) a program computes
     k: int  # inputs (of K) a loop step reads
     warps: int = 4
-    min_programs: int = 256  # fewer rows a program until this many programs run (two an SM on the H200)
-    min_rows: int = 4
+    stages: int = 3  # loads in flight a program (Triton's software pipelining)
 
 
-# H200, bench/dense_gemv_sweep.py (results/dense_gemv_sweep_h200.json): the shapes of the 30B's and the
-# 35B's projections, one token and eight
-TILES = {1: GemvTiles(rows=16, k=512), _DOT_TOKENS: GemvTiles(rows=32, k=256, min_rows=16)}
+# (N, K) -> (tiles for one token, tiles for 2-16 tokens); None, or a shape absent, is cuBLAS's. Measured
+# on the H200 (bench/dense_gemv_sweep.py, results/dense_gemv_sweep_h200.json): a shape takes the kernel
+# where its best tile beat cuBLAS there, inside a CUDA graph with the weights cold in L2.
+TILES: dict[tuple[int, int], tuple[GemvTiles | None, GemvTiles | None]] = {}
+# the interpreter (CPU checks of the CUDA path) runs the kernel on every shape, with these
+_INTERPRETED_TILES = (GemvTiles(rows=16, k=512), GemvTiles(rows=16, k=256))
+
+
+def _load_override(path: str | None) -> None:
+    """FERRY_DENSE_GEMV_TILES=<a dense_gemv_sweep.json>: that sweep's choices instead of the table (the
+    bench serves what it just measured before the table is written)."""
+    if not path:
+        return
+    import json
+
+    chosen = json.loads(open(path).read())["chosen"]
+    TILES.clear()
+    for shape, (one, dot) in chosen.items():
+        n, k = map(int, shape.split("x"))
+        TILES[(n, k)] = (one and GemvTiles(**one), dot and GemvTiles(**dot))
+
+
+_load_override(os.environ.get("FERRY_DENSE_GEMV_TILES"))
+
+
+def tiles_for(tokens: int, n: int, k: int) -> GemvTiles | None:
+    """The tiles of a `tokens` x [N, K] call, or None where cuBLAS is the faster."""
+    one, dot = TILES.get((n, k), _INTERPRETED_TILES if _INTERPRETING else (None, None))
+    return one if tokens == 1 else dot
 
 
 def use_dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """Whether `dense_linear(x, weight, bias)` runs the Triton kernel (else it is F.linear)."""
     return (_ENABLED and use_triton(x) and x.dim() == 2 and 0 < x.shape[0] <= DENSE_GEMV_MAX_TOKENS and weight.dim() == 2
             and x.dtype == weight.dtype and x.dtype in _DTYPES and x.stride(1) == 1 and weight.stride(1) == 1
-            and x.shape[1] == weight.shape[1]
+            and x.shape[1] == weight.shape[1] and tiles_for(x.shape[0], *weight.shape) is not None
             and (bias is None or (bias.dtype == x.dtype and bias.shape == weight.shape[:1] and bias.stride(0) == 1)))  # fmt: skip
-
-
-def tiles_for(tokens: int, n: int) -> GemvTiles:
-    """The tiles of a `tokens` x N call: the table's, with fewer rows a program while fewer than
-    `min_programs` programs would cover N (a router of 128 outputs, a shared expert's gate of one)."""
-    tiles = TILES[1 if tokens == 1 else _DOT_TOKENS]
-    rows = tiles.rows
-    while rows > tiles.min_rows and triton.cdiv(n, rows) < tiles.min_programs:
-        rows //= 2
-    return tiles if rows == tiles.rows else GemvTiles(rows, tiles.k, tiles.warps, tiles.min_programs, tiles.min_rows)
 
 
 # M follows the step's token count: not specialised on, so a step of a new size never compiles a new
@@ -113,7 +128,7 @@ def dense_gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
                       tiles: GemvTiles | None = None) -> torch.Tensor:  # fmt: skip
     """x [M, K] @ weight[N, K]^T (+ bias [N]) for 1 <= M <= DENSE_GEMV_MAX_TOKENS, x's dtype out; rows
     of x and of the weight contiguous (a row view of a fused weight is fine). `tiles` overrides the
-    table's (the sweep)."""
+    table's (the sweep); a shape the table leaves to cuBLAS takes the interpreter's."""
     m, k = x.shape
     n = weight.shape[0]
     if not 0 < m <= DENSE_GEMV_MAX_TOKENS or weight.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1:
@@ -121,14 +136,14 @@ def dense_gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
                          f"[N, K] weight with contiguous rows, not x {tuple(x.shape)} weight {tuple(weight.shape)}")  # fmt: skip
     if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
         raise ValueError(f"bias must be a contiguous [{n}] tensor, not {tuple(bias.shape)}")
-    tiles = tiles or tiles_for(m, n)
+    tiles = tiles or tiles_for(m, n, k) or _INTERPRETED_TILES[m > 1]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     block_m = 1 if m == 1 else _DOT_TOKENS
     _dense_gemv_kernel[(triton.cdiv(n, tiles.rows),)](
         x, weight, bias if bias is not None else out, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=tiles.rows, BLOCK_K=tiles.k,
         UPCAST=_INTERPRETING or x.dtype == torch.float32, PRECISION="ieee" if x.dtype == torch.float32 else None,
-        num_warps=tiles.warps,
+        num_warps=tiles.warps, num_stages=tiles.stages,
     )  # fmt: skip
     return out
 

@@ -1,7 +1,8 @@
 """The decode projections' GEMV (kernels/dense_gemv.py) against F.linear in float32, under the Triton
 interpreter in a child process (interpreted_triton.py): one token and the dot path, bias or none,
 N and K that no tile divides, a row view of a fused weight, several loop steps. And the dispatch:
-F.linear itself off the Triton path and past the kernel's token count."""
+F.linear itself off the Triton path, past the kernel's token count and where the measured table
+leaves a shape to cuBLAS."""
 
 import dataclasses
 
@@ -16,10 +17,10 @@ from ferry.kernels.dense_gemv import DENSE_GEMV_MAX_TOKENS, GemvTiles, dense_lin
 CASES = [
     (1, 40, 96, torch.float32, False, None),
     (1, 129, 200, torch.bfloat16, True, None),  # N and K no tile divides
-    (1, 64, 160, torch.float32, True, GemvTiles(rows=8, k=32)),  # five loop steps
+    (1, 64, 160, torch.float32, True, GemvTiles(rows=8, k=32, stages=1)),  # five loop steps
     (1, 1, 64, torch.bfloat16, False, None),  # a shared expert's gate: one output
     (3, 33, 80, torch.float32, True, None),
-    (8, 48, 128, torch.bfloat16, False, GemvTiles(rows=16, k=32, min_rows=16)),
+    (8, 48, 128, torch.bfloat16, False, GemvTiles(rows=16, k=32, stages=2)),
     (16, 130, 72, torch.bfloat16, True, None),  # the dot path's whole token block
     (5, 1, 64, torch.float32, False, None),
 ]
@@ -73,7 +74,17 @@ def test_the_kernel_takes_only_a_decode_steps_rows(monkeypatch):
         dense_gemv.dense_gemv_triton(torch.randn(17, 16, dtype=torch.bfloat16), w)
 
 
-def test_small_outputs_get_fewer_rows_a_program():
-    assert tiles_for(1, 128).rows < tiles_for(1, 8192).rows  # a router's 128 outputs spread over programs
-    assert tiles_for(1, 1).rows == tiles_for(1, 1).min_rows
-    assert tiles_for(8, 128).rows >= 16  # tensor-core dots need 16 rows
+def test_a_sweeps_choices_replace_the_table(tmp_path, monkeypatch):
+    import json
+
+    import ferry.kernels.dense_gemv as dense_gemv
+
+    monkeypatch.setattr(dense_gemv, "TILES", {(1, 1): (None, None)})
+    one = {"rows": 8, "k": 256, "warps": 4, "stages": 1}
+    sweep = tmp_path / "dense_gemv_sweep.json"
+    sweep.write_text(json.dumps({"chosen": {"5120x2048": [one, None], "128x2048": [None, None]}}))
+    dense_gemv._load_override(str(sweep))
+    assert dense_gemv.TILES == {(5120, 2048): (GemvTiles(**one), None), (128, 2048): (None, None)}
+    assert tiles_for(1, 5120, 2048) == GemvTiles(**one)
+    assert tiles_for(8, 5120, 2048) is None  # cuBLAS for the dot path of that shape
+    assert tiles_for(1, 128, 2048) is None  # and for the whole of that one
