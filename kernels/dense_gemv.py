@@ -1,10 +1,10 @@
 """The dense projections of a decode step (a few tokens), in Triton: out[M, N] = x[M, K] @ W[N, K]^T + bias.
 
-Why not cuBLAS: for one token it picks tiles that leave HBM half idle on the shapes of our layers. In the
+Why not cuBLAS everywhere: on some of our layers' shapes it picks tiles that leave HBM idle. In the
 12-layer Qwen3-30B cut's profile (bench/NOTES.md, "The compute path") o_proj's 16.8 MB took 9.0 µs
-through a split-K kernel and its reduce (1.9 TB/s of the H200's ~4), the fused q/k/v 21 MB 7.7 µs, and
-the router's 0.5 MB 4.9 µs on two programs. A decode step reads each weight once, so the kernel
-is paced by the bytes in flight. Each program computes BLOCK_N outputs for every token over the whole
+through a split-K kernel and its reduce (1.9 TB/s of the H200's ~4), and the router's 0.5 MB 4.9 µs
+on two programs. Elsewhere cuBLAS is as fast, so a measured table (TILES) says which shapes come
+here. A decode step reads each weight once, so the kernel is paced by the bytes in flight. Each program computes BLOCK_N outputs for every token over the whole
 of K. It reads its weight rows once, BLOCK_K inputs a loop step, and enough programs run for the
 whole GPU, without split-K and without a second launch. One token multiplies and sums in
 registers. Two to sixteen tokens go through one tensor-core dot a step (the tokens padded to 16).
@@ -45,7 +45,19 @@ class GemvTiles:
 # (N, K) -> (tiles for one token, tiles for 2-16 tokens); None, or a shape absent, is cuBLAS's. Measured
 # on the H200 (bench/dense_gemv_sweep.py, results/dense_gemv_sweep_h200.json): a shape takes the kernel
 # where its best tile beat cuBLAS there, inside a CUDA graph with the weights cold in L2.
-TILES: dict[tuple[int, int], tuple[GemvTiles | None, GemvTiles | None]] = {}
+# Per layer of the 12-layer Qwen3-30B cut at one token: 21.9 µs on cuBLAS, 18.1 here; the hybrid cut's
+# 27.4 / 26.2 at one token, 32.8 / 29.4 at eight.
+_ROUTER = GemvTiles(rows=4, k=1024, warps=4, stages=1)
+_ONE_TOKEN_K4096 = GemvTiles(rows=4, k=1024, warps=4, stages=3)
+_WIDE_DOT = GemvTiles(rows=64, k=128, warps=4, stages=4)
+TILES: dict[tuple[int, int], tuple[GemvTiles | None, GemvTiles | None]] = {
+    (128, 2048): (_ROUTER, None),  # Qwen3-30B's router: 2.5 µs against cuBLAS's 5.1 (two programs)
+    (2048, 4096): (_ONE_TOKEN_K4096, None),  # o_proj, Gated DeltaNet out_proj: 7.6 against 8.8
+    (5120, 2048): (None, None),  # Qwen3-30B's q/k/v: cuBLAS within 3 %
+    (12352, 2048): (None, _WIDE_DOT),  # Qwen3.5/3.6's Gated DeltaNet in_proj: 15.2 against 16.8 at 8 tokens
+    (9216, 2048): (None, _WIDE_DOT),  # their gated q/k/v: 12.0 against 12.4 at 8
+    (257, 2048): (None, GemvTiles(rows=16, k=256, warps=4, stages=4)),  # router + shared gate: 6.2 against 8.3 at 8
+}
 # the interpreter (CPU checks of the CUDA path) runs the kernel on every shape, with these
 _INTERPRETED_TILES = (GemvTiles(rows=16, k=512), GemvTiles(rows=16, k=256))
 
