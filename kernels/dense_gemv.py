@@ -44,8 +44,7 @@ class GemvTiles:
 
 # (N, K) -> (tiles for one token, tiles for 2-16 tokens); None, or a shape absent, is cuBLAS's. Measured
 # on the H200 (bench/dense_gemv_sweep.py, results/dense_gemv_sweep_h200.json): a shape takes the kernel
-# where its best tile beat cuBLAS there, inside a CUDA graph with the weights cold in L2. Other GPUs
-# take these choices unmeasured until the sweep runs on one (it prints its own table).
+# where its best tile beat cuBLAS there, inside a CUDA graph with the weights cold in L2.
 # Per layer of the 12-layer Qwen3-30B cut at one token: 21.9 µs on cuBLAS, 18.1 here; the hybrid cut's
 # 27.4 / 26.2 at one token, 32.8 / 29.4 at eight.
 _ROUTER = GemvTiles(rows=4, k=1024, warps=4, stages=1)
