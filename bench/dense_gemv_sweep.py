@@ -57,69 +57,79 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     hbm = measure(512 << 20)["hbm_copy_GBps"]
     dev = torch.device("cuda")
-    results = {"hbm_copy_GBps": hbm, "win": WIN, "runs": [], "chosen": {}, "summary": {}}
-    layer = {}  # "cut xT" -> one decode layer's projections: cuBLAS, the chosen path, the bound
+
+    def sweep_shape(n: int, k: int, names: str) -> tuple[dict[int, dict], list]:
+        """{tokens: run} and the chosen (one-token, dot) tiles of one [N, K] weight."""
+        copies = max(2, min(64, L2_BYTES // (n * k * 2)))
+        weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        runs, chosen = {}, {}
+        for tokens in TOKENS:
+            x = torch.randn(tokens, k, device=dev, dtype=torch.bfloat16)
+            want = F.linear(x.float(), weights[0].float())
+
+            def timed(fn):  # µs a call, the calls cycling over the copies
+                state = {"i": 0}
+
+                def call():
+                    fn(weights[state["i"] % copies])
+                    state["i"] += 1
+
+                return graph_time_us(call, calls=copies)
+
+            def kernel_us(tiles):
+                try:
+                    got = dense_gemv_triton(x, weights[0], tiles=tiles)
+                except OutOfResources:  # more shared memory than an SM has: not a candidate
+                    return float("inf")
+                if not torch.allclose(got.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item()):
+                    raise SystemExit(f"{names} x{tokens} {tiles}: the GEMV differs from F.linear")
+                return timed(lambda w: dense_gemv_triton(x, w, tiles=tiles))
+
+            row = {"shape": names, "n": n, "k": k, "tokens": tokens,
+                   "bound_us": n * k * 2 / (hbm * 1e9) * 1e6, "cublas_us": timed(lambda w: F.linear(x, w))}  # fmt: skip
+            path = "one" if tokens == 1 else "dot"
+            if tokens == 16:  # the dot path's tile chosen at 8 tokens, checked at the block's 16
+                best = (kernel_us(chosen["dot"]), chosen["dot"]) if chosen["dot"] else (float("inf"), None)
+                if chosen["dot"] and best[0] > row["cublas_us"]:
+                    chosen["dot"] = None  # it wins at 8 tokens but not at 16: cuBLAS for both
+            else:
+                best = (float("inf"), None)
+                for rows, kk, warps, stages in CANDIDATES[path]:
+                    if ceil_div(n, rows) < 8 and rows > 4:
+                        continue
+                    tiles = GemvTiles(rows, kk, warps, stages)
+                    us = kernel_us(tiles)
+                    if us < best[0]:
+                        best = (us, tiles)
+                chosen[path] = best[1] if best[0] < WIN * row["cublas_us"] else None
+            row["best_us"], row["best"] = best[0], best[1] and dataclasses.asdict(best[1])
+            runs[tokens] = row
+            print(f"{names:40s} [{n}x{k}] x{tokens:2d}: cublas {row['cublas_us']:6.2f}  kernel {best[0]:6.2f} "
+                  f"{best[1]}  bound {row['bound_us']:5.2f} us", flush=True)  # fmt: skip
+        del weights
+        torch.cuda.empty_cache()
+        return runs, [chosen["one"], chosen["dot"]]
+
+    # each distinct weight shape once (o_proj and the Gated DeltaNet out_proj are both [2048, 4096])
+    names: dict[tuple[int, int], list[str]] = {}
     for cut, shapes in SHAPES.items():
-        for name, ((n, k), per_layer) in shapes.items():
-            copies = max(2, min(64, L2_BYTES // (n * k * 2)))
-            weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
-            chosen = {}
-            for tokens in TOKENS:
-                x = torch.randn(tokens, k, device=dev, dtype=torch.bfloat16)
-                want = F.linear(x.float(), weights[0].float())
-
-                def timed(fn):  # µs a call, the calls cycling over the copies
-                    state = {"i": 0}
-
-                    def call():
-                        fn(weights[state["i"] % copies])
-                        state["i"] += 1
-
-                    return graph_time_us(call, calls=copies)
-
-                def kernel_us(tiles):
-                    try:
-                        got = dense_gemv_triton(x, weights[0], tiles=tiles)
-                    except OutOfResources:  # more shared memory than an SM has: not a candidate
-                        return float("inf")
-                    if not torch.allclose(got.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item()):
-                        raise SystemExit(f"{cut} {name} x{tokens} {tiles}: the GEMV differs from F.linear")
-                    return timed(lambda w: dense_gemv_triton(x, w, tiles=tiles))
-
-                row = {"cut": cut, "shape": name, "n": n, "k": k, "tokens": tokens,
-                       "bound_us": n * k * 2 / (hbm * 1e9) * 1e6, "cublas_us": timed(lambda w: F.linear(x, w))}  # fmt: skip
-                path = "one" if tokens == 1 else "dot"
-                if tokens == 16:  # the dot path's tile chosen at 8 tokens, checked at the block's 16
-                    best = chosen["dot_tiles"]
-                    best = (kernel_us(best), best) if best else (float("inf"), None)
-                else:
-                    best = (float("inf"), None)
-                    for rows, kk, warps, stages in CANDIDATES[path]:
-                        if ceil_div(n, rows) < 8 and rows > 4:
-                            continue
-                        tiles = GemvTiles(rows, kk, warps, stages)
-                        us = kernel_us(tiles)
-                        if us < best[0]:
-                            best = (us, tiles)
-                    chosen[f"{path}_tiles"] = best[1] if best[0] < WIN * row["cublas_us"] else None
-                    chosen[f"{path}_best"] = best[1]
-                if tokens == 16 and chosen["dot_tiles"] and best[0] > row["cublas_us"]:
-                    chosen["dot_tiles"] = None  # it wins at 8 tokens but not at 16: cuBLAS for both
-                row["best_us"], row["best"] = best[0], best[1] and dataclasses.asdict(best[1])
-                results["runs"].append(row)
-                print(f"{cut} {name:18s} [{n}x{k}] x{tokens:2d}: cublas {row['cublas_us']:6.2f}  kernel {best[0]:6.2f} "
-                      f"{best[1]}  bound {row['bound_us']:5.2f} us", flush=True)  # fmt: skip
-            for tokens in TOKENS:  # the layer's time on the path each token count takes
-                row = next(r for r in results["runs"][::-1] if r["n"] == n and r["k"] == k and r["tokens"] == tokens)
-                took = chosen["one_tiles" if tokens == 1 else "dot_tiles"]
-                acc = layer.setdefault(f"{cut} x{tokens}", {"cublas_us": 0.0, "chosen_us": 0.0, "bound_us": 0.0})
+        for name, (shape, _) in shapes.items():
+            names.setdefault(shape, []).append(f"{cut} {name}")
+    swept = {shape: sweep_shape(*shape, ", ".join(who)) for shape, who in names.items()}
+    results = {"hbm_copy_GBps": hbm, "win": WIN, "runs": [row for runs, _ in swept.values() for row in runs.values()],
+               "chosen": {f"{n}x{k}": [t and dataclasses.asdict(t) for t in chosen]
+                          for (n, k), (_, chosen) in swept.items()},
+               "summary": {}}  # fmt: skip
+    for cut, shapes in SHAPES.items():  # one decode layer's projections: cuBLAS, the chosen paths, the bound
+        for tokens in TOKENS:
+            acc = {"cublas_us": 0.0, "chosen_us": 0.0, "bound_us": 0.0}
+            for shape, per_layer in shapes.values():
+                runs, (one, dot) = swept[shape]
+                row = runs[tokens]
                 acc["cublas_us"] += per_layer * row["cublas_us"]
-                acc["chosen_us"] += per_layer * (row["best_us"] if took else row["cublas_us"])
+                acc["chosen_us"] += per_layer * (row["best_us"] if (one if tokens == 1 else dot) else row["cublas_us"])
                 acc["bound_us"] += per_layer * row["bound_us"]
-            results["chosen"][f"{n}x{k}"] = [t and dataclasses.asdict(t) for t in (chosen["one_tiles"], chosen["dot_tiles"])]
-            del weights
-            torch.cuda.empty_cache()
-    results["summary"] = {key: {k: round(v, 2) for k, v in acc.items()} for key, acc in layer.items()}
+            results["summary"][f"{cut} x{tokens}"] = {key: round(v, 2) for key, v in acc.items()}
     for key, acc in results["summary"].items():
         print(f"one decode layer's projections, {key}: {acc}")
     (out / "dense_gemv_sweep.json").write_text(json.dumps(results, indent=1) + "\n")
