@@ -22,7 +22,8 @@
 #   PART=pin     the host kernel's threads unpinned against pinned (--host-expert-cpus auto), alternated ~2 min
 #   PART=eight   issue 23's 8 streams sharing a 4k system prompt on the 8-layer hybrid cut, 640 slots  ~3-4 min
 #                a variant (EIGHT_VARIANTS="flags|flags", e.g. "|--expert-backend gpu": one run each, in v<i>/;
-#                EIGHT_FLAGS for one); the servers' logs and step traces come back (v<i>/trace, v<i>/pytest)
+#                EIGHT_FLAGS for one); the servers' logs and step traces come back (v<i>/trace, v<i>/pytest);
+#                EIGHT_FORMAT=nvfp4|fp8 writes the cut's experts in that checkpoint format (bf16 by default)
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"; PART=${PART:-check}
 export PYTHONUNBUFFERED=1 TMPDIR=${TMPDIR:-/tmp}
@@ -117,7 +118,7 @@ case "${part:-check}" in
     python3 -c "import sys; from setuptools import setup; sys.argv = ['setup.py', 'build_ext', '--inplace', '-q']; setup()" \
       > "$OUT/host_kernel_build.log" 2>&1 || echo "host kernel build failed (see host_kernel_build.log)"
     python3 -m ferry.services.cli make-bench-model /tmp/m8 --config tests/data/models/qwen3.6-35b-a3b/config.json \
-      --num-layers 8 > /dev/null
+      --num-layers 8 --format "${EIGHT_FORMAT:-bf16}" > /dev/null
     IFS='|' read -r -a variants <<< "${EIGHT_VARIANTS:-${EIGHT_FLAGS:-}}"
     [ ${#variants[@]} -eq 0 ] && variants=("")
     for i in "${!variants[@]}"; do
