@@ -81,7 +81,10 @@ VARIANTS = {"default": [], "no-prefetch": ["--no-expert-prefetch"], "eager": ["-
             "ahead1": ["--schedule-ahead-steps", "1"],
             "gpu-ahead1": ["--expert-backend", "gpu", "--schedule-ahead-steps", "1"],
             # two GPUs, each owning half the experts (issue 26; eager, so compare with the eager variant too)
-            "ep2": ["--expert-parallel-size", "2"]}
+            "ep2": ["--expert-parallel-size", "2"],
+            # a long prompt in 16,384-token chunks (issue 24): each chunk streams the experts without a slot once,
+            # so twice the chunk halves that stream, against the larger workspace's slots (the plan chooses <= 8192)
+            "chunk16k": ["--max-prefill-tokens", "16384"]}
 
 
 def commit() -> str:
