@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The device calls that land branch pending-gpu (now: the host's share of decode layers, issue 25), one
+# The device calls that land branch pending-gpu (now: a decode MoE layer in two launches and the one-launch
+# rotary tables, issue 24; kernels/ without __init__.py), one
 # part a call (each fits the device's 600 s), run from the tree with the device's python3 and the .whl/
 # site on PYTHONPATH; everything lands in $OUT. Set FERRY_COMMIT to the tree's commit. PART=a,b runs several
 # parts in one call (one device start), e.g. PART=eight,ahead (~7 min).
@@ -7,6 +8,7 @@
 #   PART=prefill bench/prefill_attention.py on the 35B's attention shapes, then the 262k-token TTFT  ~6-8 min
 #   PART=three   issue 23's three turns (32k first turn) on the full-size 35B with NVFP4 experts, openai and anthropic
 #                clients (prefix_hybrid_three.json)                                              ~3 min
+#   PART=resident the resident cuts served (12layer_resident, hybrid8_resident: issue 24's decode targets) ~2 min
 #   PART=gemv    the decode projections' GEMV against cuBLAS (bench/dense_gemv_sweep.py), then the resident
 #                cuts served with the sweep's choices and with FERRY_DENSE_GEMV=0 (cuBLAS; GEMV_WORKLOADS)   ~8 min
 #   PART=flashtest the attention dispatch's CUDA tests (FlashAttention for long queries)               ~1 min
@@ -55,6 +57,10 @@ case "${part:-check}" in
         --max-tokens 256 > "$OUT/suite_$impl.log" 2>&1
       echo "$impl rc=$?"; grep -h '^\[.*1 stream' "$OUT/suite_$impl.log" | cut -c1-200
     done; unset FERRY_DENSE_GEMV FERRY_DENSE_GEMV_TILES ;;
+  resident)  # issue 24's all-resident decode: the 12-layer 30B cut and the hybrid cut, one stream and eight
+    timeout 200 python3 bench/decode_suite.py --out "$OUT" --workloads 12layer_resident,hybrid8_resident --max-tokens 256 \
+      > "$OUT/suite_resident.log" 2>&1
+    echo "resident rc=$?"; grep -h '^\[.*1 stream' "$OUT/suite_resident.log" | cut -c1-260 ;;
   flashtest)  # the attention dispatch (FlashAttention for long queries, the paged kernel for the rest) on CUDA
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_cuda.py -k "dispatch or triton_paged" \
       > "$OUT/flash_test.log" 2>&1; echo "flash test rc=$?"; tail -3 "$OUT/flash_test.log" ;;
@@ -150,7 +156,7 @@ PY
       grep -rh --include=serve.log kernel_compiled_in_service "$V/pytest" | cut -c1-300 | head -5
       grep -A3 '_speedup' "$V/eight.log" | head -12; tail -2 "$V/eight.log"
     done ;;
-  *) echo "PART must be check, three, gemv, flashtest, long, overlap, prefill, share, decode12, decode30, hostpages, pin, ahead or eight (or several, comma-separated)" >&2; exit 2 ;;
+  *) echo "PART must be check, three, resident, gemv, flashtest, long, overlap, prefill, share, decode12, decode30, hostpages, pin, ahead or eight (or several, comma-separated)" >&2; exit 2 ;;
 esac
 done
 # the device returns a few files a call (more are dropped, as the first decode12 run's logs were): one archive
