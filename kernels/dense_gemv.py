@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -27,8 +28,8 @@ import triton.language as tl
 
 from ferry.kernels.dispatch import use_triton
 
-DENSE_GEMV_MAX_TOKENS = 16  # the dot path's padded token block
-_DOT_TOKENS = 16  # tensor-core dots need 16 rows or more
+# the dot path's token block, padded: tensor-core dots need 16 rows or more, and one block serves every call
+DENSE_GEMV_MAX_TOKENS = 16
 _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"  # its bf16 dots are wrong: upcast there
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _ENABLED = os.environ.get("FERRY_DENSE_GEMV", "1") != "0"
@@ -69,7 +70,7 @@ def _load_override(path: str | None) -> None:
         return
     import json
 
-    chosen = json.loads(open(path).read())["chosen"]
+    chosen = json.loads(Path(path).read_text())["chosen"]
     TILES.clear()
     for shape, (one, dot) in chosen.items():
         n, k = map(int, shape.split("x"))
@@ -85,12 +86,35 @@ def tiles_for(tokens: int, n: int, k: int) -> GemvTiles | None:
     return one if tokens == 1 else dot
 
 
+def _served_tiles(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> GemvTiles | None:
+    """The tiles `dense_linear(x, weight, bias)` runs the Triton kernel with, or None for F.linear."""
+    if not (_ENABLED and use_triton(x) and x.dim() == 2 and 0 < x.shape[0] <= DENSE_GEMV_MAX_TOKENS and weight.dim() == 2
+            and x.dtype == weight.dtype and x.dtype in _DTYPES and x.stride(1) == 1 and weight.stride(1) == 1
+            and x.shape[1] == weight.shape[1]
+            and (bias is None or (bias.dtype == x.dtype and bias.shape == weight.shape[:1] and bias.stride(0) == 1))):  # fmt: skip
+        return None
+    return tiles_for(x.shape[0], *weight.shape)
+
+
 def use_dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """Whether `dense_linear(x, weight, bias)` runs the Triton kernel (else it is F.linear)."""
-    return (_ENABLED and use_triton(x) and x.dim() == 2 and 0 < x.shape[0] <= DENSE_GEMV_MAX_TOKENS and weight.dim() == 2
-            and x.dtype == weight.dtype and x.dtype in _DTYPES and x.stride(1) == 1 and weight.stride(1) == 1
-            and x.shape[1] == weight.shape[1] and tiles_for(x.shape[0], *weight.shape) is not None
-            and (bias is None or (bias.dtype == x.dtype and bias.shape == weight.shape[:1] and bias.stride(0) == 1)))  # fmt: skip
+    return _served_tiles(x, weight, bias) is not None
+
+
+@triton.jit
+def row_block_dot(a_row, w_ptrs, n_ok, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """float32 [BLOCK_N]: the weight rows at `w_ptrs` ([BLOCK_N, BLOCK_K] pointers to each row's first
+    BLOCK_K inputs, rows contiguous) times the input row `a_row` over all K inputs, BLOCK_K a loop step,
+    the products kept apart in registers and summed across K once at the end. One token's GEMV here
+    and the routed experts' down projection (expert_pair_gemv.py) both read their rows this way."""
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = offs_k + k0 < K
+        a = tl.load(a_row + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        acc += w * a[None, :]
+    return tl.sum(acc, axis=1)
 
 
 # M follows the step's token count: not specialised on, so a step of a new size never compiles a new
@@ -107,13 +131,7 @@ def _dense_gemv_kernel(
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     out_ty = out_ptr.dtype.element_ty
     if BLOCK_M == 1:  # one token: products in registers, one sum across K at the end
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k_ok = offs_k + k0 < K
-            a = tl.load(x_ptr + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-            w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            acc += w * a[None, :]
-        y = tl.sum(acc, axis=1)
+        y = row_block_dot(x_ptr, w_ptrs, n_ok, K, BLOCK_N, BLOCK_K)
         if HAS_BIAS:
             y += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         tl.store(out_ptr + offs_n, y.to(out_ty), mask=n_ok)
@@ -150,7 +168,7 @@ def dense_gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         raise ValueError(f"bias must be a contiguous [{n}] tensor, not {tuple(bias.shape)}")
     tiles = tiles or tiles_for(m, n, k) or _INTERPRETED_TILES[m > 1]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    block_m = 1 if m == 1 else _DOT_TOKENS
+    block_m = 1 if m == 1 else DENSE_GEMV_MAX_TOKENS
     _dense_gemv_kernel[(triton.cdiv(n, tiles.rows),)](
         x, weight, bias if bias is not None else out, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=tiles.rows, BLOCK_K=tiles.k,
@@ -163,6 +181,7 @@ def dense_gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias): the Triton GEMV for a decode step's few tokens on the Triton path,
     F.linear itself elsewhere (x of any rank there)."""
-    if use_dense_gemv(x, weight, bias):
-        return dense_gemv_triton(x, weight, bias)
+    tiles = _served_tiles(x, weight, bias)  # looked up once a call: this is every decode projection
+    if tiles is not None:
+        return dense_gemv_triton(x, weight, bias, tiles)
     return F.linear(x, weight, bias)

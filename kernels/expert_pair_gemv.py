@@ -24,10 +24,12 @@ import torch
 import triton
 import triton.language as tl
 
+from ferry.kernels.dense_gemv import row_block_dot
 from ferry.kernels.pair_tiles import TILES
 from ferry.kernels.quantized_expert_gemv import quantized_pair_rows_triton
 from ferry.plan.expert_formats import BF16
 from ferry.kernels.quantized_experts import QuantizedFamily
+from ferry.kernels.router_topk import mark_args, mark_routed_slot
 
 # Above this many (token, k) pairs a step reads each expert's weights once per pair here, but once
 # per block of tokens in the grouped GEMM: past a few tokens per expert the grouped GEMM wins. Both
@@ -42,9 +44,9 @@ def use_pair_kernel(num_pairs: int) -> bool:
 
 @triton.jit
 def _pair_gate_up_kernel(
-    x_ptr, w13_ptr, act_ptr, slots_ptr, slot_offset, top_k, H, I,
+    x_ptr, w13_ptr, act_ptr, slots_ptr, slot_offset, top_k, H, I, table_ptr, n_rows_ptr,
     stride_xt, stride_ws, stride_wn,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MARK: tl.constexpr, HAS_N_ROWS: tl.constexpr,
 ):  # fmt: skip
     pair = tl.program_id(0)
     slot = tl.load(slots_ptr + pair).to(tl.int64)
@@ -52,6 +54,9 @@ def _pair_gate_up_kernel(
         return
     slot += slot_offset
     token = pair // top_k
+    if MARK:  # the resident store's routed table (see `mark`), once a pair
+        if tl.program_id(1) == 0:
+            mark_routed_slot(table_ptr, n_rows_ptr, slot, token, HAS_N_ROWS)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < I
     offs_k = tl.arange(0, BLOCK_K)
@@ -91,24 +96,23 @@ def _pair_down_kernel(
     offs_k = tl.arange(0, BLOCK_K)  # reduction over I
     a_row = act_ptr + pair.to(tl.int64) * I
     w_ptrs = w2_ptr + slot * stride_ws + offs_n[:, None].to(tl.int64) * stride_wh + offs_k[None, :]
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, I, BLOCK_K):
-        k_ok = offs_k + k0 < I
-        a = tl.load(a_row + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-        w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        acc += w * a[None, :]
-    y = tl.sum(acc, axis=1).to(act_ptr.dtype.element_ty).to(tl.float32)
+    y = row_block_dot(a_row, w_ptrs, n_ok, I, BLOCK_N, BLOCK_K).to(act_ptr.dtype.element_ty).to(tl.float32)
     routing = tl.load(weights_ptr + pair).to(tl.float32)
     tl.store(rows_ptr + pair.to(tl.int64) * H + offs_n, y * routing, mask=n_ok)
 
 
-def expert_pair_rows_triton(x, topk_slots, topk_weights, w13, w2, rows, slot_offset: int = 0) -> None:
+def expert_pair_rows_triton(x, topk_slots, topk_weights, w13, w2, rows, slot_offset: int = 0,
+                            mark: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> None:  # fmt: skip
     """Same contract as `grouped_expert_rows_reference`, plus `slot_offset`: the slot of a pair is
     topk_slots + slot_offset (pairs whose topk_slots is -1 are skipped), so the all-resident store
-    can pass a layer's expert ids unchanged instead of launching an add. Quantized slots
+    can pass a layer's expert ids unchanged instead of launching an add. `mark` (table, n_rows):
+    also set table.view(-1)[slot] = 1 for every pair of a row < n_rows (n_rows int32 [1] on the
+    device, or None: every row), `mark_routed` for the resident store, whose slots index its
+    [layers, E] table, done by the gate/up kernel instead of a launch of its own. Quantized slots
     (`QuantizedFamily` w13, w2) go to their twin, quantized_expert_gemv.py."""
+    table, n_rows = mark_args(mark, rows)
     if isinstance(w13, QuantizedFamily):
-        return quantized_pair_rows_triton(x, topk_slots, topk_weights, w13, w2, rows, slot_offset)
+        return quantized_pair_rows_triton(x, topk_slots, topk_weights, w13, w2, rows, slot_offset, mark)
     t, h = x.shape
     top_k = topk_slots.shape[1]
     inter = w2.shape[2]
@@ -124,8 +128,9 @@ def expert_pair_rows_triton(x, topk_slots, topk_weights, w13, w2, rows, slot_off
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     tiles = TILES[BF16]
     _pair_gate_up_kernel[(num_pairs, triton.cdiv(inter, tiles.gate_up_rows))](
-        x, w13, act, slots, slot_offset, top_k, h, inter, x.stride(0), w13.stride(0), w13.stride(1),
+        x, w13, act, slots, slot_offset, top_k, h, inter, table, n_rows, x.stride(0), w13.stride(0), w13.stride(1),
         BLOCK_N=tiles.gate_up_rows, BLOCK_K=tiles.gate_up_k, num_warps=tiles.gate_up_warps,
+        MARK=mark is not None, HAS_N_ROWS=mark is not None and mark[1] is not None,
     )  # fmt: skip
     _pair_down_kernel[(num_pairs, triton.cdiv(h, tiles.down_rows))](
         act, w2, rows, weights, slots, slot_offset, h, inter, w2.stride(0), w2.stride(1),

@@ -28,6 +28,7 @@ import triton.language as tl
 
 from ferry.kernels.pair_tiles import TILES
 from ferry.kernels.quantized_experts import FP8_BLOCK, NVFP4, NVFP4_GROUP, QuantizedFamily
+from ferry.kernels.router_topk import mark_args, mark_routed_slot
 
 
 @triton.jit
@@ -74,9 +75,9 @@ def _silu_and_mul(acc_g, acc_u, out_ty: tl.constexpr):
 # slot_offset follows the layer (the all-resident store passes the layer's first slot): not specialised on
 @triton.jit(do_not_specialize=["slot_offset"])
 def _nvfp4_pair_gate_up_kernel(
-    x_ptr, q_ptr, s_ptr, g_ptr, act_ptr, slots_ptr, slot_offset, top_k, H, I,
+    x_ptr, q_ptr, s_ptr, g_ptr, act_ptr, slots_ptr, slot_offset, top_k, H, I, table_ptr, n_rows_ptr,
     stride_xt, stride_qs, stride_qo, stride_ss, stride_so, stride_gs,
-    BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
+    BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, MARK: tl.constexpr, HAS_N_ROWS: tl.constexpr,
 ):  # fmt: skip
     pair = tl.program_id(0)
     slot = tl.load(slots_ptr + pair).to(tl.int64)
@@ -84,6 +85,9 @@ def _nvfp4_pair_gate_up_kernel(
         return
     slot += slot_offset
     token = pair // top_k
+    if MARK:  # the resident store's routed table, once a pair (expert_pair_gemv.py's `mark`)
+        if tl.program_id(1) == 0:
+            mark_routed_slot(table_ptr, n_rows_ptr, slot, token, HAS_N_ROWS)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < I
     rows = offs_n.to(tl.int64)
@@ -152,9 +156,9 @@ def _nvfp4_pair_down_kernel(
 
 @triton.jit(do_not_specialize=["slot_offset"])
 def _fp8_pair_gate_up_kernel(
-    x_ptr, q_ptr, s_ptr, act_ptr, slots_ptr, slot_offset, top_k, H, I, up_row_block,
+    x_ptr, q_ptr, s_ptr, act_ptr, slots_ptr, slot_offset, top_k, H, I, up_row_block, table_ptr, n_rows_ptr,
     stride_xt, stride_qs, stride_qo, stride_ss, stride_so,
-    BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr, MARK: tl.constexpr, HAS_N_ROWS: tl.constexpr,
 ):  # fmt: skip
     pair = tl.program_id(0)
     slot = tl.load(slots_ptr + pair).to(tl.int64)
@@ -162,6 +166,9 @@ def _fp8_pair_gate_up_kernel(
         return
     slot += slot_offset
     token = pair // top_k
+    if MARK:  # the resident store's routed table, once a pair (expert_pair_gemv.py's `mark`)
+        if tl.program_id(1) == 0:
+            mark_routed_slot(table_ptr, n_rows_ptr, slot, token, HAS_N_ROWS)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < I
     rows = offs_n.to(tl.int64)
@@ -240,8 +247,10 @@ def check_quantized_families(h: int, w13: QuantizedFamily, w2: QuantizedFamily) 
 
 
 def quantized_pair_rows_triton(x, topk_slots, topk_weights, w13: QuantizedFamily, w2: QuantizedFamily, rows,
-                               slot_offset: int = 0) -> None:  # fmt: skip
-    """`expert_pair_rows_triton` for quantized slots (same contract, `slot_offset` included)."""
+                               slot_offset: int = 0, mark: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> None:  # fmt: skip
+    """`expert_pair_rows_triton` for quantized slots (same contract, `slot_offset` and `mark` included)."""
+    table, n_rows = mark_args(mark, rows)
+    marking = dict(MARK=mark is not None, HAS_N_ROWS=mark is not None and mark[1] is not None)
     t, h = x.shape
     top_k = topk_slots.shape[1]
     inter = check_quantized_families(h, w13, w2)
@@ -261,10 +270,10 @@ def quantized_pair_rows_triton(x, topk_slots, topk_weights, w13: QuantizedFamily
     down_tile = dict(BLOCK_N=tiles.down_rows, num_warps=tiles.down_warps)
     if w13.fmt == NVFP4:
         _nvfp4_pair_gate_up_kernel[up_grid](
-            x, w13.q, w13.scale, w13.gscale, act, slots, slot_offset, top_k, h, inter,
+            x, w13.q, w13.scale, w13.gscale, act, slots, slot_offset, top_k, h, inter, table, n_rows,
             x.stride(0), w13.q.stride(0), w13.q.stride(1), w13.scale.stride(0), w13.scale.stride(1),
             w13.gscale.stride(0),
-            GROUPS=tiles.gate_up_k, **up_tile,
+            GROUPS=tiles.gate_up_k, **up_tile, **marking,
         )  # fmt: skip
         _nvfp4_pair_down_kernel[down_grid](
             act, w2.q, w2.scale, w2.gscale, rows, weights, slots, slot_offset, h, inter,
@@ -273,9 +282,9 @@ def quantized_pair_rows_triton(x, topk_slots, topk_weights, w13: QuantizedFamily
         )  # fmt: skip
     else:
         _fp8_pair_gate_up_kernel[up_grid](
-            x, w13.q, w13.scale, act, slots, slot_offset, top_k, h, inter, w13.row_blocks_per_part,
+            x, w13.q, w13.scale, act, slots, slot_offset, top_k, h, inter, w13.row_blocks_per_part, table, n_rows,
             x.stride(0), w13.q.stride(0), w13.q.stride(1), w13.scale.stride(0), w13.scale.stride(1),
-            BLOCKS=tiles.gate_up_k, **up_tile,
+            BLOCKS=tiles.gate_up_k, **up_tile, **marking,
         )  # fmt: skip
         _fp8_pair_down_kernel[down_grid](
             act, w2.q, w2.scale, rows, weights, slots, slot_offset, h, inter,

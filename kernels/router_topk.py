@@ -132,6 +132,32 @@ def _mark_routed_kernel(ids_ptr, n_rows_ptr, table_ptr, stride_t, layer, E,
     tl.store(table_ptr + layer * E + ids, tl.full([BLOCK_K], 1, dtype=tl.int32), mask=ok)
 
 
+@triton.jit
+def mark_routed_slot(table_ptr, n_rows_ptr, slot, token, HAS_N_ROWS: tl.constexpr):
+    """The same mark from inside an expert kernel that already holds the pair's slot: table[slot] = 1
+    unless the pair's token is padding (>= n_rows). For the resident store, whose slot of (layer, e)
+    is layer * E + e, the table's entry of that expert (kernels/expert_pair_gemv.py: one launch a
+    MoE layer fewer at decode)."""
+    if HAS_N_ROWS:
+        if token < tl.load(n_rows_ptr):
+            tl.store(table_ptr + slot, 1)
+    else:
+        tl.store(table_ptr + slot, 1)
+
+
+def mark_args(mark: tuple[torch.Tensor, torch.Tensor | None] | None, fallback: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (table, n_rows) pointers an expert kernel marking with `mark_routed_slot` takes, checked;
+    `fallback` stands in for what is absent (never read: the kernel's constexprs say so)."""
+    if mark is None:
+        return fallback, fallback
+    table, n_rows = mark
+    if table.dtype != torch.int32 or not table.is_contiguous():
+        raise ValueError("the routed table must be a contiguous int32 tensor")
+    if n_rows is not None and (n_rows.dtype != torch.int32 or n_rows.numel() != 1):
+        raise ValueError("n_rows must be an int32 [1] tensor")
+    return table, (n_rows if n_rows is not None else fallback)
+
+
 def mark_routed_triton(table: torch.Tensor, layer: int, topk_ids: torch.Tensor, n_rows: torch.Tensor | None) -> None:
     """table: contiguous int32 [layers, E]; topk_ids [T, k] (unit stride along k); n_rows: int32 [1]
     on the device, or None (every row is real)."""

@@ -13,6 +13,8 @@ from typing import Protocol
 
 import torch
 
+from ferry.kernels.expert_rows_sum import ExpertRows
+
 # A prefill chunk of at least LEND_QUERY_TOKENS new tokens whose request reaches LEND_CONTEXT_TOKENS keys
 # lends its ring cache slots (offload/device_store.py, `_slots_to_lend`): its full-attention layers then
 # compute for longer than their experts take to cross (an 8,192-token chunk at 32k keys: ~15 ms a layer on the H200
@@ -34,10 +36,12 @@ class ExpertStore(Protocol):
         """Take one expert's weights: gate and up [I, H], down [H, I] (checkpoint layout)."""
 
     def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                n_rows: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                n_rows: torch.Tensor | None = None, summed: bool = True) -> torch.Tensor | ExpertRows:  # fmt: skip
         """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) for every token t; [T, H] in x's dtype.
         `n_rows` (int32 [1] on the device): rows past it are padding, whose output is never read
-        and whose experts must not be fetched or counted."""
+        and whose experts must not be fetched or counted. `summed=False`: the store may return its
+        unsummed rows instead (`ExpertRows`, kernels/expert_rows_sum.py: only a decode-sized step on the
+        Triton path does), for the next kernel to sum."""
 
     def preload(self) -> int:
         """After every expert is loaded: warm the slots; returns how many experts were placed."""

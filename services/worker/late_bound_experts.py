@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ferry.kernels.expert_rows_sum import ExpertRows
 from ferry.services.worker.experts import ExpertStore
 from ferry.services.worker.offload.resident import ResidentExperts
 from ferry.services.worker.pools import ExpertSlotPool
@@ -37,8 +38,8 @@ class LateBoundExperts:
         self.store.load_expert(moe_layer, expert, gate, up, down)
 
     def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                n_rows: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-        return self.store.forward(moe_layer, x, topk_ids, topk_weights, n_rows=n_rows)
+                n_rows: torch.Tensor | None = None, summed: bool = True) -> torch.Tensor | ExpertRows:  # fmt: skip
+        return self.store.forward(moe_layer, x, topk_ids, topk_weights, n_rows=n_rows, summed=summed)
 
     def count_step_on_device(self) -> None:
         self.store.count_step_on_device()
@@ -52,5 +53,5 @@ class SharedLayerExperts(ResidentExperts):
         super().__init__(slots, 1, num_experts)
 
     def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                n_rows: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-        return super().forward(0, x, topk_ids, topk_weights, n_rows=n_rows)
+                n_rows: torch.Tensor | None = None, summed: bool = True) -> torch.Tensor | ExpertRows:  # fmt: skip
+        return super().forward(0, x, topk_ids, topk_weights, n_rows=n_rows, summed=summed)

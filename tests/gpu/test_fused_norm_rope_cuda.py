@@ -69,3 +69,21 @@ def test_gated_rms_norm_on_cuda(shape, dtype):
     gate = (torch.randn(shape[0], shape[1], 3 * d, device="cuda", generator=g) * 2).to(dtype)[..., d : 2 * d]
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(norm(x, gate).float(), norm.reference(x, gate).float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_tables_in_one_launch_match_torch_on_cuda(dtype):
+    """kernels/rotary_cos_sin.py against the torch sequence it replaces, at both served rotary shapes
+    and positions across a 262k context: libdevice's cosf/sinf on both sides, within an ulp."""
+    from ferry.kernels.rotary_cos_sin import rotary_cos_sin_reference, rotary_cos_sin_triton
+    from ferry.services.worker.models.rotary import RotaryEmbedding
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for head_dim, factor, theta in ((128, 1.0, 1_000_000.0), (256, 0.25, 10_000_000.0)):
+        rotary = RotaryEmbedding(head_dim, factor, theta, "cuda")
+        positions = torch.randint(0, 262_144, (4096,), device="cuda", generator=g)
+        for got, want in zip(rotary_cos_sin_triton(positions, rotary.inv_freq_both, dtype),
+                             rotary_cos_sin_reference(positions, rotary.inv_freq_both, dtype)):  # fmt: skip
+            tol = dict(rtol=0, atol=1e-6) if dtype == torch.float32 else dict(rtol=0, atol=2**-7)
+            torch.testing.assert_close(got, want, **tol)
+            assert (got != want).float().mean() < 0.01, f"{float((got != want).float().mean()):.2%} differ"

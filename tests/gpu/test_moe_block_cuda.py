@@ -7,7 +7,8 @@ Qwen3-30B-A3B (128 experts, top 8, no shared expert), one MoE layer each, bf16, 
   ties, and token counts from one decode row to a prefill chunk, with one compiled variant;
 * SiLU-and-mul and the combine against torch's ops (the combine bit for bit: no transcendental);
 * the marking kernel against the scatter;
-* the whole block, fused path against its plain-torch reference, and replayed as a CUDA graph.
+* the whole block, fused path against its plain-torch reference, and replayed as a CUDA graph;
+* its routed rows left unsummed for the next norm, against summing them first, bit for bit.
 """
 
 from __future__ import annotations
@@ -20,12 +21,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ferry.kernels.expert_rows_sum import ExpertRows, sum_rows_triton
 from ferry.kernels.moe_combine import moe_combine_reference, moe_combine_triton, silu_mul_reference, silu_mul_triton
 from ferry.kernels.router_topk import _router_topk_kernel, mark_routed_triton, router_topk_triton
 from ferry.kernels.router_topk_reference import mark_routed_reference, router_topk_reference
 from ferry.plan import pool_layout as L
 from ferry.plan.model_config import parse_model_config
 from ferry.services.worker.models.mlp import SparseMoeBlock
+from ferry.services.worker.models.norms import make_norm
 from ferry.services.worker.offload.resident import ResidentExperts
 from ferry.services.worker.pools import ExpertSlotPool, allocate_pool
 from tests.helpers import QWEN3_30B, QWEN3_6_35B
@@ -127,6 +130,20 @@ def test_silu_mul_and_combine_stay_within_an_ulp_of_torch():
         assert ((got.double() - exact).abs() <= BF16_ULP * operands.double() + 1e-6).all()
 
 
+def test_the_combine_summing_rows_gives_the_bits_of_summing_them_first():
+    """The shared-expert block's combine sums the routed rows itself (kernels/expert_rows_sum.py): its
+    rounding of that sum must be sum_rows', whatever the compiled kernel does to the product's."""
+    g = torch.Generator(device="cuda").manual_seed(6)
+    for t in (1, 3, 8, 17):
+        rows = torch.randn(t, 8, 2048, device="cuda", generator=g) * 0.05
+        gate = torch.rand(t, 1, device="cuda", generator=g).bfloat16()
+        for shared in (torch.randn(t, 2048, device="cuda", generator=g).bfloat16(),
+                       torch.randn(t, 2048, device="cuda", generator=g).bfloat16().float()):  # fmt: skip
+            got = moe_combine_triton(ExpertRows(rows, torch.bfloat16), gate, shared)
+            want = moe_combine_triton(sum_rows_triton(rows, torch.bfloat16), gate, shared)
+            assert torch.equal(got, want), f"T={t}, shared {shared.dtype}"
+
+
 def test_marking_kernel_matches_the_scatter():
     g = torch.Generator(device="cuda").manual_seed(3)
     for t, n in ((1, 1), (8, 5), (4096, 4000)):
@@ -167,6 +184,28 @@ def test_fused_block_matches_its_reference(block):
         assert beyond.float().mean() <= 1e-5, f"T={t}: {int(beyond.sum())} elements past bf16 rounding"
         assert err.max() <= 4 * (2**-6 * want.float().abs().max().item() + 0.05 * scale)
         assert err.mean() <= 0.02 * scale, f"T={t}: mean error {err.mean()} at scale {scale}"
+
+
+@torch.inference_mode()
+def test_unsummed_rows_through_the_next_norm_are_the_summed_outputs_bits(block):
+    """The decoder asks the block for its routed rows unsummed; the next RMSNorm (with the residual
+    add) or the shared expert's combine sums them: the same bits as summing first, at decode sizes,
+    eagerly and replayed in a CUDA graph (kernels/expert_rows_sum.py)."""
+    spec, moe, _ = block
+    norm = make_norm(spec.is_hybrid, spec.hidden_size, spec.rms_norm_eps, torch.bfloat16, "cuda")
+    norm.weight.normal_(0, 0.3, generator=torch.Generator(device="cuda").manual_seed(9))
+    for t in (1, 3, 8):
+        x, residual = _x(t, spec.hidden_size, 40 + t), _x(t, spec.hidden_size, 50 + t)
+        rows = moe(x, _ctx(t), summed=False)
+        assert isinstance(rows, ExpertRows) == (moe.shared_expert is None), type(rows)
+        got, want = norm.forward_add(rows, residual), norm.forward_add(moe(x, _ctx(t)), residual)
+        assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0]), f"T={t}"
+    ctx, graph = _ctx(t), torch.cuda.CUDAGraph()  # the context's device tensor made before the capture
+    with torch.cuda.graph(graph):
+        out, _ = norm.forward_add(moe(x, ctx, summed=False), residual)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want[0])
 
 
 @torch.inference_mode()

@@ -1,6 +1,7 @@
 """Child side of test_fused_moe_block.py (run with TRITON_INTERPRET=1 and FERRY_TRITON_ON_CPU=1): one
 MoE block of a tiny model on the Triton path (fused router GEMV + router kernel, resident store
-with its marking kernel, fused shared expert and combine) and on its plain-torch reference."""
+with the marks in its gate/up kernel, fused shared expert and combine) and on its plain-torch
+reference; and the block's unsummed rows through the final norm against its summed output."""
 
 from __future__ import annotations
 
@@ -37,7 +38,13 @@ def block_outputs(arch: str, overrides: dict, rows: int, real: int | None, seed:
         marked = store._routed.clone()
         reference_route = block.gate.reference(x)
         reference = block.reference(x, ctx)
+        # the decoder's call: the routed rows may come back unsummed, for the next norm to sum
+        unsummed = block(x, ctx, summed=False)
+        residual = torch.randn(rows, spec.hidden_size, generator=torch.Generator().manual_seed(seed + 1))
+        norm_of_rows = model.norm.forward_add(unsummed, residual)
+        norm_of_sum = model.norm.forward_add(fused, residual)
     want_marks = torch.zeros_like(marked)
     mark_routed_reference(want_marks, block.moe_layer, reference_route[0], ctx.batch.real_tokens if ctx else None)
     return dict(fused=fused, reference=reference, fused_route=fused_route, reference_route=reference_route,
-                marked=marked, want_marks=want_marks)  # fmt: skip
+                marked=marked, want_marks=want_marks, unsummed_kind=type(unsummed).__name__,
+                norm_of_rows=norm_of_rows, norm_of_sum=norm_of_sum)  # fmt: skip

@@ -6,7 +6,8 @@
   `weight` stays the [E, hidden] view the offload store's prediction applies, and a missing,
   repeated or misshapen part is named.
 * Forward: the block through the Triton path's kernels (interpreted, in a child process:
-  interpreted_moe_block.py) against its plain-torch reference, with and without padding rows."""
+  interpreted_moe_block.py) against its plain-torch reference, with and without padding rows; and its
+  routed rows left unsummed for the next norm, against summing them first."""
 
 from __future__ import annotations
 
@@ -148,3 +149,16 @@ def test_fused_block_matches_its_reference(block_runs, index):
     assert torch.isfinite(r["fused"]).all()
     torch.testing.assert_close(r["fused"], r["reference"], rtol=1e-5, atol=1e-5)
     assert torch.equal(r["marked"], r["want_marks"]), "the marking kernel marks what the scatter marked"
+
+
+@pytest.mark.parametrize("index", range(len(BLOCK_CASES)), ids=[f"{c[0]}-T{c[2]}-real{c[3]}" for c in BLOCK_CASES])
+def test_unsummed_rows_through_the_next_norm_are_the_summed_outputs_bits(block_runs, index):
+    """The decoder asks for the routed rows unsummed; the next norm (or the shared expert's combine)
+    sums them itself, and the result must be the bits of summing first (kernels/expert_rows_sum.py)."""
+    arch, _, rows, _ = BLOCK_CASES[index]
+    r = block_runs[index]
+    # only a block without a shared expert hands its rows on, and only at the pair kernels' sizes
+    want_kind = "ExpertRows" if arch == "qwen3_moe" and rows * 3 <= 64 else "Tensor"
+    assert r["unsummed_kind"] == want_kind
+    (got, got_residual), (want, want_residual) = r["norm_of_rows"], r["norm_of_sum"]
+    assert torch.equal(got_residual, want_residual) and torch.equal(got, want)

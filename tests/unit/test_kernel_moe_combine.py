@@ -72,3 +72,21 @@ def test_combine_matches_its_twin(combine_runs, index):
     torch.testing.assert_close(got.float(), want.float(), rtol=2**-6, atol=2**-5)
     product = _trunc(gate.float() * shared.float())
     assert torch.equal(got, _trunc(routed.float() + product.float())), "the product rounded, then the sum"
+
+
+def test_the_combine_summing_unsummed_rows_gives_the_bits_of_summing_them_first():
+    """A shared-expert block hands its routed rows to the combine unsummed (kernels/expert_rows_sum.py):
+    the combine's own k-order sum must give what summing first and combining gave, with the shared
+    expert's output in the dtype and as float32 rows."""
+    calls = []
+    for i, (t, k, h, dtype, shared_fp32) in enumerate([(1, 8, 48, torch.bfloat16, True), (3, 4, 100, torch.float32, False),
+                                                        (2, 3, 64, torch.bfloat16, False)]):  # fmt: skip
+        g = torch.Generator().manual_seed(400 + i)
+        rows = torch.randn(t, k, h, generator=g) * 2
+        gate = torch.rand(t, 1, generator=g).to(dtype)
+        shared = torch.randn(t, h, generator=g).to(dtype)
+        calls.append(((rows, dtype, gate, shared.float() if shared_fp32 else shared), {}))
+    outs = run_interpreted("tests.unit.interpreted_rows_norm", "combine_folded_and_summed_first", calls)
+    for (args, _), (folded, summed_first) in zip(calls, outs):
+        assert folded.dtype == args[1] and folded.shape == (args[0].shape[0], args[0].shape[2])
+        assert not torch.isnan(folded).any() and torch.equal(folded, summed_first)

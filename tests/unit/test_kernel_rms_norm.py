@@ -94,3 +94,22 @@ def test_forward_add_on_cpu_is_add_then_norm():
     norm, x, residual = _case(9, (3, 32), False, False, True, torch.bfloat16)
     out, summed = norm.forward_add(x, residual)
     assert torch.equal(summed, residual + x) and torch.equal(out, norm(residual + x))
+
+
+# (tokens, k, D, zero-centred?, dtype): a MoE block's unsummed rows (kernels/expert_rows_sum.py)
+ROWS_CASES = [(1, 8, 48, False, torch.bfloat16), (3, 3, 100, True, torch.float32), (2, 4, 64, True, torch.bfloat16)]
+
+
+def test_the_norm_summing_unsummed_rows_gives_the_bits_of_summing_them_first():
+    calls = []
+    for i, (t, k, d, zc, dtype) in enumerate(ROWS_CASES):
+        g = torch.Generator().manual_seed(200 + i)
+        norm = (ZeroCenteredRMSNorm if zc else RMSNorm)(d, 1e-6, dtype)
+        norm.weight.copy_(torch.randn(d, generator=g) * 0.3 + (0.0 if zc else 1.0))
+        rows = torch.randn(t, k, d, generator=g) * 2
+        residual = torch.randn(t, d, generator=g).to(dtype)
+        calls.append(((rows, dtype, norm.weight.detach(), 1e-6, zc, residual), {}))
+    outs = run_interpreted("tests.unit.interpreted_rows_norm", "folded_and_summed_first", calls)
+    for (t, k, d, _, dtype), ((out, res), (want_out, want_res)) in zip(ROWS_CASES, outs):
+        assert out.shape == (t, d) and out.dtype == dtype and not torch.isnan(out).any()
+        assert torch.equal(res, want_res) and torch.equal(out, want_out)

@@ -87,7 +87,23 @@ def test_every_folder_of_the_package_is_either_torch_free_or_allowed_torch():
     folders = {folder for name, folder in package_dir.items() if name != "ferry"}
     assert folders == set(TORCH_FREE) | {f for f in TORCH_ALLOWED if "/" not in f}
     for folder, package in {**TORCH_FREE, **TORCH_ALLOWED}.items():
-        assert (REPO / folder / "__init__.py").is_file(), folder
+        # kernels/ is a namespace portion on purpose: with an __init__.py it would shadow Hugging Face's
+        # `kernels` package, which transformers imports, wherever the tree is on sys.path (kernels/README.md)
+        assert (REPO / folder / "__init__.py").is_file() == (folder != "kernels"), folder
+
+
+def test_the_kernels_folder_does_not_shadow_a_top_level_kernels_package(tmp_path):
+    """Where the tree is first on sys.path, `import kernels` must find another `kernels` package
+    (transformers >= 5.25 imports Hugging Face's), while `ferry.kernels` stays this folder."""
+    other = tmp_path / "kernels"
+    other.mkdir()
+    (other / "__init__.py").write_text("WHO = 'the other kernels package'\n")
+    code = ("import sys; sys.path.insert(1, sys.argv[1]); import kernels, ferry.kernels.dispatch as d; "
+            "print(kernels.WHO); print(d.__file__)")
+    done = run(code, str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    who, dispatch = done.stdout.splitlines()
+    assert who == "the other kernels package" and Path(dispatch) == REPO / "kernels" / "dispatch.py"
 
 
 def test_the_walk_finds_the_plan_the_api_and_the_scheduler_but_not_the_worker():

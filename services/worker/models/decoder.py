@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ferry.kernels.expert_rows_sum import ExpertRows
 from ferry.services.worker.experts import ExpertStore
 from ferry.services.worker.forward_batch import ForwardBatch
 from ferry.services.worker.models.attention import PagedAttention
@@ -42,20 +43,23 @@ class DecoderLayer(nn.Module):
             self.mlp = SparseMoeBlock(spec, moe_layer, experts, dtype, device)
         else:
             self.mlp = DenseMLP(spec.hidden_size, spec.intermediate_size, dtype, device)
+        self._moe = spec.moe_layers[layer_idx]
         self.input_layernorm = make_norm(spec.is_hybrid, spec.hidden_size, spec.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = make_norm(spec.is_hybrid, spec.hidden_size, spec.rms_norm_eps, dtype, device)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor | ExpertRows, residual: torch.Tensor | None,
+                ctx: StepContext) -> tuple[torch.Tensor | ExpertRows, torch.Tensor]:  # fmt: skip
         """The layer's input is residual + x (x alone for the first layer, residual None); returns
         (mlp output, residual), the add left to the next norm. Each residual add is thus fused
-        into the RMSNorm after it (one kernel on CUDA instead of two); the sums are the same."""
+        into the RMSNorm after it (one kernel on CUDA instead of two); the sums are the same. A MoE
+        block's output may be its routed experts' unsummed rows (ExpertRows): that norm sums them."""
         mixer = self.linear_attn if self.is_linear else self.self_attn
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm.forward_add(x, residual)
         h, residual = self.post_attention_layernorm.forward_add(mixer(h, ctx), residual)
-        return self.mlp(h, ctx), residual
+        return (self.mlp(h, ctx, summed=False) if self._moe else self.mlp(h, ctx)), residual
 
 
 class CausalLM(nn.Module):

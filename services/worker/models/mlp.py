@@ -25,6 +25,7 @@ from torch import nn
 
 from ferry.kernels.dense_gemv import dense_linear
 from ferry.kernels.dispatch import use_triton
+from ferry.kernels.expert_rows_sum import ExpertRows
 from ferry.kernels.expert_pair_gemv import PAIR_KERNEL_MAX_PAIRS, expert_pair_rows_triton, use_pair_kernel
 from ferry.kernels.moe_combine import moe_combine, moe_combine_reference, silu_mul_triton
 from ferry.kernels.router_topk import router_topk_triton
@@ -135,12 +136,16 @@ class SparseMoeBlock(nn.Module):
             rows["shared_expert_gate.weight"] = slice(e, e + 1)
         self.checkpoint_rows = {"gate.logit_weight": rows}  # see DenseMLP
 
-    def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx=None, summed: bool = True) -> torch.Tensor | ExpertRows:
         """`ctx` (the step's StepContext) tells the store how many rows are real (a CUDA graph's
-        batch is padded to its size)."""
+        batch is padded to its size). `summed=False` (the decoder layer, whose next RMSNorm sums
+        them): a block without a shared expert may return the store's unsummed rows. With one, the
+        combine sums them (kernels/expert_rows_sum.py)."""
         ids, weights, shared_gate = self.gate(x)
-        out = self.experts.forward(self.moe_layer, x, ids, weights, n_rows=ctx.batch.real_tokens if ctx else None)
-        if self.shared_expert is None:
+        n_rows = ctx.batch.real_tokens if ctx else None
+        shared = self.shared_expert is not None
+        out = self.experts.forward(self.moe_layer, x, ids, weights, n_rows=n_rows, summed=not shared and summed)
+        if not shared:
             return out
         if use_triton(x):
             return moe_combine(out, shared_gate, self.shared_expert.forward_rows(x))

@@ -9,7 +9,8 @@ followed by a SiLU gate computed in float32.
 All three run as one Triton kernel on CUDA (kernels/rms_norm.py), the
 code here being the CPU path and the kernel's reference twin. `forward_add(x, residual)` is the
 pre-norm residual step `residual = residual + x; return norm(residual), residual`, fused into that
-one kernel on CUDA (bit for bit what adding first and normalising after gives on CPU)."""
+one kernel on CUDA (bit for bit what adding first and normalising after gives on CPU), and x
+may be a MoE block's unsummed rows, which the kernel sums first."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ferry.kernels.dispatch import use_triton
+from ferry.kernels.expert_rows_sum import ExpertRows, summed
 from ferry.kernels.rms_norm import rms_norm_triton
 
 
@@ -40,11 +42,12 @@ class _FusableRMSNorm(nn.Module):
             return rms_norm_triton(x, self.weight, self.eps, self.zero_centered)
         return self.reference(x)
 
-    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(residual + x), residual + x)."""
-        if use_triton(x):
+    def forward_add(self, x: torch.Tensor | ExpertRows, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x); x may be a MoE block's unsummed rows (ExpertRows),
+        which the kernel sums as `sum_rows` would (kernels/expert_rows_sum.py)."""
+        if use_triton(residual):
             return rms_norm_triton(x, self.weight, self.eps, self.zero_centered, residual)
-        residual = residual + x
+        residual = residual + summed(x)
         return self.reference(residual), residual
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ferry.kernels.rotary_cos_sin import rotary_cos_sin
+
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, partial_rotary_factor: float, theta: float, device=None):
@@ -20,9 +22,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq_both", self.inv_freq.repeat(2), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """[T, rotary_dim] each, in the model dtype (as the reference rounds them)."""
-        angles = positions.float()[:, None] * self.inv_freq_both[None, :]
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        """[T, rotary_dim] each, in the model dtype: one launch on the Triton path (kernels/rotary_cos_sin.py,
+        within an ulp of the torch twin's values), the torch twin elsewhere."""
+        return rotary_cos_sin(positions, self.inv_freq_both, dtype)
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, heads, head_dim]; only the first rotary_dim channels turn."""

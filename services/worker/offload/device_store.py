@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from ferry.kernels.expert_pair_gemv import expert_pair_rows_triton, use_pair_kernel
-from ferry.kernels.expert_rows_sum import sum_rows
+from ferry.kernels.expert_rows_sum import ExpertRows, finish_rows
 from ferry.kernels.grouped_expert_gemm import align_pairs_by_slot, block_m_for, grouped_expert_rows_triton
 from ferry.services.worker.offload.device_cache import CacheCall, DeviceExpertCache
 from ferry.services.worker.offload.expert_cache import DEFAULT_PIPELINE_CHUNKS, OffloadedExperts, _split
@@ -145,7 +145,7 @@ class DeviceDrivenExperts(OffloadedExperts):
         return self.ring is not None and not use_pair_kernel(pairs) and pairs >= STREAM_PAIRS_PER_EXPERT * self.num_experts
 
     def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                n_rows: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                n_rows: torch.Tensor | None = None, summed: bool = True) -> torch.Tensor | ExpertRows:  # fmt: skip
         if self.cache is None:
             self.preload()
         begun = False
@@ -166,7 +166,7 @@ class DeviceDrivenExperts(OffloadedExperts):
             self._streamed_layer(moe_layer, x, ids, topk_weights, n_rows, rows)
         else:
             self._large_layer(moe_layer, x, ids, topk_weights, n_rows, rows)
-        return sum_rows(rows, x.dtype)
+        return finish_rows(rows, x.dtype, summed)
 
     def _decode_layer(self, layer, x, ids, weights, n_rows, rows) -> None:
         """Graph-safe: no host synchronisation, fixed addresses, fixed launch shapes."""

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from ferry.kernels.expert_pair_gemv import expert_pair_rows_triton, use_pair_kernel
-from ferry.kernels.expert_rows_sum import sum_rows
+from ferry.kernels.expert_rows_sum import ExpertRows, finish_rows
 from ferry.kernels.grouped_expert_gemm import (
     align_pairs_by_slot_host,
     block_m_for,
@@ -133,7 +133,7 @@ class OffloadedExperts:
         """Nothing to queue: the host policy counted on the host."""
 
     def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                n_rows: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                n_rows: torch.Tensor | None = None, summed: bool = True) -> torch.Tensor | ExpertRows:  # fmt: skip
         """`n_rows` is not read: the host path never runs padded batches (CUDA graphs use DeviceDrivenExperts)."""
         if moe_layer <= self._last_layer:
             self.stats.end_step()
@@ -152,7 +152,7 @@ class OffloadedExperts:
             self._forward_pipelined_cuda(moe_layer, x, groups, topk_weights, chunks, rows)
         else:
             self._forward_sequential(moe_layer, x, groups, topk_weights, chunks, rows)
-        return sum_rows(rows, x.dtype)  # as the all-resident store finishes: same bits
+        return finish_rows(rows, x.dtype, summed)  # as the all-resident store finishes: same bits
 
     def _group_slots(self, ids: np.ndarray, experts: np.ndarray, slots: tuple[int, ...], has_hits: bool,
                      chunks: list) -> list[np.ndarray | None]:  # fmt: skip

@@ -77,7 +77,8 @@ class ExpertParallelExperts:
             self.local.set_routers([r[self.rank :: self.world] for r in routers])
 
     def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                n_rows: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                n_rows: torch.Tensor | None = None, summed: bool = True) -> torch.Tensor:  # fmt: skip
+        """Always summed (`summed` is the protocol's): the ranks' partial sums are all-reduced."""
         t, _ = topk_ids.shape
         own = topk_ids % self.world == self.rank
         if n_rows is not None:  # padding rows: nobody computes them

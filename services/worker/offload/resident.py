@@ -7,12 +7,16 @@ twin on CPU) — the same kernel `OffloadedExperts` uses, so the two agree bit f
 It keeps the same statistics as the offload store (every lookup a hit, nothing copied), so every
 worker exports the same expert-cache metrics whatever its plan. Counting the layer's distinct
 experts on the host would cost a device sync per layer; instead each layer marks its routed
-experts in a persistent [layers, experts] device table (one small kernel, graph-safe), which
-`stats_to_host` sums and queues to the host before the step's one synchronisation.
+experts in a persistent [layers, experts] device table (graph-safe), which `stats_to_host` sums
+and queues to the host before the step's one synchronisation.
 
 Small steps (decode) on the GPU go pair by pair (kernels/expert_pair_gemv.py) with the layer's
 slot offset passed to the kernel: the routed expert ids are used as they are, with no alignment
-and no add, and every pair is routed, so the row buffer needs no zero fill."""
+and no add, and every pair is routed, so the row buffer needs no zero fill. Their gate/up kernel
+marks the table too (a slot's index is its table entry), and the rows are left for the next
+kernel to sum when the caller allows it (`summed=False`, kernels/expert_rows_sum.py): a decode
+step's MoE layer is then the pair kernels' two launches. Larger steps mark with a kernel of their
+own (kernels/router_topk.py)."""
 
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ import torch
 
 from ferry.kernels.dispatch import use_triton
 from ferry.kernels.expert_pair_gemv import expert_pair_rows_triton, use_pair_kernel
-from ferry.kernels.expert_rows_sum import sum_rows
+from ferry.kernels.expert_rows_sum import ExpertRows, finish_rows
 from ferry.kernels.grouped_expert_gemm import grouped_expert_forward
 from ferry.kernels.router_topk import mark_routed
 from ferry.services.worker.offload.stats import ExpertCacheStats
@@ -69,14 +73,15 @@ class ResidentExperts:
         return 0
 
     def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                n_rows: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-        self._count_lookups(moe_layer, topk_ids, n_rows)
+                n_rows: torch.Tensor | None = None, summed: bool = True) -> torch.Tensor | ExpertRows:  # fmt: skip
         offset = moe_layer * self.num_experts
         if use_triton(x) and use_pair_kernel(topk_ids.numel()):
+            # the gate/up kernel marks the routed experts itself: slot layer * E + e is entry (layer, e)
             rows = torch.empty(x.shape[0], topk_ids.shape[1], x.shape[1], dtype=torch.float32, device=x.device)
             expert_pair_rows_triton(x, topk_ids, topk_weights, self.slots.gemm13, self.slots.gemm2, rows,
-                                    slot_offset=offset)  # fmt: skip
-            return sum_rows(rows, x.dtype)
+                                    slot_offset=offset, mark=(self._routed_table(x.device), n_rows))  # fmt: skip
+            return finish_rows(rows, x.dtype, summed)
+        self._count_lookups(moe_layer, topk_ids, n_rows)
         topk_slots = topk_ids + offset
         return grouped_expert_forward(x, topk_slots, topk_weights, self.slots.gemm13, self.slots.gemm2,
                                       max_distinct_slots=self.num_experts)  # one layer's experts at most
@@ -85,11 +90,15 @@ class ResidentExperts:
         """Mark the layer's routed experts in the step's [layers, experts] device table, rows past
         n_rows (padding) left out; no host sync, graph-safe (fixed addresses). One small kernel on
         the Triton path (kernels/router_topk.py), one scatter in its torch twin elsewhere: the
-        torch sequence was five launches per MoE layer of a decode step."""
-        if self._routed is None or self._routed.device != topk_ids.device:
-            self._routed = torch.zeros(self.num_moe_layers, self.num_experts, dtype=torch.int32, device=topk_ids.device)
-            self._routed_sum = torch.zeros(1, dtype=torch.int64, device=topk_ids.device)
-        mark_routed(self._routed, moe_layer, topk_ids, n_rows)
+        torch sequence was five launches per MoE layer of a decode step. (A decode step's pair kernels
+        mark them in their gate/up launch instead: see `forward`.)"""
+        mark_routed(self._routed_table(topk_ids.device), moe_layer, topk_ids, n_rows)
+
+    def _routed_table(self, device: torch.device) -> torch.Tensor:
+        if self._routed is None or self._routed.device != device:
+            self._routed = torch.zeros(self.num_moe_layers, self.num_experts, dtype=torch.int32, device=device)
+            self._routed_sum = torch.zeros(1, dtype=torch.int64, device=device)
+        return self._routed
 
     def begin_step(self, num_tokens: int, top_k: int, long_context: bool = False) -> None:
         """Nothing to copy: every expert is resident."""

@@ -1,4 +1,4 @@
-"""The fused RMSNorm and q/k norm + rotary + KV-write kernels, the paged attention kernels, the
+"""The fused RMSNorm, rotary tables and q/k norm + rotary + KV-write kernels, the paged attention kernels, the
 MoE block's router / routed-marking / SiLU-and-mul / combine kernels, and the Gated DeltaNet decode
 kernels, compiled for Hopper without a GPU (hopper_compile.py; run by test_fused_kernels_compile.py)."""
 
@@ -12,6 +12,7 @@ from ferry.kernels.paged_attention_triton import (DECODE_SPLITS, _decode_combine
                                                  _prefill_kernel, prefill_tiles)
 from ferry.kernels.qk_norm_rope import _qk_norm_rope_kv_kernel
 from ferry.kernels.rms_norm import _rms_norm_kernel
+from ferry.kernels.rotary_cos_sin import _cos_sin_kernel
 from ferry.kernels.router_topk import _mark_routed_kernel, _router_topk_kernel
 
 
@@ -23,8 +24,13 @@ def signatures(dtype: str) -> list:
             "eps": "fp32"}  # fmt: skip
     for has_res, zc, gated in ((False, False, False), (True, False, False), (False, True, False), (True, True, False),
                                (False, False, True)):  # fmt: skip
-        consts = {"HAS_RESIDUAL": has_res, "ZERO_CENTERED": zc, "GATED": gated, "BLOCK_D": 2048}
+        consts = {"HAS_RESIDUAL": has_res, "ZERO_CENTERED": zc, "GATED": gated, "ROWS": False, "TOP_K": 1,
+                  "BLOCK_D": 2048}  # fmt: skip
         out.append((f"rms_norm[{dtype}, residual={has_res}, zc={zc}, gated={gated}]", _rms_norm_kernel, norm, consts))
+    rows = {**norm, "x_ptr": "*fp32", "gate_ptr": "*fp32"}  # a MoE block's unsummed rows (expert_rows_sum.py)
+    for zc in (False, True):
+        consts = {"HAS_RESIDUAL": True, "ZERO_CENTERED": zc, "GATED": False, "ROWS": True, "TOP_K": 8, "BLOCK_D": 2048}
+        out.append((f"rms_norm[{dtype}, rows, zc={zc}]", _rms_norm_kernel, rows, consts))
     rope = {**{p: f"*{dtype}" for p in ("q_ptr", "k_ptr", "v_ptr", "qw_ptr", "kw_ptr", "cos_ptr", "sin_ptr",
                                           "q_out_ptr", "k_cache_ptr", "v_cache_ptr")}, "slot_ptr": "*i64",
             **ints("heads", "D", "ROT", "HALF", "stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt",
@@ -32,6 +38,8 @@ def signatures(dtype: str) -> list:
     for zc in (False, True):
         consts = {"ZERO_CENTERED": zc, "BLOCK_D": 256}
         out.append((f"qk_norm_rope_kv[{dtype}, zc={zc}]", _qk_norm_rope_kv_kernel, rope, consts))
+    tables = {"pos_ptr": "*i64", "freq_ptr": "*fp32", "cos_ptr": f"*{dtype}", "sin_ptr": f"*{dtype}", "R": "i32"}
+    out.append((f"rotary_cos_sin[{dtype}]", _cos_sin_kernel, tables, {"BLOCK_R": 128}))
     strides = ints("stride_qt", "stride_qh", "stride_kp", "stride_ks", "stride_kh", "stride_vp", "stride_vs",
                    "stride_vh", "stride_ot", "stride_oh", "stride_pt")  # fmt: skip
     paged = {**{p: f"*{dtype}" for p in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}, "page_table_ptr": "*i32",
@@ -78,7 +86,9 @@ def moe_block_signatures(dtype: str) -> list:
     silu = {"gate_up_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "I": "i32"}
     out.append((f"silu_mul[{dtype}]", _silu_mul_kernel, silu, {"BLOCK_I": 512}))
     combine = {**{p: f"*{dtype}" for p in ("routed_ptr", "gate_ptr", "shared_ptr", "out_ptr")}, "H": "i32"}
-    out.append((f"moe_combine[{dtype}]", _moe_combine_kernel, combine, {"BLOCK_H": 1024}))
+    out.append((f"moe_combine[{dtype}]", _moe_combine_kernel, combine, {"BLOCK_H": 1024, "ROWS": False, "TOP_K": 1}))
+    out.append((f"moe_combine[{dtype}, rows]", _moe_combine_kernel, {**combine, "routed_ptr": "*fp32", "shared_ptr": "*fp32"},
+                {"BLOCK_H": 1024, "ROWS": True, "TOP_K": 8}))  # fmt: skip
     return out
 
 

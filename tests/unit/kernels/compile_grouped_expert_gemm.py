@@ -15,6 +15,15 @@ from ferry.kernels.pair_tiles import TILES
 from ferry.kernels.quantized_experts import FP8_BLOCK, NVFP4
 from ferry.plan.expert_formats import BF16
 
+MARK_PTRS = {"table_ptr": "*i32", "n_rows_ptr": "*i32"}  # the resident store's routed table, marked by gate/up
+
+
+def mark_variants(fn) -> list[dict]:
+    """A pair gate/up kernel compiles unmarked and marking (with and without padding rows); the rest once."""
+    if "gate_up" not in fn.__name__:
+        return [{}]
+    return [{"MARK": mark, "HAS_N_ROWS": n_rows} for mark, n_rows in ((False, False), (True, False), (True, True))]
+
 
 def signatures(dtype: str) -> list:
     ints = lambda *names: {n: "i32" for n in names}  # noqa: E731
@@ -32,14 +41,14 @@ def signatures(dtype: str) -> list:
             out.append((f"{fn.__name__}[{dtype}, BLOCK_M={block_m}]", fn, {**sig, **{c: "constexpr" for c in consts}},
                         consts))  # fmt: skip
     pair_gate_up = {"x_ptr": f"*{dtype}", "w13_ptr": f"*{dtype}", "act_ptr": f"*{dtype}", "slots_ptr": "*i64",
-                    **ints("slot_offset", "top_k", "H", "I", "stride_xt", "stride_ws", "stride_wn")}  # fmt: skip
+                    **ints("slot_offset", "top_k", "H", "I"), **MARK_PTRS, **ints("stride_xt", "stride_ws", "stride_wn")}  # fmt: skip
     pair_down = {"act_ptr": f"*{dtype}", "w2_ptr": f"*{dtype}", "rows_ptr": "*fp32", "weights_ptr": f"*{dtype}",
                  "slots_ptr": "*i32", **ints("slot_offset", "H", "I", "stride_ws", "stride_wh")}  # fmt: skip
     bf16 = TILES[BF16]
     for fn, sig, block_n, block_k in ((pair._pair_gate_up_kernel, pair_gate_up, bf16.gate_up_rows, bf16.gate_up_k),
                                       (pair._pair_down_kernel, pair_down, bf16.down_rows, bf16.down_k)):  # fmt: skip
-        consts = {"BLOCK_N": block_n, "BLOCK_K": block_k}
-        out.append((f"{fn.__name__}[{dtype}]", fn, {**sig, **{c: "constexpr" for c in consts}}, consts))
+        for consts in ({"BLOCK_N": block_n, "BLOCK_K": block_k} | marks for marks in mark_variants(fn)):
+            out.append((f"{fn.__name__}[{dtype}, {consts}]", fn, {**sig, **{c: "constexpr" for c in consts}}, consts))
     sum_sig = {"rows_ptr": "*fp32", "out_ptr": f"*{dtype}", "top_k": "i32", "H": "i32", "BLOCK": "constexpr"}
     out.append((f"_sum_rows_kernel[{dtype}]", rows_sum._sum_rows_kernel, sum_sig, {"BLOCK": rows_sum.BLOCK_H}))
     return out + quantized_signatures(dtype)
@@ -78,24 +87,26 @@ def quantized_signatures(dtype: str) -> list:
                         consts))  # fmt: skip
     pair = [
         (qpair._nvfp4_pair_gate_up_kernel, {"x_ptr": f"*{dtype}", **nvfp4, "act_ptr": f"*{dtype}", "slots_ptr": "*i64",
-                                            **ints("slot_offset", "top_k", "H", "I", "stride_xt", "stride_qs", "stride_qo",
-                                                   "stride_ss", "stride_so", "stride_gs")},
+                                            **ints("slot_offset", "top_k", "H", "I"), **MARK_PTRS,
+                                            **ints("stride_xt", "stride_qs", "stride_qo", "stride_ss", "stride_so",
+                                                   "stride_gs")},
          {"BLOCK_N": TILES[NVFP4].gate_up_rows, "GROUPS": TILES[NVFP4].gate_up_k}),
         (qpair._nvfp4_pair_down_kernel, {"act_ptr": f"*{dtype}", **nvfp4, "rows_ptr": "*fp32", "weights_ptr": f"*{dtype}",
                                          "slots_ptr": "*i32", **ints("slot_offset", "H", "I", "stride_qs", "stride_qo",
                                                                      "stride_ss", "stride_so", "stride_gs")},
          {"BLOCK_N": TILES[NVFP4].down_rows, "GROUPS": TILES[NVFP4].down_k}),
         (qpair._fp8_pair_gate_up_kernel, {"x_ptr": f"*{dtype}", **fp8, "act_ptr": f"*{dtype}", "slots_ptr": "*i64",
-                                          **ints("slot_offset", "top_k", "H", "I", "up_row_block", "stride_xt", "stride_qs",
-                                                 "stride_qo", "stride_ss", "stride_so")},
+                                          **ints("slot_offset", "top_k", "H", "I", "up_row_block"), **MARK_PTRS,
+                                          **ints("stride_xt", "stride_qs", "stride_qo", "stride_ss", "stride_so")},
          {"BLOCK_N": TILES[FP8_BLOCK].gate_up_rows, "BLOCKS": TILES[FP8_BLOCK].gate_up_k}),
         (qpair._fp8_pair_down_kernel, {"act_ptr": f"*{dtype}", **fp8, "rows_ptr": "*fp32", "weights_ptr": f"*{dtype}",
                                        "slots_ptr": "*i32", **ints("slot_offset", "H", "I", "stride_qs", "stride_qo",
                                                                    "stride_ss", "stride_so")},
          {"BLOCK_N": TILES[FP8_BLOCK].down_rows, "BLOCKS": TILES[FP8_BLOCK].down_k}),
     ]  # fmt: skip
-    for fn, sig, consts in pair:
-        out.append((f"{fn.__name__}[{dtype}]", fn, {**sig, **{c: "constexpr" for c in consts}}, consts))
+    for fn, sig, tiles in pair:
+        for consts in (tiles | marks for marks in mark_variants(fn)):
+            out.append((f"{fn.__name__}[{dtype}, {consts}]", fn, {**sig, **{c: "constexpr" for c in consts}}, consts))
     return out
 
 

@@ -10,10 +10,10 @@ from hopper_compile import compile_in_child
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU, tests/gpu compiles and runs the kernels for real")
 def test_fused_and_paged_attention_kernels_compile_for_hopper():
     results = compile_in_child("compile_fused_kernels.py")
-    # 11 norm / rotary / attention kernels per dtype (paged attention's decode is split + combine, its prefill at
-    # two head sizes), 8 MoE block kernels (router, marking, SiLU-and-mul, combine) per dtype, 2 Gated DeltaNet
-    # decode kernels per dtype
-    assert len(results) == 22 + 16 + 4
+    # 14 norm / rotary / attention kernels per dtype (the norm also summing a MoE block's rows, paged attention's
+    # decode is split + combine, its prefill at two head sizes), 9 MoE block kernels (router, marking, SiLU-and-mul,
+    # combine, combine summing rows) per dtype, 2 Gated DeltaNet decode kernels per dtype
+    assert len(results) == 28 + 18 + 4
     assert sum(name.startswith("gated_deltanet_") for name in results) == 4
     assert any(name.startswith("router_topk[") for name in results)
     for name, r in results.items():
