@@ -13,6 +13,8 @@
 #                cuts served with the sweep's choices and with FERRY_DENSE_GEMV=0 (cuBLAS; GEMV_WORKLOADS)   ~8 min
 #   PART=flashtest the attention dispatch's CUDA tests (FlashAttention for long queries)               ~1 min
 #   PART=long    the 262k-token TTFT alone (LONG_VARIANTS picks decode_suite variants)                 ~4-5 min a variant
+#   PART=longprof one chunk of the 262k prompt profiled deep into the context: the copies' overlap with
+#                compute, each stream's kernels by family (profile_long_chunk.json; LONGPROF_FLAGS)   ~4-5 min
 #   PART=overlap does a long attention chunk hide the ring's copies (bench/ring_overlap.py)         ~2 min
 #   PART=share   hybrid8 decode with and without --host-expert-threads, then three turns in bf16     ~8-9 min
 #   PART=decode12 the 12-layer cut GPU-only, with the host's share, with it but no prefetch, and the
@@ -68,6 +70,12 @@ case "${part:-check}" in
     timeout 560 python3 bench/decode_suite.py --out "$OUT" --workloads long_context_36b --variants "${LONG_VARIANTS:-default}" --ready-timeout 240 \
       --run-timeout 300 > "$OUT/long_context.log" 2>&1
     echo "long_context rc=$?"; tail -3 "$OUT/long_context.log"; grep -h 'ttft\|error\|Error' "$OUT"/serve_long*.log 2>/dev/null | tail -5 ;;
+  longprof)  # issue 24: one chunk of the 262k prompt profiled at 32k, 128k and 248k keys (bench/profile_long_chunk.py)
+    python3 -m ferry.services.cli make-bench-model /tmp/m36 --config tests/data/models/qwen3.6-35b-a3b/config.json > /dev/null
+    timeout ${LONGPROF_TIMEOUT:-420} python3 bench/profile_long_chunk.py --model /tmp/m36 --load-format dummy --gpu-memory 24GiB \
+      --num-tokens 262144 --max-running-requests 8 --at 32768,131072,253952 --prompt-len 261988 ${LONGPROF_FLAGS:-} \
+      --out "$OUT/profile_long_chunk.json" --trace-dir /tmp/long_traces > "$OUT/profile_long_chunk.log" 2>&1
+    echo "profile_long_chunk rc=$?"; grep -h '^{"context"\|^prefill of' "$OUT/profile_long_chunk.log" | cut -c1-900 ;;
   overlap)  # issue 24: a long attention chunk beside one layer's ring copies, per bank format, programs, priority
     for ctx in 32768 131072; do
       timeout 200 python3 bench/ring_overlap.py --context $ctx --out "$OUT/ring_overlap_$ctx.json" > "$OUT/ring_overlap_$ctx.log" 2>&1
@@ -156,7 +164,7 @@ PY
       grep -rh --include=serve.log kernel_compiled_in_service "$V/pytest" | cut -c1-300 | head -5
       grep -A3 '_speedup' "$V/eight.log" | head -12; tail -2 "$V/eight.log"
     done ;;
-  *) echo "PART must be check, three, resident, gemv, flashtest, long, overlap, prefill, share, decode12, decode30, hostpages, pin, ahead or eight (or several, comma-separated)" >&2; exit 2 ;;
+  *) echo "PART must be check, three, resident, longprof, gemv, flashtest, long, overlap, prefill, share, decode12, decode30, hostpages, pin, ahead or eight (or several, comma-separated)" >&2; exit 2 ;;
 esac
 done
 # the device returns a few files a call (more are dropped, as the first decode12 run's logs were): one archive

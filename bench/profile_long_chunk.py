@@ -1,0 +1,204 @@
+"""Where one chunk of a long prompt's prefill spends its time, deep into the context (issue 24: the
+261,988-token prompt's TTFT runs near the sum of its expert copies and its compute, although the two
+overlap when measured alone, bench/ring_overlap.py).
+
+Boots the worker as `ferry serve` would (boot + executor, no processes), prefills one request's random
+prompt chunk by chunk (the plan's chunk), and at each context of `--at` profiles the next chunk with
+torch.profiler. Per profiled chunk, from the device trace (µs on the GPU's clock):
+
+* each stream's busy time (the union of its kernels and copies) and its kernels by family (the ring's
+  unpacking copies, host->device copies, FlashAttention, the paged attention kernel, Gated DeltaNet,
+  the grouped expert GEMM, cuBLAS GEMMs, the rest);
+* the copies' overlap: the share of the expert copies' busy time (the unpacking kernel on packed banks,
+  the copy engine's H2D on plain ones) during which another stream computed;
+* the compute streams' idle time inside the chunk and its largest gaps, with what the copies did then;
+* the chunk's wall time, the host's enqueue span, and the expert cache's counters over the chunk.
+
+    python3 bench/profile_long_chunk.py --model DIR --load-format dummy --gpu-memory 24GiB \\
+        --num-tokens 262144 --max-running-requests 8 --at 32768,196608 [--out FILE] [--trace-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.profile_prefill import HOST_LAUNCHES, _union  # noqa: E402
+from bench.serve_decode import Streams, _cache_counters, _delta  # noqa: E402
+from ferry.services.worker.boot import boot_worker  # noqa: E402
+from ferry.services.worker.flags import add_worker_flags, boot_config_from_args  # noqa: E402
+
+# a kernel's family, by the first of these its name contains (lower case); the order matters
+FAMILIES = (
+    ("unpack_copies", ("unpack_experts", "_unpack")),
+    ("expert_copy_kernel", ("expert_copy", "_copy_experts")),
+    ("flash_attention", ("flash", "fmha", "sdpa")),
+    ("paged_attention", ("paged", "_attn")),
+    ("gated_deltanet", ("chunk_", "gated_delta", "fused_recurrent", "causal_conv", "l2norm", "solve_tril", "wy_")),
+    ("grouped_expert_gemm", ("grouped", "expert_gemm", "_moe")),
+    ("cublas_gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "gemv")),
+    ("norm_rope_act", ("norm", "rotary", "silu", "rope", "combine")),
+)
+
+
+def family(name: str) -> str:
+    low = name.lower()
+    for fam, keys in FAMILIES:
+        if any(k in low for k in keys):
+            return fam
+    return "other"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_worker_flags(parser)
+    parser.add_argument("--at", default="32768,196608", help="contexts (tokens already prefilled) whose next chunk is profiled")
+    parser.add_argument("--prompt-len", type=int, default=None, help="stop here (default: the last --at plus one chunk)")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--trace-dir", default=None, help="keep each profiled chunk's chrome trace here")
+    args = parser.parse_args()
+    at = sorted(int(a) for a in args.at.split(",") if a)
+    t_boot = time.perf_counter()
+    executor, plan = boot_worker(boot_config_from_args(args))
+    boot_s = time.perf_counter() - t_boot
+    chunk = plan.max_prefill_tokens
+    prompt_len = args.prompt_len or (at[-1] + chunk)
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, executor.spec.vocab_size, prompt_len).tolist()
+    streams = Streams(executor, 1, prompt_len + 8, first_req_id=1)
+    new = [_new_request(streams, prompt)]
+    trace_dir = Path(args.trace_dir or tempfile.mkdtemp(prefix="ferry-long-chunk-"))
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    chunks, profiles, done = [], [], 0
+    while done < prompt_len:
+        part = prompt[done : done + chunk]
+        last = done + len(part) >= prompt_len
+        profile_here = bool(at) and done >= at[0]
+        before = _cache_counters(executor)
+        _sync()
+        if profile_here:
+            at.pop(0)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                    torch.profiler.ProfilerActivity.CUDA]) as prof:  # fmt: skip
+                t0 = time.perf_counter()
+                streams.step([part], sample=last, new=new)
+                _sync()
+                wall = time.perf_counter() - t0
+            path = trace_dir / f"chunk_at_{done}.json"
+            prof.export_chrome_trace(str(path))
+            summary = summarize_trace(json.loads(path.read_text()))
+            profiles.append({"context": done, "tokens": len(part), "wall_ms": wall * 1e3,
+                             "expert_cache": _delta(_cache_counters(executor), before), **summary})  # fmt: skip
+            print(json.dumps({k: v for k, v in profiles[-1].items() if k != "largest_compute_gaps"}), flush=True)
+        else:
+            t0 = time.perf_counter()
+            streams.step([part], sample=last, new=new)
+            _sync()
+            wall = time.perf_counter() - t0
+        chunks.append({"context": done, "wall_s": round(wall, 4), "copied": _delta(_cache_counters(executor), before)["bytes_copied"]})
+        new, done = [], done + len(part)
+    streams.finish()
+    result = {"boot_s": boot_s, "prompt_len": prompt_len, "chunk": chunk, "slots": plan.experts.slots,
+              "experts": plan.experts.total, "prefill_s": sum(c["wall_s"] for c in chunks), "chunks": chunks,
+              "profiles": profiles}  # fmt: skip
+    text = json.dumps(result, indent=1)
+    print(f"prefill of {prompt_len} tokens in {len(chunks)} chunks: {result['prefill_s']:.2f} s (synchronised per chunk)")
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _new_request(streams: Streams, prompt: list[int]):
+    from ferry.shared.step import NewRequest
+    from bench.serve_decode import GREEDY
+
+    return NewRequest(req_id=streams.req_ids[0], prompt_token_ids=np.array(prompt, dtype=np.int32), sampling=GREEDY)
+
+
+def summarize_trace(trace: dict, largest: int = 8) -> dict:
+    """Per-stream busy time, kernel families, the copies' overlap with compute and the compute's gaps,
+    from a chrome trace of one step (kineto's: device events carry args.stream)."""
+    device, launches = [], []
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") != "X":
+            continue
+        cat = e.get("cat", "")
+        if cat in ("kernel", "gpu_memcpy", "gpu_memset"):
+            name = e["name"]
+            fam = family(name) if cat == "kernel" else ("h2d_copies" if "HtoD" in name else cat)
+            device.append((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e.get("args", {}).get("stream"), fam, name))
+        elif e.get("name") in HOST_LAUNCHES:
+            launches.append((float(e["ts"]), float(e["ts"]) + float(e["dur"])))
+    if not device:
+        return {"device_events": 0}
+    copy_fams = ("unpack_copies", "expert_copy_kernel", "h2d_copies")
+    copies = _union([(a, b) for a, b, _, fam, _ in device if fam in copy_fams])
+    compute = _union([(a, b) for a, b, _, fam, _ in device if fam not in copy_fams and fam != "gpu_memset"])
+    start, end = min(a for a, *_ in device), max(b for _, b, *_ in device)
+    streams: dict[str, dict] = {}
+    for a, b, stream, fam, _ in device:
+        s = streams.setdefault(str(stream), {"events": 0, "spans": [], "families_ms": {}})
+        s["events"] += 1
+        s["spans"].append((a, b))
+        s["families_ms"][fam] = s["families_ms"].get(fam, 0.0) + (b - a) / 1e3
+    for s in streams.values():
+        s["busy_ms"] = round(_length(_union(s.pop("spans"))) / 1e3, 3)
+        s["families_ms"] = {k: round(v, 3) for k, v in sorted(s["families_ms"].items(), key=lambda kv: -kv[1])}
+    families: dict[str, float] = {}
+    for a, b, _, fam, _ in device:
+        families[fam] = families.get(fam, 0.0) + (b - a) / 1e3
+    copies_busy, compute_busy = _length(copies), _length(compute)
+    both = _length(_intersect(copies, compute))
+    gaps = [(b[0] - a[1], a[1]) for a, b in zip(compute, compute[1:]) if b[0] > a[1]]
+    gaps.sort(reverse=True)
+    return {
+        "device_span_ms": round((end - start) / 1e3, 3),
+        "compute_busy_ms": round(compute_busy / 1e3, 3),
+        "copies_busy_ms": round(copies_busy / 1e3, 3),
+        "copies_hidden_by_compute_ms": round(both / 1e3, 3),
+        # the share of the copies' time during which some kernel computed: 1.0 is full overlap
+        "copy_overlap": round(both / copies_busy, 3) if copies_busy else None,
+        "compute_idle_ms": round((end - start - compute_busy) / 1e3, 3),
+        "families_ms": {k: round(v, 3) for k, v in sorted(families.items(), key=lambda kv: -kv[1])},
+        "streams": streams,
+        # (ms long, ms after the chunk's first device event, the copies' busy ms inside the gap)
+        "largest_compute_gaps": [(round(g / 1e3, 3), round((t - start) / 1e3, 3),
+                                  round(_length(_intersect(copies, [(t, t + g)])) / 1e3, 3)) for g, t in gaps[:largest]],  # fmt: skip
+        "host_enqueue_span_ms": round((max(b for _, b in launches) - min(a for a, _ in launches)) / 1e3, 3) if launches else None,
+        "host_launches": len(launches),
+    }
+
+
+def _length(spans: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in spans)
+
+
+def _intersect(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The intersection of two sorted, disjoint span lists."""
+    out, i, j = [], 0, 0
+    while i < len(xs) and j < len(ys):
+        lo, hi = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
+        if lo < hi:
+            out.append((lo, hi))
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+if __name__ == "__main__":
+    main()
