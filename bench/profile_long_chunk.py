@@ -8,7 +8,7 @@ torch.profiler. Per profiled chunk, from the device trace (µs on the GPU's cloc
 
 * each stream's busy time (the union of its kernels and copies) and its kernels by family (the ring's
   unpacking copies, host->device copies, FlashAttention, the paged attention kernel, Gated DeltaNet,
-  the grouped expert GEMM, cuBLAS GEMMs, the rest);
+  the experts' GEMM kernels, cuBLAS GEMMs, the rest) and the kernels taking the most time;
 * the copies' overlap: the share of the expert copies' busy time (the unpacking kernel on packed banks,
   the copy engine's H2D on plain ones) during which another stream computed;
 * the compute streams' idle time inside the chunk and its largest gaps, with what the copies did then;
@@ -44,7 +44,7 @@ FAMILIES = (
     ("flash_attention", ("flash", "fmha", "sdpa")),
     ("paged_attention", ("paged", "_attn")),
     ("gated_deltanet", ("chunk_", "gated_delta", "fused_recurrent", "causal_conv", "l2norm", "solve_tril", "wy_")),
-    ("grouped_expert_gemm", ("grouped", "expert_gemm", "_moe")),
+    ("expert_gemm", ("grouped", "expert_gemm", "_moe", "_gate_up_kernel", "_down_kernel")),
     ("cublas_gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "gemv")),
     ("norm_rope_act", ("norm", "rotary", "silu", "rope", "combine")),
 )
@@ -98,7 +98,7 @@ def main() -> None:
             summary = summarize_trace(json.loads(path.read_text()))
             profiles.append({"context": done, "tokens": len(part), "wall_ms": wall * 1e3,
                              "expert_cache": _delta(_cache_counters(executor), before), **summary})  # fmt: skip
-            print(json.dumps({k: v for k, v in profiles[-1].items() if k != "largest_compute_gaps"}), flush=True)
+            print(json.dumps({k: v for k, v in profiles[-1].items() if k not in ("largest_compute_gaps", "streams")}), flush=True)
         else:
             t0 = time.perf_counter()
             streams.step([part], sample=last, new=new)
@@ -128,7 +128,7 @@ def _new_request(streams: Streams, prompt: list[int]):
     return NewRequest(req_id=streams.req_ids[0], prompt_token_ids=np.array(prompt, dtype=np.int32), sampling=GREEDY)
 
 
-def summarize_trace(trace: dict, largest: int = 8) -> dict:
+def summarize_trace(trace: dict, largest: int = 8, top: int = 16) -> dict:
     """Per-stream busy time, kernel families, the copies' overlap with compute and the compute's gaps,
     from a chrome trace of one step (kineto's: device events carry args.stream)."""
     device, launches = [], []
@@ -158,8 +158,12 @@ def summarize_trace(trace: dict, largest: int = 8) -> dict:
         s["busy_ms"] = round(_length(_union(s.pop("spans"))) / 1e3, 3)
         s["families_ms"] = {k: round(v, 3) for k, v in sorted(s["families_ms"].items(), key=lambda kv: -kv[1])}
     families: dict[str, float] = {}
-    for a, b, _, fam, _ in device:
+    kernels: dict[str, list] = {}  # name -> [ms, count]
+    for a, b, _, fam, name in device:
         families[fam] = families.get(fam, 0.0) + (b - a) / 1e3
+        k = kernels.setdefault(name[:100], [0.0, 0])
+        k[0] += (b - a) / 1e3
+        k[1] += 1
     copies_busy, compute_busy = _length(copies), _length(compute)
     both = _length(_intersect(copies, compute))
     gaps = [(b[0] - a[1], a[1]) for a, b in zip(compute, compute[1:]) if b[0] > a[1]]
@@ -174,6 +178,8 @@ def summarize_trace(trace: dict, largest: int = 8) -> dict:
         "compute_idle_ms": round((end - start - compute_busy) / 1e3, 3),
         "families_ms": {k: round(v, 3) for k, v in sorted(families.items(), key=lambda kv: -kv[1])},
         "streams": streams,
+        # the kernels (and copies) taking the most device time: [name, ms, count]
+        "top_kernels": [[n, round(ms, 3), c] for n, (ms, c) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]],
         # (ms long, ms after the chunk's first device event, the copies' busy ms inside the gap)
         "largest_compute_gaps": [(round(g / 1e3, 3), round((t - start) / 1e3, 3),
                                   round(_length(_intersect(copies, [(t, t + g)])) / 1e3, 3)) for g, t in gaps[:largest]],  # fmt: skip
