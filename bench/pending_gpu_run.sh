@@ -74,7 +74,7 @@ case "${part:-check}" in
     python3 -m ferry.services.cli make-bench-model /tmp/m36 --config tests/data/models/qwen3.6-35b-a3b/config.json > /dev/null
     timeout ${LONGPROF_TIMEOUT:-420} python3 bench/profile_long_chunk.py --model /tmp/m36 --load-format dummy --gpu-memory 24GiB \
       --num-tokens 262144 --max-running-requests 8 --at ${LONGPROF_AT:-32768,131072,253952} --prompt-len ${LONGPROF_LEN:-261988} \
-      ${LONGPROF_FLAGS:-} --out "$OUT/profile_long_chunk${LONGPROF_TAG:-}.json" --trace-dir /tmp/long_traces > "$OUT/profile_long_chunk${LONGPROF_TAG:-}.log" 2>&1
+      ${LONGPROF_FLAGS:-} --out "$OUT/profile_long_chunk${LONGPROF_TAG:-}.json" --trace-dir /tmp/long_traces --events-dir "$OUT" > "$OUT/profile_long_chunk${LONGPROF_TAG:-}.log" 2>&1
     echo "profile_long_chunk rc=$?"; grep -h '^{"context"\|^prefill of' "$OUT/profile_long_chunk${LONGPROF_TAG:-}.log" | cut -c1-1200 ;;
   overlap)  # issue 24: a long attention chunk beside one layer's ring copies, per bank format, programs, priority
     for ctx in 32768 131072; do

@@ -12,15 +12,21 @@ torch.profiler. Per profiled chunk, from the device trace (µs on the GPU's cloc
 * the copies' overlap: the share of the expert copies' busy time (the unpacking kernel on packed banks,
   the copy engine's H2D on plain ones) during which another stream computed;
 * the compute streams' idle time inside the chunk and its largest gaps, with what the copies did then;
+* which kernels the compute waited for at the end of its gaps, and what computed while the copies stood still;
 * the chunk's wall time, the host's enqueue span, and the expert cache's counters over the chunk.
+
+Each profiled chunk's device events are kept (`device_events_at_<context>.json.gz`, a few hundred kB), so
+the summary can be redone, or another question asked, without the GPU: `--summarize FILE`.
 
     python3 bench/profile_long_chunk.py --model DIR --load-format dummy --gpu-memory 24GiB \\
         --num-tokens 262144 --max-running-requests 8 --at 32768,196608 [--out FILE] [--trace-dir DIR]
+    python3 bench/profile_long_chunk.py --summarize DIR/device_events_at_131072.json.gz
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import sys
 import tempfile
@@ -42,7 +48,7 @@ FAMILIES = (
     ("unpack_copies", ("unpack_experts", "_unpack")),
     ("expert_copy_kernel", ("expert_copy", "_copy_experts")),
     ("flash_attention", ("flash", "fmha", "sdpa")),
-    ("paged_attention", ("paged", "_attn")),
+    ("paged_attention", ("paged", "_attn", "_prefill_kernel", "_decode_split_kernel", "_decode_combine_kernel")),
     ("gated_deltanet", ("chunk_", "gated_delta", "fused_recurrent", "causal_conv", "l2norm", "solve_tril", "wy_")),
     ("expert_gemm", ("grouped", "expert_gemm", "_moe", "_gate_up_kernel", "_down_kernel")),
     ("cublas_gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "gemv")),
@@ -65,6 +71,15 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=None, help="stop here (default: the last --at plus one chunk)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--trace-dir", default=None, help="keep each profiled chunk's chrome trace here")
+    parser.add_argument("--events-dir", default=None,
+                        help="write each profiled chunk's device events here (device_events_at_<context>.json.gz; "
+                             "default: --trace-dir)")  # fmt: skip
+    parser.add_argument("--summarize", default=None, metavar="EVENTS",
+                        help="only summarise a saved device_events_at_*.json.gz (no GPU, no model)")  # fmt: skip
+    if "--summarize" in sys.argv:  # offline: no worker flags needed
+        path = sys.argv[sys.argv.index("--summarize") + 1]
+        print(json.dumps(summarize_events(*load_events(Path(path))), indent=1))
+        return
     args = parser.parse_args()
     at = sorted(int(a) for a in args.at.split(",") if a)
     t_boot = time.perf_counter()
@@ -95,7 +110,9 @@ def main() -> None:
                 wall = time.perf_counter() - t0
             path = trace_dir / f"chunk_at_{done}.json"
             prof.export_chrome_trace(str(path))
-            summary = summarize_trace(json.loads(path.read_text()))
+            device, launches = device_events(json.loads(path.read_text()))
+            save_events(Path(args.events_dir or trace_dir) / f"device_events_at_{done}.json.gz", device, launches)
+            summary = summarize_events(device, launches)
             profiles.append({"context": done, "tokens": len(part), "wall_ms": wall * 1e3,
                              "expert_cache": _delta(_cache_counters(executor), before), **summary})  # fmt: skip
             print(json.dumps({k: v for k, v in profiles[-1].items() if k not in ("largest_compute_gaps", "streams")}), flush=True)
@@ -128,9 +145,9 @@ def _new_request(streams: Streams, prompt: list[int]):
     return NewRequest(req_id=streams.req_ids[0], prompt_token_ids=np.array(prompt, dtype=np.int32), sampling=GREEDY)
 
 
-def summarize_trace(trace: dict, largest: int = 8, top: int = 16) -> dict:
-    """Per-stream busy time, kernel families, the copies' overlap with compute and the compute's gaps,
-    from a chrome trace of one step (kineto's: device events carry args.stream)."""
+def device_events(trace: dict) -> tuple[list[tuple], list[tuple[float, float]]]:
+    """(device events as (start µs, end µs, stream, family, name), host launch spans) of a chrome trace
+    of one step (kineto's: device events carry args.stream)."""
     device, launches = [], []
     for e in trace.get("traceEvents", []):
         if e.get("ph") != "X":
@@ -142,21 +159,49 @@ def summarize_trace(trace: dict, largest: int = 8, top: int = 16) -> dict:
             device.append((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e.get("args", {}).get("stream"), fam, name))
         elif e.get("name") in HOST_LAUNCHES:
             launches.append((float(e["ts"]), float(e["ts"]) + float(e["dur"])))
+    device.sort()
+    return device, launches
+
+
+def save_events(path: Path, device: list[tuple], launches: list[tuple[float, float]]) -> None:
+    """The device events (a few hundred kB gzipped where the chrome trace is tens of MB), for
+    `--summarize` on a machine without the GPU."""
+    with gzip.open(path, "wt") as f:
+        json.dump({"device": device, "launches": launches}, f)
+
+
+def load_events(path: Path) -> tuple[list[tuple], list[tuple[float, float]]]:
+    with gzip.open(path, "rt") as f:
+        data = json.load(f)
+    return [tuple(e) for e in data["device"]], [tuple(s) for s in data["launches"]]
+
+
+COPY_FAMILIES = ("unpack_copies", "expert_copy_kernel", "h2d_copies")
+
+
+def summarize_trace(trace: dict, largest: int = 8, top: int = 16) -> dict:
+    return summarize_events(*device_events(trace), largest=largest, top=top)
+
+
+def summarize_events(device: list[tuple], launches: list[tuple[float, float]], largest: int = 8, top: int = 16) -> dict:
+    """Per-stream busy time, kernel families, the copies' overlap with compute, the compute's gaps (and
+    which family waited at their end), and the copies' own idle time (and what computed meanwhile)."""
     if not device:
         return {"device_events": 0}
-    copy_fams = ("unpack_copies", "expert_copy_kernel", "h2d_copies")
-    copies = _union([(a, b) for a, b, _, fam, _ in device if fam in copy_fams])
-    compute = _union([(a, b) for a, b, _, fam, _ in device if fam not in copy_fams and fam != "gpu_memset"])
+    copy_events = [(a, b) for a, b, _, fam, _ in device if fam in COPY_FAMILIES]
+    compute_events = [(a, b, fam) for a, b, _, fam, _ in device if fam not in COPY_FAMILIES and fam != "gpu_memset"]
+    copies = _union(copy_events)
+    compute = _union([(a, b) for a, b, _ in compute_events])
     start, end = min(a for a, *_ in device), max(b for _, b, *_ in device)
     streams: dict[str, dict] = {}
     for a, b, stream, fam, _ in device:
-        s = streams.setdefault(str(stream), {"events": 0, "spans": [], "families_ms": {}})
-        s["events"] += 1
-        s["spans"].append((a, b))
-        s["families_ms"][fam] = s["families_ms"].get(fam, 0.0) + (b - a) / 1e3
-    for s in streams.values():
-        s["busy_ms"] = round(_length(_union(s.pop("spans"))) / 1e3, 3)
-        s["families_ms"] = {k: round(v, 3) for k, v in sorted(s["families_ms"].items(), key=lambda kv: -kv[1])}
+        st = streams.setdefault(str(stream), {"events": 0, "spans": [], "families_ms": {}})
+        st["events"] += 1
+        st["spans"].append((a, b))
+        st["families_ms"][fam] = st["families_ms"].get(fam, 0.0) + (b - a) / 1e3
+    for st in streams.values():
+        st["busy_ms"] = round(_length(_union(st.pop("spans"))) / 1e3, 3)
+        st["families_ms"] = {k: round(v, 3) for k, v in sorted(st["families_ms"].items(), key=lambda kv: -kv[1])}
     families: dict[str, float] = {}
     kernels: dict[str, list] = {}  # name -> [ms, count]
     for a, b, _, fam, name in device:
@@ -166,8 +211,27 @@ def summarize_trace(trace: dict, largest: int = 8, top: int = 16) -> dict:
         k[1] += 1
     copies_busy, compute_busy = _length(copies), _length(compute)
     both = _length(_intersect(copies, compute))
-    gaps = [(b[0] - a[1], a[1]) for a, b in zip(compute, compute[1:]) if b[0] > a[1]]
+    gaps = [(b[0] - a[1], a[1], b[0]) for a, b in zip(compute, compute[1:]) if b[0] > a[1]]
+    # a compute gap ends when some kernel can start: the family of that kernel is what waited (on the copies,
+    # or on the host)
+    starts = sorted((a, fam) for a, _, fam in compute_events)
+    waited: dict[str, list] = {}
+    j = 0
+    for g, _, until in sorted(gaps, key=lambda x: x[2]):
+        while j < len(starts) and starts[j][0] < until:
+            j += 1
+        fam = starts[j][1] if j < len(starts) else "none"
+        w = waited.setdefault(fam, [0.0, 0])
+        w[0] += g / 1e3
+        w[1] += 1
     gaps.sort(reverse=True)
+    # the copies' own idle time between their first and last copy, and what computed meanwhile (a copy
+    # stream idle during a long kernel: the ring was full, or the kernel held the SMs the unpacking needs)
+    copy_idle = [(a[1], b[0]) for a, b in zip(copies, copies[1:]) if b[0] > a[1]]
+    idle_during: dict[str, float] = {}
+    for fam in {f for *_, f in compute_events}:
+        spans = _union([(a, b) for a, b, f in compute_events if f == fam])
+        idle_during[fam] = _length(_intersect(copy_idle, spans)) / 1e3
     return {
         "device_span_ms": round((end - start) / 1e3, 3),
         "compute_busy_ms": round(compute_busy / 1e3, 3),
@@ -176,13 +240,19 @@ def summarize_trace(trace: dict, largest: int = 8, top: int = 16) -> dict:
         # the share of the copies' time during which some kernel computed: 1.0 is full overlap
         "copy_overlap": round(both / copies_busy, 3) if copies_busy else None,
         "compute_idle_ms": round((end - start - compute_busy) / 1e3, 3),
+        # compute idle by the family of the kernel that ran when the gap closed: [ms, gaps]
+        "compute_gaps_by_waiting_family": {k: [round(v[0], 3), v[1]] for k, v in sorted(waited.items(), key=lambda kv: -kv[1][0])},
+        "copies_idle_ms": round(_length(copy_idle) / 1e3, 3),
+        "copies_idle_during_family_ms": {k: round(v, 3) for k, v in sorted(idle_during.items(), key=lambda kv: -kv[1]) if v},
+        "before_first_copy_ms": round((copies[0][0] - start) / 1e3, 3) if copies else None,
+        "after_last_copy_ms": round((end - copies[-1][1]) / 1e3, 3) if copies else None,
         "families_ms": {k: round(v, 3) for k, v in sorted(families.items(), key=lambda kv: -kv[1])},
         "streams": streams,
         # the kernels (and copies) taking the most device time: [name, ms, count]
         "top_kernels": [[n, round(ms, 3), c] for n, (ms, c) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]],
         # (ms long, ms after the chunk's first device event, the copies' busy ms inside the gap)
         "largest_compute_gaps": [(round(g / 1e3, 3), round((t - start) / 1e3, 3),
-                                  round(_length(_intersect(copies, [(t, t + g)])) / 1e3, 3)) for g, t in gaps[:largest]],  # fmt: skip
+                                  round(_length(_intersect(copies, [(t, t + g)])) / 1e3, 3)) for g, t, _ in gaps[:largest]],  # fmt: skip
         "host_enqueue_span_ms": round((max(b for _, b in launches) - min(a for a, _ in launches)) / 1e3, 3) if launches else None,
         "host_launches": len(launches),
     }
