@@ -255,6 +255,10 @@ def summarize_events(device: list[tuple], launches: list[tuple[float, float]], l
                                   round(_length(_intersect(copies, [(t, t + g)])) / 1e3, 3)) for g, t, _ in gaps[:largest]],  # fmt: skip
         "host_enqueue_span_ms": round((max(b for _, b in launches) - min(a for a, _ in launches)) / 1e3, 3) if launches else None,
         "host_launches": len(launches),
+        # time the host spent inside those calls: near the enqueue span, the launch queue was full and the host
+        # waited for the device (ahead of it); small, the host's own work between launches paced the chunk
+        "host_in_launch_calls_ms": round(_length(launches) / 1e3, 3) if launches else None,
+        "host_longest_launch_call_ms": round(max(b - a for a, b in launches) / 1e3, 3) if launches else None,
     }
 
 

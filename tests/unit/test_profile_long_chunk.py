@@ -39,6 +39,7 @@ def test_the_chunk_is_read_as_worked_out_by_hand():
     assert got["streams"]["20"]["families_ms"] == {"unpack_copies": pytest.approx(0.21)}
     assert got["top_kernels"][0] == ["_unpack_experts_kernel", pytest.approx(0.21), 3]
     assert (got["host_launches"], got["host_enqueue_span_ms"]) == (1, pytest.approx(0.03))
+    assert got["host_in_launch_calls_ms"] == pytest.approx(0.03) == got["host_longest_launch_call_ms"]
 
 
 def test_saved_events_summarise_the_same(tmp_path):
