@@ -14,7 +14,9 @@
 #   PART=flashtest the attention dispatch's CUDA tests (FlashAttention for long queries)               ~1 min
 #   PART=long    the 262k-token TTFT alone (LONG_VARIANTS picks decode_suite variants)                 ~4-5 min a variant
 #   PART=longprof one chunk of the 262k prompt profiled deep into the context: the copies' overlap with
-#                compute, each stream's kernels by family (profile_long_chunk.json; LONGPROF_FLAGS)   ~4-5 min
+#                compute, each stream's kernels by family (profile_long_chunk.json; LONGPROF_FLAGS; LONGPROF_AT,
+#                LONGPROF_LEN: where and how far; LONGPROF_RING=0,48: one chunk a staging-ring chunk size;
+#                the device events come back, for --summarize here)                                 ~4-5 min
 #   PART=overlap does a long attention chunk hide the ring's copies (bench/ring_overlap.py)         ~2 min
 #   PART=share   hybrid8 decode with and without --host-expert-threads, then three turns in bf16     ~8-9 min
 #   PART=decode12 the 12-layer cut GPU-only, with the host's share, with it but no prefetch, and the
@@ -74,6 +76,7 @@ case "${part:-check}" in
     python3 -m ferry.services.cli make-bench-model /tmp/m36 --config tests/data/models/qwen3.6-35b-a3b/config.json > /dev/null
     timeout ${LONGPROF_TIMEOUT:-420} python3 bench/profile_long_chunk.py --model /tmp/m36 --load-format dummy --gpu-memory 24GiB \
       --num-tokens 262144 --max-running-requests 8 --at ${LONGPROF_AT:-32768,131072,253952} --prompt-len ${LONGPROF_LEN:-261988} \
+      ${LONGPROF_RING:+--ring-chunks $LONGPROF_RING} \
       ${LONGPROF_FLAGS:-} --out "$OUT/profile_long_chunk${LONGPROF_TAG:-}.json" --trace-dir /tmp/long_traces --events-dir "$OUT" > "$OUT/profile_long_chunk${LONGPROF_TAG:-}.log" 2>&1
     echo "profile_long_chunk rc=$?"; grep -h '^{"context"\|^prefill of' "$OUT/profile_long_chunk${LONGPROF_TAG:-}.log" | cut -c1-1200 ;;
   overlap)  # issue 24: a long attention chunk beside one layer's ring copies, per bank format, programs, priority

@@ -69,6 +69,9 @@ def main() -> None:
     add_worker_flags(parser)
     parser.add_argument("--at", default="32768,196608", help="contexts (tokens already prefilled) whose next chunk is profiled")
     parser.add_argument("--prompt-len", type=int, default=None, help="stop here (default: the last --at plus one chunk)")
+    parser.add_argument("--ring-chunks", default="",
+                        help="at each --at, profile one chunk per staging-ring chunk size (experts a copy and a "
+                             "computation; 0: the worker's own), in successive chunks, e.g. 0,48")  # fmt: skip
     parser.add_argument("--out", default=None)
     parser.add_argument("--trace-dir", default=None, help="keep each profiled chunk's chrome trace here")
     parser.add_argument("--events-dir", default=None,
@@ -93,27 +96,43 @@ def main() -> None:
     new = [_new_request(streams, prompt)]
     trace_dir = Path(args.trace_dir or tempfile.mkdtemp(prefix="ferry-long-chunk-"))
     trace_dir.mkdir(parents=True, exist_ok=True)
-    chunks, profiles, done = [], [], 0
+    ring = getattr(executor.store, "ring", None)
+    ring_default = ring.chunk if ring is not None else None
+    ring_chunks = [int(c) for c in args.ring_chunks.split(",") if c] or [0]
+    if ring is None and ring_chunks != [0]:
+        raise SystemExit("--ring-chunks: this worker's store has no staging ring (nothing streams)")
+    for c in ring_chunks:
+        if ring is not None and not 0 <= c <= ring.size:
+            raise SystemExit(f"--ring-chunks: {c} experts do not fit the ring's {ring.size} staging slots")
+    chunks, profiles, done, todo = [], [], 0, []
     while done < prompt_len:
         part = prompt[done : done + chunk]
         last = done + len(part) >= prompt_len
-        profile_here = bool(at) and done >= at[0]
+        if at and done >= at[0]:
+            at.pop(0)
+            todo = list(ring_chunks)  # this chunk and the next ones, one a ring chunk size
+        profile_here = bool(todo)
         before = _cache_counters(executor)
         _sync()
         if profile_here:
-            at.pop(0)
+            ring_chunk = todo.pop(0)
+            if ring is not None:
+                ring.chunk = ring_chunk or ring_default  # the ring re-cuts its bays as the step begins
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                     torch.profiler.ProfilerActivity.CUDA]) as prof:  # fmt: skip
                 t0 = time.perf_counter()
                 streams.step([part], sample=last, new=new)
                 _sync()
                 wall = time.perf_counter() - t0
-            path = trace_dir / f"chunk_at_{done}.json"
+            path = trace_dir / f"chunk_at_{done}.json"  # one name a context: --ring-chunks profile successive ones
             prof.export_chrome_trace(str(path))
             device, launches = device_events(json.loads(path.read_text()))
             save_events(Path(args.events_dir or trace_dir) / f"device_events_at_{done}.json.gz", device, launches)
             summary = summarize_events(device, launches)
+            if ring is not None:
+                ring.chunk = ring_default
             profiles.append({"context": done, "tokens": len(part), "wall_ms": wall * 1e3,
+                             "ring_chunk": ring_chunk or ring_default,
                              "expert_cache": _delta(_cache_counters(executor), before), **summary})  # fmt: skip
             print(json.dumps({k: v for k, v in profiles[-1].items() if k not in ("largest_compute_gaps", "streams")}), flush=True)
         else:
