@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
-# The device calls that land branch pending-gpu (now: a decode MoE layer in two launches and the one-launch
-# rotary tables, issue 24; kernels/ without __init__.py), one
+# The device calls that land branch pending-gpu-flash (now: FlashAttention for every long prefill chunk,
+# not only a prompt's first, and the log line of a refusal; issue 24), one
 # part a call (each fits the device's 600 s), run from the tree with the device's python3 and the .whl/
 # site on PYTHONPATH; everything lands in $OUT. Set FERRY_COMMIT to the tree's commit. PART=a,b runs several
-# parts in one call (one device start), e.g. PART=eight,ahead (~7 min).
+# parts in one call (one device start), e.g. PART=eight,ahead (~7 min). .whl/ holds the shared wheels
+# (../shared/wheels) and the clients the serve steps need: openai 1.109.1, anthropic 0.69.0, pydantic 2.11.7,
+# pydantic-core 2.33.2, typing-inspection, annotated-types, jiter, distro, sniffio, docstring-parser (the
+# newest openai/anthropic need httpx2 and opentelemetry, which the device lacks; without openai the
+# gpu-check's serve step dies after its CUDA tests).
+# The next session: PART=check (~6 min), then PART=long (the served 262k TTFT, ~5 min), then
+# PART=longprof with LONGPROF_AT=131072 LONGPROF_LEN=147456 LONGPROF_RING=0,48 (~3 min), then PART=three,eight.
 #   PART=check   make gpu-check (the release check, which builds the host's C kernel; gpu_check.json)  ~7-8 min
 #   PART=prefill bench/prefill_attention.py on the 35B's attention shapes, then the 262k-token TTFT  ~6-8 min
 #   PART=three   issue 23's three turns (32k first turn) on the full-size 35B with NVFP4 experts, openai and anthropic
