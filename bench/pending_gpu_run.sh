@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The device calls that land branch pending-gpu-flash (now: FlashAttention for every long prefill chunk,
 # not only a prompt's first, and the log line of a refusal; the prefill's Gated DeltaNet conv in two
-# Triton launches; issue 24), one
+# Triton launches; no host synchronisation in a prefill's linear layers; issue 24), one
 # part a call (each fits the device's 600 s), run from the tree with the device's python3 and the .whl/
 # site on PYTHONPATH; everything lands in $OUT. Set FERRY_COMMIT to the tree's commit. PART=a,b runs several
 # parts in one call (one device start), e.g. PART=eight,ahead (~7 min). .whl/ holds the shared wheels
