@@ -9,8 +9,8 @@
 # pydantic-core 2.33.2, typing-inspection, annotated-types, jiter, distro, sniffio, docstring-parser (the
 # newest openai/anthropic need httpx2 and opentelemetry, which the device lacks; without openai the
 # gpu-check's serve step dies after its CUDA tests).
-# The branch's commits are in order: the FlashAttention fix (its first three), the conv kernels, the linear
-# layers' synchronisations, the router weights; should the check fail on a later one, the first three can
+# The branch's commits are in order: the FlashAttention fix (its first four), the conv kernels, the linear
+# layers' synchronisations, the router weights; should the check fail on a later one, the first four can
 # land alone after a check of their own.
 # The next session: PART=check (~6 min), then PART=long (the served 262k TTFT, ~5 min), then
 # PART=longprof with LONGPROF_AT=131072 LONGPROF_LEN=147456 LONGPROF_RING=0,48 (~3 min), then PART=three,eight.
