@@ -48,8 +48,10 @@ FAMILIES = (
     ("unpack_copies", ("unpack_experts", "_unpack")),
     ("expert_copy_kernel", ("expert_copy", "_copy_experts")),
     ("flash_attention", ("flash", "fmha", "sdpa")),
+    # before the attention's: the Gated DeltaNet's conv kernels are `_conv_prefill_kernel` and the like
+    ("gated_deltanet", ("chunk_", "gated_delta", "fused_recurrent", "causal_conv", "_conv_", "l2norm", "solve_tril",
+                        "wy_")),  # fmt: skip
     ("paged_attention", ("paged", "_attn", "_prefill_kernel", "_decode_split_kernel", "_decode_combine_kernel")),
-    ("gated_deltanet", ("chunk_", "gated_delta", "fused_recurrent", "causal_conv", "l2norm", "solve_tril", "wy_")),
     ("expert_gemm", ("grouped", "expert_gemm", "_moe", "_gate_up_kernel", "_down_kernel")),
     ("cublas_gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "gemv")),
     ("norm_rope_act", ("norm", "rotary", "silu", "rope", "combine")),

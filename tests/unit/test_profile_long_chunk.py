@@ -55,5 +55,6 @@ def test_families_by_kernel_name():
     assert family("_unpack_experts_kernel") == "unpack_copies"
     assert family("_down_kernel") == "expert_gemm"
     assert family("chunk_gated_delta_rule_fwd_kernel_h_blockdim64") == "gated_deltanet"
+    assert family("_conv_prefill_kernel") == family("_conv_state_kernel") == "gated_deltanet"
     assert family("nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_TNT") == "cublas_gemm"
     assert summarize_trace({"traceEvents": []}) == {"device_events": 0}
