@@ -158,6 +158,18 @@ def test_flash_takes_long_queries_of_half_precision_cuda_steps_only():
     assert not flash_available(torch.zeros(4, 16, 256, dtype=torch.bfloat16), torch.zeros(1, 16, 2, 256))  # on CPU
 
 
+def test_flash_is_asked_what_the_lower_right_causal_bias_asks():
+    """A chunk after a prompt's first has more keys than queries. FlashAttention refuses is_causal=True for
+    such a non-square call (its causal flag is top-left there), so the pre-check must ask as SDPA's
+    lower-right causal bias does, with the flag off and grouped-query heads on; with the flag on, every
+    chunk but a prompt's first went to the paged kernel."""
+    from ferry.kernels.paged_attention_flash import flash_params
+
+    query, key = torch.zeros(1, 16, 8, 64), torch.zeros(1, 2, 24, 64)
+    params = flash_params(query, key, key)
+    assert (params.is_causal, params.enable_gqa, params.attn_mask, params.dropout) == (False, True, None, 0.0)
+
+
 def test_triton_token_requests_follow_query_start():
     from ferry.kernels.paged_attention_triton import token_requests  # plain torch: no kernel launch
 
