@@ -170,6 +170,38 @@ def test_flash_is_asked_what_the_lower_right_causal_bias_asks():
     assert (params.is_causal, params.enable_gqa, params.attn_mask, params.dropout) == (False, True, None, 0.0)
 
 
+def test_a_long_query_flash_refuses_is_said_once_and_the_paged_kernel_computes_it(monkeypatch):
+    """Where FlashAttention refuses a long query it was expected to take, the paged kernel computes the
+    request (the same output) and the worker's log says so once per kind of call, not once per layer."""
+    from structlog.testing import capture_logs
+
+    from ferry.kernels import paged_attention as dispatch
+    from ferry.kernels import paged_attention_triton
+
+    q, kc, vc, pt, qs, pos, _, _ = _scenario(5, 16, 4, 2, 32, [130, 1], [40, 7])
+    expected = paged_attention_reference(q, kc, vc, pt, [130, 1], [40, 7], 32**-0.5)
+    skipped = []
+
+    def paged_prefill(q_, k_, v_, pt_, qs_, pos_, qlens, scale, out, skip):  # the Triton kernel's twin, on CPU
+        skipped.append(skip)
+        out.copy_(paged_attention_reference(q_, k_, v_, pt_, qlens, [40, 7], scale))
+        return out
+
+    monkeypatch.setattr(dispatch, "use_triton", lambda t: True)
+    monkeypatch.setattr(dispatch, "flash_available", lambda q_, k_: True)
+    monkeypatch.setattr(dispatch, "flash_prefill_into", lambda *a: False)
+    monkeypatch.setattr(paged_attention_triton, "paged_attention_prefill_triton", paged_prefill)
+    monkeypatch.setattr(dispatch, "_refusals_logged", set())
+    with capture_logs() as logs:
+        for _ in range(3):  # three layers of one step
+            out = dispatch.paged_attention(q, kc, vc, pt, qs, pos, [130, 1], [40, 7], 32**-0.5)
+    torch.testing.assert_close(out, expected)
+    assert skipped == [frozenset()] * 3, "the refused request was left to nobody"
+    refused = [e for e in logs if e["event"] == "flash_attention_refused"]
+    assert len(refused) == 1 and refused[0]["query_tokens"] == 130 and refused[0]["context_tokens"] == 40
+    assert refused[0]["log_level"] == "warning"
+
+
 def test_triton_token_requests_follow_query_start():
     from ferry.kernels.paged_attention_triton import token_requests  # plain torch: no kernel launch
 
