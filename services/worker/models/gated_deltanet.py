@@ -94,7 +94,8 @@ class GatedDeltaNet(nn.Module):
             slots = b.state_slots.tolist()
             before = [conv_states[slots[row]].clone() for row, _, _ in inside]  # the conv states the chunks start from
             inputs = qkv
-            qkv = causal_conv1d_varlen(qkv, conv_states, slots, b.query_lens_host, conv_weight)
+            qkv = causal_conv1d_varlen(qkv, conv_states, slots, b.query_lens_host, conv_weight,
+                                       slots_on_device=b.state_slots, query_start=b.query_start)  # fmt: skip
         q, k, v = qkv.split([self.key_size, self.key_size, self.value_size], dim=-1)
         beta = torch.sigmoid(beta_logit)
         g = -self.A_log.exp() * F.softplus(a.float() + self.dt_bias)
