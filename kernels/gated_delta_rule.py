@@ -52,6 +52,8 @@ def _fla_varlen(q, k, v, g, beta, states, state_slots, query_start, query_lens):
         k = k.repeat_interleave(v_heads // k_heads, dim=1)
     initial = states[state_slots]  # [R, v_heads, k_dim, v_dim]
     rule = fused_recurrent_gated_delta_rule if all_decode else chunk_gated_delta_rule
+    # the chunked rule's chunk list made here, from the host's lengths (see chunk_indices)
+    chunked = {} if all_decode else {"chunk_size": FLA_CHUNK, "chunk_indices": chunk_indices(query_lens, q.device)}
     # by keyword: fla's positional order differs between the two functions
     out, final = rule(
         q=q[None].contiguous(),
@@ -63,9 +65,34 @@ def _fla_varlen(q, k, v, g, beta, states, state_slots, query_start, query_lens):
         output_final_state=True,
         cu_seqlens=query_start.long(),
         use_qk_l2norm_in_kernel=all_decode,
+        **chunked,
     )
     states[state_slots] = final.float()
     return out[0].to(v.dtype)
+
+
+FLA_CHUNK = 64  # tokens a chunk of fla's chunked rule (its default, passed explicitly with the list below)
+_chunk_indices_last: tuple[tuple, torch.Tensor] | None = None
+
+
+def chunk_indices(query_lens: list[int], device: torch.device) -> torch.Tensor:
+    """fla's `chunk_indices` for requests of `query_lens` tokens: [chunks, 2] int64, each chunk's request
+    and its index in that request, FLA_CHUNK tokens a chunk (fla.ops.utils.index.prepare_chunk_indices'
+    layout). fla makes it from the device's cu_seqlens with a repeat_interleave whose size it reads
+    back: a synchronisation in every linear layer of a prefill step, which kept the host from running
+    ahead of the device. Made here from the host's lengths and sent without waiting (pinned), once a
+    step: the step's linear layers share it (the last one made is kept, by lengths and device)."""
+    global _chunk_indices_last
+    key = (tuple(query_lens), str(device))
+    if _chunk_indices_last is not None and _chunk_indices_last[0] == key:
+        return _chunk_indices_last[1]
+    counts = np.array([-(-n // FLA_CHUNK) for n in query_lens], dtype=np.int64)
+    request = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+    index = np.arange(len(request), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    host = torch.from_numpy(np.stack([request, index], axis=1))
+    made = host.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else host.to(device)
+    _chunk_indices_last = (key, made)
+    return made
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:

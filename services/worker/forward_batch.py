@@ -44,6 +44,9 @@ class ForwardBatch:
     reset_any: bool  # whether any request starts in this step (its linear state is zeroed first)
     query_lens_host: list[int]
     context_lens_host: list[int]
+    # the rows' linear-state slots on the host too (padding rows: the padding slot 0): a linear layer that
+    # needs them as a list must not read `state_slots` back, a device synchronisation every layer
+    state_slots_host: list[int]
     page_size: int
     # (row, tokens of the row before it, snapshot id): the rows whose linear state is saved inside their
     # chunk (StepBatch.save_offset), by the linear layers during the forward (host data; prefill steps only)
@@ -97,6 +100,7 @@ class ForwardBatch:
             reset_any=bool(np.asarray(step.reset_linear_state).any()),
             query_lens_host=qlens.tolist() + [1] * pad,
             context_lens_host=clens.tolist() + [0] * pad,
+            state_slots_host=np.asarray(step.linear_state_slots, dtype=np.int64).tolist() + [0] * pad,
             page_size=page_size,
             inside_saves=inside,
         )

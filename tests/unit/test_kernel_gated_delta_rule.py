@@ -111,3 +111,17 @@ def test_the_q_k_normalisation_ferry_does_before_fla_is_transformers_one_in_floa
     assert got.dtype == torch.bfloat16 and got.shape == x.shape
     torch.testing.assert_close(got, transformers_l2norm(x.float()).to(torch.bfloat16), atol=0, rtol=0)
     torch.testing.assert_close(got.float().norm(dim=-1), torch.ones(37, 4), atol=1e-2, rtol=0)
+
+
+def test_fla_chunk_list_is_made_from_the_host_lengths():
+    """chunk_indices: each 64-token chunk's request and its index in that request (fla's layout; the CUDA
+    test holds it to fla's own prepare_chunk_indices), a request of 0 tokens having none; kept for the
+    step's next linear layer."""
+    from ferry.kernels.gated_delta_rule import FLA_CHUNK, chunk_indices
+
+    assert FLA_CHUNK == 64
+    got = chunk_indices([1, 64, 65, 130, 0, 3], torch.device("cpu"))
+    assert got.dtype == torch.int64
+    assert got.tolist() == [[0, 0], [1, 0], [2, 0], [2, 1], [3, 0], [3, 1], [3, 2], [5, 0]]
+    assert chunk_indices([1, 64, 65, 130, 0, 3], torch.device("cpu")) is got
+    assert chunk_indices([8192], torch.device("cpu")).tolist() == [[0, i] for i in range(128)]

@@ -91,7 +91,7 @@ class GatedDeltaNet(nn.Module):
         if t == b.num_requests:  # one token per request: a decode step
             qkv = causal_conv1d_decode(qkv, conv_states, b.state_slots, conv_weight)
         else:
-            slots = b.state_slots.tolist()
+            slots = b.state_slots_host
             before = [conv_states[slots[row]].clone() for row, _, _ in inside]  # the conv states the chunks start from
             inputs = qkv
             qkv = causal_conv1d_varlen(qkv, conv_states, slots, b.query_lens_host, conv_weight,
