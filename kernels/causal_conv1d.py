@@ -21,7 +21,8 @@ tokens of the 35B (8,192 channels, kernel 4), the cat and the conv alone took ~1
    a launch is the grid-wide "everyone has read it".
 
 The requests' first rows and state slots are read on the device (`query_start`, `state_slots`), so
-one compiled variant serves every step; only the grid depends on the longest request."""
+one compiled variant serves every step; only the grid depends on the longest request (its time
+blocks past a shorter request's end return at once)."""
 
 from __future__ import annotations
 
@@ -101,9 +102,12 @@ def _conv_prefill_kernel(
     C, stride_x, stride_cs, stride_cc, stride_wc,
     KERNEL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
+    tl.static_assert(KERNEL - 1 <= BLOCK_T)  # only the first time block reads the state
     r = tl.program_id(0)
     first = tl.load(start_ptr + r).to(tl.int64)
     length = tl.load(start_ptr + r + 1) - tl.load(start_ptr + r)
+    if tl.program_id(1) * BLOCK_T >= length:  # the grid covers the longest request: past this one's end
+        return
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)  # the request's own positions
     c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
     rows, okc = t < length, c < C

@@ -122,3 +122,16 @@ def test_prefill_dispatch_keeps_the_twin_off_cuda_and_without_the_device_lists()
     want = causal_conv1d_varlen_reference(x, want_states, slots.tolist(), [3, 4], weight)
     got = causal_conv1d_varlen(x, states, slots.tolist(), [3, 4], weight, slots_on_device=slots, query_start=start)
     assert torch.equal(got, want) and torch.equal(states.nan_to_num(), want_states.nan_to_num())
+    # with the device lists missing, even where Triton would run, the twin computes (host lists only)
+    import ferry.kernels.causal_conv1d as conv
+
+    x2, states2, slots2, _, weight2 = _prefill_case(1, [2, 5], 8, 4, torch.float32, torch.float32)
+    want2_states = states2.clone()
+    want2 = causal_conv1d_varlen_reference(x2, want2_states, slots2.tolist(), [2, 5], weight2)
+    triton_would_run = conv.use_triton
+    conv.use_triton = lambda t: True
+    try:
+        got2 = causal_conv1d_varlen(x2, states2, slots2.tolist(), [2, 5], weight2)
+    finally:
+        conv.use_triton = triton_would_run
+    assert torch.equal(got2, want2) and torch.equal(states2.nan_to_num(), want2_states.nan_to_num())

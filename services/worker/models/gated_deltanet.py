@@ -11,8 +11,9 @@ per-key-head interleaved in_proj_qkvz / in_proj_ba are permuted into it at load 
 (`weights.py`), so one forward serves both.
 
 A decode step on the Triton path (bf16/fp16) runs everything between in_proj and out_proj in two
-launches (kernels/gated_deltanet_decode.py, ~35 kernels in torch + fla); prefill and chunked steps,
-and the CPU, run the torch composition, which is also those kernels' twin."""
+launches (kernels/gated_deltanet_decode.py, ~35 kernels in torch + fla); prefill and chunked steps
+run the conv in two (kernels/causal_conv1d.py) and fla's chunked rule, the CPU the torch composition,
+which is also those kernels' twin. Neither reads anything back from the device."""
 
 from __future__ import annotations
 
