@@ -228,8 +228,11 @@ class DeviceDrivenExperts(OffloadedExperts):
         host = None
         if self.host_share is not None and len(self._host_experts[layer]):
             host = self.host_share.start(layer, x, ids, weights, self._stream_real, self._host_experts[layer])
-        self._compute(x, call.hit_slots.view(t, k), weights, rows)
-        self._stream_staged(layer, x, ids, weights, rows, padding)
+        # float32 once for the layer: the expert kernels' wrapper converts its weights every call, and a
+        # layer streams in dozens of calls (one a ring chunk); the same values, converted once
+        weights32 = weights.float()
+        self._compute(x, call.hit_slots.view(t, k), weights32, rows)
+        self._stream_staged(layer, x, ids, weights32, rows, padding)
         if host is not None:
             self.host_share.finish(host, rows, self._host_table[layer][torch.where(padding, self.num_experts, ids)])
 
