@@ -115,7 +115,7 @@ def test_prefill_kernel_matches_its_twin(query_lens, kernel, dtype):
     torch.testing.assert_close(got_states, want_states, equal_nan=True, rtol=0, atol=0)
 
 
-def test_prefill_dispatch_keeps_the_twin_off_cuda_and_without_the_device_lists():
+def test_prefill_dispatch_keeps_the_twin_off_cuda_and_without_the_device_lists(monkeypatch):
     """Off CUDA, or without the step's slots and first rows on the device, the twin computes (it takes bias too)."""
     x, states, slots, start, weight = _prefill_case(0, [3, 4], 8, 4, torch.float32, torch.float32)
     want_states = states.clone()
@@ -128,10 +128,6 @@ def test_prefill_dispatch_keeps_the_twin_off_cuda_and_without_the_device_lists()
     x2, states2, slots2, _, weight2 = _prefill_case(1, [2, 5], 8, 4, torch.float32, torch.float32)
     want2_states = states2.clone()
     want2 = causal_conv1d_varlen_reference(x2, want2_states, slots2.tolist(), [2, 5], weight2)
-    triton_would_run = conv.use_triton
-    conv.use_triton = lambda t: True
-    try:
-        got2 = causal_conv1d_varlen(x2, states2, slots2.tolist(), [2, 5], weight2)
-    finally:
-        conv.use_triton = triton_would_run
+    monkeypatch.setattr(conv, "use_triton", lambda t: True)
+    got2 = causal_conv1d_varlen(x2, states2, slots2.tolist(), [2, 5], weight2)
     assert torch.equal(got2, want2) and torch.equal(states2.nan_to_num(), want2_states.nan_to_num())
