@@ -21,6 +21,7 @@
 #   PART=resident the resident cuts served (12layer_resident, hybrid8_resident: issue 24's decode targets) ~2 min
 #   PART=gemv    the decode projections' GEMV against cuBLAS (bench/dense_gemv_sweep.py), then the resident
 #                cuts served with the sweep's choices and with FERRY_DENSE_GEMV=0 (cuBLAS; GEMV_WORKLOADS)   ~8 min
+#   PART=window  a streamed layer's expert GEMMs over all its blocks against each chunk's own (bench/expert_window.py) ~1 min
 #   PART=flashtest the attention dispatch's CUDA tests (FlashAttention for long queries)               ~1 min
 #   PART=long    the 262k-token TTFT alone (LONG_VARIANTS picks decode_suite variants)                 ~4-5 min a variant
 #   PART=longprof one chunk of the 262k prompt profiled deep into the context: the copies' overlap with
@@ -75,6 +76,9 @@ case "${part:-check}" in
     timeout 200 python3 bench/decode_suite.py --out "$OUT" --workloads 12layer_resident,hybrid8_resident --max-tokens 256 \
       > "$OUT/suite_resident.log" 2>&1
     echo "resident rc=$?"; grep -h '^\[.*1 stream' "$OUT/suite_resident.log" | cut -c1-260 ;;
+  window)  # a streamed layer's expert GEMMs launched over every block against over each chunk's own (expert_window.py)
+    timeout 200 python3 bench/expert_window.py --out "$OUT/expert_window.json" > "$OUT/expert_window.log" 2>&1
+    echo "expert_window rc=$?"; cat "$OUT/expert_window.log" | tail -8 ;;
   flashtest)  # the attention dispatch (FlashAttention for long queries, the paged kernel for the rest) on CUDA
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_cuda.py -k "dispatch or triton_paged" \
       > "$OUT/flash_test.log" 2>&1; echo "flash test rc=$?"; tail -3 "$OUT/flash_test.log" ;;

@@ -241,22 +241,34 @@ class DeviceDrivenExperts(OffloadedExperts):
         t, k = ids.shape
         staged = self._staged_count[layer]
         if not staged:
+            if not self._stream_real:  # boot's warm-up (padding rows only): compile what a chunk launches
+                self._launch_empty_window(x, weights, rows)
             return
         position = self._staged_position[layer][torch.where(padding, self.num_experts, ids)]
-        sorted_pairs, block_position = align_pairs_by_slot(position, staged, block_m_for(t * k), staged)
+        # with each position's first block: a chunk's launches cover its own blocks, not the layer's
+        aligned = align_pairs_by_slot(position, staged, block_m_for(t * k), staged, block_starts=True)
         while (chunk := self.ring.take(layer)) is not None:
             if self._cuda:
                 torch.cuda.current_stream(self.device).wait_event(chunk.landed)
                 self._step_copy_events.append(chunk.copy_events)
             lo, hi = chunk.first, chunk.first + len(chunk.experts)
-            grouped_expert_rows_triton(x, None, weights, chunk.bay.gemm13, chunk.bay.gemm2, rows,
-                                       aligned=(sorted_pairs, block_position),
+            grouped_expert_rows_triton(x, None, weights, chunk.bay.gemm13, chunk.bay.gemm2, rows, aligned=aligned,
                                        slot_window=(lo, hi, chunk.slots[0] - lo))  # fmt: skip
             computed = None
             if self._cuda:
                 computed = torch.cuda.Event()
                 computed.record(torch.cuda.current_stream(self.device))
             self.ring.release(chunk, computed)
+
+    def _launch_empty_window(self, x, weights, rows) -> None:
+        """The chunks' kernels over an empty window of the ring's bays: nothing computed, but their
+        windowed variant for this step's block size is compiled (a warm-up step stages nothing, and the
+        first prefill after ready would otherwise compile it, warmup.py)."""
+        t, k = weights.shape
+        nothing = torch.full((t, k), -1, dtype=torch.int32, device=x.device)
+        aligned = align_pairs_by_slot(nothing, 1, block_m_for(t * k), 1, block_starts=True)
+        grouped_expert_rows_triton(x, None, weights, self.ring.gemm13, self.ring.gemm2, rows, aligned=aligned,
+                                   slot_window=(0, 0, 0))  # fmt: skip
 
     def _begin_stream(self, real: int, top_k: int, lend: int = 0) -> None:
         """Stage every non-resident expert of every layer (none for a step of `real` 0 rows: padding

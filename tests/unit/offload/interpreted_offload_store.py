@@ -309,10 +309,58 @@ def check_lent_slots() -> None:
     assert (store.cache.layer_of_slot[lent] >= 0).any(), "decode placed nothing into the freed slots"
 
 
+def check_windowed_chunks() -> None:
+    """A streamed prefill's chunks launch the expert kernels over their own blocks (the aligned block
+    starts given, one window a chunk, covering the layer's staged positions once); a step of padding rows
+    only (boot's warm-up: nothing staged) launches them once a layer over an empty window, so their
+    windowed variant compiles at boot, and its rows are what the all-resident store computes."""
+    import ferry.services.worker.offload.device_store as device_store
+
+    spec = tiny_spec(layers=2, experts=6, top_k=2, hidden=32, inter=16)
+    layers = 2
+    resident = ResidentExperts(slot_pool(spec, layers * 6), layers, 6)
+    store = DeviceDrivenExperts(slot_pool(spec, 7, max_step_tokens=48), HostBanks.for_model(spec, "float32", progress=False),
+                                LRUExpertPolicy(layers, 6, 7), "cpu", prefetch=False, pipeline_chunks=2)  # fmt: skip
+    for (layer, e), weights in random_experts(spec, 7).items():
+        resident.load_expert(layer, e, *weights)
+        store.load_expert(layer, e, *weights)
+    store.preload()
+    calls = []
+    kernel = device_store.grouped_expert_rows_triton
+
+    def recording(*args, **kwargs):
+        aligned = kwargs.get("aligned")
+        calls.append((None if aligned is None else len(aligned), kwargs.get("slot_window")))
+        return kernel(*args, **kwargs)
+
+    device_store.grouped_expert_rows_triton = recording
+    g = torch.Generator().manual_seed(5)
+    try:
+        for real in (0, 40):
+            calls.clear()
+            for layer in range(layers):
+                x, ids, w = random_routing(spec, 40, g)
+                got = store.forward(layer, x, ids, w, n_rows=torch.tensor([real], dtype=torch.int32))
+                if real:
+                    torch.testing.assert_close(got, resident.forward(layer, x, ids, w), rtol=1e-5, atol=1e-5)
+            store.stats_to_host()
+            store.end_step()
+            windows = [window for n, window in calls if window is not None]
+            assert all(n == 3 for n, window in calls if window is not None), calls  # the block starts given
+            if not real:
+                assert windows == [(0, 0, 0)] * layers, calls
+            else:
+                covered = sorted((lo, hi) for lo, hi, _ in windows)
+                staged = [store._staged_count[layer] for layer in range(layers)]
+                assert sum(hi - lo for lo, hi in covered) == sum(staged) > 0, (covered, staged)
+    finally:
+        device_store.grouped_expert_rows_triton = kernel
+
+
 CHECKS = {"store": check, "device-driven-float32": lambda: check_device_driven("float32"),
           "device-driven-bfloat16": lambda: check_device_driven("bfloat16"), "host-share": check_host_share,
           "host-decode-kernel": check_host_decode_kernel, "host-decode": check_host_decode,
-          "lent-slots": check_lent_slots}
+          "lent-slots": check_lent_slots, "windowed-chunks": check_windowed_chunks}
 
 if __name__ == "__main__":  # argv[1]: one of CHECKS (the test runs each in its own process, side by side under xdist)
     try:
