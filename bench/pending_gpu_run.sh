@@ -21,6 +21,8 @@
 #   PART=resident the resident cuts served (12layer_resident, hybrid8_resident: issue 24's decode targets) ~2 min
 #   PART=gemv    the decode projections' GEMV against cuBLAS (bench/dense_gemv_sweep.py), then the resident
 #                cuts served with the sweep's choices and with FERRY_DENSE_GEMV=0 (cuBLAS; GEMV_WORKLOADS)   ~8 min
+#   PART=warmstep issue 23's warm step (8 rows x 156 tokens after a cached 4k prefix) profiled beside a baseline chunk,
+#                the 8-layer hybrid cut at 640 slots (WARMSTEP_FORMAT=bf16|nvfp4|fp8)                  ~2-3 min
 #   PART=window  a streamed layer's expert GEMMs over all its blocks against each chunk's own (bench/expert_window.py) ~1 min
 #   PART=flashtest the attention dispatch's CUDA tests (FlashAttention for long queries)               ~1 min
 #   PART=long    the 262k-token TTFT alone (LONG_VARIANTS picks decode_suite variants)                 ~4-5 min a variant
@@ -76,6 +78,13 @@ case "${part:-check}" in
     timeout 200 python3 bench/decode_suite.py --out "$OUT" --workloads 12layer_resident,hybrid8_resident --max-tokens 256 \
       > "$OUT/suite_resident.log" 2>&1
     echo "resident rc=$?"; grep -h '^\[.*1 stream' "$OUT/suite_resident.log" | cut -c1-260 ;;
+  warmstep)  # issue 23: the warm round's step (8 rows of 156 tokens after a cached 3,952) profiled, and a baseline chunk
+    python3 -m ferry.services.cli make-bench-model /tmp/m8w --config tests/data/models/qwen3.6-35b-a3b/config.json \
+      --num-layers 8 --format "${WARMSTEP_FORMAT:-bf16}" > /dev/null
+    timeout 300 python3 bench/profile_shared_prefix_step.py --model /tmp/m8w --load-format dummy --moe-cache-size 640 \
+      --gpu-memory 12GiB --max-running-requests 8 --out "$OUT/profile_shared_prefix_${WARMSTEP_FORMAT:-bf16}.json" \
+      --events-dir "$OUT" > "$OUT/warmstep.log" 2>&1
+    echo "warmstep rc=$?"; grep '"step"' "$OUT/warmstep.log" | cut -c1-400 ;;
   window)  # a streamed layer's expert GEMMs launched over every block against over each chunk's own (expert_window.py)
     timeout 200 python3 bench/expert_window.py --out "$OUT/expert_window.json" > "$OUT/expert_window.log" 2>&1
     echo "expert_window rc=$?"; cat "$OUT/expert_window.log" | tail -8 ;;
