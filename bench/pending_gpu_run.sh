@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The device calls that land branch pending-gpu-flash (now: FlashAttention for every long prefill chunk,
 # not only a prompt's first, and the log line of a refusal; the prefill's Gated DeltaNet conv in two
-# Triton launches; no host synchronisation in a prefill's linear layers; issue 24), one
+# Triton launches; no host synchronisation in a prefill's linear layers; a streamed chunk's expert GEMMs
+# launched over its own blocks; issues 24 and 23), one
 # part a call (each fits the device's 600 s), run from the tree with the device's python3 and the .whl/
 # site on PYTHONPATH; everything lands in $OUT. Set FERRY_COMMIT to the tree's commit. PART=a,b runs several
 # parts in one call (one device start), e.g. PART=eight,ahead (~7 min). .whl/ holds the shared wheels
@@ -10,10 +11,12 @@
 # newest openai/anthropic need httpx2 and opentelemetry, which the device lacks; without openai the
 # gpu-check's serve step dies after its CUDA tests).
 # The branch's commits are in order: the FlashAttention fix (its first four), the conv kernels, the linear
-# layers' synchronisations, the router weights; should the check fail on a later one, the first four can
-# land alone after a check of their own.
-# The next session: PART=check (~6 min), then PART=long (the served 262k TTFT, ~5 min), then
-# PART=longprof with LONGPROF_AT=131072 LONGPROF_LEN=147456 LONGPROF_RING=0,48 (~3 min), then PART=three,eight.
+# layers' synchronisations, the router weights, the windowed chunk GEMMs; should the check fail on a later
+# one, the first four can land alone after a check of their own.
+# The next session (2026-12-04's second got no machine: its one call ran ~9 min and came back empty):
+# PART=check (~6 min), then PART=window,warmstep (~4 min: the windowed GEMMs against the full grid; issue
+# 23's warm step profiled), then PART=long (the served 262k TTFT, ~5 min) and LONG_VARIANTS=chunk16k PART=long,
+# then PART=longprof with LONGPROF_AT=131072 LONGPROF_LEN=147456 LONGPROF_RING=0,48 (~3 min), then PART=three,eight.
 #   PART=check   make gpu-check (the release check, which builds the host's C kernel; gpu_check.json)  ~7-8 min
 #   PART=prefill bench/prefill_attention.py on the 35B's attention shapes, then the 262k-token TTFT  ~6-8 min
 #   PART=three   issue 23's three turns (32k first turn) on the full-size 35B with NVFP4 experts, openai and anthropic
