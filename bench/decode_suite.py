@@ -135,7 +135,9 @@ def host_share_series(metrics_url: str | None) -> dict | None:
             "host_node_calls": int(value("ferry_worker_host_node_calls_total") or 0),
             "refinements": int(value("ferry_worker_host_share_refinements_total") or 0),
             "host_at_1_s": value(r'ferry_worker_host_share_cost_seconds\{path="host_at_1",share="decode"\}'),
-            "host_node_s_per_expert": round(busy / experts, 9) if experts else None}  # fmt: skip
+            "host_node_s_per_expert": round(busy / experts, 9) if experts else None,
+            # auto's guard: the scale of the host's price it settled on (0: the share off; None: no guard)
+            "guard_price_scale": value("ferry_worker_host_decode_price_scale")}  # fmt: skip
 
 
 def run_workload(name: str, variant: str, out: Path, ceilings: Path, args) -> dict:
