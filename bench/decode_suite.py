@@ -156,6 +156,7 @@ def run_workload(name: str, variant: str, out: Path, ceilings: Path, args) -> di
         detail_path = out / f"openai_{tag}.json"
         cmd = [sys.executable, str(ROOT / "bench/serve_openai.py"), "--base-url", served.base + "/v1",
                "--streams", "1,8", "--max-tokens", str(args.max_tokens), "--ttft-prompt-len", str(args.ttft_prompt_len),
+               "--settle-tokens", str(args.settle_tokens),
                "--metrics", served.worker_metrics, "--config", str(model_dir), "--ceilings", str(ceilings),
                "--out", str(detail_path)]  # fmt: skip
         with StealMeter() as steal:  # a contended VM host slows the host's share (bench/cpu_steal.py)
@@ -182,7 +183,7 @@ def run_workload(name: str, variant: str, out: Path, ceilings: Path, args) -> di
         "hit_rate": one["expert_cache"]["hit_rate"] if one["expert_cache"] else None,
         "hit_rate_8": eight["expert_cache"]["hit_rate"] if eight["expert_cache"] else None,
         "prefetch_accuracy": one["expert_cache"]["prefetch_accuracy"] if one["expert_cache"] else None,
-        "host_share": host_share, "cpu_steal_fraction": steal.fraction,
+        "host_share": host_share, "cpu_steal_fraction": steal.fraction, "settle": detail.get("settle"),
         "commit": commit(), "ceilings": json.loads(ceilings.read_text()), "stopped": stopped, "detail": detail,
     }  # fmt: skip
     (out / f"decode_{tag}.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -269,6 +270,9 @@ def main() -> int:
     p.add_argument("--workloads", default="12layer,hybrid8")
     p.add_argument("--variants", default="default")
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--settle-tokens", type=int, default=0,
+                   help="an untimed stream of this many tokens before the decode runs (serve_openai.py: what auto's "
+                        "guard settles on is then what is timed)")  # fmt: skip
     p.add_argument("--ttft-prompt-len", type=int, default=2000)
     p.add_argument("--ready-timeout", type=float, default=240)
     p.add_argument("--run-timeout", type=float, default=300)

@@ -36,7 +36,8 @@
 #   PART=overlap does a long attention chunk hide the ring's copies (bench/ring_overlap.py)         ~2 min
 #   PART=share   hybrid8 decode with and without --host-expert-threads, then three turns in bf16     ~8-9 min
 #   PART=decode12 the 12-layer cut GPU-only, with the host's share, with it but no prefetch, and the
-#                default (auto): decode_12layer_hybrid_cpu.json (issue 25's must-show)              ~3-4 min
+#                default (auto): decode_12layer_hybrid_cpu.json (issue 25's must-show); each server first
+#                decodes DECODE12_SETTLE (1536) untimed tokens, over which auto's guard sizes the share ~3-4 min
 #                (DECODE12_VARIANTS picks fewer)
 #   PART=decode30 the full-size Qwen3-30B at 24 GiB, GPU-only and with the host's share, its host nodes' time ~5 min
 #   PART=ahead   the resident hybrid cut with --schedule-ahead-steps 1 and 2 (issue 24)                ~4 min
@@ -126,6 +127,7 @@ case "${part:-check}" in
       > "$OUT/host_kernel_build.log" 2>&1 || echo "host kernel build failed (see host_kernel_build.log)"
     timeout 560 python3 bench/decode_suite.py --out "$OUT" --workloads 12layer \
       --variants "${DECODE12_VARIANTS:-gpu,host-share,host-share-no-prefetch,default}" --max-tokens 128 \
+      --settle-tokens "${DECODE12_SETTLE:-1536}" \
       > "$OUT/suite_decode12.log" 2>&1
     echo "12layer rc=$?"; grep '^\[12layer' "$OUT/suite_decode12.log" | tail -6
     timeout 120 python3 bench/host_price_tokens.py --threads 12 --experts 64 --out "$OUT/host_price_tokens_h200.json" \
