@@ -26,6 +26,7 @@
 #                cuts served with the sweep's choices and with FERRY_DENSE_GEMV=0 (cuBLAS; GEMV_WORKLOADS)   ~8 min
 #   PART=warmstep issue 23's warm step (8 rows x 156 tokens after a cached 4k prefix) profiled beside a baseline chunk,
 #                the 8-layer hybrid cut at 640 slots (WARMSTEP_FORMAT=bf16|nvfp4|fp8)                  ~2-3 min
+#   PART=hostgemm the host's C kernel against torch's GEMM at 1-128 tokens an expert, 12 threads      ~2 min
 #   PART=window  a streamed layer's expert GEMMs over all its blocks against each chunk's own (bench/expert_window.py) ~1 min
 #   PART=flashtest the attention dispatch's CUDA tests (FlashAttention for long queries)               ~1 min
 #   PART=long    the 262k-token TTFT alone (LONG_VARIANTS picks decode_suite variants)                 ~4-5 min a variant
@@ -89,6 +90,13 @@ case "${part:-check}" in
       --gpu-memory 12GiB --max-running-requests 8 --out "$OUT/profile_shared_prefix_${WARMSTEP_FORMAT:-bf16}.json" \
       --events-dir "$OUT" > "$OUT/warmstep.log" 2>&1
     echo "warmstep rc=$?"; grep '"step"' "$OUT/warmstep.log" | cut -c1-400 ;;
+  hostgemm)  # issue 25/23: the host's C kernel against torch's GEMM (oneDNN, AMX on this host) by tokens an expert
+    python3 -c "import sys; from setuptools import setup; sys.argv = ['setup.py', 'build_ext', '--inplace', '-q']; setup()" \
+      > "$OUT/host_kernel_build.log" 2>&1 || echo "host kernel build failed (see host_kernel_build.log)"
+    for b in c torch; do
+      timeout 120 python3 bench/host_price_tokens.py --threads 12 --format bf16 --backend $b --tokens 1,8,16,39,64,128 \
+        --points 16 --experts 64 --repeats 10 --out "$OUT/host_price_tokens_h200_bf16_$b.json" 2>&1 | grep tokens
+    done ;;
   window)  # a streamed layer's expert GEMMs launched over every block against over each chunk's own (expert_window.py)
     timeout 200 python3 bench/expert_window.py --out "$OUT/expert_window.json" > "$OUT/expert_window.log" 2>&1
     echo "expert_window rc=$?"; cat "$OUT/expert_window.log" | tail -8 ;;
