@@ -84,7 +84,10 @@ VARIANTS = {"default": [], "no-prefetch": ["--no-expert-prefetch"], "eager": ["-
             "ep2": ["--expert-parallel-size", "2"],
             # a long prompt in 16,384-token chunks (issue 24): each chunk streams the experts without a slot once,
             # so twice the chunk halves that stream, against the larger workspace's slots (the plan chooses <= 8192)
-            "chunk16k": ["--max-prefill-tokens", "16384"]}
+            "chunk16k": ["--max-prefill-tokens", "16384"],
+            # a long prompt's lending steps in ring chunks of 48 experts instead of 12 (issue 24): a quarter of
+            # the chunks, each paying the host's launches once (bench/profile_long_chunk.py --ring-chunks 48)
+            "ring48": ["--long-prefill-ring-chunk", "48"]}
 
 
 def commit() -> str:

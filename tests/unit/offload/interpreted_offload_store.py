@@ -264,9 +264,16 @@ def check_host_decode() -> None:
 
 
 def check_lent_slots() -> None:
+    for long_ring_chunk in (None, 3):
+        _check_lent_slots(long_ring_chunk)
+
+
+def _check_lent_slots(long_ring_chunk) -> None:
     """Long-context prefills lending the ring the cache's last slots (device_store._slots_to_lend): the
     same rows as the all-resident store in float32, the lent slots emptied and their experts staged,
-    the next chunk lending the same (already empty) slots, and decode after them placing into them."""
+    the next chunk lending the same (already empty) slots, and decode after them placing into them.
+    `long_ring_chunk` (--long-prefill-ring-chunk): the lending steps' chunks, and the lent slots whole
+    bays of them; the other steps' chunks the ring's own."""
     from ferry.services.worker.experts import LEND_CONTEXT_TOKENS, LEND_QUERY_TOKENS, is_long_context
 
     assert is_long_context([LEND_QUERY_TOKENS], [LEND_CONTEXT_TOKENS - LEND_QUERY_TOKENS])
@@ -277,7 +284,8 @@ def check_lent_slots() -> None:
     resident = ResidentExperts(slot_pool(spec, layers * 6), layers, 6)
     store = DeviceDrivenExperts(slot_pool(spec, num_slots, max_step_tokens=48),
                                 HostBanks.for_model(spec, "float32", progress=False),
-                                LRUExpertPolicy(layers, 6, num_slots), "cpu", prefetch=True, pipeline_chunks=2)  # fmt: skip
+                                LRUExpertPolicy(layers, 6, num_slots), "cpu", prefetch=True, pipeline_chunks=2,
+                                long_ring_chunk=long_ring_chunk)  # fmt: skip
     store.attention_period = 2
     for (layer, e), weights in random_experts(spec, num_slots).items():
         resident.load_expert(layer, e, *weights)
@@ -286,7 +294,8 @@ def check_lent_slots() -> None:
     store.set_routers([torch.randn(6, 32, generator=g) for _ in range(layers)])
     store.preload()
     lend = store._slots_to_lend()
-    assert 0 < lend <= num_slots and lend % store.ring.chunk == 0, (lend, store.ring.chunk)
+    assert store.ring.long_chunk == (long_ring_chunk or store.ring.base_chunk)
+    assert 0 < lend <= num_slots and lend % store.ring.long_chunk == 0, (lend, store.ring.long_chunk)
     lent = slice(num_slots - lend, num_slots)
     held_before = int((store.cache.layer_of_slot[lent] >= 0).sum())
     for step, (tokens, long_context) in enumerate(((40, True), (40, True), (1, False), (1, False), (40, False))):
@@ -297,6 +306,8 @@ def check_lent_slots() -> None:
             assert (store.cache.layer_of_slot[lent] < 0).all() and not (store.cache.slot_of >= num_slots - lend).any()
             evicted = int((maps >= num_slots - lend).sum())
             assert store.ring.staged_total - staged == int((maps < 0).sum()) + evicted
+        if tokens > 1:  # a prefill: its chunks cut at the long chunk where it lends, else at the ring's own
+            assert store.ring.chunk == (store.ring.long_chunk if long_context else store.ring.base_chunk)
         for layer in range(layers):
             x, ids, w = random_routing(spec, tokens, g)
             got = store.forward(layer, x, ids, w, n_rows=torch.tensor([tokens], dtype=torch.int32))
