@@ -36,7 +36,8 @@
 #                LONGPROF_LEN: where and how far; LONGPROF_RING=0,48: one chunk a staging-ring chunk size;
 #                the device events come back, for --summarize here)                                 ~4-5 min
 #   PART=overlap does a long attention chunk hide the ring's copies (bench/ring_overlap.py)         ~2 min
-#   PART=share   hybrid8 decode with and without --host-expert-threads, then three turns in bf16     ~8-9 min
+#   PART=share   hybrid8 decode GPU-only and under auto (HYBRID8_VARIANTS; 1,536 tokens settled first: the
+#                hybrid cut's decode_hybrid8_hybrid_cpu.json, issue 25), then three turns in bf16 with the host's share ~8-9 min
 #   PART=decode12 the 12-layer cut GPU-only, with the host's share, with it but no prefetch, and the
 #                default (auto): decode_12layer_hybrid_cpu.json (issue 25's must-show); each server first
 #                decodes DECODE12_SETTLE (1536) untimed tokens, over which auto's guard sizes the share ~3-4 min
@@ -123,8 +124,8 @@ case "${part:-check}" in
   share)
     python3 -c "import sys; from setuptools import setup; sys.argv = ['setup.py', 'build_ext', '--inplace', '-q']; setup()" \
       > "$OUT/host_kernel_build.log" 2>&1 || echo "host kernel build failed (see host_kernel_build.log)"
-    timeout 260 python3 bench/decode_suite.py --out "$OUT" --workloads hybrid8 --variants gpu,host-share \
-      --max-tokens 128 > "$OUT/suite_share.log" 2>&1
+    timeout 300 python3 bench/decode_suite.py --out "$OUT" --workloads hybrid8 --variants "${HYBRID8_VARIANTS:-gpu,default}" \
+      --max-tokens 128 --settle-tokens 1536 > "$OUT/suite_share.log" 2>&1
     echo "hybrid8 rc=$?"; grep '^\[hybrid8' "$OUT/suite_share.log" | tail -4
     python3 -m ferry.services.cli make-bench-model /tmp/m36 --config tests/data/models/qwen3.6-35b-a3b/config.json > /dev/null
     FERRY_MUST_SHOW_MODEL=/tmp/m36 FERRY_MUST_SHOW_FLAGS="--load-format dummy --gpu-memory 24GiB --expert-backend hybrid --host-expert-threads 12" \
