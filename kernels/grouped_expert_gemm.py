@@ -246,9 +246,12 @@ def align_pairs_by_slot_host(topk_slots: np.ndarray, block_m: int) -> tuple[np.n
     return sorted_pairs, np.repeat(slots, blocks).astype(np.int32)
 
 
+SMALL_BLOCK_MAX_PAIRS = 1024  # steps of up to this many (token, k) pairs take the small block
+
+
 def block_m_for(num_pairs: int) -> int:
     """Rows per program: small for decode (few tokens per expert), larger for prefill."""
-    return 16 if num_pairs <= 1024 else 64
+    return 16 if num_pairs <= SMALL_BLOCK_MAX_PAIRS else 64
 
 
 SLOT_WINDOW_ALL = (0, 2**31 - 1, 0)

@@ -50,7 +50,12 @@ import torch.nn.functional as F
 
 from ferry.kernels.expert_pair_gemv import expert_pair_rows_triton, use_pair_kernel
 from ferry.kernels.expert_rows_sum import ExpertRows, finish_rows
-from ferry.kernels.grouped_expert_gemm import align_pairs_by_slot, block_m_for, grouped_expert_rows_triton
+from ferry.kernels.grouped_expert_gemm import (
+    SMALL_BLOCK_MAX_PAIRS,
+    align_pairs_by_slot,
+    block_m_for,
+    grouped_expert_rows_triton,
+)
 from ferry.services.worker.offload.device_cache import CacheCall, DeviceExpertCache
 from ferry.services.worker.offload.expert_cache import DEFAULT_PIPELINE_CHUNKS, OffloadedExperts, _split
 from ferry.services.worker.offload.host_decode import HostDecodeShare
@@ -264,13 +269,17 @@ class DeviceDrivenExperts(OffloadedExperts):
 
     def _launch_empty_window(self, x, weights, rows) -> None:
         """The chunks' kernels over an empty window of the ring's bays: nothing computed, but their
-        windowed variant for this step's block size is compiled (a warm-up step stages nothing, and the
-        first prefill after ready would otherwise compile it, warmup.py)."""
+        windowed variant is compiled (a warm-up step stages nothing, and the first prefill after ready
+        would otherwise compile it, warmup.py): for this step's block size, and for the small block
+        where a step small enough for it streams too (its largest such step, a prefix of this one's rows;
+        the warm-up's shapes may not include one)."""
         t, k = weights.shape
-        nothing = torch.full((t, k), -1, dtype=torch.int32, device=x.device)
-        aligned = align_pairs_by_slot(nothing, 1, block_m_for(t * k), 1, block_starts=True)
-        grouped_expert_rows_triton(x, None, weights, self.ring.gemm13, self.ring.gemm2, rows, aligned=aligned,
-                                   slot_window=(0, 0, 0))  # fmt: skip
+        small = SMALL_BLOCK_MAX_PAIRS // k
+        for n in {t, small} if small < t and self._streams(small * k) else {t}:
+            nothing = torch.full((n, k), -1, dtype=torch.int32, device=x.device)
+            aligned = align_pairs_by_slot(nothing, 1, block_m_for(n * k), 1, block_starts=True)
+            grouped_expert_rows_triton(x[:n], None, weights[:n], self.ring.gemm13, self.ring.gemm2, rows[:n],
+                                       aligned=aligned, slot_window=(0, 0, 0))  # fmt: skip
 
     def _begin_stream(self, real: int, top_k: int, lend: int = 0) -> None:
         """Stage every non-resident expert of every layer (none for a step of `real` 0 rows: padding

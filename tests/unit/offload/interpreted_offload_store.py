@@ -330,18 +330,19 @@ def check_windowed_chunks() -> None:
     spec = tiny_spec(layers=2, experts=6, top_k=2, hidden=32, inter=16)
     layers = 2
     resident = ResidentExperts(slot_pool(spec, layers * 6), layers, 6)
-    store = DeviceDrivenExperts(slot_pool(spec, 7, max_step_tokens=48), HostBanks.for_model(spec, "float32", progress=False),
+    store = DeviceDrivenExperts(slot_pool(spec, 7, max_step_tokens=600), HostBanks.for_model(spec, "float32", progress=False),
                                 LRUExpertPolicy(layers, 6, 7), "cpu", prefetch=False, pipeline_chunks=2)  # fmt: skip
     for (layer, e), weights in random_experts(spec, 7).items():
         resident.load_expert(layer, e, *weights)
         store.load_expert(layer, e, *weights)
     store.preload()
-    calls = []
+    calls, sizes = [], []
     kernel = device_store.grouped_expert_rows_triton
 
     def recording(*args, **kwargs):
         aligned = kwargs.get("aligned")
         calls.append((None if aligned is None else len(aligned), kwargs.get("slot_window")))
+        sizes.append(args[0].shape[0])
         return kernel(*args, **kwargs)
 
     device_store.grouped_expert_rows_triton = recording
@@ -364,6 +365,17 @@ def check_windowed_chunks() -> None:
                 covered = sorted((lo, hi) for lo, hi, _ in windows)
                 staged = [store._staged_count[layer] for layer in range(layers)]
                 assert sum(hi - lo for lo, hi in covered) == sum(staged) > 0, (covered, staged)
+        # a padding-only step past the small block's pairs: its own block size and the small one's (the
+        # largest step that still streams with it, 512 tokens of 2 pairs), so both compile at boot
+        calls.clear()
+        sizes.clear()
+        for layer in range(layers):
+            x, ids, w = random_routing(spec, 600, g)
+            store.forward(layer, x, ids, w, n_rows=torch.tensor([0], dtype=torch.int32))
+        store.stats_to_host()
+        store.end_step()
+        empty = [n for (_, window), n in zip(calls, sizes) if window == (0, 0, 0)]
+        assert empty == [600, 512] * layers or empty == [512, 600] * layers, (calls, sizes)
     finally:
         device_store.grouped_expert_rows_triton = kernel
 
