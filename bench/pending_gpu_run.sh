@@ -90,7 +90,7 @@ case "${part:-check}" in
       --num-layers 8 --format "${WARMSTEP_FORMAT:-bf16}" > /dev/null
     timeout 300 python3 bench/profile_shared_prefix_step.py --model /tmp/m8w --load-format dummy --moe-cache-size 640 \
       --gpu-memory 12GiB --max-running-requests 8 --out "$OUT/profile_shared_prefix_${WARMSTEP_FORMAT:-bf16}.json" \
-      --events-dir "$OUT" > "$OUT/warmstep.log" 2>&1
+      --ring-chunks "${WARMSTEP_RING:-0,24,48}" --repeats 2 --events-dir "$OUT" > "$OUT/warmstep.log" 2>&1
     echo "warmstep rc=$?"; grep '"step"' "$OUT/warmstep.log" | cut -c1-400 ;;
   hostgemm)  # issue 25/23: the host's C kernel against torch's GEMM (oneDNN, AMX on this host) by tokens an expert
     python3 -c "import sys; from setuptools import setup; sys.argv = ['setup.py', 'build_ext', '--inplace', '-q']; setup()" \

@@ -66,6 +66,10 @@ def main() -> None:
     parser.add_argument("--prefix", type=int, default=3952, help="the shared system prompt's tokens")
     parser.add_argument("--suffix", type=int, default=156, help="each request's own tokens after it")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--ring-chunks", default="0",
+                        help="profile the warm step once per staging-ring chunk size (experts a copy and a "
+                             "computation; 0: the worker's own), e.g. 0,24,48: fewer, larger chunks pay the host's "
+                             "launches fewer times, with fewer bays to overlap in")  # fmt: skip
     parser.add_argument("--link-gbps", type=float, default=55.0, help="host-to-device GB/s for the pass's bound")
     parser.add_argument("--out", default=None)
     parser.add_argument("--events-dir", default=None)
@@ -78,18 +82,30 @@ def main() -> None:
     events_dir = Path(args.events_dir or trace_dir)
     events_dir.mkdir(parents=True, exist_ok=True)
     length = args.prefix + args.suffix + 8
-    profiles = []
-    for r in range(args.repeats):
-        streams = Streams(executor, ROWS, length, first_req_id=1 + r * ROWS)
-        streams.prefill([prefix] * ROWS)  # the prefix's KV and state in every stream, as a restore gives them
-        suffixes = [rng.integers(0, vocab, args.suffix).tolist() for _ in range(ROWS)]
-        profiles.append(profiled(streams, suffixes, None, True, f"warm_step_{r}", trace_dir, events_dir, executor,
-                                 args.link_gbps))  # fmt: skip
-        streams.finish()
-        print(json.dumps({k: v for k, v in profiles[-1].items() if k not in ("largest_compute_gaps", "streams")}),
-              flush=True)  # fmt: skip
+    ring = getattr(executor.store, "ring", None)
+    default = (ring.base_chunk, ring.long_chunk) if ring is not None else None
+    ring_chunks = [int(c) for c in args.ring_chunks.split(",") if c] or [0]
+    if ring is None and ring_chunks != [0]:
+        raise SystemExit("--ring-chunks: this worker's store has no staging ring (nothing streams)")
+    profiles, first_req = [], 1
+    for ring_chunk in ring_chunks:
+        if ring is not None:
+            ring.use_chunks(*((ring_chunk, ring_chunk) if ring_chunk else default))
+        for r in range(args.repeats):
+            streams = Streams(executor, ROWS, length, first_req_id=first_req)
+            first_req += ROWS
+            streams.prefill([prefix] * ROWS)  # the prefix's KV and state in every stream, as a restore gives them
+            suffixes = [rng.integers(0, vocab, args.suffix).tolist() for _ in range(ROWS)]
+            name = f"warm_step_{r}" if not ring_chunk else f"warm_step_ring{ring_chunk}_{r}"
+            profiles.append(profiled(streams, suffixes, None, True, name, trace_dir, events_dir, executor,
+                                     args.link_gbps) | {"ring_chunk": ring.chunk if ring is not None else None})  # fmt: skip
+            streams.finish()
+            print(json.dumps({k: v for k, v in profiles[-1].items() if k not in ("largest_compute_gaps", "streams")}),
+                  flush=True)  # fmt: skip
+    if ring is not None:
+        ring.use_chunks(*default)
     # the round without the cache: the 8 whole prompts, chunked as the scheduler cuts them (its first chunk)
-    streams = Streams(executor, ROWS, length, first_req_id=1 + args.repeats * ROWS)
+    streams = Streams(executor, ROWS, length, first_req_id=first_req)
     per_row = max(1, plan.max_prefill_tokens // ROWS)
     prompts = [prefix + rng.integers(0, vocab, args.suffix).tolist() for _ in range(ROWS)]
     new = [NewRequest(req_id=q, prompt_token_ids=np.array(p, dtype=np.int32), sampling=GREEDY)
