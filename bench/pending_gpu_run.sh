@@ -26,7 +26,9 @@
 #   PART=gemv    the decode projections' GEMV against cuBLAS (bench/dense_gemv_sweep.py), then the resident
 #                cuts served with the sweep's choices and with FERRY_DENSE_GEMV=0 (cuBLAS; GEMV_WORKLOADS)   ~8 min
 #   PART=warmstep issue 23's warm step (8 rows x 156 tokens after a cached 4k prefix) profiled beside a baseline chunk,
-#                the 8-layer hybrid cut at 640 slots (WARMSTEP_FORMAT=bf16|nvfp4|fp8)                  ~2-3 min
+#                the 8-layer hybrid cut at 640 slots (WARMSTEP_FORMAT=bf16|nvfp4|fp8), at ring chunks of 12 (the
+#                default), 24 and 48 (WARMSTEP_RING); if a larger one wins, EIGHT_FLAGS="--prefill-ring-chunk N"
+#                runs the must-show with it                                                        ~3-4 min
 #   PART=hostgemm the host's C kernel against torch's GEMM at 1-128 tokens an expert, 12 threads      ~2 min
 #   PART=window  a streamed layer's expert GEMMs over all its blocks against each chunk's own (bench/expert_window.py) ~1 min
 #   PART=flashtest the attention dispatch's CUDA tests (FlashAttention for long queries)               ~1 min

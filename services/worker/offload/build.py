@@ -65,7 +65,7 @@ def build_offloaded_experts(spec: ModelSpec, plan: Plan, slots: ExpertSlotPool, 
                             pin: bool | None = None, progress: bool = True, policy: str = DEFAULT_POLICY,
                             banks: HostBanks | None = None, prefetch: bool = True,
                             device_driven: bool | None = None, copy_engine_tokens: int | None = None,
-                            long_ring_chunk: int | None = None) -> OffloadedExperts:  # fmt: skip
+                            ring_chunks: tuple[int | None, int | None] = (None, None)) -> OffloadedExperts:  # fmt: skip
     """The offload store over the plan's slots: `banks` (allocated here when not given) and a
     replacement policy chosen by name. On CUDA (or wherever kernels run through Triton:
     `device_driven`) the cache is driven from the device, with next-layer `prefetch`; on CPU
@@ -78,7 +78,7 @@ def build_offloaded_experts(spec: ModelSpec, plan: Plan, slots: ExpertSlotPool, 
         device_driven = use_triton(slots.w13)
     if device_driven:
         store = DeviceDrivenExperts(slots, banks, chosen, device, prefetch=prefetch, copy_engine_tokens=copy_engine_tokens,
-                                    long_ring_chunk=long_ring_chunk)  # fmt: skip
+                                    ring_chunks=ring_chunks)  # fmt: skip
         store.attention_period = max(1, round(num_layers / max(1, len(spec.full_attention_layers))))
         return store
     return OffloadedExperts(slots, banks, chosen, device)
@@ -88,7 +88,7 @@ def build_expert_store(spec: ModelSpec, plan: Plan, slots: ExpertSlotPool, devic
                        pin: bool | None = None, progress: bool = True, policy: str = DEFAULT_POLICY,
                        banks: HostBanks | None = None, prefetch: bool = True,
                        copy_engine_tokens: int | None = None,
-                       long_ring_chunk: int | None = None) -> ResidentExperts | OffloadedExperts:  # fmt: skip
+                       ring_chunks: tuple[int | None, int | None] = (None, None)) -> ResidentExperts | OffloadedExperts:  # fmt: skip
     """All-resident (no host banks, no host RAM, nothing copied) when the plan gave every expert
     a slot; otherwise the offload store."""
     check_policy_name(policy)  # the flag is checked whichever store the plan leads to
@@ -96,4 +96,4 @@ def build_expert_store(spec: ModelSpec, plan: Plan, slots: ExpertSlotPool, devic
         return ResidentExperts(slots, len(spec.moe_layer_indices), spec.num_experts)
     return build_offloaded_experts(spec, plan, slots, device, pin=pin, progress=progress, policy=policy, banks=banks,
                                    prefetch=prefetch, copy_engine_tokens=copy_engine_tokens,
-                                   long_ring_chunk=long_ring_chunk)  # fmt: skip
+                                   ring_chunks=ring_chunks)  # fmt: skip

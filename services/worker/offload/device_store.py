@@ -75,12 +75,13 @@ class DeviceDrivenExperts(OffloadedExperts):
 
     def __init__(self, slots, banks, policy, device, prefetch: bool = True,
                  pipeline_chunks: int = DEFAULT_PIPELINE_CHUNKS, copy_engine_tokens: int | None = None,
-                 host_share: HostShare | None = None, long_ring_chunk: int | None = None):  # fmt: skip
+                 host_share: HostShare | None = None, ring_chunks: tuple[int | None, int | None] = (None, None)):  # fmt: skip
         """`copy_engine_tokens`: steps of at least this many tokens take the copy-engine path even
         when the graph-safe one could serve them (None: only steps too large for the pair kernel).
         `host_share`: the host computes part of a streamed step's missed experts (host_share.py).
-        `long_ring_chunk`: experts a ring chunk holds in a long-context prefill step, which lends the
-        ring cache slots (--long-prefill-ring-chunk; None: the ring's own chunk, staging_ring.py)."""
+        `ring_chunks`: experts a ring chunk holds in a streamed step, and in a long-context prefill step,
+        which lends the ring cache slots (--prefill-ring-chunk, --long-prefill-ring-chunk; None: the
+        ring's own defaults, staging_ring.py)."""
         super().__init__(slots, banks, policy, device, pipeline_chunks=pipeline_chunks, use_triton=True)
         self.host_share = host_share
         self.host_decode: HostDecodeShare | None = None  # the host's share of decode layers' misses (boot sets it)
@@ -111,7 +112,8 @@ class DeviceDrivenExperts(OffloadedExperts):
             ring_stream = torch.cuda.Stream(self.device, priority=-100) if self._cuda else None
             self.ring = StagingRing(slots.staging_w13, slots.staging_w2, banks, ring_stream,
                                     gemm=(slots.staging_gemm13, slots.staging_gemm2),
-                                    after=self._copy_stream if self._cuda else None, long_chunk=long_ring_chunk)  # fmt: skip
+                                    after=self._copy_stream if self._cuda else None, chunk=ring_chunks[0],
+                                    long_chunk=ring_chunks[1])  # fmt: skip
 
     def set_routers(self, routers: list[torch.Tensor]) -> None:
         """The router weights of the MoE layers, in order: what the next-layer prediction applies."""

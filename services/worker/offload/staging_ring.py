@@ -88,7 +88,8 @@ class StagingRing:
         # four bays: a chunk computes while the next ones cross
         self.chunk = chunk if chunk is not None else max(1, self.size // 4)
         if not 1 <= self.chunk <= self.size:
-            raise ValueError(f"a chunk of {self.chunk} experts does not fit {self.size} staging slots")
+            raise ValueError(f"--prefill-ring-chunk {self.chunk}: a chunk must fit the {self.size} staging slots "
+                             "(and hold at least one expert)")  # fmt: skip
         self.base_chunk = self.chunk  # the chunk of a step that lends nothing
         self.long_chunk = long_chunk if long_chunk is not None else self.chunk
         if not 1 <= self.long_chunk <= self.size:

@@ -285,7 +285,7 @@ def _check_lent_slots(long_ring_chunk) -> None:
     store = DeviceDrivenExperts(slot_pool(spec, num_slots, max_step_tokens=48),
                                 HostBanks.for_model(spec, "float32", progress=False),
                                 LRUExpertPolicy(layers, 6, num_slots), "cpu", prefetch=True, pipeline_chunks=2,
-                                long_ring_chunk=long_ring_chunk)  # fmt: skip
+                                ring_chunks=(None, long_ring_chunk))  # fmt: skip
     store.attention_period = 2
     for (layer, e), weights in random_experts(spec, num_slots).items():
         resident.load_expert(layer, e, *weights)

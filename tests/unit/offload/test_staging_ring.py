@@ -63,7 +63,7 @@ def test_a_new_step_takes_back_the_slots_of_a_step_that_stopped_midway():
 
 
 def test_bad_shapes_are_refused():
-    with pytest.raises(ValueError, match="does not fit"):
+    with pytest.raises(ValueError, match="--prefill-ring-chunk 3: a chunk must fit the 2 staging slots"):
         StagingRing(torch.zeros(2, 2, 2), torch.zeros(2, 2, 2), _banks(1, 2), None, chunk=3)
 
 
