@@ -45,6 +45,7 @@ import time
 from collections import deque
 
 import numpy as np
+import structlog
 import torch
 import torch.nn.functional as F
 
@@ -61,6 +62,8 @@ from ferry.services.worker.offload.expert_cache import DEFAULT_PIPELINE_CHUNKS, 
 from ferry.services.worker.offload.host_decode import HostDecodeShare
 from ferry.services.worker.offload.host_share import HostShare
 from ferry.services.worker.offload.staging_ring import StagingRing
+
+log = structlog.get_logger("worker.offload")
 
 # copy_stamps columns (pool_layout.COPY_STAMPS)
 MISS_START, MISS_END, PREFETCH_START, PREFETCH_END, BEFORE_PREFETCH_WAIT, HITS_DONE = range(6)
@@ -107,6 +110,8 @@ class DeviceDrivenExperts(OffloadedExperts):
         self.attention_period = 1
         self.lent_evictions = 0  # experts evicted to lend their slots to a long prefill's ring, since boot
         self._stream_begun = False  # begin_step started this step's stream (a prefill) before layer 0
+        self._stream_kernels_compiled = False  # _compile_stream_kernels ran (boot's warm-up)
+        self._said_no_lending = False  # the log line of a long chunk too large to lend any slot, once
         if slots.staging_w13 is not None:
             # the ring's own stream, at the highest priority (staging_ring.RING_UNPACK_PROGRAMS says why)
             ring_stream = torch.cuda.Stream(self.device, priority=-100) if self._cuda else None
@@ -147,7 +152,13 @@ class DeviceDrivenExperts(OffloadedExperts):
         slots = self.cache.num_slots
         missing_per_layer = self.num_experts - slots / self.policy.num_layers
         wanted = int(self.attention_period * missing_per_layer)
-        return min(slots, wanted) // self.ring.long_chunk * self.ring.long_chunk  # whole bays of a lending step
+        lent = min(slots, wanted) // self.ring.long_chunk * self.ring.long_chunk  # whole bays of a lending step
+        if not lent and min(slots, wanted) and not self._said_no_lending:
+            self._said_no_lending = True
+            log.warning("long_prefill_lends_nothing", lendable_slots=min(slots, wanted), long_chunk=self.ring.long_chunk,
+                        reason="--long-prefill-ring-chunk is larger than the cache slots a long prefill step may lend: "
+                               "such steps lend none and use the ring's own chunk")  # fmt: skip
+        return lent
 
     def _streams(self, pairs: int) -> bool:
         """Whether a step of `pairs` (token, k) pairs streams past the cache (see STREAM_PAIRS_PER_EXPERT)."""
@@ -251,7 +262,7 @@ class DeviceDrivenExperts(OffloadedExperts):
         staged = self._staged_count[layer]
         if not staged:
             if not self._stream_real:  # boot's warm-up (padding rows only): compile what a chunk launches
-                self._launch_empty_window(x, weights, rows)
+                self._compile_stream_kernels(x, k)
             return
         position = self._staged_position[layer][torch.where(padding, self.num_experts, ids)]
         # with each position's first block: a chunk's launches cover its own blocks, not the layer's
@@ -269,19 +280,29 @@ class DeviceDrivenExperts(OffloadedExperts):
                 computed.record(torch.cuda.current_stream(self.device))
             self.ring.release(chunk, computed)
 
-    def _launch_empty_window(self, x, weights, rows) -> None:
-        """The chunks' kernels over an empty window of the ring's bays: nothing computed, but their
-        windowed variant is compiled (a warm-up step stages nothing, and the first prefill after ready
-        would otherwise compile it, warmup.py): for this step's block size, and for the small block
-        where a step small enough for it streams too (its largest such step, a prefix of this one's rows;
-        the warm-up's shapes may not include one)."""
-        t, k = weights.shape
-        small = SMALL_BLOCK_MAX_PAIRS // k
-        for n in {t, small} if small < t and self._streams(small * k) else {t}:
-            nothing = torch.full((n, k), -1, dtype=torch.int32, device=x.device)
-            aligned = align_pairs_by_slot(nothing, 1, block_m_for(n * k), 1, block_starts=True)
-            grouped_expert_rows_triton(x[:n], None, weights[:n], self.ring.gemm13, self.ring.gemm2, rows[:n],
-                                       aligned=aligned, slot_window=(0, 0, 0))  # fmt: skip
+    def _compile_stream_kernels(self, x: torch.Tensor, top_k: int) -> None:
+        """Once, from boot's warm-up (its streamed steps stage nothing, so no chunk would launch, and the first
+        prefill after ready would compile what a chunk launches, warmup.py): the chunks' windowed kernels
+        over an empty window of the ring's bays, and the layer's grouped kernel for its hits with every pair
+        skipped, at each block size a streamed step can take (the small one where a step of at most
+        SMALL_BLOCK_MAX_PAIRS pairs streams, the large one where a larger step fits), whatever sizes the
+        warm-up's own steps have. Nothing is computed."""
+        if self._stream_kernels_compiled:
+            return
+        self._stream_kernels_compiled = True
+        small = SMALL_BLOCK_MAX_PAIRS // top_k  # the most tokens of a small-block step
+        sizes = [n for n, streams in ((small, self._streams(small * top_k)),
+                                      (small + 1, self.cache.max_pairs > SMALL_BLOCK_MAX_PAIRS
+                                       and self._streams(self.cache.max_pairs))) if streams]  # fmt: skip
+        for n in sizes:
+            xs = torch.zeros(n, x.shape[1], dtype=x.dtype, device=x.device)
+            weights = torch.zeros(n, top_k, dtype=torch.float32, device=x.device)
+            rows = torch.zeros(n, top_k, x.shape[1], dtype=torch.float32, device=x.device)
+            nothing = torch.full((n, top_k), -1, dtype=torch.int32, device=x.device)
+            aligned = align_pairs_by_slot(nothing, 1, block_m_for(n * top_k), 1, block_starts=True)
+            grouped_expert_rows_triton(xs, None, weights, self.ring.gemm13, self.ring.gemm2, rows, aligned=aligned,
+                                       slot_window=(0, 0, 0))  # fmt: skip
+            self._compute(xs, nothing, weights, rows)
 
     def _begin_stream(self, real: int, top_k: int, lend: int = 0) -> None:
         """Stage every non-resident expert of every layer (none for a step of `real` 0 rows: padding

@@ -142,8 +142,13 @@ class ShareGuard:
         return self._hold(best)
 
     def _climb(self, incumbent: float) -> float:
-        """The next comparison of this climb from `incumbent`, or hold it where SCALES end."""
+        """The next comparison of this climb from `incumbent`, or hold it where SCALES end. A climb that
+        starts at the end towards more host (a scale held from an earlier climb, explored again) turns
+        towards less host at once: the host's load may have risen since."""
         i = SCALES.index(incumbent) - self._direction  # SCALES run from less host to more
+        if not 0 <= i < len(SCALES) and self._direction < 0 and not self._moved:
+            self._direction = 1
+            i = SCALES.index(incumbent) - self._direction
         if not 0 <= i < len(SCALES):
             return self._hold(incumbent)
         self._compare(incumbent, SCALES[i])

@@ -266,6 +266,15 @@ def check_host_decode() -> None:
 def check_lent_slots() -> None:
     for long_ring_chunk in (None, 3):
         _check_lent_slots(long_ring_chunk)
+    # a long chunk larger than what a step may lend (one layer's 3 missing experts here): no lending, said once
+    spec = tiny_spec(layers=3, experts=6, top_k=2, hidden=32, inter=16)
+    store = DeviceDrivenExperts(slot_pool(spec, 9, max_step_tokens=48), HostBanks.for_model(spec, "float32", progress=False),
+                                LRUExpertPolicy(3, 6, 9), "cpu", ring_chunks=(None, 4))  # fmt: skip
+    for (layer, e), weights in random_experts(spec, 9).items():
+        store.load_expert(layer, e, *weights)
+    store.preload()
+    store.attention_period = 1
+    assert store._slots_to_lend() == 0 and store._said_no_lending
 
 
 def _check_lent_slots(long_ring_chunk) -> None:
@@ -322,9 +331,11 @@ def _check_lent_slots(long_ring_chunk) -> None:
 
 def check_windowed_chunks() -> None:
     """A streamed prefill's chunks launch the expert kernels over their own blocks (the aligned block
-    starts given, one window a chunk, covering the layer's staged positions once); a step of padding rows
-    only (boot's warm-up: nothing staged) launches them once a layer over an empty window, so their
-    windowed variant compiles at boot, and its rows are what the all-resident store computes."""
+    starts given, one window a chunk, covering the layer's staged positions once), with the rows the
+    all-resident store computes. Boot's warm-up (steps of padding rows only: nothing staged) compiles
+    them once: over an empty window, and the hits' grouped kernel with every pair skipped, at both block
+    sizes a streamed step of this store can take (512 tokens of 2 pairs: the small block; 513: the
+    large), whatever the warm-up step's own size."""
     import ferry.services.worker.offload.device_store as device_store
 
     spec = tiny_spec(layers=2, experts=6, top_k=2, hidden=32, inter=16)
@@ -336,46 +347,36 @@ def check_windowed_chunks() -> None:
         resident.load_expert(layer, e, *weights)
         store.load_expert(layer, e, *weights)
     store.preload()
-    calls, sizes = [], []
+    calls = []
     kernel = device_store.grouped_expert_rows_triton
 
     def recording(*args, **kwargs):
         aligned = kwargs.get("aligned")
-        calls.append((None if aligned is None else len(aligned), kwargs.get("slot_window")))
-        sizes.append(args[0].shape[0])
+        calls.append((None if aligned is None else len(aligned), kwargs.get("slot_window"), args[0].shape[0]))
         return kernel(*args, **kwargs)
 
     device_store.grouped_expert_rows_triton = recording
     g = torch.Generator().manual_seed(5)
     try:
-        for real in (0, 40):
+        for tokens, real in ((40, 0), (600, 0), (40, 40)):
             calls.clear()
             for layer in range(layers):
-                x, ids, w = random_routing(spec, 40, g)
+                x, ids, w = random_routing(spec, tokens, g)
                 got = store.forward(layer, x, ids, w, n_rows=torch.tensor([real], dtype=torch.int32))
                 if real:
                     torch.testing.assert_close(got, resident.forward(layer, x, ids, w), rtol=1e-5, atol=1e-5)
             store.stats_to_host()
             store.end_step()
-            windows = [window for n, window in calls if window is not None]
-            assert all(n == 3 for n, window in calls if window is not None), calls  # the block starts given
-            if not real:
-                assert windows == [(0, 0, 0)] * layers, calls
+            windows = [(window, n) for parts, window, n in calls if window is not None]
+            assert all(parts == 3 for parts, window, _ in calls if window is not None), calls  # block starts given
+            if not real:  # compiled at the first padding-only step, once: 512 and 513 rows, not the step's own
+                assert windows == ([((0, 0, 0), 512), ((0, 0, 0), 513)] if tokens == 40 else []), calls
+                if tokens == 40:  # and the hits' kernel at both sizes, every pair skipped
+                    assert sorted(n for _, window, n in calls if window is None and n in (512, 513)) == [512, 513]
             else:
-                covered = sorted((lo, hi) for lo, hi, _ in windows)
+                covered = sorted((lo, hi) for (lo, hi, _), _ in windows)
                 staged = [store._staged_count[layer] for layer in range(layers)]
                 assert sum(hi - lo for lo, hi in covered) == sum(staged) > 0, (covered, staged)
-        # a padding-only step past the small block's pairs: its own block size and the small one's (the
-        # largest step that still streams with it, 512 tokens of 2 pairs), so both compile at boot
-        calls.clear()
-        sizes.clear()
-        for layer in range(layers):
-            x, ids, w = random_routing(spec, 600, g)
-            store.forward(layer, x, ids, w, n_rows=torch.tensor([0], dtype=torch.int32))
-        store.stats_to_host()
-        store.end_step()
-        empty = [n for (_, window), n in zip(calls, sizes) if window == (0, 0, 0)]
-        assert empty == [600, 512] * layers or empty == [512, 600] * layers, (calls, sizes)
     finally:
         device_store.grouped_expert_rows_triton = kernel
 
@@ -386,6 +387,9 @@ CHECKS = {"store": check, "device-driven-float32": lambda: check_device_driven("
           "lent-slots": check_lent_slots, "windowed-chunks": check_windowed_chunks}
 
 if __name__ == "__main__":  # argv[1]: one of CHECKS (the test runs each in its own process, side by side under xdist)
+    import structlog
+
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))  # stdout carries the JSON only
     try:
         CHECKS[sys.argv[1]]()
         json.dump(None, sys.stdout)

@@ -145,6 +145,21 @@ def test_after_the_hold_it_explores_again_from_the_held_scale():
     assert [d.get("tried") for d in guard.decisions[-4:]] == [None, 0.5, 0.8, 1.0]
 
 
+def test_a_climb_held_at_the_most_host_turns_back_when_the_host_gets_busy():
+    """Held at the ladder's end (0.5) and explored again: the share still beats off, and the climb, with
+    nowhere further towards more host, tries less host at once and follows it back up (review: it held 0.5)."""
+    guard = ShareGuard(window=4, samples=8, hold=10**6)
+    run_scaled(guard, 1500, bowl(0.0))  # more host always shorter: it climbs to the end
+    assert guard.scale == SCALES[-1] and not guard.exploring
+    guard.hold = 1
+    run_scaled(guard, 1, bowl(1.0))
+    guard.hold = 10**6
+    busy = {None: 0.0128, 1.0: 0.010, 1.25: 0.0105, 0.8: 0.011, 0.64: 0.012, 0.5: 0.0125}
+    run_scaled(guard, 3000, lambda s: busy[s])
+    assert guard.scale == 1.0 and not guard.exploring, guard.decisions[-4:]
+    assert [d.get("tried") for d in guard.decisions[-5:]] == [None, 0.64, 0.8, 1.0, 1.25]
+
+
 def test_buckets():
     assert [bucket_of(t) for t in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 4, 4, 8, 8, None]
     assert BUCKETS[-1] == 8
