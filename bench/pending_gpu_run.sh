@@ -17,7 +17,10 @@
 # PART=check (~6 min), then PART=window,warmstep (~4 min: the windowed GEMMs against the full grid; issue
 # 23's warm step profiled), then PART=long (the served 262k TTFT, ~5 min) and LONG_VARIANTS=chunk16k PART=long,
 # then PART=longprof with LONGPROF_AT=131072 LONGPROF_LEN=147456 LONGPROF_RING=0,48 (~3 min; if 48 wins the chunk,
-# LONG_VARIANTS=ring48 PART=long serves the prompt with --long-prefill-ring-chunk 48), then PART=three,eight.
+# LONG_VARIANTS=ring48 PART=long serves the prompt with --long-prefill-ring-chunk 48), then PART=three,eight,
+# then DECODE12_VARIANTS=gpu,default PART=decode12 and PART=hostgemm (issue 25). That is ~40 minutes of parts
+# for a 30-minute budget, plus a machine's start a call: combine parts in one call where they fit 600 s
+# (e.g. PART=window,warmstep,hostgemm) and leave for the session after what does not fit.
 #   PART=check   make gpu-check (the release check, which builds the host's C kernel; gpu_check.json)  ~7-8 min
 #   PART=prefill bench/prefill_attention.py on the 35B's attention shapes, then the 262k-token TTFT  ~6-8 min
 #   PART=three   issue 23's three turns (32k first turn) on the full-size 35B with NVFP4 experts, openai and anthropic
