@@ -11,8 +11,10 @@
 # newest openai/anthropic need httpx2 and opentelemetry, which the device lacks; without openai the
 # gpu-check's serve step dies after its CUDA tests).
 # The branch's commits are in order: the FlashAttention fix (its first four), the conv kernels, the linear
-# layers' synchronisations, the router weights, the windowed chunk GEMMs; should the check fail on a later
-# one, the first four can land alone after a check of their own.
+# layers' synchronisations, the router weights (786b396), then this session's: the windowed chunk GEMMs
+# (738cb66), the guard's sizing of the host share (8abd32d), the ring-chunk flags (e081d53, 14611f2) and the
+# review mends (8d1f5fb); should the check fail on a later one, the earlier ones can land alone after a check
+# of their own (786b396 is last session's whole branch; the first four, the FlashAttention fix alone).
 # The next session (2026-12-04's second got no machine: its one call ran ~9 min and came back empty):
 # PART=check (~6 min), then PART=window,warmstep (~4 min: the windowed GEMMs against the full grid; issue
 # 23's warm step profiled), then PART=long (the served 262k TTFT, ~5 min) and LONG_VARIANTS=chunk16k PART=long,
