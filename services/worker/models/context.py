@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -17,3 +18,30 @@ class StepContext:
     cos: torch.Tensor  # [T, rotary_dim], rotary tables of the batch's positions
     sin: torch.Tensor
     fresh_state_slots: torch.Tensor | None  # linear-state slots of requests starting now (to zero), or None
+    # a long step's mixer slices: (start, end, the slice's context) (services/worker/mixer_slices.py)
+    slices: tuple[tuple[int, int, "StepContext"], ...] = ()
+
+    @classmethod
+    def of(cls, batch: ForwardBatch, pools: Pools, cos: torch.Tensor, sin: torch.Tensor, linear: bool) -> "StepContext":
+        """The context of `batch` (and of each of its mixer slices), the rotary tables of its positions given.
+        `linear`: the model has linear-attention layers, whose starting requests' states are zeroed."""
+        fresh = None
+        if linear and batch.reset_any and not batch.mixer_slices:  # (a sliced step's slices zero their own)
+            # the host knows whether any request starts now: most steps start none, and then no
+            # state row is touched and nothing waits for the device
+            fresh = batch.state_slots[batch.reset_state]
+        slices = tuple((a, b, cls.of(part, pools, cos[a:b], sin[a:b], linear)) for a, b, part in batch.mixer_slices)
+        return cls(batch, pools, cos, sin, fresh, slices)
+
+    def mix(self, mixer: Callable[[torch.Tensor, "StepContext"], torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+        """`mixer(h, self)`, over the step's slices one after another when it has them (each slice's K/V and
+        linear states are written before the next one reads them, as between two steps)."""
+        if not self.slices:
+            return mixer(h, self)
+        out = None
+        for a, b, ctx in self.slices:
+            part = mixer(h[a:b], ctx)
+            if out is None:
+                out = part.new_empty(h.shape[0], part.shape[1])
+            out[a:b] = part
+        return out
