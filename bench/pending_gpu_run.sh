@@ -63,7 +63,8 @@ export PYTHONUNBUFFERED=1 TMPDIR=${TMPDIR:-/tmp}
 for part in ${PART//,/ }; do  # PART=eight,ahead runs both, in that order, in one call
 case "${part:-check}" in
   check)
-    make gpu-check OUT=/tmp/gpu GPU_PYTHON=python3 > "$OUT/gpu_check_stdout.log" 2>&1; echo "gpu-check rc=$?"
+    # under the call's 600 s: should anything hang, the call still returns with the logs so far
+    timeout 570 make gpu-check OUT=/tmp/gpu GPU_PYTHON=python3 > "$OUT/gpu_check_stdout.log" 2>&1; echo "gpu-check rc=$?"
     cp /tmp/gpu/* "$OUT/" 2>/dev/null; tail -3 "$OUT/gpu_check_stdout.log" ;;
   prefill)
     timeout 150 python3 bench/prefill_attention.py --contexts 0,65536,131072,253952 --whole-prompt 261988 \

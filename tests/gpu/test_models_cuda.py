@@ -67,3 +67,23 @@ def test_float32_on_cuda_matches_transformers(arch, cuda_device):
         exact = hf(torch.tensor([PROMPT])).logits[0].float()
     ours = PagedRunner(spec, hf, 4, device=cuda_device).step([(1, PROMPT)])[0].cpu()
     assert (ours - exact).abs().max().item() <= 5e-3 * exact.abs().max().item()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe", "qwen3_next"])
+def test_a_step_in_mixer_slices_on_cuda_matches_transformers(arch, cuda_device, monkeypatch):
+    """A 300-token step whose token mixers run in slices of 128 (services/worker/mixer_slices.py): float32 on
+    the GPU against transformers, and bf16 against the same step unsliced (the same kernels, per slice)."""
+    from ferry.services.worker import forward_batch
+
+    hf, spec = tiny_model(arch, seed=33)
+    prompt = torch.randint(0, 96, (300,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.no_grad():
+        exact = hf(torch.tensor([prompt])).logits[0].float()
+    monkeypatch.setattr(forward_batch, "MIXER_SLICE_TOKENS", 128)
+    ours = PagedRunner(spec, hf, 16, device=cuda_device).step([(1, prompt)])[0].cpu()
+    assert (ours - exact).abs().max().item() <= 5e-3 * exact.abs().max().item()
+    hf16 = tiny_model(arch, seed=33)[0].to(torch.bfloat16)
+    sliced = PagedRunner(spec, hf16, 16, dtype=torch.bfloat16, device=cuda_device).step([(1, prompt)])[0].cpu()
+    monkeypatch.setattr(forward_batch, "MIXER_SLICE_TOKENS", 10_000)
+    whole = PagedRunner(spec, hf16, 16, dtype=torch.bfloat16, device=cuda_device).step([(1, prompt)])[0].cpu()
+    assert (sliced - whole).abs().mean().item() <= 1e-2 * whole.abs().max().item()
