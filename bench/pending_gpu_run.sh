@@ -35,6 +35,8 @@
 #                default), 24 and 48 (WARMSTEP_RING); if a larger one wins, EIGHT_FLAGS="--prefill-ring-chunk N"
 #                runs the must-show with it                                                        ~3-4 min
 #   PART=hostgemm the host's C kernel against torch's GEMM at 1-128 tokens an expert, 12 threads      ~2 min
+#   PART=wsslices the workspace (as boot profiles it, in expert slots) of 8k and 16k steps, mixers sliced at 8k/4k/2k,
+#                35B and 30B: which MIXER_SLICE_TOKENS, and whether 16k steps can be a default  ~3-4 min
 #   PART=window  a streamed layer's expert GEMMs over all its blocks against each chunk's own (bench/expert_window.py) ~1 min
 #   PART=flashtest the attention dispatch's CUDA tests (FlashAttention for long queries)               ~1 min
 #   PART=long    the 262k-token TTFT alone (LONG_VARIANTS picks decode_suite variants)                 ~4-5 min a variant
@@ -110,6 +112,12 @@ case "${part:-check}" in
   window)  # a streamed layer's expert GEMMs launched over every block against over each chunk's own (expert_window.py)
     timeout 200 python3 bench/expert_window.py --out "$OUT/expert_window.json" > "$OUT/expert_window.log" 2>&1
     echo "expert_window rc=$?"; cat "$OUT/expert_window.log" | tail -8 ;;
+  wsslices)  # the workspace of 8k and 16k steps with the mixers in slices of 8k, 4k, 2k (bench/workspace_slices.py)
+    for m in qwen3.6-35b-a3b qwen3-30b-a3b; do
+      timeout 240 python3 bench/workspace_slices.py --model tests/data/models/$m --tokens 8192,16384 \
+        --slices 8192,4096,2048 --out "$OUT/workspace_slices_$m.json" > "$OUT/workspace_slices_$m.log" 2>&1
+      echo "workspace_slices $m rc=$?"; tail -6 "$OUT/workspace_slices_$m.log"
+    done ;;
   flashtest)  # the attention dispatch (FlashAttention for long queries, the paged kernel for the rest) on CUDA
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_cuda.py -k "dispatch or triton_paged" \
       > "$OUT/flash_test.log" 2>&1; echo "flash test rc=$?"; tail -3 "$OUT/flash_test.log" ;;

@@ -162,7 +162,7 @@ def resident_weight_bytes_from_checkpoint(model_dir: Path, dtype: str) -> int | 
 
 
 def workspace_bytes_estimate(spec: ModelSpec, dtype: str, max_step_tokens: int, max_running_requests: int,
-                             max_model_len: int) -> int:
+                             max_model_len: int, mixer_slice_tokens: int = MIXER_SLICE_TOKENS) -> int:
     """Activation memory of the largest step, estimated from shapes (the worker profiles it instead).
 
     Counts what is live at once in the widest layer: the residual stream and its norm, the
@@ -170,13 +170,13 @@ def workspace_bytes_estimate(spec: ModelSpec, dtype: str, max_step_tokens: int, 
     (the float32 row buffer of the expert stores included) and
     router scores, the Gated DeltaNet projections and per-chunk states, and fp32 logits and
     probabilities of every sampled row, the sampler state of every penalised request. The token
-    mixers' terms are those of one slice (MIXER_SLICE_TOKENS), the MoE's and the residual stream's
+    mixers' terms are those of one slice (`mixer_slice_tokens`), the MoE's and the residual stream's
     of the whole step. A 25% margin covers allocator fragmentation."""
     b = DTYPE_BYTES[dtype]
     t, h = max_step_tokens, spec.hidden_size
     residual = 4 * t * h * b
     nh, kvh, hd = spec.num_attention_heads, spec.num_kv_heads, spec.head_dim
-    tm = min(t, MIXER_SLICE_TOKENS)
+    tm = min(t, mixer_slice_tokens)
     attention = tm * (nh * hd * (3 if spec.attn_output_gate else 2) + 2 * kvh * hd) * b
     attention += 2 * max_model_len * kvh * hd * b  # one layer's K/V context gathered from its pages
     k, i = spec.num_experts_per_tok, spec.moe_intermediate_size
