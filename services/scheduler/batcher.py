@@ -262,10 +262,15 @@ class BatchScheduler:
         nothing running or in flight (no decode waits on it) and prompts waiting: until a third of
         prefill_coalesce_s (ARRIVAL_GAP_FRACTION) after the last arrival while that is within
         prefill_coalesce_s of the first. Each prefill step pays one pass over the experts without a GPU
-        slot, so prompts that arrive together share one."""
+        slot, so prompts that arrive together share one. Held prompts as many as --max-running-requests go at
+        once: no later arrival could join their step (the 8 streams of issue 23 waited the gap, 20 ms, after
+        the eighth)."""
         if not self.waiting:
             self._arrivals = None  # every held prompt was admitted (or aborted): the next one opens a window
         if not self.prefill_coalesce_s or self._arrivals is None or self._in_flight or self.running:
+            return 0.0
+        if len(self.waiting) >= self.pool.max_running_requests:
+            self._arrivals = None
             return 0.0
         first, last = self._arrivals
         until = min(last + self.prefill_coalesce_s * ARRIVAL_GAP_FRACTION, first + self.prefill_coalesce_s)

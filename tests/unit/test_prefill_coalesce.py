@@ -87,3 +87,14 @@ def test_the_flag_is_checked():
     assert prefill_coalesce_s(25) == 0.025 and prefill_coalesce_s(0) == 0.0
     with pytest.raises(ConfigError, match="--prefill-coalesce-ms must be between 0 and 1000"):
         prefill_coalesce_s(-1)
+
+
+def test_as_many_held_prompts_as_may_run_go_at_once():
+    """No later arrival could join their step: the eighth of 8 (--max-running-requests 8) ends the hold."""
+    sched = make()
+    for rid in range(1, 8):
+        add(sched, rid, now=40.0 + rid / 1000)
+    assert sched.arrival_hold_s(40.008) > 0  # seven wait for more
+    add(sched, 8, now=40.008)
+    assert sched.arrival_hold_s(40.008) == 0.0
+    assert sorted(set(sched.schedule().req_ids)) == list(range(1, 9))
