@@ -11,18 +11,21 @@
 # newest openai/anthropic need httpx2 and opentelemetry, which the device lacks; without openai the
 # gpu-check's serve step dies after its CUDA tests).
 # The branch's commits are in order: the FlashAttention fix (its first four), the conv kernels, the linear
-# layers' synchronisations, the router weights (786b396), then this session's: the windowed chunk GEMMs
-# (738cb66), the guard's sizing of the host share (8abd32d), the ring-chunk flags (e081d53, 14611f2) and the
-# review mends (8d1f5fb); should the check fail on a later one, the earlier ones can land alone after a check
-# of their own (786b396 is last session's whole branch; the first four, the FlashAttention fix alone).
-# The next session (2026-12-04's second got no machine: its one call ran ~9 min and came back empty):
-# PART=check (~6 min), then PART=window,warmstep (~4 min: the windowed GEMMs against the full grid; issue
-# 23's warm step profiled), then PART=long (the served 262k TTFT, ~5 min) and LONG_VARIANTS=chunk16k PART=long,
+# layers' synchronisations, the router weights (786b396), then the second 2026-12-04 session's: the windowed
+# chunk GEMMs (738cb66), the guard's sizing of the host share (8abd32d), the ring-chunk flags (e081d53, 14611f2)
+# and the review mends (8d1f5fb, e0e0f0e); then the third session's: the mixer slices of steps over 8,192
+# tokens (c4c6e59, c19dabe and what follows; the hold at a full batch, 96b7035, landed on main alone). Should the
+# check fail on a later one, the earlier ones can land alone after a check of their own (786b396 is the first
+# session's whole branch; the first four, the FlashAttention fix alone; e0e0f0e, all before the slices).
+# The next session (the second and third 2026-12-04 sessions got no machine):
+# PART=check (~6-8 min), then PART=window,warmstep,wsslices (~8 min: the windowed GEMMs against the full grid;
+# issue 23's warm step profiled; the workspace of 8k/16k steps by mixer slice), then PART=long (the served 262k
+# TTFT, ~5 min) and LONG_VARIANTS=chunk16k PART=long (16k steps, mixers sliced: TTFT and decode after),
 # then PART=longprof with LONGPROF_AT=131072 LONGPROF_LEN=147456 LONGPROF_RING=0,48 (~3 min; if 48 wins the chunk,
 # LONG_VARIANTS=ring48 PART=long serves the prompt with --long-prefill-ring-chunk 48), then PART=three,eight,
-# then DECODE12_VARIANTS=gpu,default PART=decode12 and PART=hostgemm (issue 25). That is ~40 minutes of parts
+# then DECODE12_VARIANTS=gpu,default PART=decode12 and PART=hostgemm (issue 25). That is ~45 minutes of parts
 # for a 30-minute budget, plus a machine's start a call: combine parts in one call where they fit 600 s
-# (e.g. PART=window,warmstep,hostgemm) and leave for the session after what does not fit.
+# and leave for the session after what does not fit.
 #   PART=check   make gpu-check (the release check, which builds the host's C kernel; gpu_check.json)  ~7-8 min
 #   PART=prefill bench/prefill_attention.py on the 35B's attention shapes, then the 262k-token TTFT  ~6-8 min
 #   PART=three   issue 23's three turns (32k first turn) on the full-size 35B with NVFP4 experts, openai and anthropic
