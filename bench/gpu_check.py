@@ -88,8 +88,10 @@ def build_host_kernel(out: Path, log: Log) -> bool:
 
 def run_cuda_tests(out: Path, log: Log, tests: str, timeout: float) -> dict:
     xml = out / "gpu_tests.xml"
-    # -v: each test's verdict is in the log as it runs, so a run cut by the timeout still says which failed
-    cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", tests, f"--junitxml={xml}"]
+    # -v: each test's verdict is in the log as it runs, so a run cut by the timeout still says which failed;
+    # a test past 150 s has every thread's stack written there (pytest's faulthandler), so a hang says where
+    cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-o", "faulthandler_timeout=150", tests,
+           f"--junitxml={xml}"]  # fmt: skip
     log("$", " ".join(cmd))
     t0 = time.monotonic()
     with (out / "gpu_tests.log").open("w") as f:

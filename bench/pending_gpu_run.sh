@@ -69,8 +69,9 @@ for part in ${PART//,/ }; do  # PART=eight,ahead runs both, in that order, in on
 case "${part:-check}" in
   check)
     # under the call's 600 s: should anything hang, the call still returns with the logs so far
-    timeout 570 make gpu-check OUT=/tmp/gpu GPU_PYTHON=python3 > "$OUT/gpu_check_stdout.log" 2>&1; echo "gpu-check rc=$?"
-    cp /tmp/gpu/* "$OUT/" 2>/dev/null; tail -3 "$OUT/gpu_check_stdout.log" ;;
+    # straight into $OUT: what a run cut short wrote (gpu_tests.log, test by test) still comes back
+    timeout 570 make gpu-check OUT="$OUT" GPU_PYTHON=python3 > "$OUT/gpu_check_stdout.log" 2>&1; echo "gpu-check rc=$?"
+    tail -3 "$OUT/gpu_check_stdout.log" ;;
   prefill)
     timeout 150 python3 bench/prefill_attention.py --contexts 0,65536,131072,253952 --whole-prompt 261988 \
       --tiles "32,32,8;64,16,4" --out "$OUT/prefill_attention_h200.json" > "$OUT/prefill_attention.log" 2>&1
