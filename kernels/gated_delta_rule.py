@@ -72,7 +72,10 @@ def _fla_varlen(q, k, v, g, beta, states, state_slots, query_start, query_lens):
 
 
 FLA_CHUNK = 64  # tokens a chunk of fla's chunked rule (its default, passed explicitly with the list below)
-_chunk_indices_last: tuple[tuple, torch.Tensor] | None = None
+# the chunk lists last made, by lengths and device: a step's linear layers share one, and a step whose token
+# mixers run in slices (services/worker/mixer_slices.py) alternates between its slices' lists in every layer
+_CHUNK_INDICES_KEPT = 4
+_chunk_indices_made: dict[tuple, torch.Tensor] = {}
 
 
 def chunk_indices(query_lens: list[int], device: torch.device) -> torch.Tensor:
@@ -81,17 +84,18 @@ def chunk_indices(query_lens: list[int], device: torch.device) -> torch.Tensor:
     layout). fla makes it from the device's cu_seqlens with a repeat_interleave whose size it reads
     back: a synchronisation in every linear layer of a prefill step, which kept the host from running
     ahead of the device. Made here from the host's lengths and sent without waiting (pinned), once a
-    step: the step's linear layers share it (the last one made is kept, by lengths and device)."""
-    global _chunk_indices_last
+    step (or a mixer slice): the step's linear layers share it (the last few made are kept)."""
     key = (tuple(query_lens), str(device))
-    if _chunk_indices_last is not None and _chunk_indices_last[0] == key:
-        return _chunk_indices_last[1]
-    counts = np.array([-(-n // FLA_CHUNK) for n in query_lens], dtype=np.int64)
-    request = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
-    index = np.arange(len(request), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
-    host = torch.from_numpy(np.stack([request, index], axis=1))
-    made = host.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else host.to(device)
-    _chunk_indices_last = (key, made)
+    made = _chunk_indices_made.pop(key, None)
+    if made is None:
+        counts = np.array([-(-n // FLA_CHUNK) for n in query_lens], dtype=np.int64)
+        request = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+        index = np.arange(len(request), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+        host = torch.from_numpy(np.stack([request, index], axis=1))
+        made = host.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else host.to(device)
+    _chunk_indices_made[key] = made  # the most recent last
+    while len(_chunk_indices_made) > _CHUNK_INDICES_KEPT:
+        del _chunk_indices_made[next(iter(_chunk_indices_made))]
     return made
 
 

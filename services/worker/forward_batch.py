@@ -43,7 +43,6 @@ class ForwardBatch:
     token_request: torch.Tensor  # int32 [T]: the request of every new token (attention kernels)
     real_tokens: torch.Tensor  # int32 [1]: T, or fewer in a CUDA graph's padded batch (rows past it are padding)
     sample_mask: np.ndarray  # bool [R] (host)
-    reset_any: bool  # whether any request starts in this step (its linear state is zeroed first)
     query_lens_host: list[int]
     context_lens_host: list[int]
     # the rows' linear-state slots on the host too (padding rows: the padding slot 0): a linear layer that
@@ -53,6 +52,9 @@ class ForwardBatch:
     # (row, tokens of the row before it, snapshot id): the rows whose linear state is saved inside their
     # chunk (StepBatch.save_offset), by the linear layers during the forward (host data; prefill steps only)
     inside_saves: tuple[tuple[int, int, int], ...] = ()
+    # the linear-state slots of the rows that start in this step (zeroed first), on the host: a mask over the
+    # device's `state_slots` would make the host wait for the device
+    fresh_slots_host: tuple[int, ...] = ()
     # a step longer than MIXER_SLICE_TOKENS: (start, end, the slice's batch) for each slice of its tokens, which
     # the token mixers run over one after another (services/worker/mixer_slices.py); () runs them over all
     mixer_slices: tuple[tuple[int, int, "ForwardBatch"], ...] = ()
@@ -104,12 +106,12 @@ class ForwardBatch:
         return cls(
             **_to_device_in_one_copy(arrays, torch.device(device), into),
             sample_mask=np.concatenate([step.sample.astype(bool), np.ones(pad, bool)]),
-            reset_any=bool(np.asarray(step.reset_linear_state).any()),
             query_lens_host=qlens.tolist() + [1] * pad,
             context_lens_host=clens.tolist() + [0] * pad,
             state_slots_host=np.asarray(step.linear_state_slots, dtype=np.int64).tolist() + [0] * pad,
             page_size=page_size,
             inside_saves=inside,
+            fresh_slots_host=tuple(int(slot) for slot in np.asarray(step.linear_state_slots)[step.reset_linear_state]),
             mixer_slices=slices,
         )
 

@@ -10,8 +10,8 @@ A slice is itself a step (a StepBatch) over the parts of the rows that fall in i
 boundary continues in the next slice as a later chunk of the same request would, from its context plus the
 tokens before the cut, so the slices compute what two steps would. A row's linear state is zeroed in the
 slice where the row begins, and a state kept inside a row's chunk (StepBatch.save_offset) is kept by the
-slice it falls in; a cut is never placed exactly at such a point (it moves one token earlier), so the point
-always lies strictly inside a slice's part of the row, where the Gated DeltaNet keeps inside states.
+slice it falls in; a cut is never placed exactly at such a point (it moves a token), so the point always lies
+strictly inside a slice's part of the row, where the Gated DeltaNet keeps inside states.
 
 The slices only mix tokens: nothing samples (no logits rows), and the step's own state copies (restores
 before the forward, saves at the rows' ends after it) stay the whole step's. No torch here."""
@@ -25,24 +25,35 @@ from ferry.shared.step import StepBatch
 
 
 def slice_bounds(step: StepBatch, max_tokens: int) -> list[tuple[int, int]]:
-    """[(start, end)) token ranges of at most `max_tokens` covering the step's tokens in order; no cut at a
-    point where a row keeps its state inside its chunk."""
+    """[(start, end)) token ranges of at most `max_tokens` covering the step's tokens in order, as even as they
+    can be (9,000 tokens: two of 4,500, not 8,192 and 808, whose short tail would run every mixer again for
+    little), and no cut at a point where a row keeps its state inside its chunk: such a cut moves a token
+    either way, or the step takes one slice more."""
     if max_tokens < 2:
         raise ValueError(f"a mixer slice needs at least 2 tokens, got {max_tokens}")
     total = int(np.asarray(step.query_lens).sum())
     starts = np.concatenate([[0], np.cumsum(step.query_lens)[:-1]]).astype(np.int64)
     inside = step.saved_inside()
     points = set((starts[inside] + np.asarray(step.save_offset)[inside]).tolist()) if inside.any() else set()
-    bounds, start = [], 0
-    while start < total:
-        end = min(start + max_tokens, total)
-        while end < total and end in points:
-            end -= 1
-        if end <= start:  # max_tokens points in a row: a step the scheduler never sends
-            raise ValueError(f"no slice of at most {max_tokens} tokens ends between {start} and {start + max_tokens}")
-        bounds.append((start, end))
-        start = end
-    return bounds
+    for n in range(-(-total // max_tokens), total + 1):
+        cuts = _cuts(total, n, max_tokens, points)
+        if cuts is not None:
+            return list(zip([0, *cuts], [*cuts, total]))
+    raise ValueError(f"no slices of at most {max_tokens} tokens avoid the step's kept points")  # every token one
+
+
+def _cuts(total: int, n: int, max_tokens: int, points: set[int]) -> list[int] | None:
+    """The n - 1 cuts of n even slices, each moved off a kept point by a token if it falls on one; None where
+    that makes a slice empty or longer than max_tokens."""
+    cuts = []
+    for i in range(1, n):
+        even = i * total // n
+        cut = next((c for c in (even, even - 1, even + 1) if c not in points), None)
+        if cut is None:
+            return None
+        cuts.append(cut)
+    sizes = np.diff([0, *cuts, total])
+    return cuts if len(sizes) and sizes.min() >= 1 and sizes.max() <= max_tokens else None
 
 
 def mixer_slices(step: StepBatch, max_tokens: int) -> list[tuple[int, int, StepBatch]]:

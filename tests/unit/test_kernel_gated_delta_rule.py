@@ -125,3 +125,19 @@ def test_fla_chunk_list_is_made_from_the_host_lengths():
     assert got.tolist() == [[0, 0], [1, 0], [2, 0], [2, 1], [3, 0], [3, 1], [3, 2], [5, 0]]
     assert chunk_indices([1, 64, 65, 130, 0, 3], torch.device("cpu")) is got
     assert chunk_indices([8192], torch.device("cpu")).tolist() == [[0, i] for i in range(128)]
+
+
+def test_the_chunk_lists_of_a_sliced_steps_slices_are_kept_side_by_side():
+    """A step whose mixers run in slices (services/worker/mixer_slices.py) asks for its slices' lists in turn in
+    every linear layer: each is made once, and only the least recently used of more than a few is let go."""
+    from ferry.kernels.gated_delta_rule import _CHUNK_INDICES_KEPT, chunk_indices
+
+    cpu = torch.device("cpu")
+    slices = [[4500], [4400, 100]]
+    first = [chunk_indices(lens, cpu) for lens in slices]
+    for _ in range(3):  # three more layers
+        assert all(chunk_indices(lens, cpu) is made for lens, made in zip(slices, first))
+    for n in range(_CHUNK_INDICES_KEPT - 1):  # as many others as leave the last used of the two kept
+        chunk_indices([n + 1], cpu)
+    assert chunk_indices([4400, 100], cpu) is first[1]
+    assert chunk_indices([4500], cpu) is not first[0]

@@ -87,9 +87,10 @@ def test_slices_write_and_read_the_rows_the_whole_step_does():
 
 
 def test_a_cut_never_falls_on_a_point_kept_inside_a_chunk(monkeypatch):
-    # row 1 keeps its state after 11 of its tokens: token 16 of the step, where a cut at 16 would fall
-    step = _step([5, 30], save={1: (4, 11)})
-    assert slice_bounds(step, 16) == [(0, 15), (15, 31), (31, 35)]
+    # row 1 keeps its state after 6 of its tokens: token 11 of the step, where the first of three even cuts
+    # of its 35 tokens would fall
+    step = _step([5, 30], save={1: (4, 6)})
+    assert slice_bounds(step, 16) == [(0, 10), (10, 23), (23, 35)]
     slices = mixer_slices(step, 16)
     kept = [(s.req_ids[s.saved_inside()].tolist(), s.save_state[s.saved_inside()].tolist(),
              s.save_offset[s.saved_inside()].tolist()) for _, _, s in slices]  # fmt: skip
@@ -101,11 +102,29 @@ def test_a_cut_never_falls_on_a_point_kept_inside_a_chunk(monkeypatch):
         slice_bounds(step, 1)
 
 
+def test_several_rows_keep_their_states_in_the_slices_they_fall_in():
+    # three rows keep their states inside their chunks, at tokens 2, 15 and 30 of the step: the last two on the
+    # even cuts of its 45 tokens, which move a token earlier
+    step = _step([5, 20, 20], save={0: (3, 2), 1: (4, 10), 2: (5, 5)})
+    assert slice_bounds(step, 16) == [(0, 14), (14, 29), (29, 45)]
+    kept = sorted((int(s.req_ids[r]), int(s.save_state[r]), int(s.save_offset[r]), a)
+                  for a, _, s in mixer_slices(step, 16) for r in np.flatnonzero(s.saved_inside()))  # fmt: skip
+    assert kept == [(10, 3, 2, 0), (11, 4, 1, 14), (12, 5, 1, 29)]
+
+
+def test_a_slice_of_one_token_rows_takes_them_as_a_decode_step_would():
+    step = _step([15] + [1] * 15, context_lens=[0] + [9] * 15, reset=[True] + [True, False] * 7 + [True])
+    (a, b, first), (c, d, rest) = mixer_slices(step, 16)
+    assert (a, b, c, d) == (0, 15, 15, 30) and first.query_lens.tolist() == [15]
+    assert rest.query_lens.tolist() == [1] * 15 and rest.context_lens.tolist() == [9] * 15
+    assert rest.reset_linear_state.tolist() == step.reset_linear_state[1:].tolist()
+
+
 def test_only_long_steps_get_slices_of_the_plans_size():
     assert ForwardBatch.from_step(_step([MIXER_SLICE_TOKENS]), PS, "cpu").mixer_slices == ()
     long = ForwardBatch.from_step(_step([MIXER_SLICE_TOKENS + 5, 3]), PS, "cpu")
-    assert [(a, b, p.num_tokens) for a, b, p in long.mixer_slices] == [
-        (0, MIXER_SLICE_TOKENS, MIXER_SLICE_TOKENS), (MIXER_SLICE_TOKENS, MIXER_SLICE_TOKENS + 8, 8)]  # fmt: skip
+    half = (MIXER_SLICE_TOKENS + 8) // 2  # even slices: no 8-token tail
+    assert [(a, b, p.num_tokens) for a, b, p in long.mixer_slices] == [(0, half, half), (half, 2 * half, half)]
 
 
 @pytest.fixture(params=["qwen3_moe", "qwen3_5_moe", "qwen3_next"])
@@ -113,26 +132,49 @@ def model(request):
     return tiny_model(request.param, seed=5)
 
 
-def _runner(model, slice_tokens, monkeypatch) -> PagedRunner:
+def _runner(model, slice_tokens, monkeypatch, cuts: list | None = None, **kw) -> PagedRunner:
+    """A runner whose steps' mixers run in slices of `slice_tokens`; `cuts` collects each sliced step's bounds."""
     hf, spec = model
     monkeypatch.setattr(forward_batch, "MIXER_SLICE_TOKENS", slice_tokens)
-    return PagedRunner(spec, hf, page_size=PS, seed=1)
+    if cuts is not None:
+        def spy(step, max_tokens):
+            made = mixer_slices(step, max_tokens)
+            if made:
+                cuts.append([(a, b) for a, b, _ in made])
+            return made
+
+        monkeypatch.setattr(forward_batch, "mixer_slices", spy)
+    return PagedRunner(spec, hf, page_size=PS, seed=1, **kw)
 
 
 def test_a_sliced_step_computes_what_the_whole_step_does(model, monkeypatch):
     hf, _ = model
     prompts = {1: _prompt(30, 1), 2: _prompt(7, 2), 3: _prompt(21, 3)}
-    got = {}
+    got, cuts = {}, []
     for slice_tokens in (16, 10_000):
-        runner = _runner(model, slice_tokens, monkeypatch)
+        runner = _runner(model, slice_tokens, monkeypatch, cuts)
         first = runner.step([(1, prompts[1][:9]), (2, prompts[2])])  # a row continuing from its context
-        second = runner.step([(1, prompts[1][9:]), (3, prompts[3])])  # 42 tokens: slices of 16, 16, 10
+        # 42 tokens and two padding rows: slices of 14, 15, 15, row 3 starting in the second
+        second = runner.step([(1, prompts[1][9:]), (3, prompts[3])], padding=2)
         got[slice_tokens] = first + second
+    assert cuts == [[(0, 14), (14, 29), (29, 44)]]  # sliced only under the small slice, only the long step
     for ours, whole in zip(got[16], got[10_000]):
         assert_logits_close(ours, whole)  # float32 noise: the same as a prompt cut into two steps
-    with torch.no_grad():
-        ref = hf(torch.tensor([prompts[3]])).logits[0].float()
-    assert_logits_close(got[16][3], ref)
+
+
+def test_one_token_rows_sliced_apart_continue_and_start_as_in_the_whole_step(model, monkeypatch):
+    """A slice made only of one-token rows (the Gated DeltaNet and attention take it as a decode step), seven
+    continuing requests and eight starting ones, after the slice of a 15-token row: 30 tokens, cut at 15."""
+    prompts = {r: _prompt(15 if r == 1 else 6, r) for r in range(1, 17)}
+    got, cuts = {}, []
+    for slice_tokens in (16, 10_000):
+        runner = _runner(model, slice_tokens, monkeypatch, cuts, num_slots=20)
+        runner.step([(r, prompts[r][:5]) for r in range(2, 9)])  # seven requests with context
+        items = [(1, prompts[1]), *((r, prompts[r][5:6]) for r in range(2, 9)), *((r, prompts[r][:1]) for r in range(9, 17))]
+        got[slice_tokens] = runner.step(items)
+    assert cuts[-1] == [(0, 15), (15, 30)]
+    for ours, whole in zip(got[16], got[10_000]):
+        assert_logits_close(ours, whole)
 
 
 def test_a_sliced_prompt_decodes_as_transformers_does(model, monkeypatch):
@@ -147,14 +189,16 @@ def test_a_sliced_prompt_decodes_as_transformers_does(model, monkeypatch):
 
 @pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_next"])
 def test_snapshots_kept_inside_a_sliced_chunk_serve_the_next_turn(arch, monkeypatch):
-    """A 37-token prompt in one 64-token step keeps its snapshot at 32, where the 16-token slices would cut;
-    the next turn starts from it and decodes as transformers does."""
+    """A 33-token prompt in one 64-token step keeps its snapshot at 16, where two even slices of at most 20
+    would cut; the cut moves, and the next turn starts from the snapshot and decodes as transformers does."""
     hf, spec = tiny_model(arch, seed=11)
-    monkeypatch.setattr(forward_batch, "MIXER_SLICE_TOKENS", 16)
+    cuts = []
+    _runner((hf, spec), 20, monkeypatch, cuts)  # the slice and the spy (its own runner unused)
     engine = Engine(hf, spec, prefill=64)
-    first = _prompt(37, 1)
+    first = _prompt(33, 1)
     (out1, _), = engine.run([first], 6)
     assert engine.saved_inside == 1
+    assert cuts[0] in ([(0, 15), (15, 33)], [(0, 17), (17, 33)])
     second = first + out1 + _prompt(9, 2)
     (out2, cached), = engine.run([second], 8)
     assert cached > 0

@@ -9,6 +9,7 @@ import torch
 
 from ferry.services.worker.forward_batch import ForwardBatch
 from ferry.services.worker.pools import Pools
+from ferry.services.worker.sampler import to_device
 
 
 @dataclass
@@ -26,10 +27,10 @@ class StepContext:
         """The context of `batch` (and of each of its mixer slices), the rotary tables of its positions given.
         `linear`: the model has linear-attention layers, whose starting requests' states are zeroed."""
         fresh = None
-        if linear and batch.reset_any and not batch.mixer_slices:  # (a sliced step's slices zero their own)
-            # the host knows whether any request starts now: most steps start none, and then no
-            # state row is touched and nothing waits for the device
-            fresh = batch.state_slots[batch.reset_state]
+        if linear and batch.fresh_slots_host and not batch.mixer_slices:  # (a sliced step's slices zero their own)
+            # the host knows which requests start now: most steps start none, and then no state row is
+            # touched; the slots cross without the host waiting for the device
+            fresh = to_device(list(batch.fresh_slots_host), torch.int64, batch.state_slots.device)
         slices = tuple((a, b, cls.of(part, pools, cos[a:b], sin[a:b], linear)) for a, b, part in batch.mixer_slices)
         return cls(batch, pools, cos, sin, fresh, slices)
 
