@@ -83,7 +83,8 @@ VARIANTS = {"default": [], "no-prefetch": ["--no-expert-prefetch"], "eager": ["-
             # two GPUs, each owning half the experts (issue 26; eager, so compare with the eager variant too)
             "ep2": ["--expert-parallel-size", "2"],
             # a long prompt in 16,384-token chunks (issue 24): each chunk streams the experts without a slot once,
-            # so twice the chunk halves that stream, against the larger workspace's slots (the plan chooses <= 8192)
+            # so twice the chunk halves that stream, against the larger workspace's slots (the plan chooses <= 8192;
+            # its mixers run in slices of 8,192, so only the MoE's buffers grow: services/worker/mixer_slices.py)
             "chunk16k": ["--max-prefill-tokens", "16384"],
             # a long prompt's lending steps in ring chunks of 48 experts instead of 12 (issue 24): a quarter of
             # the chunks, each paying the host's launches once (bench/profile_long_chunk.py --ring-chunks 48)
@@ -205,12 +206,15 @@ def _long_context(name: str, tag: str, model_dir: Path, served, out: Path, ceili
            "--config", str(model_dir), "--serve-log", served.log.name, "--ceilings", str(ceilings),
            "--metrics", served.worker_metrics, "--prompt-len", str(args.long_prompt_len), "--out", str(path)]  # fmt: skip
     subprocess.run(cmd, cwd=ROOT, check=True, timeout=args.run_timeout)
+    slots = expert_slots(served.worker_metrics)  # what the chunk's workspace left decode (chunk16k against default)
     result = json.loads(path.read_text()) | {"workload": name, "variant": tag.removeprefix(name).lstrip("_") or "default",
-                                             "serve": served.command, "ready_s": round(ready, 1), "commit": commit()}  # fmt: skip
+                                             "serve": served.command, "ready_s": round(ready, 1), "commit": commit(),
+                                             "expert_slots": slots[1] if slots else None}  # fmt: skip
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(f"[{tag}] TTFT {result['ttft_s']:.1f} s for {result['prompt_tokens']} tokens ({result['prefill_tok_s']:.0f} "
           f"tok/s; bound {result['bound_s']:.1f} s: compute {result['compute_s']}, PCIe {result['pcie_s']:.1f}); decode "
-          f"after it {result['decode_after_tok_s']} tok/s, with a short prompt {result['decode_short_tok_s']}", flush=True)  # fmt: skip
+          f"after it {result['decode_after_tok_s']} tok/s, with a short prompt {result['decode_short_tok_s']}; "
+          f"{result['expert_slots']} expert slots", flush=True)  # fmt: skip
     return result
 
 
