@@ -38,6 +38,35 @@ from ferry.services.worker.pools import TORCH_DTYPES  # noqa: E402
 from ferry.services.worker.workspace_profile import profile_workspace_cuda  # noqa: E402
 
 
+def slot_bytes(spec, dtype: str) -> int:
+    """Bytes of one GPU expert slot (bf16-packed host banks keep bf16 slots)."""
+    return sum(t.nbytes for t in expert_weight_tensors(spec, dtype, 1))
+
+
+def measure(model, experts, spec, r, tokens: list[int], slices: list[int], profile=profile_workspace_cuda,
+            device: torch.device | None = None) -> list[dict]:  # fmt: skip
+    """One row for each step of `tokens` and each of `slices` below it (a slice of the step's tokens or more
+    leaves it whole: measured once), `profile` measuring each as boot does; MIXER_SLICE_TOKENS is put back."""
+    per_slot = slot_bytes(spec, r.dtype)
+    kept, rows = forward_batch.MIXER_SLICE_TOKENS, []
+    try:
+        for step_tokens in tokens:
+            for slice_tokens in sorted({min(s, step_tokens) for s in slices}, reverse=True):
+                forward_batch.MIXER_SLICE_TOKENS = slice_tokens
+                t0 = time.perf_counter()
+                workspace = profile(model, experts, spec, dataclasses.replace(r, max_prefill_tokens=step_tokens), device)
+                rows.append({"tokens": step_tokens, "slice_tokens": slice_tokens, "workspace_bytes": workspace,
+                             "slots": round(workspace / per_slot, 1), "seconds": round(time.perf_counter() - t0, 2),
+                             "estimate_bytes": workspace_bytes_estimate(spec, r.dtype, step_tokens, r.max_running_requests,
+                                                                        r.max_model_len, slice_tokens)})  # fmt: skip
+                print(f"{step_tokens:6d} tokens, mixers in slices of {slice_tokens:5d}: workspace "
+                      f"{workspace / 2**30:6.2f} GiB = {rows[-1]['slots']:7.1f} expert slots ({rows[-1]['seconds']} s)",
+                      flush=True)  # fmt: skip
+    finally:
+        forward_batch.MIXER_SLICE_TOKENS = kept
+    return rows
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tests/data/models/qwen3.6-35b-a3b", help="a model directory (its config.json)")
@@ -56,25 +85,11 @@ def main() -> int:
     experts = LateBoundExperts(spec.num_experts)
     model = build_model(spec, dtype, device, experts)
     model.load_weights(iter_dummy_tensors(spec, dtype, device, routed_experts=False), routed_experts=False)
-    slot_bytes = sum(t.nbytes for t in expert_weight_tensors(spec, r.dtype, 1))
-    rows = []
-    for tokens in [int(t) for t in args.tokens.split(",")]:
-        # a slice of the step's tokens or more leaves it whole: measured once
-        for slice_tokens in sorted({min(int(s), tokens) for s in args.slices.split(",")}, reverse=True):
-            forward_batch.MIXER_SLICE_TOKENS = slice_tokens
-            t0 = time.perf_counter()
-            workspace = profile_workspace_cuda(model, experts, spec, dataclasses.replace(r, max_prefill_tokens=tokens),
-                                               device)  # fmt: skip
-            rows.append({"tokens": tokens, "slice_tokens": slice_tokens, "workspace_bytes": workspace,
-                         "slots": round(workspace / slot_bytes, 1), "seconds": round(time.perf_counter() - t0, 2),
-                         "estimate_bytes": workspace_bytes_estimate(spec, r.dtype, tokens, r.max_running_requests,
-                                                                    r.max_model_len, slice_tokens)})  # fmt: skip
-            row = rows[-1]
-            print(f"{tokens:6d} tokens, mixers in slices of {row['slice_tokens']:5d}: workspace "
-                  f"{workspace / 2**30:6.2f} GiB = {row['slots']:7.1f} expert slots ({row['seconds']} s)", flush=True)
+    rows = measure(model, experts, spec, r, [int(t) for t in args.tokens.split(",")],
+                   [int(s) for s in args.slices.split(",")], device=device)  # fmt: skip
     result = {"model": args.model, "device": torch.cuda.get_device_name(device), "dtype": r.dtype,
               "max_model_len": r.max_model_len, "max_running_requests": r.max_running_requests,
-              "expert_slot_bytes": slot_bytes, "rows": rows}  # fmt: skip
+              "expert_slot_bytes": slot_bytes(spec, r.dtype), "rows": rows}  # fmt: skip
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0
