@@ -21,6 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 
 from model_harness import PagedRunner  # noqa: E402
+from test_hybrid_prefix_parity import _prompt  # noqa: E402
 from tiny_models import tiny_model  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -92,10 +93,6 @@ def _sliced_and_whole(arch, dtype, slice_tokens, steps, monkeypatch, device, **r
         run = PagedRunner(spec, hf, 16, dtype=dtype, device=device, **runner)
         got.append([torch.cat(run.step(items)).float().cpu() for items in steps])
     return got[0], got[1], len(sliced_steps)  # the unsliced run slices none
-
-
-def _prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(0, 96, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe", "qwen3_next"])

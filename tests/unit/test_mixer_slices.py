@@ -12,8 +12,10 @@ from model_harness import PagedRunner, assert_logits_close, hf_greedy
 from test_hybrid_prefix_parity import Engine, _prompt
 from tiny_models import tiny_model
 
+from tests.helpers import QWEN3_6_35B
+
 from ferry.plan.costs import MIXER_SLICE_TOKENS, workspace_bytes_estimate
-from ferry.plan.model_config import parse_model_config
+from ferry.plan.model_config import load_model_config
 from ferry.shared.step import StepBatch
 from ferry.services.worker import forward_batch
 from ferry.services.worker.forward_batch import ForwardBatch
@@ -206,16 +208,9 @@ def test_snapshots_kept_inside_a_sliced_chunk_serve_the_next_turn(arch, monkeypa
 
 
 def test_the_estimate_prices_a_long_steps_mixers_at_one_slice():
-    spec = parse_model_config(_qwen36_config(), where="qwen3.6")
+    spec = load_model_config(QWEN3_6_35B)
     at = {t: workspace_bytes_estimate(spec, "bfloat16", t, 8, 262144) for t in (8192, 16384)}
     unsliced_growth = at[8192] - workspace_bytes_estimate(spec, "bfloat16", 4096, 8, 262144)
     # from 8k to 16k only the residual stream and the MoE grow: less than the whole layer did from 4k to 8k, twice
     assert at[16384] - at[8192] < 2 * unsliced_growth
     assert at[16384] > at[8192]
-
-
-def _qwen36_config() -> dict:
-    import json
-    from pathlib import Path
-
-    return json.loads((Path(__file__).parents[1] / "data/models/qwen3.6-35b-a3b/config.json").read_text())
