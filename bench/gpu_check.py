@@ -35,6 +35,7 @@ from bench.serve_openai import stream  # noqa: E402
 from bench.serve_process import http_get, make_bench_model, start_serve  # noqa: E402
 
 DEFAULT_CONFIG = ROOT / "tests/data/models/qwen3-30b-a3b/config.json"
+SLOWEST = 15  # tests whose time the record keeps
 
 
 class Log:
@@ -71,8 +72,12 @@ def junit_counts(path: Path) -> dict:
     n = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
     failed = [f"{c.get('classname')}::{c.get('name')}" for c in root.iter("testcase")
               if c.find("failure") is not None or c.find("error") is not None]  # fmt: skip
+    # the device's time is scarce: the check's record says which tests take it
+    timed = sorted(((float(c.get("time") or 0), f"{c.get('classname')}::{c.get('name')}") for c in root.iter("testcase")),
+                   reverse=True)  # fmt: skip
     return {"passed": n["tests"] - n["failures"] - n["errors"] - n["skipped"], "failed": n["failures"] + n["errors"],
-            "skipped": n["skipped"], "failed_tests": failed}  # fmt: skip
+            "skipped": n["skipped"], "failed_tests": failed,
+            "slowest_tests": [[name, round(s, 1)] for s, name in timed[:SLOWEST]]}  # fmt: skip
 
 
 def build_host_kernel(out: Path, log: Log) -> bool:
@@ -99,13 +104,14 @@ def run_cuda_tests(out: Path, log: Log, tests: str, timeout: float) -> dict:
             rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
-    counts = junit_counts(xml) if xml.is_file() else {"passed": 0, "failed": 1, "skipped": 0,
+    counts = junit_counts(xml) if xml.is_file() else {"passed": 0, "failed": 1, "skipped": 0, "slowest_tests": [],
                                                       "failed_tests": [f"pytest did not finish (rc {rc})"]}  # fmt: skip
     counts.update(rc=rc, seconds=round(time.monotonic() - t0, 1))
     log(f"CUDA tests: {counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped "
         f"in {counts['seconds']} s (rc {rc})")  # fmt: skip
     for name in counts["failed_tests"]:
         log("  FAILED", name)
+    log("slowest:", ", ".join(f"{name} {s} s" for name, s in counts["slowest_tests"][:5]))
     return counts
 
 

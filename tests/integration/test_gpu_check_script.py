@@ -39,6 +39,8 @@ def test_junit_counts_read_failures_and_errors(tmp_path):
 
     xml = tmp_path / "r.xml"
     xml.write_text('<testsuites><testsuite tests="5" failures="1" errors="1" skipped="1">'
-                   '<testcase classname="a" name="ok"/><testcase classname="a" name="bad"><failure/></testcase>'
+                   '<testcase classname="a" name="ok" time="0.5"/>'
+                   '<testcase classname="a" name="bad" time="12.25"><failure/></testcase>'
                    '<testcase classname="b" name="boom"><error/></testcase></testsuite></testsuites>')  # fmt: skip
-    assert junit_counts(xml) == {"passed": 2, "failed": 2, "skipped": 1, "failed_tests": ["a::bad", "b::boom"]}
+    assert junit_counts(xml) == {"passed": 2, "failed": 2, "skipped": 1, "failed_tests": ["a::bad", "b::boom"],
+                                 "slowest_tests": [["a::bad", 12.2], ["a::ok", 0.5], ["b::boom", 0.0]]}  # fmt: skip
