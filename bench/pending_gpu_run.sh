@@ -38,6 +38,9 @@
 #                default), 24 and 48 (WARMSTEP_RING); if a larger one wins, EIGHT_FLAGS="--prefill-ring-chunk N"
 #                runs the must-show with it                                                        ~3-4 min
 #   PART=hostgemm the host's C kernel against torch's GEMM at 1-128 tokens an expert, 12 threads      ~2 min
+#   PART=hostprefetch the host kernel's rows prefetching the weights 0-4096 bytes ahead (bf16, packed, nvfp4;
+#                1-15 threads): a server core's prefetcher stops at each 4 KiB page, a bf16 row's size;
+#                if a distance wins, FERRY_HOST_KERNEL_PREFETCH=N DECODE12_VARIANTS=default PART=decode12   ~2 min
 #   PART=wsslices the workspace (as boot profiles it, in expert slots) of 8k and 16k steps, mixers sliced at 8k/4k/2k,
 #                35B and 30B: which MIXER_SLICE_TOKENS, and whether 16k steps can be a default  ~3-4 min
 #   PART=window  a streamed layer's expert GEMMs over all its blocks against each chunk's own (bench/expert_window.py) ~1 min
@@ -65,6 +68,11 @@
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"; PART=${PART:-check}
 export PYTHONUNBUFFERED=1 TMPDIR=${TMPDIR:-/tmp}
+# the host's C expert kernel built in place, as `pip install` builds it (the tree sent here is not installed)
+build_host_kernel() {
+  python3 -c "import sys; from setuptools import setup; sys.argv = ['setup.py', 'build_ext', '--inplace', '-q']; setup()" \
+    > "$OUT/host_kernel_build.log" 2>&1 || echo "host kernel build failed (see host_kernel_build.log)"
+}
 for part in ${PART//,/ }; do  # PART=eight,ahead runs both, in that order, in one call
 case "${part:-check}" in
   check)
@@ -107,12 +115,15 @@ case "${part:-check}" in
       --ring-chunks "${WARMSTEP_RING:-0,24,48}" --repeats 2 --events-dir "$OUT" > "$OUT/warmstep.log" 2>&1
     echo "warmstep rc=$?"; grep '"step"' "$OUT/warmstep.log" | cut -c1-400 ;;
   hostgemm)  # issue 25/23: the host's C kernel against torch's GEMM (oneDNN, AMX on this host) by tokens an expert
-    python3 -c "import sys; from setuptools import setup; sys.argv = ['setup.py', 'build_ext', '--inplace', '-q']; setup()" \
-      > "$OUT/host_kernel_build.log" 2>&1 || echo "host kernel build failed (see host_kernel_build.log)"
+    build_host_kernel
     for b in c torch; do
       timeout 120 python3 bench/host_price_tokens.py --threads 12 --format bf16 --backend $b --tokens 1,8,16,39,64,128 \
         --points 16 --experts 64 --repeats 10 --out "$OUT/host_price_tokens_h200_bf16_$b.json" 2>&1 | grep tokens
     done ;;
+  hostprefetch)  # issue 25: the host kernel's rows with the weights prefetched 0-4096 bytes ahead, alternated call by call
+    build_host_kernel
+    timeout 300 python3 bench/cpu_expert_bw.py --threads 1,8,12,15 --format bf16,packed,nvfp4 --backend c \
+      --prefetch 0,512,1024,2048,4096 --repeats 60 --out "$OUT/cpu_expert_prefetch_h200.json" 2>&1 | grep prefetch ;;
   window)  # a streamed layer's expert GEMMs launched over every block against over each chunk's own (expert_window.py)
     timeout 200 python3 bench/expert_window.py --out "$OUT/expert_window.json" > "$OUT/expert_window.log" 2>&1
     echo "expert_window rc=$?"; cat "$OUT/expert_window.log" | tail -8 ;;
@@ -142,8 +153,7 @@ case "${part:-check}" in
       echo "ring_overlap $ctx rc=$?"; cat "$OUT/ring_overlap_$ctx.log" | tail -8
     done ;;
   share)
-    python3 -c "import sys; from setuptools import setup; sys.argv = ['setup.py', 'build_ext', '--inplace', '-q']; setup()" \
-      > "$OUT/host_kernel_build.log" 2>&1 || echo "host kernel build failed (see host_kernel_build.log)"
+    build_host_kernel
     timeout 300 python3 bench/decode_suite.py --out "$OUT" --workloads hybrid8 --variants "${HYBRID8_VARIANTS:-gpu,default}" \
       --max-tokens 128 --settle-tokens 1536 > "$OUT/suite_share.log" 2>&1
     echo "hybrid8 rc=$?"; grep '^\[hybrid8' "$OUT/suite_share.log" | tail -4
@@ -153,8 +163,7 @@ case "${part:-check}" in
       tests/gpu/test_prefix_cache_must_show.py -k three > "$OUT/three_share.log" 2>&1
     echo "three turns rc=$?"; tail -3 "$OUT/three_share.log" ;;
   decode12)
-    python3 -c "import sys; from setuptools import setup; sys.argv = ['setup.py', 'build_ext', '--inplace', '-q']; setup()" \
-      > "$OUT/host_kernel_build.log" 2>&1 || echo "host kernel build failed (see host_kernel_build.log)"
+    build_host_kernel
     timeout 560 python3 bench/decode_suite.py --out "$OUT" --workloads 12layer \
       --variants "${DECODE12_VARIANTS:-gpu,host-share,host-share-no-prefetch,default}" --max-tokens 128 \
       --settle-tokens "${DECODE12_SETTLE:-1536}" \
@@ -165,22 +174,19 @@ case "${part:-check}" in
     grep -h '"host_decode"\|"host_share"\|expert_prefetch_off' "$OUT"/serve_12layer*.log | cut -c1-400
     python3 -c "import json,sys; [print(f, json.load(open(f)).get('host_share')) for f in sys.argv[1:]]" "$OUT"/decode_12layer*.json ;;
   decode30)  # the full-size Qwen3-30B at 24 GiB, GPU-only against the host's share (which lost in its gpu-check serve)
-    python3 -c "import sys; from setuptools import setup; sys.argv = ['setup.py', 'build_ext', '--inplace', '-q']; setup()" \
-      > "$OUT/host_kernel_build.log" 2>&1 || echo "host kernel build failed (see host_kernel_build.log)"
+    build_host_kernel
     timeout 560 python3 bench/decode_suite.py --out "$OUT" --workloads 30b --variants gpu,host-share --max-tokens 128 \
       > "$OUT/suite_decode30.log" 2>&1
     echo "30b rc=$?"; grep '^\[30b' "$OUT/suite_decode30.log" | tail -4
     python3 -c "import json,sys; [print(f, json.load(open(f)).get('host_share')) for f in sys.argv[1:]]" "$OUT"/decode_30b*.json ;;
   hostpages)  # issue 25: the host kernel on banks left on 4 KiB pages against advised ones (host_pages.py)
-    python3 -c "import sys; from setuptools import setup; sys.argv = ['setup.py', 'build_ext', '--inplace', '-q']; setup()" \
-      > "$OUT/host_kernel_build.log" 2>&1 || echo "host kernel build failed (see host_kernel_build.log)"
+    build_host_kernel
     for round in 1 2; do for fmt in packed bf16; do for pages in off on; do
       timeout 150 python3 bench/host_price_tokens.py --threads 12 --experts 256 --format $fmt --tokens 1,4,8,16 \
         --points 16 --huge-pages $pages --out "$OUT/host_pages_${fmt}_${pages}_$round.json" 2>&1 | sed -n 1,3p | tr '\n' ' '; echo  # sed reads it all: head would close the pipe before the JSON is written
     done; done; done ;;
   pin)  # issue 25: the host kernel's threads unpinned against pinned one a core to the last cores (auto)
-    python3 -c "import sys; from setuptools import setup; sys.argv = ['setup.py', 'build_ext', '--inplace', '-q']; setup()" \
-      > "$OUT/host_kernel_build.log" 2>&1 || echo "host kernel build failed (see host_kernel_build.log)"
+    build_host_kernel
     for round in 1 2 3; do for cpus in none auto; do
       timeout 150 python3 bench/host_price_tokens.py --threads 12 --experts 256 --format bf16 --tokens 1,4,8,16 \
         --points 16 --cpus $cpus --out "$OUT/host_pin_bf16_${cpus}_$round.json" 2>&1 | sed -n 1,3p | tr '\n' ' '; echo  # sed reads it all: head would close the pipe before the JSON is written
@@ -190,8 +196,7 @@ case "${part:-check}" in
       --max-tokens 256 > "$OUT/suite_ahead.log" 2>&1
     echo "hybrid8_resident rc=$?"; grep '^\[hybrid8_resident' "$OUT/suite_ahead.log" | tail -4 ;;
   eight)  # EIGHT_VARIANTS="flags a|flags b" runs the must-show once per variant, each in $OUT/v<i>/
-    python3 -c "import sys; from setuptools import setup; sys.argv = ['setup.py', 'build_ext', '--inplace', '-q']; setup()" \
-      > "$OUT/host_kernel_build.log" 2>&1 || echo "host kernel build failed (see host_kernel_build.log)"
+    build_host_kernel
     python3 -m ferry.services.cli make-bench-model /tmp/m8 --config tests/data/models/qwen3.6-35b-a3b/config.json \
       --num-layers 8 --format "${EIGHT_FORMAT:-bf16}" > /dev/null
     IFS='|' read -r -a variants <<< "${EIGHT_VARIANTS:-${EIGHT_FLAGS:-}}"
