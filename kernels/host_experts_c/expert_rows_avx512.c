@@ -193,24 +193,24 @@ INLINE void row_source(const ferry_family *f, int format, const uint8_t *expert,
  * accumulators live in registers */
 #define ROWS(NAME, FORMAT, ACT)                                                                          \
     static TARGET void NAME(const ferry_family *f, const uint8_t *expert, const void *a, int64_t as, int n, \
-                            int64_t r0, int64_t r1, float *y, int64_t ys, int64_t pf) {                    \
-        int64_t from = -1;                                                                              \
-        for (int64_t r = r0; r < r1; r++) {                                                             \
-            row_src s;                                                                                  \
-            row_source(f, FORMAT, expert, r, from, &s);                                                 \
-            if (FORMAT == FERRY_PACKED) from = s.packed.esc_end;                                        \
-            float *yr = y + (r - r0);                                                                   \
-            switch (n) {                                                                                \
-            case 1: row_dots(FORMAT, ACT, 1, &s, a, as, yr, ys, pf); break;                                  \
-            case 2: row_dots(FORMAT, ACT, 2, &s, a, as, yr, ys, pf); break;                                  \
-            case 3: row_dots(FORMAT, ACT, 3, &s, a, as, yr, ys, pf); break;                                  \
-            case 4: row_dots(FORMAT, ACT, 4, &s, a, as, yr, ys, pf); break;                                  \
-            case 5: row_dots(FORMAT, ACT, 5, &s, a, as, yr, ys, pf); break;                                  \
-            case 6: row_dots(FORMAT, ACT, 6, &s, a, as, yr, ys, pf); break;                                  \
-            case 7: row_dots(FORMAT, ACT, 7, &s, a, as, yr, ys, pf); break;                                  \
-            default: row_dots(FORMAT, ACT, 8, &s, a, as, yr, ys, pf); break;                                \
-            }                                                                                           \
-        }                                                                                               \
+                            int64_t r0, int64_t r1, float *y, int64_t ys, int64_t pf) {                  \
+        int64_t from = -1;                                                                               \
+        for (int64_t r = r0; r < r1; r++) {                                                              \
+            row_src s;                                                                                   \
+            row_source(f, FORMAT, expert, r, from, &s);                                                  \
+            if (FORMAT == FERRY_PACKED) from = s.packed.esc_end;                                         \
+            float *yr = y + (r - r0);                                                                    \
+            switch (n) {                                                                                 \
+            case 1: row_dots(FORMAT, ACT, 1, &s, a, as, yr, ys, pf); break;                              \
+            case 2: row_dots(FORMAT, ACT, 2, &s, a, as, yr, ys, pf); break;                              \
+            case 3: row_dots(FORMAT, ACT, 3, &s, a, as, yr, ys, pf); break;                              \
+            case 4: row_dots(FORMAT, ACT, 4, &s, a, as, yr, ys, pf); break;                              \
+            case 5: row_dots(FORMAT, ACT, 5, &s, a, as, yr, ys, pf); break;                              \
+            case 6: row_dots(FORMAT, ACT, 6, &s, a, as, yr, ys, pf); break;                              \
+            case 7: row_dots(FORMAT, ACT, 7, &s, a, as, yr, ys, pf); break;                              \
+            default: row_dots(FORMAT, ACT, 8, &s, a, as, yr, ys, pf); break;                             \
+            }                                                                                            \
+        }                                                                                                \
     }
 
 ROWS(rows_f32_f32, FERRY_F32, FERRY_ACT_F32)
