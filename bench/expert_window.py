@@ -85,14 +85,14 @@ def run_case(spec, tokens: int, staged: int, fmt: str, reps: int) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="tests/data/models/qwen3.6-35b-a3b/config.json")
+    p.add_argument("--config", default="tests/data/models/qwen3.6-35b-a3b", help="a model directory (its config.json)")
     p.add_argument("--formats", default="bf16,nvfp4,fp8-block")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    spec = load_model_config(args.config)  # before the device: a wrong path fails here, on CPU too
     if not torch.cuda.is_available():
         raise SystemExit("expert_window.py needs a CUDA device")
-    spec = load_model_config(args.config)
     results = []
     for fmt in args.formats.split(","):
         for tokens, staged in CASES:

@@ -76,10 +76,10 @@ def main() -> int:
     p.add_argument("--max-running-requests", type=int, default=8)
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    spec = load_model_config(args.model)  # before the device: a wrong path fails here, on CPU too
     if not torch.cuda.is_available():
         p.error("needs CUDA: on CPU the worker estimates the workspace (plan/costs.py), it does not measure it")
     device = torch.device("cuda")
-    spec = load_model_config(args.model)
     r = resolve(spec, PlanRequest(max_running_requests=args.max_running_requests, max_model_len=args.max_model_len))
     dtype = TORCH_DTYPES[r.dtype]
     experts = LateBoundExperts(spec.num_experts)
