@@ -116,13 +116,14 @@ def test_fla_gated_delta_rule_matches_reference(query_lens):
 
 def test_fla_chunk_list_is_fla_own_and_a_prefill_rule_never_waits_for_the_device():
     """kernels/gated_delta_rule.chunk_indices gives fla's own chunk list, and with it a prefill step's
-    rule (after a first call that compiles and tunes fla's kernels) makes no host synchronisation."""
+    rule (after a first call that compiles and tunes fla's kernels) makes no host synchronisation, nor
+    does the rule that keeps states inside rows."""
     pytest.importorskip("fla")
     import itertools
 
     from fla.ops.utils.index import prepare_chunk_indices
 
-    from ferry.kernels.gated_delta_rule import chunk_indices
+    from ferry.kernels.gated_delta_rule import chunk_indices, gated_delta_rule_varlen_keeping
 
     for lens in ([1, 64, 65, 130, 0, 3], [8192], [300, 1, 40]):
         cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.long, device="cuda")
@@ -137,10 +138,14 @@ def test_fla_chunk_list_is_fla_own_and_a_prefill_rule_never_waits_for_the_device
             torch.zeros(5, v_heads, dim, dim, device="cuda"), torch.tensor([3, 1, 4], device="cuda"),
             torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda"), lens)  # fmt: skip
     gated_delta_rule_varlen(*args)
+    # keeping states inside rows (a prefix-cache step's snapshots): the same, its index arrays sent pinned
+    inside, host_slots = [(0, 130), (2, 17)], [3, 1, 4]
+    gated_delta_rule_varlen_keeping(*args, inside, host_slots)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         gated_delta_rule_varlen(*args)
+        gated_delta_rule_varlen_keeping(*args, inside, host_slots)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()

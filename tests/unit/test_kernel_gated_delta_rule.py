@@ -84,7 +84,8 @@ def test_keeping_a_state_inside_a_row_gives_the_same_outputs_and_the_state_there
     plain_states = states.clone()
     plain = gated_delta_rule_varlen(q, k, v, g, beta, plain_states, slots, qstart, lens)
     kept_states = states.clone()
-    out, kept = gated_delta_rule_varlen_keeping(q, k, v, g, beta, kept_states, slots, qstart, lens, inside)
+    out, kept = gated_delta_rule_varlen_keeping(q, k, v, g, beta, kept_states, slots, qstart, lens, inside,
+                                                 slots.tolist())  # fmt: skip
     torch.testing.assert_close(out, plain, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(kept_states, plain_states, rtol=1e-4, atol=1e-5)
     starts = [0, 12, 16]
@@ -94,7 +95,8 @@ def test_keeping_a_state_inside_a_row_gives_the_same_outputs_and_the_state_there
                                            states[int(slots[row])])  # fmt: skip
         torch.testing.assert_close(state, want, rtol=1e-4, atol=1e-5)
     # nothing inside: the plain call, and no states kept
-    again, none = gated_delta_rule_varlen_keeping(q, k, v, g, beta, states.clone(), slots, qstart, lens, [])
+    again, none = gated_delta_rule_varlen_keeping(q, k, v, g, beta, states.clone(), slots, qstart, lens, [],
+                                                   slots.tolist())  # fmt: skip
     torch.testing.assert_close(again, plain)
     assert none == []
 

@@ -174,8 +174,8 @@ class HostDecodeShare:
         pcie, at_1, per_token, handoff = self._price_ns
         if self._scale is None:
             host = OFF_PRICE_NS
-        elif self._scale == 1.0:
-            host = at_1  # as priced (0 too: --expert-backend cpu's rule)
+        elif self._scale == 1.0 or at_1 == 0:
+            host = at_1  # as priced; 0 is --expert-backend cpu's rule (every miss to the host), whatever the scale
         else:
             host = max(1, round(at_1 * self._scale))
         self._costs_ns = (pcie, host, per_token, handoff)

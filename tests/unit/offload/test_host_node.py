@@ -206,3 +206,14 @@ def test_the_guards_scale_prices_a_host_expert_and_the_price_under_it_is_refined
     _timed(share, 250_000 * REFINE_EVERY, REFINE_EVERY, REFINE_EVERY)  # the nodes took 250 µs an expert
     assert share.refine()
     assert share.report()["price_ns"][1] == 200_000 and share.costs_ns[1] == 128_000  # half way, then scaled
+
+
+def test_a_scale_leaves_the_cpu_backends_zero_price_at_zero():
+    """--expert-backend cpu prices a host expert at 0 (every miss to the host): a guard's scale, were one
+    ever applied over it, keeps that rule rather than making the price 1 ns."""
+    banks = make_banks("bf16", 256, 160)
+    share = HostDecodeShare(HostKernel(banks, torch.bfloat16, threads=1), (100_000, 0, 0, 30_000), max_tokens=4,
+                            top_k=2, num_experts=banks.num_experts, device="cpu")  # fmt: skip
+    share._scale = 0.64
+    share._apply()
+    assert share.costs_ns == (100_000, 0, 0, 30_000) and share.costs.tolist() == [100_000, 0, 0, 30_000]
