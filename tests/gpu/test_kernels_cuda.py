@@ -94,7 +94,7 @@ def test_fla_gated_delta_rule_matches_reference(query_lens):
     decay = -torch.rand(total, v_heads, generator=g) * 2
     beta = torch.rand(total, v_heads, generator=g).bfloat16()
     states = torch.randn(6, v_heads, dk, dv, generator=g) * 0.1
-    slots = torch.tensor([5, 2, 3][: len(query_lens)])
+    slots = torch.tensor([5, 2, 3, 1][: len(query_lens)])  # a slot a request (states has 6)
     qs = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
     qs[1:] = torch.tensor(query_lens).cumsum(0)
     expected_states = states.clone()

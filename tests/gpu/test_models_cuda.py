@@ -72,7 +72,7 @@ def test_float32_on_cuda_matches_transformers(arch, cuda_device):
 
 def _sliced_and_whole(arch, dtype, slice_tokens, steps, monkeypatch, device, **runner):
     """Each step's logits with the mixers in slices of `slice_tokens` and unsliced (services/worker/mixer_slices.py),
-    and how many steps were sliced; `steps` lists each step's (req_id, tokens) items."""
+    and the slices ([(start, end)]) of each step that was sliced; `steps` lists each step's (req_id, tokens) items."""
     from ferry.services.worker import forward_batch
     from ferry.services.worker.mixer_slices import mixer_slices
 
@@ -81,7 +81,7 @@ def _sliced_and_whole(arch, dtype, slice_tokens, steps, monkeypatch, device, **r
     def spy(step, max_tokens):  # (also asked of each slice, which it leaves whole)
         made = mixer_slices(step, max_tokens)
         if made:
-            sliced_steps.append(step.step_id)
+            sliced_steps.append([(a, b) for a, b, _ in made])
         return made
 
     monkeypatch.setattr(forward_batch, "mixer_slices", spy)
@@ -92,7 +92,7 @@ def _sliced_and_whole(arch, dtype, slice_tokens, steps, monkeypatch, device, **r
         monkeypatch.setattr(forward_batch, "MIXER_SLICE_TOKENS", tokens)
         run = PagedRunner(spec, hf, 16, dtype=dtype, device=device, **runner)
         got.append([torch.cat(run.step(items)).float().cpu() for items in steps])
-    return got[0], got[1], len(sliced_steps)  # the unsliced run slices none
+    return got[0], got[1], sliced_steps  # the unsliced run slices none
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe", "qwen3_next"])
@@ -106,12 +106,16 @@ def test_a_long_step_in_mixer_slices_on_cuda_is_the_whole_step(arch, cuda_device
         with torch.no_grad():
             exact = hf(torch.tensor([prompt])).logits[0].float()
         (ours,), _, sliced = _sliced_and_whole(arch, torch.float32, 256, [[(1, prompt)]], monkeypatch, cuda_device)
-        assert sliced == 1
+        assert sliced == [[(0, 200), (200, 400), (400, 600)]]
         # the mean: the Triton attention's dots are tf32 over 600 keys (a real bug moves every logit by O(1))
         assert (ours - exact).abs().mean().item() <= 5e-3 * exact.abs().max().item()
     (ours,), (whole,), sliced = _sliced_and_whole(arch, torch.bfloat16, 256, [[(1, prompt)]], monkeypatch, cuda_device)
-    assert sliced == 1
-    assert (ours - whole).abs().mean().item() <= 1e-2 * whole.abs().max().item()
+    assert sliced == [[(0, 200), (200, 400), (400, 600)]]
+    scale = whole.abs().max().item()
+    assert (ours - whole).abs().mean().item() <= 1e-2 * scale
+    # and row by row: a linear state restarted at a cut moved the ~40 rows after it by ~1x the scale (a
+    # review injected it), which the mean over all 600 rows hid; bf16 noise stays far below a quarter of it
+    assert (ours - whole).abs().amax(-1).max().item() <= 0.25 * scale
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe", "qwen3_next"])
@@ -123,6 +127,6 @@ def test_rows_of_a_sliced_step_on_cuda_continue_and_start_as_in_the_whole_step(a
     for dtype, tolerance in ((torch.float32, 1e-3), (torch.bfloat16, 1e-2)):
         ours, whole, sliced = _sliced_and_whole(arch, dtype, 16, [first, second], monkeypatch, cuda_device,
                                                 num_slots=20)  # fmt: skip
-        assert sliced == 2
+        assert len(sliced) == 2 and sliced[1] == [(0, 15), (15, 30)]  # the second slice: one-token rows alone
         for a, b in zip(ours, whole):
             assert (a - b).abs().mean().item() <= tolerance * b.abs().max().item()
