@@ -114,8 +114,11 @@ def test_a_long_step_in_mixer_slices_on_cuda_is_the_whole_step(arch, cuda_device
     scale = whole.abs().max().item()
     assert (ours - whole).abs().mean().item() <= 1e-2 * scale
     # and row by row: a linear state restarted at a cut moved the ~40 rows after it by ~1x the scale (a
-    # review injected it), which the mean over all 600 rows hid; bf16 noise stays far below a quarter of it
-    assert (ours - whole).abs().amax(-1).max().item() <= 0.25 * scale
+    # review injected it), which the mean over all 600 rows hid. bf16 noise moves a row that far only where
+    # it flips an expert of the row's top-k: one row of the 600 on the H200 (1.19 and 1.13 against scales
+    # of 4.5 and 4.25, the rest below 0.5), so a few such rows pass and tens fail
+    far = (ours - whole).abs().amax(-1) > 0.25 * scale
+    assert far.sum().item() <= 10, far.nonzero().flatten().tolist()
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe", "qwen3_next"])
