@@ -33,7 +33,7 @@ import torch
 LIBRARY_MODULE = "ferry.kernels._host_experts_c"
 ISA_ENV = "FERRY_HOST_KERNEL_ISA"
 PREFETCH_ENV = "FERRY_HOST_KERNEL_PREFETCH"
-DEFAULT_PREFETCH_BYTES = 0  # 4096 read 7-25 % faster on the H200's host (bench/NOTES.md); default once checked
+DEFAULT_PREFETCH_BYTES = 0  # no measurement has shown a gain yet (module docstring)
 ISAS = {"auto": 0, "portable": 1, "avx512": 2}  # enum ferry_isa (expert_job.h)
 F32, BF16, FP8_BLOCK, NVFP4, PACKED = range(5)  # enum ferry_format
 ACTS = {torch.float32: 0, torch.bfloat16: 1}  # enum ferry_act: the compute dtypes the kernel has
