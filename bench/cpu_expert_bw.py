@@ -22,6 +22,9 @@ rows into bf16 weights (0 for plain bf16 banks, read in place).
 `--backend torch,c` picks HostExperts' backends to time (default torch): `c` is the host's own kernel
 (services/worker/offload/host_expert_kernel.py), on its own pool of `threads` pthreads, its rows' instruction
 set `--isa` (auto: AVX-512 BF16 where the CPU has it); it decodes in its rows, so no `decode_us` is given.
+`--prefetch 0,1024,4096` times it at each of those prefetch distances (bytes the rows fetch ahead of the
+weights they multiply; FERRY_HOST_KERNEL_PREFETCH), the distances alternated call by call on fresh
+experts so that a busy host slows them alike: a row each, with `prefetch`.
 
 Every measurement runs on a thread of its own whose OpenMP team is `threads` wide, and the main thread
 keeps one thread: two teams on a host with fewer cores than their threads put libgomp's helpers to
@@ -31,6 +34,7 @@ a wake-up (bench/NOTES.md, issue 25: a packed decode took 7.3 ms instead of 1.5 
     python3 bench/cpu_expert_bw.py --config tests/data/models/qwen3-30b-a3b --threads 1,2,4,8,15
     python3 bench/cpu_expert_bw.py --threads 1,2 --format bf16,packed,nvfp4,fp8
     python3 bench/cpu_expert_bw.py --threads 1,2 --format bf16,fp8,nvfp4 --backend torch,c
+    python3 bench/cpu_expert_bw.py --threads 1,8,15 --format bf16,packed --backend c --prefetch 0,1024,4096
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -127,22 +132,36 @@ def decode_time(banks, repeats: int) -> float:
 
 
 def host_experts_bandwidth(banks, threads: int, tokens: int, repeats: int, backend: str = "torch",
-                           isa: str | None = None) -> dict:  # fmt: skip
+                           isa: str | None = None, prefetches: Sequence[int] = ()) -> list[dict]:  # fmt: skip
     """HostExperts.compute of one expert for `tokens` tokens, round-robin over the bank's experts, and
-    for the torch backend the decode alone (on a thread of as many threads)."""
-    walk = range(repeats)
+    for the torch backend the decode alone (on a thread of as many threads); one dict, or one a
+    `prefetches` distance of the c backend, alternated call by call."""
+    if prefetches and backend != "c":
+        raise ValueError(f"--prefetch times the c backend's rows, not the {backend} backend")
     decode = on_thread(threads, decode_time, banks, repeats) if backend == "torch" else None
     host = HostExperts(banks, torch.bfloat16, threads, kernel=backend, isa=isa)
+    distances = list(prefetches) or [None]
     x = torch.randn(tokens, banks.hidden_size).to(torch.bfloat16)
     pairs = lambda e: [(t, e, 1.0 / tokens) for t in range(tokens)]  # noqa: E731
     for e in range(min(banks.num_experts, 4)):
         host.compute(0, x, pairs(e))
-    per = statistics.median(_timed(lambda: host.compute(0, x, pairs(i % banks.num_experts))) for i in walk)
+    times: dict = {d: [] for d in distances}
+    for i in range(repeats):
+        for j, d in enumerate(distances):
+            if d is not None:
+                host.c_kernel.set_prefetch(d)
+            e = (i * len(distances) + j) % banks.num_experts  # a fresh expert each call, whatever the distance
+            times[d].append(_timed(lambda: host.compute(0, x, pairs(e))))
     isa = host.c_kernel.isa if host.c_kernel is not None else None
+    prefetch_now = host.c_kernel.prefetch if host.c_kernel is not None else None
     host.close()
-    return {"bank_GBps": round(banks.expert_nbytes / per / 1e9, 2), "expert_us": round(per * 1e6, 1),
-            "decode_us": None if decode is None else round(decode * 1e6, 1), "isa": isa,
-            "bank_MB": round(banks.expert_nbytes / 1e6, 2)}  # fmt: skip
+    out = []
+    for d in distances:
+        per = statistics.median(times[d])
+        out.append({"bank_GBps": round(banks.expert_nbytes / per / 1e9, 2), "expert_us": round(per * 1e6, 1),
+                    "decode_us": None if decode is None else round(decode * 1e6, 1), "isa": isa,
+                    "prefetch": prefetch_now if d is None else d, "bank_MB": round(banks.expert_nbytes / 1e6, 2)})  # fmt: skip
+    return out
 
 
 def main() -> int:
@@ -158,6 +177,8 @@ def main() -> int:
     p.add_argument("--backend", default="torch", help=f"comma-separated HostExperts backends ({', '.join(BACKENDS)}) "
                                                       "for --format")  # fmt: skip
     p.add_argument("--isa", default=None, choices=("auto", "avx512", "portable"), help="the c backend's rows")
+    p.add_argument("--prefetch", default=None, help="comma-separated prefetch distances in bytes for the c backend's "
+                                                    "rows, alternated call by call (default: FERRY_HOST_KERNEL_PREFETCH)")  # fmt: skip
     p.add_argument("--out", default=None)
     args = p.parse_args()
     spec = load_model_config(args.config)
@@ -169,6 +190,12 @@ def main() -> int:
     backends = args.backend.split(",")
     if unknown := [b for b in backends if b not in BACKENDS]:
         p.error(f"unknown --backend {', '.join(unknown)} (one of {', '.join(BACKENDS)})")
+    try:
+        prefetches = [int(d) for d in args.prefetch.split(",")] if args.prefetch else []
+    except ValueError:
+        p.error(f"--prefetch takes whole numbers of bytes, got {args.prefetch!r}")
+    if any(d < 0 for d in prefetches) or (prefetches and backends != ["c"]):
+        p.error("--prefetch takes distances of 0 bytes or more, with --backend c alone")
     torch.set_num_threads(1)  # before any parallel op: this thread never owns an OpenMP team (docstring)
     rows = []
     for fmt in formats or [None]:
@@ -183,9 +210,10 @@ def main() -> int:
                 print(json.dumps(row), flush=True)
                 continue
             for backend in backends:  # each beside the read bandwidth of the same thread count
-                timed = host_experts_bandwidth(banks, n, args.tokens, args.repeats, backend, args.isa)
-                rows.append({"format": fmt, "backend": backend, **row, **timed})
-                print(json.dumps(rows[-1]), flush=True)
+                for timed in host_experts_bandwidth(banks, n, args.tokens, args.repeats, backend, args.isa,
+                                                    prefetches):  # fmt: skip
+                    rows.append({"format": fmt, "backend": backend, **row, **timed})
+                    print(json.dumps(rows[-1]), flush=True)
         del banks
     result = {"config": args.config, "hidden": spec.hidden_size, "moe_intermediate": spec.moe_intermediate_size,
               "tokens": args.tokens, "cpu": _cpu_name(), "cores": cores, "torch": torch.__version__,

@@ -83,8 +83,12 @@ VARIANTS = {"default": [], "no-prefetch": ["--no-expert-prefetch"], "eager": ["-
             # two GPUs, each owning half the experts (issue 26; eager, so compare with the eager variant too)
             "ep2": ["--expert-parallel-size", "2"],
             # a long prompt in 16,384-token chunks (issue 24): each chunk streams the experts without a slot once,
-            # so twice the chunk halves that stream, against the larger workspace's slots (the plan chooses <= 8192)
-            "chunk16k": ["--max-prefill-tokens", "16384"]}
+            # so twice the chunk halves that stream, against the larger workspace's slots (the plan chooses <= 8192;
+            # its mixers run in slices of 8,192, so only the MoE's buffers grow: services/worker/mixer_slices.py)
+            "chunk16k": ["--max-prefill-tokens", "16384"],
+            # a long prompt's lending steps in ring chunks of 48 experts instead of 12 (issue 24): a quarter of
+            # the chunks, each paying the host's launches once (bench/profile_long_chunk.py --ring-chunks 48)
+            "ring48": ["--long-prefill-ring-chunk", "48"]}
 
 
 def commit() -> str:
@@ -135,7 +139,9 @@ def host_share_series(metrics_url: str | None) -> dict | None:
             "host_node_calls": int(value("ferry_worker_host_node_calls_total") or 0),
             "refinements": int(value("ferry_worker_host_share_refinements_total") or 0),
             "host_at_1_s": value(r'ferry_worker_host_share_cost_seconds\{path="host_at_1",share="decode"\}'),
-            "host_node_s_per_expert": round(busy / experts, 9) if experts else None}  # fmt: skip
+            "host_node_s_per_expert": round(busy / experts, 9) if experts else None,
+            # auto's guard: the scale of the host's price it settled on (0: the share off; None: no guard)
+            "guard_price_scale": value("ferry_worker_host_decode_price_scale")}  # fmt: skip
 
 
 def run_workload(name: str, variant: str, out: Path, ceilings: Path, args) -> dict:
@@ -154,6 +160,7 @@ def run_workload(name: str, variant: str, out: Path, ceilings: Path, args) -> di
         detail_path = out / f"openai_{tag}.json"
         cmd = [sys.executable, str(ROOT / "bench/serve_openai.py"), "--base-url", served.base + "/v1",
                "--streams", "1,8", "--max-tokens", str(args.max_tokens), "--ttft-prompt-len", str(args.ttft_prompt_len),
+               "--settle-tokens", str(args.settle_tokens),
                "--metrics", served.worker_metrics, "--config", str(model_dir), "--ceilings", str(ceilings),
                "--out", str(detail_path)]  # fmt: skip
         with StealMeter() as steal:  # a contended VM host slows the host's share (bench/cpu_steal.py)
@@ -180,7 +187,7 @@ def run_workload(name: str, variant: str, out: Path, ceilings: Path, args) -> di
         "hit_rate": one["expert_cache"]["hit_rate"] if one["expert_cache"] else None,
         "hit_rate_8": eight["expert_cache"]["hit_rate"] if eight["expert_cache"] else None,
         "prefetch_accuracy": one["expert_cache"]["prefetch_accuracy"] if one["expert_cache"] else None,
-        "host_share": host_share, "cpu_steal_fraction": steal.fraction,
+        "host_share": host_share, "cpu_steal_fraction": steal.fraction, "settle": detail.get("settle"),
         "commit": commit(), "ceilings": json.loads(ceilings.read_text()), "stopped": stopped, "detail": detail,
     }  # fmt: skip
     (out / f"decode_{tag}.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -199,12 +206,15 @@ def _long_context(name: str, tag: str, model_dir: Path, served, out: Path, ceili
            "--config", str(model_dir), "--serve-log", served.log.name, "--ceilings", str(ceilings),
            "--metrics", served.worker_metrics, "--prompt-len", str(args.long_prompt_len), "--out", str(path)]  # fmt: skip
     subprocess.run(cmd, cwd=ROOT, check=True, timeout=args.run_timeout)
+    slots = expert_slots(served.worker_metrics)  # what the chunk's workspace left decode (chunk16k against default)
     result = json.loads(path.read_text()) | {"workload": name, "variant": tag.removeprefix(name).lstrip("_") or "default",
-                                             "serve": served.command, "ready_s": round(ready, 1), "commit": commit()}  # fmt: skip
+                                             "serve": served.command, "ready_s": round(ready, 1), "commit": commit(),
+                                             "expert_slots": slots[1] if slots else None}  # fmt: skip
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(f"[{tag}] TTFT {result['ttft_s']:.1f} s for {result['prompt_tokens']} tokens ({result['prefill_tok_s']:.0f} "
           f"tok/s; bound {result['bound_s']:.1f} s: compute {result['compute_s']}, PCIe {result['pcie_s']:.1f}); decode "
-          f"after it {result['decode_after_tok_s']} tok/s, with a short prompt {result['decode_short_tok_s']}", flush=True)  # fmt: skip
+          f"after it {result['decode_after_tok_s']} tok/s, with a short prompt {result['decode_short_tok_s']}; "
+          f"{result['expert_slots']} expert slots", flush=True)  # fmt: skip
     return result
 
 
@@ -267,6 +277,9 @@ def main() -> int:
     p.add_argument("--workloads", default="12layer,hybrid8")
     p.add_argument("--variants", default="default")
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--settle-tokens", type=int, default=0,
+                   help="an untimed stream of this many tokens before the decode runs (serve_openai.py: what auto's "
+                        "guard settles on is then what is timed)")  # fmt: skip
     p.add_argument("--ttft-prompt-len", type=int, default=2000)
     p.add_argument("--ready-timeout", type=float, default=240)
     p.add_argument("--run-timeout", type=float, default=300)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The device calls that land branch pending-gpu-flash (now: FlashAttention for every long prefill chunk,
 # not only a prompt's first, and the log line of a refusal; the prefill's Gated DeltaNet conv in two
-# Triton launches; no host synchronisation in a prefill's linear layers; issue 24), one
+# Triton launches; no host synchronisation in a prefill's linear layers; a streamed chunk's expert GEMMs
+# launched over its own blocks; issues 24 and 23), one
 # part a call (each fits the device's 600 s), run from the tree with the device's python3 and the .whl/
 # site on PYTHONPATH; everything lands in $OUT. Set FERRY_COMMIT to the tree's commit. PART=a,b runs several
 # parts in one call (one device start), e.g. PART=eight,ahead (~7 min). .whl/ holds the shared wheels
@@ -10,10 +11,21 @@
 # newest openai/anthropic need httpx2 and opentelemetry, which the device lacks; without openai the
 # gpu-check's serve step dies after its CUDA tests).
 # The branch's commits are in order: the FlashAttention fix (its first four), the conv kernels, the linear
-# layers' synchronisations, the router weights; should the check fail on a later one, the first four can
-# land alone after a check of their own.
-# The next session: PART=check (~6 min), then PART=long (the served 262k TTFT, ~5 min), then
-# PART=longprof with LONGPROF_AT=131072 LONGPROF_LEN=147456 LONGPROF_RING=0,48 (~3 min), then PART=three,eight.
+# layers' synchronisations, the router weights (786b396), then the second 2026-12-04 session's: the windowed
+# chunk GEMMs (738cb66), the guard's sizing of the host share (8abd32d), the ring-chunk flags (e081d53, 14611f2)
+# and the review mends (8d1f5fb, e0e0f0e); then the third session's: the mixer slices of steps over 8,192
+# tokens (c4c6e59, c19dabe and what follows; the hold at a full batch, 96b7035, landed on main alone). Should the
+# check fail on a later one, the earlier ones can land alone after a check of their own (786b396 is the first
+# session's whole branch; the first four, the FlashAttention fix alone; e0e0f0e, all before the slices).
+# The next session (the second and third 2026-12-04 sessions got no machine):
+# PART=check (~6-8 min), then PART=window,warmstep,wsslices (~8 min: the windowed GEMMs against the full grid;
+# issue 23's warm step profiled; the workspace of 8k/16k steps by mixer slice), then PART=long (the served 262k
+# TTFT, ~5 min) and LONG_VARIANTS=chunk16k PART=long (16k steps, mixers sliced: TTFT and decode after),
+# then PART=longprof with LONGPROF_AT=131072 LONGPROF_LEN=147456 LONGPROF_RING=0,48 (~3 min; if 48 wins the chunk,
+# LONG_VARIANTS=ring48 PART=long serves the prompt with --long-prefill-ring-chunk 48), then PART=three,eight,
+# then DECODE12_VARIANTS=gpu,default PART=decode12 and PART=hostgemm (issue 25). That is ~45 minutes of parts
+# for a 30-minute budget, plus a machine's start a call: combine parts in one call where they fit 600 s
+# and leave for the session after what does not fit.
 #   PART=check   make gpu-check (the release check, which builds the host's C kernel; gpu_check.json)  ~7-8 min
 #   PART=prefill bench/prefill_attention.py on the 35B's attention shapes, then the 262k-token TTFT  ~6-8 min
 #   PART=three   issue 23's three turns (32k first turn) on the full-size 35B with NVFP4 experts, openai and anthropic
@@ -21,6 +33,17 @@
 #   PART=resident the resident cuts served (12layer_resident, hybrid8_resident: issue 24's decode targets) ~2 min
 #   PART=gemv    the decode projections' GEMV against cuBLAS (bench/dense_gemv_sweep.py), then the resident
 #                cuts served with the sweep's choices and with FERRY_DENSE_GEMV=0 (cuBLAS; GEMV_WORKLOADS)   ~8 min
+#   PART=warmstep issue 23's warm step (8 rows x 156 tokens after a cached 4k prefix) profiled beside a baseline chunk,
+#                the 8-layer hybrid cut at 640 slots (WARMSTEP_FORMAT=bf16|nvfp4|fp8), at ring chunks of 12 (the
+#                default), 24 and 48 (WARMSTEP_RING); if a larger one wins, EIGHT_FLAGS="--prefill-ring-chunk N"
+#                runs the must-show with it                                                        ~3-4 min
+#   PART=hostgemm the host's C kernel against torch's GEMM at 1-128 tokens an expert, 12 threads      ~2 min
+#   PART=hostprefetch the host kernel's rows prefetching the weights 0-4096 bytes ahead (bf16, packed, nvfp4;
+#                1-15 threads): a server core's prefetcher stops at each 4 KiB page, a bf16 row's size;
+#                if a distance wins, FERRY_HOST_KERNEL_PREFETCH=N DECODE12_VARIANTS=default PART=decode12   ~2 min
+#   PART=wsslices the workspace (as boot profiles it, in expert slots) of 8k and 16k steps, mixers sliced at 8k/4k/2k,
+#                35B and 30B: which MIXER_SLICE_TOKENS, and whether 16k steps can be a default  ~3-4 min
+#   PART=window  a streamed layer's expert GEMMs over all its blocks against each chunk's own (bench/expert_window.py) ~1 min
 #   PART=flashtest the attention dispatch's CUDA tests (FlashAttention for long queries)               ~1 min
 #   PART=long    the 262k-token TTFT alone (LONG_VARIANTS picks decode_suite variants)                 ~4-5 min a variant
 #   PART=longprof one chunk of the 262k prompt profiled deep into the context: the copies' overlap with
@@ -28,9 +51,11 @@
 #                LONGPROF_LEN: where and how far; LONGPROF_RING=0,48: one chunk a staging-ring chunk size;
 #                the device events come back, for --summarize here)                                 ~4-5 min
 #   PART=overlap does a long attention chunk hide the ring's copies (bench/ring_overlap.py)         ~2 min
-#   PART=share   hybrid8 decode with and without --host-expert-threads, then three turns in bf16     ~8-9 min
+#   PART=share   hybrid8 decode GPU-only and under auto (HYBRID8_VARIANTS; 1,536 tokens settled first: the
+#                hybrid cut's decode_hybrid8_hybrid_cpu.json, issue 25), then three turns in bf16 with the host's share ~8-9 min
 #   PART=decode12 the 12-layer cut GPU-only, with the host's share, with it but no prefetch, and the
-#                default (auto): decode_12layer_hybrid_cpu.json (issue 25's must-show)              ~3-4 min
+#                default (auto): decode_12layer_hybrid_cpu.json (issue 25's must-show); each server first
+#                decodes DECODE12_SETTLE (1536) untimed tokens, over which auto's guard sizes the share ~3-4 min
 #                (DECODE12_VARIANTS picks fewer)
 #   PART=decode30 the full-size Qwen3-30B at 24 GiB, GPU-only and with the host's share, its host nodes' time ~5 min
 #   PART=ahead   the resident hybrid cut with --schedule-ahead-steps 1 and 2 (issue 24)                ~4 min
@@ -43,11 +68,18 @@
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"; PART=${PART:-check}
 export PYTHONUNBUFFERED=1 TMPDIR=${TMPDIR:-/tmp}
+# the host's C expert kernel built in place, as `pip install` builds it (the tree sent here is not installed)
+build_host_kernel() {
+  python3 -c "import sys; from setuptools import setup; sys.argv = ['setup.py', 'build_ext', '--inplace', '-q']; setup()" \
+    > "$OUT/host_kernel_build.log" 2>&1 || echo "host kernel build failed (see host_kernel_build.log)"
+}
 for part in ${PART//,/ }; do  # PART=eight,ahead runs both, in that order, in one call
 case "${part:-check}" in
   check)
-    make gpu-check OUT=/tmp/gpu GPU_PYTHON=python3 > "$OUT/gpu_check_stdout.log" 2>&1; echo "gpu-check rc=$?"
-    cp /tmp/gpu/* "$OUT/" 2>/dev/null; tail -3 "$OUT/gpu_check_stdout.log" ;;
+    # under the call's 600 s: should anything hang, the call still returns with the logs so far
+    # straight into $OUT: what a run cut short wrote (gpu_tests.log, test by test) still comes back
+    timeout 570 make gpu-check OUT="$OUT" GPU_PYTHON=python3 > "$OUT/gpu_check_stdout.log" 2>&1; echo "gpu-check rc=$?"
+    tail -3 "$OUT/gpu_check_stdout.log" ;;
   prefill)
     timeout 150 python3 bench/prefill_attention.py --contexts 0,65536,131072,253952 --whole-prompt 261988 \
       --tiles "32,32,8;64,16,4" --out "$OUT/prefill_attention_h200.json" > "$OUT/prefill_attention.log" 2>&1
@@ -75,6 +107,32 @@ case "${part:-check}" in
     timeout 200 python3 bench/decode_suite.py --out "$OUT" --workloads 12layer_resident,hybrid8_resident --max-tokens 256 \
       > "$OUT/suite_resident.log" 2>&1
     echo "resident rc=$?"; grep -h '^\[.*1 stream' "$OUT/suite_resident.log" | cut -c1-260 ;;
+  warmstep)  # issue 23: the warm round's step (8 rows of 156 tokens after a cached 3,952) profiled, and a baseline chunk
+    python3 -m ferry.services.cli make-bench-model /tmp/m8w --config tests/data/models/qwen3.6-35b-a3b/config.json \
+      --num-layers 8 --format "${WARMSTEP_FORMAT:-bf16}" > /dev/null
+    timeout 300 python3 bench/profile_shared_prefix_step.py --model /tmp/m8w --load-format dummy --moe-cache-size 640 \
+      --gpu-memory 12GiB --max-running-requests 8 --out "$OUT/profile_shared_prefix_${WARMSTEP_FORMAT:-bf16}.json" \
+      --ring-chunks "${WARMSTEP_RING:-0,24,48}" --repeats 2 --events-dir "$OUT" > "$OUT/warmstep.log" 2>&1
+    echo "warmstep rc=$?"; grep '"step"' "$OUT/warmstep.log" | cut -c1-400 ;;
+  hostgemm)  # issue 25/23: the host's C kernel against torch's GEMM (oneDNN, AMX on this host) by tokens an expert
+    build_host_kernel
+    for b in c torch; do
+      timeout 120 python3 bench/host_price_tokens.py --threads 12 --format bf16 --backend $b --tokens 1,8,16,39,64,128 \
+        --points 16 --experts 64 --repeats 10 --out "$OUT/host_price_tokens_h200_bf16_$b.json" 2>&1 | grep tokens
+    done ;;
+  hostprefetch)  # issue 25: the host kernel's rows with the weights prefetched 0-4096 bytes ahead, alternated call by call
+    build_host_kernel
+    timeout 300 python3 bench/cpu_expert_bw.py --threads 1,8,12,15 --format bf16,packed,nvfp4 --backend c \
+      --prefetch 0,512,1024,2048,4096 --repeats 60 --out "$OUT/cpu_expert_prefetch_h200.json" 2>&1 | grep prefetch ;;
+  window)  # a streamed layer's expert GEMMs launched over every block against over each chunk's own (expert_window.py)
+    timeout 200 python3 bench/expert_window.py --out "$OUT/expert_window.json" > "$OUT/expert_window.log" 2>&1
+    echo "expert_window rc=$?"; cat "$OUT/expert_window.log" | tail -8 ;;
+  wsslices)  # the workspace of 8k and 16k steps with the mixers in slices of 8k, 4k, 2k (bench/workspace_slices.py)
+    for m in qwen3.6-35b-a3b qwen3-30b-a3b; do
+      timeout 240 python3 bench/workspace_slices.py --model tests/data/models/$m --tokens 8192,16384 \
+        --slices 8192,4096,2048 --out "$OUT/workspace_slices_$m.json" > "$OUT/workspace_slices_$m.log" 2>&1
+      echo "workspace_slices $m rc=$?"; tail -6 "$OUT/workspace_slices_$m.log"
+    done ;;
   flashtest)  # the attention dispatch (FlashAttention for long queries, the paged kernel for the rest) on CUDA
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_cuda.py -k "dispatch or triton_paged" \
       > "$OUT/flash_test.log" 2>&1; echo "flash test rc=$?"; tail -3 "$OUT/flash_test.log" ;;
@@ -95,10 +153,9 @@ case "${part:-check}" in
       echo "ring_overlap $ctx rc=$?"; cat "$OUT/ring_overlap_$ctx.log" | tail -8
     done ;;
   share)
-    python3 -c "import sys; from setuptools import setup; sys.argv = ['setup.py', 'build_ext', '--inplace', '-q']; setup()" \
-      > "$OUT/host_kernel_build.log" 2>&1 || echo "host kernel build failed (see host_kernel_build.log)"
-    timeout 260 python3 bench/decode_suite.py --out "$OUT" --workloads hybrid8 --variants gpu,host-share \
-      --max-tokens 128 > "$OUT/suite_share.log" 2>&1
+    build_host_kernel
+    timeout 300 python3 bench/decode_suite.py --out "$OUT" --workloads hybrid8 --variants "${HYBRID8_VARIANTS:-gpu,default}" \
+      --max-tokens 128 --settle-tokens 1536 > "$OUT/suite_share.log" 2>&1
     echo "hybrid8 rc=$?"; grep '^\[hybrid8' "$OUT/suite_share.log" | tail -4
     python3 -m ferry.services.cli make-bench-model /tmp/m36 --config tests/data/models/qwen3.6-35b-a3b/config.json > /dev/null
     FERRY_MUST_SHOW_MODEL=/tmp/m36 FERRY_MUST_SHOW_FLAGS="--load-format dummy --gpu-memory 24GiB --expert-backend hybrid --host-expert-threads 12" \
@@ -106,10 +163,10 @@ case "${part:-check}" in
       tests/gpu/test_prefix_cache_must_show.py -k three > "$OUT/three_share.log" 2>&1
     echo "three turns rc=$?"; tail -3 "$OUT/three_share.log" ;;
   decode12)
-    python3 -c "import sys; from setuptools import setup; sys.argv = ['setup.py', 'build_ext', '--inplace', '-q']; setup()" \
-      > "$OUT/host_kernel_build.log" 2>&1 || echo "host kernel build failed (see host_kernel_build.log)"
+    build_host_kernel
     timeout 560 python3 bench/decode_suite.py --out "$OUT" --workloads 12layer \
       --variants "${DECODE12_VARIANTS:-gpu,host-share,host-share-no-prefetch,default}" --max-tokens 128 \
+      --settle-tokens "${DECODE12_SETTLE:-1536}" \
       > "$OUT/suite_decode12.log" 2>&1
     echo "12layer rc=$?"; grep '^\[12layer' "$OUT/suite_decode12.log" | tail -6
     timeout 120 python3 bench/host_price_tokens.py --threads 12 --experts 64 --out "$OUT/host_price_tokens_h200.json" \
@@ -117,22 +174,19 @@ case "${part:-check}" in
     grep -h '"host_decode"\|"host_share"\|expert_prefetch_off' "$OUT"/serve_12layer*.log | cut -c1-400
     python3 -c "import json,sys; [print(f, json.load(open(f)).get('host_share')) for f in sys.argv[1:]]" "$OUT"/decode_12layer*.json ;;
   decode30)  # the full-size Qwen3-30B at 24 GiB, GPU-only against the host's share (which lost in its gpu-check serve)
-    python3 -c "import sys; from setuptools import setup; sys.argv = ['setup.py', 'build_ext', '--inplace', '-q']; setup()" \
-      > "$OUT/host_kernel_build.log" 2>&1 || echo "host kernel build failed (see host_kernel_build.log)"
+    build_host_kernel
     timeout 560 python3 bench/decode_suite.py --out "$OUT" --workloads 30b --variants gpu,host-share --max-tokens 128 \
       > "$OUT/suite_decode30.log" 2>&1
     echo "30b rc=$?"; grep '^\[30b' "$OUT/suite_decode30.log" | tail -4
     python3 -c "import json,sys; [print(f, json.load(open(f)).get('host_share')) for f in sys.argv[1:]]" "$OUT"/decode_30b*.json ;;
   hostpages)  # issue 25: the host kernel on banks left on 4 KiB pages against advised ones (host_pages.py)
-    python3 -c "import sys; from setuptools import setup; sys.argv = ['setup.py', 'build_ext', '--inplace', '-q']; setup()" \
-      > "$OUT/host_kernel_build.log" 2>&1 || echo "host kernel build failed (see host_kernel_build.log)"
+    build_host_kernel
     for round in 1 2; do for fmt in packed bf16; do for pages in off on; do
       timeout 150 python3 bench/host_price_tokens.py --threads 12 --experts 256 --format $fmt --tokens 1,4,8,16 \
         --points 16 --huge-pages $pages --out "$OUT/host_pages_${fmt}_${pages}_$round.json" 2>&1 | sed -n 1,3p | tr '\n' ' '; echo  # sed reads it all: head would close the pipe before the JSON is written
     done; done; done ;;
   pin)  # issue 25: the host kernel's threads unpinned against pinned one a core to the last cores (auto)
-    python3 -c "import sys; from setuptools import setup; sys.argv = ['setup.py', 'build_ext', '--inplace', '-q']; setup()" \
-      > "$OUT/host_kernel_build.log" 2>&1 || echo "host kernel build failed (see host_kernel_build.log)"
+    build_host_kernel
     for round in 1 2 3; do for cpus in none auto; do
       timeout 150 python3 bench/host_price_tokens.py --threads 12 --experts 256 --format bf16 --tokens 1,4,8,16 \
         --points 16 --cpus $cpus --out "$OUT/host_pin_bf16_${cpus}_$round.json" 2>&1 | sed -n 1,3p | tr '\n' ' '; echo  # sed reads it all: head would close the pipe before the JSON is written
@@ -142,8 +196,7 @@ case "${part:-check}" in
       --max-tokens 256 > "$OUT/suite_ahead.log" 2>&1
     echo "hybrid8_resident rc=$?"; grep '^\[hybrid8_resident' "$OUT/suite_ahead.log" | tail -4 ;;
   eight)  # EIGHT_VARIANTS="flags a|flags b" runs the must-show once per variant, each in $OUT/v<i>/
-    python3 -c "import sys; from setuptools import setup; sys.argv = ['setup.py', 'build_ext', '--inplace', '-q']; setup()" \
-      > "$OUT/host_kernel_build.log" 2>&1 || echo "host kernel build failed (see host_kernel_build.log)"
+    build_host_kernel
     python3 -m ferry.services.cli make-bench-model /tmp/m8 --config tests/data/models/qwen3.6-35b-a3b/config.json \
       --num-layers 8 --format "${EIGHT_FORMAT:-bf16}" > /dev/null
     IFS='|' read -r -a variants <<< "${EIGHT_VARIANTS:-${EIGHT_FLAGS:-}}"

@@ -99,7 +99,7 @@ def main() -> None:
     trace_dir = Path(args.trace_dir or tempfile.mkdtemp(prefix="ferry-long-chunk-"))
     trace_dir.mkdir(parents=True, exist_ok=True)
     ring = getattr(executor.store, "ring", None)
-    ring_default = ring.chunk if ring is not None else None
+    ring_default = (ring.base_chunk, ring.long_chunk) if ring is not None else None
     ring_chunks = [int(c) for c in args.ring_chunks.split(",") if c] or [0]
     if ring is None and ring_chunks != [0]:
         raise SystemExit("--ring-chunks: this worker's store has no staging ring (nothing streams)")
@@ -119,7 +119,8 @@ def main() -> None:
         if profile_here:
             ring_chunk = todo.pop(0)
             if ring is not None:
-                ring.chunk = ring_chunk or ring_default  # the ring re-cuts its bays as the step begins
+                # the ring re-cuts its bays as the step begins (a chunk deep in a long prompt lends: long_chunk)
+                ring.use_chunks(*((ring_chunk, ring_chunk) if ring_chunk else ring_default))
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                     torch.profiler.ProfilerActivity.CUDA]) as prof:  # fmt: skip
                 t0 = time.perf_counter()
@@ -132,9 +133,9 @@ def main() -> None:
             save_events(Path(args.events_dir or trace_dir) / f"device_events_at_{done}.json.gz", device, launches)
             summary = summarize_events(device, launches)
             if ring is not None:
-                ring.chunk = ring_default
+                ring.use_chunks(*ring_default)
             profiles.append({"context": done, "tokens": len(part), "wall_ms": wall * 1e3,
-                             "ring_chunk": ring_chunk or ring_default,
+                             "ring_chunk": ring.chunk if ring is not None else None,  # what the step cut at
                              "expert_cache": _delta(_cache_counters(executor), before), **summary})  # fmt: skip
             print(json.dumps({k: v for k, v in profiles[-1].items() if k not in ("largest_compute_gaps", "streams")}), flush=True)
         else:

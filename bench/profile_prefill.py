@@ -57,9 +57,10 @@ def main() -> None:
     by_chunk = {}
     for chunk in [int(c) for c in args.ring_chunks.split(",") if c]:
         if ring is not None and chunk <= ring.size:
-            default, ring.chunk = ring.chunk, chunk
+            default = (ring.base_chunk, ring.long_chunk)
+            ring.use_chunks(chunk, chunk)
             by_chunk[chunk] = statistics.median(prefill() for _ in range(args.runs))
-            ring.chunk = default
+            ring.use_chunks(*default)
     walls = [prefill() for _ in range(args.runs)]
     before = _cache_counters(executor)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
@@ -68,7 +69,7 @@ def main() -> None:
     copied = _delta(_cache_counters(executor), before)  # the profiled prefill's own
     result = {"prompt_len": args.prompt_len, "wall_s": walls, "median_wall_s": statistics.median(walls),
               "profiled_wall_s": profiled_wall, "slots": plan.experts.slots, "experts": plan.experts.total,
-              "ring_chunk": ring.chunk if ring is not None else None, "median_wall_s_by_ring_chunk": by_chunk,
+              "ring_chunk": ring.base_chunk if ring is not None else None, "median_wall_s_by_ring_chunk": by_chunk,
               "profiled_prefill_expert_cache": copied,
               **device_timeline(prof)}  # fmt: skip
     print(json.dumps(result, indent=1))

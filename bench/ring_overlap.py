@@ -46,10 +46,10 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    spec = load_model_config(Path(args.config).parent)  # before the device: a wrong path fails here, on CPU too
     if not torch.cuda.is_available():
         raise SystemExit("ring_overlap.py needs a CUDA device")
     device = torch.device("cuda")
-    spec = load_model_config(Path(args.config).parent)
     attend = _attention(spec, args.chunk, args.context, device)
     shape = (1, spec.num_experts, spec.hidden_size, spec.moe_intermediate_size, torch.bfloat16)
     banks = {}

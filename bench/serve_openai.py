@@ -209,6 +209,10 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens of the decode runs")
     p.add_argument("--ttft-prompt-len", type=int, default=2000)
     p.add_argument("--ttft-runs", type=int, default=3)
+    p.add_argument("--settle-tokens", type=int, default=0,
+                   help="one untimed stream of this many tokens before the decode runs: auto's guard over the "
+                        "host's decode share measures and sizes it over its first ~1,000 decode steps "
+                        "(services/worker/offload/share_guard.py), and the runs then time what it settled on")  # fmt: skip
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--vocab", type=int, default=None, help="prompt token ids are drawn below this (default: from --config, else 10000)")
     p.add_argument("--metrics", default=None, help="the worker's Prometheus /metrics URL (Ferry)")
@@ -262,6 +266,9 @@ def main() -> int:
           f"({result['ttft_prompt']}; server counted {result['ttft_prompt_tokens']} tokens); as token ids "
           f"{1e3 * result['ttft_ids_s']:.0f} ms, {1e3 * (result['ttft_ids_wire_s'] or float('nan')):.0f} ms from the wire")  # fmt: skip
 
+    if args.settle_tokens:
+        settled = stream(client, model, prompt(args.prompt_len), args.settle_tokens, args.temperature)
+        result["settle"] = {"tokens": settled["tokens"], "tok_s": settled["tok_s"]}
     ceilings = json.loads(Path(args.ceilings).read_text()) if args.ceilings else None
     for n in [int(s) for s in args.streams.split(",")]:
         before = scrape(args.metrics)

@@ -52,6 +52,8 @@ def _fla_varlen(q, k, v, g, beta, states, state_slots, query_start, query_lens):
         k = k.repeat_interleave(v_heads // k_heads, dim=1)
     initial = states[state_slots]  # [R, v_heads, k_dim, v_dim]
     rule = fused_recurrent_gated_delta_rule if all_decode else chunk_gated_delta_rule
+    # the chunked rule's chunk list made here, from the host's lengths (see chunk_indices)
+    chunked = {} if all_decode else {"chunk_size": FLA_CHUNK, "chunk_indices": chunk_indices(query_lens, q.device)}
     # by keyword: fla's positional order differs between the two functions
     out, final = rule(
         q=q[None].contiguous(),
@@ -63,9 +65,45 @@ def _fla_varlen(q, k, v, g, beta, states, state_slots, query_start, query_lens):
         output_final_state=True,
         cu_seqlens=query_start.long(),
         use_qk_l2norm_in_kernel=all_decode,
+        **chunked,
     )
     states[state_slots] = final.float()
     return out[0].to(v.dtype)
+
+
+FLA_CHUNK = 64  # tokens a chunk of fla's chunked rule (its default, passed explicitly with the list below)
+# the chunk lists last made, by lengths and device: a step's linear layers share one, and a step whose token
+# mixers run in slices (services/worker/mixer_slices.py) alternates between its slices' lists in every layer
+_CHUNK_INDICES_KEPT = 4
+_chunk_indices_made: dict[tuple, torch.Tensor] = {}
+
+
+def chunk_indices(query_lens: list[int], device: torch.device) -> torch.Tensor:
+    """fla's `chunk_indices` for requests of `query_lens` tokens: [chunks, 2] int64, each chunk's request
+    and its index in that request, FLA_CHUNK tokens a chunk (fla.ops.utils.index.prepare_chunk_indices'
+    layout). fla makes it from the device's cu_seqlens with a repeat_interleave whose size it reads
+    back: a synchronisation in every linear layer of a prefill step, which kept the host from running
+    ahead of the device. Made here from the host's lengths and sent without waiting (pinned), once a
+    step (or a mixer slice): the step's linear layers share it (the last few made are kept)."""
+    key = (tuple(query_lens), str(device))
+    made = _chunk_indices_made.pop(key, None)
+    if made is None:
+        counts = np.array([-(-n // FLA_CHUNK) for n in query_lens], dtype=np.int64)
+        request = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+        index = np.arange(len(request), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+        made = _sent(np.stack([request, index], axis=1), device)
+    _chunk_indices_made[key] = made  # the most recent last
+    while len(_chunk_indices_made) > _CHUNK_INDICES_KEPT:
+        del _chunk_indices_made[next(iter(_chunk_indices_made))]
+    return made
+
+
+def _sent(host: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A small host array on `device` without waiting for it: a pageable host-to-device copy synchronises
+    with the device, a pinned one does not (the caching host allocator keeps the pinned block until the
+    copy has run)."""
+    t = torch.from_numpy(np.ascontiguousarray(host))
+    return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t.to(device)
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -83,14 +121,16 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
 def gated_delta_rule_varlen_keeping(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     states: torch.Tensor, state_slots: torch.Tensor, query_start: torch.Tensor, query_lens: list[int],
-    inside: list[tuple[int, int]],
+    inside: list[tuple[int, int]], state_slots_host: list[int],
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """`gated_delta_rule_varlen`, also keeping some rows' states at a point inside their chunk: `inside`
     holds (row, tokens of the row before the point), 0 < tokens < the row's length. Two passes over the
     same kernels: every row up to its point (the others whole), the inside rows' states copied out,
     then those rows' remainders continuing from them (the state is carried exactly: the chunked rule's
-    state after n tokens is the state a chunk ending there leaves). Returns (outputs [T, v_heads,
-    v_dim], the state at each inside row's point, in `inside`'s order)."""
+    state after n tokens is the state a chunk ending there leaves). `state_slots_host`: `state_slots`
+    as the host knows them, so that nothing is read back from the device, and the index arrays of the
+    two passes go over pinned (a prefix-cache step keeps such states in every linear layer). Returns
+    (outputs [T, v_heads, v_dim], the state at each inside row's point, in `inside`'s order)."""
     if not inside:
         return gated_delta_rule_varlen(q, k, v, g, beta, states, state_slots, query_start, query_lens), []
     starts = np.concatenate([[0], np.cumsum(query_lens)])
@@ -101,17 +141,18 @@ def gated_delta_rule_varlen_keeping(
     device = q.device
 
     def positions(spans) -> torch.Tensor:
-        return torch.from_numpy(np.concatenate([np.arange(a, b) for a, b in spans])).to(device)
+        return _sent(np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in spans]), device)
 
     def cumulative(lens) -> torch.Tensor:
-        return torch.from_numpy(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)).to(device)
+        return _sent(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32), device)
 
     out = torch.empty_like(v)
     head = positions((starts[i], starts[i] + n) for i, n in enumerate(first))
     out[head] = gated_delta_rule_varlen(q[head], k[head], v[head], g[head], beta[head], states, state_slots,
                                         cumulative(first), first)  # fmt: skip
-    slots = state_slots[torch.tensor(rows, device=state_slots.device)]
-    kept = [states[slot].clone() for slot in slots.tolist()]
+    kept_slots = [int(state_slots_host[i]) for i in rows]
+    kept = [states[slot].clone() for slot in kept_slots]
+    slots = _sent(np.asarray(kept_slots, dtype=np.int64), state_slots.device).to(state_slots.dtype)
     tail = positions((starts[i] + cut[i], starts[i + 1]) for i in rows)
     out[tail] = gated_delta_rule_varlen(q[tail], k[tail], v[tail], g[tail], beta[tail], states, slots,
                                         cumulative(rest), rest)  # fmt: skip

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ferry.kernels.causal_conv1d import causal_conv1d_decode
+from ferry.kernels.causal_conv1d_reference import causal_conv1d_decode
 from ferry.kernels.gated_delta_rule_reference import gated_delta_rule_recurrent
 
 

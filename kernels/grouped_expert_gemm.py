@@ -45,24 +45,21 @@ def _block_rows(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr):
     return offs_m, pair, pair < num_pairs
 
 
-# num_pairs follows the step's token count: not specialised on, so a step of a new size class never
-# compiles a new variant mid-serving (warmup.py runs the classes that remain at boot); nor is the
-# slot window (slot_lo <= block_slot < slot_hi computes, at slot block_slot + slot_shift), which
-# follows a streamed chunk
-@triton.jit(do_not_specialize=["num_pairs", "slot_lo", "slot_hi", "slot_shift"])
-def _gate_up_kernel(
-    x_ptr, w13_ptr, act_ptr, sorted_pairs_ptr, block_slot_ptr,
-    num_pairs, top_k, H, I, slot_lo, slot_hi, slot_shift,
+@triton.jit
+def _window_blocks(block_start_ptr, slot_lo, slot_hi):
+    """[first, last) aligned blocks of the window's slots (block_start: each slot's first block, ascending)."""
+    return tl.load(block_start_ptr + slot_lo), tl.load(block_start_ptr + slot_hi)
+
+
+@triton.jit
+def _gate_up_block(
+    x_ptr, w13_ptr, act_ptr, sorted_pairs_ptr, pid_m, pid_n, slot,
+    num_pairs, top_k, H, I,
     stride_xt, stride_xh, stride_ws, stride_wn, stride_wh, stride_am, stride_an,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    slot = tl.load(block_slot_ptr + pid_m)
-    if (slot < slot_lo) | (slot >= slot_hi):  # -1 (past the end), or outside the caller's window
-        return
-    slot += slot_shift
+    """Block pid_m's rows times slot `slot`'s gate/up tile pid_n, SiLU product stored to act."""
     offs_m, pair, row_ok = _block_rows(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M)
     token = pair // top_k
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -96,20 +93,47 @@ def _gate_up_kernel(
     tl.store(a_ptrs, act, mask=row_ok[:, None] & n_ok[None, :])
 
 
+# num_pairs follows the step's token count: not specialised on, so a step of a new size class never
+# compiles a new variant mid-serving (warmup.py runs the classes that remain at boot); nor is the
+# slot window (slot_lo <= block_slot < slot_hi computes, at slot block_slot + slot_shift), which
+# follows a streamed chunk. WINDOWED: the grid's first axis is not one program a block but a few that
+# loop over the window's blocks only, [block_start[slot_lo], block_start[slot_hi]) read on the device
+# (a streamed chunk's blocks are a few per cent of its layer's; a grid over all of them launched the
+# rest to exit at once, ~1,100 row blocks x 8-32 column tiles a launch, two launches a ring chunk).
 @triton.jit(do_not_specialize=["num_pairs", "slot_lo", "slot_hi", "slot_shift"])
-def _down_kernel(
-    act_ptr, w2_ptr, rows_ptr, weights_ptr, sorted_pairs_ptr, block_slot_ptr,
-    num_pairs, H, I, slot_lo, slot_hi, slot_shift,
+def _gate_up_kernel(
+    x_ptr, w13_ptr, act_ptr, sorted_pairs_ptr, block_slot_ptr, block_start_ptr,
+    num_pairs, top_k, H, I, slot_lo, slot_hi, slot_shift,
+    stride_xt, stride_xh, stride_ws, stride_wn, stride_wh, stride_am, stride_an,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, WINDOWED: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(1)
+    if WINDOWED:
+        first, last = _window_blocks(block_start_ptr, slot_lo, slot_hi)
+        for pid_m in range(first + tl.program_id(0), last, tl.num_programs(0)):
+            slot = tl.load(block_slot_ptr + pid_m) + slot_shift
+            _gate_up_block(x_ptr, w13_ptr, act_ptr, sorted_pairs_ptr, pid_m, pid_n, slot, num_pairs, top_k, H, I,
+                           stride_xt, stride_xh, stride_ws, stride_wn, stride_wh, stride_am, stride_an,
+                           BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)  # fmt: skip
+    else:
+        pid_m = tl.program_id(0)
+        slot = tl.load(block_slot_ptr + pid_m)
+        if (slot >= slot_lo) & (slot < slot_hi):  # not -1 (past the end), and inside the caller's window
+            _gate_up_block(x_ptr, w13_ptr, act_ptr, sorted_pairs_ptr, pid_m, pid_n, slot + slot_shift, num_pairs,
+                           top_k, H, I, stride_xt, stride_xh, stride_ws, stride_wn, stride_wh, stride_am, stride_an,
+                           BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)  # fmt: skip
+
+
+@triton.jit
+def _down_block(
+    act_ptr, w2_ptr, rows_ptr, weights_ptr, sorted_pairs_ptr, pid_m, pid_n, slot,
+    num_pairs, H, I,
     stride_am, stride_an, stride_ws, stride_wh, stride_wi,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    slot = tl.load(block_slot_ptr + pid_m)
-    if (slot < slot_lo) | (slot >= slot_hi):  # -1 (past the end), or outside the caller's window
-        return
-    slot += slot_shift
+    """Block pid_m's activations times slot `slot`'s down tile pid_n, weighted, stored to its pairs' rows."""
     offs_m, pair, row_ok = _block_rows(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output features (H)
     n_ok = offs_n < H
@@ -131,14 +155,42 @@ def _down_kernel(
     tl.store(rows_ptr + pair[:, None] * H + offs_n[None, :], y, mask=row_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit(do_not_specialize=["num_pairs", "slot_lo", "slot_hi", "slot_shift"])
+def _down_kernel(
+    act_ptr, w2_ptr, rows_ptr, weights_ptr, sorted_pairs_ptr, block_slot_ptr, block_start_ptr,
+    num_pairs, H, I, slot_lo, slot_hi, slot_shift,
+    stride_am, stride_an, stride_ws, stride_wh, stride_wi,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, WINDOWED: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(1)
+    if WINDOWED:
+        first, last = _window_blocks(block_start_ptr, slot_lo, slot_hi)
+        for pid_m in range(first + tl.program_id(0), last, tl.num_programs(0)):
+            slot = tl.load(block_slot_ptr + pid_m) + slot_shift
+            _down_block(act_ptr, w2_ptr, rows_ptr, weights_ptr, sorted_pairs_ptr, pid_m, pid_n, slot, num_pairs, H, I,
+                        stride_am, stride_an, stride_ws, stride_wh, stride_wi,
+                        BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)  # fmt: skip
+    else:
+        pid_m = tl.program_id(0)
+        slot = tl.load(block_slot_ptr + pid_m)
+        if (slot >= slot_lo) & (slot < slot_hi):
+            _down_block(act_ptr, w2_ptr, rows_ptr, weights_ptr, sorted_pairs_ptr, pid_m, pid_n, slot + slot_shift,
+                        num_pairs, H, I, stride_am, stride_an, stride_ws, stride_wh, stride_wi,
+                        BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)  # fmt: skip
+
+
 def align_pairs_by_slot(topk_slots: torch.Tensor, num_slots: int, block_m: int,
-                        max_distinct_slots: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                        max_distinct_slots: int | None = None, block_starts: bool = False) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """(sorted_pairs, block_slot): flat (token*k + j) pair indices grouped by slot, each slot's
     group padded to a multiple of block_m with the sentinel T*k, and the slot of each block of
     block_m rows (-1 for blocks past the end). Pairs with slot -1 are left out. No host sync.
 
     The grid is sized for the worst case; `max_distinct_slots` (e.g. one layer's expert count,
-    known to the caller) tightens it, and with it the intermediate buffer, for large steps."""
+    known to the caller) tightens it, and with it the intermediate buffer, for large steps.
+    `block_starts`: a third tensor, int32 [num_slots + 1], slot s's first block (its blocks are
+    [block_start[s], block_start[s + 1])), for a caller that computes a window of slots at a time
+    (`grouped_expert_rows_triton`'s slot_window)."""
     flat = topk_slots.reshape(-1).to(torch.int64)
     n = flat.numel()
     device = flat.device
@@ -160,10 +212,23 @@ def align_pairs_by_slot(topk_slots: torch.Tensor, num_slots: int, block_m: int,
     dest = torch.where(kept, padded_start[slot_of_sorted] + rank, trash)
     sorted_pairs = torch.full((trash + 1,), n, dtype=torch.int32, device=device)
     sorted_pairs.scatter_(0, dest, order.to(torch.int32))
-    block_starts = torch.arange(max_blocks, device=device) * block_m
-    idx = torch.searchsorted(padded_end, block_starts, right=True)
+    block_rows = torch.arange(max_blocks, device=device) * block_m  # each block's first aligned row
+    idx = torch.searchsorted(padded_end, block_rows, right=True)
     block_slot = torch.where(idx < num_slots, idx, -1).to(torch.int32)
+    if block_starts:
+        starts = torch.cat([padded_start, padded_end[-1:]]) // block_m
+        return sorted_pairs[:trash], block_slot, starts.to(torch.int32)
     return sorted_pairs[:trash], block_slot
+
+
+def window_programs(num_pairs: int, num_positions: int, window: int, block_m: int, num_blocks: int) -> int:
+    """Programs along the blocks for a windowed launch (a streamed chunk of `window` of the layer's
+    `num_positions` staged experts): the window's blocks were the pairs spread evenly over the
+    positions, each position's share padded to whole blocks, at most the layer's `num_blocks`. An
+    over-estimate where the layer's pairs also go to cached experts; a window with more blocks (a skewed
+    routing) loops over them in the same programs."""
+    per_position = triton.cdiv(num_pairs, max(1, num_positions))
+    return max(1, min(num_blocks, window * triton.cdiv(per_position, block_m)))
 
 
 def align_pairs_by_slot_host(topk_slots: np.ndarray, block_m: int) -> tuple[np.ndarray, np.ndarray]:
@@ -181,9 +246,12 @@ def align_pairs_by_slot_host(topk_slots: np.ndarray, block_m: int) -> tuple[np.n
     return sorted_pairs, np.repeat(slots, blocks).astype(np.int32)
 
 
+SMALL_BLOCK_MAX_PAIRS = 1024  # steps of up to this many (token, k) pairs take the small block
+
+
 def block_m_for(num_pairs: int) -> int:
     """Rows per program: small for decode (few tokens per expert), larger for prefill."""
-    return 16 if num_pairs <= 1024 else 64
+    return 16 if num_pairs <= SMALL_BLOCK_MAX_PAIRS else 64
 
 
 SLOT_WINDOW_ALL = (0, 2**31 - 1, 0)
@@ -199,7 +267,9 @@ def grouped_expert_rows_triton(x, topk_slots, topk_weights, w13, w2, rows,
     block_m_for(T * k) (e.g. by `align_pairs_by_slot_host`); `topk_slots` is then not read.
     `slot_window` (lo, hi, shift): only the blocks whose block_slot b has lo <= b < hi are
     computed, with the weights of slot b + shift (a streamed chunk: its experts' positions in the
-    layer's list, and the staging slots they landed in), with no tensor made per chunk.
+    layer's list, and the staging slots they landed in), with no tensor made per chunk. With the
+    block starts in `aligned` (`align_pairs_by_slot(..., block_starts=True)`), a window's launch is
+    sized for its own blocks (`window_programs`), read on the device, not for the layer's.
     Quantized slots (`QuantizedFamily` w13, w2) go to their twin, quantized_expert_gemm.py."""
     if isinstance(w13, QuantizedFamily):
         from ferry.kernels.quantized_expert_gemm import quantized_grouped_rows_triton  # it imports this module
@@ -216,24 +286,42 @@ def grouped_expert_rows_triton(x, topk_slots, topk_weights, w13, w2, rows,
     block_n, block_k = 64, 64
     if aligned is None:
         aligned = align_pairs_by_slot(topk_slots, w13.shape[0], block_m, max_distinct_slots)
-    sorted_pairs, block_slot = aligned
+    sorted_pairs, block_slot, block_start, grid_m = launch_blocks(aligned, num_pairs, block_m, slot_window)
     if num_pairs == 0 or block_slot.numel() == 0:
         return
     act = torch.empty(sorted_pairs.numel(), inter, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     upcast = _INTERPRETING or x.dtype == torch.float32
     precision = "ieee" if x.dtype == torch.float32 else None  # fp32 in, fp32 accuracy out (no TF32)
-    num_blocks = block_slot.numel()
-    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast, PRECISION=precision)  # both kernels
+    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast, PRECISION=precision,
+                WINDOWED=block_start is not None)  # both kernels
     lo, hi, shift = slot_window
-    _gate_up_kernel[(num_blocks, triton.cdiv(inter, block_n))](
-        x, w13, act, sorted_pairs, block_slot, num_pairs, top_k, h, inter, lo, hi, shift,
+    starts = block_start if block_start is not None else block_slot  # not read unless WINDOWED
+    _gate_up_kernel[(grid_m, triton.cdiv(inter, block_n))](
+        x, w13, act, sorted_pairs, block_slot, starts, num_pairs, top_k, h, inter, lo, hi, shift,
         x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0), act.stride(1), **meta,
     )  # fmt: skip
-    _down_kernel[(num_blocks, triton.cdiv(h, block_n))](
-        act, w2, rows, weights, sorted_pairs, block_slot, num_pairs, h, inter, lo, hi, shift,
+    _down_kernel[(grid_m, triton.cdiv(h, block_n))](
+        act, w2, rows, weights, sorted_pairs, block_slot, starts, num_pairs, h, inter, lo, hi, shift,
         act.stride(0), act.stride(1), w2.stride(0), w2.stride(1), w2.stride(2), **meta,
     )  # fmt: skip
+
+
+def launch_blocks(aligned: tuple[torch.Tensor, ...], num_pairs: int, block_m: int,
+                  slot_window: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:  # fmt: skip
+    """(sorted_pairs, block_slot, block_start or None, programs along the blocks) for a launch over
+    `aligned`: one program a block, or, for a window with its block starts given, `window_programs`
+    looping over the window's blocks (block_start None: every block is launched and checks its slot)."""
+    sorted_pairs, block_slot, *rest = aligned
+    num_blocks = block_slot.numel()
+    if not rest or slot_window == SLOT_WINDOW_ALL:
+        return sorted_pairs, block_slot, None, num_blocks
+    (block_start,) = rest
+    lo, hi, _ = slot_window
+    if not 0 <= lo <= hi < block_start.numel():
+        raise ValueError(f"slot window [{lo}, {hi}) outside the {block_start.numel() - 1} aligned slots")
+    return sorted_pairs, block_slot, block_start, window_programs(num_pairs, block_start.numel() - 1, hi - lo,
+                                                                  block_m, num_blocks)  # fmt: skip
 
 
 def grouped_expert_rows(x, topk_slots, topk_weights, w13, w2, rows, max_distinct_slots: int | None = None) -> None:

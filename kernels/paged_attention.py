@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 
+import structlog
 import torch
 
 from ferry.kernels.dispatch import use_triton
@@ -14,6 +15,9 @@ from ferry.kernels.paged_attention_flash import flash_available, flash_prefill_i
 from ferry.kernels.paged_attention_reference import paged_attention_reference, write_kv
 
 __all__ = ["paged_attention", "write_kv"]
+
+log = structlog.get_logger("worker.attention")
+_refusals_logged: set[tuple] = set()
 
 
 def paged_attention(
@@ -46,7 +50,21 @@ def paged_attention(
             if flash_prefill_into(out, q, k_cache, v_cache, page_table[r], first_rows[r], query_lens[r],
                                   context_lens[r], scale, buffers):  # fmt: skip
                 flash.add(r)
+            else:
+                _flash_refused(q, k_cache, query_lens[r], context_lens[r])
     if len(flash) == sum(1 for n in query_lens if n):
         return out
     return triton_kernels.paged_attention_prefill_triton(q, k_cache, v_cache, page_table, query_start, positions,
                                                          query_lens, scale, out=out, skip=frozenset(flash))  # fmt: skip
+
+
+def _flash_refused(q: torch.Tensor, k_cache: torch.Tensor, query_len: int, context_len: int) -> None:
+    """FlashAttention refused a long query it was expected to take: the paged kernel computes it, correctly
+    but at about two thirds of the speed (bench/NOTES.md). Said once per kind of call, so that a refusal
+    that would silently cost every long prefill shows in the log (one did, unseen, until a profile)."""
+    kind = (q.dtype, k_cache.dtype, tuple(q.shape[1:]), k_cache.shape[2], context_len > 0)
+    if kind in _refusals_logged:
+        return
+    _refusals_logged.add(kind)
+    log.warning("flash_attention_refused", query_tokens=query_len, context_tokens=context_len, dtype=str(q.dtype),
+                cache_dtype=str(k_cache.dtype), heads=q.shape[1], kv_heads=k_cache.shape[2], head_dim=q.shape[2])  # fmt: skip

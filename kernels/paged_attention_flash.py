@@ -45,6 +45,15 @@ def flash_requests(query_lens: list[int], min_tokens: int = FLASH_MIN_QUERY_TOKE
     return [r for r, n in enumerate(query_lens) if n >= min_tokens]
 
 
+def flash_params(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+    """The SDPA parameters FlashAttention is asked about for a lower-right causal call: those
+    `torch.nn.attention.bias.CausalBias` asks with (no mask, is_causal False, grouped-query heads), since
+    that is the check SDPA itself makes before it runs flash with its lower-right mask."""
+    from torch.backends.cuda import SDPAParams
+
+    return SDPAParams(query, key, value, None, 0.0, False, True)
+
+
 def flash_prefill_into(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        pages: torch.Tensor, first_row: int, query_len: int, context_len: int, scale: float,
                        buffers: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:  # fmt: skip
@@ -54,7 +63,7 @@ def flash_prefill_into(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor
     `buffers` ([pages, page_size, kv_heads, head_dim] each, pools.KvTensorPool.gather_buffers) where
     they hold them, else into fresh tensors. False, with nothing written, where FlashAttention
     refuses these tensors (the caller's paged kernel takes them)."""
-    from torch.backends.cuda import SDPAParams, can_use_flash_attention
+    from torch.backends.cuda import can_use_flash_attention
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
 
@@ -64,8 +73,10 @@ def flash_prefill_into(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor
     query = q[rows].unsqueeze(0).transpose(1, 2)
     key = gather_request_kv(k_cache, pages, total, buffers[0] if buffers else None).unsqueeze(0).transpose(1, 2)
     value = gather_request_kv(v_cache, pages, total, buffers[1] if buffers else None).unsqueeze(0).transpose(1, 2)
-    # asked before the call: where flash refuses, SDPA's causal-bias path would build the [L, S] mask
-    if not can_use_flash_attention(SDPAParams(query, key, value, None, 0.0, True, True)):
+    # asked before the call, as the causal bias asks it: where flash refuses, SDPA's causal-bias path would
+    # build the [L, S] mask. Not is_causal=True: flash refuses that flag whenever L != S (top-left causal is
+    # not lower-right), which turned every chunk after a prompt's first to the paged kernel
+    if not can_use_flash_attention(flash_params(query, key, value)):
         return False
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         result = torch.nn.functional.scaled_dot_product_attention(

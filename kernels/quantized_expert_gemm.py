@@ -24,8 +24,10 @@ from ferry.kernels.grouped_expert_gemm import (
     _INTERPRETING,
     SLOT_WINDOW_ALL,
     _block_rows,
+    _window_blocks,
     align_pairs_by_slot,
     block_m_for,
+    launch_blocks,
 )
 from ferry.kernels.quantized_expert_gemv import _e2m1_high, _e2m1_low, check_quantized_families
 from ferry.kernels.quantized_experts import NVFP4, QuantizedFamily
@@ -60,20 +62,15 @@ def _even_odd(x_ptrs, mask, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     return tl.split(tl.reshape(x, (BLOCK_M, BLOCK_K // 2, 2)))
 
 
-@triton.jit(do_not_specialize=["num_pairs", "slot_lo", "slot_hi", "slot_shift"])
-def _nvfp4_gate_up_kernel(
-    x_ptr, q_ptr, s_ptr, g_ptr, act_ptr, sorted_pairs_ptr, block_slot_ptr,
-    num_pairs, top_k, H, I, slot_lo, slot_hi, slot_shift,
+@triton.jit
+def _nvfp4_gate_up_block(
+    x_ptr, q_ptr, s_ptr, g_ptr, act_ptr, sorted_pairs_ptr, pid_m, pid_n, slot, num_pairs, top_k, H, I,
     stride_xt, stride_xh, stride_qs, stride_qo, stride_ss, stride_so, stride_gs, stride_am, stride_an,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    slot = tl.load(block_slot_ptr + pid_m)
-    if (slot < slot_lo) | (slot >= slot_hi):  # -1 (past the end), or outside the caller's window
-        return
-    slot = (slot + slot_shift).to(tl.int64)
+    """_nvfp4_gate_up_kernel's work: block pid_m at slot `slot` (shifted), column tile pid_n."""
+    slot = slot.to(tl.int64)
     offs_m, pair, row_ok = _block_rows(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M)
     token = pair // top_k
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -116,19 +113,39 @@ def _nvfp4_gate_up_kernel(
 
 
 @triton.jit(do_not_specialize=["num_pairs", "slot_lo", "slot_hi", "slot_shift"])
-def _nvfp4_down_kernel(
-    act_ptr, q_ptr, s_ptr, g_ptr, rows_ptr, weights_ptr, sorted_pairs_ptr, block_slot_ptr,
-    num_pairs, H, I, slot_lo, slot_hi, slot_shift,
-    stride_am, stride_an, stride_qs, stride_qo, stride_ss, stride_so, stride_gs,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+def _nvfp4_gate_up_kernel(
+    x_ptr, q_ptr, s_ptr, g_ptr, act_ptr, sorted_pairs_ptr, block_slot_ptr, block_start_ptr, num_pairs, top_k, H,
+    I, slot_lo, slot_hi, slot_shift, stride_xt, stride_xh, stride_qs, stride_qo, stride_ss, stride_so,
+    stride_gs, stride_am, stride_an, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, WINDOWED: tl.constexpr,
 ):  # fmt: skip
-    pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    slot = tl.load(block_slot_ptr + pid_m)
-    if (slot < slot_lo) | (slot >= slot_hi):
-        return
-    slot = (slot + slot_shift).to(tl.int64)
+    if WINDOWED:  # the window's blocks only (grouped_expert_gemm.py)
+        first, last = _window_blocks(block_start_ptr, slot_lo, slot_hi)
+        for pid_m in range(first + tl.program_id(0), last, tl.num_programs(0)):
+            slot = tl.load(block_slot_ptr + pid_m) + slot_shift
+            _nvfp4_gate_up_block(
+                x_ptr, q_ptr, s_ptr, g_ptr, act_ptr, sorted_pairs_ptr, pid_m, pid_n, slot, num_pairs, top_k, H,
+                I, stride_xt, stride_xh, stride_qs, stride_qo, stride_ss, stride_so, stride_gs, stride_am,
+                stride_an, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)  # fmt: skip
+    else:
+        pid_m = tl.program_id(0)
+        slot = tl.load(block_slot_ptr + pid_m)
+        if (slot >= slot_lo) & (slot < slot_hi):  # not -1 (past the end), and inside the window
+            _nvfp4_gate_up_block(
+                x_ptr, q_ptr, s_ptr, g_ptr, act_ptr, sorted_pairs_ptr, pid_m, pid_n, slot + slot_shift,
+                num_pairs, top_k, H, I, stride_xt, stride_xh, stride_qs, stride_qo, stride_ss, stride_so,
+                stride_gs, stride_am, stride_an, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)  # fmt: skip
+
+
+@triton.jit
+def _nvfp4_down_block(
+    act_ptr, q_ptr, s_ptr, g_ptr, rows_ptr, weights_ptr, sorted_pairs_ptr, pid_m, pid_n, slot, num_pairs, H, I,
+    stride_am, stride_an, stride_qs, stride_qo, stride_ss, stride_so, stride_gs, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """_nvfp4_down_kernel's work: block pid_m at slot `slot` (shifted), column tile pid_n."""
+    slot = slot.to(tl.int64)
     offs_m, pair, row_ok = _block_rows(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output features (H)
     n_ok = offs_n < H
@@ -156,20 +173,40 @@ def _nvfp4_down_kernel(
 
 
 @triton.jit(do_not_specialize=["num_pairs", "slot_lo", "slot_hi", "slot_shift"])
-def _fp8_gate_up_kernel(
-    x_ptr, q_ptr, s_ptr, act_ptr, sorted_pairs_ptr, block_slot_ptr,
-    num_pairs, top_k, H, I, slot_lo, slot_hi, slot_shift, up_row_block,
-    stride_xt, stride_xh, stride_qs, stride_qo, stride_ss, stride_so, stride_am, stride_an,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+def _nvfp4_down_kernel(
+    act_ptr, q_ptr, s_ptr, g_ptr, rows_ptr, weights_ptr, sorted_pairs_ptr, block_slot_ptr, block_start_ptr,
+    num_pairs, H, I, slot_lo, slot_hi, slot_shift, stride_am, stride_an, stride_qs, stride_qo, stride_ss,
+    stride_so, stride_gs, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, WINDOWED: tl.constexpr,
 ):  # fmt: skip
-    tl.static_assert(128 % BLOCK_K == 0, "a step must stay in one column block")
-    pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    slot = tl.load(block_slot_ptr + pid_m)
-    if (slot < slot_lo) | (slot >= slot_hi):
-        return
-    slot = (slot + slot_shift).to(tl.int64)
+    if WINDOWED:  # the window's blocks only (grouped_expert_gemm.py)
+        first, last = _window_blocks(block_start_ptr, slot_lo, slot_hi)
+        for pid_m in range(first + tl.program_id(0), last, tl.num_programs(0)):
+            slot = tl.load(block_slot_ptr + pid_m) + slot_shift
+            _nvfp4_down_block(
+                act_ptr, q_ptr, s_ptr, g_ptr, rows_ptr, weights_ptr, sorted_pairs_ptr, pid_m, pid_n, slot,
+                num_pairs, H, I, stride_am, stride_an, stride_qs, stride_qo, stride_ss, stride_so, stride_gs,
+                BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)  # fmt: skip
+    else:
+        pid_m = tl.program_id(0)
+        slot = tl.load(block_slot_ptr + pid_m)
+        if (slot >= slot_lo) & (slot < slot_hi):  # not -1 (past the end), and inside the window
+            _nvfp4_down_block(
+                act_ptr, q_ptr, s_ptr, g_ptr, rows_ptr, weights_ptr, sorted_pairs_ptr, pid_m, pid_n,
+                slot + slot_shift, num_pairs, H, I, stride_am, stride_an, stride_qs, stride_qo, stride_ss,
+                stride_so, stride_gs, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)  # fmt: skip
+
+
+@triton.jit
+def _fp8_gate_up_block(
+    x_ptr, q_ptr, s_ptr, act_ptr, sorted_pairs_ptr, pid_m, pid_n, slot, num_pairs, top_k, H, I, up_row_block,
+    stride_xt, stride_xh, stride_qs, stride_qo, stride_ss, stride_so, stride_am, stride_an,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    """_fp8_gate_up_kernel's work: block pid_m at slot `slot` (shifted), column tile pid_n."""
+    slot = slot.to(tl.int64)
     offs_m, pair, row_ok = _block_rows(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M)
     token = pair // top_k
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -204,20 +241,40 @@ def _fp8_gate_up_kernel(
 
 
 @triton.jit(do_not_specialize=["num_pairs", "slot_lo", "slot_hi", "slot_shift"])
-def _fp8_down_kernel(
-    act_ptr, q_ptr, s_ptr, rows_ptr, weights_ptr, sorted_pairs_ptr, block_slot_ptr,
-    num_pairs, H, I, slot_lo, slot_hi, slot_shift,
-    stride_am, stride_an, stride_qs, stride_qo, stride_ss, stride_so,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+def _fp8_gate_up_kernel(
+    x_ptr, q_ptr, s_ptr, act_ptr, sorted_pairs_ptr, block_slot_ptr, block_start_ptr, num_pairs, top_k, H, I,
+    slot_lo, slot_hi, slot_shift, up_row_block, stride_xt, stride_xh, stride_qs, stride_qo, stride_ss,
+    stride_so, stride_am, stride_an, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, WINDOWED: tl.constexpr,
 ):  # fmt: skip
     tl.static_assert(128 % BLOCK_K == 0, "a step must stay in one column block")
-    pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    slot = tl.load(block_slot_ptr + pid_m)
-    if (slot < slot_lo) | (slot >= slot_hi):
-        return
-    slot = (slot + slot_shift).to(tl.int64)
+    if WINDOWED:  # the window's blocks only (grouped_expert_gemm.py)
+        first, last = _window_blocks(block_start_ptr, slot_lo, slot_hi)
+        for pid_m in range(first + tl.program_id(0), last, tl.num_programs(0)):
+            slot = tl.load(block_slot_ptr + pid_m) + slot_shift
+            _fp8_gate_up_block(
+                x_ptr, q_ptr, s_ptr, act_ptr, sorted_pairs_ptr, pid_m, pid_n, slot, num_pairs, top_k, H, I,
+                up_row_block, stride_xt, stride_xh, stride_qs, stride_qo, stride_ss, stride_so, stride_am,
+                stride_an, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)  # fmt: skip
+    else:
+        pid_m = tl.program_id(0)
+        slot = tl.load(block_slot_ptr + pid_m)
+        if (slot >= slot_lo) & (slot < slot_hi):  # not -1 (past the end), and inside the window
+            _fp8_gate_up_block(
+                x_ptr, q_ptr, s_ptr, act_ptr, sorted_pairs_ptr, pid_m, pid_n, slot + slot_shift, num_pairs,
+                top_k, H, I, up_row_block, stride_xt, stride_xh, stride_qs, stride_qo, stride_ss, stride_so,
+                stride_am, stride_an, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)  # fmt: skip
+
+
+@triton.jit
+def _fp8_down_block(
+    act_ptr, q_ptr, s_ptr, rows_ptr, weights_ptr, sorted_pairs_ptr, pid_m, pid_n, slot, num_pairs, H, I,
+    stride_am, stride_an, stride_qs, stride_qo, stride_ss, stride_so, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """_fp8_down_kernel's work: block pid_m at slot `slot` (shifted), column tile pid_n."""
+    slot = slot.to(tl.int64)
     offs_m, pair, row_ok = _block_rows(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output features (H)
     n_ok = offs_n < H
@@ -240,6 +297,33 @@ def _fp8_down_kernel(
     tl.store(rows_ptr + pair[:, None] * H + offs_n[None, :], y, mask=row_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit(do_not_specialize=["num_pairs", "slot_lo", "slot_hi", "slot_shift"])
+def _fp8_down_kernel(
+    act_ptr, q_ptr, s_ptr, rows_ptr, weights_ptr, sorted_pairs_ptr, block_slot_ptr, block_start_ptr, num_pairs,
+    H, I, slot_lo, slot_hi, slot_shift, stride_am, stride_an, stride_qs, stride_qo, stride_ss, stride_so,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr, WINDOWED: tl.constexpr,
+):  # fmt: skip
+    tl.static_assert(128 % BLOCK_K == 0, "a step must stay in one column block")
+    pid_n = tl.program_id(1)
+    if WINDOWED:  # the window's blocks only (grouped_expert_gemm.py)
+        first, last = _window_blocks(block_start_ptr, slot_lo, slot_hi)
+        for pid_m in range(first + tl.program_id(0), last, tl.num_programs(0)):
+            slot = tl.load(block_slot_ptr + pid_m) + slot_shift
+            _fp8_down_block(
+                act_ptr, q_ptr, s_ptr, rows_ptr, weights_ptr, sorted_pairs_ptr, pid_m, pid_n, slot, num_pairs,
+                H, I, stride_am, stride_an, stride_qs, stride_qo, stride_ss, stride_so, BLOCK_M, BLOCK_N,
+                BLOCK_K, UPCAST, PRECISION)  # fmt: skip
+    else:
+        pid_m = tl.program_id(0)
+        slot = tl.load(block_slot_ptr + pid_m)
+        if (slot >= slot_lo) & (slot < slot_hi):  # not -1 (past the end), and inside the window
+            _fp8_down_block(
+                act_ptr, q_ptr, s_ptr, rows_ptr, weights_ptr, sorted_pairs_ptr, pid_m, pid_n, slot + slot_shift,
+                num_pairs, H, I, stride_am, stride_an, stride_qs, stride_qo, stride_ss, stride_so, BLOCK_M,
+                BLOCK_N, BLOCK_K, UPCAST, PRECISION)  # fmt: skip
+
+
 def quantized_grouped_rows_triton(x, topk_slots, topk_weights, w13: QuantizedFamily, w2: QuantizedFamily, rows,
                                   aligned: tuple[torch.Tensor, torch.Tensor] | None = None,
                                   max_distinct_slots: int | None = None,
@@ -255,37 +339,39 @@ def quantized_grouped_rows_triton(x, topk_slots, topk_weights, w13: QuantizedFam
     block_m = block_m_for(num_pairs)
     if aligned is None:
         aligned = align_pairs_by_slot(topk_slots, w13.num_slots, block_m, max_distinct_slots)
-    sorted_pairs, block_slot = aligned
+    sorted_pairs, block_slot, block_start, grid_m = launch_blocks(aligned, num_pairs, block_m, slot_window)
     if num_pairs == 0 or block_slot.numel() == 0:
         return
     act = torch.empty(sorted_pairs.numel(), inter, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     upcast = _INTERPRETING or x.dtype == torch.float32
     precision = "ieee" if x.dtype == torch.float32 else None  # fp32 in, fp32 accuracy out (no TF32)
-    num_blocks = block_slot.numel()
     block_k = block_k_for(w13.fmt, block_m, x.dtype)
-    meta = dict(BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k, UPCAST=upcast, PRECISION=precision)  # all four
+    meta = dict(BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k, UPCAST=upcast, PRECISION=precision,
+                WINDOWED=block_start is not None)  # all four
     lo, hi, shift = slot_window
-    up_grid, down_grid = (num_blocks, triton.cdiv(inter, BLOCK_N)), (num_blocks, triton.cdiv(h, BLOCK_N))
+    starts = block_start if block_start is not None else block_slot  # not read unless WINDOWED
+    aligned_args = (sorted_pairs, block_slot, starts)
+    up_grid, down_grid = (grid_m, triton.cdiv(inter, BLOCK_N)), (grid_m, triton.cdiv(h, BLOCK_N))
     if w13.fmt == NVFP4:
         _nvfp4_gate_up_kernel[up_grid](
-            x, w13.q, w13.scale, w13.gscale, act, sorted_pairs, block_slot, num_pairs, top_k, h, inter, lo, hi, shift,
+            x, w13.q, w13.scale, w13.gscale, act, *aligned_args, num_pairs, top_k, h, inter, lo, hi, shift,
             x.stride(0), x.stride(1), w13.q.stride(0), w13.q.stride(1), w13.scale.stride(0), w13.scale.stride(1),
             w13.gscale.stride(0), act.stride(0), act.stride(1), **meta,
         )  # fmt: skip
         _nvfp4_down_kernel[down_grid](
-            act, w2.q, w2.scale, w2.gscale, rows, weights, sorted_pairs, block_slot, num_pairs, h, inter, lo, hi, shift,
+            act, w2.q, w2.scale, w2.gscale, rows, weights, *aligned_args, num_pairs, h, inter, lo, hi, shift,
             act.stride(0), act.stride(1), w2.q.stride(0), w2.q.stride(1), w2.scale.stride(0), w2.scale.stride(1),
             w2.gscale.stride(0), **meta,
         )  # fmt: skip
     else:
         _fp8_gate_up_kernel[up_grid](
-            x, w13.q, w13.scale, act, sorted_pairs, block_slot, num_pairs, top_k, h, inter, lo, hi, shift,
+            x, w13.q, w13.scale, act, *aligned_args, num_pairs, top_k, h, inter, lo, hi, shift,
             w13.row_blocks_per_part, x.stride(0), x.stride(1), w13.q.stride(0), w13.q.stride(1),
             w13.scale.stride(0), w13.scale.stride(1), act.stride(0), act.stride(1), **meta,
         )  # fmt: skip
         _fp8_down_kernel[down_grid](
-            act, w2.q, w2.scale, rows, weights, sorted_pairs, block_slot, num_pairs, h, inter, lo, hi, shift,
+            act, w2.q, w2.scale, rows, weights, *aligned_args, num_pairs, h, inter, lo, hi, shift,
             act.stride(0), act.stride(1), w2.q.stride(0), w2.q.stride(1), w2.scale.stride(0), w2.scale.stride(1),
             **meta,
         )  # fmt: skip

@@ -18,6 +18,14 @@ from ferry.shared.units import ceil_div, round_up
 # The CUDA caching allocator hands out blocks in multiples of 512 bytes.
 ALLOC_GRANULE = 512
 
+# A step's token mixers (attention, Gated DeltaNet) run over slices of at most this many of its new
+# tokens, one after another; its MoE layers over all of them at once (services/worker/mixer_slices.py).
+# A mixer's GEMMs already run at their rate on 8,192 rows and its intermediates grow with the rows (the
+# Gated DeltaNet's float32 q, k, v and chunk states: 1.1 GiB at 8,192 tokens of Qwen3.6-35B-A3B), while a
+# MoE layer's cost with experts offloaded is per step (one pass over the experts without a slot). So a
+# longer step streams less per prompt token for little more workspace than an 8,192-token one.
+MIXER_SLICE_TOKENS = 8192
+
 SAFETENSORS_DTYPE_BYTES = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
     "F8_E4M3": 1, "F8_E5M2": 1,
@@ -154,20 +162,22 @@ def resident_weight_bytes_from_checkpoint(model_dir: Path, dtype: str) -> int | 
 
 
 def workspace_bytes_estimate(spec: ModelSpec, dtype: str, max_step_tokens: int, max_running_requests: int,
-                             max_model_len: int) -> int:
+                             max_model_len: int, mixer_slice_tokens: int = MIXER_SLICE_TOKENS) -> int:
     """Activation memory of the largest step, estimated from shapes (the worker profiles it instead).
 
     Counts what is live at once in the widest layer: the residual stream and its norm, the
     attention projections and one layer's K/V context gathered from the pages, the MoE gather/GEMM buffers
     (the float32 row buffer of the expert stores included) and
     router scores, the Gated DeltaNet projections and per-chunk states, and fp32 logits and
-    probabilities of every sampled row, the sampler state of every penalised request. A 25% margin
-    covers allocator fragmentation."""
+    probabilities of every sampled row, the sampler state of every penalised request. The token
+    mixers' terms are those of one slice (`mixer_slice_tokens`), the MoE's and the residual stream's
+    of the whole step. A 25% margin covers allocator fragmentation."""
     b = DTYPE_BYTES[dtype]
     t, h = max_step_tokens, spec.hidden_size
     residual = 4 * t * h * b
     nh, kvh, hd = spec.num_attention_heads, spec.num_kv_heads, spec.head_dim
-    attention = t * (nh * hd * (3 if spec.attn_output_gate else 2) + 2 * kvh * hd) * b
+    tm = min(t, mixer_slice_tokens)
+    attention = tm * (nh * hd * (3 if spec.attn_output_gate else 2) + 2 * kvh * hd) * b
     attention += 2 * max_model_len * kvh * hd * b  # one layer's K/V context gathered from its pages
     k, i = spec.num_experts_per_tok, spec.moe_intermediate_size
     # both expert stores: float32 [T, k, H] rows summed over k (fp32 [T, H]), the pairs' gate/up and
@@ -180,9 +190,9 @@ def workspace_bytes_estimate(spec: ModelSpec, dtype: str, max_step_tokens: int, 
     linear = 0
     if spec.linear_attention_layers:
         nv, dk, dv = spec.linear_num_value_heads, spec.linear_key_head_dim, spec.linear_value_head_dim
-        linear = 2 * t * (spec.linear_conv_dim + spec.linear_value_dim + 2 * nv) * b
-        linear += 3 * t * spec.linear_conv_dim * 4  # fp32 q, k, v inside the delta rule
-        linear += ceil_div(t, 64) * nv * dk * dv * 4  # per-chunk states of the chunked delta rule
+        linear = 2 * tm * (spec.linear_conv_dim + spec.linear_value_dim + 2 * nv) * b
+        linear += 3 * tm * spec.linear_conv_dim * 4  # fp32 q, k, v inside the delta rule
+        linear += ceil_div(tm, 64) * nv * dk * dv * 4  # per-chunk states of the chunked delta rule
     widest_layer = max(attention, linear) + max(moe, dense)
     logits = 2 * max_running_requests * spec.vocab_size * 4
     # per running request with penalties, the sampler keeps output counts (fp32) and a seen mask (bool)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ferry.shared.units import format_bytes
+from ferry.plan.costs import MIXER_SLICE_TOKENS
 from ferry.plan.expert_backend import format_cpu_list
 from ferry.plan.planner import Plan
 from ferry.plan.pool_layout import POOL_ALIGN, VIEW_ALIGN
@@ -18,8 +19,8 @@ def plan_table(plan: Plan, host_here: int | None = None) -> str:
     rows = [
         ("budget", plan.budget_bytes, plan.budget_derivation),
         ("weights (GPU-resident)", plan.weights_bytes, plan.weights_source),
-        ("activation workspace", plan.workspace_bytes, f"{plan.workspace_source}, {plan.max_prefill_tokens}-token step "
-         f"({plan.max_prefill_tokens_source})"),
+        ("activation workspace", plan.workspace_bytes, f"{plan.workspace_source}, {plan.max_prefill_tokens}-token step"
+         f"{_mixer_slices(plan)} ({plan.max_prefill_tokens_source})"),
         ("KV pool", plan.kv.bytes,
          f"{plan.kv.pages} pages x {plan.kv.page_size} = {plan.kv.tokens} tokens + {plan.kv.sentinel_pages} sentinel; "
          f"{plan.kv.bytes_per_token} B/token"),
@@ -130,6 +131,7 @@ def plan_log_fields(plan: Plan) -> dict:
         "workspace_bytes": plan.workspace_bytes,
         "max_prefill_tokens": plan.max_prefill_tokens,
         "max_prefill_tokens_source": plan.max_prefill_tokens_source,
+        "mixer_slice_tokens": min(plan.max_prefill_tokens, MIXER_SLICE_TOKENS),
         "kv_tokens": plan.kv.tokens,
         "kv_bytes": plan.kv.bytes,
         "linear_state_slots": plan.linear_state.slots,
@@ -146,3 +148,10 @@ def plan_log_fields(plan: Plan) -> dict:
         "host_expert_bank_format": plan.host.expert_bank_format,
         "host_available_bytes": plan.host.available_bytes,
     }
+
+
+def _mixer_slices(plan: Plan) -> str:
+    """How a step longer than a mixer slice runs its token mixers (services/worker/mixer_slices.py)."""
+    if plan.max_prefill_tokens <= MIXER_SLICE_TOKENS:
+        return ""
+    return f", its token mixers in slices of {MIXER_SLICE_TOKENS}"

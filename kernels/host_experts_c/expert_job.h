@@ -52,16 +52,19 @@ typedef struct {
  * for rows r0 <= r < r1 of family f of the expert whose bytes start at `expert`, n tokens.
  * `a` is bf16 (uint16 bits) when the ISA computes in bf16 pairs and act is bf16, else float32, with
  * its columns zero-padded to a multiple of 32 (a_stride). In bf16 compute, every weight is rounded
- * to bf16 first, as the torch path's reader does. */
+ * to bf16 first, as the torch path's reader does. `prefetch`: how many bytes ahead of the weights it
+ * multiplies the rows ask the CPU to fetch (0: none; the portable rows ignore it). */
 typedef void (*ferry_rows_fn)(const ferry_family *f, int format, int act, const uint8_t *expert,
                               const void *a, int64_t a_stride, int n, int64_t r0, int64_t r1,
-                              float *y, int64_t y_stride);
+                              float *y, int64_t y_stride, int64_t prefetch);
 
 void ferry_rows_portable(const ferry_family *f, int format, int act, const uint8_t *expert, const void *a,
-                         int64_t a_stride, int n, int64_t r0, int64_t r1, float *y, int64_t y_stride);
+                         int64_t a_stride, int n, int64_t r0, int64_t r1, float *y, int64_t y_stride,
+                         int64_t prefetch);
 #if defined(__x86_64__)
 void ferry_rows_avx512(const ferry_family *f, int format, int act, const uint8_t *expert, const void *a,
-                       int64_t a_stride, int n, int64_t r0, int64_t r1, float *y, int64_t y_stride);
+                       int64_t a_stride, int n, int64_t r0, int64_t r1, float *y, int64_t y_stride,
+                       int64_t prefetch);
 #endif
 
 /* A packed family's rows r0..r1 of one expert as bf16 bits [r1 - r0, cols], decoded by each ISA's

@@ -114,12 +114,27 @@ INLINE __m512bh decode_bf16(int format, row_src *s, int64_t v, __mmask32 m) {
     return _mm512_cvtne2ps_pbh(hi, lo); /* round to nearest even, as torch rounds to bf16 */
 }
 
+/* the CPU asked to fetch the row's weights `bytes` past vector v (past the row's end, the next row's: a
+ * thread's rows lie one after another). A hint, never a fault, and no change to what is computed: on the
+ * 2-core EPYC it changed nothing; whether a server core, whose hardware prefetcher stops at every 4 KiB
+ * page (a bf16 row of 2,048 values is one), reads faster with it is bench/cpu_expert_bw.py --prefetch's. */
+INLINE void prefetch_ahead(int format, const row_src *s, int64_t v, int64_t bytes) {
+    if (!bytes) return;
+    const uint8_t *at = format == FERRY_F32      ? s->q + 128 * v
+                        : format == FERRY_BF16   ? s->q + 64 * v
+                        : format == FERRY_PACKED ? s->packed.lo + 32 * v
+                        : format == FERRY_NVFP4  ? s->q + 16 * v
+                                                 : s->q + 32 * v; /* fp8: a byte a value */
+    _mm_prefetch((const char *)(at + bytes), _MM_HINT_T0);
+}
+
 /* one row against N tokens; two sums a token hide the FMA latency at one token.
  * One row at a time on purpose: blocks of 2-4 rows against each activation vector (fewer activation
  * loads) measured 13-17 GB/s at one token on the 2-core EPYC against 24-28 for a row at a time
  * (the same at 8 tokens, which are bound by the dpbf16 rate there); software prefetch 8-32 vectors
  * ahead changed nothing. */
-INLINE void row_dots(int format, int act, int N, row_src *s, const void *a, int64_t as, float *y, int64_t ys) {
+INLINE void row_dots(int format, int act, int N, row_src *s, const void *a, int64_t as, float *y, int64_t ys,
+                     int64_t prefetch) {
     __m512 acc0[8], acc1[8];
     for (int t = 0; t < N; t++) acc0[t] = acc1[t] = _mm512_setzero_ps();
     int64_t nv = s->cols / 32, v = 0;
@@ -127,6 +142,8 @@ INLINE void row_dots(int format, int act, int N, row_src *s, const void *a, int6
     if (act == FERRY_ACT_BF16) {
         const uint16_t *x = (const uint16_t *)a;
         for (; v + 2 <= nv; v += 2) {
+            prefetch_ahead(format, s, v, prefetch);
+            prefetch_ahead(format, s, v + 1, prefetch);
             __m512bh w0 = decode_bf16(format, s, v, 0xFFFFFFFFu), w1 = decode_bf16(format, s, v + 1, 0xFFFFFFFFu);
             for (int t = 0; t < N; t++) {
                 acc0[t] = _mm512_dpbf16_ps(acc0[t], w0, (__m512bh)_mm512_loadu_si512(x + t * as + 32 * v));
@@ -141,6 +158,7 @@ INLINE void row_dots(int format, int act, int N, row_src *s, const void *a, int6
     } else {
         const float *x = (const float *)a;
         for (; v < nv + (tail != 0); v++) {
+            prefetch_ahead(format, s, v, prefetch);
             __m512 lo, hi;
             decode_f32(format, s, v, v < nv ? 0xFFFFFFFFu : (1u << tail) - 1, &lo, &hi);
             for (int t = 0; t < N; t++) {
@@ -175,24 +193,24 @@ INLINE void row_source(const ferry_family *f, int format, const uint8_t *expert,
  * accumulators live in registers */
 #define ROWS(NAME, FORMAT, ACT)                                                                          \
     static TARGET void NAME(const ferry_family *f, const uint8_t *expert, const void *a, int64_t as, int n, \
-                            int64_t r0, int64_t r1, float *y, int64_t ys) {                                \
-        int64_t from = -1;                                                                              \
-        for (int64_t r = r0; r < r1; r++) {                                                             \
-            row_src s;                                                                                  \
-            row_source(f, FORMAT, expert, r, from, &s);                                                 \
-            if (FORMAT == FERRY_PACKED) from = s.packed.esc_end;                                        \
-            float *yr = y + (r - r0);                                                                   \
-            switch (n) {                                                                                \
-            case 1: row_dots(FORMAT, ACT, 1, &s, a, as, yr, ys); break;                                  \
-            case 2: row_dots(FORMAT, ACT, 2, &s, a, as, yr, ys); break;                                  \
-            case 3: row_dots(FORMAT, ACT, 3, &s, a, as, yr, ys); break;                                  \
-            case 4: row_dots(FORMAT, ACT, 4, &s, a, as, yr, ys); break;                                  \
-            case 5: row_dots(FORMAT, ACT, 5, &s, a, as, yr, ys); break;                                  \
-            case 6: row_dots(FORMAT, ACT, 6, &s, a, as, yr, ys); break;                                  \
-            case 7: row_dots(FORMAT, ACT, 7, &s, a, as, yr, ys); break;                                  \
-            default: row_dots(FORMAT, ACT, 8, &s, a, as, yr, ys); break;                                 \
-            }                                                                                           \
-        }                                                                                               \
+                            int64_t r0, int64_t r1, float *y, int64_t ys, int64_t pf) {                  \
+        int64_t from = -1;                                                                               \
+        for (int64_t r = r0; r < r1; r++) {                                                              \
+            row_src s;                                                                                   \
+            row_source(f, FORMAT, expert, r, from, &s);                                                  \
+            if (FORMAT == FERRY_PACKED) from = s.packed.esc_end;                                         \
+            float *yr = y + (r - r0);                                                                    \
+            switch (n) {                                                                                 \
+            case 1: row_dots(FORMAT, ACT, 1, &s, a, as, yr, ys, pf); break;                              \
+            case 2: row_dots(FORMAT, ACT, 2, &s, a, as, yr, ys, pf); break;                              \
+            case 3: row_dots(FORMAT, ACT, 3, &s, a, as, yr, ys, pf); break;                              \
+            case 4: row_dots(FORMAT, ACT, 4, &s, a, as, yr, ys, pf); break;                              \
+            case 5: row_dots(FORMAT, ACT, 5, &s, a, as, yr, ys, pf); break;                              \
+            case 6: row_dots(FORMAT, ACT, 6, &s, a, as, yr, ys, pf); break;                              \
+            case 7: row_dots(FORMAT, ACT, 7, &s, a, as, yr, ys, pf); break;                              \
+            default: row_dots(FORMAT, ACT, 8, &s, a, as, yr, ys, pf); break;                             \
+            }                                                                                            \
+        }                                                                                                \
     }
 
 ROWS(rows_f32_f32, FERRY_F32, FERRY_ACT_F32)
@@ -207,14 +225,15 @@ ROWS(rows_packed_f32, FERRY_PACKED, FERRY_ACT_F32)
 ROWS(rows_packed_bf16, FERRY_PACKED, FERRY_ACT_BF16)
 
 typedef void (*rows_impl)(const ferry_family *, const uint8_t *, const void *, int64_t, int, int64_t, int64_t,
-                          float *, int64_t);
+                          float *, int64_t, int64_t);
 static const rows_impl IMPLS[5][2] = {{rows_f32_f32, rows_f32_bf16}, {rows_bf16_f32, rows_bf16_bf16},
                                       {rows_fp8_f32, rows_fp8_bf16}, {rows_nvfp4_f32, rows_nvfp4_bf16},
                                       {rows_packed_f32, rows_packed_bf16}};
 
 void ferry_rows_avx512(const ferry_family *f, int format, int act, const uint8_t *expert, const void *a,
-                       int64_t a_stride, int n, int64_t r0, int64_t r1, float *y, int64_t y_stride) {
-    IMPLS[format][act](f, expert, a, a_stride, n, r0, r1, y, y_stride);
+                       int64_t a_stride, int n, int64_t r0, int64_t r1, float *y, int64_t y_stride,
+                       int64_t prefetch) {
+    IMPLS[format][act](f, expert, a, a_stride, n, r0, r1, y, y_stride, prefetch);
 }
 
 TARGET void ferry_packed_rows_avx512(const ferry_family *f, const uint8_t *expert, int64_t r0, int64_t r1,

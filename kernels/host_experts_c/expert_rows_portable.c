@@ -80,7 +80,9 @@ static void decode_tile(const ferry_family *f, int format, int act, const uint8_
 }
 
 void ferry_rows_portable(const ferry_family *f, int format, int act, const uint8_t *expert, const void *a,
-                         int64_t a_stride, int n, int64_t r0, int64_t r1, float *y, int64_t y_stride) {
+                         int64_t a_stride, int n, int64_t r0, int64_t r1, float *y, int64_t y_stride,
+                         int64_t prefetch) {
+    (void)prefetch; /* a fallback: correct, not tuned */
     const float *x = (const float *)a; /* the portable rows always take float32 activations */
     float w[TILE];
     for (int64_t r = r0; r < r1; r++) {

@@ -32,6 +32,7 @@ typedef struct {
     pthread_mutex_t busy; /* one call at a time: the scratch is the handle's */
     void *scratch;
     size_t capacity;
+    int64_t prefetch; /* bytes the rows fetch ahead of the weights (ferry_rows_fn), 0 none */
 } ferry_kernel;
 
 typedef struct {
@@ -49,6 +50,7 @@ typedef struct {
     void *ha;               /* [slots, ipad] */
     float *y;               /* [slots, hidden] */
     float *gate_up;         /* [workers, 2, MAX_TOKENS, CHUNK] */
+    int64_t prefetch;       /* the kernel's, for this call */
 } plan;
 
 static int avx512_bf16_available(void) {
@@ -81,6 +83,9 @@ void *ferry_host_kernel_create(int threads, const int *cpus, int ncpus) {
 }
 
 int ferry_host_kernel_pinned(void *handle) { return ferry_pool_pinned(((ferry_kernel *)handle)->pool); }
+
+/* read by each call as it starts: set it between calls (a graph's host node reads it too) */
+void ferry_host_kernel_set_prefetch(void *handle, int64_t bytes) { ((ferry_kernel *)handle)->prefetch = bytes; }
 
 void ferry_host_kernel_destroy(void *handle) {
     ferry_kernel *k = handle;
@@ -132,9 +137,10 @@ static void gate_up_phase(const plan *p, int worker, int workers) {
             for (int64_t s0 = p->first[e]; s0 < p->first[e + 1]; s0 += MAX_TOKENS) {
                 int n = p->first[e + 1] - s0 < MAX_TOKENS ? (int)(p->first[e + 1] - s0) : MAX_TOKENS;
                 const void *a = (const uint8_t *)p->xa + (size_t)s0 * p->hpad * asize;
-                p->rows(&job->w13, (int)job->format, (int)job->act, w, a, p->hpad, n, c, c + len, g, CHUNK);
+                p->rows(&job->w13, (int)job->format, (int)job->act, w, a, p->hpad, n, c, c + len, g, CHUNK,
+                        p->prefetch);
                 p->rows(&job->w13, (int)job->format, (int)job->act, w, a, p->hpad, n, inter + c, inter + c + len,
-                        u, CHUNK);
+                        u, CHUNK, p->prefetch);
                 combine(p, s0, n, c, len, g, u);
             }
         }
@@ -153,7 +159,7 @@ static void down_phase(const plan *p, int worker, int workers) {
             int n = p->first[e + 1] - s0 < MAX_TOKENS ? (int)(p->first[e + 1] - s0) : MAX_TOKENS;
             const void *a = (const uint8_t *)p->ha + (size_t)s0 * p->ipad * asize;
             p->rows(&job->w2, (int)job->format, (int)job->act, w, a, p->ipad, n, r0, r1, p->y + s0 * hidden + r0,
-                    hidden);
+                    hidden, p->prefetch);
         }
     }
     /* this thread's rows of every token: the pairs' weighted rows in the order they are listed */
@@ -244,7 +250,7 @@ int ferry_host_kernel_compute(void *handle, const ferry_job *job) {
         memset(job->out, 0, (size_t)(job->tokens * job->hidden) * sizeof(float));
         return FERRY_OK;
     }
-    plan p = {.job = job, .pool = k->pool};
+    plan p = {.job = job, .pool = k->pool, .prefetch = k->prefetch < 0 ? 0 : k->prefetch};
 #if defined(__x86_64__)
     p.rows = isa == FERRY_ISA_AVX512_BF16 ? ferry_rows_avx512 : ferry_rows_portable;
 #else

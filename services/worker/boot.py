@@ -31,7 +31,7 @@ from ferry.shared.eos import eos_token_ids
 from ferry.services.worker.executor import StepExecutor
 from ferry.services.worker.dummy_weights import iter_dummy_experts
 from ferry.services.worker.late_bound_experts import LateBoundExperts
-from ferry.services.worker.flags import WorkerBootConfig, copy_engine_tokens
+from ferry.services.worker.flags import WorkerBootConfig, copy_engine_tokens, ring_chunk
 from ferry.services.worker.loader import ModelFiles, open_model, resident_weights, routed_expert_weights
 from ferry.plan.expert_parallel import check_ranks_host, nccl_workspace_bytes, rank_spec
 from ferry.services.worker.offload.build import build_expert_store, host_banks_for, is_offloaded
@@ -146,8 +146,10 @@ def boot_worker(cfg: WorkerBootConfig) -> tuple[StepExecutor, Plan]:
     req = cfg.plan
     free, free_source = _free_memory(device, req)
     r = resolve(files.spec, req)
-    try:
-        copy_engine_tokens(cfg.expert_copy_engine_tokens, packed_banks=True)  # refused before anything loads
+    try:  # refused before anything loads
+        copy_engine_tokens(cfg.expert_copy_engine_tokens, packed_banks=True)
+        ring_chunk(cfg.prefill_ring_chunk, "--prefill-ring-chunk")
+        ring_chunk(cfg.long_prefill_ring_chunk, "--long-prefill-ring-chunk")
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     # every bucket is profiled (the plan prices the largest set); an offloaded store then captures
@@ -216,12 +218,19 @@ def _load_and_plan(cfg: WorkerBootConfig, files: ModelFiles, r: Resolved, device
         plan = plan_with_prefill_chunk(store_spec, req, measured)
         if world > 1:
             plan = _ranks_host_checked(plan, cfg, world)
+        try:  # the plan's staging slots bound a ring chunk: refused before the banks are pinned
+            staging = plan.experts.staging_slots or None
+            chunks = (ring_chunk(cfg.prefill_ring_chunk, "--prefill-ring-chunk", staging),
+                      ring_chunk(cfg.long_prefill_ring_chunk, "--long-prefill-ring-chunk", staging))  # fmt: skip
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
         banks = _host_banks(store_spec, plan)  # before any pool is allocated (rule 4)
         pools = allocate_pools(store_spec, plan, device)
         store = build_expert_store(store_spec, plan, pools.experts, device, policy=cfg.expert_policy, banks=banks,
                                    prefetch=cfg.expert_prefetch,
                                    copy_engine_tokens=copy_engine_tokens(cfg.expert_copy_engine_tokens,
-                                                                         getattr(banks, "packed", False)))  # fmt: skip
+                                                                         getattr(banks, "packed", False)),
+                                   ring_chunks=chunks)  # fmt: skip
         if world > 1:  # the experts this rank owns, its partial sums added over the ranks
             # a rank's share of a step's pairs differs from layer to layer, and a streamed prefill is begun at
             # layer 0 for the whole step: no streaming past the cache under expert parallelism (yet)

@@ -35,6 +35,19 @@ EXPERT_POLICY_HELP = (
 DEFAULT_COPY_ENGINE_TOKENS = 8
 
 
+def ring_chunk(requested: int | None, flag: str, staging_slots: int | None = None) -> int | None:
+    """--prefill-ring-chunk or --long-prefill-ring-chunk (`flag`) as given, checked: at least one expert,
+    at most the plan's staging slots (`staging_slots`, once the plan is made; None before)."""
+    if requested is None:
+        return None
+    if requested < 1:
+        raise ValueError(f"{flag} must be at least 1 expert, got {requested}")
+    if staging_slots is not None and requested > staging_slots:
+        raise ValueError(f"{flag} {requested}: a ring chunk must fit the plan's {staging_slots} prefill staging "
+                         f"slots (give at most {staging_slots})")  # fmt: skip
+    return requested
+
+
 def copy_engine_tokens(requested: int | None, packed_banks: bool) -> int | None:
     """--expert-copy-engine-tokens as given, else the bank format's default (see above)."""
     if requested is not None and requested < 1:
@@ -56,6 +69,8 @@ class WorkerBootConfig:
     enforce_eager: bool = False  # never replay decode steps as CUDA graphs
     expert_prefetch: bool = True  # copy the next MoE layer's predicted experts ahead
     expert_copy_engine_tokens: int | None = None  # decode steps of this many tokens or more copy with the copy engine; None: by bank format
+    prefill_ring_chunk: int | None = None  # experts a staging-ring chunk holds in a streamed step; None: a quarter of the staging slots
+    long_prefill_ring_chunk: int | None = None  # the same in a long-context prefill step (it lends slots); None: prefill_ring_chunk's
     plan: PlanRequest = PlanRequest()
     expert_parallel_size: int = 1  # ranks the routed experts are partitioned over (services/worker/expert_ranks.py)
     expert_parallel_rank: int = 0  # this process's rank: 0 talks to the scheduler, the others follow it
@@ -93,6 +108,16 @@ def add_worker_flags(parser: argparse.ArgumentParser, model_required: bool = Tru
                              "smaller ones copy with the GPU's cores inside a CUDA graph; a prefill of N+ tokens, and "
                              "any step past 64 (token, k) pairs, takes the host-read path too (default: "
                              f"{DEFAULT_COPY_ENGINE_TOKENS} with plain banks, none with packed ones)")  # fmt: skip
+    parser.add_argument("--prefill-ring-chunk", type=int, default=None, metavar="N",
+                        help="experts a staging-ring chunk copies and computes in a streamed prefill step (the "
+                             "experts it lacks cross PCIe through the prefill staging slots in chunks, each computed "
+                             "as it lands): larger chunks pay the host's launches fewer times, smaller ones leave more "
+                             "bays to overlap copies with compute; at most the plan's staging slots (default: a "
+                             "quarter of them, four bays)")  # fmt: skip
+    parser.add_argument("--long-prefill-ring-chunk", type=int, default=None, metavar="N",
+                        help="the same in a long-context prefill step (one that lends the ring cache slots: a chunk "
+                             "of 1,024+ tokens reaching 32k keys, with room for many bays); default: "
+                             "--prefill-ring-chunk's")  # fmt: skip
     add_planner_flags(parser)
     add_expert_parallel_flags(parser)
 
@@ -103,6 +128,7 @@ def boot_config_from_args(args: argparse.Namespace, model: str | None = None) ->
         model=model if model is not None else args.model, revision=args.revision, load_format=args.load_format,
         device=args.device, expert_policy=args.expert_policy, enforce_eager=args.enforce_eager,
         expert_prefetch=args.expert_prefetch, expert_copy_engine_tokens=args.expert_copy_engine_tokens,
+        prefill_ring_chunk=args.prefill_ring_chunk, long_prefill_ring_chunk=args.long_prefill_ring_chunk,
         plan=plan_request_from_args(args), expert_parallel_size=expert_parallel_size(args),
     )  # fmt: skip
 
@@ -119,6 +145,10 @@ def worker_flag_args(cfg: WorkerBootConfig) -> list[str]:
         out.append("--no-expert-prefetch")
     if cfg.expert_copy_engine_tokens is not None:
         out += ["--expert-copy-engine-tokens", str(cfg.expert_copy_engine_tokens)]
+    if cfg.prefill_ring_chunk is not None:
+        out += ["--prefill-ring-chunk", str(cfg.prefill_ring_chunk)]
+    if cfg.long_prefill_ring_chunk is not None:
+        out += ["--long-prefill-ring-chunk", str(cfg.long_prefill_ring_chunk)]
     if cfg.expert_parallel_size > 1:
         out += ["--expert-parallel-size", str(cfg.expert_parallel_size)]
     for name in PLANNER_FIELDS:

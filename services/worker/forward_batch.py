@@ -7,8 +7,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ferry.plan.costs import MIXER_SLICE_TOKENS
 from ferry.shared.step import StepBatch
 from ferry.shared.units import round_up
+from ferry.services.worker.mixer_slices import mixer_slices
 
 # Every packed array starts on a 16-byte boundary: Triton specialises pointer arguments on 16-byte
 # alignment, so an 8-byte layout would make the alignment of (say) `positions` depend on the step's
@@ -41,13 +43,21 @@ class ForwardBatch:
     token_request: torch.Tensor  # int32 [T]: the request of every new token (attention kernels)
     real_tokens: torch.Tensor  # int32 [1]: T, or fewer in a CUDA graph's padded batch (rows past it are padding)
     sample_mask: np.ndarray  # bool [R] (host)
-    reset_any: bool  # whether any request starts in this step (its linear state is zeroed first)
     query_lens_host: list[int]
     context_lens_host: list[int]
+    # the rows' linear-state slots on the host too (padding rows: the padding slot 0): a linear layer that
+    # needs them as a list must not read `state_slots` back, a device synchronisation every layer
+    state_slots_host: list[int]
     page_size: int
     # (row, tokens of the row before it, snapshot id): the rows whose linear state is saved inside their
     # chunk (StepBatch.save_offset), by the linear layers during the forward (host data; prefill steps only)
     inside_saves: tuple[tuple[int, int, int], ...] = ()
+    # the linear-state slots of the rows that start in this step (zeroed first), on the host: a mask over the
+    # device's `state_slots` would make the host wait for the device
+    fresh_slots_host: tuple[int, ...] = ()
+    # a step longer than MIXER_SLICE_TOKENS: (start, end, the slice's batch) for each slice of its tokens, which
+    # the token mixers run over one after another (services/worker/mixer_slices.py); () runs them over all
+    mixer_slices: tuple[tuple[int, int, "ForwardBatch"], ...] = ()
 
     @property
     def num_requests(self) -> int:
@@ -65,7 +75,7 @@ class ForwardBatch:
         the graph's static input buffer (its layout is the same for every step of that shape).
         Padding rows are harmless by the index conventions of shared/step.py: token 0 at position
         0 of the sentinel page, the padding state slot, and `real_tokens` tells the expert store
-        to leave them out."""
+        to leave them out. A step of more than MIXER_SLICE_TOKENS tokens also gets its mixer slices' batches."""
         qlens = step.query_lens.astype(np.int64)
         clens = step.context_lens.astype(np.int64)
         qstart = np.zeros(len(qlens) + 1, dtype=np.int64)
@@ -91,14 +101,18 @@ class ForwardBatch:
         inside = tuple((int(i), int(step.save_offset[i]), int(step.save_state[i])) for i in np.flatnonzero(step.saved_inside()))
         if inside and pad_to is not None:
             raise ValueError("a decode graph's step saves no state inside a row (one token a row)")
+        slices = () if pad_to is not None else tuple(
+            (a, b, cls.from_step(part, page_size, device)) for a, b, part in mixer_slices(step, MIXER_SLICE_TOKENS))
         return cls(
             **_to_device_in_one_copy(arrays, torch.device(device), into),
             sample_mask=np.concatenate([step.sample.astype(bool), np.ones(pad, bool)]),
-            reset_any=bool(np.asarray(step.reset_linear_state).any()),
             query_lens_host=qlens.tolist() + [1] * pad,
             context_lens_host=clens.tolist() + [0] * pad,
+            state_slots_host=np.asarray(step.linear_state_slots, dtype=np.int64).tolist() + [0] * pad,
             page_size=page_size,
             inside_saves=inside,
+            fresh_slots_host=tuple(int(slot) for slot in np.asarray(step.linear_state_slots)[step.reset_linear_state]),
+            mixer_slices=slices,
         )
 
 

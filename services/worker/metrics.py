@@ -96,6 +96,12 @@ def host_share_metrics(report: dict):
                                "share on (its steps measured no longer than without it), 0 while it has it off")  # fmt: skip
         on.add_metric([], 1.0 if guard["share_on"] else 0.0)
         yield on
+        if "scale" in guard:
+            scale = GaugeMetricFamily("ferry_worker_host_decode_price_scale", "the scale auto's guard applies to the "
+                                      "split's price of a host expert (below 1 the host takes more of each layer; "
+                                      "the one whose decode steps measured shortest), 0 while the share is off")  # fmt: skip
+            scale.add_metric([], guard["scale"] or 0.0)
+            yield scale
 
 
 class WorkerMetrics:

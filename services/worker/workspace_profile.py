@@ -7,9 +7,11 @@ minimal pool set — just enough KV pages and linear-state slots for itself, one
 slots shared by every layer — that is freed before the real pools are planned.
 
 On CUDA the peak allocation above the baseline is the workspace. Attention over long contexts
-is not in this step (its requests have no cached context), so the buffers a long prefill gathers
-one request's K/V into for FlashAttention (max_model_len of them, `gathered_context_bytes`) are
-added to it. On CPU there is no allocator to
+is not in this step (its requests have no cached context; past MIXER_SLICE_TOKENS its long row's later
+mixer slices attend to its earlier ones, whose few thousand keys are gathered into tensors of their own
+and so counted twice, a few MiB over),
+so the buffers a long prefill gathers one request's K/V into for FlashAttention (max_model_len of
+them, `gathered_context_bytes`) are added to it. On CPU there is no allocator to
 measure: the worker uses the estimate of `plan/costs.py`."""
 
 from __future__ import annotations

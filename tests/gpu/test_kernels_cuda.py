@@ -66,7 +66,9 @@ def test_paged_attention_dispatch_on_cuda(case, dtype, buffered, monkeypatch):
     expected = paged_attention_reference(q, kc, vc, pt, qlens, clens, head_dim**-0.5)
     flashed = []
     real = dispatch.flash_prefill_into
-    monkeypatch.setattr(dispatch, "flash_prefill_into", lambda *a: flashed.append(a[5]) or real(*a))
+    # (first row, whether FlashAttention took it): a refusal falls back to the paged kernel, whose output
+    # would pass the comparison below all the same
+    monkeypatch.setattr(dispatch, "flash_prefill_into", lambda *a: flashed.append((a[5], real(*a))) or flashed[-1][1])
     cuda = [t.cuda() for t in (q, kc, vc, pt, qs, pos)]
     gather = None
     if buffered:  # as KvTensorPool.gather_buffers gives them: whole pages, poisoned
@@ -76,12 +78,12 @@ def test_paged_attention_dispatch_on_cuda(case, dtype, buffered, monkeypatch):
     out = dispatch.paged_attention(*cuda, qlens, clens, head_dim**-0.5, gather=gather)
     assert torch.isfinite(out).all()
     long_rows = [sum(qlens[:r]) for r, n in enumerate(qlens) if n >= 128]
-    assert flashed == (long_rows if dtype == torch.bfloat16 else [])
+    assert flashed == ([(row, True) for row in long_rows] if dtype == torch.bfloat16 else [])
     tol = 2e-3 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.cpu().float(), expected.float(), rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("query_lens", [[1, 1, 1], [70, 1, 5], [17]])
+@pytest.mark.parametrize("query_lens", [[1, 1, 1], [70, 1, 5], [17], [130, 64, 1, 65]])
 def test_fla_gated_delta_rule_matches_reference(query_lens):
     pytest.importorskip("fla")
     g = torch.Generator().manual_seed(0)
@@ -92,7 +94,7 @@ def test_fla_gated_delta_rule_matches_reference(query_lens):
     decay = -torch.rand(total, v_heads, generator=g) * 2
     beta = torch.rand(total, v_heads, generator=g).bfloat16()
     states = torch.randn(6, v_heads, dk, dv, generator=g) * 0.1
-    slots = torch.tensor([5, 2, 3][: len(query_lens)])
+    slots = torch.tensor([5, 2, 3, 1][: len(query_lens)])  # a slot a request (states has 6)
     qs = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
     qs[1:] = torch.tensor(query_lens).cumsum(0)
     expected_states = states.clone()
@@ -110,6 +112,43 @@ def test_fla_gated_delta_rule_matches_reference(query_lens):
     # bf16 output rounding (2^-8 relative) on O(1) values; fla's tensor-core dots add about as much
     torch.testing.assert_close(out.cpu().float(), torch.cat(expected), rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(cuda_states.cpu(), expected_states, rtol=2e-2, atol=2e-2)
+
+
+def test_fla_chunk_list_is_fla_own_and_a_prefill_rule_never_waits_for_the_device():
+    """kernels/gated_delta_rule.chunk_indices gives fla's own chunk list, and with it a prefill step's
+    rule (after a first call that compiles and tunes fla's kernels) makes no host synchronisation, nor
+    does the rule that keeps states inside rows."""
+    pytest.importorskip("fla")
+    import itertools
+
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    from ferry.kernels.gated_delta_rule import chunk_indices, gated_delta_rule_varlen_keeping
+
+    for lens in ([1, 64, 65, 130, 0, 3], [8192], [300, 1, 40]):
+        cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.long, device="cuda")
+        assert torch.equal(chunk_indices(lens, torch.device("cuda")), prepare_chunk_indices(cu, 64))
+    g = torch.Generator(device="cuda").manual_seed(1)
+    lens, k_heads, v_heads, dim = [300, 1, 40], 2, 4, 64
+    t = sum(lens)
+    args = (torch.randn(t, k_heads, dim, device="cuda", generator=g).bfloat16(),
+            torch.randn(t, k_heads, dim, device="cuda", generator=g).bfloat16(),
+            torch.randn(t, v_heads, dim, device="cuda", generator=g).bfloat16(),
+            -torch.rand(t, v_heads, device="cuda", generator=g), torch.rand(t, v_heads, device="cuda", generator=g).bfloat16(),
+            torch.zeros(5, v_heads, dim, dim, device="cuda"), torch.tensor([3, 1, 4], device="cuda"),
+            torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda"), lens)  # fmt: skip
+    gated_delta_rule_varlen(*args)
+    # keeping states inside rows (a prefix-cache step's snapshots): the same, its index arrays sent pinned
+    inside, host_slots = [(0, 130), (2, 17)], [3, 1, 4]
+    gated_delta_rule_varlen_keeping(*args, inside, host_slots)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        gated_delta_rule_varlen(*args)
+        gated_delta_rule_varlen_keeping(*args, inside, host_slots)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
 
 
 # the served models' projections (N, K): Qwen3-30B's fused q/k/v and o_proj, a router with the shared

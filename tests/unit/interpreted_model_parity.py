@@ -26,13 +26,21 @@ CASES = {
                                          layer_types=["linear_attention", "full_attention"], num_experts=8,
                                          num_experts_per_tok=4, rope_parameters={"rope_type": "default",
                                          "rope_theta": 5000.0, "partial_rotary_factor": 0.5}), 1),  # fmt: skip
+    # the 11-token prompt in one step whose mixers run in slices of at most 4 (services/worker/mixer_slices.py)
+    "qwen3_5_moe-mixer-slices": ("qwen3_5_moe", dict(num_hidden_layers=2, layer_types=["linear_attention",
+                                 "full_attention"], num_experts=8, num_experts_per_tok=4), 4, 4),  # fmt: skip
 }
 
 
-def check(arch, overrides, page_size):
+def check(arch, overrides, page_size, slice_tokens=None):
+    from ferry.plan.costs import MIXER_SLICE_TOKENS
+    from ferry.services.worker import forward_batch
+
     hf, spec = tiny_model(arch, **overrides)
     prompt = torch.randint(0, 96, (11,), generator=torch.Generator().manual_seed(3)).tolist()
-    prompt_logits, tokens, step_logits = PagedRunner(spec, hf, page_size).generate(1, prompt, STEPS, [6])
+    forward_batch.MIXER_SLICE_TOKENS = slice_tokens or MIXER_SLICE_TOKENS
+    chunks = [] if slice_tokens else [6]
+    prompt_logits, tokens, step_logits = PagedRunner(spec, hf, page_size).generate(1, prompt, STEPS, chunks)
     ref_tokens, ref_step_logits, ref_prompt_logits = hf_greedy(hf, prompt, STEPS)
     assert_logits_close(prompt_logits, ref_prompt_logits)
     assert tokens == ref_tokens, (tokens, ref_tokens)

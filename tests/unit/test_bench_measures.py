@@ -94,3 +94,21 @@ def test_the_cpu_expert_benchmark_computes_the_experts_of_the_model():
     w13, w2, x = torch.randn(3, 16, 8, generator=g), torch.randn(3, 8, 8, generator=g), torch.randn(2, 8, generator=g)
     want = grouped_expert_forward_reference(x, torch.tensor([[1], [1]]), torch.ones(2, 1), w13, w2)
     assert torch.allclose(expert_ffn(x, w13[1], w2[1]), want, atol=1e-5)
+
+
+def test_the_cpu_expert_benchmark_alternates_prefetch_distances_and_says_each():
+    """`--prefetch` gives one row a distance of the c backend, each timed on calls of its own, and the
+    rows' kernel left at the last; the torch backend has no rows to prefetch in and is refused."""
+    from bench.cpu_expert_bw import format_banks, host_experts_bandwidth
+    from ferry.services.worker.offload import host_expert_kernel as K
+
+    banks = format_banks("bf16", 64, 32, 4, huge_pages=False)
+    with pytest.raises(ValueError, match="c backend"):
+        host_experts_bandwidth(banks, 1, 1, 2, "torch", prefetches=[0, 1024])
+    if K.library()[0] is None:
+        pytest.skip(f"host kernel not built: {K.library()[1]}")
+    rows = host_experts_bandwidth(banks, 1, 2, 3, "c", prefetches=[0, 1024, 4096])
+    assert [r["prefetch"] for r in rows] == [0, 1024, 4096]
+    assert all(r["expert_us"] > 0 and r["bank_GBps"] > 0 and r["isa"] for r in rows)
+    (only,) = host_experts_bandwidth(banks, 1, 1, 2, "c")
+    assert only["prefetch"] == K.DEFAULT_PREFETCH_BYTES

@@ -87,6 +87,23 @@ def test_expert_bank_and_copy_flags_reach_the_worker_from_serve_and_resolve_by_b
         parse("serve", "/models/m", "--expert-bank-format", "zip")
 
 
+def test_the_prefill_ring_chunks_reach_the_worker_from_serve_and_are_checked():
+    from ferry.services.worker.flags import boot_config_from_args, ring_chunk
+
+    for extra, chunks in (((), (None, None)), (("--long-prefill-ring-chunk", "48"), (None, 48)),
+                          (("--prefill-ring-chunk", "24", "--long-prefill-ring-chunk", "48"), (24, 48))):  # fmt: skip
+        worker = child_commands(parse("serve", "/models/m", *extra), "/models/m", Path("/tmp/x"))["worker"]
+        assert ("--long-prefill-ring-chunk" in worker) == (chunks[1] is not None)
+        cfg = boot_config_from_args(parse("worker", *worker[4:]))
+        assert (cfg.prefill_ring_chunk, cfg.long_prefill_ring_chunk) == chunks
+    assert ring_chunk(None, "--prefill-ring-chunk", 48) is None and ring_chunk(48, "--prefill-ring-chunk", 48) == 48
+    with pytest.raises(ValueError, match="--long-prefill-ring-chunk must be at least 1 expert, got 0"):
+        ring_chunk(0, "--long-prefill-ring-chunk")
+    with pytest.raises(ValueError, match="--prefill-ring-chunk 64: a ring chunk must fit the plan's 48 prefill "
+                                         "staging slots"):  # fmt: skip
+        ring_chunk(64, "--prefill-ring-chunk", 48)
+
+
 def test_the_expert_backend_and_its_threads_reach_the_worker_from_serve():
     from ferry.services.worker.flags import boot_config_from_args
 

@@ -63,7 +63,8 @@ def test_the_host_shares_series_are_read_from_the_workers_metrics():
               "prefetched": 2, "prefetch_useful": 1, "prefetch_wasted": 1, "slots": 12, "expert_format": "bf16",
               "host_decode": {"experts": 4000, "pairs": 4100, "costs_ns": [129000, 150000, 2500, 31000],
                               "busy_ns": 800_000_000, "busy_calls": 900, "busy_ns_per_expert": 200000,
-                              "refinements": 1}}  # fmt: skip
+                              "refinements": 1, "guard": {"share_on": True, "scale": 0.8, "exploring": False,
+                                                          "decisions": []}}}  # fmt: skip
     metrics = WorkerMetrics()
     metrics.watch_expert_cache(lambda: report)
     body = generate_latest(metrics.registry)
@@ -84,7 +85,7 @@ def test_the_host_shares_series_are_read_from_the_workers_metrics():
     finally:
         server.shutdown()
     assert got == {"experts": 4000, "host_node_busy_s": 0.8, "host_node_calls": 900, "refinements": 1,
-                   "host_at_1_s": 0.00015, "host_node_s_per_expert": 0.0002}  # fmt: skip
+                   "host_at_1_s": 0.00015, "host_node_s_per_expert": 0.0002, "guard_price_scale": 0.8}  # fmt: skip
     assert host_share_series(None) is None
 
 

@@ -55,3 +55,19 @@ def test_dummy_weights_fill_the_host_banks(tiny_models, capsys):
     got = ferry_generate(capsys, tiny_models["qwen3_5_moe"], *ARGS, "--load-format", "dummy", "--moe-cache-size", "8")
     assert len(got["token_ids"]) == 8 and all(lp <= 0 for lp in got["logprobs"])
     assert got["expert_cache"]["misses"] > 0
+
+
+def test_a_ring_chunk_past_the_plans_staging_slots_is_refused_naming_the_flag(tiny_models, capsys):
+    """--prefill-ring-chunk / --long-prefill-ring-chunk are checked against the plan's prefill staging slots at
+    boot, before any bank is pinned: exit 2 and the flag named, as for any other bad flag."""
+    from ferry.services.cli import main
+
+    model = tiny_models[TINY_ARCHS[0]]
+    base = ["generate", "--model", str(model), "--device", "cpu", "--gpu-memory", "64MiB", "--prompt-ids", "1,2,3",
+            "--max-tokens", "1", "--moe-cache-size", "8"]  # fmt: skip
+    for flag, value, said in (("--prefill-ring-chunk", "1000", "a ring chunk must fit the plan's"),
+                              ("--long-prefill-ring-chunk", "0", "must be at least 1 expert")):  # fmt: skip
+        assert main([*base, flag, value]) == 2
+        err = capsys.readouterr().err
+        assert flag in err and said in err, err
+    assert main([*base, "--prefill-ring-chunk", "2", "--long-prefill-ring-chunk", "4"]) == 0

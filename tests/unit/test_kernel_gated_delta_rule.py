@@ -84,7 +84,8 @@ def test_keeping_a_state_inside_a_row_gives_the_same_outputs_and_the_state_there
     plain_states = states.clone()
     plain = gated_delta_rule_varlen(q, k, v, g, beta, plain_states, slots, qstart, lens)
     kept_states = states.clone()
-    out, kept = gated_delta_rule_varlen_keeping(q, k, v, g, beta, kept_states, slots, qstart, lens, inside)
+    out, kept = gated_delta_rule_varlen_keeping(q, k, v, g, beta, kept_states, slots, qstart, lens, inside,
+                                                 slots.tolist())  # fmt: skip
     torch.testing.assert_close(out, plain, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(kept_states, plain_states, rtol=1e-4, atol=1e-5)
     starts = [0, 12, 16]
@@ -94,7 +95,8 @@ def test_keeping_a_state_inside_a_row_gives_the_same_outputs_and_the_state_there
                                            states[int(slots[row])])  # fmt: skip
         torch.testing.assert_close(state, want, rtol=1e-4, atol=1e-5)
     # nothing inside: the plain call, and no states kept
-    again, none = gated_delta_rule_varlen_keeping(q, k, v, g, beta, states.clone(), slots, qstart, lens, [])
+    again, none = gated_delta_rule_varlen_keeping(q, k, v, g, beta, states.clone(), slots, qstart, lens, [],
+                                                   slots.tolist())  # fmt: skip
     torch.testing.assert_close(again, plain)
     assert none == []
 
@@ -111,3 +113,33 @@ def test_the_q_k_normalisation_ferry_does_before_fla_is_transformers_one_in_floa
     assert got.dtype == torch.bfloat16 and got.shape == x.shape
     torch.testing.assert_close(got, transformers_l2norm(x.float()).to(torch.bfloat16), atol=0, rtol=0)
     torch.testing.assert_close(got.float().norm(dim=-1), torch.ones(37, 4), atol=1e-2, rtol=0)
+
+
+def test_fla_chunk_list_is_made_from_the_host_lengths():
+    """chunk_indices: each 64-token chunk's request and its index in that request (fla's layout; the CUDA
+    test holds it to fla's own prepare_chunk_indices), a request of 0 tokens having none; kept for the
+    step's next linear layer."""
+    from ferry.kernels.gated_delta_rule import FLA_CHUNK, chunk_indices
+
+    assert FLA_CHUNK == 64
+    got = chunk_indices([1, 64, 65, 130, 0, 3], torch.device("cpu"))
+    assert got.dtype == torch.int64
+    assert got.tolist() == [[0, 0], [1, 0], [2, 0], [2, 1], [3, 0], [3, 1], [3, 2], [5, 0]]
+    assert chunk_indices([1, 64, 65, 130, 0, 3], torch.device("cpu")) is got
+    assert chunk_indices([8192], torch.device("cpu")).tolist() == [[0, i] for i in range(128)]
+
+
+def test_the_chunk_lists_of_a_sliced_steps_slices_are_kept_side_by_side():
+    """A step whose mixers run in slices (services/worker/mixer_slices.py) asks for its slices' lists in turn in
+    every linear layer: each is made once, and only the least recently used of more than a few is let go."""
+    from ferry.kernels.gated_delta_rule import _CHUNK_INDICES_KEPT, chunk_indices
+
+    cpu = torch.device("cpu")
+    slices = [[4500], [4400, 100]]
+    first = [chunk_indices(lens, cpu) for lens in slices]
+    for _ in range(3):  # three more layers
+        assert all(chunk_indices(lens, cpu) is made for lens, made in zip(slices, first))
+    for n in range(_CHUNK_INDICES_KEPT - 1):  # as many others as leave the last used of the two kept
+        chunk_indices([n + 1], cpu)
+    assert chunk_indices([4400, 100], cpu) is first[1]
+    assert chunk_indices([4500], cpu) is not first[0]

@@ -158,6 +158,66 @@ def test_flash_takes_long_queries_of_half_precision_cuda_steps_only():
     assert not flash_available(torch.zeros(4, 16, 256, dtype=torch.bfloat16), torch.zeros(1, 16, 2, 256))  # on CPU
 
 
+def test_flash_is_asked_what_the_lower_right_causal_bias_asks():
+    """A chunk after a prompt's first has more keys than queries. FlashAttention refuses is_causal=True for
+    such a non-square call (its causal flag is top-left there), so the pre-check must ask as SDPA's
+    lower-right causal bias does, with the flag off and grouped-query heads on; with the flag on, every
+    chunk but a prompt's first went to the paged kernel."""
+    import torch.nn.attention.bias as bias
+    from torch.nn.attention.bias import causal_lower_right
+
+    from ferry.kernels.paged_attention_flash import flash_params
+
+    query, key = torch.randn(1, 16, 8, 64), torch.randn(1, 2, 24, 64)
+    params = flash_params(query, key, key)
+    fields = lambda p: (p.is_causal, p.enable_gqa, p.attn_mask, p.dropout)  # noqa: E731
+    assert fields(params) == (False, True, None, 0.0)
+    # and what torch's own lower-right causal bias asks before it runs flash: the same question
+    asked, real = [], bias.can_use_flash_attention
+    bias.can_use_flash_attention = lambda p, *a: asked.append(p) or False  # CPU: on to SDPA's other paths
+    try:
+        torch.nn.functional.scaled_dot_product_attention(query, key, key, attn_mask=causal_lower_right(8, 24),
+                                                         enable_gqa=True)  # fmt: skip
+    finally:
+        bias.can_use_flash_attention = real
+    assert [fields(p) for p in asked] == [fields(params)]
+
+
+def test_a_long_query_flash_refuses_is_said_once_and_the_paged_kernel_computes_it(monkeypatch):
+    """Where FlashAttention refuses a long query it was expected to take, the paged kernel computes the
+    request (the same output) and the worker's log says so once per kind of call, not once per layer."""
+    import structlog
+    from structlog.testing import capture_logs
+
+    from ferry.kernels import paged_attention as dispatch
+    from ferry.kernels import paged_attention_triton
+
+    q, kc, vc, pt, qs, pos, _, _ = _scenario(5, 16, 4, 2, 32, [130, 1], [40, 7])
+    expected = paged_attention_reference(q, kc, vc, pt, [130, 1], [40, 7], 32**-0.5)
+    skipped = []
+
+    def paged_prefill(q_, k_, v_, pt_, qs_, pos_, qlens, scale, out, skip):  # the Triton kernel's twin, on CPU
+        skipped.append(skip)
+        out.copy_(paged_attention_reference(q_, k_, v_, pt_, qlens, [40, 7], scale))
+        return out
+
+    monkeypatch.setattr(dispatch, "use_triton", lambda t: True)
+    monkeypatch.setattr(dispatch, "flash_available", lambda q_, k_: True)
+    monkeypatch.setattr(dispatch, "flash_prefill_into", lambda *a: False)
+    monkeypatch.setattr(paged_attention_triton, "paged_attention_prefill_triton", paged_prefill)
+    monkeypatch.setattr(dispatch, "_refusals_logged", set())
+    with capture_logs() as logs:
+        # a logger first used inside the capture (the configured one may have cached its processors)
+        monkeypatch.setattr(dispatch, "log", structlog.get_logger("worker.attention"))
+        for _ in range(3):  # three layers of one step
+            out = dispatch.paged_attention(q, kc, vc, pt, qs, pos, [130, 1], [40, 7], 32**-0.5)
+    torch.testing.assert_close(out, expected)
+    assert skipped == [frozenset()] * 3, "the refused request was left to nobody"
+    refused = [e for e in logs if e["event"] == "flash_attention_refused"]
+    assert len(refused) == 1 and refused[0]["query_tokens"] == 130 and refused[0]["context_tokens"] == 40
+    assert refused[0]["log_level"] == "warning"
+
+
 def test_triton_token_requests_follow_query_start():
     from ferry.kernels.paged_attention_triton import token_requests  # plain torch: no kernel launch
 

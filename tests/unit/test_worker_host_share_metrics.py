@@ -38,10 +38,11 @@ def test_the_host_nodes_time_and_the_refinements_are_exported():
 def test_autos_guard_says_whether_the_decode_share_is_on():
     decode = {"experts": 9, "pairs": 11, "costs_ns": [1, 2, 3, 4], "busy_ns": 1, "busy_calls": 1,
               "busy_ns_per_expert": 1, "refinements": 0}  # fmt: skip
-    for on in (True, False):
-        guard = {"share_on": on, "exploring": False, "decisions": []}
+    for scale in (0.64, None):
+        guard = {"share_on": scale is not None, "scale": scale, "exploring": False, "decisions": []}
         text = scrape({**REPORT, "host_decode": {**decode, "guard": guard}})
-        assert f"ferry_worker_host_decode_share_on {1.0 if on else 0.0}" in text
+        assert f"ferry_worker_host_decode_share_on {0.0 if scale is None else 1.0}" in text
+        assert f"ferry_worker_host_decode_price_scale {scale or 0.0}" in text
 
 
 def test_without_a_host_share_there_is_no_host_series():

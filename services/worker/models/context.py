@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from ferry.services.worker.forward_batch import ForwardBatch
 from ferry.services.worker.pools import Pools
+from ferry.services.worker.sampler import to_device
 
 
 @dataclass
@@ -17,3 +19,30 @@ class StepContext:
     cos: torch.Tensor  # [T, rotary_dim], rotary tables of the batch's positions
     sin: torch.Tensor
     fresh_state_slots: torch.Tensor | None  # linear-state slots of requests starting now (to zero), or None
+    # a long step's mixer slices: (start, end, the slice's context) (services/worker/mixer_slices.py)
+    slices: tuple[tuple[int, int, "StepContext"], ...] = ()
+
+    @classmethod
+    def of(cls, batch: ForwardBatch, pools: Pools, cos: torch.Tensor, sin: torch.Tensor, linear: bool) -> "StepContext":
+        """The context of `batch` (and of each of its mixer slices), the rotary tables of its positions given.
+        `linear`: the model has linear-attention layers, whose starting requests' states are zeroed."""
+        fresh = None
+        if linear and batch.fresh_slots_host and not batch.mixer_slices:  # (a sliced step's slices zero their own)
+            # the host knows which requests start now: most steps start none, and then no state row is
+            # touched; the slots cross without the host waiting for the device
+            fresh = to_device(list(batch.fresh_slots_host), torch.int64, batch.state_slots.device)
+        slices = tuple((a, b, cls.of(part, pools, cos[a:b], sin[a:b], linear)) for a, b, part in batch.mixer_slices)
+        return cls(batch, pools, cos, sin, fresh, slices)
+
+    def mix(self, mixer: Callable[[torch.Tensor, "StepContext"], torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+        """`mixer(h, self)`, over the step's slices one after another when it has them (each slice's K/V and
+        linear states are written before the next one reads them, as between two steps)."""
+        if not self.slices:
+            return mixer(h, self)
+        out = None
+        for a, b, ctx in self.slices:
+            part = mixer(h[a:b], ctx)
+            if out is None:
+                out = part.new_empty(h.shape[0], part.shape[1])
+            out[a:b] = part
+        return out

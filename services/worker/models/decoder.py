@@ -58,7 +58,7 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm.forward_add(x, residual)
-        h, residual = self.post_attention_layernorm.forward_add(mixer(h, ctx), residual)
+        h, residual = self.post_attention_layernorm.forward_add(ctx.mix(mixer, h), residual)
         return (self.mlp(h, ctx, summed=False) if self._moe else self.mlp(h, ctx)), residual
 
 
@@ -100,12 +100,7 @@ class CausalLM(nn.Module):
         if self.spec.linear_attention_layers and pools.linear_state is None:
             raise ValueError("this model has linear-attention layers but the pools have no linear_state pool")
         cos, sin = self.rotary.cos_sin(batch.positions, self.dtype)
-        fresh = None
-        if self.spec.linear_attention_layers and batch.reset_any:
-            # the host knows whether any request starts now: most steps start none, and then no
-            # state row is touched and nothing waits for the device
-            fresh = batch.state_slots[batch.reset_state]
-        ctx = StepContext(batch, pools, cos, sin, fresh)
+        ctx = StepContext.of(batch, pools, cos, sin, bool(self.spec.linear_attention_layers))
         x, residual = self.embed_tokens(batch.tokens), None
         for layer in self.layers:
             x, residual = layer(x, residual, ctx)

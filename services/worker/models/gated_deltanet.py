@@ -11,8 +11,9 @@ per-key-head interleaved in_proj_qkvz / in_proj_ba are permuted into it at load 
 (`weights.py`), so one forward serves both.
 
 A decode step on the Triton path (bf16/fp16) runs everything between in_proj and out_proj in two
-launches (kernels/gated_deltanet_decode.py, ~35 kernels in torch + fla); prefill and chunked steps,
-and the CPU, run the torch composition, which is also those kernels' twin."""
+launches (kernels/gated_deltanet_decode.py, ~35 kernels in torch + fla); prefill and chunked steps
+run the conv in two (kernels/causal_conv1d.py) and fla's chunked rule, the CPU the torch composition,
+which is also those kernels' twin. Neither reads anything back from the device."""
 
 from __future__ import annotations
 
@@ -91,10 +92,11 @@ class GatedDeltaNet(nn.Module):
         if t == b.num_requests:  # one token per request: a decode step
             qkv = causal_conv1d_decode(qkv, conv_states, b.state_slots, conv_weight)
         else:
-            slots = b.state_slots.tolist()
+            slots = b.state_slots_host
             before = [conv_states[slots[row]].clone() for row, _, _ in inside]  # the conv states the chunks start from
             inputs = qkv
-            qkv = causal_conv1d_varlen(qkv, conv_states, slots, b.query_lens_host, conv_weight)
+            qkv = causal_conv1d_varlen(qkv, conv_states, slots, b.query_lens_host, conv_weight,
+                                       slots_on_device=b.state_slots, query_start=b.query_start)  # fmt: skip
         q, k, v = qkv.split([self.key_size, self.key_size, self.value_size], dim=-1)
         beta = torch.sigmoid(beta_logit)
         g = -self.A_log.exp() * F.softplus(a.float() + self.dt_bias)
@@ -109,6 +111,7 @@ class GatedDeltaNet(nn.Module):
             b.query_start,
             b.query_lens_host,
             [(row, n) for row, n, _ in inside],
+            b.state_slots_host if inside else [],  # read only for the rows kept inside
         )
         if inside:  # snapshots kept inside their rows' chunks (StepBatch.save_offset): this layer's part
             starts = [0, *itertools.accumulate(b.query_lens_host)]

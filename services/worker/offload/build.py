@@ -64,7 +64,8 @@ def host_banks_for(spec: ModelSpec, plan: Plan, pin: bool | None = None,
 def build_offloaded_experts(spec: ModelSpec, plan: Plan, slots: ExpertSlotPool, device: torch.device | str,
                             pin: bool | None = None, progress: bool = True, policy: str = DEFAULT_POLICY,
                             banks: HostBanks | None = None, prefetch: bool = True,
-                            device_driven: bool | None = None, copy_engine_tokens: int | None = None) -> OffloadedExperts:  # fmt: skip
+                            device_driven: bool | None = None, copy_engine_tokens: int | None = None,
+                            ring_chunks: tuple[int | None, int | None] = (None, None)) -> OffloadedExperts:  # fmt: skip
     """The offload store over the plan's slots: `banks` (allocated here when not given) and a
     replacement policy chosen by name. On CUDA (or wherever kernels run through Triton:
     `device_driven`) the cache is driven from the device, with next-layer `prefetch`; on CPU
@@ -76,7 +77,8 @@ def build_offloaded_experts(spec: ModelSpec, plan: Plan, slots: ExpertSlotPool, 
     if device_driven is None:
         device_driven = use_triton(slots.w13)
     if device_driven:
-        store = DeviceDrivenExperts(slots, banks, chosen, device, prefetch=prefetch, copy_engine_tokens=copy_engine_tokens)
+        store = DeviceDrivenExperts(slots, banks, chosen, device, prefetch=prefetch, copy_engine_tokens=copy_engine_tokens,
+                                    ring_chunks=ring_chunks)  # fmt: skip
         store.attention_period = max(1, round(num_layers / max(1, len(spec.full_attention_layers))))
         return store
     return OffloadedExperts(slots, banks, chosen, device)
@@ -85,11 +87,13 @@ def build_offloaded_experts(spec: ModelSpec, plan: Plan, slots: ExpertSlotPool, 
 def build_expert_store(spec: ModelSpec, plan: Plan, slots: ExpertSlotPool, device: torch.device | str,
                        pin: bool | None = None, progress: bool = True, policy: str = DEFAULT_POLICY,
                        banks: HostBanks | None = None, prefetch: bool = True,
-                       copy_engine_tokens: int | None = None) -> ResidentExperts | OffloadedExperts:  # fmt: skip
+                       copy_engine_tokens: int | None = None,
+                       ring_chunks: tuple[int | None, int | None] = (None, None)) -> ResidentExperts | OffloadedExperts:  # fmt: skip
     """All-resident (no host banks, no host RAM, nothing copied) when the plan gave every expert
     a slot; otherwise the offload store."""
     check_policy_name(policy)  # the flag is checked whichever store the plan leads to
     if slots.num_slots >= spec.total_experts:
         return ResidentExperts(slots, len(spec.moe_layer_indices), spec.num_experts)
     return build_offloaded_experts(spec, plan, slots, device, pin=pin, progress=progress, policy=policy, banks=banks,
-                                   prefetch=prefetch, copy_engine_tokens=copy_engine_tokens)  # fmt: skip
+                                   prefetch=prefetch, copy_engine_tokens=copy_engine_tokens,
+                                   ring_chunks=ring_chunks)  # fmt: skip

@@ -45,17 +45,25 @@ import time
 from collections import deque
 
 import numpy as np
+import structlog
 import torch
 import torch.nn.functional as F
 
 from ferry.kernels.expert_pair_gemv import expert_pair_rows_triton, use_pair_kernel
 from ferry.kernels.expert_rows_sum import ExpertRows, finish_rows
-from ferry.kernels.grouped_expert_gemm import align_pairs_by_slot, block_m_for, grouped_expert_rows_triton
+from ferry.kernels.grouped_expert_gemm import (
+    SMALL_BLOCK_MAX_PAIRS,
+    align_pairs_by_slot,
+    block_m_for,
+    grouped_expert_rows_triton,
+)
 from ferry.services.worker.offload.device_cache import CacheCall, DeviceExpertCache
 from ferry.services.worker.offload.expert_cache import DEFAULT_PIPELINE_CHUNKS, OffloadedExperts, _split
 from ferry.services.worker.offload.host_decode import HostDecodeShare
 from ferry.services.worker.offload.host_share import HostShare
 from ferry.services.worker.offload.staging_ring import StagingRing
+
+log = structlog.get_logger("worker.offload")
 
 # copy_stamps columns (pool_layout.COPY_STAMPS)
 MISS_START, MISS_END, PREFETCH_START, PREFETCH_END, BEFORE_PREFETCH_WAIT, HITS_DONE = range(6)
@@ -70,10 +78,13 @@ class DeviceDrivenExperts(OffloadedExperts):
 
     def __init__(self, slots, banks, policy, device, prefetch: bool = True,
                  pipeline_chunks: int = DEFAULT_PIPELINE_CHUNKS, copy_engine_tokens: int | None = None,
-                 host_share: HostShare | None = None):  # fmt: skip
+                 host_share: HostShare | None = None, ring_chunks: tuple[int | None, int | None] = (None, None)):  # fmt: skip
         """`copy_engine_tokens`: steps of at least this many tokens take the copy-engine path even
         when the graph-safe one could serve them (None: only steps too large for the pair kernel).
-        `host_share`: the host computes part of a streamed step's missed experts (host_share.py)."""
+        `host_share`: the host computes part of a streamed step's missed experts (host_share.py).
+        `ring_chunks`: experts a ring chunk holds in a streamed step, and in a long-context prefill step,
+        which lends the ring cache slots (--prefill-ring-chunk, --long-prefill-ring-chunk; None: the
+        ring's own defaults, staging_ring.py)."""
         super().__init__(slots, banks, policy, device, pipeline_chunks=pipeline_chunks, use_triton=True)
         self.host_share = host_share
         self.host_decode: HostDecodeShare | None = None  # the host's share of decode layers' misses (boot sets it)
@@ -99,12 +110,15 @@ class DeviceDrivenExperts(OffloadedExperts):
         self.attention_period = 1
         self.lent_evictions = 0  # experts evicted to lend their slots to a long prefill's ring, since boot
         self._stream_begun = False  # begin_step started this step's stream (a prefill) before layer 0
+        self._stream_kernels_compiled = False  # _compile_stream_kernels ran (boot's warm-up)
+        self._said_no_lending = False  # the log line of a long chunk too large to lend any slot, once
         if slots.staging_w13 is not None:
             # the ring's own stream, at the highest priority (staging_ring.RING_UNPACK_PROGRAMS says why)
             ring_stream = torch.cuda.Stream(self.device, priority=-100) if self._cuda else None
             self.ring = StagingRing(slots.staging_w13, slots.staging_w2, banks, ring_stream,
                                     gemm=(slots.staging_gemm13, slots.staging_gemm2),
-                                    after=self._copy_stream if self._cuda else None)  # fmt: skip
+                                    after=self._copy_stream if self._cuda else None, chunk=ring_chunks[0],
+                                    long_chunk=ring_chunks[1])  # fmt: skip
 
     def set_routers(self, routers: list[torch.Tensor]) -> None:
         """The router weights of the MoE layers, in order: what the next-layer prediction applies."""
@@ -138,7 +152,13 @@ class DeviceDrivenExperts(OffloadedExperts):
         slots = self.cache.num_slots
         missing_per_layer = self.num_experts - slots / self.policy.num_layers
         wanted = int(self.attention_period * missing_per_layer)
-        return min(slots, wanted) // self.ring.chunk * self.ring.chunk
+        lent = min(slots, wanted) // self.ring.long_chunk * self.ring.long_chunk  # whole bays of a lending step
+        if not lent and min(slots, wanted) and not self._said_no_lending:
+            self._said_no_lending = True
+            log.warning("long_prefill_lends_nothing", lendable_slots=min(slots, wanted), long_chunk=self.ring.long_chunk,
+                        reason="--long-prefill-ring-chunk is larger than the cache slots a long prefill step may lend: "
+                               "such steps lend none and use the ring's own chunk")  # fmt: skip
+        return lent
 
     def _streams(self, pairs: int) -> bool:
         """Whether a step of `pairs` (token, k) pairs streams past the cache (see STREAM_PAIRS_PER_EXPERT)."""
@@ -228,8 +248,11 @@ class DeviceDrivenExperts(OffloadedExperts):
         host = None
         if self.host_share is not None and len(self._host_experts[layer]):
             host = self.host_share.start(layer, x, ids, weights, self._stream_real, self._host_experts[layer])
-        self._compute(x, call.hit_slots.view(t, k), weights, rows)
-        self._stream_staged(layer, x, ids, weights, rows, padding)
+        # float32 once for the layer: the expert kernels' wrapper converts its weights every call, and a
+        # layer streams in dozens of calls (one a ring chunk); the same values, converted once
+        weights32 = weights.float()
+        self._compute(x, call.hit_slots.view(t, k), weights32, rows)
+        self._stream_staged(layer, x, ids, weights32, rows, padding)
         if host is not None:
             self.host_share.finish(host, rows, self._host_table[layer][torch.where(padding, self.num_experts, ids)])
 
@@ -238,22 +261,48 @@ class DeviceDrivenExperts(OffloadedExperts):
         t, k = ids.shape
         staged = self._staged_count[layer]
         if not staged:
+            if not self._stream_real:  # boot's warm-up (padding rows only): compile what a chunk launches
+                self._compile_stream_kernels(x, k)
             return
         position = self._staged_position[layer][torch.where(padding, self.num_experts, ids)]
-        sorted_pairs, block_position = align_pairs_by_slot(position, staged, block_m_for(t * k), staged)
+        # with each position's first block: a chunk's launches cover its own blocks, not the layer's
+        aligned = align_pairs_by_slot(position, staged, block_m_for(t * k), staged, block_starts=True)
         while (chunk := self.ring.take(layer)) is not None:
             if self._cuda:
                 torch.cuda.current_stream(self.device).wait_event(chunk.landed)
                 self._step_copy_events.append(chunk.copy_events)
             lo, hi = chunk.first, chunk.first + len(chunk.experts)
-            grouped_expert_rows_triton(x, None, weights, chunk.bay.gemm13, chunk.bay.gemm2, rows,
-                                       aligned=(sorted_pairs, block_position),
+            grouped_expert_rows_triton(x, None, weights, chunk.bay.gemm13, chunk.bay.gemm2, rows, aligned=aligned,
                                        slot_window=(lo, hi, chunk.slots[0] - lo))  # fmt: skip
             computed = None
             if self._cuda:
                 computed = torch.cuda.Event()
                 computed.record(torch.cuda.current_stream(self.device))
             self.ring.release(chunk, computed)
+
+    def _compile_stream_kernels(self, x: torch.Tensor, top_k: int) -> None:
+        """Once, from boot's warm-up (its streamed steps stage nothing, so no chunk would launch, and the first
+        prefill after ready would compile what a chunk launches, warmup.py): the chunks' windowed kernels
+        over an empty window of the ring's bays, and the layer's grouped kernel for its hits with every pair
+        skipped, at each block size a streamed step can take (the small one where a step of at most
+        SMALL_BLOCK_MAX_PAIRS pairs streams, the large one where a larger step fits), whatever sizes the
+        warm-up's own steps have. Nothing is computed."""
+        if self._stream_kernels_compiled:
+            return
+        self._stream_kernels_compiled = True
+        small = SMALL_BLOCK_MAX_PAIRS // top_k  # the most tokens of a small-block step
+        sizes = [n for n, streams in ((small, self._streams(small * top_k)),
+                                      (small + 1, self.cache.max_pairs > SMALL_BLOCK_MAX_PAIRS
+                                       and self._streams(self.cache.max_pairs))) if streams]  # fmt: skip
+        for n in sizes:
+            xs = torch.zeros(n, x.shape[1], dtype=x.dtype, device=x.device)
+            weights = torch.zeros(n, top_k, dtype=torch.float32, device=x.device)
+            rows = torch.zeros(n, top_k, x.shape[1], dtype=torch.float32, device=x.device)
+            nothing = torch.full((n, top_k), -1, dtype=torch.int32, device=x.device)
+            aligned = align_pairs_by_slot(nothing, 1, block_m_for(n * top_k), 1, block_starts=True)
+            grouped_expert_rows_triton(xs, None, weights, self.ring.gemm13, self.ring.gemm2, rows, aligned=aligned,
+                                       slot_window=(0, 0, 0))  # fmt: skip
+            self._compute(xs, nothing, weights, rows)
 
     def _begin_stream(self, real: int, top_k: int, lend: int = 0) -> None:
         """Stage every non-resident expert of every layer (none for a step of `real` 0 rows: padding

@@ -133,7 +133,8 @@ class HostDecodeShare:
         self.on_refined = None  # called with each new one-token price (seconds): the prefill's share follows it
         self.refinements = 0
         self.guard: ShareGuard | None = None  # auto's check of the share against the steps (boot sets it)
-        self._on_costs_ns: tuple[int, int, int, int] | None = None  # the prices while the guard has it off
+        self._price_ns = self._costs_ns  # the prices as calibrated and refined; _costs_ns applies the guard's scale
+        self._scale: float | None = 1.0  # the guard's: the host's one-token price scaled by it (None: off)
         self._refined_from = (0, 0, 0)  # (busy ns, experts, pairs) at the last refinement
         self._no_flight = torch.zeros(1, dtype=torch.int32, device=self.device)  # a layer nothing prefetched
         self.handed_experts = self.handed_pairs = 0  # since boot, as of the last step folded (count)
@@ -157,14 +158,27 @@ class HostDecodeShare:
 
     @property
     def costs_ns(self) -> tuple[int, int, int, int]:
+        """The costs the hand-off applies: the prices, the host's one-token one scaled by auto's guard."""
         return self._costs_ns
 
     @costs_ns.setter
     def costs_ns(self, costs: tuple[int, int, int, int]) -> None:
-        """New costs (boot's calibration, `refine`, tests): the captured graphs read them from the device at
-        run time. The upload is queued on the current stream from pinned memory, so it lands between the
-        steps queued before and after it without the launching thread waiting for either."""
-        self._costs_ns = tuple(int(c) for c in costs)
+        """New prices (boot's calibration, `refine`, tests), applied under the guard's scale."""
+        self._price_ns = tuple(int(c) for c in costs)
+        self._apply()
+
+    def _apply(self) -> None:
+        """Upload the prices under the scale: the captured graphs read them from the device at run time. The
+        upload is queued on the current stream from pinned memory, so it lands between the steps queued
+        before and after it without the launching thread waiting for either."""
+        pcie, at_1, per_token, handoff = self._price_ns
+        if self._scale is None:
+            host = OFF_PRICE_NS
+        elif self._scale == 1.0 or at_1 == 0:
+            host = at_1  # as priced; 0 is --expert-backend cpu's rule (every miss to the host), whatever the scale
+        else:
+            host = max(1, round(at_1 * self._scale))
+        self._costs_ns = (pcie, host, per_token, handoff)
         if self._uploaded is not None:
             self._uploaded.synchronize()  # the last upload has read the staging buffer
         self._costs_staged.copy_(torch.tensor(self._costs_ns, dtype=torch.int64))
@@ -245,13 +259,8 @@ class HostDecodeShare:
             return
         decided = len(self.guard.decisions)
         if self.guard.step(now, decode_tokens):
-            if self.guard.share_on:
-                costs, self._on_costs_ns = self._on_costs_ns or self._costs_ns, None
-                self.costs_ns = costs
-            else:
-                self._on_costs_ns = self._costs_ns
-                pcie, _, per_token, handoff = self._costs_ns
-                self.costs_ns = (pcie, OFF_PRICE_NS, per_token, handoff)
+            self._scale = self.guard.scale
+            self._apply()
         if len(self.guard.decisions) > decided:  # a choice made (kept or changed): logged with its medians
             log.info("host_decode_guard", **self.guard.decisions[-1])
 
@@ -268,8 +277,8 @@ class HostDecodeShare:
         if experts < REFINE_EVERY:
             return False
         self._refined_from = (ns, self.handed_experts, self.handed_pairs)
-        pcie, at_1, per_token, handoff = self._costs_ns
-        if not self.refines or ns <= busy0 or self._on_costs_ns is not None:  # nothing timed, or the guard's off
+        pcie, at_1, per_token, handoff = self._price_ns  # a scaled price is refined as the price under it
+        if not self.refines or ns <= busy0 or self._scale is None:  # nothing timed, or the guard has it off
             return False
         if pairs > REFINE_MAX_PAIRS_PER_EXPERT * experts:  # many tokens an expert: not the one-token price
             return False
@@ -286,9 +295,11 @@ class HostDecodeShare:
     def report(self) -> dict:
         ns, calls = self.busy()
         per_expert = ns / self.handed_experts if self.handed_experts else 0.0
-        guard = None if self.guard is None else {"share_on": self.guard.share_on, "exploring": self.guard.exploring,
+        guard = None if self.guard is None else {"share_on": self.guard.share_on, "scale": self.guard.scale,
+                                                 "exploring": self.guard.exploring,
                                                  "decisions": self.guard.decisions[-4:]}  # fmt: skip
         return {"experts": self.handed_experts, "pairs": self.handed_pairs, "costs_ns": list(self._costs_ns),
+                "price_ns": list(self._price_ns),
                 "busy_ns": ns, "busy_calls": calls, "busy_ns_per_expert": round(per_expert),
                 "refinements": self.refinements, "guard": guard}  # fmt: skip
 

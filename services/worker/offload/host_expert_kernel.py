@@ -14,7 +14,10 @@ Packed banks (packed_banks.py, the default host format for bf16 models) are deco
 lo, hi and the family's exponent base into bf16 bits in registers, the escapes written from the
 sealed escape lists (the banks are sealed here if they are not yet), then the plain bf16 rows' math.
 
-FERRY_HOST_KERNEL_ISA=portable|avx512|auto picks the rows' instruction set (the tests force each)."""
+FERRY_HOST_KERNEL_ISA=portable|avx512|auto picks the rows' instruction set (the tests force each).
+FERRY_HOST_KERNEL_PREFETCH=N (bytes, default 0: none) has the AVX-512 rows ask the CPU for the weights N
+bytes ahead of those they multiply: a server core's hardware prefetcher stops at each 4 KiB page, which a
+bf16 row of 2,048 values fills; bench/cpu_expert_bw.py --prefetch measures it (bench/NOTES.md)."""
 
 from __future__ import annotations
 
@@ -29,6 +32,8 @@ import torch
 
 LIBRARY_MODULE = "ferry.kernels._host_experts_c"
 ISA_ENV = "FERRY_HOST_KERNEL_ISA"
+PREFETCH_ENV = "FERRY_HOST_KERNEL_PREFETCH"
+DEFAULT_PREFETCH_BYTES = 0  # no measurement has shown a gain yet (module docstring)
 ISAS = {"auto": 0, "portable": 1, "avx512": 2}  # enum ferry_isa (expert_job.h)
 F32, BF16, FP8_BLOCK, NVFP4, PACKED = range(5)  # enum ferry_format
 ACTS = {torch.float32: 0, torch.bfloat16: 1}  # enum ferry_act: the compute dtypes the kernel has
@@ -85,6 +90,8 @@ def library() -> tuple[ctypes.CDLL | None, str]:
     lib.ferry_host_kernel_create.restype = ctypes.c_void_p
     lib.ferry_host_kernel_pinned.argtypes = [ctypes.c_void_p]
     lib.ferry_host_kernel_pinned.restype = ctypes.c_int
+    lib.ferry_host_kernel_set_prefetch.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    lib.ferry_host_kernel_set_prefetch.restype = None
     lib.ferry_host_kernel_destroy.argtypes = [ctypes.c_void_p]
     lib.ferry_host_kernel_destroy.restype = None
     lib.ferry_host_kernel_compute.argtypes = [ctypes.c_void_p, ctypes.POINTER(Job)]
@@ -106,6 +113,19 @@ def resolve_isa(isa: str | None) -> str:
     if isa == "auto" and lib is not None:
         return "avx512" if lib.ferry_host_isa_available(ISAS["avx512"]) else "portable"
     return isa
+
+
+def resolve_prefetch(prefetch: int | None) -> int:
+    """The rows' prefetch distance in bytes: `prefetch`, else FERRY_HOST_KERNEL_PREFETCH, else the default."""
+    if prefetch is None:
+        raw = os.environ.get(PREFETCH_ENV, "").strip()
+        try:
+            prefetch = int(raw) if raw else DEFAULT_PREFETCH_BYTES
+        except ValueError:
+            raise ValueError(f"{PREFETCH_ENV} must be a whole number of bytes, got {raw!r}") from None
+    if prefetch < 0:
+        raise ValueError(f"the host kernel's prefetch distance must be 0 or more bytes, got {prefetch} ({PREFETCH_ENV})")
+    return prefetch
 
 
 def _family(rows: torch.Tensor, out_rows: int, cols: int, part_rows: int, layout=None) -> Family:
@@ -190,9 +210,11 @@ def check_call(banks, dtype: torch.dtype, moe_layer: int, x: torch.Tensor, token
 
 class HostKernel:
     """The C kernel over one set of host banks, computing in `dtype` on `threads` threads (its own pool),
-    the started ones pinned to `cpus` (thread_pool.c; empty: unpinned); `pinned` says how many were."""
+    the started ones pinned to `cpus` (thread_pool.c; empty: unpinned); `pinned` says how many were;
+    `prefetch`: the rows' prefetch distance in bytes (default: FERRY_HOST_KERNEL_PREFETCH, else none)."""
 
-    def __init__(self, banks, dtype: torch.dtype, threads: int, isa: str | None = None, cpus: Sequence[int] = ()):
+    def __init__(self, banks, dtype: torch.dtype, threads: int, isa: str | None = None, cpus: Sequence[int] = (),
+                 prefetch: int | None = None):  # fmt: skip
         lib, why = library()
         if lib is None:
             raise KernelUnavailable(why)
@@ -216,6 +238,13 @@ class HostKernel:
         self.cpus = list(cpus)
         self.pinned = lib.ferry_host_kernel_pinned(self.handle)
         self._destroy = weakref.finalize(self, lib.ferry_host_kernel_destroy, self.handle)  # joins its threads
+        self.set_prefetch(resolve_prefetch(prefetch))
+
+    def set_prefetch(self, nbytes: int) -> None:
+        """The rows' prefetch distance from the next call on (between calls: a decode graph's host nodes
+        read it as they start); it changes no result, only how the weights are read."""
+        self.prefetch = resolve_prefetch(nbytes)
+        self.lib.ferry_host_kernel_set_prefetch(self.handle, self.prefetch)
 
     @staticmethod
     def _plain_or_quantized_families(banks) -> list[tuple[Family, Family]]:

@@ -74,7 +74,11 @@ class StagingRing:
     pool's staging_gemm13/2; by default the tensors themselves)."""
 
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor, banks, copy_stream: torch.cuda.Stream | None,
-                 chunk: int | None = None, gemm: tuple | None = None, after: torch.cuda.Stream | None = None):  # fmt: skip
+                 chunk: int | None = None, gemm: tuple | None = None, after: torch.cuda.Stream | None = None,
+                 long_chunk: int | None = None):  # fmt: skip
+        """`long_chunk`: experts a chunk holds in a step that lends the ring cache slots (a long prefill
+        far into its context: more bays, so fewer, larger chunks each pay the host's launches once);
+        None: `chunk`, as every other step."""
         if w13.shape[0] != w2.shape[0] or w13.shape[0] < 1:
             raise ValueError(f"staging slots must be a non-empty [R, ...] pair, got {w13.shape[0]} and {w2.shape[0]}")
         self.w13, self.w2, self.banks, self.copy_stream = w13, w2, banks, copy_stream
@@ -84,7 +88,13 @@ class StagingRing:
         # four bays: a chunk computes while the next ones cross
         self.chunk = chunk if chunk is not None else max(1, self.size // 4)
         if not 1 <= self.chunk <= self.size:
-            raise ValueError(f"a chunk of {self.chunk} experts does not fit {self.size} staging slots")
+            raise ValueError(f"--prefill-ring-chunk {self.chunk}: a chunk must fit the {self.size} staging slots "
+                             "(and hold at least one expert)")  # fmt: skip
+        self.base_chunk = self.chunk  # the chunk of a step that lends nothing
+        self.long_chunk = long_chunk if long_chunk is not None else self.chunk
+        if not 1 <= self.long_chunk <= self.size:
+            raise ValueError(f"--long-prefill-ring-chunk {self.long_chunk}: a chunk must fit the {self.size} "
+                             "staging slots (and hold at least one expert)")  # fmt: skip
         self._bays: list[Bay] = []
         self._free: deque[tuple[Bay, torch.cuda.Event | None]] = deque()
         self._reset_bays()
@@ -95,6 +105,14 @@ class StagingRing:
         self._taken: StagedChunk | None = None  # handed out, not yet released
         self.staged_total = 0  # experts staged since boot
 
+    def use_chunks(self, base: int, long: int) -> None:
+        """The chunk sizes of the steps begun from now on (`base_chunk`, `long_chunk`): the benches'
+        --ring-chunks."""
+        for c in (base, long):
+            if not 1 <= c <= self.size:
+                raise ValueError(f"a chunk of {c} experts does not fit {self.size} staging slots")
+        self.base_chunk, self.long_chunk = base, long
+
     def _reset_bays(self) -> None:
         """Every staging bay free (its last reader's event, or None: nothing pending), C slots each."""
         self._bays = [Bay(b * self.chunk, self.w13, self.w2, self.gemm13, self.gemm2) for b in range(self.size // self.chunk)]
@@ -104,9 +122,12 @@ class StagingRing:
         """A new step, which stages `staged[layer]` (ascending experts) for every MoE layer. `lent`
         (first slot, count, (w13, w2, gemm13, gemm2) of the cache): slots the step may use besides
         the staging slots, in bays of C; nothing may read or write them until the step's
-        computations are done (the caller evicted them and synchronised)."""
+        computations are done (the caller evicted them and synchronised). A step that lends cuts its
+        chunks at `long_chunk`, any other at `base_chunk`."""
         pending = len(self._free) != len(self._bays) + self._lent_bays
-        if self._copied or self._taken is not None or pending or len(self._bays) != self.size // self.chunk:
+        chunk = self.long_chunk if lent is not None else self.base_chunk
+        resized, self.chunk = chunk != self.chunk, chunk
+        if self._copied or self._taken is not None or pending or resized or len(self._bays) != self.size // self.chunk:
             # a step that stopped midway (or another chunk size, bench/profile_prefill.py): wait for
             # what it enqueued, once, rather than track it
             if self.copy_stream is not None:

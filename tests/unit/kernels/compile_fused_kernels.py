@@ -1,11 +1,14 @@
 """The fused RMSNorm, rotary tables and q/k norm + rotary + KV-write kernels, the paged attention kernels, the
 MoE block's router / routed-marking / SiLU-and-mul / combine kernels, and the Gated DeltaNet decode
-kernels, compiled for Hopper without a GPU (hopper_compile.py; run by test_fused_kernels_compile.py)."""
+and prefill-conv kernels, compiled for Hopper without a GPU (hopper_compile.py; run by test_fused_kernels_compile.py)."""
 
 from __future__ import annotations
 
 from hopper_compile import print_results
 
+from ferry.kernels.causal_conv1d import BLOCK_C as CONV_BLOCK_C
+from ferry.kernels.causal_conv1d import BLOCK_T as CONV_BLOCK_T
+from ferry.kernels.causal_conv1d import _conv_prefill_kernel, _conv_state_kernel
 from ferry.kernels.gated_deltanet_decode import _conv_decode_kernel, _rule_norm_kernel, rule_norm_warps
 from ferry.kernels.moe_combine import _moe_combine_kernel, _silu_mul_kernel
 from ferry.kernels.paged_attention_triton import (DECODE_SPLITS, _decode_combine_kernel, _decode_split_kernel,
@@ -93,8 +96,8 @@ def moe_block_signatures(dtype: str) -> list:
 
 
 def gated_deltanet_signatures(dtype: str) -> list:
-    """The Gated DeltaNet decode kernels at the 35B's shapes (16 key heads, 32 value heads, 128-dim
-    heads, conv kernel 4)."""
+    """The Gated DeltaNet decode kernels and the prefill's conv kernels at the 35B's shapes (16 key heads,
+    32 value heads, 128-dim heads, conv kernel 4)."""
     ints = lambda *names: {n: "i32" for n in names}  # noqa: E731
     conv = {**{p: f"*{dtype}" for p in ("x_ptr", "conv_ptr", "w_ptr", "out_ptr")}, "slot_ptr": "*i64",
             **ints("C", "stride_x", "stride_cs", "stride_cc", "stride_wc")}  # fmt: skip
@@ -102,7 +105,13 @@ def gated_deltanet_signatures(dtype: str) -> list:
             **{p: "*fp32" for p in ("a_log_ptr", "dt_bias_ptr", "state_ptr")}, "slot_ptr": "*i64",
             **ints("stride_qkv", "stride_z", "stride_b", "stride_a", "stride_ss", "stride_sh", "key_size", "v_heads",
                    "group"), "scale": "fp32", "eps": "fp32"}  # fmt: skip
+    prefill = {**{p: f"*{dtype}" for p in ("x_ptr", "conv_ptr", "w_ptr", "out_ptr")}, "slot_ptr": "*i64",
+               "start_ptr": "*i32", **ints("C", "stride_x", "stride_cs", "stride_cc", "stride_wc")}  # fmt: skip
+    state = {k: v for k, v in prefill.items() if k not in ("out_ptr", "stride_wc")}
     return [
+        (f"gated_deltanet_conv_prefill[{dtype}]", _conv_prefill_kernel, prefill,
+         {"KERNEL": 4, "BLOCK_T": CONV_BLOCK_T, "BLOCK_C": CONV_BLOCK_C}),
+        (f"gated_deltanet_conv_state[{dtype}]", _conv_state_kernel, state, {"KERNEL": 4, "BLOCK_K": 4, "BLOCK_C": CONV_BLOCK_C}),
         (f"gated_deltanet_conv_decode[{dtype}]", _conv_decode_kernel, conv,
          {"KERNEL": 4, "BLOCK_K": 4, "BLOCK_C": 256}),
         (f"gated_deltanet_rule_norm[{dtype}]", _rule_norm_kernel, rule,

@@ -15,6 +15,8 @@ from ferry.kernels.pair_tiles import TILES
 from ferry.kernels.quantized_experts import FP8_BLOCK, NVFP4
 from ferry.plan.expert_formats import BF16
 
+# the grouped kernels: the decode and the prefill block, each over every block and over a streamed window's
+GROUPED_VARIANTS = [(block_m, windowed) for block_m in (16, 64) for windowed in (False, True)]
 MARK_PTRS = {"table_ptr": "*i32", "n_rows_ptr": "*i32"}  # the resident store's routed table, marked by gate/up
 
 
@@ -29,17 +31,18 @@ def signatures(dtype: str) -> list:
     ints = lambda *names: {n: "i32" for n in names}  # noqa: E731
     upcast, precision = dtype == "fp32", ("ieee" if dtype == "fp32" else None)
     gate_up = {"x_ptr": f"*{dtype}", "w13_ptr": f"*{dtype}", "act_ptr": f"*{dtype}", "sorted_pairs_ptr": "*i32",
-               "block_slot_ptr": "*i32", **ints("num_pairs", "top_k", "H", "I", "slot_lo", "slot_hi", "slot_shift", "stride_xt", "stride_xh", "stride_ws",
+               "block_slot_ptr": "*i32", "block_start_ptr": "*i32", **ints("num_pairs", "top_k", "H", "I", "slot_lo", "slot_hi", "slot_shift", "stride_xt", "stride_xh", "stride_ws",
                                                 "stride_wn", "stride_wh", "stride_am", "stride_an")}  # fmt: skip
     down = {"act_ptr": f"*{dtype}", "w2_ptr": f"*{dtype}", "rows_ptr": "*fp32", "weights_ptr": "*fp32",
-            "sorted_pairs_ptr": "*i32", "block_slot_ptr": "*i32",
+            "sorted_pairs_ptr": "*i32", "block_slot_ptr": "*i32", "block_start_ptr": "*i32",
             **ints("num_pairs", "H", "I", "slot_lo", "slot_hi", "slot_shift", "stride_am", "stride_an", "stride_ws", "stride_wh", "stride_wi")}  # fmt: skip
     out = []
     for fn, sig in ((k._gate_up_kernel, gate_up), (k._down_kernel, down)):
-        for block_m in (16, 64):  # the decode and the prefill block
-            consts = {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 64, "UPCAST": upcast, "PRECISION": precision}
-            out.append((f"{fn.__name__}[{dtype}, BLOCK_M={block_m}]", fn, {**sig, **{c: "constexpr" for c in consts}},
-                        consts))  # fmt: skip
+        for block_m, windowed in GROUPED_VARIANTS:
+            consts = {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 64, "UPCAST": upcast, "PRECISION": precision,
+                      "WINDOWED": windowed}  # fmt: skip
+            out.append((f"{fn.__name__}[{dtype}, BLOCK_M={block_m}, WINDOWED={windowed}]", fn,
+                        {**sig, **{c: "constexpr" for c in consts}}, consts))  # fmt: skip
     pair_gate_up = {"x_ptr": f"*{dtype}", "w13_ptr": f"*{dtype}", "act_ptr": f"*{dtype}", "slots_ptr": "*i64",
                     **ints("slot_offset", "top_k", "H", "I"), **MARK_PTRS, **ints("stride_xt", "stride_ws", "stride_wn")}  # fmt: skip
     pair_down = {"act_ptr": f"*{dtype}", "w2_ptr": f"*{dtype}", "rows_ptr": "*fp32", "weights_ptr": f"*{dtype}",
@@ -60,7 +63,7 @@ def quantized_signatures(dtype: str) -> list:
     upcast, precision = dtype == "fp32", ("ieee" if dtype == "fp32" else None)
     nvfp4 = {"q_ptr": "*u8", "s_ptr": "*fp8e4nv", "g_ptr": "*fp32"}
     fp8 = {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
-    aligned = {"sorted_pairs_ptr": "*i32", "block_slot_ptr": "*i32"}
+    aligned = {"sorted_pairs_ptr": "*i32", "block_slot_ptr": "*i32", "block_start_ptr": "*i32"}
     window = ("slot_lo", "slot_hi", "slot_shift")
     grouped = [  # arguments in the kernels' order
         (qk._nvfp4_gate_up_kernel, {"x_ptr": f"*{dtype}", **nvfp4, "act_ptr": f"*{dtype}", **aligned,
@@ -78,13 +81,13 @@ def quantized_signatures(dtype: str) -> list:
     ]  # fmt: skip
     out = []
     for fn, sig in grouped:
-        for block_m in (16, 64):  # the decode and the prefill block
+        for block_m, windowed in GROUPED_VARIANTS:
             fmt = NVFP4 if "nvfp4" in fn.__name__ else FP8_BLOCK
             block_k = qk.block_k_for(fmt, block_m, torch.float32 if dtype == "fp32" else torch.bfloat16)
             consts = {"BLOCK_M": block_m, "BLOCK_N": qk.BLOCK_N, "BLOCK_K": block_k, "UPCAST": upcast,
-                      "PRECISION": precision}  # fmt: skip
-            out.append((f"{fn.__name__}[{dtype}, BLOCK_M={block_m}]", fn, {**sig, **{c: "constexpr" for c in consts}},
-                        consts))  # fmt: skip
+                      "PRECISION": precision, "WINDOWED": windowed}  # fmt: skip
+            out.append((f"{fn.__name__}[{dtype}, BLOCK_M={block_m}, WINDOWED={windowed}]", fn,
+                        {**sig, **{c: "constexpr" for c in consts}}, consts))  # fmt: skip
     pair = [
         (qpair._nvfp4_pair_gate_up_kernel, {"x_ptr": f"*{dtype}", **nvfp4, "act_ptr": f"*{dtype}", "slots_ptr": "*i64",
                                             **ints("slot_offset", "top_k", "H", "I"), **MARK_PTRS,

@@ -22,6 +22,7 @@ from ferry.kernels.grouped_expert_gemm import (  # noqa: E402
     align_pairs_by_slot_host,
     block_m_for,
     grouped_expert_rows_triton,
+    launch_blocks,
 )
 from ferry.kernels.expert_pair_gemv import expert_pair_rows_triton  # noqa: E402
 from ferry.kernels.expert_rows_sum import sum_rows_triton  # noqa: E402
@@ -67,25 +68,52 @@ def host_aligned_rows_match(seed, tokens, top_k, hidden, inter, slots, skip):
     torch.testing.assert_close(got[~skipped], want[~skipped], rtol=1e-5, atol=1e-5)
 
 
-def slot_window_computes_one_chunk_at_its_staging_slots():
+def slot_window_computes_one_chunk_at_its_staging_slots(block_starts=False, skewed=False):
     """The streamed prefill's way: blocks aligned by position in a list of 9 experts, computed in
     chunks of 4 whose weights sit in a 4-slot bay elsewhere (slot_window): each pair exactly once,
-    from its chunk's bay, as the reference computes it from the full list."""
-    x, topk, weights, w13, w2 = make_case(14, 40, 3, 40, 24, 9, torch.float32, skip=5)
-    sorted_pairs, block_position = align_pairs_by_slot(topk, 9, block_m_for(topk.numel()), 9)
+    from its chunk's bay, as the reference computes it from the full list. `block_starts`: each
+    chunk's launch sized for its own blocks, read from the aligned block starts; `skewed`: every
+    token's first pair on position 0, so that chunk has more blocks than its launch has programs
+    and they loop."""
+    x, topk, weights, w13, w2 = make_case(14, 40, 3, 40, 24, 9, torch.float32, skip=0 if skewed else 5)
+    if skewed:
+        g = torch.Generator().manual_seed(15)
+        topk = torch.stack([torch.cat([torch.zeros(1, dtype=torch.long), 1 + torch.randperm(8, generator=g)[:2]])
+                            for _ in range(40)])  # fmt: skip
+    block_m = block_m_for(topk.numel())
+    aligned = align_pairs_by_slot(topk, 9, block_m, 9, block_starts=block_starts)
+    if block_starts:
+        sorted_pairs, block_slot, starts = aligned
+        assert starts.tolist() == [int((block_slot < s).logical_and(block_slot >= 0).sum()) for s in range(10)]
+        programs = launch_blocks(aligned, topk.numel(), block_m, (0, 4, 2))[3]
+        assert programs < block_slot.numel(), "a window's launch must not span the layer's blocks"
+        if skewed:
+            assert int(starts[4] - starts[0]) > programs, "the skewed window must loop"
     want = torch.full((40, 3, 40), float("nan"))
     grouped_expert_rows_reference(x, topk, weights, w13, w2, want)
     got = torch.full((40, 3, 40), float("nan"))
     bay13, bay2 = torch.full((6, *w13.shape[1:]), float("nan")), torch.full((6, *w2.shape[1:]), float("nan"))
     for lo, hi, bay in ((0, 4, 2), (4, 8, 0), (8, 9, 1)):  # positions [lo, hi) land in slots bay..bay+hi-lo
         bay13[bay : bay + hi - lo], bay2[bay : bay + hi - lo] = w13[lo:hi], w2[lo:hi]
-        grouped_expert_rows_triton(x, None, weights, bay13, bay2, got, aligned=(sorted_pairs, block_position),
+        grouped_expert_rows_triton(x, None, weights, bay13, bay2, got, aligned=aligned,
                                    slot_window=(lo, hi, bay - lo))  # fmt: skip
         bay13.fill_(float("nan"))  # a pair computed again from a stale bay would turn NaN
         bay2.fill_(float("nan"))
     skipped = topk < 0
     assert torch.isnan(got[skipped]).all() and not torch.isnan(got[~skipped]).any()
     torch.testing.assert_close(got[~skipped], want[~skipped], rtol=1e-5, atol=1e-5)
+
+
+def a_window_outside_the_aligned_slots_is_refused():
+    x, topk, weights, w13, w2 = make_case(16, 6, 2, 32, 16, 4, torch.float32)
+    aligned = align_pairs_by_slot(topk, 4, block_m_for(topk.numel()), 4, block_starts=True)
+    rows = torch.zeros(6, 2, 32)
+    try:
+        grouped_expert_rows_triton(x, None, weights, w13, w2, rows, aligned=aligned, slot_window=(2, 5, 0))
+    except ValueError as e:
+        assert "outside the 4 aligned slots" in str(e), e
+    else:
+        raise AssertionError("a window past the aligned slots must be refused")
 
 
 def tight_grid_with_max_distinct_slots():
@@ -173,6 +201,10 @@ CASES = {
     "several_blocks_of_one_slot": lambda: rows_match_in_float32(2, 37, 4, 80, 72, 6, 5),
     "host_aligned_rows": lambda: host_aligned_rows_match(6, 70, 3, 40, 24, 9, 7),
     "slot_window_computes_one_chunk_at_its_staging_slots": slot_window_computes_one_chunk_at_its_staging_slots,
+    "slot_window_with_block_starts": lambda: slot_window_computes_one_chunk_at_its_staging_slots(block_starts=True),
+    "slot_window_with_block_starts_skewed_loops": lambda: slot_window_computes_one_chunk_at_its_staging_slots(
+        block_starts=True, skewed=True),
+    "a_window_outside_the_aligned_slots_is_refused": a_window_outside_the_aligned_slots_is_refused,
     "tight_grid_with_max_distinct_slots": tight_grid_with_max_distinct_slots,
     "bfloat16_within_rounding": bfloat16_within_rounding,
     "alignment_groups_pairs_by_slot": alignment_groups_pairs_by_slot,

@@ -22,6 +22,7 @@ from ferry.kernels.grouped_expert_gemm import (  # noqa: E402
     align_pairs_by_slot_host,
     block_m_for,
     grouped_expert_rows_triton,
+    launch_blocks,
 )
 from ferry.kernels.quantized_experts import (  # noqa: E402
     FP8_BLOCK,
@@ -104,11 +105,20 @@ def poison(family: QuantizedFamily) -> None:
         family.gscale.fill_(float("nan"))
 
 
-def slot_window_computes_one_chunk_at_its_staging_slots(fmt):
+def slot_window_computes_one_chunk_at_its_staging_slots(fmt, block_starts=False, skewed=False):
     """The streamed prefill's way (as the plain case): 9 experts in chunks of 4, each chunk's weights
-    in a bay of a 6-slot staging family, computed through a slot window; each pair exactly once."""
-    x, topk, weights, w13, w2 = make_case(fmt, 14, 40, 3, 64, 32, 9, skip=5)
-    sorted_pairs, block_position = align_pairs_by_slot(topk, 9, block_m_for(topk.numel()), 9)
+    in a bay of a 6-slot staging family, computed through a slot window; each pair exactly once.
+    `block_starts`: each chunk's launch sized for its own blocks; `skewed`: every token's first pair on
+    position 0, whose chunk then loops over more blocks than it has programs (the plain case says more)."""
+    x, topk, weights, w13, w2 = make_case(fmt, 14, 40, 3, 64, 32, 9, skip=0 if skewed else 5)
+    if skewed:
+        g = torch.Generator().manual_seed(15)
+        topk = torch.stack([torch.cat([torch.zeros(1, dtype=torch.long), 1 + torch.randperm(8, generator=g)[:2]])
+                            for _ in range(40)])  # fmt: skip
+    block_m = block_m_for(topk.numel())
+    aligned = align_pairs_by_slot(topk, 9, block_m, 9, block_starts=block_starts)
+    if skewed:
+        assert int(aligned[2][4] - aligned[2][0]) > launch_blocks(aligned, topk.numel(), block_m, (0, 4, 2))[3]
     want = reference_rows(x, topk, weights, w13, w2)
     bay13, bay2 = make_experts(fmt, 64, 32, 6, torch.Generator().manual_seed(1))
     poison(bay13)
@@ -117,7 +127,7 @@ def slot_window_computes_one_chunk_at_its_staging_slots(fmt):
     for lo, hi, bay in ((0, 4, 2), (4, 8, 0), (8, 9, 1)):  # positions [lo, hi) land in slots bay..bay+hi-lo
         copy_slots(bay13, bay, w13, lo, hi)
         copy_slots(bay2, bay, w2, lo, hi)
-        grouped_expert_rows_triton(x, None, weights, bay13, bay2, got, aligned=(sorted_pairs, block_position),
+        grouped_expert_rows_triton(x, None, weights, bay13, bay2, got, aligned=aligned,
                                    slot_window=(lo, hi, bay - lo))  # fmt: skip
         poison(bay13)
         poison(bay2)
@@ -210,6 +220,10 @@ for _fmt in (NVFP4, FP8_BLOCK):
         f"{_fmt}/host_aligned_rows": lambda f=_fmt: host_aligned_rows_match(f),
         f"{_fmt}/slot_window_computes_one_chunk_at_its_staging_slots":
             lambda f=_fmt: slot_window_computes_one_chunk_at_its_staging_slots(f),
+        f"{_fmt}/slot_window_with_block_starts":
+            lambda f=_fmt: slot_window_computes_one_chunk_at_its_staging_slots(f, block_starts=True),
+        f"{_fmt}/slot_window_with_block_starts_skewed_loops":
+            lambda f=_fmt: slot_window_computes_one_chunk_at_its_staging_slots(f, block_starts=True, skewed=True),
         f"{_fmt}/tight_grid_with_max_distinct_slots": lambda f=_fmt: tight_grid_with_max_distinct_slots(f),
         f"{_fmt}/bfloat16_within_rounding": lambda f=_fmt: bfloat16_within_rounding(f),
         f"{_fmt}/mistakes_are_detected": lambda f=_fmt: mistakes_are_detected(f),

@@ -23,7 +23,9 @@ from quantized_slots import make_experts, make_family
 CASES = [f"{fmt}/{name}" for fmt in (NVFP4, FP8_BLOCK) for name in (
     "pair_tiny_skipped_offset", "pair_i_not_a_multiple_of_128", "pair_ragged_two_steps",
     "grouped_tiny_several_blocks_of_one_slot", "grouped_i_not_a_multiple_of_128", "grouped_ragged", "host_aligned_rows",
-    "slot_window_computes_one_chunk_at_its_staging_slots", "tight_grid_with_max_distinct_slots",
+    "slot_window_computes_one_chunk_at_its_staging_slots", "slot_window_with_block_starts",
+    "slot_window_with_block_starts_skewed_loops",
+    "tight_grid_with_max_distinct_slots",
     "bfloat16_within_rounding", "mistakes_are_detected")]  # fmt: skip
 
 

@@ -264,9 +264,25 @@ def check_host_decode() -> None:
 
 
 def check_lent_slots() -> None:
+    for long_ring_chunk in (None, 3):
+        _check_lent_slots(long_ring_chunk)
+    # a long chunk larger than what a step may lend (one layer's 3 missing experts here): no lending, said once
+    spec = tiny_spec(layers=3, experts=6, top_k=2, hidden=32, inter=16)
+    store = DeviceDrivenExperts(slot_pool(spec, 9, max_step_tokens=48), HostBanks.for_model(spec, "float32", progress=False),
+                                LRUExpertPolicy(3, 6, 9), "cpu", ring_chunks=(None, 4))  # fmt: skip
+    for (layer, e), weights in random_experts(spec, 9).items():
+        store.load_expert(layer, e, *weights)
+    store.preload()
+    store.attention_period = 1
+    assert store._slots_to_lend() == 0 and store._said_no_lending
+
+
+def _check_lent_slots(long_ring_chunk) -> None:
     """Long-context prefills lending the ring the cache's last slots (device_store._slots_to_lend): the
     same rows as the all-resident store in float32, the lent slots emptied and their experts staged,
-    the next chunk lending the same (already empty) slots, and decode after them placing into them."""
+    the next chunk lending the same (already empty) slots, and decode after them placing into them.
+    `long_ring_chunk` (--long-prefill-ring-chunk): the lending steps' chunks, and the lent slots whole
+    bays of them; the other steps' chunks the ring's own."""
     from ferry.services.worker.experts import LEND_CONTEXT_TOKENS, LEND_QUERY_TOKENS, is_long_context
 
     assert is_long_context([LEND_QUERY_TOKENS], [LEND_CONTEXT_TOKENS - LEND_QUERY_TOKENS])
@@ -277,7 +293,8 @@ def check_lent_slots() -> None:
     resident = ResidentExperts(slot_pool(spec, layers * 6), layers, 6)
     store = DeviceDrivenExperts(slot_pool(spec, num_slots, max_step_tokens=48),
                                 HostBanks.for_model(spec, "float32", progress=False),
-                                LRUExpertPolicy(layers, 6, num_slots), "cpu", prefetch=True, pipeline_chunks=2)  # fmt: skip
+                                LRUExpertPolicy(layers, 6, num_slots), "cpu", prefetch=True, pipeline_chunks=2,
+                                ring_chunks=(None, long_ring_chunk))  # fmt: skip
     store.attention_period = 2
     for (layer, e), weights in random_experts(spec, num_slots).items():
         resident.load_expert(layer, e, *weights)
@@ -286,7 +303,8 @@ def check_lent_slots() -> None:
     store.set_routers([torch.randn(6, 32, generator=g) for _ in range(layers)])
     store.preload()
     lend = store._slots_to_lend()
-    assert 0 < lend <= num_slots and lend % store.ring.chunk == 0, (lend, store.ring.chunk)
+    assert store.ring.long_chunk == (long_ring_chunk or store.ring.base_chunk)
+    assert 0 < lend <= num_slots and lend % store.ring.long_chunk == 0, (lend, store.ring.long_chunk)
     lent = slice(num_slots - lend, num_slots)
     held_before = int((store.cache.layer_of_slot[lent] >= 0).sum())
     for step, (tokens, long_context) in enumerate(((40, True), (40, True), (1, False), (1, False), (40, False))):
@@ -297,6 +315,8 @@ def check_lent_slots() -> None:
             assert (store.cache.layer_of_slot[lent] < 0).all() and not (store.cache.slot_of >= num_slots - lend).any()
             evicted = int((maps >= num_slots - lend).sum())
             assert store.ring.staged_total - staged == int((maps < 0).sum()) + evicted
+        if tokens > 1:  # a prefill: its chunks cut at the long chunk where it lends, else at the ring's own
+            assert store.ring.chunk == (store.ring.long_chunk if long_context else store.ring.base_chunk)
         for layer in range(layers):
             x, ids, w = random_routing(spec, tokens, g)
             got = store.forward(layer, x, ids, w, n_rows=torch.tensor([tokens], dtype=torch.int32))
@@ -309,12 +329,67 @@ def check_lent_slots() -> None:
     assert (store.cache.layer_of_slot[lent] >= 0).any(), "decode placed nothing into the freed slots"
 
 
+def check_windowed_chunks() -> None:
+    """A streamed prefill's chunks launch the expert kernels over their own blocks (the aligned block
+    starts given, one window a chunk, covering the layer's staged positions once), with the rows the
+    all-resident store computes. Boot's warm-up (steps of padding rows only: nothing staged) compiles
+    them once: over an empty window, and the hits' grouped kernel with every pair skipped, at both block
+    sizes a streamed step of this store can take (512 tokens of 2 pairs: the small block; 513: the
+    large), whatever the warm-up step's own size."""
+    import ferry.services.worker.offload.device_store as device_store
+
+    spec = tiny_spec(layers=2, experts=6, top_k=2, hidden=32, inter=16)
+    layers = 2
+    resident = ResidentExperts(slot_pool(spec, layers * 6), layers, 6)
+    store = DeviceDrivenExperts(slot_pool(spec, 7, max_step_tokens=600), HostBanks.for_model(spec, "float32", progress=False),
+                                LRUExpertPolicy(layers, 6, 7), "cpu", prefetch=False, pipeline_chunks=2)  # fmt: skip
+    for (layer, e), weights in random_experts(spec, 7).items():
+        resident.load_expert(layer, e, *weights)
+        store.load_expert(layer, e, *weights)
+    store.preload()
+    calls = []
+    kernel = device_store.grouped_expert_rows_triton
+
+    def recording(*args, **kwargs):
+        aligned = kwargs.get("aligned")
+        calls.append((None if aligned is None else len(aligned), kwargs.get("slot_window"), args[0].shape[0]))
+        return kernel(*args, **kwargs)
+
+    device_store.grouped_expert_rows_triton = recording
+    g = torch.Generator().manual_seed(5)
+    try:
+        for tokens, real in ((40, 0), (600, 0), (40, 40)):
+            calls.clear()
+            for layer in range(layers):
+                x, ids, w = random_routing(spec, tokens, g)
+                got = store.forward(layer, x, ids, w, n_rows=torch.tensor([real], dtype=torch.int32))
+                if real:
+                    torch.testing.assert_close(got, resident.forward(layer, x, ids, w), rtol=1e-5, atol=1e-5)
+            store.stats_to_host()
+            store.end_step()
+            windows = [(window, n) for parts, window, n in calls if window is not None]
+            assert all(parts == 3 for parts, window, _ in calls if window is not None), calls  # block starts given
+            if not real:  # compiled at the first padding-only step, once: 512 and 513 rows, not the step's own
+                assert windows == ([((0, 0, 0), 512), ((0, 0, 0), 513)] if tokens == 40 else []), calls
+                if tokens == 40:  # and the hits' kernel at both sizes, every pair skipped
+                    assert sorted(n for _, window, n in calls if window is None and n in (512, 513)) == [512, 513]
+            else:
+                covered = sorted((lo, hi) for (lo, hi, _), _ in windows)
+                staged = [store._staged_count[layer] for layer in range(layers)]
+                assert sum(hi - lo for lo, hi in covered) == sum(staged) > 0, (covered, staged)
+    finally:
+        device_store.grouped_expert_rows_triton = kernel
+
+
 CHECKS = {"store": check, "device-driven-float32": lambda: check_device_driven("float32"),
           "device-driven-bfloat16": lambda: check_device_driven("bfloat16"), "host-share": check_host_share,
           "host-decode-kernel": check_host_decode_kernel, "host-decode": check_host_decode,
-          "lent-slots": check_lent_slots}
+          "lent-slots": check_lent_slots, "windowed-chunks": check_windowed_chunks}
 
 if __name__ == "__main__":  # argv[1]: one of CHECKS (the test runs each in its own process, side by side under xdist)
+    import structlog
+
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))  # stdout carries the JSON only
     try:
         CHECKS[sys.argv[1]]()
         json.dump(None, sys.stdout)

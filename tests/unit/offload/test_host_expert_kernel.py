@@ -176,6 +176,50 @@ def test_the_isa_comes_from_the_environment_and_a_bad_one_is_refused(banks_of, m
         HostExperts(banks_of("bf16", "even"), torch.bfloat16, threads=1)
 
 
+@needs_library
+@pytest.mark.parametrize("isa", isas())
+@pytest.mark.parametrize("fmt", (*FORMATS, "packed"))
+def test_prefetching_the_weights_ahead_changes_no_bit(banks_of, fmt, isa):
+    """The rows' prefetch is a hint (at a vector's own line, a row ahead, and far past the bank's end,
+    where nothing may fault): the sums are the same bits as without it, at 1, 8 and 21 tokens."""
+    if fmt == "packed":
+        from tests.unit.offload.test_host_kernel_packed import make_packed
+
+        banks = make_packed(*SHAPES["even"])
+    else:
+        banks = banks_of(fmt, _shapes(fmt)[1])
+    host = HostExperts(banks, torch.bfloat16, threads=2, kernel="c", isa=isa)
+    try:
+        for tokens in (1, 8, 21):
+            x = torch.randn(tokens, banks.hidden_size, generator=torch.Generator().manual_seed(tokens)).bfloat16()
+            pairs = [(t, e % banks.num_experts, w) for t, e, w in pairs_for(tokens, tokens)]
+            host.c_kernel.set_prefetch(0)
+            want = host.compute(1, x, pairs).view(torch.int32)  # bits: the packed banks hold inf and NaN
+            for ahead in (64, 4096, 1 << 30):
+                host.c_kernel.set_prefetch(ahead)
+                assert torch.equal(host.compute(1, x, pairs).view(torch.int32), want), (tokens, ahead)
+    finally:
+        host.close()
+
+
+@needs_library
+def test_the_prefetch_distance_comes_from_the_environment_and_a_bad_one_is_refused(banks_of, monkeypatch):
+    banks = banks_of("bf16", "even")
+    host = HostExperts(banks, torch.bfloat16, threads=1, kernel="c")
+    assert host.c_kernel.prefetch == K.DEFAULT_PREFETCH_BYTES
+    host.close()
+    monkeypatch.setenv(K.PREFETCH_ENV, "2048")
+    host = HostExperts(banks, torch.bfloat16, threads=1, kernel="c")
+    assert host.c_kernel.prefetch == 2048
+    with pytest.raises(ValueError, match="0 or more"):
+        host.c_kernel.set_prefetch(-64)
+    host.close()
+    for bad in ("4k", "-1"):
+        monkeypatch.setenv(K.PREFETCH_ENV, bad)
+        with pytest.raises(ValueError, match=K.PREFETCH_ENV):
+            HostExperts(banks, torch.bfloat16, threads=1, kernel="c")
+
+
 @pytest.fixture
 def no_library(monkeypatch):
     """The library as if it had not been built: its module name points nowhere."""

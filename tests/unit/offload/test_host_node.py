@@ -177,3 +177,43 @@ def test_autos_guard_prices_the_share_off_while_its_steps_are_longer_and_back_on
         now += 0.007 if share.guard.share_on else 0.010
         share.observe_step(now, 1)
     assert share.guard.share_on and share.costs_ns == costs
+
+
+def test_the_guards_scale_prices_a_host_expert_and_the_price_under_it_is_refined():
+    """A climb of auto's guard (share_guard.py) to the scale whose steps are shortest: the hand-off then
+    reads the host's one-token price times that scale; refinement moves the price itself, the scale
+    still applied over it; the report and its prices say both."""
+    from ferry.kernels.expert_host_handoff import host_count_reference
+    from ferry.services.worker.offload.host_decode import REFINE_EVERY
+    from ferry.services.worker.offload.share_guard import ShareGuard
+
+    banks = make_banks("bf16", 256, 160)
+    costs = (100_000, 150_000, 2_000, 30_000)
+    share = HostDecodeShare(HostKernel(banks, torch.bfloat16, threads=1), costs, max_tokens=4, top_k=2,
+                            num_experts=banks.num_experts, device="cpu")  # fmt: skip
+    share.guard = ShareGuard(window=8, samples=8, hold=10**6)
+    now = 0.0
+    for _ in range(800):  # off 20 ms; on, 10 ms at a scale of 0.64 and 1 ms more a 0.1 away from it
+        scale = share.guard.scale
+        now += 0.020 if scale is None else 0.010 + 0.01 * abs(scale - 0.64)
+        share.observe_step(now, 1)
+    assert share.guard.scale == 0.64 and not share.guard.exploring
+    assert share.costs_ns == (100_000, 96_000, 2_000, 30_000) and share.costs.tolist() == [100_000, 96_000, 2_000, 30_000]
+    # a cheaper host: of 6 one-token misses the hand-off's rule gives it more than at the price itself
+    assert host_count_reference(6, 6, share.costs_ns) > host_count_reference(6, 6, costs)
+    report = share.report()
+    assert report["price_ns"] == list(costs) and report["guard"]["scale"] == 0.64
+    _timed(share, 250_000 * REFINE_EVERY, REFINE_EVERY, REFINE_EVERY)  # the nodes took 250 µs an expert
+    assert share.refine()
+    assert share.report()["price_ns"][1] == 200_000 and share.costs_ns[1] == 128_000  # half way, then scaled
+
+
+def test_a_scale_leaves_the_cpu_backends_zero_price_at_zero():
+    """--expert-backend cpu prices a host expert at 0 (every miss to the host): a guard's scale, were one
+    ever applied over it, keeps that rule rather than making the price 1 ns."""
+    banks = make_banks("bf16", 256, 160)
+    share = HostDecodeShare(HostKernel(banks, torch.bfloat16, threads=1), (100_000, 0, 0, 30_000), max_tokens=4,
+                            top_k=2, num_experts=banks.num_experts, device="cpu")  # fmt: skip
+    share._scale = 0.64
+    share._apply()
+    assert share.costs_ns == (100_000, 0, 0, 30_000) and share.costs.tolist() == [100_000, 0, 0, 30_000]

@@ -1,12 +1,15 @@
 """Auto's guard over the host's decode share (services/worker/offload/share_guard.py): it keeps the share
-where the decode steps with it are shorter, turns it off where they are longer, samples only back-to-back
-decode steps of one size, and explores again after holding a choice."""
+where the decode steps with it are shorter, turns it off where they are longer, climbs to the host price's
+scale whose steps are shortest, samples only back-to-back decode steps of one size, and explores again
+after holding a choice."""
 
 from __future__ import annotations
 
 import pytest
 
-from ferry.services.worker.offload.share_guard import BUCKETS, SETTLE_STEPS, ShareGuard, bucket_of
+import random
+
+from ferry.services.worker.offload.share_guard import BUCKETS, SCALES, SETTLE_STEPS, START, ShareGuard, bucket_of
 
 
 def run(guard: ShareGuard, steps: int, on_s: float, off_s: float, tokens: int = 1, ahead: int = 2) -> list[bool]:
@@ -62,7 +65,7 @@ def test_only_back_to_back_decode_steps_of_one_size_are_samples():
     guard.step(0.035, 3)  # another bucket: no sample
     guard.step(0.045, 3)  # a sample in bucket 4
     guard.step(2.0, 3)  # after idling: no sample
-    assert sorted(guard._times) == [(1, True), (4, True)]
+    assert sorted(guard._times) == [(1, START), (4, START)]
     assert all(v == [pytest.approx(0.010)] for v in guard._times.values())
 
 
@@ -71,12 +74,90 @@ def test_the_steps_just_after_a_switch_give_no_sample():
     for i in range(4):
         guard.step(0.01 * i, 1)
     assert not guard.share_on  # the window ended: off now
-    n_on = len(guard._times[(1, True)])
+    n_on = len(guard._times[(1, START)])
     for i in range(4, 4 + SETTLE_STEPS):
         guard.step(0.01 * i, 1)
-    assert (1, False) not in guard._times and len(guard._times[(1, True)]) == n_on
+    assert (1, None) not in guard._times and len(guard._times[(1, START)]) == n_on
     guard.step(0.01 * (4 + SETTLE_STEPS), 1)
-    assert len(guard._times[(1, False)]) == 1
+    assert len(guard._times[(1, None)]) == 1
+
+
+def run_scaled(guard: ShareGuard, steps: int, seconds, ahead: int = 2, noise: float = 0.0, seed: int = 0) -> None:
+    """Steps whose time is seconds(scale) (scale None: the share off) by the scale they were launched in,
+    times a uniform noise of +-`noise`."""
+    rng = random.Random(seed)
+    now, launched = 0.0, [guard.scale] * ahead
+    for _ in range(steps):
+        scale = launched.pop(0)
+        now += seconds(scale) * (1 + rng.uniform(-noise, noise))
+        guard.step(now, 1)
+        launched.append(guard.scale)
+
+
+def bowl(best: float):
+    """A step of 10 ms at the best scale, 1 ms more for every 0.1 of scale away from it; 20 ms off."""
+    return lambda scale: 0.020 if scale is None else 0.010 + 0.01 * abs(scale - best)
+
+
+@pytest.mark.parametrize("best", [0.64, 0.5, 0.8])
+def test_it_climbs_to_the_scale_with_the_shortest_steps_towards_more_host(best):
+    guard = ShareGuard(window=8, samples=16, hold=5000)
+    run_scaled(guard, 1500, bowl(best), noise=0.02)
+    assert not guard.exploring and guard.scale == best, guard.decisions
+    assert guard.decisions[0]["share_on"] is True and guard.decisions[0]["scale"] == START  # first, on against off
+    tried = [d["tried"] for d in guard.decisions[1:]]
+    assert tried == list(SCALES[2 : SCALES.index(best) + 2])[: len(tried)]  # one step further each time
+    assert guard.decisions[-1]["kept"] == best
+
+
+def test_when_more_host_loses_at_once_it_tries_less_host_once():
+    guard = ShareGuard(window=8, samples=16, hold=5000)
+    run_scaled(guard, 1500, bowl(1.25))
+    assert guard.scale == 1.25 and [d.get("tried") for d in guard.decisions] == [None, 0.8, 1.25]
+    guard = ShareGuard(window=8, samples=16, hold=5000)
+    run_scaled(guard, 1500, bowl(1.0))  # neither way wins: the share as priced
+    assert guard.scale == 1.0 and [d.get("tried") for d in guard.decisions] == [None, 0.8, 1.25]
+
+
+def test_a_scale_within_the_climb_margin_does_not_move_it():
+    guard = ShareGuard(window=8, samples=16, hold=5000, climb_margin=0.05)
+    run_scaled(guard, 1500, lambda s: 0.013 if s is None else (0.0098 if s == 0.8 else 0.010))  # 2 % shorter
+    assert guard.scale == 1.0 and guard.decisions[1]["kept"] == 1.0
+
+
+def test_after_the_hold_it_explores_again_from_the_held_scale():
+    guard = ShareGuard(window=8, samples=16, hold=10**6)
+
+    def hold_ends() -> None:
+        guard.hold = 1
+        run_scaled(guard, 1, bowl(1.0))
+        guard.hold = 10**6
+
+    run_scaled(guard, 700, bowl(0.64))
+    assert guard.scale == 0.64 and not guard.exploring
+    hold_ends()
+    run_scaled(guard, 1200, lambda s: 0.009 if s is None else 0.012)  # the host got busy: off wins
+    assert guard.scale is None and not guard.share_on and not guard.exploring
+    assert guard.decisions[-1] == {"bucket": 1, "on_ms": 12.0, "off_ms": 9.0, "scale": 0.64, "share_on": False}
+    hold_ends()
+    run_scaled(guard, 1500, bowl(0.8))  # quiet again: on at 0.64, more host (0.5) loses, less (0.8) wins
+    assert guard.scale == 0.8 and not guard.exploring
+    assert [d.get("tried") for d in guard.decisions[-4:]] == [None, 0.5, 0.8, 1.0]
+
+
+def test_a_climb_held_at_the_most_host_turns_back_when_the_host_gets_busy():
+    """Held at the ladder's end (0.5) and explored again: the share still beats off, and the climb, with
+    nowhere further towards more host, tries less host at once and follows it back up (review: it held 0.5)."""
+    guard = ShareGuard(window=4, samples=8, hold=10**6)
+    run_scaled(guard, 1500, bowl(0.0))  # more host always shorter: it climbs to the end
+    assert guard.scale == SCALES[-1] and not guard.exploring
+    guard.hold = 1
+    run_scaled(guard, 1, bowl(1.0))
+    guard.hold = 10**6
+    busy = {None: 0.0128, 1.0: 0.010, 1.25: 0.0105, 0.8: 0.011, 0.64: 0.012, 0.5: 0.0125}
+    run_scaled(guard, 3000, lambda s: busy[s])
+    assert guard.scale == 1.0 and not guard.exploring, guard.decisions[-4:]
+    assert [d.get("tried") for d in guard.decisions[-5:]] == [None, 0.64, 0.8, 1.0, 1.25]
 
 
 def test_buckets():

@@ -63,7 +63,7 @@ def test_a_new_step_takes_back_the_slots_of_a_step_that_stopped_midway():
 
 
 def test_bad_shapes_are_refused():
-    with pytest.raises(ValueError, match="does not fit"):
+    with pytest.raises(ValueError, match="--prefill-ring-chunk 3: a chunk must fit the 2 staging slots"):
         StagingRing(torch.zeros(2, 2, 2), torch.zeros(2, 2, 2), _banks(1, 2), None, chunk=3)
 
 
@@ -105,3 +105,27 @@ def test_lent_cache_slots_are_bays_of_that_step_only():
     assert not chunk.bay.lent and chunk.slots == [0, 1]
     ring.release(chunk, None)
     assert ring.take(0).slots == [0]
+
+
+def test_a_step_that_lends_cuts_its_chunks_at_the_long_chunk_and_the_next_step_at_the_ring_s_own():
+    banks = _banks(1, 20)
+    cache13, cache2 = torch.zeros(8, 2, 2), torch.zeros(8, 2, 2)
+    ring = StagingRing(torch.zeros(4, 2, 2), torch.zeros(4, 2, 2), banks, None, chunk=1, long_chunk=4)
+    assert (ring.base_chunk, ring.long_chunk) == (1, 4)
+    for lent, sizes in ((None, [1] * 6), ((0, 8, (cache13, cache2, cache13, cache2)), [4, 2]), (None, [1] * 6)):
+        ring.begin([[0, 1, 2, 3, 4, 5]], lent=lent)
+        got = []
+        while (chunk := ring.take(0)) is not None:
+            w13 = chunk.bay.w13
+            assert all(torch.equal(w13[s], banks.w13[0][e]) for e, s in zip(chunk.experts, chunk.slots))
+            got.append(len(chunk.experts))
+            ring.release(chunk, None)
+        assert got == sizes
+    assert ring.lent_total == 8  # two lent bays of 4
+    ring.use_chunks(2, 2)  # the benches' --ring-chunks
+    ring.begin([[0, 1, 2]])
+    assert len(ring.take(0).experts) == 2
+    with pytest.raises(ValueError, match="does not fit 4 staging slots"):
+        ring.use_chunks(5, 1)
+    with pytest.raises(ValueError, match="--long-prefill-ring-chunk 5: a chunk must fit the 4 staging slots"):
+        StagingRing(torch.zeros(4, 2, 2), torch.zeros(4, 2, 2), banks, None, long_chunk=5)

@@ -1,0 +1,33 @@
+"""bench/profile_shared_prefix_step.py end to end on CPU: the tiny hybrid model offloaded, 8 streams sharing a
+prefix, each step profiled and its copies counted (the device figures need CUDA; here the flow and the JSON)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_warm_steps_and_the_baseline_chunk_are_profiled(tmp_path):
+    model = tmp_path / "tiny35"
+    subprocess.run([sys.executable, "-m", "ferry.services.cli", "make-tiny-model", "--arch", "qwen3_5_moe", str(model)],
+                   cwd=ROOT, check=True, capture_output=True)  # fmt: skip
+    out = tmp_path / "profile.json"
+    proc = subprocess.run([sys.executable, "bench/profile_shared_prefix_step.py", "--model", str(model), "--device", "cpu",
+                           "--moe-cache-size", "8", "--max-running-requests", "8", "--max-model-len", "1024",
+                           "--prefix", "200", "--suffix", "20", "--repeats", "2", "--out", str(out),
+                           "--events-dir", str(tmp_path / "events")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    steps = {p["step"]: p for p in result["profiles"]}
+    assert list(steps) == ["warm_step_0", "warm_step_1", "baseline_chunk"]
+    assert steps["warm_step_0"]["rows"] == 8 and steps["warm_step_0"]["tokens"] == 8 * 20
+    assert steps["baseline_chunk"]["tokens"] == 8 * 220  # the 220-token prompts fit one chunk here
+    # the tiny model's 8 slots hold a quarter of its 4 x 8 experts: every step copies some of the rest
+    assert all(p["copied_bytes"] > 0 and p["pass_ms_at_link"] > 0 for p in steps.values())
+    assert sorted(f.name for f in (tmp_path / "events").iterdir()) == [
+        "device_events_baseline_chunk.json.gz", "device_events_warm_step_0.json.gz", "device_events_warm_step_1.json.gz"]
