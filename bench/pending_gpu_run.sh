@@ -1,8 +1,5 @@
 #!/usr/bin/env bash
-# The device calls that land branch pending-gpu-flash (now: FlashAttention for every long prefill chunk,
-# not only a prompt's first, and the log line of a refusal; the prefill's Gated DeltaNet conv in two
-# Triton launches; no host synchronisation in a prefill's linear layers; a streamed chunk's expert GEMMs
-# launched over its own blocks; issues 24 and 23), one
+# The device calls that check a pending branch and measure the open issues (23, 24, 25), one
 # part a call (each fits the device's 600 s), run from the tree with the device's python3 and the .whl/
 # site on PYTHONPATH; everything lands in $OUT. Set FERRY_COMMIT to the tree's commit. PART=a,b runs several
 # parts in one call (one device start), e.g. PART=eight,ahead (~7 min). .whl/ holds the shared wheels
@@ -10,22 +7,17 @@
 # pydantic-core 2.33.2, typing-inspection, annotated-types, jiter, distro, sniffio, docstring-parser (the
 # newest openai/anthropic need httpx2 and opentelemetry, which the device lacks; without openai the
 # gpu-check's serve step dies after its CUDA tests).
-# The branch's commits are in order: the FlashAttention fix (its first four), the conv kernels, the linear
-# layers' synchronisations, the router weights (786b396), then the second 2026-12-04 session's: the windowed
-# chunk GEMMs (738cb66), the guard's sizing of the host share (8abd32d), the ring-chunk flags (e081d53, 14611f2)
-# and the review mends (8d1f5fb, e0e0f0e); then the third session's: the mixer slices of steps over 8,192
-# tokens (c4c6e59, c19dabe and what follows; the hold at a full batch, 96b7035, landed on main alone). Should the
-# check fail on a later one, the earlier ones can land alone after a check of their own (786b396 is the first
-# session's whole branch; the first four, the FlashAttention fix alone; e0e0f0e, all before the slices).
-# The next session (the second and third 2026-12-04 sessions got no machine):
-# PART=check (~6-8 min), then PART=window,warmstep,wsslices (~8 min: the windowed GEMMs against the full grid;
-# issue 23's warm step profiled; the workspace of 8k/16k steps by mixer slice), then PART=long (the served 262k
-# TTFT, ~5 min) and LONG_VARIANTS=chunk16k PART=long (16k steps, mixers sliced: TTFT and decode after),
-# then PART=longprof with LONGPROF_AT=131072 LONGPROF_LEN=147456 LONGPROF_RING=0,48 (~3 min; if 48 wins the chunk,
-# LONG_VARIANTS=ring48 PART=long serves the prompt with --long-prefill-ring-chunk 48), then PART=three,eight,
-# then DECODE12_VARIANTS=gpu,default PART=decode12 and PART=hostgemm (issue 25). That is ~45 minutes of parts
-# for a 30-minute budget, plus a machine's start a call: combine parts in one call where they fit 600 s
-# and leave for the session after what does not fit.
+# pending-gpu-flash landed on main at 441c8b9 (its check passed at db6765d, 2026-12-05). Open now: branch
+# pending-gpu-prefetch, one constant: the host kernel's rows prefetch 4 KiB ahead by default (measured 7-25 %
+# faster on plain and packed banks on the H200's host; bench/NOTES.md).
+# The next session, in order (a call's 600 s and a machine's start each; combine what fits):
+# 1. PART=check on pending-gpu-prefetch (~5-8 min), with DECODE12_VARIANTS=gpu,default PART=decode12 after it if
+#    the call has room (issue 25's single stream with the prefetch; ~3-4 min); land the branch if the check passes.
+# 2. EIGHT_FORMAT=nvfp4 PART=eight (~4 min; issue 23's 8 streams on the landed code: the last call ended inside
+#    it), then WARMSTEP_FORMAT=nvfp4 PART=warmstep (~3-4 min: where the warm step's 120 ms go; the windowed
+#    GEMMs measured ~10 ms of it, so they are not it).
+# 3. PART=long (the served 262k TTFT, ~5 min), LONG_VARIANTS=chunk16k PART=long, PART=wsslices.
+# 4. PART=longprof LONGPROF_AT=131072 LONGPROF_LEN=147456 LONGPROF_RING=0,48, PART=hostgemm, PART=share.
 #   PART=check   make gpu-check (the release check, which builds the host's C kernel; gpu_check.json)  ~7-8 min
 #   PART=prefill bench/prefill_attention.py on the 35B's attention shapes, then the 262k-token TTFT  ~6-8 min
 #   PART=three   issue 23's three turns (32k first turn) on the full-size 35B with NVFP4 experts, openai and anthropic
