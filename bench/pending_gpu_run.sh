@@ -8,8 +8,9 @@
 # newest openai/anthropic need httpx2 and opentelemetry, which the device lacks; without openai the
 # gpu-check's serve step dies after its CUDA tests).
 # pending-gpu-flash landed on main at 441c8b9 (its check passed at db6765d, 2026-12-05). Open now: branch
-# pending-gpu-prefetch, one constant: the host kernel's rows prefetch 4 KiB ahead by default (measured 7-25 %
-# faster on plain and packed banks on the H200's host; bench/NOTES.md).
+# pending-gpu-prefetch: the host kernel's rows prefetch 4 KiB ahead by default (measured 7-25 % faster on plain
+# and packed banks on the H200's host; bench/NOTES.md), and one helper for small pinned host-to-device copies
+# (kernels/host_to_device.py, where the sampler and the Gated DeltaNet rule each had their own).
 # The next session, in order (a call's 600 s and a machine's start each; combine what fits):
 # 1. PART=check on pending-gpu-prefetch (~5-8 min), with DECODE12_VARIANTS=gpu,default PART=decode12 after it if
 #    the call has room (issue 25's single stream with the prefetch; ~3-4 min); land the branch if the check passes.
