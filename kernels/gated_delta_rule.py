@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from ferry.kernels.gated_delta_rule_reference import gated_delta_rule_chunked, gated_delta_rule_recurrent
+from ferry.kernels.host_to_device import to_device
 
 
 def gated_delta_rule_varlen(
@@ -91,19 +92,11 @@ def chunk_indices(query_lens: list[int], device: torch.device) -> torch.Tensor:
         counts = np.array([-(-n // FLA_CHUNK) for n in query_lens], dtype=np.int64)
         request = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
         index = np.arange(len(request), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
-        made = _sent(np.stack([request, index], axis=1), device)
+        made = to_device(np.stack([request, index], axis=1), torch.int64, device)
     _chunk_indices_made[key] = made  # the most recent last
     while len(_chunk_indices_made) > _CHUNK_INDICES_KEPT:
         del _chunk_indices_made[next(iter(_chunk_indices_made))]
     return made
-
-
-def _sent(host: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A small host array on `device` without waiting for it: a pageable host-to-device copy synchronises
-    with the device, a pinned one does not (the caching host allocator keeps the pinned block until the
-    copy has run)."""
-    t = torch.from_numpy(np.ascontiguousarray(host))
-    return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t.to(device)
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -141,10 +134,10 @@ def gated_delta_rule_varlen_keeping(
     device = q.device
 
     def positions(spans) -> torch.Tensor:
-        return _sent(np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in spans]), device)
+        return to_device(np.concatenate([np.arange(a, b) for a, b in spans]), torch.int64, device)
 
     def cumulative(lens) -> torch.Tensor:
-        return _sent(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32), device)
+        return to_device(np.concatenate([[0], np.cumsum(lens)]), torch.int32, device)
 
     out = torch.empty_like(v)
     head = positions((starts[i], starts[i] + n) for i, n in enumerate(first))
@@ -152,7 +145,7 @@ def gated_delta_rule_varlen_keeping(
                                         cumulative(first), first)  # fmt: skip
     kept_slots = [int(state_slots_host[i]) for i in rows]
     kept = [states[slot].clone() for slot in kept_slots]
-    slots = _sent(np.asarray(kept_slots, dtype=np.int64), state_slots.device).to(state_slots.dtype)
+    slots = to_device(kept_slots, state_slots.dtype, state_slots.device)
     tail = positions((starts[i] + cut[i], starts[i + 1]) for i in rows)
     out[tail] = gated_delta_rule_varlen(q[tail], k[tail], v[tail], g[tail], beta[tail], states, slots,
                                         cumulative(rest), rest)  # fmt: skip

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ferry.kernels.host_to_device import to_device
 from ferry.shared.contract import StepLimits, step_problems
 from ferry.shared.errors import FerryError
 from ferry.plan.model_config import ModelSpec
@@ -37,7 +38,7 @@ from ferry.services.worker.forward_batch import ForwardBatch
 from ferry.plan.planner import Plan
 from ferry.services.worker.pools import Pools
 from ferry.services.worker.grammar import tokenizer_factory
-from ferry.services.worker.sampler import Sampler, log_softmax_top, to_device
+from ferry.services.worker.sampler import Sampler, log_softmax_top
 
 
 class StepBatchError(FerryError):

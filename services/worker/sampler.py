@@ -25,6 +25,7 @@ import torch
 
 import numpy as np
 
+from ferry.kernels.host_to_device import to_device
 from ferry.kernels.sample_rows import sample_rows
 from ferry.shared.sampling import SamplingParams
 from ferry.shared.step import NewRequest
@@ -227,15 +228,6 @@ class Sampler:
             if state.generator is not None:
                 noise[i].exponential_(generator=state.generator)
         return noise  # an exact 0 draw is taken as the smallest normal float by sample_rows
-
-
-def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list on `device` without waiting: a pageable host-to-device copy synchronises
-    with the device, so on CUDA the list goes through pinned memory."""
-    host = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def log_softmax_top(logits: torch.Tensor, targets: torch.Tensor, k: int):

@@ -119,7 +119,8 @@ def _layer(weights=None):
 
 def _layer_step(weights, x, slots, fresh, conv_states, states):
     """One decode step of the layer: (its output, conv states, states)."""
-    batch = SimpleNamespace(num_requests=x.shape[0], state_slots=slots, query_lens_host=[1] * x.shape[0],
+    batch = SimpleNamespace(num_requests=x.shape[0], state_slots=slots, state_slots_host=slots.tolist(),
+                            query_lens_host=[1] * x.shape[0],
                             query_start=torch.arange(x.shape[0] + 1, dtype=torch.int32))  # fmt: skip
     pools = SimpleNamespace(linear_state=SimpleNamespace(layer=lambda _: (conv_states, states)))
     with torch.no_grad():

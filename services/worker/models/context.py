@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ferry.kernels.host_to_device import to_device
 from ferry.services.worker.forward_batch import ForwardBatch
 from ferry.services.worker.pools import Pools
-from ferry.services.worker.sampler import to_device
 
 
 @dataclass

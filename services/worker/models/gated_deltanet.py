@@ -111,7 +111,7 @@ class GatedDeltaNet(nn.Module):
             b.query_start,
             b.query_lens_host,
             [(row, n) for row, n, _ in inside],
-            b.state_slots_host if inside else [],  # read only for the rows kept inside
+            b.state_slots_host,
         )
         if inside:  # snapshots kept inside their rows' chunks (StepBatch.save_offset): this layer's part
             starts = [0, *itertools.accumulate(b.query_lens_host)]
