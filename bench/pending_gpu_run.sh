@@ -7,17 +7,16 @@
 # pydantic-core 2.33.2, typing-inspection, annotated-types, jiter, distro, sniffio, docstring-parser (the
 # newest openai/anthropic need httpx2 and opentelemetry, which the device lacks; without openai the
 # gpu-check's serve step dies after its CUDA tests).
-# pending-gpu-flash landed on main at 441c8b9 (its check passed at db6765d, 2026-12-05). Open now: branch
-# pending-gpu-prefetch: the host kernel's rows prefetch 4 KiB ahead by default (measured 7-25 % faster on plain
-# and packed banks on the H200's host; bench/NOTES.md), and one helper for small pinned host-to-device copies
-# (kernels/host_to_device.py, where the sampler and the Gated DeltaNet rule each had their own).
+# pending-gpu-prefetch landed on main (its check passed at bfe3e97, 2026-12-05). Open now: branch
+# pending-gpu-chunk16k: the plan's prefill chunk may be 16,384 tokens where experts stream (the 262k prompt in
+# 34.9 s against 47.4 with --max-prefill-tokens 16384 on bfe3e97), and what else that branch's log adds.
 # The next session, in order (a call's 600 s and a machine's start each; combine what fits):
-# 1. PART=check on pending-gpu-prefetch (~5-8 min), with DECODE12_VARIANTS=gpu,default PART=decode12 after it if
-#    the call has room (issue 25's single stream with the prefetch; ~3-4 min); land the branch if the check passes.
-# 2. EIGHT_FORMAT=nvfp4 PART=eight (~4 min; issue 23's 8 streams on the landed code: the last call ended inside
-#    it), then WARMSTEP_FORMAT=nvfp4 PART=warmstep (~3-4 min: where the warm step's 120 ms go; the windowed
-#    GEMMs measured ~10 ms of it, so they are not it).
-# 3. PART=long (the served 262k TTFT, ~5 min), LONG_VARIANTS=chunk16k PART=long, PART=wsslices.
+# 1. PART=check on pending-gpu-chunk16k (~7-8 min); land the branch if it passes.
+# 2. PART=long on the landed commit (issue 24's TTFT with the plan's own chunk, and decode after it: ~3 min),
+#    then WARMSTEP_FORMAT=nvfp4 WARMSTEP_RING=0 PART=warmstep (~3 min; now with --host-profile 2: which Python
+#    functions the warm step's host time goes to; the device waits on the host for ~60 of its ~115 ms).
+# 3. EIGHT_FORMAT=nvfp4 PART=eight (issue 23's must-show on the landed code), DECODE12_VARIANTS=gpu,default
+#    PART=decode12 (issue 25; the served single stream ran a millisecond a token above the guard's medians).
 # 4. PART=longprof LONGPROF_AT=131072 LONGPROF_LEN=147456 LONGPROF_RING=0,48, PART=hostgemm, PART=share.
 #   PART=check   make gpu-check (the release check, which builds the host's C kernel; gpu_check.json)  ~7-8 min
 #   PART=prefill bench/prefill_attention.py on the 35B's attention shapes, then the 262k-token TTFT  ~6-8 min
@@ -29,7 +28,7 @@
 #   PART=warmstep issue 23's warm step (8 rows x 156 tokens after a cached 4k prefix) profiled beside a baseline chunk,
 #                the 8-layer hybrid cut at 640 slots (WARMSTEP_FORMAT=bf16|nvfp4|fp8), at ring chunks of 12 (the
 #                default), 24 and 48 (WARMSTEP_RING); if a larger one wins, EIGHT_FLAGS="--prefill-ring-chunk N"
-#                runs the must-show with it                                                        ~3-4 min
+#                runs the must-show with it; WARMSTEP_HOST_PROFILE=N warm steps under cProfile (2)   ~3-4 min
 #   PART=hostgemm the host's C kernel against torch's GEMM at 1-128 tokens an expert, 12 threads      ~2 min
 #   PART=hostprefetch the host kernel's rows prefetching the weights 0-4096 bytes ahead (bf16, packed, nvfp4;
 #                1-15 threads): a server core's prefetcher stops at each 4 KiB page, a bf16 row's size;
@@ -105,8 +104,9 @@ case "${part:-check}" in
       --num-layers 8 --format "${WARMSTEP_FORMAT:-bf16}" > /dev/null
     timeout 300 python3 bench/profile_shared_prefix_step.py --model /tmp/m8w --load-format dummy --moe-cache-size 640 \
       --gpu-memory 12GiB --max-running-requests 8 --out "$OUT/profile_shared_prefix_${WARMSTEP_FORMAT:-bf16}.json" \
-      --ring-chunks "${WARMSTEP_RING:-0,24,48}" --repeats 2 --events-dir "$OUT" > "$OUT/warmstep.log" 2>&1
-    echo "warmstep rc=$?"; grep '"step"' "$OUT/warmstep.log" | cut -c1-400 ;;
+      --ring-chunks "${WARMSTEP_RING:-0,24,48}" --repeats 2 --host-profile "${WARMSTEP_HOST_PROFILE:-2}" --events-dir "$OUT" \
+      > "$OUT/warmstep.log" 2>&1
+    echo "warmstep rc=$?"; grep '"step"' "$OUT/warmstep.log" | cut -c1-400; grep -A25 host_profile_wall "$OUT/warmstep.log" ;;
   hostgemm)  # issue 25/23: the host's C kernel against torch's GEMM (oneDNN, AMX on this host) by tokens an expert
     build_host_kernel
     for b in c torch; do

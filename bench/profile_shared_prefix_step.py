@@ -11,6 +11,9 @@ step it prints the summary of bench/profile_long_chunk.py (each stream's busy ti
 the copies' overlap with compute, the compute's idle gaps, the host's launch span), the bytes the step
 copied and their time at `--link-gbps` (the pass a step that routes every expert cannot go below). The
 device events are kept (`device_events_<name>.json.gz`) for `profile_long_chunk.py --summarize`.
+`--host-profile N` then runs N more warm steps without torch.profiler, under cProfile: their wall time and
+where the host's Python spends it (the warm step's launches span the whole step on the H200: the device waits
+on the host), the functions by own time and, of the project's own, by cumulative time.
 
     python3 bench/profile_shared_prefix_step.py --model DIR --load-format dummy --moe-cache-size 640 \\
         --gpu-memory 12GiB --max-running-requests 8 --out FILE --events-dir DIR
@@ -19,7 +22,9 @@ device events are kept (`device_events_<name>.json.gz`) for `profile_long_chunk.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import sys
 import tempfile
 import time
@@ -71,6 +76,8 @@ def main() -> None:
                              "computation; 0: the worker's own), e.g. 0,24,48: fewer, larger chunks pay the host's "
                              "launches fewer times, with fewer bays to overlap in")  # fmt: skip
     parser.add_argument("--link-gbps", type=float, default=55.0, help="host-to-device GB/s for the pass's bound")
+    parser.add_argument("--host-profile", type=int, default=0,
+                        help="warm steps run after the device profiles under cProfile, without torch.profiler")
     parser.add_argument("--out", default=None)
     parser.add_argument("--events-dir", default=None)
     args = parser.parse_args()
@@ -104,6 +111,13 @@ def main() -> None:
                   flush=True)  # fmt: skip
     if ring is not None:
         ring.use_chunks(*default)
+    host = None
+    if args.host_profile:
+        host = host_profiled(executor, prefix, length, args.suffix, args.host_profile, rng, first_req)
+        first_req += ROWS * args.host_profile
+        print(json.dumps({"host_profile_wall_ms": host["wall_ms"]}), flush=True)
+        for row in host["by_own_time"][:25]:
+            print(f"  {row['own_ms']:8.2f} ms own {row['cum_ms']:8.2f} ms cum {row['calls']:7d} calls  {row['function']}")
     # the round without the cache: the 8 whole prompts, chunked as the scheduler cuts them (its first chunk)
     streams = Streams(executor, ROWS, length, first_req_id=first_req)
     per_row = max(1, plan.max_prefill_tokens // ROWS)
@@ -115,9 +129,51 @@ def main() -> None:
     streams.finish()
     print(json.dumps({k: v for k, v in profiles[-1].items() if k not in ("largest_compute_gaps", "streams")}), flush=True)
     result = {"slots": plan.experts.slots, "experts": plan.experts.total, "chunk": plan.max_prefill_tokens,
-              "prefix": args.prefix, "suffix": args.suffix, "profiles": profiles}  # fmt: skip
+              "prefix": args.prefix, "suffix": args.suffix, "profiles": profiles, "host_profile": host}  # fmt: skip
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+def host_profiled(executor, prefix: list[int], length: int, suffix: int, steps: int, rng, first_req: int) -> dict:
+    """`steps` warm steps (each on fresh streams given the prefix) under cProfile: wall times, and the
+    functions by own time (the 40 first) and the project's by cumulative time (the 40 first), summed over
+    the steps."""
+    profile, walls = cProfile.Profile(), []
+    for r in range(steps):
+        streams = Streams(executor, ROWS, length, first_req_id=first_req + r * ROWS)
+        streams.prefill([prefix] * ROWS)
+        suffixes = [rng.integers(0, executor.spec.vocab_size, suffix).tolist() for _ in range(ROWS)]
+        _sync()
+        t0 = time.perf_counter()
+        profile.enable()
+        streams.step(suffixes, sample=True, new=None)
+        _sync()
+        profile.disable()
+        walls.append(round((time.perf_counter() - t0) * 1e3, 3))
+        streams.finish()
+    rows = []
+    for (path, line, name), (_, calls, own, cum, _) in pstats.Stats(profile).stats.items():
+        where = path if path.startswith("<") or path == "~" else f"{_short(path)}:{line}"
+        rows.append({"function": f"{where} {name}", "calls": calls, "own_ms": round(own * 1e3, 3),
+                     "cum_ms": round(cum * 1e3, 3), "ours": _ours(path)})  # fmt: skip
+    by_own = sorted(rows, key=lambda r: -r["own_ms"])[:40]
+    by_cum = sorted((r for r in rows if r["ours"]), key=lambda r: -r["cum_ms"])[:40]
+    return {"steps": steps, "wall_ms": walls, "by_own_time": by_own, "ours_by_cumulative_time": by_cum}
+
+
+_ROOT = str(Path(__file__).resolve().parents[1]) + "/"
+
+
+def _ours(path: str) -> bool:
+    return path.startswith(_ROOT) and "/site-packages/" not in path and "/.venv/" not in path
+
+
+def _short(path: str) -> str:
+    """A path relative to the checkout for the project's files, else from its package directory on."""
+    if _ours(path):
+        return path[len(_ROOT):]
+    parts = Path(path).parts
+    return "/".join(parts[parts.index("site-packages") + 1:]) if "site-packages" in parts else path
 
 
 def _sync() -> None:

@@ -18,7 +18,7 @@ def test_the_warm_steps_and_the_baseline_chunk_are_profiled(tmp_path):
     out = tmp_path / "profile.json"
     proc = subprocess.run([sys.executable, "bench/profile_shared_prefix_step.py", "--model", str(model), "--device", "cpu",
                            "--moe-cache-size", "8", "--max-running-requests", "8", "--max-model-len", "1024",
-                           "--prefix", "200", "--suffix", "20", "--repeats", "2", "--out", str(out),
+                           "--prefix", "200", "--suffix", "20", "--repeats", "2", "--host-profile", "2", "--out", str(out),
                            "--events-dir", str(tmp_path / "events")],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -31,3 +31,9 @@ def test_the_warm_steps_and_the_baseline_chunk_are_profiled(tmp_path):
     assert all(p["copied_bytes"] > 0 and p["pass_ms_at_link"] > 0 for p in steps.values())
     assert sorted(f.name for f in (tmp_path / "events").iterdir()) == [
         "device_events_baseline_chunk.json.gz", "device_events_warm_step_0.json.gz", "device_events_warm_step_1.json.gz"]
+    # the host's profile: two warm steps' walls, the functions by own time, the project's by cumulative time
+    host = result["host_profile"]
+    assert host["steps"] == 2 and len(host["wall_ms"]) == 2 and all(w > 0 for w in host["wall_ms"])
+    ours = [r["function"] for r in host["ours_by_cumulative_time"]]
+    assert any(f.startswith("services/worker/executor.py:") for f in ours), ours[:5]
+    assert all(r["own_ms"] >= 0 and r["calls"] > 0 for r in host["by_own_time"])
