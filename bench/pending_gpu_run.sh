@@ -9,12 +9,15 @@
 # gpu-check's serve step dies after its CUDA tests).
 # pending-gpu-prefetch landed on main (its check passed at bfe3e97, 2026-12-05). Open now: branch
 # pending-gpu-chunk16k: the plan's prefill chunk may be 16,384 tokens where experts stream (the 262k prompt in
-# 34.9 s against 47.4 with --max-prefill-tokens 16384 on bfe3e97), and what else that branch's log adds.
+# 34.9 s against 47.4 with --max-prefill-tokens 16384 on bfe3e97), and the pairs' alignment by slot in four
+# Triton launches (kernels/align_pairs.py; tests/gpu/test_align_pairs_cuda.py is its first CUDA run: the
+# kernels pass values between a program's threads through global memory behind tl.debug_barrier).
 # The next session, in order (a call's 600 s and a machine's start each; combine what fits):
 # 1. PART=check on pending-gpu-chunk16k (~7-8 min); land the branch if it passes.
 # 2. PART=long on the landed commit (issue 24's TTFT with the plan's own chunk, and decode after it: ~3 min),
 #    then WARMSTEP_FORMAT=nvfp4 WARMSTEP_RING=0 PART=warmstep (~3 min; now with --host-profile 2: which Python
-#    functions the warm step's host time goes to; the device waits on the host for ~60 of its ~115 ms).
+#    functions the warm step's host time goes to; the device waited on the host for ~60 of its ~115 ms at
+#    bfe3e97, and the alignment's ~70 torch calls a layer are now 8 Triton launches: how much of it that took).
 # 3. EIGHT_FORMAT=nvfp4 PART=eight (issue 23's must-show on the landed code), DECODE12_VARIANTS=gpu,default
 #    PART=decode12 (issue 25; the served single stream ran a millisecond a token above the guard's medians).
 # 4. PART=longprof LONGPROF_AT=131072 LONGPROF_LEN=147456 LONGPROF_RING=0,48, PART=hostgemm, PART=share.
