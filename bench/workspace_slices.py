@@ -72,15 +72,17 @@ def main() -> int:
     p.add_argument("--model", default="tests/data/models/qwen3.6-35b-a3b", help="a model directory (its config.json)")
     p.add_argument("--tokens", default="8192,16384", help="the step's new tokens (--max-prefill-tokens)")
     p.add_argument("--slices", default="8192,4096,2048", help="the mixers' slice (MIXER_SLICE_TOKENS)")
-    p.add_argument("--max-model-len", type=int, default=262144)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="default: 262,144 or the model's max_position_embeddings, whichever is fewer")
     p.add_argument("--max-running-requests", type=int, default=8)
     p.add_argument("--out", default=None)
     args = p.parse_args()
     spec = load_model_config(args.model)  # before the device: a wrong path fails here, on CPU too
+    max_model_len = args.max_model_len or min(262144, spec.max_position_embeddings)
+    r = resolve(spec, PlanRequest(max_running_requests=args.max_running_requests, max_model_len=max_model_len))
     if not torch.cuda.is_available():
         p.error("needs CUDA: on CPU the worker estimates the workspace (plan/costs.py), it does not measure it")
     device = torch.device("cuda")
-    r = resolve(spec, PlanRequest(max_running_requests=args.max_running_requests, max_model_len=args.max_model_len))
     dtype = TORCH_DTYPES[r.dtype]
     experts = LateBoundExperts(spec.num_experts)
     model = build_model(spec, dtype, device, experts)
