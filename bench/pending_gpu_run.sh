@@ -4,7 +4,7 @@
 # site on PYTHONPATH; everything lands in $OUT. Set FERRY_COMMIT to the tree's commit. PART=a,b runs several
 # parts in one call (one device start), e.g. PART=eight,ahead (~7 min). .whl/ holds the shared wheels
 # (../shared/wheels) and the clients the serve steps need: openai 1.109.1, anthropic 0.69.0, pydantic 2.11.7,
-# pydantic-core 2.33.2, typing-inspection, annotated-types, jiter, distro, sniffio, docstring-parser (the
+# pydantic-core 2.33.2, typing-inspection, annotated-types, jiter, distro, sniffio, docstring-parser, py-spy 0.4.2 (the
 # newest openai/anthropic need httpx2 and opentelemetry, which the device lacks; without openai the
 # gpu-check's serve step dies after its CUDA tests).
 # pending-gpu-prefetch landed on main (its check passed at bfe3e97, 2026-12-05). Open now: branch
@@ -19,7 +19,8 @@
 #    functions the warm step's host time goes to; the device waited on the host for ~60 of its ~115 ms at
 #    bfe3e97, and the alignment's ~70 torch calls a layer are now 8 Triton launches: how much of it that took).
 # 3. EIGHT_FORMAT=nvfp4 PART=eight (issue 23's must-show on the landed code), DECODE12_VARIANTS=gpu,default
-#    PART=decode12 (issue 25; the served single stream ran a millisecond a token above the guard's medians).
+#    PART=decode12 (issue 25; the served single stream ran a millisecond a token above the guard's medians),
+#    then PART=serveprof (where that millisecond goes).
 # 4. PART=longprof LONGPROF_AT=131072 LONGPROF_LEN=147456 LONGPROF_RING=0,48, PART=hostgemm, PART=share.
 #   PART=check   make gpu-check (the release check, which builds the host's C kernel; gpu_check.json)  ~7-8 min
 #   PART=prefill bench/prefill_attention.py on the 35B's attention shapes, then the 262k-token TTFT  ~6-8 min
@@ -52,6 +53,9 @@
 #                default (auto): decode_12layer_hybrid_cpu.json (issue 25's must-show); each server first
 #                decodes DECODE12_SETTLE (1536) untimed tokens, over which auto's guard sizes the share ~3-4 min
 #                (DECODE12_VARIANTS picks fewer)
+#   PART=serveprof the 12-layer cut's single stream served under auto and GPU-only: the step intervals' median,
+#                mean, p90 and longest, and py-spy over the three processes (issue 25's 1 ms a token past the
+#                guard's medians)                                                                   ~6 min
 #   PART=decode30 the full-size Qwen3-30B at 24 GiB, GPU-only and with the host's share, its host nodes' time ~5 min
 #   PART=ahead   the resident hybrid cut with --schedule-ahead-steps 1 and 2 (issue 24)                ~4 min
 #   PART=hostpages the host kernel's time an expert on 4 KiB against transparent huge pages, alternated   ~2 min
@@ -169,6 +173,16 @@ case "${part:-check}" in
       2>&1 | tail -9  # the host's time against its tokens beside the split's price
     grep -h '"host_decode"\|"host_share"\|expert_prefetch_off' "$OUT"/serve_12layer*.log | cut -c1-400
     python3 -c "import json,sys; [print(f, json.load(open(f)).get('host_share')) for f in sys.argv[1:]]" "$OUT"/decode_12layer*.json ;;
+  serveprof)  # issue 25: the served single stream's step intervals (mean, p90, longest: the guard's windows are
+    # medians) and its three processes under py-spy (its wheel in .whl/), auto against GPU-only, guard settled first
+    build_host_kernel
+    for v in "default|" "gpu|--expert-backend gpu"; do
+      name=${v%%|*}; flags=${v#*|}
+      timeout 170 python3 bench/profile_serve.py --workload 12layer --extra-flags "$flags" --streams 1 --seconds 8 \
+        --settle-seconds "${SERVEPROF_SETTLE:-15}" --py-spy /tmp/site/bin/py-spy --out "$OUT/profile_serve_12layer_$name.json" \
+        > "$OUT/profile_serve_$name.log" 2>&1
+      echo "profile_serve $name rc=$?"; grep '"timeline"' "$OUT/profile_serve_$name.log" | cut -c1-900
+    done ;;
   decode30)  # the full-size Qwen3-30B at 24 GiB, GPU-only against the host's share (which lost in its gpu-check serve)
     build_host_kernel
     timeout 560 python3 bench/decode_suite.py --out "$OUT" --workloads 30b --variants gpu,host-share --max-tokens 128 \
@@ -226,7 +240,7 @@ PY
       grep -rh --include=serve.log kernel_compiled_in_service "$V/pytest" | cut -c1-300 | head -5
       grep -A3 '_speedup' "$V/eight.log" | head -12; tail -2 "$V/eight.log"
     done ;;
-  *) echo "PART must be check, three, resident, longprof, gemv, flashtest, long, overlap, prefill, share, decode12, decode30, hostpages, pin, ahead or eight (or several, comma-separated)" >&2; exit 2 ;;
+  *) echo "PART must be check, three, resident, longprof, gemv, flashtest, long, overlap, prefill, share, decode12, serveprof, decode30, hostpages, pin, ahead or eight (or several, comma-separated)" >&2; exit 2 ;;
 esac
 done
 # the device returns a few files a call (more are dropped, as the first decode12 run's logs were): one archive

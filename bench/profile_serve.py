@@ -88,16 +88,22 @@ def _median(values: list) -> float | None:
 
 
 def timeline(scheduler: list[dict], worker: list[dict], t0: float, t1: float) -> dict:
-    """Medians (ms) over the steps the worker answered within [t0, t1], from the trace lines."""
+    """Medians (ms) over the steps the worker answered within [t0, t1], from the trace lines; the steps'
+    interval also as its mean, 90th percentile and longest (a served rate is the mean: a median of the
+    intervals, as auto's guard measures them, hides a tail)."""
     sent = {e["step"]: e["sent"] for e in scheduler if "sent" in e}
     landed = {e["step"]: e["landed"] for e in scheduler if "landed" in e}
     steps = sorted((e for e in worker if t0 <= e["answered"] <= t1), key=lambda e: e["answered"])
     ms = 1e3
     ids = [e["step"] for e in steps]
+    intervals = sorted((b["answered"] - a["answered"]) * ms for a, b in zip(steps, steps[1:]))
     return {
         "steps": len(steps),
         "rows": _median([e["rows"] for e in steps]),
-        "step_interval_ms": _median([(b["answered"] - a["answered"]) * ms for a, b in zip(steps, steps[1:])]),
+        "step_interval_ms": _median(intervals),
+        "step_interval_mean_ms": statistics.mean(intervals) if intervals else None,
+        "step_interval_p90_ms": intervals[int(0.9 * (len(intervals) - 1))] if intervals else None,
+        "step_interval_max_ms": intervals[-1] if intervals else None,
         "device_ms": _median([e["device_ms"] for e in steps]),
         "device_idle_ms": _median([e["idle_ms"] for e in steps]),
         "worker_launch_ms": _median([(e["launched"] - e["recv"]) * ms for e in steps]),
@@ -138,11 +144,11 @@ def load(base: str, streams: int, max_tokens: int, stop: threading.Event, counts
 
 
 def profile(served, py_spy: str, streams: int, max_tokens: int, seconds: float, rate: int, top: int, tmp: Path,
-            trace_dir: Path, spy_flags: tuple[str, ...] = ()) -> dict:  # fmt: skip
+            trace_dir: Path, spy_flags: tuple[str, ...] = (), settle: float = 4.0) -> dict:  # fmt: skip
     pids = role_pids(served.proc.pid)
     stop, counts = threading.Event(), [0] * streams
     threads = load(served.base, streams, max_tokens, stop, counts)
-    time.sleep(4)  # the streams are decoding (and the graphs of their batch size are warm)
+    time.sleep(settle)  # the streams are decoding (the graphs of their batch size warm, auto's guard settled)
     before, t0 = sum(counts), time.monotonic()
     spies = {}
     for role, pid in pids.items():
@@ -173,6 +179,8 @@ def main() -> int:
     p.add_argument("--extra-flags", default="", help="more `ferry serve` flags, space-separated")
     p.add_argument("--streams", default="1,8")
     p.add_argument("--seconds", type=float, default=6)
+    p.add_argument("--settle-seconds", type=float, default=4,
+                   help="decoding before the sampled window (auto's guard explores its share over ~1,000 steps)")
     p.add_argument("--max-tokens", type=int, default=2048, help="each stream's completions (back to back)")
     p.add_argument("--rate", type=int, default=500, help="py-spy samples per second")
     p.add_argument("--top", type=int, default=25)
@@ -196,7 +204,7 @@ def main() -> int:
         served.wait_ready(args.ready_timeout)
         for n in (int(s) for s in args.streams.split(",")):
             result["runs"].append(profile(served, args.py_spy, n, args.max_tokens, args.seconds, args.rate, args.top, tmp,
-                                          tmp / "trace", ("--idle",) if args.idle else ()))
+                                          tmp / "trace", ("--idle",) if args.idle else (), args.settle_seconds))
             print(json.dumps({k: v for k, v in result["runs"][-1].items() if k in ("streams", "tokens_per_s", "step_ms", "timeline")}),
                   flush=True)  # fmt: skip
     finally:

@@ -44,3 +44,15 @@ def test_the_timeline_of_steps_scheduled_ahead():
     assert abs(t["answer_to_scheduler_ms"] - 0.03) < 1e-9 and abs(t["step_interval_ms"] - 1.0) < 1e-9
     # step k+2 was sent (k+1.1 ms) after step k's answer landed (k + 0.05 ms)
     assert abs(t["scheduler_turn_ms"] - 1.05) < 1e-9
+
+
+def test_the_timeline_shows_a_tail_the_median_hides():
+    """Nine intervals of 1 ms and one of 11 ms: the median says 1, the mean (the served rate) 2."""
+    worker, at = [], 0.0
+    for k in range(11):
+        at += 11e-3 if k == 6 else 1e-3
+        worker.append({"step": k, "rows": 1, "tokens": 1, "recv": at - 0.5e-3, "launched": at - 0.4e-3, "answered": at,
+                       "device_ms": None, "idle_ms": None})
+    t = timeline([], worker, 0.0, 1.0)
+    assert abs(t["step_interval_ms"] - 1.0) < 1e-9 and abs(t["step_interval_mean_ms"] - 2.0) < 1e-9
+    assert abs(t["step_interval_max_ms"] - 11.0) < 1e-9 and abs(t["step_interval_p90_ms"] - 1.0) < 1e-9
