@@ -10,8 +10,9 @@
 # pending-gpu-prefetch landed on main (its check passed at bfe3e97, 2026-12-05). Open now: branch
 # pending-gpu-chunk16k: the plan's prefill chunk may be 16,384 tokens where experts stream (the 262k prompt in
 # 34.9 s against 47.4 with --max-prefill-tokens 16384 on bfe3e97), and the pairs' alignment by slot in four
-# Triton launches (kernels/align_pairs.py; tests/gpu/test_align_pairs_cuda.py is its first CUDA run: the
-# kernels pass values between a program's threads through global memory behind tl.debug_barrier).
+# Triton launches (kernels/align_pairs.py; its CUDA tests and the grouped GEMM's passed on the H200 at bbc90e3,
+# and the warm step halved, bench/NOTES.md), and auto's guard deciding by the mean step (its longest 1/32 left
+# out), not the median: PART=decode12 after the check says whether issue 25's single stream gains by it.
 # The next session, in order (a call's 600 s and a machine's start each; combine what fits):
 # 1. PART=check on pending-gpu-chunk16k (~7-8 min); land the branch if it passes.
 # 2. PART=long on the landed commit (issue 24's TTFT with the plan's own chunk, and decode after it: ~3 min),
