@@ -99,10 +99,8 @@ def main() -> None:
         if ring is not None:
             ring.use_chunks(*((ring_chunk, ring_chunk) if ring_chunk else default))
         for r in range(args.repeats):
-            streams = Streams(executor, ROWS, length, first_req_id=first_req)
+            streams, suffixes = warm_round(executor, prefix, length, args.suffix, rng, first_req)
             first_req += ROWS
-            streams.prefill([prefix] * ROWS)  # the prefix's KV and state in every stream, as a restore gives them
-            suffixes = [rng.integers(0, vocab, args.suffix).tolist() for _ in range(ROWS)]
             name = f"warm_step_{r}" if not ring_chunk else f"warm_step_ring{ring_chunk}_{r}"
             profiles.append(profiled(streams, suffixes, None, True, name, trace_dir, events_dir, executor,
                                      args.link_gbps) | {"ring_chunk": ring.chunk if ring is not None else None})  # fmt: skip
@@ -134,15 +132,21 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 
 
+def warm_round(executor, prefix: list[int], length: int, suffix: int, rng, first_req: int) -> tuple[Streams, list]:
+    """ROWS fresh streams holding the prefix's KV and state (as a snapshot's restore gives them), and each
+    one's own `suffix` random tokens: the warm round's step, ready to run."""
+    streams = Streams(executor, ROWS, length, first_req_id=first_req)
+    streams.prefill([prefix] * ROWS)
+    return streams, [rng.integers(0, executor.spec.vocab_size, suffix).tolist() for _ in range(ROWS)]
+
+
 def host_profiled(executor, prefix: list[int], length: int, suffix: int, steps: int, rng, first_req: int) -> dict:
     """`steps` warm steps (each on fresh streams given the prefix) under cProfile: wall times, and the
     functions by own time (the 40 first) and the project's by cumulative time (the 40 first), summed over
     the steps."""
     profile, walls = cProfile.Profile(), []
     for r in range(steps):
-        streams = Streams(executor, ROWS, length, first_req_id=first_req + r * ROWS)
-        streams.prefill([prefix] * ROWS)
-        suffixes = [rng.integers(0, executor.spec.vocab_size, suffix).tolist() for _ in range(ROWS)]
+        streams, suffixes = warm_round(executor, prefix, length, suffix, rng, first_req + r * ROWS)
         _sync()
         t0 = time.perf_counter()
         profile.enable()
