@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ferry.kernels.align_pairs import align_pairs_by_slot_triton
 from ferry.kernels.dispatch import use_triton
 from ferry.kernels.expert_pair_gemv import expert_pair_rows_triton, use_pair_kernel
 from ferry.kernels.expert_rows_sum import sum_rows
@@ -190,7 +191,23 @@ def align_pairs_by_slot(topk_slots: torch.Tensor, num_slots: int, block_m: int,
     known to the caller) tightens it, and with it the intermediate buffer, for large steps.
     `block_starts`: a third tensor, int32 [num_slots + 1], slot s's first block (its blocks are
     [block_start[s], block_start[s + 1])), for a caller that computes a window of slots at a time
-    (`grouped_expert_rows_triton`'s slot_window)."""
+    (`grouped_expert_rows_triton`'s slot_window).
+
+    CUDA takes four Triton launches (kernels/align_pairs.py), anything else this function's torch
+    twin, `align_pairs_by_slot_reference`: the same bits."""
+    n = topk_slots.numel()
+    if use_triton(topk_slots) and n and num_slots >= 1:
+        distinct = min(n, num_slots, max_distinct_slots if max_distinct_slots is not None else num_slots)
+        aligned = align_pairs_by_slot_triton(topk_slots, num_slots, block_m, triton.cdiv(n, block_m) + distinct)
+        return aligned if block_starts else aligned[:2]
+    return align_pairs_by_slot_reference(topk_slots, num_slots, block_m, max_distinct_slots, block_starts)
+
+
+def align_pairs_by_slot_reference(topk_slots: torch.Tensor, num_slots: int, block_m: int,
+                                  max_distinct_slots: int | None = None,
+                                  block_starts: bool = False) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """`align_pairs_by_slot` in torch calls (a stable sort of the pairs by slot): the twin of
+    kernels/align_pairs.py, and what CPU steps take."""
     flat = topk_slots.reshape(-1).to(torch.int64)
     n = flat.numel()
     device = flat.device
