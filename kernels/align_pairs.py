@@ -55,7 +55,8 @@ def _count_kernel(slots_ptr, hist_ptr, sorted_ptr, n, num_slots, tile, fill_len,
         i = p * tile + c0 + lane
         m = (c0 + lane < tile) & (i < n)
         s = tl.load(slots_ptr + i, mask=m, other=-1).to(tl.int32)
-        tl.atomic_add(row + tl.where(s >= 0, s, num_slots), ones, mask=m)
+        # a slot past num_slots is left out like -1 (the twin's scatter would refuse it), never written past the row
+        tl.atomic_add(row + tl.where((s >= 0) & (s < num_slots), s, num_slots), ones, mask=m, sem="relaxed")
 
 
 @triton.jit(do_not_specialize=["num_tiles", "num_slots", "block_m"])
@@ -84,9 +85,10 @@ def _prefix_kernel(block_start_ptr, num_slots, BINS: tl.constexpr):
     tl.store(block_start_ptr + num_slots, carry)
 
 
-@triton.jit(do_not_specialize=["n", "num_slots", "tile", "block_m", "num_blocks", "block_share", "search_steps"])
+@triton.jit(do_not_specialize=["n", "num_slots", "tile", "block_m", "num_blocks", "block_share", "search_steps",
+                               "fill_len"])
 def _scatter_kernel(slots_ptr, hist_ptr, block_start_ptr, sorted_ptr, block_slot_ptr, n, num_slots, tile, block_m,
-                    num_blocks, block_share, search_steps, SUB: tl.constexpr):  # fmt: skip
+                    num_blocks, block_share, search_steps, fill_len, SUB: tl.constexpr):  # fmt: skip
     p = tl.program_id(0)
     row = hist_ptr + p * (num_slots + 1)
     lane = tl.arange(0, SUB)
@@ -95,14 +97,15 @@ def _scatter_kernel(slots_ptr, hist_ptr, block_start_ptr, sorted_ptr, block_slot
     for s0 in range(0, tile, SUB):
         i = p * tile + s0 + lane
         s = tl.load(slots_ptr + i, mask=(s0 + lane < tile) & (i < n), other=-1).to(tl.int32)
-        kept = (s0 + lane < tile) & (i < n) & (s >= 0)
+        kept = (s0 + lane < tile) & (i < n) & (s >= 0) & (s < num_slots)
         key = tl.where(kept, s, -1 - lane)  # a left-out pair matches no other
         same = key[:, None] == key[None, :]
         rank = tl.sum((same & earlier).to(tl.int32), axis=1)
         last = tl.sum((same & later).to(tl.int32), axis=1) == 0
         before = tl.load(row + s, mask=kept, other=0)
         first = tl.load(block_start_ptr + s, mask=kept, other=0) * block_m
-        tl.store(sorted_ptr + first + before + rank, i, mask=kept)
+        place = first + before + rank
+        tl.store(sorted_ptr + place, i, mask=kept & (place < fill_len))  # a bound set too low loses pairs, not memory
         tl.debug_barrier()  # every pair read the count before the last of its slot moves it on
         tl.store(row + s, before + rank + 1, mask=kept & last)
         tl.debug_barrier()
@@ -125,12 +128,13 @@ def align_pairs_by_slot_triton(topk_slots: torch.Tensor, num_slots: int, block_m
                                num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """(sorted_pairs [max_blocks * block_m], block_slot [max_blocks], block_start [num_slots + 1]), int32,
     for the pairs of `topk_slots` (any integer dtype; -1: left out) over `num_slots` slots; `max_blocks` is
-    the caller's bound on the real blocks (`align_pairs_by_slot`'s worst case). No host sync."""
+    the caller's bound on the real blocks (`align_pairs_by_slot`'s worst case). A slot past num_slots is left
+    out like -1, and pairs past a bound set too low are lost, not written out of bounds. No host sync."""
     flat = topk_slots.reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
     n, device = flat.numel(), flat.device
-    if n >= 2**31 or max_blocks * block_m >= 2**31:
+    if max(n, max_blocks * block_m) >= 2**30:  # with room for a tile's indices past the last pair
         raise ValueError(f"{n} pairs exceed the alignment's int32 indices")
     tile = max(CHUNK, triton.cdiv(triton.cdiv(max(n, 1), MAX_TILES), CHUNK) * CHUNK)
     tiles = max(1, triton.cdiv(n, tile))
@@ -145,6 +149,6 @@ def align_pairs_by_slot_triton(topk_slots: torch.Tensor, num_slots: int, block_m
                                                     num_warps=num_warps)  # fmt: skip
     _prefix_kernel[(1,)](block_start, num_slots, BINS=BINS, num_warps=num_warps)
     _scatter_kernel[(tiles,)](flat, hist, block_start, sorted_pairs, block_slot, n, num_slots, tile, block_m,
-                              max_blocks, triton.cdiv(max_blocks, tiles), num_slots.bit_length(), SUB=SUB,
+                              max_blocks, triton.cdiv(max_blocks, tiles), num_slots.bit_length(), fill, SUB=SUB,
                               num_warps=num_warps)  # fmt: skip
     return sorted_pairs, block_slot, block_start

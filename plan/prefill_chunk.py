@@ -20,7 +20,8 @@ and CPU boots estimate it), so the plan stays exact for the chunk it chooses. A 
 measured only when it could win: with no workspace at all the plan has its fewest experts without a
 slot, and a chunk for which even that many streams more per token than the best so far is skipped
 (so a resident boot profiles one step, an offloaded one that keeps 16,384 tokens two), as is a chunk
-longer than one whose workspace did not fit."""
+longer than one whose workspace did not fit, or than the longest step the running requests' contexts
+allow (`max_running_requests x max_model_len`, where that is past 8,192)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from typing import Callable
 
 from ferry.shared.errors import PlanError
 from ferry.plan.model_config import ModelSpec
-from ferry.plan.planner import Measured, Plan, PlanRequest, make_plan
+from ferry.plan.planner import DEFAULT_MAX_PREFILL_TOKENS, Measured, Plan, PlanRequest, make_plan, resolve
 from ferry.plan.store_plan import plan_for_expert_store
 
 # in the order tried: DEFAULT_MAX_PREFILL_TOKENS first, which is the longest a resident plan takes; 16384 only
@@ -38,18 +39,25 @@ CHUNK_CANDIDATES = (8192, 16384, 4096, 2048)
 _CANDIDATES = ", ".join(map(str, CHUNK_CANDIDATES))
 
 
-def plan_with_prefill_chunk(spec: ModelSpec, req: PlanRequest, measure: Callable[[int], Measured]) -> Plan:
+def plan_with_prefill_chunk(spec: ModelSpec, req: PlanRequest, measure: Callable[[int], Measured],
+                            longest: int | None = None) -> Plan:  # fmt: skip
     """The plan for `req`, its prefill chunk chosen from memory unless --max-prefill-tokens gave it.
-    `measure(tokens)` gives the facts (weights, workspace of a `tokens`-token step, free memory)."""
+    `measure(tokens)` gives the facts (weights, workspace of a `tokens`-token step, free memory);
+    `longest`: no candidate past it is tried (expert-parallel ranks, which stream nothing, pass 8192)."""
     if req.max_prefill_tokens is not None:
         plan = plan_for_expert_store(spec, req, measure(req.max_prefill_tokens))
         return dataclasses.replace(plan, max_prefill_tokens_source="--max-prefill-tokens")
+    r = resolve(spec, req)
+    # no step holds more than every running request's whole context: a longer chunk than that (past the
+    # default's 8192, which is kept as before) would only take slots for a step that never comes
+    cap = max(DEFAULT_MAX_PREFILL_TOKENS, r.max_running_requests * r.max_model_len)
+    longest = cap if longest is None else min(longest, cap)
     best: Plan | None = None
     error: PlanError | None = None
     fewest_unslotted: int | None = None  # experts without a slot with no workspace at all: a lower bound
     too_long: int | None = None  # the shortest chunk whose workspace did not fit: no longer one is profiled
     for tokens in CHUNK_CANDIDATES:
-        if too_long is not None and tokens > too_long:
+        if (too_long is not None and tokens > too_long) or tokens > longest:
             continue
         if best is not None and fewest_unslotted is not None and fewest_unslotted / tokens >= _streamed(spec, best):
             continue  # even with no workspace this chunk would stream more a token than the best

@@ -23,7 +23,7 @@ from itertools import chain
 import structlog
 import torch
 
-from ferry.shared.errors import ConfigError, FerryError
+from ferry.shared.errors import ConfigError, FerryError, PlanError
 from ferry.shared.units import MiB, format_bytes
 from ferry.plan.costs import workspace_bytes_estimate
 from ferry.services.worker.device import select_device
@@ -39,7 +39,7 @@ from ferry.services.worker.offload.expert_parallel import ExpertParallelExperts
 from ferry.services.worker.offload.host_banks import mem_available_bytes
 from ferry.services.worker.offload.host_pages import anon_huge_bytes, huge_pages_wanted, thp_mode
 from ferry.plan.plan_report import plan_log_fields
-from ferry.plan.planner import Measured, Plan, PlanRequest, Resolved, resolve
+from ferry.plan.planner import DEFAULT_MAX_PREFILL_TOKENS, Measured, Plan, PlanRequest, Resolved, resolve
 from ferry.services.worker.pools import TORCH_DTYPES, allocate_pools
 from ferry.plan.prefill_chunk import plan_with_prefill_chunk
 from ferry.services.worker.decode_graphs import DecodeGraphs, graph_buckets
@@ -198,8 +198,12 @@ def _load_and_plan(cfg: WorkerBootConfig, files: ModelFiles, r: Resolved, device
             """The facts for a `tokens`-token prefill chunk: its workspace profiled on CUDA (the decode
             graphs' bytes added), estimated elsewhere; plan/prefill_chunk.py asks only for chunks it may take."""
             if device.type == "cuda":
-                workspace = profile_workspace_cuda(model, experts, spec, dataclasses.replace(r, max_prefill_tokens=tokens),
-                                                   device)  # fmt: skip
+                try:
+                    workspace = profile_workspace_cuda(model, experts, spec, dataclasses.replace(r, max_prefill_tokens=tokens),
+                                                       device)  # fmt: skip
+                except torch.OutOfMemoryError as exc:  # a chunk too long for this card: the chooser tries shorter
+                    raise PlanError(f"a {tokens}-token step's workspace did not fit on the device while it was "
+                                    f"profiled ({str(exc).splitlines()[0]})") from exc  # fmt: skip
                 if graphs_wanted and "graph_bytes" not in booted:  # the decode graphs' pool and buffers, once
                     booted["graph_bytes"] = profile_decode_graphs_cuda(model, experts, spec, r, device, buckets)
                 source = "profiled"
@@ -215,7 +219,8 @@ def _load_and_plan(cfg: WorkerBootConfig, files: ModelFiles, r: Resolved, device
             host = mem_available_bytes() if world == 1 else None
             return Measured(weights, workspace, free, "measured", source, free_source, host_available_bytes=host)
 
-        plan = plan_with_prefill_chunk(store_spec, req, measured)
+        # an expert-parallel rank streams nothing past its cache (below): no chunk past the default pays there
+        plan = plan_with_prefill_chunk(store_spec, req, measured, longest=DEFAULT_MAX_PREFILL_TOKENS if world > 1 else None)
         if world > 1:
             plan = _ranks_host_checked(plan, cfg, world)
         try:  # the plan's staging slots bound a ring chunk: refused before the banks are pinned

@@ -159,3 +159,23 @@ def test_nothing_fits_names_the_flag():
     req = PlanRequest(gpu_memory=3 * GiB, max_running_requests=8, host_memory=100 * GiB)
     with pytest.raises(PlanError, match="--max-prefill-tokens can go lower"):
         plan_with_prefill_chunk(spec, req, Estimates(spec, req))
+
+
+def test_no_chunk_past_the_longest_step_the_contexts_allow():
+    """One request of 2,048 tokens never makes a 16,384-token step: that chunk's workspace would only take
+    slots (decode misses) from the full-size 35B at 24 GiB. 8,192 stays where it was chosen before."""
+    spec = _spec()
+    req = PlanRequest(gpu_memory=24 * GiB, max_running_requests=1, max_model_len=2048, host_memory=400 * GiB)
+    measure = Estimates(spec, req)
+    assert plan_with_prefill_chunk(spec, req, measure).max_prefill_tokens == 8192
+    assert 16384 not in measure.asked
+
+
+def test_a_caller_can_cap_the_candidates():
+    """Expert-parallel ranks stream nothing past their caches and pass longest=8192: the chunk the full-size
+    35B at 24 GiB would take alone (16,384) is never tried."""
+    spec = _spec()
+    req = PlanRequest(gpu_memory=24 * GiB, max_running_requests=8, max_model_len=262144, host_memory=400 * GiB)
+    measure = Estimates(spec, req)
+    assert plan_with_prefill_chunk(spec, req, measure, longest=8192).max_prefill_tokens == 8192
+    assert measure.asked == [8192]

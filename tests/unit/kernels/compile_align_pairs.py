@@ -18,7 +18,7 @@ def signatures() -> list:
                  **i32("n", "num_slots", "tile", "fill_len", "fill_share"), "CHUNK": "constexpr", "BINS": "constexpr"}  # fmt: skip
         scatter = {"slots_ptr": f"*{dtype}", "hist_ptr": "*i32", "block_start_ptr": "*i32", "sorted_ptr": "*i32",
                    "block_slot_ptr": "*i32", **i32("n", "num_slots", "tile", "block_m", "num_blocks", "block_share",
-                                                   "search_steps"), "SUB": "constexpr"}  # fmt: skip
+                                                   "search_steps", "fill_len"), "SUB": "constexpr"}  # fmt: skip
         out.append((f"_count_kernel[{dtype}]", a._count_kernel, count, {"CHUNK": a.CHUNK, "BINS": a.BINS}))
         out.append((f"_scatter_kernel[{dtype}]", a._scatter_kernel, scatter, {"SUB": a.SUB}))
     column = {"hist_ptr": "*i32", "block_start_ptr": "*i32", **i32("num_tiles", "num_slots", "block_m"), "BINS": "constexpr"}

@@ -67,6 +67,19 @@ def case_tight_bound_and_one_slot():
     _same(torch.zeros(5, 2, dtype=torch.int64), 1, 16)  # every pair on the one slot
 
 
+def case_a_slot_past_the_slots_is_left_out():
+    """A slot id >= num_slots is left out like -1 (the twin refuses it): the layout of the rest, nothing
+    written past the buffers."""
+    topk = _routing(60, 4, 10, skipped=0.1)
+    wild = topk.clone()
+    wild[::7, 1] = 10 + torch.arange(wild[::7].shape[0])  # past the 10 slots
+    left_out = torch.where(wild >= 10, -1, wild)
+    n = wild.numel()
+    got = align_pairs_by_slot_triton(wild, 10, 16, triton.cdiv(n, 16) + 10)
+    want = align_pairs_by_slot_reference(left_out, 10, 16, None, block_starts=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def case_every_pair_left_out():
     _same(torch.full((33, 4), -1, dtype=torch.int32), 9, 16)
 

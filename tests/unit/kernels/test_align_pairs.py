@@ -13,7 +13,7 @@ import torch
 from hopper_compile import ROOT, compile_in_child
 
 CASES = ["random_shapes_both_dtypes_every_block_size", "several_tiles_rank_across_tiles", "tiles_grow_past_the_chunk",
-         "tight_bound_and_one_slot", "every_pair_left_out", "the_dispatch_takes_the_kernels_for_triton_tensors"]  # fmt: skip
+         "tight_bound_and_one_slot", "a_slot_past_the_slots_is_left_out", "every_pair_left_out", "the_dispatch_takes_the_kernels_for_triton_tensors"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
