@@ -3,10 +3,9 @@ streamed steps' sizes (skipped without CUDA)."""
 
 import pytest
 import torch
-import triton
 
 from ferry.kernels.align_pairs import align_pairs_by_slot_triton
-from ferry.kernels.grouped_expert_gemm import align_pairs_by_slot, align_pairs_by_slot_reference
+from ferry.kernels.grouped_expert_gemm import align_pairs_by_slot, align_pairs_by_slot_reference, max_aligned_blocks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -27,7 +26,7 @@ def test_the_kernels_give_the_twins_layout_and_never_wait_for_the_device(tokens,
     torch.cuda.set_sync_debug_mode("error")  # any host synchronisation in the launches raises
     try:
         got = align_pairs_by_slot(topk, slots, block_m, None, block_starts=True)
-        again = align_pairs_by_slot_triton(topk.long(), slots, block_m, triton.cdiv(topk.numel(), block_m) + min(topk.numel(), slots))
+        again = align_pairs_by_slot_triton(topk.long(), slots, block_m, max_aligned_blocks(topk.numel(), slots, block_m))
     finally:
         torch.cuda.set_sync_debug_mode("default")
     for a, b, c in zip(got, want, again):

@@ -10,20 +10,21 @@ import os
 import traceback
 
 import torch
-import triton
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run me with TRITON_INTERPRET=1"
 
 from ferry.kernels.align_pairs import CHUNK, MAX_TILES, align_pairs_by_slot_triton  # noqa: E402
-from ferry.kernels.grouped_expert_gemm import align_pairs_by_slot, align_pairs_by_slot_reference  # noqa: E402
+from ferry.kernels.grouped_expert_gemm import (  # noqa: E402
+    align_pairs_by_slot,
+    align_pairs_by_slot_reference,
+    max_aligned_blocks,
+)
 
 G = torch.Generator().manual_seed(11)
 
 
 def _same(topk: torch.Tensor, num_slots: int, block_m: int, distinct: int | None = None) -> None:
-    n = topk.numel()
-    bound = min(n, num_slots, distinct if distinct is not None else num_slots)
-    got = align_pairs_by_slot_triton(topk, num_slots, block_m, triton.cdiv(n, block_m) + bound)
+    got = align_pairs_by_slot_triton(topk, num_slots, block_m, max_aligned_blocks(topk.numel(), num_slots, block_m, distinct))
     want = align_pairs_by_slot_reference(topk, num_slots, block_m, distinct, block_starts=True)
     for name, a, b in zip(("sorted_pairs", "block_slot", "block_start"), got, want):
         assert a.dtype == b.dtype == torch.int32 and a.shape == b.shape, (name, a.dtype, b.dtype, a.shape, b.shape)
@@ -74,8 +75,7 @@ def case_a_slot_past_the_slots_is_left_out():
     wild = topk.clone()
     wild[::7, 1] = 10 + torch.arange(wild[::7].shape[0])  # past the 10 slots
     left_out = torch.where(wild >= 10, -1, wild)
-    n = wild.numel()
-    got = align_pairs_by_slot_triton(wild, 10, 16, triton.cdiv(n, 16) + 10)
+    got = align_pairs_by_slot_triton(wild, 10, 16, max_aligned_blocks(wild.numel(), 10, 16))
     want = align_pairs_by_slot_reference(left_out, 10, 16, None, block_starts=True)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
