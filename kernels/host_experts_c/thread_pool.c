@@ -1,13 +1,20 @@
-/* The pool's workers spin a short while for the next task before sleeping on a condition variable:
+/* The pool's workers spin a short while for the next call before sleeping on a condition variable:
  * a decode step calls once per MoE layer, tens of microseconds apart, and a futex wake-up costs as
  * much as a layer's expert at one token; spinning longer would take the cores from torch's threads.
- * Barriers spin the same way, then yield.
+ *
+ * A call's items are claimed one at a time from a ticket, the call's number in its high 32 bits and
+ * the count of its items not yet claimed in its low 32: a worker claims one by moving the ticket from
+ * (c, left) to (c, left - 1), so a worker still looking at an ended call (woken late, or preempted
+ * between its look and its claim) finds none left or fails its move, and it reads the call's
+ * arguments only once its claim holds: the call cannot end while a claimed item is not done, so they
+ * stay valid until then. (A ticket counting up to a separate total would not do: a worker could
+ * read the ended call's ticket and the next call's larger total, and claim past the end.) The caller
+ * returns once the count of done items reaches the call's, whichever workers did them.
  *
  * Started workers can be pinned, one a CPU (ferry_pool_create's cpus): a worker the scheduler moves
- * between cores loses its L1/L2 and, beside the three processes' threads on the same core, waits for
- * its time slice while the whole pool waits for it at the barrier. The caller (worker 0: the worker's
- * launching thread, or the CUDA driver's thread that runs a graph's host node) is left where it is:
- * pinning it would pin its other work too. */
+ * between cores loses its L1/L2. The caller (worker 0: the worker's launching thread, or the CUDA
+ * driver's thread that runs a graph's host node) is left where it is: pinning it would pin its other
+ * work too. */
 #define _GNU_SOURCE
 #include "thread_pool.h"
 
@@ -34,13 +41,14 @@ struct ferry_pool {
     pthread_t *threads;
     pthread_mutex_t lock;
     pthread_cond_t wake;
-    atomic_uint generation; /* bumped for every task */
-    atomic_int running;     /* workers still inside the current task */
+    atomic_uint generation; /* bumped for every call: what sleeping workers wait on */
     atomic_int stop;
-    ferry_task task;
+    _Atomic uint64_t ticket; /* (call << 32) | the count of that call's items not yet claimed */
+    atomic_llong done;       /* items of the current call done */
+    uint32_t call;           /* the current call's number (the caller's alone to write) */
+    ferry_item_fn fn;        /* the current call's, written before its ticket is published */
     void *arg;
-    atomic_int arrived;     /* the barrier's count and its phase */
-    atomic_uint phase;
+    int64_t n0, total;       /* phase 0's items, and both phases' */
 };
 
 typedef struct {
@@ -69,16 +77,35 @@ static long long now_ns(void) {
     return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
-/* wait until *word != seen: spin for SPIN_NS, then yield (sleep = 0) or return -1 to let the caller sleep */
-static int spin_until_changed(atomic_uint *word, unsigned seen, int may_sleep) {
+/* wait until *word != seen: 0 once it has changed, -1 after SPIN_NS of spinning (the caller then sleeps) */
+static int spin_until_changed(atomic_uint *word, unsigned seen) {
     long long deadline = now_ns() + SPIN_NS;
     for (unsigned i = 1;; i++) {
         if (atomic_load_explicit(word, memory_order_acquire) != seen) return 0;
         CPU_RELAX();
-        if ((i & 255) == 0 && now_ns() > deadline) {
-            if (may_sleep) return -1;
-            sched_yield();
-        }
+        if ((i & 255) == 0 && now_ns() > deadline) return -1;
+    }
+}
+
+/* claim and run the items of call `call` until none is left unclaimed (or a later call has begun) */
+static void claim_items(ferry_pool *pool, uint32_t call, int worker) {
+    for (;;) {
+        uint64_t t = atomic_load_explicit(&pool->ticket, memory_order_acquire);
+        if ((uint32_t)(t >> 32) != call) return;
+        uint32_t left = (uint32_t)t;
+        if (left == 0) return;
+        if (!atomic_compare_exchange_weak_explicit(&pool->ticket, &t, t - 1, memory_order_acq_rel,
+                                                   memory_order_acquire))
+            continue;
+        /* the claim holds: the call's arguments stay valid until this item is done */
+        int64_t n0 = pool->n0, i = pool->total - left;
+        if (i >= n0) /* phase 1 starts once every phase 0 item is done (claims go in order, so all are taken) */
+            for (unsigned s = 1; atomic_load_explicit(&pool->done, memory_order_acquire) < n0; s++) {
+                CPU_RELAX();
+                if ((s & 1023) == 0) sched_yield();
+            }
+        pool->fn(pool->arg, worker, i < n0 ? 0 : 1, i < n0 ? i : i - n0);
+        atomic_fetch_add_explicit(&pool->done, 1, memory_order_release);
     }
 }
 
@@ -89,16 +116,17 @@ static void *worker_main(void *p) {
     free(w);
     unsigned seen = 0;
     for (;;) {
-        if (spin_until_changed(&pool->generation, seen, 1) != 0) {
+        if (spin_until_changed(&pool->generation, seen) != 0) {
             pthread_mutex_lock(&pool->lock);
             while (atomic_load(&pool->generation) == seen && !atomic_load(&pool->stop))
                 pthread_cond_wait(&pool->wake, &pool->lock);
             pthread_mutex_unlock(&pool->lock);
         }
         if (atomic_load(&pool->stop)) return NULL;
+        /* the ticket is published before the generation is bumped: this one's call, or a later one's */
         seen = atomic_load_explicit(&pool->generation, memory_order_acquire);
-        pool->task(pool->arg, index, pool->size);
-        atomic_fetch_sub_explicit(&pool->running, 1, memory_order_release);
+        uint64_t t = atomic_load_explicit(&pool->ticket, memory_order_acquire);
+        claim_items(pool, (uint32_t)(t >> 32), index);
     }
 }
 
@@ -142,33 +170,26 @@ void ferry_pool_destroy(ferry_pool *pool) {
 
 int ferry_pool_size(const ferry_pool *pool) { return pool->size; }
 
-void ferry_pool_run(ferry_pool *pool, ferry_task task, void *arg) {
+void ferry_pool_run_items(ferry_pool *pool, ferry_item_fn fn, void *arg, int64_t n0, int64_t n1) {
     if (pool->size == 1) {
-        task(arg, 0, 1);
+        for (int64_t i = 0; i < n0; i++) fn(arg, 0, 0, i);
+        for (int64_t i = 0; i < n1; i++) fn(arg, 0, 1, i);
         return;
     }
-    pool->task = task;
+    pool->fn = fn;
     pool->arg = arg;
-    atomic_store(&pool->arrived, 0);
-    atomic_store(&pool->running, pool->size - 1);
+    pool->n0 = n0;
+    pool->total = n0 + n1;
+    atomic_store_explicit(&pool->done, 0, memory_order_relaxed);
+    uint32_t call = ++pool->call;
+    atomic_store_explicit(&pool->ticket, (uint64_t)call << 32 | (uint64_t)(n0 + n1), memory_order_release);
     pthread_mutex_lock(&pool->lock); /* a worker that is about to sleep sees the bump or the signal */
     atomic_fetch_add_explicit(&pool->generation, 1, memory_order_release);
     pthread_cond_broadcast(&pool->wake);
     pthread_mutex_unlock(&pool->lock);
-    task(arg, 0, pool->size);
-    for (unsigned i = 1; atomic_load_explicit(&pool->running, memory_order_acquire) > 0; i++) {
+    claim_items(pool, call, 0);
+    for (unsigned i = 1; atomic_load_explicit(&pool->done, memory_order_acquire) < n0 + n1; i++) {
         CPU_RELAX();
         if ((i & 1023) == 0) sched_yield();
     }
-}
-
-void ferry_pool_barrier(ferry_pool *pool) {
-    if (pool->size == 1) return;
-    unsigned phase = atomic_load_explicit(&pool->phase, memory_order_acquire);
-    if (atomic_fetch_add_explicit(&pool->arrived, 1, memory_order_acq_rel) + 1 == pool->size) {
-        atomic_store_explicit(&pool->arrived, 0, memory_order_relaxed);
-        atomic_fetch_add_explicit(&pool->phase, 1, memory_order_release);
-        return;
-    }
-    spin_until_changed(&pool->phase, phase, 0);
 }

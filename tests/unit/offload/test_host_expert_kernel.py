@@ -166,6 +166,58 @@ def test_no_pairs_give_zeros_and_the_pairs_sum_in_order(banks_of, isa):
 
 
 @needs_library
+@pytest.mark.parametrize("isa", isas())
+@pytest.mark.parametrize("fmt", ("bf16", "nvfp4"))
+def test_the_threads_split_changes_no_bit(banks_of, fmt, isa):
+    """The pool's threads claim the work item by item (thread_pool.c), whichever comes first: each
+    output row's sums run in one order however the items fall, so 1, 2, 5 and 9 threads (more than
+    this machine's cores: workers preempted, woken late, claiming nothing) give the same bits, over
+    several hundred calls back to back of 0 to 21 tokens, some with no pair at all, where a worker
+    still looking at an ended call must claim none of the next."""
+    banks = banks_of(fmt, _shapes(fmt)[1])
+    g = torch.Generator().manual_seed(11)
+    calls = []
+    for i in range(240):
+        tokens = int(torch.randint(1, 22, (1,), generator=g))
+        x = torch.randn(tokens, banks.hidden_size, generator=g).bfloat16()
+        pairs = [] if i % 17 == 5 else pairs_for(tokens, i)
+        calls.append((i % LAYERS, x, pairs))
+    want = None
+    for threads in (1, 2, 5, 9):
+        host = HostExperts(banks, torch.bfloat16, threads=threads, kernel="c", isa=isa)
+        try:
+            got = [host.compute(layer, x, pairs).view(torch.int32) for layer, x, pairs in calls]
+        finally:
+            host.close()
+        if want is None:
+            want = got
+            continue
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert torch.equal(a, b), (threads, i)
+
+
+@needs_library
+@pytest.mark.parametrize("hidden", [8, 40, 1000])
+def test_every_output_row_is_computed_whatever_the_blocks(hidden):
+    """Phase 1's blocks of output rows are cut from the hidden size and the threads (at least 8 rows, a
+    last block short): at hidden sizes of one block, a few and many, with more threads than blocks,
+    every row of every token is the torch path's."""
+    banks = HostBanks.allocate(1, 3, hidden, 24, torch.float32, pin=False, progress=False)
+    g = torch.Generator().manual_seed(hidden)
+    banks.w13[0].copy_(torch.randn(banks.w13[0].shape, generator=g) * hidden**-0.5)
+    banks.w2[0].copy_(torch.randn(banks.w2[0].shape, generator=g) * 24**-0.5)
+    x = torch.randn(3, hidden, generator=g)
+    pairs = [(0, 0, 0.5), (1, 2, 1.0), (2, 1, 0.25), (0, 1, -0.75)]
+    want = HostExperts(banks, torch.float32, threads=1, kernel="torch").compute(0, x, pairs)
+    for threads in (1, 4, 7):
+        host = HostExperts(banks, torch.float32, threads=threads, kernel="c", isa="portable")
+        got = host.compute(0, x, pairs)
+        host.close()
+        assert got.abs().min(dim=1).values.gt(0).all()  # no row left at the zeros it starts from
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
+
+
+@needs_library
 def test_the_isa_comes_from_the_environment_and_a_bad_one_is_refused(banks_of, monkeypatch):
     monkeypatch.setenv(K.ISA_ENV, "portable")
     host = HostExperts(banks_of("bf16", "even"), torch.bfloat16, threads=1)
