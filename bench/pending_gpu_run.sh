@@ -34,6 +34,8 @@
 #                the 8-layer hybrid cut at 640 slots (WARMSTEP_FORMAT=bf16|nvfp4|fp8), at ring chunks of 12 (the
 #                default), 24 and 48 (WARMSTEP_RING); if a larger one wins, EIGHT_FLAGS="--prefill-ring-chunk N"
 #                runs the must-show with it; WARMSTEP_HOST_PROFILE=N warm steps under cProfile (2)   ~3-4 min
+#   PART=handoff a decode layer's hand-off: a host node (cuLaunchHostFunc) against the GPU writing a word a spinning
+#                host thread answers (cuStreamWriteValue32/WaitValue32 in the graph), with and without the copies ~1 min
 #   PART=hostgemm the host's C kernel against torch's GEMM at 1-128 tokens an expert, 12 threads      ~2 min
 #   PART=hostprefetch the host kernel's rows prefetching the weights 0-4096 bytes ahead (bf16, packed, nvfp4;
 #                1-15 threads): a server core's prefetcher stops at each 4 KiB page, a bf16 row's size;
@@ -125,6 +127,8 @@ case "${part:-check}" in
     build_host_kernel
     timeout 300 python3 bench/cpu_expert_bw.py --threads 1,8,12,15 --format bf16,packed,nvfp4 --backend c \
       --prefetch 0,512,1024,2048,4096 --repeats 60 --out "$OUT/cpu_expert_prefetch_h200.json" 2>&1 | grep prefetch ;;
+  handoff)  # issue 25: a decode layer's hand-off to the host, a host node against a polled round trip (stream memory ops)
+    timeout 200 python3 bench/host_handoff_latency.py --out "$OUT/host_handoff_latency_h200.json" 2>&1 | tail -8 ;;
   window)  # a streamed layer's expert GEMMs launched over every block against over each chunk's own (expert_window.py)
     timeout 200 python3 bench/expert_window.py --out "$OUT/expert_window.json" > "$OUT/expert_window.log" 2>&1
     echo "expert_window rc=$?"; cat "$OUT/expert_window.log" | tail -8 ;;
