@@ -36,6 +36,8 @@
 #                runs the must-show with it; WARMSTEP_HOST_PROFILE=N warm steps under cProfile (2)   ~3-4 min
 #   PART=contention the host kernel's calls (12 threads pinned) beside busy processes on two of its cores, claimed
 #                items against main's static split (.cmp/static_pool, carried: carry [".whl", ".cmp"])   ~2 min
+#   PART=handoff a decode layer's hand-off: a host node (cuLaunchHostFunc) against the GPU writing a word a spinning
+#                host thread answers (cuStreamWriteValue32/WaitValue32 in the graph), with and without the copies ~1 min
 #   PART=hostgemm the host's C kernel against torch's GEMM at 1-128 tokens an expert, 12 threads      ~2 min
 #   PART=hostprefetch the host kernel's rows prefetching the weights 0-4096 bytes ahead (bf16, packed, nvfp4;
 #                1-15 threads): a server core's prefetcher stops at each 4 KiB page, a bf16 row's size;
@@ -140,6 +142,8 @@ case "${part:-check}" in
         --hog none,100/0,1/1,0.3/0.7 --hog-cpus 3,7 --gap-us 400 --rounds 10 "${cmp[@]}" \
         --json "$OUT/host_pool_contention_h200_${tok}tok.json" 2>&1 | grep -v Warn
     done ;;
+  handoff)  # issue 25: a decode layer's hand-off to the host, a host node against a polled round trip (stream memory ops)
+    timeout 200 python3 bench/host_handoff_latency.py --out "$OUT/host_handoff_latency_h200.json" 2>&1 | tail -8 ;;
   window)  # a streamed layer's expert GEMMs launched over every block against over each chunk's own (expert_window.py)
     timeout 200 python3 bench/expert_window.py --out "$OUT/expert_window.json" > "$OUT/expert_window.log" 2>&1
     echo "expert_window rc=$?"; cat "$OUT/expert_window.log" | tail -8 ;;

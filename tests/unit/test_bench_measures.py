@@ -6,6 +6,7 @@ busy time, the gaps between them, where the gaps open and what computed inside t
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -138,3 +139,20 @@ def test_the_cpu_expert_benchmark_alternates_prefetch_distances_and_says_each():
     assert all(r["expert_us"] > 0 and r["bank_GBps"] > 0 and r["isa"] for r in rows)
     (only,) = host_experts_bandwidth(banks, 1, 1, 2, "c")
     assert only["prefetch"] == K.DEFAULT_PREFETCH_BYTES
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler here")
+def test_the_polled_hand_off_probe_answers_each_round_once(tmp_path):
+    """bench/host_handoff_latency.py's host thread (host_poll_probe.c), driven from here as the GPU's
+    stream memory operations would drive it: each round's number written to `go` is answered in `done`,
+    `go` cleared, and the rounds counted; the thread stops when asked."""
+    from bench.host_handoff_latency import Poller, build_probe, round_trip_on_host
+
+    poller = Poller(build_probe(tmp_path), pin=False)
+    try:
+        for value in range(1, 201):
+            round_trip_on_host(poller, value)
+        assert int(poller.flags[Poller.GO : Poller.GO + 4].view(torch.int32)[0]) == 0
+    finally:
+        poller.close()
+    assert poller.rounds() == 200

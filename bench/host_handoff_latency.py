@@ -1,0 +1,207 @@
+"""What a decode layer's hand-off to the host costs beside its compute (issue 25), and what a polled one
+would: a CUDA graph host node against GPU stream memory operations answered by a spinning host thread.
+
+Each MoE layer of a hybrid decode step hands the host its share inside the step's CUDA graph: copies of
+the pairs and the input to pinned memory, a host node (cuLaunchHostFunc: the CUDA driver's callback
+thread wakes and runs the C kernel), the host's sum copied back. With nothing for the host, boot measured
+that hand-off at ~59 µs a layer on the H200 (bench/NOTES.md), ~0.7 ms of a 12-layer token. The
+alternative: the GPU writes a word in pinned memory (cuStreamWriteValue32), a host thread that spins on it
+answers in a second word, and the GPU waits for that (cuStreamWaitValue32); both are stream memory
+operations, which a graph captures as batch memory-op nodes. This measures, per round, in a captured
+graph of `--rounds` rounds replayed `--replays` times (the median replay over the rounds):
+
+* `kernel`: one tiny kernel (a graph node's own cost, the floor);
+* `host_node`: one host node running a function that does nothing (libc's free of NULL);
+* `host_node_copies`: a 512-byte copy to pinned memory, the host node, an 8 KiB copy back (the hand-off's shape);
+* `poll`: write the round's number, wait for the host thread's answer, clear it (bench/host_poll_probe.c);
+* `poll_copies`: the same between the two copies.
+
+A variant the driver cannot capture is reported with its error instead of a time.
+
+    python3 bench/host_handoff_latency.py --out bench/results/host_handoff_latency_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+PROBE_SOURCE = Path(__file__).with_name("host_poll_probe.c")
+WAIT_VALUE_EQ = 0x1  # CU_STREAM_WAIT_VALUE_EQ
+WRITE_VALUE_DEFAULT = 0x0  # CU_STREAM_WRITE_VALUE_DEFAULT: ordered after the stream's earlier work, with its writes
+
+
+def build_probe(out_dir: Path) -> ctypes.CDLL:
+    """bench/host_poll_probe.c built with the machine's C compiler and loaded."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler here: the polled hand-off's host thread is C")
+    lib = out_dir / "host_poll_probe.so"
+    subprocess.run([cc, "-O2", "-shared", "-fPIC", "-pthread", str(PROBE_SOURCE), "-o", str(lib)], check=True)
+    probe = ctypes.CDLL(str(lib))
+    probe.probe_start.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    probe.probe_start.restype = ctypes.c_int
+    probe.probe_stop.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    probe.probe_stop.restype = None
+    probe.probe_size.restype = ctypes.c_ulong
+    return probe
+
+
+class Poller:
+    """The probe's spinning thread over a block of flags (pinned on CUDA): go at offset 0, done at 64."""
+
+    GO, DONE, ROUNDS = 0, 64, 192
+
+    def __init__(self, probe: ctypes.CDLL, pin: bool):
+        self.probe = probe
+        self.flags = torch.zeros(int(probe.probe_size()), dtype=torch.uint8, pin_memory=pin)
+        self.thread = ctypes.c_ulong()
+        if probe.probe_start(self.flags.data_ptr(), ctypes.byref(self.thread)) != 0:
+            raise RuntimeError("the polling thread did not start")
+
+    def word(self, offset: int) -> int:
+        return self.flags.data_ptr() + offset
+
+    def rounds(self) -> int:
+        return int(self.flags[self.ROUNDS : self.ROUNDS + 8].view(torch.int64)[0])
+
+    def close(self) -> None:
+        self.probe.probe_stop(self.flags.data_ptr(), ctypes.byref(self.thread))
+
+
+def round_trip_on_host(poller: Poller, value: int) -> None:
+    """One round as the GPU would play it, played from here: write go, wait for done, clear it (the CPU test)."""
+    go = ctypes.c_uint32.from_address(poller.word(Poller.GO))
+    done = ctypes.c_uint32.from_address(poller.word(Poller.DONE))
+    go.value = value
+    while done.value != value:
+        pass
+    done.value = 0
+
+
+def driver() -> dict:
+    """The driver entry points the variants launch, with their ctypes signatures."""
+    cuda = ctypes.CDLL("libcuda.so.1")
+
+    def entry(*names):
+        for name in names:
+            if hasattr(cuda, name):
+                return getattr(cuda, name), name
+        raise RuntimeError(f"libcuda has none of {names}")
+
+    host_func, _ = entry("cuLaunchHostFunc")
+    host_func.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    write, write_name = entry("cuStreamWriteValue32_v2", "cuStreamWriteValue32")
+    wait, wait_name = entry("cuStreamWaitValue32_v2", "cuStreamWaitValue32")
+    for fn in (write, wait):
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+    for fn in (host_func, write, wait):
+        fn.restype = ctypes.c_int
+    noop = ctypes.cast(ctypes.CDLL(None).free, ctypes.c_void_p).value  # free(NULL) does nothing
+    return {"host_func": host_func, "write": write, "wait": wait, "noop": noop, "names": [write_name, wait_name]}
+
+
+def check(err: int, what: str) -> None:
+    if err:
+        raise RuntimeError(f"{what} failed with CUDA error {err}")
+
+
+def variants(drv: dict, poller: Poller, device: torch.device) -> dict:
+    """name -> fn(stream, i) queuing round i on `stream` (its torch handle)."""
+    small = torch.zeros(128, dtype=torch.float32, device=device)
+    small_host = torch.zeros(128, dtype=torch.float32, pin_memory=True)
+    back_host = torch.zeros(2048, dtype=torch.float32, pin_memory=True)
+    back = torch.zeros(2048, dtype=torch.float32, device=device)
+    go, done = poller.word(Poller.GO), poller.word(Poller.DONE)
+
+    def kernel(stream, i):
+        small.add_(1.0)
+
+    def host_node(stream, i):
+        check(drv["host_func"](stream.cuda_stream, drv["noop"], None), "cuLaunchHostFunc")
+
+    def poll(stream, i):
+        value = i + 1
+        check(drv["write"](stream.cuda_stream, go, value, WRITE_VALUE_DEFAULT), "cuStreamWriteValue32")
+        check(drv["wait"](stream.cuda_stream, done, value, WAIT_VALUE_EQ), "cuStreamWaitValue32")
+        check(drv["write"](stream.cuda_stream, done, 0, WRITE_VALUE_DEFAULT), "cuStreamWriteValue32")
+
+    def with_copies(middle):
+        def fn(stream, i):
+            small_host.copy_(small, non_blocking=True)
+            middle(stream, i)
+            back.copy_(back_host, non_blocking=True)
+
+        return fn
+
+    return {"kernel": kernel, "host_node": host_node, "host_node_copies": with_copies(host_node), "poll": poll,
+            "poll_copies": with_copies(poll)}  # fmt: skip
+
+
+def time_variant(fn, rounds: int, replays: int, device: torch.device) -> dict:
+    """Capture `rounds` rounds in one graph, replay it; µs a round (median replay / rounds)."""
+    stream = torch.cuda.Stream(device)
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize(device)
+    try:
+        with torch.cuda.graph(graph, stream=stream):
+            for i in range(rounds):
+                fn(torch.cuda.current_stream(device), i)
+    except Exception as e:  # noqa: BLE001 - a variant the driver cannot capture is a result, not a failure
+        torch.cuda.synchronize(device)
+        return {"error": f"{type(e).__name__}: {e}"[:300]}
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize(device)
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / rounds)
+    return {"us_per_round": round(statistics.median(times), 2), "us_min": round(min(times), 2),
+            "us_max": round(max(times), 2)}  # fmt: skip
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=12, help="rounds in one graph (a step's MoE layers)")
+    ap.add_argument("--replays", type=int, default=200)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("host_handoff_latency: no CUDA device here", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    with tempfile.TemporaryDirectory() as tmp:
+        probe = build_probe(Path(tmp))
+        poller = Poller(probe, pin=True)
+        drv = driver()
+        results = {}
+        try:
+            for name, fn in variants(drv, poller, device).items():
+                results[name] = time_variant(fn, args.rounds, args.replays, device)
+                print(json.dumps({"variant": name, **results[name]}), flush=True)
+        finally:
+            poller.close()
+    out = {"rounds": args.rounds, "replays": args.replays, "device": torch.cuda.get_device_name(device),
+           "torch": torch.__version__, "cuda": torch.version.cuda, "mem_op_entries": drv["names"],
+           "polled_rounds_answered": poller.rounds(), "variants": results}  # fmt: skip
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
