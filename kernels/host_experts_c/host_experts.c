@@ -28,7 +28,8 @@
 #define PAD 32       /* activations' columns are padded to this: one bf16 vector */
 #define PORTABLE_TILE 64 /* expert_rows_portable.c's TILE: the decode hook cuts rows as its rows do */
 #define DOWN_ITEMS_PER_THREAD 4 /* phase 1's blocks of output rows a thread, where the rows allow */
-#define DOWN_ROWS_MIN 8          /* the smallest block: a call into the rows per expert per block */
+#define DOWN_ROWS_MIN 16         /* the smallest block, and its multiple: a 64-byte line of float32 outputs,
+                                  * so two threads' blocks share no line of y or out */
 
 enum { FERRY_OK = 0, FERRY_EINVAL = -1, FERRY_EISA = -2, FERRY_ENOMEM = -3 };
 
@@ -287,7 +288,7 @@ int ferry_host_kernel_compute(void *handle, const ferry_job *job) {
         for (int64_t s = 0; s < p.first[p.used]; s++)
             memset((uint8_t *)p.ha + ((size_t)s * p.ipad + job->inter) * asize, 0, (size_t)(p.ipad - job->inter) * asize);
     }
-    /* blocks of output rows: DOWN_ITEMS_PER_THREAD a thread, rounded up to DOWN_ROWS_MIN rows */
+    /* blocks of output rows: DOWN_ITEMS_PER_THREAD a thread, rounded up to a multiple of DOWN_ROWS_MIN rows */
     int64_t per = (job->hidden + DOWN_ITEMS_PER_THREAD * workers - 1) / (DOWN_ITEMS_PER_THREAD * workers);
     p.down_rows = (per + DOWN_ROWS_MIN - 1) / DOWN_ROWS_MIN * DOWN_ROWS_MIN;
     p.chunks = (job->inter + CHUNK - 1) / CHUNK;

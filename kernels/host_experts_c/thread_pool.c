@@ -22,6 +22,7 @@
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 #if defined(__x86_64__)
@@ -35,6 +36,12 @@
 
 #define SPIN_NS 50000 /* how long an idle worker spins before it sleeps */
 
+/* where a thread may lose its core between two steps of the protocol: nothing here; the stress test's
+ * build (tests/unit/offload/test_thread_pool.py) yields there, to widen the windows a race would need */
+#ifndef FERRY_POOL_RACE_POINT
+#define FERRY_POOL_RACE_POINT() ((void)0)
+#endif
+
 struct ferry_pool {
     int size;
     int pinned;             /* started workers pinned to their CPU */
@@ -43,12 +50,15 @@ struct ferry_pool {
     pthread_cond_t wake;
     atomic_uint generation; /* bumped for every call: what sleeping workers wait on */
     atomic_int stop;
-    _Atomic uint64_t ticket; /* (call << 32) | the count of that call's items not yet claimed */
+    /* the claims' line, away from the one idle workers spin on (the pool is allocated on a line) */
+    _Alignas(64) _Atomic uint64_t ticket; /* (call << 32) | the count of that call's items not yet claimed */
     atomic_llong done;       /* items of the current call done */
+    /* phase 0's items and both phases': read before a claim only as a hint (a worker with no claim may
+     * see the next call's), and for certain once the claim holds */
+    atomic_llong n0, total;
     uint32_t call;           /* the current call's number (the caller's alone to write) */
     ferry_item_fn fn;        /* the current call's, written before its ticket is published */
     void *arg;
-    int64_t n0, total;       /* phase 0's items, and both phases' */
 };
 
 typedef struct {
@@ -89,16 +99,27 @@ static int spin_until_changed(atomic_uint *word, unsigned seen) {
 
 /* claim and run the items of call `call` until none is left unclaimed (or a later call has begun) */
 static void claim_items(ferry_pool *pool, uint32_t call, int worker) {
-    for (;;) {
+    for (unsigned spins = 1;; spins++) {
         uint64_t t = atomic_load_explicit(&pool->ticket, memory_order_acquire);
         if ((uint32_t)(t >> 32) != call) return;
         uint32_t left = (uint32_t)t;
         if (left == 0) return;
+        FERRY_POOL_RACE_POINT();
+        int64_t n0 = atomic_load_explicit(&pool->n0, memory_order_relaxed);
+        int64_t i = atomic_load_explicit(&pool->total, memory_order_relaxed) - left;
+        if (i >= n0 && atomic_load_explicit(&pool->done, memory_order_acquire) < n0) {
+            /* the next item is of phase 1, which cannot start yet: wait without holding it, so that a
+             * worker preempted here holds nothing up (a hint: checked again once claimed) */
+            CPU_RELAX();
+            if ((spins & 1023) == 0) sched_yield();
+            continue;
+        }
         if (!atomic_compare_exchange_weak_explicit(&pool->ticket, &t, t - 1, memory_order_acq_rel,
                                                    memory_order_acquire))
             continue;
         /* the claim holds: the call's arguments stay valid until this item is done */
-        int64_t n0 = pool->n0, i = pool->total - left;
+        n0 = atomic_load_explicit(&pool->n0, memory_order_relaxed);
+        i = atomic_load_explicit(&pool->total, memory_order_relaxed) - left;
         if (i >= n0) /* phase 1 starts once every phase 0 item is done (claims go in order, so all are taken) */
             for (unsigned s = 1; atomic_load_explicit(&pool->done, memory_order_acquire) < n0; s++) {
                 CPU_RELAX();
@@ -132,8 +153,9 @@ static void *worker_main(void *p) {
 
 ferry_pool *ferry_pool_create(int threads, const int *cpus, int ncpus) {
     if (threads < 1) return NULL;
-    ferry_pool *pool = calloc(1, sizeof *pool);
-    if (!pool) return NULL;
+    ferry_pool *pool = NULL;
+    if (posix_memalign((void **)&pool, 64, sizeof *pool) != 0) return NULL;
+    memset(pool, 0, sizeof *pool);
     pool->size = threads;
     pthread_mutex_init(&pool->lock, NULL);
     pthread_cond_init(&pool->wake, NULL);
@@ -171,15 +193,16 @@ void ferry_pool_destroy(ferry_pool *pool) {
 int ferry_pool_size(const ferry_pool *pool) { return pool->size; }
 
 void ferry_pool_run_items(ferry_pool *pool, ferry_item_fn fn, void *arg, int64_t n0, int64_t n1) {
-    if (pool->size == 1) {
+    if (pool->size == 1 || n0 < 0 || n1 < 0 || n0 + n1 > UINT32_MAX) { /* no ticket holds these: the caller alone */
         for (int64_t i = 0; i < n0; i++) fn(arg, 0, 0, i);
         for (int64_t i = 0; i < n1; i++) fn(arg, 0, 1, i);
         return;
     }
     pool->fn = fn;
     pool->arg = arg;
-    pool->n0 = n0;
-    pool->total = n0 + n1;
+    atomic_store_explicit(&pool->n0, n0, memory_order_relaxed);
+    atomic_store_explicit(&pool->total, n0 + n1, memory_order_relaxed);
+    FERRY_POOL_RACE_POINT();
     atomic_store_explicit(&pool->done, 0, memory_order_relaxed);
     uint32_t call = ++pool->call;
     atomic_store_explicit(&pool->ticket, (uint64_t)call << 32 | (uint64_t)(n0 + n1), memory_order_release);

@@ -167,7 +167,7 @@ def test_no_pairs_give_zeros_and_the_pairs_sum_in_order(banks_of, isa):
 
 @needs_library
 @pytest.mark.parametrize("isa", isas())
-@pytest.mark.parametrize("fmt", ("bf16", "nvfp4"))
+@pytest.mark.parametrize("fmt", ("bf16", "fp8-block", "nvfp4"))
 def test_the_threads_split_changes_no_bit(banks_of, fmt, isa):
     """The pool's threads claim the work item by item (thread_pool.c), whichever comes first: each
     output row's sums run in one order however the items fall, so 1, 2, 5 and 9 threads (more than
@@ -199,7 +199,7 @@ def test_the_threads_split_changes_no_bit(banks_of, fmt, isa):
 @needs_library
 @pytest.mark.parametrize("hidden", [8, 40, 1000])
 def test_every_output_row_is_computed_whatever_the_blocks(hidden):
-    """Phase 1's blocks of output rows are cut from the hidden size and the threads (at least 8 rows, a
+    """Phase 1's blocks of output rows are cut from the hidden size and the threads (16 rows or a multiple, a
     last block short): at hidden sizes of one block, a few and many, with more threads than blocks,
     every row of every token is the torch path's."""
     banks = HostBanks.allocate(1, 3, hidden, 24, torch.float32, pin=False, progress=False)

@@ -1,10 +1,12 @@
 """The host kernel's thread pool (kernels/host_experts_c/thread_pool.c), built here from its source with a
-small C driver (thread_pool_stress.c) and run over hundreds of thousands of calls back to back, with
-more threads than this machine's cores: every item runs once, on its own call's arguments, phase 1
-after phase 0, and each call returns only once its items are done. Where the compiler has
-ThreadSanitizer, the same driver runs under it and must report no data race. The first form of the
-pool's ticket failed this test (items ran twice after an empty call); the kernel's own results are
-held across thread counts in test_host_expert_kernel.py."""
+small C driver (thread_pool_stress.c) and run over a hundred thousand calls back to back: every item runs
+once, on its own call's arguments and a worker index of its own, phase 1 after phase 0, none after its
+call returned. The build yields the core at the protocol's race points (FERRY_POOL_RACE_POINT: between a
+worker's look at the ticket and its claim, between the caller's setting up of a call and its
+publishing), so that the races show on any machine, not only one with fewer cores than threads: the
+first form of the pool's ticket (counting up to a separate total) fails it at once, items running twice
+after an empty call. Where the compiler has ThreadSanitizer, the driver runs under it too and must report
+no data race. The kernel's own results are held across thread counts in test_host_expert_kernel.py."""
 
 from __future__ import annotations
 
@@ -34,8 +36,8 @@ def build(tmp_path: Path, *flags: str) -> Path | None:
 @needs_cc
 @pytest.mark.parametrize("threads", [2, 3, 9])
 def test_every_item_runs_once_on_its_own_call(tmp_path, threads):
-    exe = build(tmp_path, "-O2")
-    done = subprocess.run([str(exe), str(threads), "400000"], capture_output=True, text=True, timeout=120)
+    exe = build(tmp_path, "-O2", "-DFERRY_POOL_RACE_POINT()=sched_yield()")
+    done = subprocess.run([str(exe), str(threads), "100000"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout + done.stderr
 
 
