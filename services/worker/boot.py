@@ -23,7 +23,7 @@ from itertools import chain
 import structlog
 import torch
 
-from ferry.shared.errors import ConfigError, FerryError, PlanError
+from ferry.shared.errors import ConfigError, FerryError
 from ferry.shared.units import MiB, format_bytes
 from ferry.plan.costs import workspace_bytes_estimate
 from ferry.services.worker.device import select_device
@@ -44,7 +44,8 @@ from ferry.services.worker.pools import TORCH_DTYPES, allocate_pools
 from ferry.plan.prefill_chunk import plan_with_prefill_chunk
 from ferry.services.worker.decode_graphs import DecodeGraphs, graph_buckets
 from ferry.services.worker.warmup import real_warmup_shapes, warm_up, warmup_shapes
-from ferry.services.worker.workspace_profile import profile_decode_graphs_cuda, profile_workspace_cuda
+from ferry.services.worker.workspace_profile import (profile_decode_graphs_cuda, profile_workspace_cuda,
+                                                     profiled_or_plan_error)
 
 log = structlog.get_logger("worker")
 
@@ -198,12 +199,10 @@ def _load_and_plan(cfg: WorkerBootConfig, files: ModelFiles, r: Resolved, device
             """The facts for a `tokens`-token prefill chunk: its workspace profiled on CUDA (the decode
             graphs' bytes added), estimated elsewhere; plan/prefill_chunk.py asks only for chunks it may take."""
             if device.type == "cuda":
-                try:
-                    workspace = profile_workspace_cuda(model, experts, spec, dataclasses.replace(r, max_prefill_tokens=tokens),
-                                                       device)  # fmt: skip
-                except torch.OutOfMemoryError as exc:  # a chunk too long for this card: the chooser tries shorter
-                    raise PlanError(f"a {tokens}-token step's workspace did not fit on the device while it was "
-                                    f"profiled ({str(exc).splitlines()[0]})") from exc  # fmt: skip
+                # a chunk too long for this card is a PlanError: the chooser tries a shorter one
+                chunk = dataclasses.replace(r, max_prefill_tokens=tokens)
+                workspace = profiled_or_plan_error(lambda: profile_workspace_cuda(model, experts, spec, chunk, device),
+                                                   tokens, release=torch.cuda.empty_cache)  # fmt: skip
                 if graphs_wanted and "graph_bytes" not in booted:  # the decode graphs' pool and buffers, once
                     booted["graph_bytes"] = profile_decode_graphs_cuda(model, experts, spec, r, device, buckets)
                 source = "profiled"
