@@ -316,6 +316,7 @@ def _attach_host_decode(store, spec, experts, cost, device: torch.device, backen
     from ferry.kernels.expert_host_handoff import host_count_reference
     from ferry.kernels.expert_pair_gemv import PAIR_KERNEL_MAX_PAIRS
     from ferry.services.worker.offload.host_decode import HostDecodeShare, calibrate_handoff
+    from ferry.services.worker.offload.host_handoff import choose_handoff, resolve_handoff
     from ferry.services.worker.offload.share_guard import ShareGuard
 
     if experts.c_kernel is None:
@@ -326,7 +327,22 @@ def _attach_host_decode(store, spec, experts, cost, device: torch.device, backen
     ns = [round(v * 1e9) for v in (cost.pcie_s, cost.host_s_at_1, cost.host_s_per_token)]
     share = HostDecodeShare(experts.c_kernel, (*ns, 0), max(1, PAIR_KERNEL_MAX_PAIRS // k), k, spec.num_experts,
                             device)  # fmt: skip
-    overhead = calibrate_handoff(share, store.cache)
+    try:
+        wanted = resolve_handoff()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    overhead = node_s = calibrate_handoff(share, store.cache)
+    poll_s = None
+    if wanted != "node":  # the polled hand-off (offload/host_handoff.py), kept where asked or where it is faster
+        try:
+            share.use_poll()
+            poll_s = calibrate_handoff(share, store.cache)
+        except RuntimeError as exc:  # not capturable here, or unanswered: the host node stays
+            log.warning("host_decode_poll_off", reason=str(exc).splitlines()[0][:300])
+    if choose_handoff(wanted, node_s, poll_s) == "poll":
+        overhead = poll_s
+    else:
+        share.use_node()
     measured = (*ns, round(overhead * 1e9))
     # a single stream's layer misses about k x (the share of experts without a slot) experts of one token
     # each (before prefetch): the hand-off runs on every layer, so auto keeps it only where the host takes
@@ -334,9 +350,11 @@ def _attach_host_decode(store, spec, experts, cost, device: torch.device, backen
     typical = max(1, round(k * (1 - store.policy.num_slots / max(store.policy.num_layers * spec.num_experts, 1))))
     takes = host_count_reference(typical, typical, measured)
     fields = dict(pcie_us=round(cost.pcie_s * 1e6, 1), host_us_at_1=round(cost.host_s_at_1 * 1e6, 1),
-                  handoff_us=round(overhead * 1e6, 1), typical_misses=typical, host_takes=takes,
-                  max_tokens=share.max_tokens)  # fmt: skip
+                  handoff_us=round(overhead * 1e6, 1), handoff=share.handoff, handoff_node_us=round(node_s * 1e6, 1),
+                  handoff_poll_us=None if poll_s is None else round(poll_s * 1e6, 1), typical_misses=typical,
+                  host_takes=takes, max_tokens=share.max_tokens)  # fmt: skip
     if auto and not takes:
+        share.use_node()  # no share: its polling thread, if any, stops
         log.info("host_decode_off", reason="auto: by the calibration the host shortens no decode layer missing "
                                            f"{typical} of its {k} experts", **fields)  # fmt: skip
         return

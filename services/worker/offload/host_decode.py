@@ -19,7 +19,9 @@ Per layer, inside the step's CUDA graph (no host round trip; the split is decide
 Why a host node rather than an event-driven hand-off to a Python thread: the decode step is one graph
 replay, and a host node keeps it one; the C function runs without Python or the GIL, so the worker's
 own thread stays free to launch the next step (scheduling ahead). CUDA runs host nodes one at a time
-on its callback thread: one layer's share at a time, which is what the step needs.
+on its callback thread: one layer's share at a time, which is what the step needs. The same C function
+can instead be handed its layers by a polled word in pinned memory, written and waited on by the graph's
+stream memory operations (host_handoff.py: `use_poll`, FERRY_HOST_HANDOFF), without the driver's round trip.
 
 With the next-layer prefetch on, the prefetch of layer L+1 already leaves the host its share of the
 predicted experts (kernels/expert_cache_lookup.py, HAS_HOST): copying them ahead would spend the link on
@@ -45,6 +47,7 @@ import torch
 
 from ferry.kernels.expert_host_handoff import hand_to_host
 from ferry.services.worker.offload.host_expert_kernel import ERRORS, HostKernel, Job
+from ferry.services.worker.offload.host_handoff import Poller
 from ferry.services.worker.offload.share_guard import ShareGuard
 
 log = structlog.get_logger("worker.offload")
@@ -155,6 +158,23 @@ class HostDecodeShare:
             self.tasks.append(HostNodeTask(kernel=kernel.handle, job=job, meta=p.meta.data_ptr(),
                                            num_experts=num_experts, max_tokens=max_tokens, max_pairs=self.max_pairs))  # fmt: skip
         self._node = ctypes.cast(kernel.lib.ferry_host_node, ctypes.c_void_p).value
+        self.poller: Poller | None = None  # the polled hand-off's thread (use_poll), None: host nodes
+
+    @property
+    def handoff(self) -> str:
+        """How layers reach the host: `node` (a graph host node) or `poll` (host_handoff.py)."""
+        return "node" if self.poller is None else "poll"
+
+    def use_poll(self) -> None:
+        """Hand layers over by polling from now on (graphs captured before keep their host nodes)."""
+        if self.poller is None:
+            self.poller = Poller(self.kernel.lib, self.tasks, self._cuda)
+
+    def use_node(self) -> None:
+        """Hand layers over by host nodes from now on; the polling thread, if any, stops."""
+        if self.poller is not None:
+            self.poller.close()
+            self.poller = None
 
     @property
     def costs_ns(self) -> tuple[int, int, int, int]:
@@ -202,9 +222,12 @@ class HostDecodeShare:
                      self.costs, self.dev)  # fmt: skip
         host_rows = torch.empty(t, self.kernel.hidden, dtype=torch.float32, device=x.device)
         task = ctypes.addressof(self.tasks[layer])
-        if not self._cuda:  # the interpreter's path: the same C function, now
+        if not self._cuda:  # the interpreter's path: the same C function, now (polled: the GPU's part played here)
             self._to_pinned(x, t)
-            self.kernel.lib.ferry_host_node(task)
+            if self.poller is not None:
+                self.poller.play_on_host(layer)
+            else:
+                self.kernel.lib.ferry_host_node(task)
             host_rows.copy_(self._out[:t])
             return Handed(host_rows, None)
         compute = torch.cuda.current_stream(self.device)
@@ -213,9 +236,12 @@ class HostDecodeShare:
         self._stream.wait_event(ready)
         with torch.cuda.stream(self._stream):
             self._to_pinned(x, t)
-            err = _launch_host_func()(self._stream.cuda_stream, self._node, task)
-            if err:
-                raise RuntimeError(f"cuLaunchHostFunc failed with CUDA error {err}")
+            if self.poller is not None:
+                self.poller.hand_over(self._stream.cuda_stream, layer)
+            else:
+                err = _launch_host_func()(self._stream.cuda_stream, self._node, task)
+                if err:
+                    raise RuntimeError(f"cuLaunchHostFunc failed with CUDA error {err}")
             host_rows.copy_(self._out[:t], non_blocking=True)
         done = torch.cuda.Event()
         done.record(self._stream)
@@ -301,12 +327,13 @@ class HostDecodeShare:
         return {"experts": self.handed_experts, "pairs": self.handed_pairs, "costs_ns": list(self._costs_ns),
                 "price_ns": list(self._price_ns),
                 "busy_ns": ns, "busy_calls": calls, "busy_ns_per_expert": round(per_expert),
-                "refinements": self.refinements, "guard": guard}  # fmt: skip
+                "refinements": self.refinements, "guard": guard, "handoff": self.handoff,
+                "polled_layers": self.poller.rounds() if self.poller is not None else 0}  # fmt: skip
 
 
 def calibrate_handoff(share: HostDecodeShare, cache, repeats: int = 20) -> float:
-    """Seconds of one layer's hand-off with nothing for the host (the kernel, the copies, the host node,
-    the copy back and the fold), as a one-token decode graph replays it: 8 in one captured graph, so its
+    """Seconds of one layer's hand-off with nothing for the host (the kernel, the copies, the host node or
+    the polled round trip, the copy back and the fold), as a one-token decode graph replays it: 8 in one captured graph, so its
     launch and the wait for it are not counted as the hand-off's. Uses its own lookup outputs with no
     misses, so the cache's maps are untouched. The host's own wake-up is in its per-expert cost."""
     k, dev = share.top_k, share.device
@@ -328,11 +355,19 @@ def calibrate_handoff(share: HostDecodeShare, cache, repeats: int = 20) -> float
         for _ in range(chained):
             once()
 
+    def settled() -> None:  # the device idle again; a polled round unanswered must not hang boot
+        if share._cuda and share.poller is not None:
+            reached = torch.cuda.Event()
+            reached.record()
+            share.poller.wait_or_release(reached)
+        elif share._cuda:
+            torch.cuda.synchronize()
+
     chained = 8
     saved = share.dev.totals.clone()
     if share._cuda:
         once()  # compile the kernel outside the capture
-        torch.cuda.synchronize()
+        settled()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             chain()
@@ -343,8 +378,7 @@ def calibrate_handoff(share: HostDecodeShare, cache, repeats: int = 20) -> float
     for _ in range(repeats):
         t0 = time.perf_counter()
         run()
-        if share._cuda:
-            torch.cuda.synchronize()
+        settled()
         times.append(time.perf_counter() - t0)
     share.dev.totals.copy_(saved)
     return statistics.median(times) / chained

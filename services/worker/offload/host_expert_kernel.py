@@ -102,6 +102,14 @@ def library() -> tuple[ctypes.CDLL | None, str]:
     lib.ferry_host_decode_packed.restype = ctypes.c_int
     lib.ferry_host_node.argtypes = [ctypes.c_void_p]  # host_node.h: a decode layer's host share (host_decode.py)
     lib.ferry_host_node.restype = None
+    # host_poller.h: the same share handed over by polling (host_decode.py, FERRY_HOST_HANDOFF)
+    lib.ferry_poller_create.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+    lib.ferry_poller_create.restype = ctypes.c_void_p
+    lib.ferry_poller_destroy.argtypes = [ctypes.c_void_p]
+    lib.ferry_poller_destroy.restype = None
+    lib.ferry_poller_rounds.argtypes = [ctypes.c_void_p]
+    lib.ferry_poller_rounds.restype = ctypes.c_int64
+    lib.ferry_poll_flags_size.restype = ctypes.c_ulong
     return lib, ""
 
 

@@ -221,10 +221,11 @@ def check_host_decode_kernel() -> None:
     assert sum(restored) > 0, restored  # and some handed slots went back to what they held
 
 
-def check_host_decode() -> None:
+def check_host_decode(poll: bool = False) -> None:
     """Decode steps with the host computing all but one of each layer's missed experts (host_decode.py,
-    through the C host node): the same rows as the all-resident store in float32, with prefills streamed
-    between them; what crosses PCIe is counted without the host's experts."""
+    through the C host node, or with `poll` through the polling thread, host_handoff.py): the same rows as
+    the all-resident store in float32, with prefills streamed between them; what crosses PCIe is counted
+    without the host's experts."""
     from ferry.services.worker.offload.host_decode import HostDecodeShare
     from ferry.services.worker.offload.host_expert_kernel import HostKernel
 
@@ -243,6 +244,8 @@ def check_host_decode() -> None:
     # a copy costs 1000 ns, the host nothing: of m misses the host takes m - 1
     store.host_decode = HostDecodeShare(HostKernel(banks, torch.float32, threads=2), (1000, 1, 0, 0), max_tokens=8,
                                         top_k=2, num_experts=6, device="cpu")  # fmt: skip
+    if poll:
+        store.host_decode.use_poll()
     for tokens, real in ((1, 1), (4, 4), (3, 2), (40, 40), (1, 1), (4, 3), (2, 2), (1, 1)):
         for layer in range(layers):
             x, ids, w = random_routing(spec, tokens, g)
@@ -257,6 +260,13 @@ def check_host_decode() -> None:
         store.end_step()
     handed = store.report()["host_decode"]
     assert handed["experts"] > 0 and handed["pairs"] >= handed["experts"], handed
+    # every decode layer (the 40-token steps stream instead) was handed over the chosen way
+    assert handed["handoff"] == ("poll" if poll else "node") and (handed["polled_layers"] == 7 * layers) == poll
+    # boot's measure of a hand-off with nothing for the host, the chosen way, leaves the counts as they were
+    from ferry.services.worker.offload.host_decode import calibrate_handoff
+
+    assert calibrate_handoff(store.host_decode, store.cache, repeats=2) > 0
+    assert store.report()["host_decode"]["experts"] == handed["experts"]
     # a handed miss gives its slot back to what the lookup evicted for it: the slots stay full
     assert int((store.cache.snapshot()["layer_of_slot"] >= 0).sum()) == 7
     total = store.stats.total
@@ -443,6 +453,7 @@ def check_streamed_launches() -> None:
 CHECKS = {"store": check, "device-driven-float32": lambda: check_device_driven("float32"),
           "device-driven-bfloat16": lambda: check_device_driven("bfloat16"), "host-share": check_host_share,
           "host-decode-kernel": check_host_decode_kernel, "host-decode": check_host_decode,
+          "host-decode-poll": lambda: check_host_decode(poll=True),
           "lent-slots": check_lent_slots, "windowed-chunks": check_windowed_chunks,
           "streamed-launches": check_streamed_launches}
 

@@ -1,0 +1,105 @@
+/* ferry_poller: the polled hand-off of decode layers to the host (host_poller.h). */
+#define _GNU_SOURCE
+#include "host_poller.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define CPU_RELAX() _mm_pause()
+#elif defined(__aarch64__)
+#define CPU_RELAX() __asm__ __volatile__("yield")
+#else
+#define CPU_RELAX() ((void)0)
+#endif
+
+#define NAP_NS 20000 /* between looks once idle past spin_ns: the first layer after a pause waits at most this */
+#define FERRY_ERANGE (-4)
+
+struct ferry_poller {
+    pthread_t thread;
+    ferry_host_node_task **tasks;
+    int64_t ntasks, spin_ns;
+    ferry_poll_flags *flags;
+    atomic_int stop;
+    atomic_llong rounds;
+};
+
+static long long now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* one layer: its task, or for a number no task has, zeros and the error on task 0 (the step then fails) */
+static void answer(ferry_poller *p, uint32_t go) {
+    if (go <= p->ntasks) {
+        ferry_host_node(p->tasks[go - 1]);
+        return;
+    }
+    ferry_host_node_task *t = p->tasks[0];
+    if (!t->status) t->status = FERRY_ERANGE;
+    memset(t->job.out, 0, (size_t)(t->max_tokens * t->job.hidden) * sizeof(float));
+}
+
+static void *poll_main(void *arg) {
+    ferry_poller *p = arg;
+    uint32_t *go = &p->flags->go, *done = &p->flags->done;
+    long long last = now_ns();
+    for (unsigned i = 1; !atomic_load_explicit(&p->stop, memory_order_relaxed); i++) {
+        uint32_t layer = __atomic_load_n(go, __ATOMIC_ACQUIRE); /* the GPU's write follows its copies */
+        if (!layer) {
+            if ((i & 255) == 0 && now_ns() - last > p->spin_ns) {
+                struct timespec nap = {0, NAP_NS};
+                nanosleep(&nap, NULL);
+            } else {
+                CPU_RELAX();
+            }
+            continue;
+        }
+        __atomic_store_n(go, 0, __ATOMIC_RELAXED); /* before the answer: the GPU writes the next go after it */
+        answer(p, layer);
+        atomic_fetch_add_explicit(&p->rounds, 1, memory_order_relaxed);
+        __atomic_store_n(done, layer, __ATOMIC_RELEASE); /* the sum is in pinned memory before this */
+        last = now_ns();
+    }
+    return NULL;
+}
+
+ferry_poller *ferry_poller_create(ferry_host_node_task **tasks, int64_t ntasks, ferry_poll_flags *flags,
+                                  int64_t spin_ns) {
+    if (!tasks || ntasks < 1 || !flags) return NULL;
+    ferry_poller *p = calloc(1, sizeof *p);
+    if (!p) return NULL;
+    p->tasks = malloc((size_t)ntasks * sizeof *tasks);
+    if (!p->tasks) {
+        free(p);
+        return NULL;
+    }
+    memcpy(p->tasks, tasks, (size_t)ntasks * sizeof *tasks);
+    p->ntasks = ntasks;
+    p->spin_ns = spin_ns < 0 ? 0 : spin_ns;
+    p->flags = flags;
+    if (pthread_create(&p->thread, NULL, poll_main, p) != 0) {
+        free(p->tasks);
+        free(p);
+        return NULL;
+    }
+    return p;
+}
+
+void ferry_poller_destroy(ferry_poller *p) {
+    if (!p) return;
+    atomic_store(&p->stop, 1);
+    pthread_join(p->thread, NULL);
+    free(p->tasks);
+    free(p);
+}
+
+int64_t ferry_poller_rounds(const ferry_poller *p) { return atomic_load(&p->rounds); }
+
+unsigned long ferry_poll_flags_size(void) { return sizeof(ferry_poll_flags); }
