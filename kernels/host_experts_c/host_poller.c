@@ -17,7 +17,11 @@
 #define CPU_RELAX() ((void)0)
 #endif
 
-#define NAP_NS 20000 /* between looks once idle past spin_ns: the first layer after a pause waits at most this */
+/* once idle past spin_ns, the thread naps between looks, each nap twice the last from NAP_MIN_NS up to
+ * NAP_MAX_NS: an idle server wakes it ~1,000 times a second (about 1 % of a core), and the first layer after
+ * a pause waits up to a nap (plus the kernel's timer slack, ~50 µs) */
+#define NAP_MIN_NS 20000
+#define NAP_MAX_NS 1000000
 #define FERRY_ERANGE (-4)
 
 struct ferry_poller {
@@ -49,18 +53,22 @@ static void answer(ferry_poller *p, uint32_t go) {
 static void *poll_main(void *arg) {
     ferry_poller *p = arg;
     uint32_t *go = &p->flags->go, *done = &p->flags->done;
-    long long last = now_ns();
+    long long last = now_ns(), nap = 0;
     for (unsigned i = 1; !atomic_load_explicit(&p->stop, memory_order_relaxed); i++) {
         uint32_t layer = __atomic_load_n(go, __ATOMIC_ACQUIRE); /* the GPU's write follows its copies */
         if (!layer) {
-            if ((i & 255) == 0 && now_ns() - last > p->spin_ns) {
-                struct timespec nap = {0, NAP_NS};
-                nanosleep(&nap, NULL);
+            if (nap) { /* idle: a nap every look, each longer */
+                struct timespec ts = {0, (long)nap};
+                nanosleep(&ts, NULL);
+                nap = nap * 2 < NAP_MAX_NS ? nap * 2 : NAP_MAX_NS;
+            } else if ((i & 255) == 0 && now_ns() - last > p->spin_ns) {
+                nap = NAP_MIN_NS;
             } else {
                 CPU_RELAX();
             }
             continue;
         }
+        nap = 0;
         __atomic_store_n(go, 0, __ATOMIC_RELAXED); /* before the answer: the GPU writes the next go after it */
         answer(p, layer);
         atomic_fetch_add_explicit(&p->rounds, 1, memory_order_relaxed);

@@ -355,6 +355,7 @@ def _attach_host_decode(store, spec, experts, cost, device: torch.device, backen
                   host_takes=takes, max_tokens=share.max_tokens)  # fmt: skip
     if auto and not takes:
         share.use_node()  # no share: its polling thread, if any, stops
+        fields["handoff"] = share.handoff
         log.info("host_decode_off", reason="auto: by the calibration the host shortens no decode layer missing "
                                            f"{typical} of its {k} experts", **fields)  # fmt: skip
         return

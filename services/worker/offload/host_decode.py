@@ -167,11 +167,13 @@ class HostDecodeShare:
 
     def use_poll(self) -> None:
         """Hand layers over by polling from now on (graphs captured before keep their host nodes)."""
-        if self.poller is None:
-            self.poller = Poller(self.kernel.lib, self.tasks, self._cuda)
+        if self.poller is None:  # the thread holds what its tasks point at until it has stopped
+            self.poller = Poller(self.kernel.lib, self.tasks, self._cuda,
+                                 keep=(self.kernel, self._x, self._out, self.pinned))  # fmt: skip
 
     def use_node(self) -> None:
-        """Hand layers over by host nodes from now on; the polling thread, if any, stops."""
+        """Hand layers over by host nodes from now on; the polling thread, if any, stops (graphs captured with
+        it must be gone: boot chooses before it captures the decode graphs)."""
         if self.poller is not None:
             self.poller.close()
             self.poller = None
@@ -355,13 +357,16 @@ def calibrate_handoff(share: HostDecodeShare, cache, repeats: int = 20) -> float
         for _ in range(chained):
             once()
 
-    def settled() -> None:  # the device idle again; a polled round unanswered must not hang boot
-        if share._cuda and share.poller is not None:
-            reached = torch.cuda.Event()
-            reached.record()
+    def settled() -> None:  # the device idle again, waited for alike in both hand-offs (an event spun on)
+        if not share._cuda:
+            return
+        reached = torch.cuda.Event()
+        reached.record()
+        if share.poller is not None:  # a polled round unanswered must not hang boot
             share.poller.wait_or_release(reached)
-        elif share._cuda:
-            torch.cuda.synchronize()
+        else:
+            while not reached.query():
+                pass
 
     chained = 8
     saved = share.dev.totals.clone()

@@ -9,7 +9,8 @@ nothing for the host at ~59 µs on the H200 (bench/NOTES.md), ~0.7 ms of a 12-la
 copies of the pairs and the input), then waits until a second word holds it (cuStreamWaitValue32) and
 clears it; a thread of the C library (kernels/host_experts_c/host_poller.h) spins on the first word,
 computes the layer's task and answers in the second. Both are stream memory operations, which a CUDA graph
-captures. The thread spins for POLL_SPIN_NS after a layer, then naps 20 µs between looks.
+captures. The thread spins for POLL_SPIN_NS after a layer, then naps between looks, from 20 µs doubling
+up to 1 ms: an idle server costs about 1 % of a core, and the first layer after a pause waits up to a nap.
 
 `auto`: boot calibrates both and keeps the faster (a polled hand-off that the driver cannot capture, or that
 never answers, leaves the host node). FERRY_HOST_HANDOFF=node|poll|auto picks; `node` is the default until
@@ -57,8 +58,7 @@ def choose_handoff(wanted: str, node_s: float, poll_s: float | None) -> str:
 
 @functools.cache
 def _driver() -> dict:
-    """The driver's stream memory operations (their v2 entry points where libcuda has them) and
-    cuMemHostGetDevicePointer, with their ctypes signatures."""
+    """The driver's stream memory operations and cuMemHostGetDevicePointer (v2), with their ctypes signatures."""
     cuda = ctypes.CDLL("libcuda.so.1")
 
     def entry(*names):
@@ -67,12 +67,14 @@ def _driver() -> dict:
                 return getattr(cuda, name)
         raise RuntimeError(f"libcuda has none of {', '.join(names)}: no polled hand-off on this driver")
 
-    write = entry("cuStreamWriteValue32_v2", "cuStreamWriteValue32")
-    wait = entry("cuStreamWaitValue32_v2", "cuStreamWaitValue32")
+    # the v2 entry points only: v1's memory operations need a driver module parameter, and v1's
+    # cuMemHostGetDevicePointer writes a 32-bit address
+    write = entry("cuStreamWriteValue32_v2")
+    wait = entry("cuStreamWaitValue32_v2")
     for fn in (write, wait):
         fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
         fn.restype = ctypes.c_int
-    device_pointer = entry("cuMemHostGetDevicePointer_v2", "cuMemHostGetDevicePointer")
+    device_pointer = entry("cuMemHostGetDevicePointer_v2")
     device_pointer.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
     device_pointer.restype = ctypes.c_int
     return {"write": write, "wait": wait, "device_pointer": device_pointer}
@@ -91,9 +93,12 @@ def _stop_thread(lib, handle: int, held: tuple) -> None:
 class Poller:
     """The C library's polling thread over `tasks` (HostNodeTask structures, one a MoE layer), answering a
     pair of words in pinned memory (`cuda`) or in plain memory (the CPU's play_on_host). close() stops it;
-    so does the object's collection (after which its tasks and words may go)."""
+    so does the object's collection. Until the thread has stopped, it holds the tasks, the words and `keep`
+    (what the tasks point at: the host kernel, whose pool the tasks run on, and the share's pinned buffers),
+    whatever order their owner's attributes go in. Graphs captured with it must be gone before it stops:
+    their waits would never be answered."""
 
-    def __init__(self, lib, tasks: list, cuda: bool):
+    def __init__(self, lib, tasks: list, cuda: bool, keep: tuple = ()):
         self.lib, self.cuda = lib, cuda
         self.flags = torch.zeros(int(lib.ferry_poll_flags_size()), dtype=torch.uint8, pin_memory=cuda)
         self._tasks = tasks
@@ -103,7 +108,8 @@ class Poller:
             raise RuntimeError("the host's polling thread did not start")
         self.handle = handle
         # the thread reads the tasks and the words until it stops: the finalizer holds them until then
-        self._stop = weakref.finalize(self, _stop_thread, lib, handle, (self._task_ptrs, tasks, self.flags))
+        self._stop = weakref.finalize(self, _stop_thread, lib, handle, (self._task_ptrs, tasks, self.flags, keep))
+        self._pending = 0  # the last number hand_over queued: what a stalled device waits for
         self._go = ctypes.c_uint32.from_address(self.flags.data_ptr() + GO)
         self._done = ctypes.c_uint32.from_address(self.flags.data_ptr() + DONE)
         self._go_dev = self._done_dev = None
@@ -120,6 +126,7 @@ class Poller:
     def hand_over(self, stream: int, layer: int) -> None:
         """On `stream` (a raw CUDA stream, capturing or not): go = layer + 1, wait until done holds it, clear done."""
         drv, value = _driver(), layer + 1
+        self._pending = value
         _check(drv["write"](stream, self._go_dev, value, WRITE_VALUE_DEFAULT), "cuStreamWriteValue32")
         _check(drv["wait"](stream, self._done_dev, value, WAIT_VALUE_EQ), "cuStreamWaitValue32")
         _check(drv["write"](stream, self._done_dev, 0, WRITE_VALUE_DEFAULT), "cuStreamWriteValue32")
@@ -135,18 +142,24 @@ class Poller:
                 raise RuntimeError(f"the host's polling thread did not answer layer {layer} in {STUCK_S} s")
         self._done.value = 0
 
-    def wait_or_release(self, event: torch.cuda.Event) -> None:
-        """Wait for `event` (recorded after polled hand-offs); if they go unanswered for STUCK_S, answer every
-        one from here until the event is reached, so the device is not left waiting, then RuntimeError."""
+    def wait_or_release(self, event) -> None:
+        """Wait for `event` (a torch.cuda.Event recorded after polled hand-offs, spun on, not slept on: boot
+        times hand-offs by this wait). If they go unanswered for STUCK_S, answer every one from here (the
+        number in `go`, or, where the thread took it and stalled, the last one queued) until the event is
+        reached, then RuntimeError; if even that does not release the device within STUCK_S more (the GPU's
+        writes never reach this memory), the device cannot be used again: SystemExit, naming the variable."""
         deadline = time.monotonic() + STUCK_S
-        while not event.query():  # spun, not slept: boot times the hand-off by this wait
+        while not event.query():
             if time.monotonic() < deadline:
                 continue
+            deadline += STUCK_S
             while not event.query():  # the thread is not answering: release the device's waits ourselves
-                value = self._go.value
-                if value:
-                    self._go.value = 0
-                    self._done.value = value
+                value = self._go.value or self._pending
+                self._go.value = 0
+                self._done.value = value
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"a polled hand-off to the host left the GPU waiting and could not be "
+                                     f"released; set {HANDOFF_ENV}=node")  # fmt: skip
             raise RuntimeError(f"the host's polling thread left a hand-off unanswered for {STUCK_S} s")
 
     def close(self) -> None:

@@ -63,11 +63,13 @@ def test_a_number_no_layer_has_gives_zeros_and_fails_the_step():
     share.use_poll()
     _listed(share, torch.zeros(2, 256, dtype=torch.bfloat16), [(0, 1, 1.0)])
     share._out.fill_(float("nan"))
-    share.poller.play_on_host(len(share.tasks) + 3)
-    assert torch.equal(share._out, torch.zeros_like(share._out))
-    with pytest.raises(RuntimeError, match="MoE layer 0 failed: host pairs out of range"):
+    for past in (len(share.tasks), len(share.tasks) + 3):  # the first number no layer has, and one further
+        share._out.fill_(float("nan"))
+        share.poller.play_on_host(past)
+        assert torch.equal(share._out, torch.zeros_like(share._out))
+        with pytest.raises(RuntimeError, match="MoE layer 0 failed: host pairs out of range"):
+            share.check()
         share.check()
-    share.check()
 
 
 @needs_library
@@ -110,3 +112,80 @@ def test_the_variable_picks_the_hand_off_and_a_bad_value_names_it(monkeypatch):
 ])  # fmt: skip
 def test_boot_keeps_the_hand_off_asked_for_or_the_faster(wanted, node_s, poll_s, kept):
     assert H.choose_handoff(wanted, node_s, poll_s) == kept
+
+
+@needs_library
+def test_the_graphs_operations_write_go_then_wait_on_done_then_clear_it(monkeypatch):
+    """What hand_over queues on the stream (a recording stand-in for the driver here): the layer's number
+    + 1 written to the first word, a wait until the second holds it (EQ), the second cleared, in that
+    order, at the words' device addresses, all with the default write flags."""
+    share, _ = _share()
+    share.use_poll()
+    calls = []
+    record = lambda name: lambda stream, addr, value, flags: calls.append((name, stream, addr, value, flags)) or 0  # noqa: E731
+    monkeypatch.setattr(H, "_driver", lambda: {"write": record("write"), "wait": record("wait")})
+    poller = share.poller
+    poller._go_dev, poller._done_dev = 0x1000 + H.GO, 0x1000 + H.DONE
+    poller.hand_over(77, 2)
+    assert calls == [("write", 77, 0x1000, 3, H.WRITE_VALUE_DEFAULT), ("wait", 77, 0x1040, 3, H.WAIT_VALUE_EQ),
+                     ("write", 77, 0x1040, 0, H.WRITE_VALUE_DEFAULT)]  # fmt: skip
+    assert H.GO == 0 and H.DONE == 64 and int(share.kernel.lib.ferry_poll_flags_size()) == 128  # host_poller.h's layout
+
+
+class _Device:
+    """A device stand-in waiting on the words as the graph would: go = value, then done == value, then done
+    = 0; its event is reached once its waits are answered."""
+
+    def __init__(self, poller, values):
+        self.poller, self.values = poller, list(values)
+        self._next()
+
+    def _next(self):
+        if self.values:
+            self.poller._go.value = self.values[0]
+
+    def query(self) -> bool:
+        if self.values and self.poller._done.value == self.values[0]:
+            self.poller._done.value = 0
+            self.values.pop(0)
+            self._next()
+        return not self.values
+
+
+@needs_library
+@pytest.mark.parametrize("taken", [False, True])
+def test_the_watchdog_answers_a_stalled_hand_off_and_then_fails(monkeypatch, taken):
+    """Boot's calibration waits for polled hand-offs through wait_or_release: if the thread does not answer
+    within STUCK_S, it answers every wait itself (the number in go, or, where the thread had taken it and
+    stalled, the last one queued) so the device goes on, then raises; a device that goes on is waited for."""
+    share, _ = _share()
+    share.use_poll()
+    poller = share.poller
+    monkeypatch.setattr(H, "STUCK_S", 0.05)
+    device = _Device(poller, [1, 1, 1])
+    while device.values:  # the live thread answers: no error
+        poller.wait_or_release(device)
+    share.use_node()  # a thread that answers nothing from here
+    poller._pending = 1
+    device = _Device(poller, [1, 1])
+    if taken:
+        poller._go.value = 0  # taken by a thread that then stalled: only the queued number says what to answer
+    with pytest.raises(RuntimeError, match="left a hand-off unanswered"):
+        poller.wait_or_release(device)
+    assert not device.values  # every wait answered: the device went on
+
+
+@needs_library
+def test_a_device_that_cannot_be_released_stops_the_worker_naming_the_variable(monkeypatch):
+    share, _ = _share(threads=1)
+    share.use_poll()
+    poller = share.poller
+    share.use_node()
+    monkeypatch.setattr(H, "STUCK_S", 0.02)
+
+    class Deaf:  # the GPU's writes never reach this memory: nothing releases it
+        def query(self):
+            return False
+
+    with pytest.raises(SystemExit, match="FERRY_HOST_HANDOFF=node"):
+        poller.wait_or_release(Deaf())
