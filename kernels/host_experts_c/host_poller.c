@@ -8,14 +8,8 @@
 #include <string.h>
 #include <time.h>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#define CPU_RELAX() _mm_pause()
-#elif defined(__aarch64__)
-#define CPU_RELAX() __asm__ __volatile__("yield")
-#else
-#define CPU_RELAX() ((void)0)
-#endif
+#include "spin.h"
+
 
 /* once idle past spin_ns, the thread naps between looks, each nap twice the last from NAP_MIN_NS up to
  * NAP_MAX_NS: an idle server wakes it ~1,000 times a second (about 1 % of a core), and the first layer after
@@ -33,12 +27,6 @@ struct ferry_poller {
     atomic_llong rounds;
 };
 
-static long long now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
-}
-
 /* one layer: its task, or for a number no task has, zeros and the error on task 0 (the step then fails) */
 static void answer(ferry_poller *p, uint32_t go) {
     if (go <= p->ntasks) {
@@ -53,7 +41,7 @@ static void answer(ferry_poller *p, uint32_t go) {
 static void *poll_main(void *arg) {
     ferry_poller *p = arg;
     uint32_t *go = &p->flags->go, *done = &p->flags->done;
-    long long last = now_ns(), nap = 0;
+    long long last = ferry_now_ns(), nap = 0;
     for (unsigned i = 1; !atomic_load_explicit(&p->stop, memory_order_relaxed); i++) {
         uint32_t layer = __atomic_load_n(go, __ATOMIC_ACQUIRE); /* the GPU's write follows its copies */
         if (!layer) {
@@ -61,7 +49,7 @@ static void *poll_main(void *arg) {
                 struct timespec ts = {0, (long)nap};
                 nanosleep(&ts, NULL);
                 nap = nap * 2 < NAP_MAX_NS ? nap * 2 : NAP_MAX_NS;
-            } else if ((i & 255) == 0 && now_ns() - last > p->spin_ns) {
+            } else if ((i & 255) == 0 && ferry_now_ns() - last > p->spin_ns) {
                 nap = NAP_MIN_NS;
             } else {
                 CPU_RELAX();
@@ -73,7 +61,7 @@ static void *poll_main(void *arg) {
         answer(p, layer);
         atomic_fetch_add_explicit(&p->rounds, 1, memory_order_relaxed);
         __atomic_store_n(done, layer, __ATOMIC_RELEASE); /* the sum is in pinned memory before this */
-        last = now_ns();
+        last = ferry_now_ns();
     }
     return NULL;
 }

@@ -25,14 +25,8 @@
 #include <string.h>
 #include <time.h>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#define CPU_RELAX() _mm_pause()
-#elif defined(__aarch64__)
-#define CPU_RELAX() __asm__ __volatile__("yield")
-#else
-#define CPU_RELAX() ((void)0)
-#endif
+#include "spin.h"
+
 
 #define SPIN_NS 50000 /* how long an idle worker spins before it sleeps */
 
@@ -81,19 +75,13 @@ static int pin_thread(pthread_t thread, int cpu) {
 #endif
 }
 
-static long long now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
-}
-
 /* wait until *word != seen: 0 once it has changed, -1 after SPIN_NS of spinning (the caller then sleeps) */
 static int spin_until_changed(atomic_uint *word, unsigned seen) {
-    long long deadline = now_ns() + SPIN_NS;
+    long long deadline = ferry_now_ns() + SPIN_NS;
     for (unsigned i = 1;; i++) {
         if (atomic_load_explicit(word, memory_order_acquire) != seen) return 0;
         CPU_RELAX();
-        if ((i & 255) == 0 && now_ns() > deadline) return -1;
+        if ((i & 255) == 0 && ferry_now_ns() > deadline) return -1;
     }
 }
 
