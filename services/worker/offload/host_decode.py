@@ -335,9 +335,10 @@ class HostDecodeShare:
 
 def calibrate_handoff(share: HostDecodeShare, cache, repeats: int = 20) -> float:
     """Seconds of one layer's hand-off with nothing for the host (the kernel, the copies, the host node or
-    the polled round trip, the copy back and the fold), as a one-token decode graph replays it: 8 in one captured graph, so its
-    launch and the wait for it are not counted as the hand-off's. Uses its own lookup outputs with no
-    misses, so the cache's maps are untouched. The host's own wake-up is in its per-expert cost."""
+    the polled round trip, the copy back and the fold), as a one-token decode graph replays it: 8 in one
+    captured graph, so its launch and the wait for it are not counted as the hand-off's. Uses its own
+    lookup outputs with no misses, so the cache's maps are untouched. The host's own wake-up is in its
+    per-expert cost."""
     k, dev = share.top_k, share.device
     ids = torch.zeros(1, k, dtype=torch.int64, device=dev)
     weights = torch.zeros(1, k, dtype=torch.float32, device=dev)
