@@ -90,6 +90,13 @@ def host_share_metrics(report: dict):
                       decode["busy_calls"])  # fmt: skip
         yield counter("ferry_worker_host_share_refinements", "times the decode split's price of a host expert moved "
                       "toward what the host nodes measured", decode["refinements"])  # fmt: skip
+    if decode and "handoff" in decode:  # how decode layers reach the host (offload/host_handoff.py)
+        polled = GaugeMetricFamily("ferry_worker_host_decode_polled", "1 where decode layers reach the host by a "
+                                   "polled word in pinned memory (FERRY_HOST_HANDOFF), 0 by graph host nodes")  # fmt: skip
+        polled.add_metric([], 1.0 if decode["handoff"] == "poll" else 0.0)
+        yield polled
+        yield counter("ferry_worker_host_decode_polled_layers", "decode layers the polling thread handed to the host",
+                      decode.get("polled_layers", 0))  # fmt: skip
     guard = (decode or {}).get("guard")
     if guard:  # auto's guard over the decode share (offload/share_guard.py)
         on = GaugeMetricFamily("ferry_worker_host_decode_share_on", "1 while auto's guard keeps the host's decode "

@@ -45,5 +45,15 @@ def test_autos_guard_says_whether_the_decode_share_is_on():
         assert f"ferry_worker_host_decode_price_scale {scale or 0.0}" in text
 
 
+def test_how_decode_layers_reach_the_host_is_exported():
+    decode = {"experts": 9, "pairs": 11, "costs_ns": [1, 2, 3, 4], "busy_ns": 1, "busy_calls": 1,
+              "busy_ns_per_expert": 1, "refinements": 0}  # fmt: skip
+    for handoff, layers in (("poll", 480), ("node", 0)):
+        text = scrape({**REPORT, "host_decode": {**decode, "handoff": handoff, "polled_layers": layers}})
+        assert f"ferry_worker_host_decode_polled {1.0 if handoff == 'poll' else 0.0}" in text
+        assert f"ferry_worker_host_decode_polled_layers_total {float(layers)}" in text
+    assert "ferry_worker_host_decode_polled" not in scrape({**REPORT, "host_decode": decode})
+
+
 def test_without_a_host_share_there_is_no_host_series():
     assert "ferry_worker_host" not in scrape(REPORT)
