@@ -8,21 +8,26 @@
 # newest openai/anthropic need httpx2 and opentelemetry, which the device lacks; without openai the
 # gpu-check's serve step dies after its CUDA tests).
 # pending-gpu-prefetch landed on main (its check passed at bfe3e97, 2026-12-05). Open now: branch
-# pending-gpu-chunk16k: the plan's prefill chunk may be 16,384 tokens where experts stream (the 262k prompt in
-# 34.9 s against 47.4 with --max-prefill-tokens 16384 on bfe3e97), and the pairs' alignment by slot in four
-# Triton launches (kernels/align_pairs.py; its CUDA tests and the grouped GEMM's passed on the H200 at bbc90e3,
-# and the warm step halved, bench/NOTES.md), and auto's guard deciding by the mean step (its longest 1/32 left
-# out), not the median: PART=decode12 after the check says whether issue 25's single stream gains by it.
-# The next session, in order (a call's 600 s and a machine's start each; combine what fits):
+# pending-gpu-chunk16k (no device was lent on 2026-12-05's second session, so it is still unchecked):
+# - the plan's prefill chunk may be 16,384 tokens where experts stream (the 262k prompt in 34.9 s against 47.4
+#   with --max-prefill-tokens 16384 on bfe3e97);
+# - the pairs' alignment by slot in four Triton launches (kernels/align_pairs.py; its CUDA tests and the grouped
+#   GEMM's passed on the H200 at bbc90e3, and the warm step halved, bench/NOTES.md);
+# - auto's guard deciding by the mean step (its longest 1/32 left out), not the median;
+# - the host kernel's threads claiming a call's work item by item (kernels/host_experts_c/thread_pool.c): a
+#   thread woken late or preempted no longer holds up the layer (on the 2-core EPYC, a call's mean 5-27 %
+#   lower beside a busy process). PART=decode12 after the check says whether issue 25's single stream gains.
+# The next session, in order (a call's 600 s and a machine's start each; combine what fits; carry
+# [".whl", ".cmp"]: .cmp/static_pool holds main 0eefdb5's host kernel sources for PART=contention):
 # 1. PART=check on pending-gpu-chunk16k (~7-8 min); land the branch if it passes.
-# 2. PART=long on the landed commit (issue 24's TTFT with the plan's own chunk, and decode after it: ~3 min),
-#    then WARMSTEP_FORMAT=nvfp4 WARMSTEP_RING=0 PART=warmstep (~3 min; now with --host-profile 2: which Python
-#    functions the warm step's host time goes to; the device waited on the host for ~60 of its ~115 ms at
-#    bfe3e97, and the alignment's ~70 torch calls a layer are now 8 Triton launches: how much of it that took).
-# 3. EIGHT_FORMAT=nvfp4 PART=eight (issue 23's must-show on the landed code), DECODE12_VARIANTS=gpu,default
-#    PART=decode12 (issue 25; the served single stream ran a millisecond a token above the guard's medians),
-#    then PART=serveprof (where that millisecond goes).
-# 4. PART=longprof LONGPROF_AT=131072 LONGPROF_LEN=147456 LONGPROF_RING=0,48, PART=hostgemm, PART=share.
+# 2. PART=long,handoff on the landed commit (issue 24's TTFT with the plan's own chunk and decode after it, ~3-4
+#    min; then a layer's hand-off to the host, a host node against a polled round trip, ~1 min: whether the
+#    ~59 µs a layer is worth replacing with stream memory operations).
+# 3. DECODE12_VARIANTS=gpu,default PART=decode12,contention (issue 25's must-show on the landed code, and the
+#    claimed items against the static split on the H200's host), then PART=serveprof (where the served
+#    single stream's millisecond past the guard's steps goes).
+# 4. EIGHT_FORMAT=nvfp4 PART=eight, WARMSTEP_FORMAT=nvfp4 WARMSTEP_RING=0 PART=warmstep, PART=share (the hybrid
+#    cut's decode_hybrid8_hybrid_cpu.json, never yet measured with the host kernel built).
 #   PART=check   make gpu-check (the release check, which builds the host's C kernel; gpu_check.json)  ~7-8 min
 #   PART=prefill bench/prefill_attention.py on the 35B's attention shapes, then the 262k-token TTFT  ~6-8 min
 #   PART=three   issue 23's three turns (32k first turn) on the full-size 35B with NVFP4 experts, openai and anthropic
