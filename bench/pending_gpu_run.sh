@@ -17,6 +17,10 @@
 # - the host kernel's threads claiming a call's work item by item (kernels/host_experts_c/thread_pool.c): a
 #   thread woken late or preempted no longer holds up the layer (on the 2-core EPYC, a call's mean 5-27 %
 #   lower beside a busy process). PART=decode12 after the check says whether issue 25's single stream gains.
+# Then branch pending-gpu-poll, on pending-gpu-chunk16k: FERRY_HOST_HANDOFF=poll|auto hands a decode layer's share to
+# the host by a polled word in pinned memory instead of a host node (services/worker/offload/host_handoff.py; default
+# node). Its check after chunk16k has landed; its CUDA test of the host's share must keep the poll. Measure it with
+# FERRY_HOST_HANDOFF=auto DECODE12_VARIANTS=gpu,default PART=decode12 beside the node run of step 3 below.
 # The next session, in order (a call's 600 s and a machine's start each; combine what fits; carry
 # [".whl", ".cmp"]: .cmp/static_pool holds main 0eefdb5's host kernel sources for PART=contention):
 # 1. PART=check on pending-gpu-chunk16k (~7-8 min); land the branch if it passes.
