@@ -86,6 +86,9 @@ VARIANTS = {"default": [], "no-prefetch": ["--no-expert-prefetch"], "eager": ["-
             # so twice the chunk halves that stream, against the larger workspace's slots (the plan chooses <= 8192;
             # its mixers run in slices of 8,192, so only the MoE's buffers grow: services/worker/mixer_slices.py)
             "chunk16k": ["--max-prefill-tokens", "16384"],
+            # the same prompt in 8,192-token chunks: the plan's choice before 16,384 became a candidate (branch
+            # pending-gpu-chunk16k); beside `default` on one commit, whether decode after a long prompt loses by 16k
+            "chunk8k": ["--max-prefill-tokens", "8192"],
             # a long prompt's lending steps in ring chunks of 48 experts instead of 12 (issue 24): a quarter of
             # the chunks, each paying the host's launches once (bench/profile_long_chunk.py --ring-chunks 48)
             "ring48": ["--long-prefill-ring-chunk", "48"]}

@@ -26,7 +26,9 @@
 # 1. PART=check on pending-gpu-chunk16k (~7-8 min); land the branch if it passes.
 # 2. PART=long,handoff on the landed commit (issue 24's TTFT with the plan's own chunk and decode after it, ~3-4
 #    min; then a layer's hand-off to the host, a host node against a polled round trip, ~1 min: whether the
-#    ~59 µs a layer is worth replacing with stream memory operations).
+#    ~59 µs a layer is worth replacing with stream memory operations); then LONG_VARIANTS=chunk8k PART=long on the
+#    same machine (the 8k chunks beside it: is decode after a long prompt slower with 16k, or was bfe3e97's -4 %
+#    the busy host's).
 # 3. DECODE12_VARIANTS=gpu,default PART=decode12,contention (issue 25's must-show on the landed code, and the
 #    claimed items against the static split on the H200's host), then PART=serveprof (where the served
 #    single stream's millisecond past the guard's steps goes).
