@@ -35,6 +35,10 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.pair_gemv_sweep import replay_times_us  # noqa: E402
+
 PROBE_SOURCE = Path(__file__).with_name("host_poll_probe.c")
 WAIT_VALUE_EQ = 0x1  # CU_STREAM_WAIT_VALUE_EQ
 WRITE_VALUE_DEFAULT = 0x0  # CU_STREAM_WRITE_VALUE_DEFAULT: ordered after the stream's earlier work, with its writes
@@ -162,14 +166,7 @@ def time_variant(fn, rounds: int, replays: int, device: torch.device) -> dict:
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize(device)
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / rounds)
+    times = replay_times_us(graph, rounds, replays)
     return {"us_per_round": round(statistics.median(times), 2), "us_min": round(min(times), 2),
             "us_max": round(max(times), 2)}  # fmt: skip
 

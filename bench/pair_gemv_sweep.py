@@ -34,6 +34,21 @@ CANDIDATES = {
 }  # fmt: skip
 
 
+def replay_times_us(graph, calls: int, replays: int) -> list[float]:
+    """Device µs of one of the `calls` captured in `graph`, for each of `replays` replays (events around each)."""
+    import torch
+
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return times
+
+
 def graph_time_us(fn, calls: int = 20, replays: int = 30) -> float:
     """Median device time of one call, `calls` of them captured in one CUDA graph."""
     import torch
@@ -44,15 +59,7 @@ def graph_time_us(fn, calls: int = 20, replays: int = 30) -> float:
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
+    return statistics.median(replay_times_us(graph, calls, replays))
 
 
 def experts(fmt_name: str, h: int, i: int, slots: int, dev):
