@@ -8,6 +8,9 @@ thread of each call, so the figure that matters is the mean (and the tail), not 
 `--hog BUSY/IDLE` (milliseconds, several allowed) runs one busy-looping process on each of
 `--hog-cpus`, busy for BUSY and asleep for IDLE in turn (`100/0`: always busy); `none` runs none.
 
+`--spin-us 50,1000` times this tree's kernel once a spin of its idle threads before they sleep (a layer's
+call finds them awake, or wakes them by a futex), alternated the same way.
+
 `--compare-library PATH` times a second build of the kernel (e.g. one built from an older commit's
 sources) beside this tree's, blocks of calls alternated so that both meet the same contention: how the
 work split between the threads behaves under it. Per variant and hog: median, mean, p90, p99 and the
@@ -21,6 +24,7 @@ longest call in µs, and the bank bytes of a call over its mean time.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import subprocess
@@ -52,18 +56,26 @@ def start_hogs(spec: str, cpus: list[int]) -> list[subprocess.Popen]:
     return hogs
 
 
-def kernel(banks, threads: int, path: str | None, cpus: list[int]) -> K.HostKernel:
-    """A HostKernel over `banks` from this tree's library, or from the build at `path`."""
+class OtherBuild(K.HostKernel):
+    """The kernel from a build of other sources: an entry point it lacks leaves that setting as it built it."""
+
+    def set_prefetch(self, nbytes: int) -> None:
+        if hasattr(self.lib, "ferry_host_kernel_set_prefetch"):
+            super().set_prefetch(nbytes)
+
+    def set_spin(self, spin_us: int) -> None:
+        if hasattr(self.lib, "ferry_host_kernel_set_spin"):
+            super().set_spin(spin_us)
+
+
+def kernel(banks, threads: int, path: str | None, cpus: list[int], spin_us: int | None = None) -> K.HostKernel:
+    """A HostKernel over `banks` from this tree's library (its idle threads spinning `spin_us`), or from the
+    build at `path`."""
     if path is None:
-        return K.HostKernel(banks, torch.bfloat16, threads, cpus=cpus)
-    found = K.library_path
-    K.library.cache_clear()
-    K.library_path = lambda: path
-    try:
-        return K.HostKernel(banks, torch.bfloat16, threads, cpus=cpus)
-    finally:
-        K.library_path = found
-        K.library.cache_clear()
+        return K.HostKernel(banks, torch.bfloat16, threads, cpus=cpus, spin_us=spin_us)
+    lib = ctypes.CDLL(path)
+    K.bind(lib)  # what it has: an older build lacks the newer entry points, which its kernel does not call
+    return OtherBuild(banks, torch.bfloat16, threads, cpus=cpus, lib=lib)
 
 
 def summary(times: list[float], nbytes: int) -> dict:
@@ -122,13 +134,18 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=16)
     ap.add_argument("--block", type=int, default=150)
     ap.add_argument("--compare-library", default=None, help="a second build of the kernel to time beside this one")
+    ap.add_argument("--spin-us", default=None,
+                    help="comma-separated spins of the idle threads (FERRY_HOST_POOL_SPIN_US): the tree's kernel once "
+                         "each, the first as `tree`, the others as `tree_spin<N>us`")  # fmt: skip
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     args.hog_cpus = [int(c) for c in args.hog_cpus.split(",")]
     cfg = load_model_config(args.config)
     banks = format_banks(args.format, cfg.hidden_size, cfg.moe_intermediate_size, args.bank_experts)
     cpus = list(range(1, args.threads)) if args.pin else []
-    kernels = {"tree": kernel(banks, args.threads, None, cpus)}
+    spins = [int(v) for v in args.spin_us.split(",")] if args.spin_us else [None]
+    kernels = {"tree" if i == 0 else f"tree_spin{us}us": kernel(banks, args.threads, None, cpus, us)
+               for i, us in enumerate(spins)}  # fmt: skip
     if args.compare_library:
         kernels["compared"] = kernel(banks, args.threads, args.compare_library, cpus)
     rows = []
@@ -142,7 +159,7 @@ def main() -> int:
         k.close()
     if args.json:
         out = {"rows": rows, "compare_library": args.compare_library, "cpu": _cpu_name(), "cores": os.cpu_count(),
-               "gap_us": args.gap_us, "pinned": args.pin, "config": Path(args.config).name}  # fmt: skip
+               "gap_us": args.gap_us, "pinned": args.pin, "spin_us": args.spin_us, "config": Path(args.config).name}  # fmt: skip
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     return 0
 

@@ -150,7 +150,7 @@ case "${part:-check}" in
     fi
     for tok in 1 8; do
       timeout 250 python3 bench/host_pool_contention.py --threads 12 --pin --tokens $tok --experts $((tok == 1 ? 3 : 6)) \
-        --hog none,100/0,1/1,0.3/0.7 --hog-cpus 3,7 --gap-us 400 --rounds 10 "${cmp[@]}" \
+        --hog none,100/0,1/1,0.3/0.7 --hog-cpus 3,7 --gap-us 400 --rounds 10 --spin-us 50,1000 "${cmp[@]}" \
         --json "$OUT/host_pool_contention_h200_${tok}tok.json" 2>&1 | grep -v Warn
     done ;;
   handoff)  # issue 25: a decode layer's hand-off to the host, a host node against a polled round trip (stream memory ops)

@@ -75,7 +75,7 @@ int ferry_host_isa_available(int isa) {
     return isa == FERRY_ISA_PORTABLE || (isa == FERRY_ISA_AVX512_BF16 && avx512_bf16_available());
 }
 
-/* cpus, ncpus: where the pool's started threads run (ferry_pool_create); ncpus 0 leaves them unpinned */
+/* cpus, ncpus: the pool's threads' CPUs, the caller's first (ferry_pool_create); ncpus 0 leaves them unpinned */
 void *ferry_host_kernel_create(int threads, const int *cpus, int ncpus) {
     static pthread_once_t once = PTHREAD_ONCE_INIT;
     pthread_once(&once, ferry_tables_init);
@@ -90,6 +90,13 @@ void *ferry_host_kernel_create(int threads, const int *cpus, int ncpus) {
 }
 
 int ferry_host_kernel_pinned(void *handle) { return ferry_pool_pinned(((ferry_kernel *)handle)->pool); }
+
+/* the calling thread onto the caller's CPU (ferry_pool_pin_caller): host_node.c's and the poller's threads */
+int ferry_host_kernel_pin_caller(void *handle) { return ferry_pool_pin_caller(((ferry_kernel *)handle)->pool); }
+
+int ferry_host_kernel_caller_pinned(void *handle) { return ferry_pool_caller_pinned(((ferry_kernel *)handle)->pool); }
+
+void ferry_host_kernel_set_spin(void *handle, int64_t ns) { ferry_pool_set_spin(((ferry_kernel *)handle)->pool, ns); }
 
 /* read by each call as it starts: set it between calls (a graph's host node reads it too) */
 void ferry_host_kernel_set_prefetch(void *handle, int64_t bytes) { ((ferry_kernel *)handle)->prefetch = bytes; }

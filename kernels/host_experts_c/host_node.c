@@ -5,11 +5,13 @@
 #include <time.h>
 
 int ferry_host_kernel_compute(void *handle, const ferry_job *job);
+int ferry_host_kernel_pin_caller(void *handle);
 
 #define FERRY_ERANGE (-4)
 
 void ferry_host_node(void *arg) {
     ferry_host_node_task *t = arg;
+    if (t->pin_caller) ferry_host_kernel_pin_caller(t->kernel); /* once a thread; refused: it runs where it is */
     int64_t tokens = t->meta[0], n = t->meta[1];
     t->calls++;
     int bad = tokens < 0 || tokens > t->max_tokens || n < 0 || n > t->max_pairs;

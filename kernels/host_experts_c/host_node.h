@@ -16,6 +16,8 @@ typedef struct {
     const int64_t *meta; /* pinned [2], written by the device: the step's token rows, the host's pairs */
     int64_t num_experts; /* a pair's expert must be below it (the C rows read the banks by it unchecked) */
     int64_t max_tokens, max_pairs; /* the buffers' sizes */
+    int64_t pin_caller;  /* 1: the thread that runs it is pinned to the pool's caller CPU (the driver's thread or
+                          * the poller: they run nothing else), 0 where it is the caller's own thread */
     int64_t status;      /* 0, or the first error: FERRY_E* of host_experts.c, -4 for pairs out of range */
     int64_t calls, pairs; /* since boot */
     int64_t busy_ns, busy_calls; /* since boot: the wall time of the calls that computed pairs, and their

@@ -18,6 +18,8 @@
 #define NAP_MAX_NS 1000000
 #define FERRY_ERANGE (-4)
 
+int ferry_host_kernel_pin_caller(void *handle);
+
 struct ferry_poller {
     pthread_t thread;
     ferry_host_node_task **tasks;
@@ -40,6 +42,7 @@ static void answer(ferry_poller *p, uint32_t go) {
 
 static void *poll_main(void *arg) {
     ferry_poller *p = arg;
+    ferry_host_kernel_pin_caller(p->tasks[0]->kernel); /* it runs nothing but the pool's calls: the caller's CPU */
     uint32_t *go = &p->flags->go, *done = &p->flags->done;
     long long last = ferry_now_ns(), nap = 0;
     for (unsigned i = 1; !atomic_load_explicit(&p->stop, memory_order_relaxed); i++) {

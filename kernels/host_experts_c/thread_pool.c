@@ -12,9 +12,13 @@
  * returns once the count of done items reaches the call's, whichever workers did them.
  *
  * Started workers can be pinned, one a CPU (ferry_pool_create's cpus): a worker the scheduler moves
- * between cores loses its L1/L2. The caller (worker 0: the worker's launching thread, or the CUDA
- * driver's thread that runs a graph's host node) is left where it is: pinning it would pin its other
- * work too. */
+ * between cores loses its L1/L2. The caller (worker 0) is pinned only where it asks
+ * (ferry_pool_pin_caller): the CUDA driver's thread that runs a decode graph's host nodes, or the
+ * polling thread, does nothing but the pool's calls, and on the serving processes' cores it would
+ * wait behind them for its turn while the GPU waits for the layer; the worker's Python thread, which
+ * also calls (a prefill's share, the tests), is never pinned here.
+ *
+ * Idle workers spin `spin_ns` (ferry_pool_set_spin) before they sleep. */
 #define _GNU_SOURCE
 #include "thread_pool.h"
 
@@ -28,7 +32,7 @@
 #include "spin.h"
 
 
-#define SPIN_NS 50000 /* how long an idle worker spins before it sleeps */
+#define SPIN_NS 50000 /* how long an idle worker spins before it sleeps, unless ferry_pool_set_spin says */
 
 /* where a thread may lose its core between two steps of the protocol: nothing here; the stress test's
  * build (tests/unit/offload/test_thread_pool.py) yields there, to widen the windows a race would need */
@@ -39,6 +43,9 @@
 struct ferry_pool {
     int size;
     int pinned;             /* started workers pinned to their CPU */
+    int caller_cpu;         /* cpus[0], where a caller that asks is pinned; -1: none */
+    atomic_int caller_pinned; /* 1 once a caller was pinned there, an errno if refused, 0 before any asked */
+    atomic_llong spin_ns;   /* how long an idle worker spins before it sleeps */
     pthread_t *threads;
     pthread_mutex_t lock;
     pthread_cond_t wake;
@@ -75,9 +82,9 @@ static int pin_thread(pthread_t thread, int cpu) {
 #endif
 }
 
-/* wait until *word != seen: 0 once it has changed, -1 after SPIN_NS of spinning (the caller then sleeps) */
-static int spin_until_changed(atomic_uint *word, unsigned seen) {
-    long long deadline = ferry_now_ns() + SPIN_NS;
+/* wait until *word != seen: 0 once it has changed, -1 after spin_ns of spinning (the caller then sleeps) */
+static int spin_until_changed(atomic_uint *word, unsigned seen, long long spin_ns) {
+    long long deadline = ferry_now_ns() + spin_ns;
     for (unsigned i = 1;; i++) {
         if (atomic_load_explicit(word, memory_order_acquire) != seen) return 0;
         CPU_RELAX();
@@ -125,7 +132,7 @@ static void *worker_main(void *p) {
     free(w);
     unsigned seen = 0;
     for (;;) {
-        if (spin_until_changed(&pool->generation, seen) != 0) {
+        if (spin_until_changed(&pool->generation, seen, atomic_load_explicit(&pool->spin_ns, memory_order_relaxed)) != 0) {
             pthread_mutex_lock(&pool->lock);
             while (atomic_load(&pool->generation) == seen && !atomic_load(&pool->stop))
                 pthread_cond_wait(&pool->wake, &pool->lock);
@@ -145,6 +152,8 @@ ferry_pool *ferry_pool_create(int threads, const int *cpus, int ncpus) {
     if (posix_memalign((void **)&pool, 64, sizeof *pool) != 0) return NULL;
     memset(pool, 0, sizeof *pool);
     pool->size = threads;
+    pool->caller_cpu = ncpus > 0 && cpus ? cpus[0] : -1;
+    atomic_store(&pool->spin_ns, SPIN_NS);
     pthread_mutex_init(&pool->lock, NULL);
     pthread_cond_init(&pool->wake, NULL);
     pool->threads = calloc((size_t)threads, sizeof(pthread_t));
@@ -157,12 +166,31 @@ ferry_pool *ferry_pool_create(int threads, const int *cpus, int ncpus) {
             ferry_pool_destroy(pool);
             return NULL;
         }
-        if (ncpus > 0 && cpus && pin_thread(pool->threads[i], cpus[(i - 1) % ncpus]) == 0) pool->pinned++;
+        if (ncpus > 0 && cpus && pin_thread(pool->threads[i], cpus[i % ncpus]) == 0) pool->pinned++;
     }
     return pool;
 }
 
 int ferry_pool_pinned(const ferry_pool *pool) { return pool->pinned; }
+
+/* the CPU this thread was last pinned to as a caller (or refused): a thread that calls every layer asks
+ * once, not a system call a layer */
+static _Thread_local int caller_pinned_to = -1;
+
+int ferry_pool_pin_caller(ferry_pool *pool) {
+    int cpu = pool->caller_cpu;
+    if (cpu < 0 || caller_pinned_to == cpu) return 0;
+    caller_pinned_to = cpu;
+    int err = pin_thread(pthread_self(), cpu);
+    atomic_store(&pool->caller_pinned, err ? err : 1);
+    return err;
+}
+
+int ferry_pool_caller_pinned(const ferry_pool *pool) { return atomic_load(&((ferry_pool *)pool)->caller_pinned); }
+
+void ferry_pool_set_spin(ferry_pool *pool, int64_t ns) {
+    atomic_store_explicit(&pool->spin_ns, ns < 0 ? 0 : ns, memory_order_relaxed);
+}
 
 void ferry_pool_destroy(ferry_pool *pool) {
     if (!pool) return;

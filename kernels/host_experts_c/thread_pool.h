@@ -16,10 +16,18 @@ typedef struct ferry_pool ferry_pool;
  * the thread running it, for scratch of its own */
 typedef void (*ferry_item_fn)(void *arg, int worker, int phase, int64_t item);
 
-/* `threads` workers, the caller one of them; with ncpus > 0 started worker i (1..threads - 1) is pinned to
- * cpus[(i - 1) % ncpus], and a worker the kernel refuses to pin runs unpinned (ferry_pool_pinned counts) */
+/* `threads` workers, the caller one of them; with ncpus > 0 the threads' CPUs in order, the caller's first:
+ * started worker i (1..threads - 1) is pinned to cpus[i % ncpus], and a worker the kernel refuses to pin
+ * runs unpinned (ferry_pool_pinned counts); cpus[0] is where a caller that asks is pinned */
 ferry_pool *ferry_pool_create(int threads, const int *cpus, int ncpus);
 int ferry_pool_pinned(const ferry_pool *pool);
+/* pin the calling thread to cpus[0] (once a thread: later calls return at once); 0 where done or there is no
+ * such CPU, an errno where refused. Only for a thread that does nothing else: a graph's host nodes, a poller */
+int ferry_pool_pin_caller(ferry_pool *pool);
+/* 1 once a caller was pinned, an errno if refused, 0 before any asked */
+int ferry_pool_caller_pinned(const ferry_pool *pool);
+/* how long an idle worker spins before it sleeps, from its next idle wait on */
+void ferry_pool_set_spin(ferry_pool *pool, int64_t ns);
 void ferry_pool_destroy(ferry_pool *pool);
 int ferry_pool_size(const ferry_pool *pool);
 /* fn(arg, w, 0, i) for every i < n0, then, once all of those are done, fn(arg, w, 1, i) for every i < n1,

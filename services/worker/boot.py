@@ -298,7 +298,8 @@ def _attach_host_share(store, spec, plan: Plan, dtype: torch.dtype, device: torc
     pinned = experts.c_kernel.pinned if experts.c_kernel is not None else 0
     cost = calibrate(store, experts, device)
     log.info("host_share", expert_backend=chosen.backend, requested=chosen.requested, threads=threads,
-             threads_from=chosen.reason, backend=experts.backend, pinned_cpus=format_cpu_list(cpus[:pinned]), pcie_us=round(cost.pcie_s * 1e6, 1),
+             threads_from=chosen.reason, backend=experts.backend, cpus=format_cpu_list(cpus), workers_pinned=pinned,
+             pcie_us=round(cost.pcie_s * 1e6, 1),
              host_us_at_1=round(cost.host_s_at_1 * 1e6, 1), host_us_per_token=round(cost.host_s_per_token * 1e6, 2),
              overhead_us=round(cost.overhead_s * 1e6, 1))  # fmt: skip
     split = HostCost(1.0, 0.0, 0.0, 0.0) if chosen.backend == "cpu" else cost  # cpu: the host takes every miss
@@ -352,7 +353,8 @@ def _attach_host_decode(store, spec, experts, cost, device: torch.device, backen
     fields = dict(pcie_us=round(cost.pcie_s * 1e6, 1), host_us_at_1=round(cost.host_s_at_1 * 1e6, 1),
                   handoff_us=round(overhead * 1e6, 1), handoff=share.handoff, handoff_node_us=round(node_s * 1e6, 1),
                   handoff_poll_us=None if poll_s is None else round(poll_s * 1e6, 1), typical_misses=typical,
-                  host_takes=takes, max_tokens=share.max_tokens)  # fmt: skip
+                  host_takes=takes, max_tokens=share.max_tokens,  # caller_pinned 1: the nodes' thread on its CPU
+                  caller_pinned=share.kernel.caller_pinned)  # fmt: skip
     if auto and not takes:
         share.use_node()  # no share: its polling thread, if any, stops
         fields["handoff"] = share.handoff

@@ -71,7 +71,8 @@ class HostNodeTask(ctypes.Structure):
     """ferry_host_node_task (kernels/host_experts_c/host_node.h)."""
 
     _fields_ = [("kernel", ctypes.c_void_p), ("job", Job), ("meta", ctypes.c_void_p), ("num_experts", ctypes.c_int64),
-                ("max_tokens", ctypes.c_int64), ("max_pairs", ctypes.c_int64), ("status", ctypes.c_int64),
+                ("max_tokens", ctypes.c_int64), ("max_pairs", ctypes.c_int64), ("pin_caller", ctypes.c_int64),
+                ("status", ctypes.c_int64),
                 ("calls", ctypes.c_int64), ("pairs", ctypes.c_int64), ("busy_ns", ctypes.c_int64),
                 ("busy_calls", ctypes.c_int64)]  # fmt: skip
 
@@ -155,8 +156,11 @@ class HostDecodeShare:
                       inter=kernel.inter, x=self._x.data_ptr(), n_pairs=0, pair_token=p.pair_token.data_ptr(),
                       pair_expert=p.pair_expert.data_ptr(), pair_weight=p.pair_weight.data_ptr(), w13=w13, w2=w2,
                       out=self._out.data_ptr())  # fmt: skip
+            # pin_caller: on CUDA the driver's callback thread runs the nodes and nothing else, so it takes the
+            # pool's caller CPU (thread_pool.c); on CPU the nodes run on the caller's own thread
             self.tasks.append(HostNodeTask(kernel=kernel.handle, job=job, meta=p.meta.data_ptr(),
-                                           num_experts=num_experts, max_tokens=max_tokens, max_pairs=self.max_pairs))  # fmt: skip
+                                           num_experts=num_experts, max_tokens=max_tokens, max_pairs=self.max_pairs,
+                                           pin_caller=int(self._cuda)))  # fmt: skip
         self._node = ctypes.cast(kernel.lib.ferry_host_node, ctypes.c_void_p).value
         self.poller: Poller | None = None  # the polled hand-off's thread (use_poll), None: host nodes
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
+from ferry.plan.expert_backend import pool_thread_cpus
 from ferry.services.worker.expert_formats.fp8_block import Fp8BlockExperts
 from ferry.services.worker.expert_formats.nvfp4 import Nvfp4Experts
 from ferry.services.worker.offload import host_expert_kernel as K
@@ -358,7 +359,52 @@ def test_the_pools_started_threads_run_on_their_cpus_and_compute_the_same(banks_
     assert sorted(started.values()).count(str(allowed[-1])) >= 2, started
     assert torch.equal(host.compute(1, x, pairs), want)
     host.close()
+    if len(allowed) > 1:  # the list's first CPU is the caller's: the one started worker takes the second
+        before = set(_thread_cpus())
+        host = HostExperts(banks, torch.bfloat16, threads=2, kernel="c", cpus=[allowed[0], allowed[-1]])
+        started = [cpus for tid, cpus in _thread_cpus().items() if tid not in before]
+        assert pool_thread_cpus(2, [allowed[0], allowed[-1]])[1] == [allowed[-1]]
+        assert str(allowed[-1]) in started and str(allowed[0]) not in started, started
+        assert torch.equal(host.compute(1, x, pairs), want)
+        host.close()
     # a CPU the process may not run on: refused, the workers run unpinned and compute the same
     refused = HostExperts(banks, torch.bfloat16, threads=3, kernel="c", cpus=[max(allowed) + 4096])
     assert refused.c_kernel.pinned == 0 and torch.equal(refused.compute(1, x, pairs), want)
     refused.close()
+
+
+@needs_library
+def test_the_pools_spin_comes_from_the_environment_and_a_bad_one_is_refused(banks_of, monkeypatch):
+    banks = banks_of("bf16", "even")
+    x = torch.randn(2, banks.hidden_size).to(torch.bfloat16)
+    pairs = pairs_for(2, 3)
+    host = HostExperts(banks, torch.bfloat16, threads=3, kernel="c")
+    assert host.c_kernel.spin_us == K.DEFAULT_SPIN_US
+    want = host.compute(1, x, pairs)
+    host.close()
+    for spin in ("0", "2000"):  # never spinning, and spinning through a step: the same bits
+        monkeypatch.setenv(K.SPIN_ENV, spin)
+        host = HostExperts(banks, torch.bfloat16, threads=3, kernel="c")
+        assert host.c_kernel.spin_us == int(spin)
+        for _ in range(3):
+            assert torch.equal(host.compute(1, x, pairs), want)
+        host.close()
+    for bad in ("50us", "-5"):
+        monkeypatch.setenv(K.SPIN_ENV, bad)
+        with pytest.raises(ValueError, match=K.SPIN_ENV):
+            HostExperts(banks, torch.bfloat16, threads=1, kernel="c")
+
+
+def test_a_build_lacking_entry_points_is_named_not_half_bound():
+    from types import SimpleNamespace
+
+    class Entry:  # stands in for a ctypes function: takes its signature as attributes
+        argtypes = restype = "unbound"
+
+    older = SimpleNamespace(ferry_host_kernel_compute=Entry(), ferry_host_node=Entry())
+    missing = K.bind(older)
+    assert "ferry_host_kernel_set_spin" in missing and "ferry_poller_create" in missing
+    assert "ferry_host_kernel_compute" not in missing and len(missing) == len(K.SIGNATURES) - 2
+    assert older.ferry_host_node.argtypes == K.SIGNATURES["ferry_host_node"][0]
+    if K.library()[0] is not None:  # this tree's build has every one
+        assert K.bind(K.library()[0]) == []

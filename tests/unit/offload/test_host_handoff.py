@@ -189,3 +189,25 @@ def test_a_device_that_cannot_be_released_stops_the_worker_naming_the_variable(m
 
     with pytest.raises(SystemExit, match="FERRY_HOST_HANDOFF=node"):
         poller.wait_or_release(Deaf())
+
+
+@needs_library
+@pytest.mark.skipif(not hasattr(__import__("os"), "sched_getaffinity"), reason="thread affinity is Linux's")
+def test_the_polling_thread_runs_on_the_callers_cpu():
+    import os
+
+    from tests.unit.offload.test_host_expert_kernel import _thread_cpus
+
+    allowed = sorted(os.sched_getaffinity(0))
+    banks = make_banks("bf16", 256, 160)
+    kernel = HostKernel(banks, torch.bfloat16, threads=1, cpus=[allowed[0]])  # one thread: the caller alone
+    share = HostDecodeShare(kernel, (1, 1, 0, 0), max_tokens=4, top_k=2, num_experts=banks.num_experts, device="cpu")
+    before = set(_thread_cpus())
+    share.use_poll()
+    _listed(share, torch.zeros(1, 256, dtype=torch.bfloat16), [(0, 1, 1.0)])
+    share.poller.play_on_host(0)  # answered: the thread has started and pinned itself first
+    started = [cpus for tid, cpus in _thread_cpus().items() if tid not in before]  # torch's may start too
+    assert str(allowed[0]) in started and kernel.caller_pinned == 1
+    if len(allowed) > 1:  # one thread pinned there, and this one not
+        assert started.count(str(allowed[0])) == 1 and os.sched_getaffinity(0) == set(allowed)
+    share.use_node()
