@@ -173,17 +173,22 @@ ferry_pool *ferry_pool_create(int threads, const int *cpus, int ncpus) {
 
 int ferry_pool_pinned(const ferry_pool *pool) { return pool->pinned; }
 
-/* the CPU this thread was last pinned to as a caller (or refused): a thread that calls every layer asks
- * once, not a system call a layer */
-static _Thread_local int caller_pinned_to = -1;
+/* the CPU this thread last asked for as a caller, and the answer (1 or an errno): a thread that calls every
+ * layer asks the OS once, not a system call a layer; a second pool on the same CPU (the tests') learns the
+ * answer without asking again */
+static _Thread_local int caller_asked_cpu = -1, caller_answer = 0;
 
 int ferry_pool_pin_caller(ferry_pool *pool) {
     int cpu = pool->caller_cpu;
-    if (cpu < 0 || caller_pinned_to == cpu) return 0;
-    caller_pinned_to = cpu;
-    int err = pin_thread(pthread_self(), cpu);
-    atomic_store(&pool->caller_pinned, err ? err : 1);
-    return err;
+    if (cpu < 0) return 0;
+    if (caller_asked_cpu != cpu) {
+        int err = pin_thread(pthread_self(), cpu);
+        caller_asked_cpu = cpu;
+        caller_answer = err ? err : 1;
+    }
+    if (atomic_load_explicit(&pool->caller_pinned, memory_order_relaxed) != caller_answer)
+        atomic_store(&pool->caller_pinned, caller_answer);
+    return caller_answer == 1 ? 0 : caller_answer;
 }
 
 int ferry_pool_caller_pinned(const ferry_pool *pool) { return atomic_load(&((ferry_pool *)pool)->caller_pinned); }

@@ -219,15 +219,17 @@ def test_a_scale_leaves_the_cpu_backends_zero_price_at_zero():
     assert share.costs_ns == (100_000, 0, 0, 30_000) and share.costs.tolist() == [100_000, 0, 0, 30_000]
 
 
-def _affinity_after_node(share: HostDecodeShare, layer: int = 0) -> set[int]:
-    """Run layer `layer`'s node on a thread of its own, as CUDA's driver runs it; that thread's CPUs after."""
+def _affinity_after_node(*shares: HostDecodeShare, layer: int = 0) -> set[int]:
+    """Run layer `layer`'s node of each share on one thread of its own, as CUDA's driver runs them; that
+    thread's CPUs after."""
     import os
     import threading
 
     seen = {}
 
     def node():
-        share.kernel.lib.ferry_host_node(ctypes.addressof(share.tasks[layer]))
+        for share in shares:
+            share.kernel.lib.ferry_host_node(ctypes.addressof(share.tasks[layer]))
         seen["cpus"] = os.sched_getaffinity(0)  # 0: the calling thread
 
     thread = threading.Thread(target=node)
@@ -267,6 +269,10 @@ def test_the_thread_that_runs_the_nodes_takes_the_callers_cpu_where_asked():
     assert _affinity_after_node(share) == {allowed[-1]} and share.kernel.caller_pinned == 1
     assert torch.equal(share._out[:2], want)
     assert os.sched_getaffinity(0) == set(allowed)  # this thread untouched
+    # a thread that runs a second pool's nodes on the same CPU: asked once, both pools say pinned
+    other = share_on([allowed[-1]])
+    other.tasks[0].pin_caller = 1
+    assert _affinity_after_node(share, other) == {allowed[-1]} and other.kernel.caller_pinned == 1
     # a CPU the process may not run on: refused (EINVAL), the thread runs where it was and computes the same
     refused = share_on([max(allowed) + 4096])
     refused.tasks[0].pin_caller = 1
