@@ -115,8 +115,9 @@ def host_thread_cpus(threads: int, allowed: list[int], cores: dict[int, tuple[st
     thread that runs a decode graph's host nodes, or the polling thread, takes it), then its `threads - 1`
     started workers': one logical CPU a physical core, a hyperthread's sibling never beside a thread, taken
     from the last cores of `allowed`. The first cores are left to the three processes and the rest of the
-    machine, which the kernel's scheduler places there. None where there are fewer cores than threads (or a
-    pool of one thread, which starts none): two threads on one core would stall each call."""
+    machine, which the kernel's scheduler places there (none are left where the threads take every core:
+    --host-expert-threads as many as the cores). None where there are fewer cores than threads (or a pool
+    of one thread, which starts none): two threads on one core would stall each call."""
     if threads < 2:
         return []
     first_of_core: dict[tuple[str, str], int] = {}
@@ -145,8 +146,8 @@ def parse_cpu_list(text: str) -> list[int]:
 def chosen_host_cpus(threads: int, setting: str | None = None, cpuinfo: str | None = None,
                      allowed: list[int] | None = None) -> list[int]:  # fmt: skip
     """The CPUs of the host pool's threads, the caller's first, by --host-expert-cpus `setting` (None: auto):
-    auto picks them (host_thread_cpus), none pins nothing, a list is taken as given (thread i, the caller
-    being 0, on its i-th CPU, round robin where the list is shorter: pool_thread_cpus)."""
+    auto picks them (host_thread_cpus), none pins nothing, a list is taken as given (the caller on its first
+    CPU, the workers round robin over the rest where it is shorter: pool_thread_cpus)."""
     setting = (setting or "").strip() or "auto"
     if setting == "none":
         return []
@@ -164,11 +165,13 @@ def chosen_host_cpus(threads: int, setting: str | None = None, cpuinfo: str | No
 
 def pool_thread_cpus(threads: int, cpus) -> tuple[int | None, list[int]]:
     """(the caller's CPU, the started workers' CPUs) of a pool of `threads` over `cpus` as thread_pool.c
-    places them: thread i on cpus[i % len(cpus)]; (None, []) without CPUs."""
+    places them: the caller on the first, the workers round robin over the rest (over the first if it is
+    the only one); (None, []) without CPUs."""
     cpus = list(cpus)
     if not cpus:
         return None, []
-    return cpus[0], [cpus[i % len(cpus)] for i in range(1, threads)]
+    rest = cpus[1:] or cpus
+    return cpus[0], [rest[(i - 1) % len(rest)] for i in range(1, threads)]
 
 
 def format_cpu_list(cpus) -> str:

@@ -69,7 +69,9 @@ def plan_table(plan: Plan, host_here: int | None = None) -> str:
     threads = f"; {b.host_threads} host threads ({b.reason})" if b.host_threads else f" ({b.reason})"
     if b.host_threads:
         caller, workers = pool_thread_cpus(b.host_threads, b.host_cpus)
-        threads += (f", the host nodes' thread pinned to CPU {caller}" if caller is not None else ", unpinned")
+        # the caller's CPU is taken by the thread that hands decode layers to the pool (a CUDA graph's host nodes,
+        # or the polling thread); the worker's own thread, calling for a prefill's share, stays where it is
+        threads += (f", the decode hand-off's thread pinned to CPU {caller}" if caller is not None else ", unpinned")
         threads += f", {len(workers)} workers to CPUs {format_cpu_list(sorted(set(workers)))}" if workers else ""
     return _render([*rows, *host_rows], split_before=len(rows)) + (
         f"\ndtype {plan.dtype}, max_model_len {plan.max_model_len}, max_running_requests {plan.max_running_requests}"

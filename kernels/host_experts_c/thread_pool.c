@@ -166,7 +166,9 @@ ferry_pool *ferry_pool_create(int threads, const int *cpus, int ncpus) {
             ferry_pool_destroy(pool);
             return NULL;
         }
-        if (ncpus > 0 && cpus && pin_thread(pool->threads[i], cpus[i % ncpus]) == 0) pool->pinned++;
+        /* the workers round robin over the CPUs after the caller's (over the one CPU if that is all) */
+        int cpu = ncpus > 1 ? cpus[1 + (i - 1) % (ncpus - 1)] : ncpus == 1 ? cpus[0] : -1;
+        if (cpus && cpu >= 0 && pin_thread(pool->threads[i], cpu) == 0) pool->pinned++;
     }
     return pool;
 }

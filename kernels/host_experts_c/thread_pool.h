@@ -16,9 +16,10 @@ typedef struct ferry_pool ferry_pool;
  * the thread running it, for scratch of its own */
 typedef void (*ferry_item_fn)(void *arg, int worker, int phase, int64_t item);
 
-/* `threads` workers, the caller one of them; with ncpus > 0 the threads' CPUs in order, the caller's first:
- * started worker i (1..threads - 1) is pinned to cpus[i % ncpus], and a worker the kernel refuses to pin
- * runs unpinned (ferry_pool_pinned counts); cpus[0] is where a caller that asks is pinned */
+/* `threads` workers, the caller one of them; with ncpus > 0 the threads' CPUs, the caller's first: started
+ * worker i (1..threads - 1) is pinned to cpus[1 + (i - 1) % (ncpus - 1)] (to cpus[0] if ncpus is 1), and a
+ * worker the kernel refuses to pin runs unpinned (ferry_pool_pinned counts); cpus[0] is where a caller that
+ * asks is pinned */
 ferry_pool *ferry_pool_create(int threads, const int *cpus, int ncpus);
 int ferry_pool_pinned(const ferry_pool *pool);
 /* pin the calling thread to cpus[0] (once a thread: later calls return at once); 0 where done or there is no

@@ -73,9 +73,9 @@ def test_ferry_plan_shows_the_backend_and_refuses_bad_flags(capsys, monkeypatch)
     assert main([*base, "--expert-backend", "hybrid", "--host-expert-threads", "12"]) == 0
     out = capsys.readouterr().out
     assert "expert backend hybrid (--expert-backend hybrid)" in out and "decode layers only" not in out
-    # a list of two CPUs for 12 threads: the caller on the first, the workers round robin over both
-    assert ("12 host threads (--host-expert-threads 12), the host nodes' thread pinned to CPU 4, "
-            "11 workers to CPUs 4-5") in out
+    # a list of two CPUs for 12 threads: the caller on the first, the workers on the rest (never beside it)
+    assert ("12 host threads (--host-expert-threads 12), the decode hand-off's thread pinned to CPU 4, "
+            "11 workers to CPUs 5") in out
     assert main([*base, "--host-expert-threads", "12"]) == 0
     assert "(auto: decode layers only, where they say it wins" in capsys.readouterr().out
     assert main([*base, "--json", "--expert-backend", "cpu", "--host-expert-threads", "3"]) == 0
@@ -115,7 +115,8 @@ def test_the_pool_is_pinned_one_a_core_to_the_last_cores():
 
 def test_the_pools_threads_take_the_cpus_in_order_the_caller_first():
     assert pool_thread_cpus(4, [5, 6, 7, 8]) == (5, [6, 7, 8])
-    assert pool_thread_cpus(4, [5, 6]) == (5, [6, 5, 6])  # round robin where the list is shorter
+    assert pool_thread_cpus(4, [5, 6, 7]) == (5, [6, 7, 6])  # round robin over the rest, never on the caller's
+    assert pool_thread_cpus(3, [5]) == (5, [5, 5])  # one CPU for all: the list's choice
     assert pool_thread_cpus(1, [5]) == (5, [])
     assert pool_thread_cpus(4, []) == (None, [])
 

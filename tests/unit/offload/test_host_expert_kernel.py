@@ -13,6 +13,7 @@ float16, packed banks of odd shapes) HostExperts keeps the torch path and logs w
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -329,6 +330,13 @@ def test_banks_the_kernel_lacks_keep_the_torch_path():
             HostExperts(banks, dtype, threads=1, kernel="c")
 
 
+def _thread_state(tid: int) -> str:
+    """A thread of this process's scheduler state: R running, S asleep (/proc's stat, after the name)."""
+    import pathlib
+
+    return pathlib.Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
 def _thread_cpus() -> dict[int, str]:
     """Each thread of this process: its Cpus_allowed_list."""
     import pathlib
@@ -388,6 +396,20 @@ def test_the_pools_spin_comes_from_the_environment_and_a_bad_one_is_refused(bank
         assert host.c_kernel.spin_us == int(spin)
         for _ in range(3):
             assert torch.equal(host.compute(1, x, pairs), want)
+        host.close()
+    if os.path.isdir("/proc/self/task"):  # the spin is what the idle workers do: asleep at once, or running on
+        before = set(_thread_cpus())
+        host = HostExperts(banks, torch.bfloat16, threads=3, kernel="c")
+        workers = [tid for tid in _thread_cpus() if tid not in before]
+        for spin_us, state in ((0, "S"), (10_000_000, "R")):
+            host.c_kernel.set_spin(spin_us)
+            host.compute(1, x, pairs)  # the workers' next idle wait takes the new spin
+            host.compute(1, x, pairs)
+            time.sleep(0.05)
+            states = {_thread_state(tid) for tid in workers}
+            assert states == {state}, (spin_us, states)
+        host.c_kernel.set_spin(0)
+        host.compute(1, x, pairs)  # asleep again before they are joined
         host.close()
     for bad in ("50us", "-5"):
         monkeypatch.setenv(K.SPIN_ENV, bad)

@@ -269,6 +269,11 @@ def test_the_thread_that_runs_the_nodes_takes_the_callers_cpu_where_asked():
     assert _affinity_after_node(share) == {allowed[-1]} and share.kernel.caller_pinned == 1
     assert torch.equal(share._out[:2], want)
     assert os.sched_getaffinity(0) == set(allowed)  # this thread untouched
+    if len(allowed) > 1:  # the list's first CPU, not another of it (the workers take the rest)
+        first = share_on([allowed[0], allowed[-1]])
+        first.tasks[0].pin_caller = 1
+        assert _affinity_after_node(first) == {allowed[0]} and first.kernel.caller_pinned == 1
+        assert torch.equal(first._out[:2], want)
     # a thread that runs a second pool's nodes on the same CPU: asked once, both pools say pinned
     other = share_on([allowed[-1]])
     other.tasks[0].pin_caller = 1
