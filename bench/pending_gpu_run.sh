@@ -214,7 +214,7 @@ case "${part:-check}" in
       timeout 170 python3 bench/profile_serve.py --workload 12layer --extra-flags "$flags" --streams 1 --seconds 8 \
         --settle-seconds "${SERVEPROF_SETTLE:-15}" --py-spy /tmp/site/bin/py-spy --out "$OUT/profile_serve_12layer_$name.json" \
         > "$OUT/profile_serve_$name.log" 2>&1
-      echo "profile_serve $name rc=$?"; grep '"timeline"' "$OUT/profile_serve_$name.log" | cut -c1-900
+      echo "profile_serve $name rc=$?"; grep '"timeline"' "$OUT/profile_serve_$name.log" | cut -c1-1400
     done ;;
   decode30)  # the full-size Qwen3-30B at 24 GiB, GPU-only against the host's share (which lost in its gpu-check serve)
     build_host_kernel

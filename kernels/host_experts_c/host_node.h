@@ -10,6 +10,8 @@
 
 #include "expert_job.h"
 
+#define FERRY_NODE_HIST 9 /* buckets of a call's wall time: 50 µs doubling to 6.4 ms, then the rest */
+
 typedef struct {
     void *kernel;        /* a ferry_host_kernel_create handle */
     ferry_job job;       /* all but tokens and n_pairs set once; x, out and the pair arrays are pinned */
@@ -22,8 +24,12 @@ typedef struct {
     int64_t calls, pairs; /* since boot */
     int64_t busy_ns, busy_calls; /* since boot: the wall time of the calls that computed pairs, and their
                                   * number (what the split's price of a host expert is checked against) */
+    int64_t busy_hist[FERRY_NODE_HIST]; /* those calls by wall time: at most ferry_node_hist_bounds_ns[i], the
+                                          * last bucket the rest (the tail a mean hides; /metrics) */
 } ferry_host_node_task;
 
 void ferry_host_node(void *task);
+/* the buckets' upper bounds in ns, FERRY_NODE_HIST - 1 of them (the last bucket has none) */
+void ferry_host_node_hist_bounds(int64_t *bounds);
 
 #endif

@@ -35,6 +35,18 @@ def test_the_host_nodes_time_and_the_refinements_are_exported():
     assert "ferry_worker_host_decode_share_on" not in text  # no guard: hybrid asked for
 
 
+def test_the_host_nodes_calls_are_exported_by_wall_time():
+    decode = {"experts": 9, "pairs": 11, "costs_ns": [1, 2, 3, 4], "busy_ns": 900_000, "busy_calls": 6,
+              "busy_ns_per_expert": 100_000, "refinements": 0,
+              "busy_hist": {"bounds_s": [50e-6, 100e-6, 200e-6], "counts": [1, 0, 3, 2]}}  # fmt: skip
+    text = scrape({**REPORT, "host_decode": decode})
+    assert 'ferry_worker_host_node_call_seconds_bucket{le="5e-05"} 1.0' in text
+    assert 'ferry_worker_host_node_call_seconds_bucket{le="0.0002"} 4.0' in text  # cumulative
+    assert 'ferry_worker_host_node_call_seconds_bucket{le="+Inf"} 6.0' in text
+    assert "ferry_worker_host_node_call_seconds_count 6.0" in text
+    assert "ferry_worker_host_node_call_seconds_sum 0.0009" in text
+
+
 def test_autos_guard_says_whether_the_decode_share_is_on():
     decode = {"experts": 9, "pairs": 11, "costs_ns": [1, 2, 3, 4], "busy_ns": 1, "busy_calls": 1,
               "busy_ns_per_expert": 1, "refinements": 0}  # fmt: skip

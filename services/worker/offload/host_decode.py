@@ -64,6 +64,8 @@ REFINE_MAX_PAIRS_PER_EXPERT = 1.25
 # the host nothing, a second being more than any layer's copies
 OFF_PRICE_NS = 10**9
 
+NODE_HIST = 9  # FERRY_NODE_HIST (host_node.h): buckets of a host node's wall time, the last unbounded
+
 HOST_NODE_ERRORS = {**ERRORS, -4: "host pairs out of range (the device listed a token or expert past the buffers)"}
 
 
@@ -74,7 +76,7 @@ class HostNodeTask(ctypes.Structure):
                 ("max_tokens", ctypes.c_int64), ("max_pairs", ctypes.c_int64), ("pin_caller", ctypes.c_int64),
                 ("status", ctypes.c_int64),
                 ("calls", ctypes.c_int64), ("pairs", ctypes.c_int64), ("busy_ns", ctypes.c_int64),
-                ("busy_calls", ctypes.c_int64)]  # fmt: skip
+                ("busy_calls", ctypes.c_int64), ("busy_hist", ctypes.c_int64 * NODE_HIST)]  # fmt: skip
 
 
 @functools.cache
@@ -284,6 +286,13 @@ class HostDecodeShare:
         """(ns, calls) the host nodes spent computing pairs since boot, as the C function times them."""
         return sum(t.busy_ns for t in self.tasks), sum(t.busy_calls for t in self.tasks)
 
+    def busy_histogram(self) -> tuple[list[float], list[int]]:
+        """Those calls by wall time since boot: (the buckets' upper bounds in seconds, the calls in each, one
+        more than the bounds: the last is every call past the last bound)."""
+        bounds = (ctypes.c_int64 * (NODE_HIST - 1))()
+        self.kernel.lib.ferry_host_node_hist_bounds(bounds)
+        return [b / 1e9 for b in bounds], [sum(t.busy_hist[i] for t in self.tasks) for i in range(NODE_HIST)]
+
     def observe_step(self, now: float, decode_tokens: int | None) -> None:
         """A finished step, for auto's guard (share_guard.py): `now` its end (monotonic seconds),
         `decode_tokens` its tokens if every row decoded one, else None. Applies the guard's choice."""
@@ -330,9 +339,11 @@ class HostDecodeShare:
         guard = None if self.guard is None else {"share_on": self.guard.share_on, "scale": self.guard.scale,
                                                  "exploring": self.guard.exploring,
                                                  "decisions": self.guard.decisions[-4:]}  # fmt: skip
+        bounds_s, counts = self.busy_histogram()
         return {"experts": self.handed_experts, "pairs": self.handed_pairs, "costs_ns": list(self._costs_ns),
                 "price_ns": list(self._price_ns),
                 "busy_ns": ns, "busy_calls": calls, "busy_ns_per_expert": round(per_expert),
+                "busy_hist": {"bounds_s": bounds_s, "counts": counts},
                 "refinements": self.refinements, "guard": guard, "handoff": self.handoff,
                 "polled_layers": self.poller.rounds() if self.poller is not None else 0}  # fmt: skip
 

@@ -99,6 +99,7 @@ SIGNATURES = {
     "ferry_host_decode_packed": ([ctypes.POINTER(Family), ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                   ctypes.c_void_p], ctypes.c_int),  # fmt: skip
     "ferry_host_node": ([ctypes.c_void_p], None),  # host_node.h: a decode layer's host share (host_decode.py)
+    "ferry_host_node_hist_bounds": ([ctypes.POINTER(ctypes.c_int64)], None),
     # host_poller.h: the same share handed over by polling (host_decode.py, FERRY_HOST_HANDOFF)
     "ferry_poller_create": ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64], ctypes.c_void_p),
     "ferry_poller_destroy": ([ctypes.c_void_p], None),

@@ -39,9 +39,18 @@ def test_the_host_node_computes_the_listed_pairs_as_the_kernel_does(fmt):
     assert share.tasks[1].calls == 1 and share.tasks[1].pairs == len(pairs)
     ns, calls = share.busy()  # both layers' calls computed pairs, and timed themselves
     assert calls == 2 and ns > 0
+    bounds, counts = share.busy_histogram()
+    assert bounds == [50e-6 * 2**i for i in range(8)] and sum(counts) == 2 and len(counts) == 9
     p.meta[1] = 0  # a layer that gave the host nothing: called, not timed
     kernel.lib.ferry_host_node(ctypes.addressof(share.tasks[0]))
-    assert share.tasks[0].calls == 2 and share.busy() == (ns, calls)
+    assert share.tasks[0].calls == 2 and share.busy() == (ns, calls) and share.busy_histogram()[1] == counts
+    p.meta[1] = len(pairs)  # one more: counted in the bucket its own time falls in
+    kernel.lib.ferry_host_node(ctypes.addressof(share.tasks[0]))
+    took = (share.busy()[0] - ns) / 1e9
+    (bucket,) = [i for i, (a, b) in enumerate(zip(share.busy_histogram()[1], counts)) if a != b]
+    edges = [0.0, *bounds, float("inf")]
+    assert edges[bucket] < took <= edges[bucket + 1]
+    assert share.report()["busy_hist"] == {"bounds_s": bounds, "counts": share.busy_histogram()[1]}
 
 
 @pytest.mark.parametrize("bad", [(0, 6), (3, 1), (-1, 0)])
