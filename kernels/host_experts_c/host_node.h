@@ -24,7 +24,7 @@ typedef struct {
     int64_t calls, pairs; /* since boot */
     int64_t busy_ns, busy_calls; /* since boot: the wall time of the calls that computed pairs, and their
                                   * number (what the split's price of a host expert is checked against) */
-    int64_t busy_hist[FERRY_NODE_HIST]; /* those calls by wall time: at most ferry_node_hist_bounds_ns[i], the
+    int64_t busy_hist[FERRY_NODE_HIST]; /* those calls by wall time: at most ferry_host_node_hist_bounds()[i] ns, the
                                           * last bucket the rest (the tail a mean hides; /metrics) */
 } ferry_host_node_task;
 
