@@ -72,7 +72,9 @@ def plan_table(plan: Plan, host_here: int | None = None) -> str:
         # the caller's CPU is taken by the thread that hands decode layers to the pool (a CUDA graph's host nodes,
         # or the polling thread); the worker's own thread, calling for a prefill's share, stays where it is
         threads += (f", the decode hand-off's thread pinned to CPU {caller}" if caller is not None else ", unpinned")
-        threads += f", {len(workers)} workers to CPUs {format_cpu_list(sorted(set(workers)))}" if workers else ""
+        cpus = format_cpu_list(sorted(set(workers)))
+        threads += (f", {len(workers)} worker{'s' if len(workers) > 1 else ''} to CPU{'s' if len(set(workers)) > 1 else ''} "
+                    f"{cpus}" if workers else "")  # fmt: skip
     return _render([*rows, *host_rows], split_before=len(rows)) + (
         f"\ndtype {plan.dtype}, max_model_len {plan.max_model_len}, max_running_requests {plan.max_running_requests}"
         f"\nexpert backend {b.backend} (--expert-backend {b.requested}): {backend}{threads}"

@@ -75,7 +75,7 @@ def test_ferry_plan_shows_the_backend_and_refuses_bad_flags(capsys, monkeypatch)
     assert "expert backend hybrid (--expert-backend hybrid)" in out and "decode layers only" not in out
     # a list of two CPUs for 12 threads: the caller on the first, the workers on the rest (never beside it)
     assert ("12 host threads (--host-expert-threads 12), the decode hand-off's thread pinned to CPU 4, "
-            "11 workers to CPUs 5") in out
+            "11 workers to CPU 5") in out
     assert main([*base, "--host-expert-threads", "12"]) == 0
     assert "(auto: decode layers only, where they say it wins" in capsys.readouterr().out
     assert main([*base, "--json", "--expert-backend", "cpu", "--host-expert-threads", "3"]) == 0
