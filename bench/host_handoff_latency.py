@@ -31,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -82,13 +83,16 @@ class Poller:
         self.probe.probe_stop(self.flags.data_ptr(), ctypes.byref(self.thread))
 
 
-def round_trip_on_host(poller: Poller, value: int) -> None:
-    """One round as the GPU would play it, played from here: write go, wait for done, clear it (the CPU test)."""
+def round_trip_on_host(poller: Poller, value: int, timeout_s: float = 5.0) -> None:
+    """One round as the GPU would play it, played from here: write go, wait for done, clear it (the CPU test);
+    TimeoutError where the thread does not answer within `timeout_s`."""
     go = ctypes.c_uint32.from_address(poller.word(Poller.GO))
     done = ctypes.c_uint32.from_address(poller.word(Poller.DONE))
     go.value = value
+    deadline = time.monotonic() + timeout_s
     while done.value != value:
-        pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the polling thread did not answer round {value} within {timeout_s} s")
     done.value = 0
 
 
