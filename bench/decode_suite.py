@@ -144,7 +144,10 @@ def host_share_series(metrics_url: str | None) -> dict | None:
             "host_at_1_s": value(r'ferry_worker_host_share_cost_seconds\{path="host_at_1",share="decode"\}'),
             "host_node_s_per_expert": round(busy / experts, 9) if experts else None,
             # auto's guard: the scale of the host's price it settled on (0: the share off; None: no guard)
-            "guard_price_scale": value("ferry_worker_host_decode_price_scale")}  # fmt: skip
+            "guard_price_scale": value("ferry_worker_host_decode_price_scale"),
+            # the host nodes' calls by wall time: the calls at most `le` seconds, cumulative (a tail the mean hides)
+            "host_node_calls_le": {m[1]: int(float(m[2])) for m in re.finditer(
+                r'^ferry_worker_host_node_call_seconds_bucket\{le="([^"]+)"\} (\S+)$', text, re.M)}}  # fmt: skip
 
 
 def run_workload(name: str, variant: str, out: Path, ceilings: Path, args) -> dict:

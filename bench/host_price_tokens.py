@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.cpu_expert_bw import _cpu_name, format_banks, on_thread  # noqa: E402
 from bench.cpu_steal import StealMeter  # noqa: E402
 from bench.huge_pages import anon_huge_bytes, thp_mode  # noqa: E402
-from ferry.plan.expert_backend import chosen_host_cpus, format_cpu_list  # noqa: E402
+from ferry.plan.expert_backend import chosen_host_cpus, format_cpu_list, pool_thread_cpus  # noqa: E402
 from ferry.plan.model_config import load_model_config  # noqa: E402
 from ferry.services.worker.offload.host_experts import HostExperts  # noqa: E402
 
@@ -76,8 +76,9 @@ def main() -> int:
     p.add_argument("--huge-pages", default="on", choices=("on", "off"),
                    help="the bank advised onto transparent huge pages as the worker's are, or left on small pages")
     p.add_argument("--cpus", default="auto",
-                   help="where the kernel's started threads are pinned, as --host-expert-cpus takes it: "
-                        "auto (the worker's default), none, or a CPU list")  # fmt: skip
+                   help="the kernel's threads' CPUs as --host-expert-cpus takes them (the first the caller's, which "
+                        "here is the bench's own thread and stays unpinned): auto (the worker's default), none, or a "
+                        "CPU list")  # fmt: skip
     p.add_argument("--out", default=None)
     args = p.parse_args()
     tokens = sorted({int(t) for t in args.tokens.split(",")} | {1})
@@ -90,7 +91,9 @@ def main() -> int:
     huge = anon_huge_bytes()  # while the bank lives: how much of it huge pages back
     cpus = chosen_host_cpus(args.threads, args.cpus)
     host = HostExperts(banks, torch.bfloat16, args.threads, kernel=args.backend, cpus=cpus)
-    pinned = format_cpu_list(cpus[:host.c_kernel.pinned]) if host.c_kernel is not None else ""
+    # the started workers' CPUs (this bench's caller is its own thread, never pinned)
+    workers = pool_thread_cpus(args.threads, cpus)[1]
+    pinned = format_cpu_list(sorted(set(workers[:host.c_kernel.pinned]))) if host.c_kernel is not None else ""
     with StealMeter() as steal:
         measured = {n: on_thread(1, expert_seconds, host, n, args.repeats, args.experts, args.per_call) for n in tokens}
     host.close()

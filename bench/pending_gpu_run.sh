@@ -47,6 +47,8 @@
 #                the 8-layer hybrid cut at 640 slots (WARMSTEP_FORMAT=bf16|nvfp4|fp8), at ring chunks of 12 (the
 #                default), 24 and 48 (WARMSTEP_RING); if a larger one wins, EIGHT_FLAGS="--prefill-ring-chunk N"
 #                runs the must-show with it; WARMSTEP_HOST_PROFILE=N warm steps under cProfile (2)   ~3-4 min
+#   PART=contention the host kernel's calls (12 threads pinned) beside busy processes on two of its cores, claimed
+#                items against main's static split (.cmp/static_pool, carried: carry [".whl", ".cmp"])   ~2 min
 #   PART=handoff a decode layer's hand-off: a host node (cuLaunchHostFunc) against the GPU writing a word a spinning
 #                host thread answers (cuStreamWriteValue32/WaitValue32 in the graph), with and without the copies ~1 min
 #   PART=hostgemm the host's C kernel against torch's GEMM at 1-128 tokens an expert, 12 threads      ~2 min
@@ -140,6 +142,19 @@ case "${part:-check}" in
     build_host_kernel
     timeout 300 python3 bench/cpu_expert_bw.py --threads 1,8,12,15 --format bf16,packed,nvfp4 --backend c \
       --prefetch 0,512,1024,2048,4096 --repeats 60 --out "$OUT/cpu_expert_prefetch_h200.json" 2>&1 | grep prefetch ;;
+  contention)  # issue 25: the host kernel's calls beside busy processes on its pinned cores, claimed items against
+    # the static split of main 0eefdb5 (its sources carried in .cmp/static_pool, built here as pip builds the tree's)
+    build_host_kernel
+    cmp=()
+    if [ -d .cmp/static_pool ]; then
+      gcc -O3 -std=gnu11 -ffp-contract=off -pthread -fPIC -shared -o /tmp/static_pool.so .cmp/static_pool/*.c -lm \
+        && cmp=(--compare-library /tmp/static_pool.so)
+    fi
+    for tok in 1 8; do
+      timeout 250 python3 bench/host_pool_contention.py --threads 12 --pin --tokens $tok --experts $((tok == 1 ? 3 : 6)) \
+        --hog none,100/0,1/1,0.3/0.7 --hog-cpus 3,7 --gap-us 400 --rounds 10 --spin-us 50,1000 "${cmp[@]}" \
+        --json "$OUT/host_pool_contention_h200_${tok}tok.json" 2>&1 | grep -v Warn
+    done ;;
   handoff)  # issue 25: a decode layer's hand-off to the host, a host node against a polled round trip (stream memory ops)
     timeout 200 python3 bench/host_handoff_latency.py --out "$OUT/host_handoff_latency_h200.json" 2>&1 | tail -8 ;;
   window)  # a streamed layer's expert GEMMs launched over every block against over each chunk's own (expert_window.py)
@@ -199,7 +214,7 @@ case "${part:-check}" in
       timeout 170 python3 bench/profile_serve.py --workload 12layer --extra-flags "$flags" --streams 1 --seconds 8 \
         --settle-seconds "${SERVEPROF_SETTLE:-15}" --py-spy /tmp/site/bin/py-spy --out "$OUT/profile_serve_12layer_$name.json" \
         > "$OUT/profile_serve_$name.log" 2>&1
-      echo "profile_serve $name rc=$?"; grep '"timeline"' "$OUT/profile_serve_$name.log" | cut -c1-900
+      echo "profile_serve $name rc=$?"; grep '"timeline"' "$OUT/profile_serve_$name.log" | cut -c1-1400
     done ;;
   decode30)  # the full-size Qwen3-30B at 24 GiB, GPU-only against the host's share (which lost in its gpu-check serve)
     build_host_kernel

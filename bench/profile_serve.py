@@ -12,7 +12,8 @@ The server runs with FERRY_STEP_TRACE (shared/step_trace.py), so each run also h
 time before each, the worker's launch, the time from the scheduler's send to the worker's read (the
 worker reads once its loop is free), from the worker's answer to the scheduler's read, and the
 scheduler's turn (from a step's answer landing to the step two after it leaving, the one it
-schedules ahead).
+schedules ahead). With a decode share on the host, `host_nodes` is its host nodes over the window: their
+calls, mean wall time, and the calls at most each bound (ferry_worker_host_node_call_seconds), its tail.
 
     python3 bench/profile_serve.py --workload hybrid8_resident --streams 1,8 --seconds 6 --out out.json
 
@@ -37,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.decode_suite import WORKLOADS, commit  # noqa: E402
+from bench.decode_suite import WORKLOADS, commit, host_share_series  # noqa: E402
 from bench.serve_process import children_of, make_bench_model, start_serve  # noqa: E402
 
 ROLES = ("api", "scheduler", "worker")
@@ -149,6 +150,7 @@ def profile(served, py_spy: str, streams: int, max_tokens: int, seconds: float, 
     stop, counts = threading.Event(), [0] * streams
     threads = load(served.base, streams, max_tokens, stop, counts)
     time.sleep(settle)  # the streams are decoding (the graphs of their batch size warm, auto's guard settled)
+    hosts0 = host_share_series(served.worker_metrics)
     before, t0 = sum(counts), time.monotonic()
     spies = {}
     for role, pid in pids.items():
@@ -160,16 +162,29 @@ def profile(served, py_spy: str, streams: int, max_tokens: int, seconds: float, 
         proc.wait(timeout=seconds + 60)
     t1 = time.monotonic()
     tokens, wall = sum(counts) - before, t1 - t0
+    hosts1 = host_share_series(served.worker_metrics)
     time.sleep(1.0)  # still decoding: the processes write their trace lines at most 0.25 s after each
     stop.set()
     for t in threads:
         t.join(timeout=30)
     out = {"streams": streams, "tokens_per_s": round(tokens / wall, 1), "step_ms": round(1000 * wall * streams / max(tokens, 1), 3),
            "timeline": timeline(_trace_lines(trace_dir, "scheduler"), _trace_lines(trace_dir, "worker"), t0, t1)}  # fmt: skip
+    if hosts0 and hosts1:  # the decode share's host nodes over the window: their calls by wall time
+        out["host_nodes"] = host_nodes_window(hosts0, hosts1)
     for role, (raw, proc) in spies.items():
         err = proc.stderr.read().decode()[-400:] if proc.stderr else ""
         out[role] = fold(raw, seconds, rate, top) if raw.exists() else {"error": err}
     return out
+
+
+def host_nodes_window(before: dict, after: dict) -> dict:
+    """The decode share's host nodes between two of host_share_series' readings: calls, their mean wall
+    time, and how many took at most each bucket's bound (cumulative, as the histogram exports them)."""
+    calls = after["host_node_calls"] - before["host_node_calls"]
+    busy = after["host_node_busy_s"] - before["host_node_busy_s"]
+    le0, le1 = before.get("host_node_calls_le", {}), after.get("host_node_calls_le", {})
+    return {"calls": calls, "mean_us": round(1e6 * busy / calls, 1) if calls else None,
+            "calls_le": {le: n - le0.get(le, 0) for le, n in le1.items()}}  # fmt: skip
 
 
 def main() -> int:
@@ -205,7 +220,7 @@ def main() -> int:
         for n in (int(s) for s in args.streams.split(",")):
             result["runs"].append(profile(served, args.py_spy, n, args.max_tokens, args.seconds, args.rate, args.top, tmp,
                                           tmp / "trace", ("--idle",) if args.idle else (), args.settle_seconds))
-            print(json.dumps({k: v for k, v in result["runs"][-1].items() if k in ("streams", "tokens_per_s", "step_ms", "timeline")}),
+            print(json.dumps({k: v for k, v in result["runs"][-1].items() if k in ("streams", "tokens_per_s", "step_ms", "timeline", "host_nodes")}),
                   flush=True)  # fmt: skip
     finally:
         served.stop()

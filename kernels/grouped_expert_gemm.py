@@ -9,9 +9,10 @@ reference does, so the result does not depend on slot numbering.
 
 The alignment is computed on the device without a host round trip; its grid is the worst case
 (ceil(pairs / BLOCK_M) + one partial block per distinct slot), and blocks past the real ones
-exit at once. A caller that has the routing on the host anyway (the offload store, which needs
-it for its policy) aligns there instead with `align_pairs_by_slot_host`: one small copy replaces
-two dozen tiny kernels per call, which is most of a decode step's launch overhead.
+exit at once. On CUDA that alignment is four Triton launches (kernels/align_pairs.py; its torch twin,
+`align_pairs_by_slot_reference`, is two dozen small kernels). A caller that has the routing on the host
+anyway (the offload store, which needs it for its policy) aligns there instead with
+`align_pairs_by_slot_host`: one small copy.
 `grouped_expert_forward` dispatches: CUDA -> Triton (pair by pair for small steps, see
 expert_pair_gemv.py), anything else -> reference. Quantized slots (`QuantizedFamily`,
 kernels/quantized_experts.py) take the same paths, each entry handing them to its quantized twin.
@@ -26,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ferry.kernels.align_pairs import align_pairs_by_slot_triton
 from ferry.kernels.dispatch import use_triton
 from ferry.kernels.expert_pair_gemv import expert_pair_rows_triton, use_pair_kernel
 from ferry.kernels.expert_rows_sum import sum_rows
@@ -190,7 +192,30 @@ def align_pairs_by_slot(topk_slots: torch.Tensor, num_slots: int, block_m: int,
     known to the caller) tightens it, and with it the intermediate buffer, for large steps.
     `block_starts`: a third tensor, int32 [num_slots + 1], slot s's first block (its blocks are
     [block_start[s], block_start[s + 1])), for a caller that computes a window of slots at a time
-    (`grouped_expert_rows_triton`'s slot_window)."""
+    (`grouped_expert_rows_triton`'s slot_window).
+
+    CUDA takes four Triton launches (kernels/align_pairs.py), anything else this function's torch
+    twin, `align_pairs_by_slot_reference`: the same bits."""
+    n = topk_slots.numel()
+    if use_triton(topk_slots) and n and num_slots >= 1:
+        aligned = align_pairs_by_slot_triton(topk_slots, num_slots, block_m,
+                                             max_aligned_blocks(n, num_slots, block_m, max_distinct_slots))  # fmt: skip
+        return aligned if block_starts else aligned[:2]
+    return align_pairs_by_slot_reference(topk_slots, num_slots, block_m, max_distinct_slots, block_starts)
+
+
+def max_aligned_blocks(num_pairs: int, num_slots: int, block_m: int, max_distinct_slots: int | None = None) -> int:
+    """The alignment's worst case in blocks: the pairs' own, plus one partial block for every slot that
+    may hold some (at most the pairs, the slots and `max_distinct_slots`)."""
+    distinct = min(num_pairs, num_slots, max_distinct_slots if max_distinct_slots is not None else num_slots)
+    return triton.cdiv(num_pairs, block_m) + distinct
+
+
+def align_pairs_by_slot_reference(topk_slots: torch.Tensor, num_slots: int, block_m: int,
+                                  max_distinct_slots: int | None = None,
+                                  block_starts: bool = False) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """`align_pairs_by_slot` in torch calls (a stable sort of the pairs by slot): the twin of
+    kernels/align_pairs.py, and what CPU steps take."""
     flat = topk_slots.reshape(-1).to(torch.int64)
     n = flat.numel()
     device = flat.device
@@ -206,8 +231,7 @@ def align_pairs_by_slot(topk_slots: torch.Tensor, num_slots: int, block_m: int,
     kept = sorted_key < num_slots
     slot_of_sorted = sorted_key.clamp(max=num_slots - 1)
     rank = torch.arange(n, device=device) - first[slot_of_sorted]
-    distinct = min(n, num_slots, max_distinct_slots if max_distinct_slots is not None else num_slots)
-    max_blocks = triton.cdiv(n, block_m) + distinct
+    max_blocks = max_aligned_blocks(n, num_slots, block_m, max_distinct_slots)
     trash = max_blocks * block_m  # skipped pairs are scattered here and never read
     dest = torch.where(kept, padded_start[slot_of_sorted] + rank, trash)
     sorted_pairs = torch.full((trash + 1,), n, dtype=torch.int32, device=device)

@@ -14,7 +14,8 @@
   for keeps it, within the sizes its costs were measured at.
 
 The host's threads: `--host-expert-threads N`, default the physical cores minus RESERVED_CORES (the three
-processes' threads and one for the rest of the machine), pinned one a physical core to the last cores
+processes' threads and one for the rest of the machine), pinned one a physical core to the last cores,
+the pool's caller (the thread that runs a decode graph's host nodes) on the first of them
 (`--host-expert-cpus auto|none|LIST`; chosen_host_cpus). Nothing here imports torch: `ferry plan` shows the choice.
 """
 
@@ -42,7 +43,7 @@ class ExpertBackendPlan:
     host_threads: int = 0
     reason: str = "every expert has a GPU slot"
     requested: str = "auto"
-    host_cpus: tuple[int, ...] = ()  # where the host pool's started threads are pinned (chosen_host_cpus)
+    host_cpus: tuple[int, ...] = ()  # the host pool's threads' CPUs, the caller's first (chosen_host_cpus)
 
     @property
     def prefill_share(self) -> bool:
@@ -110,22 +111,22 @@ def core_map(cpuinfo: str) -> dict[int, tuple[str, str]]:
 
 
 def host_thread_cpus(threads: int, allowed: list[int], cores: dict[int, tuple[str, str]]) -> list[int]:
-    """The CPUs for the host pool's `threads - 1` started workers (its caller is worker 0 and stays
-    unpinned, thread_pool.c): one logical CPU a physical core, a hyperthread's sibling never beside a
-    worker, taken from the last cores of `allowed`. The first cores are left to the three processes, the
-    caller and the rest of the machine, which the kernel's scheduler places there as those are idle. Fewer
-    than asked (or none) where there are fewer cores than workers: two workers on one core would stall
-    the pool at each barrier, so those run unpinned."""
-    workers = threads - 1
-    if workers < 1:
+    """The CPUs of the host pool's `threads` threads, the caller's first (thread_pool.c: the CUDA driver's
+    thread that runs a decode graph's host nodes, or the polling thread, takes it), then its `threads - 1`
+    started workers': one logical CPU a physical core, a hyperthread's sibling never beside a thread, taken
+    from the last cores of `allowed`. The first cores are left to the three processes and the rest of the
+    machine, which the kernel's scheduler places there (none are left where the threads take every core:
+    --host-expert-threads as many as the cores). None where there are fewer cores than threads (or a pool
+    of one thread, which starts none): two threads on one core would stall each call."""
+    if threads < 2:
         return []
     first_of_core: dict[tuple[str, str], int] = {}
     for cpu in sorted(allowed):
         first_of_core.setdefault(cores.get(cpu, ("cpu", str(cpu))), cpu)
     firsts = sorted(first_of_core.values())
-    if workers > len(firsts):
+    if threads > len(firsts):
         return []
-    return firsts[len(firsts) - workers:]
+    return firsts[len(firsts) - threads:]
 
 
 def parse_cpu_list(text: str) -> list[int]:
@@ -144,9 +145,9 @@ def parse_cpu_list(text: str) -> list[int]:
 
 def chosen_host_cpus(threads: int, setting: str | None = None, cpuinfo: str | None = None,
                      allowed: list[int] | None = None) -> list[int]:  # fmt: skip
-    """The CPUs the host pool's started workers are pinned to, by --host-expert-cpus `setting` (None: auto):
-    auto picks them (host_thread_cpus), none pins nothing, a list is taken as given (worker i on its
-    i-th CPU, round robin where the list is shorter)."""
+    """The CPUs of the host pool's threads, the caller's first, by --host-expert-cpus `setting` (None: auto):
+    auto picks them (host_thread_cpus), none pins nothing, a list is taken as given (the caller on its first
+    CPU, the workers round robin over the rest where it is shorter: pool_thread_cpus)."""
     setting = (setting or "").strip() or "auto"
     if setting == "none":
         return []
@@ -160,6 +161,17 @@ def chosen_host_cpus(threads: int, setting: str | None = None, cpuinfo: str | No
         except OSError:
             cpuinfo = ""
     return host_thread_cpus(threads, allowed, core_map(cpuinfo))
+
+
+def pool_thread_cpus(threads: int, cpus) -> tuple[int | None, list[int]]:
+    """(the caller's CPU, the started workers' CPUs) of a pool of `threads` over `cpus` as thread_pool.c
+    places them: the caller on the first, the workers round robin over the rest (over the first if it is
+    the only one); (None, []) without CPUs."""
+    cpus = list(cpus)
+    if not cpus:
+        return None, []
+    rest = cpus[1:] or cpus
+    return cpus[0], [rest[(i - 1) % len(rest)] for i in range(1, threads)]
 
 
 def format_cpu_list(cpus) -> str:

@@ -21,7 +21,7 @@ import dataclasses
 from collections.abc import Callable
 
 from ferry.plan.model_config import ModelSpec
-from ferry.plan.planner import Measured, Plan, PlanRequest
+from ferry.plan.planner import DEFAULT_MAX_PREFILL_TOKENS, Measured, Plan, PlanRequest
 from ferry.plan.prefill_chunk import plan_with_prefill_chunk
 from ferry.shared.errors import ConfigError, PlanError
 from ferry.shared.units import MiB, format_bytes
@@ -103,7 +103,9 @@ def plan_every_gpu(spec: ModelSpec, req: PlanRequest, measured: Callable[[int], 
         return dataclasses.replace(m, workspace_bytes=m.workspace_bytes + nccl, host_available_bytes=None,
                                    workspace_source=f"{m.workspace_source} + NCCL buffers {format_bytes(nccl)}")  # fmt: skip
 
-    plans = [plan_with_prefill_chunk(rank_spec(spec, g, world), req, on_one_gpu) for g in range(world)]
+    # a rank streams nothing through a staging ring (boot.py), so 16,384 tokens would save it no copies
+    plans = [plan_with_prefill_chunk(rank_spec(spec, g, world), req, on_one_gpu, longest=DEFAULT_MAX_PREFILL_TOKENS)
+             for g in range(world)]  # fmt: skip
     available, source = (req.host_memory, "--host-memory") if req.host_memory is not None else (here, "MemAvailable")
     check_ranks_host([p.host.expert_bank_bytes for p in plans], plans[0].host.reserve_bytes, available, source)
     src = source if available is not None else "unknown"

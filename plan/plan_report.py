@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ferry.shared.units import format_bytes
 from ferry.plan.costs import MIXER_SLICE_TOKENS
-from ferry.plan.expert_backend import format_cpu_list
+from ferry.plan.expert_backend import format_cpu_list, pool_thread_cpus
 from ferry.plan.planner import Plan
 from ferry.plan.pool_layout import POOL_ALIGN, VIEW_ALIGN
 
@@ -68,8 +68,13 @@ def plan_table(plan: Plan, host_here: int | None = None) -> str:
                "cpu": "the host computes every missed expert"}[b.backend]  # fmt: skip
     threads = f"; {b.host_threads} host threads ({b.reason})" if b.host_threads else f" ({b.reason})"
     if b.host_threads:
-        threads += (f", {b.host_threads - 1} of them pinned to CPUs {format_cpu_list(b.host_cpus)}" if b.host_cpus else
-                    ", unpinned")  # fmt: skip
+        caller, workers = pool_thread_cpus(b.host_threads, b.host_cpus)
+        # the caller's CPU is taken by the thread that hands decode layers to the pool (a CUDA graph's host nodes,
+        # or the polling thread); the worker's own thread, calling for a prefill's share, stays where it is
+        threads += (f", the decode hand-off's thread pinned to CPU {caller}" if caller is not None else ", unpinned")
+        cpus = format_cpu_list(sorted(set(workers)))
+        threads += (f", {len(workers)} worker{'s' if len(workers) > 1 else ''} to CPU{'s' if len(set(workers)) > 1 else ''} "
+                    f"{cpus}" if workers else "")  # fmt: skip
     return _render([*rows, *host_rows], split_before=len(rows)) + (
         f"\ndtype {plan.dtype}, max_model_len {plan.max_model_len}, max_running_requests {plan.max_running_requests}"
         f"\nexpert backend {b.backend} (--expert-backend {b.requested}): {backend}{threads}"

@@ -91,7 +91,8 @@ def add_planner_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-prefill-tokens", "--max-num-batched-tokens", dest="max_prefill_tokens", type=int,
                    default=None,
                    help="tokens in one step, prefill chunks and decodes together (default: chosen from memory, "
-                        "8192, 4096 or 2048: the chunk streaming the fewest offloaded experts a prompt token); "
+                        "16384, 8192, 4096 or 2048: the chunk streaming the fewest offloaded experts a prompt token, "
+                        "8192 at most with every expert resident); "
                         "--max-num-batched-tokens (vLLM) is the same flag")
     g.add_argument("--max-model-len", "--context-length", dest="max_model_len", type=int, default=None,
                    help="longest sequence, prompt + output (default: the model's max_position_embeddings); "

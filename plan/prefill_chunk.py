@@ -9,15 +9,19 @@ the staging slots), so a prefill moves (experts without a slot) x (bytes an expe
 per token over PCIe. Where a shorter chunk's workspace gives slots to nearly every expert, it wins
 (the FP8 hybrid cut at 12 GiB: 824 experts without a slot at 8192 tokens, 101 at 2048), and decode
 misses less too. Where most experts live on the host anyway (a full-size 35B at 24 GiB), the longest
-chunk wins, since the slots a shorter one adds are a few per cent of the experts. With every expert
-resident a prefill streams nothing; the longest such chunk is taken (2048 tokens already give the
-GEMMs rows enough to run at their rate).
+chunk wins, since the slots a shorter one adds are a few per cent of the experts: 16,384 tokens, which
+halve what a long prompt streams (its 261,988 tokens in 34.9 s on the H200 against 47.4 s at 8,192) for
+55 of 10,240 expert slots. With every expert resident a prefill streams nothing; 8,192 tokens are
+then taken (tried first), since a step twice as long would only hold the decode rows batched with it
+twice as long (2048 tokens already give the GEMMs rows enough to run at their rate).
 
 Each candidate is priced by `measure` (the worker profiles the workspace on CUDA, `ferry plan`
 and CPU boots estimate it), so the plan stays exact for the chunk it chooses. A candidate is
 measured only when it could win: with no workspace at all the plan has its fewest experts without a
 slot, and a chunk for which even that many streams more per token than the best so far is skipped
-(so an offloaded boot that keeps the longest chunk profiles one step, as before)."""
+(so a resident boot profiles one step, an offloaded one that keeps 16,384 tokens two), as is a chunk
+longer than one whose workspace did not fit, or than the longest step the running requests' contexts
+allow (`max_running_requests x max_model_len`, where that is past 8,192)."""
 
 from __future__ import annotations
 
@@ -26,23 +30,35 @@ from typing import Callable
 
 from ferry.shared.errors import PlanError
 from ferry.plan.model_config import ModelSpec
-from ferry.plan.planner import Measured, Plan, PlanRequest, make_plan
+from ferry.plan.planner import DEFAULT_MAX_PREFILL_TOKENS, Measured, Plan, PlanRequest, make_plan, resolve
 from ferry.plan.store_plan import plan_for_expert_store
 
-CHUNK_CANDIDATES = (8192, 4096, 2048)  # the first is DEFAULT_MAX_PREFILL_TOKENS
+# in the order tried: DEFAULT_MAX_PREFILL_TOKENS first, which is the longest a resident plan takes; 16384 only
+# pays where experts stream
+CHUNK_CANDIDATES = (8192, 16384, 4096, 2048)
 _CANDIDATES = ", ".join(map(str, CHUNK_CANDIDATES))
 
 
-def plan_with_prefill_chunk(spec: ModelSpec, req: PlanRequest, measure: Callable[[int], Measured]) -> Plan:
+def plan_with_prefill_chunk(spec: ModelSpec, req: PlanRequest, measure: Callable[[int], Measured],
+                            longest: int | None = None) -> Plan:  # fmt: skip
     """The plan for `req`, its prefill chunk chosen from memory unless --max-prefill-tokens gave it.
-    `measure(tokens)` gives the facts (weights, workspace of a `tokens`-token step, free memory)."""
+    `measure(tokens)` gives the facts (weights, workspace of a `tokens`-token step, free memory);
+    `longest`: no candidate past it is tried (expert-parallel ranks, which stream nothing, pass 8192)."""
     if req.max_prefill_tokens is not None:
         plan = plan_for_expert_store(spec, req, measure(req.max_prefill_tokens))
         return dataclasses.replace(plan, max_prefill_tokens_source="--max-prefill-tokens")
+    r = resolve(spec, req)
+    # no step holds more than every running request's whole context: a longer chunk than that (past the
+    # default's 8192, which is kept as before) would only take slots for a step that never comes
+    cap = max(DEFAULT_MAX_PREFILL_TOKENS, r.max_running_requests * r.max_model_len)
+    longest = cap if longest is None else min(longest, cap)
     best: Plan | None = None
     error: PlanError | None = None
     fewest_unslotted: int | None = None  # experts without a slot with no workspace at all: a lower bound
+    too_long: int | None = None  # the shortest chunk whose workspace did not fit: no longer one is profiled
     for tokens in CHUNK_CANDIDATES:
+        if (too_long is not None and tokens > too_long) or tokens > longest:
+            continue
         if best is not None and fewest_unslotted is not None and fewest_unslotted / tokens >= _streamed(spec, best):
             continue  # even with no workspace this chunk would stream more a token than the best
         chunk_req = dataclasses.replace(req, max_prefill_tokens=tokens)
@@ -50,17 +66,17 @@ def plan_with_prefill_chunk(spec: ModelSpec, req: PlanRequest, measure: Callable
         try:
             plan = plan_for_expert_store(spec, chunk_req, measured)
         except PlanError as e:  # this chunk's workspace does not fit beside the floors: a shorter one may
-            error = e
+            error, too_long = e, min(tokens, too_long or tokens)
             continue
         if fewest_unslotted is None:
             fewest_unslotted = _unslotted_without_workspace(spec, chunk_req, measured)
-        if best is None or _streamed(spec, plan) < _streamed(spec, best):
-            best = plan
+        if best is None or (_streamed(spec, plan), -tokens) < (_streamed(spec, best), -best.max_prefill_tokens):
+            best = plan  # the fewest streamed a token, the longest chunk on a tie
         if plan.experts.slots >= spec.total_experts:
-            break  # streams nothing: no shorter chunk does better
+            break  # streams nothing: no shorter chunk does better, and a longer one only holds decode rows longer
     if best is None:
         assert error is not None
-        raise PlanError(f"{error}\n(no prefill chunk of {_CANDIDATES} tokens fits, {CHUNK_CANDIDATES[-1]} tried last: "
+        raise PlanError(f"{error}\n(no prefill chunk of {_CANDIDATES} tokens fits, {min(CHUNK_CANDIDATES)} tried last: "
                         "--max-prefill-tokens can go lower)")
     if best.experts.slots >= spec.total_experts:
         why = "every expert resident"

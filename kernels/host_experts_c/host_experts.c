@@ -7,10 +7,13 @@
  * are rounded to bf16 where the torch path rounds them (its F.linear outputs, SiLU, the product),
  * so the two agree to float32 sums' order; in float32 compute nothing is rounded but the sums.
  *
- * Work split, on the pool's threads: phase 1 cuts the used experts' intermediate rows (a gate row
- * and its up row together, so a thread finishes its h values alone) into one contiguous range a
- * thread; one barrier; phase 2 gives each thread a range of output rows of every expert's down
- * projection, and the weighted sum of exactly those rows, so no second barrier and no atomics. */
+ * Work split, as items the pool's threads claim (thread_pool.h): phase 0's items are CHUNK intermediate
+ * rows of one expert (its gate rows and their up rows together, so an item finishes its h values
+ * alone); phase 1, once all of phase 0 is done, has blocks of output rows, each item the block's rows of
+ * every expert's down projection and the weighted sum of exactly those rows, so no atomics. Items
+ * are small enough that each thread sees several (DOWN_ITEMS_PER_THREAD): a thread that wakes late or
+ * is preempted leaves the rest to the others. Each row's sum runs in the same order whichever thread
+ * takes it, so the split changes no bit. */
 #define _GNU_SOURCE
 #include <math.h>
 #include <pthread.h>
@@ -24,6 +27,9 @@
 #define CHUNK 64     /* intermediate rows a thread computes between two combines */
 #define PAD 32       /* activations' columns are padded to this: one bf16 vector */
 #define PORTABLE_TILE 64 /* expert_rows_portable.c's TILE: the decode hook cuts rows as its rows do */
+#define DOWN_ITEMS_PER_THREAD 4 /* phase 1's blocks of output rows a thread, where the rows allow */
+#define DOWN_ROWS_MIN 16         /* the smallest block, and its multiple: a 64-byte line of float32 outputs,
+                                  * so two threads' blocks share no line of y or out */
 
 enum { FERRY_OK = 0, FERRY_EINVAL = -1, FERRY_EISA = -2, FERRY_ENOMEM = -3 };
 
@@ -37,7 +43,6 @@ typedef struct {
 
 typedef struct {
     const ferry_job *job;
-    ferry_pool *pool;
     ferry_rows_fn rows;
     int a_bf16;             /* activations and h are bf16 bits (dpbf16 rows), else float32 */
     int64_t used;           /* experts listed */
@@ -51,6 +56,8 @@ typedef struct {
     float *y;               /* [slots, hidden] */
     float *gate_up;         /* [workers, 2, MAX_TOKENS, CHUNK] */
     int64_t prefetch;       /* the kernel's, for this call */
+    int64_t chunks;         /* phase 0's items an expert: ceil(inter / CHUNK) */
+    int64_t down_rows;      /* output rows a phase 1 item */
 } plan;
 
 static int avx512_bf16_available(void) {
@@ -68,7 +75,7 @@ int ferry_host_isa_available(int isa) {
     return isa == FERRY_ISA_PORTABLE || (isa == FERRY_ISA_AVX512_BF16 && avx512_bf16_available());
 }
 
-/* cpus, ncpus: where the pool's started threads run (ferry_pool_create); ncpus 0 leaves them unpinned */
+/* cpus, ncpus: the pool's threads' CPUs, the caller's first (ferry_pool_create); ncpus 0 leaves them unpinned */
 void *ferry_host_kernel_create(int threads, const int *cpus, int ncpus) {
     static pthread_once_t once = PTHREAD_ONCE_INIT;
     pthread_once(&once, ferry_tables_init);
@@ -83,6 +90,13 @@ void *ferry_host_kernel_create(int threads, const int *cpus, int ncpus) {
 }
 
 int ferry_host_kernel_pinned(void *handle) { return ferry_pool_pinned(((ferry_kernel *)handle)->pool); }
+
+/* the calling thread onto the caller's CPU (ferry_pool_pin_caller): host_node.c's and the poller's threads */
+int ferry_host_kernel_pin_caller(void *handle) { return ferry_pool_pin_caller(((ferry_kernel *)handle)->pool); }
+
+int ferry_host_kernel_caller_pinned(void *handle) { return ferry_pool_caller_pinned(((ferry_kernel *)handle)->pool); }
+
+void ferry_host_kernel_set_spin(void *handle, int64_t ns) { ferry_pool_set_spin(((ferry_kernel *)handle)->pool, ns); }
 
 /* read by each call as it starts: set it between calls (a graph's host node reads it too) */
 void ferry_host_kernel_set_prefetch(void *handle, int64_t bytes) { ((ferry_kernel *)handle)->prefetch = bytes; }
@@ -122,37 +136,31 @@ static const uint8_t *expert_bytes(const ferry_family *f, int64_t expert) {
     return f->base + expert * f->expert_stride;
 }
 
-static void gate_up_phase(const plan *p, int worker, int workers) {
+/* phase 0's item: h for intermediate rows c .. c + CHUNK of one used expert, all its tokens */
+static void gate_up_item(const plan *p, int worker, int64_t item) {
     const ferry_job *job = p->job;
-    int64_t inter = job->inter, units = p->used * inter;
-    int64_t u0 = units * worker / workers, u1 = units * (worker + 1) / workers;
+    int64_t e = item / p->chunks, c = item % p->chunks * CHUNK, inter = job->inter;
+    int len = inter - c < CHUNK ? (int)(inter - c) : CHUNK;
     float *g = p->gate_up + (size_t)worker * 2 * MAX_TOKENS * CHUNK, *u = g + MAX_TOKENS * CHUNK;
     size_t asize = p->a_bf16 ? 2 : 4;
-    for (int64_t at = u0; at < u1;) {
-        int64_t e = at / inter, i0 = at % inter;
-        int64_t i1 = inter - i0 < u1 - at ? inter : i0 + (u1 - at);
-        const uint8_t *w = expert_bytes(&job->w13, p->expert[e]);
-        for (int64_t c = i0; c < i1; c += CHUNK) {
-            int len = i1 - c < CHUNK ? (int)(i1 - c) : CHUNK;
-            for (int64_t s0 = p->first[e]; s0 < p->first[e + 1]; s0 += MAX_TOKENS) {
-                int n = p->first[e + 1] - s0 < MAX_TOKENS ? (int)(p->first[e + 1] - s0) : MAX_TOKENS;
-                const void *a = (const uint8_t *)p->xa + (size_t)s0 * p->hpad * asize;
-                p->rows(&job->w13, (int)job->format, (int)job->act, w, a, p->hpad, n, c, c + len, g, CHUNK,
-                        p->prefetch);
-                p->rows(&job->w13, (int)job->format, (int)job->act, w, a, p->hpad, n, inter + c, inter + c + len,
-                        u, CHUNK, p->prefetch);
-                combine(p, s0, n, c, len, g, u);
-            }
-        }
-        at += i1 - i0;
+    const uint8_t *w = expert_bytes(&job->w13, p->expert[e]);
+    for (int64_t s0 = p->first[e]; s0 < p->first[e + 1]; s0 += MAX_TOKENS) {
+        int n = p->first[e + 1] - s0 < MAX_TOKENS ? (int)(p->first[e + 1] - s0) : MAX_TOKENS;
+        const void *a = (const uint8_t *)p->xa + (size_t)s0 * p->hpad * asize;
+        p->rows(&job->w13, (int)job->format, (int)job->act, w, a, p->hpad, n, c, c + len, g, CHUNK, p->prefetch);
+        p->rows(&job->w13, (int)job->format, (int)job->act, w, a, p->hpad, n, inter + c, inter + c + len, u, CHUNK,
+                p->prefetch);
+        combine(p, s0, n, c, len, g, u);
     }
 }
 
-static void down_phase(const plan *p, int worker, int workers) {
+/* phase 1's item: output rows r0 .. r0 + down_rows of every used expert's down projection, then those rows
+ * of every token: the pairs' weighted rows in the order they are listed */
+static void down_item(const plan *p, int64_t item) {
     const ferry_job *job = p->job;
-    int64_t hidden = job->hidden, r0 = hidden * worker / workers, r1 = hidden * (worker + 1) / workers;
+    int64_t hidden = job->hidden, r0 = item * p->down_rows;
+    int64_t r1 = hidden - r0 < p->down_rows ? hidden : r0 + p->down_rows;
     size_t asize = p->a_bf16 ? 2 : 4;
-    if (r0 == r1) return;
     for (int64_t e = 0; e < p->used; e++) {
         const uint8_t *w = expert_bytes(&job->w2, p->expert[e]);
         for (int64_t s0 = p->first[e]; s0 < p->first[e + 1]; s0 += MAX_TOKENS) {
@@ -162,7 +170,6 @@ static void down_phase(const plan *p, int worker, int workers) {
                     hidden, p->prefetch);
         }
     }
-    /* this thread's rows of every token: the pairs' weighted rows in the order they are listed */
     int bf16 = job->act == FERRY_ACT_BF16;
     for (int64_t t = 0; t < job->tokens; t++) memset(job->out + t * hidden + r0, 0, (size_t)(r1 - r0) * sizeof(float));
     for (int64_t q = 0; q < job->n_pairs; q++) {
@@ -173,11 +180,9 @@ static void down_phase(const plan *p, int worker, int workers) {
     }
 }
 
-static void run_plan(void *arg, int worker, int workers) {
-    plan *p = arg;
-    gate_up_phase(p, worker, workers);
-    ferry_pool_barrier(p->pool); /* every h is written before any down row reads it */
-    down_phase(p, worker, workers);
+static void run_item(void *arg, int worker, int phase, int64_t item) {
+    if (phase == 0) gate_up_item(arg, worker, item);
+    else down_item(arg, item);
 }
 
 static size_t aligned(size_t bytes) { return (bytes + 63) & ~(size_t)63; }
@@ -250,7 +255,7 @@ int ferry_host_kernel_compute(void *handle, const ferry_job *job) {
         memset(job->out, 0, (size_t)(job->tokens * job->hidden) * sizeof(float));
         return FERRY_OK;
     }
-    plan p = {.job = job, .pool = k->pool, .prefetch = k->prefetch < 0 ? 0 : k->prefetch};
+    plan p = {.job = job, .prefetch = k->prefetch < 0 ? 0 : k->prefetch};
 #if defined(__x86_64__)
     p.rows = isa == FERRY_ISA_AVX512_BF16 ? ferry_rows_avx512 : ferry_rows_portable;
 #else
@@ -290,7 +295,11 @@ int ferry_host_kernel_compute(void *handle, const ferry_job *job) {
         for (int64_t s = 0; s < p.first[p.used]; s++)
             memset((uint8_t *)p.ha + ((size_t)s * p.ipad + job->inter) * asize, 0, (size_t)(p.ipad - job->inter) * asize);
     }
-    ferry_pool_run(k->pool, run_plan, &p);
+    /* blocks of output rows: DOWN_ITEMS_PER_THREAD a thread, rounded up to a multiple of DOWN_ROWS_MIN rows */
+    int64_t per = (job->hidden + DOWN_ITEMS_PER_THREAD * workers - 1) / (DOWN_ITEMS_PER_THREAD * workers);
+    p.down_rows = (per + DOWN_ROWS_MIN - 1) / DOWN_ROWS_MIN * DOWN_ROWS_MIN;
+    p.chunks = (job->inter + CHUNK - 1) / CHUNK;
+    ferry_pool_run_items(k->pool, run_item, &p, p.used * p.chunks, (job->hidden + p.down_rows - 1) / p.down_rows);
     pthread_mutex_unlock(&k->busy);
     return FERRY_OK;
 }

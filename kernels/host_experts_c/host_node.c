@@ -5,11 +5,19 @@
 #include <time.h>
 
 int ferry_host_kernel_compute(void *handle, const ferry_job *job);
+int ferry_host_kernel_pin_caller(void *handle);
 
 #define FERRY_ERANGE (-4)
 
+static int64_t hist_bound(int b) { return 50000LL << b; } /* 50 µs, 100 µs, ... 6.4 ms */
+
+void ferry_host_node_hist_bounds(int64_t *bounds) {
+    for (int b = 0; b < FERRY_NODE_HIST - 1; b++) bounds[b] = hist_bound(b);
+}
+
 void ferry_host_node(void *arg) {
     ferry_host_node_task *t = arg;
+    if (t->pin_caller) ferry_host_kernel_pin_caller(t->kernel); /* once a thread; refused: it runs where it is */
     int64_t tokens = t->meta[0], n = t->meta[1];
     t->calls++;
     int bad = tokens < 0 || tokens > t->max_tokens || n < 0 || n > t->max_pairs;
@@ -28,8 +36,12 @@ void ferry_host_node(void *arg) {
     int err = ferry_host_kernel_compute(t->kernel, &t->job);
     clock_gettime(CLOCK_MONOTONIC, &t1);
     if (n > 0) {
-        t->busy_ns += (int64_t)(t1.tv_sec - t0.tv_sec) * 1000000000LL + (t1.tv_nsec - t0.tv_nsec);
+        int64_t ns = (int64_t)(t1.tv_sec - t0.tv_sec) * 1000000000LL + (t1.tv_nsec - t0.tv_nsec);
+        int b = 0;
+        while (b < FERRY_NODE_HIST - 1 && ns > hist_bound(b)) b++;
+        t->busy_ns += ns;
         t->busy_calls++;
+        t->busy_hist[b]++;
     }
     if (err) { /* refused: zeros rather than the previous layer's sum, and the error for the step's end */
         if (!t->status) t->status = err;

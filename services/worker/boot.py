@@ -39,12 +39,13 @@ from ferry.services.worker.offload.expert_parallel import ExpertParallelExperts
 from ferry.services.worker.offload.host_banks import mem_available_bytes
 from ferry.services.worker.offload.host_pages import anon_huge_bytes, huge_pages_wanted, thp_mode
 from ferry.plan.plan_report import plan_log_fields
-from ferry.plan.planner import Measured, Plan, PlanRequest, Resolved, resolve
+from ferry.plan.planner import DEFAULT_MAX_PREFILL_TOKENS, Measured, Plan, PlanRequest, Resolved, resolve
 from ferry.services.worker.pools import TORCH_DTYPES, allocate_pools
 from ferry.plan.prefill_chunk import plan_with_prefill_chunk
 from ferry.services.worker.decode_graphs import DecodeGraphs, graph_buckets
 from ferry.services.worker.warmup import real_warmup_shapes, warm_up, warmup_shapes
-from ferry.services.worker.workspace_profile import profile_decode_graphs_cuda, profile_workspace_cuda
+from ferry.services.worker.workspace_profile import (profile_decode_graphs_cuda, profile_workspace_cuda,
+                                                     profiled_or_plan_error)
 
 log = structlog.get_logger("worker")
 
@@ -198,8 +199,10 @@ def _load_and_plan(cfg: WorkerBootConfig, files: ModelFiles, r: Resolved, device
             """The facts for a `tokens`-token prefill chunk: its workspace profiled on CUDA (the decode
             graphs' bytes added), estimated elsewhere; plan/prefill_chunk.py asks only for chunks it may take."""
             if device.type == "cuda":
-                workspace = profile_workspace_cuda(model, experts, spec, dataclasses.replace(r, max_prefill_tokens=tokens),
-                                                   device)  # fmt: skip
+                # a chunk too long for this card is a PlanError: the chooser tries a shorter one
+                chunk = dataclasses.replace(r, max_prefill_tokens=tokens)
+                workspace = profiled_or_plan_error(lambda: profile_workspace_cuda(model, experts, spec, chunk, device),
+                                                   tokens, release=torch.cuda.empty_cache)  # fmt: skip
                 if graphs_wanted and "graph_bytes" not in booted:  # the decode graphs' pool and buffers, once
                     booted["graph_bytes"] = profile_decode_graphs_cuda(model, experts, spec, r, device, buckets)
                 source = "profiled"
@@ -215,7 +218,8 @@ def _load_and_plan(cfg: WorkerBootConfig, files: ModelFiles, r: Resolved, device
             host = mem_available_bytes() if world == 1 else None
             return Measured(weights, workspace, free, "measured", source, free_source, host_available_bytes=host)
 
-        plan = plan_with_prefill_chunk(store_spec, req, measured)
+        # an expert-parallel rank streams nothing past its cache (below): no chunk past the default pays there
+        plan = plan_with_prefill_chunk(store_spec, req, measured, longest=DEFAULT_MAX_PREFILL_TOKENS if world > 1 else None)
         if world > 1:
             plan = _ranks_host_checked(plan, cfg, world)
         try:  # the plan's staging slots bound a ring chunk: refused before the banks are pinned
@@ -294,7 +298,8 @@ def _attach_host_share(store, spec, plan: Plan, dtype: torch.dtype, device: torc
     pinned = experts.c_kernel.pinned if experts.c_kernel is not None else 0
     cost = calibrate(store, experts, device)
     log.info("host_share", expert_backend=chosen.backend, requested=chosen.requested, threads=threads,
-             threads_from=chosen.reason, backend=experts.backend, pinned_cpus=format_cpu_list(cpus[:pinned]), pcie_us=round(cost.pcie_s * 1e6, 1),
+             threads_from=chosen.reason, backend=experts.backend, cpus=format_cpu_list(cpus), workers_pinned=pinned,
+             pcie_us=round(cost.pcie_s * 1e6, 1),
              host_us_at_1=round(cost.host_s_at_1 * 1e6, 1), host_us_per_token=round(cost.host_s_per_token * 1e6, 2),
              overhead_us=round(cost.overhead_s * 1e6, 1))  # fmt: skip
     split = HostCost(1.0, 0.0, 0.0, 0.0) if chosen.backend == "cpu" else cost  # cpu: the host takes every miss
@@ -312,6 +317,7 @@ def _attach_host_decode(store, spec, experts, cost, device: torch.device, backen
     from ferry.kernels.expert_host_handoff import host_count_reference
     from ferry.kernels.expert_pair_gemv import PAIR_KERNEL_MAX_PAIRS
     from ferry.services.worker.offload.host_decode import HostDecodeShare, calibrate_handoff
+    from ferry.services.worker.offload.host_handoff import choose_handoff, resolve_handoff
     from ferry.services.worker.offload.share_guard import ShareGuard
 
     if experts.c_kernel is None:
@@ -322,7 +328,22 @@ def _attach_host_decode(store, spec, experts, cost, device: torch.device, backen
     ns = [round(v * 1e9) for v in (cost.pcie_s, cost.host_s_at_1, cost.host_s_per_token)]
     share = HostDecodeShare(experts.c_kernel, (*ns, 0), max(1, PAIR_KERNEL_MAX_PAIRS // k), k, spec.num_experts,
                             device)  # fmt: skip
-    overhead = calibrate_handoff(share, store.cache)
+    try:
+        wanted = resolve_handoff()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    overhead = node_s = calibrate_handoff(share, store.cache)
+    poll_s = None
+    if wanted != "node":  # the polled hand-off (offload/host_handoff.py), kept where asked or where it is faster
+        try:
+            share.use_poll()
+            poll_s = calibrate_handoff(share, store.cache)
+        except RuntimeError as exc:  # not capturable here, or unanswered: the host node stays
+            log.warning("host_decode_poll_off", reason=str(exc).splitlines()[0][:300])
+    if choose_handoff(wanted, node_s, poll_s) == "poll":
+        overhead = poll_s
+    else:
+        share.use_node()
     measured = (*ns, round(overhead * 1e9))
     # a single stream's layer misses about k x (the share of experts without a slot) experts of one token
     # each (before prefetch): the hand-off runs on every layer, so auto keeps it only where the host takes
@@ -330,9 +351,13 @@ def _attach_host_decode(store, spec, experts, cost, device: torch.device, backen
     typical = max(1, round(k * (1 - store.policy.num_slots / max(store.policy.num_layers * spec.num_experts, 1))))
     takes = host_count_reference(typical, typical, measured)
     fields = dict(pcie_us=round(cost.pcie_s * 1e6, 1), host_us_at_1=round(cost.host_s_at_1 * 1e6, 1),
-                  handoff_us=round(overhead * 1e6, 1), typical_misses=typical, host_takes=takes,
-                  max_tokens=share.max_tokens)  # fmt: skip
+                  handoff_us=round(overhead * 1e6, 1), handoff=share.handoff, handoff_node_us=round(node_s * 1e6, 1),
+                  handoff_poll_us=None if poll_s is None else round(poll_s * 1e6, 1), typical_misses=typical,
+                  host_takes=takes, max_tokens=share.max_tokens,  # caller_pinned 1: the nodes' thread on its CPU
+                  caller_pinned=share.kernel.caller_pinned)  # fmt: skip
     if auto and not takes:
+        share.use_node()  # no share: its polling thread, if any, stops
+        fields["handoff"] = share.handoff
         log.info("host_decode_off", reason="auto: by the calibration the host shortens no decode layer missing "
                                            f"{typical} of its {k} experts", **fields)  # fmt: skip
         return

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 # (report key, metric name without the _total suffix, help): the expert cache's cumulative counters
 EXPERT_COUNTERS = (
@@ -90,6 +91,20 @@ def host_share_metrics(report: dict):
                       decode["busy_calls"])  # fmt: skip
         yield counter("ferry_worker_host_share_refinements", "times the decode split's price of a host expert moved "
                       "toward what the host nodes measured", decode["refinements"])  # fmt: skip
+        if "busy_hist" in decode:  # the same calls by wall time: a tail their mean hides
+            hist = decode["busy_hist"]
+            cumulative = list(itertools.accumulate(hist["counts"]))
+            buckets = [(repr(float(b)), c) for b, c in zip(hist["bounds_s"], cumulative)] + [("+Inf", cumulative[-1])]
+            yield HistogramMetricFamily("ferry_worker_host_node_call_seconds", "wall time of each decode host node "
+                                        "that computed pairs (the layer's share on the host, its threads' wake-up "
+                                        "included)", buckets=buckets, sum_value=decode["busy_ns"] / 1e9)  # fmt: skip
+    if decode and "handoff" in decode:  # how decode layers reach the host (offload/host_handoff.py)
+        polled = GaugeMetricFamily("ferry_worker_host_decode_polled", "1 where decode layers reach the host by a "
+                                   "polled word in pinned memory (FERRY_HOST_HANDOFF), 0 by graph host nodes")  # fmt: skip
+        polled.add_metric([], 1.0 if decode["handoff"] == "poll" else 0.0)
+        yield polled
+        yield counter("ferry_worker_host_decode_polled_layers", "decode layers the polling thread handed to the host",
+                      decode.get("polled_layers", 0))  # fmt: skip
     guard = (decode or {}).get("guard")
     if guard:  # auto's guard over the decode share (offload/share_guard.py)
         on = GaugeMetricFamily("ferry_worker_host_decode_share_on", "1 while auto's guard keeps the host's decode "

@@ -21,6 +21,7 @@ import structlog
 import torch
 
 from ferry.plan.model_config import DTYPE_BYTES, ModelSpec
+from ferry.shared.errors import PlanError
 from ferry.shared.sampling import SamplingParams
 from ferry.shared.step import NewRequest, StepBatch
 from ferry.shared.units import ceil_div
@@ -167,6 +168,21 @@ def profile_workspace_cuda(model, experts: LateBoundExperts, spec: ModelSpec, r:
         del pools, sampler
         torch.cuda.empty_cache()
     return int(peak + gathered_context_bytes(spec, r.dtype, r.max_model_len, r.page_size))
+
+
+def profiled_or_plan_error(profile, tokens: int, release=lambda: None) -> int:
+    """profile()'s bytes, or a PlanError saying that a `tokens`-token step's workspace did not fit, for the
+    prefill chunk's chooser (plan/prefill_chunk.py) to try a shorter one. The device's out-of-memory
+    error is dropped before the PlanError is raised and `release` (the caching allocator's empty_cache)
+    called after: its traceback holds the frames of the step that ran out, and with them every tensor the
+    step had made, which would otherwise stay on the device through the shorter chunk's profile and the
+    pools' allocation (a PlanError raised inside the except block keeps it as its __context__)."""
+    try:
+        return profile()
+    except torch.OutOfMemoryError as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else "out of memory"
+    release()  # the error, its traceback and the step's tensors are gone here
+    raise PlanError(f"a {tokens}-token step's workspace did not fit on the device while it was profiled ({reason})")
 
 
 def gathered_context_bytes(spec: ModelSpec, dtype: str, max_model_len: int, page_size: int) -> int:

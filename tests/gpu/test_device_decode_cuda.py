@@ -253,11 +253,12 @@ def test_steps_scheduled_ahead_decode_as_one_by_one_through_graphs_and_the_devic
 
 
 @pytest.mark.parametrize("arch, dtype", [("qwen3_moe", "float32"), ("qwen3_5_moe", "bfloat16")])
-def test_a_prefill_streamed_past_the_cache_decodes_as_all_resident(tiny_models, arch, dtype):
+def test_a_prefill_streamed_past_the_cache_decodes_as_all_resident(tiny_models, arch, dtype, monkeypatch):
     """A prefill of 95 tokens (190 (token, k) pairs over 8 experts: past the pair kernel, 4+ pairs per
     expert) streams every non-resident expert through the staging ring, copy-engine copies running
     ahead of the computation across layers; it places nothing in the cache. Its tokens, and those
-    decoded after it, equal all-resident decoding, prefetch on and off."""
+    decoded after it, equal all-resident decoding, prefetch on and off, and with the host's share handed
+    over by host nodes and by polling (FERRY_HOST_HANDOFF=poll: stream memory operations in the graphs)."""
     rng = np.random.default_rng(3)
     prompts = [rng.integers(1, 250, n).tolist() for n in (40, 25, 30)]
     runs = {}
@@ -269,7 +270,13 @@ def test_a_prefill_streamed_past_the_cache_decodes_as_all_resident(tiny_models, 
     if dtype == "float32":  # the host computes part of each streamed layer's misses (host_share.py): same tokens
         variants["offload-host-share"] = ["--moe-cache-size", "10", "--expert-backend", "hybrid",
                                           "--host-expert-threads", "2"]
+        variants["offload-host-share-poll"] = variants["offload-host-share"]
+        variants["offload-host-share-auto"] = variants["offload-host-share"]  # whichever boot measured faster
     for name, flags in variants.items():
+        if name.endswith(("-poll", "-auto")):
+            monkeypatch.setenv("FERRY_HOST_HANDOFF", name.rsplit("-", 1)[1])
+        else:
+            monkeypatch.delenv("FERRY_HOST_HANDOFF", raising=False)
         executor, plan = _boot(tiny_models[arch], dtype, *flags)
         if "--host-expert-threads" in flags:
             # the tiny model's experts cross in a few µs, against the hand-off's hundreds, so the calibrated
@@ -298,6 +305,10 @@ def test_a_prefill_streamed_past_the_cache_decodes_as_all_resident(tiny_models, 
                 assert shared["layers"] > 0 and shared["experts"] > 0, shared
                 handed = executor.store.report()["host_decode"]
                 assert handed["experts"] > 0, handed
+                # polled: the boot kept it (the driver captured the stream memory operations, the thread answered)
+                if not name.endswith("-auto"):
+                    assert handed["handoff"] == ("poll" if name.endswith("-poll") else "node"), handed
+                assert (handed["polled_layers"] > 0) == (handed["handoff"] == "poll"), handed
         del executor
         gc.collect()
         torch.cuda.empty_cache()

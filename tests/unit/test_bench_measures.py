@@ -5,7 +5,11 @@ busy time, the gaps between them, where the gaps open and what computed inside t
 
 from __future__ import annotations
 
+import json
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -16,6 +20,8 @@ from bench.profile_decode import is_expert_copy
 from bench.profile_prefill import device_timeline, is_host_to_device
 from bench.serve_openai import text_of_tokens
 from ferry.services.bench_model import write_bench_model
+
+ROOT = Path(__file__).resolve().parents[2]
 
 QWEN3 = "tests/data/models/qwen3-30b-a3b/config.json"
 
@@ -95,6 +101,27 @@ def test_the_cpu_expert_benchmark_computes_the_experts_of_the_model():
     w13, w2, x = torch.randn(3, 16, 8, generator=g), torch.randn(3, 8, 8, generator=g), torch.randn(2, 8, generator=g)
     want = grouped_expert_forward_reference(x, torch.tensor([[1], [1]]), torch.ones(2, 1), w13, w2)
     assert torch.allclose(expert_ffn(x, w13[1], w2[1]), want, atol=1e-5)
+
+
+def test_the_contention_benchmark_times_both_builds_under_a_hog(tmp_path):
+    """bench/host_pool_contention.py times this tree's kernel (at two spins of its idle threads) and a second
+    build (here the same library loaded again) in alternated blocks, with and without a busy process, and
+    leaves no process behind."""
+    from ferry.services.worker.offload import host_expert_kernel as K
+
+    if K.library()[0] is None:
+        pytest.skip(f"host kernel not built: {K.library()[1]}")
+    out = tmp_path / "contention.json"
+    cmd = [sys.executable, "bench/host_pool_contention.py", "--config", "tests/data/models/qwen3-30b-a3b",
+           "--threads", "2", "--hog", "none,2/1", "--hog-cpus", "0", "--rounds", "2", "--block", "14",
+           "--bank-experts", "4", "--experts", "2", "--gap-us", "50", "--compare-library", K.library_path(),
+           "--spin-us", "50,0", "--json", str(out)]  # fmt: skip
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    variants = ["tree", "tree_spin0us", "compared"]  # the tree's kernel a spin each, then the other build
+    assert [(r["variant"], r["hog"]) for r in rows] == [(v, hog) for hog in ("none", "2/1") for v in variants]
+    assert all(r["calls"] == 2 * 4 and 0 < r["median_us"] <= r["p99_us"] <= r["max_us"] for r in rows)
 
 
 def test_the_cpu_expert_benchmark_alternates_prefetch_distances_and_says_each():

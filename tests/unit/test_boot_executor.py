@@ -229,3 +229,52 @@ def test_every_eager_step_tells_the_expert_store_it_begins_once_its_inputs_are_b
     assert order == ["inputs", ("begin", 11, k, False), "inputs", ("begin", 1, k, False), "inputs",
                      ("begin", 1, k, False), "inputs", ("begin", 1, k, False)]  # the last: the step that tells
     # the worker request 1 finished
+
+
+def test_a_chunk_that_runs_the_device_out_of_memory_is_a_plan_error_that_frees_its_tensors():
+    """Boot profiles each prefill chunk's workspace; where one runs the device out of memory, the chooser
+    must get a PlanError (and try a shorter chunk) while the step's tensors are already gone: the
+    device's error is dropped first (its traceback holds the frames of the step that ran out), then the
+    allocator's cache released, and the PlanError keeps no link to it. A chunk that fits gives its bytes."""
+    import gc
+    import weakref
+
+    import torch
+
+    from ferry.services.worker.workspace_profile import profiled_or_plan_error
+
+    held: list = []
+    released: list = []
+
+    def step_that_runs_out():
+        activations = torch.ones(1024)  # a tensor the step made, referenced only by this frame
+        held.append(weakref.ref(activations))
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
+
+    def release():
+        released.append(held[0]() is None)  # the step's tensor is gone by the time the cache is released
+
+    gc.disable()  # the tensor must go by reference counts, as it does on the device, not by a collection
+    try:
+        with pytest.raises(PlanError, match=r"16384-token step's workspace did not fit.*Tried to allocate 2.00 GiB\)"):
+            profiled_or_plan_error(step_that_runs_out, 16384, release=release)
+    finally:
+        gc.enable()
+    assert released == [True]
+    assert profiled_or_plan_error(lambda: 123, 8192, release=release) == 123 and released == [True]
+
+
+def test_a_plan_error_from_a_profile_keeps_no_link_to_the_device_error():
+    import torch
+
+    from ferry.services.worker.workspace_profile import profiled_or_plan_error
+
+    def oom():
+        raise torch.OutOfMemoryError("out of memory")
+
+    try:
+        profiled_or_plan_error(oom, 4096)
+    except PlanError as err:
+        assert err.__context__ is None and err.__cause__ is None
+    else:
+        pytest.fail("no PlanError")

@@ -63,6 +63,7 @@ def test_the_host_shares_series_are_read_from_the_workers_metrics():
               "prefetched": 2, "prefetch_useful": 1, "prefetch_wasted": 1, "slots": 12, "expert_format": "bf16",
               "host_decode": {"experts": 4000, "pairs": 4100, "costs_ns": [129000, 150000, 2500, 31000],
                               "busy_ns": 800_000_000, "busy_calls": 900, "busy_ns_per_expert": 200000,
+                              "busy_hist": {"bounds_s": [50e-6, 100e-6], "counts": [100, 700, 100]},
                               "refinements": 1, "guard": {"share_on": True, "scale": 0.8, "exploring": False,
                                                           "decisions": []}}}  # fmt: skip
     metrics = WorkerMetrics()
@@ -85,7 +86,8 @@ def test_the_host_shares_series_are_read_from_the_workers_metrics():
     finally:
         server.shutdown()
     assert got == {"experts": 4000, "host_node_busy_s": 0.8, "host_node_calls": 900, "refinements": 1,
-                   "host_at_1_s": 0.00015, "host_node_s_per_expert": 0.0002, "guard_price_scale": 0.8}  # fmt: skip
+                   "host_at_1_s": 0.00015, "host_node_s_per_expert": 0.0002, "guard_price_scale": 0.8,
+                   "host_node_calls_le": {"5e-05": 100, "0.0001": 800, "+Inf": 900}}  # fmt: skip
     assert host_share_series(None) is None
 
 
@@ -98,3 +100,13 @@ def test_the_bound_takes_the_host_expert_its_host_nodes_timed_in_the_run(tmp_pat
     got = write_hybrid_cpu("12layer", "host-share", gpu, hybrid, tmp_path)
     assert got["bound_tok_s"] == round(108.0 * 2, 2) and got["bound_host_us_per_expert"] == 129.0
     assert got["host_share"] == {"host_node_s_per_expert": 0.000129}
+
+
+def test_the_host_nodes_window_is_the_difference_of_two_readings():
+    from bench.profile_serve import host_nodes_window
+
+    before = {"host_node_calls": 100, "host_node_busy_s": 0.02, "host_node_calls_le": {"5e-05": 10, "+Inf": 100}}
+    after = {"host_node_calls": 300, "host_node_busy_s": 0.07, "host_node_calls_le": {"5e-05": 30, "+Inf": 300}}
+    assert host_nodes_window(before, after) == {"calls": 200, "mean_us": 250.0,
+                                                "calls_le": {"5e-05": 20, "+Inf": 200}}  # fmt: skip
+    assert host_nodes_window(before, before)["mean_us"] is None

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from ferry.plan.expert_backend import (chosen_host_cpus, core_map, format_cpu_list, host_thread_cpus, parse_cpu_list,
-                                       physical_cores, plan_expert_backend)  # fmt: skip
+                                       physical_cores, plan_expert_backend, pool_thread_cpus)  # fmt: skip
 from ferry.shared.errors import ConfigError
 
 
@@ -73,7 +73,9 @@ def test_ferry_plan_shows_the_backend_and_refuses_bad_flags(capsys, monkeypatch)
     assert main([*base, "--expert-backend", "hybrid", "--host-expert-threads", "12"]) == 0
     out = capsys.readouterr().out
     assert "expert backend hybrid (--expert-backend hybrid)" in out and "decode layers only" not in out
-    assert "12 host threads (--host-expert-threads 12), 11 of them pinned to CPUs 4-5" in out
+    # a list of two CPUs for 12 threads: the caller on the first, the workers on the rest (never beside it)
+    assert ("12 host threads (--host-expert-threads 12), the decode hand-off's thread pinned to CPU 4, "
+            "11 workers to CPU 5") in out
     assert main([*base, "--host-expert-threads", "12"]) == 0
     assert "(auto: decode layers only, where they say it wins" in capsys.readouterr().out
     assert main([*base, "--json", "--expert-backend", "cpu", "--host-expert-threads", "3"]) == 0
@@ -97,24 +99,32 @@ def test_the_pool_is_pinned_one_a_core_to_the_last_cores():
     # 8 cores with hyperthreads as Linux numbers them: CPU c and c + 8 share core c
     ht = _cpuinfo([(0, c) for c in range(8)] * 2)
     assert core_map(ht)[11] == ("0", "3")
-    # 6 threads: the caller unpinned, 5 workers on the last 5 cores, never a sibling of another worker
-    assert host_thread_cpus(6, list(range(16)), core_map(ht)) == [3, 4, 5, 6, 7]
+    # 6 threads: the caller and 5 workers on the last 6 cores, never a sibling of another thread
+    assert host_thread_cpus(6, list(range(16)), core_map(ht)) == [2, 3, 4, 5, 6, 7]
     # a cgroup that allows only some CPUs: chosen among those
-    assert host_thread_cpus(3, [0, 1, 2, 8, 9, 10], core_map(ht)) == [1, 2]
+    assert host_thread_cpus(3, [0, 1, 2, 8, 9, 10], core_map(ht)) == [0, 1, 2]
     # two sockets whose core ids repeat: (physical id, core id) tells their cores apart
     two = _cpuinfo([(0, 0), (0, 1), (1, 0), (1, 1)])
-    assert host_thread_cpus(4, [0, 1, 2, 3], core_map(two)) == [1, 2, 3]
-    # more workers than cores: none pinned (two on a core would stall the pool at every barrier)
-    assert host_thread_cpus(6, [0, 1, 2, 3], core_map(two)) == []
-    assert host_thread_cpus(1, [0, 1, 2, 3], core_map(two)) == []  # no started thread at all
+    assert host_thread_cpus(4, [0, 1, 2, 3], core_map(two)) == [0, 1, 2, 3]
+    # more threads than cores: none pinned (two on a core would stall every call)
+    assert host_thread_cpus(5, [0, 1, 2, 3], core_map(two)) == []
+    assert host_thread_cpus(1, [0, 1, 2, 3], core_map(two)) == []  # a pool of one: the caller alone, never pinned
     # no topology (a container's masked cpuinfo): every allowed CPU is its own core
-    assert host_thread_cpus(3, [4, 5, 6, 7], {}) == [6, 7]
+    assert host_thread_cpus(3, [4, 5, 6, 7], {}) == [5, 6, 7]
+
+
+def test_the_pools_threads_take_the_cpus_in_order_the_caller_first():
+    assert pool_thread_cpus(4, [5, 6, 7, 8]) == (5, [6, 7, 8])
+    assert pool_thread_cpus(4, [5, 6, 7]) == (5, [6, 7, 6])  # round robin over the rest, never on the caller's
+    assert pool_thread_cpus(3, [5]) == (5, [5, 5])  # one CPU for all: the list's choice
+    assert pool_thread_cpus(1, [5]) == (5, [])
+    assert pool_thread_cpus(4, []) == (None, [])
 
 
 def test_the_pinning_setting_is_auto_none_or_a_cpu_list():
     info = _cpuinfo([(0, c) for c in range(16)])
-    assert chosen_host_cpus(12, "auto", info, list(range(16))) == list(range(5, 16))
-    assert chosen_host_cpus(12, None, info, list(range(16))) == list(range(5, 16))  # not given: auto
+    assert chosen_host_cpus(12, "auto", info, list(range(16))) == list(range(4, 16))
+    assert chosen_host_cpus(12, None, info, list(range(16))) == list(range(4, 16))  # not given: auto
     assert chosen_host_cpus(12, "none", info, list(range(16))) == []
     assert chosen_host_cpus(12, " 4-6,9 ", info, list(range(16))) == [4, 5, 6, 9]
     for bad in ("4-x", "-1", ",", "five"):

@@ -60,12 +60,17 @@ def _every_candidate(spec, req, measure):
 @pytest.mark.parametrize("gib", [9, 10, 11, 12, 13, 16, 40])
 def test_the_chosen_chunk_streams_the_fewest_expert_bytes_a_token(gib):
     """Against every candidate planned by brute force: the chosen plan is one of them, the one whose
-    prefill streams the fewest experts a prompt token (the longest on a tie), and it is exact."""
+    prefill streams the fewest experts a prompt token (the longest on a tie; at most 8,192 tokens where
+    every expert is resident), and it is exact."""
     spec = _spec(layers=8, quantization=FP8)
     req = PlanRequest(gpu_memory=gib * GiB, max_running_requests=8, host_memory=100 * GiB)
     chosen = plan_with_prefill_chunk(spec, req, Estimates(spec, req))
     plans = {t: p for t, p in _every_candidate(spec, req, Estimates(spec, req)).items() if p is not None}
-    best = min(plans.values(), key=lambda p: (_streamed(spec, p), -p.max_prefill_tokens))
+    resident = [p for t, p in plans.items() if p.experts.slots >= spec.total_experts and t <= 8192]
+    if resident:  # nothing streams: the longest chunk up to 8,192 tokens (a longer one only holds decode rows)
+        best = max(resident, key=lambda p: p.max_prefill_tokens)
+    else:
+        best = min(plans.values(), key=lambda p: (_streamed(spec, p), -p.max_prefill_tokens))
     assert chosen.max_prefill_tokens == best.max_prefill_tokens
     assert chosen.experts.slots == best.experts.slots and chosen.total_bytes == best.total_bytes
     assert chosen.max_prefill_tokens_source.startswith("chosen from memory")
@@ -94,15 +99,36 @@ def test_every_expert_resident_keeps_the_longest_chunk_and_prices_only_it():
     assert plan.max_prefill_tokens_source == "chosen from memory: every expert resident"
 
 
-def test_mostly_offloaded_keeps_the_longest_chunk_without_profiling_the_others():
+@pytest.mark.parametrize("max_model_len", [8192, 262144])
+def test_mostly_offloaded_takes_the_longest_chunk_without_profiling_the_shorter(max_model_len):
     """Full-size 35B at 24 GiB: four fifths of the experts live on the host whatever the chunk, so
-    the longest streams them the fewest times, and the others are never priced (one profile at boot)."""
+    the longest streams them the fewest times (16,384 tokens: half the bytes a long prompt streams for
+    a few per cent of the slots), and the shorter ones are never priced (two profiles at boot)."""
     spec = _spec()
-    req = PlanRequest(gpu_memory=24 * GiB, max_running_requests=8, max_model_len=8192, host_memory=400 * GiB)
+    req = PlanRequest(gpu_memory=24 * GiB, max_running_requests=8, max_model_len=max_model_len, host_memory=400 * GiB)
     measure = Estimates(spec, req)
     plan = plan_with_prefill_chunk(spec, req, measure)
-    assert plan.max_prefill_tokens == 8192 and plan.experts.slots < spec.total_experts
-    assert measure.asked == [8192]
+    assert plan.max_prefill_tokens == 16384 and plan.experts.slots < spec.total_experts
+    assert measure.asked == [8192, 16384]
+    at_8192 = plan_for_expert_store(spec, PlanRequest(**{**req.__dict__, "max_prefill_tokens": 8192}), measure(8192))
+    assert 0 < at_8192.experts.slots - plan.experts.slots < 0.03 * spec.total_experts
+
+
+def test_a_chunk_longer_than_one_that_did_not_fit_is_never_profiled():
+    """A boot profiles each chunk it prices by running its step: where 8,192 tokens' workspace does
+    not fit, 16,384's cannot, and profiling it would only take memory and time."""
+    spec = _spec(layers=8, quantization=FP8)
+    base = dict(max_running_requests=8, host_memory=100 * GiB)
+    for mib in range(5000, 9000, 100):
+        req = PlanRequest(gpu_memory=mib * 2**20, **base)
+        plans = _every_candidate(spec, req, Estimates(spec, req))
+        if plans[8192] is None and plans[4096] is not None:
+            break
+    else:
+        raise AssertionError("no budget between the two chunks' needs: the test's range is wrong")
+    measure = Estimates(spec, req)
+    assert plan_with_prefill_chunk(spec, req, measure).max_prefill_tokens == 4096
+    assert measure.asked == [8192, 4096]
 
 
 def test_the_flag_fixes_the_chunk():
@@ -133,3 +159,23 @@ def test_nothing_fits_names_the_flag():
     req = PlanRequest(gpu_memory=3 * GiB, max_running_requests=8, host_memory=100 * GiB)
     with pytest.raises(PlanError, match="--max-prefill-tokens can go lower"):
         plan_with_prefill_chunk(spec, req, Estimates(spec, req))
+
+
+def test_no_chunk_past_the_longest_step_the_contexts_allow():
+    """One request of 2,048 tokens never makes a 16,384-token step: that chunk's workspace would only take
+    slots (decode misses) from the full-size 35B at 24 GiB. 8,192 stays where it was chosen before."""
+    spec = _spec()
+    req = PlanRequest(gpu_memory=24 * GiB, max_running_requests=1, max_model_len=2048, host_memory=400 * GiB)
+    measure = Estimates(spec, req)
+    assert plan_with_prefill_chunk(spec, req, measure).max_prefill_tokens == 8192
+    assert 16384 not in measure.asked
+
+
+def test_a_caller_can_cap_the_candidates():
+    """Expert-parallel ranks stream nothing past their caches and pass longest=8192: the chunk the full-size
+    35B at 24 GiB would take alone (16,384) is never tried."""
+    spec = _spec()
+    req = PlanRequest(gpu_memory=24 * GiB, max_running_requests=8, max_model_len=262144, host_memory=400 * GiB)
+    measure = Estimates(spec, req)
+    assert plan_with_prefill_chunk(spec, req, measure, longest=8192).max_prefill_tokens == 8192
+    assert measure.asked == [8192]

@@ -35,6 +35,18 @@ def test_the_host_nodes_time_and_the_refinements_are_exported():
     assert "ferry_worker_host_decode_share_on" not in text  # no guard: hybrid asked for
 
 
+def test_the_host_nodes_calls_are_exported_by_wall_time():
+    decode = {"experts": 9, "pairs": 11, "costs_ns": [1, 2, 3, 4], "busy_ns": 900_000, "busy_calls": 6,
+              "busy_ns_per_expert": 100_000, "refinements": 0,
+              "busy_hist": {"bounds_s": [50e-6, 100e-6, 200e-6], "counts": [1, 0, 3, 2]}}  # fmt: skip
+    text = scrape({**REPORT, "host_decode": decode})
+    assert 'ferry_worker_host_node_call_seconds_bucket{le="5e-05"} 1.0' in text
+    assert 'ferry_worker_host_node_call_seconds_bucket{le="0.0002"} 4.0' in text  # cumulative
+    assert 'ferry_worker_host_node_call_seconds_bucket{le="+Inf"} 6.0' in text
+    assert "ferry_worker_host_node_call_seconds_count 6.0" in text
+    assert "ferry_worker_host_node_call_seconds_sum 0.0009" in text
+
+
 def test_autos_guard_says_whether_the_decode_share_is_on():
     decode = {"experts": 9, "pairs": 11, "costs_ns": [1, 2, 3, 4], "busy_ns": 1, "busy_calls": 1,
               "busy_ns_per_expert": 1, "refinements": 0}  # fmt: skip
@@ -43,6 +55,16 @@ def test_autos_guard_says_whether_the_decode_share_is_on():
         text = scrape({**REPORT, "host_decode": {**decode, "guard": guard}})
         assert f"ferry_worker_host_decode_share_on {0.0 if scale is None else 1.0}" in text
         assert f"ferry_worker_host_decode_price_scale {scale or 0.0}" in text
+
+
+def test_how_decode_layers_reach_the_host_is_exported():
+    decode = {"experts": 9, "pairs": 11, "costs_ns": [1, 2, 3, 4], "busy_ns": 1, "busy_calls": 1,
+              "busy_ns_per_expert": 1, "refinements": 0}  # fmt: skip
+    for handoff, layers in (("poll", 480), ("node", 0)):
+        text = scrape({**REPORT, "host_decode": {**decode, "handoff": handoff, "polled_layers": layers}})
+        assert f"ferry_worker_host_decode_polled {1.0 if handoff == 'poll' else 0.0}" in text
+        assert f"ferry_worker_host_decode_polled_layers_total {float(layers)}" in text
+    assert "ferry_worker_host_decode_polled" not in scrape({**REPORT, "host_decode": decode})
 
 
 def test_without_a_host_share_there_is_no_host_series():

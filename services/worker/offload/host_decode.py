@@ -19,7 +19,9 @@ Per layer, inside the step's CUDA graph (no host round trip; the split is decide
 Why a host node rather than an event-driven hand-off to a Python thread: the decode step is one graph
 replay, and a host node keeps it one; the C function runs without Python or the GIL, so the worker's
 own thread stays free to launch the next step (scheduling ahead). CUDA runs host nodes one at a time
-on its callback thread: one layer's share at a time, which is what the step needs.
+on its callback thread: one layer's share at a time, which is what the step needs. The same C function
+can instead be handed its layers by a polled word in pinned memory, written and waited on by the graph's
+stream memory operations (host_handoff.py: `use_poll`, FERRY_HOST_HANDOFF), without the driver's round trip.
 
 With the next-layer prefetch on, the prefetch of layer L+1 already leaves the host its share of the
 predicted experts (kernels/expert_cache_lookup.py, HAS_HOST): copying them ahead would spend the link on
@@ -45,6 +47,7 @@ import torch
 
 from ferry.kernels.expert_host_handoff import hand_to_host
 from ferry.services.worker.offload.host_expert_kernel import ERRORS, HostKernel, Job
+from ferry.services.worker.offload.host_handoff import Poller
 from ferry.services.worker.offload.share_guard import ShareGuard
 
 log = structlog.get_logger("worker.offload")
@@ -61,6 +64,8 @@ REFINE_MAX_PAIRS_PER_EXPERT = 1.25
 # the host nothing, a second being more than any layer's copies
 OFF_PRICE_NS = 10**9
 
+NODE_HIST = 9  # FERRY_NODE_HIST (host_node.h): buckets of a host node's wall time, the last unbounded
+
 HOST_NODE_ERRORS = {**ERRORS, -4: "host pairs out of range (the device listed a token or expert past the buffers)"}
 
 
@@ -68,9 +73,10 @@ class HostNodeTask(ctypes.Structure):
     """ferry_host_node_task (kernels/host_experts_c/host_node.h)."""
 
     _fields_ = [("kernel", ctypes.c_void_p), ("job", Job), ("meta", ctypes.c_void_p), ("num_experts", ctypes.c_int64),
-                ("max_tokens", ctypes.c_int64), ("max_pairs", ctypes.c_int64), ("status", ctypes.c_int64),
+                ("max_tokens", ctypes.c_int64), ("max_pairs", ctypes.c_int64), ("pin_caller", ctypes.c_int64),
+                ("status", ctypes.c_int64),
                 ("calls", ctypes.c_int64), ("pairs", ctypes.c_int64), ("busy_ns", ctypes.c_int64),
-                ("busy_calls", ctypes.c_int64)]  # fmt: skip
+                ("busy_calls", ctypes.c_int64), ("busy_hist", ctypes.c_int64 * NODE_HIST)]  # fmt: skip
 
 
 @functools.cache
@@ -152,9 +158,31 @@ class HostDecodeShare:
                       inter=kernel.inter, x=self._x.data_ptr(), n_pairs=0, pair_token=p.pair_token.data_ptr(),
                       pair_expert=p.pair_expert.data_ptr(), pair_weight=p.pair_weight.data_ptr(), w13=w13, w2=w2,
                       out=self._out.data_ptr())  # fmt: skip
+            # pin_caller: on CUDA the driver's callback thread runs the nodes and nothing else, so it takes the
+            # pool's caller CPU (thread_pool.c); on CPU the nodes run on the caller's own thread
             self.tasks.append(HostNodeTask(kernel=kernel.handle, job=job, meta=p.meta.data_ptr(),
-                                           num_experts=num_experts, max_tokens=max_tokens, max_pairs=self.max_pairs))  # fmt: skip
+                                           num_experts=num_experts, max_tokens=max_tokens, max_pairs=self.max_pairs,
+                                           pin_caller=int(self._cuda)))  # fmt: skip
         self._node = ctypes.cast(kernel.lib.ferry_host_node, ctypes.c_void_p).value
+        self.poller: Poller | None = None  # the polled hand-off's thread (use_poll), None: host nodes
+
+    @property
+    def handoff(self) -> str:
+        """How layers reach the host: `node` (a graph host node) or `poll` (host_handoff.py)."""
+        return "node" if self.poller is None else "poll"
+
+    def use_poll(self) -> None:
+        """Hand layers over by polling from now on (graphs captured before keep their host nodes)."""
+        if self.poller is None:  # the thread holds what its tasks point at until it has stopped
+            self.poller = Poller(self.kernel.lib, self.tasks, self._cuda,
+                                 keep=(self.kernel, self._x, self._out, self.pinned))  # fmt: skip
+
+    def use_node(self) -> None:
+        """Hand layers over by host nodes from now on; the polling thread, if any, stops (graphs captured with
+        it must be gone: boot chooses before it captures the decode graphs)."""
+        if self.poller is not None:
+            self.poller.close()
+            self.poller = None
 
     @property
     def costs_ns(self) -> tuple[int, int, int, int]:
@@ -202,9 +230,12 @@ class HostDecodeShare:
                      self.costs, self.dev)  # fmt: skip
         host_rows = torch.empty(t, self.kernel.hidden, dtype=torch.float32, device=x.device)
         task = ctypes.addressof(self.tasks[layer])
-        if not self._cuda:  # the interpreter's path: the same C function, now
+        if not self._cuda:  # the interpreter's path: the same C function, now (polled: the GPU's part played here)
             self._to_pinned(x, t)
-            self.kernel.lib.ferry_host_node(task)
+            if self.poller is not None:
+                self.poller.play_on_host(layer)
+            else:
+                self.kernel.lib.ferry_host_node(task)
             host_rows.copy_(self._out[:t])
             return Handed(host_rows, None)
         compute = torch.cuda.current_stream(self.device)
@@ -213,9 +244,12 @@ class HostDecodeShare:
         self._stream.wait_event(ready)
         with torch.cuda.stream(self._stream):
             self._to_pinned(x, t)
-            err = _launch_host_func()(self._stream.cuda_stream, self._node, task)
-            if err:
-                raise RuntimeError(f"cuLaunchHostFunc failed with CUDA error {err}")
+            if self.poller is not None:
+                self.poller.hand_over(self._stream.cuda_stream, layer)
+            else:
+                err = _launch_host_func()(self._stream.cuda_stream, self._node, task)
+                if err:
+                    raise RuntimeError(f"cuLaunchHostFunc failed with CUDA error {err}")
             host_rows.copy_(self._out[:t], non_blocking=True)
         done = torch.cuda.Event()
         done.record(self._stream)
@@ -251,6 +285,13 @@ class HostDecodeShare:
     def busy(self) -> tuple[int, int]:
         """(ns, calls) the host nodes spent computing pairs since boot, as the C function times them."""
         return sum(t.busy_ns for t in self.tasks), sum(t.busy_calls for t in self.tasks)
+
+    def busy_histogram(self) -> tuple[list[float], list[int]]:
+        """Those calls by wall time since boot: (the buckets' upper bounds in seconds, the calls in each, one
+        more than the bounds: the last is every call past the last bound)."""
+        bounds = (ctypes.c_int64 * (NODE_HIST - 1))()
+        self.kernel.lib.ferry_host_node_hist_bounds(bounds)
+        return [b / 1e9 for b in bounds], [sum(t.busy_hist[i] for t in self.tasks) for i in range(NODE_HIST)]
 
     def observe_step(self, now: float, decode_tokens: int | None) -> None:
         """A finished step, for auto's guard (share_guard.py): `now` its end (monotonic seconds),
@@ -298,17 +339,21 @@ class HostDecodeShare:
         guard = None if self.guard is None else {"share_on": self.guard.share_on, "scale": self.guard.scale,
                                                  "exploring": self.guard.exploring,
                                                  "decisions": self.guard.decisions[-4:]}  # fmt: skip
+        bounds_s, counts = self.busy_histogram()
         return {"experts": self.handed_experts, "pairs": self.handed_pairs, "costs_ns": list(self._costs_ns),
                 "price_ns": list(self._price_ns),
                 "busy_ns": ns, "busy_calls": calls, "busy_ns_per_expert": round(per_expert),
-                "refinements": self.refinements, "guard": guard}  # fmt: skip
+                "busy_hist": {"bounds_s": bounds_s, "counts": counts},
+                "refinements": self.refinements, "guard": guard, "handoff": self.handoff,
+                "polled_layers": self.poller.rounds() if self.poller is not None else 0}  # fmt: skip
 
 
 def calibrate_handoff(share: HostDecodeShare, cache, repeats: int = 20) -> float:
-    """Seconds of one layer's hand-off with nothing for the host (the kernel, the copies, the host node,
-    the copy back and the fold), as a one-token decode graph replays it: 8 in one captured graph, so its
-    launch and the wait for it are not counted as the hand-off's. Uses its own lookup outputs with no
-    misses, so the cache's maps are untouched. The host's own wake-up is in its per-expert cost."""
+    """Seconds of one layer's hand-off with nothing for the host (the kernel, the copies, the host node or
+    the polled round trip, the copy back and the fold), as a one-token decode graph replays it: 8 in one
+    captured graph, so its launch and the wait for it are not counted as the hand-off's. Uses its own
+    lookup outputs with no misses, so the cache's maps are untouched. The host's own wake-up is in its
+    per-expert cost."""
     k, dev = share.top_k, share.device
     ids = torch.zeros(1, k, dtype=torch.int64, device=dev)
     weights = torch.zeros(1, k, dtype=torch.float32, device=dev)
@@ -328,11 +373,22 @@ def calibrate_handoff(share: HostDecodeShare, cache, repeats: int = 20) -> float
         for _ in range(chained):
             once()
 
+    def settled() -> None:  # the device idle again, waited for alike in both hand-offs (an event spun on)
+        if not share._cuda:
+            return
+        reached = torch.cuda.Event()
+        reached.record()
+        if share.poller is not None:  # a polled round unanswered must not hang boot
+            share.poller.wait_or_release(reached)
+        else:
+            while not reached.query():
+                pass
+
     chained = 8
     saved = share.dev.totals.clone()
     if share._cuda:
         once()  # compile the kernel outside the capture
-        torch.cuda.synchronize()
+        settled()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             chain()
@@ -343,8 +399,7 @@ def calibrate_handoff(share: HostDecodeShare, cache, repeats: int = 20) -> float
     for _ in range(repeats):
         t0 = time.perf_counter()
         run()
-        if share._cuda:
-            torch.cuda.synchronize()
+        settled()
         times.append(time.perf_counter() - t0)
     share.dev.totals.copy_(saved)
     return statistics.median(times) / chained

@@ -18,7 +18,12 @@ FERRY_HOST_KERNEL_ISA=portable|avx512|auto picks the rows' instruction set (the 
 FERRY_HOST_KERNEL_PREFETCH=N (bytes, default 4096; 0: none) has the AVX-512 rows ask the CPU for the weights
 N bytes ahead of those they multiply: a server core's hardware prefetcher stops at each 4 KiB page, which a
 bf16 row of 2,048 values fills; on the H200's host plain and packed banks read 7-25 % faster so, nvfp4 (bound
-by its decode) the same; bench/cpu_expert_bw.py --prefetch measures it (bench/NOTES.md)."""
+by its decode) the same; bench/cpu_expert_bw.py --prefetch measures it (bench/NOTES.md).
+FERRY_HOST_POOL_SPIN_US=N (default 50) is how long the pool's idle workers spin before they sleep.
+
+The pool's threads run on `cpus` in order (plan/expert_backend.chosen_host_cpus): the first is the caller's,
+taken only by a thread that runs nothing but the pool's calls (a decode graph's host nodes on the CUDA
+driver's thread, or the polling thread: host_decode.py), the rest the started workers'."""
 
 from __future__ import annotations
 
@@ -35,6 +40,11 @@ LIBRARY_MODULE = "ferry.kernels._host_experts_c"
 ISA_ENV = "FERRY_HOST_KERNEL_ISA"
 PREFETCH_ENV = "FERRY_HOST_KERNEL_PREFETCH"
 DEFAULT_PREFETCH_BYTES = 4096  # a row ahead: 7-25 % faster on plain and packed banks on the H200's host (bench/NOTES.md)
+SPIN_ENV = "FERRY_HOST_POOL_SPIN_US"
+# an idle worker's spin before it sleeps: past it, the next call wakes it by a futex. Longer lost on the 2-core
+# EPYC with a busy process on the workers' core (bench/NOTES.md); on cores of their own it is measured by
+# FERRY_HOST_POOL_SPIN_US=N (a decode step's layers come ~0.3-0.7 ms apart)
+DEFAULT_SPIN_US = 50
 ISAS = {"auto": 0, "portable": 1, "avx512": 2}  # enum ferry_isa (expert_job.h)
 F32, BF16, FP8_BLOCK, NVFP4, PACKED = range(5)  # enum ferry_format
 ACTS = {torch.float32: 0, torch.bfloat16: 1}  # enum ferry_act: the compute dtypes the kernel has
@@ -75,6 +85,43 @@ def library_path() -> str | None:
     return spec.origin if spec is not None and spec.origin else None
 
 
+# every entry point's (argtypes, restype), bound by `bind`
+SIGNATURES = {
+    "ferry_host_isa_available": ([ctypes.c_int], ctypes.c_int),
+    "ferry_host_kernel_create": ([ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.c_int], ctypes.c_void_p),
+    "ferry_host_kernel_pinned": ([ctypes.c_void_p], ctypes.c_int),
+    "ferry_host_kernel_set_prefetch": ([ctypes.c_void_p, ctypes.c_int64], None),
+    "ferry_host_kernel_set_spin": ([ctypes.c_void_p, ctypes.c_int64], None),
+    "ferry_host_kernel_pin_caller": ([ctypes.c_void_p], ctypes.c_int),
+    "ferry_host_kernel_caller_pinned": ([ctypes.c_void_p], ctypes.c_int),
+    "ferry_host_kernel_destroy": ([ctypes.c_void_p], None),
+    "ferry_host_kernel_compute": ([ctypes.c_void_p, ctypes.POINTER(Job)], ctypes.c_int),
+    "ferry_host_decode_packed": ([ctypes.POINTER(Family), ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                  ctypes.c_void_p], ctypes.c_int),  # fmt: skip
+    "ferry_host_node": ([ctypes.c_void_p], None),  # host_node.h: a decode layer's host share (host_decode.py)
+    "ferry_host_node_hist_bounds": ([ctypes.POINTER(ctypes.c_int64)], None),
+    # host_poller.h: the same share handed over by polling (host_decode.py, FERRY_HOST_HANDOFF)
+    "ferry_poller_create": ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64], ctypes.c_void_p),
+    "ferry_poller_destroy": ([ctypes.c_void_p], None),
+    "ferry_poller_rounds": ([ctypes.c_void_p], ctypes.c_int64),
+    "ferry_poll_flags_size": ([], ctypes.c_ulong),
+}
+
+
+def bind(lib: ctypes.CDLL) -> list[str]:
+    """Give `lib`'s entry points their signatures; returns the names it lacks (a build of other sources:
+    bench/host_pool_contention.py times one)."""
+    missing = []
+    for name, (argtypes, restype) in SIGNATURES.items():
+        try:
+            fn = getattr(lib, name)
+        except AttributeError:
+            missing.append(name)
+            continue
+        fn.argtypes, fn.restype = argtypes, restype
+    return missing
+
+
 @functools.cache
 def library() -> tuple[ctypes.CDLL | None, str]:
     """(the loaded library, "") or (None, why not): loaded once a process."""
@@ -85,23 +132,9 @@ def library() -> tuple[ctypes.CDLL | None, str]:
         lib = ctypes.CDLL(path)  # CDLL, not PyDLL: every call releases the GIL
     except OSError as e:
         return None, f"{path} failed to load: {e}"
-    lib.ferry_host_isa_available.argtypes = [ctypes.c_int]
-    lib.ferry_host_isa_available.restype = ctypes.c_int
-    lib.ferry_host_kernel_create.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.c_int]
-    lib.ferry_host_kernel_create.restype = ctypes.c_void_p
-    lib.ferry_host_kernel_pinned.argtypes = [ctypes.c_void_p]
-    lib.ferry_host_kernel_pinned.restype = ctypes.c_int
-    lib.ferry_host_kernel_set_prefetch.argtypes = [ctypes.c_void_p, ctypes.c_int64]
-    lib.ferry_host_kernel_set_prefetch.restype = None
-    lib.ferry_host_kernel_destroy.argtypes = [ctypes.c_void_p]
-    lib.ferry_host_kernel_destroy.restype = None
-    lib.ferry_host_kernel_compute.argtypes = [ctypes.c_void_p, ctypes.POINTER(Job)]
-    lib.ferry_host_kernel_compute.restype = ctypes.c_int
-    lib.ferry_host_decode_packed.argtypes = [ctypes.POINTER(Family), ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
-                                             ctypes.c_int64, ctypes.c_void_p]  # fmt: skip
-    lib.ferry_host_decode_packed.restype = ctypes.c_int
-    lib.ferry_host_node.argtypes = [ctypes.c_void_p]  # host_node.h: a decode layer's host share (host_decode.py)
-    lib.ferry_host_node.restype = None
+    missing = bind(lib)
+    if missing:
+        return None, f"{path} lacks {', '.join(missing)}: it was built from other sources (pip install rebuilds it)"
     return lib, ""
 
 
@@ -116,17 +149,28 @@ def resolve_isa(isa: str | None) -> str:
     return isa
 
 
+def _whole_setting(value: int | None, env: str, default: int, what: str, unit: str) -> int:
+    """`value`, else the environment's `env`, else `default`: a whole number of `unit`, 0 or more."""
+    if value is None:
+        raw = os.environ.get(env, "").strip()
+        try:
+            value = int(raw) if raw else default
+        except ValueError:
+            raise ValueError(f"{env} must be a whole number of {unit}, got {raw!r}") from None
+    if value < 0:
+        raise ValueError(f"{what} must be 0 or more {unit}, got {value} ({env})")
+    return value
+
+
 def resolve_prefetch(prefetch: int | None) -> int:
     """The rows' prefetch distance in bytes: `prefetch`, else FERRY_HOST_KERNEL_PREFETCH, else the default."""
-    if prefetch is None:
-        raw = os.environ.get(PREFETCH_ENV, "").strip()
-        try:
-            prefetch = int(raw) if raw else DEFAULT_PREFETCH_BYTES
-        except ValueError:
-            raise ValueError(f"{PREFETCH_ENV} must be a whole number of bytes, got {raw!r}") from None
-    if prefetch < 0:
-        raise ValueError(f"the host kernel's prefetch distance must be 0 or more bytes, got {prefetch} ({PREFETCH_ENV})")
-    return prefetch
+    return _whole_setting(prefetch, PREFETCH_ENV, DEFAULT_PREFETCH_BYTES, "the host kernel's prefetch distance", "bytes")
+
+
+def resolve_spin_us(spin_us: int | None) -> int:
+    """How long the pool's idle workers spin before they sleep, in µs: `spin_us`, else FERRY_HOST_POOL_SPIN_US,
+    else the default."""
+    return _whole_setting(spin_us, SPIN_ENV, DEFAULT_SPIN_US, "the host pool's spin", "µs")
 
 
 def _family(rows: torch.Tensor, out_rows: int, cols: int, part_rows: int, layout=None) -> Family:
@@ -210,13 +254,16 @@ def check_call(banks, dtype: torch.dtype, moe_layer: int, x: torch.Tensor, token
 
 
 class HostKernel:
-    """The C kernel over one set of host banks, computing in `dtype` on `threads` threads (its own pool),
-    the started ones pinned to `cpus` (thread_pool.c; empty: unpinned); `pinned` says how many were;
-    `prefetch`: the rows' prefetch distance in bytes (default: FERRY_HOST_KERNEL_PREFETCH, else none)."""
+    """The C kernel over one set of host banks, computing in `dtype` on `threads` threads (its own pool) on
+    `cpus`, the caller's first, then the started workers' (thread_pool.c; empty: unpinned); `pinned` says how
+    many started workers were pinned, `caller_pinned` whether a caller was (1, an errno, or 0 before any asked);
+    `prefetch`: the rows' prefetch distance in bytes (default: FERRY_HOST_KERNEL_PREFETCH, else 4096);
+    `spin_us`: the idle workers' spin (default: FERRY_HOST_POOL_SPIN_US, else 50); `lib`: a loaded build of the
+    library other than this tree's (`bind` given it its signatures), by default `library()`."""
 
     def __init__(self, banks, dtype: torch.dtype, threads: int, isa: str | None = None, cpus: Sequence[int] = (),
-                 prefetch: int | None = None):  # fmt: skip
-        lib, why = library()
+                 prefetch: int | None = None, spin_us: int | None = None, lib: ctypes.CDLL | None = None):  # fmt: skip
+        lib, why = (lib, "") if lib is not None else library()  # `lib`: another build, bound (a bench's)
         if lib is None:
             raise KernelUnavailable(why)
         if dtype not in ACTS:
@@ -240,6 +287,18 @@ class HostKernel:
         self.pinned = lib.ferry_host_kernel_pinned(self.handle)
         self._destroy = weakref.finalize(self, lib.ferry_host_kernel_destroy, self.handle)  # joins its threads
         self.set_prefetch(resolve_prefetch(prefetch))
+        self.set_spin(resolve_spin_us(spin_us))
+
+    def set_spin(self, spin_us: int) -> None:
+        """How long the pool's idle threads spin before they sleep, from their next wait on."""
+        self.spin_us = resolve_spin_us(spin_us)
+        self.lib.ferry_host_kernel_set_spin(self.handle, self.spin_us * 1000)
+
+    @property
+    def caller_pinned(self) -> int:
+        """1 once a caller thread (a host node's, the poller's) was pinned to cpus[0], an errno where the OS
+        refused, 0 before any asked (or with no CPUs)."""
+        return self.lib.ferry_host_kernel_caller_pinned(self.handle)
 
     def set_prefetch(self, nbytes: int) -> None:
         """The rows' prefetch distance from the next call on (between calls: a decode graph's host nodes

@@ -73,8 +73,8 @@ class HostExperts:
     `decode_chunk`: values a decoding pass covers (host_expert_weights.py; the tests cross chunk edges);
     `kernel`: auto | c | torch (module docstring; `c` raises KernelUnavailable where it cannot);
     `isa`: the C kernel's instruction set, auto | avx512 | portable (default: FERRY_HOST_KERNEL_ISA, else auto);
-    `cpus`: where the C kernel's started threads are pinned (plan/expert_backend.chosen_host_cpus; the
-    torch path's threads are torch's own and stay unpinned)."""
+    `cpus`: the C kernel's threads' CPUs, the caller's first, then its started workers'
+    (plan/expert_backend.chosen_host_cpus; the torch path's threads are torch's own and stay unpinned)."""
 
     def __init__(self, banks, dtype: torch.dtype, threads: int, decode_chunk: int = DECODE_CHUNK,
                  kernel: str = "auto", isa: str | None = None, cpus: Sequence[int] = ()):  # fmt: skip

@@ -221,10 +221,11 @@ def check_host_decode_kernel() -> None:
     assert sum(restored) > 0, restored  # and some handed slots went back to what they held
 
 
-def check_host_decode() -> None:
+def check_host_decode(poll: bool = False) -> None:
     """Decode steps with the host computing all but one of each layer's missed experts (host_decode.py,
-    through the C host node): the same rows as the all-resident store in float32, with prefills streamed
-    between them; what crosses PCIe is counted without the host's experts."""
+    through the C host node, or with `poll` through the polling thread, host_handoff.py): the same rows as
+    the all-resident store in float32, with prefills streamed between them; what crosses PCIe is counted
+    without the host's experts."""
     from ferry.services.worker.offload.host_decode import HostDecodeShare
     from ferry.services.worker.offload.host_expert_kernel import HostKernel
 
@@ -243,6 +244,8 @@ def check_host_decode() -> None:
     # a copy costs 1000 ns, the host nothing: of m misses the host takes m - 1
     store.host_decode = HostDecodeShare(HostKernel(banks, torch.float32, threads=2), (1000, 1, 0, 0), max_tokens=8,
                                         top_k=2, num_experts=6, device="cpu")  # fmt: skip
+    if poll:
+        store.host_decode.use_poll()
     for tokens, real in ((1, 1), (4, 4), (3, 2), (40, 40), (1, 1), (4, 3), (2, 2), (1, 1)):
         for layer in range(layers):
             x, ids, w = random_routing(spec, tokens, g)
@@ -257,6 +260,13 @@ def check_host_decode() -> None:
         store.end_step()
     handed = store.report()["host_decode"]
     assert handed["experts"] > 0 and handed["pairs"] >= handed["experts"], handed
+    # every decode layer (the 40-token steps stream instead) was handed over the chosen way
+    assert handed["handoff"] == ("poll" if poll else "node") and (handed["polled_layers"] == 7 * layers) == poll
+    # boot's measure of a hand-off with nothing for the host, the chosen way, leaves the counts as they were
+    from ferry.services.worker.offload.host_decode import calibrate_handoff
+
+    assert calibrate_handoff(store.host_decode, store.cache, repeats=2) > 0
+    assert store.report()["host_decode"]["experts"] == handed["experts"]
     # a handed miss gives its slot back to what the lookup evicted for it: the slots stay full
     assert int((store.cache.snapshot()["layer_of_slot"] >= 0).sum()) == 7
     total = store.stats.total
@@ -381,10 +391,71 @@ def check_windowed_chunks() -> None:
         device_store.grouped_expert_rows_triton = kernel
 
 
+def check_streamed_launches() -> None:
+    """What a streamed prefill's MoE layer launches on the Triton path (the device's kernels, counted on the
+    host): a prefill step of a small model is bound by the host's launches (bench/NOTES.md, issue 23's warm
+    step), so the layer's two alignments take four Triton launches each (kernels/align_pairs.py), not ~40
+    torch calls, and the torch calls left between the kernels are the padding mask and the staged positions."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from triton.runtime import interpreter
+
+    no_launch = {"view", "_unsafe_view", "slice", "select", "unsqueeze", "squeeze", "expand", "t", "transpose",
+                 "permute", "as_strided", "alias", "detach", "split", "split_with_sizes", "unbind", "lift_fresh",
+                 "empty", "empty_like", "empty_strided", "_reshape_alias", "reshape"}  # fmt: skip
+
+    class TorchLaunches(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            frame, name = sys._getframe(1), func.overloadpacket.__name__
+            while frame is not None and "triton/runtime/interpreter" not in frame.f_code.co_filename:
+                frame = frame.f_back
+            if name not in no_launch and frame is None:  # not the interpreter's own tensor work
+                self.ops.append(name)
+            return func(*args, **(kwargs or {}))
+
+    kernels: list[str] = []
+    run = interpreter.InterpretedFunction.run
+
+    def counted(self, *args, **kwargs):
+        kernels.append(self.fn.__name__)
+        return run(self, *args, **kwargs)
+
+    spec = tiny_spec(layers=2, experts=6, top_k=2, hidden=32, inter=16)
+    store = DeviceDrivenExperts(slot_pool(spec, 7, max_step_tokens=600), HostBanks.for_model(spec, "float32", progress=False),
+                                LRUExpertPolicy(2, 6, 7), "cpu", prefetch=False, pipeline_chunks=2)  # fmt: skip
+    for (layer, e), weights in random_experts(spec, 7).items():
+        store.load_expert(layer, e, *weights)
+    store.preload()
+    g = torch.Generator().manual_seed(5)
+    interpreter.InterpretedFunction.run = counted
+    try:
+        for _ in range(2):  # the second step's layers: the compile-once work of the first is behind
+            for layer in range(2):
+                x, ids, w = random_routing(spec, 40, g)
+                torch_launches, kernels[:] = TorchLaunches(), []
+                with torch_launches:
+                    store.forward(layer, x, ids, w, n_rows=torch.tensor([40], dtype=torch.int32))
+            store.stats_to_host()
+            store.end_step()
+    finally:
+        interpreter.InterpretedFunction.run = run
+    staged = store._staged_count[1]
+    assert staged > 0, "the last layer streamed nothing: the check would count nothing"
+    alignment = [k for k in kernels if k in ("_count_kernel", "_column_kernel", "_prefix_kernel", "_scatter_kernel")]
+    assert len(alignment) == 8, kernels  # the hits' alignment and the staged experts', four launches each
+    assert len(torch_launches.ops) <= 6 and not {"sort", "cumsum", "scatter_", "searchsorted"} & set(torch_launches.ops), \
+        torch_launches.ops
+
+
 CHECKS = {"store": check, "device-driven-float32": lambda: check_device_driven("float32"),
           "device-driven-bfloat16": lambda: check_device_driven("bfloat16"), "host-share": check_host_share,
           "host-decode-kernel": check_host_decode_kernel, "host-decode": check_host_decode,
-          "lent-slots": check_lent_slots, "windowed-chunks": check_windowed_chunks}
+          "host-decode-poll": lambda: check_host_decode(poll=True),
+          "lent-slots": check_lent_slots, "windowed-chunks": check_windowed_chunks,
+          "streamed-launches": check_streamed_launches}
 
 if __name__ == "__main__":  # argv[1]: one of CHECKS (the test runs each in its own process, side by side under xdist)
     import structlog

@@ -109,7 +109,7 @@ def test_mismatched_parts_are_refused():
 
 
 INTERPRETED_CHECKS = ["store", "device-driven-float32", "device-driven-bfloat16", "host-share", "host-decode-kernel",
-                      "host-decode", "lent-slots", "windowed-chunks"]
+                      "host-decode", "host-decode-poll", "lent-slots", "windowed-chunks", "streamed-launches"]
 
 
 def test_every_check_of_the_interpreted_script_runs():

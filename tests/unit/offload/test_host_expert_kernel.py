@@ -13,11 +13,13 @@ float16, packed banks of odd shapes) HostExperts keeps the torch path and logs w
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
 from structlog.testing import capture_logs
 
+from ferry.plan.expert_backend import pool_thread_cpus
 from ferry.services.worker.expert_formats.fp8_block import Fp8BlockExperts
 from ferry.services.worker.expert_formats.nvfp4 import Nvfp4Experts
 from ferry.services.worker.offload import host_expert_kernel as K
@@ -166,6 +168,58 @@ def test_no_pairs_give_zeros_and_the_pairs_sum_in_order(banks_of, isa):
 
 
 @needs_library
+@pytest.mark.parametrize("isa", isas())
+@pytest.mark.parametrize("fmt", ("bf16", "fp8-block", "nvfp4"))
+def test_the_threads_split_changes_no_bit(banks_of, fmt, isa):
+    """The pool's threads claim the work item by item (thread_pool.c), whichever comes first: each
+    output row's sums run in one order however the items fall, so 1, 2, 5 and 9 threads (more than
+    this machine's cores: workers preempted, woken late, claiming nothing) give the same bits, over
+    several hundred calls back to back of 0 to 21 tokens, some with no pair at all, where a worker
+    still looking at an ended call must claim none of the next."""
+    banks = banks_of(fmt, _shapes(fmt)[1])
+    g = torch.Generator().manual_seed(11)
+    calls = []
+    for i in range(240):
+        tokens = int(torch.randint(1, 22, (1,), generator=g))
+        x = torch.randn(tokens, banks.hidden_size, generator=g).bfloat16()
+        pairs = [] if i % 17 == 5 else pairs_for(tokens, i)
+        calls.append((i % LAYERS, x, pairs))
+    want = None
+    for threads in (1, 2, 5, 9):
+        host = HostExperts(banks, torch.bfloat16, threads=threads, kernel="c", isa=isa)
+        try:
+            got = [host.compute(layer, x, pairs).view(torch.int32) for layer, x, pairs in calls]
+        finally:
+            host.close()
+        if want is None:
+            want = got
+            continue
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert torch.equal(a, b), (threads, i)
+
+
+@needs_library
+@pytest.mark.parametrize("hidden", [8, 40, 1000])
+def test_every_output_row_is_computed_whatever_the_blocks(hidden):
+    """Phase 1's blocks of output rows are cut from the hidden size and the threads (16 rows or a multiple, a
+    last block short): at hidden sizes of one block, a few and many, with more threads than blocks,
+    every row of every token is the torch path's."""
+    banks = HostBanks.allocate(1, 3, hidden, 24, torch.float32, pin=False, progress=False)
+    g = torch.Generator().manual_seed(hidden)
+    banks.w13[0].copy_(torch.randn(banks.w13[0].shape, generator=g) * hidden**-0.5)
+    banks.w2[0].copy_(torch.randn(banks.w2[0].shape, generator=g) * 24**-0.5)
+    x = torch.randn(3, hidden, generator=g)
+    pairs = [(0, 0, 0.5), (1, 2, 1.0), (2, 1, 0.25), (0, 1, -0.75)]
+    want = HostExperts(banks, torch.float32, threads=1, kernel="torch").compute(0, x, pairs)
+    for threads in (1, 4, 7):
+        host = HostExperts(banks, torch.float32, threads=threads, kernel="c", isa="portable")
+        got = host.compute(0, x, pairs)
+        host.close()
+        assert got.abs().min(dim=1).values.gt(0).all()  # no row left at the zeros it starts from
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
+
+
+@needs_library
 def test_the_isa_comes_from_the_environment_and_a_bad_one_is_refused(banks_of, monkeypatch):
     monkeypatch.setenv(K.ISA_ENV, "portable")
     host = HostExperts(banks_of("bf16", "even"), torch.bfloat16, threads=1)
@@ -276,6 +330,13 @@ def test_banks_the_kernel_lacks_keep_the_torch_path():
             HostExperts(banks, dtype, threads=1, kernel="c")
 
 
+def _thread_state(tid: int) -> str:
+    """A thread of this process's scheduler state: R running, S asleep (/proc's stat, after the name)."""
+    import pathlib
+
+    return pathlib.Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
 def _thread_cpus() -> dict[int, str]:
     """Each thread of this process: its Cpus_allowed_list."""
     import pathlib
@@ -306,7 +367,66 @@ def test_the_pools_started_threads_run_on_their_cpus_and_compute_the_same(banks_
     assert sorted(started.values()).count(str(allowed[-1])) >= 2, started
     assert torch.equal(host.compute(1, x, pairs), want)
     host.close()
+    if len(allowed) > 1:  # the list's first CPU is the caller's: the one started worker takes the second
+        before = set(_thread_cpus())
+        host = HostExperts(banks, torch.bfloat16, threads=2, kernel="c", cpus=[allowed[0], allowed[-1]])
+        started = [cpus for tid, cpus in _thread_cpus().items() if tid not in before]
+        assert pool_thread_cpus(2, [allowed[0], allowed[-1]])[1] == [allowed[-1]]
+        assert str(allowed[-1]) in started and str(allowed[0]) not in started, started
+        assert torch.equal(host.compute(1, x, pairs), want)
+        host.close()
     # a CPU the process may not run on: refused, the workers run unpinned and compute the same
     refused = HostExperts(banks, torch.bfloat16, threads=3, kernel="c", cpus=[max(allowed) + 4096])
     assert refused.c_kernel.pinned == 0 and torch.equal(refused.compute(1, x, pairs), want)
     refused.close()
+
+
+@needs_library
+def test_the_pools_spin_comes_from_the_environment_and_a_bad_one_is_refused(banks_of, monkeypatch):
+    banks = banks_of("bf16", "even")
+    x = torch.randn(2, banks.hidden_size).to(torch.bfloat16)
+    pairs = pairs_for(2, 3)
+    host = HostExperts(banks, torch.bfloat16, threads=3, kernel="c")
+    assert host.c_kernel.spin_us == K.DEFAULT_SPIN_US
+    want = host.compute(1, x, pairs)
+    host.close()
+    for spin in ("0", "2000"):  # never spinning, and spinning through a step: the same bits
+        monkeypatch.setenv(K.SPIN_ENV, spin)
+        host = HostExperts(banks, torch.bfloat16, threads=3, kernel="c")
+        assert host.c_kernel.spin_us == int(spin)
+        for _ in range(3):
+            assert torch.equal(host.compute(1, x, pairs), want)
+        host.close()
+    if os.path.isdir("/proc/self/task"):  # the spin is what the idle workers do: asleep at once, or running on
+        before = set(_thread_cpus())
+        host = HostExperts(banks, torch.bfloat16, threads=3, kernel="c")
+        workers = [tid for tid in _thread_cpus() if tid not in before]
+        for spin_us, state in ((0, "S"), (10_000_000, "R")):
+            host.c_kernel.set_spin(spin_us)
+            host.compute(1, x, pairs)  # the workers' next idle wait takes the new spin
+            host.compute(1, x, pairs)
+            time.sleep(0.05)
+            states = {_thread_state(tid) for tid in workers}
+            assert states == {state}, (spin_us, states)
+        host.c_kernel.set_spin(0)
+        host.compute(1, x, pairs)  # asleep again before they are joined
+        host.close()
+    for bad in ("50us", "-5"):
+        monkeypatch.setenv(K.SPIN_ENV, bad)
+        with pytest.raises(ValueError, match=K.SPIN_ENV):
+            HostExperts(banks, torch.bfloat16, threads=1, kernel="c")
+
+
+def test_a_build_lacking_entry_points_is_named_not_half_bound():
+    from types import SimpleNamespace
+
+    class Entry:  # stands in for a ctypes function: takes its signature as attributes
+        argtypes = restype = "unbound"
+
+    older = SimpleNamespace(ferry_host_kernel_compute=Entry(), ferry_host_node=Entry())
+    missing = K.bind(older)
+    assert "ferry_host_kernel_set_spin" in missing and "ferry_poller_create" in missing
+    assert "ferry_host_kernel_compute" not in missing and len(missing) == len(K.SIGNATURES) - 2
+    assert older.ferry_host_node.argtypes == K.SIGNATURES["ferry_host_node"][0]
+    if K.library()[0] is not None:  # this tree's build has every one
+        assert K.bind(K.library()[0]) == []

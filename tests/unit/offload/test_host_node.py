@@ -39,9 +39,18 @@ def test_the_host_node_computes_the_listed_pairs_as_the_kernel_does(fmt):
     assert share.tasks[1].calls == 1 and share.tasks[1].pairs == len(pairs)
     ns, calls = share.busy()  # both layers' calls computed pairs, and timed themselves
     assert calls == 2 and ns > 0
+    bounds, counts = share.busy_histogram()
+    assert bounds == [50e-6 * 2**i for i in range(8)] and sum(counts) == 2 and len(counts) == 9
     p.meta[1] = 0  # a layer that gave the host nothing: called, not timed
     kernel.lib.ferry_host_node(ctypes.addressof(share.tasks[0]))
-    assert share.tasks[0].calls == 2 and share.busy() == (ns, calls)
+    assert share.tasks[0].calls == 2 and share.busy() == (ns, calls) and share.busy_histogram()[1] == counts
+    p.meta[1] = len(pairs)  # one more: counted in the bucket its own time falls in
+    kernel.lib.ferry_host_node(ctypes.addressof(share.tasks[0]))
+    took = (share.busy()[0] - ns) / 1e9
+    (bucket,) = [i for i, (a, b) in enumerate(zip(share.busy_histogram()[1], counts)) if a != b]
+    edges = [0.0, *bounds, float("inf")]
+    assert edges[bucket] < took <= edges[bucket + 1]
+    assert share.report()["busy_hist"] == {"bounds_s": bounds, "counts": share.busy_histogram()[1]}
 
 
 @pytest.mark.parametrize("bad", [(0, 6), (3, 1), (-1, 0)])
@@ -217,3 +226,74 @@ def test_a_scale_leaves_the_cpu_backends_zero_price_at_zero():
     share._scale = 0.64
     share._apply()
     assert share.costs_ns == (100_000, 0, 0, 30_000) and share.costs.tolist() == [100_000, 0, 0, 30_000]
+
+
+def _affinity_after_node(*shares: HostDecodeShare, layer: int = 0) -> set[int]:
+    """Run layer `layer`'s node of each share on one thread of its own, as CUDA's driver runs them; that
+    thread's CPUs after."""
+    import os
+    import threading
+
+    seen = {}
+
+    def node():
+        for share in shares:
+            share.kernel.lib.ferry_host_node(ctypes.addressof(share.tasks[layer]))
+        seen["cpus"] = os.sched_getaffinity(0)  # 0: the calling thread
+
+    thread = threading.Thread(target=node)
+    thread.start()
+    thread.join()
+    return seen["cpus"]
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "sched_getaffinity"), reason="thread affinity is Linux's")
+def test_the_thread_that_runs_the_nodes_takes_the_callers_cpu_where_asked():
+    import os
+
+    allowed = sorted(os.sched_getaffinity(0))
+    banks = make_banks("bf16", 256, 160)
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    pairs = [(0, 4, 0.25), (1, 1, 0.5)]
+    want = HostKernel(banks, torch.bfloat16, threads=1).compute(0, x, pairs)
+
+    def share_on(cpus: list[int]) -> HostDecodeShare:
+        kernel = HostKernel(banks, torch.bfloat16, threads=2, cpus=cpus)
+        share = HostDecodeShare(kernel, (1, 1, 0, 0), max_tokens=4, top_k=2, num_experts=banks.num_experts,
+                                device="cpu")  # fmt: skip
+        p = share.pinned
+        for i, (t, e, w) in enumerate(pairs):
+            p.pair_token[i], p.pair_expert[i], p.pair_weight[i] = t, e, w
+        p.meta[0], p.meta[1] = 2, len(pairs)
+        share._x[:2] = x
+        return share
+
+    # on CPU the nodes run on the caller's own thread, which is never pinned (the tests', the worker's)
+    share = share_on([allowed[-1]])
+    assert share.tasks[0].pin_caller == 0
+    assert _affinity_after_node(share) == set(allowed) and share.kernel.caller_pinned == 0
+    # as on CUDA: the driver's thread takes cpus[0], once, and computes the same
+    for task in share.tasks:
+        task.pin_caller = 1
+    assert _affinity_after_node(share) == {allowed[-1]} and share.kernel.caller_pinned == 1
+    assert torch.equal(share._out[:2], want)
+    assert os.sched_getaffinity(0) == set(allowed)  # this thread untouched
+    if len(allowed) > 1:  # the list's first CPU, not another of it (the workers take the rest)
+        first = share_on([allowed[0], allowed[-1]])
+        first.tasks[0].pin_caller = 1
+        assert _affinity_after_node(first) == {allowed[0]} and first.kernel.caller_pinned == 1
+        assert torch.equal(first._out[:2], want)
+    # a thread that runs a second pool's nodes on the same CPU: asked once, both pools say pinned
+    other = share_on([allowed[-1]])
+    other.tasks[0].pin_caller = 1
+    assert _affinity_after_node(share, other) == {allowed[-1]} and other.kernel.caller_pinned == 1
+    # a CPU the process may not run on: refused (EINVAL), the thread runs where it was and computes the same
+    refused = share_on([max(allowed) + 4096])
+    refused.tasks[0].pin_caller = 1
+    assert _affinity_after_node(refused) == set(allowed) and refused.kernel.caller_pinned == 22
+    assert torch.equal(refused._out[:2], want)
+    refused.check()
+    # no CPUs at all: nothing to take
+    free = share_on([])
+    free.tasks[0].pin_caller = 1
+    assert _affinity_after_node(free) == set(allowed) and free.kernel.caller_pinned == 0

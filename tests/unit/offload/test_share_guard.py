@@ -163,3 +163,28 @@ def test_a_climb_held_at_the_most_host_turns_back_when_the_host_gets_busy():
 def test_buckets():
     assert [bucket_of(t) for t in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 4, 4, 8, 8, None]
     assert BUCKETS[-1] == 8
+
+
+def run_tail(guard: ShareGuard, steps: int, on_s, off_s: float, ahead: int = 2) -> None:
+    """Steps of the share's time on_s(k) (k: the step's index) or off_s, by the mode they were launched in."""
+    now, launched = 0.0, [guard.share_on] * ahead
+    for k in range(steps):
+        mode = launched.pop(0)
+        now += on_s(k) if mode else off_s
+        guard.step(now, 1)
+        launched.append(guard.share_on)
+
+
+def test_a_share_whose_tail_makes_it_slower_on_average_is_turned_off():
+    """6 ms steps with the share, but every third 20 ms (a mean of 10.7 ms), against 8 ms off: the median
+    says keep it, the served rate says it loses, and the rate is what decides."""
+    guard = ShareGuard(window=8, samples=32, hold=5000)
+    run_tail(guard, 600, lambda k: 0.020 if k % 3 == 0 else 0.006, off_s=0.008)
+    assert guard.decisions[0]["share_on"] is False and not guard.share_on, guard.decisions
+
+
+def test_a_lone_hiccup_does_not_turn_off_a_share_that_wins():
+    """One 0.4 s pause of the process among the share's samples (8 ms against 10 ms off) is left out."""
+    guard = ShareGuard(window=8, samples=32, hold=5000)
+    run_tail(guard, 600, lambda k: 0.4 if k == 40 else 0.008, off_s=0.010)
+    assert guard.decisions[0]["share_on"] is True and guard.share_on, guard.decisions
