@@ -4,7 +4,9 @@
 The client sends an untimed warm-up, a short prompt (the decode rate with an empty context), then the
 long one as token ids, streaming with `ignore_eos`. TTFT is the first chunk's arrival; prefill tokens/s is
 the prompt over TTFT; the decode after it is the long request's own continuation (every token attends to
-the whole prompt). The bounds beside them, for the plan the worker booted with (its boot log's `plan`
+the whole prompt), 144 tokens by default (the 35B's context leaves the issue's prompt 156), each rate
+given as the mean over them and as the median step (`_median_tok_s`: a few slow steps, such as the host
+share's guard trying a split, move the mean of so few tokens but not the median). The bounds beside them, for the plan the worker booted with (its boot log's `plan`
 line: the prefill chunk and the expert slots):
 
     compute: 2 FLOP a weight a prompt token (the dense layers, the k routed experts) + causal attention
@@ -88,6 +90,14 @@ def booted_plan(serve_log: Path) -> dict:
     raise ValueError(f"{serve_log}: no plan line: is it the log of `ferry serve`?")
 
 
+def _median_tok_s(run: dict) -> float | None:
+    """A streamed run's decode rate from its median wait between chunks (a chunk is a token but where the
+    server sent several at once: the mean tokens a chunk, over that wait)."""
+    if not run["median_gap_s"] or run["chunks"] < 2:
+        return None
+    return (run["tokens"] - 1) / (run["chunks"] - 1) / run["median_gap_s"]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base-url", required=True)
@@ -97,7 +107,8 @@ def main() -> int:
     p.add_argument("--metrics", default=None, help="the worker's /metrics URL (the expert bytes copied)")
     p.add_argument("--prompt-len", type=int, default=LONG_PROMPT)
     p.add_argument("--short-len", type=int, default=64)
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=144, help="decoded after each prompt (the 35B's 262,144 "
+                   "positions leave the issue's prompt 156)")  # fmt: skip
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
@@ -124,6 +135,8 @@ def main() -> int:
         "prompt_tokens": long["usage"].prompt_tokens if long["usage"] else args.prompt_len,
         "ttft_s": long["ttft_s"], "prefill_tok_s": args.prompt_len / long["ttft_s"],
         "decode_after_tok_s": long["tok_s"], "decode_short_tok_s": short["tok_s"], "max_gap_after_s": long["max_gap_s"],
+        "decode_after_median_tok_s": _median_tok_s(long), "decode_short_median_tok_s": _median_tok_s(short),
+        "decode_tokens": long["tokens"],
         # no bound where nothing streams and no matmul rate was measured (bench/bandwidth.py's command line)
         **b, "ttft_over_bound": long["ttft_s"] / b["bound_s"] if b["bound_s"] else None,
         "streamed_bytes_model": modelled,

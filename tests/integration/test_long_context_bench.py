@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.long_context import bounds, crossing_bytes, prefill_flops, streamed_bytes
+from bench.long_context import _median_tok_s, bounds, crossing_bytes, prefill_flops, streamed_bytes
 from ferry.plan.model_config import load_model_config
 from tests.helpers import QWEN3_6_35B
 from tests.integration.harness import REAL_WORKER_ENV, serve_model
@@ -39,6 +39,12 @@ def test_the_bounds_of_the_issues_prompt_by_hand():
     assert bounds(flops, 0, 55.0, None)["bound_s"] == 0.0  # no matmul rate measured: PCIe only
 
 
+def test_the_median_rate_counts_the_tokens_a_chunk_carried():
+    # 9 tokens in 5 chunks (two tokens a chunk after the first), a median wait of 0.1 s
+    assert _median_tok_s({"tokens": 9, "chunks": 5, "median_gap_s": 0.1}) == pytest.approx(20.0)
+    assert _median_tok_s({"tokens": 1, "chunks": 1, "median_gap_s": None}) is None
+
+
 def test_the_long_prompt_bench_runs_against_a_served_model(tiny_models, tmp_path):
     model = tiny_models["qwen3_5_moe"]
     ceilings = tmp_path / "ceilings.json"
@@ -54,6 +60,11 @@ def test_the_long_prompt_bench_runs_against_a_served_model(tiny_models, tmp_path
     assert result["prompt_tokens"] == 600
     assert result["ttft_s"] > 0 and result["prefill_tok_s"] == pytest.approx(600 / result["ttft_s"])
     assert result["decode_after_tok_s"] > 0 and result["decode_short_tok_s"] > 0
+    assert result["decode_tokens"] == 8
+    # the median step's rate: at least the slowest step's, and a real number beside the mean's
+    for which in ("after", "short"):
+        assert result[f"decode_{which}_median_tok_s"] > 0
+    assert result["decode_after_median_tok_s"] >= 1 / result["max_gap_after_s"] - 1e-9
     # every expert of the tiny model has a slot: nothing streams, and the bound is the compute's
     assert result["expert_slots"] == result["expert_total"] and result["streamed_bytes_model"] == 0
     assert result["bound_s"] == pytest.approx(result["compute_s"])
