@@ -7,35 +7,24 @@
 # pydantic-core 2.33.2, typing-inspection, annotated-types, jiter, distro, sniffio, docstring-parser, py-spy 0.4.2 (the
 # newest openai/anthropic need httpx2 and opentelemetry, which the device lacks; without openai the
 # gpu-check's serve step dies after its CUDA tests).
-# pending-gpu-prefetch landed on main (its check passed at bfe3e97, 2026-12-05). No device was lent in the
-# sessions after it, so three branches wait, each on the one before:
-# - pending-gpu-chunk16k: the plan's prefill chunk may be 16,384 tokens where experts stream (the 262k prompt in
-#   34.9 s against 47.4 with --max-prefill-tokens 16384 on bfe3e97); the pairs' alignment by slot in four Triton
-#   launches (kernels/align_pairs.py; its CUDA tests and the grouped GEMM's passed on the H200 at bbc90e3, and the
-#   warm step halved); auto's guard deciding by the mean step; the host kernel's threads claiming a call's work
-#   item by item (thread_pool.c: on the 2-core EPYC a call's mean 5-27 % lower beside a busy process); a boot
-#   profile that runs the device out of memory leaves nothing behind.
-# - pending-gpu-poll: FERRY_HOST_HANDOFF=poll|auto hands a decode layer's share to the host by a polled word in
-#   pinned memory instead of a host node (services/worker/offload/host_handoff.py; default node); its CUDA test of
-#   the host's share must keep the poll.
-# - pending-gpu-caller: the pool's caller (the CUDA driver's thread running the host nodes, or the polling thread)
-#   pinned to a core of its own, the first of --host-expert-cpus; FERRY_HOST_POOL_SPIN_US; PART=contention times
-#   the idle threads' spin at 50 and 1000 µs beside the static split again (the poll branch had broken its load).
+# pending-gpu-caller landed on main (its check passed at 6dd9cdd, 2026-12-05: 215 CUDA tests), with the 16k
+# chunk, the claimed items, the polled hand-off and the caller's core. Two branches wait, the second on the first:
+# - pending-gpu-handoff-auto: FERRY_HOST_HANDOFF defaults to auto (boot keeps the polled hand-off where it times
+#   faster): on 6dd9cdd the 12-layer cut's single stream gave 1.548x GPU-only with it, 1.386x by host nodes.
+# - pending-gpu-rows16: a step of more than 8,192 tokens writes its expert rows in the model's dtype (the 35B's
+#   16k step held 0.54 GB more float32 rows than an 8k one: ~86 of the 112 slots its long-prompt server lost);
+#   its CUDA test checks the rounding at 16,384 tokens.
 # The next session, in order (a call's 600 s and a machine's start each; combine what fits; carry
 # [".whl", ".cmp"]: .cmp/static_pool holds main 0eefdb5's host kernel sources for PART=contention):
-# 1. PART=check on pending-gpu-caller (~7-8 min; it holds all three); land it if it passes. If only the poll's or
-#    the caller's tests fail, PART=check on pending-gpu-chunk16k and land that.
-# 2. PART=long,handoff on the landed commit (issue 24's TTFT with the plan's own chunk and decode after it, ~3-4
-#    min; then a layer's hand-off to the host, a host node against a polled round trip, ~1 min); then
-#    LONG_VARIANTS=chunk8k PART=long on the same machine (is decode after a long prompt slower with 16k chunks, or
-#    was bfe3e97's -4 % the busy host's).
-# 3. DECODE12_VARIANTS=gpu,default PART=decode12,contention (issue 25's must-show on the landed code, and the
-#    claimed items and the spins on the H200's host); then FERRY_HOST_HANDOFF=auto DECODE12_VARIANTS=default
-#    PART=decode12 (the polled hand-off served), and FERRY_HOST_POOL_SPIN_US=1000 likewise if the contention run
-#    says a longer spin wins on pinned cores; then PART=serveprof (where the served single stream's millisecond
-#    past the guard's steps goes).
-# 4. EIGHT_FORMAT=nvfp4 PART=eight, WARMSTEP_FORMAT=nvfp4 WARMSTEP_RING=0 PART=warmstep, PART=share (the hybrid
-#    cut's decode_hybrid8_hybrid_cpu.json, never yet measured with the host kernel built).
+# 1. PART=check on pending-gpu-rows16 (~9 min; it holds both); land it if it passes. If only the rows' tests
+#    fail, PART=check on pending-gpu-handoff-auto and land that.
+# 2. DECODE12_VARIANTS=gpu,default PART=decode12 (issue 25's must-show under the default, now auto: ~2.5 min),
+#    then PART=share (the hybrid cut's decode_hybrid8_hybrid_cpu.json, ≥ 1.3x: never yet measured with the host
+#    kernel built, ~8-9 min).
+# 3. LONG_VARIANTS=default,chunk8k PART=long (issue 24's "no slower decode afterwards": 144 tokens after the
+#    262k prompt with the plan's 16k chunk and with 8k, medians beside means, ~6 min).
+# 4. PART=contention, PART=serveprof, EIGHT_FORMAT=nvfp4 PART=eight, WARMSTEP_FORMAT=nvfp4 WARMSTEP_RING=0
+#    PART=warmstep.
 #   PART=check   make gpu-check (the release check, which builds the host's C kernel; gpu_check.json)  ~7-8 min
 #   PART=prefill bench/prefill_attention.py on the 35B's attention shapes, then the 262k-token TTFT  ~6-8 min
 #   PART=three   issue 23's three turns (32k first turn) on the full-size 35B with NVFP4 experts, openai and anthropic
