@@ -6,8 +6,9 @@ long one as token ids, streaming with `ignore_eos`. TTFT is the first chunk's ar
 the prompt over TTFT; the decode after it is the long request's own continuation (every token attends to
 the whole prompt), 144 tokens by default (the 35B's context leaves the issue's prompt 156), each rate
 given as the mean over them and as the median step (`_median_tok_s`: a few slow steps, such as the host
-share's guard trying a split, move the mean of so few tokens but not the median). The bounds beside them, for the plan the worker booted with (its boot log's `plan`
-line: the prefill chunk and the expert slots):
+share's guard trying a split, move the mean of so few tokens but not the median). The bounds beside
+them, for the plan the worker booted with (its boot log's `plan` line: the prefill chunk and the expert
+slots):
 
     compute: 2 FLOP a weight a prompt token (the dense layers, the k routed experts) + causal attention
              (QK^T and PV over the triangle: 2 x 2 x L(L+1)/2 x heads x head_dim, each full-attention layer),
