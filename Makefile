@@ -48,13 +48,15 @@ test: $(STAMP) lint-tools
 OUT        ?= out
 GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
 
+GPU_CHECK_ARGS ?=
+
 gpu-check:
-	$(GPU_PYTHON) bench/gpu_check.py --out $(OUT)
+	$(GPU_PYTHON) bench/gpu_check.py --out $(OUT) $(GPU_CHECK_ARGS)
 
 # The same on a host of two GPUs or more, for expert parallelism (issue 26): the two-rank CUDA tests, then
 # `ferry serve --expert-parallel-size 2` with the openai client
 gpu-check-multi:
-	$(GPU_PYTHON) bench/gpu_check.py --out $(OUT) --tests tests/gpu_multi \
+	$(GPU_PYTHON) bench/gpu_check.py --out $(OUT) --tests tests/gpu_multi --workers 1 \
 	  --serve-args "--load-format dummy --gpu-memory 24GiB --expert-parallel-size 2"
 
 # TORCH_INDEX, when set, picks the image's torch build too (the Dockerfile's default is the CUDA one):

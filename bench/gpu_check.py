@@ -1,6 +1,7 @@
 """The GPU release check (`make gpu-check`): what CI cannot run, in one command on a CUDA host.
 
-1. the CUDA tests (`tests/gpu`), all of them, with no stop at the first failure;
+1. the CUDA tests (`tests/gpu`), all of them, with no stop at the first failure, in two processes a file
+   to each (`--workers`: so that they fit the device's 600 s call beside step 2);
 2. `ferry serve` as a user runs it: default flags except `--model` (a directory with the
    Qwen3-30B-A3B config and a tokenizer of its vocabulary, `ferry make-bench-model`),
    `--load-format dummy --gpu-memory 24GiB` (and `--worker-health-port`, since the worker's
@@ -91,12 +92,14 @@ def build_host_kernel(out: Path, log: Log) -> bool:
     return rc == 0
 
 
-def run_cuda_tests(out: Path, log: Log, tests: str, timeout: float) -> dict:
+def run_cuda_tests(out: Path, log: Log, tests: str, timeout: float, workers: int = 1) -> dict:
     xml = out / "gpu_tests.xml"
     # -v: each test's verdict is in the log as it runs, so a run cut by the timeout still says which failed;
     # a test past 150 s has every thread's stack written there (pytest's faulthandler), so a hang says where
     cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-o", "faulthandler_timeout=150", tests,
            f"--junitxml={xml}"]  # fmt: skip
+    if workers > 1:  # pytest-xdist, a file to a process: each file's tests still run in order in one process
+        cmd += ["-n", str(workers), "--dist", "loadfile"]
     log("$", " ".join(cmd))
     t0 = time.monotonic()
     with (out / "gpu_tests.log").open("w") as f:
@@ -217,8 +220,11 @@ def main() -> int:
                         help="flags for ferry serve beyond --model, --port and --worker-health-port")  # fmt: skip
     parser.add_argument("--tokens", type=int, default=64, help="tokens per streamed completion")
     parser.add_argument("--ready-timeout", type=float, default=300.0)
-    # 109 CUDA tests took ~310 s on the H200 (262 s for 91): the whole check must fit one 600 s device call
+    # 109 CUDA tests took ~310 s on the H200 (262 s for 91), 217 took 428 s (6dd9cdd) against this 440: the whole
+    # check must fit one 600 s device call, so the tests run in two processes, a file to each at a time (the
+    # GPU has room for both; their files took 142 s at most). --workers 1 runs them in one, as before.
     parser.add_argument("--tests-timeout", type=float, default=440.0)
+    parser.add_argument("--workers", type=int, default=2, help="pytest-xdist processes for the CUDA tests")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -236,9 +242,9 @@ def main() -> int:
     if args.skip_tests:
         tests = {"passed": 0, "failed": 0, "skipped": 0, "failed_tests": [], "rc": "skipped"}
     else:
-        tests = run_cuda_tests(out, log, args.tests, args.tests_timeout)
+        tests = run_cuda_tests(out, log, args.tests, args.tests_timeout, args.workers)
     result.update(cuda_tests_passed=tests["passed"], cuda_tests_failed=tests["failed"],
-                  cuda_tests_skipped=tests["skipped"], cuda_tests=tests)  # fmt: skip
+                  cuda_tests_skipped=tests["skipped"], cuda_tests=tests, cuda_test_workers=args.workers)  # fmt: skip
     serve = check_serve(out, log, args.config, args.serve_args.split(), args.ready_timeout, args.tokens)
     result.update(serve_ok=serve["serve_ok"], single_stream_tok_s=serve["single_stream_tok_s"], serve=serve,
                   seconds=round(time.monotonic() - t0, 1))  # fmt: skip

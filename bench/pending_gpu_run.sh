@@ -16,8 +16,10 @@
 #   its CUDA test checks the rounding at 16,384 tokens.
 # The next session, in order (a call's 600 s and a machine's start each; combine what fits; carry
 # [".whl", ".cmp"]: .cmp/static_pool holds main 0eefdb5's host kernel sources for PART=contention):
-# 1. PART=check on pending-gpu-rows16 (~9 min; it holds both); land it if it passes. If only the rows' tests
-#    fail, PART=check on pending-gpu-handoff-auto and land that.
+# 1. PART=check on pending-gpu-rows16 (it holds both; its CUDA tests now in two processes, a file to each: at
+#    6dd9cdd they took 428 s in one, 12 s under gpu_check's limit); land it if it passes. If only the rows'
+#    tests fail, PART=check on pending-gpu-handoff-auto and land that. Should two processes fail where one
+#    would not, GPU_CHECK_WORKERS=1 PART=check (one process: tight against the 600 s call).
 # 2. DECODE12_VARIANTS=gpu,default PART=decode12 (issue 25's must-show under the default, now auto: ~2.5 min),
 #    then PART=share (the hybrid cut's decode_hybrid8_hybrid_cpu.json, ≥ 1.3x: never yet measured with the host
 #    kernel built, ~8-9 min).
@@ -84,7 +86,10 @@ case "${part:-check}" in
   check)
     # under the call's 600 s: should anything hang, the call still returns with the logs so far
     # straight into $OUT: what a run cut short wrote (gpu_tests.log, test by test) still comes back
-    timeout 570 make gpu-check OUT="$OUT" GPU_PYTHON=python3 > "$OUT/gpu_check_stdout.log" 2>&1; echo "gpu-check rc=$?"
+    # the CUDA tests in GPU_CHECK_WORKERS processes (default 2, a file to each: 217 took 428 s in one at 6dd9cdd,
+    # 12 s under gpu_check's limit); GPU_CHECK_WORKERS=1 runs them in one, as before
+    timeout 570 make gpu-check OUT="$OUT" GPU_PYTHON=python3 GPU_CHECK_ARGS="--workers ${GPU_CHECK_WORKERS:-2}" \
+      > "$OUT/gpu_check_stdout.log" 2>&1; echo "gpu-check rc=$?"
     tail -3 "$OUT/gpu_check_stdout.log" ;;
   prefill)
     timeout 150 python3 bench/prefill_attention.py --contexts 0,65536,131072,253952 --whole-prompt 261988 \

@@ -44,3 +44,36 @@ def test_junit_counts_read_failures_and_errors(tmp_path):
                    '<testcase classname="b" name="boom"><error/></testcase></testsuite></testsuites>')  # fmt: skip
     assert junit_counts(xml) == {"passed": 2, "failed": 2, "skipped": 1, "failed_tests": ["a::bad", "b::boom"],
                                  "slowest_tests": [["a::bad", 12.2], ["a::ok", 0.5], ["b::boom", 0.0]]}  # fmt: skip
+
+
+def test_the_cuda_tests_run_in_two_processes_and_every_verdict_is_counted(tmp_path):
+    """`--workers 2` (the check's default): pytest-xdist a file to a process; the JUnit XML still holds every
+    test, its failures and its skips, and each file ran whole in one process."""
+    sys.path.insert(0, str(ROOT))
+    from bench.gpu_check import Log, run_cuda_tests
+
+    tests = tmp_path / "cuda_tests"
+    tests.mkdir()
+    for name in ("a", "b"):  # each file records the process its tests ran in
+        (tests / f"test_{name}.py").write_text(
+            "import os\nimport pytest\n\n"
+            f"def test_{name}_one():\n    open(os.environ['PIDS'], 'a').write('{name} ' + str(os.getpid()) + '\\n')\n\n"
+            f"def test_{name}_two():\n    open(os.environ['PIDS'], 'a').write('{name} ' + str(os.getpid()) + '\\n')\n"
+            f"    assert {name!r} != 'b'\n\n"
+            "@pytest.mark.skip(reason='none')\n"
+            f"def test_{name}_skipped():\n    pass\n")  # fmt: skip
+    pids = tmp_path / "pids"
+    out = tmp_path / "out"
+    out.mkdir()
+    import os
+
+    os.environ["PIDS"] = str(pids)
+    try:
+        counts = run_cuda_tests(out, Log(out / "gpu_check.log"), str(tests), timeout=120, workers=2)
+    finally:
+        del os.environ["PIDS"]
+    assert (counts["passed"], counts["failed"], counts["skipped"]) == (3, 1, 2), counts
+    assert len(counts["failed_tests"]) == 1 and counts["failed_tests"][0].endswith("test_b_two"), counts
+    ran = [line.split() for line in pids.read_text().splitlines()]
+    assert len(ran) == 4 and all(len({pid for f, pid in ran if f == name}) == 1 for name in "ab")
+    assert "-n 2 --dist loadfile" in (out / "gpu_check.log").read_text()
