@@ -22,7 +22,7 @@
 #    would not, GPU_CHECK_WORKERS=1 PART=check (one process: tight against the 600 s call).
 # 2. DECODE12_VARIANTS=gpu,default PART=decode12 (issue 25's must-show under the default, now auto: ~2.5 min),
 #    then PART=share (the hybrid cut's decode_hybrid8_hybrid_cpu.json, ≥ 1.3x: never yet measured with the host
-#    kernel built, ~8-9 min).
+#    kernel built, ~4 min; the two fit one call: PART=decode12,share).
 # 3. LONG_VARIANTS=default,chunk8k PART=long (issue 24's "no slower decode afterwards": 144 tokens after the
 #    262k prompt with the plan's 16k chunk and with 8k, medians beside means, ~6 min).
 # 4. PART=contention, PART=serveprof, EIGHT_FORMAT=nvfp4 PART=eight, WARMSTEP_FORMAT=nvfp4 WARMSTEP_RING=0
@@ -57,7 +57,8 @@
 #                the device events come back, for --summarize here)                                 ~4-5 min
 #   PART=overlap does a long attention chunk hide the ring's copies (bench/ring_overlap.py)         ~2 min
 #   PART=share   hybrid8 decode GPU-only and under auto (HYBRID8_VARIANTS; 1,536 tokens settled first: the
-#                hybrid cut's decode_hybrid8_hybrid_cpu.json, issue 25), then three turns in bf16 with the host's share ~8-9 min
+#                hybrid cut's decode_hybrid8_hybrid_cpu.json, issue 25) ~4 min; SHARE_THREE=1 then runs issue 23's
+#                three turns in bf16 with the host's share (~4 min more)
 #   PART=decode12 the 12-layer cut GPU-only, with the host's share, with it but no prefetch, and the
 #                default (auto): decode_12layer_hybrid_cpu.json (issue 25's must-show); each server first
 #                decodes DECODE12_SETTLE (1536) untimed tokens, over which auto's guard sizes the share ~3-4 min
@@ -184,11 +185,13 @@ case "${part:-check}" in
     timeout 300 python3 bench/decode_suite.py --out "$OUT" --workloads hybrid8 --variants "${HYBRID8_VARIANTS:-gpu,default}" \
       --max-tokens 128 --settle-tokens 1536 > "$OUT/suite_share.log" 2>&1
     echo "hybrid8 rc=$?"; grep '^\[hybrid8' "$OUT/suite_share.log" | tail -4
-    python3 -m ferry.services.cli make-bench-model /tmp/m36 --config tests/data/models/qwen3.6-35b-a3b/config.json > /dev/null
-    FERRY_MUST_SHOW_MODEL=/tmp/m36 FERRY_MUST_SHOW_FLAGS="--load-format dummy --gpu-memory 24GiB --expert-backend hybrid --host-expert-threads 12" \
-      FERRY_MUST_SHOW_OUT="$OUT/prefix_hybrid_bf16_host_share.json" timeout 250 python3 -m pytest -q -s -p no:cacheprovider \
-      tests/gpu/test_prefix_cache_must_show.py -k three > "$OUT/three_share.log" 2>&1
-    echo "three turns rc=$?"; tail -3 "$OUT/three_share.log" ;;
+    if [ "${SHARE_THREE:-0}" = 1 ]; then  # issue 23's three turns with the host's share (~4 min more)
+      python3 -m ferry.services.cli make-bench-model /tmp/m36 --config tests/data/models/qwen3.6-35b-a3b/config.json > /dev/null
+      FERRY_MUST_SHOW_MODEL=/tmp/m36 FERRY_MUST_SHOW_FLAGS="--load-format dummy --gpu-memory 24GiB --expert-backend hybrid --host-expert-threads 12" \
+        FERRY_MUST_SHOW_OUT="$OUT/prefix_hybrid_bf16_host_share.json" timeout 250 python3 -m pytest -q -s -p no:cacheprovider \
+        tests/gpu/test_prefix_cache_must_show.py -k three > "$OUT/three_share.log" 2>&1
+      echo "three turns rc=$?"; tail -3 "$OUT/three_share.log"
+    fi ;;
   decode12)
     build_host_kernel
     timeout 560 python3 bench/decode_suite.py --out "$OUT" --workloads 12layer \
