@@ -83,11 +83,11 @@ VARIANTS = {"default": [], "no-prefetch": ["--no-expert-prefetch"], "eager": ["-
             # two GPUs, each owning half the experts (issue 26; eager, so compare with the eager variant too)
             "ep2": ["--expert-parallel-size", "2"],
             # a long prompt in 16,384-token chunks (issue 24): each chunk streams the experts without a slot once,
-            # so twice the chunk halves that stream, against the larger workspace's slots (the plan chooses <= 8192;
-            # its mixers run in slices of 8,192, so only the MoE's buffers grow: services/worker/mixer_slices.py)
+            # so twice the chunk halves that stream, against the larger workspace's slots (the plan's own choice where
+            # most experts have no slot; its mixers run in slices of 8,192: services/worker/mixer_slices.py)
             "chunk16k": ["--max-prefill-tokens", "16384"],
-            # the same prompt in 8,192-token chunks: the plan's choice before 16,384 became a candidate (branch
-            # pending-gpu-chunk16k); beside `default` on one commit, whether decode after a long prompt loses by 16k
+            # the same prompt in 8,192-token chunks, the plan's choice before 16,384 was a candidate: beside
+            # `default` on one commit, whether decode after a long prompt loses by 16k
             "chunk8k": ["--max-prefill-tokens", "8192"],
             # a long prompt's lending steps in ring chunks of 48 experts instead of 12 (issue 24): a quarter of
             # the chunks, each paying the host's launches once (bench/profile_long_chunk.py --ring-chunks 48)
