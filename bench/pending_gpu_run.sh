@@ -25,6 +25,7 @@
 #    kernel built, ~4 min; the two fit one call: PART=decode12,share).
 # 3. LONG_VARIANTS=default,chunk8k PART=long (issue 24's "no slower decode afterwards": 144 tokens after the
 #    262k prompt with the plan's 16k chunk and with 8k, medians beside means, ~6 min).
+#    CALL_BUDGET_S=585 PART=check,decode12,long,share runs each part only while its usual time still fits the call.
 # 4. PART=contention, PART=serveprof, EIGHT_FORMAT=nvfp4 PART=eight, WARMSTEP_FORMAT=nvfp4 WARMSTEP_RING=0
 #    PART=warmstep.
 #   PART=check   make gpu-check (the release check, which builds the host's C kernel; gpu_check.json)  ~7-8 min
@@ -82,7 +83,23 @@ build_host_kernel() {
   python3 -c "import sys; from setuptools import setup; sys.argv = ['setup.py', 'build_ext', '--inplace', '-q']; setup()" \
     > "$OUT/host_kernel_build.log" 2>&1 || echo "host kernel build failed (see host_kernel_build.log)"
 }
+# CALL_BUDGET_S=N: a part starts only while its usual seconds (part_cost, from the H200 runs of 2026-12-05) still
+# fit in the N seconds since this script began: a call that holds several parts returns its files inside the device's
+# 600 s (a call killed at its limit never writes the archive below) rather than losing the part it was in
+n_variants() { local v=${1//[^,]/}; echo $(( ${#v} + 1 )); }
+part_cost() {
+  case "$1" in
+    check) echo 560 ;;
+    decode12) echo $(( 20 + 70 * $(n_variants "${DECODE12_VARIANTS:-gpu,host-share,host-share-no-prefetch,default}") )) ;;
+    share) echo $(( 20 + 120 * $(n_variants "${HYBRID8_VARIANTS:-gpu,default}") )) ;;
+    long) echo $(( 160 * $(n_variants "${LONG_VARIANTS:-default}") )) ;;
+    *) echo 240 ;;
+  esac
+}
 for part in ${PART//,/ }; do  # PART=eight,ahead runs both, in that order, in one call
+if [ -n "${CALL_BUDGET_S:-}" ] && (( SECONDS + $(part_cost "$part") > CALL_BUDGET_S )); then
+  echo "PART=$part skipped: ${SECONDS} s gone, it takes ~$(part_cost "$part") s of CALL_BUDGET_S=$CALL_BUDGET_S"; continue
+fi
 case "${part:-check}" in
   check)
     # under the call's 600 s: should anything hang, the call still returns with the logs so far
