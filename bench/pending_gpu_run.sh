@@ -16,8 +16,9 @@
 #   its CUDA test checks the rounding at 16,384 tokens.
 # The next session, in order (a call's 600 s and a machine's start each; combine what fits; carry
 # [".whl", ".cmp"]: .cmp/static_pool holds main 0eefdb5's host kernel sources for PART=contention):
-# 1. PART=check on pending-gpu-rows16 (it holds both; 7f97462 failed only its new rows test, whose tolerance 70c716a fixed; its CUDA tests in two processes took 193 s, the check 281 s; at
-#    6dd9cdd they took 428 s in one, 12 s under gpu_check's limit); land it if it passes. If only the rows'
+# 1. PART=check on pending-gpu-rows16 (it holds both; 7f97462 failed only its new rows test, whose tolerance
+#    70c716a fixed; its CUDA tests in two processes took 193 s, the check 281 s; at 6dd9cdd they took 428 s in
+#    one, 12 s under gpu_check's limit); land it if it passes. If only the rows'
 #    tests fail, PART=check on pending-gpu-handoff-auto and land that. Should two processes fail where one
 #    would not, GPU_CHECK_WORKERS=1 PART=check (one process: tight against the 600 s call).
 # 2. DECODE12_VARIANTS=gpu,default PART=decode12 (issue 25's must-show under the default, now auto: ~2.5 min),
@@ -28,7 +29,7 @@
 #    CALL_BUDGET_S=585 PART=check,decode12,long,share runs each part only while its usual time still fits the call.
 # 4. PART=contention, PART=serveprof, EIGHT_FORMAT=nvfp4 PART=eight, WARMSTEP_FORMAT=nvfp4 WARMSTEP_RING=0
 #    PART=warmstep.
-#   PART=check   make gpu-check (the release check, which builds the host's C kernel; gpu_check.json)  ~7-8 min
+#   PART=check   make gpu-check (the release check, which builds the host's C kernel; gpu_check.json)  ~5 min
 #   PART=prefill bench/prefill_attention.py on the 35B's attention shapes, then the 262k-token TTFT  ~6-8 min
 #   PART=three   issue 23's three turns (32k first turn) on the full-size 35B with NVFP4 experts, openai and anthropic
 #                clients (prefix_hybrid_three.json)                                              ~3 min
@@ -86,13 +87,17 @@ build_host_kernel() {
 # CALL_BUDGET_S=N: a part starts only while its usual seconds (part_cost, from the H200 runs of 2026-12-05) still
 # fit in the N seconds since this script began: a call that holds several parts returns its files inside the device's
 # 600 s (a call killed at its limit never writes the archive below) rather than losing the part it was in
+# the parts' variant lists, named once: part_cost counts what the part will run
+DECODE12_VARIANTS=${DECODE12_VARIANTS:-gpu,host-share,host-share-no-prefetch,default}
+HYBRID8_VARIANTS=${HYBRID8_VARIANTS:-gpu,default}
+LONG_VARIANTS=${LONG_VARIANTS:-default}
 n_variants() { local v=${1//[^,]/}; echo $(( ${#v} + 1 )); }
 part_cost() {
   case "$1" in
     check) echo 330 ;;  # 281 s at 7f97462 with two test processes (537 s with one, 6dd9cdd)
-    decode12) echo $(( 20 + 70 * $(n_variants "${DECODE12_VARIANTS:-gpu,host-share,host-share-no-prefetch,default}") )) ;;
-    share) echo $(( 20 + 120 * $(n_variants "${HYBRID8_VARIANTS:-gpu,default}") )) ;;
-    long) echo $(( 160 * $(n_variants "${LONG_VARIANTS:-default}") )) ;;
+    decode12) echo $(( 20 + 70 * $(n_variants "$DECODE12_VARIANTS") )) ;;
+    share) echo $(( 20 + 120 * $(n_variants "$HYBRID8_VARIANTS") )) ;;
+    long) echo $(( 160 * $(n_variants "$LONG_VARIANTS") )) ;;
     *) echo 240 ;;
   esac
 }
@@ -182,7 +187,7 @@ case "${part:-check}" in
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_cuda.py -k "dispatch or triton_paged" \
       > "$OUT/flash_test.log" 2>&1; echo "flash test rc=$?"; tail -3 "$OUT/flash_test.log" ;;
   long)  # the 262k-token TTFT alone (issue 24); LONG_VARIANTS=default,plain also runs it on plain bf16 banks
-    timeout 560 python3 bench/decode_suite.py --out "$OUT" --workloads long_context_36b --variants "${LONG_VARIANTS:-default}" --ready-timeout 240 \
+    timeout 560 python3 bench/decode_suite.py --out "$OUT" --workloads long_context_36b --variants "$LONG_VARIANTS" --ready-timeout 240 \
       --run-timeout 300 > "$OUT/long_context.log" 2>&1
     echo "long_context rc=$?"; tail -3 "$OUT/long_context.log"; grep -h 'ttft\|error\|Error' "$OUT"/serve_long*.log 2>/dev/null | tail -5 ;;
   longprof)  # issue 24: one chunk of the 262k prompt profiled at 32k, 128k and 248k keys (bench/profile_long_chunk.py)
@@ -199,7 +204,7 @@ case "${part:-check}" in
     done ;;
   share)
     build_host_kernel
-    timeout 300 python3 bench/decode_suite.py --out "$OUT" --workloads hybrid8 --variants "${HYBRID8_VARIANTS:-gpu,default}" \
+    timeout 300 python3 bench/decode_suite.py --out "$OUT" --workloads hybrid8 --variants "$HYBRID8_VARIANTS" \
       --max-tokens 128 --settle-tokens 1536 > "$OUT/suite_share.log" 2>&1
     echo "hybrid8 rc=$?"; grep '^\[hybrid8' "$OUT/suite_share.log" | tail -4
     if [ "${SHARE_THREE:-0}" = 1 ]; then  # issue 23's three turns with the host's share (~4 min more)
@@ -212,7 +217,7 @@ case "${part:-check}" in
   decode12)
     build_host_kernel
     timeout 560 python3 bench/decode_suite.py --out "$OUT" --workloads 12layer \
-      --variants "${DECODE12_VARIANTS:-gpu,host-share,host-share-no-prefetch,default}" --max-tokens 128 \
+      --variants "$DECODE12_VARIANTS" --max-tokens 128 \
       --settle-tokens "${DECODE12_SETTLE:-1536}" \
       > "$OUT/suite_decode12.log" 2>&1
     echo "12layer rc=$?"; grep '^\[12layer' "$OUT/suite_decode12.log" | tail -6

@@ -46,7 +46,7 @@ def test_junit_counts_read_failures_and_errors(tmp_path):
                                  "slowest_tests": [["a::bad", 12.2], ["a::ok", 0.5], ["b::boom", 0.0]]}  # fmt: skip
 
 
-def test_the_cuda_tests_run_in_two_processes_and_every_verdict_is_counted(tmp_path):
+def test_the_cuda_tests_run_in_two_processes_and_every_verdict_is_counted(tmp_path, monkeypatch):
     """`--workers 2` (the check's default): pytest-xdist a file to a process; the JUnit XML still holds every
     test, its failures and its skips, and each file ran whole in one process."""
     sys.path.insert(0, str(ROOT))
@@ -65,13 +65,8 @@ def test_the_cuda_tests_run_in_two_processes_and_every_verdict_is_counted(tmp_pa
     pids = tmp_path / "pids"
     out = tmp_path / "out"
     out.mkdir()
-    import os
-
-    os.environ["PIDS"] = str(pids)
-    try:
-        counts = run_cuda_tests(out, Log(out / "gpu_check.log"), str(tests), timeout=120, workers=2)
-    finally:
-        del os.environ["PIDS"]
+    monkeypatch.setenv("PIDS", str(pids))  # the pytest processes inherit it
+    counts = run_cuda_tests(out, Log(out / "gpu_check.log"), str(tests), timeout=120, workers=2)
     assert (counts["passed"], counts["failed"], counts["skipped"]) == (3, 1, 2), counts
     assert len(counts["failed_tests"]) == 1 and counts["failed_tests"][0].endswith("test_b_two"), counts
     ran = [line.split() for line in pids.read_text().splitlines()]
