@@ -8,18 +8,21 @@
 # newest openai/anthropic need httpx2 and opentelemetry, which the device lacks; without openai the
 # gpu-check's serve step dies after its CUDA tests).
 # pending-gpu-caller landed on main (its check passed at 6dd9cdd, 2026-12-05: 215 CUDA tests), with the 16k
-# chunk, the claimed items, the polled hand-off and the caller's core. Two branches wait, the second on the first:
-# - pending-gpu-handoff-auto: FERRY_HOST_HANDOFF defaults to auto (boot keeps the polled hand-off where it times
-#   faster): on 6dd9cdd the 12-layer cut's single stream gave 1.548x GPU-only with it, 1.386x by host nodes.
-# - pending-gpu-rows16: a step of more than 8,192 tokens writes its expert rows in the model's dtype (the 35B's
-#   16k step held 0.54 GB more float32 rows than an 8k one: ~86 of the 112 slots its long-prompt server lost);
-#   its CUDA test checks the rounding at 16,384 tokens.
+# chunk, the claimed items, the polled hand-off and the caller's core. Two changes wait, the second on the first,
+# kept as patches in bench/pending/ (a branch that has not landed does not reach the next session's checkout;
+# bench/pending/README.md says how to apply them):
+# - 0001 (pending-gpu-handoff-auto): FERRY_HOST_HANDOFF defaults to auto (boot keeps the polled hand-off where it
+#   times faster): on 6dd9cdd the 12-layer cut's single stream gave 1.548x GPU-only with it, 1.386x by host nodes.
+# - 0002, 0003 (pending-gpu-rows16): a step of more than 8,192 tokens writes its expert rows in the model's dtype (the
+#   35B's 16k step held 0.54 GB more float32 rows than an 8k one: ~86 of the 112 slots its long-prompt server
+#   lost), and its review's mends; its CUDA test checks the rounding at 16,384 tokens.
 # The next session, in order (a call's 600 s and a machine's start each; combine what fits; carry
 # [".whl", ".cmp"]: .cmp/static_pool holds main 0eefdb5's host kernel sources for PART=contention):
-# 1. PART=check on pending-gpu-rows16 (it holds both; 7f97462 failed only its new rows test, whose tolerance
-#    70c716a fixed; its CUDA tests in two processes took 193 s, the check 281 s; at 6dd9cdd they took 428 s in
-#    one, 12 s under gpu_check's limit); land it if it passes. If only the rows'
-#    tests fail, PART=check on pending-gpu-handoff-auto and land that. Should two processes fail where one
+# 1. PART=check on both patches applied (`git checkout -b pending-gpu-rows16 && git am bench/pending/*.patch`,
+#    then rebuild the host kernel in place); 7f97462, their first writing, failed only the rows test's sum
+#    tolerance, which the rewrite fixes (a bound that counts cancelling rows); its CUDA tests in two processes
+#    took 193 s, the check 281 s. Land it if it passes (and delete bench/pending/ in the merge). If only the rows'
+#    tests fail, PART=check on 0001 alone and land that. Should two processes fail where one
 #    would not, GPU_CHECK_WORKERS=1 PART=check (one process: tight against the 600 s call).
 # 2. DECODE12_VARIANTS=gpu,default PART=decode12 (issue 25's must-show under the default, now auto: ~2.5 min),
 #    then PART=share (the hybrid cut's decode_hybrid8_hybrid_cpu.json, ≥ 1.3x: never yet measured with the host
