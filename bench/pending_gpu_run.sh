@@ -13,7 +13,7 @@
 # bench/pending/README.md says how to apply them):
 # - 0001 (pending-gpu-handoff-auto): FERRY_HOST_HANDOFF defaults to auto (boot keeps the polled hand-off where it
 #   times faster): on 6dd9cdd the 12-layer cut's single stream gave 1.548x GPU-only with it, 1.386x by host nodes.
-# - 0002, 0003 (pending-gpu-rows16): a step of more than 8,192 tokens writes its expert rows in the model's dtype (the
+# - 0002-0004 (pending-gpu-rows16): a step of more than 8,192 tokens writes its expert rows in the model's dtype (the
 #   35B's 16k step held 0.54 GB more float32 rows than an 8k one: ~86 of the 112 slots its long-prompt server
 #   lost), and its review's mends; its CUDA test checks the rounding at 16,384 tokens.
 # The next session, in order (a call's 600 s and a machine's start each; combine what fits; carry
@@ -89,8 +89,8 @@ build_host_kernel() {
 }
 # CALL_BUDGET_S=N: a part starts only while its usual seconds (part_cost, from the H200 runs of 2026-12-05) still
 # fit in the N seconds since this script began: a call that holds several parts returns its files inside the device's
-# 600 s (a call killed at its limit never writes the archive below) rather than losing the part it was in
-# the parts' variant lists, named once: part_cost counts what the part will run
+# 600 s (a call killed at its limit never writes the archive below) rather than losing the part it was in.
+# The parts' variant lists, named once: part_cost counts what the part will run.
 DECODE12_VARIANTS=${DECODE12_VARIANTS:-gpu,host-share,host-share-no-prefetch,default}
 HYBRID8_VARIANTS=${HYBRID8_VARIANTS:-gpu,default}
 LONG_VARIANTS=${LONG_VARIANTS:-default}
