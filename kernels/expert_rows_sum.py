@@ -91,7 +91,11 @@ def sum_rows_triton(rows: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | 
 def sum_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if use_triton(rows):
         return sum_rows_triton(rows, dtype)
-    return rows.to(torch.float32).sum(dim=1).to(dtype)  # float32 rows: no copy
+    # the kernel's order (k order, in float32), one [T, H] float32 buffer: no float32 copy of 16-bit rows
+    out = rows[:, 0].to(torch.float32, copy=True)
+    for j in range(1, rows.shape[1]):
+        out += rows[:, j]
+    return out.to(dtype)
 
 
 def finish_rows(rows: torch.Tensor, dtype: torch.dtype, summed: bool = True) -> torch.Tensor | ExpertRows:

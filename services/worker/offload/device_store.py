@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from ferry.kernels.expert_pair_gemv import expert_pair_rows_triton, use_pair_kernel
-from ferry.kernels.expert_rows_sum import ExpertRows, finish_rows, new_rows
+from ferry.kernels.expert_rows_sum import ExpertRows, finish_rows, new_rows, sum_rows
 from ferry.kernels.grouped_expert_gemm import (
     SMALL_BLOCK_MAX_PAIRS,
     align_pairs_by_slot,
@@ -289,7 +289,8 @@ class DeviceDrivenExperts(OffloadedExperts):
         skipped, at each block size a streamed step can take (the small one where a step of at most
         SMALL_BLOCK_MAX_PAIRS pairs streams, the large one where a larger step fits), whatever sizes the
         warm-up's own steps have; and where a step can be longer than ROWS_FLOAT32_MAX_TOKENS, at its block size
-        into rows in the model's dtype too (kernels/expert_rows_sum.py: a kernel a row dtype). Nothing is computed."""
+        into rows in the model's dtype too, with the row sum over them (kernels/expert_rows_sum.py: a kernel a
+        row dtype). Nothing is computed."""
         if self._stream_kernels_compiled:
             return
         self._stream_kernels_compiled = True
@@ -311,6 +312,7 @@ class DeviceDrivenExperts(OffloadedExperts):
             grouped_expert_rows_triton(xs, None, weights, self.ring.gemm13, self.ring.gemm2, rows, aligned=aligned,
                                        slot_window=(0, 0, 0))  # fmt: skip
             self._compute(xs, nothing, weights, rows)
+            sum_rows(rows, x.dtype)  # the row sum over rows of this dtype too
 
     def _begin_stream(self, real: int, top_k: int, lend: int = 0) -> None:
         """Stage every non-resident expert of every layer (none for a step of `real` 0 rows: padding
