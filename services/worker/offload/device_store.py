@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from ferry.kernels.expert_pair_gemv import expert_pair_rows_triton, use_pair_kernel
-from ferry.kernels.expert_rows_sum import ExpertRows, finish_rows, new_rows, sum_rows
+from ferry.kernels.expert_rows_sum import ExpertRows, finish_rows, new_rows, rows_dtype, sum_rows
 from ferry.kernels.grouped_expert_gemm import (
     SMALL_BLOCK_MAX_PAIRS,
     align_pairs_by_slot,
@@ -298,11 +298,12 @@ class DeviceDrivenExperts(OffloadedExperts):
         sizes = [n for n, streams in ((small, self._streams(small * top_k)),
                                       (small + 1, self.cache.max_pairs > SMALL_BLOCK_MAX_PAIRS
                                        and self._streams(self.cache.max_pairs))) if streams]  # fmt: skip
-        # a step past ROWS_FLOAT32_MAX_TOKENS, where one fits, writes rows in the dtype at its own block size
+        # the longest step's rows: where they are not float32 (a step past ROWS_FLOAT32_MAX_TOKENS fits), the
+        # kernels of a step that long, at its block size, into rows of that dtype too
+        long_rows = rows_dtype(self.cache.max_pairs // top_k, x.dtype)
         long_block = block_m_for((ROWS_FLOAT32_MAX_TOKENS + 1) * top_k)
-        long_fits = self.cache.max_pairs > ROWS_FLOAT32_MAX_TOKENS * top_k and x.dtype != torch.float32
         variants = [(n, torch.float32) for n in sizes]
-        variants += [(n, x.dtype) for n in sizes if long_fits and block_m_for(n * top_k) == long_block]
+        variants += [(n, long_rows) for n in sizes if long_rows != torch.float32 and block_m_for(n * top_k) == long_block]
         for n, row_dtype in variants:
             xs = torch.zeros(n, x.shape[1], dtype=x.dtype, device=x.device)
             weights = torch.zeros(n, top_k, dtype=torch.float32, device=x.device)

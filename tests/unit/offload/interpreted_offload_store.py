@@ -179,8 +179,7 @@ def _long_steps_take_their_rows(store, module, resident, spec, g, steps) -> None
                 want = resident.forward(layer, x, ids, w)  # float32 rows: the reference
                 rows_sum.ROWS_FLOAT32_MAX_TOKENS = threshold
                 torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
-            if hasattr(store, "stats_to_host"):
-                store.stats_to_host()
+            store.stats_to_host()
             store.end_step()
     finally:
         module.finish_rows = finish
