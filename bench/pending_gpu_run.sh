@@ -7,30 +7,19 @@
 # pydantic-core 2.33.2, typing-inspection, annotated-types, jiter, distro, sniffio, docstring-parser, py-spy 0.4.2 (the
 # newest openai/anthropic need httpx2 and opentelemetry, which the device lacks; without openai the
 # gpu-check's serve step dies after its CUDA tests).
-# pending-gpu-caller landed on main (its check passed at 6dd9cdd, 2026-12-05: 215 CUDA tests), with the 16k
-# chunk, the claimed items, the polled hand-off and the caller's core. Two changes wait, the second on the first,
-# kept as patches in bench/pending/ (a branch that has not landed does not reach the next session's checkout;
-# bench/pending/README.md says how to apply them):
-# - 0001 (pending-gpu-handoff-auto): FERRY_HOST_HANDOFF defaults to auto (boot keeps the polled hand-off where it
-#   times faster): on 6dd9cdd the 12-layer cut's single stream gave 1.548x GPU-only with it, 1.386x by host nodes.
-# - 0002-0004 (pending-gpu-rows16): a step of more than 8,192 tokens writes its expert rows in the model's dtype (the
-#   35B's 16k step held 0.54 GB more float32 rows than an 8k one: ~86 of the 112 slots its long-prompt server
-#   lost), and its review's mends; its CUDA test checks the rounding at 16,384 tokens.
-# The next session, in order (a call's 600 s and a machine's start each; combine what fits; carry
-# [".whl", ".cmp"]: .cmp/static_pool holds main 0eefdb5's host kernel sources for PART=contention):
-# 1. PART=check on both patches applied (`git checkout -b pending-gpu-rows16 && git am bench/pending/*.patch`,
-#    then rebuild the host kernel in place); 7f97462, their first writing, failed only the rows test's sum
-#    tolerance, which the rewrite fixes (a bound that counts cancelling rows); its CUDA tests in two processes
-#    took 193 s, the check 281 s. Land it if it passes (and delete bench/pending/ in the merge). If only the rows'
-#    tests fail, PART=check on 0001 alone and land that. Should two processes fail where one
-#    would not, GPU_CHECK_WORKERS=1 PART=check (one process: tight against the 600 s call).
-# 2. DECODE12_VARIANTS=gpu,default PART=decode12 (issue 25's must-show under the default, now auto: ~2.5 min),
-#    then PART=share (the hybrid cut's decode_hybrid8_hybrid_cpu.json, ≥ 1.3x: never yet measured with the host
-#    kernel built, ~4 min; the two fit one call: PART=decode12,share).
-# 3. LONG_VARIANTS=default,chunk8k PART=long (issue 24's "no slower decode afterwards": 144 tokens after the
-#    262k prompt with the plan's 16k chunk and with 8k, medians beside means, ~6 min).
+# Both pending changes landed on 2026-12-05 (check passed on a663c35, an H100: 218 CUDA tests): FERRY_HOST_HANDOFF
+# defaults to auto, and a step of more than 8,192 tokens writes its expert rows in the model's dtype. Nothing waits
+# in bench/pending/. That day's H100 (its host slower than the H200's: 161 µs a 30B bf16 expert on 12 threads
+# against 131) gave the 12-layer cut 1.277x GPU-only single-stream, the hybrid cut 1.165x, and the 262k prompt
+# 37.0 s at the plan's 16k chunk (53.9 s at 8k; decode after it 29.25 against 29.72 tok/s median, 26 slots fewer).
+# The next session (a call's 600 s and a machine's start each; combine what fits; carry [".whl", ".cmp"]:
+# .cmp/static_pool holds main 0eefdb5's host kernel sources for PART=contention; a plain call gets an H100 or an
+# H200, so rerun the baseline beside each figure, as decode12 and share do):
+# 1. DECODE12_VARIANTS=gpu,default PART=decode12,share (issue 25's must-shows under auto: 12-layer >= 1.5x,
+#    hybrid cut >= 1.3x, both single-stream against GPU-only in the same run; ~7 min).
+# 2. LONG_VARIANTS=default,chunk8k PART=long again (issue 24's "no slower decode afterwards", ~6 min).
 #    CALL_BUDGET_S=585 PART=check,decode12,long,share runs each part only while its usual time still fits the call.
-# 4. PART=contention, PART=serveprof, EIGHT_FORMAT=nvfp4 PART=eight, WARMSTEP_FORMAT=nvfp4 WARMSTEP_RING=0
+# 3. PART=contention, PART=serveprof, EIGHT_FORMAT=nvfp4 PART=eight, WARMSTEP_FORMAT=nvfp4 WARMSTEP_RING=0
 #    PART=warmstep.
 #   PART=check   make gpu-check (the release check, which builds the host's C kernel; gpu_check.json)  ~5 min
 #   PART=prefill bench/prefill_attention.py on the 35B's attention shapes, then the 262k-token TTFT  ~6-8 min
@@ -97,7 +86,7 @@ LONG_VARIANTS=${LONG_VARIANTS:-default}
 n_variants() { local v=${1//[^,]/}; echo $(( ${#v} + 1 )); }
 part_cost() {
   case "$1" in
-    check) echo 330 ;;  # 281 s at 7f97462 with two test processes (537 s with one, 6dd9cdd)
+    check) echo 420 ;;  # two test processes: 410 s on a fresh H100 (a663c35's day), 200-220 s warm, 281 s at 7f97462
     decode12) echo $(( 20 + 70 * $(n_variants "$DECODE12_VARIANTS") )) ;;
     share) echo $(( 20 + 120 * $(n_variants "$HYBRID8_VARIANTS") )) ;;
     long) echo $(( 160 * $(n_variants "$LONG_VARIANTS") )) ;;

@@ -30,7 +30,7 @@ import triton.language as tl
 from ferry.kernels.align_pairs import align_pairs_by_slot_triton
 from ferry.kernels.dispatch import use_triton
 from ferry.kernels.expert_pair_gemv import expert_pair_rows_triton, use_pair_kernel
-from ferry.kernels.expert_rows_sum import sum_rows
+from ferry.kernels.expert_rows_sum import check_rows, new_rows, sum_rows
 from ferry.kernels.grouped_expert_gemm_reference import grouped_expert_rows_reference
 from ferry.kernels.quantized_experts import QuantizedFamily
 
@@ -154,7 +154,9 @@ def _down_block(
         w_ptrs += BLOCK_K * stride_wi
     routing = tl.load(weights_ptr + pair, mask=row_ok, other=0.0)
     y = acc.to(act_ptr.dtype.element_ty).to(tl.float32) * routing[:, None]
-    tl.store(rows_ptr + pair[:, None] * H + offs_n[None, :], y, mask=row_ok[:, None] & n_ok[None, :])
+    # rows in a 16-bit dtype (a long step's, kernels/expert_rows_sum.py): the float32 value rounded once, to nearest even
+    tl.store(rows_ptr + pair[:, None] * H + offs_n[None, :], y.to(rows_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["num_pairs", "slot_lo", "slot_hi", "slot_shift"])
@@ -303,8 +305,7 @@ def grouped_expert_rows_triton(x, topk_slots, topk_weights, w13, w2, rows,
     t, h = x.shape
     top_k = topk_weights.shape[1]
     inter = w2.shape[2]
-    if rows.dtype != torch.float32 or tuple(rows.shape) != (t, top_k, h) or not rows.is_contiguous():
-        raise ValueError(f"rows must be a contiguous float32 [{t}, {top_k}, {h}] tensor")
+    check_rows(rows, x, top_k)
     num_pairs = t * top_k
     block_m = block_m_for(num_pairs)
     block_n, block_k = 64, 64
@@ -361,6 +362,6 @@ def grouped_expert_rows(x, topk_slots, topk_weights, w13, w2, rows, max_distinct
 
 def grouped_expert_forward(x, topk_slots, topk_weights, w13, w2, max_distinct_slots: int | None = None) -> torch.Tensor:
     """sum_k topk_weights[t, k] * expert_{topk_slots[t, k]}(x[t]): [T, H] in x's dtype."""
-    rows = torch.zeros(x.shape[0], topk_slots.shape[1], x.shape[1], dtype=torch.float32, device=x.device)
+    rows = new_rows(x, topk_slots.shape[1], zeroed=True)
     grouped_expert_rows(x, topk_slots, topk_weights, w13, w2, rows, max_distinct_slots)
     return sum_rows(rows, x.dtype)  # as the offload store finishes: same bits

@@ -20,7 +20,7 @@ def grouped_expert_rows_reference(
     topk_weights: torch.Tensor,  # float [T, k]
     w13: torch.Tensor,  # [S, 2I, H]
     w2: torch.Tensor,  # [S, H, I]
-    rows: torch.Tensor,  # float32 [T, k, H], written where topk_slots >= 0, untouched elsewhere
+    rows: torch.Tensor,  # [T, k, H] in float32 (or x's dtype: each row rounded once), written where topk_slots >= 0
 ) -> None:
     if not isinstance(w13, torch.Tensor):  # quantized slots (QuantizedFamily): dequantized, then computed here
         from ferry.kernels.quantized_experts import quantized_expert_rows_reference  # it imports this module
@@ -33,7 +33,8 @@ def grouped_expert_rows_reference(
         h = x[token_idx] @ w13[slot].t()
         gate, up = h.chunk(2, dim=-1)
         y = (F.silu(gate) * up) @ w2[slot].t()
-        rows[token_idx, which] = y.float() * topk_weights[token_idx, which, None].float()
+        # a row buffer in x's dtype (a long step's) takes the float32 row rounded once, to nearest even
+        rows[token_idx, which] = (y.float() * topk_weights[token_idx, which, None].float()).to(rows.dtype)
 
 
 def grouped_expert_forward_reference(

@@ -29,6 +29,7 @@ from ferry.kernels.grouped_expert_gemm import (
     block_m_for,
     launch_blocks,
 )
+from ferry.kernels.expert_rows_sum import check_rows
 from ferry.kernels.quantized_expert_gemv import _e2m1_high, _e2m1_low, check_quantized_families
 from ferry.kernels.quantized_experts import NVFP4, QuantizedFamily
 
@@ -169,7 +170,9 @@ def _nvfp4_down_block(
         acc = tl.dot(x_hi, w_hi, acc, input_precision=PRECISION)
     routing = tl.load(weights_ptr + pair, mask=row_ok, other=0.0)
     y = acc.to(w_ty).to(tl.float32) * routing[:, None]
-    tl.store(rows_ptr + pair[:, None] * H + offs_n[None, :], y, mask=row_ok[:, None] & n_ok[None, :])
+    # rows in a 16-bit dtype (a long step's, kernels/expert_rows_sum.py): the float32 value rounded once, to nearest even
+    tl.store(rows_ptr + pair[:, None] * H + offs_n[None, :], y.to(rows_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["num_pairs", "slot_lo", "slot_hi", "slot_shift"])
@@ -294,7 +297,9 @@ def _fp8_down_block(
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
     routing = tl.load(weights_ptr + pair, mask=row_ok, other=0.0)
     y = acc.to(w_ty).to(tl.float32) * routing[:, None]
-    tl.store(rows_ptr + pair[:, None] * H + offs_n[None, :], y, mask=row_ok[:, None] & n_ok[None, :])
+    # rows in a 16-bit dtype (a long step's, kernels/expert_rows_sum.py): the float32 value rounded once, to nearest even
+    tl.store(rows_ptr + pair[:, None] * H + offs_n[None, :], y.to(rows_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["num_pairs", "slot_lo", "slot_hi", "slot_shift"])
@@ -333,8 +338,7 @@ def quantized_grouped_rows_triton(x, topk_slots, topk_weights, w13: QuantizedFam
     t, h = x.shape
     top_k = topk_weights.shape[1]
     inter = check_quantized_families(h, w13, w2)
-    if rows.dtype != torch.float32 or tuple(rows.shape) != (t, top_k, h) or not rows.is_contiguous():
-        raise ValueError(f"rows must be a contiguous float32 [{t}, {top_k}, {h}] tensor")
+    check_rows(rows, x, top_k)
     num_pairs = t * top_k
     block_m = block_m_for(num_pairs)
     if aligned is None:

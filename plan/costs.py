@@ -26,6 +26,13 @@ ALLOC_GRANULE = 512
 # longer step streams less per prompt token for little more workspace than an 8,192-token one.
 MIXER_SLICE_TOKENS = 8192
 
+# The expert stores compute each (token, k) pair's output into a row of a [T, k, H] buffer that is summed
+# over k (kernels/expert_rows_sum.py). A step of up to this many tokens keeps the rows in float32, every
+# bit of each pair; a longer step writes them in the model's dtype, each row rounded once: at 16,384 tokens
+# of Qwen3.6-35B-A3B float32 rows are 1.07 GB, 0.54 GB more than an 8,192-token step's, ~86 of the 35B's
+# 6.29 MB expert slots. transformers itself rounds each pair's output to the dtype and adds them there.
+ROWS_FLOAT32_MAX_TOKENS = 8192
+
 SAFETENSORS_DTYPE_BYTES = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
     "F8_E4M3": 1, "F8_E5M2": 1,
@@ -161,13 +168,37 @@ def resident_weight_bytes_from_checkpoint(model_dir: Path, dtype: str) -> int | 
     return total
 
 
+def rows_value_bytes(step_tokens: int, dtype_bytes: int) -> int:
+    """Bytes of one value of the expert stores' row buffer in a step of `step_tokens` tokens."""
+    return 4 if step_tokens <= ROWS_FLOAT32_MAX_TOKENS else dtype_bytes
+
+
+def widest_rows_bytes(spec: ModelSpec, dtype: str, max_step_tokens: int) -> int:
+    """The largest row buffer [T, k, H] of any step of up to `max_step_tokens` tokens: past
+    ROWS_FLOAT32_MAX_TOKENS the longest step's rows in the dtype can hold less than the float32 rows of a
+    step of exactly that many tokens (9,000 bf16 rows against 8,192 float32 ones), which may run too."""
+    row = spec.num_experts_per_tok * spec.hidden_size
+    b = DTYPE_BYTES[dtype]
+    widest = max_step_tokens * row * rows_value_bytes(max_step_tokens, b)
+    if max_step_tokens > ROWS_FLOAT32_MAX_TOKENS:
+        widest = max(widest, ROWS_FLOAT32_MAX_TOKENS * row * 4)
+    return widest
+
+
+def rows_beyond_longest_step(spec: ModelSpec, dtype: str, max_step_tokens: int) -> int:
+    """What the widest row buffer holds beyond the longest step's own: the boot profile runs only the
+    longest step, so it adds this (0 but where the longest step's rows are in the dtype and narrower)."""
+    own = max_step_tokens * spec.num_experts_per_tok * spec.hidden_size
+    return widest_rows_bytes(spec, dtype, max_step_tokens) - own * rows_value_bytes(max_step_tokens, DTYPE_BYTES[dtype])
+
+
 def workspace_bytes_estimate(spec: ModelSpec, dtype: str, max_step_tokens: int, max_running_requests: int,
                              max_model_len: int, mixer_slice_tokens: int = MIXER_SLICE_TOKENS) -> int:
     """Activation memory of the largest step, estimated from shapes (the worker profiles it instead).
 
     Counts what is live at once in the widest layer: the residual stream and its norm, the
     attention projections and one layer's K/V context gathered from the pages, the MoE gather/GEMM buffers
-    (the float32 row buffer of the expert stores included) and
+    (the row buffer of the expert stores included: `widest_rows_bytes`) and
     router scores, the Gated DeltaNet projections and per-chunk states, and fp32 logits and
     probabilities of every sampled row, the sampler state of every penalised request. The token
     mixers' terms are those of one slice (`mixer_slice_tokens`), the MoE's and the residual stream's
@@ -180,10 +211,11 @@ def workspace_bytes_estimate(spec: ModelSpec, dtype: str, max_step_tokens: int, 
     attention = tm * (nh * hd * (3 if spec.attn_output_gate else 2) + 2 * kvh * hd) * b
     attention += 2 * max_model_len * kvh * hd * b  # one layer's K/V context gathered from its pages
     k, i = spec.num_experts_per_tok, spec.moe_intermediate_size
-    # both expert stores: float32 [T, k, H] rows summed over k (fp32 [T, H]), the pairs' gate/up and
+    # both expert stores: [T, k, H] rows summed over k (fp32 [T, H]; the rows in float32 up to
+    # ROWS_FLOAT32_MAX_TOKENS, in the dtype past it: the widest of any step up to t), the pairs' gate/up and
     # activation, gathered inputs (reference path); router scores and top-k ids/weights. The offload
     # store's extra (slot maps, alignment) is added by store_plan.py when the plan offloads.
-    moe = t * k * h * 4 + t * h * 4 + t * k * (3 * i + h) * b + t * spec.num_experts * 4 + t * k * 12
+    moe = widest_rows_bytes(spec, dtype, t) + t * h * 4 + t * k * (3 * i + h) * b + t * spec.num_experts * 4 + t * k * 12
     if spec.shared_expert_intermediate_size:
         moe += t * 3 * spec.shared_expert_intermediate_size * b
     dense = t * 3 * spec.intermediate_size * b if not all(spec.moe_layers) else 0
@@ -203,7 +235,7 @@ def workspace_bytes_estimate(spec: ModelSpec, dtype: str, max_step_tokens: int, 
 def offload_workspace_bytes(spec: ModelSpec, max_step_tokens: int) -> int:
     """What the offload store allocates per step beyond the all-resident compute path.
 
-    Both stores compute the layer into a float32 [T, k, H] row buffer that is summed over k, so
+    Both stores compute the layer into a [T, k, H] row buffer that is summed over k, so
     that buffer is in the profiled (and estimated) workspace already. The offload store adds, per
     compute group (one live at a time), the group's [T, k] int64 slot map on the device, or the
     host-made alignment (sorted pairs and block slots, int32, at most 2 * T * k entries); plus one

@@ -7,8 +7,6 @@
 int ferry_host_kernel_compute(void *handle, const ferry_job *job);
 int ferry_host_kernel_pin_caller(void *handle);
 
-#define FERRY_ERANGE (-4)
-
 static int64_t hist_bound(int b) { return 50000LL << b; } /* 50 µs, 100 µs, ... 6.4 ms */
 
 void ferry_host_node_hist_bounds(int64_t *bounds) {

@@ -10,6 +10,7 @@
 
 #include "expert_job.h"
 
+#define FERRY_ERANGE (-4) /* a task's status: pairs (or a polled layer number) out of range */
 #define FERRY_NODE_HIST 9 /* buckets of a call's wall time: 50 µs doubling to 6.4 ms, then the rest */
 
 typedef struct {
@@ -20,7 +21,7 @@ typedef struct {
     int64_t max_tokens, max_pairs; /* the buffers' sizes */
     int64_t pin_caller;  /* 1: the thread that runs it is pinned to the pool's caller CPU (the driver's thread or
                           * the poller: they run nothing else), 0 where it is the caller's own thread */
-    int64_t status;      /* 0, or the first error: FERRY_E* of host_experts.c, -4 for pairs out of range */
+    int64_t status;      /* 0, or the first error: FERRY_E* of host_experts.c, FERRY_ERANGE for pairs out of range */
     int64_t calls, pairs; /* since boot */
     int64_t busy_ns, busy_calls; /* since boot: the wall time of the calls that computed pairs, and their
                                   * number (what the split's price of a host expert is checked against) */

@@ -16,7 +16,6 @@
  * a pause waits up to a nap (plus the kernel's timer slack, ~50 µs) */
 #define NAP_MIN_NS 20000
 #define NAP_MAX_NS 1000000
-#define FERRY_ERANGE (-4)
 
 int ferry_host_kernel_pin_caller(void *handle);
 

@@ -11,7 +11,9 @@ is not in this step (its requests have no cached context; past MIXER_SLICE_TOKEN
 mixer slices attend to its earlier ones, whose few thousand keys are gathered into tensors of their own
 and so counted twice, a few MiB over),
 so the buffers a long prefill gathers one request's K/V into for FlashAttention (max_model_len of
-them, `gathered_context_bytes`) are added to it. On CPU there is no allocator to
+them, `gathered_context_bytes`) are added to it; so are the expert rows a shorter step may hold beyond the
+largest step's (`rows_beyond_longest_step`: a step of 8,192 tokens keeps its rows in float32, one past it
+in the dtype). On CPU there is no allocator to
 measure: the worker uses the estimate of `plan/costs.py`."""
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import numpy as np
 import structlog
 import torch
 
+from ferry.plan.costs import rows_beyond_longest_step
 from ferry.plan.model_config import DTYPE_BYTES, ModelSpec
 from ferry.shared.errors import PlanError
 from ferry.shared.sampling import SamplingParams
@@ -146,7 +149,7 @@ GRAPH_OFFLOAD_MARGIN = 2 * 2**20
 
 def profile_workspace_cuda(model, experts: LateBoundExperts, spec: ModelSpec, r: Resolved, device: torch.device) -> int:
     """Peak bytes the largest step takes beyond its inputs (allocator segments included), plus
-    the long-context gather."""
+    the long-context gather and the rows a shorter step may hold beyond its own."""
     # The temporary pools are part of the baseline, not of the workspace: allocate them first.
     step, pools = _prepare(experts, spec, r, device)
     sampler = None
@@ -167,7 +170,8 @@ def profile_workspace_cuda(model, experts: LateBoundExperts, spec: ModelSpec, r:
         experts.unbind()
         del pools, sampler
         torch.cuda.empty_cache()
-    return int(peak + gathered_context_bytes(spec, r.dtype, r.max_model_len, r.page_size))
+    return int(peak + gathered_context_bytes(spec, r.dtype, r.max_model_len, r.page_size)
+               + rows_beyond_longest_step(spec, r.dtype, r.max_prefill_tokens))
 
 
 def profiled_or_plan_error(profile, tokens: int, release=lambda: None) -> int:

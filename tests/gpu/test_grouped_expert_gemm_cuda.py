@@ -94,3 +94,37 @@ def test_a_window_launched_over_its_own_blocks_gives_the_full_grids_bits(fmt, to
     assert torch.equal(got[routed], want[routed])
     if skewed:
         assert looped, "the skewed layer's first window should have more blocks than programs"
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4", "fp8-block"])
+def test_a_long_steps_rows_in_bf16_are_its_float32_rows_rounded_once(fmt):
+    """A step past ROWS_FLOAT32_MAX_TOKENS (8,192; here 16,384 tokens, the plan's long chunk) writes its rows in
+    bf16 (kernels/expert_rows_sum.py): each pair's float32 row rounded to nearest even, once, in every window
+    of the ring, skipped pairs untouched. The sum over k in float32, rounded to bf16, is then within one bf16
+    rounding of each row and one of the sum: 2^-8 x (the rows' absolute values + the sum's), with 1 % for
+    the float32 adds. (A bound relative to the sum alone is wrong: rows of opposite signs cancel; on the H200
+    67-209 of 33.5M sums missed such a bound, by up to 0.0057.)"""
+    from ferry.kernels.expert_rows_sum import new_rows, rows_dtype, sum_rows
+    from ferry.kernels.grouped_expert_gemm import grouped_expert_rows_triton
+
+    tokens = 16384
+    g = torch.Generator(device="cuda").manual_seed(7)
+    x, pos, weights, w13, w2, (aligned, _) = _staged_layer(fmt, tokens, 256, 200, 8, False, g)
+    assert rows_dtype(tokens, x.dtype) == torch.bfloat16 and rows_dtype(8192, x.dtype) == torch.float32
+    wide = torch.full((tokens, 8, 2048), float("nan"), device="cuda")
+    narrow = new_rows(x, 8)
+    narrow.fill_(float("nan"))
+    assert narrow.dtype == torch.bfloat16
+    for lo in range(0, 200, 12):
+        window = (lo, min(lo + 12, 200), -lo)
+        grouped_expert_rows_triton(x, None, weights, w13, w2, wide, aligned=aligned, slot_window=window)
+        grouped_expert_rows_triton(x, None, weights, w13, w2, narrow, aligned=aligned, slot_window=window)
+    routed = pos >= 0
+    assert torch.isnan(narrow[~routed].float()).all() and not torch.isnan(narrow[routed].float()).any()
+    assert torch.equal(narrow[routed], wide[routed].to(torch.bfloat16))
+    wide[~routed], narrow[~routed] = 0.0, 0.0
+    exact = wide.sum(dim=1)
+    got = sum_rows(narrow, torch.bfloat16).float()
+    bound = 2**-8 * (wide.abs().sum(dim=1) + got.abs()) * 1.01
+    worst = ((got - exact).abs() / bound.clamp_min(1e-30)).max().item()
+    assert worst <= 1.0, f"a sum {worst:.3f} of its bound away"

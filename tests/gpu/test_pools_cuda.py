@@ -23,5 +23,8 @@ def test_allocated_equals_priced_on_cuda(cuda_device):
     priced = plan.kv.bytes + plan.linear_state.bytes + plan.linear_state_snapshots.bytes + plan.experts.bytes
     assert plan.linear_state_snapshots.snapshots > 0  # the prefix cache's snapshots: a pool of their own, as priced
     assert torch.cuda.memory_allocated() - before_alloc == priced
-    assert torch.cuda.memory_reserved() - before_reserved == priced  # 2 MiB granules: nothing reserved beyond
+    # 2 MiB granules: nothing reserved beyond. Segments that an earlier test's live tensors keep (empty_cache
+    # cannot free them) may lend their free bytes to the pools, which then reserve that much less.
+    lent = before_reserved - before_alloc
+    assert priced - lent <= torch.cuda.memory_reserved() - before_reserved <= priced
     del pools

@@ -29,7 +29,8 @@ next layer is prefetched the same way. Steps that route to nearly every expert o
 (at least STREAM_PAIRS_PER_EXPERT (token, k) pairs per expert: a prefill) place nothing in the
 cache: they stream every non-resident expert through the staging ring (staging_ring.py), so each
 crosses once and the cache keeps what the decode uses. Each (token, k) pair is computed exactly once into a
-float32 row buffer summed over k, with the same kernels as the all-resident store: the result is
+row buffer summed over k (float32; in the dtype past ROWS_FLOAT32_MAX_TOKENS tokens, kernels/expert_rows_sum.py),
+with the same kernels as the all-resident store: the result is
 bit for bit what an all-resident store computes (not with a host share: the host's per-token sum joins each
 token's first row, a float32 reassociation).
 
@@ -50,13 +51,14 @@ import torch
 import torch.nn.functional as F
 
 from ferry.kernels.expert_pair_gemv import expert_pair_rows_triton, use_pair_kernel
-from ferry.kernels.expert_rows_sum import ExpertRows, finish_rows
+from ferry.kernels.expert_rows_sum import ExpertRows, finish_rows, new_rows, rows_dtype, sum_rows
 from ferry.kernels.grouped_expert_gemm import (
     SMALL_BLOCK_MAX_PAIRS,
     align_pairs_by_slot,
     block_m_for,
     grouped_expert_rows_triton,
 )
+from ferry.plan.costs import ROWS_FLOAT32_MAX_TOKENS
 from ferry.services.worker.offload.device_cache import CacheCall, DeviceExpertCache
 from ferry.services.worker.offload.expert_cache import DEFAULT_PIPELINE_CHUNKS, OffloadedExperts, _split
 from ferry.services.worker.offload.host_decode import HostDecodeShare
@@ -177,7 +179,7 @@ class DeviceDrivenExperts(OffloadedExperts):
         if n_rows is None:
             n_rows = torch.full((1,), t, dtype=torch.int32, device=x.device)
         ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
-        rows = torch.empty(t, k, x.shape[1], dtype=torch.float32, device=x.device)
+        rows = new_rows(x, k)  # float32, or the dtype past ROWS_FLOAT32_MAX_TOKENS (kernels/expert_rows_sum.py)
         if use_pair_kernel(t * k) and (self.copy_engine_tokens is None or t < self.copy_engine_tokens):
             self._decode_layer(moe_layer, x, ids, topk_weights, n_rows, rows)
         elif self._streams(t * k):
@@ -286,7 +288,9 @@ class DeviceDrivenExperts(OffloadedExperts):
         over an empty window of the ring's bays, and the layer's grouped kernel for its hits with every pair
         skipped, at each block size a streamed step can take (the small one where a step of at most
         SMALL_BLOCK_MAX_PAIRS pairs streams, the large one where a larger step fits), whatever sizes the
-        warm-up's own steps have. Nothing is computed."""
+        warm-up's own steps have; and where a step can be longer than ROWS_FLOAT32_MAX_TOKENS, at its block size
+        into rows in the model's dtype too, with the row sum over them (kernels/expert_rows_sum.py: a kernel a
+        row dtype). Nothing is computed."""
         if self._stream_kernels_compiled:
             return
         self._stream_kernels_compiled = True
@@ -294,15 +298,22 @@ class DeviceDrivenExperts(OffloadedExperts):
         sizes = [n for n, streams in ((small, self._streams(small * top_k)),
                                       (small + 1, self.cache.max_pairs > SMALL_BLOCK_MAX_PAIRS
                                        and self._streams(self.cache.max_pairs))) if streams]  # fmt: skip
-        for n in sizes:
+        # the longest step's rows: where they are not float32 (a step past ROWS_FLOAT32_MAX_TOKENS fits), the
+        # kernels of a step that long, at its block size, into rows of that dtype too
+        long_rows = rows_dtype(self.cache.max_pairs // top_k, x.dtype)
+        long_block = block_m_for((ROWS_FLOAT32_MAX_TOKENS + 1) * top_k)
+        variants = [(n, torch.float32) for n in sizes]
+        variants += [(n, long_rows) for n in sizes if long_rows != torch.float32 and block_m_for(n * top_k) == long_block]
+        for n, row_dtype in variants:
             xs = torch.zeros(n, x.shape[1], dtype=x.dtype, device=x.device)
             weights = torch.zeros(n, top_k, dtype=torch.float32, device=x.device)
-            rows = torch.zeros(n, top_k, x.shape[1], dtype=torch.float32, device=x.device)
+            rows = torch.zeros(n, top_k, x.shape[1], dtype=row_dtype, device=x.device)
             nothing = torch.full((n, top_k), -1, dtype=torch.int32, device=x.device)
             aligned = align_pairs_by_slot(nothing, 1, block_m_for(n * top_k), 1, block_starts=True)
             grouped_expert_rows_triton(xs, None, weights, self.ring.gemm13, self.ring.gemm2, rows, aligned=aligned,
                                        slot_window=(0, 0, 0))  # fmt: skip
             self._compute(xs, nothing, weights, rows)
+            sum_rows(rows, x.dtype)  # the row sum over rows of this dtype too
 
     def _begin_stream(self, real: int, top_k: int, lend: int = 0) -> None:
         """Stage every non-resident expert of every layer (none for a step of `real` 0 rows: padding

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from ferry.kernels.expert_pair_gemv import expert_pair_rows_triton, use_pair_kernel
-from ferry.kernels.expert_rows_sum import ExpertRows, finish_rows
+from ferry.kernels.expert_rows_sum import ExpertRows, finish_rows, new_rows
 from ferry.kernels.grouped_expert_gemm import (
     align_pairs_by_slot_host,
     block_m_for,
@@ -147,7 +147,7 @@ class OffloadedExperts:
         chunks = _split(misses, 1 if x.shape[0] < self.prefill_tokens else self.pipeline_chunks)
         groups = self._group_slots(ids, experts, lookup.slots, lookup.hits > 0, chunks)
         # no zero fill: the groups partition the pairs, so every row is written by exactly one group
-        rows = torch.empty(x.shape[0], topk_ids.shape[1], x.shape[1], dtype=torch.float32, device=x.device)
+        rows = new_rows(x, topk_ids.shape[1])  # float32, or the dtype past ROWS_FLOAT32_MAX_TOKENS
         if self._cuda:
             self._forward_pipelined_cuda(moe_layer, x, groups, topk_weights, chunks, rows)
         else:

@@ -137,8 +137,9 @@ class HostShare:
         return self.experts.compute(layer, xs, pairs)
 
     def finish(self, done: Future, rows: torch.Tensor, host_mask: torch.Tensor) -> None:
-        """Fold the host's sum into the layer's rows [T, k, H] (float32): the host pairs' rows zeroed
-        (`host_mask` [T, k]), the sum added to each token's first row, behind its copy to the device."""
+        """Fold the host's sum into the layer's rows [T, k, H]: the host pairs' rows zeroed (`host_mask`
+        [T, k]), the sum added to each token's first row, behind its copy to the device. Rows in the model's
+        dtype (a step past ROWS_FLOAT32_MAX_TOKENS, kernels/expert_rows_sum.py) take it rounded once more."""
         rows.masked_fill_(host_mask.unsqueeze(-1), 0.0)
         out = done.result()
         t = out.shape[0]

@@ -17,6 +17,24 @@ from ferry.plan.expert_formats import BF16
 
 # the grouped kernels: the decode and the prefill block, each over every block and over a streamed window's
 GROUPED_VARIANTS = [(block_m, windowed) for block_m in (16, 64) for windowed in (False, True)]
+# a step past ROWS_FLOAT32_MAX_TOKENS (kernels/expert_rows_sum.py) writes its rows in the model's dtype: the
+# prefill block's down kernels, over every block and over a window, and the row sum compile for those rows too
+LONG_STEP_VARIANTS = [(64, windowed) for windowed in (False, True)]
+
+
+def grouped_entries(fn, sig: dict, dtype: str, consts_of) -> list:
+    """`fn` at every GROUPED_VARIANTS entry; a down kernel also into rows in `dtype` (not fp32's own)."""
+    out = []
+    for block_m, windowed in GROUPED_VARIANTS:
+        consts = consts_of(block_m) | {"WINDOWED": windowed}
+        out.append((f"{fn.__name__}[{dtype}, BLOCK_M={block_m}, WINDOWED={windowed}]", fn,
+                    {**sig, **{c: "constexpr" for c in consts}}, consts))  # fmt: skip
+    if "down" in fn.__name__ and dtype != "fp32":
+        for block_m, windowed in LONG_STEP_VARIANTS:
+            consts = consts_of(block_m) | {"WINDOWED": windowed}
+            out.append((f"{fn.__name__}[{dtype}, rows {dtype}, BLOCK_M={block_m}, WINDOWED={windowed}]", fn,
+                        {**sig, "rows_ptr": f"*{dtype}", **{c: "constexpr" for c in consts}}, consts))  # fmt: skip
+    return out
 MARK_PTRS = {"table_ptr": "*i32", "n_rows_ptr": "*i32"}  # the resident store's routed table, marked by gate/up
 
 
@@ -38,11 +56,8 @@ def signatures(dtype: str) -> list:
             **ints("num_pairs", "H", "I", "slot_lo", "slot_hi", "slot_shift", "stride_am", "stride_an", "stride_ws", "stride_wh", "stride_wi")}  # fmt: skip
     out = []
     for fn, sig in ((k._gate_up_kernel, gate_up), (k._down_kernel, down)):
-        for block_m, windowed in GROUPED_VARIANTS:
-            consts = {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 64, "UPCAST": upcast, "PRECISION": precision,
-                      "WINDOWED": windowed}  # fmt: skip
-            out.append((f"{fn.__name__}[{dtype}, BLOCK_M={block_m}, WINDOWED={windowed}]", fn,
-                        {**sig, **{c: "constexpr" for c in consts}}, consts))  # fmt: skip
+        out += grouped_entries(fn, sig, dtype, lambda block_m: {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 64,
+                                                                "UPCAST": upcast, "PRECISION": precision})  # fmt: skip
     pair_gate_up = {"x_ptr": f"*{dtype}", "w13_ptr": f"*{dtype}", "act_ptr": f"*{dtype}", "slots_ptr": "*i64",
                     **ints("slot_offset", "top_k", "H", "I"), **MARK_PTRS, **ints("stride_xt", "stride_ws", "stride_wn")}  # fmt: skip
     pair_down = {"act_ptr": f"*{dtype}", "w2_ptr": f"*{dtype}", "rows_ptr": "*fp32", "weights_ptr": f"*{dtype}",
@@ -54,6 +69,9 @@ def signatures(dtype: str) -> list:
             out.append((f"{fn.__name__}[{dtype}, {consts}]", fn, {**sig, **{c: "constexpr" for c in consts}}, consts))
     sum_sig = {"rows_ptr": "*fp32", "out_ptr": f"*{dtype}", "top_k": "i32", "H": "i32", "BLOCK": "constexpr"}
     out.append((f"_sum_rows_kernel[{dtype}]", rows_sum._sum_rows_kernel, sum_sig, {"BLOCK": rows_sum.BLOCK_H}))
+    if dtype != "fp32":
+        out.append((f"_sum_rows_kernel[{dtype}, rows {dtype}]", rows_sum._sum_rows_kernel,
+                    {**sum_sig, "rows_ptr": f"*{dtype}"}, {"BLOCK": rows_sum.BLOCK_H}))  # fmt: skip
     return out + quantized_signatures(dtype)
 
 
@@ -80,14 +98,12 @@ def quantized_signatures(dtype: str) -> list:
                                       "stride_ss", "stride_so")}),
     ]  # fmt: skip
     out = []
+    act = torch.float32 if dtype == "fp32" else torch.bfloat16
     for fn, sig in grouped:
-        for block_m, windowed in GROUPED_VARIANTS:
-            fmt = NVFP4 if "nvfp4" in fn.__name__ else FP8_BLOCK
-            block_k = qk.block_k_for(fmt, block_m, torch.float32 if dtype == "fp32" else torch.bfloat16)
-            consts = {"BLOCK_M": block_m, "BLOCK_N": qk.BLOCK_N, "BLOCK_K": block_k, "UPCAST": upcast,
-                      "PRECISION": precision, "WINDOWED": windowed}  # fmt: skip
-            out.append((f"{fn.__name__}[{dtype}, BLOCK_M={block_m}, WINDOWED={windowed}]", fn,
-                        {**sig, **{c: "constexpr" for c in consts}}, consts))  # fmt: skip
+        fmt = NVFP4 if "nvfp4" in fn.__name__ else FP8_BLOCK
+        out += grouped_entries(fn, sig, dtype, lambda block_m, fmt=fmt: {
+            "BLOCK_M": block_m, "BLOCK_N": qk.BLOCK_N, "BLOCK_K": qk.block_k_for(fmt, block_m, act), "UPCAST": upcast,
+            "PRECISION": precision})  # fmt: skip
     pair = [
         (qpair._nvfp4_pair_gate_up_kernel, {"x_ptr": f"*{dtype}", **nvfp4, "act_ptr": f"*{dtype}", "slots_ptr": "*i64",
                                             **ints("slot_offset", "top_k", "H", "I"), **MARK_PTRS,

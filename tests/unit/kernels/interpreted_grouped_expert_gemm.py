@@ -27,6 +27,7 @@ from ferry.kernels.grouped_expert_gemm import (  # noqa: E402
 from ferry.kernels.expert_pair_gemv import expert_pair_rows_triton  # noqa: E402
 from ferry.kernels.expert_rows_sum import sum_rows_triton  # noqa: E402
 from ferry.kernels.grouped_expert_gemm_reference import grouped_expert_forward_reference, grouped_expert_rows_reference  # noqa: E402
+from long_step_rows import bf16_rows_are_the_float32_rows_rounded_once  # noqa: E402
 
 
 def make_case(seed, tokens, top_k, hidden, inter, slots, dtype, skip=0):
@@ -208,6 +209,8 @@ CASES = {
     "tight_grid_with_max_distinct_slots": tight_grid_with_max_distinct_slots,
     "bfloat16_within_rounding": bfloat16_within_rounding,
     "alignment_groups_pairs_by_slot": alignment_groups_pairs_by_slot,
+    "bf16_rows_are_the_float32_rows_rounded_once": lambda: bf16_rows_are_the_float32_rows_rounded_once(
+        *make_case(17, 40, 3, 64, 32, 9, torch.bfloat16, skip=5), num_slots=9, window=4),
 }
 
 

@@ -30,6 +30,7 @@ from ferry.kernels.quantized_experts import (  # noqa: E402
     QuantizedFamily,
     quantized_expert_rows_reference,
 )
+from long_step_rows import bf16_rows_are_the_float32_rows_rounded_once  # noqa: E402
 from quantized_slots import make_experts  # noqa: E402
 
 TIGHT = dict(rtol=1e-5, atol=1e-5)  # float32 x: only the order of the float32 sums differs
@@ -227,6 +228,8 @@ for _fmt in (NVFP4, FP8_BLOCK):
         f"{_fmt}/tight_grid_with_max_distinct_slots": lambda f=_fmt: tight_grid_with_max_distinct_slots(f),
         f"{_fmt}/bfloat16_within_rounding": lambda f=_fmt: bfloat16_within_rounding(f),
         f"{_fmt}/mistakes_are_detected": lambda f=_fmt: mistakes_are_detected(f),
+        f"{_fmt}/bf16_rows_are_the_float32_rows_rounded_once": lambda f=_fmt: bf16_rows_are_the_float32_rows_rounded_once(
+            *make_case(f, 17, 40, 3, 64, 32, 9, dtype=torch.bfloat16, skip=5), num_slots=9, window=4),
     })  # fmt: skip
 
 

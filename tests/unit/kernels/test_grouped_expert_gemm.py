@@ -18,7 +18,7 @@ CASES = ["decode_one_token", "ragged_shapes_and_skipped_pairs", "several_blocks_
          "slot_window_with_block_starts_skewed_loops", "a_window_outside_the_aligned_slots_is_refused",
          "tight_grid_with_max_distinct_slots", "bfloat16_within_rounding", "alignment_groups_pairs_by_slot",
          "pair_kernel_decode_one_token", "pair_kernel_ragged_skipped_offset", "pair_kernel_groups_give_the_same_bits",
-         "rows_summed_in_k_order"]  # fmt: skip
+         "rows_summed_in_k_order", "bf16_rows_are_the_float32_rows_rounded_once"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,9 @@ H200_MAX_SHARED = 227 * 1024  # dynamic shared memory one block may use on sm_90
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU, tests/gpu compiles and runs the kernels for real")
 def test_kernels_compile_for_hopper():
     results = compile_in_child("compile_grouped_expert_gemm.py")
-    assert len(results) == 26 + 48  # the plain kernels, then the quantized twins (compile_grouped_expert_gemm.py)
+    # the plain kernels, then the quantized twins, then (bf16) the down kernels and the sum into bf16 rows
+    assert len(results) == 26 + 48 + 3 + 4  # (compile_grouped_expert_gemm.py)
+    assert sum("rows bf16" in name for name in results) == 3 + 4
     for name, r in results.items():
         assert "error" not in r, f"{name}: {r.get('error')}"
         assert r["cubin"] and 0 <= r["shared"] <= H200_MAX_SHARED, (name, r)  # the row sum needs none

@@ -154,6 +154,101 @@ def check_host_share() -> None:
     share.close()
 
 
+def _long_steps_take_their_rows(store, module, resident, spec, g, steps) -> None:
+    """`steps` ((tokens, rows dtype wanted), ...) through every layer of `store`: each layer's rows in the dtype
+    wanted (read where `module`, the store's, finishes them) and its output within rounding of the all-resident
+    store with float32 rows (bf16 rows are one rounding of each, within bf16's own tolerance)."""
+    import ferry.kernels.expert_rows_sum as rows_sum
+
+    finished, finish = [], module.finish_rows
+
+    def record_finish(rows, dtype, summed=True):
+        finished.append(rows.dtype)
+        return finish(rows, dtype, summed)
+
+    module.finish_rows = record_finish
+    try:
+        for tokens, rows_wanted in steps:
+            for layer in range(len(spec.moe_layer_indices)):
+                x, ids, w = random_routing(spec, tokens, g)
+                x = x.to(torch.bfloat16)
+                finished.clear()
+                got = store.forward(layer, x, ids, w, n_rows=torch.tensor([tokens], dtype=torch.int32))
+                assert finished == [rows_wanted], f"{tokens} tokens: rows in {finished}, not {rows_wanted}"
+                threshold, rows_sum.ROWS_FLOAT32_MAX_TOKENS = rows_sum.ROWS_FLOAT32_MAX_TOKENS, 10**6
+                want = resident.forward(layer, x, ids, w)  # float32 rows: the reference
+                rows_sum.ROWS_FLOAT32_MAX_TOKENS = threshold
+                torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+            store.stats_to_host()
+            store.end_step()
+    finally:
+        module.finish_rows = finish
+
+
+def check_long_step_rows() -> None:
+    """A step past ROWS_FLOAT32_MAX_TOKENS (36 here, 8,192 in service) writes its expert rows in the model's
+    dtype (kernels/expert_rows_sum.py), in both offloading stores. The device-driven one: a 40-token bf16
+    prefill streamed with the host computing half of each layer's misses takes bf16 rows, a 36-token one
+    float32 rows, and boot's warm-up (a padding-only streamed step) compiles the chunks' kernels and the row
+    sum into both row dtypes, since a step that long fits the store. The host-driven one (OffloadedExperts):
+    the same two lengths, misses copied in two chunks. All within rounding of the all-resident store with
+    float32 rows."""
+    import ferry.kernels.expert_rows_sum as rows_sum
+    import ferry.kernels.grouped_expert_gemm as grouped
+    import ferry.services.worker.offload.device_store as device_store
+    import ferry.services.worker.offload.expert_cache as expert_cache
+    from ferry.services.worker.offload.host_experts import HostExperts
+    from ferry.services.worker.offload.host_share import HostCost, HostShare
+
+    spec = tiny_spec(layers=2, experts=6, top_k=2, hidden=32, inter=16)
+    layers, bf16 = 2, torch.bfloat16
+    resident = ResidentExperts(slot_pool(spec, layers * 6, dtype="bfloat16"), layers, 6)
+    banks = HostBanks.for_model(spec, "bfloat16", progress=False)
+    share = HostShare(HostExperts(banks, bf16, threads=1), HostCost(1.0, 1.0, 0.0, 0.0), max_tokens=48, top_k=2,
+                      device="cpu")  # fmt: skip
+    store = DeviceDrivenExperts(slot_pool(spec, 7, dtype="bfloat16", max_step_tokens=48), banks,
+                                LFUExpertPolicy(layers, 6, 7), "cpu", prefetch=True, pipeline_chunks=2,
+                                host_share=share)  # fmt: skip
+    host_driven = OffloadedExperts(slot_pool(spec, 7, dtype="bfloat16"), banks, LRUExpertPolicy(layers, 6, 7), "cpu",
+                                   pipeline_chunks=2, prefill_tokens=8, use_triton=True)  # fmt: skip
+    for (layer, e), weights in random_experts(spec, 7).items():
+        for s in (resident, store, host_driven):
+            s.load_expert(layer, e, *weights)
+    g = torch.Generator().manual_seed(5)
+    store.set_routers([torch.randn(6, 32, generator=g).to(bf16) for _ in range(layers)])
+    store.preload()
+    launched, summed_rows = [], []
+    kernel, row_sum = device_store.grouped_expert_rows_triton, device_store.sum_rows
+
+    def record_launch(x, topk_slots, weights, w13, w2, rows, *args, **kwargs):
+        launched.append((rows.dtype, kwargs.get("slot_window", grouped.SLOT_WINDOW_ALL)))
+        return kernel(x, topk_slots, weights, w13, w2, rows, *args, **kwargs)
+
+    def record_sum(rows, dtype):
+        summed_rows.append(rows.dtype)
+        return row_sum(rows, dtype)
+
+    rows_sum.ROWS_FLOAT32_MAX_TOKENS = device_store.ROWS_FLOAT32_MAX_TOKENS = 36
+    device_store.grouped_expert_rows_triton, device_store.sum_rows = record_launch, record_sum
+    try:
+        x, ids, w = random_routing(spec, 40, g)
+        store.forward(0, x.to(bf16), ids, w, n_rows=torch.tensor([0], dtype=torch.int32))  # boot's warm-up step
+        store.stats_to_host()
+        store.end_step()
+        windowed = {dtype for dtype, window in launched if window != grouped.SLOT_WINDOW_ALL}
+        assert windowed == {torch.float32, bf16}, f"the warm-up compiled the chunks' kernels into {windowed}"
+        assert set(summed_rows) == {torch.float32, bf16}, f"the warm-up summed rows of {summed_rows}"
+        steps = ((40, bf16), (36, torch.float32), (40, bf16))
+        _long_steps_take_their_rows(store, device_store, resident, spec, g, steps)
+        assert share.layers > 0 and share.computed > 0, "the host computed nothing: its fold into bf16 rows untested"
+        _long_steps_take_their_rows(host_driven, expert_cache, resident, spec, g, steps)
+        assert host_driven.stats.total.misses > 0
+    finally:
+        rows_sum.ROWS_FLOAT32_MAX_TOKENS = device_store.ROWS_FLOAT32_MAX_TOKENS = 8192
+        device_store.grouped_expert_rows_triton, device_store.sum_rows = kernel, row_sum
+        share.close()
+
+
 def check_host_decode_kernel() -> None:
     """The hand-off kernel (kernels/expert_host_handoff.py) against its torch twin on random lookups:
     the same maps, miss slots, count, host pair list, flags, meta and totals."""
@@ -455,7 +550,7 @@ CHECKS = {"store": check, "device-driven-float32": lambda: check_device_driven("
           "host-decode-kernel": check_host_decode_kernel, "host-decode": check_host_decode,
           "host-decode-poll": lambda: check_host_decode(poll=True),
           "lent-slots": check_lent_slots, "windowed-chunks": check_windowed_chunks,
-          "streamed-launches": check_streamed_launches}
+          "streamed-launches": check_streamed_launches, "long-step-rows": check_long_step_rows}
 
 if __name__ == "__main__":  # argv[1]: one of CHECKS (the test runs each in its own process, side by side under xdist)
     import structlog

@@ -109,7 +109,8 @@ def test_mismatched_parts_are_refused():
 
 
 INTERPRETED_CHECKS = ["store", "device-driven-float32", "device-driven-bfloat16", "host-share", "host-decode-kernel",
-                      "host-decode", "host-decode-poll", "lent-slots", "windowed-chunks", "streamed-launches"]
+                      "host-decode", "host-decode-poll", "lent-slots", "windowed-chunks", "streamed-launches",
+                      "long-step-rows"]
 
 
 def test_every_check_of_the_interpreted_script_runs():

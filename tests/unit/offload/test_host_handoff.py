@@ -89,7 +89,7 @@ def test_the_thread_stops_with_the_share_and_node_hand_offs_come_back(monkeypatc
 
 def test_the_variable_picks_the_hand_off_and_a_bad_value_names_it(monkeypatch):
     monkeypatch.delenv(H.HANDOFF_ENV, raising=False)
-    assert H.resolve_handoff() == H.DEFAULT_HANDOFF == "node"
+    assert H.resolve_handoff() == H.DEFAULT_HANDOFF == "auto"
     for value in ("poll", "AUTO", " node "):
         monkeypatch.setenv(H.HANDOFF_ENV, value)
         assert H.resolve_handoff() == value.strip().lower()
