@@ -219,7 +219,9 @@ def _long_context(name: str, tag: str, model_dir: Path, served, out: Path, ceili
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(f"[{tag}] TTFT {result['ttft_s']:.1f} s for {result['prompt_tokens']} tokens ({result['prefill_tok_s']:.0f} "
           f"tok/s; bound {result['bound_s']:.1f} s: compute {result['compute_s']}, PCIe {result['pcie_s']:.1f}); decode "
-          f"after it {result['decode_after_tok_s']} tok/s, with a short prompt {result['decode_short_tok_s']}; "
+          f"after it {result['decode_after_tok_s']} tok/s, with a short prompt {result['decode_short_tok_s']} (medians of "
+          f"{len(result['decode_after_runs'])} runs: {result['decode_after_repeats_median_tok_s']} after, "
+          f"{result['decode_short_repeats_median_tok_s']} short); "
           f"{result['expert_slots']} expert slots", flush=True)  # fmt: skip
     return result
 

@@ -6,7 +6,11 @@ long one as token ids, streaming with `ignore_eos`. TTFT is the first chunk's ar
 the prompt over TTFT; the decode after it is the long request's own continuation (every token attends to
 the whole prompt), 144 tokens by default (the 35B's context leaves the issue's prompt 156), each rate
 given as the mean over them and as the median step (`_median_tok_s`: a few slow steps, such as the host
-share's guard trying a split, move the mean of so few tokens but not the median). The bounds beside
+share's guard trying a split, move the mean of so few tokens but not the median). One run of 144 tokens
+still varies by several per cent from server to server, so `--decode-repeats N` (3) sends the long prompt
+N - 1 more times, prefilled from the prefix cache (each repeat's TTFT and cached tokens are reported), and the
+short one N times: `decode_after_repeats_median_tok_s` is the median of the N runs' median-step rates, the
+figure to compare between two servers (issue 24: the plan's 16k chunk against 8k). The bounds beside
 them, for the plan the worker booted with (its boot log's `plan` line: the prefill chunk and the expert
 slots):
 
@@ -31,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -99,6 +104,18 @@ def _median_tok_s(run: dict) -> float | None:
     return (run["tokens"] - 1) / (run["chunks"] - 1) / run["median_gap_s"]
 
 
+def _decode_run(run: dict) -> dict:
+    """What one streamed request's decode gave: its TTFT, the prompt tokens the prefix cache served, both rates."""
+    details = getattr(run["usage"], "prompt_tokens_details", None) if run["usage"] else None
+    return {"ttft_s": run["ttft_s"], "cached_tokens": getattr(details, "cached_tokens", None),
+            "tok_s": run["tok_s"], "median_tok_s": _median_tok_s(run)}  # fmt: skip
+
+
+def _median_of_runs(runs: list[dict]) -> float | None:
+    rates = [r["median_tok_s"] for r in runs if r["median_tok_s"] is not None]
+    return statistics.median(rates) if rates else None
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base-url", required=True)
@@ -110,6 +127,8 @@ def main() -> int:
     p.add_argument("--short-len", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=144, help="decoded after each prompt (the 35B's 262,144 "
                    "positions leave the issue's prompt 156)")  # fmt: skip
+    p.add_argument("--decode-repeats", type=int, default=3, help="decode runs after the long prompt (the first its "
+                   "own continuation, the rest the same prompt again from the prefix cache) and with the short one")
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
@@ -126,8 +145,17 @@ def main() -> int:
     stream(client, model, ids(args.short_len), 4, 1.0)  # warm-up: first-use costs out of the short rate
     short = stream(client, model, ids(args.short_len), args.max_tokens, 1.0)
     before = scrape(args.metrics)
-    long = stream(client, model, ids(args.prompt_len), args.max_tokens, 1.0)
+    long_prompt = ids(args.prompt_len)
+    long = stream(client, model, long_prompt, args.max_tokens, 1.0)
     copied = cache_delta(before, scrape(args.metrics))
+    # after the copies are counted: the repeats' decode copies would add to the long prefill's
+    after_runs = [_decode_run(long)]
+    while len(after_runs) < args.decode_repeats:
+        after_runs.append(_decode_run(stream(client, model, long_prompt, args.max_tokens, 1.0)))
+        if not after_runs[-1]["cached_tokens"] or after_runs[-1]["cached_tokens"] < args.prompt_len // 2:
+            break  # prefilled again, not from the cache: a repeat would cost a whole prefill (reported as it came)
+    short_runs = [_decode_run(short)] + [_decode_run(stream(client, model, ids(args.short_len), args.max_tokens, 1.0))
+                                         for _ in range(args.decode_repeats - 1)]  # fmt: skip
     flops = prefill_flops(spec, args.prompt_len, spec.dtype)  # the plan line names no dtype: the checkpoint's
     modelled = streamed_bytes(plan["expert_total"], plan["expert_slots"], crossing_bytes(plan, spec, spec.dtype),
                               args.prompt_len, plan["max_prefill_tokens"])  # fmt: skip
@@ -138,6 +166,9 @@ def main() -> int:
         "decode_after_tok_s": long["tok_s"], "decode_short_tok_s": short["tok_s"], "max_gap_after_s": long["max_gap_s"],
         "decode_after_median_tok_s": _median_tok_s(long), "decode_short_median_tok_s": _median_tok_s(short),
         "decode_tokens": long["tokens"],
+        "decode_after_repeats_median_tok_s": _median_of_runs(after_runs),
+        "decode_short_repeats_median_tok_s": _median_of_runs(short_runs),
+        "decode_after_runs": after_runs, "decode_short_runs": short_runs,
         # no bound where nothing streams and no matmul rate was measured (bench/bandwidth.py's command line)
         **b, "ttft_over_bound": long["ttft_s"] / b["bound_s"] if b["bound_s"] else None,
         "streamed_bytes_model": modelled,

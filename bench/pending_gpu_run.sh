@@ -89,7 +89,7 @@ part_cost() {
     check) echo 420 ;;  # two test processes: 410 s on a fresh H100 (a663c35's day), 200-220 s warm, 281 s at 7f97462
     decode12) echo $(( 20 + 70 * $(n_variants "$DECODE12_VARIANTS") )) ;;
     share) echo $(( 20 + 120 * $(n_variants "$HYBRID8_VARIANTS") )) ;;
-    long) echo $(( 160 * $(n_variants "$LONG_VARIANTS") )) ;;
+    long) echo $(( 180 * $(n_variants "$LONG_VARIANTS") )) ;;  # 165 s a variant at a663c35, + 2 repeats of each decode
     *) echo 240 ;;
   esac
 }

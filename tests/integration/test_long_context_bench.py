@@ -65,6 +65,15 @@ def test_the_long_prompt_bench_runs_against_a_served_model(tiny_models, tmp_path
     for which in ("after", "short"):
         assert result[f"decode_{which}_median_tok_s"] > 0
     assert result["decode_after_median_tok_s"] >= 1 / result["max_gap_after_s"] - 1e-9
+    # three decode runs each: the long prompt's repeats prefilled from the prefix cache, the figure their median
+    after, short = result["decode_after_runs"], result["decode_short_runs"]
+    assert len(after) == len(short) == 3
+    assert after[0]["median_tok_s"] == result["decode_after_median_tok_s"] and after[0]["cached_tokens"] == 0
+    assert all(run["cached_tokens"] >= 600 // 2 for run in after[1:]), after
+    assert all(run["ttft_s"] < after[0]["ttft_s"] for run in after[1:]), after
+    for which, runs in (("after", after), ("short", short)):
+        assert result[f"decode_{which}_repeats_median_tok_s"] == pytest.approx(
+            sorted(run["median_tok_s"] for run in runs)[1])
     # every expert of the tiny model has a slot: nothing streams, and the bound is the compute's
     assert result["expert_slots"] == result["expert_total"] and result["streamed_bytes_model"] == 0
     assert result["bound_s"] == pytest.approx(result["compute_s"])
