@@ -17,7 +17,9 @@
 # H200, so rerun the baseline beside each figure, as decode12 and share do):
 # 1. DECODE12_VARIANTS=gpu,default PART=decode12,share (issue 25's must-shows under auto: 12-layer >= 1.5x,
 #    hybrid cut >= 1.3x, both single-stream against GPU-only in the same run; ~7 min).
-# 2. LONG_VARIANTS=default,chunk8k PART=long again (issue 24's "no slower decode afterwards", ~6 min).
+# 2. LONG_VARIANTS=default,chunk8k PART=long,resident (issue 24's "no slower decode afterwards", now the median of
+#    three decode runs after the prompt, the repeats from the prefix cache; then the resident cuts' targets,
+#    last measured at 2bfcee5, before the host share and the long steps' changes: ~8 min).
 #    CALL_BUDGET_S=585 PART=check,decode12,long,share runs each part only while its usual time still fits the call.
 # 3. PART=contention, PART=serveprof, EIGHT_FORMAT=nvfp4 PART=eight, WARMSTEP_FORMAT=nvfp4 WARMSTEP_RING=0
 #    PART=warmstep.
@@ -90,6 +92,7 @@ part_cost() {
     decode12) echo $(( 20 + 70 * $(n_variants "$DECODE12_VARIANTS") )) ;;
     share) echo $(( 20 + 120 * $(n_variants "$HYBRID8_VARIANTS") )) ;;
     long) echo $(( 180 * $(n_variants "$LONG_VARIANTS") )) ;;  # 165 s a variant at a663c35, + 2 repeats of each decode
+    resident) echo 150 ;;  # two cuts served, each boot ~30 s
     *) echo 240 ;;
   esac
 }
