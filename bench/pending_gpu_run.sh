@@ -92,7 +92,7 @@ part_cost() {
     decode12) echo $(( 20 + 70 * $(n_variants "$DECODE12_VARIANTS") )) ;;
     share) echo $(( 20 + 120 * $(n_variants "$HYBRID8_VARIANTS") )) ;;
     long) echo $(( 180 * $(n_variants "$LONG_VARIANTS") )) ;;  # 165 s a variant at a663c35, + 2 repeats of each decode
-    resident) echo 150 ;;  # two cuts served, each boot ~30 s
+    resident) echo 210 ;;  # two cuts served (its timeout 200 s)
     *) echo 240 ;;
   esac
 }
