@@ -72,6 +72,9 @@
 #                EIGHT_FORMAT=nvfp4|fp8 writes the cut's experts in that checkpoint format (bf16 by default)
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"; PART=${PART:-check}
+# the card, lower case, in the names of what a part measures on it (h100, h200): a plain call gets either
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oiE 'h[0-9]{3}' | tr 'A-Z' 'a-z')
+GPU=${GPU:-gpu}; echo "device: $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1) ($GPU)"
 export PYTHONUNBUFFERED=1 TMPDIR=${TMPDIR:-/tmp}
 # the host's C expert kernel built in place, as `pip install` builds it (the tree sent here is not installed)
 build_host_kernel() {
@@ -111,7 +114,7 @@ case "${part:-check}" in
     tail -3 "$OUT/gpu_check_stdout.log" ;;
   prefill)
     timeout 150 python3 bench/prefill_attention.py --contexts 0,65536,131072,253952 --whole-prompt 261988 \
-      --tiles "32,32,8;64,16,4" --out "$OUT/prefill_attention_h200.json" > "$OUT/prefill_attention.log" 2>&1
+      --tiles "32,32,8;64,16,4" --out "$OUT/prefill_attention_$GPU.json" > "$OUT/prefill_attention.log" 2>&1
     echo "prefill_attention rc=$?"; tail -6 "$OUT/prefill_attention.log"
     timeout 400 python3 bench/decode_suite.py --out "$OUT" --workloads long_context_36b --ready-timeout 240 \
       --run-timeout 300 > "$OUT/long_context.log" 2>&1
@@ -148,12 +151,12 @@ case "${part:-check}" in
     build_host_kernel
     for b in c torch; do
       timeout 120 python3 bench/host_price_tokens.py --threads 12 --format bf16 --backend $b --tokens 1,8,16,39,64,128 \
-        --points 16 --experts 64 --repeats 10 --out "$OUT/host_price_tokens_h200_bf16_$b.json" 2>&1 | grep tokens
+        --points 16 --experts 64 --repeats 10 --out "$OUT/host_price_tokens_${GPU}_bf16_$b.json" 2>&1 | grep tokens
     done ;;
   hostprefetch)  # issue 25: the host kernel's rows with the weights prefetched 0-4096 bytes ahead, alternated call by call
     build_host_kernel
     timeout 300 python3 bench/cpu_expert_bw.py --threads 1,8,12,15 --format bf16,packed,nvfp4 --backend c \
-      --prefetch 0,512,1024,2048,4096 --repeats 60 --out "$OUT/cpu_expert_prefetch_h200.json" 2>&1 | grep prefetch ;;
+      --prefetch 0,512,1024,2048,4096 --repeats 60 --out "$OUT/cpu_expert_prefetch_$GPU.json" 2>&1 | grep prefetch ;;
   contention)  # issue 25: the host kernel's calls beside busy processes on its pinned cores, claimed items against
     # the static split of main 0eefdb5 (its sources carried in .cmp/static_pool, built here as pip builds the tree's)
     build_host_kernel
@@ -165,10 +168,10 @@ case "${part:-check}" in
     for tok in 1 8; do
       timeout 250 python3 bench/host_pool_contention.py --threads 12 --pin --tokens $tok --experts $((tok == 1 ? 3 : 6)) \
         --hog none,100/0,1/1,0.3/0.7 --hog-cpus 3,7 --gap-us 400 --rounds 10 --spin-us 50,1000 "${cmp[@]}" \
-        --json "$OUT/host_pool_contention_h200_${tok}tok.json" 2>&1 | grep -v Warn
+        --json "$OUT/host_pool_contention_${GPU}_${tok}tok.json" 2>&1 | grep -v Warn
     done ;;
   handoff)  # issue 25: a decode layer's hand-off to the host, a host node against a polled round trip (stream memory ops)
-    timeout 200 python3 bench/host_handoff_latency.py --out "$OUT/host_handoff_latency_h200.json" 2>&1 | tail -8 ;;
+    timeout 200 python3 bench/host_handoff_latency.py --out "$OUT/host_handoff_latency_$GPU.json" 2>&1 | tail -8 ;;
   window)  # a streamed layer's expert GEMMs launched over every block against over each chunk's own (expert_window.py)
     timeout 200 python3 bench/expert_window.py --out "$OUT/expert_window.json" > "$OUT/expert_window.log" 2>&1
     echo "expert_window rc=$?"; cat "$OUT/expert_window.log" | tail -8 ;;
@@ -216,7 +219,7 @@ case "${part:-check}" in
       --settle-tokens "${DECODE12_SETTLE:-1536}" \
       > "$OUT/suite_decode12.log" 2>&1
     echo "12layer rc=$?"; grep '^\[12layer' "$OUT/suite_decode12.log" | tail -6
-    timeout 120 python3 bench/host_price_tokens.py --threads 12 --experts 64 --out "$OUT/host_price_tokens_h200.json" \
+    timeout 120 python3 bench/host_price_tokens.py --threads 12 --experts 64 --out "$OUT/host_price_tokens_$GPU.json" \
       2>&1 | tail -9  # the host's time against its tokens beside the split's price
     grep -h '"host_decode"\|"host_share"\|expert_prefetch_off' "$OUT"/serve_12layer*.log | cut -c1-400
     python3 -c "import json,sys; [print(f, json.load(open(f)).get('host_share')) for f in sys.argv[1:]]" "$OUT"/decode_12layer*.json ;;
