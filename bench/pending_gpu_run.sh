@@ -21,8 +21,10 @@
 #    three decode runs after the prompt, the repeats from the prefix cache; then the resident cuts' targets,
 #    last measured at 2bfcee5, before the host share and the long steps' changes: ~8 min).
 #    CALL_BUDGET_S=585 PART=check,decode12,long,share runs each part only while its usual time still fits the call.
-# 3. PART=contention, PART=serveprof, EIGHT_FORMAT=nvfp4 PART=eight, WARMSTEP_FORMAT=nvfp4 WARMSTEP_RING=0
-#    PART=warmstep.
+# 3. PART=serveprof,hostprefetch on an H100 (where the 12-layer cut's auto steps lose ~1 ms a token beyond the
+#    host's price, the hand-off and the GPU's part; and how much of this host's plain read the kernel reaches:
+#    47 GB/s on a 35B expert at 12 threads against the H200 host's 66), then PART=contention,
+#    EIGHT_FORMAT=nvfp4 PART=eight, WARMSTEP_FORMAT=nvfp4 WARMSTEP_RING=0 PART=warmstep.
 #   PART=check   make gpu-check (the release check, which builds the host's C kernel; gpu_check.json)  ~5 min
 #   PART=prefill bench/prefill_attention.py on the 35B's attention shapes, then the 262k-token TTFT  ~6-8 min
 #   PART=three   issue 23's three turns (32k first turn) on the full-size 35B with NVFP4 experts, openai and anthropic
