@@ -152,7 +152,7 @@ def main() -> int:
     after_runs = [_decode_run(long)]
     while len(after_runs) < args.decode_repeats:
         after_runs.append(_decode_run(stream(client, model, long_prompt, args.max_tokens, 1.0)))
-        if not after_runs[-1]["cached_tokens"] or after_runs[-1]["cached_tokens"] < args.prompt_len // 2:
+        if (after_runs[-1]["cached_tokens"] or 0) < args.prompt_len // 2:
             break  # prefilled again, not from the cache: a repeat would cost a whole prefill (reported as it came)
     short_runs = [_decode_run(short)] + [_decode_run(stream(client, model, ids(args.short_len), args.max_tokens, 1.0))
                                          for _ in range(args.decode_repeats - 1)]  # fmt: skip

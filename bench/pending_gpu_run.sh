@@ -25,7 +25,7 @@
 #    host's price, the hand-off and the GPU's part; and how much of this host's plain read the kernel reaches:
 #    47 GB/s on a 35B expert at 12 threads against the H200 host's 66), then PART=contention,
 #    EIGHT_FORMAT=nvfp4 PART=eight, WARMSTEP_FORMAT=nvfp4 WARMSTEP_RING=0 PART=warmstep.
-#   PART=check   make gpu-check (the release check, which builds the host's C kernel; gpu_check.json)  ~5 min
+#   PART=check   make gpu-check (the release check, which builds the host's C kernel; gpu_check.json)  ~4-7 min
 #   PART=prefill bench/prefill_attention.py on the 35B's attention shapes, then the 262k-token TTFT  ~6-8 min
 #   PART=three   issue 23's three turns (32k first turn) on the full-size 35B with NVFP4 experts, openai and anthropic
 #                clients (prefix_hybrid_three.json)                                              ~3 min
@@ -75,15 +75,15 @@
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"; PART=${PART:-check}
 # the card, lower case, in the names of what a part measures on it (h100, h200): a plain call gets either
-GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oiE 'h[0-9]{3}' | tr 'A-Z' 'a-z')
-GPU=${GPU:-gpu}; echo "device: $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1) ($GPU)"
+CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+GPU=$(grep -oiE 'h[0-9]{3}' <<< "$CARD" | tr 'A-Z' 'a-z'); GPU=${GPU:-gpu}; echo "device: $CARD ($GPU)"
 export PYTHONUNBUFFERED=1 TMPDIR=${TMPDIR:-/tmp}
 # the host's C expert kernel built in place, as `pip install` builds it (the tree sent here is not installed)
 build_host_kernel() {
   python3 -c "import sys; from setuptools import setup; sys.argv = ['setup.py', 'build_ext', '--inplace', '-q']; setup()" \
     > "$OUT/host_kernel_build.log" 2>&1 || echo "host kernel build failed (see host_kernel_build.log)"
 }
-# CALL_BUDGET_S=N: a part starts only while its usual seconds (part_cost, from the H200 runs of 2026-12-05) still
+# CALL_BUDGET_S=N: a part starts only while its usual seconds (part_cost, from the runs of 2026-12-05) still
 # fit in the N seconds since this script began: a call that holds several parts returns its files inside the device's
 # 600 s (a call killed at its limit never writes the archive below) rather than losing the part it was in.
 # The parts' variant lists, named once: part_cost counts what the part will run.
