@@ -1,5 +1,5 @@
 """What the benchmark scripts compute from what they observe, on CPU: TTFT's text prompt holds
-exactly the tokens it claims (bench/serve_openai.py), and a profile's copy timeline
+exactly the tokens it claims and a decode figure is the median of its repeats (bench/serve_openai.py), and a profile's copy timeline
 (bench/profile_prefill.py's device_timeline, which profile_decode.py shares) finds the copies'
 busy time, the gaps between them, where the gaps open and what computed inside them."""
 
@@ -18,7 +18,7 @@ import torch
 
 from bench.profile_decode import is_expert_copy
 from bench.profile_prefill import device_timeline, is_host_to_device
-from bench.serve_openai import text_of_tokens
+from bench.serve_openai import decode_run, text_of_tokens
 from ferry.services.bench_model import write_bench_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -157,3 +157,28 @@ def test_the_polled_hand_off_probe_answers_each_round_once(tmp_path):
     finally:
         poller.close()
     assert poller.rounds() == 200
+
+
+def test_a_decode_figure_is_its_median_repeat_and_one_slow_repeat_does_not_make_it():
+    """Each repeat's streams are timed from their chunks; the figure is the median repeat's, every repeat is
+    kept, and the tokens (for the bytes a token) are all the repeats'."""
+    rates = iter([250.0, 196.0, 260.0,  # one stream, three repeats: the second slow
+                  60.0, 62.0, 61.0, 64.0, 59.0, 63.0])  # two streams, three repeats
+    clock = [0.0]
+
+    def once():
+        tok_s = next(rates)
+        start, clock[0] = clock[0], clock[0] + 1.0
+        return {"tokens": 128, "tok_s": tok_s, "start": start, "first_s": 0.1, "last_s": 0.1 + 127 / tok_s,
+                "max_gap_s": 2 / tok_s}
+
+    one = decode_run(once, 1, 3)
+    assert [r["median_stream_tok_s"] for r in one["repeats"]] == [250.0, 196.0, 260.0]
+    assert one["median_stream_tok_s"] == 250.0 and one["aggregate_tok_s"] == pytest.approx(250.0)
+    assert one["tokens"] == 384 and one["streams"] == 1 and len(one["max_gap_s"]) == 3
+    two = decode_run(once, 2, 3)
+    assert [sorted(r["per_stream_tok_s"]) for r in two["repeats"]] == [[60.0, 62.0], [61.0, 64.0], [59.0, 63.0]]
+    assert two["median_stream_tok_s"] == 61.0  # the repeats' medians 61, 62.5, 61
+    assert two["tokens"] == 768 and len(two["per_stream_tok_s"]) == 6
+    with pytest.raises(ValueError, match="--repeats 0"):
+        decode_run(once, 1, 0)
