@@ -18,6 +18,16 @@ graph of `--rounds` rounds replayed `--replays` times (the median replay over th
 
 A variant the driver cannot capture is reported with its error instead of a time.
 
+`--link-load` times every variant again while another stream keeps PCIe's host-to-device direction
+full, as a served decode step does: the next layer's prefetched experts cross while the host computes
+this layer's share. `sm`: the GPU's cores read pinned experts (kernels/expert_copy.py, the decode step's
+own copy kernel); `ce`: one large pinned copy on the copy engine. On an H100 the hybrid cut's host share
+took ~440 µs from the hand-off kernel to the fold for three experts the host nodes timed at ~95 µs each,
+with the prefetch's copy running beside it the whole time (bench/NOTES.md, 2026-12-05): whether the
+hand-off's copies and the GPU's wait on the host's word (a PCIe read) queue behind that traffic is
+what `poll_copies` under `sm` against `none` says. The load's GB/s over each variant's replays is
+reported beside it (`link_load_GBps`).
+
     python3 bench/host_handoff_latency.py --out bench/results/host_handoff_latency_h200.json
 """
 
@@ -155,8 +165,62 @@ def variants(drv: dict, poller: Poller, device: torch.device) -> dict:
             "poll_copies": with_copies(poll)}  # fmt: skip
 
 
-def time_variant(fn, rounds: int, replays: int, device: torch.device) -> dict:
-    """Capture `rounds` rounds in one graph, replay it; µs a round (median replay / rounds)."""
+class LinkLoad:
+    """Host-to-device traffic on a stream of its own, queued ahead of each timed replay so that PCIe stays
+    busy through it: `kind` sm (the decode step's copy kernel over `experts` pinned 30B-sized experts)
+    or ce (a pinned tensor of the same bytes copied by the copy engine). One load (302 MB, ~6 ms at 50
+    GB/s) outlasts a replay of 12 rounds even at 400 µs a round, so the link never drains mid-replay."""
+
+    def __init__(self, kind: str, device: torch.device, experts: int = 32, hidden: int = 2048, inter: int = 768):
+        from ferry.services.worker.offload.host_banks import pinnable_host_block
+
+        self.kind, self.stream = kind, torch.cuda.Stream(device)
+        # page-locked and mapped as the served banks are (the copy kernel reads them through that mapping)
+        self.bank13 = pinnable_host_block((experts, 2 * inter, hidden), torch.bfloat16, pin=True).zero_()
+        self.bank2 = pinnable_host_block((experts, hidden, inter), torch.bfloat16, pin=True).zero_()
+        self.slots13 = torch.empty_like(self.bank13, device=device)
+        self.slots2 = torch.empty_like(self.bank2, device=device)
+        self.misses = torch.tensor([[e, e] for e in range(experts)], dtype=torch.int32, device=device)
+        self.count = torch.tensor([experts], dtype=torch.int32, device=device)
+        self.bytes_each = self.bank13.nbytes + self.bank2.nbytes
+        self.queued, self.start = 0, None
+
+    def begin(self) -> None:
+        """A new timed stretch: the clock starts at its first load."""
+        self.queued, self.start = 0, None
+
+    def queue(self) -> None:
+        """One more load behind what its stream has queued (the stretch's first one starts the clock)."""
+        from ferry.kernels.expert_copy import copy_experts_triton
+
+        with torch.cuda.stream(self.stream):
+            if self.start is None:
+                self.start = torch.cuda.Event(enable_timing=True)
+                self.start.record(self.stream)
+            if self.kind == "sm":
+                copy_experts_triton(self.bank13, self.bank2, self.slots13, self.slots2, self.misses, self.count)
+            else:
+                self.slots13.copy_(self.bank13, non_blocking=True)
+                self.slots2.copy_(self.bank2, non_blocking=True)
+        self.queued += 1
+
+    def gbps(self) -> float:
+        """The load's own rate over the stretch (waits for its stream to drain): the link's share it kept."""
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(self.stream)
+        end.synchronize()
+        return self.queued * self.bytes_each / (self.start.elapsed_time(end) * 1e-3) / 1e9
+
+    def close(self) -> None:
+        from ferry.services.worker.offload.host_banks import unregister_host_blocks
+
+        self.stream.synchronize()
+        unregister_host_blocks([self.bank13, self.bank2])
+
+
+def time_variant(fn, rounds: int, replays: int, device: torch.device, load: LinkLoad | None = None) -> dict:
+    """Capture `rounds` rounds in one graph, replay it; µs a round (median replay / rounds). With `load`,
+    a load is queued on its own stream before each timed replay (each lasts longer than a replay)."""
     stream = torch.cuda.Stream(device)
     graph = torch.cuda.CUDAGraph()
     torch.cuda.synchronize(device)
@@ -170,17 +234,32 @@ def time_variant(fn, rounds: int, replays: int, device: torch.device) -> dict:
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize(device)
-    times = replay_times_us(graph, rounds, replays)
+    loaded = {}
+    if load is None:
+        times = replay_times_us(graph, rounds, replays)
+    else:
+        load.begin()
+        load.queue()  # the link busy before the first timed replay starts
+        times = []
+        for _ in range(replays):
+            load.queue()
+            times.extend(replay_times_us(graph, rounds, 1))
+        loaded = {"link_load_GBps": round(load.gbps(), 1)}
     return {"us_per_round": round(statistics.median(times), 2), "us_min": round(min(times), 2),
-            "us_max": round(max(times), 2)}  # fmt: skip
+            "us_max": round(max(times), 2), **loaded}  # fmt: skip
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=12, help="rounds in one graph (a step's MoE layers)")
     ap.add_argument("--replays", type=int, default=200)
+    ap.add_argument("--link-load", default="none,sm",
+                    help="comma-separated: none, sm (the decode's copy kernel), ce (the copy engine) beside the rounds")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    loads = args.link_load.split(",")
+    if not loads or any(k not in ("none", "sm", "ce") for k in loads):
+        ap.error(f"--link-load {args.link_load}: a comma-separated list of none, sm and ce")
     if not torch.cuda.is_available():
         print("host_handoff_latency: no CUDA device here", file=sys.stderr)
         return 2
@@ -191,9 +270,14 @@ def main() -> int:
         drv = driver()
         results = {}
         try:
-            for name, fn in variants(drv, poller, device).items():
-                results[name] = time_variant(fn, args.rounds, args.replays, device)
-                print(json.dumps({"variant": name, **results[name]}), flush=True)
+            for kind in loads:
+                load = None if kind == "none" else LinkLoad(kind, device)
+                for name, fn in variants(drv, poller, device).items():
+                    key = name if kind == "none" else f"{name}_under_{kind}"
+                    results[key] = time_variant(fn, args.rounds, args.replays, device, load)
+                    print(json.dumps({"variant": key, **results[key]}), flush=True)
+                if load is not None:
+                    load.close()
         finally:
             poller.close()
     out = {"rounds": args.rounds, "replays": args.replays, "device": torch.cuda.get_device_name(device),

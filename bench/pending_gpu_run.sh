@@ -173,7 +173,7 @@ case "${part:-check}" in
         --json "$OUT/host_pool_contention_${GPU}_${tok}tok.json" 2>&1 | grep -v Warn
     done ;;
   handoff)  # issue 25: a decode layer's hand-off to the host, a host node against a polled round trip (stream memory ops)
-    timeout 200 python3 bench/host_handoff_latency.py --out "$OUT/host_handoff_latency_$GPU.json" 2>&1 | tail -8 ;;
+    timeout 240 python3 bench/host_handoff_latency.py --link-load none,sm,ce --out "$OUT/host_handoff_latency_$GPU.json" 2>&1 | tail -18 ;;
   window)  # a streamed layer's expert GEMMs launched over every block against over each chunk's own (expert_window.py)
     timeout 200 python3 bench/expert_window.py --out "$OUT/expert_window.json" > "$OUT/expert_window.log" 2>&1
     echo "expert_window rc=$?"; cat "$OUT/expert_window.log" | tail -8 ;;
