@@ -91,7 +91,12 @@ VARIANTS = {"default": [], "no-prefetch": ["--no-expert-prefetch"], "eager": ["-
             "chunk8k": ["--max-prefill-tokens", "8192"],
             # a long prompt's lending steps in ring chunks of 48 experts instead of 12 (issue 24): a quarter of
             # the chunks, each paying the host's launches once (bench/profile_long_chunk.py --ring-chunks 48)
-            "ring48": ["--long-prefill-ring-chunk", "48"]}
+            "ring48": ["--long-prefill-ring-chunk", "48"],
+            # auto with the host pool's idle workers spinning 1 ms before they sleep (FERRY_HOST_POOL_SPIN_US, VARIANT_ENV):
+            # a decode step's layers come ~0.4-0.6 ms apart, so at the default 50 µs every layer's call wakes them
+            "spin1000": []}
+# variables a variant's server runs with, beside its flags
+VARIANT_ENV = {"spin1000": {"FERRY_HOST_POOL_SPIN_US": "1000"}}
 
 
 def commit() -> str:
@@ -155,7 +160,8 @@ def run_workload(name: str, variant: str, out: Path, ceilings: Path, args) -> di
     fmt = fmt[0] if fmt else "bf16"
     tag = name if variant == "default" else f"{name}_{variant}"
     model_dir = make_bench_model(Path(tempfile.mkdtemp(prefix="ferry-bench-")) / tag, config, layers, fmt)
-    served = start_serve(model_dir, ["--load-format", "dummy", *flags, *VARIANTS[variant]], out / f"serve_{tag}.log")
+    served = start_serve(model_dir, ["--load-format", "dummy", *flags, *VARIANTS[variant]], out / f"serve_{tag}.log",
+                         env=VARIANT_ENV.get(variant))  # fmt: skip
     print(f"[{tag}] {served.command}", flush=True)
     try:
         ready = served.wait_ready(args.ready_timeout)
@@ -317,7 +323,7 @@ def main() -> int:
             except Exception as exc:  # noqa: BLE001 - the next workload still runs
                 failed.append(f"{workload}/{variant}: {type(exc).__name__}: {exc}")
                 print(f"[{workload}/{variant}] FAILED: {exc}", flush=True)
-        for variant in ("host-share", "host-share-no-prefetch", "default"):  # each against the GPU alone
+        for variant in ("host-share", "host-share-no-prefetch", "default", "spin1000"):  # each against the GPU alone
             if "gpu" in results and variant in results:
                 write_hybrid_cpu(workload, variant, results["gpu"], results[variant], out)
     print(f"suite done in {time.monotonic() - t0:.0f} s; failed: {failed or 'none'}")

@@ -9,22 +9,24 @@
 # gpu-check's serve step dies after its CUDA tests).
 # Both pending changes landed on 2026-12-05 (check passed on a663c35, an H100: 218 CUDA tests): FERRY_HOST_HANDOFF
 # defaults to auto, and a step of more than 8,192 tokens writes its expert rows in the model's dtype. Nothing waits
-# in bench/pending/. That day's H100 (its host slower than the H200's: 161 µs a 30B bf16 expert on 12 threads
-# against 131) gave the 12-layer cut 1.277x GPU-only single-stream, the hybrid cut 1.165x, and the 262k prompt
-# 37.0 s at the plan's 16k chunk (53.9 s at 8k; decode after it 29.25 against 29.72 tok/s median, 26 slots fewer).
+# in bench/pending/. That day's last session (4c30467, H100s again, their hosts faster than the first one's: 89.5 µs
+# a 30B bf16 expert at boot against 161) gave the 12-layer cut 1.773x GPU-only single-stream (1.683x over the
+# 1,536 settle tokens), the hybrid cut 1.296x and then 0.976x from one 128-token run each (1.255x and 1.245x over
+# the settle tokens; 1.283x with FERRY_HOST_POOL_SPIN_US=1000), and the 262k prompt 33.4 s at 16k (48.9 s at 8k;
+# decode after it 33.69 against 33.95 tok/s, the median of three runs). serve_openai.py now reports the median of
+# three repeats (--repeats). A profile of the hybrid cut's step (profile_decode_m8_hybrid_h100_4c30467.json): the
+# host's share is the layer's critical path, ~440 µs from the hand-off kernel to the fold for three experts its
+# nodes time at ~95 µs each, while the next layer's prefetch (~350 µs) runs beside it and the link idles through
+# the ~100 µs of the next layer's own compute.
 # The next session (a call's 600 s and a machine's start each; combine what fits; carry [".whl", ".cmp"]:
 # .cmp/static_pool holds main 0eefdb5's host kernel sources for PART=contention; a plain call gets an H100 or an
 # H200, so rerun the baseline beside each figure, as decode12 and share do):
-# 1. DECODE12_VARIANTS=gpu,default PART=decode12,share (issue 25's must-shows under auto: 12-layer >= 1.5x,
-#    hybrid cut >= 1.3x, both single-stream against GPU-only in the same run; ~7 min).
-# 2. LONG_VARIANTS=default,chunk8k PART=long,resident (issue 24's "no slower decode afterwards", now the median of
-#    three decode runs after the prompt, the repeats from the prefix cache; then the resident cuts' targets,
-#    last measured at 2bfcee5, before the host share and the long steps' changes: ~8 min).
-#    CALL_BUDGET_S=585 PART=check,decode12,long,share runs each part only while its usual time still fits the call.
-# 3. PART=serveprof,hostprefetch on an H100 (where the 12-layer cut's auto steps lose ~1 ms a token beyond the
-#    host's price, the hand-off and the GPU's part; and how much of this host's plain read the kernel reaches:
-#    47 GB/s on a 35B expert at 12 threads against the H200 host's 66), then PART=contention,
-#    EIGHT_FORMAT=nvfp4 PART=eight, WARMSTEP_FORMAT=nvfp4 WARMSTEP_RING=0 PART=warmstep.
+# 1. HYBRID8_VARIANTS=gpu,default,spin1000 PART=handoff,share (~8 min): whether the hand-off's round trip queues
+#    behind a full link (host_handoff_latency.py --link-load), and the hybrid cut's 1.3x with the pool spinning 1 ms
+#    against the default 50 µs, beside GPU-only in the same run.
+# 2. DECODE12_VARIANTS=gpu,default PART=decode12,share on an H200 if one comes (issue 25's must-shows are H200's).
+# 3. PART=serveprof, then PART=contention, EIGHT_FORMAT=nvfp4 PART=eight, WARMSTEP_FORMAT=nvfp4 WARMSTEP_RING=0
+#    PART=warmstep.
 #   PART=check   make gpu-check (the release check, which builds the host's C kernel; gpu_check.json)  ~4-7 min
 #   PART=prefill bench/prefill_attention.py on the 35B's attention shapes, then the 262k-token TTFT  ~6-8 min
 #   PART=three   issue 23's three turns (32k first turn) on the full-size 35B with NVFP4 experts, openai and anthropic
@@ -39,7 +41,8 @@
 #   PART=contention the host kernel's calls (12 threads pinned) beside busy processes on two of its cores, claimed
 #                items against main's static split (.cmp/static_pool, carried: carry [".whl", ".cmp"])   ~2 min
 #   PART=handoff a decode layer's hand-off: a host node (cuLaunchHostFunc) against the GPU writing a word a spinning
-#                host thread answers (cuStreamWriteValue32/WaitValue32 in the graph), with and without the copies ~1 min
+#                host thread answers (cuStreamWriteValue32/WaitValue32 in the graph), with and without the copies,
+#                alone and beside a full host-to-device link (the decode's copy kernel; the copy engine)   ~1-2 min
 #   PART=hostgemm the host's C kernel against torch's GEMM at 1-128 tokens an expert, 12 threads      ~2 min
 #   PART=hostprefetch the host kernel's rows prefetching the weights 0-4096 bytes ahead (bf16, packed, nvfp4;
 #                1-15 threads): a server core's prefetcher stops at each 4 KiB page, a bf16 row's size;
@@ -98,6 +101,7 @@ part_cost() {
     share) echo $(( 20 + 120 * $(n_variants "$HYBRID8_VARIANTS") )) ;;
     long) echo $(( 180 * $(n_variants "$LONG_VARIANTS") )) ;;  # 165 s a variant at a663c35, + 2 repeats of each decode
     resident) echo 210 ;;  # two cuts served (its timeout 200 s)
+    handoff) echo 90 ;;  # five rounds' kinds alone, then beside two loads of ~1.2 s each (under 1 min on the H200 alone)
     *) echo 240 ;;
   esac
 }

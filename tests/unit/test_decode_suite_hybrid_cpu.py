@@ -110,3 +110,33 @@ def test_the_host_nodes_window_is_the_difference_of_two_readings():
     assert host_nodes_window(before, after) == {"calls": 200, "mean_us": 250.0,
                                                 "calls_le": {"5e-05": 20, "+Inf": 200}}  # fmt: skip
     assert host_nodes_window(before, before)["mean_us"] is None
+
+
+def test_a_variant_with_its_own_environment_starts_its_server_with_it(tmp_path, monkeypatch):
+    """`spin1000` is auto with FERRY_HOST_POOL_SPIN_US=1000 (VARIANT_ENV): its server gets the variable on top of
+    this process's environment, the recorded command shows it, and its record is named after the variant."""
+    import os
+
+    import bench.serve_process as serve_process
+    from bench.decode_suite import VARIANT_ENV, VARIANTS
+
+    seen = {}
+
+    class FakePopen:
+        def __init__(self, cmd, **kwargs):
+            seen.update(cmd=cmd, env=kwargs.get("env"))
+
+    monkeypatch.setattr(serve_process.subprocess, "Popen", FakePopen)
+    served = serve_process.start_serve(tmp_path / "m", ["--load-format", "dummy", *VARIANTS["spin1000"]],
+                                       tmp_path / "serve.log", env=VARIANT_ENV["spin1000"])  # fmt: skip
+    assert seen["env"]["FERRY_HOST_POOL_SPIN_US"] == "1000" and seen["env"]["PATH"] == os.environ["PATH"]
+    assert served.command.startswith("FERRY_HOST_POOL_SPIN_US=1000 ferry serve --model")
+    serve_process.start_serve(tmp_path / "m", [], tmp_path / "serve2.log")
+    assert seen["env"] is None  # no variables of its own: this process's environment, as before
+    served.log.close()
+    (tmp_path / "serve_hybrid8_spin1000.log").write_text(BOOT)
+    gpu = {"single_stream_tok_s": 201.0, "streams8_tok_s": 240.0, "single_stream_bound_tok_s": 195.0, "commit": "a",
+           "hit_rate": 0.9}  # fmt: skip
+    got = write_hybrid_cpu("hybrid8", "spin1000", gpu, {**gpu, "single_stream_tok_s": 258.0, "commit": "b"}, tmp_path)
+    assert got["single_stream_speedup"] == round(258.0 / 201.0, 3) and got["bound_tok_s"] is not None
+    assert (tmp_path / "decode_hybrid8_spin1000_hybrid_cpu.json").is_file()
