@@ -24,8 +24,10 @@
 # 1. HYBRID8_VARIANTS=gpu,default,spin1000 PART=handoff,share (~8 min): whether the hand-off's round trip queues
 #    behind a full link (host_handoff_latency.py --link-load), and the hybrid cut's 1.3x with the pool spinning 1 ms
 #    against the default 50 µs, beside GPU-only in the same run.
-# 2. DECODE12_VARIANTS=gpu,default PART=decode12,share on an H200 if one comes (issue 25's must-shows are H200's).
-# 3. PART=serveprof, then PART=contention, EIGHT_FORMAT=nvfp4 PART=eight, WARMSTEP_FORMAT=nvfp4 WARMSTEP_RING=0
+# 2. PART=split (~5 min): where each cut's step is shortest as the host takes fewer or more of a layer's misses; if
+#    a setting beats the split's own (1.0) by more than a few per cent, the split's price is what to change.
+# 3. DECODE12_VARIANTS=gpu,default PART=decode12,share on an H200 if one comes (issue 25's must-shows are H200's).
+# 4. PART=serveprof, then PART=contention, EIGHT_FORMAT=nvfp4 PART=eight, WARMSTEP_FORMAT=nvfp4 WARMSTEP_RING=0
 #    PART=warmstep.
 #   PART=check   make gpu-check (the release check, which builds the host's C kernel; gpu_check.json)  ~4-7 min
 #   PART=prefill bench/prefill_attention.py on the 35B's attention shapes, then the 262k-token TTFT  ~6-8 min
@@ -40,6 +42,9 @@
 #                runs the must-show with it; WARMSTEP_HOST_PROFILE=N warm steps under cProfile (2)   ~3-4 min
 #   PART=contention the host kernel's calls (12 threads pinned) beside busy processes on two of its cores, claimed
 #                items against main's static split (.cmp/static_pool, carried: carry [".whl", ".cmp"])   ~2 min
+#   PART=split   the hybrid and 12-layer cuts' decode step under the host's share swept by hand: the price scaled
+#                (0.8-2.0), µs added to the hand-off's price, and off (bench/host_split_sweep.py; SPLIT_SETTINGS),
+#                with the pool spinning 50 µs and 1 ms (SPLIT_SPIN)                                  ~5 min
 #   PART=handoff a decode layer's hand-off: a host node (cuLaunchHostFunc) against the GPU writing a word a spinning
 #                host thread answers (cuStreamWriteValue32/WaitValue32 in the graph), with and without the copies,
 #                alone and beside a full host-to-device link (the decode's copy kernel; the copy engine)   ~1-2 min
@@ -93,6 +98,7 @@ build_host_kernel() {
 DECODE12_VARIANTS=${DECODE12_VARIANTS:-gpu,host-share,host-share-no-prefetch,default}
 HYBRID8_VARIANTS=${HYBRID8_VARIANTS:-gpu,default}
 LONG_VARIANTS=${LONG_VARIANTS:-default}
+SPLIT_SPIN=${SPLIT_SPIN:-50,1000}
 n_variants() { local v=${1//[^,]/}; echo $(( ${#v} + 1 )); }
 part_cost() {
   case "$1" in
@@ -102,6 +108,7 @@ part_cost() {
     long) echo $(( 180 * $(n_variants "$LONG_VARIANTS") )) ;;  # 165 s a variant at a663c35, + 2 repeats of each decode
     resident) echo 210 ;;  # two cuts served (its timeout 200 s)
     handoff) echo 90 ;;  # five rounds' kinds alone, then beside two loads of ~1.2 s each (under 1 min on the H200 alone)
+    split) echo $(( 75 * 2 * $(n_variants "$SPLIT_SPIN") )) ;;  # two cuts a spin, each a boot (~45 s) and 17-28 s of steps
     *) echo 240 ;;
   esac
 }
@@ -229,6 +236,20 @@ case "${part:-check}" in
       2>&1 | tail -9  # the host's time against its tokens beside the split's price
     grep -h '"host_decode"\|"host_share"\|expert_prefetch_off' "$OUT"/serve_12layer*.log | cut -c1-400
     python3 -c "import json,sys; [print(f, json.load(open(f)).get('host_share')) for f in sys.argv[1:]]" "$OUT"/decode_12layer*.json ;;
+  split)  # issue 25: each cut's decode step under the host's share swept by hand (bench/host_split_sweep.py): the price
+    # scaled, µs added to the hand-off's price, and off; SPLIT_SPIN lists the host pool's spins (FERRY_HOST_POOL_SPIN_US)
+    build_host_kernel
+    python3 -m ferry.services.cli make-bench-model /tmp/m8 --config tests/data/models/qwen3.6-35b-a3b/config.json --num-layers 8 > /dev/null
+    python3 -m ferry.services.cli make-bench-model /tmp/m12 --config tests/data/models/qwen3-30b-a3b/config.json --num-layers 12 > /dev/null
+    for spin in ${SPLIT_SPIN//,/ }; do
+      for w in "hybrid8 m8 640" "12layer m12 512"; do
+        set -- $w
+        FERRY_HOST_POOL_SPIN_US=$spin timeout 140 python3 bench/host_split_sweep.py --model /tmp/$2 --load-format dummy \
+          --moe-cache-size $3 --gpu-memory 12GiB --expert-backend hybrid ${SPLIT_SETTINGS:+--settings "$SPLIT_SETTINGS"} \
+          --out "$OUT/host_split_sweep_$1_spin${spin}_$GPU.json" > "$OUT/host_split_sweep_$1_spin$spin.log" 2>&1
+        echo "split $1 spin $spin rc=$?"; grep -E "^ *[a-z0-9.+]+: median" "$OUT/host_split_sweep_$1_spin$spin.log"
+      done
+    done ;;
   serveprof)  # issue 25: the served single stream's step intervals (mean, p90, longest: the guard's windows are
     # medians) and its three processes under py-spy (its wheel in .whl/), auto against GPU-only, guard settled first
     build_host_kernel

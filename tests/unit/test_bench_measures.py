@@ -182,3 +182,20 @@ def test_a_decode_figure_is_its_median_repeat_and_one_slow_repeat_does_not_make_
     assert two["tokens"] == 768 and len(two["per_stream_tok_s"]) == 6
     with pytest.raises(ValueError, match="--repeats 0"):
         decode_run(once, 1, 0)
+
+
+def test_the_split_sweeps_settings_are_scales_offsets_or_off_and_a_bad_one_names_the_flag():
+    """bench/host_split_sweep.py's settings: `off` prices the host out (the hand-off still runs), a scale
+    multiplies the host's one-token price, `+N` adds N µs to the hand-off's price; nothing else passes."""
+    from bench.host_split_sweep import parse_settings, prices_for
+
+    got = parse_settings("off,1.0,1.5,1.0+150,0.8+20.5")
+    assert got == [("off", None, 0.0), ("1.0", 1.0, 0.0), ("1.5", 1.5, 0.0), ("1.0+150", 1.0, 150.0),
+                   ("0.8+20.5", 0.8, 20.5)]  # fmt: skip
+    base = (113_000, 80_000, 14_000, 31_000)
+    assert prices_for(base, None, 0.0, 10**9) == (113_000, 10**9, 14_000, 31_000)
+    assert prices_for(base, 1.5, 0.0, 10**9) == (113_000, 120_000, 14_000, 31_000)
+    assert prices_for(base, 1.0, 150.0, 10**9) == (113_000, 80_000, 14_000, 181_000)
+    for bad in ("off+10", "1.0,1.0", "fast", "0", "-1", "1.0+x", ""):
+        with pytest.raises(ValueError, match="--settings"):
+            parse_settings(bad)
