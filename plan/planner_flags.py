@@ -115,7 +115,8 @@ def add_planner_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host-expert-cpus", default=None, metavar="auto|none|LIST",
                    help="where the host's expert threads run, one a CPU: auto (default: one a physical core, the "
                         "last cores this process may use, the first left to the processes), none (unpinned), or a "
-                        "CPU list such as 4-15 (the first thread is the caller's and stays unpinned)")  # fmt: skip
+                        "CPU list such as 4-15 (its first CPU is the caller's: the thread that hands a decode layer to the "
+                        "host pins itself there; the others are the workers')")  # fmt: skip
     g.add_argument("--dtype", type=_dtype, default=None, metavar="DTYPE",
                    help=f"weights and KV dtype: {', '.join(DTYPE_CHOICES)} (default auto: the checkpoint's)")
 
