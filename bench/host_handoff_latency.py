@@ -48,6 +48,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.link_load import KINDS, LinkLoad  # noqa: E402
 from bench.pair_gemv_sweep import replay_times_us  # noqa: E402
 
 PROBE_SOURCE = Path(__file__).with_name("host_poll_probe.c")
@@ -165,62 +166,9 @@ def variants(drv: dict, poller: Poller, device: torch.device) -> dict:
             "poll_copies": with_copies(poll)}  # fmt: skip
 
 
-class LinkLoad:
-    """Host-to-device traffic on a stream of its own, queued ahead of each timed replay so that PCIe stays
-    busy through it: `kind` sm (the decode step's copy kernel over `experts` pinned 30B-sized experts)
-    or ce (a pinned tensor of the same bytes copied by the copy engine). One load (302 MB, ~6 ms at 50
-    GB/s) outlasts a replay of 12 rounds even at 400 µs a round, so the link never drains mid-replay."""
-
-    def __init__(self, kind: str, device: torch.device, experts: int = 32, hidden: int = 2048, inter: int = 768):
-        from ferry.services.worker.offload.host_banks import pinnable_host_block
-
-        self.kind, self.stream = kind, torch.cuda.Stream(device)
-        # page-locked and mapped as the served banks are (the copy kernel reads them through that mapping)
-        self.bank13 = pinnable_host_block((experts, 2 * inter, hidden), torch.bfloat16, pin=True).zero_()
-        self.bank2 = pinnable_host_block((experts, hidden, inter), torch.bfloat16, pin=True).zero_()
-        self.slots13 = torch.empty_like(self.bank13, device=device)
-        self.slots2 = torch.empty_like(self.bank2, device=device)
-        self.misses = torch.tensor([[e, e] for e in range(experts)], dtype=torch.int32, device=device)
-        self.count = torch.tensor([experts], dtype=torch.int32, device=device)
-        self.bytes_each = self.bank13.nbytes + self.bank2.nbytes
-        self.queued, self.start = 0, None
-
-    def begin(self) -> None:
-        """A new timed stretch: the clock starts at its first load."""
-        self.queued, self.start = 0, None
-
-    def queue(self) -> None:
-        """One more load behind what its stream has queued (the stretch's first one starts the clock)."""
-        from ferry.kernels.expert_copy import copy_experts_triton
-
-        with torch.cuda.stream(self.stream):
-            if self.start is None:
-                self.start = torch.cuda.Event(enable_timing=True)
-                self.start.record(self.stream)
-            if self.kind == "sm":
-                copy_experts_triton(self.bank13, self.bank2, self.slots13, self.slots2, self.misses, self.count)
-            else:
-                self.slots13.copy_(self.bank13, non_blocking=True)
-                self.slots2.copy_(self.bank2, non_blocking=True)
-        self.queued += 1
-
-    def gbps(self) -> float:
-        """The load's own rate over the stretch (waits for its stream to drain): the link's share it kept."""
-        end = torch.cuda.Event(enable_timing=True)
-        end.record(self.stream)
-        end.synchronize()
-        return self.queued * self.bytes_each / (self.start.elapsed_time(end) * 1e-3) / 1e9
-
-    def close(self) -> None:
-        from ferry.services.worker.offload.host_banks import unregister_host_blocks
-
-        self.stream.synchronize()
-        unregister_host_blocks([self.bank13, self.bank2])
-
-
 def time_variant(fn, rounds: int, replays: int, device: torch.device, load: LinkLoad | None = None) -> dict:
     """Capture `rounds` rounds in one graph, replay it; µs a round (median replay / rounds). With `load`,
-    a load is queued on its own stream before each timed replay (each lasts longer than a replay)."""
+    its stream is topped up before each timed replay, so the link stays full through it."""
     stream = torch.cuda.Stream(device)
     graph = torch.cuda.CUDAGraph()
     torch.cuda.synchronize(device)
@@ -239,10 +187,9 @@ def time_variant(fn, rounds: int, replays: int, device: torch.device, load: Link
         times = replay_times_us(graph, rounds, replays)
     else:
         load.begin()
-        load.queue()  # the link busy before the first timed replay starts
         times = []
         for _ in range(replays):
-            load.queue()
+            load.keep_ahead()  # the link busy from before the replay starts to after it ends
             times.extend(replay_times_us(graph, rounds, 1))
         loaded = {"link_load_GBps": round(load.gbps(), 1)}
     return {"us_per_round": round(statistics.median(times), 2), "us_min": round(min(times), 2),
@@ -258,7 +205,7 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     loads = args.link_load.split(",")
-    if not loads or any(k not in ("none", "sm", "ce") for k in loads):
+    if not loads or any(k not in ("none", *KINDS) for k in loads):
         ap.error(f"--link-load {args.link_load}: a comma-separated list of none, sm and ce")
     if not torch.cuda.is_available():
         print("host_handoff_latency: no CUDA device here", file=sys.stderr)

@@ -15,6 +15,12 @@ gives the host more than it can do in that time).
 `--huge-pages off` times the same kernel on a bank left on small pages (the worker advises its banks onto
 transparent huge pages: services/worker/offload/host_pages.py);
 the result records the host's THP mode and how much of the process huge pages backed.
+
+`--link-load none,sm` times every token count again while the GPU's copy kernel reads other pinned experts
+at the link's rate (bench/link_load.py), as the next layer's prefetch does beside the host's share of a
+served decode layer: both read the host's DRAM (FreeToken's calibration on the H200's host measured its
+CPU kernel at 104.8 GB/s alone and 77.6 beside the PCIe gather). `expert_us_under_sm` holds those times
+and `link_load_GBps` what the load kept.
 """
 
 from __future__ import annotations
@@ -33,18 +39,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.cpu_expert_bw import _cpu_name, format_banks, on_thread  # noqa: E402
 from bench.cpu_steal import StealMeter  # noqa: E402
 from bench.huge_pages import anon_huge_bytes, thp_mode  # noqa: E402
+from bench.link_load import KINDS, LinkLoad  # noqa: E402
 from ferry.plan.expert_backend import chosen_host_cpus, format_cpu_list, pool_thread_cpus  # noqa: E402
 from ferry.plan.model_config import load_model_config  # noqa: E402
 from ferry.services.worker.offload.host_experts import HostExperts  # noqa: E402
 
 
-def expert_seconds(host: HostExperts, tokens: int, repeats: int, experts: int, per_call: int) -> float:
+def expert_seconds(host: HostExperts, tokens: int, repeats: int, experts: int, per_call: int, load=None) -> float:
     """Median seconds an expert, `per_call` experts of `tokens` tokens each a call (as a layer's share hands
-    them over together), each call on the next experts of the bank."""
+    them over together), each call on the next experts of the bank; with `load` (bench/link_load.py), the
+    link kept full through each call."""
     x = torch.randn(tokens, host.hidden_size).to(torch.bfloat16)
     times = []
     for i in range(repeats + 1):
         pairs = [(t, (i * per_call + e) % experts, 1.0) for e in range(per_call) for t in range(tokens)]
+        if load is not None:
+            load.keep_ahead()
         t0 = time.perf_counter()
         host.compute(0, x, pairs)
         if i:  # the first call pays the pool's first use
@@ -79,8 +89,17 @@ def main() -> int:
                    help="the kernel's threads' CPUs as --host-expert-cpus takes them (the first the caller's, which "
                         "here is the bench's own thread and stays unpinned): auto (the worker's default), none, or a "
                         "CPU list")  # fmt: skip
+    p.add_argument("--link-load", default="none",
+                   help="none, then any of sm (the GPU's copy kernel reading pinned experts beside each call) and "
+                        "ce (the copy engine), comma-separated; sm and ce need CUDA")  # fmt: skip
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    loads = args.link_load.split(",")
+    if loads[0] != "none" or any(k not in KINDS for k in loads[1:]) or len(set(loads)) != len(loads):
+        p.error(f"--link-load {args.link_load}: none, then any of sm and ce, each once (the lines are drawn "
+                "through the times without a load)")  # fmt: skip
+    if set(loads) - {"none"} and not torch.cuda.is_available():
+        p.error(f"--link-load {args.link_load}: sm and ce need a CUDA device")
     tokens = sorted({int(t) for t in args.tokens.split(",")} | {1})
     points = [int(t) for t in args.points.split(",")]
     if missing := [q for q in points if q not in tokens or q < 2]:
@@ -94,20 +113,35 @@ def main() -> int:
     # the started workers' CPUs (this bench's caller is its own thread, never pinned)
     workers = pool_thread_cpus(args.threads, cpus)[1]
     pinned = format_cpu_list(sorted(set(workers[:host.c_kernel.pinned]))) if host.c_kernel is not None else ""
+    loaded, load_gbps = {}, {}
     with StealMeter() as steal:
-        measured = {n: on_thread(1, expert_seconds, host, n, args.repeats, args.experts, args.per_call) for n in tokens}
+        for kind in loads:
+            load = None if kind == "none" else LinkLoad(kind, torch.device("cuda"))
+            if load is not None:
+                load.begin()
+            loaded[kind] = {n: on_thread(1, expert_seconds, host, n, args.repeats, args.experts, args.per_call, load)
+                            for n in tokens}  # fmt: skip
+            if load is not None:
+                load_gbps[kind] = round(load.gbps(), 1)
+                load.close()
     host.close()
+    measured = loaded["none"]
     ratios = lines(measured, points)
     print(f"THP mode {thp_mode()}, huge pages advised: {args.huge_pages}, {huge} bytes on huge pages "
           f"of a {banks.nbytes}-byte bank; threads pinned to CPUs {pinned or 'none'}; CPU time stolen {steal.fraction}")
     for n, t in measured.items():
         print(f"{n:4d} tokens {t * 1e6:9.1f} us  " + "  ".join(f"line via {q}: {ratios[q][n]:.2f}" for q in points))
+    for kind in loads[1:]:
+        print(f"beside the {kind} load ({load_gbps.get(kind, 0.0)} GB/s): "
+              + ", ".join(f"{n} tokens {t * 1e6:.1f} us" for n, t in loaded[kind].items()))
     result = {"config": args.config, "format": args.format, "backend": args.backend, "threads": args.threads,
               "per_call": args.per_call,
               "cpu": _cpu_name(), "thp_mode": thp_mode(), "huge_pages_advised": args.huge_pages == "on",
               "anon_huge_bytes": huge, "bank_bytes": banks.nbytes, "pinned_cpus": pinned, "cpu_steal_fraction": steal.fraction,
               "hidden": spec.hidden_size, "moe_intermediate": spec.moe_intermediate_size,
-              "expert_us": {n: round(t * 1e6, 1) for n, t in measured.items()},
+              "expert_us": {n: round(t * 1e6, 1) for n, t in measured.items()}, "link_loads": loads,
+              **{f"expert_us_under_{k}": {n: round(t * 1e6, 1) for n, t in loaded[k].items()} for k in loads[1:]},
+              "link_load_GBps": load_gbps,
               "price_over_time": {f"line_via_{q}": r for q, r in ratios.items()}}  # fmt: skip
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

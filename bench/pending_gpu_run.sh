@@ -23,7 +23,8 @@
 # H200, so rerun the baseline beside each figure, as decode12 and share do):
 # 1. HYBRID8_VARIANTS=gpu,default,spin1000 PART=handoff,share (~8 min): whether the hand-off's round trip queues
 #    behind a full link (host_handoff_latency.py --link-load), and the hybrid cut's 1.3x with the pool spinning 1 ms
-#    against the default 50 µs, beside GPU-only in the same run.
+#    against the default 50 µs, beside GPU-only in the same run. (decode12 now also times the host kernel beside
+#    the link's traffic: host_price_tokens.py --link-load none,sm, the two reading the same DRAM.)
 # 2. PART=split (~5 min): where each cut's step is shortest as the host takes fewer or more of a layer's misses; if
 #    a setting beats the split's own (1.0) by more than a few per cent, the split's price is what to change.
 # 3. DECODE12_VARIANTS=gpu,default PART=decode12,share on an H200 if one comes (issue 25's must-shows are H200's).
@@ -232,8 +233,8 @@ case "${part:-check}" in
       --settle-tokens "${DECODE12_SETTLE:-1536}" \
       > "$OUT/suite_decode12.log" 2>&1
     echo "12layer rc=$?"; grep '^\[12layer' "$OUT/suite_decode12.log" | tail -6
-    timeout 120 python3 bench/host_price_tokens.py --threads 12 --experts 64 --out "$OUT/host_price_tokens_$GPU.json" \
-      2>&1 | tail -9  # the host's time against its tokens beside the split's price
+    timeout 150 python3 bench/host_price_tokens.py --threads 12 --experts 64 --link-load none,sm \
+      --out "$OUT/host_price_tokens_$GPU.json" 2>&1 | tail -10  # the host's time against its tokens, alone and beside a full link
     grep -h '"host_decode"\|"host_share"\|expert_prefetch_off' "$OUT"/serve_12layer*.log | cut -c1-400
     python3 -c "import json,sys; [print(f, json.load(open(f)).get('host_share')) for f in sys.argv[1:]]" "$OUT"/decode_12layer*.json ;;
   split)  # issue 25: each cut's decode step under the host's share swept by hand (bench/host_split_sweep.py): the price

@@ -199,3 +199,12 @@ def test_the_split_sweeps_settings_are_scales_offsets_or_off_and_a_bad_one_names
     for bad in ("off+10", "1.0,1.0", "fast", "0", "-1", "1.0+x", ""):
         with pytest.raises(ValueError, match="--settings"):
             parse_settings(bad)
+
+
+def test_the_host_price_bench_draws_its_lines_without_a_load_and_says_which_flag_is_wrong():
+    """bench/host_price_tokens.py --link-load: `none` first (its lines are drawn through those times), then the
+    loads beside it; a load needs CUDA, and a bad list names the flag instead of timing anything."""
+    for bad, says in (("sm,none", "none, then any of sm and ce"), ("none,none", "each once"), ("none,xx", "none, then")):
+        done = subprocess.run([sys.executable, "bench/host_price_tokens.py", "--link-load", bad], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 2 and f"--link-load {bad}" in done.stderr and says in done.stderr, done.stderr
