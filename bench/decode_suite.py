@@ -92,8 +92,9 @@ VARIANTS = {"default": [], "no-prefetch": ["--no-expert-prefetch"], "eager": ["-
             # a long prompt's lending steps in ring chunks of 48 experts instead of 12 (issue 24): a quarter of
             # the chunks, each paying the host's launches once (bench/profile_long_chunk.py --ring-chunks 48)
             "ring48": ["--long-prefill-ring-chunk", "48"],
-            # auto with the host pool's idle workers spinning 1 ms before they sleep (FERRY_HOST_POOL_SPIN_US, VARIANT_ENV):
-            # a decode step's layers come ~0.4-0.6 ms apart, so at the default 50 µs every layer's call wakes them
+            # auto with the host pool's idle workers spinning 1 ms before they sleep (FERRY_HOST_POOL_SPIN_US,
+            # VARIANT_ENV): a decode step's layers come ~0.4-0.6 ms apart, so at the default 50 µs every layer's
+            # call wakes them
             "spin1000": []}
 # variables a variant's server runs with, beside its flags
 VARIANT_ENV = {"spin1000": {"FERRY_HOST_POOL_SPIN_US": "1000"}}

@@ -127,11 +127,13 @@ def main() -> int:
             after, cache1 = share.report()["experts"], executor.expert_cache_report()
             host[name] += after - before
             # the lookups' misses count those handed to the host too (device_store.py's report): the rest crossed
-            crossed[name] += (cache1["misses"] - cache0["misses"]) + (cache1["prefetched"] - cache0["prefetched"]) - (after - before)
+            looked_up = (cache1["misses"] - cache0["misses"]) + (cache1["prefetched"] - cache0["prefetched"])
+            crossed[name] += looked_up - (after - before)
             copied[name] += cache1["bytes_copied"] - cache0["bytes_copied"]
     share.costs_ns = base
     tokens = args.rounds * args.steps
-    rows = {name: {"scale": scale, "handoff_extra_us": extra_us, **summarize(times[name], host[name], crossed[name], copied[name], tokens)}
+    rows = {name: {"scale": scale, "handoff_extra_us": extra_us,
+                   **summarize(times[name], host[name], crossed[name], copied[name], tokens)}
             for name, scale, extra_us in settings}  # fmt: skip
     off = rows.get("off")
     for name, row in rows.items():

@@ -1,7 +1,9 @@
 """What the benchmark scripts compute from what they observe, on CPU: TTFT's text prompt holds
-exactly the tokens it claims and a decode figure is the median of its repeats (bench/serve_openai.py), and a profile's copy timeline
-(bench/profile_prefill.py's device_timeline, which profile_decode.py shares) finds the copies'
-busy time, the gaps between them, where the gaps open and what computed inside them."""
+exactly the tokens it claims and a decode figure is the median of its repeats (bench/serve_openai.py),
+a profile's copy timeline (bench/profile_prefill.py's device_timeline, which profile_decode.py shares)
+finds the copies' busy time, the gaps between them, where the gaps open and what computed inside them,
+and the host share's benches take only the settings they can measure (host_split_sweep.py,
+host_price_tokens.py)."""
 
 from __future__ import annotations
 
@@ -204,7 +206,8 @@ def test_the_split_sweeps_settings_are_scales_offsets_or_off_and_a_bad_one_names
 def test_the_host_price_bench_draws_its_lines_without_a_load_and_says_which_flag_is_wrong():
     """bench/host_price_tokens.py --link-load: `none` first (its lines are drawn through those times), then the
     loads beside it; a load needs CUDA, and a bad list names the flag instead of timing anything."""
-    for bad, says in (("sm,none", "none, then any of sm and ce"), ("none,none", "each once"), ("none,xx", "none, then")):
+    cases = (("sm,none", "none, then any of sm and ce"), ("none,none", "each once"), ("none,xx", "none, then"))
+    for bad, says in cases:
         done = subprocess.run([sys.executable, "bench/host_price_tokens.py", "--link-load", bad], cwd=ROOT,
                               capture_output=True, text=True, timeout=120)  # fmt: skip
         assert done.returncode == 2 and f"--link-load {bad}" in done.stderr and says in done.stderr, done.stderr
