@@ -20,12 +20,12 @@ A variant the driver cannot capture is reported with its error instead of a time
 
 `--link-load` times every variant again while another stream keeps PCIe's host-to-device direction
 full, as a served decode step does: the next layer's prefetched experts cross while the host computes
-this layer's share. `sm`: the GPU's cores read pinned experts (kernels/expert_copy.py, the decode step's
-own copy kernel); `ce`: one large pinned copy on the copy engine. On an H100 the hybrid cut's host share
+this layer's share. `packed`: the GPU unpacks pinned 12-bit banks (the served cuts' copies); `plain`: the
+copy kernel over bf16 banks; `ce`: the copy engine (bench/link_load.py). On an H100 the hybrid cut's host share
 took ~440 µs from the hand-off kernel to the fold for three experts the host nodes timed at ~95 µs each,
 with the prefetch's copy running beside it the whole time (bench/NOTES.md, 2026-12-05): whether the
 hand-off's copies and the GPU's wait on the host's word (a PCIe read) queue behind that traffic is
-what `poll_copies` under `sm` against `none` says. The load's GB/s over each variant's replays is
+what `poll_copies` under `packed` against `none` says. The load's GB/s over each variant's replays is
 reported beside it (`link_load_GBps`).
 
     python3 bench/host_handoff_latency.py --out bench/results/host_handoff_latency_h200.json
@@ -191,7 +191,9 @@ def time_variant(fn, rounds: int, replays: int, device: torch.device, load: Link
         for _ in range(replays):
             load.keep_ahead()  # the link busy from before the replay starts to after it ends
             times.extend(replay_times_us(graph, rounds, 1))
-        loaded = {"link_load_GBps": round(load.gbps(), 1)}
+        load.end_timed()
+        rate = load.gbps()
+        loaded = {"link_load_GBps": None if rate is None else round(rate, 1)}
     return {"us_per_round": round(statistics.median(times), 2), "us_min": round(min(times), 2),
             "us_max": round(max(times), 2), **loaded}  # fmt: skip
 
@@ -200,13 +202,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=12, help="rounds in one graph (a step's MoE layers)")
     ap.add_argument("--replays", type=int, default=200)
-    ap.add_argument("--link-load", default="none,sm",
-                    help="comma-separated: none, sm (the decode's copy kernel), ce (the copy engine) beside the rounds")
+    ap.add_argument("--link-load", default="none,packed",
+                    help="comma-separated: none, or a load beside the rounds (bench/link_load.py): packed (the served "
+                         "cuts' unpacking kernel), plain (the copy kernel over bf16 banks), ce (the copy engine)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     loads = args.link_load.split(",")
     if not loads or any(k not in ("none", *KINDS) for k in loads):
-        ap.error(f"--link-load {args.link_load}: a comma-separated list of none, sm and ce")
+        ap.error(f"--link-load {args.link_load}: a comma-separated list of none, {', '.join(KINDS)}")
     if not torch.cuda.is_available():
         print("host_handoff_latency: no CUDA device here", file=sys.stderr)
         return 2

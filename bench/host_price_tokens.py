@@ -16,11 +16,11 @@ gives the host more than it can do in that time).
 transparent huge pages: services/worker/offload/host_pages.py);
 the result records the host's THP mode and how much of the process huge pages backed.
 
-`--link-load none,sm` times every token count again while the GPU's copy kernel reads other pinned experts
-at the link's rate (bench/link_load.py), as the next layer's prefetch does beside the host's share of a
-served decode layer: both read the host's DRAM (FreeToken's calibration on the H200's host measured its
-CPU kernel at 104.8 GB/s alone and 77.6 beside the PCIe gather). `expert_us_under_sm` holds those times
-and `link_load_GBps` what the load kept.
+`--link-load none,packed` times every token count again while the GPU unpacks other pinned experts at the
+link's rate (bench/link_load.py), as the next layer's prefetch does beside the host's share of a served
+decode layer: both read the host's DRAM (FreeToken's calibration on the H200's host measured its
+CPU kernel at 104.8 GB/s alone and 77.6 beside the PCIe gather). `expert_us_under_packed` holds those
+times and `link_load_GBps` what the load kept.
 """
 
 from __future__ import annotations
@@ -90,16 +90,17 @@ def main() -> int:
                         "here is the bench's own thread and stays unpinned): auto (the worker's default), none, or a "
                         "CPU list")  # fmt: skip
     p.add_argument("--link-load", default="none",
-                   help="none, then any of sm (the GPU's copy kernel reading pinned experts beside each call) and "
-                        "ce (the copy engine), comma-separated; sm and ce need CUDA")  # fmt: skip
+                   help="none, then any of packed (the GPU unpacking pinned experts beside each call, as served), "
+                        "plain (its copy kernel over bf16 banks) and ce (the copy engine), comma-separated; they need "
+                        "CUDA")  # fmt: skip
     p.add_argument("--out", default=None)
     args = p.parse_args()
     loads = args.link_load.split(",")
     if loads[0] != "none" or any(k not in KINDS for k in loads[1:]) or len(set(loads)) != len(loads):
-        p.error(f"--link-load {args.link_load}: none, then any of sm and ce, each once (the lines are drawn "
-                "through the times without a load)")  # fmt: skip
+        p.error(f"--link-load {args.link_load}: none, then any of {', '.join(KINDS)}, each once (the lines are "
+                "drawn through the times without a load)")  # fmt: skip
     if set(loads) - {"none"} and not torch.cuda.is_available():
-        p.error(f"--link-load {args.link_load}: sm and ce need a CUDA device")
+        p.error(f"--link-load {args.link_load}: a load needs a CUDA device")
     tokens = sorted({int(t) for t in args.tokens.split(",")} | {1})
     points = [int(t) for t in args.points.split(",")]
     if missing := [q for q in points if q not in tokens or q < 2]:
@@ -117,12 +118,12 @@ def main() -> int:
     with StealMeter() as steal:
         for kind in loads:
             load = None if kind == "none" else LinkLoad(kind, torch.device("cuda"))
-            if load is not None:
-                load.begin()
             loaded[kind] = {n: on_thread(1, expert_seconds, host, n, args.repeats, args.experts, args.per_call, load)
                             for n in tokens}  # fmt: skip
             if load is not None:
-                load_gbps[kind] = round(load.gbps(), 1)
+                load.end_timed()
+                rate = load.gbps()
+                load_gbps[kind] = None if rate is None else round(rate, 1)
                 load.close()
     host.close()
     measured = loaded["none"]

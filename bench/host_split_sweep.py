@@ -6,8 +6,9 @@ auto's guard (services/worker/offload/share_guard.py) scales the host's price be
 what the served steps measure. On an H100 the guard found 0.8, 1 and 1.25 within 2 % of each other on
 the hybrid cut, while a profile of its step (bench/NOTES.md, 2026-12-05) showed the host's share as the
 layer's critical path: ~440 µs from the hand-off kernel to the fold for three experts, against the
-~330 µs its prices add up to. With a handful of misses a layer, the share is an integer that a price
-scale of 1.25 rarely moves; the question is what one expert fewer or more on the host does to the step.
+~285 µs boot's prices add up to (3 x 83.5 µs and a 33.7 µs hand-off). With a handful of misses a layer,
+the share is an integer that a price scale of 1.25 rarely moves; the question is what one expert fewer
+or more on the host does to the step.
 
 This boots the worker as `ferry serve` would (the worker's flags; `--expert-backend hybrid` or auto),
 turns the refinement of the host's price off, and decodes one stream of random tokens under each
@@ -41,6 +42,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.serve_decode import Streams  # noqa: E402
 
 SETTING = re.compile(r"^(off|\d+(?:\.\d+)?)(?:\+(\d+(?:\.\d+)?))?$")
+SETTLE_STEPS = 3  # untimed steps after each change of setting: the cache's contents follow the split
+PROMPT_TOKENS = 64
+
+
+def stream_tokens(warm_steps: int, rounds: int, settings: int, steps: int) -> int:
+    """The context one stream reaches over the whole sweep (its KV pages are reserved up front): the
+    prompt, the warm steps, and every setting's settle and timed steps in every round, and a margin."""
+    return PROMPT_TOKENS + warm_steps + rounds * settings * (SETTLE_STEPS + steps) + 8
 
 
 def parse_settings(text: str) -> list[tuple[str, float | None, float]]:
@@ -102,9 +111,9 @@ def main() -> int:
     base = tuple(share.costs_ns)
     rng = np.random.default_rng(0)
     vocab = executor.spec.vocab_size
-    total = args.warm_steps + args.rounds * len(settings) * args.steps
-    streams = Streams(executor, 1, 64 + total + 8, first_req_id=1)
-    streams.prefill([rng.integers(0, vocab, 64).tolist()])
+    streams = Streams(executor, 1, stream_tokens(args.warm_steps, args.rounds, len(settings), args.steps),
+                      first_req_id=1)  # fmt: skip
+    streams.prefill([rng.integers(0, vocab, PROMPT_TOKENS).tolist()])
 
     def step() -> float:
         t0 = time.perf_counter()
@@ -120,8 +129,8 @@ def main() -> int:
     for _ in range(args.rounds):
         for name, scale, extra_us in settings:
             share.costs_ns = prices_for(base, scale, extra_us, OFF_PRICE_NS)
-            for _ in range(3):  # steps queued with the earlier prices: none here (each step waits), but the
-                step()  # cache's contents follow the split; a few steps settle them before timing
+            for _ in range(SETTLE_STEPS):
+                step()
             before, cache0 = share.report()["experts"], executor.expert_cache_report()
             times[name].extend(step() for _ in range(args.steps))
             after, cache1 = share.report()["experts"], executor.expert_cache_report()

@@ -24,7 +24,7 @@
 # 1. HYBRID8_VARIANTS=gpu,default,spin1000 PART=handoff,share (~8 min): whether the hand-off's round trip queues
 #    behind a full link (host_handoff_latency.py --link-load), and the hybrid cut's 1.3x with the pool spinning 1 ms
 #    against the default 50 µs, beside GPU-only in the same run. (decode12 now also times the host kernel beside
-#    the link's traffic: host_price_tokens.py --link-load none,sm, the two reading the same DRAM.)
+#    the link's traffic: host_price_tokens.py --link-load none,packed, the two reading the same DRAM.)
 # 2. PART=split (~5 min): where each cut's step is shortest as the host takes fewer or more of a layer's misses; if
 #    a setting beats the split's own (1.0) by more than a few per cent, the split's price is what to change.
 # 3. DECODE12_VARIANTS=gpu,default PART=decode12,share on an H200 if one comes (issue 25's must-shows are H200's).
@@ -48,7 +48,8 @@
 #                with the pool spinning 50 µs and 1 ms (SPLIT_SPIN)                                  ~5 min
 #   PART=handoff a decode layer's hand-off: a host node (cuLaunchHostFunc) against the GPU writing a word a spinning
 #                host thread answers (cuStreamWriteValue32/WaitValue32 in the graph), with and without the copies,
-#                alone and beside a full host-to-device link (the decode's copy kernel; the copy engine)   ~1-2 min
+#                alone and beside a full host-to-device link (the served unpacking kernel; the plain copy kernel;
+#                the copy engine: bench/link_load.py)                                              ~1-2 min
 #   PART=hostgemm the host's C kernel against torch's GEMM at 1-128 tokens an expert, 12 threads      ~2 min
 #   PART=hostprefetch the host kernel's rows prefetching the weights 0-4096 bytes ahead (bf16, packed, nvfp4;
 #                1-15 threads): a server core's prefetcher stops at each 4 KiB page, a bf16 row's size;
@@ -185,7 +186,7 @@ case "${part:-check}" in
         --json "$OUT/host_pool_contention_${GPU}_${tok}tok.json" 2>&1 | grep -v Warn
     done ;;
   handoff)  # issue 25: a decode layer's hand-off to the host, a host node against a polled round trip (stream memory ops)
-    timeout 240 python3 bench/host_handoff_latency.py --link-load none,sm,ce --out "$OUT/host_handoff_latency_$GPU.json" 2>&1 | tail -18 ;;
+    timeout 240 python3 bench/host_handoff_latency.py --link-load none,packed,plain,ce --out "$OUT/host_handoff_latency_$GPU.json" 2>&1 | tail -18 ;;
   window)  # a streamed layer's expert GEMMs launched over every block against over each chunk's own (expert_window.py)
     timeout 200 python3 bench/expert_window.py --out "$OUT/expert_window.json" > "$OUT/expert_window.log" 2>&1
     echo "expert_window rc=$?"; cat "$OUT/expert_window.log" | tail -8 ;;
@@ -216,7 +217,8 @@ case "${part:-check}" in
     done ;;
   share)
     build_host_kernel
-    timeout 300 python3 bench/decode_suite.py --out "$OUT" --workloads hybrid8 --variants "$HYBRID8_VARIANTS" \
+    timeout $(( 60 + 120 * $(n_variants "$HYBRID8_VARIANTS") )) python3 bench/decode_suite.py --out "$OUT" \
+      --workloads hybrid8 --variants "$HYBRID8_VARIANTS" \
       --max-tokens 128 --settle-tokens 1536 > "$OUT/suite_share.log" 2>&1
     echo "hybrid8 rc=$?"; grep '^\[hybrid8' "$OUT/suite_share.log" | tail -4
     if [ "${SHARE_THREE:-0}" = 1 ]; then  # issue 23's three turns with the host's share (~4 min more)
@@ -233,7 +235,7 @@ case "${part:-check}" in
       --settle-tokens "${DECODE12_SETTLE:-1536}" \
       > "$OUT/suite_decode12.log" 2>&1
     echo "12layer rc=$?"; grep '^\[12layer' "$OUT/suite_decode12.log" | tail -6
-    timeout 150 python3 bench/host_price_tokens.py --threads 12 --experts 64 --link-load none,sm \
+    timeout 150 python3 bench/host_price_tokens.py --threads 12 --experts 64 --link-load none,packed \
       --out "$OUT/host_price_tokens_$GPU.json" 2>&1 | tail -10  # the host's time against its tokens, alone and beside a full link
     grep -h '"host_decode"\|"host_share"\|expert_prefetch_off' "$OUT"/serve_12layer*.log | cut -c1-400
     python3 -c "import json,sys; [print(f, json.load(open(f)).get('host_share')) for f in sys.argv[1:]]" "$OUT"/decode_12layer*.json ;;
@@ -246,7 +248,8 @@ case "${part:-check}" in
       for w in "hybrid8 m8 640" "12layer m12 512"; do
         set -- $w
         FERRY_HOST_POOL_SPIN_US=$spin timeout 140 python3 bench/host_split_sweep.py --model /tmp/$2 --load-format dummy \
-          --moe-cache-size $3 --gpu-memory 12GiB --expert-backend hybrid ${SPLIT_SETTINGS:+--settings "$SPLIT_SETTINGS"} \
+          --moe-cache-size $3 --gpu-memory 12GiB --max-running-requests 8 --expert-backend hybrid \
+          ${SPLIT_SETTINGS:+--settings "$SPLIT_SETTINGS"} \
           --out "$OUT/host_split_sweep_$1_spin${spin}_$GPU.json" > "$OUT/host_split_sweep_$1_spin$spin.log" 2>&1
         echo "split $1 spin $spin rc=$?"; grep -E "^ *[a-z0-9.+]+: median" "$OUT/host_split_sweep_$1_spin$spin.log"
       done

@@ -166,22 +166,30 @@ def test_a_decode_figure_is_its_median_repeat_and_one_slow_repeat_does_not_make_
     kept, and the tokens (for the bytes a token) are all the repeats'."""
     rates = iter([250.0, 196.0, 260.0,  # one stream, three repeats: the second slow
                   60.0, 62.0, 61.0, 64.0, 59.0, 63.0])  # two streams, three repeats
-    clock = [0.0]
+    rates_even = iter([30.0, 10.0, 40.0, 20.0])
 
-    def once():
+    def once():  # a repeat's streams start together; each ends when its 127 tokens after the first are out
         tok_s = next(rates)
-        start, clock[0] = clock[0], clock[0] + 1.0
-        return {"tokens": 128, "tok_s": tok_s, "start": start, "first_s": 0.1, "last_s": 0.1 + 127 / tok_s,
+        return {"tokens": 128, "tok_s": tok_s, "start": 5.0, "first_s": 0.1, "last_s": 0.1 + 127 / tok_s,
                 "max_gap_s": 2 / tok_s}
 
     one = decode_run(once, 1, 3)
     assert [r["median_stream_tok_s"] for r in one["repeats"]] == [250.0, 196.0, 260.0]
     assert one["median_stream_tok_s"] == 250.0 and one["aggregate_tok_s"] == pytest.approx(250.0)
     assert one["tokens"] == 384 and one["streams"] == 1 and len(one["max_gap_s"]) == 3
+    assert one["median_repeat"] == 0
     two = decode_run(once, 2, 3)
     assert [sorted(r["per_stream_tok_s"]) for r in two["repeats"]] == [[60.0, 62.0], [61.0, 64.0], [59.0, 63.0]]
-    assert two["median_stream_tok_s"] == 61.0  # the repeats' medians 61, 62.5, 61
+    # the repeats' medians 61, 62.5 and 61: a repeat of 61 is the middle one, and its aggregate is the run's
+    assert two["median_stream_tok_s"] == 61.0 and two["median_repeat"] in (0, 2)
+    mid = two["repeats"][two["median_repeat"]]
+    assert two["aggregate_tok_s"] == mid["aggregate_tok_s"]
+    # each stream's tokens after its first over the wall time from the earliest first chunk to the latest last
+    assert mid["aggregate_tok_s"] == pytest.approx((256 - 2) / (127 / min(mid["per_stream_tok_s"])))
     assert two["tokens"] == 768 and len(two["per_stream_tok_s"]) == 6
+    even = decode_run(lambda: {"tokens": 11, "tok_s": next(rates_even), "start": 0.0, "first_s": 0.0, "last_s": 1.0,
+                               "max_gap_s": 0.1}, 1, 4)  # fmt: skip
+    assert even["median_stream_tok_s"] == 20.0  # 10, 20, 30, 40: the lower middle repeat, not their mean
     with pytest.raises(ValueError, match="--repeats 0"):
         decode_run(once, 1, 0)
 
@@ -189,7 +197,7 @@ def test_a_decode_figure_is_its_median_repeat_and_one_slow_repeat_does_not_make_
 def test_the_split_sweeps_settings_are_scales_offsets_or_off_and_a_bad_one_names_the_flag():
     """bench/host_split_sweep.py's settings: `off` prices the host out (the hand-off still runs), a scale
     multiplies the host's one-token price, `+N` adds N µs to the hand-off's price; nothing else passes."""
-    from bench.host_split_sweep import parse_settings, prices_for
+    from bench.host_split_sweep import SETTLE_STEPS, parse_settings, prices_for, stream_tokens
 
     got = parse_settings("off,1.0,1.5,1.0+150,0.8+20.5")
     assert got == [("off", None, 0.0), ("1.0", 1.0, 0.0), ("1.5", 1.5, 0.0), ("1.0+150", 1.0, 150.0),
@@ -201,12 +209,15 @@ def test_the_split_sweeps_settings_are_scales_offsets_or_off_and_a_bad_one_names
     for bad in ("off+10", "1.0,1.0", "fast", "0", "-1", "1.0+x", ""):
         with pytest.raises(ValueError, match="--settings"):
             parse_settings(bad)
+    # the stream's pages cover every step it takes: 100 warm, then 2 rounds of 8 settings of 3 settle + 150 timed
+    steps = 100 + 2 * 8 * (SETTLE_STEPS + 150)
+    assert stream_tokens(100, 2, 8, 150) >= 64 + steps + 1
 
 
 def test_the_host_price_bench_draws_its_lines_without_a_load_and_says_which_flag_is_wrong():
     """bench/host_price_tokens.py --link-load: `none` first (its lines are drawn through those times), then the
     loads beside it; a load needs CUDA, and a bad list names the flag instead of timing anything."""
-    cases = (("sm,none", "none, then any of sm and ce"), ("none,none", "each once"), ("none,xx", "none, then"))
+    cases = (("packed,none", "none, then any of packed, plain, ce"), ("none,none", "each once"), ("none,xx", "none, then"))
     for bad, says in cases:
         done = subprocess.run([sys.executable, "bench/host_price_tokens.py", "--link-load", bad], cwd=ROOT,
                               capture_output=True, text=True, timeout=120)  # fmt: skip

@@ -4,6 +4,9 @@ with the bound of both paths read from the worker's boot line."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
+
+import pytest
 
 from bench.decode_suite import logged_event, write_hybrid_cpu
 
@@ -134,6 +137,29 @@ def test_a_variant_with_its_own_environment_starts_its_server_with_it(tmp_path, 
     serve_process.start_serve(tmp_path / "m", [], tmp_path / "serve2.log")
     assert seen["env"] is None  # no variables of its own: this process's environment, as before
     served.log.close()
+    # the suite hands each variant's variables to its server (and none to a variant without them)
+    import bench.decode_suite as suite
+
+    class Stop(Exception):
+        pass
+
+    class Served:
+        command = "ferry serve"
+
+        def wait_ready(self, timeout):
+            raise Stop
+
+        def stop(self):
+            return None
+
+    asked = []
+    monkeypatch.setattr(suite, "make_bench_model", lambda out, *a, **k: out)
+    monkeypatch.setattr(suite, "start_serve", lambda model, args, log, env=None: asked.append(env) or Served())
+    for variant in ("spin1000", "default"):
+        with pytest.raises(Stop):
+            suite.run_workload("hybrid8", variant, tmp_path, tmp_path / "ceilings.json",
+                               SimpleNamespace(ready_timeout=1))  # fmt: skip
+    assert asked == [{"FERRY_HOST_POOL_SPIN_US": "1000"}, None]
     (tmp_path / "serve_hybrid8_spin1000.log").write_text(BOOT)
     gpu = {"single_stream_tok_s": 201.0, "streams8_tok_s": 240.0, "single_stream_bound_tok_s": 195.0, "commit": "a",
            "hit_rate": 0.9}  # fmt: skip
