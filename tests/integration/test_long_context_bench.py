@@ -71,6 +71,9 @@ def test_the_long_prompt_bench_runs_against_a_served_model(tiny_models, tmp_path
     assert after[0]["median_tok_s"] == result["decode_after_median_tok_s"] and after[0]["cached_tokens"] == 0
     assert all(run["cached_tokens"] >= 600 // 2 for run in after[1:]), after
     assert all(run["ttft_s"] < after[0]["ttft_s"] for run in after[1:]), after
+    # from the moment each request left the client: never more than from the call into the client
+    assert 0 < result["ttft_wire_s"] <= result["ttft_s"] and result["ttft_wire_s"] == after[0]["ttft_wire_s"]
+    assert all(0 < run["ttft_wire_s"] <= run["ttft_s"] for run in after + short), (after, short)
     for which, runs in (("after", after), ("short", short)):
         assert result[f"decode_{which}_repeats_median_tok_s"] == pytest.approx(
             sorted(run["median_tok_s"] for run in runs)[1])
