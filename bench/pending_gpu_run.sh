@@ -18,6 +18,9 @@
 # host's share is the layer's critical path, ~440 µs from the hand-off kernel to the fold for three experts its
 # nodes time at ~95 µs each, while the next layer's prefetch (~350 µs) runs beside it and the link idles through
 # the ~100 µs of the next layer's own compute.
+# Getting a machine: on 2026-12-05 two calls with the kind left open (status said nvidia-h200) each answered
+# "no device machine could be started" after ~90 s of the budget, and the H200 was then held back for 10 min;
+# a call naming kind nvidia-h100-x1 started at once. An H100's figures are compared only within its own calls.
 # The next session (a call's 600 s and a machine's start each; combine what fits; carry [".whl", ".cmp"]:
 # .cmp/static_pool holds main 0eefdb5's host kernel sources for PART=contention; a plain call gets an H100 or an
 # H200, so rerun the baseline beside each figure, as decode12 and share do):
