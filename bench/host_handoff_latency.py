@@ -14,7 +14,12 @@ graph of `--rounds` rounds replayed `--replays` times (the median replay over th
 * `host_node`: one host node running a function that does nothing (libc's free of NULL);
 * `host_node_copies`: a 512-byte copy to pinned memory, the host node, an 8 KiB copy back (the hand-off's shape);
 * `poll`: write the round's number, wait for the host thread's answer, clear it (bench/host_poll_probe.c);
-* `poll_copies`: the same between the two copies.
+* `poll_copies`: the same between the two copies;
+* `host_node_copy_out`, `host_node_copy_back`: the host node with only the copy to pinned memory, or only
+  the copy back (which of the two waits behind a loaded link);
+* `host_node_mapped`, `poll_mapped`: the served hand-off's moves instead of the copies: the GPU's own
+  stores of 512 bytes and one 2,048-wide bf16 row into pinned buffers, and the fold's loads of the
+  8 KiB sum from one (kernels/host_share_rows.py).
 
 A variant the driver cannot capture is reported with its error instead of a time.
 
@@ -50,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.link_load import KINDS, LinkLoad  # noqa: E402
 from bench.pair_gemv_sweep import replay_times_us  # noqa: E402
+from ferry.kernels.host_share_rows import fold_host_sum, stage_for_host  # noqa: E402
 
 PROBE_SOURCE = Path(__file__).with_name("host_poll_probe.c")
 WAIT_VALUE_EQ = 0x1  # CU_STREAM_WAIT_VALUE_EQ
@@ -154,16 +160,36 @@ def variants(drv: dict, poller: Poller, device: torch.device) -> dict:
         check(drv["wait"](stream.cuda_stream, done, value, WAIT_VALUE_EQ), "cuStreamWaitValue32")
         check(drv["write"](stream.cuda_stream, done, 0, WRITE_VALUE_DEFAULT), "cuStreamWriteValue32")
 
-    def with_copies(middle):
+    def with_copies(middle, out: bool = True, back_in: bool = True):
         def fn(stream, i):
-            small_host.copy_(small, non_blocking=True)
+            if out:
+                small_host.copy_(small, non_blocking=True)
             middle(stream, i)
-            back.copy_(back_host, non_blocking=True)
+            if back_in:
+                back.copy_(back_host, non_blocking=True)
 
         return fn
 
-    return {"kernel": kernel, "host_node": host_node, "host_node_copies": with_copies(host_node), "poll": poll,
-            "poll_copies": with_copies(poll)}  # fmt: skip
+    # the served hand-off's moves (kernels/host_share_rows.py): the GPU's own stores into the pinned buffers
+    # and the fold's loads from the host's sum, through their mapped addresses
+    block, block_host = small.view(torch.uint8), small_host.view(torch.uint8)
+    x, x_host = torch.zeros(1, 2048, dtype=torch.bfloat16, device=device), torch.zeros(1, 2048, dtype=torch.bfloat16,
+                                                                                       pin_memory=True)  # fmt: skip
+    rows, flags = torch.zeros(1, 8, 2048, dtype=torch.float32, device=device), torch.zeros(8, dtype=torch.int8,
+                                                                                           device=device)  # fmt: skip
+
+    def with_mapped(middle):
+        def fn(stream, i):
+            stage_for_host(block, block_host, x, x_host)
+            middle(stream, i)
+            fold_host_sum(rows, flags, back_host.view(1, 2048))
+
+        return fn
+
+    return {"kernel": kernel, "host_node": host_node, "host_node_copies": with_copies(host_node),
+            "host_node_copy_out": with_copies(host_node, back_in=False),
+            "host_node_copy_back": with_copies(host_node, out=False), "host_node_mapped": with_mapped(host_node),
+            "poll": poll, "poll_copies": with_copies(poll), "poll_mapped": with_mapped(poll)}  # fmt: skip
 
 
 def time_variant(fn, rounds: int, replays: int, device: torch.device, load: LinkLoad | None = None) -> dict:

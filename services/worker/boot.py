@@ -316,7 +316,7 @@ def _attach_host_decode(store, spec, experts, cost, device: torch.device, backen
     graph, so only the C kernel (no Python, no GIL where it runs); its hand-off measured here."""
     from ferry.kernels.expert_host_handoff import host_count_reference
     from ferry.kernels.expert_pair_gemv import PAIR_KERNEL_MAX_PAIRS
-    from ferry.services.worker.offload.host_decode import HostDecodeShare, calibrate_handoff
+    from ferry.services.worker.offload.host_decode import HostDecodeShare, LinkTraffic, calibrate_handoff
     from ferry.services.worker.offload.host_handoff import choose_handoff, resolve_handoff
     from ferry.services.worker.offload.share_guard import ShareGuard
 
@@ -332,12 +332,18 @@ def _attach_host_decode(store, spec, experts, cost, device: torch.device, backen
         wanted = resolve_handoff()
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    overhead = node_s = calibrate_handoff(share, store.cache)
-    poll_s = None
+    # each hand-off timed on an idle link and beside the decode path's own copies (LinkTraffic): in service
+    # the next layer's prefetch crosses while a layer's share is with the host, and that is the price the
+    # split and the choice between the two hand-offs need (an H100's polled round: 9 µs idle, 157 beside it)
+    traffic = LinkTraffic(store.banks, store.ring, device) if torch.device(device).type == "cuda" else None
+    node_idle_s = calibrate_handoff(share, store.cache)
+    overhead = node_s = calibrate_handoff(share, store.cache, traffic=traffic) if traffic else node_idle_s
+    poll_s = poll_idle_s = None
     if wanted != "node":  # the polled hand-off (offload/host_handoff.py), kept where asked or where it is faster
         try:
             share.use_poll()
-            poll_s = calibrate_handoff(share, store.cache)
+            poll_idle_s = calibrate_handoff(share, store.cache)
+            poll_s = calibrate_handoff(share, store.cache, traffic=traffic) if traffic else poll_idle_s
         except RuntimeError as exc:  # not capturable here, or unanswered: the host node stays
             log.warning("host_decode_poll_off", reason=str(exc).splitlines()[0][:300])
     if choose_handoff(wanted, node_s, poll_s) == "poll":
@@ -352,7 +358,10 @@ def _attach_host_decode(store, spec, experts, cost, device: torch.device, backen
     takes = host_count_reference(typical, typical, measured)
     fields = dict(pcie_us=round(cost.pcie_s * 1e6, 1), host_us_at_1=round(cost.host_s_at_1 * 1e6, 1),
                   handoff_us=round(overhead * 1e6, 1), handoff=share.handoff, handoff_node_us=round(node_s * 1e6, 1),
-                  handoff_poll_us=None if poll_s is None else round(poll_s * 1e6, 1), typical_misses=typical,
+                  handoff_poll_us=None if poll_s is None else round(poll_s * 1e6, 1),
+                  handoff_node_idle_us=round(node_idle_s * 1e6, 1),
+                  handoff_poll_idle_us=None if poll_idle_s is None else round(poll_idle_s * 1e6, 1),
+                  typical_misses=typical,
                   host_takes=takes, max_tokens=share.max_tokens,  # caller_pinned 1: the nodes' thread on its CPU
                   caller_pinned=share.kernel.caller_pinned)  # fmt: skip
     if auto and not takes:

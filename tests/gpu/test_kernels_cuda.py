@@ -183,3 +183,27 @@ def test_dense_gemv_matches_linear_on_cuda(shape, tokens, dtype):
     graph.replay()
     want = F.linear(x.double(), weight.double(), bias.double())
     torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+@pytest.mark.parametrize("rows_dtype", [torch.float32, torch.bfloat16])
+def test_the_hand_off_stages_to_and_folds_from_pinned_memory_as_its_twins(rows_dtype):
+    """kernels/host_share_rows.py on CUDA: the GPU writes the pair block and input rows into pinned buffers
+    and reads the host's sum from one, through their mapped addresses, bit for bit as the torch twins."""
+    from ferry.kernels.host_share_rows import fold_host_sum, fold_host_sum_reference, stage_for_host
+
+    g = torch.Generator().manual_seed(5)
+    block = torch.randint(0, 256, (1312,), generator=g, dtype=torch.int32).to(torch.uint8).cuda()
+    x = torch.randn(3, 2048, generator=g).to(torch.bfloat16).cuda()
+    block_host = torch.zeros(1312, dtype=torch.uint8, pin_memory=True)
+    x_host = torch.full((8, 2048), 7.0, dtype=torch.bfloat16, pin_memory=True)
+    stage_for_host(block, block_host, x, x_host)
+    torch.cuda.synchronize()
+    assert torch.equal(block_host, block.cpu()) and torch.equal(x_host[:3], x.cpu()) and (x_host[3:] == 7.0).all()
+    rows = torch.randn(3, 8, 2048, generator=g).to(rows_dtype).cuda()
+    flags = (torch.rand(24, generator=g) < 0.4).to(torch.int8)
+    flags[0] = 1
+    host_sum = torch.randn(8, 2048, generator=g).pin_memory()
+    want = fold_host_sum_reference(rows.clone(), flags.cuda(), host_sum.cuda())
+    fold_host_sum(rows, flags.cuda(), host_sum)
+    torch.cuda.synchronize()
+    assert torch.equal(rows, want)

@@ -11,10 +11,14 @@ Per layer, inside the step's CUDA graph (no host round trip; the split is decide
     lookup ─▶ hand-off kernel (kernels/expert_host_handoff.py): the last h misses go to the host
               │      (slots back to what they held, pairs listed, the copy kernel's count cut to m - h)
               ├─▶ copy stream: the m - h copies, as before
-              └─▶ host stream: pair list and x to pinned memory (two copies) ─▶ host node (the C kernel's
-                  ferry_host_node on the driver's callback thread) ─▶ its float32 sum back
-    hits' GEMV ─▶ wait for the copies ─▶ misses' GEMV ─▶ wait for the host ─▶ host pairs' rows
-    zeroed, the host's sum added to each token's first row
+              └─▶ host stream: pair list and x to pinned memory (one kernel) ─▶ host node (the C kernel's
+                  ferry_host_node on the driver's callback thread) ─▶ its float32 sum in pinned memory
+    hits' GEMV ─▶ wait for the copies ─▶ misses' GEMV ─▶ wait for the host ─▶ fold kernel: host pairs'
+    rows zeroed, the host's sum read from pinned memory and added to each token's first row
+
+The moves to and from pinned memory are the GPU's own loads and stores through the buffers' mapped
+addresses (kernels/host_share_rows.py), not copy-engine copies: beside the next layer's prefetch, which
+fills the host-to-device direction, those copies made an H100's hand-off 256 µs instead of 45.
 
 Why a host node rather than an event-driven hand-off to a Python thread: the decode step is one graph
 replay, and a host node keeps it one; the C function runs without Python or the GIL, so the worker's
@@ -46,6 +50,7 @@ import structlog
 import torch
 
 from ferry.kernels.expert_host_handoff import hand_to_host
+from ferry.kernels.host_share_rows import fold_host_sum, stage_for_host
 from ferry.services.worker.offload.host_expert_kernel import ERRORS, HostKernel, Job
 from ferry.services.worker.offload.host_handoff import Poller
 from ferry.services.worker.offload.share_guard import ShareGuard
@@ -117,9 +122,8 @@ class HostDecodeBuffers:
 
 @dataclass
 class Handed:
-    """One layer's hand-off in flight: the device rows the host's sum lands in, and when it has."""
+    """One layer's hand-off in flight: when the host's sum is in the pinned buffer (None: it already is)."""
 
-    host_rows: torch.Tensor  # float32 [T, H]
     done: torch.cuda.Event | None
 
 
@@ -228,7 +232,6 @@ class HostDecodeShare:
         in_flight = self._no_flight if in_flight is None else in_flight
         hand_to_host(ids, weights, n_rows, call.miss_slots, call.misses, call.count, in_flight, cache, layer,
                      self.costs, self.dev)  # fmt: skip
-        host_rows = torch.empty(t, self.kernel.hidden, dtype=torch.float32, device=x.device)
         task = ctypes.addressof(self.tasks[layer])
         if not self._cuda:  # the interpreter's path: the same C function, now (polled: the GPU's part played here)
             self._to_pinned(x, t)
@@ -236,8 +239,7 @@ class HostDecodeShare:
                 self.poller.play_on_host(layer)
             else:
                 self.kernel.lib.ferry_host_node(task)
-            host_rows.copy_(self._out[:t])
-            return Handed(host_rows, None)
+            return Handed(None)
         compute = torch.cuda.current_stream(self.device)
         ready = torch.cuda.Event()
         ready.record(compute)
@@ -250,23 +252,23 @@ class HostDecodeShare:
                 err = _launch_host_func()(self._stream.cuda_stream, self._node, task)
                 if err:
                     raise RuntimeError(f"cuLaunchHostFunc failed with CUDA error {err}")
-            host_rows.copy_(self._out[:t], non_blocking=True)
         done = torch.cuda.Event()
         done.record(self._stream)
-        return Handed(host_rows, done)
+        return Handed(done)
 
     def _to_pinned(self, x: torch.Tensor, t: int) -> None:
-        """Two copies: the pair block (meta and the pairs) and the layer's input rows."""
-        self.pinned.block.copy_(self.dev.block, non_blocking=self._cuda)
-        self._x[:t].copy_(x, non_blocking=self._cuda)
+        """The pair block (meta and the pairs) and the layer's input rows to pinned memory, written by the GPU
+        through their mapped addresses (kernels/host_share_rows.py: copy-engine copies queued behind the
+        link's traffic)."""
+        x = x[:t].to(self._x.dtype).contiguous()  # as the host kernel reads it (no copy where it already is)
+        stage_for_host(self.dev.block, self.pinned.block, x, self._x)
 
     def finish(self, handed: Handed, rows: torch.Tensor) -> None:
-        """Fold the host's sum into the layer's rows [T, k, H] float32 (their host pairs were never written)."""
-        t, k = rows.shape[:2]
+        """Fold the host's sum into the layer's rows [T, k, H] float32 (their host pairs were never written):
+        read by the fold kernel from the pinned buffer the host wrote, once the host is done."""
         if handed.done is not None:
             torch.cuda.current_stream(self.device).wait_event(handed.done)
-        rows.masked_fill_(self.dev.host_pairs[: t * k].view(t, k, 1).bool(), 0.0)
-        rows[:, 0].add_(handed.host_rows)
+        fold_host_sum(rows, self.dev.host_pairs, self._out)
 
     def check(self) -> None:
         """After a step has finished: RuntimeError if a host node failed (it cannot raise where it runs);
@@ -348,12 +350,46 @@ class HostDecodeShare:
                 "polled_layers": self.poller.rounds() if self.poller is not None else 0}  # fmt: skip
 
 
-def calibrate_handoff(share: HostDecodeShare, cache, repeats: int = 20) -> float:
+class LinkTraffic:
+    """The decode path's own copy kernel (the banks' `copy_listed`: plain rows or the unpacking kernel) moving
+    the staging ring's worth of experts of MoE layer 0 into the ring's slots, on a stream of its own: the
+    traffic a decode layer's hand-off runs beside in service, the next layer's prefetch filling the
+    host-to-device direction (bench/NOTES.md, 2026-12-05: on an H100 the GPU's wait on a host word took 157
+    µs a round beside the unpacking kernel, 9 µs alone). Boot times the hand-off with it and without."""
+
+    def __init__(self, banks, ring, device: torch.device):
+        self.banks, self.ring, self.device = banks, ring, torch.device(device)
+        n = min(ring.size, banks.num_experts)
+        self.misses = torch.tensor([[e, e] for e in range(n)], dtype=torch.int32, device=self.device)
+        self.count = torch.tensor([n], dtype=torch.int32, device=self.device)
+        self.stream = torch.cuda.Stream(self.device)
+        self.queue(1)  # compiled outside any timing
+        self.stream.synchronize()
+        t0 = time.perf_counter()
+        self.queue(1)  # one launch's seconds, to queue enough ahead
+        self.stream.synchronize()
+        self.copy_s = time.perf_counter() - t0
+
+    def queue(self, launches: int) -> None:
+        with torch.cuda.stream(self.stream):
+            for _ in range(launches):
+                self.banks.copy_listed(0, self.ring.w13, self.ring.w2, self.misses, self.count)
+
+    def cover(self, seconds: float) -> None:
+        """Queue at least `seconds` of copies (and one launch more) behind what the stream already has."""
+        self.queue(1 + int(seconds / max(self.copy_s, 1e-6)))
+
+    def drain(self) -> None:
+        self.stream.synchronize()
+
+
+def calibrate_handoff(share: HostDecodeShare, cache, repeats: int = 20, traffic: LinkTraffic | None = None) -> float:
     """Seconds of one layer's hand-off with nothing for the host (the kernel, the copies, the host node or
     the polled round trip, the copy back and the fold), as a one-token decode graph replays it: 8 in one
     captured graph, so its launch and the wait for it are not counted as the hand-off's. Uses its own
     lookup outputs with no misses, so the cache's maps are untouched. The host's own wake-up is in its
-    per-expert cost."""
+    per-expert cost. With `traffic`, the link is kept full through every timed replay, as a served layer's
+    is by the next layer's prefetch."""
     k, dev = share.top_k, share.device
     ids = torch.zeros(1, k, dtype=torch.int64, device=dev)
     weights = torch.zeros(1, k, dtype=torch.float32, device=dev)
@@ -397,9 +433,13 @@ def calibrate_handoff(share: HostDecodeShare, cache, repeats: int = 20) -> float
         run = chain
     times = []
     for _ in range(repeats):
+        if traffic is not None:  # the copies queued first start at once: the replay starts beside them
+            traffic.cover(2 * max(times, default=1e-3))
         t0 = time.perf_counter()
         run()
         settled()
         times.append(time.perf_counter() - t0)
+    if traffic is not None:
+        traffic.drain()
     share.dev.totals.copy_(saved)
     return statistics.median(times) / chained
