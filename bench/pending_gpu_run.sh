@@ -7,31 +7,20 @@
 # pydantic-core 2.33.2, typing-inspection, annotated-types, jiter, distro, sniffio, docstring-parser, py-spy 0.4.2 (the
 # newest openai/anthropic need httpx2 and opentelemetry, which the device lacks; without openai the
 # gpu-check's serve step dies after its CUDA tests).
-# Both pending changes landed on 2026-12-05 (check passed on a663c35, an H100: 218 CUDA tests): FERRY_HOST_HANDOFF
-# defaults to auto, and a step of more than 8,192 tokens writes its expert rows in the model's dtype. Nothing waits
-# in bench/pending/. That day's last session (4c30467, H100s again, their hosts faster than the first one's: 89.5 µs
-# a 30B bf16 expert at boot against 161) gave the 12-layer cut 1.773x GPU-only single-stream (1.683x over the
-# 1,536 settle tokens), the hybrid cut 1.296x and then 0.976x from one 128-token run each (1.255x and 1.245x over
-# the settle tokens; 1.283x with FERRY_HOST_POOL_SPIN_US=1000), and the 262k prompt 33.4 s at 16k (48.9 s at 8k;
-# decode after it 33.69 against 33.95 tok/s, the median of three runs). serve_openai.py now reports the median of
-# three repeats (--repeats). A profile of the hybrid cut's step (profile_decode_m8_hybrid_h100_4c30467.json): the
-# host's share is the layer's critical path, ~440 µs from the hand-off kernel to the fold for three experts its
-# nodes time at ~95 µs each, while the next layer's prefetch (~350 µs) runs beside it and the link idles through
-# the ~100 µs of the next layer's own compute.
-# Getting a machine: on 2026-12-05 two calls with the kind left open (status said nvidia-h200) each answered
-# "no device machine could be started" after ~90 s of the budget, and the H200 was then held back for 10 min;
-# a call naming kind nvidia-h100-x1 started at once. An H100's figures are compared only within its own calls.
-# The next session (a call's 600 s and a machine's start each; combine what fits; carry [".whl", ".cmp"]:
-# .cmp/static_pool holds main 0eefdb5's host kernel sources for PART=contention; a plain call gets an H100 or an
-# H200, so rerun the baseline beside each figure, as decode12 and share do):
-# 1. HYBRID8_VARIANTS=gpu,default,spin1000 PART=handoff,share (~8 min): whether the hand-off's round trip queues
-#    behind a full link (host_handoff_latency.py --link-load), and the hybrid cut's 1.3x with the pool spinning 1 ms
-#    against the default 50 µs, beside GPU-only in the same run. (decode12 now also times the host kernel beside
-#    the link's traffic: host_price_tokens.py --link-load none,packed, the two reading the same DRAM.)
-# 2. PART=split (~5 min): where each cut's step is shortest as the host takes fewer or more of a layer's misses; if
-#    a setting beats the split's own (1.0) by more than a few per cent, the split's price is what to change.
-# 3. DECODE12_VARIANTS=gpu,default PART=decode12,share on an H200 if one comes (issue 25's must-shows are H200's).
-# 4. PART=serveprof, then PART=contention, EIGHT_FORMAT=nvfp4 PART=eight, WARMSTEP_FORMAT=nvfp4 WARMSTEP_RING=0
+# Nothing waits in bench/pending/. On 2026-12-05's fifth session (H100s: naming kind nvidia-h100-x1 started at
+# once; a call naming nvidia-h200 also got an H100) the split sweep (PART=split) showed no price of the host's
+# share moving the step more than ~3 %, and PART=handoff showed why the share's layer was long: beside the
+# prefetch's unpacking kernel a hand-off with copy-engine copies took 256-367 µs (45 idle), the polled wait alone
+# 157-166 (9 idle). ea2591a moves the hand-off's rows with the GPU's own stores and loads (kernels/host_share_rows.py,
+# 153 µs beside the load) and times both hand-offs at boot beside the decode path's own copies; gpu-check passed
+# on it (220 CUDA tests), and the cuts served at 2.014x and 2.064x GPU-only (12-layer) and 1.544x, 1.524x and
+# 1.404x (hybrid cut) single-stream (bench/NOTES.md).
+# The next session (a call's 600 s and a machine's start each; combine what fits; carry [".whl", ".cmp"]):
+# 1. DECODE12_VARIANTS=gpu,default HYBRID8_VARIANTS=gpu,default PART=decode12,share on an H200 if one comes
+#    (issue 25's must-shows are written for the H200; ~4 min).
+# 2. PART=handoff on the H200, and PART=split on either machine to see whether the guard's 0.5 (SCALES' end, held
+#    in one H100 run) should reach further.
+# 3. PART=serveprof, then PART=contention, EIGHT_FORMAT=nvfp4 PART=eight, WARMSTEP_FORMAT=nvfp4 WARMSTEP_RING=0
 #    PART=warmstep.
 #   PART=check   make gpu-check (the release check, which builds the host's C kernel; gpu_check.json)  ~4-7 min
 #   PART=prefill bench/prefill_attention.py on the 35B's attention shapes, then the 262k-token TTFT  ~6-8 min

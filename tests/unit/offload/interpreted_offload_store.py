@@ -362,6 +362,20 @@ def check_host_decode(poll: bool = False) -> None:
 
     assert calibrate_handoff(store.host_decode, store.cache, repeats=2) > 0
     assert store.report()["host_decode"]["experts"] == handed["experts"]
+
+    class Traffic:  # boot's LinkTraffic, recorded: copies queued ahead of each timed replay, drained at the end
+        calls = []
+
+        def cover(self, seconds):
+            self.calls.append(("cover", seconds))
+
+        def drain(self):
+            self.calls.append(("drain", None))
+
+    traffic = Traffic()
+    assert calibrate_handoff(store.host_decode, store.cache, repeats=3, traffic=traffic) > 0
+    assert [c for c, _ in traffic.calls] == ["cover"] * 3 + ["drain"], traffic.calls
+    assert all(s > 0 for _, s in traffic.calls[:3]) and store.report()["host_decode"]["experts"] == handed["experts"]
     # a handed miss gives its slot back to what the lookup evicted for it: the slots stay full
     assert int((store.cache.snapshot()["layer_of_slot"] >= 0).sum()) == 7
     total = store.stats.total
