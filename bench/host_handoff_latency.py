@@ -1,9 +1,10 @@
 """What a decode layer's hand-off to the host costs beside its compute (issue 25), and what a polled one
 would: a CUDA graph host node against GPU stream memory operations answered by a spinning host thread.
 
-Each MoE layer of a hybrid decode step hands the host its share inside the step's CUDA graph: copies of
-the pairs and the input to pinned memory, a host node (cuLaunchHostFunc: the CUDA driver's callback
-thread wakes and runs the C kernel), the host's sum copied back. With nothing for the host, boot measured
+Each MoE layer of a hybrid decode step hands the host its share inside the step's CUDA graph: the pairs
+and the input to pinned memory, a host node (cuLaunchHostFunc: the CUDA driver's callback thread wakes and
+runs the C kernel), the host's sum back (copy-engine copies until ea2591a, now the GPU's own stores and
+loads through the mapped buffers: the `_mapped` variants). With nothing for the host, boot measured
 that hand-off at ~59 µs a layer on the H200 (bench/NOTES.md), ~0.7 ms of a 12-layer token. The
 alternative: the GPU writes a word in pinned memory (cuStreamWriteValue32), a host thread that spins on it
 answers in a second word, and the GPU waits for that (cuStreamWaitValue32); both are stream memory

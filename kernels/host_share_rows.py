@@ -4,19 +4,21 @@ services/worker/offload/host_decode.py).
 The host's share of a layer needs its pair list and input rows in pinned memory before the host can start,
 and the host's float32 sum back in the layer's rows before they are summed. Copy-engine copies did both
 (two copies to the host, one back), and beside a full link they were most of the hand-off: on an H100 a
-layer's round trip with those copies took 256 µs while the GPU unpacked the next layer's prefetched experts
-from the pinned banks, 192 µs beside the plain copy kernel, against 45 µs on an idle link and 16 µs for the
-same round without its copies (bench/host_handoff_latency.py, bench/NOTES.md, 2026-12-05). The host's
-share is the critical path of each layer of the hybrid cut, so that wait was the step's.
+layer's round trip with those copies took 256-367 µs while the GPU unpacked the next layer's prefetched
+experts from the pinned banks, against 38-45 µs on an idle link, and 16-26 µs for the host node alone beside
+the same load (bench/host_handoff_latency.py, bench/NOTES.md, 2026-12-05). The host's share is the critical
+path of each layer of the hybrid cut, so that wait was the step's.
 
 Here two small kernels do the same moves with loads and stores to the pinned buffers' mapped addresses
 (the banks' own path: kernels/expert_copy.py):
 
-* `stage_for_host`: the pair block and the first `t` input rows, device -> pinned, in one launch (writes to
-  host memory are posted: they do not wait for the read completions that fill the host-to-device direction);
+* `stage_for_host`: the pair block and the first `t` input rows, device -> pinned, in one launch;
 * `fold_host_sum`: in the layer's rows [T, k, H], the host pairs' rows zeroed and the host's sum [T, H]
   read from pinned memory and added into each token's first row, in one launch that replaces the copy back,
   a masked fill and an add.
+
+With these the round beside the same load took 153 µs: still far from idle (the copy engine's copy out alone
+waited 160 µs there, and what the mapped moves still wait for these runs do not say), but less than half.
 
 The same bits as before: the fold adds one float32 value to each first row exactly as `rows[:, 0] +=`
 did, after the zeroing. Twins: `stage_for_host_reference`, `fold_host_sum_reference` (torch, any device).
@@ -72,6 +74,9 @@ def _words(t: torch.Tensor) -> torch.Tensor:
 def stage_for_host(block: torch.Tensor, block_host: torch.Tensor, x: torch.Tensor, x_host: torch.Tensor) -> None:
     """block_host[:] = block and x_host[:len(x)] = x: the hand-off's pair block (bytes, device) and the layer's
     input rows [t, H] (device) into their pinned, mapped buffers, on the current stream."""
+    if x.shape[1] * x.element_size() % 4 or block.numel() * block.element_size() % 4:
+        raise ValueError(f"staging moves 32-bit words: a row of {x.shape[1]} x {x.element_size()} bytes and a block "
+                         f"of {block.numel() * block.element_size()} bytes must be multiples of 4")  # fmt: skip
     if block_host.dtype != block.dtype or x_host.dtype != x.dtype:
         raise ValueError(f"staging {block.dtype} and {x.dtype} into {block_host.dtype} and {x_host.dtype} buffers")
     if block_host.shape != block.shape or x_host.shape[1:] != x.shape[1:] or x_host.shape[0] < x.shape[0]:
@@ -102,6 +107,8 @@ def fold_host_sum(rows: torch.Tensor, host_pairs: torch.Tensor, host_sum: torch.
                          f"{tuple(rows.shape)} (contiguous: {rows.is_contiguous()})")  # fmt: skip
     if host_sum.dtype != torch.float32 or not host_sum.is_contiguous():
         raise ValueError("the host's sum must be contiguous float32")
+    if host_pairs.dtype != torch.int8:  # the kernel reads a byte a pair
+        raise ValueError(f"the host pairs' flags must be int8, not {host_pairs.dtype}")
     (fold_host_sum_triton if use_triton(rows) else fold_host_sum_reference)(rows, host_pairs, host_sum)
 
 

@@ -335,7 +335,9 @@ def _attach_host_decode(store, spec, experts, cost, device: torch.device, backen
     # each hand-off timed on an idle link and beside the decode path's own copies (LinkTraffic): in service
     # the next layer's prefetch crosses while a layer's share is with the host, and that is the price the
     # split and the choice between the two hand-offs need (an H100's polled round: 9 µs idle, 157 beside it)
-    traffic = LinkTraffic(store.banks, store.ring, device) if torch.device(device).type == "cuda" else None
+    # (--expert-backend cpu: the host takes every miss, nothing crosses beside the hand-off, the idle figure)
+    cuda = torch.device(device).type == "cuda"
+    traffic = LinkTraffic(store.banks, store.ring, device) if cuda and backend != "cpu" else None
     node_idle_s = calibrate_handoff(share, store.cache)
     overhead = node_s = calibrate_handoff(share, store.cache, traffic=traffic) if traffic else node_idle_s
     poll_s = poll_idle_s = None

@@ -192,13 +192,14 @@ def test_the_hand_off_stages_to_and_folds_from_pinned_memory_as_its_twins(rows_d
     from ferry.kernels.host_share_rows import fold_host_sum, fold_host_sum_reference, stage_for_host
 
     g = torch.Generator().manual_seed(5)
-    block = torch.randint(0, 256, (1312,), generator=g, dtype=torch.int32).to(torch.uint8).cuda()
-    x = torch.randn(3, 2048, generator=g).to(torch.bfloat16).cuda()
-    block_host = torch.zeros(1312, dtype=torch.uint8, pin_memory=True)
-    x_host = torch.full((8, 2048), 7.0, dtype=torch.bfloat16, pin_memory=True)
+    # past one pass of the grid (8 programs x 1,024 words): the block's 10,000 words, the rows' 10,240
+    block = torch.randint(0, 256, (40000,), generator=g, dtype=torch.int32).to(torch.uint8).cuda()
+    x = torch.randn(5, 4096, generator=g).to(torch.bfloat16).cuda()
+    block_host = torch.zeros(40000, dtype=torch.uint8, pin_memory=True)
+    x_host = torch.full((8, 4096), 7.0, dtype=torch.bfloat16, pin_memory=True)
     stage_for_host(block, block_host, x, x_host)
     torch.cuda.synchronize()
-    assert torch.equal(block_host, block.cpu()) and torch.equal(x_host[:3], x.cpu()) and (x_host[3:] == 7.0).all()
+    assert torch.equal(block_host, block.cpu()) and torch.equal(x_host[:5], x.cpu()) and (x_host[5:] == 7.0).all()
     rows = torch.randn(3, 8, 2048, generator=g).to(rows_dtype).cuda()
     flags = (torch.rand(24, generator=g) < 0.4).to(torch.int8)
     flags[0] = 1

@@ -9,8 +9,10 @@ from interpreted_triton import run_interpreted
 from ferry.kernels.host_share_rows import (fold_host_sum, fold_host_sum_reference, stage_for_host,
                                            stage_for_host_reference)  # fmt: skip
 
-# (T rows staged of a buffer of max_tokens, H, dtype, block bytes): one row, several, a width past one block
-STAGE_CASES = [(1, 4, 256, torch.bfloat16, 176), (3, 8, 2048, torch.bfloat16, 1312), (5, 5, 1000, torch.float32, 96)]
+# (T rows staged of a buffer of max_tokens, H, dtype, block bytes): one row, several, a width past one block, and
+# a block and rows past what the grid moves in one pass (8 programs x 1,024 words): each program strides on
+STAGE_CASES = [(1, 4, 256, torch.bfloat16, 176), (3, 8, 2048, torch.bfloat16, 1312), (5, 5, 1000, torch.float32, 96),
+               (5, 8, 4096, torch.bfloat16, 40000)]  # fmt: skip
 # (T, k, H, rows dtype): the decode path's float32 rows, and bf16 rows rounded once by the add
 FOLD_CASES = [(1, 8, 256, torch.float32), (4, 8, 2048, torch.float32), (3, 2, 1500, torch.float32),
               (2, 4, 1100, torch.bfloat16)]  # fmt: skip
@@ -85,6 +87,11 @@ def test_mismatched_buffers_are_refused_with_their_shapes():
         fold_host_sum(rows.transpose(0, 1), flags, host_sum)
     with pytest.raises(ValueError, match="float32"):
         fold_host_sum(rows, flags, host_sum.double())
+    with pytest.raises(ValueError, match="int8, not torch.int32"):
+        fold_host_sum(rows, flags.to(torch.int32), host_sum)
+    odd = torch.zeros(1, 63, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="a row of 63 x 2 bytes"):
+        stage_for_host(block, block_host, odd, torch.zeros(2, 63, dtype=torch.bfloat16))
 
 
 def test_on_cpu_the_dispatch_takes_the_twins():

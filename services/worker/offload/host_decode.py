@@ -98,7 +98,7 @@ def _launch_host_func():
 class HostDecodeBuffers:
     """What the hand-off kernel writes (device) and its pinned copies: per pair a host flag, the host's
     compacted pairs (token row, expert, router weight), meta [T, pairs], totals [experts, pairs]. Meta
-    and the pairs are views of one byte block, so they cross to the host in one copy."""
+    and the pairs are views of one byte block, so one kernel stages them for the host (host_share_rows.py)."""
 
     host_pairs: torch.Tensor
     pair_token: torch.Tensor
@@ -350,6 +350,9 @@ class HostDecodeShare:
                 "polled_layers": self.poller.rounds() if self.poller is not None else 0}  # fmt: skip
 
 
+MAX_TRAFFIC_LAUNCHES = 64  # copy launches queued ahead of one timed replay: a slow replay queues no more
+
+
 class LinkTraffic:
     """The decode path's own copy kernel (the banks' `copy_listed`: plain rows or the unpacking kernel) moving
     the staging ring's worth of experts of MoE layer 0 into the ring's slots, on a stream of its own: the
@@ -376,16 +379,17 @@ class LinkTraffic:
                 self.banks.copy_listed(0, self.ring.w13, self.ring.w2, self.misses, self.count)
 
     def cover(self, seconds: float) -> None:
-        """Queue at least `seconds` of copies (and one launch more) behind what the stream already has."""
-        self.queue(1 + int(seconds / max(self.copy_s, 1e-6)))
+        """Queue at least `seconds` of copies (and one launch more, at most MAX_TRAFFIC_LAUNCHES) behind what the
+        stream already has."""
+        self.queue(min(MAX_TRAFFIC_LAUNCHES, 1 + int(seconds / max(self.copy_s, 1e-6))))
 
     def drain(self) -> None:
         self.stream.synchronize()
 
 
 def calibrate_handoff(share: HostDecodeShare, cache, repeats: int = 20, traffic: LinkTraffic | None = None) -> float:
-    """Seconds of one layer's hand-off with nothing for the host (the kernel, the copies, the host node or
-    the polled round trip, the copy back and the fold), as a one-token decode graph replays it: 8 in one
+    """Seconds of one layer's hand-off with nothing for the host (the hand-off kernel, the staging kernel, the
+    host node or the polled round trip, and the fold kernel), as a one-token decode graph replays it: 8 in one
     captured graph, so its launch and the wait for it are not counted as the hand-off's. Uses its own
     lookup outputs with no misses, so the cache's maps are untouched. The host's own wake-up is in its
     per-expert cost. With `traffic`, the link is kept full through every timed replay, as a served layer's
@@ -432,14 +436,16 @@ def calibrate_handoff(share: HostDecodeShare, cache, repeats: int = 20, traffic:
     else:
         run = chain
     times = []
-    for _ in range(repeats):
-        if traffic is not None:  # the copies queued first start at once: the replay starts beside them
-            traffic.cover(2 * max(times, default=1e-3))
-        t0 = time.perf_counter()
-        run()
-        settled()
-        times.append(time.perf_counter() - t0)
-    if traffic is not None:
-        traffic.drain()
+    try:
+        for _ in range(repeats):
+            if traffic is not None:  # the copies queued first start at once: the replay starts beside them
+                traffic.cover(2 * (statistics.median(times) if times else 1e-3))
+            t0 = time.perf_counter()
+            run()
+            settled()
+            times.append(time.perf_counter() - t0)
+    finally:  # the ring's slots are free again before boot goes on, even after a polled round went unanswered
+        if traffic is not None:
+            traffic.drain()
     share.dev.totals.copy_(saved)
     return statistics.median(times) / chained

@@ -6,7 +6,7 @@ thread wakes and runs the function, then signals the GPU back. Boot measures a l
 nothing for the host at ~59 µs on the H200 (bench/NOTES.md), ~0.7 ms of a 12-layer token.
 
 `poll`: the GPU writes the layer's number + 1 to a word in pinned memory (cuStreamWriteValue32, after the
-copies of the pairs and the input), then waits until a second word holds it (cuStreamWaitValue32) and
+pairs and the input are staged in pinned memory), then waits until a second word holds it (cuStreamWaitValue32) and
 clears it; a thread of the C library (kernels/host_experts_c/host_poller.h) spins on the first word,
 computes the layer's task and answers in the second. Both are stream memory operations, which a CUDA graph
 captures. The thread spins for POLL_SPIN_NS after a layer, then naps between looks, from 20 µs doubling

@@ -366,16 +366,18 @@ def check_host_decode(poll: bool = False) -> None:
     class Traffic:  # boot's LinkTraffic, recorded: copies queued ahead of each timed replay, drained at the end
         calls = []
 
-        def cover(self, seconds):
-            self.calls.append(("cover", seconds))
+        def cover(self, seconds):  # with the host calls of layer 0 made so far: 8 hand-offs a replay
+            self.calls.append(("cover", seconds, store.host_decode.tasks[0].calls))
 
         def drain(self):
-            self.calls.append(("drain", None))
+            self.calls.append(("drain", None, store.host_decode.tasks[0].calls))
 
-    traffic = Traffic()
+    traffic, base = Traffic(), store.host_decode.tasks[0].calls
     assert calibrate_handoff(store.host_decode, store.cache, repeats=3, traffic=traffic) > 0
-    assert [c for c, _ in traffic.calls] == ["cover"] * 3 + ["drain"], traffic.calls
-    assert all(s > 0 for _, s in traffic.calls[:3]) and store.report()["host_decode"]["experts"] == handed["experts"]
+    assert [c[0] for c in traffic.calls] == ["cover"] * 3 + ["drain"], traffic.calls
+    # each cover before its replay's hand-offs, the drain after the last
+    assert [c[2] for c in traffic.calls] == [base, base + 8, base + 16, base + 24], (base, traffic.calls)
+    assert all(c[1] > 0 for c in traffic.calls[:3]) and store.report()["host_decode"]["experts"] == handed["experts"]
     # a handed miss gives its slot back to what the lookup evicted for it: the slots stay full
     assert int((store.cache.snapshot()["layer_of_slot"] >= 0).sum()) == 7
     total = store.stats.total
