@@ -30,7 +30,10 @@ from typing import Callable
 
 from ferry.shared.errors import PlanError
 from ferry.plan.model_config import ModelSpec
-from ferry.plan.planner import DEFAULT_MAX_PREFILL_TOKENS, Measured, Plan, PlanRequest, make_plan, resolve
+from ferry.plan.memory_defaults import (LONG_PROMPT_TOKENS, long_prompts_expected, offloaded_defaults, server_defaults,
+                                       shrunk_defaults, sizing_source)  # fmt: skip
+from ferry.plan.planner import (DEFAULT_MAX_PREFILL_TOKENS, Measured, Plan, PlanRequest, Resolved, make_plan, plan_budget,
+                                resolve)  # fmt: skip
 from ferry.plan.store_plan import plan_for_expert_store
 
 # in the order tried: DEFAULT_MAX_PREFILL_TOKENS first, which is the longest a resident plan takes; 16384 only
@@ -39,18 +42,50 @@ CHUNK_CANDIDATES = (8192, 16384, 4096, 2048)
 _CANDIDATES = ", ".join(map(str, CHUNK_CANDIDATES))
 
 
-def plan_with_prefill_chunk(spec: ModelSpec, req: PlanRequest, measure: Callable[[int], Measured],
+def plan_with_prefill_chunk(spec: ModelSpec, req: PlanRequest, measure: Callable[[Resolved | None], Measured],
                             longest: int | None = None) -> Plan:  # fmt: skip
-    """The plan for `req`, its prefill chunk chosen from memory unless --max-prefill-tokens gave it.
-    `measure(tokens)` gives the facts (weights, workspace of a `tokens`-token step, free memory);
-    `longest`: no candidate past it is tried (expert-parallel ranks, which stream nothing, pass 8192)."""
+    """The plan for `req`: its running requests and context sized from memory where no flag gave them
+    (plan/memory_defaults.py), its prefill chunk chosen from memory unless --max-prefill-tokens gave it.
+    `measure(r)` gives the facts (weights, workspace of a step as `r` resolves it, free memory); `measure(None)`
+    the same with no workspace, measured nothing for. `longest`: no candidate past it is tried (expert-parallel
+    ranks, which stream nothing, pass 8192)."""
+    long_prompts = long_prompts_expected(spec, req)
+    if req.max_running_requests is not None and req.max_model_len is not None:
+        plan = _chunked_plan(spec, req, measure, longest, long_prompts)
+        return dataclasses.replace(plan, sizing_source=sizing_source(req, offloaded=False))
+    facts = measure(None)
+    server = server_defaults(spec, req)
+    if _unslotted_without_workspace(spec, server, facts) == 0:
+        try:
+            plan = _chunked_plan(spec, server, measure, longest, long_prompts)
+        except PlanError:
+            plan = None
+        if plan is not None and plan.experts.slots >= spec.total_experts:
+            return dataclasses.replace(plan, sizing_source=sizing_source(req, offloaded=False))
+    single_user = offloaded_defaults(spec, req, plan_budget(spec, req, facts))
+    while True:  # the defaults halve until the plan fits, or neither can shrink and its error names the flags
+        try:
+            plan = _chunked_plan(spec, single_user, measure, longest, long_prompts)
+            return dataclasses.replace(plan, sizing_source=sizing_source(req, offloaded=True))
+        except PlanError:
+            smaller = shrunk_defaults(spec, req, single_user)
+            if smaller is None:
+                raise
+            single_user = smaller
+
+
+def _chunked_plan(spec: ModelSpec, req: PlanRequest, measure: Callable[[Resolved | None], Measured],
+                  longest: int | None, long_prompts: bool) -> Plan:  # fmt: skip
+    """The plan for `req` (its running requests and context set), its chunk chosen unless the flag gave it."""
     if req.max_prefill_tokens is not None:
-        plan = plan_for_expert_store(spec, req, measure(req.max_prefill_tokens))
+        plan = plan_for_expert_store(spec, req, measure(resolve(spec, req)))
         return dataclasses.replace(plan, max_prefill_tokens_source="--max-prefill-tokens")
     r = resolve(spec, req)
     # no step holds more than every running request's whole context: a longer chunk than that (past the
-    # default's 8192, which is kept as before) would only take slots for a step that never comes
-    cap = max(DEFAULT_MAX_PREFILL_TOKENS, r.max_running_requests * r.max_model_len)
+    # default's 8192, which is kept as before) would only take slots for a step that never comes; and a chunk
+    # past 8192 pays only for prompts longer than it, where they are expected
+    cap = max(DEFAULT_MAX_PREFILL_TOKENS, r.max_running_requests * r.max_model_len) if long_prompts else \
+        DEFAULT_MAX_PREFILL_TOKENS  # fmt: skip
     longest = cap if longest is None else min(longest, cap)
     best: Plan | None = None
     error: PlanError | None = None
@@ -62,7 +97,7 @@ def plan_with_prefill_chunk(spec: ModelSpec, req: PlanRequest, measure: Callable
         if best is not None and fewest_unslotted is not None and fewest_unslotted / tokens >= _streamed(spec, best):
             continue  # even with no workspace this chunk would stream more a token than the best
         chunk_req = dataclasses.replace(req, max_prefill_tokens=tokens)
-        measured = measure(tokens)
+        measured = measure(resolve(spec, chunk_req))
         try:
             plan = plan_for_expert_store(spec, chunk_req, measured)
         except PlanError as e:  # this chunk's workspace does not fit beside the floors: a shorter one may
@@ -81,8 +116,10 @@ def plan_with_prefill_chunk(spec: ModelSpec, req: PlanRequest, measure: Callable
     if best.experts.slots >= spec.total_experts:
         why = "every expert resident"
     else:
+        tried = _CANDIDATES if long_prompts else ", ".join(str(t) for t in CHUNK_CANDIDATES if t <= DEFAULT_MAX_PREFILL_TOKENS)
         why = (f"{spec.total_experts - best.experts.slots} experts without a slot, each streamed once a chunk: "
-               f"the fewest a prompt token of {_CANDIDATES}")  # fmt: skip
+               f"the fewest a prompt token of {tried}" + ("" if long_prompts else
+               f"; longer chunks only where --max-model-len or the KV pool asks for prompts past {LONG_PROMPT_TOKENS}"))  # fmt: skip
     return dataclasses.replace(best, max_prefill_tokens_source=f"chosen from memory: {why}")
 
 
@@ -92,5 +129,10 @@ def _streamed(spec: ModelSpec, plan: Plan) -> float:
 
 
 def _unslotted_without_workspace(spec: ModelSpec, req: PlanRequest, measured: Measured) -> int:
-    """Experts without a slot were the workspace free: no chunk leaves fewer."""
-    return spec.total_experts - make_plan(spec, req, dataclasses.replace(measured, workspace_bytes=0)).experts.slots
+    """Experts without a slot were the workspace free: no chunk leaves fewer (all of them where even that
+    plan does not fit)."""
+    try:
+        plan = make_plan(spec, req, dataclasses.replace(measured, workspace_bytes=0))
+    except PlanError:
+        return spec.total_experts
+    return spec.total_experts - plan.experts.slots
