@@ -124,6 +124,7 @@ case "${part:-check}" in
     tail -3 "$OUT/gpu_check_stdout.log" ;;
   defaults)  # issue 56: the full-size 35B NVFP4 at --gpu-memory 24GiB, the issue's flags and Ferry's defaults, the
     # process's device memory sampled by nvidia-smi (it must stay under 24 GiB), then the two cuts' TTFT-2k
+    build_host_kernel
     nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits -lms 500 > "$OUT/smi_apps.csv" 2>&1 &
     SMI=$!
     timeout 420 python3 bench/decode_suite.py --out "$OUT" --workloads 36b_nvfp4_defaults,36b_nvfp4 --max-tokens 128 \
