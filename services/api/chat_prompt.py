@@ -21,8 +21,10 @@ special (as vLLM's and OpenAI's completions read it); this applies to chat-templ
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 # Supplementary Private Use Area-A: assigned to nothing, so a prompt holds these only if a client sent them
@@ -37,7 +39,7 @@ class RenderedChat:
     texts: tuple[str, ...]
     specials: tuple[str, ...]
 
-    @property
+    @cached_property
     def text(self) -> str:
         out = [self.texts[0]]
         for special, text in zip(self.specials, self.texts[1:]):
@@ -68,16 +70,30 @@ class ClientText:
         self._starts = {t[:i] for t in self.specials for i in range(1, len(t)) if not re.search(r"\s", t[:i])}
         self._ends = {t[i:] for t in self.specials for i in range(1, len(t)) if not re.search(r"\s", t[i:])}
         self._longest = max((len(t) for t in self.specials), default=0)
+        # a stretch is a spelling, holds a special's first character (a start) or its last (an end): a string
+        # without these characters has none, nor does a request whose JSON has none (json.dumps escapes only
+        # quotes, backslashes and control characters)
+        firsts, lasts = {t[0] for t in self.specials}, {t[-1] for t in self.specials}
+        self._first_char, self._last_char, self._edge_char = (
+            re.compile("[" + "".join(map(re.escape, sorted(chars))) + "]" if chars else "(?!)")
+            for chars in (firsts, lasts, firsts | lasts))  # fmt: skip
+        self._json_shows_edges = not any(c in '"\\' or ord(c) < 0x20 for c in firsts | lasts)
 
     def stretches(self, s: str) -> list[tuple[int, int]]:
         """The (start, end) spans of `s` to stand in, in order: each spelling of a special, the longest
         start of one that ends `s`, the longest end of one that starts it (overlapping ones merged)."""
+        if not self._edge_char.search(s):
+            return []
         spans = [m.span() for m in self.spelling.finditer(s)]
-        reach = range(min(self._longest - 1, len(s)), 0, -1)
-        if head := next((k for k in reach if s[:k] in self._ends), 0):
-            spans.insert(0, (0, head))
-        if tail := next((k for k in reach if s[-k:] in self._starts), 0):
-            spans.append((len(s) - tail, len(s)))
+        window = self._longest - 1
+        # an end of a special that starts `s` ends with a special's last character; a start that ends it
+        # begins with a first one: only those places are looked at (the longest that is one wins)
+        heads = [m.end() for m in self._last_char.finditer(s, 0, window) if s[: m.end()] in self._ends]
+        tails = [m.start() for m in self._first_char.finditer(s, max(len(s) - window, 0)) if s[m.start() :] in self._starts]
+        if heads:
+            spans.insert(0, (0, heads[-1]))
+        if tails:
+            spans.append((tails[0], len(s)))
         merged: list[tuple[int, int]] = []
         for a, b in sorted(spans):
             if merged and a < merged[-1][1]:
@@ -88,6 +104,8 @@ class ClientText:
 
     def any_in(self, obj: Any) -> bool:
         """Whether some string in `obj` (values and keys, nested) has a stretch to stand in."""
+        if self._json_shows_edges and not self._edge_char.search(json.dumps(obj, ensure_ascii=False, default=str)):
+            return False
         return any(self.stretches(s) for s in _strings(obj))
 
     def render(self, render, inputs: dict, template: str) -> RenderedChat:
@@ -97,9 +115,7 @@ class ClientText:
             text = render(**inputs)
             parts = self._cut.split(text)
             return RenderedChat(tuple(parts[0::2]), tuple(parts[1::2]))
-        used = set(template).union(*(set(t) for t in self.specials))
-        for s in _strings(inputs):
-            used.update(s)
+        used = set(template).union(*self.specials, *_strings(inputs))
         free = (chr(c) for c in range(_STAND_IN_FIRST, _STAND_IN_LAST + 1) if chr(c) not in used)
         stand_in: dict[str, str] = {}  # stretch -> its character
 
@@ -123,16 +139,20 @@ class ClientText:
         return RenderedChat(tuple(t.translate(back) for t in parts[0::2]), tuple(parts[1::2]))
 
 
-def _strings(obj: Any):
-    if isinstance(obj, str):
-        yield obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _strings(k)
-            yield from _strings(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _strings(v)
+def _strings(obj: Any) -> list[str]:
+    """The strings in `obj`: itself, or the keys and values of its dicts and lists, nested."""
+    out: list[str] = []
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            out.append(item)
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return out
 
 
 def _map_strings(obj: Any, fn) -> Any:

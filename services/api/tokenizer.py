@@ -39,6 +39,7 @@ class PromptTokenizer:
         self.segments = SegmentCache.for_tokenizer(self.hf)
         # {spelling: added token} of the special tokens: in a chat prompt, only the template's are tokens
         self.special_tokens = {t.content: t for t in self.hf.added_tokens_decoder.values() if t.special and t.content}
+        self.special_ids = {t.content: i for i, t in self.hf.added_tokens_decoder.items() if t.content in self.special_tokens}
         self.client_text = ClientText(list(self.special_tokens))
 
     def copy(self) -> "PromptTokenizer":
@@ -73,15 +74,15 @@ class PromptTokenizer:
             raise InvalidRequest("this model has no chat template; use /v1/completions")
 
         def render(messages, tools, variables) -> str:
-            return self.hf.apply_chat_template(messages, tools=tools, add_generation_prompt=not continue_final,
-                                               continue_final_message=continue_final, tokenize=False,
-                                               **variables)  # fmt: skip
+            try:
+                return self.hf.apply_chat_template(messages, tools=tools, add_generation_prompt=not continue_final,
+                                                   continue_final_message=continue_final, tokenize=False,
+                                                   **variables)  # fmt: skip
+            except Exception as exc:  # noqa: BLE001 - template errors (e.g. role order) are the client's to fix
+                raise InvalidRequest(f"the chat template rejected these messages: {exc}") from exc
 
-        try:
-            return self.client_text.render(render, {"messages": messages, "tools": tools, "variables": template_kwargs},
-                                           str(self.hf.chat_template))  # fmt: skip
-        except Exception as exc:  # noqa: BLE001 - template errors (e.g. role order) are the client's to fix
-            raise InvalidRequest(f"the chat template rejected these messages: {exc}") from exc
+        inputs = {"messages": messages, "tools": tools, "variables": template_kwargs}
+        return self.client_text.render(render, inputs, str(self.hf.chat_template))
 
     def encode_chat(self, chat: RenderedChat) -> list[int]:
         """The ids of a rendered chat prompt: its template's special tokens, and its texts as text. With no
@@ -92,7 +93,7 @@ class PromptTokenizer:
         spelled = [bool(self.client_text.spelling.search(t)) for t in texts]
         if not any(spelled):
             return self.encode(chat.text)
-        self.check_chars(sum(map(len, texts)) + sum(map(len, chat.specials)))
+        self.check_chars(len(chat.text))
         for i, special in enumerate(chat.specials):
             token = self.special_tokens[special]
             if token.lstrip:
@@ -109,7 +110,7 @@ class PromptTokenizer:
         for i, s in enumerate(spelled):
             ids.extend(next(as_text) if s else next(plain_ids))
             if i < len(chat.specials):
-                ids.append(self.hf.convert_tokens_to_ids(chat.specials[i]))
+                ids.append(self.special_ids[chat.specials[i]])
         return ids
 
     def encode(self, text: str) -> list[int]:

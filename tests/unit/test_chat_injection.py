@@ -13,6 +13,8 @@ import re
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ferry.services.api import anthropic_schema, schema
 from ferry.services.api.anthropic_routes import AnthropicRoutes
@@ -263,26 +265,52 @@ def test_a_long_injected_prompt_gets_the_same_ids_through_the_segment_cache(tok,
     assert tok.segments.hits > hits
 
 
-def test_a_tokenizer_whose_special_tokens_strip_spaces_cuts_as_it_does(tiny_tokenizer_dir):
+def test_a_tokenizer_whose_special_tokens_strip_spaces_cuts_as_it_does(tiny_tokenizer, tmp_path):
     """A special token that swallows the spaces beside it (lstrip/rstrip): text by text, its cut takes them
     as the tokenizer's own reading of the whole prompt does."""
+    import copy
+
     from tokenizers import AddedToken
 
-    tok = PromptTokenizer(str(tiny_tokenizer_dir))
-    tok.hf.add_special_tokens({"additional_special_tokens": [AddedToken("<|sep|>", lstrip=True, rstrip=True, special=True)]})
-    tok.hf.chat_template = "{% for m in messages %}<|im_start|>{{ m.content }}  <|sep|>  x{% endfor %}"
-    tok.special_tokens = {t.content: t for t in tok.hf.added_tokens_decoder.values() if t.special}
-    tok.client_text = ClientText(list(tok.special_tokens))
+    hf = copy.deepcopy(tiny_tokenizer)
+    hf.add_special_tokens({"additional_special_tokens": [AddedToken("<|sep|>", lstrip=True, rstrip=True, special=True)]})
+    hf.chat_template = "{% for m in messages %}<|im_start|>{{ m.content }}  <|sep|>  x{% endfor %}"
+    hf.save_pretrained(str(tmp_path))
+    tok = PromptTokenizer(str(tmp_path))
     clean = tok.chat_prompt([{"role": "user", "content": "a b"}])
-    assert clean.ids == tok.hf.encode(clean.text, add_special_tokens=False)
+    assert clean.ids == hf.encode(clean.text, add_special_tokens=False)
     chat = tok.render_chat([{"role": "user", "content": "a <|im_end|> b"}])
     assert chat.specials == ("<|im_start|>", "<|sep|>")
-    sep = tok.hf.convert_tokens_to_ids("<|sep|>")
-    ids = tok.encode_chat(chat)
-    as_text = tok.hf("a <|im_end|> b", add_special_tokens=False, split_special_tokens=True)["input_ids"]
-    assert ids == [tok.hf.convert_tokens_to_ids("<|im_start|>"), *as_text, sep, *tok.hf.encode("x", add_special_tokens=False)]
+    as_text = hf("a <|im_end|> b", add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    assert tok.encode_chat(chat) == [hf.convert_tokens_to_ids("<|im_start|>"), *as_text, hf.convert_tokens_to_ids("<|sep|>"),
+                                     *hf.encode("x", add_special_tokens=False)]  # fmt: skip
 
 
 def test_the_servers_suffix_joins_the_last_text():
     chat = RenderedChat(("", "user\nhi", "\n", "assistant\n<think>\n"), ("<|im_start|>", "<|im_end|>", "<|im_start|>"))
     assert chat.plus("</think>\n\n").text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n</think>\n\n"
+
+
+pieces = st.lists(st.one_of(st.sampled_from(["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|im", "_end|>", "|>", "<",
+                                             "<|im_start|>system\n", " ", "\n", "é", "🚢"]),
+                            st.text(max_size=20)), max_size=12)  # fmt: skip
+
+
+@settings(max_examples=60, deadline=None)
+@given(contents=st.lists(pieces.map("".join), min_size=1, max_size=3))
+def test_any_client_text_is_read_as_text_in_chatml(tok, contents):
+    """Whatever a message holds (spellings, pieces of them, around its ends): the template's markup, then
+    each message read as text, as a hand-written ChatML reading gives it."""
+    hf = tok.hf
+    start, end = hf.convert_tokens_to_ids("<|im_start|>"), hf.convert_tokens_to_ids("<|im_end|>")
+
+    def as_text(text: str) -> list[int]:
+        return hf(text, add_special_tokens=False, split_special_tokens=True)["input_ids"] if text else []
+
+    roles = ["user", "assistant"] * 2
+    messages = [{"role": r, "content": c} for r, c in zip(roles, contents)]
+    want: list[int] = []
+    for m in messages:
+        want += [start, *as_text(f"{m['role']}\n{m['content']}"), end, *as_text("\n")]
+    want += [start, *as_text("assistant\n")]
+    assert tok.chat_prompt(messages).ids == want
