@@ -11,9 +11,11 @@ end of one, which could join a neighbour into one) replaced by a stand-in charac
 private-use character found in no client string nor in the template. The template renders that; every
 special token in the result is then the template's, and cuts the prompt there, the way the tokenizer
 cuts at special tokens; the stand-ins are put back into the texts between them, which are tokenized
-as text (PromptTokenizer.encode_chat). A stand-in is one character that no string method or filter of
-a template changes (trim, split, tojson keep it), so the template renders exactly what it would have.
-The usual request spells no special token: it renders once, as before, and its text is tokenized whole.
+as text (PromptTokenizer.encode_chat). A stand-in is one character that the string methods and filters
+templates use leave as it is (trim, split, tojson), so the client's text comes back where the template
+put it. The usual request spells no special token: it renders as before, its text tokenized whole.
+(transformers' apply_chat_template(sanitize_control_tokens=True) tokenizes a spelled token apart from
+the text beside it, which merges differently at its edges, and bypasses the segment cache: not used.)
 
 The raw prompt of /v1/completions is the client's own whole prompt: special-token text there stays
 special (as vLLM's and OpenAI's completions read it); this applies to chat-templated prompts only.
@@ -89,7 +91,8 @@ class ClientText:
         # an end of a special that starts `s` ends with a special's last character; a start that ends it
         # begins with a first one: only those places are looked at (the longest that is one wins)
         heads = [m.end() for m in self._last_char.finditer(s, 0, window) if s[: m.end()] in self._ends]
-        tails = [m.start() for m in self._first_char.finditer(s, max(len(s) - window, 0)) if s[m.start() :] in self._starts]
+        tails = [m.start() for m in self._first_char.finditer(s, max(len(s) - window, 0))
+                 if s[m.start() :] in self._starts]  # fmt: skip
         if heads:
             spans.insert(0, (0, heads[-1]))
         if tails:
@@ -104,8 +107,9 @@ class ClientText:
 
     def any_in(self, obj: Any) -> bool:
         """Whether some string in `obj` (values and keys, nested) has a stretch to stand in."""
-        if self._json_shows_edges and not self._edge_char.search(json.dumps(obj, ensure_ascii=False, default=str)):
-            return False
+        if self._json_shows_edges:
+            if not self._edge_char.search(json.dumps(obj, ensure_ascii=False, default=str, skipkeys=True)):
+                return False
         return any(self.stretches(s) for s in _strings(obj))
 
     def render(self, render, inputs: dict, template: str) -> RenderedChat:

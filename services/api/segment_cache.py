@@ -7,7 +7,9 @@ message between special tokens (`<|im_start|>` ... `<|im_end|>`), and a fast tok
 at added tokens before it normalises or pre-tokenises anything: the text on either side of a special
 token is tokenized on its own. So a prompt is its segments between special tokens, each tokenized
 alone, and the segments a conversation sent before (every message but the new ones) are looked up here
-instead of tokenized again; the new ones are tokenized in one batch call.
+instead of tokenized again; the new ones are tokenized in one batch call. A chat prompt in which a
+client's text spells a special token is cut by its caller at the template's special tokens alone
+(PromptTokenizer.encode_chat): `encode_segments` takes the texts between them that spell none.
 
 Only special tokens the tokenizer matches literally cut a prompt (not normalised, no stripping of the
 spaces beside them, not whole-word only): with those flags the cut is exactly where the tokenizer cuts.

@@ -13,7 +13,7 @@ from ferry.shared.errors import InvalidRequest, ModelLoadError
 
 
 # Unicode White_Space, what the tokenizers library strips beside a special token with lstrip/rstrip
-_WHITESPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008\u2009\u200a\u2028\u2029\u202f\u205f\u3000"
+_WHITESPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680\u2028\u2029\u202f\u205f\u3000" + "".join(map(chr, range(0x2000, 0x200B)))
 
 
 class TooLong(InvalidRequest):
@@ -39,7 +39,8 @@ class PromptTokenizer:
         self.segments = SegmentCache.for_tokenizer(self.hf)
         # {spelling: added token} of the special tokens: in a chat prompt, only the template's are tokens
         self.special_tokens = {t.content: t for t in self.hf.added_tokens_decoder.values() if t.special and t.content}
-        self.special_ids = {t.content: i for i, t in self.hf.added_tokens_decoder.items() if t.content in self.special_tokens}
+        self.special_ids = {t.content: i for i, t in self.hf.added_tokens_decoder.items()
+                            if t.content in self.special_tokens}  # fmt: skip
         self.client_text = ClientText(list(self.special_tokens))
 
     def copy(self) -> "PromptTokenizer":
@@ -94,6 +95,8 @@ class PromptTokenizer:
         if not any(spelled):
             return self.encode(chat.text)
         self.check_chars(len(chat.text))
+        # lstrip/rstrip as the tokenizers library applies them (single_word, normalized: cut at the spelling;
+        # the Qwen tokenizers served have none of these flags, and then the cut is exact: SegmentCache.for_tokenizer)
         for i, special in enumerate(chat.specials):
             token = self.special_tokens[special]
             if token.lstrip:
