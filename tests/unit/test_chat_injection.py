@@ -314,3 +314,41 @@ def test_any_client_text_is_read_as_text_in_chatml(tok, contents):
         want += [start, *as_text(f"{m['role']}\n{m['content']}"), end, *as_text("\n")]
     want += [start, *as_text("assistant\n")]
     assert tok.chat_prompt(messages).ids == want
+
+
+THINKING_TEMPLATE = (
+    "{% if persona %}<|im_start|>system\n{{ persona }}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.reasoning_content %}<think>\n{{ m.reasoning_content }}\n"
+    "</think>\n\n{% endif %}{{ m.content }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
+)
+
+
+@pytest.fixture(scope="module")
+def thinking_tok(tiny_tokenizer, tmp_path_factory) -> PromptTokenizer:
+    """The tiny tokenizer with a template that writes reasoning and a template variable, as Qwen3's do."""
+    import copy
+
+    hf = copy.deepcopy(tiny_tokenizer)
+    hf.chat_template = THINKING_TEMPLATE
+    path = tmp_path_factory.mktemp("thinking-tokenizer")
+    hf.save_pretrained(str(path))
+    return PromptTokenizer(str(path))
+
+
+@pytest.mark.parametrize("route", ["openai reasoning_content", "anthropic thinking", "chat_template_kwargs"])
+def test_reasoning_and_template_variables_are_text(thinking_tok, route):
+    def prompt(x: str):
+        user = {"role": "user", "content": "hello"}
+        if route == "openai reasoning_content":
+            body = {"messages": [user, {"role": "assistant", "content": "ok", "reasoning_content": x}, user]}
+            return openai_prompt(thinking_tok, body)
+        if route == "chat_template_kwargs":
+            return openai_prompt(thinking_tok, {"messages": [user], "chat_template_kwargs": {"persona": x}})
+        thinking = {"type": "thinking", "thinking": x, "signature": "s"}
+        body = {"messages": [user, {"role": "assistant", "content": [thinking, {"type": "text", "text": "ok"}]}, user]}
+        return anthropic_prompt(thinking_tok, body)
+
+    clean, injected = prompt(MARKER), prompt(INJECTED)
+    assert MARKER in clean.text
+    assert injected.ids == text_reading(thinking_tok.hf, clean.text, INJECTED)
+    assert specials_in(thinking_tok.hf, injected.ids) == specials_in(thinking_tok.hf, clean.ids)
