@@ -10,13 +10,14 @@ grammar makes its output a call or a JSON object, which must validate."""
 from __future__ import annotations
 
 import json
+import signal
 import urllib.request
 
 import jsonschema
 import openai
 import pytest
 
-from tests.integration.harness import REAL_WORKER_ENV, make_model_dir, start_cluster
+from tests.integration.harness import REAL_WORKER_ENV, labelled_metric, make_model_dir, start_cluster
 from tests.integration.test_anthropic_messages import script_ids
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather in a city", "strict": False,
@@ -181,6 +182,18 @@ def test_unsupported_fields_are_400s_naming_them(client, fields, param):
     assert exc.value.body["param"] == param, exc.value.body
 
 
+def test_requests_are_counted_under_the_responses_route(scripted, client):
+    """ferry_requests_total{route="responses"}: those that ran (Generation's count) and those refused before."""
+    def count(outcome: str) -> float:
+        return labelled_metric(scripted.base_url, "ferry_requests_total", route="responses", outcome=outcome)
+
+    refused, finished = count("refused"), count("length")
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model="tiny", input="Hi", background=True)
+    client.responses.create(model="tiny", input="Mixture of experts", max_output_tokens=2)
+    assert (count("refused"), count("length")) == (refused + 1, finished + 1)
+
+
 # ---- the real worker: grammars ---------------------------------------------------------------------
 
 # bounded arguments: the random-weight model writes whatever the grammar allows, and stops only where it must
@@ -235,3 +248,24 @@ def test_text_format_json_schema_output_validates(real_client):
     assert r.status == "completed"
     jsonschema.validate(json.loads(r.output_text), fmt["schema"])
     assert r.text.format.type == "json_schema"
+
+
+# ---- an error after the stream began ----------------------------------------------------------------
+
+
+def test_a_worker_lost_mid_stream_ends_it_with_response_failed(slow_model_dir, tmp_path_factory):
+    c = start_cluster(slow_model_dir, tmp_path_factory.mktemp("responses-lost"))
+    try:
+        client = openai.OpenAI(base_url=c.base_url + "/v1", api_key="x", max_retries=0, timeout=30)
+        events = []
+        with client.responses.stream(model="tiny", input="Mixture of experts", max_output_tokens=400) as stream:
+            for e in stream:
+                events.append(e)
+                if e.type == "response.output_text.delta" and len(events) == 6:
+                    c.procs["worker"].send_signal(signal.SIGKILL)
+        assert events[-1].type == "response.failed", [e.type for e in events[-3:]]
+        failed = events[-1].response
+        assert failed.status == "failed" and failed.error.code == "server_error" and "worker" in failed.error.message
+        assert sum(e.type == "response.output_text.delta" for e in events) >= 4
+    finally:
+        c.stop()
