@@ -104,7 +104,9 @@ class ResponsesRoutes:
             grammar = await self._tokenize(_text_format_grammar, json_schema, len(body), lane="grammar")
         sampling = schema.sampling_params(req, self.tokenizer.eos_token_ids, grammar)
         kwargs = schema.template_kwargs(req, constrained=grammar is not None)
-        prompt = await self._tokenize(_prompt, (messages, tools, kwargs, grammar is not None), len(body))
+        # the tokenizer lane goes by the prompt's size: a short body may continue a long stored conversation
+        size = max(len(body), sum(len(m["content"]) + len(m.get("reasoning_content", "")) for m in messages))
+        prompt = await self._tokenize(_prompt, (messages, tools, kwargs, grammar is not None), size)
         echo = self._echo(req, sampling)
         builder = ResponseBuilder(echo, max_calls=None if schema.parallel_calls(req) else 1,
                                   encrypted_reasoning=schema.ENCRYPTED_REASONING in (req.include or ()))  # fmt: skip
