@@ -245,3 +245,38 @@ def test_the_store_holds_at_most_its_bytes_and_never_one_response_larger():
     assert not store.put(_response("big", "x" * 1000), [])
     assert store.get("big") is None and len(store) == 2
     assert store.pop("b") and not store.pop("b") and store.bytes == one
+
+
+# ---- the route -------------------------------------------------------------------------------------
+
+
+def test_a_short_body_continuing_a_long_stored_conversation_takes_the_long_tokenizer_lane():
+    """The lane goes by the prompt's size (routes.LONG_BODY_BYTES), not the body's: a few bytes naming
+    previous_response_id may render a conversation of megabytes."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from ferry.services.api.responses_api import ResponsesRoutes
+    from ferry.services.api.routes import LONG_BODY_BYTES
+
+    sizes = []
+
+    class Stop(Exception):
+        pass
+
+    async def tokenize(fn, arg, size, lane=None):
+        sizes.append((fn.__name__, size))
+        raise Stop
+
+    store = ResponseStore()
+    store.put(_response("resp_long"), [schema.InputItem(role="user", content="x" * (2 * LONG_BODY_BYTES))])
+    routes = ResponsesRoutes(SimpleNamespace(served_model_name="m"), None, SimpleNamespace(eos_token_ids=(0,)), None,
+                             tokenize, store)  # fmt: skip
+    body = msgspec.json.encode({"model": "m", "input": "more", "previous_response_id": "resp_long"})
+
+    async def read():
+        return body
+
+    with pytest.raises(Stop):
+        asyncio.run(routes.create(SimpleNamespace(read=read)))
+    assert sizes[0][0] == "_prompt" and sizes[0][1] > 2 * LONG_BODY_BYTES > len(body)
