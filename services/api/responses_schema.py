@@ -191,7 +191,8 @@ def validate(req: ResponsesRequest) -> None:
                "text.verbosity")  # fmt: skip
         fmt = req.text.format
         _check(fmt is None or fmt.type in ("text", "json_object", "json_schema"),
-               f"text.format.type must be text, json_object or json_schema, got {fmt and fmt.type!r}", "text.format.type")  # fmt: skip
+               f"text.format.type must be text, json_object or json_schema, got {fmt and fmt.type!r}",
+               "text.format.type")  # fmt: skip
         _check(fmt is None or fmt.type != "json_schema" or fmt.schema is not None,
                "text.format.schema: a json_schema format needs a schema", "text.format.schema")  # fmt: skip
     meta = req.metadata or {}

@@ -140,7 +140,8 @@ def test_tools_choices_and_text_formats():
     req = request(tools=tools)
     assert schema.template_tools(req) == [
         {"type": "function", "function": {"name": "f", "description": "", "parameters": tools[0]["parameters"]}},
-        {"type": "function", "function": {"name": "g", "description": "G", "parameters": {"type": "object", "properties": {}}}}]  # fmt: skip
+        {"type": "function", "function": {"name": "g", "description": "G",
+                                          "parameters": {"type": "object", "properties": {}}}}]  # fmt: skip
     assert schema.forced_tools(req) is None and schema.tool_schemas(req) == {"f": tools[0]["parameters"], "g": {}}
     named = request(tools=tools, tool_choice={"type": "function", "name": "g"})
     assert schema.template_tools(named) is not None and schema.forced_tools(named) == [("g", {"type": "object"})]
