@@ -271,8 +271,10 @@ def encrypt_reasoning(text: str) -> str:
 def template_messages(instructions: str | None, items: list[InputItem], first: int = 0) -> list[dict]:
     """The conversation as chat-template messages. Reasoning, assistant messages and function calls
     that follow one another are one assistant turn (`reasoning_content`, `content`, `tool_calls`); a
-    function_call_output is a `tool` turn; developer messages are system messages. `first`: the
-    index in `input` of items[0] (earlier items come from previous_response_id), for the 400s."""
+    function_call_output is a `tool` turn; developer messages are system messages, and `instructions`
+    with the system messages that open the input are one (chat templates take one system message,
+    first: Qwen3.5's refuses a second). `first`: the index in `input` of items[0] (earlier items come
+    from previous_response_id), for the 400s."""
     out: list[dict] = [{"role": "system", "content": instructions}] if instructions else []
     turn: dict | None = None  # the assistant turn being built
     for k, item in enumerate(items):
@@ -313,7 +315,15 @@ def template_messages(instructions: str | None, items: list[InputItem], first: i
             raise InvalidRequest(f"{where}.type: only message, function_call, function_call_output and reasoning "
                                  f"items are supported, got {item.type!r}", param=f"{where}.type")  # fmt: skip
     _check(bool(out), "input must not be empty", "input")
-    return out
+    return _one_system_message(out)
+
+
+def _one_system_message(messages: list[dict]) -> list[dict]:
+    """The system messages at the start joined into one (a blank line between them)."""
+    n = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+    if n < 2:
+        return messages
+    return [{"role": "system", "content": "\n\n".join(m["content"] for m in messages[:n])}, *messages[n:]]
 
 
 def _assistant(out: list[dict]) -> dict:

@@ -59,8 +59,7 @@ def test_input_items_become_template_messages():
         {"role": "user", "content": "Thanks"},
     ])  # fmt: skip
     assert schema.template_messages(req.instructions, schema.input_items(req)) == [
-        {"role": "system", "content": "Be brief."},
-        {"role": "system", "content": "Use tools."},
+        {"role": "system", "content": "Be brief.\n\nUse tools."},
         {"role": "user", "content": "Weather in Paris?"},
         {"role": "assistant", "content": "Checking.", "reasoning_content": "use it", "tool_calls": [
             {"id": "call_1", "type": "function", "function": {"name": "w", "arguments": {"c": "P"}}},
@@ -70,6 +69,13 @@ def test_input_items_become_template_messages():
         {"role": "assistant", "content": "Sunny.", "reasoning_content": "think again"},
         {"role": "user", "content": "Thanks"},
     ]  # fmt: skip
+
+
+def test_a_system_message_after_the_first_turn_stays_where_it_is():
+    items = [schema.InputItem(role="system", content="A"), schema.InputItem(role="user", content="Hi"),
+             schema.InputItem(role="developer", content="B")]  # fmt: skip
+    assert schema.template_messages(None, items) == [{"role": "system", "content": "A"}, {"role": "user", "content": "Hi"},
+                                                     {"role": "system", "content": "B"}]  # fmt: skip
 
 
 def test_stored_turns_come_first_and_errors_count_from_the_request_input():
