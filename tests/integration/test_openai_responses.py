@@ -163,6 +163,9 @@ def test_stored_responses_are_retrieved_and_deleted_and_an_unknown_id_is_a_404(c
         client.responses.retrieve(kept.id)
 
 
+BAD_SCHEMA = {"type": "object", "properties": {"a": {"type": "string", "pattern": "(?<=a)b"}}}  # llguidance: no lookbehind
+
+
 @pytest.mark.parametrize("fields, param", [
     ({"background": True}, "background"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
@@ -173,6 +176,10 @@ def test_stored_responses_are_retrieved_and_deleted_and_an_unknown_id_is_a_404(c
     ({"tool_choice": "required"}, "tool_choice"),
     ({"temperature": -1}, "temperature"),
     ({"truncation": "auto"}, "truncation"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": BAD_SCHEMA}}}, "text.format.schema"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": BAD_SCHEMA}], "tool_choice": "required"},
+     "tools[f].parameters"),
+    ({"text": {"format": {"type": "json_object"}}, "tools": [WEATHER], "tool_choice": "required"}, "text.format"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{oops"}]}, "input[0].arguments"),
 ])  # fmt: skip
 def test_unsupported_fields_are_400s_naming_them(client, fields, param):
