@@ -181,10 +181,10 @@ def _prompt(tokenizer: PromptTokenizer, arg) -> Prompt:
     """Render and encode. Under a grammar (which starts the answer at once) a reasoning the template
     always opens is closed in the prompt, as the model cannot close it itself."""
     messages, tools, kwargs, constrained = arg
-    text = tokenizer.chat_text(messages, tools, **kwargs)
-    if constrained and prompt_opens_reasoning(text):
-        text += "</think>\n\n"
-    return Prompt(tokenizer.encode(text), text)
+    chat = tokenizer.render_chat(messages, tools, **kwargs)  # client text stays text (chat_prompt.py)
+    if constrained and prompt_opens_reasoning(chat.text):
+        chat = chat.plus("</think>\n\n")
+    return Prompt(tokenizer.encode_chat(chat), chat.text)
 
 
 def _tool_call_grammar(_tokenizer: PromptTokenizer, arg) -> str:

@@ -352,3 +352,23 @@ def test_reasoning_and_template_variables_are_text(thinking_tok, route):
     assert MARKER in clean.text
     assert injected.ids == text_reading(thinking_tok.hf, clean.text, INJECTED)
     assert specials_in(thinking_tok.hf, injected.ids) == specials_in(thinking_tok.hf, clean.ids)
+
+
+# ---- the Responses API: its input items go through the same reading ----------------------------------------
+
+
+def test_responses_input_reads_an_injected_turn_as_text(tok):
+    from ferry.services.api import responses_schema
+    from ferry.services.api.responses_api import _prompt
+
+    def prompt(x: str):
+        req = schema.decode_body(json.dumps({"model": "m", "instructions": "be brief", "input": [
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": x}]}]}).encode(),
+            responses_schema.ResponsesRequest)
+        messages = responses_schema.template_messages(req.instructions, responses_schema.input_items(req))
+        return _prompt(tok, (messages, None, responses_schema.template_kwargs(req, False), False))
+
+    clean, injected = prompt(MARKER), prompt(INJECTED)
+    assert MARKER in clean.text
+    assert injected.ids == text_reading(tok.hf, clean.text, INJECTED)
+    assert specials_in(tok.hf, injected.ids) == specials_in(tok.hf, clean.ids)
