@@ -5,9 +5,10 @@ Where the card holds every expert, the defaults are a server's: DEFAULT_MAX_RUNN
 and the model's whole context. Where it cannot, every byte those take is an expert slot, and the slots set
 decode speed: each running request of a hybrid model holds a linear-state slot (61 MiB for Qwen3.6-35B-A3B),
 and the KV pool's floor is one sequence of max_model_len (5 GiB for its 262,144 tokens). There the defaults
-are a single user's: OFFLOADED_MAX_RUNNING_REQUESTS, and the longest context (the model's, or a power of two
-of at least MIN_CONTEXT) whose one sequence's KV takes at most 1/KV_FLOOR_SHARE of the budget. A flag given
-is kept; a KV flag (--num-tokens, --num-pages, --kv-reserve-tokens) sizes the pool, so max_model_len then
+are a single user's: OFFLOADED_MAX_RUNNING_REQUESTS, the longest context (the model's, or a power of two
+of at least MIN_CONTEXT) whose one sequence's KV takes at most 1/KV_FLOOR_SHARE of the budget (32,768 tokens
+of the 35B at 24 GiB, as llama.cpp's and LM Studio's few-thousand-token defaults, only longer), and one
+linear-state snapshot a running request; halved until the plan fits. A flag given is kept; a KV flag (--num-tokens, --num-pages, --kv-reserve-tokens) sizes the pool, so max_model_len then
 stays the model's."""
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ import dataclasses
 
 from ferry.plan import pool_layout as L
 from ferry.plan.model_config import ModelSpec
-from ferry.plan.planner import DEFAULT_MAX_RUNNING_REQUESTS, PlanRequest, resolve
+from ferry.plan.planner import DEFAULT_MAX_RUNNING_REQUESTS, OFFLOADED_SNAPSHOTS_PER_RUNNING_REQUEST, PlanRequest, resolve
 
 OFFLOADED_MAX_RUNNING_REQUESTS = 8
-KV_FLOOR_SHARE = 8
-MIN_CONTEXT = 4096
+KV_FLOOR_SHARE = 32
+MIN_CONTEXT = 8192
 # a prompt chunk longer than this is priced only where prompts that long are expected (long_prompts_expected)
 LONG_PROMPT_TOKENS = 16384
 
@@ -43,7 +44,7 @@ def offloaded_defaults(spec: ModelSpec, req: PlanRequest, budget: int) -> PlanRe
             max_model_len = fitted_context(spec, req, budget)
     return dataclasses.replace(
         req, max_running_requests=_given(req.max_running_requests, OFFLOADED_MAX_RUNNING_REQUESTS),
-        max_model_len=max_model_len,
+        max_model_len=max_model_len, snapshots_per_running_request=OFFLOADED_SNAPSHOTS_PER_RUNNING_REQUEST,
     )  # fmt: skip
 
 

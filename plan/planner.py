@@ -42,6 +42,9 @@ DEFAULT_MAX_PREFILL_TOKENS = 8192
 # snapshot, 122 on an H200, 22 in 24 GiB). A default that does not fit beside the floors shrinks (to 0 at
 # worst: no prefix reuse); an explicit count is a requirement.
 DEFAULT_SNAPSHOTS_PER_RUNNING_REQUEST = 2
+# Where the defaults are a single user's (plan/memory_defaults.py: experts offloaded), one a running request:
+# the deepest point of each conversation, where its next turn resumes; a second is 61 MiB of slots less.
+OFFLOADED_SNAPSHOTS_PER_RUNNING_REQUEST = 1
 DEFAULT_SNAPSHOT_BUDGET_SHARE = 16  # the default takes at most budget / this
 
 
@@ -67,6 +70,9 @@ class PlanRequest:
     expert_backend: str | None = None  # auto | gpu | hybrid | cpu (plan/expert_backend.py); None: auto
     host_expert_threads: int | None = None  # the host's expert threads; None: the cores the processes leave
     host_expert_cpus: str | None = None  # where they are pinned: auto | none | a CPU list; None: auto
+    # not a flag: the snapshots a running request gets by default (None: DEFAULT_SNAPSHOTS_PER_RUNNING_REQUEST);
+    # plan/memory_defaults.py sets it where experts are offloaded
+    snapshots_per_running_request: int | None = None
 
     def is_set(self, name: str) -> bool:
         return getattr(self, name) is not None
@@ -370,7 +376,7 @@ def make_plan(spec: ModelSpec, req: PlanRequest, measured: Measured) -> Plan:
         raise PlanError(_explain_failure(_Failure(spec, req, r, measured, budget, derivation, terms, sizes, costs)))
     _fill(spec, sizes, costs, budget - terms.total)
     host = _host_plan(spec, req, r.dtype, measured, offloaded=sizes.expert_slots < spec.total_experts)
-    plan = _plan(spec, r, measured, budget, derivation, sizes, costs, host)
+    plan = _plan(spec, req, r, measured, budget, derivation, sizes, costs, host)
     cores = measured.host_cores if measured.host_cores is not None else physical_cores()
     offloaded = sizes.expert_slots < spec.total_experts
     backend = plan_expert_backend(req.expert_backend, req.host_expert_threads, offloaded, cores)
@@ -412,7 +418,7 @@ def _requirements_and_floors(spec: ModelSpec, req: PlanRequest, r: Resolved) -> 
     snapshots = 0
     if spec.linear_attention_layers:
         snapshots = (req.linear_state_snapshots if req.linear_state_snapshots is not None
-                     else DEFAULT_SNAPSHOTS_PER_RUNNING_REQUEST * r.max_running_requests)  # fmt: skip
+                     else _snapshots_per_request(req) * r.max_running_requests)  # fmt: skip
     return _Sizes(
         kv_pages=kv_pages, kv_required=req.num_pages is not None or req.num_tokens is not None,
         expert_slots=expert_required if expert_required is not None else floor_slots,
@@ -422,10 +428,16 @@ def _requirements_and_floors(spec: ModelSpec, req: PlanRequest, r: Resolved) -> 
     )  # fmt: skip
 
 
-def _snapshot_source(sizes: _Sizes) -> str:
+def _snapshots_per_request(req: PlanRequest) -> int:
+    if req.snapshots_per_running_request is None:
+        return DEFAULT_SNAPSHOTS_PER_RUNNING_REQUEST
+    return req.snapshots_per_running_request
+
+
+def _snapshot_source(sizes: _Sizes, req: PlanRequest) -> str:
     if sizes.snapshots_required:
         return "--linear-state-snapshots"
-    return (f"default: {DEFAULT_SNAPSHOTS_PER_RUNNING_REQUEST} x max_running_requests"
+    return (f"default: {_snapshots_per_request(req)} x max_running_requests"
             + (f", capped at 1/{DEFAULT_SNAPSHOT_BUDGET_SHARE} of the budget" if sizes.snapshots_capped else "")
             + (", fewer to fit beside the floors" if sizes.snapshots_shrunk else ""))  # fmt: skip
 
@@ -440,7 +452,7 @@ def _terms(spec: ModelSpec, req: PlanRequest, r: Resolved, measured: Measured, s
         terms.add(f"linear-state pool: {sizes.linear_slots} slots + {L.LINEAR_PADDING_SLOTS} padding",
                   costs.linear_state(sizes.linear_slots))  # fmt: skip
     if sizes.snapshots:
-        terms.add(f"linear-state snapshots: {sizes.snapshots} ({_snapshot_source(sizes)})", costs.snapshots(sizes.snapshots))
+        terms.add(f"linear-state snapshots: {sizes.snapshots} ({_snapshot_source(sizes, req)})", costs.snapshots(sizes.snapshots))
     kv_label = (
         f"KV pool: {sizes.kv_pages} pages x {r.page_size} tokens + {L.KV_SENTINEL_PAGES} sentinel page ("
         + ("--num-pages" if req.num_pages is not None else "--num-tokens" if req.num_tokens is not None
@@ -482,8 +494,8 @@ def _fill(spec: ModelSpec, sizes: _Sizes, costs: _Costs, remaining: int) -> None
         sizes.kv_pages = _largest(lambda p: costs.kv(p) - costs.kv(pages), remaining, pages, upper)
 
 
-def _plan(spec: ModelSpec, r: Resolved, measured: Measured, budget: int, derivation: str, sizes: _Sizes,
-          costs: _Costs, host: HostPlan) -> Plan:  # fmt: skip
+def _plan(spec: ModelSpec, req: PlanRequest, r: Resolved, measured: Measured, budget: int, derivation: str,
+          sizes: _Sizes, costs: _Costs, host: HostPlan) -> Plan:  # fmt: skip
     kv = KVPlan(
         page_size=r.page_size,
         pages=sizes.kv_pages,
@@ -501,7 +513,7 @@ def _plan(spec: ModelSpec, r: Resolved, measured: Measured, budget: int, derivat
                          parts.staging_slots, parts.staging_bytes, parts.cache_state_bytes, parts.padding_bytes)  # fmt: skip
     snapshots = LinearSnapshotPlan(sizes.snapshots, L.linear_state_bytes_per_slot(spec, r.dtype) if sizes.snapshots else 0,
                                    costs.snapshots(sizes.snapshots),
-                                   _snapshot_source(sizes) if spec.linear_attention_layers else "")  # fmt: skip
+                                   _snapshot_source(sizes, req) if spec.linear_attention_layers else "")  # fmt: skip
     total = measured.weights_bytes + measured.workspace_bytes + kv.bytes + linear.bytes + snapshots.bytes + experts.bytes
     assert total <= budget, "planner arithmetic broke its own invariant"
     return Plan(

@@ -213,9 +213,15 @@ def _load_and_plan(cfg: WorkerBootConfig, files: ModelFiles, r: Resolved, device
                 return Measured(weights, 0, free, "measured", "none", free_source, host_available_bytes=host,
                                 outside=outside)  # fmt: skip
             if device.type == "cuda":
-                # a chunk too long for this card is a PlanError: the chooser tries a shorter one
-                workspace = profiled_or_plan_error(lambda: profile_workspace_cuda(model, experts, spec, step, device),
-                                                   step.max_prefill_tokens, release=torch.cuda.empty_cache)  # fmt: skip
+                # a chunk too long for this card is a PlanError: the chooser tries a shorter one; a step asked for
+                # again (the same chunk under other snapshot counts) is not run again
+                profiled = booted.setdefault("workspace_by_step", {})
+                step_key = (step.max_prefill_tokens, step.max_running_requests, step.max_model_len)
+                if step_key not in profiled:
+                    profiled[step_key] = profiled_or_plan_error(
+                        lambda: profile_workspace_cuda(model, experts, spec, step, device), step.max_prefill_tokens,
+                        release=torch.cuda.empty_cache)  # fmt: skip
+                workspace = profiled[step_key]
                 buckets = graph_buckets(spec.num_experts_per_tok, step.max_running_requests)
                 graph_bytes = booted.setdefault("graph_bytes_by_step", {})
                 key = _graph_key(step.max_running_requests, step.max_model_len, step.page_size)

@@ -8,7 +8,7 @@ import pytest
 
 from ferry.plan.costs import resident_weight_bytes_from_shapes, workspace_bytes_estimate
 from ferry.plan.memory_defaults import KV_FLOOR_SHARE, MIN_CONTEXT, OFFLOADED_MAX_RUNNING_REQUESTS
-from ferry.plan.model_config import load_model_config
+from ferry.plan.model_config import load_model_config, parse_model_config
 from ferry.plan.outside_memory import OutsideMemory, estimated_outside
 from ferry.plan.planner import DEFAULT_MAX_RUNNING_REQUESTS, Measured, PlanRequest, make_plan, resolve
 from ferry.plan.prefill_chunk import plan_with_prefill_chunk
@@ -131,3 +131,44 @@ def test_ferry_plan_json_carries_the_sizing(tmp_path):
     spec, plan = _plan(QWEN3_6_35B, gpu_memory=24 * GiB)
     assert json.loads(json.dumps(plan.to_dict()))["sizing_source"] == plan.sizing_source
     assert resolve(spec, PlanRequest()).max_running_requests == DEFAULT_MAX_RUNNING_REQUESTS
+
+
+def test_without_long_prompts_the_chunk_weighs_a_chat_turns_decode_misses():
+    """The full-size 35B NVFP4 at 24 GiB with the issue's flags: an 8,192-token chunk streamed the fewest experts a prompt
+    token, but its workspace cost hundreds of slots that every decode token misses; for a chat turn (32 prompt tokens
+    an output token) the shortest chunk crosses PCIe least, and the chooser takes the brute force's best."""
+    from ferry.plan.prefill_chunk import PROMPT_TOKENS_PER_OUTPUT_TOKEN
+    from ferry.plan.store_plan import plan_for_expert_store
+
+    raw = json.loads((QWEN3_6_35B / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
+                                  "exclude_modules": ["lm_head", "model.embed_tokens"]}  # fmt: skip
+    spec = parse_model_config(raw)
+    flags = dict(gpu_memory=24 * GiB, max_running_requests=8, max_model_len=8192, host_memory=HOST,
+                 linear_state_snapshots=8)  # fmt: skip
+    chosen = plan_with_prefill_chunk(spec, PlanRequest(**flags), _estimates(spec))
+    k_layers = spec.num_experts_per_tok * len(spec.moe_layer_indices)
+
+    def chat_cost(plan):
+        unslotted = spec.total_experts - plan.experts.slots
+        return unslotted / plan.max_prefill_tokens + k_layers * unslotted / spec.total_experts / PROMPT_TOKENS_PER_OUTPUT_TOKEN
+
+    plans = {}
+    for tokens in (8192, 4096, 2048):
+        req = PlanRequest(**flags, max_prefill_tokens=tokens)
+        plans[tokens] = plan_for_expert_store(spec, req, _estimates(spec)(resolve(spec, req)))
+    best = min(plans.values(), key=chat_cost)
+    assert chosen.max_prefill_tokens == best.max_prefill_tokens < 8192
+    assert chosen.experts.slots == best.experts.slots > plans[8192].experts.slots
+    assert "chat turn" in chosen.max_prefill_tokens_source
+
+
+def test_an_offloading_plan_keeps_one_snapshot_a_running_request():
+    """Both sizing flags given, snapshots not: where experts are offloaded each running request keeps one snapshot
+    (its conversation's deepest point), the second's 61 MiB going to slots; with every expert resident, two."""
+    _, offloaded = _plan(QWEN3_6_35B, gpu_memory=24 * GiB, max_running_requests=8, max_model_len=8192)
+    assert offloaded.linear_state_snapshots.snapshots == 8 and "1 x max_running_requests" in offloaded.linear_state_snapshots.source
+    _, given = _plan(QWEN3_6_35B, gpu_memory=24 * GiB, max_running_requests=8, max_model_len=8192, linear_state_snapshots=16)
+    assert given.linear_state_snapshots.snapshots == 16 and given.experts.slots < offloaded.experts.slots
+    spec, resident = _plan(QWEN3_6_35B, gpu_memory=80 * GiB, max_running_requests=8, max_model_len=8192)
+    assert resident.experts.slots == spec.total_experts and resident.linear_state_snapshots.snapshots == 16
