@@ -3,9 +3,10 @@ the same client (bench/serve_openai.py with the same arguments), each engine's w
 device-memory line (default 24 GiB, as nvidia-smi counts a process: its CUDA context included).
 
 1. `ferry make-bench-model DIR --format nvfp4 --weights random --generate-on cuda`: the full-size model's random
-   NVFP4 checkpoint in the Hugging Face per-expert layout, served to both engines. Before either engine starts, the
-   checkpoint's expert names are checked against the names FreeToken's Qwen3.5/3.6 NVFP4 reader matches
-   (`model.language_model.layers.N.mlp.experts.E.*`): a checkpoint it cannot read stops the run with that said.
+   NVFP4 checkpoint in the Hugging Face per-expert layout under the published names (`model.language_model.`),
+   served to both engines. The expert names are checked against those FreeToken's Qwen3.5/3.6 NVFP4 reader matches
+   (`model.language_model.layers.N.mlp.experts.E.*`) before the checkpoint is written and again on its index: a
+   checkpoint it cannot read stops the run with that said.
 2. Ferry: `ferry serve DIR --load-format dummy --gpu-memory LINE` (its own defaults otherwise); dummy weights
    follow the same recipe as the checkpoint's (services/bench_model.py) and skip reading 20 GB
    (`--ferry-load-format auto` reads the checkpoint instead). The output says which.
@@ -113,11 +114,13 @@ def planned_expert_names(config_path: str | Path) -> dict[str, str]:
     import shutil
 
     from ferry.plan.model_config import load_model_config
+    from ferry.services.bench_model import published_names
     from ferry.services.worker.dummy_weights import routed_expert_shapes
 
+    named = published_names(json.loads(Path(config_path).read_text()))
     with tempfile.TemporaryDirectory() as d:
         shutil.copy(config_path, Path(d) / "config.json")
-        return dict.fromkeys(routed_expert_shapes(load_model_config(d)), "")
+        return {named(n): "" for n in routed_expert_shapes(load_model_config(d))}
 
 
 def parse_compute_apps(text: str) -> list[tuple[int, float]]:
