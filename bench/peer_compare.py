@@ -350,8 +350,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=os.environ.get("OUT", "out"))
     p.add_argument("--config", default=str(CONFIG), help="the model's config.json (default: the full-size Qwen3.6-35B-A3B)")
     p.add_argument("--model-dir", default=None,
-                   help="the checkpoint directory (default: a new one under $TMPDIR); one holding "
-                        "model.safetensors.index.json already is served as it is")  # fmt: skip
+                   help="the checkpoint directory (default: $TMPDIR/peer_ckpt_nvfp4_<config's folder>); one that "
+                        "make-bench-model finished already is served as it is (a second call on a warm machine)")  # fmt: skip
     p.add_argument("--memory-line", default="24GiB", help="each engine's whole process stays under this (nvidia-smi)")
     p.add_argument("--freetoken-site", default="/tmp/ft", help="the folder FreeToken's wheels were installed into")
     p.add_argument("--freetoken-allowance", default="1.5GiB",
@@ -384,19 +384,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--freetoken-allowance {args.freetoken_allowance} must be less than --memory-line {args.memory_line}")
     if not Path(args.config).is_file():
         p.error(f"--config {args.config}: no such file")
+    if args.model_dir is None:
+        args.model_dir = str(Path(tempfile.gettempdir()) / f"peer_ckpt_nvfp4_{Path(args.config).resolve().parent.name}")
     return args
 
 
-def make_checkpoint(args, log: Path) -> Path:
-    """The random NVFP4 checkpoint (or the one --model-dir already holds)."""
-    model_dir = Path(args.model_dir) if args.model_dir else Path(tempfile.mkdtemp(prefix="peer-ckpt-"))
-    if (model_dir / "model.safetensors.index.json").is_file():
-        return model_dir
+def finished_checkpoint(model_dir: Path) -> bool:
+    """Whether make-bench-model finished this directory: it writes the index after the shards, and the config's
+    quantization_config after the index."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return (model_dir / "model.safetensors.index.json").is_file() and "quantization_config" in config
+
+
+def make_checkpoint(args, log: Path) -> tuple[Path, bool]:
+    """(the random NVFP4 checkpoint, whether it was written now rather than found finished in --model-dir)."""
+    model_dir = Path(args.model_dir)
+    if finished_checkpoint(model_dir):
+        return model_dir, False
     cmd = [sys.executable, "-m", "ferry.services.cli", "make-bench-model", str(model_dir), "--config", str(args.config),
            "--format", "nvfp4", "--weights", "random", "--generate-on", "cuda"]  # fmt: skip
     with log.open("w") as f:
         subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, check=True, timeout=left_s(args, args.make_timeout))
-    return model_dir
+    return model_dir, True
 
 
 def run_client(base_url: str, model_dir: Path, out: Path, args) -> dict:
@@ -519,8 +531,9 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     try:
         made = time.monotonic()
-        model_dir = make_checkpoint(args, out / "make_bench_model.log")
+        model_dir, written = make_checkpoint(args, out / "make_bench_model.log")
         result["model_dir"], result["checkpoint_s"] = str(model_dir), round(time.monotonic() - made, 1)
+        result["checkpoint"] = "written in this run" if written else "found finished (an earlier run's)"
         config = json.loads((model_dir / "config.json").read_text())
         weight_map = json.loads((model_dir / "model.safetensors.index.json").read_text())["weight_map"]
     except (subprocess.SubprocessError, OSError, ValueError) as exc:
@@ -534,7 +547,8 @@ def main(argv: list[str] | None = None) -> int:
         save()
         print(result["error"])
         return 3
-    print(f"checkpoint {model_dir} in {result['checkpoint_s']} s; FreeToken's NVFP4 expert names match", flush=True)
+    print(f"checkpoint {model_dir} {result['checkpoint']}, {result['checkpoint_s']} s; FreeToken's NVFP4 expert names "
+          "match", flush=True)  # fmt: skip
     if not wait_gpu_released(set(), gpu_memory(args.gpu_index)["used_mib"], args.gpu_index, timeout=60):
         print("warning: a compute process still holds the card before the engines start", flush=True)
 

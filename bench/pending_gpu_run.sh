@@ -28,6 +28,8 @@
 #                (peer_compare_<card>.json). FreeToken's wheels come in .peer/, which the call must carry
 #                (carry [".whl", ".peer"]), made here with `mkdir -p .peer && cp ../shared/peers/freetoken/*.whl .peer/`
 #                and `echo /.peer/ >> .git/info/exclude`; they are installed into /tmp/ft, its PYTHONPATH alone  ~9 min
+#                (the checkpoint, ~20 GB in $TMPDIR, is reused by a second call on the same warm machine; PEER_ARGS
+#                passes more flags, e.g. "--ferry-load-format auto" to have Ferry read it too)
 #   PART=defaults the full-size 35B NVFP4 at 24 GiB at the issue's flags and at Ferry's defaults, nvidia-smi's
 #                process memory beside them, then the 12-layer and hybrid cuts' TTFT-2k                   ~9 min
 #   PART=prefill bench/prefill_attention.py on the 35B's attention shapes, then the 262k-token TTFT  ~6-8 min
@@ -147,7 +149,7 @@ case "${part:-check}" in
       build_host_kernel  # Ferry at its defaults: its host kernel built as pip builds it
       python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/ft .peer/*.whl \
         > "$OUT/peer_install.log" 2>&1 || echo "FreeToken's wheels did not install (peer_install.log)"
-      timeout 530 python3 bench/peer_compare.py --out "$OUT" --freetoken-site /tmp/ft --budget-s 500 \
+      timeout 530 python3 bench/peer_compare.py --out "$OUT" --freetoken-site /tmp/ft --budget-s 500 ${PEER_ARGS:-} \
         > "$OUT/peer_compare.log" 2>&1; echo "peer rc=$?"
       tail -7 "$OUT/peer_compare.log"
     fi ;;

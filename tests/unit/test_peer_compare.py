@@ -153,3 +153,14 @@ def test_text_prompts_hold_exactly_their_tokens_and_several_threads_can_draw_the
     assert len(got) == 8 and len(set(got)) == 8
     assert all(len(tok.encode(t, add_special_tokens=False).ids) == 32 for t in got)
     assert len(tok.encode(draw(2000), add_special_tokens=False).ids) == 2000
+
+
+def test_a_checkpoint_is_reused_only_once_make_bench_model_finished_it(tmp_path):
+    assert not pc.finished_checkpoint(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3_5MoeForConditionalGeneration"]}))
+    (tmp_path / "model.safetensors.index.json").write_text("{}")
+    assert not pc.finished_checkpoint(tmp_path)  # killed after the index, before the quantization config
+    (tmp_path / "config.json").write_text(json.dumps(NVFP4))
+    assert pc.finished_checkpoint(tmp_path)
+    args = pc.parse_args([])
+    assert args.model_dir.endswith("peer_ckpt_nvfp4_qwen3.6-35b-a3b")
