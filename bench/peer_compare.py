@@ -342,6 +342,9 @@ def table(result: dict) -> list[str]:
     rows.append(f"{'ferry/peer':12}" + "".join(f"{cell(r.get(k)):>16}" if k in r else f"{'':>16}" for _, k in cols))
     rows.append(f"line {result['memory_line_mib']:.0f} MiB by nvidia-smi on {result['card']}; Ferry's weights: "
                 f"{result['ferry_weights']}")  # fmt: skip
+    over = [name for name in ("ferry", "freetoken") if (result.get(name) or {}).get("over_line")]
+    if over:  # its figures were bought with more memory than the other's: never a silent win
+        rows.append(f"OVER THE LINE: {', '.join(over)} (peak above {result['memory_line_mib']:.0f} MiB)")
     return rows
 
 
@@ -570,12 +573,19 @@ def main(argv: list[str] | None = None) -> int:
                 entry.update(memory_ratio=ratio, free_mib_for_ratio=free)
                 attempts.append(entry)
                 left = args.budget_s - (time.monotonic() - t0)
-                if not entry["over_line"] or len(attempts) > 1 or left < entry["seconds"] + 30:
+                if not entry["over_line"] or len(attempts) > 1:
+                    break
+                if left < entry["seconds"] + 30:
+                    entry["retry_skipped"] = f"{left:.0f} s of --budget-s left, the first start took {entry['seconds']} s"
                     break
                 print(f"[freetoken] {entry['peak_process_mib'] - args.line_mib:.0f} MiB over the line: once more, lower",
                       flush=True)  # fmt: skip
                 free = gpu_memory(args.gpu_index)["free_mib"]
-                ratio = lowered_ratio(ratio, free, entry["peak_process_mib"] - args.line_mib, args.margin_mib)
+                try:
+                    ratio = lowered_ratio(ratio, free, entry["peak_process_mib"] - args.line_mib, args.margin_mib)
+                except ValueError as exc:  # the first attempt stands, over the line, and says why no second ran
+                    entry["retry_skipped"] = str(exc)
+                    break
         except ValueError as exc:
             attempts.append({"error": str(exc), "over_line": False})
         finally:  # a run cut short (SIGTERM) still writes what it measured

@@ -126,6 +126,8 @@ def test_the_ratios_are_ferry_over_freetoken_and_the_table_prints_both_engines_a
     assert lines[2].split() == ["freetoken", "80.000", "25000", "True", "60.000", "-", "1.000"]
     assert lines[3].split() == ["ferry/peer", "0.500", "0.920", "2.000", "-", "0.500"]  # over_line has no ratio
     assert "line 24576 MiB" in lines[4] and "H100" in lines[4]
+    assert lines[5] == "OVER THE LINE: freetoken (peak above 24576 MiB)" and len(lines) == 6
+    assert len(pc.table({**result, "freetoken": {**peer, "over_line": False}})) == 5
     failed = pc.table({**result, "freetoken": {"error": "RuntimeError: FreeToken exited with 1"}, "ratios": None})
     assert "error: RuntimeError: FreeToken exited with 1" in failed[2]
 
