@@ -156,7 +156,8 @@ def test_rows_mix_greedy_and_sampled_with_their_own_filters():
 
 @pytest.mark.parametrize(
     "bad", [dict(temperature=-1.0), dict(top_p=0.0), dict(min_p=1.5), dict(top_k=-2), dict(repetition_penalty=0.0),
-            dict(presence_penalty=2.5), dict(frequency_penalty=-3.0), dict(temperature=float("nan"))]
+            dict(presence_penalty=2.5), dict(frequency_penalty=-3.0), dict(temperature=float("nan")),
+            dict(temperature=float("inf")), dict(repetition_penalty=float("inf"))]
 )
 def test_the_sampling_rules_name_each_meaningless_parameter(bad):
     from ferry.shared.sampling import sampling_problems
