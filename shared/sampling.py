@@ -8,8 +8,6 @@ is not a sampling parameter: it travels as `Submit.max_tokens` and the scheduler
 
 from __future__ import annotations
 
-import math
-
 import msgspec
 
 from ferry.shared.bounds import Int64
@@ -60,14 +58,13 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def sampling_problems(p: SamplingParams) -> list[str]:
-    """What is wrong with `p`, one message per field, each naming the field ([] when nothing is). The
-    engine's ranges: an API may set its own tighter (OpenAI's temperature <= 2, Anthropic's <= 1)."""
+    """What is wrong with `p`, one message per field, each naming the field ([] when nothing is)."""
     rules = [
-        (0 <= p.temperature < math.inf, f"temperature must be a finite number >= 0, got {p.temperature}"),
+        (p.temperature >= 0, f"temperature must be >= 0, got {p.temperature}"),
         (0 < p.top_p <= 1, f"top_p must be in (0, 1], got {p.top_p}"),
         (p.top_k >= -1, f"top_k must be -1, 0 (both: disabled) or positive, got {p.top_k}"),
         (0 <= p.min_p <= 1, f"min_p must be in [0, 1], got {p.min_p}"),
-        (0 < p.repetition_penalty < math.inf, f"repetition_penalty must be a finite number > 0, got {p.repetition_penalty}"),
+        (p.repetition_penalty > 0, f"repetition_penalty must be > 0, got {p.repetition_penalty}"),
         (-2 <= p.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {p.presence_penalty}"),
         (-2 <= p.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {p.frequency_penalty}"),
         (len(p.logit_bias) <= MAX_LOGIT_BIAS, f"logit_bias: at most {MAX_LOGIT_BIAS} tokens, got {len(p.logit_bias)}"),
