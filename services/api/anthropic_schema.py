@@ -258,9 +258,7 @@ def output_format(req: CountTokensRequest) -> tuple[dict, str] | None:
     structured outputs (output_config.format, or the beta's earlier top-level output_format); None for
     free text. A 400 naming the field for a type other than json_schema, a missing schema, or with a
     forced tool call (the answer is then calls, not text)."""
-    fmt, where = req.output_format, "output_format"
-    if req.output_config is not None and req.output_config.format is not None:
-        fmt, where = req.output_config.format, "output_config.format"
+    fmt, where = _format(req)
     if fmt is None:
         return None
     _check(fmt.type == "json_schema", f"{where}.type: only json_schema is supported, got {fmt.type!r}", f"{where}.type")
@@ -270,10 +268,16 @@ def output_format(req: CountTokensRequest) -> tuple[dict, str] | None:
     return fmt.schema, f"{where}.schema"
 
 
+def _format(req: CountTokensRequest) -> tuple[OutputFormat | None, str]:
+    """The request's output format, unchecked, and its field."""
+    if req.output_config is not None and req.output_config.format is not None:
+        return req.output_config.format, "output_config.format"
+    return req.output_format, "output_format"
+
+
 def constrained(req: CountTokensRequest) -> bool:
     """A grammar holds the output from its first token: a forced tool call, or an output format."""
-    return forced(req) or req.output_format is not None or (req.output_config is not None
-                                                            and req.output_config.format is not None)  # fmt: skip
+    return forced(req) or _format(req)[0] is not None
 
 
 def forced(req: CountTokensRequest) -> bool:
@@ -309,7 +313,8 @@ def template_kwargs(req: CountTokensRequest) -> dict:
     if constrained(req):
         _check(req.thinking is None or req.thinking.type == "disabled",
                "thinking: this server cannot think before an answer held to output_config.format (its grammar "
-               "holds the output from the first token); send thinking disabled, or no output format", "thinking")  # fmt: skip
+               "holds the output from the first token); send thinking disabled, or no output format",
+               "thinking")  # fmt: skip
         return {"enable_thinking": False}
     if req.thinking is None:
         return {}

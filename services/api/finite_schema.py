@@ -7,8 +7,9 @@ The question is the productivity of a grammar's rules: each subschema needs all 
 (`$ref`, `allOf`, the required properties of an object, the first minItems items of an array) and one
 of its alternatives (`anyOf`, `oneOf`); a worklist marks what has a finite instance from the leaves up,
 in time linear in the part of the schema the root's requirements reach. What is not understood as a
-requirement counts as none (an untyped schema, `not`, `if`, `enum`, `patternProperties`, remote refs), so a schema is only
-refused where every instance is infinite; other unsatisfiable schemas are llguidance's to report.
+requirement counts as none (an untyped schema, `not`, `if`, `enum`, `patternProperties`, remote refs),
+so a schema is only refused where every instance is infinite; other unsatisfiable schemas are
+llguidance's to report.
 """
 
 from __future__ import annotations

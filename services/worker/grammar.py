@@ -29,7 +29,7 @@ import torch
 log = structlog.get_logger("worker.grammar")
 
 PRISTINE_MATCHERS = 16  # grammars whose freshly compiled matcher is kept for the next request with it
-MAX_FAILURE_CHARS = 500  # of a dead matcher's error, in the request's error (llguidance's can quote its state at length)
+MAX_FAILURE_CHARS = 500  # of a dead matcher's error, in the request's error
 
 
 def tokenizer_factory(model_dir: str | Path, vocab_size: int, eos_token_ids: Sequence[int]) -> Callable[[], object]:
@@ -108,10 +108,11 @@ class GrammarSet:
 
 
 def failure(matcher) -> str | None:
-    """Why `matcher` allows no way on (llguidance's error, clipped), or None while it works."""
+    """Why `matcher` allows no way on (the first line of llguidance's error, clipped: the lines after
+    it dump the parser's state), or None while it works."""
     if not matcher.is_error():
         return None
-    error = matcher.get_error()
+    error = matcher.get_error().strip().split("\n", 1)[0]
     return error if len(error) <= MAX_FAILURE_CHARS else error[:MAX_FAILURE_CHARS] + "..."
 
 
