@@ -332,3 +332,26 @@ def test_a_grammar_whose_matcher_dies_reports_its_request_and_a_healthy_one_neve
     assert tok.decode(out[1]) == "{"  # it died on the token after the only one it could write
     assert out[2][-1] == eos and json.loads(tok.decode(out[2][:-1])) in ({"ok": True}, {"ok": False})
     assert sampler.grammar_failures([1, 2]) == ((1, failures[0][1]),)
+
+
+def test_a_grammar_no_token_can_continue_fails_its_request_instead_of_stopping():
+    """Not accepting, and no token of the vocabulary continues the grammar ("b" has none): llguidance puts the
+    matcher in its error state, the mask falls back to the end of sequence, and the request is reported."""
+    from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
+
+    class Vocabulary:  # tokens a, c and the end of sequence: no "b"
+        eos_token_id, bos_token_id, special_token_ids = 2, None, [2]
+        tokens = [b"a", b"c", b"</s>"]
+
+        def __call__(self, text):
+            text = text.decode() if isinstance(text, bytes) else text
+            return [{"a": 0, "c": 1}[ch] for ch in text if ch in "ac"]
+
+    sampler = Sampler(3, "cpu", seed=0, grammar_tokenizer=lambda: LLTokenizer(TokenizerWrapper(Vocabulary())))
+    grammar = LLMatcher.grammar_from_lark('start: "a" "b"\n')
+    sampler.add_request(NewRequest(req_id=1, prompt_token_ids=np.array([1], np.int32),
+                                   sampling=SamplingParams(temperature=1.0, grammar=grammar)))  # fmt: skip
+    assert sampler.sample([1], torch.zeros(1, 3))[0].tolist() == [0] and sampler.grammar_failures([1]) == ()
+    assert sampler.sample([1], torch.zeros(1, 3))[0].tolist() == [2]  # only the end of sequence is left
+    ((rid, why),) = sampler.grammar_failures([1])
+    assert rid == 1 and why
