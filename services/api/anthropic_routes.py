@@ -10,7 +10,8 @@ function), a grammar holds the output to one or more `<tool_call>` blocks (one w
 disable_parallel_tool_use) whose arguments match the tool's input_schema (structured.py), so even a
 model that would not call writes a call that validates; they come back as tool_use blocks with
 stop_reason tool_use. Otherwise (auto, or no tool_choice) the model's own `<tool_call>` markup is
-parsed into tool_use blocks.
+parsed into tool_use blocks. output_config.format (structured outputs): as the OpenAI route's
+response_format json_schema, a grammar holds the answer's text to the schema.
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
-"""Structured outputs: a request's `response_format` or forced tool call as an llguidance grammar.
+"""Structured outputs: a request's `response_format` (Anthropic's `output_config.format`) or forced tool
+call as an llguidance grammar.
 
 The grammar is built and checked here, in the api (llguidance's core needs no torch), so a schema the
-engine cannot compile is a 400 that names the field; it travels to the worker as text
-(SamplingParams.grammar), where a matcher per request masks the logits (services/worker/grammar.py).
+engine cannot compile, or that no finite value matches (finite_schema.py), is a 400 that names the
+field; it travels to the worker as text (SamplingParams.grammar), where a matcher per request masks the
+logits (services/worker/grammar.py).
 
 JSON is written the way `json.dumps` writes it (", " and ": ", no other whitespace): what models were
 trained on, and no room for a runaway of blank space. A forced tool call is written in the Qwen/Hermes
