@@ -29,3 +29,11 @@ def order_model():
         rush: bool
 
     return Order
+
+
+def cuda_plan_budget(gpu_memory: int) -> int:
+    """`ferry plan --gpu-memory X`'s budget under the default ratio: X less the estimated CUDA context, the kernels
+    loaded after the plan and the allocator's headroom (plan/outside_memory.py)."""
+    from ferry.plan.outside_memory import CUDA_CONTEXT_ESTIMATE, LATE_MODULES_MARGIN, allocator_headroom
+
+    return gpu_memory - CUDA_CONTEXT_ESTIMATE - LATE_MODULES_MARGIN - allocator_headroom(gpu_memory)
