@@ -214,4 +214,9 @@ def step_output_problem(output, vocab_size: int = 0) -> str | None:
         for lp in output.sampled_logprobs:
             if lp.req_id not in sampled or len(lp.token_logprobs) != 1:
                 return f"request {lp.req_id}'s sampled logprobs must describe the one token it sampled in this step"
+    if output.grammar_failures:
+        sampled = set(ids.tolist())
+        for req_id, _ in output.grammar_failures:
+            if req_id not in sampled:
+                return f"request {req_id}'s grammar failure must concern a request that sampled in this step"
     return None

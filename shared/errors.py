@@ -70,5 +70,5 @@ class EngineError(FerryError):
 _BY_NAME = {cls.__name__: cls for cls in (FerryError, ConfigError, InvalidRequest, ServiceUnavailable, EngineError)}
 
 
-def error_from_wire(name: str, message: str) -> FerryError:
-    return _BY_NAME.get(name, FerryError)(message)
+def error_from_wire(name: str, message: str, param: str | None = None) -> FerryError:
+    return _BY_NAME.get(name, FerryError)(message, param=param)

@@ -97,6 +97,7 @@ class Failed(msgspec.Struct, tag=True, kw_only=True):
     req_id: int
     error_type: str
     message: str
+    param: str | None = None  # the Submit field it concerns ("max_tokens", "prompt"), if one: the api names its own
 
 
 class SchedulerStatus(msgspec.Struct, tag=True, kw_only=True):

@@ -113,3 +113,6 @@ class StepOutput(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: np.ndarray  # float32 [S], log-probability of the sampled token under the sampling distribution
     sampled_logprobs: tuple[Logprobs, ...] = ()  # the sampled token, for each request whose `logprobs` is set
     prompt_logprobs: tuple[Logprobs, ...] = ()  # the rows StepBatch.prompt_logprobs asked for, per request
+    # (req_id, why) of the requests whose grammar allows no way on (its matcher died: a parser limit, a schema
+    # no finite value matches): they fail instead of taking their sampled token, the end of sequence
+    grammar_failures: tuple[tuple[Id, str], ...] = ()

@@ -10,7 +10,8 @@ function), a grammar holds the output to one or more `<tool_call>` blocks (one w
 disable_parallel_tool_use) whose arguments match the tool's input_schema (structured.py), so even a
 model that would not call writes a call that validates; they come back as tool_use blocks with
 stop_reason tool_use. Otherwise (auto, or no tool_choice) the model's own `<tool_call>` markup is
-parsed into tool_use blocks.
+parsed into tool_use blocks. output_config.format (structured outputs): as the OpenAI route's
+response_format json_schema, a grammar holds the answer's text to the schema.
 """
 
 from __future__ import annotations
@@ -41,9 +42,10 @@ PING_INTERVAL_S = 10.0  # a ping when no other event went out for this long (pro
 
 
 def forced_prompt_suffix(req: schema.CountTokensRequest, prompt_text: str) -> str:
-    """What a forced call (tool_choice any / tool) adds to the prompt: the closing of a reasoning the
-    template always opens (the grammar starts the call at once, so the model cannot close it itself)."""
-    return "</think>\n\n" if schema.forced(req) and prompt_opens_reasoning(prompt_text) else ""
+    """What a forced call (tool_choice any / tool) or an output format adds to the prompt: the closing of
+    a reasoning the template always opens (the grammar starts the answer at once, so the model cannot
+    close it itself)."""
+    return "</think>\n\n" if schema.constrained(req) and prompt_opens_reasoning(prompt_text) else ""
 
 
 class AnthropicRoutes:
@@ -78,6 +80,7 @@ class AnthropicRoutes:
         body = await request.read()
         req = decode_body(body, schema.CountTokensRequest)
         self._check_model(req)
+        schema.output_format(req)  # checked as on /v1/messages; its grammar adds no token to the prompt
         prompt = await self._tokenize(self._prompt, req, len(body))
         return web.json_response({"input_tokens": len(prompt.ids)})
 
@@ -88,15 +91,20 @@ class AnthropicRoutes:
         req = decode_body(body, schema.MessagesRequest)
         self._check_model(req)
         schema.validate(req)
+        fmt = schema.output_format(req)
         prompt = await self._tokenize(self._prompt, req, len(body))  # checks the tools and tool_choice too
         grammar = None
-        if (forced := schema.forced_tools(req)) is not None:  # built off the event loop: a large schema takes a while
+        forced = schema.forced_tools(req)
+        if forced is not None:  # built off the event loop: a large schema takes a while
             grammar = await self._tokenize(_tool_call_grammar, (forced, schema.parallel_calls(req)), len(body),
                                            lane="grammar")  # on its own lane: no prompt waits behind it  # fmt: skip
+        elif fmt is not None:
+            grammar = await self._tokenize(_output_format_grammar, fmt, len(body), lane="grammar")
         builder = MessageBuilder(self.cfg.served_model_name, single_tool_call=not schema.parallel_calls(req))
         structlog.contextvars.bind_contextvars(request_id=builder.id)
-        parser = OutputParser(self.cfg.reasoning_parser, self.cfg.tool_call_parser, schema.tool_schemas(req),
-                              prompt_text=prompt.text, forced=grammar is not None)  # fmt: skip
+        tools = schema.tool_schemas(req) if fmt is None else None  # an output format leaves no room for a call
+        parser = OutputParser(self.cfg.reasoning_parser, self.cfg.tool_call_parser, tools, prompt_text=prompt.text,
+                              forced=forced is not None)  # fmt: skip
         gen = Generation(self.client, self.tokenizer.hf, self.metrics, "messages", prompt.ids,
                          schema.sampling_params(req, self.tokenizer.eos_token_ids, grammar), req.max_tokens,
                          list(req.stop_sequences or []))  # fmt: skip
@@ -132,6 +140,11 @@ class AnthropicRoutes:
 def _tool_call_grammar(_tokenizer: PromptTokenizer, arg) -> str:
     forced, parallel = arg
     return structured.tool_call_grammar(forced, parallel, field="tools[{}].input_schema")
+
+
+def _output_format_grammar(_tokenizer: PromptTokenizer, fmt: tuple[dict, str]) -> str:
+    json_schema, field = fmt
+    return structured.json_schema_grammar(json_schema, field)
 
 
 async def _write(response: web.StreamResponse, events: list[dict]) -> None:

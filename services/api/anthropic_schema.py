@@ -78,6 +78,17 @@ class ThinkingConfig(msgspec.Struct, kw_only=True):
     budget_tokens: Int64 | None = None
 
 
+class OutputFormat(msgspec.Struct, kw_only=True):
+    """Structured outputs: {"type": "json_schema", "schema": {...}}, the only type the API defines."""
+
+    type: str
+    schema: dict[str, Any] | None = None
+
+
+class OutputConfig(msgspec.Struct, kw_only=True):
+    format: OutputFormat | None = None  # its other fields (effort) ask nothing of this server, and are ignored
+
+
 class CountTokensRequest(msgspec.Struct, kw_only=True):
     model: str
     messages: list[Message]
@@ -85,6 +96,8 @@ class CountTokensRequest(msgspec.Struct, kw_only=True):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
+    output_config: OutputConfig | None = None
+    output_format: OutputFormat | None = None  # the structured-outputs beta's first form: output_config.format now
 
 
 class MessagesRequest(CountTokensRequest, kw_only=True):
@@ -96,14 +109,16 @@ class MessagesRequest(CountTokensRequest, kw_only=True):
     top_k: Int64 | None = None
 
 
-def _check(ok: bool, message: str) -> None:
+def _check(ok: bool, message: str, param: str | None = None) -> None:
+    """InvalidRequest(message) unless `ok` (the message names the field: Anthropic's errors carry no param)."""
     if not ok:
-        raise InvalidRequest(message)
+        raise InvalidRequest(message, param=param)
 
 
 def validate(req: MessagesRequest) -> None:
+    """The Messages API's own ranges (temperature [0, 1], narrower than the engine's >= 0)."""
     _check(req.max_tokens >= 1, f"max_tokens: must be at least 1, got {req.max_tokens}")
-    _check(req.temperature >= 0, f"temperature: must be >= 0, got {req.temperature}")
+    _check(0 <= req.temperature <= 1, f"temperature: must be in [0, 1], got {req.temperature}")
     _check(req.top_p is None or 0 < req.top_p <= 1, f"top_p: must be in (0, 1], got {req.top_p}")
     _check(req.top_k is None or req.top_k >= 0, f"top_k: must be >= 0, got {req.top_k}")
     stops = req.stop_sequences or []
@@ -238,6 +253,33 @@ def tool_schemas(req: CountTokensRequest) -> dict[str, dict] | None:
     return {t.name: t.input_schema or {} for t in req.tools}
 
 
+def output_format(req: CountTokensRequest) -> tuple[dict, str] | None:
+    """(the JSON schema the answer's text must match, where it is in the body) when the request asks for
+    structured outputs (output_config.format, or the beta's earlier top-level output_format); None for
+    free text. A 400 naming the field for a type other than json_schema, a missing schema, or with a
+    forced tool call (the answer is then calls, not text)."""
+    fmt, where = _format(req)
+    if fmt is None:
+        return None
+    _check(fmt.type == "json_schema", f"{where}.type: only json_schema is supported, got {fmt.type!r}", f"{where}.type")
+    _check(fmt.schema is not None, f"{where}.schema: a json_schema format needs a schema", f"{where}.schema")
+    _check(not forced(req), f"{where}: cannot be combined with tool_choice any or tool (the answer is then tool calls)",
+           where)  # fmt: skip
+    return fmt.schema, f"{where}.schema"
+
+
+def _format(req: CountTokensRequest) -> tuple[OutputFormat | None, str]:
+    """The request's output format, unchecked, and its field."""
+    if req.output_config is not None and req.output_config.format is not None:
+        return req.output_config.format, "output_config.format"
+    return req.output_format, "output_format"
+
+
+def constrained(req: CountTokensRequest) -> bool:
+    """A grammar holds the output from its first token: a forced tool call, or an output format."""
+    return forced(req) or _format(req)[0] is not None
+
+
 def forced(req: CountTokensRequest) -> bool:
     """tool_choice any or tool: the answer is tool calls, held to them by a grammar."""
     return bool(req.tools) and req.tool_choice is not None and req.tool_choice.type in ("any", "tool")
@@ -262,10 +304,17 @@ def parallel_calls(req: CountTokensRequest) -> bool:
 
 def template_kwargs(req: CountTokensRequest) -> dict:
     """Extra chat-template variables: Qwen3's templates read `enable_thinking`. Without a `thinking`
-    field the template's own default holds; a forced tool call (tool_choice any/tool) never thinks first."""
+    field the template's own default holds; a forced tool call (tool_choice any/tool) never thinks first,
+    nor does an answer held to an output format (its grammar holds the output from the first token)."""
     if forced(req):
         _check(req.thinking is None or req.thinking.type == "disabled",
                "thinking may not be enabled when tool_choice forces tool use")  # Anthropic's own rule
+        return {"enable_thinking": False}
+    if constrained(req):
+        _check(req.thinking is None or req.thinking.type == "disabled",
+               "thinking: this server cannot think before an answer held to output_config.format (its grammar "
+               "holds the output from the first token); send thinking disabled, or no output format",
+               "thinking")  # fmt: skip
         return {"enable_thinking": False}
     if req.thinking is None:
         return {}

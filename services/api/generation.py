@@ -44,8 +44,12 @@ class Usage:
 
 class Generation:
     def __init__(self, client: SchedulerClient, tokenizer, metrics: ApiMetrics, route: str,
-                 prompt: list[int], sampling: SamplingParams, max_tokens: int | None, stops: list[str]):  # fmt: skip
+                 prompt: list[int], sampling: SamplingParams, max_tokens: int | None, stops: list[str],
+                 fields: dict[str, str] | None = None):  # fmt: skip
+        """`fields`: the request body's names of the Submit fields a refusal names as its param, where
+        they differ ({"prompt": "messages"}): the error then names the field the client sent."""
         self.client, self.metrics, self.route = client, metrics, route
+        self.fields = fields or {}
         self.prompt, self.sampling, self.max_tokens = prompt, sampling, max_tokens
         self.detok = IncrementalDetokenizer(tokenizer)
         self.stops = StopStringFilter(stops)
@@ -75,6 +79,7 @@ class Generation:
             while True:
                 ev = await stream.next()
                 if isinstance(ev, FerryError):
+                    ev.param = self.fields.get(ev.param, ev.param)
                     self.outcome = "refused" if ev.http_status < 500 else "failed"
                     self.error = type(ev).__name__
                     raise ev

@@ -114,7 +114,7 @@ class ResponsesRoutes:
         parser = OutputParser(self.cfg.reasoning_parser, self.cfg.tool_call_parser, schema.tool_schemas(req),
                               prompt_text=prompt.text, forced=forced is not None)  # fmt: skip
         gen = Generation(self.client, self.tokenizer.hf, self.metrics, "responses", prompt.ids, sampling,
-                         req.max_output_tokens, [])  # fmt: skip
+                         req.max_output_tokens, [], fields=schema.SUBMIT_FIELDS)  # fmt: skip
         async with contextlib.aclosing(gen.deltas()) as deltas:
             mark_counted_by_generations(request)  # it starts below, and counts itself
             if not req.stream:
@@ -193,5 +193,4 @@ def _tool_call_grammar(_tokenizer: PromptTokenizer, arg) -> str:
 
 
 def _text_format_grammar(_tokenizer: PromptTokenizer, json_schema: dict) -> str:
-    field = "text.format.schema"
-    return structured._checked(structured._schema_grammar(json_schema, field), field)
+    return structured.json_schema_grammar(json_schema, "text.format.schema")

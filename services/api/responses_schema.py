@@ -23,7 +23,7 @@ from ferry.shared.bounds import Int64
 from ferry.shared.errors import InvalidRequest
 from ferry.shared.sampling import SamplingParams, sampling_problems
 from ferry.services.api.json_limits import check_depth
-from ferry.services.api.schema import problem_field
+from ferry.services.api.schema import MAX_TEMPERATURE, problem_field
 
 
 class ContentPart(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -165,10 +165,17 @@ def _check(ok: bool, message: str, param: str | None = None) -> None:
         raise InvalidRequest(message, param=param)
 
 
+# the body's names of the Submit fields a scheduler's refusal names (Generation's `fields`)
+SUBMIT_FIELDS = {"prompt": "input", "max_tokens": "max_output_tokens"}
+
+
 def validate(req: ResponsesRequest) -> None:
-    """What the body asks beyond sampling (SamplingParams' own rules: `sampling_params`)."""
+    """What the body asks beyond sampling (SamplingParams' own rules: `sampling_params`), and the ranges
+    OpenAI's API sets tighter than the engine's."""
     for field, (fine, why) in _REFUSED.items():
         _check(getattr(req, field) in fine, f"{field}: {why}", field)
+    _check(req.temperature is None or 0 <= req.temperature <= MAX_TEMPERATURE,
+           f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {req.temperature}", "temperature")  # fmt: skip
     _check(req.max_output_tokens is None or req.max_output_tokens >= 1,
            f"max_output_tokens must be at least 1, got {req.max_output_tokens}", "max_output_tokens")  # fmt: skip
     _check(req.max_tool_calls is None or req.max_tool_calls >= 0,

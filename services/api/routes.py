@@ -197,7 +197,8 @@ class OpenAIRoutes:
         """Run every choice's generation at once; one JSON body, or one SSE stream of all their chunks."""
         structlog.contextvars.bind_contextvars(request_id=fmt.id)
         stops = schema.stop_strings(req)
-        gens = [Generation(self.client, self.tokenizer.hf, self.metrics, route, prompt, sampling, max_tokens, stops)
+        fields = schema.submit_fields(req)
+        gens = [Generation(self.client, self.tokenizer.hf, self.metrics, route, prompt, sampling, max_tokens, stops, fields)
                 for prompt, sampling in runs]  # fmt: skip
         if route == "completions":
             choices = [CompletionChoice(i, g, echo, tt) for i, (g, (echo, tt)) in enumerate(zip(gens, choices))]

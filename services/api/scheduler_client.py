@@ -181,9 +181,9 @@ class SchedulerClient:
                 case Finished(req_id=rid):
                     if (s := self.streams.pop(rid, None)) is not None:
                         s.queue.put_nowait(_finish_event(msg))
-                case Failed(req_id=rid, error_type=kind, message=text):
+                case Failed(req_id=rid, error_type=kind, message=text, param=param):
                     if (s := self.streams.pop(rid, None)) is not None:
-                        s.queue.put_nowait(error_from_wire(kind, text))
+                        s.queue.put_nowait(error_from_wire(kind, text, param))
                 case SchedulerStatus():
                     if self.status is not None and self.status.boot_id != msg.boot_id:
                         self._fail_all("the scheduler restarted")

@@ -177,9 +177,15 @@ def _check(ok: bool, message: str, param: str | None = None) -> None:
         raise InvalidRequest(message, param=param)
 
 
+MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]; the engine's own rule (shared/sampling.py) is only >= 0
+
+
 def validate_generation(req: _Generation, max_tokens: int | None, allow_zero: bool = False) -> None:
-    """What a body asks beyond sampling (SamplingParams' own rules are checked by `sampling_params`)."""
+    """What a body asks beyond sampling (SamplingParams' own rules are checked by `sampling_params`),
+    and the ranges OpenAI's API sets tighter than the engine's."""
     _check(1 <= req.n <= MAX_CHOICES, f"n must be in [1, {MAX_CHOICES}], got {req.n}", "n")
+    _check(req.temperature is None or 0 <= req.temperature <= MAX_TEMPERATURE,
+           f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {req.temperature}", "temperature")  # fmt: skip
     low = 0 if allow_zero else 1
     field = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
     _check(max_tokens is None or max_tokens >= low,
@@ -302,6 +308,14 @@ def completion_logprobs(req: CompletionRequest) -> int | None:
 
 def chat_max_tokens(req: ChatCompletionRequest) -> int | None:
     return req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+
+
+def submit_fields(req: _Generation) -> dict[str, str]:
+    """The body's names of the Submit fields a scheduler's refusal names (Generation's `fields`)."""
+    if not isinstance(req, ChatCompletionRequest):
+        return {}  # completions: prompt and max_tokens are the body's own
+    return {"prompt": "messages",
+            "max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"}  # fmt: skip
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict]:

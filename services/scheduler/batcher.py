@@ -72,6 +72,11 @@ from ferry.services.scheduler.radix_cache import Node
 from ferry.services.scheduler.request import Request
 from ferry.services.scheduler.state_snapshots import Snapshot, StateSnapshots
 
+# a request whose grammar's matcher died on the worker (StepOutput.grammar_failures): the client's schema or
+# grammar is what it cannot go on with, and the output so far is no complete value of it
+GRAMMAR_FAILED = ("the output cannot go on under its grammar (response_format, output_config.format or a forced "
+                  "tool call's schema): the grammar engine stopped with: {}; simplify the schema")  # fmt: skip
+
 # How many waiting requests a hybrid request's admission compares its prompt with, for the prefix they
 # share (a snapshot point): a queue of requests sharing a system prompt is caught, a long queue costs nothing.
 SHARED_PREFIX_LOOKAHEAD = 16
@@ -188,21 +193,23 @@ class BatchScheduler:
     # ---- admission -------------------------------------------------------------------------------
 
     def resolve_max_tokens(self, prompt_len: int, max_tokens: int | None) -> int:
-        """The request's output budget, or InvalidRequest if it can never run (checked once, up front)."""
+        """The request's output budget, or InvalidRequest if it can never run (checked once, up front),
+        its `param` the Submit field to change: "max_tokens", or "prompt" when the prompt alone is too long."""
         limit = self.pool.max_model_len
         if prompt_len < 1:
-            raise InvalidRequest("the prompt is empty: send at least one token")
+            raise InvalidRequest("the prompt is empty: send at least one token", param="prompt")
         if max_tokens == 0:  # the prompt scored (completions' echo + logprobs), nothing generated
             if prompt_len > limit:
-                raise InvalidRequest(f"the prompt is {prompt_len} tokens but the model length is {limit}; shorten the prompt")
+                raise InvalidRequest(f"the prompt is {prompt_len} tokens but the model length is {limit}; shorten the prompt",
+                                     param="prompt")  # fmt: skip
             if ceil_div(prompt_len, self.pool.page_size) > self.kv.total:
                 raise InvalidRequest(f"the prompt is {prompt_len} tokens but the server's KV pool holds "
-                                     f"{self.kv.total * self.pool.page_size}; shorten the prompt")  # fmt: skip
+                                     f"{self.kv.total * self.pool.page_size}; shorten the prompt", param="prompt")  # fmt: skip
             return 0
         if prompt_len >= limit:
             raise InvalidRequest(
                 f"the prompt is {prompt_len} tokens but the model length is {limit}: "
-                f"no room for a single output token; shorten the prompt"
+                f"no room for a single output token; shorten the prompt", param="prompt"
             )
         if max_tokens is None:
             # no max_tokens (the chat default): as many as the model length and the KV pool allow,
@@ -211,14 +218,16 @@ class BatchScheduler:
             if max_tokens < 1:
                 raise InvalidRequest(
                     f"the prompt is {prompt_len} tokens but the server's KV pool holds "
-                    f"{self.kv.total * self.pool.page_size}: no room for a single output token; shorten the prompt"
+                    f"{self.kv.total * self.pool.page_size}: no room for a single output token; shorten the prompt",
+                    param="prompt",
                 )
         if max_tokens < 1:
-            raise InvalidRequest(f"max_tokens must be at least 1, got {max_tokens}")
+            raise InvalidRequest(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
         if prompt_len + max_tokens > limit:
             raise InvalidRequest(
                 f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {prompt_len + max_tokens} "
-                f"exceeds the model length {limit}; lower max_tokens to at most {limit - prompt_len}"
+                f"exceeds the model length {limit}; lower max_tokens to at most {limit - prompt_len}",
+                param="max_tokens",
             )
         need = ceil_div(prompt_len + max_tokens, self.pool.page_size)
         if need > self.kv.total:
@@ -226,7 +235,8 @@ class BatchScheduler:
             raise InvalidRequest(
                 f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) needs {need} KV pages but the "
                 f"server's pool has {self.kv.total} pages of {self.pool.page_size} tokens"
-                + (f"; lower max_tokens to at most {fits}" if fits >= 1 else "; shorten the prompt")
+                + (f"; lower max_tokens to at most {fits}" if fits >= 1 else "; shorten the prompt"),
+                param="max_tokens" if fits >= 1 else "prompt",
             )
         return max_tokens
 
@@ -655,6 +665,7 @@ class BatchScheduler:
         sampled = dict(zip(output.req_ids.tolist(), output.token_ids.tolist()))
         vocab = self.pool.vocab_size
         sampled_lps = {lp.req_id: lp for lp in output.sampled_logprobs}
+        grammar_failures = dict(output.grammar_failures)
         for lp in output.prompt_logprobs:
             self._take_prompt_logprobs(lp, out)
         for e in entries:
@@ -680,6 +691,9 @@ class BatchScheduler:
                 if token < 0 or (vocab and token >= vocab) or token > 2**31 - 1:
                     self._fail(req, EngineError(f"the worker returned token {token} for request {req.rid}, outside "
                                                 f"the vocabulary"), out)  # fmt: skip
+                    continue
+                if (why := grammar_failures.get(req.rid)) is not None:  # its token is no output, only a filler
+                    self._fail(req, InvalidRequest(GRAMMAR_FAILED.format(why)), out)
                     continue
                 req.tokens.append(token)
                 req.output_len += 1

@@ -240,7 +240,8 @@ class SchedulerService:
             if isinstance(exc, InvalidRequest):
                 self.metrics.rejected.inc()
             log.info("request_rejected", error=str(exc))
-            self._send(client, Failed(req_id=msg.req_id, error_type=type(exc).__name__, message=str(exc)))
+            self._send(client, Failed(req_id=msg.req_id, error_type=type(exc).__name__, message=str(exc),
+                                      param=exc.param))  # fmt: skip
             return
         finally:
             structlog.contextvars.unbind_contextvars("client", "client_req_id")

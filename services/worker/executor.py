@@ -153,7 +153,8 @@ class StepExecutor:
                                     top_ids=extra[3 * j + 1][:, :k], top_logprobs=extra[3 * j + 2][:, :k])
                            for j, (rid, start, k, _) in enumerate(prompt_parts))  # fmt: skip
         output = StepOutput(step_id=batch.step_id, req_ids=sampled_ids, token_ids=token_ids, logprobs=logprobs,
-                            sampled_logprobs=sampled_lps, prompt_logprobs=prompt_lps)  # fmt: skip
+                            sampled_logprobs=sampled_lps, prompt_logprobs=prompt_lps,
+                            grammar_failures=self.sampler.grammar_failures(sampled_ids.tolist()))  # fmt: skip
         if self.store is not None:  # after the results reached the host: the step's work is done
             decode = batch.prompt_logprobs is None and bool((batch.query_lens == 1).all())
             self.store.end_step(synced=True, decode_tokens=len(batch.query_lens) if decode else None)

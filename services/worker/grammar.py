@@ -6,7 +6,9 @@ step, the matchers of the rows that have one write their allowed-token bitmasks 
 parallel, llguidance's own thread pool) into pinned memory, which crosses to the device without a wait
 and becomes a -inf mask on those rows' logits; after the step each matcher consumes its sampled token.
 Rows without a grammar cost nothing. Once a grammar is complete only end-of-sequence tokens are allowed,
-so the request stops as any other does.
+so the request stops as any other does. A matcher in its error state (the grammar broke down: a parser
+limit, a schema matched by no finite value) allows only those too, so the row samples a harmless token,
+and the step reports the request as failed (`failure`): it ends with an error, never as if complete.
 
 llguidance needs the model's tokenizer (built once, on the first request with a grammar: about a
 second for a 150k vocabulary). Compiling a matcher runs on the step thread (0.2 s for a large
@@ -27,6 +29,7 @@ import torch
 log = structlog.get_logger("worker.grammar")
 
 PRISTINE_MATCHERS = 16  # grammars whose freshly compiled matcher is kept for the next request with it
+MAX_FAILURE_CHARS = 500  # of a dead matcher's error, in the request's error
 
 
 def tokenizer_factory(model_dir: str | Path, vocab_size: int, eos_token_ids: Sequence[int]) -> Callable[[], object]:
@@ -102,6 +105,15 @@ class GrammarSet:
         if allowed.shape[1] < vocab:  # logits wider than the tokenizer's vocabulary: never allowed
             allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
         return logits.masked_fill(~allowed, float("-inf"))
+
+
+def failure(matcher) -> str | None:
+    """Why `matcher` allows no way on (the first line of llguidance's error, clipped: the lines after
+    it dump the parser's state), or None while it works."""
+    if not matcher.is_error():
+        return None
+    error = matcher.get_error().strip().split("\n", 1)[0]
+    return error if len(error) <= MAX_FAILURE_CHARS else error[:MAX_FAILURE_CHARS] + "..."
 
 
 def _bit(i: int) -> int:

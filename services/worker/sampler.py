@@ -29,7 +29,7 @@ from ferry.kernels.host_to_device import to_device
 from ferry.kernels.sample_rows import sample_rows
 from ferry.shared.sampling import SamplingParams
 from ferry.shared.step import NewRequest
-from ferry.services.worker.grammar import GrammarSet
+from ferry.services.worker.grammar import GrammarSet, failure
 
 
 @dataclass
@@ -176,6 +176,12 @@ class Sampler:
         """The tokens `choose` drew, now on the host: each request's history and penalty counts."""
         for req_id, token in zip(req_ids, tokens):
             self.requests[int(req_id)].record(int(token))
+
+    def grammar_failures(self, req_ids: Sequence[int]) -> tuple[tuple[int, str], ...]:
+        """(req_id, why) of those of `req_ids` whose grammar's matcher is dead (after `record`): the
+        token they drew was only the end of sequence its mask falls back to, not a complete output."""
+        states = ((int(r), self.requests[int(r)].matcher) for r in req_ids)
+        return tuple((r, why) for r, m in states if m is not None and (why := failure(m)) is not None)
 
     def _choose(self, logits: torch.Tensor, states: list[RequestSamplingState]) -> tuple[torch.Tensor, torch.Tensor]:
         """Greedy rows take the argmax, sampled ones race their noise (kernels/sample_rows.py), in one

@@ -13,11 +13,15 @@ import json
 import urllib.error
 import urllib.request
 
+from typing import Literal
+
 import anthropic
 import jsonschema
+import pydantic
 import pytest
 
 from tests.doubles.paged_model import reference_continuation
+from tests.helpers import order_model
 from tests.integration.harness import (
     REAL_WORKER_ENV, ascii_word_tokens, http_get, labelled_metric, make_model_dir, start_cluster,
 )  # fmt: skip
@@ -314,3 +318,69 @@ def _post(url: str, body: dict) -> tuple[int, str]:
             return r.status, r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode()
+
+
+# ---- issue 56 / 57: output formats, $defs in tool schemas, ranges (the real worker) ------------------------
+
+
+ORDER = order_model()
+FORMAT = {"type": "json_schema", "schema": ORDER.model_json_schema()}
+ORDER_TOOL = {"name": "place_order", "description": "Place an order", "input_schema": ORDER.model_json_schema()}
+
+
+def test_output_config_format_holds_the_answer_to_the_schema(real_client):
+    """output_config.format as the SDK sends it: the answer is one text block of JSON that validates (a
+    Pydantic schema, nested model under $defs), streamed or not; several tries, each a different sample."""
+    ask = dict(model="tiny", max_tokens=200, messages=[{"role": "user", "content": "An order, please."}])
+    for _ in range(3):
+        msg = real_client.messages.create(**ask, output_config={"format": FORMAT})
+        assert msg.stop_reason == "end_turn" and [b.type for b in msg.content] == ["text"], msg
+        jsonschema.validate(json.loads(msg.content[0].text), FORMAT["schema"])
+    with real_client.messages.stream(**ask, output_config={"format": FORMAT}) as stream:
+        text = "".join(stream.text_stream)
+        assert stream.get_final_message().stop_reason == "end_turn"
+    jsonschema.validate(json.loads(text), FORMAT["schema"])
+    # the SDK's own Pydantic path (it moves bounds such as maxItems into descriptions: a model without them)
+    verdict = pydantic.create_model("Verdict", answer=(Literal["yes", "no"], ...), sure=(bool, ...))
+    assert isinstance(real_client.messages.parse(**ask, output_format=verdict).parsed_output, verdict)
+    counted = real_client.messages.count_tokens(model="tiny", messages=ask["messages"], output_config={"format": FORMAT})
+    assert counted.input_tokens == real_client.messages.count_tokens(model="tiny", messages=ask["messages"]).input_tokens
+
+
+@pytest.mark.parametrize("fmt,field", [({"type": "xml", "schema": {}}, "output_config.format.type"),
+                                       ({"type": "json_schema", "schema": {"type": "object", "required": ["a"],
+                                         "properties": {"a": {"$ref": "#"}}}}, "output_config.format.schema")])  # fmt: skip
+def test_an_output_format_this_server_cannot_honour_is_a_400_naming_the_field(client, fmt, field):
+    with pytest.raises(anthropic.BadRequestError) as err:
+        client.messages.create(model="tiny", max_tokens=20, messages=ASK, output_config={"format": fmt})
+    assert err.value.body["error"]["type"] == "invalid_request_error" and field in err.value.body["error"]["message"]
+    if field.endswith(".type"):  # count_tokens checks the format as /v1/messages does (it compiles no grammar)
+        with pytest.raises(anthropic.BadRequestError, match=field):
+            client.messages.count_tokens(model="tiny", messages=ASK, output_config={"format": fmt})
+
+
+@pytest.mark.parametrize("choice", [{"type": "any", "disable_parallel_tool_use": True},
+                                    {"type": "tool", "name": "place_order", "disable_parallel_tool_use": True}])  # fmt: skip
+def test_forced_tool_choice_with_a_pydantic_schema_of_nested_models(real_client, choice):
+    """A tool whose input_schema Pydantic wrote ($defs, refs into it): the forced call's grammar resolves them."""
+    body = dict(model="tiny", tools=[ORDER_TOOL, TIME], tool_choice=choice, messages=[{"role": "user", "content": "Bolts"}])
+    body["max_tokens"] = 1024 - real_client.messages.count_tokens(**body).input_tokens
+    for _ in range(3):
+        msg = real_client.messages.create(**body)
+        assert msg.stop_reason == "tool_use" and msg.content, msg
+        for b in msg.content:
+            assert b.type == "tool_use" and b.name == choice.get("name", b.name)
+            jsonschema.validate(b.input, ORDER_TOOL["input_schema"] if b.name == "place_order" else SCHEMAS[b.name])
+
+
+def test_temperature_above_one_and_an_over_long_answer_are_400s_naming_the_field(client):
+    """The Messages API's temperature is in [0, 1]; prompt + max_tokens past the model length (1024) names max_tokens."""
+    for temperature in (1.5, -0.1):
+        with pytest.raises(anthropic.BadRequestError) as err:
+            client.messages.create(model="tiny", max_tokens=5, messages=ASK, extra_body={"temperature": temperature})
+        assert err.value.body["error"]["type"] == "invalid_request_error"
+        assert err.value.body["error"]["message"].startswith("temperature: must be in [0, 1]")
+    assert client.messages.create(model="tiny", max_tokens=2, messages=ASK, extra_body={"temperature": 1.0}).stop_reason == "max_tokens"
+    with pytest.raises(anthropic.BadRequestError) as err:
+        client.messages.create(model="tiny", max_tokens=5000, messages=ASK)
+    assert err.value.body["error"]["type"] == "invalid_request_error" and "lower max_tokens" in err.value.body["error"]["message"]

@@ -102,3 +102,29 @@ def test_every_refused_request_is_counted_by_route_and_status(cluster):
     assert {k: after[k] - before[k] for k in before} == {("/v1/chat/completions", 400): 2, ("/v1/completions", 404): 1,
                                                          ("unmatched", 404): 1, ("/v1/completions", 405): 1,
                                                          ("/v1/completions", 413): 1}  # fmt: skip
+
+
+LONG = "hello " * 400  # about 400 tokens of the tiny tokenizer: with max_tokens 200, past the model length (512)
+
+
+@pytest.mark.parametrize("kind,body,param", [
+    ("chat", {"messages": MSG, "max_tokens": 100000}, "max_tokens"),
+    ("chat", {"messages": MSG, "max_completion_tokens": 100000}, "max_completion_tokens"),
+    ("chat", {"messages": [{"role": "user", "content": LONG}], "max_tokens": 200}, "max_tokens"),
+    ("chat", {"messages": [{"role": "user", "content": "hello " * 600}]}, "messages"),  # the prompt alone is too long
+    ("completions", {"prompt": "hi", "max_tokens": 100000}, "max_tokens"),
+    ("completions", {"prompt": "hello " * 600, "max_tokens": 1}, "prompt"),
+    ("chat", {"messages": MSG, "temperature": 2.5}, "temperature"),
+    ("completions", {"prompt": "hi", "temperature": 2.01}, "temperature"),
+])  # fmt: skip
+def test_over_length_and_out_of_range_400s_name_the_field_to_change(cluster, kind, body, param):
+    """Through the official client: the error's param is the field to change (the scheduler's refusals of
+    prompt + max_tokens past the model length too, named as the body names them)."""
+    import openai
+
+    client = openai.OpenAI(base_url=cluster.base_url + "/v1", api_key="x", max_retries=0, timeout=30)
+    create = client.chat.completions.create if kind == "chat" else client.completions.create
+    with pytest.raises(openai.BadRequestError) as exc:
+        create(model="tiny", **body)
+    assert exc.value.param == param, exc.value.message
+    assert exc.value.body["type"] == "invalid_request_error"

@@ -15,6 +15,7 @@ import jsonschema
 import openai
 import pytest
 
+from tests.helpers import order_model
 from tests.integration.harness import REAL_WORKER_ENV, start_cluster
 
 PROMPT = "The ferry carries the experts across the water"
@@ -299,3 +300,67 @@ def test_fields_that_cannot_be_honoured_are_400s_naming_them(client, body, needl
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2,
                                        extra_body=body)  # fmt: skip
     assert needle in exc.value.message
+
+
+# ---- issue 56 / 57: $defs in tool schemas, endless schemas, a grammar that dies ---------------------------------
+
+ORDER_SCHEMA = order_model().model_json_schema()  # Pydantic's: the nested Item under $defs
+ORDER = {"type": "function", "function": {"name": "place_order", "parameters": ORDER_SCHEMA}}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "place_order"}}])
+def test_forced_tool_calls_with_a_pydantic_schema_of_nested_models_validate(client, choice):
+    """tool_choice required / named with parameters Pydantic wrote ($defs, refs into it), as response_format
+    already took them: the call grammar resolves each tool's refs, and the arguments validate."""
+    for seed in range(3):
+        c = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Order bolts."}],
+                                           tools=[ORDER, TIME], tool_choice=choice, parallel_tool_calls=False,
+                                           temperature=1.0, seed=seed).choices[0]  # no max_tokens: up to the model length  # fmt: skip
+        assert c.finish_reason == "tool_calls", c.message
+        (call,) = c.message.tool_calls
+        schema = ORDER_SCHEMA if call.function.name == "place_order" else SCHEMAS[call.function.name]
+        jsonschema.validate(json.loads(call.function.arguments), schema)
+    fmt = {"type": "json_schema", "json_schema": {"name": "order", "schema": ORDER_SCHEMA}}
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Order"}], max_tokens=300,
+                                       temperature=1.0, seed=0, response_format=fmt)  # fmt: skip
+    jsonschema.validate(json.loads(r.choices[0].message.content), ORDER_SCHEMA)
+
+
+ENDLESS = {"type": "object", "required": ["a"], "properties": {"a": {"$ref": "#"}}}  # every value nests another
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": ENDLESS}}},
+     "response_format.json_schema.schema"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": ENDLESS}}], "tool_choice": "required"},
+     "tools[f].function.parameters"),
+])  # fmt: skip
+def test_a_schema_no_finite_value_matches_is_a_400_naming_the_field(client, body, param):
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=20,
+                                       extra_body=body)  # fmt: skip
+    assert exc.value.param == param and "no finite JSON value matches" in exc.value.message
+
+
+# every value nests another too, but through patternProperties, which the api's check does not follow: llguidance
+# compiles it, and the worker's matcher dies after "{"
+DIES = {"type": "object", "required": ["a"], "patternProperties": {"^a$": {"$ref": "#"}}, "additionalProperties": False}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_grammar_that_dies_ends_the_request_with_an_error_not_a_stop(client, stream):
+    """The matcher can go no further: the request fails (a 400 naming the grammar's fields, or, streamed, an
+    error event after the text so far), never a 200 with "{" and finish_reason stop."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": DIES}}
+    kwargs = dict(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=50, response_format=fmt)
+    if not stream:
+        with pytest.raises(openai.BadRequestError) as exc:
+            client.chat.completions.create(**kwargs)
+        assert "cannot go on under its grammar" in exc.value.message
+        return
+    chunks = []
+    with pytest.raises(openai.APIError, match="cannot go on under its grammar"):
+        for chunk in client.chat.completions.create(**kwargs, stream=True):
+            chunks.append(chunk)
+    assert not [c for c in chunks if c.choices and c.choices[0].finish_reason], chunks
+    assert client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2).choices

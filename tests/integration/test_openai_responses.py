@@ -164,6 +164,7 @@ def test_stored_responses_are_retrieved_and_deleted_and_an_unknown_id_is_a_404(c
 
 
 BAD_SCHEMA = {"type": "object", "properties": {"a": {"type": "string", "pattern": "(?<=a)b"}}}  # llguidance: no lookbehind
+ENDLESS = {"type": "object", "required": ["a"], "properties": {"a": {"$ref": "#"}}}  # no finite value matches
 
 
 @pytest.mark.parametrize("fields, param", [
@@ -175,6 +176,10 @@ BAD_SCHEMA = {"type": "object", "properties": {"a": {"type": "string", "pattern"
     ({"include": ["message.output_text.logprobs"]}, "include[0]"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"temperature": -1}, "temperature"),
+    ({"temperature": 2.5}, "temperature"),
+    ({"max_output_tokens": 5000}, "max_output_tokens"),  # the scheduler's refusal: past the model length (1024)
+    ({"input": "hello " * 1100}, "input"),  # the prompt alone is past it
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": ENDLESS}}}, "text.format.schema"),
     ({"truncation": "auto"}, "truncation"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": BAD_SCHEMA}}}, "text.format.schema"),
     ({"tools": [{"type": "function", "name": "f", "parameters": BAD_SCHEMA}], "tool_choice": "required"},

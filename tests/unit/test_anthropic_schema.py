@@ -121,3 +121,47 @@ def test_message_builder_blocks_events_and_stop_reasons():
                                           (500, "api_error"), (503, "overloaded_error")])  # fmt: skip
 def test_error_shapes(status, kind):
     assert error_body(status, "why") == {"type": "error", "error": {"type": kind, "message": "why"}}
+
+
+@pytest.mark.parametrize("value", [1.5, 1.0001, -0.5])
+def test_temperature_outside_anthropics_range_is_refused_naming_it(value):
+    """The Messages API's temperature is in [0, 1]."""
+    with pytest.raises(InvalidRequest, match=r"^temperature: must be in \[0, 1\]"):
+        schema.validate(request(temperature=value))
+    schema.validate(request(temperature=1))
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"], "additionalProperties": False}
+
+
+def test_output_config_format_is_the_json_schema_the_answer_must_match():
+    """Structured outputs as the anthropic SDK sends them (output_config.format; the beta's first form, a
+    top-level output_format, too): the schema and where it is, for the grammar's 400s."""
+    fmt = {"type": "json_schema", "schema": PERSON}
+    assert schema.output_format(request(output_config={"format": fmt, "effort": "low"})) == (PERSON, "output_config.format.schema")
+    assert schema.output_format(request(output_format=fmt)) == (PERSON, "output_format.schema")
+    assert schema.output_format(request()) is None and schema.output_format(request(output_config={"effort": "low"})) is None
+    assert schema.constrained(request(output_config={"format": fmt})) and not schema.constrained(request())
+    assert schema.template_kwargs(request(output_config={"format": fmt})) == {"enable_thinking": False}
+    counted = msgspec.json.decode(msgspec.json.encode({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                       "output_config": {"format": fmt}}), type=schema.CountTokensRequest)
+    assert schema.output_format(counted) == (PERSON, "output_config.format.schema")
+
+
+@pytest.mark.parametrize("fields,needle", [
+    ({"output_config": {"format": {"type": "xml", "schema": PERSON}}}, "output_config.format.type: only json_schema"),
+    ({"output_config": {"format": {"type": "json_schema"}}}, "output_config.format.schema: a json_schema format needs"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": PERSON}}, "tools": [{"name": "w"}],
+      "tool_choice": {"type": "any"}}, "output_config.format: cannot be combined with tool_choice"),
+])  # fmt: skip
+def test_an_output_format_this_server_cannot_honour_is_refused_naming_the_field(fields, needle):
+    with pytest.raises(InvalidRequest, match=needle):
+        schema.output_format(request(**fields))
+
+
+def test_an_output_format_turns_thinking_off_and_closes_a_reasoning_the_template_opens():
+    fmt = {"format": {"type": "json_schema", "schema": PERSON}}
+    with pytest.raises(InvalidRequest, match="^thinking: "):
+        schema.template_kwargs(request(output_config=fmt, thinking={"type": "enabled", "budget_tokens": 1024}))
+    assert schema.template_kwargs(request(output_config=fmt, thinking={"type": "disabled"})) == {"enable_thinking": False}
+    assert forced_prompt_suffix(request(output_config=fmt), "assistant\n<think>\n") == "</think>\n\n"

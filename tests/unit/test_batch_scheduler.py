@@ -318,3 +318,45 @@ def test_a_second_request_with_the_same_prompt_waits_to_reuse_its_pages():
     second = sched.schedule()
     assert 2 in second.req_ids.tolist()
     assert sched.by_rid[2].cached_tokens == 16  # 1's full pages, from the prefix cache
+
+
+def test_over_length_refusals_name_the_field_to_change():
+    """The param of each refusal (Failed.param on the wire): max_tokens where lowering it would do, prompt
+    where the prompt alone does not fit (the api names them as its body does: messages, max_completion_tokens)."""
+    sched, _ = make(pages=8, page_size=4, model_len=64)
+    for rid, (p, max_tokens, param) in enumerate([(prompt(0, 10), 60, "max_tokens"), (prompt(0, 10), 30, "max_tokens"),
+                                                  (prompt(0, 64), 1, "prompt"), (prompt(0, 64), None, "prompt"),
+                                                  (prompt(0, 40), None, "prompt"), (prompt(0, 65), 0, "prompt"),
+                                                  (prompt(0, 10), -1, "max_tokens")]):  # fmt: skip
+        with pytest.raises(InvalidRequest) as exc:
+            add(sched, rid, p, max_tokens)
+        assert exc.value.param == param, (max_tokens, str(exc.value))
+
+
+def test_a_request_whose_grammar_died_on_the_worker_fails_and_its_filler_token_is_dropped():
+    """StepOutput.grammar_failures: the request fails (a 400 naming the grammar's fields, with the engine's
+    reason), its token (the end of sequence a dead matcher falls back to) is neither sent nor a finish;
+    the others in the step go on. A failure for a request that did not sample is an unusable answer."""
+    from ferry.shared.step import StepOutput
+
+    sched, model = make()
+    add(sched, 1, prompt(1, 6), 5)
+    add(sched, 2, prompt(2, 6), 5)
+    batch = sched.schedule()
+    answer = model.execute(batch)
+    dead = StepOutput(step_id=answer.step_id, req_ids=answer.req_ids, token_ids=answer.token_ids,
+                      logprobs=answer.logprobs, grammar_failures=((1, "parser error: Too many items"),))  # fmt: skip
+    out = sched.complete(dead)
+    assert [(r.rid, type(e), "output_config.format" in str(e) and "Too many items" in str(e)) for r, e in out.failed] == [
+        (1, InvalidRequest, True)]  # fmt: skip
+    assert [r.rid for r, _ in out.tokens] == [2] and not out.finished
+    tokens, finished = run_to_end(sched, model)
+    assert 1 not in tokens and finished == {2: "length"}
+
+    add(sched, 3, prompt(3, 6), 5)
+    batch = sched.schedule()
+    answer = model.execute(batch)
+    stray = StepOutput(step_id=answer.step_id, req_ids=answer.req_ids, token_ids=answer.token_ids,
+                       logprobs=answer.logprobs, grammar_failures=((99, "x"),))  # fmt: skip
+    out = sched.complete(stray)
+    assert [(r.rid, type(e)) for r, e in out.failed] == [(3, EngineError)] and "grammar failure" in str(out.failed[0][1])

@@ -134,3 +134,21 @@ def test_tool_messages_and_assistant_calls_reach_the_template():
 def test_wrong_type_error_names_the_json_path():
     with pytest.raises(InvalidRequest, match=r"\$\.stream"):
         chat(stream="yes please")
+
+
+@pytest.mark.parametrize("value", [2.5, 2.0001, -0.1])
+def test_temperature_outside_openais_range_is_refused_naming_it(value):
+    """OpenAI's temperature is in [0, 2] (the engine alone takes any value >= 0)."""
+    with pytest.raises(InvalidRequest, match=r"temperature must be in \[0, 2\]") as exc:
+        schema.validate_generation(chat(temperature=value), None)
+    assert exc.value.param == "temperature"
+    schema.validate_generation(chat(temperature=2), None)
+    schema.validate_generation(chat(temperature=0), None)
+
+
+def test_the_scheduler_s_fields_are_named_as_the_body_names_them():
+    """A refusal by the scheduler names its Submit field (prompt, max_tokens); the chat body's are messages and
+    max_tokens or max_completion_tokens, whichever was sent; completions' are its own."""
+    assert schema.submit_fields(chat(max_tokens=5)) == {"prompt": "messages", "max_tokens": "max_tokens"}
+    assert schema.submit_fields(chat(max_completion_tokens=5))["max_tokens"] == "max_completion_tokens"
+    assert schema.submit_fields(schema.decode_body(b'{"prompt": "hi"}', schema.CompletionRequest)) == {}

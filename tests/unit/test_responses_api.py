@@ -120,6 +120,7 @@ def test_stored_turns_come_first_and_errors_count_from_the_request_input():
     ({"tool_choice": "required"}, "tool_choice"),
     ({"top_p": 0}, "top_p"),
     ({"temperature": -0.5}, "temperature"),
+    ({"temperature": 2.5}, "temperature"),  # OpenAI's range: [0, 2]
 ])  # fmt: skip
 def test_unsupported_or_bad_fields_are_400s_naming_them(fields, param):
     refused(param, **fields)

@@ -294,3 +294,64 @@ def test_requests_with_one_grammar_compile_it_once_and_keep_their_own_state(tiny
             else:
                 outs[r].append(t)
     assert all(json.loads(tok.decode(o)) in ({"ok": True}, {"ok": False}) for o in outs.values())
+
+
+def test_a_grammar_whose_matcher_dies_reports_its_request_and_a_healthy_one_never_does(tiny_tokenizer_dir):
+    """A schema llguidance compiles but cannot go on with (every value nests another without end: the api
+    refuses the plain forms; this one it cannot tell) leaves the matcher dead after "{": its row then only
+    draws the end of sequence, and `grammar_failures` names the request, so that it fails instead of ending
+    as if its output were complete. A grammar that completes (end of sequence included) is never reported."""
+    import json
+
+    import llguidance
+    from transformers import AutoTokenizer
+
+    from ferry.services.worker.grammar import tokenizer_factory
+
+    style = {"whitespace_flexible": False}
+    endless = {"type": "object", "required": ["a"], "patternProperties": {"^a$": {"$ref": "#"}}, "additionalProperties": False}
+    healthy = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    vocab, eos = len(tok), tok.convert_tokens_to_ids("<|im_end|>")
+    sampler = Sampler(vocab, "cpu", seed=0, grammar_tokenizer=tokenizer_factory(tiny_tokenizer_dir, vocab, [eos]))
+    for rid, schema in ((1, endless), (2, healthy)):
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=style)
+        sampler.add_request(NewRequest(req_id=rid, prompt_token_ids=np.array([1], np.int32),
+                                       sampling=SamplingParams(temperature=1.0, seed=rid, grammar=grammar)))  # fmt: skip
+    out: dict[int, list[int]] = {1: [], 2: []}
+    failures = []
+    for _ in range(40):
+        live = [r for r in (1, 2) if eos not in out[r] and r not in dict(failures)]
+        if not live:
+            break
+        tokens = sampler.sample(live, torch.randn(len(live), vocab))[0].tolist()
+        for r, t in zip(live, tokens):
+            out[r].append(t)
+        failures += sampler.grammar_failures(live)
+    assert [r for r, _ in failures] == [1] and "Too many items" in failures[0][1], failures
+    assert tok.decode(out[1]) == "{"  # it died on the token after the only one it could write
+    assert out[2][-1] == eos and json.loads(tok.decode(out[2][:-1])) in ({"ok": True}, {"ok": False})
+    assert sampler.grammar_failures([1, 2]) == ((1, failures[0][1]),)
+
+
+def test_a_grammar_no_token_can_continue_fails_its_request_instead_of_stopping():
+    """Not accepting, and no token of the vocabulary continues the grammar ("b" has none): llguidance puts the
+    matcher in its error state, the mask falls back to the end of sequence, and the request is reported."""
+    from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
+
+    class Vocabulary:  # tokens a, c and the end of sequence: no "b"
+        eos_token_id, bos_token_id, special_token_ids = 2, None, [2]
+        tokens = [b"a", b"c", b"</s>"]
+
+        def __call__(self, text):
+            text = text.decode() if isinstance(text, bytes) else text
+            return [{"a": 0, "c": 1}[ch] for ch in text if ch in "ac"]
+
+    sampler = Sampler(3, "cpu", seed=0, grammar_tokenizer=lambda: LLTokenizer(TokenizerWrapper(Vocabulary())))
+    grammar = LLMatcher.grammar_from_lark('start: "a" "b"\n')
+    sampler.add_request(NewRequest(req_id=1, prompt_token_ids=np.array([1], np.int32),
+                                   sampling=SamplingParams(temperature=1.0, grammar=grammar)))  # fmt: skip
+    assert sampler.sample([1], torch.zeros(1, 3))[0].tolist() == [0] and sampler.grammar_failures([1]) == ()
+    assert sampler.sample([1], torch.zeros(1, 3))[0].tolist() == [2]  # only the end of sequence is left
+    ((rid, why),) = sampler.grammar_failures([1])
+    assert rid == 1 and why

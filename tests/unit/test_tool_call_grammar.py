@@ -61,3 +61,46 @@ def test_a_schema_the_engine_cannot_use_is_a_400_naming_where_it_is():
         structured.tool_call_grammar([bad], parallel=True)
     with pytest.raises(InvalidRequest, match=r"tools\[f\]\.input_schema"):
         structured.tool_call_grammar([bad], parallel=True, field="tools[{}].input_schema")
+
+
+def _order_schema(item_field: str) -> dict:
+    """A Pydantic model's schema with a nested list of items: the items' model under $defs, refs into it."""
+    from typing import Literal
+
+    from pydantic import BaseModel, Field, create_model
+
+    item = create_model("Item", **{item_field: (Literal["bolt", "nut"], ...)}, qty=(int, Field(ge=1, le=9)))
+
+    class Order(BaseModel):
+        items: list[item] = Field(min_length=1, max_length=3)
+        rush: bool
+
+    schema = Order.model_json_schema()
+    assert schema["properties"]["items"]["items"] == {"$ref": "#/$defs/Item"}
+    return schema
+
+
+def _tool_call(name: str, arguments: dict) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+def test_forced_calls_resolve_each_tools_own_defs(matcher):
+    """Each tool's $defs (Pydantic's nested models) resolve inside the call grammar, to that tool's own:
+    two tools define an Item of different shapes, and each call is held to its own."""
+    a, b = ("order_a", _order_schema("part")), ("order_b", _order_schema("kind"))
+    for parallel in (False, True):
+        grammar = structured.tool_call_grammar([a, b], parallel=parallel)
+        good_a = _tool_call("order_a", {"items": [{"part": "nut", "qty": 2}], "rush": True})
+        good_b = _tool_call("order_b", {"items": [{"kind": "bolt", "qty": 9}, {"kind": "nut", "qty": 1}], "rush": False})
+        assert "end" in matcher(grammar, good_a) and "end" in matcher(grammar, good_b)
+        wrong = _tool_call("order_a", {"items": [{"kind": "nut", "qty": 2}], "rush": True})  # order_b's Item
+        with pytest.raises(AssertionError):
+            matcher(grammar, wrong)
+    assert matcher(structured.tool_call_grammar([a], parallel=False), good_a) == {"end"}
+
+
+def test_a_tool_schema_referring_to_its_own_root_stays_a_root(matcher):
+    tree = {"type": "object", "properties": {"v": {"enum": [1, 2]}, "kids": {"type": "array", "items": {"$ref": "#"}}},
+            "required": ["v"], "additionalProperties": False}  # fmt: skip
+    grammar = structured.tool_call_grammar([("tree", tree)], parallel=False)
+    assert matcher(grammar, _tool_call("tree", {"v": 1, "kids": [{"v": 2, "kids": []}, {"v": 1}]})) == {"end"}

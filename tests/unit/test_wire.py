@@ -55,11 +55,14 @@ MESSAGES = [
     (SchedulerToApi, Tokens(np.array([1, 2], np.int64), np.array([9, 8], np.int32))),
     (SchedulerToApi, Finished(req_id=1, reason="stop", prompt_tokens=3, completion_tokens=2, cached_tokens=0)),
     (SchedulerToApi, Failed(req_id=1, error_type="InvalidRequest", message="no")),
+    (SchedulerToApi, Failed(req_id=1, error_type="InvalidRequest", message="too long", param="max_tokens")),
     (SchedulerToApi, SchedulerStatus(boot_id="s", ready=True, reason="", running=2)),
     (SchedulerToWorker, RunStep(batch())),
     (WorkerToScheduler, WorkerAlive(boot_id="b", pool=POOL, expert_hits=3)),
     (WorkerToScheduler, StepDone(StepOutput(step_id=7, req_ids=np.array([3], np.int64), token_ids=np.array([42], np.int32),
                                             logprobs=np.zeros(1, np.float32)))),
+    (WorkerToScheduler, StepDone(StepOutput(step_id=7, req_ids=np.array([3], np.int64), token_ids=np.array([2], np.int32),
+                                            logprobs=np.zeros(1, np.float32), grammar_failures=((3, "dead"),)))),
     (WorkerToScheduler, StepFailed(step_id=7, message="oom")),
 ]
 
