@@ -151,6 +151,7 @@ def test_a_request_that_left_before_its_turn_is_not_compiled_and_a_full_lane_is_
         with pytest.raises(GrammarBusy):
             await lanes.build(held, "third", large, "tools")  # two waiting or running: the lane is full
         second.cancel()  # its client left while it waited
+        await asyncio.gather(second, return_exceptions=True)
         release.set()
         result = await first
         await asyncio.to_thread(lanes.lanes["large"].executor.submit(lambda: None).result, 30)
@@ -158,4 +159,4 @@ def test_a_request_that_left_before_its_turn_is_not_compiled_and_a_full_lane_is_
 
     result, cancelled = asyncio.run(run())
     assert result == "first" and cancelled and ran == ["first"], ran
-    assert lanes.lanes["large"].jobs == 0
+    assert lanes.lanes["large"].jobs == 0, lanes.lanes["large"].jobs
