@@ -28,12 +28,13 @@ def post(base_url: str, path: str, body: bytes | dict, timeout: float = 60) -> t
 
 def _concurrently(base_url: str, bodies: dict[str, dict | bytes], start_last_after: float = 0.0) -> dict[str, tuple]:
     """Each body posted on its own thread, the last one `start_last_after` seconds after the others;
-    {name: (status, payload, when it was answered)}."""
+    {name: (status, payload, when it was answered, seconds it took)}."""
     done: dict[str, tuple] = {}
 
     def send(name: str, body) -> None:
+        t0 = time.monotonic()
         status, payload = post(base_url, "/v1/chat/completions", body)
-        done[name] = (status, payload, time.monotonic())
+        done[name] = (status, payload, time.monotonic(), time.monotonic() - t0)
 
     *firsts, last = bodies.items()
     threads = [threading.Thread(target=send, args=item) for item in firsts]
@@ -63,11 +64,11 @@ def test_a_small_schema_is_built_before_large_forced_tool_schemas_compiling(clus
     done = _concurrently(cluster.base_url, {**{name: large for name in larges}, "small": small}, 0.2)
     assert done["small"][0] == 200, done["small"]
     for name in larges:
-        status, payload, _ = done[name]
+        status, payload, *_ = done[name]
         assert status == 400 and payload["error"]["param"] == "tools[bad].function.parameters", payload
     after_small = [name for name in larges if done[name][2] > done["small"][2]]
-    first = min(when for _, _, when in done.values())
-    assert len(after_small) >= 4, {name: round(when - first, 3) for name, (_, _, when) in done.items()}
+    first = min(when for _, _, when, _ in done.values())
+    assert len(after_small) >= 4, {name: round(when - first, 3) for name, (_, _, when, _) in done.items()}
 
 
 def test_a_schema_over_the_size_cap_is_refused_at_once_naming_its_field(cluster):
@@ -82,7 +83,8 @@ def test_a_schema_over_the_size_cap_is_refused_at_once_naming_its_field(cluster)
 
 def test_a_plain_completion_is_answered_while_large_bodies_decode(cluster):
     """Eight 2.6 MB response_format bodies (each a 400: the schema is over the cap) and a plain completion sent
-    while they are decoded: it is answered, and all of them are refused naming the field."""
+    while they are decoded: it is answered within a generous bound (it took 10 ms here; 5 s with the bodies
+    decoded on the event loop), and all of them are refused naming the field."""
     props = {f"field_{i:06d}": {"type": "string", "enum": [f"v{i}a", f"v{i}b"], "description": "x" * 20}
              for i in range(24_000)}  # fmt: skip
     large = json.dumps({"messages": MSG, "max_tokens": 2, "response_format": {"type": "json_schema", "json_schema": {
@@ -91,9 +93,9 @@ def test_a_plain_completion_is_answered_while_large_bodies_decode(cluster):
     plain = {"messages": MSG, "max_tokens": 2}
     post(cluster.base_url, "/v1/chat/completions", plain)
     done = _concurrently(cluster.base_url, {**{f"large{i}": large for i in range(8)}, "plain": plain}, 0.2)
-    assert done["plain"][0] == 200, done["plain"]
+    assert done["plain"][0] == 200 and done["plain"][3] < 2.5, done["plain"]
     for name in (f"large{i}" for i in range(8)):
-        status, payload, _ = done[name]
+        status, payload, *_ = done[name]
         assert status == 400 and payload["error"]["param"] == "response_format.json_schema.schema", payload
     assert http_get(cluster.base_url + "/health")[0] == 200
 
