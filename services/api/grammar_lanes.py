@@ -2,7 +2,7 @@
 
 llguidance compiles a grammar (its lexer and parser: most of the work, up to seconds for a schema of
 thousands of properties or formats) with the GIL released, so threads compile beside the event loop
-and beside each other; turning a schema into a grammar holds the GIL, for about 0.1 s a MiB.
+and beside each other; turning a schema into a grammar holds the GIL (about 0.05 s a MiB).
 
 * Lanes by size: a request whose schemas are SMALL_SCHEMA_BYTES or less in all (as JSON) compiles on
   the small lane's threads, a larger one on the large lane's, so a small schema never waits behind a

@@ -26,8 +26,8 @@ def _schema(nbytes: int) -> dict:
 
 
 def _json_schema_body(schema: dict) -> dict:
-    return {"messages": MSG, "max_tokens": 2, "response_format": {"type": "json_schema",
-                                                                  "json_schema": {"name": "x", "schema": schema}}}  # fmt: skip
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    return {"messages": MSG, "max_tokens": 2, "response_format": fmt}
 
 
 @pytest.fixture
