@@ -26,13 +26,14 @@ from ferry.shared.errors import FerryError, NotFound
 from ferry.services.api import anthropic_schema as schema
 from ferry.services.api import structured
 from ferry.services.api.anthropic_responses import PING, MessageBuilder, error_body, sse_event
+from ferry.services.api.body_decoding import BodyDecoder
 from ferry.services.api.chat_prompt import ChatPrompt
 from ferry.services.api.config import ApiConfig
 from ferry.services.api.generation import Generation
+from ferry.services.api.grammar_lanes import GrammarLanes, tool_schemas
 from ferry.services.api.metrics import ApiMetrics, mark_counted_by_generations
 from ferry.services.api.output_parsers import OutputParser
 from ferry.services.api.reasoning_parser import prompt_opens_reasoning
-from ferry.services.api.schema import decode_body
 from ferry.services.api.scheduler_client import SchedulerClient
 from ferry.services.api.tokenizer import PromptTokenizer
 
@@ -50,11 +51,11 @@ def forced_prompt_suffix(req: schema.CountTokensRequest, prompt_text: str) -> st
 
 class AnthropicRoutes:
     def __init__(self, cfg: ApiConfig, client: SchedulerClient, tokenizer: PromptTokenizer, metrics: ApiMetrics,
-                 tokenize):  # fmt: skip
-        """`tokenize(fn, arg, body_bytes, lane=None)`: runs fn(tokenizer, arg) on a tokenizer thread, or a
-        grammar's fn on the grammar lane (OpenAIRoutes._tokenize, shared with the OpenAI routes)."""
+                 tokenize, grammars: GrammarLanes, bodies: BodyDecoder):  # fmt: skip
+        """`tokenize(fn, arg, body_bytes)`: runs fn(tokenizer, arg) on a tokenizer thread (OpenAIRoutes._tokenize);
+        `grammars` builds grammars and `bodies` decodes bodies: all three shared with the OpenAI routes."""
         self.cfg, self.client, self.tokenizer, self.metrics = cfg, client, tokenizer, metrics
-        self._tokenize = tokenize
+        self._tokenize, self.grammars, self.bodies = tokenize, grammars, bodies
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_post("/v1/messages", self.messages)
@@ -78,7 +79,7 @@ class AnthropicRoutes:
 
     async def count_tokens(self, request: web.Request) -> web.Response:
         body = await request.read()
-        req = decode_body(body, schema.CountTokensRequest)
+        req = await self.bodies.decode(body, schema.CountTokensRequest)
         self._check_model(req)
         schema.output_format(req)  # checked as on /v1/messages; its grammar adds no token to the prompt
         prompt = await self._tokenize(self._prompt, req, len(body))
@@ -88,18 +89,18 @@ class AnthropicRoutes:
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
-        req = decode_body(body, schema.MessagesRequest)
+        req = await self.bodies.decode(body, schema.MessagesRequest)
         self._check_model(req)
         schema.validate(req)
         fmt = schema.output_format(req)
         prompt = await self._tokenize(self._prompt, req, len(body))  # checks the tools and tool_choice too
         grammar = None
-        forced = schema.forced_tools(req)
-        if forced is not None:  # built off the event loop: a large schema takes a while
-            grammar = await self._tokenize(_tool_call_grammar, (forced, schema.parallel_calls(req)), len(body),
-                                           lane="grammar")  # on its own lane: no prompt waits behind it  # fmt: skip
+        if (forced := schema.forced_tools(req)) is not None:  # built off the event loop, on the lane of its size
+            grammar = await self.grammars.build(_tool_call_grammar, (forced, schema.parallel_calls(req)),
+                                                tool_schemas(forced, TOOL_FIELD), "tools")  # fmt: skip
         elif fmt is not None:
-            grammar = await self._tokenize(_output_format_grammar, fmt, len(body), lane="grammar")
+            json_schema, field = fmt
+            grammar = await self.grammars.build(_output_format_grammar, fmt, [(field, json_schema)], field)
         builder = MessageBuilder(self.cfg.served_model_name, single_tool_call=not schema.parallel_calls(req))
         structlog.contextvars.bind_contextvars(request_id=builder.id)
         tools = schema.tool_schemas(req) if fmt is None else None  # an output format leaves no room for a call
@@ -137,12 +138,15 @@ class AnthropicRoutes:
             return response
 
 
-def _tool_call_grammar(_tokenizer: PromptTokenizer, arg) -> str:
+TOOL_FIELD = "tools[{}].input_schema"  # where a forced tool's schema is in the request
+
+
+def _tool_call_grammar(arg) -> str:
     forced, parallel = arg
-    return structured.tool_call_grammar(forced, parallel, field="tools[{}].input_schema")
+    return structured.tool_call_grammar(forced, parallel, field=TOOL_FIELD)
 
 
-def _output_format_grammar(_tokenizer: PromptTokenizer, fmt: tuple[dict, str]) -> str:
+def _output_format_grammar(fmt: tuple[dict, str]) -> str:
     json_schema, field = fmt
     return structured.json_schema_grammar(json_schema, field)
 

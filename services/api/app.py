@@ -135,8 +135,10 @@ def build_app(cfg: ApiConfig, tokenizer: PromptTokenizer, drain: Drain | None = 
     client = SchedulerClient(cfg.scheduler_addr, cfg.identity, secure)
     openai_routes = OpenAIRoutes(cfg, client, tokenizer, metrics, drain)
     openai_routes.add_to(app)
-    AnthropicRoutes(cfg, client, tokenizer, metrics, openai_routes._tokenize).add_to(app)
-    ResponsesRoutes(cfg, client, tokenizer, metrics, openai_routes._tokenize).add_to(app)
+    AnthropicRoutes(cfg, client, tokenizer, metrics, openai_routes._tokenize, openai_routes.grammars,
+                    openai_routes.bodies).add_to(app)  # fmt: skip
+    ResponsesRoutes(cfg, client, tokenizer, metrics, openai_routes._tokenize, openai_routes.grammars,
+                    openai_routes.bodies).add_to(app)  # fmt: skip
 
     async def lifecycle(app: web.Application):
         await client.start()

@@ -9,7 +9,7 @@ request can continue it by previous_response_id; its `instructions` are not carr
 rule: each request sends its own).
 
 tool_choice required / a function and text.format json_schema / json_object are grammars, as on the
-chat route (structured.py): built off the event loop on the grammar lane.
+chat route (structured.py): built off the event loop on the grammar lane of their size (grammar_lanes.py).
 """
 
 from __future__ import annotations
@@ -24,14 +24,15 @@ from ferry.shared.errors import FerryError, InvalidRequest, NotFound
 from ferry.services.api import responses_schema as schema
 from ferry.services.api import structured
 from ferry.services.api.anthropic_responses import sse_event
+from ferry.services.api.body_decoding import BodyDecoder
 from ferry.services.api.config import ApiConfig
 from ferry.services.api.generation import Generation
+from ferry.services.api.grammar_lanes import GrammarLanes, tool_schemas
 from ferry.services.api.metrics import ApiMetrics, mark_counted_by_generations
 from ferry.services.api.output_parsers import OutputParser
 from ferry.services.api.reasoning_parser import prompt_opens_reasoning
 from ferry.services.api.responses_output import ResponseBuilder
 from ferry.services.api.responses_store import ResponseStore
-from ferry.services.api.schema import decode_body
 from ferry.services.api.scheduler_client import SchedulerClient
 from ferry.services.api.tokenizer import PromptTokenizer
 
@@ -46,11 +47,11 @@ class Prompt:
 
 class ResponsesRoutes:
     def __init__(self, cfg: ApiConfig, client: SchedulerClient, tokenizer: PromptTokenizer, metrics: ApiMetrics,
-                 tokenize, store: ResponseStore | None = None):  # fmt: skip
-        """`tokenize(fn, arg, body_bytes, lane=None)`: runs fn(tokenizer, arg) on a tokenizer thread, or a
-        grammar's fn on the grammar lane (OpenAIRoutes._tokenize, shared with the other routes)."""
+                 tokenize, grammars: GrammarLanes, bodies: BodyDecoder, store: ResponseStore | None = None):  # fmt: skip
+        """`tokenize(fn, arg, body_bytes)`: runs fn(tokenizer, arg) on a tokenizer thread (OpenAIRoutes._tokenize);
+        `grammars` builds grammars and `bodies` decodes bodies: all three shared with the other routes."""
         self.cfg, self.client, self.tokenizer, self.metrics = cfg, client, tokenizer, metrics
-        self._tokenize = tokenize
+        self._tokenize, self.grammars, self.bodies = tokenize, grammars, bodies
         self.store = store if store is not None else ResponseStore()
 
     def add_to(self, app: web.Application) -> None:
@@ -81,7 +82,7 @@ class ResponsesRoutes:
 
     async def create(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
-        req = decode_body(body, schema.ResponsesRequest)
+        req = await self.bodies.decode(body, schema.ResponsesRequest)
         if req.model is not None and req.model != self.cfg.served_model_name:
             raise NotFound(f"the model {req.model!r} does not exist here; this server serves {self.cfg.served_model_name!r}",
                            param="model")  # fmt: skip
@@ -96,12 +97,13 @@ class ResponsesRoutes:
         if forced and json_schema is not None:
             raise InvalidRequest("text.format: cannot be combined with tool_choice required or a function",
                                  param="text.format")  # fmt: skip
-        grammar = None  # built off the event loop, on its own lane: a large schema takes a while
+        grammar = None  # built off the event loop, on the lane of its size: a large schema takes a while
         if forced:
-            grammar = await self._tokenize(_tool_call_grammar, (forced, schema.parallel_calls(req)), len(body),
-                                           lane="grammar")  # fmt: skip
+            grammar = await self.grammars.build(_tool_call_grammar, (forced, schema.parallel_calls(req)),
+                                                tool_schemas(forced, TOOL_FIELD), "tools")  # fmt: skip
         elif json_schema is not None:
-            grammar = await self._tokenize(_text_format_grammar, json_schema, len(body), lane="grammar")
+            grammar = await self.grammars.build(_text_format_grammar, json_schema, [(FORMAT_FIELD, json_schema)],
+                                                "text.format")  # fmt: skip
         sampling = schema.sampling_params(req, self.tokenizer.eos_token_ids, grammar)
         kwargs = schema.template_kwargs(req, constrained=grammar is not None)
         # the tokenizer lane goes by the prompt's size: a short body may continue a long stored conversation
@@ -187,10 +189,17 @@ def _prompt(tokenizer: PromptTokenizer, arg) -> Prompt:
     return Prompt(tokenizer.encode_chat(chat), chat.text)
 
 
-def _tool_call_grammar(_tokenizer: PromptTokenizer, arg) -> str:
+# What the grammar lanes run: fn(arg) (GrammarLanes.build)
+
+
+TOOL_FIELD = "tools[{}].parameters"  # where a forced tool's schema is in the request
+FORMAT_FIELD = "text.format.schema"
+
+
+def _tool_call_grammar(arg) -> str:
     forced, parallel = arg
-    return structured.tool_call_grammar(forced, parallel, field="tools[{}].parameters")
+    return structured.tool_call_grammar(forced, parallel, field=TOOL_FIELD)
 
 
-def _text_format_grammar(_tokenizer: PromptTokenizer, json_schema: dict) -> str:
-    return structured.json_schema_grammar(json_schema, "text.format.schema")
+def _text_format_grammar(json_schema: dict) -> str:
+    return structured.json_schema_grammar(json_schema, FORMAT_FIELD)

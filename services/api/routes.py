@@ -15,9 +15,11 @@ import msgspec
 from ferry.shared.errors import FerryError, InvalidRequest, NotFound, ServiceUnavailable
 from ferry.shared.sampling import SamplingParams
 from ferry.services.api import schema, structured
+from ferry.services.api.body_decoding import BodyDecoder
 from ferry.services.api.chat_prompt import ChatPrompt
 from ferry.services.api.config import ApiConfig
 from ferry.services.api.generation import Generation
+from ferry.services.api.grammar_lanes import GrammarLanes, response_format_schemas, tool_schemas
 from ferry.services.api.logprobs import TokenText
 from ferry.services.api.metrics import ApiMetrics, mark_counted_by_generations
 from ferry.services.api.output_parsers import OutputParser
@@ -31,15 +33,12 @@ log = structlog.get_logger("api.routes")
 
 # Two tokenizer threads, each with its own tokenizer (a fast tokenizer is not meant to encode from
 # several threads at once): bodies up to LONG_BODY_BYTES on one, larger ones on the other, so a short
-# prompt never waits behind a long one. A third thread builds and checks grammars (response_format, a
-# forced tool call: llguidance, no tokenizer), so no prompt waits behind a schema of thousands of
-# properties, which takes the better part of a second (llguidance releases the GIL meanwhile: the
-# event loop keeps running). Each lane takes at most so many jobs waiting or running; more are refused
-# with a 503 and Retry-After. With the character limit (PromptTokenizer.check_chars) this bounds the
-# work and the memory queued behind the threads.
+# prompt never waits behind a long one. Grammars (response_format, a forced tool call) are built on
+# lanes of their own (grammar_lanes.py), so no prompt waits behind a schema. Each lane takes at most so
+# many jobs waiting or running; more are refused with a 503 and Retry-After. With the character limit
+# (PromptTokenizer.check_chars) this bounds the work and the memory queued behind the threads.
 LONG_BODY_BYTES = 256 * 1024
-MAX_TOKENIZATIONS = {"short": 256, "long": 4, "grammar": 64}
-NO_TOKENIZER_LANES = ("grammar",)
+MAX_TOKENIZATIONS = {"short": 256, "long": 4}
 
 
 class TokenizerBusy(ServiceUnavailable):
@@ -53,8 +52,9 @@ class OpenAIRoutes:
         self.drain = drain
         self.created = int(time.time())
         self._lanes = {"short": (ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer"), tokenizer),
-                       "long": (ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer-long"), None),
-                       "grammar": (ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar"), None)}  # fmt: skip
+                       "long": (ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer-long"), None)}  # fmt: skip
+        self.grammars = GrammarLanes(metrics)
+        self.bodies = BodyDecoder()
         self._tokenizations = {lane: 0 for lane in self._lanes}
         self._token_text = TokenText(tokenizer.hf)
 
@@ -70,7 +70,7 @@ class OpenAIRoutes:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
-        req = schema.decode_body(body, schema.ChatCompletionRequest)
+        req = await self.bodies.decode(body, schema.ChatCompletionRequest)
         max_tokens = schema.chat_max_tokens(req)
         self._check_model(req)
         schema.validate_generation(req, max_tokens)
@@ -80,14 +80,15 @@ class OpenAIRoutes:
         if forced and req.response_format is not None and req.response_format.type != "text":
             raise InvalidRequest("response_format: cannot be combined with tool_choice required or a named function",
                                  param="response_format")  # fmt: skip
-        # grammars are built and checked off the event loop, in their own lane (a large schema takes a
-        # while), once per request: its n choices share the one grammar
+        # grammars are built and checked off the event loop, on the lane of their schemas' size (a large
+        # schema takes a while), once per request: its n choices share the one grammar
         grammar = None
         if req.response_format is not None and req.response_format.type != "text":
-            grammar = await self._tokenize(_response_format_grammar, req.response_format, size, lane="grammar")
+            grammar = await self.grammars.build(structured.response_format_grammar, req.response_format,
+                                                response_format_schemas(req.response_format), "response_format")  # fmt: skip
         if forced:
-            grammar = await self._tokenize(_tool_call_grammar, (forced, req.parallel_tool_calls is not False), size,
-                                           lane="grammar")  # fmt: skip
+            grammar = await self.grammars.build(_tool_call_grammar, (forced, req.parallel_tool_calls is not False),
+                                                tool_schemas(forced, TOOL_FIELD), "tools")  # fmt: skip
         logprobs = schema.chat_logprobs(req)
         sampling = schema.sampling_params(req, self.tokenizer.eos_token_ids, self.tokenizer.vocab_size,
                                           logprobs=logprobs, grammar=grammar)  # fmt: skip
@@ -108,7 +109,7 @@ class OpenAIRoutes:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
-        req = schema.decode_body(body, schema.CompletionRequest)
+        req = await self.bodies.decode(body, schema.CompletionRequest)
         self._check_model(req)
         schema.validate_generation(req, req.max_tokens, allow_zero=True)
         logprobs = schema.completion_logprobs(req)
@@ -157,17 +158,15 @@ class OpenAIRoutes:
                 if tokenizer is not None:
                     tokenizer.max_model_len = status.max_model_len
 
-    async def _tokenize(self, fn, arg, body_bytes: int, lane: str | None = None):
+    async def _tokenize(self, fn, arg, body_bytes: int):
         """fn(tokenizer, arg) off the event loop (a prompt near the body limit takes long enough to stall
-        every stream), in the lane of the body's size (or `lane`: "grammar" for a grammar, whose fn gets
-        no tokenizer), at most MAX_TOKENIZATIONS[lane] jobs queued or running there (more: 503 with
-        Retry-After)."""
+        every stream), in the lane of the body's size, at most MAX_TOKENIZATIONS[lane] jobs queued or
+        running there (more: 503 with Retry-After)."""
         self._update_model_len()
-        lane = lane or ("long" if body_bytes > LONG_BODY_BYTES else "short")
+        lane = "long" if body_bytes > LONG_BODY_BYTES else "short"
         if self._tokenizations[lane] >= MAX_TOKENIZATIONS[lane]:
             self.metrics.tokenize_refused.labels("busy").inc()
-            what = "grammars are waiting to be built" if lane in NO_TOKENIZER_LANES else "prompts are waiting for the tokenizer"
-            raise TokenizerBusy(f"{self._tokenizations[lane]} {what}; retry shortly")
+            raise TokenizerBusy(f"{self._tokenizations[lane]} prompts are waiting for the tokenizer; retry shortly")
         thread = self._lanes[lane][0]
         self._tokenizations[lane] += 1
         self.metrics.tokenizing.inc()
@@ -187,7 +186,7 @@ class OpenAIRoutes:
         here, on first use: for a large vocabulary that takes a while, which would stall every
         stream on the event loop (the lane has one thread, so it is made once)."""
         thread, tokenizer = self._lanes[lane]
-        if tokenizer is None and lane not in NO_TOKENIZER_LANES:
+        if tokenizer is None:
             tokenizer = self.tokenizer.copy()
             self._lanes[lane] = (thread, tokenizer)
         return fn(tokenizer, arg)
@@ -273,13 +272,15 @@ def _chat_prompt(tokenizer: PromptTokenizer, arg) -> ChatPrompt:
     return tokenizer.chat_prompt(messages, tools, **kwargs)
 
 
-def _response_format_grammar(_tokenizer: PromptTokenizer, fmt) -> str | None:
-    return structured.response_format_grammar(fmt)
+# What the grammar lanes run: fn(arg) (GrammarLanes.build)
 
 
-def _tool_call_grammar(_tokenizer: PromptTokenizer, arg) -> str:
+TOOL_FIELD = "tools[{}].function.parameters"  # where a forced tool's schema is in the request
+
+
+def _tool_call_grammar(arg) -> str:
     forced, parallel = arg
-    return structured.tool_call_grammar(forced, parallel=parallel)
+    return structured.tool_call_grammar(forced, parallel=parallel, field=TOOL_FIELD)
 
 
 def _seeded(sampling: SamplingParams, j: int) -> SamplingParams:

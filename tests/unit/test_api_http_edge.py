@@ -280,14 +280,13 @@ class _Tokenizer:
     hf = None
 
     def copy(self):
-        return _Tokenizer()  # the long lane's own; the grammar lane gets none (its jobs assert so)
+        return _Tokenizer()  # the long lane's own
 
 
 def test_7_a_slow_grammar_holds_up_no_prompt_on_its_own_lane():
     release = threading.Event()
 
-    def slow_grammar(tokenizer, arg):
-        assert tokenizer is None
+    def slow_grammar(arg):
         release.wait(5)
         return threading.current_thread().name
 
@@ -297,7 +296,7 @@ def test_7_a_slow_grammar_holds_up_no_prompt_on_its_own_lane():
     lanes = OpenAIRoutes(SimpleNamespace(), SimpleNamespace(status=None), _Tokenizer(), ApiMetrics())
 
     async def run():
-        grammar = asyncio.ensure_future(lanes._tokenize(slow_grammar, None, 100, lane="grammar"))
+        grammar = asyncio.ensure_future(lanes.grammars.build(slow_grammar, None, [], "response_format"))
         await asyncio.sleep(0.05)
         short = await asyncio.wait_for(lanes._tokenize(prompt, None, 100), 2)  # not behind the grammar
         long = await asyncio.wait_for(lanes._tokenize(prompt, None, LONG_BODY_BYTES + 1), 2)

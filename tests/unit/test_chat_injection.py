@@ -223,7 +223,8 @@ ANTHROPIC_FIELDS = ["user text", "user text blocks", "system", "system blocks", 
 
 
 def anthropic_prompt(tok: PromptTokenizer, body: dict, kind=anthropic_schema.CountTokensRequest):
-    routes = AnthropicRoutes(SimpleNamespace(), SimpleNamespace(), tok, SimpleNamespace(), tokenize=None)
+    routes = AnthropicRoutes(SimpleNamespace(), SimpleNamespace(), tok, SimpleNamespace(), tokenize=None, grammars=None,
+                             bodies=None)  # fmt: skip
     extra = {"max_tokens": 5} if kind is anthropic_schema.MessagesRequest else {}
     req = schema.decode_body(json.dumps({"model": "tiny", **extra, **body}).encode(), kind)
     return routes._prompt(tok, req)

@@ -264,6 +264,9 @@ def test_a_short_body_continuing_a_long_stored_conversation_takes_the_long_token
     import asyncio
     from types import SimpleNamespace
 
+    from ferry.services.api.body_decoding import BodyDecoder
+    from ferry.services.api.grammar_lanes import GrammarLanes
+    from ferry.services.api.metrics import ApiMetrics
     from ferry.services.api.responses_api import ResponsesRoutes
     from ferry.services.api.routes import LONG_BODY_BYTES
 
@@ -272,14 +275,14 @@ def test_a_short_body_continuing_a_long_stored_conversation_takes_the_long_token
     class Stop(Exception):
         pass
 
-    async def tokenize(fn, arg, size, lane=None):
+    async def tokenize(fn, arg, size):
         sizes.append((fn.__name__, size))
         raise Stop
 
     store = ResponseStore()
     store.put(_response("resp_long"), [schema.InputItem(role="user", content="x" * (2 * LONG_BODY_BYTES))])
     routes = ResponsesRoutes(SimpleNamespace(served_model_name="m"), None, SimpleNamespace(eos_token_ids=(0,)), None,
-                             tokenize, store)  # fmt: skip
+                             tokenize, GrammarLanes(ApiMetrics()), BodyDecoder(), store)  # fmt: skip
     body = msgspec.json.encode({"model": "m", "input": "more", "previous_response_id": "resp_long"})
 
     async def read():

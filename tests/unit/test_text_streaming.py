@@ -79,3 +79,57 @@ def test_filter_output_is_the_text_up_to_the_first_stop(text, cuts, stop):
     idx = text.find(stop)
     assert hit == (idx >= 0)
     assert "".join(out) == (text[:idx] if idx >= 0 else text)
+
+
+class _CountingTokenizer:
+    """The tokenizer, counting the decode calls and the token ids they were given."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.calls, self.ids = tokenizer, 0, 0
+
+    def decode(self, ids, **kwargs):
+        self.calls += 1
+        self.ids += len(ids)
+        return self.tokenizer.decode(ids, **kwargs)
+
+
+def _byte_token(tokenizer, byte: int) -> int:
+    """The id of the token of one byte (byte-level BPE writes byte b as a printable character: GPT-2's table)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    char = chr(byte) if byte in printable else chr(256 + sorted(set(range(256)) - set(printable)).index(byte))
+    return tokenizer.convert_tokens_to_ids(char)
+
+
+def test_lone_continuation_bytes_cost_linear_decoding_and_go_out_as_replacements_within_the_bound(tiny_tokenizer):
+    """8,000 tokens of a byte that never forms UTF-8 (what a logit_bias pinning it writes): each token decodes a
+    window of at most MAX_WINDOW_TOKENS tokens, not the output so far, and each byte goes out as U+FFFD at most
+    PENDING_CHARS tokens later."""
+    from ferry.services.api.detokenizer import MAX_WINDOW_TOKENS, PENDING_CHARS
+
+    counting = _CountingTokenizer(tiny_tokenizer)
+    d = IncrementalDetokenizer(counting)
+    lone = _byte_token(tiny_tokenizer, 0x80)
+    out = ""
+    for i in range(1, 8001):
+        out += d.push(lone)
+        assert out == REPLACEMENT * len(out) and len(out) >= i - PENDING_CHARS, (i, len(out))
+    assert out + d.flush() == REPLACEMENT * 8000
+    assert counting.calls <= 2 * 8001 and counting.ids <= 2 * (MAX_WINDOW_TOKENS + 1) * 8001, (counting.calls, counting.ids)
+
+
+def test_characters_split_across_byte_tokens_and_invalid_bytes_between_them_come_out_as_a_full_decode(tiny_tokenizer):
+    """Characters of one byte token each, windows restarting in the middle of them, invalid bytes before one."""
+    lone = _byte_token(tiny_tokenizer, 0x80)
+    text = "你好世界 🚢⚓ é" * 20
+    ids = [lone] * 6 + [_byte_token(tiny_tokenizer, b) for b in text.encode()] + [lone, lone]
+    deltas = stream(tiny_tokenizer, ids)
+    assert "".join(deltas) == REPLACEMENT * 6 + text + REPLACEMENT * 2
+    assert REPLACEMENT not in "".join(deltas[12:-3])  # the invalid bytes go out by the first character
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 399), max_size=80))
+def test_any_tokens_stream_as_their_full_decode(tiny_tokenizer, ids):
+    """Whatever the tokens (invalid bytes, special tokens, characters split anywhere), the deltas add up to
+    the decode of them all."""
+    assert "".join(stream(tiny_tokenizer, ids)) == tiny_tokenizer.decode(ids, skip_special_tokens=True)
