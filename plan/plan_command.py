@@ -85,18 +85,21 @@ def _model_and_free_memory(args: argparse.Namespace, req: PlanRequest) -> tuple[
     if missing:
         raise ConfigError("the plan needs " + ("these" if len(missing) > 1 else "this") + ":\n"
                           + "\n".join(f"  {m}" for m in missing))  # fmt: skip
-    return _model_dir(model), free
+    return _model_dir(model, getattr(args, "revision", None)), free
 
 
-def _model_dir(model: str) -> Path:
-    """The model directory, also when given as its config.json (what a shell's completion offers)."""
-    path = Path(model)
+def _model_dir(model: str, revision: str | None) -> Path:
+    """The model directory, also when given as its config.json (what a shell's completion offers) or as a
+    hub id in the local cache; a missing one is an error naming --model."""
+    from ferry.services.worker.model_source import resolve_model_dir
+
+    path = Path(model).expanduser()
     if path.is_file():
         if path.name != "config.json":
             raise ConfigError(f"{model} is a file: give the model directory (the one holding config.json), "
                               "or its config.json")  # fmt: skip
         return path.parent
-    return path
+    return resolve_model_dir(model, revision)
 
 
 def _plan_and_host_check(spec: ModelSpec, req: PlanRequest, measured: Callable[[int], Measured],
