@@ -135,7 +135,7 @@ def _load_dummy_experts(store, spec, dtype: torch.dtype, device: torch.device) -
     if store.slots.format.quantized:
         store.fill_dummy(seed=0)
         return
-    for moe_layer, expert, gate, up, down in iter_dummy_experts(spec, dtype, device):
+    for moe_layer, expert, gate, up, down in iter_dummy_experts(spec, dtype, device, progress=_progress_bars()):
         store.load_expert(moe_layer, expert, gate, up, down)
 
 
