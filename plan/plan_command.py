@@ -49,16 +49,22 @@ def run(args: argparse.Namespace) -> int:
 
     world = expert_parallel_size(args)
     if world > 1:
-        plans = plan_every_gpu(spec, req, measured, mem_available_bytes(), world)
+        here = mem_available_bytes()
+        plans = plan_every_gpu(spec, req, measured, here, world)
         if args.json:
             json.dump({"expert_parallel_size": world, "gpus": [p.to_dict() for p in plans]}, sys.stdout)
             sys.stdout.write("\n")
         else:
+            unchecked = plans[0].host.available_source == HOST_NOT_CHECKED
             for g, p in enumerate(plans):
                 print(f"GPU {g} of {world}: experts e % {world} == {g}, {p.experts.total // max(len(spec.moe_layer_indices), 1)}"
                       f" of {spec.num_experts} a MoE layer; dense weights, KV and linear states replicated")  # fmt: skip
-                print(plan_table(p) + ("\n" if g < world - 1 else ""))
-            print(f"host: the {world} GPUs' banks together pin {format_bytes(sum(p.host.expert_bank_bytes for p in plans))}")
+                print(plan_table(p, host_here=here if unchecked else None) + ("\n" if g < world - 1 else ""))
+            total = sum(p.host.expert_bank_bytes + p.host.reserve_bytes for p in plans)
+            print(f"host: the {world} GPUs' banks together pin {format_bytes(sum(p.host.expert_bank_bytes for p in plans))}"
+                  + (f"; not checked: with the ranks' reserves they need {format_bytes(total)}, this machine has "
+                     f"{format_bytes(here)} (MemAvailable); give --host-memory SIZE of the machine the worker will run on"
+                     if unchecked else ""))  # fmt: skip
         return 0
     plan, here = _plan_and_host_check(spec, req, measured, mem_available_bytes())
     if args.json:
