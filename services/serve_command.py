@@ -202,9 +202,9 @@ def run(args: argparse.Namespace) -> int:
         model = str(ensure_demo_model())
         log.info("demo_model", path=model)
     else:
-        from ferry.services.worker.model_source import resolve_model_dir
+        from ferry.services.worker.model_source import check_model_exists
 
-        resolve_model_dir(model, args.revision)  # a missing model fails here, before three processes start
+        check_model_exists(model, args.revision)  # a missing model fails here, before three processes start
     stopping = False
 
     def request_stop(signum, _frame) -> None:
