@@ -30,7 +30,7 @@ assert not heavy, heavy
 
 @pytest.mark.parametrize("command", ["", *COMMANDS])
 def test_help_prints_without_importing_torch(command):
-    """`--help` is quick because it imports nothing heavy; its time on a given machine is bench's business."""
+    """`--help` is quick because it imports nothing heavy; its time on a given machine: bench/cli_help.py."""
     argv = [command] if command else []
     done = subprocess.run([sys.executable, "-c", NO_HEAVY_IMPORTS, *argv], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "usage: ferry" in done.stdout, done.stderr
