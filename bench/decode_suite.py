@@ -49,6 +49,8 @@ WORKLOADS = {
     "hybrid8_fp8": (MODELS / "qwen3.6-35b-a3b/config.json", 8, ["--moe-cache-size", "640", *HYBRID8], "fp8"),
     "hybrid8_fp8_auto": (MODELS / "qwen3.6-35b-a3b/config.json", 8, HYBRID8, "fp8"),
     "36b_nvfp4": (MODELS / "qwen3.6-35b-a3b/config.json", None, FULL, "nvfp4"),
+    # a 24 GiB card at Ferry's own defaults (issue 56): the plan sizes running requests and context from memory
+    "36b_nvfp4_defaults": (MODELS / "qwen3.6-35b-a3b/config.json", None, ["--gpu-memory", "24GiB"], "nvfp4"),
     "36b_fp8": (MODELS / "qwen3.6-35b-a3b/config.json", None, FULL, "fp8"),
     "30b_fp8": (MODELS / "qwen3-30b-a3b/config.json", None, FULL, "fp8"),
     # every expert resident (issue 24): the compute path alone, against the HBM bound

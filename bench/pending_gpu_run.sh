@@ -23,6 +23,15 @@
 # 3. PART=serveprof, then PART=contention, EIGHT_FORMAT=nvfp4 PART=eight, WARMSTEP_FORMAT=nvfp4 WARMSTEP_RING=0
 #    PART=warmstep.
 #   PART=check   make gpu-check (the release check, which builds the host's C kernel; gpu_check.json)  ~4-7 min
+#   PART=peer    Ferry against the peer FreeToken 0.1.2 (bench/peer_compare.py): one random NVFP4 checkpoint of the
+#                full-size 35B, the same client, each engine's whole process under 24 GiB by nvidia-smi
+#                (peer_compare_<card>.json). FreeToken's wheels come in .peer/, which the call must carry
+#                (carry [".whl", ".peer"]), made here with `mkdir -p .peer && cp ../shared/peers/freetoken/*.whl .peer/`
+#                and `echo /.peer/ >> .git/info/exclude`; they are installed into /tmp/ft, its PYTHONPATH alone  ~9 min
+#                (the checkpoint, ~20 GB in $TMPDIR, is reused by a second call on the same warm machine; PEER_ARGS
+#                passes more flags, e.g. "--ferry-load-format auto" to have Ferry read it too)
+#   PART=defaults the full-size 35B NVFP4 at 24 GiB at the issue's flags and at Ferry's defaults, nvidia-smi's
+#                process memory beside them, then the 12-layer and hybrid cuts' TTFT-2k                   ~9 min
 #   PART=prefill bench/prefill_attention.py on the 35B's attention shapes, then the 262k-token TTFT  ~6-8 min
 #   PART=three   issue 23's three turns (32k first turn) on the full-size 35B with NVFP4 experts, openai and anthropic
 #                clients (prefix_hybrid_three.json)                                              ~3 min
@@ -100,7 +109,9 @@ part_cost() {
     decode12) echo $(( 20 + 70 * $(n_variants "$DECODE12_VARIANTS") )) ;;
     share) echo $(( 20 + 120 * $(n_variants "$HYBRID8_VARIANTS") )) ;;
     long) echo $(( 180 * $(n_variants "$LONG_VARIANTS") )) ;;  # 165 s a variant at a663c35, + 2 repeats of each decode
-    resident) echo 210 ;;  # two cuts served (its timeout 200 s)
+    resident) echo 210 ;;
+    defaults) echo 540 ;;  # two cuts served (its timeout 200 s)
+    peer) echo 570 ;;  # a 20 GB checkpoint written, two engines booted and measured (peer_compare's --budget-s 500)
     handoff) echo 90 ;;  # five rounds' kinds alone, then beside two loads of ~1.2 s each (under 1 min on the H200 alone)
     split) echo $(( 75 * 2 * $(n_variants "$SPLIT_SPIN") )) ;;  # two cuts a spin, each a boot (~45 s) and 17-28 s of steps
     *) echo 240 ;;
@@ -119,6 +130,29 @@ case "${part:-check}" in
     timeout 570 make gpu-check OUT="$OUT" GPU_PYTHON=python3 GPU_CHECK_ARGS="--workers ${GPU_CHECK_WORKERS:-2}" \
       > "$OUT/gpu_check_stdout.log" 2>&1; echo "gpu-check rc=$?"
     tail -3 "$OUT/gpu_check_stdout.log" ;;
+  defaults)  # issue 56: the full-size 35B NVFP4 at --gpu-memory 24GiB, the issue's flags and Ferry's defaults, the
+    # process's device memory sampled by nvidia-smi (it must stay under 24 GiB), then the two cuts' TTFT-2k
+    build_host_kernel
+    nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits -lms 500 > "$OUT/smi_apps.csv" 2>&1 &
+    SMI=$!
+    timeout 420 python3 bench/decode_suite.py --out "$OUT" --workloads 36b_nvfp4_defaults,36b_nvfp4 --max-tokens 128 \
+      --ready-timeout 240 --run-timeout 200 > "$OUT/defaults.log" 2>&1; echo "defaults rc=$?"
+    kill $SMI; tail -4 "$OUT/defaults.log"
+    echo "largest process by nvidia-smi (MiB): $(sort -t, -k2 -n "$OUT/smi_apps.csv" | tail -1)"
+    grep -h '"device_memory"\|device_memory ' "$OUT"/serve_36b*.log | cut -c1-400
+    timeout 300 python3 bench/decode_suite.py --out "$OUT" --workloads 12layer,hybrid8 --max-tokens 64 \
+      > "$OUT/ttft.log" 2>&1; echo "ttft rc=$?"; grep -h ttft "$OUT"/decode_12layer*.json "$OUT"/decode_hybrid8*.json | head -8 ;;
+  peer)  # Ferry and FreeToken 0.1.2 side by side under one device-memory line (bench/peer_compare.py's docstring)
+    if ! ls .peer/freetoken-*.whl > /dev/null 2>&1; then
+      echo "PART=peer needs FreeToken's wheels in .peer/, carried (carry [\".whl\", \".peer\"]; this header says how)"
+    else
+      build_host_kernel  # Ferry at its defaults: its host kernel built as pip builds it
+      python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/ft .peer/*.whl \
+        > "$OUT/peer_install.log" 2>&1 || echo "FreeToken's wheels did not install (peer_install.log)"
+      timeout 530 python3 bench/peer_compare.py --out "$OUT" --freetoken-site /tmp/ft --budget-s 500 ${PEER_ARGS:-} \
+        > "$OUT/peer_compare.log" 2>&1; echo "peer rc=$?"
+      tail -7 "$OUT/peer_compare.log"
+    fi ;;
   prefill)
     timeout 150 python3 bench/prefill_attention.py --contexts 0,65536,131072,253952 --whole-prompt 261988 \
       --tiles "32,32,8;64,16,4" --out "$OUT/prefill_attention_$GPU.json" > "$OUT/prefill_attention.log" 2>&1

@@ -10,7 +10,8 @@ OpenAI-compatible server (Ferry, or a peer measured with the very same script).
   ids (`ttft_ids_s`, `ttft_ids_wire_s`): there the openai client spends 20-40 ms building the
   request of 2,000 ids before it sends it. Without a tokenizer (or when no text of exactly that
   many tokens is found) only the ids are sent. One untimed prompt of that length goes first, and
-  the text and ids runs alternate;
+  the text and ids runs alternate. `--prompt-kind text` sends every prompt as text (the decode runs'
+  too, each exactly `--prompt-len` tokens) and no ids, for servers that take only text (FreeToken);
 * decode: for each N in `--streams`, N concurrent streamed completions of `--max-tokens` tokens at
   `--temperature` with `ignore_eos`; per stream, tokens/s from chunk arrival times (the tokens
   after the first over the time between the first and the last chunk), and the aggregate
@@ -219,6 +220,23 @@ def hbm_bytes_per_token(config_dir: str, context: float) -> tuple[float, int]:
     return dense + computed + kv + linear, expert
 
 
+def prompt_texts(tokenizer_dir: str, vocab: int | None, seed: int = 0):
+    """A function n -> text of exactly n tokens of `tokenizer_dir`'s tokenizer (ids of `id_range`), seeded;
+    callable from several threads (the decode runs' streams draw theirs at once)."""
+    import numpy as np
+
+    rng, (low, high), lock = np.random.default_rng(seed), id_range(vocab), threading.Lock()
+
+    def draw(n: int) -> str:
+        with lock:
+            text = text_of_tokens(tokenizer_dir, n, rng, low, high)
+        if text is None:
+            raise ValueError(f"--prompt-kind text: no text of exactly {n} tokens found with {tokenizer_dir}")
+        return text
+
+    return draw
+
+
 def id_range(vocab: int | None) -> tuple[int, int]:
     """The token ids the prompts draw from: ordinary ones, past the first thousand (specials, bytes) and
     under 100k."""
@@ -257,12 +275,17 @@ def main() -> int:
     p.add_argument("--tokenizer", default=None,
                    help="directory with the model's tokenizer.json, for TTFT's text prompt (default: --config)")
     p.add_argument("--ceilings", default=None, help="bench/bandwidth.py JSON measured in the same run, for the bound")
+    p.add_argument("--prompt-kind", choices=("ids", "text"), default="ids",
+                   help="ids (default): the decode runs send token ids and TTFT is timed as text and as ids; text: "
+                        "every prompt is text of exactly its length (servers that take no token ids: FreeToken)")  # fmt: skip
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.repeats < 1:
         p.error(f"--repeats {args.repeats}: at least 1")
     if args.tokenizer and not (Path(args.tokenizer) / "tokenizer.json").is_file():
         p.error(f"--tokenizer {args.tokenizer}: no tokenizer.json there")
+    if args.prompt_kind == "text" and not (Path(args.tokenizer or args.config or "") / "tokenizer.json").is_file():
+        p.error("--prompt-kind text needs the model's tokenizer: pass --tokenizer (or --config) DIR with tokenizer.json")
 
     import numpy as np
     from openai import OpenAI
@@ -276,6 +299,8 @@ def main() -> int:
 
         vocab = load_model_config(args.config).vocab_size
     prompt, (low, high) = prompt_ids(vocab), id_range(vocab)
+    if args.prompt_kind == "text":
+        prompt = prompt_texts(args.tokenizer or args.config, vocab)
     result: dict = {"base_url": args.base_url, "model": model, "max_tokens": args.max_tokens,
                     "temperature": args.temperature, "runs": []}  # fmt: skip
 
@@ -292,18 +317,25 @@ def main() -> int:
     stream(client, model, prompt(args.ttft_prompt_len), 1, args.temperature)  # the first prompt of this length: untimed
     before = scrape(args.metrics)
     ids_runs, text_runs = [], []
+    if args.prompt_kind == "text" and texts is None:
+        print(f"error: --prompt-kind text: no text of exactly {args.ttft_prompt_len} tokens found with {tokenizer_dir}",
+              file=sys.stderr)  # fmt: skip
+        return 2
     for i in range(args.ttft_runs):  # interleaved: neither kind takes all the early runs
-        ids_runs.append(stream(client, model, prompt(args.ttft_prompt_len), 1, args.temperature))
+        if args.prompt_kind == "ids":
+            ids_runs.append(stream(client, model, prompt(args.ttft_prompt_len), 1, args.temperature))
         if texts:
             text_runs.append(stream(client, model, texts[i], 1, args.temperature))
     result["ttft_expert_cache"] = cache_delta(before, scrape(args.metrics))  # what the prefills copied
     result["ttft_prefills"] = len(ids_runs) + len(text_runs)
-    result.update(ttft_summary(ids_runs, "_ids"))
+    result.update(ttft_summary(ids_runs, "_ids") if ids_runs else
+                  {f"ttft_ids{k}": None for k in ("_s", "_runs_s", "_wire_s", "_wire_runs_s", "_prompt_tokens")})  # fmt: skip
     result.update(ttft_summary(text_runs or ids_runs))  # ttft_s: the text prompt's, else the ids'
     result["ttft_prompt"] = "text" if text_runs else "ids"
+    as_ids = (f"; as token ids {1e3 * result['ttft_ids_s']:.0f} ms, "
+              f"{1e3 * (result['ttft_ids_wire_s'] or float('nan')):.0f} ms from the wire" if ids_runs else "")  # fmt: skip
     print(f"TTFT ({args.ttft_prompt_len}-token prompt): median {1e3 * result['ttft_s']:.0f} ms of {args.ttft_runs} "
-          f"({result['ttft_prompt']}; server counted {result['ttft_prompt_tokens']} tokens); as token ids "
-          f"{1e3 * result['ttft_ids_s']:.0f} ms, {1e3 * (result['ttft_ids_wire_s'] or float('nan')):.0f} ms from the wire")  # fmt: skip
+          f"({result['ttft_prompt']}; server counted {result['ttft_prompt_tokens']} tokens){as_ids}")  # fmt: skip
 
     if args.settle_tokens:
         settled = stream(client, model, prompt(args.prompt_len), args.settle_tokens, args.temperature)

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from ferry.plan.model_config import ModelSpec
 from ferry.plan.plan_report import HOST_NOT_CHECKED
-from ferry.plan.planner import DEFAULT_MAX_PREFILL_TOKENS, Measured, Plan, PlanRequest
+from ferry.plan.planner import DEFAULT_MAX_PREFILL_TOKENS, Measured, Plan, PlanRequest, Resolved
 from ferry.plan.prefill_chunk import plan_with_prefill_chunk
 from ferry.shared.errors import ConfigError, PlanError
 from ferry.shared.units import MiB, format_bytes
@@ -91,16 +91,16 @@ def check_ranks_host(banks: list[int], reserve: int, available: int | None, sour
                         "host (--expert-parallel-size), or more --host-memory if the machine has it")  # fmt: skip
 
 
-def plan_every_gpu(spec: ModelSpec, req: PlanRequest, measured: Callable[[int], Measured], here: int | None,
+def plan_every_gpu(spec: ModelSpec, req: PlanRequest, measured: Callable[[Resolved | None], Measured], here: int | None,
                    world: int) -> list[Plan]:  # fmt: skip
-    """One plan per GPU (module docstring); `measured(tokens)` gives the whole model's weights and workspace,
+    """One plan per GPU (module docstring); `measured(step)` gives the whole model's weights and workspace,
     `here` this machine's MemAvailable (None: unknown). PlanError if the GPUs' banks together do not fit the host."""
     if world > spec.num_experts:
         raise ConfigError(f"--expert-parallel-size {world} exceeds the model's {spec.num_experts} experts a layer")
     nccl = nccl_workspace_bytes(world)
 
-    def on_one_gpu(tokens: int) -> Measured:
-        m = measured(tokens)
+    def on_one_gpu(step: Resolved | None) -> Measured:
+        m = measured(step)
         return dataclasses.replace(m, workspace_bytes=m.workspace_bytes + nccl, host_available_bytes=None,
                                    workspace_source=f"{m.workspace_source} + NCCL buffers {format_bytes(nccl)}")  # fmt: skip
 

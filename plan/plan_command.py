@@ -21,7 +21,8 @@ from ferry.plan.costs import (
 from ferry.plan.expert_parallel import add_expert_parallel_flags, expert_parallel_size, plan_every_gpu
 from ferry.plan.plan_report import HOST_NOT_CHECKED, plan_table
 from ferry.shared.units import format_bytes
-from ferry.plan.planner import Measured, Plan, PlanRequest, resolve
+from ferry.plan.outside_memory import estimated_outside
+from ferry.plan.planner import Measured, Plan, PlanRequest, Resolved, resolve
 from ferry.plan.planner_flags import add_planner_flags, plan_request_from_args
 from ferry.plan.prefill_chunk import plan_with_prefill_chunk
 
@@ -43,9 +44,12 @@ def run(args: argparse.Namespace) -> int:
     if weights is None:
         weights, source = resident_weight_bytes_from_shapes(spec, r.dtype), "shapes"
 
-    def measured(tokens: int) -> Measured:
-        workspace = workspace_bytes_estimate(spec, r.dtype, tokens, r.max_running_requests, r.max_model_len)
-        return Measured(weights, workspace, free, source, "estimate")
+    outside = estimated_outside(budget_from_free_memory=req.gpu_memory is None)
+
+    def measured(step: Resolved | None) -> Measured:
+        workspace = 0 if step is None else workspace_bytes_estimate(spec, step.dtype, step.max_prefill_tokens,
+                                                                     step.max_running_requests, step.max_model_len)
+        return Measured(weights, workspace, free, source, "estimate", outside=outside)
 
     world = expert_parallel_size(args)
     if world > 1:
@@ -108,7 +112,7 @@ def _model_dir(model: str, revision: str | None) -> Path:
     return resolve_model_dir(model, revision)
 
 
-def _plan_and_host_check(spec: ModelSpec, req: PlanRequest, measured: Callable[[int], Measured],
+def _plan_and_host_check(spec: ModelSpec, req: PlanRequest, measured: Callable[[Resolved | None], Measured],
                          here: int | None) -> tuple[Plan, int | None]:  # fmt: skip
     """The plan, with its host-RAM check against --host-memory, else this machine's MemAvailable
     (`here`). A plan whose budget is --gpu-memory may well be for another machine: there, banks that
@@ -116,11 +120,11 @@ def _plan_and_host_check(spec: ModelSpec, req: PlanRequest, measured: Callable[[
     budget measured from this machine's GPU, or with --host-memory, they fail it (rule 4). Returns
     the plan and, when its host check was skipped, this machine's MemAvailable for the table."""
 
-    def checked(tokens: int) -> Measured:
-        return dataclasses.replace(measured(tokens), host_available_bytes=here)
+    def checked(step: Resolved | None) -> Measured:
+        return dataclasses.replace(measured(step), host_available_bytes=here)
 
-    def host_unchecked(tokens: int) -> Measured:
-        return dataclasses.replace(measured(tokens), host_available_bytes=None)
+    def host_unchecked(step: Resolved | None) -> Measured:
+        return dataclasses.replace(measured(step), host_available_bytes=None)
 
     if req.host_memory is not None or req.gpu_memory is None or here is None:
         return plan_with_prefill_chunk(spec, req, checked), None

@@ -77,7 +77,8 @@ def plan_table(plan: Plan, host_here: int | None = None) -> str:
                     f"{cpus}" if workers else "")  # fmt: skip
     return _render([*rows, *host_rows], split_before=len(rows)) + (
         f"\ndtype {plan.dtype}, max_model_len {plan.max_model_len}, max_running_requests {plan.max_running_requests}"
-        f"\nexpert backend {b.backend} (--expert-backend {b.requested}): {backend}{threads}"
+        + (f" ({plan.sizing_source})" if plan.sizing_source else "")
+        + f"\nexpert backend {b.backend} (--expert-backend {b.requested}): {backend}{threads}"
     )
 
 

@@ -24,10 +24,13 @@ from ferry.shared.units import ceil_div, format_bytes
 from ferry.plan import expert_formats as F
 from ferry.plan import host_memory as H
 from ferry.plan import pool_layout as L
+from ferry.plan.outside_memory import OutsideMemory, allocator_headroom
 from ferry.plan.expert_backend import (ExpertBackendPlan, check_expert_backend_flags, chosen_host_cpus, parse_cpu_list,
                                        physical_cores, plan_expert_backend)  # fmt: skip
 
-DEFAULT_MEMORY_RATIO = 0.9
+# The whole --gpu-memory (or free memory) goes to the plan, less what is measured to live outside it
+# (plan/outside_memory.py): a fixed tenth left a 24 GiB card's 2.4 GiB idle, ~1,400 NVFP4 expert slots.
+DEFAULT_MEMORY_RATIO = 1.0
 DEFAULT_PAGE_SIZE = 16
 DEFAULT_MAX_RUNNING_REQUESTS = 64
 DEFAULT_MAX_PREFILL_TOKENS = 8192
@@ -39,6 +42,9 @@ DEFAULT_MAX_PREFILL_TOKENS = 8192
 # snapshot, 122 on an H200, 22 in 24 GiB). A default that does not fit beside the floors shrinks (to 0 at
 # worst: no prefix reuse); an explicit count is a requirement.
 DEFAULT_SNAPSHOTS_PER_RUNNING_REQUEST = 2
+# Where the defaults are a single user's (plan/memory_defaults.py: experts offloaded), one a running request:
+# the deepest point of each conversation, where its next turn resumes; a second is 61 MiB of slots less.
+OFFLOADED_SNAPSHOTS_PER_RUNNING_REQUEST = 1
 DEFAULT_SNAPSHOT_BUDGET_SHARE = 16  # the default takes at most budget / this
 
 
@@ -64,6 +70,9 @@ class PlanRequest:
     expert_backend: str | None = None  # auto | gpu | hybrid | cpu (plan/expert_backend.py); None: auto
     host_expert_threads: int | None = None  # the host's expert threads; None: the cores the processes leave
     host_expert_cpus: str | None = None  # where they are pinned: auto | none | a CPU list; None: auto
+    # not a flag: the snapshots a running request gets by default (None: DEFAULT_SNAPSHOTS_PER_RUNNING_REQUEST);
+    # plan/memory_defaults.py sets it where experts are offloaded
+    snapshots_per_running_request: int | None = None
 
     def is_set(self, name: str) -> bool:
         return getattr(self, name) is not None
@@ -81,6 +90,8 @@ class Measured:
     free_source: str = "measured"  # how free_bytes was obtained, for the budget's derivation
     host_available_bytes: int | None = None  # this machine's MemAvailable; None: unknown (no host check)
     host_cores: int | None = None  # physical cores for the host's expert threads; None: this machine's
+    # device memory outside the allocator the budget leaves room for (CUDA context, kernels); none on CPU
+    outside: OutsideMemory = OutsideMemory()
 
 
 @dataclass(frozen=True)
@@ -164,6 +175,8 @@ class Plan:
     max_prefill_tokens_source: str = "default"
     # who computes missed experts, and on how many host threads (plan/expert_backend.py)
     expert_backend: ExpertBackendPlan = ExpertBackendPlan()
+    # how max_running_requests and max_model_len were set when a flag did not (plan/memory_defaults.py)
+    sizing_source: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -225,6 +238,11 @@ def resolve(spec: ModelSpec, req: PlanRequest) -> Resolved:
     return Resolved(dtype, page_size, mrr, mpt, max_model_len, ratio)
 
 
+def plan_budget(spec: ModelSpec, req: PlanRequest, measured: Measured) -> int:
+    """The bytes the plan's terms may take under `req` and `measured` (ConfigError/PlanError as make_plan)."""
+    return _budget(req, resolve(spec, req).memory_ratio, measured)[0]
+
+
 def min_expert_slots(spec: ModelSpec) -> int:
     """Fewest slots the offload loop can run with: one MoE layer's experts all at once, so a
     step's routed experts of one layer always fit together and none is evicted by its own layer."""
@@ -232,20 +250,42 @@ def min_expert_slots(spec: ModelSpec) -> int:
 
 
 def _budget(req: PlanRequest, ratio: float, measured: Measured) -> tuple[int, str]:
+    """The bytes the plan's terms may take: --gpu-memory (the whole process) or the free memory, times the
+    ratio, less what lives outside the allocator and, under the default ratio, the allocator's headroom."""
     ratio_text = f"--memory-ratio {ratio:g}" if req.is_set("memory_ratio") else f"memory ratio {ratio:g} (default)"
+    outside = measured.outside
     if req.gpu_memory is not None:
-        if measured.free_bytes is not None and req.gpu_memory > measured.free_bytes:
+        if measured.free_bytes is not None and req.gpu_memory - outside.held > measured.free_bytes:
+            largest = measured.free_bytes + outside.held
             raise PlanError(
                 f"--gpu-memory {format_bytes(req.gpu_memory)} is more than the device has free "
-                f"({format_bytes(measured.free_bytes)}); the largest value that fits is {measured.free_bytes}"
+                f"({format_bytes(measured.free_bytes)} besides the {format_bytes(outside.held)} this process holds "
+                f"outside the allocator); the largest value that fits is {largest} ({format_bytes(largest)})"
             )
         base, base_text = req.gpu_memory, f"--gpu-memory {format_bytes(req.gpu_memory)}"
     elif measured.free_bytes is not None:
         base, base_text = measured.free_bytes, f"free device memory {format_bytes(measured.free_bytes)} ({measured.free_source})"
     else:
         raise ConfigError("no GPU here to measure: give the device budget with --gpu-memory (e.g. --gpu-memory 24GiB)")
-    budget = math.floor(base * ratio)
-    return budget, f"{base_text} x {ratio_text} = {format_bytes(budget)}"
+    budget = budget_for_base(base, ratio, outside, req.is_set("memory_ratio"))
+    text = f"{base_text} x {ratio_text}"
+    if outside.bytes:
+        text += f" - {outside.describe()}"
+    headroom = _headroom(base, outside, req.is_set("memory_ratio"))
+    if headroom:
+        text += f" - {format_bytes(headroom)} allocator headroom (1% of it, at least {format_bytes(allocator_headroom(0))})"
+    return budget, f"{text} = {format_bytes(budget)}"
+
+
+def _headroom(base: int, outside: OutsideMemory, ratio_given: bool) -> int:
+    """The allocator's headroom: on a CUDA worker (one with memory outside the allocator) under the default
+    ratio; an explicit --memory-ratio sets its own share aside instead."""
+    return allocator_headroom(base) if outside.source and not ratio_given else 0
+
+
+def budget_for_base(base: int, ratio: float, outside: OutsideMemory, ratio_given: bool) -> int:
+    """The plan's budget from a device budget `base` (--gpu-memory or free memory)."""
+    return max(0, math.floor(base * ratio) - outside.bytes - _headroom(base, outside, ratio_given))
 
 
 def _largest(cost: Callable[[int], int], available: int, lo: int, hi: int) -> int | None:
@@ -336,7 +376,7 @@ def make_plan(spec: ModelSpec, req: PlanRequest, measured: Measured) -> Plan:
         raise PlanError(_explain_failure(_Failure(spec, req, r, measured, budget, derivation, terms, sizes, costs)))
     _fill(spec, sizes, costs, budget - terms.total)
     host = _host_plan(spec, req, r.dtype, measured, offloaded=sizes.expert_slots < spec.total_experts)
-    plan = _plan(spec, r, measured, budget, derivation, sizes, costs, host)
+    plan = _plan(spec, req, r, measured, budget, derivation, sizes, costs, host)
     cores = measured.host_cores if measured.host_cores is not None else physical_cores()
     offloaded = sizes.expert_slots < spec.total_experts
     backend = plan_expert_backend(req.expert_backend, req.host_expert_threads, offloaded, cores)
@@ -378,7 +418,7 @@ def _requirements_and_floors(spec: ModelSpec, req: PlanRequest, r: Resolved) -> 
     snapshots = 0
     if spec.linear_attention_layers:
         snapshots = (req.linear_state_snapshots if req.linear_state_snapshots is not None
-                     else DEFAULT_SNAPSHOTS_PER_RUNNING_REQUEST * r.max_running_requests)  # fmt: skip
+                     else _snapshots_per_request(req) * r.max_running_requests)  # fmt: skip
     return _Sizes(
         kv_pages=kv_pages, kv_required=req.num_pages is not None or req.num_tokens is not None,
         expert_slots=expert_required if expert_required is not None else floor_slots,
@@ -388,10 +428,16 @@ def _requirements_and_floors(spec: ModelSpec, req: PlanRequest, r: Resolved) -> 
     )  # fmt: skip
 
 
-def _snapshot_source(sizes: _Sizes) -> str:
+def _snapshots_per_request(req: PlanRequest) -> int:
+    if req.snapshots_per_running_request is None:
+        return DEFAULT_SNAPSHOTS_PER_RUNNING_REQUEST
+    return req.snapshots_per_running_request
+
+
+def _snapshot_source(sizes: _Sizes, req: PlanRequest) -> str:
     if sizes.snapshots_required:
         return "--linear-state-snapshots"
-    return (f"default: {DEFAULT_SNAPSHOTS_PER_RUNNING_REQUEST} x max_running_requests"
+    return (f"default: {_snapshots_per_request(req)} x max_running_requests"
             + (f", capped at 1/{DEFAULT_SNAPSHOT_BUDGET_SHARE} of the budget" if sizes.snapshots_capped else "")
             + (", fewer to fit beside the floors" if sizes.snapshots_shrunk else ""))  # fmt: skip
 
@@ -406,7 +452,7 @@ def _terms(spec: ModelSpec, req: PlanRequest, r: Resolved, measured: Measured, s
         terms.add(f"linear-state pool: {sizes.linear_slots} slots + {L.LINEAR_PADDING_SLOTS} padding",
                   costs.linear_state(sizes.linear_slots))  # fmt: skip
     if sizes.snapshots:
-        terms.add(f"linear-state snapshots: {sizes.snapshots} ({_snapshot_source(sizes)})", costs.snapshots(sizes.snapshots))
+        terms.add(f"linear-state snapshots: {sizes.snapshots} ({_snapshot_source(sizes, req)})", costs.snapshots(sizes.snapshots))
     kv_label = (
         f"KV pool: {sizes.kv_pages} pages x {r.page_size} tokens + {L.KV_SENTINEL_PAGES} sentinel page ("
         + ("--num-pages" if req.num_pages is not None else "--num-tokens" if req.num_tokens is not None
@@ -448,8 +494,8 @@ def _fill(spec: ModelSpec, sizes: _Sizes, costs: _Costs, remaining: int) -> None
         sizes.kv_pages = _largest(lambda p: costs.kv(p) - costs.kv(pages), remaining, pages, upper)
 
 
-def _plan(spec: ModelSpec, r: Resolved, measured: Measured, budget: int, derivation: str, sizes: _Sizes,
-          costs: _Costs, host: HostPlan) -> Plan:  # fmt: skip
+def _plan(spec: ModelSpec, req: PlanRequest, r: Resolved, measured: Measured, budget: int, derivation: str,
+          sizes: _Sizes, costs: _Costs, host: HostPlan) -> Plan:  # fmt: skip
     kv = KVPlan(
         page_size=r.page_size,
         pages=sizes.kv_pages,
@@ -467,7 +513,7 @@ def _plan(spec: ModelSpec, r: Resolved, measured: Measured, budget: int, derivat
                          parts.staging_slots, parts.staging_bytes, parts.cache_state_bytes, parts.padding_bytes)  # fmt: skip
     snapshots = LinearSnapshotPlan(sizes.snapshots, L.linear_state_bytes_per_slot(spec, r.dtype) if sizes.snapshots else 0,
                                    costs.snapshots(sizes.snapshots),
-                                   _snapshot_source(sizes) if spec.linear_attention_layers else "")  # fmt: skip
+                                   _snapshot_source(sizes, req) if spec.linear_attention_layers else "")  # fmt: skip
     total = measured.weights_bytes + measured.workspace_bytes + kv.bytes + linear.bytes + snapshots.bytes + experts.bytes
     assert total <= budget, "planner arithmetic broke its own invariant"
     return Plan(
@@ -557,7 +603,7 @@ def _explain_failure(f: _Failure) -> str:
         f"  {'total':<62} {format_bytes(f.terms.total):>12}",
     ]
     hints = [*_kv_hints(f), *_expert_hints(f), *_linear_state_hints(f), *_snapshot_hints(f), *_max_model_len_hints(f),
-             *_budget_hints(f)]  # fmt: skip
+             *_together_hints(f), *_budget_hints(f)]  # fmt: skip
     if hints:
         lines.append("to fit, with everything else unchanged:")
         lines.extend(f"  {h}" for h in hints)
@@ -617,6 +663,30 @@ def _linear_state_hints(f: _Failure) -> list[str]:
     return [_hint("--max-running-requests", n, 1)]
 
 
+def _together_hints(f: _Failure) -> list[str]:
+    """Where neither fewer running requests nor a shorter context fits alone, the most running requests (halving
+    from the plan's) with which some context fits, and that context: a hybrid model's linear states and the KV
+    floor of one max-length sequence are the two terms a user sizes."""
+    req, sizes = f.req, f.sizes
+    if not f.spec.linear_attention_layers or req.kv_reserve_tokens is not None or req.num_tokens is not None or \
+            req.num_pages is not None:  # fmt: skip
+        return []
+    alone_fits = (_kv_pages_fitting(f) >= 1 or
+                  (_largest(f.costs.linear_state, f.room_for(f.costs.linear_state, sizes.linear_slots), 1,
+                            max(sizes.linear_slots, 1)) is not None))  # fmt: skip
+    if alone_fits:
+        return []
+    fixed = f.terms.total - f.costs.kv(sizes.kv_pages) - f.costs.linear_state(sizes.linear_slots)
+    n = f.r.max_running_requests
+    while n >= 1:
+        room = f.budget - fixed - f.costs.linear_state(n)
+        pages = _largest(f.costs.kv, room, 1, max(sizes.kv_pages, 1))
+        if pages is not None:
+            return [f"--max-running-requests {n} --max-model-len {pages * f.r.page_size}: these fit together"]
+        n //= 2
+    return []
+
+
 def _snapshot_hints(f: _Failure) -> list[str]:
     if f.req.linear_state_snapshots is None or not f.sizes.snapshots:
         return []
@@ -626,16 +696,17 @@ def _snapshot_hints(f: _Failure) -> list[str]:
 
 
 def _budget_hints(f: _Failure) -> list[str]:
-    req, r, total = f.req, f.r, f.terms.total
+    req, r, total, outside = f.req, f.r, f.terms.total, f.measured.outside
+    ratio_given = req.is_set("memory_ratio")
     hints = []
     if req.gpu_memory is not None:
-        need = math.ceil(total / r.memory_ratio)
-        while math.floor(need * r.memory_ratio) < total:
-            need += 1
+        need = math.ceil((total + outside.bytes) / r.memory_ratio)
+        while budget_for_base(need, r.memory_ratio, outside, ratio_given) < total:
+            need += max(1, (total - budget_for_base(need, r.memory_ratio, outside, ratio_given)) // 2)
         hints.append(f"--gpu-memory would have to be at least {need} bytes ({format_bytes(need)})")
     if req.memory_ratio is not None:
         base = req.gpu_memory if req.gpu_memory is not None else f.measured.free_bytes
-        needed_ratio = math.ceil(total / base * 1e4) / 1e4
+        needed_ratio = math.ceil((total + outside.bytes) / base * 1e4) / 1e4
         hints.append(f"--memory-ratio would have to be at least {needed_ratio:g}" if needed_ratio <= 1 else
                      "--memory-ratio: no value up to 1 fits")  # fmt: skip
     return hints

@@ -86,22 +86,25 @@ def add_planner_flags(parser: argparse.ArgumentParser) -> None:
                      help="GPU expert slots as a fraction of all experts, in (0, 1] (exact requirement)")
     g.add_argument("--page-size", type=int, default=None, help="tokens per KV page (default 16)")
     g.add_argument("--max-running-requests", "--max-num-seqs", dest="max_running_requests", type=int, default=None,
-                   help="requests decoded together; sizes the linear-state pool (default 64); "
+                   help="requests decoded together; sizes the linear-state pool (default: 64 where every expert then has a "
+                        "GPU slot, else 8, halved until the plan fits); "
                         "--max-num-seqs (vLLM) is the same flag")
     g.add_argument("--max-prefill-tokens", "--max-num-batched-tokens", dest="max_prefill_tokens", type=int,
                    default=None,
                    help="tokens in one step, prefill chunks and decodes together (default: chosen from memory, "
-                        "16384, 8192, 4096 or 2048: the chunk streaming the fewest offloaded experts a prompt token, "
-                        "8192 at most with every expert resident); "
+                        "8192, 4096 or 2048, and 16384 where --max-model-len or a KV flag asks for prompts past 16384: "
+                        "the chunk moving the fewest offloaded experts over PCIe, 8192 at most with every expert resident); "
                         "--max-num-batched-tokens (vLLM) is the same flag")
     g.add_argument("--max-model-len", "--context-length", dest="max_model_len", type=int, default=None,
-                   help="longest sequence, prompt + output (default: the model's max_position_embeddings); "
+                   help="longest sequence, prompt + output (default: the model's max_position_embeddings where every expert "
+                        "then has a GPU slot, else the longest power of two from 8192 whose KV takes at most 1/32 of the "
+                        "budget, halved until the plan fits); "
                         "--context-length (SGLang) is the same flag")
     g.add_argument("--linear-state-snapshots", type=int, default=None, metavar="N",
                    help="hybrid models (Gated DeltaNet): linear-state snapshots kept for the prefix cache, each the "
                         "whole recurrent and conv state of a sequence at a cached prefix's end (61.4 MiB for "
-                        "Qwen3.6-35B-A3B); 0 turns prefix reuse off for them (default: 2 x --max-running-requests, "
-                        "at most 1/16 of the budget, fewer if they would not fit beside the other pools' floors)")
+                        "Qwen3.6-35B-A3B); 0 turns prefix reuse off for them (default: 2 x --max-running-requests, 1 x "
+                        "where experts are offloaded, at most 1/16 of the budget, fewer if they would not fit beside the other pools' floors)")
     g.add_argument("--expert-backend", choices=EXPERT_BACKENDS, default=None,
                    help="who computes the experts a step misses with experts offloaded on CUDA: gpu (each crosses "
                         "PCIe), hybrid (the host computes part of each layer's misses where they lie in host RAM "

@@ -10,7 +10,8 @@ Qwen's FP8 block layout (services/quantized_checkpoint.py); without weights, `--
 makes dummy experts in that format at full size.
 
 `--weights random` also writes the weights, as safetensors shards in the Hugging Face per-expert
-layout (`model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight`), so that any engine — a peer
+layout (`model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight`; `model.language_model.layers...` for a
+multimodal wrapper's config, as Qwen3.5/3.6's published checkpoints name them), so that any engine — a peer
 measured with the same client — loads the same model. They follow the dummy recipe
 (services/worker/dummy_weights.py: a strong token embedding and weak output projections, so
 routing changes with every token; `--routing-skew` makes some experts popular), and with no skew
@@ -97,6 +98,7 @@ def write_random_weights(out: Path, routing_skew: float = 0.0, seed: int = 0, de
 
     spec = load_model_config(out)
     shapes = {**resident_weight_shapes(spec), **routed_expert_shapes(spec)}
+    named = published_names(json.loads((out / "config.json").read_text()))
     weight_map, shard, shard_bytes, total, index = {}, {}, 0, 0, 0
     progress = _Progress(len(shapes))
 
@@ -113,7 +115,7 @@ def write_random_weights(out: Path, routing_skew: float = 0.0, seed: int = 0, de
         t = dummy_tensor(spec, name, shape, TORCH_DTYPES[dtype], torch.device(device), seed, routing_skew)
         tensors = quantize_tensors(fmt, {name: t}) if fmt else {name: t}
         for n, q in tensors.items():
-            shard[n] = q.cpu().contiguous()
+            shard[named(n)] = q.cpu().contiguous()
             shard_bytes += q.nbytes
             total += q.nbytes
         if shard_bytes >= SHARD_BYTES:
@@ -124,8 +126,17 @@ def write_random_weights(out: Path, routing_skew: float = 0.0, seed: int = 0, de
     (out / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1) + "\n")
     if fmt:
-        set_quantization(out, fmt, list(shapes))
+        set_quantization(out, fmt, [named(n) for n in shapes])
     return total
+
+
+def published_names(config: dict):
+    """name -> the name the published checkpoint of this config gives that tensor: a multimodal wrapper's
+    (a config with `text_config`, as Qwen3.5/3.6's) text tensors sit under `model.language_model.`, which
+    other engines' readers match exactly (FreeToken's NVFP4 experts); Ferry reads either."""
+    if "text_config" not in config:
+        return lambda name: name
+    return lambda name: "model.language_model." + name.removeprefix("model.") if name.startswith("model.") else name
 
 
 def set_quantization(out: Path, fmt: str, names: list[str]) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import dataclass
 
 import structlog
 from aiohttp import web
@@ -26,6 +25,7 @@ from ferry.shared.errors import FerryError, NotFound
 from ferry.services.api import anthropic_schema as schema
 from ferry.services.api import structured
 from ferry.services.api.anthropic_responses import PING, MessageBuilder, error_body, sse_event
+from ferry.services.api.chat_prompt import ChatPrompt
 from ferry.services.api.config import ApiConfig
 from ferry.services.api.generation import Generation
 from ferry.services.api.metrics import ApiMetrics, mark_counted_by_generations
@@ -38,12 +38,6 @@ from ferry.services.api.tokenizer import PromptTokenizer
 log = structlog.get_logger("api.anthropic")
 
 PING_INTERVAL_S = 10.0  # a ping when no other event went out for this long (proxies close idle streams)
-
-
-@dataclass
-class Prompt:
-    ids: list[int]
-    text: str
 
 
 def forced_prompt_suffix(req: schema.CountTokensRequest, prompt_text: str) -> str:
@@ -66,15 +60,15 @@ class AnthropicRoutes:
 
     # ---- prompt ----------------------------------------------------------------------------------
 
-    def _prompt(self, tokenizer: PromptTokenizer, req: schema.CountTokensRequest) -> Prompt:
+    def _prompt(self, tokenizer: PromptTokenizer, req: schema.CountTokensRequest) -> ChatPrompt:
         """On a tokenizer thread, with that thread's tokenizer: render (messages, tools, template
-        variables) and encode."""
+        variables) and encode (client text as text: tokenizer.py's chat_prompt)."""
         messages = schema.template_messages(req)
         continue_final = messages[-1]["role"] == "assistant"  # a prefilled answer: the model continues it
-        text = tokenizer.chat_text(messages, tools=schema.template_tools(req), continue_final=continue_final,
-                                   **schema.template_kwargs(req))  # fmt: skip
-        text += forced_prompt_suffix(req, text)
-        return Prompt(tokenizer.encode(text), text)
+        chat = tokenizer.render_chat(messages, tools=schema.template_tools(req), continue_final=continue_final,
+                                     **schema.template_kwargs(req))  # fmt: skip
+        chat = chat.plus(forced_prompt_suffix(req, chat.text))
+        return ChatPrompt(tokenizer.encode_chat(chat), chat.text)
 
     def _check_model(self, req: schema.CountTokensRequest) -> None:
         if req.model != self.cfg.served_model_name:

@@ -26,6 +26,7 @@ from ferry.services.api.config import ApiConfig
 from ferry.services.api.anthropic_routes import AnthropicRoutes
 from ferry.services.api.http_errors import api_key_check, error_responses, error_response, _TYPE_BY_STATUS
 from ferry.services.api.metrics import ApiMetrics
+from ferry.services.api.responses_api import ResponsesRoutes
 from ferry.services.api.routes import OpenAIRoutes
 from ferry.services.api.scheduler_client import SchedulerClient
 from ferry.services.api.tokenizer import PromptTokenizer
@@ -135,6 +136,7 @@ def build_app(cfg: ApiConfig, tokenizer: PromptTokenizer, drain: Drain | None = 
     openai_routes = OpenAIRoutes(cfg, client, tokenizer, metrics, drain)
     openai_routes.add_to(app)
     AnthropicRoutes(cfg, client, tokenizer, metrics, openai_routes._tokenize).add_to(app)
+    ResponsesRoutes(cfg, client, tokenizer, metrics, openai_routes._tokenize).add_to(app)
 
     async def lifecycle(app: web.Application):
         await client.start()

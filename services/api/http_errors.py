@@ -27,7 +27,8 @@ _TYPE_BY_STATUS = {400: "invalid_request_error", 401: "authentication_error", 40
                    405: "invalid_request_error", 413: "invalid_request_error"}  # fmt: skip
 ANTHROPIC_PREFIX = "/v1/messages"
 # ferry_requests_total's route label of the generation routes (Generation's own); other paths: route_label
-_REQUEST_ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/messages": "messages"}
+_REQUEST_ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/messages": "messages",
+                   "/v1/responses": "responses"}  # fmt: skip
 
 
 def error_response(status: int, error_type: str, message: str, request: web.Request | None = None,

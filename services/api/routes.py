@@ -15,6 +15,7 @@ import msgspec
 from ferry.shared.errors import FerryError, InvalidRequest, NotFound, ServiceUnavailable
 from ferry.shared.sampling import SamplingParams
 from ferry.services.api import schema, structured
+from ferry.services.api.chat_prompt import ChatPrompt
 from ferry.services.api.config import ApiConfig
 from ferry.services.api.generation import Generation
 from ferry.services.api.logprobs import TokenText
@@ -93,8 +94,8 @@ class OpenAIRoutes:
         messages = schema.chat_messages(req)
         self._check_chars(sum(len(m["content"]) for m in messages), "messages")
         kwargs = schema.template_kwargs(req, forced=grammar is not None)
-        text = await self._tokenize(_chat_text, (messages, tools, kwargs), size)
-        prompt = await self._tokenize(PromptTokenizer.encode, text, size)
+        chat = await self._tokenize(_chat_prompt, (messages, tools, kwargs), size)
+        prompt, text = chat.ids, chat.text
         fmt = ChatFormat(self.cfg.served_model_name)
         reasoning = self.cfg.reasoning_parser if req.separate_reasoning else "none"
         token_text = self._token_text if logprobs is not None else None
@@ -121,6 +122,7 @@ class OpenAIRoutes:
         texts = [p for p in prompts if isinstance(p, str)]
         if texts:
             self._check_chars(max(len(t) for t in texts), "prompt")
+        # the raw prompt is the client's own whole prompt: special-token text in it is that token (as in vLLM, OpenAI)
         ids = [await self._tokenize(PromptTokenizer.text_prompt, p, len(body)) for p in prompts]
         fmt = CompletionFormat(self.cfg.served_model_name)
         token_text = self._token_text if logprobs is not None else None
@@ -265,9 +267,9 @@ class OpenAIRoutes:
 # What the tokenizer lanes run: fn(tokenizer, arg) (OpenAIRoutes._tokenize)
 
 
-def _chat_text(tokenizer: PromptTokenizer, arg) -> str:
+def _chat_prompt(tokenizer: PromptTokenizer, arg) -> ChatPrompt:
     messages, tools, kwargs = arg
-    return tokenizer.chat_text(messages, tools, **kwargs)
+    return tokenizer.chat_prompt(messages, tools, **kwargs)
 
 
 def _response_format_grammar(_tokenizer: PromptTokenizer, fmt) -> str | None:

@@ -7,7 +7,9 @@ message between special tokens (`<|im_start|>` ... `<|im_end|>`), and a fast tok
 at added tokens before it normalises or pre-tokenises anything: the text on either side of a special
 token is tokenized on its own. So a prompt is its segments between special tokens, each tokenized
 alone, and the segments a conversation sent before (every message but the new ones) are looked up here
-instead of tokenized again; the new ones are tokenized in one batch call.
+instead of tokenized again; the new ones are tokenized in one batch call. A chat prompt in which a
+client's text spells a special token is cut by its caller at the template's special tokens alone
+(PromptTokenizer.encode_chat): `encode_segments` takes the texts between them that spell none.
 
 Only special tokens the tokenizer matches literally cut a prompt (not normalised, no stripping of the
 spaces beside them, not whole-word only): with those flags the cut is exactly where the tokenizer cuts.
@@ -64,15 +66,24 @@ class SegmentCache:
     def encode(self, text: str, hf: Any) -> list[int]:
         """The ids tokenizer `hf` gives `text` (add_special_tokens=False), segment by segment."""
         parts = self._cut.split(text)
-        segments = parts[0::2]
+        out: list[int] = []
+        for i, ids in enumerate(self.encode_segments(parts[0::2], hf)):
+            out.extend(ids)
+            if 2 * i + 1 < len(parts):
+                out.append(self.specials[parts[2 * i + 1]])
+        return out
+
+    def encode_segments(self, segments: list[str], hf: Any) -> list[array]:
+        """The ids tokenizer `hf` gives each of `segments` alone (texts between special tokens), those
+        seen before looked up, the new ones tokenized in one batch call."""
         with self._lock:
-            known = [self._ids.get(s) if s else [] for s in segments]
+            known = [self._ids.get(s) if s else array("i") for s in segments]
             for s, ids in zip(segments, known):
                 if s and ids is not None:
                     self._ids.move_to_end(s)
         new = sorted({s for s, ids in zip(segments, known) if ids is None})
         if new:
-            encoded = {s: array("i", ids) for s, ids in zip(new, _encode_batch(hf, new))}
+            encoded = {s: array("i", ids) for s, ids in zip(new, encode_each(hf, new))}
             with self._lock:
                 for s, ids in encoded.items():
                     self._put(s, ids)
@@ -81,12 +92,7 @@ class SegmentCache:
         with self._lock:
             self.hits += sum(1 for s in segments if s and s not in fresh)
             self.misses += len(new)
-        out: list[int] = []
-        for i, ids in enumerate(known):
-            out.extend(ids)
-            if 2 * i + 1 < len(parts):
-                out.append(self.specials[parts[2 * i + 1]])
-        return out
+        return known
 
     def _put(self, segment: str, ids: array) -> None:
         if segment in self._ids or len(segment) > self.max_chars:
@@ -104,10 +110,16 @@ class SegmentCache:
             self.hits = self.misses = 0
 
 
-def _encode_batch(hf: Any, texts: list[str]) -> list[list[int]]:
+def encode_each(hf: Any, texts: list[str], as_text: bool = False) -> list[list[int]]:
     """The tokenizer's ids of each text alone: its Rust backend's batch call where it has one (what
-    `encode` calls, without building a BatchEncoding), else the tokenizer's own batch call."""
+    `encode` calls, without building a BatchEncoding), else the tokenizer's own batch call. `as_text`:
+    a special token spelled in a text is read as text (a client's text in a chat prompt)."""
     backend = getattr(hf, "backend_tokenizer", None)
-    if backend is not None:
+    if backend is None:
+        return hf(texts, add_special_tokens=False, split_special_tokens=as_text)["input_ids"]
+    reading = backend.encode_special_tokens
+    backend.encode_special_tokens = as_text  # the thread's own tokenizer: no other call sees the setting
+    try:
         return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
-    return hf(texts, add_special_tokens=False)["input_ids"]
+    finally:
+        backend.encode_special_tokens = reading

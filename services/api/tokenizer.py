@@ -6,9 +6,14 @@ import copy
 from pathlib import Path
 from typing import Any
 
-from ferry.services.api.segment_cache import MIN_PROMPT_CHARS, SegmentCache
+from ferry.services.api.chat_prompt import ChatPrompt, ClientText, RenderedChat
+from ferry.services.api.segment_cache import MIN_PROMPT_CHARS, SegmentCache, encode_each
 from ferry.shared.eos import eos_token_ids
 from ferry.shared.errors import InvalidRequest, ModelLoadError
+
+
+# Unicode White_Space, what the tokenizers library strips beside a special token with lstrip/rstrip
+_WHITESPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680\u2028\u2029\u202f\u205f\u3000" + "".join(map(chr, range(0x2000, 0x200B)))
 
 
 class TooLong(InvalidRequest):
@@ -32,6 +37,11 @@ class PromptTokenizer:
         self.max_model_len: int | None = None  # set from the scheduler's status (routes); None: unchecked
         # long prompts are tokenized segment by segment, the segments sent before looked up (segment_cache.py)
         self.segments = SegmentCache.for_tokenizer(self.hf)
+        # {spelling: added token} of the special tokens: in a chat prompt, only the template's are tokens
+        self.special_tokens = {t.content: t for t in self.hf.added_tokens_decoder.values() if t.special and t.content}
+        self.special_ids = {t.content: i for i, t in self.hf.added_tokens_decoder.items()
+                            if t.content in self.special_tokens}  # fmt: skip
+        self.client_text = ClientText(list(self.special_tokens))
 
     def copy(self) -> "PromptTokenizer":
         """Another PromptTokenizer over a copy of the same tokenizer, for another thread (the segment
@@ -48,25 +58,67 @@ class PromptTokenizer:
                           f"this model stands for more than {self.longest_token_chars} characters: it cannot fit; "
                           "shorten the prompt")  # fmt: skip
 
-    def chat_prompt(self, messages: list[dict]) -> list[int]:
-        return self.encode(self.chat_text(messages))
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None, continue_final: bool = False,
+                    **template_kwargs) -> ChatPrompt:  # fmt: skip
+        """The chat prompt of these messages, rendered (render_chat) and tokenized (encode_chat): what
+        every chat route sends the model. Client text in it is text, whatever special token it spells."""
+        chat = self.render_chat(messages, tools, continue_final, **template_kwargs)
+        return ChatPrompt(self.encode_chat(chat), chat.text)
 
-    def chat_text(self, messages: list[dict], tools: list[dict] | None = None, continue_final: bool = False,
-                  **template_kwargs) -> str:  # fmt: skip
-        """The rendered prompt. `tools` go to the template (apply_chat_template(tools=...)), which
-        writes them the way the model was trained to read them; `continue_final` continues the last
-        (assistant) message instead of opening a new turn; other keywords are template variables
-        (Qwen3's `enable_thinking`)."""
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None, continue_final: bool = False,
+                    **template_kwargs) -> RenderedChat:  # fmt: skip
+        """The rendered prompt, cut at the template's own special tokens (chat_prompt.py). `tools` go to
+        the template (apply_chat_template(tools=...)), which writes them the way the model was trained
+        to read them; `continue_final` continues the last (assistant) message instead of opening a new
+        turn; other keywords are template variables (Qwen3's `enable_thinking`)."""
         if not self.hf.chat_template:
             raise InvalidRequest("this model has no chat template; use /v1/completions")
-        try:
-            return self.hf.apply_chat_template(messages, tools=tools, add_generation_prompt=not continue_final,
-                                               continue_final_message=continue_final, tokenize=False,
-                                               **template_kwargs)  # fmt: skip
-        except Exception as exc:  # noqa: BLE001 - template errors (e.g. role order) are the client's to fix
-            raise InvalidRequest(f"the chat template rejected these messages: {exc}") from exc
+
+        def render(messages, tools, variables) -> str:
+            try:
+                return self.hf.apply_chat_template(messages, tools=tools, add_generation_prompt=not continue_final,
+                                                   continue_final_message=continue_final, tokenize=False,
+                                                   **variables)  # fmt: skip
+            except Exception as exc:  # noqa: BLE001 - template errors (e.g. role order) are the client's to fix
+                raise InvalidRequest(f"the chat template rejected these messages: {exc}") from exc
+
+        inputs = {"messages": messages, "tools": tools, "variables": template_kwargs}
+        return self.client_text.render(render, inputs, str(self.hf.chat_template))
+
+    def encode_chat(self, chat: RenderedChat) -> list[int]:
+        """The ids of a rendered chat prompt: its template's special tokens, and its texts as text. With no
+        special token spelled in a text, the whole prompt as the tokenizer reads it (encode); else text by
+        text, each cut where the tokenizer cuts at a special token (a stripping one takes the whitespace
+        beside it), the texts spelling one read as text, the others through the segment cache as encode does."""
+        texts = list(chat.texts)
+        spelled = [bool(self.client_text.spelling.search(t)) for t in texts]
+        if not any(spelled):
+            return self.encode(chat.text)
+        self.check_chars(len(chat.text))
+        # lstrip/rstrip as the tokenizers library applies them (single_word, normalized: cut at the spelling;
+        # the Qwen tokenizers served have none of these flags, and then the cut is exact: SegmentCache.for_tokenizer)
+        for i, special in enumerate(chat.specials):
+            token = self.special_tokens[special]
+            if token.lstrip:
+                texts[i] = texts[i].rstrip(_WHITESPACE)
+            if token.rstrip:
+                texts[i + 1] = texts[i + 1].lstrip(_WHITESPACE)
+        plain = [t for t, s in zip(texts, spelled) if not s]
+        if self.segments is not None and len(chat.text) >= MIN_PROMPT_CHARS:
+            plain_ids = iter(self.segments.encode_segments(plain, self.hf))
+        else:
+            plain_ids = iter(encode_each(self.hf, plain))
+        as_text = iter(encode_each(self.hf, [t for t, s in zip(texts, spelled) if s], as_text=True))
+        ids: list[int] = []
+        for i, s in enumerate(spelled):
+            ids.extend(next(as_text) if s else next(plain_ids))
+            if i < len(chat.specials):
+                ids.append(self.special_ids[chat.specials[i]])
+        return ids
 
     def encode(self, text: str) -> list[int]:
+        """The tokenizer's ids of `text`: every special token spelled in it is that token (a raw
+        prompt's reading: /v1/completions is the client's whole prompt; chat prompts: encode_chat)."""
         self.check_chars(len(text))
         if self.segments is not None and len(text) >= MIN_PROMPT_CHARS:
             return self.segments.encode(text, self.hf)

@@ -27,6 +27,8 @@ from ferry.shared.errors import ConfigError, FerryError
 from ferry.shared.units import MiB, format_bytes
 from ferry.plan.costs import workspace_bytes_estimate
 from ferry.services.worker.device import select_device
+from ferry.services.worker.device_memory import OutsideAllocatorProbe
+from ferry.plan.outside_memory import OutsideMemory
 from ferry.shared.eos import eos_token_ids
 from ferry.services.worker.executor import StepExecutor
 from ferry.services.worker.dummy_weights import iter_dummy_experts
@@ -159,16 +161,20 @@ def boot_worker(cfg: WorkerBootConfig) -> tuple[StepExecutor, Plan]:
     # expert-parallel ranks run eagerly: a rank's share of a step's pairs is counted on the host
     graphs_wanted = device.type == "cuda" and not cfg.enforce_eager and bool(buckets) and cfg.expert_parallel_size == 1
     baseline = 0
+    probe = None
     if device.type == "cuda":
         baseline = _reserved(device)  # what this process held before: not this boot's (tests boot many times)
         torch.cuda.reset_peak_memory_stats(device)
-    booted = _load_and_plan(cfg, files, r, device, free, free_source, graphs_wanted, buckets)
+        probe = OutsideAllocatorProbe(device)
+    booted = _load_and_plan(cfg, files, r, device, free, free_source, graphs_wanted, probe)
     booted["baseline_reserved"] = baseline
-    return _finish_boot(files, booted, r, device, req, free, graphs_wanted, buckets)
+    # the plan sized the running requests (plan/memory_defaults.py), and with them the decode graphs' batches
+    buckets = graph_buckets(files.spec.num_experts_per_tok, booted["plan"].max_running_requests)
+    return _finish_boot(files, booted, r, device, req, free, graphs_wanted, buckets, probe)
 
 
 def _load_and_plan(cfg: WorkerBootConfig, files: ModelFiles, r: Resolved, device: torch.device, free: int | None,
-                   free_source: str, graphs_wanted: bool, buckets: list[int]) -> dict:  # fmt: skip
+                   free_source: str, graphs_wanted: bool, probe: OutsideAllocatorProbe | None) -> dict:  # fmt: skip
     """Build the model, load its dense weights, then (between the two weight passes) measure,
     plan, allocate the pools and bind the expert store, then load the routed experts. Returns
     what the rest of boot needs: model, plan, pools, store and the measurements."""
@@ -195,28 +201,46 @@ def _load_and_plan(cfg: WorkerBootConfig, files: ModelFiles, r: Resolved, device
         else:
             weights = _tensor_bytes(model)
 
-        def measured(tokens: int) -> Measured:
-            """The facts for a `tokens`-token prefill chunk: its workspace profiled on CUDA (the decode
-            graphs' bytes added), estimated elsewhere; plan/prefill_chunk.py asks only for chunks it may take."""
+        def measured(step: Resolved | None) -> Measured:
+            """The facts for a step as `step` resolves it (its prefill chunk and running requests): its workspace
+            profiled on CUDA (the decode graphs' bytes added), estimated elsewhere; with `step` None, no workspace
+            (nothing profiled). plan/prefill_chunk.py asks only for steps it may take."""
+            outside = OutsideMemory()
             if device.type == "cuda":
-                # a chunk too long for this card is a PlanError: the chooser tries a shorter one
-                chunk = dataclasses.replace(r, max_prefill_tokens=tokens)
-                workspace = profiled_or_plan_error(lambda: profile_workspace_cuda(model, experts, spec, chunk, device),
-                                                   tokens, release=torch.cuda.empty_cache)  # fmt: skip
-                if graphs_wanted and "graph_bytes" not in booted:  # the decode graphs' pool and buffers, once
-                    booted["graph_bytes"] = profile_decode_graphs_cuda(model, experts, spec, r, device, buckets)
+                outside = probe.outside(budget_from_gpu_memory=req.gpu_memory is not None)
+            host = mem_available_bytes() if world == 1 else None
+            if step is None:
+                return Measured(weights, 0, free, "measured", "none", free_source, host_available_bytes=host,
+                                outside=outside)  # fmt: skip
+            if device.type == "cuda":
+                # a chunk too long for this card is a PlanError: the chooser tries a shorter one; a step asked for
+                # again (the same chunk under other snapshot counts) is not run again
+                profiled = booted.setdefault("workspace_by_step", {})
+                step_key = (step.max_prefill_tokens, step.max_running_requests, step.max_model_len)
+                if step_key not in profiled:
+                    profiled[step_key] = profiled_or_plan_error(
+                        lambda: profile_workspace_cuda(model, experts, spec, step, device), step.max_prefill_tokens,
+                        release=torch.cuda.empty_cache)  # fmt: skip
+                workspace = profiled[step_key]
+                buckets = graph_buckets(spec.num_experts_per_tok, step.max_running_requests)
+                graph_bytes = booted.setdefault("graph_bytes_by_step", {})
+                key = _graph_key(step.max_running_requests, step.max_model_len, step.page_size)
+                if graphs_wanted and buckets and key not in graph_bytes:  # the decode graphs' pool and buffers
+                    graph_bytes[key] = profile_decode_graphs_cuda(model, experts, spec, step, device, buckets)
                 source = "profiled"
-                if booted.get("graph_bytes") is not None:
-                    workspace += booted["graph_bytes"]
-                    source = f"profiled, {format_bytes(booted['graph_bytes'])} of it decode graphs"
+                if graph_bytes.get(key) is not None:
+                    workspace += graph_bytes[key]
+                    source = f"profiled, {format_bytes(graph_bytes[key])} of it decode graphs"
+                outside = probe.outside(budget_from_gpu_memory=req.gpu_memory is not None)  # profiling loads kernels
             else:
-                workspace = workspace_bytes_estimate(spec, r.dtype, tokens, r.max_running_requests, r.max_model_len)
+                workspace = workspace_bytes_estimate(spec, r.dtype, step.max_prefill_tokens, step.max_running_requests,
+                                                     step.max_model_len)  # fmt: skip
                 source = "estimate"
             if world > 1:  # NCCL's buffers, outside torch's allocator (plan/expert_parallel.py)
                 workspace += nccl_workspace_bytes(world) if device.type == "cuda" else 0
             # an expert-parallel rank's banks are checked with the others' (_ranks_host_checked), not alone
-            host = mem_available_bytes() if world == 1 else None
-            return Measured(weights, workspace, free, "measured", source, free_source, host_available_bytes=host)
+            return Measured(weights, workspace, free, "measured", source, free_source, host_available_bytes=host,
+                            outside=outside)  # fmt: skip
 
         # an expert-parallel rank streams nothing past its cache (below): no chunk past the default pays there
         plan = plan_with_prefill_chunk(store_spec, req, measured, longest=DEFAULT_MAX_PREFILL_TOKENS if world > 1 else None)
@@ -245,8 +269,10 @@ def _load_and_plan(cfg: WorkerBootConfig, files: ModelFiles, r: Resolved, device
             store.set_routers([layer.mlp.gate.weight for layer in model.layers if hasattr(layer.mlp, "gate")])
         experts.bind(store)
         # an offloaded store's experts go to host banks: read them to CPU, never through the device
+        graph_bytes = booted.get("graph_bytes_by_step", {}).get(
+            _graph_key(plan.max_running_requests, plan.max_model_len, plan.kv.page_size))
         booted.update(plan=plan, pools=pools, store=store, expert_device=torch.device("cpu") if banks else device,
-                      experts_started=time.monotonic())  # fmt: skip
+                      experts_started=time.monotonic(), graph_bytes=graph_bytes)  # fmt: skip
 
     dummy = files.load_format == "dummy"
     progress = _progress_bars()
@@ -254,6 +280,11 @@ def _load_and_plan(cfg: WorkerBootConfig, files: ModelFiles, r: Resolved, device
     model.load_weights(chain(resident_weights(files, dtype, device, progress), _then(plan_and_allocate, expert_pass)),
                        routed_experts=not dummy)  # fmt: skip
     return booted
+
+
+def _graph_key(max_running_requests: int, max_model_len: int, page_size: int) -> tuple[int, int, int]:
+    """What the decode graphs' bytes depend on: their batch sizes (by the running requests) and block tables."""
+    return max_running_requests, max_model_len, page_size
 
 
 def _ranks_host_checked(plan: Plan, cfg: WorkerBootConfig, world: int) -> Plan:
@@ -386,7 +417,8 @@ def _attach_host_decode(store, spec, experts, cost, device: torch.device, backen
 
 
 def _finish_boot(files: ModelFiles, booted: dict, r: Resolved, device: torch.device, req: PlanRequest,
-                 free: int | None, graphs_wanted: bool, buckets: list[int]) -> tuple[StepExecutor, Plan]:  # fmt: skip
+                 free: int | None, graphs_wanted: bool, buckets: list[int],
+                 probe: OutsideAllocatorProbe | None) -> tuple[StepExecutor, Plan]:  # fmt: skip
     """Load dummy experts, warm the offload store's slots, capture the decode graphs, check the
     budget was kept, log the plan, and hand back the executor."""
     spec, dtype, model = files.spec, TORCH_DTYPES[r.dtype], booted["model"]
@@ -419,7 +451,7 @@ def _finish_boot(files: ModelFiles, booted: dict, r: Resolved, device: torch.dev
         if booted.get("graph_bytes") is not None and buckets else None  # fmt: skip
     if device.type == "cuda":
         _restart_statistics(store)  # the warm-up and the captures ran padding rows only
-    _check_budget(device, req, free, booted.get("loading_peak_reserved", 0), booted["baseline_reserved"])
+    _check_budget(device, req, free, booted.get("loading_peak_reserved", 0), booted["baseline_reserved"], probe)
     log.info("plan", **plan_log_fields(plan))
     log.debug("plan_detail", **plan_detail_fields(plan), model=str(files.model_dir), device=str(device),
               load_format=files.load_format, cuda_graphs=graphs.buckets if graphs is not None else None)  # fmt: skip
@@ -462,17 +494,25 @@ def _restart_statistics(store) -> None:
     store.stats.reset()
 
 
-def _check_budget(device: torch.device, req: PlanRequest, free: int | None, earlier_peak: int,
-                  baseline: int = 0) -> None:  # fmt: skip
-    """--gpu-memory is a promise: after boot, what this boot ever reserved (beyond what the process
-    held before it: `baseline`) must be within it."""
+def _check_budget(device: torch.device, req: PlanRequest, free: int | None, earlier_peak: int, baseline: int = 0,
+                  probe: OutsideAllocatorProbe | None = None) -> None:  # fmt: skip
+    """--gpu-memory is a promise about the whole process: after boot, what this boot ever reserved (beyond what
+    the process held before it: `baseline`) plus what it holds outside the allocator must be within it; without
+    the flag, within the free memory read at start plus the context it already held then."""
     if device.type != "cuda":
         return
     limit = req.gpu_memory if req.gpu_memory is not None else free
     reserved = max(torch.cuda.max_memory_reserved(device), earlier_peak) - baseline
-    if limit is not None and reserved > limit:
+    outside = 0
+    if probe is not None:
+        outside = probe.held() - (probe.at_start if req.gpu_memory is None else 0)
+    log.info("device_memory", reserved_peak=reserved, outside_allocator=outside,
+             outside_source="NVML" if probe is not None and probe.nvml else "estimate",
+             process_total=reserved + outside, limit=limit)  # fmt: skip
+    if limit is not None and reserved + outside > limit:
         what = f"--gpu-memory {format_bytes(limit)}" if req.gpu_memory is not None else f"free memory {format_bytes(limit)}"
         raise MemoryBudgetExceeded(
-            f"boot reserved {format_bytes(reserved)} of device memory, more than {what}; lower --memory-ratio "
-            "to leave the allocator more headroom"
+            f"boot took {format_bytes(reserved + outside)} of device memory ({format_bytes(reserved)} reserved by the "
+            f"allocator, {format_bytes(outside)} outside it), more than {what}; lower --memory-ratio to leave the "
+            "allocator more headroom"
         )

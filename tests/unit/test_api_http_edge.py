@@ -124,7 +124,7 @@ def test_4_the_reserved_template_keywords_are_every_parameter_of_the_template_ca
 
     from ferry.services.api.tokenizer import PromptTokenizer
 
-    named = {p.name for f in (PromptTokenizer.chat_text, PreTrainedTokenizerBase.apply_chat_template)
+    named = {p.name for f in (PromptTokenizer.chat_prompt, PromptTokenizer.render_chat, PreTrainedTokenizerBase.apply_chat_template)
              for p in inspect.signature(f).parameters.values() if p.kind is not p.VAR_KEYWORD}  # fmt: skip
     assert named <= schema.RESERVED_TEMPLATE_KWARGS, named - schema.RESERVED_TEMPLATE_KWARGS
 

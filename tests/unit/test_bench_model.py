@@ -16,6 +16,7 @@ from ferry.plan.model_config import load_model_config, parse_model_config
 from ferry.services.bench_model import cut_config, write_bench_model, write_random_weights
 from ferry.services.worker.dummy_weights import iter_dummy_tensors
 from ferry.services.worker.loader import open_model, resident_weights
+from ferry.services.worker.models.weights import canonical_name
 from tests.unit.model_harness import PagedRunner
 
 QWEN36 = "tests/data/models/qwen3.6-35b-a3b/config.json"
@@ -57,6 +58,29 @@ def test_random_weights_load_as_a_checkpoint_and_match_the_dummy_recipe(tiny_mod
         t.nbytes for _, t in iter_dummy_tensors(files.spec, torch.float32, "cpu", routed_experts=True))
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert "model.layers.0.mlp.experts.3.down_proj.weight" in index["weight_map"]  # the per-expert layout
+
+
+def test_a_multimodal_wrappers_random_nvfp4_weights_carry_the_published_names_and_load(tiny_models, tmp_path):
+    # Qwen3.5/3.6 (a config with text_config): `model.language_model.` as nvidia's NVFP4 releases, which FreeToken's
+    # expert reader matches exactly; Ferry reads them back as the same model
+    text = json.loads((tiny_models["qwen3_5_moe"] / "config.json").read_text())
+    wrapper = {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+               "tie_word_embeddings": False, "text_config": {**text, "model_type": "qwen3_5_moe_text"}}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(wrapper))
+    out = write_bench_model(tmp_path / "q", tmp_path / "config.json")
+    write_random_weights(out, dtype="float32", fmt="nvfp4")
+    names = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    experts = [n for n in names if ".mlp.experts." in n]
+    assert experts and all(n.startswith("model.language_model.layers.") for n in experts)
+    assert "model.language_model.layers.0.mlp.experts.3.down_proj.weight_scale_2" in names
+    assert "lm_head.weight" in names and "model.language_model.embed_tokens.weight" in names
+    assert not [n for n in names if n.startswith("model.layers.")]
+    excluded = json.loads((out / "config.json").read_text())["quantization_config"]["exclude_modules"]
+    assert "model.language_model.layers.0.mlp.gate" in excluded
+    files = open_model(str(out), load_format="safetensors")
+    got = {canonical_name(n): t for n, t in resident_weights(files, torch.float32, "cpu", progress=False)}
+    want = {canonical_name(n): t for n, t in iter_dummy_tensors(files.spec, torch.float32, "cpu", routed_experts=False)}
+    assert got.keys() == want.keys() and torch.equal(got["embed_tokens.weight"], want["embed_tokens.weight"])
 
 
 def test_the_command_refuses_skew_without_weights(tmp_path):

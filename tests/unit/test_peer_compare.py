@@ -1,0 +1,168 @@
+"""bench/peer_compare.py's pure parts, on CPU with no process started: its flags, FreeToken's memory ratio from the
+line, the check that FreeToken can read the checkpoint's expert names, nvidia-smi's rows summed per engine,
+FreeToken's readiness, the figures taken from the client's result, the ratios and the printed table; and
+serve_openai's text prompts (FreeToken takes no token ids)."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+from bench import peer_compare as pc
+from bench.serve_openai import prompt_texts
+from ferry.services.bench_model import write_bench_model
+
+QWEN36 = "tests/data/models/qwen3.6-35b-a3b/config.json"
+NVFP4 = {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "quantization_config": {"quant_algo": "NVFP4"}}
+
+
+def test_the_flags_take_sizes_with_units_and_a_bad_one_names_its_flag(capsys):
+    args = pc.parse_args(["--memory-line", "24GiB", "--freetoken-allowance", "1536MiB"])
+    assert (args.line_mib, args.allowance_mib, args.margin_mib) == (24576, 1536, 256)
+    assert (args.max_tokens, args.repeats, args.ttft_runs, args.ttft_prompt_len) == (128, 3, 3, 2000)
+    for argv, said in ((["--memory-line", "24"], "--memory-line '24'"),
+                       (["--freetoken-allowance", "-1GiB"], "--freetoken-allowance"),
+                       (["--memory-line", "1GiB", "--freetoken-allowance", "2GiB"], "must be less than --memory-line"),
+                       (["--repeats", "0"], "--repeats 0: at least 1"),
+                       (["--config", "no/such/config.json"], "--config no/such/config.json")):  # fmt: skip
+        with pytest.raises(SystemExit):
+            pc.parse_args(argv)
+        assert said in capsys.readouterr().err
+
+
+def test_freetokens_ratio_keeps_its_caches_to_the_line_less_the_allowance():
+    # an 80 GB card with 79,000 MiB free: (24,576 - 1,536) / 79,000, rounded down
+    ratio = pc.freetoken_memory_ratio(24576, 79000, 1536)
+    assert ratio == 0.2916 and ratio * 79000 <= 24576 - 1536
+    assert pc.freetoken_memory_ratio(24576, 24576, 0) == 1.0
+    with pytest.raises(ValueError, match="must be in \\(0, 1\\]"):
+        pc.freetoken_memory_ratio(24576, 20000, 1536)  # less free than the line: the ratio would pass 1
+    with pytest.raises(ValueError, match="0 MiB free"):
+        pc.freetoken_memory_ratio(24576, 0, 1536)
+
+
+def test_a_second_start_lowers_the_ratio_by_the_excess_and_the_margin():
+    lowered = pc.lowered_ratio(0.2916, 79000, excess_mib=600, margin_mib=256)
+    assert lowered == 0.2807 and (0.2916 - lowered) * 79000 >= 600 + 256 - 8  # rounded down to 1e-4 of 79,000
+    with pytest.raises(ValueError, match="no lower ratio"):
+        pc.lowered_ratio(0.01, 79000, excess_mib=2000, margin_mib=256)
+
+
+def test_freetoken_reads_only_the_published_expert_names_and_the_check_says_which_it_misses():
+    published = {f"model.language_model.layers.0.mlp.experts.1.{p}.{k}": "a.safetensors"
+                 for p in ("gate_proj", "up_proj", "down_proj") for k in ("weight", "weight_scale", "weight_scale_2", "input_scale")}  # fmt: skip
+    assert pc.freetoken_layout_problem(NVFP4, published | {"model.layers.0.mlp.gate.weight": "a"}) is None
+    ferry = {"model.layers.0.mlp.experts.1.gate_proj.weight": "a", **published}
+    problem = pc.freetoken_layout_problem(NVFP4, ferry)
+    assert "1 of 13 expert tensors" in problem and "'model.layers.0.mlp.experts.1.gate_proj.weight'" in problem
+    assert "no per-expert tensors" in pc.freetoken_layout_problem(NVFP4, {"model.layers.0.mlp.experts.gate_up_proj": "a"})
+    # another model or format: nothing is claimed
+    assert pc.freetoken_layout_problem({**NVFP4, "architectures": ["Qwen3MoeForCausalLM"]}, ferry) is None
+    assert pc.freetoken_layout_problem({**NVFP4, "quantization_config": {"quant_method": "fp8"}}, ferry) is None
+
+
+def test_the_names_make_bench_model_writes_for_the_35b_are_checked_before_it_writes_them_and_freetoken_reads_them():
+    names = pc.planned_expert_names(QWEN36)
+    assert len(names) == 40 * 256 * 3 and "model.language_model.layers.0.mlp.experts.0.gate_proj.weight" in names
+    config = json.loads(open(QWEN36).read()) | {"quantization_config": {"quant_algo": "NVFP4"}}
+    assert pc.freetoken_layout_problem(config, names) is None
+
+
+def test_nvidia_smis_rows_are_summed_over_the_engines_session_alone():
+    apps = pc.parse_compute_apps("101, 20000\n102, 1500\n7, [N/A]\n\n300, 900\nNo running processes found\n")
+    assert apps == [(101, 20000.0), (102, 1500.0), (300, 900.0)]
+    sessions = {101: 100, 102: 100, 300: 299}
+    assert pc.engine_memory(apps, sessions.get, 100) == (21500.0, 22400.0, [101, 102])
+    assert pc.engine_memory(apps, lambda pid: None, 100) == (0, 22400.0, [])  # another pid namespace
+
+
+def test_the_sampler_reports_its_sessions_peak_and_falls_back_to_every_process_without_pids():
+    sampler = pc.MemorySampler()
+    sampler.watch(100)
+    with sampler._lock:  # what two samples leave (run() does this under nvidia-smi)
+        sampler.peak_session_mib, sampler.peak_all_mib, sampler.pids, sampler.samples = 21500.0, 22400.0, {101}, 2
+    assert sampler.report() == {"peak_process_mib": 21500, "pids_matched": True, "gpu_pids": [101], "samples": 2}
+    sampler.watch(200)
+    with sampler._lock:
+        sampler.peak_all_mib, sampler.samples = 23000.0, 1
+    assert sampler.report() == {"peak_process_mib": 23000, "pids_matched": False, "gpu_pids": [], "samples": 1}
+
+
+def test_freetoken_is_ready_at_status_ok_not_at_a_200_while_it_loads_and_its_error_stops_the_wait():
+    assert not pc.freetoken_ready(200, json.dumps({"status": "loading", "phase": "weights"}))
+    assert pc.freetoken_ready(200, json.dumps({"status": "ok", "model": "m"}))
+    assert not pc.freetoken_ready(503, "not json")
+    with pytest.raises(RuntimeError, match="worker died"):
+        pc.freetoken_ready(200, json.dumps({"status": "error", "message": "worker died"}))
+
+
+def _detail(tokens1: int, tokens8: int) -> dict:
+    return {"ttft_s": 0.41234, "ttft_prompt_tokens": [2000, 2000, 2000],
+            "runs": [{"streams": 1, "median_stream_tok_s": 101.234, "aggregate_tok_s": 100.0, "tokens": tokens1},
+                     {"streams": 8, "median_stream_tok_s": 60.0, "aggregate_tok_s": 470.55, "tokens": tokens8}]}  # fmt: skip
+
+
+def test_an_engines_figures_come_from_the_clients_median_repeats_and_say_whether_every_token_came():
+    got = pc.summarize(_detail(3 * 128, 3 * 8 * 128), max_tokens=128, repeats=3)
+    assert got["single_stream_tok_s"] == 101.23 and got["streams8_tok_s"] == 470.55 and got["ttft_2k_s"] == 0.4123
+    assert got["all_tokens_generated"] and got["tokens"] == {"1": 384, "8": 3072}
+    assert not pc.summarize(_detail(3 * 128, 3 * 8 * 128 - 5), max_tokens=128, repeats=3)["all_tokens_generated"]
+
+
+def test_the_ratios_are_ferry_over_freetoken_and_the_table_prints_both_engines_and_them():
+    ferry = {"ready_s": 40.0, "peak_process_mib": 23000, "over_line": False, "single_stream_tok_s": 120.0,
+             "streams8_tok_s": 600.0, "ttft_2k_s": 0.5}  # fmt: skip
+    peer = {"ready_s": 80.0, "peak_process_mib": 25000, "over_line": True, "single_stream_tok_s": 60.0,
+            "streams8_tok_s": None, "ttft_2k_s": 1.0}  # fmt: skip
+    r = pc.ratios(ferry, peer)
+    assert r == {"single_stream_tok_s": 2.0, "streams8_tok_s": None, "ttft_2k_s": 0.5, "ready_s": 0.5,
+                 "peak_process_mib": 0.92}  # fmt: skip
+    result = {"card": "NVIDIA H100 80GB HBM3", "memory_line_mib": 24576.0, "ferry_weights": "dummy", "ferry": ferry,
+              "freetoken": peer, "ratios": r}  # fmt: skip
+    lines = pc.table(result)
+    assert lines[1].split() == ["ferry", "40.000", "23000", "False", "120.000", "600.000", "0.500"]
+    assert lines[2].split() == ["freetoken", "80.000", "25000", "True", "60.000", "-", "1.000"]
+    assert lines[3].split() == ["ferry/peer", "0.500", "0.920", "2.000", "-", "0.500"]  # over_line has no ratio
+    assert "line 24576 MiB" in lines[4] and "H100" in lines[4]
+    assert lines[5] == "OVER THE LINE: freetoken (peak above 24576 MiB)" and len(lines) == 6
+    assert len(pc.table({**result, "freetoken": {**peer, "over_line": False}})) == 5
+    failed = pc.table({**result, "freetoken": {"error": "RuntimeError: FreeToken exited with 1"}, "ratios": None})
+    assert "error: RuntimeError: FreeToken exited with 1" in failed[2]
+
+
+def test_both_engines_get_the_same_client_arguments_with_text_prompts():
+    args = pc.parse_args(["--max-tokens", "64", "--repeats", "2"])
+    cmd = pc.client_command("http://127.0.0.1:9/v1", pc.Path("/m"), pc.Path("/o.json"), args)
+    flags = dict(zip(cmd[2::2], cmd[3::2]))
+    assert flags["--streams"] == "1,8" and flags["--max-tokens"] == "64" and flags["--repeats"] == "2"
+    assert flags["--prompt-kind"] == "text" and flags["--config"] == "/m" and flags["--ttft-prompt-len"] == "2000"
+
+
+def test_text_prompts_hold_exactly_their_tokens_and_several_threads_can_draw_them(tmp_path):
+    from tokenizers import Tokenizer
+
+    model = write_bench_model(tmp_path / "m", QWEN36, num_layers=1)
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    draw = prompt_texts(str(model), 248320)
+    got: list[str] = []
+    threads = [threading.Thread(target=lambda: got.append(draw(32))) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 8 and len(set(got)) == 8
+    assert all(len(tok.encode(t, add_special_tokens=False).ids) == 32 for t in got)
+    assert len(tok.encode(draw(2000), add_special_tokens=False).ids) == 2000
+
+
+def test_a_checkpoint_is_reused_only_once_make_bench_model_finished_it(tmp_path):
+    assert not pc.finished_checkpoint(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3_5MoeForConditionalGeneration"]}))
+    (tmp_path / "model.safetensors.index.json").write_text("{}")
+    assert not pc.finished_checkpoint(tmp_path)  # killed after the index, before the quantization config
+    (tmp_path / "config.json").write_text(json.dumps(NVFP4))
+    assert pc.finished_checkpoint(tmp_path)
+    args = pc.parse_args([])
+    assert args.model_dir.endswith("peer_ckpt_nvfp4_qwen3.6-35b-a3b")
