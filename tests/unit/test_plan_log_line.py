@@ -12,7 +12,7 @@ from ferry.plan.model_config import load_model_config
 from ferry.plan.plan_report import plan_detail_fields, plan_log_fields
 from ferry.plan.planner import Measured, PlanRequest, make_plan
 from ferry.shared.logging import configure_logging
-from ferry.shared.units import GiB
+from ferry.shared.units import GiB, format_bytes
 from tests.helpers import QWEN3_6_35B, QWEN3_30B
 
 KEY_FIELDS = {"budget", "weights", "workspace", "kv_tokens", "expert_slots", "expert_total", "snapshots",
@@ -37,7 +37,7 @@ def test_the_plan_line_is_short_and_says_the_key_sizes(model, capsys):
     own = {k: v for k, v in fields.items() if k not in ("event", "process", "level", "timestamp")}
     assert len(json.dumps(own)) < 300 and len(line) < 380, (len(line), line)  # the rest: every line's envelope
     assert KEY_FIELDS <= set(fields), KEY_FIELDS - set(fields)
-    assert fields["budget"] == "21.60 GiB" and fields["max_model_len"] == spec.max_position_embeddings
+    assert fields["budget"] == format_bytes(plan.budget_bytes) and fields["max_model_len"] == spec.max_position_embeddings
     assert (fields["expert_slots"], fields["expert_total"]) == (plan.experts.slots, plan.experts.total)
 
 
