@@ -1,6 +1,6 @@
-"""The type of every TCP port flag: a number in 1..65535. The kernel takes a larger one modulo nothing:
-bind() refuses it or, through a wrapping conversion, a library listens elsewhere (`--port 99999` listened
-on a random port), so a port is checked where it is parsed and argparse names the flag."""
+"""The type of every TCP port flag: a number in 1..65535. A number outside is no port: bind() refuses it,
+or a conversion on the way wraps it and the server listens elsewhere (`--port 99999` listened on a random
+port), so it is refused where it is parsed, argparse naming the flag."""
 
 from __future__ import annotations
 
