@@ -86,14 +86,23 @@ def bounds(flops: dict, pcie_bytes: int, h2d_GBps: float, tflops: float | None) 
 
 
 def booted_plan(serve_log: Path) -> dict:
-    """The worker's `plan` log line (JSON lines): its prefill chunk, expert slots and the rest."""
+    """The worker's `plan` log line (JSON lines): its prefill chunk, expert slots and the rest, with the host
+    banks' bytes from its `expert_host_banks` line (absent where every expert has a slot)."""
+    plan, banks = None, None
     for line in serve_log.read_text().splitlines():
-        if '"event": "plan"' in line:
-            try:
-                return json.loads(line[line.index("{"):])
-            except ValueError:
-                continue
-    raise ValueError(f"{serve_log}: no plan line: is it the log of `ferry serve`?")
+        for event in ("plan", "expert_host_banks"):
+            if f'"event": "{event}"' in line:
+                try:
+                    fields = json.loads(line[line.index("{"):])
+                except ValueError:
+                    continue
+                if event == "plan":
+                    plan = plan or fields
+                else:
+                    banks = banks or fields["bytes"]
+    if plan is None:
+        raise ValueError(f"{serve_log}: no plan line: is it the log of `ferry serve`?")
+    return {**plan, "host_expert_bank_bytes": banks or 0}
 
 
 def _median_tok_s(run: dict) -> float | None:

@@ -21,6 +21,7 @@ import dataclasses
 from collections.abc import Callable
 
 from ferry.plan.model_config import ModelSpec
+from ferry.plan.plan_report import HOST_NOT_CHECKED
 from ferry.plan.planner import DEFAULT_MAX_PREFILL_TOKENS, Measured, Plan, PlanRequest, Resolved
 from ferry.plan.prefill_chunk import plan_with_prefill_chunk
 from ferry.shared.errors import ConfigError, PlanError
@@ -107,7 +108,15 @@ def plan_every_gpu(spec: ModelSpec, req: PlanRequest, measured: Callable[[Resolv
     plans = [plan_with_prefill_chunk(rank_spec(spec, g, world), req, on_one_gpu, longest=DEFAULT_MAX_PREFILL_TOKENS)
              for g in range(world)]  # fmt: skip
     available, source = (req.host_memory, "--host-memory") if req.host_memory is not None else (here, "MemAvailable")
-    check_ranks_host([p.host.expert_bank_bytes for p in plans], plans[0].host.reserve_bytes, available, source)
+    banks = [p.host.expert_bank_bytes for p in plans]
+    if (req.host_memory is None and req.gpu_memory is not None and available is not None
+            and sum(banks) + plans[0].host.reserve_bytes * world > available):  # fmt: skip
+        # a --gpu-memory plan may be for another machine: banks this one cannot hold are not checked, not
+        # failed, as in the one-GPU plan (plan_command._plan_and_host_check); --host-memory checks them
+        return [dataclasses.replace(p, host=dataclasses.replace(p.host, available_bytes=None,
+                                                                available_source=HOST_NOT_CHECKED))
+                for p in plans]  # fmt: skip
+    check_ranks_host(banks, plans[0].host.reserve_bytes, available, source)
     src = source if available is not None else "unknown"
     return [dataclasses.replace(p, host=dataclasses.replace(p.host, available_bytes=available, available_source=src))
             for p in plans]  # fmt: skip

@@ -53,16 +53,22 @@ def run(args: argparse.Namespace) -> int:
 
     world = expert_parallel_size(args)
     if world > 1:
-        plans = plan_every_gpu(spec, req, measured, mem_available_bytes(), world)
+        here = mem_available_bytes()
+        plans = plan_every_gpu(spec, req, measured, here, world)
         if args.json:
             json.dump({"expert_parallel_size": world, "gpus": [p.to_dict() for p in plans]}, sys.stdout)
             sys.stdout.write("\n")
         else:
+            unchecked = plans[0].host.available_source == HOST_NOT_CHECKED
             for g, p in enumerate(plans):
                 print(f"GPU {g} of {world}: experts e % {world} == {g}, {p.experts.total // max(len(spec.moe_layer_indices), 1)}"
                       f" of {spec.num_experts} a MoE layer; dense weights, KV and linear states replicated")  # fmt: skip
-                print(plan_table(p) + ("\n" if g < world - 1 else ""))
-            print(f"host: the {world} GPUs' banks together pin {format_bytes(sum(p.host.expert_bank_bytes for p in plans))}")
+                print(plan_table(p, host_here=here if unchecked else None) + ("\n" if g < world - 1 else ""))
+            total = sum(p.host.expert_bank_bytes + p.host.reserve_bytes for p in plans)
+            print(f"host: the {world} GPUs' banks together pin {format_bytes(sum(p.host.expert_bank_bytes for p in plans))}"
+                  + (f"; not checked: with the ranks' reserves they need {format_bytes(total)}, this machine has "
+                     f"{format_bytes(here)} (MemAvailable); give --host-memory SIZE of the machine the worker will run on"
+                     if unchecked else ""))  # fmt: skip
         return 0
     plan, here = _plan_and_host_check(spec, req, measured, mem_available_bytes())
     if args.json:
@@ -89,18 +95,21 @@ def _model_and_free_memory(args: argparse.Namespace, req: PlanRequest) -> tuple[
     if missing:
         raise ConfigError("the plan needs " + ("these" if len(missing) > 1 else "this") + ":\n"
                           + "\n".join(f"  {m}" for m in missing))  # fmt: skip
-    return _model_dir(model), free
+    return _model_dir(model, getattr(args, "revision", None)), free
 
 
-def _model_dir(model: str) -> Path:
-    """The model directory, also when given as its config.json (what a shell's completion offers)."""
-    path = Path(model)
+def _model_dir(model: str, revision: str | None) -> Path:
+    """The model directory, also when given as its config.json (what a shell's completion offers) or as a
+    hub id in the local cache; a missing one is an error naming --model."""
+    from ferry.services.worker.model_source import resolve_model_dir
+
+    path = Path(model).expanduser()
     if path.is_file():
         if path.name != "config.json":
             raise ConfigError(f"{model} is a file: give the model directory (the one holding config.json), "
                               "or its config.json")  # fmt: skip
         return path.parent
-    return path
+    return resolve_model_dir(model, revision)
 
 
 def _plan_and_host_check(spec: ModelSpec, req: PlanRequest, measured: Callable[[Resolved | None], Measured],

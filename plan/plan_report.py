@@ -128,7 +128,26 @@ def _render(rows: list[tuple[str, int | None, str]], split_before: int) -> str:
 
 
 def plan_log_fields(plan: Plan) -> dict:
-    """Flat fields for the one structured boot log line."""
+    """The boot's `plan` log line: the key sizes only, so that the line stays short (a few hundred
+    characters) where a person reads it; every term is in plan_detail_fields (logged at debug), the
+    worker's /health and `ferry plan`."""
+    return {
+        "budget": format_bytes(plan.budget_bytes),
+        "weights": format_bytes(plan.weights_bytes),
+        "workspace": format_bytes(plan.workspace_bytes),
+        "kv_tokens": plan.kv.tokens,
+        "expert_slots": plan.experts.slots,
+        "expert_total": plan.experts.total,
+        "snapshots": plan.linear_state_snapshots.snapshots,
+        "max_running_requests": plan.max_running_requests,
+        "max_model_len": plan.max_model_len,
+        "max_prefill_tokens": plan.max_prefill_tokens,
+        "expert_backend": plan.expert_backend.backend,
+    }
+
+
+def plan_detail_fields(plan: Plan) -> dict:
+    """Every term of the plan as flat fields, in bytes: the boot's `plan_detail` debug line."""
     return {
         "budget_bytes": plan.budget_bytes,
         "total_bytes": plan.total_bytes,

@@ -171,12 +171,12 @@ def run(args: argparse.Namespace) -> int:
     from ferry.services.worker.model_source import resolve_model_dir
 
     args.model = require_model(args, "generate")
+    model_dir = resolve_model_dir(args.model, args.revision)  # a missing model fails before the boot
     params = _sampling_params(args)
     # the boot's log lines (the plan, the CPU budget's origin) go to stderr; stdout stays the result
     configure_logging("generate", args.log_level, args.log_format)
     executor, plan = boot_worker(boot_config_from_args(args))
     recording = StepRecordingExecutor(executor)
-    model_dir = resolve_model_dir(args.model, args.revision)
     tokenizer = _load_tokenizer(model_dir)
     prompt_ids = _prompt_ids(args, tokenizer, executor.spec.vocab_size)
     eos_ids = eos_token_ids(model_dir, tokenizer)  # the same ids the api stops on

@@ -29,6 +29,7 @@ from ferry.shared.child_process import die_with_parent
 from ferry.shared.errors import ConfigError
 from ferry.shared.logging import add_log_flags, configure_logging
 from ferry.shared.model_flag import add_model_argument
+from ferry.shared.port_flag import MAX_PORT, port_number
 from ferry.services.api.config import DEFAULT_DRAIN_TIMEOUT_S, add_api_flags
 from ferry.services.scheduler.config import (
     add_prefill_coalesce_flag, add_prefix_cache_flag, add_schedule_ahead_flag, add_step_timeout_flag,
@@ -45,12 +46,9 @@ def _side_port(text: str) -> int | str:
     if text in ("auto", "off"):
         return text
     try:
-        port = int(text)
-    except ValueError:
-        port = -1
-    if not 0 < port < 65536:
-        raise argparse.ArgumentTypeError(f"expected auto, off or a port number, got {text!r}")
-    return port
+        return port_number(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected auto, off or a port number in 1..{MAX_PORT}, got {text!r}") from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -203,6 +201,10 @@ def run(args: argparse.Namespace) -> int:
 
         model = str(ensure_demo_model())
         log.info("demo_model", path=model)
+    else:
+        from ferry.services.worker.model_source import check_model_exists
+
+        check_model_exists(model, args.revision)  # a missing model fails here, before three processes start
     stopping = False
 
     def request_stop(signum, _frame) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ferry.shared.defaults import LOOPBACK
 from ferry.shared.errors import ConfigError
+from ferry.shared.port_flag import port_number
 from ferry.shared.units import parse_bytes
 from ferry.shared.wire_keys import WireKeys, add_wire_keys_flag, check_exposure
 
@@ -43,7 +44,7 @@ class ApiConfig:
 def add_api_flags(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("api")
     g.add_argument("--host", default=LOOPBACK, help=f"interface to listen on (default {LOOPBACK}: this host only)")
-    g.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    g.add_argument("--port", type=port_number, default=8000, help="HTTP port (default 8000)")
     g.add_argument("--api-key", default=None,
                    help="require the key on /v1/*, as 'Authorization: Bearer KEY' or 'x-api-key: KEY' (default: open); "
                         "prefer FERRY_API_KEY or --api-key-file: a command line is visible to every user of the host")

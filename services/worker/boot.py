@@ -40,7 +40,7 @@ from ferry.services.worker.offload.build import build_expert_store, host_banks_f
 from ferry.services.worker.offload.expert_parallel import ExpertParallelExperts
 from ferry.services.worker.offload.host_banks import mem_available_bytes
 from ferry.services.worker.offload.host_pages import anon_huge_bytes, huge_pages_wanted, thp_mode
-from ferry.plan.plan_report import plan_log_fields
+from ferry.plan.plan_report import plan_detail_fields, plan_log_fields
 from ferry.plan.planner import DEFAULT_MAX_PREFILL_TOKENS, Measured, Plan, PlanRequest, Resolved, resolve
 from ferry.services.worker.pools import TORCH_DTYPES, allocate_pools
 from ferry.plan.prefill_chunk import plan_with_prefill_chunk
@@ -137,7 +137,7 @@ def _load_dummy_experts(store, spec, dtype: torch.dtype, device: torch.device) -
     if store.slots.format.quantized:
         store.fill_dummy(seed=0)
         return
-    for moe_layer, expert, gate, up, down in iter_dummy_experts(spec, dtype, device):
+    for moe_layer, expert, gate, up, down in iter_dummy_experts(spec, dtype, device, progress=_progress_bars()):
         store.load_expert(moe_layer, expert, gate, up, down)
 
 
@@ -431,7 +431,8 @@ def _finish_boot(files: ModelFiles, booted: dict, r: Resolved, device: torch.dev
         torch.cuda.empty_cache()  # the expert pass's staging tensors are not part of the plan
     preloaded = store.preload()  # an offload store warms its free slots; the all-resident one has nothing to do
     log.info("experts_loaded", seconds=round(time.monotonic() - booted["experts_started"], 3),
-             source="dummy" if dummy else "checkpoint", preloaded_slots=preloaded)  # fmt: skip
+             source="dummy" if dummy else "checkpoint", preloaded_slots=preloaded, expert_format=plan.experts.format,
+             expert_store=store.report()["policy"])  # fmt: skip
     if plan.expert_backend.backend != "gpu":  # measured on the loaded banks
         _attach_host_share(store, spec, plan, dtype, device)
     if device.type == "cuda":  # first-use compiles and tunings at boot, not inside a request
@@ -451,9 +452,9 @@ def _finish_boot(files: ModelFiles, booted: dict, r: Resolved, device: torch.dev
     if device.type == "cuda":
         _restart_statistics(store)  # the warm-up and the captures ran padding rows only
     _check_budget(device, req, free, booted.get("loading_peak_reserved", 0), booted["baseline_reserved"], probe)
-    log.info("plan", **plan_log_fields(plan), model=str(files.model_dir), device=str(device),
-             load_format=files.load_format, expert_store=store.report()["policy"],
-             cuda_graphs=graphs.buckets if graphs is not None else None)  # fmt: skip
+    log.info("plan", **plan_log_fields(plan))
+    log.debug("plan_detail", **plan_detail_fields(plan), model=str(files.model_dir), device=str(device),
+              load_format=files.load_format, cuda_graphs=graphs.buckets if graphs is not None else None)  # fmt: skip
     return StepExecutor(model, booted["pools"], spec, plan, device, store=store, graphs=graphs,
                         tokenizer_dir=files.model_dir, eos_token_ids=eos_token_ids(files.model_dir),
                         sampler_seed=booted.get("sampler_seed")), plan  # fmt: skip

@@ -34,8 +34,10 @@ def add_boot_flag(group) -> None:
 
 def run(args: argparse.Namespace) -> int:
     configure_logging("worker", args.log_level, args.log_format)
+    from ferry.services.worker.model_source import check_model_exists
     from ferry.services.worker.service import RANK_FAILURE_EXIT, WorkerConfig, WorkerService
 
+    check_model_exists(args.model, args.revision)  # a missing model fails here, before sockets and ranks
     if args.wire_keys:
         WireKeys(args.wire_keys, "worker")  # a missing key is a config error before the model loads
     for flag, addr in (("--steps-addr", args.steps_addr), ("--results-addr", args.results_addr)):

@@ -107,22 +107,33 @@ def _skew(spec: ModelSpec, name: str, t: torch.Tensor, device: torch.device, see
 
 
 def iter_dummy_tensors(spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, routed_experts: bool,
-                       seed: int = 0, routing_skew: float = 0.0) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
-    """The resident tensors (routed_experts=False) or the routed experts (True), like the checkpoint passes."""
+                       seed: int = 0, routing_skew: float = 0.0,
+                       progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+    """The resident tensors (routed_experts=False) or the routed experts (True), like the checkpoint passes;
+    `progress`: a tqdm bar on stderr (the caller decides: on a terminal only)."""
+    from tqdm import tqdm
+
     device = torch.device(device)
     shapes = routed_expert_shapes(spec) if routed_experts else resident_weight_shapes(spec)
-    for name, shape in shapes.items():
+    desc = "random experts" if routed_experts else "random weights"
+    for name, shape in tqdm(shapes.items(), desc=desc, unit="tensor", disable=not progress, leave=False):
         yield name, dummy_tensor(spec, name, shape, dtype, device, seed, routing_skew)
 
 
-def iter_dummy_experts(spec: ModelSpec, dtype: torch.dtype, device: torch.device | str,
-                       seed: int = 0) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]]:  # fmt: skip
-    """(moe_layer, expert, gate, up, down) with the same values `iter_dummy_tensors` gives those names."""
+def iter_dummy_experts(spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, seed: int = 0,
+                       progress: bool = False) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]]:  # fmt: skip
+    """(moe_layer, expert, gate, up, down) with the same values `iter_dummy_tensors` gives those names;
+    `progress`: a tqdm bar on stderr."""
+    from tqdm import tqdm
+
     device = torch.device(device)
     h, i = spec.hidden_size, spec.moe_intermediate_size
-    for m, layer in enumerate(spec.moe_layer_indices):
-        for e in range(spec.num_experts):
-            p = f"model.layers.{layer}.mlp.experts.{e}."
-            yield (m, e, *(dummy_tensor(spec, p + name, shape, dtype, device, seed)
-                           for name, shape in (("gate_proj.weight", (i, h)), ("up_proj.weight", (i, h)),
-                                               ("down_proj.weight", (h, i)))))  # fmt: skip
+    with tqdm(total=len(spec.moe_layer_indices) * spec.num_experts, desc="random experts", unit="expert",
+              disable=not progress, leave=False) as bar:  # fmt: skip
+        for m, layer in enumerate(spec.moe_layer_indices):
+            for e in range(spec.num_experts):
+                p = f"model.layers.{layer}.mlp.experts.{e}."
+                yield (m, e, *(dummy_tensor(spec, p + name, shape, dtype, device, seed)
+                               for name, shape in (("gate_proj.weight", (i, h)), ("up_proj.weight", (i, h)),
+                                                   ("down_proj.weight", (h, i)))))  # fmt: skip
+                bar.update(1)

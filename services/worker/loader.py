@@ -49,7 +49,7 @@ def resident_weights(files: ModelFiles, dtype: torch.dtype, device: torch.device
                      progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
     """Everything that stays on the GPU: embeddings, attention, norms, routers, shared experts, lm_head."""
     if files.load_format == "dummy":
-        return iter_dummy_tensors(files.spec, dtype, device, routed_experts=False)
+        return iter_dummy_tensors(files.spec, dtype, device, routed_experts=False, progress=progress)
     return iter_checkpoint_tensors(files.model_dir, resident_tensor, "loading weights", progress)
 
 
@@ -57,5 +57,5 @@ def routed_expert_weights(files: ModelFiles, dtype: torch.dtype, device: torch.d
                           progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
     """Every routed expert's tensors, for the expert store (slots, or host banks when offloading)."""
     if files.load_format == "dummy":
-        return iter_dummy_tensors(files.spec, dtype, device, routed_experts=True)
+        return iter_dummy_tensors(files.spec, dtype, device, routed_experts=True, progress=progress)
     return iter_checkpoint_tensors(files.model_dir, routed_expert_tensor, "loading experts", progress)

@@ -41,6 +41,14 @@ def resolve_model_dir(model: str, revision: str | None = None) -> Path:
     return _from_hub_cache(model, revision)
 
 
+def check_model_exists(model: str, revision: str | None = None) -> None:
+    """ModelLoadError naming --model unless `model` is an existing path or a hub id in the local cache: what a
+    command checks before it starts anything (what the directory holds is the boot's to check)."""
+    if Path(os.path.expanduser(model)).exists():
+        return
+    resolve_model_dir(model, revision)  # no such path: a hub id in the cache, or its error
+
+
 def _from_hub_cache(repo_id: str, revision: str | None) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError

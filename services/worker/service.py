@@ -176,8 +176,8 @@ class WorkerService:
         # from here a Triton compile is one the warm-up missed, inside a request: logged and counted
         if self.compile_watch.install():
             self.metrics.watch_compiles(self.compile_watch.report)
-        log.info("worker_ready", boot_s=round(time.monotonic() - t0, 3), plan=self.plan.to_dict(),
-                 compile_watch=self.compile_watch.installed)  # fmt: skip
+        # the plan itself: the boot's short `plan` line (every term: `plan_detail` at debug, /health, `ferry plan`)
+        log.info("worker_ready", boot_s=round(time.monotonic() - t0, 3), compile_watch=self.compile_watch.installed)
 
     def _start_ranks(self) -> None:
         """Rank 0 of an expert-parallel worker: start the followers and join their group before booting (the

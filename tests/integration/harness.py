@@ -190,8 +190,9 @@ def api_command(model_dir: Path, scheduler_addr: str, port: int, *flags: str) ->
             "--port", str(port), "--served-model-name", "tiny", *flags]  # fmt: skip
 
 
-def eventually(check, timeout: float = 5.0, interval: float = 0.1):
-    """Poll `check()` until it returns a truthy value (gauges travel on 0.5 s heartbeats)."""
+def eventually(check, timeout: float = 15.0, interval: float = 0.1):
+    """Poll `check()` until it returns a truthy value (gauges travel on 0.5 s heartbeats); the default
+    timeout is generous for a loaded 2-core machine: a check that holds returns as soon as it does."""
     deadline = time.monotonic() + timeout
     while True:
         value = check()
@@ -242,10 +243,11 @@ def stream_concurrently(base_url: str, jobs: list[tuple[str, int]], api_key: str
 
 def kill_worker_mid_streams(c: "Cluster", prompt: str, extra_body: dict | None = None) -> None:
     """SIGKILL the worker while four streams and one plain request are generating: every one fails
-    within 5 s naming the worker, /health turns 503 and a new request is refused at once."""
+    within 15 s naming the worker (not at a client's timeout), /health turns 503 and a new request is refused
+    at once."""
     import openai
 
-    client = openai.AsyncOpenAI(base_url=c.base_url + "/v1", api_key="x", max_retries=0, timeout=30)
+    client = openai.AsyncOpenAI(base_url=c.base_url + "/v1", api_key="x", max_retries=0, timeout=60)
 
     async def one(i: int, started: asyncio.Event):
         try:
@@ -265,9 +267,9 @@ def kill_worker_mid_streams(c: "Cluster", prompt: str, extra_body: dict | None =
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 20)  # all four are generating
         c.procs["worker"].send_signal(signal.SIGKILL)
         killed = time.monotonic()
-        results = await asyncio.wait_for(asyncio.gather(*streams), 10)
+        results = await asyncio.wait_for(asyncio.gather(*streams), 30)
         try:
-            await asyncio.wait_for(plain, 10)
+            await asyncio.wait_for(plain, 30)
             plain_error = None
         except openai.APIStatusError as exc:
             plain_error = exc
@@ -277,13 +279,13 @@ def kill_worker_mid_streams(c: "Cluster", prompt: str, extra_body: dict | None =
     killed, results, plain_error = asyncio.run(main())
     for ended, err in results:
         assert err is not None, "a stream finished normally although its worker died"
-        assert "worker" in str(err) and ended - killed < 5.0
+        assert "worker" in str(err) and ended - killed < 15.0
     assert plain_error is not None and plain_error.status_code == 503 and "worker" in plain_error.message
     health_turns_503(c.base_url, "worker")
     assert_new_request_refused(c.base_url)
 
 
-def health_turns_503(base_url: str, reason: str, timeout: float = 5.0) -> str:
+def health_turns_503(base_url: str, reason: str, timeout: float = 15.0) -> str:
     """Wait for /health to answer 503; returns its body, which must name `reason`."""
     found = eventually(lambda: (lambda r: r if r[0] == 503 else None)(http_get(base_url + "/health")), timeout=timeout)
     status, body = found or (0, "")
@@ -291,12 +293,12 @@ def health_turns_503(base_url: str, reason: str, timeout: float = 5.0) -> str:
     return body
 
 
-def assert_new_request_refused(base_url: str, within_s: float = 5.0) -> None:
-    """A request sent now gets a 503 at once, not a place in a queue until the client's 10 s timeout."""
+def assert_new_request_refused(base_url: str, within_s: float = 15.0) -> None:
+    """A request sent now gets a 503 at once, not a place in a queue until the client's 30 s timeout."""
     import openai
 
     t0 = time.monotonic()
-    client = openai.OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0, timeout=10)
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0, timeout=30)
     try:
         client.completions.create(model="tiny", prompt="anyone?", max_tokens=3)
     except openai.APIStatusError as exc:

@@ -76,8 +76,8 @@ def test_a_lost_rank_fails_its_requests_and_health_turns_503(tiny_models, tmp_pa
         with pytest.raises(openai.APIError) as err:
             for _ in stream:
                 pass
-        assert "expert-parallel rank 1 of 2" in str(err.value) and time.monotonic() - killed < 10, err.value
-        health_turns_503(c.base_url, "worker", timeout=10)
+        assert "expert-parallel rank 1 of 2" in str(err.value) and time.monotonic() - killed < 30, err.value
+        health_turns_503(c.base_url, "worker", timeout=30)
         assert eventually(lambda: c.procs["worker"].poll() is not None, timeout=10)
         assert c.procs["worker"].returncode == 3  # RANK_FAILURE_EXIT
     finally:

@@ -57,7 +57,8 @@ def installed(tmp_path_factory) -> dict:
         shutil.copytree(REPO / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__"))
     isolation = ["--no-build-isolation"] if setuptools_is_new_enough() else []  # offline and fast when it can
     wheels = tmp / "wheels"
-    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", *isolation, "-w", str(wheels), str(src)],
+    # -v: the build backend's own output (setuptools' warnings) comes back too, for test_the_build_warns_of_no_package
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", *isolation, "-w", str(wheels), str(src)],
                            capture_output=True, text=True, timeout=300)  # fmt: skip
     assert built.returncode == 0, built.stdout + built.stderr
     (wheel,) = wheels.glob("ferry-*.whl")
@@ -66,7 +67,7 @@ def installed(tmp_path_factory) -> dict:
     done = subprocess.run([sys.executable, "-m", "pip", "--python", str(there["python"]), "install", "-q", "--no-deps",
                            "--no-index", str(wheel)], capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
-    return there
+    return {**there, "build_output": built.stdout + built.stderr}
 
 
 def fresh_venv(env_dir: Path) -> dict:
@@ -111,6 +112,14 @@ def test_the_wheel_holds_every_module_of_the_source_folders(installed):
         wheel = {p.relative_to(target) for p in target.glob(pattern)}
         assert source == wheel, f"{folder}/ -> {name}: missing {sorted(map(str, source - wheel))}"
     assert not [p.name for p in installed["site"].iterdir() if p.name in ("shared", "services", "kernels", "plan")]
+
+
+def test_the_build_warns_of_no_package(installed):
+    """setuptools took the kernel's C sources folder for a package missing from `packages` and printed 40
+    lines at every `pip install .` (issue 56): the wheel carries no package data, so it has none to warn of."""
+    out = installed["build_output"]
+    assert "Building wheel for ferry" in out, out[-2000:]  # the backend's output is there to look at
+    assert "absent from the `packages` configuration" not in out and "Package would be ignored" not in out, out[-4000:]
 
 
 def test_the_wheel_builds_the_host_expert_kernel(installed):

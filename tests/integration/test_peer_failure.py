@@ -1,4 +1,4 @@
-"""Kill the worker: requests in flight fail within 5 s, /health turns 503, nobody hangs."""
+"""Kill the worker: requests in flight fail within seconds, /health turns 503, nobody hangs."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import openai
 from tests.integration.harness import (
     assert_new_request_refused, eventually, health_turns_503, http_get, kill_worker_mid_streams, start_cluster,
 )  # fmt: skip
+
+STEP_S = 15.0  # the hung step: well past --step-timeout 1, with room for a loaded machine before it ends
 
 
 def test_killing_the_worker_fails_requests_fast_and_health_turns_503(slow_model_dir, tmp_path):
@@ -48,7 +50,7 @@ def test_a_restarted_scheduler_fails_old_requests_and_serves_new_ones(slow_model
             raise AssertionError("a stream survived the scheduler that ran it")
         except openai.APIError as exc:
             assert "scheduler" in str(exc)
-        assert time.monotonic() - t0 < 5
+        assert time.monotonic() - t0 < 15
         assert eventually(lambda: http_get(c.base_url + "/health")[0] == 200, timeout=10)
         r = client.completions.create(model="tiny", prompt="after the restart", max_tokens=5)
         assert r.usage.completion_tokens == 5
@@ -60,7 +62,7 @@ def test_a_worker_hung_in_one_step_fails_its_requests_and_recovers(tmp_path_fact
     from tests.integration.harness import make_model_dir
 
     model = make_model_dir(tiny_tokenizer_dir, tmp_path_factory.mktemp("models") / "hung", tiny_tokenizer,
-                           step_delay_s=6.0)  # fmt: skip
+                           step_delay_s=STEP_S)  # fmt: skip
     c = start_cluster(model, tmp_path_factory.mktemp("hung"), scheduler_flags=["--step-timeout", "1"])
     try:
         client = openai.OpenAI(base_url=c.base_url + "/v1", api_key="x", max_retries=0, timeout=30)
@@ -70,10 +72,10 @@ def test_a_worker_hung_in_one_step_fails_its_requests_and_recovers(tmp_path_fact
             raise AssertionError("a request finished although every step outlasts --step-timeout")
         except openai.APIStatusError as exc:
             assert exc.status_code == 503 and "step-timeout" in exc.message
-        assert time.monotonic() - t0 < 5.5, "failed only when the step ended, not when it overran"
+        assert time.monotonic() - t0 < STEP_S - 0.5, "failed only when the step ended, not when it overran"
         status, body = eventually(lambda: (lambda r: r if r[0] == 503 else None)(http_get(c.base_url + "/health")),
-                                  timeout=3.0) or (200, "")  # fmt: skip
+                                  timeout=9.0) or (200, "")  # fmt: skip
         assert status == 503 and "step-timeout" in body
-        assert eventually(lambda: http_get(c.base_url + "/health")[0] == 200, timeout=12)  # the step ended: idle again
+        assert eventually(lambda: http_get(c.base_url + "/health")[0] == 200, timeout=STEP_S * 2)  # the step ended: idle again
     finally:
         c.stop()

@@ -46,4 +46,4 @@ def test_served_prompt_logprobs_equal_transformers_on_the_dequantized_weights(qu
         worst = max(abs(got[p] - float(want[p - 1, ids[p]])) for p in range(1, len(ids)))
         assert worst < TOLERANCE, f"{layout} {arch}: prompt logprobs off by {worst}"
         fmt = "fp8-block" if layout == "fp8" else "nvfp4"
-        assert any(e.get("event") == "plan" and e.get("expert_format") == fmt for e in served.events())
+        assert any(e.get("event") == "experts_loaded" and e.get("expert_format") == fmt for e in served.events())

@@ -87,9 +87,12 @@ def test_expert_cache_counters_reach_worker_and_api_metrics(real_cluster):
 def test_worker_log_is_json_lines(real_cluster):
     import json
 
-    events = [json.loads(line) for line in real_cluster.log("worker").splitlines() if line.strip()]
+    lines = [line for line in real_cluster.log("worker").splitlines() if line.strip()]
+    events = [json.loads(line) for line in lines]
     by_name = {e["event"]: e for e in events}
-    assert by_name["plan"]["expert_slots"] == 12 and by_name["plan"]["expert_store"] == "lfu"
+    # the plan in a line a person reads (every term: plan_detail at debug); it was 1,300-1,560 characters
+    assert all(len(line) < 400 for line, e in zip(lines, events) if e["event"] in ("plan", "worker_ready")), lines
+    assert by_name["plan"]["expert_slots"] == 12 and by_name["experts_loaded"]["expert_store"] == "lfu"
     assert by_name["expert_host_banks"]["pinned"] is False  # no CUDA here
     assert by_name["experts_loaded"]["preloaded_slots"] == 12
 
@@ -186,7 +189,7 @@ def test_client_that_disconnects_mid_stream_frees_its_pages(real_cluster):
         settled, last[0] = now == last[0], now
         return settled
 
-    assert eventually(no_more_steps, timeout=10, interval=0.3)
+    assert eventually(no_more_steps, timeout=30, interval=0.3)
     # one step per token: run to its end, the request would have taken 440 steps; it was cut short
     assert last[0] - steps_before < max_tokens // 2, "the scheduler kept generating for a client that left"
     assert eventually(lambda: metric(sched, "ferry_scheduler_running_requests") == 0

@@ -54,6 +54,6 @@ def test_preemption_lets_every_request_finish_with_its_single_request_output(arc
         assert (usage, reason) == (n, "length"), prompt
         assert text == ref.text(ref.ids(ref.text_ids(prompt), n)[0]), f"preemption changed the output of {prompt!r}"
     sched = f"http://127.0.0.1:{c.scheduler_health_port}"
-    assert eventually(lambda: metric(sched, "ferry_scheduler_preemptions_total") > 0, timeout=3)
-    assert eventually(lambda: metric(c.base_url, "ferry_preemptions_total") > 0, timeout=3)
-    assert eventually(lambda: metric(sched, "ferry_scheduler_kv_pages_available") == PAGES, timeout=3)
+    assert eventually(lambda: metric(sched, "ferry_scheduler_preemptions_total") > 0, timeout=9)
+    assert eventually(lambda: metric(c.base_url, "ferry_preemptions_total") > 0, timeout=9)
+    assert eventually(lambda: metric(sched, "ferry_scheduler_kv_pages_available") == PAGES, timeout=9)

@@ -75,8 +75,8 @@ def test_n_choices_compute_the_prompt_once_and_the_metrics_count_the_hits(served
     ids, _ = ref.ids(ref.chat_ids(messages), 6, ignore_eos=False)
     assert [c.message.content for c in r.choices] == [ref.text(ids)] * 3
     # two of the three started from the first one's snapshot of the prompt
-    assert eventually(lambda: metric(sched, "ferry_scheduler_prefix_hits_total") >= hits + 2, timeout=3)
+    assert eventually(lambda: metric(sched, "ferry_scheduler_prefix_hits_total") >= hits + 2, timeout=9)
     assert metric(sched, "ferry_scheduler_state_snapshots") > 0
-    assert eventually(lambda: metric(served.url, "ferry_prefix_cache_hits_total") >= hits + 2, timeout=3)
+    assert eventually(lambda: metric(served.url, "ferry_prefix_cache_hits_total") >= hits + 2, timeout=9)
     api = http_get(served.url + "/metrics")[1]
     assert "ferry_state_snapshot_evictions_total" in api and metric(served.url, "ferry_state_snapshots") > 0

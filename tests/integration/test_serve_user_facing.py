@@ -85,7 +85,7 @@ def test_every_request_ends_in_one_log_line_finished_or_aborted(served):
     client = openai.OpenAI(base_url=served.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
     client.completions.create(model="tiny", prompt="The ferry", max_tokens=3, temperature=0)
     finished = eventually(lambda: [e for e in served.events() if e.get("event") == "request_finished"
-                                   and e.get("route") == "completions"], timeout=10)  # fmt: skip
+                                   and e.get("route") == "completions"], timeout=30)  # fmt: skip
     assert finished, "no request_finished line"
     line = finished[-1]
     assert line["request_id"].startswith("cmpl-") and line["completion_tokens"] == 3 and line["outcome"] == "length"

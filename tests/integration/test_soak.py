@@ -84,7 +84,7 @@ def test_soak_with_random_disconnects_ends_with_every_page_free(model_dir, tmp_p
 
         total = pool()["pool"]["kv_pages"]
         settled = eventually(lambda: (lambda s: s if s.get("ferry_scheduler_kv_pages_available") == total
-                                      and s.get("ferry_scheduler_running_requests") == 0 else None)(status()), timeout=10)  # fmt: skip
+                                      and s.get("ferry_scheduler_running_requests") == 0 else None)(status()), timeout=30)  # fmt: skip
         figures = {"requests": REQUESTS, "concurrency": CONCURRENCY, "outcomes": counts,
                    "disconnects": counts.get("disconnected", 0), "hangs": counts.get("hung", 0),
                    "kv_pages_total": total, "kv_pages_free_at_end": (settled or status()).get("ferry_scheduler_kv_pages_available"),

@@ -95,11 +95,11 @@ def test_a_step_never_answered_fails_its_request_though_the_worker_says_idle(mod
         send(api, Submit(req_id=1, prompt_token_ids=np.array([3, 4, 5], np.int32), sampling=SamplingParams(),
                          max_tokens=4))  # fmt: skip
         sent_at, failed = time.monotonic(), []
-        while time.monotonic() < sent_at + 10 and not failed:
+        while time.monotonic() < sent_at + 30 and not failed:
             beat()
             failed = [m for m in replies(api, 0.4) if isinstance(m, Failed)]
         assert failed and failed[0].req_id == 1 and "never received" in failed[0].message, failed
-        assert time.monotonic() - sent_at < 8
+        assert time.monotonic() - sent_at < 24
         assert steps.poll(0), "the step went elsewhere than to the adopted worker"
         status, body = http_get(f"http://127.0.0.1:{c.scheduler_health_port}/health")
         assert status == 200, body  # the worker itself is still adopted
@@ -145,7 +145,7 @@ def test_kill_9_of_serve_takes_its_children_and_the_next_start_clears_the_leftov
         # 6. kill -9 of serve: its children follow it
         serve.send_signal(signal.SIGKILL)
         serve.wait()
-        assert eventually(lambda: not any(alive(pid) for pid in kids), timeout=10), [p for p in kids if alive(p)]
+        assert eventually(lambda: not any(alive(pid) for pid in kids), timeout=30), [p for p in kids if alive(p)]
         assert rundirs[0].exists()  # nothing ran serve's cleanup
         port2 = free_port()
         second = _serve(model_dir, short_tmp_path, port2, "serve2.log")
@@ -178,10 +178,10 @@ def test_kill_9_of_serve_takes_a_stopped_child_too(model_dir, short_tmp_path):
         kids = children_of(serve.pid)
         worker = next(pid for pid in kids if "worker" in open(f"/proc/{pid}/cmdline").read().split("\0"))
         os.kill(worker, signal.SIGSTOP)
-        assert eventually(lambda: _state(worker) == "T", timeout=5)
+        assert eventually(lambda: _state(worker) == "T", timeout=15)
         serve.send_signal(signal.SIGKILL)
         serve.wait()
-        assert eventually(lambda: not any(alive(pid) for pid in kids), timeout=10), \
+        assert eventually(lambda: not any(alive(pid) for pid in kids), timeout=30), \
             {pid: _state(pid) for pid in kids if alive(pid)}  # fmt: skip
     finally:
         if serve.poll() is None:

@@ -1,5 +1,5 @@
 """Issue 22's reproduced problems at the HTTP edge, in process (numbered as in the issue): the depth check
-is linear in the body whatever its shape, chat_template_kwargs cannot collide with the template call,
+counts right on bodies of any shape (its linear time: bench/json_depth.py), chat_template_kwargs cannot collide with the template call,
 errors name their field in `param`, any case of the Bearer scheme is accepted, client-facing messages
 name no socket path, a 503 is logged as a warning, logged values are capped, and grammars are built
 once per request, on a lane of their own. The same problems against the real processes:
@@ -13,7 +13,6 @@ import json
 import logging
 import random
 import threading
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -70,23 +69,20 @@ def _reference_depth(text: str) -> int:
     return best
 
 
-def test_1_the_issues_body_is_counted_at_once():
-    body = b'{"x":' + b"[" * 65 + b'"' + b'\\"' * 48000  # 17.8 s with the regex of old
-    t0 = time.perf_counter()
+def test_1_the_issues_body_is_counted():
+    body = b'{"x":' + b"[" * 65 + b'"' + b'\\"' * 48000  # 17.8 s with the regex of old; timed in bench/json_depth.py
     assert json_limits.json_depth(body) == 66
-    assert time.perf_counter() - t0 < 0.5
 
 
 @pytest.mark.parametrize("shape", list(adversarial_bodies(1024)))
-def test_1_a_4mib_body_of_any_shape_is_checked_and_decoded_within_a_second(shape):
+def test_1_a_4mib_body_of_any_shape_is_checked_and_decoded(shape):
+    """Refused or decoded, never a RecursionError; the time it takes: bench/json_depth.py."""
     body = adversarial_bodies()[shape]
     assert len(body) <= MIB4
-    t0 = time.perf_counter()
     try:
         schema.decode_body(body, schema.ChatCompletionRequest)
     except InvalidRequest:
         pass
-    assert time.perf_counter() - t0 < 1.0, shape
 
 
 def test_1_the_depth_matches_a_reference_scanner_on_random_json():

@@ -81,7 +81,7 @@ def test_fewer_slots_than_experts_boots_the_offload_store(tiny_models, capsys):
     assert not executor.store.slots.w13.is_pinned() and executor.store.banks.w13[0].device.type == "cpu"
     events = {e["event"]: e for e in map(json.loads, _json_lines(capsys.readouterr().err))}
     assert events["expert_host_banks"]["bytes"] == executor.store.banks.nbytes
-    assert events["plan"]["expert_store"] == "lru"
+    assert events["experts_loaded"]["expert_store"] == "lru"
 
 
 def test_host_ram_shortage_fails_before_any_pool(tiny_models, monkeypatch):

@@ -5,10 +5,8 @@ secret on a command line, and the scheduler's and worker's /metrics ports on by 
 from __future__ import annotations
 
 import os
-
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +16,6 @@ from ferry.shared.errors import ConfigError
 from ferry.services.serve_command import child_commands, child_environments, side_ports, write_api_key
 from tests.helpers import QWEN3_30B
 
-HELP_LIMIT_S = 1.0
 NO_HEAVY_IMPORTS = """
 import sys
 from ferry.services.cli import main
@@ -32,19 +29,11 @@ assert not heavy, heavy
 
 
 @pytest.mark.parametrize("command", ["", *COMMANDS])
-def test_help_prints_in_under_a_second_without_importing_torch(command):
+def test_help_prints_without_importing_torch(command):
+    """`--help` is quick because it imports nothing heavy; its time on a given machine: bench/cli_help.py."""
     argv = [command] if command else []
     done = subprocess.run([sys.executable, "-c", NO_HEAVY_IMPORTS, *argv], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "usage: ferry" in done.stdout, done.stderr
-    best = float("inf")
-    for _ in range(3):  # a loaded CI machine can stall one start; the best of three is the command's own time
-        t0 = time.perf_counter()
-        run = subprocess.run([sys.executable, "-m", "ferry.services.cli", *argv, "--help"], capture_output=True, timeout=60)
-        best = min(best, time.perf_counter() - t0)
-        assert run.returncode == 0
-        if best < HELP_LIMIT_S:
-            break
-    assert best < HELP_LIMIT_S, f"`ferry {command} --help` took {best:.2f} s"
 
 
 def parse(*argv: str):

@@ -72,3 +72,32 @@ def test_json_unless_a_terminal_and_the_flag_overrides(capsys):
         assert not text.lstrip().startswith("{")
     finally:
         configure_logging("pytest", fmt="json")
+
+
+def test_a_dummy_load_on_a_terminal_shows_progress_bars(tiny_models):
+    """--load-format dummy draws every tensor (seconds to minutes for a real config): bars for the resident
+    weights and the routed experts, as a checkpoint load has."""
+    out = run_on_a_terminal([sys.executable, "-m", "ferry.services.cli", "generate", str(tiny_models["qwen3_moe"]),
+                             "--load-format", "dummy", "--prompt-ids", "1,2,3", "--max-tokens", "1", "--device", "cpu"])  # fmt: skip
+    assert "random weights" in out and "random experts" in out, out[-2000:]
+
+
+def test_make_bench_model_on_a_terminal_shows_a_progress_bar(tiny_models, tmp_path):
+    out = run_on_a_terminal([sys.executable, "-m", "ferry.services.cli", "make-bench-model", str(tmp_path / "m"),
+                             "--config", str(tiny_models["qwen3_moe"] / "config.json"), "--weights", "random"])  # fmt: skip
+    assert "random weights:" in out and "tensor/s" in out, out[-2000:]
+
+
+def test_bars_only_where_stderr_is_a_terminal(monkeypatch):
+    import io
+
+    from ferry.services.worker import boot
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    assert boot._progress_bars()
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    assert not boot._progress_bars()

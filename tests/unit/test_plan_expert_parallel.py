@@ -88,3 +88,25 @@ def test_each_ranks_process_keeps_its_own_reserve_beside_the_banks(capsys):
     with pytest.raises(PlanError, match="--expert-parallel-size"):
         check_ranks_host([banks // 2, banks // 2], HOST_RESERVE_BYTES, room, "MemAvailable")
     check_ranks_host([banks // 2, banks // 2], HOST_RESERVE_BYTES, None, "unknown")  # nothing known: no check
+
+
+def test_without_host_memory_a_plan_for_another_machine_marks_the_host_not_checked(capsys, monkeypatch):
+    """`--gpu-memory` without `--host-memory` plans for any machine (docs/ARCHITECTURE.md §2): banks this one
+    cannot hold are "not checked", as in the one-GPU plan, not a failure (README's `--gpus 2` example failed on
+    a 24 GiB host); with --host-memory they are checked."""
+    from ferry.plan import plan_command
+
+    monkeypatch.setattr(plan_command, "mem_available_bytes", lambda: 24 * 2**30)
+    flags = ["plan", MODEL, "--gpu-memory", "12GiB", "--gpus", "2"]
+    assert main(flags) == 0
+    out = capsys.readouterr().out
+    assert "not checked" in out and "this machine has 24.00 GiB" in out and "--host-memory" in out, out
+    assert main([*flags, "--json"]) == 0
+    gpus = json.loads(capsys.readouterr().out)["gpus"]
+    assert all(p["host"]["available_source"] == "not checked" and p["host"]["available_bytes"] is None for p in gpus)
+    assert main([*flags, "--host-memory", "24GiB"]) == 2  # given: checked, and they do not fit
+    assert "do not fit in host RAM" in capsys.readouterr().err
+    monkeypatch.setattr(plan_command, "mem_available_bytes", lambda: 512 * 2**30)  # fits here: checked, and said
+    assert main([*flags, "--json"]) == 0
+    gpus = json.loads(capsys.readouterr().out)["gpus"]
+    assert all(p["host"]["available_source"] == "MemAvailable" for p in gpus)

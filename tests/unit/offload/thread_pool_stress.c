@@ -5,7 +5,8 @@
  * call meets the next one being set up (a ticket that counted up to a separate total let such a worker
  * claim past the end: items ran twice); every 32nd has up to 40 + 36, and some items yield their
  * core midway, so that claims interleave even where the machine has as many cores as threads.
- * Usage: thread_pool_stress THREADS CALLS; prints "ok", or the first bad call and exits 1. */
+ * Usage: thread_pool_stress THREADS CALLS; prints the calls done so far every 1000 calls (a line each, so
+ * that a caller can tell a slow machine from a hung pool), then "ok", or the first bad call and exits 1. */
 #define _GNU_SOURCE
 #include <sched.h>
 #include <stdatomic.h>
@@ -75,6 +76,10 @@ int main(int argc, char **argv) {
         }
         free(prev); /* kept one call longer, to see a run after its return */
         prev = a;
+        if (c % 1000 == 999) {
+            printf("%ld\n", c + 1);
+            fflush(stdout);
+        }
     }
     ferry_pool_destroy(pool);
     if (prev && atomic_load(&prev->late)) {
