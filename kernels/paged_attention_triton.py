@@ -25,7 +25,9 @@ blocks contribute exactly zero. Under TRITON_INTERPRET=1 the dots run in float32
 bf16 dot is wrong); compiled, they take the cache dtype with float32 accumulation.
 
 Both read keys through the same helper (`_paged_kv_block`): masked lanes read the sentinel page 0,
-never another request's page (docs/ARCHITECTURE.md, "The memory planner")."""
+never another request's page (docs/ARCHITECTURE.md, "The memory planner"). An fp8 pool (KV_FP8, with
+k_scale / v_scale [pages, page_size, kv_heads] float32) is dequantized there, in registers: each row's e4m3
+values times its scale in float32, then to q's dtype for the dots (float32 under FP32_DOT)."""
 
 from __future__ import annotations
 
@@ -48,9 +50,11 @@ LOG2E = 1.4426950408889634  # the prefill's softmax runs in exp2: scores are sca
 def _paged_kv_block(
     k_ptr, v_ptr, page_table_ptr, req, stride_pt, n, n_mask, d, d_mask, kv_head,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-    PAGE_SIZE: tl.constexpr,
+    ks_ptr, vs_ptr, stride_sp, stride_ss, stride_sh,
+    PAGE_SIZE: tl.constexpr, KV_FP8: tl.constexpr,
 ):  # fmt: skip
-    """K and V ([BLOCK_N, BLOCK_D], the cache dtype) of key positions `n` of request `req`."""
+    """K and V ([BLOCK_N, BLOCK_D]) of key positions `n` of request `req`: the cache dtype, or with KV_FP8
+    float32, each row's e4m3 values times its scale."""
     page = tl.load(page_table_ptr + req * stride_pt + n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
     within = (n % PAGE_SIZE).to(tl.int64)
     kv_mask = n_mask[:, None] & d_mask[None, :]
@@ -58,6 +62,10 @@ def _paged_kv_block(
                 mask=kv_mask, other=0.0)  # fmt: skip
     v = tl.load(v_ptr + page[:, None] * stride_vp + within[:, None] * stride_vs + kv_head * stride_vh + d[None, :],
                 mask=kv_mask, other=0.0)  # fmt: skip
+    if KV_FP8:
+        row = page * stride_sp + within * stride_ss + kv_head * stride_sh
+        k = k.to(tl.float32) * tl.load(ks_ptr + row, mask=n_mask, other=0.0)[:, None]
+        v = v.to(tl.float32) * tl.load(vs_ptr + row, mask=n_mask, other=0.0)[:, None]
     return k, v
 
 
@@ -65,12 +73,12 @@ def _paged_kv_block(
 # and specialising on it would compile new variants mid-serving
 @triton.jit(do_not_specialize=["stride_pt"])
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, part_ptr, page_table_ptr, token_req_ptr, positions_ptr,
+    q_ptr, k_ptr, v_ptr, part_ptr, page_table_ptr, token_req_ptr, positions_ptr, ks_ptr, vs_ptr,
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_ot, stride_oh,
-    stride_pt, scale,
+    stride_pt, stride_sp, stride_ss, stride_sh, scale,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, SPLITS: tl.constexpr, FP32_DOT: tl.constexpr,
-    IEEE_DOT: tl.constexpr,
+    IEEE_DOT: tl.constexpr, KV_FP8: tl.constexpr,
 ):  # fmt: skip
     """One (token, kv head, split): the GROUP query heads of the kv head over the split's share of the
     token's keys, an online softmax with tensor-core dots; writes (max, sum, unnormalised output)."""
@@ -101,10 +109,14 @@ def _decode_split_kernel(
         n = start + tl.arange(0, BLOCK_N)
         n_mask = n < last
         k, v = _paged_kv_block(k_ptr, v_ptr, page_table_ptr, req, stride_pt, n, n_mask, d, d_mask, kv_head,
-                               stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, PAGE_SIZE)  # fmt: skip
+                               stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                               ks_ptr, vs_ptr, stride_sp, stride_ss, stride_sh, PAGE_SIZE, KV_FP8)  # fmt: skip
         if FP32_DOT:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
+        elif KV_FP8:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         if IEEE_DOT:  # float32 models: exact float32 products, not tf32's
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         else:
@@ -156,10 +168,12 @@ def _softmax_block(s, v, m_i, l_i, acc):
 @triton.jit(do_not_specialize=["stride_pt"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, page_table_ptr, positions_ptr, query_start_ptr, block_req_ptr, block_first_ptr,
+    ks_ptr, vs_ptr,
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_ot, stride_oh,
-    stride_pt, scale_log2,
+    stride_pt, stride_sp, stride_ss, stride_sh, scale_log2,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, FP32_DOT: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):  # fmt: skip
     blk = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -190,19 +204,27 @@ def _prefill_kernel(
     for start in range(0, unmasked_end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         k, v = _paged_kv_block(k_ptr, v_ptr, page_table_ptr, req, stride_pt, n, n < unmasked_end, d, d_mask, kv_head,
-                               stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, PAGE_SIZE)  # fmt: skip
+                               stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                               ks_ptr, vs_ptr, stride_sp, stride_ss, stride_sh, PAGE_SIZE, KV_FP8)  # fmt: skip
         if FP32_DOT:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
+        elif KV_FP8:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         m_i, l_i, acc = _softmax_block(tl.dot(q, tl.trans(k)) * scale_log2, v, m_i, l_i, acc)
     for start in range(unmasked_end, num_keys, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_mask = n < num_keys
         k, v = _paged_kv_block(k_ptr, v_ptr, page_table_ptr, req, stride_pt, n, n_mask, d, d_mask, kv_head,
-                               stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, PAGE_SIZE)  # fmt: skip
+                               stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                               ks_ptr, vs_ptr, stride_sp, stride_ss, stride_sh, PAGE_SIZE, KV_FP8)  # fmt: skip
         if FP32_DOT:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
+        elif KV_FP8:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         s = tl.where((n[None, :] <= pos_m[:, None]) & n_mask[None, :], tl.dot(q, tl.trans(k)) * scale_log2, float("-inf"))
         m_i, l_i, acc = _softmax_block(s, v, m_i, l_i, acc)
     out = acc / l_i[:, None]
@@ -210,22 +232,29 @@ def _prefill_kernel(
              mask=m_mask[:, None] & d_mask[None, :])  # fmt: skip
 
 
-def _prepare(name: str, q, k_cache, v_cache, page_table, out) -> tuple[torch.Tensor, torch.Tensor, tuple, dict]:
-    """Checks both entry points make; (out, contiguous page table, the strides both kernels take
-    after their pointers, the shape constants both take)."""
+def _prepare(name: str, q, k_cache, v_cache, page_table, out, k_scale, v_scale
+             ) -> tuple[torch.Tensor, torch.Tensor, tuple, tuple, dict]:  # fmt: skip
+    """Checks both entry points make; (out, contiguous page table, the scale pointers, the strides both
+    kernels take after their pointers, the shape constants both take). Without scales (a pool of the model
+    dtype) the scale pointers are the caches, never read, and their strides 0."""
     heads, head_dim = q.shape[1], q.shape[2]
     page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     if heads % kv_heads:
         raise ValueError(f"query heads ({heads}) must be a multiple of kv heads ({kv_heads})")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError(f"{name} needs head_dim contiguous in q and the caches")
+    fp8 = k_scale is not None
+    if fp8 and (v_scale is None or k_scale.stride() != v_scale.stride() or k_scale.shape != k_cache.shape[:-1]):
+        raise ValueError(f"{name}: k_scale and v_scale must both be given, [pages, page_size, kv_heads] alike")
     out = torch.empty_like(q) if out is None else out
     page_table = page_table.contiguous()
+    scale_strides = k_scale.stride() if fp8 else (0, 0, 0)
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
-               page_table.stride(0))  # fmt: skip
-    shape = dict(PAGE_SIZE=page_size, GROUP=heads // kv_heads, HEAD_DIM=head_dim)
-    return out, page_table, strides, shape
+               page_table.stride(0), *scale_strides)  # fmt: skip
+    shape = dict(PAGE_SIZE=page_size, GROUP=heads // kv_heads, HEAD_DIM=head_dim, KV_FP8=fp8)
+    scales = (k_scale, v_scale) if fp8 else (k_cache, v_cache)
+    return out, page_table, scales, strides, shape
 
 
 def token_requests(query_start: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -236,10 +265,13 @@ def token_requests(query_start: torch.Tensor, num_tokens: int) -> torch.Tensor:
 
 def paged_attention_decode_triton(q, k_cache, v_cache, page_table, query_start, positions, scale: float,
                                   out: torch.Tensor | None = None, block_n: int = 32,
-                                  token_request: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                                  token_request: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                                  v_scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """`token_request` (int [T], each token's request): ForwardBatch carries it, made on the host
-    with the rest of the step, two launches per layer fewer than deriving it here."""
-    out, page_table, strides, shape = _prepare("paged_attention_decode_triton", q, k_cache, v_cache, page_table, out)
+    with the rest of the step, two launches per layer fewer than deriving it here. `k_scale`/`v_scale`:
+    an fp8 pool's scales."""
+    out, page_table, scales, strides, shape = _prepare("paged_attention_decode_triton", q, k_cache, v_cache,
+                                                       page_table, out, k_scale, v_scale)  # fmt: skip
     num_tokens, heads, head_dim = q.shape
     if num_tokens == 0:
         return out
@@ -248,7 +280,7 @@ def paged_attention_decode_triton(q, k_cache, v_cache, page_table, query_start, 
     block_d = max(16, triton.next_power_of_2(head_dim))
     parts = torch.empty(num_tokens, heads, DECODE_SPLITS, 2 + block_d, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(num_tokens, kv_heads, DECODE_SPLITS)](
-        q, k_cache, v_cache, parts, page_table, token_req, positions, *strides, scale, **shape,
+        q, k_cache, v_cache, parts, page_table, token_req, positions, *scales, *strides, scale, **shape,
         BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_G=max(16, triton.next_power_of_2(shape["GROUP"])),
         SPLITS=DECODE_SPLITS, FP32_DOT=os.environ.get("TRITON_INTERPRET") == "1" or q.dtype == torch.float32,
         IEEE_DOT=q.dtype == torch.float32 and os.environ.get("TRITON_INTERPRET") != "1",
@@ -284,10 +316,13 @@ def prefill_tiles(head_dim: int, group: int) -> tuple[int, int, int]:
 def paged_attention_prefill_triton(q, k_cache, v_cache, page_table, query_start, positions, query_lens: list[int],
                                    scale: float, out: torch.Tensor | None = None, block_rows: int | None = None,
                                    block_n: int | None = None, num_warps: int | None = None,
-                                   skip: Container[int] = ()) -> torch.Tensor:  # fmt: skip
+                                   skip: Container[int] = (), k_scale: torch.Tensor | None = None,
+                                   v_scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """`block_rows`, `block_n`, `num_warps` override prefill_tiles (tests and the bench); the rows of the
-    requests in `skip` are left as they are in `out` (kernels/paged_attention_flash.py computes them)."""
-    out, page_table, strides, shape = _prepare("paged_attention_prefill_triton", q, k_cache, v_cache, page_table, out)
+    requests in `skip` are left as they are in `out` (kernels/paged_attention_flash.py computes them).
+    `k_scale`/`v_scale`: an fp8 pool's scales."""
+    out, page_table, scales, strides, shape = _prepare("paged_attention_prefill_triton", q, k_cache, v_cache,
+                                                       page_table, out, k_scale, v_scale)  # fmt: skip
     rows, keys, warps = prefill_tiles(q.shape[2], shape["GROUP"])
     rows, block_n, num_warps = block_rows or rows, block_n or keys, num_warps or warps
     if rows < shape["GROUP"] or rows & (rows - 1):
@@ -300,7 +335,7 @@ def paged_attention_prefill_triton(q, k_cache, v_cache, page_table, query_start,
     block_req = torch.tensor(reqs, dtype=torch.int32).to(q.device, non_blocking=True)
     block_first = torch.tensor(firsts, dtype=torch.int32).to(q.device, non_blocking=True)
     _prefill_kernel[(len(reqs), k_cache.shape[2])](
-        q, k_cache, v_cache, out, page_table, positions, query_start, block_req, block_first, *strides,
+        q, k_cache, v_cache, out, page_table, positions, query_start, block_req, block_first, *scales, *strides,
         scale * LOG2E, **shape, BLOCK_D=max(16, triton.next_power_of_2(q.shape[2])), BLOCK_N=block_n,
         BLOCK_T=block_t, BLOCK_R=rows, FP32_DOT=os.environ.get("TRITON_INTERPRET") == "1" or q.dtype == torch.float32,
         num_warps=num_warps, num_stages=2,
