@@ -26,8 +26,11 @@ bf16 dot is wrong); compiled, they take the cache dtype with float32 accumulatio
 
 Both read keys through the same helper (`_paged_kv_block`): masked lanes read the sentinel page 0,
 never another request's page (docs/ARCHITECTURE.md, "The memory planner"). An fp8 pool (KV_FP8, with
-k_scale / v_scale [pages, page_size, kv_heads] float32) is dequantized there, in registers: each row's e4m3
-values times its scale in float32, then to q's dtype for the dots (float32 under FP32_DOT)."""
+k_scale / v_scale [pages, page_size, kv_heads] float32) is dequantized in registers without a [keys, head_dim]
+product: a key row's scale is a factor of its score column, and a value row's of its probability column, so
+the e4m3 values go to the dots as q's dtype (exactly: every e4m3 value is a bf16 and an fp16 value) and the
+scores and probabilities take the scales (q . k x scale = q . (k x scale)). That keeps the registers of
+the model dtype's kernel (tests/unit/kernels/test_fused_kernels_compile.py)."""
 
 from __future__ import annotations
 
@@ -53,8 +56,8 @@ def _paged_kv_block(
     ks_ptr, vs_ptr, stride_sp, stride_ss, stride_sh,
     PAGE_SIZE: tl.constexpr, KV_FP8: tl.constexpr,
 ):  # fmt: skip
-    """K and V ([BLOCK_N, BLOCK_D]) of key positions `n` of request `req`: the cache dtype, or with KV_FP8
-    float32, each row's e4m3 values times its scale."""
+    """K and V ([BLOCK_N, BLOCK_D], the cache dtype) of key positions `n` of request `req`, and their rows'
+    scales ([BLOCK_N] float32; 0 for masked keys) with KV_FP8, else 1."""
     page = tl.load(page_table_ptr + req * stride_pt + n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
     within = (n % PAGE_SIZE).to(tl.int64)
     kv_mask = n_mask[:, None] & d_mask[None, :]
@@ -64,9 +67,12 @@ def _paged_kv_block(
                 mask=kv_mask, other=0.0)  # fmt: skip
     if KV_FP8:
         row = page * stride_sp + within * stride_ss + kv_head * stride_sh
-        k = k.to(tl.float32) * tl.load(ks_ptr + row, mask=n_mask, other=0.0)[:, None]
-        v = v.to(tl.float32) * tl.load(vs_ptr + row, mask=n_mask, other=0.0)[:, None]
-    return k, v
+        k_scale = tl.load(ks_ptr + row, mask=n_mask, other=0.0)
+        v_scale = tl.load(vs_ptr + row, mask=n_mask, other=0.0)
+    else:
+        k_scale = 1.0
+        v_scale = 1.0
+    return k, v, k_scale, v_scale
 
 
 # stride_pt is the step's page-table width (its longest request's pages): it changes as requests grow,
@@ -108,9 +114,10 @@ def _decode_split_kernel(
     for start in range(first, last, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_mask = n < last
-        k, v = _paged_kv_block(k_ptr, v_ptr, page_table_ptr, req, stride_pt, n, n_mask, d, d_mask, kv_head,
-                               stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                               ks_ptr, vs_ptr, stride_sp, stride_ss, stride_sh, PAGE_SIZE, KV_FP8)  # fmt: skip
+        k, v, k_scale, v_scale = _paged_kv_block(
+            k_ptr, v_ptr, page_table_ptr, req, stride_pt, n, n_mask, d, d_mask, kv_head, stride_kp, stride_ks,
+            stride_kh, stride_vp, stride_vs, stride_vh, ks_ptr, vs_ptr, stride_sp, stride_ss, stride_sh, PAGE_SIZE,
+            KV_FP8)  # fmt: skip
         if FP32_DOT:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -121,11 +128,15 @@ def _decode_split_kernel(
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         else:
             s = tl.dot(q, tl.trans(k)) * scale
+        if KV_FP8:
+            s = s * k_scale[None, :]
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
+        if KV_FP8:
+            p = p * v_scale[None, :]
         if IEEE_DOT:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
@@ -157,12 +168,16 @@ def _decode_combine_kernel(part_ptr, out_ptr, stride_ot, stride_oh, HEAD_DIM: tl
 
 
 @triton.jit
-def _softmax_block(s, v, m_i, l_i, acc):
-    """One key block of the online softmax: scores s [rows, keys] (log2 units), their values v."""
+def _softmax_block(s, v, m_i, l_i, acc, v_scale, KV_FP8: tl.constexpr):
+    """One key block of the online softmax: scores s [rows, keys] (log2 units), their values v (with KV_FP8,
+    e4m3 rows whose scales v_scale [keys] weigh the probabilities)."""
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     p = tl.math.exp2(s - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
-    return m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if KV_FP8:
+        p = p * v_scale[None, :]
+    return m_new, l_i, acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
 
 
 @triton.jit(do_not_specialize=["stride_pt"])
@@ -203,30 +218,38 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
     for start in range(0, unmasked_end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
-        k, v = _paged_kv_block(k_ptr, v_ptr, page_table_ptr, req, stride_pt, n, n < unmasked_end, d, d_mask, kv_head,
-                               stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                               ks_ptr, vs_ptr, stride_sp, stride_ss, stride_sh, PAGE_SIZE, KV_FP8)  # fmt: skip
+        k, v, k_scale, v_scale = _paged_kv_block(
+            k_ptr, v_ptr, page_table_ptr, req, stride_pt, n, n < unmasked_end, d, d_mask, kv_head, stride_kp,
+            stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, ks_ptr, vs_ptr, stride_sp, stride_ss, stride_sh,
+            PAGE_SIZE, KV_FP8)  # fmt: skip
         if FP32_DOT:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         elif KV_FP8:
             k = k.to(q.dtype)
             v = v.to(q.dtype)
-        m_i, l_i, acc = _softmax_block(tl.dot(q, tl.trans(k)) * scale_log2, v, m_i, l_i, acc)
+        s = tl.dot(q, tl.trans(k)) * scale_log2
+        if KV_FP8:
+            s = s * k_scale[None, :]
+        m_i, l_i, acc = _softmax_block(s, v, m_i, l_i, acc, v_scale, KV_FP8)
     for start in range(unmasked_end, num_keys, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_mask = n < num_keys
-        k, v = _paged_kv_block(k_ptr, v_ptr, page_table_ptr, req, stride_pt, n, n_mask, d, d_mask, kv_head,
-                               stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                               ks_ptr, vs_ptr, stride_sp, stride_ss, stride_sh, PAGE_SIZE, KV_FP8)  # fmt: skip
+        k, v, k_scale, v_scale = _paged_kv_block(
+            k_ptr, v_ptr, page_table_ptr, req, stride_pt, n, n_mask, d, d_mask, kv_head, stride_kp, stride_ks,
+            stride_kh, stride_vp, stride_vs, stride_vh, ks_ptr, vs_ptr, stride_sp, stride_ss, stride_sh, PAGE_SIZE,
+            KV_FP8)  # fmt: skip
         if FP32_DOT:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         elif KV_FP8:
             k = k.to(q.dtype)
             v = v.to(q.dtype)
-        s = tl.where((n[None, :] <= pos_m[:, None]) & n_mask[None, :], tl.dot(q, tl.trans(k)) * scale_log2, float("-inf"))
-        m_i, l_i, acc = _softmax_block(s, v, m_i, l_i, acc)
+        s = tl.dot(q, tl.trans(k)) * scale_log2
+        if KV_FP8:
+            s = s * k_scale[None, :]
+        s = tl.where((n[None, :] <= pos_m[:, None]) & n_mask[None, :], s, float("-inf"))
+        m_i, l_i, acc = _softmax_block(s, v, m_i, l_i, acc, v_scale, KV_FP8)
     out = acc / l_i[:, None]
     tl.store(out_ptr + t[:, None] * stride_ot + h[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=m_mask[:, None] & d_mask[None, :])  # fmt: skip
