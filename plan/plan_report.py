@@ -140,6 +140,7 @@ def plan_log_fields(plan: Plan) -> dict:
         "mixer_slice_tokens": min(plan.max_prefill_tokens, MIXER_SLICE_TOKENS),
         "kv_tokens": plan.kv.tokens,
         "kv_bytes": plan.kv.bytes,
+        "kv_cache_dtype": plan.kv.cache_dtype,
         "linear_state_slots": plan.linear_state.slots,
         "linear_state_bytes": plan.linear_state.bytes,
         "linear_state_snapshots": plan.linear_state_snapshots.snapshots,
