@@ -101,7 +101,8 @@ def kv_pool_layout(spec: ModelSpec, dtype: str, num_pages: int, page_size: int,
     total_pages = num_pages + KV_SENTINEL_PAGES
     shape = (len(spec.full_attention_layers), 2, total_pages, page_size, spec.num_kv_heads, spec.head_dim)
     if kv_cache_dtype == "fp8":
-        return PoolLayout("kv", (TensorSpec("kv", shape, KV_FP8_DTYPE), TensorSpec("kv_scale", shape[:-1], KV_SCALE_DTYPE)))
+        scale = TensorSpec("kv_scale", shape[:-1], KV_SCALE_DTYPE)
+        return PoolLayout("kv", (TensorSpec("kv", shape, KV_FP8_DTYPE), scale))
     return PoolLayout("kv", (TensorSpec("kv", shape, dtype),))
 
 
