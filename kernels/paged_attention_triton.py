@@ -47,6 +47,11 @@ import triton.language as tl
 # every step, as a CUDA graph needs; short contexts leave the last splits empty.
 DECODE_SPLITS = 16
 LOG2E = 1.4426950408889634  # the prefill's softmax runs in exp2: scores are scaled by scale x log2(e)
+# On an fp8 pool the probabilities take the value rows' scales (amax / 448) before they round to the dot's
+# dtype: lifted by 2^8 there, so that in fp16 they stay normal numbers for rows of small values (and cannot
+# overflow: a probability is at most 1, a scale at most 65504 / 448, 2^8 times that 37,430), and brought
+# down by the same power of two, exactly, at the output.
+V_SCALE_LIFT = tl.constexpr(256.0)
 
 
 @triton.jit
@@ -136,12 +141,14 @@ def _decode_split_kernel(
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if KV_FP8:
-            p = p * v_scale[None, :]
+            p = p * (v_scale * V_SCALE_LIFT)[None, :]
         if IEEE_DOT:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
+    if KV_FP8:
+        acc = acc * (1.0 / V_SCALE_LIFT)
     # partials [T, heads, SPLITS, 2 + BLOCK_D]: max, sum, then the output row (an empty split: -inf, 0, 0)
     row = part_ptr + ((t * (tl.num_programs(1) * GROUP) + heads) * SPLITS + split).to(tl.int64) * (2 + BLOCK_D)
     tl.store(row, m_i, mask=g_mask)
@@ -176,7 +183,7 @@ def _softmax_block(s, v, m_i, l_i, acc, v_scale, KV_FP8: tl.constexpr):
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if KV_FP8:
-        p = p * v_scale[None, :]
+        p = p * (v_scale * V_SCALE_LIFT)[None, :]
     return m_new, l_i, acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
 
 
@@ -250,6 +257,8 @@ def _prefill_kernel(
             s = s * k_scale[None, :]
         s = tl.where((n[None, :] <= pos_m[:, None]) & n_mask[None, :], s, float("-inf"))
         m_i, l_i, acc = _softmax_block(s, v, m_i, l_i, acc, v_scale, KV_FP8)
+    if KV_FP8:
+        acc = acc * (1.0 / V_SCALE_LIFT)
     out = acc / l_i[:, None]
     tl.store(out_ptr + t[:, None] * stride_ot + h[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=m_mask[:, None] & d_mask[None, :])  # fmt: skip

@@ -28,14 +28,18 @@ PAGED_TOLERANCE = {"decode": 1e-2, "prefill": 2e-2}
 
 
 @pytest.mark.parametrize("case", CASES + SERVED_CASES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,value_size", [(torch.float32, 1.0), (torch.bfloat16, 1.0), (torch.float16, 1.0),
+                                              (torch.bfloat16, 1e-3), (torch.float16, 1e-3)])  # fmt: skip
 @pytest.mark.parametrize("kernel", list(PAGED_TOLERANCE))
-def test_triton_paged_attention_on_an_fp8_pool(case, dtype, kernel):
+def test_triton_paged_attention_on_an_fp8_pool(case, dtype, value_size, kernel):
+    """value_size 1e-3: value rows a thousandth of the usual size (their scales scaled down), whose
+    probability x scale products fp16 holds only because the kernels lift them (V_SCALE_LIFT)."""
     from ferry.kernels import paged_attention_triton as kernels
 
     page_size, heads, kv_heads, head_dim, qlens, clens = case
     q, kc, vc, pt, qs, pos, _, _, (ks, vs) = _scenario(7, page_size, heads, kv_heads, head_dim, qlens, clens, dtype,
                                                        "fp8")  # fmt: skip
+    vs = vs * value_size
     expected = paged_attention_reference(q, kc, vc, pt, qlens, clens, head_dim**-0.5, ks, vs)
     cuda = [t.cuda() for t in (q, kc, vc, pt, qs, pos)]
     scales = dict(k_scale=ks.cuda(), v_scale=vs.cuda())
@@ -46,7 +50,7 @@ def test_triton_paged_attention_on_an_fp8_pool(case, dtype, kernel):
         kernels.paged_attention_prefill_triton(*cuda, qlens, head_dim**-0.5, out=out, **scales)
     assert torch.isfinite(out).all()
     tol = PAGED_TOLERANCE[kernel]
-    torch.testing.assert_close(out.cpu().float(), expected.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(out.cpu().float(), expected.float(), rtol=tol, atol=tol * value_size)
 
 
 DISPATCH_CASES = [(16, 16, 2, 256, [300, 1, 40], [2000, 700, 0]), (16, 16, 2, 256, [1, 700, 128], [30, 5000, 0]),
