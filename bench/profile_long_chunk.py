@@ -47,7 +47,8 @@ from ferry.services.worker.flags import add_worker_flags, boot_config_from_args 
 FAMILIES = (
     ("unpack_copies", ("unpack_experts", "_unpack")),
     ("expert_copy_kernel", ("expert_copy", "_copy_experts")),
-    ("flash_attention", ("flash", "fmha", "sdpa")),
+    # with an fp8 KV pool, FlashAttention's K/V gather dequantizes (kernels/kv_gather_triton.py): part of its cost
+    ("flash_attention", ("flash", "fmha", "sdpa", "_gather_dequantize")),
     # before the attention's: the Gated DeltaNet's conv kernels are `_conv_prefill_kernel` and the like
     ("gated_deltanet", ("chunk_", "gated_delta", "fused_recurrent", "causal_conv", "_conv_", "l2norm", "solve_tril",
                         "wy_")),  # fmt: skip

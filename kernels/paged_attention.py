@@ -32,14 +32,18 @@ def paged_attention(
     scale: float,
     token_request: torch.Tensor | None = None,  # int [T]: each token's request (decode kernel), optional
     gather: Callable[[], tuple[torch.Tensor, torch.Tensor] | None] | None = None,  # FlashAttention's K/V buffers
+    k_scale: torch.Tensor | None = None,  # an fp8 pool's scales, [pages, page_size, kv_heads] float32
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if not use_triton(q):
-        return paged_attention_reference(q, k_cache, v_cache, page_table, query_lens, context_lens, scale)
+        return paged_attention_reference(q, k_cache, v_cache, page_table, query_lens, context_lens, scale,
+                                         k_scale, v_scale)  # fmt: skip
     from ferry.kernels import paged_attention_triton as triton_kernels
 
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
     if q.shape[0] == len(query_lens):  # one new token per request: decode
         return triton_kernels.paged_attention_decode_triton(q, k_cache, v_cache, page_table, query_start, positions,
-                                                            scale, token_request=token_request)  # fmt: skip
+                                                            scale, token_request=token_request, **scales)  # fmt: skip
     flash: set[int] = set()
     out = torch.empty_like(q)
     if flash_available(q, k_cache):
@@ -48,14 +52,15 @@ def paged_attention(
         buffers = gather() if gather is not None and long_queries else None
         for r in long_queries:
             if flash_prefill_into(out, q, k_cache, v_cache, page_table[r], first_rows[r], query_lens[r],
-                                  context_lens[r], scale, buffers):  # fmt: skip
+                                  context_lens[r], scale, buffers, **scales):  # fmt: skip
                 flash.add(r)
             else:
                 _flash_refused(q, k_cache, query_lens[r], context_lens[r])
     if len(flash) == sum(1 for n in query_lens if n):
         return out
     return triton_kernels.paged_attention_prefill_triton(q, k_cache, v_cache, page_table, query_start, positions,
-                                                         query_lens, scale, out=out, skip=frozenset(flash))  # fmt: skip
+                                                         query_lens, scale, out=out, skip=frozenset(flash),
+                                                         **scales)  # fmt: skip
 
 
 def _flash_refused(q: torch.Tensor, k_cache: torch.Tensor, query_len: int, context_len: int) -> None:

@@ -29,10 +29,10 @@ _FLASH_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def flash_available(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """FlashAttention takes this step's queries: CUDA sm80+, half precision (the cache's too), head_dim a
-    multiple of 8 up to 256."""
+    """FlashAttention takes this step's queries: CUDA sm80+, half precision (the cache's too, or fp8, which
+    the gather dequantizes to q's dtype), head_dim a multiple of 8 up to 256."""
     kv_heads = k_cache.shape[2]
-    if not q.is_cuda or q.dtype not in _FLASH_DTYPES or k_cache.dtype != q.dtype:
+    if not q.is_cuda or q.dtype not in _FLASH_DTYPES or k_cache.dtype not in (q.dtype, torch.float8_e4m3fn):
         return False
     head_dim = q.shape[-1]
     if head_dim % 8 or head_dim > 256 or q.shape[1] % kv_heads:
@@ -56,13 +56,16 @@ def flash_params(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
 
 def flash_prefill_into(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        pages: torch.Tensor, first_row: int, query_len: int, context_len: int, scale: float,
-                       buffers: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:  # fmt: skip
+                       buffers: tuple[torch.Tensor, torch.Tensor] | None = None, k_scale: torch.Tensor | None = None,
+                       v_scale: torch.Tensor | None = None) -> bool:  # fmt: skip
     """Request rows out[first_row : first_row + query_len] (q's layout [T, heads, head_dim]): its new
     tokens attend to its `context_len` cached keys and causally to each other, read through `pages`
     (its page-table row; the new tokens' K/V are written there already). The K/V are gathered into
     `buffers` ([pages, page_size, kv_heads, head_dim] each, pools.KvTensorPool.gather_buffers) where
-    they hold them, else into fresh tensors. False, with nothing written, where FlashAttention
-    refuses these tensors (the caller's paged kernel takes them)."""
+    they hold them, else into fresh tensors; an fp8 pool's (with `k_scale`/`v_scale`) are dequantized to q's
+    dtype as they are gathered (kernels/kv_gather_triton.py), so the buffers are the same bytes as for a pool
+    of the model dtype. False, with nothing written, where FlashAttention refuses these tensors (the
+    caller's paged kernel takes them)."""
     from torch.backends.cuda import can_use_flash_attention
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
@@ -71,8 +74,15 @@ def flash_prefill_into(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor
     rows = slice(first_row, first_row + query_len)
     # [1, heads, L, D] views of [L, heads, D] rows: FlashAttention runs on the [B, L, H, D] layout, so no copy
     query = q[rows].unsqueeze(0).transpose(1, 2)
-    key = gather_request_kv(k_cache, pages, total, buffers[0] if buffers else None).unsqueeze(0).transpose(1, 2)
-    value = gather_request_kv(v_cache, pages, total, buffers[1] if buffers else None).unsqueeze(0).transpose(1, 2)
+    if k_scale is None:
+        key = gather_request_kv(k_cache, pages, total, buffers[0] if buffers else None)
+        value = gather_request_kv(v_cache, pages, total, buffers[1] if buffers else None)
+    else:
+        from ferry.kernels.kv_gather_triton import gather_dequantize_kv_triton
+
+        key = gather_dequantize_kv_triton(k_cache, k_scale, pages, total, q.dtype, buffers[0] if buffers else None)
+        value = gather_dequantize_kv_triton(v_cache, v_scale, pages, total, q.dtype, buffers[1] if buffers else None)
+    key, value = key.unsqueeze(0).transpose(1, 2), value.unsqueeze(0).transpose(1, 2)
     # asked before the call, as the causal bias asks it: where flash refuses, SDPA's causal-bias path would
     # build the [L, S] mask. Not is_causal=True: flash refuses that flag whenever L != S (top-left causal is
     # not lower-right), which turned every chunk after a prompt's first to the paged kernel

@@ -25,7 +25,12 @@ blocks contribute exactly zero. Under TRITON_INTERPRET=1 the dots run in float32
 bf16 dot is wrong); compiled, they take the cache dtype with float32 accumulation.
 
 Both read keys through the same helper (`_paged_kv_block`): masked lanes read the sentinel page 0,
-never another request's page (docs/ARCHITECTURE.md, "The memory planner")."""
+never another request's page (docs/ARCHITECTURE.md, "The memory planner"). An fp8 pool (KV_FP8, with
+k_scale / v_scale [pages, page_size, kv_heads] float32) is dequantized in registers without a [keys, head_dim]
+product: a key row's scale is a factor of its score column, and a value row's of its probability column, so
+the e4m3 values go to the dots as q's dtype (exactly: every e4m3 value is a bf16 and an fp16 value) and the
+scores and probabilities take the scales (q . k x scale = q . (k x scale)). That keeps the registers of
+the model dtype's kernel (tests/unit/kernels/test_fused_kernels_compile.py)."""
 
 from __future__ import annotations
 
@@ -42,15 +47,22 @@ import triton.language as tl
 # every step, as a CUDA graph needs; short contexts leave the last splits empty.
 DECODE_SPLITS = 16
 LOG2E = 1.4426950408889634  # the prefill's softmax runs in exp2: scores are scaled by scale x log2(e)
+# On an fp8 pool the probabilities take the value rows' scales (amax / 448) before they round to the dot's
+# dtype: lifted by 2^8 there, so that in fp16 they stay normal numbers for rows of small values (and cannot
+# overflow: a probability is at most 1, a scale at most 65504 / 448, 2^8 times that 37,430), and brought
+# down by the same power of two, exactly, at the output.
+V_SCALE_LIFT = tl.constexpr(256.0)
 
 
 @triton.jit
 def _paged_kv_block(
     k_ptr, v_ptr, page_table_ptr, req, stride_pt, n, n_mask, d, d_mask, kv_head,
     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-    PAGE_SIZE: tl.constexpr,
+    ks_ptr, vs_ptr, stride_sp, stride_ss, stride_sh,
+    PAGE_SIZE: tl.constexpr, KV_FP8: tl.constexpr,
 ):  # fmt: skip
-    """K and V ([BLOCK_N, BLOCK_D], the cache dtype) of key positions `n` of request `req`."""
+    """K and V ([BLOCK_N, BLOCK_D], the cache dtype) of key positions `n` of request `req`, and their rows'
+    scales ([BLOCK_N] float32; 0 for masked keys) with KV_FP8, else 1."""
     page = tl.load(page_table_ptr + req * stride_pt + n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
     within = (n % PAGE_SIZE).to(tl.int64)
     kv_mask = n_mask[:, None] & d_mask[None, :]
@@ -58,19 +70,26 @@ def _paged_kv_block(
                 mask=kv_mask, other=0.0)  # fmt: skip
     v = tl.load(v_ptr + page[:, None] * stride_vp + within[:, None] * stride_vs + kv_head * stride_vh + d[None, :],
                 mask=kv_mask, other=0.0)  # fmt: skip
-    return k, v
+    if KV_FP8:
+        row = page * stride_sp + within * stride_ss + kv_head * stride_sh
+        k_scale = tl.load(ks_ptr + row, mask=n_mask, other=0.0)
+        v_scale = tl.load(vs_ptr + row, mask=n_mask, other=0.0)
+    else:
+        k_scale = 1.0
+        v_scale = 1.0
+    return k, v, k_scale, v_scale
 
 
 # stride_pt is the step's page-table width (its longest request's pages): it changes as requests grow,
 # and specialising on it would compile new variants mid-serving
 @triton.jit(do_not_specialize=["stride_pt"])
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, part_ptr, page_table_ptr, token_req_ptr, positions_ptr,
+    q_ptr, k_ptr, v_ptr, part_ptr, page_table_ptr, token_req_ptr, positions_ptr, ks_ptr, vs_ptr,
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_ot, stride_oh,
-    stride_pt, scale,
+    stride_pt, stride_sp, stride_ss, stride_sh, scale,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, SPLITS: tl.constexpr, FP32_DOT: tl.constexpr,
-    IEEE_DOT: tl.constexpr,
+    IEEE_DOT: tl.constexpr, KV_FP8: tl.constexpr,
 ):  # fmt: skip
     """One (token, kv head, split): the GROUP query heads of the kv head over the split's share of the
     token's keys, an online softmax with tensor-core dots; writes (max, sum, unnormalised output)."""
@@ -100,25 +119,36 @@ def _decode_split_kernel(
     for start in range(first, last, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_mask = n < last
-        k, v = _paged_kv_block(k_ptr, v_ptr, page_table_ptr, req, stride_pt, n, n_mask, d, d_mask, kv_head,
-                               stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, PAGE_SIZE)  # fmt: skip
+        k, v, k_scale, v_scale = _paged_kv_block(
+            k_ptr, v_ptr, page_table_ptr, req, stride_pt, n, n_mask, d, d_mask, kv_head, stride_kp, stride_ks,
+            stride_kh, stride_vp, stride_vs, stride_vh, ks_ptr, vs_ptr, stride_sp, stride_ss, stride_sh, PAGE_SIZE,
+            KV_FP8)  # fmt: skip
         if FP32_DOT:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
+        elif KV_FP8:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         if IEEE_DOT:  # float32 models: exact float32 products, not tf32's
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         else:
             s = tl.dot(q, tl.trans(k)) * scale
+        if KV_FP8:
+            s = s * k_scale[None, :]
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
+        if KV_FP8:
+            p = p * (v_scale * V_SCALE_LIFT)[None, :]
         if IEEE_DOT:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
+    if KV_FP8:
+        acc = acc * (1.0 / V_SCALE_LIFT)
     # partials [T, heads, SPLITS, 2 + BLOCK_D]: max, sum, then the output row (an empty split: -inf, 0, 0)
     row = part_ptr + ((t * (tl.num_programs(1) * GROUP) + heads) * SPLITS + split).to(tl.int64) * (2 + BLOCK_D)
     tl.store(row, m_i, mask=g_mask)
@@ -145,21 +175,27 @@ def _decode_combine_kernel(part_ptr, out_ptr, stride_ot, stride_oh, HEAD_DIM: tl
 
 
 @triton.jit
-def _softmax_block(s, v, m_i, l_i, acc):
-    """One key block of the online softmax: scores s [rows, keys] (log2 units), their values v."""
+def _softmax_block(s, v, m_i, l_i, acc, v_scale, KV_FP8: tl.constexpr):
+    """One key block of the online softmax: scores s [rows, keys] (log2 units), their values v (with KV_FP8,
+    e4m3 rows whose scales v_scale [keys] weigh the probabilities)."""
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     p = tl.math.exp2(s - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
-    return m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if KV_FP8:
+        p = p * (v_scale * V_SCALE_LIFT)[None, :]
+    return m_new, l_i, acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
 
 
 @triton.jit(do_not_specialize=["stride_pt"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, page_table_ptr, positions_ptr, query_start_ptr, block_req_ptr, block_first_ptr,
+    ks_ptr, vs_ptr,
     stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_ot, stride_oh,
-    stride_pt, scale_log2,
+    stride_pt, stride_sp, stride_ss, stride_sh, scale_log2,
     PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, FP32_DOT: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):  # fmt: skip
     blk = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -189,43 +225,68 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
     for start in range(0, unmasked_end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
-        k, v = _paged_kv_block(k_ptr, v_ptr, page_table_ptr, req, stride_pt, n, n < unmasked_end, d, d_mask, kv_head,
-                               stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, PAGE_SIZE)  # fmt: skip
+        k, v, k_scale, v_scale = _paged_kv_block(
+            k_ptr, v_ptr, page_table_ptr, req, stride_pt, n, n < unmasked_end, d, d_mask, kv_head, stride_kp,
+            stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, ks_ptr, vs_ptr, stride_sp, stride_ss, stride_sh,
+            PAGE_SIZE, KV_FP8)  # fmt: skip
         if FP32_DOT:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        m_i, l_i, acc = _softmax_block(tl.dot(q, tl.trans(k)) * scale_log2, v, m_i, l_i, acc)
+        elif KV_FP8:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+        s = tl.dot(q, tl.trans(k)) * scale_log2
+        if KV_FP8:
+            s = s * k_scale[None, :]
+        m_i, l_i, acc = _softmax_block(s, v, m_i, l_i, acc, v_scale, KV_FP8)
     for start in range(unmasked_end, num_keys, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_mask = n < num_keys
-        k, v = _paged_kv_block(k_ptr, v_ptr, page_table_ptr, req, stride_pt, n, n_mask, d, d_mask, kv_head,
-                               stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, PAGE_SIZE)  # fmt: skip
+        k, v, k_scale, v_scale = _paged_kv_block(
+            k_ptr, v_ptr, page_table_ptr, req, stride_pt, n, n_mask, d, d_mask, kv_head, stride_kp, stride_ks,
+            stride_kh, stride_vp, stride_vs, stride_vh, ks_ptr, vs_ptr, stride_sp, stride_ss, stride_sh, PAGE_SIZE,
+            KV_FP8)  # fmt: skip
         if FP32_DOT:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.where((n[None, :] <= pos_m[:, None]) & n_mask[None, :], tl.dot(q, tl.trans(k)) * scale_log2, float("-inf"))
-        m_i, l_i, acc = _softmax_block(s, v, m_i, l_i, acc)
+        elif KV_FP8:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+        s = tl.dot(q, tl.trans(k)) * scale_log2
+        if KV_FP8:
+            s = s * k_scale[None, :]
+        s = tl.where((n[None, :] <= pos_m[:, None]) & n_mask[None, :], s, float("-inf"))
+        m_i, l_i, acc = _softmax_block(s, v, m_i, l_i, acc, v_scale, KV_FP8)
+    if KV_FP8:
+        acc = acc * (1.0 / V_SCALE_LIFT)
     out = acc / l_i[:, None]
     tl.store(out_ptr + t[:, None] * stride_ot + h[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=m_mask[:, None] & d_mask[None, :])  # fmt: skip
 
 
-def _prepare(name: str, q, k_cache, v_cache, page_table, out) -> tuple[torch.Tensor, torch.Tensor, tuple, dict]:
-    """Checks both entry points make; (out, contiguous page table, the strides both kernels take
-    after their pointers, the shape constants both take)."""
+def _prepare(name: str, q, k_cache, v_cache, page_table, out, k_scale, v_scale
+             ) -> tuple[torch.Tensor, torch.Tensor, tuple, tuple, dict]:  # fmt: skip
+    """Checks both entry points make; (out, contiguous page table, the scale pointers, the strides both
+    kernels take after their pointers, the shape constants both take). Without scales (a pool of the model
+    dtype) the scale pointers are the caches, never read, and their strides 0."""
     heads, head_dim = q.shape[1], q.shape[2]
     page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     if heads % kv_heads:
         raise ValueError(f"query heads ({heads}) must be a multiple of kv heads ({kv_heads})")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError(f"{name} needs head_dim contiguous in q and the caches")
+    fp8 = k_scale is not None
+    if fp8 and (v_scale is None or k_scale.stride() != v_scale.stride() or k_scale.shape != k_cache.shape[:-1]):
+        raise ValueError(f"{name}: k_scale and v_scale must both be given, [pages, page_size, kv_heads] alike")
     out = torch.empty_like(q) if out is None else out
     page_table = page_table.contiguous()
+    scale_strides = k_scale.stride() if fp8 else (0, 0, 0)
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
-               page_table.stride(0))  # fmt: skip
-    shape = dict(PAGE_SIZE=page_size, GROUP=heads // kv_heads, HEAD_DIM=head_dim)
-    return out, page_table, strides, shape
+               page_table.stride(0), *scale_strides)  # fmt: skip
+    shape = dict(PAGE_SIZE=page_size, GROUP=heads // kv_heads, HEAD_DIM=head_dim, KV_FP8=fp8)
+    scales = (k_scale, v_scale) if fp8 else (k_cache, v_cache)
+    return out, page_table, scales, strides, shape
 
 
 def token_requests(query_start: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -236,10 +297,13 @@ def token_requests(query_start: torch.Tensor, num_tokens: int) -> torch.Tensor:
 
 def paged_attention_decode_triton(q, k_cache, v_cache, page_table, query_start, positions, scale: float,
                                   out: torch.Tensor | None = None, block_n: int = 32,
-                                  token_request: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                                  token_request: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                                  v_scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """`token_request` (int [T], each token's request): ForwardBatch carries it, made on the host
-    with the rest of the step, two launches per layer fewer than deriving it here."""
-    out, page_table, strides, shape = _prepare("paged_attention_decode_triton", q, k_cache, v_cache, page_table, out)
+    with the rest of the step, two launches per layer fewer than deriving it here. `k_scale`/`v_scale`:
+    an fp8 pool's scales."""
+    out, page_table, scales, strides, shape = _prepare("paged_attention_decode_triton", q, k_cache, v_cache,
+                                                       page_table, out, k_scale, v_scale)  # fmt: skip
     num_tokens, heads, head_dim = q.shape
     if num_tokens == 0:
         return out
@@ -248,7 +312,7 @@ def paged_attention_decode_triton(q, k_cache, v_cache, page_table, query_start, 
     block_d = max(16, triton.next_power_of_2(head_dim))
     parts = torch.empty(num_tokens, heads, DECODE_SPLITS, 2 + block_d, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(num_tokens, kv_heads, DECODE_SPLITS)](
-        q, k_cache, v_cache, parts, page_table, token_req, positions, *strides, scale, **shape,
+        q, k_cache, v_cache, parts, page_table, token_req, positions, *scales, *strides, scale, **shape,
         BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_G=max(16, triton.next_power_of_2(shape["GROUP"])),
         SPLITS=DECODE_SPLITS, FP32_DOT=os.environ.get("TRITON_INTERPRET") == "1" or q.dtype == torch.float32,
         IEEE_DOT=q.dtype == torch.float32 and os.environ.get("TRITON_INTERPRET") != "1",
@@ -284,10 +348,13 @@ def prefill_tiles(head_dim: int, group: int) -> tuple[int, int, int]:
 def paged_attention_prefill_triton(q, k_cache, v_cache, page_table, query_start, positions, query_lens: list[int],
                                    scale: float, out: torch.Tensor | None = None, block_rows: int | None = None,
                                    block_n: int | None = None, num_warps: int | None = None,
-                                   skip: Container[int] = ()) -> torch.Tensor:  # fmt: skip
+                                   skip: Container[int] = (), k_scale: torch.Tensor | None = None,
+                                   v_scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """`block_rows`, `block_n`, `num_warps` override prefill_tiles (tests and the bench); the rows of the
-    requests in `skip` are left as they are in `out` (kernels/paged_attention_flash.py computes them)."""
-    out, page_table, strides, shape = _prepare("paged_attention_prefill_triton", q, k_cache, v_cache, page_table, out)
+    requests in `skip` are left as they are in `out` (kernels/paged_attention_flash.py computes them).
+    `k_scale`/`v_scale`: an fp8 pool's scales."""
+    out, page_table, scales, strides, shape = _prepare("paged_attention_prefill_triton", q, k_cache, v_cache,
+                                                       page_table, out, k_scale, v_scale)  # fmt: skip
     rows, keys, warps = prefill_tiles(q.shape[2], shape["GROUP"])
     rows, block_n, num_warps = block_rows or rows, block_n or keys, num_warps or warps
     if rows < shape["GROUP"] or rows & (rows - 1):
@@ -300,7 +367,7 @@ def paged_attention_prefill_triton(q, k_cache, v_cache, page_table, query_start,
     block_req = torch.tensor(reqs, dtype=torch.int32).to(q.device, non_blocking=True)
     block_first = torch.tensor(firsts, dtype=torch.int32).to(q.device, non_blocking=True)
     _prefill_kernel[(len(reqs), k_cache.shape[2])](
-        q, k_cache, v_cache, out, page_table, positions, query_start, block_req, block_first, *strides,
+        q, k_cache, v_cache, out, page_table, positions, query_start, block_req, block_first, *scales, *strides,
         scale * LOG2E, **shape, BLOCK_D=max(16, triton.next_power_of_2(q.shape[2])), BLOCK_N=block_n,
         BLOCK_T=block_t, BLOCK_R=rows, FP32_DOT=os.environ.get("TRITON_INTERPRET") == "1" or q.dtype == torch.float32,
         num_warps=num_warps, num_stages=2,

@@ -64,7 +64,8 @@ def shrunk_defaults(spec: ModelSpec, user: PlanRequest, chosen: PlanRequest) -> 
 def fitted_context(spec: ModelSpec, req: PlanRequest, budget: int) -> int:
     """The longest context whose one sequence's KV takes at most 1/KV_FLOOR_SHARE of `budget`: the model's
     own where it does, else the largest power of two that does, never under MIN_CONTEXT (nor the model's)."""
-    per_token = L.kv_bytes_per_token(spec, resolve(spec, req).dtype)
+    r = resolve(spec, req)
+    per_token = L.kv_bytes_per_token(spec, r.dtype, r.kv_cache_dtype)
     longest = spec.max_position_embeddings
     share = budget // KV_FLOOR_SHARE
     if longest * per_token <= share or longest <= MIN_CONTEXT:

@@ -23,7 +23,8 @@ def plan_table(plan: Plan, host_here: int | None = None) -> str:
          f"{_mixer_slices(plan)} ({plan.max_prefill_tokens_source})"),
         ("KV pool", plan.kv.bytes,
          f"{plan.kv.pages} pages x {plan.kv.page_size} = {plan.kv.tokens} tokens + {plan.kv.sentinel_pages} sentinel; "
-         f"{plan.kv.bytes_per_token} B/token"),
+         f"{plan.kv.bytes_per_token} B/token" + (f" (fp8 e4m3, {plan.kv.scale_bytes_per_token} B of it scales)"
+                                                 if plan.kv.cache_dtype == "fp8" else "")),
         ("linear-state pool", plan.linear_state.bytes,
          f"{plan.linear_state.slots} slots + {plan.linear_state.padding_slots} padding; "
          f"{format_bytes(plan.linear_state.bytes_per_slot)}/slot"),
@@ -159,6 +160,7 @@ def plan_detail_fields(plan: Plan) -> dict:
         "mixer_slice_tokens": min(plan.max_prefill_tokens, MIXER_SLICE_TOKENS),
         "kv_tokens": plan.kv.tokens,
         "kv_bytes": plan.kv.bytes,
+        "kv_cache_dtype": plan.kv.cache_dtype,
         "linear_state_slots": plan.linear_state.slots,
         "linear_state_bytes": plan.linear_state.bytes,
         "linear_state_snapshots": plan.linear_state_snapshots.snapshots,

@@ -70,6 +70,7 @@ class PlanRequest:
     expert_backend: str | None = None  # auto | gpu | hybrid | cpu (plan/expert_backend.py); None: auto
     host_expert_threads: int | None = None  # the host's expert threads; None: the cores the processes leave
     host_expert_cpus: str | None = None  # where they are pinned: auto | none | a CPU list; None: auto
+    kv_cache_dtype: str | None = None  # auto | fp8 (pool_layout.KV_CACHE_DTYPES); None: auto, the model dtype
     # not a flag: the snapshots a running request gets by default (None: DEFAULT_SNAPSHOTS_PER_RUNNING_REQUEST);
     # plan/memory_defaults.py sets it where experts are offloaded
     snapshots_per_running_request: int | None = None
@@ -100,8 +101,11 @@ class KVPlan:
     pages: int
     sentinel_pages: int
     tokens: int
-    bytes_per_token: int
+    bytes_per_token: int  # values and, with fp8, their scales
     bytes: int
+    cache_dtype: str = "auto"  # --kv-cache-dtype: auto (the model dtype) | fp8
+    value_dtype: str = ""  # the element type of K and V in the pool: the model dtype, or float8_e4m3fn
+    scale_bytes_per_token: int = 0  # the fp8 scales' part of bytes_per_token (0 with auto)
 
 
 @dataclass(frozen=True)
@@ -192,6 +196,7 @@ class Resolved:
     max_prefill_tokens: int
     max_model_len: int
     memory_ratio: float
+    kv_cache_dtype: str = "auto"  # auto | fp8
 
 
 def resolve(spec: ModelSpec, req: PlanRequest) -> Resolved:
@@ -220,6 +225,9 @@ def resolve(spec: ModelSpec, req: PlanRequest) -> Resolved:
         (req.linear_state_snapshots is None or req.linear_state_snapshots >= 0,
          f"--linear-state-snapshots must not be negative, got {req.linear_state_snapshots}"),
     ]  # fmt: skip
+    kv_cache_dtype = req.kv_cache_dtype if req.kv_cache_dtype is not None else "auto"
+    checks.append((kv_cache_dtype in L.KV_CACHE_DTYPES,
+                   f"--kv-cache-dtype must be one of {', '.join(L.KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}"))  # fmt: skip
     check_expert_backend_flags(req.expert_backend, req.host_expert_threads)
     if req.host_expert_cpus not in (None, "auto", "none"):  # a bad list fails the plan before any weight loads
         parse_cpu_list(req.host_expert_cpus)
@@ -235,7 +243,7 @@ def resolve(spec: ModelSpec, req: PlanRequest) -> Resolved:
             f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings "
             f"({spec.max_position_embeddings})"
         )
-    return Resolved(dtype, page_size, mrr, mpt, max_model_len, ratio)
+    return Resolved(dtype, page_size, mrr, mpt, max_model_len, ratio, kv_cache_dtype)
 
 
 def plan_budget(spec: ModelSpec, req: PlanRequest, measured: Measured) -> int:
@@ -326,7 +334,7 @@ class _Costs:
     r: Resolved
 
     def kv(self, pages: int) -> int:
-        return L.kv_pool_layout(self.spec, self.r.dtype, pages, self.r.page_size).nbytes
+        return L.kv_pool_layout(self.spec, self.r.dtype, pages, self.r.page_size, self.r.kv_cache_dtype).nbytes
 
     def experts(self, slots: int) -> int:
         return L.expert_slot_layout(self.spec, self.r.dtype, slots, self.r.max_prefill_tokens).nbytes
@@ -454,7 +462,8 @@ def _terms(spec: ModelSpec, req: PlanRequest, r: Resolved, measured: Measured, s
     if sizes.snapshots:
         terms.add(f"linear-state snapshots: {sizes.snapshots} ({_snapshot_source(sizes, req)})", costs.snapshots(sizes.snapshots))
     kv_label = (
-        f"KV pool: {sizes.kv_pages} pages x {r.page_size} tokens + {L.KV_SENTINEL_PAGES} sentinel page ("
+        f"KV pool: {sizes.kv_pages} pages x {r.page_size} tokens + {L.KV_SENTINEL_PAGES} sentinel page"
+        + (", fp8 + scales" if r.kv_cache_dtype == "fp8" else "") + " ("
         + ("--num-pages" if req.num_pages is not None else "--num-tokens" if req.num_tokens is not None
            else "--kv-reserve-tokens" if req.kv_reserve_tokens is not None
            else f"floor: one max-length sequence, max_model_len {r.max_model_len}")
@@ -489,7 +498,7 @@ def _fill(spec: ModelSpec, sizes: _Sizes, costs: _Costs, remaining: int) -> None
     # same plan.
     if not sizes.kv_required and (sizes.experts_required or sizes.expert_slots == total_experts):
         pages = sizes.kv_pages
-        page_bytes = L.kv_bytes_per_token(spec, costs.r.dtype) * costs.r.page_size
+        page_bytes = L.kv_bytes_per_token(spec, costs.r.dtype, costs.r.kv_cache_dtype) * costs.r.page_size
         upper = pages + remaining // max(page_bytes, 1) + 1
         sizes.kv_pages = _largest(lambda p: costs.kv(p) - costs.kv(pages), remaining, pages, upper)
 
@@ -501,8 +510,11 @@ def _plan(spec: ModelSpec, req: PlanRequest, r: Resolved, measured: Measured, bu
         pages=sizes.kv_pages,
         sentinel_pages=L.KV_SENTINEL_PAGES,
         tokens=sizes.kv_pages * r.page_size,
-        bytes_per_token=L.kv_bytes_per_token(spec, r.dtype),
+        bytes_per_token=L.kv_bytes_per_token(spec, r.dtype, r.kv_cache_dtype),
         bytes=costs.kv(sizes.kv_pages),
+        cache_dtype=r.kv_cache_dtype,
+        value_dtype=L.KV_FP8_DTYPE if r.kv_cache_dtype == "fp8" else r.dtype,
+        scale_bytes_per_token=L.kv_scale_bytes_per_token(spec, r.kv_cache_dtype),
     )
     linear = LinearStatePlan(sizes.linear_slots, L.LINEAR_PADDING_SLOTS if spec.linear_attention_layers else 0,
                              L.linear_state_bytes_per_slot(spec, r.dtype), costs.linear_state(sizes.linear_slots))  # fmt: skip

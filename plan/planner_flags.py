@@ -10,12 +10,13 @@ from ferry.plan.model_config import DTYPE_BYTES, normalize_dtype
 from ferry.plan.expert_backend import EXPERT_BACKENDS, RESERVED_CORES
 from ferry.plan.host_memory import BANK_FORMATS
 from ferry.plan.planner import PlanRequest
+from ferry.plan.pool_layout import KV_CACHE_DTYPES
 
 PLANNER_FIELDS = (
     "gpu_memory", "memory_ratio", "num_tokens", "num_pages", "kv_reserve_tokens", "moe_cache_size",
     "moe_cache_rate", "page_size", "max_running_requests", "max_prefill_tokens", "max_model_len", "dtype",
     "host_memory", "expert_bank_format", "linear_state_snapshots", "expert_backend", "host_expert_threads",
-    "host_expert_cpus",
+    "host_expert_cpus", "kv_cache_dtype",
 )  # fmt: skip
 # the fields that are byte sizes (forwarded to a child process with their unit: `--gpu-memory 123B`)
 BYTE_FIELDS = ("gpu_memory", "host_memory")
@@ -122,6 +123,10 @@ def add_planner_flags(parser: argparse.ArgumentParser) -> None:
                         "host pins itself there; the others are the workers')")  # fmt: skip
     g.add_argument("--dtype", type=_dtype, default=None, metavar="DTYPE",
                    help=f"weights and KV dtype: {', '.join(DTYPE_CHOICES)} (default auto: the checkpoint's)")
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
+                   help="how the KV pool stores K and V: auto (default: the --dtype) or fp8 (float8 e4m3 values "
+                        "with one float32 scale per token and kv head: about half the bytes a token of bf16, so "
+                        "more expert slots or KV tokens in the same memory; logprobs move slightly, README)")
 
 
 def plan_request_from_args(args: argparse.Namespace) -> PlanRequest:

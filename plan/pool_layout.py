@@ -20,8 +20,16 @@ from ferry.shared.units import MiB, round_up
 
 POOL_ALIGN = 2 * MiB
 VIEW_ALIGN = 256
-# element sizes of every tensor a pool holds: model dtypes, and the integer state of the expert cache
-ELEMENT_BYTES = {**DTYPE_BYTES, "int8": 1, "uint8": 1, "int32": 4, "int64": 8}
+# --kv-cache-dtype fp8: K and V stored as float8 e4m3 values, each (token, kv head) row with one float32
+# scale (its amax / 448). float32, not bf16: amax / 448 then rounds once, so the row's largest value lands on
+# e4m3's 448 (a bf16 scale rounded down would push it past the range), and Triton loads it as it is; at
+# head_dim 128-256 it is 1.6-3.1% of the values' bytes.
+KV_CACHE_DTYPES = ("auto", "fp8")
+KV_FP8_DTYPE = "float8_e4m3fn"
+KV_SCALE_DTYPE = "float32"
+# element sizes of every tensor a pool holds: model dtypes, fp8 KV and its scales, and the integer state of
+# the expert cache
+ELEMENT_BYTES = {**DTYPE_BYTES, KV_FP8_DTYPE: 1, "int8": 1, "uint8": 1, "int32": 4, "int64": 8}
 
 # Page 0 of the KV pool is never handed to a request: padded and masked-out positions of a
 # batch write there, so a real page is never touched by a token that is not its own.
@@ -70,15 +78,31 @@ class PoolLayout:
 # ---- the pools --------------------------------------------------------------------
 
 
-def kv_bytes_per_token(spec: ModelSpec, dtype: str) -> int:
-    """K and V of every full-attention layer for one token (linear-attention layers keep no KV)."""
-    return len(spec.full_attention_layers) * 2 * spec.num_kv_heads * spec.head_dim * DTYPE_BYTES[dtype]
+def kv_bytes_per_token(spec: ModelSpec, dtype: str, kv_cache_dtype: str = "auto") -> int:
+    """K and V of every full-attention layer for one token (linear-attention layers keep no KV): values, and
+    with fp8 their scales."""
+    values = ELEMENT_BYTES[KV_FP8_DTYPE] if kv_cache_dtype == "fp8" else DTYPE_BYTES[dtype]
+    rows = len(spec.full_attention_layers) * 2 * spec.num_kv_heads
+    return rows * spec.head_dim * values + kv_scale_bytes_per_token(spec, kv_cache_dtype)
 
 
-def kv_pool_layout(spec: ModelSpec, dtype: str, num_pages: int, page_size: int) -> PoolLayout:
-    """`num_pages` usable pages plus the sentinel page(s), for every full-attention layer."""
+def kv_scale_bytes_per_token(spec: ModelSpec, kv_cache_dtype: str) -> int:
+    """The fp8 scales of one token: one per K and V row of every kv head and full-attention layer (0 with auto)."""
+    if kv_cache_dtype != "fp8":
+        return 0
+    return len(spec.full_attention_layers) * 2 * spec.num_kv_heads * ELEMENT_BYTES[KV_SCALE_DTYPE]
+
+
+def kv_pool_layout(spec: ModelSpec, dtype: str, num_pages: int, page_size: int,
+                   kv_cache_dtype: str = "auto") -> PoolLayout:  # fmt: skip
+    """`num_pages` usable pages plus the sentinel page(s), for every full-attention layer: "kv" [layers, 2,
+    pages, page_size, kv_heads, head_dim] in the model dtype (auto) or e4m3 (fp8), and with fp8 "kv_scale"
+    [layers, 2, pages, page_size, kv_heads] (float32), one scale a (token, kv head) row."""
     total_pages = num_pages + KV_SENTINEL_PAGES
     shape = (len(spec.full_attention_layers), 2, total_pages, page_size, spec.num_kv_heads, spec.head_dim)
+    if kv_cache_dtype == "fp8":
+        scale = TensorSpec("kv_scale", shape[:-1], KV_SCALE_DTYPE)
+        return PoolLayout("kv", (TensorSpec("kv", shape, KV_FP8_DTYPE), scale))
     return PoolLayout("kv", (TensorSpec("kv", shape, dtype),))
 
 

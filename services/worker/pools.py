@@ -19,8 +19,9 @@ from ferry.plan.planner import Plan
 from ferry.services.worker.expert_formats import expert_format_for
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-# every element type a pool holds (the expert cache's state is integers)
-POOL_DTYPES = {**TORCH_DTYPES, "int8": torch.int8, "uint8": torch.uint8, "int32": torch.int32, "int64": torch.int64}
+# every element type a pool holds (an fp8 KV pool's values; the expert cache's state is integers)
+POOL_DTYPES = {**TORCH_DTYPES, L.KV_FP8_DTYPE: torch.float8_e4m3fn, "int8": torch.int8, "uint8": torch.uint8,
+               "int32": torch.int32, "int64": torch.int64}  # fmt: skip
 
 
 class PoolAllocationError(FerryError):
@@ -49,7 +50,10 @@ def allocate_pool(layout: L.PoolLayout, device: torch.device | str) -> Allocated
 
 class KvTensorPool:
     """The worker's KV pool, the tensors behind the scheduler's page ids (its KvPagePool): paged K/V of
-    every full-attention layer, [layers, 2, pages + sentinel, page_size, kv_heads, head_dim].
+    every full-attention layer, [layers, 2, pages + sentinel, page_size, kv_heads, head_dim], in the model
+    dtype; or (--kv-cache-dtype fp8) in e4m3 with `scale` [layers, 2, pages + sentinel, page_size, kv_heads]
+    float32 beside them (kernels/paged_attention_reference.quantize_kv_rows). `dtype` is the model's: what
+    the attention computes in, and what the gather buffers hold.
 
     `gather_tokens` (the plan's max_model_len; None for the workspace profile's temporary pool) sizes
     the buffers a long prefill gathers one request's K/V into for FlashAttention
@@ -58,9 +62,13 @@ class KvTensorPool:
     contexts grow from chunk to chunk. Without it each gather is a fresh tensor."""
 
     def __init__(self, pool: AllocatedPool, full_attention_layers: tuple[int, ...], page_size: int,
-                 gather_tokens: int | None = None):  # fmt: skip
+                 gather_tokens: int | None = None, dtype: torch.dtype | None = None):  # fmt: skip
         self.pool = pool
         self.kv = pool.views["kv"]
+        self.scale = pool.views.get("kv_scale")
+        if self.scale is not None and dtype is None:
+            raise ValueError("an fp8 KV pool needs the model dtype (dtype) its attention computes in")
+        self.dtype = dtype if dtype is not None else self.kv.dtype
         self.page_size = page_size
         self._index = {layer: i for i, layer in enumerate(full_attention_layers)}
         self.gather_pages = ceil_div(gather_tokens, page_size) if gather_tokens else 0
@@ -72,14 +80,22 @@ class KvTensorPool:
             return None
         if self._gather is None:
             shape = (self.gather_pages, *self.kv.shape[3:])
-            self._gather = (torch.empty(shape, dtype=self.kv.dtype, device=self.kv.device),
-                            torch.empty(shape, dtype=self.kv.dtype, device=self.kv.device))  # fmt: skip
+            self._gather = (torch.empty(shape, dtype=self.dtype, device=self.kv.device),
+                            torch.empty(shape, dtype=self.dtype, device=self.kv.device))  # fmt: skip
         return self._gather
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) of one full-attention layer, each [pages + sentinel, page_size, kv_heads, head_dim]."""
         i = self._index[layer_idx]
         return self.kv[i, 0], self.kv[i, 1]
+
+    def layer_scales(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(K scales, V scales) of one full-attention layer of an fp8 pool, each [pages + sentinel, page_size,
+        kv_heads]; (None, None) where the pool holds the model dtype."""
+        if self.scale is None:
+            return None, None
+        i = self._index[layer_idx]
+        return self.scale[i, 0], self.scale[i, 1]
 
 
 class LinearStatePool:
@@ -185,7 +201,7 @@ def pool_layouts(spec: ModelSpec, plan: Plan) -> tuple[L.PoolLayout, ...]:
     """The layouts the plan priced, rebuilt from the plan's counts with the same functions: KV, linear
     state, expert slots, linear-state snapshots."""
     return (
-        L.kv_pool_layout(spec, plan.dtype, plan.kv.pages, plan.kv.page_size),
+        L.kv_pool_layout(spec, plan.dtype, plan.kv.pages, plan.kv.page_size, plan.kv.cache_dtype),
         L.linear_state_layout(spec, plan.dtype, plan.linear_state.slots),
         L.expert_slot_layout(spec, plan.dtype, plan.experts.slots, plan.max_prefill_tokens),
         L.linear_state_snapshot_layout(spec, plan.dtype, plan.linear_state_snapshots.snapshots),
@@ -205,7 +221,7 @@ def allocate_pools(spec: ModelSpec, plan: Plan, device: torch.device | str) -> P
                                       f"{priced[layout.name]} B: the plan was made for another model or dtype")  # fmt: skip
     before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     kv = KvTensorPool(allocate_pool(kv_layout, device), spec.full_attention_layers, plan.kv.page_size,
-                      gather_tokens=plan.max_model_len)  # fmt: skip
+                      gather_tokens=plan.max_model_len, dtype=TORCH_DTYPES[plan.dtype])  # fmt: skip
     linear = None
     if linear_layout.tensors:
         snapshots = allocate_pool(snapshot_layout, device) if snapshot_layout.tensors else None

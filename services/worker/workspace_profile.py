@@ -68,8 +68,8 @@ def largest_step(r: Resolved) -> StepBatch:
 
 def temporary_pools(spec: ModelSpec, r: Resolved, step: StepBatch, device: torch.device) -> Pools:
     pages = int(step.page_table.max())
-    kv = KvTensorPool(allocate_pool(L.kv_pool_layout(spec, r.dtype, pages, r.page_size), device),
-                spec.full_attention_layers, r.page_size)  # fmt: skip
+    kv = KvTensorPool(allocate_pool(L.kv_pool_layout(spec, r.dtype, pages, r.page_size, r.kv_cache_dtype), device),
+                      spec.full_attention_layers, r.page_size, dtype=TORCH_DTYPES[r.dtype])  # fmt: skip
     linear_layout = L.linear_state_layout(spec, r.dtype, len(step.req_ids))
     linear = LinearStatePool(allocate_pool(linear_layout, device), spec.linear_attention_layers) if linear_layout.tensors else None
     experts = ExpertSlotPool(allocate_pool(L.expert_slot_layout(spec, r.dtype, spec.num_experts), device),

@@ -68,7 +68,8 @@ def test_paged_attention_dispatch_on_cuda(case, dtype, buffered, monkeypatch):
     real = dispatch.flash_prefill_into
     # (first row, whether FlashAttention took it): a refusal falls back to the paged kernel, whose output
     # would pass the comparison below all the same
-    monkeypatch.setattr(dispatch, "flash_prefill_into", lambda *a: flashed.append((a[5], real(*a))) or flashed[-1][1])
+    monkeypatch.setattr(dispatch, "flash_prefill_into",
+                        lambda *a, **scales: flashed.append((a[5], real(*a, **scales))) or flashed[-1][1])  # fmt: skip
     cuda = [t.cuda() for t in (q, kc, vc, pt, qs, pos)]
     gather = None
     if buffered:  # as KvTensorPool.gather_buffers gives them: whole pages, poisoned

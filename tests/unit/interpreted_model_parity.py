@@ -47,11 +47,39 @@ def check(arch, overrides, page_size, slice_tokens=None):
     assert_logits_close(step_logits, ref_step_logits)
 
 
+# --kv-cache-dtype fp8 through the same kernels (the fused K/V write quantizing, the paged kernels
+# dequantizing): transformers' greedy tokens fed back, each step's logprob of transformers' top token within
+# test_fp8_kv_generation.py's tolerance
+FP8_CASES = {f"{name}-fp8-kv": CASES[name] for name in ("qwen3_moe-norm_topk-gqa", "qwen3_5_moe-gated-partial-rotary")}
+
+
+def check_fp8(arch, overrides, page_size):
+    from test_fp8_kv_generation import TOP_LOGPROB_TOLERANCE
+
+    hf, spec = tiny_model(arch, **overrides)
+    prompt = torch.randint(0, 96, (11,), generator=torch.Generator().manual_seed(3)).tolist()
+    ref_tokens, ref_step_logits, _ = hf_greedy(hf, prompt, STEPS)
+    runner = PagedRunner(spec, hf, page_size, kv_cache_dtype="fp8")
+    logits = [runner.step([(1, prompt[:6])])[0][-1], runner.step([(1, prompt[6:])])[0][-1]]
+    for token in ref_tokens[:-1]:
+        logits.append(runner.step([(1, [token])], all_rows=False)[0][-1])
+    ours, ref = torch.log_softmax(torch.stack(logits[1:]), -1), torch.log_softmax(ref_step_logits, -1)
+    top = ref.argmax(-1, keepdim=True)
+    moved = (ours.gather(1, top) - ref.gather(1, top)).abs().max().item()
+    assert 0 < moved <= TOP_LOGPROB_TOLERANCE, moved
+
+
 if __name__ == "__main__":
     results = {}
     for name, case in CASES.items():
         try:
             check(*case)
+            results[name] = None
+        except Exception:  # noqa: BLE001 - reported to the parent test
+            results[name] = traceback.format_exc()
+    for name, case in FP8_CASES.items():
+        try:
+            check_fp8(*case)
             results[name] = None
         except Exception:  # noqa: BLE001 - reported to the parent test
             results[name] = traceback.format_exc()

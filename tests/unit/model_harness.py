@@ -26,12 +26,13 @@ DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float
 
 
 def make_pools(
-    spec: ModelSpec, dtype: torch.dtype, num_pages: int, page_size: int, num_slots: int, device="cpu"
+    spec: ModelSpec, dtype: torch.dtype, num_pages: int, page_size: int, num_slots: int, device="cpu",
+    kv_cache_dtype: str = "auto",
 ) -> Pools:
     """Pools laid out exactly as the planner prices them, every expert resident."""
     name = DTYPE_NAMES[dtype]
-    kv_pool = allocate_pool(L.kv_pool_layout(spec, name, num_pages, page_size), device)
-    kv = KvTensorPool(kv_pool, spec.full_attention_layers, page_size)
+    kv_pool = allocate_pool(L.kv_pool_layout(spec, name, num_pages, page_size, kv_cache_dtype), device)
+    kv = KvTensorPool(kv_pool, spec.full_attention_layers, page_size, dtype=dtype)
     linear_layout = L.linear_state_layout(spec, name, num_slots)
     linear = None
     if linear_layout.tensors:
@@ -49,10 +50,11 @@ class _Request:
 
 class PagedRunner:
     def __init__(self, spec: ModelSpec, hf_model: torch.nn.Module, page_size: int, dtype=torch.float32,
-                 device="cpu", num_pages: int | None = None, num_slots: int = 8, seed: int = 0):  # fmt: skip
+                 device="cpu", num_pages: int | None = None, num_slots: int = 8, seed: int = 0,
+                 kv_cache_dtype: str = "auto"):  # fmt: skip
         self.spec, self.page_size, self.device = spec, page_size, device
         num_pages = num_pages or 16 + 512 // page_size  # room for a few hundred tokens
-        self.pools = make_pools(spec, dtype, num_pages, page_size, num_slots, device)
+        self.pools = make_pools(spec, dtype, num_pages, page_size, num_slots, device, kv_cache_dtype)
         experts = ResidentExperts(self.pools.experts, len(spec.moe_layer_indices), spec.num_experts)
         self.model: CausalLM = build_model(spec, dtype, device, experts)
         self.model.load_weights(hf_model.state_dict().items())
@@ -73,6 +75,8 @@ class PagedRunner:
     def poison(self) -> None:
         """Fill every KV row and linear-state slot with NaN, as if left over from other requests."""
         self.pools.kv.kv.fill_(float("nan"))
+        if self.pools.kv.scale is not None:
+            self.pools.kv.scale.fill_(float("nan"))
         if self.pools.linear_state is not None:
             self.pools.linear_state.conv.fill_(float("nan"))
             self.pools.linear_state.recurrent.fill_(float("nan"))

@@ -9,18 +9,26 @@ import pytest
 import torch
 
 from interpreted_triton import run_interpreted
-from ferry.kernels.paged_attention_reference import gather_request_kv, paged_attention_reference, write_kv
+from ferry.kernels.paged_attention_reference import (KV_FP8_MAX, gather_request_kv, paged_attention_reference,
+                                                    quantize_kv_rows, write_kv)  # fmt: skip
 from ferry.shared.units import ceil_div
 
 
-def _scenario(seed, page_size, heads, kv_heads, head_dim, query_lens, context_lens, dtype=torch.float32):
-    """A poisoned pool, each request's K/V written into shuffled pages; returns everything the kernels need."""
+def _scenario(seed, page_size, heads, kv_heads, head_dim, query_lens, context_lens, dtype=torch.float32,
+              kv_cache_dtype="auto"):  # fmt: skip
+    """A poisoned pool, each request's K/V written into shuffled pages; returns everything the kernels need.
+    With kv_cache_dtype fp8 the caches are e4m3 and `scales` (k_scale, v_scale), poisoned too, else
+    (None, None); dense_k / dense_v are what was written, before quantization."""
     g = torch.Generator().manual_seed(seed)
     totals = [q + c for q, c in zip(query_lens, context_lens)]
     pages_needed = [ceil_div(t, page_size) for t in totals]
     num_pages = sum(pages_needed) + 3
-    k_cache = torch.full((num_pages + 1, page_size, kv_heads, head_dim), float("nan"), dtype=dtype)
+    cache_dtype = torch.float8_e4m3fn if kv_cache_dtype == "fp8" else dtype
+    k_cache = torch.full((num_pages + 1, page_size, kv_heads, head_dim), float("nan"), dtype=cache_dtype)
     v_cache = torch.full_like(k_cache, float("nan"))
+    scales = (None, None)
+    if kv_cache_dtype == "fp8":
+        scales = (torch.full(k_cache.shape[:-1], float("nan")), torch.full(k_cache.shape[:-1], float("nan")))
     free = list(range(1, num_pages + 1))
     random.Random(seed).shuffle(free)
     page_table = torch.zeros(len(totals), max(pages_needed) + 1, dtype=torch.int32)
@@ -31,13 +39,15 @@ def _scenario(seed, page_size, heads, kv_heads, head_dim, query_lens, context_le
         v = torch.randn(total, kv_heads, head_dim, generator=g).to(dtype)
         pos = torch.arange(total)
         rows = page_table[r, pos // page_size].long() * page_size + pos % page_size
-        write_kv(k_cache, v_cache, rows, k, v)
+        write_kv(k_cache, v_cache, rows, k, v, *scales)
         dense_k.append(k)
         dense_v.append(v)
         positions.append(torch.arange(context_lens[r], total))
     q = torch.randn(sum(query_lens), heads, head_dim, generator=g).to(dtype)
     query_start = torch.zeros(len(totals) + 1, dtype=torch.int32)
     query_start[1:] = torch.tensor(query_lens).cumsum(0)
+    if kv_cache_dtype == "fp8":
+        return q, k_cache, v_cache, page_table, query_start, torch.cat(positions), dense_k, dense_v, scales
     return q, k_cache, v_cache, page_table, query_start, torch.cat(positions), dense_k, dense_v
 
 
@@ -67,6 +77,58 @@ def test_reference_matches_dense_causal_attention(case):
     assert torch.isfinite(out).all(), "poisoned pages outside the requests leaked into the output"
 
 
+def _dequantized(x: torch.Tensor) -> torch.Tensor:
+    values, scale = quantize_kv_rows(x)
+    return values.float() * scale.unsqueeze(-1)
+
+
+def test_fp8_rows_keep_their_amax_and_round_each_value_to_the_nearest_e4m3():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 3, 24, generator=g) * torch.logspace(-3, 2, 64)[:, None, None]
+    x[5, 1] = 0.0  # an all-zero row: zero values, a finite scale
+    values, scale = quantize_kv_rows(x.to(torch.bfloat16))
+    assert values.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32 and scale.shape == (64, 3)
+    assert torch.isfinite(values.float()).all() and torch.isfinite(scale).all()
+    amax = x.to(torch.bfloat16).float().abs().amax(-1)
+    nonzero = amax > 0
+    assert torch.equal(values.float().abs().amax(-1)[nonzero], torch.full_like(amax[nonzero], KV_FP8_MAX))
+    assert (values[5, 1].float() == 0).all() and scale[5, 1] > 0
+    # e4m3 keeps 3 mantissa bits: each value within half a step, 2^-4 of itself (above the subnormals)
+    back = values.float() * scale.unsqueeze(-1)
+    err = (back - x.to(torch.bfloat16).float()).abs()
+    assert (err <= x.to(torch.bfloat16).float().abs() * 2**-4 + scale.unsqueeze(-1) * 2**-10).all()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_fp8_reference_is_attention_over_the_dequantized_rows(case):
+    page_size, heads, kv_heads, head_dim, qlens, clens = case
+    q, kc, vc, pt, qs, pos, dense_k, dense_v, (ks, vs) = _scenario(0, page_size, heads, kv_heads, head_dim, qlens,
+                                                                    clens, kv_cache_dtype="fp8")  # fmt: skip
+    out = paged_attention_reference(q, kc, vc, pt, qlens, clens, head_dim**-0.5, ks, vs)
+    plain = _scenario(0, page_size, heads, kv_heads, head_dim, qlens, clens)
+    exact = paged_attention_reference(q, *plain[1:4], qlens, clens, head_dim**-0.5)
+    for r, (qlen, ctx) in enumerate(zip(qlens, clens)):
+        qr = q[qs[r] : qs[r + 1]].transpose(0, 1)
+        k = _dequantized(dense_k[r]).repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+        v = _dequantized(dense_v[r]).repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+        mask = torch.ones(qlen, ctx + qlen, dtype=torch.bool).tril(diagonal=ctx)
+        expected = torch.nn.functional.scaled_dot_product_attention(qr, k, v, attn_mask=mask).transpose(0, 1)
+        torch.testing.assert_close(out[qs[r] : qs[r + 1]], expected, rtol=1e-5, atol=1e-5)
+    # and near attention over the unquantized rows: each K/V value within 2^-4 of itself
+    assert (out - exact).abs().max() < 0.1
+    assert torch.isfinite(out).all(), "poisoned pages or scales outside the requests leaked into the output"
+
+
+def test_fp8_gather_dequantizes_into_the_buffer():
+    cache = torch.tensor([1.0, 2.0, -4.0, 448.0, 0.5, -1.5], dtype=torch.float8_e4m3fn).reshape(3, 2, 1, 1)
+    scales = torch.tensor([0.5, 0.25, 2.0, 1.0, 4.0, 8.0]).reshape(3, 2, 1)
+    into = torch.full((3, 2, 1, 1), -7.0, dtype=torch.bfloat16)
+    got = gather_request_kv(cache, torch.tensor([2, 0], dtype=torch.int32), 3, into=into, scales=scales,
+                            dtype=torch.bfloat16)  # fmt: skip
+    assert got.dtype == torch.bfloat16 and got.data_ptr() == into.data_ptr()
+    assert got.flatten().tolist() == [2.0, -12.0, 0.5] and into[2:].flatten().tolist() == [-7.0, -7.0]
+
+
 def test_gather_reads_only_the_requests_pages():
     cache = torch.arange(5 * 2 * 1 * 1, dtype=torch.float32).reshape(5, 2, 1, 1)
     got = gather_request_kv(cache, torch.tensor([3, 1, 0], dtype=torch.int32), 3)
@@ -81,21 +143,28 @@ def test_gather_reads_only_the_requests_pages():
 
 
 DTYPES = [torch.float32, torch.bfloat16]
-KERNEL_CASES = [(case, dtype) for case in CASES for dtype in DTYPES]
+# (case, q dtype, KV pool): the model dtype's pool at both dtypes, and an fp8 pool (--kv-cache-dtype fp8) at the
+# served bf16 and at float32
+KERNEL_CASES = [(case, dtype, "auto") for case in CASES for dtype in DTYPES] + \
+    [(case, torch.bfloat16, "fp8") for case in CASES] + [(CASES[2], torch.float32, "fp8")]  # fmt: skip
 
 
 def _interpreted(kernel: str, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Every (case, dtype) through one interpreted kernel (decode or prefill), in one subprocess:
+    """Every (case, dtype, pool) through one interpreted kernel (decode or prefill), in one subprocess:
     (expected, out) pairs."""
     calls, expected = [], []
-    for (page_size, heads, kv_heads, head_dim, qlens, clens), dtype in KERNEL_CASES:
-        q, kc, vc, pt, qs, pos, _, _ = _scenario(seed, page_size, heads, kv_heads, head_dim, qlens, clens, dtype)
-        expected.append(paged_attention_reference(q, kc, vc, pt, qlens, clens, head_dim**-0.5))
+    for (page_size, heads, kv_heads, head_dim, qlens, clens), dtype, kv_cache_dtype in KERNEL_CASES:
+        built = _scenario(seed, page_size, heads, kv_heads, head_dim, qlens, clens, dtype, kv_cache_dtype)
+        q, kc, vc, pt, qs, pos = built[:6]
+        ks, vs = built[8] if kv_cache_dtype == "fp8" else (None, None)
+        expected.append(paged_attention_reference(q, kc, vc, pt, qlens, clens, head_dim**-0.5, ks, vs))
         out = torch.full_like(q, float("nan"))  # every element must be written by the kernel
+        scales = dict(k_scale=ks, v_scale=vs)
         if kernel == "decode":
-            calls.append(((q, kc, vc, pt, qs, pos, head_dim**-0.5), dict(out=out, block_n=8)))
+            calls.append(((q, kc, vc, pt, qs, pos, head_dim**-0.5), dict(out=out, block_n=8, **scales)))
         else:
-            calls.append(((q, kc, vc, pt, qs, pos, qlens, head_dim**-0.5), dict(out=out, block_rows=16, block_n=16)))
+            calls.append(((q, kc, vc, pt, qs, pos, qlens, head_dim**-0.5),
+                          dict(out=out, block_rows=16, block_n=16, **scales)))  # fmt: skip
     outs = run_interpreted("ferry.kernels.paged_attention_triton", f"paged_attention_{kernel}_triton", calls)
     return list(zip(expected, outs))
 
@@ -106,12 +175,43 @@ def interpreted_runs():
 
 
 @pytest.mark.parametrize("kernel", ["decode", "prefill"])
-@pytest.mark.parametrize("index", range(len(KERNEL_CASES)), ids=[f"{i}-{d}" for i, (_, d) in enumerate(KERNEL_CASES)])
+@pytest.mark.parametrize("index", range(len(KERNEL_CASES)),
+                         ids=[f"{i}-{d}-{kv}" for i, (_, d, kv) in enumerate(KERNEL_CASES)])  # fmt: skip
 def test_triton_kernel_matches_reference(kernel, index, interpreted_runs):
     expected, out = interpreted_runs[kernel][index]
     assert torch.isfinite(out).all()
     tol = 1e-5 if out.dtype == torch.float32 else 1e-2  # bf16: both round the same fp32 result once
     torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol)
+
+
+def test_fp8_gather_kernel_matches_the_reference_gather():
+    """FlashAttention's fp8 gather (kernels/kv_gather_triton.py, interpreted) against `gather_request_kv` with
+    scales: the same float32 products (bf16: within the rounding, which the interpreter's bf16 cast does its own
+    way), into the buffer where it has room (its tail untouched), else a new tensor."""
+    calls, expected = [], []
+    shapes = [(16, 2, 32, 37), (4, 1, 24, 9), (1, 3, 16, 5)]
+    for seed, ((page_size, kv_heads, head_dim, length), dtype) in enumerate(
+            [(shape, dtype) for shape in shapes for dtype in (torch.float32, torch.bfloat16)]):  # fmt: skip
+        _, kc, _, pt, *_, (ks, _) = _scenario(seed, page_size, 2 * kv_heads, kv_heads, head_dim, [length], [0],
+                                              kv_cache_dtype="fp8")  # fmt: skip
+        pages = ceil_div(length, page_size)
+        expected.append(gather_request_kv(kc, pt[0], length, scales=ks, dtype=dtype))
+        into = torch.full((pages + 2, page_size, kv_heads, head_dim), -7.0, dtype=dtype)
+        calls.append(((kc, ks, pt[0], length, dtype, into), {}))
+        small = torch.full((1, page_size, kv_heads, head_dim), -7.0, dtype=dtype)
+        calls.append(((kc, ks, pt[0], length, dtype, small), {}))  # no room: a new tensor
+    outs = run_interpreted("tests.unit.kernels.kv_gather_entry", "gather_and_return_buffer", calls)
+    for i, want in enumerate(expected):
+        (held, buffer), (fresh, small) = outs[2 * i], outs[2 * i + 1]
+        assert held.dtype == fresh.dtype == want.dtype
+        tol = dict(rtol=0, atol=0) if want.dtype == torch.float32 else dict(rtol=2**-7, atol=1e-6)
+        torch.testing.assert_close(held, want, **tol)
+        torch.testing.assert_close(fresh, want, **tol)
+        want = held
+        page_size = buffer.shape[1]
+        assert torch.equal(buffer.flatten(0, 1)[: want.shape[0]], want), "not gathered into the buffer"
+        assert (buffer[ceil_div(want.shape[0], page_size) :] == -7.0).all(), "written past the request's pages"
+        assert (small == -7.0).all(), "a buffer without room was written"
 
 
 def test_prefill_tiles_hold_a_kv_heads_query_heads_and_refuse_a_block_that_cannot():
@@ -196,14 +296,15 @@ def test_a_long_query_flash_refuses_is_said_once_and_the_paged_kernel_computes_i
     expected = paged_attention_reference(q, kc, vc, pt, [130, 1], [40, 7], 32**-0.5)
     skipped = []
 
-    def paged_prefill(q_, k_, v_, pt_, qs_, pos_, qlens, scale, out, skip):  # the Triton kernel's twin, on CPU
+    def paged_prefill(q_, k_, v_, pt_, qs_, pos_, qlens, scale, out, skip, k_scale, v_scale):  # the kernel's twin
+        assert k_scale is None and v_scale is None  # a pool of the model dtype
         skipped.append(skip)
         out.copy_(paged_attention_reference(q_, k_, v_, pt_, qlens, [40, 7], scale))
         return out
 
     monkeypatch.setattr(dispatch, "use_triton", lambda t: True)
     monkeypatch.setattr(dispatch, "flash_available", lambda q_, k_: True)
-    monkeypatch.setattr(dispatch, "flash_prefill_into", lambda *a: False)
+    monkeypatch.setattr(dispatch, "flash_prefill_into", lambda *a, **scales: False)
     monkeypatch.setattr(paged_attention_triton, "paged_attention_prefill_triton", paged_prefill)
     monkeypatch.setattr(dispatch, "_refusals_logged", set())
     with capture_logs() as logs:

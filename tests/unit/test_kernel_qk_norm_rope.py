@@ -62,3 +62,40 @@ def test_kernel_matches_the_torch_path(runs, index):
     assert torch.equal(~torch.isnan(k_cache), written) and torch.equal(~torch.isnan(v_cache), written)
     torch.testing.assert_close(k_cache[written].float(), want_k[written].float(), rtol=tol, atol=tol)
     assert torch.equal(v_cache[written], want_v[written])
+
+
+@pytest.fixture(scope="module")
+def fp8_runs():
+    """The same cases into an fp8 pool (--kv-cache-dtype fp8): e4m3 caches and float32 scales, all poisoned."""
+    calls, expected = [], []
+    for i, case in enumerate(CASES):
+        rotary, q_norm, k_norm, q, k, v, cos, sin, slots, cache = _case(i, *case)
+        fp8 = torch.full(cache.shape, float("nan"), dtype=torch.float8_e4m3fn)
+        scale = torch.full(cache.shape[:-1], float("nan"))
+        want = (fp8.clone(), fp8.clone(), scale.clone(), scale.clone())
+        k_rows = rotary.apply(k_norm(k), cos, sin)
+        write_kv(want[0], want[1], slots, k_rows, v, want[2], want[3])
+        expected.append(want)
+        calls.append(((q, k, v, q_norm.weight.detach(), k_norm.weight.detach(), 1e-6, case[5], cos, sin,
+                       rotary.rotary_dim, slots, fp8.clone(), fp8.clone()),
+                      dict(k_scale=scale.clone(), v_scale=scale.clone())))  # fmt: skip
+    outs = run_interpreted("tests.unit.kernels.qk_norm_rope_entry", "run_and_return_caches_and_scales", calls)
+    return list(zip(expected, outs))
+
+
+@pytest.mark.parametrize("index", range(len(CASES)))
+def test_kernel_quantizes_kv_rows_as_the_torch_path(fp8_runs, index):
+    """V rows (copied, not computed) take the twin's exact bytes and scales: the same quantization rule. K rows
+    are the kernel's own normed and rotated values, which differ from the twin's within the rounding of the
+    model dtype (test above), so their dequantized values agree within that and one e4m3 step."""
+    (want_k, want_v, want_ks, want_vs), (_, k_cache, v_cache, k_scale, v_scale) = fp8_runs[index]
+    written = ~torch.isnan(want_ks)
+    assert torch.equal(~torch.isnan(k_scale), written) and torch.equal(~torch.isnan(v_scale), written)
+    assert torch.equal(~torch.isnan(k_cache.float()), ~torch.isnan(want_k.float())), "a row written elsewhere"
+    assert torch.equal(v_cache.view(torch.uint8), want_v.view(torch.uint8))
+    assert torch.equal(v_scale[written], want_vs[written])
+    k = k_cache.float()[written] * k_scale[written][:, None]
+    want = want_k.float()[written] * want_ks[written][:, None]
+    amax = want.abs().amax(-1, keepdim=True)
+    assert ((k - want).abs() <= want.abs() * 2**-3 + amax * 3e-2).all()
+    torch.testing.assert_close(k_scale[written], want_ks[written], rtol=3e-2, atol=0)

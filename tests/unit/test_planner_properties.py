@@ -74,6 +74,7 @@ def requests(draw, spec):
         host_memory=draw(opt() | st.integers(1, 4 * 2**30)),
         expert_bank_format=draw(opt() | st.sampled_from(["auto", "packed", "plain"])),
         linear_state_snapshots=draw(opt() | st.integers(0, 200)),
+        kv_cache_dtype=draw(opt() | st.sampled_from(["auto", "fp8"])),
     )
 
 
@@ -107,6 +108,8 @@ def test_plan_keeps_its_promises_or_fails_in_the_plan(data):
         floor = req.kv_reserve_tokens if req.kv_reserve_tokens is not None else plan.max_model_len
         assert plan.kv.tokens >= floor
     assert plan.kv.tokens == plan.kv.pages * ps
+    assert plan.kv.cache_dtype == (req.kv_cache_dtype or "auto")
+    assert plan.kv.bytes_per_token == L.kv_bytes_per_token(spec, plan.dtype, plan.kv.cache_dtype)
     if req.moe_cache_size is not None:
         assert plan.experts.slots == req.moe_cache_size
     elif req.moe_cache_rate is None:
@@ -117,7 +120,7 @@ def test_plan_keeps_its_promises_or_fails_in_the_plan(data):
 
     # each pool allocates exactly what it priced (small enough to allocate on CPU here)
     layouts = [
-        (L.kv_pool_layout(spec, plan.dtype, plan.kv.pages, ps), plan.kv.bytes),
+        (L.kv_pool_layout(spec, plan.dtype, plan.kv.pages, ps, plan.kv.cache_dtype), plan.kv.bytes),
         (L.linear_state_layout(spec, plan.dtype, plan.linear_state.slots), plan.linear_state.bytes),
         (L.expert_slot_layout(spec, plan.dtype, plan.experts.slots, plan.max_prefill_tokens), plan.experts.bytes),
         (L.linear_state_snapshot_layout(spec, plan.dtype, plan.linear_state_snapshots.snapshots),

@@ -52,6 +52,7 @@ def test_saved_events_summarise_the_same(tmp_path):
 def test_families_by_kernel_name():
     assert family("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<256, 64, 64, 4>>") == "flash_attention"
     assert family("_prefill_kernel") == "paged_attention"
+    assert family("_gather_dequantize_kernel") == "flash_attention"
     assert family("_unpack_experts_kernel") == "unpack_copies"
     assert family("_down_kernel") == "expert_gemm"
     assert family("chunk_gated_delta_rule_fwd_kernel_h_blockdim64") == "gated_deltanet"

@@ -8,7 +8,8 @@ attention output by sigmoid(gate) before o_proj.
 
 q, k and v are row blocks of one weight (q_proj/k_proj/v_proj keep their checkpoint names as
 views of it), so the three projections are one GEMM. On CUDA the q/k norms, the rotary embedding and the K/V write are one Triton kernel
-(kernels/qk_norm_rope.py); the torch code below is the CPU path and that kernel's twin."""
+(kernels/qk_norm_rope.py); the torch code below is the CPU path and that kernel's twin. An fp8 KV pool
+(--kv-cache-dtype fp8) hands both the layer's scales: the writes quantize, the attention dequantizes."""
 
 from __future__ import annotations
 
@@ -57,18 +58,20 @@ class PagedAttention(nn.Module):
         v = v.view(t, self.kv_heads, self.head_dim)
         b = ctx.batch
         k_cache, v_cache = ctx.pools.kv.layer(self.layer_idx)
+        k_scale, v_scale = ctx.pools.kv.layer_scales(self.layer_idx)  # None, None but in an fp8 pool
         if use_triton(x):
             norm = self.q_norm
             q = qk_norm_rope_kv_triton(q, k, v, norm.weight, self.k_norm.weight, norm.eps, norm.zero_centered,
-                                       ctx.cos, ctx.sin, self.rotary.rotary_dim, b.slot_mapping, k_cache, v_cache)  # fmt: skip
+                                       ctx.cos, ctx.sin, self.rotary.rotary_dim, b.slot_mapping, k_cache, v_cache,
+                                       k_scale=k_scale, v_scale=v_scale)  # fmt: skip
         else:
             q = self.rotary.apply(self.q_norm(q), ctx.cos, ctx.sin)
             k = self.rotary.apply(self.k_norm(k), ctx.cos, ctx.sin)
-            write_kv(k_cache, v_cache, b.slot_mapping, k, v)
+            write_kv(k_cache, v_cache, b.slot_mapping, k, v, k_scale, v_scale)
         out = paged_attention(
             q.contiguous(), k_cache, v_cache, b.page_table, b.query_start, b.positions,
             b.query_lens_host, b.context_lens_host, self.scale, token_request=b.token_request,
-            gather=ctx.pools.kv.gather_buffers,
+            gather=ctx.pools.kv.gather_buffers, k_scale=k_scale, v_scale=v_scale,
         ).reshape(t, -1)  # fmt: skip
         if gate is not None:
             out = out * torch.sigmoid(gate)

@@ -10,6 +10,8 @@ from ferry.kernels.causal_conv1d import BLOCK_C as CONV_BLOCK_C
 from ferry.kernels.causal_conv1d import BLOCK_T as CONV_BLOCK_T
 from ferry.kernels.causal_conv1d import _conv_prefill_kernel, _conv_state_kernel
 from ferry.kernels.gated_deltanet_decode import _conv_decode_kernel, _rule_norm_kernel, rule_norm_warps
+from ferry.kernels.kv_gather_triton import BLOCK_T as GATHER_BLOCK_T
+from ferry.kernels.kv_gather_triton import _gather_dequantize_kernel
 from ferry.kernels.moe_combine import _moe_combine_kernel, _silu_mul_kernel
 from ferry.kernels.paged_attention_triton import (DECODE_SPLITS, _decode_combine_kernel, _decode_split_kernel,
                                                  _prefill_kernel, prefill_tiles)
@@ -35,19 +37,21 @@ def signatures(dtype: str) -> list:
         consts = {"HAS_RESIDUAL": True, "ZERO_CENTERED": zc, "GATED": False, "ROWS": True, "TOP_K": 8, "BLOCK_D": 2048}
         out.append((f"rms_norm[{dtype}, rows, zc={zc}]", _rms_norm_kernel, rows, consts))
     rope = {**{p: f"*{dtype}" for p in ("q_ptr", "k_ptr", "v_ptr", "qw_ptr", "kw_ptr", "cos_ptr", "sin_ptr",
-                                          "q_out_ptr", "k_cache_ptr", "v_cache_ptr")}, "slot_ptr": "*i64",
+                                          "q_out_ptr", "k_cache_ptr", "v_cache_ptr", "ks_ptr", "vs_ptr")},
+            "slot_ptr": "*i64",
             **ints("heads", "D", "ROT", "HALF", "stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt",
                    "stride_vh", "stride_ct", "cache_row"), "eps": "fp32"}  # fmt: skip
     for zc in (False, True):
-        consts = {"ZERO_CENTERED": zc, "BLOCK_D": 256}
+        consts = {"ZERO_CENTERED": zc, "BLOCK_D": 256, "KV_FP8": False}
         out.append((f"qk_norm_rope_kv[{dtype}, zc={zc}]", _qk_norm_rope_kv_kernel, rope, consts))
     tables = {"pos_ptr": "*i64", "freq_ptr": "*fp32", "cos_ptr": f"*{dtype}", "sin_ptr": f"*{dtype}", "R": "i32"}
     out.append((f"rotary_cos_sin[{dtype}]", _cos_sin_kernel, tables, {"BLOCK_R": 128}))
     strides = ints("stride_qt", "stride_qh", "stride_kp", "stride_ks", "stride_kh", "stride_vp", "stride_vs",
-                   "stride_vh", "stride_ot", "stride_oh", "stride_pt")  # fmt: skip
-    paged = {**{p: f"*{dtype}" for p in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}, "page_table_ptr": "*i32",
-             "positions_ptr": "*i64", **strides, "scale": "fp32"}  # fmt: skip
-    shape = {"PAGE_SIZE": 16, "GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_N": 32}
+                   "stride_vh", "stride_ot", "stride_oh", "stride_pt", "stride_sp", "stride_ss", "stride_sh")  # fmt: skip
+    # a pool of the model dtype: the scale pointers are the caches, never read
+    paged = {**{p: f"*{dtype}" for p in ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "ks_ptr", "vs_ptr")},
+             "page_table_ptr": "*i32", "positions_ptr": "*i64", **strides, "scale": "fp32"}  # fmt: skip
+    shape = {"PAGE_SIZE": 16, "GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_N": 32, "KV_FP8": False}
     decode = {**paged, "token_req_ptr": "*i32", "part_ptr": "*fp32"}
     decode.pop("out_ptr")
     out.append((f"paged_attention_decode[{dtype}]", _decode_split_kernel, decode,
@@ -63,12 +67,36 @@ def signatures(dtype: str) -> list:
     for head_dim, group in ((128, 8), (256, 8)):
         rows, keys, warps = prefill_tiles(head_dim, group)
         consts = {"PAGE_SIZE": 16, "GROUP": group, "HEAD_DIM": head_dim, "BLOCK_D": head_dim, "BLOCK_N": keys,
-                  "BLOCK_T": rows // group, "BLOCK_R": rows, "FP32_DOT": dtype == "fp32"}  # fmt: skip
+                  "BLOCK_T": rows // group, "BLOCK_R": rows, "FP32_DOT": dtype == "fp32", "KV_FP8": False}  # fmt: skip
         out.append((f"paged_attention_prefill[{dtype}, d={head_dim}]", _prefill_kernel, prefill, consts,
                      {"num_warps": warps, "num_stages": 2}))  # fmt: skip
+    if dtype == "bf16":
+        out.extend(fp8_kv_signatures(rope, decode, prefill, shape))
     out.extend(moe_block_signatures(dtype))
     out.extend(gated_deltanet_signatures(dtype))
     return out
+
+
+def fp8_kv_signatures(rope: dict, decode: dict, prefill: dict, shape: dict) -> list:
+    """The same kernels on an fp8 KV pool (--kv-cache-dtype fp8; bf16 models): e4m3 caches, float32 scales,
+    as they launch; and the long prefill's gather that dequantizes a request's K or V for FlashAttention."""
+    fp8 = {"k_ptr": "*fp8e4nv", "v_ptr": "*fp8e4nv", "ks_ptr": "*fp32", "vs_ptr": "*fp32"}
+    cache = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv", "ks_ptr": "*fp32", "vs_ptr": "*fp32"}
+    out = [("qk_norm_rope_kv[bf16, fp8 kv]", _qk_norm_rope_kv_kernel, {**rope, **cache},
+            {"ZERO_CENTERED": True, "BLOCK_D": 256, "KV_FP8": True}),
+           ("paged_attention_decode[bf16, fp8 kv]", _decode_split_kernel, {**decode, **fp8},
+            {**shape, "BLOCK_G": 16, "SPLITS": DECODE_SPLITS, "FP32_DOT": False, "IEEE_DOT": False, "KV_FP8": True})]
+    for head_dim, group in ((128, 8), (256, 8)):
+        rows, keys, warps = prefill_tiles(head_dim, group)
+        consts = {"PAGE_SIZE": 16, "GROUP": group, "HEAD_DIM": head_dim, "BLOCK_D": head_dim, "BLOCK_N": keys,
+                  "BLOCK_T": rows // group, "BLOCK_R": rows, "FP32_DOT": False, "KV_FP8": True}
+        out.append((f"paged_attention_prefill[bf16, fp8 kv, d={head_dim}]", _prefill_kernel, {**prefill, **fp8},
+                    consts, {"num_warps": warps, "num_stages": 2}))
+    gather = {"cache_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "pages_ptr": "*i32", "out_ptr": "*bf16", "length": "i32",
+              **{n: "i32" for n in ("stride_cp", "stride_cs", "stride_ch", "stride_sp", "stride_ss", "stride_sh")}}
+    out.append(("kv_gather_dequantize[bf16, fp8 kv]", _gather_dequantize_kernel, gather,
+                {"PAGE_SIZE": 16, "KV_HEADS": 2, "HEAD_DIM": 256, "BLOCK_T": GATHER_BLOCK_T, "BLOCK_D": 256}))
+    return out  # fmt: skip
 
 
 def moe_block_signatures(dtype: str) -> list:

@@ -7,3 +7,9 @@ from ferry.kernels.qk_norm_rope import qk_norm_rope_kv_triton
 def run_and_return_caches(*args, **kwargs):
     q = qk_norm_rope_kv_triton(*args, **kwargs)
     return q, args[11], args[12]
+
+
+def run_and_return_caches_and_scales(*args, **kwargs):
+    """As above, for an fp8 pool: the scales are written in place too."""
+    q = qk_norm_rope_kv_triton(*args, **kwargs)
+    return q, args[11], args[12], kwargs["k_scale"], kwargs["v_scale"]
