@@ -1,10 +1,11 @@
 """The api replica's aiohttp application and its lifecycle (on uvloop).
 
-HTTP limits (docs/ARCHITECTURE.md §1, "Trust"): a body over --max-body-size is a 413; headers must
-arrive within --read-timeout (aiohttp's keep-alive timer also closes a connection that has not sent a
-whole request by then) and the body within as long again (408); a request aiohttp cannot parse is
-answered with an OpenAI error object, not its plain-text page. On SIGTERM the replica drains: new
-requests get a 503 with Retry-After, and those in flight have --drain-timeout to finish.
+HTTP limits (docs/ARCHITECTURE.md §1, "Trust"; README, "HTTP limits"): a body over --max-body-size is a
+413 (at once when its Content-Length says so) and must arrive within --read-timeout (408); what limits a
+connection and a request's headers (their size, their time, the connections open, the framing) is
+connection.py's. On SIGTERM the replica drains: new requests get a 503 with Retry-After, and those in
+flight have --drain-timeout to finish; any still running then ends in an error event (a stream) or a
+503, and is aborted at the scheduler.
 """
 
 from __future__ import annotations
@@ -13,18 +14,19 @@ import asyncio
 import errno
 import signal
 import time
+from collections.abc import Callable
 
 import structlog
 from aiohttp import web
-from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_server import Server
 
 from ferry.shared.defaults import is_loopback
-from ferry.shared.errors import ConfigError, ServiceUnavailable
+from ferry.shared.errors import ConfigError, FerryError, ServiceUnavailable
 from ferry.shared.wire_keys import WireKeys
 from ferry.services.api.config import ApiConfig
 from ferry.services.api.anthropic_routes import AnthropicRoutes
-from ferry.services.api.http_errors import api_key_check, error_responses, error_response, _TYPE_BY_STATUS
+from ferry.services.api.connection import ApiServer, HttpLimits, raise_fd_limit
+from ferry.services.api.http_errors import api_key_check, error_responses, error_response
 from ferry.services.api.metrics import ApiMetrics
 from ferry.services.api.responses_api import ResponsesRoutes
 from ferry.services.api.routes import OpenAIRoutes
@@ -33,10 +35,19 @@ from ferry.services.api.tokenizer import PromptTokenizer
 
 log = structlog.get_logger("api")
 
+METRICS_KEY = web.AppKey("ferry_api_metrics", ApiMetrics)
+
 DRAIN_RETRY_AFTER_S = 5
+DRAIN_GRACE_S = 3.0  # after the drain timeout: for the stopped requests to send their error and end
 
 
 class Draining(ServiceUnavailable):
+    retry_after = DRAIN_RETRY_AFTER_S
+
+
+class DrainTimedOut(ServiceUnavailable):
+    """A request still running when the drain timeout passed: stopped, and answered with this."""
+
     retry_after = DRAIN_RETRY_AFTER_S
 
 
@@ -48,6 +59,9 @@ class Drain:
         self.in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        # ends every request in flight with the error given, aborting each at the scheduler (build_app
+        # sets it: SchedulerClient.stop_all)
+        self.stop_in_flight: Callable[[FerryError], None] | None = None
 
     def middleware(self):
         @web.middleware
@@ -68,20 +82,41 @@ class Drain:
         return gate
 
     async def drain(self, timeout: float) -> bool:
-        """Stop admitting; True when every request in flight finished within `timeout`."""
+        """Stop admitting; True when every request in flight finished within `timeout`. Those still
+        running then are stopped, each with an error its client reads (a stream's last event, or a 503),
+        aborted at the scheduler and counted failed; they have DRAIN_GRACE_S to send it."""
         self.draining = True
+        if await self._idle_within(timeout):
+            return True
+        if self.stop_in_flight is not None:
+            log.warning("api_drain_timed_out", in_flight=self.in_flight, drain_timeout_s=timeout)
+            self.stop_in_flight(DrainTimedOut(f"this server is shutting down and stopped the request: it did not "
+                                              f"finish within the {timeout:g}s drain timeout; retry on another replica"))  # fmt: skip
+            await self._idle_within(DRAIN_GRACE_S)
+        return False
+
+    async def _idle_within(self, seconds: float) -> bool:
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
+            await asyncio.wait_for(self._idle.wait(), seconds)
             return True
         except asyncio.TimeoutError:
             return False
 
 
-def body_timeout(seconds: float):
-    """Reads a request's body within `seconds` (aiohttp keeps it: the handler's read() returns it)."""
+def body_limits(max_bytes: int, seconds: float):
+    """A body declared larger than `max_bytes` (Content-Length) is a 413 at once, unread; one sent in
+    chunks is refused once it passes the limit (aiohttp's read). Else the body must arrive within
+    `seconds` (408); aiohttp keeps it: the handler's read() returns it."""
 
     @web.middleware
-    async def read_in_time(request: web.Request, handler):
+    async def within_limits(request: web.Request, handler):
+        declared = request.content_length
+        if declared is not None and declared > max_bytes:
+            response = error_response(413, "invalid_request_error",
+                                      f"the request body is {declared} bytes (its Content-Length); at most {max_bytes} "
+                                      "are accepted", request)  # fmt: skip
+            response.force_close()
+            return response
         if request.body_exists:
             try:
                 await asyncio.wait_for(request.read(), seconds)
@@ -92,32 +127,20 @@ def body_timeout(seconds: float):
                 return response
         return await handler(request)
 
-    return read_in_time
-
-
-class _JsonErrorHandler(RequestHandler):
-    """aiohttp's connection handler, answering what it cannot parse (a bad request line, broken
-    headers or chunking) with an OpenAI error object instead of a plain-text page."""
-
-    def handle_error(self, request, status: int = 500, exc: BaseException | None = None, message: str | None = None):
-        if status >= 500:
-            return super().handle_error(request, status, exc, message)
-        text = message or (str(exc) if exc is not None else "bad request")
-        response = error_response(status, _TYPE_BY_STATUS.get(status, "invalid_request_error"),
-                                  f"malformed HTTP request: {text}")  # fmt: skip
-        response.force_close()
-        return response
-
-
-class _Server(Server):
-    def __call__(self) -> RequestHandler:
-        return _JsonErrorHandler(self, loop=self._loop, **self._kwargs)
+    return within_limits
 
 
 class _Runner(web.AppRunner):
+    """aiohttp's runner, whose server makes the api's connections (connection.py) under `limits`."""
+
+    def __init__(self, app: web.Application, limits: HttpLimits, on_refused, **kwargs) -> None:
+        super().__init__(app, **kwargs)
+        self._limits, self._on_refused = limits, on_refused
+
     async def _make_server(self) -> Server:
         server = await super()._make_server()
-        server.__class__ = _Server  # same state, our connection handler
+        server.__class__ = ApiServer  # same state, our connections
+        server.configure(self._limits, self._on_refused)
         return server
 
 
@@ -129,10 +152,12 @@ def build_app(cfg: ApiConfig, tokenizer: PromptTokenizer, drain: Drain | None = 
     # error objects too; the key is checked before a body is read
     app = web.Application(client_max_size=cfg.max_body_bytes,
                           middlewares=[error_responses(metrics), api_key_check(cfg.api_key), drain.middleware(),
-                                       body_timeout(cfg.read_timeout_s)])  # fmt: skip
+                                       body_limits(cfg.max_body_bytes, cfg.read_timeout_s)])  # fmt: skip
     secure = WireKeys(cfg.wire_keys, "api").client() if cfg.wire_keys else None
     # token ids are checked for shape and sign only: a model's vocabulary may be larger than its tokenizer's
     client = SchedulerClient(cfg.scheduler_addr, cfg.identity, secure)
+    drain.stop_in_flight = client.stop_all
+    app[METRICS_KEY] = metrics
     openai_routes = OpenAIRoutes(cfg, client, tokenizer, metrics, drain)
     openai_routes.add_to(app)
     AnthropicRoutes(cfg, client, tokenizer, metrics, openai_routes._tokenize, openai_routes.grammars,
@@ -154,11 +179,15 @@ async def serve(cfg: ApiConfig) -> None:
     drain = Drain()
     app = build_app(cfg, tokenizer, drain)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.
-    # keepalive_timeout: aiohttp closes a connection that has not sent a whole request within it (from
-    # the connection's start, or since its last response), which bounds slow or incomplete headers.
+    # keepalive_timeout: aiohttp closes a connection idle this long between requests (a request's own
+    # headers have --header-timeout: connection.py).
     # lingering_time: how long aiohttp still reads an unread body after answering (a late body's 408)
-    runner = _Runner(app, handler_cancellation=True, access_log=None, keepalive_timeout=cfg.read_timeout_s,
-                     lingering_time=1.0, shutdown_timeout=1.0)  # fmt: skip
+    metrics = app[METRICS_KEY]
+    limits = HttpLimits(cfg.max_header_bytes, cfg.max_connections, cfg.header_timeout_s)
+    raise_fd_limit(cfg.max_connections)
+    runner = _Runner(app, limits, lambda reason: metrics.http_refused.labels(reason).inc(), handler_cancellation=True,
+                     access_log=None, keepalive_timeout=cfg.read_timeout_s, lingering_time=1.0,
+                     shutdown_timeout=1.0)  # fmt: skip
     await runner.setup()
     try:
         await web.TCPSite(runner, cfg.host, cfg.port).start()

@@ -22,6 +22,9 @@ REASONING_PARSERS = ("qwen3", "deepseek_r1", "none")
 DEFAULT_MAX_BODY = "4MiB"
 DEFAULT_READ_TIMEOUT_S = 30.0
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
+DEFAULT_MAX_HEADER = "64KiB"
+DEFAULT_MAX_CONNECTIONS = 1024
+DEFAULT_HEADER_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,9 @@ class ApiConfig:
     read_timeout_s: float = DEFAULT_READ_TIMEOUT_S  # a request's headers, and then its body, must arrive within this
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S  # on SIGTERM: how long requests in flight may take to finish
     wire_keys: str | None = None  # the CURVE key directory (shared/wire_keys.py); None: no CURVE
+    max_header_bytes: int = 64 * 1024  # a request's line and headers together (431 past it)
+    max_connections: int = DEFAULT_MAX_CONNECTIONS  # open at once; past it a new one gets a 503 and is closed
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S  # a request's headers must arrive within this (408)
 
 
 def add_api_flags(parser: argparse.ArgumentParser) -> None:
@@ -55,6 +61,15 @@ def add_api_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--read-timeout", type=float, default=DEFAULT_READ_TIMEOUT_S,
                    help="seconds a client has to send a request's headers, and then as long for its body; a connection "
                         f"that takes longer is answered 408 or closed (default {DEFAULT_READ_TIMEOUT_S:g})")
+    g.add_argument("--max-header-size", default=DEFAULT_MAX_HEADER,
+                   help="largest request line and headers together, e.g. 64KiB; a larger request is answered 431 "
+                        f"and closed (default {DEFAULT_MAX_HEADER})")
+    g.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                   help="most client connections open at once; past it a new connection is answered 503 and closed "
+                        f"(default {DEFAULT_MAX_CONNECTIONS})")
+    g.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
+                   help="seconds a client has to send a request's line and headers (from its first byte, or from "
+                        f"the connection's start); later ones are answered 408 and closed (default {DEFAULT_HEADER_TIMEOUT_S:g})")
     g.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
                    help="on SIGTERM, stop admitting (503 with Retry-After) and give requests in flight this many "
                         f"seconds to finish before exiting (default {DEFAULT_DRAIN_TIMEOUT_S:g})")
@@ -82,12 +97,15 @@ def api_key_from_args(args: argparse.Namespace) -> str | None:
 
 
 def api_config_from_args(args: argparse.Namespace, scheduler_addr: str, tokenizer: str) -> ApiConfig:
-    try:
-        max_body = parse_bytes(args.max_body_size)
-    except ValueError as exc:
-        raise ConfigError(f"--max-body-size: {exc}") from exc
-    for flag in ("read_timeout", "drain_timeout"):
-        if not getattr(args, flag, 1.0) > 0:
+    sizes = {}
+    for flag, default in (("max_body_size", DEFAULT_MAX_BODY), ("max_header_size", DEFAULT_MAX_HEADER)):
+        try:
+            sizes[flag] = parse_bytes(getattr(args, flag, default))
+        except ValueError as exc:
+            raise ConfigError(f"--{flag.replace('_', '-')}: {exc}") from exc
+    for flag in ("read_timeout", "drain_timeout", "header_timeout", "max_connections", "max_header_size"):
+        value = sizes.get(flag, getattr(args, flag, 1))
+        if not value > 0:
             raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
     keys = getattr(args, "wire_keys", None) or None
     if keys:
@@ -96,9 +114,12 @@ def api_config_from_args(args: argparse.Namespace, scheduler_addr: str, tokenize
     return ApiConfig(
         host=args.host, port=args.port, scheduler_addr=scheduler_addr, tokenizer=tokenizer,
         served_model_name=args.served_model_name or tokenizer, api_key=api_key_from_args(args),
-        max_body_bytes=max_body, tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+        max_body_bytes=sizes["max_body_size"], tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
         read_timeout_s=getattr(args, "read_timeout", DEFAULT_READ_TIMEOUT_S),
         drain_timeout_s=getattr(args, "drain_timeout", DEFAULT_DRAIN_TIMEOUT_S), wire_keys=keys,
+        max_header_bytes=sizes["max_header_size"],
+        max_connections=getattr(args, "max_connections", DEFAULT_MAX_CONNECTIONS),
+        header_timeout_s=getattr(args, "header_timeout", DEFAULT_HEADER_TIMEOUT_S),
         # unique per start: a restarted container keeps its hostname and pid 1, and must not
         # inherit the old replica's request ids at the scheduler
         identity=f"api-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}",

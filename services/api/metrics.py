@@ -128,7 +128,10 @@ class VllmAliases:
 class ApiMetrics:
     def __init__(self, model_name: str = "ferry") -> None:
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("ferry_requests", "finished requests by route and outcome", ["route", "outcome"], registry=r)
+        # a generation per choice: a request with n=3 (or three prompts) counts 3; one refused before any ran, 1
+        self.requests = Counter("ferry_requests", "finished requests by route and outcome, counted per choice: a "
+                                "request with n choices (or n prompts) counts n once it ran; one refused before it "
+                                "ran counts once", ["route", "outcome"], registry=r)  # fmt: skip
         self.refused = Counter("ferry_refused_requests", "requests answered with an error status (4xx, 5xx), by route and status",
                                ["route", "status"], registry=r)  # fmt: skip
         self.prompt_tokens = Counter("ferry_prompt_tokens", "prompt tokens of admitted requests", registry=r)
@@ -153,6 +156,10 @@ class ApiMetrics:
         self.tokenize_refused = Counter("ferry_tokenizations_refused", "prompts refused before tokenizing, by reason "
                                         "(too_long: more characters than the model length could hold; busy: too "
                                         "many prompts waiting for the tokenizer)", ["reason"], registry=r)  # fmt: skip
+        self.http_refused = Counter("ferry_http_refused", "connections and requests refused before they reached a "
+                                    "route, by reason (connections: past --max-connections; header_bytes: past "
+                                    "--max-header-size; header_timeout: headers later than --header-timeout)",
+                                    ["reason"], registry=r)  # fmt: skip
         self.aliases = CollectorRegistry()
         self.aliases.register(VllmAliases(r, model_name))
 

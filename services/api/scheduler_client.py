@@ -83,6 +83,7 @@ class SchedulerClient:
         self.scheduler = Liveness()
         self.streams: dict[int, RequestStream] = {}
         self._ids = itertools.count(1)
+        self._stopped: FerryError | None = None  # stop_all's error: later submits are refused with it
         self._tasks: list[asyncio.Task] = []
         self._started = time.monotonic()
 
@@ -114,6 +115,8 @@ class SchedulerClient:
     # ---- requests ----------------------------------------------------------------------------------
 
     async def submit(self, prompt: list[int], sampling: SamplingParams, max_tokens: int | None) -> RequestStream:
+        if self._stopped is not None:
+            raise ServiceUnavailable(str(self._stopped))
         ready, why = self.readiness()
         if not ready:  # refused here, at once: the scheduler would refuse it too
             raise ServiceUnavailable(why)
@@ -138,6 +141,14 @@ class SchedulerClient:
         fut = self.dealer.sock.send_multipart(self.dealer.codec.encode(Abort(stream.req_id)), copy=False,
                                               flags=zmq.NOBLOCK)  # fmt: skip
         fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+    def stop_all(self, error: FerryError) -> None:
+        """End every request in flight with `error` and abort each at the scheduler, which stops
+        generating for it (a replica shutting down); a request submitted later is refused with it."""
+        self._stopped = error
+        for stream in list(self.streams.values()):
+            stream.queue.put_nowait(error)
+            self.abort(stream)
 
     def _on_tokens(self, msg: Tokens, now: float) -> None:
         """A step's tokens (and any logprobs) to their streams. A message that breaks the contract (token
