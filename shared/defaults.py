@@ -7,15 +7,25 @@ by default (docs/ARCHITECTURE.md, "Processes and the wire")."""
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 
 LOOPBACK = "127.0.0.1"
 
 
 def is_loopback(host: str) -> bool:
-    """Whether `host` (a name or an address, IPv6 with or without brackets) is this machine only."""
+    """Whether `host` (a literal address, IPv6 with or without brackets, or `localhost`) is this machine
+    only. Any other name is not, whatever it resolves to now: `127.0.0.1.nip.io` is a name that a
+    resolver may answer with any address, and a bind cannot use it."""
     host = host.strip("[]")
-    return host in ("localhost", "::1") or host.startswith("127.")
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 API_ADDR = f"tcp://{LOOPBACK}:5555"  # the scheduler's ROUTER binds here; api replicas connect DEALERs
 STEPS_ADDR = f"tcp://{LOOPBACK}:5556"  # the scheduler's ROUTER sends steps from here; the worker connects a DEALER
 RESULTS_ADDR = f"tcp://{LOOPBACK}:5557"  # the scheduler PULLs results here; the worker connects PUSHes

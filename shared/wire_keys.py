@@ -19,6 +19,7 @@ and could submit requests past the api's key or pose as the worker. `--insecure-
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 from pathlib import Path
 
@@ -145,11 +146,24 @@ def check_exposure(flag: str, addr: str, keys: object | None) -> None:
     submit requests past the api's checks, take steps or pose as the worker."""
     if keys is not None or not addr.startswith("tcp://"):
         return
-    if is_loopback(addr[len("tcp://"):].rsplit(":", 1)[0]):
+    host = addr[len("tcp://"):].rsplit(":", 1)[0]
+    if is_loopback(host):
         return
-    raise ConfigError(f"{flag} {addr} is reachable beyond this host but the wire is not authenticated: write keys with "
-                      "`ferry keys DIR` and pass --wire-keys DIR (FERRY_WIRE_KEYS) to the api, the scheduler and the "
-                      "worker, or use a loopback address")  # fmt: skip
+    named = ""
+    if host != "*" and not _is_ip(host.strip("[]")):
+        named = (f" ({host!r} is a name, which may resolve to any address: only a literal loopback address such "
+                 "as 127.0.0.1 or [::1], or localhost, counts as this host)")  # fmt: skip
+    raise ConfigError(f"{flag} {addr} may be reachable beyond this host{named} but the wire is not authenticated: "
+                      "write keys with `ferry keys DIR` and pass --wire-keys DIR (FERRY_WIRE_KEYS) to the api, the "
+                      "scheduler and the worker, or use a loopback address")  # fmt: skip
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
 
 
 def require_keys_for_tcp(flag: str, addr: str, keys: object | None, insecure: bool | None = None) -> None:

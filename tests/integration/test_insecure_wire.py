@@ -82,3 +82,18 @@ def test_the_variable_says_it_too(model_dir):
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+@pytest.mark.parametrize("role", ["scheduler", "worker", "api"])
+def test_insecure_wire_takes_a_literal_loopback_address_only(model_dir, role):
+    """`127.0.0.1.nip.io` is a name (a resolver may give any address), not loopback: with --insecure-wire
+    and no keys each process refuses it at start naming its flag, not with ZeroMQ's error at bind."""
+    cmd = [a.replace("tcp://127.0.0.1:", "tcp://127.0.0.1.nip.io:") for a in _commands(model_dir)[role]]
+    try:
+        done = subprocess.run([*cmd, "--insecure-wire"], cwd=REPO, env=child_env(), capture_output=True, text=True,
+                              timeout=60)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"ferry {role} started on a name with --insecure-wire") from None
+    assert done.returncode == 2 and "Traceback" not in done.stderr and "ZMQError" not in done.stderr, done.stderr[-2000:]
+    assert "127.0.0.1.nip.io" in done.stderr and "is a name" in done.stderr, done.stderr[-2000:]
+    assert re.search(r"--(api|steps|results|scheduler)-addr tcp://127\.0\.0\.1\.nip\.io", done.stderr), done.stderr[-2000:]

@@ -59,3 +59,9 @@ def test_prefix_hits_and_snapshot_evictions_are_counters_from_the_schedulers_sta
     assert got[("ferry_state_snapshots", ())] == 7
     types = {f.name: f.type for f in text_string_to_metric_families(m.exposition().decode())}
     assert types["ferry_prefix_cache_hits"] == types["ferry_state_snapshot_evictions"] == "counter"
+
+
+def test_ferry_requests_says_it_counts_each_choice():
+    """A request with n=3 counts 3 in ferry_requests_total (one generation a choice): its help says so."""
+    families = {f.name: f for f in text_string_to_metric_families(ApiMetrics("tiny").exposition().decode())}
+    assert "n choices (or n prompts) counts n" in families["ferry_requests"].documentation

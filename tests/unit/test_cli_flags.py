@@ -243,3 +243,19 @@ def test_the_expert_parallel_size_reaches_the_worker_from_serve():
         worker = child_commands(parse("serve", "/models/m", *extra), "/models/m", Path("/tmp/x"))["worker"]
         assert ("--expert-parallel-size" in worker) == (world > 1)
         assert boot_config_from_args(parse("worker", *worker[4:])).expert_parallel_size == world
+
+
+def test_the_http_caps_reach_the_api_from_serve_and_are_checked():
+    from ferry.services.api.config import api_config_from_args
+
+    api = child_commands(parse("serve", "/models/m", "--max-header-size", "32KiB", "--max-connections", "50",
+                               "--header-timeout", "4"), "/models/m", Path("/tmp/x"))["api"]  # fmt: skip
+    args = parse("api", *api[4:])
+    cfg = api_config_from_args(args, args.scheduler_addr, args.model)
+    assert (cfg.max_header_bytes, cfg.max_connections, cfg.header_timeout_s) == (32 * 1024, 50, 4.0)
+    defaults = api_config_from_args(parse("api", "--model", "m"), "ipc:///tmp/x/api.sock", "m")
+    assert (defaults.max_header_bytes, defaults.max_connections, defaults.header_timeout_s) == (64 * 1024, 1024, 10.0)
+    for flag, bad in (("--max-header-size", "lots"), ("--max-header-size", "0"), ("--max-connections", "0"),
+                      ("--header-timeout", "-1")):  # fmt: skip
+        with pytest.raises(ConfigError, match=flag):
+            api_config_from_args(parse("api", "--model", "m", flag, bad), "ipc:///tmp/x/api.sock", "m")

@@ -26,3 +26,13 @@ def test_an_address_beyond_this_host_is_refused_without_keys_and_names_the_flag(
 def test_is_loopback():
     assert all(map(is_loopback, ["127.0.0.1", "127.8.9.10", "localhost", "::1", "[::1]"]))
     assert not any(map(is_loopback, ["0.0.0.0", "::", "10.0.0.1", "api", "128.0.0.1"]))
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1.nip.io", "127.evil.example", "localhost.example", "127.0.0.1:80", "127."])
+def test_a_name_that_starts_like_a_loopback_address_is_not_loopback(host):
+    assert not is_loopback(host)
+
+
+def test_a_name_beyond_loopback_is_refused_naming_the_flag_and_why():
+    with pytest.raises(ConfigError, match=r"--api-addr tcp://127\.0\.0\.1\.nip\.io:5555 .*is a name.*127\.0\.0\.1"):
+        check_exposure("--api-addr", "tcp://127.0.0.1.nip.io:5555", None)
