@@ -1,7 +1,8 @@
-"""Issue 57, 7: streams still running when an api's --drain-timeout passes end in an error event and a
-well-formed end of the body (not a cut chunked transfer), are counted failed, and are aborted at the
-scheduler, which stops generating for them. Against the real api, scheduler and worker processes
-around the PagedHashModel double (steps of 20 ms: 1,500 tokens take half a minute)."""
+"""Issue 57, 7: requests still running when an api's --drain-timeout passes end in an error: a stream in
+an error event and a well-formed end of its body (not a cut chunked transfer), an unstreamed request in
+a 503. Each is counted failed and aborted at the scheduler, which stops generating for it. Against the
+real api, scheduler and worker processes around the PagedHashModel double (steps of 20 ms: 1,500
+tokens take half a minute)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ def _stream(port: int, path: str, body: dict, started: threading.Event, out: dic
     try:
         conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json", "x-api-key": "x",
                                                       "anthropic-version": "2023-06-01"})  # fmt: skip
+        if not body.get("stream"):
+            started.set()  # its answer comes at the end
         response = conn.getresponse()
         out["status"] = response.status
         first = response.read1(65536)  # (chunked: returns what one chunk brought)
@@ -59,6 +62,7 @@ def test_streams_running_at_the_drain_timeout_end_in_an_error_and_are_aborted(sl
                                            "ignore_eos": True}),
             "anthropic": ("/v1/messages", {"model": "tiny", "max_tokens": 1500, "stream": True,
                                            "messages": [{"role": "user", "content": "drain me too"}]}),
+            "plain": ("/v1/completions", {"prompt": "drain me, unstreamed", "max_tokens": 1500, "ignore_eos": True}),
         }  # fmt: skip
         outs = {name: {} for name in jobs}
         started = {name: threading.Event() for name in jobs}
@@ -67,7 +71,7 @@ def test_streams_running_at_the_drain_timeout_end_in_an_error_and_are_aborted(sl
         for t in threads:
             t.start()
         assert all(e.wait(30) for e in started.values()), outs
-        assert eventually(lambda: metric(scheduler_url, "ferry_scheduler_running_requests") == 2, timeout=10)
+        assert eventually(lambda: metric(scheduler_url, "ferry_scheduler_running_requests") == 3, timeout=10)
         c.procs["api"].send_signal(signal.SIGTERM)
         sent = time.monotonic()
         for t in threads:
@@ -75,14 +79,17 @@ def test_streams_running_at_the_drain_timeout_end_in_an_error_and_are_aborted(sl
         ended = time.monotonic() - sent
 
         for name, out in outs.items():
-            assert "error" not in out and out["status"] == 200, (name, out.get("error"))  # a whole chunked body
+            assert "error" not in out and "body" in out, (name, out)  # a whole body (a cut chunked one raises)
         assert ended < DRAIN_TIMEOUT_S + 5, ended
+        assert outs["openai"]["status"] == outs["anthropic"]["status"] == 200
         name, data = _events(outs["openai"]["body"])[-1]
         error = json.loads(data)["error"]
         assert name is None and error["code"] == 503 and "drain timeout" in error["message"], data
         name, data = _events(outs["anthropic"]["body"])[-1]
         assert name == "error" and json.loads(data)["error"]["type"] == "overloaded_error", (name, data)
         assert "drain timeout" in json.loads(data)["error"]["message"]
+        plain = json.loads(outs["plain"]["body"])
+        assert outs["plain"]["status"] == 503 and "drain timeout" in plain["error"]["message"], plain
 
         # the scheduler stopped generating for both at once (not when it found the replica gone, 2.5 s
         # after it exited: by then it would count them among the lost replica's requests)
@@ -93,8 +100,8 @@ def test_streams_running_at_the_drain_timeout_end_in_an_error_and_are_aborted(sl
         assert lost and all(e["aborted"] == 0 for e in lost), lost
         api_events = [json.loads(line) for line in c.log("api").splitlines() if line.startswith("{")]
         stopped = [e for e in api_events if e["event"] == "request_aborted"]
-        assert sorted(e["route"] for e in stopped) == ["completions", "messages"], stopped
+        assert sorted(e["route"] for e in stopped) == ["completions", "completions", "messages"], stopped
         assert all(e["outcome"] == "failed" and e["error"] == "DrainTimedOut" for e in stopped), stopped
-        assert [e["in_flight"] for e in api_events if e["event"] == "api_drain_timed_out"] == [2]
+        assert [e["in_flight"] for e in api_events if e["event"] == "api_drain_timed_out"] == [3]
     finally:
         c.stop()

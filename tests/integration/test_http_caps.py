@@ -225,7 +225,8 @@ def test_connections_past_the_cap_get_503_and_close_and_room_frees_up(capped_api
     held = [_connect(api.port) for _ in range(MAX_CONNECTIONS)]
     try:
         time.sleep(0.3)  # the replica has taken them all
-        with _connect(api.port) as extra:
+        with _connect(api.port) as extra:  # a client sends its request at once: it still reads the 503
+            extra.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
             closed, got = _read_until_closed(extra, 3)
         assert closed and _status(got) == 503, got[:300]
         head = got.partition(b"\r\n\r\n")[0].lower()
