@@ -1,0 +1,60 @@
+"""The api's connection handler (services/api/connection.py) in what the real-process tests cannot
+pin down: when the heap is trimmed after closed connections. The caps themselves, against a real api
+process over raw sockets: tests/integration/test_http_caps.py."""
+
+from __future__ import annotations
+
+import asyncio
+import platform
+
+from ferry.services.api.connection import TRIM_AFTER_CLOSED, TRIM_INTERVAL_S, _Trim
+
+
+class _Loop:
+    """call_later and time, by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.scheduled: list[tuple[float, object]] = []
+
+    def time(self) -> float:
+        return self.now
+
+    def call_later(self, delay: float, fn):
+        self.scheduled.append((delay, fn))
+        return object()
+
+    def run_scheduled(self) -> None:
+        due, self.scheduled = self.scheduled, []
+        for delay, fn in due:
+            self.now += delay
+            fn()
+
+
+def test_the_heap_is_trimmed_after_enough_closed_connections_and_not_more_often_than_the_interval():
+    loop = _Loop()
+    trim = _Trim(loop)
+    calls = []
+    trim._fn = calls.append
+    for _ in range(TRIM_AFTER_CLOSED - 1):
+        trim.connection_closed()
+    assert loop.scheduled == []
+    trim.connection_closed()
+    assert [delay for delay, _ in loop.scheduled] == [0.0]  # the first: at once
+    loop.run_scheduled()
+    assert calls == [0]
+    for _ in range(3 * TRIM_AFTER_CLOSED):  # a flood goes on: one trim pending at a time
+        trim.connection_closed()
+    assert [delay for delay, _ in loop.scheduled] == [TRIM_INTERVAL_S]
+    loop.run_scheduled()
+    assert calls == [0, 0]
+
+
+def test_malloc_trim_is_found_under_glibc():
+    if platform.libc_ver()[0] != "glibc":
+        return
+    loop = asyncio.new_event_loop()
+    try:
+        assert _Trim(loop)._fn is not None
+    finally:
+        loop.close()
