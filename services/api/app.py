@@ -90,8 +90,9 @@ class Drain:
             return True
         if self.stop_in_flight is not None:
             log.warning("api_drain_timed_out", in_flight=self.in_flight, drain_timeout_s=timeout)
-            self.stop_in_flight(DrainTimedOut(f"this server is shutting down and stopped the request: it did not "
-                                              f"finish within the {timeout:g}s drain timeout; retry on another replica"))  # fmt: skip
+            self.stop_in_flight(DrainTimedOut(f"this server is shutting down and stopped the request: it did "
+                                              f"not finish within the {timeout:g}s drain timeout; retry on another "
+                                              "replica"))  # fmt: skip
             await self._idle_within(DRAIN_GRACE_S)
         return False
 

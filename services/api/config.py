@@ -69,7 +69,8 @@ def add_api_flags(parser: argparse.ArgumentParser) -> None:
                         f"(default {DEFAULT_MAX_CONNECTIONS})")
     g.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
                    help="seconds a client has to send a request's line and headers (from its first byte, or from "
-                        f"the connection's start); later ones are answered 408 and closed (default {DEFAULT_HEADER_TIMEOUT_S:g})")
+                        "the connection's start); later ones are answered 408 and closed "
+                        f"(default {DEFAULT_HEADER_TIMEOUT_S:g})")
     g.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
                    help="on SIGTERM, stop admitting (503 with Retry-After) and give requests in flight this many "
                         f"seconds to finish before exiting (default {DEFAULT_DRAIN_TIMEOUT_S:g})")
@@ -114,7 +115,8 @@ def api_config_from_args(args: argparse.Namespace, scheduler_addr: str, tokenize
     return ApiConfig(
         host=args.host, port=args.port, scheduler_addr=scheduler_addr, tokenizer=tokenizer,
         served_model_name=args.served_model_name or tokenizer, api_key=api_key_from_args(args),
-        max_body_bytes=sizes["max_body_size"], tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+        max_body_bytes=sizes["max_body_size"], tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         read_timeout_s=getattr(args, "read_timeout", DEFAULT_READ_TIMEOUT_S),
         drain_timeout_s=getattr(args, "drain_timeout", DEFAULT_DRAIN_TIMEOUT_S), wire_keys=keys,
         max_header_bytes=sizes["max_header_size"],
