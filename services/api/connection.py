@@ -196,6 +196,8 @@ class ApiConnection(RequestHandler):
         which logs the exception)."""
         if status == 500:
             return super().handle_error(request, status, exc, message)
+        if request.writer.output_size > 0:  # a response is under way: another cannot follow it (aiohttp's rule)
+            raise ConnectionError("a response is under way: no error response can follow it")
         text = message or (str(exc) if exc is not None else "bad request")
         if status == 400:
             text = f"malformed HTTP request: {text}"
