@@ -1,5 +1,6 @@
 """The api's connection handler (services/api/connection.py) in what the real-process tests cannot
-pin down: when the heap is trimmed after closed connections. The caps themselves, against a real api
+pin down: when the heap is trimmed after closed connections, and the open-file limit the connection cap
+needs. The caps themselves, against a real api
 process over raw sockets: tests/integration/test_http_caps.py."""
 
 from __future__ import annotations
@@ -58,3 +59,35 @@ def test_malloc_trim_is_found_under_glibc():
         assert _Trim(loop)._fn is not None
     finally:
         loop.close()
+
+
+class _Limits:
+    def __init__(self, soft: int, hard: int) -> None:
+        self.soft, self.hard = soft, hard
+
+    def getrlimit(self, _which):
+        return self.soft, self.hard
+
+    def setrlimit(self, _which, limits):
+        soft, hard = limits
+        if soft > self.hard:
+            raise ValueError("not allowed to raise maximum limit")
+        self.soft, self.hard = soft, hard
+
+
+def test_the_open_file_limit_is_raised_for_the_connection_cap_or_the_flag_is_named(monkeypatch):
+    from structlog.testing import capture_logs
+
+    from ferry.services.api import connection
+
+    limits = _Limits(1024, 1 << 20)
+    monkeypatch.setattr(connection.resource, "getrlimit", limits.getrlimit)
+    monkeypatch.setattr(connection.resource, "setrlimit", limits.setrlimit)
+    with capture_logs() as logs:
+        connection.raise_fd_limit(4000)
+    assert limits.soft == 4000 + connection.FD_RESERVE and not logs
+    limits.soft, limits.hard = 1024, 2048
+    with capture_logs() as logs:
+        connection.raise_fd_limit(4000)
+    assert limits.soft == 2048
+    assert [e["event"] for e in logs] == ["fd_limit_low"] and "--max-connections 4000" in logs[0]["message"]
