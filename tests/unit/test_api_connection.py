@@ -1,7 +1,6 @@
 """The api's connection handler (services/api/connection.py) in what the real-process tests cannot
 pin down: when the heap is trimmed after closed connections, and the open-file limit the connection cap
-needs. The caps themselves, against a real api
-process over raw sockets: tests/integration/test_http_caps.py."""
+needs. The caps themselves, against a real api process over raw sockets: tests/integration/test_http_caps.py."""
 
 from __future__ import annotations
 
