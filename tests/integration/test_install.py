@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import cuda_plan_budget
+
 REPO = Path(__file__).resolve().parents[2]
 QWEN3_30B = REPO / "tests/data/models/qwen3-30b-a3b"
 
@@ -135,7 +137,7 @@ def test_the_installed_console_script_plans(installed):
     done = run_there(installed, installed["bin"] / "ferry", "plan", QWEN3_30B, "--gpu-memory", "24GiB",
                      "--host-memory", "128GiB", "--json")  # fmt: skip
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout)["budget_bytes"] == int(24 * 2**30 * 0.9)
+    assert json.loads(done.stdout)["budget_bytes"] == cuda_plan_budget(24 * 2**30)
 
 
 def test_run_from_the_tree_without_an_install(tmp_path):
@@ -149,4 +151,4 @@ def test_run_from_the_tree_without_an_install(tmp_path):
     assert seen["path"] == [str(REPO / "ferry"), str(REPO)] and seen["cli"] == str(REPO / "services" / "cli.py")
     done = run_there(there, there["python"], "-m", "ferry.services.cli", "plan", "--model", QWEN3_30B,
                      "--gpu-memory", "24GiB", "--host-memory", "128GiB", "--json", PYTHONPATH=str(REPO))  # fmt: skip
-    assert done.returncode == 0 and json.loads(done.stdout)["budget_bytes"] == int(24 * 2**30 * 0.9), done.stderr
+    assert done.returncode == 0 and json.loads(done.stdout)["budget_bytes"] == cuda_plan_budget(24 * 2**30), done.stderr
