@@ -150,7 +150,7 @@ def boot_worker(cfg: WorkerBootConfig) -> tuple[StepExecutor, Plan]:
     free, free_source = _free_memory(device, req)
     r = resolve(files.spec, req)
     try:  # refused before anything loads
-        copy_engine_tokens(cfg.expert_copy_engine_tokens, packed_banks=True)
+        copy_engine_tokens(cfg.expert_copy_engine_tokens, plain_bf16_banks=False)
         ring_chunk(cfg.prefill_ring_chunk, "--prefill-ring-chunk")
         ring_chunk(cfg.long_prefill_ring_chunk, "--long-prefill-ring-chunk")
     except ValueError as exc:
@@ -257,7 +257,7 @@ def _load_and_plan(cfg: WorkerBootConfig, files: ModelFiles, r: Resolved, device
         store = build_expert_store(store_spec, plan, pools.experts, device, policy=cfg.expert_policy, banks=banks,
                                    prefetch=cfg.expert_prefetch,
                                    copy_engine_tokens=copy_engine_tokens(cfg.expert_copy_engine_tokens,
-                                                                         getattr(banks, "packed", False)),
+                                                                         _plain_bf16(banks)),
                                    ring_chunks=chunks)  # fmt: skip
         if world > 1:  # the experts this rank owns, its partial sums added over the ranks
             # a rank's share of a step's pairs differs from layer to layer, and a streamed prefill is begun at
@@ -280,6 +280,11 @@ def _load_and_plan(cfg: WorkerBootConfig, files: ModelFiles, r: Resolved, device
     model.load_weights(chain(resident_weights(files, dtype, device, progress), _then(plan_and_allocate, expert_pass)),
                        routed_experts=not dummy)  # fmt: skip
     return booted
+
+
+def _plain_bf16(banks) -> bool:
+    """Banks that keep experts as the slots hold bf16 ones: neither packed nor in a quantized format."""
+    return banks is not None and not getattr(banks, "packed", False) and not banks.format.quantized
 
 
 def _graph_key(max_running_requests: int, max_model_len: int, page_size: int) -> tuple[int, int, int]:

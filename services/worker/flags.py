@@ -26,12 +26,12 @@ EXPERT_POLICY_HELP = (
     "the experts the next layers need and its hit rate collapses, where LFU keeps the often-routed ones"
 )
 
-# With plain expert banks, decode steps of this many tokens or more copy their missed experts with the
-# copy engine rather than the GPU's cores. Measured on the H200 (bench/NOTES.md, 12-layer Qwen3-30B-A3B
-# cut, top-8): at 8 streams the copy engine gave 93.0 tok/s against 86.4 for core copies in the CUDA
-# graph; one stream is the same. Packed banks have no threshold by default: their unpacking copy
-# delivers more bf16 bytes a second than the copy engine (bench/pack_copy.py), so every decode step
-# that fits the pair kernel replays its graph.
+# With plain bf16 expert banks, decode steps of this many tokens or more copy their missed experts with the
+# copy engine rather than the GPU's cores: on the 12-layer Qwen3-30B-A3B cut (top-8) at 8 streams the copy engine
+# gave 93.0 tok/s against 86.4 for core copies in the CUDA graph; one stream is the same. Packed and quantized
+# banks have no threshold by default: packed banks' unpacking copy delivers more bf16 bytes a second than the
+# copy engine, and a quantized expert is a third of a bf16 one or less, so the eager, host-read path costs more
+# than its copies save (the full-size 35B NVFP4 at 24 GiB: 118 tok/s at 8 streams that way, 514 in the graph).
 DEFAULT_COPY_ENGINE_TOKENS = 8
 
 
@@ -48,11 +48,11 @@ def ring_chunk(requested: int | None, flag: str, staging_slots: int | None = Non
     return requested
 
 
-def copy_engine_tokens(requested: int | None, packed_banks: bool) -> int | None:
+def copy_engine_tokens(requested: int | None, plain_bf16_banks: bool) -> int | None:
     """--expert-copy-engine-tokens as given, else the bank format's default (see above)."""
     if requested is not None and requested < 1:
         raise ValueError(f"--expert-copy-engine-tokens must be at least 1, got {requested}")
-    if requested is None and not packed_banks:
+    if requested is None and plain_bf16_banks:
         return DEFAULT_COPY_ENGINE_TOKENS
     return requested
 
@@ -107,7 +107,7 @@ def add_worker_flags(parser: argparse.ArgumentParser, model_required: bool = Tru
                              "eagerly, copying with the copy engine (plain banks) or the unpacking kernel (packed); "
                              "smaller ones copy with the GPU's cores inside a CUDA graph; a prefill of N+ tokens, and "
                              "any step past 64 (token, k) pairs, takes the host-read path too (default: "
-                             f"{DEFAULT_COPY_ENGINE_TOKENS} with plain banks, none with packed ones)")  # fmt: skip
+                             f"{DEFAULT_COPY_ENGINE_TOKENS} with plain bf16 banks, none with packed or quantized ones)")  # fmt: skip
     parser.add_argument("--prefill-ring-chunk", type=int, default=None, metavar="N",
                         help="experts a staging-ring chunk copies and computes in a streamed prefill step (the "
                              "experts it lacks cross PCIe through the prefill staging slots in chunks, each computed "

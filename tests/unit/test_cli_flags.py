@@ -67,11 +67,11 @@ def test_expert_bank_and_copy_flags_reach_the_worker_from_serve_and_resolve_by_b
         assert ("--expert-bank-format" in worker) == (fmt is not None)
         cfg = boot_config_from_args(parse("worker", *worker[4:]))
         assert (cfg.plan.expert_bank_format, cfg.expert_copy_engine_tokens) == (fmt, tokens)
-    assert copy_engine_tokens(None, packed_banks=False) == 8  # plain banks: the copy engine for 8+ tokens
-    assert copy_engine_tokens(None, packed_banks=True) is None  # packed: the unpacking kernel always
-    assert copy_engine_tokens(3, packed_banks=True) == 3
+    assert copy_engine_tokens(None, plain_bf16_banks=True) == 8  # plain bf16 banks: the copy engine for 8+ tokens
+    assert copy_engine_tokens(None, plain_bf16_banks=False) is None  # packed or quantized: copies in the graph
+    assert copy_engine_tokens(3, plain_bf16_banks=False) == 3
     with pytest.raises(ValueError, match="--expert-copy-engine-tokens must be at least 1"):
-        copy_engine_tokens(0, packed_banks=False)
+        copy_engine_tokens(0, plain_bf16_banks=True)
     with pytest.raises(SystemExit):
         parse("serve", "/models/m", "--expert-bank-format", "zip")
 
