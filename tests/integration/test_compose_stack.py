@@ -114,12 +114,27 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return out
 
 
+def chat_request(port: int, max_tokens: int, stream: bool) -> urllib.request.Request:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=30) as resp:
+        model = json.load(resp)["data"][0]["id"]
+    body = json.dumps({"model": model, "stream": stream, "max_tokens": max_tokens, "ignore_eos": True,
+                       "messages": [{"role": "user", "content": "Tell me about ferries."}]}).encode()  # fmt: skip
+    return urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body,
+                                  {"Content-Type": "application/json"})  # fmt: skip
+
+
+def tokens_lasting(port: int, seconds: float) -> int:
+    """max_tokens of a stream lasting about `seconds` on this host: the time of a short completion, measured
+    (a loaded vfs host served the tiny model at 4 to 10 tokens a second)."""
+    t0 = time.monotonic()
+    with urllib.request.urlopen(chat_request(port, 16, stream=False), timeout=300) as resp:
+        assert json.load(resp)["usage"]["completion_tokens"] == 16
+    return max(16, min(900, int(seconds * 16 / (time.monotonic() - t0))))
+
+
 def stream_chat(port: int, max_tokens: int, started: threading.Event, result: dict) -> None:
     """A streamed chat completion; `result` gets its finish reason, whether [DONE] came, and its chunks."""
-    body = json.dumps({"model": "ferry", "stream": True, "max_tokens": max_tokens, "ignore_eos": True,
-                       "messages": [{"role": "user", "content": "Tell me about ferries."}]}).encode()  # fmt: skip
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body,
-                                 {"Content-Type": "application/json"})  # fmt: skip
+    req = chat_request(port, max_tokens, stream=True)
     result.update(chunks=0, done=False, finish_reason=None)
     try:
         with urllib.request.urlopen(req, timeout=300) as resp:
@@ -151,10 +166,12 @@ def healthy(port: int) -> bool:
 
 def assert_stream_survives_stop(stack: Stack, service: str, port: int, grace_s: int) -> None:
     """A stream started before `docker compose stop SERVICE` ends normally, the service drained (exit 0,
-    not Docker's kill) and compose gave it its stop_grace_period."""
+    not Docker's kill) and compose gave it its stop_grace_period. The stream lasts about 20 s: past the
+    10 s after which Docker kills without a stop_grace_period, within the api's 30 s drain."""
     assert stack.inspect(service)["Config"]["StopTimeout"] == grace_s
+    max_tokens = tokens_lasting(port, 20)
     started, result = threading.Event(), {}
-    client = threading.Thread(target=stream_chat, args=(port, 900, started, result), daemon=True)
+    client = threading.Thread(target=stream_chat, args=(port, max_tokens, started, result), daemon=True)
     client.start()
     assert started.wait(120), result
     assert "error" not in result, result
