@@ -4,8 +4,9 @@ FROM python:3.11-slim-bookworm
 
 # The CUDA variant of the torch wheel: CUDA 13.0. Its version is not chosen here but in constraints.txt,
 # which `make` installs from too, so the image runs the torch the test suite ran. A CPU-only image (the
-# demo, no GPU) takes the CPU build instead, a few hundred MB rather than several GB:
-#   TORCH_INDEX=https://download.pytorch.org/whl/cpu docker compose --profile cpu build
+# demo, compose.cpu.yaml) takes the CPU build instead, several GB less; it is still about 2.75 GB, triton
+# (1 GB installed) included, which Ferry's kernels import on CPU too:
+#   TORCH_INDEX=https://download.pytorch.org/whl/cpu docker compose build
 ARG TORCH_INDEX="https://download.pytorch.org/whl/cu130"
 
 ENV PYTHONDONTWRITEBYTECODE=1 \

@@ -25,6 +25,9 @@ import sys
 import time
 from pathlib import Path
 
+from ferry.shared.file_modes import written_with_umask_modes
+
+
 def cut_config(config: dict, num_layers: int | None) -> dict:
     """The config with its text tower cut to the first `num_layers` layers (per-layer lists too)."""
     config = json.loads(json.dumps(config))
@@ -195,21 +198,29 @@ def run(args: argparse.Namespace) -> int:
         return 2
     fmt = None if args.format == "bf16" else args.format
     try:
-        out = write_bench_model(args.dir, args.config, args.num_layers)
-        if args.weights == "random":
-            size = write_random_weights(out, args.routing_skew, args.seed, args.generate_on, fmt=fmt)
-            print(f"wrote {out} with {size / 2**30:.2f} GiB of random weights in {args.format} "
-                  f"(routing skew {args.routing_skew})")  # fmt: skip
-            return 0
-        if fmt:
-            from ferry.plan.costs import resident_weight_shapes
-            from ferry.plan.model_config import load_model_config
-            from ferry.services.worker.dummy_weights import routed_expert_shapes
-
-            spec = load_model_config(out)
-            set_quantization(out, fmt, [*resident_weight_shapes(spec), *routed_expert_shapes(spec)])
+        with written_with_umask_modes(args.dir):  # readable by others under the usual umask: a container serves it
+            out, size = _write(args, fmt)
     except (OSError, ValueError, KeyError) as exc:
         print(f"ferry make-bench-model: error: {exc}", file=sys.stderr)
         return 2
-    print(f"wrote {out} (config, tokenizer, generation config): serve it with --load-format dummy")
+    if size is not None:
+        print(f"wrote {out} with {size / 2**30:.2f} GiB of random weights in {args.format} "
+              f"(routing skew {args.routing_skew})")  # fmt: skip
+    else:
+        print(f"wrote {out} (config, tokenizer, generation config): serve it with --load-format dummy")
     return 0
+
+
+def _write(args: argparse.Namespace, fmt: str | None) -> tuple[Path, int | None]:
+    """The model directory, and the bytes of random weights written (None: no weights)."""
+    out = write_bench_model(args.dir, args.config, args.num_layers)
+    if args.weights == "random":
+        return out, write_random_weights(out, args.routing_skew, args.seed, args.generate_on, fmt=fmt)
+    if fmt:
+        from ferry.plan.costs import resident_weight_shapes
+        from ferry.plan.model_config import load_model_config
+        from ferry.services.worker.dummy_weights import routed_expert_shapes
+
+        spec = load_model_config(out)
+        set_quantization(out, fmt, [*resident_weight_shapes(spec), *routed_expert_shapes(spec)])
+    return out, None

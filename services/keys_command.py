@@ -12,6 +12,9 @@ from pathlib import Path
 
 from ferry.shared.errors import ConfigError
 
+# The keys written with the image, as the host user, straight into the directory compose reads them from
+DOCKER_KEYS_COMMAND = 'mkdir -p keys && docker run --rm -u "$(id -u):$(id -g)" -v "$PWD/keys:/keys" ferry:0.1.0 keys /keys'
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", help="directory to write the keys into (created with mode 0700)")
@@ -35,6 +38,5 @@ def _not_writable(directory: str, exc: PermissionError) -> str:
     return (
         f"cannot write the keys to {directory}: {exc.strerror} ({exc.filename}); this process runs as uid "
         f"{os.getuid()}. In the image (uid 10001), run it as your own user: "
-        'mkdir -p keys && docker run --rm -u "$(id -u):$(id -g)" -v "$PWD/keys:/keys" ferry:0.1.0 keys /keys/new '
-        "(mkdir first: a directory Docker makes for the mount is root's)"
+        f"{DOCKER_KEYS_COMMAND} (mkdir first: a directory Docker makes for the mount is root's)"
     )

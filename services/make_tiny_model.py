@@ -50,15 +50,23 @@ TINY_CONFIGS = {
 
 def make_tiny_model(out_dir: str | Path, arch: str, seed: int = 0) -> Path:
     """Write the checkpoint into `out_dir` (created if needed) and return it."""
-    import torch
-    from transformers import GenerationConfig
-
-    from ferry.services.tiny_model.tokenizer import ENDOFTEXT, IM_END, train_tokenizer
+    from ferry.shared.file_modes import written_with_umask_modes
 
     if arch not in TINY_CONFIGS:
         raise ValueError(f"--arch must be one of {', '.join(ARCHS)}, got {arch!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    with written_with_umask_modes(out):  # readable by others under the usual umask: a container serves it
+        _write(out, arch, seed)
+    return out
+
+
+def _write(out: Path, arch: str, seed: int) -> None:
+    import torch
+    from transformers import GenerationConfig
+
+    from ferry.services.tiny_model.tokenizer import ENDOFTEXT, IM_END, train_tokenizer
+
     tokenizer = train_tokenizer()
     eos_id = tokenizer.convert_tokens_to_ids(IM_END)
     pad_id = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
@@ -72,7 +80,6 @@ def make_tiny_model(out_dir: str | Path, arch: str, seed: int = 0) -> Path:
     tokenizer.save_pretrained(out)
     GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None, do_sample=False).save_pretrained(out)
     (out / "ferry_tiny_model.json").write_text(json.dumps({"arch": arch, "seed": seed}) + "\n")
-    return out
 
 
 def _perturb_norms(model, seed: int) -> None:

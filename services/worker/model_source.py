@@ -8,6 +8,7 @@ is not a boot step): a hub id must already be in huggingface_hub's cache, e.g. f
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 from ferry.shared.errors import ModelLoadError
@@ -31,6 +32,7 @@ def resolve_model_dir(model: str, revision: str | None = None) -> Path:
     """The directory holding config.json (and weights, tokenizer) for `--model`."""
     path = Path(os.path.expanduser(model))
     if path.is_dir():
+        _check_readable(path, model)
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"--model {model}: the directory has no config.json (is it a Hugging Face model?)")
         return path
@@ -65,6 +67,29 @@ def _from_hub_cache(repo_id: str, revision: str | None) -> Path:
             f"Ferry does not download at boot: run `huggingface-cli download {repo_id}` first (HF_HUB_CACHE "
             "picks the cache), or pass --model a local directory"
         ) from exc
+    _check_readable(snapshot, repo_id)
     if not (snapshot / "config.json").is_file():
         raise ModelLoadError(f"--model {repo_id}: the cached snapshot {snapshot} has no config.json")
     return snapshot
+
+
+def _check_readable(directory: Path, model: str) -> None:
+    """The model directory and every file in it must be readable by this process. Else a clear error
+    naming them: safetensors reports a shard it may not open as "No such file or directory", and a
+    container's user (uid 10001) often cannot read what its host user wrote."""
+    if not os.access(directory, os.R_OK | os.X_OK):
+        raise ModelLoadError(_permission_denied(model, [directory]))
+    unreadable = [p for p in sorted(directory.iterdir()) if p.is_file() and not os.access(p, os.R_OK)]
+    if unreadable:
+        raise ModelLoadError(_permission_denied(model, unreadable))
+
+
+def _permission_denied(model: str, paths: list[Path]) -> str:
+    def described(path: Path) -> str:
+        st = path.stat()
+        return f"{path} (mode {stat.S_IMODE(st.st_mode):04o}, owner uid {st.st_uid})"
+
+    shown = ", ".join(described(p) for p in paths[:5]) + (f" and {len(paths) - 5} more" if len(paths) > 5 else "")
+    return (f"--model {model}: permission denied: {shown}; this process runs as uid {os.getuid()}. Make the "
+            "model readable by it, e.g. `chmod -R a+rX` on the model directory (in compose: on ./models or "
+            "FERRY_MODEL_DIR, on the host)")

@@ -46,6 +46,8 @@ WATCH_INTERVAL_MS = 1
 # at the latest this long after the failure was seen (a collective with the lost rank may never return)
 RANK_FAILURE_EXIT = 3
 RANK_FAILURE_GRACE_S = 5.0
+# on stop, rank 0 waits this long for each follower to exit before killing it
+FOLLOWER_STOP_GRACE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -373,7 +375,7 @@ class WorkerService:
         remove_rendezvous(self.ranks.rendezvous)
         self.ranks = None  # close() has nothing left to stop
 
-    def _reap_followers(self, grace_s: float = 10) -> None:
+    def _reap_followers(self, grace_s: float = FOLLOWER_STOP_GRACE_S) -> None:
         for proc in self.ranks.followers:
             try:
                 proc.wait(timeout=grace_s)

@@ -32,11 +32,12 @@ def test_dockerfile_passes_hadolint():
     assert done.returncode == 0 and not done.stdout.strip(), done.stdout + done.stderr
 
 
-def test_compose_passes_dclint():
+@pytest.mark.parametrize("compose_file", ["compose.yaml", "compose.cpu.yaml"])
+def test_compose_passes_dclint(compose_file):
     npx = shutil.which("npx")
     if npx is None:
         pytest.fail("npx is missing: install node/npm, then run `make lint-tools` once")
-    done = subprocess.run([npx, "--offline", "--yes", DCLINT, str(REPO / "compose.yaml")], capture_output=True,
+    done = subprocess.run([npx, "--offline", "--yes", DCLINT, str(REPO / compose_file)], capture_output=True,
                           text=True, timeout=120)  # fmt: skip
     if "ENOTCACHED" in done.stderr:
         pytest.fail(f"{DCLINT} is not in the npm cache: run `make lint-tools` once (needs the registry)")
@@ -47,6 +48,36 @@ def test_compose_passes_dclint():
 @pytest.fixture(scope="module")
 def compose() -> dict:
     return yaml.safe_load((REPO / "compose.yaml").read_text())
+
+
+class ComposeLoader(yaml.SafeLoader):
+    """YAML with compose's merge tags: `!reset` (drop the key from the files before) and `!override`."""
+
+
+ComposeLoader.add_constructor("!reset", lambda loader, node: RESET)
+ComposeLoader.add_constructor("!override", lambda loader, node: Override(loader.construct_object(node, deep=True)))
+RESET = object()
+
+
+class Override:
+    def __init__(self, value):
+        self.value = value
+
+
+def merged(base: dict, override: dict) -> dict:
+    """`docker compose -f base -f override`'s merge for what Ferry's files use: maps merge key by key,
+    `!reset` drops a key, `!override` replaces it, anything else from the override wins."""
+    out = dict(base)
+    for key, value in override.items():
+        if value is RESET:
+            out.pop(key, None)
+        elif isinstance(value, Override):
+            out[key] = value.value
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merged(out[key], value)
+        else:
+            out[key] = value
+    return out
 
 
 def flags_of(command: str) -> set[str]:
@@ -118,11 +149,87 @@ def default_of(value: str) -> str:
     return re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", value)
 
 
-def test_every_service_is_built_from_this_checkout(compose):
-    for name, svc in compose["services"].items():
-        build = svc["build"]
-        assert (REPO / build["context"]).is_dir() and (REPO / build["context"] / build["dockerfile"]).is_file(), name
+def test_one_service_builds_the_image_and_the_others_run_it_without_pulling(compose):
+    """`docker compose --profile cpu build` built the one image four times, once a service with `build:`,
+    and left three dangling 2.75 GB images. Now the scheduler alone builds it: every `up` of the stack
+    includes the scheduler (in no profile; the api and the worker depend on it). The others never pull
+    it: a registry's ferry:0.1.0 is not this checkout."""
+    services = compose["services"]
+    assert [name for name, svc in services.items() if "build" in svc] == ["scheduler"]
+    build = services["scheduler"]["build"]
+    assert (REPO / build["context"]).is_dir() and (REPO / build["context"] / build["dockerfile"]).is_file()
+    assert "profiles" not in services["scheduler"]
+    assert all("scheduler" in services[name]["depends_on"] for name in ("api", "worker"))
+    for name, svc in services.items():
         assert svc["image"] == "ferry:0.1.0", name
+        assert svc["pull_policy"] == "never", name  # missing: built (the scheduler) or an error, never pulled
+
+
+def drain_timeout_s(svc: dict) -> float:
+    """The --drain-timeout of a service's command: its FERRY_DRAIN_TIMEOUT, else the flag's default."""
+    command = svc["command"][0]
+    parser = build_parser(command)
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    default = next(a.default for a in sub._actions if a.dest == "drain_timeout")
+    return float(svc["environment"].get("FERRY_DRAIN_TIMEOUT", default))
+
+
+def test_every_service_outlasts_its_own_stop_before_docker_kills_it(compose):
+    """`docker compose stop demo` cut a stream in flight: Docker kills a container 10 s after SIGTERM unless
+    its stop_grace_period says otherwise, and the api drains for --drain-timeout (30 s). Each service's
+    grace is its own stop's longest plus a margin for the process to exit."""
+    from ferry.services.serve_command import STOP_GRACE_S
+    from ferry.services.worker.service import FOLLOWER_STOP_GRACE_S
+    from ferry.shared.liveness import HEARTBEAT_INTERVAL_S
+
+    services = compose["services"]
+    longest_stop_s = {
+        "api": drain_timeout_s(services["api"]),  # then aiohttp's 1 s shutdown
+        # serve: its api drains, and is killed STOP_GRACE_S after the drain at the latest; then the
+        # worker and the scheduler get STOP_GRACE_S
+        "demo": drain_timeout_s(services["demo"]) + 2 * STOP_GRACE_S,
+        "worker": FOLLOWER_STOP_GRACE_S,  # after the step in flight, rank 0 waits for its followers
+        "scheduler": HEARTBEAT_INTERVAL_S,  # its next poll
+    }
+    assert set(longest_stop_s) == set(services)
+    for name, longest in longest_stop_s.items():
+        assert seconds(services[name]["stop_grace_period"]) >= longest + 5, (name, longest)
+    # `stop` and `down` stop a service's dependents first: the scheduler and the worker outlive the api's drain
+    assert set(services["api"]["depends_on"]) == {"scheduler", "worker"}
+
+
+@pytest.fixture(scope="module")
+def cpu_override() -> dict:
+    return yaml.load((REPO / "compose.cpu.yaml").read_text(), Loader=ComposeLoader)  # noqa: S506 (a SafeLoader)
+
+
+def test_the_cpu_override_runs_the_worker_on_cpu_and_says_what_it_replaces(compose, cpu_override):
+    """The three services without a GPU (to try them, or in CI): `docker compose -f compose.yaml -f
+    compose.cpu.yaml up`. It changes the worker alone, and its header lists exactly what it replaces."""
+    assert set(cpu_override) == {"services"} and set(cpu_override["services"]) == {"worker"}
+    override = cpu_override["services"]["worker"]
+    worker = merged(compose["services"]["worker"], override)
+    assert worker["environment"]["FERRY_DEVICE"] == "cpu"
+    assert "deploy" not in worker and "ulimits" not in worker  # no NVIDIA reservation, no memlock to raise
+    unknown = set(worker["environment"]) - flags_of("worker")
+    assert not unknown, unknown
+    replaced = (set(override) - {"environment"}) | set(override["environment"])  # variables one by one
+    text = (REPO / "compose.cpu.yaml").read_text()
+    listed = set(re.findall(r"^#   (\S+) {2,}", text, re.M))
+    assert listed == replaced, (listed, replaced)
+    assert "docker compose -f compose.yaml -f compose.cpu.yaml up" in text
+    assert "docker compose -f compose.yaml -f compose.cpu.yaml up" in (REPO / "README.md").read_text()
+
+
+def test_the_model_directory_is_mounted_as_the_model_and_its_readme_says_so(compose):
+    """models/README.md said to put a model directory in ./models, but ./models itself is the model:
+    the worker found no config.json in /model."""
+    for name in ("api", "worker"):
+        svc = compose["services"][name]
+        assert svc["environment"]["FERRY_MODEL"] == "/model"
+        assert "./models:/model:ro" in [default_of(v) for v in svc["volumes"]], name
+    readme = (REPO / "models" / "README.md").read_text()
+    assert "./models/config.json" in readme and "FERRY_MODEL_DIR" in readme
 
 
 def test_every_file_compose_references_exists_and_named_volumes_are_declared(compose):
@@ -252,13 +359,17 @@ def seconds(duration: str) -> float:
     return sum(float(n) * {"s": 1, "m": 60, "h": 3600}[u] for n, u in re.findall(r"(\d+(?:\.\d+)?)([smh])", duration))
 
 
-def test_a_worker_that_cannot_start_fails_up_in_minutes_and_does_not_restart_forever(compose):
+def test_a_worker_that_cannot_start_fails_up_with_its_exit_and_is_not_restarted(compose):
     """An empty ./models: the worker exits with status 2. `up` waits for it to be healthy; it used to
-    restart it forever (restart: unless-stopped) and wait out a 900 s start period (13 min 40 s)."""
+    restart it forever (restart: unless-stopped) and wait out a 900 s start period (13 min 40 s). Then
+    with on-failure:3 `up` failed on "container ferry-worker-1 is unhealthy" (Docker marks a container
+    it is restarting unhealthy), not on the worker's exit, and Docker went on restarting it after `up`
+    returned. Not restarted, its exit is what `up` reports: "dependency failed to start: container
+    ferry-worker-1 exited (2)"."""
     services = compose["services"]
-    for name in ("worker", "demo"):
-        policy = default_of(services[name]["restart"])
-        assert re.fullmatch(r"on-failure:[1-5]", policy), (name, policy)  # a few tries, then it stays down
+    assert services["worker"]["restart"] == "no"
+    # the demo has no dependent to fail: a few tries, then it stays down, its error last in its log
+    assert re.fullmatch(r"on-failure:[1-5]", default_of(services["demo"]["restart"]))
     check = {k: default_of(str(v)) for k, v in services["worker"]["healthcheck"].items() if k != "test"}
     unhealthy_after = seconds(check["start_period"]) + int(check["retries"]) * seconds(check["interval"])
     assert unhealthy_after <= 6 * 60, unhealthy_after  # a hung worker: minutes, not a quarter of an hour
@@ -310,11 +421,10 @@ def test_the_scheduler_is_healthy_while_it_answers_so_a_failed_worker_does_not_p
 
 
 def test_a_cpu_only_image_can_take_the_cpu_torch(compose):
-    """`TORCH_INDEX=https://download.pytorch.org/whl/cpu docker compose --profile cpu build`: the
+    """`TORCH_INDEX=https://download.pytorch.org/whl/cpu docker compose build`: the
     variable reaches the build (a bare arg: the environment's value, else the Dockerfile's default),
     and the CPU build installs no CUDA extra."""
-    assert compose["x-ferry-image"]["build"]["args"] == ["TORCH_INDEX"]
-    assert all(svc["build"]["args"] == ["TORCH_INDEX"] for svc in compose["services"].values())
+    assert compose["services"]["scheduler"]["build"]["args"] == ["TORCH_INDEX"]
     dockerfile = (REPO / "Dockerfile").read_text()
     assert dockerfile.index("ARG TORCH_INDEX") < dockerfile.index('--index-url "${TORCH_INDEX}"')
     case = re.search(r'(case "\$\{TORCH_INDEX\}" in .*? esac)', dockerfile_run_of('".${extras}"')).group(1)
