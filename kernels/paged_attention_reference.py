@@ -30,7 +30,9 @@ def quantize_kv_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     of each row, values = x / scale, rounded to nearest even. Divided, not multiplied by a reciprocal, so the
     Triton writers (tl.math.div_rn) store the same bytes."""
     xf = x.float()
-    scale = xf.abs().amax(dim=-1).clamp_min(KV_AMAX_FLOOR) / KV_FP8_MAX
+    amax = xf.abs().amax(dim=-1).clamp_min(KV_AMAX_FLOOR)
+    # by a tensor, not the Python number: CUDA torch multiplies by a scalar divisor's reciprocal (1 ulp off)
+    scale = amax / torch.full_like(amax, KV_FP8_MAX)
     values = (xf / scale.unsqueeze(-1)).clamp(-KV_FP8_MAX, KV_FP8_MAX).to(torch.float8_e4m3fn)
     return values, scale
 

@@ -37,3 +37,13 @@ def cuda_plan_budget(gpu_memory: int) -> int:
     from ferry.plan.outside_memory import CUDA_CONTEXT_ESTIMATE, LATE_MODULES_MARGIN, allocator_headroom
 
     return gpu_memory - CUDA_CONTEXT_ESTIMATE - LATE_MODULES_MARGIN - allocator_headroom(gpu_memory)
+
+
+# --gpu-memory counts the whole process (plan/outside_memory.py): a CUDA test process that has booted many workers
+# holds the context and every kernel they loaded (1.36 GiB by NVML in one check), so its small budgets add this.
+CUDA_TEST_PROCESS_BYTES = 3 * 2**30
+
+
+def cuda_test_budget(plan_bytes: int) -> str:
+    """--gpu-memory for a CUDA test boot whose plan should get about `plan_bytes`."""
+    return f"{plan_bytes + CUDA_TEST_PROCESS_BYTES}B"

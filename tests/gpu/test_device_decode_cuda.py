@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 import torch
 
+from tests.helpers import cuda_test_budget
+
 from ferry.services.worker.offload.host_share import HostCost
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -118,7 +120,7 @@ def _boot(model_dir, dtype, *flags):
     parser = argparse.ArgumentParser()
     add_worker_flags(parser)
     return boot_worker(boot_config_from_args(parser.parse_args([
-        "--model", str(model_dir), "--device", "cuda", "--dtype", dtype, "--gpu-memory", "768MiB",
+        "--model", str(model_dir), "--device", "cuda", "--dtype", dtype, "--gpu-memory", cuda_test_budget(768 * 2**20),
         "--max-running-requests", "8", "--max-prefill-tokens", "256", *flags])))  # fmt: skip
 
 

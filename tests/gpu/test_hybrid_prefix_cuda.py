@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 import torch
 
+from tests.helpers import cuda_test_budget
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -28,7 +30,7 @@ def _engine(model_dir, prefix_cache: bool):
     parser = argparse.ArgumentParser()
     add_worker_flags(parser)
     cfg = boot_config_from_args(parser.parse_args(["--model", str(model_dir), "--device", "cuda", "--dtype", "bfloat16",
-                                                   "--gpu-memory", "1GiB", "--max-running-requests", "4",
+                                                   "--gpu-memory", cuda_test_budget(2**30), "--max-running-requests", "4",
                                                    "--max-prefill-tokens", "256", "--max-model-len", "512"]))  # fmt: skip
     executor, plan = boot_worker(cfg)
     assert plan.linear_state_snapshots.snapshots > 0
