@@ -7,21 +7,16 @@
 # pydantic-core 2.33.2, typing-inspection, annotated-types, jiter, distro, sniffio, docstring-parser, py-spy 0.4.2 (the
 # newest openai/anthropic need httpx2 and opentelemetry, which the device lacks; without openai the
 # gpu-check's serve step dies after its CUDA tests).
-# Nothing waits in bench/pending/. On 2026-12-05's fifth session (H100s: naming kind nvidia-h100-x1 started at
-# once; a call naming nvidia-h200 also got an H100) the split sweep (PART=split) showed no price of the host's
-# share moving the step more than ~3 %, and PART=handoff showed why the share's layer was long: beside the
-# prefetch's unpacking kernel a hand-off with copy-engine copies took 256-367 µs (45 idle), the polled wait alone
-# 157-166 (9 idle). ea2591a moves the hand-off's rows with the GPU's own stores and loads (kernels/host_share_rows.py,
-# 153 µs beside the load) and times both hand-offs at boot beside the decode path's own copies; gpu-check passed
-# on it (220 CUDA tests), and the cuts served at 2.014x and 2.064x GPU-only (12-layer) and 1.544x, 1.524x and
-# 1.404x (hybrid cut) single-stream (bench/NOTES.md).
-# The next session (a call's 600 s and a machine's start each; combine what fits; carry [".whl", ".cmp"]):
-# 1. DECODE12_VARIANTS=gpu,default HYBRID8_VARIANTS=gpu,default PART=decode12,share on an H200 if one comes
-#    (issue 25's must-shows are written for the H200; ~4 min).
-# 2. PART=handoff on the H200, and PART=split on either machine to see whether the guard's 0.5 (SCALES' end, held
-#    in one H100 run) should reach further.
-# 3. PART=serveprof, then PART=contention, EIGHT_FORMAT=nvfp4 PART=eight, WARMSTEP_FORMAT=nvfp4 WARMSTEP_RING=0
-#    PART=warmstep.
+# On 2026-12-06 (issue 56, H100s only) the gpu-check on 0aa4ea4 failed 20 of 313 CUDA tests: 16 boots whose test
+# budgets were under the new whole-process --gpu-memory, 4 fp8 KV writes compared with a twin that multiplied by a
+# reciprocal. fb65804 mends both (tests/helpers.cuda_test_budget; the twin divides by a tensor) with no GPU run left.
+# The next session (a call's 600 s and a machine's start each; combine what fits; carry [".whl", ".cmp"], ".peer"
+# for PART=peer):
+# 1. PART=check first: the release check on the tip, which nothing else may land ahead of.
+# 2. PART=peer (~7 min): Ferry at its defaults beside FreeToken 0.1.2 at 24 GiB, now that quantized banks keep 8-token
+#    decode steps in the graph (514 tok/s at 8 streams in a separate call against FreeToken's 328.6).
+# 3. The single stream's per-layer cost of the offloaded decode path at high hit rates (bench/NOTES.md, issue 56):
+#    bench/profile_decode.py on the full-size 35B NVFP4 at 24 GiB; and the cuts' TTFT-2k (bench/profile_prefill.py).
 #   PART=check   make gpu-check (the release check, which builds the host's C kernel; gpu_check.json)  ~4-7 min
 #   PART=peer    Ferry against the peer FreeToken 0.1.2 (bench/peer_compare.py): one random NVFP4 checkpoint of the
 #                full-size 35B, the same client, each engine's whole process under 24 GiB by nvidia-smi
