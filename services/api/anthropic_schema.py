@@ -17,6 +17,7 @@ import msgspec
 from ferry.shared.bounds import Int64
 from ferry.shared.errors import InvalidRequest
 from ferry.shared.sampling import SamplingParams, sampling_problems
+from ferry.services.api.schema import MAX_STOP_CHARS
 
 
 class TextBlock(msgspec.Struct, tag_field="type", tag="text", kw_only=True):
@@ -124,6 +125,8 @@ def validate(req: MessagesRequest) -> None:
     stops = req.stop_sequences or []
     _check(len(stops) <= 16, f"stop_sequences: at most 16, got {len(stops)}")
     _check(all(s for s in stops), "stop_sequences: must not contain an empty string")
+    longest = max((len(s) for s in stops), default=0)
+    _check(longest <= MAX_STOP_CHARS, f"stop_sequences: at most {MAX_STOP_CHARS} characters each, got {longest}")
 
 
 def sampling_params(req: MessagesRequest, eos_token_ids: tuple[int, ...], grammar: str | None = None) -> SamplingParams:

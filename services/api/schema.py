@@ -177,6 +177,8 @@ def _check(ok: bool, message: str, param: str | None = None) -> None:
         raise InvalidRequest(message, param=param)
 
 
+# a stop string's characters: its matcher is built per request on the api's event loop (stop_strings.py)
+MAX_STOP_CHARS = 4096
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]; the engine's own rule (shared/sampling.py) is only >= 0
 
 
@@ -193,6 +195,8 @@ def validate_generation(req: _Generation, max_tokens: int | None, allow_zero: bo
            field)  # fmt: skip
     if isinstance(req.stop, list):
         _check(len(req.stop) <= 16, f"at most 16 stop strings, got {len(req.stop)}", "stop")
+    longest = max((len(s) for s in stop_strings(req)), default=0)
+    _check(longest <= MAX_STOP_CHARS, f"a stop string may have at most {MAX_STOP_CHARS} characters, got {longest}", "stop")
     refused_fields(req)
     for key in getattr(req, "chat_template_kwargs", None) or ():
         _check(key not in RESERVED_TEMPLATE_KWARGS,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from hypothesis import given, settings, strategies as st
 
 from ferry.services.api.detokenizer import REPLACEMENT, IncrementalDetokenizer
@@ -133,3 +135,58 @@ def test_any_tokens_stream_as_their_full_decode(tiny_tokenizer, ids):
     """Whatever the tokens (invalid bytes, special tokens, characters split anywhere), the deltas add up to
     the decode of them all."""
     assert "".join(stream(tiny_tokenizer, ids)) == tiny_tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _reference_filter_output(stops, pieces):
+    """The filter's rule, plainly and slowly: at the first delta after which the text holds a stop string, the
+    text up to the earliest-starting one there; else all of it."""
+    text = ""
+    for p in pieces:
+        text += p
+        hits = [(i, s) for s in stops if s for i in [text.find(s)] if i >= 0]
+        if hits:
+            return text[: min(hits)[0]], True
+    return text, False
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet="ab", max_size=40), st.lists(st.integers(1, 6), max_size=12),
+       st.lists(st.text(alphabet="ab", min_size=1, max_size=6), min_size=1, max_size=4))  # fmt: skip
+def test_several_stop_strings_stop_at_the_earliest_and_hold_back_only_what_may_begin_one(text, cuts, stops):
+    pieces, rest = [], text
+    for c in cuts:
+        pieces.append(rest[:c])
+        rest = rest[c:]
+    pieces.append(rest)
+    out, hit = run_filter(stops, pieces)
+    assert ("".join(out), hit) == _reference_filter_output(stops, pieces)
+    if not hit:  # what a delta held back is exactly the longest end that begins a stop string
+        f, seen = StopStringFilter(stops), ""
+        for p in pieces:
+            emitted, _ = f.push(p)
+            seen += p
+            assert any(s.startswith(f.held) for s in stops) or not f.held
+            longest = max((k for s in stops for k in range(1, len(s)) if seen.endswith(s[:k])), default=0)
+            assert len(f.held) == longest
+
+
+def test_a_stop_string_longer_than_the_cap_is_refused_naming_the_field():
+    """The matcher is built on the api's event loop, per request: a stop string is at most MAX_STOP_CHARS long."""
+    import pytest
+
+    from ferry.services.api import anthropic_schema, schema
+    from ferry.shared.errors import InvalidRequest
+
+    long = "x" * (schema.MAX_STOP_CHARS + 1)
+    for body in ({"model": "m", "prompt": "hi", "stop": long}, {"model": "m", "prompt": "hi", "stop": ["ok", long]}):
+        req = schema.decode_body(json.dumps(body).encode(), schema.CompletionRequest)
+        with pytest.raises(InvalidRequest) as err:
+            schema.validate_generation(req, req.max_tokens)
+        assert err.value.param == "stop" and str(schema.MAX_STOP_CHARS) in str(err.value)
+    fits = schema.decode_body(json.dumps({"model": "m", "prompt": "hi", "stop": long[1:]}).encode(), schema.CompletionRequest)
+    schema.validate_generation(fits, fits.max_tokens)
+    req = schema.decode_body(json.dumps({"model": "m", "max_tokens": 5, "stop_sequences": [long],
+                                         "messages": [{"role": "user", "content": "hi"}]}).encode(),
+                             anthropic_schema.MessagesRequest)  # fmt: skip
+    with pytest.raises(InvalidRequest, match="stop_sequences"):
+        anthropic_schema.validate(req)
