@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+from ferry.shared.errors import InvalidRequest
+
 # Supplementary Private Use Area-A: assigned to nothing, so a prompt holds these only if a client sent them
 _STAND_IN_FIRST, _STAND_IN_LAST = 0xF0000, 0xFFFFD
 
@@ -72,6 +74,11 @@ class ClientText:
         self._starts = {t[:i] for t in self.specials for i in range(1, len(t)) if not re.search(r"\s", t[:i])}
         self._ends = {t[i:] for t in self.specials for i in range(1, len(t)) if not re.search(r"\s", t[i:])}
         self._longest = max((len(t) for t in self.specials), default=0)
+        # A whole client string that is the inside of a special (`|im_end|`) becomes one where the template writes
+        # the two ends around it (Qwen3-Coder's `'<' ~ key ~ '>'` for a tool schema's keys). Identifiers are left:
+        # templates write those between their own tags (`name`, `id`), and no template here wraps them in `<|..|>`.
+        self._interiors = {t[i:j] for t in self.specials for i in range(1, len(t)) for j in range(i + 1, len(t))
+                           if not t[i:j].isidentifier() and not re.search(r"\s", t[i:j])}  # fmt: skip
         # a stretch is a spelling, holds a special's first character (a start) or its last (an end): a string
         # without these characters has none, nor does a request whose JSON has none (json.dumps escapes only
         # quotes, backslashes and control characters)
@@ -83,7 +90,10 @@ class ClientText:
 
     def stretches(self, s: str) -> list[tuple[int, int]]:
         """The (start, end) spans of `s` to stand in, in order: each spelling of a special, the longest
-        start of one that ends `s`, the longest end of one that starts it (overlapping ones merged)."""
+        start of one that ends `s`, the longest end of one that starts it (overlapping ones merged); all of `s`
+        where it is the inside of a special."""
+        if s in self._interiors:
+            return [(0, len(s))]
         if not self._edge_char.search(s):
             return []
         spans = [m.span() for m in self.spelling.finditer(s)]
@@ -109,7 +119,7 @@ class ClientText:
         """Whether some string in `obj` (values and keys, nested) has a stretch to stand in."""
         if self._json_shows_edges:
             if not self._edge_char.search(json.dumps(obj, ensure_ascii=False, default=str, skipkeys=True)):
-                return False
+                return any(s in self._interiors for s in _strings(obj))
         return any(self.stretches(s) for s in _strings(obj))
 
     def render(self, render, inputs: dict, template: str) -> RenderedChat:
@@ -131,7 +141,10 @@ class ClientText:
             for a, b in spans:
                 stretch = s[a:b]
                 if stretch not in stand_in:
-                    stand_in[stretch] = next(free)
+                    stand_in[stretch] = next(free, None)
+                    if stand_in[stretch] is None:  # (a StopIteration would never reach the request's future)
+                        raise InvalidRequest("the request's text uses every private-use character this server "
+                                             "stands client text in with; send fewer of U+F0000-U+FFFFD")
                 out += (s[at:a], stand_in[stretch])
                 at = b
             out.append(s[at:])

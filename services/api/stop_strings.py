@@ -8,6 +8,8 @@ the text's end cost, for a delta that left a long matched prefix, time in that p
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 
 class _StopAutomaton:
     """One stop string's matcher: `matched` is the longest prefix of it that the text seen so far ends with."""
@@ -32,8 +34,10 @@ class _StopAutomaton:
         return None
 
 
-def _prefix_function(s: str) -> list[int]:
-    """pi[i]: the length of the longest proper prefix of s[: i + 1] that is also its suffix."""
+@lru_cache(maxsize=256)
+def _prefix_function(s: str) -> tuple[int, ...]:
+    """pi[i]: the length of the longest proper prefix of s[: i + 1] that is also its suffix. Cached: a request's
+    choices (n up to 64) and the next requests share their stop strings, built on the api's event loop."""
     pi = [0] * len(s)
     k = 0
     for i in range(1, len(s)):
@@ -42,7 +46,7 @@ def _prefix_function(s: str) -> list[int]:
         if s[i] == s[k]:
             k += 1
         pi[i] = k
-    return pi
+    return tuple(pi)
 
 
 class StopStringFilter:
