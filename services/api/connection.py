@@ -71,7 +71,8 @@ class _Trim:
         self._pending = None
         self._closed = 0
         self._last = self._loop.time()
-        self._fn(0)
+        # it walks the whole heap: off the event loop (ctypes lets go of the GIL for the call)
+        self._loop.run_in_executor(None, self._fn, 0)
 
 
 def _refusal(status: int, reason: str, message: str, headers: dict[str, str]) -> bytes:
