@@ -18,6 +18,7 @@
 # 3. The single stream's per-layer cost of the offloaded decode path at high hit rates (bench/NOTES.md, issue 56):
 #    bench/profile_decode.py on the full-size 35B NVFP4 at 24 GiB; and the cuts' TTFT-2k (bench/profile_prefill.py).
 #   PART=check   make gpu-check (the release check, which builds the host's C kernel; gpu_check.json)  ~4-7 min
+#   PART=prof    the full-size 35B NVFP4's decode at 24 GiB profiled at 1 and 8 streams, and the cuts' 2k prefill ~5 min
 #   PART=peer    Ferry against the peer FreeToken 0.1.2 (bench/peer_compare.py): one random NVFP4 checkpoint of the
 #                full-size 35B, the same client, each engine's whole process under 24 GiB by nvidia-smi
 #                (peer_compare_<card>.json). FreeToken's wheels come in .peer/, which the call must carry
@@ -106,7 +107,8 @@ part_cost() {
     long) echo $(( 180 * $(n_variants "$LONG_VARIANTS") )) ;;  # 165 s a variant at a663c35, + 2 repeats of each decode
     resident) echo 210 ;;
     defaults) echo 540 ;;  # two cuts served (its timeout 200 s)
-    peer) echo 570 ;;  # a 20 GB checkpoint written, two engines booted and measured (peer_compare's --budget-s 500)
+    peer) echo 570 ;;
+    prof) echo 330 ;;  # three boots (the full-size 35B ~100 s, each cut ~40 s) and their profiled steps  # a 20 GB checkpoint written, two engines booted and measured (peer_compare's --budget-s 500)
     handoff) echo 90 ;;  # five rounds' kinds alone, then beside two loads of ~1.2 s each (under 1 min on the H200 alone)
     split) echo $(( 75 * 2 * $(n_variants "$SPLIT_SPIN") )) ;;  # two cuts a spin, each a boot (~45 s) and 17-28 s of steps
     *) echo 240 ;;
@@ -137,6 +139,23 @@ case "${part:-check}" in
     grep -h '"device_memory"\|device_memory ' "$OUT"/serve_36b*.log | cut -c1-400
     timeout 300 python3 bench/decode_suite.py --out "$OUT" --workloads 12layer,hybrid8 --max-tokens 64 \
       > "$OUT/ttft.log" 2>&1; echo "ttft rc=$?"; grep -h ttft "$OUT"/decode_12layer*.json "$OUT"/decode_hybrid8*.json | head -8 ;;
+  prof)  # where the time goes (issue 56): the full-size 35B NVFP4's decode at 24 GiB, its defaults, 1 and 8 streams
+    # (bench/profile_decode.py), then one 2k-token prefill of each cut (bench/profile_prefill.py), with device traces
+    build_host_kernel
+    for m in 36b_nvfp4:qwen3.6-35b-a3b::nvfp4 12layer:qwen3-30b-a3b:12:bf16 hybrid8:qwen3.6-35b-a3b:8:bf16; do
+      IFS=: read -r tag cfg layers fmt <<< "$m"
+      python3 -m ferry.services.cli make-bench-model "$TMPDIR/prof_$tag" --config "tests/data/models/$cfg/config.json" \
+        --format "$fmt" ${layers:+--num-layers $layers} > /dev/null
+    done
+    timeout 240 python3 bench/profile_decode.py --model "$TMPDIR/prof_36b_nvfp4" --load-format dummy --gpu-memory 24GiB \
+      --streams 1,8 --out "$OUT/profile_decode_36b_nvfp4_$GPU.json" > "$OUT/profile_decode_36b.log" 2>&1
+    echo "profile_decode rc=$?"; grep -h 'ms/step\|device time per step' "$OUT/profile_decode_36b.log"
+    for cut in 12layer hybrid8; do
+      cache=$([ $cut = 12layer ] && echo 512 || echo 640)
+      timeout 120 python3 bench/profile_prefill.py --model "$TMPDIR/prof_$cut" --load-format dummy --moe-cache-size $cache \
+        --gpu-memory 12GiB --max-running-requests 8 --prompt-len 2000 --out "$OUT/profile_prefill_${cut}_$GPU.json" \
+        > "$OUT/profile_prefill_$cut.log" 2>&1; echo "profile_prefill $cut rc=$?"
+    done ;;
   peer)  # Ferry and FreeToken 0.1.2 side by side under one device-memory line (bench/peer_compare.py's docstring)
     if ! ls .peer/freetoken-*.whl > /dev/null 2>&1; then
       echo "PART=peer needs FreeToken's wheels in .peer/, carried (carry [\".whl\", \".peer\"]; this header says how)"

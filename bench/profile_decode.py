@@ -5,7 +5,7 @@ from the host per step, and how busy the expert copies kept PCIe: their busy tim
 profiled steps and the gaps between them (short ones: one copy kernel ending and the next
 starting; one long one a step: the step's end and the next one's first layer).
 
-    python3 bench/profile_decode.py --model DIR --load-format dummy --gpu-memory 24GiB [--moe-cache-size N]
+    python3 bench/profile_decode.py --model DIR --load-format dummy --gpu-memory 24GiB [--moe-cache-size N] [--streams 1,8]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.profile_prefill import GRAPH_LAUNCHES, LAUNCHES, _union, device_timeline, is_host_to_device  # noqa: E402
+from bench.profile_prefill import GRAPH_LAUNCHES, LAUNCHES, _union, device_timeline, is_expert_copy  # noqa: E402
 from bench.serve_decode import Streams  # noqa: E402
 from ferry.services.worker.boot import boot_worker  # noqa: E402
 from ferry.services.worker.flags import add_worker_flags, boot_config_from_args  # noqa: E402
@@ -32,57 +32,57 @@ def main() -> None:
     add_worker_flags(parser)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rows", type=int, default=25)
-    parser.add_argument("--streams", type=int, default=1, help="decode this many requests together")
+    parser.add_argument("--streams", default="1", help="decode this many requests together; a list (1,8) profiles each")
     parser.add_argument("--out", default=None, help="write the per-step call counts as JSON here")
     args = parser.parse_args()
     executor, plan = boot_worker(boot_config_from_args(args))
     rng = np.random.default_rng(0)
+    runs = []
+    for i, n in enumerate(int(s) for s in args.streams.split(",")):
+        runs.append(profile_streams(executor, plan, n, args.steps, args.rows, rng, first_req_id=1 + 100 * i))
+    if args.out:
+        Path(args.out).write_text(json.dumps(runs[0] if len(runs) == 1 else {"runs": runs}, indent=1) + "\n")
+
+
+def profile_streams(executor, plan, n: int, steps: int, rows: int, rng, first_req_id: int) -> dict:
+    """`steps` warm decode steps of `n` streams timed, then `steps` more under the profiler."""
     vocab = executor.spec.vocab_size
-    n = args.streams
-    streams = Streams(executor, n, 64 + 3 * args.steps + 8, first_req_id=1)
+    streams = Streams(executor, n, 64 + 3 * steps + 8, first_req_id=first_req_id)
     streams.prefill([rng.integers(0, vocab, 64).tolist() for _ in range(n)])
 
     def step():
         streams.step([[int(rng.integers(0, vocab))] for _ in range(n)], sample=True)
 
-    for _ in range(args.steps):
+    for _ in range(steps):
         step()
     t0 = time.perf_counter()
-    for _ in range(args.steps):
+    for _ in range(steps):
         step()
-    ms = (time.perf_counter() - t0) / args.steps * 1e3
-    print(f"ms/step without profiler: {ms:.2f}  "
-          f"(slots {plan.experts.slots}/{plan.experts.total})")  # fmt: skip
+    ms = (time.perf_counter() - t0) / steps * 1e3
+    print(f"{n} streams: ms/step without profiler: {ms:.2f}  (slots {plan.experts.slots}/{plan.experts.total})")
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as prof:
-        for _ in range(args.steps):
+        for _ in range(steps):
             step()
+    streams.finish()
     table = prof.key_averages()
-    print(table.table(sort_by="self_cpu_time_total", row_limit=args.rows))
+    print(table.table(sort_by="self_cpu_time_total", row_limit=rows))
     if torch.cuda.is_available():
-        print(table.table(sort_by="self_device_time_total", row_limit=args.rows))
-    per_step = host_calls_per_step(table, args.steps)
+        print(table.table(sort_by="self_device_time_total", row_limit=rows))
+    per_step = host_calls_per_step(table, steps)
     print("per decode step, calls from the host:", json.dumps(per_step))
-    timeline = device_timeline(prof, is_expert_copy, largest=2 * args.steps) if torch.cuda.is_available() else {}
+    timeline = device_timeline(prof, is_expert_copy, largest=2 * steps) if torch.cuda.is_available() else {}
     print("copies on the device over the profiled steps:", json.dumps(timeline))
-    kernels = kernel_families(prof, args.steps) if torch.cuda.is_available() else {}
+    kernels = kernel_families(prof, steps) if torch.cuda.is_available() else {}
     if kernels:
         print(f"device time per step: span {kernels['span_us']:.0f} µs, kernels {kernels['kernel_us']:.0f} µs, "
               f"gaps {kernels['gap_us']:.0f} µs over {kernels['kernels']:.0f} kernels")
         for fam, row in kernels["families"].items():
             print(f"  {fam:<28} {row['count']:6.1f} kernels {row['us']:8.1f} µs")
-    if args.out:
-        Path(args.out).write_text(json.dumps({"steps": args.steps, "streams": n, "per_step": per_step,
-                                              "ms_per_step_unprofiled": ms, "timeline": timeline,
-                                              "kernels": kernels}, indent=1) + "\n")  # fmt: skip
-
-
-def is_expert_copy(name: str) -> bool:
-    """The device events that move experts: the copy kernel or the unpacking one (packed banks), on
-    graph-safe steps, or a host-to-device copy (copy-engine steps, and the step's input upload)."""
-    return "copy_experts" in name or "unpack_experts" in name or is_host_to_device(name)
+    return {"steps": steps, "streams": n, "per_step": per_step, "ms_per_step_unprofiled": ms,
+            "timeline": timeline, "kernels": kernels}  # fmt: skip
 
 
 # CUDA runtime calls as the profiler names them that make the host wait (launches: profile_prefill.py)

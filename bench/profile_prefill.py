@@ -67,11 +67,13 @@ def main() -> None:
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:  # fmt: skip
         profiled_wall = prefill()
     copied = _delta(_cache_counters(executor), before)  # the profiled prefill's own
+    from bench.profile_decode import kernel_families  # which imports this module
+
     result = {"prompt_len": args.prompt_len, "wall_s": walls, "median_wall_s": statistics.median(walls),
               "profiled_wall_s": profiled_wall, "slots": plan.experts.slots, "experts": plan.experts.total,
               "ring_chunk": ring.base_chunk if ring is not None else None, "median_wall_s_by_ring_chunk": by_chunk,
               "profiled_prefill_expert_cache": copied,
-              **device_timeline(prof)}  # fmt: skip
+              **device_timeline(prof, is_expert_copy), "kernels": kernel_families(prof, 1)}  # fmt: skip
     print(json.dumps(result, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
@@ -79,6 +81,12 @@ def main() -> None:
 
 def is_host_to_device(name: str) -> bool:
     return "Memcpy HtoD" in name  # the expert copies, and the step's own uploads
+
+
+def is_expert_copy(name: str) -> bool:
+    """The device events that move experts: the copy kernel or the unpacking one (packed banks), on
+    graph-safe steps, or a host-to-device copy (copy-engine steps, and the step's input upload)."""
+    return "copy_experts" in name or "unpack_experts" in name or is_host_to_device(name)
 
 
 def device_timeline(prof, is_copy=is_host_to_device, largest: int = 8) -> dict:
