@@ -69,6 +69,7 @@ class OpenAIRoutes:
     # ---- generation ------------------------------------------------------------------------------
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        self.client.trace.add(handler=time.monotonic(), route="chat")
         body = await request.read()
         req = await self.bodies.decode(body, schema.ChatCompletionRequest)
         max_tokens = schema.chat_max_tokens(req)
@@ -108,6 +109,7 @@ class OpenAIRoutes:
         return await self._generate(request, req, "chat", runs, max_tokens, fmt, choices)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        self.client.trace.add(handler=time.monotonic(), route="completions")
         body = await request.read()
         req = await self.bodies.decode(body, schema.CompletionRequest)
         self._check_model(req)
@@ -171,6 +173,7 @@ class OpenAIRoutes:
         self._tokenizations[lane] += 1
         self.metrics.tokenizing.inc()
         t0 = time.perf_counter()
+        queued = time.monotonic()
         try:
             return await asyncio.get_running_loop().run_in_executor(thread, self._in_lane, lane, fn, arg)
         except TooLong:
@@ -180,6 +183,7 @@ class OpenAIRoutes:
             self._tokenizations[lane] -= 1
             self.metrics.tokenizing.dec()
             self.metrics.tokenize_seconds.observe(time.perf_counter() - t0)
+            self.client.trace.add(tokenize=queued, tokenized=time.monotonic(), lane=lane)
 
     def _in_lane(self, lane: str, fn, arg):
         """fn(tokenizer, arg) on the lane's own thread. The long lane makes its copy of the tokenizer
@@ -215,10 +219,14 @@ class OpenAIRoutes:
                 for c in choices:
                     if hasattr(c, "opening"):
                         await response.write(sse(fmt.chunk(c.opening(), with_usage)))
+                written = False
                 async with contextlib.aclosing(_merged(deltas, firsts)) as merged:
                     async for i, d in merged:
                         if (choice := choices[i].apply(d)) is not None:
                             await response.write(sse(fmt.chunk(choice, with_usage)))
+                            if not written:
+                                self.client.trace.add(first_write=time.monotonic(), http=fmt.id)
+                                written = True
                 if with_usage:
                     await response.write(sse(fmt.usage_chunk(total_usage(gens))))
                 await response.write(sse("[DONE]"))

@@ -30,6 +30,7 @@ from ferry.shared.messages import (
 )  # fmt: skip
 from ferry.shared.sampling import SamplingParams
 from ferry.shared.step import Logprobs
+from ferry.shared.step_trace import StepTrace
 from ferry.shared.wire import AsyncDealer, PeerSocket, WireError
 from ferry.shared.wire_keys import require_keys_for_tcp
 
@@ -86,6 +87,8 @@ class SchedulerClient:
         self._stopped: FerryError | None = None  # stop_all's error: later submits are refused with it
         self._tasks: list[asyncio.Task] = []
         self._started = time.monotonic()
+        # FERRY_STEP_TRACE: when each request went to the scheduler and its tokens came back (bench/ttft_path.py)
+        self.trace = StepTrace("api")
 
     async def start(self) -> None:
         self._beats.start()
@@ -96,6 +99,7 @@ class SchedulerClient:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._beats.stop()
+        self.trace.flush()
         self.dealer.close()
         self.ctx.term()
 
@@ -122,11 +126,13 @@ class SchedulerClient:
             raise ServiceUnavailable(why)
         stream = RequestStream(next(self._ids))
         self.streams[stream.req_id] = stream
+        submit_at = time.monotonic()
         sent = await self.dealer.send(Submit(req_id=stream.req_id, prompt_token_ids=np.asarray(prompt, dtype=np.int32),
                                              sampling=sampling, max_tokens=max_tokens))  # fmt: skip
         if not sent:
             self.streams.pop(stream.req_id, None)
             raise ServiceUnavailable("the scheduler is not connected")
+        self.trace.add(req=stream.req_id, submit=submit_at, sent=time.monotonic(), prompt_tokens=len(prompt))
         return stream
 
     def abort(self, stream: RequestStream) -> None:
@@ -188,6 +194,8 @@ class SchedulerClient:
             now = time.perf_counter()
             match msg:
                 case Tokens():
+                    if self.trace.enabled:
+                        self.trace.add(tokens=time.monotonic(), reqs=msg.req_ids.tolist())
                     self._on_tokens(msg, now)
                 case Finished(req_id=rid):
                     if (s := self.streams.pop(rid, None)) is not None:

@@ -221,7 +221,7 @@ class SchedulerService:
             return False
         if self._step_sent_at is None:
             self._step_sent_at = time.monotonic()
-        self.trace.add(step=batch.step_id, sent=time.monotonic())
+        self.trace.add(step=batch.step_id, sent=time.monotonic(), rids=batch.req_ids.tolist())
         self.metrics.steps.inc()
         self.metrics.step_tokens.inc(len(batch.tokens))
         return True
@@ -229,6 +229,7 @@ class SchedulerService:
     # ---- requests --------------------------------------------------------------------------------
 
     def _submit(self, client: bytes, msg: Submit) -> None:
+        received = time.monotonic()
         structlog.contextvars.bind_contextvars(client=client.decode(errors="replace"), client_req_id=msg.req_id)
         try:
             if self.core is None:
@@ -247,7 +248,7 @@ class SchedulerService:
             structlog.contextvars.unbind_contextvars("client", "client_req_id")
         self.rids[(client, msg.req_id)] = rid
         # when prompts reach the scheduler, against the steps: how far apart a burst arrives (arrival_hold_s)
-        self.trace.add(rid=rid, arrived=time.monotonic(), prompt_tokens=req.prompt_len)
+        self.trace.add(rid=rid, req=msg.req_id, received=received, arrived=time.monotonic(), prompt_tokens=req.prompt_len)
         log.debug("request_queued", rid=rid, prompt_tokens=req.prompt_len, max_tokens=req.max_tokens)
 
     def _send(self, client: bytes, msg) -> None:
