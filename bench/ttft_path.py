@@ -50,9 +50,9 @@ PHASES = ("http_in", "parse", "tokenize", "to_submit", "submit_send", "api_to_sc
           "worker_launch", "worker_wait", "to_scheduler", "to_api", "api_out", "http_out")  # fmt: skip
 
 
-def one_token(port: int, prompt) -> tuple[float, float]:
-    """(monotonic send time, monotonic arrival of the first chunk with text) of a streamed one-token completion."""
-    body = json.dumps({"prompt": prompt, "max_tokens": 1, "stream": True, "ignore_eos": True}).encode()
+def one_token(port: int, prompt, max_tokens: int = 1) -> tuple[float, float]:
+    """(monotonic send time, monotonic arrival of the first chunk) of a streamed completion (one token by default)."""
+    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}).encode()
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     try:
         conn.connect()
@@ -105,12 +105,20 @@ def phases(sent: float, first: float, api: list[dict], scheduler: list[dict], wo
     out["total"] = round(1e3 * (first - sent), 3)
     out["outside_step"] = round(out["total"] - out["worker_launch"] - out["worker_wait"], 3)
     out["prompt_tokens"] = sub.get("prompt_tokens")
+    # on CUDA the worker times the step on the device too: its device time, against worker_launch + worker_wait
+    # (a step whose host enqueue paces it spends the difference with the device waiting)
+    out["step_device_ms"] = work.get("device_ms")
     return out
 
 
 def summary(runs: list[dict]) -> dict:
-    keys = (*PHASES, "total", "outside_step")
-    return {k: round(statistics.median(r[k] for r in runs), 3) for k in keys} if runs else {}
+    """Each phase's median (ms) over the runs; the device's step time only where it was timed (CUDA)."""
+    keys = (*PHASES, "total", "outside_step", "step_device_ms")
+    out = {}
+    for k in keys:
+        values = [r[k] for r in runs if r.get(k) is not None]
+        out[k] = round(statistics.median(values), 3) if values else None
+    return out
 
 
 def main() -> int:
@@ -123,6 +131,9 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=2000)
     p.add_argument("--runs", type=int, default=5, help="timed requests of each prompt kind (ids, text), alternating")
     p.add_argument("--gap-s", type=float, default=0.5, help="idle time before each request (nothing held or running)")
+    p.add_argument("--warm-tokens", type=int, default=16,
+                   help="one untimed stream of this many tokens first, as bench/serve_openai.py's warm-up (decode steps "
+                        "ran before the prompts, as in its TTFT)")  # fmt: skip
     p.add_argument("--out", required=True)
     p.add_argument("--ready-timeout", type=float, default=900)
     args = p.parse_args()
@@ -145,6 +156,8 @@ def main() -> int:
     times = {"ids": [], "text": []}
     try:
         served.wait_ready(args.ready_timeout)
+        if args.warm_tokens:
+            one_token(served.port, rng.integers(low, high, 32).tolist(), args.warm_tokens)
         one_token(served.port, rng.integers(low, high, args.prompt_len).tolist())  # the first of this length: untimed
         for _ in range(args.runs):
             for kind in ("ids", "text"):
