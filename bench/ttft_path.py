@@ -34,6 +34,7 @@ import argparse
 import http.client
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -94,7 +95,7 @@ def phases(sent: float, first: float, api: list[dict], scheduler: list[dict], wo
         step = next(r for r in scheduler if "sent" in r and arrived["rid"] in r.get("rids", ()) and r["sent"] >= sent)
         work = next(r for r in worker if r["step"] == step["step"])
         landed = next(r["landed"] for r in scheduler if r.get("step") == step["step"] and "landed" in r)
-        tokens = next(r["tokens"] for r in within(api, "tokens") if sub["req"] in r["reqs"])
+        tokens = next(r["first_token"] for r in within(api, "first_token") if r["req"] == sub["req"])
         written = within(api, "first_write")[0]["first_write"]
     except (IndexError, StopIteration):
         return None
@@ -170,6 +171,8 @@ def main() -> int:
                 times[kind].append(one_token(served.port, prompt))
     finally:
         result["stopped"] = served.stop()  # each process writes the trace lines it holds as it stops
+        if os.environ.get("FERRY_KEEP_SERVE_LOG"):
+            shutil.copy(tmp / "serve.log", os.environ["FERRY_KEEP_SERVE_LOG"])
     api, scheduler, worker = (lines(trace_dir, role) for role in ("api", "scheduler", "worker"))
     for kind, pairs in times.items():
         runs = [r for r in (phases(s, f, api, scheduler, worker) for s, f in pairs) if r is not None]
@@ -177,8 +180,6 @@ def main() -> int:
         result[f"median_{kind}_ms"] = summary(runs)
         print(kind, json.dumps(result[f"median_{kind}_ms"]), flush=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    if os.environ.get("FERRY_KEEP_SERVE_LOG"):
-        (tmp / "serve.log").replace(os.environ["FERRY_KEEP_SERVE_LOG"])
     return 0
 
 

@@ -61,6 +61,7 @@ class RequestStream:
         self.req_id = req_id
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
         self.done = False
+        self.traced_first_token = False  # FERRY_STEP_TRACE: its first token's arrival is written once
 
     async def next(self) -> Event:
         ev = await self.queue.get()
@@ -180,6 +181,9 @@ class SchedulerClient:
         lps = {lp.req_id: lp for lp in msg.logprobs}
         for rid, tok in zip(ids.tolist(), toks.tolist()):
             if (s := self.streams.get(rid)) is not None:
+                if self.trace.enabled and not s.traced_first_token:  # a request's first token only: not every step's
+                    s.traced_first_token = True
+                    self.trace.add(req=rid, first_token=time.monotonic())
                 s.queue.put_nowait(Token(tok, now, lps.get(rid)))
 
     # ---- background --------------------------------------------------------------------------------
@@ -194,8 +198,6 @@ class SchedulerClient:
             now = time.perf_counter()
             match msg:
                 case Tokens():
-                    if self.trace.enabled:
-                        self.trace.add(tokens=time.monotonic(), reqs=msg.req_ids.tolist())
                     self._on_tokens(msg, now)
                 case Finished(req_id=rid):
                     if (s := self.streams.pop(rid, None)) is not None:
