@@ -22,6 +22,7 @@ from aiohttp.web_server import Server
 
 from ferry.shared.defaults import is_loopback
 from ferry.shared.errors import ConfigError, FerryError, ServiceUnavailable
+from ferry.shared.startup_heap import freeze_startup_heap
 from ferry.shared.wire_keys import WireKeys
 from ferry.services.api.config import ApiConfig
 from ferry.services.api.anthropic_routes import AnthropicRoutes
@@ -206,6 +207,7 @@ async def serve(cfg: ApiConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    freeze_startup_heap()  # the tokenizer and the modules stay out of every full collection (shared/startup_heap.py)
     await stop.wait()
     t0 = time.monotonic()
     log.info("api_draining", in_flight=drain.in_flight, drain_timeout_s=cfg.drain_timeout_s)

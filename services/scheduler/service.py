@@ -31,6 +31,7 @@ from ferry.shared.messages import (
     StepDone, StepFailed, Submit, Tokens, WorkerAlive, WorkerToScheduler,
 )  # fmt: skip
 from ferry.shared.side_http import serve_side_http
+from ferry.shared.startup_heap import freeze_startup_heap
 from ferry.shared.step_trace import StepTrace
 from ferry.shared.wire import PeerSocket, PeerWireError, RouterSocket, WireError
 from ferry.shared.wire_keys import WireKeys
@@ -90,6 +91,7 @@ class SchedulerService:
         poller.register(self.router.sock, zmq.POLLIN)
         poller.register(self.results.sock, zmq.POLLIN)
         next_beat = 0.0
+        freeze_startup_heap()  # its modules stay out of every full collection (shared/startup_heap.py)
         log.info("scheduler_started", api_addr=self.cfg.api_addr, steps_addr=self.cfg.steps_addr,
                  results_addr=self.cfg.results_addr, health_port=self.cfg.health_port)  # fmt: skip
         while self._running:

@@ -25,6 +25,7 @@ def run(args: argparse.Namespace) -> int:
     configure_logging("worker", args.log_level, args.log_format)
     import structlog
 
+    from ferry.shared.startup_heap import freeze_startup_heap
     from ferry.services.worker.boot import boot_worker
     from ferry.services.worker.device import select_device
     from ferry.services.worker.expert_ranks import (
@@ -50,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
     except BaseException:
         leave_group()
         raise
+    freeze_startup_heap()  # a full collection in a follower would stall every rank's step (shared/startup_heap.py)
     follow(group, executor)
     return 0
 

@@ -29,6 +29,7 @@ from ferry.shared.messages import (
     PoolReport, RunStep, SchedulerBeat, SchedulerToWorker, StepDone, StepFailed, WorkerAlive,
 )  # fmt: skip
 from ferry.shared.side_http import serve_side_http
+from ferry.shared.startup_heap import freeze_startup_heap
 from ferry.shared.step_trace import StepTrace
 from ferry.shared.wire import PeerSocket, WireError
 from ferry.shared.wire_keys import WireKeys, require_keys_for_tcp
@@ -174,6 +175,8 @@ class WorkerService:
         if self.trace.enabled and hasattr(self.executor, "trace_device"):
             self.executor.trace_device = True
         vocab = getattr(self.executor, "vocab_size", 0)
+        # before the pool is reported (no step can arrive yet): no full collection walks the booted model again
+        freeze_startup_heap()
         self.heartbeat.pool = pool_report_from_plan(self.plan, vocab if isinstance(vocab, int) else 0)
         # from here a Triton compile is one the warm-up missed, inside a request: logged and counted
         if self.compile_watch.install():
