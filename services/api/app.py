@@ -171,6 +171,7 @@ def build_app(cfg: ApiConfig, tokenizer: PromptTokenizer, drain: Drain | None = 
         await client.start()
         yield
         await client.close()
+        openai_routes.trace.flush()
 
     app.cleanup_ctx.append(lifecycle)
     return app

@@ -14,6 +14,7 @@ import msgspec
 
 from ferry.shared.errors import FerryError, InvalidRequest, NotFound, ServiceUnavailable
 from ferry.shared.sampling import SamplingParams
+from ferry.shared.step_trace import StepTrace
 from ferry.services.api import schema, structured
 from ferry.services.api.body_decoding import BodyDecoder
 from ferry.services.api.chat_prompt import ChatPrompt
@@ -57,6 +58,9 @@ class OpenAIRoutes:
         self.bodies = BodyDecoder()
         self._tokenizations = {lane: 0 for lane in self._lanes}
         self._token_text = TokenText(tokenizer.hf)
+        # FERRY_STEP_TRACE: when each request reached its handler, left its tokenizer lane, wrote its first chunk
+        # (bench/ttft_path.py; the scheduler client writes its Submit and first token to the same file)
+        self.trace = StepTrace("api")
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
@@ -69,7 +73,7 @@ class OpenAIRoutes:
     # ---- generation ------------------------------------------------------------------------------
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        self.client.trace.add(handler=time.monotonic(), route="chat")
+        self.trace.add(handler=time.monotonic(), route="chat")
         body = await request.read()
         req = await self.bodies.decode(body, schema.ChatCompletionRequest)
         max_tokens = schema.chat_max_tokens(req)
@@ -109,7 +113,7 @@ class OpenAIRoutes:
         return await self._generate(request, req, "chat", runs, max_tokens, fmt, choices)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        self.client.trace.add(handler=time.monotonic(), route="completions")
+        self.trace.add(handler=time.monotonic(), route="completions")
         body = await request.read()
         req = await self.bodies.decode(body, schema.CompletionRequest)
         self._check_model(req)
@@ -183,7 +187,7 @@ class OpenAIRoutes:
             self._tokenizations[lane] -= 1
             self.metrics.tokenizing.dec()
             self.metrics.tokenize_seconds.observe(time.perf_counter() - t0)
-            self.client.trace.add(tokenize=queued, tokenized=time.monotonic(), lane=lane)
+            self.trace.add(tokenize=queued, tokenized=time.monotonic(), lane=lane)
 
     def _in_lane(self, lane: str, fn, arg):
         """fn(tokenizer, arg) on the lane's own thread. The long lane makes its copy of the tokenizer
@@ -225,7 +229,7 @@ class OpenAIRoutes:
                         if (choice := choices[i].apply(d)) is not None:
                             await response.write(sse(fmt.chunk(choice, with_usage)))
                             if not written:
-                                self.client.trace.add(first_write=time.monotonic(), http=fmt.id)
+                                self.trace.add(first_write=time.monotonic(), http=fmt.id)
                                 written = True
                 if with_usage:
                     await response.write(sse(fmt.usage_chunk(total_usage(gens))))
