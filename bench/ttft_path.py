@@ -10,19 +10,18 @@ Phases (ms, medians over the runs of each prompt kind):
     parse             handler to the tokenizer lane (body decode, validation)
     tokenize          the lane: the hop to its thread, tokenizing (ids: their range check), the hop back
     to_submit         tokenized to the Submit's encoding (the Generation, the sampling)
-    submit_send       encoding and sending the Submit
-    api_to_scheduler  the Submit's hop and the scheduler's read of it
+    api_to_scheduler  the Submit's encoding, its send and hop, the scheduler's read of it
     admit             the scheduler's checks and queueing of the request
-    hold              queued to its step sent: the arrival hold (--prefill-coalesce-ms, offloaded experts),
-                      scheduling and the step's encoding
-    to_worker         the step's hop and the worker's read of it
+    hold              queued to its step handed to the socket: the arrival hold (--prefill-coalesce-ms, with
+                      experts offloaded), the wake-up after it, scheduling
+    to_worker         the step's encoding, send and hop, the worker's read of it
     worker_launch     the worker's launch: its checks, the request's sampler state, the inputs, the whole
                       forward's enqueueing (on the CPU, the whole step)
-    worker_wait       launch to answer: the device finishing, the worker noticing, its StepDone sent
-    to_scheduler      the answer's hop and the scheduler's read
+    worker_wait       launch to answer: the device finishing, the worker noticing, its StepDone built
+    to_scheduler      the answer's send and hop, the scheduler's read
     to_api            the scheduler's turn (the next step first) and the Tokens' hop to the api
-    api_out           the Tokens read to the first chunk written (detokenizing, the SSE chunk)
-    http_out          the chunk written to the client reading it
+    api_out           the first token read to its chunk made (detokenizing, the SSE chunk)
+    http_out          the chunk's write to the client reading it
 
     python3 bench/ttft_path.py --workload 12layer --out out/ttft_path_12layer.json
     python3 bench/ttft_path.py --model DIR --extra-flags "--device cpu --moe-cache-size 12" --out ttft.json
@@ -47,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 from bench.serve_openai import id_range, text_of_tokens  # noqa: E402
 from bench.serve_process import make_bench_model, start_serve  # noqa: E402
 
-PHASES = ("http_in", "parse", "tokenize", "to_submit", "submit_send", "api_to_scheduler", "admit", "hold", "to_worker",
+PHASES = ("http_in", "parse", "tokenize", "to_submit", "api_to_scheduler", "admit", "hold", "to_worker",
           "worker_launch", "worker_wait", "to_scheduler", "to_api", "api_out", "http_out")  # fmt: skip
 
 
@@ -99,7 +98,7 @@ def phases(sent: float, first: float, api: list[dict], scheduler: list[dict], wo
         written = within(api, "first_write")[0]["first_write"]
     except (IndexError, StopIteration):
         return None
-    marks = [sent, handler, tok["tokenize"], tok["tokenized"], sub["submit"], sub["sent"], arrived["received"],
+    marks = [sent, handler, tok["tokenize"], tok["tokenized"], sub["submit"], arrived["received"],
              arrived["arrived"], step["sent"], work["recv"], work["launched"], work["answered"], landed, tokens,
              written, first]  # fmt: skip
     out = {name: round(1e3 * (b - a), 3) for name, a, b in zip(PHASES, marks, marks[1:])}

@@ -227,10 +227,11 @@ class OpenAIRoutes:
                 async with contextlib.aclosing(_merged(deltas, firsts)) as merged:
                     async for i, d in merged:
                         if (choice := choices[i].apply(d)) is not None:
-                            await response.write(sse(fmt.chunk(choice, with_usage)))
-                            if not written:
+                            chunk = sse(fmt.chunk(choice, with_usage))
+                            if not written:  # before the write: the client may read it before the write returns
                                 self.trace.add(first_write=time.monotonic(), http=fmt.id)
                                 written = True
+                            await response.write(chunk)
                 if with_usage:
                     await response.write(sse(fmt.usage_chunk(total_usage(gens))))
                 await response.write(sse("[DONE]"))

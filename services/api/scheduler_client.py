@@ -127,13 +127,13 @@ class SchedulerClient:
             raise ServiceUnavailable(why)
         stream = RequestStream(next(self._ids))
         self.streams[stream.req_id] = stream
-        submit_at = time.monotonic()
+        submit_at = time.monotonic()  # the trace's: before the Submit is encoded and sent
         sent = await self.dealer.send(Submit(req_id=stream.req_id, prompt_token_ids=np.asarray(prompt, dtype=np.int32),
                                              sampling=sampling, max_tokens=max_tokens))  # fmt: skip
         if not sent:
             self.streams.pop(stream.req_id, None)
             raise ServiceUnavailable("the scheduler is not connected")
-        self.trace.add(req=stream.req_id, submit=submit_at, sent=time.monotonic(), prompt_tokens=len(prompt))
+        self.trace.add(req=stream.req_id, submit=submit_at, prompt_tokens=len(prompt))
         return stream
 
     def abort(self, stream: RequestStream) -> None:

@@ -215,6 +215,7 @@ class SchedulerService:
             self.metrics.steps_ahead.inc()
 
     def _send_step(self, batch) -> bool:
+        handed = time.monotonic()  # the trace's `sent`: before the send, so the hop counts the send's own time
         if not self.steps.send(self.worker_boot.encode(), RunStep(batch)):
             # every step in flight fails: a step scheduled ahead needs the one before it
             self._emit_landed()
@@ -223,7 +224,7 @@ class SchedulerService:
             return False
         if self._step_sent_at is None:
             self._step_sent_at = time.monotonic()
-        self.trace.add(step=batch.step_id, sent=time.monotonic(), rids=batch.req_ids.tolist())
+        self.trace.add(step=batch.step_id, sent=handed, rids=batch.req_ids.tolist())
         self.metrics.steps.inc()
         self.metrics.step_tokens.inc(len(batch.tokens))
         return True

@@ -316,11 +316,12 @@ class WorkerService:
             self._answered = (output.step_id, tokens_of(output))
         # the answer goes out before the heartbeat may say "idle" (run, once the socket is empty): the
         # scheduler must not hand out a new step while this one's answer is still on its way
+        answered = time.monotonic()  # the trace's: before the send, so the hop counts the send's own time
         self.results.send(StepDone(output))
         if self.trace.enabled:
             device = getattr(launched, "device_times", None) or (None, None)
             self.trace.add(step=batch.step_id, rows=len(batch.req_ids), tokens=len(batch.tokens), recv=received[0],
-                           launched=received[1], answered=time.monotonic(), device_ms=device[0], idle_ms=device[1])  # fmt: skip
+                           launched=received[1], answered=answered, device_ms=device[0], idle_ms=device[1])  # fmt: skip
 
     def _rank_step_failed(self, batch, exc: Exception) -> None:
         """An expert-parallel step that failed past the executor's checks ends the worker: the ranks'
