@@ -224,7 +224,8 @@ class SchedulerService:
             return False
         if self._step_sent_at is None:
             self._step_sent_at = time.monotonic()
-        self.trace.add(step=batch.step_id, sent=handed, rids=batch.req_ids.tolist())
+        if self.trace.enabled:  # its requests, for a request's own timeline (bench/ttft_path.py)
+            self.trace.add(step=batch.step_id, sent=handed, rids=batch.req_ids.tolist())
         self.metrics.steps.inc()
         self.metrics.step_tokens.inc(len(batch.tokens))
         return True
