@@ -52,6 +52,7 @@ import torch.nn.functional as F
 
 from ferry.kernels.expert_pair_gemv import expert_pair_rows_triton, use_pair_kernel
 from ferry.kernels.expert_rows_sum import ExpertRows, finish_rows, new_rows, rows_dtype, sum_rows
+from ferry.kernels.router_topk import router_topk
 from ferry.kernels.grouped_expert_gemm import (
     SMALL_BLOCK_MAX_PAIRS,
     align_pairs_by_slot,
@@ -375,7 +376,9 @@ class DeviceDrivenExperts(OffloadedExperts):
         nxt = layer + 1
         if not self.prefetch_enabled or self.routers is None or nxt >= self.policy.num_layers:
             return
-        predicted = torch.topk(F.linear(x, self.routers[nxt]), call.hit_slots.numel() // x.shape[0], dim=-1).indices
+        # the router's own top-k kernel: torch.topk's sort took ~4x its time a decode layer
+        logits = F.linear(x, self.routers[nxt])
+        predicted = router_topk(logits, call.hit_slots.numel() // x.shape[0], True, self.num_experts)[0]
         # a decode layer's host share: the host's part of the predicted experts stays off the link
         host_costs = self.host_decode.costs if self.host_decode is not None and not large else None
         pcall = self.cache.prefetch(nxt, predicted.contiguous(), n_rows, call, evict_below=evict_below,
