@@ -30,10 +30,12 @@ same traces:
   then prefetch placements, each in ascending expert order);
 * LFU counts halve every `half_life` lookups (float32, exactly as the twin does it).
 
-One program does everything: the layer's state fits in registers (S slots up to 16K, E experts
-up to 512), and a few block-wide reductions (one argmin per victim) cost microseconds. Global
-scratch (flags per expert and per slot, the slot assignment by rank) carries values between
-phases, with a barrier between; every scratch flag is cleared before the program ends.
+One program does everything. The layer's expert-side state fits in registers (E experts up to 512); the
+slots are read only when something is to be placed (most decode lookups hit: the prefetch placed their
+experts), a tile of SLOT_TILE at a time, keeping each tile's least eviction key; a victim is the least of
+those, and only its tile is read again for the next. Global scratch (flags per expert and per slot, the
+slot assignment by rank) carries values between phases, with a barrier between; every scratch flag is
+cleared before the program ends.
 """
 
 from __future__ import annotations
