@@ -100,6 +100,7 @@ class DeviceDrivenExperts(OffloadedExperts):
         self.cache: DeviceExpertCache | None = None
         self._prefetch_done: dict[int, torch.cuda.Event] = {}
         self._prefetch_calls: dict[int, CacheCall] = {}  # this step's prefetches, by the layer they fill
+        self._predict_stream = torch.cuda.Stream(self.device) if self._cuda else None  # _prefetch_beside
         self._timing = self._cuda
         # (counters, stamps, ready event, copy events) queued by stats_to_host, one per step in flight,
         # oldest first: a step scheduled ahead is launched before the one before it is folded
@@ -204,13 +205,15 @@ class DeviceDrivenExperts(OffloadedExperts):
             handed = self.host_decode.start(layer, x, ids, weights, n_rows, call, self.cache, in_flight)
         stamps = self.cache.copy_stamps[layer]
         copied = self._on_copy_stream(lambda: self._copy_sm(layer, call), stamps, MISS_START, MISS_END)
-        self._prefetch_next(layer, x, n_rows, call, large=False)
+        predicted = self._prefetch_beside(layer, x, n_rows, call)
         self._wait_prefetched(layer, stamps)
         expert_pair_rows_triton(x, call.hit_slots.view(t, k), weights, self.slots.gemm13, self.slots.gemm2, rows)
         self._stamp(stamps, HITS_DONE)
         if copied is not None:
             torch.cuda.current_stream(self.device).wait_event(copied)
         expert_pair_rows_triton(x, call.miss_slots.view(t, k), weights, self.slots.gemm13, self.slots.gemm2, rows)
+        if predicted is not None:  # the next layer's lookup shares the cache's state and scratch with the prefetch
+            torch.cuda.current_stream(self.device).wait_event(predicted)
         if handed is not None:
             self.host_decode.finish(handed, rows)
 
@@ -392,6 +395,24 @@ class DeviceDrivenExperts(OffloadedExperts):
             done = self._on_copy_stream(lambda: self._copy_sm(nxt, pcall), stamps, PREFETCH_START, PREFETCH_END)
         if done is not None:
             self._prefetch_done[nxt] = done
+
+    def _prefetch_beside(self, layer: int, x: torch.Tensor, n_rows: torch.Tensor, call: CacheCall):
+        """The next layer's prefetch (prediction, lookup, copy queued) on a stream of its own, beside this
+        layer's expert GEMVs: on the compute stream it held them back a router GEMM, a top-k and a lookup.
+        It starts after this layer's lookup and hand-off (the cache's state is theirs until then), places
+        no slot this layer uses (the guard), and returns the event the compute stream waits for before
+        anything else touches the cache or frees `x` (None on CPU, where it ran in line)."""
+        if not self._cuda:
+            self._prefetch_next(layer, x, n_rows, call, large=False)
+            return None
+        looked_up = torch.cuda.Event()
+        looked_up.record(torch.cuda.current_stream(self.device))
+        self._predict_stream.wait_event(looked_up)
+        with torch.cuda.stream(self._predict_stream):
+            self._prefetch_next(layer, x, n_rows, call, large=False)
+        predicted = torch.cuda.Event()
+        predicted.record(self._predict_stream)
+        return predicted
 
     def _wait_prefetched(self, layer: int, stamps: torch.Tensor | None) -> None:
         done = self._prefetch_done.pop(layer, None)
