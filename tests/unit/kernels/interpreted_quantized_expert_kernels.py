@@ -16,20 +16,12 @@ import torch
 assert os.environ.get("TRITON_INTERPRET") == "1", "run me with TRITON_INTERPRET=1"
 
 import ferry.kernels.quantized_experts as qe  # noqa: E402
+from ferry.kernels.align_pairs import align_pairs_by_slot, align_pairs_by_slot_host  # noqa: E402
+from ferry.kernels.aligned_blocks import block_m_for, launch_blocks  # noqa: E402
 from ferry.kernels.expert_pair_gemv import expert_pair_rows_triton  # noqa: E402
-from ferry.kernels.grouped_expert_gemm import (  # noqa: E402
-    align_pairs_by_slot,
-    align_pairs_by_slot_host,
-    block_m_for,
-    grouped_expert_rows_triton,
-    launch_blocks,
-)
-from ferry.kernels.quantized_experts import (  # noqa: E402
-    FP8_BLOCK,
-    NVFP4,
-    QuantizedFamily,
-    quantized_expert_rows_reference,
-)
+from ferry.kernels.grouped_expert_gemm import grouped_expert_rows_triton  # noqa: E402
+from ferry.kernels.grouped_expert_gemm_reference import quantized_expert_rows_reference  # noqa: E402
+from ferry.kernels.quantized_experts import FP8_BLOCK, NVFP4, QuantizedFamily  # noqa: E402
 from long_step_rows import bf16_rows_are_the_float32_rows_rounded_once  # noqa: E402
 from quantized_slots import make_experts  # noqa: E402
 
