@@ -118,7 +118,6 @@ def check_device_driven(dtype_wanted: str) -> None:
 def check_host_share() -> None:
     """Streamed prefills with the host computing half of every layer's missed experts (host_share.py):
     the same rows as the all-resident store, in float32; the ring stages only the rest."""
-    from ferry.kernels.aligned_blocks import SLOT_WINDOW_ALL
     from ferry.services.worker.offload.host_experts import HostExperts
     from ferry.services.worker.offload.host_share import HostCost, HostShare
 
@@ -197,6 +196,7 @@ def check_long_step_rows() -> None:
     import ferry.kernels.expert_rows_sum as rows_sum
     import ferry.services.worker.offload.device_store as device_store
     import ferry.services.worker.offload.expert_cache as expert_cache
+    from ferry.kernels.aligned_blocks import SLOT_WINDOW_ALL
     from ferry.services.worker.offload.host_experts import HostExperts
     from ferry.services.worker.offload.host_share import HostCost, HostShare
 
