@@ -50,15 +50,12 @@ import structlog
 import torch
 import torch.nn.functional as F
 
+from ferry.kernels.align_pairs import align_pairs_by_slot
+from ferry.kernels.aligned_blocks import SMALL_BLOCK_MAX_PAIRS, block_m_for
 from ferry.kernels.expert_pair_gemv import expert_pair_rows_triton, use_pair_kernel
 from ferry.kernels.expert_rows_sum import ExpertRows, finish_rows, new_rows, rows_dtype, sum_rows
 from ferry.kernels.router_topk import router_topk
-from ferry.kernels.grouped_expert_gemm import (
-    SMALL_BLOCK_MAX_PAIRS,
-    align_pairs_by_slot,
-    block_m_for,
-    grouped_expert_rows_triton,
-)
+from ferry.kernels.grouped_expert_gemm import grouped_expert_rows_triton
 from ferry.plan.costs import ROWS_FLOAT32_MAX_TOKENS
 from ferry.services.worker.offload.device_cache import CacheCall, DeviceExpertCache
 from ferry.services.worker.offload.expert_cache import DEFAULT_PIPELINE_CHUNKS, OffloadedExperts, _split
