@@ -87,7 +87,8 @@ class DeviceDrivenExperts(OffloadedExperts):
         ring's own defaults, staging_ring.py)."""
         super().__init__(slots, banks, policy, device, pipeline_chunks=pipeline_chunks, use_triton=True)
         self.host_share = host_share
-        self.host_decode: HostDecodeShare | None = None  # the host's share of decode layers' misses (boot sets it)
+        # the host's share of decode layers' misses (expert_backends.py attaches it at boot)
+        self.host_decode: HostDecodeShare | None = None
         self._host_experts: list[np.ndarray] = []  # per layer, the streamed step's experts the host computes
         self._host_table: torch.Tensor | None = None  # [layers, E + 1] bool on the device: the same
         self._stream_real = 0  # the streamed step's real rows
