@@ -24,7 +24,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ferry.kernels.grouped_expert_gemm import align_pairs_by_slot, block_m_for, grouped_expert_rows_triton  # noqa: E402
+from ferry.kernels.align_pairs import align_pairs_by_slot  # noqa: E402
+from ferry.kernels.aligned_blocks import block_m_for  # noqa: E402
+from ferry.kernels.grouped_expert_gemm import grouped_expert_rows_triton  # noqa: E402
 from ferry.plan.model_config import load_model_config  # noqa: E402
 
 RING_CHUNK = 12  # experts a ring chunk holds (48 staging slots in four bays)

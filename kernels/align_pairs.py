@@ -1,5 +1,6 @@
-"""Pairs aligned by slot in four Triton launches; twin: `align_pairs_by_slot_reference`
-(kernels/grouped_expert_gemm.py), the same layout, bit for bit, from ~35 torch calls.
+"""Pairs aligned by slot in four Triton launches, and `align_pairs_by_slot`, which dispatches (CUDA -> these,
+anything else -> the twin); twin: `align_pairs_by_slot_reference` (kernels/align_pairs_reference.py), the same
+layout, bit for bit, from ~35 torch calls. `align_pairs_by_slot_host`: the same layout in numpy.
 
 Why: a streamed prefill step aligns its pairs twice a MoE layer (the cache's hits, then the staged
 experts), and on the H200 such a step is bound by the host's launches, not the device (bench/NOTES.md,
@@ -26,9 +27,13 @@ ones), so two runs give the same bits, as the reference's stable sort does."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
+
+from ferry.kernels.align_pairs_reference import align_pairs_by_slot_reference, max_aligned_blocks
+from ferry.kernels.dispatch import use_triton
 
 BINS = 256  # slots a program of the column and prefix kernels takes at a time
 SUB = 64  # pairs the scatter ranks together (a SUB x SUB comparison)
@@ -152,3 +157,40 @@ def align_pairs_by_slot_triton(topk_slots: torch.Tensor, num_slots: int, block_m
                               max_blocks, triton.cdiv(max_blocks, tiles), num_slots.bit_length(), fill, SUB=SUB,
                               num_warps=num_warps)  # fmt: skip
     return sorted_pairs, block_slot, block_start
+
+
+def align_pairs_by_slot(topk_slots: torch.Tensor, num_slots: int, block_m: int,
+                        max_distinct_slots: int | None = None, block_starts: bool = False) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """(sorted_pairs, block_slot): flat (token*k + j) pair indices grouped by slot, each slot's
+    group padded to a multiple of block_m with the sentinel T*k, and the slot of each block of
+    block_m rows (-1 for blocks past the end). Pairs with slot -1 are left out. No host sync.
+
+    The grid is sized for the worst case; `max_distinct_slots` (e.g. one layer's expert count,
+    known to the caller) tightens it, and with it the intermediate buffer, for large steps.
+    `block_starts`: a third tensor, int32 [num_slots + 1], slot s's first block (its blocks are
+    [block_start[s], block_start[s + 1])), for a caller that computes a window of slots at a time
+    (`grouped_expert_rows_triton`'s slot_window).
+
+    CUDA takes four Triton launches (above), anything else this function's torch twin,
+    `align_pairs_by_slot_reference`: the same bits."""
+    n = topk_slots.numel()
+    if use_triton(topk_slots) and n and num_slots >= 1:
+        aligned = align_pairs_by_slot_triton(topk_slots, num_slots, block_m,
+                                             max_aligned_blocks(n, num_slots, block_m, max_distinct_slots))  # fmt: skip
+        return aligned if block_starts else aligned[:2]
+    return align_pairs_by_slot_reference(topk_slots, num_slots, block_m, max_distinct_slots, block_starts)
+
+
+def align_pairs_by_slot_host(topk_slots: np.ndarray, block_m: int) -> tuple[np.ndarray, np.ndarray]:
+    """`align_pairs_by_slot` on the host (numpy), without the worst-case tail: exactly the real
+    blocks. int32 arrays, same layout and sentinel."""
+    flat = np.asarray(topk_slots, dtype=np.int64).reshape(-1)
+    n = flat.size
+    kept = np.flatnonzero(flat >= 0)
+    order = kept[np.argsort(flat[kept], kind="stable")]
+    slots, starts, counts = np.unique(flat[order], return_index=True, return_counts=True)
+    blocks = (counts + block_m - 1) // block_m
+    padded_start = (np.cumsum(blocks) - blocks) * block_m
+    sorted_pairs = np.full(int(blocks.sum()) * block_m, n, dtype=np.int32)
+    sorted_pairs[np.repeat(padded_start - starts, counts) + np.arange(order.size)] = order
+    return sorted_pairs, np.repeat(slots, blocks).astype(np.int32)

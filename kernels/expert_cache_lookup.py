@@ -30,10 +30,12 @@ same traces:
   then prefetch placements, each in ascending expert order);
 * LFU counts halve every `half_life` lookups (float32, exactly as the twin does it).
 
-One program does everything: the layer's state fits in registers (S slots up to 16K, E experts
-up to 512), and a few block-wide reductions (one argmin per victim) cost microseconds. Global
-scratch (flags per expert and per slot, the slot assignment by rank) carries values between
-phases, with a barrier between; every scratch flag is cleared before the program ends.
+One program does everything. The layer's expert-side state fits in registers (E experts up to 512); the
+slots are read only when something is to be placed (most decode lookups hit: the prefetch placed their
+experts), a tile of SLOT_TILE at a time, keeping each tile's least eviction key; a victim is the least of
+those, and only its tile is read again for the next. Global scratch (flags per expert and per slot, the
+slot assignment by rank) carries values between phases, with a barrier between; every scratch flag is
+cleared before the program ends.
 """
 
 from __future__ import annotations
@@ -50,6 +52,34 @@ LOOKUPS, HITS, MISSES, EVICTIONS, PREFETCHED, PREFETCH_USEFUL, PREFETCH_WASTED =
 NUM_COUNTERS = 8
 AGE_CLAMP = 2**32 - 1  # LFU's recency tie-break compares ages up to this many lookups
 INT64_MAX = 2**63 - 1
+# slots read at a time (registers hold a tile, not [S]); each victim after the first reads one tile again
+SLOT_TILE = 4096
+
+
+@triton.jit
+def _eviction_keys(s, s_ok, owner, candidate, stamp_ptr, expert_of_slot_ptr, requests_ptr, clock, E, evict_below,
+                   POLICY: tl.constexpr):  # fmt: skip
+    """(group, key) of slots `s`: group 0 for a candidate of a layer below `evict_below`, 1 for another
+    candidate, 2 for no candidate; key LFU's (requests as float32 bits, then least recently used) or LRU's stamp."""
+    stamp = tl.load(stamp_ptr + s, mask=s_ok, other=0)
+    if POLICY == 1:
+        owner_expert = tl.load(expert_of_slot_ptr + s, mask=candidate, other=0)
+        score = tl.load(requests_ptr + owner * E + owner_expert, mask=candidate, other=0.0)
+        age = tl.minimum(clock - stamp, 4294967295)
+        key = (score.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (4294967295 - age)
+    else:
+        key = stamp
+    group = tl.where(candidate, tl.where(owner < evict_below, 0, 1), 2)
+    return group, key
+
+
+@triton.jit
+def _least(group, key, s):
+    """The least (group, key, slot) of a tile's slots `s` (group 2 where none is a candidate)."""
+    g = tl.min(group, axis=0)
+    k = tl.min(tl.where(group == g, key, 9223372036854775807), axis=0)
+    least = tl.min(tl.where((group == g) & (key == k), s, 2147483647), axis=0)
+    return g, k, least
 
 
 # The step's token count and the layer vary from call to call: specialising on them (Triton's ==1 and
@@ -62,12 +92,10 @@ def _expert_cache_kernel(
     hit_slots_ptr, miss_slots_ptr, list_ptr, count_ptr, guard_hits_ptr, guard_misses_ptr, host_costs_ptr,
     E, S, half_life, num_layers, evict_below,
     MODE: tl.constexpr, POLICY: tl.constexpr, HAS_GUARD: tl.constexpr, HAS_HOST: tl.constexpr,
-    BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_E: tl.constexpr, NUM_TILES: tl.constexpr, TILE: tl.constexpr, BLOCK_P: tl.constexpr,
 ):  # fmt: skip
     e_idx = tl.arange(0, BLOCK_E)
     e_ok = e_idx < E
-    s_idx = tl.arange(0, BLOCK_S)
-    s_ok = s_idx < S
     n_pairs = tl.load(n_rows_ptr) * K
     row_base = layer * E
 
@@ -121,17 +149,11 @@ def _expert_cache_kernel(
         wasted = tl.sum((pf & resident & ~wanted & e_ok).to(tl.int32), axis=0)
         tl.store(prefetched_ptr + safe_cur, tl.zeros([BLOCK_E], tl.int8), mask=pf & resident & e_ok)
 
-    # ---- how many get a slot now, and how many victims that takes -----------------------------
-    owner = tl.load(layer_of_slot_ptr + s_idx, mask=s_ok, other=-1)
-    occupied = (owner >= 0) & s_ok
-    free = (owner < 0) & s_ok
-    n_free = tl.sum(free.to(tl.int32), axis=0)
-    protected = tl.load(protect_ptr + s_idx, mask=s_ok, other=0) != 0
-    candidate = occupied & ~protected
+    # ---- how many want a slot: the misses (lookup), the predicted misses the link is to carry (prefetch) ----
     if MODE == 0:
-        n_place = n_missing
+        want = n_missing
     elif MODE == 1:
-        wanted_on_link = n_missing
+        want = n_missing
         if HAS_HOST:  # the host computes its share of them at their layer: they stay misses
             missing_pairs = tl.zeros([], tl.int64)
             for start in range(0, n_pairs, BLOCK_P):
@@ -141,34 +163,74 @@ def _expert_cache_kernel(
                 no_slot = tl.load(slot_of_ptr + row_base + e, mask=ok, other=0) < 0
                 missing_pairs += tl.sum((ok & no_slot).to(tl.int64), axis=0)
             total = n_missing.to(tl.int64)
-            wanted_on_link = n_missing - host_count(total, total, missing_pairs, host_costs_ptr).to(tl.int32)
-        n_place = tl.minimum(wanted_on_link, n_free + tl.sum(candidate.to(tl.int32), axis=0))
+            want = n_missing - host_count(total, total, missing_pairs, host_costs_ptr).to(tl.int32)
     else:
-        n_place = n_missing * 0
-    needed = tl.maximum(n_place - n_free, 0)
-
-    # ---- victims: `needed` times the least key among the candidates -------------------------
-    stamp = tl.load(stamp_ptr + s_idx, mask=s_ok, other=0)
-    if POLICY == 1:
-        owner_expert = tl.load(expert_of_slot_ptr + s_idx, mask=occupied, other=0)
-        score = tl.load(requests_ptr + owner * E + owner_expert, mask=candidate, other=0.0)
-        age = tl.minimum(clock - stamp, 4294967295)
-        key = (score.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (4294967295 - age)
-    else:
-        key = stamp
-    # the slots of layers below `evict_below` go first (a prefill has passed them), then the rest
-    passed = candidate & (owner < evict_below)
-    key_passed = tl.where(passed, key, 9223372036854775807)
-    key = tl.where(candidate & ~passed, key, 9223372036854775807)
-    free_rank = tl.cumsum(free.to(tl.int32), axis=0) - 1
-    # slots by placement rank: the free ones first (lowest index first), then the victims in order
-    tl.store(assign_ptr + free_rank, s_idx, mask=free & (free_rank < n_place))
-    for i in range(needed):
-        from_passed = tl.min(key_passed, axis=0) < 9223372036854775807
-        v = tl.where(from_passed, tl.argmin(key_passed, axis=0), tl.argmin(key, axis=0))
-        tl.store(assign_ptr + n_free + i, v.to(tl.int32))
-        key_passed = tl.where(s_idx == v, 9223372036854775807, key_passed)
-        key = tl.where(s_idx == v, 9223372036854775807, key)
+        want = n_missing * 0
+    n_free = n_missing * 0
+    n_place = n_missing * 0
+    needed = n_missing * 0
+    # The slots are read only when something is to be placed: most decode lookups hit (the prefetch placed
+    # their experts), and reading every slot is most of the kernel's time. They are read a tile at a time
+    # (a whole [S] block in one program spills registers): each tile's least eviction key is kept, a victim is
+    # the least of those, and only its tile is read again for the next.
+    if want > 0:
+        t_idx = tl.arange(0, NUM_TILES)
+        n_tiles = tl.cdiv(S, TILE)
+        tile_g = tl.full([NUM_TILES], 2, tl.int32)
+        tile_k = tl.full([NUM_TILES], 9223372036854775807, tl.int64)
+        tile_s = tl.full([NUM_TILES], 2147483647, tl.int32)
+        free_of_tile = tl.zeros([NUM_TILES], tl.int32)
+        n_cand = n_missing * 0
+        for t in range(0, n_tiles):
+            s1 = t * TILE + tl.arange(0, TILE)
+            ok = s1 < S
+            owner = tl.load(layer_of_slot_ptr + s1, mask=ok, other=-1)
+            candidate = (owner >= 0) & ok & (tl.load(protect_ptr + s1, mask=ok, other=0) == 0)
+            free_of_tile = tl.where(t_idx == t, tl.sum(((owner < 0) & ok).to(tl.int32), axis=0), free_of_tile)
+            n_cand += tl.sum(candidate.to(tl.int32), axis=0)
+            group, key = _eviction_keys(s1, ok, owner, candidate, stamp_ptr, expert_of_slot_ptr, requests_ptr,
+                                        clock, E, evict_below, POLICY)
+            g, k, v = _least(group, key, s1)
+            tile_g = tl.where(t_idx == t, g, tile_g)
+            tile_k = tl.where(t_idx == t, k, tile_k)
+            tile_s = tl.where(t_idx == t, v, tile_s)
+        n_free = tl.sum(free_of_tile, axis=0)
+        if MODE == 0:
+            n_place = want
+        else:
+            n_place = tl.minimum(want, n_free + n_cand)
+        needed = tl.maximum(n_place - n_free, 0)
+        if n_free > 0:
+            # slots by placement rank: the free ones first (lowest index first), then the victims in order
+            free_before = tl.cumsum(free_of_tile, axis=0) - free_of_tile
+            for t in range(0, n_tiles):
+                s1 = t * TILE + tl.arange(0, TILE)
+                free = (tl.load(layer_of_slot_ptr + s1, mask=s1 < S, other=0) < 0) & (s1 < S)
+                base = tl.sum(tl.where(t_idx == t, free_before, 0), axis=0)
+                rank = base + tl.cumsum(free.to(tl.int32), axis=0) - 1
+                first_free = free & (rank < n_place)
+                tl.store(assign_ptr + rank, s1, mask=first_free)
+                tl.store(evicted_ptr + s1, tl.full([TILE], -1, tl.int32), mask=first_free)
+        # victims: `needed` times the least (group, key, slot) among the candidates, group 0 the slots of
+        # layers below `evict_below` (a prefill has passed them), 1 the rest
+        for i in range(needed):
+            g = tl.min(tile_g, axis=0)
+            k = tl.min(tl.where(tile_g == g, tile_k, 9223372036854775807), axis=0)
+            v = tl.min(tl.where((tile_g == g) & (tile_k == k), tile_s, 2147483647), axis=0)
+            tl.store(assign_ptr + n_free + i, v)
+            # the victim's tile offers its next candidate after (g, k, v)
+            t = v // TILE
+            s1 = t * TILE + tl.arange(0, TILE)
+            ok = s1 < S
+            owner = tl.load(layer_of_slot_ptr + s1, mask=ok, other=-1)
+            candidate = (owner >= 0) & ok & (tl.load(protect_ptr + s1, mask=ok, other=0) == 0)
+            group, key = _eviction_keys(s1, ok, owner, candidate, stamp_ptr, expert_of_slot_ptr, requests_ptr,
+                                        clock, E, evict_below, POLICY)
+            later = (group > g) | ((group == g) & ((key > k) | ((key == k) & (s1 > v))))
+            ng, nk, ns = _least(tl.where(later, group, 2), key, s1)
+            tile_g = tl.where(t_idx == t, ng, tile_g)
+            tile_k = tl.where(t_idx == t, nk, tile_k)
+            tile_s = tl.where(t_idx == t, ns, tile_s)
     tl.debug_barrier()
 
     # ---- evict ---------------------------------------------------------------------------
@@ -180,7 +242,6 @@ def _expert_cache_kernel(
     # what each victim held, for a miss handed to the host to give back (kernels/expert_host_handoff.py)
     tl.store(evicted_ptr + victims, old_layer * E + old_expert, mask=is_victim)
     tl.store(evicted_stamp_ptr + victims, tl.load(stamp_ptr + victims, mask=is_victim, other=0), mask=is_victim)
-    tl.store(evicted_ptr + s_idx, tl.full([BLOCK_S], -1, tl.int32), mask=free & (free_rank < n_place))
     victim_pf = tl.load(prefetched_ptr + victims, mask=is_victim, other=0) != 0
     wasted += tl.sum((victim_pf & is_victim).to(tl.int32), axis=0)
     tl.store(prefetched_ptr + victims, tl.zeros([BLOCK_E], tl.int8), mask=is_victim)
@@ -245,7 +306,16 @@ def _expert_cache_kernel(
     tl.store(counters_ptr + 3, tl.load(counters_ptr + 3) + needed)
     tl.store(counters_ptr + 6, tl.load(counters_ptr + 6) + wasted)
     tl.store(flags_ptr + e_idx, tl.zeros([BLOCK_E], tl.int8), mask=e_ok)
-    tl.store(protect_ptr + s_idx, tl.zeros([BLOCK_S], tl.int8), mask=s_ok)
+    # the protected flags were set at this layer's hit slots and the guard's slots alone: clear those
+    tl.store(protect_ptr + safe_cur, tl.zeros([BLOCK_E], tl.int8), mask=hit)
+    if HAS_GUARD:
+        for start in range(0, T * K, BLOCK_P):
+            p = start + tl.arange(0, BLOCK_P)
+            ok = p < T * K
+            gh = tl.load(guard_hits_ptr + p, mask=ok, other=-1)
+            gm = tl.load(guard_misses_ptr + p, mask=ok, other=-1)
+            tl.store(protect_ptr + gh, tl.zeros([BLOCK_P], tl.int8), mask=ok & (gh >= 0))
+            tl.store(protect_ptr + gm, tl.zeros([BLOCK_P], tl.int8), mask=ok & (gm >= 0))
 
 
 def block_sizes(num_experts: int, num_slots: int) -> tuple[int, int]:
@@ -253,7 +323,7 @@ def block_sizes(num_experts: int, num_slots: int) -> tuple[int, int]:
 
 
 def launch(mode: int, policy: int, ids, n_rows, layer: int, state, out, guard=None, block_p: int = 256,
-           evict_below: int = 0, host_costs=None) -> None:  # fmt: skip
+           evict_below: int = 0, host_costs=None, tile: int | None = None) -> None:  # fmt: skip
     """One lookup or prefetch over `state` (a DeviceCacheState's tensors) writing `out` (a
     CacheCallOutputs); `guard` = (hit_slots, miss_slots) of the layer being computed (prefetch);
     victims from layers below `evict_below` first (the twin's rule, policy.py); `host_costs` (prefetch
@@ -263,8 +333,9 @@ def launch(mode: int, policy: int, ids, n_rows, layer: int, state, out, guard=No
         raise ValueError("host_costs is for a prefetch: a lookup's misses go to the host through the hand-off")
     t, k = ids.shape
     block_e, block_s = block_sizes(state.num_experts, state.num_slots)
+    tile = min(block_s, tile or SLOT_TILE)
     guard_hits, guard_misses = guard if guard is not None else (out.hit_slots, out.miss_slots)
-    num_warps = 4 if block_s <= 1024 else (8 if block_s <= 4096 else 16)
+    num_warps = max(4, min(16, tile // 256))  # 8 slots a thread: no spilled register at any mode or policy
     _expert_cache_kernel[(1,)](
         ids, n_rows, t, k, layer,
         state.slot_of, state.layer_of_slot, state.expert_of_slot, state.requests, state.stamp, state.prefetched,
@@ -274,5 +345,5 @@ def launch(mode: int, policy: int, ids, n_rows, layer: int, state, out, guard=No
         host_costs if host_costs is not None else state.counters,
         state.num_experts, state.num_slots, state.half_life, state.num_layers, evict_below,
         MODE=mode, POLICY=policy, HAS_GUARD=guard is not None, HAS_HOST=host_costs is not None,
-        BLOCK_E=block_e, BLOCK_S=block_s, BLOCK_P=block_p, num_warps=num_warps,
+        BLOCK_E=block_e, NUM_TILES=block_s // tile, TILE=tile, BLOCK_P=block_p, num_warps=num_warps,
     )  # fmt: skip

@@ -2,7 +2,8 @@
 out_proj as the model composes it in torch (services/worker/models/gated_deltanet.py, the path
 CPU and prefill steps take): causal_conv1d_decode, beta = sigmoid(b) and
 g = -exp(A_log) * softplus(a + dt_bias), the float32 recurrent rule request by request from its
-slot, and GatedRMSNorm.reference. Same arguments and contract as `gated_deltanet_decode`."""
+slot, and the gated RMSNorm's twin (rms_norm_reference.py: GatedRMSNorm's CPU path). Same arguments
+and contract as `gated_deltanet_decode`."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 
 from ferry.kernels.causal_conv1d_reference import causal_conv1d_decode
 from ferry.kernels.gated_delta_rule_reference import gated_delta_rule_recurrent
+from ferry.kernels.rms_norm_reference import gated_rms_norm_reference
 
 
 def gated_deltanet_decode_reference(
@@ -18,8 +20,6 @@ def gated_deltanet_decode_reference(
     k_heads: int, out: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """[R, v_heads * v_dim] in qkv's dtype; conv_states and states updated in place (host reads: a twin)."""
-    from ferry.services.worker.models.norms import GatedRMSNorm  # the model's own norm, imported where used
-
     rows = qkv.shape[0]
     v_heads, k_dim, v_dim = states.shape[1:]
     key_size = k_heads * k_dim
@@ -39,9 +39,8 @@ def gated_deltanet_decode_reference(
         )
         core[r] = o[0].to(qkv.dtype)
         states[slot] = final
-    norm = GatedRMSNorm(v_dim, norm_eps, norm_weight.dtype, norm_weight.device)
-    norm.weight.copy_(norm_weight)
-    result = norm.reference(core, z.reshape(rows, v_heads, v_dim)).reshape(rows, v_heads * v_dim)
+    result = gated_rms_norm_reference(core, z.reshape(rows, v_heads, v_dim), norm_weight, norm_eps)
+    result = result.reshape(rows, v_heads * v_dim)
     if out is None:
         return result
     out.copy_(result)

@@ -12,7 +12,8 @@ The alignment is computed on the device without a host round trip; its grid is t
 exit at once. On CUDA that alignment is four Triton launches (kernels/align_pairs.py; its torch twin,
 `align_pairs_by_slot_reference`, is two dozen small kernels). A caller that has the routing on the host
 anyway (the offload store, which needs it for its policy) aligns there instead with
-`align_pairs_by_slot_host`: one small copy.
+`align_pairs_by_slot_host` (align_pairs.py): one small copy. The blocks' size and which of them a launch
+covers: kernels/aligned_blocks.py, shared with the quantized twin.
 `grouped_expert_forward` dispatches: CUDA -> Triton (pair by pair for small steps, see
 expert_pair_gemv.py), anything else -> reference. Quantized slots (`QuantizedFamily`,
 kernels/quantized_experts.py) take the same paths, each entry handing them to its quantized twin.
@@ -22,35 +23,21 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from ferry.kernels.align_pairs import align_pairs_by_slot_triton
+from ferry.kernels.align_pairs import align_pairs_by_slot
+from ferry.kernels.aligned_blocks import SLOT_WINDOW_ALL, block_m_for, block_rows, launch_blocks, window_blocks
 from ferry.kernels.dispatch import use_triton
 from ferry.kernels.expert_pair_gemv import expert_pair_rows_triton, use_pair_kernel
 from ferry.kernels.expert_rows_sum import check_rows, new_rows, sum_rows
 from ferry.kernels.grouped_expert_gemm_reference import grouped_expert_rows_reference
+from ferry.kernels.quantized_expert_gemm import quantized_grouped_rows_triton
 from ferry.kernels.quantized_experts import QuantizedFamily
 
 # The Triton interpreter (TRITON_INTERPRET=1, CPU tests) computes bf16 dots wrongly: upcast there.
 _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@triton.jit
-def _block_rows(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr):
-    """The BLOCK_M rows of aligned block `pid_m` (all of one slot): their places in the aligned order,
-    their (token * k + j) pairs, and which rows are real (padding rows hold the sentinel num_pairs)."""
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_pairs_ptr + offs_m).to(tl.int64)
-    return offs_m, pair, pair < num_pairs
-
-
-@triton.jit
-def _window_blocks(block_start_ptr, slot_lo, slot_hi):
-    """[first, last) aligned blocks of the window's slots (block_start: each slot's first block, ascending)."""
-    return tl.load(block_start_ptr + slot_lo), tl.load(block_start_ptr + slot_hi)
 
 
 @triton.jit
@@ -62,7 +49,7 @@ def _gate_up_block(
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Block pid_m's rows times slot `slot`'s gate/up tile pid_n, SiLU product stored to act."""
-    offs_m, pair, row_ok = _block_rows(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M)
+    offs_m, pair, row_ok = block_rows(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M)
     token = pair // top_k
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < I
@@ -112,7 +99,7 @@ def _gate_up_kernel(
 ):  # fmt: skip
     pid_n = tl.program_id(1)
     if WINDOWED:
-        first, last = _window_blocks(block_start_ptr, slot_lo, slot_hi)
+        first, last = window_blocks(block_start_ptr, slot_lo, slot_hi)
         for pid_m in range(first + tl.program_id(0), last, tl.num_programs(0)):
             slot = tl.load(block_slot_ptr + pid_m) + slot_shift
             _gate_up_block(x_ptr, w13_ptr, act_ptr, sorted_pairs_ptr, pid_m, pid_n, slot, num_pairs, top_k, H, I,
@@ -136,7 +123,7 @@ def _down_block(
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Block pid_m's activations times slot `slot`'s down tile pid_n, weighted, stored to its pairs' rows."""
-    offs_m, pair, row_ok = _block_rows(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M)
+    offs_m, pair, row_ok = block_rows(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output features (H)
     n_ok = offs_n < H
     offs_k = tl.arange(0, BLOCK_K)  # reduction over I
@@ -169,7 +156,7 @@ def _down_kernel(
 ):  # fmt: skip
     pid_n = tl.program_id(1)
     if WINDOWED:
-        first, last = _window_blocks(block_start_ptr, slot_lo, slot_hi)
+        first, last = window_blocks(block_start_ptr, slot_lo, slot_hi)
         for pid_m in range(first + tl.program_id(0), last, tl.num_programs(0)):
             slot = tl.load(block_slot_ptr + pid_m) + slot_shift
             _down_block(act_ptr, w2_ptr, rows_ptr, weights_ptr, sorted_pairs_ptr, pid_m, pid_n, slot, num_pairs, H, I,
@@ -184,105 +171,6 @@ def _down_kernel(
                         BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)  # fmt: skip
 
 
-def align_pairs_by_slot(topk_slots: torch.Tensor, num_slots: int, block_m: int,
-                        max_distinct_slots: int | None = None, block_starts: bool = False) -> tuple[torch.Tensor, ...]:  # fmt: skip
-    """(sorted_pairs, block_slot): flat (token*k + j) pair indices grouped by slot, each slot's
-    group padded to a multiple of block_m with the sentinel T*k, and the slot of each block of
-    block_m rows (-1 for blocks past the end). Pairs with slot -1 are left out. No host sync.
-
-    The grid is sized for the worst case; `max_distinct_slots` (e.g. one layer's expert count,
-    known to the caller) tightens it, and with it the intermediate buffer, for large steps.
-    `block_starts`: a third tensor, int32 [num_slots + 1], slot s's first block (its blocks are
-    [block_start[s], block_start[s + 1])), for a caller that computes a window of slots at a time
-    (`grouped_expert_rows_triton`'s slot_window).
-
-    CUDA takes four Triton launches (kernels/align_pairs.py), anything else this function's torch
-    twin, `align_pairs_by_slot_reference`: the same bits."""
-    n = topk_slots.numel()
-    if use_triton(topk_slots) and n and num_slots >= 1:
-        aligned = align_pairs_by_slot_triton(topk_slots, num_slots, block_m,
-                                             max_aligned_blocks(n, num_slots, block_m, max_distinct_slots))  # fmt: skip
-        return aligned if block_starts else aligned[:2]
-    return align_pairs_by_slot_reference(topk_slots, num_slots, block_m, max_distinct_slots, block_starts)
-
-
-def max_aligned_blocks(num_pairs: int, num_slots: int, block_m: int, max_distinct_slots: int | None = None) -> int:
-    """The alignment's worst case in blocks: the pairs' own, plus one partial block for every slot that
-    may hold some (at most the pairs, the slots and `max_distinct_slots`)."""
-    distinct = min(num_pairs, num_slots, max_distinct_slots if max_distinct_slots is not None else num_slots)
-    return triton.cdiv(num_pairs, block_m) + distinct
-
-
-def align_pairs_by_slot_reference(topk_slots: torch.Tensor, num_slots: int, block_m: int,
-                                  max_distinct_slots: int | None = None,
-                                  block_starts: bool = False) -> tuple[torch.Tensor, ...]:  # fmt: skip
-    """`align_pairs_by_slot` in torch calls (a stable sort of the pairs by slot): the twin of
-    kernels/align_pairs.py, and what CPU steps take."""
-    flat = topk_slots.reshape(-1).to(torch.int64)
-    n = flat.numel()
-    device = flat.device
-    key = torch.where(flat >= 0, flat, num_slots)  # skipped pairs sort last, into bin num_slots
-    counts = torch.zeros(num_slots + 1, dtype=torch.int64, device=device).scatter_add_(0, key, torch.ones_like(key))
-    counts = counts[:num_slots]
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = torch.cumsum(padded, 0)
-    padded_start = padded_end - padded
-    first = torch.cumsum(counts, 0) - counts
-    order = torch.argsort(key, stable=True)
-    sorted_key = key[order]
-    kept = sorted_key < num_slots
-    slot_of_sorted = sorted_key.clamp(max=num_slots - 1)
-    rank = torch.arange(n, device=device) - first[slot_of_sorted]
-    max_blocks = max_aligned_blocks(n, num_slots, block_m, max_distinct_slots)
-    trash = max_blocks * block_m  # skipped pairs are scattered here and never read
-    dest = torch.where(kept, padded_start[slot_of_sorted] + rank, trash)
-    sorted_pairs = torch.full((trash + 1,), n, dtype=torch.int32, device=device)
-    sorted_pairs.scatter_(0, dest, order.to(torch.int32))
-    block_rows = torch.arange(max_blocks, device=device) * block_m  # each block's first aligned row
-    idx = torch.searchsorted(padded_end, block_rows, right=True)
-    block_slot = torch.where(idx < num_slots, idx, -1).to(torch.int32)
-    if block_starts:
-        starts = torch.cat([padded_start, padded_end[-1:]]) // block_m
-        return sorted_pairs[:trash], block_slot, starts.to(torch.int32)
-    return sorted_pairs[:trash], block_slot
-
-
-def window_programs(num_pairs: int, num_positions: int, window: int, block_m: int, num_blocks: int) -> int:
-    """Programs along the blocks for a windowed launch (a streamed chunk of `window` of the layer's
-    `num_positions` staged experts): the window's blocks were the pairs spread evenly over the
-    positions, each position's share padded to whole blocks, at most the layer's `num_blocks`. An
-    over-estimate where the layer's pairs also go to cached experts; a window with more blocks (a skewed
-    routing) loops over them in the same programs."""
-    per_position = triton.cdiv(num_pairs, max(1, num_positions))
-    return max(1, min(num_blocks, window * triton.cdiv(per_position, block_m)))
-
-
-def align_pairs_by_slot_host(topk_slots: np.ndarray, block_m: int) -> tuple[np.ndarray, np.ndarray]:
-    """`align_pairs_by_slot` on the host (numpy), without the worst-case tail: exactly the real
-    blocks. int32 arrays, same layout and sentinel."""
-    flat = np.asarray(topk_slots, dtype=np.int64).reshape(-1)
-    n = flat.size
-    kept = np.flatnonzero(flat >= 0)
-    order = kept[np.argsort(flat[kept], kind="stable")]
-    slots, starts, counts = np.unique(flat[order], return_index=True, return_counts=True)
-    blocks = (counts + block_m - 1) // block_m
-    padded_start = (np.cumsum(blocks) - blocks) * block_m
-    sorted_pairs = np.full(int(blocks.sum()) * block_m, n, dtype=np.int32)
-    sorted_pairs[np.repeat(padded_start - starts, counts) + np.arange(order.size)] = order
-    return sorted_pairs, np.repeat(slots, blocks).astype(np.int32)
-
-
-SMALL_BLOCK_MAX_PAIRS = 1024  # steps of up to this many (token, k) pairs take the small block
-
-
-def block_m_for(num_pairs: int) -> int:
-    """Rows per program: small for decode (few tokens per expert), larger for prefill."""
-    return 16 if num_pairs <= SMALL_BLOCK_MAX_PAIRS else 64
-
-
-SLOT_WINDOW_ALL = (0, 2**31 - 1, 0)
-
-
 def grouped_expert_rows_triton(x, topk_slots, topk_weights, w13, w2, rows,
                                aligned: tuple[torch.Tensor, torch.Tensor] | None = None,
                                max_distinct_slots: int | None = None,
@@ -295,11 +183,9 @@ def grouped_expert_rows_triton(x, topk_slots, topk_weights, w13, w2, rows,
     computed, with the weights of slot b + shift (a streamed chunk: its experts' positions in the
     layer's list, and the staging slots they landed in), with no tensor made per chunk. With the
     block starts in `aligned` (`align_pairs_by_slot(..., block_starts=True)`), a window's launch is
-    sized for its own blocks (`window_programs`), read on the device, not for the layer's.
+    sized for its own blocks (`window_programs`, aligned_blocks.py), read on the device, not for the layer's.
     Quantized slots (`QuantizedFamily` w13, w2) go to their twin, quantized_expert_gemm.py."""
     if isinstance(w13, QuantizedFamily):
-        from ferry.kernels.quantized_expert_gemm import quantized_grouped_rows_triton  # it imports this module
-
         return quantized_grouped_rows_triton(x, topk_slots, topk_weights, w13, w2, rows, aligned, max_distinct_slots,
                                              slot_window)  # fmt: skip
     t, h = x.shape
@@ -330,23 +216,6 @@ def grouped_expert_rows_triton(x, topk_slots, topk_weights, w13, w2, rows,
         act, w2, rows, weights, sorted_pairs, block_slot, starts, num_pairs, h, inter, lo, hi, shift,
         act.stride(0), act.stride(1), w2.stride(0), w2.stride(1), w2.stride(2), **meta,
     )  # fmt: skip
-
-
-def launch_blocks(aligned: tuple[torch.Tensor, ...], num_pairs: int, block_m: int,
-                  slot_window: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:  # fmt: skip
-    """(sorted_pairs, block_slot, block_start or None, programs along the blocks) for a launch over
-    `aligned`: one program a block, or, for a window with its block starts given, `window_programs`
-    looping over the window's blocks (block_start None: every block is launched and checks its slot)."""
-    sorted_pairs, block_slot, *rest = aligned
-    num_blocks = block_slot.numel()
-    if not rest or slot_window == SLOT_WINDOW_ALL:
-        return sorted_pairs, block_slot, None, num_blocks
-    (block_start,) = rest
-    lo, hi, _ = slot_window
-    if not 0 <= lo <= hi < block_start.numel():
-        raise ValueError(f"slot window [{lo}, {hi}) outside the {block_start.numel() - 1} aligned slots")
-    return sorted_pairs, block_slot, block_start, window_programs(num_pairs, block_start.numel() - 1, hi - lo,
-                                                                  block_m, num_blocks)  # fmt: skip
 
 
 def grouped_expert_rows(x, topk_slots, topk_weights, w13, w2, rows, max_distinct_slots: int | None = None) -> None:

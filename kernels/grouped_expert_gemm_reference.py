@@ -6,12 +6,16 @@ weights' dtype; each (token, k) pair's weighted output is kept in float32 and th
 are summed in k order, so the result does not depend on which slots the experts occupy (an
 offloading cache and an all-resident store give the same bits). A slot of -1 skips its pair,
 which lets a caller compute a layer's experts in groups (e.g. while later groups are copied).
-This is the reference for the Triton kernel (`grouped_expert_gemm.py`) and the CPU path."""
+This is the reference for the Triton kernel (`grouped_expert_gemm.py`) and the CPU path; quantized
+slots (kernels/quantized_experts.py) are dequantized and computed the same way, the reference for
+their kernels (quantized_expert_gemm.py, quantized_expert_gemv.py)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from ferry.kernels.quantized_experts import QuantizedFamily, dequantize_slot
 
 
 def grouped_expert_rows_reference(
@@ -23,8 +27,6 @@ def grouped_expert_rows_reference(
     rows: torch.Tensor,  # [T, k, H] in float32 (or x's dtype: each row rounded once), written where topk_slots >= 0
 ) -> None:
     if not isinstance(w13, torch.Tensor):  # quantized slots (QuantizedFamily): dequantized, then computed here
-        from ferry.kernels.quantized_experts import quantized_expert_rows_reference  # it imports this module
-
         return quantized_expert_rows_reference(x, topk_slots, topk_weights, w13, w2, rows)
     for slot in torch.unique(topk_slots).tolist():
         if slot < 0:
@@ -47,3 +49,16 @@ def grouped_expert_forward_reference(
     rows = torch.zeros(x.shape[0], topk_slots.shape[1], x.shape[1], dtype=torch.float32, device=x.device)
     grouped_expert_rows_reference(x, topk_slots, topk_weights, w13, w2, rows)
     return rows.sum(dim=1).to(x.dtype)
+
+
+def quantized_expert_rows_reference(x: torch.Tensor, topk_slots: torch.Tensor, topk_weights: torch.Tensor,
+                                    w13: QuantizedFamily, w2: QuantizedFamily, rows: torch.Tensor) -> None:  # fmt: skip
+    """`grouped_expert_rows_reference` for quantized slots: each slot a pair routes to is
+    dequantized to x's dtype, then computed exactly as plain slots are (same rounding order)."""
+    for slot in torch.unique(topk_slots).tolist():
+        if slot < 0:
+            continue
+        g13 = dequantize_slot(w13, slot, x.dtype).unsqueeze(0)
+        g2 = dequantize_slot(w2, slot, x.dtype).unsqueeze(0)
+        one = torch.where(topk_slots == slot, 0, -1)
+        grouped_expert_rows_reference(x, one, topk_weights, g13, g2, rows)

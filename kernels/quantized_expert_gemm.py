@@ -1,6 +1,6 @@
 """Grouped expert GEMM by slot straight from quantized slots, in Triton: the NVFP4 and FP8-block
 twins of grouped_expert_gemm.py (same alignment, grid, slot window, fusions and rounding);
-reference: `quantized_expert_rows_reference` (kernels/quantized_experts.py).
+reference: `quantized_expert_rows_reference` (kernels/grouped_expert_gemm_reference.py).
 
 Each program dequantizes its slot's weight tile in registers (as `dequantize_slot` does, rounded to
 x's dtype: quantized_expert_gemv.py says why that gives the same values) and feeds it to tl.dot
@@ -16,24 +16,21 @@ dense copy of the weights exists. Every load is a whole tile (vectorised, and pi
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-from ferry.kernels.grouped_expert_gemm import (
-    _INTERPRETING,
-    SLOT_WINDOW_ALL,
-    _block_rows,
-    _window_blocks,
-    align_pairs_by_slot,
-    block_m_for,
-    launch_blocks,
-)
+from ferry.kernels.align_pairs import align_pairs_by_slot
+from ferry.kernels.aligned_blocks import SLOT_WINDOW_ALL, block_m_for, block_rows, launch_blocks, window_blocks
 from ferry.kernels.expert_rows_sum import check_rows
 from ferry.kernels.quantized_expert_gemv import _e2m1_high, _e2m1_low, check_quantized_families
 from ferry.kernels.quantized_experts import NVFP4, QuantizedFamily
 
 BLOCK_N = 64
+# The Triton interpreter (TRITON_INTERPRET=1, CPU tests) computes bf16 dots wrongly: upcast there.
+_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def block_k_for(fmt: str, block_m: int, dtype: torch.dtype) -> int:
@@ -72,7 +69,7 @@ def _nvfp4_gate_up_block(
 ):  # fmt: skip
     """_nvfp4_gate_up_kernel's work: block pid_m at slot `slot` (shifted), column tile pid_n."""
     slot = slot.to(tl.int64)
-    offs_m, pair, row_ok = _block_rows(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M)
+    offs_m, pair, row_ok = block_rows(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M)
     token = pair // top_k
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < I
@@ -121,8 +118,8 @@ def _nvfp4_gate_up_kernel(
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, WINDOWED: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(1)
-    if WINDOWED:  # the window's blocks only (grouped_expert_gemm.py)
-        first, last = _window_blocks(block_start_ptr, slot_lo, slot_hi)
+    if WINDOWED:  # the window's blocks only (aligned_blocks.py)
+        first, last = window_blocks(block_start_ptr, slot_lo, slot_hi)
         for pid_m in range(first + tl.program_id(0), last, tl.num_programs(0)):
             slot = tl.load(block_slot_ptr + pid_m) + slot_shift
             _nvfp4_gate_up_block(
@@ -147,7 +144,7 @@ def _nvfp4_down_block(
 ):  # fmt: skip
     """_nvfp4_down_kernel's work: block pid_m at slot `slot` (shifted), column tile pid_n."""
     slot = slot.to(tl.int64)
-    offs_m, pair, row_ok = _block_rows(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M)
+    offs_m, pair, row_ok = block_rows(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output features (H)
     n_ok = offs_n < H
     offs_k = tl.arange(0, BLOCK_K)  # reduction over I
@@ -183,8 +180,8 @@ def _nvfp4_down_kernel(
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, WINDOWED: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(1)
-    if WINDOWED:  # the window's blocks only (grouped_expert_gemm.py)
-        first, last = _window_blocks(block_start_ptr, slot_lo, slot_hi)
+    if WINDOWED:  # the window's blocks only (aligned_blocks.py)
+        first, last = window_blocks(block_start_ptr, slot_lo, slot_hi)
         for pid_m in range(first + tl.program_id(0), last, tl.num_programs(0)):
             slot = tl.load(block_slot_ptr + pid_m) + slot_shift
             _nvfp4_down_block(
@@ -210,7 +207,7 @@ def _fp8_gate_up_block(
 ):  # fmt: skip
     """_fp8_gate_up_kernel's work: block pid_m at slot `slot` (shifted), column tile pid_n."""
     slot = slot.to(tl.int64)
-    offs_m, pair, row_ok = _block_rows(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M)
+    offs_m, pair, row_ok = block_rows(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M)
     token = pair // top_k
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < I
@@ -252,8 +249,8 @@ def _fp8_gate_up_kernel(
 ):  # fmt: skip
     tl.static_assert(128 % BLOCK_K == 0, "a step must stay in one column block")
     pid_n = tl.program_id(1)
-    if WINDOWED:  # the window's blocks only (grouped_expert_gemm.py)
-        first, last = _window_blocks(block_start_ptr, slot_lo, slot_hi)
+    if WINDOWED:  # the window's blocks only (aligned_blocks.py)
+        first, last = window_blocks(block_start_ptr, slot_lo, slot_hi)
         for pid_m in range(first + tl.program_id(0), last, tl.num_programs(0)):
             slot = tl.load(block_slot_ptr + pid_m) + slot_shift
             _fp8_gate_up_block(
@@ -278,7 +275,7 @@ def _fp8_down_block(
 ):  # fmt: skip
     """_fp8_down_kernel's work: block pid_m at slot `slot` (shifted), column tile pid_n."""
     slot = slot.to(tl.int64)
-    offs_m, pair, row_ok = _block_rows(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M)
+    offs_m, pair, row_ok = block_rows(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output features (H)
     n_ok = offs_n < H
     offs_k = tl.arange(0, BLOCK_K)  # reduction over I
@@ -311,8 +308,8 @@ def _fp8_down_kernel(
 ):  # fmt: skip
     tl.static_assert(128 % BLOCK_K == 0, "a step must stay in one column block")
     pid_n = tl.program_id(1)
-    if WINDOWED:  # the window's blocks only (grouped_expert_gemm.py)
-        first, last = _window_blocks(block_start_ptr, slot_lo, slot_hi)
+    if WINDOWED:  # the window's blocks only (aligned_blocks.py)
+        first, last = window_blocks(block_start_ptr, slot_lo, slot_hi)
         for pid_m in range(first + tl.program_id(0), last, tl.num_programs(0)):
             slot = tl.load(block_slot_ptr + pid_m) + slot_shift
             _fp8_down_block(

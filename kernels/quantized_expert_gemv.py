@@ -1,6 +1,6 @@
 """Routed experts pair by pair (decode) straight from quantized slots, in Triton: the NVFP4 and
 FP8-block twins of expert_pair_gemv.py (same contract, grid and fusions); reference:
-`quantized_expert_rows_reference` (kernels/quantized_experts.py).
+`quantized_expert_rows_reference` (kernels/grouped_expert_gemm_reference.py).
 
 Why in registers: decode is paced by the bytes the GEMV reads, and a quantized slot holds 0.28
 (NVFP4) or 0.5 (FP8) of a bf16 slot's bytes; a dense copy would write and read the bf16 bytes on

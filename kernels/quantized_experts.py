@@ -1,5 +1,5 @@
 """Expert weights held quantized in their slots: what the expert GEMV/GEMM kernels read for the NVFP4
-and FP8-block formats, and the dequantizing reference twin (docs/ARCHITECTURE.md §3, "Expert formats").
+and FP8-block formats, and their dequantization (docs/ARCHITECTURE.md §3, "Expert formats").
 
 A quantized slot keeps each weight family of an expert (w13 = [gate; up] with [2I, H] values, w2 =
 down with [H, I]) as one row of bytes, so one expert is still one contiguous copy per family from
@@ -21,8 +21,9 @@ the same layout). `QuantizedFamily` holds the typed strided views of those parts
   row_block(o) = (o // part_rows) * ceil(part_rows / 128) + (o % part_rows) // 128.
 
 Dequantization is computed in float32 and rounded once to the activations' dtype; the kernels do
-the same per element, so the reference below (dequantize the slot, then the plain reference GEMM)
-is their twin. The e2m1 magnitudes by code (bits 0-2; bit 3 is the sign): 0, 0.5, 1, 1.5, 2, 3, 4, 6.
+the same per element, so the reference (dequantize the slot, then the plain reference GEMM:
+`quantized_expert_rows_reference`, kernels/grouped_expert_gemm_reference.py) is their twin.
+The e2m1 magnitudes by code (bits 0-2; bit 3 is the sign): 0, 0.5, 1, 1.5, 2, 3, 4, 6.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ferry.kernels.grouped_expert_gemm_reference import grouped_expert_rows_reference
 # the formats' names and constants have one owner, the torch-free layout module
 from ferry.plan.expert_formats import E2M1_VALUES, FP8_BLOCK, FP8_BLOCK_SIZE, NVFP4, NVFP4_GROUP  # noqa: F401
 from ferry.shared.units import ceil_div
@@ -111,16 +111,3 @@ def dequantize_slot(family: QuantizedFamily, slot: int, dtype: torch.dtype) -> t
     if family.fmt == FP8_BLOCK:
         return dequantize_fp8_blocks(family.q[slot], family.scale[slot], family.part_rows, dtype)
     raise ValueError(f"unknown quantized expert format {family.fmt!r}")
-
-
-def quantized_expert_rows_reference(x: torch.Tensor, topk_slots: torch.Tensor, topk_weights: torch.Tensor,
-                                    w13: QuantizedFamily, w2: QuantizedFamily, rows: torch.Tensor) -> None:  # fmt: skip
-    """`grouped_expert_rows_reference` for quantized slots: each slot a pair routes to is
-    dequantized to x's dtype, then computed exactly as plain slots are (same rounding order)."""
-    for slot in torch.unique(topk_slots).tolist():
-        if slot < 0:
-            continue
-        g13 = dequantize_slot(w13, slot, x.dtype).unsqueeze(0)
-        g2 = dequantize_slot(w2, slot, x.dtype).unsqueeze(0)
-        one = torch.where(topk_slots == slot, 0, -1)
-        grouped_expert_rows_reference(x, one, topk_weights, g13, g2, rows)

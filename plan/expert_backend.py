@@ -17,6 +17,7 @@ The host's threads: `--host-expert-threads N`, default the physical cores minus 
 processes' threads and one for the rest of the machine), pinned one a physical core to the last cores,
 the pool's caller (the thread that runs a decode graph's host nodes) on the first of them
 (`--host-expert-cpus auto|none|LIST`; chosen_host_cpus). Nothing here imports torch: `ferry plan` shows the choice.
+The worker wires the choice at boot, one object a kind: services/worker/offload/expert_backends.py.
 """
 
 from __future__ import annotations

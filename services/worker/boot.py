@@ -31,18 +31,20 @@ from ferry.services.worker.device_memory import OutsideAllocatorProbe
 from ferry.plan.outside_memory import OutsideMemory
 from ferry.shared.eos import eos_token_ids
 from ferry.services.worker.executor import StepExecutor
+from ferry.services.worker.experts import ExpertStore
 from ferry.services.worker.dummy_weights import iter_dummy_experts
 from ferry.services.worker.late_bound_experts import LateBoundExperts
 from ferry.services.worker.flags import WorkerBootConfig, copy_engine_tokens, ring_chunk
 from ferry.services.worker.loader import ModelFiles, open_model, resident_weights, routed_expert_weights
 from ferry.plan.expert_parallel import check_ranks_host, nccl_workspace_bytes, rank_spec
 from ferry.services.worker.offload.build import build_expert_store, host_banks_for, is_offloaded
+from ferry.services.worker.offload.expert_backends import expert_backend_for
 from ferry.services.worker.offload.expert_parallel import ExpertParallelExperts
 from ferry.services.worker.offload.host_banks import mem_available_bytes
 from ferry.services.worker.offload.host_pages import anon_huge_bytes, huge_pages_wanted, thp_mode
 from ferry.plan.plan_report import plan_detail_fields, plan_log_fields
 from ferry.plan.planner import DEFAULT_MAX_PREFILL_TOKENS, Measured, Plan, PlanRequest, Resolved, resolve
-from ferry.services.worker.pools import TORCH_DTYPES, allocate_pools
+from ferry.services.worker.pools import TORCH_DTYPES, Pools, allocate_pools
 from ferry.plan.prefill_chunk import plan_with_prefill_chunk
 from ferry.services.worker.decode_graphs import DecodeGraphs, graph_buckets
 from ferry.services.worker.warmup import real_warmup_shapes, warm_up, warmup_shapes
@@ -167,14 +169,29 @@ def boot_worker(cfg: WorkerBootConfig) -> tuple[StepExecutor, Plan]:
         torch.cuda.reset_peak_memory_stats(device)
         probe = OutsideAllocatorProbe(device)
     booted = _load_and_plan(cfg, files, r, device, free, free_source, graphs_wanted, probe)
-    booted["baseline_reserved"] = baseline
     # the plan sized the running requests (plan/memory_defaults.py), and with them the decode graphs' batches
-    buckets = graph_buckets(files.spec.num_experts_per_tok, booted["plan"].max_running_requests)
-    return _finish_boot(files, booted, r, device, req, free, graphs_wanted, buckets, probe)
+    buckets = graph_buckets(files.spec.num_experts_per_tok, booted.plan.max_running_requests)
+    return _finish_boot(files, booted, r, device, req, free, buckets, probe, baseline)
+
+
+@dataclasses.dataclass(frozen=True)
+class Booted:
+    """What loading and planning hand the rest of boot (`_load_and_plan` to `_finish_boot`)."""
+
+    model: torch.nn.Module  # its dense and routed weights loaded
+    plan: Plan
+    pools: Pools
+    store: ExpertStore  # bound to the model's MoE layers
+    graph_bytes: int | None  # the decode graphs' bytes profiled for the plan's step; None: no graphs profiled
+    experts_started: float  # monotonic seconds when the routed experts began to load
+    loading_peak_reserved: int  # the allocator's peak while the dense weights loaded (0 off CUDA)
+    # expert-parallel ranks draw the same noise for unseeded requests: their samples, and so the tokens a
+    # step scheduled ahead is fed on each rank, are the same (services/worker/expert_ranks.py)
+    sampler_seed: int | None
 
 
 def _load_and_plan(cfg: WorkerBootConfig, files: ModelFiles, r: Resolved, device: torch.device, free: int | None,
-                   free_source: str, graphs_wanted: bool, probe: OutsideAllocatorProbe | None) -> dict:  # fmt: skip
+                   free_source: str, graphs_wanted: bool, probe: OutsideAllocatorProbe | None) -> Booted:  # fmt: skip
     """Build the model, load its dense weights, then (between the two weight passes) measure,
     plan, allocate the pools and bind the expert store, then load the routed experts. Returns
     what the rest of boot needs: model, plan, pools, store and the measurements."""
@@ -188,16 +205,20 @@ def _load_and_plan(cfg: WorkerBootConfig, files: ModelFiles, r: Resolved, device
     before = _reserved(device)
     experts = LateBoundExperts(spec.num_experts)
     model = build_model(spec, dtype, device, experts)
-    # expert-parallel ranks draw the same noise for unseeded requests: their samples, and so the tokens a
-    # step scheduled ahead is fed on each rank, are the same (services/worker/expert_ranks.py)
-    booted: dict = {"model": model, "sampler_seed": cfg.sampler_seed}
+    # a step's workspace and decode graphs' bytes, profiled once each: the chunk chooser asks for a step again
+    workspace_by_step: dict[tuple[int, int, int], int] = {}
+    graph_bytes_by_step: dict[tuple[int, int, int], int | None] = {}
+    booted: Booted | None = None
+    expert_device = device  # where the routed experts are read to: set by the plan (host banks: the CPU)
 
     def plan_and_allocate() -> None:
         """Runs between the two weight passes: the dense weights are in, the experts not yet."""
+        nonlocal booted, expert_device
+        loading_peak = 0
         if device.type == "cuda":
             weights = _reserved(device) - before  # with the allocator's segment rounding
             # profiling resets the allocator's peak counters: keep the peak of loading
-            booted["loading_peak_reserved"] = torch.cuda.max_memory_reserved(device)
+            loading_peak = torch.cuda.max_memory_reserved(device)
         else:
             weights = _tensor_bytes(model)
 
@@ -215,22 +236,20 @@ def _load_and_plan(cfg: WorkerBootConfig, files: ModelFiles, r: Resolved, device
             if device.type == "cuda":
                 # a chunk too long for this card is a PlanError: the chooser tries a shorter one; a step asked for
                 # again (the same chunk under other snapshot counts) is not run again
-                profiled = booted.setdefault("workspace_by_step", {})
                 step_key = (step.max_prefill_tokens, step.max_running_requests, step.max_model_len)
-                if step_key not in profiled:
-                    profiled[step_key] = profiled_or_plan_error(
+                if step_key not in workspace_by_step:
+                    workspace_by_step[step_key] = profiled_or_plan_error(
                         lambda: profile_workspace_cuda(model, experts, spec, step, device), step.max_prefill_tokens,
                         release=torch.cuda.empty_cache)  # fmt: skip
-                workspace = profiled[step_key]
+                workspace = workspace_by_step[step_key]
                 buckets = graph_buckets(spec.num_experts_per_tok, step.max_running_requests)
-                graph_bytes = booted.setdefault("graph_bytes_by_step", {})
                 key = _graph_key(step.max_running_requests, step.max_model_len, step.page_size)
-                if graphs_wanted and buckets and key not in graph_bytes:  # the decode graphs' pool and buffers
-                    graph_bytes[key] = profile_decode_graphs_cuda(model, experts, spec, step, device, buckets)
+                if graphs_wanted and buckets and key not in graph_bytes_by_step:  # the decode graphs' pool and buffers
+                    graph_bytes_by_step[key] = profile_decode_graphs_cuda(model, experts, spec, step, device, buckets)
                 source = "profiled"
-                if graph_bytes.get(key) is not None:
-                    workspace += graph_bytes[key]
-                    source = f"profiled, {format_bytes(graph_bytes[key])} of it decode graphs"
+                if graph_bytes_by_step.get(key) is not None:
+                    workspace += graph_bytes_by_step[key]
+                    source = f"profiled, {format_bytes(graph_bytes_by_step[key])} of it decode graphs"
                 outside = probe.outside(budget_from_gpu_memory=req.gpu_memory is not None)  # profiling loads kernels
             else:
                 workspace = workspace_bytes_estimate(spec, r.dtype, step.max_prefill_tokens, step.max_running_requests,
@@ -269,16 +288,18 @@ def _load_and_plan(cfg: WorkerBootConfig, files: ModelFiles, r: Resolved, device
             store.set_routers([layer.mlp.gate.weight for layer in model.layers if hasattr(layer.mlp, "gate")])
         experts.bind(store)
         # an offloaded store's experts go to host banks: read them to CPU, never through the device
-        graph_bytes = booted.get("graph_bytes_by_step", {}).get(
-            _graph_key(plan.max_running_requests, plan.max_model_len, plan.kv.page_size))
-        booted.update(plan=plan, pools=pools, store=store, expert_device=torch.device("cpu") if banks else device,
-                      experts_started=time.monotonic(), graph_bytes=graph_bytes)  # fmt: skip
+        expert_device = torch.device("cpu") if banks else device
+        graph_key = _graph_key(plan.max_running_requests, plan.max_model_len, plan.kv.page_size)
+        booted = Booted(model, plan, pools, store, graph_bytes_by_step.get(graph_key), experts_started=time.monotonic(),
+                        loading_peak_reserved=loading_peak, sampler_seed=cfg.sampler_seed)  # fmt: skip
 
     dummy = files.load_format == "dummy"
     progress = _progress_bars()
-    expert_pass = (lambda: ()) if dummy else (lambda: routed_expert_weights(files, dtype, booted["expert_device"], progress))
+    expert_pass = (lambda: ()) if dummy else (lambda: routed_expert_weights(files, dtype, expert_device, progress))
     model.load_weights(chain(resident_weights(files, dtype, device, progress), _then(plan_and_allocate, expert_pass)),
                        routed_experts=not dummy)  # fmt: skip
+    if booted is None:  # load_weights reads every tensor it is given, the planning step's tail among them
+        raise RuntimeError("the model's load_weights stopped before the routed experts: nothing was planned")
     return booted
 
 
@@ -311,138 +332,26 @@ def _ranks_host_checked(plan: Plan, cfg: WorkerBootConfig, world: int) -> Plan:
     return dataclasses.replace(plan, host=host)
 
 
-def _attach_host_share(store, spec, plan: Plan, dtype: torch.dtype, device: torch.device) -> None:
-    """--expert-backend hybrid | cpu | auto (plan.expert_backend): the host's share of streamed prefills
-    (offload/host_share.py) and of decode layers (offload/host_decode.py), their costs measured here on
-    this machine's paths and logged. `cpu` hands the host every miss; `auto` keeps the decode share only
-    where the calibration says the host shortens a decode layer, and no prefill share (prefill_share)."""
-    from ferry.services.worker.offload.device_store import DeviceDrivenExperts
-    from ferry.services.worker.offload.host_experts import HostExperts
-    from ferry.services.worker.offload.host_share import HostCost, HostShare, calibrate
-    from ferry.plan.expert_backend import format_cpu_list
-
-    chosen = plan.expert_backend
-    why = ("the model runs on the CPU: every expert is computed there already" if device.type != "cuda" else
-           "every expert has a GPU slot" if not isinstance(store, DeviceDrivenExperts) else
-           "the plan has no staging slots for prefills to stream through" if store.ring is None else None)  # fmt: skip
-    if why is not None:
-        log.info("host_share_off", reason=why, expert_backend=chosen.requested)
-        return
-    threads = chosen.host_threads
-    cpus = chosen.host_cpus
-    experts = HostExperts(store.banks, dtype, threads, cpus=cpus)
-    pinned = experts.c_kernel.pinned if experts.c_kernel is not None else 0
-    cost = calibrate(store, experts, device)
-    log.info("host_share", expert_backend=chosen.backend, requested=chosen.requested, threads=threads,
-             threads_from=chosen.reason, backend=experts.backend, cpus=format_cpu_list(cpus), workers_pinned=pinned,
-             pcie_us=round(cost.pcie_s * 1e6, 1),
-             host_us_at_1=round(cost.host_s_at_1 * 1e6, 1), host_us_per_token=round(cost.host_s_per_token * 1e6, 2),
-             overhead_us=round(cost.overhead_s * 1e6, 1))  # fmt: skip
-    split = HostCost(1.0, 0.0, 0.0, 0.0) if chosen.backend == "cpu" else cost  # cpu: the host takes every miss
-    if chosen.prefill_share:
-        store.host_share = HostShare(experts, split, plan.max_prefill_tokens, spec.num_experts_per_tok, device)
-    else:
-        log.info("host_prefill_share_off", reason="auto: the host's share lengthened prefill steps on the H200 "
-                                                  "(--expert-backend hybrid keeps it)")  # fmt: skip
-    _attach_host_decode(store, spec, experts, cost, device, chosen.backend, chosen.requested == "auto")
-
-
-def _attach_host_decode(store, spec, experts, cost, device: torch.device, backend: str, auto: bool) -> None:
-    """The host's share of decode layers' misses (offload/host_decode.py): a host node in the decode
-    graph, so only the C kernel (no Python, no GIL where it runs); its hand-off measured here."""
-    from ferry.kernels.expert_host_handoff import host_count_reference
-    from ferry.kernels.expert_pair_gemv import PAIR_KERNEL_MAX_PAIRS
-    from ferry.services.worker.offload.host_decode import HostDecodeShare, LinkTraffic, calibrate_handoff
-    from ferry.services.worker.offload.host_handoff import choose_handoff, resolve_handoff
-    from ferry.services.worker.offload.share_guard import ShareGuard
-
-    if experts.c_kernel is None:
-        log.info("host_decode_off", reason="the host's C expert kernel is not available here (host_experts_torch_path "
-                                           "says why): a graph's host node runs it without Python")  # fmt: skip
-        return
-    k = spec.num_experts_per_tok
-    ns = [round(v * 1e9) for v in (cost.pcie_s, cost.host_s_at_1, cost.host_s_per_token)]
-    share = HostDecodeShare(experts.c_kernel, (*ns, 0), max(1, PAIR_KERNEL_MAX_PAIRS // k), k, spec.num_experts,
-                            device)  # fmt: skip
-    try:
-        wanted = resolve_handoff()
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    # each hand-off timed on an idle link and beside the decode path's own copies (LinkTraffic): in service
-    # the next layer's prefetch crosses while a layer's share is with the host, and that is the price the
-    # split and the choice between the two hand-offs need (an H100's polled round: 9 µs idle, 157 beside it)
-    # (--expert-backend cpu: the host takes every miss, nothing crosses beside the hand-off, the idle figure)
-    cuda = torch.device(device).type == "cuda"
-    traffic = LinkTraffic(store.banks, store.ring, device) if cuda and backend != "cpu" else None
-    node_idle_s = calibrate_handoff(share, store.cache)
-    overhead = node_s = calibrate_handoff(share, store.cache, traffic=traffic) if traffic else node_idle_s
-    poll_s = poll_idle_s = None
-    if wanted != "node":  # the polled hand-off (offload/host_handoff.py), kept where asked or where it is faster
-        try:
-            share.use_poll()
-            poll_idle_s = calibrate_handoff(share, store.cache)
-            poll_s = calibrate_handoff(share, store.cache, traffic=traffic) if traffic else poll_idle_s
-        except RuntimeError as exc:  # not capturable here, or unanswered: the host node stays
-            log.warning("host_decode_poll_off", reason=str(exc).splitlines()[0][:300])
-    if choose_handoff(wanted, node_s, poll_s) == "poll":
-        overhead = poll_s
-    else:
-        share.use_node()
-    measured = (*ns, round(overhead * 1e9))
-    # a single stream's layer misses about k x (the share of experts without a slot) experts of one token
-    # each (before prefetch): the hand-off runs on every layer, so auto keeps it only where the host takes
-    # some of a layer that misses that many
-    typical = max(1, round(k * (1 - store.policy.num_slots / max(store.policy.num_layers * spec.num_experts, 1))))
-    takes = host_count_reference(typical, typical, measured)
-    fields = dict(pcie_us=round(cost.pcie_s * 1e6, 1), host_us_at_1=round(cost.host_s_at_1 * 1e6, 1),
-                  handoff_us=round(overhead * 1e6, 1), handoff=share.handoff, handoff_node_us=round(node_s * 1e6, 1),
-                  handoff_poll_us=None if poll_s is None else round(poll_s * 1e6, 1),
-                  handoff_node_idle_us=round(node_idle_s * 1e6, 1),
-                  handoff_poll_idle_us=None if poll_idle_s is None else round(poll_idle_s * 1e6, 1),
-                  typical_misses=typical,
-                  host_takes=takes, max_tokens=share.max_tokens,  # caller_pinned 1: the nodes' thread on its CPU
-                  caller_pinned=share.kernel.caller_pinned)  # fmt: skip
-    if auto and not takes:
-        share.use_node()  # no share: its polling thread, if any, stops
-        fields["handoff"] = share.handoff
-        log.info("host_decode_off", reason="auto: by the calibration the host shortens no decode layer missing "
-                                           f"{typical} of its {k} experts", **fields)  # fmt: skip
-        return
-    share.costs_ns = (1, 0, 0, 0) if backend == "cpu" else measured  # cpu: every miss to the host
-    if auto:  # auto keeps the share only while the decode steps with it are shorter (offload/share_guard.py)
-        share.guard = ShareGuard()
-    share.refines = backend != "cpu"  # cpu's costs are a rule, not prices to refine
-    if share.refines and store.host_share is not None:  # the prefill's share is priced by the same host
-        share.on_refined = store.host_share.follow_host_price
-    if backend == "cpu" and store.prefetch_enabled:  # a prefetch would copy over PCIe what the host computes
-        store.prefetch_enabled = False
-        log.info("expert_prefetch_off", reason="--expert-backend cpu: the host computes every miss")
-    store.host_decode = share
-    log.info("host_decode", **fields)
-
-
-def _finish_boot(files: ModelFiles, booted: dict, r: Resolved, device: torch.device, req: PlanRequest,
-                 free: int | None, graphs_wanted: bool, buckets: list[int],
-                 probe: OutsideAllocatorProbe | None) -> tuple[StepExecutor, Plan]:  # fmt: skip
-    """Load dummy experts, warm the offload store's slots, capture the decode graphs, check the
-    budget was kept, log the plan, and hand back the executor."""
-    spec, dtype, model = files.spec, TORCH_DTYPES[r.dtype], booted["model"]
+def _finish_boot(files: ModelFiles, booted: Booted, r: Resolved, device: torch.device, req: PlanRequest,
+                 free: int | None, buckets: list[int], probe: OutsideAllocatorProbe | None,
+                 baseline_reserved: int) -> tuple[StepExecutor, Plan]:  # fmt: skip
+    """Load dummy experts, warm the offload store's slots, attach the plan's expert backend, capture the
+    decode graphs, check the budget was kept (`baseline_reserved`: what the process held before this boot),
+    log the plan, and hand back the executor."""
+    spec, dtype, model, plan, store = files.spec, TORCH_DTYPES[r.dtype], booted.model, booted.plan, booted.store
     dummy = files.load_format == "dummy"
-    plan: Plan = booted["plan"]
-    store = booted["store"]
     if dummy:
         _load_dummy_experts(store, spec, dtype, device)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the expert pass's staging tensors are not part of the plan
     preloaded = store.preload()  # an offload store warms its free slots; the all-resident one has nothing to do
-    log.info("experts_loaded", seconds=round(time.monotonic() - booted["experts_started"], 3),
+    log.info("experts_loaded", seconds=round(time.monotonic() - booted.experts_started, 3),
              source="dummy" if dummy else "checkpoint", preloaded_slots=preloaded, expert_format=plan.experts.format,
              expert_store=store.report()["policy"])  # fmt: skip
-    if plan.expert_backend.backend != "gpu":  # measured on the loaded banks
-        _attach_host_share(store, spec, plan, dtype, device)
+    expert_backend_for(plan.expert_backend).attach(store, spec, plan, dtype, device)  # measured on the loaded banks
     if device.type == "cuda":  # first-use compiles and tunings at boot, not inside a request
         t0 = time.monotonic()
-        ran = warm_up(model, booted["pools"], plan.kv.page_size, device,
+        ran = warm_up(model, booted.pools, plan.kv.page_size, device,
                       warmup_shapes(plan.max_prefill_tokens, plan.max_running_requests),
                       real_warmup_shapes(plan.max_prefill_tokens, plan.max_running_requests),
                       max_prefill_tokens=plan.max_prefill_tokens)  # fmt: skip
@@ -452,17 +361,17 @@ def _finish_boot(files: ModelFiles, booted: dict, r: Resolved, device: torch.dev
     below = getattr(store, "copy_engine_tokens", None)
     if below is not None:
         buckets = graph_buckets(spec.num_experts_per_tok, plan.max_running_requests, below=below)
-    graphs = _capture_graphs(model, booted["pools"], spec, plan, device, buckets, booted["graph_bytes"], store) \
-        if booted.get("graph_bytes") is not None and buckets else None  # fmt: skip
+    graphs = _capture_graphs(model, booted.pools, spec, plan, device, buckets, booted.graph_bytes, store) \
+        if booted.graph_bytes is not None and buckets else None  # fmt: skip
     if device.type == "cuda":
         _restart_statistics(store)  # the warm-up and the captures ran padding rows only
-    _check_budget(device, req, free, booted.get("loading_peak_reserved", 0), booted["baseline_reserved"], probe)
+    _check_budget(device, req, free, booted.loading_peak_reserved, baseline_reserved, probe)
     log.info("plan", **plan_log_fields(plan))
     log.debug("plan_detail", **plan_detail_fields(plan), model=str(files.model_dir), device=str(device),
               load_format=files.load_format, cuda_graphs=graphs.buckets if graphs is not None else None)  # fmt: skip
-    return StepExecutor(model, booted["pools"], spec, plan, device, store=store, graphs=graphs,
+    return StepExecutor(model, booted.pools, spec, plan, device, store=store, graphs=graphs,
                         tokenizer_dir=files.model_dir, eos_token_ids=eos_token_ids(files.model_dir),
-                        sampler_seed=booted.get("sampler_seed")), plan  # fmt: skip
+                        sampler_seed=booted.sampler_seed), plan  # fmt: skip
 
 
 def _capture_graphs(model, pools, spec, plan: Plan, device: torch.device, buckets: list[int], priced: int, store):

@@ -4,8 +4,8 @@ streamed steps' sizes (skipped without CUDA)."""
 import pytest
 import torch
 
-from ferry.kernels.align_pairs import align_pairs_by_slot_triton
-from ferry.kernels.grouped_expert_gemm import align_pairs_by_slot, align_pairs_by_slot_reference, max_aligned_blocks
+from ferry.kernels.align_pairs import align_pairs_by_slot, align_pairs_by_slot_triton
+from ferry.kernels.align_pairs_reference import align_pairs_by_slot_reference, max_aligned_blocks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

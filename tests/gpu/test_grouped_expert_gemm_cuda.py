@@ -37,7 +37,8 @@ def test_matches_the_reference_at_real_shapes(tokens, dtype):
 def _staged_layer(fmt, tokens, experts, staged, top_k, skewed, g):
     """A streamed layer of the 35B's expert shapes: `staged` of `experts` experts in the ring (positions
     0..staged-1, the rest -1: cached or the host's), the staged weights in a bay family of 12 slots."""
-    from ferry.kernels.grouped_expert_gemm import align_pairs_by_slot, block_m_for
+    from ferry.kernels.align_pairs import align_pairs_by_slot
+    from ferry.kernels.aligned_blocks import block_m_for
 
     hidden, inter = 2048, 512
     x = torch.randn(tokens, hidden, device="cuda", generator=g).to(torch.bfloat16)
@@ -73,7 +74,8 @@ def test_a_window_launched_over_its_own_blocks_gives_the_full_grids_bits(fmt, to
     """The streamed prefill's chunks (device_store._stream_staged): launched over their own blocks from the
     aligned block starts, looping where a window has more blocks than programs, the rows are bit for bit
     those of the launch over every block of the layer (the same tiles, the same order within each)."""
-    from ferry.kernels.grouped_expert_gemm import grouped_expert_rows_triton, launch_blocks
+    from ferry.kernels.aligned_blocks import launch_blocks
+    from ferry.kernels.grouped_expert_gemm import grouped_expert_rows_triton
 
     g = torch.Generator(device="cuda").manual_seed(tokens + skewed)
     staged = 230 if tokens == 8192 else 176  # the 35B at 131k context; issue 23's warm step on the 8-layer cut

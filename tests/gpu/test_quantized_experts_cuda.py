@@ -32,7 +32,7 @@ def _family(fmt: str, slots: int, hidden: int, inter: int, seed: int):
 @pytest.mark.parametrize("tokens", [1, 8, 300])
 def test_quantized_kernels_equal_their_twin_at_35b_shapes(cuda_device, fmt, tokens):
     from ferry.kernels.grouped_expert_gemm import grouped_expert_forward
-    from ferry.kernels.quantized_experts import quantized_expert_rows_reference
+    from ferry.kernels.grouped_expert_gemm_reference import quantized_expert_rows_reference
 
     torch.manual_seed(0)
     w13, w2 = _family(fmt, 24, 2048, 512, seed=1)

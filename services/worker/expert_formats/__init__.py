@@ -6,6 +6,7 @@
 * `nvfp4.py`, `fp8_block.py`: the checkpoint's quantized experts kept quantized in host RAM, across
   PCIe and in their slots (one byte row per weight family: plan/expert_formats.py prices it), and
   computed from there by the kernels, which dequantize in registers (kernels/quantized_experts.py).
+Each checks an expert's checkpoint shapes with `expert_shapes.py`, which the packed banks share.
 
 Every format answers the same questions (`ExpertFormat`): how one expert's checkpoint tensors are
 written into a slot or bank row, what the expert GEMV/GEMM read (views of the slot tensors), and
@@ -38,14 +39,6 @@ class ExpertFormat(Protocol):
 
     # quantized formats also have fill_dummy_layer(w13 [E, ...], w2 [E, ...], layer, seed): --load-format
     # dummy's deterministic weights for one MoE layer's rows (bf16 ones come from dummy_weights.py)
-
-
-def check_expert_shapes(where: str, gate, up, down, inter: int, hidden: int) -> None:
-    """An expert in checkpoint layout: gate and up [I, H], down [H, I] (tensors or QuantizedWeights,
-    by their logical shape); a ValueError naming `where` and the tensor."""
-    for name, t, shape in (("gate", gate, (inter, hidden)), ("up", up, (inter, hidden)), ("down", down, (hidden, inter))):
-        if tuple(t.shape) != shape:
-            raise ValueError(f"{where}: {name} has shape {tuple(t.shape)}, expected {shape}")
 
 
 def expert_format_for(spec: ModelSpec, dtype: torch.dtype) -> ExpertFormat:

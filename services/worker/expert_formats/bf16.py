@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ferry.services.worker.expert_formats import check_expert_shapes
+from ferry.services.worker.expert_formats.expert_shapes import check_expert_shapes
 from ferry.services.worker.quantized_weight import QuantizedWeight
 
 

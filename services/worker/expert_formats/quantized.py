@@ -13,7 +13,7 @@ import torch
 from ferry.kernels.quantized_experts import QuantizedFamily
 from ferry.plan import expert_formats as F
 from ferry.services.worker.dummy_weights import name_seed
-from ferry.services.worker.expert_formats import check_expert_shapes
+from ferry.services.worker.expert_formats.expert_shapes import check_expert_shapes
 from ferry.services.worker.quantized_weight import QuantizedWeight
 
 TORCH_PART_DTYPES = {"uint8": torch.uint8, "float8_e4m3fn": torch.float8_e4m3fn, "float32": torch.float32}

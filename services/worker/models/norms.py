@@ -6,8 +6,8 @@ model dtype; `ZeroCenteredRMSNorm` (qwen3_next, qwen3_5_moe) stores w around 0, 
 (1 + w) in float32 and casts last; `GatedRMSNorm` (Gated DeltaNet output) is a plain RMSNorm
 followed by a SiLU gate computed in float32.
 
-All three run as one Triton kernel on CUDA (kernels/rms_norm.py), the
-code here being the CPU path and the kernel's reference twin. `forward_add(x, residual)` is the
+All three run as one Triton kernel on CUDA (kernels/rms_norm.py), and on CPU as its reference
+twin (kernels/rms_norm_reference.py). `forward_add(x, residual)` is the
 pre-norm residual step `residual = residual + x; return norm(residual), residual`, fused into that
 one kernel on CUDA (bit for bit what adding first and normalising after gives on CPU), and x
 may be a MoE block's unsummed rows, which the kernel sums first."""
@@ -15,17 +15,12 @@ may be a MoE block's unsummed rows, which the kernel sums first."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ferry.kernels.dispatch import use_triton
 from ferry.kernels.expert_rows_sum import ExpertRows, summed
 from ferry.kernels.rms_norm import rms_norm_triton
-
-
-def _normalise(x: torch.Tensor, eps: float) -> torch.Tensor:
-    x = x.float()
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+from ferry.kernels.rms_norm_reference import gated_rms_norm_reference, rms_norm_reference
 
 
 class _FusableRMSNorm(nn.Module):
@@ -51,19 +46,15 @@ class _FusableRMSNorm(nn.Module):
         return self.reference(residual), residual
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        return rms_norm_reference(x, self.weight, self.eps, self.zero_centered)
 
 
 class RMSNorm(_FusableRMSNorm):
-    def reference(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * _normalise(x, self.eps).to(x.dtype)
+    pass
 
 
 class ZeroCenteredRMSNorm(_FusableRMSNorm):
     zero_centered = True
-
-    def reference(self, x: torch.Tensor) -> torch.Tensor:
-        return (_normalise(x, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
 
 
 class GatedRMSNorm(nn.Module):
@@ -78,8 +69,7 @@ class GatedRMSNorm(nn.Module):
         return self.reference(x, gate)
 
     def reference(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        y = self.weight * _normalise(x, self.eps).to(x.dtype)
-        return (y * F.silu(gate.float())).to(x.dtype)
+        return gated_rms_norm_reference(x, gate, self.weight, self.eps)
 
 
 def make_norm(zero_centered: bool, dim: int, eps: float, dtype: torch.dtype, device=None) -> _FusableRMSNorm:

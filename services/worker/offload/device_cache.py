@@ -65,6 +65,7 @@ class DeviceExpertCache:
         self.prefetch_misses, self.prefetch_count = st["prefetch_misses"], st["prefetch_count"]
         self.copy_stamps = st["copy_stamps"]
         self.max_pairs = self.hit_slots.shape[0]
+        self.slot_tile: int | None = None  # the kernel's slot tile (None: its default); tests make it small
         self.load_from(policy)
 
     # ---- state -------------------------------------------------------------------------------
@@ -103,14 +104,15 @@ class DeviceExpertCache:
         topk_ids [T, k] (later rows are padding: their pairs get slot -1 in both outputs); victims
         from layers below `evict_below` first (a prefill's passed layers, policy.py)."""
         call = self._call(layer, topk_ids, LOOKUP)
-        launch(LOOKUP, self.policy_code, topk_ids, n_rows, layer, self, call, evict_below=evict_below)
+        launch(LOOKUP, self.policy_code, topk_ids, n_rows, layer, self, call, evict_below=evict_below,
+               tile=self.slot_tile)
         return call
 
     def stream_lookup(self, layer: int, topk_ids: torch.Tensor, n_rows: torch.Tensor) -> CacheCall:
         """The twin's `stream_lookup`: the hits' slots (`hit_slots`; -1 for every other pair), the
         replacement state and counters updated, nothing placed (a prefill streams the rest)."""
         call = self._call(layer, topk_ids, LOOKUP)
-        launch(STREAM, self.policy_code, topk_ids, n_rows, layer, self, call)
+        launch(STREAM, self.policy_code, topk_ids, n_rows, layer, self, call, tile=self.slot_tile)
         return call
 
     def prefetch(self, layer: int, predicted_ids: torch.Tensor, n_rows: torch.Tensor, guard: CacheCall,
@@ -120,7 +122,8 @@ class DeviceExpertCache:
         (the host's share of decode layers, host_decode.py) none for the host's share of them."""
         call = self._call(layer, predicted_ids, PREFETCH)
         launch(PREFETCH, self.policy_code, predicted_ids, n_rows, layer, self, call,
-               guard=(guard.hit_slots, guard.miss_slots), evict_below=evict_below, host_costs=host_costs)  # fmt: skip
+               guard=(guard.hit_slots, guard.miss_slots), evict_below=evict_below, host_costs=host_costs,
+               tile=self.slot_tile)  # fmt: skip
         return call
 
     def _call(self, layer: int, ids: torch.Tensor, mode: int) -> CacheCall:

@@ -50,14 +50,12 @@ import structlog
 import torch
 import torch.nn.functional as F
 
+from ferry.kernels.align_pairs import align_pairs_by_slot
+from ferry.kernels.aligned_blocks import SMALL_BLOCK_MAX_PAIRS, block_m_for
 from ferry.kernels.expert_pair_gemv import expert_pair_rows_triton, use_pair_kernel
 from ferry.kernels.expert_rows_sum import ExpertRows, finish_rows, new_rows, rows_dtype, sum_rows
-from ferry.kernels.grouped_expert_gemm import (
-    SMALL_BLOCK_MAX_PAIRS,
-    align_pairs_by_slot,
-    block_m_for,
-    grouped_expert_rows_triton,
-)
+from ferry.kernels.router_topk import router_topk
+from ferry.kernels.grouped_expert_gemm import grouped_expert_rows_triton
 from ferry.plan.costs import ROWS_FLOAT32_MAX_TOKENS
 from ferry.services.worker.offload.device_cache import CacheCall, DeviceExpertCache
 from ferry.services.worker.offload.expert_cache import DEFAULT_PIPELINE_CHUNKS, OffloadedExperts, _split
@@ -89,7 +87,8 @@ class DeviceDrivenExperts(OffloadedExperts):
         ring's own defaults, staging_ring.py)."""
         super().__init__(slots, banks, policy, device, pipeline_chunks=pipeline_chunks, use_triton=True)
         self.host_share = host_share
-        self.host_decode: HostDecodeShare | None = None  # the host's share of decode layers' misses (boot sets it)
+        # the host's share of decode layers' misses (expert_backends.py attaches it at boot)
+        self.host_decode: HostDecodeShare | None = None
         self._host_experts: list[np.ndarray] = []  # per layer, the streamed step's experts the host computes
         self._host_table: torch.Tensor | None = None  # [layers, E + 1] bool on the device: the same
         self._stream_real = 0  # the streamed step's real rows
@@ -99,6 +98,7 @@ class DeviceDrivenExperts(OffloadedExperts):
         self.cache: DeviceExpertCache | None = None
         self._prefetch_done: dict[int, torch.cuda.Event] = {}
         self._prefetch_calls: dict[int, CacheCall] = {}  # this step's prefetches, by the layer they fill
+        self._predict_stream = torch.cuda.Stream(self.device) if self._cuda else None  # _prefetch_beside
         self._timing = self._cuda
         # (counters, stamps, ready event, copy events) queued by stats_to_host, one per step in flight,
         # oldest first: a step scheduled ahead is launched before the one before it is folded
@@ -203,13 +203,15 @@ class DeviceDrivenExperts(OffloadedExperts):
             handed = self.host_decode.start(layer, x, ids, weights, n_rows, call, self.cache, in_flight)
         stamps = self.cache.copy_stamps[layer]
         copied = self._on_copy_stream(lambda: self._copy_sm(layer, call), stamps, MISS_START, MISS_END)
-        self._prefetch_next(layer, x, n_rows, call, large=False)
+        predicted = self._prefetch_beside(layer, x, n_rows, call)
         self._wait_prefetched(layer, stamps)
         expert_pair_rows_triton(x, call.hit_slots.view(t, k), weights, self.slots.gemm13, self.slots.gemm2, rows)
         self._stamp(stamps, HITS_DONE)
         if copied is not None:
             torch.cuda.current_stream(self.device).wait_event(copied)
         expert_pair_rows_triton(x, call.miss_slots.view(t, k), weights, self.slots.gemm13, self.slots.gemm2, rows)
+        if predicted is not None:  # the next layer's lookup shares the cache's state and scratch with the prefetch
+            torch.cuda.current_stream(self.device).wait_event(predicted)
         if handed is not None:
             self.host_decode.finish(handed, rows)
 
@@ -375,7 +377,9 @@ class DeviceDrivenExperts(OffloadedExperts):
         nxt = layer + 1
         if not self.prefetch_enabled or self.routers is None or nxt >= self.policy.num_layers:
             return
-        predicted = torch.topk(F.linear(x, self.routers[nxt]), call.hit_slots.numel() // x.shape[0], dim=-1).indices
+        # the router's own top-k kernel: torch.topk's sort took ~4x its time a decode layer
+        logits = F.linear(x, self.routers[nxt])
+        predicted = router_topk(logits, call.hit_slots.numel() // x.shape[0], True, self.num_experts)[0]
         # a decode layer's host share: the host's part of the predicted experts stays off the link
         host_costs = self.host_decode.costs if self.host_decode is not None and not large else None
         pcall = self.cache.prefetch(nxt, predicted.contiguous(), n_rows, call, evict_below=evict_below,
@@ -389,6 +393,24 @@ class DeviceDrivenExperts(OffloadedExperts):
             done = self._on_copy_stream(lambda: self._copy_sm(nxt, pcall), stamps, PREFETCH_START, PREFETCH_END)
         if done is not None:
             self._prefetch_done[nxt] = done
+
+    def _prefetch_beside(self, layer: int, x: torch.Tensor, n_rows: torch.Tensor, call: CacheCall):
+        """The next layer's prefetch (prediction, lookup, copy queued) on a stream of its own, beside this
+        layer's expert GEMVs: on the compute stream it held them back a router GEMM, a top-k and a lookup.
+        It starts after this layer's lookup and hand-off (the cache's state is theirs until then), places
+        no slot this layer uses (the guard), and returns the event the compute stream waits for before
+        anything else touches the cache or frees `x` (None on CPU, where it ran in line)."""
+        if not self._cuda:
+            self._prefetch_next(layer, x, n_rows, call, large=False)
+            return None
+        looked_up = torch.cuda.Event()
+        looked_up.record(torch.cuda.current_stream(self.device))
+        self._predict_stream.wait_event(looked_up)
+        with torch.cuda.stream(self._predict_stream):
+            self._prefetch_next(layer, x, n_rows, call, large=False)
+        predicted = torch.cuda.Event()
+        predicted.record(self._predict_stream)
+        return predicted
 
     def _wait_prefetched(self, layer: int, stamps: torch.Tensor | None) -> None:
         done = self._prefetch_done.pop(layer, None)

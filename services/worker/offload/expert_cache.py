@@ -36,14 +36,11 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
+from ferry.kernels.align_pairs import align_pairs_by_slot_host
+from ferry.kernels.aligned_blocks import block_m_for
 from ferry.kernels.expert_pair_gemv import expert_pair_rows_triton, use_pair_kernel
 from ferry.kernels.expert_rows_sum import ExpertRows, finish_rows, new_rows
-from ferry.kernels.grouped_expert_gemm import (
-    align_pairs_by_slot_host,
-    block_m_for,
-    grouped_expert_rows,
-    grouped_expert_rows_triton,
-)
+from ferry.kernels.grouped_expert_gemm import grouped_expert_rows, grouped_expert_rows_triton
 from ferry.services.worker.offload.host_banks import HostBanks
 from ferry.services.worker.offload.policy import NO_SLOT, ExpertSlotPolicy
 from ferry.services.worker.offload.stats import ExpertCacheStats

@@ -139,10 +139,10 @@ class HostDecodeShare:
         self.costs = torch.tensor(self._costs_ns, dtype=torch.int64, device=self.device)
         self._costs_staged = torch.zeros(4, dtype=torch.int64, pin_memory=self._cuda)  # an upload's source
         self._uploaded: torch.cuda.Event | None = None
-        self.refines = True  # boot turns it off where the costs are not prices (--expert-backend cpu)
+        self.refines = True  # off where the costs are not prices (--expert-backend cpu: expert_backends.py)
         self.on_refined = None  # called with each new one-token price (seconds): the prefill's share follows it
         self.refinements = 0
-        self.guard: ShareGuard | None = None  # auto's check of the share against the steps (boot sets it)
+        self.guard: ShareGuard | None = None  # auto's check of the share against the steps (expert_backends.py)
         self._price_ns = self._costs_ns  # the prices as calibrated and refined; _costs_ns applies the guard's scale
         self._scale: float | None = 1.0  # the guard's: the host's one-token price scaled by it (None: off)
         self._refined_from = (0, 0, 0)  # (busy ns, experts, pairs) at the last refinement

@@ -41,7 +41,7 @@ from ferry.services.worker.offload.host_banks import (
     check_host_memory,
 )
 from ferry.plan.model_config import ModelSpec
-from ferry.services.worker.expert_formats import check_expert_shapes
+from ferry.services.worker.expert_formats.expert_shapes import check_expert_shapes
 from ferry.shared.units import format_bytes
 
 log = structlog.get_logger("worker.offload")

@@ -36,10 +36,11 @@ def lookup_signatures() -> list:
     out = []
     for mode, host in ((0, False), (1, False), (1, True), (2, False)):  # a prefetch with or without the host's share
         for policy in (0, 1):
+            # the launcher's shape for up to 16K slots (expert_cache_lookup.launch)
             consts = {"MODE": mode, "POLICY": policy, "HAS_GUARD": mode == 1, "HAS_HOST": host, "BLOCK_E": 128,
-                      "BLOCK_S": 1024, "BLOCK_P": 256}  # fmt: skip
+                      "NUM_TILES": 4, "TILE": 4096, "BLOCK_P": 256}  # fmt: skip
             out.append((f"expert_cache_lookup[mode={mode}, policy={policy}, host={host}]", _expert_cache_kernel, sig,
-                        consts, {"num_warps": 4}))  # fmt: skip
+                        consts, {"num_warps": 16}))  # fmt: skip
     return out
 
 

@@ -13,12 +13,8 @@ import torch
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run me with TRITON_INTERPRET=1"
 
-from ferry.kernels.align_pairs import CHUNK, MAX_TILES, align_pairs_by_slot_triton  # noqa: E402
-from ferry.kernels.grouped_expert_gemm import (  # noqa: E402
-    align_pairs_by_slot,
-    align_pairs_by_slot_reference,
-    max_aligned_blocks,
-)
+from ferry.kernels.align_pairs import CHUNK, MAX_TILES, align_pairs_by_slot, align_pairs_by_slot_triton  # noqa: E402
+from ferry.kernels.align_pairs_reference import align_pairs_by_slot_reference, max_aligned_blocks  # noqa: E402
 
 G = torch.Generator().manual_seed(11)
 

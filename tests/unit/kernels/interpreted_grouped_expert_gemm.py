@@ -17,13 +17,9 @@ import torch
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run me with TRITON_INTERPRET=1"
 
-from ferry.kernels.grouped_expert_gemm import (  # noqa: E402
-    align_pairs_by_slot,
-    align_pairs_by_slot_host,
-    block_m_for,
-    grouped_expert_rows_triton,
-    launch_blocks,
-)
+from ferry.kernels.align_pairs import align_pairs_by_slot, align_pairs_by_slot_host  # noqa: E402
+from ferry.kernels.aligned_blocks import block_m_for, launch_blocks  # noqa: E402
+from ferry.kernels.grouped_expert_gemm import grouped_expert_rows_triton  # noqa: E402
 from ferry.kernels.expert_pair_gemv import expert_pair_rows_triton  # noqa: E402
 from ferry.kernels.expert_rows_sum import sum_rows_triton  # noqa: E402
 from ferry.kernels.grouped_expert_gemm_reference import grouped_expert_forward_reference, grouped_expert_rows_reference  # noqa: E402

@@ -15,21 +15,14 @@ import torch
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run me with TRITON_INTERPRET=1"
 
+import ferry.kernels.grouped_expert_gemm_reference as reference  # noqa: E402
 import ferry.kernels.quantized_experts as qe  # noqa: E402
+from ferry.kernels.align_pairs import align_pairs_by_slot, align_pairs_by_slot_host  # noqa: E402
+from ferry.kernels.aligned_blocks import block_m_for, launch_blocks  # noqa: E402
 from ferry.kernels.expert_pair_gemv import expert_pair_rows_triton  # noqa: E402
-from ferry.kernels.grouped_expert_gemm import (  # noqa: E402
-    align_pairs_by_slot,
-    align_pairs_by_slot_host,
-    block_m_for,
-    grouped_expert_rows_triton,
-    launch_blocks,
-)
-from ferry.kernels.quantized_experts import (  # noqa: E402
-    FP8_BLOCK,
-    NVFP4,
-    QuantizedFamily,
-    quantized_expert_rows_reference,
-)
+from ferry.kernels.grouped_expert_gemm import grouped_expert_rows_triton  # noqa: E402
+from ferry.kernels.grouped_expert_gemm_reference import quantized_expert_rows_reference  # noqa: E402
+from ferry.kernels.quantized_experts import FP8_BLOCK, NVFP4, QuantizedFamily  # noqa: E402
 from long_step_rows import bf16_rows_are_the_float32_rows_rounded_once  # noqa: E402
 from quantized_slots import make_experts  # noqa: E402
 
@@ -199,7 +192,7 @@ def mistakes_are_detected(fmt):
     torch.testing.assert_close(grouped, want, **TIGHT)
     mistakes = ["scale divided"] + (["nibbles swapped"] if fmt == NVFP4 else ["blocks not restarted at each part"])
     for mistake in mistakes:
-        with mock.patch.object(qe, "dequantize_slot", _dequantize_wrongly(mistake)):
+        with mock.patch.object(reference, "dequantize_slot", _dequantize_wrongly(mistake)):
             wrong = reference_rows(x, topk, weights, w13, w2)
         for name, got in (("pair", pair), ("grouped", grouped)):
             error = ((got - wrong).abs() / (wrong.abs() + 1e-3)).max().item()

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import torch
 
+from ferry.kernels.align_pairs import align_pairs_by_slot
+from ferry.kernels.aligned_blocks import block_m_for
 from ferry.kernels.expert_rows_sum import sum_rows_triton
-from ferry.kernels.grouped_expert_gemm import align_pairs_by_slot, block_m_for, grouped_expert_rows_triton
+from ferry.kernels.grouped_expert_gemm import grouped_expert_rows_triton
 from ferry.kernels.grouped_expert_gemm_reference import grouped_expert_rows_reference
 
 

@@ -32,7 +32,7 @@ def test_the_kernels_give_the_twins_layout_bit_for_bit(interpreted_results, case
 
 
 def test_cpu_tensors_take_the_torch_twin(monkeypatch):
-    import ferry.kernels.grouped_expert_gemm as g
+    import ferry.kernels.align_pairs as g
 
     monkeypatch.setattr(g, "align_pairs_by_slot_triton", lambda *a, **k: pytest.fail("CPU took the Triton path"))
     topk = torch.tensor([[3, 1], [1, -1], [0, 3]])

@@ -67,7 +67,7 @@ def test_the_result_does_not_depend_on_slot_numbering():
 
 
 def test_host_alignment_equals_the_device_alignment():
-    from ferry.kernels.grouped_expert_gemm import align_pairs_by_slot, align_pairs_by_slot_host
+    from ferry.kernels.align_pairs import align_pairs_by_slot, align_pairs_by_slot_host
 
     g = torch.Generator().manual_seed(7)
     for trial in range(40):

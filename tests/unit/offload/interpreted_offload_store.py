@@ -194,9 +194,9 @@ def check_long_step_rows() -> None:
     the same two lengths, misses copied in two chunks. All within rounding of the all-resident store with
     float32 rows."""
     import ferry.kernels.expert_rows_sum as rows_sum
-    import ferry.kernels.grouped_expert_gemm as grouped
     import ferry.services.worker.offload.device_store as device_store
     import ferry.services.worker.offload.expert_cache as expert_cache
+    from ferry.kernels.aligned_blocks import SLOT_WINDOW_ALL
     from ferry.services.worker.offload.host_experts import HostExperts
     from ferry.services.worker.offload.host_share import HostCost, HostShare
 
@@ -221,7 +221,7 @@ def check_long_step_rows() -> None:
     kernel, row_sum = device_store.grouped_expert_rows_triton, device_store.sum_rows
 
     def record_launch(x, topk_slots, weights, w13, w2, rows, *args, **kwargs):
-        launched.append((rows.dtype, kwargs.get("slot_window", grouped.SLOT_WINDOW_ALL)))
+        launched.append((rows.dtype, kwargs.get("slot_window", SLOT_WINDOW_ALL)))
         return kernel(x, topk_slots, weights, w13, w2, rows, *args, **kwargs)
 
     def record_sum(rows, dtype):
@@ -235,7 +235,7 @@ def check_long_step_rows() -> None:
         store.forward(0, x.to(bf16), ids, w, n_rows=torch.tensor([0], dtype=torch.int32))  # boot's warm-up step
         store.stats_to_host()
         store.end_step()
-        windowed = {dtype for dtype, window in launched if window != grouped.SLOT_WINDOW_ALL}
+        windowed = {dtype for dtype, window in launched if window != SLOT_WINDOW_ALL}
         assert windowed == {torch.float32, bf16}, f"the warm-up compiled the chunks' kernels into {windowed}"
         assert set(summed_rows) == {torch.float32, bf16}, f"the warm-up summed rows of {summed_rows}"
         steps = ((40, bf16), (36, torch.float32), (40, bf16))

@@ -50,13 +50,16 @@ def _ids(rng, rows: int, experts: int, top_k: int, skew: float) -> torch.Tensor:
                         dtype=torch.int64)  # fmt: skip
 
 
+# tile: the kernel's slot tile; 2 spreads the slots over up to 8 tiles, so victims come from several
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
-@pytest.mark.parametrize("seed, layers, experts, slots, top_k, rows", [
-    (0, 3, 6, 6, 2, 2), (1, 3, 6, 9, 3, 4), (2, 2, 8, 12, 2, 5), (3, 4, 5, 13, 2, 3), (4, 3, 8, 8, 4, 4),
+@pytest.mark.parametrize("seed, layers, experts, slots, top_k, rows, tile", [
+    (0, 3, 6, 6, 2, 2, None), (1, 3, 6, 9, 3, 4, None), (2, 2, 8, 12, 2, 5, None), (3, 4, 5, 13, 2, 3, None),
+    (4, 3, 8, 8, 4, 4, None), (1, 3, 6, 9, 3, 4, 2), (3, 4, 5, 13, 2, 3, 2), (4, 3, 8, 8, 4, 4, 2),
 ])  # fmt: skip
-def test_device_cache_makes_the_twins_decisions(policy, seed, layers, experts, slots, top_k, rows):
+def test_device_cache_makes_the_twins_decisions(policy, seed, layers, experts, slots, top_k, rows, tile):
     rng = np.random.default_rng(seed)
     host, dev = _twins(policy, layers, experts, slots, top_k, warm=slots // 2)
+    dev.slot_tile = tile
     _assert_same_state(host, dev)
     for step in range(6):
         real = int(rng.integers(1, rows + 1))

@@ -1,0 +1,123 @@
+"""The expert backend objects (services/worker/offload/expert_backends.py): the plan's choice becomes one
+object in one place, boot runs that object's attach and reads no backend name itself, and each kind's own
+steps (cpu's every-miss costs, auto's keep-or-drop and guard, hybrid's refined prices) are those it owns."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from ferry.plan.expert_backend import EXPERT_BACKENDS, ExpertBackendPlan, plan_expert_backend
+from ferry.services.worker.offload import expert_backends as B
+from ferry.services.worker.offload.host_share import HostCost
+from ferry.services.worker.offload.share_guard import ShareGuard
+
+BOOT = Path(__file__).resolve().parents[3] / "services" / "worker" / "boot.py"
+MEASURED = (100_000, 300_000, 2_000, 30_000)
+COST = HostCost(pcie_s=100e-6, host_s_at_1=300e-6, host_s_per_token=2e-6, overhead_s=30e-6)
+
+
+@pytest.mark.parametrize("requested, threads, offloaded, cores, kind", [
+    (None, None, True, 16, B.AutoBackend),  # auto with threads to spare: hybrid, decode share under the guard
+    ("auto", 6, True, 2, B.AutoBackend),  # auto with threads given: still auto's rules
+    ("auto", None, True, 7, B.GpuBackend),  # auto on too few cores: the GPU alone
+    ("hybrid", None, True, 16, B.HybridBackend),
+    ("cpu", None, True, 16, B.CpuBackend),
+    ("gpu", None, True, 16, B.GpuBackend),
+    ("cpu", None, False, 16, B.GpuBackend),  # every expert has a slot: nothing for the host
+])  # fmt: skip
+def test_each_plan_decision_is_one_backend_object(requested, threads, offloaded, cores, kind):
+    choice = plan_expert_backend(requested, threads, offloaded, cores)
+    backend = B.expert_backend_for(choice)
+    assert type(backend) is kind and backend.choice is choice
+
+
+def test_a_backend_the_plan_does_not_know_is_refused():
+    with pytest.raises(ValueError, match="'tpu'"):
+        B.expert_backend_for(ExpertBackendPlan("tpu", 4, "test", "tpu"))
+
+
+def _boot_args(model_dir, *extra: str):
+    from ferry.services.worker.flags import add_worker_flags, boot_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_worker_flags(parser)
+    return boot_config_from_args(parser.parse_args(["--model", str(model_dir), "--device", "cpu",
+                                                    "--max-running-requests", "4", "--max-prefill-tokens", "64",
+                                                    "--gpu-memory", "64MiB", "--moe-cache-size", "8", *extra]))  # fmt: skip
+
+
+@pytest.mark.parametrize("flag, kind", [("cpu", B.CpuBackend), ("gpu", B.GpuBackend)])
+def test_boot_runs_the_attach_of_the_plans_backend_once(tiny_models, monkeypatch, flag, kind):
+    from ferry.services.worker.boot import boot_worker
+
+    ran = []
+
+    def recorder(self, store, spec, plan, dtype, device):
+        ran.append((type(self), store, plan))
+
+    monkeypatch.setattr(B.GpuBackend, "attach", recorder)
+    monkeypatch.setattr(B.HybridBackend, "attach", recorder)  # auto's and cpu's too
+    executor, plan = boot_worker(_boot_args(tiny_models["qwen3_moe"], "--expert-backend", flag))
+    assert ran == [(kind, executor.store, plan)]
+
+
+def _names_compared(tree: ast.AST) -> list[str]:
+    """Each comparison against a backend's name (a literal of EXPERT_BACKENDS) or the plan's backend fields."""
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Compare):
+            continue
+        for operand in (node.left, *node.comparators):
+            literal = isinstance(operand, ast.Constant) and operand.value in EXPERT_BACKENDS
+            field = any(isinstance(n, ast.Attribute) and n.attr == "expert_backend" for n in ast.walk(operand))
+            if literal or field:
+                found.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_boot_compares_no_backend_name():
+    """The backend's names are read in expert_backend_for alone: boot calls the object it gives."""
+    assert _names_compared(ast.parse(BOOT.read_text())) == []
+    assert _names_compared(ast.parse('if plan.expert_backend.backend != "gpu": pass'))  # the rule sees one
+
+
+def test_cpu_hands_the_host_every_miss_refines_nothing_and_stops_the_prefetch():
+    backend = B.expert_backend_for(plan_expert_backend("cpu", None, True, 16))
+    share = SimpleNamespace(costs_ns=(0, 0, 0, 0), refines=True, on_refined=None, guard=None)
+    store = SimpleNamespace(prefetch_enabled=True, host_share=SimpleNamespace(follow_host_price=print))
+    backend.price_decode_share(share, MEASURED, store)
+    assert share.costs_ns == (1, 0, 0, 0) and not share.refines and share.on_refined is None and share.guard is None
+    assert not store.prefetch_enabled
+    assert backend.prefill_costs(COST) == HostCost(1.0, 0.0, 0.0, 0.0)
+    assert backend.link_traffic(store, "cuda") is None  # nothing crosses beside the hand-off
+
+
+def test_hybrid_prices_by_what_was_measured_and_the_prefill_follows_the_refined_price():
+    backend = B.expert_backend_for(plan_expert_backend("hybrid", None, True, 16))
+    share = SimpleNamespace(costs_ns=(0, 0, 0, 0), refines=False, on_refined=None, guard=None)
+    prefill = SimpleNamespace(follow_host_price=lambda s: None)
+    store = SimpleNamespace(prefetch_enabled=True, host_share=prefill)
+    backend.price_decode_share(share, MEASURED, store)
+    assert share.costs_ns == MEASURED and share.refines and share.on_refined is prefill.follow_host_price
+    assert share.guard is None and store.prefetch_enabled
+    assert backend.prefill_costs(COST) is COST
+    assert backend.keeps_decode_share(share, takes=0, typical=2, top_k=8, fields={})  # asked for: kept
+
+
+def test_auto_keeps_the_decode_share_only_where_the_host_takes_some_and_then_guards_it():
+    backend = B.expert_backend_for(plan_expert_backend(None, None, True, 16))
+    stopped = []
+    share = SimpleNamespace(costs_ns=(0, 0, 0, 0), refines=False, on_refined=None, guard=None, handoff="poll",
+                            use_node=lambda: stopped.append(True))  # fmt: skip
+    fields = {"handoff": "poll"}
+    assert backend.keeps_decode_share(share, takes=1, typical=2, top_k=8, fields=fields) and not stopped
+    assert not backend.keeps_decode_share(share, takes=0, typical=2, top_k=8, fields=fields) and stopped
+    store = SimpleNamespace(prefetch_enabled=True, host_share=None)
+    backend.price_decode_share(share, MEASURED, store)
+    assert isinstance(share.guard, ShareGuard) and share.costs_ns == MEASURED and share.refines
+    assert store.prefetch_enabled
