@@ -126,14 +126,15 @@ def main() -> int:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", default="12layer", choices=sorted(WORKLOADS))
-    p.add_argument("--model", default=None, help="serve this model directory with --extra-flags instead of the workload's")
+    p.add_argument("--model", default=None,
+                   help="serve this model directory with --extra-flags instead of the workload's")
     p.add_argument("--extra-flags", default="", help="more `ferry serve` flags, space-separated")
     p.add_argument("--prompt-len", type=int, default=2000)
     p.add_argument("--runs", type=int, default=5, help="timed requests of each prompt kind (ids, text), alternating")
     p.add_argument("--gap-s", type=float, default=0.5, help="idle time before each request (nothing held or running)")
     p.add_argument("--warm-tokens", type=int, default=16,
-                   help="one untimed stream of this many tokens first, as bench/serve_openai.py's warm-up (decode steps "
-                        "ran before the prompts, as in its TTFT)")  # fmt: skip
+                   help="one untimed stream of this many tokens first, as bench/serve_openai.py's warm-up "
+                        "(decode steps ran before the prompts, as in its TTFT)")  # fmt: skip
     p.add_argument("--out", required=True)
     p.add_argument("--ready-timeout", type=float, default=900)
     args = p.parse_args()

@@ -252,7 +252,8 @@ class SchedulerService:
             structlog.contextvars.unbind_contextvars("client", "client_req_id")
         self.rids[(client, msg.req_id)] = rid
         # when prompts reach the scheduler, against the steps: how far apart a burst arrives (arrival_hold_s)
-        self.trace.add(rid=rid, req=msg.req_id, received=received, arrived=time.monotonic(), prompt_tokens=req.prompt_len)
+        self.trace.add(rid=rid, req=msg.req_id, received=received, arrived=time.monotonic(),
+                       prompt_tokens=req.prompt_len)  # fmt: skip
         log.debug("request_queued", rid=rid, prompt_tokens=req.prompt_len, max_tokens=req.max_tokens)
 
     def _send(self, client: bytes, msg) -> None:
