@@ -19,6 +19,7 @@
 #    bench/profile_decode.py on the full-size 35B NVFP4 at 24 GiB; and the cuts' TTFT-2k (bench/profile_prefill.py).
 #   PART=check   make gpu-check (the release check, which builds the host's C kernel; gpu_check.json)  ~4-7 min
 #   PART=prof    the full-size 35B NVFP4's decode at 24 GiB profiled at 1 and 8 streams, and the cuts' 2k prefill ~5 min
+#   PART=ttft    the cuts' served TTFT-2k phase by phase (bench/ttft_path.py), with the arrival hold and without ~6 min
 #   PART=peer    Ferry against the peer FreeToken 0.1.2 (bench/peer_compare.py): one random NVFP4 checkpoint of the
 #                full-size 35B, the same client, each engine's whole process under 24 GiB by nvidia-smi
 #                (peer_compare_<card>.json). FreeToken's wheels come in .peer/, which the call must carry
@@ -108,7 +109,8 @@ part_cost() {
     resident) echo 210 ;;
     defaults) echo 540 ;;  # two cuts served (its timeout 200 s)
     peer) echo 570 ;;
-    prof) echo 330 ;;  # three boots (the full-size 35B ~100 s, each cut ~40 s) and their profiled steps  # a 20 GB checkpoint written, two engines booted and measured (peer_compare's --budget-s 500)
+    prof) echo 330 ;;
+    ttft) echo 360 ;;  # four boots of a cut (~45 s each) and their lone prompts  # three boots (the full-size 35B ~100 s, each cut ~40 s) and their profiled steps  # a 20 GB checkpoint written, two engines booted and measured (peer_compare's --budget-s 500)
     handoff) echo 90 ;;  # five rounds' kinds alone, then beside two loads of ~1.2 s each (under 1 min on the H200 alone)
     split) echo $(( 75 * 2 * $(n_variants "$SPLIT_SPIN") )) ;;  # two cuts a spin, each a boot (~45 s) and 17-28 s of steps
     *) echo 240 ;;
@@ -155,6 +157,15 @@ case "${part:-check}" in
       timeout 120 python3 bench/profile_prefill.py --model "$TMPDIR/prof_$cut" --load-format dummy --moe-cache-size $cache \
         --gpu-memory 12GiB --max-running-requests 8 --prompt-len 2000 --out "$OUT/profile_prefill_${cut}_$GPU.json" \
         > "$OUT/profile_prefill_$cut.log" 2>&1; echo "profile_prefill $cut rc=$?"
+    done ;;
+  ttft)  # issue 56: the cuts' served TTFT-2k phase by phase (bench/ttft_path.py), with and without the arrival hold
+    for cut in 12layer hybrid8; do
+      for hold in default 0; do
+        flags=$([ $hold = 0 ] && echo "--prefill-coalesce-ms 0" || echo "")
+        timeout 170 python3 bench/ttft_path.py --workload $cut --extra-flags "$flags" \
+          --out "$OUT/ttft_path_${cut}_hold-${hold}_$GPU.json" > "$OUT/ttft_path_${cut}_hold-${hold}.log" 2>&1
+        echo "ttft_path $cut hold=$hold rc=$?"; tail -3 "$OUT/ttft_path_${cut}_hold-${hold}.log"
+      done
     done ;;
   peer)  # Ferry and FreeToken 0.1.2 side by side under one device-memory line (bench/peer_compare.py's docstring)
     if ! ls .peer/freetoken-*.whl > /dev/null 2>&1; then
