@@ -19,7 +19,7 @@ CASES = [
     (17, 256, 8, True, True, torch.bfloat16, "randn"),  # Qwen3.6-35B-A3B's router
     (17, 256, 8, False, True, torch.bfloat16, "randn"),
     (5, 512, 10, True, True, torch.bfloat16, "randn"),  # Qwen3-Next-80B's 512 experts, top 10
-    (257, 32, 3, False, False, torch.float32, "randn"),  # many rows: a prefill's grid
+    (65, 32, 3, False, False, torch.float32, "randn"),  # many rows: a prefill's grid (one program a row)
     (17, 8, 3, True, True, torch.float32, "ties"),
     (17, 8, 3, False, False, torch.float32, "ties"),
     (17, 256, 8, True, True, torch.bfloat16, "ties"),
