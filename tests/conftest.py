@@ -51,17 +51,10 @@ def quantized_tiny_models(tiny_models, tmp_path_factory):
     return get
 
 
-
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist's `--dist loadgroup` (make test): the tests of a file with a module-scoped fixture (a
-    served cluster, an interpreted kernel run) go to one worker together, so that fixture is built once, not once
-    for each worker the file's tests land on and again after each stretch of another file's tests. And the files
-    holding a test marked slow run first, so the workers end together on short tests rather than one of them
+    """The files holding a test marked slow run first. `make test` hands pytest-xdist's workers whole files in
+    this order (--dist loadfile --no-loadscope-reorder): a file's module-scoped fixtures (a served cluster, an
+    interpreted kernel run) are built once, and the workers end together on short files rather than one of them
     waiting on the other's last long one."""
     slow_files = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow_files)  # stable: files stay whole
-    for item in items:
-        info = getattr(item, "_fixtureinfo", None)
-        defs = info.name2fixturedefs.values() if info is not None else ()
-        if any(d.scope == "module" for chain in defs for d in chain):
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow_files)  # stable: files stay whole, in order

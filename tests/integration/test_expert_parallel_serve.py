@@ -55,6 +55,7 @@ def assert_two_ranks_serve_as_one(model, tmp_path, flags, ready_timeout: float, 
     assert "sampled other tokens" not in c.log("worker")
 
 
+@pytest.mark.slow
 def test_two_ranks_serve_as_one(tmp_path, tiny_models):
     """qwen3_5_moe; qwen3_moe's is the lost-rank test's first half, below."""
     assert_two_ranks_serve_as_one(tiny_models["qwen3_5_moe"], tmp_path, FLAGS, ready_timeout=180)
@@ -83,6 +84,7 @@ def assert_a_lost_rank_fails_its_requests_and_health_turns_503(c) -> None:
     assert c.procs["worker"].returncode == 3  # RANK_FAILURE_EXIT
 
 
+@pytest.mark.slow
 def test_two_ranks_serve_as_one_and_a_lost_rank_fails_its_requests_and_health_turns_503(tiny_models, tmp_path):
     """The parity above for qwen3_moe, then on the same two ranks (one boot, not two): a rank killed mid-stream
     fails the stream naming it, /health turns 503 and the worker exits with RANK_FAILURE_EXIT."""

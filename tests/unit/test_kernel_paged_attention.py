@@ -196,6 +196,7 @@ def interpreted_runs():
     return {"decode": _interpreted("decode", seed=1), "prefill": _interpreted("prefill", seed=2)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", ["decode", "prefill"])
 @pytest.mark.parametrize("index", range(len(KERNEL_CASES)),
                          ids=[f"{i}-{d}-{kv}" for i, (_, d, kv) in enumerate(KERNEL_CASES)])  # fmt: skip

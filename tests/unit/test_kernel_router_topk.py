@@ -54,6 +54,7 @@ def runs():
     return list(zip(expected, run_interpreted("ferry.kernels.router_topk", "router_topk_triton", calls)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[f"T{c[0]}-E{c[1]}-k{c[2]}-norm{c[3]}-shared{c[4]}-{c[6]}"
                                                           for c in CASES])  # fmt: skip
 def test_router_kernel_matches_its_twin(runs, index):

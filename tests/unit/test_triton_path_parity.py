@@ -25,6 +25,7 @@ def results():
     return json.loads(proc.stdout)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_triton_path_matches_transformers(results, case):
     assert case in results, f"case {case} did not run"
