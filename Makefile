@@ -39,8 +39,10 @@ lint-tools:
 	@command -v npx >/dev/null || { echo "make: npx not found: install node and npm (dclint lints compose.yaml)" >&2; exit 1; }
 	npx --yes $(DCLINT) --version >/dev/null
 
+# --dist loadfile: each file's tests run on one worker, which builds the file's module-scoped fixtures (served
+# clusters, interpreted kernel runs) once; files go out in collection order, the slow ones first (tests/conftest.py)
 test: $(STAMP) lint-tools
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The GPU release check (bench/gpu_check.py): the CUDA tests, then `ferry serve` with the Qwen3-30B-A3B
 # config and the openai client. Run it on a CUDA host, from this tree, with a CUDA torch installed

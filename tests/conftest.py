@@ -49,3 +49,12 @@ def quantized_tiny_models(tiny_models, tmp_path_factory):
         return made[(arch, layout)]
 
     return get
+
+
+def pytest_collection_modifyitems(config, items):
+    """The files holding a test marked slow run first. `make test` hands pytest-xdist's workers whole files in
+    this order (--dist loadfile --no-loadscope-reorder): a file's module-scoped fixtures (a served cluster, an
+    interpreted kernel run) are built once, and the workers end together on short files rather than one of them
+    waiting on the other's last long one."""
+    slow_files = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow_files)  # stable: files stay whole, in order

@@ -33,9 +33,10 @@ def completions(c) -> tuple[str, str, str]:
     return greedy.choices[0].text, seeded.choices[0].text, unseeded.choices[0].text
 
 
-def assert_two_ranks_serve_as_one(model, tmp_path, flags, ready_timeout: float) -> None:
+def assert_two_ranks_serve_as_one(model, tmp_path, flags, ready_timeout: float, then_on_two_ranks=None) -> None:
     """One rank, then two, with `flags`: greedy and seeded completions give the same text as one rank holding
-    every expert, and rank 1 sampled every unseeded token as rank 0 did."""
+    every expert, and rank 1 sampled every unseeded token as rank 0 did. `then_on_two_ranks(cluster)`, if given,
+    runs on the two-rank cluster after those checks, before it is stopped (a second check without a second boot)."""
     got = {}
     for world in ("1", "2"):
         c = start_cluster(model, tmp_path / world, worker_flags=[*flags, "--expert-parallel-size", world],
@@ -43,16 +44,21 @@ def assert_two_ranks_serve_as_one(model, tmp_path, flags, ready_timeout: float) 
         try:
             c.wait_ready(timeout=ready_timeout)
             got[world] = completions(c)
+            if world == "2":
+                assert "expert_parallel_followers" in c.log("worker")
+                assert "sampled other tokens" not in c.log("worker")
+                assert got["2"][:2] == got["1"][:2], got
+                if then_on_two_ranks is not None:
+                    then_on_two_ranks(c)
         finally:
             c.stop()
-        if world == "2":
-            assert "expert_parallel_followers" in c.log("worker")
-            assert "sampled other tokens" not in c.log("worker")
-    assert got["2"][:2] == got["1"][:2], got
+    assert "sampled other tokens" not in c.log("worker")
 
 
-def test_two_ranks_serve_as_one(tiny_model, tmp_path):
-    assert_two_ranks_serve_as_one(tiny_model, tmp_path, FLAGS, ready_timeout=180)
+@pytest.mark.slow
+def test_two_ranks_serve_as_one(tmp_path, tiny_models):
+    """qwen3_5_moe; qwen3_moe's is the lost-rank test's first half, below."""
+    assert_two_ranks_serve_as_one(tiny_models["qwen3_5_moe"], tmp_path, FLAGS, ready_timeout=180)
 
 
 def follower_pid(c) -> int:
@@ -62,26 +68,28 @@ def follower_pid(c) -> int:
     raise AssertionError("rank 0 did not log its followers: " + c.log("worker")[-2000:])
 
 
-def test_a_lost_rank_fails_its_requests_and_health_turns_503(tiny_models, tmp_path):
-    c = start_cluster(tiny_models["qwen3_moe"], tmp_path / "c", worker_flags=[*FLAGS, "--expert-parallel-size", "2"],
-                      boot=REAL_BOOT, worker_env=REAL_WORKER_ENV, wait=False)  # fmt: skip
-    try:
-        c.wait_ready(timeout=180)
-        client = openai.OpenAI(base_url=c.base_url + "/v1", api_key="x", max_retries=0, timeout=60)
-        stream = client.completions.create(model="tiny", prompt="a long one", max_tokens=200, temperature=0,
-                                           stream=True, extra_body={"ignore_eos": True})  # fmt: skip
-        next(iter(stream))  # generating
-        os.kill(follower_pid(c), signal.SIGKILL)
-        killed = time.monotonic()
-        with pytest.raises(openai.APIError) as err:
-            for _ in stream:
-                pass
-        assert "expert-parallel rank 1 of 2" in str(err.value) and time.monotonic() - killed < 30, err.value
-        health_turns_503(c.base_url, "worker", timeout=30)
-        assert eventually(lambda: c.procs["worker"].poll() is not None, timeout=10)
-        assert c.procs["worker"].returncode == 3  # RANK_FAILURE_EXIT
-    finally:
-        c.stop()
+def assert_a_lost_rank_fails_its_requests_and_health_turns_503(c) -> None:
+    client = openai.OpenAI(base_url=c.base_url + "/v1", api_key="x", max_retries=0, timeout=60)
+    stream = client.completions.create(model="tiny", prompt="a long one", max_tokens=200, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+    next(iter(stream))  # generating
+    os.kill(follower_pid(c), signal.SIGKILL)
+    killed = time.monotonic()
+    with pytest.raises(openai.APIError) as err:
+        for _ in stream:
+            pass
+    assert "expert-parallel rank 1 of 2" in str(err.value) and time.monotonic() - killed < 30, err.value
+    health_turns_503(c.base_url, "worker", timeout=30)
+    assert eventually(lambda: c.procs["worker"].poll() is not None, timeout=10)
+    assert c.procs["worker"].returncode == 3  # RANK_FAILURE_EXIT
+
+
+@pytest.mark.slow
+def test_two_ranks_serve_as_one_and_a_lost_rank_fails_its_requests_and_health_turns_503(tiny_models, tmp_path):
+    """The parity above for qwen3_moe, then on the same two ranks (one boot, not two): a rank killed mid-stream
+    fails the stream naming it, /health turns 503 and the worker exits with RANK_FAILURE_EXIT."""
+    assert_two_ranks_serve_as_one(tiny_models["qwen3_moe"], tmp_path, FLAGS, ready_timeout=180,
+                                  then_on_two_ranks=assert_a_lost_rank_fails_its_requests_and_health_turns_503)
 
 
 def test_a_rank_lost_while_the_worker_boots_ends_it_at_once(tiny_models, tmp_path):

@@ -9,9 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_the_release_check_serves_streams_and_stops_cleanly(tiny_models, tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, "bench/gpu_check.py", "--out", str(out), "--skip-tests", "--tokens", "12",

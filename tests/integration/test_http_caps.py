@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import resource
-import select
+import selectors
 import socket
 import subprocess
 import time
@@ -164,15 +164,18 @@ def _statuses(socks: list[socket.socket], seconds: float) -> dict[int, int | Non
     """{index: the status each connection was answered with (None: closed unanswered)} within `seconds`."""
     statuses: dict[int, int | None] = {}
     deadline = time.monotonic() + seconds
-    waiting = {s.fileno(): i for i, s in enumerate(socks)}
-    while waiting and time.monotonic() < deadline:
-        ready, _, _ = select.select(list(waiting), [], [], max(0.05, deadline - time.monotonic()))
-        for fd in ready:
-            i = waiting.pop(fd)
-            try:
-                statuses[i] = _status(socks[i].recv(4096))
-            except OSError:
-                statuses[i] = None
+    # a selector, not select(): the flood's sockets plus what this (xdist worker) process holds already can
+    # pass select()'s 1,024-descriptor limit
+    with selectors.DefaultSelector() as waiting:
+        for i, s in enumerate(socks):
+            waiting.register(s, selectors.EVENT_READ, i)
+        while waiting.get_map() and time.monotonic() < deadline:
+            for key, _ in waiting.select(max(0.05, deadline - time.monotonic())):
+                waiting.unregister(key.fileobj)
+                try:
+                    statuses[key.data] = _status(socks[key.data].recv(4096))
+                except OSError:
+                    statuses[key.data] = None
     return statuses
 
 

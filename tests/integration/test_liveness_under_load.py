@@ -156,6 +156,7 @@ async def _streams_until(url: str, deadline: float) -> dict[str, int]:
     return counts
 
 
+@pytest.mark.slow
 def test_a_soak_beside_cpu_burners_aborts_nothing_and_declares_no_peer_lost(tiny_models, tmp_path):
     c = start_cluster(tiny_models["qwen3_moe"], tmp_path / "run",
                       worker_flags=["--device", "cpu", "--max-model-len", "512"],

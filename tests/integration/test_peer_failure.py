@@ -6,6 +6,7 @@ import signal
 import time
 
 import openai
+import pytest
 
 from tests.integration.harness import (
     assert_new_request_refused, eventually, health_turns_503, http_get, kill_worker_mid_streams, start_cluster,
@@ -58,6 +59,7 @@ def test_a_restarted_scheduler_fails_old_requests_and_serves_new_ones(slow_model
         c.stop()
 
 
+@pytest.mark.slow
 def test_a_worker_hung_in_one_step_fails_its_requests_and_recovers(tmp_path_factory, tiny_tokenizer_dir, tiny_tokenizer):
     from tests.integration.harness import make_model_dir
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import openai
+import pytest
 import zmq
 import zmq.auth
 
@@ -31,6 +32,7 @@ def _complete(base_url: str, prompt: str, n: int = 4) -> int:
     return client.completions.create(model="tiny", prompt=prompt, max_tokens=n).usage.completion_tokens
 
 
+@pytest.mark.slow
 def test_killed_services_restarted_as_compose_would_serve_again_in_the_tcp_layout(model_dir, tmp_path):
     keys = tmp_path / "keys"
     keys.mkdir()

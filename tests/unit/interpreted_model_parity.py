@@ -16,7 +16,9 @@ import torch  # noqa: E402
 from model_harness import PagedRunner, assert_logits_close, hf_greedy  # noqa: E402
 from tiny_models import tiny_model  # noqa: E402
 
-STEPS = 6
+# greedy tokens a case generates: two decode steps after the 11-token prompt, the second opening a new page at
+# both page sizes (4: positions 11, 12; 1: every one); each step runs every kernel a decode runs
+STEPS = 3
 
 CASES = {
     "qwen3_moe-norm_topk-gqa": ("qwen3_moe", dict(num_hidden_layers=3, num_experts=8, num_experts_per_tok=3,

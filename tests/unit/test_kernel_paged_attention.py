@@ -149,11 +149,33 @@ KERNEL_CASES = [(case, dtype, "auto") for case in CASES for dtype in DTYPES] + \
     [(case, torch.bfloat16, "fp8") for case in CASES] + [(CASES[2], torch.float32, "fp8")]  # fmt: skip
 
 
+# The decode kernel runs (token, kv head, split) programs, DECODE_SPLITS of them a token, one by one under the
+# interpreter: it takes each request's last DECODE_TOKENS tokens (several tokens of one request, and every request's
+# full length, pages and key blocks kept), not a whole chunk's, whose other tokens take the same paths.
+DECODE_TOKENS = 2
+
+
+def _decode_lens(qlens: list[int], clens: list[int]) -> tuple[list[int], list[int]]:
+    """(query lens, context lens) of the same requests' last DECODE_TOKENS tokens."""
+    kept = [min(q, DECODE_TOKENS) for q in qlens]
+    return kept, [c + q - k for q, c, k in zip(qlens, clens, kept)]
+
+
+def test_the_decode_cases_keep_every_requests_length_and_several_tokens_of_one():
+    for _, _, _, _, qlens, clens in CASES:
+        kept, context = _decode_lens(qlens, clens)
+        assert [q + c for q, c in zip(kept, context)] == [q + c for q, c in zip(qlens, clens)]
+        assert all(0 < k <= q for k, q in zip(kept, qlens))
+    assert max(q for case in CASES for q in _decode_lens(case[4], case[5])[0]) > 1
+
+
 def _interpreted(kernel: str, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Every (case, dtype, pool) through one interpreted kernel (decode or prefill), in one subprocess:
     (expected, out) pairs."""
     calls, expected = [], []
     for (page_size, heads, kv_heads, head_dim, qlens, clens), dtype, kv_cache_dtype in KERNEL_CASES:
+        if kernel == "decode":
+            qlens, clens = _decode_lens(qlens, clens)
         built = _scenario(seed, page_size, heads, kv_heads, head_dim, qlens, clens, dtype, kv_cache_dtype)
         q, kc, vc, pt, qs, pos = built[:6]
         ks, vs = built[8] if kv_cache_dtype == "fp8" else (None, None)
@@ -174,6 +196,7 @@ def interpreted_runs():
     return {"decode": _interpreted("decode", seed=1), "prefill": _interpreted("prefill", seed=2)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", ["decode", "prefill"])
 @pytest.mark.parametrize("index", range(len(KERNEL_CASES)),
                          ids=[f"{i}-{d}-{kv}" for i, (_, d, kv) in enumerate(KERNEL_CASES)])  # fmt: skip

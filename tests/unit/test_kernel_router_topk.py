@@ -19,7 +19,7 @@ CASES = [
     (17, 256, 8, True, True, torch.bfloat16, "randn"),  # Qwen3.6-35B-A3B's router
     (17, 256, 8, False, True, torch.bfloat16, "randn"),
     (5, 512, 10, True, True, torch.bfloat16, "randn"),  # Qwen3-Next-80B's 512 experts, top 10
-    (257, 32, 3, False, False, torch.float32, "randn"),  # many rows: a prefill's grid
+    (65, 32, 3, False, False, torch.float32, "randn"),  # many rows: a prefill's grid (one program a row)
     (17, 8, 3, True, True, torch.float32, "ties"),
     (17, 8, 3, False, False, torch.float32, "ties"),
     (17, 256, 8, True, True, torch.bfloat16, "ties"),
@@ -54,6 +54,7 @@ def runs():
     return list(zip(expected, run_interpreted("ferry.kernels.router_topk", "router_topk_triton", calls)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[f"T{c[0]}-E{c[1]}-k{c[2]}-norm{c[3]}-shared{c[4]}-{c[6]}"
                                                           for c in CASES])  # fmt: skip
 def test_router_kernel_matches_its_twin(runs, index):

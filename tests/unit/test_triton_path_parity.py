@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-CASES = ["qwen3_moe-norm_topk-gqa", "qwen3_5_moe-gated-partial-rotary", "qwen3_moe-norm_topk-gqa-fp8-kv",
-         "qwen3_5_moe-gated-partial-rotary-fp8-kv"]  # fmt: skip
+CASES = ["qwen3_moe-norm_topk-gqa", "qwen3_5_moe-gated-partial-rotary", "qwen3_5_moe-mixer-slices",
+         "qwen3_moe-norm_topk-gqa-fp8-kv", "qwen3_5_moe-gated-partial-rotary-fp8-kv"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +25,13 @@ def results():
     return json.loads(proc.stdout)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_triton_path_matches_transformers(results, case):
     assert case in results, f"case {case} did not run"
     if results[case] is not None:
         pytest.fail(results[case], pytrace=False)
+
+
+def test_every_case_the_script_runs_is_checked(results):
+    assert sorted(results) == sorted(CASES)

@@ -39,7 +39,7 @@ def _routing(tokens: int, top_k: int, num_slots: int, skipped: float = 0.2, skew
 
 
 def case_random_shapes_both_dtypes_every_block_size():
-    for trial in range(24):
+    for trial in range(12):  # 12: every (dtype, skewed or not, block size) of trial % 2, % 3 and % 4 once
         tokens, top_k = int(torch.randint(1, 400, (1,), generator=G)), int(torch.randint(1, 9, (1,), generator=G))
         slots = int(torch.randint(1, 700, (1,), generator=G))
         _same(_routing(tokens, top_k, slots, skewed=trial % 3 == 0, dtype=(torch.int32, torch.int64)[trial % 2]),

@@ -25,6 +25,7 @@ def interpreted_results():
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_the_kernels_give_the_twins_layout_bit_for_bit(interpreted_results, case):
     assert set(interpreted_results) == set(CASES)

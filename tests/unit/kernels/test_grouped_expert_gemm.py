@@ -30,6 +30,7 @@ def interpreted_results():
     return json.loads(proc.stdout)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_triton_kernel_matches_the_reference_under_the_interpreter(interpreted_results, case):
     assert case in interpreted_results, f"case {case} did not run"

@@ -38,6 +38,7 @@ def interpreted_results():
     return json.loads(proc.stdout)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_quantized_kernels_match_the_reference_under_the_interpreter(interpreted_results, case):
     assert case in interpreted_results, f"case {case} did not run"

@@ -124,6 +124,7 @@ def test_every_check_of_the_interpreted_script_runs():
     assert [k.value for k in checks.keys] == INTERPRETED_CHECKS
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("check", INTERPRETED_CHECKS)
 def test_the_triton_path_with_host_alignment_under_the_interpreter(check):
     """What CUDA runs (Triton over host-aligned groups), on CPU through TRITON_INTERPRET=1."""

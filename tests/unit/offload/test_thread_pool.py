@@ -62,6 +62,7 @@ def build(tmp_path: Path, *flags: str) -> Path | None:
 
 
 @needs_cc
+@pytest.mark.slow
 @pytest.mark.timeout(0)  # bounded by progress (run_until_done), not by the suite's per-test seconds
 @pytest.mark.parametrize("threads", [2, 3, 9])
 def test_every_item_runs_once_on_its_own_call(tmp_path, threads):
