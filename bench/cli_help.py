@@ -29,8 +29,12 @@ def main() -> None:
         best = float("inf")
         for _ in range(args.repeats):
             t0 = time.perf_counter()
-            subprocess.run([sys.executable, "-m", "ferry.services.cli", *([command] if command else []), "--help"],
-                           cwd=ROOT, capture_output=True, check=True)  # fmt: skip
+            subprocess.run(
+                [sys.executable, "-m", "ferry.services.cli", *([command] if command else []), "--help"],
+                cwd=ROOT,
+                capture_output=True,
+                check=True,
+            )
             best = min(best, time.perf_counter() - t0)
         results[command or "(none)"] = round(best, 3)
     print(json.dumps(results, indent=1))

@@ -62,8 +62,9 @@ def layer_bench_setup(doc: str):
 
 def main() -> int:
     args, device, spec = layer_bench_setup(__doc__)
-    banks = HostBanks.allocate(2, spec.num_experts, spec.hidden_size, spec.moe_intermediate_size, torch.bfloat16,
-                               pin=True, progress=False)  # fmt: skip
+    banks = HostBanks.allocate(
+        2, spec.num_experts, spec.hidden_size, spec.moe_intermediate_size, torch.bfloat16, pin=True, progress=False
+    )
     banks.fill_dummy(seed=1, progress=False)
     e, slots_n = spec.num_experts, 256
     w13 = torch.empty((slots_n, *banks.w13[0].shape[1:]), dtype=torch.bfloat16, device=device)
@@ -127,21 +128,26 @@ def main() -> int:
         side = copy_streams[3]
         side.wait_stream(here)
         with torch.cuda.stream(side):  # the kernel copies the list's rows from `half` on
-            copy_experts_triton(banks.w13[layer], banks.w2[layer], w13, w2, misses[half:], count_rest,
-                                programs=32, block=4096)  # fmt: skip
+            copy_experts_triton(
+                banks.w13[layer], banks.w2[layer], w13, w2, misses[half:], count_rest, programs=32, block=4096
+            )
         for ex, s in pairs[:half]:
             w13[s].copy_(banks.w13[layer][ex], non_blocking=True)
             w2[s].copy_(banks.w2[layer][ex], non_blocking=True)
         here.wait_stream(side)
 
     def sm(programs: int, block: int):
-        return lambda: copy_experts_triton(banks.w13[plan["layer"]], banks.w2[plan["layer"]], w13, w2, misses, count,
-                                           programs=programs, block=block)  # fmt: skip
+        return lambda: copy_experts_triton(
+            banks.w13[plan["layer"]], banks.w2[plan["layer"]], w13, w2, misses, count, programs=programs, block=block
+        )
 
-    variants = [("copy engine", ce), ("copy engine, 2 streams", ce_spread(2)),
-                ("copy engine, 4 streams", ce_spread(4)), ("copy engine, w13 | w2", ce_spread(2, by_family=True)),
-                ("copy engine + SM, halves", ce_beside_sm)] + [(f"SM P={pr} B={bl}", sm(pr, bl)) for pr in (8, 16, 32, 64, 132)
-                                        for bl in (2048, 4096, 8192)]  # fmt: skip
+    variants = [
+        ("copy engine", ce),
+        ("copy engine, 2 streams", ce_spread(2)),
+        ("copy engine, 4 streams", ce_spread(4)),
+        ("copy engine, w13 | w2", ce_spread(2, by_family=True)),
+        ("copy engine + SM, halves", ce_beside_sm),
+    ] + [(f"SM P={pr} B={bl}", sm(pr, bl)) for pr in (8, 16, 32, 64, 132) for bl in (2048, 4096, 8192)]
     print(f"{'variant':<22}" + "".join(f"{f'{n} experts':>22}" for n in (1, 6, 40)))
     for name, fn in variants:
         row = {"variant": name}
@@ -164,8 +170,9 @@ def main() -> int:
         graph = torch.cuda.CUDAGraph()
         layer_for_graph = 0
         with torch.cuda.graph(graph, stream=stream):
-            copy_experts_triton(banks.w13[layer_for_graph], banks.w2[layer_for_graph], w13, w2, misses, count,
-                                programs=32, block=4096)  # fmt: skip
+            copy_experts_triton(
+                banks.w13[layer_for_graph], banks.w2[layer_for_graph], w13, w2, misses, count, programs=32, block=4096
+            )
         for i, n in enumerate((6, 1, 40, 0, 17)):
             w13.fill_(0)
             w2.fill_(0)
@@ -181,8 +188,10 @@ def main() -> int:
     except Exception as exc:  # noqa: BLE001 - reported, the rest still runs
         graph_ok = f"{type(exc).__name__}: {exc}"
     results["graph_copy_correct"] = graph_ok
-    print(f"copy kernel in a CUDA graph, replayed for 5 new miss lists: {graph_ok}; "
-          f"6 experts {results.get('graph_replay_6_experts_ms', float('nan')):.3f} ms")
+    print(
+        f"copy kernel in a CUDA graph, replayed for 5 new miss lists: {graph_ok}; "
+        f"6 experts {results.get('graph_replay_6_experts_ms', float('nan')):.3f} ms"
+    )
 
     # overlap: copy (side stream) beside the hits' expert GEMV (main stream)
     x = torch.randn(1, spec.hidden_size, device=device).to(torch.bfloat16)
@@ -206,8 +215,10 @@ def main() -> int:
         alone_gemv = statistics.median(timed(gemv, args.reps))
         together = statistics.median(timed(both, args.reps, setup=lambda i: choose(6, i)))
         overlap[programs] = {"copy_ms": alone_copy, "gemv_ms": alone_gemv, "together_ms": together}
-        print(f"overlap P={programs}: copy 6 experts {alone_copy:.3f} ms, hits' GEMV {alone_gemv:.3f} ms, "
-              f"both {together:.3f} ms")  # fmt: skip
+        print(
+            f"overlap P={programs}: copy 6 experts {alone_copy:.3f} ms, hits' GEMV {alone_gemv:.3f} ms, "
+            f"both {together:.3f} ms"
+        )
     results["overlap"] = overlap
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))

@@ -118,8 +118,7 @@ def format_banks(fmt: str, hidden: int, inter: int, experts: int, huge_pages: bo
             banks = PackedHostBanks.allocate(1, experts, hidden, inter, pin=False, progress=False)
         else:
             layout = {"bf16": None, "nvfp4": Nvfp4Experts(hidden, inter), "fp8": Fp8BlockExperts(hidden, inter)}[fmt]
-            banks = HostBanks.allocate(1, experts, hidden, inter, torch.bfloat16, pin=False, progress=False,
-                                       fmt=layout)  # fmt: skip
+            banks = HostBanks.allocate(1, experts, hidden, inter, torch.bfloat16, pin=False, progress=False, fmt=layout)
     banks.fill_dummy(seed=0, progress=False)
     banks.seal()
     return banks
@@ -131,8 +130,15 @@ def decode_time(banks, repeats: int) -> float:
     return statistics.median(_timed(lambda: reader.expert(0, i % banks.num_experts)) for i in range(repeats))
 
 
-def host_experts_bandwidth(banks, threads: int, tokens: int, repeats: int, backend: str = "torch",
-                           isa: str | None = None, prefetches: Sequence[int] = ()) -> list[dict]:  # fmt: skip
+def host_experts_bandwidth(
+    banks,
+    threads: int,
+    tokens: int,
+    repeats: int,
+    backend: str = "torch",
+    isa: str | None = None,
+    prefetches: Sequence[int] = (),
+) -> list[dict]:
     """HostExperts.compute of one expert for `tokens` tokens, round-robin over the bank's experts, and
     for the torch backend the decode alone (on a thread of as many threads); one dict, or one a
     `prefetches` distance of the c backend, alternated call by call."""
@@ -158,9 +164,16 @@ def host_experts_bandwidth(banks, threads: int, tokens: int, repeats: int, backe
     out = []
     for d in distances:
         per = statistics.median(times[d])
-        out.append({"bank_GBps": round(banks.expert_nbytes / per / 1e9, 2), "expert_us": round(per * 1e6, 1),
-                    "decode_us": None if decode is None else round(decode * 1e6, 1), "isa": isa,
-                    "prefetch": prefetch_now if d is None else d, "bank_MB": round(banks.expert_nbytes / 1e6, 2)})  # fmt: skip
+        out.append(
+            {
+                "bank_GBps": round(banks.expert_nbytes / per / 1e9, 2),
+                "expert_us": round(per * 1e6, 1),
+                "decode_us": None if decode is None else round(decode * 1e6, 1),
+                "isa": isa,
+                "prefetch": prefetch_now if d is None else d,
+                "bank_MB": round(banks.expert_nbytes / 1e6, 2),
+            }
+        )
     return out
 
 
@@ -172,13 +185,22 @@ def main() -> int:
     p.add_argument("--experts", type=int, default=48, help="experts in the walked bank (more than the caches hold)")
     p.add_argument("--repeats", type=int, default=60)
     p.add_argument("--read-bytes", type=int, default=1 << 30)
-    p.add_argument("--format", default=None, help=f"comma-separated bank formats ({', '.join(FORMATS)}): time "
-                                                  "Ferry's host path on them instead of bare torch")  # fmt: skip
-    p.add_argument("--backend", default="torch", help=f"comma-separated HostExperts backends ({', '.join(BACKENDS)}) "
-                                                      "for --format")  # fmt: skip
+    p.add_argument(
+        "--format",
+        default=None,
+        help=f"comma-separated bank formats ({', '.join(FORMATS)}): time "
+        "Ferry's host path on them instead of bare torch",
+    )
+    p.add_argument(
+        "--backend", default="torch", help=f"comma-separated HostExperts backends ({', '.join(BACKENDS)}) for --format"
+    )
     p.add_argument("--isa", default=None, choices=("auto", "avx512", "portable"), help="the c backend's rows")
-    p.add_argument("--prefetch", default=None, help="comma-separated prefetch distances in bytes for the c backend's "
-                                                    "rows, alternated call by call (default: FERRY_HOST_KERNEL_PREFETCH)")  # fmt: skip
+    p.add_argument(
+        "--prefetch",
+        default=None,
+        help="comma-separated prefetch distances in bytes for the c backend's "
+        "rows, alternated call by call (default: FERRY_HOST_KERNEL_PREFETCH)",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args()
     spec = load_model_config(args.config)
@@ -203,21 +225,34 @@ def main() -> int:
         for n in threads:
             row = {"threads": n, "read_GBps": round(on_thread(n, read_bandwidth, args.read_bytes, 5), 1)}
             if banks is None:
-                gbps, us = on_thread(n, expert_bandwidth, spec.hidden_size, spec.moe_intermediate_size, args.tokens,
-                                     args.experts, args.repeats)  # fmt: skip
+                gbps, us = on_thread(
+                    n,
+                    expert_bandwidth,
+                    spec.hidden_size,
+                    spec.moe_intermediate_size,
+                    args.tokens,
+                    args.experts,
+                    args.repeats,
+                )
                 row |= {"expert_GBps": round(gbps, 1), "expert_us": round(us, 1)}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 continue
             for backend in backends:  # each beside the read bandwidth of the same thread count
-                for timed in host_experts_bandwidth(banks, n, args.tokens, args.repeats, backend, args.isa,
-                                                    prefetches):  # fmt: skip
+                for timed in host_experts_bandwidth(banks, n, args.tokens, args.repeats, backend, args.isa, prefetches):
                     rows.append({"format": fmt, "backend": backend, **row, **timed})
                     print(json.dumps(rows[-1]), flush=True)
         del banks
-    result = {"config": args.config, "hidden": spec.hidden_size, "moe_intermediate": spec.moe_intermediate_size,
-              "tokens": args.tokens, "cpu": _cpu_name(), "cores": cores, "torch": torch.__version__,
-              "rows": rows}  # fmt: skip
+    result = {
+        "config": args.config,
+        "hidden": spec.hidden_size,
+        "moe_intermediate": spec.moe_intermediate_size,
+        "tokens": args.tokens,
+        "cpu": _cpu_name(),
+        "cores": cores,
+        "torch": torch.__version__,
+        "rows": rows,
+    }
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0

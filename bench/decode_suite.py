@@ -35,14 +35,26 @@ HYBRID8 = ["--gpu-memory", "12GiB", "--max-running-requests", "8"]
 RESIDENT = ["--gpu-memory", "40GiB", "--max-running-requests", "8"]
 FULL = ["--gpu-memory", "24GiB", "--max-running-requests", "8", "--max-model-len", "8192"]
 WORKLOADS = {
-    "12layer": (MODELS / "qwen3-30b-a3b/config.json", 12,
-                ["--moe-cache-size", "512", "--gpu-memory", "12GiB", "--max-running-requests", "8"]),
-    "hybrid8": (MODELS / "qwen3.6-35b-a3b/config.json", 8,
-                ["--moe-cache-size", "640", "--gpu-memory", "12GiB", "--max-running-requests", "8"]),
-    "30b": (MODELS / "qwen3-30b-a3b/config.json", None,
-            ["--gpu-memory", "24GiB", "--max-running-requests", "8", "--max-model-len", "8192"]),
-    "36b": (MODELS / "qwen3.6-35b-a3b/config.json", None,
-            ["--gpu-memory", "24GiB", "--max-running-requests", "8", "--max-model-len", "8192"]),
+    "12layer": (
+        MODELS / "qwen3-30b-a3b/config.json",
+        12,
+        ["--moe-cache-size", "512", "--gpu-memory", "12GiB", "--max-running-requests", "8"],
+    ),
+    "hybrid8": (
+        MODELS / "qwen3.6-35b-a3b/config.json",
+        8,
+        ["--moe-cache-size", "640", "--gpu-memory", "12GiB", "--max-running-requests", "8"],
+    ),
+    "30b": (
+        MODELS / "qwen3-30b-a3b/config.json",
+        None,
+        ["--gpu-memory", "24GiB", "--max-running-requests", "8", "--max-model-len", "8192"],
+    ),
+    "36b": (
+        MODELS / "qwen3.6-35b-a3b/config.json",
+        None,
+        ["--gpu-memory", "24GiB", "--max-running-requests", "8", "--max-model-len", "8192"],
+    ),
     # the quantized checkpoints (issue 21): the hybrid cut with 640 slots and with Ferry's own plan
     "hybrid8_nvfp4": (MODELS / "qwen3.6-35b-a3b/config.json", 8, ["--moe-cache-size", "640", *HYBRID8], "nvfp4"),
     "hybrid8_nvfp4_auto": (MODELS / "qwen3.6-35b-a3b/config.json", 8, HYBRID8, "nvfp4"),
@@ -58,46 +70,53 @@ WORKLOADS = {
     "12layer_resident": (MODELS / "qwen3-30b-a3b/config.json", 12, RESIDENT + ["--moe-cache-size", "1536"]),
     # one long prompt (issue 24): the full-size 35B at 24 GiB with a KV pool for its whole context;
     # bench/long_context.py instead of the decode runs, out/long_context_36b.json
-    "long_context_36b": (MODELS / "qwen3.6-35b-a3b/config.json", None,
-                         ["--gpu-memory", "24GiB", "--max-running-requests", "8", "--num-tokens", "262144"]),
-}  # fmt: skip
-VARIANTS = {"default": [], "no-prefetch": ["--no-expert-prefetch"], "eager": ["--enforce-eager"],
-            # decode steps of 8 tokens copy with the GPU's cores inside the graph (the default before 8 streams measured faster on the copy engine)
-            "core-copies8": ["--expert-copy-engine-tokens", "9"],
-            # every step copies with the copy engine, decode included: eager, its lists read on the host
-            "copy-engine1": ["--expert-copy-engine-tokens", "1"],
-            # the experts kept in host RAM as bf16 (the default packs them to 12 bits a value)
-            "plain": ["--expert-bank-format", "plain"],
-            # the host computes part of each streamed prefill's missed experts (host_share.py), 12 of the H200 host's 16 cores
-            "host-share": ["--expert-backend", "hybrid", "--host-expert-threads", "12"],
-            # the same with no next-layer prefetch: every expert a decode layer lacks is then a miss the host may share
-            "host-share-no-prefetch": ["--expert-backend", "hybrid", "--host-expert-threads", "12", "--no-expert-prefetch"],
-            # the host's threads left to the OS scheduler (the default pins them one a core since dc27a33)
-            "unpinned": ["--host-expert-cpus", "none"],
-            # the GPU alone (what auto is since c642fec's measurements; before, auto took a host share)
-            "gpu": ["--expert-backend", "gpu"],
-            # two decode steps out beyond the oldest unanswered one (issue 24: the resident single stream's chain);
-            # the default since c7b6274, kept by name for the runs before it
-            "ahead2": ["--schedule-ahead-steps", "2"],
-            # one decode step ahead (the default before two measured faster), on the GPU alone and under auto
-            "ahead1": ["--schedule-ahead-steps", "1"],
-            "gpu-ahead1": ["--expert-backend", "gpu", "--schedule-ahead-steps", "1"],
-            # two GPUs, each owning half the experts (issue 26; eager, so compare with the eager variant too)
-            "ep2": ["--expert-parallel-size", "2"],
-            # a long prompt in 16,384-token chunks (issue 24): each chunk streams the experts without a slot once,
-            # so twice the chunk halves that stream, against the larger workspace's slots (the plan's own choice where
-            # most experts have no slot; its mixers run in slices of 8,192: services/worker/mixer_slices.py)
-            "chunk16k": ["--max-prefill-tokens", "16384"],
-            # the same prompt in 8,192-token chunks, the plan's choice before 16,384 was a candidate: beside
-            # `default` on one commit, whether decode after a long prompt loses by 16k
-            "chunk8k": ["--max-prefill-tokens", "8192"],
-            # a long prompt's lending steps in ring chunks of 48 experts instead of 12 (issue 24): a quarter of
-            # the chunks, each paying the host's launches once (bench/profile_long_chunk.py --ring-chunks 48)
-            "ring48": ["--long-prefill-ring-chunk", "48"],
-            # auto with the host pool's idle workers spinning 1 ms before they sleep (FERRY_HOST_POOL_SPIN_US,
-            # VARIANT_ENV): a decode step's layers come ~0.4-0.6 ms apart, so at the default 50 µs every layer's
-            # call wakes them
-            "spin1000": []}
+    "long_context_36b": (
+        MODELS / "qwen3.6-35b-a3b/config.json",
+        None,
+        ["--gpu-memory", "24GiB", "--max-running-requests", "8", "--num-tokens", "262144"],
+    ),
+}
+VARIANTS = {
+    "default": [],
+    "no-prefetch": ["--no-expert-prefetch"],
+    "eager": ["--enforce-eager"],
+    # decode steps of 8 tokens copy with the GPU's cores inside the graph (the default before 8 streams measured faster on the copy engine)
+    "core-copies8": ["--expert-copy-engine-tokens", "9"],
+    # every step copies with the copy engine, decode included: eager, its lists read on the host
+    "copy-engine1": ["--expert-copy-engine-tokens", "1"],
+    # the experts kept in host RAM as bf16 (the default packs them to 12 bits a value)
+    "plain": ["--expert-bank-format", "plain"],
+    # the host computes part of each streamed prefill's missed experts (host_share.py), 12 of the H200 host's 16 cores
+    "host-share": ["--expert-backend", "hybrid", "--host-expert-threads", "12"],
+    # the same with no next-layer prefetch: every expert a decode layer lacks is then a miss the host may share
+    "host-share-no-prefetch": ["--expert-backend", "hybrid", "--host-expert-threads", "12", "--no-expert-prefetch"],
+    # the host's threads left to the OS scheduler (the default pins them one a core since dc27a33)
+    "unpinned": ["--host-expert-cpus", "none"],
+    # the GPU alone (what auto is since c642fec's measurements; before, auto took a host share)
+    "gpu": ["--expert-backend", "gpu"],
+    # two decode steps out beyond the oldest unanswered one (issue 24: the resident single stream's chain);
+    # the default since c7b6274, kept by name for the runs before it
+    "ahead2": ["--schedule-ahead-steps", "2"],
+    # one decode step ahead (the default before two measured faster), on the GPU alone and under auto
+    "ahead1": ["--schedule-ahead-steps", "1"],
+    "gpu-ahead1": ["--expert-backend", "gpu", "--schedule-ahead-steps", "1"],
+    # two GPUs, each owning half the experts (issue 26; eager, so compare with the eager variant too)
+    "ep2": ["--expert-parallel-size", "2"],
+    # a long prompt in 16,384-token chunks (issue 24): each chunk streams the experts without a slot once,
+    # so twice the chunk halves that stream, against the larger workspace's slots (the plan's own choice where
+    # most experts have no slot; its mixers run in slices of 8,192: services/worker/mixer_slices.py)
+    "chunk16k": ["--max-prefill-tokens", "16384"],
+    # the same prompt in 8,192-token chunks, the plan's choice before 16,384 was a candidate: beside
+    # `default` on one commit, whether decode after a long prompt loses by 16k
+    "chunk8k": ["--max-prefill-tokens", "8192"],
+    # a long prompt's lending steps in ring chunks of 48 experts instead of 12 (issue 24): a quarter of
+    # the chunks, each paying the host's launches once (bench/profile_long_chunk.py --ring-chunks 48)
+    "ring48": ["--long-prefill-ring-chunk", "48"],
+    # auto with the host pool's idle workers spinning 1 ms before they sleep (FERRY_HOST_POOL_SPIN_US,
+    # VARIANT_ENV): a decode step's layers come ~0.4-0.6 ms apart, so at the default 50 µs every layer's
+    # call wakes them
+    "spin1000": [],
+}
 # variables a variant's server runs with, beside its flags
 VARIANT_ENV = {"spin1000": {"FERRY_HOST_POOL_SPIN_US": "1000"}}
 
@@ -146,16 +165,21 @@ def host_share_series(metrics_url: str | None) -> dict | None:
     busy = value("ferry_worker_host_node_busy_seconds_total")
     if experts is None or busy is None:
         return None
-    return {"experts": int(experts), "host_node_busy_s": round(busy, 4),
-            "host_node_calls": int(value("ferry_worker_host_node_calls_total") or 0),
-            "refinements": int(value("ferry_worker_host_share_refinements_total") or 0),
-            "host_at_1_s": value(r'ferry_worker_host_share_cost_seconds\{path="host_at_1",share="decode"\}'),
-            "host_node_s_per_expert": round(busy / experts, 9) if experts else None,
-            # auto's guard: the scale of the host's price it settled on (0: the share off; None: no guard)
-            "guard_price_scale": value("ferry_worker_host_decode_price_scale"),
-            # the host nodes' calls by wall time: the calls at most `le` seconds, cumulative (a tail the mean hides)
-            "host_node_calls_le": {m[1]: int(float(m[2])) for m in re.finditer(
-                r'^ferry_worker_host_node_call_seconds_bucket\{le="([^"]+)"\} (\S+)$', text, re.M)}}  # fmt: skip
+    return {
+        "experts": int(experts),
+        "host_node_busy_s": round(busy, 4),
+        "host_node_calls": int(value("ferry_worker_host_node_calls_total") or 0),
+        "refinements": int(value("ferry_worker_host_share_refinements_total") or 0),
+        "host_at_1_s": value(r'ferry_worker_host_share_cost_seconds\{path="host_at_1",share="decode"\}'),
+        "host_node_s_per_expert": round(busy / experts, 9) if experts else None,
+        # auto's guard: the scale of the host's price it settled on (0: the share off; None: no guard)
+        "guard_price_scale": value("ferry_worker_host_decode_price_scale"),
+        # the host nodes' calls by wall time: the calls at most `le` seconds, cumulative (a tail the mean hides)
+        "host_node_calls_le": {
+            m[1]: int(float(m[2]))
+            for m in re.finditer(r'^ferry_worker_host_node_call_seconds_bucket\{le="([^"]+)"\} (\S+)$', text, re.M)
+        },
+    }
 
 
 def run_workload(name: str, variant: str, out: Path, ceilings: Path, args) -> dict:
@@ -163,8 +187,12 @@ def run_workload(name: str, variant: str, out: Path, ceilings: Path, args) -> di
     fmt = fmt[0] if fmt else "bf16"
     tag = name if variant == "default" else f"{name}_{variant}"
     model_dir = make_bench_model(Path(tempfile.mkdtemp(prefix="ferry-bench-")) / tag, config, layers, fmt)
-    served = start_serve(model_dir, ["--load-format", "dummy", *flags, *VARIANTS[variant]], out / f"serve_{tag}.log",
-                         env=VARIANT_ENV.get(variant))  # fmt: skip
+    served = start_serve(
+        model_dir,
+        ["--load-format", "dummy", *flags, *VARIANTS[variant]],
+        out / f"serve_{tag}.log",
+        env=VARIANT_ENV.get(variant),
+    )
     print(f"[{tag}] {served.command}", flush=True)
     try:
         ready = served.wait_ready(args.ready_timeout)
@@ -173,11 +201,28 @@ def run_workload(name: str, variant: str, out: Path, ceilings: Path, args) -> di
             return _long_context(name, tag, model_dir, served, out, ceilings, ready, args)
         slots = expert_slots(served.worker_metrics)
         detail_path = out / f"openai_{tag}.json"
-        cmd = [sys.executable, str(ROOT / "bench/serve_openai.py"), "--base-url", served.base + "/v1",
-               "--streams", "1,8", "--max-tokens", str(args.max_tokens), "--ttft-prompt-len", str(args.ttft_prompt_len),
-               "--settle-tokens", str(args.settle_tokens),
-               "--metrics", served.worker_metrics, "--config", str(model_dir), "--ceilings", str(ceilings),
-               "--out", str(detail_path)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            str(ROOT / "bench/serve_openai.py"),
+            "--base-url",
+            served.base + "/v1",
+            "--streams",
+            "1,8",
+            "--max-tokens",
+            str(args.max_tokens),
+            "--ttft-prompt-len",
+            str(args.ttft_prompt_len),
+            "--settle-tokens",
+            str(args.settle_tokens),
+            "--metrics",
+            served.worker_metrics,
+            "--config",
+            str(model_dir),
+            "--ceilings",
+            str(ceilings),
+            "--out",
+            str(detail_path),
+        ]
         with StealMeter() as steal:  # a contended VM host slows the host's share (bench/cpu_steal.py)
             subprocess.run(cmd, cwd=ROOT, check=True, timeout=args.run_timeout)
         host_share = host_share_series(served.worker_metrics)
@@ -187,7 +232,10 @@ def run_workload(name: str, variant: str, out: Path, ceilings: Path, args) -> di
     one = next(r for r in detail["runs"] if r["streams"] == 1)
     eight = next(r for r in detail["runs"] if r["streams"] == 8)
     result = {
-        "workload": name, "variant": variant, "serve": served.command, "ready_s": round(ready, 1),
+        "workload": name,
+        "variant": variant,
+        "serve": served.command,
+        "ready_s": round(ready, 1),
         "single_stream_tok_s": round(one["median_stream_tok_s"], 2),
         "single_stream_bound_tok_s": round(one["bound_tok_s"], 2) if "bound_tok_s" in one else None,
         "single_stream_bound_fraction": round(one["bound_fraction"], 3) if "bound_fraction" in one else None,
@@ -196,42 +244,75 @@ def run_workload(name: str, variant: str, out: Path, ceilings: Path, args) -> di
         "wire_bytes_per_expert": round(one["wire_bytes_per_expert"]) if "wire_bytes_per_expert" in one else None,
         "streams8_tok_s": round(eight["aggregate_tok_s"], 2),
         "ttft_2k_prompt": detail["ttft_prompt"],  # the prompt of ttft_2k_s: text, or token ids
-        **{f"ttft_2k{k}": None if detail[f"ttft{k}"] is None else round(detail[f"ttft{k}"], 4)
-           for k in ("_s", "_wire_s", "_ids_s", "_ids_wire_s")},
-        "expert_format": slots[0] if slots else fmt, "expert_slots": slots[1] if slots else None,
+        **{
+            f"ttft_2k{k}": None if detail[f"ttft{k}"] is None else round(detail[f"ttft{k}"], 4)
+            for k in ("_s", "_wire_s", "_ids_s", "_ids_wire_s")
+        },
+        "expert_format": slots[0] if slots else fmt,
+        "expert_slots": slots[1] if slots else None,
         "hit_rate": one["expert_cache"]["hit_rate"] if one["expert_cache"] else None,
         "hit_rate_8": eight["expert_cache"]["hit_rate"] if eight["expert_cache"] else None,
         "prefetch_accuracy": one["expert_cache"]["prefetch_accuracy"] if one["expert_cache"] else None,
-        "host_share": host_share, "cpu_steal_fraction": steal.fraction, "settle": detail.get("settle"),
-        "commit": commit(), "ceilings": json.loads(ceilings.read_text()), "stopped": stopped, "detail": detail,
-    }  # fmt: skip
+        "host_share": host_share,
+        "cpu_steal_fraction": steal.fraction,
+        "settle": detail.get("settle"),
+        "commit": commit(),
+        "ceilings": json.loads(ceilings.read_text()),
+        "stopped": stopped,
+        "detail": detail,
+    }
     (out / f"decode_{tag}.json").write_text(json.dumps(result, indent=1) + "\n")
-    print(f"[{tag}] 1 stream {result['single_stream_tok_s']} tok/s (bound {result['single_stream_bound_tok_s']}, "
-          f"{result['single_stream_bound_fraction']}; bf16 bound {result['single_stream_bound_bf16_tok_s']}), 8 streams {result['streams8_tok_s']} tok/s, TTFT 2k "
-          f"{result['ttft_2k_s']} s as {result['ttft_2k_prompt']} (from the request leaving the client "
-          f"{result['ttft_2k_wire_s']} s; as ids {result['ttft_2k_ids_s']} s), hit rate {result['hit_rate']}, prefetch accuracy {result['prefetch_accuracy']}",
-          flush=True)  # fmt: skip
+    print(
+        f"[{tag}] 1 stream {result['single_stream_tok_s']} tok/s (bound {result['single_stream_bound_tok_s']}, "
+        f"{result['single_stream_bound_fraction']}; bf16 bound {result['single_stream_bound_bf16_tok_s']}), 8 streams {result['streams8_tok_s']} tok/s, TTFT 2k "
+        f"{result['ttft_2k_s']} s as {result['ttft_2k_prompt']} (from the request leaving the client "
+        f"{result['ttft_2k_wire_s']} s; as ids {result['ttft_2k_ids_s']} s), hit rate {result['hit_rate']}, prefetch accuracy {result['prefetch_accuracy']}",
+        flush=True,
+    )
     return result
 
 
 def _long_context(name: str, tag: str, model_dir: Path, served, out: Path, ceilings: Path, ready: float, args) -> dict:
     """bench/long_context.py against the served model (the suite's caller stops the server)."""
     path = out / f"{tag}.json"
-    cmd = [sys.executable, str(ROOT / "bench/long_context.py"), "--base-url", served.base + "/v1",
-           "--config", str(model_dir), "--serve-log", served.log.name, "--ceilings", str(ceilings),
-           "--metrics", served.worker_metrics, "--prompt-len", str(args.long_prompt_len), "--out", str(path)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(ROOT / "bench/long_context.py"),
+        "--base-url",
+        served.base + "/v1",
+        "--config",
+        str(model_dir),
+        "--serve-log",
+        served.log.name,
+        "--ceilings",
+        str(ceilings),
+        "--metrics",
+        served.worker_metrics,
+        "--prompt-len",
+        str(args.long_prompt_len),
+        "--out",
+        str(path),
+    ]
     subprocess.run(cmd, cwd=ROOT, check=True, timeout=args.run_timeout)
     slots = expert_slots(served.worker_metrics)  # what the chunk's workspace left decode (chunk16k against default)
-    result = json.loads(path.read_text()) | {"workload": name, "variant": tag.removeprefix(name).lstrip("_") or "default",
-                                             "serve": served.command, "ready_s": round(ready, 1), "commit": commit(),
-                                             "expert_slots": slots[1] if slots else None}  # fmt: skip
+    result = json.loads(path.read_text()) | {
+        "workload": name,
+        "variant": tag.removeprefix(name).lstrip("_") or "default",
+        "serve": served.command,
+        "ready_s": round(ready, 1),
+        "commit": commit(),
+        "expert_slots": slots[1] if slots else None,
+    }
     path.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"[{tag}] TTFT {result['ttft_s']:.1f} s for {result['prompt_tokens']} tokens ({result['prefill_tok_s']:.0f} "
-          f"tok/s; bound {result['bound_s']:.1f} s: compute {result['compute_s']}, PCIe {result['pcie_s']:.1f}); decode "
-          f"after it {result['decode_after_tok_s']} tok/s, with a short prompt {result['decode_short_tok_s']} (medians of "
-          f"{len(result['decode_after_runs'])} runs: {result['decode_after_repeats_median_tok_s']} after, "
-          f"{result['decode_short_repeats_median_tok_s']} short); "
-          f"{result['expert_slots']} expert slots", flush=True)  # fmt: skip
+    print(
+        f"[{tag}] TTFT {result['ttft_s']:.1f} s for {result['prompt_tokens']} tokens ({result['prefill_tok_s']:.0f} "
+        f"tok/s; bound {result['bound_s']:.1f} s: compute {result['compute_s']}, PCIe {result['pcie_s']:.1f}); decode "
+        f"after it {result['decode_after_tok_s']} tok/s, with a short prompt {result['decode_short_tok_s']} (medians of "
+        f"{len(result['decode_after_runs'])} runs: {result['decode_after_repeats_median_tok_s']} after, "
+        f"{result['decode_short_repeats_median_tok_s']} short); "
+        f"{result['expert_slots']} expert slots",
+        flush=True,
+    )
     return result
 
 
@@ -269,22 +350,31 @@ def write_hybrid_cpu(workload: str, variant: str, gpu_only: dict, hybrid: dict, 
     link_bound = gpu_only["single_stream_bound_tok_s"]
     both = link_bound * (1 + pcie_us / host_us) if link_bound and pcie_us == pcie_us and host_us == host_us else None
     result = {
-        "workload": workload, "variant": variant, "commit": hybrid["commit"],
-        "single_stream_tok_s": hybrid["single_stream_tok_s"], "streams8_tok_s": hybrid["streams8_tok_s"],
+        "workload": workload,
+        "variant": variant,
+        "commit": hybrid["commit"],
+        "single_stream_tok_s": hybrid["single_stream_tok_s"],
+        "streams8_tok_s": hybrid["streams8_tok_s"],
         "gpu_only_single_stream_tok_s": gpu_only["single_stream_tok_s"],
         "gpu_only_streams8_tok_s": gpu_only["streams8_tok_s"],
         "single_stream_speedup": round(hybrid["single_stream_tok_s"] / gpu_only["single_stream_tok_s"], 3),
         "streams8_speedup": round(hybrid["streams8_tok_s"] / gpu_only["streams8_tok_s"], 3),
-        "pcie_bound_tok_s": link_bound, "bound_tok_s": round(both, 2) if both else None,
+        "pcie_bound_tok_s": link_bound,
+        "bound_tok_s": round(both, 2) if both else None,
         "bound_host_us_per_expert": round(host_us, 1) if host_us == host_us else None,
         "bound_fraction": round(hybrid["single_stream_tok_s"] / both, 3) if both else None,
-        "host_decode_boot": boot or None, "hit_rate": hybrid["hit_rate"], "gpu_only_hit_rate": gpu_only["hit_rate"],
+        "host_decode_boot": boot or None,
+        "hit_rate": hybrid["hit_rate"],
+        "gpu_only_hit_rate": gpu_only["hit_rate"],
         "host_share": hybrid.get("host_share"),  # what its host nodes took against the price the split used
-    }  # fmt: skip
+    }
     (out / f"decode_{tag}_hybrid_cpu.json").write_text(json.dumps(result, indent=1) + "\n")
-    print(f"[{tag} hybrid cpu] {result['single_stream_tok_s']} vs {result['gpu_only_single_stream_tok_s']} tok/s "
-          f"single ({result['single_stream_speedup']}x; bound {result['bound_tok_s']}), {result['streams8_tok_s']} vs "
-          f"{result['gpu_only_streams8_tok_s']} at 8 ({result['streams8_speedup']}x)", flush=True)  # fmt: skip
+    print(
+        f"[{tag} hybrid cpu] {result['single_stream_tok_s']} vs {result['gpu_only_single_stream_tok_s']} tok/s "
+        f"single ({result['single_stream_speedup']}x; bound {result['bound_tok_s']}), {result['streams8_tok_s']} vs "
+        f"{result['gpu_only_streams8_tok_s']} at 8 ({result['streams8_speedup']}x)",
+        flush=True,
+    )
     return result
 
 
@@ -294,9 +384,13 @@ def main() -> int:
     p.add_argument("--workloads", default="12layer,hybrid8")
     p.add_argument("--variants", default="default")
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--settle-tokens", type=int, default=0,
-                   help="an untimed stream of this many tokens before the decode runs (serve_openai.py: what auto's "
-                        "guard settles on is then what is timed)")  # fmt: skip
+    p.add_argument(
+        "--settle-tokens",
+        type=int,
+        default=0,
+        help="an untimed stream of this many tokens before the decode runs (serve_openai.py: what auto's "
+        "guard settles on is then what is timed)",
+    )
     p.add_argument("--ttft-prompt-len", type=int, default=2000)
     p.add_argument("--ready-timeout", type=float, default=240)
     p.add_argument("--run-timeout", type=float, default=300)
@@ -315,7 +409,9 @@ def main() -> int:
 
         ceilings.write_text(json.dumps(measure(512 << 20) | {"bf16_matmul_TFLOPs": matmul_tflops()}) + "\n")
     else:  # a dry run of the suite on CPU: nominal ceilings, said so
-        ceilings.write_text(json.dumps({"h2d_pinned_GBps": 55.0, "hbm_copy_GBps": 4200.0, "note": "nominal (no CUDA)"}) + "\n")
+        ceilings.write_text(
+            json.dumps({"h2d_pinned_GBps": 55.0, "hbm_copy_GBps": 4200.0, "note": "nominal (no CUDA)"}) + "\n"
+        )
     print(f"ceilings: {ceilings.read_text().strip()}", flush=True)
     failed = []
     for workload in args.workloads.split(","):

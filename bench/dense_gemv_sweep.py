@@ -29,9 +29,14 @@ from bench.pair_gemv_sweep import graph_time_us  # noqa: E402
 SHAPES = {
     "30b": {"qkv": ((5120, 2048), 1.0), "o_proj": ((2048, 4096), 1.0), "router": ((128, 2048), 1.0)},
     # the hybrid cut: 6 Gated DeltaNet layers and 2 attention layers in 8, every layer a MoE block
-    "35b": {"deltanet_in": ((12352, 2048), 0.75), "deltanet_out": ((2048, 4096), 0.75),
-            "qkv_gated": ((9216, 2048), 0.25), "o_proj": ((2048, 4096), 0.25), "router_shared_gate": ((257, 2048), 1.0)},
-}  # fmt: skip
+    "35b": {
+        "deltanet_in": ((12352, 2048), 0.75),
+        "deltanet_out": ((2048, 4096), 0.75),
+        "qkv_gated": ((9216, 2048), 0.25),
+        "o_proj": ((2048, 4096), 0.25),
+        "router_shared_gate": ((257, 2048), 1.0),
+    },
+}
 TOKENS = (1, 8, 16)  # one token; the dot path chosen at 8 and checked at 16
 CANDIDATES = {  # (rows, k, warps, stages)
     "one": list(itertools.product((4, 8, 16), (256, 512, 1024), (4, 8), (1, 3))),
@@ -85,8 +90,14 @@ def main() -> int:
                     raise SystemExit(f"{names} x{tokens} {tiles}: the GEMV differs from F.linear")
                 return timed(lambda w: dense_gemv_triton(x, w, tiles=tiles))
 
-            row = {"shape": names, "n": n, "k": k, "tokens": tokens,
-                   "bound_us": n * k * 2 / (hbm * 1e9) * 1e6, "cublas_us": timed(lambda w: F.linear(x, w))}  # fmt: skip
+            row = {
+                "shape": names,
+                "n": n,
+                "k": k,
+                "tokens": tokens,
+                "bound_us": n * k * 2 / (hbm * 1e9) * 1e6,
+                "cublas_us": timed(lambda w: F.linear(x, w)),
+            }
             path = "one" if tokens == 1 else "dot"
             if tokens == 16:  # the dot path's tile chosen at 8 tokens, checked at the block's 16
                 best = (kernel_us(chosen["dot"]), chosen["dot"]) if chosen["dot"] else (float("inf"), None)
@@ -104,8 +115,11 @@ def main() -> int:
                 chosen[path] = best[1] if best[0] < WIN * row["cublas_us"] else None
             row["best_us"], row["best"] = best[0], best[1] and dataclasses.asdict(best[1])
             runs[tokens] = row
-            print(f"{names:40s} [{n}x{k}] x{tokens:2d}: cublas {row['cublas_us']:6.2f}  kernel {best[0]:6.2f} "
-                  f"{best[1]}  bound {row['bound_us']:5.2f} us", flush=True)  # fmt: skip
+            print(
+                f"{names:40s} [{n}x{k}] x{tokens:2d}: cublas {row['cublas_us']:6.2f}  kernel {best[0]:6.2f} "
+                f"{best[1]}  bound {row['bound_us']:5.2f} us",
+                flush=True,
+            )
         del weights
         torch.cuda.empty_cache()
         return runs, [chosen["one"], chosen["dot"]]
@@ -116,10 +130,13 @@ def main() -> int:
         for name, (shape, _) in shapes.items():
             names.setdefault(shape, []).append(f"{cut} {name}")
     swept = {shape: sweep_shape(*shape, ", ".join(who)) for shape, who in names.items()}
-    results = {"hbm_copy_GBps": hbm, "win": WIN, "runs": [row for runs, _ in swept.values() for row in runs.values()],
-               "chosen": {f"{n}x{k}": [t and dataclasses.asdict(t) for t in chosen]
-                          for (n, k), (_, chosen) in swept.items()},
-               "summary": {}}  # fmt: skip
+    results = {
+        "hbm_copy_GBps": hbm,
+        "win": WIN,
+        "runs": [row for runs, _ in swept.values() for row in runs.values()],
+        "chosen": {f"{n}x{k}": [t and dataclasses.asdict(t) for t in chosen] for (n, k), (_, chosen) in swept.items()},
+        "summary": {},
+    }
     for cut, shapes in SHAPES.items():  # one decode layer's projections: cuBLAS, the chosen paths, the bound
         for tokens in TOKENS:
             acc = {"cublas_us": 0.0, "chosen_us": 0.0, "bound_us": 0.0}

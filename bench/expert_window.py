@@ -37,6 +37,7 @@ CASES = [(8192, 230), (1250, 176)]
 
 def layer_seconds(x, weights, w13, w2, rows, aligned, staged: int, reps: int) -> float:
     """Median seconds of one layer's chunks, each a slot_window over RING_CHUNK positions."""
+
     def once():
         for lo in range(0, staged, RING_CHUNK):
             hi = min(lo + RING_CHUNK, staged)
@@ -56,12 +57,18 @@ def layer_seconds(x, weights, w13, w2, rows, aligned, staged: int, reps: int) ->
 
 def run_case(spec, tokens: int, staged: int, fmt: str, reps: int) -> dict:
     g = torch.Generator(device="cuda").manual_seed(tokens)
-    hidden, inter, experts, top_k = spec.hidden_size, spec.moe_intermediate_size, spec.num_experts, spec.num_experts_per_tok
+    hidden, inter, experts, top_k = (
+        spec.hidden_size,
+        spec.moe_intermediate_size,
+        spec.num_experts,
+        spec.num_experts_per_tok,
+    )
     x = torch.randn(tokens, hidden, device="cuda", generator=g).to(torch.bfloat16)
     ids = torch.rand(tokens, experts, device="cuda", generator=g).topk(top_k, dim=-1).indices
     position = torch.full((experts,), -1, dtype=torch.int32, device="cuda")
-    position[torch.randperm(experts, device="cuda", generator=g)[:staged]] = torch.arange(staged, dtype=torch.int32,
-                                                                                          device="cuda")  # fmt: skip
+    position[torch.randperm(experts, device="cuda", generator=g)[:staged]] = torch.arange(
+        staged, dtype=torch.int32, device="cuda"
+    )
     pos = position[ids]
     weights = torch.softmax(torch.randn(tokens, top_k, device="cuda", generator=g), dim=-1).float()
     if fmt == "bf16":
@@ -78,11 +85,19 @@ def run_case(spec, tokens: int, staged: int, fmt: str, reps: int) -> dict:
     windowed = layer_seconds(x, weights, w13, w2, rows, aligned, staged, reps)
     flops = 2 * int((pos >= 0).sum()) * 3 * hidden * inter
     chunks = -(-staged // RING_CHUNK)
-    return {"tokens": tokens, "staged": staged, "format": fmt, "chunks": chunks, "gflop": round(flops / 1e9, 2),
-            "full_grid_ms": round(full * 1e3, 3), "windowed_ms": round(windowed * 1e3, 3),
-            "full_grid_tflops": round(flops / full / 1e12, 1), "windowed_tflops": round(flops / windowed / 1e12, 1),
-            "full_over_windowed": round(full / windowed, 3),
-            "per_chunk_us": {"full_grid": round(full / chunks * 1e6, 1), "windowed": round(windowed / chunks * 1e6, 1)}}
+    return {
+        "tokens": tokens,
+        "staged": staged,
+        "format": fmt,
+        "chunks": chunks,
+        "gflop": round(flops / 1e9, 2),
+        "full_grid_ms": round(full * 1e3, 3),
+        "windowed_ms": round(windowed * 1e3, 3),
+        "full_grid_tflops": round(flops / full / 1e12, 1),
+        "windowed_tflops": round(flops / windowed / 1e12, 1),
+        "full_over_windowed": round(full / windowed, 3),
+        "per_chunk_us": {"full_grid": round(full / chunks * 1e6, 1), "windowed": round(windowed / chunks * 1e6, 1)},
+    }
 
 
 def main() -> int:
@@ -100,9 +115,12 @@ def main() -> int:
         for tokens, staged in CASES:
             r = run_case(spec, tokens, staged, fmt, args.reps)
             results.append(r)
-            print(f"{fmt:9s} {tokens:5d} tokens, {staged} staged ({r['chunks']} chunks, {r['gflop']} GFLOP): "
-                  f"full grid {r['full_grid_ms']} ms ({r['full_grid_tflops']} TFLOPS), windowed {r['windowed_ms']} ms "
-                  f"({r['windowed_tflops']} TFLOPS), {r['full_over_windowed']}x", flush=True)  # fmt: skip
+            print(
+                f"{fmt:9s} {tokens:5d} tokens, {staged} staged ({r['chunks']} chunks, {r['gflop']} GFLOP): "
+                f"full grid {r['full_grid_ms']} ms ({r['full_grid_tflops']} TFLOPS), windowed {r['windowed_ms']} ms "
+                f"({r['windowed_tflops']} TFLOPS), {r['full_over_windowed']}x",
+                flush=True,
+            )
     if args.out:
         Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "cases": results}, indent=2))
     return 0

@@ -59,8 +59,16 @@ def commit_of_tree() -> tuple[str, bool | None]:
         return os.environ["FERRY_COMMIT"], None
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, check=True).stdout.strip() != ""  # fmt: skip
+        dirty = (
+            subprocess.run(
+                ["git", "status", "--porcelain", "--untracked-files=no"],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.strip()
+            != ""
+        )
         return head.stdout.strip(), dirty
     except (OSError, subprocess.CalledProcessError):
         return "unknown", None
@@ -71,21 +79,33 @@ def junit_counts(path: Path) -> dict:
     root = ET.parse(path).getroot()
     suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
     n = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
-    failed = [f"{c.get('classname')}::{c.get('name')}" for c in root.iter("testcase")
-              if c.find("failure") is not None or c.find("error") is not None]  # fmt: skip
+    failed = [
+        f"{c.get('classname')}::{c.get('name')}"
+        for c in root.iter("testcase")
+        if c.find("failure") is not None or c.find("error") is not None
+    ]
     # the device's time is scarce: the check's record says which tests take it
-    timed = sorted(((float(c.get("time") or 0), f"{c.get('classname')}::{c.get('name')}") for c in root.iter("testcase")),
-                   reverse=True)  # fmt: skip
-    return {"passed": n["tests"] - n["failures"] - n["errors"] - n["skipped"], "failed": n["failures"] + n["errors"],
-            "skipped": n["skipped"], "failed_tests": failed,
-            "slowest_tests": [[name, round(s, 1)] for s, name in timed[:SLOWEST]]}  # fmt: skip
+    timed = sorted(
+        ((float(c.get("time") or 0), f"{c.get('classname')}::{c.get('name')}") for c in root.iter("testcase")),
+        reverse=True,
+    )
+    return {
+        "passed": n["tests"] - n["failures"] - n["errors"] - n["skipped"],
+        "failed": n["failures"] + n["errors"],
+        "skipped": n["skipped"],
+        "failed_tests": failed,
+        "slowest_tests": [[name, round(s, 1)] for s, name in timed[:SLOWEST]],
+    }
 
 
 def build_host_kernel(out: Path, log: Log) -> bool:
     """The host's C expert kernel built in place, as `pip install` builds it: the tree sent to a GPU host
     is not installed, and without the library the host's share of decode (its graphs' host nodes) is off."""
-    cmd = [sys.executable, "-c", "import sys; from setuptools import setup; "
-           "sys.argv = ['setup.py', 'build_ext', '--inplace', '-q']; setup()"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-c",
+        "import sys; from setuptools import setup; sys.argv = ['setup.py', 'build_ext', '--inplace', '-q']; setup()",
+    ]
     with (out / "host_kernel_build.log").open("w") as f:
         rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode
     log(f"host kernel build: rc {rc}")
@@ -96,8 +116,18 @@ def run_cuda_tests(out: Path, log: Log, tests: str, timeout: float, workers: int
     xml = out / "gpu_tests.xml"
     # -v: each test's verdict is in the log as it runs, so a run cut by the timeout still says which failed;
     # a test past 150 s has every thread's stack written there (pytest's faulthandler), so a hang says where
-    cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-o", "faulthandler_timeout=150", tests,
-           f"--junitxml={xml}"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-v",
+        "-p",
+        "no:cacheprovider",
+        "-o",
+        "faulthandler_timeout=150",
+        tests,
+        f"--junitxml={xml}",
+    ]
     if workers > 1:  # pytest-xdist, a file to a process: each file's tests still run in order in one process
         cmd += ["-n", str(workers), "--dist", "loadfile"]
     log("$", " ".join(cmd))
@@ -107,11 +137,22 @@ def run_cuda_tests(out: Path, log: Log, tests: str, timeout: float, workers: int
             rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
-    counts = junit_counts(xml) if xml.is_file() else {"passed": 0, "failed": 1, "skipped": 0, "slowest_tests": [],
-                                                      "failed_tests": [f"pytest did not finish (rc {rc})"]}  # fmt: skip
+    counts = (
+        junit_counts(xml)
+        if xml.is_file()
+        else {
+            "passed": 0,
+            "failed": 1,
+            "skipped": 0,
+            "slowest_tests": [],
+            "failed_tests": [f"pytest did not finish (rc {rc})"],
+        }
+    )
     counts.update(rc=rc, seconds=round(time.monotonic() - t0, 1))
-    log(f"CUDA tests: {counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped "
-        f"in {counts['seconds']} s (rc {rc})")  # fmt: skip
+    log(
+        f"CUDA tests: {counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped "
+        f"in {counts['seconds']} s (rc {rc})"
+    )
     for name in counts["failed_tests"]:
         log("  FAILED", name)
     log("slowest:", ", ".join(f"{name} {s} s" for name, s in counts["slowest_tests"][:5]))
@@ -127,9 +168,15 @@ def stream_completion(client, model: str, prompt: str, max_tokens: int) -> dict:
         raise AssertionError(f"completion_tokens {got['tokens']}, expected {max_tokens} (ignore_eos)")
     if got["chunks"] < 2:
         raise AssertionError(f"only {got['chunks']} text chunks arrived")
-    return {"completion_tokens": got["tokens"], "prompt_tokens": got["usage"].prompt_tokens, "chunks": got["chunks"],
-            "ttft_s": got["ttft_s"], "decode_s": got["last_s"] - got["first_s"], "tok_s": got["tok_s"],
-            "text_head": got["text"][:80]}  # fmt: skip
+    return {
+        "completion_tokens": got["tokens"],
+        "prompt_tokens": got["usage"].prompt_tokens,
+        "chunks": got["chunks"],
+        "ttft_s": got["ttft_s"],
+        "decode_s": got["last_s"] - got["first_s"],
+        "tok_s": got["tok_s"],
+        "text_head": got["text"][:80],
+    }
 
 
 def check_serve(out: Path, log: Log, config: Path, serve_args: list[str], ready_timeout: float, tokens: int) -> dict:
@@ -158,8 +205,9 @@ def check_serve(out: Path, log: Log, config: Path, serve_args: list[str], ready_
 
         def chat():
             t = time.perf_counter()
-            stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hello."}],
-                                                    max_tokens=32, stream=True)  # fmt: skip
+            stream = client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "Say hello."}], max_tokens=32, stream=True
+            )
             chunks = [c for c in stream]
             text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
             reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
@@ -173,10 +221,16 @@ def check_serve(out: Path, log: Log, config: Path, serve_args: list[str], ready_
         def concurrent():
             t = time.perf_counter()
             with ThreadPoolExecutor(8) as pool:
-                runs = list(pool.map(lambda i: stream_completion(client, model, f"Stream {i} starts", tokens), range(8)))
+                runs = list(
+                    pool.map(lambda i: stream_completion(client, model, f"Stream {i} starts", tokens), range(8))
+                )
             wall = time.perf_counter() - t
-            return {"streams": 8, "wall_s": round(wall, 3), "aggregate_tok_s": round(8 * tokens / wall, 2),
-                    "per_stream_tok_s": [round(r["tok_s"], 2) for r in runs]}  # fmt: skip
+            return {
+                "streams": 8,
+                "wall_s": round(wall, 3),
+                "aggregate_tok_s": round(8 * tokens / wall, 2),
+                "per_stream_tok_s": [round(r["tok_s"], 2) for r in runs],
+            }
 
         step("eight_concurrent_streams", concurrent)
 
@@ -201,8 +255,10 @@ def check_serve(out: Path, log: Log, config: Path, serve_args: list[str], ready_
         log(f"boot: {steps['boot']}")
     finally:
         stopped = served.stop()
-        steps["sigterm"] = {"ok": stopped["exit_status"] == 0 and not stopped["children_left"] and stopped["children"] == 3,
-                            **stopped}  # fmt: skip
+        steps["sigterm"] = {
+            "ok": stopped["exit_status"] == 0 and not stopped["children_left"] and stopped["children"] == 3,
+            **stopped,
+        }
         log(f"sigterm: {steps['sigterm']}")
     result["serve_ok"] = "boot" not in steps and all(s["ok"] for s in steps.values()) and len(steps) == 6
     completion = steps.get("streamed_completion", {})
@@ -216,8 +272,11 @@ def main() -> int:
     parser.add_argument("--tests", default="tests/gpu", help="the CUDA tests (a pytest path)")
     parser.add_argument("--skip-tests", action="store_true", help="serve only (counts as failed tests: 0 run)")
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="the served model's config.json")
-    parser.add_argument("--serve-args", default="--load-format dummy --gpu-memory 24GiB",
-                        help="flags for ferry serve beyond --model, --port and --worker-health-port")  # fmt: skip
+    parser.add_argument(
+        "--serve-args",
+        default="--load-format dummy --gpu-memory 24GiB",
+        help="flags for ferry serve beyond --model, --port and --worker-health-port",
+    )
     parser.add_argument("--tokens", type=int, default=64, help="tokens per streamed completion")
     parser.add_argument("--ready-timeout", type=float, default=300.0)
     # 109 CUDA tests took ~310 s on the H200 (262 s for 91), 217 took 428 s (6dd9cdd) against this 440: the whole
@@ -235,23 +294,39 @@ def main() -> int:
 
     device_name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu (no CUDA device)"
     log(f"gpu check of {commit}{' (uncommitted changes)' if dirty else ''} on {device_name}")
-    result = {"commit": commit, "dirty": dirty, "device_name": device_name, "torch": torch.__version__,
-              "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
+    result = {
+        "commit": commit,
+        "dirty": dirty,
+        "device_name": device_name,
+        "torch": torch.__version__,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
     t0 = time.monotonic()
     result["host_kernel_built"] = build_host_kernel(out, log)
     if args.skip_tests:
         tests = {"passed": 0, "failed": 0, "skipped": 0, "failed_tests": [], "rc": "skipped"}
     else:
         tests = run_cuda_tests(out, log, args.tests, args.tests_timeout, args.workers)
-    result.update(cuda_tests_passed=tests["passed"], cuda_tests_failed=tests["failed"],
-                  cuda_tests_skipped=tests["skipped"], cuda_tests=tests, cuda_test_workers=args.workers)  # fmt: skip
+    result.update(
+        cuda_tests_passed=tests["passed"],
+        cuda_tests_failed=tests["failed"],
+        cuda_tests_skipped=tests["skipped"],
+        cuda_tests=tests,
+        cuda_test_workers=args.workers,
+    )
     serve = check_serve(out, log, args.config, args.serve_args.split(), args.ready_timeout, args.tokens)
-    result.update(serve_ok=serve["serve_ok"], single_stream_tok_s=serve["single_stream_tok_s"], serve=serve,
-                  seconds=round(time.monotonic() - t0, 1))  # fmt: skip
+    result.update(
+        serve_ok=serve["serve_ok"],
+        single_stream_tok_s=serve["single_stream_tok_s"],
+        serve=serve,
+        seconds=round(time.monotonic() - t0, 1),
+    )
     (out / "gpu_check.json").write_text(json.dumps(result, indent=1) + "\n")
     ok = tests["failed"] == 0 and (args.skip_tests or tests["passed"] > 0) and serve["serve_ok"]
-    log(f"gpu check {'PASSED' if ok else 'FAILED'}: {tests['passed']} CUDA tests passed, {tests['failed']} failed; "
-        f"serve_ok {serve['serve_ok']}; single stream {serve['single_stream_tok_s']} tok/s; {result['seconds']} s")  # fmt: skip
+    log(
+        f"gpu check {'PASSED' if ok else 'FAILED'}: {tests['passed']} CUDA tests passed, {tests['failed']} failed; "
+        f"serve_ok {serve['serve_ok']}; single stream {serve['single_stream_tok_s']} tok/s; {result['seconds']} s"
+    )
     return 0 if ok else 1
 
 

@@ -47,10 +47,17 @@ def main() -> int:
 
         n = 1
         table = np.arange(1, 1 + streams.pages_each, dtype=np.int32)[None]
-        step = StepBatch(step_id=0, req_ids=np.array([1]), tokens=np.array([token], np.int32),
-                         query_lens=np.array([1], np.int32), context_lens=np.array(streams.context, np.int32),
-                         page_table=table, linear_state_slots=np.arange(1, n + 1, dtype=np.int32),
-                         reset_linear_state=np.array([False]), sample=np.array([True]))  # fmt: skip
+        step = StepBatch(
+            step_id=0,
+            req_ids=np.array([1]),
+            tokens=np.array([token], np.int32),
+            query_lens=np.array([1], np.int32),
+            context_lens=np.array(streams.context, np.int32),
+            page_table=table,
+            linear_state_slots=np.arange(1, n + 1, dtype=np.int32),
+            reset_linear_state=np.array([False]),
+            sample=np.array([True]),
+        )
         return ForwardBatch.from_step(step, plan.kv.page_size, executor.device)
 
     def eager_times(n: int) -> list[float]:
@@ -79,8 +86,11 @@ def main() -> int:
             graph.replay()
             torch.cuda.synchronize()
             want = model(static, pools)
-            print("graph logits == eager:", torch.equal(captured["logits"], want),
-                  float((captured["logits"] - want).abs().max()))
+            print(
+                "graph logits == eager:",
+                torch.equal(captured["logits"], want),
+                float((captured["logits"] - want).abs().max()),
+            )
             times = []
             for _ in range(args.steps):
                 torch.cuda.synchronize()

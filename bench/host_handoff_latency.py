@@ -174,10 +174,14 @@ def variants(drv: dict, poller: Poller, device: torch.device) -> dict:
     # the served hand-off's moves (kernels/host_share_rows.py): the GPU's own stores into the pinned buffers
     # and the fold's loads from the host's sum, through their mapped addresses
     block, block_host = small.view(torch.uint8), small_host.view(torch.uint8)
-    x, x_host = torch.zeros(1, 2048, dtype=torch.bfloat16, device=device), torch.zeros(1, 2048, dtype=torch.bfloat16,
-                                                                                       pin_memory=True)  # fmt: skip
-    rows, flags = torch.zeros(1, 8, 2048, dtype=torch.float32, device=device), torch.zeros(8, dtype=torch.int8,
-                                                                                           device=device)  # fmt: skip
+    x, x_host = (
+        torch.zeros(1, 2048, dtype=torch.bfloat16, device=device),
+        torch.zeros(1, 2048, dtype=torch.bfloat16, pin_memory=True),
+    )
+    rows, flags = (
+        torch.zeros(1, 8, 2048, dtype=torch.float32, device=device),
+        torch.zeros(8, dtype=torch.int8, device=device),
+    )
 
     def with_mapped(middle):
         def fn(stream, i):
@@ -187,10 +191,17 @@ def variants(drv: dict, poller: Poller, device: torch.device) -> dict:
 
         return fn
 
-    return {"kernel": kernel, "host_node": host_node, "host_node_copies": with_copies(host_node),
-            "host_node_copy_out": with_copies(host_node, back_in=False),
-            "host_node_copy_back": with_copies(host_node, out=False), "host_node_mapped": with_mapped(host_node),
-            "poll": poll, "poll_copies": with_copies(poll), "poll_mapped": with_mapped(poll)}  # fmt: skip
+    return {
+        "kernel": kernel,
+        "host_node": host_node,
+        "host_node_copies": with_copies(host_node),
+        "host_node_copy_out": with_copies(host_node, back_in=False),
+        "host_node_copy_back": with_copies(host_node, out=False),
+        "host_node_mapped": with_mapped(host_node),
+        "poll": poll,
+        "poll_copies": with_copies(poll),
+        "poll_mapped": with_mapped(poll),
+    }
 
 
 def time_variant(fn, rounds: int, replays: int, device: torch.device, load: LinkLoad | None = None) -> dict:
@@ -221,17 +232,24 @@ def time_variant(fn, rounds: int, replays: int, device: torch.device, load: Link
         load.end_timed()
         rate = load.gbps()
         loaded = {"link_load_GBps": None if rate is None else round(rate, 1)}
-    return {"us_per_round": round(statistics.median(times), 2), "us_min": round(min(times), 2),
-            "us_max": round(max(times), 2), **loaded}  # fmt: skip
+    return {
+        "us_per_round": round(statistics.median(times), 2),
+        "us_min": round(min(times), 2),
+        "us_max": round(max(times), 2),
+        **loaded,
+    }
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=12, help="rounds in one graph (a step's MoE layers)")
     ap.add_argument("--replays", type=int, default=200)
-    ap.add_argument("--link-load", default="none,packed",
-                    help="comma-separated: none, or a load beside the rounds (bench/link_load.py): packed (the served "
-                         "cuts' unpacking kernel), plain (the copy kernel over bf16 banks), ce (the copy engine)")
+    ap.add_argument(
+        "--link-load",
+        default="none,packed",
+        help="comma-separated: none, or a load beside the rounds (bench/link_load.py): packed (the served "
+        "cuts' unpacking kernel), plain (the copy kernel over bf16 banks), ce (the copy engine)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     loads = args.link_load.split(",")
@@ -257,9 +275,16 @@ def main() -> int:
                     load.close()
         finally:
             poller.close()
-    out = {"rounds": args.rounds, "replays": args.replays, "device": torch.cuda.get_device_name(device),
-           "torch": torch.__version__, "cuda": torch.version.cuda, "mem_op_entries": drv["names"],
-           "polled_rounds_answered": poller.rounds(), "variants": results}  # fmt: skip
+    out = {
+        "rounds": args.rounds,
+        "replays": args.replays,
+        "device": torch.cuda.get_device_name(device),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "mem_op_entries": drv["names"],
+        "polled_rounds_answered": poller.rounds(),
+        "variants": results,
+    }
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     return 0

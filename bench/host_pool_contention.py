@@ -82,9 +82,15 @@ def summary(times: list[float], nbytes: int) -> dict:
     t = sorted(times)
     n, mean = len(t), sum(t) / len(t)
     us = lambda v: round(v * 1e6, 1)  # noqa: E731
-    return {"median_us": us(t[n // 2]), "mean_us": us(mean), "p90_us": us(t[int(n * 0.9)]),
-            "p99_us": us(t[int(n * 0.99)]), "max_us": us(t[-1]), "mean_GBps": round(nbytes / mean / 1e9, 2),
-            "calls": n}  # fmt: skip
+    return {
+        "median_us": us(t[n // 2]),
+        "mean_us": us(mean),
+        "p90_us": us(t[int(n * 0.9)]),
+        "p99_us": us(t[int(n * 0.99)]),
+        "max_us": us(t[-1]),
+        "mean_GBps": round(nbytes / mean / 1e9, 2),
+        "calls": n,
+    }
 
 
 def run(kernels: dict, banks, args, spec: str) -> dict:
@@ -100,8 +106,11 @@ def run(kernels: dict, banks, args, spec: str) -> dict:
             for name, k in order:
                 for j in range(args.block):
                     first = call * args.experts
-                    pairs = [(t, (first + e) % banks.num_experts, 1.0 / args.experts)
-                             for t in range(args.tokens) for e in range(args.experts)]  # fmt: skip
+                    pairs = [
+                        (t, (first + e) % banks.num_experts, 1.0 / args.experts)
+                        for t in range(args.tokens)
+                        for e in range(args.experts)
+                    ]
                     call += 1
                     t0 = time.perf_counter()
                     k.compute(0, x, pairs)
@@ -134,9 +143,12 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=16)
     ap.add_argument("--block", type=int, default=150)
     ap.add_argument("--compare-library", default=None, help="a second build of the kernel to time beside this one")
-    ap.add_argument("--spin-us", default=None,
-                    help="comma-separated spins of the idle threads (FERRY_HOST_POOL_SPIN_US): the tree's kernel once "
-                         "each, the first as `tree`, the others as `tree_spin<N>us`")  # fmt: skip
+    ap.add_argument(
+        "--spin-us",
+        default=None,
+        help="comma-separated spins of the idle threads (FERRY_HOST_POOL_SPIN_US): the tree's kernel once "
+        "each, the first as `tree`, the others as `tree_spin<N>us`",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     args.hog_cpus = [int(c) for c in args.hog_cpus.split(",")]
@@ -144,22 +156,40 @@ def main() -> int:
     banks = format_banks(args.format, cfg.hidden_size, cfg.moe_intermediate_size, args.bank_experts)
     cpus = list(range(1, args.threads)) if args.pin else []
     spins = [int(v) for v in args.spin_us.split(",")] if args.spin_us else [None]
-    kernels = {"tree" if i == 0 else f"tree_spin{us}us": kernel(banks, args.threads, None, cpus, us)
-               for i, us in enumerate(spins)}  # fmt: skip
+    kernels = {
+        "tree" if i == 0 else f"tree_spin{us}us": kernel(banks, args.threads, None, cpus, us)
+        for i, us in enumerate(spins)
+    }
     if args.compare_library:
         kernels["compared"] = kernel(banks, args.threads, args.compare_library, cpus)
     rows = []
     for spec in args.hog.split(","):
         for name, stats in run(kernels, banks, args, spec).items():
-            row = {"variant": name, "hog": spec, "hog_cpus": args.hog_cpus, "threads": args.threads,
-                   "format": args.format, "experts": args.experts, "tokens": args.tokens, **stats}  # fmt: skip
+            row = {
+                "variant": name,
+                "hog": spec,
+                "hog_cpus": args.hog_cpus,
+                "threads": args.threads,
+                "format": args.format,
+                "experts": args.experts,
+                "tokens": args.tokens,
+                **stats,
+            }
             rows.append(row)
             print(json.dumps(row), flush=True)
     for k in kernels.values():
         k.close()
     if args.json:
-        out = {"rows": rows, "compare_library": args.compare_library, "cpu": _cpu_name(), "cores": os.cpu_count(),
-               "gap_us": args.gap_us, "pinned": args.pin, "spin_us": args.spin_us, "config": Path(args.config).name}  # fmt: skip
+        out = {
+            "rows": rows,
+            "compare_library": args.compare_library,
+            "cpu": _cpu_name(),
+            "cores": os.cpu_count(),
+            "gap_us": args.gap_us,
+            "pinned": args.pin,
+            "spin_us": args.spin_us,
+            "config": Path(args.config).name,
+        }
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     return 0
 

@@ -83,22 +83,34 @@ def main() -> int:
     p.add_argument("--experts", type=int, default=48, help="experts in the walked bank (more than the caches hold)")
     p.add_argument("--per-call", type=int, default=8, help="experts a call (the calibration times 8 a call)")
     p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--huge-pages", default="on", choices=("on", "off"),
-                   help="the bank advised onto transparent huge pages as the worker's are, or left on small pages")
-    p.add_argument("--cpus", default="auto",
-                   help="the kernel's threads' CPUs as --host-expert-cpus takes them (the first the caller's, which "
-                        "here is the bench's own thread and stays unpinned): auto (the worker's default), none, or a "
-                        "CPU list")  # fmt: skip
-    p.add_argument("--link-load", default="none",
-                   help="none, then any of packed (the GPU unpacking pinned experts beside each call, as served), "
-                        "plain (its copy kernel over bf16 banks) and ce (the copy engine), comma-separated; they need "
-                        "CUDA")  # fmt: skip
+    p.add_argument(
+        "--huge-pages",
+        default="on",
+        choices=("on", "off"),
+        help="the bank advised onto transparent huge pages as the worker's are, or left on small pages",
+    )
+    p.add_argument(
+        "--cpus",
+        default="auto",
+        help="the kernel's threads' CPUs as --host-expert-cpus takes them (the first the caller's, which "
+        "here is the bench's own thread and stays unpinned): auto (the worker's default), none, or a "
+        "CPU list",
+    )
+    p.add_argument(
+        "--link-load",
+        default="none",
+        help="none, then any of packed (the GPU unpacking pinned experts beside each call, as served), "
+        "plain (its copy kernel over bf16 banks) and ce (the copy engine), comma-separated; they need "
+        "CUDA",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args()
     loads = args.link_load.split(",")
     if loads[0] != "none" or any(k not in KINDS for k in loads[1:]) or len(set(loads)) != len(loads):
-        p.error(f"--link-load {args.link_load}: none, then any of {', '.join(KINDS)}, each once (the lines are "
-                "drawn through the times without a load)")  # fmt: skip
+        p.error(
+            f"--link-load {args.link_load}: none, then any of {', '.join(KINDS)}, each once (the lines are "
+            "drawn through the times without a load)"
+        )
     if set(loads) - {"none"} and not torch.cuda.is_available():
         p.error(f"--link-load {args.link_load}: a load needs a CUDA device")
     tokens = sorted({int(t) for t in args.tokens.split(",")} | {1})
@@ -107,19 +119,23 @@ def main() -> int:
         p.error(f"--points {missing} must be among --tokens and above 1")
     spec = load_model_config(args.config)
     torch.set_num_threads(1)  # the measuring thread's own team: see bench/cpu_expert_bw.py
-    banks = format_banks(args.format, spec.hidden_size, spec.moe_intermediate_size, args.experts, args.huge_pages == "on")
+    banks = format_banks(
+        args.format, spec.hidden_size, spec.moe_intermediate_size, args.experts, args.huge_pages == "on"
+    )
     huge = anon_huge_bytes()  # while the bank lives: how much of it huge pages back
     cpus = chosen_host_cpus(args.threads, args.cpus)
     host = HostExperts(banks, torch.bfloat16, args.threads, kernel=args.backend, cpus=cpus)
     # the started workers' CPUs (this bench's caller is its own thread, never pinned)
     workers = pool_thread_cpus(args.threads, cpus)[1]
-    pinned = format_cpu_list(sorted(set(workers[:host.c_kernel.pinned]))) if host.c_kernel is not None else ""
+    pinned = format_cpu_list(sorted(set(workers[: host.c_kernel.pinned]))) if host.c_kernel is not None else ""
     loaded, load_gbps = {}, {}
     with StealMeter() as steal:
         for kind in loads:
             load = None if kind == "none" else LinkLoad(kind, torch.device("cuda"))
-            loaded[kind] = {n: on_thread(1, expert_seconds, host, n, args.repeats, args.experts, args.per_call, load)
-                            for n in tokens}  # fmt: skip
+            loaded[kind] = {
+                n: on_thread(1, expert_seconds, host, n, args.repeats, args.experts, args.per_call, load)
+                for n in tokens
+            }
             if load is not None:
                 load.end_timed()
                 rate = load.gbps()
@@ -128,22 +144,38 @@ def main() -> int:
     host.close()
     measured = loaded["none"]
     ratios = lines(measured, points)
-    print(f"THP mode {thp_mode()}, huge pages advised: {args.huge_pages}, {huge} bytes on huge pages "
-          f"of a {banks.nbytes}-byte bank; threads pinned to CPUs {pinned or 'none'}; CPU time stolen {steal.fraction}")
+    print(
+        f"THP mode {thp_mode()}, huge pages advised: {args.huge_pages}, {huge} bytes on huge pages "
+        f"of a {banks.nbytes}-byte bank; threads pinned to CPUs {pinned or 'none'}; CPU time stolen {steal.fraction}"
+    )
     for n, t in measured.items():
         print(f"{n:4d} tokens {t * 1e6:9.1f} us  " + "  ".join(f"line via {q}: {ratios[q][n]:.2f}" for q in points))
     for kind in loads[1:]:
-        print(f"beside the {kind} load ({load_gbps.get(kind, 0.0)} GB/s): "
-              + ", ".join(f"{n} tokens {t * 1e6:.1f} us" for n, t in loaded[kind].items()))
-    result = {"config": args.config, "format": args.format, "backend": args.backend, "threads": args.threads,
-              "per_call": args.per_call,
-              "cpu": _cpu_name(), "thp_mode": thp_mode(), "huge_pages_advised": args.huge_pages == "on",
-              "anon_huge_bytes": huge, "bank_bytes": banks.nbytes, "pinned_cpus": pinned, "cpu_steal_fraction": steal.fraction,
-              "hidden": spec.hidden_size, "moe_intermediate": spec.moe_intermediate_size,
-              "expert_us": {n: round(t * 1e6, 1) for n, t in measured.items()}, "link_loads": loads,
-              **{f"expert_us_under_{k}": {n: round(t * 1e6, 1) for n, t in loaded[k].items()} for k in loads[1:]},
-              "link_load_GBps": load_gbps,
-              "price_over_time": {f"line_via_{q}": r for q, r in ratios.items()}}  # fmt: skip
+        print(
+            f"beside the {kind} load ({load_gbps.get(kind, 0.0)} GB/s): "
+            + ", ".join(f"{n} tokens {t * 1e6:.1f} us" for n, t in loaded[kind].items())
+        )
+    result = {
+        "config": args.config,
+        "format": args.format,
+        "backend": args.backend,
+        "threads": args.threads,
+        "per_call": args.per_call,
+        "cpu": _cpu_name(),
+        "thp_mode": thp_mode(),
+        "huge_pages_advised": args.huge_pages == "on",
+        "anon_huge_bytes": huge,
+        "bank_bytes": banks.nbytes,
+        "pinned_cpus": pinned,
+        "cpu_steal_fraction": steal.fraction,
+        "hidden": spec.hidden_size,
+        "moe_intermediate": spec.moe_intermediate_size,
+        "expert_us": {n: round(t * 1e6, 1) for n, t in measured.items()},
+        "link_loads": loads,
+        **{f"expert_us_under_{k}": {n: round(t * 1e6, 1) for n, t in loaded[k].items()} for k in loads[1:]},
+        "link_load_GBps": load_gbps,
+        "price_over_time": {f"line_via_{q}": r for q, r in ratios.items()},
+    }
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0

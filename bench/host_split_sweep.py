@@ -77,11 +77,14 @@ def prices_for(base_ns: tuple[int, int, int, int], scale: float | None, extra_us
 
 
 def summarize(times_s: list[float], host_experts: int, crossed: int, copied_bytes: int, tokens: int) -> dict:
-    return {"steps": len(times_s), "median_ms": round(1e3 * statistics.median(times_s), 3),
-            "mean_ms": round(1e3 * statistics.fmean(times_s), 3),
-            "host_experts_per_token": round(host_experts / tokens, 3),
-            "crossed_experts_per_token": round(crossed / tokens, 3),
-            "copied_mb_per_token": round(copied_bytes / tokens / 1e6, 2)}  # fmt: skip
+    return {
+        "steps": len(times_s),
+        "median_ms": round(1e3 * statistics.median(times_s), 3),
+        "mean_ms": round(1e3 * statistics.fmean(times_s), 3),
+        "host_experts_per_token": round(host_experts / tokens, 3),
+        "crossed_experts_per_token": round(crossed / tokens, 3),
+        "copied_mb_per_token": round(copied_bytes / tokens / 1e6, 2),
+    }
 
 
 def main() -> int:
@@ -105,14 +108,17 @@ def main() -> int:
     store = executor.store
     share = getattr(store, "host_decode", None)
     if share is None:
-        raise SystemExit("host_split_sweep: the worker booted without a decode share (the boot log says why; "
-                         "pass --expert-backend hybrid)")  # fmt: skip
+        raise SystemExit(
+            "host_split_sweep: the worker booted without a decode share (the boot log says why; "
+            "pass --expert-backend hybrid)"
+        )
     share.refines, share.guard = False, None  # the prices stay what each setting says
     base = tuple(share.costs_ns)
     rng = np.random.default_rng(0)
     vocab = executor.spec.vocab_size
-    streams = Streams(executor, 1, stream_tokens(args.warm_steps, args.rounds, len(settings), args.steps),
-                      first_req_id=1)  # fmt: skip
+    streams = Streams(
+        executor, 1, stream_tokens(args.warm_steps, args.rounds, len(settings), args.steps), first_req_id=1
+    )
     streams.prefill([rng.integers(0, vocab, PROMPT_TOKENS).tolist()])
 
     def step() -> float:
@@ -141,18 +147,33 @@ def main() -> int:
             copied[name] += cache1["bytes_copied"] - cache0["bytes_copied"]
     share.costs_ns = base
     tokens = args.rounds * args.steps
-    rows = {name: {"scale": scale, "handoff_extra_us": extra_us,
-                   **summarize(times[name], host[name], crossed[name], copied[name], tokens)}
-            for name, scale, extra_us in settings}  # fmt: skip
+    rows = {
+        name: {
+            "scale": scale,
+            "handoff_extra_us": extra_us,
+            **summarize(times[name], host[name], crossed[name], copied[name], tokens),
+        }
+        for name, scale, extra_us in settings
+    }
     off = rows.get("off")
     for name, row in rows.items():
         row["vs_off"] = round(off["median_ms"] / row["median_ms"], 3) if off else None
-        print(f"{name:>10}: median {row['median_ms']:.3f} ms a step (mean {row['mean_ms']:.3f}), host "
-              f"{row['host_experts_per_token']:.2f} experts a token, PCIe {row['crossed_experts_per_token']:.2f}"
-              + (f", {row['vs_off']:.3f}x off" if off else ""), flush=True)  # fmt: skip
-    result = {"model": str(args.model), "prices_ns": list(base), "handoff": share.handoff,
-              "slots": plan.experts.slots, "experts": plan.experts.total, "steps": args.steps, "rounds": args.rounds,
-              "settings": rows}  # fmt: skip
+        print(
+            f"{name:>10}: median {row['median_ms']:.3f} ms a step (mean {row['mean_ms']:.3f}), host "
+            f"{row['host_experts_per_token']:.2f} experts a token, PCIe {row['crossed_experts_per_token']:.2f}"
+            + (f", {row['vs_off']:.3f}x off" if off else ""),
+            flush=True,
+        )
+    result = {
+        "model": str(args.model),
+        "prices_ns": list(base),
+        "handoff": share.handoff,
+        "slots": plan.experts.slots,
+        "experts": plan.experts.total,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "settings": rows,
+    }
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     streams.finish()

@@ -81,8 +81,12 @@ def crossing_bytes(plan: dict, spec, dtype: str) -> int:
 def bounds(flops: dict, pcie_bytes: int, h2d_GBps: float, tflops: float | None) -> dict:
     compute_s = flops["flops"] / (tflops * 1e12) if tflops else None
     pcie_s = pcie_bytes / (h2d_GBps * 1e9)
-    return {"compute_s": compute_s, "pcie_s": pcie_s, "bound_s": max(pcie_s, compute_s or 0.0),
-            "attention_compute_s": flops["attention_flops"] / (tflops * 1e12) if tflops else None}  # fmt: skip
+    return {
+        "compute_s": compute_s,
+        "pcie_s": pcie_s,
+        "bound_s": max(pcie_s, compute_s or 0.0),
+        "attention_compute_s": flops["attention_flops"] / (tflops * 1e12) if tflops else None,
+    }
 
 
 def booted_plan(serve_log: Path) -> dict:
@@ -93,7 +97,7 @@ def booted_plan(serve_log: Path) -> dict:
         for event in ("plan", "expert_host_banks"):
             if f'"event": "{event}"' in line:
                 try:
-                    fields = json.loads(line[line.index("{"):])
+                    fields = json.loads(line[line.index("{") :])
                 except ValueError:
                     continue
                 if event == "plan":
@@ -116,9 +120,13 @@ def _median_tok_s(run: dict) -> float | None:
 def _decode_run(run: dict) -> dict:
     """What one streamed request's decode gave: its TTFT, the prompt tokens the prefix cache served, both rates."""
     details = getattr(run["usage"], "prompt_tokens_details", None) if run["usage"] else None
-    return {"ttft_s": run["ttft_s"], "ttft_wire_s": run["ttft_wire_s"],
-            "cached_tokens": getattr(details, "cached_tokens", None), "tok_s": run["tok_s"],
-            "median_tok_s": _median_tok_s(run)}  # fmt: skip
+    return {
+        "ttft_s": run["ttft_s"],
+        "ttft_wire_s": run["ttft_wire_s"],
+        "cached_tokens": getattr(details, "cached_tokens", None),
+        "tok_s": run["tok_s"],
+        "median_tok_s": _median_tok_s(run),
+    }
 
 
 def _median_of_runs(runs: list[dict]) -> float | None:
@@ -131,14 +139,27 @@ def main() -> int:
     p.add_argument("--base-url", required=True)
     p.add_argument("--config", required=True, help="the served model directory (config.json)")
     p.add_argument("--serve-log", required=True, type=Path, help="ferry serve's log, for the booted plan")
-    p.add_argument("--ceilings", required=True, help="bench/bandwidth.py JSON of the same run (h2d_pinned_GBps, bf16_matmul_TFLOPs)")
+    p.add_argument(
+        "--ceilings",
+        required=True,
+        help="bench/bandwidth.py JSON of the same run (h2d_pinned_GBps, bf16_matmul_TFLOPs)",
+    )
     p.add_argument("--metrics", default=None, help="the worker's /metrics URL (the expert bytes copied)")
     p.add_argument("--prompt-len", type=int, default=LONG_PROMPT)
     p.add_argument("--short-len", type=int, default=64)
-    p.add_argument("--max-tokens", type=int, default=144, help="decoded after each prompt (the 35B's 262,144 "
-                   "positions leave the issue's prompt 156)")  # fmt: skip
-    p.add_argument("--decode-repeats", type=int, default=3, help="decode runs after the long prompt (the first its "
-                   "own continuation, the rest the same prompt again from the prefix cache) and with the short one")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=144,
+        help="decoded after each prompt (the 35B's 262,144 positions leave the issue's prompt 156)",
+    )
+    p.add_argument(
+        "--decode-repeats",
+        type=int,
+        default=3,
+        help="decode runs after the long prompt (the first its "
+        "own continuation, the rest the same prompt again from the prefix cache) and with the short one",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
@@ -151,8 +172,9 @@ def main() -> int:
     ceilings = json.loads(Path(args.ceilings).read_text())
     # the timed HTTP client marks when a request leaves: a 262k-id request takes the openai client seconds to
     # build (serve_openai.py measured 20-40 ms for 2,000 ids), which ttft_s counts and ttft_wire_s does not
-    client = OpenAI(base_url=args.base_url, api_key="none", max_retries=0, timeout=3600,
-                    http_client=timed_http_client())  # fmt: skip
+    client = OpenAI(
+        base_url=args.base_url, api_key="none", max_retries=0, timeout=3600, http_client=timed_http_client()
+    )
     model = client.models.list().data[0].id
     ids = prompt_ids(spec.vocab_size)
     stream(client, model, ids(args.short_len), 4, 1.0)  # warm-up: first-use costs out of the short rate
@@ -167,29 +189,46 @@ def main() -> int:
         after_runs.append(_decode_run(stream(client, model, long_prompt, args.max_tokens, 1.0)))
         if (after_runs[-1]["cached_tokens"] or 0) < args.prompt_len // 2:
             break  # prefilled again, not from the cache: a repeat would cost a whole prefill (reported as it came)
-    short_runs = [_decode_run(short)] + [_decode_run(stream(client, model, ids(args.short_len), args.max_tokens, 1.0))
-                                         for _ in range(args.decode_repeats - 1)]  # fmt: skip
+    short_runs = [_decode_run(short)] + [
+        _decode_run(stream(client, model, ids(args.short_len), args.max_tokens, 1.0))
+        for _ in range(args.decode_repeats - 1)
+    ]
     flops = prefill_flops(spec, args.prompt_len, spec.dtype)  # the plan line names no dtype: the checkpoint's
-    modelled = streamed_bytes(plan["expert_total"], plan["expert_slots"], crossing_bytes(plan, spec, spec.dtype),
-                              args.prompt_len, plan["max_prefill_tokens"])  # fmt: skip
+    modelled = streamed_bytes(
+        plan["expert_total"],
+        plan["expert_slots"],
+        crossing_bytes(plan, spec, spec.dtype),
+        args.prompt_len,
+        plan["max_prefill_tokens"],
+    )
     b = bounds(flops, modelled, ceilings["h2d_pinned_GBps"], ceilings.get("bf16_matmul_TFLOPs"))
     result = {
         "prompt_tokens": long["usage"].prompt_tokens if long["usage"] else args.prompt_len,
-        "ttft_s": long["ttft_s"], "ttft_wire_s": long["ttft_wire_s"], "prefill_tok_s": args.prompt_len / long["ttft_s"],
-        "decode_after_tok_s": long["tok_s"], "decode_short_tok_s": short["tok_s"], "max_gap_after_s": long["max_gap_s"],
-        "decode_after_median_tok_s": _median_tok_s(long), "decode_short_median_tok_s": _median_tok_s(short),
+        "ttft_s": long["ttft_s"],
+        "ttft_wire_s": long["ttft_wire_s"],
+        "prefill_tok_s": args.prompt_len / long["ttft_s"],
+        "decode_after_tok_s": long["tok_s"],
+        "decode_short_tok_s": short["tok_s"],
+        "max_gap_after_s": long["max_gap_s"],
+        "decode_after_median_tok_s": _median_tok_s(long),
+        "decode_short_median_tok_s": _median_tok_s(short),
         "decode_tokens": long["tokens"],
         "decode_after_repeats_median_tok_s": _median_of_runs(after_runs),
         "decode_short_repeats_median_tok_s": _median_of_runs(short_runs),
-        "decode_after_runs": after_runs, "decode_short_runs": short_runs,
+        "decode_after_runs": after_runs,
+        "decode_short_runs": short_runs,
         # no bound where nothing streams and no matmul rate was measured (bench/bandwidth.py's command line)
-        **b, "ttft_over_bound": long["ttft_s"] / b["bound_s"] if b["bound_s"] else None,
+        **b,
+        "ttft_over_bound": long["ttft_s"] / b["bound_s"] if b["bound_s"] else None,
         "streamed_bytes_model": modelled,
         "copied_bytes": copied["copied_bytes"] if copied else None,
         "copied_pcie_s": copied["copied_bytes"] / (ceilings["h2d_pinned_GBps"] * 1e9) if copied else None,
-        **flops, "max_prefill_tokens": plan["max_prefill_tokens"], "expert_slots": plan["expert_slots"],
-        "expert_total": plan["expert_total"], "ceilings": ceilings,
-    }  # fmt: skip
+        **flops,
+        "max_prefill_tokens": plan["max_prefill_tokens"],
+        "expert_slots": plan["expert_slots"],
+        "expert_total": plan["expert_total"],
+        "ceilings": ceilings,
+    }
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

@@ -40,16 +40,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 from ferry.kernels.grouped_expert_gemm import grouped_expert_forward  # noqa: E402
 from ferry.kernels.grouped_expert_gemm_reference import grouped_expert_forward_reference  # noqa: E402
-from ferry.plan.model_config import load_model_config  # noqa: E402
-from ferry.shared.units import parse_bytes  # noqa: E402
-from ferry.services.worker.device import select_device  # noqa: E402
 from ferry.plan import pool_layout as L  # noqa: E402
 from ferry.plan.costs import resident_weight_bytes_from_shapes, workspace_bytes_estimate  # noqa: E402
+from ferry.plan.model_config import load_model_config  # noqa: E402
+from ferry.plan.planner import Measured, PlanRequest, make_plan  # noqa: E402
+from ferry.services.worker.device import select_device  # noqa: E402
+from ferry.services.worker.offload.build import POLICIES, make_policy  # noqa: E402
 from ferry.services.worker.offload.expert_cache import OffloadedExperts  # noqa: E402
 from ferry.services.worker.offload.host_banks import HostBanks  # noqa: E402
-from ferry.services.worker.offload.build import POLICIES, make_policy  # noqa: E402
-from ferry.plan.planner import Measured, PlanRequest, make_plan  # noqa: E402
 from ferry.services.worker.pools import ExpertSlotPool, allocate_pool  # noqa: E402
+from ferry.shared.units import parse_bytes  # noqa: E402
 
 
 class Clock:
@@ -106,12 +106,20 @@ def measure_bandwidths(banks: HostBanks, device: torch.device, clock: Clock, hbm
     }
 
 
-def zipf_routing(num_layers: int, num_experts: int, top_k: int, steps: int, batch: int, exponent: float,
-                 seed: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def zipf_routing(
+    num_layers: int,
+    num_experts: int,
+    top_k: int,
+    steps: int,
+    batch: int,
+    exponent: float,
+    seed: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """ids [steps, layers, batch, k] (distinct per token) and normalised weights, drawn up front."""
     g = torch.Generator().manual_seed(seed)
     ranks = torch.arange(1, num_experts + 1, dtype=torch.float64)
-    popularity = ranks ** -exponent
+    popularity = ranks**-exponent
     ids = torch.empty(steps, num_layers, batch, top_k, dtype=torch.int64)
     for layer in range(num_layers):
         p = torch.empty(num_experts, dtype=torch.float64)
@@ -144,39 +152,56 @@ def self_check(store: OffloadedExperts, banks: HostBanks, ids, weights, x, devic
     occupied = [s for s in range(policy.num_slots) if policy.layer_of_slot[s] >= 0]
     for s in occupied[:: max(1, len(occupied) // 16)]:
         layer, e = int(policy.layer_of_slot[s]), int(policy.expert_of_slot[s])
-        if not (torch.equal(store.slots.w13[s].cpu(), banks.w13[layer][e]) and
-                torch.equal(store.slots.w2[s].cpu(), banks.w2[layer][e])):  # fmt: skip
+        if not (
+            torch.equal(store.slots.w13[s].cpu(), banks.w13[layer][e])
+            and torch.equal(store.slots.w2[s].cpu(), banks.w2[layer][e])
+        ):
             raise AssertionError(f"slot {s} does not hold MoE layer {layer} expert {e}")
     return {"passed": True, "max_relative_error": worst, "exact": exact}
 
 
-def compute_only_ms(store: OffloadedExperts, weights: torch.Tensor, x: torch.Tensor, clock: Clock,
-                    g: torch.Generator) -> float:  # fmt: skip
+def compute_only_ms(
+    store: OffloadedExperts, weights: torch.Tensor, x: torch.Tensor, clock: Clock, g: torch.Generator
+) -> float:
     """One step of the expert GEMM with every routed expert resident (random distinct slots per
     token): the compute floor, without policy, copies or host round trips."""
     layers, batch, top_k = weights.shape[0], x.shape[0], weights.shape[2]
     num_slots = store.slots.num_slots
-    slot_ids = torch.stack([torch.stack([torch.randperm(num_slots, generator=g)[:top_k] for _ in range(batch)])
-                            for _ in range(layers)]).to(x.device)  # fmt: skip
+    slot_ids = torch.stack(
+        [torch.stack([torch.randperm(num_slots, generator=g)[:top_k] for _ in range(batch)]) for _ in range(layers)]
+    ).to(x.device)
     slots = store.slots
-    return clock.median_ms(lambda: [grouped_expert_forward(x, slot_ids[i], weights[i], slots.w13, slots.w2)
-                                    for i in range(layers)], repeat=5)  # fmt: skip
+    return clock.median_ms(
+        lambda: [grouped_expert_forward(x, slot_ids[i], weights[i], slots.w13, slots.w2) for i in range(layers)],
+        repeat=5,
+    )
 
 
-def decode_run(store: OffloadedExperts, banks: HostBanks, spec, args, batch: int, zipf: float, clock: Clock,
-               h2d_Bps: float, hbm_Bps: float) -> dict:  # fmt: skip
+def decode_run(
+    store: OffloadedExperts,
+    banks: HostBanks,
+    spec,
+    args,
+    batch: int,
+    zipf: float,
+    clock: Clock,
+    h2d_Bps: float,
+    hbm_Bps: float,
+) -> dict:
     policy = store.policy.name
     """Warm-up then timed decode steps with fresh cache state; per-step numbers and their medians."""
     device, layers = store.device, banks.num_layers
     steps = args.warmup + args.tokens
-    ids, weights = zipf_routing(layers, banks.num_experts, spec.num_experts_per_tok, steps + 1, batch, zipf,
-                                args.seed, device)  # fmt: skip
+    ids, weights = zipf_routing(
+        layers, banks.num_experts, spec.num_experts_per_tok, steps + 1, batch, zipf, args.seed, device
+    )
     g = torch.Generator().manual_seed(args.seed + 1)
     x = torch.randn(batch, spec.hidden_size, generator=g).to(device=device, dtype=banks.dtype)
     floor_ms = compute_only_ms(store, weights[0], x, clock, g)
     store.preload()
     rows = []
     for step in range(steps):
+
         def one_step():
             for layer in range(layers):
                 store.forward(layer, x, ids[step, layer], weights[step, layer])
@@ -187,10 +212,18 @@ def decode_run(store: OffloadedExperts, banks: HostBanks, spec, args, batch: int
         # bytes the GEMM reads from HBM: every routed expert of every layer, once
         read = sum(len(torch.unique(ids[step, layer])) for layer in range(layers)) * banks.expert_nbytes
         if step >= args.warmup:
-            rows.append({"ms": ms, "hits": c.hits, "misses": c.misses, "bytes_copied": c.bytes_copied,
-                         "bytes_read": read, "copy_ms": c.copy_time_s * 1e3,
-                         "exposed_copy_ms": c.exposed_copy_time_s * 1e3,
-                         "bound_ms": (c.bytes_copied / h2d_Bps + read / hbm_Bps) * 1e3})  # fmt: skip
+            rows.append(
+                {
+                    "ms": ms,
+                    "hits": c.hits,
+                    "misses": c.misses,
+                    "bytes_copied": c.bytes_copied,
+                    "bytes_read": read,
+                    "copy_ms": c.copy_time_s * 1e3,
+                    "exposed_copy_ms": c.exposed_copy_time_s * 1e3,
+                    "bound_ms": (c.bytes_copied / h2d_Bps + read / hbm_Bps) * 1e3,
+                }
+            )
     check = {"passed": None}
     if not args.no_check:
         check = self_check(store, banks, ids[steps], weights[steps], x, device, exact=device.type == "cpu")
@@ -201,7 +234,11 @@ def decode_run(store: OffloadedExperts, banks: HostBanks, spec, args, batch: int
     hits, misses = sum(r["hits"] for r in rows), sum(r["misses"] for r in rows)
     ms_sorted = sorted(r["ms"] for r in rows)
     return {
-        "policy": policy, "batch": batch, "zipf": zipf, "steps": len(rows), "warmup_steps": args.warmup,
+        "policy": policy,
+        "batch": batch,
+        "zipf": zipf,
+        "steps": len(rows),
+        "warmup_steps": args.warmup,
         "median_ms_per_step": med("ms"),
         "p10_ms_per_step": ms_sorted[len(ms_sorted) // 10],
         "p90_ms_per_step": ms_sorted[(len(ms_sorted) * 9) // 10],
@@ -217,7 +254,7 @@ def decode_run(store: OffloadedExperts, banks: HostBanks, spec, args, batch: int
         "compute_only_ms_per_step": floor_ms,
         "expert_cache": store.report(),
         "check": check,
-    }  # fmt: skip
+    }
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -228,12 +265,21 @@ def run(args: argparse.Namespace) -> dict:
     layers, experts = len(spec.moe_layer_indices), spec.num_experts
 
     # ---- the plan a user of --gpu-memory gets: slots as the worker would size them -------
-    req = PlanRequest(gpu_memory=parse_bytes(args.gpu_memory), max_model_len=args.max_model_len,
-                      moe_cache_size=args.moe_cache_size, dtype=dtype)  # fmt: skip
+    req = PlanRequest(
+        gpu_memory=parse_bytes(args.gpu_memory),
+        max_model_len=args.max_model_len,
+        moe_cache_size=args.moe_cache_size,
+        dtype=dtype,
+    )
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
     max_len = args.max_model_len or spec.max_position_embeddings
-    measured = Measured(resident_weight_bytes_from_shapes(spec, dtype),
-                        workspace_bytes_estimate(spec, dtype, 8192, 64, max_len), free, "shapes", "estimate")  # fmt: skip
+    measured = Measured(
+        resident_weight_bytes_from_shapes(spec, dtype),
+        workspace_bytes_estimate(spec, dtype, 8192, 64, max_len),
+        free,
+        "shapes",
+        "estimate",
+    )
     plan = make_plan(spec, req, measured)
     slots = ExpertSlotPool(allocate_pool(L.expert_slot_layout(spec, dtype, plan.experts.slots), device))
 
@@ -246,20 +292,35 @@ def run(args: argparse.Namespace) -> dict:
     runs = []
     for policy, batch, zipf in ((p, b, z) for p in args.policy for b in args.batch for z in args.zipf):
         store = OffloadedExperts(slots, banks, make_policy(policy, layers, experts, plan.experts.slots), device)
-        runs.append(decode_run(store, banks, spec, args, batch, zipf, clock,
-                               bw["h2d_per_expert_GBps"] * 1e9, bw["hbm_copy_GBps"] * 1e9))  # fmt: skip
+        runs.append(
+            decode_run(
+                store, banks, spec, args, batch, zipf, clock, bw["h2d_per_expert_GBps"] * 1e9, bw["hbm_copy_GBps"] * 1e9
+            )
+        )
     return {
         "bench": "offload_decode",
         "model": str(args.model),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
-        "config": {"arch": spec.arch, "moe_layers": layers, "num_experts": experts,
-                   "top_k": spec.num_experts_per_tok, "hidden_size": spec.hidden_size,
-                   "moe_intermediate_size": spec.moe_intermediate_size, "dtype": dtype,
-                   "expert_bytes": banks.expert_nbytes, "host_bank_bytes": banks.nbytes},  # fmt: skip
-        "plan": {"gpu_memory": args.gpu_memory, "slots": plan.experts.slots, "total_experts": plan.experts.total,
-                 "cache_fraction": plan.experts.slots / plan.experts.total, "slot_pool_bytes": plan.experts.bytes,
-                 "kv_tokens": plan.kv.tokens},  # fmt: skip
+        "config": {
+            "arch": spec.arch,
+            "moe_layers": layers,
+            "num_experts": experts,
+            "top_k": spec.num_experts_per_tok,
+            "hidden_size": spec.hidden_size,
+            "moe_intermediate_size": spec.moe_intermediate_size,
+            "dtype": dtype,
+            "expert_bytes": banks.expert_nbytes,
+            "host_bank_bytes": banks.nbytes,
+        },
+        "plan": {
+            "gpu_memory": args.gpu_memory,
+            "slots": plan.experts.slots,
+            "total_experts": plan.experts.total,
+            "cache_fraction": plan.experts.slots / plan.experts.total,
+            "slot_pool_bytes": plan.experts.bytes,
+            "kv_tokens": plan.kv.tokens,
+        },
         "routing": {"distribution": "zipf", "seed": args.seed},
         "dummy_fill_s": fill_s,
         "bandwidth": bw,
@@ -272,26 +333,54 @@ def table(r: dict) -> str:
     b, p = r["bandwidth"], r["plan"]
     head = [
         ("model", f"{r['model']} ({r['config']['arch']}, {r['config']['dtype']}) on {r['device']}"),
-        ("expert slots", f"{p['slots']} / {p['total_experts']} ({100 * p['cache_fraction']:.1f}%) "
-                         f"for --gpu-memory {p['gpu_memory']}"),
-        (f"H2D {'pinned' if b['h2d_pinned'] else 'pageable'}, block / per expert",
-         f"{b['h2d_block_GBps']:.1f} / {b['h2d_per_expert_GBps']:.1f} GB/s"),
+        (
+            "expert slots",
+            f"{p['slots']} / {p['total_experts']} ({100 * p['cache_fraction']:.1f}%) "
+            f"for --gpu-memory {p['gpu_memory']}",
+        ),
+        (
+            f"H2D {'pinned' if b['h2d_pinned'] else 'pageable'}, block / per expert",
+            f"{b['h2d_block_GBps']:.1f} / {b['h2d_per_expert_GBps']:.1f} GB/s",
+        ),
         ("HBM copy (read+write)", f"{b['hbm_copy_GBps']:.0f} GB/s"),
-    ]  # fmt: skip
+    ]
     width = max(len(k) for k, _ in head)
     lines = [f"{k:<{width}}  {v}" for k, v in head]
-    cols = ("policy", "batch", "zipf", "ms/step", "p10-p90", "bound", "x bound", "GEMM only", "hit rate", "misses",
-            "MiB/token", "copy ms", "exposed", "check")  # fmt: skip
+    cols = (
+        "policy",
+        "batch",
+        "zipf",
+        "ms/step",
+        "p10-p90",
+        "bound",
+        "x bound",
+        "GEMM only",
+        "hit rate",
+        "misses",
+        "MiB/token",
+        "copy ms",
+        "exposed",
+        "check",
+    )
     lines.append("  ".join(f"{c:>9}" for c in cols))
     for d in r["runs"]:
         ratio = d["measured_over_bound"]
-        cells = (d["policy"], d["batch"], d["zipf"], f"{d['median_ms_per_step']:.3f}",
-                 f"{d['p10_ms_per_step']:.1f}-{d['p90_ms_per_step']:.1f}", f"{d['median_bound_ms_per_step']:.3f}",
-                 f"{ratio:.2f}" if ratio else "-", f"{d['compute_only_ms_per_step']:.3f}",
-                 f"{100 * d['hit_rate']:.1f}%", f"{d['misses_per_step']:.1f}",
-                 f"{d['bytes_copied_per_token'] / 2**20:.1f}", f"{d['median_copy_ms_per_step']:.3f}",
-                 f"{d['median_exposed_copy_ms_per_step']:.3f}",
-                 "passed" if d["check"]["passed"] else "skipped")  # fmt: skip
+        cells = (
+            d["policy"],
+            d["batch"],
+            d["zipf"],
+            f"{d['median_ms_per_step']:.3f}",
+            f"{d['p10_ms_per_step']:.1f}-{d['p90_ms_per_step']:.1f}",
+            f"{d['median_bound_ms_per_step']:.3f}",
+            f"{ratio:.2f}" if ratio else "-",
+            f"{d['compute_only_ms_per_step']:.3f}",
+            f"{100 * d['hit_rate']:.1f}%",
+            f"{d['misses_per_step']:.1f}",
+            f"{d['bytes_copied_per_token'] / 2**20:.1f}",
+            f"{d['median_copy_ms_per_step']:.3f}",
+            f"{d['median_exposed_copy_ms_per_step']:.3f}",
+            "passed" if d["check"]["passed"] else "skipped",
+        )
         lines.append("  ".join(f"{c!s:>9}" for c in cells))
     return "\n".join(lines)
 
@@ -312,11 +401,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--dtype", default=None, help="default: the checkpoint's")
     ap.add_argument("--tokens", type=int, default=256, help="timed decode steps")
     ap.add_argument("--warmup", type=int, default=32, help="untimed decode steps first (the cache warms)")
-    ap.add_argument("--batch", type=_list_of(int), default=[1], help="tokens per decode step; a list runs each, e.g. 1,8,32")
-    ap.add_argument("--zipf", type=_list_of(float), default=[1.0],
-                    help="popularity exponent s, p(rank r) ~ 1/r^s; a list runs each, e.g. 0.6,1.0,1.4")
-    ap.add_argument("--policy", type=_list_of(str), default=["lru", "lfu"],
-                    help=f"expert cache policy ({', '.join(POLICIES)}); a list runs each, e.g. lru,lfu")
+    ap.add_argument(
+        "--batch", type=_list_of(int), default=[1], help="tokens per decode step; a list runs each, e.g. 1,8,32"
+    )
+    ap.add_argument(
+        "--zipf",
+        type=_list_of(float),
+        default=[1.0],
+        help="popularity exponent s, p(rank r) ~ 1/r^s; a list runs each, e.g. 0.6,1.0,1.4",
+    )
+    ap.add_argument(
+        "--policy",
+        type=_list_of(str),
+        default=["lru", "lfu"],
+        help=f"expert cache policy ({', '.join(POLICIES)}); a list runs each, e.g. lru,lfu",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="auto", help="cuda, cpu or auto")
     ap.add_argument("--hbm-bytes", type=int, default=None, help="size of the device copy that measures HBM")

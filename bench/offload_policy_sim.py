@@ -20,20 +20,30 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from ferry.plan.model_config import load_model_config  # noqa: E402
-from ferry.shared.units import parse_bytes  # noqa: E402
 from ferry.plan import pool_layout as L  # noqa: E402
 from ferry.plan.costs import resident_weight_bytes_from_shapes, workspace_bytes_estimate  # noqa: E402
-from ferry.services.worker.offload.build import POLICIES, make_policy  # noqa: E402
+from ferry.plan.model_config import load_model_config  # noqa: E402
 from ferry.plan.planner import Measured, PlanRequest, make_plan  # noqa: E402
+from ferry.services.worker.offload.build import POLICIES, make_policy  # noqa: E402
+from ferry.shared.units import parse_bytes  # noqa: E402
 
 # H200, PCIe Gen5 pinned host->device and HBM, as measured on the target machine
 DEFAULT_H2D_GBPS = 55.0
 DEFAULT_HBM_GBPS = 4300.0
 
 
-def simulate(policy_name: str, layers: int, experts: int, top_k: int, slots: int, batch: int, zipf: float,
-             steps: int, warmup: int, seed: int) -> dict:  # fmt: skip
+def simulate(
+    policy_name: str,
+    layers: int,
+    experts: int,
+    top_k: int,
+    slots: int,
+    batch: int,
+    zipf: float,
+    steps: int,
+    warmup: int,
+    seed: int,
+) -> dict:
     rng = np.random.default_rng(seed)
     popularity = np.arange(1, experts + 1, dtype=np.float64) ** -zipf
     popularity /= popularity.sum()
@@ -48,8 +58,14 @@ def simulate(policy_name: str, layers: int, experts: int, top_k: int, slots: int
             got = policy.lookup(layer, chosen)
             if step >= warmup:
                 hits, misses, routed = hits + got.hits, misses + len(got.misses), routed + len(chosen)
-    return {"policy": policy_name, "batch": batch, "zipf": zipf, "hit_rate": hits / (hits + misses),
-            "misses_per_step": misses / steps, "routed_per_step": routed / steps}  # fmt: skip
+    return {
+        "policy": policy_name,
+        "batch": batch,
+        "zipf": zipf,
+        "hit_rate": hits / (hits + misses),
+        "misses_per_step": misses / steps,
+        "routed_per_step": routed / steps,
+    }
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -57,10 +73,18 @@ def run(args: argparse.Namespace) -> dict:
     dtype = args.dtype or spec.dtype
     layers, experts = len(spec.moe_layer_indices), spec.num_experts
     max_len = args.max_model_len or spec.max_position_embeddings
-    plan = make_plan(spec, PlanRequest(gpu_memory=parse_bytes(args.gpu_memory), max_model_len=args.max_model_len,
-                                       moe_cache_size=args.moe_cache_size, dtype=dtype),
-                     Measured(resident_weight_bytes_from_shapes(spec, dtype),
-                              workspace_bytes_estimate(spec, dtype, 8192, 64, max_len)))  # fmt: skip
+    plan = make_plan(
+        spec,
+        PlanRequest(
+            gpu_memory=parse_bytes(args.gpu_memory),
+            max_model_len=args.max_model_len,
+            moe_cache_size=args.moe_cache_size,
+            dtype=dtype,
+        ),
+        Measured(
+            resident_weight_bytes_from_shapes(spec, dtype), workspace_bytes_estimate(spec, dtype, 8192, 64, max_len)
+        ),
+    )
     h2d, hbm = DEFAULT_H2D_GBPS, DEFAULT_HBM_GBPS
     if args.bandwidth_from:
         bw = json.loads(Path(args.bandwidth_from).read_text())["bandwidth"]
@@ -70,24 +94,53 @@ def run(args: argparse.Namespace) -> dict:
     for policy in args.policy:
         for batch in args.batch:
             for zipf in args.zipf:
-                r = simulate(policy, layers, experts, spec.num_experts_per_tok, plan.experts.slots, batch, zipf,
-                             args.steps, args.warmup, args.seed)  # fmt: skip
-                bound_ms = (r["misses_per_step"] * expert_bytes / (h2d * 1e9)
-                            + r["routed_per_step"] * expert_bytes / (hbm * 1e9)) * 1e3  # fmt: skip
-                runs.append({**r, "bound_ms_per_step": bound_ms, "bound_ms_per_token": bound_ms / batch,
-                             "copied_MiB_per_token": r["misses_per_step"] * expert_bytes / batch / 2**20})  # fmt: skip
-    return {"model": str(args.model), "slots": plan.experts.slots, "total_experts": plan.experts.total,
-            "expert_bytes": expert_bytes, "h2d_GBps": h2d, "hbm_GBps": hbm, "runs": runs}  # fmt: skip
+                r = simulate(
+                    policy,
+                    layers,
+                    experts,
+                    spec.num_experts_per_tok,
+                    plan.experts.slots,
+                    batch,
+                    zipf,
+                    args.steps,
+                    args.warmup,
+                    args.seed,
+                )
+                bound_ms = (
+                    r["misses_per_step"] * expert_bytes / (h2d * 1e9)
+                    + r["routed_per_step"] * expert_bytes / (hbm * 1e9)
+                ) * 1e3
+                runs.append(
+                    {
+                        **r,
+                        "bound_ms_per_step": bound_ms,
+                        "bound_ms_per_token": bound_ms / batch,
+                        "copied_MiB_per_token": r["misses_per_step"] * expert_bytes / batch / 2**20,
+                    }
+                )
+    return {
+        "model": str(args.model),
+        "slots": plan.experts.slots,
+        "total_experts": plan.experts.total,
+        "expert_bytes": expert_bytes,
+        "h2d_GBps": h2d,
+        "hbm_GBps": hbm,
+        "runs": runs,
+    }
 
 
 def table(r: dict) -> str:
-    lines = [f"{r['model']}: {r['slots']} / {r['total_experts']} expert slots; "
-             f"bound with H2D {r['h2d_GBps']:g} GB/s, HBM {r['hbm_GBps']:g} GB/s",
-             f"{'policy':>6} {'batch':>5} {'zipf':>5} {'hit rate':>9} {'misses/step':>11} {'MiB/token':>9} "
-             f"{'bound ms/token':>14}"]  # fmt: skip
+    lines = [
+        f"{r['model']}: {r['slots']} / {r['total_experts']} expert slots; "
+        f"bound with H2D {r['h2d_GBps']:g} GB/s, HBM {r['hbm_GBps']:g} GB/s",
+        f"{'policy':>6} {'batch':>5} {'zipf':>5} {'hit rate':>9} {'misses/step':>11} {'MiB/token':>9} "
+        f"{'bound ms/token':>14}",
+    ]
     for d in r["runs"]:
-        lines.append(f"{d['policy']:>6} {d['batch']:>5} {d['zipf']:>5} {100 * d['hit_rate']:>8.1f}% "
-                     f"{d['misses_per_step']:>11.1f} {d['copied_MiB_per_token']:>9.1f} {d['bound_ms_per_token']:>14.3f}")  # fmt: skip
+        lines.append(
+            f"{d['policy']:>6} {d['batch']:>5} {d['zipf']:>5} {100 * d['hit_rate']:>8.1f}% "
+            f"{d['misses_per_step']:>11.1f} {d['copied_MiB_per_token']:>9.1f} {d['bound_ms_per_token']:>14.3f}"
+        )
     return "\n".join(lines)
 
 

@@ -39,10 +39,16 @@ def main() -> int:
     w13 = torch.empty((slots_n, *raw.w13[0].shape[1:]), dtype=torch.bfloat16, device=device)
     w2 = torch.empty((slots_n, *raw.w2[0].shape[1:]), dtype=torch.bfloat16, device=device)
     g = torch.Generator().manual_seed(0)
-    results: dict = {"device": torch.cuda.get_device_name(device), "expert_bytes": raw.expert_nbytes,
-                     "packed_expert_bytes": packed.expert_nbytes, "runs": []}  # fmt: skip
-    print(f"expert {raw.expert_nbytes / 1e6:.2f} MB, packed {packed.expert_nbytes / 1e6:.2f} MB "
-          f"({packed.expert_nbytes / raw.expert_nbytes:.3f}), escapes {packed.escape_count} values")  # fmt: skip
+    results: dict = {
+        "device": torch.cuda.get_device_name(device),
+        "expert_bytes": raw.expert_nbytes,
+        "packed_expert_bytes": packed.expert_nbytes,
+        "runs": [],
+    }
+    print(
+        f"expert {raw.expert_nbytes / 1e6:.2f} MB, packed {packed.expert_nbytes / 1e6:.2f} MB "
+        f"({packed.expert_nbytes / raw.expert_nbytes:.3f}), escapes {packed.escape_count} values"
+    )
 
     misses = torch.zeros(64, 2, dtype=torch.int32, device=device)
     count = torch.zeros(1, dtype=torch.int32, device=device)
@@ -68,8 +74,11 @@ def main() -> int:
         return lambda: packed.copy_listed(plan["layer"], w13, w2, misses, count, programs=programs, block=block)
 
     variants = [("copy engine", ce, raw.expert_nbytes), ("SM copy", sm, raw.expert_nbytes)]
-    variants += [(f"SM unpack P={pr} B={bl}", unpack(pr, bl), packed.expert_nbytes)
-                 for pr in (32, 48, 64, 96) for bl in (1024, 2048, 4096)]  # fmt: skip
+    variants += [
+        (f"SM unpack P={pr} B={bl}", unpack(pr, bl), packed.expert_nbytes)
+        for pr in (32, 48, 64, 96)
+        for bl in (1024, 2048, 4096)
+    ]
     print(f"{'variant':<26}" + "".join(f"{f'{n} experts: wire, bf16':>34}" for n in (1, 6, 40)))
     for name, fn, wire in variants:
         row = {"variant": name}
@@ -77,8 +86,11 @@ def main() -> int:
         for n in (1, 6, 40):
             t = timed(fn, args.reps, setup=lambda i, n=n: choose(n, i))
             med = statistics.median(t)
-            row[str(n)] = {"median_ms": med, "wire_GBps": n * wire / med / 1e6,
-                           "bf16_GBps": n * raw.expert_nbytes / med / 1e6}  # fmt: skip
+            row[str(n)] = {
+                "median_ms": med,
+                "wire_GBps": n * wire / med / 1e6,
+                "bf16_GBps": n * raw.expert_nbytes / med / 1e6,
+            }
             cells.append(f"{med:7.3f} ms {row[str(n)]['wire_GBps']:5.1f} {row[str(n)]['bf16_GBps']:6.1f} GB/s")
         results["runs"].append(row)
         print(f"{name:<26}" + "".join(f"{c:>34}" for c in cells), flush=True)
@@ -104,13 +116,16 @@ def main() -> int:
                 ok &= torch.equal(w2[s].cpu().view(torch.int16), raw.w2[0][ex].view(torch.int16))
             if n == 0:
                 ok &= bool((w13 == 0).all())
-        results["graph_replay_6_experts_ms"] = statistics.median(timed(graph.replay, args.reps,
-                                                                       setup=lambda i: choose(6, 2 * i)))  # fmt: skip
+        results["graph_replay_6_experts_ms"] = statistics.median(
+            timed(graph.replay, args.reps, setup=lambda i: choose(6, 2 * i))
+        )
     except Exception as exc:  # noqa: BLE001 - reported, the rest still ran
         ok = f"{type(exc).__name__}: {exc}"
     results["graph_unpack_correct"] = ok
-    print(f"unpacking copy in a CUDA graph, 5 new lists, bit for bit: {ok}; "
-          f"6 experts {results.get('graph_replay_6_experts_ms', float('nan')):.3f} ms")
+    print(
+        f"unpacking copy in a CUDA graph, 5 new lists, bit for bit: {ok}; "
+        f"6 experts {results.get('graph_replay_6_experts_ms', float('nan')):.3f} ms"
+    )
     results["packing"] = packing_cost(raw, device, args.reps)
     print(f"packing: {results['packing']}")
     if args.out:
@@ -131,9 +146,15 @@ def packing_cost(raw: HostBanks, device: torch.device, reps: int) -> dict:
     peak = torch.cuda.max_memory_allocated(device) - before
     med = statistics.median(timed(lambda: pack_experts(w13, w2), reps))
     zeros = sum(int((t == 0).sum()) for t in (raw.w13[0], raw.w2[0]))
-    return {"experts": n, "median_ms": med, "bf16_GBps": n * values * 2 / med / 1e6,
-            "peak_temp_bytes_per_value": peak / (n * values), "pack_bytes_per_value_assumed": PACK_BYTES_PER_VALUE,
-            "dummy_zero_fraction": zeros / (raw.num_experts * values), "torch": torch.__version__}  # fmt: skip
+    return {
+        "experts": n,
+        "median_ms": med,
+        "bf16_GBps": n * values * 2 / med / 1e6,
+        "peak_temp_bytes_per_value": peak / (n * values),
+        "pack_bytes_per_value_assumed": PACK_BYTES_PER_VALUE,
+        "dummy_zero_fraction": zeros / (raw.num_experts * values),
+        "torch": torch.__version__,
+    }
 
 
 if __name__ == "__main__":

@@ -25,13 +25,19 @@ sys.path.insert(0, str(ROOT))
 SHAPES = {"35b": (2048, 512), "30b": (2048, 768)}
 # candidate (rows, k, warps) per format, for gate/up and for down
 CANDIDATES = {
-    "bf16": {"gate_up": itertools.product((4, 8, 16), (256, 512), (4, 8)),
-             "down": itertools.product((16, 32, 64), (128, 256, 512), (4, 8))},
-    "nvfp4": {"gate_up": itertools.product((4, 8, 16), (16, 32), (2, 4, 8)),
-              "down": itertools.product((8, 16, 32), (16, 32), (4, 8))},
-    "fp8-block": {"gate_up": itertools.product((4, 8, 16), (1, 2), (4, 8)),
-                  "down": itertools.product((8, 16, 32), (1, 2), (4, 8))},
-}  # fmt: skip
+    "bf16": {
+        "gate_up": itertools.product((4, 8, 16), (256, 512), (4, 8)),
+        "down": itertools.product((16, 32, 64), (128, 256, 512), (4, 8)),
+    },
+    "nvfp4": {
+        "gate_up": itertools.product((4, 8, 16), (16, 32), (2, 4, 8)),
+        "down": itertools.product((8, 16, 32), (16, 32), (4, 8)),
+    },
+    "fp8-block": {
+        "gate_up": itertools.product((4, 8, 16), (1, 2), (4, 8)),
+        "down": itertools.product((8, 16, 32), (1, 2), (4, 8)),
+    },
+}
 
 
 def replay_times_us(graph, calls: int, replays: int) -> list[float]:
@@ -113,8 +119,7 @@ def main() -> int:
                 ids = torch.stack([torch.randperm(args.slots, device=dev, generator=gen)[:k] for _ in range(tokens)])
                 weights = torch.softmax(torch.randn(tokens, k, device=dev, generator=gen), -1).to(torch.bfloat16)
                 distinct = int(torch.unique(ids).numel())
-                cases.append((shape, tokens, x, ids, weights, w13, w2,
-                              distinct * expert_bytes / (hbm * 1e9) * 1e6))  # fmt: skip
+                cases.append((shape, tokens, x, ids, weights, w13, w2, distinct * expert_bytes / (hbm * 1e9) * 1e6))
 
         def run(tiles) -> list[float]:
             pair_tiles.TILES[fmt_name] = tiles
@@ -130,17 +135,28 @@ def main() -> int:
                     raise SystemExit(f"{fmt_name} {tiles}: rows differ from the current tiles' on {shape} x{tokens}")
                 us = graph_time_us(lambda: expert_pair_rows_triton(x, ids, weights, w13, w2, rows))
                 times.append(us)
-                results["runs"].append({"format": fmt_name, "shape": shape, "tokens": tokens, "pairs": tokens * k,
-                                        "tiles": dataclasses.asdict(tiles), "us": round(us, 2),
-                                        "bound_us": round(bound_us, 2)})  # fmt: skip
+                results["runs"].append(
+                    {
+                        "format": fmt_name,
+                        "shape": shape,
+                        "tokens": tokens,
+                        "pairs": tokens * k,
+                        "tiles": dataclasses.asdict(tiles),
+                        "us": round(us, 2),
+                        "bound_us": round(bound_us, 2),
+                    }
+                )
             return times
 
         def score(times):  # the 1-token cases weigh as much as the 8-token ones
             return sum(t / c[-1] for t, c in zip(times, cases))
 
         best, best_times = current, run(current)
-        print(f"{fmt_name} current {current}: {[round(t, 1) for t in best_times]} us "
-              f"(bounds {[round(c[-1], 1) for c in cases]})", flush=True)  # fmt: skip
+        print(
+            f"{fmt_name} current {current}: {[round(t, 1) for t in best_times]} us "
+            f"(bounds {[round(c[-1], 1) for c in cases]})",
+            flush=True,
+        )
         for part in ("gate_up", "down"):
             for rows, kk, warps in CANDIDATES[fmt_name][part]:
                 tiles = dataclasses.replace(best, **{f"{part}_rows": rows, f"{part}_k": kk, f"{part}_warps": warps})
@@ -151,8 +167,12 @@ def main() -> int:
                     best, best_times = tiles, times
                     print(f"{fmt_name} better {tiles}: {[round(t, 1) for t in times]} us", flush=True)
         pair_tiles.TILES[fmt_name] = current
-        results["best"][fmt_name] = {"tiles": dataclasses.asdict(best), "us": best_times,
-                                     "cases": [f"{c[0]} x{c[1]}" for c in cases], "bound_us": [c[-1] for c in cases]}  # fmt: skip
+        results["best"][fmt_name] = {
+            "tiles": dataclasses.asdict(best),
+            "us": best_times,
+            "cases": [f"{c[0]} x{c[1]}" for c in cases],
+            "bound_us": [c[-1] for c in cases],
+        }
         print(f"{fmt_name} best {best}: {[round(t, 1) for t in best_times]} us", flush=True)
     (out / "pair_gemv_sweep.json").write_text(json.dumps(results, indent=1) + "\n")
     return 0

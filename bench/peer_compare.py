@@ -55,8 +55,10 @@ MIB_PER = {"GiB": 1024, "MiB": 1, "GB": 1e9 / 2**20, "MB": 1e6 / 2**20}
 CONFIG = ROOT / "tests/data/models/qwen3.6-35b-a3b/config.json"
 # FreeToken 0.1.2's Qwen3.5/3.6 NVFP4 expert reader (freetoken/models/qwen3_5_moe/weight.py, _NVFP4_EXPERT_KEY_RE):
 # only names of this form reach its host expert banks; input_scale it skips
-FREETOKEN_EXPERT_KEY = re.compile(r"^model\.language_model\.layers\.\d+\.mlp\.experts\.\d+\."
-                                  r"(gate_proj|up_proj|down_proj)\.(weight|weight_scale|weight_scale_2|input_scale)$")  # fmt: skip
+FREETOKEN_EXPERT_KEY = re.compile(
+    r"^model\.language_model\.layers\.\d+\.mlp\.experts\.\d+\."
+    r"(gate_proj|up_proj|down_proj)\.(weight|weight_scale|weight_scale_2|input_scale)$"
+)
 EXPERT_KEY = re.compile(r"\.mlp\.experts\.\d+\.")
 
 
@@ -75,8 +77,10 @@ def freetoken_memory_ratio(line_mib: float, free_mib: float, allowance_mib: floa
         raise ValueError(f"the GPU shows {free_mib:.0f} MiB free: nothing can start")
     ratio = (line_mib - allowance_mib) / free_mib
     if not 0 < ratio <= 1:
-        raise ValueError(f"--memory-line {line_mib:.0f} MiB less --freetoken-allowance {allowance_mib:.0f} MiB is "
-                         f"{ratio:.3f} of the {free_mib:.0f} MiB free: the ratio must be in (0, 1]")  # fmt: skip
+        raise ValueError(
+            f"--memory-line {line_mib:.0f} MiB less --freetoken-allowance {allowance_mib:.0f} MiB is "
+            f"{ratio:.3f} of the {free_mib:.0f} MiB free: the ratio must be in (0, 1]"
+        )
     return int(ratio * 1e4) / 1e4
 
 
@@ -101,10 +105,12 @@ def freetoken_layout_problem(config: dict, weight_map: dict[str, str]) -> str | 
         return "the checkpoint has no per-expert tensors (model.*.mlp.experts.E.*): FreeToken's NVFP4 reader needs them"
     unread = [n for n in experts if not FREETOKEN_EXPERT_KEY.match(n)]
     if unread:
-        return (f"{len(unread)} of {len(experts)} expert tensors are named as FreeToken 0.1.2's NVFP4 reader does not "
-                f"match (e.g. {unread[0]!r}; it reads only 'model.language_model.layers.N.mlp.experts.E.{{gate,up,"
-                f"down}}_proj.{{weight,weight_scale,weight_scale_2}}', the published Qwen3.5/3.6 NVFP4 names), so its "
-                f"host expert banks would get none of them")  # fmt: skip
+        return (
+            f"{len(unread)} of {len(experts)} expert tensors are named as FreeToken 0.1.2's NVFP4 reader does not "
+            f"match (e.g. {unread[0]!r}; it reads only 'model.language_model.layers.N.mlp.experts.E.{{gate,up,"
+            f"down}}_proj.{{weight,weight_scale,weight_scale_2}}', the published Qwen3.5/3.6 NVFP4 names), so its "
+            f"host expert banks would get none of them"
+        )
     return None
 
 
@@ -195,8 +201,12 @@ class MemorySampler:
         """The peak so far: the session's when its pids showed in nvidia-smi, else every compute process's."""
         with self._lock:
             matched = bool(self.pids)
-            return {"peak_process_mib": round(self.peak_session_mib if matched else self.peak_all_mib),
-                    "pids_matched": matched, "gpu_pids": sorted(self.pids), "samples": self.samples}  # fmt: skip
+            return {
+                "peak_process_mib": round(self.peak_session_mib if matched else self.peak_all_mib),
+                "pids_matched": matched,
+                "gpu_pids": sorted(self.pids),
+                "samples": self.samples,
+            }
 
     def run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -291,10 +301,28 @@ def wait_gpu_released(pids: set[int], baseline_used_mib: float, index: int, time
 def client_command(base_url: str, model_dir: Path, out: Path, args) -> list[str]:
     """The same bench/serve_openai.py arguments for both engines: text prompts (FreeToken takes no token ids),
     ignore_eos (serve_openai sends it on every request) so each stream makes all of --max-tokens."""
-    return [sys.executable, str(ROOT / "bench/serve_openai.py"), "--base-url", base_url, "--streams", "1,8",
-            "--max-tokens", str(args.max_tokens), "--repeats", str(args.repeats), "--ttft-runs", str(args.ttft_runs),
-            "--ttft-prompt-len", str(args.ttft_prompt_len), "--prompt-kind", "text", "--config", str(model_dir),
-            "--out", str(out)]  # fmt: skip
+    return [
+        sys.executable,
+        str(ROOT / "bench/serve_openai.py"),
+        "--base-url",
+        base_url,
+        "--streams",
+        "1,8",
+        "--max-tokens",
+        str(args.max_tokens),
+        "--repeats",
+        str(args.repeats),
+        "--ttft-runs",
+        str(args.ttft_runs),
+        "--ttft-prompt-len",
+        str(args.ttft_prompt_len),
+        "--prompt-kind",
+        "text",
+        "--config",
+        str(model_dir),
+        "--out",
+        str(out),
+    ]
 
 
 def summarize(detail: dict, max_tokens: int, repeats: int) -> dict:
@@ -302,13 +330,15 @@ def summarize(detail: dict, max_tokens: int, repeats: int) -> dict:
     at 8, TTFT; and whether every stream made all its tokens (an engine stopping at EOS would look faster)."""
     runs = {r["streams"]: r for r in detail["runs"]}
     full = {n: r["tokens"] == n * repeats * max_tokens for n, r in runs.items()}
-    return {"single_stream_tok_s": round(runs[1]["median_stream_tok_s"], 2) if 1 in runs else None,
-            "streams8_tok_s": round(runs[8]["aggregate_tok_s"], 2) if 8 in runs else None,
-            "streams8_median_stream_tok_s": round(runs[8]["median_stream_tok_s"], 2) if 8 in runs else None,
-            "ttft_2k_s": round(detail["ttft_s"], 4) if detail.get("ttft_s") is not None else None,
-            "ttft_2k_prompt_tokens": detail.get("ttft_prompt_tokens"),
-            "all_tokens_generated": all(full.values()) if full else False,
-            "tokens": {str(n): r["tokens"] for n, r in runs.items()}}  # fmt: skip
+    return {
+        "single_stream_tok_s": round(runs[1]["median_stream_tok_s"], 2) if 1 in runs else None,
+        "streams8_tok_s": round(runs[8]["aggregate_tok_s"], 2) if 8 in runs else None,
+        "streams8_median_stream_tok_s": round(runs[8]["median_stream_tok_s"], 2) if 8 in runs else None,
+        "ttft_2k_s": round(detail["ttft_s"], 4) if detail.get("ttft_s") is not None else None,
+        "ttft_2k_prompt_tokens": detail.get("ttft_prompt_tokens"),
+        "all_tokens_generated": all(full.values()) if full else False,
+        "tokens": {str(n): r["tokens"] for n, r in runs.items()},
+    }
 
 
 RATIO_KEYS = ("single_stream_tok_s", "streams8_tok_s", "ttft_2k_s", "ready_s", "peak_process_mib")
@@ -326,8 +356,14 @@ def ratios(ferry: dict, peer: dict) -> dict:
 
 def table(result: dict) -> list[str]:
     """The printed summary: one row an engine, then the ratios."""
-    cols = [("ready s", "ready_s"), ("peak MiB", "peak_process_mib"), ("over line", "over_line"),
-            ("1-stream tok/s", "single_stream_tok_s"), ("8-stream tok/s", "streams8_tok_s"), ("TTFT-2k s", "ttft_2k_s")]  # fmt: skip
+    cols = [
+        ("ready s", "ready_s"),
+        ("peak MiB", "peak_process_mib"),
+        ("over line", "over_line"),
+        ("1-stream tok/s", "single_stream_tok_s"),
+        ("8-stream tok/s", "streams8_tok_s"),
+        ("TTFT-2k s", "ttft_2k_s"),
+    ]
 
     def cell(v) -> str:
         return "-" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
@@ -336,12 +372,20 @@ def table(result: dict) -> list[str]:
     rows = [head]
     for name in ("ferry", "freetoken"):
         e = result.get(name) or {}
-        rows.append(f"{name:12}" + ("".join(f"{cell(e.get(k)):>16}" for _, k in cols) if "error" not in e
-                                    else f"  error: {e['error'][:160]}"))  # fmt: skip
+        rows.append(
+            f"{name:12}"
+            + (
+                "".join(f"{cell(e.get(k)):>16}" for _, k in cols)
+                if "error" not in e
+                else f"  error: {e['error'][:160]}"
+            )
+        )
     r = result.get("ratios") or {}
     rows.append(f"{'ferry/peer':12}" + "".join(f"{cell(r.get(k)):>16}" if k in r else f"{'':>16}" for _, k in cols))
-    rows.append(f"line {result['memory_line_mib']:.0f} MiB by nvidia-smi on {result['card']}; Ferry's weights: "
-                f"{result['ferry_weights']}")  # fmt: skip
+    rows.append(
+        f"line {result['memory_line_mib']:.0f} MiB by nvidia-smi on {result['card']}; Ferry's weights: "
+        f"{result['ferry_weights']}"
+    )
     over = [name for name in ("ferry", "freetoken") if (result.get(name) or {}).get("over_line")]
     if over:  # its figures were bought with more memory than the other's: never a silent win
         rows.append(f"OVER THE LINE: {', '.join(over)} (peak above {result['memory_line_mib']:.0f} MiB)")
@@ -351,25 +395,41 @@ def table(result: dict) -> list[str]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.environ.get("OUT", "out"))
-    p.add_argument("--config", default=str(CONFIG), help="the model's config.json (default: the full-size Qwen3.6-35B-A3B)")
-    p.add_argument("--model-dir", default=None,
-                   help="the checkpoint directory (default: $TMPDIR/peer_ckpt_nvfp4_<config's folder>); one that "
-                        "make-bench-model finished already is served as it is (a second call on a warm machine)")  # fmt: skip
+    p.add_argument(
+        "--config", default=str(CONFIG), help="the model's config.json (default: the full-size Qwen3.6-35B-A3B)"
+    )
+    p.add_argument(
+        "--model-dir",
+        default=None,
+        help="the checkpoint directory (default: $TMPDIR/peer_ckpt_nvfp4_<config's folder>); one that "
+        "make-bench-model finished already is served as it is (a second call on a warm machine)",
+    )
     p.add_argument("--memory-line", default="24GiB", help="each engine's whole process stays under this (nvidia-smi)")
     p.add_argument("--freetoken-site", default="/tmp/ft", help="the folder FreeToken's wheels were installed into")
-    p.add_argument("--freetoken-allowance", default="1.5GiB",
-                   help="the line's part left outside FreeToken's --memory-ratio: CUDA context, activations, graphs")
+    p.add_argument(
+        "--freetoken-allowance",
+        default="1.5GiB",
+        help="the line's part left outside FreeToken's --memory-ratio: CUDA context, activations, graphs",
+    )
     p.add_argument("--retry-margin", default="256MiB", help="lowered further by this on a second start over the line")
-    p.add_argument("--ferry-load-format", choices=("dummy", "auto"), default="dummy",
-                   help="dummy (default): the checkpoint's recipe made on the card; auto: read the checkpoint")
+    p.add_argument(
+        "--ferry-load-format",
+        choices=("dummy", "auto"),
+        default="dummy",
+        help="dummy (default): the checkpoint's recipe made on the card; auto: read the checkpoint",
+    )
     p.add_argument("--ferry-args", default="", help="more `ferry serve` flags, space-separated")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--ttft-runs", type=int, default=3)
     p.add_argument("--ttft-prompt-len", type=int, default=2000)
     p.add_argument("--gpu-index", type=int, default=0, help="the card nvidia-smi reports on")
-    p.add_argument("--budget-s", type=float, default=540, help="the whole run's seconds: FreeToken's second start "
-                   "is skipped where it would not fit")  # fmt: skip
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=540,
+        help="the whole run's seconds: FreeToken's second start is skipped where it would not fit",
+    )
     p.add_argument("--make-timeout", type=float, default=240)
     p.add_argument("--ready-timeout", type=float, default=240)
     p.add_argument("--client-timeout", type=float, default=200)
@@ -407,10 +467,25 @@ def make_checkpoint(args, log: Path) -> tuple[Path, bool]:
     model_dir = Path(args.model_dir)
     if finished_checkpoint(model_dir):
         return model_dir, False
-    cmd = [sys.executable, "-m", "ferry.services.cli", "make-bench-model", str(model_dir), "--config", str(args.config),
-           "--format", "nvfp4", "--weights", "random", "--generate-on", "cuda"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "ferry.services.cli",
+        "make-bench-model",
+        str(model_dir),
+        "--config",
+        str(args.config),
+        "--format",
+        "nvfp4",
+        "--weights",
+        "random",
+        "--generate-on",
+        "cuda",
+    ]
     with log.open("w") as f:
-        subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, check=True, timeout=left_s(args, args.make_timeout))
+        subprocess.run(
+            cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, check=True, timeout=left_s(args, args.make_timeout)
+        )
     return model_dir, True
 
 
@@ -418,8 +493,13 @@ def run_client(base_url: str, model_dir: Path, out: Path, args) -> dict:
     """serve_openai's result against `base_url`; a failed client raises with the last lines of its log."""
     log = out.parent / (out.stem + ".log")
     with log.open("w") as f:
-        done = subprocess.run(client_command(base_url, model_dir, out, args), cwd=ROOT, stdout=f,
-                              stderr=subprocess.STDOUT, timeout=left_s(args, args.client_timeout))  # fmt: skip
+        done = subprocess.run(
+            client_command(base_url, model_dir, out, args),
+            cwd=ROOT,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            timeout=left_s(args, args.client_timeout),
+        )
     if done.returncode:
         tail = " | ".join(log.read_text(errors="replace").strip().splitlines()[-3:])
         raise RuntimeError(f"the client exited with {done.returncode} ({log.name}): {tail}")
@@ -460,8 +540,11 @@ def measure(name: str, start, ready_url: str, ready, sampler: MemorySampler, mod
     entry["over_line"] = entry["peak_process_mib"] > args.line_mib
     entry["free_mib_at_start"] = baseline["free_mib"]
     entry["seconds"] = round(time.monotonic() - t0, 1)
-    print(f"[{name}] peak {entry['peak_process_mib']} MiB (line {args.line_mib:.0f}), over_line {entry['over_line']}, "
-          f"{entry['seconds']} s", flush=True)  # fmt: skip
+    print(
+        f"[{name}] peak {entry['peak_process_mib']} MiB (line {args.line_mib:.0f}), over_line {entry['over_line']}, "
+        f"{entry['seconds']} s",
+        flush=True,
+    )
     return entry
 
 
@@ -488,15 +571,37 @@ def freetoken_port() -> int:
 
 def start_freetoken(model_dir: Path, ratio: float, args, log: Path):
     port = freetoken_port()
-    cmd = [sys.executable, "-m", "freetoken", "--model-path", str(model_dir), "--memory-ratio", str(ratio),
-           "--port", str(port), "--max-running-requests", "8"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "freetoken",
+        "--model-path",
+        str(model_dir),
+        "--memory-ratio",
+        str(ratio),
+        "--port",
+        str(port),
+        "--max-running-requests",
+        "8",
+    ]
     # its wheels' folder alone on the path, offline: a local checkpoint has nothing to fetch from the Hub
-    env = {**os.environ, "PYTHONPATH": str(Path(args.freetoken_site).resolve()), "HF_HUB_OFFLINE": "1",
-           "TRANSFORMERS_OFFLINE": "1"}  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(Path(args.freetoken_site).resolve()),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
     f = log.open("w")
     # cwd outside the tree: `python -m` puts the cwd first on sys.path, and the tree's packages must not shadow its
-    proc = subprocess.Popen(cmd, cwd=tempfile.gettempdir(), stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True, env=env)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd,
+        cwd=tempfile.gettempdir(),
+        stdout=f,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+        env=env,
+    )
     f.close()  # the child holds its own copy
     command = f"PYTHONPATH={env['PYTHONPATH']} python3 -m freetoken {' '.join(cmd[3:])}"
     return proc, command, f"http://127.0.0.1:{port}"
@@ -513,14 +618,23 @@ def main(argv: list[str] | None = None) -> int:
     try:
         card, short = card_name(args.gpu_index)
     except (OSError, subprocess.SubprocessError) as exc:
-        print(f"error: nvidia-smi did not answer ({exc}): bench/peer_compare.py measures on the device machine",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"error: nvidia-smi did not answer ({exc}): bench/peer_compare.py measures on the device machine",
+            file=sys.stderr,
+        )
         return 2
     path = out / f"peer_compare_{short}.json"
-    result: dict = {"card": card, "memory_line_mib": args.line_mib, "config": str(args.config),
-                    "client": " ".join(client_command("BASE/v1", Path("DIR"), Path("OUT.json"), args)[1:]),
-                    "ferry_weights": ("dummy (--load-format dummy: the checkpoint's recipe made on the card, not read)"
-                                      if args.ferry_load_format == "dummy" else "the checkpoint, read (--load-format auto)")}  # fmt: skip
+    result: dict = {
+        "card": card,
+        "memory_line_mib": args.line_mib,
+        "config": str(args.config),
+        "client": " ".join(client_command("BASE/v1", Path("DIR"), Path("OUT.json"), args)[1:]),
+        "ferry_weights": (
+            "dummy (--load-format dummy: the checkpoint's recipe made on the card, not read)"
+            if args.ferry_load_format == "dummy"
+            else "the checkpoint, read (--load-format auto)"
+        ),
+    }
 
     def save() -> None:
         path.write_text(json.dumps(result, indent=1) + "\n")
@@ -550,16 +664,27 @@ def main(argv: list[str] | None = None) -> int:
         save()
         print(result["error"])
         return 3
-    print(f"checkpoint {model_dir} {result['checkpoint']}, {result['checkpoint_s']} s; FreeToken's NVFP4 expert names "
-          "match", flush=True)  # fmt: skip
+    print(
+        f"checkpoint {model_dir} {result['checkpoint']}, {result['checkpoint_s']} s; FreeToken's NVFP4 expert names "
+        "match",
+        flush=True,
+    )
     if not wait_gpu_released(set(), gpu_memory(args.gpu_index)["used_mib"], args.gpu_index, timeout=60):
         print("warning: a compute process still holds the card before the engines start", flush=True)
 
     with MemorySampler() as sampler:
         result["ferry"] = {"error": "stopped before it ran"}  # what a cut-short run leaves in the file
         save()
-        result["ferry"] = measure("ferry", lambda: start_ferry(model_dir, args, out / "serve_ferry.log"), "/health",
-                                  lambda status, body: status == 200, sampler, model_dir, out, args)  # fmt: skip
+        result["ferry"] = measure(
+            "ferry",
+            lambda: start_ferry(model_dir, args, out / "serve_ferry.log"),
+            "/health",
+            lambda status, body: status == 200,
+            sampler,
+            model_dir,
+            out,
+            args,
+        )
         save()
         attempts = []
         try:
@@ -568,18 +693,30 @@ def main(argv: list[str] | None = None) -> int:
             while True:
                 print(f"[freetoken] --memory-ratio {ratio} of {free:.0f} MiB free", flush=True)
                 log = out / f"serve_freetoken_{len(attempts)}.log"
-                entry = measure("freetoken", lambda r=ratio, lg=log: start_freetoken(model_dir, r, args, lg), "/health",
-                                freetoken_ready, sampler, model_dir, out, args)  # fmt: skip
+                entry = measure(
+                    "freetoken",
+                    lambda r=ratio, lg=log: start_freetoken(model_dir, r, args, lg),
+                    "/health",
+                    freetoken_ready,
+                    sampler,
+                    model_dir,
+                    out,
+                    args,
+                )
                 entry.update(memory_ratio=ratio, free_mib_for_ratio=free)
                 attempts.append(entry)
                 left = args.budget_s - (time.monotonic() - t0)
                 if not entry["over_line"] or len(attempts) > 1:
                     break
                 if left < entry["seconds"] + 30:
-                    entry["retry_skipped"] = f"{left:.0f} s of --budget-s left, the first start took {entry['seconds']} s"
+                    entry["retry_skipped"] = (
+                        f"{left:.0f} s of --budget-s left, the first start took {entry['seconds']} s"
+                    )
                     break
-                print(f"[freetoken] {entry['peak_process_mib'] - args.line_mib:.0f} MiB over the line: once more, lower",
-                      flush=True)  # fmt: skip
+                print(
+                    f"[freetoken] {entry['peak_process_mib'] - args.line_mib:.0f} MiB over the line: once more, lower",
+                    flush=True,
+                )
                 free = gpu_memory(args.gpu_index)["free_mib"]
                 try:
                     ratio = lowered_ratio(ratio, free, entry["peak_process_mib"] - args.line_mib, args.margin_mib)

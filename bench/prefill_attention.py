@@ -111,16 +111,27 @@ def main() -> None:
             try:
                 ms = _time_ms(lambda b=backend: sdpa(dense, b, chunk, context + chunk), args.repeats)
                 ref = sdpa(dense, backend, chunk, context + chunk)[0].transpose(0, 1)
-                row[f"sdpa[{backend.name}]"] = {"ms": round(ms, 3), "tflops": round(flops / ms / 1e9, 1),
-                                                "max_abs_diff_vs_ferry": float((ref.float() - out_ferry.float()).abs().max())}  # fmt: skip
+                row[f"sdpa[{backend.name}]"] = {
+                    "ms": round(ms, 3),
+                    "tflops": round(flops / ms / 1e9, 1),
+                    "max_abs_diff_vs_ferry": float((ref.float() - out_ferry.float()).abs().max()),
+                }
             except RuntimeError as exc:  # a backend that cannot take these shapes says why
                 row[f"sdpa[{backend.name}]"] = {"error": str(exc).splitlines()[0][:300]}
         rows_out.append(row)
         print(json.dumps(row), flush=True)
         del paged, dense
         torch.cuda.empty_cache()
-    result = {"commit": commit(), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "heads": heads, "kv_heads": kv, "head_dim": hd, "default_tiles": default, "runs": rows_out}  # fmt: skip
+    result = {
+        "commit": commit(),
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "heads": heads,
+        "kv_heads": kv,
+        "head_dim": hd,
+        "default_tiles": default,
+        "runs": rows_out,
+    }
     if args.whole_prompt:
         total_ms = 0.0
         for context in range(0, args.whole_prompt, chunk):

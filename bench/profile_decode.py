@@ -77,12 +77,20 @@ def profile_streams(executor, plan, n: int, steps: int, rows: int, rng, first_re
     print("copies on the device over the profiled steps:", json.dumps(timeline))
     kernels = kernel_families(prof, steps) if torch.cuda.is_available() else {}
     if kernels:
-        print(f"device time per step: span {kernels['span_us']:.0f} µs, kernels {kernels['kernel_us']:.0f} µs, "
-              f"gaps {kernels['gap_us']:.0f} µs over {kernels['kernels']:.0f} kernels")
+        print(
+            f"device time per step: span {kernels['span_us']:.0f} µs, kernels {kernels['kernel_us']:.0f} µs, "
+            f"gaps {kernels['gap_us']:.0f} µs over {kernels['kernels']:.0f} kernels"
+        )
         for fam, row in kernels["families"].items():
             print(f"  {fam:<28} {row['count']:6.1f} kernels {row['us']:8.1f} µs")
-    return {"steps": steps, "streams": n, "per_step": per_step, "ms_per_step_unprofiled": ms,
-            "timeline": timeline, "kernels": kernels}  # fmt: skip
+    return {
+        "steps": steps,
+        "streams": n,
+        "per_step": per_step,
+        "ms_per_step_unprofiled": ms,
+        "timeline": timeline,
+        "kernels": kernels,
+    }
 
 
 # CUDA runtime calls as the profiler names them that make the host wait (launches: profile_prefill.py)
@@ -104,8 +112,10 @@ FAMILIES = (
     ("gemm/gemv (cuBLAS)", ("gemv", "gemm", "sm90_xmma", "cutlass", "nvjet", "splitKreduce")),
     ("top-k / sort", ("topk", "sort", "radix")),
     ("softmax", ("softmax",)),
-    ("elementwise", ("elementwise", "vectorized", "unrolled", "CatArrayBatched", "index", "scatter", "gather",
-                     "reduce", "fill")),
+    (
+        "elementwise",
+        ("elementwise", "vectorized", "unrolled", "CatArrayBatched", "index", "scatter", "gather", "reduce", "fill"),
+    ),
 )
 
 
@@ -148,13 +158,21 @@ def kernel_families(prof, steps: int) -> dict:
     gaps = [(named[i + 1][0] - named[i][1], named[i][2], named[i + 1][2]) for i in range(len(named) - 1)]
     large = [g for g in gaps if g[0] > 20]
     # the last two steps' kernels in order: (name, µs, µs idle before it), to read a step's sequence
-    tail = named[-2 * len(named) // steps:]
-    sequence = [(n[:70], round(b - a, 1), round(a - tail[i - 1][1], 1) if i else 0.0) for i, (a, b, n) in enumerate(tail)]
-    return {"span_us": span / steps, "kernel_us": busy / steps, "gap_us": (span - busy) / steps,
-            "kernels": len(spans) / steps, "gaps_over_20us_per_step": len(large) / steps,
-            "gap_over_20us_us_per_step": sum(g[0] for g in large) / steps,
-            "largest_gaps": [(round(g[0], 1), g[1][:60], g[2][:60]) for g in sorted(large, reverse=True)[:12]],
-            "families": families, "sequence": sequence}  # fmt: skip
+    tail = named[-2 * len(named) // steps :]
+    sequence = [
+        (n[:70], round(b - a, 1), round(a - tail[i - 1][1], 1) if i else 0.0) for i, (a, b, n) in enumerate(tail)
+    ]
+    return {
+        "span_us": span / steps,
+        "kernel_us": busy / steps,
+        "gap_us": (span - busy) / steps,
+        "kernels": len(spans) / steps,
+        "gaps_over_20us_per_step": len(large) / steps,
+        "gap_over_20us_us_per_step": sum(g[0] for g in large) / steps,
+        "largest_gaps": [(round(g[0], 1), g[1][:60], g[2][:60]) for g in sorted(large, reverse=True)[:12]],
+        "families": families,
+        "sequence": sequence,
+    }
 
 
 def host_calls_per_step(table, steps: int) -> dict:
@@ -165,8 +183,12 @@ def host_calls_per_step(table, steps: int) -> dict:
     def total(names):
         return sum(counts.get(n, 0) for n in names) / steps
 
-    return {"kernel_launches": total(LAUNCHES), "graph_launches": total(GRAPH_LAUNCHES),
-            "host_synchronizations": total(WAITS), "memcpy_calls": total(("cudaMemcpyAsync", "cudaMemcpy"))}  # fmt: skip
+    return {
+        "kernel_launches": total(LAUNCHES),
+        "graph_launches": total(GRAPH_LAUNCHES),
+        "host_synchronizations": total(WAITS),
+        "memcpy_calls": total(("cudaMemcpyAsync", "cudaMemcpy")),
+    }
 
 
 if __name__ == "__main__":

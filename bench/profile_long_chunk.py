@@ -50,8 +50,10 @@ FAMILIES = (
     # with an fp8 KV pool, FlashAttention's K/V gather dequantizes (kernels/kv_gather_triton.py): part of its cost
     ("flash_attention", ("flash", "fmha", "sdpa", "_gather_dequantize")),
     # before the attention's: the Gated DeltaNet's conv kernels are `_conv_prefill_kernel` and the like
-    ("gated_deltanet", ("chunk_", "gated_delta", "fused_recurrent", "causal_conv", "_conv_", "l2norm", "solve_tril",
-                        "wy_")),  # fmt: skip
+    (
+        "gated_deltanet",
+        ("chunk_", "gated_delta", "fused_recurrent", "causal_conv", "_conv_", "l2norm", "solve_tril", "wy_"),
+    ),
     ("paged_attention", ("paged", "_attn", "_prefill_kernel", "_decode_split_kernel", "_decode_combine_kernel")),
     ("expert_gemm", ("grouped", "expert_gemm", "_moe", "_gate_up_kernel", "_down_kernel")),
     ("cublas_gemm", ("gemm", "nvjet", "cutlass", "sm90_xmma", "gemv")),
@@ -70,18 +72,32 @@ def family(name: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_worker_flags(parser)
-    parser.add_argument("--at", default="32768,196608", help="contexts (tokens already prefilled) whose next chunk is profiled")
-    parser.add_argument("--prompt-len", type=int, default=None, help="stop here (default: the last --at plus one chunk)")
-    parser.add_argument("--ring-chunks", default="",
-                        help="at each --at, profile one chunk per staging-ring chunk size (experts a copy and a "
-                             "computation; 0: the worker's own), in successive chunks, e.g. 0,48")  # fmt: skip
+    parser.add_argument(
+        "--at", default="32768,196608", help="contexts (tokens already prefilled) whose next chunk is profiled"
+    )
+    parser.add_argument(
+        "--prompt-len", type=int, default=None, help="stop here (default: the last --at plus one chunk)"
+    )
+    parser.add_argument(
+        "--ring-chunks",
+        default="",
+        help="at each --at, profile one chunk per staging-ring chunk size (experts a copy and a "
+        "computation; 0: the worker's own), in successive chunks, e.g. 0,48",
+    )
     parser.add_argument("--out", default=None)
     parser.add_argument("--trace-dir", default=None, help="keep each profiled chunk's chrome trace here")
-    parser.add_argument("--events-dir", default=None,
-                        help="write each profiled chunk's device events here (device_events_at_<context>.json.gz; "
-                             "default: --trace-dir)")  # fmt: skip
-    parser.add_argument("--summarize", default=None, metavar="EVENTS",
-                        help="only summarise a saved device_events_at_*.json.gz (no GPU, no model)")  # fmt: skip
+    parser.add_argument(
+        "--events-dir",
+        default=None,
+        help="write each profiled chunk's device events here (device_events_at_<context>.json.gz; "
+        "default: --trace-dir)",
+    )
+    parser.add_argument(
+        "--summarize",
+        default=None,
+        metavar="EVENTS",
+        help="only summarise a saved device_events_at_*.json.gz (no GPU, no model)",
+    )
     if "--summarize" in sys.argv:  # offline: no worker flags needed
         path = sys.argv[sys.argv.index("--summarize") + 1]
         print(json.dumps(summarize_events(*load_events(Path(path))), indent=1))
@@ -122,8 +138,9 @@ def main() -> None:
             if ring is not None:
                 # the ring re-cuts its bays as the step begins (a chunk deep in a long prompt lends: long_chunk)
                 ring.use_chunks(*((ring_chunk, ring_chunk) if ring_chunk else ring_default))
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                    torch.profiler.ProfilerActivity.CUDA]) as prof:  # fmt: skip
+            with torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            ) as prof:
                 t0 = time.perf_counter()
                 streams.step([part], sample=last, new=new)
                 _sync()
@@ -135,23 +152,48 @@ def main() -> None:
             summary = summarize_events(device, launches)
             if ring is not None:
                 ring.use_chunks(*ring_default)
-            profiles.append({"context": done, "tokens": len(part), "wall_ms": wall * 1e3,
-                             "ring_chunk": ring.chunk if ring is not None else None,  # what the step cut at
-                             "expert_cache": _delta(_cache_counters(executor), before), **summary})  # fmt: skip
-            print(json.dumps({k: v for k, v in profiles[-1].items() if k not in ("largest_compute_gaps", "streams")}), flush=True)
+            profiles.append(
+                {
+                    "context": done,
+                    "tokens": len(part),
+                    "wall_ms": wall * 1e3,
+                    "ring_chunk": ring.chunk if ring is not None else None,  # what the step cut at
+                    "expert_cache": _delta(_cache_counters(executor), before),
+                    **summary,
+                }
+            )
+            print(
+                json.dumps({k: v for k, v in profiles[-1].items() if k not in ("largest_compute_gaps", "streams")}),
+                flush=True,
+            )
         else:
             t0 = time.perf_counter()
             streams.step([part], sample=last, new=new)
             _sync()
             wall = time.perf_counter() - t0
-        chunks.append({"context": done, "wall_s": round(wall, 4), "copied": _delta(_cache_counters(executor), before)["bytes_copied"]})
+        chunks.append(
+            {
+                "context": done,
+                "wall_s": round(wall, 4),
+                "copied": _delta(_cache_counters(executor), before)["bytes_copied"],
+            }
+        )
         new, done = [], done + len(part)
     streams.finish()
-    result = {"boot_s": boot_s, "prompt_len": prompt_len, "chunk": chunk, "slots": plan.experts.slots,
-              "experts": plan.experts.total, "prefill_s": sum(c["wall_s"] for c in chunks), "chunks": chunks,
-              "profiles": profiles}  # fmt: skip
+    result = {
+        "boot_s": boot_s,
+        "prompt_len": prompt_len,
+        "chunk": chunk,
+        "slots": plan.experts.slots,
+        "experts": plan.experts.total,
+        "prefill_s": sum(c["wall_s"] for c in chunks),
+        "chunks": chunks,
+        "profiles": profiles,
+    }
     text = json.dumps(result, indent=1)
-    print(f"prefill of {prompt_len} tokens in {len(chunks)} chunks: {result['prefill_s']:.2f} s (synchronised per chunk)")
+    print(
+        f"prefill of {prompt_len} tokens in {len(chunks)} chunks: {result['prefill_s']:.2f} s (synchronised per chunk)"
+    )
     if args.out:
         Path(args.out).write_text(text + "\n")
 
@@ -162,8 +204,8 @@ def _sync() -> None:
 
 
 def _new_request(streams: Streams, prompt: list[int]):
-    from ferry.shared.step import NewRequest
     from bench.serve_decode import GREEDY
+    from ferry.shared.step import NewRequest
 
     return NewRequest(req_id=streams.req_ids[0], prompt_token_ids=np.array(prompt, dtype=np.int32), sampling=GREEDY)
 
@@ -179,7 +221,9 @@ def device_events(trace: dict) -> tuple[list[tuple], list[tuple[float, float]]]:
         if cat in ("kernel", "gpu_memcpy", "gpu_memset"):
             name = e["name"]
             fam = family(name) if cat == "kernel" else ("h2d_copies" if "HtoD" in name else cat)
-            device.append((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e.get("args", {}).get("stream"), fam, name))
+            device.append(
+                (float(e["ts"]), float(e["ts"]) + float(e["dur"]), e.get("args", {}).get("stream"), fam, name)
+            )
         elif e.get("name") in HOST_LAUNCHES:
             launches.append((float(e["ts"]), float(e["ts"]) + float(e["dur"])))
     device.sort()
@@ -264,9 +308,13 @@ def summarize_events(device: list[tuple], launches: list[tuple[float, float]], l
         "copy_overlap": round(both / copies_busy, 3) if copies_busy else None,
         "compute_idle_ms": round((end - start - compute_busy) / 1e3, 3),
         # compute idle by the family of the kernel that ran when the gap closed: [ms, gaps]
-        "compute_gaps_by_waiting_family": {k: [round(v[0], 3), v[1]] for k, v in sorted(waited.items(), key=lambda kv: -kv[1][0])},
+        "compute_gaps_by_waiting_family": {
+            k: [round(v[0], 3), v[1]] for k, v in sorted(waited.items(), key=lambda kv: -kv[1][0])
+        },
         "copies_idle_ms": round(_length(copy_idle) / 1e3, 3),
-        "copies_idle_during_family_ms": {k: round(v, 3) for k, v in sorted(idle_during.items(), key=lambda kv: -kv[1]) if v},
+        "copies_idle_during_family_ms": {
+            k: round(v, 3) for k, v in sorted(idle_during.items(), key=lambda kv: -kv[1]) if v
+        },
         "before_first_copy_ms": round((copies[0][0] - start) / 1e3, 3) if copies else None,
         "after_last_copy_ms": round((end - copies[-1][1]) / 1e3, 3) if copies else None,
         "families_ms": {k: round(v, 3) for k, v in sorted(families.items(), key=lambda kv: -kv[1])},
@@ -274,9 +322,13 @@ def summarize_events(device: list[tuple], launches: list[tuple[float, float]], l
         # the kernels (and copies) taking the most device time: [name, ms, count]
         "top_kernels": [[n, round(ms, 3), c] for n, (ms, c) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]],
         # (ms long, ms after the chunk's first device event, the copies' busy ms inside the gap)
-        "largest_compute_gaps": [(round(g / 1e3, 3), round((t - start) / 1e3, 3),
-                                  round(_length(_intersect(copies, [(t, t + g)])) / 1e3, 3)) for g, t, _ in gaps[:largest]],  # fmt: skip
-        "host_enqueue_span_ms": round((max(b for _, b in launches) - min(a for a, _ in launches)) / 1e3, 3) if launches else None,
+        "largest_compute_gaps": [
+            (round(g / 1e3, 3), round((t - start) / 1e3, 3), round(_length(_intersect(copies, [(t, t + g)])) / 1e3, 3))
+            for g, t, _ in gaps[:largest]
+        ],
+        "host_enqueue_span_ms": round((max(b for _, b in launches) - min(a for a, _ in launches)) / 1e3, 3)
+        if launches
+        else None,
         "host_launches": len(launches),
         # time the host spent inside those calls: near the enqueue span, the launch queue was full and the host
         # waited for the device (ahead of it); small, the host's own work between launches paced the chunk

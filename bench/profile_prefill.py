@@ -31,7 +31,9 @@ def main() -> None:
     add_worker_flags(parser)
     parser.add_argument("--prompt-len", type=int, default=2000)
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--ring-chunks", default="", help="also time these staging-ring chunk sizes (experts), e.g. 4,16")
+    parser.add_argument(
+        "--ring-chunks", default="", help="also time these staging-ring chunk sizes (experts), e.g. 4,16"
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     executor, plan = boot_worker(boot_config_from_args(args))
@@ -63,17 +65,26 @@ def main() -> None:
             ring.use_chunks(*default)
     walls = [prefill() for _ in range(args.runs)]
     before = _cache_counters(executor)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                            torch.profiler.ProfilerActivity.CUDA]) as prof:  # fmt: skip
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    ) as prof:
         profiled_wall = prefill()
     copied = _delta(_cache_counters(executor), before)  # the profiled prefill's own
     from bench.profile_decode import kernel_families  # which imports this module
 
-    result = {"prompt_len": args.prompt_len, "wall_s": walls, "median_wall_s": statistics.median(walls),
-              "profiled_wall_s": profiled_wall, "slots": plan.experts.slots, "experts": plan.experts.total,
-              "ring_chunk": ring.base_chunk if ring is not None else None, "median_wall_s_by_ring_chunk": by_chunk,
-              "profiled_prefill_expert_cache": copied,
-              **device_timeline(prof, is_expert_copy), "kernels": kernel_families(prof, 1)}  # fmt: skip
+    result = {
+        "prompt_len": args.prompt_len,
+        "wall_s": walls,
+        "median_wall_s": statistics.median(walls),
+        "profiled_wall_s": profiled_wall,
+        "slots": plan.experts.slots,
+        "experts": plan.experts.total,
+        "ring_chunk": ring.base_chunk if ring is not None else None,
+        "median_wall_s_by_ring_chunk": by_chunk,
+        "profiled_prefill_expert_cache": copied,
+        **device_timeline(prof, is_expert_copy),
+        "kernels": kernel_families(prof, 1),
+    }
     print(json.dumps(result, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
@@ -115,21 +126,26 @@ def device_timeline(prof, is_copy=is_host_to_device, largest: int = 8) -> dict:
     first_kernel = min(k[0] for k in kernels) if kernels else start
     last_kernel = max(k[1] for k in kernels) if kernels else end
     return {
-        "copies": len(copies), "copy_span_ms": (end - start) / 1e3, "copy_busy_ms": busy / 1e3,
-        "copy_gaps_over_50us": sum(1 for g in gaps if g > 50), "copy_gap_ms": sum(gaps) / 1e3,
-        "copy_gaps_under_20us": sum(1 for g in gaps if g < 20), "copy_gap_under_20us_ms": sum(g for g in gaps if g < 20) / 1e3,
+        "copies": len(copies),
+        "copy_span_ms": (end - start) / 1e3,
+        "copy_busy_ms": busy / 1e3,
+        "copy_gaps_over_50us": sum(1 for g in gaps if g > 50),
+        "copy_gap_ms": sum(gaps) / 1e3,
+        "copy_gaps_under_20us": sum(1 for g in gaps if g < 20),
+        "copy_gap_under_20us_ms": sum(g for g in gaps if g < 20) / 1e3,
         "largest_copy_gaps_ms": [g / 1e3 for _, g in at],
         # where they open, from the first copy: (ms after it, ms long)
         "largest_copy_gaps_at_ms": [(round(t / 1e3, 3), round(g / 1e3, 3)) for t, g in at],
         "device_span_ms": (max(last_kernel, end) - min(first_kernel, start)) / 1e3,
-        "before_first_copy_ms": (start - first_kernel) / 1e3, "after_last_copy_ms": (last_kernel - end) / 1e3,
+        "before_first_copy_ms": (start - first_kernel) / 1e3,
+        "after_last_copy_ms": (last_kernel - end) / 1e3,
         "kernel_busy_ms": sum(b - a for a, b in _union(kernels)) / 1e3,
         # what computed while the copies paused: the kernels of the four longest gaps, by time inside them
         "kernels_in_largest_gaps": [_busiest(named, start + t, start + t + g) for t, g in at[:4]],
         # how long the host took to enqueue the step, from its first launch or copy to its last
         "host_enqueue_span_ms": (max(b for _, b in launches) - min(a for a, _ in launches)) / 1e3 if launches else None,
         "host_launches": len(launches),
-    }  # fmt: skip
+    }
 
 
 # CUDA runtime/driver calls as the profiler names them: what launches work

@@ -67,7 +67,9 @@ def fold(raw: Path, seconds: float, rate: int, top: int) -> dict:
         frames = stack.split(";")
         thread, frames = frames[0], frames[1:]
         n = int(count)
-        t = threads.setdefault(thread, {"samples": 0, "self": collections.Counter(), "inclusive": collections.Counter()})
+        t = threads.setdefault(
+            thread, {"samples": 0, "self": collections.Counter(), "inclusive": collections.Counter()}
+        )
         t["samples"] += n
         if frames:
             t["self"][frames[-1]] += n
@@ -77,9 +79,12 @@ def fold(raw: Path, seconds: float, rate: int, top: int) -> dict:
     out = {}
     for name, t in sorted(threads.items(), key=lambda kv: -kv[1]["samples"]):
         s = t["samples"]
-        out[name] = {"busy": round(s / expected, 3), "samples": s,
-                     "self": [[f, round(c / s, 3)] for f, c in t["self"].most_common(top)],
-                     "inclusive": [[f, round(c / s, 3)] for f, c in t["inclusive"].most_common(top)]}  # fmt: skip
+        out[name] = {
+            "busy": round(s / expected, 3),
+            "samples": s,
+            "self": [[f, round(c / s, 3)] for f, c in t["self"].most_common(top)],
+            "inclusive": [[f, round(c / s, 3)] for f, c in t["inclusive"].most_common(top)],
+        }
     return out
 
 
@@ -110,9 +115,11 @@ def timeline(scheduler: list[dict], worker: list[dict], t0: float, t1: float) ->
         "worker_launch_ms": _median([(e["launched"] - e["recv"]) * ms for e in steps]),
         "worker_answer_ms": _median([(e["answered"] - e["launched"]) * ms for e in steps]),
         "sent_to_worker_read_ms": _median([(e["recv"] - sent[e["step"]]) * ms for e in steps if e["step"] in sent]),
-        "answer_to_scheduler_ms": _median([(landed[e["step"]] - e["answered"]) * ms for e in steps if e["step"] in landed]),
+        "answer_to_scheduler_ms": _median(
+            [(landed[e["step"]] - e["answered"]) * ms for e in steps if e["step"] in landed]
+        ),
         "scheduler_turn_ms": _median([(sent[k + 2] - landed[k]) * ms for k in ids if k in landed and k + 2 in sent]),
-    }  # fmt: skip
+    }
 
 
 def _trace_lines(trace_dir: Path, role: str) -> list[dict]:
@@ -130,8 +137,14 @@ def load(base: str, streams: int, max_tokens: int, stop: threading.Event, counts
         client = OpenAI(base_url=base + "/v1", api_key="none", timeout=600)
         model = client.models.list().data[0].id
         while not stop.is_set():
-            resp = client.completions.create(model=model, prompt=[10 + i, 17, 99, 3], max_tokens=max_tokens,
-                                             stream=True, temperature=1.0, extra_body={"ignore_eos": True})  # fmt: skip
+            resp = client.completions.create(
+                model=model,
+                prompt=[10 + i, 17, 99, 3],
+                max_tokens=max_tokens,
+                stream=True,
+                temperature=1.0,
+                extra_body={"ignore_eos": True},
+            )
             for chunk in resp:
                 if chunk.choices and chunk.choices[0].text:
                     counts[i] += 1
@@ -144,8 +157,19 @@ def load(base: str, streams: int, max_tokens: int, stop: threading.Event, counts
     return threads
 
 
-def profile(served, py_spy: str, streams: int, max_tokens: int, seconds: float, rate: int, top: int, tmp: Path,
-            trace_dir: Path, spy_flags: tuple[str, ...] = (), settle: float = 4.0) -> dict:  # fmt: skip
+def profile(
+    served,
+    py_spy: str,
+    streams: int,
+    max_tokens: int,
+    seconds: float,
+    rate: int,
+    top: int,
+    tmp: Path,
+    trace_dir: Path,
+    spy_flags: tuple[str, ...] = (),
+    settle: float = 4.0,
+) -> dict:
     pids = role_pids(served.proc.pid)
     stop, counts = threading.Event(), [0] * streams
     threads = load(served.base, streams, max_tokens, stop, counts)
@@ -155,9 +179,30 @@ def profile(served, py_spy: str, streams: int, max_tokens: int, seconds: float, 
     spies = {}
     for role, pid in pids.items():
         raw = tmp / f"{role}_{streams}.txt"
-        spies[role] = (raw, subprocess.Popen([py_spy, "record", "--pid", str(pid), "--duration", str(int(seconds)),
-                                              "--rate", str(rate), "--format", "raw", "--threads", "--nonblocking",
-                                              *spy_flags, "--output", str(raw)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))  # fmt: skip
+        spies[role] = (
+            raw,
+            subprocess.Popen(
+                [
+                    py_spy,
+                    "record",
+                    "--pid",
+                    str(pid),
+                    "--duration",
+                    str(int(seconds)),
+                    "--rate",
+                    str(rate),
+                    "--format",
+                    "raw",
+                    "--threads",
+                    "--nonblocking",
+                    *spy_flags,
+                    "--output",
+                    str(raw),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+            ),
+        )
     for role, (raw, proc) in spies.items():
         proc.wait(timeout=seconds + 60)
     t1 = time.monotonic()
@@ -167,8 +212,12 @@ def profile(served, py_spy: str, streams: int, max_tokens: int, seconds: float, 
     stop.set()
     for t in threads:
         t.join(timeout=30)
-    out = {"streams": streams, "tokens_per_s": round(tokens / wall, 1), "step_ms": round(1000 * wall * streams / max(tokens, 1), 3),
-           "timeline": timeline(_trace_lines(trace_dir, "scheduler"), _trace_lines(trace_dir, "worker"), t0, t1)}  # fmt: skip
+    out = {
+        "streams": streams,
+        "tokens_per_s": round(tokens / wall, 1),
+        "step_ms": round(1000 * wall * streams / max(tokens, 1), 3),
+        "timeline": timeline(_trace_lines(trace_dir, "scheduler"), _trace_lines(trace_dir, "worker"), t0, t1),
+    }
     if hosts0 and hosts1:  # the decode share's host nodes over the window: their calls by wall time
         out["host_nodes"] = host_nodes_window(hosts0, hosts1)
     for role, (raw, proc) in spies.items():
@@ -183,25 +232,37 @@ def host_nodes_window(before: dict, after: dict) -> dict:
     calls = after["host_node_calls"] - before["host_node_calls"]
     busy = after["host_node_busy_s"] - before["host_node_busy_s"]
     le0, le1 = before.get("host_node_calls_le", {}), after.get("host_node_calls_le", {})
-    return {"calls": calls, "mean_us": round(1e6 * busy / calls, 1) if calls else None,
-            "calls_le": {le: n - le0.get(le, 0) for le, n in le1.items()}}  # fmt: skip
+    return {
+        "calls": calls,
+        "mean_us": round(1e6 * busy / calls, 1) if calls else None,
+        "calls_le": {le: n - le0.get(le, 0) for le, n in le1.items()},
+    }
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", default="hybrid8_resident", choices=sorted(WORKLOADS))
-    p.add_argument("--model", default=None, help="serve this model directory with --extra-flags instead of the workload's")
+    p.add_argument(
+        "--model", default=None, help="serve this model directory with --extra-flags instead of the workload's"
+    )
     p.add_argument("--extra-flags", default="", help="more `ferry serve` flags, space-separated")
     p.add_argument("--streams", default="1,8")
     p.add_argument("--seconds", type=float, default=6)
-    p.add_argument("--settle-seconds", type=float, default=4,
-                   help="decoding before the sampled window (auto's guard explores its share over ~1,000 steps)")
+    p.add_argument(
+        "--settle-seconds",
+        type=float,
+        default=4,
+        help="decoding before the sampled window (auto's guard explores its share over ~1,000 steps)",
+    )
     p.add_argument("--max-tokens", type=int, default=2048, help="each stream's completions (back to back)")
     p.add_argument("--rate", type=int, default=500, help="py-spy samples per second")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--py-spy", default=shutil.which("py-spy") or "py-spy")
-    p.add_argument("--idle", action="store_true",
-                   help="sample threads off the CPU too (py-spy --idle): `busy` is then 1, and `self` says where each waits")
+    p.add_argument(
+        "--idle",
+        action="store_true",
+        help="sample threads off the CPU too (py-spy --idle): `busy` is then 1, and `self` says where each waits",
+    )
     p.add_argument("--out", required=True)
     p.add_argument("--ready-timeout", type=float, default=900)
     args = p.parse_args()
@@ -211,17 +272,47 @@ def main() -> int:
     if args.model:
         model_dir, flags = args.model, []
     else:
-        model_dir, flags = make_bench_model(tmp / "model", config, layers, fmt[0] if fmt else "bf16"), ["--load-format", "dummy", *flags]
+        model_dir, flags = (
+            make_bench_model(tmp / "model", config, layers, fmt[0] if fmt else "bf16"),
+            ["--load-format", "dummy", *flags],
+        )
     served = start_serve(model_dir, [*flags, *args.extra_flags.split()], tmp / "serve.log")
-    result = {"workload": args.workload, "serve": served.command, "commit": commit(), "rate": args.rate,
-              "seconds": args.seconds, "runs": []}  # fmt: skip
+    result = {
+        "workload": args.workload,
+        "serve": served.command,
+        "commit": commit(),
+        "rate": args.rate,
+        "seconds": args.seconds,
+        "runs": [],
+    }
     try:
         served.wait_ready(args.ready_timeout)
         for n in (int(s) for s in args.streams.split(",")):
-            result["runs"].append(profile(served, args.py_spy, n, args.max_tokens, args.seconds, args.rate, args.top, tmp,
-                                          tmp / "trace", ("--idle",) if args.idle else (), args.settle_seconds))
-            print(json.dumps({k: v for k, v in result["runs"][-1].items() if k in ("streams", "tokens_per_s", "step_ms", "timeline", "host_nodes")}),
-                  flush=True)  # fmt: skip
+            result["runs"].append(
+                profile(
+                    served,
+                    args.py_spy,
+                    n,
+                    args.max_tokens,
+                    args.seconds,
+                    args.rate,
+                    args.top,
+                    tmp,
+                    tmp / "trace",
+                    ("--idle",) if args.idle else (),
+                    args.settle_seconds,
+                )
+            )
+            print(
+                json.dumps(
+                    {
+                        k: v
+                        for k, v in result["runs"][-1].items()
+                        if k in ("streams", "tokens_per_s", "step_ms", "timeline", "host_nodes")
+                    }
+                ),
+                flush=True,
+            )
     finally:
         served.stop()
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

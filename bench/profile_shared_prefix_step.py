@@ -44,13 +44,23 @@ from ferry.shared.step import NewRequest  # noqa: E402
 ROWS = 8
 
 
-def profiled(streams: Streams, parts: list[list[int]], new, sample: bool, name: str, trace_dir: Path,
-             events_dir: Path, executor, link_gbps: float) -> dict:  # fmt: skip
+def profiled(
+    streams: Streams,
+    parts: list[list[int]],
+    new,
+    sample: bool,
+    name: str,
+    trace_dir: Path,
+    events_dir: Path,
+    executor,
+    link_gbps: float,
+) -> dict:
     """One step of `parts` (a list a stream) under torch.profiler: its summary, wall time and copies."""
     before = _cache_counters(executor)
     _sync()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                            torch.profiler.ProfilerActivity.CUDA]) as prof:  # fmt: skip
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    ) as prof:
         t0 = time.perf_counter()
         streams.step(parts, sample=sample, new=new)
         _sync()
@@ -60,9 +70,15 @@ def profiled(streams: Streams, parts: list[list[int]], new, sample: bool, name: 
     device, launches = device_events(json.loads(path.read_text()))
     save_events(events_dir / f"device_events_{name}.json.gz", device, launches)
     copied = _delta(_cache_counters(executor), before)
-    return {"step": name, "rows": len(parts), "tokens": sum(len(p) for p in parts), "wall_ms": wall * 1e3,
-            "copied_bytes": copied["bytes_copied"], "pass_ms_at_link": copied["bytes_copied"] / link_gbps / 1e6,
-            **summarize_events(device, launches)}  # fmt: skip
+    return {
+        "step": name,
+        "rows": len(parts),
+        "tokens": sum(len(p) for p in parts),
+        "wall_ms": wall * 1e3,
+        "copied_bytes": copied["bytes_copied"],
+        "pass_ms_at_link": copied["bytes_copied"] / link_gbps / 1e6,
+        **summarize_events(device, launches),
+    }
 
 
 def main() -> None:
@@ -71,13 +87,20 @@ def main() -> None:
     parser.add_argument("--prefix", type=int, default=3952, help="the shared system prompt's tokens")
     parser.add_argument("--suffix", type=int, default=156, help="each request's own tokens after it")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--ring-chunks", default="0",
-                        help="profile the warm step once per staging-ring chunk size (experts a copy and a "
-                             "computation; 0: the worker's own), e.g. 0,24,48: fewer, larger chunks pay the host's "
-                             "launches fewer times, with fewer bays to overlap in")  # fmt: skip
+    parser.add_argument(
+        "--ring-chunks",
+        default="0",
+        help="profile the warm step once per staging-ring chunk size (experts a copy and a "
+        "computation; 0: the worker's own), e.g. 0,24,48: fewer, larger chunks pay the host's "
+        "launches fewer times, with fewer bays to overlap in",
+    )
     parser.add_argument("--link-gbps", type=float, default=55.0, help="host-to-device GB/s for the pass's bound")
-    parser.add_argument("--host-profile", type=int, default=0,
-                        help="warm steps run after the device profiles under cProfile, without torch.profiler")
+    parser.add_argument(
+        "--host-profile",
+        type=int,
+        default=0,
+        help="warm steps run after the device profiles under cProfile, without torch.profiler",
+    )
     parser.add_argument("--out", default=None)
     parser.add_argument("--events-dir", default=None)
     args = parser.parse_args()
@@ -102,11 +125,15 @@ def main() -> None:
             streams, suffixes = warm_round(executor, prefix, length, args.suffix, rng, first_req)
             first_req += ROWS
             name = f"warm_step_{r}" if not ring_chunk else f"warm_step_ring{ring_chunk}_{r}"
-            profiles.append(profiled(streams, suffixes, None, True, name, trace_dir, events_dir, executor,
-                                     args.link_gbps) | {"ring_chunk": ring.chunk if ring is not None else None})  # fmt: skip
+            profiles.append(
+                profiled(streams, suffixes, None, True, name, trace_dir, events_dir, executor, args.link_gbps)
+                | {"ring_chunk": ring.chunk if ring is not None else None}
+            )
             streams.finish()
-            print(json.dumps({k: v for k, v in profiles[-1].items() if k not in ("largest_compute_gaps", "streams")}),
-                  flush=True)  # fmt: skip
+            print(
+                json.dumps({k: v for k, v in profiles[-1].items() if k not in ("largest_compute_gaps", "streams")}),
+                flush=True,
+            )
     if ring is not None:
         ring.use_chunks(*default)
     host = None
@@ -115,19 +142,43 @@ def main() -> None:
         first_req += ROWS * args.host_profile
         print(json.dumps({"host_profile_wall_ms": host["wall_ms"]}), flush=True)
         for row in host["by_own_time"][:25]:
-            print(f"  {row['own_ms']:8.2f} ms own {row['cum_ms']:8.2f} ms cum {row['calls']:7d} calls  {row['function']}")
+            print(
+                f"  {row['own_ms']:8.2f} ms own {row['cum_ms']:8.2f} ms cum {row['calls']:7d} calls  {row['function']}"
+            )
     # the round without the cache: the 8 whole prompts, chunked as the scheduler cuts them (its first chunk)
     streams = Streams(executor, ROWS, length, first_req_id=first_req)
     per_row = max(1, plan.max_prefill_tokens // ROWS)
     prompts = [prefix + rng.integers(0, vocab, args.suffix).tolist() for _ in range(ROWS)]
-    new = [NewRequest(req_id=q, prompt_token_ids=np.array(p, dtype=np.int32), sampling=GREEDY)
-           for q, p in zip(streams.req_ids, prompts)]  # fmt: skip
-    profiles.append(profiled(streams, [p[:per_row] for p in prompts], new, False, "baseline_chunk", trace_dir,
-                             events_dir, executor, args.link_gbps))  # fmt: skip
+    new = [
+        NewRequest(req_id=q, prompt_token_ids=np.array(p, dtype=np.int32), sampling=GREEDY)
+        for q, p in zip(streams.req_ids, prompts)
+    ]
+    profiles.append(
+        profiled(
+            streams,
+            [p[:per_row] for p in prompts],
+            new,
+            False,
+            "baseline_chunk",
+            trace_dir,
+            events_dir,
+            executor,
+            args.link_gbps,
+        )
+    )
     streams.finish()
-    print(json.dumps({k: v for k, v in profiles[-1].items() if k not in ("largest_compute_gaps", "streams")}), flush=True)
-    result = {"slots": plan.experts.slots, "experts": plan.experts.total, "chunk": plan.max_prefill_tokens,
-              "prefix": args.prefix, "suffix": args.suffix, "profiles": profiles, "host_profile": host}  # fmt: skip
+    print(
+        json.dumps({k: v for k, v in profiles[-1].items() if k not in ("largest_compute_gaps", "streams")}), flush=True
+    )
+    result = {
+        "slots": plan.experts.slots,
+        "experts": plan.experts.total,
+        "chunk": plan.max_prefill_tokens,
+        "prefix": args.prefix,
+        "suffix": args.suffix,
+        "profiles": profiles,
+        "host_profile": host,
+    }
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 
@@ -158,8 +209,15 @@ def host_profiled(executor, prefix: list[int], length: int, suffix: int, steps: 
     rows = []
     for (path, line, name), (_, calls, own, cum, _) in pstats.Stats(profile).stats.items():
         where = path if path.startswith("<") or path == "~" else f"{_short(path)}:{line}"
-        rows.append({"function": f"{where} {name}", "calls": calls, "own_ms": round(own * 1e3, 3),
-                     "cum_ms": round(cum * 1e3, 3), "ours": _ours(path)})  # fmt: skip
+        rows.append(
+            {
+                "function": f"{where} {name}",
+                "calls": calls,
+                "own_ms": round(own * 1e3, 3),
+                "cum_ms": round(cum * 1e3, 3),
+                "ours": _ours(path),
+            }
+        )
     by_own = sorted(rows, key=lambda r: -r["own_ms"])[:40]
     by_cum = sorted((r for r in rows if r["ours"]), key=lambda r: -r["cum_ms"])[:40]
     return {"steps": steps, "wall_ms": walls, "by_own_time": by_own, "ours_by_cumulative_time": by_cum}
@@ -175,9 +233,9 @@ def _ours(path: str) -> bool:
 def _short(path: str) -> str:
     """A path relative to the checkout for the project's files, else from its package directory on."""
     if _ours(path):
-        return path[len(_ROOT):]
+        return path[len(_ROOT) :]
     parts = Path(path).parts
-    return "/".join(parts[parts.index("site-packages") + 1:]) if "site-packages" in parts else path
+    return "/".join(parts[parts.index("site-packages") + 1 :]) if "site-packages" in parts else path
 
 
 def _sync() -> None:

@@ -33,8 +33,14 @@ from ferry.services.worker.offload.packed_banks import PackedHostBanks  # noqa: 
 
 RING_CHUNK = 12  # experts a ring chunk copies at once (48 staging slots in four bays)
 # (bank format, unpacking programs or None for the copy engine, copy stream priority)
-VARIANTS = [("packed", 64, 0), ("packed", 64, -100), ("packed", 32, -100), ("packed", 16, -100),
-            ("plain", None, 0), ("plain", None, -100)]  # fmt: skip
+VARIANTS = [
+    ("packed", 64, 0),
+    ("packed", 64, -100),
+    ("packed", 32, -100),
+    ("packed", 16, -100),
+    ("plain", None, 0),
+    ("plain", None, -100),
+]
 
 
 def main() -> int:
@@ -60,8 +66,14 @@ def main() -> int:
     w13 = torch.empty((n, *banks["plain"].w13[0].shape[1:]), dtype=torch.bfloat16, device=device)
     w2 = torch.empty((n, *banks["plain"].w2[0].shape[1:]), dtype=torch.bfloat16, device=device)
     attention_ms = statistics.median(timed(attend, args.reps))
-    results = {"device": torch.cuda.get_device_name(device), "context": args.context, "chunk": args.chunk,
-               "experts": n, "attention_ms": round(attention_ms, 3), "runs": []}  # fmt: skip
+    results = {
+        "device": torch.cuda.get_device_name(device),
+        "context": args.context,
+        "chunk": args.chunk,
+        "experts": n,
+        "attention_ms": round(attention_ms, 3),
+        "runs": [],
+    }
     print(f"attention alone: {attention_ms:.2f} ms ({args.chunk} queries after {args.context} keys)")
     for fmt, programs, priority in VARIANTS:
         stream = torch.cuda.Stream(device, priority=priority)
@@ -82,11 +94,20 @@ def main() -> int:
         both_ms = statistics.median(timed(lambda: run(True), args.reps))
         overlap = (attention_ms + copy_ms - both_ms) / min(attention_ms, copy_ms)
         gbps = n * banks[fmt].expert_nbytes / copy_ms / 1e6
-        row = {"format": fmt, "programs": programs, "priority": priority, "copies_ms": round(copy_ms, 3),
-               "copies_GBps": round(gbps, 1), "both_ms": round(both_ms, 3), "overlap": round(overlap, 3)}  # fmt: skip
+        row = {
+            "format": fmt,
+            "programs": programs,
+            "priority": priority,
+            "copies_ms": round(copy_ms, 3),
+            "copies_GBps": round(gbps, 1),
+            "both_ms": round(both_ms, 3),
+            "overlap": round(overlap, 3),
+        }
         results["runs"].append(row)
-        print(f"{fmt:6s} programs {str(programs):4s} priority {priority:4d}: copies {copy_ms:7.2f} ms ({gbps:5.1f} GB/s), "
-              f"both {both_ms:7.2f} ms, overlap {overlap:.2f}")  # fmt: skip
+        print(
+            f"{fmt:6s} programs {str(programs):4s} priority {priority:4d}: copies {copy_ms:7.2f} ms ({gbps:5.1f} GB/s), "
+            f"both {both_ms:7.2f} ms, overlap {overlap:.2f}"
+        )
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
     return 0

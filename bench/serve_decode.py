@@ -35,11 +35,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
+from ferry.services.worker.boot import boot_worker  # noqa: E402
+from ferry.services.worker.flags import add_worker_flags, boot_config_from_args  # noqa: E402
 from ferry.shared.sampling import SamplingParams  # noqa: E402
 from ferry.shared.step import NewRequest, StepBatch  # noqa: E402
 from ferry.shared.units import GiB, ceil_div, format_bytes  # noqa: E402
-from ferry.services.worker.boot import boot_worker  # noqa: E402
-from ferry.services.worker.flags import add_worker_flags, boot_config_from_args  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
 
@@ -52,16 +52,23 @@ class Streams:
         self.executor, self.page_size = executor, plan.kv.page_size
         self.pages_each = ceil_div(max_len, self.page_size)
         if count * self.pages_each > plan.kv.pages:
-            raise SystemExit(f"{count} streams of {max_len} tokens need {count * self.pages_each} KV pages; "
-                             f"the plan has {plan.kv.pages}")  # fmt: skip
+            raise SystemExit(
+                f"{count} streams of {max_len} tokens need {count * self.pages_each} KV pages; "
+                f"the plan has {plan.kv.pages}"
+            )
         if plan.linear_state.slots and count > plan.linear_state.slots:
             raise SystemExit(f"{count} streams need {count} linear-state slots; the plan has {plan.linear_state.slots}")
         self.req_ids = list(range(first_req_id, first_req_id + count))
         self.context = [0] * count
         self.step_id = first_req_id * 100_000
 
-    def step(self, tokens: list[list[int]], sample: bool, new: list[NewRequest] | None = None,
-             finished: list[int] | None = None):  # fmt: skip
+    def step(
+        self,
+        tokens: list[list[int]],
+        sample: bool,
+        new: list[NewRequest] | None = None,
+        finished: list[int] | None = None,
+    ):
         n = len(self.req_ids)
         table = np.zeros((n, self.pages_each), dtype=np.int32)
         for i in range(n):
@@ -85,8 +92,10 @@ class Streams:
         return out
 
     def prefill(self, prompts: list[list[int]]) -> list[int]:
-        new = [NewRequest(req_id=r, prompt_token_ids=np.array(p, dtype=np.int32), sampling=GREEDY)
-               for r, p in zip(self.req_ids, prompts)]  # fmt: skip
+        new = [
+            NewRequest(req_id=r, prompt_token_ids=np.array(p, dtype=np.int32), sampling=GREEDY)
+            for r, p in zip(self.req_ids, prompts)
+        ]
         chunk = max(1, self.executor.plan.max_prefill_tokens // len(prompts))
         done = 0
         while done < len(prompts[0]):
@@ -175,8 +184,12 @@ def main() -> int:
     parser.add_argument("--streams", default="1,8", help="comma-separated stream counts to decode with")
     parser.add_argument("--stream-prompt-len", type=int, default=128, help="prompt length of multi-stream runs")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
-    parser.add_argument("--decode-inputs", choices=("random", "sampled"), default="random",
-                        help="feed random token ids (routing varies as in a real model) or the sampled ones")
+    parser.add_argument(
+        "--decode-inputs",
+        choices=("random", "sampled"),
+        default="random",
+        help="feed random token ids (routing varies as in a real model) or the sampled ones",
+    )
     parser.set_defaults(load_format="dummy", gpu_memory=24 * GiB, max_model_len=8192, max_running_requests=8)
     args = parser.parse_args()
     stream_counts = [int(s) for s in args.streams.split(",")]
@@ -235,15 +248,21 @@ def main() -> int:
     results["ceilings"] = ceilings
     results["decode"] = [summarize(executor, runs[n], n, h2d, hbm) for n in sorted(runs)]
 
-    print(f"model {args.model}  boot {boot_s:.1f}s  peak reserved "
-          f"{format_bytes(peak) if peak is not None else 'n/a'} of {format_bytes(args.gpu_memory)}  "
-          f"expert slots {plan.experts.slots}/{plan.experts.total}")  # fmt: skip
+    print(
+        f"model {args.model}  boot {boot_s:.1f}s  peak reserved "
+        f"{format_bytes(peak) if peak is not None else 'n/a'} of {format_bytes(args.gpu_memory)}  "
+        f"expert slots {plan.experts.slots}/{plan.experts.total}"
+    )
     print(f"TTFT ({args.prompt_len}-token prompt): {results['ttft_s'] * 1e3:.0f} ms")
-    print(f"{'streams':>7} {'tok/s':>8} {'mean ms':>8} {'bound ms':>9} {'bound/meas':>10} {'hit rate':>8} "
-          f"{'MiB copied/tok':>14}")  # fmt: skip
+    print(
+        f"{'streams':>7} {'tok/s':>8} {'mean ms':>8} {'bound ms':>9} {'bound/meas':>10} {'hit rate':>8} "
+        f"{'MiB copied/tok':>14}"
+    )
     for d in results["decode"]:
-        print(f"{d['streams']:>7} {d['tokens_per_s']:>8.2f} {d['mean_step_ms']:>8.2f} {d['bound_step_ms']:>9.2f} "
-              f"{d['bound_fraction']:>10.2f} {d['hit_rate']:>8.3f} {d['bytes_copied_per_token'] / 2**20:>14.1f}")  # fmt: skip
+        print(
+            f"{d['streams']:>7} {d['tokens_per_s']:>8.2f} {d['mean_step_ms']:>8.2f} {d['bound_step_ms']:>9.2f} "
+            f"{d['bound_fraction']:>10.2f} {d['hit_rate']:>8.3f} {d['bytes_copied_per_token'] / 2**20:>14.1f}"
+        )
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
     if peak is not None and peak > args.gpu_memory:

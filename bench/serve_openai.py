@@ -72,8 +72,10 @@ def cache_delta(before: dict, after: dict) -> dict | None:
     p = "ferry_worker_expert_"
     if p + "hits_total" not in after:
         return None
-    d = {k: after.get(p + k + "_total", 0.0) - before.get(p + k + "_total", 0.0)
-         for k in ("hits", "misses", "copied_bytes", "prefetched", "prefetch_useful", "prefetch_wasted")}  # fmt: skip
+    d = {
+        k: after.get(p + k + "_total", 0.0) - before.get(p + k + "_total", 0.0)
+        for k in ("hits", "misses", "copied_bytes", "prefetched", "prefetch_useful", "prefetch_wasted")
+    }
     looked = d["hits"] + d["misses"]
     d["hit_rate"] = d["hits"] / looked if looked else None
     judged = d["prefetch_useful"] + d["prefetch_wasted"]
@@ -105,9 +107,15 @@ def stream(client, model: str, prompt, max_tokens: int, temperature: float) -> d
     _sent.at = None
     t0 = time.perf_counter()
     arrivals, text, usage = [], [], None
-    resp = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, stream=True,
-                                     temperature=temperature, stream_options={"include_usage": True},
-                                     extra_body={"ignore_eos": True})  # fmt: skip
+    resp = client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        stream=True,
+        temperature=temperature,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     for chunk in resp:
         if chunk.usage is not None:
             usage = chunk.usage
@@ -117,15 +125,22 @@ def stream(client, model: str, prompt, max_tokens: int, temperature: float) -> d
     tokens = usage.completion_tokens if usage is not None else len(arrivals)
     span = arrivals[-1] - arrivals[0] if len(arrivals) > 1 else 0.0
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
-    return {"tokens": tokens, "usage": usage, "text": "".join(text), "chunks": len(arrivals),
-            "ttft_s": arrivals[0] if arrivals else None,
-            "ttft_wire_s": t0 + arrivals[0] - _sent.at if arrivals and _sent.at is not None else None,
-            "first_s": arrivals[0] if arrivals else None, "last_s": arrivals[-1] if arrivals else None,
-            "start": t0, "tok_s": (tokens - 1) / span if span > 0 else None,
-            # the longest wait between two chunks: a stall (a compile, a preemption) shows here, not in a mean
-            "max_gap_s": max(gaps) if gaps else None,
-            # the typical one: a few slow steps (the host share's guard trying a split) move a short mean, not it
-            "median_gap_s": statistics.median(gaps) if gaps else None}  # fmt: skip
+    return {
+        "tokens": tokens,
+        "usage": usage,
+        "text": "".join(text),
+        "chunks": len(arrivals),
+        "ttft_s": arrivals[0] if arrivals else None,
+        "ttft_wire_s": t0 + arrivals[0] - _sent.at if arrivals and _sent.at is not None else None,
+        "first_s": arrivals[0] if arrivals else None,
+        "last_s": arrivals[-1] if arrivals else None,
+        "start": t0,
+        "tok_s": (tokens - 1) / span if span > 0 else None,
+        # the longest wait between two chunks: a stall (a compile, a preemption) shows here, not in a mean
+        "max_gap_s": max(gaps) if gaps else None,
+        # the typical one: a few slow steps (the host share's guard trying a split) move a short mean, not it
+        "median_gap_s": statistics.median(gaps) if gaps else None,
+    }
 
 
 def decode_run(once, n: int, repeats: int) -> dict:
@@ -144,17 +159,26 @@ def decode_run(once, n: int, repeats: int) -> dict:
         first = min(r["start"] + r["first_s"] for r in runs)
         last = max(r["start"] + r["last_s"] for r in runs)
         tokens = sum(r["tokens"] for r in runs)
-        rounds.append({"per_stream_tok_s": [r["tok_s"] for r in runs],
-                       "median_stream_tok_s": statistics.median(r["tok_s"] for r in runs),
-                       "aggregate_tok_s": (tokens - n) / (last - first), "tokens": tokens,
-                       "max_gap_s": [r["max_gap_s"] for r in runs]})  # fmt: skip
+        rounds.append(
+            {
+                "per_stream_tok_s": [r["tok_s"] for r in runs],
+                "median_stream_tok_s": statistics.median(r["tok_s"] for r in runs),
+                "aggregate_tok_s": (tokens - n) / (last - first),
+                "tokens": tokens,
+                "max_gap_s": [r["max_gap_s"] for r in runs],
+            }
+        )
     middle = sorted(range(repeats), key=lambda i: rounds[i]["median_stream_tok_s"])[(repeats - 1) // 2]
-    return {"streams": n, "repeats": rounds, "median_repeat": middle,
-            "median_stream_tok_s": rounds[middle]["median_stream_tok_s"],
-            "aggregate_tok_s": rounds[middle]["aggregate_tok_s"],
-            "per_stream_tok_s": [t for r in rounds for t in r["per_stream_tok_s"]],
-            "max_gap_s": [g for r in rounds for g in r["max_gap_s"]],
-            "tokens": sum(r["tokens"] for r in rounds)}  # fmt: skip
+    return {
+        "streams": n,
+        "repeats": rounds,
+        "median_repeat": middle,
+        "median_stream_tok_s": rounds[middle]["median_stream_tok_s"],
+        "aggregate_tok_s": rounds[middle]["aggregate_tok_s"],
+        "per_stream_tok_s": [t for r in rounds for t in r["per_stream_tok_s"]],
+        "max_gap_s": [g for r in rounds for g in r["max_gap_s"]],
+        "tokens": sum(r["tokens"] for r in rounds),
+    }
 
 
 def text_of_tokens(tokenizer_dir: str, n: int, rng, low: int, high: int) -> str | None:
@@ -198,9 +222,13 @@ def ttft_summary(runs: list[dict], kind: str = "") -> dict:
     """Median TTFT of one-token completions, from the call and from the wire, and the prompt sizes
     the server counted; keys ttft{kind}_s, ... (kind "" for the text prompt, "_ids" for token ids)."""
     wire = [r["ttft_wire_s"] for r in runs if r["ttft_wire_s"] is not None]
-    return {f"ttft{kind}_s": statistics.median(r["ttft_s"] for r in runs), f"ttft{kind}_runs_s": [r["ttft_s"] for r in runs],
-            f"ttft{kind}_wire_s": statistics.median(wire) if wire else None, f"ttft{kind}_wire_runs_s": wire,
-            f"ttft{kind}_prompt_tokens": [r["usage"].prompt_tokens if r["usage"] is not None else None for r in runs]}  # fmt: skip
+    return {
+        f"ttft{kind}_s": statistics.median(r["ttft_s"] for r in runs),
+        f"ttft{kind}_runs_s": [r["ttft_s"] for r in runs],
+        f"ttft{kind}_wire_s": statistics.median(wire) if wire else None,
+        f"ttft{kind}_wire_runs_s": wire,
+        f"ttft{kind}_prompt_tokens": [r["usage"].prompt_tokens if r["usage"] is not None else None for r in runs],
+    }
 
 
 def hbm_bytes_per_token(config_dir: str, context: float) -> tuple[float, int]:
@@ -259,25 +287,45 @@ def main() -> int:
     p.add_argument("--model", default=None, help="model id (default: the server's first)")
     p.add_argument("--streams", default="1,8")
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--repeats", type=int, default=3,
-                   help="each stream count's decode run this many times back to back; the median repeat is reported")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="each stream count's decode run this many times back to back; the median repeat is reported",
+    )
     p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens of the decode runs")
     p.add_argument("--ttft-prompt-len", type=int, default=2000)
     p.add_argument("--ttft-runs", type=int, default=3)
-    p.add_argument("--settle-tokens", type=int, default=0,
-                   help="one untimed stream of this many tokens before the decode runs: auto's guard over the "
-                        "host's decode share measures and sizes it over its first ~1,000 decode steps "
-                        "(services/worker/offload/share_guard.py), and the runs then time what it settled on")  # fmt: skip
+    p.add_argument(
+        "--settle-tokens",
+        type=int,
+        default=0,
+        help="one untimed stream of this many tokens before the decode runs: auto's guard over the "
+        "host's decode share measures and sizes it over its first ~1,000 decode steps "
+        "(services/worker/offload/share_guard.py), and the runs then time what it settled on",
+    )
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--vocab", type=int, default=None, help="prompt token ids are drawn below this (default: from --config, else 10000)")
+    p.add_argument(
+        "--vocab",
+        type=int,
+        default=None,
+        help="prompt token ids are drawn below this (default: from --config, else 10000)",
+    )
     p.add_argument("--metrics", default=None, help="the worker's Prometheus /metrics URL (Ferry)")
     p.add_argument("--config", default=None, help="the model directory (config.json), for the bound")
-    p.add_argument("--tokenizer", default=None,
-                   help="directory with the model's tokenizer.json, for TTFT's text prompt (default: --config)")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="directory with the model's tokenizer.json, for TTFT's text prompt (default: --config)",
+    )
     p.add_argument("--ceilings", default=None, help="bench/bandwidth.py JSON measured in the same run, for the bound")
-    p.add_argument("--prompt-kind", choices=("ids", "text"), default="ids",
-                   help="ids (default): the decode runs send token ids and TTFT is timed as text and as ids; text: "
-                        "every prompt is text of exactly its length (servers that take no token ids: FreeToken)")  # fmt: skip
+    p.add_argument(
+        "--prompt-kind",
+        choices=("ids", "text"),
+        default="ids",
+        help="ids (default): the decode runs send token ids and TTFT is timed as text and as ids; text: "
+        "every prompt is text of exactly its length (servers that take no token ids: FreeToken)",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.repeats < 1:
@@ -285,13 +333,16 @@ def main() -> int:
     if args.tokenizer and not (Path(args.tokenizer) / "tokenizer.json").is_file():
         p.error(f"--tokenizer {args.tokenizer}: no tokenizer.json there")
     if args.prompt_kind == "text" and not (Path(args.tokenizer or args.config or "") / "tokenizer.json").is_file():
-        p.error("--prompt-kind text needs the model's tokenizer: pass --tokenizer (or --config) DIR with tokenizer.json")
+        p.error(
+            "--prompt-kind text needs the model's tokenizer: pass --tokenizer (or --config) DIR with tokenizer.json"
+        )
 
     import numpy as np
     from openai import OpenAI
 
-    client = OpenAI(base_url=args.base_url, api_key=args.api_key, max_retries=0, timeout=600,
-                    http_client=timed_http_client())  # fmt: skip
+    client = OpenAI(
+        base_url=args.base_url, api_key=args.api_key, max_retries=0, timeout=600, http_client=timed_http_client()
+    )
     model = args.model or client.models.list().data[0].id
     vocab = args.vocab
     if vocab is None and args.config:
@@ -301,25 +352,37 @@ def main() -> int:
     prompt, (low, high) = prompt_ids(vocab), id_range(vocab)
     if args.prompt_kind == "text":
         prompt = prompt_texts(args.tokenizer or args.config, vocab)
-    result: dict = {"base_url": args.base_url, "model": model, "max_tokens": args.max_tokens,
-                    "temperature": args.temperature, "runs": []}  # fmt: skip
+    result: dict = {
+        "base_url": args.base_url,
+        "model": model,
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "runs": [],
+    }
 
     stream(client, model, prompt(args.prompt_len), 16, args.temperature)  # warm-up
     tokenizer_dir = args.tokenizer or args.config
     texts = None
     if tokenizer_dir and (Path(tokenizer_dir) / "tokenizer.json").is_file():
         text_rng = np.random.default_rng(1)  # its own: the decode runs' prompts do not depend on it
-        texts = [text_of_tokens(tokenizer_dir, args.ttft_prompt_len, text_rng, low, high) for _ in range(args.ttft_runs)]
+        texts = [
+            text_of_tokens(tokenizer_dir, args.ttft_prompt_len, text_rng, low, high) for _ in range(args.ttft_runs)
+        ]
         if any(t is None for t in texts):
-            print(f"warning: no text of exactly {args.ttft_prompt_len} tokens found with {tokenizer_dir}: "
-                  "TTFT is measured with token ids only", file=sys.stderr)  # fmt: skip
+            print(
+                f"warning: no text of exactly {args.ttft_prompt_len} tokens found with {tokenizer_dir}: "
+                "TTFT is measured with token ids only",
+                file=sys.stderr,
+            )
             texts = None
     stream(client, model, prompt(args.ttft_prompt_len), 1, args.temperature)  # the first prompt of this length: untimed
     before = scrape(args.metrics)
     ids_runs, text_runs = [], []
     if args.prompt_kind == "text" and texts is None:
-        print(f"error: --prompt-kind text: no text of exactly {args.ttft_prompt_len} tokens found with {tokenizer_dir}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"error: --prompt-kind text: no text of exactly {args.ttft_prompt_len} tokens found with {tokenizer_dir}",
+            file=sys.stderr,
+        )
         return 2
     for i in range(args.ttft_runs):  # interleaved: neither kind takes all the early runs
         if args.prompt_kind == "ids":
@@ -328,14 +391,23 @@ def main() -> int:
             text_runs.append(stream(client, model, texts[i], 1, args.temperature))
     result["ttft_expert_cache"] = cache_delta(before, scrape(args.metrics))  # what the prefills copied
     result["ttft_prefills"] = len(ids_runs) + len(text_runs)
-    result.update(ttft_summary(ids_runs, "_ids") if ids_runs else
-                  {f"ttft_ids{k}": None for k in ("_s", "_runs_s", "_wire_s", "_wire_runs_s", "_prompt_tokens")})  # fmt: skip
+    result.update(
+        ttft_summary(ids_runs, "_ids")
+        if ids_runs
+        else {f"ttft_ids{k}": None for k in ("_s", "_runs_s", "_wire_s", "_wire_runs_s", "_prompt_tokens")}
+    )
     result.update(ttft_summary(text_runs or ids_runs))  # ttft_s: the text prompt's, else the ids'
     result["ttft_prompt"] = "text" if text_runs else "ids"
-    as_ids = (f"; as token ids {1e3 * result['ttft_ids_s']:.0f} ms, "
-              f"{1e3 * (result['ttft_ids_wire_s'] or float('nan')):.0f} ms from the wire" if ids_runs else "")  # fmt: skip
-    print(f"TTFT ({args.ttft_prompt_len}-token prompt): median {1e3 * result['ttft_s']:.0f} ms of {args.ttft_runs} "
-          f"({result['ttft_prompt']}; server counted {result['ttft_prompt_tokens']} tokens){as_ids}")  # fmt: skip
+    as_ids = (
+        f"; as token ids {1e3 * result['ttft_ids_s']:.0f} ms, "
+        f"{1e3 * (result['ttft_ids_wire_s'] or float('nan')):.0f} ms from the wire"
+        if ids_runs
+        else ""
+    )
+    print(
+        f"TTFT ({args.ttft_prompt_len}-token prompt): median {1e3 * result['ttft_s']:.0f} ms of {args.ttft_runs} "
+        f"({result['ttft_prompt']}; server counted {result['ttft_prompt_tokens']} tokens){as_ids}"
+    )
 
     if args.settle_tokens:
         settled = stream(client, model, prompt(args.prompt_len), args.settle_tokens, args.temperature)
@@ -343,8 +415,9 @@ def main() -> int:
     ceilings = json.loads(Path(args.ceilings).read_text()) if args.ceilings else None
     for n in [int(s) for s in args.streams.split(",")]:
         before = scrape(args.metrics)
-        run = decode_run(lambda: stream(client, model, prompt(args.prompt_len), args.max_tokens, args.temperature),
-                         n, args.repeats)  # fmt: skip
+        run = decode_run(
+            lambda: stream(client, model, prompt(args.prompt_len), args.max_tokens, args.temperature), n, args.repeats
+        )
         tokens = run["tokens"]
         run["expert_cache"] = cache = cache_delta(before, scrape(args.metrics))  # over every repeat
         if cache is not None:
@@ -357,18 +430,31 @@ def main() -> int:
             h2d, hbm_bw = ceilings["h2d_pinned_GBps"] * 1e9, ceilings["hbm_copy_GBps"] * 1e9
             bound_s = crossing * wire / h2d + hbm / hbm_bw
             bf16_s = crossing * expert / h2d + hbm / hbm_bw
-            run.update(bound_tok_s=1 / bound_s, bound_fraction=run["median_stream_tok_s"] * bound_s,
-                       bound_bf16_tok_s=1 / bf16_s, bound_bf16_fraction=run["median_stream_tok_s"] * bf16_s,
-                       needed_bytes_per_token=crossing * wire, wire_bytes_per_expert=wire,
-                       hbm_bytes_per_token=hbm)  # fmt: skip
+            run.update(
+                bound_tok_s=1 / bound_s,
+                bound_fraction=run["median_stream_tok_s"] * bound_s,
+                bound_bf16_tok_s=1 / bf16_s,
+                bound_bf16_fraction=run["median_stream_tok_s"] * bf16_s,
+                needed_bytes_per_token=crossing * wire,
+                wire_bytes_per_expert=wire,
+                hbm_bytes_per_token=hbm,
+            )
         result["runs"].append(run)
         hit = f"hit rate {cache['hit_rate']:.3f}" if cache and cache["hit_rate"] is not None else ""
-        pre = f"prefetch accuracy {cache['prefetch_accuracy']:.3f}" if cache and cache["prefetch_accuracy"] is not None else ""
-        bound = f"bound {run['bound_tok_s']:.1f} tok/s ({run['bound_fraction']:.2f} of it)" if "bound_tok_s" in run else ""
+        pre = (
+            f"prefetch accuracy {cache['prefetch_accuracy']:.3f}"
+            if cache and cache["prefetch_accuracy"] is not None
+            else ""
+        )
+        bound = (
+            f"bound {run['bound_tok_s']:.1f} tok/s ({run['bound_fraction']:.2f} of it)" if "bound_tok_s" in run else ""
+        )
         gap = max((g for g in run["max_gap_s"] if g is not None), default=0.0)
         spread = ", ".join(f"{r['median_stream_tok_s']:.1f}" for r in run["repeats"])
-        print(f"{n} streams: median {run['median_stream_tok_s']:.1f} tok/s per stream (repeats {spread}), aggregate "
-              f"{run['aggregate_tok_s']:.1f} tok/s, longest gap {1e3 * gap:.0f} ms  {hit}  {pre}  {bound}")  # fmt: skip
+        print(
+            f"{n} streams: median {run['median_stream_tok_s']:.1f} tok/s per stream (repeats {spread}), aggregate "
+            f"{run['aggregate_tok_s']:.1f} tok/s, longest gap {1e3 * gap:.0f} ms  {hit}  {pre}  {bound}"
+        )
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0

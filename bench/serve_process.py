@@ -102,19 +102,45 @@ class Served:
 def start_serve(model_dir: str | Path, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> Served:
     """`ferry serve` on free ports with `args`, its output in `log_path`; `env`: variables set for it alone."""
     port, worker_port = free_port(), free_port()
-    cmd = [sys.executable, "-m", "ferry.services.cli", "serve", "--model", str(model_dir), "--port", str(port),
-           "--worker-health-port", str(worker_port), *args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "ferry.services.cli",
+        "serve",
+        "--model",
+        str(model_dir),
+        "--port",
+        str(port),
+        "--worker-health-port",
+        str(worker_port),
+        *args,
+    ]
     log = Path(log_path).open("w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, **env} if env else None)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={**os.environ, **env} if env else None,
+    )
     shown = [f"{k}={v}" for k, v in (env or {}).items()]  # the command as a shell would run it
     return Served(proc, port, worker_port, " ".join([*shown, "ferry", *cmd[3:]]), log)
 
 
 def make_bench_model(out: Path, config: Path, num_layers: int | None = None, fmt: str = "bf16") -> Path:
     """A bench model directory (config in expert format `fmt`: bf16, nvfp4 or fp8), for --load-format dummy."""
-    cmd = [sys.executable, "-m", "ferry.services.cli", "make-bench-model", str(out), "--config", str(config),
-           "--format", fmt]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "ferry.services.cli",
+        "make-bench-model",
+        str(out),
+        "--config",
+        str(config),
+        "--format",
+        fmt,
+    ]
     if num_layers is not None:
         cmd += ["--num-layers", str(num_layers)]
     subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)

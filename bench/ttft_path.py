@@ -46,8 +46,22 @@ sys.path.insert(0, str(ROOT))
 from bench.serve_openai import id_range, text_of_tokens  # noqa: E402
 from bench.serve_process import make_bench_model, start_serve  # noqa: E402
 
-PHASES = ("http_in", "parse", "tokenize", "to_submit", "api_to_scheduler", "admit", "hold", "to_worker",
-          "worker_launch", "worker_wait", "to_scheduler", "to_api", "api_out", "http_out")  # fmt: skip
+PHASES = (
+    "http_in",
+    "parse",
+    "tokenize",
+    "to_submit",
+    "api_to_scheduler",
+    "admit",
+    "hold",
+    "to_worker",
+    "worker_launch",
+    "worker_wait",
+    "to_scheduler",
+    "to_api",
+    "api_out",
+    "http_out",
+)
 
 
 def one_token(port: int, prompt, max_tokens: int = 1) -> tuple[float, float]:
@@ -98,9 +112,23 @@ def phases(sent: float, first: float, api: list[dict], scheduler: list[dict], wo
         written = within(api, "first_write")[0]["first_write"]
     except (IndexError, StopIteration):
         return None
-    marks = [sent, handler, tok["tokenize"], tok["tokenized"], sub["submit"], arrived["received"],
-             arrived["arrived"], step["sent"], work["recv"], work["launched"], work["answered"], landed, tokens,
-             written, first]  # fmt: skip
+    marks = [
+        sent,
+        handler,
+        tok["tokenize"],
+        tok["tokenized"],
+        sub["submit"],
+        arrived["received"],
+        arrived["arrived"],
+        step["sent"],
+        work["recv"],
+        work["launched"],
+        work["answered"],
+        landed,
+        tokens,
+        written,
+        first,
+    ]
     out = {name: round(1e3 * (b - a), 3) for name, a, b in zip(PHASES, marks, marks[1:])}
     out["total"] = round(1e3 * (first - sent), 3)
     out["outside_step"] = round(out["total"] - out["worker_launch"] - out["worker_wait"], 3)
@@ -126,15 +154,20 @@ def main() -> int:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", default="12layer", choices=sorted(WORKLOADS))
-    p.add_argument("--model", default=None,
-                   help="serve this model directory with --extra-flags instead of the workload's")
+    p.add_argument(
+        "--model", default=None, help="serve this model directory with --extra-flags instead of the workload's"
+    )
     p.add_argument("--extra-flags", default="", help="more `ferry serve` flags, space-separated")
     p.add_argument("--prompt-len", type=int, default=2000)
     p.add_argument("--runs", type=int, default=5, help="timed requests of each prompt kind (ids, text), alternating")
     p.add_argument("--gap-s", type=float, default=0.5, help="idle time before each request (nothing held or running)")
-    p.add_argument("--warm-tokens", type=int, default=16,
-                   help="one untimed stream of this many tokens first, as bench/serve_openai.py's warm-up "
-                        "(decode steps ran before the prompts, as in its TTFT)")  # fmt: skip
+    p.add_argument(
+        "--warm-tokens",
+        type=int,
+        default=16,
+        help="one untimed stream of this many tokens first, as bench/serve_openai.py's warm-up "
+        "(decode steps ran before the prompts, as in its TTFT)",
+    )
     p.add_argument("--out", required=True)
     p.add_argument("--ready-timeout", type=float, default=900)
     args = p.parse_args()
@@ -148,8 +181,9 @@ def main() -> int:
         config, layers, flags, *fmt = WORKLOADS[args.workload]
         model_dir = make_bench_model(tmp / "model", config, layers, fmt[0] if fmt else "bf16")
         flags = ["--load-format", "dummy", *flags]
-    served = start_serve(model_dir, [*flags, *args.extra_flags.split()], tmp / "serve.log",
-                         env={"FERRY_STEP_TRACE": str(trace_dir)})  # fmt: skip
+    served = start_serve(
+        model_dir, [*flags, *args.extra_flags.split()], tmp / "serve.log", env={"FERRY_STEP_TRACE": str(trace_dir)}
+    )
     vocab = json.loads((model_dir / "config.json").read_text()).get("vocab_size")
     low, high = id_range(vocab)
     rng = np.random.default_rng(int(time.time()))  # fresh prompts: none is in a cache from an earlier run

@@ -42,18 +42,31 @@ def _receive(addr: str, union, n: int, sent_at, queue) -> None:
 
 
 def _step(rows: int, pages: int, stamp: float) -> RunStep:
-    return RunStep(StepBatch(step_id=int(stamp * 1e9), req_ids=np.arange(rows, dtype=np.int64),
-                             tokens=np.zeros(rows, np.int32), query_lens=np.ones(rows, np.int32),
-                             context_lens=np.full(rows, pages * 16 - 8, np.int32),
-                             page_table=np.arange(rows * pages, dtype=np.int32).reshape(rows, pages) + 1,
-                             linear_state_slots=np.arange(1, rows + 1, dtype=np.int32),
-                             reset_linear_state=np.zeros(rows, bool), sample=np.ones(rows, bool),
-                             feed_sampled=np.ones(rows, bool)))  # fmt: skip
+    return RunStep(
+        StepBatch(
+            step_id=int(stamp * 1e9),
+            req_ids=np.arange(rows, dtype=np.int64),
+            tokens=np.zeros(rows, np.int32),
+            query_lens=np.ones(rows, np.int32),
+            context_lens=np.full(rows, pages * 16 - 8, np.int32),
+            page_table=np.arange(rows * pages, dtype=np.int32).reshape(rows, pages) + 1,
+            linear_state_slots=np.arange(1, rows + 1, dtype=np.int32),
+            reset_linear_state=np.zeros(rows, bool),
+            sample=np.ones(rows, bool),
+            feed_sampled=np.ones(rows, bool),
+        )
+    )
 
 
 def _done(rows: int, stamp: float) -> StepDone:
-    return StepDone(StepOutput(step_id=int(stamp * 1e9), req_ids=np.arange(rows, dtype=np.int64),
-                               token_ids=np.ones(rows, np.int32), logprobs=np.zeros(rows, np.float32)))  # fmt: skip
+    return StepDone(
+        StepOutput(
+            step_id=int(stamp * 1e9),
+            req_ids=np.arange(rows, dtype=np.int64),
+            token_ids=np.ones(rows, np.int32),
+            logprobs=np.zeros(rows, np.float32),
+        )
+    )
 
 
 def _stamp_of_step(msg) -> float:

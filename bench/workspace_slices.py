@@ -43,8 +43,16 @@ def slot_bytes(spec, dtype: str) -> int:
     return sum(t.nbytes for t in expert_weight_tensors(spec, dtype, 1))
 
 
-def measure(model, experts, spec, r, tokens: list[int], slices: list[int], profile=profile_workspace_cuda,
-            device: torch.device | None = None) -> list[dict]:  # fmt: skip
+def measure(
+    model,
+    experts,
+    spec,
+    r,
+    tokens: list[int],
+    slices: list[int],
+    profile=profile_workspace_cuda,
+    device: torch.device | None = None,
+) -> list[dict]:
     """One row for each step of `tokens` and each of `slices` below it (a slice of the step's tokens or more
     leaves it whole: measured once), `profile` measuring each as boot does; MIXER_SLICE_TOKENS is put back."""
     per_slot = slot_bytes(spec, r.dtype)
@@ -54,14 +62,26 @@ def measure(model, experts, spec, r, tokens: list[int], slices: list[int], profi
             for slice_tokens in sorted({min(s, step_tokens) for s in slices}, reverse=True):
                 forward_batch.MIXER_SLICE_TOKENS = slice_tokens
                 t0 = time.perf_counter()
-                workspace = profile(model, experts, spec, dataclasses.replace(r, max_prefill_tokens=step_tokens), device)
-                rows.append({"tokens": step_tokens, "slice_tokens": slice_tokens, "workspace_bytes": workspace,
-                             "slots": round(workspace / per_slot, 1), "seconds": round(time.perf_counter() - t0, 2),
-                             "estimate_bytes": workspace_bytes_estimate(spec, r.dtype, step_tokens, r.max_running_requests,
-                                                                        r.max_model_len, slice_tokens)})  # fmt: skip
-                print(f"{step_tokens:6d} tokens, mixers in slices of {slice_tokens:5d}: workspace "
-                      f"{workspace / 2**30:6.2f} GiB = {rows[-1]['slots']:7.1f} expert slots ({rows[-1]['seconds']} s)",
-                      flush=True)  # fmt: skip
+                workspace = profile(
+                    model, experts, spec, dataclasses.replace(r, max_prefill_tokens=step_tokens), device
+                )
+                rows.append(
+                    {
+                        "tokens": step_tokens,
+                        "slice_tokens": slice_tokens,
+                        "workspace_bytes": workspace,
+                        "slots": round(workspace / per_slot, 1),
+                        "seconds": round(time.perf_counter() - t0, 2),
+                        "estimate_bytes": workspace_bytes_estimate(
+                            spec, r.dtype, step_tokens, r.max_running_requests, r.max_model_len, slice_tokens
+                        ),
+                    }
+                )
+                print(
+                    f"{step_tokens:6d} tokens, mixers in slices of {slice_tokens:5d}: workspace "
+                    f"{workspace / 2**30:6.2f} GiB = {rows[-1]['slots']:7.1f} expert slots ({rows[-1]['seconds']} s)",
+                    flush=True,
+                )
     finally:
         forward_batch.MIXER_SLICE_TOKENS = kept
     return rows
@@ -72,8 +92,12 @@ def main() -> int:
     p.add_argument("--model", default="tests/data/models/qwen3.6-35b-a3b", help="a model directory (its config.json)")
     p.add_argument("--tokens", default="8192,16384", help="the step's new tokens (--max-prefill-tokens)")
     p.add_argument("--slices", default="8192,4096,2048", help="the mixers' slice (MIXER_SLICE_TOKENS)")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="default: 262,144 or the model's max_position_embeddings, whichever is fewer")
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="default: 262,144 or the model's max_position_embeddings, whichever is fewer",
+    )
     p.add_argument("--max-running-requests", type=int, default=8)
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -87,11 +111,24 @@ def main() -> int:
     experts = LateBoundExperts(spec.num_experts)
     model = build_model(spec, dtype, device, experts)
     model.load_weights(iter_dummy_tensors(spec, dtype, device, routed_experts=False), routed_experts=False)
-    rows = measure(model, experts, spec, r, [int(t) for t in args.tokens.split(",")],
-                   [int(s) for s in args.slices.split(",")], device=device)  # fmt: skip
-    result = {"model": args.model, "device": torch.cuda.get_device_name(device), "dtype": r.dtype,
-              "max_model_len": r.max_model_len, "max_running_requests": r.max_running_requests,
-              "expert_slot_bytes": slot_bytes(spec, r.dtype), "rows": rows}  # fmt: skip
+    rows = measure(
+        model,
+        experts,
+        spec,
+        r,
+        [int(t) for t in args.tokens.split(",")],
+        [int(s) for s in args.slices.split(",")],
+        device=device,
+    )
+    result = {
+        "model": args.model,
+        "device": torch.cuda.get_device_name(device),
+        "dtype": r.dtype,
+        "max_model_len": r.max_model_len,
+        "max_running_requests": r.max_running_requests,
+        "expert_slot_bytes": slot_bytes(spec, r.dtype),
+        "rows": rows,
+    }
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0

@@ -42,8 +42,9 @@ MAX_TILES = 64  # tiles (programs of the count and scatter kernels) before a til
 
 
 @triton.jit(do_not_specialize=["n", "num_slots", "tile", "fill_len", "fill_share"])
-def _count_kernel(slots_ptr, hist_ptr, sorted_ptr, n, num_slots, tile, fill_len, fill_share,
-                  CHUNK: tl.constexpr, BINS: tl.constexpr):  # fmt: skip
+def _count_kernel(
+    slots_ptr, hist_ptr, sorted_ptr, n, num_slots, tile, fill_len, fill_share, CHUNK: tl.constexpr, BINS: tl.constexpr
+):
     p = tl.program_id(0)
     row = hist_ptr + p * (num_slots + 1)
     bins = tl.arange(0, BINS)
@@ -90,10 +91,25 @@ def _prefix_kernel(block_start_ptr, num_slots, BINS: tl.constexpr):
     tl.store(block_start_ptr + num_slots, carry)
 
 
-@triton.jit(do_not_specialize=["n", "num_slots", "tile", "block_m", "num_blocks", "block_share", "search_steps",
-                               "fill_len"])
-def _scatter_kernel(slots_ptr, hist_ptr, block_start_ptr, sorted_ptr, block_slot_ptr, n, num_slots, tile, block_m,
-                    num_blocks, block_share, search_steps, fill_len, SUB: tl.constexpr):  # fmt: skip
+@triton.jit(
+    do_not_specialize=["n", "num_slots", "tile", "block_m", "num_blocks", "block_share", "search_steps", "fill_len"]
+)
+def _scatter_kernel(
+    slots_ptr,
+    hist_ptr,
+    block_start_ptr,
+    sorted_ptr,
+    block_slot_ptr,
+    n,
+    num_slots,
+    tile,
+    block_m,
+    num_blocks,
+    block_share,
+    search_steps,
+    fill_len,
+    SUB: tl.constexpr,
+):
     p = tl.program_id(0)
     row = hist_ptr + p * (num_slots + 1)
     lane = tl.arange(0, SUB)
@@ -126,11 +142,14 @@ def _scatter_kernel(slots_ptr, hist_ptr, block_start_ptr, sorted_ptr, block_slot
             past = end > k
             hi = tl.where(active & past, mid, hi)
             lo = tl.where(active & ~past, mid + 1, lo)
-        tl.store(block_slot_ptr + k, tl.where(lo < num_slots, lo, -1), mask=(k0 + blocks < block_share) & (k < num_blocks))
+        tl.store(
+            block_slot_ptr + k, tl.where(lo < num_slots, lo, -1), mask=(k0 + blocks < block_share) & (k < num_blocks)
+        )
 
 
-def align_pairs_by_slot_triton(topk_slots: torch.Tensor, num_slots: int, block_m: int, max_blocks: int,
-                               num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+def align_pairs_by_slot_triton(
+    topk_slots: torch.Tensor, num_slots: int, block_m: int, max_blocks: int, num_warps: int = 4
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sorted_pairs [max_blocks * block_m], block_slot [max_blocks], block_start [num_slots + 1]), int32,
     for the pairs of `topk_slots` (any integer dtype; -1: left out) over `num_slots` slots; `max_blocks` is
     the caller's bound on the real blocks (`align_pairs_by_slot`'s worst case). A slot past num_slots is left
@@ -148,19 +167,50 @@ def align_pairs_by_slot_triton(topk_slots: torch.Tensor, num_slots: int, block_m
     block_slot = torch.empty(max_blocks, dtype=torch.int32, device=device)
     block_start = torch.empty(num_slots + 1, dtype=torch.int32, device=device)
     fill = sorted_pairs.numel()
-    _count_kernel[(tiles,)](flat, hist, sorted_pairs, n, num_slots, tile, fill, triton.cdiv(fill, tiles),
-                            CHUNK=CHUNK, BINS=BINS, num_warps=num_warps)  # fmt: skip
-    _column_kernel[(triton.cdiv(num_slots, BINS),)](hist, block_start, tiles, num_slots, block_m, BINS=BINS,
-                                                    num_warps=num_warps)  # fmt: skip
+    _count_kernel[(tiles,)](
+        flat,
+        hist,
+        sorted_pairs,
+        n,
+        num_slots,
+        tile,
+        fill,
+        triton.cdiv(fill, tiles),
+        CHUNK=CHUNK,
+        BINS=BINS,
+        num_warps=num_warps,
+    )
+    _column_kernel[(triton.cdiv(num_slots, BINS),)](
+        hist, block_start, tiles, num_slots, block_m, BINS=BINS, num_warps=num_warps
+    )
     _prefix_kernel[(1,)](block_start, num_slots, BINS=BINS, num_warps=num_warps)
-    _scatter_kernel[(tiles,)](flat, hist, block_start, sorted_pairs, block_slot, n, num_slots, tile, block_m,
-                              max_blocks, triton.cdiv(max_blocks, tiles), num_slots.bit_length(), fill, SUB=SUB,
-                              num_warps=num_warps)  # fmt: skip
+    _scatter_kernel[(tiles,)](
+        flat,
+        hist,
+        block_start,
+        sorted_pairs,
+        block_slot,
+        n,
+        num_slots,
+        tile,
+        block_m,
+        max_blocks,
+        triton.cdiv(max_blocks, tiles),
+        num_slots.bit_length(),
+        fill,
+        SUB=SUB,
+        num_warps=num_warps,
+    )
     return sorted_pairs, block_slot, block_start
 
 
-def align_pairs_by_slot(topk_slots: torch.Tensor, num_slots: int, block_m: int,
-                        max_distinct_slots: int | None = None, block_starts: bool = False) -> tuple[torch.Tensor, ...]:  # fmt: skip
+def align_pairs_by_slot(
+    topk_slots: torch.Tensor,
+    num_slots: int,
+    block_m: int,
+    max_distinct_slots: int | None = None,
+    block_starts: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """(sorted_pairs, block_slot): flat (token*k + j) pair indices grouped by slot, each slot's
     group padded to a multiple of block_m with the sentinel T*k, and the slot of each block of
     block_m rows (-1 for blocks past the end). Pairs with slot -1 are left out. No host sync.
@@ -175,8 +225,9 @@ def align_pairs_by_slot(topk_slots: torch.Tensor, num_slots: int, block_m: int,
     `align_pairs_by_slot_reference`: the same bits."""
     n = topk_slots.numel()
     if use_triton(topk_slots) and n and num_slots >= 1:
-        aligned = align_pairs_by_slot_triton(topk_slots, num_slots, block_m,
-                                             max_aligned_blocks(n, num_slots, block_m, max_distinct_slots))  # fmt: skip
+        aligned = align_pairs_by_slot_triton(
+            topk_slots, num_slots, block_m, max_aligned_blocks(n, num_slots, block_m, max_distinct_slots)
+        )
         return aligned if block_starts else aligned[:2]
     return align_pairs_by_slot_reference(topk_slots, num_slots, block_m, max_distinct_slots, block_starts)
 

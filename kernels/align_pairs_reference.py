@@ -16,9 +16,13 @@ def max_aligned_blocks(num_pairs: int, num_slots: int, block_m: int, max_distinc
     return ceil_div(num_pairs, block_m) + distinct
 
 
-def align_pairs_by_slot_reference(topk_slots: torch.Tensor, num_slots: int, block_m: int,
-                                  max_distinct_slots: int | None = None,
-                                  block_starts: bool = False) -> tuple[torch.Tensor, ...]:  # fmt: skip
+def align_pairs_by_slot_reference(
+    topk_slots: torch.Tensor,
+    num_slots: int,
+    block_m: int,
+    max_distinct_slots: int | None = None,
+    block_starts: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """`align_pairs_by_slot` in torch calls (a stable sort of the pairs by slot): the twin of
     kernels/align_pairs.py, and what CPU steps take."""
     flat = topk_slots.reshape(-1).to(torch.int64)

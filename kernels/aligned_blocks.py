@@ -46,8 +46,9 @@ def window_programs(num_pairs: int, num_positions: int, window: int, block_m: in
     return max(1, min(num_blocks, window * triton.cdiv(per_position, block_m)))
 
 
-def launch_blocks(aligned: tuple[torch.Tensor, ...], num_pairs: int, block_m: int,
-                  slot_window: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:  # fmt: skip
+def launch_blocks(
+    aligned: tuple[torch.Tensor, ...], num_pairs: int, block_m: int, slot_window: tuple[int, int, int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
     """(sorted_pairs, block_slot, block_start or None, programs along the blocks) for a launch over
     `aligned`: one program a block, or, for a window with its block starts given, `window_programs`
     looping over the window's blocks (block_start None: every block is launched and checks its slot)."""
@@ -59,5 +60,9 @@ def launch_blocks(aligned: tuple[torch.Tensor, ...], num_pairs: int, block_m: in
     lo, hi, _ = slot_window
     if not 0 <= lo <= hi < block_start.numel():
         raise ValueError(f"slot window [{lo}, {hi}) outside the {block_start.numel() - 1} aligned slots")
-    return sorted_pairs, block_slot, block_start, window_programs(num_pairs, block_start.numel() - 1, hi - lo,
-                                                                  block_m, num_blocks)  # fmt: skip
+    return (
+        sorted_pairs,
+        block_slot,
+        block_start,
+        window_programs(num_pairs, block_start.numel() - 1, hi - lo, block_m, num_blocks),
+    )

@@ -84,24 +84,55 @@ def causal_conv1d_varlen_triton(
     c_blocks = triton.cdiv(channels, BLOCK_C)
     if longest > 0:
         _conv_prefill_kernel[(requests, triton.cdiv(longest, BLOCK_T), c_blocks)](
-            x, conv_states, slots_on_device, query_start, weight, out,
-            channels, x.stride(0), conv_states.stride(0), conv_states.stride(1), weight.stride(0),
-            KERNEL=kernel, BLOCK_T=BLOCK_T, BLOCK_C=BLOCK_C,
-        )  # fmt: skip
+            x,
+            conv_states,
+            slots_on_device,
+            query_start,
+            weight,
+            out,
+            channels,
+            x.stride(0),
+            conv_states.stride(0),
+            conv_states.stride(1),
+            weight.stride(0),
+            KERNEL=kernel,
+            BLOCK_T=BLOCK_T,
+            BLOCK_C=BLOCK_C,
+        )
     _conv_state_kernel[(requests, c_blocks)](
-        x, conv_states, slots_on_device, query_start, weight,
-        channels, x.stride(0), conv_states.stride(0), conv_states.stride(1),
-        KERNEL=kernel, BLOCK_K=triton.next_power_of_2(kernel), BLOCK_C=BLOCK_C,
-    )  # fmt: skip
+        x,
+        conv_states,
+        slots_on_device,
+        query_start,
+        weight,
+        channels,
+        x.stride(0),
+        conv_states.stride(0),
+        conv_states.stride(1),
+        KERNEL=kernel,
+        BLOCK_K=triton.next_power_of_2(kernel),
+        BLOCK_C=BLOCK_C,
+    )
     return out
 
 
 @triton.jit
 def _conv_prefill_kernel(
-    x_ptr, conv_ptr, slot_ptr, start_ptr, w_ptr, out_ptr,
-    C, stride_x, stride_cs, stride_cc, stride_wc,
-    KERNEL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    conv_ptr,
+    slot_ptr,
+    start_ptr,
+    w_ptr,
+    out_ptr,
+    C,
+    stride_x,
+    stride_cs,
+    stride_cc,
+    stride_wc,
+    KERNEL: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
     tl.static_assert(KERNEL - 1 <= BLOCK_T)  # only the first time block reads the state
     r = tl.program_id(0)
     first = tl.load(start_ptr + r).to(tl.int64)
@@ -116,15 +147,20 @@ def _conv_prefill_kernel(
     acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
     for j in tl.static_range(KERNEL):  # the taps reading this request's inputs (tau >= 0)
         tau = t - (KERNEL - 1) + j
-        xv = tl.load(x_rows + tau.to(tl.int64)[:, None] * stride_x + c[None, :],
-                     mask=(rows & (tau >= 0))[:, None] & okc[None, :], other=0.0)  # fmt: skip
+        xv = tl.load(
+            x_rows + tau.to(tl.int64)[:, None] * stride_x + c[None, :],
+            mask=(rows & (tau >= 0))[:, None] & okc[None, :],
+            other=0.0,
+        )
         w = tl.load(w_ptr + c * stride_wc + j, mask=okc, other=0.0).to(tl.float32)
         acc += xv.to(w_ty).to(tl.float32) * w[None, :]
     if tl.program_id(1) == 0:  # only a request's first K - 1 positions read its conv state (tau < 0)
         state = conv_ptr + tl.load(slot_ptr + r).to(tl.int64) * stride_cs + c[None, :] * stride_cc
         for j in tl.static_range(KERNEL - 1):
             tau = t - (KERNEL - 1) + j
-            sv = tl.load(state + (KERNEL - 1 + tau)[:, None], mask=(rows & (tau < 0))[:, None] & okc[None, :], other=0.0)
+            sv = tl.load(
+                state + (KERNEL - 1 + tau)[:, None], mask=(rows & (tau < 0))[:, None] & okc[None, :], other=0.0
+            )
             w = tl.load(w_ptr + c * stride_wc + j, mask=okc, other=0.0).to(tl.float32)
             acc += sv.to(w_ty).to(tl.float32) * w[None, :]
     out_ty = out_ptr.dtype.element_ty
@@ -135,10 +171,19 @@ def _conv_prefill_kernel(
 
 @triton.jit
 def _conv_state_kernel(
-    x_ptr, conv_ptr, slot_ptr, start_ptr, w_ptr,
-    C, stride_x, stride_cs, stride_cc,
-    KERNEL: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    conv_ptr,
+    slot_ptr,
+    start_ptr,
+    w_ptr,
+    C,
+    stride_x,
+    stride_cs,
+    stride_cc,
+    KERNEL: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
     r = tl.program_id(0)
     first = tl.load(start_ptr + r).to(tl.int64)
     length = tl.load(start_ptr + r + 1).to(tl.int64) - first

@@ -88,10 +88,19 @@ def tiles_for(tokens: int, n: int, k: int) -> GemvTiles | None:
 
 def _served_tiles(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> GemvTiles | None:
     """The tiles `dense_linear(x, weight, bias)` runs the Triton kernel with, or None for F.linear."""
-    if not (_ENABLED and use_triton(x) and x.dim() == 2 and 0 < x.shape[0] <= DENSE_GEMV_MAX_TOKENS and weight.dim() == 2
-            and x.dtype == weight.dtype and x.dtype in _DTYPES and x.stride(1) == 1 and weight.stride(1) == 1
-            and x.shape[1] == weight.shape[1]
-            and (bias is None or (bias.dtype == x.dtype and bias.shape == weight.shape[:1] and bias.stride(0) == 1))):  # fmt: skip
+    if not (
+        _ENABLED
+        and use_triton(x)
+        and x.dim() == 2
+        and 0 < x.shape[0] <= DENSE_GEMV_MAX_TOKENS
+        and weight.dim() == 2
+        and x.dtype == weight.dtype
+        and x.dtype in _DTYPES
+        and x.stride(1) == 1
+        and weight.stride(1) == 1
+        and x.shape[1] == weight.shape[1]
+        and (bias is None or (bias.dtype == x.dtype and bias.shape == weight.shape[:1] and bias.stride(0) == 1))
+    ):
         return None
     return tiles_for(x.shape[0], *weight.shape)
 
@@ -121,10 +130,23 @@ def row_block_dot(a_row, w_ptrs, n_ok, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.con
 # variant mid-serving (one token and the dot path are the two variants a shape has)
 @triton.jit(do_not_specialize=["M"])
 def _dense_gemv_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
@@ -154,27 +176,44 @@ def _dense_gemv_kernel(
         tl.store(out_ptrs, acc.to(out_ty), mask=n_ok[:, None] & m_ok[None, :])
 
 
-def dense_gemv_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                      tiles: GemvTiles | None = None) -> torch.Tensor:  # fmt: skip
+def dense_gemv_triton(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, tiles: GemvTiles | None = None
+) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T (+ bias [N]) for 1 <= M <= DENSE_GEMV_MAX_TOKENS, x's dtype out; rows
     of x and of the weight contiguous (a row view of a fused weight is fine). `tiles` overrides the
     table's (the sweep); a shape the table leaves to cuBLAS takes the interpreter's."""
     m, k = x.shape
     n = weight.shape[0]
     if not 0 < m <= DENSE_GEMV_MAX_TOKENS or weight.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1:
-        raise ValueError(f"dense_gemv_triton takes 1-{DENSE_GEMV_MAX_TOKENS} rows of K contiguous inputs and an "
-                         f"[N, K] weight with contiguous rows, not x {tuple(x.shape)} weight {tuple(weight.shape)}")  # fmt: skip
+        raise ValueError(
+            f"dense_gemv_triton takes 1-{DENSE_GEMV_MAX_TOKENS} rows of K contiguous inputs and an "
+            f"[N, K] weight with contiguous rows, not x {tuple(x.shape)} weight {tuple(weight.shape)}"
+        )
     if bias is not None and (bias.shape != (n,) or bias.stride(0) != 1):
         raise ValueError(f"bias must be a contiguous [{n}] tensor, not {tuple(bias.shape)}")
     tiles = tiles or tiles_for(m, n, k) or _INTERPRETED_TILES[m > 1]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     block_m = 1 if m == 1 else DENSE_GEMV_MAX_TOKENS
     _dense_gemv_kernel[(triton.cdiv(n, tiles.rows),)](
-        x, weight, bias if bias is not None else out, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=tiles.rows, BLOCK_K=tiles.k,
-        UPCAST=_INTERPRETING or x.dtype == torch.float32, PRECISION="ieee" if x.dtype == torch.float32 else None,
-        num_warps=tiles.warps, num_stages=tiles.stages,
-    )  # fmt: skip
+        x,
+        weight,
+        bias if bias is not None else out,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        HAS_BIAS=bias is not None,
+        BLOCK_M=block_m,
+        BLOCK_N=tiles.rows,
+        BLOCK_K=tiles.k,
+        UPCAST=_INTERPRETING or x.dtype == torch.float32,
+        PRECISION="ieee" if x.dtype == torch.float32 else None,
+        num_warps=tiles.warps,
+        num_stages=tiles.stages,
+    )
     return out
 
 

@@ -57,8 +57,9 @@ SLOT_TILE = 4096
 
 
 @triton.jit
-def _eviction_keys(s, s_ok, owner, candidate, stamp_ptr, expert_of_slot_ptr, requests_ptr, clock, E, evict_below,
-                   POLICY: tl.constexpr):  # fmt: skip
+def _eviction_keys(
+    s, s_ok, owner, candidate, stamp_ptr, expert_of_slot_ptr, requests_ptr, clock, E, evict_below, POLICY: tl.constexpr
+):
     """(group, key) of slots `s`: group 0 for a candidate of a layer below `evict_below`, 1 for another
     candidate, 2 for no candidate; key LFU's (requests as float32 bits, then least recently used) or LRU's stamp."""
     stamp = tl.load(stamp_ptr + s, mask=s_ok, other=0)
@@ -86,14 +87,45 @@ def _least(group, key, s):
 # multiple-of-16 classes) would compile new variants in the middle of serving, seconds each.
 @triton.jit(do_not_specialize=["T", "layer", "evict_below"])
 def _expert_cache_kernel(
-    ids_ptr, n_rows_ptr, T, K, layer,
-    slot_of_ptr, layer_of_slot_ptr, expert_of_slot_ptr, requests_ptr, stamp_ptr, prefetched_ptr,
-    clock_ptr, counters_ptr, flags_ptr, protect_ptr, assign_ptr, evicted_ptr, evicted_stamp_ptr,
-    hit_slots_ptr, miss_slots_ptr, list_ptr, count_ptr, guard_hits_ptr, guard_misses_ptr, host_costs_ptr,
-    E, S, half_life, num_layers, evict_below,
-    MODE: tl.constexpr, POLICY: tl.constexpr, HAS_GUARD: tl.constexpr, HAS_HOST: tl.constexpr,
-    BLOCK_E: tl.constexpr, NUM_TILES: tl.constexpr, TILE: tl.constexpr, BLOCK_P: tl.constexpr,
-):  # fmt: skip
+    ids_ptr,
+    n_rows_ptr,
+    T,
+    K,
+    layer,
+    slot_of_ptr,
+    layer_of_slot_ptr,
+    expert_of_slot_ptr,
+    requests_ptr,
+    stamp_ptr,
+    prefetched_ptr,
+    clock_ptr,
+    counters_ptr,
+    flags_ptr,
+    protect_ptr,
+    assign_ptr,
+    evicted_ptr,
+    evicted_stamp_ptr,
+    hit_slots_ptr,
+    miss_slots_ptr,
+    list_ptr,
+    count_ptr,
+    guard_hits_ptr,
+    guard_misses_ptr,
+    host_costs_ptr,
+    E,
+    S,
+    half_life,
+    num_layers,
+    evict_below,
+    MODE: tl.constexpr,
+    POLICY: tl.constexpr,
+    HAS_GUARD: tl.constexpr,
+    HAS_HOST: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    NUM_TILES: tl.constexpr,
+    TILE: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
     e_idx = tl.arange(0, BLOCK_E)
     e_ok = e_idx < E
     n_pairs = tl.load(n_rows_ptr) * K
@@ -188,8 +220,9 @@ def _expert_cache_kernel(
             candidate = (owner >= 0) & ok & (tl.load(protect_ptr + s1, mask=ok, other=0) == 0)
             free_of_tile = tl.where(t_idx == t, tl.sum(((owner < 0) & ok).to(tl.int32), axis=0), free_of_tile)
             n_cand += tl.sum(candidate.to(tl.int32), axis=0)
-            group, key = _eviction_keys(s1, ok, owner, candidate, stamp_ptr, expert_of_slot_ptr, requests_ptr,
-                                        clock, E, evict_below, POLICY)
+            group, key = _eviction_keys(
+                s1, ok, owner, candidate, stamp_ptr, expert_of_slot_ptr, requests_ptr, clock, E, evict_below, POLICY
+            )
             g, k, v = _least(group, key, s1)
             tile_g = tl.where(t_idx == t, g, tile_g)
             tile_k = tl.where(t_idx == t, k, tile_k)
@@ -224,8 +257,9 @@ def _expert_cache_kernel(
             ok = s1 < S
             owner = tl.load(layer_of_slot_ptr + s1, mask=ok, other=-1)
             candidate = (owner >= 0) & ok & (tl.load(protect_ptr + s1, mask=ok, other=0) == 0)
-            group, key = _eviction_keys(s1, ok, owner, candidate, stamp_ptr, expert_of_slot_ptr, requests_ptr,
-                                        clock, E, evict_below, POLICY)
+            group, key = _eviction_keys(
+                s1, ok, owner, candidate, stamp_ptr, expert_of_slot_ptr, requests_ptr, clock, E, evict_below, POLICY
+            )
             later = (group > g) | ((group == g) & ((key > k) | ((key == k) & (s1 > v))))
             ng, nk, ns = _least(tl.where(later, group, 2), key, s1)
             tile_g = tl.where(t_idx == t, ng, tile_g)
@@ -322,8 +356,20 @@ def block_sizes(num_experts: int, num_slots: int) -> tuple[int, int]:
     return triton.next_power_of_2(num_experts), triton.next_power_of_2(num_slots)
 
 
-def launch(mode: int, policy: int, ids, n_rows, layer: int, state, out, guard=None, block_p: int = 256,
-           evict_below: int = 0, host_costs=None, tile: int | None = None) -> None:  # fmt: skip
+def launch(
+    mode: int,
+    policy: int,
+    ids,
+    n_rows,
+    layer: int,
+    state,
+    out,
+    guard=None,
+    block_p: int = 256,
+    evict_below: int = 0,
+    host_costs=None,
+    tile: int | None = None,
+) -> None:
     """One lookup or prefetch over `state` (a DeviceCacheState's tensors) writing `out` (a
     CacheCallOutputs); `guard` = (hit_slots, miss_slots) of the layer being computed (prefetch);
     victims from layers below `evict_below` first (the twin's rule, policy.py); `host_costs` (prefetch
@@ -337,13 +383,43 @@ def launch(mode: int, policy: int, ids, n_rows, layer: int, state, out, guard=No
     guard_hits, guard_misses = guard if guard is not None else (out.hit_slots, out.miss_slots)
     num_warps = max(4, min(16, tile // 256))  # 8 slots a thread: no spilled register at any mode or policy
     _expert_cache_kernel[(1,)](
-        ids, n_rows, t, k, layer,
-        state.slot_of, state.layer_of_slot, state.expert_of_slot, state.requests, state.stamp, state.prefetched,
-        state.clock, state.counters, state.expert_flags, state.slot_flags, state.assign, state.evicted,
+        ids,
+        n_rows,
+        t,
+        k,
+        layer,
+        state.slot_of,
+        state.layer_of_slot,
+        state.expert_of_slot,
+        state.requests,
+        state.stamp,
+        state.prefetched,
+        state.clock,
+        state.counters,
+        state.expert_flags,
+        state.slot_flags,
+        state.assign,
+        state.evicted,
         state.evicted_stamp,
-        out.hit_slots, out.miss_slots, out.misses, out.count, guard_hits, guard_misses,
+        out.hit_slots,
+        out.miss_slots,
+        out.misses,
+        out.count,
+        guard_hits,
+        guard_misses,
         host_costs if host_costs is not None else state.counters,
-        state.num_experts, state.num_slots, state.half_life, state.num_layers, evict_below,
-        MODE=mode, POLICY=policy, HAS_GUARD=guard is not None, HAS_HOST=host_costs is not None,
-        BLOCK_E=block_e, NUM_TILES=block_s // tile, TILE=tile, BLOCK_P=block_p, num_warps=num_warps,
-    )  # fmt: skip
+        state.num_experts,
+        state.num_slots,
+        state.half_life,
+        state.num_layers,
+        evict_below,
+        MODE=mode,
+        POLICY=policy,
+        HAS_GUARD=guard is not None,
+        HAS_HOST=host_costs is not None,
+        BLOCK_E=block_e,
+        NUM_TILES=block_s // tile,
+        TILE=tile,
+        BLOCK_P=block_p,
+        num_warps=num_warps,
+    )

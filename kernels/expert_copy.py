@@ -29,9 +29,16 @@ COPY_PROGRAMS = 32
 
 @triton.jit
 def _copy_experts_kernel(
-    src13_ptr, src2_ptr, dst13_ptr, dst2_ptr, misses_ptr, count_ptr,
-    W13: tl.constexpr, W2: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    src13_ptr,
+    src2_ptr,
+    dst13_ptr,
+    dst2_ptr,
+    misses_ptr,
+    count_ptr,
+    W13: tl.constexpr,
+    W2: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     count = tl.load(count_ptr)
     chunks13: tl.constexpr = (W13 + BLOCK - 1) // BLOCK
     chunks2: tl.constexpr = (W2 + BLOCK - 1) // BLOCK
@@ -62,9 +69,16 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.int32)
 
 
-def copy_experts_triton(bank13: torch.Tensor, bank2: torch.Tensor, slots13: torch.Tensor, slots2: torch.Tensor,
-                        misses: torch.Tensor, count: torch.Tensor, programs: int = COPY_PROGRAMS,
-                        block: int = COPY_BLOCK) -> None:  # fmt: skip
+def copy_experts_triton(
+    bank13: torch.Tensor,
+    bank2: torch.Tensor,
+    slots13: torch.Tensor,
+    slots2: torch.Tensor,
+    misses: torch.Tensor,
+    count: torch.Tensor,
+    programs: int = COPY_PROGRAMS,
+    block: int = COPY_BLOCK,
+) -> None:
     """slots13[s] = bank13[e] and slots2[s] = bank2[e] for the first count[0] (e, s) rows of `misses`.
 
     bank13/bank2: one layer's host bank [E, 2I, H] / [E, H, I] (pinned and mapped on CUDA);
@@ -75,14 +89,23 @@ def copy_experts_triton(bank13: torch.Tensor, bank2: torch.Tensor, slots13: torc
         raise ValueError("count must be an int32 tensor of one element")
     src13, src2, dst13, dst2 = (_words(t) for t in (bank13, bank2, slots13, slots2))
     if src13.shape[1] != dst13.shape[1] or src2.shape[1] != dst2.shape[1]:
-        raise ValueError(f"bank rows ({src13.shape[1]}, {src2.shape[1]} words) differ from slot rows "
-                         f"({dst13.shape[1]}, {dst2.shape[1]})")  # fmt: skip
-    _copy_experts_kernel[(programs,)](src13, src2, dst13, dst2, misses, count, W13=src13.shape[1], W2=src2.shape[1],
-                                      BLOCK=block, num_warps=8)  # fmt: skip
+        raise ValueError(
+            f"bank rows ({src13.shape[1]}, {src2.shape[1]} words) differ from slot rows "
+            f"({dst13.shape[1]}, {dst2.shape[1]})"
+        )
+    _copy_experts_kernel[(programs,)](
+        src13, src2, dst13, dst2, misses, count, W13=src13.shape[1], W2=src2.shape[1], BLOCK=block, num_warps=8
+    )
 
 
-def copy_experts_reference(bank13: torch.Tensor, bank2: torch.Tensor, slots13: torch.Tensor, slots2: torch.Tensor,
-                           misses: torch.Tensor, count: torch.Tensor) -> None:  # fmt: skip
+def copy_experts_reference(
+    bank13: torch.Tensor,
+    bank2: torch.Tensor,
+    slots13: torch.Tensor,
+    slots2: torch.Tensor,
+    misses: torch.Tensor,
+    count: torch.Tensor,
+) -> None:
     n = int(count.reshape(-1)[0])
     for expert, slot in misses[:n].tolist():
         slots13[slot].copy_(bank13[expert])

@@ -60,13 +60,35 @@ def host_count(total, cap, missed_pairs, costs_ptr):
 
 @triton.jit(do_not_specialize=["T", "layer"])
 def _hand_to_host_kernel(
-    ids_ptr, weights_ptr, n_rows_ptr, miss_slots_ptr, list_ptr, count_ptr, in_flight_ptr,
-    slot_of_ptr, layer_of_slot_ptr, expert_of_slot_ptr, expert_flags_ptr, evicted_ptr, evicted_stamp_ptr, stamp_ptr,
+    ids_ptr,
+    weights_ptr,
+    n_rows_ptr,
+    miss_slots_ptr,
+    list_ptr,
+    count_ptr,
+    in_flight_ptr,
+    slot_of_ptr,
+    layer_of_slot_ptr,
+    expert_of_slot_ptr,
+    expert_flags_ptr,
+    evicted_ptr,
+    evicted_stamp_ptr,
+    stamp_ptr,
     counters_ptr,
-    host_pairs_ptr, pair_token_ptr, pair_expert_ptr, pair_weight_ptr, meta_ptr, totals_ptr,
-    costs_ptr, T, K, E, layer,
-    BLOCK_E: tl.constexpr, BLOCK_P: tl.constexpr,
-):  # fmt: skip
+    host_pairs_ptr,
+    pair_token_ptr,
+    pair_expert_ptr,
+    pair_weight_ptr,
+    meta_ptr,
+    totals_ptr,
+    costs_ptr,
+    T,
+    K,
+    E,
+    layer,
+    BLOCK_E: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
     n_pairs = tl.load(n_rows_ptr) * K
     m = tl.load(count_ptr).to(tl.int64)
     q = tl.load(in_flight_ptr).to(tl.int64)
@@ -124,8 +146,9 @@ def _hand_to_host_kernel(
     tl.store(totals_ptr + 1, tl.load(totals_ptr + 1) + listed)
 
 
-def hand_to_host(ids, weights, n_rows, miss_slots, misses, count, in_flight, cache, layer: int,
-                 costs_ns: torch.Tensor, out) -> None:  # fmt: skip
+def hand_to_host(
+    ids, weights, n_rows, miss_slots, misses, count, in_flight, cache, layer: int, costs_ns: torch.Tensor, out
+) -> None:
     """One layer's hand-off (module docstring). `ids`, `weights` [T, k] (contiguous), `n_rows` [1],
     `miss_slots` [T * k] and the layer's list `misses` [E, 2] and `count` [1] from its lookup, `in_flight`
     int32 [1] the experts its prefetch placed (the prefetch's count; zeros without one), `cache` the
@@ -134,13 +157,35 @@ def hand_to_host(ids, weights, n_rows, miss_slots, misses, count, in_flight, cac
     `out` the HostDecodeBuffers it writes (host_pairs, pair_token, pair_expert, pair_weight, meta, totals)."""
     t, k = ids.shape
     _hand_to_host_kernel[(1,)](
-        ids, weights, n_rows, miss_slots, misses, count, in_flight,
-        cache.slot_of, cache.layer_of_slot, cache.expert_of_slot, cache.expert_flags, cache.evicted,
-        cache.evicted_stamp, cache.stamp, cache.counters,
-        out.host_pairs, out.pair_token, out.pair_expert, out.pair_weight, out.meta, out.totals,
-        costs_ns, t, k, cache.num_experts, layer,
-        BLOCK_E=triton.next_power_of_2(cache.num_experts), BLOCK_P=256,
-    )  # fmt: skip
+        ids,
+        weights,
+        n_rows,
+        miss_slots,
+        misses,
+        count,
+        in_flight,
+        cache.slot_of,
+        cache.layer_of_slot,
+        cache.expert_of_slot,
+        cache.expert_flags,
+        cache.evicted,
+        cache.evicted_stamp,
+        cache.stamp,
+        cache.counters,
+        out.host_pairs,
+        out.pair_token,
+        out.pair_expert,
+        out.pair_weight,
+        out.meta,
+        out.totals,
+        costs_ns,
+        t,
+        k,
+        cache.num_experts,
+        layer,
+        BLOCK_E=triton.next_power_of_2(cache.num_experts),
+        BLOCK_P=256,
+    )
 
 
 def host_count_reference(total: int, missed_pairs: int, costs_ns, cap: int | None = None) -> int:
@@ -158,8 +203,9 @@ def host_count_reference(total: int, missed_pairs: int, costs_ns, cap: int | Non
     return h if h > 0 and layer_ns(h) < total * pcie else 0
 
 
-def hand_to_host_reference(ids, weights, n_rows, miss_slots, misses, count, in_flight, cache, layer: int,
-                           costs_ns: torch.Tensor, out) -> None:  # fmt: skip
+def hand_to_host_reference(
+    ids, weights, n_rows, miss_slots, misses, count, in_flight, cache, layer: int, costs_ns: torch.Tensor, out
+) -> None:
     """The kernel's twin, in torch on the same tensors (the tests hold one to the other)."""
     t, k = ids.shape
     n_pairs = int(n_rows[0]) * k

@@ -80,8 +80,9 @@ def pack_experts(w13: torch.Tensor, w2: torch.Tensor) -> dict[str, torch.Tensor]
     return {"lo": lo, "hi": hi, "base": base, "counts": counts, "esc_index": esc_index, "esc_bits": esc_bits}
 
 
-def unpack_expert_reference(lo: torch.Tensor, hi: torch.Tensor, base: torch.Tensor, esc_index: torch.Tensor,
-                            esc_bits: torch.Tensor, v13: int) -> torch.Tensor:  # fmt: skip
+def unpack_expert_reference(
+    lo: torch.Tensor, hi: torch.Tensor, base: torch.Tensor, esc_index: torch.Tensor, esc_bits: torch.Tensor, v13: int
+) -> torch.Tensor:
     """One expert's V bf16 values (w13 then w2, flattened) from its packed row, bit for bit."""
     lo32, hi32 = lo.to(torch.int32), hi.to(torch.int32)
     code = torch.stack([hi32 & 0xF, hi32 >> 4], dim=-1).reshape(lo32.shape)
@@ -124,8 +125,20 @@ def _listed(list_ptr, i, slot0, PAIRS: tl.constexpr):
 
 
 @triton.jit
-def _patch_escapes(offsets_ptr, index_ptr, bits_ptr, dst13_ptr, dst2_ptr, expert, slot, part,
-                   V13: tl.constexpr, V2: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
+def _patch_escapes(
+    offsets_ptr,
+    index_ptr,
+    bits_ptr,
+    dst13_ptr,
+    dst2_ptr,
+    expert,
+    slot,
+    part,
+    V13: tl.constexpr,
+    V2: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
     """Block `part` of every SPLIT blocks of one expert's escapes, into its slot."""
     start = tl.load(offsets_ptr + expert)
     end = tl.load(offsets_ptr + expert + 1)
@@ -139,10 +152,27 @@ def _patch_escapes(offsets_ptr, index_ptr, bits_ptr, dst13_ptr, dst2_ptr, expert
 
 
 @triton.jit
-def _unpack_experts_kernel(lo_ptr, hi_ptr, base_ptr, offsets_ptr, index_ptr, bits_ptr, dst13_ptr, dst2_ptr,
-                           list_ptr, count_ptr, count_arg, slot0, W13: tl.constexpr, W2: tl.constexpr,
-                           BLOCK: tl.constexpr, ESC_BLOCK: tl.constexpr, SPLIT: tl.constexpr,
-                           COUNT_ON_DEVICE: tl.constexpr, PAIRS: tl.constexpr):  # fmt: skip
+def _unpack_experts_kernel(
+    lo_ptr,
+    hi_ptr,
+    base_ptr,
+    offsets_ptr,
+    index_ptr,
+    bits_ptr,
+    dst13_ptr,
+    dst2_ptr,
+    list_ptr,
+    count_ptr,
+    count_arg,
+    slot0,
+    W13: tl.constexpr,
+    W2: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ESC_BLOCK: tl.constexpr,
+    SPLIT: tl.constexpr,
+    COUNT_ON_DEVICE: tl.constexpr,
+    PAIRS: tl.constexpr,
+):
     """Every listed expert's row into its slot: the words (lo viewed as int32, hi as int16, one
     halfword of codes per word; the slots as int16; W13/W2 the families' words), then each
     expert's escapes, shared by SPLIT work items."""
@@ -163,20 +193,50 @@ def _unpack_experts_kernel(lo_ptr, hi_ptr, base_ptr, offsets_ptr, index_ptr, bit
             _unpack_words(lo_ptr + row, hi_ptr + row, dst13_ptr + slot * (4 * W13), base, part * BLOCK, W13, BLOCK)
         else:
             base = tl.load(base_ptr + 2 * expert + 1)
-            _unpack_words(lo_ptr + row + W13, hi_ptr + row + W13, dst2_ptr + slot * (4 * W2), base,
-                          (part - chunks13) * BLOCK, W2, BLOCK)  # fmt: skip
+            _unpack_words(
+                lo_ptr + row + W13,
+                hi_ptr + row + W13,
+                dst2_ptr + slot * (4 * W2),
+                base,
+                (part - chunks13) * BLOCK,
+                W2,
+                BLOCK,
+            )
     for c in range(tl.program_id(0), count * SPLIT, tl.num_programs(0)):
         i = c // SPLIT
         expert, slot = _listed(list_ptr, i, slot0, PAIRS)
-        _patch_escapes(offsets_ptr, index_ptr, bits_ptr, dst13_ptr, dst2_ptr, expert, slot, c - i * SPLIT,
-                       4 * W13, 4 * W2, ESC_BLOCK, SPLIT)  # fmt: skip
+        _patch_escapes(
+            offsets_ptr,
+            index_ptr,
+            bits_ptr,
+            dst13_ptr,
+            dst2_ptr,
+            expert,
+            slot,
+            c - i * SPLIT,
+            4 * W13,
+            4 * W2,
+            ESC_BLOCK,
+            SPLIT,
+        )
 
 
-def unpack_experts_triton(lo: torch.Tensor, hi: torch.Tensor, base: torch.Tensor, esc_offsets: torch.Tensor,
-                          esc_index: torch.Tensor, esc_bits: torch.Tensor, dst13: torch.Tensor, dst2: torch.Tensor,
-                          listed: torch.Tensor, count: torch.Tensor | int, slot0: int | None = None,
-                          programs: int = UNPACK_PROGRAMS, block: int = UNPACK_BLOCK,
-                          escape_block: int = ESCAPE_BLOCK) -> None:  # fmt: skip
+def unpack_experts_triton(
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    base: torch.Tensor,
+    esc_offsets: torch.Tensor,
+    esc_index: torch.Tensor,
+    esc_bits: torch.Tensor,
+    dst13: torch.Tensor,
+    dst2: torch.Tensor,
+    listed: torch.Tensor,
+    count: torch.Tensor | int,
+    slot0: int | None = None,
+    programs: int = UNPACK_PROGRAMS,
+    block: int = UNPACK_BLOCK,
+    escape_block: int = ESCAPE_BLOCK,
+) -> None:
     """dst13[s], dst2[s] = expert e unpacked, for the first `count` listed experts.
 
     `listed`: int32 [M, 2] rows of (expert, slot) on the device, or, with `slot0`, int32 [M] experts
@@ -185,14 +245,22 @@ def unpack_experts_triton(lo: torch.Tensor, hi: torch.Tensor, base: torch.Tensor
     base [E, 2], esc_offsets [E + 1], esc_index, esc_bits) where the GPU reads it (device, or
     pinned and mapped); dst13/dst2 the bf16 slot pool [S, 2I, H] / [S, H, I]."""
     pairs = slot0 is None
-    if listed.dtype != torch.int32 or not listed.is_contiguous() or listed.dim() != (2 if pairs else 1) \
-            or (pairs and listed.shape[1] != 2):  # fmt: skip
+    if (
+        listed.dtype != torch.int32
+        or not listed.is_contiguous()
+        or listed.dim() != (2 if pairs else 1)
+        or (pairs and listed.shape[1] != 2)
+    ):
         raise ValueError("listed must be a contiguous int32 [M, 2] tensor of (expert, slot), or int32 [M] with slot0")
     on_device = isinstance(count, torch.Tensor)
     if on_device and (count.dtype != torch.int32 or count.numel() != 1):
         raise ValueError("count must be an int32 tensor of one element, or an int")
     v13, v2 = dst13[0].numel(), dst2[0].numel()
-    if dst13.dtype != torch.bfloat16 or dst2.dtype != torch.bfloat16 or not (dst13.is_contiguous() and dst2.is_contiguous()):
+    if (
+        dst13.dtype != torch.bfloat16
+        or dst2.dtype != torch.bfloat16
+        or not (dst13.is_contiguous() and dst2.is_contiguous())
+    ):
         raise ValueError("the slots must be contiguous bf16 tensors")
     if lo.shape[1] != v13 + v2:
         raise ValueError(f"packed rows hold {lo.shape[1]} values, the slots {v13} + {v2}")
@@ -203,7 +271,25 @@ def unpack_experts_triton(lo: torch.Tensor, hi: torch.Tensor, base: torch.Tensor
     cnt = count if on_device else listed  # an unread placeholder pointer when the count is an int
     s0 = 0 if pairs else int(slot0)
     d13, d2 = dst13.view(torch.int16), dst2.view(torch.int16)
-    _unpack_experts_kernel[(programs,)](lo.view(torch.int32), hi.view(torch.int16), base, esc_offsets, esc_index,
-                                        esc_bits, d13, d2, listed, cnt, n, s0, W13=v13 // 4, W2=v2 // 4, BLOCK=block,
-                                        ESC_BLOCK=escape_block, SPLIT=ESCAPE_SPLIT, COUNT_ON_DEVICE=on_device,
-                                        PAIRS=pairs, num_warps=8)  # fmt: skip
+    _unpack_experts_kernel[(programs,)](
+        lo.view(torch.int32),
+        hi.view(torch.int16),
+        base,
+        esc_offsets,
+        esc_index,
+        esc_bits,
+        d13,
+        d2,
+        listed,
+        cnt,
+        n,
+        s0,
+        W13=v13 // 4,
+        W2=v2 // 4,
+        BLOCK=block,
+        ESC_BLOCK=escape_block,
+        SPLIT=ESCAPE_SPLIT,
+        COUNT_ON_DEVICE=on_device,
+        PAIRS=pairs,
+        num_warps=8,
+    )

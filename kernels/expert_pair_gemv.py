@@ -27,9 +27,9 @@ import triton.language as tl
 from ferry.kernels.dense_gemv import row_block_dot
 from ferry.kernels.pair_tiles import TILES
 from ferry.kernels.quantized_expert_gemv import quantized_pair_rows_triton
-from ferry.plan.expert_formats import BF16
 from ferry.kernels.quantized_experts import QuantizedFamily
 from ferry.kernels.router_topk import mark_args, mark_routed_slot
+from ferry.plan.expert_formats import BF16
 
 # Above this many (token, k) pairs a step reads each expert's weights once per pair here, but once
 # per block of tokens in the grouped GEMM: past a few tokens per expert the grouped GEMM wins. Both
@@ -44,10 +44,24 @@ def use_pair_kernel(num_pairs: int) -> bool:
 
 @triton.jit
 def _pair_gate_up_kernel(
-    x_ptr, w13_ptr, act_ptr, slots_ptr, slot_offset, top_k, H, I, table_ptr, n_rows_ptr,
-    stride_xt, stride_ws, stride_wn,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MARK: tl.constexpr, HAS_N_ROWS: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    w13_ptr,
+    act_ptr,
+    slots_ptr,
+    slot_offset,
+    top_k,
+    H,
+    I,
+    table_ptr,
+    n_rows_ptr,
+    stride_xt,
+    stride_ws,
+    stride_wn,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    MARK: tl.constexpr,
+    HAS_N_ROWS: tl.constexpr,
+):
     pair = tl.program_id(0)
     slot = tl.load(slots_ptr + pair).to(tl.int64)
     if slot < 0:  # skipped pair (another group computes it): leave its row alone
@@ -82,10 +96,19 @@ def _pair_gate_up_kernel(
 
 @triton.jit
 def _pair_down_kernel(
-    act_ptr, w2_ptr, rows_ptr, weights_ptr, slots_ptr, slot_offset, H, I,
-    stride_ws, stride_wh,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
+    act_ptr,
+    w2_ptr,
+    rows_ptr,
+    weights_ptr,
+    slots_ptr,
+    slot_offset,
+    H,
+    I,
+    stride_ws,
+    stride_wh,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     pair = tl.program_id(0)
     slot = tl.load(slots_ptr + pair).to(tl.int64)
     if slot < 0:
@@ -101,8 +124,16 @@ def _pair_down_kernel(
     tl.store(rows_ptr + pair.to(tl.int64) * H + offs_n, y * routing, mask=n_ok)
 
 
-def expert_pair_rows_triton(x, topk_slots, topk_weights, w13, w2, rows, slot_offset: int = 0,
-                            mark: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> None:  # fmt: skip
+def expert_pair_rows_triton(
+    x,
+    topk_slots,
+    topk_weights,
+    w13,
+    w2,
+    rows,
+    slot_offset: int = 0,
+    mark: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+) -> None:
     """Same contract as `grouped_expert_rows_reference`, plus `slot_offset`: the slot of a pair is
     topk_slots + slot_offset (pairs whose topk_slots is -1 are skipped), so the all-resident store
     can pass a layer's expert ids unchanged instead of launching an add. `mark` (table, n_rows):
@@ -128,11 +159,37 @@ def expert_pair_rows_triton(x, topk_slots, topk_weights, w13, w2, rows, slot_off
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     tiles = TILES[BF16]
     _pair_gate_up_kernel[(num_pairs, triton.cdiv(inter, tiles.gate_up_rows))](
-        x, w13, act, slots, slot_offset, top_k, h, inter, table, n_rows, x.stride(0), w13.stride(0), w13.stride(1),
-        BLOCK_N=tiles.gate_up_rows, BLOCK_K=tiles.gate_up_k, num_warps=tiles.gate_up_warps,
-        MARK=mark is not None, HAS_N_ROWS=mark is not None and mark[1] is not None,
-    )  # fmt: skip
+        x,
+        w13,
+        act,
+        slots,
+        slot_offset,
+        top_k,
+        h,
+        inter,
+        table,
+        n_rows,
+        x.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        BLOCK_N=tiles.gate_up_rows,
+        BLOCK_K=tiles.gate_up_k,
+        num_warps=tiles.gate_up_warps,
+        MARK=mark is not None,
+        HAS_N_ROWS=mark is not None and mark[1] is not None,
+    )
     _pair_down_kernel[(num_pairs, triton.cdiv(h, tiles.down_rows))](
-        act, w2, rows, weights, slots, slot_offset, h, inter, w2.stride(0), w2.stride(1),
-        BLOCK_N=tiles.down_rows, BLOCK_K=tiles.down_k, num_warps=tiles.down_warps,
-    )  # fmt: skip
+        act,
+        w2,
+        rows,
+        weights,
+        slots,
+        slot_offset,
+        h,
+        inter,
+        w2.stride(0),
+        w2.stride(1),
+        BLOCK_N=tiles.down_rows,
+        BLOCK_K=tiles.down_k,
+        num_warps=tiles.down_warps,
+    )

@@ -112,9 +112,17 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
 
 
 def gated_delta_rule_varlen_keeping(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    states: torch.Tensor, state_slots: torch.Tensor, query_start: torch.Tensor, query_lens: list[int],
-    inside: list[tuple[int, int]], state_slots_host: list[int],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    states: torch.Tensor,
+    state_slots: torch.Tensor,
+    query_start: torch.Tensor,
+    query_lens: list[int],
+    inside: list[tuple[int, int]],
+    state_slots_host: list[int],
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """`gated_delta_rule_varlen`, also keeping some rows' states at a point inside their chunk: `inside`
     holds (row, tokens of the row before the point), 0 < tokens < the row's length. Two passes over the
@@ -141,12 +149,14 @@ def gated_delta_rule_varlen_keeping(
 
     out = torch.empty_like(v)
     head = positions((starts[i], starts[i] + n) for i, n in enumerate(first))
-    out[head] = gated_delta_rule_varlen(q[head], k[head], v[head], g[head], beta[head], states, state_slots,
-                                        cumulative(first), first)  # fmt: skip
+    out[head] = gated_delta_rule_varlen(
+        q[head], k[head], v[head], g[head], beta[head], states, state_slots, cumulative(first), first
+    )
     kept_slots = [int(state_slots_host[i]) for i in rows]
     kept = [states[slot].clone() for slot in kept_slots]
     slots = to_device(kept_slots, state_slots.dtype, state_slots.device)
     tail = positions((starts[i] + cut[i], starts[i + 1]) for i in rows)
-    out[tail] = gated_delta_rule_varlen(q[tail], k[tail], v[tail], g[tail], beta[tail], states, slots,
-                                        cumulative(rest), rest)  # fmt: skip
+    out[tail] = gated_delta_rule_varlen(
+        q[tail], k[tail], v[tail], g[tail], beta[tail], states, slots, cumulative(rest), rest
+    )
     return out, kept

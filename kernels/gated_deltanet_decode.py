@@ -67,10 +67,20 @@ CONV_WARPS = 2
 
 @triton.jit
 def _conv_decode_kernel(
-    x_ptr, conv_ptr, slot_ptr, w_ptr, out_ptr,
-    C, stride_x, stride_cs, stride_cc, stride_wc,
-    KERNEL: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    conv_ptr,
+    slot_ptr,
+    w_ptr,
+    out_ptr,
+    C,
+    stride_x,
+    stride_cs,
+    stride_cc,
+    stride_wc,
+    KERNEL: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
     r = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     ok = offs < C
@@ -93,11 +103,32 @@ def _conv_decode_kernel(
 
 @triton.jit
 def _rule_norm_kernel(
-    qkv_ptr, z_ptr, b_ptr, a_ptr, a_log_ptr, dt_bias_ptr, state_ptr, slot_ptr, norm_w_ptr, out_ptr,
-    stride_qkv, stride_z, stride_b, stride_a, stride_ss, stride_sh,
-    key_size, v_heads, group, scale, eps,
-    K_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-):  # fmt: skip
+    qkv_ptr,
+    z_ptr,
+    b_ptr,
+    a_ptr,
+    a_log_ptr,
+    dt_bias_ptr,
+    state_ptr,
+    slot_ptr,
+    norm_w_ptr,
+    out_ptr,
+    stride_qkv,
+    stride_z,
+    stride_b,
+    stride_a,
+    stride_ss,
+    stride_sh,
+    key_size,
+    v_heads,
+    group,
+    scale,
+    eps,
+    K_DIM: tl.constexpr,
+    V_DIM: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     kh = h // group
@@ -195,15 +226,47 @@ def gated_deltanet_decode(
         return out
     activated = torch.empty(rows, conv_size, dtype=qkv.dtype, device=qkv.device)
     _conv_decode_kernel[(rows, triton.cdiv(conv_size, CONV_BLOCK))](
-        qkv, conv_states, state_slots, conv_weight, activated,
-        conv_size, qkv.stride(0), conv_states.stride(0), conv_states.stride(1), conv_weight.stride(0),
-        KERNEL=kernel, BLOCK_K=triton.next_power_of_2(kernel), BLOCK_C=CONV_BLOCK, num_warps=CONV_WARPS,
-    )  # fmt: skip
+        qkv,
+        conv_states,
+        state_slots,
+        conv_weight,
+        activated,
+        conv_size,
+        qkv.stride(0),
+        conv_states.stride(0),
+        conv_states.stride(1),
+        conv_weight.stride(0),
+        KERNEL=kernel,
+        BLOCK_K=triton.next_power_of_2(kernel),
+        BLOCK_C=CONV_BLOCK,
+        num_warps=CONV_WARPS,
+    )
     _rule_norm_kernel[(rows, v_heads)](
-        activated, z, beta_logit, a, A_log, dt_bias, states, state_slots, norm_weight, out,
-        activated.stride(0), z.stride(0), beta_logit.stride(0), a.stride(0), states.stride(0), states.stride(1),
-        key_size, v_heads, v_heads // k_heads, k_dim**-0.5, norm_eps,
-        K_DIM=k_dim, V_DIM=v_dim, BLOCK_K=triton.next_power_of_2(k_dim), BLOCK_V=triton.next_power_of_2(v_dim),
+        activated,
+        z,
+        beta_logit,
+        a,
+        A_log,
+        dt_bias,
+        states,
+        state_slots,
+        norm_weight,
+        out,
+        activated.stride(0),
+        z.stride(0),
+        beta_logit.stride(0),
+        a.stride(0),
+        states.stride(0),
+        states.stride(1),
+        key_size,
+        v_heads,
+        v_heads // k_heads,
+        k_dim**-0.5,
+        norm_eps,
+        K_DIM=k_dim,
+        V_DIM=v_dim,
+        BLOCK_K=triton.next_power_of_2(k_dim),
+        BLOCK_V=triton.next_power_of_2(v_dim),
         num_warps=rule_norm_warps(k_dim, v_dim),
-    )  # fmt: skip
+    )
     return out

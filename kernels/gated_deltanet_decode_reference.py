@@ -16,9 +16,21 @@ from ferry.kernels.rms_norm_reference import gated_rms_norm_reference
 
 
 def gated_deltanet_decode_reference(
-    qkv, z, beta_logit, a, conv_weight, A_log, dt_bias, norm_weight, norm_eps, conv_states, states, state_slots,
-    k_heads: int, out: torch.Tensor | None = None,
-) -> torch.Tensor:  # fmt: skip
+    qkv,
+    z,
+    beta_logit,
+    a,
+    conv_weight,
+    A_log,
+    dt_bias,
+    norm_weight,
+    norm_eps,
+    conv_states,
+    states,
+    state_slots,
+    k_heads: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """[R, v_heads * v_dim] in qkv's dtype; conv_states and states updated in place (host reads: a twin)."""
     rows = qkv.shape[0]
     v_heads, k_dim, v_dim = states.shape[1:]

@@ -42,12 +42,30 @@ _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 @triton.jit
 def _gate_up_block(
-    x_ptr, w13_ptr, act_ptr, sorted_pairs_ptr, pid_m, pid_n, slot,
-    num_pairs, top_k, H, I,
-    stride_xt, stride_xh, stride_ws, stride_wn, stride_wh, stride_am, stride_an,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    w13_ptr,
+    act_ptr,
+    sorted_pairs_ptr,
+    pid_m,
+    pid_n,
+    slot,
+    num_pairs,
+    top_k,
+    H,
+    I,
+    stride_xt,
+    stride_xh,
+    stride_ws,
+    stride_wn,
+    stride_wh,
+    stride_am,
+    stride_an,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """Block pid_m's rows times slot `slot`'s gate/up tile pid_n, SiLU product stored to act."""
     offs_m, pair, row_ok = block_rows(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M)
     token = pair // top_k
@@ -91,37 +109,118 @@ def _gate_up_block(
 # rest to exit at once, ~1,100 row blocks x 8-32 column tiles a launch, two launches a ring chunk).
 @triton.jit(do_not_specialize=["num_pairs", "slot_lo", "slot_hi", "slot_shift"])
 def _gate_up_kernel(
-    x_ptr, w13_ptr, act_ptr, sorted_pairs_ptr, block_slot_ptr, block_start_ptr,
-    num_pairs, top_k, H, I, slot_lo, slot_hi, slot_shift,
-    stride_xt, stride_xh, stride_ws, stride_wn, stride_wh, stride_am, stride_an,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr, WINDOWED: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    w13_ptr,
+    act_ptr,
+    sorted_pairs_ptr,
+    block_slot_ptr,
+    block_start_ptr,
+    num_pairs,
+    top_k,
+    H,
+    I,
+    slot_lo,
+    slot_hi,
+    slot_shift,
+    stride_xt,
+    stride_xh,
+    stride_ws,
+    stride_wn,
+    stride_wh,
+    stride_am,
+    stride_an,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    WINDOWED: tl.constexpr,
+):
     pid_n = tl.program_id(1)
     if WINDOWED:
         first, last = window_blocks(block_start_ptr, slot_lo, slot_hi)
         for pid_m in range(first + tl.program_id(0), last, tl.num_programs(0)):
             slot = tl.load(block_slot_ptr + pid_m) + slot_shift
-            _gate_up_block(x_ptr, w13_ptr, act_ptr, sorted_pairs_ptr, pid_m, pid_n, slot, num_pairs, top_k, H, I,
-                           stride_xt, stride_xh, stride_ws, stride_wn, stride_wh, stride_am, stride_an,
-                           BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)  # fmt: skip
+            _gate_up_block(
+                x_ptr,
+                w13_ptr,
+                act_ptr,
+                sorted_pairs_ptr,
+                pid_m,
+                pid_n,
+                slot,
+                num_pairs,
+                top_k,
+                H,
+                I,
+                stride_xt,
+                stride_xh,
+                stride_ws,
+                stride_wn,
+                stride_wh,
+                stride_am,
+                stride_an,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+                UPCAST,
+                PRECISION,
+            )
     else:
         pid_m = tl.program_id(0)
         slot = tl.load(block_slot_ptr + pid_m)
         if (slot >= slot_lo) & (slot < slot_hi):  # not -1 (past the end), and inside the caller's window
-            _gate_up_block(x_ptr, w13_ptr, act_ptr, sorted_pairs_ptr, pid_m, pid_n, slot + slot_shift, num_pairs,
-                           top_k, H, I, stride_xt, stride_xh, stride_ws, stride_wn, stride_wh, stride_am, stride_an,
-                           BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)  # fmt: skip
+            _gate_up_block(
+                x_ptr,
+                w13_ptr,
+                act_ptr,
+                sorted_pairs_ptr,
+                pid_m,
+                pid_n,
+                slot + slot_shift,
+                num_pairs,
+                top_k,
+                H,
+                I,
+                stride_xt,
+                stride_xh,
+                stride_ws,
+                stride_wn,
+                stride_wh,
+                stride_am,
+                stride_an,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+                UPCAST,
+                PRECISION,
+            )
 
 
 @triton.jit
 def _down_block(
-    act_ptr, w2_ptr, rows_ptr, weights_ptr, sorted_pairs_ptr, pid_m, pid_n, slot,
-    num_pairs, H, I,
-    stride_am, stride_an, stride_ws, stride_wh, stride_wi,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
+    act_ptr,
+    w2_ptr,
+    rows_ptr,
+    weights_ptr,
+    sorted_pairs_ptr,
+    pid_m,
+    pid_n,
+    slot,
+    num_pairs,
+    H,
+    I,
+    stride_am,
+    stride_an,
+    stride_ws,
+    stride_wh,
+    stride_wi,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """Block pid_m's activations times slot `slot`'s down tile pid_n, weighted, stored to its pairs' rows."""
     offs_m, pair, row_ok = block_rows(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output features (H)
@@ -142,39 +241,108 @@ def _down_block(
     routing = tl.load(weights_ptr + pair, mask=row_ok, other=0.0)
     y = acc.to(act_ptr.dtype.element_ty).to(tl.float32) * routing[:, None]
     # rows in a 16-bit dtype (a long step's, kernels/expert_rows_sum.py): the float32 value rounded once, to nearest even
-    tl.store(rows_ptr + pair[:, None] * H + offs_n[None, :], y.to(rows_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & n_ok[None, :])
+    tl.store(
+        rows_ptr + pair[:, None] * H + offs_n[None, :],
+        y.to(rows_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & n_ok[None, :],
+    )
 
 
 @triton.jit(do_not_specialize=["num_pairs", "slot_lo", "slot_hi", "slot_shift"])
 def _down_kernel(
-    act_ptr, w2_ptr, rows_ptr, weights_ptr, sorted_pairs_ptr, block_slot_ptr, block_start_ptr,
-    num_pairs, H, I, slot_lo, slot_hi, slot_shift,
-    stride_am, stride_an, stride_ws, stride_wh, stride_wi,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr, WINDOWED: tl.constexpr,
-):  # fmt: skip
+    act_ptr,
+    w2_ptr,
+    rows_ptr,
+    weights_ptr,
+    sorted_pairs_ptr,
+    block_slot_ptr,
+    block_start_ptr,
+    num_pairs,
+    H,
+    I,
+    slot_lo,
+    slot_hi,
+    slot_shift,
+    stride_am,
+    stride_an,
+    stride_ws,
+    stride_wh,
+    stride_wi,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    WINDOWED: tl.constexpr,
+):
     pid_n = tl.program_id(1)
     if WINDOWED:
         first, last = window_blocks(block_start_ptr, slot_lo, slot_hi)
         for pid_m in range(first + tl.program_id(0), last, tl.num_programs(0)):
             slot = tl.load(block_slot_ptr + pid_m) + slot_shift
-            _down_block(act_ptr, w2_ptr, rows_ptr, weights_ptr, sorted_pairs_ptr, pid_m, pid_n, slot, num_pairs, H, I,
-                        stride_am, stride_an, stride_ws, stride_wh, stride_wi,
-                        BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)  # fmt: skip
+            _down_block(
+                act_ptr,
+                w2_ptr,
+                rows_ptr,
+                weights_ptr,
+                sorted_pairs_ptr,
+                pid_m,
+                pid_n,
+                slot,
+                num_pairs,
+                H,
+                I,
+                stride_am,
+                stride_an,
+                stride_ws,
+                stride_wh,
+                stride_wi,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+                UPCAST,
+                PRECISION,
+            )
     else:
         pid_m = tl.program_id(0)
         slot = tl.load(block_slot_ptr + pid_m)
         if (slot >= slot_lo) & (slot < slot_hi):
-            _down_block(act_ptr, w2_ptr, rows_ptr, weights_ptr, sorted_pairs_ptr, pid_m, pid_n, slot + slot_shift,
-                        num_pairs, H, I, stride_am, stride_an, stride_ws, stride_wh, stride_wi,
-                        BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)  # fmt: skip
+            _down_block(
+                act_ptr,
+                w2_ptr,
+                rows_ptr,
+                weights_ptr,
+                sorted_pairs_ptr,
+                pid_m,
+                pid_n,
+                slot + slot_shift,
+                num_pairs,
+                H,
+                I,
+                stride_am,
+                stride_an,
+                stride_ws,
+                stride_wh,
+                stride_wi,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+                UPCAST,
+                PRECISION,
+            )
 
 
-def grouped_expert_rows_triton(x, topk_slots, topk_weights, w13, w2, rows,
-                               aligned: tuple[torch.Tensor, torch.Tensor] | None = None,
-                               max_distinct_slots: int | None = None,
-                               slot_window: tuple[int, int, int] = SLOT_WINDOW_ALL) -> None:  # fmt: skip
+def grouped_expert_rows_triton(
+    x,
+    topk_slots,
+    topk_weights,
+    w13,
+    w2,
+    rows,
+    aligned: tuple[torch.Tensor, torch.Tensor] | None = None,
+    max_distinct_slots: int | None = None,
+    slot_window: tuple[int, int, int] = SLOT_WINDOW_ALL,
+) -> None:
     """Triton twin of `grouped_expert_rows_reference` (same arguments, same contract).
 
     `aligned`: (sorted_pairs, block_slot) already on the device, made with BLOCK_M =
@@ -186,8 +354,9 @@ def grouped_expert_rows_triton(x, topk_slots, topk_weights, w13, w2, rows,
     sized for its own blocks (`window_programs`, aligned_blocks.py), read on the device, not for the layer's.
     Quantized slots (`QuantizedFamily` w13, w2) go to their twin, quantized_expert_gemm.py."""
     if isinstance(w13, QuantizedFamily):
-        return quantized_grouped_rows_triton(x, topk_slots, topk_weights, w13, w2, rows, aligned, max_distinct_slots,
-                                             slot_window)  # fmt: skip
+        return quantized_grouped_rows_triton(
+            x, topk_slots, topk_weights, w13, w2, rows, aligned, max_distinct_slots, slot_window
+        )
     t, h = x.shape
     top_k = topk_weights.shape[1]
     inter = w2.shape[2]
@@ -204,18 +373,60 @@ def grouped_expert_rows_triton(x, topk_slots, topk_weights, w13, w2, rows,
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     upcast = _INTERPRETING or x.dtype == torch.float32
     precision = "ieee" if x.dtype == torch.float32 else None  # fp32 in, fp32 accuracy out (no TF32)
-    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast, PRECISION=precision,
-                WINDOWED=block_start is not None)  # both kernels
+    meta = dict(
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        UPCAST=upcast,
+        PRECISION=precision,
+        WINDOWED=block_start is not None,
+    )  # both kernels
     lo, hi, shift = slot_window
     starts = block_start if block_start is not None else block_slot  # not read unless WINDOWED
     _gate_up_kernel[(grid_m, triton.cdiv(inter, block_n))](
-        x, w13, act, sorted_pairs, block_slot, starts, num_pairs, top_k, h, inter, lo, hi, shift,
-        x.stride(0), x.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0), act.stride(1), **meta,
-    )  # fmt: skip
+        x,
+        w13,
+        act,
+        sorted_pairs,
+        block_slot,
+        starts,
+        num_pairs,
+        top_k,
+        h,
+        inter,
+        lo,
+        hi,
+        shift,
+        x.stride(0),
+        x.stride(1),
+        w13.stride(0),
+        w13.stride(1),
+        w13.stride(2),
+        act.stride(0),
+        act.stride(1),
+        **meta,
+    )
     _down_kernel[(grid_m, triton.cdiv(h, block_n))](
-        act, w2, rows, weights, sorted_pairs, block_slot, starts, num_pairs, h, inter, lo, hi, shift,
-        act.stride(0), act.stride(1), w2.stride(0), w2.stride(1), w2.stride(2), **meta,
-    )  # fmt: skip
+        act,
+        w2,
+        rows,
+        weights,
+        sorted_pairs,
+        block_slot,
+        starts,
+        num_pairs,
+        h,
+        inter,
+        lo,
+        hi,
+        shift,
+        act.stride(0),
+        act.stride(1),
+        w2.stride(0),
+        w2.stride(1),
+        w2.stride(2),
+        **meta,
+    )
 
 
 def grouped_expert_rows(x, topk_slots, topk_weights, w13, w2, rows, max_distinct_slots: int | None = None) -> None:

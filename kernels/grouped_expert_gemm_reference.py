@@ -51,8 +51,14 @@ def grouped_expert_forward_reference(
     return rows.sum(dim=1).to(x.dtype)
 
 
-def quantized_expert_rows_reference(x: torch.Tensor, topk_slots: torch.Tensor, topk_weights: torch.Tensor,
-                                    w13: QuantizedFamily, w2: QuantizedFamily, rows: torch.Tensor) -> None:  # fmt: skip
+def quantized_expert_rows_reference(
+    x: torch.Tensor,
+    topk_slots: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: QuantizedFamily,
+    w2: QuantizedFamily,
+    rows: torch.Tensor,
+) -> None:
     """`grouped_expert_rows_reference` for quantized slots: each slot a pair routes to is
     dequantized to x's dtype, then computed exactly as plain slots are (same rounding order)."""
     for slot in torch.unique(topk_slots).tolist():

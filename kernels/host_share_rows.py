@@ -75,13 +75,17 @@ def stage_for_host(block: torch.Tensor, block_host: torch.Tensor, x: torch.Tenso
     """block_host[:] = block and x_host[:len(x)] = x: the hand-off's pair block (bytes, device) and the layer's
     input rows [t, H] (device) into their pinned, mapped buffers, on the current stream."""
     if x.shape[1] * x.element_size() % 4 or block.numel() * block.element_size() % 4:
-        raise ValueError(f"staging moves 32-bit words: a row of {x.shape[1]} x {x.element_size()} bytes and a block "
-                         f"of {block.numel() * block.element_size()} bytes must be multiples of 4")  # fmt: skip
+        raise ValueError(
+            f"staging moves 32-bit words: a row of {x.shape[1]} x {x.element_size()} bytes and a block "
+            f"of {block.numel() * block.element_size()} bytes must be multiples of 4"
+        )
     if block_host.dtype != block.dtype or x_host.dtype != x.dtype:
         raise ValueError(f"staging {block.dtype} and {x.dtype} into {block_host.dtype} and {x_host.dtype} buffers")
     if block_host.shape != block.shape or x_host.shape[1:] != x.shape[1:] or x_host.shape[0] < x.shape[0]:
-        raise ValueError(f"staging {tuple(block.shape)} and {tuple(x.shape)} into buffers of "
-                         f"{tuple(block_host.shape)} and {tuple(x_host.shape)}")  # fmt: skip
+        raise ValueError(
+            f"staging {tuple(block.shape)} and {tuple(x.shape)} into buffers of "
+            f"{tuple(block_host.shape)} and {tuple(x_host.shape)}"
+        )
     (stage_for_host_triton if use_triton(x) else stage_for_host_reference)(block, block_host, x, x_host)
 
 
@@ -103,8 +107,10 @@ def fold_host_sum(rows: torch.Tensor, host_pairs: torch.Tensor, host_sum: torch.
     host_sum[:T] (float32 [>= T, H], pinned and mapped on CUDA) added to each token's first row."""
     t, k, hidden = rows.shape
     if not rows.is_contiguous() or host_sum.shape[0] < t or host_sum.shape[1] != hidden or host_pairs.numel() < t * k:
-        raise ValueError(f"folding a host sum {tuple(host_sum.shape)} with {host_pairs.numel()} flags into rows "
-                         f"{tuple(rows.shape)} (contiguous: {rows.is_contiguous()})")  # fmt: skip
+        raise ValueError(
+            f"folding a host sum {tuple(host_sum.shape)} with {host_pairs.numel()} flags into rows "
+            f"{tuple(rows.shape)} (contiguous: {rows.is_contiguous()})"
+        )
     if host_sum.dtype != torch.float32 or not host_sum.is_contiguous():
         raise ValueError("the host's sum must be contiguous float32")
     if host_pairs.dtype != torch.int8:  # the kernel reads a byte a pair

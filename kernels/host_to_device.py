@@ -13,8 +13,11 @@ import torch
 
 def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """`values` (a list or a numpy array) as a `dtype` tensor on `device`, queued without waiting."""
-    host = torch.from_numpy(np.ascontiguousarray(values)).to(dtype) if isinstance(values, np.ndarray) else \
-        torch.tensor(values, dtype=dtype)  # fmt: skip
+    host = (
+        torch.from_numpy(np.ascontiguousarray(values)).to(dtype)
+        if isinstance(values, np.ndarray)
+        else torch.tensor(values, dtype=dtype)
+    )
     if torch.device(device).type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)

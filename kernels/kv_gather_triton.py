@@ -21,11 +21,23 @@ BLOCK_T = 16  # positions a program dequantizes
 
 @triton.jit
 def _gather_dequantize_kernel(
-    cache_ptr, scale_ptr, pages_ptr, out_ptr, length,
-    stride_cp, stride_cs, stride_ch, stride_sp, stride_ss, stride_sh,
-    PAGE_SIZE: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr,
+    cache_ptr,
+    scale_ptr,
+    pages_ptr,
+    out_ptr,
+    length,
+    stride_cp,
+    stride_cs,
+    stride_ch,
+    stride_sp,
+    stride_ss,
+    stride_sh,
+    PAGE_SIZE: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
-):  # fmt: skip
+):
     n = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(1)
     n_mask = n < length
@@ -33,15 +45,27 @@ def _gather_dequantize_kernel(
     mask = n_mask[:, None] & (d < HEAD_DIM)[None, :]
     page = tl.load(pages_ptr + n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
     within = n % PAGE_SIZE
-    x = tl.load(cache_ptr + page[:, None] * stride_cp + within[:, None] * stride_cs + h * stride_ch + d[None, :],
-                mask=mask, other=0.0).to(tl.float32)  # fmt: skip
+    x = tl.load(
+        cache_ptr + page[:, None] * stride_cp + within[:, None] * stride_cs + h * stride_ch + d[None, :],
+        mask=mask,
+        other=0.0,
+    ).to(tl.float32)
     s = tl.load(scale_ptr + page * stride_sp + within * stride_ss + h * stride_sh, mask=n_mask, other=0.0)
-    tl.store(out_ptr + (n[:, None] * KV_HEADS + h) * HEAD_DIM + d[None, :],
-             (x * s[:, None]).to(out_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+    tl.store(
+        out_ptr + (n[:, None] * KV_HEADS + h) * HEAD_DIM + d[None, :],
+        (x * s[:, None]).to(out_ptr.dtype.element_ty),
+        mask=mask,
+    )
 
 
-def gather_dequantize_kv_triton(cache: torch.Tensor, scales: torch.Tensor, pages: torch.Tensor, length: int,
-                                dtype: torch.dtype, into: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def gather_dequantize_kv_triton(
+    cache: torch.Tensor,
+    scales: torch.Tensor,
+    pages: torch.Tensor,
+    length: int,
+    dtype: torch.dtype,
+    into: torch.Tensor | None = None,
+) -> torch.Tensor:
     """cache e4m3 [pages, page_size, kv_heads, head_dim] (head_dim contiguous), scales float32 [pages,
     page_size, kv_heads], pages int [>= ceil(length / page_size)]: the first `length` positions,
     [length, kv_heads, head_dim] of `dtype`, in `into`'s first pages (contiguous [n, page_size, kv_heads,
@@ -56,8 +80,21 @@ def gather_dequantize_kv_triton(cache: torch.Tensor, scales: torch.Tensor, pages
         out = torch.empty(length, kv_heads, head_dim, dtype=dtype, device=cache.device)
     if length:
         _gather_dequantize_kernel[(ceil_div(length, BLOCK_T), kv_heads)](
-            cache, scales, pages, out, length, cache.stride(0), cache.stride(1), cache.stride(2), scales.stride(0),
-            scales.stride(1), scales.stride(2), PAGE_SIZE=page_size, KV_HEADS=kv_heads, HEAD_DIM=head_dim,
-            BLOCK_T=BLOCK_T, BLOCK_D=triton.next_power_of_2(head_dim),
-        )  # fmt: skip
+            cache,
+            scales,
+            pages,
+            out,
+            length,
+            cache.stride(0),
+            cache.stride(1),
+            cache.stride(2),
+            scales.stride(0),
+            scales.stride(1),
+            scales.stride(2),
+            PAGE_SIZE=page_size,
+            KV_HEADS=kv_heads,
+            HEAD_DIM=head_dim,
+            BLOCK_T=BLOCK_T,
+            BLOCK_D=triton.next_power_of_2(head_dim),
+        )
     return out

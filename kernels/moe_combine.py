@@ -72,8 +72,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _moe_combine_kernel(routed_ptr, gate_ptr, shared_ptr, out_ptr, H, BLOCK_H: tl.constexpr,
-                        ROWS: tl.constexpr, TOP_K: tl.constexpr):  # fmt: skip
+def _moe_combine_kernel(
+    routed_ptr, gate_ptr, shared_ptr, out_ptr, H, BLOCK_H: tl.constexpr, ROWS: tl.constexpr, TOP_K: tl.constexpr
+):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     ok = offs < H
@@ -91,8 +92,9 @@ def _moe_combine_kernel(routed_ptr, gate_ptr, shared_ptr, out_ptr, H, BLOCK_H: t
     tl.store(out_ptr + t * H + offs, (r + scaled.to(tl.float32)).to(ty), mask=ok)
 
 
-def moe_combine_triton(routed: torch.Tensor | ExpertRows, gate: torch.Tensor, shared: torch.Tensor,
-                       out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def moe_combine_triton(
+    routed: torch.Tensor | ExpertRows, gate: torch.Tensor, shared: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """routed, shared: [T, H]; gate: [T, 1]; one dtype, except that `shared` may be float32 holding values
     of that dtype (the pair kernels' rows, DenseMLP.forward_rows) -> contiguous [T, H] in routed's dtype.
     `routed` may be a store's unsummed rows (`ExpertRows`): the kernel sums them as `sum_rows` does."""
@@ -102,15 +104,18 @@ def moe_combine_triton(routed: torch.Tensor | ExpertRows, gate: torch.Tensor, sh
     t, h = routed.shape[0], routed.shape[-1]
     shared_ok = shared.dtype in (dtype, torch.float32)
     if tuple(shared.shape) != (t, h) or gate.shape != (t, 1) or dtype != gate.dtype or not shared_ok:
-        raise ValueError(f"moe_combine: routed {tuple(routed.shape)} {dtype}, gate {tuple(gate.shape)} "
-                         f"{gate.dtype}, shared {tuple(shared.shape)} {shared.dtype}")  # fmt: skip
+        raise ValueError(
+            f"moe_combine: routed {tuple(routed.shape)} {dtype}, gate {tuple(gate.shape)} "
+            f"{gate.dtype}, shared {tuple(shared.shape)} {shared.dtype}"
+        )
     # a store returns its own [T, H] (contiguous from both of today's); anything else is made so
     routed, gate, shared = (x if x.is_contiguous() else x.contiguous() for x in (routed, gate, shared))
     out = torch.empty(t, h, dtype=dtype, device=routed.device) if out is None else out
     if t:
         block = min(BLOCK, triton.next_power_of_2(h))
-        _moe_combine_kernel[(t, triton.cdiv(h, block))](routed, gate, shared, out, h, BLOCK_H=block,
-                                                        ROWS=unsummed, TOP_K=top_k)  # fmt: skip
+        _moe_combine_kernel[(t, triton.cdiv(h, block))](
+            routed, gate, shared, out, h, BLOCK_H=block, ROWS=unsummed, TOP_K=top_k
+        )
     return out
 
 

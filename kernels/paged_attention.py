@@ -36,14 +36,16 @@ def paged_attention(
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if not use_triton(q):
-        return paged_attention_reference(q, k_cache, v_cache, page_table, query_lens, context_lens, scale,
-                                         k_scale, v_scale)  # fmt: skip
+        return paged_attention_reference(
+            q, k_cache, v_cache, page_table, query_lens, context_lens, scale, k_scale, v_scale
+        )
     from ferry.kernels import paged_attention_triton as triton_kernels
 
     scales = dict(k_scale=k_scale, v_scale=v_scale)
     if q.shape[0] == len(query_lens):  # one new token per request: decode
-        return triton_kernels.paged_attention_decode_triton(q, k_cache, v_cache, page_table, query_start, positions,
-                                                            scale, token_request=token_request, **scales)  # fmt: skip
+        return triton_kernels.paged_attention_decode_triton(
+            q, k_cache, v_cache, page_table, query_start, positions, scale, token_request=token_request, **scales
+        )
     flash: set[int] = set()
     out = torch.empty_like(q)
     if flash_available(q, k_cache):
@@ -51,16 +53,37 @@ def paged_attention(
         long_queries = flash_requests(query_lens)
         buffers = gather() if gather is not None and long_queries else None
         for r in long_queries:
-            if flash_prefill_into(out, q, k_cache, v_cache, page_table[r], first_rows[r], query_lens[r],
-                                  context_lens[r], scale, buffers, **scales):  # fmt: skip
+            if flash_prefill_into(
+                out,
+                q,
+                k_cache,
+                v_cache,
+                page_table[r],
+                first_rows[r],
+                query_lens[r],
+                context_lens[r],
+                scale,
+                buffers,
+                **scales,
+            ):
                 flash.add(r)
             else:
                 _flash_refused(q, k_cache, query_lens[r], context_lens[r])
     if len(flash) == sum(1 for n in query_lens if n):
         return out
-    return triton_kernels.paged_attention_prefill_triton(q, k_cache, v_cache, page_table, query_start, positions,
-                                                         query_lens, scale, out=out, skip=frozenset(flash),
-                                                         **scales)  # fmt: skip
+    return triton_kernels.paged_attention_prefill_triton(
+        q,
+        k_cache,
+        v_cache,
+        page_table,
+        query_start,
+        positions,
+        query_lens,
+        scale,
+        out=out,
+        skip=frozenset(flash),
+        **scales,
+    )
 
 
 def _flash_refused(q: torch.Tensor, k_cache: torch.Tensor, query_len: int, context_len: int) -> None:
@@ -71,5 +94,13 @@ def _flash_refused(q: torch.Tensor, k_cache: torch.Tensor, query_len: int, conte
     if kind in _refusals_logged:
         return
     _refusals_logged.add(kind)
-    log.warning("flash_attention_refused", query_tokens=query_len, context_tokens=context_len, dtype=str(q.dtype),
-                cache_dtype=str(k_cache.dtype), heads=q.shape[1], kv_heads=k_cache.shape[2], head_dim=q.shape[2])  # fmt: skip
+    log.warning(
+        "flash_attention_refused",
+        query_tokens=query_len,
+        context_tokens=context_len,
+        dtype=str(q.dtype),
+        cache_dtype=str(k_cache.dtype),
+        heads=q.shape[1],
+        kv_heads=k_cache.shape[2],
+        head_dim=q.shape[2],
+    )

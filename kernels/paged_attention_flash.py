@@ -54,10 +54,20 @@ def flash_params(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
     return SDPAParams(query, key, value, None, 0.0, False, True)
 
 
-def flash_prefill_into(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       pages: torch.Tensor, first_row: int, query_len: int, context_len: int, scale: float,
-                       buffers: tuple[torch.Tensor, torch.Tensor] | None = None, k_scale: torch.Tensor | None = None,
-                       v_scale: torch.Tensor | None = None) -> bool:  # fmt: skip
+def flash_prefill_into(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pages: torch.Tensor,
+    first_row: int,
+    query_len: int,
+    context_len: int,
+    scale: float,
+    buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> bool:
     """Request rows out[first_row : first_row + query_len] (q's layout [T, heads, head_dim]): its new
     tokens attend to its `context_len` cached keys and causally to each other, read through `pages`
     (its page-table row; the new tokens' K/V are written there already). The K/V are gathered into
@@ -94,4 +104,3 @@ def flash_prefill_into(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor
         )
     out[rows] = result[0].transpose(0, 1)
     return True
-

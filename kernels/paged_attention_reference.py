@@ -16,7 +16,6 @@ import torch
 
 from ferry.shared.units import ceil_div
 
-
 # e4m3's largest finite value: a row's amax is stored as this (e4m3fn has no infinity, and torch's cast of a
 # value past it gives NaN, so quotients are clamped to it)
 KV_FP8_MAX = 448.0
@@ -60,9 +59,14 @@ def write_kv(
         scales.view(-1, kv_heads).index_copy_(0, slot_mapping, scale)
 
 
-def gather_request_kv(cache: torch.Tensor, pages: torch.Tensor, length: int,
-                      into: torch.Tensor | None = None, scales: torch.Tensor | None = None,
-                      dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
+def gather_request_kv(
+    cache: torch.Tensor,
+    pages: torch.Tensor,
+    length: int,
+    into: torch.Tensor | None = None,
+    scales: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """The first `length` positions of one request, [length, kv_heads, head_dim], read through its page list;
     into `into`'s first pages ([pages, page_size, kv_heads, head_dim]) where it has room, else a new tensor.
     With `scales` (an fp8 pool's, [pages, page_size, kv_heads]) the rows come back dequantized, value x scale

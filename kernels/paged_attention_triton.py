@@ -56,20 +56,45 @@ V_SCALE_LIFT = tl.constexpr(256.0)
 
 @triton.jit
 def _paged_kv_block(
-    k_ptr, v_ptr, page_table_ptr, req, stride_pt, n, n_mask, d, d_mask, kv_head,
-    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-    ks_ptr, vs_ptr, stride_sp, stride_ss, stride_sh,
-    PAGE_SIZE: tl.constexpr, KV_FP8: tl.constexpr,
-):  # fmt: skip
+    k_ptr,
+    v_ptr,
+    page_table_ptr,
+    req,
+    stride_pt,
+    n,
+    n_mask,
+    d,
+    d_mask,
+    kv_head,
+    stride_kp,
+    stride_ks,
+    stride_kh,
+    stride_vp,
+    stride_vs,
+    stride_vh,
+    ks_ptr,
+    vs_ptr,
+    stride_sp,
+    stride_ss,
+    stride_sh,
+    PAGE_SIZE: tl.constexpr,
+    KV_FP8: tl.constexpr,
+):
     """K and V ([BLOCK_N, BLOCK_D], the cache dtype) of key positions `n` of request `req`, and their rows'
     scales ([BLOCK_N] float32; 0 for masked keys) with KV_FP8, else 1."""
     page = tl.load(page_table_ptr + req * stride_pt + n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
     within = (n % PAGE_SIZE).to(tl.int64)
     kv_mask = n_mask[:, None] & d_mask[None, :]
-    k = tl.load(k_ptr + page[:, None] * stride_kp + within[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
-                mask=kv_mask, other=0.0)  # fmt: skip
-    v = tl.load(v_ptr + page[:, None] * stride_vp + within[:, None] * stride_vs + kv_head * stride_vh + d[None, :],
-                mask=kv_mask, other=0.0)  # fmt: skip
+    k = tl.load(
+        k_ptr + page[:, None] * stride_kp + within[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )
+    v = tl.load(
+        v_ptr + page[:, None] * stride_vp + within[:, None] * stride_vs + kv_head * stride_vh + d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )
     if KV_FP8:
         row = page * stride_sp + within * stride_ss + kv_head * stride_sh
         k_scale = tl.load(ks_ptr + row, mask=n_mask, other=0.0)
@@ -84,13 +109,41 @@ def _paged_kv_block(
 # and specialising on it would compile new variants mid-serving
 @triton.jit(do_not_specialize=["stride_pt"])
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, part_ptr, page_table_ptr, token_req_ptr, positions_ptr, ks_ptr, vs_ptr,
-    stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_ot, stride_oh,
-    stride_pt, stride_sp, stride_ss, stride_sh, scale,
-    PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, SPLITS: tl.constexpr, FP32_DOT: tl.constexpr,
-    IEEE_DOT: tl.constexpr, KV_FP8: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    part_ptr,
+    page_table_ptr,
+    token_req_ptr,
+    positions_ptr,
+    ks_ptr,
+    vs_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kp,
+    stride_ks,
+    stride_kh,
+    stride_vp,
+    stride_vs,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_pt,
+    stride_sp,
+    stride_ss,
+    stride_sh,
+    scale,
+    PAGE_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    SPLITS: tl.constexpr,
+    FP32_DOT: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+    KV_FP8: tl.constexpr,
+):
     """One (token, kv head, split): the GROUP query heads of the kv head over the split's share of the
     token's keys, an online softmax with tensor-core dots; writes (max, sum, unnormalised output)."""
     t = tl.program_id(0)
@@ -108,8 +161,11 @@ def _decode_split_kernel(
     heads = kv_head * GROUP + g
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
-    q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)  # fmt: skip
+    q = tl.load(
+        q_ptr + t * stride_qt + heads[:, None] * stride_qh + d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
     if FP32_DOT:
         q = q.to(tl.float32)
 
@@ -120,9 +176,30 @@ def _decode_split_kernel(
         n = start + tl.arange(0, BLOCK_N)
         n_mask = n < last
         k, v, k_scale, v_scale = _paged_kv_block(
-            k_ptr, v_ptr, page_table_ptr, req, stride_pt, n, n_mask, d, d_mask, kv_head, stride_kp, stride_ks,
-            stride_kh, stride_vp, stride_vs, stride_vh, ks_ptr, vs_ptr, stride_sp, stride_ss, stride_sh, PAGE_SIZE,
-            KV_FP8)  # fmt: skip
+            k_ptr,
+            v_ptr,
+            page_table_ptr,
+            req,
+            stride_pt,
+            n,
+            n_mask,
+            d,
+            d_mask,
+            kv_head,
+            stride_kp,
+            stride_ks,
+            stride_kh,
+            stride_vp,
+            stride_vs,
+            stride_vh,
+            ks_ptr,
+            vs_ptr,
+            stride_sp,
+            stride_ss,
+            stride_sh,
+            PAGE_SIZE,
+            KV_FP8,
+        )
         if FP32_DOT:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -157,8 +234,9 @@ def _decode_split_kernel(
 
 
 @triton.jit
-def _decode_combine_kernel(part_ptr, out_ptr, stride_ot, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                           SPLITS: tl.constexpr):  # fmt: skip
+def _decode_combine_kernel(
+    part_ptr, out_ptr, stride_ot, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr
+):
     """One (token, head): the splits' partial softmaxes folded into the output row."""
     t = tl.program_id(0)
     h = tl.program_id(1)
@@ -170,8 +248,7 @@ def _decode_combine_kernel(part_ptr, out_ptr, stride_ot, stride_oh, HEAD_DIM: tl
     w = tl.exp(m - big_m)  # an empty split's -inf gives 0
     l_sum = tl.sum(tl.load(base + 1) * w, axis=0)
     acc = tl.sum(tl.load(base[:, None] + 2 + d[None, :]) * w[:, None], axis=0)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, (acc / l_sum).to(out_ptr.dtype.element_ty),
-             mask=d < HEAD_DIM)  # fmt: skip
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, (acc / l_sum).to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 @triton.jit
@@ -189,14 +266,42 @@ def _softmax_block(s, v, m_i, l_i, acc, v_scale, KV_FP8: tl.constexpr):
 
 @triton.jit(do_not_specialize=["stride_pt"])
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, page_table_ptr, positions_ptr, query_start_ptr, block_req_ptr, block_first_ptr,
-    ks_ptr, vs_ptr,
-    stride_qt, stride_qh, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_ot, stride_oh,
-    stride_pt, stride_sp, stride_ss, stride_sh, scale_log2,
-    PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, FP32_DOT: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    page_table_ptr,
+    positions_ptr,
+    query_start_ptr,
+    block_req_ptr,
+    block_first_ptr,
+    ks_ptr,
+    vs_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kp,
+    stride_ks,
+    stride_kh,
+    stride_vp,
+    stride_vs,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_pt,
+    stride_sp,
+    stride_ss,
+    stride_sh,
+    scale_log2,
+    PAGE_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    FP32_DOT: tl.constexpr,
     KV_FP8: tl.constexpr,
-):  # fmt: skip
+):
     blk = tl.program_id(0)
     kv_head = tl.program_id(1)
     req = tl.load(block_req_ptr + blk).to(tl.int64)
@@ -211,8 +316,11 @@ def _prefill_kernel(
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
     pos_m = tl.load(positions_ptr + t, mask=m_mask, other=0)
-    q = tl.load(q_ptr + t[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :],
-                mask=m_mask[:, None] & d_mask[None, :], other=0.0)  # fmt: skip
+    q = tl.load(
+        q_ptr + t[:, None] * stride_qt + h[:, None] * stride_qh + d[None, :],
+        mask=m_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
     if FP32_DOT:
         q = q.to(tl.float32)
     last = tl.minimum(end, first + BLOCK_T) - 1
@@ -226,9 +334,30 @@ def _prefill_kernel(
     for start in range(0, unmasked_end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         k, v, k_scale, v_scale = _paged_kv_block(
-            k_ptr, v_ptr, page_table_ptr, req, stride_pt, n, n < unmasked_end, d, d_mask, kv_head, stride_kp,
-            stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, ks_ptr, vs_ptr, stride_sp, stride_ss, stride_sh,
-            PAGE_SIZE, KV_FP8)  # fmt: skip
+            k_ptr,
+            v_ptr,
+            page_table_ptr,
+            req,
+            stride_pt,
+            n,
+            n < unmasked_end,
+            d,
+            d_mask,
+            kv_head,
+            stride_kp,
+            stride_ks,
+            stride_kh,
+            stride_vp,
+            stride_vs,
+            stride_vh,
+            ks_ptr,
+            vs_ptr,
+            stride_sp,
+            stride_ss,
+            stride_sh,
+            PAGE_SIZE,
+            KV_FP8,
+        )
         if FP32_DOT:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -243,9 +372,30 @@ def _prefill_kernel(
         n = start + tl.arange(0, BLOCK_N)
         n_mask = n < num_keys
         k, v, k_scale, v_scale = _paged_kv_block(
-            k_ptr, v_ptr, page_table_ptr, req, stride_pt, n, n_mask, d, d_mask, kv_head, stride_kp, stride_ks,
-            stride_kh, stride_vp, stride_vs, stride_vh, ks_ptr, vs_ptr, stride_sp, stride_ss, stride_sh, PAGE_SIZE,
-            KV_FP8)  # fmt: skip
+            k_ptr,
+            v_ptr,
+            page_table_ptr,
+            req,
+            stride_pt,
+            n,
+            n_mask,
+            d,
+            d_mask,
+            kv_head,
+            stride_kp,
+            stride_ks,
+            stride_kh,
+            stride_vp,
+            stride_vs,
+            stride_vh,
+            ks_ptr,
+            vs_ptr,
+            stride_sp,
+            stride_ss,
+            stride_sh,
+            PAGE_SIZE,
+            KV_FP8,
+        )
         if FP32_DOT:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -260,12 +410,16 @@ def _prefill_kernel(
     if KV_FP8:
         acc = acc * (1.0 / V_SCALE_LIFT)
     out = acc / l_i[:, None]
-    tl.store(out_ptr + t[:, None] * stride_ot + h[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=m_mask[:, None] & d_mask[None, :])  # fmt: skip
+    tl.store(
+        out_ptr + t[:, None] * stride_ot + h[:, None] * stride_oh + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=m_mask[:, None] & d_mask[None, :],
+    )
 
 
-def _prepare(name: str, q, k_cache, v_cache, page_table, out, k_scale, v_scale
-             ) -> tuple[torch.Tensor, torch.Tensor, tuple, tuple, dict]:  # fmt: skip
+def _prepare(
+    name: str, q, k_cache, v_cache, page_table, out, k_scale, v_scale
+) -> tuple[torch.Tensor, torch.Tensor, tuple, tuple, dict]:
     """Checks both entry points make; (out, contiguous page table, the scale pointers, the strides both
     kernels take after their pointers, the shape constants both take). Without scales (a pool of the model
     dtype) the scale pointers are the caches, never read, and their strides 0."""
@@ -281,9 +435,20 @@ def _prepare(name: str, q, k_cache, v_cache, page_table, out, k_scale, v_scale
     out = torch.empty_like(q) if out is None else out
     page_table = page_table.contiguous()
     scale_strides = k_scale.stride() if fp8 else (0, 0, 0)
-    strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-               v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
-               page_table.stride(0), *scale_strides)  # fmt: skip
+    strides = (
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        out.stride(0),
+        out.stride(1),
+        page_table.stride(0),
+        *scale_strides,
+    )
     shape = dict(PAGE_SIZE=page_size, GROUP=heads // kv_heads, HEAD_DIM=head_dim, KV_FP8=fp8)
     scales = (k_scale, v_scale) if fp8 else (k_cache, v_cache)
     return out, page_table, scales, strides, shape
@@ -295,15 +460,26 @@ def token_requests(query_start: torch.Tensor, num_tokens: int) -> torch.Tensor:
     return torch.searchsorted(query_start[1:].contiguous(), tokens, right=True)
 
 
-def paged_attention_decode_triton(q, k_cache, v_cache, page_table, query_start, positions, scale: float,
-                                  out: torch.Tensor | None = None, block_n: int = 32,
-                                  token_request: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
-                                  v_scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def paged_attention_decode_triton(
+    q,
+    k_cache,
+    v_cache,
+    page_table,
+    query_start,
+    positions,
+    scale: float,
+    out: torch.Tensor | None = None,
+    block_n: int = 32,
+    token_request: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
     """`token_request` (int [T], each token's request): ForwardBatch carries it, made on the host
     with the rest of the step, two launches per layer fewer than deriving it here. `k_scale`/`v_scale`:
     an fp8 pool's scales."""
-    out, page_table, scales, strides, shape = _prepare("paged_attention_decode_triton", q, k_cache, v_cache,
-                                                       page_table, out, k_scale, v_scale)  # fmt: skip
+    out, page_table, scales, strides, shape = _prepare(
+        "paged_attention_decode_triton", q, k_cache, v_cache, page_table, out, k_scale, v_scale
+    )
     num_tokens, heads, head_dim = q.shape
     if num_tokens == 0:
         return out
@@ -312,13 +488,27 @@ def paged_attention_decode_triton(q, k_cache, v_cache, page_table, query_start, 
     block_d = max(16, triton.next_power_of_2(head_dim))
     parts = torch.empty(num_tokens, heads, DECODE_SPLITS, 2 + block_d, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(num_tokens, kv_heads, DECODE_SPLITS)](
-        q, k_cache, v_cache, parts, page_table, token_req, positions, *scales, *strides, scale, **shape,
-        BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_G=max(16, triton.next_power_of_2(shape["GROUP"])),
-        SPLITS=DECODE_SPLITS, FP32_DOT=os.environ.get("TRITON_INTERPRET") == "1" or q.dtype == torch.float32,
+        q,
+        k_cache,
+        v_cache,
+        parts,
+        page_table,
+        token_req,
+        positions,
+        *scales,
+        *strides,
+        scale,
+        **shape,
+        BLOCK_D=block_d,
+        BLOCK_N=block_n,
+        BLOCK_G=max(16, triton.next_power_of_2(shape["GROUP"])),
+        SPLITS=DECODE_SPLITS,
+        FP32_DOT=os.environ.get("TRITON_INTERPRET") == "1" or q.dtype == torch.float32,
         IEEE_DOT=q.dtype == torch.float32 and os.environ.get("TRITON_INTERPRET") != "1",
-    )  # fmt: skip
-    _decode_combine_kernel[(num_tokens, heads)](parts, out, out.stride(0), out.stride(1), HEAD_DIM=head_dim,
-                                                BLOCK_D=block_d, SPLITS=DECODE_SPLITS)  # fmt: skip
+    )
+    _decode_combine_kernel[(num_tokens, heads)](
+        parts, out, out.stride(0), out.stride(1), HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS=DECODE_SPLITS
+    )
     return out
 
 
@@ -345,21 +535,35 @@ def prefill_tiles(head_dim: int, group: int) -> tuple[int, int, int]:
     return max(rows, triton.next_power_of_2(group)), keys, warps
 
 
-def paged_attention_prefill_triton(q, k_cache, v_cache, page_table, query_start, positions, query_lens: list[int],
-                                   scale: float, out: torch.Tensor | None = None, block_rows: int | None = None,
-                                   block_n: int | None = None, num_warps: int | None = None,
-                                   skip: Container[int] = (), k_scale: torch.Tensor | None = None,
-                                   v_scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def paged_attention_prefill_triton(
+    q,
+    k_cache,
+    v_cache,
+    page_table,
+    query_start,
+    positions,
+    query_lens: list[int],
+    scale: float,
+    out: torch.Tensor | None = None,
+    block_rows: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    skip: Container[int] = (),
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
     """`block_rows`, `block_n`, `num_warps` override prefill_tiles (tests and the bench); the rows of the
     requests in `skip` are left as they are in `out` (kernels/paged_attention_flash.py computes them).
     `k_scale`/`v_scale`: an fp8 pool's scales."""
-    out, page_table, scales, strides, shape = _prepare("paged_attention_prefill_triton", q, k_cache, v_cache,
-                                                       page_table, out, k_scale, v_scale)  # fmt: skip
+    out, page_table, scales, strides, shape = _prepare(
+        "paged_attention_prefill_triton", q, k_cache, v_cache, page_table, out, k_scale, v_scale
+    )
     rows, keys, warps = prefill_tiles(q.shape[2], shape["GROUP"])
     rows, block_n, num_warps = block_rows or rows, block_n or keys, num_warps or warps
     if rows < shape["GROUP"] or rows & (rows - 1):
-        raise ValueError(f"block_rows ({rows}) must be a power of two of at least the query heads a kv head has "
-                         f"({shape['GROUP']})")  # fmt: skip
+        raise ValueError(
+            f"block_rows ({rows}) must be a power of two of at least the query heads a kv head has ({shape['GROUP']})"
+        )
     block_t = rows // shape["GROUP"]
     reqs, firsts = query_blocks(query_lens, block_t, skip)
     if not reqs:
@@ -367,9 +571,25 @@ def paged_attention_prefill_triton(q, k_cache, v_cache, page_table, query_start,
     block_req = torch.tensor(reqs, dtype=torch.int32).to(q.device, non_blocking=True)
     block_first = torch.tensor(firsts, dtype=torch.int32).to(q.device, non_blocking=True)
     _prefill_kernel[(len(reqs), k_cache.shape[2])](
-        q, k_cache, v_cache, out, page_table, positions, query_start, block_req, block_first, *scales, *strides,
-        scale * LOG2E, **shape, BLOCK_D=max(16, triton.next_power_of_2(q.shape[2])), BLOCK_N=block_n,
-        BLOCK_T=block_t, BLOCK_R=rows, FP32_DOT=os.environ.get("TRITON_INTERPRET") == "1" or q.dtype == torch.float32,
-        num_warps=num_warps, num_stages=2,
-    )  # fmt: skip
+        q,
+        k_cache,
+        v_cache,
+        out,
+        page_table,
+        positions,
+        query_start,
+        block_req,
+        block_first,
+        *scales,
+        *strides,
+        scale * LOG2E,
+        **shape,
+        BLOCK_D=max(16, triton.next_power_of_2(q.shape[2])),
+        BLOCK_N=block_n,
+        BLOCK_T=block_t,
+        BLOCK_R=rows,
+        FP32_DOT=os.environ.get("TRITON_INTERPRET") == "1" or q.dtype == torch.float32,
+        num_warps=num_warps,
+        num_stages=2,
+    )
     return out

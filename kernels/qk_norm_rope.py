@@ -71,11 +71,36 @@ def _normed(x, w, inv_rms, out_ty, ZERO_CENTERED: tl.constexpr):
 
 @triton.jit
 def _qk_norm_rope_kv_kernel(
-    q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
-    ks_ptr, vs_ptr, heads, D, ROT, HALF,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct, cache_row, eps,
-    ZERO_CENTERED: tl.constexpr, BLOCK_D: tl.constexpr, KV_FP8: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    qw_ptr,
+    kw_ptr,
+    cos_ptr,
+    sin_ptr,
+    slot_ptr,
+    q_out_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    ks_ptr,
+    vs_ptr,
+    heads,
+    D,
+    ROT,
+    HALF,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ct,
+    cache_row,
+    eps,
+    ZERO_CENTERED: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    KV_FP8: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     is_q = h < heads
@@ -115,9 +140,24 @@ def _qk_norm_rope_kv_kernel(
         _store_row(v_cache_ptr, vs_ptr, row, scale_row, offs, ok, v, KV_FP8)
 
 
-def qk_norm_rope_kv_triton(q, k, v, q_weight, k_weight, eps: float, zero_centered: bool, cos, sin, rotary_dim: int,
-                           slot_mapping, k_cache, v_cache, q_out: torch.Tensor | None = None,
-                           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def qk_norm_rope_kv_triton(
+    q,
+    k,
+    v,
+    q_weight,
+    k_weight,
+    eps: float,
+    zero_centered: bool,
+    cos,
+    sin,
+    rotary_dim: int,
+    slot_mapping,
+    k_cache,
+    v_cache,
+    q_out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
     """q [T, heads, D], k and v [T, kv_heads, D] (views with unit stride along D); cos/sin
     [T, rotary_dim]; slot_mapping int [T]; caches [pages, page_size, kv_heads, D] (contiguous), with
     k_scale / v_scale [pages, page_size, kv_heads] (contiguous) for an fp8 pool.
@@ -129,8 +169,12 @@ def qk_norm_rope_kv_triton(q, k, v, q_weight, k_weight, eps: float, zero_centere
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.shape[-2:] != (kv_heads, d):
         raise ValueError(f"the caches must be contiguous [pages, page_size, {kv_heads}, {d}]")
     fp8 = k_scale is not None
-    if fp8 and (v_scale is None or not (k_scale.is_contiguous() and v_scale.is_contiguous())
-                or k_scale.shape != k_cache.shape[:-1] or v_scale.shape != k_scale.shape):  # fmt: skip
+    if fp8 and (
+        v_scale is None
+        or not (k_scale.is_contiguous() and v_scale.is_contiguous())
+        or k_scale.shape != k_cache.shape[:-1]
+        or v_scale.shape != k_scale.shape
+    ):
         raise ValueError(f"an fp8 pool's scales must both be contiguous [pages, page_size, {kv_heads}]")
     if rotary_dim % 2 or rotary_dim > d:
         raise ValueError(f"rotary_dim {rotary_dim} must be even and at most head_dim {d}")
@@ -138,10 +182,34 @@ def qk_norm_rope_kv_triton(q, k, v, q_weight, k_weight, eps: float, zero_centere
         q_out = torch.empty(t, heads, d, dtype=q.dtype, device=q.device)
     if t:
         _qk_norm_rope_kv_kernel[(t, heads + kv_heads)](
-            q, k, v, q_weight, k_weight, cos, sin, slot_mapping, q_out, k_cache, v_cache,
-            k_scale if fp8 else k_cache, v_scale if fp8 else v_cache, heads, d, rotary_dim, rotary_dim // 2,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
-            kv_heads * d, eps,
-            ZERO_CENTERED=zero_centered, BLOCK_D=triton.next_power_of_2(d), KV_FP8=fp8,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            q_weight,
+            k_weight,
+            cos,
+            sin,
+            slot_mapping,
+            q_out,
+            k_cache,
+            v_cache,
+            k_scale if fp8 else k_cache,
+            v_scale if fp8 else v_cache,
+            heads,
+            d,
+            rotary_dim,
+            rotary_dim // 2,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            cos.stride(0),
+            kv_heads * d,
+            eps,
+            ZERO_CENTERED=zero_centered,
+            BLOCK_D=triton.next_power_of_2(d),
+            KV_FP8=fp8,
+        )
     return q_out

@@ -62,11 +62,34 @@ def _even_odd(x_ptrs, mask, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _nvfp4_gate_up_block(
-    x_ptr, q_ptr, s_ptr, g_ptr, act_ptr, sorted_pairs_ptr, pid_m, pid_n, slot, num_pairs, top_k, H, I,
-    stride_xt, stride_xh, stride_qs, stride_qo, stride_ss, stride_so, stride_gs, stride_am, stride_an,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    g_ptr,
+    act_ptr,
+    sorted_pairs_ptr,
+    pid_m,
+    pid_n,
+    slot,
+    num_pairs,
+    top_k,
+    H,
+    I,
+    stride_xt,
+    stride_xh,
+    stride_qs,
+    stride_qo,
+    stride_ss,
+    stride_so,
+    stride_gs,
+    stride_am,
+    stride_an,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
-):  # fmt: skip
+):
     """_nvfp4_gate_up_kernel's work: block pid_m at slot `slot` (shifted), column tile pid_n."""
     slot = slot.to(tl.int64)
     offs_m, pair, row_ok = block_rows(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M)
@@ -112,36 +135,134 @@ def _nvfp4_gate_up_block(
 
 @triton.jit(do_not_specialize=["num_pairs", "slot_lo", "slot_hi", "slot_shift"])
 def _nvfp4_gate_up_kernel(
-    x_ptr, q_ptr, s_ptr, g_ptr, act_ptr, sorted_pairs_ptr, block_slot_ptr, block_start_ptr, num_pairs, top_k, H,
-    I, slot_lo, slot_hi, slot_shift, stride_xt, stride_xh, stride_qs, stride_qo, stride_ss, stride_so,
-    stride_gs, stride_am, stride_an, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr, WINDOWED: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    g_ptr,
+    act_ptr,
+    sorted_pairs_ptr,
+    block_slot_ptr,
+    block_start_ptr,
+    num_pairs,
+    top_k,
+    H,
+    I,
+    slot_lo,
+    slot_hi,
+    slot_shift,
+    stride_xt,
+    stride_xh,
+    stride_qs,
+    stride_qo,
+    stride_ss,
+    stride_so,
+    stride_gs,
+    stride_am,
+    stride_an,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    WINDOWED: tl.constexpr,
+):
     pid_n = tl.program_id(1)
     if WINDOWED:  # the window's blocks only (aligned_blocks.py)
         first, last = window_blocks(block_start_ptr, slot_lo, slot_hi)
         for pid_m in range(first + tl.program_id(0), last, tl.num_programs(0)):
             slot = tl.load(block_slot_ptr + pid_m) + slot_shift
             _nvfp4_gate_up_block(
-                x_ptr, q_ptr, s_ptr, g_ptr, act_ptr, sorted_pairs_ptr, pid_m, pid_n, slot, num_pairs, top_k, H,
-                I, stride_xt, stride_xh, stride_qs, stride_qo, stride_ss, stride_so, stride_gs, stride_am,
-                stride_an, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)  # fmt: skip
+                x_ptr,
+                q_ptr,
+                s_ptr,
+                g_ptr,
+                act_ptr,
+                sorted_pairs_ptr,
+                pid_m,
+                pid_n,
+                slot,
+                num_pairs,
+                top_k,
+                H,
+                I,
+                stride_xt,
+                stride_xh,
+                stride_qs,
+                stride_qo,
+                stride_ss,
+                stride_so,
+                stride_gs,
+                stride_am,
+                stride_an,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+                UPCAST,
+                PRECISION,
+            )
     else:
         pid_m = tl.program_id(0)
         slot = tl.load(block_slot_ptr + pid_m)
         if (slot >= slot_lo) & (slot < slot_hi):  # not -1 (past the end), and inside the window
             _nvfp4_gate_up_block(
-                x_ptr, q_ptr, s_ptr, g_ptr, act_ptr, sorted_pairs_ptr, pid_m, pid_n, slot + slot_shift,
-                num_pairs, top_k, H, I, stride_xt, stride_xh, stride_qs, stride_qo, stride_ss, stride_so,
-                stride_gs, stride_am, stride_an, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)  # fmt: skip
+                x_ptr,
+                q_ptr,
+                s_ptr,
+                g_ptr,
+                act_ptr,
+                sorted_pairs_ptr,
+                pid_m,
+                pid_n,
+                slot + slot_shift,
+                num_pairs,
+                top_k,
+                H,
+                I,
+                stride_xt,
+                stride_xh,
+                stride_qs,
+                stride_qo,
+                stride_ss,
+                stride_so,
+                stride_gs,
+                stride_am,
+                stride_an,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+                UPCAST,
+                PRECISION,
+            )
 
 
 @triton.jit
 def _nvfp4_down_block(
-    act_ptr, q_ptr, s_ptr, g_ptr, rows_ptr, weights_ptr, sorted_pairs_ptr, pid_m, pid_n, slot, num_pairs, H, I,
-    stride_am, stride_an, stride_qs, stride_qo, stride_ss, stride_so, stride_gs, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
+    act_ptr,
+    q_ptr,
+    s_ptr,
+    g_ptr,
+    rows_ptr,
+    weights_ptr,
+    sorted_pairs_ptr,
+    pid_m,
+    pid_n,
+    slot,
+    num_pairs,
+    H,
+    I,
+    stride_am,
+    stride_an,
+    stride_qs,
+    stride_qo,
+    stride_ss,
+    stride_so,
+    stride_gs,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """_nvfp4_down_kernel's work: block pid_m at slot `slot` (shifted), column tile pid_n."""
     slot = slot.to(tl.int64)
     offs_m, pair, row_ok = block_rows(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M)
@@ -168,43 +289,138 @@ def _nvfp4_down_block(
     routing = tl.load(weights_ptr + pair, mask=row_ok, other=0.0)
     y = acc.to(w_ty).to(tl.float32) * routing[:, None]
     # rows in a 16-bit dtype (a long step's, kernels/expert_rows_sum.py): the float32 value rounded once, to nearest even
-    tl.store(rows_ptr + pair[:, None] * H + offs_n[None, :], y.to(rows_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & n_ok[None, :])
+    tl.store(
+        rows_ptr + pair[:, None] * H + offs_n[None, :],
+        y.to(rows_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & n_ok[None, :],
+    )
 
 
 @triton.jit(do_not_specialize=["num_pairs", "slot_lo", "slot_hi", "slot_shift"])
 def _nvfp4_down_kernel(
-    act_ptr, q_ptr, s_ptr, g_ptr, rows_ptr, weights_ptr, sorted_pairs_ptr, block_slot_ptr, block_start_ptr,
-    num_pairs, H, I, slot_lo, slot_hi, slot_shift, stride_am, stride_an, stride_qs, stride_qo, stride_ss,
-    stride_so, stride_gs, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr, WINDOWED: tl.constexpr,
-):  # fmt: skip
+    act_ptr,
+    q_ptr,
+    s_ptr,
+    g_ptr,
+    rows_ptr,
+    weights_ptr,
+    sorted_pairs_ptr,
+    block_slot_ptr,
+    block_start_ptr,
+    num_pairs,
+    H,
+    I,
+    slot_lo,
+    slot_hi,
+    slot_shift,
+    stride_am,
+    stride_an,
+    stride_qs,
+    stride_qo,
+    stride_ss,
+    stride_so,
+    stride_gs,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    WINDOWED: tl.constexpr,
+):
     pid_n = tl.program_id(1)
     if WINDOWED:  # the window's blocks only (aligned_blocks.py)
         first, last = window_blocks(block_start_ptr, slot_lo, slot_hi)
         for pid_m in range(first + tl.program_id(0), last, tl.num_programs(0)):
             slot = tl.load(block_slot_ptr + pid_m) + slot_shift
             _nvfp4_down_block(
-                act_ptr, q_ptr, s_ptr, g_ptr, rows_ptr, weights_ptr, sorted_pairs_ptr, pid_m, pid_n, slot,
-                num_pairs, H, I, stride_am, stride_an, stride_qs, stride_qo, stride_ss, stride_so, stride_gs,
-                BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)  # fmt: skip
+                act_ptr,
+                q_ptr,
+                s_ptr,
+                g_ptr,
+                rows_ptr,
+                weights_ptr,
+                sorted_pairs_ptr,
+                pid_m,
+                pid_n,
+                slot,
+                num_pairs,
+                H,
+                I,
+                stride_am,
+                stride_an,
+                stride_qs,
+                stride_qo,
+                stride_ss,
+                stride_so,
+                stride_gs,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+                UPCAST,
+                PRECISION,
+            )
     else:
         pid_m = tl.program_id(0)
         slot = tl.load(block_slot_ptr + pid_m)
         if (slot >= slot_lo) & (slot < slot_hi):  # not -1 (past the end), and inside the window
             _nvfp4_down_block(
-                act_ptr, q_ptr, s_ptr, g_ptr, rows_ptr, weights_ptr, sorted_pairs_ptr, pid_m, pid_n,
-                slot + slot_shift, num_pairs, H, I, stride_am, stride_an, stride_qs, stride_qo, stride_ss,
-                stride_so, stride_gs, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)  # fmt: skip
+                act_ptr,
+                q_ptr,
+                s_ptr,
+                g_ptr,
+                rows_ptr,
+                weights_ptr,
+                sorted_pairs_ptr,
+                pid_m,
+                pid_n,
+                slot + slot_shift,
+                num_pairs,
+                H,
+                I,
+                stride_am,
+                stride_an,
+                stride_qs,
+                stride_qo,
+                stride_ss,
+                stride_so,
+                stride_gs,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+                UPCAST,
+                PRECISION,
+            )
 
 
 @triton.jit
 def _fp8_gate_up_block(
-    x_ptr, q_ptr, s_ptr, act_ptr, sorted_pairs_ptr, pid_m, pid_n, slot, num_pairs, top_k, H, I, up_row_block,
-    stride_xt, stride_xh, stride_qs, stride_qo, stride_ss, stride_so, stride_am, stride_an,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    act_ptr,
+    sorted_pairs_ptr,
+    pid_m,
+    pid_n,
+    slot,
+    num_pairs,
+    top_k,
+    H,
+    I,
+    up_row_block,
+    stride_xt,
+    stride_xh,
+    stride_qs,
+    stride_qo,
+    stride_ss,
+    stride_so,
+    stride_am,
+    stride_an,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
-):  # fmt: skip
+):
     """_fp8_gate_up_kernel's work: block pid_m at slot `slot` (shifted), column tile pid_n."""
     slot = slot.to(tl.int64)
     offs_m, pair, row_ok = block_rows(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M)
@@ -242,11 +458,36 @@ def _fp8_gate_up_block(
 
 @triton.jit(do_not_specialize=["num_pairs", "slot_lo", "slot_hi", "slot_shift"])
 def _fp8_gate_up_kernel(
-    x_ptr, q_ptr, s_ptr, act_ptr, sorted_pairs_ptr, block_slot_ptr, block_start_ptr, num_pairs, top_k, H, I,
-    slot_lo, slot_hi, slot_shift, up_row_block, stride_xt, stride_xh, stride_qs, stride_qo, stride_ss,
-    stride_so, stride_am, stride_an, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr, WINDOWED: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    act_ptr,
+    sorted_pairs_ptr,
+    block_slot_ptr,
+    block_start_ptr,
+    num_pairs,
+    top_k,
+    H,
+    I,
+    slot_lo,
+    slot_hi,
+    slot_shift,
+    up_row_block,
+    stride_xt,
+    stride_xh,
+    stride_qs,
+    stride_qo,
+    stride_ss,
+    stride_so,
+    stride_am,
+    stride_an,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    WINDOWED: tl.constexpr,
+):
     tl.static_assert(128 % BLOCK_K == 0, "a step must stay in one column block")
     pid_n = tl.program_id(1)
     if WINDOWED:  # the window's blocks only (aligned_blocks.py)
@@ -254,25 +495,93 @@ def _fp8_gate_up_kernel(
         for pid_m in range(first + tl.program_id(0), last, tl.num_programs(0)):
             slot = tl.load(block_slot_ptr + pid_m) + slot_shift
             _fp8_gate_up_block(
-                x_ptr, q_ptr, s_ptr, act_ptr, sorted_pairs_ptr, pid_m, pid_n, slot, num_pairs, top_k, H, I,
-                up_row_block, stride_xt, stride_xh, stride_qs, stride_qo, stride_ss, stride_so, stride_am,
-                stride_an, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)  # fmt: skip
+                x_ptr,
+                q_ptr,
+                s_ptr,
+                act_ptr,
+                sorted_pairs_ptr,
+                pid_m,
+                pid_n,
+                slot,
+                num_pairs,
+                top_k,
+                H,
+                I,
+                up_row_block,
+                stride_xt,
+                stride_xh,
+                stride_qs,
+                stride_qo,
+                stride_ss,
+                stride_so,
+                stride_am,
+                stride_an,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+                UPCAST,
+                PRECISION,
+            )
     else:
         pid_m = tl.program_id(0)
         slot = tl.load(block_slot_ptr + pid_m)
         if (slot >= slot_lo) & (slot < slot_hi):  # not -1 (past the end), and inside the window
             _fp8_gate_up_block(
-                x_ptr, q_ptr, s_ptr, act_ptr, sorted_pairs_ptr, pid_m, pid_n, slot + slot_shift, num_pairs,
-                top_k, H, I, up_row_block, stride_xt, stride_xh, stride_qs, stride_qo, stride_ss, stride_so,
-                stride_am, stride_an, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)  # fmt: skip
+                x_ptr,
+                q_ptr,
+                s_ptr,
+                act_ptr,
+                sorted_pairs_ptr,
+                pid_m,
+                pid_n,
+                slot + slot_shift,
+                num_pairs,
+                top_k,
+                H,
+                I,
+                up_row_block,
+                stride_xt,
+                stride_xh,
+                stride_qs,
+                stride_qo,
+                stride_ss,
+                stride_so,
+                stride_am,
+                stride_an,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+                UPCAST,
+                PRECISION,
+            )
 
 
 @triton.jit
 def _fp8_down_block(
-    act_ptr, q_ptr, s_ptr, rows_ptr, weights_ptr, sorted_pairs_ptr, pid_m, pid_n, slot, num_pairs, H, I,
-    stride_am, stride_an, stride_qs, stride_qo, stride_ss, stride_so, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
+    act_ptr,
+    q_ptr,
+    s_ptr,
+    rows_ptr,
+    weights_ptr,
+    sorted_pairs_ptr,
+    pid_m,
+    pid_n,
+    slot,
+    num_pairs,
+    H,
+    I,
+    stride_am,
+    stride_an,
+    stride_qs,
+    stride_qo,
+    stride_ss,
+    stride_so,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """_fp8_down_kernel's work: block pid_m at slot `slot` (shifted), column tile pid_n."""
     slot = slot.to(tl.int64)
     offs_m, pair, row_ok = block_rows(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M)
@@ -295,17 +604,42 @@ def _fp8_down_block(
     routing = tl.load(weights_ptr + pair, mask=row_ok, other=0.0)
     y = acc.to(w_ty).to(tl.float32) * routing[:, None]
     # rows in a 16-bit dtype (a long step's, kernels/expert_rows_sum.py): the float32 value rounded once, to nearest even
-    tl.store(rows_ptr + pair[:, None] * H + offs_n[None, :], y.to(rows_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & n_ok[None, :])
+    tl.store(
+        rows_ptr + pair[:, None] * H + offs_n[None, :],
+        y.to(rows_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & n_ok[None, :],
+    )
 
 
 @triton.jit(do_not_specialize=["num_pairs", "slot_lo", "slot_hi", "slot_shift"])
 def _fp8_down_kernel(
-    act_ptr, q_ptr, s_ptr, rows_ptr, weights_ptr, sorted_pairs_ptr, block_slot_ptr, block_start_ptr, num_pairs,
-    H, I, slot_lo, slot_hi, slot_shift, stride_am, stride_an, stride_qs, stride_qo, stride_ss, stride_so,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr, WINDOWED: tl.constexpr,
-):  # fmt: skip
+    act_ptr,
+    q_ptr,
+    s_ptr,
+    rows_ptr,
+    weights_ptr,
+    sorted_pairs_ptr,
+    block_slot_ptr,
+    block_start_ptr,
+    num_pairs,
+    H,
+    I,
+    slot_lo,
+    slot_hi,
+    slot_shift,
+    stride_am,
+    stride_an,
+    stride_qs,
+    stride_qo,
+    stride_ss,
+    stride_so,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    WINDOWED: tl.constexpr,
+):
     tl.static_assert(128 % BLOCK_K == 0, "a step must stay in one column block")
     pid_n = tl.program_id(1)
     if WINDOWED:  # the window's blocks only (aligned_blocks.py)
@@ -313,23 +647,72 @@ def _fp8_down_kernel(
         for pid_m in range(first + tl.program_id(0), last, tl.num_programs(0)):
             slot = tl.load(block_slot_ptr + pid_m) + slot_shift
             _fp8_down_block(
-                act_ptr, q_ptr, s_ptr, rows_ptr, weights_ptr, sorted_pairs_ptr, pid_m, pid_n, slot, num_pairs,
-                H, I, stride_am, stride_an, stride_qs, stride_qo, stride_ss, stride_so, BLOCK_M, BLOCK_N,
-                BLOCK_K, UPCAST, PRECISION)  # fmt: skip
+                act_ptr,
+                q_ptr,
+                s_ptr,
+                rows_ptr,
+                weights_ptr,
+                sorted_pairs_ptr,
+                pid_m,
+                pid_n,
+                slot,
+                num_pairs,
+                H,
+                I,
+                stride_am,
+                stride_an,
+                stride_qs,
+                stride_qo,
+                stride_ss,
+                stride_so,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+                UPCAST,
+                PRECISION,
+            )
     else:
         pid_m = tl.program_id(0)
         slot = tl.load(block_slot_ptr + pid_m)
         if (slot >= slot_lo) & (slot < slot_hi):  # not -1 (past the end), and inside the window
             _fp8_down_block(
-                act_ptr, q_ptr, s_ptr, rows_ptr, weights_ptr, sorted_pairs_ptr, pid_m, pid_n, slot + slot_shift,
-                num_pairs, H, I, stride_am, stride_an, stride_qs, stride_qo, stride_ss, stride_so, BLOCK_M,
-                BLOCK_N, BLOCK_K, UPCAST, PRECISION)  # fmt: skip
+                act_ptr,
+                q_ptr,
+                s_ptr,
+                rows_ptr,
+                weights_ptr,
+                sorted_pairs_ptr,
+                pid_m,
+                pid_n,
+                slot + slot_shift,
+                num_pairs,
+                H,
+                I,
+                stride_am,
+                stride_an,
+                stride_qs,
+                stride_qo,
+                stride_ss,
+                stride_so,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+                UPCAST,
+                PRECISION,
+            )
 
 
-def quantized_grouped_rows_triton(x, topk_slots, topk_weights, w13: QuantizedFamily, w2: QuantizedFamily, rows,
-                                  aligned: tuple[torch.Tensor, torch.Tensor] | None = None,
-                                  max_distinct_slots: int | None = None,
-                                  slot_window: tuple[int, int, int] = SLOT_WINDOW_ALL) -> None:  # fmt: skip
+def quantized_grouped_rows_triton(
+    x,
+    topk_slots,
+    topk_weights,
+    w13: QuantizedFamily,
+    w2: QuantizedFamily,
+    rows,
+    aligned: tuple[torch.Tensor, torch.Tensor] | None = None,
+    max_distinct_slots: int | None = None,
+    slot_window: tuple[int, int, int] = SLOT_WINDOW_ALL,
+) -> None:
     """`grouped_expert_rows_triton` for quantized slots (same arguments, `aligned` and
     `slot_window` included, same contract)."""
     t, h = x.shape
@@ -348,31 +731,110 @@ def quantized_grouped_rows_triton(x, topk_slots, topk_weights, w13: QuantizedFam
     upcast = _INTERPRETING or x.dtype == torch.float32
     precision = "ieee" if x.dtype == torch.float32 else None  # fp32 in, fp32 accuracy out (no TF32)
     block_k = block_k_for(w13.fmt, block_m, x.dtype)
-    meta = dict(BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k, UPCAST=upcast, PRECISION=precision,
-                WINDOWED=block_start is not None)  # all four
+    meta = dict(
+        BLOCK_M=block_m,
+        BLOCK_N=BLOCK_N,
+        BLOCK_K=block_k,
+        UPCAST=upcast,
+        PRECISION=precision,
+        WINDOWED=block_start is not None,
+    )  # all four
     lo, hi, shift = slot_window
     starts = block_start if block_start is not None else block_slot  # not read unless WINDOWED
     aligned_args = (sorted_pairs, block_slot, starts)
     up_grid, down_grid = (grid_m, triton.cdiv(inter, BLOCK_N)), (grid_m, triton.cdiv(h, BLOCK_N))
     if w13.fmt == NVFP4:
         _nvfp4_gate_up_kernel[up_grid](
-            x, w13.q, w13.scale, w13.gscale, act, *aligned_args, num_pairs, top_k, h, inter, lo, hi, shift,
-            x.stride(0), x.stride(1), w13.q.stride(0), w13.q.stride(1), w13.scale.stride(0), w13.scale.stride(1),
-            w13.gscale.stride(0), act.stride(0), act.stride(1), **meta,
-        )  # fmt: skip
+            x,
+            w13.q,
+            w13.scale,
+            w13.gscale,
+            act,
+            *aligned_args,
+            num_pairs,
+            top_k,
+            h,
+            inter,
+            lo,
+            hi,
+            shift,
+            x.stride(0),
+            x.stride(1),
+            w13.q.stride(0),
+            w13.q.stride(1),
+            w13.scale.stride(0),
+            w13.scale.stride(1),
+            w13.gscale.stride(0),
+            act.stride(0),
+            act.stride(1),
+            **meta,
+        )
         _nvfp4_down_kernel[down_grid](
-            act, w2.q, w2.scale, w2.gscale, rows, weights, *aligned_args, num_pairs, h, inter, lo, hi, shift,
-            act.stride(0), act.stride(1), w2.q.stride(0), w2.q.stride(1), w2.scale.stride(0), w2.scale.stride(1),
-            w2.gscale.stride(0), **meta,
-        )  # fmt: skip
+            act,
+            w2.q,
+            w2.scale,
+            w2.gscale,
+            rows,
+            weights,
+            *aligned_args,
+            num_pairs,
+            h,
+            inter,
+            lo,
+            hi,
+            shift,
+            act.stride(0),
+            act.stride(1),
+            w2.q.stride(0),
+            w2.q.stride(1),
+            w2.scale.stride(0),
+            w2.scale.stride(1),
+            w2.gscale.stride(0),
+            **meta,
+        )
     else:
         _fp8_gate_up_kernel[up_grid](
-            x, w13.q, w13.scale, act, *aligned_args, num_pairs, top_k, h, inter, lo, hi, shift,
-            w13.row_blocks_per_part, x.stride(0), x.stride(1), w13.q.stride(0), w13.q.stride(1),
-            w13.scale.stride(0), w13.scale.stride(1), act.stride(0), act.stride(1), **meta,
-        )  # fmt: skip
-        _fp8_down_kernel[down_grid](
-            act, w2.q, w2.scale, rows, weights, *aligned_args, num_pairs, h, inter, lo, hi, shift,
-            act.stride(0), act.stride(1), w2.q.stride(0), w2.q.stride(1), w2.scale.stride(0), w2.scale.stride(1),
+            x,
+            w13.q,
+            w13.scale,
+            act,
+            *aligned_args,
+            num_pairs,
+            top_k,
+            h,
+            inter,
+            lo,
+            hi,
+            shift,
+            w13.row_blocks_per_part,
+            x.stride(0),
+            x.stride(1),
+            w13.q.stride(0),
+            w13.q.stride(1),
+            w13.scale.stride(0),
+            w13.scale.stride(1),
+            act.stride(0),
+            act.stride(1),
             **meta,
-        )  # fmt: skip
+        )
+        _fp8_down_kernel[down_grid](
+            act,
+            w2.q,
+            w2.scale,
+            rows,
+            weights,
+            *aligned_args,
+            num_pairs,
+            h,
+            inter,
+            lo,
+            hi,
+            shift,
+            act.stride(0),
+            act.stride(1),
+            w2.q.stride(0),
+            w2.q.stride(1),
+            w2.scale.stride(0),
+            w2.scale.stride(1),
+            **meta,
+        )

@@ -75,10 +75,29 @@ def _silu_and_mul(acc_g, acc_u, out_ty: tl.constexpr):
 # slot_offset follows the layer (the all-resident store passes the layer's first slot): not specialised on
 @triton.jit(do_not_specialize=["slot_offset"])
 def _nvfp4_pair_gate_up_kernel(
-    x_ptr, q_ptr, s_ptr, g_ptr, act_ptr, slots_ptr, slot_offset, top_k, H, I, table_ptr, n_rows_ptr,
-    stride_xt, stride_qs, stride_qo, stride_ss, stride_so, stride_gs,
-    BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, MARK: tl.constexpr, HAS_N_ROWS: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    g_ptr,
+    act_ptr,
+    slots_ptr,
+    slot_offset,
+    top_k,
+    H,
+    I,
+    table_ptr,
+    n_rows_ptr,
+    stride_xt,
+    stride_qs,
+    stride_qo,
+    stride_ss,
+    stride_so,
+    stride_gs,
+    BLOCK_N: tl.constexpr,
+    GROUPS: tl.constexpr,
+    MARK: tl.constexpr,
+    HAS_N_ROWS: tl.constexpr,
+):
     pair = tl.program_id(0)
     slot = tl.load(slots_ptr + pair).to(tl.int64)
     if slot < 0:  # skipped pair (another group computes it): leave its row alone
@@ -121,10 +140,24 @@ def _nvfp4_pair_gate_up_kernel(
 
 @triton.jit(do_not_specialize=["slot_offset"])
 def _nvfp4_pair_down_kernel(
-    act_ptr, q_ptr, s_ptr, g_ptr, rows_ptr, weights_ptr, slots_ptr, slot_offset, H, I,
-    stride_qs, stride_qo, stride_ss, stride_so, stride_gs,
-    BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
-):  # fmt: skip
+    act_ptr,
+    q_ptr,
+    s_ptr,
+    g_ptr,
+    rows_ptr,
+    weights_ptr,
+    slots_ptr,
+    slot_offset,
+    H,
+    I,
+    stride_qs,
+    stride_qo,
+    stride_ss,
+    stride_so,
+    stride_gs,
+    BLOCK_N: tl.constexpr,
+    GROUPS: tl.constexpr,
+):
     pair = tl.program_id(0)
     slot = tl.load(slots_ptr + pair).to(tl.int64)
     if slot < 0:
@@ -156,10 +189,28 @@ def _nvfp4_pair_down_kernel(
 
 @triton.jit(do_not_specialize=["slot_offset"])
 def _fp8_pair_gate_up_kernel(
-    x_ptr, q_ptr, s_ptr, act_ptr, slots_ptr, slot_offset, top_k, H, I, up_row_block, table_ptr, n_rows_ptr,
-    stride_xt, stride_qs, stride_qo, stride_ss, stride_so,
-    BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr, MARK: tl.constexpr, HAS_N_ROWS: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    act_ptr,
+    slots_ptr,
+    slot_offset,
+    top_k,
+    H,
+    I,
+    up_row_block,
+    table_ptr,
+    n_rows_ptr,
+    stride_xt,
+    stride_qs,
+    stride_qo,
+    stride_ss,
+    stride_so,
+    BLOCK_N: tl.constexpr,
+    BLOCKS: tl.constexpr,
+    MARK: tl.constexpr,
+    HAS_N_ROWS: tl.constexpr,
+):
     pair = tl.program_id(0)
     slot = tl.load(slots_ptr + pair).to(tl.int64)
     if slot < 0:
@@ -199,10 +250,22 @@ def _fp8_pair_gate_up_kernel(
 
 @triton.jit(do_not_specialize=["slot_offset"])
 def _fp8_pair_down_kernel(
-    act_ptr, q_ptr, s_ptr, rows_ptr, weights_ptr, slots_ptr, slot_offset, H, I,
-    stride_qs, stride_qo, stride_ss, stride_so,
-    BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr,
-):  # fmt: skip
+    act_ptr,
+    q_ptr,
+    s_ptr,
+    rows_ptr,
+    weights_ptr,
+    slots_ptr,
+    slot_offset,
+    H,
+    I,
+    stride_qs,
+    stride_qo,
+    stride_ss,
+    stride_so,
+    BLOCK_N: tl.constexpr,
+    BLOCKS: tl.constexpr,
+):
     pair = tl.program_id(0)
     slot = tl.load(slots_ptr + pair).to(tl.int64)
     if slot < 0:
@@ -236,8 +299,10 @@ def check_quantized_families(h: int, w13: QuantizedFamily, w2: QuantizedFamily) 
         raise ValueError(f"w13 and w2 must be QuantizedFamily of one format ({NVFP4} or {FP8_BLOCK})")
     inter = w2.cols
     if (w13.rows, w13.cols, w13.part_rows, w2.rows, w2.part_rows) != (2 * inter, h, inter, h, h):
-        raise ValueError(f"quantized families do not fit H={h}: w13 {w13.rows}x{w13.cols} (parts of "
-                         f"{w13.part_rows}), w2 {w2.rows}x{w2.cols} (parts of {w2.part_rows})")  # fmt: skip
+        raise ValueError(
+            f"quantized families do not fit H={h}: w13 {w13.rows}x{w13.cols} (parts of "
+            f"{w13.part_rows}), w2 {w2.rows}x{w2.cols} (parts of {w2.part_rows})"
+        )
     if w13.fmt == NVFP4 and (h % NVFP4_GROUP or inter % NVFP4_GROUP):
         raise ValueError(f"nvfp4 needs H ({h}) and I ({inter}) to be multiples of {NVFP4_GROUP}")
     views = [v for f in (w13, w2) for v in (f.q, f.scale, f.gscale) if v is not None]
@@ -246,8 +311,16 @@ def check_quantized_families(h: int, w13: QuantizedFamily, w2: QuantizedFamily) 
     return inter
 
 
-def quantized_pair_rows_triton(x, topk_slots, topk_weights, w13: QuantizedFamily, w2: QuantizedFamily, rows,
-                               slot_offset: int = 0, mark: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> None:  # fmt: skip
+def quantized_pair_rows_triton(
+    x,
+    topk_slots,
+    topk_weights,
+    w13: QuantizedFamily,
+    w2: QuantizedFamily,
+    rows,
+    slot_offset: int = 0,
+    mark: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+) -> None:
     """`expert_pair_rows_triton` for quantized slots (same contract, `slot_offset` and `mark` included)."""
     table, n_rows = mark_args(mark, rows)
     marking = dict(MARK=mark is not None, HAS_N_ROWS=mark is not None and mark[1] is not None)
@@ -265,29 +338,92 @@ def quantized_pair_rows_triton(x, topk_slots, topk_weights, w13: QuantizedFamily
     weights = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     tiles = TILES[w13.fmt]
-    up_grid, down_grid = (num_pairs, triton.cdiv(inter, tiles.gate_up_rows)), (num_pairs, triton.cdiv(h, tiles.down_rows))
+    up_grid, down_grid = (
+        (num_pairs, triton.cdiv(inter, tiles.gate_up_rows)),
+        (num_pairs, triton.cdiv(h, tiles.down_rows)),
+    )
     up_tile = dict(BLOCK_N=tiles.gate_up_rows, num_warps=tiles.gate_up_warps)
     down_tile = dict(BLOCK_N=tiles.down_rows, num_warps=tiles.down_warps)
     if w13.fmt == NVFP4:
         _nvfp4_pair_gate_up_kernel[up_grid](
-            x, w13.q, w13.scale, w13.gscale, act, slots, slot_offset, top_k, h, inter, table, n_rows,
-            x.stride(0), w13.q.stride(0), w13.q.stride(1), w13.scale.stride(0), w13.scale.stride(1),
+            x,
+            w13.q,
+            w13.scale,
+            w13.gscale,
+            act,
+            slots,
+            slot_offset,
+            top_k,
+            h,
+            inter,
+            table,
+            n_rows,
+            x.stride(0),
+            w13.q.stride(0),
+            w13.q.stride(1),
+            w13.scale.stride(0),
+            w13.scale.stride(1),
             w13.gscale.stride(0),
-            GROUPS=tiles.gate_up_k, **up_tile, **marking,
-        )  # fmt: skip
+            GROUPS=tiles.gate_up_k,
+            **up_tile,
+            **marking,
+        )
         _nvfp4_pair_down_kernel[down_grid](
-            act, w2.q, w2.scale, w2.gscale, rows, weights, slots, slot_offset, h, inter,
-            w2.q.stride(0), w2.q.stride(1), w2.scale.stride(0), w2.scale.stride(1), w2.gscale.stride(0),
-            GROUPS=tiles.down_k, **down_tile,
-        )  # fmt: skip
+            act,
+            w2.q,
+            w2.scale,
+            w2.gscale,
+            rows,
+            weights,
+            slots,
+            slot_offset,
+            h,
+            inter,
+            w2.q.stride(0),
+            w2.q.stride(1),
+            w2.scale.stride(0),
+            w2.scale.stride(1),
+            w2.gscale.stride(0),
+            GROUPS=tiles.down_k,
+            **down_tile,
+        )
     else:
         _fp8_pair_gate_up_kernel[up_grid](
-            x, w13.q, w13.scale, act, slots, slot_offset, top_k, h, inter, w13.row_blocks_per_part, table, n_rows,
-            x.stride(0), w13.q.stride(0), w13.q.stride(1), w13.scale.stride(0), w13.scale.stride(1),
-            BLOCKS=tiles.gate_up_k, **up_tile, **marking,
-        )  # fmt: skip
+            x,
+            w13.q,
+            w13.scale,
+            act,
+            slots,
+            slot_offset,
+            top_k,
+            h,
+            inter,
+            w13.row_blocks_per_part,
+            table,
+            n_rows,
+            x.stride(0),
+            w13.q.stride(0),
+            w13.q.stride(1),
+            w13.scale.stride(0),
+            w13.scale.stride(1),
+            BLOCKS=tiles.gate_up_k,
+            **up_tile,
+            **marking,
+        )
         _fp8_pair_down_kernel[down_grid](
-            act, w2.q, w2.scale, rows, weights, slots, slot_offset, h, inter,
-            w2.q.stride(0), w2.q.stride(1), w2.scale.stride(0), w2.scale.stride(1),
-            BLOCKS=tiles.down_k, **down_tile,
-        )  # fmt: skip
+            act,
+            w2.q,
+            w2.scale,
+            rows,
+            weights,
+            slots,
+            slot_offset,
+            h,
+            inter,
+            w2.q.stride(0),
+            w2.q.stride(1),
+            w2.scale.stride(0),
+            w2.scale.stride(1),
+            BLOCKS=tiles.down_k,
+            **down_tile,
+        )

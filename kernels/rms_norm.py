@@ -32,11 +32,26 @@ from ferry.kernels.expert_rows_sum import ExpertRows
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, res_ptr, out_ptr, res_out_ptr, w_ptr, gate_ptr,
-    D, inner, stride_outer, stride_inner, gate_stride_outer, gate_stride_inner, eps,
-    HAS_RESIDUAL: tl.constexpr, ZERO_CENTERED: tl.constexpr, GATED: tl.constexpr, ROWS: tl.constexpr,
-    TOP_K: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    res_ptr,
+    out_ptr,
+    res_out_ptr,
+    w_ptr,
+    gate_ptr,
+    D,
+    inner,
+    stride_outer,
+    stride_inner,
+    gate_stride_outer,
+    gate_stride_inner,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr,
+    GATED: tl.constexpr,
+    ROWS: tl.constexpr,
+    TOP_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
     ok = offs < D
@@ -70,9 +85,16 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * D + offs, y.to(out_ty), mask=ok)
 
 
-def rms_norm_triton(x: torch.Tensor | ExpertRows, weight: torch.Tensor, eps: float, zero_centered: bool,
-                    residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                    residual_out: torch.Tensor | None = None, gate: torch.Tensor | None = None):  # fmt: skip
+def rms_norm_triton(
+    x: torch.Tensor | ExpertRows,
+    weight: torch.Tensor,
+    eps: float,
+    zero_centered: bool,
+    residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
+):
     """norm(x) as a contiguous tensor of x's shape; with `residual` (contiguous, x's shape):
     (norm(residual + x), residual + x). x: [R, D] or [T, heads, D], unit stride along D, or
     `ExpertRows` (with a residual: the rows' sum is x).
@@ -100,11 +122,25 @@ def rms_norm_triton(x: torch.Tensor | ExpertRows, weight: torch.Tensor, eps: flo
         res_out = torch.empty_like(residual) if residual_out is None else residual_out
     if rows:
         _rms_norm_kernel[(rows,)](
-            x, residual if residual is not None else out, out, res_out if res_out is not None else out, weight,
-            gate if gate is not None else x, d, inner, stride_outer, stride_inner, *gate_strides, eps,
-            HAS_RESIDUAL=residual is not None, ZERO_CENTERED=zero_centered, GATED=gate is not None, ROWS=False,
-            TOP_K=1, BLOCK_D=triton.next_power_of_2(d),
-        )  # fmt: skip
+            x,
+            residual if residual is not None else out,
+            out,
+            res_out if res_out is not None else out,
+            weight,
+            gate if gate is not None else x,
+            d,
+            inner,
+            stride_outer,
+            stride_inner,
+            *gate_strides,
+            eps,
+            HAS_RESIDUAL=residual is not None,
+            ZERO_CENTERED=zero_centered,
+            GATED=gate is not None,
+            ROWS=False,
+            TOP_K=1,
+            BLOCK_D=triton.next_power_of_2(d),
+        )
     return out if residual is None else (out, res_out)
 
 
@@ -121,10 +157,27 @@ def _rms_norm_rows(x: ExpertRows, weight, eps, zero_centered, residual, out, res
     block_d = triton.next_power_of_2(d)
     if t:
         _rms_norm_kernel[(t,)](
-            rows, residual, out, res_out, weight, rows, d, 1, 0, 0, 0, 0, eps,
-            HAS_RESIDUAL=True, ZERO_CENTERED=zero_centered, GATED=False, ROWS=True, TOP_K=top_k,
-            BLOCK_D=block_d, num_warps=max(4, block_d // 512),  # the k rows' loads in flight: more threads past 2048
-        )  # fmt: skip
+            rows,
+            residual,
+            out,
+            res_out,
+            weight,
+            rows,
+            d,
+            1,
+            0,
+            0,
+            0,
+            0,
+            eps,
+            HAS_RESIDUAL=True,
+            ZERO_CENTERED=zero_centered,
+            GATED=False,
+            ROWS=True,
+            TOP_K=top_k,
+            BLOCK_D=block_d,
+            num_warps=max(4, block_d // 512),  # the k rows' loads in flight: more threads past 2048
+        )
     return out, res_out
 
 

@@ -27,8 +27,9 @@ def _cos_sin_kernel(pos_ptr, freq_ptr, cos_ptr, sin_ptr, R, BLOCK_R: tl.constexp
     tl.store(sin_ptr + t * R + offs, tl.sin(angle).to(ty), mask=ok)
 
 
-def rotary_cos_sin_triton(positions: torch.Tensor, inv_freq_both: torch.Tensor,
-                          dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def rotary_cos_sin_triton(
+    positions: torch.Tensor, inv_freq_both: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """positions int64 [T] (contiguous), inv_freq_both float32 [R] -> (cos, sin), contiguous [T, R] in dtype."""
     if positions.dim() != 1 or not positions.is_contiguous() or inv_freq_both.dtype != torch.float32:
         raise ValueError(f"rotary_cos_sin: positions {tuple(positions.shape)}, frequencies {inv_freq_both.dtype}")
@@ -40,14 +41,16 @@ def rotary_cos_sin_triton(positions: torch.Tensor, inv_freq_both: torch.Tensor,
     return cos, sin
 
 
-def rotary_cos_sin_reference(positions: torch.Tensor, inv_freq_both: torch.Tensor,
-                             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def rotary_cos_sin_reference(
+    positions: torch.Tensor, inv_freq_both: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     angles = positions.float()[:, None] * inv_freq_both[None, :]
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def rotary_cos_sin(positions: torch.Tensor, inv_freq_both: torch.Tensor,
-                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def rotary_cos_sin(
+    positions: torch.Tensor, inv_freq_both: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     if use_triton(positions) and positions.is_contiguous():
         return rotary_cos_sin_triton(positions, inv_freq_both, dtype)
     return rotary_cos_sin_reference(positions, inv_freq_both, dtype)

@@ -37,10 +37,18 @@ from ferry.kernels.router_topk_reference import mark_routed_reference, router_to
 
 @triton.jit
 def _router_topk_kernel(
-    logits_ptr, ids_ptr, weights_ptr, shared_ptr, stride_t, E,
-    TOP_K: tl.constexpr, NORM_TOPK: tl.constexpr, HAS_SHARED: tl.constexpr,
-    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
+    logits_ptr,
+    ids_ptr,
+    weights_ptr,
+    shared_ptr,
+    stride_t,
+    E,
+    TOP_K: tl.constexpr,
+    NORM_TOPK: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     real = offs < E
@@ -79,9 +87,13 @@ def _router_topk_kernel(
         tl.store(shared_ptr + t, (1.0 / (1.0 + tl.exp(-g))).to(shared_ptr.dtype.element_ty))
 
 
-def router_topk_triton(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, num_experts: int,
-                       out: tuple[torch.Tensor, ...] | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+def router_topk_triton(
+    logits: torch.Tensor,
+    top_k: int,
+    norm_topk_prob: bool,
+    num_experts: int,
+    out: tuple[torch.Tensor, ...] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """logits [T, E] or [T, E + 1] (unit stride along experts) -> (ids int64 [T, k], weights [T, k]
     in logits' dtype, sigmoid of the last column [T, 1] or None). `out`: (ids, weights[, shared])
     to write into (tests poison them), new tensors by default."""
@@ -104,15 +116,25 @@ def router_topk_triton(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, n
         # shuffles, across warps each also needs shared memory and a barrier (a row of up to 512
         # experts is 16 values a thread in one warp)
         _router_topk_kernel[(t,)](
-            logits, ids, weights, shared if shared is not None else weights, logits.stride(0), num_experts,
-            TOP_K=top_k, NORM_TOPK=norm_topk_prob, HAS_SHARED=has_shared,
-            BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k), num_warps=max(1, min(4, block_e // 512)),
-        )  # fmt: skip
+            logits,
+            ids,
+            weights,
+            shared if shared is not None else weights,
+            logits.stride(0),
+            num_experts,
+            TOP_K=top_k,
+            NORM_TOPK=norm_topk_prob,
+            HAS_SHARED=has_shared,
+            BLOCK_E=block_e,
+            BLOCK_K=triton.next_power_of_2(top_k),
+            num_warps=max(1, min(4, block_e // 512)),
+        )
     return ids, weights, shared
 
 
-def router_topk(logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
-                num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+def router_topk(
+    logits: torch.Tensor, top_k: int, norm_topk_prob: bool, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     if use_triton(logits):
         return router_topk_triton(logits, top_k, norm_topk_prob, num_experts)
     return router_topk_reference(logits, top_k, norm_topk_prob, num_experts)
@@ -121,8 +143,17 @@ def router_topk(logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
 # The layer varies from call to call: specialising on it (Triton's ==1 and multiple-of-16 classes)
 # would compile new variants in the middle of serving.
 @triton.jit(do_not_specialize=["layer"])
-def _mark_routed_kernel(ids_ptr, n_rows_ptr, table_ptr, stride_t, layer, E,
-                        TOP_K: tl.constexpr, HAS_N_ROWS: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+def _mark_routed_kernel(
+    ids_ptr,
+    n_rows_ptr,
+    table_ptr,
+    stride_t,
+    layer,
+    E,
+    TOP_K: tl.constexpr,
+    HAS_N_ROWS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     t = tl.program_id(0)
     kk = tl.arange(0, BLOCK_K)
     ok = kk < TOP_K
@@ -145,7 +176,9 @@ def mark_routed_slot(table_ptr, n_rows_ptr, slot, token, HAS_N_ROWS: tl.constexp
         tl.store(table_ptr + slot, 1)
 
 
-def mark_args(mark: tuple[torch.Tensor, torch.Tensor | None] | None, fallback: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def mark_args(
+    mark: tuple[torch.Tensor, torch.Tensor | None] | None, fallback: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The (table, n_rows) pointers an expert kernel marking with `mark_routed_slot` takes, checked;
     `fallback` stands in for what is absent (never read: the kernel's constexprs say so)."""
     if mark is None:
@@ -168,9 +201,17 @@ def mark_routed_triton(table: torch.Tensor, layer: int, topk_ids: torch.Tensor, 
     t, k = topk_ids.shape
     if t:
         _mark_routed_kernel[(t,)](
-            topk_ids, n_rows if n_rows is not None else table, table, topk_ids.stride(0), layer, table.shape[1],
-            TOP_K=k, HAS_N_ROWS=n_rows is not None, BLOCK_K=triton.next_power_of_2(k), num_warps=1,
-        )  # fmt: skip
+            topk_ids,
+            n_rows if n_rows is not None else table,
+            table,
+            topk_ids.stride(0),
+            layer,
+            table.shape[1],
+            TOP_K=k,
+            HAS_N_ROWS=n_rows is not None,
+            BLOCK_K=triton.next_power_of_2(k),
+            num_warps=1,
+        )
 
 
 def mark_routed(table: torch.Tensor, layer: int, topk_ids: torch.Tensor, n_rows: torch.Tensor | None) -> None:

@@ -19,8 +19,9 @@ from __future__ import annotations
 import torch
 
 
-def router_topk_reference(logits: torch.Tensor, top_k: int, norm_topk_prob: bool,
-                          num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+def router_topk_reference(
+    logits: torch.Tensor, top_k: int, norm_topk_prob: bool, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """logits [T, E] or [T, E + 1] (the last column the shared expert's gate logit), model dtype.
     Returns (ids int64 [T, k], weights [T, k] in logits' dtype, sigmoid(gate logit) [T, 1] in
     logits' dtype or None)."""

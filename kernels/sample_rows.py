@@ -29,8 +29,9 @@ _TINY = tl.constexpr(TINY)  # what a Triton kernel may read of a module global
 
 
 @triton.jit(do_not_specialize=["V", "blocks"])
-def _row_blocks_kernel(logits_ptr, inv_t_ptr, noise_ptr, noise_row_ptr, part_ptr, V, blocks,
-                       stride_l, stride_q, BLOCK: tl.constexpr):  # fmt: skip
+def _row_blocks_kernel(
+    logits_ptr, inv_t_ptr, noise_ptr, noise_row_ptr, part_ptr, V, blocks, stride_l, stride_q, BLOCK: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     offs = blk * BLOCK + tl.arange(0, BLOCK)
@@ -58,8 +59,7 @@ def _row_blocks_kernel(logits_ptr, inv_t_ptr, noise_ptr, noise_row_ptr, part_ptr
 
 
 @triton.jit(do_not_specialize=["blocks"])
-def _fold_rows_kernel(logits_ptr, inv_t_ptr, part_ptr, token_ptr, logprob_ptr, blocks, stride_l,
-                      BLOCKS: tl.constexpr):  # fmt: skip
+def _fold_rows_kernel(logits_ptr, inv_t_ptr, part_ptr, token_ptr, logprob_ptr, blocks, stride_l, BLOCKS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     b = tl.arange(0, BLOCKS)
     ok = b < blocks
@@ -77,8 +77,9 @@ def _fold_rows_kernel(logits_ptr, inv_t_ptr, part_ptr, token_ptr, logprob_ptr, b
     tl.store(logprob_ptr + row, s - lse)
 
 
-def sample_rows_reference(logits: torch.Tensor, inv_temperature: torch.Tensor, noise: torch.Tensor | None,
-                          noise_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def sample_rows_reference(
+    logits: torch.Tensor, inv_temperature: torch.Tensor, noise: torch.Tensor | None, noise_rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """logits float32 [S, V]; inv_temperature float32 [S]; noise float32 [N, V] (Exp(1) draws, each taken
     as at least TINY) or None;
     noise_rows int64 [S]: the row of `noise` each row races with, -1 for greedy. Returns (token ids
@@ -95,16 +96,18 @@ def sample_rows_reference(logits: torch.Tensor, inv_temperature: torch.Tensor, n
     return tokens, logprobs
 
 
-def sample_rows(logits: torch.Tensor, inv_temperature: torch.Tensor, noise: torch.Tensor | None,
-                noise_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def sample_rows(
+    logits: torch.Tensor, inv_temperature: torch.Tensor, noise: torch.Tensor | None, noise_rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`sample_rows_reference`'s contract, in two Triton kernels on CUDA."""
     if not use_triton(logits):
         return sample_rows_reference(logits, inv_temperature, noise, noise_rows)
     return sample_rows_triton(logits, inv_temperature, noise, noise_rows)
 
 
-def sample_rows_triton(logits: torch.Tensor, inv_temperature: torch.Tensor, noise: torch.Tensor | None,
-                       noise_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def sample_rows_triton(
+    logits: torch.Tensor, inv_temperature: torch.Tensor, noise: torch.Tensor | None, noise_rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     rows, vocab = logits.shape
     if logits.dtype != torch.float32 or logits.stride(1) != 1:
         raise ValueError("logits must be float32 with unit-stride rows")
@@ -117,8 +120,17 @@ def sample_rows_triton(logits: torch.Tensor, inv_temperature: torch.Tensor, nois
     blocks = triton.cdiv(vocab, BLOCK_V)
     parts = torch.empty(rows, blocks, 4, dtype=torch.float32, device=logits.device)
     q = noise if noise is not None else logits  # never read: every row is greedy
-    _row_blocks_kernel[(rows, blocks)](logits, inv_temperature, q, noise_rows, parts, vocab, blocks,
-                                       logits.stride(0), q.stride(0), BLOCK=BLOCK_V)  # fmt: skip
-    _fold_rows_kernel[(rows,)](logits, inv_temperature, parts, tokens, logprobs, blocks, logits.stride(0),
-                               BLOCKS=triton.next_power_of_2(blocks))  # fmt: skip
+    _row_blocks_kernel[(rows, blocks)](
+        logits, inv_temperature, q, noise_rows, parts, vocab, blocks, logits.stride(0), q.stride(0), BLOCK=BLOCK_V
+    )
+    _fold_rows_kernel[(rows,)](
+        logits,
+        inv_temperature,
+        parts,
+        tokens,
+        logprobs,
+        blocks,
+        logits.stride(0),
+        BLOCKS=triton.next_power_of_2(blocks),
+    )
     return tokens, logprobs

@@ -10,9 +10,9 @@ import json
 import struct
 from pathlib import Path
 
-from ferry.shared.errors import ModelLoadError
 from ferry.plan.model_config import DTYPE_BYTES, ModelSpec
 from ferry.plan.quantization import DROPPED_SUFFIXES, SCALE_SUFFIXES, WEIGHT_SUFFIXES
+from ferry.shared.errors import ModelLoadError
 from ferry.shared.units import ceil_div, round_up
 
 # The CUDA caching allocator hands out blocks in multiples of 512 bytes.
@@ -34,9 +34,19 @@ MIXER_SLICE_TOKENS = 8192
 ROWS_FLOAT32_MAX_TOKENS = 8192
 
 SAFETENSORS_DTYPE_BYTES = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-    "F8_E4M3": 1, "F8_E5M2": 1,
-}  # fmt: skip
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
 _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 
 
@@ -192,8 +202,14 @@ def rows_beyond_longest_step(spec: ModelSpec, dtype: str, max_step_tokens: int) 
     return widest_rows_bytes(spec, dtype, max_step_tokens) - own * rows_value_bytes(max_step_tokens, DTYPE_BYTES[dtype])
 
 
-def workspace_bytes_estimate(spec: ModelSpec, dtype: str, max_step_tokens: int, max_running_requests: int,
-                             max_model_len: int, mixer_slice_tokens: int = MIXER_SLICE_TOKENS) -> int:
+def workspace_bytes_estimate(
+    spec: ModelSpec,
+    dtype: str,
+    max_step_tokens: int,
+    max_running_requests: int,
+    max_model_len: int,
+    mixer_slice_tokens: int = MIXER_SLICE_TOKENS,
+) -> int:
     """Activation memory of the largest step, estimated from shapes (the worker profiles it instead).
 
     Counts what is live at once in the widest layer: the residual stream and its norm, the
@@ -215,7 +231,9 @@ def workspace_bytes_estimate(spec: ModelSpec, dtype: str, max_step_tokens: int, 
     # ROWS_FLOAT32_MAX_TOKENS, in the dtype past it: the widest of any step up to t), the pairs' gate/up and
     # activation, gathered inputs (reference path); router scores and top-k ids/weights. The offload
     # store's extra (slot maps, alignment) is added by store_plan.py when the plan offloads.
-    moe = widest_rows_bytes(spec, dtype, t) + t * h * 4 + t * k * (3 * i + h) * b + t * spec.num_experts * 4 + t * k * 12
+    moe = (
+        widest_rows_bytes(spec, dtype, t) + t * h * 4 + t * k * (3 * i + h) * b + t * spec.num_experts * 4 + t * k * 12
+    )
     if spec.shared_expert_intermediate_size:
         moe += t * 3 * spec.shared_expert_intermediate_size * b
     dense = t * 3 * spec.intermediate_size * b if not all(spec.moe_layers) else 0

@@ -70,8 +70,9 @@ def check_expert_backend_flags(requested: str | None, threads: int | None) -> st
     if requested not in EXPERT_BACKENDS:
         raise ConfigError(f"unknown --expert-backend {requested!r}: choose one of {', '.join(EXPERT_BACKENDS)}")
     if threads is not None and threads < 1:
-        raise ConfigError(f"--host-expert-threads must be at least 1, got {threads} (--expert-backend gpu turns the "
-                          "host's share off)")  # fmt: skip
+        raise ConfigError(
+            f"--host-expert-threads must be at least 1, got {threads} (--expert-backend gpu turns the host's share off)"
+        )
     if requested == "gpu" and threads is not None:
         raise ConfigError("--host-expert-threads with --expert-backend gpu: the GPU computes every expert; drop one")
     return requested
@@ -86,14 +87,24 @@ def plan_expert_backend(requested: str | None, threads: int | None, offloaded: b
     if requested == "gpu":
         return ExpertBackendPlan("gpu", 0, "--expert-backend gpu", requested)
     if threads is not None:
-        return ExpertBackendPlan("hybrid" if requested == "auto" else requested, threads,
-                                 f"--host-expert-threads {threads}", requested)  # fmt: skip
+        return ExpertBackendPlan(
+            "hybrid" if requested == "auto" else requested, threads, f"--host-expert-threads {threads}", requested
+        )
     spare = cores - RESERVED_CORES
     if requested == "auto" and spare < AUTO_MIN_THREADS:
-        return ExpertBackendPlan("gpu", 0, f"auto: {cores} physical cores leave fewer than {AUTO_MIN_THREADS} for "
-                                           "the host's share (--host-expert-threads N turns it on)", requested)  # fmt: skip
-    return ExpertBackendPlan("hybrid" if requested == "auto" else requested, max(1, spare),
-                             f"{cores} physical cores - {RESERVED_CORES} for the processes", requested)  # fmt: skip
+        return ExpertBackendPlan(
+            "gpu",
+            0,
+            f"auto: {cores} physical cores leave fewer than {AUTO_MIN_THREADS} for "
+            "the host's share (--host-expert-threads N turns it on)",
+            requested,
+        )
+    return ExpertBackendPlan(
+        "hybrid" if requested == "auto" else requested,
+        max(1, spare),
+        f"{cores} physical cores - {RESERVED_CORES} for the processes",
+        requested,
+    )
 
 
 def core_map(cpuinfo: str) -> dict[int, tuple[str, str]]:
@@ -127,7 +138,7 @@ def host_thread_cpus(threads: int, allowed: list[int], cores: dict[int, tuple[st
     firsts = sorted(first_of_core.values())
     if threads > len(firsts):
         return []
-    return firsts[len(firsts) - threads:]
+    return firsts[len(firsts) - threads :]
 
 
 def parse_cpu_list(text: str) -> list[int]:
@@ -138,14 +149,17 @@ def parse_cpu_list(text: str) -> list[int]:
             lo, _, hi = part.strip().partition("-")
             cpus.extend(range(int(lo), int(hi or lo) + 1))
     except ValueError:
-        raise ConfigError(f"--host-expert-cpus {text!r} is not a CPU list (auto, none, or like 4-15 or 4,6,8-11)") from None
+        raise ConfigError(
+            f"--host-expert-cpus {text!r} is not a CPU list (auto, none, or like 4-15 or 4,6,8-11)"
+        ) from None
     if not cpus or min(cpus) < 0:
         raise ConfigError(f"--host-expert-cpus {text!r} names no CPU (auto, none, or like 4-15 or 4,6,8-11)")
     return cpus
 
 
-def chosen_host_cpus(threads: int, setting: str | None = None, cpuinfo: str | None = None,
-                     allowed: list[int] | None = None) -> list[int]:  # fmt: skip
+def chosen_host_cpus(
+    threads: int, setting: str | None = None, cpuinfo: str | None = None, allowed: list[int] | None = None
+) -> list[int]:
     """The CPUs of the host pool's threads, the caller's first, by --host-expert-cpus `setting` (None: auto):
     auto picks them (host_thread_cpus), none pins nothing, a list is taken as given (the caller on its first
     CPU, the workers round robin over the rest where it is shorter: pool_thread_cpus)."""
@@ -155,7 +169,9 @@ def chosen_host_cpus(threads: int, setting: str | None = None, cpuinfo: str | No
     if setting != "auto":
         return parse_cpu_list(setting)
     if allowed is None:
-        allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        allowed = (
+            sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        )
     if cpuinfo is None:
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()

@@ -67,11 +67,17 @@ def family_layout(fmt: str, rows: int, cols: int, part_rows: int) -> FamilyLayou
     if fmt == NVFP4:
         if cols % NVFP4_GROUP:
             raise ValueError(f"nvfp4 needs the input size ({cols}) to be a multiple of {NVFP4_GROUP}")
-        shapes = (("q", "uint8", (rows, cols // 2)), ("scale", "float8_e4m3fn", (rows, cols // NVFP4_GROUP)),
-                  ("gscale", "float32", (rows,)))  # fmt: skip
+        shapes = (
+            ("q", "uint8", (rows, cols // 2)),
+            ("scale", "float8_e4m3fn", (rows, cols // NVFP4_GROUP)),
+            ("gscale", "float32", (rows,)),
+        )
     elif fmt == FP8_BLOCK:
         row_blocks = (rows // part_rows) * ceil_div(part_rows, FP8_BLOCK_SIZE)
-        shapes = (("q", "float8_e4m3fn", (rows, cols)), ("scale", "float32", (row_blocks, ceil_div(cols, FP8_BLOCK_SIZE))))
+        shapes = (
+            ("q", "float8_e4m3fn", (rows, cols)),
+            ("scale", "float32", (row_blocks, ceil_div(cols, FP8_BLOCK_SIZE))),
+        )
     else:
         raise ValueError(f"{fmt!r} is not a quantized expert format ({', '.join(QUANTIZED)})")
     parts, cursor = [], 0

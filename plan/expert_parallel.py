@@ -52,12 +52,24 @@ def add_expert_parallel_flags(parser) -> None:
     """`--expert-parallel-size N` (alias `--gpus`), and vLLM's `--tensor-parallel-size N --enable-expert-parallel`:
     `ferry plan` plans every GPU, `ferry worker` and `ferry serve` run one worker process a rank."""
     g = parser.add_argument_group("expert parallelism")
-    g.add_argument("--expert-parallel-size", "--gpus", dest="expert_parallel_size", type=int, default=None,
-                   metavar="N", help="N ranks of one host (N GPUs, or N CPU processes with --device cpu), rank g "
-                                     "owning the experts e %% N == g of every MoE layer (its slots, host banks and "
-                                     "PCIe link); --gpu-memory is per GPU (default 1)")  # fmt: skip
-    g.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
-                   help="vLLM's spelling: with --enable-expert-parallel, the same as --expert-parallel-size N")
+    g.add_argument(
+        "--expert-parallel-size",
+        "--gpus",
+        dest="expert_parallel_size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="N ranks of one host (N GPUs, or N CPU processes with --device cpu), rank g "
+        "owning the experts e %% N == g of every MoE layer (its slots, host banks and "
+        "PCIe link); --gpu-memory is per GPU (default 1)",
+    )
+    g.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="vLLM's spelling: with --enable-expert-parallel, the same as --expert-parallel-size N",
+    )
     g.add_argument("--enable-expert-parallel", action="store_true", help="see --tensor-parallel-size")
 
 
@@ -68,8 +80,10 @@ def expert_parallel_size(args) -> int:
     if tp is not None and ep is not None and tp != ep:
         raise ConfigError(f"--tensor-parallel-size {tp} and --expert-parallel-size {ep} disagree: give one")
     if tp is not None and tp > 1 and not enabled and ep is None:
-        raise ConfigError(f"--tensor-parallel-size {tp}: Ferry partitions the experts across GPUs, not the tensors; "
-                          f"add --enable-expert-parallel (or give --expert-parallel-size {tp})")  # fmt: skip
+        raise ConfigError(
+            f"--tensor-parallel-size {tp}: Ferry partitions the experts across GPUs, not the tensors; "
+            f"add --enable-expert-parallel (or give --expert-parallel-size {tp})"
+        )
     world = ep if ep is not None else (tp if tp is not None else 1)
     if world < 1:
         raise ConfigError(f"--expert-parallel-size must be at least 1, got {world}")
@@ -85,14 +99,17 @@ def check_ranks_host(banks: list[int], reserve: int, available: int | None, sour
     if not total or available is None:
         return
     if total + reserve * world > available:
-        raise PlanError(f"the {world} GPUs' expert banks do not fit in host RAM: together they pin "
-                        f"{format_bytes(total)} plus {format_bytes(reserve)} kept for each of the {world} rank "
-                        f"processes, but {source} is {format_bytes(available)}; give fewer GPUs' experts to this "
-                        "host (--expert-parallel-size), or more --host-memory if the machine has it")  # fmt: skip
+        raise PlanError(
+            f"the {world} GPUs' expert banks do not fit in host RAM: together they pin "
+            f"{format_bytes(total)} plus {format_bytes(reserve)} kept for each of the {world} rank "
+            f"processes, but {source} is {format_bytes(available)}; give fewer GPUs' experts to this "
+            "host (--expert-parallel-size), or more --host-memory if the machine has it"
+        )
 
 
-def plan_every_gpu(spec: ModelSpec, req: PlanRequest, measured: Callable[[Resolved | None], Measured], here: int | None,
-                   world: int) -> list[Plan]:  # fmt: skip
+def plan_every_gpu(
+    spec: ModelSpec, req: PlanRequest, measured: Callable[[Resolved | None], Measured], here: int | None, world: int
+) -> list[Plan]:
     """One plan per GPU (module docstring); `measured(step)` gives the whole model's weights and workspace,
     `here` this machine's MemAvailable (None: unknown). PlanError if the GPUs' banks together do not fit the host."""
     if world > spec.num_experts:
@@ -101,22 +118,37 @@ def plan_every_gpu(spec: ModelSpec, req: PlanRequest, measured: Callable[[Resolv
 
     def on_one_gpu(step: Resolved | None) -> Measured:
         m = measured(step)
-        return dataclasses.replace(m, workspace_bytes=m.workspace_bytes + nccl, host_available_bytes=None,
-                                   workspace_source=f"{m.workspace_source} + NCCL buffers {format_bytes(nccl)}")  # fmt: skip
+        return dataclasses.replace(
+            m,
+            workspace_bytes=m.workspace_bytes + nccl,
+            host_available_bytes=None,
+            workspace_source=f"{m.workspace_source} + NCCL buffers {format_bytes(nccl)}",
+        )
 
     # a rank streams nothing through a staging ring (boot.py), so 16,384 tokens would save it no copies
-    plans = [plan_with_prefill_chunk(rank_spec(spec, g, world), req, on_one_gpu, longest=DEFAULT_MAX_PREFILL_TOKENS)
-             for g in range(world)]  # fmt: skip
+    plans = [
+        plan_with_prefill_chunk(rank_spec(spec, g, world), req, on_one_gpu, longest=DEFAULT_MAX_PREFILL_TOKENS)
+        for g in range(world)
+    ]
     available, source = (req.host_memory, "--host-memory") if req.host_memory is not None else (here, "MemAvailable")
     banks = [p.host.expert_bank_bytes for p in plans]
-    if (req.host_memory is None and req.gpu_memory is not None and available is not None
-            and sum(banks) + plans[0].host.reserve_bytes * world > available):  # fmt: skip
+    if (
+        req.host_memory is None
+        and req.gpu_memory is not None
+        and available is not None
+        and sum(banks) + plans[0].host.reserve_bytes * world > available
+    ):
         # a --gpu-memory plan may be for another machine: banks this one cannot hold are not checked, not
         # failed, as in the one-GPU plan (plan_command._plan_and_host_check); --host-memory checks them
-        return [dataclasses.replace(p, host=dataclasses.replace(p.host, available_bytes=None,
-                                                                available_source=HOST_NOT_CHECKED))
-                for p in plans]  # fmt: skip
+        return [
+            dataclasses.replace(
+                p, host=dataclasses.replace(p.host, available_bytes=None, available_source=HOST_NOT_CHECKED)
+            )
+            for p in plans
+        ]
     check_ranks_host(banks, plans[0].host.reserve_bytes, available, source)
     src = source if available is not None else "unknown"
-    return [dataclasses.replace(p, host=dataclasses.replace(p.host, available_bytes=available, available_source=src))
-            for p in plans]  # fmt: skip
+    return [
+        dataclasses.replace(p, host=dataclasses.replace(p.host, available_bytes=available, available_source=src))
+        for p in plans
+    ]

@@ -33,19 +33,23 @@ PACKED_ESCAPE_SHARE = 512
 
 
 def bank_format(requested: str | None, dtype: str, slot_format: str = "bf16") -> str:
-    """"packed" or "plain" for the flag's value (None: auto), the model's dtype and what its slots
+    """ "packed" or "plain" for the flag's value (None: auto), the model's dtype and what its slots
     hold (plan/expert_formats.py): quantized experts are kept in the banks as their slots hold them."""
     requested = requested or "auto"
     if requested not in BANK_FORMATS:
         raise ValueError(f"--expert-bank-format: unknown format {requested!r}; choose one of {', '.join(BANK_FORMATS)}")
     if slot_format != "bf16":
         if requested == "packed":
-            raise ValueError(f"--expert-bank-format packed keeps bf16 experts; this checkpoint's experts are "
-                             f"{slot_format}, kept as they are: use --expert-bank-format auto (or plain)")  # fmt: skip
+            raise ValueError(
+                f"--expert-bank-format packed keeps bf16 experts; this checkpoint's experts are "
+                f"{slot_format}, kept as they are: use --expert-bank-format auto (or plain)"
+            )
         return "plain"
     if requested == "packed" and dtype != "bfloat16":
-        raise ValueError(f"--expert-bank-format packed keeps bf16 experts; this model runs in {dtype}: "
-                         "use --expert-bank-format plain (or auto), or --dtype bfloat16")  # fmt: skip
+        raise ValueError(
+            f"--expert-bank-format packed keeps bf16 experts; this model runs in {dtype}: "
+            "use --expert-bank-format plain (or auto), or --dtype bfloat16"
+        )
     return "packed" if requested == "packed" or (requested == "auto" and dtype == "bfloat16") else "plain"
 
 

@@ -17,7 +17,12 @@ import dataclasses
 
 from ferry.plan import pool_layout as L
 from ferry.plan.model_config import ModelSpec
-from ferry.plan.planner import DEFAULT_MAX_RUNNING_REQUESTS, OFFLOADED_SNAPSHOTS_PER_RUNNING_REQUEST, PlanRequest, resolve
+from ferry.plan.planner import (
+    DEFAULT_MAX_RUNNING_REQUESTS,
+    OFFLOADED_SNAPSHOTS_PER_RUNNING_REQUEST,
+    PlanRequest,
+    resolve,
+)
 
 OFFLOADED_MAX_RUNNING_REQUESTS = 8
 KV_FLOOR_SHARE = 32
@@ -43,9 +48,11 @@ def offloaded_defaults(spec: ModelSpec, req: PlanRequest, budget: int) -> PlanRe
         if not _kv_flag(req):
             max_model_len = fitted_context(spec, req, budget)
     return dataclasses.replace(
-        req, max_running_requests=_given(req.max_running_requests, OFFLOADED_MAX_RUNNING_REQUESTS),
-        max_model_len=max_model_len, snapshots_per_running_request=OFFLOADED_SNAPSHOTS_PER_RUNNING_REQUEST,
-    )  # fmt: skip
+        req,
+        max_running_requests=_given(req.max_running_requests, OFFLOADED_MAX_RUNNING_REQUESTS),
+        max_model_len=max_model_len,
+        snapshots_per_running_request=OFFLOADED_SNAPSHOTS_PER_RUNNING_REQUEST,
+    )
 
 
 def shrunk_defaults(spec: ModelSpec, user: PlanRequest, chosen: PlanRequest) -> PlanRequest | None:
@@ -82,8 +89,10 @@ def sizing_source(user: PlanRequest, offloaded: bool) -> str:
     if not filled:
         return "--max-running-requests and --max-model-len"
     if offloaded:
-        why = ("chosen from memory for a card that offloads experts: each running request's state and the KV "
-               "floor would be expert slots")  # fmt: skip
+        why = (
+            "chosen from memory for a card that offloads experts: each running request's state and the KV "
+            "floor would be expert slots"
+        )
     else:
         why = "a server's defaults: every expert has a slot with them"
     return f"{' and '.join(filled)} {why}; --max-running-requests, --max-model-len to change"

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ferry.shared.errors import ConfigError
 from ferry.plan.quantization import QuantScheme, parse_quantization
+from ferry.shared.errors import ConfigError
 
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
@@ -151,9 +151,7 @@ def _layer_types(cfg: dict[str, Any], arch: str, num_layers: int, where: str) ->
             raise ConfigError(f"{where}: full_attention_interval must be positive, got {interval}")
         return tuple(LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION for i in range(num_layers))
     if len(layer_types) != num_layers:
-        raise ConfigError(
-            f"{where}: layer_types has {len(layer_types)} entries but num_hidden_layers is {num_layers}"
-        )
+        raise ConfigError(f"{where}: layer_types has {len(layer_types)} entries but num_hidden_layers is {num_layers}")
     bad = sorted({t for t in layer_types if t not in (FULL_ATTENTION, LINEAR_ATTENTION)})
     if bad:
         raise ConfigError(f"{where}: unknown layer_types {bad}; expected {FULL_ATTENTION!r} or {LINEAR_ATTENTION!r}")
@@ -170,8 +168,9 @@ def _moe_layers(cfg: dict[str, Any], arch: str, num_layers: int, num_experts: in
     return tuple(i not in mlp_only and (i + 1) % step == 0 for i in range(num_layers))
 
 
-def parse_model_config(raw: dict[str, Any], where: str = "config.json",
-                       hf_quant_config: dict[str, Any] | None = None) -> ModelSpec:  # fmt: skip
+def parse_model_config(
+    raw: dict[str, Any], where: str = "config.json", hf_quant_config: dict[str, Any] | None = None
+) -> ModelSpec:
     """Build a ModelSpec from a config.json dict (and the checkpoint's hf_quant_config.json, when it
     has one); a clear ConfigError for anything we cannot serve."""
     if not isinstance(raw, dict):
@@ -179,8 +178,7 @@ def parse_model_config(raw: dict[str, Any], where: str = "config.json",
     outer_type = raw.get("model_type")
     if outer_type not in ARCHITECTURES:
         raise ConfigError(
-            f"{where}: model_type {outer_type!r} is not supported; Ferry serves "
-            + ", ".join(sorted(ARCHITECTURES))
+            f"{where}: model_type {outer_type!r} is not supported; Ferry serves " + ", ".join(sorted(ARCHITECTURES))
         )
     cfg = _text_config(raw)
     arch = ARCHITECTURES[outer_type]
@@ -188,7 +186,9 @@ def parse_model_config(raw: dict[str, Any], where: str = "config.json",
     attention = _attention_fields(cfg, arch, where)
     num_experts = int(_first(cfg, "num_experts", "num_local_experts", default=0))
     mlp = _mlp_fields(cfg, arch, num_experts)
-    dtype = normalize_dtype(_first(cfg, "torch_dtype", "dtype", default=_first(raw, "torch_dtype", "dtype", default="bfloat16")))
+    dtype = normalize_dtype(
+        _first(cfg, "torch_dtype", "dtype", default=_first(raw, "torch_dtype", "dtype", default="bfloat16"))
+    )
     spec = ModelSpec(
         arch=arch,
         vocab_size=int(_require(cfg, "vocab_size", where)),
@@ -224,8 +224,9 @@ def _attention_fields(cfg: dict[str, Any], arch: str, where: str) -> dict[str, A
         attention_bias=bool(cfg.get("attention_bias", False)),
         attn_output_gate=bool(cfg.get("attn_output_gate", arch in HYBRID_ARCHITECTURES)),
         rope_theta=float(_first(cfg, "rope_theta", default=rope.get("rope_theta", 10000.0))),
-        partial_rotary_factor=float(_first(cfg, "partial_rotary_factor",
-                                           default=rope.get("partial_rotary_factor", default_partial))),  # fmt: skip
+        partial_rotary_factor=float(
+            _first(cfg, "partial_rotary_factor", default=rope.get("partial_rotary_factor", default_partial))
+        ),
     )
 
 
@@ -246,8 +247,13 @@ def _mlp_fields(cfg: dict[str, Any], arch: str, num_experts: int) -> dict[str, A
 
 def _linear_attention_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
     """The Gated DeltaNet's shapes; zeros for architectures without linear attention."""
-    names = ("linear_conv_kernel_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-             "linear_value_head_dim")  # fmt: skip
+    names = (
+        "linear_conv_kernel_dim",
+        "linear_num_key_heads",
+        "linear_num_value_heads",
+        "linear_key_head_dim",
+        "linear_value_head_dim",
+    )
     hybrid = arch in HYBRID_ARCHITECTURES
     return {name: int(cfg.get(name, 0) or 0) if hybrid else 0 for name in names}
 

@@ -49,8 +49,10 @@ class OutsideMemory:
     def describe(self) -> str:
         if not self.bytes:
             return ""
-        return (f"{format_bytes(self.bytes)} outside the allocator ({format_bytes(self.held)} CUDA context and kernels, "
-                f"{self.source}, + {format_bytes(self.late)} for kernels loaded after the plan)")
+        return (
+            f"{format_bytes(self.bytes)} outside the allocator ({format_bytes(self.held)} CUDA context and kernels, "
+            f"{self.source}, + {format_bytes(self.late)} for kernels loaded after the plan)"
+        )
 
 
 def estimated_outside(budget_from_free_memory: bool) -> OutsideMemory:

@@ -9,22 +9,22 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from ferry.shared.errors import ConfigError
-from ferry.shared.model_flag import add_model_argument
-from ferry.plan.host_memory import mem_available_bytes
-from ferry.plan.model_config import ModelSpec, load_model_config
 from ferry.plan.costs import (
     resident_weight_bytes_from_checkpoint,
     resident_weight_bytes_from_shapes,
     workspace_bytes_estimate,
 )
 from ferry.plan.expert_parallel import add_expert_parallel_flags, expert_parallel_size, plan_every_gpu
-from ferry.plan.plan_report import HOST_NOT_CHECKED, plan_table
-from ferry.shared.units import format_bytes
+from ferry.plan.host_memory import mem_available_bytes
+from ferry.plan.model_config import ModelSpec, load_model_config
 from ferry.plan.outside_memory import estimated_outside
+from ferry.plan.plan_report import HOST_NOT_CHECKED, plan_table
 from ferry.plan.planner import Measured, Plan, PlanRequest, Resolved, resolve
 from ferry.plan.planner_flags import add_planner_flags, plan_request_from_args
 from ferry.plan.prefill_chunk import plan_with_prefill_chunk
+from ferry.shared.errors import ConfigError
+from ferry.shared.model_flag import add_model_argument
+from ferry.shared.units import format_bytes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,8 +47,13 @@ def run(args: argparse.Namespace) -> int:
     outside = estimated_outside(budget_from_free_memory=req.gpu_memory is None)
 
     def measured(step: Resolved | None) -> Measured:
-        workspace = 0 if step is None else workspace_bytes_estimate(spec, step.dtype, step.max_prefill_tokens,
-                                                                     step.max_running_requests, step.max_model_len)
+        workspace = (
+            0
+            if step is None
+            else workspace_bytes_estimate(
+                spec, step.dtype, step.max_prefill_tokens, step.max_running_requests, step.max_model_len
+            )
+        )
         return Measured(weights, workspace, free, source, "estimate", outside=outside)
 
     world = expert_parallel_size(args)
@@ -61,14 +66,21 @@ def run(args: argparse.Namespace) -> int:
         else:
             unchecked = plans[0].host.available_source == HOST_NOT_CHECKED
             for g, p in enumerate(plans):
-                print(f"GPU {g} of {world}: experts e % {world} == {g}, {p.experts.total // max(len(spec.moe_layer_indices), 1)}"
-                      f" of {spec.num_experts} a MoE layer; dense weights, KV and linear states replicated")  # fmt: skip
+                print(
+                    f"GPU {g} of {world}: experts e % {world} == {g}, {p.experts.total // max(len(spec.moe_layer_indices), 1)}"
+                    f" of {spec.num_experts} a MoE layer; dense weights, KV and linear states replicated"
+                )
                 print(plan_table(p, host_here=here if unchecked else None) + ("\n" if g < world - 1 else ""))
             total = sum(p.host.expert_bank_bytes + p.host.reserve_bytes for p in plans)
-            print(f"host: the {world} GPUs' banks together pin {format_bytes(sum(p.host.expert_bank_bytes for p in plans))}"
-                  + (f"; not checked: with the ranks' reserves they need {format_bytes(total)}, this machine has "
-                     f"{format_bytes(here)} (MemAvailable); give --host-memory SIZE of the machine the worker will run on"
-                     if unchecked else ""))  # fmt: skip
+            print(
+                f"host: the {world} GPUs' banks together pin {format_bytes(sum(p.host.expert_bank_bytes for p in plans))}"
+                + (
+                    f"; not checked: with the ranks' reserves they need {format_bytes(total)}, this machine has "
+                    f"{format_bytes(here)} (MemAvailable); give --host-memory SIZE of the machine the worker will run on"
+                    if unchecked
+                    else ""
+                )
+            )
         return 0
     plan, here = _plan_and_host_check(spec, req, measured, mem_available_bytes())
     if args.json:
@@ -90,11 +102,14 @@ def _model_and_free_memory(args: argparse.Namespace, req: PlanRequest) -> tuple[
     if req.gpu_memory is None:
         free = _local_free_memory()
         if free is None:
-            missing.append("the device budget: there is no GPU here to measure, so give it with --gpu-memory "
-                           "(e.g. --gpu-memory 24GiB)")  # fmt: skip
+            missing.append(
+                "the device budget: there is no GPU here to measure, so give it with --gpu-memory "
+                "(e.g. --gpu-memory 24GiB)"
+            )
     if missing:
-        raise ConfigError("the plan needs " + ("these" if len(missing) > 1 else "this") + ":\n"
-                          + "\n".join(f"  {m}" for m in missing))  # fmt: skip
+        raise ConfigError(
+            "the plan needs " + ("these" if len(missing) > 1 else "this") + ":\n" + "\n".join(f"  {m}" for m in missing)
+        )
     return _model_dir(model, getattr(args, "revision", None)), free
 
 
@@ -106,14 +121,16 @@ def _model_dir(model: str, revision: str | None) -> Path:
     path = Path(model).expanduser()
     if path.is_file():
         if path.name != "config.json":
-            raise ConfigError(f"{model} is a file: give the model directory (the one holding config.json), "
-                              "or its config.json")  # fmt: skip
+            raise ConfigError(
+                f"{model} is a file: give the model directory (the one holding config.json), or its config.json"
+            )
         return path.parent
     return resolve_model_dir(model, revision)
 
 
-def _plan_and_host_check(spec: ModelSpec, req: PlanRequest, measured: Callable[[Resolved | None], Measured],
-                         here: int | None) -> tuple[Plan, int | None]:  # fmt: skip
+def _plan_and_host_check(
+    spec: ModelSpec, req: PlanRequest, measured: Callable[[Resolved | None], Measured], here: int | None
+) -> tuple[Plan, int | None]:
     """The plan, with its host-RAM check against --host-memory, else this machine's MemAvailable
     (`here`). A plan whose budget is --gpu-memory may well be for another machine: there, banks that
     do not fit this machine's RAM are shown as not checked instead of failing the plan; with the

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from ferry.shared.units import format_bytes
 from ferry.plan.costs import MIXER_SLICE_TOKENS
 from ferry.plan.expert_backend import format_cpu_list, pool_thread_cpus
 from ferry.plan.planner import Plan
 from ferry.plan.pool_layout import POOL_ALIGN, VIEW_ALIGN
+from ferry.shared.units import format_bytes
 
 HEADER = ("term", "size", "bytes", "how it was sized")
 # HostPlan.available_source of a plan for another machine whose banks this one could not hold
@@ -19,63 +19,101 @@ def plan_table(plan: Plan, host_here: int | None = None) -> str:
     rows = [
         ("budget", plan.budget_bytes, plan.budget_derivation),
         ("weights (GPU-resident)", plan.weights_bytes, plan.weights_source),
-        ("activation workspace", plan.workspace_bytes, f"{plan.workspace_source}, {plan.max_prefill_tokens}-token step"
-         f"{_mixer_slices(plan)} ({plan.max_prefill_tokens_source})"),
-        ("KV pool", plan.kv.bytes,
-         f"{plan.kv.pages} pages x {plan.kv.page_size} = {plan.kv.tokens} tokens + {plan.kv.sentinel_pages} sentinel; "
-         f"{plan.kv.bytes_per_token} B/token" + (f" (fp8 e4m3, {plan.kv.scale_bytes_per_token} B of it scales)"
-                                                 if plan.kv.cache_dtype == "fp8" else "")),
-        ("linear-state pool", plan.linear_state.bytes,
-         f"{plan.linear_state.slots} slots + {plan.linear_state.padding_slots} padding; "
-         f"{format_bytes(plan.linear_state.bytes_per_slot)}/slot"),
+        (
+            "activation workspace",
+            plan.workspace_bytes,
+            f"{plan.workspace_source}, {plan.max_prefill_tokens}-token step"
+            f"{_mixer_slices(plan)} ({plan.max_prefill_tokens_source})",
+        ),
+        (
+            "KV pool",
+            plan.kv.bytes,
+            f"{plan.kv.pages} pages x {plan.kv.page_size} = {plan.kv.tokens} tokens + {plan.kv.sentinel_pages} sentinel; "
+            f"{plan.kv.bytes_per_token} B/token"
+            + (f" (fp8 e4m3, {plan.kv.scale_bytes_per_token} B of it scales)" if plan.kv.cache_dtype == "fp8" else ""),
+        ),
+        (
+            "linear-state pool",
+            plan.linear_state.bytes,
+            f"{plan.linear_state.slots} slots + {plan.linear_state.padding_slots} padding; "
+            f"{format_bytes(plan.linear_state.bytes_per_slot)}/slot",
+        ),
         *_snapshot_rows(plan),
-        ("expert pool", plan.experts.bytes,
-         f"{plan.experts.slots} of {plan.experts.total} experts "
-         f"({100 * plan.experts.slots / max(plan.experts.total, 1):.1f}%); {plan.experts.bytes_per_slot} B/slot, "
-         f"{plan.experts.format}" + ("; the parts below" if _expert_parts(plan) else "")),
+        (
+            "expert pool",
+            plan.experts.bytes,
+            f"{plan.experts.slots} of {plan.experts.total} experts "
+            f"({100 * plan.experts.slots / max(plan.experts.total, 1):.1f}%); {plan.experts.bytes_per_slot} B/slot, "
+            f"{plan.experts.format}" + ("; the parts below" if _expert_parts(plan) else ""),
+        ),
         *_expert_parts(plan),
         ("total", plan.total_bytes, "device memory the worker takes"),
         ("headroom", plan.headroom_bytes, "budget - total"),
-    ]  # fmt: skip
+    ]
     host = plan.host
     if not host.expert_bank_bytes:
         banks_detail = "none: every expert has a GPU slot"
     elif plan.experts.format in ("nvfp4", "fp8-block"):
-        banks_detail = (f"every routed expert pinned in host RAM in {plan.experts.format}, as the slots hold it "
-                        f"({plan.experts.total} x {plan.experts.bytes_per_slot} B)")  # fmt: skip
+        banks_detail = (
+            f"every routed expert pinned in host RAM in {plan.experts.format}, as the slots hold it "
+            f"({plan.experts.total} x {plan.experts.bytes_per_slot} B)"
+        )
     elif host.expert_bank_format == "packed":
-        banks_detail = (f"every routed expert pinned in host RAM, packed to 12 bits a value ({plan.experts.total} x "
-                        f"{plan.experts.bytes_per_slot} B as bf16; with room for escapes)")  # fmt: skip
+        banks_detail = (
+            f"every routed expert pinned in host RAM, packed to 12 bits a value ({plan.experts.total} x "
+            f"{plan.experts.bytes_per_slot} B as bf16; with room for escapes)"
+        )
     else:
-        banks_detail = f"every routed expert pinned in host RAM ({plan.experts.total} x {plan.experts.bytes_per_slot} B)"
+        banks_detail = (
+            f"every routed expert pinned in host RAM ({plan.experts.total} x {plan.experts.bytes_per_slot} B)"
+        )
     host_rows = [("host: expert banks (pinned)", host.expert_bank_bytes, banks_detail)]
     if host.available_source == HOST_NOT_CHECKED:
         here = f"{format_bytes(host_here)}" if host_here is not None else "less"
-        host_rows.append(("host: available", None,
-                          f"not checked: the banks need {format_bytes(host.expert_bank_bytes + host.reserve_bytes)} "
-                          f"({format_bytes(host.reserve_bytes)} reserve included), this machine has {here} "
-                          "(MemAvailable); give --host-memory SIZE of the machine the worker will run on"))  # fmt: skip
+        host_rows.append(
+            (
+                "host: available",
+                None,
+                f"not checked: the banks need {format_bytes(host.expert_bank_bytes + host.reserve_bytes)} "
+                f"({format_bytes(host.reserve_bytes)} reserve included), this machine has {here} "
+                "(MemAvailable); give --host-memory SIZE of the machine the worker will run on",
+            )
+        )
     elif host.available_bytes is not None:
-        host_rows.append(("host: available", host.available_bytes,
-                          f"{host.available_source}; {format_bytes(host.reserve_bytes)} of it kept for the rest"))  # fmt: skip
+        host_rows.append(
+            (
+                "host: available",
+                host.available_bytes,
+                f"{host.available_source}; {format_bytes(host.reserve_bytes)} of it kept for the rest",
+            )
+        )
     else:
         host_rows.append(("host: available", None, "unknown (no /proc/meminfo); give --host-memory to check"))
     b = plan.expert_backend
-    backend = {"gpu": "the GPU computes every expert (each miss crosses PCIe)",
-               "hybrid": "the host computes part of each layer's misses while the rest cross PCIe, split by costs "
-                         "the worker measures at boot" + (" (auto: decode layers only, where they say it wins; "
-                                                          "--expert-backend hybrid shares prefills too)"
-                                                          if not b.prefill_share else ""),
-               "cpu": "the host computes every missed expert"}[b.backend]  # fmt: skip
+    backend = {
+        "gpu": "the GPU computes every expert (each miss crosses PCIe)",
+        "hybrid": "the host computes part of each layer's misses while the rest cross PCIe, split by costs "
+        "the worker measures at boot"
+        + (
+            " (auto: decode layers only, where they say it wins; --expert-backend hybrid shares prefills too)"
+            if not b.prefill_share
+            else ""
+        ),
+        "cpu": "the host computes every missed expert",
+    }[b.backend]
     threads = f"; {b.host_threads} host threads ({b.reason})" if b.host_threads else f" ({b.reason})"
     if b.host_threads:
         caller, workers = pool_thread_cpus(b.host_threads, b.host_cpus)
         # the caller's CPU is taken by the thread that hands decode layers to the pool (a CUDA graph's host nodes,
         # or the polling thread); the worker's own thread, calling for a prefill's share, stays where it is
-        threads += (f", the decode hand-off's thread pinned to CPU {caller}" if caller is not None else ", unpinned")
+        threads += f", the decode hand-off's thread pinned to CPU {caller}" if caller is not None else ", unpinned"
         cpus = format_cpu_list(sorted(set(workers)))
-        threads += (f", {len(workers)} worker{'s' if len(workers) > 1 else ''} to CPU{'s' if len(set(workers)) > 1 else ''} "
-                    f"{cpus}" if workers else "")  # fmt: skip
+        threads += (
+            f", {len(workers)} worker{'s' if len(workers) > 1 else ''} to CPU{'s' if len(set(workers)) > 1 else ''} "
+            f"{cpus}"
+            if workers
+            else ""
+        )
     return _render([*rows, *host_rows], split_before=len(rows)) + (
         f"\ndtype {plan.dtype}, max_model_len {plan.max_model_len}, max_running_requests {plan.max_running_requests}"
         + (f" ({plan.sizing_source})" if plan.sizing_source else "")
@@ -90,8 +128,13 @@ def _snapshot_rows(plan: Plan) -> list[tuple[str, int, str]]:
         return []
     if not s.snapshots:
         return [("linear-state snapshots", 0, f"none: prefix reuse is off for this hybrid model ({s.source})")]
-    return [("linear-state snapshots", s.bytes,
-             f"{s.snapshots} x {format_bytes(s.bytes_per_snapshot)}: the prefix cache's Gated DeltaNet states ({s.source})")]
+    return [
+        (
+            "linear-state snapshots",
+            s.bytes,
+            f"{s.snapshots} x {format_bytes(s.bytes_per_snapshot)}: the prefix cache's Gated DeltaNet states ({s.source})",
+        )
+    ]
 
 
 def _expert_parts(plan: Plan) -> list[tuple[str, int, str]]:
@@ -103,28 +146,52 @@ def _expert_parts(plan: Plan) -> list[tuple[str, int, str]]:
         return []
     rows = [("  expert slots", slot_bytes, f"{e.slots} x {e.bytes_per_slot} B")]
     if e.staging_slots:
-        rows.append(("  prefill staging slots", e.staging_bytes,
-                     f"{e.staging_slots} x {e.bytes_per_slot} B: a prefill's missed experts stream through them, "
-                     "past the cache"))  # fmt: skip
+        rows.append(
+            (
+                "  prefill staging slots",
+                e.staging_bytes,
+                f"{e.staging_slots} x {e.bytes_per_slot} B: a prefill's missed experts stream through them, "
+                "past the cache",
+            )
+        )
     if e.cache_state_bytes:
-        rows.append(("  expert cache state", e.cache_state_bytes,
-                     "the device cache's slot map, replacement state and per-layer lookup and copy lists"))
+        rows.append(
+            (
+                "  expert cache state",
+                e.cache_state_bytes,
+                "the device cache's slot map, replacement state and per-layer lookup and copy lists",
+            )
+        )
     if e.padding_bytes:
-        rows.append(("  alignment", e.padding_bytes, f"views on {VIEW_ALIGN} B boundaries, the pool rounded to "
-                                                     f"{format_bytes(POOL_ALIGN)} allocator segments"))  # fmt: skip
+        rows.append(
+            (
+                "  alignment",
+                e.padding_bytes,
+                f"views on {VIEW_ALIGN} B boundaries, the pool rounded to "
+                f"{format_bytes(POOL_ALIGN)} allocator segments",
+            )
+        )
     return rows
 
 
 def _render(rows: list[tuple[str, int | None, str]], split_before: int) -> str:
-    cells = [(name, format_bytes(n) if n is not None else "-", f"{n}" if n is not None else "-", detail)
-             for name, n, detail in rows]  # fmt: skip
+    cells = [
+        (name, format_bytes(n) if n is not None else "-", f"{n}" if n is not None else "-", detail)
+        for name, n, detail in rows
+    ]
     widths = [max(len(c[i]) for c in [HEADER, *cells]) for i in range(3)]
 
     def line(c: tuple[str, str, str, str]) -> str:
         return f"{c[0]:<{widths[0]}}  {c[1]:>{widths[1]}}  {c[2]:>{widths[2]}}  {c[3]}".rstrip()
 
     rule = "  ".join("-" * w for w in widths) + "  " + "-" * len(HEADER[3])
-    lines = [line(HEADER), rule, *(line(c) for c in cells[:split_before]), rule, *(line(c) for c in cells[split_before:])]
+    lines = [
+        line(HEADER),
+        rule,
+        *(line(c) for c in cells[:split_before]),
+        rule,
+        *(line(c) for c in cells[split_before:]),
+    ]
     return "\n".join(lines)
 
 

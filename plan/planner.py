@@ -18,15 +18,21 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from ferry.shared.errors import ConfigError, PlanError
-from ferry.plan.model_config import ModelSpec
-from ferry.shared.units import ceil_div, format_bytes
 from ferry.plan import expert_formats as F
 from ferry.plan import host_memory as H
 from ferry.plan import pool_layout as L
+from ferry.plan.expert_backend import (
+    ExpertBackendPlan,
+    check_expert_backend_flags,
+    chosen_host_cpus,
+    parse_cpu_list,
+    physical_cores,
+    plan_expert_backend,
+)
+from ferry.plan.model_config import ModelSpec
 from ferry.plan.outside_memory import OutsideMemory, allocator_headroom
-from ferry.plan.expert_backend import (ExpertBackendPlan, check_expert_backend_flags, chosen_host_cpus, parse_cpu_list,
-                                       physical_cores, plan_expert_backend)  # fmt: skip
+from ferry.shared.errors import ConfigError, PlanError
+from ferry.shared.units import ceil_div, format_bytes
 
 # The whole --gpu-memory (or free memory) goes to the plan, less what is measured to live outside it
 # (plan/outside_memory.py): a fixed tenth left a 24 GiB card's 2.4 GiB idle, ~1,400 NVFP4 expert slots.
@@ -216,18 +222,28 @@ def resolve(spec: ModelSpec, req: PlanRequest) -> Resolved:
         (0 < ratio <= 1, f"--memory-ratio must be in (0, 1], got {ratio}"),
         (req.num_tokens is None or req.num_tokens >= 1, f"--num-tokens must be at least 1, got {req.num_tokens}"),
         (req.num_pages is None or req.num_pages >= 1, f"--num-pages must be at least 1, got {req.num_pages}"),
-        (req.kv_reserve_tokens is None or req.kv_reserve_tokens >= 0,
-         f"--kv-reserve-tokens must not be negative, got {req.kv_reserve_tokens}"),
-        (req.moe_cache_rate is None or 0 < req.moe_cache_rate <= 1,
-         f"--moe-cache-rate must be in (0, 1], got {req.moe_cache_rate}"),
+        (
+            req.kv_reserve_tokens is None or req.kv_reserve_tokens >= 0,
+            f"--kv-reserve-tokens must not be negative, got {req.kv_reserve_tokens}",
+        ),
+        (
+            req.moe_cache_rate is None or 0 < req.moe_cache_rate <= 1,
+            f"--moe-cache-rate must be in (0, 1], got {req.moe_cache_rate}",
+        ),
         (req.gpu_memory is None or req.gpu_memory > 0, f"--gpu-memory must be positive, got {req.gpu_memory}"),
         (req.host_memory is None or req.host_memory > 0, f"--host-memory must be positive, got {req.host_memory}"),
-        (req.linear_state_snapshots is None or req.linear_state_snapshots >= 0,
-         f"--linear-state-snapshots must not be negative, got {req.linear_state_snapshots}"),
-    ]  # fmt: skip
+        (
+            req.linear_state_snapshots is None or req.linear_state_snapshots >= 0,
+            f"--linear-state-snapshots must not be negative, got {req.linear_state_snapshots}",
+        ),
+    ]
     kv_cache_dtype = req.kv_cache_dtype if req.kv_cache_dtype is not None else "auto"
-    checks.append((kv_cache_dtype in L.KV_CACHE_DTYPES,
-                   f"--kv-cache-dtype must be one of {', '.join(L.KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}"))  # fmt: skip
+    checks.append(
+        (
+            kv_cache_dtype in L.KV_CACHE_DTYPES,
+            f"--kv-cache-dtype must be one of {', '.join(L.KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}",
+        )
+    )
     check_expert_backend_flags(req.expert_backend, req.host_expert_threads)
     if req.host_expert_cpus not in (None, "auto", "none"):  # a bad list fails the plan before any weight loads
         parse_cpu_list(req.host_expert_cpus)
@@ -272,7 +288,10 @@ def _budget(req: PlanRequest, ratio: float, measured: Measured) -> tuple[int, st
             )
         base, base_text = req.gpu_memory, f"--gpu-memory {format_bytes(req.gpu_memory)}"
     elif measured.free_bytes is not None:
-        base, base_text = measured.free_bytes, f"free device memory {format_bytes(measured.free_bytes)} ({measured.free_source})"
+        base, base_text = (
+            measured.free_bytes,
+            f"free device memory {format_bytes(measured.free_bytes)} ({measured.free_source})",
+        )
     else:
         raise ConfigError("no GPU here to measure: give the device budget with --gpu-memory (e.g. --gpu-memory 24GiB)")
     budget = budget_for_base(base, ratio, outside, req.is_set("memory_ratio"))
@@ -281,7 +300,9 @@ def _budget(req: PlanRequest, ratio: float, measured: Measured) -> tuple[int, st
         text += f" - {outside.describe()}"
     headroom = _headroom(base, outside, req.is_set("memory_ratio"))
     if headroom:
-        text += f" - {format_bytes(headroom)} allocator headroom (1% of it, at least {format_bytes(allocator_headroom(0))})"
+        text += (
+            f" - {format_bytes(headroom)} allocator headroom (1% of it, at least {format_bytes(allocator_headroom(0))})"
+        )
     return budget, f"{text} = {format_bytes(budget)}"
 
 
@@ -389,8 +410,9 @@ def make_plan(spec: ModelSpec, req: PlanRequest, measured: Measured) -> Plan:
     offloaded = sizes.expert_slots < spec.total_experts
     backend = plan_expert_backend(req.expert_backend, req.host_expert_threads, offloaded, cores)
     if backend.host_threads:  # chosen here, so `ferry plan` shows them
-        backend = dataclasses.replace(backend, host_cpus=tuple(chosen_host_cpus(backend.host_threads,
-                                                                                req.host_expert_cpus)))  # fmt: skip
+        backend = dataclasses.replace(
+            backend, host_cpus=tuple(chosen_host_cpus(backend.host_threads, req.host_expert_cpus))
+        )
     return dataclasses.replace(plan, expert_backend=backend)
 
 
@@ -425,15 +447,20 @@ def _requirements_and_floors(spec: ModelSpec, req: PlanRequest, r: Resolved) -> 
             )
     snapshots = 0
     if spec.linear_attention_layers:
-        snapshots = (req.linear_state_snapshots if req.linear_state_snapshots is not None
-                     else _snapshots_per_request(req) * r.max_running_requests)  # fmt: skip
+        snapshots = (
+            req.linear_state_snapshots
+            if req.linear_state_snapshots is not None
+            else _snapshots_per_request(req) * r.max_running_requests
+        )
     return _Sizes(
-        kv_pages=kv_pages, kv_required=req.num_pages is not None or req.num_tokens is not None,
+        kv_pages=kv_pages,
+        kv_required=req.num_pages is not None or req.num_tokens is not None,
         expert_slots=expert_required if expert_required is not None else floor_slots,
         experts_required=expert_required is not None,
         linear_slots=r.max_running_requests if spec.linear_attention_layers else 0,
-        snapshots=snapshots, snapshots_required=req.linear_state_snapshots is not None,
-    )  # fmt: skip
+        snapshots=snapshots,
+        snapshots_required=req.linear_state_snapshots is not None,
+    )
 
 
 def _snapshots_per_request(req: PlanRequest) -> int:
@@ -445,36 +472,63 @@ def _snapshots_per_request(req: PlanRequest) -> int:
 def _snapshot_source(sizes: _Sizes, req: PlanRequest) -> str:
     if sizes.snapshots_required:
         return "--linear-state-snapshots"
-    return (f"default: {_snapshots_per_request(req)} x max_running_requests"
-            + (f", capped at 1/{DEFAULT_SNAPSHOT_BUDGET_SHARE} of the budget" if sizes.snapshots_capped else "")
-            + (", fewer to fit beside the floors" if sizes.snapshots_shrunk else ""))  # fmt: skip
+    return (
+        f"default: {_snapshots_per_request(req)} x max_running_requests"
+        + (f", capped at 1/{DEFAULT_SNAPSHOT_BUDGET_SHARE} of the budget" if sizes.snapshots_capped else "")
+        + (", fewer to fit beside the floors" if sizes.snapshots_shrunk else "")
+    )
 
 
 def _terms(spec: ModelSpec, req: PlanRequest, r: Resolved, measured: Measured, sizes: _Sizes, costs: _Costs) -> _Terms:
     """Fixed costs, then the KV pool and the expert slots at their requirement or floor, labelled."""
     terms = _Terms()
     terms.add(f"weights, GPU-resident ({measured.weights_source})", measured.weights_bytes)
-    terms.add(f"activation workspace ({measured.workspace_source}, {r.max_prefill_tokens}-token step)",
-              measured.workspace_bytes)  # fmt: skip
+    terms.add(
+        f"activation workspace ({measured.workspace_source}, {r.max_prefill_tokens}-token step)",
+        measured.workspace_bytes,
+    )
     if spec.linear_attention_layers:
-        terms.add(f"linear-state pool: {sizes.linear_slots} slots + {L.LINEAR_PADDING_SLOTS} padding",
-                  costs.linear_state(sizes.linear_slots))  # fmt: skip
+        terms.add(
+            f"linear-state pool: {sizes.linear_slots} slots + {L.LINEAR_PADDING_SLOTS} padding",
+            costs.linear_state(sizes.linear_slots),
+        )
     if sizes.snapshots:
-        terms.add(f"linear-state snapshots: {sizes.snapshots} ({_snapshot_source(sizes, req)})", costs.snapshots(sizes.snapshots))
+        terms.add(
+            f"linear-state snapshots: {sizes.snapshots} ({_snapshot_source(sizes, req)})",
+            costs.snapshots(sizes.snapshots),
+        )
     kv_label = (
         f"KV pool: {sizes.kv_pages} pages x {r.page_size} tokens + {L.KV_SENTINEL_PAGES} sentinel page"
-        + (", fp8 + scales" if r.kv_cache_dtype == "fp8" else "") + " ("
-        + ("--num-pages" if req.num_pages is not None else "--num-tokens" if req.num_tokens is not None
-           else "--kv-reserve-tokens" if req.kv_reserve_tokens is not None
-           else f"floor: one max-length sequence, max_model_len {r.max_model_len}")
+        + (", fp8 + scales" if r.kv_cache_dtype == "fp8" else "")
+        + " ("
+        + (
+            "--num-pages"
+            if req.num_pages is not None
+            else "--num-tokens"
+            if req.num_tokens is not None
+            else "--kv-reserve-tokens"
+            if req.kv_reserve_tokens is not None
+            else f"floor: one max-length sequence, max_model_len {r.max_model_len}"
+        )
         + ")"
-    )  # fmt: skip
+    )
     terms.add(kv_label, costs.kv(sizes.kv_pages))
-    expert_label = f"expert slots: {sizes.expert_slots} x {format_bytes(L.expert_bytes(spec, r.dtype))} (" + (
-        "--moe-cache-size" if req.moe_cache_size is not None else "--moe-cache-rate"
-        if req.moe_cache_rate is not None else "floor: one MoE layer"
-    ) + ")" + (f" + {L.prefill_staging_slots(spec, r.dtype)} prefill staging slots" if sizes.expert_slots < spec.total_experts
-               else "")  # fmt: skip
+    expert_label = (
+        f"expert slots: {sizes.expert_slots} x {format_bytes(L.expert_bytes(spec, r.dtype))} ("
+        + (
+            "--moe-cache-size"
+            if req.moe_cache_size is not None
+            else "--moe-cache-rate"
+            if req.moe_cache_rate is not None
+            else "floor: one MoE layer"
+        )
+        + ")"
+        + (
+            f" + {L.prefill_staging_slots(spec, r.dtype)} prefill staging slots"
+            if sizes.expert_slots < spec.total_experts
+            else ""
+        )
+    )
     terms.add(expert_label, costs.experts(sizes.expert_slots))
     return terms
 
@@ -503,8 +557,17 @@ def _fill(spec: ModelSpec, sizes: _Sizes, costs: _Costs, remaining: int) -> None
         sizes.kv_pages = _largest(lambda p: costs.kv(p) - costs.kv(pages), remaining, pages, upper)
 
 
-def _plan(spec: ModelSpec, req: PlanRequest, r: Resolved, measured: Measured, budget: int, derivation: str,
-          sizes: _Sizes, costs: _Costs, host: HostPlan) -> Plan:  # fmt: skip
+def _plan(
+    spec: ModelSpec,
+    req: PlanRequest,
+    r: Resolved,
+    measured: Measured,
+    budget: int,
+    derivation: str,
+    sizes: _Sizes,
+    costs: _Costs,
+    host: HostPlan,
+) -> Plan:
     kv = KVPlan(
         page_size=r.page_size,
         pages=sizes.kv_pages,
@@ -516,17 +579,34 @@ def _plan(spec: ModelSpec, req: PlanRequest, r: Resolved, measured: Measured, bu
         value_dtype=L.KV_FP8_DTYPE if r.kv_cache_dtype == "fp8" else r.dtype,
         scale_bytes_per_token=L.kv_scale_bytes_per_token(spec, r.kv_cache_dtype),
     )
-    linear = LinearStatePlan(sizes.linear_slots, L.LINEAR_PADDING_SLOTS if spec.linear_attention_layers else 0,
-                             L.linear_state_bytes_per_slot(spec, r.dtype), costs.linear_state(sizes.linear_slots))  # fmt: skip
+    linear = LinearStatePlan(
+        sizes.linear_slots,
+        L.LINEAR_PADDING_SLOTS if spec.linear_attention_layers else 0,
+        L.linear_state_bytes_per_slot(spec, r.dtype),
+        costs.linear_state(sizes.linear_slots),
+    )
     parts = L.expert_pool_parts(spec, r.dtype, sizes.expert_slots, r.max_prefill_tokens)
-    experts = ExpertPlan(sizes.expert_slots, spec.total_experts, min_expert_slots(spec), L.expert_bytes(spec, r.dtype),
-                         costs.experts(sizes.expert_slots), F.expert_format_name(spec, host.expert_bank_format if host.expert_bank_bytes else "plain",
-                                                                 r.dtype),
-                         parts.staging_slots, parts.staging_bytes, parts.cache_state_bytes, parts.padding_bytes)  # fmt: skip
-    snapshots = LinearSnapshotPlan(sizes.snapshots, L.linear_state_bytes_per_slot(spec, r.dtype) if sizes.snapshots else 0,
-                                   costs.snapshots(sizes.snapshots),
-                                   _snapshot_source(sizes, req) if spec.linear_attention_layers else "")  # fmt: skip
-    total = measured.weights_bytes + measured.workspace_bytes + kv.bytes + linear.bytes + snapshots.bytes + experts.bytes
+    experts = ExpertPlan(
+        sizes.expert_slots,
+        spec.total_experts,
+        min_expert_slots(spec),
+        L.expert_bytes(spec, r.dtype),
+        costs.experts(sizes.expert_slots),
+        F.expert_format_name(spec, host.expert_bank_format if host.expert_bank_bytes else "plain", r.dtype),
+        parts.staging_slots,
+        parts.staging_bytes,
+        parts.cache_state_bytes,
+        parts.padding_bytes,
+    )
+    snapshots = LinearSnapshotPlan(
+        sizes.snapshots,
+        L.linear_state_bytes_per_slot(spec, r.dtype) if sizes.snapshots else 0,
+        costs.snapshots(sizes.snapshots),
+        _snapshot_source(sizes, req) if spec.linear_attention_layers else "",
+    )
+    total = (
+        measured.weights_bytes + measured.workspace_bytes + kv.bytes + linear.bytes + snapshots.bytes + experts.bytes
+    )
     assert total <= budget, "planner arithmetic broke its own invariant"
     return Plan(
         budget_bytes=budget,
@@ -568,16 +648,22 @@ def _host_plan(spec: ModelSpec, req: PlanRequest, dtype: str, measured: Measured
     banks = H.expert_bank_bytes(spec, dtype, fmt) if offloaded else 0
     host = HostPlan(banks, fmt, available, source, H.HOST_RESERVE_BYTES)
     if banks and available is not None and banks + H.HOST_RESERVE_BYTES > available:
-        where = (f"--host-memory {format_bytes(available)}" if source == "--host-memory"
-                 else f"this machine has {format_bytes(available)} available (MemAvailable)")  # fmt: skip
+        where = (
+            f"--host-memory {format_bytes(available)}"
+            if source == "--host-memory"
+            else f"this machine has {format_bytes(available)} available (MemAvailable)"
+        )
         raise PlanError(
             f"the offloaded experts do not fit in host RAM: their pinned banks need {format_bytes(banks)} "
             f"({len(spec.moe_layer_indices)} MoE layers x {spec.num_experts} experts, {fmt}) plus {format_bytes(H.HOST_RESERVE_BYTES)} kept for the rest of the "
             f"process, but {where}.\n"
             f"the banks need a host with at least {format_bytes(banks + H.HOST_RESERVE_BYTES)} available"
-            + ("; to plan for another machine, give its RAM with --host-memory (e.g. --host-memory 64GiB)"
-               if source == "MemAvailable" else "")
-        )  # fmt: skip
+            + (
+                "; to plan for another machine, give its RAM with --host-memory (e.g. --host-memory 64GiB)"
+                if source == "MemAvailable"
+                else ""
+            )
+        )
     return host
 
 
@@ -614,8 +700,15 @@ def _explain_failure(f: _Failure) -> str:
         f.terms.render(),
         f"  {'total':<62} {format_bytes(f.terms.total):>12}",
     ]
-    hints = [*_kv_hints(f), *_expert_hints(f), *_linear_state_hints(f), *_snapshot_hints(f), *_max_model_len_hints(f),
-             *_together_hints(f), *_budget_hints(f)]  # fmt: skip
+    hints = [
+        *_kv_hints(f),
+        *_expert_hints(f),
+        *_linear_state_hints(f),
+        *_snapshot_hints(f),
+        *_max_model_len_hints(f),
+        *_together_hints(f),
+        *_budget_hints(f),
+    ]
     if hints:
         lines.append("to fit, with everything else unchanged:")
         lines.extend(f"  {h}" for h in hints)
@@ -647,8 +740,13 @@ def _kv_hints(f: _Failure) -> list[str]:
 def _max_model_len_hints(f: _Failure) -> list[str]:
     """With no KV flag set, the KV floor is one sequence of --max-model-len tokens."""
     req = f.req
-    if req.max_model_len is None or req.kv_reserve_tokens is not None or req.num_tokens is not None or \
-            req.num_pages is not None or not f.sizes.kv_pages:  # fmt: skip
+    if (
+        req.max_model_len is None
+        or req.kv_reserve_tokens is not None
+        or req.num_tokens is not None
+        or req.num_pages is not None
+        or not f.sizes.kv_pages
+    ):
         return []
     return [_hint("--max-model-len", _kv_pages_fitting(f) * f.r.page_size, 1)]
 
@@ -670,8 +768,12 @@ def _expert_hints(f: _Failure) -> list[str]:
 def _linear_state_hints(f: _Failure) -> list[str]:
     if f.req.max_running_requests is None or not f.spec.linear_attention_layers:
         return []
-    n = _largest(f.costs.linear_state, f.room_for(f.costs.linear_state, f.sizes.linear_slots), 0,
-                 f.r.max_running_requests) or 0  # fmt: skip
+    n = (
+        _largest(
+            f.costs.linear_state, f.room_for(f.costs.linear_state, f.sizes.linear_slots), 0, f.r.max_running_requests
+        )
+        or 0
+    )
     return [_hint("--max-running-requests", n, 1)]
 
 
@@ -680,12 +782,19 @@ def _together_hints(f: _Failure) -> list[str]:
     from the plan's) with which some context fits, and that context: a hybrid model's linear states and the KV
     floor of one max-length sequence are the two terms a user sizes."""
     req, sizes = f.req, f.sizes
-    if not f.spec.linear_attention_layers or req.kv_reserve_tokens is not None or req.num_tokens is not None or \
-            req.num_pages is not None:  # fmt: skip
+    if (
+        not f.spec.linear_attention_layers
+        or req.kv_reserve_tokens is not None
+        or req.num_tokens is not None
+        or req.num_pages is not None
+    ):
         return []
-    alone_fits = (_kv_pages_fitting(f) >= 1 or
-                  (_largest(f.costs.linear_state, f.room_for(f.costs.linear_state, sizes.linear_slots), 1,
-                            max(sizes.linear_slots, 1)) is not None))  # fmt: skip
+    alone_fits = _kv_pages_fitting(f) >= 1 or (
+        _largest(
+            f.costs.linear_state, f.room_for(f.costs.linear_state, sizes.linear_slots), 1, max(sizes.linear_slots, 1)
+        )
+        is not None
+    )
     if alone_fits:
         return []
     fixed = f.terms.total - f.costs.kv(sizes.kv_pages) - f.costs.linear_state(sizes.linear_slots)
@@ -703,8 +812,11 @@ def _snapshot_hints(f: _Failure) -> list[str]:
     if f.req.linear_state_snapshots is None or not f.sizes.snapshots:
         return []
     n = _largest(f.costs.snapshots, f.room_for(f.costs.snapshots, f.sizes.snapshots), 0, f.sizes.snapshots) or 0
-    return [_hint("--linear-state-snapshots", n, 0) if n else
-            "--linear-state-snapshots: no value above 0 fits; 0 turns hybrid prefix reuse off"]
+    return [
+        _hint("--linear-state-snapshots", n, 0)
+        if n
+        else "--linear-state-snapshots: no value above 0 fits; 0 turns hybrid prefix reuse off"
+    ]
 
 
 def _budget_hints(f: _Failure) -> list[str]:
@@ -719,13 +831,19 @@ def _budget_hints(f: _Failure) -> list[str]:
     if req.memory_ratio is not None:
         base = req.gpu_memory if req.gpu_memory is not None else f.measured.free_bytes
         needed_ratio = math.ceil((total + outside.bytes) / base * 1e4) / 1e4
-        hints.append(f"--memory-ratio would have to be at least {needed_ratio:g}" if needed_ratio <= 1 else
-                     "--memory-ratio: no value up to 1 fits")  # fmt: skip
+        hints.append(
+            f"--memory-ratio would have to be at least {needed_ratio:g}"
+            if needed_ratio <= 1
+            else "--memory-ratio: no value up to 1 fits"
+        )
     return hints
 
 
 def _hint(flag: str, largest: float, smallest_meaningful: float) -> str:
     if largest < smallest_meaningful or largest <= 0:
         return f"{flag}: no value fits; the other terms alone leave too little of the budget"
-    return f"{flag}: the largest value that fits is {largest:g}" if isinstance(largest, float) else \
-        f"{flag}: the largest value that fits is {largest}"  # fmt: skip
+    return (
+        f"{flag}: the largest value that fits is {largest:g}"
+        if isinstance(largest, float)
+        else f"{flag}: the largest value that fits is {largest}"
+    )

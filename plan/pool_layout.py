@@ -93,8 +93,9 @@ def kv_scale_bytes_per_token(spec: ModelSpec, kv_cache_dtype: str) -> int:
     return len(spec.full_attention_layers) * 2 * spec.num_kv_heads * ELEMENT_BYTES[KV_SCALE_DTYPE]
 
 
-def kv_pool_layout(spec: ModelSpec, dtype: str, num_pages: int, page_size: int,
-                   kv_cache_dtype: str = "auto") -> PoolLayout:  # fmt: skip
+def kv_pool_layout(
+    spec: ModelSpec, dtype: str, num_pages: int, page_size: int, kv_cache_dtype: str = "auto"
+) -> PoolLayout:
     """`num_pages` usable pages plus the sentinel page(s), for every full-attention layer: "kv" [layers, 2,
     pages, page_size, kv_heads, head_dim] in the model dtype (auto) or e4m3 (fp8), and with fp8 "kv_scale"
     [layers, 2, pages, page_size, kv_heads] (float32), one scale a (token, kv head) row."""

@@ -28,13 +28,28 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from ferry.shared.errors import PlanError
+from ferry.plan.memory_defaults import (
+    LONG_PROMPT_TOKENS,
+    long_prompts_expected,
+    offloaded_defaults,
+    server_defaults,
+    shrunk_defaults,
+    sizing_source,
+)
 from ferry.plan.model_config import ModelSpec
-from ferry.plan.memory_defaults import (LONG_PROMPT_TOKENS, long_prompts_expected, offloaded_defaults, server_defaults,
-                                       shrunk_defaults, sizing_source)  # fmt: skip
-from ferry.plan.planner import (DEFAULT_MAX_PREFILL_TOKENS, OFFLOADED_SNAPSHOTS_PER_RUNNING_REQUEST, Measured, Plan,
-                                PlanRequest, Resolved, make_plan, plan_budget, resolve)  # fmt: skip
+from ferry.plan.planner import (
+    DEFAULT_MAX_PREFILL_TOKENS,
+    OFFLOADED_SNAPSHOTS_PER_RUNNING_REQUEST,
+    Measured,
+    Plan,
+    PlanRequest,
+    Resolved,
+    make_plan,
+    plan_budget,
+    resolve,
+)
 from ferry.plan.store_plan import plan_for_expert_store
+from ferry.shared.errors import PlanError
 
 # in the order tried: DEFAULT_MAX_PREFILL_TOKENS first, which is the longest a resident plan takes; 16384 only
 # pays where experts stream
@@ -44,8 +59,9 @@ PROMPT_TOKENS_PER_OUTPUT_TOKEN = 32
 _CANDIDATES = ", ".join(map(str, CHUNK_CANDIDATES))
 
 
-def plan_with_prefill_chunk(spec: ModelSpec, req: PlanRequest, measure: Callable[[Resolved | None], Measured],
-                            longest: int | None = None) -> Plan:  # fmt: skip
+def plan_with_prefill_chunk(
+    spec: ModelSpec, req: PlanRequest, measure: Callable[[Resolved | None], Measured], longest: int | None = None
+) -> Plan:
     """The plan for `req`: its running requests and context sized from memory where no flag gave them
     (plan/memory_defaults.py), its prefill chunk chosen from memory unless --max-prefill-tokens gave it.
     `measure(r)` gives the facts (weights, workspace of a step as `r` resolves it, free memory); `measure(None)`
@@ -54,8 +70,11 @@ def plan_with_prefill_chunk(spec: ModelSpec, req: PlanRequest, measure: Callable
     long_prompts = long_prompts_expected(spec, req)
     if req.max_running_requests is not None and req.max_model_len is not None:
         plan = _chunked_plan(spec, req, measure, longest, long_prompts)
-        if plan.experts.slots < spec.total_experts and plan.linear_state_snapshots.snapshots and \
-                req.linear_state_snapshots is None:  # fmt: skip
+        if (
+            plan.experts.slots < spec.total_experts
+            and plan.linear_state_snapshots.snapshots
+            and req.linear_state_snapshots is None
+        ):
             fewer = dataclasses.replace(req, snapshots_per_running_request=OFFLOADED_SNAPSHOTS_PER_RUNNING_REQUEST)
             plan = _chunked_plan(spec, fewer, measure, longest, long_prompts)  # more slots: it fits as well
         return dataclasses.replace(plan, sizing_source=sizing_source(req, offloaded=False))
@@ -80,8 +99,13 @@ def plan_with_prefill_chunk(spec: ModelSpec, req: PlanRequest, measure: Callable
             single_user = smaller
 
 
-def _chunked_plan(spec: ModelSpec, req: PlanRequest, measure: Callable[[Resolved | None], Measured],
-                  longest: int | None, long_prompts: bool) -> Plan:  # fmt: skip
+def _chunked_plan(
+    spec: ModelSpec,
+    req: PlanRequest,
+    measure: Callable[[Resolved | None], Measured],
+    longest: int | None,
+    long_prompts: bool,
+) -> Plan:
     """The plan for `req` (its running requests and context set), its chunk chosen unless the flag gave it."""
     if req.max_prefill_tokens is not None:
         plan = plan_for_expert_store(spec, req, measure(resolve(spec, req)))
@@ -90,8 +114,11 @@ def _chunked_plan(spec: ModelSpec, req: PlanRequest, measure: Callable[[Resolved
     # no step holds more than every running request's whole context: a longer chunk than that (past the
     # default's 8192, which is kept as before) would only take slots for a step that never comes; and a chunk
     # past 8192 pays only for prompts longer than it, where they are expected
-    cap = max(DEFAULT_MAX_PREFILL_TOKENS, r.max_running_requests * r.max_model_len) if long_prompts else \
-        DEFAULT_MAX_PREFILL_TOKENS  # fmt: skip
+    cap = (
+        max(DEFAULT_MAX_PREFILL_TOKENS, r.max_running_requests * r.max_model_len)
+        if long_prompts
+        else DEFAULT_MAX_PREFILL_TOKENS
+    )
     longest = cap if longest is None else min(longest, cap)
     best: Plan | None = None
     error: PlanError | None = None
@@ -100,8 +127,11 @@ def _chunked_plan(spec: ModelSpec, req: PlanRequest, measure: Callable[[Resolved
     for tokens in CHUNK_CANDIDATES:
         if (too_long is not None and tokens > too_long) or tokens > longest:
             continue
-        if best is not None and fewest_unslotted is not None and \
-                _cost(spec, fewest_unslotted, tokens, long_prompts) >= _streamed(spec, best, long_prompts):  # fmt: skip
+        if (
+            best is not None
+            and fewest_unslotted is not None
+            and _cost(spec, fewest_unslotted, tokens, long_prompts) >= _streamed(spec, best, long_prompts)
+        ):
             continue  # even with no workspace this chunk would stream more than the best
         chunk_req = dataclasses.replace(req, max_prefill_tokens=tokens)
         measured = measure(resolve(spec, chunk_req))
@@ -112,28 +142,36 @@ def _chunked_plan(spec: ModelSpec, req: PlanRequest, measure: Callable[[Resolved
             continue
         if fewest_unslotted is None:
             fewest_unslotted = _unslotted_without_workspace(spec, chunk_req, measured)
-        if best is None or (_streamed(spec, plan, long_prompts), -tokens) < \
-                (_streamed(spec, best, long_prompts), -best.max_prefill_tokens):  # fmt: skip
+        if best is None or (_streamed(spec, plan, long_prompts), -tokens) < (
+            _streamed(spec, best, long_prompts),
+            -best.max_prefill_tokens,
+        ):
             best = plan  # the fewest streamed, the longest chunk on a tie
         if plan.experts.slots >= spec.total_experts:
             break  # streams nothing: no shorter chunk does better, and a longer one only holds decode rows longer
     if best is None:
         assert error is not None
-        raise PlanError(f"{error}\n(no prefill chunk of {_CANDIDATES} tokens fits, {min(CHUNK_CANDIDATES)} tried last: "
-                        "--max-prefill-tokens can go lower)")
+        raise PlanError(
+            f"{error}\n(no prefill chunk of {_CANDIDATES} tokens fits, {min(CHUNK_CANDIDATES)} tried last: "
+            "--max-prefill-tokens can go lower)"
+        )
     if best.experts.slots >= spec.total_experts:
         why = "every expert resident"
     else:
         unslotted = spec.total_experts - best.experts.slots
         if long_prompts:
-            why = (f"{unslotted} experts without a slot, each streamed once a chunk: the fewest a prompt token of "
-                   f"{_CANDIDATES}")  # fmt: skip
+            why = (
+                f"{unslotted} experts without a slot, each streamed once a chunk: the fewest a prompt token of "
+                f"{_CANDIDATES}"
+            )
         else:
             tried = ", ".join(str(t) for t in CHUNK_CANDIDATES if t <= DEFAULT_MAX_PREFILL_TOKENS)
-            why = (f"{unslotted} experts without a slot: of {tried}, the fewest crossing PCIe for a chat turn of "
-                   f"{PROMPT_TOKENS_PER_OUTPUT_TOKEN} prompt tokens an output token (each chunk streams them once, decode "
-                   f"misses them); {max(CHUNK_CANDIDATES)} and prompt-only pricing where --max-model-len or the KV "
-                   f"pool asks for prompts past {LONG_PROMPT_TOKENS}")  # fmt: skip
+            why = (
+                f"{unslotted} experts without a slot: of {tried}, the fewest crossing PCIe for a chat turn of "
+                f"{PROMPT_TOKENS_PER_OUTPUT_TOKEN} prompt tokens an output token (each chunk streams them once, decode "
+                f"misses them); {max(CHUNK_CANDIDATES)} and prompt-only pricing where --max-model-len or the KV "
+                f"pool asks for prompts past {LONG_PROMPT_TOKENS}"
+            )
     return dataclasses.replace(best, max_prefill_tokens_source=f"chosen from memory: {why}")
 
 

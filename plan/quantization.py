@@ -41,8 +41,10 @@ SCALE_SUFFIXES = ("weight_scale", "weight_scale_2", "weight_scale_inv", "weight_
 DROPPED_SUFFIXES = ("input_scale", "input_global_scale", "k_scale", "v_scale", "weight_zero_point")
 QUANT_SUFFIXES = (*SCALE_SUFFIXES, *DROPPED_SUFFIXES, "weight_packed")
 
-SUPPORTED = ("modelopt (quant_algo NVFP4, or MIXED_PRECISION of NVFP4 and FP8 layers), "
-             "compressed-tensors (format nvfp4-pack-quantized), fp8 (fmt e4m3, weight_block_size [128, 128])")  # fmt: skip
+SUPPORTED = (
+    "modelopt (quant_algo NVFP4, or MIXED_PRECISION of NVFP4 and FP8 layers), "
+    "compressed-tensors (format nvfp4-pack-quantized), fp8 (fmt e4m3, weight_block_size [128, 128])"
+)
 # The module names a routed expert's projections have in the checkpoints (with any wrapper prefix).
 _EXPERT_PREFIXES = ("model.layers", "model.language_model.layers", "language_model.model.layers", "layers")
 
@@ -58,8 +60,9 @@ class QuantScheme:
     kv_cache_quant_algo: str | None = None  # noted, not applied: the KV pool stays in the run dtype
 
 
-def parse_quantization(raw: dict[str, Any], hf_quant_config: dict[str, Any] | None = None,
-                       where: str = "config.json") -> QuantScheme | None:  # fmt: skip
+def parse_quantization(
+    raw: dict[str, Any], hf_quant_config: dict[str, Any] | None = None, where: str = "config.json"
+) -> QuantScheme | None:
     """The checkpoint's QuantScheme, None for an unquantized one; a ConfigError for what is not served."""
     qc = raw.get("quantization_config")
     if qc is None and isinstance(raw.get("text_config"), dict):
@@ -79,14 +82,19 @@ def parse_quantization(raw: dict[str, Any], hf_quant_config: dict[str, Any] | No
         return _compressed_tensors(qc, source)
     if method == "fp8":
         return _fp8(qc, source)
-    raise ConfigError(f"{source}: quantization_config quant_method {qc.get('quant_method')!r} is not supported; "
-                      f"Ferry serves {SUPPORTED}, or unquantized checkpoints")  # fmt: skip
+    raise ConfigError(
+        f"{source}: quantization_config quant_method {qc.get('quant_method')!r} is not supported; "
+        f"Ferry serves {SUPPORTED}, or unquantized checkpoints"
+    )
 
 
 def expert_module_names(layer: int = 0, expert: int = 0) -> list[str]:
     """The names one routed expert's projections may have in a checkpoint or a quantization config."""
-    return [f"{p}.{layer}.mlp.experts.{expert}.{proj}" for p in _EXPERT_PREFIXES
-            for proj in ("gate_proj", "up_proj", "down_proj")]  # fmt: skip
+    return [
+        f"{p}.{layer}.mlp.experts.{expert}.{proj}"
+        for p in _EXPERT_PREFIXES
+        for proj in ("gate_proj", "up_proj", "down_proj")
+    ]
 
 
 def _unsupported_algo(source: str, algo: Any, what: str = "quant_algo") -> ConfigError:
@@ -123,8 +131,10 @@ def _modelopt(qc: dict[str, Any], source: str) -> QuantScheme:
             if ".mlp.experts" in name:  # the experts' parent (`layers.N.mlp.experts`) or each of them
                 algos.add(layer_algo)
         if len(algos) > 1:
-            raise ConfigError(f"{source}: the routed experts mix {sorted(algos)} in quantized_layers; Ferry holds "
-                              "every routed expert in one format")  # fmt: skip
+            raise ConfigError(
+                f"{source}: the routed experts mix {sorted(algos)} in quantized_layers; Ferry holds "
+                "every routed expert in one format"
+            )
         expert_format = {"NVFP4": "nvfp4", "FP8": "fp8-block"}.get(algos.pop()) if algos else None
         return QuantScheme("modelopt", "MIXED_PRECISION", expert_format, source, kv)
     raise _unsupported_algo(source, qc.get("quant_algo"))
@@ -138,12 +148,18 @@ def _compressed_tensors(qc: dict[str, Any], source: str) -> QuantScheme:
     for name, group in groups.items():
         weights = (group or {}).get("weights") or {}
         group_fmt = str((group or {}).get("format") or fmt)
-        nvfp4 = (weights.get("num_bits") == 4 and weights.get("type") == "float"
-                 and weights.get("strategy") == "tensor_group" and int(weights.get("group_size") or 0) == 16)  # fmt: skip
+        nvfp4 = (
+            weights.get("num_bits") == 4
+            and weights.get("type") == "float"
+            and weights.get("strategy") == "tensor_group"
+            and int(weights.get("group_size") or 0) == 16
+        )
         if group_fmt != "nvfp4-pack-quantized" or not nvfp4:
-            raise ConfigError(f"{source}: compressed-tensors config_groups[{name!r}] (format {group_fmt!r}, weights "
-                              f"{weights.get('num_bits')}-bit {weights.get('type')} {weights.get('strategy')}) is not "
-                              f"supported; Ferry serves {SUPPORTED}")  # fmt: skip
+            raise ConfigError(
+                f"{source}: compressed-tensors config_groups[{name!r}] (format {group_fmt!r}, weights "
+                f"{weights.get('num_bits')}-bit {weights.get('type')} {weights.get('strategy')}) is not "
+                f"supported; Ferry serves {SUPPORTED}"
+            )
     ignored = [str(p) for p in qc.get("ignore") or []]
     experts_ignored = any(_ct_ignored(p, n) for p in ignored for n in expert_module_names())
     return QuantScheme("compressed-tensors", "nvfp4-pack-quantized", None if experts_ignored else "nvfp4", source)
@@ -153,8 +169,10 @@ def _fp8(qc: dict[str, Any], source: str) -> QuantScheme:
     fmt = str(qc.get("fmt", "e4m3")).lower()
     block = qc.get("weight_block_size")
     if fmt != "e4m3" or list(block or []) != [128, 128]:
-        raise ConfigError(f"{source}: fp8 quantization_config with fmt {fmt!r} and weight_block_size {block!r} is not "
-                          f"supported; Ferry serves {SUPPORTED}")  # fmt: skip
+        raise ConfigError(
+            f"{source}: fp8 quantization_config with fmt {fmt!r} and weight_block_size {block!r} is not "
+            f"supported; Ferry serves {SUPPORTED}"
+        )
     skipped = [str(m) for m in qc.get("modules_to_not_convert") or qc.get("ignored_layers") or []]
     experts_skipped = any(_module_listed(m, n) for m in skipped for n in expert_module_names())
     return QuantScheme("fp8", "fp8-block", None if experts_skipped else "fp8-block", source)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from ferry.plan.model_config import ModelSpec
 from ferry.plan.costs import offload_workspace_bytes
+from ferry.plan.model_config import ModelSpec
 from ferry.plan.planner import Measured, Plan, PlanRequest, make_plan
 
 

@@ -60,8 +60,11 @@ class _Progress:
 
         stream = stream or sys.stderr
         self.total, self.stream = total, stream
-        self.bar = tqdm(total=total, desc="random weights", unit="tensor", file=stream, leave=False) \
-            if stream.isatty() else None  # fmt: skip
+        self.bar = (
+            tqdm(total=total, desc="random weights", unit="tensor", file=stream, leave=False)
+            if stream.isatty()
+            else None
+        )
         self.done = self.bytes = 0
         self.started = self.last = time.monotonic()
 
@@ -81,12 +84,22 @@ class _Progress:
 
     def _line(self) -> None:
         self.last = time.monotonic()
-        print(f"make-bench-model: {self.done}/{self.total} tensors, {self.bytes / 2**30:.2f} GiB, "
-              f"{self.last - self.started:.0f} s", file=self.stream, flush=True)  # fmt: skip
+        print(
+            f"make-bench-model: {self.done}/{self.total} tensors, {self.bytes / 2**30:.2f} GiB, "
+            f"{self.last - self.started:.0f} s",
+            file=self.stream,
+            flush=True,
+        )
 
 
-def write_random_weights(out: Path, routing_skew: float = 0.0, seed: int = 0, device: str = "cpu",
-                         dtype: str = "bfloat16", fmt: str | None = None) -> int:  # fmt: skip
+def write_random_weights(
+    out: Path,
+    routing_skew: float = 0.0,
+    seed: int = 0,
+    device: str = "cpu",
+    dtype: str = "bfloat16",
+    fmt: str | None = None,
+) -> int:
     """Shards of every tensor the model loads, named as the Hugging Face checkpoint; returns the bytes
     written. `fmt` (nvfp4 | fp8): each linear quantized in that published layout
     (services/quantized_checkpoint.py), and config.json's quantization_config says so."""
@@ -127,7 +140,8 @@ def write_random_weights(out: Path, routing_skew: float = 0.0, seed: int = 0, de
     flush()
     progress.close()
     (out / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1) + "\n")
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1) + "\n"
+    )
     if fmt:
         set_quantization(out, fmt, [named(n) for n in shapes])
     return total
@@ -175,18 +189,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", help="output directory (created if missing)")
     parser.add_argument("--config", required=True, help="a model's config.json (e.g. a published checkpoint's)")
     parser.add_argument("--num-layers", type=int, default=None, help="keep only the first N decoder layers")
-    parser.add_argument("--weights", choices=("none", "random"), default="none",
-                        help="none (default): serve with --load-format dummy; random: also write safetensors "
-                             "weights whose routing changes with every token")  # fmt: skip
-    parser.add_argument("--routing-skew", type=float, default=0.0,
-                        help="with --weights random: 0 (default) routes uniformly, s > 0 makes expert of rank r "
-                             "about r^-s as likely (a logit bias of -s ln(1 + r))")  # fmt: skip
+    parser.add_argument(
+        "--weights",
+        choices=("none", "random"),
+        default="none",
+        help="none (default): serve with --load-format dummy; random: also write safetensors "
+        "weights whose routing changes with every token",
+    )
+    parser.add_argument(
+        "--routing-skew",
+        type=float,
+        default=0.0,
+        help="with --weights random: 0 (default) routes uniformly, s > 0 makes expert of rank r "
+        "about r^-s as likely (a logit bias of -s ln(1 + r))",
+    )
     parser.add_argument("--seed", type=int, default=0, help="the weights are a pure function of this")
     parser.add_argument("--generate-on", default="cpu", help="device that draws the random weights (cpu, cuda)")
-    parser.add_argument("--format", choices=("bf16", "nvfp4", "fp8"), default="bf16",
-                        help="bf16 (default); nvfp4: nvidia modelopt's NVFP4 layout (routed and shared experts); "
-                             "fp8: Qwen's FP8 layout (128 x 128 blocks). With --weights none, config.json says the "
-                             "format and --load-format dummy serves it")  # fmt: skip
+    parser.add_argument(
+        "--format",
+        choices=("bf16", "nvfp4", "fp8"),
+        default="bf16",
+        help="bf16 (default); nvfp4: nvidia modelopt's NVFP4 layout (routed and shared experts); "
+        "fp8: Qwen's FP8 layout (128 x 128 blocks). With --weights none, config.json says the "
+        "format and --load-format dummy serves it",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -204,8 +230,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"ferry make-bench-model: error: {exc}", file=sys.stderr)
         return 2
     if size is not None:
-        print(f"wrote {out} with {size / 2**30:.2f} GiB of random weights in {args.format} "
-              f"(routing skew {args.routing_skew})")  # fmt: skip
+        print(
+            f"wrote {out} with {size / 2**30:.2f} GiB of random weights in {args.format} "
+            f"(routing skew {args.routing_skew})"
+        )
     else:
         print(f"wrote {out} (config, tokenizer, generation config): serve it with --load-format dummy")
     return 0

@@ -13,15 +13,29 @@ from ferry.shared.errors import FerryError
 # subcommand -> (module with add_arguments(parser) and run(args) -> int, help)
 COMMANDS = {
     "plan": ("ferry.plan.plan_command", "print the worker's memory plan for a model and a device budget"),
-    "generate": ("ferry.services.generate_command", "generate from one prompt offline, through the worker's boot and executor"),
-    "make-tiny-model": ("ferry.services.make_tiny_model", "write the tiny random-weight demo checkpoint (also the tests' model)"),
-    "make-bench-model": ("ferry.services.bench_model", "write a model directory of a real config's shapes (tokenizer included) for --load-format dummy"),
-    "serve": ("ferry.services.serve_command", "run api, scheduler and worker on this host (an OpenAI- and Anthropic-compatible server)"),
+    "generate": (
+        "ferry.services.generate_command",
+        "generate from one prompt offline, through the worker's boot and executor",
+    ),
+    "make-tiny-model": (
+        "ferry.services.make_tiny_model",
+        "write the tiny random-weight demo checkpoint (also the tests' model)",
+    ),
+    "make-bench-model": (
+        "ferry.services.bench_model",
+        "write a model directory of a real config's shapes (tokenizer included) for --load-format dummy",
+    ),
+    "serve": (
+        "ferry.services.serve_command",
+        "run api, scheduler and worker on this host (an OpenAI- and Anthropic-compatible server)",
+    ),
     "api": ("ferry.services.api.command", "run one api replica: the OpenAI- and Anthropic-compatible HTTP server"),
     "scheduler": ("ferry.services.scheduler.command", "run the scheduler"),
     "worker": ("ferry.services.worker.command", "run the worker: loads the model and executes steps"),
-    "worker-rank": ("ferry.services.worker.rank_command",
-                    "rank r > 0 of an expert-parallel worker (started by `ferry worker --expert-parallel-size N`)"),
+    "worker-rank": (
+        "ferry.services.worker.rank_command",
+        "rank r > 0 of an expert-parallel worker (started by `ferry worker --expert-parallel-size N`)",
+    ),
     "keys": ("ferry.services.keys_command", "write the CURVE keys that authenticate the ZeroMQ wire in the tcp layout"),
 }
 

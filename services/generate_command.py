@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ferry.services.worker.expert_cache_delta import report_delta, step_figures
+from ferry.services.worker.flags import add_worker_flags, boot_config_from_args
 from ferry.shared.eos import eos_token_ids
 from ferry.shared.errors import ConfigError
 from ferry.shared.logging import add_log_flags, configure_logging
@@ -20,8 +22,6 @@ from ferry.shared.model_flag import require_model
 from ferry.shared.sampling import SamplingParams, sampling_problems
 from ferry.shared.step import NewRequest, StepBatch
 from ferry.shared.units import ceil_div
-from ferry.services.worker.expert_cache_delta import report_delta, step_figures
-from ferry.services.worker.flags import add_worker_flags, boot_config_from_args
 
 REQ_ID = 1
 LINEAR_STATE_SLOT = 1  # slot 0 is the padding slot
@@ -99,15 +99,18 @@ class OneRequestScheduler:
         )
 
 
-def generate(executor, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
-             eos_ids: tuple[int, ...]) -> tuple[list[int], list[float], str]:  # fmt: skip
+def generate(
+    executor, prompt_ids: list[int], params: SamplingParams, max_tokens: int, eos_ids: tuple[int, ...]
+) -> tuple[list[int], list[float], str]:
     """Run the request to completion; (generated token ids, their logprobs, finish reason: stop | length)."""
     plan = executor.plan
     scheduler = OneRequestScheduler(plan.kv.page_size, plan.kv.pages, plan.max_prefill_tokens)
     limit = min(plan.max_model_len, scheduler.capacity())
     if len(prompt_ids) >= limit:
-        raise ConfigError(f"the prompt has {len(prompt_ids)} tokens; this plan holds at most {limit - 1} "
-                          "(raise --max-model-len or the KV pool)")  # fmt: skip
+        raise ConfigError(
+            f"the prompt has {len(prompt_ids)} tokens; this plan holds at most {limit - 1} "
+            "(raise --max-model-len or the KV pool)"
+        )
     new = (NewRequest(req_id=REQ_ID, prompt_token_ids=np.array(prompt_ids, dtype=np.int32), sampling=params),)
     context, output, logprobs = 0, [], []
     chunk = plan.max_prefill_tokens
@@ -137,13 +140,21 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
     if args.max_tokens < 1:
         raise ConfigError(f"--max-tokens must be at least 1, got {args.max_tokens}")
     params = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed,
-        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty, ignore_eos=args.ignore_eos,
-    )  # fmt: skip
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.seed,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        ignore_eos=args.ignore_eos,
+    )
     problems = sampling_problems(params)
     if problems:
-        raise ConfigError("; ".join("--" + p.replace("_", "-", p.split()[0].count("_")) for p in problems))  # flag names
+        raise ConfigError(
+            "; ".join("--" + p.replace("_", "-", p.split()[0].count("_")) for p in problems)
+        )  # flag names
     return params
 
 
@@ -183,8 +194,15 @@ def run(args: argparse.Namespace) -> int:
     token_ids, logprobs, reason = generate(recording, prompt_ids, params, args.max_tokens, eos_ids)
     text = tokenizer.decode(token_ids, skip_special_tokens=True) if tokenizer is not None else None
     if args.json:
-        out = {"prompt_token_ids": prompt_ids, "token_ids": token_ids, "logprobs": logprobs, "text": text,
-               "finish_reason": reason, "plan": plan.to_dict(), "expert_cache": recording.expert_cache()}  # fmt: skip
+        out = {
+            "prompt_token_ids": prompt_ids,
+            "token_ids": token_ids,
+            "logprobs": logprobs,
+            "text": text,
+            "finish_reason": reason,
+            "plan": plan.to_dict(),
+            "expert_cache": recording.expert_cache(),
+        }
         sys.stdout.write(json.dumps(out) + "\n")
     else:
         print(text if text is not None else ",".join(map(str, token_ids)))

@@ -13,7 +13,9 @@ from pathlib import Path
 from ferry.shared.errors import ConfigError
 
 # The keys written with the image, as the host user, straight into the directory compose reads them from
-DOCKER_KEYS_COMMAND = 'mkdir -p keys && docker run --rm -u "$(id -u):$(id -g)" -v "$PWD/keys:/keys" ferry:0.1.0 keys /keys'
+DOCKER_KEYS_COMMAND = (
+    'mkdir -p keys && docker run --rm -u "$(id -u):$(id -g)" -v "$PWD/keys:/keys" ferry:0.1.0 keys /keys'
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -60,8 +60,12 @@ def quantize_nvfp4(w: torch.Tensor) -> dict[str, torch.Tensor]:
     block = torch.where(block == 0, 1.0, block).to(torch.float8_e4m3fn)  # an all-zero group: modelopt's 1
     codes = _e2m1_codes(groups / (block.to(torch.float32)[..., None] * scale_2)).view(o, n)
     packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
-    return {"weight": packed.contiguous(), "weight_scale": block.contiguous(),
-            "weight_scale_2": scale_2.reshape(()), "input_scale": torch.tensor(1.0 / E4M3_MAX / E2M1_MAX)}  # fmt: skip
+    return {
+        "weight": packed.contiguous(),
+        "weight_scale": block.contiguous(),
+        "weight_scale_2": scale_2.reshape(()),
+        "input_scale": torch.tensor(1.0 / E4M3_MAX / E2M1_MAX),
+    }
 
 
 def quantize_fp8_block(w: torch.Tensor, block: int = 128) -> dict[str, torch.Tensor]:
@@ -110,10 +114,22 @@ def quantization_config(fmt: str, names: list[str]) -> dict:
     modules = sorted({n.removesuffix(".weight") for n in names if n.endswith(".weight")})
     if fmt == NVFP4:
         kept = [m for m in modules if ".mlp.experts." not in m and ".mlp.shared_expert." not in m]
-        return {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "kv_cache_quant_algo": None,
-                "exclude_modules": kept}  # fmt: skip
+        return {
+            "quant_method": "modelopt",
+            "quant_algo": "NVFP4",
+            "group_size": 16,
+            "kv_cache_quant_algo": None,
+            "exclude_modules": kept,
+        }
     if fmt == FP8:
-        kept = sorted({m for m in modules if m.startswith("lm_head") or (m + ".weight").endswith((*ALWAYS_BF16, *FP8_BF16))})
-        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
-                "modules_to_not_convert": kept}  # fmt: skip
+        kept = sorted(
+            {m for m in modules if m.startswith("lm_head") or (m + ".weight").endswith((*ALWAYS_BF16, *FP8_BF16))}
+        )
+        return {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128],
+            "modules_to_not_convert": kept,
+        }
     raise ValueError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")

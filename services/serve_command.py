@@ -24,19 +24,23 @@ from pathlib import Path
 
 import structlog
 
-from ferry.shared.defaults import LOOPBACK, ipc_addresses, rundir_base
+from ferry.services.api.config import DEFAULT_DRAIN_TIMEOUT_S, add_api_flags
+from ferry.services.scheduler.config import (
+    add_prefill_coalesce_flag,
+    add_prefix_cache_flag,
+    add_schedule_ahead_flag,
+    add_step_timeout_flag,
+    prefill_coalesce_s,
+    schedule_ahead_steps,
+)
+from ferry.services.worker.command import add_boot_flag
+from ferry.services.worker.flags import add_worker_flags, boot_config_from_args, worker_flag_args
 from ferry.shared.child_process import die_with_parent
+from ferry.shared.defaults import LOOPBACK, ipc_addresses, rundir_base
 from ferry.shared.errors import ConfigError
 from ferry.shared.logging import add_log_flags, configure_logging
 from ferry.shared.model_flag import add_model_argument
 from ferry.shared.port_flag import MAX_PORT, port_number
-from ferry.services.api.config import DEFAULT_DRAIN_TIMEOUT_S, add_api_flags
-from ferry.services.scheduler.config import (
-    add_prefill_coalesce_flag, add_prefix_cache_flag, add_schedule_ahead_flag, add_step_timeout_flag,
-    prefill_coalesce_s, schedule_ahead_steps,
-)  # fmt: skip
-from ferry.services.worker.command import add_boot_flag
-from ferry.services.worker.flags import add_worker_flags, boot_config_from_args, worker_flag_args
 
 log = structlog.get_logger("serve")
 STOP_GRACE_S = 10.0
@@ -48,7 +52,9 @@ def _side_port(text: str) -> int | str:
     try:
         return port_number(text)
     except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"expected auto, off or a port number in 1..{MAX_PORT}, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected auto, off or a port number in 1..{MAX_PORT}, got {text!r}"
+        ) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,9 +62,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_worker_flags(parser, model_required=False)
     add_api_flags(parser)
     g = parser.add_argument_group("processes")
-    side = (f"/health and /metrics port, on {LOOPBACK}: a number, off, or auto (default: the api's --port + {{k}} when "
-            "free, else any free port; the chosen port is logged at start)")  # fmt: skip
-    g.add_argument("--scheduler-health-port", type=_side_port, default="auto", help="the scheduler's " + side.format(k=1))
+    side = (
+        f"/health and /metrics port, on {LOOPBACK}: a number, off, or auto (default: the api's --port + {{k}} when "
+        "free, else any free port; the chosen port is logged at start)"
+    )
+    g.add_argument(
+        "--scheduler-health-port", type=_side_port, default="auto", help="the scheduler's " + side.format(k=1)
+    )
     g.add_argument("--worker-health-port", type=_side_port, default="auto", help="the worker's " + side.format(k=2))
     add_step_timeout_flag(g)
     add_schedule_ahead_flag(g)
@@ -123,32 +133,74 @@ def served_model_name(args: argparse.Namespace, model: str) -> str:
     return model if args.model is not None else DEMO_MODEL_NAME
 
 
-def child_commands(args: argparse.Namespace, model: str, rundir: Path,
-                   ports: dict[str, int | None] | None = None) -> dict[str, list[str]]:  # fmt: skip
+def child_commands(
+    args: argparse.Namespace, model: str, rundir: Path, ports: dict[str, int | None] | None = None
+) -> dict[str, list[str]]:
     """The three command lines. Nothing secret goes on them (a command line is world-readable in
     /proc): the API key reaches the api as a file in the private run directory (write_api_key)."""
     ports = ports if ports is not None else {"scheduler": None, "worker": None}
     api_addr, steps_addr, results_addr = ipc_addresses(rundir)
     ferry = [sys.executable, "-m", "ferry.services.cli"]
     log_flags = ["--log-level", args.log_level, "--log-format", args.log_format]
-    scheduler = [*ferry, "scheduler", "--api-addr", api_addr, "--steps-addr", steps_addr, "--results-addr", results_addr,
-                 "--step-timeout", str(args.step_timeout), "--prefill-coalesce-ms", f"{args.prefill_coalesce_ms:g}",
-                 *(["--schedule-ahead-steps", str(args.schedule_ahead_steps)] if args.schedule_ahead
-                   else ["--no-schedule-ahead"])]  # fmt: skip
+    scheduler = [
+        *ferry,
+        "scheduler",
+        "--api-addr",
+        api_addr,
+        "--steps-addr",
+        steps_addr,
+        "--results-addr",
+        results_addr,
+        "--step-timeout",
+        str(args.step_timeout),
+        "--prefill-coalesce-ms",
+        f"{args.prefill_coalesce_ms:g}",
+        *(
+            ["--schedule-ahead-steps", str(args.schedule_ahead_steps)]
+            if args.schedule_ahead
+            else ["--no-schedule-ahead"]
+        ),
+    ]
     if not args.prefix_cache:
         scheduler.append("--no-prefix-cache")
     if ports["scheduler"] is not None:
         scheduler += ["--health-port", str(ports["scheduler"])]
-    worker = [*ferry, "worker", *worker_flag_args(boot_config_from_args(args, model)), "--steps-addr", steps_addr,
-              "--results-addr", results_addr, "--boot", args.boot]  # fmt: skip
+    worker = [
+        *ferry,
+        "worker",
+        *worker_flag_args(boot_config_from_args(args, model)),
+        "--steps-addr",
+        steps_addr,
+        "--results-addr",
+        results_addr,
+        "--boot",
+        args.boot,
+    ]
     if not args.prefix_cache and args.linear_state_snapshots is None:
         worker += ["--linear-state-snapshots", "0"]  # no prefix reuse: the snapshots' memory goes to the other pools
     if ports["worker"] is not None:
         worker += ["--health-port", str(ports["worker"])]
-    api = [*ferry, "api", "--model", model, "--scheduler-addr", api_addr, "--host", args.host, "--port", str(args.port),
-           "--max-body-size", args.max_body_size, "--served-model-name", served_model_name(args, model),
-           "--read-timeout", str(args.read_timeout), "--drain-timeout", str(args.drain_timeout),
-           *api_passthrough_flags(args, rundir)]  # fmt: skip
+    api = [
+        *ferry,
+        "api",
+        "--model",
+        model,
+        "--scheduler-addr",
+        api_addr,
+        "--host",
+        args.host,
+        "--port",
+        str(args.port),
+        "--max-body-size",
+        args.max_body_size,
+        "--served-model-name",
+        served_model_name(args, model),
+        "--read-timeout",
+        str(args.read_timeout),
+        "--drain-timeout",
+        str(args.drain_timeout),
+        *api_passthrough_flags(args, rundir),
+    ]
     return {"scheduler": scheduler + log_flags, "worker": worker + log_flags, "api": api + log_flags}
 
 
@@ -193,8 +245,11 @@ def run(args: argparse.Namespace) -> int:
     prefill_coalesce_s(args.prefill_coalesce_ms)  # refused here, not by the scheduler after the model loads
     schedule_ahead_steps(args)
     if getattr(args, "wire_keys", None):
-        log.warning("wire_keys_ignored", reason="ferry serve wires its processes by ipc sockets in a private "
-                    "directory; --wire-keys is for the tcp layout (ferry api|scheduler|worker)")  # fmt: skip
+        log.warning(
+            "wire_keys_ignored",
+            reason="ferry serve wires its processes by ipc sockets in a private "
+            "directory; --wire-keys is for the tcp layout (ferry api|scheduler|worker)",
+        )
     model = args.model
     if model is None:
         from ferry.services.demo_model import ensure_demo_model
@@ -230,9 +285,14 @@ def run(args: argparse.Namespace) -> int:
         for name, cmd in child_commands(args, model, rundir, ports).items():
             procs[name] = subprocess.Popen(cmd, env=envs[name], preexec_fn=die_with_parent(os.getpid()))
             log.info("started", child=name, pid=procs[name].pid)
-        log.info("serving", api=f"http://{args.host}:{args.port}/v1",
-                 metrics={"api": f"http://{args.host}:{args.port}/metrics",
-                          **{n: f"http://{LOOPBACK}:{p}/metrics" for n, p in ports.items() if p is not None}})  # fmt: skip
+        log.info(
+            "serving",
+            api=f"http://{args.host}:{args.port}/v1",
+            metrics={
+                "api": f"http://{args.host}:{args.port}/metrics",
+                **{n: f"http://{LOOPBACK}:{p}/metrics" for n, p in ports.items() if p is not None},
+            },
+        )
         while not stopping:
             dead = [(n, p.returncode) for n, p in procs.items() if p.poll() is not None]
             if dead:
@@ -270,8 +330,6 @@ def _wait_or_kill(name: str, p: subprocess.Popen, timeout: float) -> None:
         log.warning("killing", child=name, pid=p.pid)
         p.kill()
         p.wait()
-
-
 
 
 _RUNDIR = re.compile(r"ferry-(\d+)-[A-Za-z0-9_]+$")

@@ -40,7 +40,9 @@ def sampling_wire_problems(p: SamplingParams, vocab_size: int = 0) -> list[str]:
     """shared/sampling.py's rules (ranges, including logit_bias, the logprobs counts and the grammar's
     size), plus what only a forged message can get wrong: non-finite numbers, and logit_bias token ids
     outside the vocabulary (vocab_size 0: not checked)."""
-    problems = [f"{f} must be a finite number, got {getattr(p, f)}" for f in _FLOATS if not math.isfinite(getattr(p, f))]
+    problems = [
+        f"{f} must be a finite number, got {getattr(p, f)}" for f in _FLOATS if not math.isfinite(getattr(p, f))
+    ]
     problems = problems or sampling_problems(p)
     if not problems and vocab_size and p.logit_bias:
         bad = max(t for t, _ in p.logit_bias)
@@ -63,8 +65,16 @@ class StepLimits:
     linear_state_snapshots: int = 0  # snapshot ids 0..this-1 (hybrid models' prefix cache); 0: none
 
 
-_ARRAYS = {"req_ids": "iu", "tokens": "iu", "query_lens": "iu", "context_lens": "iu", "page_table": "iu",
-           "linear_state_slots": "iu", "reset_linear_state": "b", "sample": "b"}  # fmt: skip
+_ARRAYS = {
+    "req_ids": "iu",
+    "tokens": "iu",
+    "query_lens": "iu",
+    "context_lens": "iu",
+    "page_table": "iu",
+    "linear_state_slots": "iu",
+    "reset_linear_state": "b",
+    "sample": "b",
+}
 
 
 def step_problems(batch, limits: StepLimits, known: set[int] | dict) -> list[str]:
@@ -81,14 +91,18 @@ def step_problems(batch, limits: StepLimits, known: set[int] | dict) -> list[str
     optional = {name: getattr(batch, name) for name in ("prompt_logprobs", "feed_sampled")}
     for name, a in optional.items():
         if a is not None and (not isinstance(a, np.ndarray) or a.dtype.kind != "b" or a.ndim != 1):
-            problems.append(f"{name} must be a 1-D bool array, got {getattr(a, 'dtype', type(a).__name__)} "
-                            f"of shape {getattr(a, 'shape', '?')}")  # fmt: skip
+            problems.append(
+                f"{name} must be a 1-D bool array, got {getattr(a, 'dtype', type(a).__name__)} "
+                f"of shape {getattr(a, 'shape', '?')}"
+            )
     # optional int [R] rows: the snapshot each row's state is restored from / saved to (-1: none)
     copies = {name: getattr(batch, name, None) for name in ("restore_state", "save_state", "save_offset")}
     for name, a in copies.items():
         if a is not None and (not _is_ints(a) or a.ndim != 1):
-            problems.append(f"{name} must be a 1-D integer array, got {getattr(a, 'dtype', type(a).__name__)} "
-                            f"of shape {getattr(a, 'shape', '?')}")  # fmt: skip
+            problems.append(
+                f"{name} must be a 1-D integer array, got {getattr(a, 'dtype', type(a).__name__)} "
+                f"of shape {getattr(a, 'shape', '?')}"
+            )
     if problems:
         return problems
     r, t = len(batch.req_ids), len(batch.tokens)
@@ -109,7 +123,11 @@ def step_problems(batch, limits: StepLimits, known: set[int] | dict) -> list[str
         problems.append("a request appears twice")
     feed, marks = batch.feed_sampled, batch.prompt_logprobs
     if not problems and feed is not None and feed.any():
-        if (batch.query_lens[feed] != 1).any() or (batch.context_lens[feed] < 1).any() or batch.reset_linear_state[feed].any():
+        if (
+            (batch.query_lens[feed] != 1).any()
+            or (batch.context_lens[feed] < 1).any()
+            or batch.reset_linear_state[feed].any()
+        ):
             problems.append("a feed_sampled row must decode one token of a request already started")
     if (bad := token_ids_problem("tokens", batch.tokens, limits.vocab_size)) is not None:
         problems.append(bad)
@@ -126,13 +144,17 @@ def step_problems(batch, limits: StepLimits, known: set[int] | dict) -> list[str
     elif r and (-(-(ctx + q) // limits.page_size) > pt.shape[1]).any():
         problems.append("a request's tokens run past the pages in its page_table row")
     slots = batch.linear_state_slots
-    if limits.linear_state_slots and slots.size and (int(slots.min()) < 0 or int(slots.max()) > limits.linear_state_slots):
+    if (
+        limits.linear_state_slots
+        and slots.size
+        and (int(slots.min()) < 0 or int(slots.max()) > limits.linear_state_slots)
+    ):
         problems.append(f"linear-state slots must be in 0..{limits.linear_state_slots}")
     problems += _state_copy_problems(batch, {k: copies[k] for k in ("restore_state", "save_state")}, limits)
     announced = set()
     for new in batch.new_requests:
         announced.add(new.req_id)
-        if (bad := token_ids_problem(f"request {new.req_id}'s prompt", new.prompt_token_ids, limits.vocab_size)):
+        if bad := token_ids_problem(f"request {new.req_id}'s prompt", new.prompt_token_ids, limits.vocab_size):
             problems.append(bad)
         problems += [f"request {new.req_id}: {p}" for p in sampling_wire_problems(new.sampling, limits.vocab_size)]
     forgotten = set(batch.finished_req_ids)
@@ -158,8 +180,11 @@ def _state_copy_problems(batch, copies: dict, limits: StepLimits) -> list[str]:
         if used.size == 0:
             continue
         if int(used.min()) < 0 or int(used.max()) >= n:
-            problems.append(f"{name}: snapshot ids must be -1 or in 0..{n - 1}" if n else
-                            f"{name}: this worker keeps no linear-state snapshots")  # fmt: skip
+            problems.append(
+                f"{name}: snapshot ids must be -1 or in 0..{n - 1}"
+                if n
+                else f"{name}: this worker keeps no linear-state snapshots"
+            )
             continue
         rows = a != -1
         if (batch.linear_state_slots[rows] < 1).any():
@@ -173,8 +198,10 @@ def _state_copy_problems(batch, copies: dict, limits: StepLimits) -> list[str]:
         if name == "restore_state":
             fed = batch.feed_sampled[rows].any() if batch.feed_sampled is not None else False
             if (batch.context_lens[rows] < 1).any() or batch.reset_linear_state[rows].any() or fed:
-                problems.append("restore_state: a restored row must start from a cached prefix (context > 0, "
-                                "no state reset, not fed)")  # fmt: skip
+                problems.append(
+                    "restore_state: a restored row must start from a cached prefix (context > 0, "
+                    "no state reset, not fed)"
+                )
     return problems
 
 
@@ -190,7 +217,13 @@ def logprobs_problem(lp, vocab_size: int = 0) -> str | None:
     vals, ids, tops = lp.token_logprobs, lp.top_ids, lp.top_logprobs
     if not _is_floats(vals) or vals.ndim != 1 or len(vals) < 1:
         return f"{where}: token_logprobs must be a non-empty 1-D float array"
-    if not _is_ints(ids) or not _is_floats(tops) or ids.ndim != 2 or ids.shape != tops.shape or ids.shape[0] != len(vals):
+    if (
+        not _is_ints(ids)
+        or not _is_floats(tops)
+        or ids.ndim != 2
+        or ids.shape != tops.shape
+        or ids.shape[0] != len(vals)
+    ):
         return f"{where}: top_ids and top_logprobs must be integer and float arrays of shape ({len(vals)}, k)"
     if ids.shape[1] > MAX_LOGPROBS:
         return f"{where}: {ids.shape[1]} top alternatives; at most {MAX_LOGPROBS}"

@@ -46,8 +46,10 @@ def rundir_base(tmp: str, fallbacks: tuple[str, ...] = ("/tmp",)) -> str:
     for base in (tmp, *fallbacks):
         if len(base.rstrip("/")) + longest <= IPC_PATH_MAX:
             return base
-    raise ValueError(f"no directory short enough for serve's ipc sockets: TMPDIR {tmp!r} is too deep "
-                     f"(at most {IPC_PATH_MAX - longest} characters); set TMPDIR to a shorter path")
+    raise ValueError(
+        f"no directory short enough for serve's ipc sockets: TMPDIR {tmp!r} is too deep "
+        f"(at most {IPC_PATH_MAX - longest} characters); set TMPDIR to a shorter path"
+    )
 
 
 def ipc_addresses(rundir: Path) -> tuple[str, str, str]:

@@ -37,9 +37,13 @@ class _StderrLogger:
 
 def add_log_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info", help="debug, info, warning or error")
-    parser.add_argument("--log-format", choices=LOG_FORMATS, default="auto",
-                        help="console: readable lines; json: one JSON object per line; auto (default): console when "
-                             "stderr is a terminal, else json")  # fmt: skip
+    parser.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default="auto",
+        help="console: readable lines; json: one JSON object per line; auto (default): console when "
+        "stderr is a terminal, else json",
+    )
 
 
 def resolve_log_format(fmt: str) -> str:
@@ -99,10 +103,12 @@ def configure_logging(process: str, level: str = "info", fmt: str = "auto") -> N
         cache_logger_on_first_use=True,
     )
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(structlog.stdlib.ProcessorFormatter(
-        foreign_pre_chain=[*_SHARED, structlog.stdlib.add_logger_name],
-        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *_renderers(fmt)],
-    ))  # fmt: skip
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=[*_SHARED, structlog.stdlib.add_logger_name],
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *_renderers(fmt)],
+        )
+    )
     root = logging.getLogger()
     root.handlers = [handler]
     root.setLevel(numeric)

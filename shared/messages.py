@@ -29,7 +29,9 @@ class PoolReport(msgspec.Struct, frozen=True, kw_only=True):
 
     kv_pages: Positive32  # usable pages, ids 1..kv_pages (0 is the sentinel)
     page_size: Positive32
-    linear_state_slots: Count32  # usable linear-state slots, ids 1..linear_state_slots (0 = padding); 0 without linear attention
+    linear_state_slots: (
+        Count32  # usable linear-state slots, ids 1..linear_state_slots (0 = padding); 0 without linear attention
+    )
     max_running_requests: Positive32
     max_prefill_tokens: Positive32
     max_model_len: Positive32

@@ -21,8 +21,9 @@ class _ModelAction(argparse.Action):
 
 
 def add_model_argument(parser: argparse.ArgumentParser, help_text: str) -> None:
-    parser.add_argument("model", nargs="?", metavar="MODEL", action=_ModelAction, default=None,
-                        help=f"{help_text} (or --model)")  # fmt: skip
+    parser.add_argument(
+        "model", nargs="?", metavar="MODEL", action=_ModelAction, default=None, help=f"{help_text} (or --model)"
+    )
     parser.add_argument("--model", action=_ModelAction, default=None, help=help_text)
 
 

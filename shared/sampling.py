@@ -53,8 +53,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
         """Whether drawing a token reads the request's earlier output on the worker's host (penalty
         counts, a grammar's matcher): such a request's next step waits for its last token to come
         back, and is never scheduled ahead (shared/step.py, `feed_sampled`)."""
-        return (self.grammar is not None or self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0)  # fmt: skip
+        return (
+            self.grammar is not None
+            or self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
 
 
 def sampling_problems(p: SamplingParams) -> list[str]:
@@ -70,10 +74,17 @@ def sampling_problems(p: SamplingParams) -> list[str]:
         (len(p.logit_bias) <= MAX_LOGIT_BIAS, f"logit_bias: at most {MAX_LOGIT_BIAS} tokens, got {len(p.logit_bias)}"),
         (all(-100 <= b <= 100 for _, b in p.logit_bias), "logit_bias values must be in [-100, 100]"),
         (all(t >= 0 for t, _ in p.logit_bias), "logit_bias keys must be token ids (>= 0)"),
-        (p.logprobs is None or 0 <= p.logprobs <= MAX_LOGPROBS, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {p.logprobs}"),
-        (p.prompt_logprobs is None or 0 <= p.prompt_logprobs <= MAX_LOGPROBS,
-         f"logprobs must be in [0, {MAX_LOGPROBS}], got {p.prompt_logprobs}"),
-        (p.grammar is None or len(p.grammar) <= MAX_GRAMMAR_CHARS,
-         f"the grammar (response_format or a forced tool call) is {len(p.grammar or '')} characters; at most {MAX_GRAMMAR_CHARS}"),
+        (
+            p.logprobs is None or 0 <= p.logprobs <= MAX_LOGPROBS,
+            f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {p.logprobs}",
+        ),
+        (
+            p.prompt_logprobs is None or 0 <= p.prompt_logprobs <= MAX_LOGPROBS,
+            f"logprobs must be in [0, {MAX_LOGPROBS}], got {p.prompt_logprobs}",
+        ),
+        (
+            p.grammar is None or len(p.grammar) <= MAX_GRAMMAR_CHARS,
+            f"the grammar (response_format or a forced tool call) is {len(p.grammar or '')} characters; at most {MAX_GRAMMAR_CHARS}",
+        ),
     ]
     return [message for ok, message in rules if not ok]

@@ -22,7 +22,9 @@ HealthProbe = Callable[[], tuple[bool, dict]]  # (ready, body)
 def add_side_http_flags(group) -> None:
     """`--health-host` and `--health-port`, for a parser or an argument group."""
     group.add_argument("--health-host", default=LOOPBACK, help="interface for /health and /metrics")
-    group.add_argument("--health-port", type=port_number, default=None, help="port for /health and /metrics (default: none)")
+    group.add_argument(
+        "--health-port", type=port_number, default=None, help="port for /health and /metrics (default: none)"
+    )
 
 
 def serve_side_http(host: str, port: int, health: HealthProbe, registry: CollectorRegistry) -> ThreadingHTTPServer:

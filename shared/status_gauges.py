@@ -14,8 +14,9 @@ class StatusGauges:
         self.running = Gauge(f"{prefix}running_requests", "requests being prefilled or decoded", registry=registry)
         self.waiting = Gauge(f"{prefix}waiting_requests", "requests queued for admission", registry=registry)
         self.kv_total = Gauge(f"{prefix}kv_pages_total", "usable KV pages reported by the worker", registry=registry)
-        self.kv_available = Gauge(f"{prefix}kv_pages_available", "KV pages free or cached-and-unreferenced",
-                                  registry=registry)  # fmt: skip
+        self.kv_available = Gauge(
+            f"{prefix}kv_pages_available", "KV pages free or cached-and-unreferenced", registry=registry
+        )
 
     def set_from(self, status: SchedulerStatus) -> None:
         self.running.set(status.running)

@@ -84,11 +84,18 @@ class StepBatch(msgspec.Struct, frozen=True, kw_only=True):
     def empty(cls, step_id: int, finished_req_ids: tuple[int, ...] = ()) -> "StepBatch":
         """A step of no requests: it only makes the worker forget `finished_req_ids` (and, all padding,
         it is what the decode graphs are captured on)."""
-        return cls(step_id=step_id, req_ids=np.zeros(0, np.int64), tokens=np.zeros(0, np.int32),
-                   query_lens=np.zeros(0, np.int32), context_lens=np.zeros(0, np.int32),
-                   page_table=np.zeros((0, 1), np.int32), linear_state_slots=np.zeros(0, np.int32),
-                   reset_linear_state=np.zeros(0, bool), sample=np.zeros(0, bool),
-                   finished_req_ids=tuple(finished_req_ids))  # fmt: skip
+        return cls(
+            step_id=step_id,
+            req_ids=np.zeros(0, np.int64),
+            tokens=np.zeros(0, np.int32),
+            query_lens=np.zeros(0, np.int32),
+            context_lens=np.zeros(0, np.int32),
+            page_table=np.zeros((0, 1), np.int32),
+            linear_state_slots=np.zeros(0, np.int32),
+            reset_linear_state=np.zeros(0, bool),
+            sample=np.zeros(0, bool),
+            finished_req_ids=tuple(finished_req_ids),
+        )
 
 
 class Logprobs(msgspec.Struct, frozen=True, kw_only=True):

@@ -33,9 +33,7 @@ def parse_bytes(text: str, require_unit: bool = False) -> int:
     "0.9" (a fraction, which is --memory-ratio's job) is a mistake, never what was meant."""
     match = _PATTERN.match(str(text))
     if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(
-            f"cannot read {text!r} as a byte size; write e.g. 24GiB, 512MiB, 20GB or a number of bytes"
-        )
+        raise ValueError(f"cannot read {text!r} as a byte size; write e.g. 24GiB, 512MiB, 20GB or a number of bytes")
     if require_unit and not match.group(2):
         raise ValueError(f"{text!r} has no unit; write the size with one, e.g. 24GiB, 512MiB or 20GB (24B for bytes)")
     value = float(match.group(1)) * _UNITS[match.group(2).lower()]

@@ -124,8 +124,17 @@ def _configure(sock: zmq.Socket, secure: Secure | None, receives: bool) -> None:
 class PeerSocket(Generic[T]):
     """A synchronous PUSH, PULL or DEALER socket carrying one union in, anything out."""
 
-    def __init__(self, ctx: zmq.Context, kind: int, addr: str, decode_type: Any, *, bind: bool,
-                 identity: bytes | None = None, secure: Secure | None = None):  # fmt: skip
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        kind: int,
+        addr: str,
+        decode_type: Any,
+        *,
+        bind: bool,
+        identity: bytes | None = None,
+        secure: Secure | None = None,
+    ):
         self.sock = ctx.socket(kind)
         _configure(self.sock, secure, decode_type is not None)
         if identity is not None:
@@ -192,8 +201,9 @@ class RouterSocket(Generic[T]):
 class AsyncDealer(Generic[T]):
     """An api replica's DEALER to the scheduler, for asyncio code."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, addr: str, decode_type: Any, identity: bytes,
-                 secure: Secure | None = None):  # fmt: skip
+    def __init__(
+        self, ctx: zmq.asyncio.Context, addr: str, decode_type: Any, identity: bytes, secure: Secure | None = None
+    ):
         self.sock = ctx.socket(zmq.DEALER)
         _configure(self.sock, secure, decode_type is not None)
         self.sock.setsockopt(zmq.IDENTITY, identity)

@@ -38,14 +38,21 @@ _insecure_flag = False  # --insecure-wire was on this process's command line (_I
 
 
 def add_wire_keys_flag(group) -> None:
-    group.add_argument("--wire-keys", default=None, metavar="DIR",
-                       help="directory of the CURVE keys `ferry keys DIR` wrote (compose: the secrets' directory, "
-                            "/run/secrets): authenticates and encrypts the ZeroMQ wire; required for tcp addresses "
-                            "(loopback too, unless --insecure-wire)")  # fmt: skip
-    group.add_argument("--insecure-wire", action=_InsecureWireFlag,
-                       help="accept tcp addresses on loopback without --wire-keys: any local process can then submit "
-                            "requests past the api's key and pose as the worker (ferry serve needs neither: it uses "
-                            "private ipc sockets)")  # fmt: skip
+    group.add_argument(
+        "--wire-keys",
+        default=None,
+        metavar="DIR",
+        help="directory of the CURVE keys `ferry keys DIR` wrote (compose: the secrets' directory, "
+        "/run/secrets): authenticates and encrypts the ZeroMQ wire; required for tcp addresses "
+        "(loopback too, unless --insecure-wire)",
+    )
+    group.add_argument(
+        "--insecure-wire",
+        action=_InsecureWireFlag,
+        help="accept tcp addresses on loopback without --wire-keys: any local process can then submit "
+        "requests past the api's key and pose as the worker (ferry serve needs neither: it uses "
+        "private ipc sockets)",
+    )
 
 
 class _InsecureWireFlag(argparse._StoreTrueAction):  # argparse has no public base for a store_true flag
@@ -70,7 +77,9 @@ def generate(directory: Path) -> list[Path]:
     for role in ROLES:
         for suffix in (".key", ".key_secret"):
             if (directory / f"{role}{suffix}").exists():
-                raise ConfigError(f"{directory / (role + suffix)} exists: keys are never overwritten; use a new directory")
+                raise ConfigError(
+                    f"{directory / (role + suffix)} exists: keys are never overwritten; use a new directory"
+                )
     for role in ROLES:
         public, secret = zmq.auth.create_certificates(str(directory), role)
         os.chmod(secret, 0o600)
@@ -83,8 +92,9 @@ def _load(path: Path, secret: bool) -> tuple[bytes, bytes | None]:
     try:
         public, secret_key = zmq.auth.load_certificate(str(path))
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"--wire-keys: cannot read {path.name} in the key directory ({exc}); "
-                          "write the keys with `ferry keys DIR`") from exc  # fmt: skip
+        raise ConfigError(
+            f"--wire-keys: cannot read {path.name} in the key directory ({exc}); write the keys with `ferry keys DIR`"
+        ) from exc
     if secret and secret_key is None:
         raise ConfigError(f"--wire-keys: {path.name} holds no secret key")
     return public, secret_key
@@ -115,7 +125,11 @@ class WireKeys:
 
     def client(self):
         def secure(sock: zmq.Socket) -> None:
-            sock.curve_secretkey, sock.curve_publickey, sock.curve_serverkey = self.secret, self.public, self.server_public
+            sock.curve_secretkey, sock.curve_publickey, sock.curve_serverkey = (
+                self.secret,
+                self.public,
+                self.server_public,
+            )
 
         return secure
 
@@ -146,16 +160,20 @@ def check_exposure(flag: str, addr: str, keys: object | None) -> None:
     submit requests past the api's checks, take steps or pose as the worker."""
     if keys is not None or not addr.startswith("tcp://"):
         return
-    host = addr[len("tcp://"):].rsplit(":", 1)[0]
+    host = addr[len("tcp://") :].rsplit(":", 1)[0]
     if is_loopback(host):
         return
     named = ""
     if host != "*" and not _is_ip(host.strip("[]")):
-        named = (f" ({host!r} is a name, which may resolve to any address: only a literal loopback address such "
-                 "as 127.0.0.1 or [::1], or localhost, counts as this host)")  # fmt: skip
-    raise ConfigError(f"{flag} {addr} may be reachable beyond this host{named} but the wire is not authenticated: "
-                      "write keys with `ferry keys DIR` and pass --wire-keys DIR (FERRY_WIRE_KEYS) to the api, the "
-                      "scheduler and the worker, or use a loopback address")  # fmt: skip
+        named = (
+            f" ({host!r} is a name, which may resolve to any address: only a literal loopback address such "
+            "as 127.0.0.1 or [::1], or localhost, counts as this host)"
+        )
+    raise ConfigError(
+        f"{flag} {addr} may be reachable beyond this host{named} but the wire is not authenticated: "
+        "write keys with `ferry keys DIR` and pass --wire-keys DIR (FERRY_WIRE_KEYS) to the api, the "
+        "scheduler and the worker, or use a loopback address"
+    )
 
 
 def _is_ip(host: str) -> bool:
@@ -173,8 +191,10 @@ def require_keys_for_tcp(flag: str, addr: str, keys: object | None, insecure: bo
         return
     if insecure_wire_allowed() if insecure is None else insecure:
         return
-    raise ConfigError(f"{flag} {addr} is a tcp address but the wire is not authenticated: any local process could "
-                      "submit requests past the api's key or pose as the worker. Write keys with `ferry keys DIR` and "
-                      "pass --wire-keys DIR (FERRY_WIRE_KEYS) to the api, the scheduler and the worker; or run "
-                      "`ferry serve`, whose private ipc sockets need no keys; or pass --insecure-wire "
-                      "(FERRY_INSECURE_WIRE=1) to accept that risk on loopback")  # fmt: skip
+    raise ConfigError(
+        f"{flag} {addr} is a tcp address but the wire is not authenticated: any local process could "
+        "submit requests past the api's key or pose as the worker. Write keys with `ferry keys DIR` and "
+        "pass --wire-keys DIR (FERRY_WIRE_KEYS) to the api, the scheduler and the worker; or run "
+        "`ferry serve`, whose private ipc sockets need no keys; or pass --insecure-wire "
+        "(FERRY_INSECURE_WIRE=1) to accept that risk on loopback"
+    )

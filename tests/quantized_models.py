@@ -59,14 +59,25 @@ def _ct_nvfp4(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor]
         gs = generate_gparam(w.min(), w.max())
         groups = w.view(o, n // 16, 16)
         scale, zp = calculate_qparams(groups.amin(-1), groups.amax(-1), scheme.weights, global_scale=gs)
-        sd = NVFP4PackedCompressor.compress({"weight": w, "weight_scale": scale, "weight_global_scale": gs,
-                                             "weight_zero_point": zp}, scheme)  # fmt: skip
+        sd = NVFP4PackedCompressor.compress(
+            {"weight": w, "weight_scale": scale, "weight_global_scale": gs, "weight_zero_point": zp}, scheme
+        )
         module = name.removesuffix(".weight")
         out.update({f"{module}.{k}": v for k, v in sd.items()})
-    config = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "quantization_status": "compressed",
-              "config_groups": {"group_0": {"targets": ["Linear"], "format": "nvfp4-pack-quantized",
-                                            "weights": scheme.weights.model_dump(), "input_activations": None}},
-              "ignore": sorted(ignored)}  # fmt: skip
+    config = {
+        "quant_method": "compressed-tensors",
+        "format": "nvfp4-pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "format": "nvfp4-pack-quantized",
+                "weights": scheme.weights.model_dump(),
+                "input_activations": None,
+            }
+        },
+        "ignore": sorted(ignored),
+    }
     return out, config
 
 

@@ -17,9 +17,18 @@ from ferry.services.api.generation import Usage
 from ferry.services.api.output_parsers import Reasoning, Text, ToolCall
 
 # HTTP status -> Anthropic's error type (https://docs.anthropic.com/en/api/errors)
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
-               429: "rate_limit_error", 500: "api_error", 503: "overloaded_error", 529: "overloaded_error"}  # fmt: skip
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
 
 
 def error_body(status: int, message: str) -> dict:
@@ -36,8 +45,12 @@ PING = {"type": "ping"}
 
 def usage_json(usage: Usage) -> dict:
     """Anthropic's split: input_tokens are the prompt tokens not read from the (prefix) cache."""
-    return {"input_tokens": usage.prompt_tokens - usage.cached_tokens, "output_tokens": usage.completion_tokens,
-            "cache_read_input_tokens": usage.cached_tokens, "cache_creation_input_tokens": 0}  # fmt: skip
+    return {
+        "input_tokens": usage.prompt_tokens - usage.cached_tokens,
+        "output_tokens": usage.completion_tokens,
+        "cache_read_input_tokens": usage.cached_tokens,
+        "cache_creation_input_tokens": 0,
+    }
 
 
 def stop_reason(finish_reason: str, stop_sequence: str | None, called_tools: bool) -> str:
@@ -91,8 +104,11 @@ class MessageBuilder:
 
     def finish(self, finish_reason: str, stop_sequence: str | None, usage: Usage) -> list[dict]:
         reason = stop_reason(finish_reason, stop_sequence, self.tool_calls > 0)
-        delta = {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": stop_sequence},
-                 "usage": usage_json(usage)}  # fmt: skip
+        delta = {
+            "type": "message_delta",
+            "delta": {"stop_reason": reason, "stop_sequence": stop_sequence},
+            "usage": usage_json(usage),
+        }
         return [*self._close(), delta, {"type": "message_stop"}]
 
     def message(self, finish_reason: str, stop_sequence: str | None, usage: Usage) -> dict:
@@ -100,8 +116,16 @@ class MessageBuilder:
         return self._message(reason, stop_sequence, usage_json(usage))
 
     def _message(self, reason: str | None, stop_sequence: str | None, usage: dict) -> dict:
-        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": self.content,
-                "stop_reason": reason, "stop_sequence": stop_sequence, "usage": usage}  # fmt: skip
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": self.content,
+            "stop_reason": reason,
+            "stop_sequence": stop_sequence,
+            "usage": usage,
+        }
 
     def _open(self, block: dict) -> list[dict]:
         self.content.append(block)

@@ -22,7 +22,6 @@ import contextlib
 import structlog
 from aiohttp import web
 
-from ferry.shared.errors import FerryError, NotFound
 from ferry.services.api import anthropic_schema as schema
 from ferry.services.api import structured
 from ferry.services.api.anthropic_responses import PING, MessageBuilder, error_body, sse_event
@@ -36,6 +35,7 @@ from ferry.services.api.output_parsers import OutputParser
 from ferry.services.api.reasoning_parser import prompt_opens_reasoning
 from ferry.services.api.scheduler_client import SchedulerClient
 from ferry.services.api.tokenizer import PromptTokenizer
+from ferry.shared.errors import FerryError, NotFound
 
 log = structlog.get_logger("api.anthropic")
 
@@ -50,8 +50,16 @@ def forced_prompt_suffix(req: schema.CountTokensRequest, prompt_text: str) -> st
 
 
 class AnthropicRoutes:
-    def __init__(self, cfg: ApiConfig, client: SchedulerClient, tokenizer: PromptTokenizer, metrics: ApiMetrics,
-                 tokenize, grammars: GrammarLanes, bodies: BodyDecoder):  # fmt: skip
+    def __init__(
+        self,
+        cfg: ApiConfig,
+        client: SchedulerClient,
+        tokenizer: PromptTokenizer,
+        metrics: ApiMetrics,
+        tokenize,
+        grammars: GrammarLanes,
+        bodies: BodyDecoder,
+    ):
         """`tokenize(fn, arg, body_bytes)`: runs fn(tokenizer, arg) on a tokenizer thread (OpenAIRoutes._tokenize);
         `grammars` builds grammars and `bodies` decodes bodies: all three shared with the OpenAI routes."""
         self.cfg, self.client, self.tokenizer, self.metrics = cfg, client, tokenizer, metrics
@@ -68,14 +76,17 @@ class AnthropicRoutes:
         variables) and encode (client text as text: tokenizer.py's chat_prompt)."""
         messages = schema.template_messages(req)
         continue_final = messages[-1]["role"] == "assistant"  # a prefilled answer: the model continues it
-        chat = tokenizer.render_chat(messages, tools=schema.template_tools(req), continue_final=continue_final,
-                                     **schema.template_kwargs(req))  # fmt: skip
+        chat = tokenizer.render_chat(
+            messages, tools=schema.template_tools(req), continue_final=continue_final, **schema.template_kwargs(req)
+        )
         chat = chat.plus(forced_prompt_suffix(req, chat.text))
         return ChatPrompt(tokenizer.encode_chat(chat), chat.text)
 
     def _check_model(self, req: schema.CountTokensRequest) -> None:
         if req.model != self.cfg.served_model_name:
-            raise NotFound(f"the model {req.model!r} does not exist here; this server serves {self.cfg.served_model_name!r}")
+            raise NotFound(
+                f"the model {req.model!r} does not exist here; this server serves {self.cfg.served_model_name!r}"
+            )
 
     async def count_tokens(self, request: web.Request) -> web.Response:
         body = await request.read()
@@ -96,19 +107,32 @@ class AnthropicRoutes:
         prompt = await self._tokenize(self._prompt, req, len(body))  # checks the tools and tool_choice too
         grammar = None
         if (forced := schema.forced_tools(req)) is not None:  # built off the event loop, on the lane of its size
-            grammar = await self.grammars.build(_tool_call_grammar, (forced, schema.parallel_calls(req)),
-                                                tool_schemas(forced, TOOL_FIELD), "tools")  # fmt: skip
+            grammar = await self.grammars.build(
+                _tool_call_grammar, (forced, schema.parallel_calls(req)), tool_schemas(forced, TOOL_FIELD), "tools"
+            )
         elif fmt is not None:
             json_schema, field = fmt
             grammar = await self.grammars.build(_output_format_grammar, fmt, [(field, json_schema)], field)
         builder = MessageBuilder(self.cfg.served_model_name, single_tool_call=not schema.parallel_calls(req))
         structlog.contextvars.bind_contextvars(request_id=builder.id)
         tools = schema.tool_schemas(req) if fmt is None else None  # an output format leaves no room for a call
-        parser = OutputParser(self.cfg.reasoning_parser, self.cfg.tool_call_parser, tools, prompt_text=prompt.text,
-                              forced=forced is not None)  # fmt: skip
-        gen = Generation(self.client, self.tokenizer.hf, self.metrics, "messages", prompt.ids,
-                         schema.sampling_params(req, self.tokenizer.eos_token_ids, grammar), req.max_tokens,
-                         list(req.stop_sequences or []))  # fmt: skip
+        parser = OutputParser(
+            self.cfg.reasoning_parser,
+            self.cfg.tool_call_parser,
+            tools,
+            prompt_text=prompt.text,
+            forced=forced is not None,
+        )
+        gen = Generation(
+            self.client,
+            self.tokenizer.hf,
+            self.metrics,
+            "messages",
+            prompt.ids,
+            schema.sampling_params(req, self.tokenizer.eos_token_ids, grammar),
+            req.max_tokens,
+            list(req.stop_sequences or []),
+        )
         headers = {"request-id": builder.id}
         async with contextlib.aclosing(gen.deltas()) as deltas:
             mark_counted_by_generations(request)  # it starts below, and counts itself
@@ -119,14 +143,17 @@ class AnthropicRoutes:
                     reason = d.finish_reason
                 return web.json_response(builder.message(reason, gen.stop_sequence, gen.usage), headers=headers)
             first = await anext(deltas)  # a rejection raises here, before any header: a plain 4xx/5xx
-            response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                                   **headers})  # fmt: skip
+            response = web.StreamResponse(
+                headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers}
+            )
             await response.prepare(request)
             try:
                 await _write(response, builder.start(len(prompt.ids)))
                 d = first
                 while True:
-                    await _write(response, builder.apply(parser.push(d.text) + (parser.flush() if d.finish_reason else [])))
+                    await _write(
+                        response, builder.apply(parser.push(d.text) + (parser.flush() if d.finish_reason else []))
+                    )
                     if d.finish_reason:
                         break
                     d = await _next_with_pings(deltas, response)

@@ -14,10 +14,10 @@ from typing import Any, Literal, Union
 
 import msgspec
 
+from ferry.services.api.schema import MAX_STOP_CHARS
 from ferry.shared.bounds import Int64
 from ferry.shared.errors import InvalidRequest
 from ferry.shared.sampling import SamplingParams, sampling_problems
-from ferry.services.api.schema import MAX_STOP_CHARS
 
 
 class TextBlock(msgspec.Struct, tag_field="type", tag="text", kw_only=True):
@@ -133,8 +133,13 @@ def sampling_params(req: MessagesRequest, eos_token_ids: tuple[int, ...], gramma
     """The request's SamplingParams, held to shared/sampling.py's rules where the request is built
     (`validate` has refused what the Messages API itself does not allow). `grammar`: a forced tool
     call's (structured.tool_call_grammar of `forced_tools`)."""
-    params = SamplingParams(temperature=req.temperature, top_p=req.top_p if req.top_p is not None else 1.0,
-                            top_k=req.top_k or 0, stop_token_ids=tuple(eos_token_ids), grammar=grammar)  # fmt: skip
+    params = SamplingParams(
+        temperature=req.temperature,
+        top_p=req.top_p if req.top_p is not None else 1.0,
+        top_k=req.top_k or 0,
+        stop_token_ids=tuple(eos_token_ids),
+        grammar=grammar,
+    )
     problems = sampling_problems(params)
     _check(not problems, "; ".join(problems))
     return params
@@ -228,19 +233,24 @@ def template_tools(req: CountTokensRequest) -> list[dict] | None:
     """The tools as apply_chat_template(tools=...) takes them (OpenAI function specs); None for none
     (no tools, or tool_choice none)."""
     if not req.tools:
-        _check(req.tool_choice is None or req.tool_choice.type in ("auto", "none"),
-               "tool_choice: any and tool need tools, and none were given")  # fmt: skip
+        _check(
+            req.tool_choice is None or req.tool_choice.type in ("auto", "none"),
+            "tool_choice: any and tool need tools, and none were given",
+        )
         return None
     out, names = [], set()
     for i, t in enumerate(req.tools):
-        _check(t.type in (None, "custom"),
-               f"tools[{i}]: {t.type!r} is one of Anthropic's own tools, whose definition this server does not "
-               "have; declare it as a custom tool with a name, a description and an input_schema")  # fmt: skip
+        _check(
+            t.type in (None, "custom"),
+            f"tools[{i}]: {t.type!r} is one of Anthropic's own tools, whose definition this server does not "
+            "have; declare it as a custom tool with a name, a description and an input_schema",
+        )
         _check(t.name not in names, f"tools[{i}]: the name {t.name!r} is used twice")
         names.add(t.name)
         schema = t.input_schema if t.input_schema is not None else {"type": "object", "properties": {}}
-        out.append({"type": "function", "function": {"name": t.name, "description": t.description or "",
-                                                     "parameters": schema}})  # fmt: skip
+        out.append(
+            {"type": "function", "function": {"name": t.name, "description": t.description or "", "parameters": schema}}
+        )
     choice = req.tool_choice
     if choice is not None and choice.type == "tool":
         _check(choice.name in names, f"tool_choice.name: {choice.name!r} is not one of the tools given")
@@ -266,8 +276,11 @@ def output_format(req: CountTokensRequest) -> tuple[dict, str] | None:
         return None
     _check(fmt.type == "json_schema", f"{where}.type: only json_schema is supported, got {fmt.type!r}", f"{where}.type")
     _check(fmt.schema is not None, f"{where}.schema: a json_schema format needs a schema", f"{where}.schema")
-    _check(not forced(req), f"{where}: cannot be combined with tool_choice any or tool (the answer is then tool calls)",
-           where)  # fmt: skip
+    _check(
+        not forced(req),
+        f"{where}: cannot be combined with tool_choice any or tool (the answer is then tool calls)",
+        where,
+    )
     return fmt.schema, f"{where}.schema"
 
 
@@ -310,14 +323,18 @@ def template_kwargs(req: CountTokensRequest) -> dict:
     field the template's own default holds; a forced tool call (tool_choice any/tool) never thinks first,
     nor does an answer held to an output format (its grammar holds the output from the first token)."""
     if forced(req):
-        _check(req.thinking is None or req.thinking.type == "disabled",
-               "thinking may not be enabled when tool_choice forces tool use")  # Anthropic's own rule
+        _check(
+            req.thinking is None or req.thinking.type == "disabled",
+            "thinking may not be enabled when tool_choice forces tool use",
+        )  # Anthropic's own rule
         return {"enable_thinking": False}
     if constrained(req):
-        _check(req.thinking is None or req.thinking.type == "disabled",
-               "thinking: this server cannot think before an answer held to output_config.format (its grammar "
-               "holds the output from the first token); send thinking disabled, or no output format",
-               "thinking")  # fmt: skip
+        _check(
+            req.thinking is None or req.thinking.type == "disabled",
+            "thinking: this server cannot think before an answer held to output_config.format (its grammar "
+            "holds the output from the first token); send thinking disabled, or no output format",
+            "thinking",
+        )
         return {"enable_thinking": False}
     if req.thinking is None:
         return {}

@@ -20,19 +20,19 @@ import structlog
 from aiohttp import web
 from aiohttp.web_server import Server
 
-from ferry.shared.defaults import is_loopback
-from ferry.shared.errors import ConfigError, FerryError, ServiceUnavailable
-from ferry.shared.startup_heap import freeze_startup_heap
-from ferry.shared.wire_keys import WireKeys
-from ferry.services.api.config import ApiConfig
 from ferry.services.api.anthropic_routes import AnthropicRoutes
+from ferry.services.api.config import ApiConfig
 from ferry.services.api.connection import ApiServer, HttpLimits, raise_fd_limit
-from ferry.services.api.http_errors import api_key_check, error_responses, error_response
+from ferry.services.api.http_errors import api_key_check, error_response, error_responses
 from ferry.services.api.metrics import ApiMetrics
 from ferry.services.api.responses_api import ResponsesRoutes
 from ferry.services.api.routes import OpenAIRoutes
 from ferry.services.api.scheduler_client import SchedulerClient
 from ferry.services.api.tokenizer import PromptTokenizer
+from ferry.shared.defaults import is_loopback
+from ferry.shared.errors import ConfigError, FerryError, ServiceUnavailable
+from ferry.shared.startup_heap import freeze_startup_heap
+from ferry.shared.wire_keys import WireKeys
 
 log = structlog.get_logger("api")
 
@@ -91,9 +91,13 @@ class Drain:
             return True
         if self.stop_in_flight is not None:
             log.warning("api_drain_timed_out", in_flight=self.in_flight, drain_timeout_s=timeout)
-            self.stop_in_flight(DrainTimedOut(f"this server is shutting down and stopped the request: it did "
-                                              f"not finish within the {timeout:g}s drain timeout; retry on another "
-                                              "replica"))  # fmt: skip
+            self.stop_in_flight(
+                DrainTimedOut(
+                    f"this server is shutting down and stopped the request: it did "
+                    f"not finish within the {timeout:g}s drain timeout; retry on another "
+                    "replica"
+                )
+            )
             await self._idle_within(DRAIN_GRACE_S)
         return False
 
@@ -114,17 +118,21 @@ def body_limits(max_bytes: int, seconds: float):
     async def within_limits(request: web.Request, handler):
         declared = request.content_length
         if declared is not None and declared > max_bytes:
-            response = error_response(413, "invalid_request_error",
-                                      f"the request body is {declared} bytes (its Content-Length); at most {max_bytes} "
-                                      "are accepted", request)  # fmt: skip
+            response = error_response(
+                413,
+                "invalid_request_error",
+                f"the request body is {declared} bytes (its Content-Length); at most {max_bytes} are accepted",
+                request,
+            )
             response.force_close()
             return response
         if request.body_exists:
             try:
                 await asyncio.wait_for(request.read(), seconds)
             except asyncio.TimeoutError:
-                response = error_response(408, "invalid_request_error",
-                                          f"the request body did not arrive within {seconds:g}s", request)  # fmt: skip
+                response = error_response(
+                    408, "invalid_request_error", f"the request body did not arrive within {seconds:g}s", request
+                )
                 response.force_close()
                 return response
         return await handler(request)
@@ -152,9 +160,15 @@ def build_app(cfg: ApiConfig, tokenizer: PromptTokenizer, drain: Drain | None = 
     drain = drain or Drain()
     # error mapping outermost, so that auth failures, drain refusals and oversized or late bodies become
     # error objects too; the key is checked before a body is read
-    app = web.Application(client_max_size=cfg.max_body_bytes,
-                          middlewares=[error_responses(metrics), api_key_check(cfg.api_key), drain.middleware(),
-                                       body_limits(cfg.max_body_bytes, cfg.read_timeout_s)])  # fmt: skip
+    app = web.Application(
+        client_max_size=cfg.max_body_bytes,
+        middlewares=[
+            error_responses(metrics),
+            api_key_check(cfg.api_key),
+            drain.middleware(),
+            body_limits(cfg.max_body_bytes, cfg.read_timeout_s),
+        ],
+    )
     secure = WireKeys(cfg.wire_keys, "api").client() if cfg.wire_keys else None
     # token ids are checked for shape and sign only: a model's vocabulary may be larger than its tokenizer's
     client = SchedulerClient(cfg.scheduler_addr, cfg.identity, secure)
@@ -162,10 +176,12 @@ def build_app(cfg: ApiConfig, tokenizer: PromptTokenizer, drain: Drain | None = 
     app[METRICS_KEY] = metrics
     openai_routes = OpenAIRoutes(cfg, client, tokenizer, metrics, drain)
     openai_routes.add_to(app)
-    AnthropicRoutes(cfg, client, tokenizer, metrics, openai_routes._tokenize, openai_routes.grammars,
-                    openai_routes.bodies).add_to(app)  # fmt: skip
-    ResponsesRoutes(cfg, client, tokenizer, metrics, openai_routes._tokenize, openai_routes.grammars,
-                    openai_routes.bodies).add_to(app)  # fmt: skip
+    AnthropicRoutes(
+        cfg, client, tokenizer, metrics, openai_routes._tokenize, openai_routes.grammars, openai_routes.bodies
+    ).add_to(app)
+    ResponsesRoutes(
+        cfg, client, tokenizer, metrics, openai_routes._tokenize, openai_routes.grammars, openai_routes.bodies
+    ).add_to(app)
 
     async def lifecycle(app: web.Application):
         await client.start()
@@ -188,22 +204,41 @@ async def serve(cfg: ApiConfig) -> None:
     metrics = app[METRICS_KEY]
     limits = HttpLimits(cfg.max_header_bytes, cfg.max_connections, cfg.header_timeout_s)
     raise_fd_limit(cfg.max_connections)
-    runner = _Runner(app, limits, lambda reason: metrics.http_refused.labels(reason).inc(), handler_cancellation=True,
-                     access_log=None, keepalive_timeout=cfg.read_timeout_s, lingering_time=1.0,
-                     shutdown_timeout=1.0)  # fmt: skip
+    runner = _Runner(
+        app,
+        limits,
+        lambda reason: metrics.http_refused.labels(reason).inc(),
+        handler_cancellation=True,
+        access_log=None,
+        keepalive_timeout=cfg.read_timeout_s,
+        lingering_time=1.0,
+        shutdown_timeout=1.0,
+    )
     await runner.setup()
     try:
         await web.TCPSite(runner, cfg.host, cfg.port).start()
     except OSError as exc:
         await runner.cleanup()
         why = "is already in use" if exc.errno == errno.EADDRINUSE else f"cannot be used ({exc.strerror})"
-        raise ConfigError(f"--port {cfg.port} on {cfg.host} {why}: stop what listens there or choose another --port") from None
-    log.info("api_listening", host=cfg.host, port=cfg.port, scheduler_addr=cfg.scheduler_addr,
-             model=cfg.served_model_name, auth=cfg.api_key is not None, wire_keys=cfg.wire_keys is not None)  # fmt: skip
+        raise ConfigError(
+            f"--port {cfg.port} on {cfg.host} {why}: stop what listens there or choose another --port"
+        ) from None
+    log.info(
+        "api_listening",
+        host=cfg.host,
+        port=cfg.port,
+        scheduler_addr=cfg.scheduler_addr,
+        model=cfg.served_model_name,
+        auth=cfg.api_key is not None,
+        wire_keys=cfg.wire_keys is not None,
+    )
     if cfg.api_key is None and not is_loopback(cfg.host):
-        log.warning("no_api_key", host=cfg.host,
-                    message=f"listening on {cfg.host} without an API key: whoever reaches port {cfg.port} can use "
-                            "the model; set FERRY_API_KEY or --api-key-file")  # fmt: skip
+        log.warning(
+            "no_api_key",
+            host=cfg.host,
+            message=f"listening on {cfg.host} without an API key: whoever reaches port {cfg.port} can use "
+            "the model; set FERRY_API_KEY or --api-key-file",
+        )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -19,8 +19,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import msgspec
 
-from ferry.shared.errors import ServiceUnavailable
 from ferry.services.api import schema
+from ferry.shared.errors import ServiceUnavailable
 
 LARGE_BODY_BYTES = 256 * 1024
 MAX_LARGE_BODIES = 16

@@ -77,15 +77,21 @@ class ClientText:
         # A whole client string that is the inside of a special (`|im_end|`) becomes one where the template writes
         # the two ends around it (Qwen3-Coder's `'<' ~ key ~ '>'` for a tool schema's keys). Identifiers are left:
         # templates write those between their own tags (`name`, `id`), and no template here wraps them in `<|..|>`.
-        self._interiors = {t[i:j] for t in self.specials for i in range(1, len(t)) for j in range(i + 1, len(t))
-                           if not t[i:j].isidentifier() and not re.search(r"\s", t[i:j])}  # fmt: skip
+        self._interiors = {
+            t[i:j]
+            for t in self.specials
+            for i in range(1, len(t))
+            for j in range(i + 1, len(t))
+            if not t[i:j].isidentifier() and not re.search(r"\s", t[i:j])
+        }
         # a stretch is a spelling, holds a special's first character (a start) or its last (an end): a string
         # without these characters has none, nor does a request whose JSON has none (json.dumps escapes only
         # quotes, backslashes and control characters)
         firsts, lasts = {t[0] for t in self.specials}, {t[-1] for t in self.specials}
         self._first_char, self._last_char, self._edge_char = (
             re.compile("[" + "".join(map(re.escape, sorted(chars))) + "]" if chars else "(?!)")
-            for chars in (firsts, lasts, firsts | lasts))  # fmt: skip
+            for chars in (firsts, lasts, firsts | lasts)
+        )
         self._json_shows_edges = not any(c in '"\\' or ord(c) < 0x20 for c in firsts | lasts)
 
     def stretches(self, s: str) -> list[tuple[int, int]]:
@@ -101,8 +107,9 @@ class ClientText:
         # an end of a special that starts `s` ends with a special's last character; a start that ends it
         # begins with a first one: only those places are looked at (the longest that is one wins)
         heads = [m.end() for m in self._last_char.finditer(s, 0, window) if s[: m.end()] in self._ends]
-        tails = [m.start() for m in self._first_char.finditer(s, max(len(s) - window, 0))
-                 if s[m.start() :] in self._starts]  # fmt: skip
+        tails = [
+            m.start() for m in self._first_char.finditer(s, max(len(s) - window, 0)) if s[m.start() :] in self._starts
+        ]
         if heads:
             spans.insert(0, (0, heads[-1]))
         if tails:
@@ -143,8 +150,10 @@ class ClientText:
                 if stretch not in stand_in:
                     stand_in[stretch] = next(free, None)
                     if stand_in[stretch] is None:  # (a StopIteration would never reach the request's future)
-                        raise InvalidRequest("the request's text uses every private-use character this server "
-                                             "stands client text in with; send fewer of U+F0000-U+FFFFD")
+                        raise InvalidRequest(
+                            "the request's text uses every private-use character this server "
+                            "stands client text in with; send fewer of U+F0000-U+FFFFD"
+                        )
                 out += (s[at:a], stand_in[stretch])
                 at = b
             out.append(s[at:])

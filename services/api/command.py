@@ -5,13 +5,15 @@ from __future__ import annotations
 import argparse
 import os
 
+from ferry.services.api.config import add_api_flags, api_config_from_args
 from ferry.shared.defaults import API_ADDR
 from ferry.shared.logging import add_log_flags, configure_logging
-from ferry.services.api.config import add_api_flags, api_config_from_args
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="model directory or hub id (its tokenizer and chat template are used)")
+    parser.add_argument(
+        "--model", required=True, help="model directory or hub id (its tokenizer and chat template are used)"
+    )
     parser.add_argument("--scheduler-addr", default=API_ADDR, help="the scheduler's ROUTER address")
     add_api_flags(parser)
     add_log_flags(parser)

@@ -51,36 +51,77 @@ def add_api_flags(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("api")
     g.add_argument("--host", default=LOOPBACK, help=f"interface to listen on (default {LOOPBACK}: this host only)")
     g.add_argument("--port", type=port_number, default=8000, help="HTTP port (default 8000)")
-    g.add_argument("--api-key", default=None,
-                   help="require the key on /v1/*, as 'Authorization: Bearer KEY' or 'x-api-key: KEY' (default: open); "
-                        "prefer FERRY_API_KEY or --api-key-file: a command line is visible to every user of the host")
-    g.add_argument("--api-key-file", default=None,
-                   help="read the API key from this file (a Docker/Compose secret: /run/secrets/NAME)")
-    g.add_argument("--served-model-name", default=None, help="the model id clients send and /v1/models lists (default: the model path)")
-    g.add_argument("--max-body-size", default=DEFAULT_MAX_BODY, help=f"largest request body accepted, e.g. 4MiB (default {DEFAULT_MAX_BODY})")
-    g.add_argument("--read-timeout", type=float, default=DEFAULT_READ_TIMEOUT_S,
-                   help="seconds a client has to send a request's headers, and then as long for its body; a connection "
-                        f"that takes longer is answered 408 or closed (default {DEFAULT_READ_TIMEOUT_S:g})")
-    g.add_argument("--max-header-size", default=DEFAULT_MAX_HEADER,
-                   help="largest request line and headers together, e.g. 64KiB; a larger request is answered 431 "
-                        f"and closed (default {DEFAULT_MAX_HEADER})")
-    g.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
-                   help="most client connections open at once; past it a new connection is answered 503 and closed "
-                        f"(default {DEFAULT_MAX_CONNECTIONS})")
-    g.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
-                   help="seconds a client has to send a request's line and headers (from its first byte, or from "
-                        "the connection's start); later ones are answered 408 and closed "
-                        f"(default {DEFAULT_HEADER_TIMEOUT_S:g})")
-    g.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
-                   help="on SIGTERM, stop admitting (503 with Retry-After) and give requests in flight this many "
-                        f"seconds to finish before exiting (default {DEFAULT_DRAIN_TIMEOUT_S:g})")
-    g.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default="qwen",
-                   help="how tool calls are read from the model's output: qwen (default; <tool_call> blocks holding "
-                        "JSON, as vLLM's hermes and SGLang's qwen25 read, or <function=...> XML, as qwen3_coder; "
-                        "all three names are accepted) or none")
-    g.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default="qwen3",
-                   help="how reasoning is read from the output: qwen3 (default; <think>...</think>, also named "
-                        "deepseek_r1) or none")  # fmt: skip
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help="require the key on /v1/*, as 'Authorization: Bearer KEY' or 'x-api-key: KEY' (default: open); "
+        "prefer FERRY_API_KEY or --api-key-file: a command line is visible to every user of the host",
+    )
+    g.add_argument(
+        "--api-key-file",
+        default=None,
+        help="read the API key from this file (a Docker/Compose secret: /run/secrets/NAME)",
+    )
+    g.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model id clients send and /v1/models lists (default: the model path)",
+    )
+    g.add_argument(
+        "--max-body-size",
+        default=DEFAULT_MAX_BODY,
+        help=f"largest request body accepted, e.g. 4MiB (default {DEFAULT_MAX_BODY})",
+    )
+    g.add_argument(
+        "--read-timeout",
+        type=float,
+        default=DEFAULT_READ_TIMEOUT_S,
+        help="seconds a client has to send a request's headers, and then as long for its body; a connection "
+        f"that takes longer is answered 408 or closed (default {DEFAULT_READ_TIMEOUT_S:g})",
+    )
+    g.add_argument(
+        "--max-header-size",
+        default=DEFAULT_MAX_HEADER,
+        help="largest request line and headers together, e.g. 64KiB; a larger request is answered 431 "
+        f"and closed (default {DEFAULT_MAX_HEADER})",
+    )
+    g.add_argument(
+        "--max-connections",
+        type=int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        help="most client connections open at once; past it a new connection is answered 503 and closed "
+        f"(default {DEFAULT_MAX_CONNECTIONS})",
+    )
+    g.add_argument(
+        "--header-timeout",
+        type=float,
+        default=DEFAULT_HEADER_TIMEOUT_S,
+        help="seconds a client has to send a request's line and headers (from its first byte, or from "
+        "the connection's start); later ones are answered 408 and closed "
+        f"(default {DEFAULT_HEADER_TIMEOUT_S:g})",
+    )
+    g.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=DEFAULT_DRAIN_TIMEOUT_S,
+        help="on SIGTERM, stop admitting (503 with Retry-After) and give requests in flight this many "
+        f"seconds to finish before exiting (default {DEFAULT_DRAIN_TIMEOUT_S:g})",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default="qwen",
+        help="how tool calls are read from the model's output: qwen (default; <tool_call> blocks holding "
+        "JSON, as vLLM's hermes and SGLang's qwen25 read, or <function=...> XML, as qwen3_coder; "
+        "all three names are accepted) or none",
+    )
+    g.add_argument(
+        "--reasoning-parser",
+        choices=REASONING_PARSERS,
+        default="qwen3",
+        help="how reasoning is read from the output: qwen3 (default; <think>...</think>, also named "
+        "deepseek_r1) or none",
+    )
     add_wire_keys_flag(g)
 
 
@@ -113,16 +154,22 @@ def api_config_from_args(args: argparse.Namespace, scheduler_addr: str, tokenize
         WireKeys(keys, "api")  # a missing key is a config error at start
     check_exposure("--scheduler-addr", scheduler_addr, keys)
     return ApiConfig(
-        host=args.host, port=args.port, scheduler_addr=scheduler_addr, tokenizer=tokenizer,
-        served_model_name=args.served_model_name or tokenizer, api_key=api_key_from_args(args),
-        max_body_bytes=sizes["max_body_size"], tool_call_parser=args.tool_call_parser,
+        host=args.host,
+        port=args.port,
+        scheduler_addr=scheduler_addr,
+        tokenizer=tokenizer,
+        served_model_name=args.served_model_name or tokenizer,
+        api_key=api_key_from_args(args),
+        max_body_bytes=sizes["max_body_size"],
+        tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         read_timeout_s=getattr(args, "read_timeout", DEFAULT_READ_TIMEOUT_S),
-        drain_timeout_s=getattr(args, "drain_timeout", DEFAULT_DRAIN_TIMEOUT_S), wire_keys=keys,
+        drain_timeout_s=getattr(args, "drain_timeout", DEFAULT_DRAIN_TIMEOUT_S),
+        wire_keys=keys,
         max_header_bytes=sizes["max_header_size"],
         max_connections=getattr(args, "max_connections", DEFAULT_MAX_CONNECTIONS),
         header_timeout_s=getattr(args, "header_timeout", DEFAULT_HEADER_TIMEOUT_S),
         # unique per start: a restarted container keeps its hostname and pid 1, and must not
         # inherit the old replica's request ids at the scheduler
         identity=f"api-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}",
-    )  # fmt: skip
+    )

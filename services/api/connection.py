@@ -77,10 +77,18 @@ class _Trim:
 
 def _refusal(status: int, reason: str, message: str, headers: dict[str, str]) -> bytes:
     """A whole HTTP/1.1 response that closes its connection, written before any request was read."""
-    body = json.dumps(error_body(status, "service_unavailable" if status == 503 else "invalid_request_error",
-                                 message)).encode()  # fmt: skip
-    head = "".join(f"{k}: {v}\r\n" for k, v in {"Content-Type": "application/json", "Content-Length": str(len(body)),
-                                                  "Connection": "close", **headers}.items())  # fmt: skip
+    body = json.dumps(
+        error_body(status, "service_unavailable" if status == 503 else "invalid_request_error", message)
+    ).encode()
+    head = "".join(
+        f"{k}: {v}\r\n"
+        for k, v in {
+            "Content-Type": "application/json",
+            "Content-Length": str(len(body)),
+            "Connection": "close",
+            **headers,
+        }.items()
+    )
     return f"HTTP/1.1 {status} {reason}\r\n{head}\r\n".encode() + body
 
 
@@ -137,8 +145,9 @@ class ApiConnection(RequestHandler):
             for i in range(queued, len(self._messages)):
                 self._check(i)
         elif reading_head and self._header_bytes > self.limits.max_header_bytes:
-            self._refuse(431, f"the request's line and headers exceed {self.limits.max_header_bytes} bytes",
-                         "header_bytes")  # fmt: skip
+            self._refuse(
+                431, f"the request's line and headers exceed {self.limits.max_header_bytes} bytes", "header_bytes"
+            )
 
     def _check(self, i: int) -> None:
         """The framing of the i-th queued request: a transfer-coding other than chunked is refused; a
@@ -149,8 +158,10 @@ class ApiConnection(RequestHandler):
         codings = [c.strip() for v in msg.headers.getall("Transfer-Encoding", ()) for c in v.split(",") if c.strip()]
         unsupported = [c for c in codings if c.lower() != "chunked"]
         if unsupported:
-            message = (f"Transfer-Encoding {unsupported[0]!r} is not supported: send the body with Content-Length, "
-                       "or with Transfer-Encoding: chunked alone")  # fmt: skip
+            message = (
+                f"Transfer-Encoding {unsupported[0]!r} is not supported: send the body with Content-Length, "
+                "or with Transfer-Encoding: chunked alone"
+            )
             self._messages[i] = (_ErrInfo(status=501, exc=BadHttpMessage(message), message=message), EMPTY_PAYLOAD)
             self._stop_parsing()  # its answer closes the connection: what follows it is never read
         elif msg.upgrade:
@@ -187,8 +198,9 @@ class ApiConnection(RequestHandler):
                 self._server.refused("header_timeout")
                 self.force_close()
             return
-        self._refuse(408, f"the request's headers did not arrive within {self.limits.header_timeout_s:g}s",
-                     "header_timeout")  # fmt: skip
+        self._refuse(
+            408, f"the request's headers did not arrive within {self.limits.header_timeout_s:g}s", "header_timeout"
+        )
 
     # ---- errors -----------------------------------------------------------------------------------
 
@@ -217,9 +229,12 @@ class ApiServer(Server):
         self.limits = limits
         self.on_refused = on_refused
         self.trim = _Trim(self._loop)
-        self.too_many_connections = _refusal(503, "Service Unavailable",
-                                             f"this server has {limits.max_connections} connections open, its most; "
-                                             "retry shortly", {"Retry-After": "1"})  # fmt: skip
+        self.too_many_connections = _refusal(
+            503,
+            "Service Unavailable",
+            f"this server has {limits.max_connections} connections open, its most; retry shortly",
+            {"Retry-After": "1"},
+        )
         self._refused_since_log = 0
         self._refused_logged_at = float("-inf")
 
@@ -236,8 +251,12 @@ class ApiServer(Server):
         self._refused_since_log += 1
         now = self._loop.time()
         if now - self._refused_logged_at >= REFUSED_LOG_INTERVAL_S:
-            log.warning("connections_refused", refused=self._refused_since_log, open=len(self._connections),
-                        max_connections=self.limits.max_connections)  # fmt: skip
+            log.warning(
+                "connections_refused",
+                refused=self._refused_since_log,
+                open=len(self._connections),
+                max_connections=self.limits.max_connections,
+            )
             self._refused_since_log = 0
             self._refused_logged_at = now
 
@@ -255,6 +274,10 @@ def raise_fd_limit(max_connections: int) -> None:
         except (ValueError, OSError):
             pass
     if soft != resource.RLIM_INFINITY and soft < want:
-        log.warning("fd_limit_low", open_files=soft, max_connections=max_connections,
-                    message=f"--max-connections {max_connections} needs about {want} open files but this process may "
-                            f"open {soft}: lower --max-connections or raise the limit (ulimit -n)")  # fmt: skip
+        log.warning(
+            "fd_limit_low",
+            open_files=soft,
+            max_connections=max_connections,
+            message=f"--max-connections {max_connections} needs about {want} open files but this process may "
+            f"open {soft}: lower --max-connections or raise the limit (ulimit -n)",
+        )

@@ -113,5 +113,7 @@ def endless_requirement(root) -> str | None:
         return None
     cycle = next((ref for key, ref in refs.items() if key not in finite), None)
     where = f" (through $ref {cycle!r})" if cycle else ""
-    return ("every value would have to hold another without end: its required properties or minItems items "
-            f"lead back to a schema that requires them again{where}")
+    return (
+        "every value would have to hold another without end: its required properties or minItems items "
+        f"lead back to a schema that requires them again{where}"
+    )

@@ -9,13 +9,13 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from ferry.shared.errors import FerryError
-from ferry.shared.messages import Finished
-from ferry.shared.sampling import SamplingParams
 from ferry.services.api.detokenizer import IncrementalDetokenizer
 from ferry.services.api.metrics import ApiMetrics
 from ferry.services.api.scheduler_client import PromptLogprobs, SchedulerClient, Token
 from ferry.services.api.stop_strings import StopStringFilter
+from ferry.shared.errors import FerryError
+from ferry.shared.messages import Finished
+from ferry.shared.sampling import SamplingParams
 
 log = structlog.get_logger("api.generation")
 
@@ -43,9 +43,18 @@ class Usage:
 
 
 class Generation:
-    def __init__(self, client: SchedulerClient, tokenizer, metrics: ApiMetrics, route: str,
-                 prompt: list[int], sampling: SamplingParams, max_tokens: int | None, stops: list[str],
-                 fields: dict[str, str] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        client: SchedulerClient,
+        tokenizer,
+        metrics: ApiMetrics,
+        route: str,
+        prompt: list[int],
+        sampling: SamplingParams,
+        max_tokens: int | None,
+        stops: list[str],
+        fields: dict[str, str] | None = None,
+    ):
         """`fields`: the request body's names of the Submit fields a refusal names as its param, where
         they differ ({"prompt": "messages"}): the error then names the field the client sent."""
         self.client, self.metrics, self.route = client, metrics, route
@@ -125,11 +134,16 @@ class Generation:
         finished = self.outcome in ("stop", "length")
         ttft = None if self.first_token_at is None else round(self.first_token_at - self.arrived, 4)
         (log.info if finished or self.outcome == "disconnected" else log.warning)(
-            "request_finished" if finished else "request_aborted", route=self.route, outcome=self.outcome,
+            "request_finished" if finished else "request_aborted",
+            route=self.route,
+            outcome=self.outcome,
             error=self.error,
-            prompt_tokens=self.usage.prompt_tokens, completion_tokens=self.usage.completion_tokens,
-            cached_tokens=self.usage.cached_tokens, ttft_s=ttft, seconds=round(time.perf_counter() - self.arrived, 4),
-        )  # fmt: skip
+            prompt_tokens=self.usage.prompt_tokens,
+            completion_tokens=self.usage.completion_tokens,
+            cached_tokens=self.usage.cached_tokens,
+            ttft_s=ttft,
+            seconds=round(time.perf_counter() - self.arrived, 4),
+        )
 
     def _observe(self, ev: Token, previous: float | None) -> None:
         if previous is None:

@@ -64,8 +64,9 @@ def schema_fields(schemas: list[tuple[str, Any]]) -> list[tuple[str, int]]:
     sizes = [(name, len(msgspec.json.encode(schema))) for name, schema in schemas]
     for name, size in sizes:
         if size > MAX_SCHEMA_BYTES:
-            raise InvalidRequest(f"{name}: the schema is {size:,} bytes as JSON; at most {MAX_SCHEMA_BYTES:,} are "
-                                 "accepted", param=name)  # fmt: skip
+            raise InvalidRequest(
+                f"{name}: the schema is {size:,} bytes as JSON; at most {MAX_SCHEMA_BYTES:,} are accepted", param=name
+            )
     return sizes
 
 
@@ -85,8 +86,10 @@ def tool_schemas(tools: list[tuple[str, Any]], field: str) -> list[tuple[str, An
 class GrammarLanes:
     def __init__(self, metrics, budget_s: float = GRAMMAR_BUDGET_S):
         self.metrics, self.budget_s = metrics, budget_s
-        self.lanes = {name: _Lane(name, ThreadPoolExecutor(threads, thread_name_prefix=f"grammar-{name}"), jobs)
-                      for name, (threads, jobs) in LANES.items()}  # fmt: skip
+        self.lanes = {
+            name: _Lane(name, ThreadPoolExecutor(threads, thread_name_prefix=f"grammar-{name}"), jobs)
+            for name, (threads, jobs) in LANES.items()
+        }
 
     async def build(self, fn: Callable[[Any], str], arg, schemas: list[tuple[str, Any]], what: str) -> str:
         """fn(arg) (a grammar) on the lane of the size of `schemas` [(field, schema)], the schemas it
@@ -122,9 +125,12 @@ class GrammarLanes:
         while True:
             left = self.budget_s if not started else self.budget_s - (time.monotonic() - started[0])
             if left <= 0:
-                raise InvalidRequest(f"{culprit}: the grammar engine did not compile this schema within "
-                                     f"{self.budget_s:g} s; simplify it (fewer properties, alternatives, formats or "
-                                     "patterns)", param=culprit)  # fmt: skip
+                raise InvalidRequest(
+                    f"{culprit}: the grammar engine did not compile this schema within "
+                    f"{self.budget_s:g} s; simplify it (fewer properties, alternatives, formats or "
+                    "patterns)",
+                    param=culprit,
+                )
             try:
                 return await asyncio.wait_for(asyncio.shield(result), left)
             except asyncio.TimeoutError:

@@ -16,23 +16,38 @@ import hmac
 import structlog
 from aiohttp import web
 
-from ferry.shared.errors import FerryError, ServiceUnavailable, Unauthorized
 from ferry.services.api import anthropic_responses
 from ferry.services.api.metrics import ApiMetrics, counted_by_generations
 from ferry.services.api.responses import error_body
+from ferry.shared.errors import FerryError, ServiceUnavailable, Unauthorized
 
 log = structlog.get_logger("api.http")
 
-_TYPE_BY_STATUS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                   405: "invalid_request_error", 413: "invalid_request_error"}  # fmt: skip
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+}
 ANTHROPIC_PREFIX = "/v1/messages"
 # ferry_requests_total's route label of the generation routes (Generation's own); other paths: route_label
-_REQUEST_ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/messages": "messages",
-                   "/v1/responses": "responses"}  # fmt: skip
+_REQUEST_ROUTES = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/v1/messages": "messages",
+    "/v1/responses": "responses",
+}
 
 
-def error_response(status: int, error_type: str, message: str, request: web.Request | None = None,
-                   headers: dict | None = None, param: str | None = None) -> web.Response:  # fmt: skip
+def error_response(
+    status: int,
+    error_type: str,
+    message: str,
+    request: web.Request | None = None,
+    headers: dict | None = None,
+    param: str | None = None,
+) -> web.Response:
     if request is not None and request.path.startswith(ANTHROPIC_PREFIX):  # Anthropic's errors name no field
         return web.json_response(anthropic_responses.error_body(status, message), status=status, headers=headers)
     return web.json_response(error_body(status, error_type, message, param), status=status, headers=headers)
@@ -72,8 +87,9 @@ def error_responses(metrics: ApiMetrics):
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            response = error_response(exc.status, _TYPE_BY_STATUS.get(exc.status, "invalid_request_error"),
-                                      exc.text or exc.reason, request)  # fmt: skip
+            response = error_response(
+                exc.status, _TYPE_BY_STATUS.get(exc.status, "invalid_request_error"), exc.text or exc.reason, request
+            )
         except (ConnectionResetError, asyncio.CancelledError) as exc:
             # the client went away (mid-body, or before the answer): nothing failed here, and nobody is
             # left to answer; aiohttp cancels the handler of a lost connection, or the read raises first
@@ -114,8 +130,9 @@ def api_key_check(api_key: str | None):
             by_bearer = hmac.compare_digest(bearer_token(request.headers.get("Authorization", "")).encode(), key)
             by_header = hmac.compare_digest(request.headers.get("x-api-key", "").encode(), key)
             if not (by_bearer or by_header):
-                raise Unauthorized("missing or wrong API key: send the header 'Authorization: Bearer <key>' "
-                                   "or 'x-api-key: <key>'")  # fmt: skip
+                raise Unauthorized(
+                    "missing or wrong API key: send the header 'Authorization: Bearer <key>' or 'x-api-key: <key>'"
+                )
         return await handler(request)
 
     return check

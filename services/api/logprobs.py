@@ -14,7 +14,6 @@ from functools import lru_cache
 
 from ferry.shared.byte_level import unicode_to_bytes
 
-
 _BYTE_OF = unicode_to_bytes()
 
 
@@ -85,8 +84,12 @@ class CompletionLogprobs:
         self.add(token_id, float(lp.token_logprobs[row]), top)
 
     def to_json(self, since: int = 0) -> dict:
-        return {"tokens": self.tokens[since:], "token_logprobs": self.token_logprobs[since:],
-                "top_logprobs": self.top_logprobs[since:], "text_offset": self.text_offset[since:]}  # fmt: skip
+        return {
+            "tokens": self.tokens[since:],
+            "token_logprobs": self.token_logprobs[since:],
+            "top_logprobs": self.top_logprobs[since:],
+            "text_offset": self.text_offset[since:],
+        }
 
     def __len__(self) -> int:
         return len(self.tokens)

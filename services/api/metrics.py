@@ -52,11 +52,17 @@ class _StatusCounters:
 
     FAMILIES = {
         "preemptions": ("ferry_preemptions", "requests preempted for lack of KV pages (since the worker started)"),
-        "prefix_hits": ("ferry_prefix_cache_hits", "requests admitted from a cached prefix (hybrid models: from a "
-                        "linear-state snapshot; since the worker started)"),
-        "snapshot_evictions": ("ferry_state_snapshot_evictions", "linear-state snapshots of hybrid models dropped, "
-                               "with their KV pages or for room (since the worker started)"),
-    }  # fmt: skip
+        "prefix_hits": (
+            "ferry_prefix_cache_hits",
+            "requests admitted from a cached prefix (hybrid models: from a "
+            "linear-state snapshot; since the worker started)",
+        ),
+        "snapshot_evictions": (
+            "ferry_state_snapshot_evictions",
+            "linear-state snapshots of hybrid models dropped, "
+            "with their KV pages or for room (since the worker started)",
+        ),
+    }
 
     def __init__(self) -> None:
         self.values = dict.fromkeys(self.FAMILIES, 0)
@@ -81,9 +87,14 @@ class _SegmentCounters:
 
     def collect(self):
         for name, doc, value in (
-                ("ferry_prompt_segments_cached", "segments of long prompts found in the api's segment cache "
-                 "(a conversation's earlier messages: not tokenized again)", self.cache.hits),
-                ("ferry_prompt_segments_tokenized", "segments of long prompts tokenized (new text)", self.cache.misses)):  # fmt: skip
+            (
+                "ferry_prompt_segments_cached",
+                "segments of long prompts found in the api's segment cache "
+                "(a conversation's earlier messages: not tokenized again)",
+                self.cache.hits,
+            ),
+            ("ferry_prompt_segments_tokenized", "segments of long prompts tokenized (new text)", self.cache.misses),
+        ):
             family = CounterMetricFamily(name, doc)
             family.add_metric([], value)
             yield family
@@ -111,15 +122,19 @@ class VllmAliases:
                 alias = Metric(target, family.documentation + " (alias of " + family.name + ")", family.type)
                 for s in family.samples:
                     if not s.name.endswith("_created"):
-                        alias.add_sample(target + s.name[len(family.name):], {**s.labels, **label}, s.value)
+                        alias.add_sample(target + s.name[len(family.name) :], {**s.labels, **label}, s.value)
                 yield alias
         # vLLM counts prefix-cache lookups in tokens: every prompt token is looked up
-        looked_up = CounterMetricFamily("vllm:prefix_cache_queries", "prompt tokens looked up in the prefix cache",
-                                        labels=["model_name"])  # fmt: skip
+        looked_up = CounterMetricFamily(
+            "vllm:prefix_cache_queries", "prompt tokens looked up in the prefix cache", labels=["model_name"]
+        )
         looked_up.add_metric([self.model_name], queries)
         yield looked_up
-        finished = CounterMetricFamily("vllm:request_success", "finished requests by finish reason (alias of "
-                                       "ferry_requests by outcome)", labels=["model_name", "finished_reason"])  # fmt: skip
+        finished = CounterMetricFamily(
+            "vllm:request_success",
+            "finished requests by finish reason (alias of ferry_requests by outcome)",
+            labels=["model_name", "finished_reason"],
+        )
         for reason in FINISH_REASONS:
             finished.add_metric([self.model_name, reason], success.get(reason, 0.0))
         yield finished
@@ -129,37 +144,73 @@ class ApiMetrics:
     def __init__(self, model_name: str = "ferry") -> None:
         self.registry = r = CollectorRegistry()
         # a generation per choice: a request with n=3 (or three prompts) counts 3; one refused before any ran, 1
-        self.requests = Counter("ferry_requests", "finished requests by route and outcome, counted per choice: a "
-                                "request with n choices (or n prompts) counts n once it ran; one refused before it "
-                                "ran counts once", ["route", "outcome"], registry=r)  # fmt: skip
-        self.refused = Counter("ferry_refused_requests", "requests answered with an error status (4xx, 5xx), by route and status",
-                               ["route", "status"], registry=r)  # fmt: skip
+        self.requests = Counter(
+            "ferry_requests",
+            "finished requests by route and outcome, counted per choice: a "
+            "request with n choices (or n prompts) counts n once it ran; one refused before it "
+            "ran counts once",
+            ["route", "outcome"],
+            registry=r,
+        )
+        self.refused = Counter(
+            "ferry_refused_requests",
+            "requests answered with an error status (4xx, 5xx), by route and status",
+            ["route", "status"],
+            registry=r,
+        )
         self.prompt_tokens = Counter("ferry_prompt_tokens", "prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("ferry_generation_tokens", "tokens generated", registry=r)
-        self.cached_tokens = Counter("ferry_prefix_cached_tokens", "prompt tokens reused from the prefix cache", registry=r)
-        self.ttft = Histogram("ferry_time_to_first_token_seconds", "request arrival to first token", buckets=_LATENCY, registry=r)
-        self.itl = Histogram("ferry_inter_token_latency_seconds", "time between consecutive tokens",
-                             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5), registry=r)  # fmt: skip
-        self.e2e = Histogram("ferry_e2e_request_latency_seconds", "request arrival to last token", buckets=_LATENCY, registry=r)
+        self.cached_tokens = Counter(
+            "ferry_prefix_cached_tokens", "prompt tokens reused from the prefix cache", registry=r
+        )
+        self.ttft = Histogram(
+            "ferry_time_to_first_token_seconds", "request arrival to first token", buckets=_LATENCY, registry=r
+        )
+        self.itl = Histogram(
+            "ferry_inter_token_latency_seconds",
+            "time between consecutive tokens",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "ferry_e2e_request_latency_seconds", "request arrival to last token", buckets=_LATENCY, registry=r
+        )
         self.status = StatusGauges(r, "ferry_")
         self.kv_usage = Gauge("ferry_kv_cache_usage", "fraction of KV pages held by requests (0..1)", registry=r)
-        self.state_snapshots = Gauge("ferry_state_snapshots", "linear-state snapshots the prefix cache holds (hybrid "
-                                     "models)", registry=r)  # fmt: skip
-        self.expert_hit_rate = Gauge("ferry_expert_hit_rate", "expert-cache hits / lookups since the worker started", registry=r)
+        self.state_snapshots = Gauge(
+            "ferry_state_snapshots", "linear-state snapshots the prefix cache holds (hybrid models)", registry=r
+        )
+        self.expert_hit_rate = Gauge(
+            "ferry_expert_hit_rate", "expert-cache hits / lookups since the worker started", registry=r
+        )
         self._status_counters = _StatusCounters()
         r.register(self._status_counters)
         self.ready = Gauge("ferry_ready", "1 when scheduler and worker are ready", registry=r)
-        self.tokenizing = Gauge("ferry_tokenizations_in_flight", "prompts being tokenized or waiting for the "
-                                "tokenizer thread", registry=r)  # fmt: skip
-        self.tokenize_seconds = Histogram("ferry_tokenization_seconds", "time to render and tokenize one prompt "
-                                          "(waiting for the tokenizer thread included)", buckets=_LATENCY, registry=r)  # fmt: skip
-        self.tokenize_refused = Counter("ferry_tokenizations_refused", "prompts refused before tokenizing, by reason "
-                                        "(too_long: more characters than the model length could hold; busy: too "
-                                        "many prompts waiting for the tokenizer)", ["reason"], registry=r)  # fmt: skip
-        self.http_refused = Counter("ferry_http_refused", "connections and requests refused before they reached a "
-                                    "route, by reason (connections: past --max-connections; header_bytes: past "
-                                    "--max-header-size; header_timeout: headers later than --header-timeout)",
-                                    ["reason"], registry=r)  # fmt: skip
+        self.tokenizing = Gauge(
+            "ferry_tokenizations_in_flight", "prompts being tokenized or waiting for the tokenizer thread", registry=r
+        )
+        self.tokenize_seconds = Histogram(
+            "ferry_tokenization_seconds",
+            "time to render and tokenize one prompt (waiting for the tokenizer thread included)",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.tokenize_refused = Counter(
+            "ferry_tokenizations_refused",
+            "prompts refused before tokenizing, by reason "
+            "(too_long: more characters than the model length could hold; busy: too "
+            "many prompts waiting for the tokenizer)",
+            ["reason"],
+            registry=r,
+        )
+        self.http_refused = Counter(
+            "ferry_http_refused",
+            "connections and requests refused before they reached a "
+            "route, by reason (connections: past --max-connections; header_bytes: past "
+            "--max-header-size; header_timeout: headers later than --header-timeout)",
+            ["reason"],
+            registry=r,
+        )
         self.aliases = CollectorRegistry()
         self.aliases.register(VllmAliases(r, model_name))
 

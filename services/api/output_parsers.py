@@ -41,8 +41,14 @@ class OutputParser:
     passed on: between the calls there is only their separator, and after them, when max_tokens
     or a stop sequence cut the output, only the unfinished start of another."""
 
-    def __init__(self, reasoning: str, tool_calls: str, tools: dict[str, dict] | None, prompt_text: str = "",
-                 forced: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        reasoning: str,
+        tool_calls: str,
+        tools: dict[str, dict] | None,
+        prompt_text: str = "",
+        forced: bool = False,
+    ):
         if reasoning not in REASONING_PARSERS or tool_calls not in TOOL_CALL_PARSERS:
             raise ValueError(f"unknown parser: {reasoning!r} / {tool_calls!r}")
         self.forced = forced

@@ -62,7 +62,7 @@ class ReasoningParser:
                     self.held = text  # whitespace, or the start of <think>: wait for more
                     break
                 if stripped.startswith(OPEN):
-                    self.state, self.strip, text = "reasoning", True, stripped[len(OPEN):]
+                    self.state, self.strip, text = "reasoning", True, stripped[len(OPEN) :]
                     continue
                 self.state = "content"
             if self.state == "content":
@@ -72,12 +72,12 @@ class ReasoningParser:
             if end >= 0:
                 if text[:end].strip():
                     out.append(Piece("reasoning", text[:end].rstrip()))
-                self.state, self.strip, text = "content", True, text[end + len(CLOSE):]
+                self.state, self.strip, text = "content", True, text[end + len(CLOSE) :]
                 continue
             keep = _partial_suffix(text, CLOSE)
             body = text[: len(text) - keep]
             emit = body.rstrip()  # whitespace may come right before </think>: hold it with the partial tag
-            self.held = text[len(emit):]
+            self.held = text[len(emit) :]
             if emit:
                 out.append(Piece("reasoning", emit))
             break

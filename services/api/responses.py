@@ -77,7 +77,12 @@ class ChatChoice:
         self.reason: str | None = None
 
     def opening(self) -> dict:
-        return {"index": self.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        return {
+            "index": self.index,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
 
     def apply(self, d: Delta) -> dict | None:
         """The stream chunk's choice for this delta (None when it carries nothing)."""
@@ -100,14 +105,20 @@ class ChatChoice:
                 delta.setdefault("tool_calls", []).append({"index": len(self.calls) - 1, **call})
         entries = None
         if self.token_text is not None:
-            entries = chat_entries(self.token_text, [(t.token_id, t.logprobs) for t in d.tokens if t.logprobs is not None])
+            entries = chat_entries(
+                self.token_text, [(t.token_id, t.logprobs) for t in d.tokens if t.logprobs is not None]
+            )
             self.logprobs.extend(entries)
         if d.finish_reason:
             self.reason = "tool_calls" if self.calls and d.finish_reason == "stop" else d.finish_reason
         if not delta and not entries and not d.finish_reason:
             return None
-        return {"index": self.index, "delta": delta, "logprobs": {"content": entries, "refusal": None} if entries else None,
-                "finish_reason": self.reason if d.finish_reason else None}  # fmt: skip
+        return {
+            "index": self.index,
+            "delta": delta,
+            "logprobs": {"content": entries, "refusal": None} if entries else None,
+            "finish_reason": self.reason if d.finish_reason else None,
+        }
 
     def full(self) -> dict:
         content = "".join(self.content)
@@ -161,12 +172,20 @@ class CompletionChoice:
             self.reason = d.finish_reason
         if not text and not d.finish_reason and (self.lp is None or len(self.lp) == since):
             return None
-        return {"index": self.index, "text": text, "logprobs": self.lp.to_json(since) if self.lp is not None else None,
-                "finish_reason": self.reason if d.finish_reason else None}  # fmt: skip
+        return {
+            "index": self.index,
+            "text": text,
+            "logprobs": self.lp.to_json(since) if self.lp is not None else None,
+            "finish_reason": self.reason if d.finish_reason else None,
+        }
 
     def full(self) -> dict:
-        return {"index": self.index, "text": "".join(self.text), "logprobs": self.lp.to_json() if self.lp is not None else None,
-                "finish_reason": self.reason}  # fmt: skip
+        return {
+            "index": self.index,
+            "text": "".join(self.text),
+            "logprobs": self.lp.to_json() if self.lp is not None else None,
+            "finish_reason": self.reason,
+        }
 
 
 def sse(payload: dict | str) -> bytes:

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import structlog
 from aiohttp import web
 
-from ferry.shared.errors import FerryError, InvalidRequest, NotFound
 from ferry.services.api import responses_schema as schema
 from ferry.services.api import structured
 from ferry.services.api.anthropic_responses import sse_event
@@ -35,6 +34,7 @@ from ferry.services.api.responses_output import ResponseBuilder
 from ferry.services.api.responses_store import ResponseStore
 from ferry.services.api.scheduler_client import SchedulerClient
 from ferry.services.api.tokenizer import PromptTokenizer
+from ferry.shared.errors import FerryError, InvalidRequest, NotFound
 
 log = structlog.get_logger("api.responses")
 
@@ -46,8 +46,17 @@ class Prompt:
 
 
 class ResponsesRoutes:
-    def __init__(self, cfg: ApiConfig, client: SchedulerClient, tokenizer: PromptTokenizer, metrics: ApiMetrics,
-                 tokenize, grammars: GrammarLanes, bodies: BodyDecoder, store: ResponseStore | None = None):  # fmt: skip
+    def __init__(
+        self,
+        cfg: ApiConfig,
+        client: SchedulerClient,
+        tokenizer: PromptTokenizer,
+        metrics: ApiMetrics,
+        tokenize,
+        grammars: GrammarLanes,
+        bodies: BodyDecoder,
+        store: ResponseStore | None = None,
+    ):
         """`tokenize(fn, arg, body_bytes)`: runs fn(tokenizer, arg) on a tokenizer thread (OpenAIRoutes._tokenize);
         `grammars` builds grammars and `bodies` decodes bodies: all three shared with the other routes."""
         self.cfg, self.client, self.tokenizer, self.metrics = cfg, client, tokenizer, metrics
@@ -64,9 +73,12 @@ class ResponsesRoutes:
     def _stored(self, response_id: str, param: str | None):
         stored = self.store.get(response_id)
         if stored is None:
-            raise NotFound(f"no response {response_id!r} is kept here: it was never stored (store: false), was "
-                           f"dropped to bound the store (the least recently used go first), or another api "
-                           f"replica answered it; send the whole conversation as input instead", param=param)  # fmt: skip
+            raise NotFound(
+                f"no response {response_id!r} is kept here: it was never stored (store: false), was "
+                f"dropped to bound the store (the least recently used go first), or another api "
+                f"replica answered it; send the whole conversation as input instead",
+                param=param,
+            )
         return stored
 
     async def retrieve(self, request: web.Request) -> web.Response:
@@ -84,39 +96,64 @@ class ResponsesRoutes:
         body = await request.read()
         req = await self.bodies.decode(body, schema.ResponsesRequest)
         if req.model is not None and req.model != self.cfg.served_model_name:
-            raise NotFound(f"the model {req.model!r} does not exist here; this server serves {self.cfg.served_model_name!r}",
-                           param="model")  # fmt: skip
+            raise NotFound(
+                f"the model {req.model!r} does not exist here; this server serves {self.cfg.served_model_name!r}",
+                param="model",
+            )
         schema.validate(req)
-        earlier = self._stored(req.previous_response_id, "previous_response_id").conversation \
-            if req.previous_response_id is not None else []  # fmt: skip
+        earlier = (
+            self._stored(req.previous_response_id, "previous_response_id").conversation
+            if req.previous_response_id is not None
+            else []
+        )
         items = earlier + schema.input_items(req)
         messages = schema.template_messages(req.instructions, items, first=len(earlier))
         tools = schema.template_tools(req)
         forced = schema.forced_tools(req)
         json_schema = schema.text_format_schema(req)
         if forced and json_schema is not None:
-            raise InvalidRequest("text.format: cannot be combined with tool_choice required or a function",
-                                 param="text.format")  # fmt: skip
+            raise InvalidRequest(
+                "text.format: cannot be combined with tool_choice required or a function", param="text.format"
+            )
         grammar = None  # built off the event loop, on the lane of its size: a large schema takes a while
         if forced:
-            grammar = await self.grammars.build(_tool_call_grammar, (forced, schema.parallel_calls(req)),
-                                                tool_schemas(forced, TOOL_FIELD), "tools")  # fmt: skip
+            grammar = await self.grammars.build(
+                _tool_call_grammar, (forced, schema.parallel_calls(req)), tool_schemas(forced, TOOL_FIELD), "tools"
+            )
         elif json_schema is not None:
-            grammar = await self.grammars.build(_text_format_grammar, json_schema, [(FORMAT_FIELD, json_schema)],
-                                                "text.format")  # fmt: skip
+            grammar = await self.grammars.build(
+                _text_format_grammar, json_schema, [(FORMAT_FIELD, json_schema)], "text.format"
+            )
         sampling = schema.sampling_params(req, self.tokenizer.eos_token_ids, grammar)
         kwargs = schema.template_kwargs(req, constrained=grammar is not None)
         # the tokenizer lane goes by the prompt's size: a short body may continue a long stored conversation
         size = max(len(body), sum(len(m["content"]) + len(m.get("reasoning_content", "")) for m in messages))
         prompt = await self._tokenize(_prompt, (messages, tools, kwargs, grammar is not None), size)
         echo = self._echo(req, sampling)
-        builder = ResponseBuilder(echo, max_calls=None if schema.parallel_calls(req) else 1,
-                                  encrypted_reasoning=schema.ENCRYPTED_REASONING in (req.include or ()))  # fmt: skip
+        builder = ResponseBuilder(
+            echo,
+            max_calls=None if schema.parallel_calls(req) else 1,
+            encrypted_reasoning=schema.ENCRYPTED_REASONING in (req.include or ()),
+        )
         structlog.contextvars.bind_contextvars(request_id=builder.id)
-        parser = OutputParser(self.cfg.reasoning_parser, self.cfg.tool_call_parser, schema.tool_schemas(req),
-                              prompt_text=prompt.text, forced=forced is not None)  # fmt: skip
-        gen = Generation(self.client, self.tokenizer.hf, self.metrics, "responses", prompt.ids, sampling,
-                         req.max_output_tokens, [], fields=schema.SUBMIT_FIELDS)  # fmt: skip
+        parser = OutputParser(
+            self.cfg.reasoning_parser,
+            self.cfg.tool_call_parser,
+            schema.tool_schemas(req),
+            prompt_text=prompt.text,
+            forced=forced is not None,
+        )
+        gen = Generation(
+            self.client,
+            self.tokenizer.hf,
+            self.metrics,
+            "responses",
+            prompt.ids,
+            sampling,
+            req.max_output_tokens,
+            [],
+            fields=schema.SUBMIT_FIELDS,
+        )
         async with contextlib.aclosing(gen.deltas()) as deltas:
             mark_counted_by_generations(request)  # it starts below, and counts itself
             if not req.stream:
@@ -156,13 +193,25 @@ class ResponsesRoutes:
         """The request's settings as the response object repeats them."""
         effort = req.reasoning.effort if req.reasoning is not None else None
         summary = (req.reasoning.summary or req.reasoning.generate_summary) if req.reasoning is not None else None
-        return {"model": self.cfg.served_model_name, "instructions": req.instructions,
-                "max_output_tokens": req.max_output_tokens, "metadata": req.metadata or {},
-                "parallel_tool_calls": schema.parallel_calls(req), "previous_response_id": req.previous_response_id,
-                "reasoning": {"effort": effort, "summary": summary}, "store": req.store is not False,
-                "temperature": sampling.temperature, "top_p": sampling.top_p, "text": schema.text_json(req),
-                "tool_choice": schema.tool_choice_json(req), "tools": schema.tools_json(req),
-                "truncation": "disabled", "user": req.user, "background": False, "service_tier": "default"}  # fmt: skip
+        return {
+            "model": self.cfg.served_model_name,
+            "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens,
+            "metadata": req.metadata or {},
+            "parallel_tool_calls": schema.parallel_calls(req),
+            "previous_response_id": req.previous_response_id,
+            "reasoning": {"effort": effort, "summary": summary},
+            "store": req.store is not False,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "text": schema.text_json(req),
+            "tool_choice": schema.tool_choice_json(req),
+            "tools": schema.tools_json(req),
+            "truncation": "disabled",
+            "user": req.user,
+            "background": False,
+            "service_tier": "default",
+        }
 
 
 def _apply(builder: ResponseBuilder, parser: OutputParser, d) -> list[dict]:

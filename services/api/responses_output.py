@@ -19,20 +19,23 @@ from __future__ import annotations
 import time
 import uuid
 
-from ferry.shared.errors import FerryError
 from ferry.services.api.generation import Usage
 from ferry.services.api.output_parsers import Reasoning, Text, ToolCall
 from ferry.services.api.responses_schema import encrypt_reasoning
+from ferry.shared.errors import FerryError
 
 # an error's HTTP status -> ResponseError.code (OpenAI's few codes that fit a text-only server)
 _ERROR_CODES = {429: "rate_limit_exceeded", 400: "invalid_prompt"}
 
 
 def usage_json(usage: Usage, reasoning_tokens: int) -> dict:
-    return {"input_tokens": usage.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
-            "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
-            "total_tokens": usage.prompt_tokens + usage.completion_tokens}  # fmt: skip
+    return {
+        "input_tokens": usage.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
+        "output_tokens": usage.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+    }
 
 
 class ResponseBuilder:
@@ -56,7 +59,10 @@ class ResponseBuilder:
 
     def start(self) -> list[dict]:
         snapshot = self.response("in_progress")
-        return [self._event("response.created", response=snapshot), self._event("response.in_progress", response=snapshot)]
+        return [
+            self._event("response.created", response=snapshot),
+            self._event("response.in_progress", response=snapshot),
+        ]
 
     def apply(self, events: list) -> list[dict]:
         """Add the parser's events to the output; returns the stream events they make."""
@@ -97,10 +103,17 @@ class ResponseBuilder:
     # ---- the response object ---------------------------------------------------------------------
 
     def response(self, status: str, usage: Usage | None = None) -> dict:
-        body = {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
-                "error": None, "incomplete_details": None, **self.echo,
-                "output": self.output if status != "in_progress" else [],
-                "usage": usage_json(usage, self.reasoning_tokens) if usage is not None else None}  # fmt: skip
+        body = {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "error": None,
+            "incomplete_details": None,
+            **self.echo,
+            "output": self.output if status != "in_progress" else [],
+            "usage": usage_json(usage, self.reasoning_tokens) if usage is not None else None,
+        }
         if status == "incomplete":
             body["incomplete_details"] = {"reason": "max_output_tokens"}
         if status in ("completed", "incomplete"):
@@ -124,22 +137,42 @@ class ResponseBuilder:
 
     def _added(self, item: dict) -> dict:
         self.output.append(item)
-        return self._event("response.output_item.added", output_index=len(self.output) - 1, item=dict(item, **(
-            {"content": []} if "content" in item else {})))  # fmt: skip
+        return self._event(
+            "response.output_item.added",
+            output_index=len(self.output) - 1,
+            item=dict(item, **({"content": []} if "content" in item else {})),
+        )
 
     def _open_reasoning(self) -> list[dict]:
         self.open = "reasoning"
-        item = {"id": f"rs_{uuid.uuid4().hex}", "type": "reasoning", "summary": [], "content": [],
-                "status": "in_progress"}  # fmt: skip
+        item = {
+            "id": f"rs_{uuid.uuid4().hex}",
+            "type": "reasoning",
+            "summary": [],
+            "content": [],
+            "status": "in_progress",
+        }
         added = self._added(item)
         item["content"].append({"type": "reasoning_text", "text": ""})
-        return [added, self._event("response.content_part.added", **self._where(), content_index=0,
-                                   part={"type": "reasoning_text", "text": ""})]  # fmt: skip
+        return [
+            added,
+            self._event(
+                "response.content_part.added",
+                **self._where(),
+                content_index=0,
+                part={"type": "reasoning_text", "text": ""},
+            ),
+        ]
 
     def _open_message(self) -> list[dict]:
         self.open = "message"
-        item = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "status": "in_progress",
-                "content": []}  # fmt: skip
+        item = {
+            "id": f"msg_{uuid.uuid4().hex}",
+            "type": "message",
+            "role": "assistant",
+            "status": "in_progress",
+            "content": [],
+        }
         added = self._added(item)
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         item["content"].append(part)
@@ -151,13 +184,20 @@ class ResponseBuilder:
 
     def _function_call(self, call: ToolCall) -> list[dict]:
         arguments = call.arguments_json()
-        item = {"id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "call_id": call.id, "name": call.name,
-                "arguments": "", "status": "in_progress"}  # fmt: skip
+        item = {
+            "id": f"fc_{uuid.uuid4().hex}",
+            "type": "function_call",
+            "call_id": call.id,
+            "name": call.name,
+            "arguments": "",
+            "status": "in_progress",
+        }
         out = [self._added(item)]
         item["arguments"] = arguments
         out.append(self._event("response.function_call_arguments.delta", **self._where(), delta=arguments))
-        out.append(self._event("response.function_call_arguments.done", **self._where(), name=call.name,
-                               arguments=arguments))  # fmt: skip
+        out.append(
+            self._event("response.function_call_arguments.done", **self._where(), name=call.name, arguments=arguments)
+        )
         item["status"] = "completed"
         out.append(self._event("response.output_item.done", output_index=len(self.output) - 1, item=item))
         return out
@@ -174,8 +214,11 @@ class ResponseBuilder:
             if self.encrypted_reasoning:
                 item["encrypted_content"] = encrypt_reasoning(part["text"])
         else:
-            done = [self._event("response.output_text.done", **self._where(), content_index=0, text=part["text"],
-                                logprobs=[])]  # fmt: skip
+            done = [
+                self._event(
+                    "response.output_text.done", **self._where(), content_index=0, text=part["text"], logprobs=[]
+                )
+            ]
         item["status"] = status
         done.append(self._event("response.content_part.done", **self._where(), content_index=0, part=dict(part)))
         done.append(self._event("response.output_item.done", output_index=len(self.output) - 1, item=item))

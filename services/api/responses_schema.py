@@ -19,11 +19,11 @@ from typing import Any
 
 import msgspec
 
+from ferry.services.api.json_limits import check_depth
+from ferry.services.api.schema import MAX_TEMPERATURE, problem_field
 from ferry.shared.bounds import Int64
 from ferry.shared.errors import InvalidRequest
 from ferry.shared.sampling import SamplingParams, sampling_problems
-from ferry.services.api.json_limits import check_depth
-from ferry.services.api.schema import MAX_TEMPERATURE, problem_field
 
 
 class ContentPart(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -133,8 +133,16 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     prompt_cache_options: Any = None
 
 
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
-                   "frequency_penalty")  # fmt: skip
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
 ROLES = ("user", "assistant", "system", "developer")
 EFFORTS = (None, "none", "minimal", "low", "medium", "high", "xhigh", "max")
 THINKING_OFF = ("none", "minimal")  # reasoning.effort values that turn the template's enable_thinking off
@@ -174,39 +182,71 @@ def validate(req: ResponsesRequest) -> None:
     OpenAI's API sets tighter than the engine's."""
     for field, (fine, why) in _REFUSED.items():
         _check(getattr(req, field) in fine, f"{field}: {why}", field)
-    _check(req.temperature is None or 0 <= req.temperature <= MAX_TEMPERATURE,
-           f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {req.temperature}", "temperature")  # fmt: skip
-    _check(req.max_output_tokens is None or req.max_output_tokens >= 1,
-           f"max_output_tokens must be at least 1, got {req.max_output_tokens}", "max_output_tokens")  # fmt: skip
-    _check(req.max_tool_calls is None or req.max_tool_calls >= 0,
-           f"max_tool_calls must be at least 0, got {req.max_tool_calls}", "max_tool_calls")  # fmt: skip
+    _check(
+        req.temperature is None or 0 <= req.temperature <= MAX_TEMPERATURE,
+        f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {req.temperature}",
+        "temperature",
+    )
+    _check(
+        req.max_output_tokens is None or req.max_output_tokens >= 1,
+        f"max_output_tokens must be at least 1, got {req.max_output_tokens}",
+        "max_output_tokens",
+    )
+    _check(
+        req.max_tool_calls is None or req.max_tool_calls >= 0,
+        f"max_tool_calls must be at least 0, got {req.max_tool_calls}",
+        "max_tool_calls",
+    )
     for i, value in enumerate(req.include or ()):
-        _check(value == ENCRYPTED_REASONING,
-               f"include[{i}]: only {ENCRYPTED_REASONING!r} is supported, got {value!r}", f"include[{i}]")  # fmt: skip
+        _check(
+            value == ENCRYPTED_REASONING,
+            f"include[{i}]: only {ENCRYPTED_REASONING!r} is supported, got {value!r}",
+            f"include[{i}]",
+        )
     if req.reasoning is not None:
         r = req.reasoning
-        _check(r.effort in EFFORTS, f"reasoning.effort must be one of {', '.join(e for e in EFFORTS if e)}, got {r.effort!r}",
-               "reasoning.effort")  # fmt: skip
+        _check(
+            r.effort in EFFORTS,
+            f"reasoning.effort must be one of {', '.join(e for e in EFFORTS if e)}, got {r.effort!r}",
+            "reasoning.effort",
+        )
         for name in ("summary", "generate_summary"):
             value = getattr(r, name)
-            _check(value in (None, "auto", "concise", "detailed"),
-                   f"reasoning.{name} must be auto, concise or detailed, got {value!r}", f"reasoning.{name}")  # fmt: skip
-        _check(r.context in (None, "auto"), f"reasoning.context: only auto is supported, got {r.context!r}",
-               "reasoning.context")  # fmt: skip
+            _check(
+                value in (None, "auto", "concise", "detailed"),
+                f"reasoning.{name} must be auto, concise or detailed, got {value!r}",
+                f"reasoning.{name}",
+            )
+        _check(
+            r.context in (None, "auto"),
+            f"reasoning.context: only auto is supported, got {r.context!r}",
+            "reasoning.context",
+        )
     if req.text is not None:
-        _check(req.text.verbosity in (None, "medium"), "text.verbosity: verbosity is not supported (medium only)",
-               "text.verbosity")  # fmt: skip
+        _check(
+            req.text.verbosity in (None, "medium"),
+            "text.verbosity: verbosity is not supported (medium only)",
+            "text.verbosity",
+        )
         fmt = req.text.format
-        _check(fmt is None or fmt.type in ("text", "json_object", "json_schema"),
-               f"text.format.type must be text, json_object or json_schema, got {fmt and fmt.type!r}",
-               "text.format.type")  # fmt: skip
-        _check(fmt is None or fmt.type != "json_schema" or fmt.schema is not None,
-               "text.format.schema: a json_schema format needs a schema", "text.format.schema")  # fmt: skip
+        _check(
+            fmt is None or fmt.type in ("text", "json_object", "json_schema"),
+            f"text.format.type must be text, json_object or json_schema, got {fmt and fmt.type!r}",
+            "text.format.type",
+        )
+        _check(
+            fmt is None or fmt.type != "json_schema" or fmt.schema is not None,
+            "text.format.schema: a json_schema format needs a schema",
+            "text.format.schema",
+        )
     meta = req.metadata or {}
     _check(len(meta) <= MAX_METADATA, f"metadata: at most {MAX_METADATA} pairs, got {len(meta)}", "metadata")
     for key, value in meta.items():
-        _check(len(key) <= MAX_METADATA_KEY and len(value) <= MAX_METADATA_VALUE,
-               f"metadata: keys are at most {MAX_METADATA_KEY} characters, values {MAX_METADATA_VALUE}", "metadata")  # fmt: skip
+        _check(
+            len(key) <= MAX_METADATA_KEY and len(value) <= MAX_METADATA_VALUE,
+            f"metadata: keys are at most {MAX_METADATA_KEY} characters, values {MAX_METADATA_VALUE}",
+            "metadata",
+        )
 
 
 def sampling_params(req: ResponsesRequest, eos_token_ids: tuple[int, ...], grammar: str | None) -> SamplingParams:
@@ -234,9 +274,12 @@ def _parts_text(parts: str | list[ContentPart] | None, kinds: tuple[str, ...], w
     if parts is None or isinstance(parts, str):
         return parts or ""
     for j, part in enumerate(parts):
-        _check(part.type in kinds and part.text is not None,
-               f"{where}[{j}]: only {' and '.join(kinds)} parts are supported (the served models read text), "
-               f"got type {part.type!r}", f"{where}[{j}]")  # fmt: skip
+        _check(
+            part.type in kinds and part.text is not None,
+            f"{where}[{j}]: only {' and '.join(kinds)} parts are supported (the served models read text), "
+            f"got type {part.type!r}",
+            f"{where}[{j}]",
+        )
     return "".join(p.text for p in parts)
 
 
@@ -265,8 +308,10 @@ def reasoning_text(item: InputItem, where: str) -> str:
     try:
         return base64.b64decode(item.encrypted_content, validate=True).decode()
     except (binascii.Error, UnicodeDecodeError):
-        raise InvalidRequest(f"{where}.encrypted_content: not reasoning this server wrote (base64 of its text)",
-                             param=f"{where}.encrypted_content") from None  # fmt: skip
+        raise InvalidRequest(
+            f"{where}.encrypted_content: not reasoning this server wrote (base64 of its text)",
+            param=f"{where}.encrypted_content",
+        ) from None
 
 
 def encrypt_reasoning(text: str) -> str:
@@ -303,24 +348,38 @@ def template_messages(instructions: str | None, items: list[InputItem], first: i
             if turn is None or turn["content"] or "tool_calls" in turn:
                 turn = _assistant(out)
             text = reasoning_text(item, where)
-            turn["reasoning_content"] = (turn["reasoning_content"] + "\n" + text) if "reasoning_content" in turn else text
+            turn["reasoning_content"] = (
+                (turn["reasoning_content"] + "\n" + text) if "reasoning_content" in turn else text
+            )
         elif item.type == "function_call":
-            _check(item.call_id is not None and item.name is not None,
-                   f"{where}: a function_call item needs call_id and name", where)  # fmt: skip
+            _check(
+                item.call_id is not None and item.name is not None,
+                f"{where}: a function_call item needs call_id and name",
+                where,
+            )
             if turn is None:
                 turn = _assistant(out)
-            call = {"id": item.call_id, "type": "function",
-                    "function": {"name": item.name, "arguments": _arguments(item.arguments, f"{where}.arguments")}}  # fmt: skip
+            call = {
+                "id": item.call_id,
+                "type": "function",
+                "function": {"name": item.name, "arguments": _arguments(item.arguments, f"{where}.arguments")},
+            }
             turn.setdefault("tool_calls", []).append(call)
         elif item.type == "function_call_output":
-            _check(item.call_id is not None, f"{where}.call_id: a function_call_output names the call it answers",
-                   f"{where}.call_id")  # fmt: skip
+            _check(
+                item.call_id is not None,
+                f"{where}.call_id: a function_call_output names the call it answers",
+                f"{where}.call_id",
+            )
             turn = None
             output = _parts_text(item.output, ("input_text", "output_text"), f"{where}.output")
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
         else:
-            raise InvalidRequest(f"{where}.type: only message, function_call, function_call_output and reasoning "
-                                 f"items are supported, got {item.type!r}", param=f"{where}.type")  # fmt: skip
+            raise InvalidRequest(
+                f"{where}.type: only message, function_call, function_call_output and reasoning "
+                f"items are supported, got {item.type!r}",
+                param=f"{where}.type",
+            )
     _check(bool(out), "input must not be empty", "input")
     return _one_system_message(out)
 
@@ -355,22 +414,32 @@ def template_tools(req: ResponsesRequest) -> list[dict] | None:
         return None
     names, out = set(), []
     for i, t in enumerate(req.tools):
-        _check(t.type == "function", f"tools[{i}].type: only function tools are supported, got {t.type!r}",
-               f"tools[{i}].type")  # fmt: skip
+        _check(
+            t.type == "function",
+            f"tools[{i}].type: only function tools are supported, got {t.type!r}",
+            f"tools[{i}].type",
+        )
         _check(bool(t.name), f"tools[{i}].name: a function tool needs a name", f"tools[{i}].name")
         _check(t.name not in names, f"tools[{i}].name: {t.name!r} is used twice", f"tools[{i}].name")
         names.add(t.name)
         params = t.parameters if t.parameters is not None else {"type": "object", "properties": {}}
-        out.append({"type": "function", "function": {"name": t.name, "description": t.description or "",
-                                                     "parameters": params}})  # fmt: skip
+        out.append(
+            {"type": "function", "function": {"name": t.name, "description": t.description or "", "parameters": params}}
+        )
     if isinstance(choice, str):
-        _check(choice in ("none", "auto", "required"),
-               f"tool_choice must be none, auto, required or a function, got {choice!r}", "tool_choice")  # fmt: skip
+        _check(
+            choice in ("none", "auto", "required"),
+            f"tool_choice must be none, auto, required or a function, got {choice!r}",
+            "tool_choice",
+        )
         if choice == "none":
             return None
     elif choice is not None:
-        _check(choice.type == "function", f"tool_choice.type: only a function can be chosen, got {choice.type!r}",
-               "tool_choice.type")  # fmt: skip
+        _check(
+            choice.type == "function",
+            f"tool_choice.type: only a function can be chosen, got {choice.type!r}",
+            "tool_choice.type",
+        )
         _check(choice.name in names, f"tool_choice.name: {choice.name!r} is not one of the tools", "tool_choice.name")
     return out
 
@@ -398,8 +467,16 @@ def parallel_calls(req: ResponsesRequest) -> bool:
 
 def tools_json(req: ResponsesRequest) -> list[dict]:
     """The tools as the response object echoes them (FunctionTool)."""
-    return [{"type": "function", "name": t.name, "description": t.description, "parameters": t.parameters,
-             "strict": t.strict} for t in req.tools or []]  # fmt: skip
+    return [
+        {
+            "type": "function",
+            "name": t.name,
+            "description": t.description,
+            "parameters": t.parameters,
+            "strict": t.strict,
+        }
+        for t in req.tools or []
+    ]
 
 
 def tool_choice_json(req: ResponsesRequest) -> str | dict:
@@ -435,5 +512,13 @@ def text_json(req: ResponsesRequest) -> dict:
     fmt = req.text.format if req.text is not None else None
     if fmt is None or fmt.type != "json_schema":
         return {"format": {"type": fmt.type if fmt else "text"}, "verbosity": "medium"}
-    return {"format": {"type": "json_schema", "name": fmt.name or "response", "schema": fmt.schema,
-                       "description": fmt.description, "strict": fmt.strict}, "verbosity": "medium"}  # fmt: skip
+    return {
+        "format": {
+            "type": "json_schema",
+            "name": fmt.name or "response",
+            "schema": fmt.schema,
+            "description": fmt.description,
+            "strict": fmt.strict,
+        },
+        "verbosity": "medium",
+    }

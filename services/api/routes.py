@@ -7,14 +7,10 @@ import contextlib
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import msgspec
 import structlog
 from aiohttp import web
 
-import msgspec
-
-from ferry.shared.errors import FerryError, InvalidRequest, NotFound, ServiceUnavailable
-from ferry.shared.sampling import SamplingParams
-from ferry.shared.step_trace import StepTrace
 from ferry.services.api import schema, structured
 from ferry.services.api.body_decoding import BodyDecoder
 from ferry.services.api.chat_prompt import ChatPrompt
@@ -25,10 +21,20 @@ from ferry.services.api.logprobs import TokenText
 from ferry.services.api.metrics import ApiMetrics, mark_counted_by_generations
 from ferry.services.api.output_parsers import OutputParser
 from ferry.services.api.responses import (
-    ChatChoice, ChatFormat, CompletionChoice, CompletionFormat, ResponseFormat, error_body, sse, total_usage,
-)  # fmt: skip
+    ChatChoice,
+    ChatFormat,
+    CompletionChoice,
+    CompletionFormat,
+    ResponseFormat,
+    error_body,
+    sse,
+    total_usage,
+)
 from ferry.services.api.scheduler_client import SchedulerClient
 from ferry.services.api.tokenizer import PromptTokenizer, TooLong
+from ferry.shared.errors import FerryError, InvalidRequest, NotFound, ServiceUnavailable
+from ferry.shared.sampling import SamplingParams
+from ferry.shared.step_trace import StepTrace
 
 log = structlog.get_logger("api.routes")
 
@@ -47,13 +53,16 @@ class TokenizerBusy(ServiceUnavailable):
 
 
 class OpenAIRoutes:
-    def __init__(self, cfg: ApiConfig, client: SchedulerClient, tokenizer: PromptTokenizer, metrics: ApiMetrics,
-                 drain=None):  # fmt: skip
+    def __init__(
+        self, cfg: ApiConfig, client: SchedulerClient, tokenizer: PromptTokenizer, metrics: ApiMetrics, drain=None
+    ):
         self.cfg, self.client, self.tokenizer, self.metrics = cfg, client, tokenizer, metrics
         self.drain = drain
         self.created = int(time.time())
-        self._lanes = {"short": (ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer"), tokenizer),
-                       "long": (ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer-long"), None)}  # fmt: skip
+        self._lanes = {
+            "short": (ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer"), tokenizer),
+            "long": (ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer-long"), None),
+        }
         self.grammars = GrammarLanes(metrics)
         self.bodies = BodyDecoder()
         self._tokenizations = {lane: 0 for lane in self._lanes}
@@ -83,20 +92,31 @@ class OpenAIRoutes:
         forced = schema.forced_tools(req)
         size = len(body)  # the body read, not its Content-Length header: a chunked upload sends none
         if forced and req.response_format is not None and req.response_format.type != "text":
-            raise InvalidRequest("response_format: cannot be combined with tool_choice required or a named function",
-                                 param="response_format")  # fmt: skip
+            raise InvalidRequest(
+                "response_format: cannot be combined with tool_choice required or a named function",
+                param="response_format",
+            )
         # grammars are built and checked off the event loop, on the lane of their schemas' size (a large
         # schema takes a while), once per request: its n choices share the one grammar
         grammar = None
         if req.response_format is not None and req.response_format.type != "text":
-            grammar = await self.grammars.build(structured.response_format_grammar, req.response_format,
-                                                response_format_schemas(req.response_format), "response_format")  # fmt: skip
+            grammar = await self.grammars.build(
+                structured.response_format_grammar,
+                req.response_format,
+                response_format_schemas(req.response_format),
+                "response_format",
+            )
         if forced:
-            grammar = await self.grammars.build(_tool_call_grammar, (forced, req.parallel_tool_calls is not False),
-                                                tool_schemas(forced, TOOL_FIELD), "tools")  # fmt: skip
+            grammar = await self.grammars.build(
+                _tool_call_grammar,
+                (forced, req.parallel_tool_calls is not False),
+                tool_schemas(forced, TOOL_FIELD),
+                "tools",
+            )
         logprobs = schema.chat_logprobs(req)
-        sampling = schema.sampling_params(req, self.tokenizer.eos_token_ids, self.tokenizer.vocab_size,
-                                          logprobs=logprobs, grammar=grammar)  # fmt: skip
+        sampling = schema.sampling_params(
+            req, self.tokenizer.eos_token_ids, self.tokenizer.vocab_size, logprobs=logprobs, grammar=grammar
+        )
         messages = schema.chat_messages(req)
         self._check_chars(sum(len(m["content"]) for m in messages), "messages")
         kwargs = schema.template_kwargs(req, forced=grammar is not None)
@@ -106,9 +126,15 @@ class OpenAIRoutes:
         reasoning = self.cfg.reasoning_parser if req.separate_reasoning else "none"
         token_text = self._token_text if logprobs is not None else None
         schemas = schema.tool_schemas(req) if tools is not None else None
-        choices = [ChatChoice(j, OutputParser(reasoning, self.cfg.tool_call_parser, schemas, prompt_text=text,
-                                              forced=bool(forced)),
-                              token_text, single_call=req.parallel_tool_calls is False) for j in range(req.n)]  # fmt: skip
+        choices = [
+            ChatChoice(
+                j,
+                OutputParser(reasoning, self.cfg.tool_call_parser, schemas, prompt_text=text, forced=bool(forced)),
+                token_text,
+                single_call=req.parallel_tool_calls is False,
+            )
+            for j in range(req.n)
+        ]
         runs = [(prompt, _seeded(sampling, j)) for j in range(req.n)]
         return await self._generate(request, req, "chat", runs, max_tokens, fmt, choices)
 
@@ -122,10 +148,16 @@ class OpenAIRoutes:
         prompts = schema.completion_prompts(req)
         _check_choices(len(prompts) * req.n)
         if req.max_tokens == 0 and not req.echo:
-            raise InvalidRequest("max_tokens must be at least 1 (0 only scores the prompt, with echo), got 0",
-                                 param="max_tokens")  # fmt: skip
-        sampling = schema.sampling_params(req, self.tokenizer.eos_token_ids, self.tokenizer.vocab_size, logprobs=logprobs,
-                                          prompt_logprobs=logprobs if req.echo else None)  # fmt: skip
+            raise InvalidRequest(
+                "max_tokens must be at least 1 (0 only scores the prompt, with echo), got 0", param="max_tokens"
+            )
+        sampling = schema.sampling_params(
+            req,
+            self.tokenizer.eos_token_ids,
+            self.tokenizer.vocab_size,
+            logprobs=logprobs,
+            prompt_logprobs=logprobs if req.echo else None,
+        )
         texts = [p for p in prompts if isinstance(p, str)]
         if texts:
             self._check_chars(max(len(t) for t in texts), "prompt")
@@ -143,8 +175,10 @@ class OpenAIRoutes:
 
     def _check_model(self, req) -> None:
         if req.model is not None and req.model != self.cfg.served_model_name:
-            raise NotFound(f"the model {req.model!r} does not exist here; this server serves {self.cfg.served_model_name!r}",
-                           param="model")  # fmt: skip
+            raise NotFound(
+                f"the model {req.model!r} does not exist here; this server serves {self.cfg.served_model_name!r}",
+                param="model",
+            )
 
     def _check_chars(self, n: int, field: str) -> None:
         """On the event loop, before anything is queued for the tokenizer: a prompt too long in
@@ -199,14 +233,24 @@ class OpenAIRoutes:
             self._lanes[lane] = (thread, tokenizer)
         return fn(tokenizer, arg)
 
-    async def _generate(self, request: web.Request, req, route: str, runs: list, max_tokens: int | None,
-                        fmt: ResponseFormat, choices: list) -> web.StreamResponse:  # fmt: skip
+    async def _generate(
+        self,
+        request: web.Request,
+        req,
+        route: str,
+        runs: list,
+        max_tokens: int | None,
+        fmt: ResponseFormat,
+        choices: list,
+    ) -> web.StreamResponse:
         """Run every choice's generation at once; one JSON body, or one SSE stream of all their chunks."""
         structlog.contextvars.bind_contextvars(request_id=fmt.id)
         stops = schema.stop_strings(req)
         fields = schema.submit_fields(req)
-        gens = [Generation(self.client, self.tokenizer.hf, self.metrics, route, prompt, sampling, max_tokens, stops, fields)
-                for prompt, sampling in runs]  # fmt: skip
+        gens = [
+            Generation(self.client, self.tokenizer.hf, self.metrics, route, prompt, sampling, max_tokens, stops, fields)
+            for prompt, sampling in runs
+        ]
         if route == "completions":
             choices = [CompletionChoice(i, g, echo, tt) for i, (g, (echo, tt)) in enumerate(zip(gens, choices))]
         async with contextlib.AsyncExitStack() as stack:
@@ -245,8 +289,13 @@ class OpenAIRoutes:
 
     def _card(self) -> dict:
         status = self.client.status
-        return {"id": self.cfg.served_model_name, "object": "model", "created": self.created, "owned_by": "ferry",
-                "max_model_len": status.max_model_len if status and status.ready else None}  # fmt: skip
+        return {
+            "id": self.cfg.served_model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "ferry",
+            "max_model_len": status.max_model_len if status and status.ready else None,
+        }
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [self._card()]})
@@ -255,7 +304,9 @@ class OpenAIRoutes:
         """GET /v1/models/{id}: the served model's card (client.models.retrieve), else a 404."""
         model_id = request.match_info["model_id"]
         if model_id != self.cfg.served_model_name:
-            raise NotFound(f"the model {model_id!r} does not exist here; this server serves {self.cfg.served_model_name!r}")
+            raise NotFound(
+                f"the model {model_id!r} does not exist here; this server serves {self.cfg.served_model_name!r}"
+            )
         return web.json_response(self._card())
 
     async def health(self, request: web.Request) -> web.Response:
@@ -263,8 +314,10 @@ class OpenAIRoutes:
         if self.drain is not None and self.drain.draining:
             ready, reason = False, f"draining: {self.drain.in_flight} requests in flight, no new ones admitted"
         status = self.client.status
-        peers = {"scheduler": "ready" if self.client.scheduler.alive() else "silent",
-                 "worker": "ready" if status is not None and status.ready else "not ready"}  # fmt: skip
+        peers = {
+            "scheduler": "ready" if self.client.scheduler.alive() else "silent",
+            "worker": "ready" if status is not None and status.ready else "not ready",
+        }
         if ready:
             return web.json_response({"status": "ready", "peers": peers})
         return web.json_response({"status": "unavailable", "reason": reason, "peers": peers}, status=503)
@@ -274,7 +327,6 @@ class OpenAIRoutes:
 
         self.metrics.refresh_from(self.client.status, self.client.readiness()[0])
         return web.Response(body=self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
-
 
 
 # What the tokenizer lanes run: fn(tokenizer, arg) (OpenAIRoutes._tokenize)
@@ -305,8 +357,9 @@ def _seeded(sampling: SamplingParams, j: int) -> SamplingParams:
 
 def _check_choices(count: int) -> None:
     if count > schema.MAX_PROMPTS:
-        raise InvalidRequest(f"n times the number of prompts is {count}: at most {schema.MAX_PROMPTS} choices per request",
-                             param="n")  # fmt: skip
+        raise InvalidRequest(
+            f"n times the number of prompts is {count}: at most {schema.MAX_PROMPTS} choices per request", param="n"
+        )
 
 
 async def _all(*aws):

@@ -26,8 +26,16 @@ from ferry.shared.contract import logprobs_problem, token_ids_problem
 from ferry.shared.errors import EngineError, FerryError, ServiceUnavailable, error_from_wire
 from ferry.shared.liveness import HEARTBEAT_INTERVAL_S, Liveness
 from ferry.shared.messages import (
-    Abort, ApiHeartbeat, FINISH_REASONS, Failed, Finished, SchedulerStatus, SchedulerToApi, Submit, Tokens,
-)  # fmt: skip
+    FINISH_REASONS,
+    Abort,
+    ApiHeartbeat,
+    Failed,
+    Finished,
+    SchedulerStatus,
+    SchedulerToApi,
+    Submit,
+    Tokens,
+)
 from ferry.shared.sampling import SamplingParams
 from ferry.shared.step import Logprobs
 from ferry.shared.step_trace import StepTrace
@@ -128,8 +136,14 @@ class SchedulerClient:
         stream = RequestStream(next(self._ids))
         self.streams[stream.req_id] = stream
         submit_at = time.monotonic()  # the trace's: before the Submit is encoded and sent
-        sent = await self.dealer.send(Submit(req_id=stream.req_id, prompt_token_ids=np.asarray(prompt, dtype=np.int32),
-                                             sampling=sampling, max_tokens=max_tokens))  # fmt: skip
+        sent = await self.dealer.send(
+            Submit(
+                req_id=stream.req_id,
+                prompt_token_ids=np.asarray(prompt, dtype=np.int32),
+                sampling=sampling,
+                max_tokens=max_tokens,
+            )
+        )
         if not sent:
             self.streams.pop(stream.req_id, None)
             raise ServiceUnavailable("the scheduler is not connected")
@@ -145,8 +159,9 @@ class SchedulerClient:
         stream.done = True
         # With NOBLOCK the future is already resolved; zmq.Again in it means the scheduler is gone, and
         # with it the request: nothing to abort. The callback only marks that exception as seen.
-        fut = self.dealer.sock.send_multipart(self.dealer.codec.encode(Abort(stream.req_id)), copy=False,
-                                              flags=zmq.NOBLOCK)  # fmt: skip
+        fut = self.dealer.sock.send_multipart(
+            self.dealer.codec.encode(Abort(stream.req_id)), copy=False, flags=zmq.NOBLOCK
+        )
         fut.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     def stop_all(self, error: FerryError) -> None:
@@ -170,7 +185,9 @@ class SchedulerClient:
                 problem = logprobs_problem(lp, self.vocab_size)
         if problem is not None:
             log.error("bad_scheduler_message", error=problem)
-            named = (ids.tolist() if ids.ndim == 1 else []) + [lp.req_id for lp in (*msg.logprobs, *msg.prompt_logprobs)]
+            named = (ids.tolist() if ids.ndim == 1 else []) + [
+                lp.req_id for lp in (*msg.logprobs, *msg.prompt_logprobs)
+            ]
             for rid in named:
                 if (s := self.streams.pop(rid, None)) is not None:
                     s.queue.put_nowait(EngineError(f"the scheduler sent an unusable token: {problem}"))
@@ -240,8 +257,9 @@ def _finish_event(msg: Finished) -> Finished | FerryError:
     if msg.reason in ("stop", "length"):
         return msg
     if msg.reason in FINISH_REASONS:
-        return ServiceUnavailable(f"the scheduler aborted the request after {msg.completion_tokens} tokens, "
-                                  "before it finished")  # fmt: skip
+        return ServiceUnavailable(
+            f"the scheduler aborted the request after {msg.completion_tokens} tokens, before it finished"
+        )
     return EngineError(f"unknown finish reason {msg.reason[:40]!r}")
 
 
@@ -253,8 +271,9 @@ class _BeatThread(threading.Thread):
         super().__init__(name="api-heartbeat", daemon=True)
         self.identity = identity
         self.ctx = zmq.Context()
-        self.sock = PeerSocket(self.ctx, zmq.DEALER, addr, None, bind=False, identity=f"{identity}/beat".encode(),
-                               secure=secure)  # fmt: skip
+        self.sock = PeerSocket(
+            self.ctx, zmq.DEALER, addr, None, bind=False, identity=f"{identity}/beat".encode(), secure=secure
+        )
         self.sock.sock.setsockopt(zmq.IMMEDIATE, 1)  # beats go to a live scheduler, never into a backlog
         self.sock.sock.setsockopt(zmq.SNDHWM, 4)
         self.stopped = threading.Event()

@@ -14,10 +14,10 @@ from typing import Any
 
 import msgspec
 
+from ferry.services.api.json_limits import check_depth
 from ferry.shared.bounds import INT64_MAX, Int64
 from ferry.shared.errors import InvalidRequest
 from ferry.shared.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, sampling_problems
-from ferry.services.api.json_limits import check_depth
 
 
 class StreamOptions(msgspec.Struct):
@@ -112,8 +112,11 @@ class _Generation(msgspec.Struct, kw_only=True):
 
 
 # the body fields that are SamplingParams fields of the same name (stop_token_ids is built, not copied)
-SAMPLING_FIELDS = tuple(f for f in SamplingParams.__struct_fields__ if f in _Generation.__struct_fields__
-                        and f not in ("stop_token_ids", "logit_bias", "logprobs"))  # fmt: skip
+SAMPLING_FIELDS = tuple(
+    f
+    for f in SamplingParams.__struct_fields__
+    if f in _Generation.__struct_fields__ and f not in ("stop_token_ids", "logit_bias", "logprobs")
+)
 
 
 class ChatCompletionRequest(_Generation, kw_only=True):
@@ -186,34 +189,60 @@ def validate_generation(req: _Generation, max_tokens: int | None, allow_zero: bo
     """What a body asks beyond sampling (SamplingParams' own rules are checked by `sampling_params`),
     and the ranges OpenAI's API sets tighter than the engine's."""
     _check(1 <= req.n <= MAX_CHOICES, f"n must be in [1, {MAX_CHOICES}], got {req.n}", "n")
-    _check(req.temperature is None or 0 <= req.temperature <= MAX_TEMPERATURE,
-           f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {req.temperature}", "temperature")  # fmt: skip
+    _check(
+        req.temperature is None or 0 <= req.temperature <= MAX_TEMPERATURE,
+        f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {req.temperature}",
+        "temperature",
+    )
     low = 0 if allow_zero else 1
     field = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
-    _check(max_tokens is None or max_tokens >= low,
-           f"max_tokens must be at least {low}{' (0 only scores the prompt, with echo)' if allow_zero else ''}, got {max_tokens}",
-           field)  # fmt: skip
+    _check(
+        max_tokens is None or max_tokens >= low,
+        f"max_tokens must be at least {low}{' (0 only scores the prompt, with echo)' if allow_zero else ''}, got {max_tokens}",
+        field,
+    )
     if isinstance(req.stop, list):
         _check(len(req.stop) <= 16, f"at most 16 stop strings, got {len(req.stop)}", "stop")
     longest = max((len(s) for s in stop_strings(req)), default=0)
-    _check(longest <= MAX_STOP_CHARS, f"a stop string may have at most {MAX_STOP_CHARS} characters, got {longest}", "stop")
+    _check(
+        longest <= MAX_STOP_CHARS, f"a stop string may have at most {MAX_STOP_CHARS} characters, got {longest}", "stop"
+    )
     refused_fields(req)
     for key in getattr(req, "chat_template_kwargs", None) or ():
-        _check(key not in RESERVED_TEMPLATE_KWARGS,
-               f"chat_template_kwargs.{key}: {key!r} is a parameter of the template call, not a template variable"
-               + (f"; send the request's own {key} field" if key in ("messages", "tools") else ""),
-               f"chat_template_kwargs.{key}")  # fmt: skip
+        _check(
+            key not in RESERVED_TEMPLATE_KWARGS,
+            f"chat_template_kwargs.{key}: {key!r} is a parameter of the template call, not a template variable"
+            + (f"; send the request's own {key} field" if key in ("messages", "tools") else ""),
+            f"chat_template_kwargs.{key}",
+        )
 
 
 # The parameters of PromptTokenizer.chat_text and of transformers' apply_chat_template, which
 # chat_template_kwargs go to as keywords: one of them there would collide with the call (a TypeError,
 # a 500) or change what it does (tokenize, return_dict, chat_template: a template of the client's).
 # tests/unit/test_api_http_edge.py checks this list against both signatures.
-RESERVED_TEMPLATE_KWARGS = frozenset({
-    "self", "messages", "tools", "continue_final", "conversation", "documents", "chat_template",
-    "add_generation_prompt", "continue_final_message", "tokenize", "sanitize_control_tokens", "padding",
-    "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
-})  # fmt: skip
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "self",
+        "messages",
+        "tools",
+        "continue_final",
+        "conversation",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "sanitize_control_tokens",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
 
 
 # field -> (the values that ask for nothing, why anything else is refused)
@@ -237,13 +266,19 @@ def refused_fields(req: _Generation) -> None:
         value = getattr(req, field, None)
         _check(value in fine, f"{field}: {why}", field)
     modalities = getattr(req, "modalities", None)
-    _check(modalities is None or list(modalities) == ["text"], "modalities: only [\"text\"] is supported", "modalities")
+    _check(modalities is None or list(modalities) == ["text"], 'modalities: only ["text"] is supported', "modalities")
     best_of = getattr(req, "best_of", None)
-    _check(best_of is None or best_of == req.n,
-           f"best_of: only best_of equal to n (or absent) is supported (no server-side ranking), got {best_of}", "best_of")
+    _check(
+        best_of is None or best_of == req.n,
+        f"best_of: only best_of equal to n (or absent) is supported (no server-side ranking), got {best_of}",
+        "best_of",
+    )
     effort = getattr(req, "reasoning_effort", None)
-    _check(effort in (None, "none", "minimal", "low", "medium", "high"),
-           f"reasoning_effort must be one of none, minimal, low, medium, high, got {effort!r}", "reasoning_effort")
+    _check(
+        effort in (None, "none", "minimal", "low", "medium", "high"),
+        f"reasoning_effort must be one of none, minimal, low, medium, high, got {effort!r}",
+        "reasoning_effort",
+    )
 
 
 def stop_strings(req: _Generation) -> list[str]:
@@ -252,18 +287,31 @@ def stop_strings(req: _Generation) -> list[str]:
     return [req.stop] if isinstance(req.stop, str) else list(req.stop)
 
 
-def sampling_params(req: _Generation, eos_token_ids: tuple[int, ...], vocab_size: int | None = None,
-                    logprobs: int | None = None, prompt_logprobs: int | None = None,
-                    grammar: str | None = None) -> SamplingParams:  # fmt: skip
+def sampling_params(
+    req: _Generation,
+    eos_token_ids: tuple[int, ...],
+    vocab_size: int | None = None,
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
+    grammar: str | None = None,
+) -> SamplingParams:
     """The request's SamplingParams, from the fields it sent; InvalidRequest naming a field out of range."""
     stop_ids = tuple(req.stop_token_ids or ()) + (() if req.ignore_eos else eos_token_ids)
     sent = {name: getattr(req, name) for name in SAMPLING_FIELDS if getattr(req, name) is not None}
     bias = _logit_bias(req.logit_bias, vocab_size)
-    _check(grammar is None or not req.ignore_eos,
-           "ignore_eos cannot be combined with response_format or a forced tool call: the output ends where its grammar does",
-           "ignore_eos")  # fmt: skip
-    params = SamplingParams(**sent, stop_token_ids=tuple(dict.fromkeys(stop_ids)), logit_bias=bias, logprobs=logprobs,
-                            prompt_logprobs=prompt_logprobs, grammar=grammar)  # fmt: skip
+    _check(
+        grammar is None or not req.ignore_eos,
+        "ignore_eos cannot be combined with response_format or a forced tool call: the output ends where its grammar does",
+        "ignore_eos",
+    )
+    params = SamplingParams(
+        **sent,
+        stop_token_ids=tuple(dict.fromkeys(stop_ids)),
+        logit_bias=bias,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        grammar=grammar,
+    )
     problems = sampling_problems(params)
     _check(not problems, "; ".join(problems), problem_field(problems, type(req)))
     return params
@@ -280,17 +328,26 @@ def problem_field(problems: list[str], kind: type[msgspec.Struct]) -> str | None
 
 def _logit_bias(bias: dict[str, float] | None, vocab_size: int | None) -> tuple[tuple[int, float], ...]:
     out = []
-    _check(len(bias or ()) <= MAX_LOGIT_BIAS, f"logit_bias: at most {MAX_LOGIT_BIAS} tokens, got {len(bias or ())}",
-           "logit_bias")  # fmt: skip
+    _check(
+        len(bias or ()) <= MAX_LOGIT_BIAS,
+        f"logit_bias: at most {MAX_LOGIT_BIAS} tokens, got {len(bias or ())}",
+        "logit_bias",
+    )
     for key, value in (bias or {}).items():
         try:
             token = int(key)
         except ValueError:
             raise InvalidRequest(f"logit_bias: keys must be token ids, got {key[:40]!r}", param="logit_bias") from None
-        _check(0 <= token < (vocab_size or INT64_MAX),
-               f"logit_bias: token id {token} is outside the vocabulary (0..{(vocab_size or INT64_MAX) - 1})", "logit_bias")  # fmt: skip
-        _check(-100 <= value <= 100, f"logit_bias: the bias of token {token} must be in [-100, 100], got {value}",
-               "logit_bias")  # fmt: skip
+        _check(
+            0 <= token < (vocab_size or INT64_MAX),
+            f"logit_bias: token id {token} is outside the vocabulary (0..{(vocab_size or INT64_MAX) - 1})",
+            "logit_bias",
+        )
+        _check(
+            -100 <= value <= 100,
+            f"logit_bias: the bias of token {token} must be in [-100, 100], got {value}",
+            "logit_bias",
+        )
         out.append((token, float(value)))
     return tuple(out)
 
@@ -298,15 +355,22 @@ def _logit_bias(bias: dict[str, float] | None, vocab_size: int | None) -> tuple[
 def chat_logprobs(req: ChatCompletionRequest) -> int | None:
     """How many top alternatives the chat request wants with each token's logprob (None: no logprobs)."""
     if req.top_logprobs is not None:
-        _check(0 <= req.top_logprobs <= MAX_LOGPROBS, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
-               "top_logprobs")  # fmt: skip
+        _check(
+            0 <= req.top_logprobs <= MAX_LOGPROBS,
+            f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
+            "top_logprobs",
+        )
         _check(bool(req.logprobs), "top_logprobs requires logprobs: true", "top_logprobs")
     return (req.top_logprobs or 0) if req.logprobs else None
 
 
 def completion_logprobs(req: CompletionRequest) -> int | None:
     if req.logprobs is not None:
-        _check(0 <= req.logprobs <= MAX_LOGPROBS, f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}", "logprobs")
+        _check(
+            0 <= req.logprobs <= MAX_LOGPROBS,
+            f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}",
+            "logprobs",
+        )
     return req.logprobs
 
 
@@ -318,8 +382,10 @@ def submit_fields(req: _Generation) -> dict[str, str]:
     """The body's names of the Submit fields a scheduler's refusal names (Generation's `fields`)."""
     if not isinstance(req, ChatCompletionRequest):
         return {}  # completions: prompt and max_tokens are the body's own
-    return {"prompt": "messages",
-            "max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"}  # fmt: skip
+    return {
+        "prompt": "messages",
+        "max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
+    }
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict]:
@@ -328,25 +394,40 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict]:
     _check(len(req.messages) > 0, "messages must not be empty", "messages")
     out = []
     for i, m in enumerate(req.messages):
-        _check(m.role in CHAT_ROLES, f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {m.role!r}",
-               f"messages[{i}].role")  # fmt: skip
+        _check(
+            m.role in CHAT_ROLES,
+            f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {m.role!r}",
+            f"messages[{i}].role",
+        )
         if isinstance(m.content, list):
             for j, part in enumerate(m.content):
-                _check(part.type == "text" and part.text is not None,
-                       f"messages[{i}].content[{j}]: only text parts are supported, got type {part.type!r}",
-                       f"messages[{i}].content[{j}]")  # fmt: skip
+                _check(
+                    part.type == "text" and part.text is not None,
+                    f"messages[{i}].content[{j}]: only text parts are supported, got type {part.type!r}",
+                    f"messages[{i}].content[{j}]",
+                )
             content = "".join(p.text for p in m.content)
         else:
             content = m.content or ""
-        _check(m.role == "assistant" or content != "", f"messages[{i}].content must not be empty", f"messages[{i}].content")
+        _check(
+            m.role == "assistant" or content != "", f"messages[{i}].content must not be empty", f"messages[{i}].content"
+        )
         msg: dict = {"role": m.role, "content": content}
         if m.tool_calls:
-            _check(m.role == "assistant", f"messages[{i}].tool_calls: only an assistant message makes tool calls",
-                   f"messages[{i}].tool_calls")  # fmt: skip
-            msg["tool_calls"] = [_template_call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(m.tool_calls)]
+            _check(
+                m.role == "assistant",
+                f"messages[{i}].tool_calls: only an assistant message makes tool calls",
+                f"messages[{i}].tool_calls",
+            )
+            msg["tool_calls"] = [
+                _template_call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(m.tool_calls)
+            ]
         if m.role == "tool":
-            _check(m.tool_call_id is not None, f"messages[{i}].tool_call_id: a tool message must name the call it answers",
-                   f"messages[{i}].tool_call_id")  # fmt: skip
+            _check(
+                m.tool_call_id is not None,
+                f"messages[{i}].tool_call_id: a tool message must name the call it answers",
+                f"messages[{i}].tool_call_id",
+            )
             msg["tool_call_id"] = m.tool_call_id
         if m.reasoning_content and m.role == "assistant":
             msg["reasoning_content"] = m.reasoning_content
@@ -380,25 +461,48 @@ def template_tools(req: ChatCompletionRequest) -> list[dict] | None:
     names = set()
     out = []
     for i, t in enumerate(req.tools):
-        _check(t.type == "function" and t.function is not None,
-               f"tools[{i}].type: only function tools are supported, got {t.type!r}", f"tools[{i}].type")  # fmt: skip
-        _check(t.function.name not in names, f"tools[{i}].function.name: {t.function.name!r} is used twice",
-               f"tools[{i}].function.name")  # fmt: skip
+        _check(
+            t.type == "function" and t.function is not None,
+            f"tools[{i}].type: only function tools are supported, got {t.type!r}",
+            f"tools[{i}].type",
+        )
+        _check(
+            t.function.name not in names,
+            f"tools[{i}].function.name: {t.function.name!r} is used twice",
+            f"tools[{i}].function.name",
+        )
         names.add(t.function.name)
         params = t.function.parameters if t.function.parameters is not None else {"type": "object", "properties": {}}
-        out.append({"type": "function", "function": {"name": t.function.name, "description": t.function.description or "",
-                                                     "parameters": params}})  # fmt: skip
+        out.append(
+            {
+                "type": "function",
+                "function": {
+                    "name": t.function.name,
+                    "description": t.function.description or "",
+                    "parameters": params,
+                },
+            }
+        )
     choice = req.tool_choice
     if isinstance(choice, str):
-        _check(choice in ("none", "auto", "required"), f"tool_choice must be none, auto, required or a named function, got {choice!r}",
-               "tool_choice")  # fmt: skip
+        _check(
+            choice in ("none", "auto", "required"),
+            f"tool_choice must be none, auto, required or a named function, got {choice!r}",
+            "tool_choice",
+        )
         if choice == "none":
             return None
     elif choice is not None:
-        _check(choice.type == "function" and choice.function is not None,
-               f"tool_choice.type: only a named function can be chosen, got {choice.type!r}", "tool_choice.type")  # fmt: skip
-        _check(choice.function.name in names, f"tool_choice.function.name: {choice.function.name!r} is not one of the tools",
-               "tool_choice.function.name")  # fmt: skip
+        _check(
+            choice.type == "function" and choice.function is not None,
+            f"tool_choice.type: only a named function can be chosen, got {choice.type!r}",
+            "tool_choice.type",
+        )
+        _check(
+            choice.function.name in names,
+            f"tool_choice.function.name: {choice.function.name!r} is not one of the tools",
+            "tool_choice.function.name",
+        )
     return out
 
 

@@ -29,8 +29,10 @@ from typing import Any
 # Prompts shorter than this are tokenized whole: the lookups would cost about what they save.
 MIN_PROMPT_CHARS = 4096
 DEFAULT_MAX_CHARS = 16 * 2**20  # 16 M characters of segments (a hundred 32k-token conversations), ~4 M ids: 16 MB
-_SAMPLE_TEXT = ("You are a helpful assistant.\n\nHello there, général Kenobi! 1234567890 + - * / = ?\n"
-                "  indented  lines\tand\ttabs \n\n 你好世界 🚢⚓ trailing space ")  # fmt: skip
+_SAMPLE_TEXT = (
+    "You are a helpful assistant.\n\nHello there, général Kenobi! 1234567890 + - * / = ?\n"
+    "  indented  lines\tand\ttabs \n\n 你好世界 🚢⚓ trailing space "
+)
 
 
 class SegmentCache:

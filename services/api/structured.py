@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import json
 
-from ferry.shared.errors import InvalidRequest
 from ferry.services.api.finite_schema import endless_requirement
+from ferry.shared.errors import InvalidRequest
 
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 MAX_CALLS = 4  # calls in one forced turn, at most (parallel calls allowed)
@@ -75,11 +75,14 @@ def response_format_grammar(fmt) -> str | None:
         return _checked(_schema_grammar({"type": "object"}, "response_format"), "response_format")
     if fmt.type == "json_schema":
         if fmt.json_schema is None or fmt.json_schema.schema is None:
-            raise InvalidRequest("response_format.json_schema.schema: a json_schema response format needs a schema",
-                                 param="response_format.json_schema.schema")  # fmt: skip
+            raise InvalidRequest(
+                "response_format.json_schema.schema: a json_schema response format needs a schema",
+                param="response_format.json_schema.schema",
+            )
         return _checked_schema(fmt.json_schema.schema, "response_format.json_schema.schema")
-    raise InvalidRequest(f"response_format.type must be text, json_object or json_schema, got {fmt.type!r}",
-                         param="response_format.type")  # fmt: skip
+    raise InvalidRequest(
+        f"response_format.type must be text, json_object or json_schema, got {fmt.type!r}", param="response_format.type"
+    )
 
 
 def json_schema_grammar(schema, field: str) -> str:
@@ -89,8 +92,12 @@ def json_schema_grammar(schema, field: str) -> str:
 
 
 def _call_schema(name: str, parameters: dict) -> dict:
-    return {"type": "object", "properties": {"name": {"const": name}, "arguments": parameters},
-            "required": ["name", "arguments"], "additionalProperties": False}  # fmt: skip
+    return {
+        "type": "object",
+        "properties": {"name": {"const": name}, "arguments": parameters},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
 
 
 # keywords whose values are data, not schemas: a {"$ref": ...} inside one is a value, never rewritten
@@ -120,8 +127,9 @@ def _rebased(schema, base: str):
     return out
 
 
-def tool_call_grammar(tools: list[tuple[str, dict]], parallel: bool,
-                      field: str = "tools[{}].function.parameters") -> str:  # fmt: skip
+def tool_call_grammar(
+    tools: list[tuple[str, dict]], parallel: bool, field: str = "tools[{}].function.parameters"
+) -> str:
     """One call (or, with `parallel`, one to MAX_CALLS) to one of `tools` [(name, parameters schema)].
     `field`: where a tool's schema is in the request, for the 400 (the Anthropic route: input_schema).
     Each tool's schema goes whole under the call schema's `$defs` (its refs rebased there), and the

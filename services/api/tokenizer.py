@@ -11,7 +11,6 @@ from ferry.services.api.segment_cache import MIN_PROMPT_CHARS, SegmentCache, enc
 from ferry.shared.eos import eos_token_ids
 from ferry.shared.errors import InvalidRequest, ModelLoadError
 
-
 # Unicode White_Space, what the tokenizers library strips beside a special token with lstrip/rstrip
 _WHITESPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680\u2028\u2029\u202f\u205f\u3000" + "".join(map(chr, range(0x2000, 0x200B)))
 
@@ -39,8 +38,9 @@ class PromptTokenizer:
         self.segments = SegmentCache.for_tokenizer(self.hf)
         # {spelling: added token} of the special tokens: in a chat prompt, only the template's are tokens
         self.special_tokens = {t.content: t for t in self.hf.added_tokens_decoder.values() if t.special and t.content}
-        self.special_ids = {t.content: i for i, t in self.hf.added_tokens_decoder.items()
-                            if t.content in self.special_tokens}  # fmt: skip
+        self.special_ids = {
+            t.content: i for i, t in self.hf.added_tokens_decoder.items() if t.content in self.special_tokens
+        }
         self.client_text = ClientText(list(self.special_tokens))
 
     def copy(self) -> "PromptTokenizer":
@@ -54,19 +54,23 @@ class PromptTokenizer:
         """Refuse, before tokenizing, a text whose length alone says it cannot fit the model."""
         length = self.max_model_len
         if length and n > length * self.longest_token_chars:
-            raise TooLong(f"the prompt is {n} characters but the model length is {length} tokens, and no token of "
-                          f"this model stands for more than {self.longest_token_chars} characters: it cannot fit; "
-                          "shorten the prompt")  # fmt: skip
+            raise TooLong(
+                f"the prompt is {n} characters but the model length is {length} tokens, and no token of "
+                f"this model stands for more than {self.longest_token_chars} characters: it cannot fit; "
+                "shorten the prompt"
+            )
 
-    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None, continue_final: bool = False,
-                    **template_kwargs) -> ChatPrompt:  # fmt: skip
+    def chat_prompt(
+        self, messages: list[dict], tools: list[dict] | None = None, continue_final: bool = False, **template_kwargs
+    ) -> ChatPrompt:
         """The chat prompt of these messages, rendered (render_chat) and tokenized (encode_chat): what
         every chat route sends the model. Client text in it is text, whatever special token it spells."""
         chat = self.render_chat(messages, tools, continue_final, **template_kwargs)
         return ChatPrompt(self.encode_chat(chat), chat.text)
 
-    def render_chat(self, messages: list[dict], tools: list[dict] | None = None, continue_final: bool = False,
-                    **template_kwargs) -> RenderedChat:  # fmt: skip
+    def render_chat(
+        self, messages: list[dict], tools: list[dict] | None = None, continue_final: bool = False, **template_kwargs
+    ) -> RenderedChat:
         """The rendered prompt, cut at the template's own special tokens (chat_prompt.py). `tools` go to
         the template (apply_chat_template(tools=...)), which writes them the way the model was trained
         to read them; `continue_final` continues the last (assistant) message instead of opening a new
@@ -76,9 +80,14 @@ class PromptTokenizer:
 
         def render(messages, tools, variables) -> str:
             try:
-                return self.hf.apply_chat_template(messages, tools=tools, add_generation_prompt=not continue_final,
-                                                   continue_final_message=continue_final, tokenize=False,
-                                                   **variables)  # fmt: skip
+                return self.hf.apply_chat_template(
+                    messages,
+                    tools=tools,
+                    add_generation_prompt=not continue_final,
+                    continue_final_message=continue_final,
+                    tokenize=False,
+                    **variables,
+                )
             except Exception as exc:  # noqa: BLE001 - template errors (e.g. role order) are the client's to fix
                 raise InvalidRequest(f"the chat template rejected these messages: {exc}") from exc
 

@@ -106,7 +106,7 @@ class ToolCallParser:
                 end = self.block.find(CLOSE)
                 if end < 0:
                     break
-                self.block, text = self.block[:end], self.block[end + len(CLOSE):]
+                self.block, text = self.block[:end], self.block[end + len(CLOSE) :]
                 out.append(self._close_block(self.block + CLOSE))
                 self.block = None
                 continue
@@ -114,12 +114,12 @@ class ToolCallParser:
             if start >= 0:
                 if text[:start].strip():
                     out.append(text[:start].rstrip())
-                self.block, text = "", text[start + len(OPEN):]
+                self.block, text = "", text[start + len(OPEN) :]
                 continue
             keep = _partial_suffix(text, OPEN)
             body = text[: len(text) - keep]
             emit = body.rstrip()
-            self.held = text[len(emit):]
+            self.held = text[len(emit) :]
             if emit:
                 out.append(emit)
             break

@@ -60,22 +60,24 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ferry.services.scheduler.kv_page_pool import KvPagePool
+from ferry.services.scheduler.linear_state_slots import LinearStateSlotAllocator
+from ferry.services.scheduler.radix_cache import Node
+from ferry.services.scheduler.request import Request
+from ferry.services.scheduler.state_snapshots import Snapshot, StateSnapshots
 from ferry.shared.contract import sampling_wire_problems, step_output_problem, token_ids_problem
 from ferry.shared.errors import EngineError, FerryError, InvalidRequest
 from ferry.shared.messages import PoolReport
 from ferry.shared.sampling import SamplingParams
 from ferry.shared.step import Logprobs, NewRequest, StepBatch, StepOutput
 from ferry.shared.units import ceil_div
-from ferry.services.scheduler.kv_page_pool import KvPagePool
-from ferry.services.scheduler.linear_state_slots import LinearStateSlotAllocator
-from ferry.services.scheduler.radix_cache import Node
-from ferry.services.scheduler.request import Request
-from ferry.services.scheduler.state_snapshots import Snapshot, StateSnapshots
 
 # a request whose grammar's matcher died on the worker (StepOutput.grammar_failures): the client's schema or
 # grammar is what it cannot go on with, and the output so far is no complete value of it
-GRAMMAR_FAILED = ("the output cannot go on under its grammar (response_format, output_config.format or a forced "
-                  "tool call's schema): the grammar engine stopped with: {}; simplify the schema")  # fmt: skip
+GRAMMAR_FAILED = (
+    "the output cannot go on under its grammar (response_format, output_config.format or a forced "
+    "tool call's schema): the grammar engine stopped with: {}; simplify the schema"
+)
 
 # How many waiting requests a hybrid request's admission compares its prompt with, for the prefix they
 # share (a snapshot point): a queue of requests sharing a system prompt is caught, a long queue costs nothing.
@@ -113,7 +115,9 @@ class Outcome:
     tokens: list[tuple[Request, int]] = field(default_factory=list)
     logprobs: list[tuple[Request, Logprobs]] = field(default_factory=list)  # of the tokens, for requests that asked
     prompt_logprobs: list[tuple[Request, Logprobs]] = field(default_factory=list)  # prompt positions, each sent once
-    finished: list[tuple[Request, str]] = field(default_factory=list)  # reason: stop | length | abort (asked by its replica)
+    finished: list[tuple[Request, str]] = field(
+        default_factory=list
+    )  # reason: stop | length | abort (asked by its replica)
     failed: list[tuple[Request, FerryError]] = field(default_factory=list)
 
 
@@ -158,9 +162,14 @@ def _to_deepest_snapshot(chain: list[Node]) -> int:
 
 
 class BatchScheduler:
-    def __init__(self, pool: PoolReport, first_step_id: int = 1, prefix_cache: bool = True,
-                 prefill_coalesce_s: float = DEFAULT_PREFILL_COALESCE_MS / 1000,
-                 schedule_ahead_steps: int = DEFAULT_SCHEDULE_AHEAD_STEPS):  # fmt: skip
+    def __init__(
+        self,
+        pool: PoolReport,
+        first_step_id: int = 1,
+        prefix_cache: bool = True,
+        prefill_coalesce_s: float = DEFAULT_PREFILL_COALESCE_MS / 1000,
+        schedule_ahead_steps: int = DEFAULT_SCHEDULE_AHEAD_STEPS,
+    ):
         """`prefix_cache`: reuse cached prefixes (False: --no-prefix-cache, every prompt computed whole);
         `prefill_coalesce_s`: how long new prompts may wait for more (arrival_hold_s; 0: never);
         `schedule_ahead_steps`: decode steps that may be in flight beyond the oldest (0: none ahead)."""
@@ -171,8 +180,9 @@ class BatchScheduler:
         # the same position, so their prefix reuse needs the worker's linear-state snapshots; with none
         # (--linear-state-snapshots 0) it is off.
         snapshots = pool.linear_state_snapshots if self.hybrid and prefix_cache else 0
-        self.kv = KvPagePool(pool.kv_pages, pool.page_size,
-                             prefix_reuse=prefix_cache and (not self.hybrid or snapshots > 0))  # fmt: skip
+        self.kv = KvPagePool(
+            pool.kv_pages, pool.page_size, prefix_reuse=prefix_cache and (not self.hybrid or snapshots > 0)
+        )
         self.snapshots = StateSnapshots(snapshots)
         self.snapshot_span = OFFLOADED_SNAPSHOT_SPAN if pool.experts_offloaded else 1
         self.kv.cache.on_evict = self.snapshots.drop
@@ -200,16 +210,22 @@ class BatchScheduler:
             raise InvalidRequest("the prompt is empty: send at least one token", param="prompt")
         if max_tokens == 0:  # the prompt scored (completions' echo + logprobs), nothing generated
             if prompt_len > limit:
-                raise InvalidRequest(f"the prompt is {prompt_len} tokens but the model length is {limit}; shorten the prompt",
-                                     param="prompt")  # fmt: skip
+                raise InvalidRequest(
+                    f"the prompt is {prompt_len} tokens but the model length is {limit}; shorten the prompt",
+                    param="prompt",
+                )
             if ceil_div(prompt_len, self.pool.page_size) > self.kv.total:
-                raise InvalidRequest(f"the prompt is {prompt_len} tokens but the server's KV pool holds "
-                                     f"{self.kv.total * self.pool.page_size}; shorten the prompt", param="prompt")  # fmt: skip
+                raise InvalidRequest(
+                    f"the prompt is {prompt_len} tokens but the server's KV pool holds "
+                    f"{self.kv.total * self.pool.page_size}; shorten the prompt",
+                    param="prompt",
+                )
             return 0
         if prompt_len >= limit:
             raise InvalidRequest(
                 f"the prompt is {prompt_len} tokens but the model length is {limit}: "
-                f"no room for a single output token; shorten the prompt", param="prompt"
+                f"no room for a single output token; shorten the prompt",
+                param="prompt",
             )
         if max_tokens is None:
             # no max_tokens (the chat default): as many as the model length and the KV pool allow,
@@ -251,15 +267,28 @@ class BatchScheduler:
         if problems:
             raise InvalidRequest("; ".join(problems))
 
-    def add(self, rid: int, client: bytes, client_req_id: int, prompt: np.ndarray, sampling: SamplingParams,
-            max_tokens: int | None, now: float | None = None) -> Request:  # fmt: skip
+    def add(
+        self,
+        rid: int,
+        client: bytes,
+        client_req_id: int,
+        prompt: np.ndarray,
+        sampling: SamplingParams,
+        max_tokens: int | None,
+        now: float | None = None,
+    ) -> Request:
         """Queue a request; `now` (time.monotonic()) is its arrival, for arrival_hold_s."""
         self.check_request(prompt, sampling)
         resolved = self.resolve_max_tokens(len(prompt), max_tokens)
         req = Request(
-            rid=rid, client=client, client_req_id=client_req_id, prompt_len=len(prompt), sampling=sampling,
-            max_tokens=resolved, tokens=[int(t) for t in prompt],
-        )  # fmt: skip
+            rid=rid,
+            client=client,
+            client_req_id=client_req_id,
+            prompt_len=len(prompt),
+            sampling=sampling,
+            max_tokens=resolved,
+            tokens=[int(t) for t in prompt],
+        )
         self.waiting.append(req)
         self.by_rid[rid] = req
         if now is not None:
@@ -385,8 +414,15 @@ class BatchScheduler:
         for e in previous:
             r = e.req
             produced = r.output_len + r.in_flight  # its tokens once every step in flight is back
-            if (not e.sample or r.done or r.abort_pending or r.sampling.reads_its_output or r.prompt_logprobs_pending
-                    or produced + 1 > r.max_tokens or len(r.tokens) + r.in_flight + 1 > limit):  # fmt: skip
+            if (
+                not e.sample
+                or r.done
+                or r.abort_pending
+                or r.sampling.reads_its_output
+                or r.prompt_logprobs_pending
+                or produced + 1 > r.max_tokens
+                or len(r.tokens) + r.in_flight + 1 > limit
+            ):
                 return None
         # each row reads the position its previous row produced: the sequence so far plus the in-flight token
         positions = [len(e.req.tokens) + e.req.in_flight - 1 for e in previous]
@@ -480,13 +516,17 @@ class BatchScheduler:
             snap = chain[usable - 1].snapshot
             self.snapshots.touch(snap)
             req.restore_from = snap.id
-        last, end = (len(req.tokens) - 1) // ps * ps, self._prompt_end(req)  # the deepest reusable point; the prompt's end
+        last, end = (
+            (len(req.tokens) - 1) // ps * ps,
+            self._prompt_end(req),
+        )  # the deepest reusable point; the prompt's end
         wanted = {len(chain) * ps}  # where it leaves the cached tree
         for other in itertools.islice(self.waiting, SHARED_PREFIX_LOOKAHEAD):
             if other is not req and other.tokens[:ps] == req.tokens[:ps]:  # the prefix they share, up to `end`
                 wanted.add(min(self._shared_pages(other, req) * ps, (len(other.tokens) - 1) // ps * ps, end))
-        req.snapshot_points = _worth_a_cut({p for p in wanted | {end} if req.num_computed < p <= last}, req.num_computed,
-                                           self.snapshot_span, wanted)  # fmt: skip
+        req.snapshot_points = _worth_a_cut(
+            {p for p in wanted | {end} if req.num_computed < p <= last}, req.num_computed, self.snapshot_span, wanted
+        )
 
     def _chunk_len(self, req: Request, budget: int) -> int:
         """The tokens of req's next chunk: as many as remain and the budget allows; with snapshots, a
@@ -615,8 +655,11 @@ class BatchScheduler:
             elif self.snapshots.total and end % ps == 0 and (snap := self._save_for(r, end)) is not None:
                 e.save, e.save_at, save[i] = snap, end, snap.id
             # rows of this chunk at positions p give the logprob of token p + 1; those still to send: done..P-2
-            prompt_logprobs[i] = (r.prompt_logprobs_pending and r.num_computed <= r.prompt_len - 2
-                                  and r.num_computed + e.query_len - 1 >= r.prompt_logprobs_done)  # fmt: skip
+            prompt_logprobs[i] = (
+                r.prompt_logprobs_pending
+                and r.num_computed <= r.prompt_len - 2
+                and r.num_computed + e.query_len - 1 >= r.prompt_logprobs_done
+            )
             if ahead_positions is None:
                 tokens.extend(r.tokens[r.num_computed : r.num_computed + e.query_len])
             else:
@@ -625,8 +668,9 @@ class BatchScheduler:
             if not r.announced:
                 # After a preemption the tokens already produced are part of the recomputed prefix, so
                 # they count as seen for the repetition penalty.
-                new_requests.append(NewRequest(req_id=r.rid, prompt_token_ids=np.asarray(r.tokens, dtype=np.int32),
-                                               sampling=r.sampling))  # fmt: skip
+                new_requests.append(
+                    NewRequest(req_id=r.rid, prompt_token_ids=np.asarray(r.tokens, dtype=np.int32), sampling=r.sampling)
+                )
                 r.announced = True
         step_id = next(self._step_ids)
         self._in_flight.append((step_id, entries))
@@ -660,7 +704,9 @@ class BatchScheduler:
             return out
         problem = step_output_problem(output, self.pool.vocab_size)
         if problem is not None:
-            return self.fail_step(output.step_id, EngineError(f"the worker's answer to step {output.step_id} is unusable: {problem}"))
+            return self.fail_step(
+                output.step_id, EngineError(f"the worker's answer to step {output.step_id} is unusable: {problem}")
+            )
         entries = self._landed()
         sampled = dict(zip(output.req_ids.tolist(), output.token_ids.tolist()))
         vocab = self.pool.vocab_size
@@ -689,8 +735,11 @@ class BatchScheduler:
                     self._fail(req, EngineError(f"the worker returned no token for request {req.rid}"), out)
                     continue
                 if token < 0 or (vocab and token >= vocab) or token > 2**31 - 1:
-                    self._fail(req, EngineError(f"the worker returned token {token} for request {req.rid}, outside "
-                                                f"the vocabulary"), out)  # fmt: skip
+                    self._fail(
+                        req,
+                        EngineError(f"the worker returned token {token} for request {req.rid}, outside the vocabulary"),
+                        out,
+                    )
                     continue
                 if (why := grammar_failures.get(req.rid)) is not None:  # its token is no output, only a filler
                     self._fail(req, InvalidRequest(GRAMMAR_FAILED.format(why)), out)
@@ -717,8 +766,13 @@ class BatchScheduler:
         b = min(last + 1, lp.start + len(lp.token_logprobs)) - lp.start
         if lp.start > first or b <= a:
             return  # a gap (never expected: chunks arrive in order) or nothing new
-        part = Logprobs(req_id=req.client_req_id, start=lp.start + a, token_logprobs=lp.token_logprobs[a:b],
-                        top_ids=lp.top_ids[a:b], top_logprobs=lp.top_logprobs[a:b])  # fmt: skip
+        part = Logprobs(
+            req_id=req.client_req_id,
+            start=lp.start + a,
+            token_logprobs=lp.token_logprobs[a:b],
+            top_ids=lp.top_ids[a:b],
+            top_logprobs=lp.top_logprobs[a:b],
+        )
         req.prompt_logprobs_done = lp.start + b - 1
         out.prompt_logprobs.append((req, part))
 

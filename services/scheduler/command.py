@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import signal
 
-from ferry.shared.logging import add_log_flags, configure_logging
 from ferry.services.scheduler.config import add_scheduler_flags, scheduler_config_from_args
+from ferry.shared.logging import add_log_flags, configure_logging
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -5,11 +5,15 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from ferry.services.scheduler.batcher import (
+    ARRIVAL_GAP_FRACTION,
+    DEFAULT_PREFILL_COALESCE_MS,
+    DEFAULT_SCHEDULE_AHEAD_STEPS,
+)
 from ferry.shared.defaults import API_ADDR, RESULTS_ADDR, STEP_TIMEOUT_S, STEPS_ADDR
 from ferry.shared.errors import ConfigError
 from ferry.shared.side_http import add_side_http_flags
 from ferry.shared.wire_keys import WireKeys, add_wire_keys_flag, check_exposure, require_keys_for_tcp
-from ferry.services.scheduler.batcher import ARRIVAL_GAP_FRACTION, DEFAULT_PREFILL_COALESCE_MS, DEFAULT_SCHEDULE_AHEAD_STEPS
 
 ARRIVAL_GAP_MS = DEFAULT_PREFILL_COALESCE_MS * ARRIVAL_GAP_FRACTION
 
@@ -49,8 +53,12 @@ def add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
 
 def add_step_timeout_flag(group) -> None:
     """`--step-timeout`, for `ferry scheduler` and `ferry serve` (which passes it on)."""
-    group.add_argument("--step-timeout", type=float, default=STEP_TIMEOUT_S,
-                       help=f"seconds one worker step may run before its requests fail as hung (default {STEP_TIMEOUT_S:g})")  # fmt: skip
+    group.add_argument(
+        "--step-timeout",
+        type=float,
+        default=STEP_TIMEOUT_S,
+        help=f"seconds one worker step may run before its requests fail as hung (default {STEP_TIMEOUT_S:g})",
+    )
 
 
 MAX_SCHEDULE_AHEAD_STEPS = 4  # past a few, a request's end only costs more steps computed for nothing
@@ -59,42 +67,62 @@ MAX_SCHEDULE_AHEAD_STEPS = 4  # past a few, a request's end only costs more step
 def add_schedule_ahead_flag(group) -> None:
     """`--no-schedule-ahead` and `--schedule-ahead-steps`, for `ferry scheduler` and `ferry serve` (which
     passes them on)."""
-    group.add_argument("--no-schedule-ahead", dest="schedule_ahead", action="store_false",
-                       help="send each decode step only after the worker answered the one before (by default the "
-                            "next decode step goes out at once, and the worker feeds it the tokens it samples)")  # fmt: skip
-    group.add_argument("--schedule-ahead-steps", type=int, default=DEFAULT_SCHEDULE_AHEAD_STEPS, metavar="N",
-                       help="decode steps that may go out ahead of the oldest one not yet answered, each fed the "
-                            f"tokens the step before it samples (default {DEFAULT_SCHEDULE_AHEAD_STEPS}, which keeps the "
-                            "scheduler's turn and both hops off the device's path when they take longer than a step, "
-                            "as they do for a resident single stream; 1 wastes less when requests stop on a stop "
-                            f"string or EOS; at most {MAX_SCHEDULE_AHEAD_STEPS})")  # fmt: skip
+    group.add_argument(
+        "--no-schedule-ahead",
+        dest="schedule_ahead",
+        action="store_false",
+        help="send each decode step only after the worker answered the one before (by default the "
+        "next decode step goes out at once, and the worker feeds it the tokens it samples)",
+    )
+    group.add_argument(
+        "--schedule-ahead-steps",
+        type=int,
+        default=DEFAULT_SCHEDULE_AHEAD_STEPS,
+        metavar="N",
+        help="decode steps that may go out ahead of the oldest one not yet answered, each fed the "
+        f"tokens the step before it samples (default {DEFAULT_SCHEDULE_AHEAD_STEPS}, which keeps the "
+        "scheduler's turn and both hops off the device's path when they take longer than a step, "
+        "as they do for a resident single stream; 1 wastes less when requests stop on a stop "
+        f"string or EOS; at most {MAX_SCHEDULE_AHEAD_STEPS})",
+    )
 
 
 def schedule_ahead_steps(args: argparse.Namespace) -> int:
     """--schedule-ahead-steps, checked (--no-schedule-ahead turns them off: SchedulerConfig's 0)."""
     steps = getattr(args, "schedule_ahead_steps", DEFAULT_SCHEDULE_AHEAD_STEPS)
     if not 1 <= steps <= MAX_SCHEDULE_AHEAD_STEPS:
-        raise ConfigError(f"--schedule-ahead-steps must be between 1 and {MAX_SCHEDULE_AHEAD_STEPS}, got {steps} "
-                          "(--no-schedule-ahead turns scheduling ahead off)")  # fmt: skip
+        raise ConfigError(
+            f"--schedule-ahead-steps must be between 1 and {MAX_SCHEDULE_AHEAD_STEPS}, got {steps} "
+            "(--no-schedule-ahead turns scheduling ahead off)"
+        )
     return steps
 
 
 def add_prefill_coalesce_flag(group) -> None:
     """`--prefill-coalesce-ms`, for `ferry scheduler` and `ferry serve` (which passes it on)."""
-    group.add_argument("--prefill-coalesce-ms", type=float, default=DEFAULT_PREFILL_COALESCE_MS, metavar="MS",
-                       help="with experts offloaded and nothing running, new prompts wait for more to arrive while "
-                            "they keep arriving (MS/3 apart at most: a lone prompt waits that long), up to MS after "
-                            "the first, so that one prefill step (one pass over the experts without a GPU slot) "
-                            f"serves them all; 0: each goes at once (default {DEFAULT_PREFILL_COALESCE_MS:g}, "
-                            f"so {ARRIVAL_GAP_MS:g} ms apart)")  # fmt: skip
+    group.add_argument(
+        "--prefill-coalesce-ms",
+        type=float,
+        default=DEFAULT_PREFILL_COALESCE_MS,
+        metavar="MS",
+        help="with experts offloaded and nothing running, new prompts wait for more to arrive while "
+        "they keep arriving (MS/3 apart at most: a lone prompt waits that long), up to MS after "
+        "the first, so that one prefill step (one pass over the experts without a GPU slot) "
+        f"serves them all; 0: each goes at once (default {DEFAULT_PREFILL_COALESCE_MS:g}, "
+        f"so {ARRIVAL_GAP_MS:g} ms apart)",
+    )
 
 
 def add_prefix_cache_flag(group) -> None:
     """`--no-prefix-cache`, for `ferry scheduler` and `ferry serve` (which passes it on)."""
-    group.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
-                       help="compute every prompt whole: no KV pages or linear-state snapshots are reused from "
-                            "earlier requests, for any architecture (by default a prompt starts after the longest "
-                            "cached prefix it shares; hybrid models from the deepest linear-state snapshot on it)")  # fmt: skip
+    group.add_argument(
+        "--no-prefix-cache",
+        dest="prefix_cache",
+        action="store_false",
+        help="compute every prompt whole: no KV pages or linear-state snapshots are reused from "
+        "earlier requests, for any architecture (by default a prompt starts after the longest "
+        "cached prefix it shares; hybrid models from the deepest linear-state snapshot on it)",
+    )
 
 
 def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
@@ -104,13 +132,25 @@ def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
     keys = getattr(args, "wire_keys", None)
     if keys:
         WireKeys(keys, "scheduler")  # a missing or unreadable key is a config error now, not at the first socket
-    for flag, addr in (("--api-addr", args.api_addr), ("--steps-addr", args.steps_addr), ("--results-addr", args.results_addr)):
+    for flag, addr in (
+        ("--api-addr", args.api_addr),
+        ("--steps-addr", args.steps_addr),
+        ("--results-addr", args.results_addr),
+    ):
         check_exposure(flag, addr, keys)
         require_keys_for_tcp(flag, addr, keys or None, getattr(args, "insecure_wire", None))
-    return SchedulerConfig(args.api_addr, args.steps_addr, args.results_addr, args.health_host, args.health_port,
-                           args.step_timeout, keys or None, schedule_ahead_steps=ahead_steps if args.schedule_ahead else 0,
-                           prefix_cache=getattr(args, "prefix_cache", True),
-                           prefill_coalesce_s=prefill_coalesce_s(args.prefill_coalesce_ms))  # fmt: skip
+    return SchedulerConfig(
+        args.api_addr,
+        args.steps_addr,
+        args.results_addr,
+        args.health_host,
+        args.health_port,
+        args.step_timeout,
+        keys or None,
+        schedule_ahead_steps=ahead_steps if args.schedule_ahead else 0,
+        prefix_cache=getattr(args, "prefix_cache", True),
+        prefill_coalesce_s=prefill_coalesce_s(args.prefill_coalesce_ms),
+    )
 
 
 def prefill_coalesce_s(ms: float) -> float:

@@ -3,10 +3,10 @@ that may lend pages back. Page ids only: the K/V tensors are the worker's (its K
 
 from __future__ import annotations
 
-from ferry.shared.units import ceil_div
 from ferry.services.scheduler.page_allocator import PageAllocator
 from ferry.services.scheduler.radix_cache import RadixCache
 from ferry.services.scheduler.request import Request
+from ferry.shared.units import ceil_div
 
 
 class KvPagePool:

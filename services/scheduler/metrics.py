@@ -14,15 +14,27 @@ class SchedulerMetrics:
         self.status = StatusGauges(r, "ferry_scheduler_")
         self.kv_cached = Gauge("ferry_scheduler_kv_pages_cached", "KV pages held by the prefix cache", registry=r)
         self.steps = Counter("ferry_scheduler_steps", "steps sent to the worker", registry=r)
-        self.steps_ahead = Counter("ferry_scheduler_steps_ahead", "of those, steps sent before the previous step's "
-                                   "answer (scheduled ahead)", registry=r)  # fmt: skip
+        self.steps_ahead = Counter(
+            "ferry_scheduler_steps_ahead",
+            "of those, steps sent before the previous step's answer (scheduled ahead)",
+            registry=r,
+        )
         self.step_tokens = Counter("ferry_scheduler_step_tokens", "tokens sent to the worker in steps", registry=r)
         self.preemptions = Counter("ferry_scheduler_preemptions", "requests preempted for lack of pages", registry=r)
-        self.prefix_hits = Counter("ferry_scheduler_prefix_hits", "admissions that started from a cached prefix "
-                                   "(hybrid models: from a linear-state snapshot)", registry=r)  # fmt: skip
-        self.snapshot_evictions = Counter("ferry_scheduler_state_snapshot_evictions", "linear-state snapshots dropped "
-                                          "(with their KV pages, or for room): hybrid models", registry=r)  # fmt: skip
-        self.state_snapshots = Gauge("ferry_scheduler_state_snapshots", "linear-state snapshots the prefix cache "
-                                     "holds (hybrid models)", registry=r)  # fmt: skip
+        self.prefix_hits = Counter(
+            "ferry_scheduler_prefix_hits",
+            "admissions that started from a cached prefix (hybrid models: from a linear-state snapshot)",
+            registry=r,
+        )
+        self.snapshot_evictions = Counter(
+            "ferry_scheduler_state_snapshot_evictions",
+            "linear-state snapshots dropped (with their KV pages, or for room): hybrid models",
+            registry=r,
+        )
+        self.state_snapshots = Gauge(
+            "ferry_scheduler_state_snapshots",
+            "linear-state snapshots the prefix cache holds (hybrid models)",
+            registry=r,
+        )
         self.rejected = Counter("ferry_scheduler_rejected_requests", "requests rejected at admission", registry=r)
         self.worker_ready = Gauge("ferry_scheduler_worker_ready", "1 when a worker has reported its pools", registry=r)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ferry.shared.errors import FerryError
-from ferry.shared.sampling import SamplingParams
 from ferry.services.scheduler.radix_cache import Node
 from ferry.services.scheduler.state_snapshots import Snapshot
+from ferry.shared.errors import FerryError
+from ferry.shared.sampling import SamplingParams
 
 
 @dataclass(eq=False)

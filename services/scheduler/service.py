@@ -24,20 +24,33 @@ import numpy as np
 import structlog
 import zmq
 
+from ferry.services.scheduler.batcher import BatchScheduler, Outcome
+from ferry.services.scheduler.config import SchedulerConfig
+from ferry.services.scheduler.metrics import SchedulerMetrics
 from ferry.shared.errors import EngineError, FerryError, InvalidRequest, ServiceUnavailable
 from ferry.shared.liveness import HEARTBEAT_INTERVAL_S, PEER_TIMEOUT_S, Liveness
 from ferry.shared.messages import (
-    Abort, ApiHeartbeat, ApiToScheduler, Failed, Finished, PoolReport, RunStep, SchedulerBeat, SchedulerStatus,
-    StepDone, StepFailed, Submit, Tokens, WorkerAlive, WorkerToScheduler,
-)  # fmt: skip
+    Abort,
+    ApiHeartbeat,
+    ApiToScheduler,
+    Failed,
+    Finished,
+    PoolReport,
+    RunStep,
+    SchedulerBeat,
+    SchedulerStatus,
+    StepDone,
+    StepFailed,
+    Submit,
+    Tokens,
+    WorkerAlive,
+    WorkerToScheduler,
+)
 from ferry.shared.side_http import serve_side_http
 from ferry.shared.startup_heap import freeze_startup_heap
 from ferry.shared.step_trace import StepTrace
 from ferry.shared.wire import PeerSocket, PeerWireError, RouterSocket, WireError
 from ferry.shared.wire_keys import WireKeys
-from ferry.services.scheduler.batcher import BatchScheduler, Outcome
-from ferry.services.scheduler.config import SchedulerConfig
-from ferry.services.scheduler.metrics import SchedulerMetrics
 
 log = structlog.get_logger("scheduler")
 
@@ -53,8 +66,9 @@ class SchedulerService:
         self.router: RouterSocket = RouterSocket(self.ctx, cfg.api_addr, ApiToScheduler, api_secure)
         # steps go to one peer, by identity (the adopted worker's boot id); nothing is read from this socket
         self.steps: RouterSocket = RouterSocket(self.ctx, cfg.steps_addr, None, worker_secure)
-        self.results: PeerSocket = PeerSocket(self.ctx, zmq.PULL, cfg.results_addr, WorkerToScheduler, bind=True,
-                                              secure=worker_secure)  # fmt: skip
+        self.results: PeerSocket = PeerSocket(
+            self.ctx, zmq.PULL, cfg.results_addr, WorkerToScheduler, bind=True, secure=worker_secure
+        )
         self.core: BatchScheduler | None = None
         self.worker_boot: str | None = None
         self.worker = Liveness()
@@ -62,7 +76,11 @@ class SchedulerService:
         self.expert_hits = self.expert_misses = 0
         self._step_sent_at: float | None = None  # this process's clock: when the step in flight went out
         self._hold_until: float | None = None  # new prompts held for more to arrive until then (arrival_hold_s)
-        self._worker_said: tuple[float, int, float] = (0.0, 0, 0.0)  # (when, last_step, step_running_s) of its last beat
+        self._worker_said: tuple[float, int, float] = (
+            0.0,
+            0,
+            0.0,
+        )  # (when, last_step, step_running_s) of its last beat
         self._intruders: set[str] = set()  # boot ids of other workers heard while ours is alive (logged once)
         self.apis: dict[bytes, Liveness] = {}
         self.rids: dict[tuple[bytes, int], int] = {}
@@ -92,8 +110,13 @@ class SchedulerService:
         poller.register(self.results.sock, zmq.POLLIN)
         next_beat = 0.0
         freeze_startup_heap()  # its modules stay out of every full collection (shared/startup_heap.py)
-        log.info("scheduler_started", api_addr=self.cfg.api_addr, steps_addr=self.cfg.steps_addr,
-                 results_addr=self.cfg.results_addr, health_port=self.cfg.health_port)  # fmt: skip
+        log.info(
+            "scheduler_started",
+            api_addr=self.cfg.api_addr,
+            steps_addr=self.cfg.steps_addr,
+            results_addr=self.cfg.results_addr,
+            health_port=self.cfg.health_port,
+        )
         while self._running:
             now = time.monotonic()
             if now >= next_beat:
@@ -135,7 +158,9 @@ class SchedulerService:
             match msg:
                 case Submit():
                     if (client, msg.req_id) in self.rids:
-                        log.warning("duplicate_request_id", client=client.decode(errors="replace"), client_req_id=msg.req_id)
+                        log.warning(
+                            "duplicate_request_id", client=client.decode(errors="replace"), client_req_id=msg.req_id
+                        )
                         continue  # the request already running under that id goes on; the copy is dropped
                     self._submit(client, msg)
                 case Abort(req_id=req_id):
@@ -178,7 +203,9 @@ class SchedulerService:
                 case StepFailed(step_id=step_id, message=message):
                     log.error("step_failed", step_id=step_id, error=message)
                     if self.core is not None and self.core.step_in_flight:
-                        self._step_landed(self.core.fail_step(step_id, EngineError(f"the worker failed a step: {message}")))
+                        self._step_landed(
+                            self.core.fail_step(step_id, EngineError(f"the worker failed a step: {message}"))
+                        )
 
     def _step_landed(self, out: Outcome) -> None:
         """After an answer: time the step now due from here (a step scheduled ahead waited behind the
@@ -239,21 +266,30 @@ class SchedulerService:
             if self.core is None:
                 raise ServiceUnavailable(f"the server is not ready: {self.not_ready_reason}")
             rid = next(self._rid)
-            req = self.core.add(rid, client, msg.req_id, np.asarray(msg.prompt_token_ids), msg.sampling, msg.max_tokens,
-                                now=time.monotonic())  # fmt: skip
+            req = self.core.add(
+                rid,
+                client,
+                msg.req_id,
+                np.asarray(msg.prompt_token_ids),
+                msg.sampling,
+                msg.max_tokens,
+                now=time.monotonic(),
+            )
         except FerryError as exc:
             if isinstance(exc, InvalidRequest):
                 self.metrics.rejected.inc()
             log.info("request_rejected", error=str(exc))
-            self._send(client, Failed(req_id=msg.req_id, error_type=type(exc).__name__, message=str(exc),
-                                      param=exc.param))  # fmt: skip
+            self._send(
+                client, Failed(req_id=msg.req_id, error_type=type(exc).__name__, message=str(exc), param=exc.param)
+            )
             return
         finally:
             structlog.contextvars.unbind_contextvars("client", "client_req_id")
         self.rids[(client, msg.req_id)] = rid
         # when prompts reach the scheduler, against the steps: how far apart a burst arrives (arrival_hold_s)
-        self.trace.add(rid=rid, req=msg.req_id, received=received, arrived=time.monotonic(),
-                       prompt_tokens=req.prompt_len)  # fmt: skip
+        self.trace.add(
+            rid=rid, req=msg.req_id, received=received, arrived=time.monotonic(), prompt_tokens=req.prompt_len
+        )
         log.debug("request_queued", rid=rid, prompt_tokens=req.prompt_len, max_tokens=req.max_tokens)
 
     def _send(self, client: bytes, msg) -> None:
@@ -273,14 +309,27 @@ class SchedulerService:
         for req, lp in out.logprobs:
             per_client[req.client][2].append(msgspec.structs.replace(lp, req_id=req.client_req_id))
         for client, (ids, toks, lps, prompt_lps) in per_client.items():
-            self._send(client, Tokens(np.array(ids, dtype=np.int64), np.array(toks, dtype=np.int32),
-                                      logprobs=tuple(lps), prompt_logprobs=tuple(prompt_lps)))  # fmt: skip
+            self._send(
+                client,
+                Tokens(
+                    np.array(ids, dtype=np.int64),
+                    np.array(toks, dtype=np.int32),
+                    logprobs=tuple(lps),
+                    prompt_logprobs=tuple(prompt_lps),
+                ),
+            )
         for req, reason in out.finished:
             self.rids.pop((req.client, req.client_req_id), None)
-            self._send(req.client, Finished(
-                req_id=req.client_req_id, reason=reason, prompt_tokens=req.prompt_len,
-                completion_tokens=req.output_len, cached_tokens=req.cached_tokens,
-            ))  # fmt: skip
+            self._send(
+                req.client,
+                Finished(
+                    req_id=req.client_req_id,
+                    reason=reason,
+                    prompt_tokens=req.prompt_len,
+                    completion_tokens=req.output_len,
+                    cached_tokens=req.cached_tokens,
+                ),
+            )
         for req, err in out.failed:
             self.rids.pop((req.client, req.client_req_id), None)
             self._send(req.client, Failed(req_id=req.client_req_id, error_type=type(err).__name__, message=str(err)))
@@ -306,8 +355,10 @@ class SchedulerService:
             # Alive but hung in one step: fail its requests rather than let clients wait forever, and
             # take no new work from it until it reports idle again.
             if self.core is not None:
-                self._worker_lost(f"the worker has been running one step for {msg.step_running_s:.0f}s "
-                                  f"(over --step-timeout {timeout:g}s)")  # fmt: skip
+                self._worker_lost(
+                    f"the worker has been running one step for {msg.step_running_s:.0f}s "
+                    f"(over --step-timeout {timeout:g}s)"
+                )
             return
         if msg.boot_id == self.worker_boot:
             return
@@ -333,20 +384,32 @@ class SchedulerService:
         step_id = self.core.in_flight_step
         # step ids only grow: a worker whose last step is this one or a later one (a step scheduled
         # ahead) has received it
-        if waited > PEER_TIMEOUT_S and said_at - self._step_sent_at > PEER_TIMEOUT_S and last_step < step_id and running == 0:
+        if (
+            waited > PEER_TIMEOUT_S
+            and said_at - self._step_sent_at > PEER_TIMEOUT_S
+            and last_step < step_id
+            and running == 0
+        ):
             log.error("step_lost", step_id=step_id, worker_last_step=last_step)
             self._step_sent_at = None
             # a step sent after it (scheduled ahead) went the same way
-            self._emit(self.core.fail_in_flight(ServiceUnavailable(
-                f"the worker never received step {step_id}; the request was lost")))  # fmt: skip
+            self._emit(
+                self.core.fail_in_flight(
+                    ServiceUnavailable(f"the worker never received step {step_id}; the request was lost")
+                )
+            )
 
     def _adopt_pool(self, boot_id: str, pool: PoolReport) -> None:
         try:
             # Step ids unique across scheduler restarts: a worker that outlived the previous scheduler
             # may still answer one of its steps, which must not pass for ours.
-            self.core = BatchScheduler(pool, first_step_id=time.time_ns() // 1000, prefix_cache=self.cfg.prefix_cache,
-                                       prefill_coalesce_s=self.cfg.prefill_coalesce_s,
-                                       schedule_ahead_steps=self.cfg.schedule_ahead_steps)  # fmt: skip
+            self.core = BatchScheduler(
+                pool,
+                first_step_id=time.time_ns() // 1000,
+                prefix_cache=self.cfg.prefix_cache,
+                prefill_coalesce_s=self.cfg.prefill_coalesce_s,
+                schedule_ahead_steps=self.cfg.schedule_ahead_steps,
+            )
         except ValueError as exc:
             self.not_ready_reason = f"the worker's pool report is unusable: {exc}"
             log.error("bad_pool_report", error=str(exc))
@@ -355,10 +418,18 @@ class SchedulerService:
         self.not_ready_reason = ""
         self._preemptions_seen = 0
         self._counters_seen = {"prefix_hits": 0, "snapshot_evictions": 0}
-        log.info("worker_ready", boot_id=boot_id, kv_pages=pool.kv_pages, page_size=pool.page_size,
-                 linear_state_slots=pool.linear_state_slots, linear_state_snapshots=pool.linear_state_snapshots,
-                 max_running_requests=pool.max_running_requests, max_prefill_tokens=pool.max_prefill_tokens,
-                 max_model_len=pool.max_model_len, prefix_cache=self.core.kv.prefix_reuse)  # fmt: skip
+        log.info(
+            "worker_ready",
+            boot_id=boot_id,
+            kv_pages=pool.kv_pages,
+            page_size=pool.page_size,
+            linear_state_slots=pool.linear_state_slots,
+            linear_state_snapshots=pool.linear_state_snapshots,
+            max_running_requests=pool.max_running_requests,
+            max_prefill_tokens=pool.max_prefill_tokens,
+            max_model_len=pool.max_model_len,
+            prefix_cache=self.core.kv.prefix_reuse,
+        )
 
     def _worker_lost(self, why: str) -> None:
         log.error("worker_lost", reason=why)
@@ -399,14 +470,16 @@ class SchedulerService:
         be there after all, its clients get an error, not a stream that looks complete."""
         del self.apis[client]
         mine = [rid for (c, _), rid in self.rids.items() if c == client]
-        log.warning("api_replica_lost", client=client.decode(errors="replace"), aborted=len(mine),
-                    silent_s=round(silent_s, 1))  # fmt: skip
+        log.warning(
+            "api_replica_lost", client=client.decode(errors="replace"), aborted=len(mine), silent_s=round(silent_s, 1)
+        )
         if self.core is None:
             for key in [k for k in self.rids if k[0] == client]:
                 del self.rids[key]
             return
-        err = ServiceUnavailable(f"the scheduler heard nothing from this api replica for {silent_s:.1f}s and "
-                                 "aborted its requests")  # fmt: skip
+        err = ServiceUnavailable(
+            f"the scheduler heard nothing from this api replica for {silent_s:.1f}s and aborted its requests"
+        )
         for key in [k for k in self.rids if k[0] == client]:
             if self.rids[key] in self.core.by_rid:
                 self._emit(self.core.abort(self.rids[key], err))  # pops the key, now or when its step lands
@@ -418,12 +491,22 @@ class SchedulerService:
         if c is None:
             return SchedulerStatus(boot_id=self.boot_id, ready=False, reason=self.not_ready_reason)
         return SchedulerStatus(
-            boot_id=self.boot_id, ready=True, reason="", max_model_len=c.pool.max_model_len, running=len(c.running),
-            waiting=len(c.waiting), kv_pages_total=c.kv.total, kv_pages_available=c.kv.available,
-            kv_pages_cached=c.kv.cache.nodes, expert_hits=self.expert_hits, expert_misses=self.expert_misses,
-            preemptions=c.preemptions, prefix_hits=c.prefix_hits, snapshot_evictions=c.snapshots.evictions,
+            boot_id=self.boot_id,
+            ready=True,
+            reason="",
+            max_model_len=c.pool.max_model_len,
+            running=len(c.running),
+            waiting=len(c.waiting),
+            kv_pages_total=c.kv.total,
+            kv_pages_available=c.kv.available,
+            kv_pages_cached=c.kv.cache.nodes,
+            expert_hits=self.expert_hits,
+            expert_misses=self.expert_misses,
+            preemptions=c.preemptions,
+            prefix_hits=c.prefix_hits,
+            snapshot_evictions=c.snapshots.evictions,
             state_snapshots=c.snapshots.held,
-        )  # fmt: skip
+        )
 
     def _update_metrics(self, s: SchedulerStatus) -> None:
         m = self.metrics
@@ -449,9 +532,15 @@ class SchedulerService:
         """Called from the side-HTTP thread: reads only the snapshot the loop replaces every heartbeat."""
         s, pool = self._snapshot
         silent = self.worker.silent_for()
-        body = {"status": "ready" if s.ready else "unavailable", "reason": s.reason, "pool": pool,
-                "peers": {"worker": "ready" if s.ready else ("silent" if silent is None or silent > PEER_TIMEOUT_S
-                                                                else "not ready"),
-                          "api_replicas": len(self.apis)}}  # fmt: skip
+        body = {
+            "status": "ready" if s.ready else "unavailable",
+            "reason": s.reason,
+            "pool": pool,
+            "peers": {
+                "worker": "ready"
+                if s.ready
+                else ("silent" if silent is None or silent > PEER_TIMEOUT_S else "not ready"),
+                "api_replicas": len(self.apis),
+            },
+        }
         return s.ready, body
-

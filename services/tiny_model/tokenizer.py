@@ -9,9 +9,8 @@ from __future__ import annotations
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from ferry.shared.byte_level import bytes_to_unicode
-
 from ferry.services.tiny_model.corpus import CORPUS
+from ferry.shared.byte_level import bytes_to_unicode
 
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -21,9 +20,7 @@ SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
 # Qwen3.5's pre-tokenizer split. transformers rebuilds a qwen3_5_moe tokenizer's pipeline with this
 # regex (Qwen3_5Tokenizer) while it loads others from tokenizer.json as written: training with the
 # same split makes both loaders agree with the tokenizer we save.
-QWEN_PRETOKENIZE_REGEX = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
+QWEN_PRETOKENIZE_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 
 # ChatML as Qwen writes it, tools included (Qwen2.5/Qwen3's convention: the tools' JSON specs in the
 # system turn inside <tools>, calls as <tool_call> JSON, results as <tool_response> in a user turn),
@@ -37,7 +34,7 @@ CHATML_TEMPLATE = (
     "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
     "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
     "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
-    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": "
+    'within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name>, "arguments": '
     "<args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
     "{%- endif %}"
     "{%- for message in messages %}"
@@ -47,7 +44,7 @@ CHATML_TEMPLATE = (
     "{%- if message.tool_calls %}{%- for tool_call in message.tool_calls %}"
     "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
     "{%- if (loop.first and message.content) or not loop.first %}{{- '\\n' }}{%- endif %}"
-    "{{- '<tool_call>\\n{\"name\": \"' + tool_call.name + '\", \"arguments\": ' }}"
+    '{{- \'<tool_call>\\n{"name": "\' + tool_call.name + \'", "arguments": \' }}'
     "{%- if tool_call.arguments is string %}{{- tool_call.arguments }}{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}"
     "{{- '}\\n</tool_call>' }}"
     "{%- endfor %}{%- endif %}"
@@ -127,7 +124,6 @@ def printable_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(list(SPECIAL_TOKENS))
     return _chatml_tokenizer(tok)
-
 
 
 def _chatml_tokenizer(tok: Tokenizer) -> PreTrainedTokenizerFast:

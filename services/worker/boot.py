@@ -14,7 +14,6 @@ workspace is estimated (costs.py)."""
 from __future__ import annotations
 
 import dataclasses
-
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -23,33 +22,36 @@ from itertools import chain
 import structlog
 import torch
 
-from ferry.shared.errors import ConfigError, FerryError
-from ferry.shared.units import MiB, format_bytes
 from ferry.plan.costs import workspace_bytes_estimate
+from ferry.plan.expert_parallel import check_ranks_host, nccl_workspace_bytes, rank_spec
+from ferry.plan.outside_memory import OutsideMemory
+from ferry.plan.plan_report import plan_detail_fields, plan_log_fields
+from ferry.plan.planner import DEFAULT_MAX_PREFILL_TOKENS, Measured, Plan, PlanRequest, Resolved, resolve
+from ferry.plan.prefill_chunk import plan_with_prefill_chunk
+from ferry.services.worker.decode_graphs import DecodeGraphs, graph_buckets
 from ferry.services.worker.device import select_device
 from ferry.services.worker.device_memory import OutsideAllocatorProbe
-from ferry.plan.outside_memory import OutsideMemory
-from ferry.shared.eos import eos_token_ids
+from ferry.services.worker.dummy_weights import iter_dummy_experts
 from ferry.services.worker.executor import StepExecutor
 from ferry.services.worker.experts import ExpertStore
-from ferry.services.worker.dummy_weights import iter_dummy_experts
-from ferry.services.worker.late_bound_experts import LateBoundExperts
 from ferry.services.worker.flags import WorkerBootConfig, copy_engine_tokens, ring_chunk
+from ferry.services.worker.late_bound_experts import LateBoundExperts
 from ferry.services.worker.loader import ModelFiles, open_model, resident_weights, routed_expert_weights
-from ferry.plan.expert_parallel import check_ranks_host, nccl_workspace_bytes, rank_spec
 from ferry.services.worker.offload.build import build_expert_store, host_banks_for, is_offloaded
 from ferry.services.worker.offload.expert_backends import expert_backend_for
 from ferry.services.worker.offload.expert_parallel import ExpertParallelExperts
 from ferry.services.worker.offload.host_banks import mem_available_bytes
 from ferry.services.worker.offload.host_pages import anon_huge_bytes, huge_pages_wanted, thp_mode
-from ferry.plan.plan_report import plan_detail_fields, plan_log_fields
-from ferry.plan.planner import DEFAULT_MAX_PREFILL_TOKENS, Measured, Plan, PlanRequest, Resolved, resolve
 from ferry.services.worker.pools import TORCH_DTYPES, Pools, allocate_pools
-from ferry.plan.prefill_chunk import plan_with_prefill_chunk
-from ferry.services.worker.decode_graphs import DecodeGraphs, graph_buckets
 from ferry.services.worker.warmup import real_warmup_shapes, warm_up, warmup_shapes
-from ferry.services.worker.workspace_profile import (profile_decode_graphs_cuda, profile_workspace_cuda,
-                                                     profiled_or_plan_error)
+from ferry.services.worker.workspace_profile import (
+    profile_decode_graphs_cuda,
+    profile_workspace_cuda,
+    profiled_or_plan_error,
+)
+from ferry.shared.eos import eos_token_ids
+from ferry.shared.errors import ConfigError, FerryError
+from ferry.shared.units import MiB, format_bytes
 
 log = structlog.get_logger("worker")
 
@@ -73,11 +75,16 @@ def _free_memory(device: torch.device, req: PlanRequest) -> tuple[int | None, st
     available = mem_available_bytes()  # what a CPU run may use without swapping
     if req.gpu_memory is None:
         default = CPU_DEFAULT_BUDGET if available is None else min(CPU_DEFAULT_BUDGET, available // 2)
-        origin = (f"the CPU default, min({format_bytes(CPU_DEFAULT_BUDGET)}, half of MemAvailable"
-                  f"{'' if available is None else ' ' + format_bytes(available)})")  # fmt: skip
-        log.warning("cpu_default_budget", budget=format_bytes(default), budget_bytes=default,
-                    message=f"no --gpu-memory on CPU: budget {format_bytes(default)} ({origin}); "
-                    "set --gpu-memory to change it")  # fmt: skip
+        origin = (
+            f"the CPU default, min({format_bytes(CPU_DEFAULT_BUDGET)}, half of MemAvailable"
+            f"{'' if available is None else ' ' + format_bytes(available)})"
+        )
+        log.warning(
+            "cpu_default_budget",
+            budget=format_bytes(default),
+            budget_bytes=default,
+            message=f"no --gpu-memory on CPU: budget {format_bytes(default)} ({origin}); set --gpu-memory to change it",
+        )
         return default, origin
     return available, "MemAvailable"
 
@@ -121,10 +128,18 @@ def _host_banks(spec, plan: Plan):
     t0 = time.monotonic()
     banks = host_banks_for(spec, plan, progress=_progress_bars())
     huge = anon_huge_bytes()  # the process's, so the banks' and a little else: page-locking faulted them in
-    log.info("expert_host_banks", bytes=banks.nbytes, size=format_bytes(banks.nbytes), pinned=banks.pinned,
-             layers=banks.num_layers, experts=banks.num_experts, seconds=round(time.monotonic() - t0, 3),
-             thp_mode=thp_mode(), huge_pages_advised=huge_pages_wanted(),
-             huge_page_bytes=huge if banks.pinned else None)  # fmt: skip
+    log.info(
+        "expert_host_banks",
+        bytes=banks.nbytes,
+        size=format_bytes(banks.nbytes),
+        pinned=banks.pinned,
+        layers=banks.num_layers,
+        experts=banks.num_experts,
+        seconds=round(time.monotonic() - t0, 3),
+        thp_mode=thp_mode(),
+        huge_pages_advised=huge_pages_wanted(),
+        huge_page_bytes=huge if banks.pinned else None,
+    )
     return banks
 
 
@@ -190,8 +205,16 @@ class Booted:
     sampler_seed: int | None
 
 
-def _load_and_plan(cfg: WorkerBootConfig, files: ModelFiles, r: Resolved, device: torch.device, free: int | None,
-                   free_source: str, graphs_wanted: bool, probe: OutsideAllocatorProbe | None) -> Booted:  # fmt: skip
+def _load_and_plan(
+    cfg: WorkerBootConfig,
+    files: ModelFiles,
+    r: Resolved,
+    device: torch.device,
+    free: int | None,
+    free_source: str,
+    graphs_wanted: bool,
+    probe: OutsideAllocatorProbe | None,
+) -> Booted:
     """Build the model, load its dense weights, then (between the two weight passes) measure,
     plan, allocate the pools and bind the expert store, then load the routed experts. Returns
     what the rest of boot needs: model, plan, pools, store and the measurements."""
@@ -231,16 +254,19 @@ def _load_and_plan(cfg: WorkerBootConfig, files: ModelFiles, r: Resolved, device
                 outside = probe.outside(budget_from_gpu_memory=req.gpu_memory is not None)
             host = mem_available_bytes() if world == 1 else None
             if step is None:
-                return Measured(weights, 0, free, "measured", "none", free_source, host_available_bytes=host,
-                                outside=outside)  # fmt: skip
+                return Measured(
+                    weights, 0, free, "measured", "none", free_source, host_available_bytes=host, outside=outside
+                )
             if device.type == "cuda":
                 # a chunk too long for this card is a PlanError: the chooser tries a shorter one; a step asked for
                 # again (the same chunk under other snapshot counts) is not run again
                 step_key = (step.max_prefill_tokens, step.max_running_requests, step.max_model_len)
                 if step_key not in workspace_by_step:
                     workspace_by_step[step_key] = profiled_or_plan_error(
-                        lambda: profile_workspace_cuda(model, experts, spec, step, device), step.max_prefill_tokens,
-                        release=torch.cuda.empty_cache)  # fmt: skip
+                        lambda: profile_workspace_cuda(model, experts, spec, step, device),
+                        step.max_prefill_tokens,
+                        release=torch.cuda.empty_cache,
+                    )
                 workspace = workspace_by_step[step_key]
                 buckets = graph_buckets(spec.num_experts_per_tok, step.max_running_requests)
                 key = _graph_key(step.max_running_requests, step.max_model_len, step.page_size)
@@ -252,32 +278,44 @@ def _load_and_plan(cfg: WorkerBootConfig, files: ModelFiles, r: Resolved, device
                     source = f"profiled, {format_bytes(graph_bytes_by_step[key])} of it decode graphs"
                 outside = probe.outside(budget_from_gpu_memory=req.gpu_memory is not None)  # profiling loads kernels
             else:
-                workspace = workspace_bytes_estimate(spec, r.dtype, step.max_prefill_tokens, step.max_running_requests,
-                                                     step.max_model_len)  # fmt: skip
+                workspace = workspace_bytes_estimate(
+                    spec, r.dtype, step.max_prefill_tokens, step.max_running_requests, step.max_model_len
+                )
                 source = "estimate"
             if world > 1:  # NCCL's buffers, outside torch's allocator (plan/expert_parallel.py)
                 workspace += nccl_workspace_bytes(world) if device.type == "cuda" else 0
             # an expert-parallel rank's banks are checked with the others' (_ranks_host_checked), not alone
-            return Measured(weights, workspace, free, "measured", source, free_source, host_available_bytes=host,
-                            outside=outside)  # fmt: skip
+            return Measured(
+                weights, workspace, free, "measured", source, free_source, host_available_bytes=host, outside=outside
+            )
 
         # an expert-parallel rank streams nothing past its cache (below): no chunk past the default pays there
-        plan = plan_with_prefill_chunk(store_spec, req, measured, longest=DEFAULT_MAX_PREFILL_TOKENS if world > 1 else None)
+        plan = plan_with_prefill_chunk(
+            store_spec, req, measured, longest=DEFAULT_MAX_PREFILL_TOKENS if world > 1 else None
+        )
         if world > 1:
             plan = _ranks_host_checked(plan, cfg, world)
         try:  # the plan's staging slots bound a ring chunk: refused before the banks are pinned
             staging = plan.experts.staging_slots or None
-            chunks = (ring_chunk(cfg.prefill_ring_chunk, "--prefill-ring-chunk", staging),
-                      ring_chunk(cfg.long_prefill_ring_chunk, "--long-prefill-ring-chunk", staging))  # fmt: skip
+            chunks = (
+                ring_chunk(cfg.prefill_ring_chunk, "--prefill-ring-chunk", staging),
+                ring_chunk(cfg.long_prefill_ring_chunk, "--long-prefill-ring-chunk", staging),
+            )
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
         banks = _host_banks(store_spec, plan)  # before any pool is allocated (rule 4)
         pools = allocate_pools(store_spec, plan, device)
-        store = build_expert_store(store_spec, plan, pools.experts, device, policy=cfg.expert_policy, banks=banks,
-                                   prefetch=cfg.expert_prefetch,
-                                   copy_engine_tokens=copy_engine_tokens(cfg.expert_copy_engine_tokens,
-                                                                         _plain_bf16(banks)),
-                                   ring_chunks=chunks)  # fmt: skip
+        store = build_expert_store(
+            store_spec,
+            plan,
+            pools.experts,
+            device,
+            policy=cfg.expert_policy,
+            banks=banks,
+            prefetch=cfg.expert_prefetch,
+            copy_engine_tokens=copy_engine_tokens(cfg.expert_copy_engine_tokens, _plain_bf16(banks)),
+            ring_chunks=chunks,
+        )
         if world > 1:  # the experts this rank owns, its partial sums added over the ranks
             # a rank's share of a step's pairs differs from layer to layer, and a streamed prefill is begun at
             # layer 0 for the whole step: no streaming past the cache under expert parallelism (yet)
@@ -290,14 +328,24 @@ def _load_and_plan(cfg: WorkerBootConfig, files: ModelFiles, r: Resolved, device
         # an offloaded store's experts go to host banks: read them to CPU, never through the device
         expert_device = torch.device("cpu") if banks else device
         graph_key = _graph_key(plan.max_running_requests, plan.max_model_len, plan.kv.page_size)
-        booted = Booted(model, plan, pools, store, graph_bytes_by_step.get(graph_key), experts_started=time.monotonic(),
-                        loading_peak_reserved=loading_peak, sampler_seed=cfg.sampler_seed)  # fmt: skip
+        booted = Booted(
+            model,
+            plan,
+            pools,
+            store,
+            graph_bytes_by_step.get(graph_key),
+            experts_started=time.monotonic(),
+            loading_peak_reserved=loading_peak,
+            sampler_seed=cfg.sampler_seed,
+        )
 
     dummy = files.load_format == "dummy"
     progress = _progress_bars()
     expert_pass = (lambda: ()) if dummy else (lambda: routed_expert_weights(files, dtype, expert_device, progress))
-    model.load_weights(chain(resident_weights(files, dtype, device, progress), _then(plan_and_allocate, expert_pass)),
-                       routed_experts=not dummy)  # fmt: skip
+    model.load_weights(
+        chain(resident_weights(files, dtype, device, progress), _then(plan_and_allocate, expert_pass)),
+        routed_experts=not dummy,
+    )
     if booted is None:  # load_weights reads every tensor it is given, the planning step's tail among them
         raise RuntimeError("the model's load_weights stopped before the routed experts: nothing was planned")
     return booted
@@ -327,14 +375,23 @@ def _ranks_host_checked(plan: Plan, cfg: WorkerBootConfig, world: int) -> Plan:
     else:
         available, source = cfg.host_available_bytes, "MemAvailable (before the ranks started)"
     check_ranks_host(banks, plan.host.reserve_bytes, available, source)
-    host = dataclasses.replace(plan.host, available_bytes=available,
-                               available_source=source if available is not None else "unknown")  # fmt: skip
+    host = dataclasses.replace(
+        plan.host, available_bytes=available, available_source=source if available is not None else "unknown"
+    )
     return dataclasses.replace(plan, host=host)
 
 
-def _finish_boot(files: ModelFiles, booted: Booted, r: Resolved, device: torch.device, req: PlanRequest,
-                 free: int | None, buckets: list[int], probe: OutsideAllocatorProbe | None,
-                 baseline_reserved: int) -> tuple[StepExecutor, Plan]:  # fmt: skip
+def _finish_boot(
+    files: ModelFiles,
+    booted: Booted,
+    r: Resolved,
+    device: torch.device,
+    req: PlanRequest,
+    free: int | None,
+    buckets: list[int],
+    probe: OutsideAllocatorProbe | None,
+    baseline_reserved: int,
+) -> tuple[StepExecutor, Plan]:
     """Load dummy experts, warm the offload store's slots, attach the plan's expert backend, capture the
     decode graphs, check the budget was kept (`baseline_reserved`: what the process held before this boot),
     log the plan, and hand back the executor."""
@@ -345,33 +402,61 @@ def _finish_boot(files: ModelFiles, booted: Booted, r: Resolved, device: torch.d
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the expert pass's staging tensors are not part of the plan
     preloaded = store.preload()  # an offload store warms its free slots; the all-resident one has nothing to do
-    log.info("experts_loaded", seconds=round(time.monotonic() - booted.experts_started, 3),
-             source="dummy" if dummy else "checkpoint", preloaded_slots=preloaded, expert_format=plan.experts.format,
-             expert_store=store.report()["policy"])  # fmt: skip
+    log.info(
+        "experts_loaded",
+        seconds=round(time.monotonic() - booted.experts_started, 3),
+        source="dummy" if dummy else "checkpoint",
+        preloaded_slots=preloaded,
+        expert_format=plan.experts.format,
+        expert_store=store.report()["policy"],
+    )
     expert_backend_for(plan.expert_backend).attach(store, spec, plan, dtype, device)  # measured on the loaded banks
     if device.type == "cuda":  # first-use compiles and tunings at boot, not inside a request
         t0 = time.monotonic()
-        ran = warm_up(model, booted.pools, plan.kv.page_size, device,
-                      warmup_shapes(plan.max_prefill_tokens, plan.max_running_requests),
-                      real_warmup_shapes(plan.max_prefill_tokens, plan.max_running_requests),
-                      max_prefill_tokens=plan.max_prefill_tokens)  # fmt: skip
+        ran = warm_up(
+            model,
+            booted.pools,
+            plan.kv.page_size,
+            device,
+            warmup_shapes(plan.max_prefill_tokens, plan.max_running_requests),
+            real_warmup_shapes(plan.max_prefill_tokens, plan.max_running_requests),
+            max_prefill_tokens=plan.max_prefill_tokens,
+        )
         log.info("warmed_up", steps=ran, seconds=round(time.monotonic() - t0, 3))
     # decode steps the store copies with the copy engine run eagerly: no graph for them
     # (a smaller set than the one profiled, so within the price)
     below = getattr(store, "copy_engine_tokens", None)
     if below is not None:
         buckets = graph_buckets(spec.num_experts_per_tok, plan.max_running_requests, below=below)
-    graphs = _capture_graphs(model, booted.pools, spec, plan, device, buckets, booted.graph_bytes, store) \
-        if booted.graph_bytes is not None and buckets else None  # fmt: skip
+    graphs = (
+        _capture_graphs(model, booted.pools, spec, plan, device, buckets, booted.graph_bytes, store)
+        if booted.graph_bytes is not None and buckets
+        else None
+    )
     if device.type == "cuda":
         _restart_statistics(store)  # the warm-up and the captures ran padding rows only
     _check_budget(device, req, free, booted.loading_peak_reserved, baseline_reserved, probe)
     log.info("plan", **plan_log_fields(plan))
-    log.debug("plan_detail", **plan_detail_fields(plan), model=str(files.model_dir), device=str(device),
-              load_format=files.load_format, cuda_graphs=graphs.buckets if graphs is not None else None)  # fmt: skip
-    return StepExecutor(model, booted.pools, spec, plan, device, store=store, graphs=graphs,
-                        tokenizer_dir=files.model_dir, eos_token_ids=eos_token_ids(files.model_dir),
-                        sampler_seed=booted.sampler_seed), plan  # fmt: skip
+    log.debug(
+        "plan_detail",
+        **plan_detail_fields(plan),
+        model=str(files.model_dir),
+        device=str(device),
+        load_format=files.load_format,
+        cuda_graphs=graphs.buckets if graphs is not None else None,
+    )
+    return StepExecutor(
+        model,
+        booted.pools,
+        spec,
+        plan,
+        device,
+        store=store,
+        graphs=graphs,
+        tokenizer_dir=files.model_dir,
+        eos_token_ids=eos_token_ids(files.model_dir),
+        sampler_seed=booted.sampler_seed,
+    ), plan
 
 
 def _capture_graphs(model, pools, spec, plan: Plan, device: torch.device, buckets: list[int], priced: int, store):
@@ -380,8 +465,17 @@ def _capture_graphs(model, pools, spec, plan: Plan, device: torch.device, bucket
     step runs eagerly, so the promise of --gpu-memory holds either way."""
     t0 = time.monotonic()
     before = _reserved(device)
-    graphs = DecodeGraphs(model, pools, plan.kv.page_size, plan.max_model_len, buckets, device, spec.vocab_size,
-                          plan.max_running_requests, count_step=store.count_step_on_device)  # fmt: skip
+    graphs = DecodeGraphs(
+        model,
+        pools,
+        plan.kv.page_size,
+        plan.max_model_len,
+        buckets,
+        device,
+        spec.vocab_size,
+        plan.max_running_requests,
+        count_step=store.count_step_on_device,
+    )
     try:
         graphs.capture()
     except RuntimeError as exc:  # profiling captured the same graphs, so this is not expected; stay up anyway
@@ -391,9 +485,13 @@ def _capture_graphs(model, pools, spec, plan: Plan, device: torch.device, bucket
     if graphs is None:
         return None
     if taken > priced:
-        log.warning("cuda_graphs_dropped", taken=taken, priced=priced,
-                    message=f"the decode graphs took {format_bytes(taken)}, more than the {format_bytes(priced)} "
-                    "the plan holds for them: decode runs eagerly")  # fmt: skip
+        log.warning(
+            "cuda_graphs_dropped",
+            taken=taken,
+            priced=priced,
+            message=f"the decode graphs took {format_bytes(taken)}, more than the {format_bytes(priced)} "
+            "the plan holds for them: decode runs eagerly",
+        )
         del graphs
         torch.cuda.empty_cache()
         return None
@@ -408,8 +506,14 @@ def _restart_statistics(store) -> None:
     store.stats.reset()
 
 
-def _check_budget(device: torch.device, req: PlanRequest, free: int | None, earlier_peak: int, baseline: int = 0,
-                  probe: OutsideAllocatorProbe | None = None) -> None:  # fmt: skip
+def _check_budget(
+    device: torch.device,
+    req: PlanRequest,
+    free: int | None,
+    earlier_peak: int,
+    baseline: int = 0,
+    probe: OutsideAllocatorProbe | None = None,
+) -> None:
     """--gpu-memory is a promise about the whole process: after boot, what this boot ever reserved (beyond what
     the process held before it: `baseline`) plus what it holds outside the allocator must be within it; without
     the flag, within the free memory read at start plus the context it already held then."""
@@ -420,11 +524,20 @@ def _check_budget(device: torch.device, req: PlanRequest, free: int | None, earl
     outside = 0
     if probe is not None:
         outside = probe.held() - (probe.at_start if req.gpu_memory is None else 0)
-    log.info("device_memory", reserved_peak=reserved, outside_allocator=outside,
-             outside_source="NVML" if probe is not None and probe.nvml else "estimate",
-             process_total=reserved + outside, limit=limit)  # fmt: skip
+    log.info(
+        "device_memory",
+        reserved_peak=reserved,
+        outside_allocator=outside,
+        outside_source="NVML" if probe is not None and probe.nvml else "estimate",
+        process_total=reserved + outside,
+        limit=limit,
+    )
     if limit is not None and reserved + outside > limit:
-        what = f"--gpu-memory {format_bytes(limit)}" if req.gpu_memory is not None else f"free memory {format_bytes(limit)}"
+        what = (
+            f"--gpu-memory {format_bytes(limit)}"
+            if req.gpu_memory is not None
+            else f"free memory {format_bytes(limit)}"
+        )
         raise MemoryBudgetExceeded(
             f"boot took {format_bytes(reserved + outside)} of device memory ({format_bytes(reserved)} reserved by the "
             f"allocator, {format_bytes(outside)} outside it), more than {what}; lower --memory-ratio to leave the "

@@ -15,10 +15,10 @@ from pathlib import Path
 import structlog
 import torch
 
-from ferry.shared.errors import ModelLoadError
-from ferry.shared.units import format_bytes
 from ferry.plan.costs import is_routed_expert, is_served
 from ferry.services.worker.quantized_weight import group_quantized_tensors
+from ferry.shared.errors import ModelLoadError
+from ferry.shared.units import format_bytes
 
 INDEX_FILE = "model.safetensors.index.json"
 # Without a terminal there is no bar: a service's stderr is JSON lines (boot.py's _progress_bars). A pass
@@ -45,9 +45,7 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
         return files
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
-        raise ModelLoadError(
-            f"no *.safetensors files in {model_dir}; use --load-format dummy to run without weights"
-        )
+        raise ModelLoadError(f"no *.safetensors files in {model_dir}; use --load-format dummy to run without weights")
     return files
 
 
@@ -79,7 +77,9 @@ def iter_checkpoint_tensors(
     return group_quantized_tensors(_read_tensors(names_by_file, desc, progress), names)
 
 
-def _read_tensors(names_by_file: list[tuple[Path, list[str]]], desc: str, progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
+def _read_tensors(
+    names_by_file: list[tuple[Path, list[str]]], desc: str, progress: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
     from tqdm import tqdm
 
@@ -125,5 +125,12 @@ class _ProgressEvents:
 
     def _log(self, now: float) -> None:
         self.last, self.logged_done = now, self.done
-        log.info("loading_progress", what=self.desc, tensors=self.done, total=self.total, bytes=self.bytes,
-                 size=format_bytes(self.bytes), seconds=round(now - self.started, 1))  # fmt: skip
+        log.info(
+            "loading_progress",
+            what=self.desc,
+            tensors=self.done,
+            total=self.total,
+            bytes=self.bytes,
+            size=format_bytes(self.bytes),
+            seconds=round(now - self.started, 1),
+        )

@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import signal
 
+from ferry.services.worker.flags import add_worker_flags, boot_config_from_args
 from ferry.shared.defaults import RESULTS_ADDR, STEPS_ADDR
 from ferry.shared.logging import add_log_flags, configure_logging
 from ferry.shared.side_http import add_side_http_flags
 from ferry.shared.wire_keys import WireKeys, add_wire_keys_flag, check_exposure
-from ferry.services.worker.flags import add_worker_flags, boot_config_from_args
 
 DEFAULT_BOOT = "ferry.services.worker.boot:boot_worker"
 
@@ -27,9 +27,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_boot_flag(group) -> None:
     """`--boot`, for `ferry worker` and `ferry serve` (which passes it on)."""
-    group.add_argument("--boot", default=DEFAULT_BOOT,
-                       help="module:function that takes a WorkerBootConfig, loads the model and returns "
-                            "(executor, plan) (default: the real model)")  # fmt: skip
+    group.add_argument(
+        "--boot",
+        default=DEFAULT_BOOT,
+        help="module:function that takes a WorkerBootConfig, loads the model and returns "
+        "(executor, plan) (default: the real model)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -42,8 +45,9 @@ def run(args: argparse.Namespace) -> int:
         WireKeys(args.wire_keys, "worker")  # a missing key is a config error before the model loads
     for flag, addr in (("--steps-addr", args.steps_addr), ("--results-addr", args.results_addr)):
         check_exposure(flag, addr, args.wire_keys)
-    cfg = WorkerConfig(args.steps_addr, args.results_addr, args.health_host, args.health_port, args.boot,
-                       args.wire_keys or None)  # fmt: skip
+    cfg = WorkerConfig(
+        args.steps_addr, args.results_addr, args.health_host, args.health_port, args.boot, args.wire_keys or None
+    )
     service = WorkerService(cfg, boot_config_from_args(args))
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: service.stop())

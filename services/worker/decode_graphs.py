@@ -27,16 +27,15 @@ ones reuse its blocks; the pool and the static buffers are workspace that the pl
 
 from __future__ import annotations
 
-import torch
-
 import numpy as np
+import torch
 
 from ferry.kernels.expert_pair_gemv import PAIR_KERNEL_MAX_PAIRS
 from ferry.kernels.sample_rows import sample_rows
-from ferry.shared.step import StepBatch
-from ferry.shared.units import ceil_div
 from ferry.services.worker.decode_io import TAIL_FIELDS, DecodeInputs, DecodeResults, device_views, forward_bytes
 from ferry.services.worker.forward_batch import ForwardBatch
+from ferry.shared.step import StepBatch
+from ferry.shared.units import ceil_div
 
 
 def graph_buckets(top_k: int, max_running_requests: int, below: int | None = None) -> list[int]:
@@ -55,8 +54,15 @@ def graph_buckets(top_k: int, max_running_requests: int, below: int | None = Non
 
 
 class _Graph:
-    def __init__(self, rows: int, inputs: torch.Tensor, batch: ForwardBatch, tail: dict[str, torch.Tensor],
-                 staging: DecodeInputs, results: DecodeResults):  # fmt: skip
+    def __init__(
+        self,
+        rows: int,
+        inputs: torch.Tensor,
+        batch: ForwardBatch,
+        tail: dict[str, torch.Tensor],
+        staging: DecodeInputs,
+        results: DecodeResults,
+    ):
         self.rows, self.inputs, self.batch, self.tail = rows, inputs, batch, tail
         self.staging, self.results = staging, results
         self.graph = torch.cuda.CUDAGraph() if inputs.is_cuda else None  # CPU: the tests of its parts
@@ -65,8 +71,18 @@ class _Graph:
 
 
 class DecodeGraphs:
-    def __init__(self, model, pools, page_size: int, max_model_len: int, buckets: list[int], device: torch.device,
-                 vocab_size: int, max_sampled_rows: int, count_step=None):  # fmt: skip
+    def __init__(
+        self,
+        model,
+        pools,
+        page_size: int,
+        max_model_len: int,
+        buckets: list[int],
+        device: torch.device,
+        vocab_size: int,
+        max_sampled_rows: int,
+        count_step=None,
+    ):
         """`max_sampled_rows`: the most rows any step samples (the plan's max_running_requests): the
         size of `last_tokens`, which every step (eager ones too, executor.py) leaves its samples in.
         `count_step`: the expert store's `count_step_on_device`, which the graphs hold after the forward."""
@@ -141,8 +157,9 @@ class DecodeGraphs:
             return None
         return next(b for b in self.buckets if b >= r)
 
-    def run(self, step: StepBatch, rows: int, feed_src: np.ndarray | None = None,
-            sampling: tuple[list, list] | None = None) -> torch.Tensor:
+    def run(
+        self, step: StepBatch, rows: int, feed_src: np.ndarray | None = None, sampling: tuple[list, list] | None = None
+    ) -> torch.Tensor:
         """Replay the bucket's graph on this step; float32 logits of its requests, [R, vocab].
         `feed_src`: for each row, the row of the previous step's samples that is its token, -1 for
         none (None: no row is fed); `sampling`: (inverse temperatures, noise rows) when the graph's
@@ -163,10 +180,13 @@ class DecodeGraphs:
         them; returns the view that holds them."""
         n = int(tokens.shape[0])
         if n > self.last_tokens.shape[0]:
-            raise ValueError(f"a step sampled {n} rows, more than the {self.last_tokens.shape[0]} of max_running_requests")
+            raise ValueError(
+                f"a step sampled {n} rows, more than the {self.last_tokens.shape[0]} of max_running_requests"
+            )
         self.last_tokens[:n].copy_(tokens)
         return self.last_tokens[:n]
 
     def _load(self, step: StepBatch, rows: int, inputs: torch.Tensor) -> ForwardBatch:
-        return ForwardBatch.from_step(step, self.page_size, self.device, pad_to=rows, max_pages=self.max_pages,
-                                      into=inputs)  # fmt: skip
+        return ForwardBatch.from_step(
+            step, self.page_size, self.device, pad_to=rows, max_pages=self.max_pages, into=inputs
+        )

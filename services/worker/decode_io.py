@@ -20,17 +20,27 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ferry.services.worker.forward_batch import PACK_ALIGN
 from ferry.shared.step import StepBatch
 from ferry.shared.units import round_up
-from ferry.services.worker.forward_batch import PACK_ALIGN
 
 RING_DEPTH = 4
 
 # The forward's arrays in forward_batch.py's packing order, then the graph tail's; (name, numpy dtype, shape kind)
-FORWARD_FIELDS = (("tokens", np.int64, "r"), ("positions", np.int64, "r"), ("slot_mapping", np.int64, "r"),
-                  ("state_slots", np.int64, "r"), ("logits_rows", np.int64, "r"), ("query_start", np.int32, "r+1"),
-                  ("query_lens", np.int32, "r"), ("context_lens", np.int32, "r"), ("page_table", np.int32, "r,p"),
-                  ("token_request", np.int32, "r"), ("reset_state", np.bool_, "r"), ("real_tokens", np.int32, "1"))  # fmt: skip
+FORWARD_FIELDS = (
+    ("tokens", np.int64, "r"),
+    ("positions", np.int64, "r"),
+    ("slot_mapping", np.int64, "r"),
+    ("state_slots", np.int64, "r"),
+    ("logits_rows", np.int64, "r"),
+    ("query_start", np.int32, "r+1"),
+    ("query_lens", np.int32, "r"),
+    ("context_lens", np.int32, "r"),
+    ("page_table", np.int32, "r,p"),
+    ("token_request", np.int32, "r"),
+    ("reset_state", np.bool_, "r"),
+    ("real_tokens", np.int32, "1"),
+)
 TAIL_FIELDS = (("inv_temperature", np.float32, "r"), ("noise_rows", np.int64, "r"), ("feed_src", np.int64, "r"))
 
 
@@ -110,8 +120,14 @@ class DecodeInputs:
             out[name] = raw[offset : offset + n].view(dtype).reshape(shape)
         return out
 
-    def upload(self, step: StepBatch, into: torch.Tensor, feed_src: np.ndarray | None = None,
-               inv_temperature=None, noise_rows=None) -> None:  # fmt: skip
+    def upload(
+        self,
+        step: StepBatch,
+        into: torch.Tensor,
+        feed_src: np.ndarray | None = None,
+        inv_temperature=None,
+        noise_rows=None,
+    ) -> None:
         """Write the step's values into the next ring slot and queue its copy `into` the graph's static
         input buffer. Rows past the step's are padding (shared/step.py's sentinel page and padding
         state slot); `feed_src` None: no row is fed; `inv_temperature`/`noise_rows` None: every row
@@ -124,8 +140,10 @@ class DecodeInputs:
         r, ps = len(step.req_ids), self.page_size
         width = step.page_table.shape[1]
         if r > self.rows or width > self.max_pages:
-            raise ValueError(f"a step of {r} requests and {width} pages does not fit a graph of {self.rows} rows "
-                             f"and {self.max_pages} pages")  # fmt: skip
+            raise ValueError(
+                f"a step of {r} requests and {width} pages does not fit a graph of {self.rows} rows "
+                f"and {self.max_pages} pages"
+            )
         clens = np.asarray(step.context_lens, dtype=np.int64)
         pages = step.page_table[np.arange(r), clens // ps].astype(np.int64)
         _put(v["tokens"], step.tokens, r)

@@ -40,8 +40,10 @@ def _indexed_cuda(index: int | None, name: str) -> torch.device:
         index = torch.cuda.current_device()
     if not 0 <= index < count:
         visible = f"cuda:0 .. cuda:{count - 1}" if count > 1 else "cuda:0"
-        raise ConfigError(f"--device {name}: there is no CUDA device {index}; {count} "
-                          f"{'is' if count == 1 else 'are'} visible ({visible}; CUDA_VISIBLE_DEVICES renumbers them)")  # fmt: skip
+        raise ConfigError(
+            f"--device {name}: there is no CUDA device {index}; {count} "
+            f"{'is' if count == 1 else 'are'} visible ({visible}; CUDA_VISIBLE_DEVICES renumbers them)"
+        )
     return torch.device("cuda", index)
 
 

@@ -26,8 +26,8 @@ from collections.abc import Iterator
 
 import torch
 
-from ferry.plan.model_config import HYBRID_ARCHITECTURES, ModelSpec
 from ferry.plan.costs import resident_weight_shapes
+from ferry.plan.model_config import HYBRID_ARCHITECTURES, ModelSpec
 
 LINEAR_STD = 0.02
 EMBED_STD = 1.0  # the token embedding dominates the residual stream: routing follows the token
@@ -68,8 +68,15 @@ def _zero_centered_norms(spec: ModelSpec) -> bool:
     return spec.arch in HYBRID_ARCHITECTURES
 
 
-def dummy_tensor(spec: ModelSpec, name: str, shape: tuple[int, ...], dtype: torch.dtype,
-                 device: torch.device, seed: int = 0, routing_skew: float = 0.0) -> torch.Tensor:  # fmt: skip
+def dummy_tensor(
+    spec: ModelSpec,
+    name: str,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int = 0,
+    routing_skew: float = 0.0,
+) -> torch.Tensor:
     leaf = name.rsplit(".", 1)[-1]
     if name.endswith("A_log"):
         g = torch.Generator(device=device).manual_seed(name_seed(name, seed))
@@ -106,9 +113,15 @@ def _skew(spec: ModelSpec, name: str, t: torch.Tensor, device: torch.device, see
         t += bias[:, None] * u[None, :] / (h / 2) ** 0.5
 
 
-def iter_dummy_tensors(spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, routed_experts: bool,
-                       seed: int = 0, routing_skew: float = 0.0,
-                       progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+def iter_dummy_tensors(
+    spec: ModelSpec,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    routed_experts: bool,
+    seed: int = 0,
+    routing_skew: float = 0.0,
+    progress: bool = False,
+) -> Iterator[tuple[str, torch.Tensor]]:
     """The resident tensors (routed_experts=False) or the routed experts (True), like the checkpoint passes;
     `progress`: a tqdm bar on stderr (the caller decides: on a terminal only)."""
     from tqdm import tqdm
@@ -120,20 +133,35 @@ def iter_dummy_tensors(spec: ModelSpec, dtype: torch.dtype, device: torch.device
         yield name, dummy_tensor(spec, name, shape, dtype, device, seed, routing_skew)
 
 
-def iter_dummy_experts(spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, seed: int = 0,
-                       progress: bool = False) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]]:  # fmt: skip
+def iter_dummy_experts(
+    spec: ModelSpec, dtype: torch.dtype, device: torch.device | str, seed: int = 0, progress: bool = False
+) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]]:
     """(moe_layer, expert, gate, up, down) with the same values `iter_dummy_tensors` gives those names;
     `progress`: a tqdm bar on stderr."""
     from tqdm import tqdm
 
     device = torch.device(device)
     h, i = spec.hidden_size, spec.moe_intermediate_size
-    with tqdm(total=len(spec.moe_layer_indices) * spec.num_experts, desc="random experts", unit="expert",
-              disable=not progress, leave=False) as bar:  # fmt: skip
+    with tqdm(
+        total=len(spec.moe_layer_indices) * spec.num_experts,
+        desc="random experts",
+        unit="expert",
+        disable=not progress,
+        leave=False,
+    ) as bar:
         for m, layer in enumerate(spec.moe_layer_indices):
             for e in range(spec.num_experts):
                 p = f"model.layers.{layer}.mlp.experts.{e}."
-                yield (m, e, *(dummy_tensor(spec, p + name, shape, dtype, device, seed)
-                               for name, shape in (("gate_proj.weight", (i, h)), ("up_proj.weight", (i, h)),
-                                                   ("down_proj.weight", (h, i)))))  # fmt: skip
+                yield (
+                    m,
+                    e,
+                    *(
+                        dummy_tensor(spec, p + name, shape, dtype, device, seed)
+                        for name, shape in (
+                            ("gate_proj.weight", (i, h)),
+                            ("up_proj.weight", (i, h)),
+                            ("down_proj.weight", (h, i)),
+                        )
+                    ),
+                )
                 bar.update(1)

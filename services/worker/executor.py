@@ -28,17 +28,17 @@ import numpy as np
 import torch
 
 from ferry.kernels.host_to_device import to_device
-from ferry.shared.contract import StepLimits, step_problems
-from ferry.shared.errors import FerryError
 from ferry.plan.model_config import ModelSpec
-from ferry.shared.step import Logprobs, StepBatch, StepOutput
+from ferry.plan.planner import Plan
 from ferry.services.worker.decode_graphs import DecodeGraphs
 from ferry.services.worker.experts import ExpertStore, is_long_context
 from ferry.services.worker.forward_batch import ForwardBatch
-from ferry.plan.planner import Plan
-from ferry.services.worker.pools import Pools
 from ferry.services.worker.grammar import tokenizer_factory
+from ferry.services.worker.pools import Pools
 from ferry.services.worker.sampler import Sampler, log_softmax_top
+from ferry.shared.contract import StepLimits, step_problems
+from ferry.shared.errors import FerryError
+from ferry.shared.step import Logprobs, StepBatch, StepOutput
 
 
 class StepBatchError(FerryError):
@@ -46,9 +46,19 @@ class StepBatchError(FerryError):
 
 
 class StepExecutor:
-    def __init__(self, model, pools: Pools, spec: ModelSpec, plan: Plan, device: torch.device | str,
-                 sampler_seed: int | None = None, store: ExpertStore | None = None,
-                 graphs: DecodeGraphs | None = None, tokenizer_dir=None, eos_token_ids: tuple[int, ...] = ()):  # fmt: skip
+    def __init__(
+        self,
+        model,
+        pools: Pools,
+        spec: ModelSpec,
+        plan: Plan,
+        device: torch.device | str,
+        sampler_seed: int | None = None,
+        store: ExpertStore | None = None,
+        graphs: DecodeGraphs | None = None,
+        tokenizer_dir=None,
+        eos_token_ids: tuple[int, ...] = (),
+    ):
         """`store`: the model's expert store, told when each step ends and asked for its statistics;
         `graphs`: the captured decode graphs (CUDA), or None to run every step eagerly; `tokenizer_dir`:
         where the model's tokenizer is, for requests with a grammar (structured outputs)."""
@@ -59,7 +69,9 @@ class StepExecutor:
         self.spec = spec
         self.plan = plan
         self.device = torch.device(device)
-        grammar_tokenizer = None if tokenizer_dir is None else tokenizer_factory(tokenizer_dir, spec.vocab_size, eos_token_ids)
+        grammar_tokenizer = (
+            None if tokenizer_dir is None else tokenizer_factory(tokenizer_dir, spec.vocab_size, eos_token_ids)
+        )
         self.sampler = Sampler(spec.vocab_size, self.device, seed=sampler_seed, grammar_tokenizer=grammar_tokenizer)
         self._last_sampled: tuple | None = None  # (req ids, device tokens) the last launched step sampled
         # FERRY_STEP_TRACE (the worker sets it): time each step on the device, and the device's idle time before it
@@ -83,9 +95,16 @@ class StepExecutor:
         sample_mask = batch.sample.astype(bool)
         sampled_ids = np.asarray(batch.req_ids, dtype=np.int64)[sample_mask]
         if len(batch.req_ids) == 0:
-            return _Launched(batch, sampled_ids, output=StepOutput(
-                step_id=batch.step_id, req_ids=sampled_ids, token_ids=np.zeros(0, np.int32),
-                logprobs=np.zeros(0, np.float32)))  # fmt: skip
+            return _Launched(
+                batch,
+                sampled_ids,
+                output=StepOutput(
+                    step_id=batch.step_id,
+                    req_ids=sampled_ids,
+                    token_ids=np.zeros(0, np.int32),
+                    logprobs=np.zeros(0, np.float32),
+                ),
+            )
         bucket = self.graphs.bucket_for(batch) if self.graphs is not None else None
         prompt_rows = batch.prompt_logprobs is not None and bool(np.asarray(batch.prompt_logprobs).any())
         prompt_parts: list = []
@@ -139,22 +158,43 @@ class StepExecutor:
         """Wait for a launched step's results and build its StepOutput (steps finish in launch order)."""
         if launched.output is not None:
             return launched.output
-        batch, sampled_ids, top, prompt_parts = launched.batch, launched.sampled_ids, launched.top, launched.prompt_parts
+        batch, sampled_ids, top, prompt_parts = (
+            launched.batch,
+            launched.sampled_ids,
+            launched.top,
+            launched.prompt_parts,
+        )
         token_ids, logprobs, *extra = _wait_for_host(*launched.copies)
         if launched.timing is not None:
             start, end, before = launched.timing  # before: the previous step's end, done before this one began
             end.synchronize()  # recorded just after the results' copy
-            launched.device_times = (start.elapsed_time(end), before.elapsed_time(start) if before is not None else None)
+            launched.device_times = (
+                start.elapsed_time(end),
+                before.elapsed_time(start) if before is not None else None,
+            )
         self.sampler.record(sampled_ids.tolist(), token_ids.tolist())
         sampled_lps = ()
         if top is not None:
             sampled_lps, extra = self._sampled_logprobs(sampled_ids, top[0], extra[:3]), extra[3:]
-        prompt_lps = tuple(Logprobs(req_id=rid, start=start, token_logprobs=extra[3 * j],
-                                    top_ids=extra[3 * j + 1][:, :k], top_logprobs=extra[3 * j + 2][:, :k])
-                           for j, (rid, start, k, _) in enumerate(prompt_parts))  # fmt: skip
-        output = StepOutput(step_id=batch.step_id, req_ids=sampled_ids, token_ids=token_ids, logprobs=logprobs,
-                            sampled_logprobs=sampled_lps, prompt_logprobs=prompt_lps,
-                            grammar_failures=self.sampler.grammar_failures(sampled_ids.tolist()))  # fmt: skip
+        prompt_lps = tuple(
+            Logprobs(
+                req_id=rid,
+                start=start,
+                token_logprobs=extra[3 * j],
+                top_ids=extra[3 * j + 1][:, :k],
+                top_logprobs=extra[3 * j + 2][:, :k],
+            )
+            for j, (rid, start, k, _) in enumerate(prompt_parts)
+        )
+        output = StepOutput(
+            step_id=batch.step_id,
+            req_ids=sampled_ids,
+            token_ids=token_ids,
+            logprobs=logprobs,
+            sampled_logprobs=sampled_lps,
+            prompt_logprobs=prompt_lps,
+            grammar_failures=self.sampler.grammar_failures(sampled_ids.tolist()),
+        )
         if self.store is not None:  # after the results reached the host: the step's work is done
             decode = batch.prompt_logprobs is None and bool((batch.query_lens == 1).all())
             self.store.end_step(synced=True, decode_tokens=len(batch.query_lens) if decode else None)
@@ -168,8 +208,15 @@ class StepExecutor:
             state = self.sampler.requests[rid]
             k = state.params.logprobs
             position = len(state.known_tokens) + len(state.output_token_ids) - 1  # the token just recorded
-            out.append(Logprobs(req_id=rid, start=position, token_logprobs=token_lps[j : j + 1],
-                                top_ids=top_ids[j : j + 1, :k], top_logprobs=top_lps[j : j + 1, :k]))  # fmt: skip
+            out.append(
+                Logprobs(
+                    req_id=rid,
+                    start=position,
+                    token_logprobs=token_lps[j : j + 1],
+                    top_ids=top_ids[j : j + 1, :k],
+                    top_logprobs=top_lps[j : j + 1, :k],
+                )
+            )
         return tuple(out)
 
     def _prompt_logprobs(self, batch: StepBatch, hidden: torch.Tensor) -> list:
@@ -195,17 +242,23 @@ class StepExecutor:
         rows = to_device(token_rows, torch.int64, self.device)
         wanted = to_device(targets, torch.int64, self.device)
         slice_rows = max(1, self.plan.max_running_requests)
-        pieces = [log_softmax_top(self.model.logits(hidden[rows[a : a + slice_rows]]), wanted[a : a + slice_rows], k)
-                  for a in range(0, len(token_rows), slice_rows)]  # fmt: skip
+        pieces = [
+            log_softmax_top(self.model.logits(hidden[rows[a : a + slice_rows]]), wanted[a : a + slice_rows], k)
+            for a in range(0, len(token_rows), slice_rows)
+        ]
         token_lps, top_ids, top_lps = (torch.cat(t) for t in zip(*pieces))
-        return [(rid, start, kk, [token_lps[a : a + n], top_ids[a : a + n], top_lps[a : a + n]])
-                for rid, start, kk, a, n in parts]  # fmt: skip
+        return [
+            (rid, start, kk, [token_lps[a : a + n], top_ids[a : a + n], top_lps[a : a + n]])
+            for rid, start, kk, a, n in parts
+        ]
 
     def _restore_states(self, batch: StepBatch) -> None:
         """Before the forward: each restoring row's linear-state slot takes its snapshot (already checked)."""
         if batch.restore_state is not None:
             rows = np.flatnonzero(batch.restore_state >= 0)
-            self.pools.linear_state.restore([(int(batch.restore_state[i]), int(batch.linear_state_slots[i])) for i in rows])
+            self.pools.linear_state.restore(
+                [(int(batch.restore_state[i]), int(batch.linear_state_slots[i])) for i in rows]
+            )
 
     def _save_states(self, batch: StepBatch) -> None:
         """After the forward: each saving row's snapshot takes the state at the end of the row's chunk (rows
@@ -230,8 +283,10 @@ class StepExecutor:
             rid = int(batch.req_ids[i])
             state = self.sampler.requests.get(rid)
             if rid not in where or state is None or state.params.reads_its_output:
-                raise StepBatchError(f"step {batch.step_id}: request {rid} is fed a token it did not sample in the "
-                                     "step just before, or its sampling reads its own output")  # fmt: skip
+                raise StepBatchError(
+                    f"step {batch.step_id}: request {rid} is fed a token it did not sample in the "
+                    "step just before, or its sampling reads its own output"
+                )
             sources[i] = where[rid]
         return sources
 
@@ -242,8 +297,11 @@ class StepExecutor:
         not wait behind 32 experts for its inputs) and overlap the first layer's attention."""
         fb = self._forward_batch(batch, previous, feed_src)
         if self.store is not None:
-            self.store.begin_step(int(fb.tokens.shape[0]), self.spec.num_experts_per_tok,
-                                  long_context=is_long_context(batch.query_lens, batch.context_lens))  # fmt: skip
+            self.store.begin_step(
+                int(fb.tokens.shape[0]),
+                self.spec.num_experts_per_tok,
+                long_context=is_long_context(batch.query_lens, batch.context_lens),
+            )
         return fb
 
     def _forward_batch(self, batch: StepBatch, previous: tuple | None, feed_src: np.ndarray | None) -> ForwardBatch:
@@ -279,11 +337,16 @@ class StepExecutor:
         plan's limits, token ids, page and slot ids, announced requests): an out-of-range page or slot
         would corrupt another request's state, an unknown token or request would fail the step later."""
         p = self.plan
-        limits = StepLimits(kv_pages=p.kv.pages, page_size=p.kv.page_size,
-                            linear_state_slots=p.linear_state.slots if self.spec.linear_attention_layers else 0,
-                            max_running_requests=p.max_running_requests, max_prefill_tokens=p.max_prefill_tokens,
-                            max_model_len=p.max_model_len, vocab_size=self.spec.vocab_size,
-                            linear_state_snapshots=self._snapshot_count())  # fmt: skip
+        limits = StepLimits(
+            kv_pages=p.kv.pages,
+            page_size=p.kv.page_size,
+            linear_state_slots=p.linear_state.slots if self.spec.linear_attention_layers else 0,
+            max_running_requests=p.max_running_requests,
+            max_prefill_tokens=p.max_prefill_tokens,
+            max_model_len=p.max_model_len,
+            vocab_size=self.spec.vocab_size,
+            linear_state_snapshots=self._snapshot_count(),
+        )
         problems = step_problems(batch, limits, self.sampler.requests)
         if problems:
             raise StepBatchError(f"step {batch.step_id}: " + "; ".join(problems))

@@ -3,10 +3,27 @@ store's cumulative report taken before and after: counters are differences, the 
 
 from __future__ import annotations
 
-COUNTERS = ("hits", "misses", "bytes_copied", "copy_time_s", "exposed_copy_time_s", "steps", "prefetched",
-            "prefetch_useful", "prefetch_wasted")
-STEP_FIELDS = ("hits", "misses", "bytes_copied", "copy_time_s", "exposed_copy_time_s", "prefetched",
-               "prefetch_useful", "prefetch_wasted")
+COUNTERS = (
+    "hits",
+    "misses",
+    "bytes_copied",
+    "copy_time_s",
+    "exposed_copy_time_s",
+    "steps",
+    "prefetched",
+    "prefetch_useful",
+    "prefetch_wasted",
+)
+STEP_FIELDS = (
+    "hits",
+    "misses",
+    "bytes_copied",
+    "copy_time_s",
+    "exposed_copy_time_s",
+    "prefetched",
+    "prefetch_useful",
+    "prefetch_wasted",
+)
 
 
 def report_delta(before: dict, after: dict) -> dict:

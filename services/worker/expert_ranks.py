@@ -25,9 +25,9 @@ import contextlib
 import datetime
 import os
 import pickle
+import shutil
 import subprocess
 import sys
-import shutil
 import tempfile
 import threading
 from dataclasses import dataclass
@@ -38,8 +38,8 @@ import torch
 import torch.distributed as dist
 
 from ferry.services.worker.executor import StepBatchError
-from ferry.shared.errors import ConfigError
 from ferry.shared.child_process import die_with_parent
+from ferry.shared.errors import ConfigError
 
 log = structlog.get_logger("worker.ranks")
 
@@ -64,22 +64,40 @@ class RankGroup:
 def check_rank_devices(device: str, world: int) -> None:
     """ConfigError unless `world` ranks can each have a device: the CPU, or one visible GPU each."""
     if device.startswith("cuda:"):
-        raise ConfigError(f"--device {device} with --expert-parallel-size {world}: the ranks take the first {world} "
-                          "visible GPUs; give --device cuda and choose them with CUDA_VISIBLE_DEVICES")  # fmt: skip
+        raise ConfigError(
+            f"--device {device} with --expert-parallel-size {world}: the ranks take the first {world} "
+            "visible GPUs; give --device cuda and choose them with CUDA_VISIBLE_DEVICES"
+        )
     if device in ("auto", "cuda") and torch.cuda.is_available() and torch.cuda.device_count() < world:
-        raise ConfigError(f"--expert-parallel-size {world} needs {world} GPUs, and {torch.cuda.device_count()} "
-                          "are visible (CUDA_VISIBLE_DEVICES)")  # fmt: skip
+        raise ConfigError(
+            f"--expert-parallel-size {world} needs {world} GPUs, and {torch.cuda.device_count()} "
+            "are visible (CUDA_VISIBLE_DEVICES)"
+        )
 
 
-PLAN_FIGURES = ("kv pages", "page size", "linear-state slots", "linear-state snapshots", "max running requests",
-                "max prefill tokens", "max model len")  # fmt: skip
+PLAN_FIGURES = (
+    "kv pages",
+    "page size",
+    "linear-state slots",
+    "linear-state snapshots",
+    "max running requests",
+    "max prefill tokens",
+    "max model len",
+)
 
 
 def plan_figures(plan) -> tuple[int, ...]:
     """What every rank's plan must agree on: the scheduler plans steps by rank 0's, and a step another rank's
     plan cannot hold would fail there alone, leaving the ranks' collectives unpaired."""
-    return (plan.kv.pages, plan.kv.page_size, plan.linear_state.slots, plan.linear_state_snapshots.snapshots,
-            plan.max_running_requests, plan.max_prefill_tokens, plan.max_model_len)  # fmt: skip
+    return (
+        plan.kv.pages,
+        plan.kv.page_size,
+        plan.linear_state.slots,
+        plan.linear_state_snapshots.snapshots,
+        plan.max_running_requests,
+        plan.max_prefill_tokens,
+        plan.max_model_len,
+    )
 
 
 def check_same_plans(group: RankGroup, plan) -> None:
@@ -88,9 +106,11 @@ def check_same_plans(group: RankGroup, plan) -> None:
     dist.all_gather_object(figures, plan_figures(plan), group=group.control)
     if len(set(figures)) > 1:
         differ = [name for i, name in enumerate(PLAN_FIGURES) if len({f[i] for f in figures}) > 1]
-        raise ConfigError(f"the {group.world} expert-parallel ranks planned different pools ({', '.join(differ)}: "
-                          f"{[dict(zip(PLAN_FIGURES, f)) for f in figures]}); fix them with --num-pages, "
-                          "--max-running-requests and --max-prefill-tokens")  # fmt: skip
+        raise ConfigError(
+            f"the {group.world} expert-parallel ranks planned different pools ({', '.join(differ)}: "
+            f"{[dict(zip(PLAN_FIGURES, f)) for f in figures]}); fix them with --num-pages, "
+            "--max-running-requests and --max-prefill-tokens"
+        )
 
 
 def init_group(rank: int, world: int, rendezvous: str, device: torch.device) -> object:
@@ -108,8 +128,9 @@ def init_group(rank: int, world: int, rendezvous: str, device: torch.device) -> 
     return dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
 
 
-def start_followers(world: int, worker_flags: list[str], sampler_seed: int,
-                    host_available: int | None = None) -> tuple[list[subprocess.Popen], str]:  # fmt: skip
+def start_followers(
+    world: int, worker_flags: list[str], sampler_seed: int, host_available: int | None = None
+) -> tuple[list[subprocess.Popen], str]:
     """Rank 0: start ranks 1..world-1 (`ferry worker-rank`) with the worker's own flags, its sampler's seed
     and the host's MemAvailable as it read it (`host_available`, None: unknown); returns them and the
     rendezvous file rank 0 joins too."""
@@ -119,8 +140,10 @@ def start_followers(world: int, worker_flags: list[str], sampler_seed: int,
     env = {**os.environ, SEED_ENV: str(sampler_seed)}  # not on the command line, which any local user reads
     if host_available is not None:
         env[HOST_AVAILABLE_ENV] = str(host_available)
-    followers = [subprocess.Popen([*cmd, "--expert-parallel-rank", str(r)], env=env,
-                                  preexec_fn=die_with_parent(os.getpid())) for r in range(1, world)]  # fmt: skip
+    followers = [
+        subprocess.Popen([*cmd, "--expert-parallel-rank", str(r)], env=env, preexec_fn=die_with_parent(os.getpid()))
+        for r in range(1, world)
+    ]
     log.info("expert_parallel_followers", world=world, pids=[p.pid for p in followers])
     return followers, rendezvous
 

@@ -32,11 +32,20 @@ def is_long_context(query_lens, context_lens) -> bool:
 class ExpertStore(Protocol):
     num_experts: int
 
-    def load_expert(self, moe_layer: int, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+    def load_expert(
+        self, moe_layer: int, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
+    ) -> None:
         """Take one expert's weights: gate and up [I, H], down [H, I] (checkpoint layout)."""
 
-    def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                n_rows: torch.Tensor | None = None, summed: bool = True) -> torch.Tensor | ExpertRows:  # fmt: skip
+    def forward(
+        self,
+        moe_layer: int,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        n_rows: torch.Tensor | None = None,
+        summed: bool = True,
+    ) -> torch.Tensor | ExpertRows:
         """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) for every token t; [T, H] in x's dtype.
         `n_rows` (int32 [1] on the device): rows past it are padding, whose output is never read
         and whose experts must not be fetched or counted. `summed=False`: the store may return its

@@ -11,10 +11,10 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from ferry.shared.model_flag import add_model_argument
 from ferry.plan.expert_parallel import add_expert_parallel_flags, expert_parallel_size
 from ferry.plan.planner import PlanRequest
 from ferry.plan.planner_flags import BYTE_FIELDS, PLANNER_FIELDS, add_planner_flags, plan_request_from_args
+from ferry.shared.model_flag import add_model_argument
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 EXPERT_POLICIES = ("lfu", "lru")  # the names offload/build.py's POLICIES maps to classes
@@ -43,8 +43,10 @@ def ring_chunk(requested: int | None, flag: str, staging_slots: int | None = Non
     if requested < 1:
         raise ValueError(f"{flag} must be at least 1 expert, got {requested}")
     if staging_slots is not None and requested > staging_slots:
-        raise ValueError(f"{flag} {requested}: a ring chunk must fit the plan's {staging_slots} prefill staging "
-                         f"slots (give at most {staging_slots})")  # fmt: skip
+        raise ValueError(
+            f"{flag} {requested}: a ring chunk must fit the plan's {staging_slots} prefill staging "
+            f"slots (give at most {staging_slots})"
+        )
     return requested
 
 
@@ -68,9 +70,15 @@ class WorkerBootConfig:
     expert_policy: str = DEFAULT_EXPERT_POLICY
     enforce_eager: bool = False  # never replay decode steps as CUDA graphs
     expert_prefetch: bool = True  # copy the next MoE layer's predicted experts ahead
-    expert_copy_engine_tokens: int | None = None  # decode steps of this many tokens or more copy with the copy engine; None: by bank format
-    prefill_ring_chunk: int | None = None  # experts a staging-ring chunk holds in a streamed step; None: a quarter of the staging slots
-    long_prefill_ring_chunk: int | None = None  # the same in a long-context prefill step (it lends slots); None: prefill_ring_chunk's
+    expert_copy_engine_tokens: int | None = (
+        None  # decode steps of this many tokens or more copy with the copy engine; None: by bank format
+    )
+    prefill_ring_chunk: int | None = (
+        None  # experts a staging-ring chunk holds in a streamed step; None: a quarter of the staging slots
+    )
+    long_prefill_ring_chunk: int | None = (
+        None  # the same in a long-context prefill step (it lends slots); None: prefill_ring_chunk's
+    )
     plan: PlanRequest = PlanRequest()
     expert_parallel_size: int = 1  # ranks the routed experts are partitioned over (services/worker/expert_ranks.py)
     expert_parallel_rank: int = 0  # this process's rank: 0 talks to the scheduler, the others follow it
@@ -82,7 +90,9 @@ class WorkerBootConfig:
 MODEL_HELP = "a Hugging Face model directory, or a hub id already in the local cache"
 
 
-def add_worker_flags(parser: argparse.ArgumentParser, model_required: bool = True, positional_model: bool = False) -> None:
+def add_worker_flags(
+    parser: argparse.ArgumentParser, model_required: bool = True, positional_model: bool = False
+) -> None:
     """Every flag WorkerBootConfig is built from. The model: `--model`, required (`ferry worker`); with
     `positional_model`, MODEL or --model (`ferry generate`; shared/model_flag.py, the command calls
     require_model); with `model_required=False` none: the caller adds it (`ferry serve`: the demo model)."""
@@ -91,33 +101,62 @@ def add_worker_flags(parser: argparse.ArgumentParser, model_required: bool = Tru
     elif model_required:
         parser.add_argument("--model", required=True, help=MODEL_HELP)
     parser.add_argument("--revision", default=None, help="hub revision (branch, tag or commit) of a hub id")
-    parser.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
-                        help="auto/safetensors: read the checkpoint; dummy: random weights of the right shapes")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto: cuda if available, else cpu)")
-    parser.add_argument("--expert-policy", choices=EXPERT_POLICIES, default=DEFAULT_EXPERT_POLICY,
-                        help=EXPERT_POLICY_HELP)  # fmt: skip
-    parser.add_argument("--enforce-eager", action="store_true",
-                        help="never replay decode steps as CUDA graphs (by default a graph per batch-size bucket "
-                             "is captured at boot and small decode steps replay it)")  # fmt: skip
-    parser.add_argument("--no-expert-prefetch", dest="expert_prefetch", action="store_false",
-                        help="do not copy the next MoE layer's predicted experts ahead (its router applied to the "
-                             "current layer's input); only what a layer's own routing misses crosses PCIe")  # fmt: skip
-    parser.add_argument("--expert-copy-engine-tokens", type=int, default=None, metavar="N",
-                        help="decode steps of at least N tokens read each layer's miss list on the host and run "
-                             "eagerly, copying with the copy engine (plain banks) or the unpacking kernel (packed); "
-                             "smaller ones copy with the GPU's cores inside a CUDA graph; a prefill of N+ tokens, and "
-                             "any step past 64 (token, k) pairs, takes the host-read path too (default: "
-                             f"{DEFAULT_COPY_ENGINE_TOKENS} with plain bf16 banks, none with packed or quantized ones)")  # fmt: skip
-    parser.add_argument("--prefill-ring-chunk", type=int, default=None, metavar="N",
-                        help="experts a staging-ring chunk copies and computes in a streamed prefill step (the "
-                             "experts it lacks cross PCIe through the prefill staging slots in chunks, each computed "
-                             "as it lands): larger chunks pay the host's launches fewer times, smaller ones leave more "
-                             "bays to overlap copies with compute; at most the plan's staging slots (default: a "
-                             "quarter of them, four bays)")  # fmt: skip
-    parser.add_argument("--long-prefill-ring-chunk", type=int, default=None, metavar="N",
-                        help="the same in a long-context prefill step (one that lends the ring cache slots: a chunk "
-                             "of 1,024+ tokens reaching 32k keys, with room for many bays); default: "
-                             "--prefill-ring-chunk's")  # fmt: skip
+    parser.add_argument(
+        "--load-format",
+        choices=LOAD_FORMATS,
+        default="auto",
+        help="auto/safetensors: read the checkpoint; dummy: random weights of the right shapes",
+    )
+    parser.add_argument(
+        "--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto: cuda if available, else cpu)"
+    )
+    parser.add_argument(
+        "--expert-policy", choices=EXPERT_POLICIES, default=DEFAULT_EXPERT_POLICY, help=EXPERT_POLICY_HELP
+    )
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="never replay decode steps as CUDA graphs (by default a graph per batch-size bucket "
+        "is captured at boot and small decode steps replay it)",
+    )
+    parser.add_argument(
+        "--no-expert-prefetch",
+        dest="expert_prefetch",
+        action="store_false",
+        help="do not copy the next MoE layer's predicted experts ahead (its router applied to the "
+        "current layer's input); only what a layer's own routing misses crosses PCIe",
+    )
+    parser.add_argument(
+        "--expert-copy-engine-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="decode steps of at least N tokens read each layer's miss list on the host and run "
+        "eagerly, copying with the copy engine (plain banks) or the unpacking kernel (packed); "
+        "smaller ones copy with the GPU's cores inside a CUDA graph; a prefill of N+ tokens, and "
+        "any step past 64 (token, k) pairs, takes the host-read path too (default: "
+        f"{DEFAULT_COPY_ENGINE_TOKENS} with plain bf16 banks, none with packed or quantized ones)",
+    )
+    parser.add_argument(
+        "--prefill-ring-chunk",
+        type=int,
+        default=None,
+        metavar="N",
+        help="experts a staging-ring chunk copies and computes in a streamed prefill step (the "
+        "experts it lacks cross PCIe through the prefill staging slots in chunks, each computed "
+        "as it lands): larger chunks pay the host's launches fewer times, smaller ones leave more "
+        "bays to overlap copies with compute; at most the plan's staging slots (default: a "
+        "quarter of them, four bays)",
+    )
+    parser.add_argument(
+        "--long-prefill-ring-chunk",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the same in a long-context prefill step (one that lends the ring cache slots: a chunk "
+        "of 1,024+ tokens reaching 32k keys, with room for many bays); default: "
+        "--prefill-ring-chunk's",
+    )
     add_planner_flags(parser)
     add_expert_parallel_flags(parser)
 
@@ -125,18 +164,33 @@ def add_worker_flags(parser: argparse.ArgumentParser, model_required: bool = Tru
 def boot_config_from_args(args: argparse.Namespace, model: str | None = None) -> WorkerBootConfig:
     """The frozen configuration; `model` replaces --model (serve resolves the demo model first)."""
     return WorkerBootConfig(
-        model=model if model is not None else args.model, revision=args.revision, load_format=args.load_format,
-        device=args.device, expert_policy=args.expert_policy, enforce_eager=args.enforce_eager,
-        expert_prefetch=args.expert_prefetch, expert_copy_engine_tokens=args.expert_copy_engine_tokens,
-        prefill_ring_chunk=args.prefill_ring_chunk, long_prefill_ring_chunk=args.long_prefill_ring_chunk,
-        plan=plan_request_from_args(args), expert_parallel_size=expert_parallel_size(args),
-    )  # fmt: skip
+        model=model if model is not None else args.model,
+        revision=args.revision,
+        load_format=args.load_format,
+        device=args.device,
+        expert_policy=args.expert_policy,
+        enforce_eager=args.enforce_eager,
+        expert_prefetch=args.expert_prefetch,
+        expert_copy_engine_tokens=args.expert_copy_engine_tokens,
+        prefill_ring_chunk=args.prefill_ring_chunk,
+        long_prefill_ring_chunk=args.long_prefill_ring_chunk,
+        plan=plan_request_from_args(args),
+        expert_parallel_size=expert_parallel_size(args),
+    )
 
 
 def worker_flag_args(cfg: WorkerBootConfig) -> list[str]:
     """The command line that rebuilds `cfg` in another process (ferry serve -> ferry worker)."""
-    out = ["--model", cfg.model, "--load-format", cfg.load_format, "--device", cfg.device,
-           "--expert-policy", cfg.expert_policy]  # fmt: skip
+    out = [
+        "--model",
+        cfg.model,
+        "--load-format",
+        cfg.load_format,
+        "--device",
+        cfg.device,
+        "--expert-policy",
+        cfg.expert_policy,
+    ]
     if cfg.revision is not None:
         out += ["--revision", cfg.revision]
     if cfg.enforce_eager:

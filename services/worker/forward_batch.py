@@ -8,9 +8,9 @@ import numpy as np
 import torch
 
 from ferry.plan.costs import MIXER_SLICE_TOKENS
+from ferry.services.worker.mixer_slices import mixer_slices
 from ferry.shared.step import StepBatch
 from ferry.shared.units import round_up
-from ferry.services.worker.mixer_slices import mixer_slices
 
 # Every packed array starts on a 16-byte boundary: Triton specialises pointer arguments on 16-byte
 # alignment, so an 8-byte layout would make the alignment of (say) `positions` depend on the step's
@@ -68,8 +68,15 @@ class ForwardBatch:
         return int(self.tokens.shape[0])
 
     @classmethod
-    def from_step(cls, step: StepBatch, page_size: int, device: torch.device | str, pad_to: int | None = None,
-                  max_pages: int | None = None, into: torch.Tensor | None = None) -> "ForwardBatch":  # fmt: skip
+    def from_step(
+        cls,
+        step: StepBatch,
+        page_size: int,
+        device: torch.device | str,
+        pad_to: int | None = None,
+        max_pages: int | None = None,
+        into: torch.Tensor | None = None,
+    ) -> "ForwardBatch":
         """The step's tensors on `device`. For a CUDA graph's fixed shapes (decode steps only:
         one token per request), `pad_to` rows and `max_pages` page-table columns, written `into`
         the graph's static input buffer (its layout is the same for every step of that shape).
@@ -87,22 +94,36 @@ class ForwardBatch:
         slot_mapping = pages * page_size + positions % page_size
         logits_rows = (qstart[1:] - 1)[step.sample.astype(bool)]
         arrays = dict(
-            tokens=(step.tokens, np.int64), positions=(positions, np.int64), slot_mapping=(slot_mapping, np.int64),
-            state_slots=(step.linear_state_slots, np.int64), logits_rows=(logits_rows, np.int64),
-            query_start=(qstart, np.int32), query_lens=(qlens, np.int32), context_lens=(clens, np.int32),
-            page_table=(step.page_table, np.int32), token_request=(req_of_token, np.int32),
-            reset_state=(step.reset_linear_state, np.bool_), real_tokens=(np.array([qstart[-1]]), np.int32),
-        )  # fmt: skip
+            tokens=(step.tokens, np.int64),
+            positions=(positions, np.int64),
+            slot_mapping=(slot_mapping, np.int64),
+            state_slots=(step.linear_state_slots, np.int64),
+            logits_rows=(logits_rows, np.int64),
+            query_start=(qstart, np.int32),
+            query_lens=(qlens, np.int32),
+            context_lens=(clens, np.int32),
+            page_table=(step.page_table, np.int32),
+            token_request=(req_of_token, np.int32),
+            reset_state=(step.reset_linear_state, np.bool_),
+            real_tokens=(np.array([qstart[-1]]), np.int32),
+        )
         rows = len(qlens)
         if pad_to is not None:
             arrays = _padded_decode(arrays, rows, pad_to, max_pages)
             rows = pad_to
         pad = rows - len(qlens)
-        inside = tuple((int(i), int(step.save_offset[i]), int(step.save_state[i])) for i in np.flatnonzero(step.saved_inside()))
+        inside = tuple(
+            (int(i), int(step.save_offset[i]), int(step.save_state[i])) for i in np.flatnonzero(step.saved_inside())
+        )
         if inside and pad_to is not None:
             raise ValueError("a decode graph's step saves no state inside a row (one token a row)")
-        slices = () if pad_to is not None else tuple(
-            (a, b, cls.from_step(part, page_size, device)) for a, b, part in mixer_slices(step, MIXER_SLICE_TOKENS))
+        slices = (
+            ()
+            if pad_to is not None
+            else tuple(
+                (a, b, cls.from_step(part, page_size, device)) for a, b, part in mixer_slices(step, MIXER_SLICE_TOKENS)
+            )
+        )
         return cls(
             **_to_device_in_one_copy(arrays, torch.device(device), into),
             sample_mask=np.concatenate([step.sample.astype(bool), np.ones(pad, bool)]),
@@ -120,8 +141,10 @@ def _padded_decode(arrays: dict, rows: int, pad_to: int, max_pages: int) -> dict
     """A decode step's arrays (one token per request, every request sampling) padded to
     `pad_to` rows and a `max_pages`-wide page table."""
     if rows > pad_to or arrays["page_table"][0].shape[1] > max_pages:
-        raise ValueError(f"a step of {rows} requests and {arrays['page_table'][0].shape[1]} pages does not fit "
-                         f"a graph of {pad_to} rows and {max_pages} pages")  # fmt: skip
+        raise ValueError(
+            f"a step of {rows} requests and {arrays['page_table'][0].shape[1]} pages does not fit "
+            f"a graph of {pad_to} rows and {max_pages} pages"
+        )
     if int(arrays["query_start"][0][-1]) != rows or len(arrays["logits_rows"][0]) != rows:
         raise ValueError("only decode steps (one token per request, every request sampling) are padded")
     extra = pad_to - rows
@@ -129,8 +152,11 @@ def _padded_decode(arrays: dict, rows: int, pad_to: int, max_pages: int) -> dict
     def tail(a, value=0):
         return np.concatenate([np.asarray(a), np.full(extra, value, dtype=np.asarray(a).dtype)])
 
-    out = {name: (tail(a), dt) for name, (a, dt) in arrays.items()
-           if name in ("tokens", "positions", "slot_mapping", "state_slots", "context_lens", "reset_state")}  # fmt: skip
+    out = {
+        name: (tail(a), dt)
+        for name, (a, dt) in arrays.items()
+        if name in ("tokens", "positions", "slot_mapping", "state_slots", "context_lens", "reset_state")
+    }
     out["query_lens"] = (np.ones(pad_to, np.int64), np.int32)
     out["query_start"] = (np.arange(pad_to + 1), np.int32)
     out["token_request"] = (np.arange(pad_to), np.int32)
@@ -143,8 +169,9 @@ def _padded_decode(arrays: dict, rows: int, pad_to: int, max_pages: int) -> dict
     return {name: out[name] for name in arrays}  # the same order, so the same layout every step
 
 
-def _to_device_in_one_copy(arrays: dict[str, tuple[np.ndarray, type]], device: torch.device,
-                           into: torch.Tensor | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+def _to_device_in_one_copy(
+    arrays: dict[str, tuple[np.ndarray, type]], device: torch.device, into: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
     """{name: device tensor} for {name: (array, numpy dtype)}: packed into one byte buffer (each
     array at an offset aligned to PACK_ALIGN bytes), copied once, into `into` when given (it must
     have exactly the packed size)."""

@@ -55,7 +55,9 @@ class GrammarSet:
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32
         self.device = device
-        self._bits: torch.Tensor | None = None  # made on first use: a worker that never sees a grammar allocates nothing
+        self._bits: torch.Tensor | None = (
+            None  # made on first use: a worker that never sees a grammar allocates nothing
+        )
         self._pristine: OrderedDict[str, object] = OrderedDict()  # grammar text -> a matcher that consumed nothing
 
     def matcher(self, grammar: str):

@@ -34,11 +34,20 @@ class LateBoundExperts:
             raise RuntimeError("the expert store is not bound yet: experts are used before boot allocated their pool")
         return self._store
 
-    def load_expert(self, moe_layer: int, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+    def load_expert(
+        self, moe_layer: int, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
+    ) -> None:
         self.store.load_expert(moe_layer, expert, gate, up, down)
 
-    def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                n_rows: torch.Tensor | None = None, summed: bool = True) -> torch.Tensor | ExpertRows:  # fmt: skip
+    def forward(
+        self,
+        moe_layer: int,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        n_rows: torch.Tensor | None = None,
+        summed: bool = True,
+    ) -> torch.Tensor | ExpertRows:
         return self.store.forward(moe_layer, x, topk_ids, topk_weights, n_rows=n_rows, summed=summed)
 
     def count_step_on_device(self) -> None:
@@ -52,6 +61,13 @@ class SharedLayerExperts(ResidentExperts):
     def __init__(self, slots: ExpertSlotPool, num_experts: int):
         super().__init__(slots, 1, num_experts)
 
-    def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                n_rows: torch.Tensor | None = None, summed: bool = True) -> torch.Tensor | ExpertRows:  # fmt: skip
+    def forward(
+        self,
+        moe_layer: int,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        n_rows: torch.Tensor | None = None,
+        summed: bool = True,
+    ) -> torch.Tensor | ExpertRows:
         return super().forward(0, x, topk_ids, topk_weights, n_rows=n_rows, summed=summed)

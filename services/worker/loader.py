@@ -14,12 +14,17 @@ from pathlib import Path
 
 import torch
 
-from ferry.shared.errors import ConfigError, ModelLoadError
 from ferry.plan.model_config import ModelSpec, load_model_config
-from ferry.services.worker.checkpoint import checkpoint_files, iter_checkpoint_tensors, resident_tensor, routed_expert_tensor
+from ferry.services.worker.checkpoint import (
+    checkpoint_files,
+    iter_checkpoint_tensors,
+    resident_tensor,
+    routed_expert_tensor,
+)
 from ferry.services.worker.dummy_weights import iter_dummy_tensors
 from ferry.services.worker.flags import LOAD_FORMATS
 from ferry.services.worker.model_source import resolve_model_dir
+from ferry.shared.errors import ConfigError, ModelLoadError
 
 
 @dataclass(frozen=True)
@@ -45,16 +50,18 @@ def open_model(model: str, load_format: str = "auto", revision: str | None = Non
     return ModelFiles(model_dir, spec, "safetensors")
 
 
-def resident_weights(files: ModelFiles, dtype: torch.dtype, device: torch.device | str,
-                     progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+def resident_weights(
+    files: ModelFiles, dtype: torch.dtype, device: torch.device | str, progress: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Everything that stays on the GPU: embeddings, attention, norms, routers, shared experts, lm_head."""
     if files.load_format == "dummy":
         return iter_dummy_tensors(files.spec, dtype, device, routed_experts=False, progress=progress)
     return iter_checkpoint_tensors(files.model_dir, resident_tensor, "loading weights", progress)
 
 
-def routed_expert_weights(files: ModelFiles, dtype: torch.dtype, device: torch.device | str,
-                          progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+def routed_expert_weights(
+    files: ModelFiles, dtype: torch.dtype, device: torch.device | str, progress: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Every routed expert's tensors, for the expert store (slots, or host banks when offloading)."""
     if files.load_format == "dummy":
         return iter_dummy_tensors(files.spec, dtype, device, routed_experts=True, progress=progress)

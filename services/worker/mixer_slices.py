@@ -89,6 +89,11 @@ def _slice(step: StepBatch, a: int, b: int) -> StepBatch:
         linear_state_slots=np.asarray(step.linear_state_slots)[rows],
         reset_linear_state=np.asarray(step.reset_linear_state)[rows] & (starts[rows] >= a),
         sample=np.zeros(len(rows), dtype=bool),
-        new_requests=(), finished_req_ids=(), prompt_logprobs=None, feed_sampled=None,
-        restore_state=None, save_state=save_state, save_offset=save_offset,
-    )  # fmt: skip
+        new_requests=(),
+        finished_req_ids=(),
+        prompt_logprobs=None,
+        feed_sampled=None,
+        restore_state=None,
+        save_state=save_state,
+        save_offset=save_offset,
+    )

@@ -57,9 +57,7 @@ def _from_hub_cache(repo_id: str, revision: str | None) -> Path:
 
     cache = hub_cache_dir()
     try:
-        snapshot = Path(
-            snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=True)
-        )
+        snapshot = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=True))
     except (LocalEntryNotFoundError, FileNotFoundError, OSError) as exc:
         where = cache if cache is not None else "the default hub cache (~/.cache/huggingface/hub)"
         raise ModelLoadError(
@@ -90,6 +88,8 @@ def _permission_denied(model: str, paths: list[Path]) -> str:
         return f"{path} (mode {stat.S_IMODE(st.st_mode):04o}, owner uid {st.st_uid})"
 
     shown = ", ".join(described(p) for p in paths[:5]) + (f" and {len(paths) - 5} more" if len(paths) > 5 else "")
-    return (f"--model {model}: permission denied: {shown}; this process runs as uid {os.getuid()}. Make the "
-            "model readable by it, e.g. `chmod -R a+rX` on the model directory (in compose: on ./models or "
-            "FERRY_MODEL_DIR, on the host)")
+    return (
+        f"--model {model}: permission denied: {shown}; this process runs as uid {os.getuid()}. Make the "
+        "model readable by it, e.g. `chmod -R a+rX` on the model directory (in compose: on ./models or "
+        "FERRY_MODEL_DIR, on the host)"
+    )

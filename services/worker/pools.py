@@ -11,17 +11,23 @@ from dataclasses import dataclass
 
 import torch
 
-from ferry.shared.errors import FerryError
-from ferry.shared.units import ceil_div
-from ferry.plan.model_config import ModelSpec
 from ferry.plan import pool_layout as L
+from ferry.plan.model_config import ModelSpec
 from ferry.plan.planner import Plan
 from ferry.services.worker.expert_formats import expert_format_for
+from ferry.shared.errors import FerryError
+from ferry.shared.units import ceil_div
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # every element type a pool holds (an fp8 KV pool's values; the expert cache's state is integers)
-POOL_DTYPES = {**TORCH_DTYPES, L.KV_FP8_DTYPE: torch.float8_e4m3fn, "int8": torch.int8, "uint8": torch.uint8,
-               "int32": torch.int32, "int64": torch.int64}  # fmt: skip
+POOL_DTYPES = {
+    **TORCH_DTYPES,
+    L.KV_FP8_DTYPE: torch.float8_e4m3fn,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "int32": torch.int32,
+    "int64": torch.int64,
+}
 
 
 class PoolAllocationError(FerryError):
@@ -61,8 +67,14 @@ class KvTensorPool:
     are taken once, at the size the workspace priced (`gathered_context_bytes`), however the
     contexts grow from chunk to chunk. Without it each gather is a fresh tensor."""
 
-    def __init__(self, pool: AllocatedPool, full_attention_layers: tuple[int, ...], page_size: int,
-                 gather_tokens: int | None = None, dtype: torch.dtype | None = None):  # fmt: skip
+    def __init__(
+        self,
+        pool: AllocatedPool,
+        full_attention_layers: tuple[int, ...],
+        page_size: int,
+        gather_tokens: int | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         self.pool = pool
         self.kv = pool.views["kv"]
         self.scale = pool.views.get("kv_scale")
@@ -80,8 +92,10 @@ class KvTensorPool:
             return None
         if self._gather is None:
             shape = (self.gather_pages, *self.kv.shape[3:])
-            self._gather = (torch.empty(shape, dtype=self.dtype, device=self.kv.device),
-                            torch.empty(shape, dtype=self.dtype, device=self.kv.device))  # fmt: skip
+            self._gather = (
+                torch.empty(shape, dtype=self.dtype, device=self.kv.device),
+                torch.empty(shape, dtype=self.dtype, device=self.kv.device),
+            )
         return self._gather
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,8 +121,9 @@ class LinearStatePool:
     A snapshot moves to or from a request's slot with `restore` / `save`: one device-side copy per
     tensor and pair, no host round trip and no temporary (the step's state copies, shared/step.py)."""
 
-    def __init__(self, pool: AllocatedPool, linear_attention_layers: tuple[int, ...],
-                 snapshots: AllocatedPool | None = None):  # fmt: skip
+    def __init__(
+        self, pool: AllocatedPool, linear_attention_layers: tuple[int, ...], snapshots: AllocatedPool | None = None
+    ):
         self.pool = pool
         self.conv = pool.views.get("conv")
         self.recurrent = pool.views.get("recurrent")
@@ -213,15 +228,26 @@ def allocate_pools(spec: ModelSpec, plan: Plan, device: torch.device | str) -> P
     taken equals the plan."""
     device = torch.device(device)
     kv_layout, linear_layout, expert_layout, snapshot_layout = pool_layouts(spec, plan)
-    priced = {"kv": plan.kv.bytes, "linear_state": plan.linear_state.bytes, "experts": plan.experts.bytes,
-              "linear_state_snapshots": plan.linear_state_snapshots.bytes}  # fmt: skip
+    priced = {
+        "kv": plan.kv.bytes,
+        "linear_state": plan.linear_state.bytes,
+        "experts": plan.experts.bytes,
+        "linear_state_snapshots": plan.linear_state_snapshots.bytes,
+    }
     for layout in (kv_layout, linear_layout, expert_layout, snapshot_layout):
         if layout.nbytes != priced[layout.name]:
-            raise PoolAllocationError(f"{layout.name} pool layout is {layout.nbytes} B but the plan priced "
-                                      f"{priced[layout.name]} B: the plan was made for another model or dtype")  # fmt: skip
+            raise PoolAllocationError(
+                f"{layout.name} pool layout is {layout.nbytes} B but the plan priced "
+                f"{priced[layout.name]} B: the plan was made for another model or dtype"
+            )
     before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-    kv = KvTensorPool(allocate_pool(kv_layout, device), spec.full_attention_layers, plan.kv.page_size,
-                      gather_tokens=plan.max_model_len, dtype=TORCH_DTYPES[plan.dtype])  # fmt: skip
+    kv = KvTensorPool(
+        allocate_pool(kv_layout, device),
+        spec.full_attention_layers,
+        plan.kv.page_size,
+        gather_tokens=plan.max_model_len,
+        dtype=TORCH_DTYPES[plan.dtype],
+    )
     linear = None
     if linear_layout.tensors:
         snapshots = allocate_pool(snapshot_layout, device) if snapshot_layout.tensors else None
@@ -231,6 +257,8 @@ def allocate_pools(spec: ModelSpec, plan: Plan, device: torch.device | str) -> P
     planned = plan.kv.bytes + plan.linear_state.bytes + plan.linear_state_snapshots.bytes + plan.experts.bytes
     taken = torch.cuda.memory_allocated(device) - before if device.type == "cuda" else pools.nbytes
     if taken != planned:
-        raise PoolAllocationError(f"the pools took {taken} B of device memory but the plan priced {planned} B; "
-                                  "refusing to start (docs/ARCHITECTURE.md §2 rule 1)")  # fmt: skip
+        raise PoolAllocationError(
+            f"the pools took {taken} B of device memory but the plan priced {planned} B; "
+            "refusing to start (docs/ARCHITECTURE.md §2 rule 1)"
+        )
     return pools

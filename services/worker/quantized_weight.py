@@ -82,8 +82,9 @@ def quantized_modules(names: Iterable[str]) -> dict[str, set[str]]:
     return {m: n for m, n in by_module.items() if any(split_module(x)[1] in QUANT_SUFFIXES for x in n)}
 
 
-def group_quantized_tensors(tensors: Iterable[tuple[str, torch.Tensor]],
-                            names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:  # fmt: skip
+def group_quantized_tensors(
+    tensors: Iterable[tuple[str, torch.Tensor]], names: Iterable[str]
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """The checkpoint's (name, tensor) stream with each quantized module's parts replaced by one
     (`module.weight`, QuantizedWeight), yielded when its last part has been read."""
     modules = quantized_modules(names)
@@ -113,17 +114,25 @@ def quantized_weight(module: str, parts: dict[str, torch.Tensor]) -> QuantizedWe
         raise QuantizedWeightError(f"checkpoint module {module!r} has scales {sorted(parts)} but no weight")
     if weight.dtype == torch.uint8:
         if "weight_scale" not in parts or not ({"weight_scale_2", "weight_global_scale"} & parts.keys()):
-            raise QuantizedWeightError(f"nvfp4 weight {source!r} needs weight_scale and weight_scale_2 "
-                                       f"(or weight_global_scale); the checkpoint has {sorted(parts)}")  # fmt: skip
+            raise QuantizedWeightError(
+                f"nvfp4 weight {source!r} needs weight_scale and weight_scale_2 "
+                f"(or weight_global_scale); the checkpoint has {sorted(parts)}"
+            )
         scale = parts["weight_scale"]
         if "weight_scale_2" in parts:  # modelopt: multiplied
             g = parts["weight_scale_2"].to(torch.float32).reshape(-1)[:1]
         else:  # compressed-tensors stores the inverse (its weight is code x scale / global scale)
             g = (1.0 / parts["weight_global_scale"].to(torch.float64).reshape(-1)[:1]).to(torch.float32)
         o, half = weight.shape
-        if weight.dim() != 2 or tuple(scale.shape) != (o, 2 * half // NVFP4_GROUP) or scale.dtype != torch.float8_e4m3fn:
-            raise QuantizedWeightError(f"nvfp4 weight {source!r}: weight_scale is {scale.dtype} {tuple(scale.shape)}, "
-                                       f"expected float8_e4m3fn {(o, 2 * half // NVFP4_GROUP)}")  # fmt: skip
+        if (
+            weight.dim() != 2
+            or tuple(scale.shape) != (o, 2 * half // NVFP4_GROUP)
+            or scale.dtype != torch.float8_e4m3fn
+        ):
+            raise QuantizedWeightError(
+                f"nvfp4 weight {source!r}: weight_scale is {scale.dtype} {tuple(scale.shape)}, "
+                f"expected float8_e4m3fn {(o, 2 * half // NVFP4_GROUP)}"
+            )
         return QuantizedWeight(NVFP4, weight, scale, g, source)
     if weight.dtype == torch.float8_e4m3fn:
         o, n = weight.shape
@@ -131,12 +140,18 @@ def quantized_weight(module: str, parts: dict[str, torch.Tensor]) -> QuantizedWe
             scale = parts["weight_scale_inv"].to(torch.float32)
             want = (-(-o // FP8_BLOCK_SIZE), -(-n // FP8_BLOCK_SIZE))
             if tuple(scale.shape) != want:
-                raise QuantizedWeightError(f"fp8 weight {source!r}: weight_scale_inv has shape {tuple(scale.shape)}, "
-                                           f"expected {want} for 128 x 128 blocks")  # fmt: skip
+                raise QuantizedWeightError(
+                    f"fp8 weight {source!r}: weight_scale_inv has shape {tuple(scale.shape)}, "
+                    f"expected {want} for 128 x 128 blocks"
+                )
             return QuantizedWeight(FP8_BLOCK, weight, scale, None, source)
         if "weight_scale" in parts and parts["weight_scale"].numel() == 1:
             return QuantizedWeight(FP8_TENSOR, weight, parts["weight_scale"].to(torch.float32).reshape(1), None, source)
-        raise QuantizedWeightError(f"fp8 weight {source!r} needs weight_scale_inv (128 x 128 blocks) or a "
-                                   f"per-tensor weight_scale; the checkpoint has {sorted(parts)}")  # fmt: skip
-    raise QuantizedWeightError(f"checkpoint module {module!r} has quantization scales but its weight is "
-                               f"{weight.dtype}; expected uint8 (nvfp4) or float8_e4m3fn (fp8)")  # fmt: skip
+        raise QuantizedWeightError(
+            f"fp8 weight {source!r} needs weight_scale_inv (128 x 128 blocks) or a "
+            f"per-tensor weight_scale; the checkpoint has {sorted(parts)}"
+        )
+    raise QuantizedWeightError(
+        f"checkpoint module {module!r} has quantization scales but its weight is "
+        f"{weight.dtype}; expected uint8 (nvfp4) or float8_e4m3fn (fp8)"
+    )

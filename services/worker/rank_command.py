@@ -9,8 +9,8 @@ import dataclasses
 import os
 import signal
 
-from ferry.shared.logging import add_log_flags, configure_logging
 from ferry.services.worker.flags import add_worker_flags, boot_config_from_args
+from ferry.shared.logging import add_log_flags, configure_logging
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,12 +25,18 @@ def run(args: argparse.Namespace) -> int:
     configure_logging("worker", args.log_level, args.log_format)
     import structlog
 
-    from ferry.shared.startup_heap import freeze_startup_heap
     from ferry.services.worker.boot import boot_worker
     from ferry.services.worker.device import select_device
     from ferry.services.worker.expert_ranks import (
-        HOST_AVAILABLE_ENV, SEED_ENV, RankGroup, check_same_plans, follow, init_group, leave_group,
-    )  # fmt: skip
+        HOST_AVAILABLE_ENV,
+        SEED_ENV,
+        RankGroup,
+        check_same_plans,
+        follow,
+        init_group,
+        leave_group,
+    )
+    from ferry.shared.startup_heap import freeze_startup_heap
 
     cfg = boot_config_from_args(args)
     rank, world = args.expert_parallel_rank, cfg.expert_parallel_size
@@ -39,8 +45,13 @@ def run(args: argparse.Namespace) -> int:
     device = rank_device(cfg.device, rank)
     seed = int(os.environ[SEED_ENV])  # rank 0's sampler seed: the ranks draw alike
     available = os.environ.get(HOST_AVAILABLE_ENV)  # the host before any rank pinned (rank 0 read it)
-    cfg = dataclasses.replace(cfg, expert_parallel_rank=rank, device=device, sampler_seed=seed,
-                              host_available_bytes=int(available) if available else None)  # fmt: skip
+    cfg = dataclasses.replace(
+        cfg,
+        expert_parallel_rank=rank,
+        device=device,
+        sampler_seed=seed,
+        host_available_bytes=int(available) if available else None,
+    )
     for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0 stops the followers (a terminal's Ctrl-C reaches all)
         signal.signal(sig, signal.SIG_IGN)
     structlog.contextvars.bind_contextvars(rank=rank)

@@ -21,15 +21,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import torch
-
 import numpy as np
+import torch
 
 from ferry.kernels.host_to_device import to_device
 from ferry.kernels.sample_rows import sample_rows
+from ferry.services.worker.grammar import GrammarSet, failure
 from ferry.shared.sampling import SamplingParams
 from ferry.shared.step import NewRequest
-from ferry.services.worker.grammar import GrammarSet, failure
 
 
 @dataclass
@@ -50,14 +49,19 @@ class RequestSamplingState:
     plain: bool = False
 
     @classmethod
-    def create(cls, new: NewRequest, vocab_size: int, device: torch.device,
-               grammars: GrammarSet | None = None) -> "RequestSamplingState":  # fmt: skip
+    def create(
+        cls, new: NewRequest, vocab_size: int, device: torch.device, grammars: GrammarSet | None = None
+    ) -> "RequestSamplingState":
         p = new.sampling
         generator = None
         if p.seed is not None:
             generator = torch.Generator(device=device).manual_seed(int(p.seed) & (2**63 - 1))
-        plain = (not p.reads_its_output and not p.logit_bias and p.logprobs is None
-                 and (p.greedy or not needs_filter(p, vocab_size)))  # fmt: skip
+        plain = (
+            not p.reads_its_output
+            and not p.logit_bias
+            and p.logprobs is None
+            and (p.greedy or not needs_filter(p, vocab_size))
+        )
         state = cls(p, generator, known_tokens=new.prompt_token_ids, plain=plain)
         if p.grammar is not None and grammars is not None:
             state.matcher = grammars.matcher(p.grammar)
@@ -88,8 +92,7 @@ class RequestSamplingState:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, device: torch.device | str, seed: int | None = None,
-                 grammar_tokenizer=None):  # fmt: skip
+    def __init__(self, vocab_size: int, device: torch.device | str, seed: int | None = None, grammar_tokenizer=None):
         """`grammar_tokenizer`: builds the llguidance tokenizer (grammar.tokenizer_factory), needed only
         by requests with a grammar."""
         self.vocab_size = vocab_size
@@ -193,9 +196,10 @@ class Sampler:
         if filtering:
             rows = to_device(filtering, torch.int64, self.device)
             logits = logits.clone()
-            logits[rows] = filter_logits(logits[rows] * to_device([inv_t[i] for i in filtering], torch.float32,
-                                                                  self.device)[:, None],
-                                         [params[i] for i in filtering])  # fmt: skip
+            logits[rows] = filter_logits(
+                logits[rows] * to_device([inv_t[i] for i in filtering], torch.float32, self.device)[:, None],
+                [params[i] for i in filtering],
+            )
             for i in filtering:  # already scaled
                 inv_t[i] = 1.0
         noise = None
@@ -204,8 +208,9 @@ class Sampler:
             noise = self._exponential_noise(len(sampled), [states[i] for i in sampled])
             for j, i in enumerate(sampled):
                 noise_rows[i] = j
-        return sample_rows(logits, to_device(inv_t, torch.float32, self.device), noise,
-                           to_device(noise_rows, torch.int64, self.device))  # fmt: skip
+        return sample_rows(
+            logits, to_device(inv_t, torch.float32, self.device), noise, to_device(noise_rows, torch.int64, self.device)
+        )
 
     @torch.no_grad()
     def graph_sampling(self, req_ids: Sequence[int], noise: torch.Tensor) -> tuple[list[float], list[int]] | None:

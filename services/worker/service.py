@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
-import secrets
 import re
+import secrets
 import subprocess
 import threading
 import time
@@ -23,19 +23,25 @@ from typing import Any, Callable
 import structlog
 import zmq
 
+from ferry.services.worker.compile_watch import CompileWatch
+from ferry.services.worker.flags import WorkerBootConfig
+from ferry.services.worker.metrics import WorkerMetrics
 from ferry.shared.errors import ConfigError
 from ferry.shared.liveness import HEARTBEAT_INTERVAL_S, Liveness
 from ferry.shared.messages import (
-    PoolReport, RunStep, SchedulerBeat, SchedulerToWorker, StepDone, StepFailed, WorkerAlive,
-)  # fmt: skip
+    PoolReport,
+    RunStep,
+    SchedulerBeat,
+    SchedulerToWorker,
+    StepDone,
+    StepFailed,
+    WorkerAlive,
+)
 from ferry.shared.side_http import serve_side_http
 from ferry.shared.startup_heap import freeze_startup_heap
 from ferry.shared.step_trace import StepTrace
 from ferry.shared.wire import PeerSocket, WireError
 from ferry.shared.wire_keys import WireKeys, require_keys_for_tcp
-from ferry.services.worker.compile_watch import CompileWatch
-from ferry.services.worker.flags import WorkerBootConfig
-from ferry.services.worker.metrics import WorkerMetrics
 
 log = structlog.get_logger("worker")
 
@@ -64,14 +70,18 @@ class WorkerConfig:
 def pool_report_from_plan(plan: Any, vocab_size: int = 0) -> PoolReport:
     """The scheduler's view of the memory plan (ferry.plan.planner.Plan)."""
     return PoolReport(
-        kv_pages=plan.kv.pages, page_size=plan.kv.page_size, linear_state_slots=plan.linear_state.slots,
-        max_running_requests=plan.max_running_requests, max_prefill_tokens=plan.max_prefill_tokens,
-        max_model_len=plan.max_model_len, vocab_size=vocab_size,
+        kv_pages=plan.kv.pages,
+        page_size=plan.kv.page_size,
+        linear_state_slots=plan.linear_state.slots,
+        max_running_requests=plan.max_running_requests,
+        max_prefill_tokens=plan.max_prefill_tokens,
+        max_model_len=plan.max_model_len,
+        vocab_size=vocab_size,
         linear_state_snapshots=plan.linear_state_snapshots.snapshots,
         experts_offloaded=plan.experts.slots < plan.experts.total,
         plan_summary=f"{plan.kv.pages} KV pages x {plan.kv.page_size} tokens, {plan.linear_state.slots} linear-state slots, "
         f"{plan.linear_state_snapshots.snapshots} linear-state snapshots, {plan.experts.slots}/{plan.experts.total} expert slots",
-    )  # fmt: skip
+    )
 
 
 def load_boot(spec: str) -> Callable[[WorkerBootConfig], tuple[Any, Any]]:
@@ -99,9 +109,17 @@ class _Heartbeat(threading.Thread):
             hits, misses = self.expert_stats() if self.expert_stats else (0, 0)
             started = self.step_started
             running = time.monotonic() - started if started is not None else 0.0
-            self.sock.send(WorkerAlive(boot_id=self.boot_id, pool=self.pool, step_running_s=running,
-                                       expert_hits=hits, expert_misses=misses, last_step=self.last_step),
-                           block=False)  # fmt: skip
+            self.sock.send(
+                WorkerAlive(
+                    boot_id=self.boot_id,
+                    pool=self.pool,
+                    step_running_s=running,
+                    expert_hits=hits,
+                    expert_misses=misses,
+                    last_step=self.last_step,
+                ),
+                block=False,
+            )
         self.sock.close()
 
 
@@ -121,8 +139,15 @@ class WorkerService:
             require_keys_for_tcp(flag, addr, cfg.wire_keys)
         secure = WireKeys(cfg.wire_keys, "worker").client() if cfg.wire_keys else None
         # steps arrive on a DEALER named by the boot id: the scheduler addresses the worker it adopted
-        self.steps = PeerSocket(self.ctx, zmq.DEALER, cfg.steps_addr, SchedulerToWorker, bind=False,
-                                identity=self.boot_id.encode(), secure=secure)  # fmt: skip
+        self.steps = PeerSocket(
+            self.ctx,
+            zmq.DEALER,
+            cfg.steps_addr,
+            SchedulerToWorker,
+            bind=False,
+            identity=self.boot_id.encode(),
+            secure=secure,
+        )
         self.results = PeerSocket(self.ctx, zmq.PUSH, cfg.results_addr, None, bind=False, secure=secure)
         self.heartbeat = _Heartbeat(self.ctx, cfg, self.boot_id, secure)
         self.trace = StepTrace("worker")  # FERRY_STEP_TRACE: each step's timeline (bench/profile_serve.py)
@@ -146,8 +171,11 @@ class WorkerService:
             peer = f"the scheduler stopped responding ({silent:.1f}s without a beat)"
         else:
             peer = ""
-        body = {"status": "unavailable" if peer else "ready", "peers": {"scheduler": peer or "ready"},
-                "plan": without_paths(self.plan.to_dict())}  # fmt: skip
+        body = {
+            "status": "unavailable" if peer else "ready",
+            "peers": {"scheduler": peer or "ready"},
+            "plan": without_paths(self.plan.to_dict()),
+        }
         if peer:
             body["reason"] = peer
         return not peer, body
@@ -187,22 +215,29 @@ class WorkerService:
     def _start_ranks(self) -> None:
         """Rank 0 of an expert-parallel worker: start the followers and join their group before booting (the
         boot's own steps run on every rank)."""
+        from ferry.plan.host_memory import mem_available_bytes
         from ferry.services.worker.device import select_device
         from ferry.services.worker.expert_ranks import (
-            FollowerWatch, RankGroup, check_rank_devices, init_group, start_followers,
-        )  # fmt: skip
+            FollowerWatch,
+            RankGroup,
+            check_rank_devices,
+            init_group,
+            start_followers,
+        )
         from ferry.services.worker.flags import worker_flag_args
-
-        from ferry.plan.host_memory import mem_available_bytes
 
         world = self.boot_config.expert_parallel_size
         check_rank_devices(self.boot_config.device, world)
         # the host as it is before any rank pins a bank: what the ranks' banks are checked against together
-        self.boot_config = dataclasses.replace(self.boot_config, sampler_seed=secrets.randbits(63),
-                                               host_available_bytes=mem_available_bytes())  # fmt: skip
-        followers, rendezvous = start_followers(world, worker_flag_args(self.boot_config),
-                                                self.boot_config.sampler_seed,
-                                                self.boot_config.host_available_bytes)  # fmt: skip
+        self.boot_config = dataclasses.replace(
+            self.boot_config, sampler_seed=secrets.randbits(63), host_available_bytes=mem_available_bytes()
+        )
+        followers, rendezvous = start_followers(
+            world,
+            worker_flag_args(self.boot_config),
+            self.boot_config.sampler_seed,
+            self.boot_config.host_available_bytes,
+        )
         self.ranks = RankGroup(0, world, None, followers, rendezvous)
         # watched from before the group meets: a follower that fails to start would leave the rendezvous
         # (and rank 0 in it) waiting for the group's timeout
@@ -216,6 +251,7 @@ class WorkerService:
         log.error("expert_parallel_rank_failed", reason=reason)
         self.rank_failure = reason
         self._running = False
+
         def end() -> None:
             from ferry.services.worker.expert_ranks import remove_rendezvous
 
@@ -320,8 +356,16 @@ class WorkerService:
         self.results.send(StepDone(output))
         if self.trace.enabled:
             device = getattr(launched, "device_times", None) or (None, None)
-            self.trace.add(step=batch.step_id, rows=len(batch.req_ids), tokens=len(batch.tokens), recv=received[0],
-                           launched=received[1], answered=answered, device_ms=device[0], idle_ms=device[1])  # fmt: skip
+            self.trace.add(
+                step=batch.step_id,
+                rows=len(batch.req_ids),
+                tokens=len(batch.tokens),
+                recv=received[0],
+                launched=received[1],
+                answered=answered,
+                device_ms=device[0],
+                idle_ms=device[1],
+            )
 
     def _rank_step_failed(self, batch, exc: Exception) -> None:
         """An expert-parallel step that failed past the executor's checks ends the worker: the ranks'
@@ -351,7 +395,6 @@ class WorkerService:
         self.results.close()
         if self.http is not None:
             self.http.shutdown()
-
 
     def _stop_ranks(self) -> None:
         """Tell the followers to stop (they may be gone already) and reap them."""

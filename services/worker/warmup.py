@@ -37,20 +37,35 @@ import msgspec
 import numpy as np
 import torch
 
+from ferry.services.worker.forward_batch import ForwardBatch
 from ferry.shared.step import StepBatch
 from ferry.shared.units import ceil_div
-from ferry.services.worker.forward_batch import ForwardBatch
 
 # query_lens of each warm-up step, before the plan's limits trim the list
 _SHAPES: tuple[tuple[int, ...], ...] = (
-    (1,), (2,), (3,), (16,), (17,), (64,), (65,), (300,),
-    (1, 1), (1, 2), (1, 16), (8, 8), (1, 1, 1), (3, 17, 30),
-    (1,) * 16, (1,) * 17, (1,) * 64,
+    (1,),
+    (2,),
+    (3,),
+    (16,),
+    (17,),
+    (64,),
+    (65,),
+    (300,),
+    (1, 1),
+    (1, 2),
+    (1, 16),
+    (8, 8),
+    (1, 1, 1),
+    (3, 17, 30),
+    (1,) * 16,
+    (1,) * 17,
+    (1,) * 64,
 )
 
 
 # query_lens of the warm-up steps whose rows the expert store treats as real (see the module docstring)
 REAL_SHAPES: tuple[tuple[int, ...], ...] = ((1,), (1, 1), (16,))
+
 
 # A hybrid model's prefill that keeps its state at a point inside its chunk (the prefix cache's snapshot
 # points: StepBatch.save_offset) runs the Gated DeltaNet rule in two parts, up to the point and on from it,
@@ -86,22 +101,35 @@ def warmup_step(query_lens: tuple[int, ...], page_size: int) -> StepBatch:
     rows = len(query_lens)
     pages = ceil_div(max(query_lens), page_size)
     return StepBatch(
-        step_id=0, req_ids=np.arange(rows, dtype=np.int64), tokens=np.ones(sum(query_lens), np.int32),
-        query_lens=np.asarray(query_lens, np.int32), context_lens=np.zeros(rows, np.int32),
-        page_table=np.zeros((rows, pages), np.int32), linear_state_slots=np.zeros(rows, np.int32),
-        reset_linear_state=np.ones(rows, bool), sample=np.ones(rows, bool),
-    )  # fmt: skip
+        step_id=0,
+        req_ids=np.arange(rows, dtype=np.int64),
+        tokens=np.ones(sum(query_lens), np.int32),
+        query_lens=np.asarray(query_lens, np.int32),
+        context_lens=np.zeros(rows, np.int32),
+        page_table=np.zeros((rows, pages), np.int32),
+        linear_state_slots=np.zeros(rows, np.int32),
+        reset_linear_state=np.ones(rows, bool),
+        sample=np.ones(rows, bool),
+    )
 
 
 def save_inside_step(query_len: int, page_size: int, snapshot: int) -> StepBatch:
     """warmup_step of one row whose state is kept at its first page boundary, into `snapshot`."""
     step = warmup_step((query_len,), page_size)
-    return msgspec.structs.replace(step, save_state=np.array([snapshot], np.int32),
-                                   save_offset=np.array([page_size], np.int32))  # fmt: skip
+    return msgspec.structs.replace(
+        step, save_state=np.array([snapshot], np.int32), save_offset=np.array([page_size], np.int32)
+    )
 
 
-def warm_up(model, pools, page_size: int, device: torch.device, shapes: list[tuple[int, ...]],
-            real_shapes: list[tuple[int, ...]] = (), max_prefill_tokens: int | None = None) -> int:  # fmt: skip
+def warm_up(
+    model,
+    pools,
+    page_size: int,
+    device: torch.device,
+    shapes: list[tuple[int, ...]],
+    real_shapes: list[tuple[int, ...]] = (),
+    max_prefill_tokens: int | None = None,
+) -> int:
     """Run the model eagerly once on each shape, every row padding for the expert store, then (a hybrid
     model with snapshots in its plan) the steps that keep a state inside their chunk, within
     `max_prefill_tokens`, then once on each of `real_shapes`, whose rows it looks up and copies; returns

@@ -22,20 +22,27 @@ import numpy as np
 import structlog
 import torch
 
+from ferry.plan import pool_layout as L
 from ferry.plan.costs import rows_beyond_longest_step
 from ferry.plan.model_config import DTYPE_BYTES, ModelSpec
+from ferry.services.worker.forward_batch import ForwardBatch
+from ferry.services.worker.late_bound_experts import LateBoundExperts, SharedLayerExperts
 from ferry.shared.errors import PlanError
 from ferry.shared.sampling import SamplingParams
 from ferry.shared.step import NewRequest, StepBatch
 from ferry.shared.units import ceil_div
-from ferry.plan import pool_layout as L
-from ferry.services.worker.forward_batch import ForwardBatch
-from ferry.services.worker.late_bound_experts import LateBoundExperts, SharedLayerExperts
 
 log = structlog.get_logger("worker")
 from ferry.plan.planner import Resolved
 from ferry.services.worker.expert_formats import expert_format_for
-from ferry.services.worker.pools import TORCH_DTYPES, ExpertSlotPool, KvTensorPool, LinearStatePool, Pools, allocate_pool
+from ferry.services.worker.pools import (
+    TORCH_DTYPES,
+    ExpertSlotPool,
+    KvTensorPool,
+    LinearStatePool,
+    Pools,
+    allocate_pool,
+)
 from ferry.services.worker.sampler import Sampler
 
 # The sampling path with the most workspace: a full-vocabulary sort for top-k/top-p, and min-p.
@@ -68,12 +75,22 @@ def largest_step(r: Resolved) -> StepBatch:
 
 def temporary_pools(spec: ModelSpec, r: Resolved, step: StepBatch, device: torch.device) -> Pools:
     pages = int(step.page_table.max())
-    kv = KvTensorPool(allocate_pool(L.kv_pool_layout(spec, r.dtype, pages, r.page_size, r.kv_cache_dtype), device),
-                      spec.full_attention_layers, r.page_size, dtype=TORCH_DTYPES[r.dtype])  # fmt: skip
+    kv = KvTensorPool(
+        allocate_pool(L.kv_pool_layout(spec, r.dtype, pages, r.page_size, r.kv_cache_dtype), device),
+        spec.full_attention_layers,
+        r.page_size,
+        dtype=TORCH_DTYPES[r.dtype],
+    )
     linear_layout = L.linear_state_layout(spec, r.dtype, len(step.req_ids))
-    linear = LinearStatePool(allocate_pool(linear_layout, device), spec.linear_attention_layers) if linear_layout.tensors else None
-    experts = ExpertSlotPool(allocate_pool(L.expert_slot_layout(spec, r.dtype, spec.num_experts), device),
-                             expert_format_for(spec, TORCH_DTYPES[r.dtype]))  # fmt: skip
+    linear = (
+        LinearStatePool(allocate_pool(linear_layout, device), spec.linear_attention_layers)
+        if linear_layout.tensors
+        else None
+    )
+    experts = ExpertSlotPool(
+        allocate_pool(L.expert_slot_layout(spec, r.dtype, spec.num_experts), device),
+        expert_format_for(spec, TORCH_DTYPES[r.dtype]),
+    )
     return Pools(kv, linear, experts)
 
 
@@ -102,7 +119,9 @@ def _run(model, step: StepBatch, pools: Pools, sampler: Sampler, r: Resolved, de
     return tokens
 
 
-def run_largest_step(model, experts: LateBoundExperts, spec: ModelSpec, r: Resolved, device: torch.device) -> torch.Tensor:
+def run_largest_step(
+    model, experts: LateBoundExperts, spec: ModelSpec, r: Resolved, device: torch.device
+) -> torch.Tensor:
     """Forward and sample the largest step on temporary pools; returns the sampled tokens."""
     step, pools = _prepare(experts, spec, r, device)
     try:
@@ -111,8 +130,9 @@ def run_largest_step(model, experts: LateBoundExperts, spec: ModelSpec, r: Resol
         experts.unbind()
 
 
-def profile_decode_graphs_cuda(model, experts: LateBoundExperts, spec: ModelSpec, r: Resolved, device: torch.device,
-                               buckets: list[int]) -> int | None:  # fmt: skip
+def profile_decode_graphs_cuda(
+    model, experts: LateBoundExperts, spec: ModelSpec, r: Resolved, device: torch.device, buckets: list[int]
+) -> int | None:
     """Device memory the decode graphs take (their shared pool and static buffers), measured by
     capturing them on temporary pools with one MoE layer's slots serving every layer, then freed.
     The offloading store's graph-safe path allocates a few more small tensors per layer (the next
@@ -126,8 +146,17 @@ def profile_decode_graphs_cuda(model, experts: LateBoundExperts, spec: ModelSpec
     torch.cuda.empty_cache()
     baseline = torch.cuda.memory_reserved(device)
     try:
-        graphs = DecodeGraphs(model, pools, r.page_size, r.max_model_len, buckets, device, spec.vocab_size,
-                              r.max_running_requests, count_step=experts.count_step_on_device)  # fmt: skip
+        graphs = DecodeGraphs(
+            model,
+            pools,
+            r.page_size,
+            r.max_model_len,
+            buckets,
+            device,
+            spec.vocab_size,
+            r.max_running_requests,
+            count_step=experts.count_step_on_device,
+        )
         graphs.capture()
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()  # what the eager warm-ups cached is the eager workspace's, not the graphs'
@@ -164,14 +193,19 @@ def profile_workspace_cuda(model, experts: LateBoundExperts, spec: ModelSpec, r:
         torch.cuda.synchronize(device)
         # Reserved, not only allocated: the allocator takes whole segments (2 MiB, or 20 MiB for
         # blocks of 1-10 MiB), and those segments are what the device gives away.
-        peak = max(torch.cuda.max_memory_allocated(device) - baseline_allocated,
-                   torch.cuda.max_memory_reserved(device) - baseline_reserved)  # fmt: skip
+        peak = max(
+            torch.cuda.max_memory_allocated(device) - baseline_allocated,
+            torch.cuda.max_memory_reserved(device) - baseline_reserved,
+        )
     finally:
         experts.unbind()
         del pools, sampler
         torch.cuda.empty_cache()
-    return int(peak + gathered_context_bytes(spec, r.dtype, r.max_model_len, r.page_size)
-               + rows_beyond_longest_step(spec, r.dtype, r.max_prefill_tokens))
+    return int(
+        peak
+        + gathered_context_bytes(spec, r.dtype, r.max_model_len, r.page_size)
+        + rows_beyond_longest_step(spec, r.dtype, r.max_prefill_tokens)
+    )
 
 
 def profiled_or_plan_error(profile, tokens: int, release=lambda: None) -> int:

@@ -25,8 +25,9 @@ from tests.doubles.paged_model import PagedHashModel
 
 
 class DelayedExecutor:
-    def __init__(self, model: PagedHashModel, delay: float, script: dict | None = None, tokenizer=None,
-                 vocab_size: int = 0):  # fmt: skip
+    def __init__(
+        self, model: PagedHashModel, delay: float, script: dict | None = None, tokenizer=None, vocab_size: int = 0
+    ):
         self.model, self.delay = model, delay
         self.vocab_size = vocab_size  # as the real model: a token id past it fails the whole step
         self.script = script
@@ -83,16 +84,33 @@ def boot_paged_hash_model(cfg: WorkerBootConfig):
     page_size = req.page_size or 16
     slots = spec.get("linear_state_slots", 0)
     mrr = req.max_running_requests or 64
-    kv = KVPlan(page_size=page_size, pages=pages, sentinel_pages=1, tokens=pages * page_size, bytes_per_token=0, bytes=0)
+    kv = KVPlan(
+        page_size=page_size, pages=pages, sentinel_pages=1, tokens=pages * page_size, bytes_per_token=0, bytes=0
+    )
     plan = Plan(
-        budget_bytes=0, budget_derivation="test double", weights_bytes=0, weights_source="test double",
-        workspace_bytes=0, workspace_source="test double", total_bytes=0, headroom_bytes=0, kv=kv,
+        budget_bytes=0,
+        budget_derivation="test double",
+        weights_bytes=0,
+        weights_source="test double",
+        workspace_bytes=0,
+        workspace_source="test double",
+        total_bytes=0,
+        headroom_bytes=0,
+        kv=kv,
         linear_state=LinearStatePlan(slots=slots, padding_slots=1 if slots else 0, bytes_per_slot=0, bytes=0),
-        experts=ExpertPlan(slots=0, total=0, min_slots=0, bytes_per_slot=0, bytes=0), dtype="float32",
-        max_running_requests=mrr, max_prefill_tokens=req.max_prefill_tokens or 8192,
+        experts=ExpertPlan(slots=0, total=0, min_slots=0, bytes_per_slot=0, bytes=0),
+        dtype="float32",
+        max_running_requests=mrr,
+        max_prefill_tokens=req.max_prefill_tokens or 8192,
         max_model_len=req.max_model_len or 512,
-        host=HostPlan(expert_bank_bytes=0, expert_bank_format="plain", available_bytes=None, available_source="unknown", reserve_bytes=0),
-    )  # fmt: skip
+        host=HostPlan(
+            expert_bank_bytes=0,
+            expert_bank_format="plain",
+            available_bytes=None,
+            available_source="unknown",
+            reserve_bytes=0,
+        ),
+    )
     model = PagedHashModel(pages, page_size, spec["vocab"], slots)
     script, tokenizer = spec.get("script"), None
     if script is not None:

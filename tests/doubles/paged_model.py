@@ -77,7 +77,9 @@ class PagedHashModel:
         if batch.restore_state is not None:  # before the forward
             for i in np.flatnonzero(batch.restore_state >= 0).tolist():
                 h, pos = self.snapshots[int(batch.restore_state[i])].tolist()
-                assert pos == int(batch.context_lens[i]), f"snapshot of position {pos} restored at {batch.context_lens[i]}"
+                assert pos == int(batch.context_lens[i]), (
+                    f"snapshot of position {pos} restored at {batch.context_lens[i]}"
+                )
                 assert not batch.reset_linear_state[i]
                 self.state[int(batch.linear_state_slots[i])] = h
                 self.restored_tokens += pos
@@ -118,8 +120,9 @@ class PagedHashModel:
         if batch.save_state is not None:  # after the forward
             ends = batch.context_lens + batch.query_lens
             for i in np.flatnonzero(batch.save_state >= 0).tolist():
-                at = int(batch.context_lens[i]) + (int(batch.save_offset[i]) if batch.save_offset is not None
-                                                   else int(batch.query_lens[i]))  # fmt: skip
+                at = int(batch.context_lens[i]) + (
+                    int(batch.save_offset[i]) if batch.save_offset is not None else int(batch.query_lens[i])
+                )
                 assert at % ps == 0, "a snapshot off a page boundary"
                 if at == int(ends[i]):
                     self.snapshots[int(batch.save_state[i])] = (int(self.state[int(batch.linear_state_slots[i])]), at)

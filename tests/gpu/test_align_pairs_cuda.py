@@ -12,8 +12,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 # (tokens, top_k, slots, block_m): issue 23's warm step over its staged positions and over the cache's
 # slots, a 16,384-token step over a layer's 256 experts, a decode batch's block
-@pytest.mark.parametrize("tokens,top_k,slots,block_m", [(1248, 8, 176, 64), (1248, 8, 1318, 64),
-                                                        (16384, 8, 256, 64), (64, 8, 640, 16)])  # fmt: skip
+@pytest.mark.parametrize(
+    "tokens,top_k,slots,block_m", [(1248, 8, 176, 64), (1248, 8, 1318, 64), (16384, 8, 256, 64), (64, 8, 640, 16)]
+)
 @pytest.mark.parametrize("skewed", [False, True])
 def test_the_kernels_give_the_twins_layout_and_never_wait_for_the_device(tokens, top_k, slots, block_m, skewed):
     g = torch.Generator(device="cuda").manual_seed(tokens + slots)
@@ -26,7 +27,9 @@ def test_the_kernels_give_the_twins_layout_and_never_wait_for_the_device(tokens,
     torch.cuda.set_sync_debug_mode("error")  # any host synchronisation in the launches raises
     try:
         got = align_pairs_by_slot(topk, slots, block_m, None, block_starts=True)
-        again = align_pairs_by_slot_triton(topk.long(), slots, block_m, max_aligned_blocks(topk.numel(), slots, block_m))
+        again = align_pairs_by_slot_triton(
+            topk.long(), slots, block_m, max_aligned_blocks(topk.numel(), slots, block_m)
+        )
     finally:
         torch.cuda.set_sync_debug_mode("default")
     for a, b, c in zip(got, want, again):

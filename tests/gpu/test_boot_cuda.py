@@ -21,9 +21,21 @@ def _args(model_dir, *extra):
 
     parser = argparse.ArgumentParser()
     add_worker_flags(parser)
-    return boot_config_from_args(parser.parse_args(["--model", str(model_dir), "--device", "cuda",
-                                                    "--max-running-requests", "8", "--max-prefill-tokens", "256",
-                                                    *extra]))  # fmt: skip
+    return boot_config_from_args(
+        parser.parse_args(
+            [
+                "--model",
+                str(model_dir),
+                "--device",
+                "cuda",
+                "--max-running-requests",
+                "8",
+                "--max-prefill-tokens",
+                "256",
+                *extra,
+            ]
+        )
+    )
 
 
 def test_cuda_boot_measures_profiles_and_keeps_the_budget(tiny_model):
@@ -38,8 +50,9 @@ def test_cuda_boot_measures_profiles_and_keeps_the_budget(tiny_model):
     executor, plan = boot_worker(_args(tiny_model, "--gpu-memory", cuda_test_budget(budget)))
     assert plan.weights_source == "measured" and plan.workspace_source.startswith("profiled")
     assert plan.workspace_bytes > 0
-    assert executor.pools.nbytes == (plan.kv.bytes + plan.linear_state.bytes + plan.linear_state_snapshots.bytes
-                                     + plan.experts.bytes)  # fmt: skip
+    assert executor.pools.nbytes == (
+        plan.kv.bytes + plan.linear_state.bytes + plan.linear_state_snapshots.bytes + plan.experts.bytes
+    )
     # the promise: what this boot reserved, and all the process holds outside the allocator, within --gpu-memory
     assert torch.cuda.max_memory_reserved() - held_before <= budget + CUDA_TEST_PROCESS_BYTES
 
@@ -47,12 +60,26 @@ def test_cuda_boot_measures_profiles_and_keeps_the_budget(tiny_model):
 def test_cuda_greedy_matches_transformers(tiny_model, capsys):
     import json
 
-    from ferry.services.cli import main
     from transformers import AutoModelForCausalLM
 
+    from ferry.services.cli import main
+
     prompt_ids = [5, 17, 33, 2, 8, 100, 41, 9]
-    argv = ["generate", "--model", str(tiny_model), "--device", "cuda", "--gpu-memory", cuda_test_budget(512 * 2**20),
-            "--prompt-ids", ",".join(map(str, prompt_ids)), "--max-tokens", "8", "--ignore-eos", "--json"]  # fmt: skip
+    argv = [
+        "generate",
+        "--model",
+        str(tiny_model),
+        "--device",
+        "cuda",
+        "--gpu-memory",
+        cuda_test_budget(512 * 2**20),
+        "--prompt-ids",
+        ",".join(map(str, prompt_ids)),
+        "--max-tokens",
+        "8",
+        "--ignore-eos",
+        "--json",
+    ]
     assert main(argv) == 0
     result = json.loads(capsys.readouterr().out)
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).cuda().eval()

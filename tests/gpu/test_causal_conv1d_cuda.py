@@ -11,9 +11,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 
+from test_kernel_causal_conv1d import PREFILL_CASES, _prefill_case  # noqa: E402
+
 from ferry.kernels.causal_conv1d import causal_conv1d_varlen  # noqa: E402
 from ferry.kernels.causal_conv1d_reference import causal_conv1d_varlen_reference  # noqa: E402
-from test_kernel_causal_conv1d import PREFILL_CASES, _prefill_case  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -12,9 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.helpers import cuda_test_budget
-
 from ferry.services.worker.offload.host_share import HostCost
+from tests.helpers import cuda_test_budget
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -37,17 +36,21 @@ def test_the_device_cache_makes_the_twins_decisions_at_real_sizes(cuda_device):
             real = int(rng.integers(1, 9))
             n = torch.tensor([real], dtype=torch.int32, device=cuda_device)
             for layer in range(layers):
-                ids = torch.tensor(np.stack([rng.choice(experts, k, replace=False) for _ in range(8)]), device=cuda_device)
+                ids = torch.tensor(
+                    np.stack([rng.choice(experts, k, replace=False) for _ in range(8)]), device=cuda_device
+                )
                 below = layer if step % 3 == 1 else 0  # some steps scan (prefill's rule)
                 call = dev.lookup(layer, ids, n, evict_below=below)
                 got = policy.lookup(layer, np.unique(ids[:real].cpu().numpy()), evict_below=below)
                 assert [tuple(r) for r in call.misses[: int(call.count[0])].tolist()] == list(got.misses)
                 if layer + 1 < layers:
-                    predicted = torch.tensor(np.stack([rng.choice(experts, k, replace=False) for _ in range(8)]),
-                                             device=cuda_device)  # fmt: skip
+                    predicted = torch.tensor(
+                        np.stack([rng.choice(experts, k, replace=False) for _ in range(8)]), device=cuda_device
+                    )
                     pcall = dev.prefetch(layer + 1, predicted, n, call, evict_below=below)
-                    pgot = policy.prefetch(layer + 1, np.unique(predicted[:real].cpu().numpy()), got.slots,
-                                           evict_below=below)  # fmt: skip
+                    pgot = policy.prefetch(
+                        layer + 1, np.unique(predicted[:real].cpu().numpy()), got.slots, evict_below=below
+                    )
                     assert [tuple(r) for r in pcall.misses[: int(pcall.count[0])].tolist()] == list(pgot.placed)
             _assert_same_state(policy, dev)
 
@@ -61,7 +64,9 @@ def test_the_gpu_reads_the_mapped_banks(cuda_device):
     w13 = torch.full((10, 256, 256), float("nan"), dtype=torch.bfloat16, device=cuda_device)
     w2 = torch.full((10, 256, 128), float("nan"), dtype=torch.bfloat16, device=cuda_device)
     misses = torch.tensor([[15, 9], [0, 0], [7, 4], [3, 3]], dtype=torch.int32, device=cuda_device)
-    copy_experts_triton(banks.w13[1], banks.w2[1], w13, w2, misses, torch.tensor([3], dtype=torch.int32, device=cuda_device))
+    copy_experts_triton(
+        banks.w13[1], banks.w2[1], w13, w2, misses, torch.tensor([3], dtype=torch.int32, device=cuda_device)
+    )
     torch.cuda.synchronize()
     for expert, slot in ((15, 9), (0, 0), (7, 4)):
         assert torch.equal(w13[slot].cpu(), banks.w13[1][expert]) and torch.equal(w2[slot].cpu(), banks.w2[1][expert])
@@ -81,8 +86,11 @@ def test_the_gpu_unpacks_the_mapped_packed_banks_bit_for_bit(cuda_device):
     packed = PackedHostBanks.allocate(*shape, pin=True, progress=False)
     packed.fill_dummy(seed=3, progress=False)
     g = torch.Generator().manual_seed(0)
-    gate, up, down = (torch.randn(128, 256, generator=g) * 0.02).bfloat16(), torch.randn(128, 256, generator=g).bfloat16(), \
-        (torch.randn(256, 128, generator=g) * 1e-3).bfloat16()  # fmt: skip
+    gate, up, down = (
+        (torch.randn(128, 256, generator=g) * 0.02).bfloat16(),
+        torch.randn(128, 256, generator=g).bfloat16(),
+        (torch.randn(256, 128, generator=g) * 1e-3).bfloat16(),
+    )
     gate[0, :5] = torch.tensor([0.0, -0.0, 1e-40, float("inf"), float("nan")])
     for banks in (plain, packed):
         banks.load_expert(1, 5, gate, up, down)
@@ -97,8 +105,9 @@ def test_the_gpu_unpacks_the_mapped_packed_banks_bit_for_bit(cuda_device):
         packed.copy_listed(1, w13, w2, misses, count)
 
     def same(slot: int, layer: int, expert: int) -> bool:
-        return torch.equal(w13[slot].cpu().view(torch.int16), plain.w13[layer][expert].view(torch.int16)) and \
-            torch.equal(w2[slot].cpu().view(torch.int16), plain.w2[layer][expert].view(torch.int16))  # fmt: skip
+        return torch.equal(
+            w13[slot].cpu().view(torch.int16), plain.w13[layer][expert].view(torch.int16)
+        ) and torch.equal(w2[slot].cpu().view(torch.int16), plain.w2[layer][expert].view(torch.int16))
 
     for listed in ([[15, 9], [5, 0], [7, 4]], [[5, 3], [0, 1]]):
         misses[: len(listed)].copy_(torch.tensor(listed, dtype=torch.int32))
@@ -119,9 +128,27 @@ def _boot(model_dir, dtype, *flags):
 
     parser = argparse.ArgumentParser()
     add_worker_flags(parser)
-    return boot_worker(boot_config_from_args(parser.parse_args([
-        "--model", str(model_dir), "--device", "cuda", "--dtype", dtype, "--gpu-memory", cuda_test_budget(768 * 2**20),
-        "--max-running-requests", "8", "--max-prefill-tokens", "256", *flags])))  # fmt: skip
+    return boot_worker(
+        boot_config_from_args(
+            parser.parse_args(
+                [
+                    "--model",
+                    str(model_dir),
+                    "--device",
+                    "cuda",
+                    "--dtype",
+                    dtype,
+                    "--gpu-memory",
+                    cuda_test_budget(768 * 2**20),
+                    "--max-running-requests",
+                    "8",
+                    "--max-prefill-tokens",
+                    "256",
+                    *flags,
+                ]
+            )
+        )
+    )
 
 
 def _greedy_batch(executor, prompts: list[list[int]], steps: int, sampling: list | None = None) -> list[list[int]]:
@@ -141,19 +168,27 @@ def _greedy_batch(executor, prompts: list[list[int]], steps: int, sampling: list
     out: list[list[int]] = [[] for _ in range(n)]
 
     def step(tokens, new=(), step_id=0):
-        batch = StepBatch(step_id=step_id, req_ids=ids, tokens=np.array([t for ts in tokens for t in ts], np.int32),
-                          query_lens=np.array([len(ts) for ts in tokens], np.int32),
-                          context_lens=np.array(context, np.int32), page_table=table,
-                          linear_state_slots=np.arange(1, n + 1, dtype=np.int32),
-                          reset_linear_state=np.array([c == 0 for c in context]), sample=np.ones(n, bool),
-                          new_requests=tuple(new))  # fmt: skip
+        batch = StepBatch(
+            step_id=step_id,
+            req_ids=ids,
+            tokens=np.array([t for ts in tokens for t in ts], np.int32),
+            query_lens=np.array([len(ts) for ts in tokens], np.int32),
+            context_lens=np.array(context, np.int32),
+            page_table=table,
+            linear_state_slots=np.arange(1, n + 1, dtype=np.int32),
+            reset_linear_state=np.array([c == 0 for c in context]),
+            sample=np.ones(n, bool),
+            new_requests=tuple(new),
+        )
         result = executor.execute(batch)
         for i, ts in enumerate(tokens):
             context[i] += len(ts)
         return result.token_ids.tolist()
 
-    news = [NewRequest(req_id=int(r), prompt_token_ids=np.array(p, np.int32), sampling=sp)
-            for r, p, sp in zip(ids, prompts, sampling)]  # fmt: skip
+    news = [
+        NewRequest(req_id=int(r), prompt_token_ids=np.array(p, np.int32), sampling=sp)
+        for r, p, sp in zip(ids, prompts, sampling)
+    ]
     last = step(prompts, news, 1)
     for s in range(steps):
         for i, t in enumerate(last):
@@ -188,7 +223,9 @@ def test_graphs_and_the_device_cache_decode_token_for_token(tiny_models, arch, d
         executor, plan = _boot(model, dtype, *flags)
         if "--moe-cache-size" in flags:
             want_format = "packed" if dtype == "bfloat16" and "plain" not in flags else "plain"
-            assert plan.host.expert_bank_format == want_format and executor.store.banks.packed == (want_format == "packed")
+            assert plan.host.expert_bank_format == want_format and executor.store.banks.packed == (
+                want_format == "packed"
+            )
         assert (executor.graphs is None) == ("--enforce-eager" in flags)
         if "--expert-copy-engine-tokens" in flags:
             assert executor.graphs.buckets == [1]  # 3-row decode steps take the copy-engine path, eagerly
@@ -196,8 +233,9 @@ def test_graphs_and_the_device_cache_decode_token_for_token(tiny_models, arch, d
             every = graph_buckets(executor.spec.num_experts_per_tok, plan.max_running_requests)
             plain = "--moe-cache-size" in flags and plan.host.expert_bank_format == "plain"
             below = DEFAULT_COPY_ENGINE_TOKENS if plain else None  # packed banks: no copy-engine threshold
-            assert executor.graphs.buckets == graph_buckets(executor.spec.num_experts_per_tok,
-                                                            plan.max_running_requests, below=below)  # fmt: skip
+            assert executor.graphs.buckets == graph_buckets(
+                executor.spec.num_experts_per_tok, plan.max_running_requests, below=below
+            )
             assert (executor.graphs.buckets == every) == (below is None or every[-1] < below)
         runs[name] = _greedy_batch(executor, prompts, steps=12)
         report = executor.expert_cache_report()
@@ -222,10 +260,15 @@ def test_a_graph_samples_seeded_requests_as_the_eager_sampler_does(tiny_models):
 
     prompts = [[5, 17, 33, 2, 8, 100, 41, 9], [7, 7, 3], [250, 1, 64, 64, 12]]
     plain = [SamplingParams(temperature=t, seed=s, ignore_eos=True) for t, s in ((0.8, 1), (1.3, 2), (0.0, None))]
-    asks = [SamplingParams(temperature=t, seed=s, ignore_eos=True, logprobs=1) for t, s in ((0.8, 1), (1.3, 2), (0.0, None))]
+    asks = [
+        SamplingParams(temperature=t, seed=s, ignore_eos=True, logprobs=1) for t, s in ((0.8, 1), (1.3, 2), (0.0, None))
+    ]
     runs = {}
-    for name, flags, sampling in (("eager", ["--enforce-eager"], plain), ("in-graph", [], plain),
-                                  ("sampler-on-graph-logits", [], asks)):  # fmt: skip
+    for name, flags, sampling in (
+        ("eager", ["--enforce-eager"], plain),
+        ("in-graph", [], plain),
+        ("sampler-on-graph-logits", [], asks),
+    ):
         executor, _ = _boot(tiny_models["qwen3_moe"], "float32", *flags)
         assert (executor.graphs is None) == (name == "eager")
         runs[name] = _greedy_batch(executor, prompts, steps=12, sampling=sampling)
@@ -271,8 +314,14 @@ def test_a_prefill_streamed_past_the_cache_decodes_as_all_resident(tiny_models, 
         "offload-no-prefetch": ["--moe-cache-size", "10", "--no-expert-prefetch"],
     }
     if dtype == "float32":  # the host computes part of each streamed layer's misses (host_share.py): same tokens
-        variants["offload-host-share-node"] = ["--moe-cache-size", "10", "--expert-backend", "hybrid",
-                                               "--host-expert-threads", "2"]
+        variants["offload-host-share-node"] = [
+            "--moe-cache-size",
+            "10",
+            "--expert-backend",
+            "hybrid",
+            "--host-expert-threads",
+            "2",
+        ]
         variants["offload-host-share-poll"] = variants["offload-host-share-node"]
         # the default: whichever boot measured faster
         variants["offload-host-share-auto"] = variants["offload-host-share-node"]
@@ -287,8 +336,9 @@ def test_a_prefill_streamed_past_the_cache_decodes_as_all_resident(tiny_models, 
             # split rightly gives the host nothing: costs that make the host as fast as the link give it
             # half of a layer's missed experts (rounded down), so both sides compute
             assert executor.store.host_share is not None
-            executor.store.host_share.cost = HostCost(pcie_s=1e-3, host_s_at_1=1e-3, host_s_per_token=0.0,
-                                                      overhead_s=0.0)  # fmt: skip
+            executor.store.host_share.cost = HostCost(
+                pcie_s=1e-3, host_s_at_1=1e-3, host_s_per_token=0.0, overhead_s=0.0
+            )
             # and half of each decode layer's misses, through the host node in the decode graphs (captured
             # at boot: the hand-off kernel reads its costs from the device at run time)
             assert executor.store.host_decode is not None, "the host's C kernel is not built (gpu_check builds it)"

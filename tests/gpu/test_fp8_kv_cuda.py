@@ -12,10 +12,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 
+from test_kernel_paged_attention import CASES, _scenario  # noqa: E402
+from test_kernel_qk_norm_rope import CASES as ROPE_CASES  # noqa: E402
+from test_kernel_qk_norm_rope import _case as rope_case
+
 from ferry.kernels.paged_attention_reference import gather_request_kv, paged_attention_reference, write_kv  # noqa: E402
 from ferry.kernels.qk_norm_rope import qk_norm_rope_kv_triton  # noqa: E402
-from test_kernel_paged_attention import CASES, _scenario  # noqa: E402
-from test_kernel_qk_norm_rope import CASES as ROPE_CASES, _case as rope_case  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -28,8 +30,10 @@ PAGED_TOLERANCE = {"decode": 1e-2, "prefill": 2e-2}
 
 
 @pytest.mark.parametrize("case", CASES + SERVED_CASES)
-@pytest.mark.parametrize("dtype,value_size", [(torch.float32, 1.0), (torch.bfloat16, 1.0), (torch.float16, 1.0),
-                                              (torch.bfloat16, 1e-3), (torch.float16, 1e-3)])  # fmt: skip
+@pytest.mark.parametrize(
+    "dtype,value_size",
+    [(torch.float32, 1.0), (torch.bfloat16, 1.0), (torch.float16, 1.0), (torch.bfloat16, 1e-3), (torch.float16, 1e-3)],
+)
 @pytest.mark.parametrize("kernel", list(PAGED_TOLERANCE))
 def test_triton_paged_attention_on_an_fp8_pool(case, dtype, value_size, kernel):
     """value_size 1e-3: value rows a thousandth of the usual size (their scales scaled down), whose
@@ -37,8 +41,9 @@ def test_triton_paged_attention_on_an_fp8_pool(case, dtype, value_size, kernel):
     from ferry.kernels import paged_attention_triton as kernels
 
     page_size, heads, kv_heads, head_dim, qlens, clens = case
-    q, kc, vc, pt, qs, pos, _, _, (ks, vs) = _scenario(7, page_size, heads, kv_heads, head_dim, qlens, clens, dtype,
-                                                       "fp8")  # fmt: skip
+    q, kc, vc, pt, qs, pos, _, _, (ks, vs) = _scenario(
+        7, page_size, heads, kv_heads, head_dim, qlens, clens, dtype, "fp8"
+    )
     vs = vs * value_size
     expected = paged_attention_reference(q, kc, vc, pt, qlens, clens, head_dim**-0.5, ks, vs)
     cuda = [t.cuda() for t in (q, kc, vc, pt, qs, pos)]
@@ -53,8 +58,11 @@ def test_triton_paged_attention_on_an_fp8_pool(case, dtype, value_size, kernel):
     torch.testing.assert_close(out.cpu().float(), expected.float(), rtol=tol, atol=tol * value_size)
 
 
-DISPATCH_CASES = [(16, 16, 2, 256, [300, 1, 40], [2000, 700, 0]), (16, 16, 2, 256, [1, 700, 128], [30, 5000, 0]),
-                  (16, 32, 4, 128, [129, 64], [1500, 3])]
+DISPATCH_CASES = [
+    (16, 16, 2, 256, [300, 1, 40], [2000, 700, 0]),
+    (16, 16, 2, 256, [1, 700, 128], [30, 5000, 0]),
+    (16, 32, 4, 128, [129, 64], [1500, 3]),
+]
 
 
 @pytest.mark.parametrize("buffered", [False, True], ids=["fresh", "pool-buffers"])
@@ -65,22 +73,28 @@ def test_dispatch_on_an_fp8_pool_takes_flash_for_long_queries(case, buffered, mo
     from ferry.kernels import paged_attention as dispatch
 
     page_size, heads, kv_heads, head_dim, qlens, clens = case
-    q, kc, vc, pt, qs, pos, _, _, (ks, vs) = _scenario(4, page_size, heads, kv_heads, head_dim, qlens, clens,
-                                                       torch.bfloat16, "fp8")  # fmt: skip
+    q, kc, vc, pt, qs, pos, _, _, (ks, vs) = _scenario(
+        4, page_size, heads, kv_heads, head_dim, qlens, clens, torch.bfloat16, "fp8"
+    )
     expected = paged_attention_reference(q, kc, vc, pt, qlens, clens, head_dim**-0.5, ks, vs)
     flashed = []
     real = dispatch.flash_prefill_into
-    monkeypatch.setattr(dispatch, "flash_prefill_into",
-                        lambda *a, **scales: flashed.append((a[5], real(*a, **scales))) or flashed[-1][1])  # fmt: skip
+    monkeypatch.setattr(
+        dispatch,
+        "flash_prefill_into",
+        lambda *a, **scales: flashed.append((a[5], real(*a, **scales))) or flashed[-1][1],
+    )
     cuda = [t.cuda() for t in (q, kc, vc, pt, qs, pos)]
     gather = None
     if buffered:  # as KvTensorPool.gather_buffers gives them for an fp8 pool: whole pages of the model dtype
         pages = max(-(-(q_ + c) // page_size) for q_, c in zip(qlens, clens))
-        buffers = tuple(torch.full((pages, *kc.shape[1:]), float("nan"), dtype=torch.bfloat16, device="cuda")
-                        for _ in "kv")  # fmt: skip
+        buffers = tuple(
+            torch.full((pages, *kc.shape[1:]), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in "kv"
+        )
         gather = lambda: buffers  # noqa: E731
-    out = dispatch.paged_attention(*cuda, qlens, clens, head_dim**-0.5, gather=gather, k_scale=ks.cuda(),
-                                   v_scale=vs.cuda())  # fmt: skip
+    out = dispatch.paged_attention(
+        *cuda, qlens, clens, head_dim**-0.5, gather=gather, k_scale=ks.cuda(), v_scale=vs.cuda()
+    )
     assert torch.isfinite(out).all()
     long_rows = [sum(qlens[:r]) for r, n in enumerate(qlens) if n >= 128]
     assert flashed == [(row, True) for row in long_rows]
@@ -112,8 +126,23 @@ def test_qk_norm_rope_kv_quantizes_as_its_twin_on_cuda(index):
     want = (fp8.clone(), fp8.clone(), scale.clone(), scale.clone())
     write_kv(want[0], want[1], slots, rotary.apply(k_norm.reference(k), cos, sin), v, want[2], want[3])
     got = (fp8.clone(), fp8.clone(), scale.clone(), scale.clone())
-    qk_norm_rope_kv_triton(q, k, v, q_norm.weight, k_norm.weight, 1e-6, case[5], cos, sin, rotary.rotary_dim, slots,
-                           got[0], got[1], k_scale=got[2], v_scale=got[3])  # fmt: skip
+    qk_norm_rope_kv_triton(
+        q,
+        k,
+        v,
+        q_norm.weight,
+        k_norm.weight,
+        1e-6,
+        case[5],
+        cos,
+        sin,
+        rotary.rotary_dim,
+        slots,
+        got[0],
+        got[1],
+        k_scale=got[2],
+        v_scale=got[3],
+    )
     written = ~torch.isnan(want[2])
     assert torch.equal(~torch.isnan(got[2]), written) and torch.equal(~torch.isnan(got[3]), written)
     assert torch.equal(got[1].view(torch.uint8), want[1].view(torch.uint8))
@@ -131,8 +160,13 @@ def test_fp8_pool_takes_exactly_the_priced_bytes_on_cuda(cuda_device):
     from tests.helpers import QWEN3_6_35B
 
     spec = load_model_config(QWEN3_6_35B)
-    plan = make_plan(spec, PlanRequest(gpu_memory=8 * 2**30, max_model_len=8192, max_running_requests=8,
-                                       moe_cache_size=300, kv_cache_dtype="fp8"), Measured(0, 0))  # fmt: skip
+    plan = make_plan(
+        spec,
+        PlanRequest(
+            gpu_memory=8 * 2**30, max_model_len=8192, max_running_requests=8, moe_cache_size=300, kv_cache_dtype="fp8"
+        ),
+        Measured(0, 0),
+    )
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated()

@@ -12,12 +12,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 
+from test_kernel_qk_norm_rope import CASES as ROPE_CASES  # noqa: E402
+from test_kernel_qk_norm_rope import _case as rope_case
+from test_kernel_rms_norm import CASES as NORM_CASES  # noqa: E402
+from test_kernel_rms_norm import GATED_CASES
+from test_kernel_rms_norm import _case as norm_case
+
 from ferry.kernels.paged_attention_reference import write_kv  # noqa: E402
 from ferry.kernels.qk_norm_rope import qk_norm_rope_kv_triton  # noqa: E402
 from ferry.kernels.rms_norm import rms_norm_triton  # noqa: E402
-from test_kernel_qk_norm_rope import CASES as ROPE_CASES, _case as rope_case  # noqa: E402
-from test_kernel_rms_norm import CASES as NORM_CASES, GATED_CASES, _case as norm_case  # noqa: E402
-
 from ferry.services.worker.models.norms import GatedRMSNorm  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -49,8 +52,9 @@ def test_qk_norm_rope_kv_on_cuda(index):
     write_kv(want_k, want_v, slots, rotary.apply(k_norm.reference(k), cos, sin), v)
     want_q = rotary.apply(q_norm.reference(q), cos, sin)
     got_k, got_v = cache.clone(), cache.clone()
-    got_q = qk_norm_rope_kv_triton(q, k, v, q_norm.weight, k_norm.weight, 1e-6, case[5], cos, sin,
-                                   rotary.rotary_dim, slots, got_k, got_v)  # fmt: skip
+    got_q = qk_norm_rope_kv_triton(
+        q, k, v, q_norm.weight, k_norm.weight, 1e-6, case[5], cos, sin, rotary.rotary_dim, slots, got_k, got_v
+    )
     tol = 1e-5 if q.dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got_q.float(), want_q.float(), rtol=tol, atol=tol)
     written = ~torch.isnan(want_k)
@@ -82,8 +86,10 @@ def test_rotary_tables_in_one_launch_match_torch_on_cuda(dtype):
     for head_dim, factor, theta in ((128, 1.0, 1_000_000.0), (256, 0.25, 10_000_000.0)):
         rotary = RotaryEmbedding(head_dim, factor, theta, "cuda")
         positions = torch.randint(0, 262_144, (4096,), device="cuda", generator=g)
-        for got, want in zip(rotary_cos_sin_triton(positions, rotary.inv_freq_both, dtype),
-                             rotary_cos_sin_reference(positions, rotary.inv_freq_both, dtype)):  # fmt: skip
+        for got, want in zip(
+            rotary_cos_sin_triton(positions, rotary.inv_freq_both, dtype),
+            rotary_cos_sin_reference(positions, rotary.inv_freq_both, dtype),
+        ):
             tol = dict(rtol=0, atol=1e-6) if dtype == torch.float32 else dict(rtol=0, atol=2**-7)
             torch.testing.assert_close(got, want, **tol)
             assert (got != want).float().mean() < 0.01, f"{float((got != want).float().mean()):.2%} differ"

@@ -13,9 +13,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 
+from test_kernel_gated_deltanet_decode import _conv_weight, _steps  # noqa: E402
+
 from ferry.kernels.gated_deltanet_decode import gated_deltanet_decode  # noqa: E402
 from ferry.kernels.gated_deltanet_decode_reference import gated_deltanet_decode_reference  # noqa: E402
-from test_kernel_gated_deltanet_decode import _conv_weight, _steps  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -79,8 +80,18 @@ def test_fused_decode_replays_from_a_cuda_graph_without_host_syncs(cuda_device):
     # the captured step reads its inputs from static buffers, as the decode graphs do
     step_in = projected[0].clone()
     out = torch.empty(len(SLOTS), V_HEADS * V_DIM, dtype=dtype, device=cuda_device)
-    args = lambda: (*_split(step_in), params["conv_weight"], params["A_log"], params["dt_bias"],  # noqa: E731
-                    params["norm_weight"], 1e-6, conv_states, states, slots, K_HEADS)  # fmt: skip
+    args = lambda: (
+        *_split(step_in),
+        params["conv_weight"],
+        params["A_log"],
+        params["dt_bias"],  # noqa: E731
+        params["norm_weight"],
+        1e-6,
+        conv_states,
+        states,
+        slots,
+        K_HEADS,
+    )
     warm_conv, warm_states = conv_states.clone(), states.clone()
     gated_deltanet_decode(*args(), out=out)  # compiles outside the capture
     conv_states.copy_(warm_conv)

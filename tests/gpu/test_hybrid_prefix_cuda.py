@@ -29,9 +29,26 @@ def _engine(model_dir, prefix_cache: bool):
 
     parser = argparse.ArgumentParser()
     add_worker_flags(parser)
-    cfg = boot_config_from_args(parser.parse_args(["--model", str(model_dir), "--device", "cuda", "--dtype", "bfloat16",
-                                                   "--gpu-memory", cuda_test_budget(2**30), "--max-running-requests", "4",
-                                                   "--max-prefill-tokens", "256", "--max-model-len", "512"]))  # fmt: skip
+    cfg = boot_config_from_args(
+        parser.parse_args(
+            [
+                "--model",
+                str(model_dir),
+                "--device",
+                "cuda",
+                "--dtype",
+                "bfloat16",
+                "--gpu-memory",
+                cuda_test_budget(2**30),
+                "--max-running-requests",
+                "4",
+                "--max-prefill-tokens",
+                "256",
+                "--max-model-len",
+                "512",
+            ]
+        )
+    )
     executor, plan = boot_worker(cfg)
     assert plan.linear_state_snapshots.snapshots > 0
     return executor, BatchScheduler(pool_report_from_plan(plan, executor.vocab_size), prefix_cache=prefix_cache)

@@ -11,10 +11,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 
+from test_kernel_paged_attention import CASES, _scenario  # noqa: E402
+
 from ferry.kernels.gated_delta_rule import gated_delta_rule_varlen  # noqa: E402
 from ferry.kernels.gated_delta_rule_reference import gated_delta_rule_chunked, gated_delta_rule_recurrent  # noqa: E402
 from ferry.kernels.paged_attention_reference import paged_attention_reference  # noqa: E402
-from test_kernel_paged_attention import CASES, _scenario  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -51,8 +52,12 @@ def test_triton_paged_attention_on_cuda(case, dtype, kernel):
 
 # requests of 128 new tokens or more take FlashAttention in bf16 (kernels/paged_attention_flash.py), the rest
 # the paged Triton kernel; float32 takes the paged kernel alone
-DISPATCH_CASES = [(16, 16, 2, 256, [300, 1, 40], [2000, 700, 0]), (16, 16, 2, 256, [1, 700, 128], [30, 5000, 0]),
-                  (16, 32, 4, 128, [129, 64], [1500, 3]), (16, 16, 2, 256, [4096], [0])]
+DISPATCH_CASES = [
+    (16, 16, 2, 256, [300, 1, 40], [2000, 700, 0]),
+    (16, 16, 2, 256, [1, 700, 128], [30, 5000, 0]),
+    (16, 32, 4, 128, [129, 64], [1500, 3]),
+    (16, 16, 2, 256, [4096], [0]),
+]
 
 
 @pytest.mark.parametrize("buffered", [False, True], ids=["fresh", "pool-buffers"])
@@ -68,8 +73,11 @@ def test_paged_attention_dispatch_on_cuda(case, dtype, buffered, monkeypatch):
     real = dispatch.flash_prefill_into
     # (first row, whether FlashAttention took it): a refusal falls back to the paged kernel, whose output
     # would pass the comparison below all the same
-    monkeypatch.setattr(dispatch, "flash_prefill_into",
-                        lambda *a, **scales: flashed.append((a[5], real(*a, **scales))) or flashed[-1][1])  # fmt: skip
+    monkeypatch.setattr(
+        dispatch,
+        "flash_prefill_into",
+        lambda *a, **scales: flashed.append((a[5], real(*a, **scales))) or flashed[-1][1],
+    )
     cuda = [t.cuda() for t in (q, kc, vc, pt, qs, pos)]
     gather = None
     if buffered:  # as KvTensorPool.gather_buffers gives them: whole pages, poisoned
@@ -132,12 +140,17 @@ def test_fla_chunk_list_is_fla_own_and_a_prefill_rule_never_waits_for_the_device
     g = torch.Generator(device="cuda").manual_seed(1)
     lens, k_heads, v_heads, dim = [300, 1, 40], 2, 4, 64
     t = sum(lens)
-    args = (torch.randn(t, k_heads, dim, device="cuda", generator=g).bfloat16(),
-            torch.randn(t, k_heads, dim, device="cuda", generator=g).bfloat16(),
-            torch.randn(t, v_heads, dim, device="cuda", generator=g).bfloat16(),
-            -torch.rand(t, v_heads, device="cuda", generator=g), torch.rand(t, v_heads, device="cuda", generator=g).bfloat16(),
-            torch.zeros(5, v_heads, dim, dim, device="cuda"), torch.tensor([3, 1, 4], device="cuda"),
-            torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda"), lens)  # fmt: skip
+    args = (
+        torch.randn(t, k_heads, dim, device="cuda", generator=g).bfloat16(),
+        torch.randn(t, k_heads, dim, device="cuda", generator=g).bfloat16(),
+        torch.randn(t, v_heads, dim, device="cuda", generator=g).bfloat16(),
+        -torch.rand(t, v_heads, device="cuda", generator=g),
+        torch.rand(t, v_heads, device="cuda", generator=g).bfloat16(),
+        torch.zeros(5, v_heads, dim, dim, device="cuda"),
+        torch.tensor([3, 1, 4], device="cuda"),
+        torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda"),
+        lens,
+    )
     gated_delta_rule_varlen(*args)
     # keeping states inside rows (a prefix-cache step's snapshots): the same, its index arrays sent pinned
     inside, host_slots = [(0, 130), (2, 17)], [3, 1, 4]

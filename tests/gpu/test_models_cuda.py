@@ -45,13 +45,20 @@ def test_bf16_on_cuda_tracks_transformers(arch, page_size, cuda_device):
     with torch.no_grad():
         hf16 = tiny_model(arch, seed=31)[0].to("cuda", torch.bfloat16)
         generated = hf16.generate(
-            ids.cuda(), attention_mask=torch.ones_like(ids).cuda(), max_new_tokens=STEPS, min_new_tokens=STEPS,
-            do_sample=False, pad_token_id=0, eos_token_id=None,
-        )[0, len(PROMPT):].tolist()  # fmt: skip
+            ids.cuda(),
+            attention_mask=torch.ones_like(ids).cuda(),
+            max_new_tokens=STEPS,
+            min_new_tokens=STEPS,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+        )[0, len(PROMPT) :].tolist()
         full = torch.tensor([PROMPT + generated])
         exact = hf32(full).logits[0, len(PROMPT) - 1 : -1].float()
         theirs = hf16(full.cuda()).logits[0, len(PROMPT) - 1 : -1].float().cpu()
-    ours = _teacher_forced(PagedRunner(spec, hf16, page_size, dtype=torch.bfloat16, device=cuda_device), PROMPT, generated)
+    ours = _teacher_forced(
+        PagedRunner(spec, hf16, page_size, dtype=torch.bfloat16, device=cuda_device), PROMPT, generated
+    )
 
     scale = exact.abs().max().item()
     their_err = (theirs - exact).abs().mean().item()
@@ -128,8 +135,9 @@ def test_rows_of_a_sliced_step_on_cuda_continue_and_start_as_in_the_whole_step(a
     first = [(r, _prompt(5, r)) for r in range(2, 9)]
     second = [(1, _prompt(15, 1)), *((r, _prompt(1, 10 + r)) for r in range(2, 17))]
     for dtype, tolerance in ((torch.float32, 1e-3), (torch.bfloat16, 1e-2)):
-        ours, whole, sliced = _sliced_and_whole(arch, dtype, 16, [first, second], monkeypatch, cuda_device,
-                                                num_slots=20)  # fmt: skip
+        ours, whole, sliced = _sliced_and_whole(
+            arch, dtype, 16, [first, second], monkeypatch, cuda_device, num_slots=20
+        )
         assert len(sliced) == 2 and sliced[1] == [(0, 15), (15, 30)]  # the second slice: one-token rows alone
         for a, b in zip(ours, whole):
             assert (a - b).abs().mean().item() <= tolerance * b.abs().max().item()

@@ -31,7 +31,7 @@ from ferry.services.worker.models.mlp import SparseMoeBlock
 from ferry.services.worker.models.norms import make_norm
 from ferry.services.worker.offload.resident import ResidentExperts
 from ferry.services.worker.pools import ExpertSlotPool, allocate_pool
-from tests.helpers import QWEN3_30B, QWEN3_6_35B
+from tests.helpers import QWEN3_6_35B, QWEN3_30B
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -96,13 +96,21 @@ def test_router_ties_go_to_the_lower_expert_id_on_cuda(norm):
 
 def test_router_kernel_compiles_once_whatever_the_token_count(block):
     spec, moe, _ = block
-    router_topk_triton(F.linear(_x(1, spec.hidden_size, 0), moe.gate.logit_weight), spec.num_experts_per_tok,
-                       spec.norm_topk_prob, spec.num_experts)  # fmt: skip
+    router_topk_triton(
+        F.linear(_x(1, spec.hidden_size, 0), moe.gate.logit_weight),
+        spec.num_experts_per_tok,
+        spec.norm_topk_prob,
+        spec.num_experts,
+    )
     cache = _router_topk_kernel.device_caches[torch.cuda.current_device()][0]
     before = len(cache)
     for t in TOKENS + (16, 32, 1000):
-        router_topk_triton(F.linear(_x(t, spec.hidden_size, t), moe.gate.logit_weight), spec.num_experts_per_tok,
-                           spec.norm_topk_prob, spec.num_experts)  # fmt: skip
+        router_topk_triton(
+            F.linear(_x(t, spec.hidden_size, t), moe.gate.logit_weight),
+            spec.num_experts_per_tok,
+            spec.norm_topk_prob,
+            spec.num_experts,
+        )
     assert len(cache) == before, "a new token count compiled a new variant"
 
 
@@ -137,8 +145,10 @@ def test_the_combine_summing_rows_gives_the_bits_of_summing_them_first():
     for t in (1, 3, 8, 17):
         rows = torch.randn(t, 8, 2048, device="cuda", generator=g) * 0.05
         gate = torch.rand(t, 1, device="cuda", generator=g).bfloat16()
-        for shared in (torch.randn(t, 2048, device="cuda", generator=g).bfloat16(),
-                       torch.randn(t, 2048, device="cuda", generator=g).bfloat16().float()):  # fmt: skip
+        for shared in (
+            torch.randn(t, 2048, device="cuda", generator=g).bfloat16(),
+            torch.randn(t, 2048, device="cuda", generator=g).bfloat16().float(),
+        ):
             got = moe_combine_triton(ExpertRows(rows, torch.bfloat16), gate, shared)
             want = moe_combine_triton(sum_rows_triton(rows, torch.bfloat16), gate, shared)
             assert torch.equal(got, want), f"T={t}, shared {shared.dtype}"

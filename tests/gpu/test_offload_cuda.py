@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from ferry.kernels.grouped_expert_gemm import grouped_expert_forward
-from ferry.plan.model_config import parse_model_config
 from ferry.plan import pool_layout as L
+from ferry.plan.model_config import parse_model_config
 from ferry.services.worker.offload.expert_cache import OffloadedExperts
 from ferry.services.worker.offload.host_banks import HostBanks
 from ferry.services.worker.offload.policy import LRUExpertPolicy
@@ -13,12 +13,23 @@ from ferry.services.worker.pools import ExpertSlotPool, allocate_pool
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-SPEC = parse_model_config({
-    "model_type": "qwen3_moe", "vocab_size": 64, "hidden_size": 256, "num_hidden_layers": 4,
-    "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64, "num_experts": 16,
-    "num_experts_per_tok": 4, "moe_intermediate_size": 128, "intermediate_size": 512,
-    "max_position_embeddings": 256, "torch_dtype": "bfloat16",
-})  # fmt: skip
+SPEC = parse_model_config(
+    {
+        "model_type": "qwen3_moe",
+        "vocab_size": 64,
+        "hidden_size": 256,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 64,
+        "num_experts": 16,
+        "num_experts_per_tok": 4,
+        "moe_intermediate_size": 128,
+        "intermediate_size": 512,
+        "max_position_embeddings": 256,
+        "torch_dtype": "bfloat16",
+    }
+)
 LAYERS, E = 4, 16
 
 

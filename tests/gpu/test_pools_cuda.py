@@ -13,8 +13,11 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 def test_allocated_equals_priced_on_cuda(cuda_device):
     spec = load_model_config(QWEN3_6_35B)
-    plan = make_plan(spec, PlanRequest(gpu_memory=8 * 2**30, max_model_len=8192, max_running_requests=8,
-                                       moe_cache_size=300), Measured(0, 0))  # fmt: skip
+    plan = make_plan(
+        spec,
+        PlanRequest(gpu_memory=8 * 2**30, max_model_len=8192, max_running_requests=8, moe_cache_size=300),
+        Measured(0, 0),
+    )
     torch.cuda.synchronize()
     torch.cuda.empty_cache()  # blocks cached by earlier tests would hide what the pools reserve
     before_alloc, before_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()

@@ -41,8 +41,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not MODEL, reason="FERRY_MUST_
 FLAGS = shlex.split(os.environ.get("FERRY_MUST_SHOW_FLAGS", ""))
 OUT = Path(os.environ.get("FERRY_MUST_SHOW_OUT", "prefix_cache_must_show.json"))
 FIRST_TURN, SYSTEM_PROMPT = map(int, os.environ.get("FERRY_MUST_SHOW_TOKENS", "32000,4000").split(","))
-WORDS = ("ferry river harbour cargo timetable crossing dawn captain deck rope tide lantern bridge quay anchor "
-         "passenger ticket engine current mooring channel island bell fog signal").split()  # fmt: skip
+WORDS = (
+    "ferry river harbour cargo timetable crossing dawn captain deck rope tide lantern bridge quay anchor "
+    "passenger ticket engine current mooring channel island bell fog signal"
+).split()
 RESULTS: dict = {}
 
 
@@ -79,7 +81,9 @@ def write_results():
 
 def _measured(figures: dict) -> bool:
     """Whether a test's figures hold a measurement: a turn's TTFT, or the 8 streams' rounds."""
-    return "warm_speedup" in figures or any(isinstance(v, dict) and v.get("ttft_s") is not None for v in figures.values())
+    return "warm_speedup" in figures or any(
+        isinstance(v, dict) and v.get("ttft_s") is not None for v in figures.values()
+    )
 
 
 def issue_keys(results: dict) -> dict:
@@ -92,8 +96,12 @@ def issue_keys(results: dict) -> dict:
     for api, prefix in (("anthropic", ""), ("openai", "openai_")):
         for turn in (1, 2, 3):
             out[f"{prefix}turn{turn}_ttft_s"] = turns.get(f"{api}_turn_{turn}", {}).get("ttft_s")
-    fractions = [turns[f"{api}_turn_{t}"]["cached_fraction"] for api in ("anthropic", "openai") for t in (2, 3)
-                 if f"{api}_turn_{t}" in turns]  # fmt: skip
+    fractions = [
+        turns[f"{api}_turn_{t}"]["cached_fraction"]
+        for api in ("anthropic", "openai")
+        for t in (2, 3)
+        if f"{api}_turn_{t}" in turns
+    ]
     out["cached_fraction"] = min(fractions) if fractions else None
     out["shared_prompt_speedup"] = results.get("eight_streams", {}).get("warm_speedup")
     return out
@@ -108,8 +116,9 @@ def _serve(tmp: Path, *flags: str):
         trace = Path(os.environ["FERRY_STEP_TRACE"]) / tmp.name
         trace.mkdir(parents=True, exist_ok=True)
         env = {"FERRY_STEP_TRACE": str(trace)}
-    return serve_model(Path(MODEL), tmp, env, *FLAGS, *flags, device=None, max_model_len=65536,
-                       ready_timeout=1800, stop_timeout=60)  # fmt: skip
+    return serve_model(
+        Path(MODEL), tmp, env, *FLAGS, *flags, device=None, max_model_len=65536, ready_timeout=1800, stop_timeout=60
+    )
 
 
 def _openai_turn(url, messages, max_tokens=128, client=None):
@@ -117,8 +126,14 @@ def _openai_turn(url, messages, max_tokens=128, client=None):
 
     client = client or openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=600)
     t0, first, text, usage = time.perf_counter(), None, [], None
-    for chunk in client.chat.completions.create(model="tiny", messages=messages, max_tokens=max_tokens, temperature=0,
-                                                stream=True, stream_options={"include_usage": True}):  # fmt: skip
+    for chunk in client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    ):
         if chunk.usage is not None:
             usage = chunk.usage
         for c in chunk.choices:
@@ -134,14 +149,20 @@ def _anthropic_turn(url, system, messages, max_tokens=128):
 
     client = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0, timeout=600)
     t0, first = time.perf_counter(), None
-    with client.messages.stream(model="tiny", max_tokens=max_tokens, system=system, messages=messages,
-                                extra_body={"temperature": 0}) as stream:  # fmt: skip
+    with client.messages.stream(
+        model="tiny", max_tokens=max_tokens, system=system, messages=messages, extra_body={"temperature": 0}
+    ) as stream:
         for event in stream:
             if first is None and event.type == "content_block_delta":
                 first = time.perf_counter() - t0
         final = stream.get_final_message()
     text = "".join(b.text for b in final.content if b.type == "text")
-    return first, text, final.usage.cache_read_input_tokens, final.usage.input_tokens + final.usage.cache_read_input_tokens
+    return (
+        first,
+        text,
+        final.usage.cache_read_input_tokens,
+        final.usage.input_tokens + final.usage.cache_read_input_tokens,
+    )
 
 
 def test_three_turns_with_a_32k_first_turn_answer_turns_2_and_3_within_half_a_second(tokenizer, tmp_path):
@@ -156,7 +177,10 @@ def test_three_turns_with_a_32k_first_turn_answer_turns_2_and_3_within_half_a_se
             first, text, cached, prompt = _openai_turn(served.url, messages)
             ttft[f"openai_turn_{turn}"] = _turn(first, cached, prompt, ttft.get(f"openai_turn_{turn - 1}"))
             messages.append({"role": "assistant", "content": text})
-        system, messages = "You read logs.", [{"role": "user", "content": _text(tokenizer, FIRST_TURN, 2) + "\n\n" + questions[0]}]
+        system, messages = (
+            "You read logs.",
+            [{"role": "user", "content": _text(tokenizer, FIRST_TURN, 2) + "\n\n" + questions[0]}],
+        )
         for turn, question in enumerate(questions, start=1):
             if turn > 1:
                 messages.append({"role": "user", "content": question})
@@ -175,8 +199,12 @@ def _turn(ttft_s, cached: int, prompt: int, before: dict | None) -> dict:
     """One turn's figures. The prefix it shares with the turn before is at least that turn's whole prompt
     (the conversation only grows), so `cached_fraction` is the cached tokens over that prompt's."""
     shared = before["prompt_tokens"] if before else None
-    return {"ttft_s": ttft_s, "cached_tokens": cached, "prompt_tokens": prompt,
-            "cached_fraction": cached / shared if shared else None}  # fmt: skip
+    return {
+        "ttft_s": ttft_s,
+        "cached_tokens": cached,
+        "prompt_tokens": prompt,
+        "cached_fraction": cached / shared if shared else None,
+    }
 
 
 def _compiled_in_service(log: Path) -> list[str]:
@@ -194,8 +222,13 @@ def _one_of_the_streams(url: str, system: str, seed: int, i: int, start) -> tupl
     import openai
 
     client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=600)
-    messages = [{"role": "system", "content": system},
-                {"role": "user", "content": f"Question {seed}-{i}: " + " ".join(random.Random(seed * 100 + i).choices(WORDS, k=40))}]  # fmt: skip
+    messages = [
+        {"role": "system", "content": system},
+        {
+            "role": "user",
+            "content": f"Question {seed}-{i}: " + " ".join(random.Random(seed * 100 + i).choices(WORDS, k=40)),
+        },
+    ]
     start.wait(timeout=300)
     first, _text, cached, prompt = _openai_turn(url, messages, max_tokens=16, client=client)
     return first, cached, prompt
@@ -221,8 +254,9 @@ def clients():
         yield pool, manager
 
 
-def test_eight_streams_sharing_a_4k_system_prompt_start_5x_sooner_than_without_the_prefix_cache(tokenizer, tmp_path,
-                                                                                                  clients):
+def test_eight_streams_sharing_a_4k_system_prompt_start_5x_sooner_than_without_the_prefix_cache(
+    tokenizer, tmp_path, clients
+):
     system = "You answer questions about this harbour log.\n" + _text(tokenizer, SYSTEM_PROMPT, 3)
     figures = {}
     for name, flags in (("prefix_cache", ()), ("no_prefix_cache", ("--no-prefix-cache",))):
@@ -230,16 +264,26 @@ def test_eight_streams_sharing_a_4k_system_prompt_start_5x_sooner_than_without_t
             # first-time costs (kernel compiles, autotuning, the expert cache) paid on an unrelated prompt
             _eight_streams(served.url, "Unrelated.\n" + _text(tokenizer, SYSTEM_PROMPT, 4), 0, clients)
             primed = _compiled_in_service(tmp_path / name / "serve.log")
-            rounds = {"cold": _eight_streams(served.url, system, 1, clients),
-                      "warm": _eight_streams(served.url, system, 2, clients)}
+            rounds = {
+                "cold": _eight_streams(served.url, system, 1, clients),
+                "warm": _eight_streams(served.url, system, 2, clients),
+            }
         # a kernel compiled during the rounds would time the compile, not the cache (one of fla's autotunes
         # once made the baseline's warm round 10 s, and the speedup 23x)
-        figures[name] = {"kernels_compiled_in_rounds": _compiled_in_service(tmp_path / name / "serve.log")[len(primed):]}
+        figures[name] = {
+            "kernels_compiled_in_rounds": _compiled_in_service(tmp_path / name / "serve.log")[len(primed) :]
+        }
         for rnd, streams in rounds.items():
-            figures[name] |= {f"{rnd}_ttft_s": [t for t, _, _ in streams], f"{rnd}_mean_s": statistics.mean(t for t, _, _ in streams),
-                              f"{rnd}_cached_tokens": [c for _, c, _ in streams], f"{rnd}_prompt_tokens": [p for _, _, p in streams]}  # fmt: skip
+            figures[name] |= {
+                f"{rnd}_ttft_s": [t for t, _, _ in streams],
+                f"{rnd}_mean_s": statistics.mean(t for t, _, _ in streams),
+                f"{rnd}_cached_tokens": [c for _, c, _ in streams],
+                f"{rnd}_prompt_tokens": [p for _, _, p in streams],
+            }
     for rnd in ("cold", "warm"):
-        figures[f"{rnd}_speedup"] = figures["no_prefix_cache"][f"{rnd}_mean_s"] / figures["prefix_cache"][f"{rnd}_mean_s"]
+        figures[f"{rnd}_speedup"] = (
+            figures["no_prefix_cache"][f"{rnd}_mean_s"] / figures["prefix_cache"][f"{rnd}_mean_s"]
+        )
     RESULTS["eight_streams"] = figures | {"model": MODEL, "flags": FLAGS, "commit": commit()}
     print(json.dumps(figures, indent=2))
     assert not any(figures[name]["kernels_compiled_in_rounds"] for name in ("prefix_cache", "no_prefix_cache")), figures

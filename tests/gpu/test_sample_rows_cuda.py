@@ -29,8 +29,11 @@ def test_kernels_equal_the_twin_at_full_vocabulary(cuda_device):
 
 def test_seeded_rows_do_not_depend_on_their_batch(cuda_device):
     sampler = Sampler(VOCAB, cuda_device, seed=0)
-    params = {1: SamplingParams(temperature=0.8, seed=7), 2: SamplingParams(temperature=0.0),
-              3: SamplingParams(temperature=1.0, top_p=0.9)}  # fmt: skip
+    params = {
+        1: SamplingParams(temperature=0.8, seed=7),
+        2: SamplingParams(temperature=0.0),
+        3: SamplingParams(temperature=1.0, top_p=0.9),
+    }
     for rid, p in params.items():
         sampler.add_request(NewRequest(req_id=rid, prompt_token_ids=np.array([1, 2], dtype=np.int32), sampling=p))
     logits = torch.randn(3, VOCAB, device=cuda_device) * 3

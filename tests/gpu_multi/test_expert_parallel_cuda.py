@@ -12,8 +12,18 @@ from tests.integration.test_expert_parallel_serve import assert_two_ranks_serve_
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]
 
-FLAGS = ["--device", "cuda", "--dtype", "float32", "--max-model-len", "256", "--moe-cache-size", "10",
-         "--gpu-memory", "4GiB"]  # fmt: skip
+FLAGS = [
+    "--device",
+    "cuda",
+    "--dtype",
+    "float32",
+    "--max-model-len",
+    "256",
+    "--moe-cache-size",
+    "10",
+    "--gpu-memory",
+    "4GiB",
+]
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe"])

@@ -35,12 +35,15 @@ class GreedyReference:
         from transformers import AutoTokenizer
 
         from ferry.plan.planner import PlanRequest
-        from ferry.shared.eos import eos_token_ids
         from ferry.services.worker.boot import boot_worker
         from ferry.services.worker.flags import WorkerBootConfig
+        from ferry.shared.eos import eos_token_ids
 
-        cfg = WorkerBootConfig(model=str(model_dir), device="cpu",
-                               plan=PlanRequest(num_pages=64, max_model_len=512, max_running_requests=4))  # fmt: skip
+        cfg = WorkerBootConfig(
+            model=str(model_dir),
+            device="cpu",
+            plan=PlanRequest(num_pages=64, max_model_len=512, max_running_requests=4),
+        )
         self.torch = torch
         self.executor, _ = boot_worker(cfg)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)

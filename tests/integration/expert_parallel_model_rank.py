@@ -32,8 +32,11 @@ def main() -> None:
     prompt = [int(t) for t in sys.argv[5].split(",")]
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
-    cfg = WorkerBootConfig(model=model_dir, device="cpu", plan=PlanRequest(dtype="float32", num_pages=64,
-                           max_model_len=256, max_running_requests=4))  # fmt: skip
+    cfg = WorkerBootConfig(
+        model=model_dir,
+        device="cpu",
+        plan=PlanRequest(dtype="float32", num_pages=64, max_model_len=256, max_running_requests=4),
+    )
     executor, _ = boot_worker(cfg)
     greedy, eos = SamplingParams(temperature=0.0, ignore_eos=True), eos_token_ids(model_dir)
     one_rank, _, _ = generate(executor, prompt, greedy, 12, eos)
@@ -44,8 +47,12 @@ def main() -> None:
     local_spec = dataclasses.replace(spec, num_experts=mine, num_experts_per_tok=1)
     slots = mine + 1  # fewer than the layers' owned experts: misses cross from this rank's host banks
     pool = ExpertSlotPool(allocate_pool(L.expert_slot_layout(local_spec, "float32", slots, 64), "cpu"))
-    local = OffloadedExperts(pool, HostBanks.for_model(local_spec, "float32", pin=False, progress=False),
-                             LRUExpertPolicy(layers, mine, slots), "cpu")  # fmt: skip
+    local = OffloadedExperts(
+        pool,
+        HostBanks.for_model(local_spec, "float32", pin=False, progress=False),
+        LRUExpertPolicy(layers, mine, slots),
+        "cpu",
+    )
     store = ExpertParallelExperts(local, rank, world, experts)
     inter = spec.moe_intermediate_size
     for layer in range(layers):

@@ -56,13 +56,23 @@ def ascii_word_tokens(tokenizer) -> list[int]:
     return ids
 
 
-def make_model_dir(tokenizer_dir: Path, target: Path, tokenizer, step_delay_s: float = 0.0, linear_state_slots: int = 0,
-                   script: dict | None = None) -> Path:  # fmt: skip
+def make_model_dir(
+    tokenizer_dir: Path,
+    target: Path,
+    tokenizer,
+    step_delay_s: float = 0.0,
+    linear_state_slots: int = 0,
+    script: dict | None = None,
+) -> Path:
     """A model directory for the PagedHashModel double (tests/doubles/fake_worker.py); `script`:
     {"trigger": text, "token_ids": [...]}, the fixed output of prompts holding the trigger."""
     shutil.copytree(tokenizer_dir, target)
-    spec = {"vocab": ascii_word_tokens(tokenizer), "step_delay_s": step_delay_s, "linear_state_slots": linear_state_slots,
-            "vocab_size": len(tokenizer)}
+    spec = {
+        "vocab": ascii_word_tokens(tokenizer),
+        "step_delay_s": step_delay_s,
+        "linear_state_slots": linear_state_slots,
+        "vocab_size": len(tokenizer),
+    }
     if script is not None:
         spec["script"] = script
     (target / "paged_hash_model.json").write_text(json.dumps(spec))
@@ -121,8 +131,9 @@ class Cluster:
 
     def launch(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         log = open(self.rundir / f"{name}.log", "a")
-        self.procs[name] = subprocess.Popen(cmd, cwd=REPO, env={**child_env(), **(env or {})}, stdout=log,
-                                            stderr=subprocess.STDOUT)  # fmt: skip
+        self.procs[name] = subprocess.Popen(
+            cmd, cwd=REPO, env={**child_env(), **(env or {})}, stdout=log, stderr=subprocess.STDOUT
+        )
         return self.procs[name]
 
     def log(self, name: str) -> str:
@@ -148,9 +159,18 @@ def tcp_addresses() -> tuple[str, str, str]:
     return tuple(f"tcp://127.0.0.1:{free_port()}" for _ in range(3))  # type: ignore[return-value]
 
 
-def start_cluster(model_dir: Path, rundir: Path, worker_flags=(), api_flags=(), boot: str = FAKE_BOOT,
-                  scheduler_flags=(), worker_env: dict[str, str] | None = None, layout: str = "ipc",
-                  env: dict[str, str] | None = None, wait: bool = True) -> Cluster:  # fmt: skip
+def start_cluster(
+    model_dir: Path,
+    rundir: Path,
+    worker_flags=(),
+    api_flags=(),
+    boot: str = FAKE_BOOT,
+    scheduler_flags=(),
+    worker_env: dict[str, str] | None = None,
+    layout: str = "ipc",
+    env: dict[str, str] | None = None,
+    wait: bool = True,
+) -> Cluster:
     """The three processes; `layout` "tcp" puts them on loopback tcp ports (compose's layout), `env`
     goes to all three (FERRY_WIRE_KEYS: the CURVE key directory)."""
     rundir.mkdir(parents=True, exist_ok=True)
@@ -165,12 +185,36 @@ def start_cluster(model_dir: Path, rundir: Path, worker_flags=(), api_flags=(), 
     c.steps_addr, c.results_addr = steps, results
     ferry = [sys.executable, "-m", "ferry.services.cli"]
     cmds = {
-        "scheduler": [*ferry, "scheduler", "--api-addr", api_addr, "--steps-addr", steps, "--results-addr", results,
-                      "--health-port", str(c.scheduler_health_port), *scheduler_flags],
-        "worker": [*ferry, "worker", "--model", str(model_dir), "--steps-addr", steps, "--results-addr", results,
-                   "--boot", boot, "--health-port", str(c.worker_health_port), *worker_flags],
+        "scheduler": [
+            *ferry,
+            "scheduler",
+            "--api-addr",
+            api_addr,
+            "--steps-addr",
+            steps,
+            "--results-addr",
+            results,
+            "--health-port",
+            str(c.scheduler_health_port),
+            *scheduler_flags,
+        ],
+        "worker": [
+            *ferry,
+            "worker",
+            "--model",
+            str(model_dir),
+            "--steps-addr",
+            steps,
+            "--results-addr",
+            results,
+            "--boot",
+            boot,
+            "--health-port",
+            str(c.worker_health_port),
+            *worker_flags,
+        ],
         "api": api_command(model_dir, api_addr, c.port, *api_flags),
-    }  # fmt: skip
+    }
     for name, cmd in cmds.items():
         c.launch(name, cmd, {**(env or {}), **((worker_env or {}) if name == "worker" else {})})
     c.envs = {name: {**(env or {}), **((worker_env or {}) if name == "worker" else {})} for name in cmds}
@@ -186,8 +230,21 @@ REAL_WORKER_ENV = {"OMP_NUM_THREADS": "1"}
 
 
 def api_command(model_dir: Path, scheduler_addr: str, port: int, *flags: str) -> list[str]:
-    return [sys.executable, "-m", "ferry.services.cli", "api", "--model", str(model_dir), "--scheduler-addr", scheduler_addr,
-            "--port", str(port), "--served-model-name", "tiny", *flags]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "ferry.services.cli",
+        "api",
+        "--model",
+        str(model_dir),
+        "--scheduler-addr",
+        scheduler_addr,
+        "--port",
+        str(port),
+        "--served-model-name",
+        "tiny",
+        *flags,
+    ]
 
 
 def eventually(check, timeout: float = 15.0, interval: float = 0.1):
@@ -211,9 +268,15 @@ def labelled_metric(base_url: str, name: str, **labels: str) -> float:
 
 
 async def _stream_completion(client, prompt: str, n: int, ignore_eos: bool) -> tuple[str, int | None, str | None]:
-    stream = await client.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0, stream=True,
-                                             stream_options={"include_usage": True},
-                                             extra_body={"ignore_eos": True} if ignore_eos else None)  # fmt: skip
+    stream = await client.completions.create(
+        model="tiny",
+        prompt=prompt,
+        max_tokens=n,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True} if ignore_eos else None,
+    )
     text, usage, reason = [], None, None
     async for chunk in stream:
         if chunk.choices:
@@ -224,8 +287,9 @@ async def _stream_completion(client, prompt: str, n: int, ignore_eos: bool) -> t
     return "".join(text), usage, reason
 
 
-def stream_concurrently(base_url: str, jobs: list[tuple[str, int]], api_key: str = "x",
-                        ignore_eos: bool = True) -> list[tuple[str, int | None, str | None]]:  # fmt: skip
+def stream_concurrently(
+    base_url: str, jobs: list[tuple[str, int]], api_key: str = "x", ignore_eos: bool = True
+) -> list[tuple[str, int | None, str | None]]:
     """Stream every (prompt, max_tokens) job at once through the openai AsyncOpenAI client, greedy (with
     ignore_eos unless told otherwise); [(text, usage.completion_tokens, finish_reason)] in the jobs' order."""
     import openai
@@ -251,8 +315,9 @@ def kill_worker_mid_streams(c: "Cluster", prompt: str, extra_body: dict | None =
 
     async def one(i: int, started: asyncio.Event):
         try:
-            stream = await client.completions.create(model="tiny", prompt=f"{prompt} {i}", max_tokens=400, stream=True,
-                                                     extra_body=extra_body)  # fmt: skip
+            stream = await client.completions.create(
+                model="tiny", prompt=f"{prompt} {i}", max_tokens=400, stream=True, extra_body=extra_body
+            )
             async for _ in stream:
                 started.set()
         except openai.APIError as exc:
@@ -262,8 +327,9 @@ def kill_worker_mid_streams(c: "Cluster", prompt: str, extra_body: dict | None =
     async def main():
         started = [asyncio.Event() for _ in range(4)]
         streams = [asyncio.create_task(one(i, started[i])) for i in range(4)]
-        plain = asyncio.create_task(client.completions.create(model="tiny", prompt=f"{prompt} too", max_tokens=400,
-                                                              extra_body=extra_body))  # fmt: skip
+        plain = asyncio.create_task(
+            client.completions.create(model="tiny", prompt=f"{prompt} too", max_tokens=400, extra_body=extra_body)
+        )
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 20)  # all four are generating
         c.procs["worker"].send_signal(signal.SIGKILL)
         killed = time.monotonic()
@@ -321,8 +387,16 @@ class ServedModel:
 
 
 @contextmanager
-def serve_model(model_dir: Path, tmp: Path, env: dict[str, str] | None = None, *flags: str, device: str | None = "cpu",
-                max_model_len: int = 512, ready_timeout: float = 180, stop_timeout: float = 20):  # fmt: skip
+def serve_model(
+    model_dir: Path,
+    tmp: Path,
+    env: dict[str, str] | None = None,
+    *flags: str,
+    device: str | None = "cpu",
+    max_model_len: int = 512,
+    ready_timeout: float = 180,
+    stop_timeout: float = 20,
+):
     """`ferry serve MODEL` as a user runs it (the model positional), with `--served-model-name tiny`, until
     the block ends (then SIGTERM). On the CPU unless `device` says otherwise (None: serve's own choice);
     a real model on a GPU may take minutes to load (`ready_timeout`)."""
@@ -330,11 +404,27 @@ def serve_model(model_dir: Path, tmp: Path, env: dict[str, str] | None = None, *
     log_path = tmp / "serve.log"
     placed = ["--device", device] if device is not None else []
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "ferry.services.cli", "serve", str(model_dir),
-                                 "--port", str(port), *placed, "--max-model-len", str(max_model_len),
-                                 "--served-model-name", "tiny", *flags], cwd=REPO,
-                                env={**child_env(), **(env or {}), "TMPDIR": str(tmp)},
-                                stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "ferry.services.cli",
+                "serve",
+                str(model_dir),
+                "--port",
+                str(port),
+                *placed,
+                "--max-model-len",
+                str(max_model_len),
+                "--served-model-name",
+                "tiny",
+                *flags,
+            ],
+            cwd=REPO,
+            env={**child_env(), **(env or {}), "TMPDIR": str(tmp)},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     served = ServedModel(proc, f"http://127.0.0.1:{port}", log_path)
     try:
         # a serve that exited fails at once, with its log, rather than after the whole ready_timeout

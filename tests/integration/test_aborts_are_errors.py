@@ -21,14 +21,28 @@ import pytest
 import zmq
 
 from ferry.shared.messages import (
-    ApiHeartbeat, ApiToScheduler, Failed, Finished, SchedulerStatus, Submit, Tokens,
-)  # fmt: skip
+    ApiHeartbeat,
+    ApiToScheduler,
+    Failed,
+    Finished,
+    SchedulerStatus,
+    Submit,
+    Tokens,
+)
 from ferry.shared.sampling import SamplingParams
 from ferry.shared.wire import Codec
 from tests.integration.harness import (
-    REPO, api_command, ascii_word_tokens, child_env, eventually, free_port, healthy, http_get, labelled_metric,
+    REPO,
+    api_command,
+    ascii_word_tokens,
+    child_env,
+    eventually,
+    free_port,
+    healthy,
+    http_get,
+    labelled_metric,
     start_cluster,
-)  # fmt: skip
+)
 from tests.integration.wire_peers import peer, replies, send
 
 
@@ -38,8 +52,10 @@ def test_the_scheduler_fails_the_requests_of_a_replica_it_declared_lost(slow_mod
     c = start_cluster(slow_model_dir, tmp_path / "run", worker_flags=["--max-model-len", "512"])
     ghost = peer(zmq.DEALER, c.api_addr, b"ghost-replica")
     try:
-        send(ghost, Submit(req_id=7, prompt_token_ids=np.array([3, 4, 5], np.int32), sampling=SamplingParams(),
-                           max_tokens=400))  # fmt: skip  (20 ms steps: 8 s of work)
+        send(
+            ghost,
+            Submit(req_id=7, prompt_token_ids=np.array([3, 4, 5], np.int32), sampling=SamplingParams(), max_tokens=400),
+        )  # 20 ms steps: 8 s of work
         got = replies(ghost, 6.0)  # silent all along: lost after 2.5 s
         ends = [m for m in got if isinstance(m, (Finished, Failed))]
         tokens = sum(len(m.token_ids) for m in got if isinstance(m, Tokens))
@@ -90,8 +106,15 @@ class _AbortingScheduler(threading.Thread):
                 self.replicas.add(client)
                 for t in self.token_ids:
                     self._send(client, Tokens(np.array([msg.req_id], np.int64), np.array([t], np.int32)))
-                self._send(client, Finished(req_id=msg.req_id, reason="abort", prompt_tokens=len(msg.prompt_token_ids),
-                                            completion_tokens=len(self.token_ids)))  # fmt: skip
+                self._send(
+                    client,
+                    Finished(
+                        req_id=msg.req_id,
+                        reason="abort",
+                        prompt_tokens=len(msg.prompt_token_ids),
+                        completion_tokens=len(self.token_ids),
+                    ),
+                )
         self.sock.close()
 
 
@@ -104,8 +127,9 @@ def api_beside_an_aborting_scheduler(model_dir, tiny_tokenizer, tmp_path):
     scheduler.start()
     port = free_port()
     log = open(tmp_path / "api.log", "w")
-    api = subprocess.Popen(api_command(model_dir, addr, port), cwd=REPO, env=child_env(), stdout=log,
-                           stderr=subprocess.STDOUT)  # fmt: skip
+    api = subprocess.Popen(
+        api_command(model_dir, addr, port), cwd=REPO, env=child_env(), stdout=log, stderr=subprocess.STDOUT
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         assert eventually(lambda: healthy(url), timeout=60), (tmp_path / "api.log").read_text()[-3000:]
@@ -119,7 +143,9 @@ def api_beside_an_aborting_scheduler(model_dir, tiny_tokenizer, tmp_path):
 
 
 def _post(url: str, path: str, body: dict) -> tuple[int, str]:
-    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=20) as r:
             return r.status, r.read().decode()
@@ -128,14 +154,18 @@ def _post(url: str, path: str, body: dict) -> tuple[int, str]:
 
 
 def _data(sse: str) -> list[str]:
-    return [line[len("data: "):] for line in sse.splitlines() if line.startswith("data: ")]
+    return [line[len("data: ") :] for line in sse.splitlines() if line.startswith("data: ")]
 
 
 def test_an_abort_the_client_did_not_ask_for_ends_in_an_error_it_sees(api_beside_an_aborting_scheduler):
     url = api_beside_an_aborting_scheduler
-    for path, body in (("/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": 50, "stream": True}),
-                       ("/v1/chat/completions", {"model": "tiny", "max_tokens": 50, "stream": True,
-                                                 "messages": [{"role": "user", "content": "hello"}]})):  # fmt: skip
+    for path, body in (
+        ("/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": 50, "stream": True}),
+        (
+            "/v1/chat/completions",
+            {"model": "tiny", "max_tokens": 50, "stream": True, "messages": [{"role": "user", "content": "hello"}]},
+        ),
+    ):
         status, text = _post(url, path, body)
         data = _data(text)
         assert status == 200 and data, (path, status, text[:300])  # headers went out with the first token
@@ -145,9 +175,12 @@ def test_an_abort_the_client_did_not_ask_for_ends_in_an_error_it_sees(api_beside
         reasons = [c["finish_reason"] for d in data[:-1] for c in json.loads(d).get("choices", [])]
         assert not any(reasons), (path, reasons)  # no choice looks finished: no "abort", no "stop"
 
-    status, text = _post(url, "/v1/messages", {"model": "tiny", "max_tokens": 50, "stream": True,
-                                               "messages": [{"role": "user", "content": "hello"}]})  # fmt: skip
-    events = [line[len("event: "):] for line in text.splitlines() if line.startswith("event: ")]
+    status, text = _post(
+        url,
+        "/v1/messages",
+        {"model": "tiny", "max_tokens": 50, "stream": True, "messages": [{"role": "user", "content": "hello"}]},
+    )
+    events = [line[len("event: ") :] for line in text.splitlines() if line.startswith("event: ")]
     assert status == 200 and events[-1] == "error", events
     error = json.loads(_data(text)[-1])
     assert error["type"] == "error" and error["error"]["type"] in ("overloaded_error", "api_error"), error
@@ -155,8 +188,9 @@ def test_an_abort_the_client_did_not_ask_for_ends_in_an_error_it_sees(api_beside
 
     status, text = _post(url, "/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": 50})
     assert status == 503 and "aborted" in json.loads(text)["error"]["message"], (status, text)
-    status, text = _post(url, "/v1/messages", {"model": "tiny", "max_tokens": 50,
-                                               "messages": [{"role": "user", "content": "hello"}]})  # fmt: skip
+    status, text = _post(
+        url, "/v1/messages", {"model": "tiny", "max_tokens": 50, "messages": [{"role": "user", "content": "hello"}]}
+    )
     assert status == 503 and json.loads(text)["error"]["type"] == "overloaded_error", (status, text)
 
     for route in ("completions", "chat", "messages"):

@@ -12,8 +12,9 @@ from tests.integration.harness import http_get
 
 def post(base_url: str, path: str, body: bytes | str | dict, headers: dict | None = None) -> tuple[int, dict]:
     data = body if isinstance(body, bytes) else (body if isinstance(body, str) else json.dumps(body)).encode()
-    req = urllib.request.Request(base_url + path, data=data, method="POST",
-                                 headers={"Content-Type": "application/json", **(headers or {})})  # fmt: skip
+    req = urllib.request.Request(
+        base_url + path, data=data, method="POST", headers={"Content-Type": "application/json", **(headers or {})}
+    )
     try:
         with urllib.request.urlopen(req, timeout=10) as r:
             return r.status, json.loads(r.read())
@@ -74,8 +75,10 @@ def test_server_keeps_serving_after_bad_requests(cluster):
 def test_every_log_line_is_one_json_object_and_api_events_carry_request_ids(cluster):
     post(cluster.base_url, "/v1/completions", {"prompt": "log me", "max_tokens": 2})
     post(cluster.base_url, "/v1/completions", b"{broken")
-    logs = {name: [json.loads(line) for line in cluster.log(name).splitlines() if line.strip()]
-            for name in ("api", "scheduler", "worker")}  # json.loads raises on any non-JSON line
+    logs = {
+        name: [json.loads(line) for line in cluster.log(name).splitlines() if line.strip()]
+        for name in ("api", "scheduler", "worker")
+    }  # json.loads raises on any non-JSON line
     assert any(e["event"] == "worker_ready" for e in logs["worker"])
     assert any(e["event"] == "worker_ready" for e in logs["scheduler"])
     events = logs["api"]
@@ -90,8 +93,16 @@ def test_every_refused_request_is_counted_by_route_and_status(cluster):
     def count(route: str, status: int) -> float:
         return labelled_metric(cluster.base_url, "ferry_refused_requests_total", route=route, status=str(status))
 
-    before = {k: count(*k) for k in [("/v1/chat/completions", 400), ("/v1/completions", 404), ("unmatched", 404),
-                                     ("/v1/completions", 405), ("/v1/completions", 413)]}  # fmt: skip
+    before = {
+        k: count(*k)
+        for k in [
+            ("/v1/chat/completions", 400),
+            ("/v1/completions", 404),
+            ("unmatched", 404),
+            ("/v1/completions", 405),
+            ("/v1/completions", 413),
+        ]
+    }
     post(cluster.base_url, "/v1/chat/completions", b"{not json")  # 400 from validation
     post(cluster.base_url, "/v1/chat/completions", {"messages": MSG, "max_tokens": 100000})  # 400 from the scheduler
     post(cluster.base_url, "/v1/completions", {"model": "gpt-9", "prompt": "hi"})  # 404 unknown model
@@ -99,24 +110,35 @@ def test_every_refused_request_is_counted_by_route_and_status(cluster):
     http_get(cluster.base_url + "/v1/completions")  # 405 wrong method
     post(cluster.base_url, "/v1/completions", {"prompt": "x" * (5 * 2**20)})  # 413 over --max-body-size (4MiB)
     after = {k: count(*k) for k in before}
-    assert {k: after[k] - before[k] for k in before} == {("/v1/chat/completions", 400): 2, ("/v1/completions", 404): 1,
-                                                         ("unmatched", 404): 1, ("/v1/completions", 405): 1,
-                                                         ("/v1/completions", 413): 1}  # fmt: skip
+    assert {k: after[k] - before[k] for k in before} == {
+        ("/v1/chat/completions", 400): 2,
+        ("/v1/completions", 404): 1,
+        ("unmatched", 404): 1,
+        ("/v1/completions", 405): 1,
+        ("/v1/completions", 413): 1,
+    }
 
 
 LONG = "hello " * 400  # about 400 tokens of the tiny tokenizer: with max_tokens 200, past the model length (512)
 
 
-@pytest.mark.parametrize("kind,body,param", [
-    ("chat", {"messages": MSG, "max_tokens": 100000}, "max_tokens"),
-    ("chat", {"messages": MSG, "max_completion_tokens": 100000}, "max_completion_tokens"),
-    ("chat", {"messages": [{"role": "user", "content": LONG}], "max_tokens": 200}, "max_tokens"),
-    ("chat", {"messages": [{"role": "user", "content": "hello " * 600}]}, "messages"),  # the prompt alone is too long
-    ("completions", {"prompt": "hi", "max_tokens": 100000}, "max_tokens"),
-    ("completions", {"prompt": "hello " * 600, "max_tokens": 1}, "prompt"),
-    ("chat", {"messages": MSG, "temperature": 2.5}, "temperature"),
-    ("completions", {"prompt": "hi", "temperature": 2.01}, "temperature"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "kind,body,param",
+    [
+        ("chat", {"messages": MSG, "max_tokens": 100000}, "max_tokens"),
+        ("chat", {"messages": MSG, "max_completion_tokens": 100000}, "max_completion_tokens"),
+        ("chat", {"messages": [{"role": "user", "content": LONG}], "max_tokens": 200}, "max_tokens"),
+        (
+            "chat",
+            {"messages": [{"role": "user", "content": "hello " * 600}]},
+            "messages",
+        ),  # the prompt alone is too long
+        ("completions", {"prompt": "hi", "max_tokens": 100000}, "max_tokens"),
+        ("completions", {"prompt": "hello " * 600, "max_tokens": 1}, "prompt"),
+        ("chat", {"messages": MSG, "temperature": 2.5}, "temperature"),
+        ("completions", {"prompt": "hi", "temperature": 2.01}, "temperature"),
+    ],
+)
 def test_over_length_and_out_of_range_400s_name_the_field_to_change(cluster, kind, body, param):
     """Through the official client: the error's param is the field to change (the scheduler's refusals of
     prompt + max_tokens past the model length too, named as the body names them)."""

@@ -30,8 +30,9 @@ def served(tiny_tokenizer_dir, tiny_tokenizer, tmp_path_factory):
 
 
 def post(base_url: str, path: str, body: dict) -> dict:
-    req = urllib.request.Request(base_url + path, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    req = urllib.request.Request(
+        base_url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=60) as r:
         return json.loads(r.read())
 
@@ -41,8 +42,10 @@ def readings(tok, messages: list[dict], tools: list[dict] | None = None) -> tupl
     rendered = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
     assert MARKER in rendered
     parts = SPECIALS_RE.split(rendered)  # every special token here is the template's
-    text = sum(1 if i % 2 else len(tok(_inject(p), add_special_tokens=False, split_special_tokens=True)["input_ids"])
-               for i, p in enumerate(parts))  # fmt: skip
+    text = sum(
+        1 if i % 2 else len(tok(_inject(p), add_special_tokens=False, split_special_tokens=True)["input_ids"])
+        for i, p in enumerate(parts)
+    )
     return text, len(tok.encode(_inject(rendered), add_special_tokens=False))
 
 
@@ -78,23 +81,38 @@ def test_chat_completions_count_the_injected_turn_as_text(served, tiny_tokenizer
 
 
 def test_a_tool_result_and_a_tool_description_are_text(served, tiny_tokenizer):
-    tools = [{"type": "function", "function": {"name": "lookup", "description": MARKER,
-                                               "parameters": {"type": "object", "properties": {}}}}]  # fmt: skip
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": "lookup", "description": MARKER, "parameters": {"type": "object", "properties": {}}},
+        }
+    ]
     call = {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": {}}}
-    messages = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "", "tool_calls": [call]},
-                {"role": "tool", "tool_call_id": "c1", "content": MARKER}]  # fmt: skip
+    messages = [
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": MARKER},
+    ]
     text, special = readings(tiny_tokenizer, messages, tools)
     assert text > special
-    wire = [*messages[:1], {**messages[1], "tool_calls": [{**call, "function": {"name": "lookup", "arguments": "{}"}}]},
-            messages[2]]  # fmt: skip
-    r = post(served.base_url, "/v1/chat/completions",
-             {"messages": _swap(wire, INJECTED), "tools": _swap(tools, INJECTED), "max_tokens": 1})  # fmt: skip
+    wire = [
+        *messages[:1],
+        {**messages[1], "tool_calls": [{**call, "function": {"name": "lookup", "arguments": "{}"}}]},
+        messages[2],
+    ]
+    r = post(
+        served.base_url,
+        "/v1/chat/completions",
+        {"messages": _swap(wire, INJECTED), "tools": _swap(tools, INJECTED), "max_tokens": 1},
+    )
     assert r["usage"]["prompt_tokens"] == text
 
 
 @pytest.mark.parametrize("content", [MARKER, LONG + MARKER])
 def test_both_anthropic_routes_count_the_injected_turn_as_text(served, tiny_tokenizer, content):
-    text, special = readings(tiny_tokenizer, [{"role": "system", "content": MARKER}, {"role": "user", "content": content}])
+    text, special = readings(
+        tiny_tokenizer, [{"role": "system", "content": MARKER}, {"role": "user", "content": content}]
+    )
     assert text > special
     body = {"model": "tiny", "system": INJECTED, "messages": [{"role": "user", "content": _swap(content, INJECTED)}]}
     assert post(served.base_url, "/v1/messages/count_tokens", body)["input_tokens"] == text

@@ -37,8 +37,9 @@ def _docker_ready() -> str | None:
     if shutil.which("docker") is None:
         return "no docker client"
     try:
-        info = subprocess.run(["docker", "info", "--format", "{{.ServerVersion}}"], capture_output=True, text=True,
-                              timeout=30)  # fmt: skip
+        info = subprocess.run(
+            ["docker", "info", "--format", "{{.ServerVersion}}"], capture_output=True, text=True, timeout=30
+        )
     except subprocess.TimeoutExpired:
         return "the docker engine does not answer"
     if info.returncode != 0:
@@ -66,15 +67,23 @@ class Stack:
         self.name = f"ferry-test-{uuid.uuid4().hex[:8]}"
         self.api_port, self.demo_port = free_port(), free_port()
         ports = tmp / "ports.yaml"
-        ports.write_text("services:\n"
-                         f"  api:\n    ports: !override ['127.0.0.1:{self.api_port}:8000']\n"
-                         f"  demo:\n    ports: !override ['127.0.0.1:{self.demo_port}:8000']\n")  # fmt: skip
+        ports.write_text(
+            "services:\n"
+            f"  api:\n    ports: !override ['127.0.0.1:{self.api_port}:8000']\n"
+            f"  demo:\n    ports: !override ['127.0.0.1:{self.demo_port}:8000']\n"
+        )
         extra = [f for f in os.environ.get("FERRY_TEST_COMPOSE_FILES", "").split(":") if f]
         self.files = [str(REPO / "compose.yaml"), *files, *extra, str(ports)]
         keys = tmp / "keys"
         keys.mkdir()
-        done = subprocess.run([sys.executable, "-m", "ferry.services.cli", "keys", str(keys)], capture_output=True,
-                              text=True, cwd=REPO, env=_env(), timeout=120)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-m", "ferry.services.cli", "keys", str(keys)],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            env=_env(),
+            timeout=120,
+        )
         assert done.returncode == 0, done.stderr
         # compose.yaml says `sudo chown -R 10001 keys`; a test without root makes them readable instead
         for f in keys.iterdir():
@@ -108,8 +117,14 @@ def _env() -> dict[str, str]:
 def tiny_model_dir(tmp_path_factory) -> Path:
     """`ferry make-tiny-model DIR` as this user, as the README says: its files must be readable in the containers."""
     out = tmp_path_factory.mktemp("compose-model") / "model"
-    done = subprocess.run([sys.executable, "-m", "ferry.services.cli", "make-tiny-model", str(out)], capture_output=True,
-                          text=True, cwd=REPO, env=_env(), timeout=600)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "ferry.services.cli", "make-tiny-model", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=_env(),
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr
     return out
 
@@ -117,10 +132,18 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 def chat_request(port: int, max_tokens: int, stream: bool) -> urllib.request.Request:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=30) as resp:
         model = json.load(resp)["data"][0]["id"]
-    body = json.dumps({"model": model, "stream": stream, "max_tokens": max_tokens, "ignore_eos": True,
-                       "messages": [{"role": "user", "content": "Tell me about ferries."}]}).encode()  # fmt: skip
-    return urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body,
-                                  {"Content-Type": "application/json"})  # fmt: skip
+    body = json.dumps(
+        {
+            "model": model,
+            "stream": stream,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "messages": [{"role": "user", "content": "Tell me about ferries."}],
+        }
+    ).encode()
+    return urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions", body, {"Content-Type": "application/json"}
+    )
 
 
 def tokens_lasting(port: int, seconds: float) -> int:
@@ -145,7 +168,7 @@ def stream_chat(port: int, max_tokens: int, started: threading.Event, result: di
                 if line == "data: [DONE]":
                     result["done"] = True
                     break
-                chunk = json.loads(line[len("data: "):])
+                chunk = json.loads(line[len("data: ") :])
                 result["chunks"] += 1
                 started.set()
                 for choice in chunk.get("choices", []):
@@ -210,7 +233,8 @@ def test_the_demo_serves_and_drains_at_stop(docker, tmp_path):
 
 
 def test_a_worker_that_cannot_read_its_model_fails_up_with_its_exit_and_says_permission_denied(
-        docker, tiny_model_dir, tmp_path):  # fmt: skip
+    docker, tiny_model_dir, tmp_path
+):
     """A host user's 0600 model.safetensors: the worker (uid 10001) said file-not-found, `up` failed on
     "container ... is unhealthy" after its second start, and Docker went on restarting it."""
     model = tmp_path / "model"

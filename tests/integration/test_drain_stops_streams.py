@@ -21,8 +21,12 @@ def _stream(port: int, path: str, body: dict, started: threading.Event, out: dic
     """POST a streamed request and read its whole body; out: status, body, or the error that cut it."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     try:
-        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json", "x-api-key": "x",
-                                                      "anthropic-version": "2023-06-01"})  # fmt: skip
+        conn.request(
+            "POST",
+            path,
+            json.dumps(body),
+            {"Content-Type": "application/json", "x-api-key": "x", "anthropic-version": "2023-06-01"},
+        )
         if not body.get("stream"):
             started.set()  # its answer comes at the end
         response = conn.getresponse()
@@ -44,30 +48,45 @@ def _events(body: bytes) -> list[tuple[str | None, str]]:
         name = data = None
         for line in block.splitlines():
             if line.startswith("event: "):
-                name = line[len("event: "):]
+                name = line[len("event: ") :]
             elif line.startswith("data: "):
-                data = line[len("data: "):]
+                data = line[len("data: ") :]
         if data is not None:
             events.append((name, data))
     return events
 
 
 def test_streams_running_at_the_drain_timeout_end_in_an_error_and_are_aborted(slow_model_dir, tmp_path):
-    c = start_cluster(slow_model_dir, tmp_path / "run", worker_flags=["--max-model-len", "2048"],
-                      api_flags=["--drain-timeout", str(DRAIN_TIMEOUT_S)])  # fmt: skip
+    c = start_cluster(
+        slow_model_dir,
+        tmp_path / "run",
+        worker_flags=["--max-model-len", "2048"],
+        api_flags=["--drain-timeout", str(DRAIN_TIMEOUT_S)],
+    )
     try:
         scheduler_url = f"http://127.0.0.1:{c.scheduler_health_port}"
         jobs = {
-            "openai": ("/v1/completions", {"prompt": "drain me", "max_tokens": 1500, "stream": True,
-                                           "ignore_eos": True}),
-            "anthropic": ("/v1/messages", {"model": "tiny", "max_tokens": 1500, "stream": True,
-                                           "messages": [{"role": "user", "content": "drain me too"}]}),
+            "openai": (
+                "/v1/completions",
+                {"prompt": "drain me", "max_tokens": 1500, "stream": True, "ignore_eos": True},
+            ),
+            "anthropic": (
+                "/v1/messages",
+                {
+                    "model": "tiny",
+                    "max_tokens": 1500,
+                    "stream": True,
+                    "messages": [{"role": "user", "content": "drain me too"}],
+                },
+            ),
             "plain": ("/v1/completions", {"prompt": "drain me, unstreamed", "max_tokens": 1500, "ignore_eos": True}),
-        }  # fmt: skip
+        }
         outs = {name: {} for name in jobs}
         started = {name: threading.Event() for name in jobs}
-        threads = [threading.Thread(target=_stream, args=(c.port, path, body, started[name], outs[name]))
-                   for name, (path, body) in jobs.items()]  # fmt: skip
+        threads = [
+            threading.Thread(target=_stream, args=(c.port, path, body, started[name], outs[name]))
+            for name, (path, body) in jobs.items()
+        ]
         for t in threads:
             t.start()
         assert all(e.wait(30) for e in started.values()), outs
@@ -95,8 +114,10 @@ def test_streams_running_at_the_drain_timeout_end_in_an_error_and_are_aborted(sl
         # after it exited: by then it would count them among the lost replica's requests)
         assert eventually(lambda: metric(scheduler_url, "ferry_scheduler_running_requests") == 0, timeout=2)
         assert c.procs["api"].wait(timeout=15) == 0
-        lost = eventually(lambda: [json.loads(line) for line in c.log("scheduler").splitlines()
-                                   if '"api_replica_lost"' in line], timeout=15)  # fmt: skip
+        lost = eventually(
+            lambda: [json.loads(line) for line in c.log("scheduler").splitlines() if '"api_replica_lost"' in line],
+            timeout=15,
+        )
         assert lost and all(e["aborted"] == 0 for e in lost), lost
         api_events = [json.loads(line) for line in c.log("api").splitlines() if line.startswith("{")]
         stopped = [e for e in api_events if e["event"] == "request_aborted"]

@@ -17,9 +17,17 @@ def test_two_ranks_decode_as_one(tiny_model, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     script = str(Path(__file__).with_name("expert_parallel_model_rank.py"))
     prompt = ",".join(str(t) for t in (5, 17, 42, 8, 99, 3, 61, 27, 14, 70, 33, 2, 88, 45, 9, 51, 20))
-    procs = [subprocess.Popen([sys.executable, script, str(r), "2", str(tmp_path / "rendezvous"), str(tiny_model), prompt],
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(2)]  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            [sys.executable, script, str(r), "2", str(tmp_path / "rendezvous"), str(tiny_model), prompt],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
     results = []
     for p in procs:
         out, err = p.communicate(timeout=240)

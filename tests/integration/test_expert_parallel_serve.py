@@ -23,12 +23,14 @@ FLAGS = ["--device", "cpu", "--dtype", "float32", "--max-model-len", "256", "--m
 def completions(c) -> tuple[str, str, str]:
     client = openai.OpenAI(base_url=c.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
     greedy = client.completions.create(model="tiny", prompt="hello world, this is", max_tokens=12, temperature=0)
-    seeded = client.completions.create(model="tiny", prompt="hello world, this is", max_tokens=12, temperature=0.8,
-                                       seed=3)  # fmt: skip
+    seeded = client.completions.create(
+        model="tiny", prompt="hello world, this is", max_tokens=12, temperature=0.8, seed=3
+    )
     # unseeded: each rank draws its own noise, from the seed rank 0 handed it; a rank that drew other
     # tokens would stop the worker (follow's check) and this request would fail
-    unseeded = client.completions.create(model="tiny", prompt="unseeded", max_tokens=40, temperature=1.0,
-                                         extra_body={"ignore_eos": True})  # all 40: a sampled end must not cut it  # fmt: skip
+    unseeded = client.completions.create(
+        model="tiny", prompt="unseeded", max_tokens=40, temperature=1.0, extra_body={"ignore_eos": True}
+    )  # all 40: a sampled end must not cut it
     assert unseeded.choices[0].finish_reason == "length"
     return greedy.choices[0].text, seeded.choices[0].text, unseeded.choices[0].text
 
@@ -39,8 +41,14 @@ def assert_two_ranks_serve_as_one(model, tmp_path, flags, ready_timeout: float, 
     runs on the two-rank cluster after those checks, before it is stopped (a second check without a second boot)."""
     got = {}
     for world in ("1", "2"):
-        c = start_cluster(model, tmp_path / world, worker_flags=[*flags, "--expert-parallel-size", world],
-                          boot=REAL_BOOT, worker_env=REAL_WORKER_ENV, wait=False)  # fmt: skip
+        c = start_cluster(
+            model,
+            tmp_path / world,
+            worker_flags=[*flags, "--expert-parallel-size", world],
+            boot=REAL_BOOT,
+            worker_env=REAL_WORKER_ENV,
+            wait=False,
+        )
         try:
             c.wait_ready(timeout=ready_timeout)
             got[world] = completions(c)
@@ -70,8 +78,9 @@ def follower_pid(c) -> int:
 
 def assert_a_lost_rank_fails_its_requests_and_health_turns_503(c) -> None:
     client = openai.OpenAI(base_url=c.base_url + "/v1", api_key="x", max_retries=0, timeout=60)
-    stream = client.completions.create(model="tiny", prompt="a long one", max_tokens=200, temperature=0,
-                                       stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+    stream = client.completions.create(
+        model="tiny", prompt="a long one", max_tokens=200, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
     next(iter(stream))  # generating
     os.kill(follower_pid(c), signal.SIGKILL)
     killed = time.monotonic()
@@ -88,15 +97,26 @@ def assert_a_lost_rank_fails_its_requests_and_health_turns_503(c) -> None:
 def test_two_ranks_serve_as_one_and_a_lost_rank_fails_its_requests_and_health_turns_503(tiny_models, tmp_path):
     """The parity above for qwen3_moe, then on the same two ranks (one boot, not two): a rank killed mid-stream
     fails the stream naming it, /health turns 503 and the worker exits with RANK_FAILURE_EXIT."""
-    assert_two_ranks_serve_as_one(tiny_models["qwen3_moe"], tmp_path, FLAGS, ready_timeout=180,
-                                  then_on_two_ranks=assert_a_lost_rank_fails_its_requests_and_health_turns_503)
+    assert_two_ranks_serve_as_one(
+        tiny_models["qwen3_moe"],
+        tmp_path,
+        FLAGS,
+        ready_timeout=180,
+        then_on_two_ranks=assert_a_lost_rank_fails_its_requests_and_health_turns_503,
+    )
 
 
 def test_a_rank_lost_while_the_worker_boots_ends_it_at_once(tiny_models, tmp_path):
     """Rank 1 killed as soon as rank 0 has started it: rank 0, waiting for it in the rendezvous or in a
     collective of the boot, must not wait for the group's timeout."""
-    c = start_cluster(tiny_models["qwen3_moe"], tmp_path / "c", worker_flags=[*FLAGS, "--expert-parallel-size", "2"],
-                      boot=REAL_BOOT, worker_env=REAL_WORKER_ENV, wait=False)  # fmt: skip
+    c = start_cluster(
+        tiny_models["qwen3_moe"],
+        tmp_path / "c",
+        worker_flags=[*FLAGS, "--expert-parallel-size", "2"],
+        boot=REAL_BOOT,
+        worker_env=REAL_WORKER_ENV,
+        wait=False,
+    )
     try:
         pid = eventually(lambda: follower_pid_or_none(c), timeout=60)
         os.kill(pid, signal.SIGKILL)
@@ -120,9 +140,14 @@ def test_ranks_whose_banks_fit_the_host_alone_but_not_together_stop_at_boot_nami
     from ferry.plan.host_memory import HOST_RESERVE_BYTES
 
     room = HOST_RESERVE_BYTES * 3 // 2
-    c = start_cluster(tiny_models["qwen3_moe"], tmp_path / "c",
-                      worker_flags=[*FLAGS, "--expert-parallel-size", "2", "--host-memory", f"{room}B"],
-                      boot=REAL_BOOT, worker_env=REAL_WORKER_ENV, wait=False)  # fmt: skip
+    c = start_cluster(
+        tiny_models["qwen3_moe"],
+        tmp_path / "c",
+        worker_flags=[*FLAGS, "--expert-parallel-size", "2", "--host-memory", f"{room}B"],
+        boot=REAL_BOOT,
+        worker_env=REAL_WORKER_ENV,
+        wait=False,
+    )
     try:
         assert eventually(lambda: c.procs["worker"].poll() is not None, timeout=120), c.log("worker")[-2000:]
         log = c.log("worker")

@@ -17,9 +17,19 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 def test_the_release_check_serves_streams_and_stops_cleanly(tiny_models, tmp_path):
     out = tmp_path / "out"
-    cmd = [sys.executable, "bench/gpu_check.py", "--out", str(out), "--skip-tests", "--tokens", "12",
-           "--config", str(tiny_models["qwen3_moe"] / "config.json"),
-           "--serve-args", "--load-format dummy --device cpu --gpu-memory 128MiB --max-model-len 256"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "bench/gpu_check.py",
+        "--out",
+        str(out),
+        "--skip-tests",
+        "--tokens",
+        "12",
+        "--config",
+        str(tiny_models["qwen3_moe"] / "config.json"),
+        "--serve-args",
+        "--load-format dummy --device cpu --gpu-memory 128MiB --max-model-len 256",
+    ]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((out / "gpu_check.json").read_text())
@@ -27,8 +37,14 @@ def test_the_release_check_serves_streams_and_stops_cleanly(tiny_models, tmp_pat
     assert result["commit"] == head
     assert result["serve_ok"] is True and result["cuda_tests_failed"] == 0
     steps = result["serve"]["steps"]
-    assert set(steps) == {"streamed_chat", "streamed_completion", "eight_concurrent_streams", "health",
-                          "worker_metrics", "sigterm"}  # fmt: skip
+    assert set(steps) == {
+        "streamed_chat",
+        "streamed_completion",
+        "eight_concurrent_streams",
+        "health",
+        "worker_metrics",
+        "sigterm",
+    }
     assert steps["streamed_completion"]["completion_tokens"] == 12
     assert len(steps["eight_concurrent_streams"]["per_stream_tok_s"]) == 8
     assert steps["sigterm"] == {"ok": True, "exit_status": 0, "children": 3, "children_left": []}
@@ -41,12 +57,19 @@ def test_junit_counts_read_failures_and_errors(tmp_path):
     from bench.gpu_check import junit_counts
 
     xml = tmp_path / "r.xml"
-    xml.write_text('<testsuites><testsuite tests="5" failures="1" errors="1" skipped="1">'
-                   '<testcase classname="a" name="ok" time="0.5"/>'
-                   '<testcase classname="a" name="bad" time="12.25"><failure/></testcase>'
-                   '<testcase classname="b" name="boom"><error/></testcase></testsuite></testsuites>')  # fmt: skip
-    assert junit_counts(xml) == {"passed": 2, "failed": 2, "skipped": 1, "failed_tests": ["a::bad", "b::boom"],
-                                 "slowest_tests": [["a::bad", 12.2], ["a::ok", 0.5], ["b::boom", 0.0]]}  # fmt: skip
+    xml.write_text(
+        '<testsuites><testsuite tests="5" failures="1" errors="1" skipped="1">'
+        '<testcase classname="a" name="ok" time="0.5"/>'
+        '<testcase classname="a" name="bad" time="12.25"><failure/></testcase>'
+        '<testcase classname="b" name="boom"><error/></testcase></testsuite></testsuites>'
+    )
+    assert junit_counts(xml) == {
+        "passed": 2,
+        "failed": 2,
+        "skipped": 1,
+        "failed_tests": ["a::bad", "b::boom"],
+        "slowest_tests": [["a::bad", 12.2], ["a::ok", 0.5], ["b::boom", 0.0]],
+    }
 
 
 def test_the_cuda_tests_run_in_two_processes_and_every_verdict_is_counted(tmp_path, monkeypatch):
@@ -64,7 +87,8 @@ def test_the_cuda_tests_run_in_two_processes_and_every_verdict_is_counted(tmp_pa
             f"def test_{name}_two():\n    open(os.environ['PIDS'], 'a').write('{name} ' + str(os.getpid()) + '\\n')\n"
             f"    assert {name!r} != 'b'\n\n"
             "@pytest.mark.skip(reason='none')\n"
-            f"def test_{name}_skipped():\n    pass\n")  # fmt: skip
+            f"def test_{name}_skipped():\n    pass\n"
+        )
     pids = tmp_path / "pids"
     out = tmp_path / "out"
     out.mkdir()

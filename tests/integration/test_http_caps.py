@@ -45,10 +45,21 @@ def _start_lone_api(tokenizer_dir, tmp, max_connections: int):
     port = free_port()
     log_path = tmp / "api.log"
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(api_command(tokenizer_dir, f"ipc://{tmp}/none.sock", port,
-                                            "--max-connections", str(max_connections),
-                                            "--header-timeout", str(HEADER_TIMEOUT_S)),
-                                cwd=REPO, env=child_env(), stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        proc = subprocess.Popen(
+            api_command(
+                tokenizer_dir,
+                f"ipc://{tmp}/none.sock",
+                port,
+                "--max-connections",
+                str(max_connections),
+                "--header-timeout",
+                str(HEADER_TIMEOUT_S),
+            ),
+            cwd=REPO,
+            env=child_env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     lone = LoneApi(proc, port, log_path)
 
     def answers() -> bool:
@@ -289,8 +300,10 @@ def test_a_slow_header_after_a_kept_alive_request_gets_408_too(api):
 def test_a_declared_100gb_body_is_413_at_once(api):
     t0 = time.monotonic()
     with _connect(api.port) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: 100000000000\r\n\r\n{\"prompt\": \"")  # fmt: skip
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100000000000\r\n\r\n{"prompt": "'
+        )
         closed, got = _read_until_closed(s, 5)
     assert _status(got) == 413 and time.monotonic() - t0 < 3, got[:300]
     assert "100000000000 bytes" in _body(got)["error"]["message"]
@@ -300,9 +313,10 @@ def test_a_declared_100gb_body_is_413_at_once(api):
 def test_a_transfer_coding_other_than_chunked_is_501_naming_it(api, coding):
     body = b'{"prompt": "hi", "max_tokens": 2}'
     with _connect(api.port) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Transfer-Encoding: " + coding.encode() + b"\r\n\r\n"
-                  + b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))  # fmt: skip
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: " + coding.encode() + b"\r\n\r\n" + b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+        )
         closed, got = _read_until_closed(s, 5)
     assert closed and _status(got) == 501, got[:300]
     assert repr(coding.split(",")[0].strip()) in _body(got)["error"]["message"], got
@@ -311,9 +325,10 @@ def test_a_transfer_coding_other_than_chunked_is_501_naming_it(api, coding):
 def test_chunked_alone_is_still_read(api):
     body = b'{"prompt": "hi", "max_tokens": 2}'
     with _connect(api.port) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
-                  + b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))  # fmt: skip
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n" + b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+        )
         _, got = _read_until_closed(s, 5)
     assert _status(got) == 503 and "scheduler" in _body(got)["error"]["message"], got[:300]  # read, then no scheduler
 
@@ -322,8 +337,10 @@ def test_a_request_pipelined_behind_an_h2c_upgrade_is_not_left_hanging(api):
     """The upgrade is ignored: its request is answered over HTTP/1.1 with `Connection: close`, and the
     connection closes at once, so a client that pipelined knows to send the rest again (aiohttp's parser
     drops what followed an Upgrade request in the same read)."""
-    upgrade = (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
-               b"HTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n\r\n")  # fmt: skip
+    upgrade = (
+        b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
+        b"HTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n\r\n"
+    )
     with _connect(api.port) as s:
         s.sendall(upgrade + b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
         closed, got = _read_until_closed(s, 5)

@@ -17,8 +17,15 @@ import urllib.request
 import pytest
 
 from tests.integration.harness import (
-    REPO, api_command, child_env, eventually, free_port, http_get, labelled_metric, start_cluster,
-)  # fmt: skip
+    REPO,
+    api_command,
+    child_env,
+    eventually,
+    free_port,
+    http_get,
+    labelled_metric,
+    start_cluster,
+)
 from tests.unit.test_api_http_edge import adversarial_bodies
 
 KEY = "edge-key"
@@ -29,16 +36,24 @@ MSG = [{"role": "user", "content": "hi"}]
 @pytest.fixture(scope="module")
 def edge(slow_model_dir, tmp_path_factory):
     """Steps take 20 ms; the api wants a key (the Bearer case); the ipc layout of `ferry serve`."""
-    c = start_cluster(slow_model_dir, tmp_path_factory.mktemp("edge"), worker_flags=["--max-model-len", "512"],
-                      api_flags=["--api-key", KEY])  # fmt: skip
+    c = start_cluster(
+        slow_model_dir,
+        tmp_path_factory.mktemp("edge"),
+        worker_flags=["--max-model-len", "512"],
+        api_flags=["--api-key", KEY],
+    )
     yield c
     c.stop()
 
 
 def post(base_url: str, path: str, body: bytes | dict, headers: dict | None = None, timeout: float = 10):
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(base_url + path, data=data, method="POST",
-                                 headers={"Content-Type": "application/json", **AUTH, **(headers or {})})  # fmt: skip
+    req = urllib.request.Request(
+        base_url + path,
+        data=data,
+        method="POST",
+        headers={"Content-Type": "application/json", **AUTH, **(headers or {})},
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, json.loads(r.read())
@@ -80,7 +95,9 @@ def test_1_adversarial_4mib_bodies_are_answered_within_a_second_while_health_ans
     finally:
         stop.set()
         poller.join(10)
-    assert all(status == 400 and took < 3.0 for status, took, _ in answered.values()), answered  # the scan of old: 18 s+
+    assert all(status == 400 and took < 3.0 for status, took, _ in answered.values()), (
+        answered
+    )  # the scan of old: 18 s+
     assert health and all(ok and took < 1.5 for ok, took in health), max(took for _, took in health)
 
 
@@ -98,14 +115,18 @@ def test_4_a_reserved_chat_template_kwarg_is_a_400_naming_it(edge, key):
 
 def test_4_a_client_that_closes_mid_body_is_a_disconnect_not_a_500(edge):
     def counts():
-        return (labelled_metric(edge.base_url, "ferry_refused_requests_total", route="/v1/chat/completions", status="500"),
-                labelled_metric(edge.base_url, "ferry_requests_total", route="chat", outcome="disconnected"))  # fmt: skip
+        return (
+            labelled_metric(edge.base_url, "ferry_refused_requests_total", route="/v1/chat/completions", status="500"),
+            labelled_metric(edge.base_url, "ferry_requests_total", route="chat", outcome="disconnected"),
+        )
 
     lines = len(edge.log("api").splitlines())
     errors, left = counts()
     with socket.create_connection(("127.0.0.1", edge.port), timeout=5) as s:
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 1000\r\n\r\n{\"messages\":")  # fmt: skip
+        s.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + KEY.encode() + b'\r\nContent-Length: 1000\r\n\r\n{"messages":'
+        )
         time.sleep(0.3)
     assert eventually(lambda: counts()[1] == left + 1), counts()
     assert counts()[0] == errors
@@ -118,25 +139,29 @@ def test_4_a_client_that_closes_mid_body_is_a_disconnect_not_a_500(edge):
 
 
 def test_7_a_lowercase_bearer_scheme_is_accepted(edge):
-    status, payload = post(edge.base_url, "/v1/completions", {"prompt": "hi", "max_tokens": 2},
-                           headers={"Authorization": f"bearer {KEY}"})  # fmt: skip
+    status, payload = post(
+        edge.base_url, "/v1/completions", {"prompt": "hi", "max_tokens": 2}, headers={"Authorization": f"bearer {KEY}"}
+    )
     assert status == 200 and payload["usage"]["completion_tokens"] == 2, payload
     status, _ = post(edge.base_url, "/v1/completions", {"prompt": "hi"}, headers={"Authorization": "bearer wrong"})
     assert status == 401
 
 
-@pytest.mark.parametrize("path,body,param", [
-    ("/v1/chat/completions", {"messages": MSG, "temperature": "hot"}, "temperature"),
-    ("/v1/chat/completions", {"messages": MSG, "temperature": -1}, "temperature"),
-    ("/v1/chat/completions", {"messages": [*MSG, *MSG, {"role": "user", "content": ""}]}, "messages[2].content"),
-    ("/v1/chat/completions", {"messages": MSG, "n": 17}, "n"),
-    ("/v1/chat/completions", {"messages": MSG, "max_tokens": 2**70}, "max_tokens"),
-    ("/v1/chat/completions", {"messages": MSG, "logit_bias": {"-1": 1}}, "logit_bias"),
-    ("/v1/chat/completions", {"messages": MSG, "response_format": {"type": "xml"}}, "response_format.type"),
-    ("/v1/completions", {"prompt": ""}, "prompt"),
-    ("/v1/completions", {"prompt": "hello " * 2000}, "prompt"),
-    ("/v1/completions", {"model": "gpt-9", "prompt": "hi"}, "model"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("/v1/chat/completions", {"messages": MSG, "temperature": "hot"}, "temperature"),
+        ("/v1/chat/completions", {"messages": MSG, "temperature": -1}, "temperature"),
+        ("/v1/chat/completions", {"messages": [*MSG, *MSG, {"role": "user", "content": ""}]}, "messages[2].content"),
+        ("/v1/chat/completions", {"messages": MSG, "n": 17}, "n"),
+        ("/v1/chat/completions", {"messages": MSG, "max_tokens": 2**70}, "max_tokens"),
+        ("/v1/chat/completions", {"messages": MSG, "logit_bias": {"-1": 1}}, "logit_bias"),
+        ("/v1/chat/completions", {"messages": MSG, "response_format": {"type": "xml"}}, "response_format.type"),
+        ("/v1/completions", {"prompt": ""}, "prompt"),
+        ("/v1/completions", {"prompt": "hello " * 2000}, "prompt"),
+        ("/v1/completions", {"model": "gpt-9", "prompt": "hi"}, "model"),
+    ],
+)
 def test_7_an_error_about_one_field_names_it_in_param(edge, path, body, param):
     status, payload = post(edge.base_url, path, body)
     assert 400 <= status < 500 and payload["error"]["param"] == param, payload
@@ -170,9 +195,11 @@ def test_7_no_socket_path_reaches_a_client(slow_model_dir, tmp_path):
     addr = f"ipc://{tmp_path}/api.sock"
     port = free_port()
     log = open(tmp_path / "api.log", "w")
-    proc = subprocess.Popen(api_command(slow_model_dir, addr, port), cwd=REPO, env=child_env(), stdout=log,
-                            stderr=subprocess.STDOUT)  # fmt: skip
+    proc = subprocess.Popen(
+        api_command(slow_model_dir, addr, port), cwd=REPO, env=child_env(), stdout=log, stderr=subprocess.STDOUT
+    )
     try:
+
         def answered():
             try:
                 return http_get(f"http://127.0.0.1:{port}/health")
@@ -196,8 +223,15 @@ def test_7_large_schemas_hold_up_no_other_request(edge):
     (bodies under 256 KiB: the short lane's of old), each with n=16 choices sharing one grammar, build on
     the grammar lane; a small request sent meanwhile waits for none of them."""
     props = {f"p{i}": {"type": "string"} for i in range(6000)}
-    heavy = {"messages": MSG, "n": 16, "max_tokens": 2, "response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "object", "properties": props, "required": list(props)}}}}  # fmt: skip
+    heavy = {
+        "messages": MSG,
+        "n": 16,
+        "max_tokens": 2,
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "x", "schema": {"type": "object", "properties": props, "required": list(props)}},
+        },
+    }
     assert len(json.dumps(heavy)) < 256 * 1024
     small = {"messages": MSG, "max_tokens": 1}
     done: dict[str, tuple[int, float]] = {}

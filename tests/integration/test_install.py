@@ -60,14 +60,33 @@ def installed(tmp_path_factory) -> dict:
     isolation = ["--no-build-isolation"] if setuptools_is_new_enough() else []  # offline and fast when it can
     wheels = tmp / "wheels"
     # -v: the build backend's own output (setuptools' warnings) comes back too, for test_the_build_warns_of_no_package
-    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", *isolation, "-w", str(wheels), str(src)],
-                           capture_output=True, text=True, timeout=300)  # fmt: skip
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", *isolation, "-w", str(wheels), str(src)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert built.returncode == 0, built.stdout + built.stderr
     (wheel,) = wheels.glob("ferry-*.whl")
 
     there = fresh_venv(tmp / "venv")
-    done = subprocess.run([sys.executable, "-m", "pip", "--python", str(there["python"]), "install", "-q", "--no-deps",
-                           "--no-index", str(wheel)], capture_output=True, text=True, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(there["python"]),
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-index",
+            str(wheel),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     return {**there, "build_output": built.stdout + built.stderr}
 
@@ -77,8 +96,12 @@ def fresh_venv(env_dir: Path) -> dict:
     line (which does not run the .pth files there, such as an editable install's finder)."""
     venv.create(env_dir, with_pip=False)
     python = env_dir / "bin" / "python"
-    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    site = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     outer = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
     (Path(site) / "outer_dependencies.pth").write_text("\n".join(sorted(outer)) + "\n")
     cwd = env_dir.parent / "elsewhere"
@@ -88,8 +111,9 @@ def fresh_venv(env_dir: Path) -> dict:
 
 def run_there(there: dict, *cmd, **env_extra: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
-    return subprocess.run([str(c) for c in cmd], cwd=there["cwd"], env={**env, **env_extra}, capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [str(c) for c in cmd], cwd=there["cwd"], env={**env, **env_extra}, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_installed_ferry_imports_and_the_generic_top_level_names_do_not(installed):
@@ -128,14 +152,27 @@ def test_the_wheel_builds_the_host_expert_kernel(installed):
     """pip compiles the C kernel (pyproject.toml's ext-modules) into ferry.kernels, and it loads: the
     portable rows are on every machine (torch is not needed to load it, only to call it)."""
     (library,) = (installed["site"] / "ferry" / "kernels").glob("_host_experts_c.*")
-    done = run_there(installed, installed["python"], "-c", f"import ctypes; print(ctypes.CDLL({str(library)!r})"
-                     ".ferry_host_isa_available(1))")  # fmt: skip
+    done = run_there(
+        installed,
+        installed["python"],
+        "-c",
+        f"import ctypes; print(ctypes.CDLL({str(library)!r}).ferry_host_isa_available(1))",
+    )
     assert done.returncode == 0 and done.stdout.strip() == "1", done.stderr
 
 
 def test_the_installed_console_script_plans(installed):
-    done = run_there(installed, installed["bin"] / "ferry", "plan", QWEN3_30B, "--gpu-memory", "24GiB",
-                     "--host-memory", "128GiB", "--json")  # fmt: skip
+    done = run_there(
+        installed,
+        installed["bin"] / "ferry",
+        "plan",
+        QWEN3_30B,
+        "--gpu-memory",
+        "24GiB",
+        "--host-memory",
+        "128GiB",
+        "--json",
+    )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["budget_bytes"] == cuda_plan_budget(24 * 2**30)
 
@@ -149,6 +186,19 @@ def test_run_from_the_tree_without_an_install(tmp_path):
     assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout)
     assert seen["path"] == [str(REPO / "ferry"), str(REPO)] and seen["cli"] == str(REPO / "services" / "cli.py")
-    done = run_there(there, there["python"], "-m", "ferry.services.cli", "plan", "--model", QWEN3_30B,
-                     "--gpu-memory", "24GiB", "--host-memory", "128GiB", "--json", PYTHONPATH=str(REPO))  # fmt: skip
+    done = run_there(
+        there,
+        there["python"],
+        "-m",
+        "ferry.services.cli",
+        "plan",
+        "--model",
+        QWEN3_30B,
+        "--gpu-memory",
+        "24GiB",
+        "--host-memory",
+        "128GiB",
+        "--json",
+        PYTHONPATH=str(REPO),
+    )
     assert done.returncode == 0 and json.loads(done.stdout)["budget_bytes"] == cuda_plan_budget(24 * 2**30), done.stderr

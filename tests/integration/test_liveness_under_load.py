@@ -19,8 +19,13 @@ import openai
 import pytest
 
 from tests.integration.harness import (
-    REAL_WORKER_ENV, api_command, http_get, make_model_dir, start_cluster, stream_concurrently,
-)  # fmt: skip
+    REAL_WORKER_ENV,
+    api_command,
+    http_get,
+    make_model_dir,
+    start_cluster,
+    stream_concurrently,
+)
 
 LOST_EVENTS = ("api_replica_lost", "worker_lost", "stopped responding", "step_lost")
 
@@ -70,8 +75,9 @@ def test_a_worker_busy_in_one_long_step_still_hears_its_scheduler(long_step_mode
     try:
         result: list = []
         client = openai.OpenAI(base_url=c.base_url + "/v1", api_key="x", max_retries=0, timeout=30)
-        t = threading.Thread(target=lambda: result.append(client.completions.create(
-            model="tiny", prompt="one long step", max_tokens=1)))  # fmt: skip
+        t = threading.Thread(
+            target=lambda: result.append(client.completions.create(model="tiny", prompt="one long step", max_tokens=1))
+        )
         with _HealthWatch({"worker": c.worker_health_port, "scheduler": c.scheduler_health_port}) as watch:
             t.start()
             t.join(20)
@@ -94,8 +100,11 @@ def test_an_api_replica_whose_event_loop_stalls_keeps_its_streams(slow_model_dir
         c.launch("api", [sys.executable, "-m", "tests.doubles.stalling_api", *cmd[4:]], {"STALL_S": "3.5"})
         c.wait_ready()
         results: list = []
-        t = threading.Thread(target=lambda: results.append(stream_concurrently(
-            c.base_url, [(f"stream {i} through a stall", 300) for i in range(4)])))  # fmt: skip
+        t = threading.Thread(
+            target=lambda: results.append(
+                stream_concurrently(c.base_url, [(f"stream {i} through a stall", 300) for i in range(4)])
+            )
+        )
         t.start()
         time.sleep(1.0)  # the streams are generating
         c.procs["api"].send_signal(signal.SIGUSR1)
@@ -126,8 +135,15 @@ async def _streams_until(url: str, deadline: float) -> dict[str, int]:
     async def one(session: aiohttp.ClientSession, i: int) -> None:
         n = 0
         while time.monotonic() < deadline:
-            body = {"model": "tiny", "prompt": f"soak {i} round {n}", "max_tokens": 120, "ignore_eos": True,
-                    "stream": True, "temperature": 0, "stream_options": {"include_usage": True}}  # fmt: skip
+            body = {
+                "model": "tiny",
+                "prompt": f"soak {i} round {n}",
+                "max_tokens": 120,
+                "ignore_eos": True,
+                "stream": True,
+                "temperature": 0,
+                "stream_options": {"include_usage": True},
+            }
             outcome = "no finish"
             try:
                 async with session.post(url + "/v1/completions", json=body) as r:
@@ -158,9 +174,13 @@ async def _streams_until(url: str, deadline: float) -> dict[str, int]:
 
 @pytest.mark.slow
 def test_a_soak_beside_cpu_burners_aborts_nothing_and_declares_no_peer_lost(tiny_models, tmp_path):
-    c = start_cluster(tiny_models["qwen3_moe"], tmp_path / "run",
-                      worker_flags=["--device", "cpu", "--max-model-len", "512"],
-                      boot="ferry.services.worker.boot:boot_worker", worker_env=REAL_WORKER_ENV)  # fmt: skip
+    c = start_cluster(
+        tiny_models["qwen3_moe"],
+        tmp_path / "run",
+        worker_flags=["--device", "cpu", "--max-model-len", "512"],
+        boot="ferry.services.worker.boot:boot_worker",
+        worker_env=REAL_WORKER_ENV,
+    )
     burners = [multiprocessing.get_context("fork").Process(target=_burn, daemon=True) for _ in range(BURNERS)]
     try:
         for b in burners:

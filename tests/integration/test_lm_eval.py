@@ -27,11 +27,35 @@ def served(tiny_models, tmp_path_factory):
 
 def lm_eval(tmp: Path, *args: str) -> dict:
     """Run the lm-eval command line; its results (the one results file it writes)."""
-    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp / "hf"),
-           "OPENAI_API_KEY": "unused", "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+    env = {
+        **os.environ,
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "HF_HOME": str(tmp / "hf"),
+        "OPENAI_API_KEY": "unused",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     out = tmp / "out"
-    done = subprocess.run([sys.executable, "-m", "lm_eval", "run", *args, "--include_path", str(TASKS), "--limit", "5",
-                           "--output_path", str(out)], cwd=TASKS, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lm_eval",
+            "run",
+            *args,
+            "--include_path",
+            str(TASKS),
+            "--limit",
+            "5",
+            "--output_path",
+            str(out),
+        ],
+        cwd=TASKS,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-5000:])
     (path,) = list(out.rglob("results_*.json"))
     return json.loads(path.read_text())["results"]
@@ -39,16 +63,31 @@ def lm_eval(tmp: Path, *args: str) -> dict:
 
 @pytest.mark.slow
 def test_local_completions_runs_a_multiple_choice_task(served, tiny_models, tmp_path):
-    results = lm_eval(tmp_path, "--model", "local-completions", "--tasks", "ferry_mc", "--model_args",
-                      f"model=tiny,base_url={served}/v1/completions,tokenizer={tiny_models['qwen3_moe']},"
-                      "tokenizer_backend=huggingface,num_concurrent=2,max_retries=1")  # fmt: skip
+    results = lm_eval(
+        tmp_path,
+        "--model",
+        "local-completions",
+        "--tasks",
+        "ferry_mc",
+        "--model_args",
+        f"model=tiny,base_url={served}/v1/completions,tokenizer={tiny_models['qwen3_moe']},"
+        "tokenizer_backend=huggingface,num_concurrent=2,max_retries=1",
+    )
     acc = results["ferry_mc"]["acc,none"]
     assert 0.0 <= acc <= 1.0
 
 
 @pytest.mark.slow
 def test_local_chat_completions_runs_a_generate_until_task(served, tmp_path):
-    results = lm_eval(tmp_path, "--model", "local-chat-completions", "--tasks", "ferry_gen", "--apply_chat_template",
-                      "--model_args", f"model=tiny,base_url={served}/v1/chat/completions,num_concurrent=1,max_retries=1")  # fmt: skip
+    results = lm_eval(
+        tmp_path,
+        "--model",
+        "local-chat-completions",
+        "--tasks",
+        "ferry_gen",
+        "--apply_chat_template",
+        "--model_args",
+        f"model=tiny,base_url={served}/v1/chat/completions,num_concurrent=1,max_retries=1",
+    )
     match = results["ferry_gen"]["exact_match,none"]
     assert 0.0 <= match <= 1.0

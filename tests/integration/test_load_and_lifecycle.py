@@ -11,7 +11,14 @@ import openai
 import pytest
 
 from tests.doubles.paged_model import reference_continuation
-from tests.integration.harness import ascii_word_tokens, eventually, http_get, metric, start_cluster, stream_concurrently
+from tests.integration.harness import (
+    ascii_word_tokens,
+    eventually,
+    http_get,
+    metric,
+    start_cluster,
+    stream_concurrently,
+)
 
 
 def expected(tok, prompt, n):
@@ -55,15 +62,21 @@ def test_client_that_disconnects_mid_stream_frees_its_pages(slow_cluster):
         # leaving the block closes the connection mid-stream
 
     asyncio.run(read_a_little_then_leave())
-    assert eventually(lambda: metric(base, "ferry_running_requests") == 0 and metric(base, "ferry_kv_pages_available") == total)
+    assert eventually(
+        lambda: metric(base, "ferry_running_requests") == 0 and metric(base, "ferry_kv_pages_available") == total
+    )
     assert metric(base, "ferry_requests_total") >= 1
 
 
 def test_preemption_lets_every_request_finish_when_the_pool_is_too_small(tmp_path_factory, model_dir, tiny_tokenizer):
     # 24 pages x 4 tokens = 96 tokens of KV; 8 requests x (~6 prompt + 40 output) need ~370.
     flags = ["--num-pages", "24", "--page-size", "4", "--max-model-len", "64", "--max-running-requests", "8"]
-    c = start_cluster(model_dir, tmp_path_factory.mktemp("small"), worker_flags=flags,
-                      api_flags=["--api-key", "sesame", "--max-body-size", "2KiB"])  # fmt: skip
+    c = start_cluster(
+        model_dir,
+        tmp_path_factory.mktemp("small"),
+        worker_flags=flags,
+        api_flags=["--api-key", "sesame", "--max-body-size", "2KiB"],
+    )
     try:
         jobs = [(f"request number {i}", 40) for i in range(8)]
         results = run_concurrently(c.base_url, jobs, api_key="sesame")
@@ -77,9 +90,12 @@ def test_preemption_lets_every_request_finish_when_the_pool_is_too_small(tmp_pat
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=c.base_url + "/v1", api_key="wrong", max_retries=0).models.list()
         assert http_get(c.base_url + "/health")[0] == 200  # probes need no key
-        req = urllib.request.Request(c.base_url + "/v1/completions", method="POST",
-                                     data=json.dumps({"prompt": "x" * 4000}).encode(),
-                                     headers={"Authorization": "Bearer sesame", "Content-Type": "application/json"})  # fmt: skip
+        req = urllib.request.Request(
+            c.base_url + "/v1/completions",
+            method="POST",
+            data=json.dumps({"prompt": "x" * 4000}).encode(),
+            headers={"Authorization": "Bearer sesame", "Content-Type": "application/json"},
+        )
         with pytest.raises(urllib.error.HTTPError) as info:
             urllib.request.urlopen(req, timeout=10)
         assert info.value.code == 413 and "error" in json.loads(info.value.read())
@@ -87,12 +103,14 @@ def test_preemption_lets_every_request_finish_when_the_pool_is_too_small(tmp_pat
         c.stop()
 
 
-def test_hybrid_model_runs_at_most_one_request_per_linear_state_slot(tmp_path_factory, tiny_tokenizer_dir,
-                                                                    tiny_tokenizer):  # fmt: skip
+def test_hybrid_model_runs_at_most_one_request_per_linear_state_slot(
+    tmp_path_factory, tiny_tokenizer_dir, tiny_tokenizer
+):
     from tests.integration.harness import make_model_dir
 
-    model = make_model_dir(tiny_tokenizer_dir, tmp_path_factory.mktemp("models") / "hybrid", tiny_tokenizer,
-                           linear_state_slots=3)  # fmt: skip
+    model = make_model_dir(
+        tiny_tokenizer_dir, tmp_path_factory.mktemp("models") / "hybrid", tiny_tokenizer, linear_state_slots=3
+    )
     c = start_cluster(model, tmp_path_factory.mktemp("hybrid"), worker_flags=["--max-model-len", "256"])
     try:
         jobs = [(f"same system prompt, user {i}", 12) for i in range(7)]
@@ -102,7 +120,9 @@ def test_hybrid_model_runs_at_most_one_request_per_linear_state_slot(tmp_path_fa
         # The double checks every step: a request without a slot, or two requests sharing one (their
         # running hashes would diverge from their KV), fails the step and so the request.
         assert metric(c.base_url, "ferry_preemptions_total") == 0
-        assert "ferry_scheduler_kv_pages_cached 0.0" in http_get(f"http://127.0.0.1:{c.scheduler_health_port}/metrics")[1]
+        assert (
+            "ferry_scheduler_kv_pages_cached 0.0" in http_get(f"http://127.0.0.1:{c.scheduler_health_port}/metrics")[1]
+        )
     finally:
         c.stop()
 
@@ -121,4 +141,6 @@ def test_client_that_gives_up_on_a_non_streamed_request_frees_its_pages(slow_clu
         raise AssertionError("400 tokens at 20 ms a step finished within 0.6 s?")
 
     asyncio.run(give_up())
-    assert eventually(lambda: metric(base, "ferry_running_requests") == 0 and metric(base, "ferry_kv_pages_available") == total)
+    assert eventually(
+        lambda: metric(base, "ferry_running_requests") == 0 and metric(base, "ferry_kv_pages_available") == total
+    )

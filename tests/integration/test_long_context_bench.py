@@ -51,9 +51,26 @@ def test_the_long_prompt_bench_runs_against_a_served_model(tiny_models, tmp_path
     ceilings.write_text(json.dumps({"h2d_pinned_GBps": 55.0, "bf16_matmul_TFLOPs": 700.0}))
     with serve_model(model, tmp_path, REAL_WORKER_ENV, max_model_len=1024) as served:
         out = tmp_path / "long.json"
-        cmd = [sys.executable, "bench/long_context.py", "--base-url", served.url + "/v1", "--config", str(model),
-               "--serve-log", str(served.log_path), "--ceilings", str(ceilings), "--prompt-len", "600",
-               "--short-len", "16", "--max-tokens", "8", "--out", str(out)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "bench/long_context.py",
+            "--base-url",
+            served.url + "/v1",
+            "--config",
+            str(model),
+            "--serve-log",
+            str(served.log_path),
+            "--ceilings",
+            str(ceilings),
+            "--prompt-len",
+            "600",
+            "--short-len",
+            "16",
+            "--max-tokens",
+            "8",
+            "--out",
+            str(out),
+        ]
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -76,7 +93,8 @@ def test_the_long_prompt_bench_runs_against_a_served_model(tiny_models, tmp_path
     assert all(0 < run["ttft_wire_s"] <= run["ttft_s"] for run in after + short), (after, short)
     for which, runs in (("after", after), ("short", short)):
         assert result[f"decode_{which}_repeats_median_tok_s"] == pytest.approx(
-            sorted(run["median_tok_s"] for run in runs)[1])
+            sorted(run["median_tok_s"] for run in runs)[1]
+        )
     # every expert of the tiny model has a slot: nothing streams, and the bound is the compute's
     assert result["expert_slots"] == result["expert_total"] and result["streamed_bytes_model"] == 0
     assert result["bound_s"] == pytest.approx(result["compute_s"])

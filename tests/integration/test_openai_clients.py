@@ -16,7 +16,9 @@ def client(cluster):
 
 
 def expected_chat(tok, messages, n):
-    ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False)
+    ids = tok.encode(
+        tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+    )
     out = reference_continuation(ids, n, ascii_word_tokens(tok))
     return len(ids), tok.decode(out, skip_special_tokens=True)
 
@@ -38,8 +40,14 @@ def test_chat_completion_greedy_output_is_the_models_continuation(client, tiny_t
 
 
 def test_chat_completion_stream_with_usage(client, tiny_tokenizer):
-    stream = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=20, temperature=0,
-                                            stream=True, stream_options={"include_usage": True})  # fmt: skip
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,
+        max_tokens=20,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     n_prompt, text = expected_chat(tiny_tokenizer, MESSAGES, 20)
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -55,8 +63,10 @@ def test_completion_plain_and_streamed_agree(client, tiny_tokenizer):
     _, text = expected_text(tiny_tokenizer, prompt, 16)
     r = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0)
     assert r.choices[0].text == text and r.usage.completion_tokens == 16
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model="tiny", prompt=prompt, max_tokens=16, temperature=0, stream=True))  # fmt: skip
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0, stream=True)
+    )
     assert streamed == text
 
 
@@ -73,17 +83,25 @@ def test_stop_string_cuts_the_output_before_it(client, tiny_tokenizer):
     cut = text[: text.index(stop)]
     r = client.completions.create(model="tiny", prompt=prompt, max_tokens=40, temperature=0, stop=[stop])
     assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop"
-    streamed = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=40, temperature=0,
-                                              stop=stop, stream=True))  # fmt: skip
+    streamed = list(
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=40, temperature=0, stop=stop, stream=True)
+    )
     assert "".join(c.choices[0].text for c in streamed) == cut
     assert streamed[-1].choices[0].finish_reason == "stop"
 
 
 def test_sampling_fields_are_accepted(client):
     r = client.chat.completions.create(
-        model="tiny", messages=MESSAGES, max_tokens=5, temperature=0.7, top_p=0.9, seed=7, presence_penalty=0.5,
-        frequency_penalty=0.1, extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1},
-    )  # fmt: skip
+        model="tiny",
+        messages=MESSAGES,
+        max_tokens=5,
+        temperature=0.7,
+        top_p=0.9,
+        seed=7,
+        presence_penalty=0.5,
+        frequency_penalty=0.1,
+        extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1},
+    )
     assert r.usage.completion_tokens == 5
 
 

@@ -23,9 +23,13 @@ PROMPT = "The ferry carries the experts across the water"
 
 @pytest.fixture(scope="module")
 def real(tiny_models, tmp_path_factory):
-    c = start_cluster(tiny_models["qwen3_moe"], tmp_path_factory.mktemp("features"),
-                      worker_flags=["--device", "cpu", "--max-model-len", "1024", "--max-prefill-tokens", "64"],
-                      boot="ferry.services.worker.boot:boot_worker", worker_env=REAL_WORKER_ENV)  # fmt: skip
+    c = start_cluster(
+        tiny_models["qwen3_moe"],
+        tmp_path_factory.mktemp("features"),
+        worker_flags=["--device", "cpu", "--max-model-len", "1024", "--max-prefill-tokens", "64"],
+        boot="ferry.services.worker.boot:boot_worker",
+        worker_env=REAL_WORKER_ENV,
+    )
     yield c
     c.stop()
 
@@ -60,8 +64,9 @@ def test_echo_prompt_logprobs_equal_transformers_log_softmax(client, hf_logprobs
     assert len(ids) > 64
     ref = run(ids)
     for attempt in range(2):  # the second request's prefix is in the radix cache: it still gets every logprob
-        r = client.completions.create(model="tiny", prompt=ids, max_tokens=max_tokens, echo=True, logprobs=3,
-                                      temperature=0)  # fmt: skip
+        r = client.completions.create(
+            model="tiny", prompt=ids, max_tokens=max_tokens, echo=True, logprobs=3, temperature=0
+        )
         lp = r.choices[0].logprobs
         assert len(lp.token_logprobs) == len(ids) + max_tokens
         assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
@@ -80,8 +85,11 @@ def test_echo_prompt_logprobs_equal_transformers_log_softmax(client, hf_logprobs
 
 
 def test_echo_with_logprobs_streamed(client):
-    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, echo=True, logprobs=1,
-                                            temperature=0, stream=True))  # fmt: skip
+    chunks = list(
+        client.completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=3, echo=True, logprobs=1, temperature=0, stream=True
+        )
+    )
     plain = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, echo=True, logprobs=1, temperature=0)
     streamed = [v for c in chunks if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
     assert streamed == plain.choices[0].logprobs.token_logprobs
@@ -90,11 +98,21 @@ def test_echo_with_logprobs_streamed(client):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_chat_top_logprobs_are_sorted_and_hold_the_sampled_token(client, stream):
-    kwargs = dict(model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=8, temperature=0,
-                  logprobs=True, top_logprobs=5)  # fmt: skip
+    kwargs = dict(
+        model="tiny",
+        messages=[{"role": "user", "content": "hello"}],
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=5,
+    )
     if stream:
-        entries = [e for c in client.chat.completions.create(**kwargs, stream=True)
-                   if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]  # fmt: skip
+        entries = [
+            e
+            for c in client.chat.completions.create(**kwargs, stream=True)
+            if c.choices and c.choices[0].logprobs
+            for e in c.choices[0].logprobs.content
+        ]
     else:
         entries = client.chat.completions.create(**kwargs).choices[0].logprobs.content
     assert len(entries) == 8
@@ -106,16 +124,31 @@ def test_chat_top_logprobs_are_sorted_and_hold_the_sampled_token(client, stream)
 
 
 def test_sampled_tokens_logprobs_with_temperature(client):
-    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=10,
-                                       temperature=1.0, seed=11, logprobs=True, top_logprobs=20)  # fmt: skip
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hello"}],
+        max_tokens=10,
+        temperature=1.0,
+        seed=11,
+        logprobs=True,
+        top_logprobs=20,
+    )
     for e in r.choices[0].logprobs.content:
         tops = {t.token: t.logprob for t in e.top_logprobs}
         assert e.token in tops and tops[e.token] == e.logprob or e.logprob <= min(tops.values())
 
 
-PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "member", "role"],
-          "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 130},
-                         "member": {"type": "boolean"}, "role": {"enum": ["captain", "crew", "passenger"]}}}  # fmt: skip
+PERSON = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name", "age", "member", "role"],
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 130},
+        "member": {"type": "boolean"},
+        "role": {"enum": ["captain", "crew", "passenger"]},
+    },
+}
 
 
 async def _json_schema_outputs(base_url: str, stream: bool) -> list[tuple[str, str]]:
@@ -123,8 +156,14 @@ async def _json_schema_outputs(base_url: str, stream: bool) -> list[tuple[str, s
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
 
     async def one(seed: int) -> tuple[str, str]:
-        kwargs = dict(model="tiny", messages=[{"role": "user", "content": "Describe a person."}], max_tokens=200,
-                      temperature=1.0, seed=seed, response_format=fmt)  # fmt: skip
+        kwargs = dict(
+            model="tiny",
+            messages=[{"role": "user", "content": "Describe a person."}],
+            max_tokens=200,
+            temperature=1.0,
+            seed=seed,
+            response_format=fmt,
+        )
         if not stream:
             r = await client.chat.completions.create(**kwargs)
             return r.choices[0].message.content, r.choices[0].finish_reason
@@ -152,29 +191,63 @@ def test_json_schema_outputs_of_a_random_model_validate(real, stream):
 
 
 def test_json_object_output_is_an_object(client):
-    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "json"}], max_tokens=30,
-                                       temperature=0, response_format={"type": "json_object"})  # fmt: skip
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "json"}],
+        max_tokens=30,
+        temperature=0,
+        response_format={"type": "json_object"},
+    )
     text = r.choices[0].message.content
     assert text.startswith("{")
     if r.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(text), dict)
 
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {
-    "type": "object", "additionalProperties": False, "required": ["city", "days"],
-    "properties": {"city": {"type": "string", "maxLength": 10}, "days": {"type": "integer", "minimum": 1, "maximum": 7}}}}}  # fmt: skip
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "additionalProperties": False, "required": ["zone"],
-    "properties": {"zone": {"enum": ["UTC", "CET", "JST"]}}}}}  # fmt: skip
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["city", "days"],
+            "properties": {
+                "city": {"type": "string", "maxLength": 10},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["zone"],
+            "properties": {"zone": {"enum": ["UTC", "CET", "JST"]}},
+        },
+    },
+}
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
 def test_forced_tool_calls_have_arguments_that_validate(client, choice):
     for seed in range(3):
-        r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Weather?"}],
-                                           tools=[WEATHER, TIME], tool_choice=choice, parallel_tool_calls=False,
-                                           max_tokens=80, temperature=1.0, seed=seed)  # fmt: skip
+        r = client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "Weather?"}],
+            tools=[WEATHER, TIME],
+            tool_choice=choice,
+            parallel_tool_calls=False,
+            max_tokens=80,
+            temperature=1.0,
+            seed=seed,
+        )
         c = r.choices[0]
         assert c.finish_reason == "tool_calls", c.message
         (call,) = c.message.tool_calls
@@ -185,9 +258,19 @@ def test_forced_tool_calls_have_arguments_that_validate(client, choice):
 
 
 def test_forced_tool_call_streamed_as_tool_call_deltas(client):
-    chunks = list(client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER], tool_choice="required",
-        parallel_tool_calls=False, max_tokens=80, temperature=1.0, seed=5, stream=True))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "Weather?"}],
+            tools=[WEATHER],
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_tokens=80,
+            temperature=1.0,
+            seed=5,
+            stream=True,
+        )
+    )
     calls = [tc for c in chunks if c.choices and c.choices[0].delta.tool_calls for tc in c.choices[0].delta.tool_calls]
     assert len(calls) == 1 and calls[0].index == 0 and calls[0].function.name == "get_weather"
     jsonschema.validate(json.loads(calls[0].function.arguments), SCHEMAS["get_weather"])
@@ -235,8 +318,9 @@ def test_forced_tool_calls_cut_by_max_tokens_leak_no_markup(client, stream):
     (each valid), and neither the unfinished call nor any of its markup in content."""
     seen = set()
     for seed, max_tokens in [(0, 20), (0, 90), (3, 150), (5, 200), (7, 230)]:
-        content, calls, reason = _forced_chat(client, stream, tools=[WEATHER, TIME], tool_choice="required",
-                                              max_tokens=max_tokens, seed=seed)  # fmt: skip
+        content, calls, reason = _forced_chat(
+            client, stream, tools=[WEATHER, TIME], tool_choice="required", max_tokens=max_tokens, seed=seed
+        )
         assert "<tool_call" not in content and "tool_call>" not in content and content.strip() == "", content
         for call in calls:
             jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
@@ -272,8 +356,9 @@ def test_a_batch_of_prompts_on_completions(client):
 def test_logit_bias_forces_a_token(client, hf_logprobs):
     _, tok = hf_logprobs
     target = tok.encode(" ferry", add_special_tokens=False)[0]
-    r = client.completions.create(model="tiny", prompt="Hello", max_tokens=5, temperature=0,
-                                  logit_bias={str(target): 100})  # fmt: skip
+    r = client.completions.create(
+        model="tiny", prompt="Hello", max_tokens=5, temperature=0, logit_bias={str(target): 100}
+    )
     assert r.choices[0].text == tok.decode([target] * 5)
 
 
@@ -283,22 +368,43 @@ def test_models_retrieve(client):
         client.models.retrieve("gpt-9")
 
 
-@pytest.mark.parametrize("body,needle", [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}}},
-     "response_format.json_schema.schema"),
-    ({"response_format": {"type": "xml"}}, "response_format.type"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string", "pattern": "(?<=a)b"}}}],
-      "tool_choice": "required"}, "tools[f].function.parameters"),
-    ({"top_logprobs": 3}, "top_logprobs requires logprobs"),
-    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs must be in [0, 20]"),
-    ({"audio": {"voice": "alloy"}}, "audio"),
-    ({"store": True}, "store"),
-    ({"logit_bias": {"999999": 5}}, "logit_bias"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "body,needle",
+    [
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "frobnicate"}},
+                }
+            },
+            "response_format.json_schema.schema",
+        ),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "parameters": {"type": "string", "pattern": "(?<=a)b"}},
+                    }
+                ],
+                "tool_choice": "required",
+            },
+            "tools[f].function.parameters",
+        ),
+        ({"top_logprobs": 3}, "top_logprobs requires logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs must be in [0, 20]"),
+        ({"audio": {"voice": "alloy"}}, "audio"),
+        ({"store": True}, "store"),
+        ({"logit_bias": {"999999": 5}}, "logit_bias"),
+    ],
+)
 def test_fields_that_cannot_be_honoured_are_400s_naming_them(client, body, needle):
     with pytest.raises(openai.BadRequestError) as exc:
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2,
-                                       extra_body=body)  # fmt: skip
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2, extra_body=body
+        )
     assert needle in exc.value.message
 
 
@@ -313,32 +419,55 @@ def test_forced_tool_calls_with_a_pydantic_schema_of_nested_models_validate(clie
     """tool_choice required / named with parameters Pydantic wrote ($defs, refs into it), as response_format
     already took them: the call grammar resolves each tool's refs, and the arguments validate."""
     for seed in range(3):
-        c = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Order bolts."}],
-                                           tools=[ORDER, TIME], tool_choice=choice, parallel_tool_calls=False,
-                                           temperature=1.0, seed=seed).choices[0]  # no max_tokens: up to the model length  # fmt: skip
+        c = client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "Order bolts."}],
+            tools=[ORDER, TIME],
+            tool_choice=choice,
+            parallel_tool_calls=False,
+            temperature=1.0,
+            seed=seed,
+        ).choices[0]  # no max_tokens: up to the model length
         assert c.finish_reason == "tool_calls", c.message
         (call,) = c.message.tool_calls
         schema = ORDER_SCHEMA if call.function.name == "place_order" else SCHEMAS[call.function.name]
         jsonschema.validate(json.loads(call.function.arguments), schema)
     fmt = {"type": "json_schema", "json_schema": {"name": "order", "schema": ORDER_SCHEMA}}
-    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Order"}], max_tokens=300,
-                                       temperature=1.0, seed=0, response_format=fmt)  # fmt: skip
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Order"}],
+        max_tokens=300,
+        temperature=1.0,
+        seed=0,
+        response_format=fmt,
+    )
     jsonschema.validate(json.loads(r.choices[0].message.content), ORDER_SCHEMA)
 
 
 ENDLESS = {"type": "object", "required": ["a"], "properties": {"a": {"$ref": "#"}}}  # every value nests another
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": ENDLESS}}},
-     "response_format.json_schema.schema"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": ENDLESS}}], "tool_choice": "required"},
-     "tools[f].function.parameters"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": ENDLESS}}},
+            "response_format.json_schema.schema",
+        ),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": ENDLESS}}],
+                "tool_choice": "required",
+            },
+            "tools[f].function.parameters",
+        ),
+    ],
+)
 def test_a_schema_no_finite_value_matches_is_a_400_naming_the_field(client, body, param):
     with pytest.raises(openai.BadRequestError) as exc:
-        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=20,
-                                       extra_body=body)  # fmt: skip
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=20, extra_body=body
+        )
     assert exc.value.param == param and "no finite JSON value matches" in exc.value.message
 
 
@@ -363,4 +492,6 @@ def test_a_grammar_that_dies_ends_the_request_with_an_error_not_a_stop(client, s
         for chunk in client.chat.completions.create(**kwargs, stream=True):
             chunks.append(chunk)
     assert not [c for c in chunks if c.choices and c.choices[0].finish_reason], chunks
-    assert client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2).choices
+    assert client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2
+    ).choices

@@ -14,17 +14,29 @@ import pytest
 from tests.integration.harness import make_model_dir, start_cluster
 from tests.integration.test_anthropic_messages import SCRIPT, script_ids
 
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
-          "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string"}},
-                         "required": ["city"]}}}]  # fmt: skip
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "unit": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
 def client(tiny_tokenizer_dir, tiny_tokenizer, tmp_path_factory):
     script = {"trigger": "weather", "token_ids": script_ids(tiny_tokenizer)}
-    model = make_model_dir(tiny_tokenizer_dir, tmp_path_factory.mktemp("models") / "scripted-openai", tiny_tokenizer,
-                           script=script)  # fmt: skip
+    model = make_model_dir(
+        tiny_tokenizer_dir, tmp_path_factory.mktemp("models") / "scripted-openai", tiny_tokenizer, script=script
+    )
     c = start_cluster(model, tmp_path_factory.mktemp("openai-tools"), worker_flags=["--max-model-len", "1024"])
     yield openai.OpenAI(base_url=c.base_url + "/v1", api_key="x", max_retries=0, timeout=30)
     c.stop()
@@ -54,8 +66,14 @@ def test_tool_call_and_reasoning_streamed_as_deltas(client):
 
 
 def test_separate_reasoning_off_and_tool_choice_none_leave_the_text_as_written(client):
-    r = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=200,
-                                       extra_body={"separate_reasoning": False})  # fmt: skip
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="none",
+        max_tokens=200,
+        extra_body={"separate_reasoning": False},
+    )
     text = SCRIPT.removesuffix("<|im_end|>")
     assert r.choices[0].message.content == text and not r.choices[0].message.tool_calls
     assert r.choices[0].finish_reason == "stop"
@@ -63,10 +81,19 @@ def test_separate_reasoning_off_and_tool_choice_none_leave_the_text_as_written(c
 
 def test_a_tool_message_answers_the_call(client):
     messages = ASK + [
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
-         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "18 C and sunny"},
-    ]  # fmt: skip
+    ]
     r = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=5)
     assert r.usage.prompt_tokens > 0
     with pytest.raises(openai.BadRequestError, match="tool_call_id"):

@@ -9,8 +9,13 @@ import openai
 import pytest
 
 from tests.integration.harness import (
-    assert_new_request_refused, eventually, health_turns_503, http_get, kill_worker_mid_streams, start_cluster,
-)  # fmt: skip
+    assert_new_request_refused,
+    eventually,
+    health_turns_503,
+    http_get,
+    kill_worker_mid_streams,
+    start_cluster,
+)
 
 STEP_S = 15.0  # the hung step: well past --step-timeout 1, with room for a loaded machine before it ends
 
@@ -60,11 +65,14 @@ def test_a_restarted_scheduler_fails_old_requests_and_serves_new_ones(slow_model
 
 
 @pytest.mark.slow
-def test_a_worker_hung_in_one_step_fails_its_requests_and_recovers(tmp_path_factory, tiny_tokenizer_dir, tiny_tokenizer):
+def test_a_worker_hung_in_one_step_fails_its_requests_and_recovers(
+    tmp_path_factory, tiny_tokenizer_dir, tiny_tokenizer
+):
     from tests.integration.harness import make_model_dir
 
-    model = make_model_dir(tiny_tokenizer_dir, tmp_path_factory.mktemp("models") / "hung", tiny_tokenizer,
-                           step_delay_s=STEP_S)  # fmt: skip
+    model = make_model_dir(
+        tiny_tokenizer_dir, tmp_path_factory.mktemp("models") / "hung", tiny_tokenizer, step_delay_s=STEP_S
+    )
     c = start_cluster(model, tmp_path_factory.mktemp("hung"), scheduler_flags=["--step-timeout", "1"])
     try:
         client = openai.OpenAI(base_url=c.base_url + "/v1", api_key="x", max_retries=0, timeout=30)
@@ -75,9 +83,12 @@ def test_a_worker_hung_in_one_step_fails_its_requests_and_recovers(tmp_path_fact
         except openai.APIStatusError as exc:
             assert exc.status_code == 503 and "step-timeout" in exc.message
         assert time.monotonic() - t0 < STEP_S - 0.5, "failed only when the step ended, not when it overran"
-        status, body = eventually(lambda: (lambda r: r if r[0] == 503 else None)(http_get(c.base_url + "/health")),
-                                  timeout=9.0) or (200, "")  # fmt: skip
+        status, body = eventually(
+            lambda: (lambda r: r if r[0] == 503 else None)(http_get(c.base_url + "/health")), timeout=9.0
+        ) or (200, "")
         assert status == 503 and "step-timeout" in body
-        assert eventually(lambda: http_get(c.base_url + "/health")[0] == 200, timeout=STEP_S * 2)  # the step ended: idle again
+        assert eventually(
+            lambda: http_get(c.base_url + "/health")[0] == 200, timeout=STEP_S * 2
+        )  # the step ended: idle again
     finally:
         c.stop()

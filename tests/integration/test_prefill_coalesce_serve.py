@@ -30,8 +30,12 @@ def _first_step_of_eight_clients(model_dir, tmp_path, coalesce_ms: str) -> tuple
 
         def ask(i: int) -> int:
             time.sleep(0.04 * i)  # a burst spread over 280 ms, 40 ms apart: each step alone would be one prompt
-            r = client.chat.completions.create(model="tiny", max_tokens=2, temperature=0, messages=[
-                {"role": "user", "content": f"Question {i}: which ferry leaves the harbour at dawn?"}])  # fmt: skip
+            r = client.chat.completions.create(
+                model="tiny",
+                max_tokens=2,
+                temperature=0,
+                messages=[{"role": "user", "content": f"Question {i}: which ferry leaves the harbour at dawn?"}],
+            )
             return r.usage.prompt_tokens
 
         with ThreadPoolExecutor(8) as pool:

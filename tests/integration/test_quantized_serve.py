@@ -29,8 +29,9 @@ def _hf_logprobs(model_dir, ids: list[int]):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("arch", TINY_ARCHS)
-def test_served_prompt_logprobs_equal_transformers_on_the_dequantized_weights(quantized_tiny_models, tmp_path,
-                                                                              arch, layout):  # fmt: skip
+def test_served_prompt_logprobs_equal_transformers_on_the_dequantized_weights(
+    quantized_tiny_models, tmp_path, arch, layout
+):
     from transformers import AutoTokenizer
 
     model = quantized_tiny_models(arch, layout)

@@ -18,24 +18,38 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-import time
 
 import aiohttp
 import openai
 import pytest
 
 from tests.integration.harness import (
-    REAL_WORKER_ENV, REPO, child_env, eventually, http_get,
-    kill_worker_mid_streams, labelled_metric, metric, start_cluster, stream_concurrently,
-)  # fmt: skip
-from tests.integration.test_bad_input import CASES as BAD_REQUESTS, post
+    REAL_WORKER_ENV,
+    REPO,
+    child_env,
+    eventually,
+    http_get,
+    kill_worker_mid_streams,
+    labelled_metric,
+    metric,
+    start_cluster,
+    stream_concurrently,
+)
+from tests.integration.test_bad_input import CASES as BAD_REQUESTS
+from tests.integration.test_bad_input import post
 
 PROMPT = "The ferry carries"
 
 
 def ferry(*args: str) -> str:
-    done = subprocess.run([sys.executable, "-m", "ferry.services.cli", *args], cwd=REPO, env=child_env(),
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "ferry.services.cli", *args],
+        cwd=REPO,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 
@@ -44,9 +58,13 @@ def ferry(*args: str) -> str:
 def real_cluster(tiny_models, tmp_path_factory):
     # the session's tiny qwen3_moe checkpoint (the same bytes `ferry make-tiny-model DIR --arch qwen3_moe`
     # writes: tests/unit/test_make_tiny_model.py), built once for the unit tests and these
-    c = start_cluster(tiny_models["qwen3_moe"], tmp_path_factory.mktemp("real-run"),
-                      worker_flags=["--device", "cpu", "--max-model-len", "512", "--moe-cache-size", "12"],
-                      boot="ferry.services.worker.boot:boot_worker", worker_env=REAL_WORKER_ENV)  # fmt: skip
+    c = start_cluster(
+        tiny_models["qwen3_moe"],
+        tmp_path_factory.mktemp("real-run"),
+        worker_flags=["--device", "cpu", "--max-model-len", "512", "--moe-cache-size", "12"],
+        boot="ferry.services.worker.boot:boot_worker",
+        worker_env=REAL_WORKER_ENV,
+    )
     yield c
     c.stop()
 
@@ -56,19 +74,29 @@ def test_greedy_completion_equals_ferry_generate(real_cluster):
     client = openai.OpenAI(base_url=real_cluster.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
     r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0)
     assert r.choices[0].text == expected.rstrip("\n")
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, stream=True))  # fmt: skip
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, stream=True)
+    )
     assert streamed == r.choices[0].text
 
 
 def test_chat_streams_and_counts_tokens(real_cluster):
     client = openai.OpenAI(base_url=real_cluster.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
-    chunks = list(client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0, stream=True,
-        stream_options={"include_usage": True}))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[-1].usage.completion_tokens <= 8
     assert chunks[-1].usage.completion_tokens == 8 or any(
-        c.choices and c.choices[0].finish_reason == "stop" for c in chunks)
+        c.choices and c.choices[0].finish_reason == "stop" for c in chunks
+    )
 
 
 def test_expert_cache_counters_reach_worker_and_api_metrics(real_cluster):
@@ -121,8 +149,16 @@ def test_chat_plain_and_streamed_equal_the_single_request_greedy_output(real_clu
     assert r.choices[0].message.content == expected
     assert r.choices[0].finish_reason == reason
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(prompt), len(ids))
-    chunks = list(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=MESSAGES,
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [reason]
     assert chunks[-1].usage.completion_tokens == len(ids) and chunks[-1].usage.prompt_tokens == len(prompt)
@@ -192,8 +228,12 @@ def test_client_that_disconnects_mid_stream_frees_its_pages(real_cluster):
     assert eventually(no_more_steps, timeout=30, interval=0.3)
     # one step per token: run to its end, the request would have taken 440 steps; it was cut short
     assert last[0] - steps_before < max_tokens // 2, "the scheduler kept generating for a client that left"
-    assert eventually(lambda: metric(sched, "ferry_scheduler_running_requests") == 0
-                      and metric(sched, "ferry_scheduler_kv_pages_available") == total)  # fmt: skip
+    assert eventually(
+        lambda: (
+            metric(sched, "ferry_scheduler_running_requests") == 0
+            and metric(sched, "ferry_scheduler_kv_pages_available") == total
+        )
+    )
     assert eventually(lambda: metric(base, "ferry_kv_cache_usage") == 0)
     assert labelled_metric(base, "ferry_requests_total", route="completions", outcome="disconnected") == left_before + 1
 
@@ -210,8 +250,11 @@ def test_server_keeps_serving_after_bad_requests(real_cluster, greedy_reference)
     for path, body, _ in BAD_REQUESTS:
         post(real_cluster.base_url, path, body)
     ref = greedy_reference["qwen3_moe"]
-    status, payload = post(real_cluster.base_url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 5, "temperature": 0,
-                                                                   "ignore_eos": True})
+    status, payload = post(
+        real_cluster.base_url,
+        "/v1/completions",
+        {"prompt": PROMPT, "max_tokens": 5, "temperature": 0, "ignore_eos": True},
+    )
     assert status == 200 and payload["usage"]["completion_tokens"] == 5
     assert payload["choices"][0]["text"] == ref.text(ref.ids(ref.text_ids(PROMPT), 5)[0])
     assert http_get(real_cluster.base_url + "/health")[0] == 200
@@ -220,8 +263,11 @@ def test_server_keeps_serving_after_bad_requests(real_cluster, greedy_reference)
 def test_a_prompt_one_token_short_of_the_model_length_gets_one_token(real_cluster, greedy_reference):
     ref = greedy_reference["qwen3_moe"]
     prompt = [3 + i % 600 for i in range(511)]  # the model length is 512
-    status, payload = post(real_cluster.base_url, "/v1/completions", {"prompt": prompt, "max_tokens": 1, "temperature": 0,
-                                                                      "ignore_eos": True})  # fmt: skip
+    status, payload = post(
+        real_cluster.base_url,
+        "/v1/completions",
+        {"prompt": prompt, "max_tokens": 1, "temperature": 0, "ignore_eos": True},
+    )
     assert status == 200, payload
     assert payload["usage"]["completion_tokens"] == 1 and payload["choices"][0]["finish_reason"] == "length"
     assert payload["choices"][0]["text"] == ref.text(ref.ids(prompt, 1)[0])

@@ -26,10 +26,25 @@ def arch(request) -> str:
 
 @pytest.fixture(scope="module")
 def small_cluster(arch, tiny_models, tmp_path_factory):
-    flags = ["--device", "cpu", "--num-pages", str(PAGES), "--page-size", "4", "--max-model-len", "64",
-             "--max-running-requests", "8"]  # fmt: skip
-    c = start_cluster(tiny_models[arch], tmp_path_factory.mktemp("small-" + arch),
-                      worker_flags=flags, boot="ferry.services.worker.boot:boot_worker", worker_env=REAL_WORKER_ENV)  # fmt: skip
+    flags = [
+        "--device",
+        "cpu",
+        "--num-pages",
+        str(PAGES),
+        "--page-size",
+        "4",
+        "--max-model-len",
+        "64",
+        "--max-running-requests",
+        "8",
+    ]
+    c = start_cluster(
+        tiny_models[arch],
+        tmp_path_factory.mktemp("small-" + arch),
+        worker_flags=flags,
+        boot="ferry.services.worker.boot:boot_worker",
+        worker_env=REAL_WORKER_ENV,
+    )
     yield c
     c.stop()
 

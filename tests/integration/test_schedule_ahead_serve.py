@@ -24,8 +24,9 @@ def completions(c) -> list[str]:
     def one(i: int) -> str:
         seeded = {"temperature": 0.9, "seed": 11 + i} if i % 2 else {"temperature": 0}
         # different lengths, so requests end while the steps after their last are in flight
-        got = client.completions.create(model="tiny", prompt=PROMPTS[i], max_tokens=9 + 5 * i,
-                                        extra_body={"ignore_eos": True}, **seeded)  # fmt: skip
+        got = client.completions.create(
+            model="tiny", prompt=PROMPTS[i], max_tokens=9 + 5 * i, extra_body={"ignore_eos": True}, **seeded
+        )
         return got.choices[0].text
 
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
@@ -41,8 +42,15 @@ def steps_ahead(c) -> float:
 def test_three_steps_ahead_serve_the_text_of_none_ahead(tiny_model, tmp_path):
     got, ahead = {}, {}
     for name, flags in (("none", ["--no-schedule-ahead"]), ("three", ["--schedule-ahead-steps", "3"])):
-        c = start_cluster(tiny_model, tmp_path / name, worker_flags=FLAGS, scheduler_flags=flags, boot=REAL_BOOT,
-                          worker_env=REAL_WORKER_ENV, wait=False)  # fmt: skip
+        c = start_cluster(
+            tiny_model,
+            tmp_path / name,
+            worker_flags=FLAGS,
+            scheduler_flags=flags,
+            boot=REAL_BOOT,
+            worker_env=REAL_WORKER_ENV,
+            wait=False,
+        )
         try:
             c.wait_ready(timeout=180)
             got[name] = completions(c)

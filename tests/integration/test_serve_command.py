@@ -33,15 +33,33 @@ def test_serve_runs_three_torch_free_control_processes_and_stops_them_on_sigterm
     env["TMPDIR"] = str(short_tmp_path)
     log = open(short_tmp_path / "serve.log", "w")
     serve = subprocess.Popen(
-        [sys.executable, "-m", "ferry.services.cli", "serve", "--model", str(model_dir), "--port", str(port),
-         "--boot", FAKE_BOOT, "--served-model-name", "tiny", "--max-model-len", "256"],
-        cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "ferry.services.cli",
+            "serve",
+            "--model",
+            str(model_dir),
+            "--port",
+            str(port),
+            "--boot",
+            FAKE_BOOT,
+            "--served-model-name",
+            "tiny",
+            "--max-model-len",
+            "256",
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         url = f"http://127.0.0.1:{port}"
         assert eventually(lambda: healthy(url), timeout=60), (short_tmp_path / "serve.log").read_text()[-3000:]
         r = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0).completions.create(
-            model="tiny", prompt="hello", max_tokens=4)
+            model="tiny", prompt="hello", max_tokens=4
+        )
         assert r.usage.completion_tokens == 4
         kids = children_of(serve.pid)
         assert len(kids) == 3
@@ -69,10 +87,26 @@ def test_serve_stops_everything_and_fails_when_one_process_dies(model_dir, short
     env = child_env()
     env["TMPDIR"] = str(short_tmp_path)
     serve = subprocess.Popen(
-        [sys.executable, "-m", "ferry.services.cli", "serve", "--model", str(model_dir), "--port", str(port),
-         "--boot", FAKE_BOOT, "--max-model-len", "256"],
-        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "ferry.services.cli",
+            "serve",
+            "--model",
+            str(model_dir),
+            "--port",
+            str(port),
+            "--boot",
+            FAKE_BOOT,
+            "--max-model-len",
+            "256",
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert eventually(lambda: healthy(f"http://127.0.0.1:{port}"), timeout=60)
         kids = children_of(serve.pid)

@@ -13,8 +13,10 @@ import pytest
 from tests.integration.harness import REAL_WORKER_ENV, eventually, http_get, metric, serve_model
 
 ARCH = "qwen3_5_moe"
-SYSTEM = ("You are the harbour master of a small river port. Answer every question about the ferries, their "
-          "timetables and their cargo in one short sentence.")  # fmt: skip
+SYSTEM = (
+    "You are the harbour master of a small river port. Answer every question about the ferries, their "
+    "timetables and their cargo in one short sentence."
+)
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +26,9 @@ def served(tiny_models, tmp_path_factory):
 
 
 def scheduler_metrics(served) -> str:
-    return next(e for e in served.events() if e.get("event") == "serving")["metrics"]["scheduler"].removesuffix("/metrics")
+    return next(e for e in served.events() if e.get("event") == "serving")["metrics"]["scheduler"].removesuffix(
+        "/metrics"
+    )
 
 
 def test_a_three_turn_conversation_reuses_its_prefix_and_keeps_the_greedy_output(served, greedy_reference):
@@ -68,8 +72,10 @@ def test_n_choices_compute_the_prompt_once_and_the_metrics_count_the_hits(served
     ref = greedy_reference[ARCH]
     sched = scheduler_metrics(served)
     hits = metric(sched, "ferry_scheduler_prefix_hits_total")
-    messages = [{"role": "system", "content": "Only the choices test says: " + SYSTEM},
-                {"role": "user", "content": "Name a ferry."}]  # fmt: skip
+    messages = [
+        {"role": "system", "content": "Only the choices test says: " + SYSTEM},
+        {"role": "user", "content": "Name a ferry."},
+    ]
     client = openai.OpenAI(base_url=served.url + "/v1", api_key="x", max_retries=0, timeout=120)
     r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0, n=3)
     ids, _ = ref.ids(ref.chat_ids(messages), 6, ignore_eos=False)

@@ -19,8 +19,11 @@ from tests.integration.harness import REAL_WORKER_ENV, eventually, http_get, met
 from tests.integration.test_serve_command import children_of
 
 KEY = "serve-key-123"
-WEATHER = {"name": "get_weather", "description": "Current weather in a city",
-           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}  # fmt: skip
+WEATHER = {
+    "name": "get_weather",
+    "description": "Current weather in a city",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
@@ -40,12 +43,20 @@ def test_anthropic_client_streamed_and_not_with_a_tool_definition(served, tiny_m
     client = anthropic.Anthropic(base_url=served.url, api_key=KEY, max_retries=0, timeout=120)
     greedy = {"temperature": 0}
     msg = client.messages.create(model="tiny", max_tokens=12, tools=[WEATHER], messages=ASK, extra_body=greedy)
-    with client.messages.stream(model="tiny", max_tokens=12, tools=[WEATHER], messages=ASK, extra_body=greedy) as stream:
+    with client.messages.stream(
+        model="tiny", max_tokens=12, tools=[WEATHER], messages=ASK, extra_body=greedy
+    ) as stream:
         streamed = stream.get_final_message()
     # what the model writes for the prompt its template makes with the tool in it (a random model calls no tool)
     ref = greedy_reference["qwen3_moe"]
-    tool = {"type": "function", "function": {"name": "get_weather", "description": WEATHER["description"],
-                                             "parameters": WEATHER["input_schema"]}}  # fmt: skip
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": WEATHER["description"],
+            "parameters": WEATHER["input_schema"],
+        },
+    }
     prompt = ref.tokenizer.apply_chat_template(ASK, tools=[tool], add_generation_prompt=True, tokenize=False)
     assert '"name": "get_weather"' in prompt
     ids = ref.tokenizer.encode(prompt, add_special_tokens=False)
@@ -75,26 +86,40 @@ def test_scheduler_and_worker_metrics_are_reachable_by_default(served):
     assert "ferry_scheduler_steps_total" in http_get(urls["scheduler"])[1]
     assert "ferry_worker_steps_total" in http_get(urls["worker"])[1]
     api = http_get(served.url + "/metrics")[1]
-    for series in ('vllm:num_requests_running{model_name="tiny"}', 'vllm:generation_tokens_total{model_name="tiny"}',
-                   'vllm:time_to_first_token_seconds_bucket{le="0.005",model_name="tiny"}', "ferry_preemptions_total",
-                   'vllm:num_preemptions_total{model_name="tiny"}', "# TYPE vllm:e2e_request_latency_seconds histogram"):  # fmt: skip
+    for series in (
+        'vllm:num_requests_running{model_name="tiny"}',
+        'vllm:generation_tokens_total{model_name="tiny"}',
+        'vllm:time_to_first_token_seconds_bucket{le="0.005",model_name="tiny"}',
+        "ferry_preemptions_total",
+        'vllm:num_preemptions_total{model_name="tiny"}',
+        "# TYPE vllm:e2e_request_latency_seconds histogram",
+    ):
         assert series in api, series
 
 
 def test_every_request_ends_in_one_log_line_finished_or_aborted(served):
     client = openai.OpenAI(base_url=served.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
     client.completions.create(model="tiny", prompt="The ferry", max_tokens=3, temperature=0)
-    finished = eventually(lambda: [e for e in served.events() if e.get("event") == "request_finished"
-                                   and e.get("route") == "completions"], timeout=30)  # fmt: skip
+    finished = eventually(
+        lambda: [
+            e for e in served.events() if e.get("event") == "request_finished" and e.get("route") == "completions"
+        ],
+        timeout=30,
+    )
     assert finished, "no request_finished line"
     line = finished[-1]
     assert line["request_id"].startswith("cmpl-") and line["completion_tokens"] == 3 and line["outcome"] == "length"
     assert line["ttft_s"] > 0 and line["prompt_tokens"] > 0 and line["process"] == "api"
     # a client that leaves mid-stream: the request is aborted, and says so
-    body = json.dumps({"model": "tiny", "prompt": "Leaving early", "max_tokens": 400, "stream": True,
-                       "ignore_eos": True}).encode()  # fmt: skip
-    req = urllib.request.Request(served.url + "/v1/completions", data=body, method="POST",
-                                 headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})  # fmt: skip
+    body = json.dumps(
+        {"model": "tiny", "prompt": "Leaving early", "max_tokens": 400, "stream": True, "ignore_eos": True}
+    ).encode()
+    req = urllib.request.Request(
+        served.url + "/v1/completions",
+        data=body,
+        method="POST",
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=60) as r:
         r.read(64)  # the stream has begun
     aborted = eventually(lambda: [e for e in served.events() if e.get("event") == "request_aborted"], timeout=20)

@@ -23,8 +23,14 @@ async def _one(session: aiohttp.ClientSession, url: str, i: int, rng: random.Ran
     answer, reads a few chunks (or none: it leaves while queued) and closes its connection."""
     leaves_after = rng.randint(0, 8) if rng.random() < DISCONNECT_RATE else None
     n = rng.randint(80, 140) if leaves_after is not None else rng.randint(1, 40)
-    body = {"model": "tiny", "prompt": f"soak {i} " * rng.randint(1, 12), "max_tokens": n, "ignore_eos": True,
-            "stream": leaves_after is not None or rng.random() < 0.7, "temperature": 0}  # fmt: skip
+    body = {
+        "model": "tiny",
+        "prompt": f"soak {i} " * rng.randint(1, 12),
+        "max_tokens": n,
+        "ignore_eos": True,
+        "stream": leaves_after is not None or rng.random() < 0.7,
+        "temperature": 0,
+    }
 
     async def run() -> str:
         async with session.post(url + "/v1/completions", json=body) as r:
@@ -57,6 +63,7 @@ async def _soak(url: str) -> dict:
     rng = random.Random(13)
     sem = asyncio.Semaphore(CONCURRENCY)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+
         async def guarded(i):
             async with sem:
                 return await _one(session, url, i, rng)
@@ -78,17 +85,41 @@ def test_soak_with_random_disconnects_ends_with_every_page_free(model_dir, tmp_p
 
         def status() -> dict:
             s = http_get(f"http://127.0.0.1:{c.scheduler_health_port}/metrics")[1]
-            return {line.split()[0]: float(line.split()[1]) for line in s.splitlines()
-                    if line.startswith(("ferry_scheduler_kv_pages", "ferry_scheduler_running", "ferry_scheduler_waiting",
-                                        "ferry_scheduler_preemptions_total"))}  # fmt: skip
+            return {
+                line.split()[0]: float(line.split()[1])
+                for line in s.splitlines()
+                if line.startswith(
+                    (
+                        "ferry_scheduler_kv_pages",
+                        "ferry_scheduler_running",
+                        "ferry_scheduler_waiting",
+                        "ferry_scheduler_preemptions_total",
+                    )
+                )
+            }
 
         total = pool()["pool"]["kv_pages"]
-        settled = eventually(lambda: (lambda s: s if s.get("ferry_scheduler_kv_pages_available") == total
-                                      and s.get("ferry_scheduler_running_requests") == 0 else None)(status()), timeout=30)  # fmt: skip
-        figures = {"requests": REQUESTS, "concurrency": CONCURRENCY, "outcomes": counts,
-                   "disconnects": counts.get("disconnected", 0), "hangs": counts.get("hung", 0),
-                   "kv_pages_total": total, "kv_pages_free_at_end": (settled or status()).get("ferry_scheduler_kv_pages_available"),
-                   "preemptions": (settled or status()).get("ferry_scheduler_preemptions_total")}  # fmt: skip
+        settled = eventually(
+            lambda: (
+                lambda s: (
+                    s
+                    if s.get("ferry_scheduler_kv_pages_available") == total
+                    and s.get("ferry_scheduler_running_requests") == 0
+                    else None
+                )
+            )(status()),
+            timeout=30,
+        )
+        figures = {
+            "requests": REQUESTS,
+            "concurrency": CONCURRENCY,
+            "outcomes": counts,
+            "disconnects": counts.get("disconnected", 0),
+            "hangs": counts.get("hung", 0),
+            "kv_pages_total": total,
+            "kv_pages_free_at_end": (settled or status()).get("ferry_scheduler_kv_pages_available"),
+            "preemptions": (settled or status()).get("ferry_scheduler_preemptions_total"),
+        }
         print("soak:", json.dumps(figures))
         (tmp_path / "soak.json").write_text(json.dumps(figures))
         assert counts.get("hung", 0) == 0, figures

@@ -21,8 +21,16 @@ import zmq.auth
 from ferry.shared.messages import ApiHeartbeat, Failed, PoolReport, Submit, WorkerAlive
 from ferry.shared.sampling import SamplingParams
 from tests.integration.harness import (
-    FAKE_BOOT, REPO, child_env, eventually, free_port, health_turns_503, http_get, labelled_metric, start_cluster,
-)  # fmt: skip
+    FAKE_BOOT,
+    REPO,
+    child_env,
+    eventually,
+    free_port,
+    health_turns_503,
+    http_get,
+    labelled_metric,
+    start_cluster,
+)
 from tests.integration.test_serve_command import alive, children_of
 from tests.integration.wire_peers import peer, replies, send
 
@@ -38,8 +46,13 @@ def test_killed_services_restarted_as_compose_would_serve_again_in_the_tcp_layou
     keys.mkdir()
     for role in ("scheduler", "api", "worker"):
         zmq.auth.create_certificates(str(keys), role)
-    c = start_cluster(model_dir, tmp_path / "run", worker_flags=["--max-model-len", "512"], layout="tcp",
-                      env={"FERRY_WIRE_KEYS": str(keys)})  # fmt: skip
+    c = start_cluster(
+        model_dir,
+        tmp_path / "run",
+        worker_flags=["--max-model-len", "512"],
+        layout="tcp",
+        env={"FERRY_WIRE_KEYS": str(keys)},
+    )
     try:
         assert _complete(c.base_url, "before") == 4
         # the worker dies; compose starts it again with the same command and environment
@@ -57,8 +70,14 @@ def test_killed_services_restarted_as_compose_would_serve_again_in_the_tcp_layou
         assert eventually(lambda: http_get(c.base_url + "/health")[0] == 200, timeout=30), c.log("scheduler")[-2000:]
         assert _complete(c.base_url, "after the worker came back") == 4
         # 9. outcomes by what happened: the 503 is a refusal, nobody disconnected
-        assert labelled_metric(c.base_url, "ferry_requests_total", route="completions", outcome="disconnected") == left_before
-        assert labelled_metric(c.base_url, "ferry_requests_total", route="completions", outcome="refused") == refused_before + 1
+        assert (
+            labelled_metric(c.base_url, "ferry_requests_total", route="completions", outcome="disconnected")
+            == left_before
+        )
+        assert (
+            labelled_metric(c.base_url, "ferry_requests_total", route="completions", outcome="refused")
+            == refused_before + 1
+        )
         # the scheduler dies and comes back: the api and the worker reconnect on their own
         c.procs["scheduler"].send_signal(signal.SIGKILL)
         c.procs["scheduler"].wait()
@@ -83,8 +102,15 @@ def test_a_step_never_answered_fails_its_request_though_the_worker_says_idle(mod
     steps = peer(zmq.DEALER, c.steps_addr, boot.encode())
     beats = peer(zmq.PUSH, c.results_addr)
     api = peer(zmq.DEALER, c.api_addr, b"probe")
-    pool = PoolReport(kv_pages=64, page_size=16, linear_state_slots=0, max_running_requests=8,
-                      max_prefill_tokens=512, max_model_len=256)  # fmt: skip
+    pool = PoolReport(
+        kv_pages=64,
+        page_size=16,
+        linear_state_slots=0,
+        max_running_requests=8,
+        max_prefill_tokens=512,
+        max_model_len=256,
+    )
+
     def beat() -> None:
         send(beats, WorkerAlive(boot_id=boot, pool=pool))  # idle, and never received a step
         send(api, ApiHeartbeat())
@@ -94,8 +120,10 @@ def test_a_step_never_answered_fails_its_request_though_the_worker_says_idle(mod
         while time.monotonic() < deadline and not _ready(c.scheduler_health_port):
             beat()
             time.sleep(0.3)
-        send(api, Submit(req_id=1, prompt_token_ids=np.array([3, 4, 5], np.int32), sampling=SamplingParams(),
-                         max_tokens=4))  # fmt: skip
+        send(
+            api,
+            Submit(req_id=1, prompt_token_ids=np.array([3, 4, 5], np.int32), sampling=SamplingParams(), max_tokens=4),
+        )
         sent_at, failed = time.monotonic(), []
         while time.monotonic() < sent_at + 30 and not failed:
             beat()
@@ -114,10 +142,27 @@ def test_a_step_never_answered_fails_its_request_though_the_worker_says_idle(mod
 def _serve(model_dir, short_tmp_path, port: int, log_name: str, env_extra: dict | None = None) -> subprocess.Popen:
     env = {**child_env(), "TMPDIR": str(short_tmp_path), **(env_extra or {})}
     return subprocess.Popen(
-        [sys.executable, "-m", "ferry.services.cli", "serve", "--model", str(model_dir), "--port", str(port),
-         "--boot", FAKE_BOOT, "--served-model-name", "tiny", "--max-model-len", "256"],
-        cwd=REPO, env=env, stdout=open(short_tmp_path / log_name, "w"), stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "ferry.services.cli",
+            "serve",
+            "--model",
+            str(model_dir),
+            "--port",
+            str(port),
+            "--boot",
+            FAKE_BOOT,
+            "--served-model-name",
+            "tiny",
+            "--max-model-len",
+            "256",
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=open(short_tmp_path / log_name, "w"),
+        stderr=subprocess.STDOUT,
+    )
 
 
 def _ready(port: int) -> bool:
@@ -183,8 +228,9 @@ def test_kill_9_of_serve_takes_a_stopped_child_too(model_dir, short_tmp_path):
         assert eventually(lambda: _state(worker) == "T", timeout=15)
         serve.send_signal(signal.SIGKILL)
         serve.wait()
-        assert eventually(lambda: not any(alive(pid) for pid in kids), timeout=30), \
-            {pid: _state(pid) for pid in kids if alive(pid)}  # fmt: skip
+        assert eventually(lambda: not any(alive(pid) for pid in kids), timeout=30), {
+            pid: _state(pid) for pid in kids if alive(pid)
+        }
     finally:
         if serve.poll() is None:
             serve.kill()
@@ -205,7 +251,9 @@ def test_serve_a_dead_worker_is_named_to_the_requests_it_took(slow_model_dir, sh
         stream = client.completions.create(model="tiny", prompt="doomed", max_tokens=200, stream=True)
         chunks = iter(stream)
         next(chunks)
-        worker = next(pid for pid in children_of(serve.pid) if "worker" in open(f"/proc/{pid}/cmdline").read().split("\0"))
+        worker = next(
+            pid for pid in children_of(serve.pid) if "worker" in open(f"/proc/{pid}/cmdline").read().split("\0")
+        )
         os.kill(worker, signal.SIGKILL)
         try:
             for _ in chunks:

@@ -10,7 +10,6 @@ import json
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -24,14 +23,21 @@ import zmq.auth
 from ferry.shared.messages import Failed, PoolReport, Submit, WorkerAlive
 from ferry.shared.sampling import SamplingParams
 from tests.integration.harness import (
-    REPO, api_command, child_env, eventually, free_port, http_get, labelled_metric, make_model_dir, start_cluster,
+    REPO,
+    api_command,
+    child_env,
+    http_get,
+    labelled_metric,
+    make_model_dir,
+    start_cluster,
     stream_concurrently,
-)  # fmt: skip
+)
 from tests.integration.test_bad_input import post
 from tests.integration.wire_peers import peer, replies, send
 
-FORGED_POOL = PoolReport(kv_pages=8, page_size=16, linear_state_slots=0, max_running_requests=64,
-                         max_prefill_tokens=8192, max_model_len=512)  # fmt: skip
+FORGED_POOL = PoolReport(
+    kv_pages=8, page_size=16, linear_state_slots=0, max_running_requests=64, max_prefill_tokens=8192, max_model_len=512
+)
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +62,12 @@ def _load(keys, role):
 @pytest.fixture(scope="module")
 def ipc(paced_model_dir, tmp_path_factory):
     """The ipc layout (`ferry serve`'s): the raw peers below reach its sockets as this user can."""
-    c = start_cluster(paced_model_dir, tmp_path_factory.mktemp("ipc"), worker_flags=["--max-model-len", "512"],
-                      env={"FERRY_READ_TIMEOUT": "2", "FERRY_DRAIN_TIMEOUT": "20"})  # fmt: skip
+    c = start_cluster(
+        paced_model_dir,
+        tmp_path_factory.mktemp("ipc"),
+        worker_flags=["--max-model-len", "512"],
+        env={"FERRY_READ_TIMEOUT": "2", "FERRY_DRAIN_TIMEOUT": "20"},
+    )
     yield c
     c.stop()
 
@@ -66,8 +76,13 @@ def ipc(paced_model_dir, tmp_path_factory):
 def tcp(paced_model_dir, tmp_path_factory, keys):
     """The tcp layout on loopback, as compose wires it, with the CURVE keys; one per test (a rogue peer
     that wedged or killed the scheduler of old must not fail the next test for its own reason)."""
-    c = start_cluster(paced_model_dir, tmp_path_factory.mktemp("tcp"), worker_flags=["--max-model-len", "512"],
-                      layout="tcp", env={"FERRY_WIRE_KEYS": str(keys)})  # fmt: skip
+    c = start_cluster(
+        paced_model_dir,
+        tmp_path_factory.mktemp("tcp"),
+        worker_flags=["--max-model-len", "512"],
+        layout="tcp",
+        env={"FERRY_WIRE_KEYS": str(keys)},
+    )
     yield c
     c.stop()
 
@@ -83,8 +98,11 @@ def fresh_ipc(paced_model_dir, tmp_path_factory):
 def _streams_all_complete(c, n: int = 8, tokens: int = 40, during=None) -> None:
     """n greedy streams of `tokens` tokens each finish whole while `during()` runs beside them."""
     results: list = []
-    t = threading.Thread(target=lambda: results.append(stream_concurrently(
-        c.base_url, [(f"stream {i} of the batch", tokens) for i in range(n)])))  # fmt: skip
+    t = threading.Thread(
+        target=lambda: results.append(
+            stream_concurrently(c.base_url, [(f"stream {i} of the batch", tokens) for i in range(n)])
+        )
+    )
     t.start()
     try:
         if during is not None:
@@ -102,8 +120,11 @@ def _streams_all_complete(c, n: int = 8, tokens: int = 40, during=None) -> None:
 def test_1_a_stray_peer_on_the_steps_port_takes_no_step_and_wedges_nothing(tcp, keys):
     pub, sec = _load(keys, "worker")
     server = _load(keys, "scheduler")[0]
-    rogues = [peer(zmq.PULL, tcp.steps_addr), peer(zmq.DEALER, tcp.steps_addr, b"rogue"),
-              peer(zmq.DEALER, tcp.steps_addr, b"keyed-rogue", (pub, sec, server))]  # fmt: skip
+    rogues = [
+        peer(zmq.PULL, tcp.steps_addr),
+        peer(zmq.DEALER, tcp.steps_addr, b"rogue"),
+        peer(zmq.DEALER, tcp.steps_addr, b"keyed-rogue", (pub, sec, server)),
+    ]
     try:
         time.sleep(0.5)
         for i in range(3):  # one at a time: the PUSH of old spread steps over every PULL in turn
@@ -131,8 +152,14 @@ def test_2_malformed_messages_are_refused_and_the_scheduler_lives(fresh_ipc):
         send(api, Submit(req_id=103, prompt_token_ids=np.array([np.nan, 1.0], np.float32), sampling=sp))  # NaN
         send(api, Submit(req_id=2**64 - 1, prompt_token_ids=np.array([1, 2], np.int32), sampling=sp))  # id past int64
         send(api, Submit(req_id=105, prompt_token_ids=np.array([2**40, 1], np.int64), sampling=sp))  # above int32
-        send(api, Submit(req_id=106, prompt_token_ids=np.array([1, 2], np.int32),
-                         sampling=SamplingParams(temperature=float("nan"))))  # fmt: skip
+        send(
+            api,
+            Submit(
+                req_id=106,
+                prompt_token_ids=np.array([1, 2], np.int32),
+                sampling=SamplingParams(temperature=float("nan")),
+            ),
+        )
         got = [m for m in replies(api, 3.0) if isinstance(m, Failed)]
         assert {m.req_id for m in got} == {101, 102, 103, 105, 106}, got
         assert all(m.error_type == "InvalidRequest" for m in got), got
@@ -140,9 +167,20 @@ def test_2_malformed_messages_are_refused_and_the_scheduler_lives(fresh_ipc):
         api.close()
     results = peer(zmq.PUSH, ipc.results_addr)
     try:
-        send(results, WorkerAlive(boot_id="huge", pool=PoolReport(
-            kv_pages=2**62, page_size=16, linear_state_slots=2**62, max_running_requests=2**62,
-            max_prefill_tokens=2**62, max_model_len=2**62)))  # fmt: skip
+        send(
+            results,
+            WorkerAlive(
+                boot_id="huge",
+                pool=PoolReport(
+                    kv_pages=2**62,
+                    page_size=16,
+                    linear_state_slots=2**62,
+                    max_running_requests=2**62,
+                    max_prefill_tokens=2**62,
+                    max_model_len=2**62,
+                ),
+            ),
+        )
         time.sleep(0.5)
     finally:
         results.close()
@@ -189,8 +227,10 @@ def test_3_a_forged_worker_heartbeat_changes_nothing(layout, request, keys):
 def test_3_a_peer_without_the_key_cannot_submit(tcp):
     rogue = peer(zmq.DEALER, tcp.api_addr, b"no-key")
     try:
-        send(rogue, Submit(req_id=1, prompt_token_ids=np.array([5, 6, 7], np.int32), sampling=SamplingParams(),
-                           max_tokens=3))  # fmt: skip
+        send(
+            rogue,
+            Submit(req_id=1, prompt_token_ids=np.array([5, 6, 7], np.int32), sampling=SamplingParams(), max_tokens=3),
+        )
         got = replies(rogue, 2.0)
         assert got == [], f"heard the scheduler: {got}"
     finally:
@@ -203,16 +243,35 @@ MSG = [{"role": "user", "content": "hi"}]
 HUGE = 2**70
 
 
-@pytest.mark.parametrize("field,value", [("max_tokens", HUGE), ("seed", HUGE), ("top_k", HUGE),
-                                         ("stop_token_ids", [1, HUGE]), ("max_completion_tokens", HUGE),
-                                         ("n", HUGE), ("top_logprobs", HUGE), ("logit_bias", {str(HUGE): 1})])  # fmt: skip
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("max_tokens", HUGE),
+        ("seed", HUGE),
+        ("top_k", HUGE),
+        ("stop_token_ids", [1, HUGE]),
+        ("max_completion_tokens", HUGE),
+        ("n", HUGE),
+        ("top_logprobs", HUGE),
+        ("logit_bias", {str(HUGE): 1}),
+    ],
+)
 def test_4_integers_out_of_range_are_a_400_naming_the_field(ipc, field, value):
     status, payload = post(ipc.base_url, "/v1/chat/completions", {"messages": MSG, field: value, "logprobs": True})
     assert status == 400 and field in payload["error"]["message"], payload
 
 
-@pytest.mark.parametrize("field,value", [("logprobs", HUGE), ("best_of", HUGE), ("n", HUGE), ("logprobs", 21),
-                                         ("logit_bias", {"-1": 1}), ("logit_bias", {str(i): 1 for i in range(301)})])  # fmt: skip
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("logprobs", HUGE),
+        ("best_of", HUGE),
+        ("n", HUGE),
+        ("logprobs", 21),
+        ("logit_bias", {"-1": 1}),
+        ("logit_bias", {str(i): 1 for i in range(301)}),
+    ],
+)
 def test_4_issue_11s_completion_fields_are_bounded(ipc, field, value):
     status, payload = post(ipc.base_url, "/v1/completions", {"prompt": "hi", field: value})
     assert status == 400 and field in payload["error"]["message"], payload
@@ -228,8 +287,7 @@ def test_4_out_of_range_integers_on_the_other_routes(ipc):
 @pytest.mark.parametrize("where", ["ignored", "messages"])
 def test_4_deep_nesting_is_a_400(ipc, where):
     deep = "[" * 1000 + "]" * 1000
-    body = (f'{{"messages": {json.dumps(MSG)}, "metadata": {deep}}}' if where == "ignored"
-            else f'{{"messages": {deep}}}')  # fmt: skip
+    body = f'{{"messages": {json.dumps(MSG)}, "metadata": {deep}}}' if where == "ignored" else f'{{"messages": {deep}}}'
     status, payload = post(ipc.base_url, "/v1/chat/completions", body)
     assert status == 400 and "nests" in payload["error"]["message"], payload
 
@@ -245,7 +303,9 @@ def test_5_a_huge_prompt_is_refused_before_tokenizing_and_delays_nobody(ipc):
         bigs = [loop.run_in_executor(None, post, ipc.base_url, "/v1/completions", big) for _ in range(3)]
         await asyncio.sleep(0.2)
         t0 = time.monotonic()
-        small = await loop.run_in_executor(None, post, ipc.base_url, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+        small = await loop.run_in_executor(
+            None, post, ipc.base_url, "/v1/completions", {"prompt": "hi", "max_tokens": 2}
+        )
         small_s = time.monotonic() - t0
         return small, small_s, await asyncio.gather(*bigs)
 
@@ -279,8 +339,7 @@ def _held_open(port: int, data: bytes, seconds: float) -> tuple[bool, bytes]:
 
 
 def test_8_a_body_that_never_arrives_times_out(ipc):
-    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            b"Content-Length: 1000\r\n\r\n")  # fmt: skip
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
     still_open, got = _held_open(ipc.port, head + b'{"prompt": "', 6.0)
     assert not still_open and b" 408 " in got.split(b"\r\n")[0], got[:200]
     assert b'"error"' in got
@@ -305,8 +364,14 @@ def test_10_a_taken_port_is_one_clear_line(ipc, paced_model_dir):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        done = subprocess.run(api_command(paced_model_dir, ipc.api_addr, port), cwd=REPO, env=child_env(),
-                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        done = subprocess.run(
+            api_command(paced_model_dir, ipc.api_addr, port),
+            cwd=REPO,
+            env=child_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert f"--port {port}" in done.stderr and "already in use" in done.stderr
 
@@ -322,14 +387,18 @@ def test_10_health_shows_peers_and_no_paths(ipc, paced_model_dir):
 
 def test_9_sigterm_drains_in_flight_requests_and_refuses_new_ones(ipc):
     client = openai.OpenAI(base_url=ipc.base_url + "/v1", api_key="x", max_retries=0, timeout=30)
-    stream = client.completions.create(model="tiny", prompt="drain me", max_tokens=120, stream=True,
-                                       extra_body={"ignore_eos": True})  # fmt: skip
+    stream = client.completions.create(
+        model="tiny", prompt="drain me", max_tokens=120, stream=True, extra_body={"ignore_eos": True}
+    )
     chunks = iter(stream)
     text = [next(chunks).choices[0].text]
     ipc.procs["api"].send_signal(signal.SIGTERM)
     time.sleep(0.3)
-    req = urllib.request.Request(ipc.base_url + "/v1/completions", data=b'{"prompt": "late", "max_tokens": 2}',
-                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    req = urllib.request.Request(
+        ipc.base_url + "/v1/completions",
+        data=b'{"prompt": "late", "max_tokens": 2}',
+        headers={"Content-Type": "application/json"},
+    )
     try:
         urllib.request.urlopen(req, timeout=5)
         raise AssertionError("a new request was admitted while draining")

@@ -11,7 +11,9 @@ from ferry.shared.messages import SchedulerToApi
 from ferry.shared.wire import Codec
 
 
-def peer(kind: int, addr: str, identity: bytes | None = None, keys: tuple[bytes, bytes, bytes] | None = None) -> zmq.Socket:
+def peer(
+    kind: int, addr: str, identity: bytes | None = None, keys: tuple[bytes, bytes, bytes] | None = None
+) -> zmq.Socket:
     """A socket of `kind` connected to `addr`; `keys`: (public, secret, server public) for CURVE."""
     s = zmq.Context.instance().socket(kind)
     s.setsockopt(zmq.LINGER, 0)

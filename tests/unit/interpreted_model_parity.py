@@ -21,16 +21,43 @@ from tiny_models import tiny_model  # noqa: E402
 STEPS = 3
 
 CASES = {
-    "qwen3_moe-norm_topk-gqa": ("qwen3_moe", dict(num_hidden_layers=3, num_experts=8, num_experts_per_tok=3,
-                                norm_topk_prob=True, mlp_only_layers=[1], num_attention_heads=8,
-                                num_key_value_heads=2, head_dim=8), 4),  # fmt: skip
-    "qwen3_5_moe-gated-partial-rotary": ("qwen3_5_moe", dict(num_hidden_layers=2,
-                                         layer_types=["linear_attention", "full_attention"], num_experts=8,
-                                         num_experts_per_tok=4, rope_parameters={"rope_type": "default",
-                                         "rope_theta": 5000.0, "partial_rotary_factor": 0.5}), 1),  # fmt: skip
+    "qwen3_moe-norm_topk-gqa": (
+        "qwen3_moe",
+        dict(
+            num_hidden_layers=3,
+            num_experts=8,
+            num_experts_per_tok=3,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=8,
+        ),
+        4,
+    ),
+    "qwen3_5_moe-gated-partial-rotary": (
+        "qwen3_5_moe",
+        dict(
+            num_hidden_layers=2,
+            layer_types=["linear_attention", "full_attention"],
+            num_experts=8,
+            num_experts_per_tok=4,
+            rope_parameters={"rope_type": "default", "rope_theta": 5000.0, "partial_rotary_factor": 0.5},
+        ),
+        1,
+    ),
     # the 11-token prompt in one step whose mixers run in slices of at most 4 (services/worker/mixer_slices.py)
-    "qwen3_5_moe-mixer-slices": ("qwen3_5_moe", dict(num_hidden_layers=2, layer_types=["linear_attention",
-                                 "full_attention"], num_experts=8, num_experts_per_tok=4), 4, 4),  # fmt: skip
+    "qwen3_5_moe-mixer-slices": (
+        "qwen3_5_moe",
+        dict(
+            num_hidden_layers=2,
+            layer_types=["linear_attention", "full_attention"],
+            num_experts=8,
+            num_experts_per_tok=4,
+        ),
+        4,
+        4,
+    ),
 }
 
 

@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from model_harness import make_pools  # noqa: E402
 from tiny_models import tiny_model  # noqa: E402
+
 from ferry.kernels.router_topk_reference import mark_routed_reference  # noqa: E402
 from ferry.services.worker.models import build_model  # noqa: E402
 from ferry.services.worker.offload.resident import ResidentExperts  # noqa: E402
@@ -45,6 +46,14 @@ def block_outputs(arch: str, overrides: dict, rows: int, real: int | None, seed:
         norm_of_sum = model.norm.forward_add(fused, residual)
     want_marks = torch.zeros_like(marked)
     mark_routed_reference(want_marks, block.moe_layer, reference_route[0], ctx.batch.real_tokens if ctx else None)
-    return dict(fused=fused, reference=reference, fused_route=fused_route, reference_route=reference_route,
-                marked=marked, want_marks=want_marks, unsummed_kind=type(unsummed).__name__,
-                norm_of_rows=norm_of_rows, norm_of_sum=norm_of_sum)  # fmt: skip
+    return dict(
+        fused=fused,
+        reference=reference,
+        fused_route=fused_route,
+        reference_route=reference_route,
+        marked=marked,
+        want_marks=want_marks,
+        unsummed_kind=type(unsummed).__name__,
+        norm_of_rows=norm_of_rows,
+        norm_of_sum=norm_of_sum,
+    )

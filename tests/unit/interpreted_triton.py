@@ -52,8 +52,15 @@ class _Interpreter:
         env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=python_path)
         self.stderr = tempfile.TemporaryFile()
         read_fd, write_fd = os.pipe()
-        self.proc = subprocess.Popen([sys.executable, "-c", _SCRIPT, str(write_fd)], env=env, stdin=subprocess.PIPE,
-                                     stdout=subprocess.DEVNULL, stderr=self.stderr, pass_fds=(write_fd,), text=True)  # fmt: skip
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _SCRIPT, str(write_fd)],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=self.stderr,
+            pass_fds=(write_fd,),
+            text=True,
+        )
         os.close(write_fd)
         self.replies = os.fdopen(read_fd)
 
@@ -70,7 +77,9 @@ class _Interpreter:
             self.close()
             self.stderr.seek(0)
             tail = self.stderr.read()[-4000:].decode(errors="replace")
-            raise RuntimeError(f"interpreted {module}.{function}: the child {'died' if ready else 'timed out'}:\n{tail}")
+            raise RuntimeError(
+                f"interpreted {module}.{function}: the child {'died' if ready else 'timed out'}:\n{tail}"
+            )
         if os.path.exists(path + ".err"):
             raise RuntimeError(f"interpreted {module}.{function} failed:\n{Path(path + '.err').read_text()[-4000:]}")
 

@@ -11,11 +11,11 @@ import numpy as np
 import torch
 
 from ferry.plan import pool_layout as L
-from ferry.services.worker.offload.resident import ResidentExperts
+from ferry.plan.model_config import ModelSpec
 from ferry.services.worker.forward_batch import ForwardBatch
 from ferry.services.worker.models import CausalLM, build_model
+from ferry.services.worker.offload.resident import ResidentExperts
 from ferry.services.worker.pools import ExpertSlotPool, KvTensorPool, LinearStatePool, Pools, allocate_pool
-from ferry.plan.model_config import ModelSpec
 from ferry.shared.step import StepBatch
 
 # Tiny models gain nothing from intra-op threads, and on a loaded 2-core machine OpenMP's spin
@@ -26,7 +26,12 @@ DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float
 
 
 def make_pools(
-    spec: ModelSpec, dtype: torch.dtype, num_pages: int, page_size: int, num_slots: int, device="cpu",
+    spec: ModelSpec,
+    dtype: torch.dtype,
+    num_pages: int,
+    page_size: int,
+    num_slots: int,
+    device="cpu",
     kv_cache_dtype: str = "auto",
 ) -> Pools:
     """Pools laid out exactly as the planner prices them, every expert resident."""
@@ -49,9 +54,18 @@ class _Request:
 
 
 class PagedRunner:
-    def __init__(self, spec: ModelSpec, hf_model: torch.nn.Module, page_size: int, dtype=torch.float32,
-                 device="cpu", num_pages: int | None = None, num_slots: int = 8, seed: int = 0,
-                 kv_cache_dtype: str = "auto"):  # fmt: skip
+    def __init__(
+        self,
+        spec: ModelSpec,
+        hf_model: torch.nn.Module,
+        page_size: int,
+        dtype=torch.float32,
+        device="cpu",
+        num_pages: int | None = None,
+        num_slots: int = 8,
+        seed: int = 0,
+        kv_cache_dtype: str = "auto",
+    ):
         self.spec, self.page_size, self.device = spec, page_size, device
         num_pages = num_pages or 16 + 512 // page_size  # room for a few hundred tokens
         self.pools = make_pools(spec, dtype, num_pages, page_size, num_slots, device, kv_cache_dtype)
@@ -155,10 +169,17 @@ def hf_greedy(hf_model, prompt: list[int], steps: int):
     with torch.no_grad():
         full = hf_model(ids).logits[0].float()
         out = hf_model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, min_new_tokens=steps,
-            do_sample=False, num_beams=1,
-            return_dict_in_generate=True, output_logits=True, pad_token_id=0, eos_token_id=None,
-        )  # fmt: skip
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=steps,
+            min_new_tokens=steps,
+            do_sample=False,
+            num_beams=1,
+            return_dict_in_generate=True,
+            output_logits=True,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
     tokens = out.sequences[0, len(prompt) :].tolist()
     return tokens, torch.cat([l.float() for l in out.logits]), full
 

@@ -19,35 +19,59 @@ def request(**fields) -> schema.MessagesRequest:
 
 
 def test_conversation_with_tool_use_and_results_becomes_template_messages():
-    req = request(system=[{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}], messages=[
-        {"role": "user", "content": "Weather?", "cache_control": {"type": "ephemeral"}},
-        {"role": "assistant", "content": [{"type": "thinking", "thinking": "use the tool", "signature": "x"},
-                                          {"type": "text", "text": "Checking."},
-                                          {"type": "tool_use", "id": "toolu_1", "name": "w", "input": {"c": "P"}}]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "18C"}]},
-                                     {"type": "tool_result", "tool_use_id": "toolu_2", "content": "rain", "is_error": True}]},
-    ])  # fmt: skip
+    req = request(
+        system=[{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}],
+        messages=[
+            {"role": "user", "content": "Weather?", "cache_control": {"type": "ephemeral"}},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "use the tool", "signature": "x"},
+                    {"type": "text", "text": "Checking."},
+                    {"type": "tool_use", "id": "toolu_1", "name": "w", "input": {"c": "P"}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "18C"}]},
+                    {"type": "tool_result", "tool_use_id": "toolu_2", "content": "rain", "is_error": True},
+                ],
+            },
+        ],
+    )
     assert schema.template_messages(req) == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Weather?"},
-        {"role": "assistant", "content": "Checking.", "reasoning_content": "use the tool",
-         "tool_calls": [{"id": "toolu_1", "type": "function", "function": {"name": "w", "arguments": {"c": "P"}}}]},
+        {
+            "role": "assistant",
+            "content": "Checking.",
+            "reasoning_content": "use the tool",
+            "tool_calls": [{"id": "toolu_1", "type": "function", "function": {"name": "w", "arguments": {"c": "P"}}}],
+        },
         {"role": "tool", "tool_call_id": "toolu_1", "content": "18C"},
         {"role": "tool", "tool_call_id": "toolu_2", "content": "rain"},
-    ]  # fmt: skip
+    ]
 
 
 def test_tools_and_choices():
-    tool = {"name": "w", "description": "weather", "input_schema": {"type": "object", "properties": {"c": {"type": "string"}}}}
+    tool = {
+        "name": "w",
+        "description": "weather",
+        "input_schema": {"type": "object", "properties": {"c": {"type": "string"}}},
+    }
     req = request(tools=[tool])
-    assert schema.template_tools(req) == [{"type": "function", "function": {"name": "w", "description": "weather",
-                                                                              "parameters": tool["input_schema"]}}]  # fmt: skip
+    assert schema.template_tools(req) == [
+        {"type": "function", "function": {"name": "w", "description": "weather", "parameters": tool["input_schema"]}}
+    ]
     assert schema.tool_schemas(req) == {"w": tool["input_schema"]}
     assert schema.tool_schemas(request(tools=[tool], tool_choice={"type": "none"})) is None  # no call may be parsed
     assert schema.template_tools(request(tools=[tool], tool_choice={"type": "none"})) is None  # nor is one offered
     assert schema.template_kwargs(req) == {}  # the template's own default
     assert schema.template_kwargs(request(thinking={"type": "disabled"})) == {"enable_thinking": False}
-    assert schema.template_kwargs(request(thinking={"type": "enabled", "budget_tokens": 1024})) == {"enable_thinking": True}
+    assert schema.template_kwargs(request(thinking={"type": "enabled", "budget_tokens": 1024})) == {
+        "enable_thinking": True
+    }
     assert schema.template_kwargs(request(tools=[tool], tool_choice={"type": "any"})) == {"enable_thinking": False}
     with pytest.raises(InvalidRequest, match="thinking may not be enabled"):
         schema.template_kwargs(request(tools=[tool], tool_choice={"type": "any"}, thinking={"type": "enabled"}))
@@ -63,8 +87,12 @@ def test_forced_tool_choices_name_the_tools_the_grammar_holds_the_output_to():
     assert schema.forced_tools(request(tools=[w, t])) is None  # auto: the model's own markup is parsed
     assert schema.forced_tools(request(tools=[w, t], tool_choice={"type": "auto"})) is None
     assert schema.forced_tools(request(tools=[w, t], tool_choice={"type": "any"})) == [
-        ("w", w["input_schema"]), ("t", {"type": "object"})]  # fmt: skip
-    assert schema.forced_tools(request(tools=[w, t], tool_choice={"type": "tool", "name": "t"})) == [("t", {"type": "object"})]
+        ("w", w["input_schema"]),
+        ("t", {"type": "object"}),
+    ]
+    assert schema.forced_tools(request(tools=[w, t], tool_choice={"type": "tool", "name": "t"})) == [
+        ("t", {"type": "object"})
+    ]
     assert schema.parallel_calls(request(tools=[w], tool_choice={"type": "any"}))
     assert not schema.parallel_calls(request(tools=[w], tool_choice={"type": "any", "disable_parallel_tool_use": True}))
     for kind in ("any", "tool"):
@@ -89,25 +117,43 @@ def test_sampling_and_validation():
     with pytest.raises(InvalidRequest, match="text-only"):
         schema.template_messages(request(messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]))
     with pytest.raises(InvalidRequest, match="belongs in a user turn"):
-        schema.template_messages(request(messages=[{"role": "assistant", "content": [
-            {"type": "tool_result", "tool_use_id": "t"}]}]))  # fmt: skip
+        schema.template_messages(
+            request(messages=[{"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "t"}]}])
+        )
 
 
 def test_message_builder_blocks_events_and_stop_reasons():
     b = MessageBuilder("m")
     start = b.start(12)
-    assert [e["type"] for e in start] == ["message_start", "ping"] and start[0]["message"]["usage"]["input_tokens"] == 12
+    assert [e["type"] for e in start] == ["message_start", "ping"] and start[0]["message"]["usage"][
+        "input_tokens"
+    ] == 12
     events = b.apply([Reasoning("hm"), Reasoning(" ok"), Text("\n"), Text("Hi"), ToolCall("w", {"c": 1}), Text("\n")])
     assert [(e["type"], e.get("index")) for e in events] == [
-        ("content_block_start", 0), ("content_block_delta", 0), ("content_block_delta", 0), ("content_block_stop", 0),
-        ("content_block_start", 1), ("content_block_delta", 1), ("content_block_stop", 1),
-        ("content_block_start", 2), ("content_block_delta", 2), ("content_block_stop", 2)]  # fmt: skip
+        ("content_block_start", 0),
+        ("content_block_delta", 0),
+        ("content_block_delta", 0),
+        ("content_block_stop", 0),
+        ("content_block_start", 1),
+        ("content_block_delta", 1),
+        ("content_block_stop", 1),
+        ("content_block_start", 2),
+        ("content_block_delta", 2),
+        ("content_block_stop", 2),
+    ]
     assert events[7]["content_block"]["input"] == {} and events[8]["delta"]["partial_json"] == '{"c": 1}'
     end = b.finish("stop", None, Usage(prompt_tokens=12, completion_tokens=5, cached_tokens=4))
     assert end[-2]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
-    assert end[-2]["usage"] == {"input_tokens": 8, "output_tokens": 5, "cache_read_input_tokens": 4, "cache_creation_input_tokens": 0}
+    assert end[-2]["usage"] == {
+        "input_tokens": 8,
+        "output_tokens": 5,
+        "cache_read_input_tokens": 4,
+        "cache_creation_input_tokens": 0,
+    }
     msg = b.message("stop", None, Usage(12, 5, 4))
-    assert [c["type"] for c in msg["content"]] == ["thinking", "text", "tool_use"] and msg["content"][0]["thinking"] == "hm ok"
+    assert [c["type"] for c in msg["content"]] == ["thinking", "text", "tool_use"] and msg["content"][0][
+        "thinking"
+    ] == "hm ok"
     assert b.message("length", None, Usage(1))["stop_reason"] == "max_tokens"
     assert MessageBuilder("m").message("stop", "END", Usage(1))["stop_reason"] == "stop_sequence"
     assert MessageBuilder("m").message("stop", None, Usage(1))["stop_reason"] == "end_turn"
@@ -116,9 +162,17 @@ def test_message_builder_blocks_events_and_stop_reasons():
     assert [c["name"] for c in single.content] == ["a"]
 
 
-@pytest.mark.parametrize("status, kind", [(400, "invalid_request_error"), (401, "authentication_error"),
-                                          (404, "not_found_error"), (413, "request_too_large"),
-                                          (500, "api_error"), (503, "overloaded_error")])  # fmt: skip
+@pytest.mark.parametrize(
+    "status, kind",
+    [
+        (400, "invalid_request_error"),
+        (401, "authentication_error"),
+        (404, "not_found_error"),
+        (413, "request_too_large"),
+        (500, "api_error"),
+        (503, "overloaded_error"),
+    ],
+)
 def test_error_shapes(status, kind):
     assert error_body(status, "why") == {"type": "error", "error": {"type": kind, "message": "why"}}
 
@@ -131,29 +185,59 @@ def test_temperature_outside_anthropics_range_is_refused_naming_it(value):
     schema.validate(request(temperature=1))
 
 
-PERSON = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"], "additionalProperties": False}
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}},
+    "required": ["name"],
+    "additionalProperties": False,
+}
 
 
 def test_output_config_format_is_the_json_schema_the_answer_must_match():
     """Structured outputs as the anthropic SDK sends them (output_config.format; the beta's first form, a
     top-level output_format, too): the schema and where it is, for the grammar's 400s."""
     fmt = {"type": "json_schema", "schema": PERSON}
-    assert schema.output_format(request(output_config={"format": fmt, "effort": "low"})) == (PERSON, "output_config.format.schema")
+    assert schema.output_format(request(output_config={"format": fmt, "effort": "low"})) == (
+        PERSON,
+        "output_config.format.schema",
+    )
     assert schema.output_format(request(output_format=fmt)) == (PERSON, "output_format.schema")
-    assert schema.output_format(request()) is None and schema.output_format(request(output_config={"effort": "low"})) is None
+    assert (
+        schema.output_format(request()) is None
+        and schema.output_format(request(output_config={"effort": "low"})) is None
+    )
     assert schema.constrained(request(output_config={"format": fmt})) and not schema.constrained(request())
     assert schema.template_kwargs(request(output_config={"format": fmt})) == {"enable_thinking": False}
-    counted = msgspec.json.decode(msgspec.json.encode({"model": "m", "messages": [{"role": "user", "content": "hi"}],
-                                                       "output_config": {"format": fmt}}), type=schema.CountTokensRequest)
+    counted = msgspec.json.decode(
+        msgspec.json.encode(
+            {"model": "m", "messages": [{"role": "user", "content": "hi"}], "output_config": {"format": fmt}}
+        ),
+        type=schema.CountTokensRequest,
+    )
     assert schema.output_format(counted) == (PERSON, "output_config.format.schema")
 
 
-@pytest.mark.parametrize("fields,needle", [
-    ({"output_config": {"format": {"type": "xml", "schema": PERSON}}}, "output_config.format.type: only json_schema"),
-    ({"output_config": {"format": {"type": "json_schema"}}}, "output_config.format.schema: a json_schema format needs"),
-    ({"output_config": {"format": {"type": "json_schema", "schema": PERSON}}, "tools": [{"name": "w"}],
-      "tool_choice": {"type": "any"}}, "output_config.format: cannot be combined with tool_choice"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "fields,needle",
+    [
+        (
+            {"output_config": {"format": {"type": "xml", "schema": PERSON}}},
+            "output_config.format.type: only json_schema",
+        ),
+        (
+            {"output_config": {"format": {"type": "json_schema"}}},
+            "output_config.format.schema: a json_schema format needs",
+        ),
+        (
+            {
+                "output_config": {"format": {"type": "json_schema", "schema": PERSON}},
+                "tools": [{"name": "w"}],
+                "tool_choice": {"type": "any"},
+            },
+            "output_config.format: cannot be combined with tool_choice",
+        ),
+    ],
+)
 def test_an_output_format_this_server_cannot_honour_is_refused_naming_the_field(fields, needle):
     with pytest.raises(InvalidRequest, match=needle):
         schema.output_format(request(**fields))
@@ -163,5 +247,7 @@ def test_an_output_format_turns_thinking_off_and_closes_a_reasoning_the_template
     fmt = {"format": {"type": "json_schema", "schema": PERSON}}
     with pytest.raises(InvalidRequest, match="^thinking: "):
         schema.template_kwargs(request(output_config=fmt, thinking={"type": "enabled", "budget_tokens": 1024}))
-    assert schema.template_kwargs(request(output_config=fmt, thinking={"type": "disabled"})) == {"enable_thinking": False}
+    assert schema.template_kwargs(request(output_config=fmt, thinking={"type": "disabled"})) == {
+        "enable_thinking": False
+    }
     assert forced_prompt_suffix(request(output_config=fmt), "assistant\n<think>\n") == "</think>\n\n"

@@ -21,12 +21,12 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from structlog.testing import capture_logs
 
-from ferry.shared.errors import InvalidRequest
-from ferry.shared.logging import MAX_LOGGED_CHARS, configure_logging
 from ferry.services.api import json_limits, schema, structured
 from ferry.services.api.http_errors import bearer_token, error_responses
 from ferry.services.api.metrics import ApiMetrics
 from ferry.services.api.routes import LONG_BODY_BYTES, OpenAIRoutes, TokenizerBusy
+from ferry.shared.errors import InvalidRequest
+from ferry.shared.logging import MAX_LOGGED_CHARS, configure_logging
 
 MIB4 = 4 * 2**20
 MSG = [{"role": "user", "content": "hi"}]
@@ -108,8 +108,12 @@ def test_1_the_depth_matches_a_reference_scanner_on_random_json():
 
 def test_1_json_inside_a_tool_calls_arguments_string_is_depth_checked_too():
     args = "[" * 100_000 + "]" * 100_000  # json.loads: RecursionError, a 500 of old
-    body = {"messages": [{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": args}}]},
-                         {"role": "user", "content": "x"}]}  # fmt: skip
+    body = {
+        "messages": [
+            {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": args}}]},
+            {"role": "user", "content": "x"},
+        ]
+    }
     req = schema.decode_body(json.dumps(body).encode(), schema.ChatCompletionRequest)
     with pytest.raises(InvalidRequest, match="nests") as err:
         schema.chat_messages(req)
@@ -124,26 +128,35 @@ def test_4_the_reserved_template_keywords_are_every_parameter_of_the_template_ca
 
     from ferry.services.api.tokenizer import PromptTokenizer
 
-    named = {p.name for f in (PromptTokenizer.chat_prompt, PromptTokenizer.render_chat, PreTrainedTokenizerBase.apply_chat_template)
-             for p in inspect.signature(f).parameters.values() if p.kind is not p.VAR_KEYWORD}  # fmt: skip
+    named = {
+        p.name
+        for f in (PromptTokenizer.chat_prompt, PromptTokenizer.render_chat, PreTrainedTokenizerBase.apply_chat_template)
+        for p in inspect.signature(f).parameters.values()
+        if p.kind is not p.VAR_KEYWORD
+    }
     assert named <= schema.RESERVED_TEMPLATE_KWARGS, named - schema.RESERVED_TEMPLATE_KWARGS
 
 
 @pytest.mark.parametrize("key", ["tools", "messages", "tokenize", "chat_template", "add_generation_prompt", "self"])
 def test_4_a_reserved_template_keyword_is_a_400_naming_it(key):
-    req = schema.decode_body(json.dumps({"messages": MSG, "chat_template_kwargs": {key: 5}}).encode(),
-                             schema.ChatCompletionRequest)  # fmt: skip
+    req = schema.decode_body(
+        json.dumps({"messages": MSG, "chat_template_kwargs": {key: 5}}).encode(), schema.ChatCompletionRequest
+    )
     with pytest.raises(InvalidRequest, match=f"chat_template_kwargs.{key}") as err:
         schema.validate_generation(req, None)
     assert err.value.param == f"chat_template_kwargs.{key}"
-    fine = schema.decode_body(json.dumps({"messages": MSG, "chat_template_kwargs": {"enable_thinking": False}}).encode(),
-                              schema.ChatCompletionRequest)  # fmt: skip
+    fine = schema.decode_body(
+        json.dumps({"messages": MSG, "chat_template_kwargs": {"enable_thinking": False}}).encode(),
+        schema.ChatCompletionRequest,
+    )
     schema.validate_generation(fine, None)
 
 
 def test_4_chat_template_kwargs_must_be_an_object():
     with pytest.raises(InvalidRequest) as err:
-        schema.decode_body(json.dumps({"messages": MSG, "chat_template_kwargs": 5}).encode(), schema.ChatCompletionRequest)
+        schema.decode_body(
+            json.dumps({"messages": MSG, "chat_template_kwargs": 5}).encode(), schema.ChatCompletionRequest
+        )
     assert err.value.param == "chat_template_kwargs"
 
 
@@ -162,14 +175,22 @@ def _param(fn, *args) -> str | None:
 
 
 def test_7_errors_about_one_field_name_it_in_param():
-    assert _param(schema.decode_body, b'{"messages": [{"role": 5}]}', schema.ChatCompletionRequest) == "messages[0].role"
-    assert _param(schema.decode_body, b'{"messages": [], "temperature": "hot"}', schema.ChatCompletionRequest) == "temperature"
+    assert (
+        _param(schema.decode_body, b'{"messages": [{"role": 5}]}', schema.ChatCompletionRequest) == "messages[0].role"
+    )
+    assert (
+        _param(schema.decode_body, b'{"messages": [], "temperature": "hot"}', schema.ChatCompletionRequest)
+        == "temperature"
+    )
     assert _param(schema.sampling_params, _chat(temperature=-1), (2,)) == "temperature"
     assert _param(schema.sampling_params, _chat(top_p=0), (2,)) == "top_p"
     assert _param(schema.sampling_params, _chat(logit_bias={"x": 1}), (2,)) == "logit_bias"
     assert _param(schema.validate_generation, _chat(n=17), None) == "n"
     assert _param(schema.validate_generation, _chat(store=True), None) == "store"
-    assert _param(schema.chat_messages, _chat(messages=[*MSG, *MSG, {"role": "user", "content": ""}])) == "messages[2].content"
+    assert (
+        _param(schema.chat_messages, _chat(messages=[*MSG, *MSG, {"role": "user", "content": ""}]))
+        == "messages[2].content"
+    )
     assert _param(schema.chat_messages, _chat(messages=[{"role": "wizard", "content": "x"}])) == "messages[0].role"
     assert _param(schema.chat_logprobs, _chat(top_logprobs=21, logprobs=True)) == "top_logprobs"
     assert _param(schema.template_tools, _chat(tools=[{"type": "web"}])) == "tools[0].type"
@@ -180,8 +201,18 @@ def test_7_errors_about_one_field_name_it_in_param():
     assert _param(schema.sampling_params, _chat(temperature=-1, top_p=0), (2,)) is None  # two fields
 
 
-@pytest.mark.parametrize("header,ok", [("Bearer KEY", True), ("bearer KEY", True), ("BEARER  KEY ", True),
-                                       ("Basic KEY", False), ("BearerKEY", False), ("Bearer", False), ("", False)])  # fmt: skip
+@pytest.mark.parametrize(
+    "header,ok",
+    [
+        ("Bearer KEY", True),
+        ("bearer KEY", True),
+        ("BEARER  KEY ", True),
+        ("Basic KEY", False),
+        ("BearerKEY", False),
+        ("Bearer", False),
+        ("", False),
+    ],
+)
 def test_7_the_bearer_scheme_is_case_insensitive(header, ok):
     assert (bearer_token(header) == "KEY") is ok
 
@@ -200,8 +231,16 @@ def api_app(tiny_tokenizer_dir, tmp_path):
     from ferry.services.api.tokenizer import PromptTokenizer
 
     addr = f"ipc://{tmp_path}/private-run-dir/api.sock"
-    cfg = ApiConfig(host="127.0.0.1", port=0, scheduler_addr=addr, tokenizer=str(tiny_tokenizer_dir),
-                    served_model_name="tiny", api_key="KEY", max_body_bytes=MIB4, identity="api-test")  # fmt: skip
+    cfg = ApiConfig(
+        host="127.0.0.1",
+        port=0,
+        scheduler_addr=addr,
+        tokenizer=str(tiny_tokenizer_dir),
+        served_model_name="tiny",
+        api_key="KEY",
+        max_body_bytes=MIB4,
+        identity="api-test",
+    )
     return build_app(cfg, PromptTokenizer(str(tiny_tokenizer_dir))), addr
 
 
@@ -247,7 +286,11 @@ def test_7_a_503_is_logged_as_a_warning_and_a_bug_as_an_error():
 
     with capture_logs() as logs:
         assert asyncio.run(run()) == [503, 500]
-    levels = {e["event"]: e["log_level"] for e in logs if e["event"] in ("request_refused", "request_failed", "unhandled_error")}
+    levels = {
+        e["event"]: e["log_level"]
+        for e in logs
+        if e["event"] in ("request_refused", "request_failed", "unhandled_error")
+    }
     assert levels == {"request_refused": "warning", "unhandled_error": "error"}, logs
 
 
@@ -314,8 +357,14 @@ def test_7_n_choices_build_their_grammar_once_off_the_event_loop(api_app, monkey
 
     monkeypatch.setattr(structured, "response_format_grammar", counted)
     props = {f"p{i}": {"type": "string"} for i in range(200)}
-    body = {"messages": MSG, "n": 16, "response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "object", "properties": props, "required": list(props)}}}}  # fmt: skip
+    body = {
+        "messages": MSG,
+        "n": 16,
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "x", "schema": {"type": "object", "properties": props, "required": list(props)}},
+        },
+    }
 
     async def run():
         client = await _app_client(app)
@@ -327,4 +376,3 @@ def test_7_n_choices_build_their_grammar_once_off_the_event_loop(api_app, monkey
 
     assert asyncio.run(run()) == 503  # built and checked, then refused: no scheduler behind the socket
     assert len(built) == 1 and built[0].startswith("grammar"), built
-

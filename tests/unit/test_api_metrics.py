@@ -25,8 +25,19 @@ def test_vllm_aliases_carry_ferrys_values():
     m.ttft.observe(0.02)
     for outcome in ("stop", "stop", "length", "disconnected", "InvalidRequest"):
         m.requests.labels("chat", outcome).inc()
-    m.refresh_from(SchedulerStatus(boot_id="b", ready=True, reason="", running=3, waiting=2, kv_pages_total=100,
-                                   kv_pages_available=25, preemptions=4), True)  # fmt: skip
+    m.refresh_from(
+        SchedulerStatus(
+            boot_id="b",
+            ready=True,
+            reason="",
+            running=3,
+            waiting=2,
+            kv_pages_total=100,
+            kv_pages_available=25,
+            preemptions=4,
+        ),
+        True,
+    )
     got = samples(m)
     tiny = (("model_name", "tiny"),)
     assert got[("vllm:num_requests_running", tiny)] == 3 and got[("vllm:num_requests_waiting", tiny)] == 2
@@ -52,8 +63,10 @@ def test_preemptions_are_a_counter_and_refusals_are_labelled():
 
 def test_prefix_hits_and_snapshot_evictions_are_counters_from_the_schedulers_status():
     m = ApiMetrics("tiny")
-    m.refresh_from(SchedulerStatus(boot_id="b", ready=True, reason="", prefix_hits=5, snapshot_evictions=2,
-                                   state_snapshots=7), True)  # fmt: skip
+    m.refresh_from(
+        SchedulerStatus(boot_id="b", ready=True, reason="", prefix_hits=5, snapshot_evictions=2, state_snapshots=7),
+        True,
+    )
     got = samples(m)
     assert got[("ferry_prefix_cache_hits_total", ())] == 5 and got[("ferry_state_snapshot_evictions_total", ())] == 2
     assert got[("ferry_state_snapshots", ())] == 7

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ferry.shared.errors import InvalidRequest, EngineError
+from ferry.services.scheduler.batcher import BatchScheduler
+from ferry.shared.errors import EngineError, InvalidRequest
 from ferry.shared.messages import PoolReport
 from ferry.shared.sampling import SamplingParams
-from ferry.services.scheduler.batcher import BatchScheduler
 from tests.doubles.paged_model import PagedHashModel, reference_continuation
 
 FIRST, COUNT = 10, 200
@@ -16,8 +16,14 @@ VOCAB = range(FIRST, FIRST + COUNT)
 
 
 def make(pages=64, page_size=4, slots=0, running=8, prefill=32, model_len=128):
-    pool = PoolReport(kv_pages=pages, page_size=page_size, linear_state_slots=slots, max_running_requests=running,
-                      max_prefill_tokens=prefill, max_model_len=model_len)  # fmt: skip
+    pool = PoolReport(
+        kv_pages=pages,
+        page_size=page_size,
+        linear_state_slots=slots,
+        max_running_requests=running,
+        max_prefill_tokens=prefill,
+        max_model_len=model_len,
+    )
     return BatchScheduler(pool), PagedHashModel(pages, page_size, VOCAB, slots)
 
 
@@ -209,7 +215,6 @@ def test_worker_loss_fails_every_request_and_step_failure_only_its_batch():
     assert not (sched.running or sched.waiting) and sched.kv.available == sched.kv.total
 
 
-
 def test_an_unusable_pool_report_is_refused_naming_the_field():
     with pytest.raises(ValueError, match="max_prefill_tokens"):
         make(prefill=0)
@@ -265,10 +270,22 @@ class ScoringModel(PagedHashModel):
             rid, c, q = int(batch.req_ids[i]), int(batch.context_lens[i]), int(batch.query_lens[i])
             n = min(q, len(self.prompts[rid]) - c - 1)
             if n > 0:
-                parts.append(Logprobs(req_id=rid, start=c + 1, token_logprobs=-np.arange(c + 1, c + 1 + n, dtype=np.float32),
-                                      top_ids=np.zeros((n, 0), np.int32), top_logprobs=np.zeros((n, 0), np.float32)))  # fmt: skip
-        return StepOutput(step_id=out.step_id, req_ids=out.req_ids, token_ids=out.token_ids, logprobs=out.logprobs,
-                          prompt_logprobs=tuple(parts))  # fmt: skip
+                parts.append(
+                    Logprobs(
+                        req_id=rid,
+                        start=c + 1,
+                        token_logprobs=-np.arange(c + 1, c + 1 + n, dtype=np.float32),
+                        top_ids=np.zeros((n, 0), np.int32),
+                        top_logprobs=np.zeros((n, 0), np.float32),
+                    )
+                )
+        return StepOutput(
+            step_id=out.step_id,
+            req_ids=out.req_ids,
+            token_ids=out.token_ids,
+            logprobs=out.logprobs,
+            prompt_logprobs=tuple(parts),
+        )
 
 
 def run_scoring(sched, model):
@@ -324,10 +341,17 @@ def test_over_length_refusals_name_the_field_to_change():
     """The param of each refusal (Failed.param on the wire): max_tokens where lowering it would do, prompt
     where the prompt alone does not fit (the api names them as its body does: messages, max_completion_tokens)."""
     sched, _ = make(pages=8, page_size=4, model_len=64)
-    for rid, (p, max_tokens, param) in enumerate([(prompt(0, 10), 60, "max_tokens"), (prompt(0, 10), 30, "max_tokens"),
-                                                  (prompt(0, 64), 1, "prompt"), (prompt(0, 64), None, "prompt"),
-                                                  (prompt(0, 40), None, "prompt"), (prompt(0, 65), 0, "prompt"),
-                                                  (prompt(0, 10), -1, "max_tokens")]):  # fmt: skip
+    for rid, (p, max_tokens, param) in enumerate(
+        [
+            (prompt(0, 10), 60, "max_tokens"),
+            (prompt(0, 10), 30, "max_tokens"),
+            (prompt(0, 64), 1, "prompt"),
+            (prompt(0, 64), None, "prompt"),
+            (prompt(0, 40), None, "prompt"),
+            (prompt(0, 65), 0, "prompt"),
+            (prompt(0, 10), -1, "max_tokens"),
+        ]
+    ):
         with pytest.raises(InvalidRequest) as exc:
             add(sched, rid, p, max_tokens)
         assert exc.value.param == param, (max_tokens, str(exc.value))
@@ -344,11 +368,17 @@ def test_a_request_whose_grammar_died_on_the_worker_fails_and_its_filler_token_i
     add(sched, 2, prompt(2, 6), 5)
     batch = sched.schedule()
     answer = model.execute(batch)
-    dead = StepOutput(step_id=answer.step_id, req_ids=answer.req_ids, token_ids=answer.token_ids,
-                      logprobs=answer.logprobs, grammar_failures=((1, "parser error: Too many items"),))  # fmt: skip
+    dead = StepOutput(
+        step_id=answer.step_id,
+        req_ids=answer.req_ids,
+        token_ids=answer.token_ids,
+        logprobs=answer.logprobs,
+        grammar_failures=((1, "parser error: Too many items"),),
+    )
     out = sched.complete(dead)
-    assert [(r.rid, type(e), "output_config.format" in str(e) and "Too many items" in str(e)) for r, e in out.failed] == [
-        (1, InvalidRequest, True)]  # fmt: skip
+    assert [
+        (r.rid, type(e), "output_config.format" in str(e) and "Too many items" in str(e)) for r, e in out.failed
+    ] == [(1, InvalidRequest, True)]
     assert [r.rid for r, _ in out.tokens] == [2] and not out.finished
     tokens, finished = run_to_end(sched, model)
     assert 1 not in tokens and finished == {2: "length"}
@@ -356,7 +386,14 @@ def test_a_request_whose_grammar_died_on_the_worker_fails_and_its_filler_token_i
     add(sched, 3, prompt(3, 6), 5)
     batch = sched.schedule()
     answer = model.execute(batch)
-    stray = StepOutput(step_id=answer.step_id, req_ids=answer.req_ids, token_ids=answer.token_ids,
-                       logprobs=answer.logprobs, grammar_failures=((99, "x"),))  # fmt: skip
+    stray = StepOutput(
+        step_id=answer.step_id,
+        req_ids=answer.req_ids,
+        token_ids=answer.token_ids,
+        logprobs=answer.logprobs,
+        grammar_failures=((99, "x"),),
+    )
     out = sched.complete(stray)
-    assert [(r.rid, type(e)) for r, e in out.failed] == [(3, EngineError)] and "grammar failure" in str(out.failed[0][1])
+    assert [(r.rid, type(e)) for r, e in out.failed] == [(3, EngineError)] and "grammar failure" in str(
+        out.failed[0][1]
+    )

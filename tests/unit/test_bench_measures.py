@@ -70,12 +70,17 @@ def _event(name: str, start: float, end: float, cuda: bool = True):
 def test_the_copy_timeline_finds_busy_time_gaps_where_they_open_and_what_ran_in_them():
     # µs: copies [0, 250) (two touching), [400, 500), [1500, 1600); kernels inside the gaps
     events = [
-        _event("cudaMemcpyAsync", -5, -2, cuda=False), _event("cudaLaunchKernel", 300, 310, cuda=False),
-        _event("Memcpy HtoD (Pinned -> Device)", 0, 100), _event("Memcpy HtoD (Pinned -> Device)", 100, 250),
-        _event("Memcpy HtoD (Pinned -> Device)", 400, 500), _event("Memcpy HtoD (Pinned -> Device)", 1500, 1600),
+        _event("cudaMemcpyAsync", -5, -2, cuda=False),
+        _event("cudaLaunchKernel", 300, 310, cuda=False),
+        _event("Memcpy HtoD (Pinned -> Device)", 0, 100),
+        _event("Memcpy HtoD (Pinned -> Device)", 100, 250),
+        _event("Memcpy HtoD (Pinned -> Device)", 400, 500),
+        _event("Memcpy HtoD (Pinned -> Device)", 1500, 1600),
         _event("Memcpy DtoH (Device -> Pinned)", 1600, 1610),  # neither a copy in nor a kernel
-        _event("_gate_up_kernel", 260, 390), _event("_prefill_kernel", 600, 1400), _event("_rms_norm_kernel", 1450, 1460),
-    ]  # fmt: skip
+        _event("_gate_up_kernel", 260, 390),
+        _event("_prefill_kernel", 600, 1400),
+        _event("_rms_norm_kernel", 1450, 1460),
+    ]
     t = device_timeline(SimpleNamespace(events=lambda: events), largest=4)
     assert t["copies"] == 4 and t["copy_busy_ms"] == pytest.approx(0.45) and t["copy_span_ms"] == pytest.approx(1.6)
     assert t["copy_gap_ms"] == pytest.approx(1.15) and t["copy_gaps_over_50us"] == 2 and t["copy_gaps_under_20us"] == 0
@@ -114,10 +119,34 @@ def test_the_contention_benchmark_times_both_builds_under_a_hog(tmp_path):
     if K.library()[0] is None:
         pytest.skip(f"host kernel not built: {K.library()[1]}")
     out = tmp_path / "contention.json"
-    cmd = [sys.executable, "bench/host_pool_contention.py", "--config", "tests/data/models/qwen3-30b-a3b",
-           "--threads", "2", "--hog", "none,2/1", "--hog-cpus", "0", "--rounds", "2", "--block", "14",
-           "--bank-experts", "4", "--experts", "2", "--gap-us", "50", "--compare-library", K.library_path(),
-           "--spin-us", "50,0", "--json", str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "bench/host_pool_contention.py",
+        "--config",
+        "tests/data/models/qwen3-30b-a3b",
+        "--threads",
+        "2",
+        "--hog",
+        "none,2/1",
+        "--hog-cpus",
+        "0",
+        "--rounds",
+        "2",
+        "--block",
+        "14",
+        "--bank-experts",
+        "4",
+        "--experts",
+        "2",
+        "--gap-us",
+        "50",
+        "--compare-library",
+        K.library_path(),
+        "--spin-us",
+        "50,0",
+        "--json",
+        str(out),
+    ]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
@@ -164,14 +193,31 @@ def test_the_polled_hand_off_probe_answers_each_round_once(tmp_path):
 def test_a_decode_figure_is_its_median_repeat_and_one_slow_repeat_does_not_make_it():
     """Each repeat's streams are timed from their chunks; the figure is the median repeat's, every repeat is
     kept, and the tokens (for the bytes a token) are all the repeats'."""
-    rates = iter([250.0, 196.0, 260.0,  # one stream, three repeats: the second slow
-                  60.0, 62.0, 61.0, 64.0, 59.0, 63.0])  # two streams, three repeats
+    rates = iter(
+        [
+            250.0,
+            196.0,
+            260.0,  # one stream, three repeats: the second slow
+            60.0,
+            62.0,
+            61.0,
+            64.0,
+            59.0,
+            63.0,
+        ]
+    )  # two streams, three repeats
     rates_even = iter([30.0, 10.0, 40.0, 20.0])
 
     def once():  # a repeat's streams start together; each ends when its 127 tokens after the first are out
         tok_s = next(rates)
-        return {"tokens": 128, "tok_s": tok_s, "start": 5.0, "first_s": 0.1, "last_s": 0.1 + 127 / tok_s,
-                "max_gap_s": 2 / tok_s}
+        return {
+            "tokens": 128,
+            "tok_s": tok_s,
+            "start": 5.0,
+            "first_s": 0.1,
+            "last_s": 0.1 + 127 / tok_s,
+            "max_gap_s": 2 / tok_s,
+        }
 
     one = decode_run(once, 1, 3)
     assert [r["median_stream_tok_s"] for r in one["repeats"]] == [250.0, 196.0, 260.0]
@@ -187,8 +233,18 @@ def test_a_decode_figure_is_its_median_repeat_and_one_slow_repeat_does_not_make_
     # each stream's tokens after its first over the wall time from the earliest first chunk to the latest last
     assert mid["aggregate_tok_s"] == pytest.approx((256 - 2) / (127 / min(mid["per_stream_tok_s"])))
     assert two["tokens"] == 768 and len(two["per_stream_tok_s"]) == 6
-    even = decode_run(lambda: {"tokens": 11, "tok_s": next(rates_even), "start": 0.0, "first_s": 0.0, "last_s": 1.0,
-                               "max_gap_s": 0.1}, 1, 4)  # fmt: skip
+    even = decode_run(
+        lambda: {
+            "tokens": 11,
+            "tok_s": next(rates_even),
+            "start": 0.0,
+            "first_s": 0.0,
+            "last_s": 1.0,
+            "max_gap_s": 0.1,
+        },
+        1,
+        4,
+    )
     assert even["median_stream_tok_s"] == 20.0  # 10, 20, 30, 40: the lower middle repeat, not their mean
     with pytest.raises(ValueError, match="--repeats 0"):
         decode_run(once, 1, 0)
@@ -200,8 +256,13 @@ def test_the_split_sweeps_settings_are_scales_offsets_or_off_and_a_bad_one_names
     from bench.host_split_sweep import SETTLE_STEPS, parse_settings, prices_for, stream_tokens
 
     got = parse_settings("off,1.0,1.5,1.0+150,0.8+20.5")
-    assert got == [("off", None, 0.0), ("1.0", 1.0, 0.0), ("1.5", 1.5, 0.0), ("1.0+150", 1.0, 150.0),
-                   ("0.8+20.5", 0.8, 20.5)]  # fmt: skip
+    assert got == [
+        ("off", None, 0.0),
+        ("1.0", 1.0, 0.0),
+        ("1.5", 1.5, 0.0),
+        ("1.0+150", 1.0, 150.0),
+        ("0.8+20.5", 0.8, 20.5),
+    ]
     base = (113_000, 80_000, 14_000, 31_000)
     assert prices_for(base, None, 0.0, 10**9) == (113_000, 10**9, 14_000, 31_000)
     assert prices_for(base, 1.5, 0.0, 10**9) == (113_000, 120_000, 14_000, 31_000)
@@ -217,8 +278,17 @@ def test_the_split_sweeps_settings_are_scales_offsets_or_off_and_a_bad_one_names
 def test_the_host_price_bench_draws_its_lines_without_a_load_and_says_which_flag_is_wrong():
     """bench/host_price_tokens.py --link-load: `none` first (its lines are drawn through those times), then the
     loads beside it; a load needs CUDA, and a bad list names the flag instead of timing anything."""
-    cases = (("packed,none", "none, then any of packed, plain, ce"), ("none,none", "each once"), ("none,xx", "none, then"))
+    cases = (
+        ("packed,none", "none, then any of packed, plain, ce"),
+        ("none,none", "each once"),
+        ("none,xx", "none, then"),
+    )
     for bad, says in cases:
-        done = subprocess.run([sys.executable, "bench/host_price_tokens.py", "--link-load", bad], cwd=ROOT,
-                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "bench/host_price_tokens.py", "--link-load", bad],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert done.returncode == 2 and f"--link-load {bad}" in done.stderr and says in done.stderr, done.stderr

@@ -55,7 +55,8 @@ def test_random_weights_load_as_a_checkpoint_and_match_the_dummy_recipe(tiny_mod
     want = dict(iter_dummy_tensors(files.spec, torch.float32, "cpu", routed_experts=False))
     assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in got)
     assert size == sum(t.nbytes for t in want.values()) + sum(
-        t.nbytes for _, t in iter_dummy_tensors(files.spec, torch.float32, "cpu", routed_experts=True))
+        t.nbytes for _, t in iter_dummy_tensors(files.spec, torch.float32, "cpu", routed_experts=True)
+    )
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert "model.layers.0.mlp.experts.3.down_proj.weight" in index["weight_map"]  # the per-expert layout
 
@@ -64,8 +65,12 @@ def test_a_multimodal_wrappers_random_nvfp4_weights_carry_the_published_names_an
     # Qwen3.5/3.6 (a config with text_config): `model.language_model.` as nvidia's NVFP4 releases, which FreeToken's
     # expert reader matches exactly; Ferry reads them back as the same model
     text = json.loads((tiny_models["qwen3_5_moe"] / "config.json").read_text())
-    wrapper = {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
-               "tie_word_embeddings": False, "text_config": {**text, "model_type": "qwen3_5_moe_text"}}  # fmt: skip
+    wrapper = {
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+        "model_type": "qwen3_5_moe",
+        "tie_word_embeddings": False,
+        "text_config": {**text, "model_type": "qwen3_5_moe_text"},
+    }
     (tmp_path / "config.json").write_text(json.dumps(wrapper))
     out = write_bench_model(tmp_path / "q", tmp_path / "config.json")
     write_random_weights(out, dtype="float32", fmt="nvfp4")
@@ -84,17 +89,42 @@ def test_a_multimodal_wrappers_random_nvfp4_weights_carry_the_published_names_an
 
 
 def test_the_command_refuses_skew_without_weights(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "ferry.services.cli", "make-bench-model", str(tmp_path / "x"),
-                           "--config", QWEN36, "--routing-skew", "1"], capture_output=True, text=True)  # fmt: skip
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ferry.services.cli",
+            "make-bench-model",
+            str(tmp_path / "x"),
+            "--config",
+            QWEN36,
+            "--routing-skew",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 2 and "--routing-skew needs --weights random" in done.stderr
 
 
-SPEC = parse_model_config({
-    "model_type": "qwen3_moe", "vocab_size": 512, "hidden_size": 256, "num_hidden_layers": 4,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "num_experts": 32,
-    "num_experts_per_tok": 4, "moe_intermediate_size": 64, "intermediate_size": 256,
-    "max_position_embeddings": 512, "torch_dtype": "float32", "norm_topk_prob": True,
-})  # fmt: skip
+SPEC = parse_model_config(
+    {
+        "model_type": "qwen3_moe",
+        "vocab_size": 512,
+        "hidden_size": 256,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "num_experts": 32,
+        "num_experts_per_tok": 4,
+        "moe_intermediate_size": 64,
+        "intermediate_size": 256,
+        "max_position_embeddings": 512,
+        "torch_dtype": "float32",
+        "norm_topk_prob": True,
+    }
+)
 
 
 def _routing(skew: float, tokens: int = 64):

@@ -23,8 +23,16 @@ def api_app(tiny_tokenizer_dir, tmp_path):
     from ferry.services.api.config import ApiConfig
     from ferry.services.api.tokenizer import PromptTokenizer
 
-    cfg = ApiConfig(host="127.0.0.1", port=0, scheduler_addr=f"ipc://{tmp_path}/api.sock", tokenizer=str(tiny_tokenizer_dir),
-                    served_model_name="tiny", api_key=None, max_body_bytes=4 * 2**20, identity="api-test")  # fmt: skip
+    cfg = ApiConfig(
+        host="127.0.0.1",
+        port=0,
+        scheduler_addr=f"ipc://{tmp_path}/api.sock",
+        tokenizer=str(tiny_tokenizer_dir),
+        served_model_name="tiny",
+        api_key=None,
+        max_body_bytes=4 * 2**20,
+        identity="api-test",
+    )
     return build_app(cfg, PromptTokenizer(str(tiny_tokenizer_dir)))
 
 
@@ -32,8 +40,11 @@ def _large_body(route: str) -> dict:
     schema_ = {"type": "object", "properties": {"a": {"type": "string", "description": "x" * LARGE_BODY_BYTES}}}
     if route == "/v1/messages":
         return {"model": "tiny", "max_tokens": 2, "messages": MSG, "tools": [{"name": "f", "input_schema": schema_}]}
-    return {"messages": MSG, "max_tokens": 2, "response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": schema_}}}  # fmt: skip
+    return {
+        "messages": MSG,
+        "max_tokens": 2,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema_}},
+    }
 
 
 @pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/messages"])

@@ -9,31 +9,47 @@ import msgspec
 import numpy as np
 import pytest
 
+from ferry.services.worker import boot as boot_module
+from ferry.services.worker.boot import boot_worker
+from ferry.services.worker.executor import StepBatchError
+from ferry.services.worker.flags import WorkerBootConfig, add_worker_flags, boot_config_from_args
 from ferry.shared.errors import PlanError
 from ferry.shared.logging import configure_logging
 from ferry.shared.sampling import SamplingParams
 from ferry.shared.step import NewRequest, StepBatch
 from ferry.shared.units import ceil_div
-from ferry.services.worker import boot as boot_module
-from ferry.services.worker.boot import boot_worker
-from ferry.services.worker.executor import StepBatchError
-from ferry.services.worker.flags import WorkerBootConfig, add_worker_flags, boot_config_from_args
 
 
 def boot_args(model_dir, *extra: str) -> WorkerBootConfig:
     parser = argparse.ArgumentParser()
     add_worker_flags(parser)
-    return boot_config_from_args(parser.parse_args(["--model", str(model_dir), "--device", "cpu",
-                                                    "--max-running-requests", "4", "--max-prefill-tokens", "64",
-                                                    *extra]))  # fmt: skip
+    return boot_config_from_args(
+        parser.parse_args(
+            [
+                "--model",
+                str(model_dir),
+                "--device",
+                "cpu",
+                "--max-running-requests",
+                "4",
+                "--max-prefill-tokens",
+                "64",
+                *extra,
+            ]
+        )
+    )
 
 
 def test_boot_allocates_exactly_the_plan(tiny_model):
     executor, plan = boot_worker(boot_args(tiny_model, "--gpu-memory", "64MiB"))
     pools = executor.pools
-    assert pools.nbytes == plan.kv.bytes + plan.linear_state.bytes + plan.linear_state_snapshots.bytes + plan.experts.bytes
+    assert (
+        pools.nbytes == plan.kv.bytes + plan.linear_state.bytes + plan.linear_state_snapshots.bytes + plan.experts.bytes
+    )
     assert (plan.linear_state_snapshots.snapshots > 0) == bool(executor.spec.linear_attention_layers)
-    assert plan.total_bytes <= plan.budget_bytes == 64 * 2**20  # the whole budget: no context or allocator outside it on CPU
+    assert (
+        plan.total_bytes <= plan.budget_bytes == 64 * 2**20
+    )  # the whole budget: no context or allocator outside it on CPU
     params = sum(p.numel() * p.element_size() for p in executor.model.parameters())
     assert params <= plan.weights_bytes and plan.weights_source == "measured"
     assert plan.workspace_source == "estimate"  # CPU: no allocator to profile with
@@ -73,8 +89,9 @@ def test_fewer_slots_than_experts_boots_the_offload_store(tiny_models, capsys):
     from ferry.services.worker.offload.expert_cache import OffloadedExperts
 
     configure_logging("worker")
-    executor, plan = boot_worker(boot_args(tiny_models["qwen3_moe"], "--gpu-memory", "64MiB", "--moe-cache-size", "8",
-                                           "--expert-policy", "lru"))  # fmt: skip
+    executor, plan = boot_worker(
+        boot_args(tiny_models["qwen3_moe"], "--gpu-memory", "64MiB", "--moe-cache-size", "8", "--expert-policy", "lru")
+    )
     assert isinstance(executor.store, OffloadedExperts) and executor.store.policy.name == "lru"
     assert plan.experts.slots == 8 < plan.experts.total
     assert executor.store.policy.resident == 8  # preloaded
@@ -120,9 +137,13 @@ def _step(step_id, reqs, new=(), finished=()):
 
 def _decode_alone(executor, req_id, prompt, steps, first_page, slot):
     greedy = SamplingParams(temperature=0.0)
-    out = executor.execute(_step(1, [(req_id, prompt, 0, first_page, slot, True)],
-                                 new=[NewRequest(req_id=req_id, prompt_token_ids=np.array(prompt, np.int32),
-                                                 sampling=greedy)]))  # fmt: skip
+    out = executor.execute(
+        _step(
+            1,
+            [(req_id, prompt, 0, first_page, slot, True)],
+            new=[NewRequest(req_id=req_id, prompt_token_ids=np.array(prompt, np.int32), sampling=greedy)],
+        )
+    )
     tokens = [int(out.token_ids[0])]
     for i in range(steps - 1):
         out = executor.execute(_step(2 + i, [(req_id, [tokens[-1]], len(prompt) + i, first_page, slot, True)]))
@@ -137,8 +158,10 @@ def test_batched_requests_match_each_request_alone(tiny_model):
     alone_a = _decode_alone(executor, 1, a, 5, first_page=1, slot=1)
     alone_b = _decode_alone(executor, 2, b, 5, first_page=10, slot=2)
     greedy = SamplingParams(temperature=0.0)
-    new = [NewRequest(req_id=3, prompt_token_ids=np.array(a, np.int32), sampling=greedy),
-           NewRequest(req_id=4, prompt_token_ids=np.array(b, np.int32), sampling=greedy)]
+    new = [
+        NewRequest(req_id=3, prompt_token_ids=np.array(a, np.int32), sampling=greedy),
+        NewRequest(req_id=4, prompt_token_ids=np.array(b, np.int32), sampling=greedy),
+    ]
     # a's prompt in two chunks; b joins in the second step; then both decode together
     out = executor.execute(_step(1, [(3, a[:10], 0, 20, 3, False), (4, b, 0, 30, 4, True)], new=new))
     assert out.req_ids.tolist() == [4]
@@ -146,8 +169,9 @@ def test_batched_requests_match_each_request_alone(tiny_model):
     out = executor.execute(_step(2, [(3, a[10:], 10, 20, 3, True), (4, [got_b[-1]], len(b), 30, 4, True)]))
     got_a, got_b = [int(out.token_ids[0])], got_b + [int(out.token_ids[1])]
     for i in range(3):
-        out = executor.execute(_step(3 + i, [(3, [got_a[-1]], len(a) + i, 20, 3, True),
-                                             (4, [got_b[-1]], len(b) + 1 + i, 30, 4, True)]))  # fmt: skip
+        out = executor.execute(
+            _step(3 + i, [(3, [got_a[-1]], len(a) + i, 20, 3, True), (4, [got_b[-1]], len(b) + 1 + i, 30, 4, True)])
+        )
         got_a.append(int(out.token_ids[0]))
         got_b.append(int(out.token_ids[1]))
     assert got_a == alone_a[:4] and got_b == alone_b[:5]
@@ -168,8 +192,10 @@ def test_executor_rejects_out_of_plan_steps(tiny_models):
     marks = msgspec.structs.replace(_step(3, [(1, [1, 2], 0, 1, 1, True)], new=new), prompt_logprobs=np.ones(2, bool))
     with pytest.raises(StepBatchError, match="prompt_logprobs"):
         executor.execute(marks)
-    for bad, word in [(SamplingParams(logit_bias=((executor.spec.vocab_size, 5.0),)), "vocabulary"),
-                      (SamplingParams(logprobs=21), "top_logprobs")]:  # fmt: skip
+    for bad, word in [
+        (SamplingParams(logit_bias=((executor.spec.vocab_size, 5.0),)), "vocabulary"),
+        (SamplingParams(logprobs=21), "top_logprobs"),
+    ]:
         forged = [NewRequest(req_id=2, prompt_token_ids=np.array([1, 2], np.int32), sampling=bad)]
         with pytest.raises(StepBatchError, match=word):
             executor.execute(_step(4, [(2, [1, 2], 0, 1, 1, True)], new=forged))
@@ -180,10 +206,10 @@ def test_largest_step_runs_on_temporary_pools(tiny_model):
     """The profiling step (run on CUDA at boot) is a valid batch for the model."""
     import torch
 
-    from ferry.services.worker.late_bound_experts import LateBoundExperts
-    from ferry.services.worker.models import build_model
-    from ferry.services.worker.loader import open_model
     from ferry.plan.planner import PlanRequest, resolve
+    from ferry.services.worker.late_bound_experts import LateBoundExperts
+    from ferry.services.worker.loader import open_model
+    from ferry.services.worker.models import build_model
     from ferry.services.worker.workspace_profile import largest_step, run_largest_step
 
     files = open_model(str(tiny_model), load_format="dummy")
@@ -195,14 +221,16 @@ def test_largest_step_runs_on_temporary_pools(tiny_model):
     tokens = run_largest_step(model, experts, files.spec, r, torch.device("cpu"))
     assert tokens.shape == (5,) and bool(((tokens >= 0) & (tokens < files.spec.vocab_size)).all())
     with pytest.raises(RuntimeError, match="not bound"):
-        experts.forward(0, torch.zeros(1, files.spec.hidden_size), torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2))
+        experts.forward(
+            0, torch.zeros(1, files.spec.hidden_size), torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2)
+        )
 
 
 def test_reserving_more_than_gpu_memory_fails_clearly(monkeypatch):
     import torch
 
-    from ferry.services.worker.boot import MemoryBudgetExceeded, _check_budget
     from ferry.plan.planner import PlanRequest
+    from ferry.services.worker.boot import MemoryBudgetExceeded, _check_budget
 
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 900)
     _check_budget(torch.device("cuda"), PlanRequest(gpu_memory=1000), None, earlier_peak=950)
@@ -218,8 +246,8 @@ def test_the_budget_check_counts_the_memory_outside_the_allocator(monkeypatch):
     against it; without the flag only what they grew since the free memory was read."""
     import torch
 
-    from ferry.services.worker.boot import MemoryBudgetExceeded, _check_budget
     from ferry.plan.planner import PlanRequest
+    from ferry.services.worker.boot import MemoryBudgetExceeded, _check_budget
 
     class Probe:
         nvml, at_start = True, 40
@@ -243,14 +271,24 @@ def test_every_eager_step_tells_the_expert_store_it_begins_once_its_inputs_are_b
     order: list = []
     build, begin = executor._forward_batch, executor.store.begin_step
     executor._forward_batch = lambda *args: (order.append("inputs"), build(*args))[1]
-    executor.store.begin_step = lambda n, k, long_context: (order.append(("begin", n, k, long_context)),
-                                                            begin(n, k, long_context))[1]  # fmt: skip
+    executor.store.begin_step = lambda n, k, long_context: (
+        order.append(("begin", n, k, long_context)),
+        begin(n, k, long_context),
+    )[1]
     k = executor.spec.num_experts_per_tok
     tokens = _decode_alone(executor, 1, [5, 17, 33, 2, 8, 100, 41, 9, 12, 77, 3], 3, first_page=1, slot=1)
     assert len(tokens) == 3
     # none of these is a long-context prefill (experts.is_long_context), which lends cache slots to its ring
-    assert order == ["inputs", ("begin", 11, k, False), "inputs", ("begin", 1, k, False), "inputs",
-                     ("begin", 1, k, False), "inputs", ("begin", 1, k, False)]  # the last: the step that tells
+    assert order == [
+        "inputs",
+        ("begin", 11, k, False),
+        "inputs",
+        ("begin", 1, k, False),
+        "inputs",
+        ("begin", 1, k, False),
+        "inputs",
+        ("begin", 1, k, False),
+    ]  # the last: the step that tells
     # the worker request 1 finished
 
 
@@ -304,8 +342,9 @@ def test_a_plan_error_from_a_profile_keeps_no_link_to_the_device_error():
 
 
 @pytest.mark.parametrize("layout, copy_engine", [(None, 8), ("packed", None), ("modelopt-nvfp4", None), ("fp8", None)])
-def test_only_plain_bf16_banks_copy_large_decode_steps_with_the_copy_engine(tiny_models, quantized_tiny_models,
-                                                                           monkeypatch, layout, copy_engine):  # fmt: skip
+def test_only_plain_bf16_banks_copy_large_decode_steps_with_the_copy_engine(
+    tiny_models, quantized_tiny_models, monkeypatch, layout, copy_engine
+):
     """Packed and quantized experts are small enough that their decode copies stay in the CUDA graph at any batch:
     the eager host-read path cost the full-size 35B NVFP4 three quarters of its 8-stream rate. (The threshold
     reaches the CUDA store only; on CPU the boot's choice is read where it is made.)"""
@@ -313,14 +352,20 @@ def test_only_plain_bf16_banks_copy_large_decode_steps_with_the_copy_engine(tiny
 
     if layout in (None, "packed"):
         model = tiny_models["qwen3_moe"]
-        extra = ("--expert-bank-format", "plain") if layout is None else ("--expert-bank-format", "packed", "--dtype",
-                                                                          "bfloat16")  # fmt: skip
+        extra = (
+            ("--expert-bank-format", "plain")
+            if layout is None
+            else ("--expert-bank-format", "packed", "--dtype", "bfloat16")
+        )
     else:
         model, extra = quantized_tiny_models("qwen3_moe", layout), ()
     chosen = []
     real = boot.copy_engine_tokens
-    monkeypatch.setattr(boot, "copy_engine_tokens", lambda requested, plain_bf16_banks: chosen.append(real(requested, plain_bf16_banks)) or
-                        chosen[-1])  # fmt: skip
+    monkeypatch.setattr(
+        boot,
+        "copy_engine_tokens",
+        lambda requested, plain_bf16_banks: chosen.append(real(requested, plain_bf16_banks)) or chosen[-1],
+    )
     _, plan = boot_worker(boot_args(model, "--gpu-memory", "64MiB", "--moe-cache-size", "8", *extra))
     assert plan.experts.slots < plan.experts.total
     assert chosen[-1] == copy_engine

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from ferry.services.cli import COMMANDS, build_parser
-from ferry.shared.errors import ConfigError
 from ferry.services.serve_command import child_commands, child_environments, side_ports, write_api_key
+from ferry.shared.errors import ConfigError
 from tests.helpers import QWEN3_30B
 
 NO_HEAVY_IMPORTS = """
@@ -48,8 +48,18 @@ def test_the_model_can_be_given_positionally(command):
 
 
 def test_vllm_aliases_reach_the_worker_as_the_planner_flags():
-    args = parse("serve", "/models/m", "--gpu-memory-utilization", "0.85", "--max-num-seqs", "12", "--gpu-memory", "24GiB",
-                 "--host-memory", "64GiB")  # fmt: skip
+    args = parse(
+        "serve",
+        "/models/m",
+        "--gpu-memory-utilization",
+        "0.85",
+        "--max-num-seqs",
+        "12",
+        "--gpu-memory",
+        "24GiB",
+        "--host-memory",
+        "64GiB",
+    )
     assert (args.memory_ratio, args.max_running_requests) == (0.85, 12)
     worker = child_commands(args, "/models/m", Path("/tmp/x"))["worker"]
     flags = dict(zip(worker[4:], worker[5:]))
@@ -61,8 +71,10 @@ def test_vllm_aliases_reach_the_worker_as_the_planner_flags():
 def test_expert_bank_and_copy_flags_reach_the_worker_from_serve_and_resolve_by_bank_format():
     from ferry.services.worker.flags import boot_config_from_args, copy_engine_tokens
 
-    for extra, fmt, tokens in (((), None, None),
-                               (("--expert-bank-format", "plain", "--expert-copy-engine-tokens", "4"), "plain", 4)):  # fmt: skip
+    for extra, fmt, tokens in (
+        ((), None, None),
+        (("--expert-bank-format", "plain", "--expert-copy-engine-tokens", "4"), "plain", 4),
+    ):
         worker = child_commands(parse("serve", "/models/m", *extra), "/models/m", Path("/tmp/x"))["worker"]
         assert ("--expert-bank-format" in worker) == (fmt is not None)
         cfg = boot_config_from_args(parse("worker", *worker[4:]))
@@ -79,8 +91,11 @@ def test_expert_bank_and_copy_flags_reach_the_worker_from_serve_and_resolve_by_b
 def test_the_prefill_ring_chunks_reach_the_worker_from_serve_and_are_checked():
     from ferry.services.worker.flags import boot_config_from_args, ring_chunk
 
-    for extra, chunks in (((), (None, None)), (("--long-prefill-ring-chunk", "48"), (None, 48)),
-                          (("--prefill-ring-chunk", "24", "--long-prefill-ring-chunk", "48"), (24, 48))):  # fmt: skip
+    for extra, chunks in (
+        ((), (None, None)),
+        (("--long-prefill-ring-chunk", "48"), (None, 48)),
+        (("--prefill-ring-chunk", "24", "--long-prefill-ring-chunk", "48"), (24, 48)),
+    ):
         worker = child_commands(parse("serve", "/models/m", *extra), "/models/m", Path("/tmp/x"))["worker"]
         assert ("--long-prefill-ring-chunk" in worker) == (chunks[1] is not None)
         cfg = boot_config_from_args(parse("worker", *worker[4:]))
@@ -88,16 +103,20 @@ def test_the_prefill_ring_chunks_reach_the_worker_from_serve_and_are_checked():
     assert ring_chunk(None, "--prefill-ring-chunk", 48) is None and ring_chunk(48, "--prefill-ring-chunk", 48) == 48
     with pytest.raises(ValueError, match="--long-prefill-ring-chunk must be at least 1 expert, got 0"):
         ring_chunk(0, "--long-prefill-ring-chunk")
-    with pytest.raises(ValueError, match="--prefill-ring-chunk 64: a ring chunk must fit the plan's 48 prefill "
-                                         "staging slots"):  # fmt: skip
+    with pytest.raises(
+        ValueError, match="--prefill-ring-chunk 64: a ring chunk must fit the plan's 48 prefill staging slots"
+    ):
         ring_chunk(64, "--prefill-ring-chunk", 48)
 
 
 def test_the_expert_backend_and_its_threads_reach_the_worker_from_serve():
     from ferry.services.worker.flags import boot_config_from_args
 
-    for extra, backend, threads in (((), None, None), (("--expert-backend", "hybrid", "--host-expert-threads", "12"),
-                                                       "hybrid", 12), (("--expert-backend", "gpu"), "gpu", None)):  # fmt: skip
+    for extra, backend, threads in (
+        ((), None, None),
+        (("--expert-backend", "hybrid", "--host-expert-threads", "12"), "hybrid", 12),
+        (("--expert-backend", "gpu"), "gpu", None),
+    ):
         worker = child_commands(parse("serve", "/models/m", *extra), "/models/m", Path("/tmp/x"))["worker"]
         assert ("--host-expert-threads" in worker) == bool(threads) and ("--expert-backend" in worker) == bool(backend)
         plan = boot_config_from_args(parse("worker", *worker[4:])).plan
@@ -107,13 +126,15 @@ def test_the_expert_backend_and_its_threads_reach_the_worker_from_serve():
 
 
 def test_no_schedule_ahead_reaches_the_scheduler_from_serve():
+    from ferry.services.scheduler.batcher import DEFAULT_SCHEDULE_AHEAD_STEPS
     from ferry.services.scheduler.config import scheduler_config_from_args
 
-    from ferry.services.scheduler.batcher import DEFAULT_SCHEDULE_AHEAD_STEPS
-
     assert DEFAULT_SCHEDULE_AHEAD_STEPS == 2  # measured on the H200 (bench/NOTES.md, "Two decode steps ahead")
-    for extra, ahead, steps in (((), True, 2), (("--no-schedule-ahead",), False, 0),
-                                (("--schedule-ahead-steps", "1"), True, 1)):  # fmt: skip
+    for extra, ahead, steps in (
+        ((), True, 2),
+        (("--no-schedule-ahead",), False, 0),
+        (("--schedule-ahead-steps", "1"), True, 1),
+    ):
         scheduler = child_commands(parse("serve", "/models/m", *extra), "/models/m", Path("/tmp/x"))["scheduler"]
         assert ("--no-schedule-ahead" in scheduler) == (not ahead)
         cfg = scheduler_config_from_args(parse("scheduler", *scheduler[4:]))
@@ -127,9 +148,13 @@ def test_no_prefix_cache_reaches_the_scheduler_and_frees_the_workers_snapshots()
     from ferry.services.scheduler.config import scheduler_config_from_args
     from ferry.services.worker.flags import boot_config_from_args
 
-    cases = (((), True, None), (("--no-prefix-cache",), False, 0),
-             (("--no-prefix-cache", "--linear-state-snapshots", "8"), False, 8), (("--linear-state-snapshots", "3"), True, 3))
-    for extra, cache, snapshots in cases:  # fmt: skip
+    cases = (
+        ((), True, None),
+        (("--no-prefix-cache",), False, 0),
+        (("--no-prefix-cache", "--linear-state-snapshots", "8"), False, 8),
+        (("--linear-state-snapshots", "3"), True, 3),
+    )
+    for extra, cache, snapshots in cases:
         commands = child_commands(parse("serve", "/models/m", *extra), "/models/m", Path("/tmp/x"))
         assert scheduler_config_from_args(parse("scheduler", *commands["scheduler"][4:])).prefix_cache is cache
         # without the cache the snapshots' memory goes to the other pools, unless a count was asked for
@@ -189,13 +214,18 @@ def test_side_metrics_ports_are_on_by_default_next_to_the_api_port():
         taken.bind(("127.0.0.1", port + 1))
         chosen = side_ports(parse("serve", "--port", str(port)))
         assert chosen["scheduler"] not in (None, port, port + 1) and chosen["worker"] == port + 2
-    assert side_ports(parse("serve", "--scheduler-health-port", "off", "--worker-health-port", "9999")) == \
-        {"scheduler": None, "worker": 9999}  # fmt: skip
+    assert side_ports(parse("serve", "--scheduler-health-port", "off", "--worker-health-port", "9999")) == {
+        "scheduler": None,
+        "worker": 9999,
+    }
 
 
 def test_bad_flags_are_refused_by_the_parser():
-    for argv in (["serve", "--worker-health-port", "often"], ["plan", str(QWEN3_30B), "--gpu-memory", "24"],
-                 ["serve", "--log-format", "xml"]):  # fmt: skip
+    for argv in (
+        ["serve", "--worker-health-port", "often"],
+        ["plan", str(QWEN3_30B), "--gpu-memory", "24"],
+        ["serve", "--log-format", "xml"],
+    ):
         with pytest.raises(SystemExit):
             parse(*argv)
 
@@ -207,8 +237,9 @@ def test_version_prints_the_package_version_and_exits_0():
     import tomllib
 
     version = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]["version"]
-    done = subprocess.run([sys.executable, "-m", "ferry.services.cli", "--version"], capture_output=True, text=True,
-                          timeout=60)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "ferry.services.cli", "--version"], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0 and done.stdout == f"ferry {version}\n", done.stdout + done.stderr
 
 
@@ -218,9 +249,23 @@ def test_a_reader_that_goes_away_ends_the_command_quietly():
     read, write = os.pipe()
     os.close(read)
     try:
-        done = subprocess.run([sys.executable, "-m", "ferry.services.cli", "plan", str(QWEN3_30B), "--gpu-memory",
-                               "80GiB", "--moe-cache-rate", "1.0"], stdout=write, stderr=subprocess.PIPE, text=True,
-                              timeout=120)  # fmt: skip
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "ferry.services.cli",
+                "plan",
+                str(QWEN3_30B),
+                "--gpu-memory",
+                "80GiB",
+                "--moe-cache-rate",
+                "1.0",
+            ],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
     finally:
         os.close(write)
     assert "Traceback" not in done.stderr and "BrokenPipeError" not in done.stderr, done.stderr
@@ -228,18 +273,38 @@ def test_a_reader_that_goes_away_ends_the_command_quietly():
 
 
 def test_a_bad_dtype_lists_every_choice_auto_included():
-    done = subprocess.run([sys.executable, "-m", "ferry.services.cli", "plan", str(QWEN3_30B), "--gpu-memory", "24GiB",
-                           "--dtype", "int7"], capture_output=True, text=True, timeout=60)  # fmt: skip
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ferry.services.cli",
+            "plan",
+            str(QWEN3_30B),
+            "--gpu-memory",
+            "24GiB",
+            "--dtype",
+            "int7",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2 and "--dtype" in done.stderr
     assert "auto, bfloat16, float16, float32" in done.stderr, done.stderr
-    assert parse("plan", "m", "--dtype", "bf16").dtype == "bfloat16" and parse("plan", "m", "--dtype", "auto").dtype == "auto"
+    assert (
+        parse("plan", "m", "--dtype", "bf16").dtype == "bfloat16"
+        and parse("plan", "m", "--dtype", "auto").dtype == "auto"
+    )
 
 
 def test_the_expert_parallel_size_reaches_the_worker_from_serve():
     from ferry.services.worker.flags import boot_config_from_args
 
-    for extra, world in (((), 1), (("--expert-parallel-size", "2"), 2), (("--tensor-parallel-size", "2",
-                                                                          "--enable-expert-parallel"), 2)):  # fmt: skip
+    for extra, world in (
+        ((), 1),
+        (("--expert-parallel-size", "2"), 2),
+        (("--tensor-parallel-size", "2", "--enable-expert-parallel"), 2),
+    ):
         worker = child_commands(parse("serve", "/models/m", *extra), "/models/m", Path("/tmp/x"))["worker"]
         assert ("--expert-parallel-size" in worker) == (world > 1)
         assert boot_config_from_args(parse("worker", *worker[4:])).expert_parallel_size == world
@@ -248,14 +313,21 @@ def test_the_expert_parallel_size_reaches_the_worker_from_serve():
 def test_the_http_caps_reach_the_api_from_serve_and_are_checked():
     from ferry.services.api.config import api_config_from_args
 
-    api = child_commands(parse("serve", "/models/m", "--max-header-size", "32KiB", "--max-connections", "50",
-                               "--header-timeout", "4"), "/models/m", Path("/tmp/x"))["api"]  # fmt: skip
+    api = child_commands(
+        parse("serve", "/models/m", "--max-header-size", "32KiB", "--max-connections", "50", "--header-timeout", "4"),
+        "/models/m",
+        Path("/tmp/x"),
+    )["api"]
     args = parse("api", *api[4:])
     cfg = api_config_from_args(args, args.scheduler_addr, args.model)
     assert (cfg.max_header_bytes, cfg.max_connections, cfg.header_timeout_s) == (32 * 1024, 50, 4.0)
     defaults = api_config_from_args(parse("api", "--model", "m"), "ipc:///tmp/x/api.sock", "m")
     assert (defaults.max_header_bytes, defaults.max_connections, defaults.header_timeout_s) == (64 * 1024, 1024, 10.0)
-    for flag, bad in (("--max-header-size", "lots"), ("--max-header-size", "0"), ("--max-connections", "0"),
-                      ("--header-timeout", "-1")):  # fmt: skip
+    for flag, bad in (
+        ("--max-header-size", "lots"),
+        ("--max-header-size", "0"),
+        ("--max-connections", "0"),
+        ("--header-timeout", "-1"),
+    ):
         with pytest.raises(ConfigError, match=flag):
             api_config_from_args(parse("api", "--model", "m", flag, bad), "ipc:///tmp/x/api.sock", "m")

@@ -24,8 +24,9 @@ def run_on_a_terminal(argv: list[str], timeout: float = 120) -> str:
     """argv run with stdin/stdout/stderr on a pseudo-terminal of 120 columns; everything it wrote."""
     master, slave = os.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # tqdm draws nothing at 0 columns
-    proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, cwd=REPO, env=child_env(),
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        argv, stdin=slave, stdout=slave, stderr=slave, cwd=REPO, env=child_env(), start_new_session=True
+    )
     os.close(slave)
     out = b""
     try:
@@ -50,8 +51,23 @@ def run_on_a_terminal(argv: list[str], timeout: float = 120) -> str:
 
 
 def test_a_terminal_gets_readable_lines_and_progress_bars(tiny_models):
-    out = run_on_a_terminal([sys.executable, "-m", "ferry.services.cli", "generate", str(tiny_models["qwen3_moe"]),
-                             "--prompt", "The ferry", "--max-tokens", "2", "--device", "cpu", "--moe-cache-size", "12"])  # fmt: skip
+    out = run_on_a_terminal(
+        [
+            sys.executable,
+            "-m",
+            "ferry.services.cli",
+            "generate",
+            str(tiny_models["qwen3_moe"]),
+            "--prompt",
+            "The ferry",
+            "--max-tokens",
+            "2",
+            "--device",
+            "cpu",
+            "--moe-cache-size",
+            "12",
+        ]
+    )
     assert "loading weights" in out and "loading experts" in out  # the checkpoint's two passes
     assert "allocating expert banks" in out  # the host banks (pinned where there is CUDA)
     lines = [line for line in out.replace("\r", "\n").splitlines() if "experts_loaded" in line]
@@ -77,14 +93,40 @@ def test_json_unless_a_terminal_and_the_flag_overrides(capsys):
 def test_a_dummy_load_on_a_terminal_shows_progress_bars(tiny_models):
     """--load-format dummy draws every tensor (seconds to minutes for a real config): bars for the resident
     weights and the routed experts, as a checkpoint load has."""
-    out = run_on_a_terminal([sys.executable, "-m", "ferry.services.cli", "generate", str(tiny_models["qwen3_moe"]),
-                             "--load-format", "dummy", "--prompt-ids", "1,2,3", "--max-tokens", "1", "--device", "cpu"])  # fmt: skip
+    out = run_on_a_terminal(
+        [
+            sys.executable,
+            "-m",
+            "ferry.services.cli",
+            "generate",
+            str(tiny_models["qwen3_moe"]),
+            "--load-format",
+            "dummy",
+            "--prompt-ids",
+            "1,2,3",
+            "--max-tokens",
+            "1",
+            "--device",
+            "cpu",
+        ]
+    )
     assert "random weights" in out and "random experts" in out, out[-2000:]
 
 
 def test_make_bench_model_on_a_terminal_shows_a_progress_bar(tiny_models, tmp_path):
-    out = run_on_a_terminal([sys.executable, "-m", "ferry.services.cli", "make-bench-model", str(tmp_path / "m"),
-                             "--config", str(tiny_models["qwen3_moe"] / "config.json"), "--weights", "random"])  # fmt: skip
+    out = run_on_a_terminal(
+        [
+            sys.executable,
+            "-m",
+            "ferry.services.cli",
+            "make-bench-model",
+            str(tmp_path / "m"),
+            "--config",
+            str(tiny_models["qwen3_moe"] / "config.json"),
+            "--weights",
+            "random",
+        ]
+    )
     assert "random weights:" in out and "tensor/s" in out, out[-2000:]
 
 

@@ -58,7 +58,8 @@ def test_the_documented_keys_command_writes_into_the_directory_compose_reads(tmp
     keys.mkdir()
     assert main(["keys", str(keys)]) == 0
     assert sorted(p.name for p in keys.iterdir()) == sorted(
-        f"{role}{suffix}" for role in wire_keys.ROLES for suffix in (".key", ".key_secret"))  # fmt: skip
+        f"{role}{suffix}" for role in wire_keys.ROLES for suffix in (".key", ".key_secret")
+    )
 
 
 @pytest.fixture
@@ -83,8 +84,19 @@ def test_make_tiny_model_writes_files_another_user_can_read(tmp_path, umask_022)
 
 def test_make_bench_model_writes_files_another_user_can_read(tiny_models, tmp_path, umask_022):
     out = tmp_path / "bench"
-    assert main(["make-bench-model", str(out), "--config", str(tiny_models["qwen3_moe"] / "config.json"),
-                 "--weights", "random"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "make-bench-model",
+                str(out),
+                "--config",
+                str(tiny_models["qwen3_moe"] / "config.json"),
+                "--weights",
+                "random",
+            ]
+        )
+        == 0
+    )
     assert any(name.endswith(".safetensors") for name in modes(out))
     assert set(modes(out).values()) == {0o644}, modes(out)
 

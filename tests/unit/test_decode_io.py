@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from ferry.shared.sampling import SamplingParams
-from ferry.shared.step import NewRequest, StepBatch
 from ferry.services.worker.decode_graphs import DecodeGraphs
 from ferry.services.worker.decode_io import FORWARD_FIELDS, DecodeInputs, DecodeResults, decode_layout, forward_bytes
 from ferry.services.worker.forward_batch import ForwardBatch
 from ferry.services.worker.sampler import Sampler
+from ferry.shared.sampling import SamplingParams
+from ferry.shared.step import NewRequest, StepBatch
 
 PAGE, MAX_PAGES, V = 4, 6, 40
 FORWARD_NAMES = [name for name, _, _ in FORWARD_FIELDS]
@@ -26,11 +26,17 @@ def decode_step(rng, rows: int, width: int) -> StepBatch:
     for i, c in enumerate(context):
         used = c // PAGE + 1
         table[i, :used] = rng.integers(1, 50, used)
-    return StepBatch(step_id=1, req_ids=np.arange(rows, dtype=np.int64) + 10,
-                     tokens=rng.integers(0, V, rows).astype(np.int32), query_lens=np.ones(rows, np.int32),
-                     context_lens=context, page_table=table,
-                     linear_state_slots=rng.integers(1, 9, rows).astype(np.int32),
-                     reset_linear_state=np.zeros(rows, bool), sample=np.ones(rows, bool))  # fmt: skip
+    return StepBatch(
+        step_id=1,
+        req_ids=np.arange(rows, dtype=np.int64) + 10,
+        tokens=rng.integers(0, V, rows).astype(np.int32),
+        query_lens=np.ones(rows, np.int32),
+        context_lens=context,
+        page_table=table,
+        linear_state_slots=rng.integers(1, 9, rows).astype(np.int32),
+        reset_linear_state=np.zeros(rows, bool),
+        sample=np.ones(rows, bool),
+    )
 
 
 def packed_by_from_step(step: StepBatch, rows: int) -> np.ndarray:
@@ -61,8 +67,13 @@ def test_the_tail_carries_feed_sources_and_sampling_parameters_with_padding_rows
     layout, total = decode_layout(4, MAX_PAGES)
     inputs = DecodeInputs(4, MAX_PAGES, PAGE, torch.device("cpu"))
     device = torch.zeros(total, dtype=torch.uint8)
-    inputs.upload(decode_step(np.random.default_rng(1), 2, 2), device, feed_src=np.array([1, -1]),
-                  inv_temperature=[0.5, 1.0], noise_rows=[0, -1])  # fmt: skip
+    inputs.upload(
+        decode_step(np.random.default_rng(1), 2, 2),
+        device,
+        feed_src=np.array([1, -1]),
+        inv_temperature=[0.5, 1.0],
+        noise_rows=[0, -1],
+    )
 
     def field(name):
         offset, dtype, shape = layout[name]
@@ -86,15 +97,27 @@ def test_a_step_larger_than_its_bucket_is_refused():
 
 def test_results_come_back_as_tokens_and_logprobs():
     results = DecodeResults(3, torch.device("cpu"))
-    packed = torch.cat([torch.tensor([7, 1, 9], dtype=torch.int32).view(torch.uint8),
-                        torch.tensor([-0.5, -1.0, -2.0]).view(torch.uint8)])  # fmt: skip
+    packed = torch.cat(
+        [
+            torch.tensor([7, 1, 9], dtype=torch.int32).view(torch.uint8),
+            torch.tensor([-0.5, -1.0, -2.0]).view(torch.uint8),
+        ]
+    )
     (tokens, logprobs), event = results.fetch(packed, 2)
     assert tokens.tolist() == [7, 1] and logprobs.tolist() == [-0.5, -1.0] and event is None
 
 
 def cpu_graphs(rows: int) -> tuple[DecodeGraphs, object]:
-    graphs = DecodeGraphs(model=None, pools=None, page_size=PAGE, max_model_len=PAGE * MAX_PAGES, buckets=[rows],
-                          device="cpu", vocab_size=V, max_sampled_rows=8)  # fmt: skip
+    graphs = DecodeGraphs(
+        model=None,
+        pools=None,
+        page_size=PAGE,
+        max_model_len=PAGE * MAX_PAGES,
+        buckets=[rows],
+        device="cpu",
+        vocab_size=V,
+        max_sampled_rows=8,
+    )
     return graphs, graphs._bucket(rows)
 
 
@@ -116,8 +139,13 @@ def test_the_graphs_sampling_draws_what_choose_draws(temperatures):
     def sampler() -> Sampler:
         s = Sampler(V, "cpu", seed=5)
         for rid, t in zip(ids, temperatures):
-            s.add_request(NewRequest(req_id=rid, prompt_token_ids=np.array([1], np.int32),
-                                     sampling=SamplingParams(temperature=t, seed=rid)))  # fmt: skip
+            s.add_request(
+                NewRequest(
+                    req_id=rid,
+                    prompt_token_ids=np.array([1], np.int32),
+                    sampling=SamplingParams(temperature=t, seed=rid),
+                )
+            )
         return s
 
     eager, in_graph = sampler(), sampler()
@@ -137,9 +165,15 @@ def test_the_graphs_sampling_draws_what_choose_draws(temperatures):
 
 def test_only_plain_sampling_runs_in_the_graph():
     s = Sampler(V, "cpu", seed=0)
-    cases = {1: SamplingParams(), 2: SamplingParams(temperature=0.0, top_p=0.5),  # greedy: filters unused
-             3: SamplingParams(top_p=0.9), 4: SamplingParams(logprobs=2), 5: SamplingParams(presence_penalty=0.5),
-             6: SamplingParams(logit_bias=((3, 1.0),)), 7: SamplingParams(top_k=V)}  # top_k of the whole vocabulary: no filter
+    cases = {
+        1: SamplingParams(),
+        2: SamplingParams(temperature=0.0, top_p=0.5),  # greedy: filters unused
+        3: SamplingParams(top_p=0.9),
+        4: SamplingParams(logprobs=2),
+        5: SamplingParams(presence_penalty=0.5),
+        6: SamplingParams(logit_bias=((3, 1.0),)),
+        7: SamplingParams(top_k=V),
+    }  # top_k of the whole vocabulary: no filter
     for rid, p in cases.items():
         s.add_request(NewRequest(req_id=rid, prompt_token_ids=np.array([1], np.int32), sampling=p))
     noise = torch.ones(2, V)

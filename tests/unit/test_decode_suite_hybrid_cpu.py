@@ -10,16 +10,23 @@ import pytest
 
 from bench.decode_suite import logged_event, write_hybrid_cpu
 
-BOOT = ("2026-12-01 10:00:00 [info     ] host_decode                    handoff_us=31.2 host_us_at_1=148.0 "
-        "max_tokens=8 pcie_us=129.0\n")  # fmt: skip
+BOOT = (
+    "2026-12-01 10:00:00 [info     ] host_decode                    handoff_us=31.2 host_us_at_1=148.0 "
+    "max_tokens=8 pcie_us=129.0\n"
+)
 
 
 def test_the_record_holds_both_runs_and_the_bound_of_both_paths(tmp_path):
     (tmp_path / "serve_12layer_host-share.log").write_text("2026-12-01 [info ] plan budget_bytes=1\n" + BOOT)
     (tmp_path / "serve_12layer.log").write_text(BOOT)  # the default variant (auto) logs to the workload's name
     assert logged_event(tmp_path / "serve_12layer_host-share.log", "host_decode")["pcie_us"] == "129.0"
-    gpu = {"single_stream_tok_s": 97.9, "streams8_tok_s": 200.0, "single_stream_bound_tok_s": 108.0, "commit": "a",
-           "hit_rate": 0.5}  # fmt: skip
+    gpu = {
+        "single_stream_tok_s": 97.9,
+        "streams8_tok_s": 200.0,
+        "single_stream_bound_tok_s": 108.0,
+        "commit": "a",
+        "hit_rate": 0.5,
+    }
     hybrid = {"single_stream_tok_s": 150.0, "streams8_tok_s": 210.0, "commit": "b", "hit_rate": 0.4}
     got = write_hybrid_cpu("12layer", "host-share", gpu, hybrid, tmp_path)
     assert got == json.loads((tmp_path / "decode_12layer_hybrid_cpu.json").read_text())
@@ -32,8 +39,13 @@ def test_the_record_holds_both_runs_and_the_bound_of_both_paths(tmp_path):
 
 
 def test_without_the_boot_line_there_is_no_bound_rather_than_a_made_up_one(tmp_path):
-    gpu = {"single_stream_tok_s": 97.9, "streams8_tok_s": 200.0, "single_stream_bound_tok_s": 108.0, "commit": "a",
-           "hit_rate": 0.5}  # fmt: skip
+    gpu = {
+        "single_stream_tok_s": 97.9,
+        "streams8_tok_s": 200.0,
+        "single_stream_bound_tok_s": 108.0,
+        "commit": "a",
+        "hit_rate": 0.5,
+    }
     hybrid = {"single_stream_tok_s": 99.0, "streams8_tok_s": 190.0, "commit": "b", "hit_rate": 0.5}
     got = write_hybrid_cpu("hybrid8", "host-share-no-prefetch", gpu, hybrid, tmp_path)
     assert got["bound_tok_s"] is None and got["bound_fraction"] is None
@@ -46,8 +58,13 @@ def test_the_boot_line_is_read_from_the_workers_json_log(tmp_path):
     off = {"event": "host_decode_off", "reason": "auto", "pcie_us": 1.0}
     (tmp_path / "serve_12layer_host-share.log").write_text(json.dumps(off) + "\n{not json\n" + json.dumps(line) + "\n")
     assert logged_event(tmp_path / "serve_12layer_host-share.log", "host_decode")["pcie_us"] == 171.8
-    gpu = {"single_stream_tok_s": 99.9, "streams8_tok_s": 118.0, "single_stream_bound_tok_s": 107.2, "commit": "a",
-           "hit_rate": 0.9}  # fmt: skip
+    gpu = {
+        "single_stream_tok_s": 99.9,
+        "streams8_tok_s": 118.0,
+        "single_stream_bound_tok_s": 107.2,
+        "commit": "a",
+        "hit_rate": 0.9,
+    }
     got = write_hybrid_cpu("12layer", "host-share", gpu, {**gpu, "commit": "b"}, tmp_path)
     assert got["bound_tok_s"] == round(107.2 * (1 + 171.8 / 118.3), 2)
 
@@ -62,13 +79,29 @@ def test_the_host_shares_series_are_read_from_the_workers_metrics():
     from bench.decode_suite import host_share_series
     from ferry.services.worker.metrics import WorkerMetrics
 
-    report = {"hits": 5, "misses": 7, "bytes_copied": 10, "copy_time_s": 0.1, "exposed_copy_time_s": 0.05,
-              "prefetched": 2, "prefetch_useful": 1, "prefetch_wasted": 1, "slots": 12, "expert_format": "bf16",
-              "host_decode": {"experts": 4000, "pairs": 4100, "costs_ns": [129000, 150000, 2500, 31000],
-                              "busy_ns": 800_000_000, "busy_calls": 900, "busy_ns_per_expert": 200000,
-                              "busy_hist": {"bounds_s": [50e-6, 100e-6], "counts": [100, 700, 100]},
-                              "refinements": 1, "guard": {"share_on": True, "scale": 0.8, "exploring": False,
-                                                          "decisions": []}}}  # fmt: skip
+    report = {
+        "hits": 5,
+        "misses": 7,
+        "bytes_copied": 10,
+        "copy_time_s": 0.1,
+        "exposed_copy_time_s": 0.05,
+        "prefetched": 2,
+        "prefetch_useful": 1,
+        "prefetch_wasted": 1,
+        "slots": 12,
+        "expert_format": "bf16",
+        "host_decode": {
+            "experts": 4000,
+            "pairs": 4100,
+            "costs_ns": [129000, 150000, 2500, 31000],
+            "busy_ns": 800_000_000,
+            "busy_calls": 900,
+            "busy_ns_per_expert": 200000,
+            "busy_hist": {"bounds_s": [50e-6, 100e-6], "counts": [100, 700, 100]},
+            "refinements": 1,
+            "guard": {"share_on": True, "scale": 0.8, "exploring": False, "decisions": []},
+        },
+    }
     metrics = WorkerMetrics()
     metrics.watch_expert_cache(lambda: report)
     body = generate_latest(metrics.registry)
@@ -88,18 +121,35 @@ def test_the_host_shares_series_are_read_from_the_workers_metrics():
         got = host_share_series(f"http://127.0.0.1:{server.server_port}/metrics")
     finally:
         server.shutdown()
-    assert got == {"experts": 4000, "host_node_busy_s": 0.8, "host_node_calls": 900, "refinements": 1,
-                   "host_at_1_s": 0.00015, "host_node_s_per_expert": 0.0002, "guard_price_scale": 0.8,
-                   "host_node_calls_le": {"5e-05": 100, "0.0001": 800, "+Inf": 900}}  # fmt: skip
+    assert got == {
+        "experts": 4000,
+        "host_node_busy_s": 0.8,
+        "host_node_calls": 900,
+        "refinements": 1,
+        "host_at_1_s": 0.00015,
+        "host_node_s_per_expert": 0.0002,
+        "guard_price_scale": 0.8,
+        "host_node_calls_le": {"5e-05": 100, "0.0001": 800, "+Inf": 900},
+    }
     assert host_share_series(None) is None
 
 
 def test_the_bound_takes_the_host_expert_its_host_nodes_timed_in_the_run(tmp_path):
     (tmp_path / "serve_12layer_host-share.log").write_text(BOOT)
-    gpu = {"single_stream_tok_s": 97.9, "streams8_tok_s": 200.0, "single_stream_bound_tok_s": 108.0, "commit": "a",
-           "hit_rate": 0.5}  # fmt: skip
-    hybrid = {"single_stream_tok_s": 150.0, "streams8_tok_s": 210.0, "commit": "b", "hit_rate": 0.4,
-              "host_share": {"host_node_s_per_expert": 0.000129}}  # fmt: skip
+    gpu = {
+        "single_stream_tok_s": 97.9,
+        "streams8_tok_s": 200.0,
+        "single_stream_bound_tok_s": 108.0,
+        "commit": "a",
+        "hit_rate": 0.5,
+    }
+    hybrid = {
+        "single_stream_tok_s": 150.0,
+        "streams8_tok_s": 210.0,
+        "commit": "b",
+        "hit_rate": 0.4,
+        "host_share": {"host_node_s_per_expert": 0.000129},
+    }
     got = write_hybrid_cpu("12layer", "host-share", gpu, hybrid, tmp_path)
     assert got["bound_tok_s"] == round(108.0 * 2, 2) and got["bound_host_us_per_expert"] == 129.0
     assert got["host_share"] == {"host_node_s_per_expert": 0.000129}
@@ -110,8 +160,7 @@ def test_the_host_nodes_window_is_the_difference_of_two_readings():
 
     before = {"host_node_calls": 100, "host_node_busy_s": 0.02, "host_node_calls_le": {"5e-05": 10, "+Inf": 100}}
     after = {"host_node_calls": 300, "host_node_busy_s": 0.07, "host_node_calls_le": {"5e-05": 30, "+Inf": 300}}
-    assert host_nodes_window(before, after) == {"calls": 200, "mean_us": 250.0,
-                                                "calls_le": {"5e-05": 20, "+Inf": 200}}  # fmt: skip
+    assert host_nodes_window(before, after) == {"calls": 200, "mean_us": 250.0, "calls_le": {"5e-05": 20, "+Inf": 200}}
     assert host_nodes_window(before, before)["mean_us"] is None
 
 
@@ -130,8 +179,12 @@ def test_a_variant_with_its_own_environment_starts_its_server_with_it(tmp_path, 
             seen.update(cmd=cmd, env=kwargs.get("env"))
 
     monkeypatch.setattr(serve_process.subprocess, "Popen", FakePopen)
-    served = serve_process.start_serve(tmp_path / "m", ["--load-format", "dummy", *VARIANTS["spin1000"]],
-                                       tmp_path / "serve.log", env=VARIANT_ENV["spin1000"])  # fmt: skip
+    served = serve_process.start_serve(
+        tmp_path / "m",
+        ["--load-format", "dummy", *VARIANTS["spin1000"]],
+        tmp_path / "serve.log",
+        env=VARIANT_ENV["spin1000"],
+    )
     assert seen["env"]["FERRY_HOST_POOL_SPIN_US"] == "1000" and seen["env"]["PATH"] == os.environ["PATH"]
     assert served.command.startswith("FERRY_HOST_POOL_SPIN_US=1000 ferry serve --model")
     serve_process.start_serve(tmp_path / "m", [], tmp_path / "serve2.log")
@@ -157,12 +210,18 @@ def test_a_variant_with_its_own_environment_starts_its_server_with_it(tmp_path, 
     monkeypatch.setattr(suite, "start_serve", lambda model, args, log, env=None: asked.append(env) or Served())
     for variant in ("spin1000", "default"):
         with pytest.raises(Stop):
-            suite.run_workload("hybrid8", variant, tmp_path, tmp_path / "ceilings.json",
-                               SimpleNamespace(ready_timeout=1))  # fmt: skip
+            suite.run_workload(
+                "hybrid8", variant, tmp_path, tmp_path / "ceilings.json", SimpleNamespace(ready_timeout=1)
+            )
     assert asked == [{"FERRY_HOST_POOL_SPIN_US": "1000"}, None]
     (tmp_path / "serve_hybrid8_spin1000.log").write_text(BOOT)
-    gpu = {"single_stream_tok_s": 201.0, "streams8_tok_s": 240.0, "single_stream_bound_tok_s": 195.0, "commit": "a",
-           "hit_rate": 0.9}  # fmt: skip
+    gpu = {
+        "single_stream_tok_s": 201.0,
+        "streams8_tok_s": 240.0,
+        "single_stream_bound_tok_s": 195.0,
+        "commit": "a",
+        "hit_rate": 0.9,
+    }
     got = write_hybrid_cpu("hybrid8", "spin1000", gpu, {**gpu, "single_stream_tok_s": 258.0, "commit": "b"}, tmp_path)
     assert got["single_stream_speedup"] == round(258.0 / 201.0, 3) and got["bound_tok_s"] is not None
     assert (tmp_path / "decode_hybrid8_spin1000_hybrid_cpu.json").is_file()

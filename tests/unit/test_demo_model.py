@@ -6,8 +6,8 @@ import subprocess
 
 import pytest
 
-from ferry.shared.errors import ModelLoadError
 from ferry.services import demo_model
+from ferry.shared.errors import ModelLoadError
 
 
 @pytest.fixture

@@ -37,8 +37,9 @@ def test_compose_passes_dclint(compose_file):
     npx = shutil.which("npx")
     if npx is None:
         pytest.fail("npx is missing: install node/npm, then run `make lint-tools` once")
-    done = subprocess.run([npx, "--offline", "--yes", DCLINT, str(REPO / compose_file)], capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [npx, "--offline", "--yes", DCLINT, str(REPO / compose_file)], capture_output=True, text=True, timeout=120
+    )
     if "ENOTCACHED" in done.stderr:
         pytest.fail(f"{DCLINT} is not in the npm cache: run `make lint-tools` once (needs the registry)")
     assert done.returncode == 0, done.stdout + done.stderr
@@ -95,7 +96,9 @@ def test_compose_runs_the_three_services_and_the_demo_with_variables_their_comma
         unknown = set(svc["environment"]) - flags_of(command)
         assert not unknown, f"{name}: {unknown} are not flags of `ferry {command}`"
     assert len({svc["image"] for svc in services.values()}) == 1, "one image for all services"
-    assert services["demo"]["profiles"] == ["cpu"] and all("profiles" not in services[n] for n in ("api", "scheduler", "worker"))
+    assert services["demo"]["profiles"] == ["cpu"] and all(
+        "profiles" not in services[n] for n in ("api", "scheduler", "worker")
+    )
 
 
 def test_compose_wires_tcp_sockets_between_services(compose):
@@ -114,8 +117,9 @@ def test_compose_healthchecks_probe_each_services_own_health_port(compose):
         own_port = env.get("FERRY_PORT") or env.get("FERRY_HEALTH_PORT")
         probe = " ".join(svc["healthcheck"]["test"])
         # the scheduler's is a liveness probe (any answer of its /health), the others want a 200
-        assert re.search(rf"127\.0\.0\.1:{own_port}/health", probe) or \
-            re.search(rf"HTTPConnection\('127\.0\.0\.1', {own_port}\b.*'/health'", probe), (name, probe)  # fmt: skip
+        assert re.search(rf"127\.0\.0\.1:{own_port}/health", probe) or re.search(
+            rf"HTTPConnection\('127\.0\.0\.1', {own_port}\b.*'/health'", probe
+        ), (name, probe)
 
 
 def test_compose_reserves_the_gpu_for_the_worker_only_and_mounts_the_model_read_only(compose):
@@ -127,7 +131,9 @@ def test_compose_reserves_the_gpu_for_the_worker_only_and_mounts_the_model_read_
     assert services["worker"]["environment"]["FERRY_EXPERT_PARALLEL_SIZE"] == "${FERRY_EXPERT_PARALLEL_SIZE:-1}"
     assert all("deploy" not in services[n] for n in ("api", "scheduler", "demo"))
     for name in ("api", "worker"):
-        mounts = [v for v in services[name]["volumes"] if v.split(":")[-2] == services[name]["environment"]["FERRY_MODEL"]]
+        mounts = [
+            v for v in services[name]["volumes"] if v.split(":")[-2] == services[name]["environment"]["FERRY_MODEL"]
+        ]
         assert mounts and all(v.endswith(":ro") for v in mounts), name
     assert all(p.startswith("127.0.0.1:") for p in services["api"]["ports"]), "published on loopback only"
 
@@ -265,8 +271,10 @@ def test_every_service_has_a_healthcheck_and_the_api_waits_for_healthy_peers(com
         assert check["test"][0] == "CMD" and {"interval", "timeout", "retries", "start_period"} <= set(check), name
         for peer, how in svc.get("depends_on", {}).items():
             assert peer in services and how["condition"] in ("service_started", "service_healthy"), (name, peer)
-    assert services["api"]["depends_on"] == {"scheduler": {"condition": "service_healthy"},
-                                             "worker": {"condition": "service_healthy"}}  # fmt: skip
+    assert services["api"]["depends_on"] == {
+        "scheduler": {"condition": "service_healthy"},
+        "worker": {"condition": "service_healthy"},
+    }
 
 
 def test_the_image_healthcheck_probes_the_port_of_whichever_command_runs(compose):
@@ -297,7 +305,7 @@ def test_dockerignore_lets_in_exactly_what_the_image_copies():
     copied = set()
     for sources in re.findall(r"^COPY (.+) \S+$", (REPO / "Dockerfile").read_text(), re.M):
         copied |= set(sources.split())
-    assert copied == allowed, (copied ^ allowed)
+    assert copied == allowed, copied ^ allowed
     assert all((REPO / path).exists() for path in copied)
 
 
@@ -307,7 +315,10 @@ def test_torch_is_pinned_once_for_the_image_and_make():
     dockerfile, makefile = (REPO / "Dockerfile").read_text(), (REPO / "Makefile").read_text()
     assert dockerfile.count("-c constraints.txt") == 2, "torch and the project both installed under the pin"
     assert "TORCH_SPEC" not in dockerfile and "TORCH_SPEC" not in makefile
-    assert makefile.count("-c constraints.txt") == 2 and "constraints.txt" in makefile.split("$(STAMP):")[1].splitlines()[0]
+    assert (
+        makefile.count("-c constraints.txt") == 2
+        and "constraints.txt" in makefile.split("$(STAMP):")[1].splitlines()[0]
+    )
     assert re.search(r'^ARG TORCH_INDEX="https://download.pytorch.org/whl/cu\d+"$', dockerfile, re.M)
 
 
@@ -315,8 +326,11 @@ def test_the_wire_keys_are_compose_secrets_each_service_gets_only_its_own(compos
     """The tcp layout's CURVE keys (`ferry keys DIR`) reach each service as secrets under /run/secrets,
     named as `--wire-keys` reads them: its own secret key, the scheduler's public key, and for the
     scheduler the public keys it admits."""
-    want = {"api": {"api.key_secret", "scheduler.key"}, "worker": {"worker.key_secret", "scheduler.key"},
-            "scheduler": {"scheduler.key_secret", "api.key", "worker.key"}}  # fmt: skip
+    want = {
+        "api": {"api.key_secret", "scheduler.key"},
+        "worker": {"worker.key_secret", "scheduler.key"},
+        "scheduler": {"scheduler.key_secret", "api.key", "worker.key"},
+    }
     for name, files in want.items():
         svc = compose["services"][name]
         assert svc["environment"]["FERRY_WIRE_KEYS"] == "/run/secrets"
@@ -402,10 +416,14 @@ def run_probe(svc: dict, port: int) -> int:
     cmd, python, flag, code = svc["healthcheck"]["test"]
     assert (cmd, python, flag) == ("CMD", "python", "-c")
     own = str(svc["environment"]["FERRY_HEALTH_PORT"])
-    return subprocess.run([sys.executable, "-c", code.replace(own, str(port))], capture_output=True, timeout=30).returncode
+    return subprocess.run(
+        [sys.executable, "-c", code.replace(own, str(port))], capture_output=True, timeout=30
+    ).returncode
 
 
-def test_the_scheduler_is_healthy_while_it_answers_so_a_failed_worker_does_not_poison_the_next_up(compose, answering_503):
+def test_the_scheduler_is_healthy_while_it_answers_so_a_failed_worker_does_not_poison_the_next_up(
+    compose, answering_503
+):
     """The scheduler's /health is 503 until a worker reports its pools. As its container health that
     marked it unhealthy after a worker failed, and the next `up` failed on it before a new worker
     could start; now it is healthy while it answers at all, and the worker's own check gates the api."""
@@ -428,7 +446,11 @@ def test_a_cpu_only_image_can_take_the_cpu_torch(compose):
     dockerfile = (REPO / "Dockerfile").read_text()
     assert dockerfile.index("ARG TORCH_INDEX") < dockerfile.index('--index-url "${TORCH_INDEX}"')
     case = re.search(r'(case "\$\{TORCH_INDEX\}" in .*? esac)', dockerfile_run_of('".${extras}"')).group(1)
-    for index, extras in (("https://download.pytorch.org/whl/cpu", ""), ("https://download.pytorch.org/whl/cu130", "[cuda]")):
-        done = subprocess.run(["sh", "-c", f'{case}; printf %s "$extras"'], env={"TORCH_INDEX": index},
-                              capture_output=True, text=True)  # fmt: skip
+    for index, extras in (
+        ("https://download.pytorch.org/whl/cpu", ""),
+        ("https://download.pytorch.org/whl/cu130", "[cuda]"),
+    ):
+        done = subprocess.run(
+            ["sh", "-c", f'{case}; printf %s "$extras"'], env={"TORCH_INDEX": index}, capture_output=True, text=True
+        )
         assert done.returncode == 0 and done.stdout == extras, (index, done)

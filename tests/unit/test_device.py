@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from ferry.services.worker.boot import boot_worker
-from ferry.services.worker.flags import WorkerBootConfig
 from ferry.services.worker.device import resolve_device, select_device
+from ferry.services.worker.flags import WorkerBootConfig
 from ferry.shared.errors import ConfigError
 
 
@@ -42,7 +42,9 @@ def test_every_cuda_spelling_resolves_to_an_indexed_device(monkeypatch, name, in
 
 def test_a_missing_device_index_names_the_flag_and_the_visible_count(monkeypatch):
     FakeCuda(count=2).install(monkeypatch)
-    with pytest.raises(ConfigError, match=r"--device cuda:2: there is no CUDA device 2; 2 are visible \(cuda:0 .. cuda:1"):
+    with pytest.raises(
+        ConfigError, match=r"--device cuda:2: there is no CUDA device 2; 2 are visible \(cuda:0 .. cuda:1"
+    ):
         resolve_device("cuda:2")
     FakeCuda(count=1, current=0).install(monkeypatch)
     with pytest.raises(ConfigError, match="1 is visible"):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from ferry.services.cli import build_parser
 from ferry.shared.env_flags import apply_env_defaults
 from ferry.shared.errors import ConfigError
-from ferry.services.cli import build_parser
 
 
 def parse(argv, monkeypatch, **env):
@@ -16,8 +16,14 @@ def parse(argv, monkeypatch, **env):
 
 
 def test_variables_fill_flags_with_their_types(monkeypatch):
-    args = parse(["worker"], monkeypatch, FERRY_MODEL="/models/x", FERRY_NUM_PAGES="128", FERRY_GPU_MEMORY="2GiB",
-                 FERRY_HEALTH_PORT="8002")  # fmt: skip
+    args = parse(
+        ["worker"],
+        monkeypatch,
+        FERRY_MODEL="/models/x",
+        FERRY_NUM_PAGES="128",
+        FERRY_GPU_MEMORY="2GiB",
+        FERRY_HEALTH_PORT="8002",
+    )
     assert (args.model, args.num_pages, args.gpu_memory, args.health_port) == ("/models/x", 128, 2 * 2**30, 8002)
 
 

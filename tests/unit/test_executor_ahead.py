@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ferry.shared.sampling import SamplingParams
-from ferry.shared.step import NewRequest, StepBatch
 from ferry.services.worker.boot import boot_worker
 from ferry.services.worker.executor import StepBatchError
+from ferry.shared.sampling import SamplingParams
+from ferry.shared.step import NewRequest, StepBatch
 from tests.unit.test_boot_executor import boot_args
 
 PROMPTS = {11: [5, 17, 33, 2, 8], 12: [7, 7, 3, 250, 1, 64, 9]}
@@ -19,13 +19,19 @@ def _step(step_id, tokens: dict[int, list[int]], context: dict[int, int], page_s
     rids = list(tokens)
     pages = max(-(-(context[r] + len(tokens[r])) // page_size) for r in rids)
     table = np.array([[1 + 8 * i + j for j in range(pages)] for i in range(len(rids))], np.int32)
-    return StepBatch(step_id=step_id, req_ids=np.array(rids, np.int64),
-                     tokens=np.array([t for r in rids for t in tokens[r]], np.int32),
-                     query_lens=np.array([len(tokens[r]) for r in rids], np.int32),
-                     context_lens=np.array([context[r] for r in rids], np.int32), page_table=table,
-                     linear_state_slots=np.arange(1, len(rids) + 1, dtype=np.int32),
-                     reset_linear_state=np.array([context[r] == 0 for r in rids]), sample=np.ones(len(rids), bool),
-                     new_requests=tuple(news), feed_sampled=np.ones(len(rids), bool) if fed else None)  # fmt: skip
+    return StepBatch(
+        step_id=step_id,
+        req_ids=np.array(rids, np.int64),
+        tokens=np.array([t for r in rids for t in tokens[r]], np.int32),
+        query_lens=np.array([len(tokens[r]) for r in rids], np.int32),
+        context_lens=np.array([context[r] for r in rids], np.int32),
+        page_table=table,
+        linear_state_slots=np.arange(1, len(rids) + 1, dtype=np.int32),
+        reset_linear_state=np.array([context[r] == 0 for r in rids]),
+        sample=np.ones(len(rids), bool),
+        new_requests=tuple(news),
+        feed_sampled=np.ones(len(rids), bool) if fed else None,
+    )
 
 
 def _decode(model_dir, ahead: bool, steps=6, **sampling):
@@ -37,8 +43,12 @@ def decode_two_requests(executor, ahead: bool, steps=6, **sampling) -> dict[int,
     """Prefill two requests, then decode 2 * steps tokens: one step at a time, or (`ahead`) each pair of
     steps launched together, the second fed the first's samples, finished in order."""
     ps = executor.plan.kv.page_size
-    news = [NewRequest(req_id=r, prompt_token_ids=np.array(p, np.int32), sampling=SamplingParams(**{"temperature": 0, **sampling}))
-            for r, p in PROMPTS.items()]  # fmt: skip
+    news = [
+        NewRequest(
+            req_id=r, prompt_token_ids=np.array(p, np.int32), sampling=SamplingParams(**{"temperature": 0, **sampling})
+        )
+        for r, p in PROMPTS.items()
+    ]
     context = {r: 0 for r in PROMPTS}
     out = executor.execute(_step(1, dict(PROMPTS), context, ps, news=news))
     last = dict(zip(out.req_ids.tolist(), out.token_ids.tolist()))
@@ -84,15 +94,24 @@ def test_a_fed_row_is_refused_without_the_step_before_or_when_its_sampling_reads
 def test_the_contract_holds_feed_sampled_to_its_shape_and_to_rows_that_continue_a_request():
     from ferry.shared.contract import StepLimits, step_problems
 
-    limits = StepLimits(kv_pages=64, page_size=16, linear_state_slots=4, max_running_requests=8, max_prefill_tokens=64,
-                        max_model_len=256, vocab_size=512)  # fmt: skip
+    limits = StepLimits(
+        kv_pages=64,
+        page_size=16,
+        linear_state_slots=4,
+        max_running_requests=8,
+        max_prefill_tokens=64,
+        max_model_len=256,
+        vocab_size=512,
+    )
     known = {11: None, 12: None}
     good = _step(1, {11: [0], 12: [0]}, {11: 5, 12: 7}, 16, fed=True)
     assert step_problems(good, limits, known) == []
     import msgspec
 
-    for bad, why in ((msgspec.structs.replace(good, feed_sampled=np.ones(2, np.int32)), "1-D bool"),
-                     (msgspec.structs.replace(good, feed_sampled=np.ones(3, bool)), "3 entries for 2"),
-                     (_step(2, {11: [0, 0]}, {11: 5}, 16, fed=True), "already started"),
-                     (_step(3, {11: [0]}, {11: 0}, 16, fed=True), "already started")):  # fmt: skip
+    for bad, why in (
+        (msgspec.structs.replace(good, feed_sampled=np.ones(2, np.int32)), "1-D bool"),
+        (msgspec.structs.replace(good, feed_sampled=np.ones(3, bool)), "3 entries for 2"),
+        (_step(2, {11: [0, 0]}, {11: 5}, 16, fed=True), "already started"),
+        (_step(3, {11: [0]}, {11: 0}, 16, fed=True), "already started"),
+    ):
         assert any(why in p for p in step_problems(bad, limits, known)), why

@@ -7,8 +7,16 @@ import json
 
 import pytest
 
-from ferry.plan.expert_backend import (chosen_host_cpus, core_map, format_cpu_list, host_thread_cpus, parse_cpu_list,
-                                       physical_cores, plan_expert_backend, pool_thread_cpus)  # fmt: skip
+from ferry.plan.expert_backend import (
+    chosen_host_cpus,
+    core_map,
+    format_cpu_list,
+    host_thread_cpus,
+    parse_cpu_list,
+    physical_cores,
+    plan_expert_backend,
+    pool_thread_cpus,
+)
 from ferry.shared.errors import ConfigError
 
 
@@ -49,9 +57,14 @@ def test_explicit_backends_and_threads():
     assert plan_expert_backend("hybrid", 6, True, 16).host_threads == 6
 
 
-@pytest.mark.parametrize("backend, threads, match", [("tpu", None, "unknown --expert-backend 'tpu'"),
-                                                     ("hybrid", 0, "--host-expert-threads must be at least 1"),
-                                                     ("gpu", 4, "--host-expert-threads with --expert-backend gpu")])  # fmt: skip
+@pytest.mark.parametrize(
+    "backend, threads, match",
+    [
+        ("tpu", None, "unknown --expert-backend 'tpu'"),
+        ("hybrid", 0, "--host-expert-threads must be at least 1"),
+        ("gpu", 4, "--host-expert-threads with --expert-backend gpu"),
+    ],
+)
 def test_bad_flags_name_the_flag(backend, threads, match):
     with pytest.raises(ConfigError, match=match):
         plan_expert_backend(backend, threads, True, 16)
@@ -74,15 +87,19 @@ def test_ferry_plan_shows_the_backend_and_refuses_bad_flags(capsys, monkeypatch)
     out = capsys.readouterr().out
     assert "expert backend hybrid (--expert-backend hybrid)" in out and "decode layers only" not in out
     # a list of two CPUs for 12 threads: the caller on the first, the workers on the rest (never beside it)
-    assert ("12 host threads (--host-expert-threads 12), the decode hand-off's thread pinned to CPU 4, "
-            "11 workers to CPU 5") in out
+    assert (
+        "12 host threads (--host-expert-threads 12), the decode hand-off's thread pinned to CPU 4, 11 workers to CPU 5"
+    ) in out
     assert main([*base, "--host-expert-threads", "12"]) == 0
     assert "(auto: decode layers only, where they say it wins" in capsys.readouterr().out
     assert main([*base, "--json", "--expert-backend", "cpu", "--host-expert-threads", "3"]) == 0
-    assert json.loads(capsys.readouterr().out)["expert_backend"] == {"backend": "cpu", "host_threads": 3,
-                                                                     "reason": "--host-expert-threads 3",
-                                                                     "requested": "cpu",
-                                                                     "host_cpus": [4, 5]}  # fmt: skip
+    assert json.loads(capsys.readouterr().out)["expert_backend"] == {
+        "backend": "cpu",
+        "host_threads": 3,
+        "reason": "--host-expert-threads 3",
+        "requested": "cpu",
+        "host_cpus": [4, 5],
+    }
     assert main([*base, "--expert-backend", "gpu", "--host-expert-threads", "3"]) != 0
     assert "--host-expert-threads with --expert-backend gpu" in capsys.readouterr().err
     assert main([*base[:3], "--gpu-memory", "80GiB", "--moe-cache-rate", "1.0"]) == 0  # all resident: the GPU alone
@@ -91,8 +108,9 @@ def test_ferry_plan_shows_the_backend_and_refuses_bad_flags(capsys, monkeypatch)
 
 def _cpuinfo(cores: list[tuple[int, int]]) -> str:
     """/proc/cpuinfo's text for logical CPUs 0.. on (physical id, core id) `cores`."""
-    return "\n".join(f"processor\t: {cpu}\nphysical id\t: {phys}\ncore id\t\t: {core}\n"
-                     for cpu, (phys, core) in enumerate(cores))  # fmt: skip
+    return "\n".join(
+        f"processor\t: {cpu}\nphysical id\t: {phys}\ncore id\t\t: {core}\n" for cpu, (phys, core) in enumerate(cores)
+    )
 
 
 def test_the_pool_is_pinned_one_a_core_to_the_last_cores():
@@ -139,6 +157,22 @@ def test_a_bad_cpu_list_fails_the_plan_naming_the_flag(capsys):
 
     model = "tests/data/models/qwen3-30b-a3b/config.json"
     for threads in ("3", "1"):  # whether or not a thread is started to pin
-        assert main(["plan", "--model", model, "--gpu-memory", "12GiB", "--host-memory", "100GiB",
-                     "--host-expert-threads", threads, "--host-expert-cpus", "4-x"]) != 0  # fmt: skip
+        assert (
+            main(
+                [
+                    "plan",
+                    "--model",
+                    model,
+                    "--gpu-memory",
+                    "12GiB",
+                    "--host-memory",
+                    "100GiB",
+                    "--host-expert-threads",
+                    threads,
+                    "--host-expert-cpus",
+                    "4-x",
+                ]
+            )
+            != 0
+        )
         assert "--host-expert-cpus '4-x' is not a CPU list" in capsys.readouterr().err

@@ -12,9 +12,14 @@ from ferry.shared.errors import ConfigError
 
 
 def plan(pages: int, prefill: int = 256):
-    return SimpleNamespace(kv=SimpleNamespace(pages=pages, page_size=16), linear_state=SimpleNamespace(slots=4),
-                           linear_state_snapshots=SimpleNamespace(snapshots=8), max_running_requests=4,
-                           max_prefill_tokens=prefill, max_model_len=256)  # fmt: skip
+    return SimpleNamespace(
+        kv=SimpleNamespace(pages=pages, page_size=16),
+        linear_state=SimpleNamespace(slots=4),
+        linear_state_snapshots=SimpleNamespace(snapshots=8),
+        max_running_requests=4,
+        max_prefill_tokens=prefill,
+        max_model_len=256,
+    )
 
 
 def gathered(*plans):

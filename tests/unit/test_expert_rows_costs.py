@@ -4,11 +4,15 @@ longest priced, in the estimate and beside the boot profile."""
 
 from __future__ import annotations
 
-from tests.helpers import QWEN3_6_35B
-
 import ferry.plan.costs as costs
-from ferry.plan.costs import ROWS_FLOAT32_MAX_TOKENS, rows_beyond_longest_step, widest_rows_bytes, workspace_bytes_estimate
+from ferry.plan.costs import (
+    ROWS_FLOAT32_MAX_TOKENS,
+    rows_beyond_longest_step,
+    widest_rows_bytes,
+    workspace_bytes_estimate,
+)
 from ferry.plan.model_config import load_model_config
+from tests.helpers import QWEN3_6_35B
 
 MIB = 2**20
 
@@ -35,8 +39,7 @@ def test_the_estimate_never_falls_as_the_step_grows():
     spec = load_model_config(QWEN3_6_35B)
     lengths = sorted({*range(512, 20000, 512), *range(8180, 8210), 9000, 12000, 16383, 16384, 16385})
     estimates = [_estimate(spec, t) for t in lengths]
-    assert all(b >= a for a, b in zip(estimates, estimates[1:])), [
-        (t, e // MIB) for t, e in zip(lengths, estimates)]  # fmt: skip
+    assert all(b >= a for a, b in zip(estimates, estimates[1:])), [(t, e // MIB) for t, e in zip(lengths, estimates)]
 
 
 def test_the_profile_adds_the_rows_a_shorter_step_holds_beyond_the_longest():

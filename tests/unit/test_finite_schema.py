@@ -13,27 +13,54 @@ from ferry.services.api.finite_schema import endless_requirement
 from ferry.shared.errors import InvalidRequest
 
 SELF = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
-MUTUAL = {"$defs": {"A": {"type": "object", "properties": {"b": {"$ref": "#/$defs/B"}}, "required": ["b"],
-                          "additionalProperties": False},
-                    "B": {"type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}, "required": ["a"],
-                          "additionalProperties": False}},
-          "$ref": "#/$defs/A"}  # fmt: skip
-NONEMPTY_TREE = {"type": "object", "required": ["kids"],
-                 "properties": {"kids": {"type": "array", "items": {"$ref": "#"}, "minItems": 1}}}  # fmt: skip
-NO_WAY_OUT = {"type": "object", "required": ["a"], "properties": {"a": {"anyOf": [
-    {"$ref": "#"}, {"type": "array", "minItems": 1, "items": {"$ref": "#"}}]}}}  # fmt: skip
+MUTUAL = {
+    "$defs": {
+        "A": {
+            "type": "object",
+            "properties": {"b": {"$ref": "#/$defs/B"}},
+            "required": ["b"],
+            "additionalProperties": False,
+        },
+        "B": {
+            "type": "object",
+            "properties": {"a": {"$ref": "#/$defs/A"}},
+            "required": ["a"],
+            "additionalProperties": False,
+        },
+    },
+    "$ref": "#/$defs/A",
+}
+NONEMPTY_TREE = {
+    "type": "object",
+    "required": ["kids"],
+    "properties": {"kids": {"type": "array", "items": {"$ref": "#"}, "minItems": 1}},
+}
+NO_WAY_OUT = {
+    "type": "object",
+    "required": ["a"],
+    "properties": {"a": {"anyOf": [{"$ref": "#"}, {"type": "array", "minItems": 1, "items": {"$ref": "#"}}]}},
+}
 ENDLESS = [SELF, MUTUAL, NONEMPTY_TREE, NO_WAY_OUT]
 
 FINITE = [
     {"type": "object", "properties": {"a": {"$ref": "#"}}},  # a not required
     {"type": "object", "required": ["kids"], "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}},
-    {"type": "object", "required": ["next"],
-     "properties": {"next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}}},  # a linked list that ends in null
+    {
+        "type": "object",
+        "required": ["next"],
+        "properties": {"next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+    },  # a linked list that ends in null
     {"properties": {"a": {"$ref": "#"}}, "required": ["a"]},  # no type: a string matches
-    {"$defs": {"N": {"type": "object", "required": ["v"], "properties": {"v": {"type": "integer"}}}},
-     "type": "array", "items": {"$ref": "#/$defs/N"}, "minItems": 2},
-    True, {}, {"type": "string"},
-]  # fmt: skip
+    {
+        "$defs": {"N": {"type": "object", "required": ["v"], "properties": {"v": {"type": "integer"}}}},
+        "type": "array",
+        "items": {"$ref": "#/$defs/N"},
+        "minItems": 2,
+    },
+    True,
+    {},
+    {"type": "string"},
+]
 
 
 @pytest.mark.parametrize("schema", ENDLESS)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from model_harness import PagedRunner
 from test_generate_e2e import ferry_generate
 from tiny_models import tiny_model

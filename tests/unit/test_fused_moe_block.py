@@ -15,11 +15,11 @@ import os
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from interpreted_triton import run_interpreted
 from model_harness import make_pools
+from safetensors.torch import load_file
 from tiny_models import tiny_model
+
 from ferry.plan.costs import resident_weight_shapes
 from ferry.services.worker.models import WeightLoadError, build_model
 from ferry.services.worker.offload.resident import ResidentExperts
@@ -32,8 +32,9 @@ def _saved(arch, tmp_path, **overrides):
     hf.save_pretrained(tmp_path)
     on_disk = load_file(os.path.join(tmp_path, "model.safetensors"))
     pools = make_pools(spec, torch.float32, 8, 4, 2)
-    model = build_model(spec, torch.float32, "cpu", ResidentExperts(pools.experts, len(spec.moe_layer_indices),
-                                                                    spec.num_experts))  # fmt: skip
+    model = build_model(
+        spec, torch.float32, "cpu", ResidentExperts(pools.experts, len(spec.moe_layer_indices), spec.num_experts)
+    )
     return spec, model, on_disk
 
 
@@ -100,8 +101,13 @@ def test_a_misshapen_part_is_named(tmp_path):
 
 def test_a_part_given_twice_is_refused(tmp_path):
     _, model, on_disk = _saved("qwen3_5_moe", tmp_path)
-    items = [*on_disk.items(), ("model.layers.0.mlp.shared_expert.gate_proj.weight",
-                                on_disk["model.layers.0.mlp.shared_expert.gate_proj.weight"])]  # fmt: skip
+    items = [
+        *on_disk.items(),
+        (
+            "model.layers.0.mlp.shared_expert.gate_proj.weight",
+            on_disk["model.layers.0.mlp.shared_expert.gate_proj.weight"],
+        ),
+    ]
     with pytest.raises(WeightLoadError, match="given twice"):
         model.load_weights(items)
 

@@ -10,10 +10,22 @@ import torch
 from ferry.services.cli import main
 
 
-
 def ferry_generate(capsys, model_dir, *extra: str) -> dict:
-    argv = ["generate", "--model", str(model_dir), "--device", "cpu", "--gpu-memory", "64MiB",
-            "--max-running-requests", "4", "--max-prefill-tokens", "64", "--json", *extra]  # fmt: skip
+    argv = [
+        "generate",
+        "--model",
+        str(model_dir),
+        "--device",
+        "cpu",
+        "--gpu-memory",
+        "64MiB",
+        "--max-running-requests",
+        "4",
+        "--max-prefill-tokens",
+        "64",
+        "--json",
+        *extra,
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1, "--json prints exactly one line"
@@ -37,8 +49,9 @@ def test_greedy_tokens_match_transformers(tiny_model, capsys):
 
     prompt = "The ferry leaves the harbour at seven in the morning and"
     # a prompt longer than --max-prefill-tokens' chunk would be too; this one is prefilled in 2 chunks
-    result = ferry_generate(capsys, tiny_model, "--prompt", prompt, "--max-tokens", "12", "--ignore-eos",
-                            "--max-prefill-tokens", "8")  # fmt: skip
+    result = ferry_generate(
+        capsys, tiny_model, "--prompt", prompt, "--max-tokens", "12", "--ignore-eos", "--max-prefill-tokens", "8"
+    )
     tok = AutoTokenizer.from_pretrained(tiny_model)
     assert result["prompt_token_ids"] == tok(prompt, add_special_tokens=False)["input_ids"]
     assert len(result["prompt_token_ids"]) > 8
@@ -77,13 +90,23 @@ def test_generation_stops_at_eos(tiny_models, capsys):
 
 
 def test_dummy_weights_generate_finite_output(tiny_model, capsys):
-    result = ferry_generate(capsys, tiny_model, "--load-format", "dummy", "--prompt-ids", "1,2,3,4",
-                            "--max-tokens", "4", "--ignore-eos")  # fmt: skip
+    result = ferry_generate(
+        capsys, tiny_model, "--load-format", "dummy", "--prompt-ids", "1,2,3,4", "--max-tokens", "4", "--ignore-eos"
+    )
     assert len(result["token_ids"]) == 4 and all(0 <= t < 1024 for t in result["token_ids"])
 
 
 def test_bad_prompt_ids_are_a_clear_error(tiny_models, capsys):
-    argv = ["generate", "--model", str(tiny_models["qwen3_moe"]), "--device", "cpu", "--gpu-memory", "64MiB",
-            "--prompt-ids", "1,99999"]  # fmt: skip
+    argv = [
+        "generate",
+        "--model",
+        str(tiny_models["qwen3_moe"]),
+        "--device",
+        "cpu",
+        "--gpu-memory",
+        "64MiB",
+        "--prompt-ids",
+        "1,99999",
+    ]
     assert main(argv) == 2
     assert "outside the vocabulary" in capsys.readouterr().err

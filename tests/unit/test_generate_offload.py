@@ -12,8 +12,17 @@ from tests.unit.test_generate_e2e import ferry_generate
 # 70 prompt tokens in one step: above the offload store's prefill threshold (64 tokens), so its
 # misses are copied in several chunks (the prefill pipeline); then single-token decode steps.
 PROMPT_IDS = ",".join(str((i * 37 + 11) % 200) for i in range(70))
-ARGS = ("--prompt-ids", PROMPT_IDS, "--max-tokens", "8", "--ignore-eos", "--dtype", "float32",
-        "--max-prefill-tokens", "80")  # fmt: skip
+ARGS = (
+    "--prompt-ids",
+    PROMPT_IDS,
+    "--max-tokens",
+    "8",
+    "--ignore-eos",
+    "--dtype",
+    "float32",
+    "--max-prefill-tokens",
+    "80",
+)
 
 
 def _expert_bytes(plan: dict) -> int:
@@ -63,10 +72,25 @@ def test_a_ring_chunk_past_the_plans_staging_slots_is_refused_naming_the_flag(ti
     from ferry.services.cli import main
 
     model = tiny_models[TINY_ARCHS[0]]
-    base = ["generate", "--model", str(model), "--device", "cpu", "--gpu-memory", "64MiB", "--prompt-ids", "1,2,3",
-            "--max-tokens", "1", "--moe-cache-size", "8"]  # fmt: skip
-    for flag, value, said in (("--prefill-ring-chunk", "1000", "a ring chunk must fit the plan's"),
-                              ("--long-prefill-ring-chunk", "0", "must be at least 1 expert")):  # fmt: skip
+    base = [
+        "generate",
+        "--model",
+        str(model),
+        "--device",
+        "cpu",
+        "--gpu-memory",
+        "64MiB",
+        "--prompt-ids",
+        "1,2,3",
+        "--max-tokens",
+        "1",
+        "--moe-cache-size",
+        "8",
+    ]
+    for flag, value, said in (
+        ("--prefill-ring-chunk", "1000", "a ring chunk must fit the plan's"),
+        ("--long-prefill-ring-chunk", "0", "must be at least 1 expert"),
+    ):
         assert main([*base, flag, value]) == 2
         err = capsys.readouterr().err
         assert flag in err and said in err, err

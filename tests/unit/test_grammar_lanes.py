@@ -37,8 +37,16 @@ def api_app(tiny_tokenizer_dir, tmp_path):
     from ferry.services.api.config import ApiConfig
     from ferry.services.api.tokenizer import PromptTokenizer
 
-    cfg = ApiConfig(host="127.0.0.1", port=0, scheduler_addr=f"ipc://{tmp_path}/api.sock", tokenizer=str(tiny_tokenizer_dir),
-                    served_model_name="tiny", api_key=None, max_body_bytes=4 * 2**20, identity="api-test")  # fmt: skip
+    cfg = ApiConfig(
+        host="127.0.0.1",
+        port=0,
+        scheduler_addr=f"ipc://{tmp_path}/api.sock",
+        tokenizer=str(tiny_tokenizer_dir),
+        served_model_name="tiny",
+        api_key=None,
+        max_body_bytes=4 * 2**20,
+        identity="api-test",
+    )
     return build_app(cfg, PromptTokenizer(str(tiny_tokenizer_dir)))
 
 

@@ -31,7 +31,11 @@ def test_offloaded_plan_reports_and_checks_the_banks(spec):
     banks = host_memory.expert_bank_bytes(spec, "float32")
     plan = make_plan(spec, req, Measured(10**6, 10**6, host_available_bytes=4 * GiB))
     assert plan.experts.slots < plan.experts.total
-    assert (plan.host.expert_bank_bytes, plan.host.available_bytes, plan.host.available_source) == (banks, 4 * GiB, "MemAvailable")
+    assert (plan.host.expert_bank_bytes, plan.host.available_bytes, plan.host.available_source) == (
+        banks,
+        4 * GiB,
+        "MemAvailable",
+    )
     with pytest.raises(PlanError, match="do not fit in host RAM") as err:
         plan_for_expert_store(spec, req, Measured(10**6, 10**6, host_available_bytes=2 * GiB + banks - 1))
     assert "--host-memory" in str(err.value)
@@ -39,13 +43,19 @@ def test_offloaded_plan_reports_and_checks_the_banks(spec):
     assert ok.host.expert_bank_bytes == banks
     # --host-memory wins over what the machine has; unknown RAM (no /proc/meminfo) is not checked
     with pytest.raises(PlanError, match="--host-memory 1.00 MiB"):
-        make_plan(spec, PlanRequest(**{**req.__dict__, "host_memory": MiB}), Measured(10**6, 10**6, host_available_bytes=8 * GiB))
+        make_plan(
+            spec,
+            PlanRequest(**{**req.__dict__, "host_memory": MiB}),
+            Measured(10**6, 10**6, host_available_bytes=8 * GiB),
+        )
     unknown = make_plan(spec, req, Measured(10**6, 10**6))
     assert unknown.host.available_bytes is None and unknown.host.available_source == "unknown"
 
 
 def test_all_resident_plan_needs_no_banks(spec):
-    plan = make_plan(spec, PlanRequest(gpu_memory=GiB, max_model_len=256), Measured(10**6, 10**6, host_available_bytes=1))
+    plan = make_plan(
+        spec, PlanRequest(gpu_memory=GiB, max_model_len=256), Measured(10**6, 10**6, host_available_bytes=1)
+    )
     assert plan.experts.slots == plan.experts.total and plan.host.expert_bank_bytes == 0
 
 

@@ -11,19 +11,35 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ferry.services.scheduler.batcher import OFFLOADED_SNAPSHOT_SPAN, PROMPT_END_MARGIN, BatchScheduler, _worth_a_cut
 from ferry.shared.messages import PoolReport
 from ferry.shared.sampling import SamplingParams
-from ferry.services.scheduler.batcher import OFFLOADED_SNAPSHOT_SPAN, PROMPT_END_MARGIN, BatchScheduler, _worth_a_cut
 from tests.doubles.paged_model import PagedHashModel, reference_continuation
 from tests.unit.test_batch_scheduler import VOCAB, add, prompt, run_aborting_to_end, run_to_end
 from tests.unit.test_schedule_ahead import run_ahead_to_end
 
 
-def make(pages=64, page_size=4, slots=4, snapshots=16, running=4, prefill=32, model_len=128, prefix_cache=True,
-         offloaded=False):
-    pool = PoolReport(kv_pages=pages, page_size=page_size, linear_state_slots=slots, max_running_requests=running,
-                      max_prefill_tokens=prefill, max_model_len=model_len, linear_state_snapshots=snapshots,
-                      experts_offloaded=offloaded)  # fmt: skip
+def make(
+    pages=64,
+    page_size=4,
+    slots=4,
+    snapshots=16,
+    running=4,
+    prefill=32,
+    model_len=128,
+    prefix_cache=True,
+    offloaded=False,
+):
+    pool = PoolReport(
+        kv_pages=pages,
+        page_size=page_size,
+        linear_state_slots=slots,
+        max_running_requests=running,
+        max_prefill_tokens=prefill,
+        max_model_len=model_len,
+        linear_state_snapshots=snapshots,
+        experts_offloaded=offloaded,
+    )
     return BatchScheduler(pool, prefix_cache=prefix_cache), PagedHashModel(pages, page_size, VOCAB, slots, snapshots)
 
 
@@ -245,8 +261,9 @@ def test_without_snapshots_or_with_the_prefix_cache_off_nothing_is_reused(snapsh
 
 
 def test_no_prefix_cache_turns_reuse_off_for_attention_only_models_too():
-    pool = PoolReport(kv_pages=64, page_size=4, linear_state_slots=0, max_running_requests=4, max_prefill_tokens=32,
-                      max_model_len=128)  # fmt: skip
+    pool = PoolReport(
+        kv_pages=64, page_size=4, linear_state_slots=0, max_running_requests=4, max_prefill_tokens=32, max_model_len=128
+    )
     sched, model = BatchScheduler(pool, prefix_cache=False), PagedHashModel(64, 4, VOCAB)
     first = prompt(27, 22)
     one_turn(sched, model, 1, first, 3)
@@ -255,17 +272,26 @@ def test_no_prefix_cache_turns_reuse_off_for_attention_only_models_too():
 
 workload = st.lists(
     st.tuples(st.integers(0, 3), st.integers(1, 14), st.integers(1, 12), st.booleans(), st.booleans()),
-    min_size=1, max_size=10,
+    min_size=1,
+    max_size=10,
 )  # (shared prefix id, own prompt length, max_tokens, abort midway, extend an earlier conversation)
 
 
 @settings(max_examples=60, deadline=None)
 @given(workload, st.integers(10, 40), st.sampled_from([2, 4]), st.integers(4, 48), st.integers(1, 6), st.booleans())
 def test_random_hybrid_workloads_generate_the_reference_and_return_every_page_and_snapshot(
-        jobs, pages, page_size, prefill, snapshots, ahead):  # fmt: skip
+    jobs, pages, page_size, prefill, snapshots, ahead
+):
     vocab = range(10, 60)
-    pool = PoolReport(kv_pages=pages, page_size=page_size, linear_state_slots=3, max_running_requests=3,
-                      max_prefill_tokens=prefill, max_model_len=64, linear_state_snapshots=snapshots)  # fmt: skip
+    pool = PoolReport(
+        kv_pages=pages,
+        page_size=page_size,
+        linear_state_slots=3,
+        max_running_requests=3,
+        max_prefill_tokens=prefill,
+        max_model_len=64,
+        linear_state_snapshots=snapshots,
+    )
     sched, model = BatchScheduler(pool), PagedHashModel(pages, page_size, vocab, 3, snapshots)
     prefixes = [np.random.default_rng(p).integers(10, 60, 9).tolist() for p in range(4)]
     expected, aborted, sequences = {}, set(), []

@@ -10,19 +10,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from model_harness import hf_greedy
 from tiny_models import tiny_model
 
 from ferry.plan.planner import Measured, PlanRequest, make_plan
-from ferry.shared.sampling import SamplingParams
-from ferry.shared.units import MiB
 from ferry.services.scheduler.batcher import BatchScheduler
 from ferry.services.worker.executor import StepExecutor
 from ferry.services.worker.models import build_model
 from ferry.services.worker.offload.resident import ResidentExperts
 from ferry.services.worker.pools import allocate_pools
 from ferry.services.worker.service import pool_report_from_plan
+from ferry.shared.sampling import SamplingParams
+from ferry.shared.units import MiB
 
 ARCHS = ["qwen3_5_moe", "qwen3_next"]
 PS = 16
@@ -32,9 +31,16 @@ class Engine:
     """What the served processes do per step, in one process: schedule, execute, complete."""
 
     def __init__(self, hf, spec, pages=48, snapshots=None, prefix_cache=True, running=4, prefill=64):
-        req = PlanRequest(gpu_memory=512 * MiB, num_pages=pages, page_size=PS, max_running_requests=running,
-                          max_prefill_tokens=prefill, max_model_len=512, dtype="float32",
-                          linear_state_snapshots=snapshots)  # fmt: skip
+        req = PlanRequest(
+            gpu_memory=512 * MiB,
+            num_pages=pages,
+            page_size=PS,
+            max_running_requests=running,
+            max_prefill_tokens=prefill,
+            max_model_len=512,
+            dtype="float32",
+            linear_state_snapshots=snapshots,
+        )
         self.plan = make_plan(spec, req, Measured(weights_bytes=0, workspace_bytes=0))
         pools = allocate_pools(spec, self.plan, "cpu")
         experts = ResidentExperts(pools.experts, len(spec.moe_layer_indices), spec.num_experts)
@@ -51,7 +57,9 @@ class Engine:
         reqs = []
         for p in prompts:
             self.rid += 1
-            reqs.append(self.sched.add(self.rid, b"t", self.rid, np.array(p, np.int32), SamplingParams(temperature=0), n))
+            reqs.append(
+                self.sched.add(self.rid, b"t", self.rid, np.array(p, np.int32), SamplingParams(temperature=0), n)
+            )
         got: dict[int, list[int]] = {r.rid: [] for r in reqs}
         while (batch := self.sched.schedule()) is not None:
             self.computed += len(batch.tokens)
@@ -86,19 +94,19 @@ def test_a_conversation_from_its_snapshots_equals_full_recompute_and_transformer
     hf, spec = model
     engine = Engine(hf, spec)
     first = _prompt(length, 1)
-    (out1, cached1), = engine.run([first], 12)
+    ((out1, cached1),) = engine.run([first], 12)
     assert cached1 == 0
     # mid-page, the prompt-end snapshot (16) is kept inside the prompt's one step, by the linear layers
     assert engine.saved_inside == (1 if length == 37 else 0)
     # the next turn extends the prompt and its output (where the output's last snapshot is)
     second = first + out1 + _prompt(9, 2)
-    (out2, cached2), = engine.run([second], 8)
+    ((out2, cached2),) = engine.run([second], 8)
     assert cached2 == (length + 12 - 1) // PS * PS
     _same_as_recompute_and_transformers(model, second, out2)
     # another turn extends the first prompt only: it starts from that prompt's snapshot (the last page boundary
     # 8 tokens before its end: 16 for 37 tokens; for 32, the end of its last chunk, 32)
     other = first + _prompt(7, 3)
-    (out3, cached3), = engine.run([other], 8)
+    ((out3, cached3),) = engine.run([other], 8)
     assert cached3 == (32 if length == 32 else 16)
     _same_as_recompute_and_transformers(model, other, out3)
 
@@ -113,7 +121,7 @@ def test_after_the_deeper_snapshot_is_evicted_a_request_starts_from_a_shallower_
     engine.run([_prompt(20, 6)], 2)  # needs an id: the least recently used, 32, goes
     assert engine.sched.snapshots.evictions == 1
     extended = first + _prompt(6, 7)
-    (tokens, cached), = engine.run([extended], 8)
+    ((tokens, cached),) = engine.run([extended], 8)
     assert cached == 16
     _same_as_recompute_and_transformers(model, extended, tokens)
 

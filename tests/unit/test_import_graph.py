@@ -59,7 +59,8 @@ def module_files(root: Path) -> dict[str, Path]:
 def _type_checking(node: ast.If) -> bool:
     test = node.test
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")  # fmt: skip
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _imports(tree: ast.AST, lazy: bool = False):
@@ -172,9 +173,13 @@ def describe(cycle: list[Arrow]) -> str:
 
 def arrows_up(graph: ImportGraph, lower: str, upper: str) -> list[str]:
     """Imports (anywhere in a module) from the package `lower` into the package `upper`."""
-    return [f"{_said(a)}: {m} imports {a.target}"
-            for m in sorted(graph.modules) if m.startswith(lower + ".")
-            for a in graph.inside(m) if a.target == upper or a.target.startswith(upper + ".")]  # fmt: skip
+    return [
+        f"{_said(a)}: {m} imports {a.target}"
+        for m in sorted(graph.modules)
+        if m.startswith(lower + ".")
+        for a in graph.inside(m)
+        if a.target == upper or a.target.startswith(upper + ".")
+    ]
 
 
 def loads(graph: ImportGraph, module: str) -> list[tuple[str, Arrow | None]]:
@@ -215,8 +220,14 @@ def graph() -> ImportGraph:
 
 
 def test_the_graph_sees_every_folder_and_both_kinds_of_import(graph):
-    assert {"ferry", "ferry.shared.wire", "ferry.plan.planner", "ferry.services.cli", "ferry.kernels.dispatch",
-            "ferry.services.worker.models"} <= set(graph.modules)  # fmt: skip
+    assert {
+        "ferry",
+        "ferry.shared.wire",
+        "ferry.plan.planner",
+        "ferry.services.cli",
+        "ferry.kernels.dispatch",
+        "ferry.services.worker.models",
+    } <= set(graph.modules)
     assert graph.modules["ferry.services.worker.models"].name == "__init__.py"
     arrows = graph.arrows["ferry.kernels.grouped_expert_gemm"]
     targets = {a.target for a in arrows}
@@ -229,7 +240,8 @@ def test_the_checks_catch_what_they_look_for(tmp_path):
     """A small tree with a cycle closed inside a function, a kernel importing a service, and a control
     module that reaches torch through two modules and a package __init__."""
     (tmp_path / "pyproject.toml").write_text(
-        '[tool.setuptools.package-dir]\nferry = "ferry"\n"ferry.kernels" = "kernels"\n"ferry.services" = "services"\n')
+        '[tool.setuptools.package-dir]\nferry = "ferry"\n"ferry.kernels" = "kernels"\n"ferry.services" = "services"\n'
+    )
     files = {
         "ferry/__init__.py": "",
         "kernels/a.py": "from ferry.kernels.b import f\n",
@@ -237,12 +249,12 @@ def test_the_checks_catch_what_they_look_for(tmp_path):
         "kernels/c.py": "import torch\nfrom ferry.services.worker.norms import g\n",
         "services/__init__.py": "",
         "services/api.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import torch\n"
-                           "from . import plan\n",
+        "from . import plan\n",
         "services/plan.py": "def later():\n    import torch\nfrom ferry.services.worker.norms import g\n",
         "services/worker/__init__.py": "import torch.nn\n",
         "services/worker/norms.py": "g = 1\n",
         "services/weights.py": "from safetensors.torch import load_file\n",
-    }  # fmt: skip
+    }
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
@@ -250,16 +262,20 @@ def test_the_checks_catch_what_they_look_for(tmp_path):
     (cycle,) = cycles(small)
     assert [(a.source, a.target, a.where, a.lazy) for a in cycle] == [
         ("ferry.kernels.a", "ferry.kernels.b", "kernels/a.py:1", False),
-        ("ferry.kernels.b", "ferry.kernels.a", "kernels/b.py:2", True)]  # fmt: skip
+        ("ferry.kernels.b", "ferry.kernels.a", "kernels/b.py:2", True),
+    ]
     assert arrows_up(small, "ferry.kernels", "ferry.services") == [
-        "kernels/c.py:2: ferry.kernels.c imports ferry.services.worker.norms"]
+        "kernels/c.py:2: ferry.kernels.c imports ferry.services.worker.norms"
+    ]
     assert path_to_torch(small, "ferry.services.api") == [
         "ferry.services.api imports ferry.services.plan (services/api.py:4)",
         "ferry.services.plan imports ferry.services.worker.norms (services/plan.py:3)",
         "ferry.services.worker.norms runs its package ferry.services.worker",
-        "ferry.services.worker imports torch.nn (services/worker/__init__.py:1)"]  # fmt: skip
+        "ferry.services.worker imports torch.nn (services/worker/__init__.py:1)",
+    ]
     assert path_to_torch(small, "ferry.services.weights") == [
-        "ferry.services.weights imports safetensors.torch.load_file (services/weights.py:1)"]
+        "ferry.services.weights imports safetensors.torch.load_file (services/weights.py:1)"
+    ]
     assert path_to_torch(small, "ferry.services.worker.norms") is not None
     assert path_to_torch(small, "ferry.kernels.a") is None
 

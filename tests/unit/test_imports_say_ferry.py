@@ -18,8 +18,12 @@ SKIP = {".venv", ".git", "data", "build", "dist", "__pycache__", "out"}
 
 
 def python_files() -> list[Path]:
-    return [p for p in REPO.rglob("*.py") if not SKIP.intersection(p.relative_to(REPO).parts[:-1])
-            and not any(part.startswith(".") for part in p.relative_to(REPO).parts)]  # fmt: skip
+    return [
+        p
+        for p in REPO.rglob("*.py")
+        if not SKIP.intersection(p.relative_to(REPO).parts[:-1])
+        and not any(part.startswith(".") for part in p.relative_to(REPO).parts)
+    ]
 
 
 def non_ferry_references(path: Path) -> list[str]:
@@ -39,13 +43,21 @@ def non_ferry_references(path: Path) -> list[str]:
 
 def test_the_scan_sees_the_whole_tree():
     files = {str(p.relative_to(REPO)) for p in python_files()}
-    assert {"ferry/__init__.py", "plan/planner.py", "services/cli.py", "tests/conftest.py", "bench/gpu_check.py"} <= files
+    assert {
+        "ferry/__init__.py",
+        "plan/planner.py",
+        "services/cli.py",
+        "tests/conftest.py",
+        "bench/gpu_check.py",
+    } <= files
     assert not [f for f in files if f.startswith((".venv/", "tests/data/"))]
 
 
 def test_the_scan_catches_what_it_looks_for(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text('import shared.wire\nfrom services.cli import main\nX = ["-m", "services.cli", "services.worker.boot:boot_worker"]\n')
+    bad.write_text(
+        'import shared.wire\nfrom services.cli import main\nX = ["-m", "services.cli", "services.worker.boot:boot_worker"]\n'
+    )
     assert len(non_ferry_references(bad)) == 4
 
 

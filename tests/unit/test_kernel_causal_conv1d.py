@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 from interpreted_triton import run_interpreted
+
 from ferry.kernels.causal_conv1d import causal_conv1d_decode, causal_conv1d_varlen, causal_conv1d_with_state
 from ferry.kernels.causal_conv1d_reference import causal_conv1d_varlen_reference
 
@@ -74,7 +74,11 @@ def test_the_state_after_a_chunks_first_inputs_is_the_state_a_chunk_ending_there
 
     g = torch.Generator().manual_seed(n)
     channels, kernel = 6, 4
-    state, x, weight = torch.randn(channels, kernel - 1, generator=g), torch.randn(10, channels, generator=g), torch.randn(channels, kernel, generator=g)
+    state, x, weight = (
+        torch.randn(channels, kernel - 1, generator=g),
+        torch.randn(10, channels, generator=g),
+        torch.randn(channels, kernel, generator=g),
+    )
     _, want = causal_conv1d_with_state(x[:n], state, weight)
     assert torch.equal(conv_state_after(state, x[:n], kernel), want)
 
@@ -105,11 +109,14 @@ def test_prefill_kernel_matches_its_twin(query_lens, kernel, dtype):
     """The Triton prefill conv (interpreted) against the per-request torch twin: the outputs, each
     request's new state, and every other slot untouched (NaN stays NaN)."""
     channels = 136  # one full block of 128 channels and a ragged one
-    x, states, slots, start, weight = _prefill_case(len(query_lens) + kernel, query_lens, channels, kernel, dtype, dtype)
+    x, states, slots, start, weight = _prefill_case(
+        len(query_lens) + kernel, query_lens, channels, kernel, dtype, dtype
+    )
     want_states = states.clone()
     want = causal_conv1d_varlen_reference(x, want_states, slots.tolist(), query_lens, weight)
-    [(got, got_states)] = run_interpreted("tests.unit.interpreted_causal_conv1d", "prefill",
-                                          [((x, states, slots, start, max(query_lens), weight), {})])  # fmt: skip
+    [(got, got_states)] = run_interpreted(
+        "tests.unit.interpreted_causal_conv1d", "prefill", [((x, states, slots, start, max(query_lens), weight), {})]
+    )
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
     torch.testing.assert_close(got, want, **tol)
     torch.testing.assert_close(got_states, want_states, equal_nan=True, rtol=0, atol=0)

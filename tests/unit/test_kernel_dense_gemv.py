@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
-
 from interpreted_triton import run_interpreted
+
 from ferry.kernels.dense_gemv import DENSE_GEMV_MAX_TOKENS, GemvTiles, dense_linear, tiles_for, use_dense_gemv
 
 # (M, N, K, dtype, bias, tiles or None): None takes the table's
@@ -41,8 +41,9 @@ def runs():
     return run_interpreted("tests.unit.interpreted_dense_gemv", "gemv", calls)
 
 
-@pytest.mark.parametrize("index", range(len(CASES)), ids=[f"M{c[0]}-N{c[1]}-K{c[2]}-{str(c[3])[6:]}-bias{c[4]}"
-                                                          for c in CASES])  # fmt: skip
+@pytest.mark.parametrize(
+    "index", range(len(CASES)), ids=[f"M{c[0]}-N{c[1]}-K{c[2]}-{str(c[3])[6:]}-bias{c[4]}" for c in CASES]
+)
 def test_gemv_matches_linear_in_float32(runs, index):
     m, n, k, dtype, bias, _ = CASES[index]
     x, weight, b = _inputs(index, m, n, k, dtype, bias)

@@ -46,9 +46,15 @@ def test_matches_transformers_fallback():
     q, k, v, g, beta, s0 = _inputs(70, 2, 4, 8, 16, seed=2)
     ours, s_ours = gated_delta_rule_chunked(q, k, v, g, beta, s0)
     ref, s_ref = torch_chunk_gated_delta_rule(
-        q[None], k[None], v[None], g=g[None], beta=beta[None], initial_state=s0[None],
-        output_final_state=True, use_qk_l2norm_in_kernel=True,
-    )  # fmt: skip
+        q[None],
+        k[None],
+        v[None],
+        g=g[None],
+        beta=beta[None],
+        initial_state=s0[None],
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )
     torch.testing.assert_close(ours, ref[0], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(s_ours, s_ref[0], rtol=1e-4, atol=1e-5)
 
@@ -84,19 +90,22 @@ def test_keeping_a_state_inside_a_row_gives_the_same_outputs_and_the_state_there
     plain_states = states.clone()
     plain = gated_delta_rule_varlen(q, k, v, g, beta, plain_states, slots, qstart, lens)
     kept_states = states.clone()
-    out, kept = gated_delta_rule_varlen_keeping(q, k, v, g, beta, kept_states, slots, qstart, lens, inside,
-                                                 slots.tolist())  # fmt: skip
+    out, kept = gated_delta_rule_varlen_keeping(
+        q, k, v, g, beta, kept_states, slots, qstart, lens, inside, slots.tolist()
+    )
     torch.testing.assert_close(out, plain, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(kept_states, plain_states, rtol=1e-4, atol=1e-5)
     starts = [0, 12, 16]
     for (row, n), state in zip(inside, kept):
         a = starts[row]
-        _, want = gated_delta_rule_chunked(q[a : a + n], k[a : a + n], v[a : a + n], g[a : a + n], beta[a : a + n],
-                                           states[int(slots[row])])  # fmt: skip
+        _, want = gated_delta_rule_chunked(
+            q[a : a + n], k[a : a + n], v[a : a + n], g[a : a + n], beta[a : a + n], states[int(slots[row])]
+        )
         torch.testing.assert_close(state, want, rtol=1e-4, atol=1e-5)
     # nothing inside: the plain call, and no states kept
-    again, none = gated_delta_rule_varlen_keeping(q, k, v, g, beta, states.clone(), slots, qstart, lens, [],
-                                                   slots.tolist())  # fmt: skip
+    again, none = gated_delta_rule_varlen_keeping(
+        q, k, v, g, beta, states.clone(), slots, qstart, lens, [], slots.tolist()
+    )
     torch.testing.assert_close(again, plain)
     assert none == []
 

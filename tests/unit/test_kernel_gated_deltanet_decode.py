@@ -21,8 +21,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-
 from interpreted_triton import run_interpreted
+
 from ferry.kernels.gated_deltanet_decode_reference import gated_deltanet_decode_reference
 
 HERE = Path(__file__).resolve().parent
@@ -77,8 +77,22 @@ def _steps(decode, projected, params, conv_states, states, slots, k_heads):
     for step in projected:
         qkv, z, b, a = step.split([conv_size, v_heads * v_dim, v_heads, v_heads], dim=-1)
         out = torch.full((step.shape[0], v_heads * v_dim), float("nan"), dtype=step.dtype, device=step.device)
-        decode(qkv, z, b, a, params["conv_weight"], params["A_log"], params["dt_bias"], params["norm_weight"], 1e-6,
-               conv_states, states, slots, k_heads, out=out)  # fmt: skip
+        decode(
+            qkv,
+            z,
+            b,
+            a,
+            params["conv_weight"],
+            params["A_log"],
+            params["dt_bias"],
+            params["norm_weight"],
+            1e-6,
+            conv_states,
+            states,
+            slots,
+            k_heads,
+            out=out,
+        )
         after.append((out, conv_states.clone(), states.clone()))
     return after
 
@@ -100,8 +114,15 @@ def _round_bf16_to_nearest():
 
 
 # the model layer of the integration case: a tiny qwen3_5_moe-shaped Gated DeltaNet
-LAYER = dict(hidden_size=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-             linear_value_head_dim=16, linear_conv_kernel_dim=KERNEL, rms_norm_eps=1e-6)  # fmt: skip
+LAYER = dict(
+    hidden_size=32,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=KERNEL,
+    rms_norm_eps=1e-6,
+)
 
 
 def _layer(weights=None):
@@ -119,9 +140,13 @@ def _layer(weights=None):
 
 def _layer_step(weights, x, slots, fresh, conv_states, states):
     """One decode step of the layer: (its output, conv states, states)."""
-    batch = SimpleNamespace(num_requests=x.shape[0], state_slots=slots, state_slots_host=slots.tolist(),
-                            query_lens_host=[1] * x.shape[0],
-                            query_start=torch.arange(x.shape[0] + 1, dtype=torch.int32))  # fmt: skip
+    batch = SimpleNamespace(
+        num_requests=x.shape[0],
+        state_slots=slots,
+        state_slots_host=slots.tolist(),
+        query_lens_host=[1] * x.shape[0],
+        query_start=torch.arange(x.shape[0] + 1, dtype=torch.int32),
+    )
     pools = SimpleNamespace(linear_state=SimpleNamespace(layer=lambda _: (conv_states, states)))
     with torch.no_grad():
         out = _layer(weights)(x, SimpleNamespace(batch=batch, pools=pools, fresh_state_slots=fresh, cos=None, sin=None))
@@ -181,11 +206,13 @@ def test_fused_decode_matches_the_torch_composition_over_steps(runs, index):
     for step, ((out, conv, states), (want_out, want_conv, want_states)) in enumerate(zip(got, want)):
         assert torch.equal(conv.isnan(), want_conv.isnan()), f"step {step}: conv states outside the batch touched"
         assert torch.equal(conv.nan_to_num(), want_conv.nan_to_num()), f"step {step}: conv states differ"
-        torch.testing.assert_close(states, want_states, rtol=1e-5, atol=1e-6, equal_nan=True,
-                                   msg=lambda m: f"step {step} states: {m}")  # fmt: skip
+        torch.testing.assert_close(
+            states, want_states, rtol=1e-5, atol=1e-6, equal_nan=True, msg=lambda m: f"step {step} states: {m}"
+        )
         tol = OUT_TOL[dtype]
-        torch.testing.assert_close(out.float(), want_out.float(), rtol=tol, atol=tol,
-                                   msg=lambda m: f"step {step} outputs: {m}")  # fmt: skip
+        torch.testing.assert_close(
+            out.float(), want_out.float(), rtol=tol, atol=tol, msg=lambda m: f"step {step} outputs: {m}"
+        )
         if dtype != torch.float32:  # same roundings in the same places: nearly every element bit for bit
             assert (out != want_out).float().mean() <= 0.01, f"step {step}: outputs rounded differently"
 
@@ -205,5 +232,6 @@ def test_a_step_without_requests_launches_nothing():
 
     projected, params, conv_states, states, _, k_heads = _case(9, *CASES[0])
     empty = projected[0, :0]
-    assert _steps(gated_deltanet_decode, empty[None], params, conv_states, states, torch.zeros(0, dtype=torch.long),
-                  k_heads)[0][0].shape == (0, states.shape[1] * states.shape[3])  # fmt: skip
+    assert _steps(
+        gated_deltanet_decode, empty[None], params, conv_states, states, torch.zeros(0, dtype=torch.long), k_heads
+    )[0][0].shape == (0, states.shape[1] * states.shape[3])

@@ -4,18 +4,30 @@ input rows byte for byte, and the fold's rows bit for bit (one float32 add a fir
 
 import pytest
 import torch
-
 from interpreted_triton import run_interpreted
-from ferry.kernels.host_share_rows import (fold_host_sum, fold_host_sum_reference, stage_for_host,
-                                           stage_for_host_reference)  # fmt: skip
+
+from ferry.kernels.host_share_rows import (
+    fold_host_sum,
+    fold_host_sum_reference,
+    stage_for_host,
+    stage_for_host_reference,
+)
 
 # (T rows staged of a buffer of max_tokens, H, dtype, block bytes): one row, several, a width past one block, and
 # a block and rows past what the grid moves in one pass (8 programs x 1,024 words): each program strides on
-STAGE_CASES = [(1, 4, 256, torch.bfloat16, 176), (3, 8, 2048, torch.bfloat16, 1312), (5, 5, 1000, torch.float32, 96),
-               (5, 8, 4096, torch.bfloat16, 40000)]  # fmt: skip
+STAGE_CASES = [
+    (1, 4, 256, torch.bfloat16, 176),
+    (3, 8, 2048, torch.bfloat16, 1312),
+    (5, 5, 1000, torch.float32, 96),
+    (5, 8, 4096, torch.bfloat16, 40000),
+]
 # (T, k, H, rows dtype): the decode path's float32 rows, and bf16 rows rounded once by the add
-FOLD_CASES = [(1, 8, 256, torch.float32), (4, 8, 2048, torch.float32), (3, 2, 1500, torch.float32),
-              (2, 4, 1100, torch.bfloat16)]  # fmt: skip
+FOLD_CASES = [
+    (1, 8, 256, torch.float32),
+    (4, 8, 2048, torch.float32),
+    (3, 2, 1500, torch.float32),
+    (2, 4, 1100, torch.bfloat16),
+]
 
 
 def _stage_inputs(i, t, max_tokens, hidden, dtype, nbytes):
@@ -28,8 +40,9 @@ def _stage_inputs(i, t, max_tokens, hidden, dtype, nbytes):
 @pytest.fixture(scope="module")
 def stage_runs():
     calls = [(_stage_inputs(i, *case), {}) for i, case in enumerate(STAGE_CASES)]
-    return list(zip([c[0] for c in calls], run_interpreted("ferry.kernels.host_share_rows", "stage_for_host_triton",
-                                                           calls)))  # fmt: skip
+    return list(
+        zip([c[0] for c in calls], run_interpreted("ferry.kernels.host_share_rows", "stage_for_host_triton", calls))
+    )
 
 
 @pytest.mark.parametrize("index", range(len(STAGE_CASES)))
@@ -37,9 +50,11 @@ def test_staging_writes_the_block_and_the_rows_and_nothing_past_them(stage_runs,
     (block, block_host, x, x_host), (got_block, got_x) = stage_runs[index]
     want_block, want_x = stage_for_host_reference(block, block_host.clone(), x, x_host.clone())
     assert torch.equal(got_block, want_block) and torch.equal(got_block, block)
-    assert torch.equal(got_x.view(torch.int16 if x.dtype == torch.bfloat16 else torch.int32),
-                       want_x.view(torch.int16 if x.dtype == torch.bfloat16 else torch.int32))  # fmt: skip
-    assert (got_x[x.shape[0]:] == 7.0).all()  # rows past the step's are left as they were
+    assert torch.equal(
+        got_x.view(torch.int16 if x.dtype == torch.bfloat16 else torch.int32),
+        want_x.view(torch.int16 if x.dtype == torch.bfloat16 else torch.int32),
+    )
+    assert (got_x[x.shape[0] :] == 7.0).all()  # rows past the step's are left as they were
 
 
 def _fold_inputs(i, t, k, hidden, dtype):
@@ -55,8 +70,9 @@ def _fold_inputs(i, t, k, hidden, dtype):
 @pytest.fixture(scope="module")
 def fold_runs():
     calls = [(_fold_inputs(i, *case), {}) for i, case in enumerate(FOLD_CASES)]
-    return list(zip([c[0] for c in calls], run_interpreted("ferry.kernels.host_share_rows", "fold_host_sum_triton",
-                                                           calls)))  # fmt: skip
+    return list(
+        zip([c[0] for c in calls], run_interpreted("ferry.kernels.host_share_rows", "fold_host_sum_triton", calls))
+    )
 
 
 @pytest.mark.parametrize("index", range(len(FOLD_CASES)))
@@ -73,7 +89,9 @@ def test_the_fold_zeroes_the_host_pairs_and_adds_the_sum_to_first_rows_as_its_tw
         assert torch.equal(got, want)
     t, k = rows.shape[:2]
     flagged = flags[: t * k].view(t, k).bool()
-    assert (got[:, 1:][flagged[:, 1:]] == 0).all() and torch.equal(got[:, 1:][~flagged[:, 1:]], rows[:, 1:][~flagged[:, 1:]])
+    assert (got[:, 1:][flagged[:, 1:]] == 0).all() and torch.equal(
+        got[:, 1:][~flagged[:, 1:]], rows[:, 1:][~flagged[:, 1:]]
+    )
 
 
 def test_mismatched_buffers_are_refused_with_their_shapes():

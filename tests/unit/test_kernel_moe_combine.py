@@ -9,8 +9,8 @@ rounded once at the end, or skipped a rounding, would not."""
 
 import pytest
 import torch
-
 from interpreted_triton import run_interpreted
+
 from ferry.kernels.moe_combine import moe_combine_reference, silu_mul_reference
 
 
@@ -21,8 +21,12 @@ def _trunc(x: torch.Tensor) -> torch.Tensor:
 
 # (T, I or H, dtype): sizes below, at and above one 1024-wide block, not powers of two
 SILU_CASES = [(1, 24, torch.float32), (3, 512, torch.bfloat16), (17, 1000, torch.float32), (17, 1536, torch.bfloat16)]
-COMBINE_CASES = [(1, 32, torch.float32), (3, 2048, torch.bfloat16), (17, 1000, torch.bfloat16),
-                 (17, 2500, torch.float32)]  # fmt: skip
+COMBINE_CASES = [
+    (1, 32, torch.float32),
+    (3, 2048, torch.bfloat16),
+    (17, 1000, torch.bfloat16),
+    (17, 2500, torch.float32),
+]
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +83,9 @@ def test_the_combine_summing_unsummed_rows_gives_the_bits_of_summing_them_first(
     the combine's own k-order sum must give what summing first and combining gave, with the shared
     expert's output in the dtype and as float32 rows."""
     calls = []
-    for i, (t, k, h, dtype, shared_fp32) in enumerate([(1, 8, 48, torch.bfloat16, True), (3, 4, 100, torch.float32, False),
-                                                        (2, 3, 64, torch.bfloat16, False)]):  # fmt: skip
+    for i, (t, k, h, dtype, shared_fp32) in enumerate(
+        [(1, 8, 48, torch.bfloat16, True), (3, 4, 100, torch.float32, False), (2, 3, 64, torch.bfloat16, False)]
+    ):
         g = torch.Generator().manual_seed(400 + i)
         rows = torch.randn(t, k, h, generator=g) * 2
         gate = torch.rand(t, 1, generator=g).to(dtype)

@@ -7,15 +7,21 @@ import random
 
 import pytest
 import torch
-
 from interpreted_triton import run_interpreted
-from ferry.kernels.paged_attention_reference import (KV_FP8_MAX, gather_request_kv, paged_attention_reference,
-                                                    quantize_kv_rows, write_kv)  # fmt: skip
+
+from ferry.kernels.paged_attention_reference import (
+    KV_FP8_MAX,
+    gather_request_kv,
+    paged_attention_reference,
+    quantize_kv_rows,
+    write_kv,
+)
 from ferry.shared.units import ceil_div
 
 
-def _scenario(seed, page_size, heads, kv_heads, head_dim, query_lens, context_lens, dtype=torch.float32,
-              kv_cache_dtype="auto"):  # fmt: skip
+def _scenario(
+    seed, page_size, heads, kv_heads, head_dim, query_lens, context_lens, dtype=torch.float32, kv_cache_dtype="auto"
+):
     """A poisoned pool, each request's K/V written into shuffled pages; returns everything the kernels need.
     With kv_cache_dtype fp8 the caches are e4m3 and `scales` (k_scale, v_scale), poisoned too, else
     (None, None); dense_k / dense_v are what was written, before quantization."""
@@ -102,8 +108,9 @@ def test_fp8_rows_keep_their_amax_and_round_each_value_to_the_nearest_e4m3():
 @pytest.mark.parametrize("case", CASES)
 def test_fp8_reference_is_attention_over_the_dequantized_rows(case):
     page_size, heads, kv_heads, head_dim, qlens, clens = case
-    q, kc, vc, pt, qs, pos, dense_k, dense_v, (ks, vs) = _scenario(0, page_size, heads, kv_heads, head_dim, qlens,
-                                                                    clens, kv_cache_dtype="fp8")  # fmt: skip
+    q, kc, vc, pt, qs, pos, dense_k, dense_v, (ks, vs) = _scenario(
+        0, page_size, heads, kv_heads, head_dim, qlens, clens, kv_cache_dtype="fp8"
+    )
     out = paged_attention_reference(q, kc, vc, pt, qlens, clens, head_dim**-0.5, ks, vs)
     plain = _scenario(0, page_size, heads, kv_heads, head_dim, qlens, clens)
     exact = paged_attention_reference(q, *plain[1:4], qlens, clens, head_dim**-0.5)
@@ -123,8 +130,9 @@ def test_fp8_gather_dequantizes_into_the_buffer():
     cache = torch.tensor([1.0, 2.0, -4.0, 448.0, 0.5, -1.5], dtype=torch.float8_e4m3fn).reshape(3, 2, 1, 1)
     scales = torch.tensor([0.5, 0.25, 2.0, 1.0, 4.0, 8.0]).reshape(3, 2, 1)
     into = torch.full((3, 2, 1, 1), -7.0, dtype=torch.bfloat16)
-    got = gather_request_kv(cache, torch.tensor([2, 0], dtype=torch.int32), 3, into=into, scales=scales,
-                            dtype=torch.bfloat16)  # fmt: skip
+    got = gather_request_kv(
+        cache, torch.tensor([2, 0], dtype=torch.int32), 3, into=into, scales=scales, dtype=torch.bfloat16
+    )
     assert got.dtype == torch.bfloat16 and got.data_ptr() == into.data_ptr()
     assert got.flatten().tolist() == [2.0, -12.0, 0.5] and into[2:].flatten().tolist() == [-7.0, -7.0]
 
@@ -138,15 +146,21 @@ def test_gather_reads_only_the_requests_pages():
     assert held.flatten().tolist() == [6.0, 7.0, 2.0] and held.data_ptr() == into.data_ptr()
     assert into[2:].flatten().tolist() == [-1.0] * 4
     small = torch.zeros(1, 2, 1, 1)  # without room: a fresh tensor, the destination untouched
-    assert gather_request_kv(cache, torch.tensor([3, 1], dtype=torch.int32), 3, into=small).flatten().tolist() == \
-        [6.0, 7.0, 2.0] and small.flatten().tolist() == [0.0, 0.0]
+    assert gather_request_kv(cache, torch.tensor([3, 1], dtype=torch.int32), 3, into=small).flatten().tolist() == [
+        6.0,
+        7.0,
+        2.0,
+    ] and small.flatten().tolist() == [0.0, 0.0]
 
 
 DTYPES = [torch.float32, torch.bfloat16]
 # (case, q dtype, KV pool): the model dtype's pool at both dtypes, and an fp8 pool (--kv-cache-dtype fp8) at the
 # served bf16 and at float32
-KERNEL_CASES = [(case, dtype, "auto") for case in CASES for dtype in DTYPES] + \
-    [(case, torch.bfloat16, "fp8") for case in CASES] + [(CASES[2], torch.float32, "fp8")]  # fmt: skip
+KERNEL_CASES = (
+    [(case, dtype, "auto") for case in CASES for dtype in DTYPES]
+    + [(case, torch.bfloat16, "fp8") for case in CASES]
+    + [(CASES[2], torch.float32, "fp8")]
+)
 
 
 # The decode kernel runs (token, kv head, split) programs, DECODE_SPLITS of them a token, one by one under the
@@ -185,8 +199,9 @@ def _interpreted(kernel: str, seed: int) -> list[tuple[torch.Tensor, torch.Tenso
         if kernel == "decode":
             calls.append(((q, kc, vc, pt, qs, pos, head_dim**-0.5), dict(out=out, block_n=8, **scales)))
         else:
-            calls.append(((q, kc, vc, pt, qs, pos, qlens, head_dim**-0.5),
-                          dict(out=out, block_rows=16, block_n=16, **scales)))  # fmt: skip
+            calls.append(
+                ((q, kc, vc, pt, qs, pos, qlens, head_dim**-0.5), dict(out=out, block_rows=16, block_n=16, **scales))
+            )
     outs = run_interpreted("ferry.kernels.paged_attention_triton", f"paged_attention_{kernel}_triton", calls)
     return list(zip(expected, outs))
 
@@ -198,8 +213,9 @@ def interpreted_runs():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kernel", ["decode", "prefill"])
-@pytest.mark.parametrize("index", range(len(KERNEL_CASES)),
-                         ids=[f"{i}-{d}-{kv}" for i, (_, d, kv) in enumerate(KERNEL_CASES)])  # fmt: skip
+@pytest.mark.parametrize(
+    "index", range(len(KERNEL_CASES)), ids=[f"{i}-{d}-{kv}" for i, (_, d, kv) in enumerate(KERNEL_CASES)]
+)
 def test_triton_kernel_matches_reference(kernel, index, interpreted_runs):
     expected, out = interpreted_runs[kernel][index]
     assert torch.isfinite(out).all()
@@ -214,9 +230,11 @@ def test_fp8_gather_kernel_matches_the_reference_gather():
     calls, expected = [], []
     shapes = [(16, 2, 32, 37), (4, 1, 24, 9), (1, 3, 16, 5)]
     for seed, ((page_size, kv_heads, head_dim, length), dtype) in enumerate(
-            [(shape, dtype) for shape in shapes for dtype in (torch.float32, torch.bfloat16)]):  # fmt: skip
-        _, kc, _, pt, *_, (ks, _) = _scenario(seed, page_size, 2 * kv_heads, kv_heads, head_dim, [length], [0],
-                                              kv_cache_dtype="fp8")  # fmt: skip
+        [(shape, dtype) for shape in shapes for dtype in (torch.float32, torch.bfloat16)]
+    ):
+        _, kc, _, pt, *_, (ks, _) = _scenario(
+            seed, page_size, 2 * kv_heads, kv_heads, head_dim, [length], [0], kv_cache_dtype="fp8"
+        )
         pages = ceil_div(length, page_size)
         expected.append(gather_request_kv(kc, pt[0], length, scales=ks, dtype=dtype))
         into = torch.full((pages + 2, page_size, kv_heads, head_dim), -7.0, dtype=dtype)
@@ -267,9 +285,11 @@ def test_prefill_kernel_leaves_skipped_requests_rows_alone():
     q, kc, vc, pt, qs, pos, _, _ = _scenario(3, 8, 8, 1, 32, qlens, clens)
     expected = paged_attention_reference(q, kc, vc, pt, qlens, clens, 32**-0.5)
     out = torch.full_like(q, 7.0)
-    (got,) = run_interpreted("ferry.kernels.paged_attention_triton", "paged_attention_prefill_triton",
-                             [((q, kc, vc, pt, qs, pos, qlens, 32**-0.5), dict(out=out, block_rows=16, block_n=16,
-                                                                              skip=(0,)))])  # fmt: skip
+    (got,) = run_interpreted(
+        "ferry.kernels.paged_attention_triton",
+        "paged_attention_prefill_triton",
+        [((q, kc, vc, pt, qs, pos, qlens, 32**-0.5), dict(out=out, block_rows=16, block_n=16, skip=(0,)))],
+    )
     assert (got[:40] == 7.0).all(), "a skipped request's rows were written"
     torch.testing.assert_close(got[40:], expected[40:], rtol=1e-5, atol=1e-5)
 
@@ -299,8 +319,9 @@ def test_flash_is_asked_what_the_lower_right_causal_bias_asks():
     asked, real = [], bias.can_use_flash_attention
     bias.can_use_flash_attention = lambda p, *a: asked.append(p) or False  # CPU: on to SDPA's other paths
     try:
-        torch.nn.functional.scaled_dot_product_attention(query, key, key, attn_mask=causal_lower_right(8, 24),
-                                                         enable_gqa=True)  # fmt: skip
+        torch.nn.functional.scaled_dot_product_attention(
+            query, key, key, attn_mask=causal_lower_right(8, 24), enable_gqa=True
+        )
     finally:
         bias.can_use_flash_attention = real
     assert [fields(p) for p in asked] == [fields(params)]

@@ -4,8 +4,8 @@ KV pool poisoned with NaN, so unwritten elements and writes to the wrong rows bo
 
 import pytest
 import torch
-
 from interpreted_triton import run_interpreted
+
 from ferry.kernels.paged_attention_reference import write_kv
 from ferry.services.worker.models.norms import make_norm
 from ferry.services.worker.models.rotary import RotaryEmbedding
@@ -46,8 +46,26 @@ def runs():
         write_kv(want_k, want_v, slots, rotary.apply(k_norm(k), cos, sin), v)
         expected.append((rotary.apply(q_norm(q), cos, sin), want_k, want_v))
         q_out = torch.full(q.shape, float("nan"), dtype=q.dtype)
-        calls.append(((q, k, v, q_norm.weight.detach(), k_norm.weight.detach(), 1e-6, case[5], cos, sin,
-                       rotary.rotary_dim, slots, cache.clone(), cache.clone()), dict(q_out=q_out)))  # fmt: skip
+        calls.append(
+            (
+                (
+                    q,
+                    k,
+                    v,
+                    q_norm.weight.detach(),
+                    k_norm.weight.detach(),
+                    1e-6,
+                    case[5],
+                    cos,
+                    sin,
+                    rotary.rotary_dim,
+                    slots,
+                    cache.clone(),
+                    cache.clone(),
+                ),
+                dict(q_out=q_out),
+            )
+        )
     outs = run_interpreted("tests.unit.kernels.qk_norm_rope_entry", "run_and_return_caches", calls)
     return list(zip(expected, outs))
 
@@ -76,9 +94,26 @@ def fp8_runs():
         k_rows = rotary.apply(k_norm(k), cos, sin)
         write_kv(want[0], want[1], slots, k_rows, v, want[2], want[3])
         expected.append(want)
-        calls.append(((q, k, v, q_norm.weight.detach(), k_norm.weight.detach(), 1e-6, case[5], cos, sin,
-                       rotary.rotary_dim, slots, fp8.clone(), fp8.clone()),
-                      dict(k_scale=scale.clone(), v_scale=scale.clone())))  # fmt: skip
+        calls.append(
+            (
+                (
+                    q,
+                    k,
+                    v,
+                    q_norm.weight.detach(),
+                    k_norm.weight.detach(),
+                    1e-6,
+                    case[5],
+                    cos,
+                    sin,
+                    rotary.rotary_dim,
+                    slots,
+                    fp8.clone(),
+                    fp8.clone(),
+                ),
+                dict(k_scale=scale.clone(), v_scale=scale.clone()),
+            )
+        )
     outs = run_interpreted("tests.unit.kernels.qk_norm_rope_entry", "run_and_return_caches_and_scales", calls)
     return list(zip(expected, outs))
 

@@ -3,8 +3,8 @@ interpreter, in a child process (interpreted_triton.py). Fresh random inputs, ou
 
 import pytest
 import torch
-
 from interpreted_triton import run_interpreted
+
 from ferry.services.worker.models.norms import GatedRMSNorm, RMSNorm, ZeroCenteredRMSNorm
 
 # (shape, strided per-head view?, zero-centred?, with residual?, dtype)
@@ -77,7 +77,9 @@ def gated_runs():
         x = (torch.randn(*shape, generator=g) * 3).to(dtype)
         gate = (torch.randn(shape[0], shape[1], 3 * d, generator=g) * 2).to(dtype)[..., d : 2 * d]
         expected.append(norm.reference(x, gate))
-        calls.append(((x, norm.weight.detach(), 1e-6, False), dict(gate=gate, out=torch.full(shape, float("nan"), dtype=dtype))))
+        calls.append(
+            ((x, norm.weight.detach(), 1e-6, False), dict(gate=gate, out=torch.full(shape, float("nan"), dtype=dtype)))
+        )
     outs = run_interpreted("ferry.kernels.rms_norm", "rms_norm_triton", calls)
     return list(zip(expected, outs))
 

@@ -4,8 +4,8 @@ float32 and bfloat16."""
 
 import pytest
 import torch
-
 from interpreted_triton import run_interpreted
+
 from ferry.kernels.rotary_cos_sin import rotary_cos_sin, rotary_cos_sin_reference
 from ferry.services.worker.models.rotary import RotaryEmbedding
 
@@ -46,5 +46,10 @@ def test_off_the_triton_path_the_module_runs_the_torch_twin():
     want = rotary_cos_sin_reference(positions, rotary.inv_freq_both, torch.bfloat16)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     strided = torch.arange(18)[::2]  # not contiguous: the twin, whatever the device
-    assert all(torch.equal(a, b) for a, b in zip(rotary_cos_sin(strided, rotary.inv_freq_both, torch.float32),
-                                                 rotary_cos_sin_reference(strided, rotary.inv_freq_both, torch.float32)))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(
+            rotary_cos_sin(strided, rotary.inv_freq_both, torch.float32),
+            rotary_cos_sin_reference(strided, rotary.inv_freq_both, torch.float32),
+        )
+    )

@@ -4,8 +4,8 @@
 
 import pytest
 import torch
-
 from interpreted_triton import run_interpreted
+
 from ferry.kernels.router_topk_reference import mark_routed_reference, router_topk_reference
 
 # (T, E, k, norm_topk_prob, shared gate column?, dtype, logits): "randn" distinct values, "ties"
@@ -48,15 +48,19 @@ def runs():
     for i, (t, e, k, norm, shared, dtype, kind) in enumerate(CASES):
         logits = _logits(i, t, e, shared, dtype, kind)
         expected.append(router_topk_reference(logits, k, norm, e))
-        out = (torch.full((t, k), -1, dtype=torch.int64), torch.full((t, k), float("nan"), dtype=dtype),
-               torch.full((t, 1), float("nan"), dtype=dtype))  # fmt: skip
+        out = (
+            torch.full((t, k), -1, dtype=torch.int64),
+            torch.full((t, k), float("nan"), dtype=dtype),
+            torch.full((t, 1), float("nan"), dtype=dtype),
+        )
         calls.append(((logits, k, norm, e), dict(out=out)))
     return list(zip(expected, run_interpreted("ferry.kernels.router_topk", "router_topk_triton", calls)))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("index", range(len(CASES)), ids=[f"T{c[0]}-E{c[1]}-k{c[2]}-norm{c[3]}-shared{c[4]}-{c[6]}"
-                                                          for c in CASES])  # fmt: skip
+@pytest.mark.parametrize(
+    "index", range(len(CASES)), ids=[f"T{c[0]}-E{c[1]}-k{c[2]}-norm{c[3]}-shared{c[4]}-{c[6]}" for c in CASES]
+)
 def test_router_kernel_matches_its_twin(runs, index):
     (want_ids, want_w, want_shared), (ids, w, shared) = runs[index]
     t, e, k, norm, has_shared, dtype, kind = CASES[index]
@@ -77,16 +81,20 @@ def test_router_kernel_matches_its_twin(runs, index):
 
 def test_ties_go_to_the_lower_expert_id():
     logits = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0, 2.0]])
-    (ids, w, _), = run_interpreted("ferry.kernels.router_topk", "router_topk_triton",
-                                   [((logits, 4, True, 6), {})])  # fmt: skip
+    ((ids, w, _),) = run_interpreted("ferry.kernels.router_topk", "router_topk_triton", [((logits, 4, True, 6), {})])
     assert ids.tolist() == [[1, 2, 4, 3]]
     assert torch.equal(ids, router_topk_reference(logits, 4, True, 6)[0])
     assert w[0, 0] == w[0, 1] == w[0, 2] > w[0, 3]
 
 
 # (T, layers, E, k, layer, n_rows or None)
-MARK_CASES = [(1, 3, 8, 2, 1, None), (3, 2, 6, 2, 1, 2), (17, 4, 256, 8, 3, 9), (17, 2, 60, 4, 0, 17),
-              (5, 2, 8, 3, 1, 0)]  # fmt: skip
+MARK_CASES = [
+    (1, 3, 8, 2, 1, None),
+    (3, 2, 6, 2, 1, 2),
+    (17, 4, 256, 8, 3, 9),
+    (17, 2, 60, 4, 0, 17),
+    (5, 2, 8, 3, 1, 0),
+]
 
 
 @pytest.fixture(scope="module")

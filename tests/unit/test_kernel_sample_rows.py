@@ -2,8 +2,8 @@
 interpreter (a child process), and the twin against the race it stands for (argmax of p / q)."""
 
 import torch
-
 from interpreted_triton import run_interpreted
+
 from ferry.kernels.sample_rows import BLOCK_V, sample_rows_reference
 
 
@@ -50,6 +50,7 @@ def test_twin_is_the_exponential_race_and_ties_go_to_the_lowest_id():
     assert torch.allclose(logprobs, torch.log_softmax(logits * inv_t[:, None], -1).gather(1, tokens[:, None])[:, 0])
     tied = torch.zeros(1, 50)
     tied[0, [7, 30]] = 1.0
-    (tok,), _ = run_interpreted("ferry.kernels.sample_rows", "sample_rows_triton",
-                                [((tied, torch.ones(1), None, torch.tensor([-1])), {})])[0]  # fmt: skip
+    (tok,), _ = run_interpreted(
+        "ferry.kernels.sample_rows", "sample_rows_triton", [((tied, torch.ones(1), None, torch.tensor([-1])), {})]
+    )[0]
     assert int(tok) == 7 == int(sample_rows_reference(tied, torch.ones(1), None, torch.tensor([-1]))[0])

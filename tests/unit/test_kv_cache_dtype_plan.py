@@ -19,19 +19,28 @@ from ferry.shared.units import GiB, round_up
 from tests.helpers import QWEN3_6_35B
 
 TINY = {
-    "model_type": "qwen3_moe", "vocab_size": 256, "hidden_size": 32, "num_hidden_layers": 3,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "num_experts": 8,
-    "num_experts_per_tok": 2, "moe_intermediate_size": 16, "max_position_embeddings": 512,
+    "model_type": "qwen3_moe",
+    "vocab_size": 256,
+    "hidden_size": 32,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 16,
+    "max_position_embeddings": 512,
     "torch_dtype": "bfloat16",
-}  # fmt: skip
+}
 SPEC = parse_model_config(TINY)
 FACTS = Measured(weights_bytes=300_000, workspace_bytes=2_000_000)
 MiB2 = 2 * 2**20
 
 
 def test_fp8_kv_is_priced_as_its_values_and_scales_with_the_same_sentinel_and_alignment():
-    p = make_plan(SPEC, PlanRequest(gpu_memory=10**9, memory_ratio=1.0, num_pages=40, page_size=4,
-                                    kv_cache_dtype="fp8"), FACTS)  # fmt: skip
+    p = make_plan(
+        SPEC, PlanRequest(gpu_memory=10**9, memory_ratio=1.0, num_pages=40, page_size=4, kv_cache_dtype="fp8"), FACTS
+    )
     rows = 3 * 2 * 2  # layers x (K, V) x kv heads
     assert p.kv.bytes_per_token == rows * (8 * 1 + 4) == 144 and p.kv.scale_bytes_per_token == rows * 4
     assert (p.kv.cache_dtype, p.kv.value_dtype) == ("fp8", "float8_e4m3fn")
@@ -42,8 +51,14 @@ def test_fp8_kv_is_priced_as_its_values_and_scales_with_the_same_sentinel_and_al
     assert bf16.kv.bytes_per_token == rows * 8 * 2 and bf16.kv.scale_bytes_per_token == 0
     assert (bf16.kv.cache_dtype, bf16.kv.value_dtype) == ("auto", "bfloat16")
     # an explicit auto is the default plan, field for field
-    assert make_plan(SPEC, PlanRequest(gpu_memory=10**9, memory_ratio=1.0, num_pages=40, page_size=4,
-                                       kv_cache_dtype="auto"), FACTS) == bf16  # fmt: skip
+    assert (
+        make_plan(
+            SPEC,
+            PlanRequest(gpu_memory=10**9, memory_ratio=1.0, num_pages=40, page_size=4, kv_cache_dtype="auto"),
+            FACTS,
+        )
+        == bf16
+    )
 
 
 def test_fp8_pool_allocates_exactly_the_plan_at_a_budget_of_exactly_its_total():
@@ -70,8 +85,7 @@ def test_a_model_dtype_pool_has_no_scales():
 
 
 def test_worker_refuses_a_kv_pool_other_than_the_priced_one():
-    p = make_plan(SPEC, PlanRequest(gpu_memory=10**9, memory_ratio=1.0, num_pages=40_000, kv_cache_dtype="fp8"),
-                  FACTS)  # fmt: skip
+    p = make_plan(SPEC, PlanRequest(gpu_memory=10**9, memory_ratio=1.0, num_pages=40_000, kv_cache_dtype="fp8"), FACTS)
     other = dataclasses.replace(p, kv=dataclasses.replace(p.kv, cache_dtype="auto"))
     with pytest.raises(PoolAllocationError, match="kv pool layout"):
         allocate_pools(SPEC, other, "cpu")
@@ -85,9 +99,12 @@ def test_an_unknown_kv_cache_dtype_names_the_flag():
 def _plan_262k(spec, kv_cache_dtype):
     req = PlanRequest(gpu_memory=24 * GiB, max_model_len=262_144, kv_cache_dtype=kv_cache_dtype, host_memory=128 * GiB)
     r = resolve(spec, req)
-    measured = Measured(weights_bytes=resident_weight_bytes_from_shapes(spec, r.dtype),
-                        workspace_bytes=workspace_bytes_estimate(spec, r.dtype, r.max_prefill_tokens,
-                                                                 r.max_running_requests, r.max_model_len))  # fmt: skip
+    measured = Measured(
+        weights_bytes=resident_weight_bytes_from_shapes(spec, r.dtype),
+        workspace_bytes=workspace_bytes_estimate(
+            spec, r.dtype, r.max_prefill_tokens, r.max_running_requests, r.max_model_len
+        ),
+    )
     return make_plan(spec, req, measured)
 
 
@@ -109,15 +126,38 @@ def test_fp8_kv_at_262k_context_on_24gib_turns_the_saved_bytes_into_expert_slots
 
 def test_ferry_plan_shows_fp8_kv_in_its_table_and_json():
     def plan(*extra):
-        return subprocess.run([sys.executable, "-m", "ferry.services.cli", "plan", "--model", str(QWEN3_6_35B),
-                               "--gpu-memory", "24GiB", "--max-model-len", "262144", "--host-memory", "128GiB",
-                               "--kv-cache-dtype", "fp8", *extra], capture_output=True, text=True, timeout=120)  # fmt: skip
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "ferry.services.cli",
+                "plan",
+                "--model",
+                str(QWEN3_6_35B),
+                "--gpu-memory",
+                "24GiB",
+                "--max-model-len",
+                "262144",
+                "--host-memory",
+                "128GiB",
+                "--kv-cache-dtype",
+                "fp8",
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
 
     out = plan("--json")
     assert out.returncode == 0, out.stderr
     kv = json.loads(out.stdout)["kv"]
-    assert (kv["cache_dtype"], kv["value_dtype"], kv["bytes_per_token"], kv["scale_bytes_per_token"]) == \
-        ("fp8", "float8_e4m3fn", 10_400, 160)  # fmt: skip
+    assert (kv["cache_dtype"], kv["value_dtype"], kv["bytes_per_token"], kv["scale_bytes_per_token"]) == (
+        "fp8",
+        "float8_e4m3fn",
+        10_400,
+        160,
+    )
     table = plan()
     assert table.returncode == 0, table.stderr
     assert "10400 B/token (fp8 e4m3, 160 B of it scales)" in table.stdout

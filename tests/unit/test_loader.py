@@ -8,10 +8,10 @@ import shutil
 import pytest
 import torch
 
-from ferry.shared.errors import ModelLoadError
 from ferry.plan.costs import is_routed_expert, resident_weight_shapes
 from ferry.services.worker.dummy_weights import dummy_tensor, iter_dummy_tensors, routed_expert_shapes
 from ferry.services.worker.loader import open_model, resident_weights, routed_expert_weights
+from ferry.shared.errors import ModelLoadError
 
 
 def test_local_directory_two_passes_cover_the_checkpoint(tiny_model):
@@ -108,14 +108,25 @@ def test_dummy_weights_have_checkpoint_shapes_and_are_deterministic(tiny_model):
     assert all(torch.equal(a[n], b[n]) and a[n].dtype == torch.bfloat16 for n in a)
     # seeded by name: different tensors of one shape differ, and a tensor does not depend on the others
     assert not torch.equal(a["model.layers.0.mlp.gate.weight"], a["model.layers.1.mlp.gate.weight"])
-    alone = dummy_tensor(spec, "model.layers.1.mlp.gate.weight", shapes["model.layers.1.mlp.gate.weight"],
-                         torch.bfloat16, torch.device("cpu"))  # fmt: skip
+    alone = dummy_tensor(
+        spec,
+        "model.layers.1.mlp.gate.weight",
+        shapes["model.layers.1.mlp.gate.weight"],
+        torch.bfloat16,
+        torch.device("cpu"),
+    )
     assert torch.equal(alone, a["model.layers.1.mlp.gate.weight"])
     experts = dict(routed_expert_weights(files, torch.bfloat16, "cpu"))
     assert {n: tuple(t.shape) for n, t in experts.items()} == routed_expert_shapes(spec)
     # the recipe of honest routing: a strong token embedding, weak writes into the residual stream
-    std = {n: a[n].float().std().item() for n in ("model.embed_tokens.weight", "model.layers.1.self_attn.o_proj.weight",
-                                                  "model.layers.0.mlp.gate.weight")}  # fmt: skip
+    std = {
+        n: a[n].float().std().item()
+        for n in (
+            "model.embed_tokens.weight",
+            "model.layers.1.self_attn.o_proj.weight",
+            "model.layers.0.mlp.gate.weight",
+        )
+    }
     assert 0.9 < std["model.embed_tokens.weight"] < 1.1
     assert 0.0015 < std["model.layers.1.self_attn.o_proj.weight"] < 0.0025
     assert 0.015 < std["model.layers.0.mlp.gate.weight"] < 0.025
@@ -152,8 +163,14 @@ def _qwen3_next_spec():
 
     from ferry.plan.model_config import parse_model_config
 
-    config = Qwen3NextConfig(num_hidden_layers=4, hidden_size=256, num_experts=16, moe_intermediate_size=64,
-                             shared_expert_intermediate_size=64, vocab_size=1000)  # fmt: skip
+    config = Qwen3NextConfig(
+        num_hidden_layers=4,
+        hidden_size=256,
+        num_experts=16,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+        vocab_size=1000,
+    )
     return parse_model_config(config.to_dict())
 
 
@@ -163,8 +180,8 @@ def test_dummy_names_and_shapes_are_what_the_real_models_load(config_dir):
     exactly what the model accepts (checked on the meta device: no memory, no compute)."""
     from pathlib import Path
 
-    from ferry.services.worker.models import build_model
     from ferry.plan.model_config import load_model_config
+    from ferry.services.worker.models import build_model
 
     if config_dir == "qwen3_next":  # no published config in tests/data: transformers' defaults, made small
         spec = _qwen3_next_spec()

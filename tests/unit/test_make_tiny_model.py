@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from ferry.shared.eos import eos_token_ids
-from ferry.services.make_tiny_model import make_tiny_model
 from ferry.plan.model_config import load_model_config
+from ferry.services.make_tiny_model import make_tiny_model
+from ferry.shared.eos import eos_token_ids
 
 
 def test_same_seed_gives_byte_identical_checkpoint(tiny_models, tmp_path):
@@ -71,4 +71,6 @@ def test_cli_writes_the_same_checkpoint(tiny_models, tmp_path, capsys):
 
     assert main(["make-tiny-model", str(tmp_path / "cli"), "--arch", "qwen3_moe", "--seed", "0"]) == 0
     assert "wrote a tiny qwen3_moe checkpoint" in capsys.readouterr().out
-    assert (tmp_path / "cli" / "model.safetensors").read_bytes() == (tiny_models["qwen3_moe"] / "model.safetensors").read_bytes()
+    assert (tmp_path / "cli" / "model.safetensors").read_bytes() == (
+        tiny_models["qwen3_moe"] / "model.safetensors"
+    ).read_bytes()

@@ -27,8 +27,9 @@ def _estimates(spec, gpu_memory_given=True):
         weights = resident_weight_bytes_from_shapes(spec, spec.dtype)
         if step is None:
             return Measured(weights, 0, outside=outside)
-        workspace = workspace_bytes_estimate(spec, step.dtype, step.max_prefill_tokens, step.max_running_requests,
-                                             step.max_model_len)  # fmt: skip
+        workspace = workspace_bytes_estimate(
+            spec, step.dtype, step.max_prefill_tokens, step.max_running_requests, step.max_model_len
+        )
         return Measured(weights, workspace, outside=outside)
 
     return measure
@@ -57,7 +58,10 @@ def test_bf16_35b_at_24gib_gets_a_single_users_defaults_and_many_more_slots():
 def test_a_card_holding_every_expert_keeps_a_servers_defaults():
     spec, plan = _plan(QWEN3_30B, gpu_memory=80 * GiB)
     assert plan.experts.slots == spec.total_experts
-    assert (plan.max_running_requests, plan.max_model_len) == (DEFAULT_MAX_RUNNING_REQUESTS, spec.max_position_embeddings)
+    assert (plan.max_running_requests, plan.max_model_len) == (
+        DEFAULT_MAX_RUNNING_REQUESTS,
+        spec.max_position_embeddings,
+    )
     assert "server's defaults" in plan.sizing_source
 
 
@@ -92,7 +96,10 @@ def test_a_plan_that_does_not_fit_names_the_flags_that_would_together():
     text = str(err.value)
     assert "--gpu-memory would have to be at least" in text
     line = next(ln for ln in text.splitlines() if "these fit together" in ln)
-    n, m = int(line.split("--max-running-requests ")[1].split()[0]), int(line.split("--max-model-len ")[1].split(":")[0])
+    n, m = (
+        int(line.split("--max-running-requests ")[1].split()[0]),
+        int(line.split("--max-model-len ")[1].split(":")[0]),
+    )
     _, fits = _plan(model, gpu_memory=16 * GiB, max_running_requests=n, max_model_len=m, max_prefill_tokens=2048)
     assert fits.total_bytes <= fits.budget_bytes
 
@@ -105,10 +112,13 @@ def test_gpu_memory_is_the_whole_process_context_included():
     measured = Measured(3 * GiB, 1 * GiB, free_bytes=79 * GiB, outside=outside)
     plan = make_plan(spec, PlanRequest(gpu_memory=24 * GiB, host_memory=HOST, max_model_len=4096), measured)
     assert plan.budget_bytes == 24 * GiB - 728 * MiB - 256 * MiB
-    assert "728.00 MiB outside the allocator" in plan.budget_derivation and "allocator headroom" in plan.budget_derivation
+    assert (
+        "728.00 MiB outside the allocator" in plan.budget_derivation and "allocator headroom" in plan.budget_derivation
+    )
     # an explicit ratio is its own headroom
-    ratio = make_plan(spec, PlanRequest(gpu_memory=24 * GiB, memory_ratio=0.95, host_memory=HOST, max_model_len=4096),
-                      measured)  # fmt: skip
+    ratio = make_plan(
+        spec, PlanRequest(gpu_memory=24 * GiB, memory_ratio=0.95, host_memory=HOST, max_model_len=4096), measured
+    )
     assert ratio.budget_bytes == int(24 * GiB * 0.95) - 728 * MiB
 
 
@@ -123,7 +133,9 @@ def test_gpu_memory_past_what_the_card_has_names_the_largest_value():
 
 def test_cpu_budgets_have_nothing_outside_them():
     spec = load_model_config(QWEN3_30B)
-    plan = make_plan(spec, PlanRequest(gpu_memory=24 * GiB, host_memory=HOST, max_model_len=4096), Measured(3 * GiB, GiB))
+    plan = make_plan(
+        spec, PlanRequest(gpu_memory=24 * GiB, host_memory=HOST, max_model_len=4096), Measured(3 * GiB, GiB)
+    )
     assert plan.budget_bytes == 24 * GiB and plan.budget_derivation.endswith("= 24.00 GiB")
 
 
@@ -141,17 +153,25 @@ def test_without_long_prompts_the_chunk_weighs_a_chat_turns_decode_misses():
     from ferry.plan.store_plan import plan_for_expert_store
 
     raw = json.loads((QWEN3_6_35B / "config.json").read_text())
-    raw["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
-                                  "exclude_modules": ["lm_head", "model.embed_tokens"]}  # fmt: skip
+    raw["quantization_config"] = {
+        "quant_method": "modelopt",
+        "quant_algo": "NVFP4",
+        "group_size": 16,
+        "exclude_modules": ["lm_head", "model.embed_tokens"],
+    }
     spec = parse_model_config(raw)
-    flags = dict(gpu_memory=24 * GiB, max_running_requests=8, max_model_len=8192, host_memory=HOST,
-                 linear_state_snapshots=8)  # fmt: skip
+    flags = dict(
+        gpu_memory=24 * GiB, max_running_requests=8, max_model_len=8192, host_memory=HOST, linear_state_snapshots=8
+    )
     chosen = plan_with_prefill_chunk(spec, PlanRequest(**flags), _estimates(spec))
     k_layers = spec.num_experts_per_tok * len(spec.moe_layer_indices)
 
     def chat_cost(plan):
         unslotted = spec.total_experts - plan.experts.slots
-        return unslotted / plan.max_prefill_tokens + k_layers * unslotted / spec.total_experts / PROMPT_TOKENS_PER_OUTPUT_TOKEN
+        return (
+            unslotted / plan.max_prefill_tokens
+            + k_layers * unslotted / spec.total_experts / PROMPT_TOKENS_PER_OUTPUT_TOKEN
+        )
 
     plans = {}
     for tokens in (8192, 4096, 2048):
@@ -167,8 +187,13 @@ def test_an_offloading_plan_keeps_one_snapshot_a_running_request():
     """Both sizing flags given, snapshots not: where experts are offloaded each running request keeps one snapshot
     (its conversation's deepest point), the second's 61 MiB going to slots; with every expert resident, two."""
     _, offloaded = _plan(QWEN3_6_35B, gpu_memory=24 * GiB, max_running_requests=8, max_model_len=8192)
-    assert offloaded.linear_state_snapshots.snapshots == 8 and "1 x max_running_requests" in offloaded.linear_state_snapshots.source
-    _, given = _plan(QWEN3_6_35B, gpu_memory=24 * GiB, max_running_requests=8, max_model_len=8192, linear_state_snapshots=16)
+    assert (
+        offloaded.linear_state_snapshots.snapshots == 8
+        and "1 x max_running_requests" in offloaded.linear_state_snapshots.source
+    )
+    _, given = _plan(
+        QWEN3_6_35B, gpu_memory=24 * GiB, max_running_requests=8, max_model_len=8192, linear_state_snapshots=16
+    )
     assert given.linear_state_snapshots.snapshots == 16 and given.experts.slots < offloaded.experts.slots
     spec, resident = _plan(QWEN3_6_35B, gpu_memory=80 * GiB, max_running_requests=8, max_model_len=8192)
     assert resident.experts.slots == spec.total_experts and resident.linear_state_snapshots.snapshots == 16

@@ -7,19 +7,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from model_harness import PagedRunner, assert_logits_close, hf_greedy
 from test_hybrid_prefix_parity import Engine, _prompt
 from tiny_models import tiny_model
 
-from tests.helpers import QWEN3_6_35B
-
 from ferry.plan.costs import MIXER_SLICE_TOKENS, workspace_bytes_estimate
 from ferry.plan.model_config import load_model_config
-from ferry.shared.step import StepBatch
 from ferry.services.worker import forward_batch
 from ferry.services.worker.forward_batch import ForwardBatch
 from ferry.services.worker.mixer_slices import mixer_slices, slice_bounds
+from ferry.shared.step import StepBatch
+from tests.helpers import QWEN3_6_35B
 
 PS = 4
 
@@ -41,12 +39,18 @@ def _step(query_lens, context_lens=None, reset=None, save=None) -> StepBatch:
         for row, (snapshot, offset) in save.items():
             save_state[row], save_offset[row] = snapshot, offset
     return StepBatch(
-        step_id=7, req_ids=np.arange(10, 10 + len(q), dtype=np.int64),
-        tokens=np.arange(int(q.sum()), dtype=np.int32) % 90, query_lens=q, context_lens=c, page_table=table,
+        step_id=7,
+        req_ids=np.arange(10, 10 + len(q), dtype=np.int64),
+        tokens=np.arange(int(q.sum()), dtype=np.int32) % 90,
+        query_lens=q,
+        context_lens=c,
+        page_table=table,
         linear_state_slots=np.arange(1, len(q) + 1, dtype=np.int32),
         reset_linear_state=np.ones(len(q), bool) if reset is None else np.asarray(reset, bool),
-        sample=np.ones(len(q), bool), save_state=save_state, save_offset=save_offset,
-    )  # fmt: skip
+        sample=np.ones(len(q), bool),
+        save_state=save_state,
+        save_offset=save_offset,
+    )
 
 
 def test_a_step_within_the_slice_is_not_cut():
@@ -57,8 +61,16 @@ def test_rows_cut_by_a_slice_continue_in_the_next_from_their_context():
     step = _step([5, 40, 3], context_lens=[0, 8, 2], reset=[True, True, False])
     slices = mixer_slices(step, 16)
     assert [(a, b) for a, b, _ in slices] == [(0, 16), (16, 32), (32, 48)]
-    parts = [(s.req_ids.tolist(), s.query_lens.tolist(), s.context_lens.tolist(), s.reset_linear_state.tolist(),
-              s.linear_state_slots.tolist()) for _, _, s in slices]  # fmt: skip
+    parts = [
+        (
+            s.req_ids.tolist(),
+            s.query_lens.tolist(),
+            s.context_lens.tolist(),
+            s.reset_linear_state.tolist(),
+            s.linear_state_slots.tolist(),
+        )
+        for _, _, s in slices
+    ]
     assert parts == [
         ([10, 11], [5, 11], [0, 8], [True, True], [1, 2]),
         ([11], [16], [19], [False], [2]),  # the row's tokens 11..26, after its 8 of context and 11 of the step
@@ -94,8 +106,14 @@ def test_a_cut_never_falls_on_a_point_kept_inside_a_chunk(monkeypatch):
     step = _step([5, 30], save={1: (4, 6)})
     assert slice_bounds(step, 16) == [(0, 10), (10, 23), (23, 35)]
     slices = mixer_slices(step, 16)
-    kept = [(s.req_ids[s.saved_inside()].tolist(), s.save_state[s.saved_inside()].tolist(),
-             s.save_offset[s.saved_inside()].tolist()) for _, _, s in slices]  # fmt: skip
+    kept = [
+        (
+            s.req_ids[s.saved_inside()].tolist(),
+            s.save_state[s.saved_inside()].tolist(),
+            s.save_offset[s.saved_inside()].tolist(),
+        )
+        for _, _, s in slices
+    ]
     assert kept == [([], [], []), ([11], [4], [1]), ([], [], [])]  # after the slice's first token of the row
     monkeypatch.setattr(forward_batch, "MIXER_SLICE_TOKENS", 16)
     batch = ForwardBatch.from_step(step, PS, "cpu")
@@ -109,8 +127,11 @@ def test_several_rows_keep_their_states_in_the_slices_they_fall_in():
     # even cuts of its 45 tokens, which move a token earlier
     step = _step([5, 20, 20], save={0: (3, 2), 1: (4, 10), 2: (5, 5)})
     assert slice_bounds(step, 16) == [(0, 14), (14, 29), (29, 45)]
-    kept = sorted((int(s.req_ids[r]), int(s.save_state[r]), int(s.save_offset[r]), a)
-                  for a, _, s in mixer_slices(step, 16) for r in np.flatnonzero(s.saved_inside()))  # fmt: skip
+    kept = sorted(
+        (int(s.req_ids[r]), int(s.save_state[r]), int(s.save_offset[r]), a)
+        for a, _, s in mixer_slices(step, 16)
+        for r in np.flatnonzero(s.saved_inside())
+    )
     assert kept == [(10, 3, 2, 0), (11, 4, 1, 14), (12, 5, 1, 29)]
 
 
@@ -139,6 +160,7 @@ def _runner(model, slice_tokens, monkeypatch, cuts: list | None = None, **kw) ->
     hf, spec = model
     monkeypatch.setattr(forward_batch, "MIXER_SLICE_TOKENS", slice_tokens)
     if cuts is not None:
+
         def spy(step, max_tokens):
             made = mixer_slices(step, max_tokens)
             if made:
@@ -172,7 +194,11 @@ def test_one_token_rows_sliced_apart_continue_and_start_as_in_the_whole_step(mod
     for slice_tokens in (16, 10_000):
         runner = _runner(model, slice_tokens, monkeypatch, cuts, num_slots=20)
         runner.step([(r, prompts[r][:5]) for r in range(2, 9)])  # seven requests with context
-        items = [(1, prompts[1]), *((r, prompts[r][5:6]) for r in range(2, 9)), *((r, prompts[r][:1]) for r in range(9, 17))]
+        items = [
+            (1, prompts[1]),
+            *((r, prompts[r][5:6]) for r in range(2, 9)),
+            *((r, prompts[r][:1]) for r in range(9, 17)),
+        ]
         got[slice_tokens] = runner.step(items)
     assert cuts[-1] == [(0, 15), (15, 30)]
     for ours, whole in zip(got[16], got[10_000]):
@@ -198,11 +224,11 @@ def test_snapshots_kept_inside_a_sliced_chunk_serve_the_next_turn(arch, monkeypa
     _runner((hf, spec), 20, monkeypatch, cuts)  # the slice and the spy (its own runner unused)
     engine = Engine(hf, spec, prefill=64)
     first = _prompt(33, 1)
-    (out1, _), = engine.run([first], 6)
+    ((out1, _),) = engine.run([first], 6)
     assert engine.saved_inside == 1
     assert cuts[0] in ([(0, 15), (15, 33)], [(0, 17), (17, 33)])
     second = first + out1 + _prompt(9, 2)
-    (out2, cached), = engine.run([second], 8)
+    ((out2, cached),) = engine.run([second], 8)
     assert cached > 0
     assert hf_greedy(hf, second, 8)[0] == out2
 

@@ -11,10 +11,18 @@ import pytest
 
 from ferry.services.cli import main
 
-MISSING = {"a path": "/nonexistent/model", "a relative path": "./no-such-model", "a home path": "~/no-such-model",
-           "a hub id not in the cache": "no-such-org/no-such-model"}  # fmt: skip
-EXTRA = {"serve": [], "plan": ["--gpu-memory", "24GiB"], "generate": ["--prompt", "hi"],
-         "worker": ["--steps-addr", "ipc:///tmp/x-steps", "--results-addr", "ipc:///tmp/x-results"]}  # fmt: skip
+MISSING = {
+    "a path": "/nonexistent/model",
+    "a relative path": "./no-such-model",
+    "a home path": "~/no-such-model",
+    "a hub id not in the cache": "no-such-org/no-such-model",
+}
+EXTRA = {
+    "serve": [],
+    "plan": ["--gpu-memory", "24GiB"],
+    "generate": ["--prompt", "hi"],
+    "worker": ["--steps-addr", "ipc:///tmp/x-steps", "--results-addr", "ipc:///tmp/x-results"],
+}
 
 
 @pytest.fixture(autouse=True)

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from ferry.shared.errors import ConfigError
 from ferry.plan.model_config import FULL_ATTENTION, LINEAR_ATTENTION, load_model_config, parse_model_config
+from ferry.shared.errors import ConfigError
 from tests.helpers import QWEN3_6_35B, QWEN3_30B
 
 
@@ -48,8 +48,12 @@ def test_num_local_experts_spelling():
 
 
 def test_qwen3_next_mlp_only_layers_and_sparse_step():
-    raw = _raw(QWEN3_6_35B)["text_config"] | {"model_type": "qwen3_next", "mlp_only_layers": [0],
-                                              "decoder_sparse_step": 2, "intermediate_size": 1024}  # fmt: skip
+    raw = _raw(QWEN3_6_35B)["text_config"] | {
+        "model_type": "qwen3_next",
+        "mlp_only_layers": [0],
+        "decoder_sparse_step": 2,
+        "intermediate_size": 1024,
+    }
     spec = parse_model_config(raw)
     assert spec.arch == "qwen3_next"
     assert not spec.moe_layers[0] and not spec.moe_layers[2] and spec.moe_layers[1] and spec.moe_layers[3]

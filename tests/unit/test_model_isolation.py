@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from model_harness import PagedRunner, assert_logits_close, hf_greedy
 from tiny_models import tiny_model
 

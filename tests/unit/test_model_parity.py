@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from model_harness import PagedRunner, assert_logits_close, hf_greedy
 from tiny_models import tiny_model
 
@@ -18,23 +17,69 @@ STEPS = 32
 # (id, arch, config overrides, page_size)
 MODELS = [
     ("moe-default-p16", "qwen3_moe", {}, 16),
-    ("moe-8e-top3-norm-dense1-odd-p1", "qwen3_moe",
-     dict(num_hidden_layers=3, num_experts=8, num_experts_per_tok=3, norm_topk_prob=True, mlp_only_layers=[1],
-          num_attention_heads=8, num_key_value_heads=2, head_dim=8), 1),
-    ("moe-mha-bias-tied-p4", "qwen3_moe",
-     dict(num_attention_heads=2, num_key_value_heads=2, attention_bias=True, tie_word_embeddings=True), 4),
+    (
+        "moe-8e-top3-norm-dense1-odd-p1",
+        "qwen3_moe",
+        dict(
+            num_hidden_layers=3,
+            num_experts=8,
+            num_experts_per_tok=3,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=8,
+        ),
+        1,
+    ),
+    (
+        "moe-mha-bias-tied-p4",
+        "qwen3_moe",
+        dict(num_attention_heads=2, num_key_value_heads=2, attention_bias=True, tie_word_embeddings=True),
+        4,
+    ),
     ("next-default-p1", "qwen3_next", {}, 1),
-    ("next-nonorm-dense0-top1-5layers-p16", "qwen3_next",
-     dict(num_hidden_layers=5, layer_types=["linear_attention", "full_attention", "linear_attention",
-          "linear_attention", "full_attention"], mlp_only_layers=[0], norm_topk_prob=False, num_experts=6,
-          num_experts_per_tok=1, linear_num_key_heads=2, linear_num_value_heads=2, partial_rotary_factor=0.5), 16),
+    (
+        "next-nonorm-dense0-top1-5layers-p16",
+        "qwen3_next",
+        dict(
+            num_hidden_layers=5,
+            layer_types=[
+                "linear_attention",
+                "full_attention",
+                "linear_attention",
+                "linear_attention",
+                "full_attention",
+            ],
+            mlp_only_layers=[0],
+            norm_topk_prob=False,
+            num_experts=6,
+            num_experts_per_tok=1,
+            linear_num_key_heads=2,
+            linear_num_value_heads=2,
+            partial_rotary_factor=0.5,
+        ),
+        16,
+    ),
     ("q35-default-p16", "qwen3_5_moe", {}, 16),
-    ("q35-8e-top4-4layers-p1", "qwen3_5_moe",
-     dict(num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"], num_experts=8,
-          num_experts_per_tok=4, num_attention_heads=8, num_key_value_heads=1, head_dim=8,
-          linear_num_key_heads=1, linear_num_value_heads=4,
-          rope_parameters={"rope_type": "default", "rope_theta": 5000.0, "partial_rotary_factor": 0.5}), 1),
-]  # fmt: skip
+    (
+        "q35-8e-top4-4layers-p1",
+        "qwen3_5_moe",
+        dict(
+            num_hidden_layers=4,
+            layer_types=["linear_attention"] * 3 + ["full_attention"],
+            num_experts=8,
+            num_experts_per_tok=4,
+            num_attention_heads=8,
+            num_key_value_heads=1,
+            head_dim=8,
+            linear_num_key_heads=1,
+            linear_num_value_heads=4,
+            rope_parameters={"rope_type": "default", "rope_theta": 5000.0, "partial_rotary_factor": 0.5},
+        ),
+        1,
+    ),
+]
 IDS = [m[0] for m in MODELS]
 HYBRID = [m for m in MODELS if m[1] != "qwen3_moe"]
 
@@ -104,9 +149,7 @@ def run_staggered_batch(ours: PagedRunner, prompts: dict[int, list[int]], joins:
                 s["step_logits"].append(logits[-1])
                 s["tokens"].append(int(logits[-1].argmax()))
         step += 1
-    return {
-        r: (torch.cat(s["prompt_logits"]), s["tokens"], torch.stack(s["step_logits"])) for r, s in state.items()
-    }
+    return {r: (torch.cat(s["prompt_logits"]), s["tokens"], torch.stack(s["step_logits"])) for r, s in state.items()}
 
 
 @_pick(0, 3, 6)

@@ -6,15 +6,15 @@ import os
 
 import pytest
 import torch
+from model_harness import PagedRunner, assert_logits_close, make_pools
 from safetensors.torch import load_file
+from tiny_models import _config, _redraw, tiny_model
 from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
 
-from model_harness import PagedRunner, assert_logits_close, make_pools
-from ferry.services.worker.offload.resident import ResidentExperts
-from ferry.services.worker.models import WeightLoadError, build_model
-from ferry.shared.errors import ConfigError
 from ferry.plan.model_config import parse_model_config
-from tiny_models import _config, _redraw, tiny_model
+from ferry.services.worker.models import WeightLoadError, build_model
+from ferry.services.worker.offload.resident import ResidentExperts
+from ferry.shared.errors import ConfigError
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
 
@@ -50,8 +50,17 @@ def test_saved_per_expert_checkpoint_loads_like_the_fused_state_dict(arch, tmp_p
 
 def test_multimodal_qwen3_5_moe_checkpoint_serves_its_text_tower(tmp_path):
     text, _ = _config("qwen3_5_moe")
-    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=4,
-                  temporal_patch_size=1, spatial_merge_size=1, num_position_embeddings=16)  # fmt: skip
+    vision = dict(
+        depth=1,
+        hidden_size=16,
+        intermediate_size=32,
+        num_heads=2,
+        out_hidden_size=32,
+        patch_size=4,
+        temporal_patch_size=1,
+        spatial_merge_size=1,
+        num_position_embeddings=16,
+    )
     torch.manual_seed(0)
     hf = Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(text_config=text.to_dict(), vision_config=vision)).eval()
     _redraw(hf, torch.Generator().manual_seed(0))

@@ -17,7 +17,12 @@ def _reads_clock(node: ast.AST, timed: set[str]) -> bool:
     for sub in ast.walk(node):
         if isinstance(sub, ast.Call):
             f = sub.func
-            if isinstance(f, ast.Attribute) and f.attr in CLOCKS and isinstance(f.value, ast.Name) and f.value.id == "time":
+            if (
+                isinstance(f, ast.Attribute)
+                and f.attr in CLOCKS
+                and isinstance(f.value, ast.Name)
+                and f.value.id == "time"
+            ):
                 return True
         if isinstance(sub, ast.Name) and sub.id in timed:
             return True
@@ -76,6 +81,9 @@ def h():
 
 
 def test_no_unit_test_asserts_on_wall_clock_time():
-    offenders = [f"{path.relative_to(UNIT)}:{line}" for path in sorted(UNIT.rglob("*.py"))
-                 for line in wall_clock_asserts(path.read_text())]  # fmt: skip
+    offenders = [
+        f"{path.relative_to(UNIT)}:{line}"
+        for path in sorted(UNIT.rglob("*.py"))
+        for line in wall_clock_asserts(path.read_text())
+    ]
     assert not offenders, f"wall-clock asserts (move the timing to bench/, assert what it stood for): {offenders}"

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from ferry.services.api.output_parsers import OutputParser, Reasoning, Text, ToolCall
+from ferry.services.api.output_parsers import OutputParser, ToolCall
 from ferry.services.api.reasoning_parser import prompt_opens_reasoning
 from ferry.services.api.tool_call_parser import parse_tool_call
 
@@ -72,18 +72,27 @@ def test_think_later_in_the_answer_is_text_and_none_parser_keeps_tags():
 
 
 def test_hermes_json_tool_call_after_thinking_and_text():
-    text = ('<think>\nNeed the tool.\n</think>\n\nLet me check.\n\n<tool_call>\n'
-            '{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>')
-    assert every_split(text) == [("Reasoning", "Need the tool."), ("Text", "Let me check."),
-                                 ("call", "get_weather", {"city": "Paris", "days": 2})]  # fmt: skip
+    text = (
+        "<think>\nNeed the tool.\n</think>\n\nLet me check.\n\n<tool_call>\n"
+        '{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
+    )
+    assert every_split(text) == [
+        ("Reasoning", "Need the tool."),
+        ("Text", "Let me check."),
+        ("call", "get_weather", {"city": "Paris", "days": 2}),
+    ]
 
 
 def test_two_calls_and_xml_format_with_schema_types():
-    text = ('<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n<parameter=days>\n3\n'
-            '</parameter>\n</function>\n</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": '
-            '"{\\"city\\": \\"Oslo\\"}"}\n</tool_call>\n')
-    assert every_split(text) == [("call", "get_weather", {"city": "New York", "days": 3}),
-                                 ("call", "get_weather", {"city": "Oslo"})]  # fmt: skip
+    text = (
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n<parameter=days>\n3\n"
+        '</parameter>\n</function>\n</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": '
+        '"{\\"city\\": \\"Oslo\\"}"}\n</tool_call>\n'
+    )
+    assert every_split(text) == [
+        ("call", "get_weather", {"city": "New York", "days": 3}),
+        ("call", "get_weather", {"city": "Oslo"}),
+    ]
 
 
 def test_malformed_calls_stay_text_cut_off_ones_are_dropped_and_no_tools_means_no_parsing():
@@ -102,7 +111,7 @@ def test_malformed_calls_stay_text_cut_off_ones_are_dropped_and_no_tools_means_n
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
 
 
-@pytest.mark.parametrize("tail", ["", "\n", "\n<tool_c", "\n<tool_call>\n{\"name\": \"get_wea", "\n<tool_call>\n{}"])
+@pytest.mark.parametrize("tail", ["", "\n", "\n<tool_c", '\n<tool_call>\n{"name": "get_wea', "\n<tool_call>\n{}"])
 def test_a_forced_output_is_only_its_calls_whatever_the_cut(tail):
     """A grammar-forced output (tool_choice required / any / a named tool) holds calls and their
     separators; cut off anywhere, no raw markup comes out as text, and --tool-call-parser none does
@@ -114,12 +123,15 @@ def test_a_forced_output_is_only_its_calls_whatever_the_cut(tail):
     assert every_split(CALL + tail, forced=True, prompt_text=prompt) == want[:1]
 
 
-@pytest.mark.parametrize("body, name, args", [
-    ('{"name": "f", "arguments": {"a": [1, 2]}}', "f", {"a": [1, 2]}),
-    ('{"name": "f", "parameters": {"a": 1}}', "f", {"a": 1}),
-    ('{"name": "f"}', "f", {}),
-    ("<function=f>\n<parameter=a>\n{\"k\": 1}\n</parameter>\n</function>", "f", {"a": {"k": 1}}),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "body, name, args",
+    [
+        ('{"name": "f", "arguments": {"a": [1, 2]}}', "f", {"a": [1, 2]}),
+        ('{"name": "f", "parameters": {"a": 1}}', "f", {"a": 1}),
+        ('{"name": "f"}', "f", {}),
+        ('<function=f>\n<parameter=a>\n{"k": 1}\n</parameter>\n</function>', "f", {"a": {"k": 1}}),
+    ],
+)
 def test_parse_tool_call_bodies(body, name, args):
     call = parse_tool_call(body)
     assert (call.name, call.arguments) == (name, args) and json.loads(call.arguments_json()) == args

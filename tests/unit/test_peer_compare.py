@@ -22,11 +22,13 @@ def test_the_flags_take_sizes_with_units_and_a_bad_one_names_its_flag(capsys):
     args = pc.parse_args(["--memory-line", "24GiB", "--freetoken-allowance", "1536MiB"])
     assert (args.line_mib, args.allowance_mib, args.margin_mib) == (24576, 1536, 256)
     assert (args.max_tokens, args.repeats, args.ttft_runs, args.ttft_prompt_len) == (128, 3, 3, 2000)
-    for argv, said in ((["--memory-line", "24"], "--memory-line '24'"),
-                       (["--freetoken-allowance", "-1GiB"], "--freetoken-allowance"),
-                       (["--memory-line", "1GiB", "--freetoken-allowance", "2GiB"], "must be less than --memory-line"),
-                       (["--repeats", "0"], "--repeats 0: at least 1"),
-                       (["--config", "no/such/config.json"], "--config no/such/config.json")):  # fmt: skip
+    for argv, said in (
+        (["--memory-line", "24"], "--memory-line '24'"),
+        (["--freetoken-allowance", "-1GiB"], "--freetoken-allowance"),
+        (["--memory-line", "1GiB", "--freetoken-allowance", "2GiB"], "must be less than --memory-line"),
+        (["--repeats", "0"], "--repeats 0: at least 1"),
+        (["--config", "no/such/config.json"], "--config no/such/config.json"),
+    ):
         with pytest.raises(SystemExit):
             pc.parse_args(argv)
         assert said in capsys.readouterr().err
@@ -51,13 +53,18 @@ def test_a_second_start_lowers_the_ratio_by_the_excess_and_the_margin():
 
 
 def test_freetoken_reads_only_the_published_expert_names_and_the_check_says_which_it_misses():
-    published = {f"model.language_model.layers.0.mlp.experts.1.{p}.{k}": "a.safetensors"
-                 for p in ("gate_proj", "up_proj", "down_proj") for k in ("weight", "weight_scale", "weight_scale_2", "input_scale")}  # fmt: skip
+    published = {
+        f"model.language_model.layers.0.mlp.experts.1.{p}.{k}": "a.safetensors"
+        for p in ("gate_proj", "up_proj", "down_proj")
+        for k in ("weight", "weight_scale", "weight_scale_2", "input_scale")
+    }
     assert pc.freetoken_layout_problem(NVFP4, published | {"model.layers.0.mlp.gate.weight": "a"}) is None
     ferry = {"model.layers.0.mlp.experts.1.gate_proj.weight": "a", **published}
     problem = pc.freetoken_layout_problem(NVFP4, ferry)
     assert "1 of 13 expert tensors" in problem and "'model.layers.0.mlp.experts.1.gate_proj.weight'" in problem
-    assert "no per-expert tensors" in pc.freetoken_layout_problem(NVFP4, {"model.layers.0.mlp.experts.gate_up_proj": "a"})
+    assert "no per-expert tensors" in pc.freetoken_layout_problem(
+        NVFP4, {"model.layers.0.mlp.experts.gate_up_proj": "a"}
+    )
     # another model or format: nothing is claimed
     assert pc.freetoken_layout_problem({**NVFP4, "architectures": ["Qwen3MoeForCausalLM"]}, ferry) is None
     assert pc.freetoken_layout_problem({**NVFP4, "quantization_config": {"quant_method": "fp8"}}, ferry) is None
@@ -99,9 +106,14 @@ def test_freetoken_is_ready_at_status_ok_not_at_a_200_while_it_loads_and_its_err
 
 
 def _detail(tokens1: int, tokens8: int) -> dict:
-    return {"ttft_s": 0.41234, "ttft_prompt_tokens": [2000, 2000, 2000],
-            "runs": [{"streams": 1, "median_stream_tok_s": 101.234, "aggregate_tok_s": 100.0, "tokens": tokens1},
-                     {"streams": 8, "median_stream_tok_s": 60.0, "aggregate_tok_s": 470.55, "tokens": tokens8}]}  # fmt: skip
+    return {
+        "ttft_s": 0.41234,
+        "ttft_prompt_tokens": [2000, 2000, 2000],
+        "runs": [
+            {"streams": 1, "median_stream_tok_s": 101.234, "aggregate_tok_s": 100.0, "tokens": tokens1},
+            {"streams": 8, "median_stream_tok_s": 60.0, "aggregate_tok_s": 470.55, "tokens": tokens8},
+        ],
+    }
 
 
 def test_an_engines_figures_come_from_the_clients_median_repeats_and_say_whether_every_token_came():
@@ -112,15 +124,38 @@ def test_an_engines_figures_come_from_the_clients_median_repeats_and_say_whether
 
 
 def test_the_ratios_are_ferry_over_freetoken_and_the_table_prints_both_engines_and_them():
-    ferry = {"ready_s": 40.0, "peak_process_mib": 23000, "over_line": False, "single_stream_tok_s": 120.0,
-             "streams8_tok_s": 600.0, "ttft_2k_s": 0.5}  # fmt: skip
-    peer = {"ready_s": 80.0, "peak_process_mib": 25000, "over_line": True, "single_stream_tok_s": 60.0,
-            "streams8_tok_s": None, "ttft_2k_s": 1.0}  # fmt: skip
+    ferry = {
+        "ready_s": 40.0,
+        "peak_process_mib": 23000,
+        "over_line": False,
+        "single_stream_tok_s": 120.0,
+        "streams8_tok_s": 600.0,
+        "ttft_2k_s": 0.5,
+    }
+    peer = {
+        "ready_s": 80.0,
+        "peak_process_mib": 25000,
+        "over_line": True,
+        "single_stream_tok_s": 60.0,
+        "streams8_tok_s": None,
+        "ttft_2k_s": 1.0,
+    }
     r = pc.ratios(ferry, peer)
-    assert r == {"single_stream_tok_s": 2.0, "streams8_tok_s": None, "ttft_2k_s": 0.5, "ready_s": 0.5,
-                 "peak_process_mib": 0.92}  # fmt: skip
-    result = {"card": "NVIDIA H100 80GB HBM3", "memory_line_mib": 24576.0, "ferry_weights": "dummy", "ferry": ferry,
-              "freetoken": peer, "ratios": r}  # fmt: skip
+    assert r == {
+        "single_stream_tok_s": 2.0,
+        "streams8_tok_s": None,
+        "ttft_2k_s": 0.5,
+        "ready_s": 0.5,
+        "peak_process_mib": 0.92,
+    }
+    result = {
+        "card": "NVIDIA H100 80GB HBM3",
+        "memory_line_mib": 24576.0,
+        "ferry_weights": "dummy",
+        "ferry": ferry,
+        "freetoken": peer,
+        "ratios": r,
+    }
     lines = pc.table(result)
     assert lines[1].split() == ["ferry", "40.000", "23000", "False", "120.000", "600.000", "0.500"]
     assert lines[2].split() == ["freetoken", "80.000", "25000", "True", "60.000", "-", "1.000"]

@@ -16,8 +16,12 @@ from ferry.plan.outside_memory import CUDA_CONTEXT_ESTIMATE, LATE_MODULES_MARGIN
 from tests.helpers import QWEN3_6_35B, QWEN3_30B, cuda_plan_budget
 
 FIELDS = {
-    "budget_bytes", "weights_bytes", "workspace_bytes", "total_bytes", "headroom_bytes",
-}  # fmt: skip
+    "budget_bytes",
+    "weights_bytes",
+    "workspace_bytes",
+    "total_bytes",
+    "headroom_bytes",
+}
 
 
 # the full-size configs offload at 24GiB: their banks (54 and 60 GiB) are checked against host RAM,
@@ -26,7 +30,9 @@ HOST = ("--host-memory", "128GiB")
 
 
 def ferry(*args):
-    return subprocess.run([sys.executable, "-m", "ferry.services.cli", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "ferry.services.cli", *args], capture_output=True, text=True, timeout=120
+    )
 
 
 @pytest.mark.parametrize("model", [QWEN3_30B, QWEN3_6_35B])
@@ -58,8 +64,9 @@ def test_plan_that_cannot_fit_exits_2_with_the_explanation_on_stderr():
     assert "does not fit" in out.stderr and "--num-tokens: the largest value that fits is" in out.stderr
 
 
-@pytest.mark.parametrize("pair", [("--num-tokens", "16", "--num-pages", "1"),
-                                  ("--moe-cache-size", "200", "--moe-cache-rate", "0.5")])  # fmt: skip
+@pytest.mark.parametrize(
+    "pair", [("--num-tokens", "16", "--num-pages", "1"), ("--moe-cache-size", "200", "--moe-cache-rate", "0.5")]
+)
 def test_mutually_exclusive_flags_are_rejected_by_the_parser(pair):
     out = ferry("plan", "--model", str(QWEN3_30B), "--gpu-memory", "24GiB", *pair, *HOST)
     assert out.returncode == 2 and "not allowed with argument" in out.stderr
@@ -93,10 +100,13 @@ def test_weights_from_shapes_count_everything_but_routed_experts():
     assert expected_min <= got <= expected_min + (48 * 7 + 3) * 512  # per-tensor 512-byte allocator granules
 
 
-@pytest.mark.parametrize("model, layers, experts, values", [
-    (QWEN3_30B, 48, 128, 3 * 768 * 2048),  # 3 x moe_intermediate_size x hidden
-    (QWEN3_6_35B, 40, 256, 3 * 512 * 2048),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "model, layers, experts, values",
+    [
+        (QWEN3_30B, 48, 128, 3 * 768 * 2048),  # 3 x moe_intermediate_size x hidden
+        (QWEN3_6_35B, 40, 256, 3 * 512 * 2048),
+    ],
+)
 @pytest.mark.parametrize("fmt", ["plain", "packed", None])
 def test_json_host_figures_are_the_pinned_expert_banks(model, layers, experts, values, fmt):
     flags = ["--expert-bank-format", fmt] if fmt else []
@@ -120,8 +130,17 @@ def test_json_host_figures_are_the_pinned_expert_banks(model, layers, experts, v
 
 
 def test_offload_that_does_not_fit_host_ram_is_a_plan_error_with_the_figures():
-    out = ferry("plan", str(QWEN3_30B), "--gpu-memory", "24GiB", "--host-memory", "40GiB", "--json",
-                "--expert-bank-format", "plain")  # fmt: skip
+    out = ferry(
+        "plan",
+        str(QWEN3_30B),
+        "--gpu-memory",
+        "24GiB",
+        "--host-memory",
+        "40GiB",
+        "--json",
+        "--expert-bank-format",
+        "plain",
+    )
     assert out.returncode == 2 and out.stdout == ""
     assert "do not fit in host RAM" in out.stderr and "54.00 GiB" in out.stderr
     assert "48 MoE layers x 128 experts, plain" in out.stderr
@@ -133,11 +152,22 @@ def test_offload_that_does_not_fit_host_ram_is_a_plan_error_with_the_figures():
 
 
 def test_packed_banks_are_refused_for_a_model_that_is_not_bf16():
-    out = ferry("plan", str(QWEN3_30B), "--gpu-memory", "24GiB", "--host-memory", "100GiB", "--dtype", "float16",
-                "--expert-bank-format", "packed")  # fmt: skip
+    out = ferry(
+        "plan",
+        str(QWEN3_30B),
+        "--gpu-memory",
+        "24GiB",
+        "--host-memory",
+        "100GiB",
+        "--dtype",
+        "float16",
+        "--expert-bank-format",
+        "packed",
+    )
     assert out.returncode != 0 and "--expert-bank-format" in out.stderr and "float16" in out.stderr
-    auto = ferry("plan", str(QWEN3_30B), "--gpu-memory", "24GiB", "--host-memory", "100GiB", "--dtype", "float16",
-                 "--json")  # fmt: skip
+    auto = ferry(
+        "plan", str(QWEN3_30B), "--gpu-memory", "24GiB", "--host-memory", "100GiB", "--dtype", "float16", "--json"
+    )
     assert auto.returncode == 0 and json.loads(auto.stdout)["host"]["expert_bank_format"] == "plain"
 
 
@@ -159,13 +189,55 @@ def test_gpu_memory_without_a_unit_is_refused_with_the_form_to_use(value, hint):
 
 
 def test_vllm_and_sglang_names_of_the_flags_are_aliases():
-    ours = ferry("plan", str(QWEN3_30B), "--gpu-memory", "80GiB", "--memory-ratio", "0.8", "--max-running-requests", "8",
-                 "--max-prefill-tokens", "2048", "--max-model-len", "4096", "--json", *HOST)  # fmt: skip
-    vllm = ferry("plan", str(QWEN3_30B), "--gpu-memory", "80GiB", "--gpu-memory-utilization", "0.8", "--max-num-seqs", "8",
-                 "--max-num-batched-tokens", "2048", "--max-model-len", "4096", "--json", *HOST)  # fmt: skip
-    sglang = ferry("plan", "--model", str(QWEN3_30B), "--gpu-memory", "80GiB", "--mem-fraction-static", "0.8",
-                   "--max-running-requests", "8", "--max-prefill-tokens", "2048", "--context-length", "4096", "--json",
-                   *HOST)  # fmt: skip
+    ours = ferry(
+        "plan",
+        str(QWEN3_30B),
+        "--gpu-memory",
+        "80GiB",
+        "--memory-ratio",
+        "0.8",
+        "--max-running-requests",
+        "8",
+        "--max-prefill-tokens",
+        "2048",
+        "--max-model-len",
+        "4096",
+        "--json",
+        *HOST,
+    )
+    vllm = ferry(
+        "plan",
+        str(QWEN3_30B),
+        "--gpu-memory",
+        "80GiB",
+        "--gpu-memory-utilization",
+        "0.8",
+        "--max-num-seqs",
+        "8",
+        "--max-num-batched-tokens",
+        "2048",
+        "--max-model-len",
+        "4096",
+        "--json",
+        *HOST,
+    )
+    sglang = ferry(
+        "plan",
+        "--model",
+        str(QWEN3_30B),
+        "--gpu-memory",
+        "80GiB",
+        "--mem-fraction-static",
+        "0.8",
+        "--max-running-requests",
+        "8",
+        "--max-prefill-tokens",
+        "2048",
+        "--context-length",
+        "4096",
+        "--json",
+        *HOST,
+    )
     assert ours.returncode == vllm.returncode == sglang.returncode == 0, ours.stderr + vllm.stderr + sglang.stderr
     assert json.loads(ours.stdout) == json.loads(vllm.stdout) == json.loads(sglang.stdout)
     plan = json.loads(ours.stdout)
@@ -199,8 +271,9 @@ def test_another_file_is_refused_with_what_to_give(tmp_path):
 
 def test_on_a_host_without_a_gpu_everything_missing_is_said_at_once():
     no_gpu = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    out = subprocess.run([sys.executable, "-m", "ferry.services.cli", "plan"], capture_output=True, text=True,
-                         timeout=120, env=no_gpu)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "ferry.services.cli", "plan"], capture_output=True, text=True, timeout=120, env=no_gpu
+    )
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "ferry plan MODEL" in out.stderr and "--model MODEL" in out.stderr and "--gpu-memory" in out.stderr
 
@@ -247,17 +320,25 @@ def test_the_expert_pool_names_every_byte(monkeypatch, capsys):
     assert 0 < e["slots"] < e["total"]  # offloads
     assert e["staging_slots"] == 32 and e["staging_bytes"] == 32 * e["bytes_per_slot"]  # 288 MiB of 9437184 B experts
     assert e["cache_state_bytes"] > 0 and 0 <= e["padding_bytes"] < 2 * 2**20 + 64 * 256
-    assert e["slots"] * e["bytes_per_slot"] + e["staging_bytes"] + e["cache_state_bytes"] + e["padding_bytes"] == e["bytes"]
+    assert (
+        e["slots"] * e["bytes_per_slot"] + e["staging_bytes"] + e["cache_state_bytes"] + e["padding_bytes"]
+        == e["bytes"]
+    )
     status, table, _ = _plan_here(monkeypatch, capsys, 256 * 2**30, "--gpu-memory", "16GiB")
     rows = {re.split(r"\s{2,}", r.strip())[0]: r for r in table.splitlines()}
-    for name, nbytes in (("expert pool", e["bytes"]), ("expert slots", e["slots"] * e["bytes_per_slot"]),
-                         ("prefill staging slots", e["staging_bytes"]), ("expert cache state", e["cache_state_bytes"]),
-                         ("alignment", e["padding_bytes"])):  # fmt: skip
+    for name, nbytes in (
+        ("expert pool", e["bytes"]),
+        ("expert slots", e["slots"] * e["bytes_per_slot"]),
+        ("prefill staging slots", e["staging_bytes"]),
+        ("expert cache state", e["cache_state_bytes"]),
+        ("alignment", e["padding_bytes"]),
+    ):
         assert f" {nbytes} " in rows[name], (name, rows.get(name))
     assert f"{e['staging_slots']} x {e['bytes_per_slot']} B" in rows["prefill staging slots"]
     # every expert resident: the pool is its slots (and alignment), nothing to name
-    status, out, _ = _plan_here(monkeypatch, capsys, 256 * 2**30, "--gpu-memory", "80GiB", "--moe-cache-rate", "1.0",
-                                "--json")  # fmt: skip
+    status, out, _ = _plan_here(
+        monkeypatch, capsys, 256 * 2**30, "--gpu-memory", "80GiB", "--moe-cache-rate", "1.0", "--json"
+    )
     e = json.loads(out)["experts"]
     assert (e["staging_slots"], e["staging_bytes"], e["cache_state_bytes"]) == (0, 0, 0)
     assert e["slots"] * e["bytes_per_slot"] + e["padding_bytes"] == e["bytes"]

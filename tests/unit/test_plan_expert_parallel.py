@@ -48,19 +48,24 @@ def test_the_gpus_banks_together_must_fit_the_host(capsys):
     assert "the 2 GPUs' expert banks do not fit in host RAM" in err and "--host-memory" in err
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--tensor-parallel-size", "2"], "add --enable-expert-parallel"),
-    (["--tensor-parallel-size", "2", "--expert-parallel-size", "4"], "disagree"),
-    (["--gpus", "0"], "at least 1"),
-    (["--gpus", "256"], "exceeds the model's 128 experts"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--tensor-parallel-size", "2"], "add --enable-expert-parallel"),
+        (["--tensor-parallel-size", "2", "--expert-parallel-size", "4"], "disagree"),
+        (["--gpus", "0"], "at least 1"),
+        (["--gpus", "256"], "exceeds the model's 128 experts"),
+    ],
+)
 def test_flag_combinations_ferry_does_not_run_name_the_flag(capsys, flags, message):
     assert main([*BASE, *flags]) != 0
     assert message in capsys.readouterr().err
 
 
 def test_vllms_spelling_plans_the_same(capsys):
-    assert plan_json(capsys, "--tensor-parallel-size", "2", "--enable-expert-parallel") == plan_json(capsys, "--gpus", "2")
+    assert plan_json(capsys, "--tensor-parallel-size", "2", "--enable-expert-parallel") == plan_json(
+        capsys, "--gpus", "2"
+    )
 
 
 def test_the_table_names_each_gpu(capsys):

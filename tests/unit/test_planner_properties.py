@@ -5,12 +5,12 @@ allocated bytes equal to its priced bytes."""
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ferry.shared.errors import ConfigError, PlanError
-from ferry.plan.model_config import parse_model_config
 from ferry.plan import pool_layout as L
+from ferry.plan.model_config import parse_model_config
 from ferry.plan.planner import Measured, PlanRequest, make_plan
-from ferry.shared.units import ceil_div
 from ferry.services.worker.pools import allocate_pool
+from ferry.shared.errors import ConfigError, PlanError
+from ferry.shared.units import ceil_div
 
 
 @st.composite
@@ -40,8 +40,10 @@ def model_configs(draw):
         raw["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
     if hybrid:
         interval = draw(st.integers(1, 4))
-        raw["layer_types"] = ["full_attention" if (i + 1) % interval == 0 or i == layers - 1 else "linear_attention"
-                              for i in range(layers)]  # fmt: skip
+        raw["layer_types"] = [
+            "full_attention" if (i + 1) % interval == 0 or i == layers - 1 else "linear_attention"
+            for i in range(layers)
+        ]
         nk = draw(st.integers(1, 4))
         raw |= {
             "linear_conv_kernel_dim": draw(st.integers(2, 5)),
@@ -83,8 +85,9 @@ def requests(draw, spec):
 def test_plan_keeps_its_promises_or_fails_in_the_plan(data):
     spec = parse_model_config(data.draw(model_configs()))
     req = data.draw(requests(spec))
-    measured = Measured(weights_bytes=data.draw(st.integers(0, 50 * 2**20)),
-                        workspace_bytes=data.draw(st.integers(0, 20 * 2**20)))  # fmt: skip
+    measured = Measured(
+        weights_bytes=data.draw(st.integers(0, 50 * 2**20)), workspace_bytes=data.draw(st.integers(0, 20 * 2**20))
+    )
     try:
         plan = make_plan(spec, req, measured)
     except ConfigError as exc:  # the only config error reachable here: a rate below the floor
@@ -92,13 +95,22 @@ def test_plan_keeps_its_promises_or_fails_in_the_plan(data):
         return
     except PlanError as exc:
         message = str(exc)
-        assert ("budget" in message and "terms:" in message) or "host RAM" in message \
-            or "--expert-bank-format packed keeps bf16 experts" in message, message
+        assert (
+            ("budget" in message and "terms:" in message)
+            or "host RAM" in message
+            or "--expert-bank-format packed keeps bf16 experts" in message
+        ), message
         return
 
     assert plan.total_bytes <= plan.budget_bytes and plan.headroom_bytes >= 0
-    assert plan.total_bytes == (plan.weights_bytes + plan.workspace_bytes + plan.kv.bytes + plan.linear_state.bytes
-                                + plan.linear_state_snapshots.bytes + plan.experts.bytes)  # fmt: skip
+    assert plan.total_bytes == (
+        plan.weights_bytes
+        + plan.workspace_bytes
+        + plan.kv.bytes
+        + plan.linear_state.bytes
+        + plan.linear_state_snapshots.bytes
+        + plan.experts.bytes
+    )
     ps = plan.kv.page_size
     if req.num_pages is not None:
         assert plan.kv.pages == req.num_pages
@@ -123,8 +135,10 @@ def test_plan_keeps_its_promises_or_fails_in_the_plan(data):
         (L.kv_pool_layout(spec, plan.dtype, plan.kv.pages, ps, plan.kv.cache_dtype), plan.kv.bytes),
         (L.linear_state_layout(spec, plan.dtype, plan.linear_state.slots), plan.linear_state.bytes),
         (L.expert_slot_layout(spec, plan.dtype, plan.experts.slots, plan.max_prefill_tokens), plan.experts.bytes),
-        (L.linear_state_snapshot_layout(spec, plan.dtype, plan.linear_state_snapshots.snapshots),
-         plan.linear_state_snapshots.bytes),
+        (
+            L.linear_state_snapshot_layout(spec, plan.dtype, plan.linear_state_snapshots.snapshots),
+            plan.linear_state_snapshots.bytes,
+        ),
     ]
     _expert_pool_is_named_to_the_byte(spec, plan)
     for layout, priced in layouts:
@@ -150,7 +164,9 @@ def _snapshots_are_a_requirement_or_a_default_that_only_shrinks(spec, req, plan)
         assert s.snapshots == req.linear_state_snapshots and s.source == "--linear-state-snapshots"
     else:
         default = DEFAULT_SNAPSHOTS_PER_RUNNING_REQUEST * plan.max_running_requests
-        assert s.snapshots == default or (("fewer to fit" in s.source or "capped" in s.source) and s.snapshots < default)
+        assert s.snapshots == default or (
+            ("fewer to fit" in s.source or "capped" in s.source) and s.snapshots < default
+        )
         assert s.bytes <= plan.budget_bytes // DEFAULT_SNAPSHOT_BUDGET_SHARE
 
 

@@ -2,11 +2,11 @@
 
 import pytest
 
-from ferry.shared.errors import PlanError
-from ferry.plan.model_config import load_model_config
-from ferry.shared.units import GiB, round_up
 from ferry.plan.costs import resident_weight_bytes_from_shapes, workspace_bytes_estimate
+from ferry.plan.model_config import load_model_config
 from ferry.plan.planner import Measured, PlanRequest, make_plan, resolve
+from ferry.shared.errors import PlanError
+from ferry.shared.units import GiB, round_up
 from tests.helpers import QWEN3_6_35B, QWEN3_30B
 
 MiB2 = 2 * 2**20
@@ -16,9 +16,10 @@ def _measured(spec, req):
     r = resolve(spec, req)
     return Measured(
         weights_bytes=resident_weight_bytes_from_shapes(spec, r.dtype),
-        workspace_bytes=workspace_bytes_estimate(spec, r.dtype, r.max_prefill_tokens, r.max_running_requests,
-                                                 r.max_model_len),
-    )  # fmt: skip
+        workspace_bytes=workspace_bytes_estimate(
+            spec, r.dtype, r.max_prefill_tokens, r.max_running_requests, r.max_model_len
+        ),
+    )
 
 
 def plan(spec, **flags):

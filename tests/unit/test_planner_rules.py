@@ -2,22 +2,31 @@
 
 import pytest
 
-from ferry.shared.errors import ConfigError, PlanError
+from ferry.plan import pool_layout as L
 from ferry.plan.model_config import parse_model_config
 from ferry.plan.planner import Measured, PlanRequest, make_plan
-from ferry.plan import pool_layout as L
 from ferry.services.worker.pools import allocate_pools
+from ferry.shared.errors import ConfigError, PlanError
 
 TINY = {
-    "model_type": "qwen3_moe", "vocab_size": 256, "hidden_size": 32, "num_hidden_layers": 3,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "num_experts": 8,
-    "num_experts_per_tok": 2, "moe_intermediate_size": 16, "max_position_embeddings": 512,
+    "model_type": "qwen3_moe",
+    "vocab_size": 256,
+    "hidden_size": 32,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 16,
+    "max_position_embeddings": 512,
     "torch_dtype": "float32",
-}  # fmt: skip
+}
 SPEC = parse_model_config(TINY)
 # experts of 1.5 MiB each, 64 in all: budgets of tens of MB hold some of them, not all
-SPEC_BIG = parse_model_config(TINY | {"hidden_size": 256, "moe_intermediate_size": 512, "num_experts": 16,
-                                      "num_hidden_layers": 4})  # fmt: skip
+SPEC_BIG = parse_model_config(
+    TINY | {"hidden_size": 256, "moe_intermediate_size": 512, "num_experts": 16, "num_hidden_layers": 4}
+)
 FACTS = Measured(weights_bytes=300_000, workspace_bytes=2_000_000)
 
 

@@ -11,7 +11,6 @@ import pytest
 from ferry.services.cli import COMMANDS, build_parser, main
 
 
-
 def _flags(command: str) -> list[str]:
     sub = build_parser(command)._subparsers._group_actions[0].choices[command]  # argparse has no public accessor
     return [flag for action in sub._actions for flag in action.option_strings]
@@ -25,8 +24,14 @@ def argv(command: str, flag: str, value: str) -> list[str]:
 
 
 def test_the_port_flags_are_found():
-    assert {("serve", "--port"), ("serve", "--scheduler-health-port"), ("serve", "--worker-health-port"),
-            ("api", "--port"), ("scheduler", "--health-port"), ("worker", "--health-port")} <= set(PORT_FLAGS)  # fmt: skip
+    assert {
+        ("serve", "--port"),
+        ("serve", "--scheduler-health-port"),
+        ("serve", "--worker-health-port"),
+        ("api", "--port"),
+        ("scheduler", "--health-port"),
+        ("worker", "--health-port"),
+    } <= set(PORT_FLAGS)
 
 
 @pytest.mark.parametrize(("command", "flag"), PORT_FLAGS)

@@ -6,12 +6,12 @@ import json
 
 import pytest
 
-from ferry.shared.errors import PlanError
 from ferry.plan.costs import resident_weight_bytes_from_shapes, workspace_bytes_estimate
 from ferry.plan.model_config import parse_model_config
 from ferry.plan.planner import Measured, PlanRequest, resolve
 from ferry.plan.prefill_chunk import CHUNK_CANDIDATES, plan_with_prefill_chunk
 from ferry.plan.store_plan import plan_for_expert_store
+from ferry.shared.errors import PlanError
 from ferry.shared.units import GiB
 from tests.helpers import QWEN3_6_35B
 
@@ -43,8 +43,12 @@ class Estimates:
         if step is None:  # the facts without a workspace
             return Measured(weights, 0)
         self.asked.append(step.max_prefill_tokens)
-        return Measured(weights, workspace_bytes_estimate(self.spec, step.dtype, step.max_prefill_tokens,
-                                                          step.max_running_requests, step.max_model_len))  # fmt: skip
+        return Measured(
+            weights,
+            workspace_bytes_estimate(
+                self.spec, step.dtype, step.max_prefill_tokens, step.max_running_requests, step.max_model_len
+            ),
+        )
 
     def at(self, tokens):
         return self(dataclasses.replace(self.r, max_prefill_tokens=tokens))
@@ -59,8 +63,9 @@ def _every_candidate(spec, req, measure):
     plans = {}
     for tokens in CHUNK_CANDIDATES:
         try:
-            plans[tokens] = plan_for_expert_store(spec, PlanRequest(**{**req.__dict__, "max_prefill_tokens": tokens}),
-                                                  measure.at(tokens))  # fmt: skip
+            plans[tokens] = plan_for_expert_store(
+                spec, PlanRequest(**{**req.__dict__, "max_prefill_tokens": tokens}), measure.at(tokens)
+            )
         except PlanError:
             plans[tokens] = None
     return plans
@@ -72,7 +77,13 @@ def test_the_chosen_chunk_streams_the_fewest_expert_bytes_a_token(gib):
     prefill streams the fewest experts a prompt token (the longest on a tie; at most 8,192 tokens where
     every expert is resident), and it is exact."""
     spec = _spec(layers=8, quantization=FP8)
-    req = PlanRequest(gpu_memory=gib * GiB, max_running_requests=8, max_model_len=LONG, host_memory=100 * GiB, linear_state_snapshots=16)
+    req = PlanRequest(
+        gpu_memory=gib * GiB,
+        max_running_requests=8,
+        max_model_len=LONG,
+        host_memory=100 * GiB,
+        linear_state_snapshots=16,
+    )
     chosen = plan_with_prefill_chunk(spec, req, Estimates(spec, req))
     plans = {t: p for t, p in _every_candidate(spec, req, Estimates(spec, req)).items() if p is not None}
     resident = [p for t, p in plans.items() if p.experts.slots >= spec.total_experts and t <= 8192]
@@ -89,11 +100,18 @@ def test_fp8_hybrid_cut_at_12gib_takes_a_shorter_chunk_for_its_experts():
     """The workload of issue 21's FP8 cut with Ferry's own plan: at 8192 tokens the workspace costs
     ~800 expert slots; at 2048 nearly every expert has one."""
     spec = _spec(layers=8, quantization=FP8)
-    req = PlanRequest(gpu_memory=12 * GiB, memory_ratio=0.9, max_running_requests=8, max_model_len=LONG,
-                      host_memory=100 * GiB, linear_state_snapshots=16)  # fmt: skip
+    req = PlanRequest(
+        gpu_memory=12 * GiB,
+        memory_ratio=0.9,
+        max_running_requests=8,
+        max_model_len=LONG,
+        host_memory=100 * GiB,
+        linear_state_snapshots=16,
+    )
     plan = plan_with_prefill_chunk(spec, req, Estimates(spec, req))
-    longest = plan_for_expert_store(spec, PlanRequest(**{**req.__dict__, "max_prefill_tokens": 8192}),
-                                    Estimates(spec, req).at(8192))  # fmt: skip
+    longest = plan_for_expert_store(
+        spec, PlanRequest(**{**req.__dict__, "max_prefill_tokens": 8192}), Estimates(spec, req).at(8192)
+    )
     assert plan.max_prefill_tokens == 2048
     assert plan.experts.slots > longest.experts.slots + 600
     assert plan.workspace_bytes < longest.workspace_bytes
@@ -101,7 +119,13 @@ def test_fp8_hybrid_cut_at_12gib_takes_a_shorter_chunk_for_its_experts():
 
 def test_every_expert_resident_keeps_the_longest_chunk_and_prices_only_it():
     spec = _spec(layers=8, quantization=FP8)
-    req = PlanRequest(gpu_memory=40 * GiB, max_running_requests=8, max_model_len=LONG, host_memory=100 * GiB, linear_state_snapshots=16)
+    req = PlanRequest(
+        gpu_memory=40 * GiB,
+        max_running_requests=8,
+        max_model_len=LONG,
+        host_memory=100 * GiB,
+        linear_state_snapshots=16,
+    )
     measure = Estimates(spec, req)
     plan = plan_with_prefill_chunk(spec, req, measure)
     assert (plan.max_prefill_tokens, plan.experts.slots) == (8192, spec.total_experts)
@@ -115,8 +139,13 @@ def test_mostly_offloaded_takes_the_longest_chunk_where_long_prompts_are_expecte
     the longest streams them the fewest times (16,384 tokens: half the bytes a long prompt streams for
     a few per cent of the slots), and the shorter ones are never priced (two profiles at boot)."""
     spec = _spec()
-    req = PlanRequest(gpu_memory=24 * GiB, max_running_requests=8, max_model_len=max_model_len, host_memory=400 * GiB,
-                      linear_state_snapshots=16)
+    req = PlanRequest(
+        gpu_memory=24 * GiB,
+        max_running_requests=8,
+        max_model_len=max_model_len,
+        host_memory=400 * GiB,
+        linear_state_snapshots=16,
+    )
     measure = Estimates(spec, req)
     plan = plan_with_prefill_chunk(spec, req, measure)
     if max_model_len <= 16384:  # no prompt is longer than 16,384 tokens: that chunk's workspace would buy nothing
@@ -147,10 +176,21 @@ def test_a_chunk_longer_than_one_that_did_not_fit_is_never_profiled():
 
 def test_the_flag_fixes_the_chunk():
     spec = _spec(layers=8, quantization=FP8)
-    req = PlanRequest(gpu_memory=12 * GiB, max_running_requests=8, max_model_len=LONG, host_memory=100 * GiB, linear_state_snapshots=16, max_prefill_tokens=8192)
+    req = PlanRequest(
+        gpu_memory=12 * GiB,
+        max_running_requests=8,
+        max_model_len=LONG,
+        host_memory=100 * GiB,
+        linear_state_snapshots=16,
+        max_prefill_tokens=8192,
+    )
     measure = Estimates(spec, req)
     plan = plan_with_prefill_chunk(spec, req, measure)
-    assert (plan.max_prefill_tokens, plan.max_prefill_tokens_source, measure.asked) == (8192, "--max-prefill-tokens", [8192])
+    assert (plan.max_prefill_tokens, plan.max_prefill_tokens_source, measure.asked) == (
+        8192,
+        "--max-prefill-tokens",
+        [8192],
+    )
 
 
 def test_a_budget_too_small_for_the_longest_chunk_boots_with_a_shorter_one():
@@ -170,7 +210,9 @@ def test_a_budget_too_small_for_the_longest_chunk_boots_with_a_shorter_one():
 
 def test_nothing_fits_names_the_flag():
     spec = _spec(layers=8, quantization=FP8)
-    req = PlanRequest(gpu_memory=3 * GiB, max_running_requests=8, max_model_len=LONG, host_memory=100 * GiB, linear_state_snapshots=16)
+    req = PlanRequest(
+        gpu_memory=3 * GiB, max_running_requests=8, max_model_len=LONG, host_memory=100 * GiB, linear_state_snapshots=16
+    )
     with pytest.raises(PlanError, match="--max-prefill-tokens can go lower"):
         plan_with_prefill_chunk(spec, req, Estimates(spec, req))
 
@@ -179,8 +221,9 @@ def test_no_chunk_past_the_longest_step_the_contexts_allow():
     """One request of 2,048 tokens never makes a 16,384-token step: that chunk's workspace would only take
     slots (decode misses) from the full-size 35B at 24 GiB. 8,192 stays where it was chosen before."""
     spec = _spec()
-    req = PlanRequest(gpu_memory=24 * GiB, max_running_requests=1, max_model_len=2048, host_memory=400 * GiB,
-                      linear_state_snapshots=2)
+    req = PlanRequest(
+        gpu_memory=24 * GiB, max_running_requests=1, max_model_len=2048, host_memory=400 * GiB, linear_state_snapshots=2
+    )
     measure = Estimates(spec, req)
     assert plan_with_prefill_chunk(spec, req, measure).max_prefill_tokens == 8192
     assert 16384 not in measure.asked
@@ -190,8 +233,13 @@ def test_a_caller_can_cap_the_candidates():
     """Expert-parallel ranks stream nothing past their caches and pass longest=8192: the chunk the full-size
     35B at 24 GiB would take alone (16,384) is never tried."""
     spec = _spec()
-    req = PlanRequest(gpu_memory=24 * GiB, max_running_requests=8, max_model_len=262144, host_memory=400 * GiB,
-                      linear_state_snapshots=16)
+    req = PlanRequest(
+        gpu_memory=24 * GiB,
+        max_running_requests=8,
+        max_model_len=262144,
+        host_memory=400 * GiB,
+        linear_state_snapshots=16,
+    )
     measure = Estimates(spec, req)
     assert plan_with_prefill_chunk(spec, req, measure, longest=8192).max_prefill_tokens == 8192
     assert measure.asked == [8192]

@@ -7,19 +7,25 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from ferry.services.scheduler.batcher import ARRIVAL_GAP_FRACTION, DEFAULT_PREFILL_COALESCE_MS, BatchScheduler
+from ferry.services.scheduler.config import prefill_coalesce_s
 from ferry.shared.errors import ConfigError
 from ferry.shared.messages import PoolReport
 from ferry.shared.sampling import SamplingParams
-from ferry.services.scheduler.batcher import ARRIVAL_GAP_FRACTION, DEFAULT_PREFILL_COALESCE_MS, BatchScheduler
-from ferry.services.scheduler.config import prefill_coalesce_s
-
 
 ARRIVAL_GAP_S = DEFAULT_PREFILL_COALESCE_MS / 1000 * ARRIVAL_GAP_FRACTION  # 20 ms
 
 
 def make(offloaded=True, coalesce_s=DEFAULT_PREFILL_COALESCE_MS / 1000):
-    pool = PoolReport(kv_pages=64, page_size=4, linear_state_slots=0, max_running_requests=8, max_prefill_tokens=64,
-                      max_model_len=128, experts_offloaded=offloaded)  # fmt: skip
+    pool = PoolReport(
+        kv_pages=64,
+        page_size=4,
+        linear_state_slots=0,
+        max_running_requests=8,
+        max_prefill_tokens=64,
+        max_model_len=128,
+        experts_offloaded=offloaded,
+    )
     return BatchScheduler(pool, prefill_coalesce_s=coalesce_s)
 
 

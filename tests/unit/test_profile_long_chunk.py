@@ -14,13 +14,18 @@ def _kernel(name: str, ts: float, dur: float, stream: int, cat: str = "kernel") 
 
 # µs: the copy stream (20) copies [0, 100], [210, 310] and [400, 410]; the compute stream (7) runs the attention
 # over [50, 150] and the experts' gate/up over [200, 250], and the host launched over [0, 30]
-TRACE = {"traceEvents": [
-    _kernel("_unpack_experts_kernel", 0, 100, 20), _kernel("void pytorch_flash::flash_fwd_kernel<...>", 50, 100, 7),
-    _kernel("_gate_up_kernel", 200, 50, 7), _kernel("_unpack_experts_kernel", 210, 100, 20),
-    _kernel("_unpack_experts_kernel", 400, 10, 20), _kernel("Memset (Device)", 390, 5, 7, cat="gpu_memset"),
-    {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 0, "dur": 30},
-    {"ph": "i", "cat": "kernel", "name": "an instant event is no span", "ts": 5},
-]}  # fmt: skip
+TRACE = {
+    "traceEvents": [
+        _kernel("_unpack_experts_kernel", 0, 100, 20),
+        _kernel("void pytorch_flash::flash_fwd_kernel<...>", 50, 100, 7),
+        _kernel("_gate_up_kernel", 200, 50, 7),
+        _kernel("_unpack_experts_kernel", 210, 100, 20),
+        _kernel("_unpack_experts_kernel", 400, 10, 20),
+        _kernel("Memset (Device)", 390, 5, 7, cat="gpu_memset"),
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 0, "dur": 30},
+        {"ph": "i", "cat": "kernel", "name": "an instant event is no span", "ts": 5},
+    ]
+}
 
 
 def test_the_chunk_is_read_as_worked_out_by_hand():

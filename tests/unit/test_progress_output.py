@@ -17,7 +17,9 @@ SHAPES = {f"model.layers.0.mlp.experts.{e}.down_proj.weight": (8, 4) for e in ra
 
 
 def _checkpoint(tmp_path):
-    save_file({name: np.ones(shape, dtype=np.float32) for name, shape in SHAPES.items()}, str(tmp_path / "model.safetensors"))
+    save_file(
+        {name: np.ones(shape, dtype=np.float32) for name, shape in SHAPES.items()}, str(tmp_path / "model.safetensors")
+    )
     return tmp_path
 
 
@@ -25,8 +27,10 @@ def _read(model_dir, progress: bool, monkeypatch, every: float):
     monkeypatch.setattr(checkpoint, "PROGRESS_EVERY_S", every)
     with capture_logs() as logs:
         monkeypatch.setattr(checkpoint, "log", structlog.get_logger("worker"))  # bound inside the capture
-        names = [name for name, _ in checkpoint.iter_checkpoint_tensors(model_dir, lambda n: True, "loading experts",
-                                                                         progress)]  # fmt: skip
+        names = [
+            name
+            for name, _ in checkpoint.iter_checkpoint_tensors(model_dir, lambda n: True, "loading experts", progress)
+        ]
     assert sorted(names) == sorted(SHAPES)
     return [e for e in logs if e["event"] == "loading_progress"]
 
@@ -49,8 +53,9 @@ class _Terminal(io.StringIO):
         return True
 
 
-def test_bench_model_weights_print_progress_lines_off_a_terminal_and_a_bar_on_one(tiny_models, tmp_path, monkeypatch,
-                                                                                  capsys):  # fmt: skip
+def test_bench_model_weights_print_progress_lines_off_a_terminal_and_a_bar_on_one(
+    tiny_models, tmp_path, monkeypatch, capsys
+):
     monkeypatch.setattr(bench_model, "PROGRESS_EVERY_S", 0)
     out = bench_model.write_bench_model(tmp_path / "m", tiny_models["qwen3_moe"] / "config.json")
     size = bench_model.write_random_weights(out, dtype="float32")

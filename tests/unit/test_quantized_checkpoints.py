@@ -28,30 +28,60 @@ def _config(path: str, quantization: dict | None = None) -> dict:
     return raw
 
 
-MIXED = {"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": "FP8",
-         "quantized_layers": {"model.language_model.layers.0.linear_attn.in_proj_qkv": {"quant_algo": "FP8"},
-                              "model.language_model.layers.0.mlp.experts": {"quant_algo": "W4A16_NVFP4", "group_size": 16},
-                              "model.language_model.layers.3.self_attn.q_proj": {"quant_algo": "FP8"},
-                              "lm_head": {"quant_algo": "W4A16_NVFP4", "group_size": 16}},
-         "exclude_modules": ["mtp*"]}  # fmt: skip
-CT = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
-      "config_groups": {"group_0": {"targets": ["Linear"], "format": "nvfp4-pack-quantized",
-                                    "weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16}}},
-      "ignore": ["lm_head", "re:.*mlp.gate$"]}  # fmt: skip
-FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
-       "modules_to_not_convert": ["lm_head", "mlp.gate", "linear_attn.in_proj_b", "linear_attn.in_proj_a"]}  # fmt: skip
+MIXED = {
+    "quant_method": "modelopt",
+    "quant_algo": "MIXED_PRECISION",
+    "kv_cache_quant_algo": "FP8",
+    "quantized_layers": {
+        "model.language_model.layers.0.linear_attn.in_proj_qkv": {"quant_algo": "FP8"},
+        "model.language_model.layers.0.mlp.experts": {"quant_algo": "W4A16_NVFP4", "group_size": 16},
+        "model.language_model.layers.3.self_attn.q_proj": {"quant_algo": "FP8"},
+        "lm_head": {"quant_algo": "W4A16_NVFP4", "group_size": 16},
+    },
+    "exclude_modules": ["mtp*"],
+}
+CT = {
+    "quant_method": "compressed-tensors",
+    "format": "nvfp4-pack-quantized",
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "format": "nvfp4-pack-quantized",
+            "weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16},
+        }
+    },
+    "ignore": ["lm_head", "re:.*mlp.gate$"],
+}
+FP8 = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "activation_scheme": "dynamic",
+    "weight_block_size": [128, 128],
+    "modules_to_not_convert": ["lm_head", "mlp.gate", "linear_attn.in_proj_b", "linear_attn.in_proj_a"],
+}
 
 
-@pytest.mark.parametrize("config, quantization, want", [
-    (QWEN36, {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
-              "ignore": ["lm_head", "model.language_model.layers.0.linear_attn*"]}, "nvfp4"),
-    (QWEN36, MIXED, "nvfp4"),
-    (QWEN36, CT, "nvfp4"),
-    (QWEN36, FP8, "fp8-block"),
-    (QWEN3, FP8, "fp8-block"),
-    (QWEN3, {**FP8, "modules_to_not_convert": ["mlp.experts"]}, None),  # experts kept bf16
-    (QWEN3, {"quant_method": "modelopt", "quant_algo": "NVFP4", "exclude_modules": ["*mlp.experts*"]}, None),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "config, quantization, want",
+    [
+        (
+            QWEN36,
+            {
+                "quant_method": "modelopt",
+                "quant_algo": "NVFP4",
+                "group_size": 16,
+                "ignore": ["lm_head", "model.language_model.layers.0.linear_attn*"],
+            },
+            "nvfp4",
+        ),
+        (QWEN36, MIXED, "nvfp4"),
+        (QWEN36, CT, "nvfp4"),
+        (QWEN36, FP8, "fp8-block"),
+        (QWEN3, FP8, "fp8-block"),
+        (QWEN3, {**FP8, "modules_to_not_convert": ["mlp.experts"]}, None),  # experts kept bf16
+        (QWEN3, {"quant_method": "modelopt", "quant_algo": "NVFP4", "exclude_modules": ["*mlp.experts*"]}, None),
+    ],
+)
 def test_published_quantization_configs_give_the_expert_format(config, quantization, want):
     spec = parse_model_config(_config(config, quantization))
     assert spec.quantization is not None and spec.quantization.expert_format == want
@@ -61,23 +91,37 @@ def test_hf_quant_config_json_is_read_beside_the_config(tmp_path):
     from ferry.plan.model_config import load_model_config
 
     (tmp_path / "config.json").write_text(json.dumps(_config(QWEN3)))
-    (tmp_path / "hf_quant_config.json").write_text(json.dumps(
-        {"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "NVFP4", "group_size": 16,
-                                                            "exclude_modules": ["lm_head", "model.layers.0.mlp.gate"]}}))  # fmt: skip
+    (tmp_path / "hf_quant_config.json").write_text(
+        json.dumps(
+            {
+                "producer": {"name": "modelopt"},
+                "quantization": {
+                    "quant_algo": "NVFP4",
+                    "group_size": 16,
+                    "exclude_modules": ["lm_head", "model.layers.0.mlp.gate"],
+                },
+            }
+        )
+    )
     spec = load_model_config(tmp_path)
     assert spec.quantization.expert_format == "nvfp4" and spec.quantization.source == "hf_quant_config.json"
 
 
-@pytest.mark.parametrize("quantization, names", [
-    ({"quant_method": "awq", "bits": 4}, ["'awq'"]),
-    ({"quant_method": "gptq", "bits": 4}, ["'gptq'"]),
-    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, ["'bitsandbytes'"]),
-    ({"quant_method": "mxfp4"}, ["'mxfp4'"]),
-    ({"quant_method": "modelopt", "quant_algo": "W4A8_AWQ"}, ["'W4A8_AWQ'"]),
-    ({**FP8, "weight_block_size": [64, 64]}, ["[64, 64]"]),
-    ({**CT, "format": "pack-quantized", "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int"}}}},
-     ["'pack-quantized'"]),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "quantization, names",
+    [
+        ({"quant_method": "awq", "bits": 4}, ["'awq'"]),
+        ({"quant_method": "gptq", "bits": 4}, ["'gptq'"]),
+        ({"quant_method": "bitsandbytes", "load_in_4bit": True}, ["'bitsandbytes'"]),
+        ({"quant_method": "mxfp4"}, ["'mxfp4'"]),
+        ({"quant_method": "modelopt", "quant_algo": "W4A8_AWQ"}, ["'W4A8_AWQ'"]),
+        ({**FP8, "weight_block_size": [64, 64]}, ["[64, 64]"]),
+        (
+            {**CT, "format": "pack-quantized", "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int"}}}},
+            ["'pack-quantized'"],
+        ),
+    ],
+)
 def test_unsupported_quantization_is_refused_by_ferry_plan_before_anything_loads(tmp_path, capsys, quantization, names):
     from ferry.services.cli import main
 
@@ -89,12 +133,15 @@ def test_unsupported_quantization_is_refused_by_ferry_plan_before_anything_loads
         parse_model_config(_config(QWEN3, quantization))
 
 
-@pytest.mark.parametrize("config, quantization, per_slot", [
-    # 35B NVFP4: w13 = 1024 x 2048 codes (1 MiB) + scales (128 KiB) + 1024 fp32; w2 = 2048 x 512 likewise
-    (QWEN36, MIXED, (1024 * 1024 + 1024 * 128 + 4 * 1024) + (2048 * 256 + 2048 * 32 + 4 * 2048)),
-    # 30B FP8: w13 = 1536 x 2048 + 12 x 16 fp32 block scales; w2 = 2048 x 768 + 16 x 6 (each part 16-byte aligned)
-    (QWEN3, FP8, (1536 * 2048 + 12 * 16 * 4) + (2048 * 768 + 16 * 6 * 4)),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "config, quantization, per_slot",
+    [
+        # 35B NVFP4: w13 = 1024 x 2048 codes (1 MiB) + scales (128 KiB) + 1024 fp32; w2 = 2048 x 512 likewise
+        (QWEN36, MIXED, (1024 * 1024 + 1024 * 128 + 4 * 1024) + (2048 * 256 + 2048 * 32 + 4 * 2048)),
+        # 30B FP8: w13 = 1536 x 2048 + 12 x 16 fp32 block scales; w2 = 2048 x 768 + 16 x 6 (each part 16-byte aligned)
+        (QWEN3, FP8, (1536 * 2048 + 12 * 16 * 4) + (2048 * 768 + 16 * 6 * 4)),
+    ],
+)
 def test_ferry_plan_prices_the_quantized_slots_and_banks(tmp_path, capsys, config, quantization, per_slot):
     from ferry.services.cli import main
 
@@ -114,8 +161,21 @@ def test_packed_banks_are_refused_for_quantized_experts(tmp_path, capsys):
     from ferry.services.cli import main
 
     (tmp_path / "config.json").write_text(json.dumps(_config(QWEN3, FP8)))
-    assert main(["plan", str(tmp_path), "--gpu-memory", "24GiB", "--host-memory", "200GiB",
-                 "--expert-bank-format", "packed"]) == 2  # fmt: skip
+    assert (
+        main(
+            [
+                "plan",
+                str(tmp_path),
+                "--gpu-memory",
+                "24GiB",
+                "--host-memory",
+                "200GiB",
+                "--expert-bank-format",
+                "packed",
+            ]
+        )
+        == 2
+    )
     assert "--expert-bank-format packed keeps bf16 experts" in capsys.readouterr().err
 
 
@@ -144,16 +204,18 @@ def test_nvfp4_dequantization_is_modelopts_and_the_nibble_order_that_of_compress
 
 
 def test_compressed_tensors_nvfp4_dequantizes_as_compressed_tensors_decompresses():
-    from tests.quantized_models import _ct_nvfp4
-
     from ferry.services.worker.quantized_weight import quantized_weight
+    from tests.quantized_models import _ct_nvfp4
 
     torch.manual_seed(2)
     w = torch.randn(64, 128) * 0.03
-    parts = {k.removeprefix("l.mlp.experts.0.up_proj."): v for k, v in _ct_nvfp4({"l.mlp.experts.0.up_proj.weight": w})[0].items()}
+    parts = {
+        k.removeprefix("l.mlp.experts.0.up_proj."): v
+        for k, v in _ct_nvfp4({"l.mlp.experts.0.up_proj.weight": w})[0].items()
+    }
     ours = quantized_weight("m", parts).dequantize(torch.float32)
     theirs = dequantize_module(parts)  # compressed-tensors' decompress (it returns bf16)
-    assert (ours - theirs).abs().max() <= 2 ** -8 * theirs.abs().max()
+    assert (ours - theirs).abs().max() <= 2**-8 * theirs.abs().max()
     divided = dict(parts, weight_global_scale=1.0 / parts["weight_global_scale"])
     assert (quantized_weight("m", divided).dequantize(torch.float32) - theirs).abs().max() > 0.5 * theirs.abs().max()
 
@@ -178,7 +240,9 @@ def test_a_quantized_module_missing_its_scale_is_a_clear_error():
 
     parts = _nvfp4_parts(16, 32)
     with pytest.raises(QuantizedWeightError, match="weight_scale_2"):
-        quantized_weight("layers.0.mlp.experts.0.up_proj", {"weight": parts["weight"], "weight_scale": parts["weight_scale"]})
+        quantized_weight(
+            "layers.0.mlp.experts.0.up_proj", {"weight": parts["weight"], "weight_scale": parts["weight_scale"]}
+        )
 
 
 # ---- tiny checkpoints against transformers on the dequantized weights ----------------------------------
@@ -208,7 +272,8 @@ def _worst(got: dict, reference_dir) -> float:
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_quantized_tiny_checkpoints_generate_as_transformers_on_the_dequantized_weights(
-        quantized_tiny_models, tmp_path, capsys, arch, layout):  # fmt: skip
+    quantized_tiny_models, tmp_path, capsys, arch, layout
+):
     model = quantized_tiny_models(arch, layout)
     reference = dequantized_copy(model, tmp_path / "dequantized")
     resident = ferry_generate(capsys, model, *ARGS)
@@ -218,13 +283,25 @@ def test_quantized_tiny_checkpoints_generate_as_transformers_on_the_dequantized_
     offloaded = ferry_generate(capsys, model, *ARGS, "--moe-cache-size", "9")
     assert offloaded["token_ids"] == resident["token_ids"] and offloaded["logprobs"] == resident["logprobs"]
     cache = offloaded["expert_cache"]
-    assert cache["misses"] > 0 and cache["bytes_copied"] == cache["misses"] * offloaded["plan"]["experts"]["bytes_per_slot"]
+    assert (
+        cache["misses"] > 0
+        and cache["bytes_copied"] == cache["misses"] * offloaded["plan"]["experts"]["bytes_per_slot"]
+    )
 
 
-@pytest.mark.parametrize("layout, mistake", [("modelopt-nvfp4", "nibbles"), ("modelopt-nvfp4", "scale"),
-                                             ("ct-nvfp4", "nibbles"), ("ct-nvfp4", "scale"), ("fp8", "scale")])  # fmt: skip
-def test_a_wrong_nibble_order_or_scale_convention_fails_the_comparison(quantized_tiny_models, tmp_path, capsys,
-                                                                       layout, mistake):  # fmt: skip
+@pytest.mark.parametrize(
+    "layout, mistake",
+    [
+        ("modelopt-nvfp4", "nibbles"),
+        ("modelopt-nvfp4", "scale"),
+        ("ct-nvfp4", "nibbles"),
+        ("ct-nvfp4", "scale"),
+        ("fp8", "scale"),
+    ],
+)
+def test_a_wrong_nibble_order_or_scale_convention_fails_the_comparison(
+    quantized_tiny_models, tmp_path, capsys, layout, mistake
+):
     model = quantized_tiny_models("qwen3_moe", layout)
     reference = dequantized_copy(model, tmp_path / "dequantized")
     wrong = corrupt(model, tmp_path / "wrong", mistake)

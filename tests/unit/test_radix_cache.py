@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from ferry.shared.messages import PoolReport
-from ferry.shared.sampling import SamplingParams
 from ferry.services.scheduler.batcher import BatchScheduler
 from ferry.services.scheduler.page_allocator import PageAllocator
 from ferry.services.scheduler.radix_cache import RadixCache
+from ferry.shared.messages import PoolReport
+from ferry.shared.sampling import SamplingParams
 from tests.doubles.paged_model import PagedHashModel, reference_continuation
 from tests.unit.test_batch_scheduler import run_aborting_to_end
 
@@ -59,8 +60,14 @@ workload = st.lists(
 @given(workload, st.integers(8, 40), st.sampled_from([2, 4]), st.integers(4, 64))
 def test_random_workloads_generate_the_reference_and_return_every_page(jobs, pages, page_size, prefill):
     vocab = range(10, 60)
-    pool = PoolReport(kv_pages=pages, page_size=page_size, linear_state_slots=0, max_running_requests=4,
-                      max_prefill_tokens=prefill, max_model_len=64)  # fmt: skip
+    pool = PoolReport(
+        kv_pages=pages,
+        page_size=page_size,
+        linear_state_slots=0,
+        max_running_requests=4,
+        max_prefill_tokens=prefill,
+        max_model_len=64,
+    )
     sched, model = BatchScheduler(pool), PagedHashModel(pages, page_size, vocab)
     prefixes = [np.random.default_rng(p).integers(10, 60, 9).tolist() for p in range(4)]
     expected, aborted = {}, set()

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
+from ferry.services.api import schema
 from ferry.shared.errors import InvalidRequest
 from ferry.shared.sampling import SamplingParams
-from ferry.services.api import schema
 
 
 def chat(**body):
@@ -17,8 +17,17 @@ def chat(**body):
 
 
 def test_sampling_fields_reach_sampling_params_and_eos_is_a_stop_token():
-    req = chat(temperature=0.3, top_p=0.8, top_k=-1, min_p=0.1, seed=5, repetition_penalty=1.2,
-               presence_penalty=0.4, frequency_penalty=-0.2, stop_token_ids=[7])  # fmt: skip
+    req = chat(
+        temperature=0.3,
+        top_p=0.8,
+        top_k=-1,
+        min_p=0.1,
+        seed=5,
+        repetition_penalty=1.2,
+        presence_penalty=0.4,
+        frequency_penalty=-0.2,
+        stop_token_ids=[7],
+    )
     p = schema.sampling_params(req, eos_token_ids=(2,))
     assert (p.temperature, p.top_p, p.top_k, p.min_p, p.seed) == (0.3, 0.8, -1, 0.1, 5)
     assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.2, 0.4, -0.2)
@@ -42,8 +51,17 @@ def test_content_parts_are_joined_and_images_refused():
         schema.chat_messages(req)
 
 
-@pytest.mark.parametrize("prompt,expected", [("hi", ["hi"]), ([1, 2], [[1, 2]]), (["hi"], ["hi"]), ([[3, 4]], [[3, 4]]),
-                                             (["a", "b"], ["a", "b"]), ([[1], [2, 3]], [[1], [2, 3]])])  # fmt: skip
+@pytest.mark.parametrize(
+    "prompt,expected",
+    [
+        ("hi", ["hi"]),
+        ([1, 2], [[1, 2]]),
+        (["hi"], ["hi"]),
+        ([[3, 4]], [[3, 4]]),
+        (["a", "b"], ["a", "b"]),
+        ([[1], [2, 3]], [[1], [2, 3]]),
+    ],
+)
 def test_completion_prompt_forms(prompt, expected):
     req = schema.decode_body(json.dumps({"prompt": prompt}).encode(), schema.CompletionRequest)
     assert schema.completion_prompts(req) == expected
@@ -55,8 +73,17 @@ def test_a_batch_mixing_ids_and_texts_is_refused():
         schema.completion_prompts(req)
 
 
-@pytest.mark.parametrize("field,value", [("temperature", -1), ("top_p", 1.5), ("min_p", 2), ("top_k", -3),
-                                         ("presence_penalty", 3), ("repetition_penalty", 0)])  # fmt: skip
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("temperature", -1),
+        ("top_p", 1.5),
+        ("min_p", 2),
+        ("top_k", -3),
+        ("presence_penalty", 3),
+        ("repetition_penalty", 0),
+    ],
+)
 def test_out_of_range_sampling_fields_are_named(field, value):
     req = chat(**{field: value})
     with pytest.raises(InvalidRequest, match=field):
@@ -74,10 +101,19 @@ def test_n_is_bounded():
 
 
 # every OpenAI field that this server cannot honour, with a value that asks for it: a 400 naming the field
-REFUSED = [("metadata", {"k": "v"}), ("store", True), ("service_tier", "flex"), ("functions", [{"name": "f"}]),
-           ("function_call", "auto"), ("audio", {"voice": "alloy"}), ("prediction", {"type": "content"}),
-           ("web_search_options", {}), ("verbosity", "high"), ("modalities", ["text", "audio"]),
-           ("reasoning_effort", "maximal")]  # fmt: skip
+REFUSED = [
+    ("metadata", {"k": "v"}),
+    ("store", True),
+    ("service_tier", "flex"),
+    ("functions", [{"name": "f"}]),
+    ("function_call", "auto"),
+    ("audio", {"voice": "alloy"}),
+    ("prediction", {"type": "content"}),
+    ("web_search_options", {}),
+    ("verbosity", "high"),
+    ("modalities", ["text", "audio"]),
+    ("reasoning_effort", "maximal"),
+]
 
 
 @pytest.mark.parametrize("field,value", REFUSED)
@@ -86,9 +122,19 @@ def test_fields_that_cannot_be_honoured_are_refused_by_name(field, value):
         schema.validate_generation(chat(**{field: value}), None)
 
 
-@pytest.mark.parametrize("field,value", [("store", False), ("service_tier", "auto"), ("modalities", ["text"]),
-                                         ("verbosity", "medium"), ("reasoning_effort", "low"), ("user", "u1"),
-                                         ("prompt_cache_key", "k"), ("safety_identifier", "s")])  # fmt: skip
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("store", False),
+        ("service_tier", "auto"),
+        ("modalities", ["text"]),
+        ("verbosity", "medium"),
+        ("reasoning_effort", "low"),
+        ("user", "u1"),
+        ("prompt_cache_key", "k"),
+        ("safety_identifier", "s"),
+    ],
+)
 def test_values_that_ask_for_nothing_new_are_taken(field, value):
     schema.validate_generation(chat(**{field: value}), None)
 
@@ -122,10 +168,16 @@ def test_chat_logprobs_fields():
 
 
 def test_tool_messages_and_assistant_calls_reach_the_template():
-    req = chat(messages=[{"role": "user", "content": "w?"},
-                         {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
-                          "function": {"name": "f", "arguments": "{\"a\": 1}"}}]},
-                         {"role": "tool", "tool_call_id": "c1", "content": "ok"}])  # fmt: skip
+    req = chat(
+        messages=[
+            {"role": "user", "content": "w?"},
+            {
+                "role": "assistant",
+                "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+        ]
+    )
     msgs = schema.chat_messages(req)
     assert msgs[1]["tool_calls"][0]["function"] == {"name": "f", "arguments": {"a": 1}}
     assert msgs[2] == {"role": "tool", "content": "ok", "tool_call_id": "c1"}

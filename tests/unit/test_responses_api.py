@@ -43,95 +43,153 @@ def test_every_field_of_the_sdk_request_is_taken_or_refused():
 
 
 def test_input_items_become_template_messages():
-    req = request(instructions="Be brief.", input=[
-        {"role": "developer", "content": "Use tools."},
-        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather "},
-                                                        {"type": "input_text", "text": "in Paris?"}]},
-        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "use it"}]},
-        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking.",
-                                                              "annotations": []}], "status": "completed"},
-        {"type": "function_call", "call_id": "call_1", "name": "w", "arguments": "{\"c\": \"P\"}"},
-        {"type": "function_call", "call_id": "call_2", "name": "w", "arguments": ""},
-        {"type": "function_call_output", "call_id": "call_1", "output": "18C"},
-        {"type": "function_call_output", "call_id": "call_2", "output": [{"type": "input_text", "text": "rain"}]},
-        {"type": "reasoning", "summary": [], "encrypted_content": schema.encrypt_reasoning("think again")},
-        {"role": "assistant", "content": "Sunny."},
-        {"role": "user", "content": "Thanks"},
-    ])  # fmt: skip
+    req = request(
+        instructions="Be brief.",
+        input=[
+            {"role": "developer", "content": "Use tools."},
+            {
+                "type": "message",
+                "role": "user",
+                "content": [{"type": "input_text", "text": "Weather "}, {"type": "input_text", "text": "in Paris?"}],
+            },
+            {
+                "type": "reasoning",
+                "id": "rs_1",
+                "summary": [],
+                "content": [{"type": "reasoning_text", "text": "use it"}],
+            },
+            {
+                "type": "message",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": "Checking.", "annotations": []}],
+                "status": "completed",
+            },
+            {"type": "function_call", "call_id": "call_1", "name": "w", "arguments": '{"c": "P"}'},
+            {"type": "function_call", "call_id": "call_2", "name": "w", "arguments": ""},
+            {"type": "function_call_output", "call_id": "call_1", "output": "18C"},
+            {"type": "function_call_output", "call_id": "call_2", "output": [{"type": "input_text", "text": "rain"}]},
+            {"type": "reasoning", "summary": [], "encrypted_content": schema.encrypt_reasoning("think again")},
+            {"role": "assistant", "content": "Sunny."},
+            {"role": "user", "content": "Thanks"},
+        ],
+    )
     assert schema.template_messages(req.instructions, schema.input_items(req)) == [
         {"role": "system", "content": "Be brief.\n\nUse tools."},
         {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": "Checking.", "reasoning_content": "use it", "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "w", "arguments": {"c": "P"}}},
-            {"id": "call_2", "type": "function", "function": {"name": "w", "arguments": {}}}]},
+        {
+            "role": "assistant",
+            "content": "Checking.",
+            "reasoning_content": "use it",
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "w", "arguments": {"c": "P"}}},
+                {"id": "call_2", "type": "function", "function": {"name": "w", "arguments": {}}},
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "18C"},
         {"role": "tool", "tool_call_id": "call_2", "content": "rain"},
         {"role": "assistant", "content": "Sunny.", "reasoning_content": "think again"},
         {"role": "user", "content": "Thanks"},
-    ]  # fmt: skip
+    ]
 
 
 def test_a_system_message_after_the_first_turn_stays_where_it_is():
-    items = [schema.InputItem(role="system", content="A"), schema.InputItem(role="user", content="Hi"),
-             schema.InputItem(role="developer", content="B")]  # fmt: skip
-    assert schema.template_messages(None, items) == [{"role": "system", "content": "A"}, {"role": "user", "content": "Hi"},
-                                                     {"role": "system", "content": "B"}]  # fmt: skip
+    items = [
+        schema.InputItem(role="system", content="A"),
+        schema.InputItem(role="user", content="Hi"),
+        schema.InputItem(role="developer", content="B"),
+    ]
+    assert schema.template_messages(None, items) == [
+        {"role": "system", "content": "A"},
+        {"role": "user", "content": "Hi"},
+        {"role": "system", "content": "B"},
+    ]
 
 
 def test_stored_turns_come_first_and_errors_count_from_the_request_input():
-    earlier = schema.output_items([{"id": "msg_1", "type": "message", "role": "assistant", "status": "completed",
-                                    "content": [{"type": "output_text", "text": "Hello", "annotations": []}]}])  # fmt: skip
+    earlier = schema.output_items(
+        [
+            {
+                "id": "msg_1",
+                "type": "message",
+                "role": "assistant",
+                "status": "completed",
+                "content": [{"type": "output_text", "text": "Hello", "annotations": []}],
+            }
+        ]
+    )
     items = [schema.InputItem(role="user", content="Hi"), *earlier, schema.InputItem(role="user", content="More")]
     assert schema.template_messages(None, items, first=2) == [
-        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "More"}]
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "More"},
+    ]
     with pytest.raises(InvalidRequest) as exc:
         schema.template_messages(None, [*items, schema.InputItem(type="web_search_call")], first=2)
     assert exc.value.param == "input[1].type"
 
 
-@pytest.mark.parametrize("fields, param", [
-    ({"background": True}, "background"),
-    ({"conversation": "conv_1"}, "conversation"),
-    ({"prompt": {"id": "pmpt_1"}}, "prompt"),
-    ({"top_logprobs": 2}, "top_logprobs"),
-    ({"service_tier": "flex"}, "service_tier"),
-    ({"truncation": "auto"}, "truncation"),
-    ({"context_management": [{"type": "compaction"}]}, "context_management"),
-    ({"include": ["reasoning.encrypted_content", "file_search_call.results"]}, "include[1]"),
-    ({"reasoning": {"effort": "huge"}}, "reasoning.effort"),
-    ({"reasoning": {"summary": "long"}}, "reasoning.summary"),
-    ({"text": {"verbosity": "low"}}, "text.verbosity"),
-    ({"text": {"format": {"type": "grammar"}}}, "text.format.type"),
-    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
-    ({"metadata": {str(i): "v" for i in range(17)}}, "metadata"),
-    ({"max_output_tokens": 0}, "max_output_tokens"),
-    ({"input": ""}, "input"),
-    ({"input": []}, "input"),
-    ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
-    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input[0].content[0]"),
-    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0]"),
-    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]}, "input[0].arguments"),
-    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
-    ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "%%%"}]}, "input[0].encrypted_content"),
-    ({"tools": [{"type": "file_search", "vector_store_ids": []}]}, "tools[0].type"),
-    ({"tools": [{"type": "function", "name": "f"}, {"type": "function", "name": "f"}]}, "tools[1].name"),
-    ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}}, "tool_choice.name"),
-    ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "allowed_tools"}}, "tool_choice.type"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"top_p": 0}, "top_p"),
-    ({"temperature": -0.5}, "temperature"),
-    ({"temperature": 2.5}, "temperature"),  # OpenAI's range: [0, 2]
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"background": True}, "background"),
+        ({"conversation": "conv_1"}, "conversation"),
+        ({"prompt": {"id": "pmpt_1"}}, "prompt"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"service_tier": "flex"}, "service_tier"),
+        ({"truncation": "auto"}, "truncation"),
+        ({"context_management": [{"type": "compaction"}]}, "context_management"),
+        ({"include": ["reasoning.encrypted_content", "file_search_call.results"]}, "include[1]"),
+        ({"reasoning": {"effort": "huge"}}, "reasoning.effort"),
+        ({"reasoning": {"summary": "long"}}, "reasoning.summary"),
+        ({"text": {"verbosity": "low"}}, "text.verbosity"),
+        ({"text": {"format": {"type": "grammar"}}}, "text.format.type"),
+        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+        ({"metadata": {str(i): "v" for i in range(17)}}, "metadata"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+        ({"input": ""}, "input"),
+        ({"input": []}, "input"),
+        ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
+        ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input[0].content[0]"),
+        ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0]"),
+        ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}]}, "input[0].arguments"),
+        ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
+        ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "%%%"}]}, "input[0].encrypted_content"),
+        ({"tools": [{"type": "file_search", "vector_store_ids": []}]}, "tools[0].type"),
+        ({"tools": [{"type": "function", "name": "f"}, {"type": "function", "name": "f"}]}, "tools[1].name"),
+        (
+            {"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}},
+            "tool_choice.name",
+        ),
+        ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "allowed_tools"}}, "tool_choice.type"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"top_p": 0}, "top_p"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"temperature": 2.5}, "temperature"),  # OpenAI's range: [0, 2]
+    ],
+)
 def test_unsupported_or_bad_fields_are_400s_naming_them(fields, param):
     refused(param, **fields)
 
 
 def test_accepted_fields_and_their_effect():
-    req = request(store=False, stream_options={"include_obfuscation": False}, include=["reasoning.encrypted_content"],
-                  service_tier="auto", truncation="disabled", prompt_cache_key="k", prompt_cache_retention="in_memory",
-                  user="u", safety_identifier="s", max_tool_calls=3, metadata={"a": "b"},
-                  reasoning={"effort": "minimal", "summary": "auto"}, temperature=0, top_k=5, seed=7,
-                  unknown_extension_field=1)  # fmt: skip
+    req = request(
+        store=False,
+        stream_options={"include_obfuscation": False},
+        include=["reasoning.encrypted_content"],
+        service_tier="auto",
+        truncation="disabled",
+        prompt_cache_key="k",
+        prompt_cache_retention="in_memory",
+        user="u",
+        safety_identifier="s",
+        max_tool_calls=3,
+        metadata={"a": "b"},
+        reasoning={"effort": "minimal", "summary": "auto"},
+        temperature=0,
+        top_k=5,
+        seed=7,
+        unknown_extension_field=1,
+    )
     schema.validate(req)
     params = schema.sampling_params(req, (2, 2, 3), None)
     assert (params.temperature, params.top_k, params.seed, params.stop_token_ids) == (0, 5, 7, (2, 3))
@@ -142,13 +200,23 @@ def test_accepted_fields_and_their_effect():
 
 
 def test_tools_choices_and_text_formats():
-    tools = [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "string"}}},
-              "strict": True}, {"type": "function", "name": "g", "description": "G"}]  # fmt: skip
+    tools = [
+        {
+            "type": "function",
+            "name": "f",
+            "parameters": {"type": "object", "properties": {"a": {"type": "string"}}},
+            "strict": True,
+        },
+        {"type": "function", "name": "g", "description": "G"},
+    ]
     req = request(tools=tools)
     assert schema.template_tools(req) == [
         {"type": "function", "function": {"name": "f", "description": "", "parameters": tools[0]["parameters"]}},
-        {"type": "function", "function": {"name": "g", "description": "G",
-                                          "parameters": {"type": "object", "properties": {}}}}]  # fmt: skip
+        {
+            "type": "function",
+            "function": {"name": "g", "description": "G", "parameters": {"type": "object", "properties": {}}},
+        },
+    ]
     assert schema.forced_tools(req) is None and schema.tool_schemas(req) == {"f": tools[0]["parameters"], "g": {}}
     named = request(tools=tools, tool_choice={"type": "function", "name": "g"})
     assert schema.template_tools(named) is not None and schema.forced_tools(named) == [("g", {"type": "object"})]
@@ -182,25 +250,46 @@ def built(events_in: list, reason: str = "stop", **kwargs) -> tuple[ResponseBuil
 
 def test_events_and_response_validate_against_the_sdk_models():
     call = ToolCall("w", {"c": "P"})
-    b, events = built([Reasoning("think "), Reasoning("hard"), Text("\n\n"), Text("Hi"), Text(" there"), call, call],
-                      max_calls=1, encrypted_reasoning=True)  # fmt: skip
+    b, events = built(
+        [Reasoning("think "), Reasoning("hard"), Text("\n\n"), Text("Hi"), Text(" there"), call, call],
+        max_calls=1,
+        encrypted_reasoning=True,
+    )
     parsed = sdk_events(events)
     assert [e.sequence_number for e in parsed] == list(range(len(parsed)))
     assert [e.type for e in parsed] == [
-        "response.created", "response.in_progress",
-        "response.output_item.added", "response.content_part.added", "response.reasoning_text.delta",
-        "response.reasoning_text.delta", "response.reasoning_text.done", "response.content_part.done",
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.reasoning_text.delta",
+        "response.reasoning_text.delta",
+        "response.reasoning_text.done",
+        "response.content_part.done",
         "response.output_item.done",
-        "response.output_item.added", "response.content_part.added", "response.output_text.delta",
-        "response.output_text.delta", "response.output_text.done", "response.content_part.done",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
         "response.output_item.done",
-        "response.output_item.added", "response.function_call_arguments.delta",
-        "response.function_call_arguments.done", "response.output_item.done", "response.completed"]  # fmt: skip
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
     final = Response.model_validate(b.final)
     assert final == parsed[-1].response and final.status == "completed" and final.output_text == "Hi there"
     reasoning, message, fc = final.output
-    assert reasoning.content[0].text == "think hard" and schema.reasoning_text(
-        schema.InputItem(type="reasoning", encrypted_content=reasoning.encrypted_content), "x") == "think hard"
+    assert (
+        reasoning.content[0].text == "think hard"
+        and schema.reasoning_text(
+            schema.InputItem(type="reasoning", encrypted_content=reasoning.encrypted_content), "x"
+        )
+        == "think hard"
+    )
     assert (fc.call_id, fc.name, fc.arguments, fc.status) == (call.id, "w", '{"c": "P"}', "completed")
     assert final.usage.input_tokens_details.cached_tokens == 3 and final.usage.total_tokens == 12
     assert parsed[2].item.status == "in_progress" and parsed[0].response.output == []
@@ -209,7 +298,10 @@ def test_events_and_response_validate_against_the_sdk_models():
 def test_a_cut_output_is_incomplete_and_an_error_fails_the_response():
     b, events = built([Text("Hi")], reason="length")
     parsed = sdk_events(events)
-    assert parsed[-1].type == "response.incomplete" and parsed[-1].response.incomplete_details.reason == "max_output_tokens"
+    assert (
+        parsed[-1].type == "response.incomplete"
+        and parsed[-1].response.incomplete_details.reason == "max_output_tokens"
+    )
     assert parsed[-1].response.output[0].status == "incomplete"
     b = ResponseBuilder({"model": "m", "parallel_tool_calls": True, "tool_choice": "auto", "tools": []})
     events = b.start() + b.apply([Text("Hi")]) + b.failed(ServiceUnavailable("the worker was lost"))
@@ -230,7 +322,10 @@ def test_reasoning_tokens_count_deltas_that_were_all_reasoning():
 
 
 def _response(rid: str, text: str = "x") -> dict:
-    return {"id": rid, "output": [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text}]}]}
+    return {
+        "id": rid,
+        "output": [{"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text}]}],
+    }
 
 
 def test_the_store_drops_the_least_recently_used_past_its_count():
@@ -281,8 +376,16 @@ def test_a_short_body_continuing_a_long_stored_conversation_takes_the_long_token
 
     store = ResponseStore()
     store.put(_response("resp_long"), [schema.InputItem(role="user", content="x" * (2 * LONG_BODY_BYTES))])
-    routes = ResponsesRoutes(SimpleNamespace(served_model_name="m"), None, SimpleNamespace(eos_token_ids=(0,)), None,
-                             tokenize, GrammarLanes(ApiMetrics()), BodyDecoder(), store)  # fmt: skip
+    routes = ResponsesRoutes(
+        SimpleNamespace(served_model_name="m"),
+        None,
+        SimpleNamespace(eos_token_ids=(0,)),
+        None,
+        tokenize,
+        GrammarLanes(ApiMetrics()),
+        BodyDecoder(),
+        store,
+    )
     body = msgspec.json.encode({"model": "m", "input": "more", "previous_response_id": "resp_long"})
 
     async def read():

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
+from ferry.services.worker.sampler import Sampler, apply_penalties, filter_logits
 from ferry.shared.sampling import SamplingParams
 from ferry.shared.step import NewRequest
-from ferry.services.worker.sampler import Sampler, apply_penalties, filter_logits
 
 V = 50
 
@@ -36,9 +36,13 @@ def test_greedy_is_argmax_with_its_logprob():
 
 @pytest.mark.parametrize(
     "params",
-    [SamplingParams(top_k=5), SamplingParams(top_p=0.3), SamplingParams(min_p=0.2),
-     SamplingParams(top_k=8, top_p=0.5, min_p=0.05, temperature=0.7)],
-)  # fmt: skip
+    [
+        SamplingParams(top_k=5),
+        SamplingParams(top_p=0.3),
+        SamplingParams(min_p=0.2),
+        SamplingParams(top_k=8, top_p=0.5, min_p=0.05, temperature=0.7),
+    ],
+)
 def test_filters_never_sample_outside_the_allowed_set(params):
     logits = random_logits(1, seed=3)
     allowed = torch.isfinite(filter_logits(logits / params.temperature, [params]))[0]
@@ -155,8 +159,17 @@ def test_rows_mix_greedy_and_sampled_with_their_own_filters():
 
 
 @pytest.mark.parametrize(
-    "bad", [dict(temperature=-1.0), dict(top_p=0.0), dict(min_p=1.5), dict(top_k=-2), dict(repetition_penalty=0.0),
-            dict(presence_penalty=2.5), dict(frequency_penalty=-3.0), dict(temperature=float("nan"))]
+    "bad",
+    [
+        dict(temperature=-1.0),
+        dict(top_p=0.0),
+        dict(min_p=1.5),
+        dict(top_k=-2),
+        dict(repetition_penalty=0.0),
+        dict(presence_penalty=2.5),
+        dict(frequency_penalty=-3.0),
+        dict(temperature=float("nan")),
+    ],
 )
 def test_the_sampling_rules_name_each_meaningless_parameter(bad):
     from ferry.shared.sampling import sampling_problems
@@ -171,15 +184,22 @@ def test_the_sampling_rules_name_each_meaningless_parameter(bad):
 
 def test_logit_bias_moves_only_the_rows_that_ask():
     logits = random_logits(2)
-    sampler = make_sampler({0: SamplingParams(temperature=0.0, logit_bias=((7, 100.0),)), 1: SamplingParams(temperature=0.0)})
+    sampler = make_sampler(
+        {0: SamplingParams(temperature=0.0, logit_bias=((7, 100.0),)), 1: SamplingParams(temperature=0.0)}
+    )
     tokens, _ = sampler.sample([0, 1], logits)
     assert tokens.tolist() == [7, int(logits[1].argmax())]
 
 
 def test_top_logprobs_are_the_models_own_and_none_when_no_row_asks():
     logits = random_logits(3)
-    sampler = make_sampler({0: SamplingParams(temperature=0.0, logprobs=4), 1: SamplingParams(temperature=0.0),
-                            2: SamplingParams(temperature=0.0, repetition_penalty=1.5, logprobs=2)})  # fmt: skip
+    sampler = make_sampler(
+        {
+            0: SamplingParams(temperature=0.0, logprobs=4),
+            1: SamplingParams(temperature=0.0),
+            2: SamplingParams(temperature=0.0, repetition_penalty=1.5, logprobs=2),
+        }
+    )
     tokens, _ = sampler.choose([0, 1, 2], logits)
     rows, token_lps, top_ids, top_lps = sampler.top_logprobs([0, 1, 2], logits, tokens)
     assert rows == [0, 2] and top_ids.shape == (2, 4)
@@ -232,7 +252,12 @@ def test_grammar_with_llguidance_and_the_tiny_tokenizer(tiny_tokenizer_dir):
 
     from ferry.services.worker.grammar import tokenizer_factory
 
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
     grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
     from transformers import AutoTokenizer
 
@@ -240,8 +265,13 @@ def test_grammar_with_llguidance_and_the_tiny_tokenizer(tiny_tokenizer_dir):
     vocab = len(tok) + 5  # a model's embedding may be wider than the tokenizer
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     sampler = Sampler(vocab, "cpu", seed=0, grammar_tokenizer=tokenizer_factory(tiny_tokenizer_dir, vocab, [eos]))
-    sampler.add_request(NewRequest(req_id=1, prompt_token_ids=np.array([1], np.int32),
-                                   sampling=SamplingParams(temperature=1.0, seed=3, grammar=grammar)))  # fmt: skip
+    sampler.add_request(
+        NewRequest(
+            req_id=1,
+            prompt_token_ids=np.array([1], np.int32),
+            sampling=SamplingParams(temperature=1.0, seed=3, grammar=grammar),
+        )
+    )
     out = []
     for _ in range(40):
         token = int(sampler.sample([1], torch.randn(1, vocab))[0][0])
@@ -268,7 +298,12 @@ def test_requests_with_one_grammar_compile_it_once_and_keep_their_own_state(tiny
         return real(*args, **kwargs)
 
     monkeypatch.setattr(llguidance, "LLMatcher", counting)
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
     grammar = real.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
     from transformers import AutoTokenizer
 
@@ -278,8 +313,13 @@ def test_requests_with_one_grammar_compile_it_once_and_keep_their_own_state(tiny
     sampler = Sampler(vocab, "cpu", seed=0, grammar_tokenizer=G.tokenizer_factory(tiny_tokenizer_dir, vocab, [eos]))
     ids = [1, 2, 3, 4]
     for r in ids:
-        sampler.add_request(NewRequest(req_id=r, prompt_token_ids=np.array([1], np.int32),
-                                       sampling=SamplingParams(temperature=1.0, seed=r, grammar=grammar)))  # fmt: skip
+        sampler.add_request(
+            NewRequest(
+                req_id=r,
+                prompt_token_ids=np.array([1], np.int32),
+                sampling=SamplingParams(temperature=1.0, seed=r, grammar=grammar),
+            )
+        )
     assert len(compiled) == 1
     outs = {r: [] for r in ids}
     done = set()
@@ -309,15 +349,30 @@ def test_a_grammar_whose_matcher_dies_reports_its_request_and_a_healthy_one_neve
     from ferry.services.worker.grammar import tokenizer_factory
 
     style = {"whitespace_flexible": False}
-    endless = {"type": "object", "required": ["a"], "patternProperties": {"^a$": {"$ref": "#"}}, "additionalProperties": False}
-    healthy = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    endless = {
+        "type": "object",
+        "required": ["a"],
+        "patternProperties": {"^a$": {"$ref": "#"}},
+        "additionalProperties": False,
+    }
+    healthy = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
     tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
     vocab, eos = len(tok), tok.convert_tokens_to_ids("<|im_end|>")
     sampler = Sampler(vocab, "cpu", seed=0, grammar_tokenizer=tokenizer_factory(tiny_tokenizer_dir, vocab, [eos]))
     for rid, schema in ((1, endless), (2, healthy)):
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=style)
-        sampler.add_request(NewRequest(req_id=rid, prompt_token_ids=np.array([1], np.int32),
-                                       sampling=SamplingParams(temperature=1.0, seed=rid, grammar=grammar)))  # fmt: skip
+        sampler.add_request(
+            NewRequest(
+                req_id=rid,
+                prompt_token_ids=np.array([1], np.int32),
+                sampling=SamplingParams(temperature=1.0, seed=rid, grammar=grammar),
+            )
+        )
     out: dict[int, list[int]] = {1: [], 2: []}
     failures = []
     for _ in range(40):
@@ -349,8 +404,13 @@ def test_a_grammar_no_token_can_continue_fails_its_request_instead_of_stopping()
 
     sampler = Sampler(3, "cpu", seed=0, grammar_tokenizer=lambda: LLTokenizer(TokenizerWrapper(Vocabulary())))
     grammar = LLMatcher.grammar_from_lark('start: "a" "b"\n')
-    sampler.add_request(NewRequest(req_id=1, prompt_token_ids=np.array([1], np.int32),
-                                   sampling=SamplingParams(temperature=1.0, grammar=grammar)))  # fmt: skip
+    sampler.add_request(
+        NewRequest(
+            req_id=1,
+            prompt_token_ids=np.array([1], np.int32),
+            sampling=SamplingParams(temperature=1.0, grammar=grammar),
+        )
+    )
     assert sampler.sample([1], torch.zeros(1, 3))[0].tolist() == [0] and sampler.grammar_failures([1]) == ()
     assert sampler.sample([1], torch.zeros(1, 3))[0].tolist() == [2]  # only the end of sequence is left
     ((rid, why),) = sampler.grammar_failures([1])

@@ -15,8 +15,13 @@ from tests.doubles.paged_model import reference_continuation
 from tests.unit.test_batch_scheduler import VOCAB, add, make, prompt
 
 
-def run_ahead_to_end(sched, model, abort_at: dict[int, int] | None = None, max_answers=10_000,
-                     in_flight_at_abort: dict[int, int] | None = None):  # fmt: skip
+def run_ahead_to_end(
+    sched,
+    model,
+    abort_at: dict[int, int] | None = None,
+    max_answers=10_000,
+    in_flight_at_abort: dict[int, int] | None = None,
+):
     """Drive the scheduler as its service does: send a step when none is in flight, then the step ahead;
     the worker runs what it was sent in order (feeding fed rows from the step before); one answer lands at a
     time. `abort_at`: {rid: after how many answers to abort it}, the abort arriving before the next answer
@@ -147,7 +152,9 @@ def test_an_abort_with_two_steps_in_flight_finishes_the_request_once_and_frees_i
     tokens, finished, _, _ = run_ahead_to_end(sched, model, abort_at={1: 5}, in_flight_at_abort=when)
     assert when == {1: 2}, "the abort must come with a step and the one scheduled ahead of it in flight"
     assert finished == {1: "abort", 2: "length"}
-    assert len(tokens[1]) < 40 and tokens[1] == reference_continuation(prompt(1, 8).tolist(), 40, VOCAB)[: len(tokens[1])]
+    assert (
+        len(tokens[1]) < 40 and tokens[1] == reference_continuation(prompt(1, 8).tolist(), 40, VOCAB)[: len(tokens[1])]
+    )
     assert sched.kv.available == sched.kv.total
 
 
@@ -206,7 +213,12 @@ def test_failing_every_step_in_flight_fails_each_request_once_and_frees_it():
 
 def test_sampling_params_say_which_requests_read_their_own_output():
     assert not SamplingParams().reads_its_output and not SamplingParams(seed=3, logit_bias=((5, 1.0),)).reads_its_output
-    for reads in ({"repetition_penalty": 1.1}, {"presence_penalty": 0.5}, {"frequency_penalty": -0.5}, {"grammar": "{}"}):
+    for reads in (
+        {"repetition_penalty": 1.1},
+        {"presence_penalty": 0.5},
+        {"frequency_penalty": -0.5},
+        {"grammar": "{}"},
+    ):
         assert SamplingParams(**reads).reads_its_output
 
 
@@ -230,16 +242,25 @@ def test_the_service_does_not_call_a_step_lost_when_the_worker_already_holds_the
 
     import zmq
 
-    from ferry.shared.messages import PoolReport, WorkerAlive
     from ferry.services.scheduler.config import SchedulerConfig
     from ferry.services.scheduler.service import SchedulerService
+    from ferry.shared.messages import PoolReport, WorkerAlive
 
     ctx = zmq.Context()
-    svc = SchedulerService(SchedulerConfig(f"ipc://{tmp_path}/a", f"ipc://{tmp_path}/s", f"ipc://{tmp_path}/r",
-                                           "127.0.0.1", None, 60.0), ctx)  # fmt: skip
+    svc = SchedulerService(
+        SchedulerConfig(f"ipc://{tmp_path}/a", f"ipc://{tmp_path}/s", f"ipc://{tmp_path}/r", "127.0.0.1", None, 60.0),
+        ctx,
+    )
     try:
-        pool = PoolReport(kv_pages=64, page_size=4, linear_state_slots=0, max_running_requests=8, max_prefill_tokens=32,
-                          max_model_len=128, vocab_size=1000)  # fmt: skip
+        pool = PoolReport(
+            kv_pages=64,
+            page_size=4,
+            linear_state_slots=0,
+            max_running_requests=8,
+            max_prefill_tokens=32,
+            max_model_len=128,
+            vocab_size=1000,
+        )
         svc._worker_alive(WorkerAlive(boot_id="w", pool=pool))
         add(svc.core, 1, prompt(1, 8), 10)
         first, ahead = svc.core.schedule(), svc.core.schedule_ahead()

@@ -7,21 +7,35 @@ from __future__ import annotations
 import numpy as np
 import zmq
 
-from ferry.shared.messages import PoolReport
-from ferry.shared.sampling import SamplingParams
-from ferry.shared.step import StepOutput
 from ferry.services.scheduler.batcher import BatchScheduler
 from ferry.services.scheduler.config import SchedulerConfig
 from ferry.services.scheduler.service import SchedulerService
+from ferry.shared.messages import PoolReport
+from ferry.shared.sampling import SamplingParams
+from ferry.shared.step import StepOutput
 
 
 def service(tmp_path, worker_connected: bool) -> SchedulerService:
-    cfg = SchedulerConfig(api_addr=f"ipc://{tmp_path}/api", steps_addr=f"ipc://{tmp_path}/steps",
-                          results_addr=f"ipc://{tmp_path}/results", health_host="127.0.0.1", health_port=None,
-                          step_timeout_s=60)  # fmt: skip
+    cfg = SchedulerConfig(
+        api_addr=f"ipc://{tmp_path}/api",
+        steps_addr=f"ipc://{tmp_path}/steps",
+        results_addr=f"ipc://{tmp_path}/results",
+        health_host="127.0.0.1",
+        health_port=None,
+        step_timeout_s=60,
+    )
     svc = SchedulerService(cfg, zmq.Context())
-    svc.core = BatchScheduler(PoolReport(kv_pages=64, page_size=4, linear_state_slots=0, max_running_requests=4,
-                                         max_prefill_tokens=64, max_model_len=128, vocab_size=1000))  # fmt: skip
+    svc.core = BatchScheduler(
+        PoolReport(
+            kv_pages=64,
+            page_size=4,
+            linear_state_slots=0,
+            max_running_requests=4,
+            max_prefill_tokens=64,
+            max_model_len=128,
+            vocab_size=1000,
+        )
+    )
     svc.worker_boot = "w"
     events: list = []
     svc._emit = lambda out: events.append(("emit", [t for _, t in out.tokens], [r.rid for r, _ in out.failed]))
@@ -40,8 +54,12 @@ def land_first_step(svc: SchedulerService) -> None:
     svc.core.add(1, b"api", 7, np.array([5, 6, 7], np.int64), SamplingParams(ignore_eos=True), 10)
     batch = svc.core.schedule()
     svc.events.clear()
-    out = StepOutput(step_id=batch.step_id, req_ids=batch.req_ids, token_ids=np.array([42], np.int32),
-                     logprobs=np.zeros(1, np.float32))  # fmt: skip
+    out = StepOutput(
+        step_id=batch.step_id,
+        req_ids=batch.req_ids,
+        token_ids=np.array([42], np.int32),
+        logprobs=np.zeros(1, np.float32),
+    )
     svc._step_landed(svc.core.complete(out))
 
 

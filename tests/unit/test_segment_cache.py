@@ -20,9 +20,14 @@ def tokenizers(tiny_tokenizer):
     return {"tiny": tiny_tokenizer, "bench": printable_tokenizer(5000)}
 
 
-pieces = st.lists(st.one_of(st.sampled_from(SPECIALS), st.text(max_size=40),
-                            st.sampled_from([" ", "\n", "\n\n", "  x", "é", "你好", "🚢", "<|im", "_end|>"])),  # fmt: skip
-                  max_size=30)
+pieces = st.lists(
+    st.one_of(
+        st.sampled_from(SPECIALS),
+        st.text(max_size=40),
+        st.sampled_from([" ", "\n", "\n\n", "  x", "é", "你好", "🚢", "<|im", "_end|>"]),
+    ),
+    max_size=30,
+)
 
 
 @settings(max_examples=150, deadline=None)
@@ -40,7 +45,11 @@ def test_segment_by_segment_equals_the_whole_prompt_first_time_and_cached(tokeni
 def test_a_next_turn_tokenizes_only_its_new_segments(tokenizers):
     hf = tokenizers["tiny"]
     cache = SegmentCache.for_tokenizer(hf)
-    turn1 = "<|im_start|>system\nYou read logs.<|im_end|>\n<|im_start|>user\n" + "ferry " * 2000 + "<|im_end|>\n<|im_start|>assistant\n"
+    turn1 = (
+        "<|im_start|>system\nYou read logs.<|im_end|>\n<|im_start|>user\n"
+        + "ferry " * 2000
+        + "<|im_end|>\n<|im_start|>assistant\n"
+    )
     turn2 = turn1 + "It is about ferries.<|im_end|>\n<|im_start|>user\nAnd then?<|im_end|>\n<|im_start|>assistant\n"
     assert cache.encode(turn1, hf) == hf.encode(turn1, add_special_tokens=False)
     before = cache.misses
@@ -66,7 +75,9 @@ def test_a_tokenizer_whose_special_tokens_strip_spaces_is_not_cut(tokenizers):
     from tokenizers import AddedToken
 
     stripping = copy.deepcopy(tokenizers["tiny"])
-    stripping.add_special_tokens({"additional_special_tokens": [AddedToken("<|tool|>", lstrip=True, rstrip=True, special=True)]})
+    stripping.add_special_tokens(
+        {"additional_special_tokens": [AddedToken("<|tool|>", lstrip=True, rstrip=True, special=True)]}
+    )
     cache = SegmentCache.for_tokenizer(stripping)
     assert cache is not None and "<|tool|>" not in cache.specials
     text = "a  <|tool|>  b " * 3

@@ -12,8 +12,6 @@ import os
 import signal
 import threading
 
-import pytest
-
 from tests.integration.harness import FAKE_BOOT, free_port
 
 
@@ -33,8 +31,13 @@ def test_the_worker_freezes_its_booted_heap_before_it_reports_its_pool(tmp_path,
     from ferry.services.worker.flags import WorkerBootConfig
 
     (tmp_path / "paged_hash_model.json").write_text(json.dumps({"vocab": list(range(5, 20))}))
-    cfg = service.WorkerConfig(steps_addr=f"ipc://{tmp_path}/steps", results_addr=f"ipc://{tmp_path}/results",
-                               health_host="127.0.0.1", health_port=None, boot=FAKE_BOOT)  # fmt: skip
+    cfg = service.WorkerConfig(
+        steps_addr=f"ipc://{tmp_path}/steps",
+        results_addr=f"ipc://{tmp_path}/results",
+        health_host="127.0.0.1",
+        health_port=None,
+        boot=FAKE_BOOT,
+    )
     worker = service.WorkerService(cfg, WorkerBootConfig(model=str(tmp_path)))
     reported_at_freeze = []
     monkeypatch.setattr(service, "freeze_startup_heap", lambda: reported_at_freeze.append(worker.heartbeat.pool))
@@ -51,9 +54,14 @@ def test_the_scheduler_freezes_its_heap_before_its_loop(tmp_path, monkeypatch):
     from ferry.services.scheduler import service
     from ferry.services.scheduler.config import SchedulerConfig
 
-    cfg = SchedulerConfig(api_addr=f"ipc://{tmp_path}/api", steps_addr=f"ipc://{tmp_path}/steps",
-                          results_addr=f"ipc://{tmp_path}/results", health_host="127.0.0.1", health_port=None,
-                          step_timeout_s=60)  # fmt: skip
+    cfg = SchedulerConfig(
+        api_addr=f"ipc://{tmp_path}/api",
+        steps_addr=f"ipc://{tmp_path}/steps",
+        results_addr=f"ipc://{tmp_path}/results",
+        health_host="127.0.0.1",
+        health_port=None,
+        step_timeout_s=60,
+    )
     scheduler = service.SchedulerService(cfg, zmq.Context())
     frozen = []
     monkeypatch.setattr(service, "freeze_startup_heap", lambda: (frozen.append(True), scheduler.stop()))
@@ -70,9 +78,17 @@ def test_the_api_freezes_its_heap_once_it_listens(tiny_tokenizer_dir, tmp_path, 
     from ferry.services.api import app
     from ferry.services.api.config import ApiConfig
 
-    cfg = ApiConfig(host="127.0.0.1", port=free_port(), scheduler_addr=f"ipc://{tmp_path}/api.sock",
-                    tokenizer=str(tiny_tokenizer_dir), served_model_name="tiny", api_key=None, max_body_bytes=2**20,
-                    identity="api-heap-test", drain_timeout_s=1.0)  # fmt: skip
+    cfg = ApiConfig(
+        host="127.0.0.1",
+        port=free_port(),
+        scheduler_addr=f"ipc://{tmp_path}/api.sock",
+        tokenizer=str(tiny_tokenizer_dir),
+        served_model_name="tiny",
+        api_key=None,
+        max_body_bytes=2**20,
+        identity="api-heap-test",
+        drain_timeout_s=1.0,
+    )
     frozen = []
 
     def spy() -> None:  # listening, its signal handlers set: a SIGTERM drains and stops it, as a user's would

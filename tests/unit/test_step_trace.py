@@ -35,8 +35,18 @@ def test_the_timeline_of_steps_scheduled_ahead():
         sched.append({"step": k, "sent": sent})
         recv = sent + 0.05e-3
         answered = k * 1.0e-3 + 0.02e-3
-        worker.append({"step": k, "rows": 1, "tokens": 1, "recv": recv, "launched": recv + 0.2e-3,
-                       "answered": answered, "device_ms": 1.0, "idle_ms": 0.0})
+        worker.append(
+            {
+                "step": k,
+                "rows": 1,
+                "tokens": 1,
+                "recv": recv,
+                "launched": recv + 0.2e-3,
+                "answered": answered,
+                "device_ms": 1.0,
+                "idle_ms": 0.0,
+            }
+        )
         sched.append({"step": k, "landed": answered + 0.03e-3})
     t = timeline(sched, worker, 0.0, 1.0)
     assert t["steps"] == 6 and t["device_ms"] == 1.0 and t["device_idle_ms"] == 0.0
@@ -51,8 +61,18 @@ def test_the_timeline_shows_a_tail_the_median_hides():
     worker, at = [], 0.0
     for k in range(11):
         at += 11e-3 if k == 6 else 1e-3
-        worker.append({"step": k, "rows": 1, "tokens": 1, "recv": at - 0.5e-3, "launched": at - 0.4e-3, "answered": at,
-                       "device_ms": None, "idle_ms": None})
+        worker.append(
+            {
+                "step": k,
+                "rows": 1,
+                "tokens": 1,
+                "recv": at - 0.5e-3,
+                "launched": at - 0.4e-3,
+                "answered": at,
+                "device_ms": None,
+                "idle_ms": None,
+            }
+        )
     t = timeline([], worker, 0.0, 1.0)
     assert abs(t["step_interval_ms"] - 1.0) < 1e-9 and abs(t["step_interval_mean_ms"] - 2.0) < 1e-9
     assert abs(t["step_interval_max_ms"] - 11.0) < 1e-9 and abs(t["step_interval_p90_ms"] - 1.0) < 1e-9

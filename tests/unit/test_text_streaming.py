@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ferry.services.api.detokenizer import REPLACEMENT, IncrementalDetokenizer
 from ferry.services.api.stop_strings import StopStringFilter
@@ -70,7 +71,11 @@ def test_earliest_of_several_stop_strings_wins():
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.text(alphabet="abc", max_size=30), st.lists(st.integers(1, 5), max_size=10), st.text(alphabet="abc", min_size=1, max_size=3))
+@given(
+    st.text(alphabet="abc", max_size=30),
+    st.lists(st.integers(1, 5), max_size=10),
+    st.text(alphabet="abc", min_size=1, max_size=3),
+)
 def test_filter_output_is_the_text_up_to_the_first_stop(text, cuts, stop):
     pieces, rest = [], text
     for c in cuts:
@@ -116,7 +121,10 @@ def test_lone_continuation_bytes_cost_linear_decoding_and_go_out_as_replacements
         out += d.push(lone)
         assert out == REPLACEMENT * len(out) and len(out) >= i - PENDING_CHARS, (i, len(out))
     assert out + d.flush() == REPLACEMENT * 8000
-    assert counting.calls <= 2 * 8001 and counting.ids <= 2 * (MAX_WINDOW_TOKENS + 1) * 8001, (counting.calls, counting.ids)
+    assert counting.calls <= 2 * 8001 and counting.ids <= 2 * (MAX_WINDOW_TOKENS + 1) * 8001, (
+        counting.calls,
+        counting.ids,
+    )
 
 
 def test_characters_split_across_byte_tokens_and_invalid_bytes_between_them_come_out_as_a_full_decode(tiny_tokenizer):
@@ -150,8 +158,11 @@ def _reference_filter_output(stops, pieces):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.text(alphabet="ab", max_size=40), st.lists(st.integers(1, 6), max_size=12),
-       st.lists(st.text(alphabet="ab", min_size=1, max_size=6), min_size=1, max_size=4))  # fmt: skip
+@given(
+    st.text(alphabet="ab", max_size=40),
+    st.lists(st.integers(1, 6), max_size=12),
+    st.lists(st.text(alphabet="ab", min_size=1, max_size=6), min_size=1, max_size=4),
+)
 def test_several_stop_strings_stop_at_the_earliest_and_hold_back_only_what_may_begin_one(text, cuts, stops):
     pieces, rest = [], text
     for c in cuts:
@@ -183,10 +194,15 @@ def test_a_stop_string_longer_than_the_cap_is_refused_naming_the_field():
         with pytest.raises(InvalidRequest) as err:
             schema.validate_generation(req, req.max_tokens)
         assert err.value.param == "stop" and str(schema.MAX_STOP_CHARS) in str(err.value)
-    fits = schema.decode_body(json.dumps({"model": "m", "prompt": "hi", "stop": long[1:]}).encode(), schema.CompletionRequest)
+    fits = schema.decode_body(
+        json.dumps({"model": "m", "prompt": "hi", "stop": long[1:]}).encode(), schema.CompletionRequest
+    )
     schema.validate_generation(fits, fits.max_tokens)
-    req = schema.decode_body(json.dumps({"model": "m", "max_tokens": 5, "stop_sequences": [long],
-                                         "messages": [{"role": "user", "content": "hi"}]}).encode(),
-                             anthropic_schema.MessagesRequest)  # fmt: skip
+    req = schema.decode_body(
+        json.dumps(
+            {"model": "m", "max_tokens": 5, "stop_sequences": [long], "messages": [{"role": "user", "content": "hi"}]}
+        ).encode(),
+        anthropic_schema.MessagesRequest,
+    )
     with pytest.raises(InvalidRequest, match="stop_sequences"):
         anthropic_schema.validate(req)

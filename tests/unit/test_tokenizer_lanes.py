@@ -41,4 +41,6 @@ def test_each_lane_tokenizes_on_its_own_thread_and_the_long_lane_copies_the_toke
     short, longs = asyncio.run(run())
     assert short[0] == "main" and short[1].startswith("tokenizer") and not short[1].startswith("tokenizer-long")
     assert all(name == "main-copy" and thread.startswith("tokenizer-long") for name, thread, _ in longs), longs
-    assert len(main.copied_on) == 1 and main.copied_on[0].startswith("tokenizer-long") and main.copied_on[0] != event_loop
+    assert (
+        len(main.copied_on) == 1 and main.copied_on[0].startswith("tokenizer-long") and main.copied_on[0] != event_loop
+    )

@@ -10,8 +10,15 @@ import pytest
 from ferry.services.api import structured
 from ferry.shared.errors import InvalidRequest
 
-TIME = ("get_time", {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
-                     "additionalProperties": False})  # fmt: skip
+TIME = (
+    "get_time",
+    {
+        "type": "object",
+        "properties": {"zone": {"enum": ["UTC", "CET"]}},
+        "required": ["zone"],
+        "additionalProperties": False,
+    },
+)
 
 
 def call(zone: str) -> str:
@@ -91,7 +98,9 @@ def test_forced_calls_resolve_each_tools_own_defs(matcher):
     for parallel in (False, True):
         grammar = structured.tool_call_grammar([a, b], parallel=parallel)
         good_a = _tool_call("order_a", {"items": [{"part": "nut", "qty": 2}], "rush": True})
-        good_b = _tool_call("order_b", {"items": [{"kind": "bolt", "qty": 9}, {"kind": "nut", "qty": 1}], "rush": False})
+        good_b = _tool_call(
+            "order_b", {"items": [{"kind": "bolt", "qty": 9}, {"kind": "nut", "qty": 1}], "rush": False}
+        )
         assert "end" in matcher(grammar, good_a) and "end" in matcher(grammar, good_b)
         wrong = _tool_call("order_a", {"items": [{"kind": "nut", "qty": 2}], "rush": True})  # order_b's Item
         with pytest.raises(AssertionError):
@@ -100,7 +109,11 @@ def test_forced_calls_resolve_each_tools_own_defs(matcher):
 
 
 def test_a_tool_schema_referring_to_its_own_root_stays_a_root(matcher):
-    tree = {"type": "object", "properties": {"v": {"enum": [1, 2]}, "kids": {"type": "array", "items": {"$ref": "#"}}},
-            "required": ["v"], "additionalProperties": False}  # fmt: skip
+    tree = {
+        "type": "object",
+        "properties": {"v": {"enum": [1, 2]}, "kids": {"type": "array", "items": {"$ref": "#"}}},
+        "required": ["v"],
+        "additionalProperties": False,
+    }
     grammar = structured.tool_call_grammar([("tree", tree)], parallel=False)
     assert matcher(grammar, _tool_call("tree", {"v": 1, "kids": [{"v": 2, "kids": []}, {"v": 1}]})) == {"end"}

@@ -61,11 +61,14 @@ class NoTorch:
 sys.meta_path.insert(0, NoTorch())
 """
 # `ferry plan` there, as `python -m ferry.services.cli plan ...` runs it
-FERRY_WITHOUT_TORCH = NO_TORCH + """
+FERRY_WITHOUT_TORCH = (
+    NO_TORCH
+    + """
 import runpy
 sys.argv[0] = "ferry"
 runpy.run_module("ferry.services.cli", run_name="__main__")
 """
+)
 
 TOKENIZER = """
 import sys
@@ -80,8 +83,14 @@ print("ok")
 
 
 def run(code: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, capture_output=True, text=True,
-                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+        timeout=120,
+    )
 
 
 def test_every_folder_of_the_package_is_either_torch_free_or_allowed_torch():
@@ -100,8 +109,10 @@ def test_the_kernels_folder_does_not_shadow_a_top_level_kernels_package(tmp_path
     other = tmp_path / "kernels"
     other.mkdir()
     (other / "__init__.py").write_text("WHO = 'the other kernels package'\n")
-    code = ("import sys; sys.path.insert(1, sys.argv[1]); import kernels, ferry.kernels.dispatch as d; "
-            "print(kernels.WHO); print(d.__file__)")
+    code = (
+        "import sys; sys.path.insert(1, sys.argv[1]); import kernels, ferry.kernels.dispatch as d; "
+        "print(kernels.WHO); print(d.__file__)"
+    )
     done = run(code, str(tmp_path))
     assert done.returncode == 0, done.stderr
     who, dispatch = done.stdout.splitlines()
@@ -110,8 +121,14 @@ def test_the_kernels_folder_does_not_shadow_a_top_level_kernels_package(tmp_path
 
 def test_the_walk_finds_the_plan_the_api_and_the_scheduler_but_not_the_worker():
     names = torch_free_modules()
-    assert {"ferry.plan.planner", "ferry.plan.model_config", "ferry.services.api.tokenizer",
-            "ferry.services.scheduler.batcher", "ferry.shared.wire", "ferry.services.cli"} <= set(names)  # fmt: skip
+    assert {
+        "ferry.plan.planner",
+        "ferry.plan.model_config",
+        "ferry.services.api.tokenizer",
+        "ferry.services.scheduler.batcher",
+        "ferry.shared.wire",
+        "ferry.services.cli",
+    } <= set(names)
     assert not [n for n in names if n.startswith(("ferry.services.worker", "ferry.kernels"))]
 
 
@@ -123,7 +140,9 @@ def test_importing_every_module_outside_the_worker_and_the_kernels_loads_no_torc
 def test_ferry_plan_runs_where_importing_torch_raises():
     blocked = run(NO_TORCH + "import torch")
     assert blocked.returncode != 0 and "torch is blocked in this test" in blocked.stderr
-    done = run(FERRY_WITHOUT_TORCH, "plan", str(QWEN3_30B), "--gpu-memory", "24GiB", "--host-memory", "128GiB", "--json")
+    done = run(
+        FERRY_WITHOUT_TORCH, "plan", str(QWEN3_30B), "--gpu-memory", "24GiB", "--host-memory", "128GiB", "--json"
+    )
     assert done.returncode == 0 and json.loads(done.stdout)["budget_bytes"] == cuda_plan_budget(24 * 2**30), done.stderr
     # without a budget it asks torch for the GPU's free memory: torch missing reads as "no GPU here"
     done = run(FERRY_WITHOUT_TORCH, "plan", "--model", str(QWEN3_30B))

@@ -11,16 +11,31 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-CASES = ["qwen3_moe-norm_topk-gqa", "qwen3_5_moe-gated-partial-rotary", "qwen3_5_moe-mixer-slices",
-         "qwen3_moe-norm_topk-gqa-fp8-kv", "qwen3_5_moe-gated-partial-rotary-fp8-kv"]  # fmt: skip
+CASES = [
+    "qwen3_moe-norm_topk-gqa",
+    "qwen3_5_moe-gated-partial-rotary",
+    "qwen3_5_moe-mixer-slices",
+    "qwen3_moe-norm_topk-gqa-fp8-kv",
+    "qwen3_5_moe-gated-partial-rotary-fp8-kv",
+]
 
 
 @pytest.fixture(scope="module")
 def results():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "FERRY_TRITON_ON_CPU": "1",
-           "PYTHONPATH": os.pathsep.join([str(HERE.parents[1]), str(HERE)])}  # fmt: skip
-    proc = subprocess.run([sys.executable, str(HERE / "interpreted_model_parity.py")], cwd=HERE.parents[1], env=env,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "1",
+        "FERRY_TRITON_ON_CPU": "1",
+        "PYTHONPATH": os.pathsep.join([str(HERE.parents[1]), str(HERE)]),
+    }
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "interpreted_model_parity.py")],
+        cwd=HERE.parents[1],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout)
 

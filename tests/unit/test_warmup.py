@@ -51,8 +51,18 @@ def test_warm_up_runs_every_shape_and_changes_no_request_state(tiny_model):
     real = real_warmup_shapes(plan.max_prefill_tokens, plan.max_running_requests)
     assert real == [(1,), (1, 1), (16,)]
     inside = _inside_steps(pools, plan)
-    assert warm_up(executor.model, pools, plan.kv.page_size, torch.device("cpu"), shapes, real,
-                   max_prefill_tokens=plan.max_prefill_tokens) == len(shapes) + inside + 3  # fmt: skip
+    assert (
+        warm_up(
+            executor.model,
+            pools,
+            plan.kv.page_size,
+            torch.device("cpu"),
+            shapes,
+            real,
+            max_prefill_tokens=plan.max_prefill_tokens,
+        )
+        == len(shapes) + inside + 3
+    )
     assert bool((kv[:, :, 1:] == 1.0).all()), "a warm-up step wrote a usable KV page"
     assert bool(kv[:, :, 0].abs().sum() > 0), "the warm-up never reached attention"
     for t in linear:
@@ -72,8 +82,15 @@ def test_the_warm_up_ends_with_steps_whose_rows_the_expert_store_counts_as_real(
     shapes = warmup_shapes(plan.max_prefill_tokens, plan.max_running_requests)
     real = real_warmup_shapes(plan.max_prefill_tokens, plan.max_running_requests)
     padding = len(shapes) + _inside_steps(executor.pools, plan)  # the inside-saving steps are padding too
-    warm_up(Recording(), executor.pools, plan.kv.page_size, torch.device("cpu"), shapes, real,
-            max_prefill_tokens=plan.max_prefill_tokens)  # fmt: skip
+    warm_up(
+        Recording(),
+        executor.pools,
+        plan.kv.page_size,
+        torch.device("cpu"),
+        shapes,
+        real,
+        max_prefill_tokens=plan.max_prefill_tokens,
+    )
     assert seen[:padding] == [0] * padding
     assert seen[padding:] == [sum(s) for s in real] == [1, 2, 16]
 
@@ -102,7 +119,7 @@ def test_a_hybrid_model_also_warms_the_prefill_that_keeps_a_state_inside_its_chu
     ran = warm_up(Recording(), pools, ps, torch.device("cpu"), shapes, (), max_prefill_tokens=plan.max_prefill_tokens)
     assert ran == len(shapes) + 3 and save_inside_shapes(ps) == ((ps + 1,), (2 * ps,), (2 * ps + 1,))
     last = linear.num_snapshots - 1
-    assert seen[len(shapes):] == [((0, ps, last),)] * 3  # row 0 keeps its state after a page, into `last`
+    assert seen[len(shapes) :] == [((0, ps, last),)] * 3  # row 0 keeps its state after a page, into `last`
     assert bool(linear.snapshot_recurrent[last].abs().sum() > 0), "the state inside the chunk was not kept"
     assert not bool(linear.snapshot_recurrent[:last].abs().sum())  # no other snapshot touched
     for t in (linear.conv, linear.recurrent):

@@ -11,9 +11,23 @@ import pytest
 import zmq
 
 from ferry.shared.messages import (
-    Abort, ApiHeartbeat, ApiToScheduler, Failed, Finished, PoolReport, RunStep, SchedulerStatus, SchedulerToApi,
-    SchedulerToWorker, StepDone, StepFailed, Submit, Tokens, WorkerAlive, WorkerToScheduler,
-)  # fmt: skip
+    Abort,
+    ApiHeartbeat,
+    ApiToScheduler,
+    Failed,
+    Finished,
+    PoolReport,
+    RunStep,
+    SchedulerStatus,
+    SchedulerToApi,
+    SchedulerToWorker,
+    StepDone,
+    StepFailed,
+    Submit,
+    Tokens,
+    WorkerAlive,
+    WorkerToScheduler,
+)
 from ferry.shared.sampling import SamplingParams
 from ferry.shared.step import NewRequest, StepBatch, StepOutput
 from ferry.shared.wire import INLINE_ARRAY_BYTES, Codec, PeerSocket, RouterSocket, WireError
@@ -21,14 +35,24 @@ from ferry.shared.wire import INLINE_ARRAY_BYTES, Codec, PeerSocket, RouterSocke
 
 def batch() -> StepBatch:
     return StepBatch(
-        step_id=7, req_ids=np.array([3, 4], np.int64), tokens=np.arange(5, dtype=np.int32),
-        query_lens=np.array([4, 1], np.int32), context_lens=np.array([0, 9], np.int32),
-        page_table=np.array([[1, 2, 0], [5, 6, 7]], np.int32), linear_state_slots=np.array([1, 2], np.int32),
-        reset_linear_state=np.array([True, False]), sample=np.array([True, True]),
-        new_requests=(NewRequest(req_id=3, prompt_token_ids=np.arange(4, dtype=np.int32),
-                                 sampling=SamplingParams(temperature=0.5, seed=1, stop_token_ids=(2,))),),
+        step_id=7,
+        req_ids=np.array([3, 4], np.int64),
+        tokens=np.arange(5, dtype=np.int32),
+        query_lens=np.array([4, 1], np.int32),
+        context_lens=np.array([0, 9], np.int32),
+        page_table=np.array([[1, 2, 0], [5, 6, 7]], np.int32),
+        linear_state_slots=np.array([1, 2], np.int32),
+        reset_linear_state=np.array([True, False]),
+        sample=np.array([True, True]),
+        new_requests=(
+            NewRequest(
+                req_id=3,
+                prompt_token_ids=np.arange(4, dtype=np.int32),
+                sampling=SamplingParams(temperature=0.5, seed=1, stop_token_ids=(2,)),
+            ),
+        ),
         finished_req_ids=(1, 2),
-    )  # fmt: skip
+    )
 
 
 def assert_same(a, b):
@@ -47,9 +71,14 @@ def assert_same(a, b):
             assert x == y, name
 
 
-POOL = PoolReport(kv_pages=10, page_size=16, linear_state_slots=2, max_running_requests=4, max_prefill_tokens=64, max_model_len=128)
+POOL = PoolReport(
+    kv_pages=10, page_size=16, linear_state_slots=2, max_running_requests=4, max_prefill_tokens=64, max_model_len=128
+)
 MESSAGES = [
-    (ApiToScheduler, Submit(req_id=1, prompt_token_ids=np.array([5, 6, 7], np.int32), sampling=SamplingParams(), max_tokens=None)),
+    (
+        ApiToScheduler,
+        Submit(req_id=1, prompt_token_ids=np.array([5, 6, 7], np.int32), sampling=SamplingParams(), max_tokens=None),
+    ),
     (ApiToScheduler, Abort(3)),
     (ApiToScheduler, ApiHeartbeat()),
     (SchedulerToApi, Tokens(np.array([1, 2], np.int64), np.array([9, 8], np.int32))),
@@ -59,10 +88,29 @@ MESSAGES = [
     (SchedulerToApi, SchedulerStatus(boot_id="s", ready=True, reason="", running=2)),
     (SchedulerToWorker, RunStep(batch())),
     (WorkerToScheduler, WorkerAlive(boot_id="b", pool=POOL, expert_hits=3)),
-    (WorkerToScheduler, StepDone(StepOutput(step_id=7, req_ids=np.array([3], np.int64), token_ids=np.array([42], np.int32),
-                                            logprobs=np.zeros(1, np.float32)))),
-    (WorkerToScheduler, StepDone(StepOutput(step_id=7, req_ids=np.array([3], np.int64), token_ids=np.array([2], np.int32),
-                                            logprobs=np.zeros(1, np.float32), grammar_failures=((3, "dead"),)))),
+    (
+        WorkerToScheduler,
+        StepDone(
+            StepOutput(
+                step_id=7,
+                req_ids=np.array([3], np.int64),
+                token_ids=np.array([42], np.int32),
+                logprobs=np.zeros(1, np.float32),
+            )
+        ),
+    ),
+    (
+        WorkerToScheduler,
+        StepDone(
+            StepOutput(
+                step_id=7,
+                req_ids=np.array([3], np.int64),
+                token_ids=np.array([2], np.int32),
+                logprobs=np.zeros(1, np.float32),
+                grammar_failures=((3, "dead"),),
+            )
+        ),
+    ),
     (WorkerToScheduler, StepFailed(step_id=7, message="oom")),
 ]
 
@@ -86,12 +134,22 @@ def test_small_arrays_ride_in_the_header_and_large_ones_in_frames_of_their_own()
     assert np.array_equal(got.page_table, wide) and got.tokens.tolist() == [0, 1, 2, 3, 4]
 
 
-@pytest.mark.parametrize("array", [["<i4", [2], b"\x00" * 7],  # the bytes do not hold the shape
-                                   ["<i4", [2], "not bytes"], ["|O", [1], b"\x00" * 8],  # an object dtype
-                                   ["<i4", [-1], b""], [1, "<i4"], "x"])  # fmt: skip
+@pytest.mark.parametrize(
+    "array",
+    [
+        ["<i4", [2], b"\x00" * 7],  # the bytes do not hold the shape
+        ["<i4", [2], "not bytes"],
+        ["|O", [1], b"\x00" * 8],  # an object dtype
+        ["<i4", [-1], b""],
+        [1, "<i4"],
+        "x",
+    ],
+)
 def test_a_malformed_inline_array_is_a_wire_error(array):
     head = msgspec.msgpack.encode({"type": "Abort", "req_id": 3})
-    raw = msgspec.msgpack.decode(Codec(SchedulerToApi).encode(Tokens(np.array([1], np.int64), np.array([2], np.int32)))[0])
+    raw = msgspec.msgpack.decode(
+        Codec(SchedulerToApi).encode(Tokens(np.array([1], np.int64), np.array([2], np.int32)))[0]
+    )
     raw["req_ids"] = array
     with pytest.raises(WireError):
         Codec(SchedulerToApi).decode([msgspec.msgpack.encode(raw)])

@@ -10,13 +10,23 @@ from ferry.shared.errors import ConfigError
 from ferry.shared.wire_keys import check_exposure
 
 
-@pytest.mark.parametrize("addr", ["tcp://127.0.0.1:5555", "tcp://127.0.0.2:5555", "tcp://localhost:5555",
-                                  "tcp://[::1]:5555", "ipc:///tmp/ferry/api.sock"])  # fmt: skip
+@pytest.mark.parametrize(
+    "addr",
+    [
+        "tcp://127.0.0.1:5555",
+        "tcp://127.0.0.2:5555",
+        "tcp://localhost:5555",
+        "tcp://[::1]:5555",
+        "ipc:///tmp/ferry/api.sock",
+    ],
+)
 def test_loopback_and_ipc_need_no_keys(addr):
     check_exposure("--scheduler-addr", addr, None)
 
 
-@pytest.mark.parametrize("addr", ["tcp://0.0.0.0:5555", "tcp://10.1.2.3:5556", "tcp://scheduler:5557", "tcp://[::]:5555"])
+@pytest.mark.parametrize(
+    "addr", ["tcp://0.0.0.0:5555", "tcp://10.1.2.3:5556", "tcp://scheduler:5557", "tcp://[::]:5555"]
+)
 def test_an_address_beyond_this_host_is_refused_without_keys_and_names_the_flag(addr):
     with pytest.raises(ConfigError, match="--scheduler-addr .* --wire-keys"):
         check_exposure("--scheduler-addr", addr, None)

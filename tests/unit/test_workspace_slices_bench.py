@@ -4,7 +4,6 @@ each slice below it once, the largest step run with its mixers sliced as asked, 
 from __future__ import annotations
 
 import torch
-
 from tiny_models import tiny_model
 
 from bench.workspace_slices import measure, slot_bytes
@@ -33,8 +32,16 @@ def test_each_step_is_measured_at_each_slice_below_it_and_the_slice_is_put_back(
         return 10 * slot_bytes(spec, r.dtype)
 
     rows = measure(model, experts, spec, r, [64, 128], [128, 48], profile)
-    assert [(x["tokens"], x["slice_tokens"], x["slots"]) for x in rows] == [(64, 64, 10.0), (64, 48, 10.0),
-                                                                           (128, 128, 10.0), (128, 48, 10.0)]  # fmt: skip
-    assert seen == [(64, 64, []), (64, 48, [(0, 32), (32, 64)]), (128, 128, []),
-                    (128, 48, [(0, 42), (42, 85), (85, 128)])]  # fmt: skip
+    assert [(x["tokens"], x["slice_tokens"], x["slots"]) for x in rows] == [
+        (64, 64, 10.0),
+        (64, 48, 10.0),
+        (128, 128, 10.0),
+        (128, 48, 10.0),
+    ]
+    assert seen == [
+        (64, 64, []),
+        (64, 48, [(0, 32), (32, 64)]),
+        (128, 128, []),
+        (128, 48, [(0, 42), (42, 85), (85, 128)]),
+    ]
     assert forward_batch.MIXER_SLICE_TOKENS == MIXER_SLICE_TOKENS

@@ -20,11 +20,26 @@ from transformers import (
 
 from ferry.plan.model_config import ModelSpec, parse_model_config
 
-COMMON = dict(vocab_size=96, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-              num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, max_position_embeddings=512,
-              rope_theta=10000.0)  # fmt: skip
-LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
-              linear_conv_kernel_dim=4, shared_expert_intermediate_size=24)  # fmt: skip
+COMMON = dict(
+    vocab_size=96,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    max_position_embeddings=512,
+    rope_theta=10000.0,
+)
+LINEAR = dict(
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+    shared_expert_intermediate_size=24,
+)
 
 
 def _config(arch: str, **overrides):

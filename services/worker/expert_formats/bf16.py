@@ -23,8 +23,10 @@ class Bf16Experts:
 
     def write_expert(self, dst13: torch.Tensor, dst2: torch.Tensor, gate, up, down, where: str) -> None:
         if any(isinstance(t, QuantizedWeight) for t in (gate, up, down)):
-            raise ValueError(f"{where} is quantized in the checkpoint, but its config.json has no quantization_config "
-                             "that says so: use the checkpoint's own config.json (and hf_quant_config.json)")  # fmt: skip
+            raise ValueError(
+                f"{where} is quantized in the checkpoint, but its config.json has no quantization_config "
+                "that says so: use the checkpoint's own config.json (and hf_quant_config.json)"
+            )
         check_expert_shapes(where, gate, up, down, self.inter, self.hidden)
         i = self.inter
         dst13[:i].copy_(gate)

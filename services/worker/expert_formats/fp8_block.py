@@ -39,8 +39,10 @@ class Fp8BlockExperts(QuantizedExperts):
             elif proj.fmt == FP8_TENSOR:
                 mine.copy_(proj.scale.expand_as(mine))
             else:
-                raise ValueError(f"checkpoint tensor {proj.source!r} is {proj.fmt}, but the routed experts are fp8 "
-                                 "(config.json's quantization_config): every expert must be fp8")  # fmt: skip
+                raise ValueError(
+                    f"checkpoint tensor {proj.source!r} is {proj.fmt}, but the routed experts are fp8 "
+                    "(config.json's quantization_config): every expert must be fp8"
+                )
 
     def _fill_dummy(self, rows: torch.Tensor, layout: F.FamilyLayout, std: float, gen: torch.Generator) -> None:
         """Normal float8 weights (no NaN: they are cast, not drawn as bytes) under block scales of `std`."""

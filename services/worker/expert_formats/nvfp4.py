@@ -35,8 +35,10 @@ class Nvfp4Experts(QuantizedExperts):
         first = 0
         for proj in projections:
             if proj.fmt != NVFP4:
-                raise ValueError(f"checkpoint tensor {proj.source!r} is {proj.fmt}, but the routed experts are nvfp4 "
-                                 "(config.json's quantization_config): every expert must be nvfp4")  # fmt: skip
+                raise ValueError(
+                    f"checkpoint tensor {proj.source!r} is {proj.fmt}, but the routed experts are nvfp4 "
+                    "(config.json's quantization_config): every expert must be nvfp4"
+                )
             rows = proj.q.shape[0]
             parts["q"][first : first + rows].copy_(proj.q)
             parts["scale"][first : first + rows].copy_(proj.scale)

@@ -58,14 +58,17 @@ class QuantizedExperts(ABC):
 
     def family(self, rows: torch.Tensor, layout: F.FamilyLayout) -> QuantizedFamily:
         views = {p.name: part(rows, p) for p in layout.parts}
-        return QuantizedFamily(self.name, layout.rows, layout.cols, layout.part_rows, views["q"], views["scale"],
-                               views.get("gscale"))  # fmt: skip
+        return QuantizedFamily(
+            self.name, layout.rows, layout.cols, layout.part_rows, views["q"], views["scale"], views.get("gscale")
+        )
 
     def write_expert(self, dst13: torch.Tensor, dst2: torch.Tensor, gate, up, down, where: str) -> None:
         for name, t in (("gate", gate), ("up", up), ("down", down)):
             if not isinstance(t, QuantizedWeight):
-                raise ValueError(f"{where}: {name} is not quantized in the checkpoint, but config.json's "
-                                 f"quantization_config makes the routed experts {self.name}: every expert must be")  # fmt: skip
+                raise ValueError(
+                    f"{where}: {name} is not quantized in the checkpoint, but config.json's "
+                    f"quantization_config makes the routed experts {self.name}: every expert must be"
+                )
         check_expert_shapes(where, gate, up, down, self.inter, self.hidden)
         self._write(dst13, self.layout13, (gate, up))
         self._write(dst2, self.layout2, (down,))

@@ -20,10 +20,10 @@ from ferry.kernels.dense_gemv import dense_linear
 from ferry.kernels.dispatch import use_triton
 from ferry.kernels.paged_attention import paged_attention, write_kv
 from ferry.kernels.qk_norm_rope import qk_norm_rope_kv_triton
+from ferry.plan.model_config import ModelSpec
 from ferry.services.worker.models.context import StepContext
 from ferry.services.worker.models.norms import make_norm
 from ferry.services.worker.models.rotary import RotaryEmbedding
-from ferry.plan.model_config import ModelSpec
 
 
 class PagedAttention(nn.Module):
@@ -61,18 +61,42 @@ class PagedAttention(nn.Module):
         k_scale, v_scale = ctx.pools.kv.layer_scales(self.layer_idx)  # None, None but in an fp8 pool
         if use_triton(x):
             norm = self.q_norm
-            q = qk_norm_rope_kv_triton(q, k, v, norm.weight, self.k_norm.weight, norm.eps, norm.zero_centered,
-                                       ctx.cos, ctx.sin, self.rotary.rotary_dim, b.slot_mapping, k_cache, v_cache,
-                                       k_scale=k_scale, v_scale=v_scale)  # fmt: skip
+            q = qk_norm_rope_kv_triton(
+                q,
+                k,
+                v,
+                norm.weight,
+                self.k_norm.weight,
+                norm.eps,
+                norm.zero_centered,
+                ctx.cos,
+                ctx.sin,
+                self.rotary.rotary_dim,
+                b.slot_mapping,
+                k_cache,
+                v_cache,
+                k_scale=k_scale,
+                v_scale=v_scale,
+            )
         else:
             q = self.rotary.apply(self.q_norm(q), ctx.cos, ctx.sin)
             k = self.rotary.apply(self.k_norm(k), ctx.cos, ctx.sin)
             write_kv(k_cache, v_cache, b.slot_mapping, k, v, k_scale, v_scale)
         out = paged_attention(
-            q.contiguous(), k_cache, v_cache, b.page_table, b.query_start, b.positions,
-            b.query_lens_host, b.context_lens_host, self.scale, token_request=b.token_request,
-            gather=ctx.pools.kv.gather_buffers, k_scale=k_scale, v_scale=v_scale,
-        ).reshape(t, -1)  # fmt: skip
+            q.contiguous(),
+            k_cache,
+            v_cache,
+            b.page_table,
+            b.query_start,
+            b.positions,
+            b.query_lens_host,
+            b.context_lens_host,
+            self.scale,
+            token_request=b.token_request,
+            gather=ctx.pools.kv.gather_buffers,
+            k_scale=k_scale,
+            v_scale=v_scale,
+        ).reshape(t, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return dense_linear(out, self.o_proj.weight, self.o_proj.bias)

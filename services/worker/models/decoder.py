@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ferry.kernels.expert_rows_sum import ExpertRows
+from ferry.plan.model_config import LINEAR_ATTENTION, ModelSpec
 from ferry.services.worker.experts import ExpertStore
 from ferry.services.worker.forward_batch import ForwardBatch
 from ferry.services.worker.models.attention import PagedAttention
@@ -19,7 +20,6 @@ from ferry.services.worker.models.norms import make_norm
 from ferry.services.worker.models.rotary import RotaryEmbedding
 from ferry.services.worker.models.weights import checkpoint_shapes, load_checkpoint_weights
 from ferry.services.worker.pools import Pools
-from ferry.plan.model_config import LINEAR_ATTENTION, ModelSpec
 
 
 class DecoderLayer(nn.Module):
@@ -47,8 +47,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = make_norm(spec.is_hybrid, spec.hidden_size, spec.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = make_norm(spec.is_hybrid, spec.hidden_size, spec.rms_norm_eps, dtype, device)
 
-    def forward(self, x: torch.Tensor | ExpertRows, residual: torch.Tensor | None,
-                ctx: StepContext) -> tuple[torch.Tensor | ExpertRows, torch.Tensor]:  # fmt: skip
+    def forward(
+        self, x: torch.Tensor | ExpertRows, residual: torch.Tensor | None, ctx: StepContext
+    ) -> tuple[torch.Tensor | ExpertRows, torch.Tensor]:
         """The layer's input is residual + x (x alone for the first layer, residual None); returns
         (mlp output, residual), the add left to the next norm. Each residual add is thus fused
         into the RMSNorm after it (one kernel on CUDA instead of two); the sums are the same. A MoE

@@ -28,9 +28,9 @@ from ferry.kernels.dense_gemv import dense_linear
 from ferry.kernels.dispatch import use_triton
 from ferry.kernels.gated_delta_rule import gated_delta_rule_varlen_keeping
 from ferry.kernels.gated_deltanet_decode import gated_deltanet_decode
+from ferry.plan.model_config import ModelSpec
 from ferry.services.worker.models.context import StepContext
 from ferry.services.worker.models.norms import GatedRMSNorm
-from ferry.plan.model_config import ModelSpec
 
 
 class GatedDeltaNet(nn.Module):
@@ -84,9 +84,20 @@ class GatedDeltaNet(nn.Module):
             # a decode step on the GPU: conv, gates, rule and norm in two launches instead of ~35
             # (kernels/gated_deltanet_decode.py; its twin is the composition below)
             core = gated_deltanet_decode(
-                qkv, z, beta_logit, a, conv_weight, self.A_log, self.dt_bias, self.norm.weight, self.norm.eps,
-                conv_states, recurrent_states, b.state_slots, self.k_heads,
-            )  # fmt: skip
+                qkv,
+                z,
+                beta_logit,
+                a,
+                conv_weight,
+                self.A_log,
+                self.dt_bias,
+                self.norm.weight,
+                self.norm.eps,
+                conv_states,
+                recurrent_states,
+                b.state_slots,
+                self.k_heads,
+            )
             return dense_linear(core, self.out_proj.weight)
         inside = b.inside_saves if t != b.num_requests else ()
         if t == b.num_requests:  # one token per request: a decode step
@@ -95,8 +106,15 @@ class GatedDeltaNet(nn.Module):
             slots = b.state_slots_host
             before = [conv_states[slots[row]].clone() for row, _, _ in inside]  # the conv states the chunks start from
             inputs = qkv
-            qkv = causal_conv1d_varlen(qkv, conv_states, slots, b.query_lens_host, conv_weight,
-                                       slots_on_device=b.state_slots, query_start=b.query_start)  # fmt: skip
+            qkv = causal_conv1d_varlen(
+                qkv,
+                conv_states,
+                slots,
+                b.query_lens_host,
+                conv_weight,
+                slots_on_device=b.state_slots,
+                query_start=b.query_start,
+            )
         q, k, v = qkv.split([self.key_size, self.key_size, self.value_size], dim=-1)
         beta = torch.sigmoid(beta_logit)
         g = -self.A_log.exp() * F.softplus(a.float() + self.dt_bias)

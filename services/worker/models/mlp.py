@@ -25,13 +25,13 @@ from torch import nn
 
 from ferry.kernels.dense_gemv import dense_linear
 from ferry.kernels.dispatch import use_triton
-from ferry.kernels.expert_rows_sum import ExpertRows
 from ferry.kernels.expert_pair_gemv import PAIR_KERNEL_MAX_PAIRS, expert_pair_rows_triton, use_pair_kernel
+from ferry.kernels.expert_rows_sum import ExpertRows
 from ferry.kernels.moe_combine import moe_combine, moe_combine_reference, silu_mul_triton
 from ferry.kernels.router_topk import router_topk_triton
 from ferry.kernels.router_topk_reference import router_topk_reference
-from ferry.services.worker.experts import ExpertStore
 from ferry.plan.model_config import ModelSpec
+from ferry.services.worker.experts import ExpertStore
 
 
 class DenseMLP(nn.Module):
@@ -46,7 +46,9 @@ class DenseMLP(nn.Module):
         self._single_expert: tuple[torch.Tensor, torch.Tensor] | None = None  # see forward_rows
         # {parameter: {checkpoint tensor: its rows}}, names relative to this module (weights.py)
         i = intermediate
-        self.checkpoint_rows = {"gate_up_proj.weight": {"gate_proj.weight": slice(0, i), "up_proj.weight": slice(i, 2 * i)}}
+        self.checkpoint_rows = {
+            "gate_up_proj.weight": {"gate_proj.weight": slice(0, i), "up_proj.weight": slice(i, 2 * i)}
+        }
 
     def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
         if use_triton(x):  # one GEMV for gate and up, one kernel for SiLU and the product
@@ -67,12 +69,15 @@ class DenseMLP(nn.Module):
             # the pair kernel's slot (0) and routing weight (1) of every row, made once: a step
             # captured in a CUDA graph reads them at fixed addresses
             n = PAIR_KERNEL_MAX_PAIRS
-            self._single_expert = (torch.zeros(n, 1, dtype=torch.int64, device=x.device),
-                                   torch.ones(n, 1, dtype=x.dtype, device=x.device))  # fmt: skip
+            self._single_expert = (
+                torch.zeros(n, 1, dtype=torch.int64, device=x.device),
+                torch.ones(n, 1, dtype=x.dtype, device=x.device),
+            )
         slots, weights = self._single_expert
         rows = torch.empty(t, 1, x.shape[1], dtype=torch.float32, device=x.device)
-        expert_pair_rows_triton(x, slots[:t], weights[:t], self.gate_up_proj.weight[None], self.down_proj.weight[None],
-                                rows)  # fmt: skip
+        expert_pair_rows_triton(
+            x, slots[:t], weights[:t], self.gate_up_proj.weight[None], self.down_proj.weight[None], rows
+        )
         return rows.view(t, x.shape[1])
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
@@ -110,12 +115,15 @@ class TopKRouter(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(ids int64 [T, k], weights [T, k], sigmoid(shared gate logit) [T, 1] or None), x's dtype."""
         if use_triton(x):  # one GEMV for the router and the shared gate, one kernel for the rest
-            return router_topk_triton(dense_linear(x, self.logit_weight), self.top_k, self.norm_topk_prob, self.num_experts)
+            return router_topk_triton(
+                dense_linear(x, self.logit_weight), self.top_k, self.norm_topk_prob, self.num_experts
+            )
         return self.reference(x)
 
     def reference(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        ids, weights, _ = router_topk_reference(F.linear(x, self.weight), self.top_k, self.norm_topk_prob,
-                                                self.num_experts)  # fmt: skip
+        ids, weights, _ = router_topk_reference(
+            F.linear(x, self.weight), self.top_k, self.norm_topk_prob, self.num_experts
+        )
         shared = torch.sigmoid(F.linear(x, self.shared_gate_weight)) if self.has_shared_gate else None
         return ids, weights, shared
 

@@ -28,8 +28,8 @@ from collections.abc import Iterable
 
 import torch
 
-from ferry.shared.errors import ModelLoadError
 from ferry.services.worker.quantized_weight import QuantizedWeight
+from ferry.shared.errors import ModelLoadError
 
 PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
 SKIPPED_PREFIXES = ("visual.", "mtp.", "model.visual.", "model.mtp.", "vision_tower.")
@@ -75,7 +75,9 @@ class _Loader:
                 self.pending.add(name)
         if routed_experts:  # False: the expert store was filled by other means (dummy host banks)
             self.pending.update(
-                f"expert[{m}][{e}]" for m in range(len(self.spec.moe_layer_indices)) for e in range(self.spec.num_experts)
+                f"expert[{m}][{e}]"
+                for m in range(len(self.spec.moe_layer_indices))
+                for e in range(self.spec.num_experts)
             )
         first = next(iter(self.params.values()), None)
         self.dtype = first.dtype if first is not None else torch.float32
@@ -115,8 +117,10 @@ class _Loader:
             return
         if isinstance(tensor, QuantizedWeight):  # a dense linear: dequantized once, here
             if _FUSED_EXPERTS.fullmatch(name):
-                raise WeightLoadError(f"checkpoint tensor {source!r}: quantized experts must be stored per expert "
-                                      "(layers.L.mlp.experts.E.{gate,up,down}_proj)")  # fmt: skip
+                raise WeightLoadError(
+                    f"checkpoint tensor {source!r}: quantized experts must be stored per expert "
+                    "(layers.L.mlp.experts.E.{gate,up,down}_proj)"
+                )
             tensor = tensor.dequantize(self.dtype, self.device)
         if m := _FUSED_EXPERTS.fullmatch(name):
             self._fused_experts(self._moe_layer(int(m[1]), source), m[2], tensor, source)
@@ -186,8 +190,9 @@ class _Loader:
         ratio = s.linear_num_value_heads // s.linear_num_key_heads
         per_head = 2 * s.linear_key_head_dim + 2 * ratio * s.linear_value_head_dim
         if w.shape[0] != s.linear_num_key_heads * per_head:
-            raise WeightLoadError(f"checkpoint tensor {source!r} has {w.shape[0]} rows, expected "
-                                  f"{s.linear_num_key_heads * per_head}")  # fmt: skip
+            raise WeightLoadError(
+                f"checkpoint tensor {source!r} has {w.shape[0]} rows, expected {s.linear_num_key_heads * per_head}"
+            )
         grouped = w.reshape(s.linear_num_key_heads, per_head, w.shape[-1])
         kd, vd = s.linear_key_head_dim, ratio * s.linear_value_head_dim
         q, k, v, z = grouped.split([kd, kd, vd, vd], dim=1)
@@ -198,8 +203,9 @@ class _Loader:
         s = self.spec
         ratio = s.linear_num_value_heads // s.linear_num_key_heads
         if w.shape[0] != 2 * s.linear_num_value_heads:
-            raise WeightLoadError(f"checkpoint tensor {source!r} has {w.shape[0]} rows, expected "
-                                  f"{2 * s.linear_num_value_heads}")  # fmt: skip
+            raise WeightLoadError(
+                f"checkpoint tensor {source!r} has {w.shape[0]} rows, expected {2 * s.linear_num_value_heads}"
+            )
         b, a = w.reshape(s.linear_num_key_heads, 2 * ratio, w.shape[-1]).split(ratio, dim=1)
         return {"b": b.reshape(-1, w.shape[-1]), "a": a.reshape(-1, w.shape[-1])}
 

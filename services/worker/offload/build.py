@@ -17,20 +17,19 @@ from __future__ import annotations
 
 import torch
 
-from ferry.shared.errors import ConfigError
-from ferry.plan.model_config import ModelSpec
-from ferry.services.worker.flags import DEFAULT_EXPERT_POLICY, EXPERT_POLICIES
 from ferry.kernels.dispatch import use_triton
+from ferry.plan.model_config import ModelSpec
+from ferry.plan.planner import Plan
+from ferry.services.worker.flags import DEFAULT_EXPERT_POLICY, EXPERT_POLICIES
 from ferry.services.worker.offload.device_store import DeviceDrivenExperts
 from ferry.services.worker.offload.expert_cache import OffloadedExperts
+from ferry.services.worker.offload.frequency_policy import LFUExpertPolicy
 from ferry.services.worker.offload.host_banks import HostBanks
 from ferry.services.worker.offload.packed_banks import PackedHostBanks
-from ferry.services.worker.offload.frequency_policy import LFUExpertPolicy
 from ferry.services.worker.offload.policy import ExpertSlotPolicy, LRUExpertPolicy
 from ferry.services.worker.offload.resident import ResidentExperts
-from ferry.plan.planner import Plan
 from ferry.services.worker.pools import ExpertSlotPool
-
+from ferry.shared.errors import ConfigError
 
 POLICIES: dict[str, type[ExpertSlotPolicy]] = {"lru": LRUExpertPolicy, "lfu": LFUExpertPolicy}
 DEFAULT_POLICY = DEFAULT_EXPERT_POLICY
@@ -52,8 +51,9 @@ def is_offloaded(spec: ModelSpec, plan: Plan) -> bool:
     return plan.experts.slots < spec.total_experts
 
 
-def host_banks_for(spec: ModelSpec, plan: Plan, pin: bool | None = None,
-                   progress: bool = True) -> HostBanks | PackedHostBanks:  # fmt: skip
+def host_banks_for(
+    spec: ModelSpec, plan: Plan, pin: bool | None = None, progress: bool = True
+) -> HostBanks | PackedHostBanks:
     """Host banks for every routed expert in the plan's format (packed: 12 bits a value), pinned
     when CUDA is present; a HostMemoryError naming the bytes needed and available comes before
     anything is allocated."""
@@ -61,11 +61,20 @@ def host_banks_for(spec: ModelSpec, plan: Plan, pin: bool | None = None,
     return kind.for_model(spec, plan.dtype, pin=pin, progress=progress)
 
 
-def build_offloaded_experts(spec: ModelSpec, plan: Plan, slots: ExpertSlotPool, device: torch.device | str,
-                            pin: bool | None = None, progress: bool = True, policy: str = DEFAULT_POLICY,
-                            banks: HostBanks | None = None, prefetch: bool = True,
-                            device_driven: bool | None = None, copy_engine_tokens: int | None = None,
-                            ring_chunks: tuple[int | None, int | None] = (None, None)) -> OffloadedExperts:  # fmt: skip
+def build_offloaded_experts(
+    spec: ModelSpec,
+    plan: Plan,
+    slots: ExpertSlotPool,
+    device: torch.device | str,
+    pin: bool | None = None,
+    progress: bool = True,
+    policy: str = DEFAULT_POLICY,
+    banks: HostBanks | None = None,
+    prefetch: bool = True,
+    device_driven: bool | None = None,
+    copy_engine_tokens: int | None = None,
+    ring_chunks: tuple[int | None, int | None] = (None, None),
+) -> OffloadedExperts:
     """The offload store over the plan's slots: `banks` (allocated here when not given) and a
     replacement policy chosen by name. On CUDA (or wherever kernels run through Triton:
     `device_driven`) the cache is driven from the device, with next-layer `prefetch`; on CPU
@@ -77,23 +86,48 @@ def build_offloaded_experts(spec: ModelSpec, plan: Plan, slots: ExpertSlotPool, 
     if device_driven is None:
         device_driven = use_triton(slots.w13)
     if device_driven:
-        store = DeviceDrivenExperts(slots, banks, chosen, device, prefetch=prefetch, copy_engine_tokens=copy_engine_tokens,
-                                    ring_chunks=ring_chunks)  # fmt: skip
+        store = DeviceDrivenExperts(
+            slots,
+            banks,
+            chosen,
+            device,
+            prefetch=prefetch,
+            copy_engine_tokens=copy_engine_tokens,
+            ring_chunks=ring_chunks,
+        )
         store.attention_period = max(1, round(num_layers / max(1, len(spec.full_attention_layers))))
         return store
     return OffloadedExperts(slots, banks, chosen, device)
 
 
-def build_expert_store(spec: ModelSpec, plan: Plan, slots: ExpertSlotPool, device: torch.device | str,
-                       pin: bool | None = None, progress: bool = True, policy: str = DEFAULT_POLICY,
-                       banks: HostBanks | None = None, prefetch: bool = True,
-                       copy_engine_tokens: int | None = None,
-                       ring_chunks: tuple[int | None, int | None] = (None, None)) -> ResidentExperts | OffloadedExperts:  # fmt: skip
+def build_expert_store(
+    spec: ModelSpec,
+    plan: Plan,
+    slots: ExpertSlotPool,
+    device: torch.device | str,
+    pin: bool | None = None,
+    progress: bool = True,
+    policy: str = DEFAULT_POLICY,
+    banks: HostBanks | None = None,
+    prefetch: bool = True,
+    copy_engine_tokens: int | None = None,
+    ring_chunks: tuple[int | None, int | None] = (None, None),
+) -> ResidentExperts | OffloadedExperts:
     """All-resident (no host banks, no host RAM, nothing copied) when the plan gave every expert
     a slot; otherwise the offload store."""
     check_policy_name(policy)  # the flag is checked whichever store the plan leads to
     if slots.num_slots >= spec.total_experts:
         return ResidentExperts(slots, len(spec.moe_layer_indices), spec.num_experts)
-    return build_offloaded_experts(spec, plan, slots, device, pin=pin, progress=progress, policy=policy, banks=banks,
-                                   prefetch=prefetch, copy_engine_tokens=copy_engine_tokens,
-                                   ring_chunks=ring_chunks)  # fmt: skip
+    return build_offloaded_experts(
+        spec,
+        plan,
+        slots,
+        device,
+        pin=pin,
+        progress=progress,
+        policy=policy,
+        banks=banks,
+        prefetch=prefetch,
+        copy_engine_tokens=copy_engine_tokens,
+        ring_chunks=ring_chunks,
+    )

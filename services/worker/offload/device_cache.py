@@ -21,9 +21,21 @@ import numpy as np
 import torch
 
 from ferry.kernels.expert_cache_lookup import (
-    EVICTIONS, HITS, LFU, LOOKUP, LOOKUPS, LRU, MISSES, NUM_COUNTERS, PREFETCH, PREFETCH_USEFUL,
-    PREFETCH_WASTED, PREFETCHED, STREAM, launch,
-)  # fmt: skip
+    EVICTIONS,
+    HITS,
+    LFU,
+    LOOKUP,
+    LOOKUPS,
+    LRU,
+    MISSES,
+    NUM_COUNTERS,
+    PREFETCH,
+    PREFETCH_USEFUL,
+    PREFETCH_WASTED,
+    PREFETCHED,
+    STREAM,
+    launch,
+)
 from ferry.services.worker.offload.frequency_policy import LFUExpertPolicy
 from ferry.services.worker.offload.policy import ExpertSlotPolicy, LRUExpertPolicy
 from ferry.services.worker.pools import ExpertSlotPool
@@ -71,6 +83,7 @@ class DeviceExpertCache:
     # ---- state -------------------------------------------------------------------------------
     def load_from(self, policy: ExpertSlotPolicy) -> None:
         """Take the twin's state (boot: after the warm-up placements)."""
+
         def put(dst: torch.Tensor, src) -> None:
             dst.copy_(torch.as_tensor(np.asarray(src)).to(dst.dtype).reshape(dst.shape))
 
@@ -87,8 +100,14 @@ class DeviceExpertCache:
         self.clock.fill_(policy.clock)
         c = np.zeros(NUM_COUNTERS, dtype=np.int64)
         c[[LOOKUPS, HITS, MISSES, EVICTIONS, PREFETCHED, PREFETCH_USEFUL, PREFETCH_WASTED]] = [
-            policy.lookups, policy.hits, policy.misses, policy.evictions, policy.prefetched_total,
-            policy.prefetch_useful, policy.prefetch_wasted]  # fmt: skip
+            policy.lookups,
+            policy.hits,
+            policy.misses,
+            policy.evictions,
+            policy.prefetched_total,
+            policy.prefetch_useful,
+            policy.prefetch_wasted,
+        ]
         put(self.counters, c)
         for t in (self.slot_flags, self.expert_flags):
             t.zero_()
@@ -104,8 +123,9 @@ class DeviceExpertCache:
         topk_ids [T, k] (later rows are padding: their pairs get slot -1 in both outputs); victims
         from layers below `evict_below` first (a prefill's passed layers, policy.py)."""
         call = self._call(layer, topk_ids, LOOKUP)
-        launch(LOOKUP, self.policy_code, topk_ids, n_rows, layer, self, call, evict_below=evict_below,
-               tile=self.slot_tile)
+        launch(
+            LOOKUP, self.policy_code, topk_ids, n_rows, layer, self, call, evict_below=evict_below, tile=self.slot_tile
+        )
         return call
 
     def stream_lookup(self, layer: int, topk_ids: torch.Tensor, n_rows: torch.Tensor) -> CacheCall:
@@ -115,28 +135,55 @@ class DeviceExpertCache:
         launch(STREAM, self.policy_code, topk_ids, n_rows, layer, self, call, tile=self.slot_tile)
         return call
 
-    def prefetch(self, layer: int, predicted_ids: torch.Tensor, n_rows: torch.Tensor, guard: CacheCall,
-                 evict_below: int = 0, host_costs: torch.Tensor | None = None) -> CacheCall:  # fmt: skip
+    def prefetch(
+        self,
+        layer: int,
+        predicted_ids: torch.Tensor,
+        n_rows: torch.Tensor,
+        guard: CacheCall,
+        evict_below: int = 0,
+        host_costs: torch.Tensor | None = None,
+    ) -> CacheCall:
         """Slots for the predicted experts of `layer` (its list and count in the result), evicting
         none of the slots in `guard` (the lookup of the layer computing meanwhile); with `host_costs`
         (the host's share of decode layers, host_decode.py) none for the host's share of them."""
         call = self._call(layer, predicted_ids, PREFETCH)
-        launch(PREFETCH, self.policy_code, predicted_ids, n_rows, layer, self, call,
-               guard=(guard.hit_slots, guard.miss_slots), evict_below=evict_below, host_costs=host_costs,
-               tile=self.slot_tile)  # fmt: skip
+        launch(
+            PREFETCH,
+            self.policy_code,
+            predicted_ids,
+            n_rows,
+            layer,
+            self,
+            call,
+            guard=(guard.hit_slots, guard.miss_slots),
+            evict_below=evict_below,
+            host_costs=host_costs,
+            tile=self.slot_tile,
+        )
         return call
 
     def _call(self, layer: int, ids: torch.Tensor, mode: int) -> CacheCall:
         pairs = ids.numel()
         if ids.dim() != 2 or not ids.is_contiguous() or pairs > self.max_pairs:
-            raise ValueError(f"topk ids must be a contiguous [T, k] tensor of at most {self.max_pairs} pairs, "
-                             f"got {tuple(ids.shape)}")  # fmt: skip
+            raise ValueError(
+                f"topk ids must be a contiguous [T, k] tensor of at most {self.max_pairs} pairs, got {tuple(ids.shape)}"
+            )
         if not 0 <= layer < self.num_layers:
             raise IndexError(f"MoE layer {layer} out of range [0, {self.num_layers})")
-        lists = (self.lookup_misses, self.lookup_count) if mode == LOOKUP else (self.prefetch_misses, self.prefetch_count)
+        lists = (
+            (self.lookup_misses, self.lookup_count) if mode == LOOKUP else (self.prefetch_misses, self.prefetch_count)
+        )
         return CacheCall(self.hit_slots[:pairs], self.miss_slots[:pairs], lists[0][layer], lists[1][layer : layer + 1])
 
     def counters_dict(self, counters: np.ndarray) -> dict[str, int]:
-        names = {"lookups": LOOKUPS, "hits": HITS, "misses": MISSES, "evictions": EVICTIONS,
-                 "prefetched": PREFETCHED, "prefetch_useful": PREFETCH_USEFUL, "prefetch_wasted": PREFETCH_WASTED}  # fmt: skip
+        names = {
+            "lookups": LOOKUPS,
+            "hits": HITS,
+            "misses": MISSES,
+            "evictions": EVICTIONS,
+            "prefetched": PREFETCHED,
+            "prefetch_useful": PREFETCH_USEFUL,
+            "prefetch_wasted": PREFETCH_WASTED,
+        }
         return {n: int(counters[i]) for n, i in names.items()}

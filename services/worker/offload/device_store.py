@@ -54,8 +54,8 @@ from ferry.kernels.align_pairs import align_pairs_by_slot
 from ferry.kernels.aligned_blocks import SMALL_BLOCK_MAX_PAIRS, block_m_for
 from ferry.kernels.expert_pair_gemv import expert_pair_rows_triton, use_pair_kernel
 from ferry.kernels.expert_rows_sum import ExpertRows, finish_rows, new_rows, rows_dtype, sum_rows
-from ferry.kernels.router_topk import router_topk
 from ferry.kernels.grouped_expert_gemm import grouped_expert_rows_triton
+from ferry.kernels.router_topk import router_topk
 from ferry.plan.costs import ROWS_FLOAT32_MAX_TOKENS
 from ferry.services.worker.offload.device_cache import CacheCall, DeviceExpertCache
 from ferry.services.worker.offload.expert_cache import DEFAULT_PIPELINE_CHUNKS, OffloadedExperts, _split
@@ -76,9 +76,18 @@ class DeviceDrivenExperts(OffloadedExperts):
     """An `ExpertStore` whose cache lives on the device. Loading and warm-up are the host
     store's (`load_expert`, `preload`); the device state starts from the warmed-up twin."""
 
-    def __init__(self, slots, banks, policy, device, prefetch: bool = True,
-                 pipeline_chunks: int = DEFAULT_PIPELINE_CHUNKS, copy_engine_tokens: int | None = None,
-                 host_share: HostShare | None = None, ring_chunks: tuple[int | None, int | None] = (None, None)):  # fmt: skip
+    def __init__(
+        self,
+        slots,
+        banks,
+        policy,
+        device,
+        prefetch: bool = True,
+        pipeline_chunks: int = DEFAULT_PIPELINE_CHUNKS,
+        copy_engine_tokens: int | None = None,
+        host_share: HostShare | None = None,
+        ring_chunks: tuple[int | None, int | None] = (None, None),
+    ):
         """`copy_engine_tokens`: steps of at least this many tokens take the copy-engine path even
         when the graph-safe one could serve them (None: only steps too large for the pair kernel).
         `host_share`: the host computes part of a streamed step's missed experts (host_share.py).
@@ -117,10 +126,16 @@ class DeviceDrivenExperts(OffloadedExperts):
         if slots.staging_w13 is not None:
             # the ring's own stream, at the highest priority (staging_ring.RING_UNPACK_PROGRAMS says why)
             ring_stream = torch.cuda.Stream(self.device, priority=-100) if self._cuda else None
-            self.ring = StagingRing(slots.staging_w13, slots.staging_w2, banks, ring_stream,
-                                    gemm=(slots.staging_gemm13, slots.staging_gemm2),
-                                    after=self._copy_stream if self._cuda else None, chunk=ring_chunks[0],
-                                    long_chunk=ring_chunks[1])  # fmt: skip
+            self.ring = StagingRing(
+                slots.staging_w13,
+                slots.staging_w2,
+                banks,
+                ring_stream,
+                gemm=(slots.staging_gemm13, slots.staging_gemm2),
+                after=self._copy_stream if self._cuda else None,
+                chunk=ring_chunks[0],
+                long_chunk=ring_chunks[1],
+            )
 
     def set_routers(self, routers: list[torch.Tensor]) -> None:
         """The router weights of the MoE layers, in order: what the next-layer prediction applies."""
@@ -157,17 +172,30 @@ class DeviceDrivenExperts(OffloadedExperts):
         lent = min(slots, wanted) // self.ring.long_chunk * self.ring.long_chunk  # whole bays of a lending step
         if not lent and min(slots, wanted) and not self._said_no_lending:
             self._said_no_lending = True
-            log.warning("long_prefill_lends_nothing", lendable_slots=min(slots, wanted), long_chunk=self.ring.long_chunk,
-                        reason="--long-prefill-ring-chunk is larger than the cache slots a long prefill step may lend: "
-                               "such steps lend none and use the ring's own chunk")  # fmt: skip
+            log.warning(
+                "long_prefill_lends_nothing",
+                lendable_slots=min(slots, wanted),
+                long_chunk=self.ring.long_chunk,
+                reason="--long-prefill-ring-chunk is larger than the cache slots a long prefill step may lend: "
+                "such steps lend none and use the ring's own chunk",
+            )
         return lent
 
     def _streams(self, pairs: int) -> bool:
         """Whether a step of `pairs` (token, k) pairs streams past the cache (see STREAM_PAIRS_PER_EXPERT)."""
-        return self.ring is not None and not use_pair_kernel(pairs) and pairs >= STREAM_PAIRS_PER_EXPERT * self.num_experts
+        return (
+            self.ring is not None and not use_pair_kernel(pairs) and pairs >= STREAM_PAIRS_PER_EXPERT * self.num_experts
+        )
 
-    def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                n_rows: torch.Tensor | None = None, summed: bool = True) -> torch.Tensor | ExpertRows:  # fmt: skip
+    def forward(
+        self,
+        moe_layer: int,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        n_rows: torch.Tensor | None = None,
+        summed: bool = True,
+    ) -> torch.Tensor | ExpertRows:
         if self.cache is None:
             self.preload()
         begun = False
@@ -276,8 +304,16 @@ class DeviceDrivenExperts(OffloadedExperts):
                 torch.cuda.current_stream(self.device).wait_event(chunk.landed)
                 self._step_copy_events.append(chunk.copy_events)
             lo, hi = chunk.first, chunk.first + len(chunk.experts)
-            grouped_expert_rows_triton(x, None, weights, chunk.bay.gemm13, chunk.bay.gemm2, rows, aligned=aligned,
-                                       slot_window=(lo, hi, chunk.slots[0] - lo))  # fmt: skip
+            grouped_expert_rows_triton(
+                x,
+                None,
+                weights,
+                chunk.bay.gemm13,
+                chunk.bay.gemm2,
+                rows,
+                aligned=aligned,
+                slot_window=(lo, hi, chunk.slots[0] - lo),
+            )
             computed = None
             if self._cuda:
                 computed = torch.cuda.Event()
@@ -297,23 +333,31 @@ class DeviceDrivenExperts(OffloadedExperts):
             return
         self._stream_kernels_compiled = True
         small = SMALL_BLOCK_MAX_PAIRS // top_k  # the most tokens of a small-block step
-        sizes = [n for n, streams in ((small, self._streams(small * top_k)),
-                                      (small + 1, self.cache.max_pairs > SMALL_BLOCK_MAX_PAIRS
-                                       and self._streams(self.cache.max_pairs))) if streams]  # fmt: skip
+        sizes = [
+            n
+            for n, streams in (
+                (small, self._streams(small * top_k)),
+                (small + 1, self.cache.max_pairs > SMALL_BLOCK_MAX_PAIRS and self._streams(self.cache.max_pairs)),
+            )
+            if streams
+        ]
         # the longest step's rows: where they are not float32 (a step past ROWS_FLOAT32_MAX_TOKENS fits), the
         # kernels of a step that long, at its block size, into rows of that dtype too
         long_rows = rows_dtype(self.cache.max_pairs // top_k, x.dtype)
         long_block = block_m_for((ROWS_FLOAT32_MAX_TOKENS + 1) * top_k)
         variants = [(n, torch.float32) for n in sizes]
-        variants += [(n, long_rows) for n in sizes if long_rows != torch.float32 and block_m_for(n * top_k) == long_block]
+        variants += [
+            (n, long_rows) for n in sizes if long_rows != torch.float32 and block_m_for(n * top_k) == long_block
+        ]
         for n, row_dtype in variants:
             xs = torch.zeros(n, x.shape[1], dtype=x.dtype, device=x.device)
             weights = torch.zeros(n, top_k, dtype=torch.float32, device=x.device)
             rows = torch.zeros(n, top_k, x.shape[1], dtype=row_dtype, device=x.device)
             nothing = torch.full((n, top_k), -1, dtype=torch.int32, device=x.device)
             aligned = align_pairs_by_slot(nothing, 1, block_m_for(n * top_k), 1, block_starts=True)
-            grouped_expert_rows_triton(xs, None, weights, self.ring.gemm13, self.ring.gemm2, rows, aligned=aligned,
-                                       slot_window=(0, 0, 0))  # fmt: skip
+            grouped_expert_rows_triton(
+                xs, None, weights, self.ring.gemm13, self.ring.gemm2, rows, aligned=aligned, slot_window=(0, 0, 0)
+            )
             self._compute(xs, nothing, weights, rows)
             sum_rows(rows, x.dtype)  # the row sum over rows of this dtype too
 
@@ -368,12 +412,14 @@ class DeviceDrivenExperts(OffloadedExperts):
         if use_pair_kernel(group_slots.numel()):
             expert_pair_rows_triton(x, group_slots, weights, self.slots.gemm13, self.slots.gemm2, rows)
         else:
-            grouped_expert_rows_triton(x, group_slots, weights, self.slots.gemm13, self.slots.gemm2, rows,
-                                       max_distinct_slots=self.num_experts)  # fmt: skip
+            grouped_expert_rows_triton(
+                x, group_slots, weights, self.slots.gemm13, self.slots.gemm2, rows, max_distinct_slots=self.num_experts
+            )
 
     # ---- prefetch ----------------------------------------------------------------------------
-    def _prefetch_next(self, layer: int, x: torch.Tensor, n_rows: torch.Tensor, call: CacheCall, large: bool,
-                       evict_below: int = 0) -> None:  # fmt: skip
+    def _prefetch_next(
+        self, layer: int, x: torch.Tensor, n_rows: torch.Tensor, call: CacheCall, large: bool, evict_below: int = 0
+    ) -> None:
         nxt = layer + 1
         if not self.prefetch_enabled or self.routers is None or nxt >= self.policy.num_layers:
             return
@@ -382,8 +428,9 @@ class DeviceDrivenExperts(OffloadedExperts):
         predicted = router_topk(logits, call.hit_slots.numel() // x.shape[0], True, self.num_experts)[0]
         # a decode layer's host share: the host's part of the predicted experts stays off the link
         host_costs = self.host_decode.costs if self.host_decode is not None and not large else None
-        pcall = self.cache.prefetch(nxt, predicted.contiguous(), n_rows, call, evict_below=evict_below,
-                                    host_costs=host_costs)  # fmt: skip
+        pcall = self.cache.prefetch(
+            nxt, predicted.contiguous(), n_rows, call, evict_below=evict_below, host_costs=host_costs
+        )
         self._prefetch_calls[nxt] = pcall
         stamps = self.cache.copy_stamps[layer]
         if large:
@@ -549,8 +596,11 @@ class DeviceDrivenExperts(OffloadedExperts):
         exposed = np.where(ran & (s[:, HITS_DONE] > 0), np.maximum(0, s[:, MISS_END] - s[:, HITS_DONE]), 0)
         # the wait for this layer's prefetched experts: stamped in the previous layer's row
         waited = np.zeros(len(s), dtype=np.int64)
-        waited[1:] = np.where(pref[:-1] & (s[1:, BEFORE_PREFETCH_WAIT] > 0),
-                              np.maximum(0, s[:-1, PREFETCH_END] - s[1:, BEFORE_PREFETCH_WAIT]), 0)  # fmt: skip
+        waited[1:] = np.where(
+            pref[:-1] & (s[1:, BEFORE_PREFETCH_WAIT] > 0),
+            np.maximum(0, s[:-1, PREFETCH_END] - s[1:, BEFORE_PREFETCH_WAIT]),
+            0,
+        )
         return float(copy.sum()) / 1e9, float((exposed + waited).sum()) / 1e9
 
     def report(self) -> dict:
@@ -559,9 +609,11 @@ class DeviceDrivenExperts(OffloadedExperts):
         out = {**super().report(), "prefetch": self.prefetch_enabled}
         if self.host_share is not None:  # streamed layers that took a host share, and the experts it computed
             c = self.host_share.cost
-            out["host_share"] = {"layers": self.host_share.layers, "experts": self.host_share.computed,
-                                 "costs_ns": [round(v * 1e9) for v in (c.pcie_s, c.host_s_at_1, c.host_s_per_token,
-                                                                       c.overhead_s)]}  # fmt: skip
+            out["host_share"] = {
+                "layers": self.host_share.layers,
+                "experts": self.host_share.computed,
+                "costs_ns": [round(v * 1e9) for v in (c.pcie_s, c.host_s_at_1, c.host_s_per_token, c.overhead_s)],
+            }
         if self.host_decode is not None:  # decode misses the host computed, and their pairs
             out["host_decode"] = self.host_decode.report()
         if self.cache is not None:
@@ -572,7 +624,10 @@ class DeviceDrivenExperts(OffloadedExperts):
             resident = self.policy.resident + placements - self.lent_evictions
             if c.get("host_decode", 0):  # a handed miss may have evicted a victim for a slot it then left empty
                 resident -= c["evictions"] - start["evictions"]
-            out.update(evictions=c["evictions"] + self.lent_evictions, resident=min(self.policy.num_slots, resident),
-                       prefill_lent_slots=self.ring.lent_total if self.ring is not None else 0,
-                       prefill_lent_evictions=self.lent_evictions)  # fmt: skip
+            out.update(
+                evictions=c["evictions"] + self.lent_evictions,
+                resident=min(self.policy.num_slots, resident),
+                prefill_lent_slots=self.ring.lent_total if self.ring is not None else 0,
+                prefill_lent_evictions=self.lent_evictions,
+            )
         return out

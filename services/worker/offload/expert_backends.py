@@ -65,27 +65,44 @@ class HybridBackend(ExpertBackend):
         """The host's share of streamed prefills and of decode layers, their costs measured here on this
         machine's paths and logged; off (and logged why) where nothing streams through the host's banks."""
         chosen = self.choice
-        why = ("the model runs on the CPU: every expert is computed there already" if device.type != "cuda" else
-               "every expert has a GPU slot" if not isinstance(store, DeviceDrivenExperts) else
-               "the plan has no staging slots for prefills to stream through" if store.ring is None else
-               None)  # fmt: skip
+        why = (
+            "the model runs on the CPU: every expert is computed there already"
+            if device.type != "cuda"
+            else "every expert has a GPU slot"
+            if not isinstance(store, DeviceDrivenExperts)
+            else "the plan has no staging slots for prefills to stream through"
+            if store.ring is None
+            else None
+        )
         if why is not None:
             log.info("host_share_off", reason=why, expert_backend=chosen.requested)
             return
         experts = HostExperts(store.banks, dtype, chosen.host_threads, cpus=chosen.host_cpus)
         pinned = experts.c_kernel.pinned if experts.c_kernel is not None else 0
         cost = calibrate(store, experts, device)
-        log.info("host_share", expert_backend=chosen.backend, requested=chosen.requested, threads=chosen.host_threads,
-                 threads_from=chosen.reason, backend=experts.backend, cpus=format_cpu_list(chosen.host_cpus),
-                 workers_pinned=pinned, pcie_us=round(cost.pcie_s * 1e6, 1),
-                 host_us_at_1=round(cost.host_s_at_1 * 1e6, 1), host_us_per_token=round(cost.host_s_per_token * 1e6, 2),
-                 overhead_us=round(cost.overhead_s * 1e6, 1))  # fmt: skip
+        log.info(
+            "host_share",
+            expert_backend=chosen.backend,
+            requested=chosen.requested,
+            threads=chosen.host_threads,
+            threads_from=chosen.reason,
+            backend=experts.backend,
+            cpus=format_cpu_list(chosen.host_cpus),
+            workers_pinned=pinned,
+            pcie_us=round(cost.pcie_s * 1e6, 1),
+            host_us_at_1=round(cost.host_s_at_1 * 1e6, 1),
+            host_us_per_token=round(cost.host_s_per_token * 1e6, 2),
+            overhead_us=round(cost.overhead_s * 1e6, 1),
+        )
         if chosen.prefill_share:
-            store.host_share = HostShare(experts, self.prefill_costs(cost), plan.max_prefill_tokens,
-                                         spec.num_experts_per_tok, device)  # fmt: skip
+            store.host_share = HostShare(
+                experts, self.prefill_costs(cost), plan.max_prefill_tokens, spec.num_experts_per_tok, device
+            )
         else:
-            log.info("host_prefill_share_off", reason="auto: the host's share lengthened prefill steps on the H200 "
-                                                      "(--expert-backend hybrid keeps it)")  # fmt: skip
+            log.info(
+                "host_prefill_share_off",
+                reason="auto: the host's share lengthened prefill steps on the H200 (--expert-backend hybrid keeps it)",
+            )
         self.attach_decode(store, spec, experts, cost, device)
 
     def prefill_costs(self, cost: HostCost) -> HostCost:
@@ -114,14 +131,18 @@ class HybridBackend(ExpertBackend):
         """The host's share of decode layers' misses (offload/host_decode.py): a host node in the decode
         graph, so only the C kernel (no Python, no GIL where it runs); its hand-off measured here."""
         if experts.c_kernel is None:
-            log.info("host_decode_off", reason="the host's C expert kernel is not available here "
-                                               "(host_experts_torch_path says why): a graph's host node runs it "
-                                               "without Python")  # fmt: skip
+            log.info(
+                "host_decode_off",
+                reason="the host's C expert kernel is not available here "
+                "(host_experts_torch_path says why): a graph's host node runs it "
+                "without Python",
+            )
             return
         k = spec.num_experts_per_tok
         ns = [round(v * 1e9) for v in (cost.pcie_s, cost.host_s_at_1, cost.host_s_per_token)]
-        share = HostDecodeShare(experts.c_kernel, (*ns, 0), max(1, PAIR_KERNEL_MAX_PAIRS // k), k, spec.num_experts,
-                                device)  # fmt: skip
+        share = HostDecodeShare(
+            experts.c_kernel, (*ns, 0), max(1, PAIR_KERNEL_MAX_PAIRS // k), k, spec.num_experts, device
+        )
         try:
             wanted = resolve_handoff()
         except ValueError as exc:
@@ -149,15 +170,20 @@ class HybridBackend(ExpertBackend):
         # some of a layer that misses that many
         typical = max(1, round(k * (1 - store.policy.num_slots / max(store.policy.num_layers * spec.num_experts, 1))))
         takes = host_count_reference(typical, typical, measured)
-        fields = dict(pcie_us=round(cost.pcie_s * 1e6, 1), host_us_at_1=round(cost.host_s_at_1 * 1e6, 1),
-                      handoff_us=round(overhead * 1e6, 1), handoff=share.handoff,
-                      handoff_node_us=round(node_s * 1e6, 1),
-                      handoff_poll_us=None if poll_s is None else round(poll_s * 1e6, 1),
-                      handoff_node_idle_us=round(node_idle_s * 1e6, 1),
-                      handoff_poll_idle_us=None if poll_idle_s is None else round(poll_idle_s * 1e6, 1),
-                      typical_misses=typical,
-                      host_takes=takes, max_tokens=share.max_tokens,  # caller_pinned 1: the nodes' thread on its CPU
-                      caller_pinned=share.kernel.caller_pinned)  # fmt: skip
+        fields = dict(
+            pcie_us=round(cost.pcie_s * 1e6, 1),
+            host_us_at_1=round(cost.host_s_at_1 * 1e6, 1),
+            handoff_us=round(overhead * 1e6, 1),
+            handoff=share.handoff,
+            handoff_node_us=round(node_s * 1e6, 1),
+            handoff_poll_us=None if poll_s is None else round(poll_s * 1e6, 1),
+            handoff_node_idle_us=round(node_idle_s * 1e6, 1),
+            handoff_poll_idle_us=None if poll_idle_s is None else round(poll_idle_s * 1e6, 1),
+            typical_misses=typical,
+            host_takes=takes,
+            max_tokens=share.max_tokens,  # caller_pinned 1: the nodes' thread on its CPU
+            caller_pinned=share.kernel.caller_pinned,
+        )
         if not self.keeps_decode_share(share, takes, typical, k, fields):
             return
         self.price_decode_share(share, measured, store)
@@ -175,8 +201,12 @@ class AutoBackend(HybridBackend):
             return True
         share.use_node()  # no share: its polling thread, if any, stops
         fields["handoff"] = share.handoff
-        log.info("host_decode_off", reason="auto: by the calibration the host shortens no decode layer missing "
-                                           f"{typical} of its {top_k} experts", **fields)  # fmt: skip
+        log.info(
+            "host_decode_off",
+            reason="auto: by the calibration the host shortens no decode layer missing "
+            f"{typical} of its {top_k} experts",
+            **fields,
+        )
         return False
 
     def price_decode_share(self, share: HostDecodeShare, measured: tuple[int, int, int, int], store) -> None:
@@ -214,5 +244,7 @@ def expert_backend_for(choice: ExpertBackendPlan) -> ExpertBackend:
         return CpuBackend(choice)
     if choice.backend == "hybrid":
         return AutoBackend(choice) if choice.requested == "auto" else HybridBackend(choice)
-    raise ValueError(f"unknown expert backend {choice.backend!r} in the plan (plan/expert_backend.py chooses one of "
-                     "gpu, hybrid, cpu)")  # fmt: skip
+    raise ValueError(
+        f"unknown expert backend {choice.backend!r} in the plan (plan/expert_backend.py chooses one of "
+        "gpu, hybrid, cpu)"
+    )

@@ -57,10 +57,17 @@ DEFAULT_HOST_ALIGN_MAX_PAIRS = 4096
 class OffloadedExperts:
     """An `ExpertStore` (services/worker/experts.py) over `slots.num_slots` device slots."""
 
-    def __init__(self, slots: ExpertSlotPool, banks: HostBanks, policy: ExpertSlotPolicy,
-                 device: torch.device | str, pipeline_chunks: int = DEFAULT_PIPELINE_CHUNKS,
-                 prefill_tokens: int = DEFAULT_PREFILL_TOKENS, use_triton: bool | None = None,
-                 host_align_max_pairs: int = DEFAULT_HOST_ALIGN_MAX_PAIRS):  # fmt: skip
+    def __init__(
+        self,
+        slots: ExpertSlotPool,
+        banks: HostBanks,
+        policy: ExpertSlotPolicy,
+        device: torch.device | str,
+        pipeline_chunks: int = DEFAULT_PIPELINE_CHUNKS,
+        prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
+        use_triton: bool | None = None,
+        host_align_max_pairs: int = DEFAULT_HOST_ALIGN_MAX_PAIRS,
+    ):
         """`use_triton`: compute with the Triton kernel (aligned on the host); default on CUDA
         only. Forcing it on CPU needs TRITON_INTERPRET=1 (tests of the CUDA path's bookkeeping)."""
         _check_compatible(slots, banks, policy)
@@ -81,7 +88,9 @@ class OffloadedExperts:
         self._last_layer = -1
 
     # ---- loading ---------------------------------------------------------------------------
-    def load_expert(self, moe_layer: int, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+    def load_expert(
+        self, moe_layer: int, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
+    ) -> None:
         self.banks.load_expert(moe_layer, expert, gate, up, down)
         s = int(self.policy.slot_of[moe_layer, expert])
         if s != NO_SLOT:  # reloaded while cached: the slot must not keep the old weights
@@ -109,10 +118,16 @@ class OffloadedExperts:
     def report(self) -> dict:
         """The `"expert_cache"` object of `ferry generate --json` and /metrics: the statistics
         (cumulative, with "last_step") and what the cache is."""
-        return {**self.stats.to_dict(), "policy": self.policy.name, "slots": self.policy.num_slots,
-                "total_experts": self.policy.num_layers * self.num_experts, "resident": self.policy.resident,
-                "evictions": self.policy.evictions, "host_bank_bytes": self.banks.nbytes,
-                "expert_format": "bf16-packed" if self.banks.packed else self.slots.format.name}  # fmt: skip
+        return {
+            **self.stats.to_dict(),
+            "policy": self.policy.name,
+            "slots": self.policy.num_slots,
+            "total_experts": self.policy.num_layers * self.num_experts,
+            "resident": self.policy.resident,
+            "evictions": self.policy.evictions,
+            "host_bank_bytes": self.banks.nbytes,
+            "expert_format": "bf16-packed" if self.banks.packed else self.slots.format.name,
+        }
 
     # ---- the step ----------------------------------------------------------------------------
     def end_step(self, synced: bool = False, decode_tokens: int | None = None) -> None:
@@ -129,8 +144,15 @@ class OffloadedExperts:
     def stats_to_host(self, counted: bool = False) -> None:
         """Nothing to queue: the host policy counted on the host."""
 
-    def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                n_rows: torch.Tensor | None = None, summed: bool = True) -> torch.Tensor | ExpertRows:  # fmt: skip
+    def forward(
+        self,
+        moe_layer: int,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        n_rows: torch.Tensor | None = None,
+        summed: bool = True,
+    ) -> torch.Tensor | ExpertRows:
         """`n_rows` is not read: the host path never runs padded batches (CUDA graphs use DeviceDrivenExperts)."""
         if moe_layer <= self._last_layer:
             self.stats.end_step()
@@ -151,8 +173,9 @@ class OffloadedExperts:
             self._forward_sequential(moe_layer, x, groups, topk_weights, chunks, rows)
         return finish_rows(rows, x.dtype, summed)  # as the all-resident store finishes: same bits
 
-    def _group_slots(self, ids: np.ndarray, experts: np.ndarray, slots: tuple[int, ...], has_hits: bool,
-                     chunks: list) -> list[np.ndarray | None]:  # fmt: skip
+    def _group_slots(
+        self, ids: np.ndarray, experts: np.ndarray, slots: tuple[int, ...], has_hits: bool, chunks: list
+    ) -> list[np.ndarray | None]:
         """Per compute group, the [T, k] slots of its pairs (-1 elsewhere): group 0 the hits (None
         when there are none), group 1 + i the misses of chunk i; one group of all pairs when
         nothing is missing."""
@@ -165,8 +188,9 @@ class OffloadedExperts:
         for i, chunk in enumerate(chunks):
             group_of[[e for e, _ in chunk]] = 1 + i
         pair_group = group_of[ids]
-        return [np.where(pair_group == g, pair_slots, NO_SLOT) if g or has_hits else None
-                for g in range(1 + len(chunks))]  # fmt: skip
+        return [
+            np.where(pair_group == g, pair_slots, NO_SLOT) if g or has_hits else None for g in range(1 + len(chunks))
+        ]
 
     def _forward_sequential(self, layer, x, groups, topk_weights, chunks, rows) -> None:
         """CPU: the same schedule with synchronous copies (so every copy is exposed time)."""
@@ -248,12 +272,15 @@ class OffloadedExperts:
             expert_pair_rows_triton(x, aligned, topk_weights, self.slots.gemm13, self.slots.gemm2, rows)
             return
         if aligned is not None:
-            grouped_expert_rows_triton(x, None, topk_weights, self.slots.gemm13, self.slots.gemm2, rows, aligned=aligned)
+            grouped_expert_rows_triton(
+                x, None, topk_weights, self.slots.gemm13, self.slots.gemm2, rows, aligned=aligned
+            )
             return
         slots = torch.from_numpy(group_slots).to(x.device)
         if self._triton:  # a large step: the kernel aligns on the device, its grid bounded by this layer's experts
-            grouped_expert_rows_triton(x, slots, topk_weights, self.slots.gemm13, self.slots.gemm2, rows,
-                                       max_distinct_slots=self.num_experts)  # fmt: skip
+            grouped_expert_rows_triton(
+                x, slots, topk_weights, self.slots.gemm13, self.slots.gemm2, rows, max_distinct_slots=self.num_experts
+            )
         else:  # the reference on CPU (or whatever the dispatcher picks for this device)
             grouped_expert_rows(x, slots, topk_weights, self.slots.gemm13, self.slots.gemm2, rows)
 
@@ -269,10 +296,12 @@ def _check_compatible(slots: ExpertSlotPool, banks: HostBanks, policy: ExpertSlo
     if slots.num_slots != policy.num_slots:
         raise ValueError(f"the slot pool has {slots.num_slots} slots but the policy manages {policy.num_slots}")
     if (banks.num_layers, banks.num_experts) != (policy.num_layers, policy.num_experts):
-        raise ValueError(f"host banks hold {banks.num_layers} layers x {banks.num_experts} experts, the policy "
-                         f"{policy.num_layers} x {policy.num_experts}")  # fmt: skip
+        raise ValueError(
+            f"host banks hold {banks.num_layers} layers x {banks.num_experts} experts, the policy "
+            f"{policy.num_layers} x {policy.num_experts}"
+        )
     expert, dtype = banks.slot_rows
     if tuple(slots.w13.shape[1:]) != expert or slots.w13.dtype != dtype:
-        raise ValueError(f"slot shape {tuple(slots.w13.shape[1:])} {slots.w13.dtype} differs from the host banks' "
-                         f"{expert} {dtype}")  # fmt: skip
-
+        raise ValueError(
+            f"slot shape {tuple(slots.w13.shape[1:])} {slots.w13.dtype} differs from the host banks' {expert} {dtype}"
+        )

@@ -40,8 +40,10 @@ class ExpertParallelExperts:
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} is outside a group of {world}")
         if local.num_experts != owned_count(num_experts, rank, world):
-            raise ValueError(f"rank {rank} of {world} owns {owned_count(num_experts, rank, world)} of {num_experts} "
-                             f"experts a layer; its store has {local.num_experts}")  # fmt: skip
+            raise ValueError(
+                f"rank {rank} of {world} owns {owned_count(num_experts, rank, world)} of {num_experts} "
+                f"experts a layer; its store has {local.num_experts}"
+            )
         self.local, self.rank, self.world, self.num_experts, self.group = local, rank, world, num_experts, group
 
     def __getattr__(self, name: str):
@@ -66,7 +68,9 @@ class ExpertParallelExperts:
     def owns(self, expert: int) -> bool:
         return expert % self.world == self.rank
 
-    def load_expert(self, moe_layer: int, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+    def load_expert(
+        self, moe_layer: int, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
+    ) -> None:
         """Every rank is offered every expert (the loader reads the checkpoint once a rank); it keeps its own."""
         if self.owns(expert):
             self.local.load_expert(moe_layer, expert // self.world, gate, up, down)
@@ -76,8 +80,15 @@ class ExpertParallelExperts:
         if hasattr(self.local, "set_routers"):
             self.local.set_routers([r[self.rank :: self.world] for r in routers])
 
-    def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                n_rows: torch.Tensor | None = None, summed: bool = True) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self,
+        moe_layer: int,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        n_rows: torch.Tensor | None = None,
+        summed: bool = True,
+    ) -> torch.Tensor:
         """Always summed (`summed` is the protocol's): the ranks' partial sums are all-reduced."""
         t, _ = topk_ids.shape
         own = topk_ids % self.world == self.rank
@@ -86,8 +97,9 @@ class ExpertParallelExperts:
         tok, j = own.nonzero(as_tuple=True)
         out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
         if tok.numel():
-            rows = self.local.forward(moe_layer, x[tok], (topk_ids[tok, j] // self.world).unsqueeze(1),
-                                      topk_weights[tok, j].unsqueeze(1))  # fmt: skip
+            rows = self.local.forward(
+                moe_layer, x[tok], (topk_ids[tok, j] // self.world).unsqueeze(1), topk_weights[tok, j].unsqueeze(1)
+            )
             out.index_add_(0, tok, rows.float())
         dist.all_reduce(out, group=self.group)
         return out.to(x.dtype)

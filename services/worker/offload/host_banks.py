@@ -26,15 +26,16 @@ import torch
 from tqdm import tqdm
 
 from ferry.kernels.expert_copy import copy_experts_triton
-from ferry.shared.errors import FerryError
-from ferry.plan.model_config import ModelSpec
+
 # the reserve the banks leave to everything else, and MemAvailable: one owner, shared with the planner
 from ferry.plan.host_memory import HOST_RESERVE_BYTES, MEMINFO, mem_available_bytes
-from ferry.shared.units import format_bytes
+from ferry.plan.model_config import ModelSpec
 from ferry.services.worker.expert_formats import expert_format_for
 from ferry.services.worker.expert_formats.bf16 import Bf16Experts
 from ferry.services.worker.offload.host_pages import HUGE_PAGE, advise_huge_pages, huge_pages_wanted
 from ferry.services.worker.pools import TORCH_DTYPES
+from ferry.shared.errors import FerryError
+from ferry.shared.units import format_bytes
 
 # Elements per copy of the dummy fill: large copies run at memcpy speed (see fill_dummy).
 DUMMY_CHUNK = 1 << 25
@@ -76,8 +77,10 @@ def pinnable_host_block(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -
     # 1 | 2: cudaHostRegisterPortable | cudaHostRegisterMapped: the GPU reads the banks itself (kernels/expert_copy.py)
     err = int(cudart.cudaHostRegister(block.data_ptr(), block.nbytes, 3))
     if err != 0:
-        raise HostMemoryError(f"page-locking {format_bytes(block.nbytes)} of host memory for the expert banks "
-                              f"failed (cudaError {err}); check `ulimit -l` and the container's memlock limit")  # fmt: skip
+        raise HostMemoryError(
+            f"page-locking {format_bytes(block.nbytes)} of host memory for the expert banks "
+            f"failed (cudaError {err}); check `ulimit -l` and the container's memlock limit"
+        )
     block._ferry_host_registered = True
     return block
 
@@ -118,9 +121,18 @@ class HostBanks:
             weakref.finalize(self, unregister_host_blocks, registered)
 
     @classmethod
-    def allocate(cls, num_layers: int, num_experts: int, hidden_size: int, intermediate_size: int,
-                 dtype: torch.dtype, pin: bool | None = None, progress: bool = True,
-                 meminfo: Path = MEMINFO, fmt=None) -> "HostBanks":  # fmt: skip
+    def allocate(
+        cls,
+        num_layers: int,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        dtype: torch.dtype,
+        pin: bool | None = None,
+        progress: bool = True,
+        meminfo: Path = MEMINFO,
+        fmt=None,
+    ) -> "HostBanks":
         """Uninitialised banks of rows in `fmt` (default: `dtype`'s plain rows); `pin=None` pins
         exactly when CUDA is available."""
         pin = torch.cuda.is_available() if pin is None else pin
@@ -128,11 +140,18 @@ class HostBanks:
         (shape13, dtype13), (shape2, dtype2) = fmt.row_shapes()
         per_expert = sum(math.prod(s) * torch.empty((), dtype=d).element_size() for s, d in fmt.row_shapes())
         check_host_memory(
-            per_expert * num_experts * num_layers, f"host banks for {num_layers} MoE layers x {num_experts} experts "
-            f"({format_bytes(per_expert)} each, {fmt.name})", meminfo)  # fmt: skip
+            per_expert * num_experts * num_layers,
+            f"host banks for {num_layers} MoE layers x {num_experts} experts "
+            f"({format_bytes(per_expert)} each, {fmt.name})",
+            meminfo,
+        )
         w13, w2 = [], []
-        for _ in tqdm(range(num_layers), desc="pinning expert banks" if pin else "allocating expert banks",
-                      unit="layer", disable=not progress):  # fmt: skip
+        for _ in tqdm(
+            range(num_layers),
+            desc="pinning expert banks" if pin else "allocating expert banks",
+            unit="layer",
+            disable=not progress,
+        ):
             w13.append(pinnable_host_block((num_experts, *shape13), dtype13, pin))
             w2.append(pinnable_host_block((num_experts, *shape2), dtype2, pin))
         return cls(w13, w2, fmt)
@@ -140,8 +159,15 @@ class HostBanks:
     @classmethod
     def for_model(cls, spec: ModelSpec, dtype: str, **kwargs) -> "HostBanks":
         fmt = expert_format_for(spec, TORCH_DTYPES[dtype])
-        return cls.allocate(len(spec.moe_layer_indices), spec.num_experts, spec.hidden_size,
-                            spec.moe_intermediate_size, TORCH_DTYPES[dtype], fmt=fmt, **kwargs)  # fmt: skip
+        return cls.allocate(
+            len(spec.moe_layer_indices),
+            spec.num_experts,
+            spec.hidden_size,
+            spec.moe_intermediate_size,
+            TORCH_DTYPES[dtype],
+            fmt=fmt,
+            **kwargs,
+        )
 
     @property
     def slot_rows(self) -> tuple[tuple[int, ...], torch.dtype]:
@@ -157,19 +183,29 @@ class HostBanks:
     def nbytes(self) -> int:
         return self.expert_nbytes * self.num_experts * self.num_layers
 
-    def load_expert(self, moe_layer: int, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+    def load_expert(
+        self, moe_layer: int, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
+    ) -> None:
         """Copy one expert in checkpoint layout (gate, up [I, H]; down [H, I]; QuantizedWeights for a
         quantized format) into its bank rows, in the banks' format."""
-        self.format.write_expert(self.w13[moe_layer][expert], self.w2[moe_layer][expert], gate, up, down,
-                                 f"MoE layer {moe_layer} expert {expert}")  # fmt: skip
+        self.format.write_expert(
+            self.w13[moe_layer][expert],
+            self.w2[moe_layer][expert],
+            gate,
+            up,
+            down,
+            f"MoE layer {moe_layer} expert {expert}",
+        )
 
-    def fill_dummy(self, seed: int = 0, std: float = DUMMY_STD, down_std: float = DUMMY_DOWN_STD,
-                   progress: bool = True) -> None:  # fmt: skip
+    def fill_dummy(
+        self, seed: int = 0, std: float = DUMMY_STD, down_std: float = DUMMY_DOWN_STD, progress: bool = True
+    ) -> None:
         """Deterministic random weights at memory-copy speed, for benchmarks of 30B shapes (DummyPattern;
         a quantized format fills its own rows)."""
         pattern = None if self.format.quantized else DummyPattern(self.dtype, seed, std, down_std)
-        for layer in tqdm(range(self.num_layers), desc="filling dummy expert banks", unit="layer",
-                          disable=not progress):  # fmt: skip
+        for layer in tqdm(
+            range(self.num_layers), desc="filling dummy expert banks", unit="layer", disable=not progress
+        ):
             if pattern is None:
                 self.format.fill_dummy_layer(self.w13[layer], self.w2[layer], layer, seed)
             else:
@@ -183,8 +219,15 @@ class HostBanks:
         """One expert's (w13 [2I, H], w2 [H, I]) as the slots receive them."""
         return self.w13[moe_layer][expert], self.w2[moe_layer][expert]
 
-    def copy_experts(self, moe_layer: int, pairs: list[tuple[int, int]], dst13: torch.Tensor, dst2: torch.Tensor,
-                     non_blocking: bool = False, **tuning) -> None:  # fmt: skip
+    def copy_experts(
+        self,
+        moe_layer: int,
+        pairs: list[tuple[int, int]],
+        dst13: torch.Tensor,
+        dst2: torch.Tensor,
+        non_blocking: bool = False,
+        **tuning,
+    ) -> None:
         """dst13[s], dst2[s] = expert e's rows for each (e, s) listed on the host, with the copy
         engine on the current stream: one copy per weight family and run of consecutive experts
         going to consecutive slots (`tuning`, a kernel's grid for packed banks, does not apply)."""
@@ -193,8 +236,15 @@ class HostBanks:
             dst13[s : s + n].copy_(bank13[e : e + n], non_blocking=non_blocking)
             dst2[s : s + n].copy_(bank2[e : e + n], non_blocking=non_blocking)
 
-    def copy_listed(self, moe_layer: int, dst13: torch.Tensor, dst2: torch.Tensor, misses: torch.Tensor,
-                    count: torch.Tensor, **tuning) -> None:  # fmt: skip
+    def copy_listed(
+        self,
+        moe_layer: int,
+        dst13: torch.Tensor,
+        dst2: torch.Tensor,
+        misses: torch.Tensor,
+        count: torch.Tensor,
+        **tuning,
+    ) -> None:
         """The first count[0] (expert, slot) rows of `misses`, both on the device, copied by the
         GPU itself (kernels/expert_copy.py): no host synchronisation, graph-capturable."""
         copy_experts_triton(self.w13[moe_layer], self.w2[moe_layer], dst13, dst2, misses, count, **tuning)

@@ -77,11 +77,21 @@ HOST_NODE_ERRORS = {**ERRORS, -4: "host pairs out of range (the device listed a 
 class HostNodeTask(ctypes.Structure):
     """ferry_host_node_task (kernels/host_experts_c/host_node.h)."""
 
-    _fields_ = [("kernel", ctypes.c_void_p), ("job", Job), ("meta", ctypes.c_void_p), ("num_experts", ctypes.c_int64),
-                ("max_tokens", ctypes.c_int64), ("max_pairs", ctypes.c_int64), ("pin_caller", ctypes.c_int64),
-                ("status", ctypes.c_int64),
-                ("calls", ctypes.c_int64), ("pairs", ctypes.c_int64), ("busy_ns", ctypes.c_int64),
-                ("busy_calls", ctypes.c_int64), ("busy_hist", ctypes.c_int64 * NODE_HIST)]  # fmt: skip
+    _fields_ = [
+        ("kernel", ctypes.c_void_p),
+        ("job", Job),
+        ("meta", ctypes.c_void_p),
+        ("num_experts", ctypes.c_int64),
+        ("max_tokens", ctypes.c_int64),
+        ("max_pairs", ctypes.c_int64),
+        ("pin_caller", ctypes.c_int64),
+        ("status", ctypes.c_int64),
+        ("calls", ctypes.c_int64),
+        ("pairs", ctypes.c_int64),
+        ("busy_ns", ctypes.c_int64),
+        ("busy_calls", ctypes.c_int64),
+        ("busy_hist", ctypes.c_int64 * NODE_HIST),
+    ]
 
 
 @functools.cache
@@ -116,8 +126,15 @@ class HostDecodeBuffers:
         p = max_pairs
         block = empty(8 * (2 + 2 * p) + 4 * p, torch.uint8)
         ints = block[: 8 * (2 + 2 * p)].view(torch.int64)
-        return cls(empty(p, torch.int8), ints[2 : 2 + p], ints[2 + p :], block[8 * (2 + 2 * p) :].view(torch.float32),
-                   ints[:2], empty(2, torch.int64), block)  # fmt: skip
+        return cls(
+            empty(p, torch.int8),
+            ints[2 : 2 + p],
+            ints[2 + p :],
+            block[8 * (2 + 2 * p) :].view(torch.float32),
+            ints[:2],
+            empty(2, torch.int64),
+            block,
+        )
 
 
 @dataclass
@@ -131,8 +148,15 @@ class HostDecodeShare:
     """The host's share of decode layers over `kernel` (the C HostKernel over the store's banks), for
     steps of up to `max_tokens` tokens of `top_k` pairs; `costs_ns` as the hand-off kernel takes them."""
 
-    def __init__(self, kernel: HostKernel, costs_ns: tuple[int, int, int, int], max_tokens: int, top_k: int,
-                 num_experts: int, device: torch.device):  # fmt: skip
+    def __init__(
+        self,
+        kernel: HostKernel,
+        costs_ns: tuple[int, int, int, int],
+        max_tokens: int,
+        top_k: int,
+        num_experts: int,
+        device: torch.device,
+    ):
         self.kernel, self.device = kernel, torch.device(device)
         self._cuda = self.device.type == "cuda"
         self._costs_ns = tuple(int(c) for c in costs_ns)
@@ -158,15 +182,35 @@ class HostDecodeShare:
         p = self.pinned
         self.tasks = []
         for w13, w2 in kernel.families:  # one task a MoE layer: its families, the shared pinned buffers
-            job = Job(format=kernel.format, act=kernel.act, isa=kernel.isa_code, tokens=0, hidden=h,
-                      inter=kernel.inter, x=self._x.data_ptr(), n_pairs=0, pair_token=p.pair_token.data_ptr(),
-                      pair_expert=p.pair_expert.data_ptr(), pair_weight=p.pair_weight.data_ptr(), w13=w13, w2=w2,
-                      out=self._out.data_ptr())  # fmt: skip
+            job = Job(
+                format=kernel.format,
+                act=kernel.act,
+                isa=kernel.isa_code,
+                tokens=0,
+                hidden=h,
+                inter=kernel.inter,
+                x=self._x.data_ptr(),
+                n_pairs=0,
+                pair_token=p.pair_token.data_ptr(),
+                pair_expert=p.pair_expert.data_ptr(),
+                pair_weight=p.pair_weight.data_ptr(),
+                w13=w13,
+                w2=w2,
+                out=self._out.data_ptr(),
+            )
             # pin_caller: on CUDA the driver's callback thread runs the nodes and nothing else, so it takes the
             # pool's caller CPU (thread_pool.c); on CPU the nodes run on the caller's own thread
-            self.tasks.append(HostNodeTask(kernel=kernel.handle, job=job, meta=p.meta.data_ptr(),
-                                           num_experts=num_experts, max_tokens=max_tokens, max_pairs=self.max_pairs,
-                                           pin_caller=int(self._cuda)))  # fmt: skip
+            self.tasks.append(
+                HostNodeTask(
+                    kernel=kernel.handle,
+                    job=job,
+                    meta=p.meta.data_ptr(),
+                    num_experts=num_experts,
+                    max_tokens=max_tokens,
+                    max_pairs=self.max_pairs,
+                    pin_caller=int(self._cuda),
+                )
+            )
         self._node = ctypes.cast(kernel.lib.ferry_host_node, ctypes.c_void_p).value
         self.poller: Poller | None = None  # the polled hand-off's thread (use_poll), None: host nodes
 
@@ -178,8 +222,9 @@ class HostDecodeShare:
     def use_poll(self) -> None:
         """Hand layers over by polling from now on (graphs captured before keep their host nodes)."""
         if self.poller is None:  # the thread holds what its tasks point at until it has stopped
-            self.poller = Poller(self.kernel.lib, self.tasks, self._cuda,
-                                 keep=(self.kernel, self._x, self._out, self.pinned))  # fmt: skip
+            self.poller = Poller(
+                self.kernel.lib, self.tasks, self._cuda, keep=(self.kernel, self._x, self._out, self.pinned)
+            )
 
     def use_node(self) -> None:
         """Hand layers over by host nodes from now on; the polling thread, if any, stops (graphs captured with
@@ -219,19 +264,40 @@ class HostDecodeShare:
             self._uploaded = torch.cuda.Event()
             self._uploaded.record(torch.cuda.current_stream(self.device))
 
-    def start(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, n_rows: torch.Tensor,
-              call, cache, in_flight: torch.Tensor | None = None) -> Handed:  # fmt: skip
+    def start(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        n_rows: torch.Tensor,
+        call,
+        cache,
+        in_flight: torch.Tensor | None = None,
+    ) -> Handed:
         """After the layer's lookup (`call`, over `cache`): the hand-off kernel on the current stream, then
         the host's part on the host stream (module docstring). `in_flight`: the count of the layer's
         prefetch (int32 [1] on the device), None without one. The copy kernel must be queued after this."""
         t, k = ids.shape
         if t > self.max_tokens or k != self.top_k:
-            raise ValueError(f"a decode step of {t} tokens x {k} exceeds the host share's buffers "
-                             f"({self.max_tokens} x {self.top_k})")  # fmt: skip
+            raise ValueError(
+                f"a decode step of {t} tokens x {k} exceeds the host share's buffers ({self.max_tokens} x {self.top_k})"
+            )
         weights = weights if weights.is_contiguous() else weights.contiguous()
         in_flight = self._no_flight if in_flight is None else in_flight
-        hand_to_host(ids, weights, n_rows, call.miss_slots, call.misses, call.count, in_flight, cache, layer,
-                     self.costs, self.dev)  # fmt: skip
+        hand_to_host(
+            ids,
+            weights,
+            n_rows,
+            call.miss_slots,
+            call.misses,
+            call.count,
+            in_flight,
+            cache,
+            layer,
+            self.costs,
+            self.dev,
+        )
         task = ctypes.addressof(self.tasks[layer])
         if not self._cuda:  # the interpreter's path: the same C function, now (polled: the GPU's part played here)
             self._to_pinned(x, t)
@@ -276,8 +342,9 @@ class HostDecodeShare:
         for layer, task in enumerate(self.tasks):
             if task.status:
                 status, task.status = task.status, 0
-                raise RuntimeError(f"the host's share of MoE layer {layer} failed: "
-                                   f"{HOST_NODE_ERRORS.get(status, status)}")  # fmt: skip
+                raise RuntimeError(
+                    f"the host's share of MoE layer {layer} failed: {HOST_NODE_ERRORS.get(status, status)}"
+                )
 
     def count(self, totals) -> None:
         """The device totals as the step's statistics copied them (experts, pairs since boot): what
@@ -331,23 +398,44 @@ class HostDecodeShare:
         self.refinements += 1
         if self.on_refined is not None:  # the same kernel over the same banks prices the prefill's share
             self.on_refined(refined / 1e9)
-        log.info("host_decode_refined", host_us_at_1=round(at_1 / 1e3, 1), measured_us=round(measured / 1e3, 1),
-                 refined_us=round(refined / 1e3, 1), experts=experts, pairs=pairs)  # fmt: skip
+        log.info(
+            "host_decode_refined",
+            host_us_at_1=round(at_1 / 1e3, 1),
+            measured_us=round(measured / 1e3, 1),
+            refined_us=round(refined / 1e3, 1),
+            experts=experts,
+            pairs=pairs,
+        )
         return True
 
     def report(self) -> dict:
         ns, calls = self.busy()
         per_expert = ns / self.handed_experts if self.handed_experts else 0.0
-        guard = None if self.guard is None else {"share_on": self.guard.share_on, "scale": self.guard.scale,
-                                                 "exploring": self.guard.exploring,
-                                                 "decisions": self.guard.decisions[-4:]}  # fmt: skip
+        guard = (
+            None
+            if self.guard is None
+            else {
+                "share_on": self.guard.share_on,
+                "scale": self.guard.scale,
+                "exploring": self.guard.exploring,
+                "decisions": self.guard.decisions[-4:],
+            }
+        )
         bounds_s, counts = self.busy_histogram()
-        return {"experts": self.handed_experts, "pairs": self.handed_pairs, "costs_ns": list(self._costs_ns),
-                "price_ns": list(self._price_ns),
-                "busy_ns": ns, "busy_calls": calls, "busy_ns_per_expert": round(per_expert),
-                "busy_hist": {"bounds_s": bounds_s, "counts": counts},
-                "refinements": self.refinements, "guard": guard, "handoff": self.handoff,
-                "polled_layers": self.poller.rounds() if self.poller is not None else 0}  # fmt: skip
+        return {
+            "experts": self.handed_experts,
+            "pairs": self.handed_pairs,
+            "costs_ns": list(self._costs_ns),
+            "price_ns": list(self._price_ns),
+            "busy_ns": ns,
+            "busy_calls": calls,
+            "busy_ns_per_expert": round(per_expert),
+            "busy_hist": {"bounds_s": bounds_s, "counts": counts},
+            "refinements": self.refinements,
+            "guard": guard,
+            "handoff": self.handoff,
+            "polled_layers": self.poller.rounds() if self.poller is not None else 0,
+        }
 
 
 MAX_TRAFFIC_LAUNCHES = 64  # copy launches queued ahead of one timed replay: a slow replay queues no more

@@ -39,7 +39,9 @@ import torch
 LIBRARY_MODULE = "ferry.kernels._host_experts_c"
 ISA_ENV = "FERRY_HOST_KERNEL_ISA"
 PREFETCH_ENV = "FERRY_HOST_KERNEL_PREFETCH"
-DEFAULT_PREFETCH_BYTES = 4096  # a row ahead: 7-25 % faster on plain and packed banks on the H200's host (bench/NOTES.md)
+DEFAULT_PREFETCH_BYTES = (
+    4096  # a row ahead: 7-25 % faster on plain and packed banks on the H200's host (bench/NOTES.md)
+)
 SPIN_ENV = "FERRY_HOST_POOL_SPIN_US"
 # an idle worker's spin before it sleeps: past it, the next call wakes it by a futex. Longer lost on the 2-core
 # EPYC with a busy process on the workers' core (bench/NOTES.md); on cores of their own it is measured by
@@ -54,22 +56,45 @@ ERRORS = {-1: "an invalid job", -2: "an instruction set this CPU lacks", -3: "ou
 class Family(ctypes.Structure):
     """ferry_family (expert_job.h): one weight family's rows in a layer's bank."""
 
-    _fields_ = [("base", ctypes.c_void_p), ("expert_stride", ctypes.c_int64), ("rows", ctypes.c_int64),
-                ("cols", ctypes.c_int64), ("part_rows", ctypes.c_int64), ("q_offset", ctypes.c_int64),
-                ("scale_offset", ctypes.c_int64), ("gscale_offset", ctypes.c_int64),
-                ("col_blocks", ctypes.c_int64), ("hi", ctypes.c_void_p), ("hi_stride", ctypes.c_int64),
-                ("exp_base", ctypes.c_void_p), ("esc_offsets", ctypes.c_void_p), ("esc_index", ctypes.c_void_p),
-                ("esc_bits", ctypes.c_void_p), ("first_value", ctypes.c_int64)]  # fmt: skip
+    _fields_ = [
+        ("base", ctypes.c_void_p),
+        ("expert_stride", ctypes.c_int64),
+        ("rows", ctypes.c_int64),
+        ("cols", ctypes.c_int64),
+        ("part_rows", ctypes.c_int64),
+        ("q_offset", ctypes.c_int64),
+        ("scale_offset", ctypes.c_int64),
+        ("gscale_offset", ctypes.c_int64),
+        ("col_blocks", ctypes.c_int64),
+        ("hi", ctypes.c_void_p),
+        ("hi_stride", ctypes.c_int64),
+        ("exp_base", ctypes.c_void_p),
+        ("esc_offsets", ctypes.c_void_p),
+        ("esc_index", ctypes.c_void_p),
+        ("esc_bits", ctypes.c_void_p),
+        ("first_value", ctypes.c_int64),
+    ]
 
 
 class Job(ctypes.Structure):
     """ferry_job (expert_job.h): one call."""
 
-    _fields_ = [("format", ctypes.c_int64), ("act", ctypes.c_int64), ("isa", ctypes.c_int64),
-                ("tokens", ctypes.c_int64), ("hidden", ctypes.c_int64), ("inter", ctypes.c_int64),
-                ("x", ctypes.c_void_p), ("n_pairs", ctypes.c_int64), ("pair_token", ctypes.c_void_p),
-                ("pair_expert", ctypes.c_void_p), ("pair_weight", ctypes.c_void_p), ("w13", Family),
-                ("w2", Family), ("out", ctypes.c_void_p)]  # fmt: skip
+    _fields_ = [
+        ("format", ctypes.c_int64),
+        ("act", ctypes.c_int64),
+        ("isa", ctypes.c_int64),
+        ("tokens", ctypes.c_int64),
+        ("hidden", ctypes.c_int64),
+        ("inter", ctypes.c_int64),
+        ("x", ctypes.c_void_p),
+        ("n_pairs", ctypes.c_int64),
+        ("pair_token", ctypes.c_void_p),
+        ("pair_expert", ctypes.c_void_p),
+        ("pair_weight", ctypes.c_void_p),
+        ("w13", Family),
+        ("w2", Family),
+        ("out", ctypes.c_void_p),
+    ]
 
 
 class KernelUnavailable(RuntimeError):
@@ -96,8 +121,10 @@ SIGNATURES = {
     "ferry_host_kernel_caller_pinned": ([ctypes.c_void_p], ctypes.c_int),
     "ferry_host_kernel_destroy": ([ctypes.c_void_p], None),
     "ferry_host_kernel_compute": ([ctypes.c_void_p, ctypes.POINTER(Job)], ctypes.c_int),
-    "ferry_host_decode_packed": ([ctypes.POINTER(Family), ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                                  ctypes.c_void_p], ctypes.c_int),  # fmt: skip
+    "ferry_host_decode_packed": (
+        [ctypes.POINTER(Family), ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p],
+        ctypes.c_int,
+    ),
     "ferry_host_node": ([ctypes.c_void_p], None),  # host_node.h: a decode layer's host share (host_decode.py)
     "ferry_host_node_hist_bounds": ([ctypes.POINTER(ctypes.c_int64)], None),
     # host_poller.h: the same share handed over by polling (host_decode.py, FERRY_HOST_HANDOFF)
@@ -164,7 +191,9 @@ def _whole_setting(value: int | None, env: str, default: int, what: str, unit: s
 
 def resolve_prefetch(prefetch: int | None) -> int:
     """The rows' prefetch distance in bytes: `prefetch`, else FERRY_HOST_KERNEL_PREFETCH, else the default."""
-    return _whole_setting(prefetch, PREFETCH_ENV, DEFAULT_PREFETCH_BYTES, "the host kernel's prefetch distance", "bytes")
+    return _whole_setting(
+        prefetch, PREFETCH_ENV, DEFAULT_PREFETCH_BYTES, "the host kernel's prefetch distance", "bytes"
+    )
 
 
 def resolve_spin_us(spin_us: int | None) -> int:
@@ -175,8 +204,13 @@ def resolve_spin_us(spin_us: int | None) -> int:
 
 def _family(rows: torch.Tensor, out_rows: int, cols: int, part_rows: int, layout=None) -> Family:
     """One layer's bank of one family: plain rows [E, O, IN], or quantized byte rows [E, B] with their layout."""
-    f = Family(base=rows.data_ptr(), expert_stride=rows.stride(0) * rows.element_size(), rows=out_rows, cols=cols,
-               part_rows=part_rows)  # fmt: skip
+    f = Family(
+        base=rows.data_ptr(),
+        expert_stride=rows.stride(0) * rows.element_size(),
+        rows=out_rows,
+        cols=cols,
+        part_rows=part_rows,
+    )
     if layout is not None:
         parts = {p.name: p for p in layout.parts}
         f.q_offset, f.scale_offset = parts["q"].offset, parts["scale"].offset
@@ -190,13 +224,25 @@ def _packed_families(banks, layer: int) -> tuple[Family, Family]:
     values 0..V13 of each expert's row, w2's V13..V, each with its own exponent base."""
     lo, hi, base = banks.lo[layer], banks.hi[layer], banks.base[layer]
     h, i, v13 = banks.hidden_size, banks.intermediate_size, banks.v13
-    escapes = dict(esc_offsets=banks.esc_offsets[layer].data_ptr(), esc_index=banks.esc_index[layer].data_ptr(),
-                   esc_bits=banks.esc_bits[layer].data_ptr())  # fmt: skip
+    escapes = dict(
+        esc_offsets=banks.esc_offsets[layer].data_ptr(),
+        esc_index=banks.esc_index[layer].data_ptr(),
+        esc_bits=banks.esc_bits[layer].data_ptr(),
+    )
 
     def family(which: int, first: int, rows: int, cols: int, part_rows: int) -> Family:
-        return Family(base=lo.data_ptr() + first, expert_stride=lo.stride(0), rows=rows, cols=cols, part_rows=part_rows,
-                      hi=hi.data_ptr() + first // 2, hi_stride=hi.stride(0), exp_base=base.data_ptr() + 4 * which,
-                      first_value=first, **escapes)  # fmt: skip
+        return Family(
+            base=lo.data_ptr() + first,
+            expert_stride=lo.stride(0),
+            rows=rows,
+            cols=cols,
+            part_rows=part_rows,
+            hi=hi.data_ptr() + first // 2,
+            hi_stride=hi.stride(0),
+            exp_base=base.data_ptr() + 4 * which,
+            first_value=first,
+            **escapes,
+        )
 
     return family(0, 0, 2 * i, h, i), family(1, v13, h, i, h)
 
@@ -206,8 +252,10 @@ def check_packed(banks) -> None:
     H and I (a row's codes start on a byte) and each expert's escape positions ascending (a row's
     escapes one run, walked in order; pack_experts writes them so)."""
     if banks.hidden_size % 2 or banks.intermediate_size % 2:
-        raise KernelUnavailable(f"packed banks of odd shapes ({banks.hidden_size} x {banks.intermediate_size}) "
-                                "have no C kernel: a row's codes must start on a byte")  # fmt: skip
+        raise KernelUnavailable(
+            f"packed banks of odd shapes ({banks.hidden_size} x {banks.intermediate_size}) "
+            "have no C kernel: a row's codes must start on a byte"
+        )
     for blocks in (banks.lo, banks.hi, banks.base):
         if not all(b.is_contiguous() for b in blocks):
             raise KernelUnavailable("the C kernel reads contiguous bank blocks")
@@ -236,21 +284,25 @@ def bank_format(banks) -> int:
     return codes[name]
 
 
-def check_call(banks, dtype: torch.dtype, moe_layer: int, x: torch.Tensor, tokens: torch.Tensor,
-               experts: torch.Tensor) -> None:
+def check_call(
+    banks, dtype: torch.dtype, moe_layer: int, x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor
+) -> None:
     """A host expert call over `banks` in `dtype` (HostExperts' contract, both backends), or ValueError
     naming what is wrong: the layer, x [T, H] on the CPU in the compute dtype, each pair's token row and
     expert (int64 [P] each). The C code reads the banks by these indices unchecked."""
     if not 0 <= moe_layer < banks.num_layers:
         raise ValueError(f"MoE layer {moe_layer} is outside the banks' {banks.num_layers} layers")
     if x.dim() != 2 or x.shape[1] != banks.hidden_size or x.dtype != dtype or x.device.type != "cpu":
-        raise ValueError(f"x must be a CPU {dtype} tensor [T, {banks.hidden_size}], got {x.dtype} "
-                         f"{tuple(x.shape)} on {x.device}")  # fmt: skip
+        raise ValueError(
+            f"x must be a CPU {dtype} tensor [T, {banks.hidden_size}], got {x.dtype} {tuple(x.shape)} on {x.device}"
+        )
     bad = (tokens < 0) | (tokens >= x.shape[0]) | (experts < 0) | (experts >= banks.num_experts)
     if bool(bad.any()):
         i = int(bad.nonzero()[0])
-        raise ValueError(f"pair (token {int(tokens[i])}, expert {int(experts[i])}) is outside {x.shape[0]} tokens "
-                         f"and {banks.num_experts} experts")  # fmt: skip
+        raise ValueError(
+            f"pair (token {int(tokens[i])}, expert {int(experts[i])}) is outside {x.shape[0]} tokens "
+            f"and {banks.num_experts} experts"
+        )
 
 
 class HostKernel:
@@ -261,8 +313,17 @@ class HostKernel:
     `spin_us`: the idle workers' spin (default: FERRY_HOST_POOL_SPIN_US, else 50); `lib`: a loaded build of the
     library other than this tree's (`bind` given it its signatures), by default `library()`."""
 
-    def __init__(self, banks, dtype: torch.dtype, threads: int, isa: str | None = None, cpus: Sequence[int] = (),
-                 prefetch: int | None = None, spin_us: int | None = None, lib: ctypes.CDLL | None = None):  # fmt: skip
+    def __init__(
+        self,
+        banks,
+        dtype: torch.dtype,
+        threads: int,
+        isa: str | None = None,
+        cpus: Sequence[int] = (),
+        prefetch: int | None = None,
+        spin_us: int | None = None,
+        lib: ctypes.CDLL | None = None,
+    ):
         lib, why = (lib, "") if lib is not None else library()  # `lib`: another build, bound (a bench's)
         if lib is None:
             raise KernelUnavailable(why)
@@ -273,7 +334,11 @@ class HostKernel:
         self.dtype = dtype
         if not lib.ferry_host_isa_available(self.isa_code):
             raise KernelUnavailable(f"this CPU lacks the {self.isa} instructions the host kernel was asked for")
-        self.banks, self.hidden, self.inter = banks, banks.hidden_size, banks.intermediate_size  # alive while pointed at
+        self.banks, self.hidden, self.inter = (
+            banks,
+            banks.hidden_size,
+            banks.intermediate_size,
+        )  # alive while pointed at
         if self.format == PACKED:
             self._escape_blocks = None
             self._packed_layout()
@@ -314,8 +379,9 @@ class HostKernel:
         h, i = banks.hidden_size, banks.intermediate_size
         quantized = banks.format.quantized
         layout13, layout2 = (banks.format.layout13, banks.format.layout2) if quantized else (None, None)
-        return [(_family(w13, 2 * i, h, i, layout13), _family(w2, h, i, h, layout2))
-                for w13, w2 in zip(banks.w13, banks.w2)]  # fmt: skip
+        return [
+            (_family(w13, 2 * i, h, i, layout13), _family(w2, h, i, h, layout2)) for w13, w2 in zip(banks.w13, banks.w2)
+        ]
 
     def _packed_layout(self) -> None:
         """The packed families over the banks' sealed escapes, (re)made when they are (re)laid out: a load
@@ -355,10 +421,22 @@ class HostKernel:
         x = x.contiguous()
         out = torch.empty(x.shape[0], self.hidden, dtype=torch.float32)
         w13, w2 = self.families[moe_layer]
-        job = Job(format=self.format, act=self.act, isa=self.isa_code, tokens=x.shape[0], hidden=self.hidden,
-                  inter=self.inter, x=x.data_ptr(), n_pairs=len(pairs), pair_token=tokens.data_ptr(),
-                  pair_expert=experts.data_ptr(), pair_weight=weights.data_ptr(), w13=w13, w2=w2,
-                  out=out.data_ptr())  # fmt: skip
+        job = Job(
+            format=self.format,
+            act=self.act,
+            isa=self.isa_code,
+            tokens=x.shape[0],
+            hidden=self.hidden,
+            inter=self.inter,
+            x=x.data_ptr(),
+            n_pairs=len(pairs),
+            pair_token=tokens.data_ptr(),
+            pair_expert=experts.data_ptr(),
+            pair_weight=weights.data_ptr(),
+            w13=w13,
+            w2=w2,
+            out=out.data_ptr(),
+        )
         if not self._destroy.alive:
             raise RuntimeError("the host kernel is closed")
         err = self.lib.ferry_host_kernel_compute(self.handle, ctypes.byref(job))

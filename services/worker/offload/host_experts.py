@@ -76,8 +76,16 @@ class HostExperts:
     `cpus`: the C kernel's threads' CPUs, the caller's first, then its started workers'
     (plan/expert_backend.chosen_host_cpus; the torch path's threads are torch's own and stay unpinned)."""
 
-    def __init__(self, banks, dtype: torch.dtype, threads: int, decode_chunk: int = DECODE_CHUNK,
-                 kernel: str = "auto", isa: str | None = None, cpus: Sequence[int] = ()):  # fmt: skip
+    def __init__(
+        self,
+        banks,
+        dtype: torch.dtype,
+        threads: int,
+        decode_chunk: int = DECODE_CHUNK,
+        kernel: str = "auto",
+        isa: str | None = None,
+        cpus: Sequence[int] = (),
+    ):
         if threads < 1:
             raise ValueError(f"host experts need at least one thread, got {threads}")
         if kernel not in KERNELS:
@@ -94,8 +102,9 @@ class HostExperts:
         self.backend = "c" if self.c_kernel is not None else "torch"
         self.num_layers, self.num_experts, self.hidden_size = banks.num_layers, banks.num_experts, banks.hidden_size
         self._reader = None  # made on the dedicated thread, whose scratch it is
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-experts",
-                                        initializer=torch.set_num_threads, initargs=(threads,))  # fmt: skip
+        self._pool = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="host-experts", initializer=torch.set_num_threads, initargs=(threads,)
+        )
         weakref.finalize(self, self._pool.shutdown, wait=False)
 
     def submit(self, moe_layer: int, x: torch.Tensor, pairs: Sequence[Pair]) -> Future:

@@ -116,8 +116,10 @@ class Poller:
         self._go_dev = self._done_dev = None
         if cuda:
             base = ctypes.c_uint64()
-            _check(_driver()["device_pointer"](ctypes.byref(base), ctypes.c_void_p(self.flags.data_ptr()), 0),
-                   "cuMemHostGetDevicePointer")  # fmt: skip
+            _check(
+                _driver()["device_pointer"](ctypes.byref(base), ctypes.c_void_p(self.flags.data_ptr()), 0),
+                "cuMemHostGetDevicePointer",
+            )
             self._go_dev, self._done_dev = base.value + GO, base.value + DONE
 
     def rounds(self) -> int:
@@ -159,8 +161,10 @@ class Poller:
                 self._go.value = 0
                 self._done.value = value
                 if time.monotonic() > deadline:
-                    raise SystemExit(f"a polled hand-off to the host left the GPU waiting and could not be "
-                                     f"released; set {HANDOFF_ENV}=node")  # fmt: skip
+                    raise SystemExit(
+                        f"a polled hand-off to the host left the GPU waiting and could not be "
+                        f"released; set {HANDOFF_ENV}=node"
+                    )
             raise RuntimeError(f"the host's polling thread left a hand-off unanswered for {STUCK_S} s")
 
     def close(self) -> None:

@@ -57,7 +57,7 @@ def thp_mode(path: Path = THP_ENABLED) -> str | None:
     except OSError:
         return None
     start, end = text.find("["), text.find("]")
-    return text[start + 1:end] if 0 <= start < end else None
+    return text[start + 1 : end] if 0 <= start < end else None
 
 
 def anon_huge_bytes(pid: int | str = "self") -> int | None:

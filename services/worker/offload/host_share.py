@@ -107,14 +107,17 @@ class HostShare:
         h = self.cost.host_count(len(missed), tokens * top_k / num_experts, tokens)
         return missed[: len(missed) - h], missed[len(missed) - h :]
 
-    def start(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, real: int,
-              host_experts: np.ndarray) -> Future:  # fmt: skip
+    def start(
+        self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, real: int, host_experts: np.ndarray
+    ) -> Future:
         """Queue the copies of the layer's input and routing to the host and hand the layer's host pairs
         (rows below `real`, experts in `host_experts`) to the host thread; returns its Future."""
         t = x.shape[0]
         if t > self._x.shape[0] or ids.shape[1] != self._ids.shape[1]:
-            raise ValueError(f"a step of {t} tokens x {ids.shape[1]} exceeds the host share's buffers "
-                             f"({self._x.shape[0]} x {self._ids.shape[1]})")  # fmt: skip
+            raise ValueError(
+                f"a step of {t} tokens x {ids.shape[1]} exceeds the host share's buffers "
+                f"({self._x.shape[0]} x {self._ids.shape[1]})"
+            )
         xs, ids_h, w_h = self._x[:t], self._ids[:t], self._weights[:t]
         xs.copy_(x, non_blocking=self._cuda)
         ids_h.copy_(ids, non_blocking=self._cuda)
@@ -236,5 +239,11 @@ def calibrate(store, experts: HostExperts, device: torch.device, probe_experts: 
 
     overhead = _median_s(hand_off, repeats, cuda)
     share.close()
-    return HostCost(pcie_s=pcie, host_s_at_1=at_1, host_s_per_token=max(0.0, (at_n - at_1) / (n_tok - 1)),
-                    overhead_s=overhead, max_step_tokens=step, max_tokens_per_expert=n_tok)  # fmt: skip
+    return HostCost(
+        pcie_s=pcie,
+        host_s_at_1=at_1,
+        host_s_per_token=max(0.0, (at_n - at_1) / (n_tok - 1)),
+        overhead_s=overhead,
+        max_step_tokens=step,
+        max_tokens_per_expert=n_tok,
+    )

@@ -32,16 +32,16 @@ from ferry.kernels.dispatch import use_triton
 from ferry.kernels.expert_pack import pack_experts, unpack_expert_reference, unpack_experts_triton
 from ferry.plan import host_memory as H
 from ferry.plan.host_memory import MEMINFO
+from ferry.plan.model_config import ModelSpec
+from ferry.services.worker.expert_formats.expert_shapes import check_expert_shapes
 from ferry.services.worker.offload.host_banks import (
     DUMMY_DOWN_STD,
     DUMMY_STD,
     DummyPattern,
+    check_host_memory,
     pinnable_host_block,
     unregister_host_blocks,
-    check_host_memory,
 )
-from ferry.plan.model_config import ModelSpec
-from ferry.services.worker.expert_formats.expert_shapes import check_expert_shapes
 from ferry.shared.units import format_bytes
 
 log = structlog.get_logger("worker.offload")
@@ -55,8 +55,16 @@ class PackedHostBanks:
 
     packed = True
 
-    def __init__(self, num_layers: int, num_experts: int, hidden_size: int, intermediate_size: int, pin: bool,
-                 progress: bool = True, meminfo: Path = MEMINFO):  # fmt: skip
+    def __init__(
+        self,
+        num_layers: int,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        pin: bool,
+        progress: bool = True,
+        meminfo: Path = MEMINFO,
+    ):
         self.num_layers, self.num_experts = num_layers, num_experts
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.dtype = torch.bfloat16
@@ -64,8 +72,12 @@ class PackedHostBanks:
         self.v13, self.v2 = 2 * intermediate_size * hidden_size, hidden_size * intermediate_size
         v = self.v13 + self.v2
         self.lo, self.hi, self.base = [], [], []
-        for _ in tqdm(range(num_layers), desc="pinning packed expert banks" if pin else "allocating packed expert banks",
-                      unit="layer", disable=not progress):  # fmt: skip
+        for _ in tqdm(
+            range(num_layers),
+            desc="pinning packed expert banks" if pin else "allocating packed expert banks",
+            unit="layer",
+            disable=not progress,
+        ):
             self.lo.append(pinnable_host_block((num_experts, v), torch.uint8, pin))
             self.hi.append(pinnable_host_block((num_experts, v // 2), torch.uint8, pin))
             self.base.append(pinnable_host_block((num_experts, 2), torch.int32, pin))
@@ -82,24 +94,37 @@ class PackedHostBanks:
         self._copied = False  # set by the first copy: the escape layout is final from then on
 
     @classmethod
-    def allocate(cls, num_layers: int, num_experts: int, hidden_size: int, intermediate_size: int,
-                 dtype: torch.dtype = torch.bfloat16, pin: bool | None = None, progress: bool = True,
-                 meminfo: Path = MEMINFO) -> "PackedHostBanks":  # fmt: skip
+    def allocate(
+        cls,
+        num_layers: int,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        dtype: torch.dtype = torch.bfloat16,
+        pin: bool | None = None,
+        progress: bool = True,
+        meminfo: Path = MEMINFO,
+    ) -> "PackedHostBanks":
         """Uninitialised banks (with room for escapes checked); `pin=None` pins exactly when CUDA is available."""
         if dtype != torch.bfloat16:
             raise ValueError(f"packed expert banks hold bf16 experts, not {dtype}")
         pin = torch.cuda.is_available() if pin is None else pin
         needed = H.packed_bank_bytes(num_layers, num_experts, 3 * intermediate_size * hidden_size)
-        check_host_memory(needed, f"packed host banks for {num_layers} MoE layers x {num_experts} experts "
-                                  f"({format_bytes(needed // max(1, num_layers * num_experts))} each)", meminfo)  # fmt: skip
+        check_host_memory(
+            needed,
+            f"packed host banks for {num_layers} MoE layers x {num_experts} experts "
+            f"({format_bytes(needed // max(1, num_layers * num_experts))} each)",
+            meminfo,
+        )
         return cls(num_layers, num_experts, hidden_size, intermediate_size, pin, progress, meminfo)
 
     @classmethod
     def for_model(cls, spec: ModelSpec, dtype: str, **kwargs) -> "PackedHostBanks":
         if dtype != "bfloat16":
             raise ValueError(f"packed expert banks hold bf16 experts, not {dtype}")
-        return cls.allocate(len(spec.moe_layer_indices), spec.num_experts, spec.hidden_size,
-                            spec.moe_intermediate_size, **kwargs)  # fmt: skip
+        return cls.allocate(
+            len(spec.moe_layer_indices), spec.num_experts, spec.hidden_size, spec.moe_intermediate_size, **kwargs
+        )
 
     # ---- sizes ---------------------------------------------------------------------------------
     @property
@@ -124,16 +149,20 @@ class PackedHostBanks:
         return fixed + self.escape_count * H.PACKED_ESCAPE_BYTES + self.num_layers * (self.num_experts + 1) * 8
 
     # ---- loading -------------------------------------------------------------------------------
-    def load_expert(self, moe_layer: int, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+    def load_expert(
+        self, moe_layer: int, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
+    ) -> None:
         """Pack one expert in checkpoint layout (gate, up [I, H]; down [H, I]) into its rows."""
-        check_expert_shapes(f"MoE layer {moe_layer} expert {expert}", gate, up, down, self.intermediate_size,
-                            self.hidden_size)  # fmt: skip
+        check_expert_shapes(
+            f"MoE layer {moe_layer} expert {expert}", gate, up, down, self.intermediate_size, self.hidden_size
+        )
         dev = self._packing_device()
         w13 = torch.cat([gate.to(dev, torch.bfloat16), up.to(dev, torch.bfloat16)]).unsqueeze(0)
         self._pack(moe_layer, expert, w13, down.to(dev, torch.bfloat16).unsqueeze(0))
 
-    def fill_dummy(self, seed: int = 0, std: float = DUMMY_STD, down_std: float = DUMMY_DOWN_STD,
-                   progress: bool = True) -> None:  # fmt: skip
+    def fill_dummy(
+        self, seed: int = 0, std: float = DUMMY_STD, down_std: float = DUMMY_DOWN_STD, progress: bool = True
+    ) -> None:
         """The plain banks' dummy weights (DummyPattern: the same bits), a group of experts at a
         time through a buffer of the packer's size (not a whole plain layer: host RAM the plan
         does not price)."""
@@ -145,14 +174,17 @@ class PackedHostBanks:
         w2 = pinnable_host_block((group, h, i), torch.bfloat16, pin)
         try:
             pattern = DummyPattern(torch.bfloat16, seed, std, down_std)
-            for layer in tqdm(range(self.num_layers), desc="filling packed dummy expert banks", unit="layer",
-                              disable=not progress):  # fmt: skip
+            for layer in tqdm(
+                range(self.num_layers), desc="filling packed dummy expert banks", unit="layer", disable=not progress
+            ):
                 values = pattern.next_layer(e * self.v13, e * self.v2)
                 for first in range(0, e, group):
                     n = min(group, e - first)
                     values.fill(w13[:n], w2[:n], first * self.v13, first * self.v2)
                     # _pack waits for its escape counts: the buffer has crossed when it returns
-                    self._pack(layer, first, w13[:n].to(device, non_blocking=True), w2[:n].to(device, non_blocking=True))
+                    self._pack(
+                        layer, first, w13[:n].to(device, non_blocking=True), w2[:n].to(device, non_blocking=True)
+                    )
         finally:
             unregister_host_blocks([t for t in (w13, w2) if getattr(t, "_ferry_host_registered", False)])
 
@@ -165,8 +197,10 @@ class PackedHostBanks:
     def _pack(self, layer: int, first: int, w13: torch.Tensor, w2: torch.Tensor) -> None:
         """Experts first.. of `layer` from bf16 w13 [n, 2I, H], w2 [n, H, I] on the packing device."""
         if self._copied:  # a reload would move escapes that copies (and captured CUDA graphs) read
-            raise RuntimeError(f"packed host banks: MoE layer {layer} expert {first} is loaded after the banks' "
-                               "first copy into the device slots; load every expert before copying from them")  # fmt: skip
+            raise RuntimeError(
+                f"packed host banks: MoE layer {layer} expert {first} is loaded after the banks' "
+                "first copy into the device slots; load every expert before copying from them"
+            )
         p = pack_experts(w13, w2)
         n = w13.shape[0]
         self.lo[layer][first : first + n].copy_(p["lo"])
@@ -190,13 +224,25 @@ class PackedHostBanks:
             return
         allowance = H.packed_escape_allowance(self.v13 + self.v2) * self.num_layers * self.num_experts
         if self.escape_count > allowance:  # the plan priced fewer: the host RAM check below is the guard
-            log.warning("packed_banks_escapes_above_plan", escapes=self.escape_count, planned=allowance,
-                        extra_bytes=(self.escape_count - allowance) * H.PACKED_ESCAPE_BYTES)  # fmt: skip
+            log.warning(
+                "packed_banks_escapes_above_plan",
+                escapes=self.escape_count,
+                planned=allowance,
+                extra_bytes=(self.escape_count - allowance) * H.PACKED_ESCAPE_BYTES,
+            )
         # what sealing adds on top of the loose lists: one layer's escapes (the reserve was checked with the banks)
         largest = max(sum(len(i) for i, _ in layer) for layer in self._escapes)
-        check_host_memory(largest * H.PACKED_ESCAPE_BYTES, f"laying out one layer's {largest:,} escaped values", self.meminfo,
-                          reserve=0)  # fmt: skip
-        old = [t for t in (*self.esc_offsets, *self.esc_index, *self.esc_bits) if getattr(t, "_ferry_host_registered", False)]
+        check_host_memory(
+            largest * H.PACKED_ESCAPE_BYTES,
+            f"laying out one layer's {largest:,} escaped values",
+            self.meminfo,
+            reserve=0,
+        )
+        old = [
+            t
+            for t in (*self.esc_offsets, *self.esc_index, *self.esc_bits)
+            if getattr(t, "_ferry_host_registered", False)
+        ]
         unregister_host_blocks(old)  # no copy has read them (a load after one is refused)
         self._registered[:] = [t for t in self._registered if not any(t is o for o in old)]
         self.esc_offsets, self.esc_index, self.esc_bits = [], [], []
@@ -206,7 +252,9 @@ class PackedHostBanks:
             offsets = pinnable_host_block((self.num_experts + 1,), torch.int64, self.pinned)
             offsets[0] = 0
             torch.cumsum(counts, 0, out=offsets[1:])
-            index = pinnable_host_block((max(1, n),), torch.int32, self.pinned)  # one unread element when there are none
+            index = pinnable_host_block(
+                (max(1, n),), torch.int32, self.pinned
+            )  # one unread element when there are none
             bits = pinnable_host_block((max(1, n),), torch.int16, self.pinned)
             if n:
                 torch.cat([i for i, _ in layer], out=index[:n])
@@ -223,8 +271,9 @@ class PackedHostBanks:
     def expert(self, moe_layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One expert's (w13 [2I, H], w2 [H, I]) unpacked on the host, as the slots receive them."""
         index, bits = self._escapes[moe_layer][expert]
-        flat = unpack_expert_reference(self.lo[moe_layer][expert], self.hi[moe_layer][expert],
-                                       self.base[moe_layer][expert], index, bits, self.v13)  # fmt: skip
+        flat = unpack_expert_reference(
+            self.lo[moe_layer][expert], self.hi[moe_layer][expert], self.base[moe_layer][expert], index, bits, self.v13
+        )
         i, h = self.intermediate_size, self.hidden_size
         return flat[: self.v13].view(2 * i, h), flat[self.v13 :].view(h, i)
 
@@ -233,8 +282,15 @@ class PackedHostBanks:
         loose lists while loading, views of the sealed layout after (the host's expert readers)."""
         return self._escapes[moe_layer][expert]
 
-    def copy_experts(self, moe_layer: int, pairs: list[tuple[int, int]], dst13: torch.Tensor, dst2: torch.Tensor,
-                     non_blocking: bool = False, **tuning) -> None:  # fmt: skip
+    def copy_experts(
+        self,
+        moe_layer: int,
+        pairs: list[tuple[int, int]],
+        dst13: torch.Tensor,
+        dst2: torch.Tensor,
+        non_blocking: bool = False,
+        **tuning,
+    ) -> None:
         """dst13[s], dst2[s] = expert e for each (e, s) listed on the host: the list crosses in one
         small copy on the current stream, then the unpacking kernel runs (`non_blocking` is moot:
         kernels never block the host; `tuning`: its grid, kernels/expert_pack.py)."""
@@ -252,14 +308,30 @@ class PackedHostBanks:
             listed = listed.pin_memory().to(dst13.device, non_blocking=True)
         self.copy_listed(moe_layer, dst13, dst2, listed, len(pairs), **tuning)
 
-    def copy_listed(self, moe_layer: int, dst13: torch.Tensor, dst2: torch.Tensor, misses: torch.Tensor,
-                    count: torch.Tensor | int, **tuning) -> None:  # fmt: skip
+    def copy_listed(
+        self,
+        moe_layer: int,
+        dst13: torch.Tensor,
+        dst2: torch.Tensor,
+        misses: torch.Tensor,
+        count: torch.Tensor | int,
+        **tuning,
+    ) -> None:
         """The first `count` (expert, slot) rows of `misses` (on the device; `count` an int32 [1]
         device tensor: graph-capturable, or an int), unpacked by the GPU from the mapped banks."""
         if not self._sealed:
             self.seal()
         self._copied = True
-        unpack_experts_triton(self.lo[moe_layer], self.hi[moe_layer], self.base[moe_layer],
-                              self.esc_offsets[moe_layer], self.esc_index[moe_layer], self.esc_bits[moe_layer],
-                              dst13, dst2, misses, count, **tuning)  # fmt: skip
-
+        unpack_experts_triton(
+            self.lo[moe_layer],
+            self.hi[moe_layer],
+            self.base[moe_layer],
+            self.esc_offsets[moe_layer],
+            self.esc_index[moe_layer],
+            self.esc_bits[moe_layer],
+            dst13,
+            dst2,
+            misses,
+            count,
+            **tuning,
+        )

@@ -193,8 +193,14 @@ class ExpertSlotPolicy:
                 self.prefetch_wasted += 1
             self.prefetched[s] = False
 
-    def prefetch(self, layer: int, experts: Iterable[int], protected_slots: Iterable[int] = (),
-                 evict_below: int = 0, left_to_host: int = 0) -> Prefetch:  # fmt: skip
+    def prefetch(
+        self,
+        layer: int,
+        experts: Iterable[int],
+        protected_slots: Iterable[int] = (),
+        evict_below: int = 0,
+        left_to_host: int = 0,
+    ) -> Prefetch:
         """Give the predicted `experts` of `layer` slots ahead of its lookup, evicting nothing in
         `protected_slots` (the layer computing meanwhile) nor `layer`'s resident predicted experts.
         As many as the unprotected slots allow, in ascending expert order, but the last `left_to_host`
@@ -239,7 +245,9 @@ class ExpertSlotPolicy:
         needed = max(0, len(experts) - len(self._free))
         victims = self._victims(protected, needed, evict_below) if needed else []
         if len(victims) != needed:
-            raise RuntimeError(f"{self.name} policy found {len(victims)} victims for {needed} misses, protected {protected}")
+            raise RuntimeError(
+                f"{self.name} policy found {len(victims)} victims for {needed} misses, protected {protected}"
+            )
         victims.reverse()  # popped from the end: first victim first
         placed, evictions = [], []
         for e in experts:

@@ -55,11 +55,14 @@ class ResidentExperts:
     def _slot(self, moe_layer: int, expert: int) -> int:
         return moe_layer * self.num_experts + expert
 
-    def load_expert(self, moe_layer: int, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+    def load_expert(
+        self, moe_layer: int, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
+    ) -> None:
         """Straight into its slot, in the slots' format (a quantized expert stays quantized)."""
         s = self._slot(moe_layer, expert)
-        self.slots.format.write_expert(self.slots.w13[s], self.slots.w2[s], gate, up, down,
-                                       f"MoE layer {moe_layer} expert {expert}")  # fmt: skip
+        self.slots.format.write_expert(
+            self.slots.w13[s], self.slots.w2[s], gate, up, down, f"MoE layer {moe_layer} expert {expert}"
+        )
 
     def fill_dummy(self, seed: int = 0) -> None:
         """--load-format dummy for a quantized format: every layer's slots filled in place."""
@@ -72,19 +75,35 @@ class ResidentExperts:
         """Nothing to warm: every expert was loaded straight into its slot."""
         return 0
 
-    def forward(self, moe_layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                n_rows: torch.Tensor | None = None, summed: bool = True) -> torch.Tensor | ExpertRows:  # fmt: skip
+    def forward(
+        self,
+        moe_layer: int,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        n_rows: torch.Tensor | None = None,
+        summed: bool = True,
+    ) -> torch.Tensor | ExpertRows:
         offset = moe_layer * self.num_experts
         if use_triton(x) and use_pair_kernel(topk_ids.numel()):
             # the gate/up kernel marks the routed experts itself: slot layer * E + e is entry (layer, e)
             rows = torch.empty(x.shape[0], topk_ids.shape[1], x.shape[1], dtype=torch.float32, device=x.device)
-            expert_pair_rows_triton(x, topk_ids, topk_weights, self.slots.gemm13, self.slots.gemm2, rows,
-                                    slot_offset=offset, mark=(self._routed_table(x.device), n_rows))  # fmt: skip
+            expert_pair_rows_triton(
+                x,
+                topk_ids,
+                topk_weights,
+                self.slots.gemm13,
+                self.slots.gemm2,
+                rows,
+                slot_offset=offset,
+                mark=(self._routed_table(x.device), n_rows),
+            )
             return finish_rows(rows, x.dtype, summed)
         self._count_lookups(moe_layer, topk_ids, n_rows)
         topk_slots = topk_ids + offset
-        return grouped_expert_forward(x, topk_slots, topk_weights, self.slots.gemm13, self.slots.gemm2,
-                                      max_distinct_slots=self.num_experts)  # one layer's experts at most
+        return grouped_expert_forward(
+            x, topk_slots, topk_weights, self.slots.gemm13, self.slots.gemm2, max_distinct_slots=self.num_experts
+        )  # one layer's experts at most
 
     def _count_lookups(self, moe_layer: int, topk_ids: torch.Tensor, n_rows: torch.Tensor | None) -> None:
         """Mark the layer's routed experts in the step's [layers, experts] device table, rows past
@@ -138,6 +157,13 @@ class ResidentExperts:
     def report(self) -> dict:
         """Same keys as `OffloadedExperts.report()`: misses, bytes and copy times stay zero."""
         total = self.num_moe_layers * self.num_experts
-        return {**self.stats.to_dict(), "policy": self.policy_name, "slots": self.slots.num_slots,
-                "total_experts": total, "resident": total, "evictions": 0, "host_bank_bytes": 0,
-                "expert_format": self.slots.format.name}  # fmt: skip
+        return {
+            **self.stats.to_dict(),
+            "policy": self.policy_name,
+            "slots": self.slots.num_slots,
+            "total_experts": total,
+            "resident": total,
+            "evictions": 0,
+            "host_bank_bytes": 0,
+            "expert_format": self.slots.format.name,
+        }

@@ -130,17 +130,32 @@ class ShareGuard:
         record = {"bucket": bucket}
         if self._challenger is None:  # step 1: the share against off
             keep = not cha_s < inc_s * (1 - self.margin)
-            self.decisions.append(record | {"on_ms": round(inc_s * 1e3, 3), "off_ms": round(cha_s * 1e3, 3),
-                                            "scale": self._incumbent, "share_on": keep})  # fmt: skip
+            self.decisions.append(
+                record
+                | {
+                    "on_ms": round(inc_s * 1e3, 3),
+                    "off_ms": round(cha_s * 1e3, 3),
+                    "scale": self._incumbent,
+                    "share_on": keep,
+                }
+            )
             if not keep:
                 return self._hold(None)
             self._direction = -1
             return self._climb(self._incumbent)
         won = cha_s < inc_s * (1 - self.climb_margin)
         best = self._challenger if won else self._incumbent
-        self.decisions.append(record | {"scale": self._incumbent, "scale_ms": round(inc_s * 1e3, 3),
-                                        "tried": self._challenger, "tried_ms": round(cha_s * 1e3, 3),
-                                        "share_on": True, "kept": best})  # fmt: skip
+        self.decisions.append(
+            record
+            | {
+                "scale": self._incumbent,
+                "scale_ms": round(inc_s * 1e3, 3),
+                "tried": self._challenger,
+                "tried_ms": round(cha_s * 1e3, 3),
+                "share_on": True,
+                "kept": best,
+            }
+        )
         if won:
             self._moved = True
             return self._climb(best)

@@ -73,9 +73,17 @@ class StagingRing:
     `chunk` experts (R // chunk bays); the expert kernels read them through `gemm` (the slot
     pool's staging_gemm13/2; by default the tensors themselves)."""
 
-    def __init__(self, w13: torch.Tensor, w2: torch.Tensor, banks, copy_stream: torch.cuda.Stream | None,
-                 chunk: int | None = None, gemm: tuple | None = None, after: torch.cuda.Stream | None = None,
-                 long_chunk: int | None = None):  # fmt: skip
+    def __init__(
+        self,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        banks,
+        copy_stream: torch.cuda.Stream | None,
+        chunk: int | None = None,
+        gemm: tuple | None = None,
+        after: torch.cuda.Stream | None = None,
+        long_chunk: int | None = None,
+    ):
         """`long_chunk`: experts a chunk holds in a step that lends the ring cache slots (a long prefill
         far into its context: more bays, so fewer, larger chunks each pay the host's launches once);
         None: `chunk`, as every other step."""
@@ -88,13 +96,17 @@ class StagingRing:
         # four bays: a chunk computes while the next ones cross
         self.chunk = chunk if chunk is not None else max(1, self.size // 4)
         if not 1 <= self.chunk <= self.size:
-            raise ValueError(f"--prefill-ring-chunk {self.chunk}: a chunk must fit the {self.size} staging slots "
-                             "(and hold at least one expert)")  # fmt: skip
+            raise ValueError(
+                f"--prefill-ring-chunk {self.chunk}: a chunk must fit the {self.size} staging slots "
+                "(and hold at least one expert)"
+            )
         self.base_chunk = self.chunk  # the chunk of a step that lends nothing
         self.long_chunk = long_chunk if long_chunk is not None else self.chunk
         if not 1 <= self.long_chunk <= self.size:
-            raise ValueError(f"--long-prefill-ring-chunk {self.long_chunk}: a chunk must fit the {self.size} "
-                             "staging slots (and hold at least one expert)")  # fmt: skip
+            raise ValueError(
+                f"--long-prefill-ring-chunk {self.long_chunk}: a chunk must fit the {self.size} "
+                "staging slots (and hold at least one expert)"
+            )
         self._bays: list[Bay] = []
         self._free: deque[tuple[Bay, torch.cuda.Event | None]] = deque()
         self._reset_bays()
@@ -115,7 +127,9 @@ class StagingRing:
 
     def _reset_bays(self) -> None:
         """Every staging bay free (its last reader's event, or None: nothing pending), C slots each."""
-        self._bays = [Bay(b * self.chunk, self.w13, self.w2, self.gemm13, self.gemm2) for b in range(self.size // self.chunk)]
+        self._bays = [
+            Bay(b * self.chunk, self.w13, self.w2, self.gemm13, self.gemm2) for b in range(self.size // self.chunk)
+        ]
         self._free = deque((bay, None) for bay in self._bays)
 
     def begin(self, staged: list[list[int]], lent: tuple[int, int, tuple] | None = None) -> None:
@@ -205,4 +219,3 @@ class StagingRing:
             self.banks.copy_experts(chunk.layer, pairs, w13, w2, non_blocking=True, programs=RING_UNPACK_PROGRAMS)
             end.record(self.copy_stream)
         chunk.landed, chunk.copy_events = end, (start, end)
-

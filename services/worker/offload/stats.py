@@ -32,8 +32,17 @@ class CacheCounters:
         return self.hits / looked_up if looked_up else 0.0
 
     def add(self, other: "CacheCounters") -> None:
-        for name in ("hits", "misses", "bytes_copied", "copy_time_s", "exposed_copy_time_s", "steps", "prefetched",
-                     "prefetch_useful", "prefetch_wasted"):
+        for name in (
+            "hits",
+            "misses",
+            "bytes_copied",
+            "copy_time_s",
+            "exposed_copy_time_s",
+            "steps",
+            "prefetched",
+            "prefetch_useful",
+            "prefetch_wasted",
+        ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     @property

@@ -27,14 +27,28 @@ def grouped_entries(fn, sig: dict, dtype: str, consts_of) -> list:
     out = []
     for block_m, windowed in GROUPED_VARIANTS:
         consts = consts_of(block_m) | {"WINDOWED": windowed}
-        out.append((f"{fn.__name__}[{dtype}, BLOCK_M={block_m}, WINDOWED={windowed}]", fn,
-                    {**sig, **{c: "constexpr" for c in consts}}, consts))  # fmt: skip
+        out.append(
+            (
+                f"{fn.__name__}[{dtype}, BLOCK_M={block_m}, WINDOWED={windowed}]",
+                fn,
+                {**sig, **{c: "constexpr" for c in consts}},
+                consts,
+            )
+        )
     if "down" in fn.__name__ and dtype != "fp32":
         for block_m, windowed in LONG_STEP_VARIANTS:
             consts = consts_of(block_m) | {"WINDOWED": windowed}
-            out.append((f"{fn.__name__}[{dtype}, rows {dtype}, BLOCK_M={block_m}, WINDOWED={windowed}]", fn,
-                        {**sig, "rows_ptr": f"*{dtype}", **{c: "constexpr" for c in consts}}, consts))  # fmt: skip
+            out.append(
+                (
+                    f"{fn.__name__}[{dtype}, rows {dtype}, BLOCK_M={block_m}, WINDOWED={windowed}]",
+                    fn,
+                    {**sig, "rows_ptr": f"*{dtype}", **{c: "constexpr" for c in consts}},
+                    consts,
+                )
+            )
     return out
+
+
 MARK_PTRS = {"table_ptr": "*i32", "n_rows_ptr": "*i32"}  # the resident store's routed table, marked by gate/up
 
 
@@ -48,30 +62,101 @@ def mark_variants(fn) -> list[dict]:
 def signatures(dtype: str) -> list:
     ints = lambda *names: {n: "i32" for n in names}  # noqa: E731
     upcast, precision = dtype == "fp32", ("ieee" if dtype == "fp32" else None)
-    gate_up = {"x_ptr": f"*{dtype}", "w13_ptr": f"*{dtype}", "act_ptr": f"*{dtype}", "sorted_pairs_ptr": "*i32",
-               "block_slot_ptr": "*i32", "block_start_ptr": "*i32", **ints("num_pairs", "top_k", "H", "I", "slot_lo", "slot_hi", "slot_shift", "stride_xt", "stride_xh", "stride_ws",
-                                                "stride_wn", "stride_wh", "stride_am", "stride_an")}  # fmt: skip
-    down = {"act_ptr": f"*{dtype}", "w2_ptr": f"*{dtype}", "rows_ptr": "*fp32", "weights_ptr": "*fp32",
-            "sorted_pairs_ptr": "*i32", "block_slot_ptr": "*i32", "block_start_ptr": "*i32",
-            **ints("num_pairs", "H", "I", "slot_lo", "slot_hi", "slot_shift", "stride_am", "stride_an", "stride_ws", "stride_wh", "stride_wi")}  # fmt: skip
+    gate_up = {
+        "x_ptr": f"*{dtype}",
+        "w13_ptr": f"*{dtype}",
+        "act_ptr": f"*{dtype}",
+        "sorted_pairs_ptr": "*i32",
+        "block_slot_ptr": "*i32",
+        "block_start_ptr": "*i32",
+        **ints(
+            "num_pairs",
+            "top_k",
+            "H",
+            "I",
+            "slot_lo",
+            "slot_hi",
+            "slot_shift",
+            "stride_xt",
+            "stride_xh",
+            "stride_ws",
+            "stride_wn",
+            "stride_wh",
+            "stride_am",
+            "stride_an",
+        ),
+    }
+    down = {
+        "act_ptr": f"*{dtype}",
+        "w2_ptr": f"*{dtype}",
+        "rows_ptr": "*fp32",
+        "weights_ptr": "*fp32",
+        "sorted_pairs_ptr": "*i32",
+        "block_slot_ptr": "*i32",
+        "block_start_ptr": "*i32",
+        **ints(
+            "num_pairs",
+            "H",
+            "I",
+            "slot_lo",
+            "slot_hi",
+            "slot_shift",
+            "stride_am",
+            "stride_an",
+            "stride_ws",
+            "stride_wh",
+            "stride_wi",
+        ),
+    }
     out = []
     for fn, sig in ((k._gate_up_kernel, gate_up), (k._down_kernel, down)):
-        out += grouped_entries(fn, sig, dtype, lambda block_m: {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 64,
-                                                                "UPCAST": upcast, "PRECISION": precision})  # fmt: skip
-    pair_gate_up = {"x_ptr": f"*{dtype}", "w13_ptr": f"*{dtype}", "act_ptr": f"*{dtype}", "slots_ptr": "*i64",
-                    **ints("slot_offset", "top_k", "H", "I"), **MARK_PTRS, **ints("stride_xt", "stride_ws", "stride_wn")}  # fmt: skip
-    pair_down = {"act_ptr": f"*{dtype}", "w2_ptr": f"*{dtype}", "rows_ptr": "*fp32", "weights_ptr": f"*{dtype}",
-                 "slots_ptr": "*i32", **ints("slot_offset", "H", "I", "stride_ws", "stride_wh")}  # fmt: skip
+        out += grouped_entries(
+            fn,
+            sig,
+            dtype,
+            lambda block_m: {
+                "BLOCK_M": block_m,
+                "BLOCK_N": 64,
+                "BLOCK_K": 64,
+                "UPCAST": upcast,
+                "PRECISION": precision,
+            },
+        )
+    pair_gate_up = {
+        "x_ptr": f"*{dtype}",
+        "w13_ptr": f"*{dtype}",
+        "act_ptr": f"*{dtype}",
+        "slots_ptr": "*i64",
+        **ints("slot_offset", "top_k", "H", "I"),
+        **MARK_PTRS,
+        **ints("stride_xt", "stride_ws", "stride_wn"),
+    }
+    pair_down = {
+        "act_ptr": f"*{dtype}",
+        "w2_ptr": f"*{dtype}",
+        "rows_ptr": "*fp32",
+        "weights_ptr": f"*{dtype}",
+        "slots_ptr": "*i32",
+        **ints("slot_offset", "H", "I", "stride_ws", "stride_wh"),
+    }
     bf16 = TILES[BF16]
-    for fn, sig, block_n, block_k in ((pair._pair_gate_up_kernel, pair_gate_up, bf16.gate_up_rows, bf16.gate_up_k),
-                                      (pair._pair_down_kernel, pair_down, bf16.down_rows, bf16.down_k)):  # fmt: skip
+    for fn, sig, block_n, block_k in (
+        (pair._pair_gate_up_kernel, pair_gate_up, bf16.gate_up_rows, bf16.gate_up_k),
+        (pair._pair_down_kernel, pair_down, bf16.down_rows, bf16.down_k),
+    ):
         for consts in ({"BLOCK_N": block_n, "BLOCK_K": block_k} | marks for marks in mark_variants(fn)):
             out.append((f"{fn.__name__}[{dtype}, {consts}]", fn, {**sig, **{c: "constexpr" for c in consts}}, consts))
     sum_sig = {"rows_ptr": "*fp32", "out_ptr": f"*{dtype}", "top_k": "i32", "H": "i32", "BLOCK": "constexpr"}
     out.append((f"_sum_rows_kernel[{dtype}]", rows_sum._sum_rows_kernel, sum_sig, {"BLOCK": rows_sum.BLOCK_H}))
     if dtype != "fp32":
-        out.append((f"_sum_rows_kernel[{dtype}, rows {dtype}]", rows_sum._sum_rows_kernel,
-                    {**sum_sig, "rows_ptr": f"*{dtype}"}, {"BLOCK": rows_sum.BLOCK_H}))  # fmt: skip
+        out.append(
+            (
+                f"_sum_rows_kernel[{dtype}, rows {dtype}]",
+                rows_sum._sum_rows_kernel,
+                {**sum_sig, "rows_ptr": f"*{dtype}"},
+                {"BLOCK": rows_sum.BLOCK_H},
+            )
+        )
     return out + quantized_signatures(dtype)
 
 
@@ -84,45 +169,170 @@ def quantized_signatures(dtype: str) -> list:
     aligned = {"sorted_pairs_ptr": "*i32", "block_slot_ptr": "*i32", "block_start_ptr": "*i32"}
     window = ("slot_lo", "slot_hi", "slot_shift")
     grouped = [  # arguments in the kernels' order
-        (qk._nvfp4_gate_up_kernel, {"x_ptr": f"*{dtype}", **nvfp4, "act_ptr": f"*{dtype}", **aligned,
-                                    **ints("num_pairs", "top_k", "H", "I", *window, "stride_xt", "stride_xh", "stride_qs",
-                                           "stride_qo", "stride_ss", "stride_so", "stride_gs", "stride_am", "stride_an")}),
-        (qk._nvfp4_down_kernel, {"act_ptr": f"*{dtype}", **nvfp4, "rows_ptr": "*fp32", "weights_ptr": "*fp32", **aligned,
-                                 **ints("num_pairs", "H", "I", *window, "stride_am", "stride_an", "stride_qs", "stride_qo",
-                                        "stride_ss", "stride_so", "stride_gs")}),
-        (qk._fp8_gate_up_kernel, {"x_ptr": f"*{dtype}", **fp8, "act_ptr": f"*{dtype}", **aligned,
-                                  **ints("num_pairs", "top_k", "H", "I", *window, "up_row_block", "stride_xt", "stride_xh",
-                                         "stride_qs", "stride_qo", "stride_ss", "stride_so", "stride_am", "stride_an")}),
-        (qk._fp8_down_kernel, {"act_ptr": f"*{dtype}", **fp8, "rows_ptr": "*fp32", "weights_ptr": "*fp32", **aligned,
-                               **ints("num_pairs", "H", "I", *window, "stride_am", "stride_an", "stride_qs", "stride_qo",
-                                      "stride_ss", "stride_so")}),
-    ]  # fmt: skip
+        (
+            qk._nvfp4_gate_up_kernel,
+            {
+                "x_ptr": f"*{dtype}",
+                **nvfp4,
+                "act_ptr": f"*{dtype}",
+                **aligned,
+                **ints(
+                    "num_pairs",
+                    "top_k",
+                    "H",
+                    "I",
+                    *window,
+                    "stride_xt",
+                    "stride_xh",
+                    "stride_qs",
+                    "stride_qo",
+                    "stride_ss",
+                    "stride_so",
+                    "stride_gs",
+                    "stride_am",
+                    "stride_an",
+                ),
+            },
+        ),
+        (
+            qk._nvfp4_down_kernel,
+            {
+                "act_ptr": f"*{dtype}",
+                **nvfp4,
+                "rows_ptr": "*fp32",
+                "weights_ptr": "*fp32",
+                **aligned,
+                **ints(
+                    "num_pairs",
+                    "H",
+                    "I",
+                    *window,
+                    "stride_am",
+                    "stride_an",
+                    "stride_qs",
+                    "stride_qo",
+                    "stride_ss",
+                    "stride_so",
+                    "stride_gs",
+                ),
+            },
+        ),
+        (
+            qk._fp8_gate_up_kernel,
+            {
+                "x_ptr": f"*{dtype}",
+                **fp8,
+                "act_ptr": f"*{dtype}",
+                **aligned,
+                **ints(
+                    "num_pairs",
+                    "top_k",
+                    "H",
+                    "I",
+                    *window,
+                    "up_row_block",
+                    "stride_xt",
+                    "stride_xh",
+                    "stride_qs",
+                    "stride_qo",
+                    "stride_ss",
+                    "stride_so",
+                    "stride_am",
+                    "stride_an",
+                ),
+            },
+        ),
+        (
+            qk._fp8_down_kernel,
+            {
+                "act_ptr": f"*{dtype}",
+                **fp8,
+                "rows_ptr": "*fp32",
+                "weights_ptr": "*fp32",
+                **aligned,
+                **ints(
+                    "num_pairs",
+                    "H",
+                    "I",
+                    *window,
+                    "stride_am",
+                    "stride_an",
+                    "stride_qs",
+                    "stride_qo",
+                    "stride_ss",
+                    "stride_so",
+                ),
+            },
+        ),
+    ]
     out = []
     act = torch.float32 if dtype == "fp32" else torch.bfloat16
     for fn, sig in grouped:
         fmt = NVFP4 if "nvfp4" in fn.__name__ else FP8_BLOCK
-        out += grouped_entries(fn, sig, dtype, lambda block_m, fmt=fmt: {
-            "BLOCK_M": block_m, "BLOCK_N": qk.BLOCK_N, "BLOCK_K": qk.block_k_for(fmt, block_m, act), "UPCAST": upcast,
-            "PRECISION": precision})  # fmt: skip
+        out += grouped_entries(
+            fn,
+            sig,
+            dtype,
+            lambda block_m, fmt=fmt: {
+                "BLOCK_M": block_m,
+                "BLOCK_N": qk.BLOCK_N,
+                "BLOCK_K": qk.block_k_for(fmt, block_m, act),
+                "UPCAST": upcast,
+                "PRECISION": precision,
+            },
+        )
     pair = [
-        (qpair._nvfp4_pair_gate_up_kernel, {"x_ptr": f"*{dtype}", **nvfp4, "act_ptr": f"*{dtype}", "slots_ptr": "*i64",
-                                            **ints("slot_offset", "top_k", "H", "I"), **MARK_PTRS,
-                                            **ints("stride_xt", "stride_qs", "stride_qo", "stride_ss", "stride_so",
-                                                   "stride_gs")},
-         {"BLOCK_N": TILES[NVFP4].gate_up_rows, "GROUPS": TILES[NVFP4].gate_up_k}),
-        (qpair._nvfp4_pair_down_kernel, {"act_ptr": f"*{dtype}", **nvfp4, "rows_ptr": "*fp32", "weights_ptr": f"*{dtype}",
-                                         "slots_ptr": "*i32", **ints("slot_offset", "H", "I", "stride_qs", "stride_qo",
-                                                                     "stride_ss", "stride_so", "stride_gs")},
-         {"BLOCK_N": TILES[NVFP4].down_rows, "GROUPS": TILES[NVFP4].down_k}),
-        (qpair._fp8_pair_gate_up_kernel, {"x_ptr": f"*{dtype}", **fp8, "act_ptr": f"*{dtype}", "slots_ptr": "*i64",
-                                          **ints("slot_offset", "top_k", "H", "I", "up_row_block"), **MARK_PTRS,
-                                          **ints("stride_xt", "stride_qs", "stride_qo", "stride_ss", "stride_so")},
-         {"BLOCK_N": TILES[FP8_BLOCK].gate_up_rows, "BLOCKS": TILES[FP8_BLOCK].gate_up_k}),
-        (qpair._fp8_pair_down_kernel, {"act_ptr": f"*{dtype}", **fp8, "rows_ptr": "*fp32", "weights_ptr": f"*{dtype}",
-                                       "slots_ptr": "*i32", **ints("slot_offset", "H", "I", "stride_qs", "stride_qo",
-                                                                   "stride_ss", "stride_so")},
-         {"BLOCK_N": TILES[FP8_BLOCK].down_rows, "BLOCKS": TILES[FP8_BLOCK].down_k}),
-    ]  # fmt: skip
+        (
+            qpair._nvfp4_pair_gate_up_kernel,
+            {
+                "x_ptr": f"*{dtype}",
+                **nvfp4,
+                "act_ptr": f"*{dtype}",
+                "slots_ptr": "*i64",
+                **ints("slot_offset", "top_k", "H", "I"),
+                **MARK_PTRS,
+                **ints("stride_xt", "stride_qs", "stride_qo", "stride_ss", "stride_so", "stride_gs"),
+            },
+            {"BLOCK_N": TILES[NVFP4].gate_up_rows, "GROUPS": TILES[NVFP4].gate_up_k},
+        ),
+        (
+            qpair._nvfp4_pair_down_kernel,
+            {
+                "act_ptr": f"*{dtype}",
+                **nvfp4,
+                "rows_ptr": "*fp32",
+                "weights_ptr": f"*{dtype}",
+                "slots_ptr": "*i32",
+                **ints("slot_offset", "H", "I", "stride_qs", "stride_qo", "stride_ss", "stride_so", "stride_gs"),
+            },
+            {"BLOCK_N": TILES[NVFP4].down_rows, "GROUPS": TILES[NVFP4].down_k},
+        ),
+        (
+            qpair._fp8_pair_gate_up_kernel,
+            {
+                "x_ptr": f"*{dtype}",
+                **fp8,
+                "act_ptr": f"*{dtype}",
+                "slots_ptr": "*i64",
+                **ints("slot_offset", "top_k", "H", "I", "up_row_block"),
+                **MARK_PTRS,
+                **ints("stride_xt", "stride_qs", "stride_qo", "stride_ss", "stride_so"),
+            },
+            {"BLOCK_N": TILES[FP8_BLOCK].gate_up_rows, "BLOCKS": TILES[FP8_BLOCK].gate_up_k},
+        ),
+        (
+            qpair._fp8_pair_down_kernel,
+            {
+                "act_ptr": f"*{dtype}",
+                **fp8,
+                "rows_ptr": "*fp32",
+                "weights_ptr": f"*{dtype}",
+                "slots_ptr": "*i32",
+                **ints("slot_offset", "H", "I", "stride_qs", "stride_qo", "stride_ss", "stride_so"),
+            },
+            {"BLOCK_N": TILES[FP8_BLOCK].down_rows, "BLOCKS": TILES[FP8_BLOCK].down_k},
+        ),
+    ]
     for fn, sig, tiles in pair:
         for consts in (tiles | marks for marks in mark_variants(fn)):
             out.append((f"{fn.__name__}[{dtype}, {consts}]", fn, {**sig, **{c: "constexpr" for c in consts}}, consts))

@@ -21,8 +21,14 @@ def compile_in_child(script: str) -> dict:
     {"error": text}} from compile_<script>.py."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=os.pathsep.join([str(ROOT), str(Path(__file__).parent)]), TRITON_DEFAULT_FP_FUSION="1")
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name(script))],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name(script))],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -58,8 +64,11 @@ def compile_each(signatures: list) -> dict:
         try:
             src = ASTSource(fn=fn, signature={**sig, **{c: "constexpr" for c in consts}}, constexprs=consts)
             compiled = triton.compile(src, target=hopper, options=options[0] if options else None)
-            results[name] = {"cubin": "cubin" in compiled.asm, "shared": compiled.metadata.shared,
-                             "stack": spilled_bytes(compiled.asm["cubin"])}  # fmt: skip
+            results[name] = {
+                "cubin": "cubin" in compiled.asm,
+                "shared": compiled.metadata.shared,
+                "stack": spilled_bytes(compiled.asm["cubin"]),
+            }
         except Exception as exc:  # noqa: BLE001 - reported to the parent test
             results[name] = {"error": f"{type(exc).__name__}: {exc}"[:3000]}
     return results

@@ -20,7 +20,9 @@ G = torch.Generator().manual_seed(11)
 
 
 def _same(topk: torch.Tensor, num_slots: int, block_m: int, distinct: int | None = None) -> None:
-    got = align_pairs_by_slot_triton(topk, num_slots, block_m, max_aligned_blocks(topk.numel(), num_slots, block_m, distinct))
+    got = align_pairs_by_slot_triton(
+        topk, num_slots, block_m, max_aligned_blocks(topk.numel(), num_slots, block_m, distinct)
+    )
     want = align_pairs_by_slot_reference(topk, num_slots, block_m, distinct, block_starts=True)
     for name, a, b in zip(("sorted_pairs", "block_slot", "block_start"), got, want):
         assert a.dtype == b.dtype == torch.int32 and a.shape == b.shape, (name, a.dtype, b.dtype, a.shape, b.shape)
@@ -29,8 +31,9 @@ def _same(topk: torch.Tensor, num_slots: int, block_m: int, distinct: int | None
             raise AssertionError(f"{name} differs at {at}: {a[at].tolist()} against {b[at].tolist()}")
 
 
-def _routing(tokens: int, top_k: int, num_slots: int, skipped: float = 0.2, skewed: bool = False,
-             dtype=torch.int64) -> torch.Tensor:  # fmt: skip
+def _routing(
+    tokens: int, top_k: int, num_slots: int, skipped: float = 0.2, skewed: bool = False, dtype=torch.int64
+) -> torch.Tensor:
     topk = torch.randint(0, num_slots, (tokens, top_k), generator=G)
     if skewed:  # most pairs on three slots: long runs, many blocks of one slot
         topk = torch.where(torch.rand(tokens, top_k, generator=G) < 0.7, topk % 3, topk)
@@ -42,8 +45,11 @@ def case_random_shapes_both_dtypes_every_block_size():
     for trial in range(12):  # 12: every (dtype, skewed or not, block size) of trial % 2, % 3 and % 4 once
         tokens, top_k = int(torch.randint(1, 400, (1,), generator=G)), int(torch.randint(1, 9, (1,), generator=G))
         slots = int(torch.randint(1, 700, (1,), generator=G))
-        _same(_routing(tokens, top_k, slots, skewed=trial % 3 == 0, dtype=(torch.int32, torch.int64)[trial % 2]),
-              slots, (1, 2, 16, 64)[trial % 4])  # fmt: skip
+        _same(
+            _routing(tokens, top_k, slots, skewed=trial % 3 == 0, dtype=(torch.int32, torch.int64)[trial % 2]),
+            slots,
+            (1, 2, 16, 64)[trial % 4],
+        )
 
 
 def case_several_tiles_rank_across_tiles():

@@ -17,13 +17,14 @@ import torch
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run me with TRITON_INTERPRET=1"
 
+from long_step_rows import bf16_rows_are_the_float32_rows_rounded_once  # noqa: E402
+
 from ferry.kernels.align_pairs import align_pairs_by_slot, align_pairs_by_slot_host  # noqa: E402
 from ferry.kernels.aligned_blocks import block_m_for, launch_blocks  # noqa: E402
-from ferry.kernels.grouped_expert_gemm import grouped_expert_rows_triton  # noqa: E402
 from ferry.kernels.expert_pair_gemv import expert_pair_rows_triton  # noqa: E402
 from ferry.kernels.expert_rows_sum import sum_rows_triton  # noqa: E402
+from ferry.kernels.grouped_expert_gemm import grouped_expert_rows_triton  # noqa: E402
 from ferry.kernels.grouped_expert_gemm_reference import grouped_expert_forward_reference, grouped_expert_rows_reference  # noqa: E402
-from long_step_rows import bf16_rows_are_the_float32_rows_rounded_once  # noqa: E402
 
 
 def make_case(seed, tokens, top_k, hidden, inter, slots, dtype, skip=0):
@@ -57,8 +58,9 @@ def host_aligned_rows_match(seed, tokens, top_k, hidden, inter, slots, skip):
     got = torch.full((tokens, top_k, hidden), float("nan"))
     want = torch.full((tokens, top_k, hidden), float("nan"))
     poisoned_slots = torch.full_like(topk, 10**6)  # must not be read when the alignment is given
-    grouped_expert_rows_triton(x, poisoned_slots, weights, w13, w2, got,
-                               aligned=(torch.from_numpy(sorted_pairs), torch.from_numpy(block_slot)))
+    grouped_expert_rows_triton(
+        x, poisoned_slots, weights, w13, w2, got, aligned=(torch.from_numpy(sorted_pairs), torch.from_numpy(block_slot))
+    )
     grouped_expert_rows_reference(x, topk, weights, w13, w2, want)
     skipped = topk < 0
     assert torch.isnan(got[skipped]).all() and not torch.isnan(got[~skipped]).any()
@@ -75,8 +77,9 @@ def slot_window_computes_one_chunk_at_its_staging_slots(block_starts=False, skew
     x, topk, weights, w13, w2 = make_case(14, 40, 3, 40, 24, 9, torch.float32, skip=0 if skewed else 5)
     if skewed:
         g = torch.Generator().manual_seed(15)
-        topk = torch.stack([torch.cat([torch.zeros(1, dtype=torch.long), 1 + torch.randperm(8, generator=g)[:2]])
-                            for _ in range(40)])  # fmt: skip
+        topk = torch.stack(
+            [torch.cat([torch.zeros(1, dtype=torch.long), 1 + torch.randperm(8, generator=g)[:2]]) for _ in range(40)]
+        )
     block_m = block_m_for(topk.numel())
     aligned = align_pairs_by_slot(topk, 9, block_m, 9, block_starts=block_starts)
     if block_starts:
@@ -92,8 +95,7 @@ def slot_window_computes_one_chunk_at_its_staging_slots(block_starts=False, skew
     bay13, bay2 = torch.full((6, *w13.shape[1:]), float("nan")), torch.full((6, *w2.shape[1:]), float("nan"))
     for lo, hi, bay in ((0, 4, 2), (4, 8, 0), (8, 9, 1)):  # positions [lo, hi) land in slots bay..bay+hi-lo
         bay13[bay : bay + hi - lo], bay2[bay : bay + hi - lo] = w13[lo:hi], w2[lo:hi]
-        grouped_expert_rows_triton(x, None, weights, bay13, bay2, got, aligned=aligned,
-                                   slot_window=(lo, hi, bay - lo))  # fmt: skip
+        grouped_expert_rows_triton(x, None, weights, bay13, bay2, got, aligned=aligned, slot_window=(lo, hi, bay - lo))
         bay13.fill_(float("nan"))  # a pair computed again from a stale bay would turn NaN
         bay2.fill_(float("nan"))
     skipped = topk < 0
@@ -200,13 +202,15 @@ CASES = {
     "slot_window_computes_one_chunk_at_its_staging_slots": slot_window_computes_one_chunk_at_its_staging_slots,
     "slot_window_with_block_starts": lambda: slot_window_computes_one_chunk_at_its_staging_slots(block_starts=True),
     "slot_window_with_block_starts_skewed_loops": lambda: slot_window_computes_one_chunk_at_its_staging_slots(
-        block_starts=True, skewed=True),
+        block_starts=True, skewed=True
+    ),
     "a_window_outside_the_aligned_slots_is_refused": a_window_outside_the_aligned_slots_is_refused,
     "tight_grid_with_max_distinct_slots": tight_grid_with_max_distinct_slots,
     "bfloat16_within_rounding": bfloat16_within_rounding,
     "alignment_groups_pairs_by_slot": alignment_groups_pairs_by_slot,
     "bf16_rows_are_the_float32_rows_rounded_once": lambda: bf16_rows_are_the_float32_rows_rounded_once(
-        *make_case(17, 40, 3, 64, 32, 9, torch.bfloat16, skip=5), num_slots=9, window=4),
+        *make_case(17, 40, 3, 64, 32, 9, torch.bfloat16, skip=5), num_slots=9, window=4
+    ),
 }
 
 

@@ -15,6 +15,9 @@ import torch
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run me with TRITON_INTERPRET=1"
 
+from long_step_rows import bf16_rows_are_the_float32_rows_rounded_once  # noqa: E402
+from quantized_slots import make_experts  # noqa: E402
+
 import ferry.kernels.grouped_expert_gemm_reference as reference  # noqa: E402
 import ferry.kernels.quantized_experts as qe  # noqa: E402
 from ferry.kernels.align_pairs import align_pairs_by_slot, align_pairs_by_slot_host  # noqa: E402
@@ -23,8 +26,6 @@ from ferry.kernels.expert_pair_gemv import expert_pair_rows_triton  # noqa: E402
 from ferry.kernels.grouped_expert_gemm import grouped_expert_rows_triton  # noqa: E402
 from ferry.kernels.grouped_expert_gemm_reference import quantized_expert_rows_reference  # noqa: E402
 from ferry.kernels.quantized_experts import FP8_BLOCK, NVFP4, QuantizedFamily  # noqa: E402
-from long_step_rows import bf16_rows_are_the_float32_rows_rounded_once  # noqa: E402
-from quantized_slots import make_experts  # noqa: E402
 
 TIGHT = dict(rtol=1e-5, atol=1e-5)  # float32 x: only the order of the float32 sums differs
 BF16 = dict(rtol=2e-2, atol=2e-2)  # as the plain kernels' bf16 cases
@@ -79,8 +80,15 @@ def host_aligned_rows_match(fmt):
     x, topk, weights, w13, w2 = make_case(fmt, 6, 40, 3, 64, 32, 9, skip=7)
     sorted_pairs, block_slot = align_pairs_by_slot_host(topk.numpy(), block_m_for(topk.numel()))
     got = nan_rows(x, topk)
-    grouped_expert_rows_triton(x, torch.full_like(topk, 10**6), weights, w13, w2, got,
-                               aligned=(torch.from_numpy(sorted_pairs), torch.from_numpy(block_slot)))  # fmt: skip
+    grouped_expert_rows_triton(
+        x,
+        torch.full_like(topk, 10**6),
+        weights,
+        w13,
+        w2,
+        got,
+        aligned=(torch.from_numpy(sorted_pairs), torch.from_numpy(block_slot)),
+    )
     assert_rows(got, reference_rows(x, topk, weights, w13, w2), topk)
 
 
@@ -107,8 +115,9 @@ def slot_window_computes_one_chunk_at_its_staging_slots(fmt, block_starts=False,
     x, topk, weights, w13, w2 = make_case(fmt, 14, 40, 3, 64, 32, 9, skip=0 if skewed else 5)
     if skewed:
         g = torch.Generator().manual_seed(15)
-        topk = torch.stack([torch.cat([torch.zeros(1, dtype=torch.long), 1 + torch.randperm(8, generator=g)[:2]])
-                            for _ in range(40)])  # fmt: skip
+        topk = torch.stack(
+            [torch.cat([torch.zeros(1, dtype=torch.long), 1 + torch.randperm(8, generator=g)[:2]]) for _ in range(40)]
+        )
     block_m = block_m_for(topk.numel())
     aligned = align_pairs_by_slot(topk, 9, block_m, 9, block_starts=block_starts)
     if skewed:
@@ -121,8 +130,7 @@ def slot_window_computes_one_chunk_at_its_staging_slots(fmt, block_starts=False,
     for lo, hi, bay in ((0, 4, 2), (4, 8, 0), (8, 9, 1)):  # positions [lo, hi) land in slots bay..bay+hi-lo
         copy_slots(bay13, bay, w13, lo, hi)
         copy_slots(bay2, bay, w2, lo, hi)
-        grouped_expert_rows_triton(x, None, weights, bay13, bay2, got, aligned=aligned,
-                                   slot_window=(lo, hi, bay - lo))  # fmt: skip
+        grouped_expert_rows_triton(x, None, weights, bay13, bay2, got, aligned=aligned, slot_window=(lo, hi, bay - lo))
         poison(bay13)
         poison(bay2)
     assert_rows(got, want, topk)
@@ -201,29 +209,42 @@ def mistakes_are_detected(fmt):
 
 CASES = {}
 for _fmt in (NVFP4, FP8_BLOCK):
-    CASES.update({
-        f"{_fmt}/pair_tiny_skipped_offset": lambda f=_fmt: pair_kernel_matches(f, 12, 2, 4, 64, 32, 6, 2, 3),
-        f"{_fmt}/pair_i_not_a_multiple_of_128": lambda f=_fmt: pair_kernel_matches(f, 13, 2, 2, 256, 192, 4, 1, 0),
-        f"{_fmt}/pair_ragged_two_steps": lambda f=_fmt: pair_kernel_matches(f, 15, 2, 2, 288 if f == NVFP4 else 200,
-                                                                           48 if f == NVFP4 else 72, 3, 1, 1),
-        f"{_fmt}/grouped_tiny_several_blocks_of_one_slot":
-            lambda f=_fmt: grouped_kernel_matches(f, 2, 37, 4, 64, 32, 6, 5),
-        f"{_fmt}/grouped_i_not_a_multiple_of_128": lambda f=_fmt: grouped_kernel_matches(f, 1, 5, 2, 256, 192, 4, 2),
-        f"{_fmt}/grouped_ragged": lambda f=_fmt: grouped_kernel_matches(f, 4, 6, 2, 288 if f == NVFP4 else 200,
-                                                                        48 if f == NVFP4 else 72, 3, 1),
-        f"{_fmt}/host_aligned_rows": lambda f=_fmt: host_aligned_rows_match(f),
-        f"{_fmt}/slot_window_computes_one_chunk_at_its_staging_slots":
-            lambda f=_fmt: slot_window_computes_one_chunk_at_its_staging_slots(f),
-        f"{_fmt}/slot_window_with_block_starts":
-            lambda f=_fmt: slot_window_computes_one_chunk_at_its_staging_slots(f, block_starts=True),
-        f"{_fmt}/slot_window_with_block_starts_skewed_loops":
-            lambda f=_fmt: slot_window_computes_one_chunk_at_its_staging_slots(f, block_starts=True, skewed=True),
-        f"{_fmt}/tight_grid_with_max_distinct_slots": lambda f=_fmt: tight_grid_with_max_distinct_slots(f),
-        f"{_fmt}/bfloat16_within_rounding": lambda f=_fmt: bfloat16_within_rounding(f),
-        f"{_fmt}/mistakes_are_detected": lambda f=_fmt: mistakes_are_detected(f),
-        f"{_fmt}/bf16_rows_are_the_float32_rows_rounded_once": lambda f=_fmt: bf16_rows_are_the_float32_rows_rounded_once(
-            *make_case(f, 17, 40, 3, 64, 32, 9, dtype=torch.bfloat16, skip=5), num_slots=9, window=4),
-    })  # fmt: skip
+    CASES.update(
+        {
+            f"{_fmt}/pair_tiny_skipped_offset": lambda f=_fmt: pair_kernel_matches(f, 12, 2, 4, 64, 32, 6, 2, 3),
+            f"{_fmt}/pair_i_not_a_multiple_of_128": lambda f=_fmt: pair_kernel_matches(f, 13, 2, 2, 256, 192, 4, 1, 0),
+            f"{_fmt}/pair_ragged_two_steps": lambda f=_fmt: pair_kernel_matches(
+                f, 15, 2, 2, 288 if f == NVFP4 else 200, 48 if f == NVFP4 else 72, 3, 1, 1
+            ),
+            f"{_fmt}/grouped_tiny_several_blocks_of_one_slot": lambda f=_fmt: grouped_kernel_matches(
+                f, 2, 37, 4, 64, 32, 6, 5
+            ),
+            f"{_fmt}/grouped_i_not_a_multiple_of_128": lambda f=_fmt: grouped_kernel_matches(
+                f, 1, 5, 2, 256, 192, 4, 2
+            ),
+            f"{_fmt}/grouped_ragged": lambda f=_fmt: grouped_kernel_matches(
+                f, 4, 6, 2, 288 if f == NVFP4 else 200, 48 if f == NVFP4 else 72, 3, 1
+            ),
+            f"{_fmt}/host_aligned_rows": lambda f=_fmt: host_aligned_rows_match(f),
+            f"{_fmt}/slot_window_computes_one_chunk_at_its_staging_slots": lambda f=_fmt: (
+                slot_window_computes_one_chunk_at_its_staging_slots(f)
+            ),
+            f"{_fmt}/slot_window_with_block_starts": lambda f=_fmt: slot_window_computes_one_chunk_at_its_staging_slots(
+                f, block_starts=True
+            ),
+            f"{_fmt}/slot_window_with_block_starts_skewed_loops": lambda f=_fmt: (
+                slot_window_computes_one_chunk_at_its_staging_slots(f, block_starts=True, skewed=True)
+            ),
+            f"{_fmt}/tight_grid_with_max_distinct_slots": lambda f=_fmt: tight_grid_with_max_distinct_slots(f),
+            f"{_fmt}/bfloat16_within_rounding": lambda f=_fmt: bfloat16_within_rounding(f),
+            f"{_fmt}/mistakes_are_detected": lambda f=_fmt: mistakes_are_detected(f),
+            f"{_fmt}/bf16_rows_are_the_float32_rows_rounded_once": lambda f=_fmt: (
+                bf16_rows_are_the_float32_rows_rounded_once(
+                    *make_case(f, 17, 40, 3, 64, 32, 9, dtype=torch.bfloat16, skip=5), num_slots=9, window=4
+                )
+            ),
+        }
+    )
 
 
 def main() -> None:

@@ -31,8 +31,9 @@ def bf16_rows_are_the_float32_rows_rounded_once(x, topk, weights, w13, w2, num_s
     aligned = align_pairs_by_slot(topk, num_slots, block_m_for(topk.numel()), num_slots, block_starts=True)
     windowed = _nan(x, topk, torch.bfloat16)
     for lo in range(0, num_slots, window):
-        grouped_expert_rows_triton(x, None, weights, w13, w2, windowed, aligned=aligned,
-                                   slot_window=(lo, min(lo + window, num_slots), 0))  # fmt: skip
+        grouped_expert_rows_triton(
+            x, None, weights, w13, w2, windowed, aligned=aligned, slot_window=(lo, min(lo + window, num_slots), 0)
+        )
     for got in (at_once, windowed):
         assert torch.isnan(got[skipped].float()).all(), "skipped pairs must be left untouched"
         assert not torch.isnan(got[~skipped].float()).any(), "every routed pair must be written"

@@ -14,15 +14,28 @@ PART_ALIGN = 16
 
 def _parts(fmt: str, rows: int, cols: int, part_rows: int) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
     if fmt == NVFP4:
-        return [("q", torch.uint8, (rows, cols // 2)), ("scale", torch.float8_e4m3fn, (rows, cols // NVFP4_GROUP)),
-                ("gscale", torch.float32, (rows,))]  # fmt: skip
+        return [
+            ("q", torch.uint8, (rows, cols // 2)),
+            ("scale", torch.float8_e4m3fn, (rows, cols // NVFP4_GROUP)),
+            ("gscale", torch.float32, (rows,)),
+        ]
     row_blocks = (rows // part_rows) * ceil_div(part_rows, FP8_BLOCK_SIZE)
-    return [("q", torch.float8_e4m3fn, (rows, cols)),
-            ("scale", torch.float32, (row_blocks, ceil_div(cols, FP8_BLOCK_SIZE)))]  # fmt: skip
+    return [
+        ("q", torch.float8_e4m3fn, (rows, cols)),
+        ("scale", torch.float32, (row_blocks, ceil_div(cols, FP8_BLOCK_SIZE))),
+    ]
 
 
-def make_family(fmt: str, rows: int, cols: int, part_rows: int, slots: int, gen: torch.Generator,
-                exact_bf16: bool = False, device: str = "cpu") -> QuantizedFamily:  # fmt: skip
+def make_family(
+    fmt: str,
+    rows: int,
+    cols: int,
+    part_rows: int,
+    slots: int,
+    gen: torch.Generator,
+    exact_bf16: bool = False,
+    device: str = "cpu",
+) -> QuantizedFamily:
     """S slots of one weight family (rows x cols values, projections of part_rows rows), weights of
     root mean square about 1/sqrt(cols), as the plain kernels' tests draw them. `exact_bf16`: scales
     of few significant bits (NVFP4's gscale 2, FP8's block scales 4: with the codes' 2 + 4 or 4, at
@@ -34,8 +47,10 @@ def make_family(fmt: str, rows: int, cols: int, part_rows: int, slots: int, gen:
         layout.append((name, dtype, shape, cursor, nbytes))
         cursor = -(-(cursor + nbytes) // PART_ALIGN) * PART_ALIGN
     buf = torch.randint(0, 256, (slots, cursor), dtype=torch.uint8, generator=gen)  # garbage between parts
-    views_of = lambda b: {name: b[:, off : off + n].view(dtype).unflatten(-1, shape)  # noqa: E731
-                          for name, dtype, shape, off, n in layout}  # fmt: skip
+    views_of = lambda b: {
+        name: b[:, off : off + n].view(dtype).unflatten(-1, shape)  # noqa: E731
+        for name, dtype, shape, off, n in layout
+    }
     views = views_of(buf)
     spread = lambda *shape: torch.exp2(torch.rand(*shape, generator=gen) * 2 - 1)  # noqa: E731  (0.5 .. 2, rms 1.163)
     if fmt == NVFP4:
@@ -57,8 +72,11 @@ def make_family(fmt: str, rows: int, cols: int, part_rows: int, slots: int, gen:
     return QuantizedFamily(fmt, rows, cols, part_rows, views["q"], views["scale"], views.get("gscale"))
 
 
-def make_experts(fmt: str, hidden: int, inter: int, slots: int, gen: torch.Generator,
-                 exact_bf16: bool = False, device: str = "cpu") -> tuple[QuantizedFamily, QuantizedFamily]:  # fmt: skip
+def make_experts(
+    fmt: str, hidden: int, inter: int, slots: int, gen: torch.Generator, exact_bf16: bool = False, device: str = "cpu"
+) -> tuple[QuantizedFamily, QuantizedFamily]:
     """(w13, w2) of `slots` experts: w13 = [gate; up] [2I, H] in parts of I rows, w2 = down [H, I]."""
-    return (make_family(fmt, 2 * inter, hidden, inter, slots, gen, exact_bf16, device),
-            make_family(fmt, hidden, inter, hidden, slots, gen, exact_bf16, device))  # fmt: skip
+    return (
+        make_family(fmt, 2 * inter, hidden, inter, slots, gen, exact_bf16, device),
+        make_family(fmt, hidden, inter, hidden, slots, gen, exact_bf16, device),
+    )

@@ -9,18 +9,30 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from hopper_compile import ROOT, compile_in_child
 
-CASES = ["random_shapes_both_dtypes_every_block_size", "several_tiles_rank_across_tiles", "tiles_grow_past_the_chunk",
-         "tight_bound_and_one_slot", "a_slot_past_the_slots_is_left_out", "every_pair_left_out", "the_dispatch_takes_the_kernels_for_triton_tensors"]  # fmt: skip
+CASES = [
+    "random_shapes_both_dtypes_every_block_size",
+    "several_tiles_rank_across_tiles",
+    "tiles_grow_past_the_chunk",
+    "tight_bound_and_one_slot",
+    "a_slot_past_the_slots_is_left_out",
+    "every_pair_left_out",
+    "the_dispatch_takes_the_kernels_for_triton_tensors",
+]
 
 
 @pytest.fixture(scope="module")
 def interpreted_results():
     env = {**os.environ, "TRITON_INTERPRET": "1", "FERRY_TRITON_ON_CPU": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("interpreted_align_pairs.py"))],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("interpreted_align_pairs.py"))],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -23,8 +23,9 @@ def test_copies_exactly_the_first_count_misses(count, programs, block):
     misses = torch.tensor([[4, 2], [0, 0], [5, 4], [1, 3], [2, 1]], dtype=torch.int32)  # the last rows are never read
     want13, want2 = slots13.clone(), slots2.clone()
     copy_experts_reference(bank13, bank2, want13, want2, misses, torch.tensor([count], dtype=torch.int32))
-    copy_experts_triton(bank13, bank2, slots13, slots2, misses, torch.tensor([count], dtype=torch.int32),
-                        programs=programs, block=block)  # fmt: skip
+    copy_experts_triton(
+        bank13, bank2, slots13, slots2, misses, torch.tensor([count], dtype=torch.int32), programs=programs, block=block
+    )
     assert torch.equal(slots13.view(torch.int16), want13.view(torch.int16))  # NaN rows included: bit for bit
     assert torch.equal(slots2.view(torch.int16), want2.view(torch.int16))
     untouched = [s for s in range(5) if s not in misses[:count, 1].tolist()]
@@ -34,8 +35,15 @@ def test_copies_exactly_the_first_count_misses(count, programs, block):
 def test_refuses_bad_miss_lists():
     bank13, bank2, slots13, slots2 = _case(0)
     with pytest.raises(ValueError, match="int32"):
-        copy_experts_triton(bank13, bank2, slots13, slots2, torch.zeros(3, 2, dtype=torch.int64),
-                            torch.zeros(1, dtype=torch.int32))  # fmt: skip
+        copy_experts_triton(
+            bank13, bank2, slots13, slots2, torch.zeros(3, 2, dtype=torch.int64), torch.zeros(1, dtype=torch.int32)
+        )
     with pytest.raises(ValueError, match="differ"):
-        copy_experts_triton(bank13, bank2[:, :, :8].contiguous(), slots13, slots2, torch.zeros(3, 2, dtype=torch.int32),
-                            torch.zeros(1, dtype=torch.int32))  # fmt: skip
+        copy_experts_triton(
+            bank13,
+            bank2[:, :, :8].contiguous(),
+            slots13,
+            slots2,
+            torch.zeros(3, 2, dtype=torch.int32),
+            torch.zeros(1, dtype=torch.int32),
+        )

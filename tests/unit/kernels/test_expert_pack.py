@@ -62,7 +62,9 @@ def test_a_normal_expert_packs_to_three_quarters_of_its_bytes():
     values = 128 * 96 + 96 * 64
     assert p["lo"].shape == (4, values) and p["hi"].shape == (4, values // 2) and p["base"].shape == (4, 2)
     held = sum(p[k].nbytes for k in ("lo", "hi", "base", "esc_index", "esc_bits"))  # what the banks keep
-    assert held == 4 * packed_expert_bytes(values) + PACKED_ESCAPE_BYTES * int(p["counts"].sum())  # as the plan prices it
+    assert held == 4 * packed_expert_bytes(values) + PACKED_ESCAPE_BYTES * int(
+        p["counts"].sum()
+    )  # as the plan prices it
     assert int(p["counts"].sum()) < 4 * values // 512 and held < 0.76 * (w13.nbytes + w2.nbytes)
 
 
@@ -78,16 +80,29 @@ def _slots(n: int = 6):
     return (torch.full((n, 2 * I, H), nan, dtype=torch.bfloat16), torch.full((n, H, I), nan, dtype=torch.bfloat16))
 
 
-@pytest.mark.parametrize("count, programs, block, escape_block", [(0, 2, 4, 128), (1, 1, 4, 2), (3, 3, 8, 4),
-                                                                 (4, 5, 16, 1), (5, 2, 64, 128)])  # fmt: skip
+@pytest.mark.parametrize(
+    "count, programs, block, escape_block", [(0, 2, 4, 128), (1, 1, 4, 2), (3, 3, 8, 4), (4, 5, 16, 1), (5, 2, 64, 128)]
+)
 def test_the_unpacking_copy_writes_exactly_the_first_count_listed_experts(count, programs, block, escape_block):
     w13, w2 = _experts(count + 10)
     p = _layer(w13, w2)
     s13, s2 = _slots()
     listed = torch.tensor([[1, 4], [3, 0], [0, 2], [4, 5], [2, 1], [0, 3]], dtype=torch.int32)  # the last never read
-    unpack_experts_triton(p["lo"], p["hi"], p["base"], p["esc_offsets"], p["esc_index"], p["esc_bits"], s13, s2,
-                          listed, torch.tensor([count], dtype=torch.int32), programs=programs, block=block,
-                          escape_block=escape_block)  # fmt: skip
+    unpack_experts_triton(
+        p["lo"],
+        p["hi"],
+        p["base"],
+        p["esc_offsets"],
+        p["esc_index"],
+        p["esc_bits"],
+        s13,
+        s2,
+        listed,
+        torch.tensor([count], dtype=torch.int32),
+        programs=programs,
+        block=block,
+        escape_block=escape_block,
+    )
     for e, s in listed[:count].tolist():
         assert torch.equal(_bits(s13[s]), _bits(w13[e])) and torch.equal(_bits(s2[s]), _bits(w2[e])), (e, s)
     untouched = [s for s in range(6) if s not in listed[:count, 1].tolist()]
@@ -100,8 +115,21 @@ def test_a_host_count_fills_consecutive_slots_from_an_expert_list(count):
     p = _layer(w13, w2)
     s13, s2 = _slots()
     experts = torch.tensor([3, 1, 4, 0], dtype=torch.int32)
-    unpack_experts_triton(p["lo"], p["hi"], p["base"], p["esc_offsets"], p["esc_index"], p["esc_bits"], s13, s2,
-                          experts, count, slot0=2, programs=3, block=8)  # fmt: skip
+    unpack_experts_triton(
+        p["lo"],
+        p["hi"],
+        p["base"],
+        p["esc_offsets"],
+        p["esc_index"],
+        p["esc_bits"],
+        s13,
+        s2,
+        experts,
+        count,
+        slot0=2,
+        programs=3,
+        block=8,
+    )
     for i, e in enumerate(experts[:count].tolist()):
         assert torch.equal(_bits(s13[2 + i]), _bits(w13[e])) and torch.equal(_bits(s2[2 + i]), _bits(w2[e]))
     assert torch.isnan(s13[[s for s in range(6) if not 2 <= s < 2 + count]].float()).all()

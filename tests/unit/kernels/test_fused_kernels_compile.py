@@ -3,7 +3,6 @@ Gated DeltaNet decode kernels compile for the H200 (sm_90) on a machine without 
 
 import pytest
 import torch
-
 from hopper_compile import compile_in_child
 
 

@@ -9,23 +9,41 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from ferry.kernels.grouped_expert_gemm_reference import grouped_expert_forward_reference
 from hopper_compile import ROOT, compile_in_child
 
-CASES = ["decode_one_token", "ragged_shapes_and_skipped_pairs", "several_blocks_of_one_slot", "host_aligned_rows",
-         "slot_window_computes_one_chunk_at_its_staging_slots", "slot_window_with_block_starts",
-         "slot_window_with_block_starts_skewed_loops", "a_window_outside_the_aligned_slots_is_refused",
-         "tight_grid_with_max_distinct_slots", "bfloat16_within_rounding", "alignment_groups_pairs_by_slot",
-         "pair_kernel_decode_one_token", "pair_kernel_ragged_skipped_offset", "pair_kernel_groups_give_the_same_bits",
-         "rows_summed_in_k_order", "bf16_rows_are_the_float32_rows_rounded_once"]  # fmt: skip
+from ferry.kernels.grouped_expert_gemm_reference import grouped_expert_forward_reference
+
+CASES = [
+    "decode_one_token",
+    "ragged_shapes_and_skipped_pairs",
+    "several_blocks_of_one_slot",
+    "host_aligned_rows",
+    "slot_window_computes_one_chunk_at_its_staging_slots",
+    "slot_window_with_block_starts",
+    "slot_window_with_block_starts_skewed_loops",
+    "a_window_outside_the_aligned_slots_is_refused",
+    "tight_grid_with_max_distinct_slots",
+    "bfloat16_within_rounding",
+    "alignment_groups_pairs_by_slot",
+    "pair_kernel_decode_one_token",
+    "pair_kernel_ragged_skipped_offset",
+    "pair_kernel_groups_give_the_same_bits",
+    "rows_summed_in_k_order",
+    "bf16_rows_are_the_float32_rows_rounded_once",
+]
 
 
 @pytest.fixture(scope="module")
 def interpreted_results():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("interpreted_grouped_expert_gemm.py"))],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("interpreted_grouped_expert_gemm.py"))],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout)
 
@@ -52,8 +70,9 @@ def test_dispatch_uses_the_reference_on_cpu():
     from ferry.kernels.grouped_expert_gemm import grouped_expert_forward
 
     x, topk, weights, w13, w2 = _case(4, 6, 2, 16, 8, 4)
-    assert torch.equal(grouped_expert_forward(x, topk, weights, w13, w2),
-                       grouped_expert_forward_reference(x, topk, weights, w13, w2))  # fmt: skip
+    assert torch.equal(
+        grouped_expert_forward(x, topk, weights, w13, w2), grouped_expert_forward_reference(x, topk, weights, w13, w2)
+    )
 
 
 def test_the_result_does_not_depend_on_slot_numbering():
@@ -72,11 +91,17 @@ def test_host_alignment_equals_the_device_alignment():
 
     g = torch.Generator().manual_seed(7)
     for trial in range(40):
-        tokens, top_k, slots = int(torch.randint(1, 50, (1,), generator=g)), 4, int(torch.randint(4, 30, (1,), generator=g))
+        tokens, top_k, slots = (
+            int(torch.randint(1, 50, (1,), generator=g)),
+            4,
+            int(torch.randint(4, 30, (1,), generator=g)),
+        )
         topk = torch.stack([torch.randperm(slots, generator=g)[:top_k] for _ in range(tokens)])
         topk[torch.rand(tokens, top_k, generator=g) < 0.3] = -1
         block_m = (1, 2, 16)[trial % 3]
-        distinct = int(torch.unique(topk[topk >= 0]).numel()) if trial % 2 else None  # the tight grid, or the worst case
+        distinct = (
+            int(torch.unique(topk[topk >= 0]).numel()) if trial % 2 else None
+        )  # the tight grid, or the worst case
         device_pairs, device_blocks = align_pairs_by_slot(topk, slots, block_m, distinct)
         host_pairs, host_blocks = align_pairs_by_slot_host(topk.numpy(), block_m)
         real = int((device_blocks >= 0).sum())

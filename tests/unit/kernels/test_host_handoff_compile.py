@@ -4,7 +4,6 @@ tests/unit/offload/interpreted_offload_store.py, test_device_cache.py)."""
 
 import pytest
 import torch
-
 from hopper_compile import compile_in_child
 
 

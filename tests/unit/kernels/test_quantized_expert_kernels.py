@@ -12,28 +12,47 @@ from pathlib import Path
 
 import pytest
 import torch
+from hopper_compile import ROOT
+from quantized_slots import make_experts, make_family
 
 from ferry.kernels.grouped_expert_gemm import grouped_expert_forward
 from ferry.kernels.grouped_expert_gemm_reference import grouped_expert_forward_reference
 from ferry.kernels.quantized_expert_gemv import check_quantized_families
 from ferry.kernels.quantized_experts import E2M1_VALUES, FP8_BLOCK, NVFP4, dequantize_slot
-from hopper_compile import ROOT
-from quantized_slots import make_experts, make_family
 
-CASES = [f"{fmt}/{name}" for fmt in (NVFP4, FP8_BLOCK) for name in (
-    "pair_tiny_skipped_offset", "pair_i_not_a_multiple_of_128", "pair_ragged_two_steps",
-    "grouped_tiny_several_blocks_of_one_slot", "grouped_i_not_a_multiple_of_128", "grouped_ragged", "host_aligned_rows",
-    "slot_window_computes_one_chunk_at_its_staging_slots", "slot_window_with_block_starts",
-    "slot_window_with_block_starts_skewed_loops",
-    "tight_grid_with_max_distinct_slots",
-    "bfloat16_within_rounding", "mistakes_are_detected", "bf16_rows_are_the_float32_rows_rounded_once")]  # fmt: skip
+CASES = [
+    f"{fmt}/{name}"
+    for fmt in (NVFP4, FP8_BLOCK)
+    for name in (
+        "pair_tiny_skipped_offset",
+        "pair_i_not_a_multiple_of_128",
+        "pair_ragged_two_steps",
+        "grouped_tiny_several_blocks_of_one_slot",
+        "grouped_i_not_a_multiple_of_128",
+        "grouped_ragged",
+        "host_aligned_rows",
+        "slot_window_computes_one_chunk_at_its_staging_slots",
+        "slot_window_with_block_starts",
+        "slot_window_with_block_starts_skewed_loops",
+        "tight_grid_with_max_distinct_slots",
+        "bfloat16_within_rounding",
+        "mistakes_are_detected",
+        "bf16_rows_are_the_float32_rows_rounded_once",
+    )
+]
 
 
 @pytest.fixture(scope="module")
 def interpreted_results():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("interpreted_quantized_expert_kernels.py"))],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("interpreted_quantized_expert_kernels.py"))],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout)
 
@@ -100,8 +119,10 @@ def test_cpu_dispatch_computes_quantized_slots_with_the_reference():
         weights = torch.softmax(torch.randn(7, 2, generator=g), dim=-1)
         dense13 = torch.stack([dequantize_slot(w13, s, x.dtype) for s in range(5)])
         dense2 = torch.stack([dequantize_slot(w2, s, x.dtype) for s in range(5)])
-        assert torch.equal(grouped_expert_forward(x, topk, weights, w13, w2),
-                           grouped_expert_forward_reference(x, topk, weights, dense13, dense2))  # fmt: skip
+        assert torch.equal(
+            grouped_expert_forward(x, topk, weights, w13, w2),
+            grouped_expert_forward_reference(x, topk, weights, dense13, dense2),
+        )
 
 
 def test_families_that_do_not_fit_are_refused():

@@ -11,7 +11,6 @@ import sys
 
 import torch
 import torch.distributed as dist
-
 from offload_tiny import random_experts, random_routing, slot_pool, tiny_spec
 
 from ferry.services.worker.offload.expert_cache import OffloadedExperts
@@ -29,8 +28,12 @@ def main() -> None:
     mine = owned_count(experts, rank, world)
     local_spec = tiny_spec(layers=layers, experts=mine, top_k=1, hidden=32, inter=16)
     slots = mine + 1  # fewer than the layers' owned experts: misses cross from the host banks
-    local = OffloadedExperts(slot_pool(local_spec, slots), HostBanks.for_model(local_spec, "float32", progress=False),
-                             LRUExpertPolicy(layers, mine, slots), "cpu")  # fmt: skip
+    local = OffloadedExperts(
+        slot_pool(local_spec, slots),
+        HostBanks.for_model(local_spec, "float32", progress=False),
+        LRUExpertPolicy(layers, mine, slots),
+        "cpu",
+    )
     store = ExpertParallelExperts(local, rank, world, experts)
     resident = ResidentExperts(slot_pool(spec, layers * experts), layers, experts)
     for (layer, e), weights in random_experts(spec, 5).items():
@@ -47,8 +50,16 @@ def main() -> None:
             worst = max(worst, float((got[:real] - want[:real]).abs().max()))
             digest.update(got[:real].numpy().tobytes())
         store.end_step()
-    print(json.dumps({"max_diff": worst, "digest": digest.hexdigest(), "misses": store.report()["misses"],
-                      "rank": store.report()["expert_parallel"]["rank"]}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "max_diff": worst,
+                "digest": digest.hexdigest(),
+                "misses": store.report()["misses"],
+                "rank": store.report()["expert_parallel"]["rank"],
+            }
+        )
+    )
     dist.destroy_process_group()
 
 

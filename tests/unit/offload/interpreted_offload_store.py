@@ -19,13 +19,13 @@ assert os.environ.get("FERRY_TRITON_ON_CPU") == "1", "run me with FERRY_TRITON_O
 from offload_tiny import random_experts, random_routing, slot_pool, tiny_spec  # noqa: E402
 
 from ferry.kernels.expert_pair_gemv import use_pair_kernel  # noqa: E402
-from ferry.services.worker.offload.resident import ResidentExperts  # noqa: E402
+from ferry.services.worker.offload.device_store import DeviceDrivenExperts  # noqa: E402
 from ferry.services.worker.offload.expert_cache import OffloadedExperts  # noqa: E402
+from ferry.services.worker.offload.frequency_policy import LFUExpertPolicy  # noqa: E402
 from ferry.services.worker.offload.host_banks import HostBanks  # noqa: E402
 from ferry.services.worker.offload.packed_banks import PackedHostBanks  # noqa: E402
 from ferry.services.worker.offload.policy import LRUExpertPolicy  # noqa: E402
-from ferry.services.worker.offload.device_store import DeviceDrivenExperts  # noqa: E402
-from ferry.services.worker.offload.frequency_policy import LFUExpertPolicy  # noqa: E402
+from ferry.services.worker.offload.resident import ResidentExperts  # noqa: E402
 
 
 def check() -> None:
@@ -33,9 +33,16 @@ def check() -> None:
     layers = 2
     for num_slots, host_align_max_pairs in ((6, 4096), (9, 16)):  # 16: steps of 30 tokens align on the device
         resident = ResidentExperts(slot_pool(spec, layers * 6), layers, 6)
-        store = OffloadedExperts(slot_pool(spec, num_slots), HostBanks.for_model(spec, "float32", progress=False),
-                                 LRUExpertPolicy(layers, 6, num_slots), "cpu", pipeline_chunks=2, prefill_tokens=8,
-                                 use_triton=True, host_align_max_pairs=host_align_max_pairs)  # fmt: skip
+        store = OffloadedExperts(
+            slot_pool(spec, num_slots),
+            HostBanks.for_model(spec, "float32", progress=False),
+            LRUExpertPolicy(layers, 6, num_slots),
+            "cpu",
+            pipeline_chunks=2,
+            prefill_tokens=8,
+            use_triton=True,
+            host_align_max_pairs=host_align_max_pairs,
+        )
         for (layer, e), weights in random_experts(spec, num_slots).items():
             resident.load_expert(layer, e, *weights)
             store.load_expert(layer, e, *weights)
@@ -54,10 +61,13 @@ def check() -> None:
 
 
 DEVICE_DRIVEN_CASES = (  # (slots, policy, prefetch, copy_engine_tokens, dtype)
-    (6, LRUExpertPolicy, False, None, "float32"), (8, LFUExpertPolicy, True, None, "float32"),
+    (6, LRUExpertPolicy, False, None, "float32"),
+    (8, LFUExpertPolicy, True, None, "float32"),
     (7, LRUExpertPolicy, True, None, "float32"),
     (7, LFUExpertPolicy, True, 2, "float32"),  # 2: every step of 2+ tokens takes the copy-engine path
-    (7, LFUExpertPolicy, True, None, "bfloat16"), (6, LRUExpertPolicy, True, 2, "bfloat16"))  # fmt: skip
+    (7, LFUExpertPolicy, True, None, "bfloat16"),
+    (6, LRUExpertPolicy, True, 2, "bfloat16"),
+)
 
 
 def check_device_driven(dtype_wanted: str) -> None:
@@ -72,10 +82,15 @@ def check_device_driven(dtype_wanted: str) -> None:
         torch_dtype = getattr(torch, dtype)
         banks_kind = PackedHostBanks if dtype == "bfloat16" else HostBanks
         resident = ResidentExperts(slot_pool(spec, layers * 6, dtype=dtype), layers, 6)
-        store = DeviceDrivenExperts(slot_pool(spec, num_slots, dtype=dtype, max_step_tokens=48),
-                                    banks_kind.for_model(spec, dtype, progress=False),
-                                    policy_cls(layers, 6, num_slots), "cpu", prefetch=prefetch, pipeline_chunks=2,
-                                    copy_engine_tokens=copy_engine_tokens)  # fmt: skip
+        store = DeviceDrivenExperts(
+            slot_pool(spec, num_slots, dtype=dtype, max_step_tokens=48),
+            banks_kind.for_model(spec, dtype, progress=False),
+            policy_cls(layers, 6, num_slots),
+            "cpu",
+            prefetch=prefetch,
+            pipeline_chunks=2,
+            copy_engine_tokens=copy_engine_tokens,
+        )
         for (layer, e), weights in random_experts(spec, num_slots).items():
             resident.load_expert(layer, e, *weights)
             store.load_expert(layer, e, *weights)
@@ -85,8 +100,17 @@ def check_device_driven(dtype_wanted: str) -> None:
         # 20 tokens: the large path; 40 and 36 (past the pair kernel, 4+ pairs per expert): prefills,
         # streamed through the staging ring. `begun`: the executor's begin_step ran first (an eager
         # step): a prefill's copies start there, and its first layer must not stage them again
-        for tokens, real, begun in ((1, 1, False), (4, 4, True), (4, 2, False), (20, 20, True), (40, 40, False),
-                                    (1, 1, False), (36, 33, False), (40, 40, True), (3, 3, False)):  # fmt: skip
+        for tokens, real, begun in (
+            (1, 1, False),
+            (4, 4, True),
+            (4, 2, False),
+            (20, 20, True),
+            (40, 40, False),
+            (1, 1, False),
+            (36, 33, False),
+            (40, 40, True),
+            (3, 3, False),
+        ):
             maps = store.cache.slot_of.clone() if store.cache is not None else None
             staged = store.ring.staged_total
             if begun:
@@ -125,10 +149,18 @@ def check_host_share() -> None:
     layers = 3
     resident = ResidentExperts(slot_pool(spec, layers * 6), layers, 6)
     banks = HostBanks.for_model(spec, "float32", progress=False)
-    share = HostShare(HostExperts(banks, torch.float32, threads=1), HostCost(1.0, 1.0, 0.0, 0.0), max_tokens=48,
-                      top_k=2, device="cpu")  # fmt: skip
-    store = DeviceDrivenExperts(slot_pool(spec, 7, max_step_tokens=48), banks, LFUExpertPolicy(layers, 6, 7), "cpu",
-                                prefetch=True, pipeline_chunks=2, host_share=share)  # fmt: skip
+    share = HostShare(
+        HostExperts(banks, torch.float32, threads=1), HostCost(1.0, 1.0, 0.0, 0.0), max_tokens=48, top_k=2, device="cpu"
+    )
+    store = DeviceDrivenExperts(
+        slot_pool(spec, 7, max_step_tokens=48),
+        banks,
+        LFUExpertPolicy(layers, 6, 7),
+        "cpu",
+        prefetch=True,
+        pipeline_chunks=2,
+        host_share=share,
+    )
     for (layer, e), weights in random_experts(spec, 7).items():
         resident.load_expert(layer, e, *weights)
         store.load_expert(layer, e, *weights)
@@ -149,8 +181,11 @@ def check_host_share() -> None:
         store.stats_to_host()
         store.end_step()
     assert share.layers > 0 and share.computed > 0
-    assert store.report()["host_share"] == {"layers": share.layers, "experts": share.computed,
-                                            "costs_ns": [1_000_000_000, 1_000_000_000, 0, 0]}  # fmt: skip
+    assert store.report()["host_share"] == {
+        "layers": share.layers,
+        "experts": share.computed,
+        "costs_ns": [1_000_000_000, 1_000_000_000, 0, 0],
+    }
     share.close()
 
 
@@ -204,13 +239,27 @@ def check_long_step_rows() -> None:
     layers, bf16 = 2, torch.bfloat16
     resident = ResidentExperts(slot_pool(spec, layers * 6, dtype="bfloat16"), layers, 6)
     banks = HostBanks.for_model(spec, "bfloat16", progress=False)
-    share = HostShare(HostExperts(banks, bf16, threads=1), HostCost(1.0, 1.0, 0.0, 0.0), max_tokens=48, top_k=2,
-                      device="cpu")  # fmt: skip
-    store = DeviceDrivenExperts(slot_pool(spec, 7, dtype="bfloat16", max_step_tokens=48), banks,
-                                LFUExpertPolicy(layers, 6, 7), "cpu", prefetch=True, pipeline_chunks=2,
-                                host_share=share)  # fmt: skip
-    host_driven = OffloadedExperts(slot_pool(spec, 7, dtype="bfloat16"), banks, LRUExpertPolicy(layers, 6, 7), "cpu",
-                                   pipeline_chunks=2, prefill_tokens=8, use_triton=True)  # fmt: skip
+    share = HostShare(
+        HostExperts(banks, bf16, threads=1), HostCost(1.0, 1.0, 0.0, 0.0), max_tokens=48, top_k=2, device="cpu"
+    )
+    store = DeviceDrivenExperts(
+        slot_pool(spec, 7, dtype="bfloat16", max_step_tokens=48),
+        banks,
+        LFUExpertPolicy(layers, 6, 7),
+        "cpu",
+        prefetch=True,
+        pipeline_chunks=2,
+        host_share=share,
+    )
+    host_driven = OffloadedExperts(
+        slot_pool(spec, 7, dtype="bfloat16"),
+        banks,
+        LRUExpertPolicy(layers, 6, 7),
+        "cpu",
+        pipeline_chunks=2,
+        prefill_tokens=8,
+        use_triton=True,
+    )
     for (layer, e), weights in random_experts(spec, 7).items():
         for s in (resident, store, host_driven):
             s.load_expert(layer, e, *weights)
@@ -285,29 +334,61 @@ def check_host_decode_kernel() -> None:
         misses[: len(missed), 0] = missed.to(torch.int32)
         misses[: len(missed), 1] = slot_of[layer, missed]
         flat = ids.reshape(-1)
-        miss_slots = torch.where(torch.isin(flat, missed) & (torch.arange(t * k) < real * k),
-                                 slot_of[layer, flat], -1).to(torch.int32)  # fmt: skip
+        miss_slots = torch.where(
+            torch.isin(flat, missed) & (torch.arange(t * k) < real * k), slot_of[layer, flat], -1
+        ).to(torch.int32)
         costs = torch.randint(1, 400, (4,), generator=g)
         # experts the layer's prefetch already put on the link (none on every third trial)
-        in_flight = torch.tensor([0 if trial % 3 == 0 else int(torch.randint(0, 4, (1,), generator=g))],
-                                 dtype=torch.int32)  # fmt: skip
+        in_flight = torch.tensor(
+            [0 if trial % 3 == 0 else int(torch.randint(0, 4, (1,), generator=g))], dtype=torch.int32
+        )
         runs = []
         for fn in (hand_to_host, hand_to_host_reference):
-            cache = SimpleNamespace(slot_of=slot_of.clone(), layer_of_slot=layer_of_slot.clone(),
-                                    expert_of_slot=expert_of_slot.clone(), num_experts=experts,
-                                    expert_flags=torch.zeros(experts, dtype=torch.int8), evicted=evicted.clone(),
-                                    evicted_stamp=torch.arange(slots, dtype=torch.int64) * 7,
-                                    stamp=torch.arange(slots, dtype=torch.int64) + 100,
-                                    counters=torch.full((8,), 50, dtype=torch.int64))  # fmt: skip
+            cache = SimpleNamespace(
+                slot_of=slot_of.clone(),
+                layer_of_slot=layer_of_slot.clone(),
+                expert_of_slot=expert_of_slot.clone(),
+                num_experts=experts,
+                expert_flags=torch.zeros(experts, dtype=torch.int8),
+                evicted=evicted.clone(),
+                evicted_stamp=torch.arange(slots, dtype=torch.int64) * 7,
+                stamp=torch.arange(slots, dtype=torch.int64) + 100,
+                counters=torch.full((8,), 50, dtype=torch.int64),
+            )
             out = HostDecodeBuffers.make(t * k, torch.device("cpu"))
             ms, count = miss_slots.clone(), torch.tensor([len(missed)], dtype=torch.int32)
-            fn(ids, weights, torch.tensor([real], dtype=torch.int32), ms, misses, count, in_flight, cache, layer, costs,
-               out)  # fmt: skip
+            fn(
+                ids,
+                weights,
+                torch.tensor([real], dtype=torch.int32),
+                ms,
+                misses,
+                count,
+                in_flight,
+                cache,
+                layer,
+                costs,
+                out,
+            )
             n = int(out.meta[1])
-            runs.append([cache.slot_of, cache.layer_of_slot, cache.expert_of_slot, cache.expert_flags, cache.stamp,
-                         cache.counters, ms, count,
-                         out.host_pairs, out.pair_token[:n], out.pair_expert[:n], out.pair_weight[:n], out.meta,
-                         out.totals])  # fmt: skip
+            runs.append(
+                [
+                    cache.slot_of,
+                    cache.layer_of_slot,
+                    cache.expert_of_slot,
+                    cache.expert_flags,
+                    cache.stamp,
+                    cache.counters,
+                    ms,
+                    count,
+                    out.host_pairs,
+                    out.pair_token[:n],
+                    out.pair_expert[:n],
+                    out.pair_weight[:n],
+                    out.meta,
+                    out.totals,
+                ]
+            )
         for got, want in zip(*runs):
             assert torch.equal(got, want), (trial, got, want)
         handed.append(int(runs[0][-1][0]))
@@ -328,8 +409,14 @@ def check_host_decode(poll: bool = False) -> None:
     layers = 3
     resident = ResidentExperts(slot_pool(spec, layers * 6), layers, 6)
     banks = HostBanks.for_model(spec, "float32", progress=False)
-    store = DeviceDrivenExperts(slot_pool(spec, 7, max_step_tokens=48), banks, LRUExpertPolicy(layers, 6, 7), "cpu",
-                                prefetch=True, pipeline_chunks=2)  # fmt: skip
+    store = DeviceDrivenExperts(
+        slot_pool(spec, 7, max_step_tokens=48),
+        banks,
+        LRUExpertPolicy(layers, 6, 7),
+        "cpu",
+        prefetch=True,
+        pipeline_chunks=2,
+    )
     for (layer, e), weights in random_experts(spec, 7).items():
         resident.load_expert(layer, e, *weights)
         store.load_expert(layer, e, *weights)
@@ -337,8 +424,9 @@ def check_host_decode(poll: bool = False) -> None:
     store.set_routers([torch.randn(6, 32, generator=g) for _ in range(layers)])
     store.preload()
     # a copy costs 1000 ns, the host nothing: of m misses the host takes m - 1
-    store.host_decode = HostDecodeShare(HostKernel(banks, torch.float32, threads=2), (1000, 1, 0, 0), max_tokens=8,
-                                        top_k=2, num_experts=6, device="cpu")  # fmt: skip
+    store.host_decode = HostDecodeShare(
+        HostKernel(banks, torch.float32, threads=2), (1000, 1, 0, 0), max_tokens=8, top_k=2, num_experts=6, device="cpu"
+    )
     if poll:
         store.host_decode.use_poll()
     for tokens, real in ((1, 1), (4, 4), (3, 2), (40, 40), (1, 1), (4, 3), (2, 2), (1, 1)):
@@ -389,8 +477,13 @@ def check_lent_slots() -> None:
         _check_lent_slots(long_ring_chunk)
     # a long chunk larger than what a step may lend (one layer's 3 missing experts here): no lending, said once
     spec = tiny_spec(layers=3, experts=6, top_k=2, hidden=32, inter=16)
-    store = DeviceDrivenExperts(slot_pool(spec, 9, max_step_tokens=48), HostBanks.for_model(spec, "float32", progress=False),
-                                LRUExpertPolicy(3, 6, 9), "cpu", ring_chunks=(None, 4))  # fmt: skip
+    store = DeviceDrivenExperts(
+        slot_pool(spec, 9, max_step_tokens=48),
+        HostBanks.for_model(spec, "float32", progress=False),
+        LRUExpertPolicy(3, 6, 9),
+        "cpu",
+        ring_chunks=(None, 4),
+    )
     for (layer, e), weights in random_experts(spec, 9).items():
         store.load_expert(layer, e, *weights)
     store.preload()
@@ -412,10 +505,15 @@ def _check_lent_slots(long_ring_chunk) -> None:
     spec = tiny_spec(layers=3, experts=6, top_k=2, hidden=32, inter=16)
     layers, num_slots = 3, 9
     resident = ResidentExperts(slot_pool(spec, layers * 6), layers, 6)
-    store = DeviceDrivenExperts(slot_pool(spec, num_slots, max_step_tokens=48),
-                                HostBanks.for_model(spec, "float32", progress=False),
-                                LRUExpertPolicy(layers, 6, num_slots), "cpu", prefetch=True, pipeline_chunks=2,
-                                ring_chunks=(None, long_ring_chunk))  # fmt: skip
+    store = DeviceDrivenExperts(
+        slot_pool(spec, num_slots, max_step_tokens=48),
+        HostBanks.for_model(spec, "float32", progress=False),
+        LRUExpertPolicy(layers, 6, num_slots),
+        "cpu",
+        prefetch=True,
+        pipeline_chunks=2,
+        ring_chunks=(None, long_ring_chunk),
+    )
     store.attention_period = 2
     for (layer, e), weights in random_experts(spec, num_slots).items():
         resident.load_expert(layer, e, *weights)
@@ -462,8 +560,14 @@ def check_windowed_chunks() -> None:
     spec = tiny_spec(layers=2, experts=6, top_k=2, hidden=32, inter=16)
     layers = 2
     resident = ResidentExperts(slot_pool(spec, layers * 6), layers, 6)
-    store = DeviceDrivenExperts(slot_pool(spec, 7, max_step_tokens=600), HostBanks.for_model(spec, "float32", progress=False),
-                                LRUExpertPolicy(layers, 6, 7), "cpu", prefetch=False, pipeline_chunks=2)  # fmt: skip
+    store = DeviceDrivenExperts(
+        slot_pool(spec, 7, max_step_tokens=600),
+        HostBanks.for_model(spec, "float32", progress=False),
+        LRUExpertPolicy(layers, 6, 7),
+        "cpu",
+        prefetch=False,
+        pipeline_chunks=2,
+    )
     for (layer, e), weights in random_experts(spec, 7).items():
         resident.load_expert(layer, e, *weights)
         store.load_expert(layer, e, *weights)
@@ -510,9 +614,30 @@ def check_streamed_launches() -> None:
     from torch.utils._python_dispatch import TorchDispatchMode
     from triton.runtime import interpreter
 
-    no_launch = {"view", "_unsafe_view", "slice", "select", "unsqueeze", "squeeze", "expand", "t", "transpose",
-                 "permute", "as_strided", "alias", "detach", "split", "split_with_sizes", "unbind", "lift_fresh",
-                 "empty", "empty_like", "empty_strided", "_reshape_alias", "reshape"}  # fmt: skip
+    no_launch = {
+        "view",
+        "_unsafe_view",
+        "slice",
+        "select",
+        "unsqueeze",
+        "squeeze",
+        "expand",
+        "t",
+        "transpose",
+        "permute",
+        "as_strided",
+        "alias",
+        "detach",
+        "split",
+        "split_with_sizes",
+        "unbind",
+        "lift_fresh",
+        "empty",
+        "empty_like",
+        "empty_strided",
+        "_reshape_alias",
+        "reshape",
+    }
 
     class TorchLaunches(TorchDispatchMode):
         def __init__(self):
@@ -535,8 +660,14 @@ def check_streamed_launches() -> None:
         return run(self, *args, **kwargs)
 
     spec = tiny_spec(layers=2, experts=6, top_k=2, hidden=32, inter=16)
-    store = DeviceDrivenExperts(slot_pool(spec, 7, max_step_tokens=600), HostBanks.for_model(spec, "float32", progress=False),
-                                LRUExpertPolicy(2, 6, 7), "cpu", prefetch=False, pipeline_chunks=2)  # fmt: skip
+    store = DeviceDrivenExperts(
+        slot_pool(spec, 7, max_step_tokens=600),
+        HostBanks.for_model(spec, "float32", progress=False),
+        LRUExpertPolicy(2, 6, 7),
+        "cpu",
+        prefetch=False,
+        pipeline_chunks=2,
+    )
     for (layer, e), weights in random_experts(spec, 7).items():
         store.load_expert(layer, e, *weights)
     store.preload()
@@ -557,16 +688,24 @@ def check_streamed_launches() -> None:
     assert staged > 0, "the last layer streamed nothing: the check would count nothing"
     alignment = [k for k in kernels if k in ("_count_kernel", "_column_kernel", "_prefix_kernel", "_scatter_kernel")]
     assert len(alignment) == 8, kernels  # the hits' alignment and the staged experts', four launches each
-    assert len(torch_launches.ops) <= 6 and not {"sort", "cumsum", "scatter_", "searchsorted"} & set(torch_launches.ops), \
+    assert len(torch_launches.ops) <= 6 and not {"sort", "cumsum", "scatter_", "searchsorted"} & set(
         torch_launches.ops
+    ), torch_launches.ops
 
 
-CHECKS = {"store": check, "device-driven-float32": lambda: check_device_driven("float32"),
-          "device-driven-bfloat16": lambda: check_device_driven("bfloat16"), "host-share": check_host_share,
-          "host-decode-kernel": check_host_decode_kernel, "host-decode": check_host_decode,
-          "host-decode-poll": lambda: check_host_decode(poll=True),
-          "lent-slots": check_lent_slots, "windowed-chunks": check_windowed_chunks,
-          "streamed-launches": check_streamed_launches, "long-step-rows": check_long_step_rows}
+CHECKS = {
+    "store": check,
+    "device-driven-float32": lambda: check_device_driven("float32"),
+    "device-driven-bfloat16": lambda: check_device_driven("bfloat16"),
+    "host-share": check_host_share,
+    "host-decode-kernel": check_host_decode_kernel,
+    "host-decode": check_host_decode,
+    "host-decode-poll": lambda: check_host_decode(poll=True),
+    "lent-slots": check_lent_slots,
+    "windowed-chunks": check_windowed_chunks,
+    "streamed-launches": check_streamed_launches,
+    "long-step-rows": check_long_step_rows,
+}
 
 if __name__ == "__main__":  # argv[1]: one of CHECKS (the test runs each in its own process, side by side under xdist)
     import structlog

@@ -4,22 +4,34 @@ from __future__ import annotations
 
 import torch
 
-from ferry.plan.model_config import ModelSpec, parse_model_config
 from ferry.plan import pool_layout as L
+from ferry.plan.model_config import ModelSpec, parse_model_config
 from ferry.services.worker.pools import ExpertSlotPool, allocate_pool
 
 
 def tiny_spec(layers: int = 3, experts: int = 6, top_k: int = 3, hidden: int = 16, inter: int = 8) -> ModelSpec:
-    return parse_model_config({
-        "model_type": "qwen3_moe", "vocab_size": 64, "hidden_size": hidden, "num_hidden_layers": layers,
-        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8, "num_experts": experts,
-        "num_experts_per_tok": top_k, "moe_intermediate_size": inter, "intermediate_size": 32,
-        "max_position_embeddings": 256, "torch_dtype": "float32",
-    })  # fmt: skip
+    return parse_model_config(
+        {
+            "model_type": "qwen3_moe",
+            "vocab_size": 64,
+            "hidden_size": hidden,
+            "num_hidden_layers": layers,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 8,
+            "num_experts": experts,
+            "num_experts_per_tok": top_k,
+            "moe_intermediate_size": inter,
+            "intermediate_size": 32,
+            "max_position_embeddings": 256,
+            "torch_dtype": "float32",
+        }
+    )
 
 
-def slot_pool(spec: ModelSpec, slots: int, dtype: str = "float32", max_step_tokens: int = 256,
-              device: str = "cpu") -> ExpertSlotPool:  # fmt: skip
+def slot_pool(
+    spec: ModelSpec, slots: int, dtype: str = "float32", max_step_tokens: int = 256, device: str = "cpu"
+) -> ExpertSlotPool:
     return ExpertSlotPool(allocate_pool(L.expert_slot_layout(spec, dtype, slots, max_step_tokens), device))
 
 
@@ -27,10 +39,14 @@ def random_experts(spec: ModelSpec, seed: int) -> dict[tuple[int, int], tuple[to
     g = torch.Generator().manual_seed(seed)
     h, i = spec.hidden_size, spec.moe_intermediate_size
     return {
-        (layer, e): (torch.randn(i, h, generator=g) * h**-0.5, torch.randn(i, h, generator=g) * h**-0.5,
-                     torch.randn(h, i, generator=g) * i**-0.5)
-        for layer in range(len(spec.moe_layer_indices)) for e in range(spec.num_experts)
-    }  # fmt: skip
+        (layer, e): (
+            torch.randn(i, h, generator=g) * h**-0.5,
+            torch.randn(i, h, generator=g) * h**-0.5,
+            torch.randn(h, i, generator=g) * i**-0.5,
+        )
+        for layer in range(len(spec.moe_layer_indices))
+        for e in range(spec.num_experts)
+    }
 
 
 def random_routing(spec: ModelSpec, tokens: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -17,8 +17,11 @@ from tests.unit.offload.offload_tiny import slot_pool, tiny_spec
 
 def _twins(policy_name: str, layers: int, experts: int, slots: int, top_k: int, half_life: int = 7, warm: int = 0):
     spec = tiny_spec(layers=layers, experts=experts, top_k=top_k)
-    host = LFUExpertPolicy(layers, experts, slots, half_life=half_life) if policy_name == "lfu" else \
-        LRUExpertPolicy(layers, experts, slots)  # fmt: skip
+    host = (
+        LFUExpertPolicy(layers, experts, slots, half_life=half_life)
+        if policy_name == "lfu"
+        else LRUExpertPolicy(layers, experts, slots)
+    )
     for i in range(warm):  # boot's warm-up placements
         host.place_in_free_slot(i % layers, (i * 3) % experts)
     return host, DeviceExpertCache(slot_pool(spec, slots, max_step_tokens=16), host)
@@ -46,16 +49,26 @@ def _assert_same_state(host, dev: DeviceExpertCache) -> None:
 
 def _ids(rng, rows: int, experts: int, top_k: int, skew: float) -> torch.Tensor:
     p = np.arange(1, experts + 1, dtype=np.float64) ** -skew
-    return torch.tensor(np.stack([rng.choice(experts, top_k, replace=False, p=p / p.sum()) for _ in range(rows)]),
-                        dtype=torch.int64)  # fmt: skip
+    return torch.tensor(
+        np.stack([rng.choice(experts, top_k, replace=False, p=p / p.sum()) for _ in range(rows)]), dtype=torch.int64
+    )
 
 
 # tile: the kernel's slot tile; 2 spreads the slots over up to 8 tiles, so victims come from several
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
-@pytest.mark.parametrize("seed, layers, experts, slots, top_k, rows, tile", [
-    (0, 3, 6, 6, 2, 2, None), (1, 3, 6, 9, 3, 4, None), (2, 2, 8, 12, 2, 5, None), (3, 4, 5, 13, 2, 3, None),
-    (4, 3, 8, 8, 4, 4, None), (1, 3, 6, 9, 3, 4, 2), (3, 4, 5, 13, 2, 3, 2), (4, 3, 8, 8, 4, 4, 2),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "seed, layers, experts, slots, top_k, rows, tile",
+    [
+        (0, 3, 6, 6, 2, 2, None),
+        (1, 3, 6, 9, 3, 4, None),
+        (2, 2, 8, 12, 2, 5, None),
+        (3, 4, 5, 13, 2, 3, None),
+        (4, 3, 8, 8, 4, 4, None),
+        (1, 3, 6, 9, 3, 4, 2),
+        (3, 4, 5, 13, 2, 3, 2),
+        (4, 3, 8, 8, 4, 4, 2),
+    ],
+)
 def test_device_cache_makes_the_twins_decisions(policy, seed, layers, experts, slots, top_k, rows, tile):
     rng = np.random.default_rng(seed)
     host, dev = _twins(policy, layers, experts, slots, top_k, warm=slots // 2)
@@ -94,8 +107,9 @@ def test_device_cache_makes_the_twins_decisions(policy, seed, layers, experts, s
                     distinct = len(np.unique(predicted[:real].numpy()[no_slot]))
                     left = host_count_reference(distinct, int(no_slot.sum()), costs)
                 pcall = dev.prefetch(layer + 1, predicted, n_rows, call, evict_below=below, host_costs=costs)
-                pgot = host.prefetch(layer + 1, np.unique(predicted[:real].numpy()), got.slots, evict_below=below,
-                                     left_to_host=left)  # fmt: skip
+                pgot = host.prefetch(
+                    layer + 1, np.unique(predicted[:real].numpy()), got.slots, evict_below=below, left_to_host=left
+                )
                 pn = int(pcall.count[0])
                 assert [tuple(r) for r in pcall.misses[:pn].tolist()] == list(pgot.placed)
                 assert not set(s for _, s in pgot.placed) & set(got.slots)
@@ -161,7 +175,9 @@ def test_bad_calls_are_refused():
 
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 @pytest.mark.parametrize("seed, layers, experts, slots, top_k, rows", [(5, 3, 6, 7, 2, 4), (6, 2, 8, 10, 3, 6)])
-def test_a_stream_lookup_makes_the_twins_decisions_and_places_nothing(policy, seed, layers, experts, slots, top_k, rows):
+def test_a_stream_lookup_makes_the_twins_decisions_and_places_nothing(
+    policy, seed, layers, experts, slots, top_k, rows
+):
     """Prefill steps (stream lookups) between decode steps (lookups and prefetches): same state,
     same counters; a stream lookup gives the hits their slots and every other pair -1, and leaves
     the maps as they were."""

@@ -21,15 +21,18 @@ MEASURED = (100_000, 300_000, 2_000, 30_000)
 COST = HostCost(pcie_s=100e-6, host_s_at_1=300e-6, host_s_per_token=2e-6, overhead_s=30e-6)
 
 
-@pytest.mark.parametrize("requested, threads, offloaded, cores, kind", [
-    (None, None, True, 16, B.AutoBackend),  # auto with threads to spare: hybrid, decode share under the guard
-    ("auto", 6, True, 2, B.AutoBackend),  # auto with threads given: still auto's rules
-    ("auto", None, True, 7, B.GpuBackend),  # auto on too few cores: the GPU alone
-    ("hybrid", None, True, 16, B.HybridBackend),
-    ("cpu", None, True, 16, B.CpuBackend),
-    ("gpu", None, True, 16, B.GpuBackend),
-    ("cpu", None, False, 16, B.GpuBackend),  # every expert has a slot: nothing for the host
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "requested, threads, offloaded, cores, kind",
+    [
+        (None, None, True, 16, B.AutoBackend),  # auto with threads to spare: hybrid, decode share under the guard
+        ("auto", 6, True, 2, B.AutoBackend),  # auto with threads given: still auto's rules
+        ("auto", None, True, 7, B.GpuBackend),  # auto on too few cores: the GPU alone
+        ("hybrid", None, True, 16, B.HybridBackend),
+        ("cpu", None, True, 16, B.CpuBackend),
+        ("gpu", None, True, 16, B.GpuBackend),
+        ("cpu", None, False, 16, B.GpuBackend),  # every expert has a slot: nothing for the host
+    ],
+)
 def test_each_plan_decision_is_one_backend_object(requested, threads, offloaded, cores, kind):
     choice = plan_expert_backend(requested, threads, offloaded, cores)
     backend = B.expert_backend_for(choice)
@@ -46,9 +49,25 @@ def _boot_args(model_dir, *extra: str):
 
     parser = argparse.ArgumentParser()
     add_worker_flags(parser)
-    return boot_config_from_args(parser.parse_args(["--model", str(model_dir), "--device", "cpu",
-                                                    "--max-running-requests", "4", "--max-prefill-tokens", "64",
-                                                    "--gpu-memory", "64MiB", "--moe-cache-size", "8", *extra]))  # fmt: skip
+    return boot_config_from_args(
+        parser.parse_args(
+            [
+                "--model",
+                str(model_dir),
+                "--device",
+                "cpu",
+                "--max-running-requests",
+                "4",
+                "--max-prefill-tokens",
+                "64",
+                "--gpu-memory",
+                "64MiB",
+                "--moe-cache-size",
+                "8",
+                *extra,
+            ]
+        )
+    )
 
 
 @pytest.mark.parametrize("flag, kind", [("cpu", B.CpuBackend), ("gpu", B.GpuBackend)])
@@ -112,8 +131,14 @@ def test_hybrid_prices_by_what_was_measured_and_the_prefill_follows_the_refined_
 def test_auto_keeps_the_decode_share_only_where_the_host_takes_some_and_then_guards_it():
     backend = B.expert_backend_for(plan_expert_backend(None, None, True, 16))
     stopped = []
-    share = SimpleNamespace(costs_ns=(0, 0, 0, 0), refines=False, on_refined=None, guard=None, handoff="poll",
-                            use_node=lambda: stopped.append(True))  # fmt: skip
+    share = SimpleNamespace(
+        costs_ns=(0, 0, 0, 0),
+        refines=False,
+        on_refined=None,
+        guard=None,
+        handoff="poll",
+        use_node=lambda: stopped.append(True),
+    )
     fields = {"handoff": "poll"}
     assert backend.keeps_decode_share(share, takes=1, typical=2, top_k=8, fields=fields) and not stopped
     assert not backend.keeps_decode_share(share, takes=0, typical=2, top_k=8, fields=fields) and stopped

@@ -4,12 +4,12 @@ import json
 
 import pytest
 import torch
+from offload_tiny import random_experts, random_routing, slot_pool, tiny_spec
 
-from ferry.services.worker.offload.resident import ResidentExperts
 from ferry.services.worker.offload.expert_cache import OffloadedExperts
 from ferry.services.worker.offload.host_banks import HostBanks
 from ferry.services.worker.offload.policy import LRUExpertPolicy
-from offload_tiny import random_experts, random_routing, slot_pool, tiny_spec
+from ferry.services.worker.offload.resident import ResidentExperts
 
 SPEC = tiny_spec(layers=3, experts=6, top_k=3)
 LAYERS = len(SPEC.moe_layer_indices)
@@ -19,8 +19,9 @@ def _stores(num_slots: int, seed: int = 0, pipeline_chunks: int = 2, prefill_tok
     resident = ResidentExperts(slot_pool(SPEC, LAYERS * SPEC.num_experts), LAYERS, SPEC.num_experts)
     banks = HostBanks.for_model(SPEC, "float32", progress=False)
     policy = LRUExpertPolicy(LAYERS, SPEC.num_experts, num_slots)
-    offloaded = OffloadedExperts(slot_pool(SPEC, num_slots), banks, policy, "cpu",
-                                 pipeline_chunks=pipeline_chunks, prefill_tokens=prefill_tokens)  # fmt: skip
+    offloaded = OffloadedExperts(
+        slot_pool(SPEC, num_slots), banks, policy, "cpu", pipeline_chunks=pipeline_chunks, prefill_tokens=prefill_tokens
+    )
     for (layer, e), (gate, up, down) in random_experts(SPEC, seed).items():
         resident.load_expert(layer, e, gate, up, down)
         offloaded.load_expert(layer, e, gate, up, down)
@@ -78,13 +79,23 @@ def test_per_step_statistics_and_json_shape():
     assert first.hits == 0 and first.misses == 3 * LAYERS and first.steps == 1
     offloaded.end_step()
     d = offloaded.stats.to_dict()
-    assert set(d) >= {"hits", "misses", "hit_rate", "bytes_copied", "copy_time_s", "exposed_copy_time_s",
-                      "steps", "last_step"}  # fmt: skip
+    assert set(d) >= {
+        "hits",
+        "misses",
+        "hit_rate",
+        "bytes_copied",
+        "copy_time_s",
+        "exposed_copy_time_s",
+        "steps",
+        "last_step",
+    }
     assert d["steps"] == 2 and d["hits"] + d["misses"] == 6 * LAYERS
     assert d["last_step"]["hits"] + d["last_step"]["misses"] == 3 * LAYERS
     report = offloaded.report()
     assert report["misses"] == d["misses"] and report["policy"] == "lru" and report["slots"] == 6
-    assert report["total_experts"] == 18 and report["resident"] == 6 and report["evictions"] == offloaded.policy.evictions
+    assert (
+        report["total_experts"] == 18 and report["resident"] == 6 and report["evictions"] == offloaded.policy.evictions
+    )
     json.dumps(report)  # printable as is
 
 
@@ -108,9 +119,19 @@ def test_mismatched_parts_are_refused():
         OffloadedExperts(slot_pool(SPEC, 6, dtype="bfloat16"), banks, LRUExpertPolicy(LAYERS, 6, 6), "cpu")
 
 
-INTERPRETED_CHECKS = ["store", "device-driven-float32", "device-driven-bfloat16", "host-share", "host-decode-kernel",
-                      "host-decode", "host-decode-poll", "lent-slots", "windowed-chunks", "streamed-launches",
-                      "long-step-rows"]
+INTERPRETED_CHECKS = [
+    "store",
+    "device-driven-float32",
+    "device-driven-bfloat16",
+    "host-share",
+    "host-decode-kernel",
+    "host-decode",
+    "host-decode-poll",
+    "lent-slots",
+    "windowed-chunks",
+    "streamed-launches",
+    "long-step-rows",
+]
 
 
 def test_every_check_of_the_interpreted_script_runs():
@@ -119,8 +140,9 @@ def test_every_check_of_the_interpreted_script_runs():
     from pathlib import Path
 
     tree = ast.parse(Path(__file__).with_name("interpreted_offload_store.py").read_text())
-    checks = next(n.value for n in tree.body if isinstance(n, ast.Assign)
-                  and getattr(n.targets[0], "id", None) == "CHECKS")
+    checks = next(
+        n.value for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", None) == "CHECKS"
+    )
     assert [k.value for k in checks.keys] == INTERPRETED_CHECKS
 
 
@@ -136,8 +158,14 @@ def test_the_triton_path_with_host_alignment_under_the_interpreter(check):
 
     root = Path(__file__).resolve().parents[3]
     env = {**os.environ, "TRITON_INTERPRET": "1", "FERRY_TRITON_ON_CPU": "1", "PYTHONPATH": str(root)}
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("interpreted_offload_store.py")), check],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("interpreted_offload_store.py")), check],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     failure = json.loads(proc.stdout)
     if failure is not None:

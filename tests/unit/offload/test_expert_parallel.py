@@ -20,9 +20,17 @@ def test_ranks_offloading_their_own_experts_sum_to_the_all_resident_output(world
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(Path(__file__).parent)])}
     script = str(Path(__file__).with_name("expert_parallel_rank.py"))
     rendezvous = tmp_path / "rendezvous"
-    procs = [subprocess.Popen([sys.executable, script, str(r), str(world), str(rendezvous), str(experts)], cwd=ROOT,
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(world)]  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            [sys.executable, script, str(r), str(world), str(rendezvous), str(experts)],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(world)
+    ]
     results = []
     for p in procs:
         out, err = p.communicate(timeout=120)

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from ferry.shared.units import GiB, MiB
 from ferry.services.worker.offload.host_banks import HostBanks, HostMemoryError, check_host_memory, mem_available_bytes
+from ferry.shared.units import GiB, MiB
 
 
 def _meminfo(tmp_path, kib: int):
@@ -14,8 +14,9 @@ def _meminfo(tmp_path, kib: int):
 
 
 def test_load_expert_places_gate_up_and_down_in_one_contiguous_block_each():
-    banks = HostBanks.allocate(num_layers=2, num_experts=3, hidden_size=8, intermediate_size=4,
-                               dtype=torch.float32, progress=False)  # fmt: skip
+    banks = HostBanks.allocate(
+        num_layers=2, num_experts=3, hidden_size=8, intermediate_size=4, dtype=torch.float32, progress=False
+    )
     gate, up, down = torch.randn(4, 8), torch.randn(4, 8), torch.randn(8, 4)
     banks.load_expert(1, 2, gate, up, down)
     assert torch.equal(banks.w13[1][2][:4], gate) and torch.equal(banks.w13[1][2][4:], up)

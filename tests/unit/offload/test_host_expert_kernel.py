@@ -74,8 +74,11 @@ def pairs_for(tokens: int, seed: int) -> list:
     listed twice, and the last token of several without any pair."""
     g = torch.Generator().manual_seed(seed)
     listed = tokens if tokens == 1 else tokens - 1
-    pairs = [(t, int(e), float(w)) for t in range(listed)
-             for e, w in zip(torch.randperm(EXPERTS, generator=g)[:3], torch.rand(3, generator=g) + 0.1)]  # fmt: skip
+    pairs = [
+        (t, int(e), float(w))
+        for t in range(listed)
+        for e, w in zip(torch.randperm(EXPERTS, generator=g)[:3], torch.rand(3, generator=g) + 0.1)
+    ]
     return pairs + [(0, pairs[0][1], -0.375)]
 
 
@@ -148,7 +151,9 @@ def test_the_two_instruction_sets_agree(banks_of, fmt):
         host = HostExperts(banks, torch.float32, threads=2, kernel="c", isa=isa)
         out[isa] = host.compute(0, x, pairs)
         host.close()
-    torch.testing.assert_close(out["avx512"], out["portable"], rtol=1e-5, atol=1e-6 * out["portable"].abs().max().item())
+    torch.testing.assert_close(
+        out["avx512"], out["portable"], rtol=1e-5, atol=1e-6 * out["portable"].abs().max().item()
+    )
 
 
 @needs_library

@@ -176,8 +176,17 @@ def _swap_nibbles(t: torch.Tensor) -> None:
     t.copy_((t << 4) | (t >> 4))
 
 
-@pytest.mark.parametrize("mistake", ["nvfp4 nibble order", "nvfp4 group scale", "nvfp4 row scale",
-                                     "fp8 block scale", "packed nibble order", "packed family bases"])  # fmt: skip
+@pytest.mark.parametrize(
+    "mistake",
+    [
+        "nvfp4 nibble order",
+        "nvfp4 group scale",
+        "nvfp4 row scale",
+        "fp8 block scale",
+        "packed nibble order",
+        "packed family bases",
+    ],
+)
 def test_a_mistaken_layout_breaks_the_equality(mistake):
     """Each mistake is made in the bank's bytes (what the host would read if it decoded them wrongly):
     the host computes the mistaken bank, the reference the right one, and they must differ."""
@@ -265,10 +274,16 @@ def test_bad_calls_are_refused_before_any_work(banks_of, kernel):
         pytest.skip(f"host kernel not built: {K.library()[1]}")
     host = HostExperts(banks_of("fp8-block"), torch.float32, threads=1, kernel=kernel)
     x = _x()
-    for layer, xs, pairs, match in ((0, x, [(3, 0, 1.0)], "outside 3 tokens"), (0, x, [(0, EXPERTS, 1.0)], "expert 4"),
-                                    (0, x, [(0, 10**7, 1.0)], "expert 10000000"), (0, x, [(-1, 0, 1.0)], "token -1"),
-                                    (LAYERS, x, [], "MoE layer 2"), (-1, x, [], "MoE layer -1"),
-                                    (0, x.bfloat16(), [], "float32"), (0, x[:, :-1], [], "float32")):  # fmt: skip
+    for layer, xs, pairs, match in (
+        (0, x, [(3, 0, 1.0)], "outside 3 tokens"),
+        (0, x, [(0, EXPERTS, 1.0)], "expert 4"),
+        (0, x, [(0, 10**7, 1.0)], "expert 10000000"),
+        (0, x, [(-1, 0, 1.0)], "token -1"),
+        (LAYERS, x, [], "MoE layer 2"),
+        (-1, x, [], "MoE layer -1"),
+        (0, x.bfloat16(), [], "float32"),
+        (0, x[:, :-1], [], "float32"),
+    ):
         with pytest.raises(ValueError, match=match):
             host.compute(layer, xs, pairs)
     host.close()

@@ -23,8 +23,9 @@ needs_library = pytest.mark.skipif(K.library()[0] is None, reason=f"host kernel 
 def _share(threads: int = 2) -> tuple[HostDecodeShare, HostKernel]:
     banks = make_banks("bf16", 256, 160)
     kernel = HostKernel(banks, torch.bfloat16, threads=threads)
-    return HostDecodeShare(kernel, (1, 1, 0, 0), max_tokens=4, top_k=2, num_experts=banks.num_experts,
-                           device="cpu"), kernel  # fmt: skip
+    return HostDecodeShare(
+        kernel, (1, 1, 0, 0), max_tokens=4, top_k=2, num_experts=banks.num_experts, device="cpu"
+    ), kernel
 
 
 def _listed(share: HostDecodeShare, x: torch.Tensor, pairs: list) -> None:
@@ -98,14 +99,17 @@ def test_the_variable_picks_the_hand_off_and_a_bad_value_names_it(monkeypatch):
         H.resolve_handoff()
 
 
-@pytest.mark.parametrize("wanted, node_s, poll_s, kept", [
-    ("node", 60e-6, 10e-6, "node"),   # asked for the host node: kept whatever the poll measured
-    ("auto", 60e-6, 10e-6, "poll"),   # auto: the faster
-    ("auto", 20e-6, 30e-6, "node"),
-    ("poll", 20e-6, 30e-6, "poll"),   # asked for: kept even where slower
-    ("poll", 20e-6, None, "node"),    # not capturable or unanswered: the host node
-    ("auto", 20e-6, None, "node"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "wanted, node_s, poll_s, kept",
+    [
+        ("node", 60e-6, 10e-6, "node"),  # asked for the host node: kept whatever the poll measured
+        ("auto", 60e-6, 10e-6, "poll"),  # auto: the faster
+        ("auto", 20e-6, 30e-6, "node"),
+        ("poll", 20e-6, 30e-6, "poll"),  # asked for: kept even where slower
+        ("poll", 20e-6, None, "node"),  # not capturable or unanswered: the host node
+        ("auto", 20e-6, None, "node"),
+    ],
+)
 def test_boot_keeps_the_hand_off_asked_for_or_the_faster(wanted, node_s, poll_s, kept):
     assert H.choose_handoff(wanted, node_s, poll_s) == kept
 
@@ -123,8 +127,11 @@ def test_the_graphs_operations_write_go_then_wait_on_done_then_clear_it(monkeypa
     poller = share.poller
     poller._go_dev, poller._done_dev = 0x1000 + H.GO, 0x1000 + H.DONE
     poller.hand_over(77, 2)
-    assert calls == [("write", 77, 0x1000, 3, H.WRITE_VALUE_DEFAULT), ("wait", 77, 0x1040, 3, H.WAIT_VALUE_EQ),
-                     ("write", 77, 0x1040, 0, H.WRITE_VALUE_DEFAULT)]  # fmt: skip
+    assert calls == [
+        ("write", 77, 0x1000, 3, H.WRITE_VALUE_DEFAULT),
+        ("wait", 77, 0x1040, 3, H.WAIT_VALUE_EQ),
+        ("write", 77, 0x1040, 0, H.WRITE_VALUE_DEFAULT),
+    ]
     assert H.GO == 0 and H.DONE == 64 and int(share.kernel.lib.ferry_poll_flags_size()) == 128  # host_poller.h's layout
 
 

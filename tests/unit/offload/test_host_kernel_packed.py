@@ -18,7 +18,10 @@ from ferry.kernels.expert_pack import unpack_expert_reference
 from ferry.services.worker.offload import host_expert_kernel as K
 from ferry.services.worker.offload.host_experts import HostExperts
 from ferry.services.worker.offload.packed_banks import PackedHostBanks
-from tests.unit.offload.test_host_expert_kernel import _both, isas  # the C and the torch path on one call; the ISAs here
+from tests.unit.offload.test_host_expert_kernel import (
+    _both,
+    isas,
+)  # the C and the torch path on one call; the ISAs here
 
 pytestmark = pytest.mark.skipif(K.library()[0] is None, reason=f"host kernel not built: {K.library()[1]}")
 
@@ -74,8 +77,9 @@ def banks_of():
 
 def _reference(banks: PackedHostBanks, layer: int, expert: int) -> torch.Tensor:
     index, bits = banks.escapes(layer, expert)
-    return unpack_expert_reference(banks.lo[layer][expert], banks.hi[layer][expert], banks.base[layer][expert],
-                                   index, bits, banks.v13)  # fmt: skip
+    return unpack_expert_reference(
+        banks.lo[layer][expert], banks.hi[layer][expert], banks.base[layer][expert], index, bits, banks.v13
+    )
 
 
 @pytest.mark.parametrize("isa", isas())
@@ -114,8 +118,11 @@ def test_a_zeros_stray_mantissa_bits_are_dropped_as_the_reference_drops_them(isa
 def _pairs(tokens: int, seed: int) -> list:
     """3 experts a token (the escape and outlier experts among them), one pair repeated."""
     g = torch.Generator().manual_seed(seed)
-    pairs = [(t, int(e), float(w)) for t in range(tokens)
-             for e, w in zip(torch.randperm(EXPERTS, generator=g)[:3], torch.rand(3, generator=g) + 0.1)]  # fmt: skip
+    pairs = [
+        (t, int(e), float(w))
+        for t in range(tokens)
+        for e, w in zip(torch.randperm(EXPERTS, generator=g)[:3], torch.rand(3, generator=g) + 0.1)
+    ]
     return pairs + [(0, 2, 0.25), (tokens - 1, 1, -0.5), (0, 3, 0.125)]
 
 

@@ -56,8 +56,14 @@ def test_the_host_node_computes_the_listed_pairs_as_the_kernel_does(fmt):
 @pytest.mark.parametrize("bad", [(0, 6), (3, 1), (-1, 0)])
 def test_a_pair_out_of_range_is_refused_and_raised_after_the_step(bad):
     banks = make_banks("bf16", 256, 160)
-    share = HostDecodeShare(HostKernel(banks, torch.bfloat16, threads=1), (1, 1, 0, 0), max_tokens=4, top_k=2,
-                            num_experts=banks.num_experts, device="cpu")  # fmt: skip
+    share = HostDecodeShare(
+        HostKernel(banks, torch.bfloat16, threads=1),
+        (1, 1, 0, 0),
+        max_tokens=4,
+        top_k=2,
+        num_experts=banks.num_experts,
+        device="cpu",
+    )
     p = share.pinned
     p.pair_token[0], p.pair_expert[0] = bad
     p.meta[0], p.meta[1] = 3, 1
@@ -70,8 +76,14 @@ def test_a_pair_out_of_range_is_refused_and_raised_after_the_step(bad):
 
 def test_a_call_the_kernel_refuses_leaves_zeros_and_fails_one_step_only():
     banks = make_banks("bf16", 256, 160)
-    share = HostDecodeShare(HostKernel(banks, torch.bfloat16, threads=1), (1, 1, 0, 0), max_tokens=4, top_k=2,
-                            num_experts=banks.num_experts, device="cpu")  # fmt: skip
+    share = HostDecodeShare(
+        HostKernel(banks, torch.bfloat16, threads=1),
+        (1, 1, 0, 0),
+        max_tokens=4,
+        top_k=2,
+        num_experts=banks.num_experts,
+        device="cpu",
+    )
     p = share.pinned
     p.pair_token[0], p.pair_expert[0], p.pair_weight[0] = 0, 1, 1.0
     p.meta[0], p.meta[1] = 2, 1
@@ -95,8 +107,14 @@ def test_the_splits_price_of_a_host_expert_moves_half_way_to_what_the_nodes_took
     from ferry.services.worker.offload.host_decode import REFINE_EVERY
 
     banks = make_banks("bf16", 256, 160)
-    share = HostDecodeShare(HostKernel(banks, torch.bfloat16, threads=1), (100_000, 150_000, 2_000, 30_000),
-                            max_tokens=4, top_k=2, num_experts=banks.num_experts, device="cpu")  # fmt: skip
+    share = HostDecodeShare(
+        HostKernel(banks, torch.bfloat16, threads=1),
+        (100_000, 150_000, 2_000, 30_000),
+        max_tokens=4,
+        top_k=2,
+        num_experts=banks.num_experts,
+        device="cpu",
+    )
     _timed(share, 200_000 * (REFINE_EVERY - 1), REFINE_EVERY - 1, REFINE_EVERY - 1)
     assert not share.refine() and share.costs_ns[1] == 150_000  # too few experts yet
     # REFINE_EVERY experts, an eighth of them with a second token: the price beyond one token a pair (2 µs
@@ -119,8 +137,14 @@ def test_the_prefill_share_follows_the_refined_one_token_price():
     from ferry.services.worker.offload.host_share import HostCost, HostShare
 
     banks = make_banks("bf16", 256, 160)
-    share = HostDecodeShare(HostKernel(banks, torch.bfloat16, threads=1), (100_000, 300_000, 2_000, 30_000),
-                            max_tokens=4, top_k=2, num_experts=banks.num_experts, device="cpu")  # fmt: skip
+    share = HostDecodeShare(
+        HostKernel(banks, torch.bfloat16, threads=1),
+        (100_000, 300_000, 2_000, 30_000),
+        max_tokens=4,
+        top_k=2,
+        num_experts=banks.num_experts,
+        device="cpu",
+    )
     prefill = HostShare.__new__(HostShare)  # follow_host_price and split read only the cost
     prefill.cost = HostCost(pcie_s=100e-6, host_s_at_1=300e-6, host_s_per_token=2e-6, overhead_s=30e-6)
     share.on_refined = prefill.follow_host_price
@@ -135,8 +159,14 @@ def test_a_window_of_many_tokens_an_expert_does_not_refine_the_one_token_price()
     from ferry.services.worker.offload.host_decode import REFINE_EVERY
 
     banks = make_banks("bf16", 256, 160)
-    share = HostDecodeShare(HostKernel(banks, torch.bfloat16, threads=1), (100_000, 150_000, 26_000, 30_000),
-                            max_tokens=4, top_k=2, num_experts=banks.num_experts, device="cpu")  # fmt: skip
+    share = HostDecodeShare(
+        HostKernel(banks, torch.bfloat16, threads=1),
+        (100_000, 150_000, 26_000, 30_000),
+        max_tokens=4,
+        top_k=2,
+        num_experts=banks.num_experts,
+        device="cpu",
+    )
     n = REFINE_EVERY
     _timed(share, 160_000 * 3 * n, n, 3 * n)  # 8 streams: three tokens an expert
     assert not share.refine() and share.costs_ns[1] == 150_000
@@ -146,8 +176,14 @@ def test_a_window_of_many_tokens_an_expert_does_not_refine_the_one_token_price()
 
 def test_no_refinement_without_timed_calls_or_where_the_costs_are_a_rule():
     banks = make_banks("bf16", 256, 160)
-    share = HostDecodeShare(HostKernel(banks, torch.bfloat16, threads=1), (1, 0, 0, 0), max_tokens=4, top_k=2,
-                            num_experts=banks.num_experts, device="cpu")  # fmt: skip
+    share = HostDecodeShare(
+        HostKernel(banks, torch.bfloat16, threads=1),
+        (1, 0, 0, 0),
+        max_tokens=4,
+        top_k=2,
+        num_experts=banks.num_experts,
+        device="cpu",
+    )
     share.refines = False  # --expert-backend cpu: every miss to the host
     _timed(share, 10**9, 4096, 4096)
     assert not share.refine() and share.costs_ns == (1, 0, 0, 0)
@@ -166,8 +202,14 @@ def test_autos_guard_prices_the_share_off_while_its_steps_are_longer_and_back_on
 
     banks = make_banks("bf16", 256, 160)
     costs = (100_000, 150_000, 2_000, 30_000)
-    share = HostDecodeShare(HostKernel(banks, torch.bfloat16, threads=1), costs, max_tokens=4, top_k=2,
-                            num_experts=banks.num_experts, device="cpu")  # fmt: skip
+    share = HostDecodeShare(
+        HostKernel(banks, torch.bfloat16, threads=1),
+        costs,
+        max_tokens=4,
+        top_k=2,
+        num_experts=banks.num_experts,
+        device="cpu",
+    )
     share.observe_step(0.0, 1)  # no guard (hybrid asked for, or not auto): nothing happens
     assert share.costs_ns == costs and share.report()["guard"] is None
     share.guard = ShareGuard(window=8, samples=8, hold=60)
@@ -198,8 +240,14 @@ def test_the_guards_scale_prices_a_host_expert_and_the_price_under_it_is_refined
 
     banks = make_banks("bf16", 256, 160)
     costs = (100_000, 150_000, 2_000, 30_000)
-    share = HostDecodeShare(HostKernel(banks, torch.bfloat16, threads=1), costs, max_tokens=4, top_k=2,
-                            num_experts=banks.num_experts, device="cpu")  # fmt: skip
+    share = HostDecodeShare(
+        HostKernel(banks, torch.bfloat16, threads=1),
+        costs,
+        max_tokens=4,
+        top_k=2,
+        num_experts=banks.num_experts,
+        device="cpu",
+    )
     share.guard = ShareGuard(window=8, samples=8, hold=10**6)
     now = 0.0
     for _ in range(800):  # off 20 ms; on, 10 ms at a scale of 0.64 and 1 ms more a 0.1 away from it
@@ -207,7 +255,12 @@ def test_the_guards_scale_prices_a_host_expert_and_the_price_under_it_is_refined
         now += 0.020 if scale is None else 0.010 + 0.01 * abs(scale - 0.64)
         share.observe_step(now, 1)
     assert share.guard.scale == 0.64 and not share.guard.exploring
-    assert share.costs_ns == (100_000, 96_000, 2_000, 30_000) and share.costs.tolist() == [100_000, 96_000, 2_000, 30_000]
+    assert share.costs_ns == (100_000, 96_000, 2_000, 30_000) and share.costs.tolist() == [
+        100_000,
+        96_000,
+        2_000,
+        30_000,
+    ]
     # a cheaper host: of 6 one-token misses the hand-off's rule gives it more than at the price itself
     assert host_count_reference(6, 6, share.costs_ns) > host_count_reference(6, 6, costs)
     report = share.report()
@@ -221,8 +274,14 @@ def test_a_scale_leaves_the_cpu_backends_zero_price_at_zero():
     """--expert-backend cpu prices a host expert at 0 (every miss to the host): a guard's scale, were one
     ever applied over it, keeps that rule rather than making the price 1 ns."""
     banks = make_banks("bf16", 256, 160)
-    share = HostDecodeShare(HostKernel(banks, torch.bfloat16, threads=1), (100_000, 0, 0, 30_000), max_tokens=4,
-                            top_k=2, num_experts=banks.num_experts, device="cpu")  # fmt: skip
+    share = HostDecodeShare(
+        HostKernel(banks, torch.bfloat16, threads=1),
+        (100_000, 0, 0, 30_000),
+        max_tokens=4,
+        top_k=2,
+        num_experts=banks.num_experts,
+        device="cpu",
+    )
     share._scale = 0.64
     share._apply()
     assert share.costs_ns == (100_000, 0, 0, 30_000) and share.costs.tolist() == [100_000, 0, 0, 30_000]
@@ -259,8 +318,9 @@ def test_the_thread_that_runs_the_nodes_takes_the_callers_cpu_where_asked():
 
     def share_on(cpus: list[int]) -> HostDecodeShare:
         kernel = HostKernel(banks, torch.bfloat16, threads=2, cpus=cpus)
-        share = HostDecodeShare(kernel, (1, 1, 0, 0), max_tokens=4, top_k=2, num_experts=banks.num_experts,
-                                device="cpu")  # fmt: skip
+        share = HostDecodeShare(
+            kernel, (1, 1, 0, 0), max_tokens=4, top_k=2, num_experts=banks.num_experts, device="cpu"
+        )
         p = share.pinned
         for i, (t, e, w) in enumerate(pairs):
             p.pair_token[i], p.pair_expert[i], p.pair_weight[i] = t, e, w

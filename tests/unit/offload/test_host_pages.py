@@ -13,15 +13,25 @@ import torch
 
 from bench.huge_pages import bank_blocks
 from ferry.services.worker.offload.host_banks import pinnable_host_block
-from ferry.services.worker.offload.host_pages import (HUGE_PAGE, PAGE, advise_huge_pages, anon_huge_bytes,
-                                                      huge_pages_advice, thp_mode)  # fmt: skip
+from ferry.services.worker.offload.host_pages import (
+    HUGE_PAGE,
+    PAGE,
+    advise_huge_pages,
+    anon_huge_bytes,
+    huge_pages_advice,
+    thp_mode,
+)
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and /proc are Linux's")
 
 
 def test_the_thp_mode_is_the_bracketed_word(tmp_path):
-    for text, mode in (("always [madvise] never\n", "madvise"), ("[always] madvise never\n", "always"),
-                       ("always madvise [never]\n", "never"), ("garbled\n", None)):  # fmt: skip
+    for text, mode in (
+        ("always [madvise] never\n", "madvise"),
+        ("[always] madvise never\n", "always"),
+        ("always madvise [never]\n", "never"),
+        ("garbled\n", None),
+    ):
         (tmp_path / "enabled").write_text(text)
         assert thp_mode(tmp_path / "enabled") == mode
     assert thp_mode(tmp_path / "absent") is None

@@ -9,7 +9,9 @@ from ferry.services.worker.offload.host_share import HostCost
 
 def test_equal_costs_split_the_missed_experts_in_half():
     assert HostCost(1.0, 1.0, 0.0, 0.0).host_count(10, 1) == 5
-    assert HostCost(1.0, 1.0, 0.0, 0.0).host_count(11, 1) == 5  # rounded down: the link's side is never the longer by more
+    assert (
+        HostCost(1.0, 1.0, 0.0, 0.0).host_count(11, 1) == 5
+    )  # rounded down: the link's side is never the longer by more
 
 
 def test_the_split_is_the_shortest_layer_of_every_possible_one():
@@ -21,8 +23,12 @@ def test_the_split_is_the_shortest_layer_of_every_possible_one():
 
     rng = random.Random(5)
     for _ in range(2000):
-        pcie, at_1, per_token, overhead = (rng.randint(1, 400), rng.randint(1, 400), rng.randint(0, 30),
-                                           rng.randint(0, 1500))  # fmt: skip
+        pcie, at_1, per_token, overhead = (
+            rng.randint(1, 400),
+            rng.randint(1, 400),
+            rng.randint(0, 30),
+            rng.randint(0, 1500),
+        )
         missed, per_expert = rng.randint(0, 40), rng.randint(1, 12)
         host = at_1 + per_token * (per_expert - 1)
 
@@ -58,8 +64,14 @@ def test_beyond_the_sizes_the_costs_were_measured_at_the_host_takes_nothing():
     """The calibration times a 512-token hand-off and the kernel at 1 and 16 tokens an expert. On the H200 a
     share priced from those at 1,200-token and 8,192-token steps made them 1.2-3.3x slower (bench/NOTES.md):
     beyond either size the host takes nothing, within them the rule is as before."""
-    measured = HostCost(pcie_s=129e-6, host_s_at_1=148e-6, host_s_per_token=10e-6, overhead_s=50e-6,
-                        max_step_tokens=512, max_tokens_per_expert=16)  # fmt: skip
+    measured = HostCost(
+        pcie_s=129e-6,
+        host_s_at_1=148e-6,
+        host_s_per_token=10e-6,
+        overhead_s=50e-6,
+        max_step_tokens=512,
+        max_tokens_per_expert=16,
+    )
     assert measured.host_count(205, 9, step_tokens=288) == 74  # as the unbounded rule gives (the test above)
     assert measured.host_count(205, 9, step_tokens=513) == 0  # a step larger than the hand-off timed
     assert measured.host_count(205, 37, step_tokens=500) == 0  # more tokens an expert than the kernel timed
@@ -94,8 +106,8 @@ def test_calibration_runs_on_the_stores_own_paths():
     """On CPU the figures mean nothing, but every measurement runs: the ring's copy, the host's computation
     at 1 and 16 tokens, the hand-off; the host's time grows with its tokens."""
     import torch
-
     from offload_tiny import slot_pool, tiny_spec
+
     from ferry.services.worker.offload.device_store import DeviceDrivenExperts
     from ferry.services.worker.offload.frequency_policy import LFUExpertPolicy
     from ferry.services.worker.offload.host_banks import HostBanks
@@ -105,8 +117,9 @@ def test_calibration_runs_on_the_stores_own_paths():
     spec = tiny_spec(layers=2, experts=6, top_k=2, hidden=256, inter=128)
     banks = HostBanks.for_model(spec, "float32", progress=False)
     store = DeviceDrivenExperts(slot_pool(spec, 7, max_step_tokens=48), banks, LFUExpertPolicy(2, 6, 7), "cpu")
-    cost = calibrate(store, HostExperts(banks, torch.float32, threads=1), torch.device("cpu"), probe_experts=4,
-                     repeats=3)  # fmt: skip
+    cost = calibrate(
+        store, HostExperts(banks, torch.float32, threads=1), torch.device("cpu"), probe_experts=4, repeats=3
+    )
     assert cost.pcie_s > 0 and cost.host_s_at_1 > 0 and cost.overhead_s > 0
     assert cost.host_s(16) >= cost.host_s(1)
     assert (cost.max_step_tokens, cost.max_tokens_per_expert) == (512, 16)  # what it timed bounds the split

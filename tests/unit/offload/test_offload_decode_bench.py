@@ -8,11 +8,20 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
 TINY = {
-    "model_type": "qwen3_moe", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 3,
-    "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "num_experts": 12,
-    "num_experts_per_tok": 3, "moe_intermediate_size": 16, "intermediate_size": 64,
-    "max_position_embeddings": 256, "torch_dtype": "float32",
-}  # fmt: skip
+    "model_type": "qwen3_moe",
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
+    "num_experts": 12,
+    "num_experts_per_tok": 3,
+    "moe_intermediate_size": 16,
+    "intermediate_size": 64,
+    "max_position_embeddings": 256,
+    "torch_dtype": "float32",
+}
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +37,24 @@ def _run(bench, tmp_path, *flags):
     model.mkdir(exist_ok=True)
     (model / "config.json").write_text(json.dumps(TINY))
     out = tmp_path / "result.json"
-    args = ["--model", str(model), "--gpu-memory", "64MiB", "--tokens", "8", "--warmup", "2", "--device", "cpu",
-            "--hbm-bytes", str(1 << 20), "--quiet", "--out", str(out), *flags]  # fmt: skip
+    args = [
+        "--model",
+        str(model),
+        "--gpu-memory",
+        "64MiB",
+        "--tokens",
+        "8",
+        "--warmup",
+        "2",
+        "--device",
+        "cpu",
+        "--hbm-bytes",
+        str(1 << 20),
+        "--quiet",
+        "--out",
+        str(out),
+        *flags,
+    ]
     assert bench.main(args) == 0
     return json.loads(out.read_text())
 
@@ -37,7 +62,11 @@ def _run(bench, tmp_path, *flags):
 def test_a_small_cache_misses_and_the_numbers_add_up(bench, tmp_path, capsys):
     r = _run(bench, tmp_path, "--moe-cache-size", "14", "--batch", "2", "--zipf", "0.5,1.5", "--policy", "lru,lfu")
     assert [(d["policy"], d["batch"], d["zipf"]) for d in r["runs"]] == [
-        ("lru", 2, 0.5), ("lru", 2, 1.5), ("lfu", 2, 0.5), ("lfu", 2, 1.5)]
+        ("lru", 2, 0.5),
+        ("lru", 2, 1.5),
+        ("lfu", 2, 0.5),
+        ("lfu", 2, 1.5),
+    ]
     d = r["runs"][0]
     assert d["check"]["passed"] and d["check"]["exact"]
     assert r["plan"]["slots"] == 14 and r["plan"]["total_experts"] == 36
@@ -67,8 +96,27 @@ def test_policy_simulation_reports_hit_rates_and_bounds(tmp_path):
     model.mkdir()
     (model / "config.json").write_text(json.dumps(TINY))
     out = tmp_path / "sim.json"
-    assert sim.main(["--model", str(model), "--gpu-memory", "64MiB", "--moe-cache-size", "14", "--batch", "1,4",
-                     "--steps", "40", "--warmup", "10", "--out", str(out)]) == 0  # fmt: skip
+    assert (
+        sim.main(
+            [
+                "--model",
+                str(model),
+                "--gpu-memory",
+                "64MiB",
+                "--moe-cache-size",
+                "14",
+                "--batch",
+                "1,4",
+                "--steps",
+                "40",
+                "--warmup",
+                "10",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     r = json.loads(out.read_text())
     assert r["slots"] == 14 and len(r["runs"]) == 4  # lru and lfu x two batches
     for run in r["runs"]:

@@ -38,7 +38,9 @@ def test_a_dummy_fill_holds_the_plain_banks_bits_in_three_quarters_of_the_bytes(
     for layer in range(2):
         for e in range(5):
             w13, w2 = packed.expert(layer, e)
-            assert torch.equal(_bits(w13), _bits(plain.w13[layer][e])) and torch.equal(_bits(w2), _bits(plain.w2[layer][e]))
+            assert torch.equal(_bits(w13), _bits(plain.w13[layer][e])) and torch.equal(
+                _bits(w2), _bits(plain.w2[layer][e])
+            )
     assert packed.expert_nbytes < 0.76 * plain.expert_nbytes
     values = 3 * 32 * 16
     assert packed.nbytes <= H.packed_bank_bytes(2, 5, values)  # within what the plan priced
@@ -63,13 +65,22 @@ def test_copies_into_slots_give_the_plain_bits_after_a_reload_with_escapes(devic
     for banks in (plain, packed):
         banks.load_expert(1, 2, gate, up, down)
     assert packed.escape_count >= 3
-    assert packed.escape_count == sum(len(packed._escapes[l][e][0]) for l in range(2) for e in range(5))  # kept, not recounted
+    assert packed.escape_count == sum(
+        len(packed._escapes[l][e][0]) for l in range(2) for e in range(5)
+    )  # kept, not recounted
     s13 = torch.full((4, 32, 32), float("nan"), dtype=torch.bfloat16)
     s2 = torch.full((4, 32, 16), float("nan"), dtype=torch.bfloat16)
     pairs = [(2, 3), (0, 1), (4, 0)]
     if device_list:  # the unpacking kernel (interpreted), count held in a tensor as on the GPU
-        packed.copy_listed(1, s13, s2, torch.tensor(pairs, dtype=torch.int32), torch.tensor([3], dtype=torch.int32),
-                           programs=3, block=64)  # fmt: skip
+        packed.copy_listed(
+            1,
+            s13,
+            s2,
+            torch.tensor(pairs, dtype=torch.int32),
+            torch.tensor([3], dtype=torch.int32),
+            programs=3,
+            block=64,
+        )
     else:
         packed.copy_experts(1, pairs, s13, s2)
     for e, s in pairs:
@@ -89,8 +100,15 @@ def test_loading_refuses_wrong_shapes_and_banks_refuse_other_dtypes_and_too_litt
         PackedHostBanks.allocate(48, 128, 2048, 768, pin=False, progress=False, meminfo=meminfo)
 
 
-@pytest.mark.parametrize("requested, dtype, want", [(None, "bfloat16", "packed"), ("auto", "float32", "plain"),
-                                                    ("plain", "bfloat16", "plain"), ("packed", "bfloat16", "packed")])  # fmt: skip
+@pytest.mark.parametrize(
+    "requested, dtype, want",
+    [
+        (None, "bfloat16", "packed"),
+        ("auto", "float32", "plain"),
+        ("plain", "bfloat16", "plain"),
+        ("packed", "bfloat16", "packed"),
+    ],
+)
 def test_the_bank_format_follows_the_flag_and_the_dtype(requested, dtype, want):
     assert H.bank_format(requested, dtype) == want
 
@@ -105,7 +123,9 @@ def _wide_expert(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
 
     def wide(*shape):
-        return (torch.randn(*shape, generator=g) * torch.exp2(torch.randint(-60, 60, shape, generator=g).float())).bfloat16()
+        return (
+            torch.randn(*shape, generator=g) * torch.exp2(torch.randint(-60, 60, shape, generator=g).float())
+        ).bfloat16()
 
     return wide(16, 32), wide(16, 32), wide(32, 16)
 
@@ -173,5 +193,7 @@ def test_an_expert_whose_packing_would_outgrow_its_device_budget_is_packed_on_th
     _, packed = _pair()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert packed._packing_device().type == "cuda"
-    monkeypatch.setattr(packed_banks, "PACK_TEMP_BYTES", packed_banks.PACK_BYTES_PER_VALUE * (packed.v13 + packed.v2) - 1)
+    monkeypatch.setattr(
+        packed_banks, "PACK_TEMP_BYTES", packed_banks.PACK_BYTES_PER_VALUE * (packed.v13 + packed.v2) - 1
+    )
     assert packed._packing_device().type == "cpu"

@@ -5,9 +5,9 @@ after holding a choice."""
 
 from __future__ import annotations
 
-import pytest
-
 import random
+
+import pytest
 
 from ferry.services.worker.offload.share_guard import BUCKETS, SCALES, SETTLE_STEPS, START, ShareGuard, bucket_of
 

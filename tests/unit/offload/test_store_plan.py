@@ -3,10 +3,10 @@ store's per-step workspace, an all-resident plan does not (docs/ARCHITECTURE.md 
 
 from offload_tiny import tiny_spec
 
-from ferry.shared.units import MiB
 from ferry.plan.costs import offload_workspace_bytes
 from ferry.plan.planner import Measured, PlanRequest, make_plan
 from ferry.plan.store_plan import plan_for_expert_store
+from ferry.shared.units import MiB
 
 SPEC = tiny_spec(layers=3, experts=6, top_k=2)
 MEASURED = Measured(1 * MiB, 3 * MiB)
