@@ -120,7 +120,7 @@ def main() -> int:
                 f"{best[1]}  bound {row['bound_us']:5.2f} us",
                 flush=True,
             )
-        del weights
+        weights = None  # frees them (the timed closures read them)
         torch.cuda.empty_cache()
         return runs, [chosen["one"], chosen["dot"]]
 

@@ -89,11 +89,11 @@ def measure_bandwidths(banks: HostBanks, device: torch.device, clock: Clock, hbm
             dst2[e].copy_(src2[e], non_blocking=True)
 
     expert_ms = clock.median_ms(per_expert, repeat=5)
-    del dst13, dst2
+    dst13 = dst2 = None  # frees them (the timed closures read them)
     a = torch.empty(hbm_bytes, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
     hbm_ms = clock.median_ms(lambda: b.copy_(a), repeat=10)
-    del a, b
+    a = b = None
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {

@@ -120,7 +120,7 @@ def main() -> None:
                 row[f"sdpa[{backend.name}]"] = {"error": str(exc).splitlines()[0][:300]}
         rows_out.append(row)
         print(json.dumps(row), flush=True)
-        del paged, dense
+        paged = dense = None  # frees them (the timed lambdas read them)
         torch.cuda.empty_cache()
     result = {
         "commit": commit(),

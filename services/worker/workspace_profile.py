@@ -25,16 +25,10 @@ import torch
 from ferry.plan import pool_layout as L
 from ferry.plan.costs import rows_beyond_longest_step
 from ferry.plan.model_config import DTYPE_BYTES, ModelSpec
-from ferry.services.worker.forward_batch import ForwardBatch
-from ferry.services.worker.late_bound_experts import LateBoundExperts, SharedLayerExperts
-from ferry.shared.errors import PlanError
-from ferry.shared.sampling import SamplingParams
-from ferry.shared.step import NewRequest, StepBatch
-from ferry.shared.units import ceil_div
-
-log = structlog.get_logger("worker")
 from ferry.plan.planner import Resolved
 from ferry.services.worker.expert_formats import expert_format_for
+from ferry.services.worker.forward_batch import ForwardBatch
+from ferry.services.worker.late_bound_experts import LateBoundExperts, SharedLayerExperts
 from ferry.services.worker.pools import (
     TORCH_DTYPES,
     ExpertSlotPool,
@@ -44,6 +38,12 @@ from ferry.services.worker.pools import (
     allocate_pool,
 )
 from ferry.services.worker.sampler import Sampler
+from ferry.shared.errors import PlanError
+from ferry.shared.sampling import SamplingParams
+from ferry.shared.step import NewRequest, StepBatch
+from ferry.shared.units import ceil_div
+
+log = structlog.get_logger("worker")
 
 # The sampling path with the most workspace: a full-vocabulary sort for top-k/top-p, and min-p.
 PROFILE_SAMPLING = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.01, repetition_penalty=1.1)

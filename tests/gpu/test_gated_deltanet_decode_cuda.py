@@ -80,18 +80,21 @@ def test_fused_decode_replays_from_a_cuda_graph_without_host_syncs(cuda_device):
     # the captured step reads its inputs from static buffers, as the decode graphs do
     step_in = projected[0].clone()
     out = torch.empty(len(SLOTS), V_HEADS * V_DIM, dtype=dtype, device=cuda_device)
-    args = lambda: (
-        *_split(step_in),
-        params["conv_weight"],
-        params["A_log"],
-        params["dt_bias"],  # noqa: E731
-        params["norm_weight"],
-        1e-6,
-        conv_states,
-        states,
-        slots,
-        K_HEADS,
-    )
+
+    def args():
+        return (
+            *_split(step_in),
+            params["conv_weight"],
+            params["A_log"],
+            params["dt_bias"],
+            params["norm_weight"],
+            1e-6,
+            conv_states,
+            states,
+            slots,
+            K_HEADS,
+        )
+
     warm_conv, warm_states = conv_states.clone(), states.clone()
     gated_deltanet_decode(*args(), out=out)  # compiles outside the capture
     conv_states.copy_(warm_conv)

@@ -69,7 +69,7 @@ def _run(executor, sched, rid, prompt, n):
 
 
 def _agree_up_to_bf16_noise(a, b) -> None:
-    (ta, pa), (tb, pb) = a, b
+    (ta, _), (tb, pb) = a, b
     for i, (x, y) in enumerate(zip(ta, tb)):
         if x != y:  # a near tie: each run's choice is the other's runner-up, a rounding apart
             ids, lps = pb[i]

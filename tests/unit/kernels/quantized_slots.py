@@ -47,10 +47,10 @@ def make_family(
         layout.append((name, dtype, shape, cursor, nbytes))
         cursor = -(-(cursor + nbytes) // PART_ALIGN) * PART_ALIGN
     buf = torch.randint(0, 256, (slots, cursor), dtype=torch.uint8, generator=gen)  # garbage between parts
-    views_of = lambda b: {
-        name: b[:, off : off + n].view(dtype).unflatten(-1, shape)  # noqa: E731
-        for name, dtype, shape, off, n in layout
-    }
+
+    def views_of(b):
+        return {name: b[:, off : off + n].view(dtype).unflatten(-1, shape) for name, dtype, shape, off, n in layout}
+
     views = views_of(buf)
     spread = lambda *shape: torch.exp2(torch.rand(*shape, generator=gen) * 2 - 1)  # noqa: E731  (0.5 .. 2, rms 1.163)
     if fmt == NVFP4:
