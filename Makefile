@@ -42,6 +42,8 @@ lint-tools:
 # --dist loadfile: each file's tests run on one worker, which builds the file's module-scoped fixtures (served
 # clusters, interpreted kernel runs) once; files go out in collection order, the slow ones first (tests/conftest.py)
 test: $(STAMP) lint-tools
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The GPU release check (bench/gpu_check.py): the CUDA tests, then `ferry serve` with the Qwen3-30B-A3B
