@@ -80,7 +80,8 @@ VARIANTS = {
     "default": [],
     "no-prefetch": ["--no-expert-prefetch"],
     "eager": ["--enforce-eager"],
-    # decode steps of 8 tokens copy with the GPU's cores inside the graph (the default before 8 streams measured faster on the copy engine)
+    # decode steps of 8 tokens copy with the GPU's cores inside the graph (the default before 8 streams
+    # measured faster on the copy engine)
     "core-copies8": ["--expert-copy-engine-tokens", "9"],
     # every step copies with the copy engine, decode included: eager, its lists read on the host
     "copy-engine1": ["--expert-copy-engine-tokens", "1"],
@@ -264,9 +265,11 @@ def run_workload(name: str, variant: str, out: Path, ceilings: Path, args) -> di
     (out / f"decode_{tag}.json").write_text(json.dumps(result, indent=1) + "\n")
     print(
         f"[{tag}] 1 stream {result['single_stream_tok_s']} tok/s (bound {result['single_stream_bound_tok_s']}, "
-        f"{result['single_stream_bound_fraction']}; bf16 bound {result['single_stream_bound_bf16_tok_s']}), 8 streams {result['streams8_tok_s']} tok/s, TTFT 2k "
+        f"{result['single_stream_bound_fraction']}; bf16 bound {result['single_stream_bound_bf16_tok_s']}), "
+        f"8 streams {result['streams8_tok_s']} tok/s, TTFT 2k "
         f"{result['ttft_2k_s']} s as {result['ttft_2k_prompt']} (from the request leaving the client "
-        f"{result['ttft_2k_wire_s']} s; as ids {result['ttft_2k_ids_s']} s), hit rate {result['hit_rate']}, prefetch accuracy {result['prefetch_accuracy']}",
+        f"{result['ttft_2k_wire_s']} s; as ids {result['ttft_2k_ids_s']} s), hit rate {result['hit_rate']}, "
+        f"prefetch accuracy {result['prefetch_accuracy']}",
         flush=True,
     )
     return result
@@ -305,9 +308,11 @@ def _long_context(name: str, tag: str, model_dir: Path, served, out: Path, ceili
     }
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(
-        f"[{tag}] TTFT {result['ttft_s']:.1f} s for {result['prompt_tokens']} tokens ({result['prefill_tok_s']:.0f} "
-        f"tok/s; bound {result['bound_s']:.1f} s: compute {result['compute_s']}, PCIe {result['pcie_s']:.1f}); decode "
-        f"after it {result['decode_after_tok_s']} tok/s, with a short prompt {result['decode_short_tok_s']} (medians of "
+        f"[{tag}] TTFT {result['ttft_s']:.1f} s for {result['prompt_tokens']} tokens "
+        f"({result['prefill_tok_s']:.0f} tok/s; bound {result['bound_s']:.1f} s: compute {result['compute_s']}, "
+        f"PCIe {result['pcie_s']:.1f}); decode "
+        f"after it {result['decode_after_tok_s']} tok/s, with a short prompt {result['decode_short_tok_s']} "
+        f"(medians of "
         f"{len(result['decode_after_runs'])} runs: {result['decode_after_repeats_median_tok_s']} after, "
         f"{result['decode_short_repeats_median_tok_s']} short); "
         f"{result['expert_slots']} expert slots",

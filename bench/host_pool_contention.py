@@ -40,7 +40,10 @@ from bench.cpu_expert_bw import _cpu_name, format_banks  # noqa: E402
 from ferry.plan.model_config import load_model_config  # noqa: E402
 from ferry.services.worker.offload import host_expert_kernel as K  # noqa: E402
 
-HOG = "import time\nwhile True:\n t = time.perf_counter() + {busy}\n while time.perf_counter() < t: pass\n time.sleep({idle})"
+HOG = (
+    "import time\nwhile True:\n t = time.perf_counter() + {busy}\n"
+    " while time.perf_counter() < t: pass\n time.sleep({idle})"
+)
 
 
 def start_hogs(spec: str, cpus: list[int]) -> list[subprocess.Popen]:

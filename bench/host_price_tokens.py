@@ -6,9 +6,9 @@ calibration measures. The host kernel is memory bound at few tokens (it reads th
 in n) and compute bound past some tens (it multiplies it n times), so the line's second point decides what
 prefill steps of tens to hundreds of tokens an expert are charged. This times Ferry's host path
 (`HostExperts.compute`, the C kernel by default) at each of `--tokens`, `--per-call` experts a call as a
-layer's share hands them over, fresh experts each call (round-robin over a bank bigger than the caches), and prints every line through 1 token and one of
-`--points` beside each measurement: `ratio` is the line's price over the time taken (below 1: the split
-gives the host more than it can do in that time).
+layer's share hands them over, fresh experts each call (round-robin over a bank bigger than the caches), and prints
+every line through 1 token and one of `--points` beside each measurement: `ratio` is the line's price over the time
+taken (below 1: the split gives the host more than it can do in that time).
 
     python3 bench/host_price_tokens.py --threads 2 --out bench/results/host_price_tokens_epyc2.json
 

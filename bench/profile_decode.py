@@ -5,7 +5,8 @@ from the host per step, and how busy the expert copies kept PCIe: their busy tim
 profiled steps and the gaps between them (short ones: one copy kernel ending and the next
 starting; one long one a step: the step's end and the next one's first layer).
 
-    python3 bench/profile_decode.py --model DIR --load-format dummy --gpu-memory 24GiB [--moe-cache-size N] [--streams 1,8]
+    python3 bench/profile_decode.py --model DIR --load-format dummy --gpu-memory 24GiB \\
+        [--moe-cache-size N] [--streams 1,8]
 """
 
 from __future__ import annotations

@@ -105,7 +105,8 @@ def main() -> int:
         }
         results["runs"].append(row)
         print(
-            f"{fmt:6s} programs {str(programs):4s} priority {priority:4d}: copies {copy_ms:7.2f} ms ({gbps:5.1f} GB/s), "
+            f"{fmt:6s} programs {str(programs):4s} priority {priority:4d}: "
+            f"copies {copy_ms:7.2f} ms ({gbps:5.1f} GB/s), "
             f"both {both_ms:7.2f} ms, overlap {overlap:.2f}"
         )
     if args.out:

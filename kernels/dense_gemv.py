@@ -4,9 +4,9 @@ Why not cuBLAS everywhere: on some of our layers' shapes it picks tiles that lea
 12-layer Qwen3-30B cut's profile (bench/NOTES.md, "The compute path") o_proj's 16.8 MB took 9.0 µs
 through a split-K kernel and its reduce (1.9 TB/s of the H200's ~4), and the router's 0.5 MB 4.9 µs
 on two programs. Elsewhere cuBLAS is as fast, so a measured table (TILES) says which shapes come
-here. A decode step reads each weight once, so the kernel is paced by the bytes in flight. Each program computes BLOCK_N outputs for every token over the whole
-of K. It reads its weight rows once, BLOCK_K inputs a loop step, and enough programs run for the
-whole GPU, without split-K and without a second launch. One token multiplies and sums in
+here. A decode step reads each weight once, so the kernel is paced by the bytes in flight. Each program computes BLOCK_N
+outputs for every token over the whole of K. It reads its weight rows once, BLOCK_K inputs a loop step, and enough
+programs run for the whole GPU, without split-K and without a second launch. One token multiplies and sums in
 registers. Two to sixteen tokens go through one tensor-core dot a step (the tokens padded to 16).
 
 Rounding follows cuBLAS: products summed in float32, bias added in float32, one rounding to the

@@ -240,7 +240,8 @@ def _down_block(
         w_ptrs += BLOCK_K * stride_wi
     routing = tl.load(weights_ptr + pair, mask=row_ok, other=0.0)
     y = acc.to(act_ptr.dtype.element_ty).to(tl.float32) * routing[:, None]
-    # rows in a 16-bit dtype (a long step's, kernels/expert_rows_sum.py): the float32 value rounded once, to nearest even
+    # rows in a 16-bit dtype (a long step's, kernels/expert_rows_sum.py): the float32 value rounded once, to
+    # nearest even
     tl.store(
         rows_ptr + pair[:, None] * H + offs_n[None, :],
         y.to(rows_ptr.dtype.element_ty),

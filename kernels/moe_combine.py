@@ -12,8 +12,8 @@ and three for the second (sigmoid is the router kernel's now; mul, add).
 * `moe_combine(routed, gate, shared)`: routed + gate * shared, where gate [T, 1] is the shared
   expert's sigmoid(gate logit) (already in the dtype) and shared [T, H] the shared expert's
   output (or float32 rows holding such values); `routed` may also be a store's unsummed rows
-  (kernels/expert_rows_sum.py), which the kernel sums first as `sum_rows` would. The kernel is written as torch's `out + g * s`
-  rounds (the product to the dtype, then the sum), but the compiled kernel does not keep the
+  (kernels/expert_rows_sum.py), which the kernel sums first as `sum_rows` would. The kernel is written as torch's
+  `out + g * s` rounds (the product to the dtype, then the sum), but the compiled kernel does not keep the
   product's rounding: on the H200 13.5% of a row's elements came out an ulp (of the operands)
   apart from torch's, every one within it (tests/gpu/test_moe_block_cuda.py). That is the
   sum rounded once, closer to the exact value; the CPU twin keeps torch's two roundings.

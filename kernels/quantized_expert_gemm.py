@@ -288,7 +288,8 @@ def _nvfp4_down_block(
         acc = tl.dot(x_hi, w_hi, acc, input_precision=PRECISION)
     routing = tl.load(weights_ptr + pair, mask=row_ok, other=0.0)
     y = acc.to(w_ty).to(tl.float32) * routing[:, None]
-    # rows in a 16-bit dtype (a long step's, kernels/expert_rows_sum.py): the float32 value rounded once, to nearest even
+    # rows in a 16-bit dtype (a long step's, kernels/expert_rows_sum.py): the float32 value rounded once, to
+    # nearest even
     tl.store(
         rows_ptr + pair[:, None] * H + offs_n[None, :],
         y.to(rows_ptr.dtype.element_ty),
@@ -603,7 +604,8 @@ def _fp8_down_block(
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
     routing = tl.load(weights_ptr + pair, mask=row_ok, other=0.0)
     y = acc.to(w_ty).to(tl.float32) * routing[:, None]
-    # rows in a 16-bit dtype (a long step's, kernels/expert_rows_sum.py): the float32 value rounded once, to nearest even
+    # rows in a 16-bit dtype (a long step's, kernels/expert_rows_sum.py): the float32 value rounded once, to
+    # nearest even
     tl.store(
         rows_ptr + pair[:, None] * H + offs_n[None, :],
         y.to(rows_ptr.dtype.element_ty),

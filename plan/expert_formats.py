@@ -5,7 +5,8 @@ One concept, four formats (docs/ARCHITECTURE.md §3, "Expert formats"):
 | format | host banks | slots | what one copy moves |
 | --- | --- | --- | --- |
 | `bf16` | as the slots hold them | the run dtype, [2I, H] and [H, I] | 6 I H bytes |
-| `bf16-packed` | 12 bits a value, lossless (kernels/expert_pack.py) | the run dtype | 4.5 I H bytes, unpacked as it lands |
+| `bf16-packed` | 12 bits a value, lossless | the run dtype | 4.5 I H bytes, unpacked as it lands |
+| | (kernels/expert_pack.py) | | |
 | `nvfp4` | as the slots hold them | e2m1 codes + float8 group scales + per-row fp32 scales | ~1.69 I H bytes |
 | `fp8-block` | as the slots hold them | float8_e4m3fn + fp32 128x128 block scales | ~3 I H bytes |
 

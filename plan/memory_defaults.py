@@ -8,8 +8,8 @@ and the KV pool's floor is one sequence of max_model_len (5 GiB for its 262,144 
 are a single user's: OFFLOADED_MAX_RUNNING_REQUESTS, the longest context (the model's, or a power of two
 of at least MIN_CONTEXT) whose one sequence's KV takes at most 1/KV_FLOOR_SHARE of the budget (32,768 tokens
 of the 35B at 24 GiB, as llama.cpp's and LM Studio's few-thousand-token defaults, only longer), and one
-linear-state snapshot a running request; halved until the plan fits. A flag given is kept; a KV flag (--num-tokens, --num-pages, --kv-reserve-tokens) sizes the pool, so max_model_len then
-stays the model's."""
+linear-state snapshot a running request; halved until the plan fits. A flag given is kept; a KV flag (--num-tokens,
+--num-pages, --kv-reserve-tokens) sizes the pool, so max_model_len then stays the model's."""
 
 from __future__ import annotations
 

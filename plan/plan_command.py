@@ -67,16 +67,19 @@ def run(args: argparse.Namespace) -> int:
             unchecked = plans[0].host.available_source == HOST_NOT_CHECKED
             for g, p in enumerate(plans):
                 print(
-                    f"GPU {g} of {world}: experts e % {world} == {g}, {p.experts.total // max(len(spec.moe_layer_indices), 1)}"
+                    f"GPU {g} of {world}: experts e % {world} == {g}, "
+                    f"{p.experts.total // max(len(spec.moe_layer_indices), 1)}"
                     f" of {spec.num_experts} a MoE layer; dense weights, KV and linear states replicated"
                 )
                 print(plan_table(p, host_here=here if unchecked else None) + ("\n" if g < world - 1 else ""))
             total = sum(p.host.expert_bank_bytes + p.host.reserve_bytes for p in plans)
             print(
-                f"host: the {world} GPUs' banks together pin {format_bytes(sum(p.host.expert_bank_bytes for p in plans))}"
+                f"host: the {world} GPUs' banks together pin "
+                f"{format_bytes(sum(p.host.expert_bank_bytes for p in plans))}"
                 + (
                     f"; not checked: with the ranks' reserves they need {format_bytes(total)}, this machine has "
-                    f"{format_bytes(here)} (MemAvailable); give --host-memory SIZE of the machine the worker will run on"
+                    f"{format_bytes(here)} (MemAvailable); "
+                    "give --host-memory SIZE of the machine the worker will run on"
                     if unchecked
                     else ""
                 )

@@ -28,7 +28,8 @@ def plan_table(plan: Plan, host_here: int | None = None) -> str:
         (
             "KV pool",
             plan.kv.bytes,
-            f"{plan.kv.pages} pages x {plan.kv.page_size} = {plan.kv.tokens} tokens + {plan.kv.sentinel_pages} sentinel; "
+            f"{plan.kv.pages} pages x {plan.kv.page_size} = {plan.kv.tokens} tokens + "
+            f"{plan.kv.sentinel_pages} sentinel; "
             f"{plan.kv.bytes_per_token} B/token"
             + (f" (fp8 e4m3, {plan.kv.scale_bytes_per_token} B of it scales)" if plan.kv.cache_dtype == "fp8" else ""),
         ),
@@ -132,7 +133,8 @@ def _snapshot_rows(plan: Plan) -> list[tuple[str, int, str]]:
         (
             "linear-state snapshots",
             s.bytes,
-            f"{s.snapshots} x {format_bytes(s.bytes_per_snapshot)}: the prefix cache's Gated DeltaNet states ({s.source})",
+            f"{s.snapshots} x {format_bytes(s.bytes_per_snapshot)}: "
+            f"the prefix cache's Gated DeltaNet states ({s.source})",
         )
     ]
 

@@ -655,7 +655,8 @@ def _host_plan(spec: ModelSpec, req: PlanRequest, dtype: str, measured: Measured
         )
         raise PlanError(
             f"the offloaded experts do not fit in host RAM: their pinned banks need {format_bytes(banks)} "
-            f"({len(spec.moe_layer_indices)} MoE layers x {spec.num_experts} experts, {fmt}) plus {format_bytes(H.HOST_RESERVE_BYTES)} kept for the rest of the "
+            f"({len(spec.moe_layer_indices)} MoE layers x {spec.num_experts} experts, {fmt}) "
+            f"plus {format_bytes(H.HOST_RESERVE_BYTES)} kept for the rest of the "
             f"process, but {where}.\n"
             f"the banks need a host with at least {format_bytes(banks + H.HOST_RESERVE_BYTES)} available"
             + (

@@ -169,7 +169,8 @@ def add_planner_flags(parser: argparse.ArgumentParser) -> None:
         help="hybrid models (Gated DeltaNet): linear-state snapshots kept for the prefix cache, each the "
         "whole recurrent and conv state of a sequence at a cached prefix's end (61.4 MiB for "
         "Qwen3.6-35B-A3B); 0 turns prefix reuse off for them (default: 2 x --max-running-requests, 1 x "
-        "where experts are offloaded, at most 1/16 of the budget, fewer if they would not fit beside the other pools' floors)",
+        "where experts are offloaded, at most 1/16 of the budget, fewer if they would not fit beside the "
+        "other pools' floors)",
     )
     g.add_argument(
         "--expert-backend",

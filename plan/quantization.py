@@ -4,9 +4,9 @@ Three published layouts are served (docs/ARCHITECTURE.md §3, "Expert formats"):
 
 * **modelopt** (nvidia's `*-NVFP4` releases): `quant_method: modelopt`, `quant_algo: NVFP4`, or
   `MIXED_PRECISION` with a `quantized_layers` map that gives each module (or the experts' parent,
-  `layers.N.mlp.experts`) its own algorithm (`NVFP4` / `W4A16_NVFP4`, or `FP8` per tensor). Per linear: `weight` uint8 [O, IN/2], `weight_scale` float8
-  [O, IN/16], `weight_scale_2` fp32, `input_scale` fp32 (unused: activations stay bf16).
-  `exclude_modules` (globs) stay bf16.
+  `layers.N.mlp.experts`) its own algorithm (`NVFP4` / `W4A16_NVFP4`, or `FP8` per tensor). Per linear: `weight` uint8
+  [O, IN/2], `weight_scale` float8 [O, IN/16], `weight_scale_2` fp32, `input_scale` fp32 (unused: activations stay
+  bf16). `exclude_modules` (globs) stay bf16.
 * **compressed-tensors** NVFP4 (`format: nvfp4-pack-quantized`): `weight_packed`, `weight_scale`,
   `weight_global_scale` (the weight is code x scale / global scale), `ignore` (names or `re:`
   patterns) stays bf16.

@@ -84,7 +84,8 @@ def sampling_problems(p: SamplingParams) -> list[str]:
         ),
         (
             p.grammar is None or len(p.grammar) <= MAX_GRAMMAR_CHARS,
-            f"the grammar (response_format or a forced tool call) is {len(p.grammar or '')} characters; at most {MAX_GRAMMAR_CHARS}",
+            f"the grammar (response_format or a forced tool call) is {len(p.grammar or '')} characters; "
+            f"at most {MAX_GRAMMAR_CHARS}",
         ),
     ]
     return [message for ok, message in rules if not ok]

@@ -1,6 +1,7 @@
 """Log-probabilities in OpenAI's shapes, from the worker's Logprobs (token ids and float32 values).
 
-chat:         {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}], "refusal": null}
+chat:         {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}],
+               "refusal": null}
 completions:  {"tokens": [...], "token_logprobs": [...], "top_logprobs": [{token: logprob}], "text_offset": [...]}
 
 A token's string is its own decoded text; `bytes` are its exact bytes (a byte-level BPE token may hold

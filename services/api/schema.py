@@ -198,7 +198,8 @@ def validate_generation(req: _Generation, max_tokens: int | None, allow_zero: bo
     field = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
     _check(
         max_tokens is None or max_tokens >= low,
-        f"max_tokens must be at least {low}{' (0 only scores the prompt, with echo)' if allow_zero else ''}, got {max_tokens}",
+        f"max_tokens must be at least {low}{' (0 only scores the prompt, with echo)' if allow_zero else ''}, "
+        f"got {max_tokens}",
         field,
     )
     if isinstance(req.stop, list):
@@ -301,7 +302,8 @@ def sampling_params(
     bias = _logit_bias(req.logit_bias, vocab_size)
     _check(
         grammar is None or not req.ignore_eos,
-        "ignore_eos cannot be combined with response_format or a forced tool call: the output ends where its grammar does",
+        "ignore_eos cannot be combined with response_format or a forced tool call: "
+        "the output ends where its grammar does",
         "ignore_eos",
     )
     params = SamplingParams(

@@ -43,8 +43,8 @@ and the chunks are cut so that they end where a later request will want to start
 * every page boundary of its output, keeping only the last: where the next turn resumes when the chat
   template reproduces the output, and where a preempted request resumes.
 A waiting request whose prefix a running one is about to snapshot waits for it, rather than compute the
-same prefix twice. A chunk's one snapshot point is kept inside the step (StepBatch.save_offset: the linear layers save the
-state there during the forward) rather than cut for, unless the chunk's own end keeps one (a row keeps
+same prefix twice. A chunk's one snapshot point is kept inside the step (StepBatch.save_offset: the linear layers save
+the state there during the forward) rather than cut for, unless the chunk's own end keeps one (a row keeps
 one state a step). With experts offloaded a cut costs a step that pays a pass over the missed experts, so
 there points closer than OFFLOADED_SNAPSHOT_SPAN tokens to where a request starts, or to a deeper point,
 are not cut for (nor waited for): a short prompt is one step, as without the cache.

@@ -20,7 +20,10 @@ SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
 # Qwen3.5's pre-tokenizer split. transformers rebuilds a qwen3_5_moe tokenizer's pipeline with this
 # regex (Qwen3_5Tokenizer) while it loads others from tokenizer.json as written: training with the
 # same split makes both loaders agree with the tokenizer we save.
-QWEN_PRETOKENIZE_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+QWEN_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"""
+    r"""| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 
 # ChatML as Qwen writes it, tools included (Qwen2.5/Qwen3's convention: the tools' JSON specs in the
 # system turn inside <tools>, calls as <tool_call> JSON, results as <tool_response> in a user turn),
@@ -45,7 +48,8 @@ CHATML_TEMPLATE = (
     "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
     "{%- if (loop.first and message.content) or not loop.first %}{{- '\\n' }}{%- endif %}"
     '{{- \'<tool_call>\\n{"name": "\' + tool_call.name + \'", "arguments": \' }}'
-    "{%- if tool_call.arguments is string %}{{- tool_call.arguments }}{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}"
+    "{%- if tool_call.arguments is string %}{{- tool_call.arguments }}"
+    "{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}"
     "{{- '}\\n</tool_call>' }}"
     "{%- endfor %}{%- endif %}"
     "{{- '<|im_end|>\\n' }}"

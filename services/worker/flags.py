@@ -83,7 +83,8 @@ class WorkerBootConfig:
     expert_parallel_size: int = 1  # ranks the routed experts are partitioned over (services/worker/expert_ranks.py)
     expert_parallel_rank: int = 0  # this process's rank: 0 talks to the scheduler, the others follow it
     sampler_seed: int | None = None  # the noise of unseeded requests; the ranks share one (None: drawn at boot)
-    # expert-parallel ranks: the host's MemAvailable as rank 0 read it before any rank pinned a bank (None: read at boot)
+    # expert-parallel ranks: the host's MemAvailable as rank 0 read it before any rank pinned a bank
+    # (None: read at boot)
     host_available_bytes: int | None = None
 
 

@@ -9,7 +9,8 @@ per linear, whatever the format. Which linear is quantized is decided by the ten
 
 | format | tensors | weight |
 | --- | --- | --- |
-| nvfp4 (modelopt) | `weight` uint8 [O, IN/2], `weight_scale` f8 [O, IN/16], `weight_scale_2` f32 | e2m1 x scale x scale_2 |
+| nvfp4 (modelopt) | `weight` uint8 [O, IN/2], `weight_scale` f8 [O, IN/16], | e2m1 x scale x scale_2 |
+| | `weight_scale_2` f32 | |
 | nvfp4 (compressed-tensors) | `weight_packed`, `weight_scale`, `weight_global_scale` | e2m1 x scale / global |
 | fp8-block (Qwen `-FP8`) | `weight` f8 [O, IN], `weight_scale_inv` [ceil(O/128), ceil(IN/128)] | f8 x block scale |
 | fp8 per tensor (modelopt FP8) | `weight` f8 [O, IN], `weight_scale` f32 (one value) | f8 x scale |

@@ -11,9 +11,9 @@ Per-request state lives from the request's `NewRequest` until its id appears in
 
 Draws use the exponential race (argmax p / q with q ~ Exp(1), computed as argmax s - log q over the
 scaled logits s: kernels/sample_rows.py), so a seeded request draws its noise from its own
-torch.Generator and its tokens do not depend on what it is batched with. The logprob returned is that of the chosen token under the distribution it was drawn
-from: after penalties, temperature and filters for sampled rows, after penalties (at
-temperature 1) for greedy rows.
+torch.Generator and its tokens do not depend on what it is batched with. The logprob returned is that of the chosen
+token under the distribution it was drawn from: after penalties, temperature and filters for sampled rows, after
+penalties (at temperature 1) for greedy rows.
 """
 
 from __future__ import annotations

@@ -79,8 +79,10 @@ def pool_report_from_plan(plan: Any, vocab_size: int = 0) -> PoolReport:
         vocab_size=vocab_size,
         linear_state_snapshots=plan.linear_state_snapshots.snapshots,
         experts_offloaded=plan.experts.slots < plan.experts.total,
-        plan_summary=f"{plan.kv.pages} KV pages x {plan.kv.page_size} tokens, {plan.linear_state.slots} linear-state slots, "
-        f"{plan.linear_state_snapshots.snapshots} linear-state snapshots, {plan.experts.slots}/{plan.experts.total} expert slots",
+        plan_summary=f"{plan.kv.pages} KV pages x {plan.kv.page_size} tokens, "
+        f"{plan.linear_state.slots} linear-state slots, "
+        f"{plan.linear_state_snapshots.snapshots} linear-state snapshots, "
+        f"{plan.experts.slots}/{plan.experts.total} expert slots",
     )
 
 

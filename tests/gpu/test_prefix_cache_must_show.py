@@ -14,7 +14,8 @@ the tiny model: FERRY_MUST_SHOW_TOKENS=300,200 FERRY_MUST_SHOW_FLAGS="--device c
   snapshot), the second warm (as a deployment's steady state); the 5x is asserted on the warm round, and
   both are recorded.
 
-    FERRY_MUST_SHOW_MODEL=/models/qwen3.6-35b-a3b .venv/bin/python -m pytest -q -s tests/gpu/test_prefix_cache_must_show.py
+    FERRY_MUST_SHOW_MODEL=/models/qwen3.6-35b-a3b .venv/bin/python -m pytest -q -s \\
+        tests/gpu/test_prefix_cache_must_show.py
 
 The JSON (FERRY_MUST_SHOW_OUT, e.g. bench/results/prefix_hybrid.json) has the issue's keys at its top:
 turn{1,2,3}_ttft_s (anthropic; openai_turn*_ttft_s beside them), cached_fraction, shared_prompt_speedup,

@@ -548,7 +548,8 @@ def test_forced_tool_choice_with_a_pydantic_schema_of_nested_models(real_client,
 
 
 def test_temperature_above_one_and_an_over_long_answer_are_400s_naming_the_field(client):
-    """The Messages API's temperature is in [0, 1]; prompt + max_tokens past the model length (1024) names max_tokens."""
+    """The Messages API's temperature is in [0, 1]; prompt + max_tokens past the model length (1024) names
+    max_tokens."""
     for temperature in (1.5, -0.1):
         with pytest.raises(anthropic.BadRequestError) as err:
             client.messages.create(model="tiny", max_tokens=5, messages=ASK, extra_body={"temperature": temperature})

@@ -1,8 +1,9 @@
 """`pip install .` as a user does it: a wheel built from the source folders, installed into a fresh
 venv, gives one import package, `ferry`, with every module of the tree in it, and no top-level
-`shared`, `services`, `kernels` or `plan` of its own (a dependency may bring one: Hugging Face's `kernels`). The checks run from a directory outside the repository,
-with no PYTHONPATH, so the tree itself cannot be imported by accident. And with no install at all,
-PYTHONPATH=<repo root> runs the same modules from the tree (ferry/__init__.py maps the folders)."""
+`shared`, `services`, `kernels` or `plan` of its own (a dependency may bring one: Hugging Face's `kernels`). The checks
+run from a directory outside the repository, with no PYTHONPATH, so the tree itself cannot be imported by accident. And
+with no install at all, PYTHONPATH=<repo root> runs the same modules from the tree (ferry/__init__.py maps the
+folders)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Issue 22's reproduced problems at the HTTP edge, in process (numbered as in the issue): the depth check
-counts right on bodies of any shape (its linear time: bench/json_depth.py), chat_template_kwargs cannot collide with the template call,
-errors name their field in `param`, any case of the Bearer scheme is accepted, client-facing messages
+counts right on bodies of any shape (its linear time: bench/json_depth.py), chat_template_kwargs cannot collide with the
+template call, errors name their field in `param`, any case of the Bearer scheme is accepted, client-facing messages
 name no socket path, a 503 is logged as a warning, logged values are capped, and grammars are built
 once per request, on a lane of their own. The same problems against the real processes:
 tests/integration/test_http_edge.py."""

@@ -56,7 +56,8 @@ def test_the_scan_sees_the_whole_tree():
 def test_the_scan_catches_what_it_looks_for(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text(
-        'import shared.wire\nfrom services.cli import main\nX = ["-m", "services.cli", "services.worker.boot:boot_worker"]\n'
+        "import shared.wire\nfrom services.cli import main\n"
+        'X = ["-m", "services.cli", "services.worker.boot:boot_worker"]\n'
     )
     assert len(non_ferry_references(bad)) == 4
 

@@ -146,9 +146,9 @@ def test_ferry_plan_json_carries_the_sizing(tmp_path):
 
 
 def test_without_long_prompts_the_chunk_weighs_a_chat_turns_decode_misses():
-    """The full-size 35B NVFP4 at 24 GiB with the issue's flags: an 8,192-token chunk streamed the fewest experts a prompt
-    token, but its workspace cost hundreds of slots that every decode token misses; for a chat turn (32 prompt tokens
-    an output token) the shortest chunk crosses PCIe least, and the chooser takes the brute force's best."""
+    """The full-size 35B NVFP4 at 24 GiB with the issue's flags: an 8,192-token chunk streamed the fewest experts a
+    prompt token, but its workspace cost hundreds of slots that every decode token misses; for a chat turn (32 prompt
+    tokens an output token) the shortest chunk crosses PCIe least, and the chooser takes the brute force's best."""
     from ferry.plan.prefill_chunk import PROMPT_TOKENS_PER_OUTPUT_TOKEN
     from ferry.plan.store_plan import plan_for_expert_store
 

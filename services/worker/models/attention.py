@@ -7,8 +7,8 @@ request's page table (so a request only ever touches rows of its own pages). Hyb
 attention output by sigmoid(gate) before o_proj.
 
 q, k and v are row blocks of one weight (q_proj/k_proj/v_proj keep their checkpoint names as
-views of it), so the three projections are one GEMM. On CUDA the q/k norms, the rotary embedding and the K/V write are one Triton kernel
-(kernels/qk_norm_rope.py); the torch code below is the CPU path and that kernel's twin. An fp8 KV pool
+views of it), so the three projections are one GEMM. On CUDA the q/k norms, the rotary embedding and the K/V write are
+one Triton kernel (kernels/qk_norm_rope.py); the torch code below is the CPU path and that kernel's twin. An fp8 KV pool
 (--kv-cache-dtype fp8) hands both the layer's scales: the writes quantize, the attention dequantizes."""
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The fused RMSNorm, rotary tables and q/k norm + rotary + KV-write kernels, the paged attention kernels, the
 MoE block's router / routed-marking / SiLU-and-mul / combine kernels, and the Gated DeltaNet decode
-and prefill-conv kernels, compiled for Hopper without a GPU (hopper_compile.py; run by test_fused_kernels_compile.py)."""
+and prefill-conv kernels, compiled for Hopper without a GPU (hopper_compile.py; run by
+test_fused_kernels_compile.py)."""
 
 from __future__ import annotations
 

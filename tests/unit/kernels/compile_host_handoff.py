@@ -1,7 +1,7 @@
 """The decode layer's hand-off to the host (kernels/expert_host_handoff.py), with the router's weights in
 both dtypes, and the expert cache's lookup whose outputs it rewrites (kernels/expert_cache_lookup.py, in
-its three modes, the prefetch with and without the host's share, and two policies), compiled for Hopper without a GPU (hopper_compile.py; run by
-test_host_handoff_compile.py)."""
+its three modes, the prefetch with and without the host's share, and two policies), compiled for Hopper without a GPU
+(hopper_compile.py; run by test_host_handoff_compile.py)."""
 
 from __future__ import annotations
 
