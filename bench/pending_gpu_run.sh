@@ -7,16 +7,13 @@
 # pydantic-core 2.33.2, typing-inspection, annotated-types, jiter, distro, sniffio, docstring-parser, py-spy 0.4.2 (the
 # newest openai/anthropic need httpx2 and opentelemetry, which the device lacks; without openai the
 # gpu-check's serve step dies after its CUDA tests).
-# On 2026-12-06 (issue 56, H100s only) the gpu-check on 0aa4ea4 failed 20 of 313 CUDA tests: 16 boots whose test
-# budgets were under the new whole-process --gpu-memory, 4 fp8 KV writes compared with a twin that multiplied by a
-# reciprocal. fb65804 mends both (tests/helpers.cuda_test_budget; the twin divides by a tensor) with no GPU run left.
 # The next session (a call's 600 s and a machine's start each; combine what fits; carry [".whl", ".cmp"], ".peer"
-# for PART=peer):
-# 1. PART=check first: the release check on the tip, which nothing else may land ahead of.
-# 2. PART=peer (~7 min): Ferry at its defaults beside FreeToken 0.1.2 at 24 GiB, now that quantized banks keep 8-token
-#    decode steps in the graph (514 tok/s at 8 streams in a separate call against FreeToken's 328.6).
-# 3. The single stream's per-layer cost of the offloaded decode path at high hit rates (bench/NOTES.md, issue 56):
-#    bench/profile_decode.py on the full-size 35B NVFP4 at 24 GiB; and the cuts' TTFT-2k (bench/profile_prefill.py).
+# for PART=peer). `make gpu-check` passed on 44420b1 (2026-12-06, H100); side by side there Ferry ran 1.61x FreeToken
+# single-stream and 2.25x at 8 streams (bench/NOTES.md). Left of issue 56 on the device:
+# 1. The cuts' TTFT-2k beside FreeToken in one call (0.181 / 0.172 s served at 44420b1, 20 ms of it the arrival hold):
+#    PART=ttft, and FreeToken on the same cuts.
+# 2. The 262k scenario (`--num-tokens 262144`) on the new defaults: PART=long.
+# 3. Issue 58's must-show: the decode suite's hybrid8, hybrid8_nvfp4 and 12layer at the tip against 49d0524 in one call.
 #   PART=check   make gpu-check (the release check, which builds the host's C kernel; gpu_check.json)  ~4-7 min
 #   PART=prof    the full-size 35B NVFP4's decode at 24 GiB profiled at 1 and 8 streams, and the cuts' 2k prefill ~5 min
 #   PART=ttft    the cuts' served TTFT-2k phase by phase (bench/ttft_path.py), with the arrival hold and without ~6 min
