@@ -101,7 +101,7 @@ class HybridBackend(ExpertBackend):
         else:
             log.info(
                 "host_prefill_share_off",
-                reason="auto: the host's share lengthened prefill steps on the H200 (--expert-backend hybrid keeps it)",
+                reason="auto: a host share lengthens long prefill steps (--expert-backend hybrid keeps it)",
             )
         self.attach_decode(store, spec, experts, cost, device)
 
@@ -111,8 +111,8 @@ class HybridBackend(ExpertBackend):
 
     def link_traffic(self, store, device: torch.device) -> LinkTraffic | None:
         """What crosses the link beside a decode layer's hand-off while the host has its share: the next
-        layer's prefetch, so each hand-off is timed beside it as well as idle (an H100's polled round: 9 µs
-        idle, 157 beside it). None off CUDA."""
+        layer's prefetch, so each hand-off is timed beside it as well as idle (a round over PCIe waits behind
+        the copies). None off CUDA."""
         return LinkTraffic(store.banks, store.ring, device) if torch.device(device).type == "cuda" else None
 
     def keeps_decode_share(self, share: HostDecodeShare, takes: int, typical: int, top_k: int, fields: dict) -> bool:

@@ -39,9 +39,8 @@ import torch
 LIBRARY_MODULE = "ferry.kernels._host_experts_c"
 ISA_ENV = "FERRY_HOST_KERNEL_ISA"
 PREFETCH_ENV = "FERRY_HOST_KERNEL_PREFETCH"
-DEFAULT_PREFETCH_BYTES = (
-    4096  # a row ahead: 7-25 % faster on plain and packed banks on the H200's host (bench/NOTES.md)
-)
+# one bf16 row ahead: a server core's hardware prefetcher stops at each 4 KiB page, which such a row fills
+DEFAULT_PREFETCH_BYTES = 4096
 SPIN_ENV = "FERRY_HOST_POOL_SPIN_US"
 # an idle worker's spin before it sleeps: past it, the next call wakes it by a futex. Longer lost on the 2-core
 # EPYC with a busy process on the workers' core (bench/NOTES.md); on cores of their own it is measured by
