@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ferry.plan import expert_formats as F
 from ferry.plan.costs import MIXER_SLICE_TOKENS
 from ferry.plan.expert_backend import format_cpu_list, pool_thread_cpus
 from ferry.plan.planner import Plan
@@ -54,20 +55,8 @@ def plan_table(plan: Plan, host_here: int | None = None) -> str:
     host = plan.host
     if not host.expert_bank_bytes:
         banks_detail = "none: every expert has a GPU slot"
-    elif plan.experts.format in ("nvfp4", "fp8-block"):
-        banks_detail = (
-            f"every routed expert pinned in host RAM in {plan.experts.format}, as the slots hold it "
-            f"({plan.experts.total} x {plan.experts.bytes_per_slot} B)"
-        )
-    elif host.expert_bank_format == "packed":
-        banks_detail = (
-            f"every routed expert pinned in host RAM, packed to 12 bits a value ({plan.experts.total} x "
-            f"{plan.experts.bytes_per_slot} B as bf16; with room for escapes)"
-        )
     else:
-        banks_detail = (
-            f"every routed expert pinned in host RAM ({plan.experts.total} x {plan.experts.bytes_per_slot} B)"
-        )
+        banks_detail = F.named(plan.experts.format).banks_detail(plan.experts.total, plan.experts.bytes_per_slot)
     host_rows = [("host: expert banks (pinned)", host.expert_bank_bytes, banks_detail)]
     if host.available_source == HOST_NOT_CHECKED:
         here = f"{format_bytes(host_here)}" if host_here is not None else "less"

@@ -141,7 +141,7 @@ class ExpertPlan:
     min_slots: int
     bytes_per_slot: int
     bytes: int
-    format: str = "bf16"  # the expert format (plan/expert_formats.py): bf16 | bf16-packed | nvfp4 | fp8-block
+    format: str = F.BF16  # the expert format's name (plan/expert_formats: F.expert_format_name)
     # the rest of `bytes`, named (pool_layout.expert_pool_parts):
     # slots x bytes_per_slot + staging_bytes + cache_state_bytes + padding_bytes == bytes
     staging_slots: int = 0  # the prefill's staging slots, outside the cache (offload only)
@@ -156,7 +156,7 @@ class HostPlan:
     what the banks may take (--host-memory, else MemAvailable; None when unknown)."""
 
     expert_bank_bytes: int
-    expert_bank_format: str  # packed (12 bits a value, lossless) | plain (as the slots hold them)
+    expert_bank_format: str  # the banks' --expert-bank-format word: packed (12 bits a value) | plain (as the slots)
     available_bytes: int | None
     available_source: str  # --host-memory | MemAvailable | unknown
     reserve_bytes: int  # kept free for the rest of the process and the OS
@@ -592,7 +592,7 @@ def _plan(
         min_expert_slots(spec),
         L.expert_bytes(spec, r.dtype),
         costs.experts(sizes.expert_slots),
-        F.expert_format_name(spec, host.expert_bank_format if host.expert_bank_bytes else "plain", r.dtype),
+        F.expert_format_name(spec, host.expert_bank_format if host.expert_bank_bytes else None, r.dtype),
         parts.staging_slots,
         parts.staging_bytes,
         parts.cache_state_bytes,

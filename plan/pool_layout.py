@@ -153,11 +153,8 @@ def expert_bytes(spec: ModelSpec, dtype: str) -> int:
 def expert_weight_tensors(spec: ModelSpec, dtype: str, slots: int, prefix: str = "") -> tuple[TensorSpec, ...]:
     """w13 = [gate; up] and w2 = down of `slots` slots: [S, 2I, H] and [S, H, I] of the run dtype, or
     for a quantized format one row of bytes per slot and family ([S, row bytes] uint8)."""
-    h, i = spec.hidden_size, spec.moe_intermediate_size
-    if F.slot_format(spec) == F.BF16:
-        return (TensorSpec(prefix + "w13", (slots, 2 * i, h), dtype), TensorSpec(prefix + "w2", (slots, h, i), dtype))
-    b13, b2 = F.slot_family_bytes(spec, dtype)
-    return (TensorSpec(prefix + "w13", (slots, b13), "uint8"), TensorSpec(prefix + "w2", (slots, b2), "uint8"))
+    (shape13, dtype13), (shape2, dtype2) = F.format_of(spec).slot_rows(spec, dtype)
+    return (TensorSpec(prefix + "w13", (slots, *shape13), dtype13), TensorSpec(prefix + "w2", (slots, *shape2), dtype2))
 
 
 # Staging slots of a prefill that streams its missed experts (services/worker/offload/staging_ring.py):

@@ -54,8 +54,8 @@ class QuantScheme:
     """What the checkpoint says about its quantization (the parts Ferry acts on)."""
 
     method: str  # modelopt | compressed-tensors | fp8
-    algo: str  # NVFP4 | MIXED_PRECISION | nvfp4-pack-quantized | fp8-block
-    expert_format: str | None  # nvfp4 | fp8-block; None: the routed experts are not quantized
+    algo: str  # NVFP4 | MIXED_PRECISION | nvfp4-pack-quantized | FP8_BLOCKS
+    expert_format: str | None  # the routed experts' format (plan/expert_formats); None: not quantized
     source: str  # where it was read: config.json or hf_quant_config.json
     kv_cache_quant_algo: str | None = None  # noted, not applied: the KV pool stays in the run dtype
 
@@ -101,6 +101,21 @@ def _unsupported_algo(source: str, algo: Any, what: str = "quant_algo") -> Confi
     return ConfigError(f"{source}: modelopt {what} {algo!r} is not supported; Ferry serves {SUPPORTED}")
 
 
+# The `fp8` quant_method's one scheme served: e4m3 weights under 128 x 128 block scales
+FP8_BLOCKS = "e4m3 128x128"
+
+
+def _expert_format(method: str, algo: str) -> str:
+    """The expert format (plan/expert_formats) that holds routed experts quantized with `algo` under `method`."""
+    # imported here: plan/expert_formats reads the model config, which imports this module
+    from ferry.plan.expert_formats import registry
+
+    fmt = registry.for_checkpoint(method, algo)
+    if fmt is None:
+        raise ConfigError(f"quant_method {method} quant_algo {algo}: no expert format holds such routed experts")
+    return fmt.name
+
+
 # W4A16_NVFP4: the same tensors as NVFP4, with activations left unquantized (how Ferry runs NVFP4 anyway)
 _MODELOPT_ALIASES = {"W4A16_NVFP4": "NVFP4"}
 
@@ -115,7 +130,9 @@ def _modelopt(qc: dict[str, Any], source: str) -> QuantScheme:
             raise ConfigError(f"{source}: modelopt NVFP4 group_size {group} is not supported (only 16)")
         excluded = [str(p) for p in qc.get("exclude_modules") or qc.get("ignore") or []]
         experts_excluded = any(_glob_any(excluded, n) for n in expert_module_names())
-        return QuantScheme("modelopt", "NVFP4", None if experts_excluded else "nvfp4", source, kv)
+        return QuantScheme(
+            "modelopt", "NVFP4", None if experts_excluded else _expert_format("modelopt", algo), source, kv
+        )
     if algo == "MIXED_PRECISION":
         layers = qc.get("quantized_layers")
         if not isinstance(layers, dict):
@@ -135,7 +152,7 @@ def _modelopt(qc: dict[str, Any], source: str) -> QuantScheme:
                 f"{source}: the routed experts mix {sorted(algos)} in quantized_layers; Ferry holds "
                 "every routed expert in one format"
             )
-        expert_format = {"NVFP4": "nvfp4", "FP8": "fp8-block"}.get(algos.pop()) if algos else None
+        expert_format = _expert_format("modelopt", algos.pop()) if algos else None
         return QuantScheme("modelopt", "MIXED_PRECISION", expert_format, source, kv)
     raise _unsupported_algo(source, qc.get("quant_algo"))
 
@@ -162,7 +179,10 @@ def _compressed_tensors(qc: dict[str, Any], source: str) -> QuantScheme:
             )
     ignored = [str(p) for p in qc.get("ignore") or []]
     experts_ignored = any(_ct_ignored(p, n) for p in ignored for n in expert_module_names())
-    return QuantScheme("compressed-tensors", "nvfp4-pack-quantized", None if experts_ignored else "nvfp4", source)
+    algo = "nvfp4-pack-quantized"
+    return QuantScheme(
+        "compressed-tensors", algo, None if experts_ignored else _expert_format("compressed-tensors", algo), source
+    )
 
 
 def _fp8(qc: dict[str, Any], source: str) -> QuantScheme:
@@ -175,7 +195,7 @@ def _fp8(qc: dict[str, Any], source: str) -> QuantScheme:
         )
     skipped = [str(m) for m in qc.get("modules_to_not_convert") or qc.get("ignored_layers") or []]
     experts_skipped = any(_module_listed(m, n) for m in skipped for n in expert_module_names())
-    return QuantScheme("fp8", "fp8-block", None if experts_skipped else "fp8-block", source)
+    return QuantScheme("fp8", FP8_BLOCKS, None if experts_skipped else _expert_format("fp8", FP8_BLOCKS), source)
 
 
 def _glob_any(patterns: list[str], name: str) -> bool:

@@ -1,0 +1,39 @@
+"""The `bf16` expert format: the routed experts unquantized, in the run dtype (bf16 on a GPU, float32
+in the CPU tests), slots w13 [S, 2I, H] (gate rows, then up rows) and w2 [S, H, I], host banks of the
+same rows. The format of every checkpoint that does not quantize its routed experts, so it registers
+first (registry.unquantized). Worker side: services/worker/expert_formats/bf16.py."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ferry.plan.expert_formats.registry import ExpertFormat, register
+
+if TYPE_CHECKING:
+    from ferry.plan.model_config import ModelSpec
+
+BF16 = "bf16"
+
+
+class Bf16(ExpertFormat):
+    name = BF16
+    checkpoint_layout = BF16  # make-bench-model --format bf16: nothing quantized
+    worker = "ferry.services.worker.expert_formats.bf16:Bf16Experts"
+
+    def slot_rows(self, spec: ModelSpec, dtype: str):
+        h, i = spec.hidden_size, spec.moe_intermediate_size
+        return ((2 * i, h), dtype), ((h, i), dtype)
+
+    def slot_family_bytes(self, spec: ModelSpec, value_bytes: int) -> tuple[int, int]:
+        h, i = spec.hidden_size, spec.moe_intermediate_size
+        return 2 * i * h * value_bytes, h * i * value_bytes
+
+    def display_name(self, dtype: str) -> str:
+        """`bf16` in bfloat16; in another run dtype that dtype's name (`float32` on CPU)."""
+        return self.name if dtype == "bfloat16" else dtype
+
+    def banks_detail(self, experts: int, bytes_per_slot: int) -> str:
+        return f"every routed expert pinned in host RAM ({experts} x {bytes_per_slot} B)"
+
+
+FORMAT = register(Bf16())

@@ -1,0 +1,49 @@
+"""The `nvfp4` expert format (nvidia modelopt and compressed-tensors NVFP4 checkpoints): per weight
+family one byte row of the e2m1 codes uint8 [O, IN/2] (element 2j in the low nibble), the
+float8_e4m3fn scales [O, IN/16] of every 16 inputs, and a float32 scale per row (the projection's
+per-tensor scale, one per row because w13 stacks gate and up, whose scales differ): ~1.69 I H bytes
+an expert. Kept so in host RAM, across PCIe and in the slots; the kernels dequantize in registers.
+Worker side: services/worker/expert_formats/nvfp4.py."""
+
+from __future__ import annotations
+
+from ferry.plan.expert_formats.registry import ExpertFormat, register
+
+NVFP4 = "nvfp4"
+NVFP4_GROUP = 16  # inputs per float8 scale
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # e2m1 magnitudes by code (bits 0-2; bit 3 is the sign)
+# the linears a checkpoint written in this layout quantizes: the routed and the shared experts (as
+# nvidia's Qwen3.5/3.6 NVFP4 releases); everything else stays bf16 (exclude_modules)
+CHECKPOINT_QUANTIZED = (".mlp.experts.", ".mlp.shared_expert.")
+
+
+class Nvfp4(ExpertFormat):
+    name = NVFP4
+    quantized = True
+    checkpoint_algos = (("modelopt", "NVFP4"), ("compressed-tensors", "nvfp4-pack-quantized"))
+    checkpoint_layout = NVFP4  # nvidia modelopt's NVFP4 (services/quantized_checkpoint.py)
+    worker = "ferry.services.worker.expert_formats.nvfp4:Nvfp4Experts"
+
+    def row_parts(self, rows: int, cols: int, part_rows: int):
+        if cols % NVFP4_GROUP:
+            raise ValueError(f"nvfp4 needs the input size ({cols}) to be a multiple of {NVFP4_GROUP}")
+        return (
+            ("q", "uint8", (rows, cols // 2)),
+            ("scale", "float8_e4m3fn", (rows, cols // NVFP4_GROUP)),
+            ("gscale", "float32", (rows,)),
+        )
+
+    def checkpoint_quantizes(self, name: str) -> bool:
+        return any(part in name for part in CHECKPOINT_QUANTIZED)
+
+    def checkpoint_config(self, modules: list[str]) -> dict:
+        return {
+            "quant_method": "modelopt",
+            "quant_algo": "NVFP4",
+            "group_size": NVFP4_GROUP,
+            "kv_cache_quant_algo": None,
+            "exclude_modules": [m for m in modules if not self.checkpoint_quantizes(m)],
+        }
+
+
+FORMAT = register(Nvfp4())
