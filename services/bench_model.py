@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+from ferry.plan import expert_formats as F
 from ferry.shared.file_modes import written_with_umask_modes
 
 
@@ -207,7 +208,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--generate-on", default="cpu", help="device that draws the random weights (cpu, cuda)")
     parser.add_argument(
         "--format",
-        choices=("bf16", "nvfp4", "fp8"),
+        choices=F.checkpoint_layouts(),
         default="bf16",
         help="bf16 (default); nvfp4: nvidia modelopt's NVFP4 layout (routed and shared experts); "
         "fp8: Qwen's FP8 layout (128 x 128 blocks). With --weights none, config.json says the "
@@ -222,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
     if args.routing_skew and args.weights != "random":
         print("ferry make-bench-model: error: --routing-skew needs --weights random", file=sys.stderr)
         return 2
-    fmt = None if args.format == "bf16" else args.format
+    fmt = args.format if F.for_checkpoint_layout(args.format).quantized else None
     try:
         with written_with_umask_modes(args.dir):  # readable by others under the usual umask: a container serves it
             out, size = _write(args, fmt)

@@ -313,7 +313,7 @@ def _load_and_plan(
             policy=cfg.expert_policy,
             banks=banks,
             prefetch=cfg.expert_prefetch,
-            copy_engine_tokens=copy_engine_tokens(cfg.expert_copy_engine_tokens, _plain_bf16(banks)),
+            copy_engine_tokens=copy_engine_tokens(cfg.expert_copy_engine_tokens, _copy_engine_default(banks)),
             ring_chunks=chunks,
         )
         if world > 1:  # the experts this rank owns, its partial sums added over the ranks
@@ -351,9 +351,9 @@ def _load_and_plan(
     return booted
 
 
-def _plain_bf16(banks) -> bool:
-    """Banks that keep experts as the slots hold bf16 ones: neither packed nor in a quantized format."""
-    return banks is not None and not getattr(banks, "packed", False) and not banks.format.quantized
+def _copy_engine_default(banks) -> bool:
+    """Banks whose expert format takes --expert-copy-engine-tokens' default (plain bf16 rows)."""
+    return banks is not None and banks.format.copy_engine_default
 
 
 def _graph_key(max_running_requests: int, max_model_len: int, page_size: int) -> tuple[int, int, int]:

@@ -8,6 +8,8 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from ferry.plan import expert_formats as F
+
 # (report key, metric name without the _total suffix, help): the expert cache's cumulative counters
 EXPERT_COUNTERS = (
     ("hits", "ferry_worker_expert_hits", "expert-cache lookups that found the expert in a GPU slot"),
@@ -41,7 +43,7 @@ class ExpertCacheCollector:
         for key, name, text in EXPERT_COUNTERS:
             yield counter(name, text, report[key])
         slots = GaugeMetricFamily("ferry_worker_expert_slots", "GPU expert slots of the plan", labels=["format"])
-        slots.add_metric([report.get("expert_format", "bf16")], report["slots"])
+        slots.add_metric([report.get("expert_format", F.unquantized().name)], report["slots"])
         yield slots
         yield from host_share_metrics(report)
 

@@ -17,7 +17,11 @@ from ferry.plan import expert_formats as F
 
 REPO = Path(__file__).resolve().parents[2]
 PRODUCT = ("services", "shared", "kernels", "plan")
-REGISTRY = ("plan/expert_formats/registry.py", "plan/expert_formats/__init__.py", "services/worker/expert_formats/__init__.py")
+REGISTRY = (
+    "plan/expert_formats/registry.py",
+    "plan/expert_formats/__init__.py",
+    "services/worker/expert_formats/__init__.py",
+)
 FLAG_KEYWORDS = ("choices", "default")
 # (file, constant): why that constant is not a format's name
 NOT_FORMATS = {

@@ -183,7 +183,7 @@ def test_packed_banks_are_refused_for_quantized_experts(tmp_path, capsys):
 
 
 def _nvfp4_parts(o: int, n: int) -> dict[str, torch.Tensor]:
-    from ferry.services.quantized_checkpoint import quantize_nvfp4
+    from ferry.services.worker.expert_formats.nvfp4 import quantize_linear as quantize_nvfp4
 
     torch.manual_seed(1)
     return quantize_nvfp4(torch.randn(o, n) * 0.05)
@@ -221,7 +221,7 @@ def test_compressed_tensors_nvfp4_dequantizes_as_compressed_tensors_decompresses
 
 
 def test_fp8_block_dequantization_with_partial_blocks_and_a_wrong_block_layout_caught():
-    from ferry.services.quantized_checkpoint import quantize_fp8_block
+    from ferry.services.worker.expert_formats.fp8_block import quantize_linear as quantize_fp8_block
     from ferry.services.worker.quantized_weight import quantized_weight
 
     torch.manual_seed(3)

@@ -1,57 +1,81 @@
-"""The expert formats on the worker (docs/ARCHITECTURE.md §3, "Expert formats"): one module each.
+"""The expert formats on the worker (docs/ARCHITECTURE.md §3, "Expert formats"): one module each, beside
+its plan side of the same name under plan/expert_formats/ (which registers it and names its class here).
 
 * `bf16.py`: experts in the run dtype, in slots [S, 2I, H] / [S, H, I] and host banks alike;
-* `bf16-packed`: bf16's slots, with host banks packed losslessly to 12 bits a value: its module is
-  offload/packed_banks.py (`--expert-bank-format`; auto packs bf16 models that offload);
+* `bf16_packed.py`: bf16's slots, with host banks packed losslessly to 12 bits a value
+  (offload/packed_banks.py holds them; `--expert-bank-format`, auto packs bf16 models that offload);
 * `nvfp4.py`, `fp8_block.py`: the checkpoint's quantized experts kept quantized in host RAM, across
-  PCIe and in their slots (one byte row per weight family: plan/expert_formats.py prices it), and
+  PCIe and in their slots (one byte row per weight family: plan/expert_formats prices it), and
   computed from there by the kernels, which dequantize in registers (kernels/quantized_experts.py).
 Each checks an expert's checkpoint shapes with `expert_shapes.py`, which the packed banks share.
 
-Every format answers the same questions (`ExpertFormat`): how one expert's checkpoint tensors are
-written into a slot or bank row, what the expert GEMV/GEMM read (views of the slot tensors), and
-how `--load-format dummy` fills a layer. The stores and the banks hold one and never look inside.
+Every format answers the same questions (`ExpertFormat`, below): how one expert's checkpoint tensors are
+written into a slot or bank row, what the expert GEMV/GEMM read (views of the slot tensors, which pick
+the kernel), how the host computes from its banks (the C kernel's code, the torch reader), and how
+`--load-format dummy` fills a layer. The stores and the banks hold one and never look inside.
+
+A new format's worker module gives a class with ExpertFormat's members (a quantized one subclasses
+quantized.QuantizedExperts: `_write`, `_fill_dummy`, `host_kernel_code`, `family_reader`, and
+`quantize_linear` if `ferry make-bench-model` writes it); its plan module's `worker` names that class.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+import importlib
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from ferry.plan import expert_formats as F
 from ferry.plan.model_config import ModelSpec
 
+if TYPE_CHECKING:
+    from ferry.plan.planner import Plan
+
 
 class ExpertFormat(Protocol):
-    name: str  # bf16 | nvfp4 | fp8-block (the slots' format; bf16-packed differs only in its banks)
-    quantized: bool
+    plan: F.ExpertFormat  # its plan side (plan/expert_formats)
+    name: str  # the plan's name for it (`float32` for bf16's rows in float32)
+    quantized: bool  # byte rows it fills and views itself; else [2I, H] / [H, I] in the run dtype
+    copy_engine_default: bool  # --expert-copy-engine-tokens defaults on for its banks (services/worker/flags.py)
 
     def row_shapes(self) -> tuple[tuple[tuple[int, ...], torch.dtype], tuple[tuple[int, ...], torch.dtype]]:
-        """((shape, dtype) of one expert's w13 row, of its w2 row), as a slot and a bank hold them."""
+        """((shape, dtype) of one expert's w13 row, of its w2 row), as a slot holds them."""
 
     def write_expert(self, dst13: torch.Tensor, dst2: torch.Tensor, gate, up, down, where: str) -> None:
         """One expert's checkpoint tensors (gate, up [I, H], down [H, I]: tensors, or QuantizedWeights
         for a quantized format) into its rows; a ValueError naming `where` for the wrong kind."""
 
     def gemm_views(self, w13: torch.Tensor, w2: torch.Tensor):
-        """What the expert kernels read for slot tensors w13 [S, ...] and w2 [S, ...]."""
+        """What the expert kernels read for slot tensors w13 [S, ...] and w2 [S, ...]: the tensors (bf16's
+        kernels), or kernels/quantized_experts.py's QuantizedFamily (the quantized kernels)."""
+
+    def host_kernel_format(self) -> int:
+        """The C host kernel's code for banks of this format (offload/host_expert_kernel.py), or KernelUnavailable."""
+
+    def host_reader(self, banks, dtype: torch.dtype, chunk: int):
+        """The torch host path's reader of these banks (offload/host_expert_weights.py), computing in `dtype`."""
 
     # quantized formats also have fill_dummy_layer(w13 [E, ...], w2 [E, ...], layer, seed): --load-format
     # dummy's deterministic weights for one MoE layer's rows (bf16 ones come from dummy_weights.py)
 
 
+def worker_class(fmt: F.ExpertFormat) -> type:
+    """The worker class the plan's format names (its `worker`, "module:Class")."""
+    module, _, name = fmt.worker.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def expert_format_for(spec: ModelSpec, dtype: torch.dtype) -> ExpertFormat:
-    """The slots' format for this model (the checkpoint's quantized format, else the run dtype)."""
-    fmt = F.slot_format(spec)
-    if fmt == F.NVFP4:
-        from ferry.services.worker.expert_formats.nvfp4 import Nvfp4Experts
+    """The slots' format for this model (the checkpoint's quantized format, else the run dtype's)."""
+    return worker_class(F.format_of(spec)).for_shapes(spec.hidden_size, spec.moe_intermediate_size, dtype)
 
-        return Nvfp4Experts(spec.hidden_size, spec.moe_intermediate_size)
-    if fmt == F.FP8_BLOCK:
-        from ferry.services.worker.expert_formats.fp8_block import Fp8BlockExperts
 
-        return Fp8BlockExperts(spec.hidden_size, spec.moe_intermediate_size)
-    from ferry.services.worker.expert_formats.bf16 import Bf16Experts
+def bank_format_for(spec: ModelSpec, plan: Plan) -> ExpertFormat:
+    """The host banks' format for this model and plan (its --expert-bank-format word)."""
+    fmt = F.banks_format(spec, plan.host.expert_bank_format, plan.dtype)
+    return worker_class(fmt).for_shapes(spec.hidden_size, spec.moe_intermediate_size, _torch_dtype(plan.dtype))
 
-    return Bf16Experts(spec.hidden_size, spec.moe_intermediate_size, dtype)
+
+def _torch_dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)

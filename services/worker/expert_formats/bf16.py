@@ -1,21 +1,34 @@
-"""The `bf16` expert format: experts in the run dtype (bf16 on a GPU, float32 in the CPU tests), in
-slots w13 [S, 2I, H] (gate rows, then up rows) and w2 [S, H, I], and in host banks of the same rows.
-The expert kernels read the slot tensors as they are."""
+"""The `bf16` expert format's worker side (plan/expert_formats/bf16.py prices it): experts in the run dtype
+(bf16 on a GPU, float32 in the CPU tests), in slots w13 [S, 2I, H] (gate rows, then up rows) and
+w2 [S, H, I], and in host banks of the same rows (offload/host_banks.py). The expert kernels read the
+slot tensors as they are (kernels/grouped_expert_gemm.py, kernels/expert_pair_gemv.py); the host kernel
+reads the bank rows in float32 or bf16; `--load-format dummy` fills them from services/worker/dummy_weights.py."""
 
 from __future__ import annotations
 
 import torch
 
+from ferry.plan import expert_formats as F
 from ferry.services.worker.expert_formats.expert_shapes import check_expert_shapes
+from ferry.services.worker.offload import host_expert_kernel as K
+from ferry.services.worker.offload.host_expert_weights import PlainReader
 from ferry.services.worker.quantized_weight import QuantizedWeight
+
+HOST_KERNEL_FORMATS = {torch.float32: K.F32, torch.bfloat16: K.BF16}  # the C kernel's bank dtypes
 
 
 class Bf16Experts:
+    plan = F.get(F.BF16)
     quantized = False
+    copy_engine_default = True  # plain bf16 banks: --expert-copy-engine-tokens defaults on (services/worker/flags.py)
 
     def __init__(self, hidden: int, inter: int, dtype: torch.dtype):
         self.hidden, self.inter, self.dtype = hidden, inter, dtype
-        self.name = "bf16" if dtype == torch.bfloat16 else str(dtype).removeprefix("torch.")
+        self.name = self.plan.display_name(str(dtype).removeprefix("torch."))
+
+    @classmethod
+    def for_shapes(cls, hidden: int, inter: int, dtype: torch.dtype) -> Bf16Experts:
+        return cls(hidden, inter, dtype)
 
     def row_shapes(self):
         h, i = self.hidden, self.inter
@@ -35,3 +48,11 @@ class Bf16Experts:
 
     def gemm_views(self, w13: torch.Tensor, w2: torch.Tensor):
         return w13, w2
+
+    def host_kernel_format(self) -> int:
+        if self.dtype not in HOST_KERNEL_FORMATS:
+            raise K.KernelUnavailable(f"banks of {self.name} experts have no C kernel")
+        return HOST_KERNEL_FORMATS[self.dtype]
+
+    def host_reader(self, banks, dtype: torch.dtype, chunk: int):
+        return PlainReader(banks, dtype)  # a conversion, if any, is one copy a family

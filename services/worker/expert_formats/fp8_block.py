@@ -1,19 +1,24 @@
-"""The `fp8-block` expert format (Qwen's `-FP8` checkpoints: float8_e4m3fn with 128 x 128 block scales).
+"""The `fp8-block` expert format's worker side (Qwen's `-FP8` checkpoints: float8_e4m3fn with 128 x 128
+block scales; plan/expert_formats/fp8_block.py prices its rows and recognizes the checkpoints).
 
 Per weight family the byte row holds (plan/expert_formats.py) the float8_e4m3fn weights [O, IN]
 and the float32 scales of every 128 x 128 block of each projection (w13's gate and up keep their
 own block rows, restarting at row I, since partial blocks occur), as the checkpoints' scale_inv
 multiplies. Per-tensor FP8 experts (modelopt FP8) are held the same way, their one scale in every
 block. The kernels dequantize in registers and compute in the activations' dtype (W8A16:
-bench/NOTES.md says why)."""
+bench/NOTES.md says why): kernels/quantized_expert_gemm.py and kernels/quantized_expert_gemv.py read
+the views `gemm_views` gives (kernels/quantized_experts.py). Here too: the host reader's decode of its
+rows (Fp8BlockFamilyReader), the host kernel's code, the dummy weights of `--load-format dummy`, and
+Qwen's FP8 tensors of one linear (`quantize_linear`, what `ferry make-bench-model --format fp8` writes)."""
 
 from __future__ import annotations
 
 import torch
 
-from ferry.kernels.quantized_experts import FP8_BLOCK_SIZE, ceil_div
+from ferry.kernels.quantized_experts import FP8_BLOCK_SIZE, QuantizedFamily, ceil_div, row_block_index
 from ferry.plan import expert_formats as F
 from ferry.services.worker.expert_formats.quantized import (
+    E4M3_MAX,
     QuantizedExperts,
     dummy_pattern,
     expert_windows,
@@ -21,11 +26,52 @@ from ferry.services.worker.expert_formats.quantized import (
     part,
     raw,
 )
+from ferry.services.worker.offload import host_expert_kernel as K
+from ferry.services.worker.offload import host_expert_weights as W
 from ferry.services.worker.quantized_weight import FP8_BLOCK, FP8_TENSOR, QuantizedWeight
 
 
+def quantize_linear(w: torch.Tensor, block: int = FP8_BLOCK_SIZE) -> dict[str, torch.Tensor]:
+    """One linear [O, IN] in Qwen's FP8 block tensors (partial blocks at the edges): `weight` float8_e4m3fn
+    and `weight_scale_inv` fp32 [ceil(O/128), ceil(IN/128)] (amax / 448 of each block, multiplied back)."""
+    w = w.to(torch.float32)
+    o, n = w.shape
+    rb, cb = -(-o // block), -(-n // block)
+    padded = torch.zeros(rb * block, cb * block, device=w.device)
+    padded[:o, :n] = w
+    tiles = padded.view(rb, block, cb, block)
+    scale = (tiles.abs().amax(dim=(1, 3)) / E4M3_MAX).clamp(min=1e-12)
+    q = (tiles / scale[:, None, :, None]).view(rb * block, cb * block)[:o, :n].to(torch.float8_e4m3fn)
+    return {"weight": q.contiguous(), "weight_scale_inv": scale.contiguous()}
+
+
+class Fp8BlockFamilyReader(W.QuantizedFamilyReader):
+    """The host reader of one fp8-block family: the weights as float16 bits, times each row's block scales
+    (host_expert_weights.py's decoders, read through the module: one place to test them)."""
+
+    def __init__(self, family: QuantizedFamily, dtype: torch.dtype, chunk: int = W.DECODE_CHUNK):
+        super().__init__(family, dtype, chunk)
+        self.scale_rows = row_block_index(family.rows, family.part_rows)  # each row's block row of scales
+        # a partial block at the edge: its own op
+        self.full_cols = family.cols // FP8_BLOCK_SIZE * FP8_BLOCK_SIZE
+
+    def decode_rows(self, f: QuantizedFamily, expert: int, r0: int, r1: int, stage: torch.Tensor) -> None:
+        n = r1 - r0
+        stage.copy_(W.e4m3_as_fp16(f.q[expert, r0:r1], self.codes[:n]))
+        scales = f.scale[expert].index_select(0, self.scale_rows[r0:r1]).mul_(W.E4M3_IN_FP16)  # [n, column blocks]
+        full = self.full_cols // FP8_BLOCK_SIZE
+        if full:
+            stage[:, : self.full_cols].view(n, full, FP8_BLOCK_SIZE).mul_(scales[:, :full, None])
+        if self.full_cols < f.cols:
+            stage[:, self.full_cols :].mul_(scales[:, full:])
+
+
 class Fp8BlockExperts(QuantizedExperts):
-    name = F.FP8_BLOCK
+    plan = F.get(F.FP8_BLOCK)
+    name = plan.name
+    host_kernel_code = K.FP8_BLOCK
+    family_reader = Fp8BlockFamilyReader
+    quantize_linear = staticmethod(quantize_linear)
 
     def _write(self, row: torch.Tensor, layout: F.FamilyLayout, projections: tuple[QuantizedWeight, ...]) -> None:
         q, scale = (part(row, p) for p in layout.parts)

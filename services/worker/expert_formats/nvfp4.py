@@ -1,19 +1,25 @@
-"""The `nvfp4` expert format (nvidia modelopt and compressed-tensors NVFP4 checkpoints).
+"""The `nvfp4` expert format's worker side (nvidia modelopt and compressed-tensors NVFP4 checkpoints;
+plan/expert_formats/nvfp4.py prices its rows and recognizes the checkpoints).
 
 Per weight family the byte row holds (plan/expert_formats.py): the e2m1 codes uint8 [O, IN/2]
 (element 2j in the low nibble), the float8_e4m3fn scales [O, IN/16] of every 16 inputs, and a
 float32 scale per row: the projection's per-tensor scale (modelopt's weight_scale_2, or 1 / the
 compressed-tensors global scale), one per row because w13 stacks two projections (gate and up)
 whose scales differ. A 35B expert is 1.78 MB here against 6.29 MB in bf16. The kernels dequantize
-in registers (W4A16: Hopper has no FP4 tensor cores)."""
+in registers (W4A16: Hopper has no FP4 tensor cores): kernels/quantized_expert_gemm.py and
+kernels/quantized_expert_gemv.py read the views `gemm_views` gives (kernels/quantized_experts.py).
+Here too: the host reader's decode of its rows (Nvfp4FamilyReader), the host kernel's code, the dummy
+weights of `--load-format dummy`, and modelopt's NVFP4 tensors of one linear (`quantize_linear`, what
+`ferry make-bench-model --format nvfp4` writes)."""
 
 from __future__ import annotations
 
 import torch
 
-from ferry.kernels.quantized_experts import E2M1_VALUES
+from ferry.kernels.quantized_experts import E2M1_VALUES, NVFP4_GROUP, QuantizedFamily
 from ferry.plan import expert_formats as F
 from ferry.services.worker.expert_formats.quantized import (
+    E4M3_MAX,
     QuantizedExperts,
     dummy_pattern,
     expert_windows,
@@ -21,14 +27,71 @@ from ferry.services.worker.expert_formats.quantized import (
     part,
     raw,
 )
+from ferry.services.worker.offload import host_expert_kernel as K
+from ferry.services.worker.offload import host_expert_weights as W
 from ferry.services.worker.quantized_weight import NVFP4, QuantizedWeight
+
+E2M1_MAX = 6.0  # the largest e2m1 magnitude
 
 # the root mean square of a uniformly random e2m1 code: what a dummy weight's scales divide by
 _E2M1_RMS = (sum(v * v for v in E2M1_VALUES) / len(E2M1_VALUES)) ** 0.5
 
 
+def _e2m1_codes(x: torch.Tensor) -> torch.Tensor:
+    """Nearest e2m1 code (uint8, sign in bit 3) of every value of x (already scaled into [-6, 6])."""
+    mag = x.abs().clamp(max=E2M1_MAX)
+    code = (mag.unsqueeze(-1) - torch.tensor(E2M1_VALUES, device=x.device)).abs().argmin(dim=-1)
+    return (code | torch.where(x < 0, 8, 0)).to(torch.uint8)
+
+
+def quantize_linear(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One linear [O, IN] in modelopt's NVFP4 tensors (IN a multiple of 16): `weight` uint8 [O, IN/2] (two
+    e2m1 codes, element 2j in the low nibble), `weight_scale` float8_e4m3fn [O, IN/16], `weight_scale_2`
+    fp32 (= amax / (6 x 448)) and `input_scale` fp32, as modelopt computes them: weight ~ e2m1 x
+    weight_scale x weight_scale_2. Round to nearest on the e2m1 grid (a tie to the smaller magnitude)."""
+    w = w.to(torch.float32)
+    o, n = w.shape
+    if n % NVFP4_GROUP:
+        raise ValueError(f"nvfp4 needs the input size to be a multiple of {NVFP4_GROUP}, got {n}")
+    amax = w.abs().max().clamp(min=1e-12)
+    scale_2 = amax / (E2M1_MAX * E4M3_MAX)
+    groups = w.view(o, n // NVFP4_GROUP, NVFP4_GROUP)
+    block = (groups.abs().amax(-1) / (E2M1_MAX * scale_2)).to(torch.float8_e4m3fn).to(torch.float32)
+    block = torch.where(block == 0, 1.0, block).to(torch.float8_e4m3fn)  # an all-zero group: modelopt's 1
+    codes = _e2m1_codes(groups / (block.to(torch.float32)[..., None] * scale_2)).view(o, n)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return {
+        "weight": packed.contiguous(),
+        "weight_scale": block.contiguous(),
+        "weight_scale_2": scale_2.reshape(()),
+        "input_scale": torch.tensor(1.0 / E4M3_MAX / E2M1_MAX),
+    }
+
+
+class Nvfp4FamilyReader(W.QuantizedFamilyReader):
+    """The host reader of one nvfp4 family: codes and group scales as float16 bits, times the row scale
+    (host_expert_weights.py's decoders, read through the module: one place to test them)."""
+
+    def __init__(self, family: QuantizedFamily, dtype: torch.dtype, chunk: int = W.DECODE_CHUNK):
+        super().__init__(family, dtype, chunk)
+        self.scale_codes = torch.empty(self.chunk_rows, family.cols // NVFP4_GROUP, dtype=torch.int16)
+        self.group_scales = torch.empty(self.chunk_rows, family.cols // NVFP4_GROUP, dtype=torch.float32)
+
+    def decode_rows(self, f: QuantizedFamily, expert: int, r0: int, r1: int, stage: torch.Tensor) -> None:
+        n = r1 - r0
+        stage.copy_(W.e2m1_as_fp16(W.nibble_codes(f.q[expert, r0:r1], self.words[:n])))
+        scales = self.group_scales[:n].copy_(W.e4m3_as_fp16(f.scale[expert, r0:r1], self.scale_codes[:n]))
+        # e2m1 x group scale is exact; then the row scale rounds once: the reference's order
+        stage.view(n, -1, NVFP4_GROUP).mul_(scales.mul_(W.E4M3_IN_FP16 * W.E2M1_IN_FP16).unsqueeze(-1))
+        stage.mul_(f.gscale[expert, r0:r1].unsqueeze(-1))
+
+
 class Nvfp4Experts(QuantizedExperts):
-    name = F.NVFP4
+    plan = F.get(F.NVFP4)
+    name = plan.name
+    host_kernel_code = K.NVFP4
+    family_reader = Nvfp4FamilyReader
+    quantize_linear = staticmethod(quantize_linear)
 
     def _write(self, row: torch.Tensor, layout: F.FamilyLayout, projections: tuple[QuantizedWeight, ...]) -> None:
         parts = {p.name: part(row, p) for p in layout.parts}

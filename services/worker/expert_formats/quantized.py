@@ -14,12 +14,14 @@ from ferry.kernels.quantized_experts import QuantizedFamily
 from ferry.plan import expert_formats as F
 from ferry.services.worker.dummy_weights import name_seed
 from ferry.services.worker.expert_formats.expert_shapes import check_expert_shapes
+from ferry.services.worker.offload.host_expert_weights import QuantizedFamilyReader, QuantizedReader
 from ferry.services.worker.quantized_weight import QuantizedWeight
 
 TORCH_PART_DTYPES = {"uint8": torch.uint8, "float8_e4m3fn": torch.float8_e4m3fn, "float32": torch.float32}
 # Dummy weights (--load-format dummy): the dummy recipe's scales (dummy_weights.py), the weights
 # that feed the residual stream (down) ten times weaker, so routing follows the token.
 DUMMY_STD, DUMMY_DOWN_STD = 0.02, 0.002
+E4M3_MAX = 448.0  # the largest float8_e4m3fn magnitude
 DUMMY_EXPERT_STRIDE = 4099  # bytes between consecutive experts' windows of a layer's pattern (prime)
 
 
@@ -40,15 +42,33 @@ def fill_bytes_of(rows: torch.Tensor, p: F.RowPart, value: float) -> None:
 
 
 class QuantizedExperts(ABC):
-    """A quantized expert format over experts of hidden size H and intermediate size I."""
+    """A quantized expert format over experts of hidden size H and intermediate size I: `plan` (its
+    plan/expert_formats object) prices its rows, a subclass writes and fills them (`_write`,
+    `_fill_dummy`), names its host kernel code and its host reader of a family (`family_reader`), and
+    gives `quantize_linear`, the published layout's tensors of one linear (services/quantized_checkpoint.py)."""
 
+    plan: F.ExpertFormat
+    name: str  # plan.name
     quantized = True
-    name = ""
+    copy_engine_default = False  # a quantized miss is small: the graph's core copies beat the eager copy-engine path
+    host_kernel_code: int  # the C host kernel's enum ferry_format (offload/host_expert_kernel.py)
+    family_reader: type[QuantizedFamilyReader]  # the host reader of one family's rows
 
     def __init__(self, hidden: int, inter: int):
         self.hidden, self.inter = hidden, inter
-        self.layout13 = F.family_layout(self.name, 2 * inter, hidden, inter)
-        self.layout2 = F.family_layout(self.name, hidden, inter, hidden)
+        self.layout13 = self.plan.family_layout(2 * inter, hidden, inter)
+        self.layout2 = self.plan.family_layout(hidden, inter, hidden)
+
+    @classmethod
+    def for_shapes(cls, hidden: int, inter: int, dtype: torch.dtype) -> QuantizedExperts:
+        """The format for experts of these sizes (the rows are the same bytes whatever the run dtype)."""
+        return cls(hidden, inter)
+
+    def host_kernel_format(self) -> int:
+        return self.host_kernel_code
+
+    def host_reader(self, banks, dtype: torch.dtype, chunk: int) -> QuantizedReader:
+        return QuantizedReader(banks, dtype, chunk)
 
     def row_shapes(self):
         return ((self.layout13.nbytes,), torch.uint8), ((self.layout2.nbytes,), torch.uint8)

@@ -20,6 +20,7 @@ import torch
 from ferry.kernels.dispatch import use_triton
 from ferry.plan.model_config import ModelSpec
 from ferry.plan.planner import Plan
+from ferry.services.worker.expert_formats import bank_format_for
 from ferry.services.worker.flags import DEFAULT_EXPERT_POLICY, EXPERT_POLICIES
 from ferry.services.worker.offload.device_store import DeviceDrivenExperts
 from ferry.services.worker.offload.expert_cache import OffloadedExperts
@@ -33,6 +34,8 @@ from ferry.shared.errors import ConfigError
 
 POLICIES: dict[str, type[ExpertSlotPolicy]] = {"lru": LRUExpertPolicy, "lfu": LFUExpertPolicy}
 DEFAULT_POLICY = DEFAULT_EXPERT_POLICY
+# the bank classes, the first that `holds` the banks' expert format keeps them (HostBanks: any, as the slots do)
+BANK_KINDS = (PackedHostBanks, HostBanks)
 assert set(POLICIES) == set(EXPERT_POLICIES), "--expert-policy's choices must be the policies built here"
 
 
@@ -57,7 +60,8 @@ def host_banks_for(
     """Host banks for every routed expert in the plan's format (packed: 12 bits a value), pinned
     when CUDA is present; a HostMemoryError naming the bytes needed and available comes before
     anything is allocated."""
-    kind = PackedHostBanks if plan.host.expert_bank_format == "packed" else HostBanks
+    fmt = bank_format_for(spec, plan)
+    kind = next(k for k in BANK_KINDS if k.holds(fmt))
     return kind.for_model(spec, plan.dtype, pin=pin, progress=progress)
 
 

@@ -126,7 +126,7 @@ class OffloadedExperts:
             "resident": self.policy.resident,
             "evictions": self.policy.evictions,
             "host_bank_bytes": self.banks.nbytes,
-            "expert_format": "bf16-packed" if self.banks.packed else self.slots.format.name,
+            "expert_format": self.banks.format.name,
         }
 
     # ---- the step ----------------------------------------------------------------------------

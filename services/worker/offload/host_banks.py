@@ -101,6 +101,11 @@ class HostBanks:
 
     packed = False  # rows as the slots hold them (PackedHostBanks: 12 bits a value)
 
+    @staticmethod
+    def holds(fmt) -> bool:
+        """Any expert format's rows, as its slots hold them."""
+        return True
+
     def __init__(self, w13: list[torch.Tensor], w2: list[torch.Tensor], fmt=None):
         if not w13 or len(w13) != len(w2):
             raise ValueError(f"need one w13 and one w2 block per MoE layer, got {len(w13)} and {len(w2)}")

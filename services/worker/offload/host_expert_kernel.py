@@ -270,17 +270,8 @@ def check_packed(banks) -> None:
 
 
 def bank_format(banks) -> int:
-    """The kernel's format code for these banks, or KernelUnavailable."""
-    if getattr(banks, "packed", False):
-        return PACKED
-    name = banks.format.name
-    if banks.format.quantized:
-        codes = {"nvfp4": NVFP4, "fp8-block": FP8_BLOCK}
-    else:
-        codes = {"float32": F32, "bf16": BF16}
-    if name not in codes:
-        raise KernelUnavailable(f"banks of {name} experts have no C kernel")
-    return codes[name]
+    """The kernel's format code for these banks (their expert format's), or KernelUnavailable."""
+    return banks.format.host_kernel_format()
 
 
 def check_call(

@@ -32,14 +32,7 @@ import sys
 
 import torch
 
-from ferry.kernels.quantized_experts import (
-    FP8_BLOCK,
-    FP8_BLOCK_SIZE,
-    NVFP4,
-    NVFP4_GROUP,
-    QuantizedFamily,
-    row_block_index,
-)
+from ferry.kernels.quantized_experts import QuantizedFamily
 
 if sys.byteorder != "little":  # the int16 lanes of an int32 word below are read in little-endian order
     raise ImportError("host expert decoding assumes a little-endian host")
@@ -141,7 +134,8 @@ class PackedReader:
 class QuantizedFamilyReader:
     """One weight family (w13 or w2) of a quantized bank, dequantized into a scratch [O, IN], a chunk
     of rows at a time: the codes as float16 bits, to float32, times the scales (with the bits' power
-    of two folded in), rounded once to the compute dtype."""
+    of two folded in), rounded once to the compute dtype. Each quantized format's reader
+    (services/worker/expert_formats/<format>.py) adds its scratch and decodes a chunk (`decode_rows`)."""
 
     def __init__(self, family: QuantizedFamily, dtype: torch.dtype, chunk: int = DECODE_CHUNK):
         rows, cols = family.rows, family.cols
@@ -151,45 +145,20 @@ class QuantizedFamilyReader:
         self.out = torch.empty(rows, cols, dtype=dtype)
         # float32 compute scales in place; any other dtype is rounded from a float32 chunk
         self.float32 = None if dtype == torch.float32 else torch.empty(self.chunk_rows, cols, dtype=torch.float32)
-        if family.fmt == NVFP4:
-            self.scale_codes = torch.empty(self.chunk_rows, cols // NVFP4_GROUP, dtype=torch.int16)
-            self.group_scales = torch.empty(self.chunk_rows, cols // NVFP4_GROUP, dtype=torch.float32)
-        elif family.fmt == FP8_BLOCK:
-            self.scale_rows = row_block_index(rows, family.part_rows)  # each row's block row of scales
-            self.full_cols = cols // FP8_BLOCK_SIZE * FP8_BLOCK_SIZE  # a partial block at the edge: its own op
-        else:
-            raise ValueError(f"unknown quantized expert format {family.fmt!r}")
 
     def weights(self, f: QuantizedFamily, expert: int) -> torch.Tensor:
         """Expert `expert` of family `f` (of this reader's layout: any MoE layer's)."""
         for r0 in range(0, f.rows, self.chunk_rows):
             r1 = min(f.rows, r0 + self.chunk_rows)
             stage = self.out[r0:r1] if self.float32 is None else self.float32[: r1 - r0]
-            if f.fmt == NVFP4:
-                self._nvfp4_rows(f, expert, r0, r1, stage)
-            else:
-                self._fp8_rows(f, expert, r0, r1, stage)
+            self.decode_rows(f, expert, r0, r1, stage)
             if self.float32 is not None:
                 self.out[r0:r1].copy_(stage)
         return self.out
 
-    def _nvfp4_rows(self, f: QuantizedFamily, expert: int, r0: int, r1: int, stage: torch.Tensor) -> None:
-        n = r1 - r0
-        stage.copy_(e2m1_as_fp16(nibble_codes(f.q[expert, r0:r1], self.words[:n])))
-        scales = self.group_scales[:n].copy_(e4m3_as_fp16(f.scale[expert, r0:r1], self.scale_codes[:n]))
-        # e2m1 x group scale is exact; then the row scale rounds once: the reference's order
-        stage.view(n, -1, NVFP4_GROUP).mul_(scales.mul_(E4M3_IN_FP16 * E2M1_IN_FP16).unsqueeze(-1))
-        stage.mul_(f.gscale[expert, r0:r1].unsqueeze(-1))
-
-    def _fp8_rows(self, f: QuantizedFamily, expert: int, r0: int, r1: int, stage: torch.Tensor) -> None:
-        n = r1 - r0
-        stage.copy_(e4m3_as_fp16(f.q[expert, r0:r1], self.codes[:n]))
-        scales = f.scale[expert].index_select(0, self.scale_rows[r0:r1]).mul_(E4M3_IN_FP16)  # [n, column blocks]
-        full = self.full_cols // FP8_BLOCK_SIZE
-        if full:
-            stage[:, : self.full_cols].view(n, full, FP8_BLOCK_SIZE).mul_(scales[:, :full, None])
-        if self.full_cols < f.cols:
-            stage[:, self.full_cols :].mul_(scales[:, full:])
+    def decode_rows(self, f: QuantizedFamily, expert: int, r0: int, r1: int, stage: torch.Tensor) -> None:
+        """Rows r0:r1 of expert `expert` of family `f`, dequantized in float32 (or the compute dtype) into `stage`."""
+        raise NotImplementedError
 
 
 class QuantizedReader:
@@ -198,8 +167,8 @@ class QuantizedReader:
 
     def __init__(self, banks, dtype: torch.dtype, chunk: int = DECODE_CHUNK):
         self.views = [banks.format.gemm_views(w13, w2) for w13, w2 in zip(banks.w13, banks.w2)]
-        self.w13 = QuantizedFamilyReader(self.views[0][0], dtype, chunk)
-        self.w2 = QuantizedFamilyReader(self.views[0][1], dtype, chunk)
+        self.w13 = banks.format.family_reader(self.views[0][0], dtype, chunk)
+        self.w2 = banks.format.family_reader(self.views[0][1], dtype, chunk)
 
     def expert(self, moe_layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         family13, family2 = self.views[moe_layer]
@@ -207,9 +176,6 @@ class QuantizedReader:
 
 
 def expert_reader(banks, dtype: torch.dtype, chunk: int = DECODE_CHUNK):
-    """The reader for these banks' format, computing in `dtype`, decoding about `chunk` values a pass."""
-    if getattr(banks, "packed", False):
-        return PackedReader(banks, dtype, chunk)
-    if banks.format.quantized:
-        return QuantizedReader(banks, dtype, chunk)
-    return PlainReader(banks, dtype)  # a conversion, if any, is one copy a family
+    """The reader for these banks' format (its `host_reader`), computing in `dtype`, decoding about `chunk`
+    values a pass."""
+    return banks.format.host_reader(banks, dtype, chunk)

@@ -33,6 +33,7 @@ from ferry.kernels.expert_pack import pack_experts, unpack_expert_reference, unp
 from ferry.plan import host_memory as H
 from ferry.plan.host_memory import MEMINFO
 from ferry.plan.model_config import ModelSpec
+from ferry.services.worker.expert_formats.bf16_packed import Bf16PackedExperts
 from ferry.services.worker.expert_formats.expert_shapes import check_expert_shapes
 from ferry.services.worker.offload.host_banks import (
     DUMMY_DOWN_STD,
@@ -51,9 +52,15 @@ PACK_BYTES_PER_VALUE = 24  # pack_experts' peak temporaries a value: the input, 
 
 
 class PackedHostBanks:
-    """Per MoE layer: lo[layer], hi[layer], base[layer] and the escapes; see the module docstring."""
+    """Per MoE layer: lo[layer], hi[layer], base[layer] and the escapes; see the module docstring. They hold
+    the bf16-packed expert format (`format`)."""
 
     packed = True
+
+    @staticmethod
+    def holds(fmt) -> bool:
+        """Whether these banks keep experts of worker expert format `fmt`."""
+        return isinstance(fmt, Bf16PackedExperts)
 
     def __init__(
         self,
@@ -68,6 +75,7 @@ class PackedHostBanks:
         self.num_layers, self.num_experts = num_layers, num_experts
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.dtype = torch.bfloat16
+        self.format = Bf16PackedExperts(hidden_size, intermediate_size)
         self.pinned, self.meminfo = pin, meminfo
         self.v13, self.v2 = 2 * intermediate_size * hidden_size, hidden_size * intermediate_size
         v = self.v13 + self.v2
