@@ -1,13 +1,22 @@
 """The blocks the grouped expert GEMMs launch over (grouped_expert_gemm.py and its quantized twin,
 quantized_expert_gemm.py): pairs aligned by slot (kernels/align_pairs.py) fall into blocks of BLOCK_M
 rows of one slot each, and a program computes one block. Here: the block size of a step, which blocks a
-launch covers (all, or a slot window's), and the jit helpers a kernel reads its block with."""
+launch covers (all, or a slot window's), what the two launches of a grouped step share
+(`grouped_launch`), and the jit helpers a kernel reads its block with."""
 
 from __future__ import annotations
+
+import os
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from ferry.kernels.align_pairs import align_pairs_by_slot
+
+# The Triton interpreter (TRITON_INTERPRET=1, CPU tests) computes bf16 dots wrongly: upcast there.
+_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -66,3 +75,53 @@ def launch_blocks(
         block_start,
         window_programs(num_pairs, block_start.numel() - 1, hi - lo, block_m, num_blocks),
     )
+
+
+@dataclass(frozen=True)
+class GroupedLaunch:
+    """What a grouped expert GEMM's gate/up and down launches share, whatever the slots' format: the aligned
+    blocks (`aligned_args`: sorted pairs, each block's slot, and the window's block starts, or the block slots
+    where the launch is not WINDOWED and does not read them), `grid_m` programs along them, the activation
+    scratch [aligned rows, I] between the two launches, the router weights in float32, the slot window, and
+    the launches' shared meta-parameters (the caller adds its BLOCK_N and BLOCK_K)."""
+
+    aligned_args: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    grid_m: int
+    num_pairs: int
+    top_k: int
+    act: torch.Tensor
+    weights: torch.Tensor
+    window: tuple[int, int, int]
+    meta: dict
+
+
+def grouped_launch(
+    x: torch.Tensor,
+    topk_slots: torch.Tensor,
+    topk_weights: torch.Tensor,
+    num_slots: int,
+    inter: int,
+    aligned: tuple[torch.Tensor, ...] | None,
+    max_distinct_slots: int | None,
+    slot_window: tuple[int, int, int],
+) -> GroupedLaunch | None:
+    """The launch of a grouped step over `num_slots` slots of intermediate size `inter` (the arguments of
+    `grouped_expert_rows_triton`); None when it has no block to compute."""
+    top_k = topk_weights.shape[1]
+    num_pairs = x.shape[0] * top_k
+    block_m = block_m_for(num_pairs)
+    if aligned is None:
+        aligned = align_pairs_by_slot(topk_slots, num_slots, block_m, max_distinct_slots)
+    sorted_pairs, block_slot, block_start, grid_m = launch_blocks(aligned, num_pairs, block_m, slot_window)
+    if num_pairs == 0 or block_slot.numel() == 0:
+        return None
+    act = torch.empty(sorted_pairs.numel(), inter, dtype=x.dtype, device=x.device)
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    meta = dict(
+        BLOCK_M=block_m,
+        UPCAST=_INTERPRETING or x.dtype == torch.float32,
+        PRECISION="ieee" if x.dtype == torch.float32 else None,  # fp32 in, fp32 accuracy out (no TF32)
+        WINDOWED=block_start is not None,
+    )
+    starts = block_start if block_start is not None else block_slot  # not read unless WINDOWED
+    return GroupedLaunch((sorted_pairs, block_slot, starts), grid_m, num_pairs, top_k, act, weights, slot_window, meta)

@@ -21,23 +21,17 @@ kernels/quantized_experts.py) take the same paths, each entry handing them to it
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from ferry.kernels.align_pairs import align_pairs_by_slot
-from ferry.kernels.aligned_blocks import SLOT_WINDOW_ALL, block_m_for, block_rows, launch_blocks, window_blocks
+from ferry.kernels.aligned_blocks import SLOT_WINDOW_ALL, block_rows, grouped_launch, window_blocks
 from ferry.kernels.dispatch import use_triton
 from ferry.kernels.expert_pair_gemv import expert_pair_rows_triton, use_pair_kernel
 from ferry.kernels.expert_rows_sum import check_rows, new_rows, sum_rows
 from ferry.kernels.grouped_expert_gemm_reference import grouped_expert_rows_reference
 from ferry.kernels.quantized_expert_gemm import quantized_grouped_rows_triton
 from ferry.kernels.quantized_experts import QuantizedFamily
-
-# The Triton interpreter (TRITON_INTERPRET=1, CPU tests) computes bf16 dots wrongly: upcast there.
-_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -358,41 +352,22 @@ def grouped_expert_rows_triton(
         return quantized_grouped_rows_triton(
             x, topk_slots, topk_weights, w13, w2, rows, aligned, max_distinct_slots, slot_window
         )
-    t, h = x.shape
-    top_k = topk_weights.shape[1]
+    h = x.shape[1]
     inter = w2.shape[2]
-    check_rows(rows, x, top_k)
-    num_pairs = t * top_k
-    block_m = block_m_for(num_pairs)
-    block_n, block_k = 64, 64
-    if aligned is None:
-        aligned = align_pairs_by_slot(topk_slots, w13.shape[0], block_m, max_distinct_slots)
-    sorted_pairs, block_slot, block_start, grid_m = launch_blocks(aligned, num_pairs, block_m, slot_window)
-    if num_pairs == 0 or block_slot.numel() == 0:
+    check_rows(rows, x, topk_weights.shape[1])
+    launch = grouped_launch(x, topk_slots, topk_weights, w13.shape[0], inter, aligned, max_distinct_slots, slot_window)
+    if launch is None:
         return
-    act = torch.empty(sorted_pairs.numel(), inter, dtype=x.dtype, device=x.device)
-    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    upcast = _INTERPRETING or x.dtype == torch.float32
-    precision = "ieee" if x.dtype == torch.float32 else None  # fp32 in, fp32 accuracy out (no TF32)
-    meta = dict(
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        UPCAST=upcast,
-        PRECISION=precision,
-        WINDOWED=block_start is not None,
-    )  # both kernels
-    lo, hi, shift = slot_window
-    starts = block_start if block_start is not None else block_slot  # not read unless WINDOWED
+    block_n, block_k = 64, 64
+    meta = dict(launch.meta, BLOCK_N=block_n, BLOCK_K=block_k)  # both kernels
+    act, (lo, hi, shift), grid_m = launch.act, launch.window, launch.grid_m
     _gate_up_kernel[(grid_m, triton.cdiv(inter, block_n))](
         x,
         w13,
         act,
-        sorted_pairs,
-        block_slot,
-        starts,
-        num_pairs,
-        top_k,
+        *launch.aligned_args,
+        launch.num_pairs,
+        launch.top_k,
         h,
         inter,
         lo,
@@ -411,11 +386,9 @@ def grouped_expert_rows_triton(
         act,
         w2,
         rows,
-        weights,
-        sorted_pairs,
-        block_slot,
-        starts,
-        num_pairs,
+        launch.weights,
+        *launch.aligned_args,
+        launch.num_pairs,
         h,
         inter,
         lo,

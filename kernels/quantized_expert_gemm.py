@@ -16,21 +16,16 @@ dense copy of the weights exists. Every load is a whole tile (vectorised, and pi
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from ferry.kernels.align_pairs import align_pairs_by_slot
-from ferry.kernels.aligned_blocks import SLOT_WINDOW_ALL, block_m_for, block_rows, launch_blocks, window_blocks
+from ferry.kernels.aligned_blocks import SLOT_WINDOW_ALL, block_rows, grouped_launch, window_blocks
 from ferry.kernels.expert_rows_sum import check_rows
 from ferry.kernels.quantized_expert_gemv import _e2m1_high, _e2m1_low, check_quantized_families
 from ferry.kernels.quantized_experts import NVFP4, QuantizedFamily
 
 BLOCK_N = 64
-# The Triton interpreter (TRITON_INTERPRET=1, CPU tests) computes bf16 dots wrongly: upcast there.
-_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def block_k_for(fmt: str, block_m: int, dtype: torch.dtype) -> int:
@@ -717,34 +712,17 @@ def quantized_grouped_rows_triton(
 ) -> None:
     """`grouped_expert_rows_triton` for quantized slots (same arguments, `aligned` and
     `slot_window` included, same contract)."""
-    t, h = x.shape
-    top_k = topk_weights.shape[1]
+    h = x.shape[1]
     inter = check_quantized_families(h, w13, w2)
-    check_rows(rows, x, top_k)
-    num_pairs = t * top_k
-    block_m = block_m_for(num_pairs)
-    if aligned is None:
-        aligned = align_pairs_by_slot(topk_slots, w13.num_slots, block_m, max_distinct_slots)
-    sorted_pairs, block_slot, block_start, grid_m = launch_blocks(aligned, num_pairs, block_m, slot_window)
-    if num_pairs == 0 or block_slot.numel() == 0:
+    check_rows(rows, x, topk_weights.shape[1])
+    launch = grouped_launch(x, topk_slots, topk_weights, w13.num_slots, inter, aligned, max_distinct_slots, slot_window)
+    if launch is None:
         return
-    act = torch.empty(sorted_pairs.numel(), inter, dtype=x.dtype, device=x.device)
-    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    upcast = _INTERPRETING or x.dtype == torch.float32
-    precision = "ieee" if x.dtype == torch.float32 else None  # fp32 in, fp32 accuracy out (no TF32)
-    block_k = block_k_for(w13.fmt, block_m, x.dtype)
-    meta = dict(
-        BLOCK_M=block_m,
-        BLOCK_N=BLOCK_N,
-        BLOCK_K=block_k,
-        UPCAST=upcast,
-        PRECISION=precision,
-        WINDOWED=block_start is not None,
-    )  # all four
-    lo, hi, shift = slot_window
-    starts = block_start if block_start is not None else block_slot  # not read unless WINDOWED
-    aligned_args = (sorted_pairs, block_slot, starts)
-    up_grid, down_grid = (grid_m, triton.cdiv(inter, BLOCK_N)), (grid_m, triton.cdiv(h, BLOCK_N))
+    block_k = block_k_for(w13.fmt, launch.meta["BLOCK_M"], x.dtype)
+    meta = dict(launch.meta, BLOCK_N=BLOCK_N, BLOCK_K=block_k)  # all four
+    act, weights, aligned_args, (lo, hi, shift) = launch.act, launch.weights, launch.aligned_args, launch.window
+    num_pairs, top_k = launch.num_pairs, launch.top_k
+    up_grid, down_grid = (launch.grid_m, triton.cdiv(inter, BLOCK_N)), (launch.grid_m, triton.cdiv(h, BLOCK_N))
     if w13.fmt == NVFP4:
         _nvfp4_gate_up_kernel[up_grid](
             x,
