@@ -4,7 +4,7 @@ and FP8-block formats, and their dequantization (docs/ARCHITECTURE.md §3, "Expe
 A quantized slot keeps each weight family of an expert (w13 = [gate; up] with [2I, H] values, w2 =
 down with [H, I]) as one row of bytes, so one expert is still one contiguous copy per family from
 the host banks into its slot (kernels/expert_copy.py copies bytes; the copy engine too). Inside a
-row the parts lie one after the other, each at a 16-byte boundary (plan/expert_formats.py prices
+row the parts lie one after the other, each at a 16-byte boundary (plan/expert_formats/ prices
 the same layout). `QuantizedFamily` holds the typed strided views of those parts over all slots:
 
 * **nvfp4** (W4A16 on Hopper: no FP4 tensor cores, so the kernels dequantize in registers):

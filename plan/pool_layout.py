@@ -146,7 +146,7 @@ def _linear_state_tensors(spec: ModelSpec, dtype: str, prefix: str, lead: tuple[
 
 def expert_bytes(spec: ModelSpec, dtype: str) -> int:
     """One routed expert in its slot: the fused gate+up projection and the down projection, in the
-    slots' format (the run dtype, or the checkpoint's quantized format: plan/expert_formats.py)."""
+    slots' format (the run dtype, or the checkpoint's quantized format: plan/expert_formats/)."""
     return sum(F.slot_family_bytes(spec, dtype))
 
 

@@ -18,7 +18,7 @@ Three published layouts are served (docs/ARCHITECTURE.md §3, "Expert formats"):
 Anything else is refused here, when the config is read (so `ferry plan` refuses it too, before a
 byte is loaded), by a ConfigError naming what was found and what is supported. What this module
 decides is the *expert format*: how the routed experts are held in host RAM, in their slots and
-across PCIe (plan/expert_formats.py). Which dense linear is quantized is decided by the tensors
+across PCIe (plan/expert_formats/). Which dense linear is quantized is decided by the tensors
 the checkpoint holds (services/worker/quantized_weight.py); dense weights are dequantized once at
 load. No torch here.
 """

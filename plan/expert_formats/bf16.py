@@ -1,7 +1,11 @@
 """The `bf16` expert format: the routed experts unquantized, in the run dtype (bf16 on a GPU, float32
 in the CPU tests), slots w13 [S, 2I, H] (gate rows, then up rows) and w2 [S, H, I], host banks of the
 same rows. The format of every checkpoint that does not quantize its routed experts, so it registers
-first (registry.unquantized). Worker side: services/worker/expert_formats/bf16.py."""
+first (registry.unquantized). Worker side: services/worker/expert_formats/bf16.py.
+
+It registers what every format must (the checklist: plan/expert_formats/__init__.py): its name,
+its slot rows and their bytes, its plan words (`display_name`, `banks_detail`), its make-bench-model
+layout and its worker class; its banks are the default `plain` ones."""
 
 from __future__ import annotations
 

@@ -3,7 +3,12 @@ modelopt's per-tensor FP8 experts are held the same way, their one scale in ever
 family one byte row of the float8_e4m3fn weights [O, IN] and the float32 scales of every 128 x 128
 block of each projection (w13's gate and up keep their own block rows): ~3 I H bytes an expert. Kept
 so in host RAM, across PCIe and in the slots; the kernels dequantize in registers.
-Worker side: services/worker/expert_formats/fp8_block.py."""
+Worker side: services/worker/expert_formats/fp8_block.py.
+
+It registers what every format must (the checklist: plan/expert_formats/__init__.py): its name, its
+byte row (`row_parts`), the checkpoint quantization it holds (`checkpoint_algos`), the layout
+make-bench-model writes (`checkpoint_layout`, `checkpoint_quantizes`, `checkpoint_config`) and its
+worker class."""
 
 from __future__ import annotations
 

@@ -3,7 +3,12 @@ family one byte row of the e2m1 codes uint8 [O, IN/2] (element 2j in the low nib
 float8_e4m3fn scales [O, IN/16] of every 16 inputs, and a float32 scale per row (the projection's
 per-tensor scale, one per row because w13 stacks gate and up, whose scales differ): ~1.69 I H bytes
 an expert. Kept so in host RAM, across PCIe and in the slots; the kernels dequantize in registers.
-Worker side: services/worker/expert_formats/nvfp4.py."""
+Worker side: services/worker/expert_formats/nvfp4.py.
+
+It registers what every format must (the checklist: plan/expert_formats/__init__.py): its name, its
+byte row (`row_parts`), the checkpoint quantization it holds (`checkpoint_algos`), the layout
+make-bench-model writes (`checkpoint_layout`, `checkpoint_quantizes`, `checkpoint_config`) and its
+worker class."""
 
 from __future__ import annotations
 

@@ -2,7 +2,11 @@
 (bf16 on a GPU, float32 in the CPU tests), in slots w13 [S, 2I, H] (gate rows, then up rows) and
 w2 [S, H, I], and in host banks of the same rows (offload/host_banks.py). The expert kernels read the
 slot tensors as they are (kernels/grouped_expert_gemm.py, kernels/expert_pair_gemv.py); the host kernel
-reads the bank rows in float32 or bf16; `--load-format dummy` fills them from services/worker/dummy_weights.py."""
+reads the bank rows in float32 or bf16; `--load-format dummy` fills them from services/worker/dummy_weights.py.
+
+What every worker format gives (the checklist: services/worker/expert_formats/__init__.py): `plan`,
+`name`, `row_shapes`, `write_expert`, `gemm_views` (which pick the kernels), `host_kernel_format`,
+`host_reader`, `copy_engine_default`, `for_shapes`, and for byte rows `fill_dummy_layer`."""
 
 from __future__ import annotations
 

@@ -3,7 +3,11 @@ why it is a format of its own): bf16 slots, exactly bf16's (this class is Bf16Ex
 host banks that keep every value in 12 bits (offload/packed_banks.py, whose banks hold this format):
 the host kernel decodes those banks itself (its PACKED code), the host reader unpacks them
 (offload/host_expert_weights.py's PackedReader), and misses take no copy-engine threshold by default
-(the GPU's unpacking copy moves more bf16 bytes a second than the copy engine)."""
+(the GPU's unpacking copy moves more bf16 bytes a second than the copy engine).
+
+What it gives beyond Bf16Experts is what a bank variant must (the checklist:
+services/worker/expert_formats/__init__.py): its `plan`, `host_kernel_format`, `host_reader` and
+`copy_engine_default`; the bank class that holds it says so (`PackedHostBanks.holds`)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The `fp8-block` expert format's worker side (Qwen's `-FP8` checkpoints: float8_e4m3fn with 128 x 128
 block scales; plan/expert_formats/fp8_block.py prices its rows and recognizes the checkpoints).
 
-Per weight family the byte row holds (plan/expert_formats.py) the float8_e4m3fn weights [O, IN]
+Per weight family the byte row holds (plan/expert_formats/fp8_block.py) the float8_e4m3fn weights [O, IN]
 and the float32 scales of every 128 x 128 block of each projection (w13's gate and up keep their
 own block rows, restarting at row I, since partial blocks occur), as the checkpoints' scale_inv
 multiplies. Per-tensor FP8 experts (modelopt FP8) are held the same way, their one scale in every
@@ -9,7 +9,11 @@ block. The kernels dequantize in registers and compute in the activations' dtype
 bench/NOTES.md says why): kernels/quantized_expert_gemm.py and kernels/quantized_expert_gemv.py read
 the views `gemm_views` gives (kernels/quantized_experts.py). Here too: the host reader's decode of its
 rows (Fp8BlockFamilyReader), the host kernel's code, the dummy weights of `--load-format dummy`, and
-Qwen's FP8 tensors of one linear (`quantize_linear`, what `ferry make-bench-model --format fp8` writes)."""
+Qwen's FP8 tensors of one linear (`quantize_linear`, what `ferry make-bench-model --format fp8` writes).
+
+What every quantized worker format gives (the checklist: services/worker/expert_formats/__init__.py):
+`plan` and `name`, `_write` and `_fill_dummy` of its parts, `host_kernel_code`, `family_reader`, and
+`quantize_linear` where make-bench-model writes its layout."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The `nvfp4` expert format's worker side (nvidia modelopt and compressed-tensors NVFP4 checkpoints;
 plan/expert_formats/nvfp4.py prices its rows and recognizes the checkpoints).
 
-Per weight family the byte row holds (plan/expert_formats.py): the e2m1 codes uint8 [O, IN/2]
+Per weight family the byte row holds (plan/expert_formats/nvfp4.py): the e2m1 codes uint8 [O, IN/2]
 (element 2j in the low nibble), the float8_e4m3fn scales [O, IN/16] of every 16 inputs, and a
 float32 scale per row: the projection's per-tensor scale (modelopt's weight_scale_2, or 1 / the
 compressed-tensors global scale), one per row because w13 stacks two projections (gate and up)
@@ -10,7 +10,11 @@ in registers (W4A16: Hopper has no FP4 tensor cores): kernels/quantized_expert_g
 kernels/quantized_expert_gemv.py read the views `gemm_views` gives (kernels/quantized_experts.py).
 Here too: the host reader's decode of its rows (Nvfp4FamilyReader), the host kernel's code, the dummy
 weights of `--load-format dummy`, and modelopt's NVFP4 tensors of one linear (`quantize_linear`, what
-`ferry make-bench-model --format nvfp4` writes)."""
+`ferry make-bench-model --format nvfp4` writes).
+
+What every quantized worker format gives (the checklist: services/worker/expert_formats/__init__.py):
+`plan` and `name`, `_write` and `_fill_dummy` of its parts, `host_kernel_code`, `family_reader`, and
+`quantize_linear` where make-bench-model writes its layout."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What the quantized expert formats share: one byte row per weight family (plan/expert_formats.py's
+"""What the quantized expert formats share: one byte row per weight family (plan/expert_formats/registry.py's
 `family_layout`), written part by part, viewed part by part.
 
 A row's parts are typed views of its bytes: `part(row, p)` for one row [B] (loading), `part(rows, p)`
