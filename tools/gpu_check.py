@@ -12,7 +12,7 @@
 Writes OUT/gpu_check.json (commit, device, test counts, serve_ok, each step, single-stream tok/s)
 and OUT/gpu_check.log. Exit status 0 only if every CUDA test passed and serving worked.
 
-    python3 bench/gpu_check.py --out out        # make gpu-check OUT=out
+    python3 tools/gpu_check.py --out out        # make gpu-check OUT=out
 """
 
 from __future__ import annotations
