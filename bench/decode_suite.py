@@ -110,8 +110,8 @@ VARIANTS = {
     # the same prompt in 8,192-token chunks, the plan's choice before 16,384 was a candidate: beside
     # `default` on one commit, whether decode after a long prompt loses by 16k
     "chunk8k": ["--max-prefill-tokens", "8192"],
-    # a long prompt's lending steps in ring chunks of 48 experts instead of 12 (issue 24): a quarter of
-    # the chunks, each paying the host's launches once (bench/profile_long_chunk.py --ring-chunks 48)
+    # a long prompt's lending steps in ring chunks of 48 experts instead of 12: a quarter of the chunks,
+    # each paying the host's launches once
     "ring48": ["--long-prefill-ring-chunk", "48"],
     # auto with the host pool's idle workers spinning 1 ms before they sleep (FERRY_HOST_POOL_SPIN_US,
     # VARIANT_ENV): a decode step's layers come ~0.4-0.6 ms apart, so at the default 50 µs every layer's
