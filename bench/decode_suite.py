@@ -3,7 +3,7 @@ directory (`ferry make-bench-model`, dummy weights whose routing changes with ev
 serve` with the workload's flags, then bench/serve_openai.py (the official openai client, streaming)
 for TTFT of a 2,000-token prompt and decode at 1 and 8 streams, with the bound measured in the same
 run (bench/bandwidth.py's ceilings). Writes OUT/decode_<workload>[_<variant>].json with the keys
-bench/NOTES.md tabulates: single_stream_tok_s, single_stream_bound_tok_s, streams8_tok_s, ttft_2k_s,
+bench/CURRENT.md tabulates: single_stream_tok_s, single_stream_bound_tok_s, streams8_tok_s, ttft_2k_s,
 hit_rate, commit (and the whole serve_openai result under "detail"). `ttft_2k_s` is measured with a
 text prompt of exactly 2,000 tokens (`ttft_2k_prompt` says so), `ttft_2k_ids_s` with the same
 length sent as token ids; the `_wire_s` keys start the clock when the request leaves the client.
