@@ -54,7 +54,7 @@ def test_the_scan_sees_the_product_code():
 def test_the_scan_catches_each_kind_of_citation(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text(
-        '"""Measured on the H200 (bench/NOTES.md).\n'
+        '"""Measured on the H200 (see NOTES.md).\n'
         "# the h100's figure, issue 25 and Issue-26, issues 23\n"
         "x = 1  # bench/no_such_probe.py times it; bench/decode_suite.py exists\n"
         '"""It notes the rule; ISSUES stay words."""\n'
