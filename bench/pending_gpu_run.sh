@@ -17,6 +17,8 @@
 #   PART=check   make gpu-check (the release check, which builds the host's C kernel; gpu_check.json)  ~4-7 min
 #   PART=prof    the full-size 35B NVFP4's decode at 24 GiB profiled at 1 and 8 streams, and the cuts' 2k prefill ~5 min
 #   PART=ttft    the cuts' served TTFT-2k phase by phase (bench/ttft_path.py), with the arrival hold and without ~6 min
+#   PART=peercuts the 12-layer and hybrid cuts (bf16 at 12 GiB, 512 / 640 slots) beside FreeToken with the same
+#                slots: TTFT-2k and one stream (peer_compare_<card>_<N>layers_bf16.json); carry .peer as for peer ~9.5 min
 #   PART=peer    Ferry against the peer FreeToken 0.1.2 (bench/peer_compare.py): one random NVFP4 checkpoint of the
 #                full-size 35B, the same client, each engine's whole process under 24 GiB by nvidia-smi
 #                (peer_compare_<card>.json). FreeToken's wheels come in .peer/, which the call must carry
@@ -106,6 +108,7 @@ part_cost() {
     resident) echo 210 ;;
     defaults) echo 540 ;;  # two cuts served (its timeout 200 s)
     peer) echo 570 ;;
+    peercuts) echo 580 ;;
     prof) echo 330 ;;
     ttft) echo 360 ;;  # four boots of a cut (~45 s each) and their lone prompts  # three boots (the full-size 35B ~100 s, each cut ~40 s) and their profiled steps  # a 20 GB checkpoint written, two engines booted and measured (peer_compare's --budget-s 500)
     handoff) echo 90 ;;  # five rounds' kinds alone, then beside two loads of ~1.2 s each (under 1 min on the H200 alone)
@@ -174,6 +177,23 @@ case "${part:-check}" in
       timeout 530 python3 bench/peer_compare.py --out "$OUT" --freetoken-site /tmp/ft --budget-s 500 ${PEER_ARGS:-} \
         > "$OUT/peer_compare.log" 2>&1; echo "peer rc=$?"
       tail -7 "$OUT/peer_compare.log"
+    fi ;;
+  peercuts)  # the decode suite's two cuts (bf16, 12 GiB, their slots) side by side with FreeToken: TTFT-2k, 1 stream
+    if ! ls .peer/freetoken-*.whl > /dev/null 2>&1; then
+      echo "PART=peercuts needs FreeToken's wheels in .peer/, carried (carry [\".whl\", \".peer\"])"
+    else
+      build_host_kernel
+      python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/ft .peer/*.whl \
+        > "$OUT/peer_install.log" 2>&1 || echo "FreeToken's wheels did not install (peer_install.log)"
+      for cut in "qwen3-30b-a3b 12 512" "qwen3.6-35b-a3b 8 640"; do
+        set -- $cut
+        timeout 285 python3 bench/peer_compare.py --out "$OUT" --freetoken-site /tmp/ft --budget-s 270 \
+          --config "tests/data/models/$1/config.json" --num-layers "$2" --format bf16 --memory-line 12GiB \
+          --streams 1 --repeats 2 --ferry-args "--moe-cache-size $3 --max-running-requests 8" \
+          --freetoken-args "--moe-cache-size $3" > "$OUT/peer_compare_$1_$2.log" 2>&1; echo "peer $1 $2 rc=$?"
+        tail -6 "$OUT/peer_compare_$1_$2.log"
+        rm -rf "/tmp/peer_ckpt_bf16_$1_$2layers"  # the disk holds one cut's checkpoint at a time
+      done
     fi ;;
   prefill)
     timeout 150 python3 bench/prefill_attention.py --contexts 0,65536,131072,253952 --whole-prompt 261988 \
