@@ -5,7 +5,7 @@
 # commit where the device's copy has no git history (the results record it).
 #
 # What a call carries: `.whl` always (the wheels the device lacks, installed here into /tmp/site, which goes on
-# PYTHONPATH after the tree), `.peer` for PART=peer, `.cmp` for PART=suite when the device's copy has no git
+# PYTHONPATH after the tree), `.peer` for PART=peer and peercuts, `.cmp` for PART=suite when the device's copy has no git
 # history. `bash tools/device_wheels.sh` makes .whl/ (and .cmp/suite_base with BASE_COMMIT=<commit>); for .peer:
 # `mkdir -p .peer && cp ../shared/peers/freetoken/*.whl .peer/ && echo /.peer/ >> .git/info/exclude`.
 #
@@ -21,6 +21,8 @@
 #                (peer_compare_<card>.json). FreeToken's wheels come in .peer/, installed into /tmp/ft, its
 #                PYTHONPATH alone. PEER_ARGS passes more flags (e.g. "--ferry-load-format auto"); the checkpoint
 #                (~20 GB in $TMPDIR) is reused by a second call on the same warm machine                ~9 min
+#   PART=peercuts the decode suite's 12-layer and hybrid cuts (bf16 at 12 GiB, 512 / 640 slots) beside FreeToken with the
+#                same slots: TTFT-2k and one stream (peer_compare_<card>_<N>layers_bf16.json); .peer as for PART=peer ~9.5 min
 #   PART=long    the 262k-token TTFT (decode_suite's long_context_36b; LONG_VARIANTS picks its variants)  ~4-5 min a variant
 #   PART=ttft    the 12-layer and hybrid cuts' served TTFT-2k phase by phase (bench/ttft_path.py), with the
 #                arrival hold and without                                                               ~6 min
@@ -34,6 +36,7 @@
 #   OUT=out PART=check bash tools/device_run.sh
 #   OUT=out PART=suite BASE_COMMIT=49d0524 bash tools/device_run.sh
 #   OUT=out PART=peer PEER_ARGS="--ferry-load-format auto" bash tools/device_run.sh
+#   OUT=out PART=peercuts bash tools/device_run.sh
 #   OUT=out PART=ttft,prof CALL_BUDGET_S=560 bash tools/device_run.sh
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd); PART=${PART:-check}
@@ -64,6 +67,7 @@ part_cost() {
     suite) echo 540 ;;  # six boots (~45 s each) and their 128-token decodes
     long) echo $(( 180 * $(n_variants "$LONG_VARIANTS") )) ;;  # ~165 s a variant, with two repeats of each decode
     peer) echo 570 ;;  # a 20 GB checkpoint written, two engines booted and measured (peer_compare's --budget-s 500)
+    peercuts) echo 580 ;;  # two cuts' checkpoints, each served by both engines (--budget-s 270 a cut)
     prof) echo 330 ;;  # three boots (the full-size 35B ~100 s, each cut ~40 s) and their profiled steps
     ttft) echo 360 ;;  # four boots of a cut (~45 s each) and their lone prompts
     *) echo 240 ;;
@@ -161,11 +165,28 @@ PY
         > "$OUT/peer_compare.log" 2>&1; echo "peer rc=$?"
       tail -7 "$OUT/peer_compare.log"
     fi ;;
+  peercuts)  # the decode suite's two cuts (bf16, 12 GiB, their slots) side by side with FreeToken: TTFT-2k, 1 stream
+    if ! ls .peer/freetoken-*.whl > /dev/null 2>&1; then
+      echo "PART=peercuts needs FreeToken's wheels in .peer/, carried (carry [\".whl\", \".peer\"])"
+    else
+      build_host_kernel
+      python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/ft .peer/*.whl \
+        > "$OUT/peer_install.log" 2>&1 || echo "FreeToken's wheels did not install (peer_install.log)"
+      for cut in "qwen3-30b-a3b 12 512" "qwen3.6-35b-a3b 8 640"; do
+        set -- $cut
+        timeout 285 python3 bench/peer_compare.py --out "$OUT" --freetoken-site /tmp/ft --budget-s 270 \
+          --config "tests/data/models/$1/config.json" --num-layers "$2" --format bf16 --memory-line 12GiB \
+          --streams 1 --repeats 2 --ferry-args "--moe-cache-size $3 --max-running-requests 8" \
+          --freetoken-args "--moe-cache-size $3" > "$OUT/peer_compare_$1_$2.log" 2>&1; echo "peer $1 $2 rc=$?"
+        tail -6 "$OUT/peer_compare_$1_$2.log"
+        rm -rf "/tmp/peer_ckpt_bf16_$1_$2layers"  # the disk holds one cut's checkpoint at a time
+      done
+    fi ;;
   long)  # the 262k-token TTFT alone; LONG_VARIANTS=default,plain also runs it on plain bf16 banks
     timeout 560 python3 bench/decode_suite.py --out "$OUT" --workloads long_context_36b --variants "$LONG_VARIANTS" \
       --ready-timeout 240 --run-timeout 300 > "$OUT/long_context.log" 2>&1
     echo "long_context rc=$?"; tail -3 "$OUT/long_context.log"; grep -h 'ttft\|error\|Error' "$OUT"/serve_long*.log 2>/dev/null | tail -5 ;;
-  *) echo "PART=$part is none of the parts this script's header lists (check, suite, peer, long, ttft, prof)" >&2; exit 2 ;;
+  *) echo "PART=$part is none of the parts this script's header lists (check, suite, peer, peercuts, long, ttft, prof)" >&2; exit 2 ;;
 esac
 done
 # the device returns a few files a call: one archive
