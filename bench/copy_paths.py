@@ -31,7 +31,7 @@ from ferry.kernels.expert_copy import copy_experts_triton  # noqa: E402
 from ferry.kernels.expert_pair_gemv import expert_pair_rows_triton  # noqa: E402
 from ferry.plan.model_config import load_model_config  # noqa: E402
 from ferry.services.worker.device import select_device  # noqa: E402
-from ferry.services.worker.offload.host_banks import HostBanks  # noqa: E402
+from ferry.services.worker.offload.host_memory.host_banks import HostBanks  # noqa: E402
 
 
 def timed(fn, reps: int, setup=None) -> list[float]:

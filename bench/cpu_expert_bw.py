@@ -13,15 +13,16 @@ host's memory delivers. Here, for each thread count:
 Experts are taken round-robin from a bank of `--experts` experts bigger than the caches, as misses
 would be, so every one is read from memory.
 
-`--format bf16,packed,nvfp4,fp8` times Ferry's own host path instead (services/worker/offload/host_experts.py)
-on one MoE layer's host bank of that expert format, filled as `--load-format dummy` fills it, bf16
+`--format bf16,packed,nvfp4,fp8` times Ferry's own host path instead
+(services/worker/offload/host_compute/host_experts.py) on one MoE layer's host bank of that expert format,
+filled as `--load-format dummy` fills it, bf16
 activations: `bank_GBps` is the expert's bank bytes (what a PCIe copy of it would move) over the time of
 `HostExperts.compute` for one expert and `tokens` tokens, `decode_us` the part of it that turns the bank's
 rows into bf16 weights (0 for plain bf16 banks, read in place).
 
 `--backend torch,c` picks HostExperts' backends to time (default torch): `c` is the host's own kernel
-(services/worker/offload/host_expert_kernel.py), on its own pool of `threads` pthreads, its rows' instruction
-set `--isa` (auto: AVX-512 BF16 where the CPU has it); it decodes in its rows, so no `decode_us` is given.
+(services/worker/offload/host_compute/host_expert_kernel.py), on its own pool of `threads` pthreads, its rows'
+instruction set `--isa` (auto: AVX-512 BF16 where the CPU has it); it decodes in its rows, so no `decode_us` is given.
 `--prefetch 0,1024,4096` times it at each of those prefetch distances (bytes the rows fetch ahead of the
 weights they multiply; FERRY_HOST_KERNEL_PREFETCH), the distances alternated call by call on fresh
 experts so that a busy host slows them alike: a row each, with `prefetch`.
@@ -57,10 +58,10 @@ from bench.huge_pages import huge_pages_advice  # noqa: E402
 from ferry.plan.model_config import load_model_config  # noqa: E402
 from ferry.services.worker.expert_formats.fp8_block import Fp8BlockExperts  # noqa: E402
 from ferry.services.worker.expert_formats.nvfp4 import Nvfp4Experts  # noqa: E402
-from ferry.services.worker.offload.host_banks import HostBanks  # noqa: E402
-from ferry.services.worker.offload.host_expert_weights import expert_reader  # noqa: E402
-from ferry.services.worker.offload.host_experts import HostExperts  # noqa: E402
-from ferry.services.worker.offload.packed_banks import PackedHostBanks  # noqa: E402
+from ferry.services.worker.offload.host_compute.host_expert_weights import expert_reader  # noqa: E402
+from ferry.services.worker.offload.host_compute.host_experts import HostExperts  # noqa: E402
+from ferry.services.worker.offload.host_memory.host_banks import HostBanks  # noqa: E402
+from ferry.services.worker.offload.host_memory.packed_banks import PackedHostBanks  # noqa: E402
 
 FORMATS = ("bf16", "packed", "nvfp4", "fp8")
 BACKENDS = ("torch", "c")

@@ -1,7 +1,7 @@
 """A streamed layer's expert GEMMs, chunk by chunk as the staging ring hands them over, launched over every
 block of the layer (each program checks its block's slot and most exit at once) against launched over the
 chunk's own blocks (`align_pairs_by_slot(..., block_starts=True)`: a few programs loop over the window's
-blocks, read on the device). services/worker/offload/device_store.py's `_stream_staged` makes these calls;
+blocks, read on the device). services/worker/offload/stores/device_driven.py's `_stream_staged` makes these calls;
 bench/NOTES.md ("Where a long prompt's chunk goes") measured ~77 us a launch for ~12.9 GFLOP at 8,192
 tokens, two launches a ring chunk, 876 chunks a 35B prefill chunk.
 

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.cpu_expert_bw import _cpu_name, format_banks  # noqa: E402
 from ferry.plan.model_config import load_model_config  # noqa: E402
-from ferry.services.worker.offload import host_expert_kernel as K  # noqa: E402
+from ferry.services.worker.offload.host_compute import host_expert_kernel as K  # noqa: E402
 
 HOG = (
     "import time\nwhile True:\n t = time.perf_counter() + {busy}\n"

@@ -1,6 +1,6 @@
 """The host's time for one expert against its tokens, and the straight-line price the split uses (issue 25).
 
-The host's share of a step (services/worker/offload/host_share.py, host_decode.py) prices one expert on
+The host's share of a step (services/worker/offload/host_compute/prefill_share.py, decode_share.py) prices one expert on
 the host as a line in its tokens, `host_s_at_1 + host_s_per_token x (n - 1)`, from two points the boot
 calibration measures. The host kernel is memory bound at few tokens (it reads the expert once, about flat
 in n) and compute bound past some tens (it multiplies it n times), so the line's second point decides what
@@ -13,7 +13,7 @@ taken (below 1: the split gives the host more than it can do in that time).
     python3 bench/host_price_tokens.py --threads 2 --out bench/results/host_price_tokens_epyc2.json
 
 `--huge-pages off` times the same kernel on a bank left on small pages (the worker advises its banks onto
-transparent huge pages: services/worker/offload/host_pages.py);
+transparent huge pages: services/worker/offload/host_memory/huge_pages.py);
 the result records the host's THP mode and how much of the process huge pages backed.
 
 `--link-load none,packed` times every token count again while the GPU unpacks other pinned experts at the
@@ -42,7 +42,7 @@ from bench.huge_pages import anon_huge_bytes, thp_mode  # noqa: E402
 from bench.link_load import KINDS, LinkLoad  # noqa: E402
 from ferry.plan.expert_backend import chosen_host_cpus, format_cpu_list, pool_thread_cpus  # noqa: E402
 from ferry.plan.model_config import load_model_config  # noqa: E402
-from ferry.services.worker.offload.host_experts import HostExperts  # noqa: E402
+from ferry.services.worker.offload.host_compute.host_experts import HostExperts  # noqa: E402
 
 
 def expert_seconds(host: HostExperts, tokens: int, repeats: int, experts: int, per_call: int, load=None) -> float:

@@ -2,7 +2,7 @@
 
 Each decode layer hands the host the misses that the balance of measured prices gives it
 (kernels/expert_host_handoff.py: the link's copies against the hand-off plus the host's experts), and
-auto's guard (services/worker/offload/share_guard.py) scales the host's price between 0.5 and 1.25 by
+auto's guard (services/worker/offload/host_compute/share_guard.py) scales the host's price between 0.5 and 1.25 by
 what the served steps measure. On an H100 the guard found 0.8, 1 and 1.25 within 2 % of each other on
 the hybrid cut, while a profile of its step (bench/NOTES.md, 2026-12-05) showed the host's share as the
 layer's critical path: ~440 µs from the hand-off kernel to the fold for three experts, against the
@@ -90,7 +90,7 @@ def summarize(times_s: list[float], host_experts: int, crossed: int, copied_byte
 def main() -> int:
     from ferry.services.worker.boot import boot_worker
     from ferry.services.worker.flags import add_worker_flags, boot_config_from_args
-    from ferry.services.worker.offload.host_decode import OFF_PRICE_NS
+    from ferry.services.worker.offload.host_compute.decode_share import OFF_PRICE_NS
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_worker_flags(parser)
@@ -141,7 +141,8 @@ def main() -> int:
             times[name].extend(step() for _ in range(args.steps))
             after, cache1 = share.report()["experts"], executor.expert_cache_report()
             host[name] += after - before
-            # the lookups' misses count those handed to the host too (device_store.py's report): the rest crossed
+            # the lookups' misses count those handed to the host too (offload/stores/device_driven.py's report):
+            # the rest crossed
             looked_up = (cache1["misses"] - cache0["misses"]) + (cache1["prefetched"] - cache0["prefetched"])
             crossed[name] += looked_up - (after - before)
             copied[name] += cache1["bytes_copied"] - cache0["bytes_copied"]

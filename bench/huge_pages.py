@@ -1,6 +1,6 @@
 """Huge pages in the host benches: which blocks a bank has, and the A/B the worker's advice was landed on.
 
-The worker advises every bank block onto transparent huge pages (services/worker/offload/host_pages.py,
+The worker advises every bank block onto transparent huge pages (services/worker/offload/host_memory/huge_pages.py,
 FERRY_HOST_HUGE_PAGES). `bench/host_price_tokens.py --huge-pages on|off` times the host kernel on a bank
 allocated with the advice and without it, and records the host's THP mode and how much of the process huge
 pages backed: on the H200 the host nodes' time an expert had moved 80-342 µs from server to server
@@ -9,7 +9,12 @@ pages backed: on the H200 the host nodes' time an expert had moved 80-342 µs fr
 
 from __future__ import annotations
 
-from ferry.services.worker.offload.host_pages import advise_huge_pages, anon_huge_bytes, huge_pages_advice, thp_mode
+from ferry.services.worker.offload.host_memory.huge_pages import (
+    advise_huge_pages,
+    anon_huge_bytes,
+    huge_pages_advice,
+    thp_mode,
+)
 
 __all__ = ["advise_huge_pages", "anon_huge_bytes", "bank_blocks", "huge_pages_advice", "thp_mode"]
 

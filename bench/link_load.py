@@ -6,7 +6,7 @@ kernel reads the same DRAM. bench/host_handoff_latency.py times the hand-off's r
 load, bench/host_price_tokens.py the host kernel's experts.
 
 Kinds: `packed` is what the served cuts run (12-bit banks, the default `--expert-bank-format`, copied by
-the unpacking kernel: services/worker/offload/packed_banks.py); `plain` the copy kernel over bf16 banks
+the unpacking kernel: services/worker/offload/host_memory/packed_banks.py); `plain` the copy kernel over bf16 banks
 (kernels/expert_copy.py, `--expert-bank-format plain`); `ce` the same bf16 bytes on the copy engine.
 """
 
@@ -37,14 +37,14 @@ class LinkLoad:
         self.slots2 = torch.empty(experts, hidden, inter, dtype=torch.bfloat16, device=device)
         self.banks = self.bank13 = self.bank2 = None
         if kind == "packed":
-            from ferry.services.worker.offload.packed_banks import PackedHostBanks
+            from ferry.services.worker.offload.host_memory.packed_banks import PackedHostBanks
 
             self.banks = PackedHostBanks.allocate(1, experts, hidden, inter, pin=True, progress=False)
             self.banks.fill_dummy(progress=False)  # the served dummy experts' bits, escapes and all
             self.banks.seal()
             self.bytes_each = experts * self.banks.expert_nbytes  # what crosses: 12 bits a value and the escapes
         else:
-            from ferry.services.worker.offload.host_banks import pinnable_host_block
+            from ferry.services.worker.offload.host_memory.host_banks import pinnable_host_block
 
             # page-locked and mapped as the served banks are (the copy kernel reads them through that mapping)
             self.bank13 = pinnable_host_block((experts, 2 * inter, hidden), torch.bfloat16, pin=True).zero_()
@@ -113,7 +113,7 @@ class LinkLoad:
 
     def close(self) -> None:
         """Let the pinned banks go (after the stream has drained)."""
-        from ferry.services.worker.offload.host_banks import unregister_host_blocks
+        from ferry.services.worker.offload.host_memory.host_banks import unregister_host_blocks
 
         self.stream.synchronize()
         if self.bank13 is not None:

@@ -24,8 +24,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.copy_paths import layer_bench_setup, timed  # noqa: E402
 from ferry.kernels.expert_copy import copy_experts_triton  # noqa: E402
 from ferry.kernels.expert_pack import pack_experts  # noqa: E402
-from ferry.services.worker.offload.host_banks import HostBanks  # noqa: E402
-from ferry.services.worker.offload.packed_banks import PACK_BYTES_PER_VALUE, PACK_TEMP_BYTES, PackedHostBanks  # noqa: E402
+from ferry.services.worker.offload.host_memory.host_banks import HostBanks  # noqa: E402
+from ferry.services.worker.offload.host_memory.packed_banks import (  # noqa: E402
+    PACK_BYTES_PER_VALUE,
+    PACK_TEMP_BYTES,
+    PackedHostBanks,
+)
 
 
 def main() -> int:

@@ -318,7 +318,7 @@ case "${part:-check}" in
       > "$OUT/suite_decode30.log" 2>&1
     echo "30b rc=$?"; grep '^\[30b' "$OUT/suite_decode30.log" | tail -4
     python3 -c "import json,sys; [print(f, json.load(open(f)).get('host_share')) for f in sys.argv[1:]]" "$OUT"/decode_30b*.json ;;
-  hostpages)  # issue 25: the host kernel on banks left on 4 KiB pages against advised ones (host_pages.py)
+  hostpages)  # issue 25: the host kernel on banks left on 4 KiB pages against advised ones (offload/host_memory/huge_pages.py)
     build_host_kernel
     for round in 1 2; do for fmt in packed bf16; do for pages in off on; do
       timeout 150 python3 bench/host_price_tokens.py --threads 12 --experts 256 --format $fmt --tokens 1,4,8,16 \

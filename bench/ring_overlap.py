@@ -1,6 +1,6 @@
 """Do a streamed prefill's expert copies overlap its attention? One long-context attention chunk (SDPA's
 FlashAttention, as kernels/paged_attention_flash.py calls it) on the compute stream, and one MoE layer's
-missed experts copied the way the staging ring copies them (services/worker/offload/staging_ring.py:
+missed experts copied the way the staging ring copies them (services/worker/offload/host_memory/staging_ring.py:
 chunks of 12 experts, packed banks through the unpacking kernel, plain ones through the copy engine) on a
 second stream, first each alone, then both at once. For each copy variant (bank format, unpacking programs,
 the copy stream's priority) it prints the three times and the overlap: the share of the shorter of the two
@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.copy_paths import timed  # noqa: E402
 from ferry.plan.model_config import load_model_config  # noqa: E402
-from ferry.services.worker.offload.host_banks import HostBanks  # noqa: E402
-from ferry.services.worker.offload.packed_banks import PackedHostBanks  # noqa: E402
+from ferry.services.worker.offload.host_memory.host_banks import HostBanks  # noqa: E402
+from ferry.services.worker.offload.host_memory.packed_banks import PackedHostBanks  # noqa: E402
 
 RING_CHUNK = 12  # experts a ring chunk copies at once (48 staging slots in four bays)
 # (bank format, unpacking programs or None for the copy engine, copy stream priority)

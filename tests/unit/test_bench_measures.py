@@ -114,7 +114,7 @@ def test_the_contention_benchmark_times_both_builds_under_a_hog(tmp_path):
     """bench/host_pool_contention.py times this tree's kernel (at two spins of its idle threads) and a second
     build (here the same library loaded again) in alternated blocks, with and without a busy process, and
     leaves no process behind."""
-    from ferry.services.worker.offload import host_expert_kernel as K
+    from ferry.services.worker.offload.host_compute import host_expert_kernel as K
 
     if K.library()[0] is None:
         pytest.skip(f"host kernel not built: {K.library()[1]}")
@@ -159,7 +159,7 @@ def test_the_cpu_expert_benchmark_alternates_prefetch_distances_and_says_each():
     """`--prefetch` gives one row a distance of the c backend, each timed on calls of its own, and the
     rows' kernel left at the last; the torch backend has no rows to prefetch in and is refused."""
     from bench.cpu_expert_bw import format_banks, host_experts_bandwidth
-    from ferry.services.worker.offload import host_expert_kernel as K
+    from ferry.services.worker.offload.host_compute import host_expert_kernel as K
 
     banks = format_banks("bf16", 64, 32, 4, huge_pages=False)
     with pytest.raises(ValueError, match="c backend"):

@@ -1,4 +1,4 @@
-"""Huge pages for the host banks (services/worker/offload/host_pages.py, and bench/huge_pages.py's A/B): the
+"""Huge pages for the host banks (services/worker/offload/host_memory/huge_pages.py, and bench/huge_pages.py's A/B): the
 THP mode is read from its sysfs word, a block is advised over exactly its whole pages, every bank block
 of a huge page or more is advised as the worker allocates it (FERRY_HOST_HUGE_PAGES=0: none), and advised
 banks hold and compute the same experts."""
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from bench.huge_pages import bank_blocks
-from ferry.services.worker.offload.host_banks import pinnable_host_block
-from ferry.services.worker.offload.host_pages import (
+from ferry.services.worker.offload.host_memory.host_banks import pinnable_host_block
+from ferry.services.worker.offload.host_memory.huge_pages import (
     HUGE_PAGE,
     PAGE,
     advise_huge_pages,
@@ -85,7 +85,7 @@ def test_bank_blocks_are_advised_as_the_worker_allocates_them(monkeypatch):
 @pytest.mark.parametrize("fmt", ["bf16", "packed"])
 def test_advised_banks_hold_and_compute_the_same_experts(fmt):
     from bench.cpu_expert_bw import format_banks
-    from ferry.services.worker.offload.host_experts import HostExperts
+    from ferry.services.worker.offload.host_compute.host_experts import HostExperts
 
     # 512 x 512, 4 experts: each bank's first block spans a huge page (w13 4 MiB, packed lo 3 MiB)
     plain, advised = (format_banks(fmt, 512, 512, 4, huge_pages=h) for h in (False, True))

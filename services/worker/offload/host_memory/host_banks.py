@@ -32,7 +32,7 @@ from ferry.plan.host_memory import HOST_RESERVE_BYTES, MEMINFO, mem_available_by
 from ferry.plan.model_config import ModelSpec
 from ferry.services.worker.expert_formats import expert_format_for
 from ferry.services.worker.expert_formats.bf16 import Bf16Experts
-from ferry.services.worker.offload.host_pages import HUGE_PAGE, advise_huge_pages, huge_pages_wanted
+from ferry.services.worker.offload.host_memory.huge_pages import HUGE_PAGE, advise_huge_pages, huge_pages_wanted
 from ferry.services.worker.pools import TORCH_DTYPES
 from ferry.shared.errors import FerryError
 from ferry.shared.units import format_bytes
@@ -62,7 +62,7 @@ def check_host_memory(needed: int, what: str, meminfo: Path = MEMINFO, reserve: 
 
 
 def pinnable_host_block(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """An uninitialised host block, advised onto huge pages when it spans one (host_pages.py); with `pin`,
+    """An uninitialised host block, advised onto huge pages when it spans one (huge_pages.py); with `pin`,
     page-locked in place and mapped for the GPU (marked `_ferry_host_registered`: unregister_host_blocks
     unlocks it before it is freed)."""
     block = torch.empty(shape, dtype=dtype)

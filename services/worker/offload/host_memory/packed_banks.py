@@ -34,7 +34,7 @@ from ferry.plan import host_memory as H
 from ferry.plan.host_memory import MEMINFO
 from ferry.plan.model_config import ModelSpec
 from ferry.services.worker.expert_formats.expert_shapes import check_expert_shapes
-from ferry.services.worker.offload.host_banks import (
+from ferry.services.worker.offload.host_memory.host_banks import (
     DUMMY_DOWN_STD,
     DUMMY_STD,
     DummyPattern,
