@@ -54,7 +54,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.huge_pages import huge_pages_advice  # noqa: E402
 from ferry.plan.model_config import load_model_config  # noqa: E402
 from ferry.services.worker.expert_formats.fp8_block import Fp8BlockExperts  # noqa: E402
 from ferry.services.worker.expert_formats.nvfp4 import Nvfp4Experts  # noqa: E402
@@ -114,12 +113,13 @@ def expert_bandwidth(hidden: int, inter: int, tokens: int, experts: int, repeats
 def format_banks(fmt: str, hidden: int, inter: int, experts: int, huge_pages: bool = True):
     """One MoE layer of `experts` host experts in `fmt`, with --load-format dummy's weights; `huge_pages`:
     its blocks advised onto transparent huge pages, as the worker's are (False: left on small pages)."""
-    with huge_pages_advice(huge_pages):
-        if fmt == "packed":
-            banks = PackedHostBanks.allocate(1, experts, hidden, inter, pin=False, progress=False)
-        else:
-            layout = {"bf16": None, "nvfp4": Nvfp4Experts(hidden, inter), "fp8": Fp8BlockExperts(hidden, inter)}[fmt]
-            banks = HostBanks.allocate(1, experts, hidden, inter, torch.bfloat16, pin=False, progress=False, fmt=layout)
+    if fmt == "packed":
+        banks = PackedHostBanks.allocate(1, experts, hidden, inter, pin=False, progress=False, huge_pages=huge_pages)
+    else:
+        layout = {"bf16": None, "nvfp4": Nvfp4Experts(hidden, inter), "fp8": Fp8BlockExperts(hidden, inter)}[fmt]
+        banks = HostBanks.allocate(
+            1, experts, hidden, inter, torch.bfloat16, pin=False, progress=False, fmt=layout, huge_pages=huge_pages
+        )
     banks.fill_dummy(seed=0, progress=False)
     banks.seal()
     return banks

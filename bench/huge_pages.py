@@ -12,11 +12,10 @@ from __future__ import annotations
 from ferry.services.worker.offload.host_memory.huge_pages import (
     advise_huge_pages,
     anon_huge_bytes,
-    huge_pages_advice,
     thp_mode,
 )
 
-__all__ = ["advise_huge_pages", "anon_huge_bytes", "bank_blocks", "huge_pages_advice", "thp_mode"]
+__all__ = ["advise_huge_pages", "anon_huge_bytes", "bank_blocks", "thp_mode"]
 
 
 def bank_blocks(banks) -> list:

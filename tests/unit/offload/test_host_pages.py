@@ -5,6 +5,7 @@ banks hold and compute the same experts."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -12,15 +13,16 @@ import pytest
 import torch
 
 from bench.huge_pages import bank_blocks
-from ferry.services.worker.offload.host_memory.host_banks import pinnable_host_block
+from ferry.services.worker.offload.host_memory import host_banks
+from ferry.services.worker.offload.host_memory.host_banks import HostBanks, pinnable_host_block
 from ferry.services.worker.offload.host_memory.huge_pages import (
     HUGE_PAGE,
     PAGE,
     advise_huge_pages,
     anon_huge_bytes,
-    huge_pages_advice,
     thp_mode,
 )
+from ferry.services.worker.offload.host_memory.packed_banks import PackedHostBanks
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and /proc are Linux's")
 
@@ -70,15 +72,35 @@ def test_bank_blocks_are_advised_as_the_worker_allocates_them(monkeypatch):
     monkeypatch.delenv("FERRY_HOST_HUGE_PAGES", raising=False)
     big = pinnable_host_block((32, HUGE_PAGE), torch.uint8, pin=False)  # the default: advised
     assert _advised(big)
-    with huge_pages_advice(False):
-        assert not _advised(pinnable_host_block((32, HUGE_PAGE), torch.uint8, pin=False))
+    assert not _advised(pinnable_host_block((32, HUGE_PAGE), torch.uint8, pin=False, huge_pages=False))
     monkeypatch.setenv("FERRY_HOST_HUGE_PAGES", "0")
     assert not _advised(pinnable_host_block((32, HUGE_PAGE), torch.uint8, pin=False))
-    with huge_pages_advice(True):
-        assert _advised(pinnable_host_block((32, HUGE_PAGE), torch.uint8, pin=False))
-    import os
+    assert _advised(pinnable_host_block((32, HUGE_PAGE), torch.uint8, pin=False, huge_pages=True))
 
-    assert os.environ["FERRY_HOST_HUGE_PAGES"] == "0"  # the A/B's context put it back
+
+@linux
+@pytest.mark.parametrize("allocate", [HostBanks.allocate, PackedHostBanks.allocate], ids=["plain", "packed"])
+def test_the_banks_huge_pages_argument_overrides_the_environment_and_leaves_it_alone(monkeypatch, allocate):
+    """The benches' A/B allocates banks advised and not by an argument: the worker's environment variable
+    stays what it was (a process-wide setting changed for one allocation would reach any other thread's)."""
+    offered = []
+    monkeypatch.setattr(host_banks, "advise_huge_pages", lambda block, smallest: offered.append(block) or 0)
+
+    def blocks(**kwargs) -> int:
+        before = len(offered)
+        allocate(1, 4, 512, 512, dtype=torch.bfloat16, pin=False, progress=False, **kwargs)
+        return len(offered) - before
+
+    monkeypatch.setenv("FERRY_HOST_HUGE_PAGES", "0")
+    environ = dict(os.environ)
+    assert blocks() == 0
+    assert blocks(huge_pages=True) > 0
+    assert dict(os.environ) == environ
+    monkeypatch.setenv("FERRY_HOST_HUGE_PAGES", "1")
+    environ = dict(os.environ)
+    assert blocks() > 0
+    assert blocks(huge_pages=False) == 0
+    assert dict(os.environ) == environ
 
 
 @linux
