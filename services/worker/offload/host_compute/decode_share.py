@@ -1,10 +1,10 @@
 """The host's share of a decode layer's misses: the host computes some, the link carries the rest.
 
-On the graph-safe decode path (stores/device_driven.py) a layer's missed experts cross PCIe one after another while the GPU
-waits; at one stream the link is full (the 12-layer cut ran at 0.9 of its bound). The host can compute a missed
-expert where it lies, from the same banks, about as fast as the link moves one (148 µs for a packed Qwen3-30B expert
-on a server host against 129 µs over PCIe), so splitting each layer's misses between the two roughly halves the
-layer's wait.
+On the graph-safe decode path (stores/device_driven.py) a layer's missed experts cross PCIe one after another while
+the GPU waits; at one stream the link is full (the 12-layer cut ran at 0.9 of its bound). The host can compute a
+missed expert where it lies, from the same banks, about as fast as the link moves one (148 µs for a packed Qwen3-30B
+expert on a server host against 129 µs over PCIe), so splitting each layer's misses between the two roughly halves
+the layer's wait.
 
 Per layer, inside the step's CUDA graph (no host round trip; the split is decided on the device):
 
