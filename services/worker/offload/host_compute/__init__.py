@@ -1,4 +1,4 @@
-"""The host computing missed experts where they lie, from the banks the copies read (issue 25).
+"""The host computing missed experts where they lie, from the banks the copies read.
 
 * host_experts.py: `HostExperts`, a layer's (token, expert, weight) pairs computed on the host;
 * host_expert_kernel.py: the ctypes binding of the C kernel (kernels/host_experts_c/), HostExperts' `c` backend;
