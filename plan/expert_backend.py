@@ -1,23 +1,24 @@
 """Who computes the experts a step misses: the GPU after a PCIe copy, the host where they lie, or both.
 
-`--expert-backend` (issue 25):
+`--expert-backend`:
 
 * `gpu`: every missed expert crosses PCIe and the GPU computes it (the host computes nothing);
 * `hybrid`: the host computes part of each layer's misses while the rest cross, the split decided per
-  layer by costs the worker measures at boot (services/worker/offload/host_share.py, host_decode.py);
+  layer by costs the worker measures at boot (services/worker/offload/host_compute/prefill_share.py,
+  decode_share.py);
 * `cpu`: the host computes every missed expert (what is resident in GPU slots stays on the GPU);
 * `auto` (default): `hybrid` on the threads the machine can spare, if it can spare AUTO_MIN_THREADS, and
   the worker keeps the decode share only where its calibration says the host shortens a decode layer;
   the GPU alone otherwise. With `--host-expert-threads N` it is hybrid on N threads. Auto's hybrid has
-  no prefill share (`prefill_share`): on the H200 it made the hybrid cut's prefill steps slower at every
-  size measured (1.2-1.3x at 1,200 tokens, 2.7-3.3x at 8,192; bench/NOTES.md, issue 23); `hybrid` asked
+  no prefill share (`prefill_share`): it made the hybrid cut's prefill steps slower at every size
+  measured (1.2-1.3x at 1,200 tokens, 2.7-3.3x at 8,192); `hybrid` asked
   for keeps it, within the sizes its costs were measured at.
 
 The host's threads: `--host-expert-threads N`, default the physical cores minus RESERVED_CORES (the three
 processes' threads and one for the rest of the machine), pinned one a physical core to the last cores,
 the pool's caller (the thread that runs a decode graph's host nodes) on the first of them
 (`--host-expert-cpus auto|none|LIST`; chosen_host_cpus). Nothing here imports torch: `ferry plan` shows the choice.
-The worker wires the choice at boot, one object a kind: services/worker/offload/expert_backends.py.
+The worker wires the choice at boot, one object a kind: services/worker/offload/host_compute/expert_backends.py.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from ferry.shared.errors import ConfigError
 
 EXPERT_BACKENDS = ("auto", "gpu", "hybrid", "cpu")
 # the api, the scheduler, the worker's launching thread, and one for the rest of the machine (a client on
-# it, the driver's threads): on the H200's 16 cores the 12-layer Qwen3-30B cut ran 1.42x GPU-only with 12
-# host threads against 1.35x with 13 (bench/NOTES.md)
+# it, the driver's threads): on a 16-core host the 12-layer Qwen3-30B cut ran 1.42x GPU-only with 12
+# host threads against 1.35x with 13
 RESERVED_CORES = 4
 # fewer threads than this and auto keeps the GPU alone: the host's pool spins while it waits for work, and
 # on a machine of few cores it would take time the three processes need; unmeasured below 12 threads
@@ -49,7 +50,7 @@ class ExpertBackendPlan:
     @property
     def prefill_share(self) -> bool:
         """Whether the host computes part of streamed prefills' misses too (services/worker/offload/
-        host_share.py): asked for with hybrid or cpu, not chosen by auto (module docstring)."""
+        offload/host_compute/prefill_share.py): asked for with hybrid or cpu, not chosen by auto (module docstring)."""
         return self.backend == "cpu" or (self.backend == "hybrid" and self.requested != "auto")
 
 

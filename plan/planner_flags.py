@@ -7,7 +7,7 @@ import argparse
 from ferry.plan.expert_backend import EXPERT_BACKENDS, RESERVED_CORES
 from ferry.plan.host_memory import BANK_FORMATS
 from ferry.plan.model_config import DTYPE_BYTES, normalize_dtype
-from ferry.plan.planner import PlanRequest
+from ferry.plan.planner import DEFAULT_MEMORY_RATIO, PlanRequest
 from ferry.plan.pool_layout import KV_CACHE_DTYPES
 from ferry.shared.errors import ConfigError
 from ferry.shared.units import parse_bytes
@@ -92,7 +92,8 @@ def add_planner_flags(parser: argparse.ArgumentParser) -> None:
         dest="memory_ratio",
         type=float,
         default=None,
-        help="fraction of --gpu-memory (or of the GPU's free memory) handed to the planner (default 0.9); "
+        help="fraction of --gpu-memory (or of the GPU's free memory) handed to the planner (default "
+        f"{DEFAULT_MEMORY_RATIO:g}: what lives outside the plan is measured at boot and priced); "
         "--gpu-memory-utilization (vLLM) and --mem-fraction-static (SGLang) are the same flag",
     )
     g.add_argument(

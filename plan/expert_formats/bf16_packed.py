@@ -4,7 +4,7 @@ in bf16 slots. It registers as a format of its own rather than as a flag of bf16
 format registers differs (bank bytes, the bank class, the host kernel's decode, the plan's words)
 except the slots, which it names through `slots_format`. --expert-bank-format's `packed` picks it;
 `auto` does for bf16 models. Worker side: services/worker/expert_formats/bf16_packed.py (its banks:
-services/worker/offload/packed_banks.py).
+services/worker/offload/host_memory/packed_banks.py).
 
 It registers what every format must (the checklist: plan/expert_formats/__init__.py): its name and
 worker class, and as a bank variant its slots' format, its bank word and bytes, when auto picks it

@@ -9,7 +9,8 @@ Trust (docs/ARCHITECTURE.md §1): every message is checked before it changes any
 is answered for its request alone. Steps go to the adopted worker only (a ROUTER addressed by its boot
 id: another peer on the steps port gets none, and one posing under the same id is refused); a second
 worker that heartbeats while the adopted one is alive is ignored; a step is timed by this process's
-own clock, so one that is never answered fails its requests whatever the worker's heartbeat says.
+own clock, so one that is never answered fails its requests whatever the worker's heartbeat says. No
+/health (this one, the worker's, the api's) shows a boot id: it is the identity the steps port routes by.
 """
 
 from __future__ import annotations

@@ -129,7 +129,7 @@ def test_no_schedule_ahead_reaches_the_scheduler_from_serve():
     from ferry.services.scheduler.batcher import DEFAULT_SCHEDULE_AHEAD_STEPS
     from ferry.services.scheduler.config import scheduler_config_from_args
 
-    assert DEFAULT_SCHEDULE_AHEAD_STEPS == 2  # measured on the H200 (bench/NOTES.md, "Two decode steps ahead")
+    assert DEFAULT_SCHEDULE_AHEAD_STEPS == 2  # a resident step is shorter than the chain from an answer to a launch
     for extra, ahead, steps in (
         ((), True, 2),
         (("--no-schedule-ahead",), False, 0),
@@ -331,3 +331,15 @@ def test_the_http_caps_reach_the_api_from_serve_and_are_checked():
     ):
         with pytest.raises(ConfigError, match=flag):
             api_config_from_args(parse("api", "--model", "m", flag, bad), "ipc:///tmp/x/api.sock", "m")
+
+
+def test_the_memory_ratio_help_states_the_planners_default():
+    import argparse
+
+    from ferry.plan.planner import DEFAULT_MEMORY_RATIO
+    from ferry.plan.planner_flags import add_planner_flags
+
+    parser = argparse.ArgumentParser()
+    add_planner_flags(parser)
+    (action,) = [a for a in parser._actions if a.dest == "memory_ratio"]
+    assert f"(default {DEFAULT_MEMORY_RATIO:g}" in action.help

@@ -9,7 +9,7 @@ import torch
 
 from ferry.plan import expert_formats as F
 from ferry.services.worker.expert_formats import ExpertFormat, worker_class
-from ferry.services.worker.offload.host_expert_kernel import KernelUnavailable
+from ferry.services.worker.offload.host_compute.host_expert_kernel import KernelUnavailable
 
 HIDDEN, INTER = 64, 32
 # the protocol's attributes and methods: what the worker asks of any format

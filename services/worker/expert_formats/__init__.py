@@ -3,7 +3,7 @@ its plan side of the same name under plan/expert_formats/ (which registers it an
 
 * `bf16.py`: experts in the run dtype, in slots [S, 2I, H] / [S, H, I] and host banks alike;
 * `bf16_packed.py`: bf16's slots, with host banks packed losslessly to 12 bits a value
-  (offload/packed_banks.py holds them; `--expert-bank-format`, auto packs bf16 models that offload);
+  (offload/host_memory/packed_banks.py holds them; `--expert-bank-format`, auto packs bf16 models that offload);
 * `nvfp4.py`, `fp8_block.py`: the checkpoint's quantized experts kept quantized in host RAM, across
   PCIe and in their slots (one byte row per weight family: plan/expert_formats prices it), and
   computed from there by the kernels, which dequantize in registers (kernels/quantized_experts.py).
@@ -51,10 +51,12 @@ class ExpertFormat(Protocol):
         kernels), or kernels/quantized_experts.py's QuantizedFamily (the quantized kernels)."""
 
     def host_kernel_format(self) -> int:
-        """The C host kernel's code for banks of this format (offload/host_expert_kernel.py), or KernelUnavailable."""
+        """The C host kernel's code for banks of this format (offload/host_compute/host_expert_kernel.py), or
+        KernelUnavailable."""
 
     def host_reader(self, banks, dtype: torch.dtype, chunk: int):
-        """The torch host path's reader of these banks (offload/host_expert_weights.py), computing in `dtype`."""
+        """The torch host path's reader of these banks (offload/host_compute/host_expert_weights.py), computing in
+        `dtype`."""
 
     # quantized formats also have fill_dummy_layer(w13 [E, ...], w2 [E, ...], layer, seed): --load-format
     # dummy's deterministic weights for one MoE layer's rows (bf16 ones come from dummy_weights.py)

@@ -1,6 +1,6 @@
 """The `bf16` expert format's worker side (plan/expert_formats/bf16.py prices it): experts in the run dtype
 (bf16 on a GPU, float32 in the CPU tests), in slots w13 [S, 2I, H] (gate rows, then up rows) and
-w2 [S, H, I], and in host banks of the same rows (offload/host_banks.py). The expert kernels read the
+w2 [S, H, I], and in host banks of the same rows (offload/host_memory/host_banks.py). The expert kernels read the
 slot tensors as they are (kernels/grouped_expert_gemm.py, kernels/expert_pair_gemv.py); the host kernel
 reads the bank rows in float32 or bf16; `--load-format dummy` fills them from services/worker/dummy_weights.py.
 
@@ -14,8 +14,8 @@ import torch
 
 from ferry.plan import expert_formats as F
 from ferry.services.worker.expert_formats.expert_shapes import check_expert_shapes
-from ferry.services.worker.offload import host_expert_kernel as K
-from ferry.services.worker.offload.host_expert_weights import PlainReader
+from ferry.services.worker.offload.host_compute import host_expert_kernel as K
+from ferry.services.worker.offload.host_compute.host_expert_weights import PlainReader
 from ferry.services.worker.quantized_weight import QuantizedWeight
 
 HOST_KERNEL_FORMATS = {torch.float32: K.F32, torch.bfloat16: K.BF16}  # the C kernel's bank dtypes

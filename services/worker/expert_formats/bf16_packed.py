@@ -1,8 +1,8 @@
 """The `bf16-packed` expert format's worker side (plan/expert_formats/bf16_packed.py prices it, and says
 why it is a format of its own): bf16 slots, exactly bf16's (this class is Bf16Experts for them), behind
-host banks that keep every value in 12 bits (offload/packed_banks.py, whose banks hold this format):
+host banks that keep every value in 12 bits (offload/host_memory/packed_banks.py, whose banks hold this format):
 the host kernel decodes those banks itself (its PACKED code), the host reader unpacks them
-(offload/host_expert_weights.py's PackedReader), and misses take no copy-engine threshold by default
+(offload/host_compute/host_expert_weights.py's PackedReader), and misses take no copy-engine threshold by default
 (the GPU's unpacking copy moves more bf16 bytes a second than the copy engine).
 
 What it gives beyond Bf16Experts is what a bank variant must (the checklist:
@@ -15,8 +15,8 @@ import torch
 
 from ferry.plan import expert_formats as F
 from ferry.services.worker.expert_formats.bf16 import Bf16Experts
-from ferry.services.worker.offload import host_expert_kernel as K
-from ferry.services.worker.offload.host_expert_weights import PackedReader
+from ferry.services.worker.offload.host_compute import host_expert_kernel as K
+from ferry.services.worker.offload.host_compute.host_expert_weights import PackedReader
 
 
 class Bf16PackedExperts(Bf16Experts):

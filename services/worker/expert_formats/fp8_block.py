@@ -5,11 +5,13 @@ Per weight family the byte row holds (plan/expert_formats/fp8_block.py) the floa
 and the float32 scales of every 128 x 128 block of each projection (w13's gate and up keep their
 own block rows, restarting at row I, since partial blocks occur), as the checkpoints' scale_inv
 multiplies. Per-tensor FP8 experts (modelopt FP8) are held the same way, their one scale in every
-block. The kernels dequantize in registers and compute in the activations' dtype (W8A16:
-bench/NOTES.md says why): kernels/quantized_expert_gemm.py and kernels/quantized_expert_gemv.py read
-the views `gemm_views` gives (kernels/quantized_experts.py). Here too: the host reader's decode of its
-rows (Fp8BlockFamilyReader), the host kernel's code, the dummy weights of `--load-format dummy`, and
-Qwen's FP8 tensors of one linear (`quantize_linear`, what `ferry make-bench-model --format fp8` writes).
+block. The kernels dequantize in registers and compute in the activations' dtype (W8A16, not W8A8:
+decode reads each weight once a token, so FP8 tensor cores would not be its bottleneck, and bf16
+activations keep the accuracy of the checkpoint's own dequantized weights): kernels/quantized_expert_gemm.py
+and kernels/quantized_expert_gemv.py read the views `gemm_views` gives (kernels/quantized_experts.py).
+Here too: the host reader's decode of its rows (Fp8BlockFamilyReader), the host kernel's code, the dummy
+weights of `--load-format dummy`, and Qwen's FP8 tensors of one linear (`quantize_linear`, what
+`ferry make-bench-model --format fp8` writes).
 
 What every quantized worker format gives (the checklist: services/worker/expert_formats/__init__.py):
 `plan` and `name`, `_write` and `_fill_dummy` of its parts, `host_kernel_code`, `family_reader`, and
@@ -30,8 +32,8 @@ from ferry.services.worker.expert_formats.quantized import (
     part,
     raw,
 )
-from ferry.services.worker.offload import host_expert_kernel as K
-from ferry.services.worker.offload import host_expert_weights as W
+from ferry.services.worker.offload.host_compute import host_expert_kernel as K
+from ferry.services.worker.offload.host_compute import host_expert_weights as W
 from ferry.services.worker.quantized_weight import FP8_BLOCK, FP8_TENSOR, QuantizedWeight
 
 

@@ -31,8 +31,8 @@ from ferry.services.worker.expert_formats.quantized import (
     part,
     raw,
 )
-from ferry.services.worker.offload import host_expert_kernel as K
-from ferry.services.worker.offload import host_expert_weights as W
+from ferry.services.worker.offload.host_compute import host_expert_kernel as K
+from ferry.services.worker.offload.host_compute import host_expert_weights as W
 from ferry.services.worker.quantized_weight import NVFP4, QuantizedWeight
 
 E2M1_MAX = 6.0  # the largest e2m1 magnitude

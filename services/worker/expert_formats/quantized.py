@@ -14,7 +14,7 @@ from ferry.kernels.quantized_experts import QuantizedFamily
 from ferry.plan import expert_formats as F
 from ferry.services.worker.dummy_weights import name_seed
 from ferry.services.worker.expert_formats.expert_shapes import check_expert_shapes
-from ferry.services.worker.offload.host_expert_weights import QuantizedFamilyReader, QuantizedReader
+from ferry.services.worker.offload.host_compute.host_expert_weights import QuantizedFamilyReader, QuantizedReader
 from ferry.services.worker.quantized_weight import QuantizedWeight
 
 TORCH_PART_DTYPES = {"uint8": torch.uint8, "float8_e4m3fn": torch.float8_e4m3fn, "float32": torch.float32}
@@ -51,7 +51,7 @@ class QuantizedExperts(ABC):
     name: str  # plan.name
     quantized = True
     copy_engine_default = False  # a quantized miss is small: the graph's core copies beat the eager copy-engine path
-    host_kernel_code: int  # the C host kernel's enum ferry_format (offload/host_expert_kernel.py)
+    host_kernel_code: int  # the C host kernel's enum ferry_format (offload/host_compute/host_expert_kernel.py)
     family_reader: type[QuantizedFamilyReader]  # the host reader of one family's rows
 
     def __init__(self, hidden: int, inter: int):

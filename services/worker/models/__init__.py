@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 
 from ferry.plan.model_config import ARCHITECTURES, ModelSpec
-from ferry.services.worker.experts import ExpertStore
 from ferry.services.worker.models.decoder import CausalLM
 from ferry.services.worker.models.weights import WeightLoadError
+from ferry.services.worker.offload.stores.expert_store import ExpertStore
 from ferry.shared.errors import ConfigError
 
 __all__ = ["CausalLM", "WeightLoadError", "build_model"]

@@ -10,7 +10,6 @@ from torch import nn
 
 from ferry.kernels.expert_rows_sum import ExpertRows
 from ferry.plan.model_config import LINEAR_ATTENTION, ModelSpec
-from ferry.services.worker.experts import ExpertStore
 from ferry.services.worker.forward_batch import ForwardBatch
 from ferry.services.worker.models.attention import PagedAttention
 from ferry.services.worker.models.context import StepContext
@@ -19,6 +18,7 @@ from ferry.services.worker.models.mlp import DenseMLP, SparseMoeBlock
 from ferry.services.worker.models.norms import make_norm
 from ferry.services.worker.models.rotary import RotaryEmbedding
 from ferry.services.worker.models.weights import checkpoint_shapes, load_checkpoint_weights
+from ferry.services.worker.offload.stores.expert_store import ExpertStore
 from ferry.services.worker.pools import Pools
 
 

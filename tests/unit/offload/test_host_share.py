@@ -4,7 +4,7 @@ interpreted_offload_store.py (check_host_share)."""
 
 from __future__ import annotations
 
-from ferry.services.worker.offload.host_share import HostCost
+from ferry.services.worker.offload.host_compute.prefill_share import HostCost
 
 
 def test_equal_costs_split_the_missed_experts_in_half():
@@ -43,8 +43,8 @@ def test_the_split_is_the_shortest_layer_of_every_possible_one():
 
 
 def test_the_h200_figures_give_the_host_a_third_of_a_short_prefills_misses():
-    """A packed Qwen3-30B expert (7.08 MB): 129 us over 55 GB/s, 148 us on 15 host threads at one token
-    (bench/NOTES.md), ~10 us more a token (9.4 MFLOP a token); 9 tokens an expert, 205 missed."""
+    """A packed Qwen3-30B expert (7.08 MB): 129 us over 55 GB/s, 148 us on 15 host threads at one token,
+    ~10 us more a token (9.4 MFLOP a token); 9 tokens an expert, 205 missed."""
     cost = HostCost(pcie_s=129e-6, host_s_at_1=148e-6, host_s_per_token=10e-6, overhead_s=50e-6)
     h = cost.host_count(205, 9)
     assert h == 74  # 131 copies end at 16.90 ms, the host's 74 at 16.92 (73: 17.03 ms on the link's side)
@@ -62,7 +62,7 @@ def test_a_long_prefills_share_falls_to_nothing():
 
 def test_beyond_the_sizes_the_costs_were_measured_at_the_host_takes_nothing():
     """The calibration times a 512-token hand-off and the kernel at 1 and 16 tokens an expert. On the H200 a
-    share priced from those at 1,200-token and 8,192-token steps made them 1.2-3.3x slower (bench/NOTES.md):
+    share priced from those at 1,200-token and 8,192-token steps made them 1.2-3.3x slower:
     beyond either size the host takes nothing, within them the rule is as before."""
     measured = HostCost(
         pcie_s=129e-6,
@@ -81,7 +81,7 @@ def test_beyond_the_sizes_the_costs_were_measured_at_the_host_takes_nothing():
 
 
 def test_the_step_size_reaches_the_rule_through_split():
-    from ferry.services.worker.offload.host_share import HostShare
+    from ferry.services.worker.offload.host_compute.prefill_share import HostShare
 
     share = HostShare.__new__(HostShare)  # split reads only the cost
     share.cost = HostCost(1.0, 1.0, 0.0, 0.0, max_step_tokens=4)
@@ -95,7 +95,7 @@ def test_nothing_to_share_or_a_hand_off_dearer_than_the_saving_gives_the_host_no
 
 
 def test_split_gives_the_host_the_tail_of_the_layers_list():
-    from ferry.services.worker.offload.host_share import HostShare
+    from ferry.services.worker.offload.host_compute.prefill_share import HostShare
 
     share = HostShare.__new__(HostShare)  # split reads only the cost
     share.cost = HostCost(1.0, 1.0, 0.0, 0.0)
@@ -108,11 +108,11 @@ def test_calibration_runs_on_the_stores_own_paths():
     import torch
     from offload_tiny import slot_pool, tiny_spec
 
-    from ferry.services.worker.offload.device_store import DeviceDrivenExperts
-    from ferry.services.worker.offload.frequency_policy import LFUExpertPolicy
-    from ferry.services.worker.offload.host_banks import HostBanks
-    from ferry.services.worker.offload.host_experts import HostExperts
-    from ferry.services.worker.offload.host_share import calibrate
+    from ferry.services.worker.offload.host_compute.host_experts import HostExperts
+    from ferry.services.worker.offload.host_compute.prefill_share import calibrate
+    from ferry.services.worker.offload.host_memory.host_banks import HostBanks
+    from ferry.services.worker.offload.slot_cache.frequency_policy import LFUExpertPolicy
+    from ferry.services.worker.offload.stores.device_driven import DeviceDrivenExperts
 
     spec = tiny_spec(layers=2, experts=6, top_k=2, hidden=256, inter=128)
     banks = HostBanks.for_model(spec, "float32", progress=False)
@@ -129,7 +129,7 @@ def test_each_timed_call_of_the_calibration_reads_experts_no_earlier_call_read()
     """The calibration times host RAM, not what the call before left in the CPU's caches: while the model
     has enough experts, the probes of successive calls never repeat a (layer, expert); past that they wrap
     and stay in range."""
-    from ferry.services.worker.offload.host_share import probe
+    from ferry.services.worker.offload.host_compute.prefill_share import probe
 
     layers, experts, n = 48, 128, 8
     calls = layers * experts // n
