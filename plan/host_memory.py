@@ -11,13 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from ferry.plan import expert_formats as F
-from ferry.plan.expert_formats.bf16_packed import (  # noqa: F401 (the packed banks' prices, read here by the worker)
-    PACKED_ESCAPE_BYTES,
-    PACKED_ESCAPE_SHARE,
-    packed_bank_bytes,
-    packed_escape_allowance,
-    packed_expert_bytes,
-)
 from ferry.plan.model_config import DTYPE_BYTES, ModelSpec
 from ferry.shared.units import GiB
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ferry.plan.expert_formats import bf16, bf16_packed, fp8_block, nvfp4  # noqa: F401 (registers them, in this order)
+from ferry.plan.expert_formats import bf16, bf16_packed, fp8_block, nvfp4  # noqa: F401 (importing one registers it)
 from ferry.plan.expert_formats.bf16 import BF16
 from ferry.plan.expert_formats.bf16_packed import BF16_PACKED
 from ferry.plan.expert_formats.fp8_block import FP8_BLOCK, FP8_BLOCK_SIZE

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ferry.kernels.expert_pack import pack_experts, unpack_expert_reference, unpack_experts_triton
-from ferry.plan.host_memory import PACKED_ESCAPE_BYTES, packed_expert_bytes
+from ferry.plan.expert_formats.bf16_packed import PACKED_ESCAPE_BYTES, packed_expert_bytes
 
 I, H = 4, 8  # w13 [8, 8] = 64 values, w2 [8, 4] = 32
 

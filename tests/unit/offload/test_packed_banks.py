@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ferry.plan import host_memory as H
+from ferry.plan.expert_formats import bf16_packed as P
 from ferry.services.worker.offload.host_memory.host_banks import HostBanks, HostMemoryError
 from ferry.services.worker.offload.host_memory.packed_banks import PackedHostBanks
 
@@ -43,8 +44,8 @@ def test_a_dummy_fill_holds_the_plain_banks_bits_in_three_quarters_of_the_bytes(
             )
     assert packed.expert_nbytes < 0.76 * plain.expert_nbytes
     values = 3 * 32 * 16
-    assert packed.nbytes <= H.packed_bank_bytes(2, 5, values)  # within what the plan priced
-    assert H.expert_bank_bytes(_spec(), "bfloat16", "packed") == H.packed_bank_bytes(2, 5, values)
+    assert packed.nbytes <= P.packed_bank_bytes(2, 5, values)  # within what the plan priced
+    assert H.expert_bank_bytes(_spec(), "bfloat16", "packed") == P.packed_bank_bytes(2, 5, values)
 
 
 def _spec():

@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from ferry.kernels.dispatch import use_triton
 from ferry.kernels.expert_pack import pack_experts, unpack_expert_reference, unpack_experts_triton
-from ferry.plan import host_memory as H
+from ferry.plan.expert_formats import bf16_packed as P
 from ferry.plan.host_memory import MEMINFO
 from ferry.plan.model_config import ModelSpec
 from ferry.services.worker.expert_formats.bf16_packed import Bf16PackedExperts
@@ -120,7 +120,7 @@ class PackedHostBanks:
         if dtype != torch.bfloat16:
             raise ValueError(f"packed expert banks hold bf16 experts, not {dtype}")
         pin = torch.cuda.is_available() if pin is None else pin
-        needed = H.packed_bank_bytes(num_layers, num_experts, 3 * intermediate_size * hidden_size)
+        needed = P.packed_bank_bytes(num_layers, num_experts, 3 * intermediate_size * hidden_size)
         check_host_memory(
             needed,
             f"packed host banks for {num_layers} MoE layers x {num_experts} experts "
@@ -151,13 +151,13 @@ class PackedHostBanks:
     def expert_nbytes(self) -> int:
         """Bytes one expert's copy moves, on average (lo, hi, base and its share of the escapes)."""
         experts = self.num_layers * self.num_experts
-        escapes = self.escape_count * H.PACKED_ESCAPE_BYTES
+        escapes = self.escape_count * P.PACKED_ESCAPE_BYTES
         return self.lo[0][0].nbytes + self.hi[0][0].nbytes + self.base[0][0].nbytes + escapes // experts
 
     @property
     def nbytes(self) -> int:
         fixed = sum(t.nbytes for t in (*self.lo, *self.hi, *self.base))
-        return fixed + self.escape_count * H.PACKED_ESCAPE_BYTES + self.num_layers * (self.num_experts + 1) * 8
+        return fixed + self.escape_count * P.PACKED_ESCAPE_BYTES + self.num_layers * (self.num_experts + 1) * 8
 
     # ---- loading -------------------------------------------------------------------------------
     def load_expert(
@@ -233,18 +233,18 @@ class PackedHostBanks:
         first copy: `_pack` refuses loads after it)."""
         if self._sealed:
             return
-        allowance = H.packed_escape_allowance(self.v13 + self.v2) * self.num_layers * self.num_experts
+        allowance = P.packed_escape_allowance(self.v13 + self.v2) * self.num_layers * self.num_experts
         if self.escape_count > allowance:  # the plan priced fewer: the host RAM check below is the guard
             log.warning(
                 "packed_banks_escapes_above_plan",
                 escapes=self.escape_count,
                 planned=allowance,
-                extra_bytes=(self.escape_count - allowance) * H.PACKED_ESCAPE_BYTES,
+                extra_bytes=(self.escape_count - allowance) * P.PACKED_ESCAPE_BYTES,
             )
         # what sealing adds on top of the loose lists: one layer's escapes (the reserve was checked with the banks)
         largest = max(sum(len(i) for i, _ in layer) for layer in self._escapes)
         check_host_memory(
-            largest * H.PACKED_ESCAPE_BYTES,
+            largest * P.PACKED_ESCAPE_BYTES,
             f"laying out one layer's {largest:,} escaped values",
             self.meminfo,
             reserve=0,
