@@ -15,7 +15,7 @@ A new family registers, with `register(ModelFamily(...))` in a module of this fo
     left out (weight_shapes.py has the shared layer kinds): the planner's weight bytes and dummy weights;
   * `published_names(config)`, when its published checkpoints name tensors other than `model.…`;
   * `tiny_config` and `reference_classes`, for `ferry make-tiny-model` (transformers' classes write it).
-and, on the worker side, its module in `services/worker/models/` (that package's family.py says what).
+and, on the worker side, its module in `services/worker/models/` (that package's registry.py says what).
 """
 
 from __future__ import annotations

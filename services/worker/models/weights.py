@@ -11,7 +11,7 @@ qwen3_5_moe wrapper; `lm_head.weight` unprefixed):
 * whatever the model's family converts first (`DecoderFamily.checkpoint_tensors`: qwen3_next's
   interleaved `in_proj_qkvz` / `in_proj_ba` become the four above);
 * tensors a module keeps as row blocks of one fused parameter, as its `checkpoint_rows` lists
-  them (models/mlp.py: `mlp.gate.weight` and `mlp.shared_expert_gate.weight` into the router's
+  them (layers/mlp.py: `mlp.gate.weight` and `mlp.shared_expert_gate.weight` into the router's
   `gate.logit_weight`, `gate_proj.weight` and `up_proj.weight` into a dense MLP's `gate_up_proj`).
   Each is written into its row view, checked against the view's shape, and expected once.
 Vision-tower (`visual.`) and multi-token-prediction (`mtp.`) tensors are skipped: only the text
