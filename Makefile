@@ -46,7 +46,7 @@ test: $(STAMP) lint-tools
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
-# The GPU release check (bench/gpu_check.py): the CUDA tests, then `ferry serve` with the Qwen3-30B-A3B
+# The GPU release check (tools/gpu_check.py): the CUDA tests, then `ferry serve` with the Qwen3-30B-A3B
 # config and the openai client. Run it on a CUDA host, from this tree, with a CUDA torch installed
 # (e.g. `make venv TORCH_INDEX=https://download.pytorch.org/whl/cu130`); results land in $(OUT)/gpu_check.json.
 OUT        ?= out
@@ -55,12 +55,12 @@ GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
 GPU_CHECK_ARGS ?=
 
 gpu-check:
-	$(GPU_PYTHON) bench/gpu_check.py --out $(OUT) $(GPU_CHECK_ARGS)
+	$(GPU_PYTHON) tools/gpu_check.py --out $(OUT) $(GPU_CHECK_ARGS)
 
-# The same on a host of two GPUs or more, for expert parallelism (issue 26): the two-rank CUDA tests, then
+# The same on a host of two GPUs or more, for expert parallelism: the two-rank CUDA tests, then
 # `ferry serve --expert-parallel-size 2` with the openai client
 gpu-check-multi:
-	$(GPU_PYTHON) bench/gpu_check.py --out $(OUT) --tests tests/gpu_multi --workers 1 \
+	$(GPU_PYTHON) tools/gpu_check.py --out $(OUT) --tests tests/gpu_multi --workers 1 \
 	  --serve-args "--load-format dummy --gpu-memory 24GiB --expert-parallel-size 2"
 
 # TORCH_INDEX, when set, picks the image's torch build too (the Dockerfile's default is the CUDA one):

@@ -1,10 +1,9 @@
 """How much of the host's CPU time the hypervisor took while a bench ran (/proc/stat's steal column).
 
-The H200 host is a 16-vCPU virtual machine. On 2026-12-03 its host kernel took 98-582 µs an expert at one
-token in back-to-back runs of the same bench, and 280-1,150 µs in service, against 134-185 µs in the
-session before (bench/NOTES.md, "Pinned threads and huge pages"): a pool of 12 threads that meet at a
-barrier waits for whichever vCPU the hypervisor has descheduled. Recording the steal share beside each
-figure tells a contended machine from a regression.
+A device host may be a virtual machine of a few vCPUs. On one, the host kernel took 98-582 µs an expert at one token
+in back-to-back runs of the same bench, and 280-1,150 µs in service, against 134-185 µs on a quiet day: a pool of 12
+threads that meet at a barrier waits for whichever vCPU the hypervisor has descheduled. Recording the steal share
+beside each figure tells a contended machine from a regression.
 """
 
 from __future__ import annotations

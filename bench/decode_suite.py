@@ -3,7 +3,7 @@ directory (`ferry make-bench-model`, dummy weights whose routing changes with ev
 serve` with the workload's flags, then bench/serve_openai.py (the official openai client, streaming)
 for TTFT of a 2,000-token prompt and decode at 1 and 8 streams, with the bound measured in the same
 run (bench/bandwidth.py's ceilings). Writes OUT/decode_<workload>[_<variant>].json with the keys
-bench/NOTES.md tabulates: single_stream_tok_s, single_stream_bound_tok_s, streams8_tok_s, ttft_2k_s,
+bench/CURRENT.md tabulates: single_stream_tok_s, single_stream_bound_tok_s, streams8_tok_s, ttft_2k_s,
 hit_rate, commit (and the whole serve_openai result under "detail"). `ttft_2k_s` is measured with a
 text prompt of exactly 2,000 tokens (`ttft_2k_prompt` says so), `ttft_2k_ids_s` with the same
 length sent as token ids; the `_wire_s` keys start the clock when the request leaves the client.
@@ -110,8 +110,8 @@ VARIANTS = {
     # the same prompt in 8,192-token chunks, the plan's choice before 16,384 was a candidate: beside
     # `default` on one commit, whether decode after a long prompt loses by 16k
     "chunk8k": ["--max-prefill-tokens", "8192"],
-    # a long prompt's lending steps in ring chunks of 48 experts instead of 12 (issue 24): a quarter of
-    # the chunks, each paying the host's launches once (bench/profile_long_chunk.py --ring-chunks 48)
+    # a long prompt's lending steps in ring chunks of 48 experts instead of 12: a quarter of the chunks,
+    # each paying the host's launches once
     "ring48": ["--long-prefill-ring-chunk", "48"],
     # auto with the host pool's idle workers spinning 1 ms before they sleep (FERRY_HOST_POOL_SPIN_US,
     # VARIANT_ENV): a decode step's layers come ~0.4-0.6 ms apart, so at the default 50 µs every layer's

@@ -6,7 +6,12 @@ device-memory line (default 24 GiB, as nvidia-smi counts a process: its CUDA con
    NVFP4 checkpoint in the Hugging Face per-expert layout under the published names (`model.language_model.`),
    served to both engines. The expert names are checked against those FreeToken's Qwen3.5/3.6 NVFP4 reader matches
    (`model.language_model.layers.N.mlp.experts.E.*`) before the checkpoint is written and again on its index: a
-   checkpoint it cannot read stops the run with that said.
+   checkpoint it cannot read stops the run with that said. `--num-layers N --format bf16` serves a cut instead: bf16
+   experts in the layout FreeToken reads for the family (Qwen3.5/3.6 fused, Qwen3-MoE per expert), e.g. the decode
+   suite's cuts at their flags:
+
+       --config tests/data/models/qwen3-30b-a3b/config.json --num-layers 12 --format bf16 --memory-line 12GiB \
+       --ferry-args "--moe-cache-size 512 --max-running-requests 8" --freetoken-args "--moe-cache-size 512"
 2. Ferry: `ferry serve DIR --load-format dummy --gpu-memory LINE` (its own defaults otherwise); dummy weights
    follow the same recipe as the checkpoint's (services/bench_model.py) and skip reading 20 GB
    (`--ferry-load-format auto` reads the checkpoint instead). The output says which.
@@ -60,6 +65,10 @@ FREETOKEN_EXPERT_KEY = re.compile(
     r"(gate_proj|up_proj|down_proj)\.(weight|weight_scale|weight_scale_2|input_scale)$"
 )
 EXPERT_KEY = re.compile(r"\.mlp\.experts\.\d+\.")
+FUSED_EXPERT_KEY = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
+# FreeToken 0.1.2's Qwen3.5/3.6 bf16 experts (freetoken/models/qwen3_5_moe/weight.py, _PACKED_EXPERT_PATTERN, after
+# its rename of model.language_model. to model.)
+FREETOKEN_FUSED_KEY = re.compile(r"^model\.language_model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)$")
 
 
 def size_mib(text: str, flag: str) -> float:
@@ -94,39 +103,69 @@ def lowered_ratio(ratio: float, free_mib: float, excess_mib: float, margin_mib: 
 
 
 def freetoken_layout_problem(config: dict, weight_map: dict[str, str]) -> str | None:
-    """Why FreeToken 0.1.2 cannot read this NVFP4 checkpoint's routed experts, or None when it can (or when the
-    checkpoint is not the Qwen3.5/3.6 NVFP4 kind this check knows: then nothing is claimed)."""
+    """Why FreeToken 0.1.2 cannot read this checkpoint's routed experts, or None when it can (or when the checkpoint
+    is not a kind this check knows: then nothing is claimed). Its readers: Qwen3.5/3.6 NVFP4 per expert under the
+    published names; Qwen3.5/3.6 bf16 fused (`experts.gate_up_proj`, `experts.down_proj`); Qwen3-MoE bf16 per expert."""
     arch = (config.get("architectures") or [""])[0]
     quant = config.get("quantization_config") or {}
-    if not arch.startswith("Qwen3_5Moe") or "fp4" not in str(quant.get("quant_algo", "")).lower():
-        return None
     experts = [n for n in weight_map if EXPERT_KEY.search(n)]
-    if not experts:
-        return "the checkpoint has no per-expert tensors (model.*.mlp.experts.E.*): FreeToken's NVFP4 reader needs them"
-    unread = [n for n in experts if not FREETOKEN_EXPERT_KEY.match(n)]
-    if unread:
-        return (
-            f"{len(unread)} of {len(experts)} expert tensors are named as FreeToken 0.1.2's NVFP4 reader does not "
-            f"match (e.g. {unread[0]!r}; it reads only 'model.language_model.layers.N.mlp.experts.E.{{gate,up,"
-            f"down}}_proj.{{weight,weight_scale,weight_scale_2}}', the published Qwen3.5/3.6 NVFP4 names), so its "
-            f"host expert banks would get none of them"
-        )
+    fused = [n for n in weight_map if FUSED_EXPERT_KEY.search(n)]
+    if arch.startswith("Qwen3_5Moe") and "fp4" in str(quant.get("quant_algo", "")).lower():
+        if not experts:
+            return (
+                "the checkpoint has no per-expert tensors (model.*.mlp.experts.E.*): FreeToken's NVFP4 reader needs "
+                "them"
+            )
+        unread = [n for n in experts if not FREETOKEN_EXPERT_KEY.match(n)]
+        if unread:
+            return (
+                f"{len(unread)} of {len(experts)} expert tensors are named as FreeToken 0.1.2's NVFP4 reader does not "
+                f"match (e.g. {unread[0]!r}; it reads only 'model.language_model.layers.N.mlp.experts.E.{{gate,up,"
+                f"down}}_proj.{{weight,weight_scale,weight_scale_2}}', the published Qwen3.5/3.6 NVFP4 names), so its "
+                f"host expert banks would get none of them"
+            )
+        return None
+    if quant:
+        return None
+    if arch.startswith("Qwen3_5Moe"):
+        if experts or not fused:
+            return (
+                "FreeToken 0.1.2 reads Qwen3.5/3.6 bf16 experts only fused, as the published checkpoints store them "
+                "('model.language_model.layers.N.mlp.experts.{gate_up_proj,down_proj}'): write the checkpoint with "
+                "`make-bench-model --expert-layout fused`"
+            )
+        unread = [n for n in fused if not FREETOKEN_FUSED_KEY.match(n)]
+        if unread:
+            return f"{len(unread)} fused expert tensors are not under model.language_model. (e.g. {unread[0]!r})"
+        return None
+    if arch.startswith("Qwen3Moe") and (fused or not experts):
+        return "FreeToken 0.1.2 reads Qwen3-MoE bf16 experts only per expert (model.layers.N.mlp.experts.E.*)"
     return None
 
 
-def planned_expert_names(config_path: str | Path) -> dict[str, str]:
-    """The routed-expert weight names `ferry make-bench-model` writes for this config (as a weight map with no
-    shards): the layout check runs on them before 20 GB are written, and on the written index after."""
-    import shutil
+def expert_layout(config: dict, fmt: str) -> str:
+    """The routed experts' layout FreeToken reads for this config and format: Qwen3.5/3.6 bf16 fused, else per
+    expert."""
+    arch = (config.get("architectures") or [""])[0]
+    return "fused" if fmt == "bf16" and arch.startswith("Qwen3_5Moe") else "per-expert"
 
+
+def planned_expert_names(config_path: str | Path, num_layers: int | None = None, layout: str = "per-expert"):
+    """The routed-expert weight names `ferry make-bench-model` writes for this config (as a weight map with no
+    shards): the layout check runs on them before gigabytes are written, and on the written index after."""
     from ferry.plan.model_config import load_model_config
-    from ferry.services.bench_model import published_names
+    from ferry.services.bench_model import PER_EXPERT_NAME, cut_config, published_names
     from ferry.services.worker.dummy_weights import routed_expert_shapes
 
-    named = published_names(json.loads(Path(config_path).read_text()))
+    config = cut_config(json.loads(Path(config_path).read_text()), num_layers)
+    named = published_names(config)
     with tempfile.TemporaryDirectory() as d:
-        shutil.copy(config_path, Path(d) / "config.json")
-        return {named(n): "" for n in routed_expert_shapes(load_model_config(d))}
+        (Path(d) / "config.json").write_text(json.dumps(config))
+        names = list(routed_expert_shapes(load_model_config(d)))
+    if layout == "fused":
+        layers = {m[1] for n in names if (m := PER_EXPERT_NAME.fullmatch(n))}
+        names = [f"{layer}.{t}" for layer in sorted(layers) for t in ("gate_up_proj", "down_proj")]
+    return {named(n): "" for n in names}
 
 
 def parse_compute_apps(text: str) -> list[tuple[int, float]]:
@@ -307,7 +346,7 @@ def client_command(base_url: str, model_dir: Path, out: Path, args) -> list[str]
         "--base-url",
         base_url,
         "--streams",
-        "1,8",
+        args.streams,
         "--max-tokens",
         str(args.max_tokens),
         "--repeats",
@@ -419,6 +458,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="dummy (default): the checkpoint's recipe made on the card; auto: read the checkpoint",
     )
     p.add_argument("--ferry-args", default="", help="more `ferry serve` flags, space-separated")
+    p.add_argument(
+        "--freetoken-args", default="", help="more FreeToken flags, space-separated (e.g. --moe-cache-size 512)"
+    )
+    p.add_argument("--num-layers", type=int, default=None, help="serve a cut: the config's first N decoder layers")
+    p.add_argument(
+        "--format",
+        choices=("nvfp4", "bf16"),
+        default="nvfp4",
+        help="the checkpoint's experts: nvfp4 (default, modelopt's layout) or bf16 (Qwen3.5/3.6's fused layout, "
+        "Qwen3-MoE's per-expert one: what FreeToken reads)",
+    )
+    p.add_argument("--streams", default="1,8", help="the client's stream counts, comma-separated")
+    p.add_argument(
+        "--label", default=None, help="the result's name: peer_compare_<card>[_<label>].json (default: the cut, if any)"
+    )
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--ttft-runs", type=int, default=3)
@@ -447,25 +501,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--freetoken-allowance {args.freetoken_allowance} must be less than --memory-line {args.memory_line}")
     if not Path(args.config).is_file():
         p.error(f"--config {args.config}: no such file")
+    if not all(x.strip().isdigit() and int(x) > 0 for x in args.streams.split(",")):
+        p.error(f"--streams {args.streams!r}: positive stream counts, comma-separated")
+    if args.num_layers is not None and args.num_layers < 1:
+        p.error(f"--num-layers {args.num_layers}: at least 1")
+    cut = f"_{args.num_layers}layers" if args.num_layers else ""
+    if args.label is None:
+        args.label = f"{args.num_layers}layers_{args.format}" if args.num_layers else ""
     if args.model_dir is None:
-        args.model_dir = str(Path(tempfile.gettempdir()) / f"peer_ckpt_nvfp4_{Path(args.config).resolve().parent.name}")
+        folder = Path(args.config).resolve().parent.name
+        args.model_dir = str(Path(tempfile.gettempdir()) / f"peer_ckpt_{args.format}_{folder}{cut}")
     return args
 
 
-def finished_checkpoint(model_dir: Path) -> bool:
-    """Whether make-bench-model finished this directory: it writes the index after the shards, and the config's
-    quantization_config after the index."""
+def finished_checkpoint(model_dir: Path, fmt: str = "nvfp4") -> bool:
+    """Whether make-bench-model finished this directory: it writes the index after the shards, and a quantized
+    format's quantization_config into config.json after the index."""
     try:
         config = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError):
         return False
-    return (model_dir / "model.safetensors.index.json").is_file() and "quantization_config" in config
+    written = (model_dir / "model.safetensors.index.json").is_file()
+    return written and (fmt == "bf16" or "quantization_config" in config)
 
 
 def make_checkpoint(args, log: Path) -> tuple[Path, bool]:
-    """(the random NVFP4 checkpoint, whether it was written now rather than found finished in --model-dir)."""
+    """(the random checkpoint, whether it was written now rather than found finished in --model-dir)."""
     model_dir = Path(args.model_dir)
-    if finished_checkpoint(model_dir):
+    if finished_checkpoint(model_dir, args.format):
         return model_dir, False
     cmd = [
         sys.executable,
@@ -476,12 +539,16 @@ def make_checkpoint(args, log: Path) -> tuple[Path, bool]:
         "--config",
         str(args.config),
         "--format",
-        "nvfp4",
+        args.format,
         "--weights",
         "random",
         "--generate-on",
         "cuda",
+        "--expert-layout",
+        expert_layout(json.loads(Path(args.config).read_text()), args.format),
     ]
+    if args.num_layers:
+        cmd += ["--num-layers", str(args.num_layers)]
     with log.open("w") as f:
         subprocess.run(
             cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, check=True, timeout=left_s(args, args.make_timeout)
@@ -583,6 +650,7 @@ def start_freetoken(model_dir: Path, ratio: float, args, log: Path):
         str(port),
         "--max-running-requests",
         "8",
+        *args.freetoken_args.split(),
     ]
     # its wheels' folder alone on the path, offline: a local checkpoint has nothing to fetch from the Hub
     env = {
@@ -623,11 +691,15 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    path = out / f"peer_compare_{short}.json"
+    path = out / (f"peer_compare_{short}_{args.label}.json" if args.label else f"peer_compare_{short}.json")
     result: dict = {
         "card": card,
         "memory_line_mib": args.line_mib,
         "config": str(args.config),
+        "num_layers": args.num_layers,
+        "format": args.format,
+        "ferry_args": args.ferry_args,
+        "freetoken_args": args.freetoken_args,
         "client": " ".join(client_command("BASE/v1", Path("DIR"), Path("OUT.json"), args)[1:]),
         "ferry_weights": (
             "dummy (--load-format dummy: the checkpoint's recipe made on the card, not read)"
@@ -639,8 +711,11 @@ def main(argv: list[str] | None = None) -> int:
     def save() -> None:
         path.write_text(json.dumps(result, indent=1) + "\n")
 
-    planned = json.loads(Path(args.config).read_text()) | {"quantization_config": {"quant_algo": "NVFP4"}}
-    problem = freetoken_layout_problem(planned, planned_expert_names(args.config))
+    planned = json.loads(Path(args.config).read_text())
+    if args.format == "nvfp4":
+        planned |= {"quantization_config": {"quant_algo": "NVFP4"}}
+    layout = expert_layout(planned, args.format)
+    problem = freetoken_layout_problem(planned, planned_expert_names(args.config, args.num_layers, layout))
     if problem:  # before minutes of writing a checkpoint the peer cannot read
         result["error"] = f"FreeToken cannot read the checkpoint make-bench-model writes: {problem}"
         save()
@@ -665,8 +740,7 @@ def main(argv: list[str] | None = None) -> int:
         print(result["error"])
         return 3
     print(
-        f"checkpoint {model_dir} {result['checkpoint']}, {result['checkpoint_s']} s; FreeToken's NVFP4 expert names "
-        "match",
+        f"checkpoint {model_dir} {result['checkpoint']}, {result['checkpoint_s']} s; FreeToken's expert names match",
         flush=True,
     )
     if not wait_gpu_released(set(), gpu_memory(args.gpu_index)["used_mib"], args.gpu_index, timeout=60):

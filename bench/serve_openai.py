@@ -17,8 +17,8 @@ OpenAI-compatible server (Ferry, or a peer measured with the very same script).
   after the first over the time between the first and the last chunk), and the aggregate
   (all tokens over the wall time from the first chunk to the last). Each N runs `--repeats` times
   back to back (default 3) and reports the median repeat: one 128-token stream is half a second,
-  and on an H100 two servers of the same code gave 261.6 and 196.5 tok/s from one repeat each, the
-  second while the host's share ran slow for that half second (bench/NOTES.md, 2026-12-05).
+  and two servers of the same code gave 261.6 and 196.5 tok/s from one repeat each, the second
+  while the host's share ran slow for that half second.
 
 With `--metrics URL` (Ferry's worker /metrics), the expert cache's counters over each run: hit
 rate, prefetch accuracy and bytes copied per token. With `--config DIR --ceilings JSON` as well

@@ -1,11 +1,9 @@
 """Pairs aligned by slot in four Triton launches, and `align_pairs_by_slot`, which dispatches (CUDA -> these,
 anything else -> the twin); twin: `align_pairs_by_slot_reference` (kernels/align_pairs_reference.py), the same
 layout, bit for bit, from ~35 torch calls. `align_pairs_by_slot_host`: the same layout in numpy.
-
-Why: a streamed prefill step aligns its pairs twice a MoE layer (the cache's hits, then the staged
-experts), and on the H200 such a step is bound by the host's launches, not the device (bench/NOTES.md,
-"issue 23's warm step is host-bound"): each torch call costs the host tens of microseconds while its kernel
-takes a few. Here the host pays four launches.
+ Why: a streamed prefill step aligns its pairs twice a MoE layer (the cache's hits, then the staged experts), and
+such a step is bound by the host's launches, not the device: each torch call costs the host tens of
+microseconds while its kernel takes a few. Here the host pays four launches.
 
 The layout (`align_pairs_by_slot`'s contract): `sorted_pairs` lists each slot's pairs in ascending pair
 order, slot by slot, each slot's run padded to a multiple of `block_m` with the sentinel n (so is every

@@ -3,8 +3,8 @@ state, SiLU) in two Triton launches; the torch twin (causal_conv1d_reference.py)
 
 The twin loops over the step's requests in Python, and each request costs a transposing `cat` of
 its state and inputs, torch's generic depthwise conv, the SiLU and a state copy: profiled at 8,192
-tokens of the 35B (8,192 channels, kernel 4), the cat and the conv alone took ~1.9 ms a layer
-(bench/NOTES.md), where the bytes (the inputs read once, the outputs written once: 2 x 134 MB) take
+tokens of the 35B (8,192 channels, kernel 4), the cat and the conv alone took ~1.9 ms a layer,
+where the bytes (the inputs read once, the outputs written once: 2 x 134 MB) take
 ~70 µs of HBM. Here:
 
 1. `_conv_prefill_kernel`, grid (request, block of BLOCK_T of its tokens, block of BLOCK_C channels):

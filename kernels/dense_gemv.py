@@ -1,8 +1,8 @@
 """The dense projections of a decode step (a few tokens), in Triton: out[M, N] = x[M, K] @ W[N, K]^T + bias.
 
 Why not cuBLAS everywhere: on some of our layers' shapes it picks tiles that leave HBM idle. In the
-12-layer Qwen3-30B cut's profile (bench/NOTES.md, "The compute path") o_proj's 16.8 MB took 9.0 µs
-through a split-K kernel and its reduce (1.9 TB/s of the H200's ~4), and the router's 0.5 MB 4.9 µs
+12-layer Qwen3-30B cut's profile o_proj's 16.8 MB took 9.0 µs
+through a split-K kernel and its reduce (1.9 TB/s of the card's ~4), and the router's 0.5 MB 4.9 µs
 on two programs. Elsewhere cuBLAS is as fast, so a measured table (TILES) says which shapes come
 here. A decode step reads each weight once, so the kernel is paced by the bytes in flight. Each program computes BLOCK_N
 outputs for every token over the whole of K. It reads its weight rows once, BLOCK_K inputs a loop step, and enough
@@ -44,8 +44,8 @@ class GemvTiles:
 
 
 # (N, K) -> (tiles for one token, tiles for 2-16 tokens); None, or a shape absent, is cuBLAS's. Measured
-# on the H200 (bench/dense_gemv_sweep.py, results/dense_gemv_sweep_h200.json): a shape takes the kernel
-# where its best tile beat cuBLAS there, inside a CUDA graph with the weights cold in L2.
+# by bench/dense_gemv_sweep.py (rerun it on a new card): a shape takes the kernel
+# where its best tile beat cuBLAS, inside a CUDA graph with the weights cold in L2.
 # Per layer of the 12-layer Qwen3-30B cut at one token: 21.9 µs on cuBLAS, 18.1 here; the hybrid cut's
 # 27.4 / 26.2 at one token, 32.8 / 29.4 at eight.
 _ROUTER = GemvTiles(rows=4, k=1024, warps=4, stages=1)

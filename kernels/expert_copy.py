@@ -12,8 +12,7 @@ are never read. Both weight families of an expert (w13 [2I, H] and w2 [H, I], co
 their bank and slot tensors) are copied, viewed as 32-bit words so each thread moves 16-byte
 vectors. The grid is `programs` persistent programs striding over every (miss, chunk): fewer
 programs leave more multiprocessors to the expert GEMMs that run beside the copy, and PCIe, not
-the number of programs, bounds the bandwidth once enough bytes are in flight
-(bench/copy_paths.py measures both).
+the number of programs, bounds the bandwidth once enough bytes are in flight.
 
 Twin: `copy_experts_reference` (plain tensor copies, any device, host-side count)."""
 

@@ -9,8 +9,8 @@ m - h and the host's computation of these end together:
 n being the missed pairs per missed expert and q the experts the previous layer's prefetch already put
 on the link for this one (`in_flight`: the link is that much busier; 0 without a prefetch), integer
 nanoseconds throughout, so the kernel and its twin agree to the unit; h is the balance point rounded down
-or up, whichever gives the shorter layer (down leaves the link the longer side, up the host: on the
-H200's 12-layer cut, 5 misses at 181 µs a copy against 137 on the host and a 63 µs hand-off end at 543
+or up, whichever gives the shorter layer (down leaves the link the longer side, up the host: on a
+12-layer cut, 5 misses at 181 µs a copy against 137 on the host and a 63 µs hand-off end at 543
 µs with 2 on the host, at 474 with 3), and 0 where the host would not make the layer shorter. The
 prefetch leaves the host its share the same way (`host_count`, called by kernels/expert_cache_lookup.py): of P predicted
 experts without a slot it places P - host_count(P) and the rest come here as misses. For each expert it hands on:

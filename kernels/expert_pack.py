@@ -15,7 +15,7 @@ within 15 binades below the matrix's largest. So an expert keeps, per value:
 
 An expert is one row of V = V13 + V2 values: its w13 [2I, H] then its w2 [H, I], flattened, each
 family with its own base (a down projection's values are smaller than a gate's). 12 bits a value
-instead of 16, plus six bytes per escape: bench/copy_paths.py measures what that buys on the wire.
+instead of 16, plus six bytes per escape: a quarter fewer bytes on the wire.
 
 `unpack_experts_triton` restores the bits on the GPU while copying: like kernels/expert_copy.py it
 reads the packed host rows through their mapped address, for an expert list and count that may
@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 WINDOW = 15  # exponent codes 1..15 above the family's base; 0 escapes
-# Measured on the H200 (bench/pack_copy.py): 64 programs of 2,048 words (8 KiB of lo + 4 KiB of hi in
+# 64 programs of 2,048 words (8 KiB of lo + 4 KiB of hi in
 # flight each) unpack 40 experts at 50.1 GB/s of packed bytes, 66.8 GB/s of bf16 delivered; 32 programs
 # of 2,048 words 49.8, and every grid of 32-96 programs and 1,024-4,096 words within 2% of that.
 UNPACK_BLOCK = 2048

@@ -10,7 +10,7 @@ A decode step's sum need not be a launch of its own: a store asked for its rows 
 output next (the next layer's RMSNorm with its residual add, kernels/rms_norm.py, or the shared
 expert's combine, kernels/moe_combine.py) adds the k rows itself, in the same order and in float32,
 and rounds the sum to the dtype before using it: the same bits as `sum_rows`, one launch (2.2 µs
-and a gap at one token on the H200) fewer per MoE layer. Only steps small enough for the pair
+and a gap at one token) fewer per MoE layer. Only steps small enough for the pair
 kernels do so: their rows are a few hundred KB, and a prefill's rows (up to hundreds of MB) are
 freed as soon as they are summed, as the plan's workspace assumes.
 

@@ -104,8 +104,8 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
     rule does with `use_qk_l2norm_in_kernel`, but not through fla's l2norm kernel. That kernel is
     autotuned (25 variants) on a key that grows with tokens x heads (a block count of 65,536 rows), so
     the first prefill chunk past each multiple (past 2,048 tokens on a 32-head model) tuned it inside a
-    request: a 9-10 s step on the H200 that the boot's warm-up, at 300 tokens, never reached (issue 23's
-    cold 8-stream round; services/worker/compile_watch.py logged it). Done before the heads are
+    request: a 9-10 s step that the boot's warm-up, at 300 tokens, never reached
+    (services/worker/compile_watch.py logs such a compile). Done before the heads are
     repeated, on the q/k heads alone."""
     xf = x.float()
     return (xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + 1e-6)).to(x.dtype)

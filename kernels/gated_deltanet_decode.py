@@ -45,7 +45,7 @@ is the cheapest grid-wide "everyone has read the old state" there is. The activa
    program an SM), 16 warps gain nothing but cross-warp reduction traffic. Splitting v over
    programs would give more programs at one request (32 on the 35B) but would need a
    cross-program reduction for the norm (a third launch, or counters to reset); from 4 requests
-   up the grid already has more programs than the H200 has SMs, and at one request the 2 MiB of
+   up the grid already has more programs than a Hopper card has SMs (132), and at one request the 2 MiB of
    state per layer is a few microseconds of latency-bound reading against ~45 us of launches.
 
 Neither kernel takes the request count (it is only the grid), so one compiled variant serves

@@ -3,10 +3,10 @@
 
 The host's share of a layer needs its pair list and input rows in pinned memory before the host can start,
 and the host's float32 sum back in the layer's rows before they are summed. Copy-engine copies did both
-(two copies to the host, one back), and beside a full link they were most of the hand-off: on an H100 a
+(two copies to the host, one back), and beside a full link they were most of the hand-off: a
 layer's round trip with those copies took 256-367 µs while the GPU unpacked the next layer's prefetched
 experts from the pinned banks, against 38-45 µs on an idle link, and 16-26 µs for the host node alone beside
-the same load (bench/host_handoff_latency.py, bench/NOTES.md, 2026-12-05). The host's share is the critical
+the same load. The host's share is the critical
 path of each layer of the hybrid cut, so that wait was the step's.
 
 Here two small kernels do the same moves with loads and stores to the pinned buffers' mapped addresses

@@ -14,7 +14,7 @@ and three for the second (sigmoid is the router kernel's now; mul, add).
   output (or float32 rows holding such values); `routed` may also be a store's unsummed rows
   (kernels/expert_rows_sum.py), which the kernel sums first as `sum_rows` would. The kernel is written as torch's
   `out + g * s` rounds (the product to the dtype, then the sum), but the compiled kernel does not keep the
-  product's rounding: on the H200 13.5% of a row's elements came out an ulp (of the operands)
+  product's rounding: on a Hopper card 13.5% of a row's elements came out an ulp (of the operands)
   apart from torch's, every one within it (tests/gpu/test_moe_block_cuda.py). That is the
   sum rounded once, closer to the exact value; the CPU twin keeps torch's two roundings.
 

@@ -88,7 +88,7 @@ def paged_attention(
 
 def _flash_refused(q: torch.Tensor, k_cache: torch.Tensor, query_len: int, context_len: int) -> None:
     """FlashAttention refused a long query it was expected to take: the paged kernel computes it, correctly
-    but at about two thirds of the speed (bench/NOTES.md). Said once per kind of call, so that a refusal
+    but at about two thirds of the speed. Said once per kind of call, so that a refusal
     that would silently cost every long prefill shows in the log (one did, unseen, until a profile)."""
     kind = (q.dtype, k_cache.dtype, tuple(q.shape[1:]), k_cache.shape[2], context_len > 0)
     if kind in _refusals_logged:

@@ -1,6 +1,6 @@
 """A prefill's long queries through FlashAttention (torch's SDPA flash backend), their K/V gathered from the pages.
 
-Measured on the H200 (bench/prefill_attention.py, bench/NOTES.md) at the served hybrids' shape (16 query
+Measured by bench/prefill_attention.py at the served hybrids' shape (16 query
 heads, 2 kv heads, head_dim 256), an 8,192-token chunk ran 275-310 TFLOPS through SDPA's FlashAttention
 backend against 193-208 for the paged Triton kernel (kernels/paged_attention_triton.py), at every context
 from 0 to 254k keys: at 254k, 111.8 ms against 179.0 a layer, ten layers a chunk, 32 chunks for a 262k

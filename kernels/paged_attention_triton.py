@@ -526,8 +526,8 @@ def query_blocks(query_lens: list[int], block_m: int, skip: Container[int] = ())
 
 def prefill_tiles(head_dim: int, group: int) -> tuple[int, int, int]:
     """(rows a program computes, key block, warps) for a head size: the rows are tokens x the GROUP query
-    heads of one kv head, so a key block is read once for all of them. Measured on the H200
-    (bench/prefill_attention.py, bench/NOTES.md): at head_dim 256, 64 rows x 16 keys on 4 warps (one
+    heads of one kv head, so a key block is read once for all of them. Chosen by bench/prefill_attention.py's
+    timings: at head_dim 256, 64 rows x 16 keys on 4 warps (one
     warpgroup) ran 193-198 TFLOPS against 82-89 on 8 warps, though 4 warps spill 40 bytes a thread
     (cuobjdump -res-usage; 8 warps hold in 213 registers); at 128, 64 x 32 on 8 warps holds in 186
     registers. tests/unit/kernels/test_fused_kernels_compile.py holds each to its measured spill."""

@@ -6,7 +6,7 @@ A decode step reads each routed expert's weights once, so the kernels are paced 
 are in flight: the rows a program computes (`*_rows`) times the inputs it reads per loop step
 (`*_k`: inputs for bf16, 16-input groups for NVFP4, 128-input blocks for FP8) set one program's
 loads, and the program count (pairs x outputs / rows) how many of those run at once. The values
-are the H200 sweep's best (bench/NOTES.md, "The compute path"). A tile decides the order in which
+are the sweep's best (rerun it on a new card). A tile decides the order in which
 a program sums its products, so results move by float32 rounding from one tile to another; every
 store computes a step with the same tiles, so offloaded and all-resident still agree bit for bit."""
 
@@ -27,9 +27,8 @@ class PairTiles:
     down_warps: int = 4
 
 
-# H200, bench/pair_gemv_sweep.py, one layer's 8 pairs at 1 token and 64 at 8, 35B / 30B expert shapes,
-# µs against the HBM bound (results/pair_gemv_sweep_h200.json, c29c60d; the quantized kernels after
-# summing per scale group, results/pair_gemv_sweep_quantized_h200.json, 365c6ff):
+# bench/pair_gemv_sweep.py, one layer's 8 pairs at 1 token and 64 at 8, 35B / 30B expert shapes,
+# µs against the HBM bound (the quantized kernels summing per scale group):
 #   bf16   16.3 / 26.9 at 1 token (bounds 12.8 / 19.2; the earlier 16-row, 128-input tiles: 36.4 / 41.0),
 #          101.2 / 144.5 at 8 (bounds 96.1 / 144.2): 512 inputs a step keep 16 KB of loads in flight a program
 #   nvfp4  17.7 / 24.0 at 1 token (bounds 3.5 / 5.2; 22.5 / 31.2 dequantizing every weight): no tile moved

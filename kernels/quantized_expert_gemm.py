@@ -35,7 +35,7 @@ _INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 def block_k_for(fmt: str, block_m: int, dtype: torch.dtype) -> int:
     """Inputs a reduction step (a divisor of 128, so an FP8 step stays in one column block). Measured
-    on the H200 (Qwen3-30B-A3B's experts): 64, but 128 for FP8 with bf16 x at decode's BLOCK_M
+    on Qwen3-30B-A3B's experts: 64, but 128 for FP8 with bf16 x at decode's BLOCK_M
     (179 us against 260 at 64 tokens); float32 tiles are twice the bytes (and compile slowly), 64."""
     return 128 if fmt != NVFP4 and block_m <= 16 and dtype != torch.float32 else 64
 

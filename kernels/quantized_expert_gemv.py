@@ -10,7 +10,7 @@ scale once per output. That is the twin's sum of dequantized weights times input
 same value up to float32 rounding, without rounding each weight to x's dtype as `dequantize_slot`
 does (a bf16 x differs from the twin by that rounding; the tests allow it). Dequantizing each weight
 took three multiplies and two conversions per code, and made the kernels ALU-bound at 6x the HBM
-bound (bench/NOTES.md, "The compute path"). The projections, silu and the product are rounded as
+bound. The projections, silu and the product are rounded as
 the plain kernel rounds them.
 
 Tiles keep each scale on its own axis, so a scale is loaded once and broadcast, never gathered:

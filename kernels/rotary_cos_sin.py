@@ -2,7 +2,7 @@
 
 Twin: `RotaryEmbedding.cos_sin`'s torch sequence (services/worker/layers/rotary.py), the CPU path.
 In torch it is six launches at the start of every step (the positions to float32, the product, cos,
-its cast, sin, its cast), ~8 µs of a one-token decode step on the H200 plus the gaps between them,
+its cast, sin, its cast), ~8 µs of a one-token decode step plus the gaps between them,
 for a few hundred bytes. Here one program computes one token's row: the angle in float32 as torch
 forms it (the position converted to float32 times the float32 frequency), its cos and sin with
 libdevice's cosf and sinf (which torch's CUDA kernels call too), each rounded once to the dtype."""

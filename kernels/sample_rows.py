@@ -8,7 +8,7 @@ top-k / top-p / min-p's -inf already applied. Then, with s = logits * inv_temper
 The first is the exponential race argmax(p / q) with p = softmax(s), in log space: p / q and
 s - log q order the tokens alike, so no softmax is made. Done in torch that is a softmax, a
 division, an argmax, a log-softmax and gathers, each a kernel over S x V floats; over a 248k
-vocabulary one row's softmax alone took 53 us on the H200 (a single block reduces the row). Here
+vocabulary one row's softmax alone took 53 us (a single block reduces the row). Here
 each row is split into blocks that reduce in parallel (`_row_blocks_kernel`: a block's max, its sum
 of exponentials, its best race entry), and a second kernel folds a row's blocks. Ties go to the
 lowest token id, as torch.argmax does."""

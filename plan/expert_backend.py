@@ -1,6 +1,6 @@
 """Who computes the experts a step misses: the GPU after a PCIe copy, the host where they lie, or both.
 
-`--expert-backend` (issue 25):
+`--expert-backend`:
 
 * `gpu`: every missed expert crosses PCIe and the GPU computes it (the host computes nothing);
 * `hybrid`: the host computes part of each layer's misses while the rest cross, the split decided per
@@ -9,8 +9,8 @@
 * `auto` (default): `hybrid` on the threads the machine can spare, if it can spare AUTO_MIN_THREADS, and
   the worker keeps the decode share only where its calibration says the host shortens a decode layer;
   the GPU alone otherwise. With `--host-expert-threads N` it is hybrid on N threads. Auto's hybrid has
-  no prefill share (`prefill_share`): on the H200 it made the hybrid cut's prefill steps slower at every
-  size measured (1.2-1.3x at 1,200 tokens, 2.7-3.3x at 8,192; bench/NOTES.md, issue 23); `hybrid` asked
+  no prefill share (`prefill_share`): it made the hybrid cut's prefill steps slower at every size
+  measured (1.2-1.3x at 1,200 tokens, 2.7-3.3x at 8,192); `hybrid` asked
   for keeps it, within the sizes its costs were measured at.
 
 The host's threads: `--host-expert-threads N`, default the physical cores minus RESERVED_CORES (the three
@@ -30,8 +30,8 @@ from ferry.shared.errors import ConfigError
 
 EXPERT_BACKENDS = ("auto", "gpu", "hybrid", "cpu")
 # the api, the scheduler, the worker's launching thread, and one for the rest of the machine (a client on
-# it, the driver's threads): on the H200's 16 cores the 12-layer Qwen3-30B cut ran 1.42x GPU-only with 12
-# host threads against 1.35x with 13 (bench/NOTES.md)
+# it, the driver's threads): on a 16-core host the 12-layer Qwen3-30B cut ran 1.42x GPU-only with 12
+# host threads against 1.35x with 13
 RESERVED_CORES = 4
 # fewer threads than this and auto keeps the GPU alone: the host's pool spins while it waits for work, and
 # on a machine of few cores it would take time the three processes need; unmeasured below 12 threads

@@ -1,4 +1,4 @@
-"""The plan of every GPU when the routed experts are partitioned across them (issue 26: expert parallelism).
+"""The plan of every GPU when the routed experts are partitioned across them (expert parallelism).
 
 GPU g of N owns the experts e with e % N == g of every MoE layer (services/worker/offload/expert_parallel.py):
 its own slots, its own pinned host banks, its own misses over its own PCIe link. The dense weights, the

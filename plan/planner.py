@@ -45,7 +45,7 @@ DEFAULT_MAX_PREFILL_TOKENS = 8192
 # output's last page boundary (where its next turn resumes) while shared prefixes and long prefills' chunk
 # ends hold the rest (docs/ARCHITECTURE.md §1, "Prefix cache"); but at most a sixteenth of the budget, since
 # on a small GPU the same bytes are expert slots, which set decode speed (Qwen3.6-35B-A3B: 61.4 MiB a
-# snapshot, 122 on an H200, 22 in 24 GiB). A default that does not fit beside the floors shrinks (to 0 at
+# snapshot, 122 on a 141 GB card, 22 in 24 GiB). A default that does not fit beside the floors shrinks (to 0 at
 # worst: no prefix reuse); an explicit count is a requirement.
 DEFAULT_SNAPSHOTS_PER_RUNNING_REQUEST = 2
 # Where the defaults are a single user's (plan/memory_defaults.py: experts offloaded), one a running request:

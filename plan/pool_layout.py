@@ -165,8 +165,7 @@ def expert_weight_tensors(spec: ModelSpec, dtype: str, slots: int, prefix: str =
 # missed expert once and evicts nothing that the layers after it are about to read. As many bytes
 # for every model: 32 of Qwen3-30B-A3B's 9.44 MB experts, 48 of Qwen3.6-35B-A3B's 6.29 MB ones.
 # The ring cuts them into four bays, and each bay's chunk costs the host the same work whatever its
-# size: with smaller experts more of them go to a chunk, so the copies, not the host, set the pace
-# (bench/NOTES.md, "Streamed prefill").
+# size: with smaller experts more of them go to a chunk, so the copies, not the host, set the pace.
 PREFILL_STAGING_BYTES = 32 * 3 * 768 * 2048 * 2
 
 

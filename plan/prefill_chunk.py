@@ -10,7 +10,7 @@ per token over PCIe. Where a shorter chunk's workspace gives slots to nearly eve
 (the FP8 hybrid cut at 12 GiB: 824 experts without a slot at 8192 tokens, 101 at 2048), and decode
 misses less too. Where most experts live on the host anyway (a full-size 35B at 24 GiB), the longest
 chunk wins, since the slots a shorter one adds are a few per cent of the experts: 16,384 tokens, which
-halve what a long prompt streams (its 261,988 tokens in 34.9 s on the H200 against 47.4 s at 8,192) for
+halve what a long prompt streams (its 261,988 tokens in 34.9 s against 47.4 s at 8,192) for
 55 of 10,240 expert slots. With every expert resident a prefill streams nothing; 8,192 tokens are
 then taken (tried first), since a step twice as long would only hold the decode rows batched with it
 twice as long (2048 tokens already give the GEMMs rows enough to run at their rate).

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -46,6 +47,33 @@ def cut_config(config: dict, num_layers: int | None) -> dict:
 
 
 SHARD_BYTES = 2 * 2**30
+EXPERT_LAYOUTS = ("per-expert", "fused")
+PER_EXPERT_NAME = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
+
+
+class FusedExperts:
+    """Collects a layer's per-expert tensors (they come layer by layer, expert by expert) and gives the layer's two
+    fused tensors once its last expert's down projection is in: gate_up_proj [E, 2I, H] (each expert's gate rows
+    then its up rows, as transformers' fused experts hold them) and down_proj [E, H, I]."""
+
+    def __init__(self, num_experts: int):
+        self.num_experts = num_experts
+        self.parts: dict[tuple[str, int], dict[str, object]] = {}
+
+    def take(self, match: re.Match, tensor) -> dict:
+        import torch
+
+        prefix, expert, proj = match[1], int(match[2]), match[3]
+        self.parts.setdefault((prefix, expert), {})[proj] = tensor.cpu()
+        if expert != self.num_experts - 1 or proj != "down":
+            return {}
+        experts = [self.parts.pop((prefix, e)) for e in range(self.num_experts)]
+        return {
+            prefix + ".gate_up_proj": torch.stack([torch.cat([p["gate"], p["up"]]) for p in experts]),
+            prefix + ".down_proj": torch.stack([p["down"] for p in experts]),
+        }
+
+
 # Random weights take a while (Qwen3-30B-A3B cut to a few layers: 3.5 GiB in about 20 s): progress on
 # stderr, as a bar on a terminal, else (a log file, CI) a line this often and one at the end.
 PROGRESS_EVERY_S = 5.0
@@ -99,10 +127,13 @@ def write_random_weights(
     device: str = "cpu",
     dtype: str = "bfloat16",
     fmt: str | None = None,
+    expert_layout: str = "per-expert",
 ) -> int:
     """Shards of every tensor the model loads, named as the Hugging Face checkpoint; returns the bytes
     written. `fmt` (nvfp4 | fp8): each linear quantized in that published layout
-    (services/quantized_checkpoint.py), and config.json's quantization_config says so."""
+    (services/quantized_checkpoint.py), and config.json's quantization_config says so. `expert_layout`
+    "fused" stores a layer's routed experts as transformers saves them, `experts.gate_up_proj` [E, 2I, H] and
+    `experts.down_proj` [E, H, I] (Qwen3.5/3.6's published bf16 layout, the only one some readers take)."""
     import torch
     from safetensors.torch import save_file
 
@@ -127,9 +158,16 @@ def write_random_weights(
             weight_map.update({n: name for n in shard})
             shard, shard_bytes = {}, 0
 
+    if expert_layout not in EXPERT_LAYOUTS:
+        raise ValueError(f"--expert-layout must be one of {', '.join(EXPERT_LAYOUTS)}, got {expert_layout!r}")
+    if expert_layout == "fused" and fmt:
+        raise ValueError("--expert-layout fused is a bf16 layout: quantized experts are stored per expert")
+    fused = FusedExperts(spec.num_experts) if expert_layout == "fused" else None
     for name, shape in shapes.items():
         t = dummy_tensor(spec, name, shape, TORCH_DTYPES[dtype], torch.device(device), seed, routing_skew)
         tensors = quantize_tensors(fmt, {name: t}) if fmt else {name: t}
+        if fused is not None and (m := PER_EXPERT_NAME.fullmatch(name)):
+            tensors = fused.take(m, t)
         for n, q in tensors.items():
             shard[named(n)] = q.cpu().contiguous()
             shard_bytes += q.nbytes
@@ -204,6 +242,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "about r^-s as likely (a logit bias of -s ln(1 + r))",
     )
     parser.add_argument("--seed", type=int, default=0, help="the weights are a pure function of this")
+    parser.add_argument(
+        "--expert-layout",
+        choices=EXPERT_LAYOUTS,
+        default="per-expert",
+        help="with --weights random: per-expert (default) names each expert's projections, "
+        "layers.N.mlp.experts.E.{gate,up,down}_proj.weight; fused stores a layer's experts as two tensors, "
+        "experts.gate_up_proj and experts.down_proj (bf16 only), as transformers saves them",
+    )
     parser.add_argument("--generate-on", default="cpu", help="device that draws the random weights (cpu, cuda)")
     parser.add_argument(
         "--format",
@@ -221,6 +267,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.routing_skew and args.weights != "random":
         print("ferry make-bench-model: error: --routing-skew needs --weights random", file=sys.stderr)
+        return 2
+    if args.expert_layout != "per-expert" and args.weights != "random":
+        print("ferry make-bench-model: error: --expert-layout needs --weights random", file=sys.stderr)
         return 2
     fmt = None if args.format == "bf16" else args.format
     try:
@@ -243,7 +292,9 @@ def _write(args: argparse.Namespace, fmt: str | None) -> tuple[Path, int | None]
     """The model directory, and the bytes of random weights written (None: no weights)."""
     out = write_bench_model(args.dir, args.config, args.num_layers)
     if args.weights == "random":
-        return out, write_random_weights(out, args.routing_skew, args.seed, args.generate_on, fmt=fmt)
+        return out, write_random_weights(
+            out, args.routing_skew, args.seed, args.generate_on, fmt=fmt, expert_layout=args.expert_layout
+        )
     if fmt:
         from ferry.plan.costs import resident_weight_shapes
         from ferry.plan.model_config import load_model_config

@@ -5,7 +5,7 @@ it. In frame 0 a large array is written as [frame_index, dtype, shape], and deco
 onto the received buffer without a copy. An array under INLINE_ARRAY_BYTES is written into frame 0
 itself as [dtype, shape, bytes] (msgpack bin). Each frame of a message costs latency on both sides,
 and copying a few KiB costs less: a decode step's RunStep, ten small arrays, went from one process
-to the next in 0.27 ms as eleven frames and in 0.20 ms as one (bench/wire_hop.py, bench/NOTES.md).
+to the next in 0.27 ms as eleven frames and in 0.20 ms as one (bench/wire_hop.py times a hop).
 A frame's array is a view of the received frame, an inline one owns a copy of its bytes.
 """
 

@@ -1,5 +1,5 @@
 /* A small pool of pthreads for the host expert kernel. Not OpenMP: a second OpenMP team beside
- * torch's stalls both on a host with fewer cores than their threads (bench/NOTES.md, issue 25).
+ * torch's stalls both on a host with fewer cores than their threads.
  * The calling thread is worker 0, so a pool of one thread starts no thread at all.
  *
  * A call is a list of items in two phases, each item claimed by whichever worker asks first, and it

@@ -98,12 +98,12 @@ OFFLOADED_SNAPSHOT_SPAN = 256
 # so an idle scheduler holds new prompts while more keep arriving, at most a third of --prefill-coalesce-ms
 # apart and the whole of it after the first, and one step serves them all (arrival_hold_s). Eight OpenAI
 # clients started together reach the api over ~50 ms, gaps up to 19 ms apart (each encodes a 4k-token body
-# in Python first: bench/NOTES.md, issue 23): with a 4 ms gap the first went alone and the other seven paid
+# in Python first): with a 4 ms gap the first went alone and the other seven paid
 # a second pass behind it. A lone prompt waits the gap, 20 ms, against the 0.16-0.9 s of its step's pass.
 DEFAULT_PREFILL_COALESCE_MS = 60.0
-# decode steps out beyond the oldest unanswered one (--schedule-ahead-steps). Two, measured on the H200 (bench/NOTES.md,
-# "Two decode steps ahead"): a resident step (~1.0 ms) is shorter than the chain from an answer to the next
-# launch (~1.5 ms: the worker's launch, both hops, this process's turn), and with one ahead the device waited on it.
+# decode steps out beyond the oldest unanswered one (--schedule-ahead-steps). Two: a resident step (~1.0 ms) is
+# shorter than the chain from an answer to the next launch (~1.5 ms: the worker's launch, both hops, this process's
+# turn), and with one ahead the device waited on it.
 DEFAULT_SCHEDULE_AHEAD_STEPS = 2
 ARRIVAL_GAP_FRACTION = 1 / 3
 
@@ -302,8 +302,8 @@ class BatchScheduler:
         prefill_coalesce_s (ARRIVAL_GAP_FRACTION) after the last arrival while that is within
         prefill_coalesce_s of the first. Each prefill step pays one pass over the experts without a GPU
         slot, so prompts that arrive together share one. Held prompts as many as --max-running-requests go at
-        once: no later arrival could join their step (the 8 streams of issue 23 waited the gap, 20 ms, after
-        the eighth)."""
+        once: no later arrival could join their step (eight streams sharing a system prompt would otherwise wait
+        the gap, 20 ms, after the eighth)."""
         if not self.waiting:
             self._arrivals = None  # every held prompt was admitted (or aborted): the next one opens a window
         if not self.prefill_coalesce_s or self._arrivals is None or self._in_flight or self.running:

@@ -1,13 +1,12 @@
 """Triton kernels compiled while the worker serves: each one logged with its kernel and seconds, and counted.
 
-Boot's warm-up (warmup.py) runs every class of shape a served step takes so that nothing compiles inside
-a request: a compile there stalls every stream of the step for its seconds (bench/NOTES.md, "Mid-serving
-compiles"). When a path the warm-up missed compiles anyway, this says which kernel and for how long
-(`kernel_compiled_in_service` in the log, `ferry_worker_kernel_compiles_total` and
-`ferry_worker_kernel_compile_seconds_total` in /metrics), rather than leaving a step that took seconds
-unexplained. It is installed once the worker is ready (`install`), through Triton's own hooks around a
-compile (`triton.knobs.runtime.jit_cache_hook`, `jit_post_compile_hook`); a Triton without them, or none
-(the CPU build's interpreter compiles nothing), leaves it off.
+Boot's warm-up (warmup.py) runs every class of shape a served step takes so that nothing compiles inside a request:
+a compile there stalls every stream of the step for its seconds. When a path the warm-up missed compiles anyway,
+this says which kernel and for how long (`kernel_compiled_in_service` in the log,
+`ferry_worker_kernel_compiles_total` and `ferry_worker_kernel_compile_seconds_total` in /metrics), rather than
+leaving a step that took seconds unexplained. It is installed once the worker is ready (`install`), through Triton's
+own hooks around a compile (`triton.knobs.runtime.jit_cache_hook`, `jit_post_compile_hook`); a Triton without them,
+or none (the CPU build's interpreter compiles nothing), leaves it off.
 """
 
 from __future__ import annotations

@@ -1,15 +1,13 @@
 """A graph-replayed decode step's inputs and results, through pinned host buffers made once.
 
-A decode step costs the host what it takes to put its inputs on the device, replay the graph and
-bring the sampled tokens back. Building each step's arrays anew (numpy temporaries, a pinned
-allocation per tensor, a copy each) cost more host time than the device took for the whole step
-(bench/NOTES.md, "The served step's host time"). Here every graph bucket has a ring of pinned
-buffers laid out exactly like its static input buffer (`decode_layout`, the same packing as
-forward_batch.py's one-copy upload), written in place: the per-step values only, the constant
-index arrays once. Beside the forward's arrays the layout carries what the graph's own tail reads
-(decode_graphs.py): each row's inverse temperature and noise row for the sampler, and the row of
-the previous step's samples that feeds it (-1: its token is in `tokens`). Results come back the
-same way: one copy of the graph's packed [tokens | logprobs] into a pinned ring slot.
+A decode step costs the host what it takes to put its inputs on the device, replay the graph and bring the sampled
+tokens back. Building each step's arrays anew (numpy temporaries, a pinned allocation per tensor, a copy each) cost
+more host time than the device took for the whole step. Here every graph bucket has a ring of pinned buffers laid
+out exactly like its static input buffer (`decode_layout`, the same packing as forward_batch.py's one-copy upload),
+written in place: the per-step values only, the constant index arrays once. Beside the forward's arrays the layout
+carries what the graph's own tail reads (decode_graphs.py): each row's inverse temperature and noise row for the
+sampler, and the row of the previous step's samples that feeds it (-1: its token is in `tokens`). Results come back
+the same way: one copy of the graph's packed [tokens | logprobs] into a pinned ring slot.
 
 Ring slots are reused only once the copy that read (or wrote) them is done, by its event: with a
 step running and one scheduled ahead, a ring of RING_DEPTH never waits in practice.

@@ -1,4 +1,4 @@
-"""The ranks of an expert-parallel worker (issue 26): one process a rank, rank 0 the worker the scheduler knows.
+"""The ranks of an expert-parallel worker: one process a rank, rank 0 the worker the scheduler knows.
 
 `--expert-parallel-size N`: rank g owns the experts e % N == g of every MoE layer
 (offload/expert_parallel.py; its plan: plan/expert_parallel.py). Rank 0 is `ferry worker` as always: it

@@ -17,7 +17,7 @@ from ferry.kernels.expert_rows_sum import ExpertRows
 
 # A prefill chunk of at least LEND_QUERY_TOKENS new tokens whose request reaches LEND_CONTEXT_TOKENS keys
 # lends its ring cache slots (offload/device_store.py, `_slots_to_lend`): its full-attention layers then
-# compute for longer than their experts take to cross (an 8,192-token chunk at 32k keys: ~15 ms a layer on the H200
+# compute for longer than their experts take to cross (an 8,192-token chunk at 32k keys: ~15 ms a layer
 # against ~19 ms of one layer's streamed experts, growing with the context), so without room ahead
 # the copy stream would wait through every such layer.
 LEND_QUERY_TOKENS = 1024

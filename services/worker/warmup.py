@@ -3,7 +3,7 @@
 Whatever compiles or tunes on first use (a Triton kernel's variant for a new class of arguments,
 fla's autotuned Gated DeltaNet kernels, the expert store's prefill path, library handles) then
 does so at boot, not inside a request: a variant compiled while eight streams decode stalls every
-one of them for the seconds it takes (bench/NOTES.md, "Mid-serving compiles").
+one of them for the seconds it takes.
 
 The shapes: one row and several, one token per row (eager decode: a starting request, more
 rows than the largest decode graph) and several (prefill chunks, mixed steps), token counts in
@@ -27,7 +27,7 @@ Then a few steps whose rows count as real for the expert store (`REAL_SHAPES`: a
 two rows, a 16-token prompt): still on the sentinel page and the padding slot, but their experts are
 looked up, missed and copied, so the paths a first request takes through the store (the lookup with
 real rows, the graph-safe copy and the host-read one, the unpacking kernels of packed banks) compile
-here too. Without them the first 16-token request after "ready" waited 1.28 s on the H200 (issue 22).
+here too. Without them the first 16-token request after "ready" waits for those compiles (over a second).
 They change only which experts are resident.
 """
 

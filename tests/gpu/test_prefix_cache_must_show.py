@@ -238,7 +238,7 @@ def _one_of_the_streams(url: str, system: str, seed: int, i: int, start) -> tupl
 def _eight_streams(url, system: str, seed: int, clients) -> list[tuple[float, int, int]]:
     """The 8 streams sent together from 8 processes (`clients`: a process pool and a manager). Eight agents are
     eight processes: sent from 8 threads of this one, the clients built their requests one at a time under
-    the GIL and reached the server over ~50 ms (bench/NOTES.md, issue 23), which every stream then waited
+    the GIL and reached the server over ~50 ms, which every stream then waited
     for in its TTFT, the first the longest."""
     pool, manager = clients
     start = manager.Barrier(STREAMS)

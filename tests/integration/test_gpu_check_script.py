@@ -19,7 +19,7 @@ def test_the_release_check_serves_streams_and_stops_cleanly(tiny_models, tmp_pat
     out = tmp_path / "out"
     cmd = [
         sys.executable,
-        "bench/gpu_check.py",
+        "tools/gpu_check.py",
         "--out",
         str(out),
         "--skip-tests",
@@ -54,7 +54,7 @@ def test_the_release_check_serves_streams_and_stops_cleanly(tiny_models, tmp_pat
 
 def test_junit_counts_read_failures_and_errors(tmp_path):
     sys.path.insert(0, str(ROOT))
-    from bench.gpu_check import junit_counts
+    from tools.gpu_check import junit_counts
 
     xml = tmp_path / "r.xml"
     xml.write_text(
@@ -76,7 +76,7 @@ def test_the_cuda_tests_run_in_two_processes_and_every_verdict_is_counted(tmp_pa
     """`--workers 2` (the check's default): pytest-xdist a file to a process; the JUnit XML still holds every
     test, its failures and its skips, and each file ran whole in one process."""
     sys.path.insert(0, str(ROOT))
-    from bench.gpu_check import Log, run_cuda_tests
+    from tools.gpu_check import Log, run_cuda_tests
 
     tests = tmp_path / "cuda_tests"
     tests.mkdir()

@@ -1,16 +1,10 @@
 """What the benchmark scripts compute from what they observe, on CPU: TTFT's text prompt holds
 exactly the tokens it claims and a decode figure is the median of its repeats (bench/serve_openai.py),
 a profile's copy timeline (bench/profile_prefill.py's device_timeline, which profile_decode.py shares)
-finds the copies' busy time, the gaps between them, where the gaps open and what computed inside them,
-and the host share's benches take only the settings they can measure (host_split_sweep.py,
-host_price_tokens.py)."""
+finds the copies' busy time, the gaps between them, where the gaps open and what computed inside them."""
 
 from __future__ import annotations
 
-import json
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -99,97 +93,6 @@ def test_a_decode_profile_counts_the_copy_kernel_and_copy_engine_copies_as_exper
     assert is_host_to_device("Memcpy HtoD (Pinned -> Device)") and not is_host_to_device("_copy_experts_kernel")
 
 
-def test_the_cpu_expert_benchmark_computes_the_experts_of_the_model():
-    """bench/cpu_expert_bw.py times what the expert store computes: gate/up, SiLU-and-mul, down."""
-    from bench.cpu_expert_bw import expert_ffn
-    from ferry.kernels.grouped_expert_gemm_reference import grouped_expert_forward_reference
-
-    g = torch.Generator().manual_seed(0)
-    w13, w2, x = torch.randn(3, 16, 8, generator=g), torch.randn(3, 8, 8, generator=g), torch.randn(2, 8, generator=g)
-    want = grouped_expert_forward_reference(x, torch.tensor([[1], [1]]), torch.ones(2, 1), w13, w2)
-    assert torch.allclose(expert_ffn(x, w13[1], w2[1]), want, atol=1e-5)
-
-
-def test_the_contention_benchmark_times_both_builds_under_a_hog(tmp_path):
-    """bench/host_pool_contention.py times this tree's kernel (at two spins of its idle threads) and a second
-    build (here the same library loaded again) in alternated blocks, with and without a busy process, and
-    leaves no process behind."""
-    from ferry.services.worker.offload import host_expert_kernel as K
-
-    if K.library()[0] is None:
-        pytest.skip(f"host kernel not built: {K.library()[1]}")
-    out = tmp_path / "contention.json"
-    cmd = [
-        sys.executable,
-        "bench/host_pool_contention.py",
-        "--config",
-        "tests/data/models/qwen3-30b-a3b",
-        "--threads",
-        "2",
-        "--hog",
-        "none,2/1",
-        "--hog-cpus",
-        "0",
-        "--rounds",
-        "2",
-        "--block",
-        "14",
-        "--bank-experts",
-        "4",
-        "--experts",
-        "2",
-        "--gap-us",
-        "50",
-        "--compare-library",
-        K.library_path(),
-        "--spin-us",
-        "50,0",
-        "--json",
-        str(out),
-    ]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    rows = json.loads(out.read_text())["rows"]
-    variants = ["tree", "tree_spin0us", "compared"]  # the tree's kernel a spin each, then the other build
-    assert [(r["variant"], r["hog"]) for r in rows] == [(v, hog) for hog in ("none", "2/1") for v in variants]
-    assert all(r["calls"] == 2 * 4 and 0 < r["median_us"] <= r["p99_us"] <= r["max_us"] for r in rows)
-
-
-def test_the_cpu_expert_benchmark_alternates_prefetch_distances_and_says_each():
-    """`--prefetch` gives one row a distance of the c backend, each timed on calls of its own, and the
-    rows' kernel left at the last; the torch backend has no rows to prefetch in and is refused."""
-    from bench.cpu_expert_bw import format_banks, host_experts_bandwidth
-    from ferry.services.worker.offload import host_expert_kernel as K
-
-    banks = format_banks("bf16", 64, 32, 4, huge_pages=False)
-    with pytest.raises(ValueError, match="c backend"):
-        host_experts_bandwidth(banks, 1, 1, 2, "torch", prefetches=[0, 1024])
-    if K.library()[0] is None:
-        pytest.skip(f"host kernel not built: {K.library()[1]}")
-    rows = host_experts_bandwidth(banks, 1, 2, 3, "c", prefetches=[0, 1024, 4096])
-    assert [r["prefetch"] for r in rows] == [0, 1024, 4096]
-    assert all(r["expert_us"] > 0 and r["bank_GBps"] > 0 and r["isa"] for r in rows)
-    (only,) = host_experts_bandwidth(banks, 1, 1, 2, "c")
-    assert only["prefetch"] == K.DEFAULT_PREFETCH_BYTES
-
-
-@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler here")
-def test_the_polled_hand_off_probe_answers_each_round_once(tmp_path):
-    """bench/host_handoff_latency.py's host thread (host_poll_probe.c), driven from here as the GPU's
-    stream memory operations would drive it: each round's number written to `go` is answered in `done`,
-    `go` cleared, and the rounds counted; the thread stops when asked."""
-    from bench.host_handoff_latency import Poller, build_probe, round_trip_on_host
-
-    poller = Poller(build_probe(tmp_path), pin=False)
-    try:
-        for value in range(1, 201):
-            round_trip_on_host(poller, value)
-        assert int(poller.flags[Poller.GO : Poller.GO + 4].view(torch.int32)[0]) == 0
-    finally:
-        poller.close()
-    assert poller.rounds() == 200
-
-
 def test_a_decode_figure_is_its_median_repeat_and_one_slow_repeat_does_not_make_it():
     """Each repeat's streams are timed from their chunks; the figure is the median repeat's, every repeat is
     kept, and the tokens (for the bytes a token) are all the repeats'."""
@@ -248,47 +151,3 @@ def test_a_decode_figure_is_its_median_repeat_and_one_slow_repeat_does_not_make_
     assert even["median_stream_tok_s"] == 20.0  # 10, 20, 30, 40: the lower middle repeat, not their mean
     with pytest.raises(ValueError, match="--repeats 0"):
         decode_run(once, 1, 0)
-
-
-def test_the_split_sweeps_settings_are_scales_offsets_or_off_and_a_bad_one_names_the_flag():
-    """bench/host_split_sweep.py's settings: `off` prices the host out (the hand-off still runs), a scale
-    multiplies the host's one-token price, `+N` adds N µs to the hand-off's price; nothing else passes."""
-    from bench.host_split_sweep import SETTLE_STEPS, parse_settings, prices_for, stream_tokens
-
-    got = parse_settings("off,1.0,1.5,1.0+150,0.8+20.5")
-    assert got == [
-        ("off", None, 0.0),
-        ("1.0", 1.0, 0.0),
-        ("1.5", 1.5, 0.0),
-        ("1.0+150", 1.0, 150.0),
-        ("0.8+20.5", 0.8, 20.5),
-    ]
-    base = (113_000, 80_000, 14_000, 31_000)
-    assert prices_for(base, None, 0.0, 10**9) == (113_000, 10**9, 14_000, 31_000)
-    assert prices_for(base, 1.5, 0.0, 10**9) == (113_000, 120_000, 14_000, 31_000)
-    assert prices_for(base, 1.0, 150.0, 10**9) == (113_000, 80_000, 14_000, 181_000)
-    for bad in ("off+10", "1.0,1.0", "fast", "0", "-1", "1.0+x", ""):
-        with pytest.raises(ValueError, match="--settings"):
-            parse_settings(bad)
-    # the stream's pages cover every step it takes: 100 warm, then 2 rounds of 8 settings of 3 settle + 150 timed
-    steps = 100 + 2 * 8 * (SETTLE_STEPS + 150)
-    assert stream_tokens(100, 2, 8, 150) >= 64 + steps + 1
-
-
-def test_the_host_price_bench_draws_its_lines_without_a_load_and_says_which_flag_is_wrong():
-    """bench/host_price_tokens.py --link-load: `none` first (its lines are drawn through those times), then the
-    loads beside it; a load needs CUDA, and a bad list names the flag instead of timing anything."""
-    cases = (
-        ("packed,none", "none, then any of packed, plain, ce"),
-        ("none,none", "each once"),
-        ("none,xx", "none, then"),
-    )
-    for bad, says in cases:
-        done = subprocess.run(
-            [sys.executable, "bench/host_price_tokens.py", "--link-load", bad],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert done.returncode == 2 and f"--link-load {bad}" in done.stderr and says in done.stderr, done.stderr

@@ -88,6 +88,66 @@ def test_a_multimodal_wrappers_random_nvfp4_weights_carry_the_published_names_an
     assert got.keys() == want.keys() and torch.equal(got["embed_tokens.weight"], want["embed_tokens.weight"])
 
 
+def _qwen36_wrapper(tiny_models, tmp_path):
+    text = json.loads((tiny_models["qwen3_5_moe"] / "config.json").read_text())
+    wrapper = {
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+        "model_type": "qwen3_5_moe",
+        "tie_word_embeddings": False,
+        "text_config": {**text, "model_type": "qwen3_5_moe_text"},
+    }
+    (tmp_path / "config.json").write_text(json.dumps(wrapper))
+    return tmp_path / "config.json"
+
+
+def _checkpoint(out):
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for shard in sorted(out.glob("*.safetensors")):
+        tensors.update(load_file(str(shard)))
+    return tensors
+
+
+def test_fused_experts_are_the_per_expert_checkpoint_stacked_as_transformers_saves_them(tiny_models, tmp_path):
+    # Qwen3.5/3.6's published bf16 layout: a layer's experts as gate_up_proj [E, 2I, H] and down_proj [E, H, I]
+    config = _qwen36_wrapper(tiny_models, tmp_path)
+    per_expert = write_bench_model(tmp_path / "p", config)
+    fused = write_bench_model(tmp_path / "f", config)
+    size_p = write_random_weights(per_expert, dtype="float32")
+    size_f = write_random_weights(fused, dtype="float32", expert_layout="fused")
+    assert size_p == size_f
+    p, f = _checkpoint(per_expert), _checkpoint(fused)
+    spec = load_model_config(fused)
+    e, i = spec.num_experts, spec.moe_intermediate_size
+    assert not [n for n in f if ".mlp.experts." in n and not n.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    for layer in spec.moe_layer_indices:
+        base = f"model.language_model.layers.{layer}.mlp.experts"
+        gate_up, down = f[base + ".gate_up_proj"], f[base + ".down_proj"]
+        assert gate_up.shape == (e, 2 * i, spec.hidden_size) and down.shape == (e, spec.hidden_size, i)
+        for x in (0, e - 1):
+            assert torch.equal(gate_up[x, :i], p[f"{base}.{x}.gate_proj.weight"])
+            assert torch.equal(gate_up[x, i:], p[f"{base}.{x}.up_proj.weight"])
+            assert torch.equal(down[x], p[f"{base}.{x}.down_proj.weight"])
+
+    class _State:
+        def __init__(self, tensors):
+            self.tensors = tensors
+
+        def state_dict(self):
+            return self.tensors
+
+    prompt = np.random.default_rng(2).integers(0, spec.vocab_size, 24).tolist()
+    logits = [PagedRunner(spec, _State(t), page_size=16).step([(1, prompt)]) for t in (p, f)]
+    assert torch.equal(logits[0][0], logits[1][0])  # Ferry reads both layouts as the same model
+
+
+def test_a_fused_layout_is_bf16_only(tiny_models, tmp_path):
+    out = write_bench_model(tmp_path / "q", _qwen36_wrapper(tiny_models, tmp_path))
+    with pytest.raises(ValueError, match="--expert-layout fused is a bf16 layout"):
+        write_random_weights(out, dtype="float32", fmt="nvfp4", expert_layout="fused")
+
+
 def test_the_command_refuses_skew_without_weights(tmp_path):
     done = subprocess.run(
         [

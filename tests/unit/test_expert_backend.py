@@ -35,8 +35,8 @@ def test_auto_is_hybrid_on_the_cores_the_processes_leave_where_there_are_enough(
 
 
 def test_auto_shares_decode_layers_only_and_hybrid_asked_for_shares_prefills_too():
-    """Auto's hybrid leaves prefills to the GPU: on the H200 the prefill share lengthened the hybrid cut's
-    steps at every size measured (bench/NOTES.md, issue 23)."""
+    """Auto's hybrid leaves prefills to the GPU: the prefill share lengthened the hybrid cut's steps at
+    every size measured."""
     assert not plan_expert_backend(None, None, offloaded=True, cores=16).prefill_share
     assert not plan_expert_backend("auto", 6, offloaded=True, cores=16).prefill_share
     assert plan_expert_backend("hybrid", None, offloaded=True, cores=16).prefill_share

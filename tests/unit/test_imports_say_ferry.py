@@ -48,7 +48,7 @@ def test_the_scan_sees_the_whole_tree():
         "plan/planner.py",
         "services/cli.py",
         "tests/conftest.py",
-        "bench/gpu_check.py",
+        "tools/gpu_check.py",
     } <= files
     assert not [f for f in files if f.startswith((".venv/", "tests/data/"))]
 
@@ -69,7 +69,7 @@ def test_every_python_import_and_module_path_says_ferry():
 
 def test_scripts_and_deployment_files_run_ferry():
     texts = [REPO / n for n in ("Makefile", "Dockerfile", "compose.yaml", "README.md", "pyproject.toml")]
-    texts += sorted((REPO / "bench").glob("*.sh")) + sorted((REPO / ".ci").iterdir())
+    texts += sorted((REPO / "tools").glob("*.sh")) + sorted((REPO / ".ci").iterdir())
     found = [f"{p.relative_to(REPO)}: {m.group(0)}" for p in texts for m in MINUS_M.finditer(p.read_text())]
     assert not found, found
     script = re.search(r'^ferry = "(.+)"$', (REPO / "pyproject.toml").read_text(), re.M)

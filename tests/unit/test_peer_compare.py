@@ -28,6 +28,8 @@ def test_the_flags_take_sizes_with_units_and_a_bad_one_names_its_flag(capsys):
         (["--memory-line", "1GiB", "--freetoken-allowance", "2GiB"], "must be less than --memory-line"),
         (["--repeats", "0"], "--repeats 0: at least 1"),
         (["--config", "no/such/config.json"], "--config no/such/config.json"),
+        (["--streams", "1,x"], "--streams '1,x'"),
+        (["--num-layers", "0"], "--num-layers 0"),
     ):
         with pytest.raises(SystemExit):
             pc.parse_args(argv)
@@ -65,9 +67,38 @@ def test_freetoken_reads_only_the_published_expert_names_and_the_check_says_whic
     assert "no per-expert tensors" in pc.freetoken_layout_problem(
         NVFP4, {"model.layers.0.mlp.experts.gate_up_proj": "a"}
     )
-    # another model or format: nothing is claimed
-    assert pc.freetoken_layout_problem({**NVFP4, "architectures": ["Qwen3MoeForCausalLM"]}, ferry) is None
+    # another format: nothing is claimed
     assert pc.freetoken_layout_problem({**NVFP4, "quantization_config": {"quant_method": "fp8"}}, ferry) is None
+
+
+def test_bf16_experts_are_checked_against_the_layout_freetoken_reads_for_the_family():
+    qwen35 = {"architectures": ["Qwen3_5MoeForConditionalGeneration"]}
+    qwen3 = {"architectures": ["Qwen3MoeForCausalLM"]}
+    per_expert = {"model.layers.0.mlp.experts.1.gate_proj.weight": "a"}
+    fused = {f"model.language_model.layers.0.mlp.experts.{t}": "a" for t in ("gate_up_proj", "down_proj")}
+    assert pc.freetoken_layout_problem(qwen35, fused) is None
+    assert "--expert-layout fused" in pc.freetoken_layout_problem(qwen35, per_expert)
+    assert "not under model.language_model." in pc.freetoken_layout_problem(
+        qwen35, {"model.layers.0.mlp.experts.down_proj": "a"}
+    )
+    assert pc.freetoken_layout_problem(qwen3, per_expert) is None
+    assert "only per expert" in pc.freetoken_layout_problem(qwen3, {"model.layers.0.mlp.experts.down_proj": "a"})
+    assert pc.expert_layout(qwen35, "bf16") == "fused" and pc.expert_layout(qwen35, "nvfp4") == "per-expert"
+    assert pc.expert_layout(qwen3, "bf16") == "per-expert"
+
+
+def test_the_cuts_planned_names_are_checked_in_the_layout_make_bench_model_writes():
+    fused = pc.planned_expert_names(QWEN36, num_layers=8, layout="fused")
+    assert len(fused) == 8 * 2 and "model.language_model.layers.7.mlp.experts.gate_up_proj" in fused
+    assert pc.freetoken_layout_problem({"architectures": ["Qwen3_5MoeForConditionalGeneration"]}, fused) is None
+    qwen3 = "tests/data/models/qwen3-30b-a3b/config.json"
+    names = pc.planned_expert_names(qwen3, num_layers=12)
+    assert len(names) == 12 * 128 * 3 and "model.layers.11.mlp.experts.127.down_proj.weight" in names
+    assert pc.freetoken_layout_problem({"architectures": ["Qwen3MoeForCausalLM"]}, names) is None
+    args = pc.parse_args(["--config", qwen3, "--num-layers", "12", "--format", "bf16", "--streams", "1"])
+    assert args.label == "12layers_bf16" and args.model_dir.endswith("peer_ckpt_bf16_qwen3-30b-a3b_12layers")
+    cmd = pc.client_command("http://127.0.0.1:9/v1", pc.Path("/m"), pc.Path("/o.json"), args)
+    assert dict(zip(cmd[2::2], cmd[3::2]))["--streams"] == "1"
 
 
 def test_the_names_make_bench_model_writes_for_the_35b_are_checked_before_it_writes_them_and_freetoken_reads_them():
@@ -197,6 +228,7 @@ def test_a_checkpoint_is_reused_only_once_make_bench_model_finished_it(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3_5MoeForConditionalGeneration"]}))
     (tmp_path / "model.safetensors.index.json").write_text("{}")
     assert not pc.finished_checkpoint(tmp_path)  # killed after the index, before the quantization config
+    assert pc.finished_checkpoint(tmp_path, "bf16")  # no quantization config to wait for
     (tmp_path / "config.json").write_text(json.dumps(NVFP4))
     assert pc.finished_checkpoint(tmp_path)
     args = pc.parse_args([])

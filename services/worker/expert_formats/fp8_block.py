@@ -4,8 +4,9 @@ Per weight family the byte row holds (plan/expert_formats.py) the float8_e4m3fn 
 and the float32 scales of every 128 x 128 block of each projection (w13's gate and up keep their
 own block rows, restarting at row I, since partial blocks occur), as the checkpoints' scale_inv
 multiplies. Per-tensor FP8 experts (modelopt FP8) are held the same way, their one scale in every
-block. The kernels dequantize in registers and compute in the activations' dtype (W8A16:
-bench/NOTES.md says why)."""
+block. The kernels dequantize in registers and compute in the activations' dtype (W8A16, not W8A8:
+decode reads each weight once a token, so FP8 tensor cores would not be its bottleneck, and bf16
+activations keep the accuracy of the checkpoint's own dequantized weights)."""
 
 from __future__ import annotations
 

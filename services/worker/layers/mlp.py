@@ -59,8 +59,8 @@ class DenseMLP(nn.Module):
         """`forward` for the MoE block's combine on the Triton path: float32 [T, H] holding the bf16
         values. A decode step's few rows go through the routed experts' pair kernels, as one expert
         whose slot is this MLP's weights (gate/up with SiLU fused, then down): at one token cuBLAS
-        took 13 µs for the stacked gate/up GEMV alone, the pair kernels ~5 for the whole MLP
-        (bench/NOTES.md, "The compute path"); the roundings are the same (projections, SiLU and
+        took 13 µs for the stacked gate/up GEMV alone, the pair kernels ~5 for the whole MLP;
+        the roundings are the same (projections, SiLU and
         product, down, each rounded to the dtype). Larger steps take `forward`."""
         t = x.shape[0]
         if not use_pair_kernel(t) or not x.is_contiguous():

@@ -23,7 +23,7 @@ step can be replayed as a CUDA graph:
 
 Larger steps (big decode batches, short prefills) take the same decisions on the device but read
 the lists on the host and copy them with the banks' `copy_experts` (plain banks: the copy engine,
-cudaMemcpyAsync, the higher bandwidth when many experts cross at once, bench/copy_paths.py;
+cudaMemcpyAsync, the higher bandwidth when many experts cross at once;
 packed banks: the unpacking kernel), in chunks that are computed as they land; their
 next layer is prefetched the same way. Steps that route to nearly every expert of every layer
 (at least STREAM_PAIRS_PER_EXPERT (token, k) pairs per expert: a prefill) place nothing in the

@@ -1,4 +1,4 @@
-"""Experts partitioned across the ranks of a torch.distributed group (issue 26, the part the CPUs allow).
+"""Experts partitioned across the ranks of a torch.distributed group.
 
 Rank r of `world` owns expert e of every MoE layer when e % world == r: its slots, host banks and copies
 hold only those (its own PCIe link fetches its own misses). Dense weights, attention and the KV cache are

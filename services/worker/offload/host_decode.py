@@ -1,10 +1,10 @@
-"""The host's share of a decode layer's misses (issue 25): the host computes some, the link carries the rest.
+"""The host's share of a decode layer's misses: the host computes some, the link carries the rest.
 
-On the graph-safe decode path (device_store.py) a layer's missed experts cross PCIe one after another
-while the GPU waits; at one stream the link is full (the 12-layer cut ran at 0.9 of its bound). The
-host can compute a missed expert where it lies, from the same banks, about as fast as the link moves
-one (bench/NOTES.md: 148 µs for a packed Qwen3-30B expert on the H200's host against 129 µs over
-PCIe), so splitting each layer's misses between the two roughly halves the layer's wait.
+On the graph-safe decode path (device_store.py) a layer's missed experts cross PCIe one after another while the GPU
+waits; at one stream the link is full (the 12-layer cut ran at 0.9 of its bound). The host can compute a missed
+expert where it lies, from the same banks, about as fast as the link moves one (148 µs for a packed Qwen3-30B expert
+on a server host against 129 µs over PCIe), so splitting each layer's misses between the two roughly halves the
+layer's wait.
 
 Per layer, inside the step's CUDA graph (no host round trip; the split is decided on the device):
 
@@ -18,7 +18,7 @@ Per layer, inside the step's CUDA graph (no host round trip; the split is decide
 
 The moves to and from pinned memory are the GPU's own loads and stores through the buffers' mapped
 addresses (kernels/host_share_rows.py), not copy-engine copies: beside the next layer's prefetch, which
-fills the host-to-device direction, those copies made an H100's hand-off 256 µs instead of 45.
+fills the host-to-device direction, those copies made a hand-off 256 µs instead of 45.
 
 Why a host node rather than an event-driven hand-off to a Python thread: the decode step is one graph
 replay, and a host node keeps it one; the C function runs without Python or the GIL, so the worker's
@@ -61,7 +61,7 @@ log = structlog.get_logger("worker.offload")
 # hundred decode steps of a single stream, enough that one slow step does not move it
 REFINE_EVERY = 2048
 # a window of more pairs an expert than this is not used to refine the one-token price: its time mixes
-# in the price of more tokens, which the nodes' clock cannot separate (at 8 streams on the H200 the
+# in the price of more tokens, which the nodes' clock cannot separate (at 8 streams the
 # calibrated 26 µs a token, taken off, left a one-token price below what the nodes took)
 REFINE_MAX_PAIRS_PER_EXPERT = 1.25
 
@@ -445,8 +445,8 @@ class LinkTraffic:
     """The decode path's own copy kernel (the banks' `copy_listed`: plain rows or the unpacking kernel) moving
     the staging ring's worth of experts of MoE layer 0 into the ring's slots, on a stream of its own: the
     traffic a decode layer's hand-off runs beside in service, the next layer's prefetch filling the
-    host-to-device direction (bench/NOTES.md, 2026-12-05: on an H100 the GPU's wait on a host word took 157
-    µs a round beside the unpacking kernel, 9 µs alone). Boot times the hand-off with it and without."""
+    host-to-device direction (the GPU's wait on a host word can take 157 µs a round beside the unpacking
+    kernel against 9 µs alone). Boot times the hand-off with it and without."""
 
     def __init__(self, banks, ring, device: torch.device):
         self.banks, self.ring, self.device = banks, ring, torch.device(device)

@@ -1,9 +1,8 @@
-"""The host's own expert kernel (kernels/host_experts_c/, issue 25): HostExperts' `c` backend.
+"""The host's own expert kernel (kernels/host_experts_c/): HostExperts' `c` backend.
 
-torch's CPU matmuls read plain bf16 banks at a sixth of the H200 host's memory bandwidth, and the
-quantized banks' decode through torch ops is 10-60x slower still (bench/NOTES.md, "The host
-computing an expert"). The C kernel reads each used expert's rows once for all its tokens, decoding
-nvfp4 and fp8-block codes in registers, with AVX-512 BF16 where the CPU has it (chosen at load by
+torch's CPU matmuls read plain bf16 banks at about a sixth of a server host's memory bandwidth, and the quantized
+banks' decode through torch ops is 10-60x slower still. The C kernel reads each used expert's rows once for all its
+tokens, decoding nvfp4 and fp8-block codes in registers, with AVX-512 BF16 where the CPU has it (chosen at load by
 cpuid) and portable C elsewhere, on a pthread pool of its own sized by `threads`.
 
 The library is built from source by `pip install` (pyproject.toml's ext-modules, optional: a
@@ -17,8 +16,8 @@ sealed escape lists (the banks are sealed here if they are not yet), then the pl
 FERRY_HOST_KERNEL_ISA=portable|avx512|auto picks the rows' instruction set (the tests force each).
 FERRY_HOST_KERNEL_PREFETCH=N (bytes, default 4096; 0: none) has the AVX-512 rows ask the CPU for the weights
 N bytes ahead of those they multiply: a server core's hardware prefetcher stops at each 4 KiB page, which a
-bf16 row of 2,048 values fills; on the H200's host plain and packed banks read 7-25 % faster so, nvfp4 (bound
-by its decode) the same; bench/cpu_expert_bw.py --prefetch measures it (bench/NOTES.md).
+bf16 row of 2,048 values fills; plain and packed banks read 7-25 % faster so on a server host, nvfp4 (bound
+by its decode) the same.
 FERRY_HOST_POOL_SPIN_US=N (default 50) is how long the pool's idle workers spin before they sleep.
 
 The pool's threads run on `cpus` in order (plan/expert_backend.chosen_host_cpus): the first is the caller's,
@@ -42,9 +41,9 @@ PREFETCH_ENV = "FERRY_HOST_KERNEL_PREFETCH"
 # one bf16 row ahead: a server core's hardware prefetcher stops at each 4 KiB page, which such a row fills
 DEFAULT_PREFETCH_BYTES = 4096
 SPIN_ENV = "FERRY_HOST_POOL_SPIN_US"
-# an idle worker's spin before it sleeps: past it, the next call wakes it by a futex. Longer lost on the 2-core
-# EPYC with a busy process on the workers' core (bench/NOTES.md); on cores of their own it is measured by
-# FERRY_HOST_POOL_SPIN_US=N (a decode step's layers come ~0.3-0.7 ms apart)
+# an idle worker's spin before it sleeps: past it, the next call wakes it by a futex. A longer spin loses on a
+# small host with a busy process on the workers' core, where spinning takes that process's time; on cores of
+# their own FERRY_HOST_POOL_SPIN_US=N may do better (a decode step's layers come ~0.3-0.7 ms apart)
 DEFAULT_SPIN_US = 50
 ISAS = {"auto": 0, "portable": 1, "avx512": 2}  # enum ferry_isa (expert_job.h)
 F32, BF16, FP8_BLOCK, NVFP4, PACKED = range(5)  # enum ferry_format
@@ -135,8 +134,8 @@ SIGNATURES = {
 
 
 def bind(lib: ctypes.CDLL) -> list[str]:
-    """Give `lib`'s entry points their signatures; returns the names it lacks (a build of other sources:
-    bench/host_pool_contention.py times one)."""
+    """Give `lib`'s entry points their signatures; returns the names it lacks (a build of other sources, such as
+    an older commit's kernel loaded to compare against)."""
     missing = []
     for name, (argtypes, restype) in SIGNATURES.items():
         try:

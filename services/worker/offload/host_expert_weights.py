@@ -4,7 +4,7 @@ plain bank in the compute dtype is used in place, and every other bank is decode
 time into a scratch of one expert, which the next expert overwrites.
 
 Decoding uses only torch's vectorised elementwise ops on contiguous tensors of one dtype, in place
-on buffers allocated once. On the 2-core EPYC of bench/NOTES.md (one w13 of the Qwen3-30B shapes,
+on buffers allocated once. On a 2-core EPYC host (one w13 of the Qwen3-30B shapes,
 3.1 M values, one thread) an int16 pass costs 0.07-0.14 ms, while torch's float8 -> float conversion is
 a scalar loop (12.6 ms), a gather from a 256-entry table (index_select) 0.9 ms for half the values, and
 a strided or mixed-dtype op 1-4 ms. So each format's codes become float16 *bit patterns* through

@@ -1,4 +1,4 @@
-"""Routed experts computed on the host, from the host banks the PCIe copies read (issue 25, part 1).
+"""Routed experts computed on the host, from the host banks the PCIe copies read.
 
 A miss can be paid by copying the expert into a GPU slot, or by computing it where it lies. Given
 the hidden states of a few tokens (x [T, H], in the compute dtype) and (token row, expert, router
@@ -15,8 +15,8 @@ Each listed expert is read once, whatever the number of its tokens. Two backends
   plain (bf16, float32), packed (12-bit bf16), fp8-block and nvfp4 banks, computing in float32 or bf16;
 * `torch`, the reference twin: the bank read in place (plain banks in the compute dtype) or decoded
   into a scratch of one expert (host_expert_weights.py), and multiplied with torch's CPU kernels
-  (F.linear: oneDNN). torch reaches a sixth of the H200 host's read bandwidth on plain banks, and
-  its decode of the other formats is 10-60x slower still (bench/NOTES.md): it is the oracle.
+  (F.linear: oneDNN). torch reaches about a sixth of a server host's read bandwidth on plain banks, and
+  its decode of the other formats is 10-60x slower still: it is the oracle.
 
 `auto` takes `c` where it can compute these banks, else `torch` (float16, packed banks of odd shapes,
 a library that is not built), saying once in a log line why.
@@ -31,8 +31,8 @@ a parallel op yet: the worker's main thread has, long before any expert is compu
 (The `c` backend's pool is its own: the dedicated thread only calls into it, the GIL released.)
 The main thread's own team must leave the cores to this one, though: with both teams' threads
 above the cores, libgomp puts its helpers to sleep between parallel regions and every small op of
-a decode pays a wake-up (on the 2-core EPYC a packed decode took 7.3 ms beside a main team of 2
-threads, 1.5 ms beside none: bench/NOTES.md), so whoever sizes `threads` sizes the main thread too.
+a decode pays a wake-up (on a 2-core host a packed decode took 7.3 ms beside a main team of 2
+threads, 1.5 ms beside none), so whoever sizes `threads` sizes the main thread too.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 `node`: a CUDA graph host node (cuLaunchHostFunc) runs the C function ferry_host_node on the
 CUDA driver's callback thread. Each layer pays the driver's round trip: the GPU signals the driver, its
 thread wakes and runs the function, then signals the GPU back. Boot measures a layer's whole hand-off with
-nothing for the host at ~59 µs on the H200 (bench/NOTES.md), ~0.7 ms of a 12-layer token.
+nothing for the host at ~59 µs, ~0.7 ms of a 12-layer token.
 
 `poll`: the GPU writes the layer's number + 1 to a word in pinned memory (cuStreamWriteValue32, after the
 pairs and the input are staged in pinned memory), then waits until a second word holds it (cuStreamWaitValue32) and
@@ -13,9 +13,9 @@ captures. The thread spins for POLL_SPIN_NS after a layer, then naps between loo
 up to 1 ms: an idle server costs about 1 % of a core, and the first layer after a pause waits up to a nap.
 
 `auto` (the default): boot calibrates both and keeps the faster (a polled hand-off that the driver cannot
-capture, or that never answers, leaves the host node). FERRY_HOST_HANDOFF=node|poll|auto picks. On the H200
-a polled round took 15.9 µs with the layer's copies against the host node's 42.1, and the 12-layer cut's
-single stream gave 1.548x the GPU alone polled against 1.386x by host nodes (bench/NOTES.md, 6dd9cdd).
+capture, or that never answers, leaves the host node). FERRY_HOST_HANDOFF=node|poll|auto picks. A polled
+round can take 15.9 µs with the layer's copies against the host node's 42.1, and the 12-layer cut's single
+stream 1.548x the GPU alone polled against 1.386x by host nodes; which wins depends on the host and driver.
 
 On CPU (the tests, under the Triton interpreter) there is no GPU to write the words: `play_on_host` does
 what the GPU's operations would, so the same thread and protocol run there.

@@ -1,13 +1,12 @@
-"""Transparent huge pages for the host banks: the host kernel reads them 20-35 % faster (issue 25).
+"""Transparent huge pages for the host banks: the host kernel reads them 20-35 % faster.
 
-The banks are ordinary anonymous memory page-locked in place (host_banks.pinnable_host_block). Where the
-host's THP mode is `madvise` (the H200 host's and this project's CPU machines') that memory sits on 4 KiB
-pages unless asked: an expert of the 35B (~6 MB of bf16) spans ~1,500 pages, each a TLB miss for the
-host kernel's threads, and the hardware prefetcher stops at every page's end. So every bank block of at
-least a huge page is advised (madvise MADV_HUGEPAGE) before anything touches it; page-locking then
-faults it in on 2 MiB pages where the kernel finds them. Measured with bench/host_price_tokens.py
-(bench/NOTES.md): bf16 experts at one token 463 -> 363 µs on a 2-core Xeon, 139-582 -> 99-122 µs on the
-H200 host's 12 threads. The PCIe copies read the same pages and lose nothing (fewer IOMMU entries if any).
+The banks are ordinary anonymous memory page-locked in place (host_banks.pinnable_host_block). Where the host's THP
+mode is `madvise` (common on servers and developer machines) that memory sits on 4 KiB pages unless asked: an expert
+of the 35B (~6 MB of bf16) spans ~1,500 pages, each a TLB miss for the host kernel's threads, and the hardware
+prefetcher stops at every page's end. So every bank block of at least a huge page is advised (madvise MADV_HUGEPAGE)
+before anything touches it; page-locking then faults it in on 2 MiB pages where the kernel finds them: bf16 experts
+at one token take 463 -> 363 µs on a 2-core Xeon, 139-582 -> 99-122 µs on a server host's 12 threads. The PCIe
+copies read the same pages and lose nothing (fewer IOMMU entries if any).
 
 Where the mode is `always` the advice changes nothing; where it is `never`, or the kernel has no THP,
 madvise fails and the banks stay on small pages (the boot log's `expert_host_banks` says how many bytes

@@ -1,11 +1,11 @@
-"""The host's share of a streamed prefill's missed experts (issue 25, on the prefill's path).
+"""The host's share of a streamed prefill's missed experts.
 
 A prefill streams every expert a layer lacks through the staging ring (staging_ring.py): one pass over
 the missed experts a step, over PCIe. A step of a few hundred tokens (the next turn of a conversation
 whose prefix is cached, the own parts of requests sharing a system prompt) pays that whole pass for few
 tokens an expert, and there the host can compute some of those experts where they lie, from the same
 banks, while the others cross: HostExperts (host_experts.py) reads a bf16 or packed bank at 62 and 48
-GB/s on the H200's host with 15 threads, against the link's 55 (bench/NOTES.md, issue 25).
+GB/s on a server host with 15 threads, against the link's 55.
 
 The split is decided when the step begins, from the maps alone, as the ring's staging is: of a layer's
 N missed experts the host takes the last h, so that both sides end together,
@@ -16,7 +16,7 @@ where `pcie_s` is one expert's copy, `host_s(n)` one expert's computation for n 
 bound at few tokens, compute bound at many, so a long prefill's share falls to nothing), and `overhead_s`
 the hand-off (the layer's input to the host, the result back). `HostCost` holds those measured figures,
 and the range they were measured over: a step of more tokens, or of more tokens an expert, gives the host
-nothing. Outside it the model was wrong by far on the H200 (bench/NOTES.md, issue 23): with a few host
+nothing. Outside it the model is wrong by far: with a few host
 experts a layer priced to save 3 %, 8,192-token chunks of the hybrid cut took 0.49-0.62 s against 0.18-0.19
 GPU-only, and 1,200-token steps 0.26-0.29 against 0.20-0.23 (the hand-off's copies grow with the step's
 tokens, its price was timed at 512; the kernel's time at 37-256 tokens an expert was extrapolated from 16).

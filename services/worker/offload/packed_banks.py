@@ -2,7 +2,7 @@
 
 The same role as host_banks.py's plain banks (misses are copied from here into device slots, which
 hold plain bf16), with a quarter fewer bytes in host RAM and on PCIe: the decode's copies are
-paced by PCIe (bench/NOTES.md, session 5), so a quarter fewer bytes is up to a third more speed.
+paced by PCIe, so a quarter fewer bytes is up to a third more speed.
 
 Per MoE layer: `lo` [E, V] uint8 and `hi` [E, V // 2] uint8 (V = 3 I H values, w13 then w2),
 `base` [E, 2] int32, and the escapes (values outside an expert's exponent window, kept whole).

@@ -1,25 +1,23 @@
 """Auto's guard over the host's decode share: keep it only while the decode steps it is part of are shorter,
 and give it the size whose steps are shortest.
 
-The split (host_decode.py) prices a host expert by what the host nodes took computing it, but a node costs
-the step more than its busy time: the hand-off, the callback thread's wake-up, the pool's barrier waiting
-for a descheduled vCPU, and the experts the host computes taking no slot (the hit rate falls). On the
-H200, on a day its host was contended (bench/NOTES.md, "Pinned threads and huge pages"), auto decoded the
-12-layer Qwen3-30B cut at 33.4 tok/s against 100.0 on the GPU alone, its price refined to 538 µs an expert
-and still handing the host one or two misses a layer. And on a quiet day the same cut ran faster with a
-host share larger than "both end together" gives it (a cache-warm price of 104 µs: 1.42x the GPU alone,
-against 1.29x with the nodes' 138 µs), the link's side of a layer paying more than its copies. So auto
-measures the step itself, and the split's price of a host expert is scaled by what measured fastest.
+The split (host_decode.py) prices a host expert by what the host nodes took computing it, but a node costs the step
+more than its busy time: the hand-off, the callback thread's wake-up, the pool's barrier waiting for a descheduled
+vCPU, and the experts the host computes taking no slot (the hit rate falls). On a contended host, auto priced by the
+nodes alone decoded the 12-layer Qwen3-30B cut at 33.4 tok/s against 100.0 on the GPU alone, its price refined to
+538 µs an expert and still handing the host one or two misses a layer. And on a quiet day the same cut ran faster
+with a host share larger than "both end together" gives it (a cache-warm price of 104 µs: 1.42x the GPU alone,
+against 1.29x with the nodes' 138 µs), the link's side of a layer paying more than its copies. So auto measures the
+step itself, and the split's price of a host expert is scaled by what measured fastest.
 
-Windows of decode steps alternate between two modes, an incumbent and a challenger; a mode is a scale of
-the host's one-token price (below 1: the host takes more of each layer) or None, the share priced off
-(the hand-off still runs and gives the host nothing, so "off" carries the hand-off's own cost and the
-comparison leans towards the share). A sample is the wall time from one decode step's end to the next's,
-with no other step between them, in the same size bucket. With the scheduler keeping steps ahead, that
-interval is the device's step time. Once both modes have `samples` samples in a bucket, their means decide,
-the longest 1/32 of each left out (`typical`): a served rate is the mean interval, and the host's share can
-add a tail a median does not see (on the H200 a single stream ran ~1 ms a token past the guard's medians,
-bench/NOTES.md), while a lone hiccup of the process, which has nothing to do with the share, stays out:
+Windows of decode steps alternate between two modes, an incumbent and a challenger; a mode is a scale of the host's
+one-token price (below 1: the host takes more of each layer) or None, the share priced off (the hand-off still runs
+and gives the host nothing, so "off" carries the hand-off's own cost and the comparison leans towards the share). A
+sample is the wall time from one decode step's end to the next's, with no other step between them, in the same size
+bucket. With the scheduler keeping steps ahead, that interval is the device's step time. Once both modes have
+`samples` samples in a bucket, their means decide, the longest 1/32 of each left out (`typical`): a served rate is
+the mean interval, and the host's share can add a tail a median does not see (a single stream can run ~1 ms a token
+past the guard's medians), while a lone hiccup of the process, which has nothing to do with the share, stays out:
 
 1. the share (scale 1) against off: off wins only if `margin` shorter; then it is held off;
 2. while the share is on, the next scale of SCALES towards more host challenges the incumbent and takes

@@ -607,10 +607,10 @@ def check_windowed_chunks() -> None:
 
 
 def check_streamed_launches() -> None:
-    """What a streamed prefill's MoE layer launches on the Triton path (the device's kernels, counted on the
-    host): a prefill step of a small model is bound by the host's launches (bench/NOTES.md, issue 23's warm
-    step), so the layer's two alignments take four Triton launches each (kernels/align_pairs.py), not ~40
-    torch calls, and the torch calls left between the kernels are the padding mask and the staged positions."""
+    """What a streamed prefill's MoE layer launches on the Triton path (the device's kernels, counted on the host):
+    a prefill step of a small model is bound by the host's launches, so the layer's two alignments take four Triton
+    launches each (kernels/align_pairs.py), not ~40 torch calls, and the torch calls left between the kernels are
+    the padding mask and the staged positions."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from triton.runtime import interpreter
 

@@ -1,4 +1,4 @@
-"""Huge pages for the host banks (services/worker/offload/host_pages.py, and bench/huge_pages.py's A/B): the
+"""Huge pages for the host banks (services/worker/offload/host_pages.py): the
 THP mode is read from its sysfs word, a block is advised over exactly its whole pages, every bank block
 of a huge page or more is advised as the worker allocates it (FERRY_HOST_HUGE_PAGES=0: none), and advised
 banks hold and compute the same experts."""
@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.huge_pages import bank_blocks
-from ferry.services.worker.offload.host_banks import pinnable_host_block
+from ferry.services.worker.offload.host_banks import HostBanks, pinnable_host_block
 from ferry.services.worker.offload.host_pages import (
     HUGE_PAGE,
     PAGE,
@@ -81,10 +80,30 @@ def test_bank_blocks_are_advised_as_the_worker_allocates_them(monkeypatch):
     assert os.environ["FERRY_HOST_HUGE_PAGES"] == "0"  # the A/B's context put it back
 
 
+def format_banks(fmt: str, hidden: int, inter: int, experts: int, huge_pages: bool):
+    """One MoE layer of `experts` host experts (bf16 or packed) with --load-format dummy's weights, its blocks
+    advised onto transparent huge pages as the worker's are, or (False) left on small pages."""
+    from ferry.services.worker.offload.packed_banks import PackedHostBanks
+
+    with huge_pages_advice(huge_pages):
+        if fmt == "packed":
+            banks = PackedHostBanks.allocate(1, experts, hidden, inter, pin=False, progress=False)
+        else:
+            banks = HostBanks.allocate(1, experts, hidden, inter, torch.bfloat16, pin=False, progress=False)
+    banks.fill_dummy(seed=0, progress=False)
+    banks.seal()
+    return banks
+
+
+def bank_blocks(banks) -> list:
+    """The host blocks of HostBanks (w13, w2) or PackedHostBanks (its low, high and base planes)."""
+    names = ("lo", "hi", "base") if getattr(banks, "packed", False) else ("w13", "w2")
+    return [t for name in names for t in getattr(banks, name)]
+
+
 @linux
 @pytest.mark.parametrize("fmt", ["bf16", "packed"])
 def test_advised_banks_hold_and_compute_the_same_experts(fmt):
-    from bench.cpu_expert_bw import format_banks
     from ferry.services.worker.offload.host_experts import HostExperts
 
     # 512 x 512, 4 experts: each bank's first block spans a huge page (w13 4 MiB, packed lo 3 MiB)

@@ -43,8 +43,8 @@ def test_the_split_is_the_shortest_layer_of_every_possible_one():
 
 
 def test_the_h200_figures_give_the_host_a_third_of_a_short_prefills_misses():
-    """A packed Qwen3-30B expert (7.08 MB): 129 us over 55 GB/s, 148 us on 15 host threads at one token
-    (bench/NOTES.md), ~10 us more a token (9.4 MFLOP a token); 9 tokens an expert, 205 missed."""
+    """A packed Qwen3-30B expert (7.08 MB): 129 us over 55 GB/s, 148 us on 15 host threads at one token,
+    ~10 us more a token (9.4 MFLOP a token); 9 tokens an expert, 205 missed."""
     cost = HostCost(pcie_s=129e-6, host_s_at_1=148e-6, host_s_per_token=10e-6, overhead_s=50e-6)
     h = cost.host_count(205, 9)
     assert h == 74  # 131 copies end at 16.90 ms, the host's 74 at 16.92 (73: 17.03 ms on the link's side)
@@ -62,7 +62,7 @@ def test_a_long_prefills_share_falls_to_nothing():
 
 def test_beyond_the_sizes_the_costs_were_measured_at_the_host_takes_nothing():
     """The calibration times a 512-token hand-off and the kernel at 1 and 16 tokens an expert. On the H200 a
-    share priced from those at 1,200-token and 8,192-token steps made them 1.2-3.3x slower (bench/NOTES.md):
+    share priced from those at 1,200-token and 8,192-token steps made them 1.2-3.3x slower:
     beyond either size the host takes nothing, within them the rule is as before."""
     measured = HostCost(
         pcie_s=129e-6,
