@@ -1,15 +1,17 @@
 """The model families Ferry serves, torch-free side: which config.json each claims and how it reads it.
 
-A family is one vertical slice: this module's registry holds its torch-free half (one module per family in
-this folder), `services/worker/models/` its torch half (the layer composition and the checkpoint's names,
-found by the same name: `ModelSpec.arch`). Every module of this folder is imported once, on the first
-lookup, so a family registers itself by existing; nothing outside the two family modules names it.
+A family is one vertical slice: this module's registry holds its torch-free half (a module of this folder,
+one per family or per group that one composition serves), `services/worker/models/` its torch half (the
+layer composition and the checkpoint's names), both found by one name, `ModelSpec.arch`. Every module of
+this folder is imported once, on the first lookup, so a family registers itself by existing; nothing
+outside its two halves names it.
 
 A new family registers, with `register(ModelFamily(...))` in a module of this folder:
   * `name`: the family's name, `ModelSpec.arch` (the worker side registers under the same name);
   * `model_types` and `architectures`: the config.json `model_type` values and `architectures` entries it
     claims (model_type decides; `architectures` where config.json has no model_type);
-  * `spec_fields(text_config, where)`: its `ModelSpec` fields (spec_fields.py has the shared readers),
+  * `spec_fields(text_config, where)`: its `ModelSpec` fields, all but those every model has (vocabulary,
+    layer count, norm eps, dtype...: plan/model_config.py reads them); spec_fields.py has the shared readers,
     and `text_config(raw, where)` when the text model is nested (a multimodal wrapper's `text_config`);
   * `resident_weight_shapes(spec)`: every GPU-resident tensor by checkpoint name and shape, routed experts
     left out (weight_shapes.py has the shared layer kinds): the planner's weight bytes and dummy weights;

@@ -62,7 +62,7 @@ def qwen3_5_moe_text_config(raw: dict[str, Any], where: str) -> dict[str, Any]:
         return raw
     text = raw.get("text_config")
     if not isinstance(text, dict):
-        raise ConfigError(f"config.json: model_type {WRAPPER_MODEL_TYPE!r} needs a 'text_config' object")
+        raise ConfigError(f"{where}: model_type {WRAPPER_MODEL_TYPE!r} needs a 'text_config' object")
     merged = dict(text)
     merged.setdefault("model_type", "qwen3_5_moe_text")
     merged.setdefault("tie_word_embeddings", raw.get("tie_word_embeddings", False))
