@@ -4,9 +4,9 @@ Each layer mixes tokens with the Gated DeltaNet (`linear_attn`) or gated full at
 spec's `layer_types` say; every RMSNorm but the Gated DeltaNet's output norm is zero-centred (the spec's
 `zero_centered_norms`); the MoE block has a shared expert. They differ only in where the config and the
 tensors sit (plan/model_families/qwen3_hybrid.py reads both configs): qwen3_next stores the Gated DeltaNet's
-input projection as two per-key-head interleaved tensors, `in_proj_qkvz` and `in_proj_ba`, which its
+input projection as two per-key-head interleaved tensors, `in_proj_qkvz` and `in_proj_ba`, which the
 weight-name map permutes into the four row blocks (`in_proj_qkv`, `_z`, `_b`, `_a`) that qwen3_5_moe stores
-and the layer keeps."""
+and the layer keeps; its dummy weights are named that way too."""
 
 from __future__ import annotations
 
@@ -35,16 +35,18 @@ class Qwen3Hybrid(DecoderFamily):
             return "linear_attn", GatedDeltaNet(spec, layer, dtype, device)
         return "self_attn", PagedAttention(spec, layer, rotary, dtype, device)
 
-
-class Qwen3Next(Qwen3Hybrid):
-    """qwen3_next: the Gated DeltaNet's in_proj stored interleaved by key head."""
-
     def checkpoint_tensors(self, spec: ModelSpec, name: str, tensor: torch.Tensor, source: str) -> Tensors:
+        """Either hybrid's checkpoint loads into either: the interleaved in_proj_qkvz / in_proj_ba are
+        permuted into the four row blocks, which load as they are."""
         m = _INTERLEAVED.fullmatch(name)
         if m is None:
             return ((name, tensor),)
         pieces = _split_qkvz(spec, tensor, source) if m[2] == "qkvz" else _split_ba(spec, tensor, source)
         return tuple((f"{m[1]}.in_proj_{part}.weight", piece) for part, piece in pieces.items())
+
+
+class Qwen3Next(Qwen3Hybrid):
+    """qwen3_next: its checkpoints store the Gated DeltaNet's in_proj interleaved by key head."""
 
     def checkpoint_names(self, spec: ModelSpec, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
         out: dict[str, tuple[int, ...]] = {}
