@@ -87,7 +87,8 @@ VARIANTS = {
     "copy-engine1": ["--expert-copy-engine-tokens", "1"],
     # the experts kept in host RAM as bf16 (the default packs them to 12 bits a value)
     "plain": ["--expert-bank-format", "plain"],
-    # the host computes part of each streamed prefill's missed experts (host_share.py), 12 of the H200 host's 16 cores
+    # the host computes part of each streamed prefill's missed experts (offload/host_compute/prefill_share.py),
+    # 12 of the H200 host's 16 cores
     "host-share": ["--expert-backend", "hybrid", "--host-expert-threads", "12"],
     # the same with no next-layer prefetch: every expert a decode layer lacks is then a miss the host may share
     "host-share-no-prefetch": ["--expert-backend", "hybrid", "--host-expert-threads", "12", "--no-expert-prefetch"],

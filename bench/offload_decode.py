@@ -45,9 +45,9 @@ from ferry.plan.costs import resident_weight_bytes_from_shapes, workspace_bytes_
 from ferry.plan.model_config import load_model_config  # noqa: E402
 from ferry.plan.planner import Measured, PlanRequest, make_plan  # noqa: E402
 from ferry.services.worker.device import select_device  # noqa: E402
-from ferry.services.worker.offload.build import POLICIES, make_policy  # noqa: E402
-from ferry.services.worker.offload.expert_cache import OffloadedExperts  # noqa: E402
-from ferry.services.worker.offload.host_banks import HostBanks  # noqa: E402
+from ferry.services.worker.offload.host_memory.host_banks import HostBanks  # noqa: E402
+from ferry.services.worker.offload.stores.build import POLICIES, make_policy  # noqa: E402
+from ferry.services.worker.offload.stores.offloaded import OffloadedExperts  # noqa: E402
 from ferry.services.worker.pools import ExpertSlotPool, allocate_pool  # noqa: E402
 from ferry.shared.units import parse_bytes  # noqa: E402
 

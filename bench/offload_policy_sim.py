@@ -24,7 +24,7 @@ from ferry.plan import pool_layout as L  # noqa: E402
 from ferry.plan.costs import resident_weight_bytes_from_shapes, workspace_bytes_estimate  # noqa: E402
 from ferry.plan.model_config import load_model_config  # noqa: E402
 from ferry.plan.planner import Measured, PlanRequest, make_plan  # noqa: E402
-from ferry.services.worker.offload.build import POLICIES, make_policy  # noqa: E402
+from ferry.services.worker.offload.stores.build import POLICIES, make_policy  # noqa: E402
 from ferry.shared.units import parse_bytes  # noqa: E402
 
 # H200, PCIe Gen5 pinned host->device and HBM, as measured on the target machine

@@ -302,7 +302,7 @@ def main() -> int:
         default=0,
         help="one untimed stream of this many tokens before the decode runs: auto's guard over the "
         "host's decode share measures and sizes it over its first ~1,000 decode steps "
-        "(services/worker/offload/share_guard.py), and the runs then time what it settled on",
+        "(services/worker/offload/host_compute/share_guard.py), and the runs then time what it settled on",
     )
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument(

@@ -20,7 +20,7 @@ expert of the layer through staging slots outside the cache): hits as in a looku
 experts that are not resident requested but given no slot (their pairs get -1 in both outputs),
 an empty list; counted as the twin's `stream_lookup` counts (the staged experts as prefetched).
 
-The decisions are exactly those of the host policies (services/worker/offload/policy.py and
+The decisions are exactly those of the host policies (services/worker/offload/slot_cache/policy.py and
 frequency_policy.py), which are this kernel's reference twin and are tested against it on the
 same traces:
 * misses and placements in ascending expert order; free slots first, lowest index first;

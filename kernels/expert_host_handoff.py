@@ -1,4 +1,5 @@
-"""The host's share of a decode layer's misses, decided on the device (services/worker/offload/host_decode.py).
+"""The host's share of a decode layer's misses, decided on the device
+(services/worker/offload/host_compute/decode_share.py).
 
 After a layer's lookup (kernels/expert_cache_lookup.py) has listed its m missed experts with the slots it
 gave them, this one-program kernel hands the last h of them to the host, so that the copies of the other

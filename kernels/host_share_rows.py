@@ -1,5 +1,5 @@
 """A decode layer's hand-off to the host moved by the GPU's own cores through mapped pinned memory
-(services/worker/offload/host_decode.py).
+(services/worker/offload/host_compute/decode_share.py).
 
 The host's share of a layer needs its pair list and input rows in pinned memory before the host can start,
 and the host's float32 sum back in the layer's rows before they are summed. Copy-engine copies did both

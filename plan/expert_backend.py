@@ -4,7 +4,8 @@
 
 * `gpu`: every missed expert crosses PCIe and the GPU computes it (the host computes nothing);
 * `hybrid`: the host computes part of each layer's misses while the rest cross, the split decided per
-  layer by costs the worker measures at boot (services/worker/offload/host_share.py, host_decode.py);
+  layer by costs the worker measures at boot (services/worker/offload/host_compute/prefill_share.py,
+  decode_share.py);
 * `cpu`: the host computes every missed expert (what is resident in GPU slots stays on the GPU);
 * `auto` (default): `hybrid` on the threads the machine can spare, if it can spare AUTO_MIN_THREADS, and
   the worker keeps the decode share only where its calibration says the host shortens a decode layer;
@@ -17,7 +18,7 @@ The host's threads: `--host-expert-threads N`, default the physical cores minus 
 processes' threads and one for the rest of the machine), pinned one a physical core to the last cores,
 the pool's caller (the thread that runs a decode graph's host nodes) on the first of them
 (`--host-expert-cpus auto|none|LIST`; chosen_host_cpus). Nothing here imports torch: `ferry plan` shows the choice.
-The worker wires the choice at boot, one object a kind: services/worker/offload/expert_backends.py.
+The worker wires the choice at boot, one object a kind: services/worker/offload/host_compute/expert_backends.py.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class ExpertBackendPlan:
     @property
     def prefill_share(self) -> bool:
         """Whether the host computes part of streamed prefills' misses too (services/worker/offload/
-        host_share.py): asked for with hybrid or cpu, not chosen by auto (module docstring)."""
+        offload/host_compute/prefill_share.py): asked for with hybrid or cpu, not chosen by auto (module docstring)."""
         return self.backend == "cpu" or (self.backend == "hybrid" and self.requested != "auto")
 
 

@@ -1,6 +1,6 @@
 """The plan of every GPU when the routed experts are partitioned across them (expert parallelism).
 
-GPU g of N owns the experts e with e % N == g of every MoE layer (services/worker/offload/expert_parallel.py):
+GPU g of N owns the experts e with e % N == g of every MoE layer (services/worker/offload/stores/expert_parallel.py):
 its own slots, its own pinned host banks, its own misses over its own PCIe link. The dense weights, the
 KV pool and the linear-state pools are replicated, so each GPU's plan is the one-GPU plan of a model
 whose MoE layers have only that GPU's experts, with the same budget (`--gpu-memory` is per GPU) and the

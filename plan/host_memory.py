@@ -2,7 +2,7 @@
 
 With fewer expert slots than experts every routed expert lives in host banks (pinned, so copies
 run at full PCIe speed): one block per MoE layer and weight family, exactly 3 x I x H elements
-per expert and nothing more (services/worker/offload/host_banks.py allocates them; a unit test
+per expert and nothing more (services/worker/offload/host_memory/host_banks.py allocates them; a unit test
 holds the two to the same bytes). The planner prices them here so that a plan whose banks cannot
 fit fails in the plan, with the figures, rather than in an allocation."""
 
@@ -16,7 +16,7 @@ from ferry.shared.units import GiB
 
 # Host memory the banks must leave to everything else (the worker, the page cache of a checkpoint
 # being read, the OS): asking for the last byte of MemAvailable ends in the OOM killer. The worker's
-# own check before it allocates the banks (services/worker/offload/host_banks.py) uses these too.
+# own check before it allocates the banks (services/worker/offload/host_memory/host_banks.py) uses these too.
 HOST_RESERVE_BYTES = 2 * GiB
 MEMINFO = Path("/proc/meminfo")
 

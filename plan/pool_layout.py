@@ -160,7 +160,7 @@ def expert_weight_tensors(spec: ModelSpec, dtype: str, slots: int, prefix: str =
     return (TensorSpec(prefix + "w13", (slots, b13), "uint8"), TensorSpec(prefix + "w2", (slots, b2), "uint8"))
 
 
-# Staging slots of a prefill that streams its missed experts (services/worker/offload/staging_ring.py):
+# Staging slots of a prefill that streams its missed experts (services/worker/offload/host_memory/staging_ring.py):
 # outside the cache, so a prefill, which routes to nearly every expert of every layer, copies each
 # missed expert once and evicts nothing that the layers after it are about to read. As many bytes
 # for every model: 32 of Qwen3-30B-A3B's 9.44 MB experts, 48 of Qwen3.6-35B-A3B's 6.29 MB ones.
@@ -218,14 +218,14 @@ def expert_pool_parts(spec: ModelSpec, dtype: str, slots: int, max_step_tokens: 
 
 # Counters of the device-side expert cache (kernels/expert_cache_lookup.py's NUM_COUNTERS).
 EXPERT_CACHE_COUNTERS = 8
-# Device timestamps per MoE layer (services/worker/offload/device_store.py): copies of the misses
+# Device timestamps per MoE layer (services/worker/offload/stores/device_driven.py): copies of the misses
 # (start, end), of the next layer's prefetch (start, end), the compute stream before it waits for
 # the prefetched experts and once it has computed the hits.
 COPY_STAMPS = 6
 
 
 def expert_cache_state(spec: ModelSpec, slots: int, max_step_tokens: int) -> tuple[TensorSpec, ...]:
-    """What the device-side expert cache keeps (services/worker/offload/device_cache.py): the slot
+    """What the device-side expert cache keeps (services/worker/offload/slot_cache/device_cache.py): the slot
     map and its inverse, the replacement state, scratch for its kernel, and what each MoE layer's
     lookup and prefetch hand to the copy kernel and the expert GEMMs. Priced with the slots, so the
     plan stays exact whatever the number of slots."""

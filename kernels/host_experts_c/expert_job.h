@@ -1,4 +1,4 @@
-/* One call of the host expert kernel (services/worker/offload/host_expert_kernel.py fills it through
+/* One call of the host expert kernel (services/worker/offload/host_compute/host_expert_kernel.py fills it through
  * ctypes; every field is 8 bytes wide so the two sides cannot disagree on padding).
  *
  * Weights are read where they lie, in the host banks: expert e's family f starts at

@@ -1,4 +1,4 @@
-/* The host expert kernel's entry points (ctypes: services/worker/offload/host_expert_kernel.py).
+/* The host expert kernel's entry points (ctypes: services/worker/offload/host_compute/host_expert_kernel.py).
  *
  * One call computes one MoE layer's listed (token, expert, router weight) pairs for a few tokens,
  * the contract of HostExperts.compute (host_experts.py): per expert, gate/up rows for all of its

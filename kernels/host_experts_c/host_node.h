@@ -1,5 +1,5 @@
 /* The host's share of a decode layer, run as a host node of the step's CUDA graph
- * (services/worker/offload/host_decode.py): the device has written the pairs the host
+ * (services/worker/offload/host_compute/decode_share.py): the device has written the pairs the host
  * computes and copied them, with the layer's input, into pinned memory; this function computes them
  * into pinned memory the graph then copies back. It runs on the CUDA driver's callback thread, with
  * no Python and no CUDA call; errors are kept in `status` for the host to read after the step. */

@@ -1,5 +1,5 @@
 /* The host's share of decode layers handed over by polling instead of a host node
- * (services/worker/offload/host_decode.py): in the step's CUDA graph, after the pairs and the input are
+ * (services/worker/offload/host_compute/decode_share.py): in the step's CUDA graph, after the pairs and the input are
  * in pinned memory, the GPU writes the layer's number + 1 to `go` (a stream memory operation) and waits
  * until `done` holds the same number; a thread of ours that spins on `go` computes the layer's task
  * (ferry_host_node) and answers in `done`. No CUDA driver thread to wake and no host node's round trip:

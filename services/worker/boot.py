@@ -33,15 +33,15 @@ from ferry.services.worker.device import select_device
 from ferry.services.worker.device_memory import OutsideAllocatorProbe
 from ferry.services.worker.dummy_weights import iter_dummy_experts
 from ferry.services.worker.executor import StepExecutor
-from ferry.services.worker.experts import ExpertStore
 from ferry.services.worker.flags import WorkerBootConfig, copy_engine_tokens, ring_chunk
 from ferry.services.worker.late_bound_experts import LateBoundExperts
 from ferry.services.worker.loader import ModelFiles, open_model, resident_weights, routed_expert_weights
-from ferry.services.worker.offload.build import build_expert_store, host_banks_for, is_offloaded
-from ferry.services.worker.offload.expert_backends import expert_backend_for
-from ferry.services.worker.offload.expert_parallel import ExpertParallelExperts
-from ferry.services.worker.offload.host_banks import mem_available_bytes
-from ferry.services.worker.offload.host_pages import anon_huge_bytes, huge_pages_wanted, thp_mode
+from ferry.services.worker.offload.host_compute.expert_backends import expert_backend_for
+from ferry.services.worker.offload.host_memory.host_banks import mem_available_bytes
+from ferry.services.worker.offload.host_memory.huge_pages import anon_huge_bytes, huge_pages_wanted, thp_mode
+from ferry.services.worker.offload.stores.build import build_expert_store, host_banks_for, is_offloaded
+from ferry.services.worker.offload.stores.expert_parallel import ExpertParallelExperts
+from ferry.services.worker.offload.stores.expert_store import ExpertStore
 from ferry.services.worker.pools import TORCH_DTYPES, Pools, allocate_pools
 from ferry.services.worker.warmup import real_warmup_shapes, warm_up, warmup_shapes
 from ferry.services.worker.workspace_profile import (

@@ -31,9 +31,9 @@ from ferry.kernels.host_to_device import to_device
 from ferry.plan.model_config import ModelSpec
 from ferry.plan.planner import Plan
 from ferry.services.worker.decode_graphs import DecodeGraphs
-from ferry.services.worker.experts import ExpertStore, is_long_context
 from ferry.services.worker.forward_batch import ForwardBatch
 from ferry.services.worker.grammar import tokenizer_factory
+from ferry.services.worker.offload.stores.expert_store import ExpertStore, is_long_context
 from ferry.services.worker.pools import Pools
 from ferry.services.worker.sampler import Sampler, log_softmax_top
 from ferry.shared.contract import StepLimits, step_problems

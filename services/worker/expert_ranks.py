@@ -1,7 +1,7 @@
 """The ranks of an expert-parallel worker: one process a rank, rank 0 the worker the scheduler knows.
 
 `--expert-parallel-size N`: rank g owns the experts e % N == g of every MoE layer
-(offload/expert_parallel.py; its plan: plan/expert_parallel.py). Rank 0 is `ferry worker` as always: it
+(offload/stores/expert_parallel.py; its plan: plan/expert_parallel.py). Rank 0 is `ferry worker` as always: it
 talks to the scheduler, and it starts ranks 1..N-1 as `ferry worker-rank` processes of its own
 (`start_followers`) with the same flags. All N join one torch.distributed group (NCCL on CUDA, gloo on
 CPU; a file rendezvous in a private directory) plus a gloo group for control messages.

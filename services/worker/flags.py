@@ -17,7 +17,7 @@ from ferry.plan.planner_flags import BYTE_FIELDS, PLANNER_FIELDS, add_planner_fl
 from ferry.shared.model_flag import add_model_argument
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
-EXPERT_POLICIES = ("lfu", "lru")  # the names offload/build.py's POLICIES maps to classes
+EXPERT_POLICIES = ("lfu", "lru")  # the names offload/stores/build.py's POLICIES maps to classes
 DEFAULT_EXPERT_POLICY = "lfu"
 
 EXPERT_POLICY_HELP = (

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from ferry.kernels.expert_rows_sum import ExpertRows
-from ferry.services.worker.experts import ExpertStore
-from ferry.services.worker.offload.resident import ResidentExperts
+from ferry.services.worker.offload.stores.expert_store import ExpertStore
+from ferry.services.worker.offload.stores.resident import ResidentExperts
 from ferry.services.worker.pools import ExpertSlotPool
 
 

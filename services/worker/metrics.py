@@ -74,7 +74,8 @@ def counter(name: str, text: str, value: float) -> CounterMetricFamily:
     return family
 
 
-# the costs a host share splits by, in its report's costs_ns order (offload/host_share.py, host_decode.py)
+# the costs a host share splits by, in its report's costs_ns order (offload/host_compute/prefill_share.py,
+# decode_share.py)
 COST_PATHS = ("pcie", "host_at_1", "host_per_token", "handoff")
 
 
@@ -129,7 +130,7 @@ def host_share_metrics(report: dict):
                 buckets=buckets,
                 sum_value=decode["busy_ns"] / 1e9,
             )
-    if decode and "handoff" in decode:  # how decode layers reach the host (offload/host_handoff.py)
+    if decode and "handoff" in decode:  # how decode layers reach the host (offload/host_compute/host_handoff.py)
         polled = GaugeMetricFamily(
             "ferry_worker_host_decode_polled",
             "1 where decode layers reach the host by a "
@@ -143,7 +144,7 @@ def host_share_metrics(report: dict):
             decode.get("polled_layers", 0),
         )
     guard = (decode or {}).get("guard")
-    if guard:  # auto's guard over the decode share (offload/share_guard.py)
+    if guard:  # auto's guard over the decode share (offload/host_compute/share_guard.py)
         on = GaugeMetricFamily(
             "ferry_worker_host_decode_share_on",
             "1 while auto's guard keeps the host's decode "

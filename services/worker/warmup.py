@@ -9,7 +9,7 @@ The shapes: one row and several, one token per row (eager decode: a starting req
 rows than the largest decode graph) and several (prefill chunks, mixed steps), token counts in
 each of Triton's integer classes (1, a multiple of 16, neither) and of both parities, and one
 long enough (300 tokens) that even a 512-expert model streams its prefill through the staging
-slots (offload/device_store.py), within --max-prefill-tokens and --max-running-requests. Each
+slots (offload/stores/device_driven.py), within --max-prefill-tokens and --max-running-requests. Each
 runs once.
 
 No request is touched: every row writes the sentinel KV page and the padding linear-state slot

@@ -12,16 +12,16 @@ import numpy as np
 import pytest
 import torch
 
-from ferry.services.worker.offload.host_share import HostCost
+from ferry.services.worker.offload.host_compute.prefill_share import HostCost
 from tests.helpers import cuda_test_budget
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 def test_the_device_cache_makes_the_twins_decisions_at_real_sizes(cuda_device):
-    from ferry.services.worker.offload.device_cache import DeviceExpertCache
-    from ferry.services.worker.offload.frequency_policy import LFUExpertPolicy
-    from ferry.services.worker.offload.policy import LRUExpertPolicy
+    from ferry.services.worker.offload.slot_cache.device_cache import DeviceExpertCache
+    from ferry.services.worker.offload.slot_cache.frequency_policy import LFUExpertPolicy
+    from ferry.services.worker.offload.slot_cache.policy import LRUExpertPolicy
     from tests.unit.offload.offload_tiny import slot_pool, tiny_spec
     from tests.unit.offload.test_device_cache import _assert_same_state
 
@@ -57,7 +57,7 @@ def test_the_device_cache_makes_the_twins_decisions_at_real_sizes(cuda_device):
 
 def test_the_gpu_reads_the_mapped_banks(cuda_device):
     from ferry.kernels.expert_copy import copy_experts_triton
-    from ferry.services.worker.offload.host_banks import HostBanks
+    from ferry.services.worker.offload.host_memory.host_banks import HostBanks
 
     banks = HostBanks.allocate(2, 16, 256, 128, torch.bfloat16, pin=True, progress=False)
     banks.fill_dummy(seed=3, progress=False)
@@ -77,8 +77,8 @@ def test_the_gpu_unpacks_the_mapped_packed_banks_bit_for_bit(cuda_device):
     """Packed banks (packed on the GPU as they fill) hold the plain banks' bits: unpacked by the GPU
     from a device-held list inside a CUDA graph, from a host list, and after an expert is reloaded
     with values that escape their window (a subnormal, inf, NaN; the zeros are kept as such)."""
-    from ferry.services.worker.offload.host_banks import HostBanks
-    from ferry.services.worker.offload.packed_banks import PackedHostBanks
+    from ferry.services.worker.offload.host_memory.host_banks import HostBanks
+    from ferry.services.worker.offload.host_memory.packed_banks import PackedHostBanks
 
     shape = (2, 16, 256, 128, torch.bfloat16)
     plain = HostBanks.allocate(*shape, pin=True, progress=False)
@@ -313,7 +313,9 @@ def test_a_prefill_streamed_past_the_cache_decodes_as_all_resident(tiny_models, 
         "offload": ["--moe-cache-size", "10"],
         "offload-no-prefetch": ["--moe-cache-size", "10", "--no-expert-prefetch"],
     }
-    if dtype == "float32":  # the host computes part of each streamed layer's misses (host_share.py): same tokens
+    if (
+        dtype == "float32"
+    ):  # the host computes part of each streamed layer's misses (offload/host_compute/prefill_share.py): same tokens
         variants["offload-host-share-node"] = [
             "--moe-cache-size",
             "10",

@@ -29,7 +29,7 @@ from ferry.plan import pool_layout as L
 from ferry.plan.model_config import parse_model_config
 from ferry.services.worker.layers.mlp import SparseMoeBlock
 from ferry.services.worker.layers.norms import make_norm
-from ferry.services.worker.offload.resident import ResidentExperts
+from ferry.services.worker.offload.stores.resident import ResidentExperts
 from ferry.services.worker.pools import ExpertSlotPool, allocate_pool
 from tests.helpers import QWEN3_6_35B, QWEN3_30B
 

@@ -6,9 +6,9 @@ import torch
 from ferry.kernels.grouped_expert_gemm import grouped_expert_forward
 from ferry.plan import pool_layout as L
 from ferry.plan.model_config import parse_model_config
-from ferry.services.worker.offload.expert_cache import OffloadedExperts
-from ferry.services.worker.offload.host_banks import HostBanks
-from ferry.services.worker.offload.policy import LRUExpertPolicy
+from ferry.services.worker.offload.host_memory.host_banks import HostBanks
+from ferry.services.worker.offload.slot_cache.policy import LRUExpertPolicy
+from ferry.services.worker.offload.stores.offloaded import OffloadedExperts
 from ferry.services.worker.pools import ExpertSlotPool, allocate_pool
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -18,10 +18,10 @@ from ferry.plan.planner import PlanRequest
 from ferry.services.generate_command import generate
 from ferry.services.worker.boot import boot_worker
 from ferry.services.worker.flags import WorkerBootConfig
-from ferry.services.worker.offload.expert_cache import OffloadedExperts
-from ferry.services.worker.offload.expert_parallel import ExpertParallelExperts, owned_count
-from ferry.services.worker.offload.host_banks import HostBanks
-from ferry.services.worker.offload.policy import LRUExpertPolicy
+from ferry.services.worker.offload.host_memory.host_banks import HostBanks
+from ferry.services.worker.offload.slot_cache.policy import LRUExpertPolicy
+from ferry.services.worker.offload.stores.expert_parallel import ExpertParallelExperts, owned_count
+from ferry.services.worker.offload.stores.offloaded import OffloadedExperts
 from ferry.services.worker.pools import ExpertSlotPool, allocate_pool
 from ferry.shared.eos import eos_token_ids
 from ferry.shared.sampling import SamplingParams

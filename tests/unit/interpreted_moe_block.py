@@ -18,7 +18,7 @@ from tiny_models import tiny_model  # noqa: E402
 
 from ferry.kernels.router_topk_reference import mark_routed_reference  # noqa: E402
 from ferry.services.worker.models import build_model  # noqa: E402
-from ferry.services.worker.offload.resident import ResidentExperts  # noqa: E402
+from ferry.services.worker.offload.stores.resident import ResidentExperts  # noqa: E402
 
 
 def block_outputs(arch: str, overrides: dict, rows: int, real: int | None, seed: int) -> dict:

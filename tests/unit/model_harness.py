@@ -14,7 +14,7 @@ from ferry.plan import pool_layout as L
 from ferry.plan.model_config import ModelSpec
 from ferry.services.worker.forward_batch import ForwardBatch
 from ferry.services.worker.models import CausalLM, build_model
-from ferry.services.worker.offload.resident import ResidentExperts
+from ferry.services.worker.offload.stores.resident import ResidentExperts
 from ferry.services.worker.pools import ExpertSlotPool, KvTensorPool, LinearStatePool, Pools, allocate_pool
 from ferry.shared.step import StepBatch
 

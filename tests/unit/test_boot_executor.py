@@ -86,7 +86,7 @@ def test_budget_too_small_fails_in_the_plan(tiny_models):
 
 
 def test_fewer_slots_than_experts_boots_the_offload_store(tiny_models, capsys):
-    from ferry.services.worker.offload.expert_cache import OffloadedExperts
+    from ferry.services.worker.offload.stores.offloaded import OffloadedExperts
 
     configure_logging("worker")
     executor, plan = boot_worker(
@@ -102,7 +102,7 @@ def test_fewer_slots_than_experts_boots_the_offload_store(tiny_models, capsys):
 
 
 def test_host_ram_shortage_fails_before_any_pool(tiny_models, monkeypatch):
-    from ferry.services.worker.offload import host_banks
+    from ferry.services.worker.offload.host_memory import host_banks
 
     monkeypatch.setattr(host_banks, "mem_available_bytes", lambda meminfo=None: 2**30)  # less than the 2 GiB reserve
     allocated = []

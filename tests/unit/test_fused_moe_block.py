@@ -22,7 +22,7 @@ from tiny_models import tiny_model
 
 from ferry.plan.costs import resident_weight_shapes
 from ferry.services.worker.models import WeightLoadError, build_model
-from ferry.services.worker.offload.resident import ResidentExperts
+from ferry.services.worker.offload.stores.resident import ResidentExperts
 
 ARCHS = ["qwen3_moe", "qwen3_next", "qwen3_5_moe"]
 

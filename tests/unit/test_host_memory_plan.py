@@ -19,7 +19,7 @@ def spec(tiny_models):
 
 
 def test_planned_bank_bytes_are_what_the_worker_allocates(spec):
-    from ferry.services.worker.offload import host_banks
+    from ferry.services.worker.offload.host_memory import host_banks
 
     banks = host_banks.HostBanks.for_model(spec, "float32", pin=False, progress=False)
     assert host_memory.expert_bank_bytes(spec, "float32") == banks.nbytes

@@ -17,7 +17,7 @@ from ferry.plan.planner import Measured, PlanRequest, make_plan
 from ferry.services.scheduler.batcher import BatchScheduler
 from ferry.services.worker.executor import StepExecutor
 from ferry.services.worker.models import build_model
-from ferry.services.worker.offload.resident import ResidentExperts
+from ferry.services.worker.offload.stores.resident import ResidentExperts
 from ferry.services.worker.pools import allocate_pools
 from ferry.services.worker.service import pool_report_from_plan
 from ferry.shared.sampling import SamplingParams

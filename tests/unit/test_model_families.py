@@ -30,7 +30,7 @@ from ferry.services.worker.layers.attention import PagedAttention
 from ferry.services.worker.layers.gated_deltanet import GatedDeltaNet
 from ferry.services.worker.models import build_model, registry
 from ferry.services.worker.models.decoder import DecoderFamily
-from ferry.services.worker.offload.resident import ResidentExperts
+from ferry.services.worker.offload.stores.resident import ResidentExperts
 from ferry.shared.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]

@@ -13,7 +13,7 @@ from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
 
 from ferry.plan.model_config import parse_model_config
 from ferry.services.worker.models import WeightLoadError, build_model
-from ferry.services.worker.offload.resident import ResidentExperts
+from ferry.services.worker.offload.stores.resident import ResidentExperts
 from ferry.shared.errors import ConfigError
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]

@@ -2,7 +2,7 @@
 
 * `bf16.py`: experts in the run dtype, in slots [S, 2I, H] / [S, H, I] and host banks alike;
 * `bf16-packed`: bf16's slots, with host banks packed losslessly to 12 bits a value: its module is
-  offload/packed_banks.py (`--expert-bank-format`; auto packs bf16 models that offload);
+  offload/host_memory/packed_banks.py (`--expert-bank-format`; auto packs bf16 models that offload);
 * `nvfp4.py`, `fp8_block.py`: the checkpoint's quantized experts kept quantized in host RAM, across
   PCIe and in their slots (one byte row per weight family: plan/expert_formats.py prices it), and
   computed from there by the kernels, which dequantize in registers (kernels/quantized_experts.py).

@@ -31,7 +31,7 @@ from ferry.kernels.moe_combine import moe_combine, moe_combine_reference, silu_m
 from ferry.kernels.router_topk import router_topk_triton
 from ferry.kernels.router_topk_reference import router_topk_reference
 from ferry.plan.model_config import ModelSpec
-from ferry.services.worker.experts import ExpertStore
+from ferry.services.worker.offload.stores.expert_store import ExpertStore
 
 
 class DenseMLP(nn.Module):

@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 
 from ferry.plan.model_config import ModelSpec
-from ferry.services.worker.experts import ExpertStore
 from ferry.services.worker.models.decoder import CausalLM
 from ferry.services.worker.models.registry import family_named
 from ferry.services.worker.models.weights import WeightLoadError
+from ferry.services.worker.offload.stores.expert_store import ExpertStore
 from ferry.shared.errors import ConfigError
 
 __all__ = ["CausalLM", "WeightLoadError", "build_model"]

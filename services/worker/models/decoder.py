@@ -12,13 +12,13 @@ from torch import nn
 
 from ferry.kernels.expert_rows_sum import ExpertRows
 from ferry.plan.model_config import ModelSpec
-from ferry.services.worker.experts import ExpertStore
 from ferry.services.worker.forward_batch import ForwardBatch
 from ferry.services.worker.layers.context import StepContext
 from ferry.services.worker.layers.mlp import DenseMLP, SparseMoeBlock
 from ferry.services.worker.layers.norms import make_norm
 from ferry.services.worker.layers.rotary import RotaryEmbedding
 from ferry.services.worker.models.weights import checkpoint_shapes, load_checkpoint_weights
+from ferry.services.worker.offload.stores.expert_store import ExpertStore
 from ferry.services.worker.pools import Pools
 from ferry.shared.errors import ConfigError
 

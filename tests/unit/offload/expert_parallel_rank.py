@@ -13,11 +13,11 @@ import torch
 import torch.distributed as dist
 from offload_tiny import random_experts, random_routing, slot_pool, tiny_spec
 
-from ferry.services.worker.offload.expert_cache import OffloadedExperts
-from ferry.services.worker.offload.expert_parallel import ExpertParallelExperts, owned_count
-from ferry.services.worker.offload.host_banks import HostBanks
-from ferry.services.worker.offload.policy import LRUExpertPolicy
-from ferry.services.worker.offload.resident import ResidentExperts
+from ferry.services.worker.offload.host_memory.host_banks import HostBanks
+from ferry.services.worker.offload.slot_cache.policy import LRUExpertPolicy
+from ferry.services.worker.offload.stores.expert_parallel import ExpertParallelExperts, owned_count
+from ferry.services.worker.offload.stores.offloaded import OffloadedExperts
+from ferry.services.worker.offload.stores.resident import ResidentExperts
 
 
 def main() -> None:

@@ -19,13 +19,13 @@ assert os.environ.get("FERRY_TRITON_ON_CPU") == "1", "run me with FERRY_TRITON_O
 from offload_tiny import random_experts, random_routing, slot_pool, tiny_spec  # noqa: E402
 
 from ferry.kernels.expert_pair_gemv import use_pair_kernel  # noqa: E402
-from ferry.services.worker.offload.device_store import DeviceDrivenExperts  # noqa: E402
-from ferry.services.worker.offload.expert_cache import OffloadedExperts  # noqa: E402
-from ferry.services.worker.offload.frequency_policy import LFUExpertPolicy  # noqa: E402
-from ferry.services.worker.offload.host_banks import HostBanks  # noqa: E402
-from ferry.services.worker.offload.packed_banks import PackedHostBanks  # noqa: E402
-from ferry.services.worker.offload.policy import LRUExpertPolicy  # noqa: E402
-from ferry.services.worker.offload.resident import ResidentExperts  # noqa: E402
+from ferry.services.worker.offload.host_memory.host_banks import HostBanks  # noqa: E402
+from ferry.services.worker.offload.host_memory.packed_banks import PackedHostBanks  # noqa: E402
+from ferry.services.worker.offload.slot_cache.frequency_policy import LFUExpertPolicy  # noqa: E402
+from ferry.services.worker.offload.slot_cache.policy import LRUExpertPolicy  # noqa: E402
+from ferry.services.worker.offload.stores.device_driven import DeviceDrivenExperts  # noqa: E402
+from ferry.services.worker.offload.stores.offloaded import OffloadedExperts  # noqa: E402
+from ferry.services.worker.offload.stores.resident import ResidentExperts  # noqa: E402
 
 
 def check() -> None:
@@ -140,10 +140,11 @@ def check_device_driven(dtype_wanted: str) -> None:
 
 
 def check_host_share() -> None:
-    """Streamed prefills with the host computing half of every layer's missed experts (host_share.py):
-    the same rows as the all-resident store, in float32; the ring stages only the rest."""
-    from ferry.services.worker.offload.host_experts import HostExperts
-    from ferry.services.worker.offload.host_share import HostCost, HostShare
+    """Streamed prefills with the host computing half of every layer's missed experts
+    (offload/host_compute/prefill_share.py): the same rows as the all-resident store, in float32; the ring stages
+    only the rest."""
+    from ferry.services.worker.offload.host_compute.host_experts import HostExperts
+    from ferry.services.worker.offload.host_compute.prefill_share import HostCost, HostShare
 
     spec = tiny_spec(layers=3, experts=6, top_k=2, hidden=32, inter=16)
     layers = 3
@@ -229,11 +230,11 @@ def check_long_step_rows() -> None:
     the same two lengths, misses copied in two chunks. All within rounding of the all-resident store with
     float32 rows."""
     import ferry.kernels.expert_rows_sum as rows_sum
-    import ferry.services.worker.offload.device_store as device_store
-    import ferry.services.worker.offload.expert_cache as expert_cache
+    import ferry.services.worker.offload.stores.device_driven as device_store
+    import ferry.services.worker.offload.stores.offloaded as expert_cache
     from ferry.kernels.aligned_blocks import SLOT_WINDOW_ALL
-    from ferry.services.worker.offload.host_experts import HostExperts
-    from ferry.services.worker.offload.host_share import HostCost, HostShare
+    from ferry.services.worker.offload.host_compute.host_experts import HostExperts
+    from ferry.services.worker.offload.host_compute.prefill_share import HostCost, HostShare
 
     spec = tiny_spec(layers=2, experts=6, top_k=2, hidden=32, inter=16)
     layers, bf16 = 2, torch.bfloat16
@@ -304,7 +305,7 @@ def check_host_decode_kernel() -> None:
     from types import SimpleNamespace
 
     from ferry.kernels.expert_host_handoff import hand_to_host, hand_to_host_reference
-    from ferry.services.worker.offload.host_decode import HostDecodeBuffers
+    from ferry.services.worker.offload.host_compute.decode_share import HostDecodeBuffers
 
     g = torch.Generator().manual_seed(5)
     experts, slots, layers, k = 12, 9, 2, 3
@@ -398,12 +399,13 @@ def check_host_decode_kernel() -> None:
 
 
 def check_host_decode(poll: bool = False) -> None:
-    """Decode steps with the host computing all but one of each layer's missed experts (host_decode.py,
-    through the C host node, or with `poll` through the polling thread, host_handoff.py): the same rows as
+    """Decode steps with the host computing all but one of each layer's missed experts
+    (offload/host_compute/decode_share.py, through the C host node, or with `poll` through the polling thread,
+    host_handoff.py): the same rows as
     the all-resident store in float32, with prefills streamed between them; what crosses PCIe is counted
     without the host's experts."""
-    from ferry.services.worker.offload.host_decode import HostDecodeShare
-    from ferry.services.worker.offload.host_expert_kernel import HostKernel
+    from ferry.services.worker.offload.host_compute.decode_share import HostDecodeShare
+    from ferry.services.worker.offload.host_compute.host_expert_kernel import HostKernel
 
     spec = tiny_spec(layers=3, experts=6, top_k=2, hidden=32, inter=16)
     layers = 3
@@ -446,7 +448,7 @@ def check_host_decode(poll: bool = False) -> None:
     # every decode layer (the 40-token steps stream instead) was handed over the chosen way
     assert handed["handoff"] == ("poll" if poll else "node") and (handed["polled_layers"] == 7 * layers) == poll
     # boot's measure of a hand-off with nothing for the host, the chosen way, leaves the counts as they were
-    from ferry.services.worker.offload.host_decode import calibrate_handoff
+    from ferry.services.worker.offload.host_compute.decode_share import calibrate_handoff
 
     assert calibrate_handoff(store.host_decode, store.cache, repeats=2) > 0
     assert store.report()["host_decode"]["experts"] == handed["experts"]
@@ -497,7 +499,11 @@ def _check_lent_slots(long_ring_chunk) -> None:
     the next chunk lending the same (already empty) slots, and decode after them placing into them.
     `long_ring_chunk` (--long-prefill-ring-chunk): the lending steps' chunks, and the lent slots whole
     bays of them; the other steps' chunks the ring's own."""
-    from ferry.services.worker.experts import LEND_CONTEXT_TOKENS, LEND_QUERY_TOKENS, is_long_context
+    from ferry.services.worker.offload.stores.expert_store import (
+        LEND_CONTEXT_TOKENS,
+        LEND_QUERY_TOKENS,
+        is_long_context,
+    )
 
     assert is_long_context([LEND_QUERY_TOKENS], [LEND_CONTEXT_TOKENS - LEND_QUERY_TOKENS])
     assert not is_long_context([LEND_QUERY_TOKENS - 1, 1], [LEND_CONTEXT_TOKENS, LEND_CONTEXT_TOKENS])
@@ -555,7 +561,7 @@ def check_windowed_chunks() -> None:
     them once: over an empty window, and the hits' grouped kernel with every pair skipped, at both block
     sizes a streamed step of this store can take (512 tokens of 2 pairs: the small block; 513: the
     large), whatever the warm-up step's own size."""
-    import ferry.services.worker.offload.device_store as device_store
+    import ferry.services.worker.offload.stores.device_driven as device_store
 
     spec = tiny_spec(layers=2, experts=6, top_k=2, hidden=32, inter=16)
     layers = 2

@@ -6,9 +6,9 @@ from offload_tiny import random_experts, random_routing, tiny_spec
 
 from ferry.kernels.grouped_expert_gemm_reference import grouped_expert_forward_reference
 from ferry.plan.planner import Measured, PlanRequest, make_plan
-from ferry.services.worker.offload.build import build_expert_store
-from ferry.services.worker.offload.expert_cache import OffloadedExperts
-from ferry.services.worker.offload.resident import ResidentExperts
+from ferry.services.worker.offload.stores.build import build_expert_store
+from ferry.services.worker.offload.stores.offloaded import OffloadedExperts
+from ferry.services.worker.offload.stores.resident import ResidentExperts
 from ferry.services.worker.pools import allocate_pools
 from ferry.shared.errors import ConfigError
 from ferry.shared.units import MiB

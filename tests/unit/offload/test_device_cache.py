@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from ferry.kernels.expert_host_handoff import host_count_reference
-from ferry.services.worker.offload.device_cache import DeviceExpertCache
-from ferry.services.worker.offload.frequency_policy import LFUExpertPolicy
-from ferry.services.worker.offload.policy import NO_SLOT, LRUExpertPolicy
+from ferry.services.worker.offload.slot_cache.device_cache import DeviceExpertCache
+from ferry.services.worker.offload.slot_cache.frequency_policy import LFUExpertPolicy
+from ferry.services.worker.offload.slot_cache.policy import NO_SLOT, LRUExpertPolicy
 from tests.unit.offload.offload_tiny import slot_pool, tiny_spec
 
 

@@ -1,4 +1,4 @@
-"""The expert backend objects (services/worker/offload/expert_backends.py): the plan's choice becomes one
+"""The expert backend objects (services/worker/offload/host_compute/expert_backends.py): the plan's choice becomes one
 object in one place, boot runs that object's attach and reads no backend name itself, and each kind's own
 steps (cpu's every-miss costs, auto's keep-or-drop and guard, hybrid's refined prices) are those it owns."""
 
@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 
 from ferry.plan.expert_backend import EXPERT_BACKENDS, ExpertBackendPlan, plan_expert_backend
-from ferry.services.worker.offload import expert_backends as B
-from ferry.services.worker.offload.host_share import HostCost
-from ferry.services.worker.offload.share_guard import ShareGuard
+from ferry.services.worker.offload.host_compute import expert_backends as B
+from ferry.services.worker.offload.host_compute.prefill_share import HostCost
+from ferry.services.worker.offload.host_compute.share_guard import ShareGuard
 
 BOOT = Path(__file__).resolve().parents[3] / "services" / "worker" / "boot.py"
 MEASURED = (100_000, 300_000, 2_000, 30_000)

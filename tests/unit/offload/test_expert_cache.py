@@ -6,10 +6,10 @@ import pytest
 import torch
 from offload_tiny import random_experts, random_routing, slot_pool, tiny_spec
 
-from ferry.services.worker.offload.expert_cache import OffloadedExperts
-from ferry.services.worker.offload.host_banks import HostBanks
-from ferry.services.worker.offload.policy import LRUExpertPolicy
-from ferry.services.worker.offload.resident import ResidentExperts
+from ferry.services.worker.offload.host_memory.host_banks import HostBanks
+from ferry.services.worker.offload.slot_cache.policy import LRUExpertPolicy
+from ferry.services.worker.offload.stores.offloaded import OffloadedExperts
+from ferry.services.worker.offload.stores.resident import ResidentExperts
 
 SPEC = tiny_spec(layers=3, experts=6, top_k=3)
 LAYERS = len(SPEC.moe_layer_indices)

@@ -43,7 +43,7 @@ def test_ranks_offloading_their_own_experts_sum_to_the_all_resident_output(world
 
 
 def test_a_local_store_of_the_wrong_size_or_a_rank_outside_the_group_is_refused():
-    from ferry.services.worker.offload.expert_parallel import ExpertParallelExperts, owned_count
+    from ferry.services.worker.offload.stores.expert_parallel import ExpertParallelExperts, owned_count
 
     class Store:
         num_experts = 3

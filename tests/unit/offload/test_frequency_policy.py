@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ferry.services.worker.offload.frequency_policy import LFUExpertPolicy
-from ferry.services.worker.offload.policy import NO_SLOT, LRUExpertPolicy
+from ferry.services.worker.offload.slot_cache.frequency_policy import LFUExpertPolicy
+from ferry.services.worker.offload.slot_cache.policy import NO_SLOT, LRUExpertPolicy
 
 
 def test_the_least_requested_expert_is_evicted_ties_to_the_least_recent():

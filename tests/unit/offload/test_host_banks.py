@@ -3,7 +3,12 @@
 import pytest
 import torch
 
-from ferry.services.worker.offload.host_banks import HostBanks, HostMemoryError, check_host_memory, mem_available_bytes
+from ferry.services.worker.offload.host_memory.host_banks import (
+    HostBanks,
+    HostMemoryError,
+    check_host_memory,
+    mem_available_bytes,
+)
 from ferry.shared.units import GiB, MiB
 
 

@@ -1,4 +1,4 @@
-"""The host's C expert kernel (HostExperts' `c` backend: services/worker/offload/host_expert_kernel.py,
+"""The host's C expert kernel (HostExperts' `c` backend: services/worker/offload/host_compute/host_expert_kernel.py,
 kernels/host_experts_c/) against its twin, HostExperts' torch backend, itself tested against the
 reference grouped GEMM (test_host_experts.py).
 
@@ -22,11 +22,11 @@ from structlog.testing import capture_logs
 from ferry.plan.expert_backend import pool_thread_cpus
 from ferry.services.worker.expert_formats.fp8_block import Fp8BlockExperts
 from ferry.services.worker.expert_formats.nvfp4 import Nvfp4Experts
-from ferry.services.worker.offload import host_expert_kernel as K
-from ferry.services.worker.offload import host_experts as HE
-from ferry.services.worker.offload.host_banks import HostBanks
-from ferry.services.worker.offload.host_experts import HostExperts
-from ferry.services.worker.offload.packed_banks import PackedHostBanks
+from ferry.services.worker.offload.host_compute import host_expert_kernel as K
+from ferry.services.worker.offload.host_compute import host_experts as HE
+from ferry.services.worker.offload.host_compute.host_experts import HostExperts
+from ferry.services.worker.offload.host_memory.host_banks import HostBanks
+from ferry.services.worker.offload.host_memory.packed_banks import PackedHostBanks
 
 LAYERS, EXPERTS = 2, 6
 FORMATS = ("bf16", "float32", "fp8-block", "nvfp4")

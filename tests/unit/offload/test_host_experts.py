@@ -1,4 +1,5 @@
-"""Routed experts computed on the host (services/worker/offload/host_experts.py) against the reference twin.
+"""Routed experts computed on the host (services/worker/offload/host_compute/host_experts.py) against the
+reference twin.
 
 These test HostExperts' torch backend (kernel="torch"), itself the C kernel's twin
 (test_host_expert_kernel.py).
@@ -18,10 +19,10 @@ from ferry.kernels.grouped_expert_gemm_reference import grouped_expert_rows_refe
 from ferry.kernels.quantized_experts import dequantize_slot
 from ferry.services.worker.expert_formats.fp8_block import Fp8BlockExperts
 from ferry.services.worker.expert_formats.nvfp4 import Nvfp4Experts
-from ferry.services.worker.offload import host_expert_weights as W
-from ferry.services.worker.offload.host_banks import HostBanks
-from ferry.services.worker.offload.host_experts import HostExperts
-from ferry.services.worker.offload.packed_banks import PackedHostBanks
+from ferry.services.worker.offload.host_compute import host_expert_weights as W
+from ferry.services.worker.offload.host_compute.host_experts import HostExperts
+from ferry.services.worker.offload.host_memory.host_banks import HostBanks
+from ferry.services.worker.offload.host_memory.packed_banks import PackedHostBanks
 
 # 2 MoE layers of 4 experts; I = 160 gives fp8 blocks cut at both edges (rows 128 + 32 a projection, w2's
 # columns 128 + 32), and a decode chunk of 1000 values cuts rows and families unevenly.
@@ -268,7 +269,7 @@ def test_threads_are_set_on_the_dedicated_thread_only(banks_of):
 def test_bad_calls_are_refused_before_any_work(banks_of, kernel):
     """On either backend: the C kernel reads the banks by these indices, unchecked, so a bad one must
     never reach it (an expert past the banks read memory past them)."""
-    from ferry.services.worker.offload import host_expert_kernel as K
+    from ferry.services.worker.offload.host_compute import host_expert_kernel as K
 
     if kernel == "c" and K.library()[0] is None:
         pytest.skip(f"host kernel not built: {K.library()[1]}")

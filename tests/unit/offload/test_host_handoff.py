@@ -1,4 +1,4 @@
-"""The polled hand-off of decode layers to the host (services/worker/offload/host_handoff.py,
+"""The polled hand-off of decode layers to the host (services/worker/offload/host_compute/host_handoff.py,
 kernels/host_experts_c/host_poller.c), on CPU: the polling thread answers each layer's word with that
 layer's task, as the host node would have computed it, counts the layers, refuses a number no layer has
 (zeros and an error for the step's end), and stops with the share. Which hand-off boot keeps, and the
@@ -11,10 +11,10 @@ import time
 import pytest
 import torch
 
-from ferry.services.worker.offload import host_expert_kernel as K
-from ferry.services.worker.offload import host_handoff as H
-from ferry.services.worker.offload.host_decode import HostDecodeShare
-from ferry.services.worker.offload.host_expert_kernel import HostKernel
+from ferry.services.worker.offload.host_compute import host_expert_kernel as K
+from ferry.services.worker.offload.host_compute import host_handoff as H
+from ferry.services.worker.offload.host_compute.decode_share import HostDecodeShare
+from ferry.services.worker.offload.host_compute.host_expert_kernel import HostKernel
 from tests.unit.offload.test_host_expert_kernel import make_banks
 
 needs_library = pytest.mark.skipif(K.library()[0] is None, reason=f"host kernel not built: {K.library()[1]}")

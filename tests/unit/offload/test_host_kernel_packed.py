@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from ferry.kernels.expert_pack import unpack_expert_reference
-from ferry.services.worker.offload import host_expert_kernel as K
-from ferry.services.worker.offload.host_experts import HostExperts
-from ferry.services.worker.offload.packed_banks import PackedHostBanks
+from ferry.services.worker.offload.host_compute import host_expert_kernel as K
+from ferry.services.worker.offload.host_compute.host_experts import HostExperts
+from ferry.services.worker.offload.host_memory.packed_banks import PackedHostBanks
 from tests.unit.offload.test_host_expert_kernel import (
     _both,
     isas,

@@ -1,5 +1,6 @@
-"""The decode graph's host node (kernels/host_experts_c/host_node.c, services/worker/offload/host_decode.py):
-called as CUDA calls it, with the pairs and meta the device would have copied to pinned memory, it computes
+"""The decode graph's host node (kernels/host_experts_c/host_node.c,
+services/worker/offload/host_compute/decode_share.py): called as CUDA calls it, with the pairs and meta the
+device would have copied to pinned memory, it computes
 what HostKernel.compute does for those pairs; pairs out of range are refused without reading the banks
 (zeros out, an error kept for the step's end, where HostDecodeShare.check raises it)."""
 
@@ -10,9 +11,9 @@ import ctypes
 import pytest
 import torch
 
-from ferry.services.worker.offload import host_expert_kernel as K
-from ferry.services.worker.offload.host_decode import HostDecodeShare
-from ferry.services.worker.offload.host_expert_kernel import HostKernel
+from ferry.services.worker.offload.host_compute import host_expert_kernel as K
+from ferry.services.worker.offload.host_compute.decode_share import HostDecodeShare
+from ferry.services.worker.offload.host_compute.host_expert_kernel import HostKernel
 from tests.unit.offload.test_host_expert_kernel import make_banks
 
 pytestmark = pytest.mark.skipif(K.library()[0] is None, reason=f"host kernel not built: {K.library()[1]}")
@@ -104,7 +105,7 @@ def _timed(share: HostDecodeShare, busy_ns: int, experts: int, pairs: int) -> No
 
 
 def test_the_splits_price_of_a_host_expert_moves_half_way_to_what_the_nodes_took():
-    from ferry.services.worker.offload.host_decode import REFINE_EVERY
+    from ferry.services.worker.offload.host_compute.decode_share import REFINE_EVERY
 
     banks = make_banks("bf16", 256, 160)
     share = HostDecodeShare(
@@ -133,8 +134,8 @@ def test_the_splits_price_of_a_host_expert_moves_half_way_to_what_the_nodes_took
 def test_the_prefill_share_follows_the_refined_one_token_price():
     """The decode share's host nodes time the same kernel over the same banks the prefill's share computes
     with: each refinement hands its new one-token price on (boot wires it to HostShare.follow_host_price)."""
-    from ferry.services.worker.offload.host_decode import REFINE_EVERY
-    from ferry.services.worker.offload.host_share import HostCost, HostShare
+    from ferry.services.worker.offload.host_compute.decode_share import REFINE_EVERY
+    from ferry.services.worker.offload.host_compute.prefill_share import HostCost, HostShare
 
     banks = make_banks("bf16", 256, 160)
     share = HostDecodeShare(
@@ -156,7 +157,7 @@ def test_the_prefill_share_follows_the_refined_one_token_price():
 
 
 def test_a_window_of_many_tokens_an_expert_does_not_refine_the_one_token_price():
-    from ferry.services.worker.offload.host_decode import REFINE_EVERY
+    from ferry.services.worker.offload.host_compute.decode_share import REFINE_EVERY
 
     banks = make_banks("bf16", 256, 160)
     share = HostDecodeShare(
@@ -197,8 +198,8 @@ def test_autos_guard_prices_the_share_off_while_its_steps_are_longer_and_back_on
     off, a host expert priced at OFF_PRICE_NS (the hand-off gives the host nothing, the prefetch copies
     everything) and no refinement; on again, the prices from before."""
     from ferry.kernels.expert_host_handoff import host_count_reference
-    from ferry.services.worker.offload.host_decode import OFF_PRICE_NS, REFINE_EVERY
-    from ferry.services.worker.offload.share_guard import ShareGuard
+    from ferry.services.worker.offload.host_compute.decode_share import OFF_PRICE_NS, REFINE_EVERY
+    from ferry.services.worker.offload.host_compute.share_guard import ShareGuard
 
     banks = make_banks("bf16", 256, 160)
     costs = (100_000, 150_000, 2_000, 30_000)
@@ -235,8 +236,8 @@ def test_the_guards_scale_prices_a_host_expert_and_the_price_under_it_is_refined
     reads the host's one-token price times that scale; refinement moves the price itself, the scale
     still applied over it; the report and its prices say both."""
     from ferry.kernels.expert_host_handoff import host_count_reference
-    from ferry.services.worker.offload.host_decode import REFINE_EVERY
-    from ferry.services.worker.offload.share_guard import ShareGuard
+    from ferry.services.worker.offload.host_compute.decode_share import REFINE_EVERY
+    from ferry.services.worker.offload.host_compute.share_guard import ShareGuard
 
     banks = make_banks("bf16", 256, 160)
     costs = (100_000, 150_000, 2_000, 30_000)

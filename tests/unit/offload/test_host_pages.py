@@ -1,25 +1,27 @@
-"""Huge pages for the host banks (services/worker/offload/host_pages.py): the
+"""Huge pages for the host banks (services/worker/offload/host_memory/huge_pages.py): the
 THP mode is read from its sysfs word, a block is advised over exactly its whole pages, every bank block
 of a huge page or more is advised as the worker allocates it (FERRY_HOST_HUGE_PAGES=0: none), and advised
 banks hold and compute the same experts."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from ferry.services.worker.offload.host_banks import HostBanks, pinnable_host_block
-from ferry.services.worker.offload.host_pages import (
+from ferry.services.worker.offload.host_memory import host_banks
+from ferry.services.worker.offload.host_memory.host_banks import HostBanks, pinnable_host_block
+from ferry.services.worker.offload.host_memory.huge_pages import (
     HUGE_PAGE,
     PAGE,
     advise_huge_pages,
     anon_huge_bytes,
-    huge_pages_advice,
     thp_mode,
 )
+from ferry.services.worker.offload.host_memory.packed_banks import PackedHostBanks
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and /proc are Linux's")
 
@@ -69,27 +71,46 @@ def test_bank_blocks_are_advised_as_the_worker_allocates_them(monkeypatch):
     monkeypatch.delenv("FERRY_HOST_HUGE_PAGES", raising=False)
     big = pinnable_host_block((32, HUGE_PAGE), torch.uint8, pin=False)  # the default: advised
     assert _advised(big)
-    with huge_pages_advice(False):
-        assert not _advised(pinnable_host_block((32, HUGE_PAGE), torch.uint8, pin=False))
+    assert not _advised(pinnable_host_block((32, HUGE_PAGE), torch.uint8, pin=False, huge_pages=False))
     monkeypatch.setenv("FERRY_HOST_HUGE_PAGES", "0")
     assert not _advised(pinnable_host_block((32, HUGE_PAGE), torch.uint8, pin=False))
-    with huge_pages_advice(True):
-        assert _advised(pinnable_host_block((32, HUGE_PAGE), torch.uint8, pin=False))
-    import os
+    assert _advised(pinnable_host_block((32, HUGE_PAGE), torch.uint8, pin=False, huge_pages=True))
 
-    assert os.environ["FERRY_HOST_HUGE_PAGES"] == "0"  # the A/B's context put it back
+
+@linux
+@pytest.mark.parametrize("allocate", [HostBanks.allocate, PackedHostBanks.allocate], ids=["plain", "packed"])
+def test_the_banks_huge_pages_argument_overrides_the_environment_and_leaves_it_alone(monkeypatch, allocate):
+    """The benches' A/B allocates banks advised and not by an argument: the worker's environment variable
+    stays what it was (a process-wide setting changed for one allocation would reach any other thread's)."""
+    offered = []
+    monkeypatch.setattr(host_banks, "advise_huge_pages", lambda block, smallest: offered.append(block) or 0)
+
+    def blocks(**kwargs) -> int:
+        before = len(offered)
+        allocate(1, 4, 512, 512, dtype=torch.bfloat16, pin=False, progress=False, **kwargs)
+        return len(offered) - before
+
+    monkeypatch.setenv("FERRY_HOST_HUGE_PAGES", "0")
+    environ = dict(os.environ)
+    assert blocks() == 0
+    assert blocks(huge_pages=True) > 0
+    assert dict(os.environ) == environ
+    monkeypatch.setenv("FERRY_HOST_HUGE_PAGES", "1")
+    environ = dict(os.environ)
+    assert blocks() > 0
+    assert blocks(huge_pages=False) == 0
+    assert dict(os.environ) == environ
 
 
 def format_banks(fmt: str, hidden: int, inter: int, experts: int, huge_pages: bool):
     """One MoE layer of `experts` host experts (bf16 or packed) with --load-format dummy's weights, its blocks
     advised onto transparent huge pages as the worker's are, or (False) left on small pages."""
-    from ferry.services.worker.offload.packed_banks import PackedHostBanks
-
-    with huge_pages_advice(huge_pages):
-        if fmt == "packed":
-            banks = PackedHostBanks.allocate(1, experts, hidden, inter, pin=False, progress=False)
-        else:
-            banks = HostBanks.allocate(1, experts, hidden, inter, torch.bfloat16, pin=False, progress=False)
+    if fmt == "packed":
+        banks = PackedHostBanks.allocate(1, experts, hidden, inter, pin=False, progress=False, huge_pages=huge_pages)
+    else:
+        banks = HostBanks.allocate(
+            1, experts, hidden, inter, torch.bfloat16, pin=False, progress=False, huge_pages=huge_pages
+        )
     banks.fill_dummy(seed=0, progress=False)
     banks.seal()
     return banks
@@ -104,7 +125,7 @@ def bank_blocks(banks) -> list:
 @linux
 @pytest.mark.parametrize("fmt", ["bf16", "packed"])
 def test_advised_banks_hold_and_compute_the_same_experts(fmt):
-    from ferry.services.worker.offload.host_experts import HostExperts
+    from ferry.services.worker.offload.host_compute.host_experts import HostExperts
 
     # 512 x 512, 4 experts: each bank's first block spans a huge page (w13 4 MiB, packed lo 3 MiB)
     plain, advised = (format_banks(fmt, 512, 512, 4, huge_pages=h) for h in (False, True))

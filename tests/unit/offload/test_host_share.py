@@ -4,7 +4,7 @@ interpreted_offload_store.py (check_host_share)."""
 
 from __future__ import annotations
 
-from ferry.services.worker.offload.host_share import HostCost
+from ferry.services.worker.offload.host_compute.prefill_share import HostCost
 
 
 def test_equal_costs_split_the_missed_experts_in_half():
@@ -81,7 +81,7 @@ def test_beyond_the_sizes_the_costs_were_measured_at_the_host_takes_nothing():
 
 
 def test_the_step_size_reaches_the_rule_through_split():
-    from ferry.services.worker.offload.host_share import HostShare
+    from ferry.services.worker.offload.host_compute.prefill_share import HostShare
 
     share = HostShare.__new__(HostShare)  # split reads only the cost
     share.cost = HostCost(1.0, 1.0, 0.0, 0.0, max_step_tokens=4)
@@ -95,7 +95,7 @@ def test_nothing_to_share_or_a_hand_off_dearer_than_the_saving_gives_the_host_no
 
 
 def test_split_gives_the_host_the_tail_of_the_layers_list():
-    from ferry.services.worker.offload.host_share import HostShare
+    from ferry.services.worker.offload.host_compute.prefill_share import HostShare
 
     share = HostShare.__new__(HostShare)  # split reads only the cost
     share.cost = HostCost(1.0, 1.0, 0.0, 0.0)
@@ -108,11 +108,11 @@ def test_calibration_runs_on_the_stores_own_paths():
     import torch
     from offload_tiny import slot_pool, tiny_spec
 
-    from ferry.services.worker.offload.device_store import DeviceDrivenExperts
-    from ferry.services.worker.offload.frequency_policy import LFUExpertPolicy
-    from ferry.services.worker.offload.host_banks import HostBanks
-    from ferry.services.worker.offload.host_experts import HostExperts
-    from ferry.services.worker.offload.host_share import calibrate
+    from ferry.services.worker.offload.host_compute.host_experts import HostExperts
+    from ferry.services.worker.offload.host_compute.prefill_share import calibrate
+    from ferry.services.worker.offload.host_memory.host_banks import HostBanks
+    from ferry.services.worker.offload.slot_cache.frequency_policy import LFUExpertPolicy
+    from ferry.services.worker.offload.stores.device_driven import DeviceDrivenExperts
 
     spec = tiny_spec(layers=2, experts=6, top_k=2, hidden=256, inter=128)
     banks = HostBanks.for_model(spec, "float32", progress=False)
@@ -129,7 +129,7 @@ def test_each_timed_call_of_the_calibration_reads_experts_no_earlier_call_read()
     """The calibration times host RAM, not what the call before left in the CPU's caches: while the model
     has enough experts, the probes of successive calls never repeat a (layer, expert); past that they wrap
     and stay in range."""
-    from ferry.services.worker.offload.host_share import probe
+    from ferry.services.worker.offload.host_compute.prefill_share import probe
 
     layers, experts, n = 48, 128, 8
     calls = layers * experts // n

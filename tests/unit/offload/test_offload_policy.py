@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ferry.services.worker.offload.policy import NO_SLOT, ExpertSlotPolicy, LRUExpertPolicy
+from ferry.services.worker.offload.slot_cache.policy import NO_SLOT, ExpertSlotPolicy, LRUExpertPolicy
 
 
 def is_resident(p: ExpertSlotPolicy, layer: int, expert: int) -> bool:

@@ -1,4 +1,4 @@
-"""Packed host banks (services/worker/offload/packed_banks.py) against the plain ones, on CPU: the same
+"""Packed host banks (services/worker/offload/host_memory/packed_banks.py) against the plain ones, on CPU: the same
 bits for dummy fills and loaded experts, copied into slots from a host list (reference) or a device
 list (the unpacking kernel, interpreted), a reload after sealing, the sizes the plan prices."""
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from ferry.plan import host_memory as H
-from ferry.services.worker.offload.host_banks import HostBanks, HostMemoryError
-from ferry.services.worker.offload.packed_banks import PackedHostBanks
+from ferry.services.worker.offload.host_memory.host_banks import HostBanks, HostMemoryError
+from ferry.services.worker.offload.host_memory.packed_banks import PackedHostBanks
 
 SHAPE = (2, 5, 32, 16, torch.bfloat16)  # layers, experts, hidden, intermediate
 
@@ -173,7 +173,7 @@ def test_escapes_beyond_the_plans_allowance_are_logged_and_checked_against_host_
 
 
 def test_a_dummy_layer_filled_in_parts_holds_the_whole_fills_bits(monkeypatch):
-    from ferry.services.worker.offload import host_banks
+    from ferry.services.worker.offload.host_memory import host_banks
 
     monkeypatch.setattr(host_banks, "DUMMY_CHUNK", 1000)  # parts that start and end inside chunks
     whole, parts = (host_banks.DummyPattern(torch.bfloat16, 5, 0.02, 0.002) for _ in range(2))
@@ -188,7 +188,7 @@ def test_a_dummy_layer_filled_in_parts_holds_the_whole_fills_bits(monkeypatch):
 
 
 def test_an_expert_whose_packing_would_outgrow_its_device_budget_is_packed_on_the_cpu(monkeypatch):
-    from ferry.services.worker.offload import packed_banks
+    from ferry.services.worker.offload.host_memory import packed_banks
 
     _, packed = _pair()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

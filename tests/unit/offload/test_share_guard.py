@@ -1,4 +1,4 @@
-"""Auto's guard over the host's decode share (services/worker/offload/share_guard.py): it keeps the share
+"""Auto's guard over the host's decode share (services/worker/offload/host_compute/share_guard.py): it keeps the share
 where the decode steps with it are shorter, turns it off where they are longer, climbs to the host price's
 scale whose steps are shortest, samples only back-to-back decode steps of one size, and explores again
 after holding a choice."""
@@ -9,7 +9,14 @@ import random
 
 import pytest
 
-from ferry.services.worker.offload.share_guard import BUCKETS, SCALES, SETTLE_STEPS, START, ShareGuard, bucket_of
+from ferry.services.worker.offload.host_compute.share_guard import (
+    BUCKETS,
+    SCALES,
+    SETTLE_STEPS,
+    START,
+    ShareGuard,
+    bucket_of,
+)
 
 
 def run(guard: ShareGuard, steps: int, on_s: float, off_s: float, tokens: int = 1, ahead: int = 2) -> list[bool]:

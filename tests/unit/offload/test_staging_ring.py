@@ -1,4 +1,4 @@
-"""The staging ring of a streamed prefill (services/worker/offload/staging_ring.py), on CPU: every
+"""The staging ring of a streamed prefill (services/worker/offload/host_memory/staging_ring.py), on CPU: every
 staged expert is copied into a free slot before its chunk is handed out, chunks come in layer
 order, a slot is reused only once its chunk was released, and a layer asked out of order is refused."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ferry.services.worker.offload.host_banks import HostBanks
-from ferry.services.worker.offload.staging_ring import StagingRing
+from ferry.services.worker.offload.host_memory.host_banks import HostBanks
+from ferry.services.worker.offload.host_memory.staging_ring import StagingRing
 
 
 def _banks(layers: int, experts: int):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ferry.services.worker.offload.policy import ExpertSlotPolicy
+from ferry.services.worker.offload.slot_cache.policy import ExpertSlotPolicy
 
 AGE_CLAMP = 2**32 - 1
 

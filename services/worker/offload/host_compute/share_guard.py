@@ -1,7 +1,7 @@
 """Auto's guard over the host's decode share: keep it only while the decode steps it is part of are shorter,
 and give it the size whose steps are shortest.
 
-The split (host_decode.py) prices a host expert by what the host nodes took computing it, but a node costs the step
+The split (decode_share.py) prices a host expert by what the host nodes took computing it, but a node costs the step
 more than its busy time: the hand-off, the callback thread's wake-up, the pool's barrier waiting for a descheduled
 vCPU, and the experts the host computes taking no slot (the hit rate falls). On a contended host, auto priced by the
 nodes alone decoded the 12-layer Qwen3-30B cut at 33.4 tok/s against 100.0 on the GPU alone, its price refined to
@@ -26,7 +26,7 @@ past the guard's medians), while a lone hiccup of the process, which has nothing
 
 The choice is held for `hold` steps, then explored again from step 1 (the held scale against off), because
 the host's contention comes and goes. Nothing here imports torch: the worker's store feeds it the steps
-(device_store.py), and the share applies its scale.
+(stores/device_driven.py), and the share applies its scale.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ The plan chooses the backend (plan/expert_backend.py, `--expert-backend auto|gpu
 booted offload store for it, after the banks are loaded:
 
 * `GpuBackend`: nothing to attach, every miss crosses PCIe and the GPU computes it (the store as built);
-* `HybridBackend`: the host's share of streamed prefills (host_share.py) and of decode layers (host_decode.py),
+* `HybridBackend`: the host's share of streamed prefills (prefill_share.py) and of decode layers (decode_share.py),
   split by costs measured here on this machine's paths, the prices refined in service;
 * `AutoBackend`: hybrid, the decode share kept only where the calibration says the host shortens a decode
   layer and then under the guard (share_guard.py), no prefill share (ExpertBackendPlan.prefill_share);
@@ -24,12 +24,12 @@ from ferry.kernels.expert_pair_gemv import PAIR_KERNEL_MAX_PAIRS
 from ferry.plan.expert_backend import ExpertBackendPlan, format_cpu_list
 from ferry.plan.model_config import ModelSpec
 from ferry.plan.planner import Plan
-from ferry.services.worker.offload.device_store import DeviceDrivenExperts
-from ferry.services.worker.offload.host_decode import HostDecodeShare, LinkTraffic, calibrate_handoff
-from ferry.services.worker.offload.host_experts import HostExperts
-from ferry.services.worker.offload.host_handoff import choose_handoff, resolve_handoff
-from ferry.services.worker.offload.host_share import HostCost, HostShare, calibrate
-from ferry.services.worker.offload.share_guard import ShareGuard
+from ferry.services.worker.offload.host_compute.decode_share import HostDecodeShare, LinkTraffic, calibrate_handoff
+from ferry.services.worker.offload.host_compute.host_experts import HostExperts
+from ferry.services.worker.offload.host_compute.host_handoff import choose_handoff, resolve_handoff
+from ferry.services.worker.offload.host_compute.prefill_share import HostCost, HostShare, calibrate
+from ferry.services.worker.offload.host_compute.share_guard import ShareGuard
+from ferry.services.worker.offload.stores.device_driven import DeviceDrivenExperts
 from ferry.shared.errors import ConfigError
 
 log = structlog.get_logger("worker")  # the boot's logger: these lines are part of the worker's boot log
@@ -128,7 +128,7 @@ class HybridBackend(ExpertBackend):
             share.on_refined = store.host_share.follow_host_price
 
     def attach_decode(self, store, spec: ModelSpec, experts: HostExperts, cost: HostCost, device: torch.device) -> None:
-        """The host's share of decode layers' misses (offload/host_decode.py): a host node in the decode
+        """The host's share of decode layers' misses (offload/host_compute/decode_share.py): a host node in the decode
         graph, so only the C kernel (no Python, no GIL where it runs); its hand-off measured here."""
         if experts.c_kernel is None:
             log.info(
@@ -153,7 +153,9 @@ class HybridBackend(ExpertBackend):
         node_idle_s = calibrate_handoff(share, store.cache)
         overhead = node_s = calibrate_handoff(share, store.cache, traffic=traffic) if traffic else node_idle_s
         poll_s = poll_idle_s = None
-        if wanted != "node":  # the polled hand-off (offload/host_handoff.py), kept where asked or where it is faster
+        if (
+            wanted != "node"
+        ):  # the polled hand-off (offload/host_compute/host_handoff.py), kept where asked or where it is faster
             try:
                 share.use_poll()
                 poll_idle_s = calibrate_handoff(share, store.cache)

@@ -16,7 +16,7 @@ host synchronisation (the host waits only for the routing it needs, once per lay
   more split them into `pipeline_chunks` chunks.
 
 Overlapping the *next* layer's copies with this layer's compute needs the next layer's routing
-before it exists, i.e. prediction: the device-driven store's next-layer prefetch (device_store.py,
+before it exists, i.e. prediction: the device-driven store's next-layer prefetch (device_driven.py,
 docs/ARCHITECTURE.md §3).
 Each (token, k) pair is computed in exactly one group into a float32 row buffer that is summed
 over k at the end, so the result is bit for bit what an all-resident store computes.
@@ -41,9 +41,9 @@ from ferry.kernels.aligned_blocks import block_m_for
 from ferry.kernels.expert_pair_gemv import expert_pair_rows_triton, use_pair_kernel
 from ferry.kernels.expert_rows_sum import ExpertRows, finish_rows, new_rows
 from ferry.kernels.grouped_expert_gemm import grouped_expert_rows, grouped_expert_rows_triton
-from ferry.services.worker.offload.host_banks import HostBanks
-from ferry.services.worker.offload.policy import NO_SLOT, ExpertSlotPolicy
-from ferry.services.worker.offload.stats import ExpertCacheStats
+from ferry.services.worker.offload.host_memory.host_banks import HostBanks
+from ferry.services.worker.offload.slot_cache.policy import NO_SLOT, ExpertSlotPolicy
+from ferry.services.worker.offload.slot_cache.stats import ExpertCacheStats
 from ferry.services.worker.pools import ExpertSlotPool
 
 DEFAULT_PIPELINE_CHUNKS = 4
@@ -55,7 +55,7 @@ DEFAULT_HOST_ALIGN_MAX_PAIRS = 4096
 
 
 class OffloadedExperts:
-    """An `ExpertStore` (services/worker/experts.py) over `slots.num_slots` device slots."""
+    """An `ExpertStore` (services/worker/offload/stores/expert_store.py) over `slots.num_slots` device slots."""
 
     def __init__(
         self,

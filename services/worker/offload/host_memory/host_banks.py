@@ -32,7 +32,7 @@ from ferry.plan.host_memory import HOST_RESERVE_BYTES, MEMINFO, mem_available_by
 from ferry.plan.model_config import ModelSpec
 from ferry.services.worker.expert_formats import expert_format_for
 from ferry.services.worker.expert_formats.bf16 import Bf16Experts
-from ferry.services.worker.offload.host_pages import HUGE_PAGE, advise_huge_pages, huge_pages_wanted
+from ferry.services.worker.offload.host_memory.huge_pages import HUGE_PAGE, advise_huge_pages, huge_pages_wanted
 from ferry.services.worker.pools import TORCH_DTYPES
 from ferry.shared.errors import FerryError
 from ferry.shared.units import format_bytes
@@ -61,12 +61,15 @@ def check_host_memory(needed: int, what: str, meminfo: Path = MEMINFO, reserve: 
     )
 
 
-def pinnable_host_block(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """An uninitialised host block, advised onto huge pages when it spans one (host_pages.py); with `pin`,
-    page-locked in place and mapped for the GPU (marked `_ferry_host_registered`: unregister_host_blocks
-    unlocks it before it is freed)."""
+def pinnable_host_block(
+    shape: tuple[int, ...], dtype: torch.dtype, pin: bool, huge_pages: bool | None = None
+) -> torch.Tensor:
+    """An uninitialised host block, advised onto huge pages when it spans one (huge_pages.py; `huge_pages`
+    None: as FERRY_HOST_HUGE_PAGES says); with `pin`, page-locked in place and mapped for the GPU (marked
+    `_ferry_host_registered`: unregister_host_blocks unlocks it before it is freed)."""
     block = torch.empty(shape, dtype=dtype)
-    if huge_pages_wanted() and sys.platform.startswith("linux"):
+    advise = huge_pages_wanted() if huge_pages is None else huge_pages
+    if advise and sys.platform.startswith("linux"):
         with contextlib.suppress(OSError):  # no THP here: the block stays on small pages, as it would be
             advise_huge_pages(block, smallest=HUGE_PAGE)
     if not pin:
@@ -132,9 +135,11 @@ class HostBanks:
         progress: bool = True,
         meminfo: Path = MEMINFO,
         fmt=None,
+        huge_pages: bool | None = None,
     ) -> "HostBanks":
         """Uninitialised banks of rows in `fmt` (default: `dtype`'s plain rows); `pin=None` pins
-        exactly when CUDA is available."""
+        exactly when CUDA is available; `huge_pages` advises the blocks onto huge pages or not (None: as
+        FERRY_HOST_HUGE_PAGES says, huge_pages.py)."""
         pin = torch.cuda.is_available() if pin is None else pin
         fmt = fmt if fmt is not None else Bf16Experts(hidden_size, intermediate_size, dtype)
         (shape13, dtype13), (shape2, dtype2) = fmt.row_shapes()
@@ -152,8 +157,8 @@ class HostBanks:
             unit="layer",
             disable=not progress,
         ):
-            w13.append(pinnable_host_block((num_experts, *shape13), dtype13, pin))
-            w2.append(pinnable_host_block((num_experts, *shape2), dtype2, pin))
+            w13.append(pinnable_host_block((num_experts, *shape13), dtype13, pin, huge_pages))
+            w2.append(pinnable_host_block((num_experts, *shape2), dtype2, pin, huge_pages))
         return cls(w13, w2, fmt)
 
     @classmethod

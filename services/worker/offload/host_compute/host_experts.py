@@ -46,8 +46,8 @@ import structlog
 import torch
 import torch.nn.functional as F
 
-from ferry.services.worker.offload.host_expert_kernel import HostKernel, KernelUnavailable, check_call
-from ferry.services.worker.offload.host_expert_weights import DECODE_CHUNK, expert_reader
+from ferry.services.worker.offload.host_compute.host_expert_kernel import HostKernel, KernelUnavailable, check_call
+from ferry.services.worker.offload.host_compute.host_expert_weights import DECODE_CHUNK, expert_reader
 
 log = structlog.get_logger("worker.offload")
 KERNELS = ("auto", "c", "torch")

@@ -1,4 +1,4 @@
-"""How a decode layer's share reaches the host (host_decode.py): a host node, or a polled word.
+"""How a decode layer's share reaches the host (decode_share.py): a host node, or a polled word.
 
 `node`: a CUDA graph host node (cuLaunchHostFunc) runs the C function ferry_host_node on the
 CUDA driver's callback thread. Each layer pays the driver's round trip: the GPU signals the driver, its

@@ -2,9 +2,9 @@
 
 Models call `store.forward(moe_layer, x, topk_ids, topk_weights)` and never see slots. A store
 maps (moe_layer, expert) to a slot of the planner-sized `ExpertSlotPool` and runs the grouped
-expert GEMM by slot. Two stores implement it: `offload/resident.py:ResidentExperts` for a plan
-that gives every expert a slot, and `offload/expert_cache.py:OffloadedExperts` for fewer slots than experts
-(misses copied from host banks). Boot picks one (`offload/build.py`).
+expert GEMM by slot. Two stores implement it: `offload/stores/resident.py:ResidentExperts` for a plan
+that gives every expert a slot, and `offload/stores/offloaded.py:OffloadedExperts` for fewer slots than experts
+(misses copied from host banks). Boot picks one (`offload/stores/build.py`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from ferry.kernels.expert_rows_sum import ExpertRows
 
 # A prefill chunk of at least LEND_QUERY_TOKENS new tokens whose request reaches LEND_CONTEXT_TOKENS keys
-# lends its ring cache slots (offload/device_store.py, `_slots_to_lend`): its full-attention layers then
+# lends its ring cache slots (offload/stores/device_driven.py, `_slots_to_lend`): its full-attention layers then
 # compute for longer than their experts take to cross (an 8,192-token chunk at 32k keys: ~15 ms a layer
 # against ~19 ms of one layer's streamed experts, growing with the context), so without room ahead
 # the copy stream would wait through every such layer.
@@ -74,7 +74,7 @@ class ExpertStore(Protocol):
         """The executor's step is over (its results are on the host): close the step's statistics.
         `synced`: everything queued before has completed (no need to wait for `stats_to_host`);
         `decode_tokens`: the step's tokens if every row decoded one, else None (auto's guard over the
-        host's decode share times such steps: offload/share_guard.py)."""
+        host's decode share times such steps: offload/host_compute/share_guard.py)."""
 
     def report(self) -> dict:
         """Cumulative statistics (hits, misses, hit_rate, bytes_copied, copy_time_s,

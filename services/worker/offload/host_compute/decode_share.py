@@ -1,10 +1,10 @@
 """The host's share of a decode layer's misses: the host computes some, the link carries the rest.
 
-On the graph-safe decode path (device_store.py) a layer's missed experts cross PCIe one after another while the GPU
-waits; at one stream the link is full (the 12-layer cut ran at 0.9 of its bound). The host can compute a missed
-expert where it lies, from the same banks, about as fast as the link moves one (148 µs for a packed Qwen3-30B expert
-on a server host against 129 µs over PCIe), so splitting each layer's misses between the two roughly halves the
-layer's wait.
+On the graph-safe decode path (stores/device_driven.py) a layer's missed experts cross PCIe one after another while
+the GPU waits; at one stream the link is full (the 12-layer cut ran at 0.9 of its bound). The host can compute a
+missed expert where it lies, from the same banks, about as fast as the link moves one (148 µs for a packed Qwen3-30B
+expert on a server host against 129 µs over PCIe), so splitting each layer's misses between the two roughly halves
+the layer's wait.
 
 Per layer, inside the step's CUDA graph (no host round trip; the split is decided on the device):
 
@@ -51,9 +51,9 @@ import torch
 
 from ferry.kernels.expert_host_handoff import hand_to_host
 from ferry.kernels.host_share_rows import fold_host_sum, stage_for_host
-from ferry.services.worker.offload.host_expert_kernel import ERRORS, HostKernel, Job
-from ferry.services.worker.offload.host_handoff import Poller
-from ferry.services.worker.offload.share_guard import ShareGuard
+from ferry.services.worker.offload.host_compute.host_expert_kernel import ERRORS, HostKernel, Job
+from ferry.services.worker.offload.host_compute.host_handoff import Poller
+from ferry.services.worker.offload.host_compute.share_guard import ShareGuard
 
 log = structlog.get_logger("worker.offload")
 

@@ -7,7 +7,7 @@ k) pairs routed to its experts and the ranks sum their partial outputs (one all-
 a few KB a token a layer, what crosses NVLink between two GPUs). No hidden state is sent to an owner, since
 every rank already has it.
 
-`ExpertParallelExperts` is an ExpertStore (services/worker/experts.py) over a local store of the owned
+`ExpertParallelExperts` is an ExpertStore (expert_store.py) over a local store of the owned
 experts, local id e // world. The owned pairs are gathered into rows of one pair each (top_k 1 for the
 local store: a token's owned pairs vary in number), computed and weighted by the local store as it
 computes any pair (each comes back in the activation dtype), added into their tokens' rows in float32,

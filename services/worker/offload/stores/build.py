@@ -21,13 +21,13 @@ from ferry.kernels.dispatch import use_triton
 from ferry.plan.model_config import ModelSpec
 from ferry.plan.planner import Plan
 from ferry.services.worker.flags import DEFAULT_EXPERT_POLICY, EXPERT_POLICIES
-from ferry.services.worker.offload.device_store import DeviceDrivenExperts
-from ferry.services.worker.offload.expert_cache import OffloadedExperts
-from ferry.services.worker.offload.frequency_policy import LFUExpertPolicy
-from ferry.services.worker.offload.host_banks import HostBanks
-from ferry.services.worker.offload.packed_banks import PackedHostBanks
-from ferry.services.worker.offload.policy import ExpertSlotPolicy, LRUExpertPolicy
-from ferry.services.worker.offload.resident import ResidentExperts
+from ferry.services.worker.offload.host_memory.host_banks import HostBanks
+from ferry.services.worker.offload.host_memory.packed_banks import PackedHostBanks
+from ferry.services.worker.offload.slot_cache.frequency_policy import LFUExpertPolicy
+from ferry.services.worker.offload.slot_cache.policy import ExpertSlotPolicy, LRUExpertPolicy
+from ferry.services.worker.offload.stores.device_driven import DeviceDrivenExperts
+from ferry.services.worker.offload.stores.offloaded import OffloadedExperts
+from ferry.services.worker.offload.stores.resident import ResidentExperts
 from ferry.services.worker.pools import ExpertSlotPool
 from ferry.shared.errors import ConfigError
 

@@ -29,12 +29,12 @@ from ferry.kernels.expert_pair_gemv import expert_pair_rows_triton, use_pair_ker
 from ferry.kernels.expert_rows_sum import ExpertRows, finish_rows
 from ferry.kernels.grouped_expert_gemm import grouped_expert_forward
 from ferry.kernels.router_topk import mark_routed
-from ferry.services.worker.offload.stats import ExpertCacheStats
+from ferry.services.worker.offload.slot_cache.stats import ExpertCacheStats
 from ferry.services.worker.pools import ExpertSlotPool
 
 
 class ResidentExperts:
-    """An `ExpertStore` (services/worker/experts.py) holding every expert."""
+    """An `ExpertStore` (services/worker/offload/stores/expert_store.py) holding every expert."""
 
     policy_name = "all-resident"
 

@@ -10,7 +10,7 @@ is computed there, and its slot goes to the next staged expert. A prefill copies
 experts it lacks, and the cache keeps what the decode uses.
 
 A prefill with a long context may lend the ring the cache's last slots for its step (`begin`'s
-`lent`: the store evicted them first, device_store.py says when and how many): more bays, so the
+`lent`: the store evicted them first, stores/device_driven.py says when and how many): more bays, so the
 copies run ahead through a full-attention layer, whose compute over a long context takes longer
 than its experts' copies, instead of waiting at R experts ahead. After the step those slots are
 the cache's again, free, and decode fills them first.
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 # The ring's copies run beside the step's compute on a stream of their own at the highest priority
-# (device_store.py), so the block scheduler places them as compute blocks retire instead of after
+# (stores/device_driven.py), so the block scheduler places them as compute blocks retire instead of after
 # a whole attention kernel. For packed banks a copy is the unpacking kernel, on the GPU's own
 # cores: 32 programs, which measured 49.8 GB/s against 64's 50.1 (kernels/expert_pack.py), leave
 # the compute the other SMs.

@@ -1,7 +1,7 @@
 """Which expert lives in which GPU slot: pure replacement policies over S slots shared by all MoE layers.
 
 No torch and no device here, only bookkeeping, so every path is tested on CPU (docs/ARCHITECTURE.md §3). The
-mechanism (`expert_cache.py`) asks `lookup(layer, experts)` for the unique experts a layer's
+mechanism (`stores/offloaded.py`) asks `lookup(layer, experts)` for the unique experts a layer's
 tokens were routed to, and gets back the slot of each and the misses it must copy before
 computing. Experts requested by the current lookup are protected: a miss of the layer never
 evicts another expert that the same layer is about to use, so one layer's routed experts all

@@ -34,7 +34,7 @@ from ferry.plan import host_memory as H
 from ferry.plan.host_memory import MEMINFO
 from ferry.plan.model_config import ModelSpec
 from ferry.services.worker.expert_formats.expert_shapes import check_expert_shapes
-from ferry.services.worker.offload.host_banks import (
+from ferry.services.worker.offload.host_memory.host_banks import (
     DUMMY_DOWN_STD,
     DUMMY_STD,
     DummyPattern,
@@ -64,6 +64,7 @@ class PackedHostBanks:
         pin: bool,
         progress: bool = True,
         meminfo: Path = MEMINFO,
+        huge_pages: bool | None = None,
     ):
         self.num_layers, self.num_experts = num_layers, num_experts
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
@@ -78,9 +79,9 @@ class PackedHostBanks:
             unit="layer",
             disable=not progress,
         ):
-            self.lo.append(pinnable_host_block((num_experts, v), torch.uint8, pin))
-            self.hi.append(pinnable_host_block((num_experts, v // 2), torch.uint8, pin))
-            self.base.append(pinnable_host_block((num_experts, 2), torch.int32, pin))
+            self.lo.append(pinnable_host_block((num_experts, v), torch.uint8, pin, huge_pages))
+            self.hi.append(pinnable_host_block((num_experts, v // 2), torch.uint8, pin, huge_pages))
+            self.base.append(pinnable_host_block((num_experts, 2), torch.int32, pin, huge_pages))
         # escapes: per layer and expert (positions int32, bits int16) while loading; laid out by seal()
         empty = (torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.int16))
         self._escapes = [[empty] * num_experts for _ in range(num_layers)]
@@ -104,8 +105,10 @@ class PackedHostBanks:
         pin: bool | None = None,
         progress: bool = True,
         meminfo: Path = MEMINFO,
+        huge_pages: bool | None = None,
     ) -> "PackedHostBanks":
-        """Uninitialised banks (with room for escapes checked); `pin=None` pins exactly when CUDA is available."""
+        """Uninitialised banks (with room for escapes checked); `pin=None` pins exactly when CUDA is available;
+        `huge_pages` advises the planes onto huge pages or not (None: as FERRY_HOST_HUGE_PAGES says)."""
         if dtype != torch.bfloat16:
             raise ValueError(f"packed expert banks hold bf16 experts, not {dtype}")
         pin = torch.cuda.is_available() if pin is None else pin
@@ -116,7 +119,7 @@ class PackedHostBanks:
             f"({format_bytes(needed // max(1, num_layers * num_experts))} each)",
             meminfo,
         )
-        return cls(num_layers, num_experts, hidden_size, intermediate_size, pin, progress, meminfo)
+        return cls(num_layers, num_experts, hidden_size, intermediate_size, pin, progress, meminfo, huge_pages)
 
     @classmethod
     def for_model(cls, spec: ModelSpec, dtype: str, **kwargs) -> "PackedHostBanks":

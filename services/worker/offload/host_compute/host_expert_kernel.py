@@ -22,7 +22,7 @@ FERRY_HOST_POOL_SPIN_US=N (default 50) is how long the pool's idle workers spin 
 
 The pool's threads run on `cpus` in order (plan/expert_backend.chosen_host_cpus): the first is the caller's,
 taken only by a thread that runs nothing but the pool's calls (a decode graph's host nodes on the CUDA
-driver's thread, or the polling thread: host_decode.py), the rest the started workers'."""
+driver's thread, or the polling thread: decode_share.py), the rest the started workers'."""
 
 from __future__ import annotations
 
@@ -123,9 +123,9 @@ SIGNATURES = {
         [ctypes.POINTER(Family), ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p],
         ctypes.c_int,
     ),
-    "ferry_host_node": ([ctypes.c_void_p], None),  # host_node.h: a decode layer's host share (host_decode.py)
+    "ferry_host_node": ([ctypes.c_void_p], None),  # host_node.h: a decode layer's host share (decode_share.py)
     "ferry_host_node_hist_bounds": ([ctypes.POINTER(ctypes.c_int64)], None),
-    # host_poller.h: the same share handed over by polling (host_decode.py, FERRY_HOST_HANDOFF)
+    # host_poller.h: the same share handed over by polling (decode_share.py, FERRY_HOST_HANDOFF)
     "ferry_poller_create": ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64], ctypes.c_void_p),
     "ferry_poller_destroy": ([ctypes.c_void_p], None),
     "ferry_poller_rounds": ([ctypes.c_void_p], ctypes.c_int64),

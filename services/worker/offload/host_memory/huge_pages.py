@@ -10,12 +10,12 @@ copies read the same pages and lose nothing (fewer IOMMU entries if any).
 
 Where the mode is `always` the advice changes nothing; where it is `never`, or the kernel has no THP,
 madvise fails and the banks stay on small pages (the boot log's `expert_host_banks` says how many bytes
-huge pages back). FERRY_HOST_HUGE_PAGES=0 turns the advice off.
+huge pages back). FERRY_HOST_HUGE_PAGES=0 turns the advice off; the banks' `allocate(huge_pages=...)` overrides
+it for one allocation (the benches' A/B), without touching the environment.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import os
@@ -33,20 +33,6 @@ THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 def huge_pages_wanted() -> bool:
     """Whether bank blocks are advised onto huge pages (FERRY_HOST_HUGE_PAGES, default on)."""
     return os.environ.get(HUGE_PAGES_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
-
-
-@contextlib.contextmanager
-def huge_pages_advice(on: bool):
-    """Blocks allocated inside advised (on) or not, whatever FERRY_HOST_HUGE_PAGES says: the benches' A/B."""
-    before = os.environ.get(HUGE_PAGES_ENV)
-    os.environ[HUGE_PAGES_ENV] = "1" if on else "0"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(HUGE_PAGES_ENV, None)
-        else:
-            os.environ[HUGE_PAGES_ENV] = before
 
 
 def thp_mode(path: Path = THP_ENABLED) -> str | None:

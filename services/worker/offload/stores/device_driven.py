@@ -17,7 +17,7 @@ step can be replayed as a CUDA graph:
   missing ones get slots (never one layer L uses) and start crossing on the copy stream, behind
   layer L's own misses, while layer L computes. What the prediction missed is fetched by
   layer L+1's own lookup. `prefetch=False` turns it off. With the host's share of decode layers
-  (host_decode.py) the prefetch leaves the host's part of the predicted experts off the link: they
+  (host_compute/decode_share.py) the prefetch leaves the host's part of the predicted experts off the link: they
   reach layer L+1 as misses, and its hand-off, counting the prefetched ones as the link's load,
   gives them to the host.
 
@@ -57,11 +57,11 @@ from ferry.kernels.expert_rows_sum import ExpertRows, finish_rows, new_rows, row
 from ferry.kernels.grouped_expert_gemm import grouped_expert_rows_triton
 from ferry.kernels.router_topk import router_topk
 from ferry.plan.costs import ROWS_FLOAT32_MAX_TOKENS
-from ferry.services.worker.offload.device_cache import CacheCall, DeviceExpertCache
-from ferry.services.worker.offload.expert_cache import DEFAULT_PIPELINE_CHUNKS, OffloadedExperts, _split
-from ferry.services.worker.offload.host_decode import HostDecodeShare
-from ferry.services.worker.offload.host_share import HostShare
-from ferry.services.worker.offload.staging_ring import StagingRing
+from ferry.services.worker.offload.host_compute.decode_share import HostDecodeShare
+from ferry.services.worker.offload.host_compute.prefill_share import HostShare
+from ferry.services.worker.offload.host_memory.staging_ring import StagingRing
+from ferry.services.worker.offload.slot_cache.device_cache import CacheCall, DeviceExpertCache
+from ferry.services.worker.offload.stores.offloaded import DEFAULT_PIPELINE_CHUNKS, OffloadedExperts, _split
 
 log = structlog.get_logger("worker.offload")
 
@@ -90,7 +90,7 @@ class DeviceDrivenExperts(OffloadedExperts):
     ):
         """`copy_engine_tokens`: steps of at least this many tokens take the copy-engine path even
         when the graph-safe one could serve them (None: only steps too large for the pair kernel).
-        `host_share`: the host computes part of a streamed step's missed experts (host_share.py).
+        `host_share`: the host computes part of a streamed step's missed experts (host_compute/prefill_share.py).
         `ring_chunks`: experts a ring chunk holds in a streamed step, and in a long-context prefill step,
         which lends the ring cache slots (--prefill-ring-chunk, --long-prefill-ring-chunk; None: the
         ring's own defaults, staging_ring.py)."""
@@ -222,7 +222,7 @@ class DeviceDrivenExperts(OffloadedExperts):
         """Graph-safe: no host synchronisation, fixed addresses, fixed launch shapes."""
         t, k = ids.shape
         call = self.cache.lookup(layer, ids, n_rows)
-        # the host's share of the misses (host_decode.py): decided before the copy kernel reads the count,
+        # the host's share of the misses (host_compute/decode_share.py): decided before the copy kernel reads the count,
         # knowing what this layer's prefetch has put on the link already
         handed = None
         if self.host_decode is not None:
@@ -363,7 +363,7 @@ class DeviceDrivenExperts(OffloadedExperts):
 
     def _begin_stream(self, real: int, top_k: int, lend: int = 0) -> None:
         """Stage every non-resident expert of every layer (none for a step of `real` 0 rows: padding
-        only, boot's warm-up) but the host's share of them (host_share.py), and put each one's position
+        only, boot's warm-up) but the host's share of them (host_compute/prefill_share.py), and put each one's position
         in its layer's list on the device (-1: not staged). Called by `begin_step`, or at layer 0 when
         the step did not begin through it. `lend`: the cache's last slots the ring may use this step,
         evicted first (their experts are then staged like any other missing one)."""

@@ -40,7 +40,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from ferry.services.worker.offload.host_experts import HostExperts
+from ferry.services.worker.offload.host_compute.host_experts import HostExperts
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ class HostShare:
         self.layers = 0  # layers that took a host share since boot
 
     def follow_host_price(self, host_s_at_1: float) -> None:
-        """The one-token price of a host expert as the decode share refined it in service (host_decode.py:
+        """The one-token price of a host expert as the decode share refined it in service (decode_share.py:
         the same kernel over the same banks, timed by its host nodes), in place of boot's calibration;
         the price of more tokens an expert stays the calibrated one."""
         self.cost = replace(self.cost, host_s_at_1=host_s_at_1)

@@ -36,8 +36,8 @@ from ferry.kernels.expert_cache_lookup import (
     STREAM,
     launch,
 )
-from ferry.services.worker.offload.frequency_policy import LFUExpertPolicy
-from ferry.services.worker.offload.policy import ExpertSlotPolicy, LRUExpertPolicy
+from ferry.services.worker.offload.slot_cache.frequency_policy import LFUExpertPolicy
+from ferry.services.worker.offload.slot_cache.policy import ExpertSlotPolicy, LRUExpertPolicy
 from ferry.services.worker.pools import ExpertSlotPool
 
 
@@ -146,7 +146,7 @@ class DeviceExpertCache:
     ) -> CacheCall:
         """Slots for the predicted experts of `layer` (its list and count in the result), evicting
         none of the slots in `guard` (the lookup of the layer computing meanwhile); with `host_costs`
-        (the host's share of decode layers, host_decode.py) none for the host's share of them."""
+        (the host's share of decode layers, host_compute/decode_share.py) none for the host's share of them."""
         call = self._call(layer, predicted_ids, PREFETCH)
         launch(
             PREFETCH,
