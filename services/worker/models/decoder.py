@@ -4,6 +4,7 @@ norms, its MLPs, its rotary embedding and its checkpoint's names), built from se
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterable
 
 import torch
@@ -55,7 +56,7 @@ class DecoderLayer(nn.Module):
         return (self.mlp(h, ctx, summed=False) if self._moe else self.mlp(h, ctx)), residual
 
 
-class DecoderFamily:
+class DecoderFamily(ABC):
     """The torch half of a model family (services/worker/models/registry.py says how one registers).
 
     A family overrides `mixer` (which token mixer layer i uses, under which checkpoint name) and what else
@@ -82,11 +83,11 @@ class DecoderFamily:
     def norm(self, spec: ModelSpec, dim: int, dtype: torch.dtype, device) -> nn.Module:
         return make_norm(spec.zero_centered_norms, dim, spec.rms_norm_eps, dtype, device)
 
+    @abstractmethod
     def mixer(
         self, spec: ModelSpec, layer: int, rotary: RotaryEmbedding, dtype: torch.dtype, device
     ) -> tuple[str, nn.Module]:
         """(checkpoint name, module) of layer `layer`'s token mixer."""
-        raise NotImplementedError(f"model family {self.name!r} gives no token mixer")
 
     def mlp(self, spec: ModelSpec, layer: int, experts: ExpertStore, dtype: torch.dtype, device) -> nn.Module:
         if spec.moe_layers[layer]:
