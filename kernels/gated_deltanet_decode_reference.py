@@ -1,5 +1,5 @@
 """Twin of kernels/gated_deltanet_decode.py: a Gated DeltaNet decode step between in_proj and
-out_proj as the model composes it in torch (services/worker/models/gated_deltanet.py, the path
+out_proj as the model composes it in torch (services/worker/layers/gated_deltanet.py, the path
 CPU and prefill steps take): causal_conv1d_decode, beta = sigmoid(b) and
 g = -exp(A_log) * softplus(a + dt_bias), the float32 recurrent rule request by request from its
 slot, and the gated RMSNorm's twin (rms_norm_reference.py: GatedRMSNorm's CPU path). Same arguments

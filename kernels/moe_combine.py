@@ -2,7 +2,7 @@
 gate/up GEMV, and the combine of the MoE block's two halves.
 
 Twins: `silu_mul_reference` and `moe_combine_reference` below, the torch sequences the CPU path
-runs (services/worker/models/mlp.py); plain torch launches two kernels for the first (silu, mul)
+runs (services/worker/layers/mlp.py); plain torch launches two kernels for the first (silu, mul)
 and three for the second (sigmoid is the router kernel's now; mul, add).
 
 * `silu_mul(gate_up)`: gate_up [T, 2I] is the output of one GEMV over the stacked [gate; up]

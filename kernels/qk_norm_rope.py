@@ -1,7 +1,7 @@
 """Attention's per-token prologue in one Triton launch: q/k RMSNorm per head, rotary embedding on
 the first rotary_dim channels, and the new K/V written into their KV-pool rows.
 
-Twin: the torch path of services/worker/models/attention.py (norms.py, rotary.py, and
+Twin: the torch path of services/worker/layers/attention.py (norms.py, rotary.py, and
 kernels/paged_attention_reference.write_kv), which is also the CPU path. In torch this is ~16
 kernels per layer (two norms, neg/cat/mul/mul/add/cat per rotary application, two index_copy_);
 at decode each moves a few KiB, so the launches are the cost.

@@ -1,6 +1,6 @@
 """RMSNorm in one Triton launch, optionally fused with the residual add before it.
 
-Twin: kernels/rms_norm_reference.py (the CPU path of services/worker/models/norms.py). In plain torch
+Twin: kernels/rms_norm_reference.py (the CPU path of services/worker/layers/norms.py). In plain torch
 one RMSNorm is ~8 kernels (upcast, square, mean, add eps, rsqrt, scale, downcast, weight), and a
 decode step runs four per layer (input, post-attention, per-head q and k) plus the residual adds:
 at one token those launches, not the bytes, are the step's cost. Here one program normalises one

@@ -1,5 +1,5 @@
 """Reference twin of kernels/rms_norm.py: the three RMSNorm variants of the Qwen3 MoE family in plain
-torch, the CPU path of the norm modules (services/worker/models/norms.py) and of the Gated DeltaNet decode
+torch, the CPU path of the norm modules (services/worker/layers/norms.py) and of the Gated DeltaNet decode
 twin (gated_deltanet_decode_reference.py).
 
 Where the weight sits and in which dtype it is applied both matter for parity in bf16: plain (qwen3_moe)

@@ -1,6 +1,6 @@
 """A step's rotary tables in one Triton launch: cos and sin of position x frequency, [T, rotary_dim] each.
 
-Twin: `RotaryEmbedding.cos_sin`'s torch sequence (services/worker/models/rotary.py), the CPU path.
+Twin: `RotaryEmbedding.cos_sin`'s torch sequence (services/worker/layers/rotary.py), the CPU path.
 In torch it is six launches at the start of every step (the positions to float32, the product, cos,
 its cast, sin, its cast), ~8 µs of a one-token decode step plus the gaps between them,
 for a few hundred bytes. Here one program computes one token's row: the angle in float32 as torch

@@ -11,6 +11,7 @@ import struct
 from pathlib import Path
 
 from ferry.plan.model_config import DTYPE_BYTES, ModelSpec
+from ferry.plan.model_families import family_of
 from ferry.plan.quantization import DROPPED_SUFFIXES, SCALE_SUFFIXES, WEIGHT_SUFFIXES
 from ferry.shared.errors import ModelLoadError
 from ferry.shared.units import ceil_div, round_up
@@ -61,60 +62,9 @@ def is_served(name: str) -> bool:
 
 
 def resident_weight_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    """Every GPU-resident parameter of the text model (routed experts excluded), by checkpoint name."""
-    h = spec.hidden_size
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (spec.vocab_size, h), "model.norm.weight": (h,)}
-    if not spec.tie_word_embeddings:
-        shapes["lm_head.weight"] = (spec.vocab_size, h)
-    nh, kvh, hd = spec.num_attention_heads, spec.num_kv_heads, spec.head_dim
-    for i, kind in enumerate(spec.layer_types):
-        p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "post_attention_layernorm.weight"] = (h,)
-        if kind == "full_attention":
-            a = p + "self_attn."
-            shapes[a + "q_proj.weight"] = (nh * hd * (2 if spec.attn_output_gate else 1), h)
-            shapes[a + "k_proj.weight"] = (kvh * hd, h)
-            shapes[a + "v_proj.weight"] = (kvh * hd, h)
-            shapes[a + "o_proj.weight"] = (h, nh * hd)
-            shapes[a + "q_norm.weight"] = (hd,)
-            shapes[a + "k_norm.weight"] = (hd,)
-            if spec.attention_bias:
-                shapes[a + "q_proj.bias"] = (shapes[a + "q_proj.weight"][0],)
-                shapes[a + "k_proj.bias"] = (kvh * hd,)
-                shapes[a + "v_proj.bias"] = (kvh * hd,)
-                shapes[a + "o_proj.bias"] = (h,)
-        else:
-            a = p + "linear_attn."
-            nv, kd, vd = spec.linear_num_value_heads, spec.linear_key_dim, spec.linear_value_dim
-            if spec.arch == "qwen3_next":
-                shapes[a + "in_proj_qkvz.weight"] = (2 * kd + 2 * vd, h)
-                shapes[a + "in_proj_ba.weight"] = (2 * nv, h)
-            else:
-                shapes[a + "in_proj_qkv.weight"] = (spec.linear_conv_dim, h)
-                shapes[a + "in_proj_z.weight"] = (vd, h)
-                shapes[a + "in_proj_b.weight"] = (nv, h)
-                shapes[a + "in_proj_a.weight"] = (nv, h)
-            shapes[a + "conv1d.weight"] = (spec.linear_conv_dim, 1, spec.linear_conv_kernel_dim)
-            shapes[a + "dt_bias"] = (nv,)
-            shapes[a + "A_log"] = (nv,)
-            shapes[a + "norm.weight"] = (spec.linear_value_head_dim,)
-            shapes[a + "out_proj.weight"] = (h, vd)
-        m = p + "mlp."
-        if spec.moe_layers[i]:
-            shapes[m + "gate.weight"] = (spec.num_experts, h)
-            if spec.shared_expert_intermediate_size:
-                si = spec.shared_expert_intermediate_size
-                shapes[m + "shared_expert.gate_proj.weight"] = (si, h)
-                shapes[m + "shared_expert.up_proj.weight"] = (si, h)
-                shapes[m + "shared_expert.down_proj.weight"] = (h, si)
-                shapes[m + "shared_expert_gate.weight"] = (1, h)
-        else:
-            di = spec.intermediate_size
-            shapes[m + "gate_proj.weight"] = (di, h)
-            shapes[m + "up_proj.weight"] = (di, h)
-            shapes[m + "down_proj.weight"] = (h, di)
-    return shapes
+    """Every GPU-resident parameter of the text model (routed experts excluded), by checkpoint name: as its
+    family lays it out (plan/model_families/)."""
+    return family_of(spec).resident_weight_shapes(spec)
 
 
 def _tensor_bytes(numel: int, itemsize: int) -> int:

@@ -187,12 +187,12 @@ def write_random_weights(
 
 
 def published_names(config: dict):
-    """name -> the name the published checkpoint of this config gives that tensor: a multimodal wrapper's
-    (a config with `text_config`, as Qwen3.5/3.6's) text tensors sit under `model.language_model.`, which
-    other engines' readers match exactly (FreeToken's NVFP4 experts); Ferry reads either."""
-    if "text_config" not in config:
-        return lambda name: name
-    return lambda name: "model.language_model." + name.removeprefix("model.") if name.startswith("model.") else name
+    """name -> the name the published checkpoint of this config gives that tensor, as the config's family
+    says (plan/model_families/: a multimodal wrapper's text tensors sit under `model.language_model.`, which
+    other engines' readers match exactly; Ferry reads either)."""
+    from ferry.plan.model_families import family_for_config
+
+    return family_for_config(config).published_names(config)
 
 
 def set_quantization(out: Path, fmt: str, names: list[str]) -> None:

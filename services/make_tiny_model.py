@@ -1,5 +1,7 @@
 """`ferry make-tiny-model DIR --arch qwen3_moe|qwen3_5_moe [--seed N]`: the demo model and the tests' fixture.
 
+Every family with a `tiny_config` (plan/model_families/) has one; transformers' classes it names write it.
+
 A small random-weight checkpoint in the exact layout of a real one (config.json, safetensors,
 tokenizer files, generation_config.json), written by transformers itself so the reference
 implementation loads it unchanged. The weights are a pure function of the seed: the same seed
@@ -11,12 +13,13 @@ import argparse
 import json
 from pathlib import Path
 
-ARCHS = ("qwen3_moe", "qwen3_5_moe")
+from ferry.plan.model_families import families
 
 # Small enough to build and run in well under a second on CPU, big enough that every code path
-# is real: GQA (4 query heads over 2 KV heads), several experts with top-2 routing, and for the
-# hybrid both layer kinds with more value heads than key heads.
-_COMMON = dict(
+# is real: GQA (4 query heads over 2 KV heads), several experts with top-2 routing; each family's
+# `tiny_config` (plan/model_families/) adds its own fields (the hybrid: both layer kinds, more value
+# heads than key heads).
+COMMON = dict(
     hidden_size=64,
     num_attention_heads=4,
     num_key_value_heads=2,
@@ -31,21 +34,9 @@ _COMMON = dict(
     # that greedy decoding is not decided by rounding noise.
     initializer_range=0.08,
 )
-TINY_CONFIGS = {
-    "qwen3_moe": dict(_COMMON, num_hidden_layers=3, intermediate_size=128, norm_topk_prob=True, rope_theta=10000.0),
-    "qwen3_5_moe": dict(
-        _COMMON,
-        num_hidden_layers=4,
-        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
-        shared_expert_intermediate_size=32,
-        linear_conv_kernel_dim=4,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
-    ),
-}
+TINY_FAMILIES = {name: f for name, f in families().items() if f.tiny_config is not None}
+ARCHS = tuple(sorted(TINY_FAMILIES))
+TINY_CONFIGS = {name: dict(COMMON, **f.tiny_config) for name, f in TINY_FAMILIES.items()}
 
 
 def make_tiny_model(out_dir: str | Path, arch: str, seed: int = 0) -> Path:
@@ -95,25 +86,16 @@ def _perturb_norms(model, seed: int) -> None:
 
 
 def _config(arch: str, **ids):
-    fields = dict(TINY_CONFIGS[arch], **ids, dtype="float32")
-    if arch == "qwen3_moe":
-        from transformers import Qwen3MoeConfig
+    import transformers
 
-        return Qwen3MoeConfig(**fields)
-    # The text-only model: what Ferry serves of a qwen3_5_moe checkpoint, without a vision tower.
-    from transformers import Qwen3_5MoeTextConfig
-
-    return Qwen3_5MoeTextConfig(**fields)
+    config_class = getattr(transformers, TINY_FAMILIES[arch].reference_classes[0])
+    return config_class(**dict(TINY_CONFIGS[arch], **ids, dtype="float32"))
 
 
 def _model_class(arch: str):
-    if arch == "qwen3_moe":
-        from transformers import Qwen3MoeForCausalLM
+    import transformers
 
-        return Qwen3MoeForCausalLM
-    from transformers import Qwen3_5MoeForCausalLM
-
-    return Qwen3_5MoeForCausalLM
+    return getattr(transformers, TINY_FAMILIES[arch].reference_classes[1])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

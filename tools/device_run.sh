@@ -16,6 +16,8 @@
 #                side by side with the tree's ratio to the base. The base is a `git worktree add` of BASE_COMMIT
 #                into /tmp where the device's copy has the history, else .cmp/suite_base (carried; made by
 #                `BASE_COMMIT=... bash tools/device_wheels.sh`); each tree's host kernel is built in place  ~8-9 min
+#                (SUITE_SIDES=tree or base runs one side, e.g. one a call on a fresh machine, where the cold Triton
+#                cache makes each boot ~100 s; SUITE_SIDE_S, default 270, bounds each side)
 #   PART=peer    Ferry against the peer FreeToken 0.1.2 (bench/peer_compare.py): one random NVFP4 checkpoint of the
 #                full-size 35B, the same client, each engine's whole process under 24 GiB by nvidia-smi
 #                (peer_compare_<card>.json). FreeToken's wheels come in .peer/, installed into /tmp/ft, its
@@ -104,12 +106,12 @@ case "$part" in
         "(BASE_COMMIT=$BASE_COMMIT bash tools/device_wheels.sh makes it; carry [\".whl\", \".cmp\"])"; continue
     fi
     build_host_kernel; build_host_kernel "$base"
-    for side in tree base; do
+    for side in ${SUITE_SIDES:-tree base}; do
       dir=$([ $side = tree ] && echo "$ROOT" || echo "$base")
       commit=$([ $side = tree ] && echo "${FERRY_COMMIT:-}" || echo "$BASE_COMMIT")
       mkdir -p "$OUT/$side"
       # the base's own bench and package: its tree first on PYTHONPATH, its decode_suite run from its root
-      (cd "$dir" && FERRY_COMMIT=$commit PYTHONPATH="$dir:/tmp/site" timeout 270 python3 bench/decode_suite.py \
+      (cd "$dir" && FERRY_COMMIT=$commit PYTHONPATH="$dir:/tmp/site" timeout "${SUITE_SIDE_S:-270}" python3 bench/decode_suite.py \
         --out "$OUT/$side" --workloads "$SUITE_WORKLOADS" --max-tokens 128 > "$OUT/suite_$side.log" 2>&1)
       echo "suite $side ($dir) rc=$?"; tail -2 "$OUT/suite_$side.log"
     done

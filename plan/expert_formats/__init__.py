@@ -55,7 +55,7 @@ from ferry.plan.expert_formats.registry import (
 from ferry.plan.model_config import DTYPE_BYTES
 
 if TYPE_CHECKING:
-    from ferry.plan.model_config import ModelSpec
+    from ferry.plan.model_spec import ModelSpec
 
 __all__ = [
     "AUTO_BANKS",

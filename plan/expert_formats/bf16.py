@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from ferry.plan.expert_formats.registry import ExpertFormat, register
 
 if TYPE_CHECKING:
-    from ferry.plan.model_config import ModelSpec
+    from ferry.plan.model_spec import ModelSpec
 
 BF16 = "bf16"
 

@@ -18,7 +18,7 @@ from ferry.plan.expert_formats.bf16 import BF16
 from ferry.plan.expert_formats.registry import PLAIN_BANKS, ExpertFormat, register
 
 if TYPE_CHECKING:
-    from ferry.plan.model_config import ModelSpec
+    from ferry.plan.model_spec import ModelSpec
 
 BF16_PACKED = "bf16-packed"
 PACKED_BANKS = "packed"  # its --expert-bank-format word

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from ferry.shared.units import round_up
 
 if TYPE_CHECKING:
-    from ferry.plan.model_config import ModelSpec
+    from ferry.plan.model_spec import ModelSpec
 
 PART_ALIGN = 16  # every part of a quantized row starts here: vector loads, and fp32 views of the bytes
 AUTO_BANKS = "auto"  # --expert-bank-format's default: each format's own choice (`banks_for`)

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 import torch
 
 from ferry.plan.costs import resident_weight_shapes
-from ferry.plan.model_config import HYBRID_ARCHITECTURES, ModelSpec
+from ferry.plan.model_config import ModelSpec
 
 LINEAR_STD = 0.02
 EMBED_STD = 1.0  # the token embedding dominates the residual stream: routing follows the token
@@ -63,11 +63,6 @@ def name_seed(name: str, seed: int) -> int:
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
-def _zero_centered_norms(spec: ModelSpec) -> bool:
-    # Qwen3-Next and Qwen3.5 RMSNorms compute x * (1 + w): their identity weight is zero.
-    return spec.arch in HYBRID_ARCHITECTURES
-
-
 def dummy_tensor(
     spec: ModelSpec,
     name: str,
@@ -88,7 +83,7 @@ def dummy_tensor(
         return torch.zeros(shape, dtype=dtype, device=device)
     if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
         gated = ".linear_attn.norm." in name  # the gated norm multiplies by w itself
-        if _zero_centered_norms(spec) and not gated:
+        if spec.zero_centered_norms and not gated:  # x * (1 + w): the identity weight is zero
             return torch.zeros(shape, dtype=dtype, device=device)
         return torch.ones(shape, dtype=dtype, device=device)
     g = torch.Generator(device=device).manual_seed(name_seed(name, seed))

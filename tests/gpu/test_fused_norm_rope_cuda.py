@@ -21,7 +21,7 @@ from test_kernel_rms_norm import _case as norm_case
 from ferry.kernels.paged_attention_reference import write_kv  # noqa: E402
 from ferry.kernels.qk_norm_rope import qk_norm_rope_kv_triton  # noqa: E402
 from ferry.kernels.rms_norm import rms_norm_triton  # noqa: E402
-from ferry.services.worker.models.norms import GatedRMSNorm  # noqa: E402
+from ferry.services.worker.layers.norms import GatedRMSNorm  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -80,7 +80,7 @@ def test_rotary_tables_in_one_launch_match_torch_on_cuda(dtype):
     """kernels/rotary_cos_sin.py against the torch sequence it replaces, at both served rotary shapes
     and positions across a 262k context: libdevice's cosf/sinf on both sides, within an ulp."""
     from ferry.kernels.rotary_cos_sin import rotary_cos_sin_reference, rotary_cos_sin_triton
-    from ferry.services.worker.models.rotary import RotaryEmbedding
+    from ferry.services.worker.layers.rotary import RotaryEmbedding
 
     g = torch.Generator(device="cuda").manual_seed(5)
     for head_dim, factor, theta in ((128, 1.0, 1_000_000.0), (256, 0.25, 10_000_000.0)):

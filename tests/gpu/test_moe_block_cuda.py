@@ -27,8 +27,8 @@ from ferry.kernels.router_topk import _router_topk_kernel, mark_routed_triton, r
 from ferry.kernels.router_topk_reference import mark_routed_reference, router_topk_reference
 from ferry.plan import pool_layout as L
 from ferry.plan.model_config import parse_model_config
-from ferry.services.worker.models.mlp import SparseMoeBlock
-from ferry.services.worker.models.norms import make_norm
+from ferry.services.worker.layers.mlp import SparseMoeBlock
+from ferry.services.worker.layers.norms import make_norm
 from ferry.services.worker.offload.stores.resident import ResidentExperts
 from ferry.services.worker.pools import ExpertSlotPool, allocate_pool
 from tests.helpers import QWEN3_6_35B, QWEN3_30B
@@ -202,7 +202,7 @@ def test_unsummed_rows_through_the_next_norm_are_the_summed_outputs_bits(block):
     add) or the shared expert's combine sums them: the same bits as summing first, at decode sizes,
     eagerly and replayed in a CUDA graph (kernels/expert_rows_sum.py)."""
     spec, moe, _ = block
-    norm = make_norm(spec.is_hybrid, spec.hidden_size, spec.rms_norm_eps, torch.bfloat16, "cuda")
+    norm = make_norm(spec.zero_centered_norms, spec.hidden_size, spec.rms_norm_eps, torch.bfloat16, "cuda")
     norm.weight.normal_(0, 0.3, generator=torch.Generator(device="cuda").manual_seed(9))
     for t in (1, 3, 8):
         x, residual = _x(t, spec.hidden_size, 40 + t), _x(t, spec.hidden_size, 50 + t)

@@ -126,7 +126,7 @@ LAYER = dict(
 
 
 def _layer(weights=None):
-    from ferry.services.worker.models.gated_deltanet import GatedDeltaNet
+    from ferry.services.worker.layers.gated_deltanet import GatedDeltaNet
 
     s = SimpleNamespace(**LAYER)
     s.linear_key_dim = s.linear_num_key_heads * s.linear_key_head_dim
@@ -160,7 +160,7 @@ def child(kind, *args):
         from ferry.kernels.gated_deltanet_decode import gated_deltanet_decode
 
         return _steps(gated_deltanet_decode, *args)
-    from ferry.services.worker.models import gated_deltanet
+    from ferry.services.worker.layers import gated_deltanet
 
     fused, calls = gated_deltanet.gated_deltanet_decode, []
     gated_deltanet.gated_deltanet_decode = lambda *a, **k: calls.append(1) or fused(*a, **k)

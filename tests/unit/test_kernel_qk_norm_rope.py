@@ -7,8 +7,8 @@ import torch
 from interpreted_triton import run_interpreted
 
 from ferry.kernels.paged_attention_reference import write_kv
-from ferry.services.worker.models.norms import make_norm
-from ferry.services.worker.models.rotary import RotaryEmbedding
+from ferry.services.worker.layers.norms import make_norm
+from ferry.services.worker.layers.rotary import RotaryEmbedding
 
 # (tokens, heads, kv_heads, head_dim, partial_rotary_factor, zero_centred, gated q, dtype)
 CASES = [

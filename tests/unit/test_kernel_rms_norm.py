@@ -5,7 +5,7 @@ import pytest
 import torch
 from interpreted_triton import run_interpreted
 
-from ferry.services.worker.models.norms import GatedRMSNorm, RMSNorm, ZeroCenteredRMSNorm
+from ferry.services.worker.layers.norms import GatedRMSNorm, RMSNorm, ZeroCenteredRMSNorm
 
 # (shape, strided per-head view?, zero-centred?, with residual?, dtype)
 CASES = [

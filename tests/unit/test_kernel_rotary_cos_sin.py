@@ -7,7 +7,7 @@ import torch
 from interpreted_triton import run_interpreted
 
 from ferry.kernels.rotary_cos_sin import rotary_cos_sin, rotary_cos_sin_reference
-from ferry.services.worker.models.rotary import RotaryEmbedding
+from ferry.services.worker.layers.rotary import RotaryEmbedding
 
 # (head_dim, partial_rotary_factor, theta, tokens, dtype)
 CASES = [

@@ -19,7 +19,7 @@ def test_qwen3_moe_published_config():
     assert spec.moe_layer_indices == tuple(range(48))
     assert (spec.num_experts, spec.num_experts_per_tok, spec.total_experts) == (128, 8, 6144)
     assert (spec.num_kv_heads, spec.head_dim, spec.partial_rotary_factor) == (4, 128, 1.0)
-    assert not spec.is_hybrid and spec.shared_expert_intermediate_size == 0
+    assert not spec.zero_centered_norms and spec.shared_expert_intermediate_size == 0
 
 
 def test_qwen3_5_moe_multimodal_wrapper_reads_text_config():

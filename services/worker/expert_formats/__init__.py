@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from ferry.plan import expert_formats as F
-from ferry.plan.model_config import ModelSpec
+from ferry.plan.model_spec import ModelSpec
 
 if TYPE_CHECKING:
     from ferry.plan.planner import Plan

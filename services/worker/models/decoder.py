@@ -1,7 +1,10 @@
-"""One decoder layer (pre-norm token mixer + pre-norm MLP, both residual) and the causal LM."""
+"""The decoder every family shares: pre-norm token mixer + pre-norm MLP per layer (both residual), the
+causal LM around the layers, and `DecoderFamily`, what a family fills in (which mixer each layer uses, its
+norms, its MLPs, its rotary embedding and its checkpoint's names), built from services/worker/layers/."""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterable
 
 import torch
@@ -9,43 +12,33 @@ import torch.nn.functional as F
 from torch import nn
 
 from ferry.kernels.expert_rows_sum import ExpertRows
-from ferry.plan.model_config import LINEAR_ATTENTION, ModelSpec
+from ferry.plan.model_config import ModelSpec
 from ferry.services.worker.forward_batch import ForwardBatch
-from ferry.services.worker.models.attention import PagedAttention
-from ferry.services.worker.models.context import StepContext
-from ferry.services.worker.models.gated_deltanet import GatedDeltaNet
-from ferry.services.worker.models.mlp import DenseMLP, SparseMoeBlock
-from ferry.services.worker.models.norms import make_norm
-from ferry.services.worker.models.rotary import RotaryEmbedding
+from ferry.services.worker.layers.context import StepContext
+from ferry.services.worker.layers.mlp import DenseMLP, SparseMoeBlock
+from ferry.services.worker.layers.norms import make_norm
+from ferry.services.worker.layers.rotary import RotaryEmbedding
 from ferry.services.worker.models.weights import checkpoint_shapes, load_checkpoint_weights
 from ferry.services.worker.offload.stores.expert_store import ExpertStore
 from ferry.services.worker.pools import Pools
+from ferry.shared.errors import ConfigError
+
+Tensors = Iterable[tuple[str, torch.Tensor]]
 
 
 class DecoderLayer(nn.Module):
+    """`mixer` is registered under `mixer_name`, the checkpoint's name for it (`self_attn`, `linear_attn`);
+    `moe`: the MLP is a MoE block, whose routed experts' rows the next norm may sum (see forward)."""
+
     def __init__(
-        self,
-        spec: ModelSpec,
-        layer_idx: int,
-        rotary: RotaryEmbedding,
-        experts: ExpertStore,
-        dtype: torch.dtype,
-        device=None,
+        self, mixer_name: str, mixer: nn.Module, mlp: nn.Module, norms: tuple[nn.Module, nn.Module], moe: bool
     ):
         super().__init__()
-        self.is_linear = spec.layer_types[layer_idx] == LINEAR_ATTENTION
-        if self.is_linear:
-            self.linear_attn = GatedDeltaNet(spec, layer_idx, dtype, device)
-        else:
-            self.self_attn = PagedAttention(spec, layer_idx, rotary, dtype, device)
-        if spec.moe_layers[layer_idx]:
-            moe_layer = spec.moe_layer_indices.index(layer_idx)
-            self.mlp = SparseMoeBlock(spec, moe_layer, experts, dtype, device)
-        else:
-            self.mlp = DenseMLP(spec.hidden_size, spec.intermediate_size, dtype, device)
-        self._moe = spec.moe_layers[layer_idx]
-        self.input_layernorm = make_norm(spec.is_hybrid, spec.hidden_size, spec.rms_norm_eps, dtype, device)
-        self.post_attention_layernorm = make_norm(spec.is_hybrid, spec.hidden_size, spec.rms_norm_eps, dtype, device)
+        self.mixer_name = mixer_name
+        self.add_module(mixer_name, mixer)
+        self.mlp = mlp
+        self._moe = moe
+        self.input_layernorm, self.post_attention_layernorm = norms
 
     def forward(
         self, x: torch.Tensor | ExpertRows, residual: torch.Tensor | None, ctx: StepContext
@@ -54,7 +47,7 @@ class DecoderLayer(nn.Module):
         (mlp output, residual), the add left to the next norm. Each residual add is thus fused
         into the RMSNorm after it (one kernel on CUDA instead of two); the sums are the same. A MoE
         block's output may be its routed experts' unsummed rows (ExpertRows): that norm sums them."""
-        mixer = self.linear_attn if self.is_linear else self.self_attn
+        mixer = self._modules[self.mixer_name]
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:
@@ -63,24 +56,81 @@ class DecoderLayer(nn.Module):
         return (self.mlp(h, ctx, summed=False) if self._moe else self.mlp(h, ctx)), residual
 
 
+class DecoderFamily(ABC):
+    """The torch half of a model family (services/worker/models/registry.py says how one registers).
+
+    A family overrides `mixer` (which token mixer layer i uses, under which checkpoint name) and what else
+    differs from these defaults: a RoPE rotary embedding, RMSNorms (zero-centred where the spec says), the
+    MoE block where `spec.moe_layers` says and a dense SwiGLU MLP elsewhere, checkpoint tensors named as the
+    module tree (`checkpoint_tensors` / `checkpoint_names` convert a layout stored otherwise)."""
+
+    def __init__(self, name: str):
+        self.name = name  # the plan family's name: ModelSpec.arch
+
+    def check(self, spec: ModelSpec) -> None:
+        """A ConfigError naming the config.json field for what this composition does not compute."""
+        if spec.text_config.get("hidden_act", "silu") != "silu":
+            raise ConfigError(
+                f"config.json: hidden_act {spec.text_config['hidden_act']!r} is not supported (silu only)"
+            )
+        if spec.text_config.get("use_sliding_window"):
+            # transformers then limits every attention layer to `sliding_window` keys; we attend to all
+            raise ConfigError("config.json: use_sliding_window=true is not supported (full causal attention only)")
+
+    def rotary(self, spec: ModelSpec, device) -> RotaryEmbedding:
+        return RotaryEmbedding(spec.head_dim, spec.partial_rotary_factor, spec.rope_theta, device)
+
+    def norm(self, spec: ModelSpec, dim: int, dtype: torch.dtype, device) -> nn.Module:
+        return make_norm(spec.zero_centered_norms, dim, spec.rms_norm_eps, dtype, device)
+
+    @abstractmethod
+    def mixer(
+        self, spec: ModelSpec, layer: int, rotary: RotaryEmbedding, dtype: torch.dtype, device
+    ) -> tuple[str, nn.Module]:
+        """(checkpoint name, module) of layer `layer`'s token mixer."""
+
+    def mlp(self, spec: ModelSpec, layer: int, experts: ExpertStore, dtype: torch.dtype, device) -> nn.Module:
+        if spec.moe_layers[layer]:
+            return SparseMoeBlock(spec, spec.moe_layer_indices.index(layer), experts, dtype, device)
+        return DenseMLP(spec.hidden_size, spec.intermediate_size, dtype, device)
+
+    def layer(
+        self, spec: ModelSpec, layer: int, rotary: RotaryEmbedding, experts: ExpertStore, dtype: torch.dtype, device
+    ) -> DecoderLayer:
+        name, mixer = self.mixer(spec, layer, rotary, dtype, device)
+        mlp = self.mlp(spec, layer, experts, dtype, device)
+        norms = tuple(self.norm(spec, spec.hidden_size, dtype, device) for _ in range(2))
+        return DecoderLayer(name, mixer, mlp, norms, moe=spec.moe_layers[layer])
+
+    def checkpoint_tensors(self, spec: ModelSpec, name: str, tensor: torch.Tensor, source: str) -> Tensors:
+        """One checkpoint tensor (its name without the wrapper prefix) as the tensors the module tree names;
+        `source`, the checkpoint's own name, is for errors (models/weights.py's WeightLoadError)."""
+        return ((name, tensor),)
+
+    def checkpoint_names(self, spec: ModelSpec, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+        """`checkpoint_tensors` inverted: {name as the module tree has it: shape} -> as the checkpoint stores it."""
+        return shapes
+
+
 class CausalLM(nn.Module):
-    """qwen3_moe, qwen3_next and qwen3_5_moe (text): which layers exist follows the spec.
+    """Embedding, the family's decoder layers, final norm and head.
 
     Parameter names mirror the checkpoints' (without the `model.` prefix), so `load_weights`
     maps most tensors by name; see weights.py for the rest."""
 
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device, experts: ExpertStore):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device, experts: ExpertStore, family: DecoderFamily):
         super().__init__()
         self.spec = spec
         self.dtype = dtype
+        self.family = family
         object.__setattr__(self, "experts", experts)  # not a submodule: see SparseMoeBlock
-        self.rotary = RotaryEmbedding(spec.head_dim, spec.partial_rotary_factor, spec.rope_theta, device)
+        self.rotary = family.rotary(spec, device)
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(
-            DecoderLayer(spec, i, self.rotary, experts, dtype, device) for i in range(spec.num_layers)
+            family.layer(spec, i, self.rotary, experts, dtype, device) for i in range(spec.num_layers)
         )
-        self.norm = make_norm(spec.is_hybrid, spec.hidden_size, spec.rms_norm_eps, dtype, device)
+        self.norm = family.norm(spec, spec.hidden_size, dtype, device)
         self.lm_head = None
         if not spec.tie_word_embeddings:
             self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False, dtype=dtype, device=device)

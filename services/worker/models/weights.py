@@ -7,10 +7,11 @@ qwen3_5_moe wrapper; `lm_head.weight` unprefixed):
   writes): `layers.L.mlp.experts.E.{gate,up,down}_proj.weight`; or fused (transformers' in-memory
   state_dict): `layers.L.mlp.experts.gate_up_proj` [E, 2I, H] and `layers.L.mlp.experts.down_proj`
   [E, H, I]. Both go to `ExpertStore.load_expert`, never into the module tree;
-* Gated DeltaNet input projections: qwen3_5_moe's `in_proj_qkv|z|b|a` or qwen3_next's interleaved
-  `in_proj_qkvz` / `in_proj_ba`, written into row blocks of our single `in_proj`;
+* Gated DeltaNet input projections `in_proj_qkv|z|b|a`, written into row blocks of our single `in_proj`;
+* whatever the model's family converts first (`DecoderFamily.checkpoint_tensors`: qwen3_next's
+  interleaved `in_proj_qkvz` / `in_proj_ba` become the four above);
 * tensors a module keeps as row blocks of one fused parameter, as its `checkpoint_rows` lists
-  them (models/mlp.py: `mlp.gate.weight` and `mlp.shared_expert_gate.weight` into the router's
+  them (layers/mlp.py: `mlp.gate.weight` and `mlp.shared_expert_gate.weight` into the router's
   `gate.logit_weight`, `gate_proj.weight` and `up_proj.weight` into a dense MLP's `gate_up_proj`).
   Each is written into its row view, checked against the view's shape, and expected once.
 Vision-tower (`visual.`) and multi-token-prediction (`mtp.`) tensors are skipped: only the text
@@ -36,7 +37,7 @@ SKIPPED_PREFIXES = ("visual.", "mtp.", "model.visual.", "model.mtp.", "vision_to
 
 _PER_EXPERT = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 _FUSED_EXPERTS = re.compile(r"layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(?:\.weight)?")
-_IN_PROJ = re.compile(r"(layers\.(\d+)\.linear_attn)\.(in_proj_(?:qkvz|ba|qkv|z|b|a))\.weight")
+_IN_PROJ = re.compile(r"(layers\.(\d+)\.linear_attn)\.(in_proj_(?:qkv|z|b|a))\.weight")
 
 
 class WeightLoadError(ModelLoadError):
@@ -60,6 +61,7 @@ class _Loader:
     def __init__(self, model, routed_experts: bool = True):
         self.model = model
         self.spec = model.spec
+        self.family = model.family
         self.params = dict(model.named_parameters())
         # checkpoint name -> (fused parameter, its rows); the fused parameters are pending by part
         self.rows = fused_rows(model)
@@ -122,6 +124,11 @@ class _Loader:
                     "(layers.L.mlp.experts.E.{gate,up,down}_proj)"
                 )
             tensor = tensor.dequantize(self.dtype, self.device)
+        for part, piece in self.family.checkpoint_tensors(self.spec, name, tensor, source):
+            self._dense(part, piece, source)
+
+    def _dense(self, name: str, tensor: torch.Tensor, source: str) -> None:
+        """A tensor of the module tree (or of routed experts fused), under its name there."""
         if m := _FUSED_EXPERTS.fullmatch(name):
             self._fused_experts(self._moe_layer(int(m[1]), source), m[2], tensor, source)
         elif m := _IN_PROJ.fullmatch(name):
@@ -175,39 +182,9 @@ class _Loader:
         if target is None:
             raise WeightLoadError(f"unexpected checkpoint tensor {source!r}: {layer} is not a linear-attention layer")
         module = self.model.get_submodule(layer)
-        pieces = {kind.removeprefix("in_proj_"): tensor}
-        if kind == "in_proj_qkvz":
-            pieces = self._split_qkvz(tensor, source)
-        elif kind == "in_proj_ba":
-            pieces = self._split_ba(tensor, source)
-        for part, piece in pieces.items():
-            self._done(f"{layer}.in_proj[{part}]", source)
-            self._copy(target[module.in_proj_rows(part)], piece, source)
-
-    def _split_qkvz(self, w: torch.Tensor, source: str) -> dict[str, torch.Tensor]:
-        """qwen3_next groups rows by key head: [q_h | k_h | v of its value heads | z of them] per head h."""
-        s = self.spec
-        ratio = s.linear_num_value_heads // s.linear_num_key_heads
-        per_head = 2 * s.linear_key_head_dim + 2 * ratio * s.linear_value_head_dim
-        if w.shape[0] != s.linear_num_key_heads * per_head:
-            raise WeightLoadError(
-                f"checkpoint tensor {source!r} has {w.shape[0]} rows, expected {s.linear_num_key_heads * per_head}"
-            )
-        grouped = w.reshape(s.linear_num_key_heads, per_head, w.shape[-1])
-        kd, vd = s.linear_key_head_dim, ratio * s.linear_value_head_dim
-        q, k, v, z = grouped.split([kd, kd, vd, vd], dim=1)
-        flat = [x.reshape(-1, w.shape[-1]) for x in (q, k, v, z)]
-        return {"qkv": torch.cat(flat[:3]), "z": flat[3]}
-
-    def _split_ba(self, w: torch.Tensor, source: str) -> dict[str, torch.Tensor]:
-        s = self.spec
-        ratio = s.linear_num_value_heads // s.linear_num_key_heads
-        if w.shape[0] != 2 * s.linear_num_value_heads:
-            raise WeightLoadError(
-                f"checkpoint tensor {source!r} has {w.shape[0]} rows, expected {2 * s.linear_num_value_heads}"
-            )
-        b, a = w.reshape(s.linear_num_key_heads, 2 * ratio, w.shape[-1]).split(ratio, dim=1)
-        return {"b": b.reshape(-1, w.shape[-1]), "a": a.reshape(-1, w.shape[-1])}
+        part = kind.removeprefix("in_proj_")
+        self._done(f"{layer}.in_proj[{part}]", source)
+        self._copy(target[module.in_proj_rows(part)], tensor, source)
 
     def finish(self) -> None:
         if self.pending:
@@ -230,7 +207,7 @@ def fused_rows(model) -> dict[str, tuple[str, slice]]:
 
 def checkpoint_shapes(model) -> dict[str, tuple[int, ...]]:
     """Every tensor a checkpoint of this model holds, under the names `save_pretrained` writes
-    (per-expert routed experts; qwen3_next's fused in_proj_qkvz/ba, qwen3_5_moe's split ones),
+    (per-expert routed experts; the Gated DeltaNet's in_proj as its family's checkpoints store it),
     with its shape: what a dummy-weights loader fabricates."""
     spec = model.spec
     shapes: dict[str, tuple[int, ...]] = {}
@@ -246,14 +223,11 @@ def checkpoint_shapes(model) -> dict[str, tuple[int, ...]]:
         if not name.endswith("linear_attn.in_proj.weight"):
             shapes[full] = tuple(param.shape)
             continue
-        layer, hidden = full.removesuffix(".in_proj.weight"), spec.hidden_size
-        if spec.arch == "qwen3_next":
-            shapes[f"{layer}.in_proj_qkvz.weight"] = (2 * spec.linear_key_dim + 2 * spec.linear_value_dim, hidden)
-            shapes[f"{layer}.in_proj_ba.weight"] = (2 * spec.linear_num_value_heads, hidden)
-        else:
-            module = model.get_submodule(name.removesuffix(".in_proj.weight"))
-            for part, rows in module.in_proj_parts.items():
-                shapes[f"{layer}.in_proj_{part}.weight"] = (rows, hidden)
+        layer = full.removesuffix(".in_proj.weight")
+        module = model.get_submodule(name.removesuffix(".in_proj.weight"))
+        for part, rows in module.in_proj_parts.items():
+            shapes[f"{layer}.in_proj_{part}.weight"] = (rows, spec.hidden_size)
+    shapes = model.family.checkpoint_names(spec, shapes)
     h, i = spec.hidden_size, spec.moe_intermediate_size
     for layer in spec.moe_layer_indices:
         for e in range(spec.num_experts):

@@ -6,9 +6,9 @@ kernel-1 inputs); beta = sigmoid(b); g = -exp(A_log) * softplus(a + dt_bias); ga
 
 Both states live in the request's LinearStatePool slot; a request's first chunk (`reset_state`)
 zeroes them first, later chunks and decode steps continue from them. The input projection is one
-matrix whose rows are [q | k | v | z | b | a] in head order (qwen3_5_moe's layout); qwen3_next's
-per-key-head interleaved in_proj_qkvz / in_proj_ba are permuted into it at load time
-(`weights.py`), so one forward serves both.
+matrix whose rows are [q | k | v | z | b | a] in head order (qwen3_5_moe's layout); checkpoints that
+store it otherwise are permuted into it at load time by their family's weight-name map (qwen3_next's
+per-key-head interleaved in_proj_qkvz / in_proj_ba: models/qwen3_hybrid.py), so one forward serves all.
 
 A decode step on the Triton path (bf16/fp16) runs everything between in_proj and out_proj in two
 launches (kernels/gated_deltanet_decode.py, ~35 kernels in torch + fla); prefill and chunked steps
@@ -29,8 +29,8 @@ from ferry.kernels.dispatch import use_triton
 from ferry.kernels.gated_delta_rule import gated_delta_rule_varlen_keeping
 from ferry.kernels.gated_deltanet_decode import gated_deltanet_decode
 from ferry.plan.model_config import ModelSpec
-from ferry.services.worker.models.context import StepContext
-from ferry.services.worker.models.norms import GatedRMSNorm
+from ferry.services.worker.layers.context import StepContext
+from ferry.services.worker.layers.norms import GatedRMSNorm
 
 
 class GatedDeltaNet(nn.Module):

@@ -21,9 +21,9 @@ from ferry.kernels.dispatch import use_triton
 from ferry.kernels.paged_attention import paged_attention, write_kv
 from ferry.kernels.qk_norm_rope import qk_norm_rope_kv_triton
 from ferry.plan.model_config import ModelSpec
-from ferry.services.worker.models.context import StepContext
-from ferry.services.worker.models.norms import make_norm
-from ferry.services.worker.models.rotary import RotaryEmbedding
+from ferry.services.worker.layers.context import StepContext
+from ferry.services.worker.layers.norms import make_norm
+from ferry.services.worker.layers.rotary import RotaryEmbedding
 
 
 class PagedAttention(nn.Module):
@@ -43,8 +43,8 @@ class PagedAttention(nn.Module):
             h, self._splits, bias, dtype, device
         )
         self.o_proj = nn.Linear(self.heads * self.head_dim, h, bias=bias, **kw)
-        self.q_norm = make_norm(spec.is_hybrid, self.head_dim, spec.rms_norm_eps, dtype, device)
-        self.k_norm = make_norm(spec.is_hybrid, self.head_dim, spec.rms_norm_eps, dtype, device)
+        self.q_norm = make_norm(spec.zero_centered_norms, self.head_dim, spec.rms_norm_eps, dtype, device)
+        self.k_norm = make_norm(spec.zero_centered_norms, self.head_dim, spec.rms_norm_eps, dtype, device)
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         t = x.shape[0]

@@ -12,7 +12,7 @@ path (CUDA) the block is a few fused launches:
 For that, weights the checkpoint stores apart are one parameter here: the router [E, hidden] and
 the shared expert's gate [1, hidden] are the rows of one [E + 1, hidden] weight, gate_proj and
 up_proj one [2I, hidden]. A module says which checkpoint tensors are which rows of which of its
-parameters (`checkpoint_rows`), and the loader (weights.py) writes each into its row view; no
+parameters (`checkpoint_rows`), and the loader (models/weights.py) writes each into its row view; no
 tensor is held twice. Elsewhere (CPU) the same code as before runs on row views of the fused
 weights, one linear each: it is the reference twin, and matches transformers' sequence op for op.
 """
@@ -44,7 +44,7 @@ class DenseMLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, **kw)
         self.down_proj = nn.Linear(intermediate, hidden, **kw)
         self._single_expert: tuple[torch.Tensor, torch.Tensor] | None = None  # see forward_rows
-        # {parameter: {checkpoint tensor: its rows}}, names relative to this module (weights.py)
+        # {parameter: {checkpoint tensor: its rows}}, names relative to this module (models/weights.py)
         i = intermediate
         self.checkpoint_rows = {
             "gate_up_proj.weight": {"gate_proj.weight": slice(0, i), "up_proj.weight": slice(i, 2 * i)}

@@ -1,0 +1,108 @@
+"""The model families Ferry serves, torch-free side: which config.json each claims and how it reads it.
+
+A family is one vertical slice: this module's registry holds its torch-free half (a module of this folder,
+one per family or per group that one composition serves), `services/worker/models/` its torch half (the
+layer composition and the checkpoint's names), both found by one name, `ModelSpec.arch`. Every module of
+this folder is imported once, on the first lookup, so a family registers itself by existing; nothing
+outside its two halves names it.
+
+A new family registers, with `register(ModelFamily(...))` in a module of this folder:
+  * `name`: the family's name, `ModelSpec.arch` (the worker side registers under the same name);
+  * `model_types` and `architectures`: the config.json `model_type` values and `architectures` entries it
+    claims (model_type decides; `architectures` where config.json has no model_type);
+  * `spec_fields(text_config, where)`: its `ModelSpec` fields, all but those every model has (vocabulary,
+    layer count, norm eps, dtype...: plan/model_config.py reads them); spec_fields.py has the shared readers,
+    and `text_config(raw, where)` when the text model is nested (a multimodal wrapper's `text_config`);
+  * `resident_weight_shapes(spec)`: every GPU-resident tensor by checkpoint name and shape, routed experts
+    left out (weight_shapes.py has the shared layer kinds): the planner's weight bytes and dummy weights;
+  * `published_names(config)`, when its published checkpoints name tensors other than `model.…`;
+  * `tiny_config` and `reference_classes`, for `ferry make-tiny-model` (transformers' classes write it).
+and, on the worker side, its module in `services/worker/models/` (that package's registry.py says what).
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ferry.plan.model_spec import ModelSpec
+from ferry.shared.errors import ConfigError
+
+
+def _flat(raw: dict[str, Any], where: str) -> dict[str, Any]:
+    return raw
+
+
+def _same_names(config: dict[str, Any]) -> Callable[[str], str]:
+    return lambda name: name
+
+
+@dataclass(frozen=True, eq=False)
+class ModelFamily:
+    name: str
+    model_types: tuple[str, ...]
+    architectures: tuple[str, ...]
+    # the text model's config -> the family's ModelSpec fields (all but the shared ones model_config reads)
+    spec_fields: Callable[[dict[str, Any], str], dict[str, Any]]
+    # {checkpoint name: shape} of every GPU-resident tensor (routed experts excluded)
+    resident_weight_shapes: Callable[[ModelSpec], dict[str, tuple[int, ...]]]
+    # config.json -> the text model's config (a multimodal wrapper nests it)
+    text_config: Callable[[dict[str, Any], str], dict[str, Any]] = _flat
+    # config.json -> (name as Ferry writes it, `model.…` -> name in the published checkpoints)
+    published_names: Callable[[dict[str, Any]], Callable[[str], str]] = _same_names
+    # `ferry make-tiny-model`: the tiny config's fields and transformers' (config class, model class)
+    tiny_config: dict[str, Any] | None = None
+    reference_classes: tuple[str, str] | None = None
+
+
+_FAMILIES: dict[str, ModelFamily] = {}
+_discovered = False
+
+
+def register(family: ModelFamily) -> ModelFamily:
+    """Add a family; a second one of the same name, or claiming a claimed model_type, is a programming error."""
+    if family.name in _FAMILIES:
+        raise ValueError(f"model family {family.name!r} is registered twice")
+    for other in _FAMILIES.values():
+        if taken := set(other.model_types) & set(family.model_types):
+            raise ValueError(f"model family {family.name!r} claims model_type {sorted(taken)} of {other.name!r}")
+    _FAMILIES[family.name] = family
+    return family
+
+
+def families() -> dict[str, ModelFamily]:
+    """{name: family} of every registered family."""
+    global _discovered
+    if not _discovered:
+        _discovered = True
+        for module in pkgutil.iter_modules(__path__):
+            importlib.import_module(f"{__name__}.{module.name}")
+    return _FAMILIES
+
+
+def family_of(spec: ModelSpec) -> ModelFamily:
+    family = families().get(spec.arch)
+    if family is None:
+        raise ConfigError(f"model family {spec.arch!r} is not registered; Ferry serves {', '.join(sorted(families()))}")
+    return family
+
+
+def family_for_config(raw: dict[str, Any], where: str = "config.json") -> ModelFamily:
+    """The family that claims config.json's `model_type` (one of its `architectures` where it has no
+    model_type: a model_type no family claims is another model); a ConfigError naming both when none does."""
+    model_type, architectures = raw.get("model_type"), raw.get("architectures")
+    for family in families().values():
+        if model_type in family.model_types:
+            return family
+    names = architectures if isinstance(architectures, list) and model_type is None else []
+    for family in families().values():
+        if any(name in family.architectures for name in names):
+            return family
+    served = sorted(t for f in families().values() for t in f.model_types)
+    raise ConfigError(
+        f"{where}: model_type {model_type!r} is not supported (architectures {architectures!r}); "
+        f"Ferry serves model_type {', '.join(served)}"
+    )

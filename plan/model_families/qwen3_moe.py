@@ -1,0 +1,40 @@
+"""qwen3_moe (Qwen3-30B-A3B, Qwen3-235B-A22B, Qwen3-Coder): full attention in every layer, routed MoE
+without a shared expert (dense MLPs where `mlp_only_layers` / `decoder_sparse_step` say), plain RMSNorms.
+The worker's half: services/worker/models/qwen3_moe.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ferry.plan.model_families import ModelFamily, register
+from ferry.plan.model_families.spec_fields import attention_fields, mlp_fields, sparse_step_moe_layers
+from ferry.plan.model_families.weight_shapes import attention_shapes, decoder_shapes
+from ferry.plan.model_spec import FULL_ATTENTION, ModelSpec
+
+
+def spec_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
+    num_layers = int(cfg["num_hidden_layers"])
+    return dict(
+        layer_types=(FULL_ATTENTION,) * num_layers,
+        moe_layers=sparse_step_moe_layers(cfg, num_layers),
+        **attention_fields(cfg, where, partial_rotary_factor=1.0, output_gate=False),
+        **mlp_fields(cfg, norm_topk_prob=False, shared_expert=False),
+    )
+
+
+def resident_weight_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    return decoder_shapes(spec, {FULL_ATTENTION: attention_shapes})
+
+
+register(
+    ModelFamily(
+        name="qwen3_moe",
+        model_types=("qwen3_moe",),
+        architectures=("Qwen3MoeForCausalLM",),
+        spec_fields=spec_fields,
+        resident_weight_shapes=resident_weight_shapes,
+        # three layers, one of them dense only where a test asks (tests/unit/tiny_models.py)
+        tiny_config=dict(num_hidden_layers=3, intermediate_size=128, norm_topk_prob=True, rope_theta=10000.0),
+        reference_classes=("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    )
+)

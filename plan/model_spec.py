@@ -1,0 +1,89 @@
+"""A model's architecture as the planner, the loader and the models see it: one frozen object.
+
+A family's config reader (plan/model_families/) fills it from config.json (plan/model_config.py);
+every field is a fact of the model, never a family name to branch on (`arch` names the family: the
+registries find its parts by it, messages name it).
+No torch here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ferry.plan.quantization import QuantScheme
+
+FULL_ATTENTION = "full_attention"
+LINEAR_ATTENTION = "linear_attention"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything the planner, the loader and the models need to know about an architecture."""
+
+    arch: str  # the model family's name (plan/model_families): qwen3_moe | qwen3_next | qwen3_5_moe
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    layer_types: tuple[str, ...]  # FULL_ATTENTION | LINEAR_ATTENTION per layer
+    moe_layers: tuple[bool, ...]  # True where the layer's MLP is the routed MoE block
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    dtype: str  # the checkpoint's dtype
+    # full attention
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    attention_bias: bool
+    attn_output_gate: bool  # q_proj also yields a sigmoid gate on the attention output
+    rope_theta: float
+    partial_rotary_factor: float
+    # MLPs
+    intermediate_size: int  # dense MLP layers (mlp_only_layers), 0 when there are none
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool
+    shared_expert_intermediate_size: int  # 0: no shared expert
+    # Gated DeltaNet (linear attention); zeros where no layer is linear attention
+    linear_conv_kernel_dim: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    # every RMSNorm but the Gated DeltaNet's output norm computes x * (1 + w): its identity weight is zero
+    zero_centered_norms: bool = False
+    # the checkpoint's quantization (plan/quantization.py); None: unquantized
+    quantization: QuantScheme | None = None
+    text_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    # ---- derived quantities -------------------------------------------------------------
+    @property
+    def full_attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == FULL_ATTENTION)
+
+    @property
+    def linear_attention_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR_ATTENTION)
+
+    @property
+    def moe_layer_indices(self) -> tuple[int, ...]:
+        return tuple(i for i, m in enumerate(self.moe_layers) if m)
+
+    @property
+    def total_experts(self) -> int:
+        return len(self.moe_layer_indices) * self.num_experts
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of the causal conv1d: q, k and v of the Gated DeltaNet."""
+        return 2 * self.linear_key_dim + self.linear_value_dim
