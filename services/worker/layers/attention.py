@@ -1,7 +1,7 @@
 """Full (softmax) attention over the paged KV pool.
 
-q/k get a per-head RMSNorm before RoPE (where the spec's `qk_norm`); the new tokens' K/V are written to their pages first,
-then every new token attends causally to its request's context and new tokens, read through the
+q/k get a per-head RMSNorm before RoPE (where the spec's `qk_norm`); the new tokens' K/V are written
+to their pages first, then every new token attends causally to its request's context and new tokens, read through the
 request's page table (so a request only ever touches rows of its own pages). Hybrid models
 (`attn_output_gate`) have q_proj yield, per head, the query followed by a gate, and multiply the
 attention output by sigmoid(gate) before o_proj.

@@ -15,7 +15,8 @@ qwen3_5_moe wrapper; `lm_head.weight` unprefixed):
   `gate.logit_weight`, `gate_proj.weight` and `up_proj.weight` into a dense MLP's `gate_up_proj`).
   Each is written into its row view, checked against the view's shape, and expected once.
 Vision-tower (`visual.`) and multi-token-prediction (`mtp.`, and the spec's `mtp_layers` stored as
-layers past the decoder's) tensors are skipped: only the text model is served. Anything else, or anything missing at the end, raises WeightLoadError naming it.
+layers past the decoder's) tensors are skipped: only the text model is served. Anything else, or
+anything missing at the end, raises WeightLoadError naming it.
 
 Quantized linears arrive as one `QuantizedWeight` each (services/worker/quantized_weight.py): a
 routed expert's go to the store as they are (it keeps them in their format), every other one is
