@@ -75,7 +75,8 @@ def sigmoid_topk_reference(
         best_two, _ = _top_k(choice.reshape(t * groups, e // groups), 2)
         _, chosen = _top_k(best_two.sum(dim=-1).view(t, groups), topk_groups)
         keep = torch.zeros(t, groups, dtype=torch.bool, device=choice.device).scatter_(1, chosen, True)
-        choice = choice.masked_fill(~keep.repeat_interleave(e // groups, dim=1), float("-inf"))
+        keep = keep[:, :, None].expand(t, groups, e // groups).reshape(t, e)  # no host sync: graph-safe
+        choice = choice.masked_fill(~keep, float("-inf"))
     _, ids = _top_k(choice, top_k)
     weights = scores.gather(1, ids)
     if norm_topk_prob:
