@@ -88,7 +88,10 @@ def _validate(spec: ModelSpec, where: str) -> None:
     if spec.num_experts > 0 and spec.moe_intermediate_size <= 0:
         problems.append("moe_intermediate_size must be positive")
     if any(not m for m in spec.moe_layers) and spec.intermediate_size <= 0:
-        problems.append("dense MLP layers (mlp_only_layers / decoder_sparse_step) need intermediate_size > 0")
+        problems.append(
+            "dense MLP layers (mlp_only_layers / decoder_sparse_step / first_k_dense_replace) "
+            "need intermediate_size > 0"
+        )
     problems.extend(_router_problems(spec))
     if not 0 < spec.partial_rotary_factor <= 1:
         problems.append(f"partial_rotary_factor must be in (0, 1], got {spec.partial_rotary_factor}")
