@@ -1,9 +1,8 @@
 """Plain-torch twins of kernels/router_topk.py: the MoE router's softmax / top-k / renormalisation,
 and the marking of a layer's routed experts in the resident store's [layers, experts] table.
 
-These are the CPU path (TopKRouter, ResidentExperts) and the kernels' oracles in the tests. The sigmoid
-router (`sigmoid_topk_reference`: score bias, expert groups, scaled weights) has no kernel: it runs as
-this torch code on every device.
+These are the CPU path (TopKRouter, ResidentExperts) and the kernels' oracles in the tests; the sigmoid
+router (`sigmoid_topk_reference`: score bias, expert groups, scaled weights) is the same kernel's twin.
 
 Routing is softmax over all experts (float32), keep the top k, optionally renormalise them to sum
 to 1. Renormalised, that is exp(l_i) / sum over the top k of exp(l_j): a softmax over the top-k

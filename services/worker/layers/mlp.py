@@ -28,7 +28,7 @@ from ferry.kernels.dispatch import use_triton
 from ferry.kernels.expert_pair_gemv import PAIR_KERNEL_MAX_PAIRS, expert_pair_rows_triton, use_pair_kernel
 from ferry.kernels.expert_rows_sum import ExpertRows
 from ferry.kernels.moe_combine import moe_combine, moe_combine_reference, silu_mul_triton
-from ferry.kernels.router_topk import router_topk_triton
+from ferry.kernels.router_topk import SigmoidRouting, router_topk_triton
 from ferry.kernels.router_topk_reference import router_topk_reference, sigmoid_topk_reference
 from ferry.plan.model_config import ModelSpec
 from ferry.services.worker.offload.stores.expert_store import ExpertStore
@@ -91,7 +91,8 @@ class TopKRouter(nn.Module):
 
     Or, where `spec.router_scoring` is "sigmoid", the sigmoid router: logits in float32 (as transformers
     computes them), the top k chosen by score + `e_score_correction_bias` within the best expert groups,
-    weighted by the unbiased scores, renormalised, scaled (`sigmoid_topk_reference`, on every device).
+    weighted by the unbiased scores, renormalised, scaled (the same router kernel on the Triton path, its
+    twin `sigmoid_topk_reference` elsewhere).
 
     `logit_weight` holds every row the block computes from x before its experts: the E router rows,
     then the shared expert's gate row when there is one. `weight` is the router's [E, hidden] view
@@ -126,11 +127,20 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(ids int64 [T, k], weights [T, k], sigmoid(shared gate logit) [T, 1] or None), x's dtype."""
-        if use_triton(x) and not self.sigmoid:  # one GEMV for the router and the shared gate, one kernel for the rest
-            return router_topk_triton(
-                dense_linear(x, self.logit_weight), self.top_k, self.norm_topk_prob, self.num_experts
+        if not use_triton(x):
+            return self.reference(x)
+        if self.sigmoid:  # float32 logits, one kernel for the rest
+            routing = SigmoidRouting(
+                self.e_score_correction_bias, self.groups, self.topk_groups, self.routed_scaling_factor, x.dtype
             )
-        return self.reference(x)
+            logits = F.linear(x.float(), self.weight.float())
+            ids, weights, _ = router_topk_triton(
+                logits, self.top_k, self.norm_topk_prob, self.num_experts, None, routing
+            )
+            shared = torch.sigmoid(F.linear(x, self.shared_gate_weight)) if self.has_shared_gate else None
+            return ids, weights, shared
+        # one GEMV for the router and the shared gate, one kernel for the rest
+        return router_topk_triton(dense_linear(x, self.logit_weight), self.top_k, self.norm_topk_prob, self.num_experts)
 
     def reference(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         if self.sigmoid:
