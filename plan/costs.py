@@ -7,6 +7,7 @@ No torch here.
 from __future__ import annotations
 
 import json
+import re
 import struct
 from pathlib import Path
 
@@ -51,14 +52,23 @@ SAFETENSORS_DTYPE_BYTES = {
 _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 
 
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
 def is_routed_expert(name: str) -> bool:
     """Routed experts live in host banks, not among the GPU-resident weights."""
     return ".mlp.experts." in name or name.endswith(".mlp.experts")
 
 
-def is_served(name: str) -> bool:
-    """Tensors of a checkpoint that the text model uses (vision towers and MTP heads are not served)."""
-    return not (name.startswith(("visual.", "model.visual.", "mtp.", "model.mtp.")) or ".visual." in name)
+def is_served(name: str, spec: ModelSpec | None = None) -> bool:
+    """Tensors of a checkpoint that the text model uses: vision towers and MTP heads are not served, nor
+    (given the spec) the `spec.mtp_layers` multi-token-prediction layers stored after the decoder's."""
+    if name.startswith(("visual.", "model.visual.", "mtp.", "model.mtp.")) or ".visual." in name:
+        return False
+    if spec is None or not spec.mtp_layers:
+        return True
+    m = _LAYER.search(name)
+    return m is None or not spec.num_layers <= int(m[1]) < spec.num_layers + spec.mtp_layers
 
 
 def resident_weight_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
@@ -101,7 +111,7 @@ QUANT_SCALE_SUFFIXES = tuple("." + s for s in (*SCALE_SUFFIXES, *DROPPED_SUFFIXE
 _CODE_SUFFIXES = tuple("." + s for s in WEIGHT_SUFFIXES)  # a uint8 one holds nvfp4 codes, two a byte
 
 
-def resident_weight_bytes_from_checkpoint(model_dir: Path, dtype: str) -> int | None:
+def resident_weight_bytes_from_checkpoint(model_dir: Path, dtype: str, spec: ModelSpec | None = None) -> int | None:
     """Exact resident bytes from the checkpoint's safetensors headers; None when there are none.
 
     Floating-point tensors are counted at the run dtype (they are converted on load); so are
@@ -113,7 +123,7 @@ def resident_weight_bytes_from_checkpoint(model_dir: Path, dtype: str) -> int | 
     total = 0
     for path in files:
         for name, info in read_safetensors_header(path).items():
-            if is_routed_expert(name) or not is_served(name) or name.endswith(QUANT_SCALE_SUFFIXES):
+            if is_routed_expert(name) or not is_served(name, spec) or name.endswith(QUANT_SCALE_SUFFIXES):
                 continue
             numel = 1
             for d in info["shape"]:

@@ -88,7 +88,11 @@ def _validate(spec: ModelSpec, where: str) -> None:
     if spec.num_experts > 0 and spec.moe_intermediate_size <= 0:
         problems.append("moe_intermediate_size must be positive")
     if any(not m for m in spec.moe_layers) and spec.intermediate_size <= 0:
-        problems.append("dense MLP layers (mlp_only_layers / decoder_sparse_step) need intermediate_size > 0")
+        problems.append(
+            "dense MLP layers (mlp_only_layers / decoder_sparse_step / first_k_dense_replace) "
+            "need intermediate_size > 0"
+        )
+    problems.extend(_router_problems(spec))
     if not 0 < spec.partial_rotary_factor <= 1:
         problems.append(f"partial_rotary_factor must be in (0, 1], got {spec.partial_rotary_factor}")
     elif int(spec.head_dim * spec.partial_rotary_factor) % 2:
@@ -103,6 +107,33 @@ def _validate(spec: ModelSpec, where: str) -> None:
             problems.append("linear_num_value_heads must be a multiple of linear_num_key_heads")
     if problems:
         raise ConfigError(f"{where}: inconsistent model config: " + "; ".join(problems))
+
+
+ROUTER_SCORINGS = ("softmax", "sigmoid")
+
+
+def _router_problems(spec: ModelSpec) -> list[str]:
+    """Group-limited routing needs groups of equal size, at least two experts each (a group's score is its
+    two best experts'), and enough experts in the chosen groups for the top k."""
+    if spec.router_scoring not in ROUTER_SCORINGS:
+        return [f"router scoring {spec.router_scoring!r} is not one of {', '.join(ROUTER_SCORINGS)}"]
+    groups, chosen = spec.router_groups, spec.router_topk_groups
+    sigmoid_only = spec.router_score_bias or groups != 1 or chosen != 1 or spec.routed_scaling_factor != 1.0
+    if spec.router_scoring == "softmax" and sigmoid_only:
+        # the softmax router (layers/mlp.py, kernels/router_topk.py) has none of these: refused, never ignored
+        return ["a score bias, expert groups and routed_scaling_factor are served with sigmoid router scoring only"]
+    if groups == 1 and chosen == 1 or spec.num_experts <= 0:
+        return []
+    if groups < 1 or spec.num_experts % groups or spec.num_experts // groups < 2:
+        return [f"n_group ({groups}) must divide the {spec.num_experts} experts into groups of two or more"]
+    if not 0 < chosen <= groups:
+        return [f"topk_group ({chosen}) must be between 1 and n_group ({groups})"]
+    if spec.num_experts_per_tok > chosen * (spec.num_experts // groups):
+        return [
+            f"num_experts_per_tok ({spec.num_experts_per_tok}) exceeds the experts of topk_group ({chosen}) "
+            f"groups of {spec.num_experts // groups}"
+        ]
+    return []
 
 
 def load_model_config(model_dir: str | Path) -> ModelSpec:

@@ -21,7 +21,7 @@ LINEAR_ATTENTION = "linear_attention"
 class ModelSpec:
     """Everything the planner, the loader and the models need to know about an architecture."""
 
-    arch: str  # the model family's name (plan/model_families): qwen3_moe | qwen3_next | qwen3_5_moe
+    arch: str  # the model family's name (plan/model_families): qwen3_moe | qwen3_next | qwen3_5_moe | glm4_moe
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -35,7 +35,7 @@ class ModelSpec:
     num_attention_heads: int
     num_kv_heads: int
     head_dim: int
-    attention_bias: bool
+    attention_bias: bool  # q_proj, k_proj and v_proj have biases
     attn_output_gate: bool  # q_proj also yields a sigmoid gate on the attention output
     rope_theta: float
     partial_rotary_factor: float
@@ -46,6 +46,21 @@ class ModelSpec:
     moe_intermediate_size: int
     norm_topk_prob: bool
     shared_expert_intermediate_size: int  # 0: no shared expert
+    attention_output_bias: bool = False  # o_proj has a bias (Qwen's with attention_bias; GLM's never)
+    qk_norm: bool = True  # a per-head RMSNorm on q and k before the rotary embedding
+    # the router: "softmax" over all experts, or "sigmoid" of each logit (with, where router_score_bias,
+    # a per-expert bias added for choosing the top k only: the weights are the unbiased scores)
+    router_scoring: str = "softmax"
+    router_score_bias: bool = False
+    # group-limited routing: experts split into router_groups groups, the top k chosen among the
+    # router_topk_groups groups whose two best scores sum highest
+    router_groups: int = 1
+    router_topk_groups: int = 1
+    routed_scaling_factor: float = 1.0  # multiplies the routed experts' weights
+    shared_expert_gate: bool = True  # the shared expert's output is scaled by sigmoid(its gate logit)
+    # multi-token-prediction layers the checkpoint stores after the decoder's (layers.N.… for N at and past
+    # num_layers): not served, neither loaded nor priced
+    mtp_layers: int = 0
     # Gated DeltaNet (linear attention); zeros where no layer is linear attention
     linear_conv_kernel_dim: int = 0
     linear_num_key_heads: int = 0

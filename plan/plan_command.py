@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     model, free = _model_and_free_memory(args, req)
     spec = load_model_config(model)
     r = resolve(spec, req)
-    weights = resident_weight_bytes_from_checkpoint(model, r.dtype)
+    weights = resident_weight_bytes_from_checkpoint(model, r.dtype, spec)
     source = "safetensors"
     if weights is None:
         weights, source = resident_weight_bytes_from_shapes(spec, r.dtype), "shapes"

@@ -1,4 +1,4 @@
-"""`ferry make-tiny-model DIR --arch qwen3_moe|qwen3_5_moe [--seed N]`: the demo model and the tests' fixture.
+"""`ferry make-tiny-model DIR --arch NAME [--seed N]`: the demo model and the tests' fixture.
 
 Every family with a `tiny_config` (plan/model_families/) has one; transformers' classes it names write it.
 

@@ -8,6 +8,7 @@ DATA = Path(__file__).parent / "data"
 REAL_MODELS = DATA / "models"
 QWEN3_30B = REAL_MODELS / "qwen3-30b-a3b"
 QWEN3_6_35B = REAL_MODELS / "qwen3.6-35b-a3b"
+GLM_4_5_AIR = REAL_MODELS / "glm-4.5-air"
 
 
 def order_model():

@@ -43,6 +43,7 @@ def attention_fields(
         num_kv_heads=int(first(cfg, "num_key_value_heads", default=heads)),
         head_dim=int(first(cfg, "head_dim", default=hidden // max(heads, 1))),
         attention_bias=bool(cfg.get("attention_bias", False)),
+        attention_output_bias=bool(cfg.get("attention_bias", False)),
         attn_output_gate=bool(cfg.get("attn_output_gate", output_gate)),
         rope_theta=float(first(cfg, "rope_theta", default=rope.get("rope_theta", 10000.0))),
         partial_rotary_factor=float(

@@ -32,7 +32,8 @@ def decoder_shapes(spec: ModelSpec, mixers: Mapping[str, LayerShapes]) -> Shapes
 
 
 def attention_shapes(spec: ModelSpec, p: str) -> Shapes:
-    """Full attention with per-head q/k RMSNorms (and q_proj's output gate where `attn_output_gate`)."""
+    """Full attention with per-head q/k RMSNorms where `qk_norm` (and q_proj's output gate where
+    `attn_output_gate`), q/k/v biases where `attention_bias`, o_proj's where `attention_output_bias`."""
     h, nh, kvh, hd = spec.hidden_size, spec.num_attention_heads, spec.num_kv_heads, spec.head_dim
     a = p + "self_attn."
     shapes = {
@@ -40,13 +41,15 @@ def attention_shapes(spec: ModelSpec, p: str) -> Shapes:
         a + "k_proj.weight": (kvh * hd, h),
         a + "v_proj.weight": (kvh * hd, h),
         a + "o_proj.weight": (h, nh * hd),
-        a + "q_norm.weight": (hd,),
-        a + "k_norm.weight": (hd,),
     }
+    if spec.qk_norm:
+        shapes[a + "q_norm.weight"] = (hd,)
+        shapes[a + "k_norm.weight"] = (hd,)
     if spec.attention_bias:
         shapes[a + "q_proj.bias"] = (shapes[a + "q_proj.weight"][0],)
         shapes[a + "k_proj.bias"] = (kvh * hd,)
         shapes[a + "v_proj.bias"] = (kvh * hd,)
+    if spec.attention_output_bias:
         shapes[a + "o_proj.bias"] = (h,)
     return shapes
 
@@ -79,15 +82,19 @@ def gated_deltanet_with(spec: ModelSpec, p: str, in_proj: Shapes) -> Shapes:
 
 
 def moe_shapes(spec: ModelSpec, p: str) -> Shapes:
-    """The MoE block's router and its shared expert with that expert's sigmoid gate (routed experts excluded)."""
+    """The MoE block's router (with its choosing bias where `router_score_bias`) and its shared expert with,
+    where `shared_expert_gate`, that expert's sigmoid gate (routed experts excluded)."""
     h, m = spec.hidden_size, p + "mlp."
     shapes = {m + "gate.weight": (spec.num_experts, h)}
+    if spec.router_score_bias:
+        shapes[m + "gate.e_score_correction_bias"] = (spec.num_experts,)
     if spec.shared_expert_intermediate_size:
         si = spec.shared_expert_intermediate_size
         shapes[m + "shared_expert.gate_proj.weight"] = (si, h)
         shapes[m + "shared_expert.up_proj.weight"] = (si, h)
         shapes[m + "shared_expert.down_proj.weight"] = (h, si)
-        shapes[m + "shared_expert_gate.weight"] = (1, h)
+        if spec.shared_expert_gate:
+            shapes[m + "shared_expert_gate.weight"] = (1, h)
     return shapes
 
 

@@ -16,7 +16,7 @@ from ferry.shared.units import parse_bytes
 from ferry.shared.wire_keys import WireKeys, add_wire_keys_flag, check_exposure
 
 # the parsers' names (services/api/output_parsers.py registers them; kept here so --help stays light)
-TOOL_CALL_PARSERS = ("qwen", "hermes", "qwen25", "qwen3_coder", "none")  # one parser; vLLM's and SGLang's names
+TOOL_CALL_PARSERS = ("qwen", "hermes", "qwen25", "qwen3_coder", "glm45", "glm47", "none")  # one parser; vLLM's names
 REASONING_PARSERS = ("qwen3", "deepseek_r1", "none")
 
 DEFAULT_MAX_BODY = "4MiB"
@@ -112,8 +112,8 @@ def add_api_flags(parser: argparse.ArgumentParser) -> None:
         choices=TOOL_CALL_PARSERS,
         default="qwen",
         help="how tool calls are read from the model's output: qwen (default; <tool_call> blocks holding "
-        "JSON, as vLLM's hermes and SGLang's qwen25 read, or <function=...> XML, as qwen3_coder; "
-        "all three names are accepted) or none",
+        "JSON, as vLLM's hermes and SGLang's qwen25 read, <function=...> XML, as qwen3_coder, or GLM's "
+        "<arg_key>/<arg_value> pairs, as glm45 / glm47; all these names are accepted) or none",
     )
     g.add_argument(
         "--reasoning-parser",

@@ -1,9 +1,12 @@
-"""Tool calls in streamed output: Qwen's `<tool_call>…</tool_call>` blocks.
+"""Tool calls in streamed output: `<tool_call>…</tool_call>` blocks.
 
-Inside a block, either of the two formats Qwen models write (and chat templates render):
+Inside a block, any of the three formats the models write (each as its chat template renders it):
   JSON (Qwen2.5/Qwen3, vLLM's `hermes`):  {"name": "get_weather", "arguments": {"city": "Paris"}}
   XML (Qwen3-Coder/Qwen3.5, `qwen3_coder`): <function=get_weather><parameter=city>Paris</parameter></function>
-XML parameter values are text; they are converted to the type the tool's JSON schema gives them.
+  GLM (GLM-4.5/4.6/4.7, `glm45`): get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>
+XML parameter and GLM argument values are text; they are converted to the type the tool's JSON schema gives
+them. A GLM block is the function's name alone, then its arguments: with the request's tools known, a name
+that is not one of them is no call (a bare word is all it takes, so that is checked).
 
 Text that could start `<tool_call>` is held back until the next delta decides, as is whitespace
 right before a block (it separates the answer from the call, and is not part of either). A complete
@@ -25,6 +28,8 @@ from dataclasses import dataclass, field
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.S)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.S)
+_GLM_CALL = re.compile(r"([^\s<>{}\[\]\"]+)\s*(<arg_key>.*)?", re.S)
+_GLM_ARGUMENT = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)(?:</arg_value>|$)\s*", re.S)
 
 
 @dataclass
@@ -65,6 +70,8 @@ def parse_tool_call(body: str, schemas: dict[str, dict] | None = None) -> ToolCa
             value = value[:-1] if value.endswith("\n") else value
             args[key] = _convert(value, props.get(key))
         return ToolCall(name, args)
+    if not body.startswith(("{", "[")):
+        return _glm_call(body, schemas)
     try:
         obj = json.loads(body)
     except ValueError:
@@ -78,6 +85,20 @@ def parse_tool_call(body: str, schemas: dict[str, dict] | None = None) -> ToolCa
         except ValueError:
             return None
     return ToolCall(obj["name"], args) if isinstance(args, dict) else None
+
+
+def _glm_call(body: str, schemas: dict[str, dict] | None) -> ToolCall | None:
+    """A GLM block's inside (name, then <arg_key>/<arg_value> pairs, the last one possibly cut off) -> a call."""
+    m = _GLM_CALL.fullmatch(body)
+    if m is None or (schemas and m.group(1) not in schemas):
+        return None
+    props = ((schemas or {}).get(m.group(1)) or {}).get("properties", {})
+    args, rest = {}, m.group(2) or ""
+    for p in _GLM_ARGUMENT.finditer(rest):
+        args[p.group(1).strip()] = _convert(p.group(2), props.get(p.group(1).strip()))
+    if _GLM_ARGUMENT.sub("", rest):  # anything but argument pairs: not this format
+        return None
+    return ToolCall(m.group(1), args)
 
 
 def _partial_suffix(text: str, tag: str) -> int:

@@ -16,6 +16,7 @@ import structlog
 import torch
 
 from ferry.plan.costs import is_routed_expert, is_served
+from ferry.plan.model_spec import ModelSpec
 from ferry.services.worker.quantized_weight import group_quantized_tensors
 from ferry.shared.errors import ModelLoadError
 from ferry.shared.units import format_bytes
@@ -49,12 +50,12 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def resident_tensor(name: str) -> bool:
-    return is_served(name) and not is_routed_expert(name)
+def resident_tensor(name: str, spec: ModelSpec | None = None) -> bool:
+    return is_served(name, spec) and not is_routed_expert(name)
 
 
-def routed_expert_tensor(name: str) -> bool:
-    return is_served(name) and is_routed_expert(name)
+def routed_expert_tensor(name: str, spec: ModelSpec | None = None) -> bool:
+    return is_served(name, spec) and is_routed_expert(name)
 
 
 def iter_checkpoint_tensors(

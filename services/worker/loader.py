@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -56,7 +57,8 @@ def resident_weights(
     """Everything that stays on the GPU: embeddings, attention, norms, routers, shared experts, lm_head."""
     if files.load_format == "dummy":
         return iter_dummy_tensors(files.spec, dtype, device, routed_experts=False, progress=progress)
-    return iter_checkpoint_tensors(files.model_dir, resident_tensor, "loading weights", progress)
+    select = partial(resident_tensor, spec=files.spec)
+    return iter_checkpoint_tensors(files.model_dir, select, "loading weights", progress)
 
 
 def routed_expert_weights(
@@ -65,4 +67,5 @@ def routed_expert_weights(
     """Every routed expert's tensors, for the expert store (slots, or host banks when offloading)."""
     if files.load_format == "dummy":
         return iter_dummy_tensors(files.spec, dtype, device, routed_experts=True, progress=progress)
-    return iter_checkpoint_tensors(files.model_dir, routed_expert_tensor, "loading experts", progress)
+    select = partial(routed_expert_tensor, spec=files.spec)
+    return iter_checkpoint_tensors(files.model_dir, select, "loading experts", progress)

@@ -1,7 +1,8 @@
 """The fused MoE block on a real GPU at the published models' shapes (skipped without CUDA).
 
-Qwen3.6-35B-A3B (hidden 2048, 256 experts, top 8, renormalised, shared expert 512) and
-Qwen3-30B-A3B (128 experts, top 8, no shared expert), one MoE layer each, bf16, all resident:
+Qwen3.6-35B-A3B (hidden 2048, 256 experts, top 8, renormalised, shared expert 512),
+Qwen3-30B-A3B (128 experts, top 8, no shared expert) and GLM-4.5-Air (hidden 4096, 128 experts, top 8, the
+sigmoid router with its score bias, an ungated shared expert), one MoE layer each, bf16, all resident:
 * the router kernel against its twin on the same fused logits (same experts in the same order,
   weights and the shared gate's sigmoid within one bf16 rounding), both norm_topk_prob variants,
   ties, and token counts from one decode row to a prefill chunk, with one compiled variant;
@@ -23,15 +24,15 @@ import torch.nn.functional as F
 
 from ferry.kernels.expert_rows_sum import ExpertRows, sum_rows_triton
 from ferry.kernels.moe_combine import moe_combine_reference, moe_combine_triton, silu_mul_reference, silu_mul_triton
-from ferry.kernels.router_topk import _router_topk_kernel, mark_routed_triton, router_topk_triton
-from ferry.kernels.router_topk_reference import mark_routed_reference, router_topk_reference
+from ferry.kernels.router_topk import SigmoidRouting, _router_topk_kernel, mark_routed_triton, router_topk_triton
+from ferry.kernels.router_topk_reference import mark_routed_reference, router_topk_reference, sigmoid_topk_reference
 from ferry.plan import pool_layout as L
 from ferry.plan.model_config import parse_model_config
 from ferry.services.worker.layers.mlp import SparseMoeBlock
 from ferry.services.worker.layers.norms import make_norm
 from ferry.services.worker.offload.stores.resident import ResidentExperts
 from ferry.services.worker.pools import ExpertSlotPool, allocate_pool
-from tests.helpers import QWEN3_6_35B, QWEN3_30B
+from tests.helpers import GLM_4_5_AIR, QWEN3_6_35B, QWEN3_30B
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -42,11 +43,15 @@ BF16_ULP = 2**-7  # bf16 keeps 8 significant bits: one ulp is 2^-8 to 2^-7 of th
 def _one_layer_spec(model_dir: Path):
     raw = json.loads((model_dir / "config.json").read_text())
     text = raw.get("text_config", raw)
-    text.update(num_hidden_layers=1, layer_types=["full_attention"], mlp_only_layers=[])
+    text.update(num_hidden_layers=1, layer_types=["full_attention"], mlp_only_layers=[], first_k_dense_replace=0)
     return parse_model_config(raw)
 
 
-SPECS = {"qwen3.6-35b-a3b": lambda: _one_layer_spec(QWEN3_6_35B), "qwen3-30b-a3b": lambda: _one_layer_spec(QWEN3_30B)}
+SPECS = {
+    "qwen3.6-35b-a3b": lambda: _one_layer_spec(QWEN3_6_35B),
+    "qwen3-30b-a3b": lambda: _one_layer_spec(QWEN3_30B),
+    "glm-4.5-air": lambda: _one_layer_spec(GLM_4_5_AIR),
+}
 
 
 @pytest.fixture(scope="module", params=list(SPECS))
@@ -84,6 +89,25 @@ def test_router_kernel_matches_its_twin_on_the_fused_logits(block, norm):
             torch.testing.assert_close(shared.float(), want_shared.float(), rtol=BF16_ULP, atol=1e-3)
         else:
             assert shared is None
+
+
+@pytest.mark.parametrize("groups,topk_groups", [(1, 1), (8, 4)])
+def test_sigmoid_router_kernel_matches_its_twin_on_float32_logits(block, groups, topk_groups):
+    """The sigmoid router as TopKRouter's Triton path runs it (float32 logits), with the block's score bias,
+    and with DeepSeek-V3-style groups on the same logits."""
+    spec, moe, _ = block
+    if spec.router_scoring != "sigmoid":
+        pytest.skip("a softmax router")
+    bias = moe.gate.e_score_correction_bias
+    routing = SigmoidRouting(bias, groups, topk_groups, 2.5, torch.bfloat16)
+    for t in TOKENS:
+        logits = F.linear(_x(t, spec.hidden_size, t).float(), moe.gate.weight.float())
+        ids, w, shared = router_topk_triton(logits, spec.num_experts_per_tok, True, spec.num_experts, None, routing)
+        want_ids, want_w = sigmoid_topk_reference(
+            logits, spec.num_experts_per_tok, True, bias, groups, topk_groups, 2.5, torch.bfloat16
+        )
+        assert shared is None and torch.equal(ids, want_ids), f"T={t}"
+        torch.testing.assert_close(w.float(), want_w.float(), rtol=BF16_ULP, atol=1e-3)
 
 
 @pytest.mark.parametrize("norm", [True, False])

@@ -46,6 +46,14 @@ CASES = {
         ),
         1,
     ),
+    # the sigmoid router with groups and a score bias, an ungated shared expert, q/k/v biases: without q/k norms
+    # (the attention's torch rotary and K/V write) and with them (the fused norm + partial rotary kernel)
+    "glm4_moe-groups-bias-no-qk-norm": ("glm4_moe", {}, 4),
+    "glm4_moe-8e-4groups-qk-norm": (
+        "glm4_moe",
+        dict(num_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2, use_qk_norm=True),
+        1,
+    ),
     # the 11-token prompt in one step whose mixers run in slices of at most 4 (services/worker/mixer_slices.py)
     "qwen3_5_moe-mixer-slices": (
         "qwen3_5_moe",

@@ -125,6 +125,9 @@ BLOCK_CASES = [
     ("qwen3_5_moe", dict(num_experts=8, num_experts_per_tok=4), 17, 11),  # padding rows: not marked
     ("qwen3_next", dict(num_experts=6, num_experts_per_tok=2, norm_topk_prob=False), 3, None),
     ("qwen3_moe", dict(num_experts=8, num_experts_per_tok=3, norm_topk_prob=True), 3, 2),  # no shared expert
+    # the sigmoid router (float32 logits into the router kernel) and an ungated shared expert
+    ("glm4_moe", {}, 3, None),
+    ("glm4_moe", dict(num_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2), 17, 11),
 ]
 
 

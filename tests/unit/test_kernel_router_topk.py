@@ -117,3 +117,47 @@ def mark_runs():
 def test_marking_kernel_matches_the_scatter(mark_runs, index):
     want, got = mark_runs[index]
     assert torch.equal(got, want)
+
+
+# the sigmoid router: (T, E, k, norm_topk_prob, groups, topk_groups, scaling, bias?, weights' dtype, logits)
+SIGMOID_CASES = [
+    (1, 128, 8, True, 1, 1, 1.0, True, torch.bfloat16, "randn"),  # GLM-4.5-Air's router, one decode token
+    (17, 160, 8, True, 1, 1, 2.5, True, torch.bfloat16, "randn"),  # GLM-4.6's: E not a power of two
+    (17, 256, 8, True, 8, 4, 2.5, True, torch.bfloat16, "randn"),  # DeepSeek-V3's groups
+    (5, 32, 6, False, 4, 2, 1.5, True, torch.float32, "randn"),
+    (65, 16, 3, True, 2, 1, 1.0, False, torch.float32, "randn"),  # a prefill's grid, no bias
+    (17, 32, 4, True, 4, 2, 1.0, False, torch.float32, "ties"),  # tied scores, tied groups: lower ids win
+]
+
+
+@pytest.fixture(scope="module")
+def sigmoid_runs():
+    from ferry.kernels.router_topk_reference import sigmoid_topk_reference
+
+    calls, expected = [], []
+    for i, (t, e, k, norm, groups, chosen, scaling, has_bias, dtype, kind) in enumerate(SIGMOID_CASES):
+        logits = _logits(100 + i, t, e, False, torch.float32, kind)  # float32, as TopKRouter computes them
+        g = torch.Generator().manual_seed(200 + i)
+        bias = 0.5 * torch.randn(e, generator=g) if has_bias else None
+        expected.append(sigmoid_topk_reference(logits, k, norm, bias, groups, chosen, scaling, dtype))
+        out = (torch.full((t, k), -1, dtype=torch.int64), torch.full((t, k), float("nan"), dtype=dtype))
+        calls.append(((logits, k, norm, e, out, bias, groups, chosen, scaling, dtype), {}))
+    return list(zip(expected, run_interpreted("tests.unit.interpreted_router_marks", "sigmoid_route", calls)))
+
+
+@pytest.mark.parametrize(
+    "index",
+    range(len(SIGMOID_CASES)),
+    ids=[f"T{c[0]}-E{c[1]}-k{c[2]}-norm{c[3]}-groups{c[5]}of{c[4]}-bias{c[7]}-{c[9]}" for c in SIGMOID_CASES],
+)
+def test_sigmoid_router_kernel_matches_its_twin(sigmoid_runs, index):
+    (want_ids, want_w), (ids, w, shared) = sigmoid_runs[index]
+    t, e, k, norm, groups, chosen, scaling, _, dtype, _ = SIGMOID_CASES[index]
+    assert shared is None and ids.dtype == torch.int64 and w.dtype == dtype
+    assert torch.equal(ids, want_ids), (ids, want_ids)
+    if chosen < groups:  # every row's experts come from `chosen` groups
+        assert all(len({int(i) // (e // groups) for i in row}) <= chosen for row in ids)
+    tol = 1e-6 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(w.float(), want_w.float(), rtol=tol, atol=tol * scaling)
+    if norm:
+        torch.testing.assert_close(w.float().sum(-1), torch.full((t,), scaling), rtol=0, atol=k * tol * scaling)

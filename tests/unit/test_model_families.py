@@ -184,6 +184,7 @@ FAMILY_MODULES = (
     "plan/model_families/",
     "services/worker/models/qwen3_moe.py",
     "services/worker/models/qwen3_hybrid.py",
+    "services/worker/models/glm4_moe.py",
 )
 # which model to make is a choice, not a branch: the demo's model and make-tiny-model's default
 CHOICES = {("services/demo_model.py", "qwen3_moe"), ("services/make_tiny_model.py", "qwen3_moe")}

@@ -79,9 +79,29 @@ MODELS = [
         ),
         1,
     ),
+    # glm4_moe (tiny_models.py's GLM fields): two expert groups of which the top k come from one, a nonzero
+    # e_score_correction_bias, routed weights scaled by 2.5, a dense first layer, q/k/v biases, half of each
+    # head rotated
+    ("glm-groups-bias-dense1-p4", "glm4_moe", {}, 4),
+    (
+        "glm-8e-4groups-top3-qknorm-nonorm-p1",
+        "glm4_moe",
+        dict(
+            num_experts=8,
+            num_experts_per_tok=3,
+            n_group=4,
+            topk_group=2,
+            n_shared_experts=1,
+            use_qk_norm=True,
+            norm_topk_prob=False,
+            first_k_dense_replace=2,
+            num_hidden_layers=4,
+        ),
+        1,
+    ),
 ]
 IDS = [m[0] for m in MODELS]
-HYBRID = [m for m in MODELS if m[1] != "qwen3_moe"]
+HYBRID = [m for m in MODELS if m[1] in ("qwen3_next", "qwen3_5_moe")]
 
 
 def _pick(*indices):
@@ -115,7 +135,7 @@ def test_chunked_prefill_matches_transformers(name, arch, overrides, page_size):
     _check(hf, _prompt(70, seed=4), PagedRunner(spec, hf, page_size), chunks=[5, 1, 2, 40])
 
 
-@_pick(1, 3, 6)
+@_pick(1, 3, 6, 8)
 def test_prompt_in_uneven_chunks_matches_transformers(name, arch, overrides, page_size):
     hf, spec = tiny_model(arch, seed=5, **overrides)
     _check(hf, _prompt(37, seed=6), PagedRunner(spec, hf, page_size), chunks=[16, 1, 3])
@@ -152,7 +172,7 @@ def run_staggered_batch(ours: PagedRunner, prompts: dict[int, list[int]], joins:
     return {r: (torch.cat(s["prompt_logits"]), s["tokens"], torch.stack(s["step_logits"])) for r, s in state.items()}
 
 
-@_pick(0, 3, 6)
+@_pick(0, 3, 6, 7)
 def test_four_requests_batched_match_each_alone(name, arch, overrides, page_size):
     # seed 8: seed 7 puts a routing tie (top-4/5 probabilities 3e-9 apart) on one decode token of
     # q35-8e-top4, where any rounding difference legitimately picks another expert

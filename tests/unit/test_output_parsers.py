@@ -141,3 +141,52 @@ def test_parse_tool_call_bodies(body, name, args):
 @pytest.mark.parametrize("body", ['{"arguments": {}}', "[1, 2]", '{"name": "f", "arguments": 3}', "<function=f"])
 def test_parse_tool_call_refuses_what_is_not_a_call(body):
     assert parse_tool_call(body) is None
+
+
+def test_glm_calls_with_argument_pairs_typed_by_the_schema():
+    """GLM-4.5/4.6's template writes name, then <arg_key>/<arg_value> pairs on their own lines; GLM-4.7's
+    the same without the newlines; values are text, typed by the tool's schema."""
+    text = (
+        "<think>Weather.</think>Checking.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>New York"
+        "</arg_value>\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>"
+        "<tool_call>get_weather<arg_key>city</arg_key><arg_value>42</arg_value></tool_call>"
+    )
+    assert every_split(text, tool_calls="glm45") == [
+        ("Reasoning", "Weather."),
+        ("Text", "Checking."),
+        ("call", "get_weather", {"city": "New York", "days": 3}),
+        ("call", "get_weather", {"city": "42"}),  # a string by its schema, though it reads as a number
+    ]
+    # cut off inside a value: the call as far as it came; inside a key or the name: no call, no markup
+    assert every_split("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Par") == [
+        ("call", "get_weather", {"city": "Par"})
+    ]
+    assert every_split("<tool_call>get_weather\n<arg_key>ci") == []
+    assert every_split("<tool_call>get_wea") == []
+
+
+@pytest.mark.parametrize(
+    "body, name, args",
+    [
+        ("f", "f", {}),
+        ('f\n<arg_key>a</arg_key>\n<arg_value>{"k": [1]}</arg_value>\n', "f", {"a": {"k": [1]}}),
+        ("f<arg_key>a</arg_key><arg_value>x y</arg_value><arg_key>b</arg_key><arg_value>true</arg_value>", "f",
+         {"a": "x y", "b": True}),
+    ],
+)  # fmt: skip
+def test_parse_glm_tool_call_bodies(body, name, args):
+    call = parse_tool_call(body)
+    assert (call.name, call.arguments) == (name, args)
+
+
+@pytest.mark.parametrize(
+    "body, schemas",
+    [
+        ("get_time", WEATHER),  # a name that is not one of the request's tools
+        ("f is here", None),  # words, not a name and arguments
+        ("f\n<arg_key>a</arg_key> stray <arg_value>1</arg_value>", None),
+        ("f\n<arg_value>1</arg_value>", None),  # a value without its key
+    ],
+)
+def test_glm_bodies_that_are_not_calls_are_refused(body, schemas):
+    assert parse_tool_call(body, schemas) is None

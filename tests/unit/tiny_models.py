@@ -10,6 +10,8 @@ import math
 
 import torch
 from transformers import (
+    Glm4MoeConfig,
+    Glm4MoeForCausalLM,
     Qwen3_5MoeForCausalLM,
     Qwen3_5MoeTextConfig,
     Qwen3MoeConfig,
@@ -41,6 +43,17 @@ LINEAR = dict(
     shared_expert_intermediate_size=24,
 )
 
+GLM = dict(
+    n_shared_experts=2,
+    n_group=2,
+    topk_group=1,
+    routed_scaling_factor=2.5,
+    first_k_dense_replace=1,
+    attention_bias=True,
+    partial_rotary_factor=0.5,
+    norm_topk_prob=True,
+)
+
 
 def _config(arch: str, **overrides):
     fields = dict(COMMON, **overrides)
@@ -48,6 +61,14 @@ def _config(arch: str, **overrides):
         fields.setdefault("num_hidden_layers", 2)
         fields.setdefault("intermediate_size", 48)
         return Qwen3MoeConfig(**fields), Qwen3MoeForCausalLM
+    if arch == "glm4_moe":
+        fields["n_routed_experts"] = fields.pop("num_experts")
+        fields.setdefault("num_hidden_layers", 3)
+        fields.setdefault("intermediate_size", 48)
+        # every way its router and attention differ from qwen3_moe's: groups, a dense first layer, biases
+        for name, value in GLM.items():
+            fields.setdefault(name, value)
+        return Glm4MoeConfig(**fields), Glm4MoeForCausalLM
     fields = dict(LINEAR, **fields)
     fields.setdefault("num_hidden_layers", 3)
     default_types = ["linear_attention", "full_attention", "linear_attention"]
@@ -63,7 +84,8 @@ def _config(arch: str, **overrides):
 
 @torch.no_grad()
 def _redraw(model: torch.nn.Module, generator: torch.Generator) -> None:
-    for name, p in model.named_parameters():
+    biases = [(n, b) for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")]
+    for name, p in [*model.named_parameters(), *biases]:
         noise = torch.randn(p.shape, generator=generator)
         if name.endswith("norm.weight"):
             p.add_(0.2 * noise)  # around 1 (plain) or 0 (zero-centred), whichever the module uses
@@ -71,6 +93,9 @@ def _redraw(model: torch.nn.Module, generator: torch.Generator) -> None:
             p.copy_(1.0 + 0.5 * noise)
         elif name.endswith("A_log"):
             p.copy_(torch.empty(p.shape).uniform_(0.1, 3.0, generator=generator).log())
+        elif name.endswith("e_score_correction_bias"):
+            # a spread wider than the scores' differences: choosing with the bias picks other experts
+            p.copy_(0.3 * noise)
         elif name.endswith("embed_tokens.weight"):
             p.copy_(noise)
         elif p.dim() >= 2:

@@ -1,14 +1,15 @@
 """Full (softmax) attention over the paged KV pool.
 
-q/k get a per-head RMSNorm before RoPE; the new tokens' K/V are written to their pages first,
-then every new token attends causally to its request's context and new tokens, read through the
+q/k get a per-head RMSNorm before RoPE (where the spec's `qk_norm`); the new tokens' K/V are written
+to their pages first, then every new token attends causally to its request's context and new tokens, read through the
 request's page table (so a request only ever touches rows of its own pages). Hybrid models
 (`attn_output_gate`) have q_proj yield, per head, the query followed by a gate, and multiply the
 attention output by sigmoid(gate) before o_proj.
 
 q, k and v are row blocks of one weight (q_proj/k_proj/v_proj keep their checkpoint names as
 views of it), so the three projections are one GEMM. On CUDA the q/k norms, the rotary embedding and the K/V write are
-one Triton kernel (kernels/qk_norm_rope.py); the torch code below is the CPU path and that kernel's twin. An fp8 KV pool
+one Triton kernel (kernels/qk_norm_rope.py); the torch code below is the CPU path and that kernel's twin, and without
+q/k norms the path on every device (the kernel always normalises). An fp8 KV pool
 (--kv-cache-dtype fp8) hands both the layer's scales: the writes quantize, the attention dequantizes."""
 
 from __future__ import annotations
@@ -42,9 +43,11 @@ class PagedAttention(nn.Module):
         self._qkv_weight, self._qkv_bias, (self.q_proj, self.k_proj, self.v_proj) = _row_blocks_of_one_weight(
             h, self._splits, bias, dtype, device
         )
-        self.o_proj = nn.Linear(self.heads * self.head_dim, h, bias=bias, **kw)
-        self.q_norm = make_norm(spec.zero_centered_norms, self.head_dim, spec.rms_norm_eps, dtype, device)
-        self.k_norm = make_norm(spec.zero_centered_norms, self.head_dim, spec.rms_norm_eps, dtype, device)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, h, bias=spec.attention_output_bias, **kw)
+        self.q_norm = self.k_norm = None
+        if spec.qk_norm:
+            self.q_norm = make_norm(spec.zero_centered_norms, self.head_dim, spec.rms_norm_eps, dtype, device)
+            self.k_norm = make_norm(spec.zero_centered_norms, self.head_dim, spec.rms_norm_eps, dtype, device)
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         t = x.shape[0]
@@ -59,7 +62,7 @@ class PagedAttention(nn.Module):
         b = ctx.batch
         k_cache, v_cache = ctx.pools.kv.layer(self.layer_idx)
         k_scale, v_scale = ctx.pools.kv.layer_scales(self.layer_idx)  # None, None but in an fp8 pool
-        if use_triton(x):
+        if use_triton(x) and self.q_norm is not None:
             norm = self.q_norm
             q = qk_norm_rope_kv_triton(
                 q,
@@ -79,8 +82,10 @@ class PagedAttention(nn.Module):
                 v_scale=v_scale,
             )
         else:
-            q = self.rotary.apply(self.q_norm(q), ctx.cos, ctx.sin)
-            k = self.rotary.apply(self.k_norm(k), ctx.cos, ctx.sin)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q = self.rotary.apply(q, ctx.cos, ctx.sin)
+            k = self.rotary.apply(k, ctx.cos, ctx.sin)
             write_kv(k_cache, v_cache, b.slot_mapping, k, v, k_scale, v_scale)
         out = paged_attention(
             q.contiguous(),

@@ -28,8 +28,8 @@ from ferry.kernels.dispatch import use_triton
 from ferry.kernels.expert_pair_gemv import PAIR_KERNEL_MAX_PAIRS, expert_pair_rows_triton, use_pair_kernel
 from ferry.kernels.expert_rows_sum import ExpertRows
 from ferry.kernels.moe_combine import moe_combine, moe_combine_reference, silu_mul_triton
-from ferry.kernels.router_topk import router_topk_triton
-from ferry.kernels.router_topk_reference import router_topk_reference
+from ferry.kernels.router_topk import SigmoidRouting, router_topk_triton
+from ferry.kernels.router_topk_reference import router_topk_reference, sigmoid_topk_reference
 from ferry.plan.model_config import ModelSpec
 from ferry.services.worker.offload.stores.expert_store import ExpertStore
 
@@ -87,7 +87,12 @@ class DenseMLP(nn.Module):
 
 class TopKRouter(nn.Module):
     """softmax over all experts (float32), keep the top k, optionally renormalise them to sum to 1
-    (kernels/router_topk_reference.py says how); with a shared expert, also the sigmoid of its gate.
+    (kernels/router_topk_reference.py says how); with a shared expert's gate, also the sigmoid of that gate.
+
+    Or, where `spec.router_scoring` is "sigmoid", the sigmoid router: logits in float32 (as transformers
+    computes them), the top k chosen by score + `e_score_correction_bias` within the best expert groups,
+    weighted by the unbiased scores, renormalised, scaled (the same router kernel on the Triton path, its
+    twin `sigmoid_topk_reference` elsewhere).
 
     `logit_weight` holds every row the block computes from x before its experts: the E router rows,
     then the shared expert's gate row when there is one. `weight` is the router's [E, hidden] view
@@ -99,10 +104,18 @@ class TopKRouter(nn.Module):
         self.top_k = spec.num_experts_per_tok
         self.norm_topk_prob = spec.norm_topk_prob
         self.has_shared_gate = shared_gate
+        self.sigmoid = spec.router_scoring == "sigmoid"
+        self.groups, self.topk_groups = spec.router_groups, spec.router_topk_groups
+        self.routed_scaling_factor = spec.routed_scaling_factor
         rows = spec.num_experts + (1 if shared_gate else 0)
         self.logit_weight = nn.Parameter(
             torch.zeros(rows, spec.hidden_size, dtype=dtype, device=device), requires_grad=False
         )
+        self.e_score_correction_bias = None
+        if spec.router_score_bias:  # float32, as the checkpoints store it: it decides between close scores
+            self.e_score_correction_bias = nn.Parameter(
+                torch.zeros(spec.num_experts, dtype=torch.float32, device=device), requires_grad=False
+            )
 
     @property
     def weight(self) -> torch.Tensor:
@@ -114,16 +127,37 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(ids int64 [T, k], weights [T, k], sigmoid(shared gate logit) [T, 1] or None), x's dtype."""
-        if use_triton(x):  # one GEMV for the router and the shared gate, one kernel for the rest
-            return router_topk_triton(
-                dense_linear(x, self.logit_weight), self.top_k, self.norm_topk_prob, self.num_experts
+        if not use_triton(x):
+            return self.reference(x)
+        if self.sigmoid:  # float32 logits, one kernel for the rest
+            routing = SigmoidRouting(
+                self.e_score_correction_bias, self.groups, self.topk_groups, self.routed_scaling_factor, x.dtype
             )
-        return self.reference(x)
+            logits = F.linear(x.float(), self.weight.float())
+            ids, weights, _ = router_topk_triton(
+                logits, self.top_k, self.norm_topk_prob, self.num_experts, None, routing
+            )
+            shared = torch.sigmoid(F.linear(x, self.shared_gate_weight)) if self.has_shared_gate else None
+            return ids, weights, shared
+        # one GEMV for the router and the shared gate, one kernel for the rest
+        return router_topk_triton(dense_linear(x, self.logit_weight), self.top_k, self.norm_topk_prob, self.num_experts)
 
     def reference(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        ids, weights, _ = router_topk_reference(
-            F.linear(x, self.weight), self.top_k, self.norm_topk_prob, self.num_experts
-        )
+        if self.sigmoid:
+            ids, weights = sigmoid_topk_reference(
+                F.linear(x.float(), self.weight.float()),
+                self.top_k,
+                self.norm_topk_prob,
+                self.e_score_correction_bias,
+                self.groups,
+                self.topk_groups,
+                self.routed_scaling_factor,
+                x.dtype,
+            )
+        else:
+            ids, weights, _ = router_topk_reference(
+                F.linear(x, self.weight), self.top_k, self.norm_topk_prob, self.num_experts
+            )
         shared = torch.sigmoid(F.linear(x, self.shared_gate_weight)) if self.has_shared_gate else None
         return ids, weights, shared
 
@@ -133,7 +167,8 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.moe_layer = moe_layer  # index of this layer among the MoE layers: the store's key
         shared = spec.shared_expert_intermediate_size > 0
-        self.gate = TopKRouter(spec, dtype, device, shared_gate=shared)
+        gated = shared and spec.shared_expert_gate  # else the shared expert's output is added as it is
+        self.gate = TopKRouter(spec, dtype, device, shared_gate=gated)
         # a plain reference, never a registered submodule: the store's slots are not this model's parameters
         object.__setattr__(self, "experts", experts)
         self.shared_expert = None
@@ -141,6 +176,7 @@ class SparseMoeBlock(nn.Module):
         rows = {"gate.weight": slice(0, e)}
         if shared:
             self.shared_expert = DenseMLP(spec.hidden_size, spec.shared_expert_intermediate_size, dtype, device)
+        if gated:
             rows["shared_expert_gate.weight"] = slice(e, e + 1)
         self.checkpoint_rows = {"gate.logit_weight": rows}  # see DenseMLP
 
@@ -155,6 +191,8 @@ class SparseMoeBlock(nn.Module):
         out = self.experts.forward(self.moe_layer, x, ids, weights, n_rows=n_rows, summed=not shared and summed)
         if not shared:
             return out
+        if shared_gate is None:  # an ungated shared expert: the combine's gate is 1, which scales exactly
+            shared_gate = x.new_ones(x.shape[0], 1)
         if use_triton(x):
             return moe_combine(out, shared_gate, self.shared_expert.forward_rows(x))
         return moe_combine(out, shared_gate, self.shared_expert(x))
@@ -166,4 +204,6 @@ class SparseMoeBlock(nn.Module):
         out = self.experts.forward(self.moe_layer, x, ids, weights, n_rows=ctx.batch.real_tokens if ctx else None)
         if self.shared_expert is None:
             return out
+        if shared_gate is None:
+            shared_gate = x.new_ones(x.shape[0], 1)
         return moe_combine_reference(out, shared_gate, self.shared_expert.reference(x))

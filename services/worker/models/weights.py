@@ -14,8 +14,9 @@ qwen3_5_moe wrapper; `lm_head.weight` unprefixed):
   them (layers/mlp.py: `mlp.gate.weight` and `mlp.shared_expert_gate.weight` into the router's
   `gate.logit_weight`, `gate_proj.weight` and `up_proj.weight` into a dense MLP's `gate_up_proj`).
   Each is written into its row view, checked against the view's shape, and expected once.
-Vision-tower (`visual.`) and multi-token-prediction (`mtp.`) tensors are skipped: only the text
-model is served. Anything else, or anything missing at the end, raises WeightLoadError naming it.
+Vision-tower (`visual.`) and multi-token-prediction (`mtp.`, and the spec's `mtp_layers` stored as
+layers past the decoder's) tensors are skipped: only the text model is served. Anything else, or
+anything missing at the end, raises WeightLoadError naming it.
 
 Quantized linears arrive as one `QuantizedWeight` each (services/worker/quantized_weight.py): a
 routed expert's go to the store as they are (it keeps them in their format), every other one is
@@ -29,6 +30,7 @@ from collections.abc import Iterable
 
 import torch
 
+from ferry.plan.costs import is_served
 from ferry.services.worker.quantized_weight import QuantizedWeight
 from ferry.shared.errors import ModelLoadError
 
@@ -110,7 +112,7 @@ class _Loader:
     @torch.no_grad()
     def take(self, source: str, tensor: torch.Tensor) -> None:
         name = canonical_name(source)
-        if name is None:
+        if name is None or not is_served(source, self.spec):
             return
         if name == "lm_head.weight" and self.model.lm_head is None:
             return  # tied embeddings: the head is embed_tokens; a saved copy is redundant

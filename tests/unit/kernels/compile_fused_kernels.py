@@ -241,12 +241,22 @@ def moe_block_signatures(dtype: str) -> list:
         "ids_ptr": "*i64",
         "weights_ptr": f"*{dtype}",
         "shared_ptr": f"*{dtype}",
-        **ints("stride_t", "E"),
+        "bias_ptr": f"*{dtype}",  # unused: router_topk_triton passes the logits there
+        **ints("stride_t", "E", "group_size"),
+        "scaling": "fp32",
     }
     for norm in (False, True):
         for shared in (False, True):
             consts = {"TOP_K": 8, "NORM_TOPK": norm, "HAS_SHARED": shared, "BLOCK_E": 256, "BLOCK_K": 8}
+            consts.update(SIGMOID=False, HAS_BIAS=False, GROUPS=1, TOPK_GROUPS=1, BLOCK_G=1)  # as launched
             out.append((f"router_topk[{dtype}, norm={norm}, shared={shared}]", _router_topk_kernel, router, consts))
+    # the sigmoid router (float32 logits): GLM-4.6's 160 experts in one group, DeepSeek-V3's 4 of 8 groups
+    sigmoid_router = dict(router, logits_ptr="*fp32", bias_ptr="*fp32")
+    for groups, topk_groups in ((1, 1), (8, 4)):
+        consts = {"TOP_K": 8, "NORM_TOPK": True, "HAS_SHARED": False, "BLOCK_E": 256, "BLOCK_K": 8, "SIGMOID": True}
+        consts.update(HAS_BIAS=True, GROUPS=groups, TOPK_GROUPS=topk_groups, BLOCK_G=groups)
+        name = f"router_topk[{dtype}, sigmoid, groups={topk_groups}of{groups}]"
+        out.append((name, _router_topk_kernel, sigmoid_router, consts))
     mark = {"ids_ptr": "*i64", "n_rows_ptr": "*i32", "table_ptr": "*i32", **ints("stride_t", "layer", "E")}
     for has_n_rows in (False, True):
         out.append(

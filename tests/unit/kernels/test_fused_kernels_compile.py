@@ -12,8 +12,10 @@ def test_fused_and_paged_attention_kernels_compile_for_hopper():
     # 14 norm / rotary / attention kernels per dtype (the norm also summing a MoE block's rows, paged attention's
     # decode is split + combine, its prefill at two head sizes), 9 MoE block kernels (router, marking, SiLU-and-mul,
     # combine, combine summing rows) per dtype, 2 Gated DeltaNet decode kernels and the prefill's 2 conv kernels per
-    # dtype; and for bf16 on an fp8 KV pool, the K/V write, decode, prefill at both head sizes and the flash gather
-    assert len(results) == 28 + 18 + 8 + 5
+    # dtype; the sigmoid router (one group, 4 of 8 groups) per dtype; and for bf16 on an fp8 KV pool, the K/V write,
+    # decode, prefill at both head sizes and the flash gather
+    assert len(results) == 28 + 18 + 8 + 5 + 4
+    assert sum("sigmoid" in name for name in results) == 4
     assert sum("fp8 kv" in name for name in results) == 5
     assert sum(name.startswith("gated_deltanet_") for name in results) == 8
     assert any(name.startswith("router_topk[") for name in results)

@@ -1,0 +1,96 @@
+"""glm4_moe (GLM-4.5, GLM-4.5-Air, GLM-4.6, GLM-4.7): full attention in every layer, a routed MoE block with
+an always-on shared expert after the first `first_k_dense_replace` dense layers, plain RMSNorms.
+
+What it computes differently from qwen3_moe, each a generic ModelSpec field:
+  * the router scores experts by sigmoid (not softmax), adds the per-expert `e_score_correction_bias` for
+    choosing only (the weights are the unbiased scores), chooses among the `topk_group` of `n_group` expert
+    groups whose two best scores sum highest, renormalises (`norm_topk_prob`) and scales the weights by
+    `routed_scaling_factor`;
+  * `n_shared_experts` shared experts are one dense MLP of `moe_intermediate_size * n_shared_experts`, added
+    without a gate (checkpoint name `mlp.shared_experts.`);
+  * attention has q/k/v biases where `attention_bias` (o_proj never), q/k RMSNorms only where `use_qk_norm`,
+    and rotates the first `partial_rotary_factor` (default 0.5) of each head, half-split (rotate_half) as
+    transformers' Glm4MoeAttention does;
+  * experts are counted by `n_routed_experts`.
+The checkpoints append `num_nextn_predict_layers` multi-token-prediction layers after the decoder's
+(`model.layers.46.…` in GLM-4.5-Air): Ferry does not serve them, so their tensors are skipped on load and
+the planner does not price them (`ModelSpec.mtp_layers`).
+The worker's half: services/worker/models/glm4_moe.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ferry.plan.model_families import ModelFamily, register
+from ferry.plan.model_families.spec_fields import attention_fields, first, mlp_fields, require
+from ferry.plan.model_families.weight_shapes import attention_shapes, decoder_shapes
+from ferry.plan.model_spec import FULL_ATTENTION, ModelSpec
+
+# the shared expert's name in GLM's checkpoints; Ferry's MoE block (and weight_shapes) call it `shared_expert.`
+SHARED_EXPERTS = ".mlp.shared_experts."
+SHARED_EXPERT = ".mlp.shared_expert."
+
+
+def spec_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
+    num_layers = int(require(cfg, "num_hidden_layers", where))
+    experts = int(first(cfg, "n_routed_experts", "num_local_experts", "num_experts", default=0))
+    dense_first = int(first(cfg, "first_k_dense_replace", default=1))
+    attention = attention_fields(cfg, where, partial_rotary_factor=0.5, output_gate=False)
+    mlp = mlp_fields(cfg, norm_topk_prob=True, shared_expert=False)
+    moe_intermediate = mlp["moe_intermediate_size"]
+    return dict(
+        layer_types=(FULL_ATTENTION,) * num_layers,
+        moe_layers=tuple(experts > 0 and i >= dense_first for i in range(num_layers)),
+        **dict(attention, attention_output_bias=False, qk_norm=bool(cfg.get("use_qk_norm", False))),
+        **dict(
+            mlp,
+            num_experts=experts,
+            shared_expert_intermediate_size=moe_intermediate * int(first(cfg, "n_shared_experts", default=1)),
+        ),
+        shared_expert_gate=False,
+        router_scoring="sigmoid",
+        router_score_bias=True,
+        router_groups=int(first(cfg, "n_group", default=1)),
+        router_topk_groups=int(first(cfg, "topk_group", default=1)),
+        routed_scaling_factor=float(first(cfg, "routed_scaling_factor", default=1.0)),
+        mtp_layers=int(first(cfg, "num_nextn_predict_layers", "num_mtp_layers", default=0)),
+    )
+
+
+def checkpoint_name(name: str) -> str:
+    """A name as weight_shapes writes it -> as GLM's checkpoints store it."""
+    return name.replace(SHARED_EXPERT, SHARED_EXPERTS)
+
+
+def resident_weight_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    shapes = decoder_shapes(spec, {FULL_ATTENTION: attention_shapes})
+    return {checkpoint_name(name): shape for name, shape in shapes.items()}
+
+
+register(
+    ModelFamily(
+        name="glm4_moe",
+        model_types=("glm4_moe",),
+        architectures=("Glm4MoeForCausalLM",),
+        spec_fields=spec_fields,
+        resident_weight_shapes=resident_weight_shapes,
+        # a dense first layer, two expert groups of which the top k come from one, q/k/v biases, half of
+        # each head rotated, routed weights scaled
+        tiny_config=dict(
+            num_hidden_layers=3,
+            intermediate_size=128,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=2.5,
+            first_k_dense_replace=1,
+            attention_bias=True,
+            partial_rotary_factor=0.5,
+            norm_topk_prob=True,
+            rope_theta=10000.0,
+            num_nextn_predict_layers=0,
+        ),
+        reference_classes=("Glm4MoeConfig", "Glm4MoeForCausalLM"),
+    )
+)
