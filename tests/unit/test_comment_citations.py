@@ -75,3 +75,17 @@ def test_the_scan_catches_each_kind_of_citation(tmp_path):
 def test_product_code_cites_no_notebook_card_issue_or_missing_bench_file():
     found = [hit for path in product_files() for hit in citations(path)]
     assert not found, "state the rule and its reason instead:\n" + "\n".join(found)
+
+
+def test_the_docs_name_only_files_of_the_tree():
+    """README and docs point readers at bench/ and tools/ files: each one named must exist (a retired probe or the
+    retired notebook is history, not a reference)."""
+    paths = re.compile(r"\b(?:bench|tools)/[\w./-]+\.(?:py|sh|c|json|md)")
+    docs = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), *sorted(REPO.glob("*/README.md"))]
+    missing = [
+        f"{doc.relative_to(REPO)}: {m.group(0)}"
+        for doc in docs
+        for m in paths.finditer(doc.read_text())
+        if not (REPO / m.group(0).rstrip(".")).exists()
+    ]
+    assert not missing, "\n".join(missing)
