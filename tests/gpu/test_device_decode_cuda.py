@@ -123,8 +123,15 @@ def test_the_gpu_unpacks_the_mapped_packed_banks_bit_for_bit(cuda_device):
 
 
 def _boot(model_dir, dtype, *flags):
+    """A worker on the GPU. Its experts are computed on the GPU alone unless `flags` name an --expert-backend: the
+    tests compare paths token for token, bit for bit, and under auto a boot calibration skewed by a busy host
+    (other test processes) can hand decode layers' misses to the host, whose rounding differs (a bf16 token
+    flipped so); the host's share is compared where its costs are forced (the float32 host-share variants)."""
     from ferry.services.worker.boot import boot_worker
     from ferry.services.worker.flags import add_worker_flags, boot_config_from_args
+
+    if "--expert-backend" not in flags:
+        flags = (*flags, "--expert-backend", "gpu")
 
     parser = argparse.ArgumentParser()
     add_worker_flags(parser)
