@@ -23,8 +23,10 @@
 #                (peer_compare_<card>.json). FreeToken's wheels come in .peer/, installed into /tmp/ft, its
 #                PYTHONPATH alone. PEER_ARGS passes more flags (e.g. "--ferry-load-format auto"); the checkpoint
 #                (~20 GB in $TMPDIR) is reused by a second call on the same warm machine                ~9 min
-#   PART=peercuts the decode suite's 12-layer and hybrid cuts (bf16 at 12 GiB, 512 / 640 slots) beside FreeToken with the
-#                same slots: TTFT-2k and one stream (peer_compare_<card>_<N>layers_bf16.json); .peer as for PART=peer ~9.5 min
+#   PART=peercuts a decode-suite cut (bf16 at 12 GiB, its slots) beside FreeToken with the same slots: TTFT-2k and one
+#                stream (peer_compare_<card>_<N>layers_bf16.json); PEER_CUTS=12layer (default) or hybrid8, one a call:
+#                a cut's checkpoint, Ferry's boot and FreeToken's (90-120 s, its graphs and warm-up) take ~6-8 min;
+#                .peer as for PART=peer
 #   PART=long    the 262k-token TTFT (decode_suite's long_context_36b; LONG_VARIANTS picks its variants)  ~4-5 min a variant
 #   PART=ttft    the 12-layer and hybrid cuts' served TTFT-2k phase by phase (bench/ttft_path.py), with the
 #                arrival hold and without                                                               ~6 min
@@ -69,7 +71,7 @@ part_cost() {
     suite) echo 540 ;;  # six boots (~45 s each) and their 128-token decodes
     long) echo $(( 180 * $(n_variants "$LONG_VARIANTS") )) ;;  # ~165 s a variant, with two repeats of each decode
     peer) echo 570 ;;  # a 20 GB checkpoint written, two engines booted and measured (peer_compare's --budget-s 500)
-    peercuts) echo 580 ;;  # two cuts' checkpoints, each served by both engines (--budget-s 270 a cut)
+    peercuts) echo 560 ;;  # a cut's checkpoint, served by both engines (--budget-s 540)
     prof) echo 330 ;;  # three boots (the full-size 35B ~100 s, each cut ~40 s) and their profiled steps
     ttft) echo 360 ;;  # four boots of a cut (~45 s each) and their lone prompts
     *) echo 240 ;;
@@ -174,9 +176,13 @@ PY
       build_host_kernel
       python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/ft .peer/*.whl \
         > "$OUT/peer_install.log" 2>&1 || echo "FreeToken's wheels did not install (peer_install.log)"
-      for cut in "qwen3-30b-a3b 12 512" "qwen3.6-35b-a3b 8 640"; do
-        set -- $cut
-        timeout 285 python3 bench/peer_compare.py --out "$OUT" --freetoken-site /tmp/ft --budget-s 270 \
+      for cut in ${PEER_CUTS:-12layer}; do
+        case "$cut" in
+          12layer) set -- qwen3-30b-a3b 12 512 ;;
+          hybrid8) set -- qwen3.6-35b-a3b 8 640 ;;
+          *) echo "PEER_CUTS: $cut is not 12layer or hybrid8"; continue ;;
+        esac
+        timeout 560 python3 bench/peer_compare.py --out "$OUT" --freetoken-site /tmp/ft --budget-s 540 \
           --config "tests/data/models/$1/config.json" --num-layers "$2" --format bf16 --memory-line 12GiB \
           --streams 1 --repeats 2 --ferry-args "--moe-cache-size $3 --max-running-requests 8" \
           --freetoken-args "--moe-cache-size $3" > "$OUT/peer_compare_$1_$2.log" 2>&1; echo "peer $1 $2 rc=$?"
