@@ -61,9 +61,8 @@ def test_random_weights_load_as_a_checkpoint_and_match_the_dummy_recipe(tiny_mod
     assert "model.layers.0.mlp.experts.3.down_proj.weight" in index["weight_map"]  # the per-expert layout
 
 
-def test_a_multimodal_wrappers_random_nvfp4_weights_carry_the_published_names_and_load(tiny_models, tmp_path):
-    # Qwen3.5/3.6 (a config with text_config): `model.language_model.` as nvidia's NVFP4 releases, which FreeToken's
-    # expert reader matches exactly; Ferry reads them back as the same model
+def _qwen36_wrapper(tiny_models, tmp_path):
+    """config.json of the tiny qwen3_5_moe wrapped as Qwen3.5/3.6's published multimodal config (text_config)."""
     text = json.loads((tiny_models["qwen3_5_moe"] / "config.json").read_text())
     wrapper = {
         "architectures": ["Qwen3_5MoeForConditionalGeneration"],
@@ -72,7 +71,13 @@ def test_a_multimodal_wrappers_random_nvfp4_weights_carry_the_published_names_an
         "text_config": {**text, "model_type": "qwen3_5_moe_text"},
     }
     (tmp_path / "config.json").write_text(json.dumps(wrapper))
-    out = write_bench_model(tmp_path / "q", tmp_path / "config.json")
+    return tmp_path / "config.json"
+
+
+def test_a_multimodal_wrappers_random_nvfp4_weights_carry_the_published_names_and_load(tiny_models, tmp_path):
+    # Qwen3.5/3.6 (a config with text_config): `model.language_model.` as nvidia's NVFP4 releases, which FreeToken's
+    # expert reader matches exactly; Ferry reads them back as the same model
+    out = write_bench_model(tmp_path / "q", _qwen36_wrapper(tiny_models, tmp_path))
     write_random_weights(out, dtype="float32", fmt="nvfp4")
     names = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     experts = [n for n in names if ".mlp.experts." in n]
@@ -86,18 +91,6 @@ def test_a_multimodal_wrappers_random_nvfp4_weights_carry_the_published_names_an
     got = {canonical_name(n): t for n, t in resident_weights(files, torch.float32, "cpu", progress=False)}
     want = {canonical_name(n): t for n, t in iter_dummy_tensors(files.spec, torch.float32, "cpu", routed_experts=False)}
     assert got.keys() == want.keys() and torch.equal(got["embed_tokens.weight"], want["embed_tokens.weight"])
-
-
-def _qwen36_wrapper(tiny_models, tmp_path):
-    text = json.loads((tiny_models["qwen3_5_moe"] / "config.json").read_text())
-    wrapper = {
-        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
-        "model_type": "qwen3_5_moe",
-        "tie_word_embeddings": False,
-        "text_config": {**text, "model_type": "qwen3_5_moe_text"},
-    }
-    (tmp_path / "config.json").write_text(json.dumps(wrapper))
-    return tmp_path / "config.json"
 
 
 def _checkpoint(out):
