@@ -51,7 +51,7 @@ def prefill_flops(spec, prompt_len: int, dtype: str = "bfloat16") -> dict:
     weight but the embeddings and lm_head, which a prefill reads once for its last row; the k routed experts)
     and causal attention in the full-attention layers."""
     from ferry.plan.costs import resident_weight_bytes_from_shapes
-    from ferry.plan.model_config import DTYPE_BYTES
+    from ferry.plan.dtypes import DTYPE_BYTES
 
     h, v = spec.hidden_size, spec.vocab_size
     resident_params = resident_weight_bytes_from_shapes(spec, dtype) / DTYPE_BYTES[dtype]

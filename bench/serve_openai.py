@@ -235,7 +235,8 @@ def hbm_bytes_per_token(config_dir: str, context: float) -> tuple[float, int]:
     """(bytes a single-stream decode step must read from HBM at least, bytes of one expert)."""
     from ferry.plan import pool_layout as L
     from ferry.plan.costs import resident_weight_bytes_from_shapes
-    from ferry.plan.model_config import DTYPE_BYTES, load_model_config
+    from ferry.plan.dtypes import DTYPE_BYTES
+    from ferry.plan.model_config import load_model_config
 
     spec = load_model_config(config_dir)
     dtype = spec.dtype

@@ -11,7 +11,8 @@ import re
 import struct
 from pathlib import Path
 
-from ferry.plan.model_config import DTYPE_BYTES, ModelSpec
+from ferry.plan.dtypes import DTYPE_BYTES
+from ferry.plan.model_config import ModelSpec
 from ferry.plan.model_families import family_of
 from ferry.plan.quantization import DROPPED_SUFFIXES, SCALE_SUFFIXES, WEIGHT_SUFFIXES
 from ferry.shared.errors import ModelLoadError

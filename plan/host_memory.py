@@ -11,7 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ferry.plan import expert_formats as F
-from ferry.plan.model_config import DTYPE_BYTES, ModelSpec
+from ferry.plan.dtypes import DTYPE_BYTES
+from ferry.plan.model_config import ModelSpec
 from ferry.shared.units import GiB
 
 # Host memory the banks must leave to everything else (the worker, the page cache of a checkpoint

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ferry.plan.dtypes import normalize_dtype
 from ferry.plan.model_families import family_for_config
 from ferry.plan.model_families.spec_fields import GATED_DELTANET_FIELDS, first, require
 from ferry.plan.model_spec import FULL_ATTENTION, LINEAR_ATTENTION, ModelSpec
@@ -20,24 +21,12 @@ from ferry.plan.quantization import parse_quantization
 from ferry.shared.errors import ConfigError
 
 __all__ = [
-    "DTYPE_BYTES",
     "FULL_ATTENTION",
     "LINEAR_ATTENTION",
     "ModelSpec",
     "load_model_config",
-    "normalize_dtype",
     "parse_model_config",
 ]
-
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
-
-
-def normalize_dtype(name: str) -> str:
-    name = DTYPE_ALIASES.get(str(name).lower().removeprefix("torch."), str(name).lower().removeprefix("torch."))
-    if name not in DTYPE_BYTES:
-        raise ConfigError(f"unsupported dtype {name!r}: use one of {', '.join(DTYPE_BYTES)} (--dtype)")
-    return name
 
 
 def parse_model_config(

@@ -21,6 +21,7 @@ from typing import Callable
 from ferry.plan import expert_formats as F
 from ferry.plan import host_memory as H
 from ferry.plan import pool_layout as L
+from ferry.plan.dtypes import normalize_dtype
 from ferry.plan.expert_backend import (
     ExpertBackendPlan,
     check_expert_backend_flags,
@@ -206,8 +207,6 @@ class Resolved:
 
 
 def resolve(spec: ModelSpec, req: PlanRequest) -> Resolved:
-    from ferry.plan.model_config import normalize_dtype
-
     dtype = normalize_dtype(req.dtype) if req.dtype and req.dtype != "auto" else spec.dtype
     page_size = req.page_size if req.page_size is not None else DEFAULT_PAGE_SIZE
     max_model_len = req.max_model_len if req.max_model_len is not None else spec.max_position_embeddings

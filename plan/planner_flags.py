@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from ferry.plan.dtypes import DTYPE_BYTES, normalize_dtype
 from ferry.plan.expert_backend import EXPERT_BACKENDS, RESERVED_CORES
 from ferry.plan.host_memory import BANK_FORMATS
-from ferry.plan.model_config import DTYPE_BYTES, normalize_dtype
 from ferry.plan.planner import DEFAULT_MEMORY_RATIO, PlanRequest
 from ferry.plan.pool_layout import KV_CACHE_DTYPES
 from ferry.shared.errors import ConfigError

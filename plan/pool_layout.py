@@ -15,7 +15,8 @@ import math
 from dataclasses import dataclass
 
 from ferry.plan import expert_formats as F
-from ferry.plan.model_config import DTYPE_BYTES, ModelSpec
+from ferry.plan.dtypes import DTYPE_BYTES
+from ferry.plan.model_config import ModelSpec
 from ferry.shared.units import MiB, round_up
 
 POOL_ALIGN = 2 * MiB

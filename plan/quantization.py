@@ -30,6 +30,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from ferry.plan.expert_formats import registry
+from ferry.plan.expert_formats.fp8_block import FP8_BLOCKS
 from ferry.shared.errors import ConfigError
 
 # The tensors beside a quantized linear's weight, by their last name component (the checkpoints'
@@ -101,15 +103,8 @@ def _unsupported_algo(source: str, algo: Any, what: str = "quant_algo") -> Confi
     return ConfigError(f"{source}: modelopt {what} {algo!r} is not supported; Ferry serves {SUPPORTED}")
 
 
-# The `fp8` quant_method's one scheme served: e4m3 weights under 128 x 128 block scales
-FP8_BLOCKS = "e4m3 128x128"
-
-
 def _expert_format(method: str, algo: str) -> str:
     """The expert format (plan/expert_formats) that holds routed experts quantized with `algo` under `method`."""
-    # imported here: plan/expert_formats reads the model config, which imports this module
-    from ferry.plan.expert_formats import registry
-
     fmt = registry.for_checkpoint(method, algo)
     if fmt is None:
         raise ConfigError(f"quant_method {method} quant_algo {algo}: no expert format holds such routed experts")

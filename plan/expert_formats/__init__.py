@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ferry.plan.dtypes import DTYPE_BYTES
 from ferry.plan.expert_formats import bf16, bf16_packed, fp8_block, nvfp4  # noqa: F401 (importing one registers it)
 from ferry.plan.expert_formats.bf16 import BF16
 from ferry.plan.expert_formats.bf16_packed import BF16_PACKED
@@ -52,7 +53,6 @@ from ferry.plan.expert_formats.registry import (
     registered,
     unquantized,
 )
-from ferry.plan.model_config import DTYPE_BYTES
 
 if TYPE_CHECKING:
     from ferry.plan.model_spec import ModelSpec

@@ -13,11 +13,12 @@ worker class."""
 from __future__ import annotations
 
 from ferry.plan.expert_formats.registry import CHECKPOINT_BF16_LINEARS, ExpertFormat, register
-from ferry.plan.quantization import FP8_BLOCKS
 from ferry.shared.units import ceil_div
 
 FP8_BLOCK = "fp8-block"
 FP8_BLOCK_SIZE = 128  # rows and columns per float32 scale
+# the quant_algo Ferry names the `fp8` quant_method's one scheme (e4m3 weights under 128 x 128 block scales)
+FP8_BLOCKS = "e4m3 128x128"
 # linears a checkpoint written in this layout keeps bf16 besides CHECKPOINT_BF16_LINEARS and lm_head:
 # the Gated DeltaNet's in_proj_b / in_proj_a (Qwen's releases list them in modules_to_not_convert)
 CHECKPOINT_BF16 = (".in_proj_b.weight", ".in_proj_a.weight", ".in_proj_ba.weight")

@@ -24,7 +24,8 @@ import torch
 
 from ferry.plan import pool_layout as L
 from ferry.plan.costs import rows_beyond_longest_step
-from ferry.plan.model_config import DTYPE_BYTES, ModelSpec
+from ferry.plan.dtypes import DTYPE_BYTES
+from ferry.plan.model_config import ModelSpec
 from ferry.plan.planner import Resolved
 from ferry.services.worker.expert_formats import expert_format_for
 from ferry.services.worker.forward_batch import ForwardBatch

@@ -25,7 +25,7 @@ REGISTRY = (
 FLAG_KEYWORDS = ("choices", "default")
 # (file, constant): why that constant is not a format's name
 NOT_FORMATS = {
-    ("plan/model_config.py", "bf16"): "--dtype's short spelling of bfloat16 (DTYPE_ALIASES)",
+    ("plan/dtypes.py", "bf16"): "--dtype's short spelling of bfloat16 (DTYPE_ALIASES)",
 }
 
 
