@@ -20,6 +20,9 @@ the same layout). `QuantizedFamily` holds the typed strided views of those parts
   blocks at the edges included. w[o, i] = float(q[o, i]) * scale[row_block(o), i // 128] with
   row_block(o) = (o // part_rows) * ceil(part_rows / 128) + (o % part_rows) // 128.
 
+* **GGUF blocks** (a GGUF file's experts, `ggml_type` set): `q` uint8 [S, O, row bytes], the file's blocks
+  unchanged, their scales inside; no Triton kernel reads them yet, only the twin (kernels/gguf_blocks.py).
+
 Dequantization is computed in float32 and rounded once to the activations' dtype; the kernels do
 the same per element, so the reference (dequantize the slot, then the plain reference GEMM:
 `quantized_expert_rows_reference`, kernels/grouped_expert_gemm_reference.py) is their twin.
@@ -34,6 +37,7 @@ import torch
 
 # the formats' names and constants have one owner, the torch-free layout module
 from ferry.plan.expert_formats import E2M1_VALUES, FP8_BLOCK, FP8_BLOCK_SIZE, NVFP4, NVFP4_GROUP  # noqa: F401
+from ferry.kernels.gguf_blocks import dequantize_rows
 from ferry.shared.units import ceil_div
 
 
@@ -48,8 +52,9 @@ class QuantizedFamily:
     cols: int
     part_rows: int
     q: torch.Tensor
-    scale: torch.Tensor
+    scale: torch.Tensor | None = None  # None: GGUF blocks keep their scales inside `q`
     gscale: torch.Tensor | None = None
+    ggml_type: str | None = None  # GGUF blocks (kernels/gguf_blocks.py): `q` [S, O, row bytes] of this type
 
     @property
     def num_slots(self) -> int:
@@ -106,6 +111,8 @@ def dequantize_fp8_blocks(q: torch.Tensor, scale: torch.Tensor, part_rows: int, 
 
 def dequantize_slot(family: QuantizedFamily, slot: int, dtype: torch.dtype) -> torch.Tensor:
     """Slot `slot`'s weights as a dense [O, IN] tensor of `dtype` (float32 math, one rounding)."""
+    if family.ggml_type is not None:
+        return dequantize_rows(family.q[slot], family.ggml_type, dtype)
     if family.fmt == NVFP4:
         return dequantize_nvfp4(family.q[slot], family.scale[slot], family.gscale[slot], dtype)
     if family.fmt == FP8_BLOCK:

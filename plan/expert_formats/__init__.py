@@ -1,6 +1,6 @@
 """Expert formats: how the routed experts are held in host RAM, in their GPU slots and across PCIe.
 
-One concept, four formats (docs/ARCHITECTURE.md §3, "Expert formats"), one module each here (the plan's
+One concept, several formats (docs/ARCHITECTURE.md §3, "Expert formats"), one module each here (the plan's
 side: torch-free) and one each under services/worker/expert_formats/ (the worker's: torch):
 
 | format | host banks | slots | what one copy moves |
@@ -9,6 +9,7 @@ side: torch-free) and one each under services/worker/expert_formats/ (the worker
 | `bf16-packed` | 12 bits a value, lossless | the run dtype | 4.5 I H bytes, unpacked as it lands |
 | `nvfp4` | as the slots hold them | e2m1 codes + float8 group scales + per-row fp32 scales | ~1.69 I H bytes |
 | `fp8-block` | as the slots hold them | float8_e4m3fn + fp32 128x128 block scales | ~3 I H bytes |
+| `gguf-q8_0`, `gguf-q4_k`, `gguf-q5_k`, `gguf-q6_k` | as the slots hold them | the GGUF file's blocks | 3.19 / 1.69 / 2.06 / 2.46 I H bytes |
 
 (`bf16` is the unquantized format in whatever dtype the model runs: float32 in the CPU tests.)
 The quantized formats keep each weight family of an expert (w13 = [gate; up], w2 = down) as one row
@@ -32,7 +33,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ferry.plan.dtypes import DTYPE_BYTES
-from ferry.plan.expert_formats import bf16, bf16_packed, fp8_block, nvfp4  # noqa: F401 (importing one registers it)
+from ferry.plan.expert_formats import (  # noqa: F401 (importing one registers it)
+    bf16,
+    bf16_packed,
+    fp8_block,
+    gguf_q4_k,
+    gguf_q5_k,
+    gguf_q6_k,
+    gguf_q8_0,
+    nvfp4,
+)
 from ferry.plan.expert_formats.bf16 import BF16
 from ferry.plan.expert_formats.bf16_packed import BF16_PACKED
 from ferry.plan.expert_formats.fp8_block import FP8_BLOCK, FP8_BLOCK_SIZE
