@@ -39,8 +39,9 @@ ARCHS = tuple(sorted(TINY_FAMILIES))
 TINY_CONFIGS = {name: dict(COMMON, **f.tiny_config) for name, f in TINY_FAMILIES.items()}
 
 
-def make_tiny_model(out_dir: str | Path, arch: str, seed: int = 0) -> Path:
-    """Write the checkpoint into `out_dir` (created if needed) and return it."""
+def make_tiny_model(out_dir: str | Path, arch: str, seed: int = 0, **sizes: int) -> Path:
+    """Write the checkpoint into `out_dir` (created if needed) and return it; `sizes` replace the tiny
+    config's (e.g. hidden_size, moe_intermediate_size: GGUF's K blocks need rows of 256 values)."""
     from ferry.shared.file_modes import written_with_umask_modes
 
     if arch not in TINY_CONFIGS:
@@ -48,11 +49,11 @@ def make_tiny_model(out_dir: str | Path, arch: str, seed: int = 0) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with written_with_umask_modes(out):  # readable by others under the usual umask: a container serves it
-        _write(out, arch, seed)
+        _write(out, arch, seed, sizes)
     return out
 
 
-def _write(out: Path, arch: str, seed: int) -> None:
+def _write(out: Path, arch: str, seed: int, sizes: dict[str, int]) -> None:
     import torch
     from transformers import GenerationConfig
 
@@ -61,7 +62,7 @@ def _write(out: Path, arch: str, seed: int) -> None:
     tokenizer = train_tokenizer()
     eos_id = tokenizer.convert_tokens_to_ids(IM_END)
     pad_id = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
-    config = _config(arch, vocab_size=len(tokenizer), eos_token_id=eos_id, pad_token_id=pad_id)
+    config = _config(arch, vocab_size=len(tokenizer), eos_token_id=eos_id, pad_token_id=pad_id, **sizes)
 
     model_class = _model_class(arch)
     torch.manual_seed(seed)

@@ -1,4 +1,5 @@
-"""The model's tokenizer and chat template, through transformers' AutoTokenizer (no torch needed)."""
+"""The model's tokenizer and chat template, through transformers' AutoTokenizer, or rebuilt from a GGUF file's
+metadata (shared/tokenizer_source.py; no torch needed)."""
 
 from __future__ import annotations
 
@@ -22,12 +23,12 @@ class TooLong(InvalidRequest):
 class PromptTokenizer:
     def __init__(self, path: str):
         try:
-            from transformers import AutoTokenizer
+            from ferry.shared.tokenizer_source import load_tokenizer
 
-            self.hf: Any = AutoTokenizer.from_pretrained(path)
+            self.hf: Any = load_tokenizer(path)
         except Exception as exc:  # noqa: BLE001 - any failure here means: no usable tokenizer at that path
             raise ModelLoadError(f"cannot load a tokenizer from {path!r}: {exc}") from exc
-        self.eos_token_ids = eos_token_ids(path if Path(path).is_dir() else None, self.hf)
+        self.eos_token_ids = eos_token_ids(path if Path(path).exists() else None, self.hf)
         self.vocab_size = len(self.hf)
         # The most characters one token can stand for (byte-level vocabularies spell a token with one
         # character per byte, so this bounds the decoded text too): a text longer than
