@@ -35,9 +35,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ferry.kernels.gguf_blocks import dequantize_rows
+
 # the formats' names and constants have one owner, the torch-free layout module
 from ferry.plan.expert_formats import E2M1_VALUES, FP8_BLOCK, FP8_BLOCK_SIZE, NVFP4, NVFP4_GROUP  # noqa: F401
-from ferry.kernels.gguf_blocks import dequantize_rows
 from ferry.shared.units import ceil_div
 
 

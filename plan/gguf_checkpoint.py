@@ -56,14 +56,15 @@ def find_gguf(model: str | Path) -> Path | None:
         return None
     if len(firsts) > 1:
         raise ConfigError(
-            f"--model {model}: the directory holds {len(firsts)} GGUF models ({', '.join(f.name for f in firsts[:4])}): "
-            "give the .gguf file itself"
+            f"--model {model}: the directory holds {len(firsts)} GGUF models "
+            f"({', '.join(f.name for f in firsts[:4])}): give the .gguf file itself"
         )
     return firsts[0]
 
 
 def split_files(first: Path) -> list[Path]:
-    """Every file of the set `first` opens (itself alone unless it is `-00001-of-N`); a ConfigError for a missing one."""
+    """Every file of the set `first` opens (itself alone unless it is `-00001-of-N`); a ConfigError for a
+    missing one."""
     split = _SPLIT.match(first.name)
     if not split:
         return [first]

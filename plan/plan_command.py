@@ -15,8 +15,8 @@ from ferry.plan.costs import (
     workspace_bytes_estimate,
 )
 from ferry.plan.expert_parallel import add_expert_parallel_flags, expert_parallel_size, plan_every_gpu
-from ferry.plan.host_memory import mem_available_bytes
 from ferry.plan.gguf_checkpoint import GGUF_SUFFIX
+from ferry.plan.host_memory import mem_available_bytes
 from ferry.plan.model_config import ModelSpec, load_model_config
 from ferry.plan.outside_memory import estimated_outside
 from ferry.plan.plan_report import HOST_NOT_CHECKED, plan_table

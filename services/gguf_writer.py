@@ -54,7 +54,10 @@ def write_gguf(hf_dir: str | Path, out: str | Path, expert_type: str = "Q8_0", s
     for layer in range(layers):
         for part, gguf_name in names.experts(layer).items():
             stacked = np.stack(
-                [tensors.pop(f"model.layers.{layer}.mlp.experts.{e}.{part}.weight") for e in range(_num_experts(config))]
+                [
+                    tensors.pop(f"model.layers.{layer}.mlp.experts.{e}.{part}.weight")
+                    for e in range(_num_experts(config))
+                ]
             ).astype(np.float32)
             blocks = _expert_blocks(stacked, expert_type, rng)
             writer.add_tensor(gguf_name, blocks, raw_dtype=gguf.GGMLQuantizationType[expert_type])
@@ -63,7 +66,9 @@ def write_gguf(hf_dir: str | Path, out: str | Path, expert_type: str = "Q8_0", s
         if gguf_name is None:
             raise ValueError(f"{name}: the gguf package's {ARCHITECTURE} table has no name for it")
         value = value.astype(np.float32)
-        writer.add_tensor(gguf_name, value.astype(np.float16) if value.ndim == 2 and ".mlp.gate." not in name else value)
+        writer.add_tensor(
+            gguf_name, value.astype(np.float16) if value.ndim == 2 and ".mlp.gate." not in name else value
+        )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -104,7 +109,11 @@ def _tokenizer(writer, hf_dir: Path) -> None:
     writer.add_token_list(tokens)
     writer.add_token_types([_CONTROL if t in special else _NORMAL for t in tokens])
     writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]])
-    gen = json.loads((hf_dir / "generation_config.json").read_text()) if (hf_dir / "generation_config.json").is_file() else {}
+    gen = (
+        json.loads((hf_dir / "generation_config.json").read_text())
+        if (hf_dir / "generation_config.json").is_file()
+        else {}
+    )
     eos = gen.get("eos_token_id", special.get(config.get("eos_token")))
     writer.add_eos_token_id(eos[0] if isinstance(eos, list) else eos)
     if config.get("pad_token") in special:
@@ -129,7 +138,6 @@ def _expert_blocks(weights: np.ndarray, expert_type: str, rng: np.random.Generat
     for offset, unit in _K_SCALES[expert_type]:
         view[:, offset : offset + 2] = np.frombuffer(np.float16(std * unit).tobytes(), dtype=np.uint8)
     return blocks
-
 
 
 def _num_experts(config: dict) -> int:

@@ -20,8 +20,8 @@ def _ids(value) -> set[int]:
 
 def eos_token_ids(model_dir: str | Path | None, tokenizer=None) -> tuple[int, ...]:
     """The tokenizer's eos_token_id and the model's (config.json, its text_config, and
-    generation_config.json; each may be one id or a list; a GGUF file's metadata), sorted. transformers' `generate` stops on
-    all of them: chat models often end a turn with a token that is not the tokenizer's eos_token.
+    generation_config.json; each may be one id or a list; a GGUF file's metadata), sorted. transformers'
+    `generate` stops on all of them: chat models often end a turn with a token that is not the tokenizer's eos_token.
     `model_dir` None (a tokenizer from the hub, no local directory): the tokenizer's only."""
     ids: set[int] = set()
     if tokenizer is not None and tokenizer.eos_token_id is not None:

@@ -125,6 +125,5 @@ def family_for_gguf(architecture: str, where: str) -> ModelFamily:
             return family
     served = sorted(a for f in families().values() for a in f.gguf_architectures)
     raise ConfigError(
-        f"{where}: GGUF architecture {architecture!r} is not served; Ferry serves GGUF architecture "
-        f"{', '.join(served)} (and Hugging Face model_type {', '.join(sorted(t for f in families().values() for t in f.model_types))})"
+        f"{where}: GGUF architecture {architecture!r} is not served; Ferry serves GGUF architecture {', '.join(served)}"
     )

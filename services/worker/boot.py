@@ -22,6 +22,7 @@ from itertools import chain
 import structlog
 import torch
 
+from ferry.plan import expert_formats
 from ferry.plan.costs import workspace_bytes_estimate
 from ferry.plan.expert_parallel import check_ranks_host, nccl_workspace_bytes, rank_spec
 from ferry.plan.outside_memory import OutsideMemory
@@ -166,6 +167,12 @@ def boot_worker(cfg: WorkerBootConfig) -> tuple[StepExecutor, Plan]:
     req = cfg.plan
     free, free_source = _free_memory(device, req)
     r = resolve(files.spec, req)
+    slots = expert_formats.format_of(files.spec)
+    if device.type == "cuda" and not slots.cuda_kernels:
+        raise ConfigError(
+            f"the routed experts are {slots.name}, which no CUDA expert kernel reads yet: run this model with "
+            "--device cpu"
+        )
     try:  # refused before anything loads
         copy_engine_tokens(cfg.expert_copy_engine_tokens, plain_bf16_banks=False)
         ring_chunk(cfg.prefill_ring_chunk, "--prefill-ring-chunk")

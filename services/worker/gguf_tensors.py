@@ -52,7 +52,9 @@ def dequantized(tensor: GgufTensor) -> torch.Tensor:
     import gguf
 
     values = gguf.quants.dequantize(np.asarray(tensor.data), gguf.GGMLQuantizationType[tensor.ggml_type])
-    return torch.from_numpy(np.array(values, dtype=np.float32).reshape(tensor.shape))  # a copy: the mapping is read-only
+    return torch.from_numpy(
+        np.array(values, dtype=np.float32).reshape(tensor.shape)
+    )  # a copy: the mapping is read-only
 
 
 def resident_gguf_tensors(path: Path, spec: ModelSpec, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:

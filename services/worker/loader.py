@@ -2,8 +2,8 @@
 
 `open_model(--model, --load-format)` resolves the source once; `resident_weights` and
 `routed_expert_weights` then yield (checkpoint name, tensor) pairs for the model's
-`load_weights`, either read from safetensors or a GGUF file (gguf_tensors.py), or fabricated (`--load-format dummy`). The boot
-sequence calls the resident pass before planning and the expert pass after the expert pool
+`load_weights`, either read from safetensors or a GGUF file (gguf_tensors.py), or fabricated
+(`--load-format dummy`). The boot sequence calls the resident pass before planning and the expert pass after the expert pool
 is allocated (docs/ARCHITECTURE.md §2 rule 3)."""
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from ferry.services.worker.checkpoint import (
     routed_expert_tensor,
 )
 from ferry.services.worker.dummy_weights import iter_dummy_tensors
-from ferry.services.worker.gguf_tensors import resident_gguf_tensors, routed_expert_gguf_tensors
 from ferry.services.worker.flags import LOAD_FORMATS
+from ferry.services.worker.gguf_tensors import resident_gguf_tensors, routed_expert_gguf_tensors
 from ferry.services.worker.model_source import is_gguf, resolve_model_dir
 from ferry.shared.errors import ConfigError, ModelLoadError
 

@@ -49,7 +49,8 @@ def resolve_model_dir(model: str, revision: str | None = None) -> Path:
         return path
     if path.exists():
         raise ModelLoadError(
-            f"--model {model}: not a directory or a .gguf file; give a model directory, a GGUF file or a hub id ORG/NAME"
+            f"--model {model}: not a directory or a .gguf file; give a model directory, a GGUF file or a hub id "
+            "ORG/NAME"
         )
     if not _looks_like_hub_id(model):
         raise ModelLoadError(f"--model {model}: no such directory, and not a hub id of the form ORG/NAME")

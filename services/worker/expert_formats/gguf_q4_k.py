@@ -11,4 +11,7 @@ from ferry.services.worker.expert_formats.gguf_blocks import GgufBlockExperts
 class GgufQ4KExperts(GgufBlockExperts):
     plan = F.get(GGUF_Q4_K)
     name = plan.name
-    scale_fields = ((0, 1 / 258.3), (2, 7.5 / 258.3))  # d, dmin: 4-bit codes under random 6-bit scales and mins, centred by dmin = 7.5 d
+    scale_fields = (
+        (0, 1 / 258.3),
+        (2, 7.5 / 258.3),
+    )  # d, dmin: 4-bit codes under random 6-bit scales and mins, centred by dmin = 7.5 d

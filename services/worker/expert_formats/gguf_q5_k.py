@@ -11,4 +11,7 @@ from ferry.services.worker.expert_formats.gguf_blocks import GgufBlockExperts
 class GgufQ5KExperts(GgufBlockExperts):
     plan = F.get(GGUF_Q5_K)
     name = plan.name
-    scale_fields = ((0, 1 / 527.0), (2, 15.5 / 527.0))  # d, dmin: 5-bit codes under random 6-bit scales and mins, centred by dmin = 15.5 d
+    scale_fields = (
+        (0, 1 / 527.0),
+        (2, 15.5 / 527.0),
+    )  # d, dmin: 5-bit codes under random 6-bit scales and mins, centred by dmin = 15.5 d
