@@ -31,14 +31,19 @@ _K_SCALES = {
 _CONTROL, _NORMAL = 3, 1  # llama.cpp's token types
 
 
-def write_gguf(hf_dir: str | Path, out: str | Path, expert_type: str = "Q8_0", seed: int = 0) -> Path:
-    """Write `hf_dir` (a qwen3_moe checkpoint of one safetensors file or more) to the GGUF file `out`."""
+def write_gguf(
+    hf_dir: str | Path, out: str | Path, expert_type: str = "Q8_0", seed: int = 0, split_max_tensors: int = 0
+) -> Path:
+    """Write `hf_dir` (a qwen3_moe checkpoint of one safetensors file or more) to the GGUF file `out`; with
+    `split_max_tensors`, as a split set of files of at most that many tensors (`OUT-00001-of-0000N.gguf`...,
+    the first of which is returned)."""
     import gguf
     from safetensors.numpy import load_file
 
     if expert_type not in EXPERT_TYPES:
         raise ValueError(f"--gguf must be one of {', '.join(EXPERT_TYPES)}, got {expert_type!r}")
     hf_dir, out = Path(hf_dir), Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     config = json.loads((hf_dir / "config.json").read_text())
     if config.get("model_type") != "qwen3_moe" or config.get("mlp_only_layers") or not config.get("norm_topk_prob"):
         raise ValueError("the GGUF writer takes a qwen3_moe checkpoint of MoE layers only, with norm_topk_prob")
@@ -46,7 +51,7 @@ def write_gguf(hf_dir: str | Path, out: str | Path, expert_type: str = "Q8_0", s
     for shard in sorted(hf_dir.glob("*.safetensors")):
         tensors.update(load_file(shard))
     layers = int(config["num_hidden_layers"])
-    writer = gguf.GGUFWriter(str(out), ARCHITECTURE)
+    writer = gguf.GGUFWriter(str(out), ARCHITECTURE, split_max_tensors=split_max_tensors)
     _metadata(writer, config)
     _tokenizer(writer, hf_dir)
     names = GgufNames(ARCHITECTURE, layers)
@@ -73,7 +78,7 @@ def write_gguf(hf_dir: str | Path, out: str | Path, expert_type: str = "Q8_0", s
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return out
+    return out if not split_max_tensors else sorted(out.parent.glob(f"{out.stem}-00001-of-*.gguf"))[0]
 
 
 def _metadata(writer, config: dict) -> None:

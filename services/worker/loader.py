@@ -3,8 +3,8 @@
 `open_model(--model, --load-format)` resolves the source once; `resident_weights` and
 `routed_expert_weights` then yield (checkpoint name, tensor) pairs for the model's
 `load_weights`, either read from safetensors or a GGUF file (gguf_tensors.py), or fabricated
-(`--load-format dummy`). The boot sequence calls the resident pass before planning and the expert pass after the expert pool
-is allocated (docs/ARCHITECTURE.md §2 rule 3)."""
+(`--load-format dummy`). The boot sequence calls the resident pass before planning and the expert
+pass after the expert pool is allocated (docs/ARCHITECTURE.md §2 rule 3)."""
 
 from __future__ import annotations
 

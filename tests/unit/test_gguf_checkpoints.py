@@ -1,0 +1,237 @@
+"""GGUF files (issue 60) on CPU: a tiny qwen3_moe written as llama.cpp lays a GGUF out (tests/gguf_models.py)
+is read from its metadata alone (architecture, sizes, tokenizer, chat template), its routed experts kept in
+their blocks, and it generates what transformers generates on the same file decoded by the gguf package,
+all resident and offloaded; the blocks decode as that package decodes them, a Q4_K scale unpacked one bit
+off breaks the comparison, and what is not served is refused by `ferry plan`, naming it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from tests.gguf_models import dequantized_reference, tiny_gguf
+from tests.unit.test_generate_e2e import ferry_generate
+from tests.unit.test_quantized_checkpoints import _hf_greedy_logprobs
+
+PROMPT = ",".join(str((i * 37 + 11) % 200) for i in range(40))
+ARGS = ("--prompt-ids", PROMPT, "--max-tokens", "8", "--ignore-eos", "--dtype", "float32", "--temperature", "0")
+TOLERANCE = 0.05  # the quantized Qwen tests' bound (tests/unit/test_quantized_checkpoints.py)
+MULTILINGUAL = (
+    "The ferry leaves at 7:45 — Die Fähre fährt um sieben. Le traversier part à l'heure. Паром отходит в семь. "
+    "渡轮七点出发。フェリーは七時に出発します。페리는 7시에 출발합니다. العبّارة تغادر 🚢 <|im_end|> done"
+)
+
+
+@pytest.fixture(scope="module")
+def gguf_models(tmp_path_factory):
+    """{ggml type: (GGUF file, its float32 reference checkpoint)}, made once, from one tiny checkpoint."""
+    root = tmp_path_factory.mktemp("gguf")
+    made, hf_dir = {}, None
+
+    def get(expert_type: str):
+        nonlocal hf_dir
+        if expert_type not in made:
+            path, hf_dir = tiny_gguf(root, expert_type, hf_dir)
+            made[expert_type] = (path, dequantized_reference(path, hf_dir, root / f"reference-{expert_type}"), hf_dir)
+        return made[expert_type]
+
+    return get
+
+
+def _worst(got: dict, reference_dir) -> float:
+    prompt = [int(i) for i in PROMPT.split(",")]
+    want = _hf_greedy_logprobs(reference_dir, prompt, got["token_ids"])
+    return max(abs(a - b) for a, b in zip(got["logprobs"], want))
+
+
+# ---- the blocks against the gguf package's decode --------------------------------------------------------
+
+
+def _random_blocks(ggml_type: str, rows: int, row_blocks: int, seed: int = 0) -> np.ndarray:
+    """Random bytes with finite fp16 scales: valid blocks of every code and 6-bit scale."""
+    import gguf
+
+    from ferry.services.gguf_writer import _K_SCALES
+
+    size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[ggml_type]][1]
+    blocks = np.random.default_rng(seed).integers(0, 256, (rows, row_blocks * size), dtype=np.uint8)
+    for offset, _ in _K_SCALES.get(ggml_type, ((0, 1.0),)):
+        scales = np.random.default_rng(seed + 1).uniform(1e-3, 1e-2, rows * row_blocks).astype(np.float16)
+        blocks.reshape(-1, size)[:, offset : offset + 2] = scales.view(np.uint8).reshape(-1, 2)
+    return blocks
+
+
+@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_the_torch_twin_decodes_blocks_as_the_gguf_package(ggml_type):
+    import gguf
+
+    from ferry.kernels.gguf_blocks import BLOCKS, dequantize_rows
+
+    qtype = gguf.GGMLQuantizationType[ggml_type]
+    assert BLOCKS[ggml_type] == gguf.GGML_QUANT_SIZES[qtype]
+    blocks = _random_blocks(ggml_type, rows=24, row_blocks=3)
+    want = gguf.quants.dequantize(blocks, qtype)
+    assert torch.equal(dequantize_rows(torch.from_numpy(blocks), ggml_type, torch.float32), torch.from_numpy(want))
+
+
+# ---- tiny GGUF models against transformers on the decoded file ---------------------------------------------
+
+
+@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_gguf_tiny_models_generate_as_transformers_on_the_decoded_file(gguf_models, capsys, ggml_type):
+    path, reference, _ = gguf_models(ggml_type)
+    fmt = f"gguf-{ggml_type.lower()}"
+    resident = ferry_generate(capsys, path, *ARGS)
+    assert resident["plan"]["experts"]["format"] == fmt == resident["expert_cache"]["expert_format"]
+    assert _worst(resident, reference) < TOLERANCE
+    if ggml_type not in ("Q8_0", "Q4_K"):
+        return  # offloading moves bytes without reading them: two types show it
+    offloaded = ferry_generate(capsys, path, *ARGS, "--moe-cache-size", "9")
+    assert offloaded["token_ids"] == resident["token_ids"] and offloaded["logprobs"] == resident["logprobs"]
+    cache = offloaded["expert_cache"]
+    assert cache["misses"] > 0 and cache["bytes_copied"] == cache["misses"] * offloaded["plan"]["experts"]["bytes_per_slot"]
+
+
+def test_a_q4_k_scale_unpacked_one_bit_off_fails_the_comparison(gguf_models, capsys, monkeypatch):
+    """The high bits of scales 4-7 shifted by three instead of two: the comparison must catch it."""
+    from ferry.kernels import gguf_blocks
+
+    def off_by_one_bit(scales):
+        d, m, md = scales[:, 0:4], scales[:, 4:8], scales[:, 8:12]
+        sc = torch.cat((d & 0x3F, (md & 0x0F) | ((d >> 3) & 0x30)), dim=1)
+        mn = torch.cat((m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)), dim=1)
+        return sc, mn
+
+    path, reference, _ = gguf_models("Q4_K")
+    monkeypatch.setattr(gguf_blocks, "k_scales", off_by_one_bit)
+    assert _worst(ferry_generate(capsys, path, *ARGS), reference) > TOLERANCE
+
+
+def test_the_plan_prices_each_expert_at_its_blocks_bytes(gguf_models, capsys):
+    from ferry.services.cli import main
+
+    path, _, _ = gguf_models("Q4_K")
+    assert main(["plan", str(path), "--gpu-memory", "24GiB", "--host-memory", "8GiB", "--json"]) == 0
+    experts = json.loads(capsys.readouterr().out)["experts"]
+    # w13: 512 rows of one 144-byte Q4_K block (256 values); w2: 256 rows of one block
+    assert experts["bytes_per_slot"] == 512 * 144 + 256 * 144 and experts["format"] == "gguf-q4_k"
+
+
+# ---- the tokenizer and the config from the metadata ----------------------------------------------------------
+
+
+def test_the_tokenizer_from_the_metadata_encodes_as_the_one_it_was_written_from(gguf_models):
+    from transformers import AutoTokenizer
+
+    from ferry.shared.eos import eos_token_ids
+    from ferry.shared.tokenizer_source import load_tokenizer
+
+    path, _, hf_dir = gguf_models("Q8_0")
+    ours, theirs = load_tokenizer(path), AutoTokenizer.from_pretrained(hf_dir)
+    assert ours(MULTILINGUAL)["input_ids"] == theirs(MULTILINGUAL)["input_ids"]
+    assert ours.decode(ours(MULTILINGUAL)["input_ids"]) == MULTILINGUAL
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Wohin fährt die Fähre?"}]
+    assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == theirs.apply_chat_template(
+        chat, tokenize=False, add_generation_prompt=True
+    )
+    assert eos_token_ids(path) == (theirs.eos_token_id,) == eos_token_ids(path, ours)
+
+
+def test_the_config_comes_from_the_metadata(gguf_models):
+    from ferry.plan.model_config import load_model_config
+
+    path, _, hf_dir = gguf_models("Q8_0")
+    spec, want = load_model_config(path), load_model_config(hf_dir)
+    assert spec.quantization.expert_format == "gguf-q8_0" and want.quantization is None
+    for field in ("arch", "vocab_size", "hidden_size", "num_layers", "moe_layers", "num_attention_heads", "num_kv_heads"):
+        assert getattr(spec, field) == getattr(want, field), field
+    for field in ("head_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob"):
+        assert getattr(spec, field) == getattr(want, field), field
+    assert spec.rope_theta == want.rope_theta and spec.tie_word_embeddings == want.tie_word_embeddings
+    assert spec.rms_norm_eps == pytest.approx(want.rms_norm_eps)
+
+
+def test_a_directory_holding_the_file_and_a_split_set_are_read(gguf_models, tmp_path):
+    from ferry.plan.gguf_checkpoint import find_gguf
+    from ferry.plan.model_config import load_model_config
+    from ferry.services.gguf_writer import write_gguf
+    from ferry.shared.errors import ConfigError
+
+    path, _, hf_dir = gguf_models("Q8_0")
+    first = write_gguf(hf_dir, tmp_path / "split" / "tiny.gguf", "Q8_0", split_max_tensors=20)
+    assert first.name == "tiny-00001-of-00002.gguf" and find_gguf(tmp_path / "split") == first
+    split, single = load_model_config(tmp_path / "split"), load_model_config(path)
+    assert split.quantization.source == str(first) and replace(split, quantization=single.quantization) == single
+    with pytest.raises(ConfigError, match="give .*tiny-00001-of-00002.gguf"):
+        find_gguf(first.with_name("tiny-00002-of-00002.gguf"))
+    assert find_gguf(hf_dir) is None  # a Hugging Face directory (config.json) is not a GGUF one
+
+
+def test_a_split_set_generates_as_the_single_file(gguf_models, tmp_path, capsys):
+    from ferry.services.gguf_writer import write_gguf
+
+    path, _, hf_dir = gguf_models("Q8_0")
+    first = write_gguf(hf_dir, tmp_path / "tiny.gguf", "Q8_0", split_max_tensors=20)
+    short = ("--prompt-ids", "1,2,3", "--max-tokens", "3", "--ignore-eos", "--dtype", "float32", "--temperature", "0")
+    assert ferry_generate(capsys, first, *short)["logprobs"] == ferry_generate(capsys, path, *short)["logprobs"]
+
+
+# ---- what is not served ------------------------------------------------------------------------------------
+
+
+def test_ferry_plan_refuses_an_architecture_it_does_not_serve_naming_it(tmp_path, capsys):
+    import gguf
+
+    from ferry.services.cli import main
+
+    path = tmp_path / "llama.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert main(["plan", str(path), "--gpu-memory", "24GiB"]) == 2
+    err = capsys.readouterr().err
+    assert "GGUF architecture 'llama' is not served" in err and "qwen3moe" in err, err
+
+
+def test_experts_of_mixed_types_are_refused_naming_the_tensors(gguf_models, tmp_path, capsys):
+    """llama.cpp's _M mixes give ffn_down_exps another type: one slot holds one format, so refused for now."""
+    import gguf
+
+    from ferry.services.cli import main
+
+    path, _, _ = gguf_models("Q4_K")
+    reader = gguf.GGUFReader(str(path))
+    mixed = tmp_path / "mixed.gguf"
+    writer = gguf.GGUFWriter(str(mixed), "qwen3moe")
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        main_type = field.types[0]
+        value = field.contents()
+        if main_type == gguf.GGUFValueType.ARRAY:
+            writer.add_key_value(name, value, main_type, sub_type=field.types[-1])
+        else:
+            writer.add_key_value(name, value, main_type)
+    for t in reader.tensors:
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        if t.name == "blk.1.ffn_down_exps.weight":  # Q6_K blocks of the same values' spread
+            data = _random_blocks("Q6_K", shape[0] * shape[1], shape[2] // 256).reshape(shape[0], shape[1], -1)
+            writer.add_tensor(t.name, data, raw_dtype=gguf.GGMLQuantizationType.Q6_K)
+        else:
+            writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert main(["plan", str(mixed), "--gpu-memory", "24GiB"]) == 2
+    err = capsys.readouterr().err
+    assert "mix ggml types" in err and "Q6_K: blk.1.ffn_down_exps.weight" in err, err
+
