@@ -1,6 +1,7 @@
-"""A Hugging Face qwen3_moe checkpoint rewritten as a GGUF file, by the gguf package's own writer
-(`gguf.GGUFWriter`), as llama.cpp's converter lays one out: llama.cpp's metadata keys, its tensor names
-(the gguf package's table), the tokenizer's vocabulary, merges, token types, special ids and chat template.
+"""A Hugging Face checkpoint of attention and MoE layers (a family with a GGUF architecture: qwen3_moe) rewritten
+as a GGUF file, by the gguf package's own writer (`gguf.GGUFWriter`), as llama.cpp's converter lays one out:
+llama.cpp's metadata keys, its tensor names (the gguf package's table), the tokenizer's vocabulary, merges,
+token types, special ids and chat template.
 
 The routed experts are written in one ggml type (`expert_type`): Q8_0 quantized from the checkpoint's weights
 by the gguf package itself (`gguf.quants.quantize`); the K types (Q4_K, Q5_K, Q6_K), which that package can
@@ -18,8 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from ferry.plan.gguf_checkpoint import GgufNames
+from ferry.plan.model_families import family_for_config
 
-ARCHITECTURE = "qwen3moe"
 EXPERT_TYPES = ("Q8_0", "Q4_K", "Q5_K", "Q6_K")
 # (byte offset, value for weights of std 1) of each fp16 scale of a K block whose other bytes are random
 # (kernels/gguf_blocks.py has the layouts; the spreads are those of random codes under random scales)
@@ -34,7 +35,7 @@ _CONTROL, _NORMAL = 3, 1  # llama.cpp's token types
 def write_gguf(
     hf_dir: str | Path, out: str | Path, expert_type: str = "Q8_0", seed: int = 0, split_max_tensors: int = 0
 ) -> Path:
-    """Write `hf_dir` (a qwen3_moe checkpoint of one safetensors file or more) to the GGUF file `out`; with
+    """Write `hf_dir` (a checkpoint of one safetensors file or more) to the GGUF file `out`; with
     `split_max_tensors`, as a split set of files of at most that many tensors (`OUT-00001-of-0000N.gguf`...,
     the first of which is returned)."""
     import gguf
@@ -45,16 +46,22 @@ def write_gguf(
     hf_dir, out = Path(hf_dir), Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     config = json.loads((hf_dir / "config.json").read_text())
-    if config.get("model_type") != "qwen3_moe" or config.get("mlp_only_layers") or not config.get("norm_topk_prob"):
-        raise ValueError("the GGUF writer takes a qwen3_moe checkpoint of MoE layers only, with norm_topk_prob")
+    family = family_for_config(config, str(hf_dir / "config.json"))
+    if not family.gguf_architectures or config.get("mlp_only_layers") or not config.get("norm_topk_prob"):
+        # llama.cpp's MoE graphs renormalize the top k, and its table names no dense MLP beside routed experts
+        raise ValueError(
+            f"the GGUF writer takes a checkpoint of a family with a GGUF architecture ({family.name} has "
+            f"{list(family.gguf_architectures)}), of MoE layers only, with norm_topk_prob"
+        )
+    architecture = family.gguf_architectures[0]
     tensors: dict[str, np.ndarray] = {}
     for shard in sorted(hf_dir.glob("*.safetensors")):
         tensors.update(load_file(shard))
     layers = int(config["num_hidden_layers"])
-    writer = gguf.GGUFWriter(str(out), ARCHITECTURE, split_max_tensors=split_max_tensors)
+    writer = gguf.GGUFWriter(str(out), architecture, split_max_tensors=split_max_tensors)
     _metadata(writer, config)
     _tokenizer(writer, hf_dir)
-    names = GgufNames(ARCHITECTURE, layers)
+    names = GgufNames(architecture, layers)
     rng = np.random.default_rng(seed)
     for layer in range(layers):
         for part, gguf_name in names.experts(layer).items():
@@ -69,7 +76,7 @@ def write_gguf(
     for name, value in sorted(tensors.items()):
         gguf_name = names.gguf_name(name)
         if gguf_name is None:
-            raise ValueError(f"{name}: the gguf package's {ARCHITECTURE} table has no name for it")
+            raise ValueError(f"{name}: the gguf package's {architecture} table has no name for it")
         value = value.astype(np.float32)
         writer.add_tensor(
             gguf_name, value.astype(np.float16) if value.ndim == 2 and ".mlp.gate." not in name else value

@@ -93,7 +93,10 @@ def test_gguf_tiny_models_generate_as_transformers_on_the_decoded_file(gguf_mode
     offloaded = ferry_generate(capsys, path, *ARGS, "--moe-cache-size", "9")
     assert offloaded["token_ids"] == resident["token_ids"] and offloaded["logprobs"] == resident["logprobs"]
     cache = offloaded["expert_cache"]
-    assert cache["misses"] > 0 and cache["bytes_copied"] == cache["misses"] * offloaded["plan"]["experts"]["bytes_per_slot"]
+    assert (
+        cache["misses"] > 0
+        and cache["bytes_copied"] == cache["misses"] * offloaded["plan"]["experts"]["bytes_per_slot"]
+    )
 
 
 def test_a_q4_k_scale_unpacked_one_bit_off_fails_the_comparison(gguf_models, capsys, monkeypatch):
@@ -147,7 +150,15 @@ def test_the_config_comes_from_the_metadata(gguf_models):
     path, _, hf_dir = gguf_models("Q8_0")
     spec, want = load_model_config(path), load_model_config(hf_dir)
     assert spec.quantization.expert_format == "gguf-q8_0" and want.quantization is None
-    for field in ("arch", "vocab_size", "hidden_size", "num_layers", "moe_layers", "num_attention_heads", "num_kv_heads"):
+    for field in (
+        "arch",
+        "vocab_size",
+        "hidden_size",
+        "num_layers",
+        "moe_layers",
+        "num_attention_heads",
+        "num_kv_heads",
+    ):
         assert getattr(spec, field) == getattr(want, field), field
     for field in ("head_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob"):
         assert getattr(spec, field) == getattr(want, field), field
@@ -234,4 +245,3 @@ def test_experts_of_mixed_types_are_refused_naming_the_tensors(gguf_models, tmp_
     assert main(["plan", str(mixed), "--gpu-memory", "24GiB"]) == 2
     err = capsys.readouterr().err
     assert "mix ggml types" in err and "Q6_K: blk.1.ffn_down_exps.weight" in err, err
-
