@@ -15,7 +15,7 @@ from ferry.plan.costs import (
     workspace_bytes_estimate,
 )
 from ferry.plan.expert_parallel import add_expert_parallel_flags, expert_parallel_size, plan_every_gpu
-from ferry.plan.gguf_checkpoint import GGUF_SUFFIX
+from ferry.plan.gguf_checkpoint import GGUF_SUFFIX, find_gguf
 from ferry.plan.host_memory import mem_available_bytes
 from ferry.plan.model_config import ModelSpec, load_model_config
 from ferry.plan.outside_memory import estimated_outside
@@ -46,6 +46,8 @@ def run(args: argparse.Namespace) -> int:
     source = "safetensors"
     if weights is None:
         weights, source = resident_weight_bytes_from_shapes(spec, r.dtype), "shapes"
+        if find_gguf(model) is not None:  # the worker dequantizes a GGUF's dense tensors as it loads them
+            source = f"shapes: the GGUF's dense tensors, dequantized to {r.dtype} at load"
 
     outside = estimated_outside(budget_from_free_memory=req.gpu_memory is None)
 

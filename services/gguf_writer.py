@@ -21,7 +21,6 @@ import numpy as np
 from ferry.plan.gguf_checkpoint import GgufNames
 from ferry.plan.model_families import family_for_config
 
-EXPERT_TYPES = ("Q8_0", "Q4_K", "Q5_K", "Q6_K")
 # (byte offset, value for weights of std 1) of each fp16 scale of a K block whose other bytes are random
 # (kernels/gguf_blocks.py has the layouts; the spreads are those of random codes under random scales)
 _K_SCALES = {
@@ -29,6 +28,9 @@ _K_SCALES = {
     "Q5_K": ((0, 1 / 527.0), (2, 15.5 / 527.0)),
     "Q6_K": ((208, 1 / 1369.0),),
 }
+EXPERT_TYPES = ("Q8_0", "Q4_K", "Q5_K", "Q6_K")
+# GGUF's K blocks hold 256 values: a tiny model written as GGUF has rows of whole blocks
+GGUF_SIZES = dict(hidden_size=256, moe_intermediate_size=256)
 _CONTROL, _NORMAL = 3, 1  # llama.cpp's token types
 
 

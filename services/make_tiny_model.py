@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 from ferry.plan.model_families import families
+from ferry.services.gguf_writer import EXPERT_TYPES, GGUF_SIZES, write_gguf
 
 # Small enough to build and run in well under a second on CPU, big enough that every code path
 # is real: GQA (4 query heads over 2 KV heads), several experts with top-2 routing; each family's
@@ -103,9 +104,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", help="output directory (created if missing)")
     parser.add_argument("--arch", choices=ARCHS, default="qwen3_moe", help="architecture (default qwen3_moe)")
     parser.add_argument("--seed", type=int, default=0, help="weights are a pure function of this (default 0)")
+    parser.add_argument(
+        "--gguf",
+        choices=EXPERT_TYPES,
+        default=None,
+        help="also write DIR/tiny-TYPE.gguf, the checkpoint as a GGUF file with its routed experts in this ggml "
+        f"type (rows widened to whole blocks: {', '.join(f'{k}={v}' for k, v in GGUF_SIZES.items())})",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    out = make_tiny_model(args.dir, args.arch, args.seed)
+    sizes = GGUF_SIZES if args.gguf else {}
+    out = make_tiny_model(args.dir, args.arch, args.seed, **sizes)
     print(f"wrote a tiny {args.arch} checkpoint (seed {args.seed}) to {out}")
+    if args.gguf:
+        path = write_gguf(out, out / f"tiny-{args.gguf}.gguf", args.gguf, seed=args.seed)
+        print(f"wrote it as a GGUF file with {args.gguf} experts to {path}")
     return 0

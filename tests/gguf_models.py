@@ -12,13 +12,10 @@ from pathlib import Path
 
 import numpy as np
 
-# GGUF's K blocks hold 256 values: the tiny model's rows must be whole blocks
-GGUF_SIZES = dict(hidden_size=256, moe_intermediate_size=256)
-
 
 def tiny_gguf(root: Path, expert_type: str, hf_dir: Path | None = None, seed: int = 0) -> tuple[Path, Path]:
     """(the GGUF file, the Hugging Face checkpoint it was written from) under `root`."""
-    from ferry.services.gguf_writer import write_gguf
+    from ferry.services.gguf_writer import GGUF_SIZES, write_gguf
     from ferry.services.make_tiny_model import make_tiny_model
 
     if hf_dir is None:

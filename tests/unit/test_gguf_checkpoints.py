@@ -119,9 +119,12 @@ def test_the_plan_prices_each_expert_at_its_blocks_bytes(gguf_models, capsys):
 
     path, _, _ = gguf_models("Q4_K")
     assert main(["plan", str(path), "--gpu-memory", "24GiB", "--host-memory", "8GiB", "--json"]) == 0
-    experts = json.loads(capsys.readouterr().out)["experts"]
+    plan = json.loads(capsys.readouterr().out)
+    experts = plan["experts"]
     # w13: 512 rows of one 144-byte Q4_K block (256 values); w2: 256 rows of one block
     assert experts["bytes_per_slot"] == 512 * 144 + 256 * 144 and experts["format"] == "gguf-q4_k"
+    # the dense tensors cost run-dtype bytes on the GPU, whatever their type in the file
+    assert plan["weights_source"] == "shapes: the GGUF's dense tensors, dequantized to bfloat16 at load"
 
 
 # ---- the tokenizer and the config from the metadata ----------------------------------------------------------
@@ -245,3 +248,13 @@ def test_experts_of_mixed_types_are_refused_naming_the_tensors(gguf_models, tmp_
     assert main(["plan", str(mixed), "--gpu-memory", "24GiB"]) == 2
     err = capsys.readouterr().err
     assert "mix ggml types" in err and "Q6_K: blk.1.ffn_down_exps.weight" in err, err
+
+
+def test_make_tiny_model_writes_the_checkpoint_as_a_gguf_file(tmp_path, capsys):
+    from ferry.plan.model_config import load_model_config
+    from ferry.services.cli import main
+
+    assert main(["make-tiny-model", str(tmp_path), "--gguf", "Q5_K"]) == 0
+    assert "tiny-Q5_K.gguf" in capsys.readouterr().out
+    spec = load_model_config(tmp_path / "tiny-Q5_K.gguf")
+    assert spec.quantization.expert_format == "gguf-q5_k" and spec.hidden_size == spec.moe_intermediate_size == 256
