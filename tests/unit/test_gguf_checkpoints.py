@@ -97,6 +97,10 @@ def test_gguf_tiny_models_generate_as_transformers_on_the_decoded_file(gguf_mode
         cache["misses"] > 0
         and cache["bytes_copied"] == cache["misses"] * offloaded["plan"]["experts"]["bytes_per_slot"]
     )
+    # the host computes every miss from its banks, decoding the blocks with torch (no C kernel reads them)
+    host = ferry_generate(capsys, path, *ARGS, "--moe-cache-size", "9", "--expert-backend", "cpu")
+    assert host["plan"]["expert_backend"]["backend"] == "cpu" and host["token_ids"] == resident["token_ids"]
+    assert max(abs(a - b) for a, b in zip(host["logprobs"], resident["logprobs"])) < 1e-4
 
 
 def test_a_q4_k_scale_unpacked_one_bit_off_fails_the_comparison(gguf_models, capsys, monkeypatch):
@@ -215,16 +219,12 @@ def test_ferry_plan_refuses_an_architecture_it_does_not_serve_naming_it(tmp_path
     assert "GGUF architecture 'llama' is not served" in err and "qwen3moe" in err, err
 
 
-def test_experts_of_mixed_types_are_refused_naming_the_tensors(gguf_models, tmp_path, capsys):
-    """llama.cpp's _M mixes give ffn_down_exps another type: one slot holds one format, so refused for now."""
+def _rewritten(path, out, retyped: dict[str, str]):
+    """`path` copied to `out` with the tensors of `retyped` ({name: ggml type}) replaced by random blocks."""
     import gguf
 
-    from ferry.services.cli import main
-
-    path, _, _ = gguf_models("Q4_K")
     reader = gguf.GGUFReader(str(path))
-    mixed = tmp_path / "mixed.gguf"
-    writer = gguf.GGUFWriter(str(mixed), "qwen3moe")
+    writer = gguf.GGUFWriter(str(out), reader.fields["general.architecture"].contents())
     for name, field in reader.fields.items():
         if name.startswith("GGUF.") or name == "general.architecture":
             continue
@@ -236,15 +236,24 @@ def test_experts_of_mixed_types_are_refused_naming_the_tensors(gguf_models, tmp_
             writer.add_key_value(name, value, main_type)
     for t in reader.tensors:
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        if t.name == "blk.1.ffn_down_exps.weight":  # Q6_K blocks of the same values' spread
-            data = _random_blocks("Q6_K", shape[0] * shape[1], shape[2] // 256).reshape(shape[0], shape[1], -1)
-            writer.add_tensor(t.name, data, raw_dtype=gguf.GGMLQuantizationType.Q6_K)
+        if t.name in retyped:
+            data = _random_blocks(retyped[t.name], shape[0] * shape[1], shape[2] // 256).reshape(shape[0], shape[1], -1)
+            writer.add_tensor(t.name, data, raw_dtype=gguf.GGMLQuantizationType[retyped[t.name]])
         else:
             writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return out
+
+
+def test_experts_of_mixed_types_are_refused_naming_the_tensors(gguf_models, tmp_path, capsys):
+    """llama.cpp's _M mixes give ffn_down_exps another type: one slot holds one format, so refused for now."""
+    from ferry.services.cli import main
+
+    path, _, _ = gguf_models("Q4_K")
+    mixed = _rewritten(path, tmp_path / "mixed.gguf", {"blk.1.ffn_down_exps.weight": "Q6_K"})
     assert main(["plan", str(mixed), "--gpu-memory", "24GiB"]) == 2
     err = capsys.readouterr().err
     assert "mix ggml types" in err and "Q6_K: blk.1.ffn_down_exps.weight" in err, err
@@ -258,3 +267,14 @@ def test_make_tiny_model_writes_the_checkpoint_as_a_gguf_file(tmp_path, capsys):
     assert "tiny-Q5_K.gguf" in capsys.readouterr().out
     spec = load_model_config(tmp_path / "tiny-Q5_K.gguf")
     assert spec.quantization.expert_format == "gguf-q5_k" and spec.hidden_size == spec.moe_intermediate_size == 256
+
+
+def test_experts_of_a_type_no_format_holds_are_refused_naming_it(gguf_models, tmp_path, capsys):
+    from ferry.services.cli import main
+
+    path, _, _ = gguf_models("Q4_K")
+    experts = {f"blk.{b}.ffn_{p}_exps.weight": "Q2_K" for b in range(3) for p in ("gate", "up", "down")}
+    q2 = _rewritten(path, tmp_path / "q2_k.gguf", experts)
+    assert main(["plan", str(q2), "--gpu-memory", "24GiB"]) == 2
+    err = capsys.readouterr().err
+    assert "ggml type 'Q2_K', which no expert format holds" in err and "Q4_K" in err, err
