@@ -278,3 +278,20 @@ def test_experts_of_a_type_no_format_holds_are_refused_naming_it(gguf_models, tm
     assert main(["plan", str(q2), "--gpu-memory", "24GiB"]) == 2
     err = capsys.readouterr().err
     assert "ggml type 'Q2_K', which no expert format holds" in err and "Q4_K" in err, err
+
+
+def test_ferry_plan_and_the_api_tokenizer_read_a_gguf_where_importing_torch_raises(gguf_models):
+    """The control plane never imports torch: the GGUF is read by the gguf package, its config and tokenizer
+    mapped by transformers' torch-free GGUF tables. torch is marked absent as shared/torch_free.py does
+    (transformers probes for it, so a find_spec that raises would fail transformers itself)."""
+    from tests.unit.test_torch_free import TOKENIZER, run
+
+    path, _, _ = gguf_models("Q8_0")
+    plan = (
+        'import sys, runpy; sys.modules["torch"] = None; sys.argv[0] = "ferry"; '
+        'runpy.run_module("ferry.services.cli", run_name="__main__")'
+    )
+    done = run(plan, "plan", str(path), "--gpu-memory", "24GiB", "--host-memory", "8GiB", "--json")
+    assert done.returncode == 0 and json.loads(done.stdout)["experts"]["format"] == "gguf-q8_0", done.stderr
+    done = run(TOKENIZER, str(path))
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr
