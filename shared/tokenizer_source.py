@@ -39,11 +39,7 @@ def gguf_tokenizer(path: Path) -> Any:
 
     ckpt = GgufCheckpoint(path)
     groups = {
-        group: {
-            name: ckpt.value(f"tokenizer.{key}")
-            for key, name in renames.items()
-            if ckpt.value(f"tokenizer.{key}") is not None
-        }
+        group: {name: value for key, name in renames.items() if (value := ckpt.value(f"tokenizer.{key}")) is not None}
         for group, renames in GGUF_TOKENIZER_MAPPING.items()
     }
     tokens, config = groups["tokenizer"], groups["tokenizer_config"]

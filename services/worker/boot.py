@@ -164,15 +164,15 @@ def boot_worker(cfg: WorkerBootConfig) -> tuple[StepExecutor, Plan]:
     allocate (`_load_and_plan`), then load the experts and make the executor (`_finish_boot`)."""
     device = select_device(cfg.device)
     files = open_model(cfg.model, cfg.load_format, cfg.revision)
-    req = cfg.plan
-    free, free_source = _free_memory(device, req)
-    r = resolve(files.spec, req)
     slots = expert_formats.format_of(files.spec)
-    if device.type == "cuda" and not slots.cuda_kernels:
+    if device.type == "cuda" and not slots.cuda_kernels:  # refused before the device is touched
         raise ConfigError(
             f"the routed experts are {slots.name}, which no CUDA expert kernel reads yet: run this model with "
             "--device cpu"
         )
+    req = cfg.plan
+    free, free_source = _free_memory(device, req)
+    r = resolve(files.spec, req)
     try:  # refused before anything loads
         copy_engine_tokens(cfg.expert_copy_engine_tokens, plain_bf16_banks=False)
         ring_chunk(cfg.prefill_ring_chunk, "--prefill-ring-chunk")

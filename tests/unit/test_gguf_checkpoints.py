@@ -187,6 +187,9 @@ def test_a_directory_holding_the_file_and_a_split_set_are_read(gguf_models, tmp_
     with pytest.raises(ConfigError, match="give .*tiny-00001-of-00002.gguf"):
         find_gguf(first.with_name("tiny-00002-of-00002.gguf"))
     assert find_gguf(hf_dir) is None  # a Hugging Face directory (config.json) is not a GGUF one
+    (tmp_path / "split" / "other.gguf").write_bytes(path.read_bytes())
+    with pytest.raises(ConfigError, match="holds 2 GGUF models .*give the .gguf file itself"):
+        find_gguf(tmp_path / "split")
 
 
 def test_a_split_set_generates_as_the_single_file(gguf_models, tmp_path, capsys):
@@ -295,3 +298,14 @@ def test_ferry_plan_and_the_api_tokenizer_read_a_gguf_where_importing_torch_rais
     assert done.returncode == 0 and json.loads(done.stdout)["experts"]["format"] == "gguf-q8_0", done.stderr
     done = run(TOKENIZER, str(path))
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr
+
+
+def test_gguf_experts_are_refused_on_cuda_before_the_device_is_touched(gguf_models, capsys, monkeypatch):
+    """No CUDA kernel reads GGUF blocks yet (kernels/gguf_blocks.py is the torch twin): boot says so."""
+    from ferry.services.cli import main
+    from ferry.services.worker import boot
+
+    path, _, _ = gguf_models("Q4_K")
+    monkeypatch.setattr(boot, "select_device", lambda name: torch.device("cuda"))
+    assert main(["generate", str(path), "--prompt-ids", "1,2", "--max-tokens", "1", "--gpu-memory", "64MiB"]) == 2
+    assert "gguf-q4_k, which no CUDA expert kernel reads yet" in capsys.readouterr().err
