@@ -28,6 +28,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ferry.shared.errors import ConfigError
 
 GGUF_SUFFIX = ".gguf"
@@ -115,9 +117,16 @@ class GgufCheckpoint:
             raise ConfigError(f"{first}: the GGUF metadata has no general.architecture")
 
     def value(self, key: str, default: Any = None) -> Any:
-        """A metadata value (a scalar or a list of numbers); `default` when the file does not have it."""
+        """A metadata value (a scalar or a list of numbers); `default` when the file does not have it. A float32
+        is read as the shortest decimal that is that float32 (1e-06, not 9.99999997e-07): config.json's number."""
+        import gguf
+
         field = self._fields.get(key)
-        return default if field is None else field.contents()
+        if field is None:
+            return default
+        if field.types == [gguf.GGUFValueType.FLOAT32]:
+            return float(str(np.float32(field.contents())))
+        return field.contents()
 
     @cached_property
     def metadata(self) -> dict[str, Any]:
@@ -125,7 +134,7 @@ class GgufCheckpoint:
         import gguf
 
         return {
-            k: f.contents()
+            k: self.value(k)
             for k, f in self._fields.items()
             if not k.startswith("GGUF.") and (f.types[:1] != [gguf.GGUFValueType.ARRAY] or len(f.data) <= 1024)
         }

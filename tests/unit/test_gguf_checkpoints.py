@@ -170,7 +170,7 @@ def test_the_config_comes_from_the_metadata(gguf_models):
     for field in ("head_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob"):
         assert getattr(spec, field) == getattr(want, field), field
     assert spec.rope_theta == want.rope_theta and spec.tie_word_embeddings == want.tie_word_embeddings
-    assert spec.rms_norm_eps == pytest.approx(want.rms_norm_eps)
+    assert spec.rms_norm_eps == want.rms_norm_eps  # the float32 metadata read as config.json writes it
 
 
 def test_a_directory_holding_the_file_and_a_split_set_are_read(gguf_models, tmp_path):
@@ -309,3 +309,80 @@ def test_gguf_experts_are_refused_on_cuda_before_the_device_is_touched(gguf_mode
     monkeypatch.setattr(boot, "select_device", lambda name: torch.device("cuda"))
     assert main(["generate", str(path), "--prompt-ids", "1,2", "--max-tokens", "1", "--gpu-memory", "64MiB"]) == 2
     assert "gguf-q4_k, which no CUDA expert kernel reads yet" in capsys.readouterr().err
+
+
+# ---- a published model's shapes ------------------------------------------------------------------------------
+
+QWEN3_30B = "tests/data/models/qwen3-30b-a3b/config.json"
+
+
+def _metadata_only_qwen3_30b(path, expert_type: str = "Q8_0"):
+    """Qwen3-30B-A3B's GGUF as llama.cpp writes it (its metadata keys, tensor table and types: Q8_0 matrices,
+    F32 norms and routers), its tensor data left a hole of the right size (a sparse file): what `ferry plan`
+    reads, without 30 GB on disk."""
+    import gguf
+
+    from ferry.plan.gguf_checkpoint import GgufNames
+    from ferry.plan.model_config import parse_model_config
+    from ferry.plan.model_families import family_of
+
+    config = json.loads(open(QWEN3_30B).read())
+    spec = parse_model_config(config)
+    writer = gguf.GGUFWriter(str(path), "qwen3moe")
+    writer.add_block_count(48)
+    writer.add_context_length(40960)
+    writer.add_embedding_length(2048)
+    writer.add_feed_forward_length(6144)
+    writer.add_head_count(32)
+    writer.add_head_count_kv(4)
+    writer.add_rope_freq_base(1000000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_expert_used_count(8)
+    writer.add_key_length(128)
+    writer.add_value_length(128)
+    writer.add_expert_count(128)
+    writer.add_expert_feed_forward_length(768)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(151936)])
+    writer.add_eos_token_id(151645)
+    names = GgufNames("qwen3moe", 48)
+    shapes = {names.gguf_name(n): s for n, s in family_of(spec).resident_weight_shapes(spec).items()}
+    for layer in range(48):
+        for part, name in names.experts(layer).items():
+            shapes[name] = (128, 2048, 768) if part == "down_proj" else (128, 768, 2048)
+    data = 0
+    for name, shape in shapes.items():
+        quantized = len(shape) > 1 and "ffn_gate_inp" not in name
+        qtype = gguf.GGMLQuantizationType[expert_type if quantized else "F32"]
+        nbytes = (
+            int(np.prod(gguf.quants.quant_shape_to_byte_shape(shape, qtype))) if quantized else 4 * int(np.prod(shape))
+        )
+        writer.add_tensor_info(name, shape, np.float32, nbytes, raw_dtype=qtype)
+        data += writer.ggml_pad(nbytes, writer.data_alignment)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    fout = writer.fout[0]
+    writer.write_padding(fout, fout.tell())
+    fout.truncate(fout.tell() + data)
+    writer.close()
+    return path
+
+
+def test_a_qwen3_30b_gguf_reads_as_its_config_json_and_plans_its_experts_at_the_files_bytes(tmp_path, capsys):
+    from ferry.plan.model_config import load_model_config
+    from ferry.services.cli import main
+
+    path = _metadata_only_qwen3_30b(tmp_path / "Qwen3-30B-A3B-Q8_0.gguf")
+    spec, want = load_model_config(path), load_model_config(QWEN3_30B.rsplit("/", 1)[0])
+    assert replace(spec, quantization=None) == want and spec.quantization.expert_format == "gguf-q8_0"
+    flags = ["--gpu-memory", "24GiB", "--host-memory", "200GiB", "--json"]
+    assert main(["plan", str(path), *flags]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert main(["plan", QWEN3_30B, *flags]) == 0
+    bf16 = json.loads(capsys.readouterr().out)
+    # w13: 1536 rows of 2048 values in 64 Q8_0 blocks of 34 bytes; w2: 2048 rows of 768 values in 24 blocks
+    assert plan["experts"]["bytes_per_slot"] == 1536 * 64 * 34 + 2048 * 24 * 34 == 5013504
+    assert plan["host"]["expert_bank_bytes"] == 48 * 128 * 5013504
+    assert plan["weights_bytes"] == bf16["weights_bytes"]  # dense tensors dequantized to bf16: as the bf16 model's
+    assert plan["experts"]["slots"] > bf16["experts"]["slots"]  # 5.0 MB experts against 6.3 MB
