@@ -7,6 +7,10 @@ llama.cpp writes it; little-endian), so a slot's row of an expert is the file's 
 | type | block | bytes | a block |
 | --- | --- | --- | --- |
 | Q8_0 | 32 | 34 | fp16 d, 32 int8 q: w = d q |
+| Q4_0 | 32 | 18 | fp16 d, 16 bytes of 4-bit q (the low nibbles are values 0-15, the high 16-31): w = d (q - 8) |
+| Q4_1 | 32 | 20 | fp16 d, fp16 m, Q4_0's 16 bytes: w = d q + m |
+| Q5_0 | 32 | 22 | fp16 d, 32 bits of fifth bits (bit j: value j), Q4_0's 16 bytes: w = d (q - 16) |
+| Q5_1 | 32 | 24 | fp16 d, fp16 m, Q5_0's fifth bits and nibbles: w = d q + m |
 | Q4_K | 256 | 144 | fp16 d, fp16 dmin, 12 bytes of eight 6-bit (scale, min) pairs, 128 bytes of 4-bit q: |
 | | | | w = d sc_j q - dmin m_j over 8 sub-blocks of 32 (in each 64, the low nibbles first) |
 | Q5_K | 256 | 176 | Q4_K's, with a fifth bit per value from 32 bytes of qh (bit j of byte i: value 32 j + i) |
@@ -22,7 +26,16 @@ from __future__ import annotations
 import torch
 
 # ggml type name -> (values per block, bytes per block)
-BLOCKS = {"Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
+BLOCKS = {
+    "Q8_0": (32, 34),
+    "Q4_0": (32, 18),
+    "Q4_1": (32, 20),
+    "Q5_0": (32, 22),
+    "Q5_1": (32, 24),
+    "Q4_K": (256, 144),
+    "Q5_K": (256, 176),
+    "Q6_K": (256, 210),
+}
 K_SCALE_BYTES = 12  # Q4_K / Q5_K: eight 6-bit scales and eight 6-bit mins
 
 
@@ -59,6 +72,35 @@ def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
     return _half(blocks, 0) * blocks[:, 2:].contiguous().view(torch.int8).to(torch.float32)
 
 
+def _low_high(qs: torch.Tensor) -> torch.Tensor:
+    """[n, 16] bytes -> [n, 32] 4-bit values: the low nibbles (values 0-15), then the high (16-31)."""
+    return torch.cat((qs & 0x0F, qs >> 4), dim=1)
+
+
+def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
+    """[n, 4] bytes of a little-endian uint32 -> [n, 32] bits, bit j of the word at j."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=qh.device).view(1, 1, 8)
+    return ((qh.unsqueeze(-1) >> shifts) & 1).reshape(qh.shape[0], 32)
+
+
+def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
+    return _half(blocks, 0) * (_low_high(blocks[:, 2:18]).to(torch.float32) - 8.0)
+
+
+def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    return _half(blocks, 0) * _low_high(blocks[:, 4:20]).to(torch.float32) + _half(blocks, 2)
+
+
+def _q5_0(blocks: torch.Tensor) -> torch.Tensor:
+    q = _low_high(blocks[:, 6:22]) | (_fifth_bits(blocks[:, 2:6]) << 4)
+    return _half(blocks, 0) * (q.to(torch.float32) - 16.0)
+
+
+def _q5_1(blocks: torch.Tensor) -> torch.Tensor:
+    q = _low_high(blocks[:, 8:24]) | (_fifth_bits(blocks[:, 4:8]) << 4)
+    return _half(blocks, 0) * q.to(torch.float32) + _half(blocks, 2)
+
+
 def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
     d, dmin = _half(blocks, 0), _half(blocks, 2)
@@ -86,7 +128,16 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     return (_half(blocks, 208) * scales).view(n, 16, 1).mul(q.view(n, 16, 16)).view(n, 256)
 
 
-_DEQUANTIZE = {"Q8_0": _q8_0, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+_DEQUANTIZE = {
+    "Q8_0": _q8_0,
+    "Q4_0": _q4_0,
+    "Q4_1": _q4_1,
+    "Q5_0": _q5_0,
+    "Q5_1": _q5_1,
+    "Q4_K": _q4_k,
+    "Q5_K": _q5_k,
+    "Q6_K": _q6_k,
+}
 
 
 def dequantize_rows(q: torch.Tensor, ggml_type: str, dtype: torch.dtype) -> torch.Tensor:

@@ -3,9 +3,9 @@ as a GGUF file, by the gguf package's own writer (`gguf.GGUFWriter`), as llama.c
 llama.cpp's metadata keys, its tensor names (the gguf package's table), the tokenizer's vocabulary, merges,
 token types, special ids and chat template.
 
-The routed experts are written in one ggml type (`expert_type`): Q8_0 quantized from the checkpoint's weights
-by the gguf package itself (`gguf.quants.quantize`); the K types (Q4_K, Q5_K, Q6_K), which that package can
-only decode, as random but valid blocks whose values have the checkpoint's experts' spread. Dense matrices
+The routed experts are written in one ggml type (`expert_type`): Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 quantized from
+the checkpoint's weights by the gguf package itself (`gguf.quants.quantize`); the K types (Q4_K, Q5_K, Q6_K),
+which that package can only decode, as random but valid blocks whose values have the checkpoint's experts' spread. Dense matrices
 are written F16 (their norms and routers F32, as llama.cpp keeps them), so loading dequantizes them. The
 tests' tiny GGUF models come from here (`ferry make-tiny-model --gguf TYPE`); the model a GGUF file is held
 to is the file itself, decoded by the gguf package (tests/unit/test_gguf_checkpoints.py). No torch.
@@ -28,7 +28,9 @@ _K_SCALES = {
     "Q5_K": ((0, 1 / 527.0), (2, 15.5 / 527.0)),
     "Q6_K": ((208, 1 / 1369.0),),
 }
-EXPERT_TYPES = ("Q8_0", "Q4_K", "Q5_K", "Q6_K")
+# the types the gguf package quantizes itself (from the checkpoint's weights), then the K types it only decodes
+QUANTIZED_BY_GGUF = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+EXPERT_TYPES = (*QUANTIZED_BY_GGUF, "Q4_K", "Q5_K", "Q6_K")
 # GGUF's K blocks hold 256 values: a tiny model written as GGUF has rows of whole blocks
 GGUF_SIZES = dict(hidden_size=256, moe_intermediate_size=256)
 _CONTROL, _NORMAL = 3, 1  # llama.cpp's token types
@@ -142,7 +144,7 @@ def _expert_blocks(weights: np.ndarray, expert_type: str, rng: np.random.Generat
     import gguf
 
     qtype = gguf.GGMLQuantizationType[expert_type]
-    if expert_type == "Q8_0":
+    if expert_type in QUANTIZED_BY_GGUF:
         return gguf.quants.quantize(weights, qtype)
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     shape = gguf.quants.quant_shape_to_byte_shape(weights.shape, qtype)

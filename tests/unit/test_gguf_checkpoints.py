@@ -52,20 +52,23 @@ def _worst(got: dict, reference_dir) -> float:
 
 
 def _random_blocks(ggml_type: str, rows: int, row_blocks: int, seed: int = 0) -> np.ndarray:
-    """Random bytes with finite fp16 scales: valid blocks of every code and 6-bit scale."""
+    """Random bytes with finite fp16 scales (where the expert format's dummy weights set them; Q2_K's d at 80):
+    valid blocks of every code and 6-bit scale."""
     import gguf
 
-    from ferry.services.gguf_writer import _K_SCALES
+    from ferry.plan import expert_formats as F
+    from ferry.services.worker.expert_formats import worker_class
 
     size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[ggml_type]][1]
     blocks = np.random.default_rng(seed).integers(0, 256, (rows, row_blocks * size), dtype=np.uint8)
-    for offset, _ in _K_SCALES.get(ggml_type, ((0, 1.0),)):
+    fields = ((80, 1.0),) if ggml_type == "Q2_K" else worker_class(F.get(f"gguf-{ggml_type.lower()}")).scale_fields
+    for offset, _ in fields:
         scales = np.random.default_rng(seed + 1).uniform(1e-3, 1e-2, rows * row_blocks).astype(np.float16)
         blocks.reshape(-1, size)[:, offset : offset + 2] = scales.view(np.uint8).reshape(-1, 2)
     return blocks
 
 
-@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
 def test_the_torch_twin_decodes_blocks_as_the_gguf_package(ggml_type):
     import gguf
 
@@ -81,7 +84,7 @@ def test_the_torch_twin_decodes_blocks_as_the_gguf_package(ggml_type):
 # ---- tiny GGUF models against transformers on the decoded file ---------------------------------------------
 
 
-@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
 def test_gguf_tiny_models_generate_as_transformers_on_the_decoded_file(gguf_models, capsys, ggml_type):
     path, reference, _ = gguf_models(ggml_type)
     fmt = f"gguf-{ggml_type.lower()}"

@@ -1,4 +1,4 @@
-"""What the GGUF expert formats' worker sides share (gguf_q8_0.py, gguf_q4_k.py, gguf_q5_k.py, gguf_q6_k.py;
+"""What the GGUF expert formats' worker sides share (gguf_q8_0.py, gguf_q4_0.py, ..., gguf_q6_k.py;
 plan/expert_formats/gguf_blocks.py prices their rows): one byte row per weight family holding the GGUF
 file's blocks of that expert unchanged ([gate; up] rows for w13, down's for w2), so a slot, a host bank and
 the file hold the same bytes. The kernels' twin decodes them (kernels/gguf_blocks.py); no Triton kernel
