@@ -127,6 +127,7 @@ class AnthropicRoutes:
             schema.sampling_params(req, self.tokenizer.eos_token_ids, grammar),
             req.max_tokens,
             list(req.stop_sequences or []),
+            text=parser.text_source(),
         )
         headers = {"request-id": builder.id}
         async with contextlib.aclosing(gen.deltas()) as deltas:

@@ -295,7 +295,14 @@ class HarmonyOutputParser:
     that never writes a header (no `<|channel|>` or `<|message|>`) as the answer: a client sees what the model
     wrote. A call the end of the output cut off is a call if its arguments parse, else nothing, as the template
     formats' parser reads a cut `<tool_call>` block; a complete call whose arguments are not a JSON object is
-    passed on as the text it was."""
+    passed on as the text it was.
+
+    The parser is also the request's Generation's text source (`text_source`: push(token_id) -> text, flush()),
+    in place of the detokenizer: a delta's text is the reasoning and answer text the client reads, without
+    harmony's framing (whose header words, `analysis`, `assistantfinal`, the detokenized output would hold), so
+    stop strings match what the client reads, as with the template formats. `events(delta)` then hands out the
+    events parsed so far as far as the delta's text reaches: what stop strings hold back waits, and what a stop
+    string cut off never goes out."""
 
     def __init__(self, chat: HarmonyChat, tools: dict[str, dict] | None, reasoning: bool, prompt_ids):
         from openai_harmony import StreamableParser
@@ -309,14 +316,46 @@ class HarmonyOutputParser:
         self.messages = len(self.parser.messages)
         self.header: list[int] = []  # tokens since the last message's end, while no content has begun
         self.broken: list[int] | None = None  # after a token the parser refused: every token, read as text
+        self.parsed: list[Event] = []  # events parsed, not yet handed out
+        self.reached = 0  # characters of text the deltas carried so far, less those handed out
+
+    def text_source(self) -> HarmonyOutputParser:
+        """What the request's Generation reads the output's text from (generation.Generation's `text`)."""
+        return self
+
+    def push(self, token_id: int) -> str:
+        """Parse a token; the reasoning and answer text it adds (the detokenizer's push)."""
+        return self._parsed(self._push(token_id))
+
+    def flush(self) -> str:
+        """At the end of the output: what only the end decides (a cut call, a headerless or broken output)."""
+        return self._parsed(self._flush())
+
+    def _parsed(self, events: list[Event]) -> str:
+        self.parsed += events
+        return "".join(e.text for e in events if not isinstance(e, ToolCall))
 
     def events(self, delta) -> list[Event]:
-        """The events of a Generation delta (its tokens; the last delta flushes)."""
+        """The parsed events a Generation delta lets out: in order, their text as far as the deltas' text has
+        reached; after the last delta nothing more (a stop string cut the rest off)."""
+        self.reached += len(delta.text)
         out: list[Event] = []
-        for token in delta.tokens:
-            out += self._push(token.token_id)
+        while self.parsed:
+            event = self.parsed[0]
+            if isinstance(event, ToolCall):
+                out.append(self.parsed.pop(0))
+                continue
+            if self.reached <= 0:
+                break
+            if len(event.text) > self.reached:  # the rest waits for the next delta, or was cut off
+                out.append(type(event)(event.text[: self.reached]))
+                self.parsed[0] = type(event)(event.text[self.reached :])
+                self.reached = 0
+                break
+            self.reached -= len(event.text)
+            out.append(self.parsed.pop(0))
         if delta.finish_reason:
-            out += self._flush()
+            self.parsed.clear()
         return out
 
     def _push(self, token: int) -> list[Event]:

@@ -63,6 +63,10 @@ class OutputParser:
         if (tool_calls != "none" or forced) and tools is not None:
             self.tools = ToolCallParser(tools)
 
+    def text_source(self) -> None:
+        """What the request's Generation reads its text from: these parsers read the detokenized text."""
+        return None
+
     def events(self, delta) -> list[Event]:
         """The events of a Generation delta (its text; the last delta flushes)."""
         return self.push(delta.text) + (self.flush() if delta.finish_reason else [])

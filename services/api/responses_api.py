@@ -148,6 +148,7 @@ class ResponsesRoutes:
             req.max_output_tokens,
             [],
             fields=schema.SUBMIT_FIELDS,
+            text=parser.text_source(),
         )
         async with contextlib.aclosing(gen.deltas()) as deltas:
             mark_counted_by_generations(request)  # it starts below, and counts itself

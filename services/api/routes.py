@@ -246,9 +246,13 @@ class OpenAIRoutes:
         structlog.contextvars.bind_contextvars(request_id=fmt.id)
         stops = schema.stop_strings(req)
         fields = schema.submit_fields(req)
+        # a chat choice's parser may be where its text comes from (harmony_format.py); completions read the tokenizer's
+        sources = [c.parser.text_source() if isinstance(c, ChatChoice) else None for c in choices]
         gens = [
-            Generation(self.client, self.tokenizer.hf, self.metrics, route, prompt, sampling, max_tokens, stops, fields)
-            for prompt, sampling in runs
+            Generation(
+                self.client, self.tokenizer.hf, self.metrics, route, prompt, sampling, max_tokens, stops, fields, text
+            )
+            for (prompt, sampling), text in zip(runs, sources)
         ]
         if route == "completions":
             choices = [CompletionChoice(i, g, echo, tt) for i, (g, (echo, tt)) in enumerate(zip(gens, choices))]

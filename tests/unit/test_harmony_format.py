@@ -5,6 +5,7 @@ tests/doubles/harmony_tokenizer.py); expected prompts and completions are built 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -14,10 +15,15 @@ from types import SimpleNamespace
 import pytest
 
 from ferry.services.api import harmony_format
+from ferry.services.api.generation import Generation
 from ferry.services.api.harmony_format import ENCODINGS_DIR_VAR, VOCAB_FILE, VOCAB_SHA256, HarmonyChat
+from ferry.services.api.metrics import ApiMetrics
 from ferry.services.api.output_parsers import OutputParser, Reasoning, Text, ToolCall
+from ferry.services.api.scheduler_client import Token
 from ferry.services.api.tokenizer import PromptTokenizer, chat_format_of
 from ferry.shared.errors import InvalidRequest, ModelLoadError
+from ferry.shared.messages import Finished
+from ferry.shared.sampling import SamplingParams
 from tests.unit.test_chat_injection import (
     ANTHROPIC_FIELDS,
     MARKER,
@@ -177,21 +183,54 @@ def test_anthropic_reads_injected_harmony_tokens_as_text(tok, enc, field):
 # ---- the output --------------------------------------------------------------------------------------
 
 
-def delta(ids: list[int], finish_reason: str | None = None):
-    """A Generation delta (generation.Delta's fields the parsers read)."""
-    text = "" if not ids else "?"  # the detokenized text: the harmony parser reads the tokens, never this
-    return SimpleNamespace(text=text, finish_reason=finish_reason, tokens=[SimpleNamespace(token_id=i) for i in ids])
+class ScriptedScheduler:
+    """The scheduler client a Generation talks to, answering with `output` token by token, then Finished."""
+
+    def __init__(self, output: list[int]):
+        self.output = output
+        self.aborted = False
+
+    async def submit(self, prompt, sampling, max_tokens):
+        events = [Token(t, float(i)) for i, t in enumerate(self.output)]
+        events.append(Finished(req_id=1, reason="stop", prompt_tokens=len(prompt), completion_tokens=len(self.output)))
+        stream = SimpleNamespace(done=False)
+
+        async def next_event():
+            event = events.pop(0)
+            stream.done = not events
+            return event
+
+        stream.next = next_event
+        return stream
+
+    def abort(self, stream) -> None:
+        self.aborted = True
 
 
-def parse(tok, output: list[int], tools=None, reasoning="qwen3", tool_calls="qwen", variables=None, one_by_one=True):
+def parse(tok, output: list[int], tools=None, reasoning="qwen3", tool_calls="qwen", variables=None, stops=()):
+    """The events a route makes of `output`: a real Generation (its stop strings) feeding the parser."""
     prompt = tok.chat_prompt([{"role": "user", "content": "hi"}], TOOLS if tools else None, **(variables or {}))
     parser = tok.output_parser(reasoning, tool_calls, tools, prompt, False)
-    if not one_by_one:
-        return parser.events(delta(output, "stop"))
-    events = []
-    for i, token in enumerate(output):
-        events += parser.events(delta([token], "stop" if i == len(output) - 1 else None))
-    return events
+    sampling = SamplingParams(stop_token_ids=tok.eos_token_ids)
+    generation = Generation(
+        ScriptedScheduler(output),
+        tok.hf,
+        ApiMetrics(),
+        "chat",
+        prompt.ids,
+        sampling,
+        None,
+        list(stops),
+        text=parser.text_source(),
+    )
+
+    async def run():
+        events = []
+        async for d in generation.deltas():
+            events += parser.events(d)
+        return events
+
+    return asyncio.run(run())
 
 
 def merged(events) -> list:
@@ -228,10 +267,9 @@ def call(name, arguments: str):
     )
 
 
-@pytest.mark.parametrize("one_by_one", [True, False])
-def test_analysis_is_reasoning_and_final_is_the_answer(tok, enc, one_by_one):
+def test_analysis_is_reasoning_and_final_is_the_answer(tok, enc):
     output = completion(enc, analysis("Think: naïve 🚢."), final("Le temps est beau."))[:-1] + tokens(enc, "<|return|>")
-    events = merged(parse(tok, output, one_by_one=one_by_one))
+    events = merged(parse(tok, output))
     assert [(type(e).__name__, e.text) for e in events] == [
         ("Reasoning", "Think: naïve 🚢."),
         ("Text", "Le temps est beau."),
@@ -281,6 +319,20 @@ def test_output_that_breaks_the_format_reaches_the_client_as_text(tok, enc):
     assert merged(parse(tok, tokens(enc, "Hello without a header<|return|>"))) == [Text("Hello without a header")]
     broken = tokens(enc, "<|channel|>final<|message|>Hi<|end|><|message|>there<|return|>")
     assert merged(parse(tok, broken)) == [Text("Hithere")]  # the answer, then what came after the break
+
+
+def test_stop_strings_match_what_the_client_reads_not_harmonys_framing(tok, enc):
+    """The detokenized output reads `analysisHmm.assistantfinalLe temps est beau.`: a stop string matches the
+    reasoning and the answer as the client reads them, never a header's words, and cuts them exactly."""
+    output = completion(enc, analysis("Hmm, the weather."), final("Le temps est beau. STOP here"))
+    assert merged(parse(tok, output, stops=["assistantfinal", "analysisHmm"])) == [
+        Reasoning("Hmm, the weather."),
+        Text("Le temps est beau. STOP here"),
+    ]
+    assert merged(parse(tok, output, stops=[" STOP"])) == [Reasoning("Hmm, the weather."), Text("Le temps est beau.")]
+    assert merged(parse(tok, output, stops=["weather."])) == [Reasoning("Hmm, the ")]  # it ends the output there
+    called = completion(enc, analysis("Call it."), call("get_weather", '{"city": "Paris"}'))
+    assert merged(parse(tok, called, tools={"get_weather": {}}, stops=["it."])) == [Reasoning("Call ")]  # no call
 
 
 def test_a_forced_call_is_read_from_the_grammars_text(tok):
