@@ -30,7 +30,9 @@ bytes) is written to a private temporary directory for the load and removed afte
 The contract with the model's tokenizer: harmony renders ids and reads ids; the model's Hugging Face tokenizer
 detokenizes the output, counts the vocabulary and encodes raw /v1/completions prompts. Both must be o200k_harmony
 (gpt-oss checkpoints ship it), so `check_tokenizer` refuses, at start, a tokenizer whose control tokens have
-other ids or which decodes harmony's ids to other text.
+other ids, or which decodes harmony's ids of a sample text to other text or encodes it to other ids. The model's
+vocabulary may be larger than the tokenizer (gpt-oss: 201088 rows, 200019 tokens): the rest are ids harmony
+reserves, which a prompt never holds and which, sampled, add no text (as the detokenizer skips special tokens).
 """
 
 from __future__ import annotations
@@ -135,10 +137,12 @@ def check_tokenizer(encoding, hf: Any, where: str) -> None:
             )
     ids = encoding.encode(CHECK_TEXT, allowed_special=set())
     decoded = hf.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-    if decoded != CHECK_TEXT:
+    theirs = hf.encode(CHECK_TEXT, add_special_tokens=False)  # /v1/completions' raw prompts are the tokenizer's
+    if decoded != CHECK_TEXT or theirs != ids:
         raise ModelLoadError(
             f"--chat-format harmony: the tokenizer at {where} decodes harmony's ids of {CHECK_TEXT!r} to "
-            f"{decoded!r}: its vocabulary is not o200k_harmony; serve it with --chat-format template"
+            f"{decoded!r} and encodes the text as {theirs[:8]}..., harmony as {ids[:8]}...: its vocabulary is not "
+            "o200k_harmony; serve it with --chat-format template"
         )
 
 
@@ -260,7 +264,8 @@ class HarmonyChat:
                     arguments = call["function"]["arguments"]
                     out.append(
                         Message.from_role_and_content(
-                            Role.ASSISTANT, arguments if isinstance(arguments, str) else json.dumps(arguments)
+                            Role.ASSISTANT,
+                            arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False),
                         )
                         .with_channel("commentary")
                         .with_recipient(FUNCTIONS + name)
@@ -373,7 +378,9 @@ class HarmonyOutputParser:
         if self.parser.state == StreamState.CONTENT:
             self.header = []
             delta = self.parser.last_content_delta
-            if delta and self._call_name(self.parser.current_recipient) is None:
+            # harmony passes a special token inside a message on as its spelling: no text (a reserved id sampled)
+            special = self.chat.encoding.is_special_token(token)
+            if delta and not special and self._call_name(self.parser.current_recipient) is None:
                 out.append(self._text(self.parser.current_channel, delta))
         else:
             self.header.append(token)

@@ -3,9 +3,9 @@
 The chat format (`--chat-format`) says how a chat becomes the prompt and how the output is read back:
 `template`, the model's Jinja chat template and the text parsers (--reasoning-parser, --tool-call-parser:
 output_parsers.py), or `harmony`, gpt-oss's format, rendered and parsed by OpenAI's harmony library
-(harmony_format.py). `auto` (the default) takes the one the model family declares
-(plan/model_families: ModelFamily.chat_format), else harmony where the chat template writes harmony's
-framing (`<|channel|>`, `<|message|>`), else template.
+(harmony_format.py). `auto` (the default) is harmony where the model family declares it
+(plan/model_families: ModelFamily.chat_format, for config.json beside the tokenizer) or the chat template
+writes harmony's framing (`<|channel|>`, `<|message|>`: gpt-oss's does), else template.
 """
 
 from __future__ import annotations
@@ -34,17 +34,18 @@ def chat_format_of(flag: str, path: str, hf: Any) -> str:
     """--chat-format `flag` resolved: `auto` as the module docstring says."""
     if flag != "auto":
         return flag
+    template = str(hf.chat_template or "")
+    if "<|channel|>" in template and "<|message|>" in template:
+        return "harmony"
     config = Path(path) / "config.json"
     if config.is_file():
         from ferry.plan.model_families import family_for_config
 
         try:
-            raw = json.loads(config.read_text())
-            return family_for_config(raw, str(config)).chat_format
-        except (ValueError, ConfigError):  # not a model Ferry knows: the template says
+            return family_for_config(json.loads(config.read_text()), str(config)).chat_format
+        except (ValueError, ConfigError):  # not a model Ferry knows: its template said template
             pass
-    template = str(hf.chat_template or "")
-    return "harmony" if "<|channel|>" in template and "<|message|>" in template else "template"
+    return "template"
 
 
 class PromptTokenizer:

@@ -319,6 +319,8 @@ def test_output_that_breaks_the_format_reaches_the_client_as_text(tok, enc):
     assert merged(parse(tok, tokens(enc, "Hello without a header<|return|>"))) == [Text("Hello without a header")]
     broken = tokens(enc, "<|channel|>final<|message|>Hi<|end|><|message|>there<|return|>")
     assert merged(parse(tok, broken)) == [Text("Hithere")]  # the answer, then what came after the break
+    reserved = tokens(enc, "<|channel|>final<|message|>Hi<|reserved_200500|><|message|> there<|return|>")
+    assert merged(parse(tok, reserved)) == [Text("Hi there")]  # a special token inside a message adds no text
 
 
 def test_stop_strings_match_what_the_client_reads_not_harmonys_framing(tok, enc):
@@ -367,7 +369,8 @@ def test_auto_picks_harmony_for_a_harmony_template_or_a_family_that_declares_it(
     assert chat_format_of("auto", str(tmp_path), SimpleNamespace(chat_template=None)) == "harmony"
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
     monkeypatch.undo()
-    assert chat_format_of("auto", str(tmp_path), hf) == "template"  # qwen3_moe's family: its template
+    assert chat_format_of("auto", str(tmp_path), SimpleNamespace(chat_template="<|im_start|>")) == "template"
+    assert chat_format_of("auto", str(tmp_path), hf) == "harmony"  # a family's default leaves it to the template
 
 
 def test_a_tokenizer_with_other_ids_is_refused_at_start(tiny_tokenizer_dir):
@@ -395,6 +398,10 @@ def test_the_chat_checks_the_tokenizer(harmony_tokenizer_dir):
 
     hf = AutoTokenizer.from_pretrained(str(harmony_tokenizer_dir))
     HarmonyChat(hf, "ok")  # a gpt-oss tokenizer passes
+    decode, encode = hf.decode, hf.encode
     hf.decode = lambda ids, **kw: "something else"
     with pytest.raises(ModelLoadError, match="decodes harmony's ids"):
+        HarmonyChat(hf, "broken")
+    hf.decode, hf.encode = decode, lambda text, **kw: encode(text, **kw)[::-1]
+    with pytest.raises(ModelLoadError, match="encodes the text as"):
         HarmonyChat(hf, "broken")
