@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ferry.services.api import harmony_format
+from ferry.services.api import harmony_format, schema
 from ferry.services.api.generation import Generation
 from ferry.services.api.harmony_format import ENCODINGS_DIR_VAR, VOCAB_FILE, VOCAB_SHA256, HarmonyChat
 from ferry.services.api.metrics import ApiMetrics
@@ -136,6 +136,45 @@ def test_the_effort_goes_into_the_system_message_and_no_reasoning_opens_the_answ
     assert f"Reasoning: {effort}\n" in prompt.text
     assert prompt.text.endswith("<|start|>assistant<|channel|>final<|message|>") == answers_at_once
     assert prompt.text.endswith("<|start|>assistant") != answers_at_once
+
+
+def responses_prompt(tok, body: dict):
+    """What the Responses route tokenizes for this body (responses_api.py: the same schema calls and lane function)."""
+    from ferry.services.api import responses_schema
+    from ferry.services.api.responses_api import _prompt
+
+    req = schema.decode_body(json.dumps({"model": "m", **body}).encode(), responses_schema.ResponsesRequest)
+    messages = responses_schema.template_messages(req.instructions, responses_schema.input_items(req))
+    return _prompt(tok, (messages, None, responses_schema.template_kwargs(req, False), False))
+
+
+def effort_and_opening(prompt) -> tuple[str, bool]:
+    """(the system message's effort, whether the prompt opened the answer)."""
+    effort = next(line for line in prompt.text.splitlines() if line.startswith("Reasoning: "))
+    return effort.removeprefix("Reasoning: "), prompt.text.endswith("<|channel|>final<|message|>")
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "expected"),
+    [
+        ("openai", {"reasoning_effort": "high"}, ("high", False)),
+        ("openai", {"reasoning_effort": "none"}, ("low", True)),
+        ("openai", {}, ("medium", False)),
+        ("anthropic", {"thinking": {"type": "enabled", "budget_tokens": 1024}}, ("low", False)),
+        ("anthropic", {"thinking": {"type": "enabled", "budget_tokens": 20000}}, ("high", False)),
+        ("anthropic", {"thinking": {"type": "disabled"}}, ("low", True)),
+        ("responses", {"reasoning": {"effort": "high"}}, ("high", False)),
+        ("responses", {"reasoning": {"effort": "minimal"}}, ("low", True)),
+    ],
+)
+def test_each_route_sets_the_effort(tok, route, body, expected):
+    if route == "openai":
+        prompt = openai_prompt(tok, {"messages": [{"role": "user", "content": "hi"}], **body})
+    elif route == "anthropic":
+        prompt = anthropic_prompt(tok, {"messages": [{"role": "user", "content": "hi"}], **body})
+    else:
+        prompt = responses_prompt(tok, {"input": "hi", **body})
+    assert effort_and_opening(prompt) == expected
 
 
 def test_a_bad_effort_is_a_400_naming_it(tok):
