@@ -182,7 +182,7 @@ class HarmonyChat:
         from openai_harmony import Conversation, Message, Role
 
         effort, thinking = reasoning_of(variables)
-        turns = [self._system(effort)]
+        turns = [self._system(effort, variables.get("model_identity"))]
         head = 0
         while head < len(messages) and messages[head]["role"] in ("system", "developer"):
             head += 1
@@ -204,7 +204,9 @@ class HarmonyChat:
                 ids += [self.channel, *enc.encode("final", allowed_special=set()), self.message]
         return RenderedChat((enc.decode(ids),), (), ids=tuple(ids))
 
-    def _system(self, effort: str):
+    def _system(self, effort: str, identity: str | None = None):
+        """The system message: harmony's (gpt-oss's template's) identity unless the template variable
+        `model_identity` gives one, as gpt-oss's template reads it; the effort; today's date."""
         from openai_harmony import Message, ReasoningEffort, Role, SystemContent
 
         content = (
@@ -212,6 +214,8 @@ class HarmonyChat:
             .with_reasoning_effort(ReasoningEffort(effort.capitalize()))
             .with_conversation_start_date(self.today())
         )
+        if identity is not None:
+            content = content.with_model_identity(str(identity))
         return Message.from_role_and_content(Role.SYSTEM, content)
 
     @staticmethod

@@ -177,6 +177,18 @@ def test_each_route_sets_the_effort(tok, route, body, expected):
     assert effort_and_opening(prompt) == expected
 
 
+def test_the_model_identity_is_a_template_variable_as_in_gpt_oss_template(tok):
+    default = tok.chat_prompt([{"role": "user", "content": "hi"}])
+    assert default.text.startswith(
+        "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI."
+    )
+    named = openai_prompt(
+        tok,
+        {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"model_identity": "You are Ferry."}},
+    )
+    assert named.text.startswith("<|start|>system<|message|>You are Ferry.\n")
+
+
 def test_a_bad_effort_is_a_400_naming_it(tok):
     with pytest.raises(InvalidRequest, match="reasoning_effort must be one of") as err:
         tok.chat_prompt([{"role": "user", "content": "hi"}], None, reasoning_effort="extreme")
