@@ -31,7 +31,7 @@ The contract with the model's tokenizer: harmony renders ids and reads ids; the 
 detokenizes the output, counts the vocabulary and encodes raw /v1/completions prompts. Both must be o200k_harmony
 (gpt-oss checkpoints ship it), so `check_tokenizer` refuses, at start, a tokenizer whose control tokens have
 other ids, or which decodes harmony's ids of a sample text to other text or encodes it to other ids. The model's
-vocabulary may be larger than the tokenizer (gpt-oss: 201088 rows, 200019 tokens): the rest are ids harmony
+vocabulary may be larger than the tokenizer (gpt-oss: 201088 rows): the ids past the tokenizer's are ones harmony
 reserves, which a prompt never holds and which, sampled, add no text (as the detokenizer skips special tokens).
 """
 
