@@ -98,11 +98,15 @@ def _load_encoding():
     with tempfile.TemporaryDirectory(prefix="ferry-harmony-") as directory:
         Path(directory, VOCAB_FILE).write_bytes(data)
         # harmony reads the variable when it loads, and only then: set for the load alone
+        before = os.environ.get(ENCODINGS_DIR_VAR)
         os.environ[ENCODINGS_DIR_VAR] = directory
         try:
             return load_harmony_encoding(name)
         finally:
-            del os.environ[ENCODINGS_DIR_VAR]
+            if before is None:
+                del os.environ[ENCODINGS_DIR_VAR]
+            else:
+                os.environ[ENCODINGS_DIR_VAR] = before
 
 
 def packaged_vocab() -> bytes:
