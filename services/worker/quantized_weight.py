@@ -14,7 +14,7 @@ per linear, whatever the format. Which linear is quantized is decided by the ten
 | nvfp4 (compressed-tensors) | `weight_packed`, `weight_scale`, `weight_global_scale` | e2m1 x scale / global |
 | fp8-block (Qwen `-FP8`) | `weight` f8 [O, IN], `weight_scale_inv` [ceil(O/128), ceil(IN/128)] | f8 x block scale |
 | fp8 per tensor (modelopt FP8) | `weight` f8 [O, IN], `weight_scale` f32 (one value) | f8 x scale |
-| mxfp4 (gpt-oss, per linear) | `weight_blocks` uint8 [O, IN/32, 16], `weight_scales` uint8 [O, IN/32] | e2m1 x 2^(s-127) |
+| mxfp4 (gpt-oss, per linear) | `weight_blocks` uint8 [O, IN/32, 16], `weight_scales` u8 [O, IN/32] | e2m1 x 2^(s-127) |
 
 Activation scales (`input_scale`, `input_global_scale`) and KV-cache scales (`k_scale`, `v_scale`)
 are read and dropped: Ferry keeps activations and the KV cache in the run dtype. Dense weights are
@@ -175,7 +175,8 @@ def mxfp4_weight(module: str, parts: dict[str, torch.Tensor]) -> QuantizedWeight
     half = MXFP4_GROUP // 2
     if blocks.dtype != torch.uint8 or blocks.dim() != 3 or blocks.shape[2] != half:
         raise QuantizedWeightError(
-            f"mxfp4 weight {source!r} is {blocks.dtype} {tuple(blocks.shape)}, expected uint8 [O, IN/{MXFP4_GROUP}, {half}]"
+            f"mxfp4 weight {source!r} is {blocks.dtype} {tuple(blocks.shape)}, "
+            f"expected uint8 [O, IN/{MXFP4_GROUP}, {half}]"
         )
     o, groups, _ = blocks.shape
     if scales.dtype != torch.uint8 or tuple(scales.shape) != (o, groups):

@@ -27,8 +27,8 @@ from ferry.services.worker.expert_formats.quantized import (
     E2M1_RMS,
     E4M3_MAX,
     QuantizedExperts,
-    e2m1_codes,
     dummy_pattern,
+    e2m1_codes,
     expert_windows,
     fill_bytes_of,
     part,
@@ -37,6 +37,7 @@ from ferry.services.worker.expert_formats.quantized import (
 from ferry.services.worker.offload.host_compute import host_expert_kernel as K
 from ferry.services.worker.offload.host_compute import host_expert_weights as W
 from ferry.services.worker.quantized_weight import NVFP4, QuantizedWeight
+
 
 def quantize_linear(w: torch.Tensor) -> dict[str, torch.Tensor]:
     """One linear [O, IN] in modelopt's NVFP4 tensors (IN a multiple of 16): `weight` uint8 [O, IN/2] (two
