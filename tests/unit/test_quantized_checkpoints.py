@@ -102,6 +102,16 @@ def test_published_quantization_configs_give_the_expert_format(config, quantizat
     assert spec.quantization is not None and spec.quantization.expert_format == want
 
 
+@pytest.mark.parametrize(
+    "quantization, group", [(GPT_OSS_MXFP4, 32), ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, 16)]
+)
+def test_expert_sizes_that_the_formats_groups_do_not_tile_are_a_config_error(quantization, group):
+    raw = _config(QWEN3, quantization)
+    raw["moe_intermediate_size"] = 768 + group // 2
+    with pytest.raises(ConfigError, match=f"moe_intermediate_size: .* a multiple of {group}"):
+        parse_model_config(raw)
+
+
 def test_hf_quant_config_json_is_read_beside_the_config(tmp_path):
     from ferry.plan.model_config import load_model_config
 
