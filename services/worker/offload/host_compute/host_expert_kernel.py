@@ -2,8 +2,8 @@
 
 torch's CPU matmuls read plain bf16 banks at about a sixth of a server host's memory bandwidth, and the quantized
 banks' decode through torch ops is 10-60x slower still. The C kernel reads each used expert's rows once for all its
-tokens, decoding nvfp4 and fp8-block codes in registers, with AVX-512 BF16 where the CPU has it (chosen at load by
-cpuid) and portable C elsewhere, on a pthread pool of its own sized by `threads`.
+tokens, decoding nvfp4, mxfp4 and fp8-block codes in registers, with AVX-512 BF16 where the CPU has it (chosen at
+load by cpuid) and portable C elsewhere, on a pthread pool of its own sized by `threads`.
 
 The library is built from source by `pip install` (pyproject.toml's ext-modules, optional: a
 machine without a C compiler still installs) and loaded with ctypes, which releases the GIL for the
