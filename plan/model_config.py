@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ferry.plan import expert_formats
 from ferry.plan.dtypes import normalize_dtype
 from ferry.plan.gguf_checkpoint import find_gguf, load_gguf_config
 from ferry.plan.model_families import family_for_config
@@ -84,6 +85,12 @@ def _validate(spec: ModelSpec, where: str) -> None:
             "need intermediate_size > 0"
         )
     problems.extend(_router_problems(spec))
+    fmt = expert_formats.format_of(spec)
+    if fmt.quantized and spec.num_experts > 0 and spec.moe_intermediate_size > 0 and spec.hidden_size > 0:
+        try:  # its scale groups must tile both projections' inputs
+            fmt.expert_layouts(spec)
+        except ValueError as e:
+            problems.append(f"hidden_size ({spec.hidden_size}) and moe_intermediate_size: {e}")
     if not 0 < spec.partial_rotary_factor <= 1:
         problems.append(f"partial_rotary_factor must be in (0, 1], got {spec.partial_rotary_factor}")
     elif int(spec.head_dim * spec.partial_rotary_factor) % 2:

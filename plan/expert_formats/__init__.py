@@ -9,6 +9,7 @@ side: torch-free) and one each under services/worker/expert_formats/ (the worker
 | `bf16-packed` | 12 bits a value, lossless | the run dtype | 4.5 I H bytes, unpacked as it lands |
 | `nvfp4` | as the slots hold them | e2m1 codes + float8 group scales + per-row fp32 scales | ~1.69 I H bytes |
 | `fp8-block` | as the slots hold them | float8_e4m3fn + fp32 128x128 block scales | ~3 I H bytes |
+| `mxfp4` | as the slots hold them | e2m1 codes + e8m0 scales of 32 inputs | ~1.59 I H bytes |
 | `gguf-q8_0`, `-q4_0`... `-q6_k` | as the slots hold them | a GGUF file's blocks | 1.69 to 3.19 I H bytes |
 
 (`bf16` is the unquantized format in whatever dtype the model runs: float32 in the CPU tests.)
@@ -45,11 +46,13 @@ from ferry.plan.expert_formats import (  # noqa: F401 (importing one registers i
     gguf_q5_k,
     gguf_q6_k,
     gguf_q8_0,
+    mxfp4,
     nvfp4,
 )
 from ferry.plan.expert_formats.bf16 import BF16
 from ferry.plan.expert_formats.bf16_packed import BF16_PACKED
 from ferry.plan.expert_formats.fp8_block import FP8_BLOCK, FP8_BLOCK_SIZE
+from ferry.plan.expert_formats.mxfp4 import E8M0_BIAS, MXFP4, MXFP4_GROUP
 from ferry.plan.expert_formats.nvfp4 import E2M1_VALUES, NVFP4, NVFP4_GROUP
 from ferry.plan.expert_formats.registry import (
     AUTO_BANKS,
@@ -76,9 +79,12 @@ __all__ = [
     "BF16",
     "BF16_PACKED",
     "E2M1_VALUES",
+    "E8M0_BIAS",
     "FP8_BLOCK",
     "FP8_BLOCK_SIZE",
     "FORMATS",
+    "MXFP4",
+    "MXFP4_GROUP",
     "NVFP4",
     "NVFP4_GROUP",
     "PART_ALIGN",

@@ -17,6 +17,8 @@ A new family registers, with `register(ModelFamily(...))` in a module of this fo
     left out (weight_shapes.py has the shared layer kinds): the planner's weight bytes and dummy weights;
   * `published_names(config)`, when its published checkpoints name tensors other than `model.…`;
   * `tiny_config` and `reference_classes`, for `ferry make-tiny-model` (transformers' classes write it);
+  * `chat_format`, when its models speak another chat format than their Jinja chat template ("harmony":
+    gpt-oss; the api's `--chat-format auto` takes it: services/api/tokenizer.py);
   * `gguf_architectures` and `gguf_config(metadata, tensor_names, where)`, where it serves GGUF files: the
     `general.architecture` values it claims and their metadata as config.json fields (plan/gguf_checkpoint.py).
 and, on the worker side, its module in `services/worker/models/` (that package's registry.py says what).
@@ -58,6 +60,9 @@ class ModelFamily:
     # `ferry make-tiny-model`: the tiny config's fields and transformers' (config class, model class)
     tiny_config: dict[str, Any] | None = None
     reference_classes: tuple[str, str] | None = None
+    # how the api renders a chat and reads the output back: "template" (the tokenizer's chat template and the
+    # text parsers) or "harmony" (services/api/harmony_format.py); config.py's CHAT_FORMATS
+    chat_format: str = "template"
     # GGUF files (plan/gguf_checkpoint.py): the general.architecture values it claims, and
     # (metadata, tensor names, where) -> config.json's fields
     gguf_architectures: tuple[str, ...] = ()
