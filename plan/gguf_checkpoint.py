@@ -94,8 +94,8 @@ class GgufTensor:
 
 
 class GgufCheckpoint:
-    """A GGUF model (one file or a split set): `metadata` {key: value} (string arrays left out: `strings`),
-    `tensors` {GGUF name: GgufTensor}, `architecture` (general.architecture)."""
+    """A GGUF model (one file or a split set): `metadata` {key: value} (the large arrays left out: `value(key)`
+    reads them), `tensors` {GGUF name: GgufTensor}, `architecture` (general.architecture)."""
 
     def __init__(self, first: Path):
         import gguf

@@ -11,7 +11,7 @@ import os
 import stat
 from pathlib import Path
 
-from ferry.plan.gguf_checkpoint import GGUF_SUFFIX, find_gguf
+from ferry.plan.gguf_checkpoint import GGUF_SUFFIX, find_gguf, split_files
 from ferry.shared.errors import ModelLoadError
 
 
@@ -40,7 +40,9 @@ def resolve_model_dir(model: str, revision: str | None = None) -> Path:
     path = Path(os.path.expanduser(model))
     gguf = find_gguf(path) if path.exists() else None
     if gguf is not None:
-        _check_readable(gguf.parent, model)
+        unreadable = [f for f in split_files(gguf) if not os.access(f, os.R_OK)]
+        if unreadable:
+            raise ModelLoadError(_permission_denied(model, unreadable))
         return gguf
     if path.is_dir():
         _check_readable(path, model)
