@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -167,13 +167,25 @@ class GgufNames:
         return {part: self.gguf_name(f"model.layers.{layer}.mlp.experts.{part}.weight") for part in EXPERT_PARTS}
 
 
+def open_gguf(first: Path) -> GgufCheckpoint:
+    """The GGUF set `first` opens, parsed once a process (while the file is unchanged): a header of a 150k-token
+    vocabulary takes seconds, and boot asks for the config, both passes' tensors, the eos ids and the tokenizer."""
+    st = Path(first).stat()
+    return _opened(str(Path(first).resolve()), st.st_mtime_ns, st.st_size)
+
+
+@lru_cache(maxsize=4)
+def _opened(path: str, mtime_ns: int, size: int) -> GgufCheckpoint:
+    return GgufCheckpoint(Path(path))
+
+
 def load_gguf_config(first: Path) -> dict[str, Any]:
     """The config.json the GGUF's metadata stands for (the family's fields, plus the vocabulary size, tied
     embeddings, eos ids and the experts' quantization): a ConfigError naming what cannot be served, e.g.
     an architecture no family claims."""
     from ferry.plan.model_families import family_for_gguf
 
-    ckpt = GgufCheckpoint(first)
+    ckpt = open_gguf(first)
     family = family_for_gguf(ckpt.architecture, str(first))
     config = family.gguf_config(ckpt.metadata, tuple(ckpt.tensors), str(first))
     config.setdefault("vocab_size", ckpt.array_length("tokenizer.ggml.tokens") or None)

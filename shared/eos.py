@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ferry.plan.gguf_checkpoint import GgufCheckpoint, find_gguf
+from ferry.plan.gguf_checkpoint import find_gguf, open_gguf
 
 # a GGUF's end-of-sequence ids: the eos, and llama.cpp's end-of-turn and end-of-message tokens
 _GGUF_EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
@@ -40,5 +40,5 @@ def eos_token_ids(model_dir: str | Path | None, tokenizer=None) -> tuple[int, ..
 
 
 def _gguf_eos(path: Path) -> set[int]:
-    ckpt = GgufCheckpoint(path)
+    ckpt = open_gguf(path)
     return {int(v) for v in (ckpt.value(key) for key in _GGUF_EOS_KEYS) if v is not None}

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ferry.plan.gguf_checkpoint import GgufCheckpoint, find_gguf
+from ferry.plan.gguf_checkpoint import find_gguf, open_gguf
 
 # special tokens by the metadata key of their id (transformers' get_gguf_tokenizer names them so)
 _SPECIAL_IDS = {
@@ -37,7 +37,7 @@ def gguf_tokenizer(path: Path) -> Any:
     from transformers import PreTrainedTokenizerFast
     from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
 
-    ckpt = GgufCheckpoint(path)
+    ckpt = open_gguf(path)
     groups = {
         group: {name: value for key, name in renames.items() if (value := ckpt.value(f"tokenizer.{key}")) is not None}
         for group, renames in GGUF_TOKENIZER_MAPPING.items()

@@ -22,7 +22,7 @@ import torch
 
 from ferry.kernels.gguf_blocks import BLOCKS, dequantize_rows
 from ferry.plan.costs import is_served
-from ferry.plan.gguf_checkpoint import FLOAT_TYPES, GgufCheckpoint, GgufTensor
+from ferry.plan.gguf_checkpoint import FLOAT_TYPES, GgufTensor, open_gguf
 from ferry.plan.model_families import family_of
 from ferry.plan.model_spec import ModelSpec
 from ferry.services.worker.quantized_weight import QuantizedWeight
@@ -62,7 +62,7 @@ def resident_gguf_tensors(path: Path, spec: ModelSpec, progress: bool = True) ->
     (a tied lm_head is none)."""
     from tqdm import tqdm
 
-    ckpt = GgufCheckpoint(path)
+    ckpt = open_gguf(path)
     names = ckpt.names()
     wanted = [n for n in family_of(spec).resident_weight_shapes(spec) if is_served(n, spec)]
     for hf_name in tqdm(wanted, desc="loading weights", unit="tensor", disable=not progress, leave=False):
@@ -83,7 +83,7 @@ def routed_expert_gguf_tensors(
     of the file's blocks, or float32 values for float experts."""
     from tqdm import tqdm
 
-    ckpt = GgufCheckpoint(path)
+    ckpt = open_gguf(path)
     names = ckpt.names()
     fmt = spec.quantization.expert_format if spec.quantization is not None else None
     for layer in tqdm(spec.moe_layer_indices, desc="loading experts", unit="layer", disable=not progress, leave=False):
