@@ -7,6 +7,7 @@ off breaks the comparison, and what is not served is refused by `ferry plan`, na
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import replace
 
 import numpy as np
@@ -225,8 +226,9 @@ def test_ferry_plan_refuses_an_architecture_it_does_not_serve_naming_it(tmp_path
     assert "GGUF architecture 'llama' is not served" in err and "qwen3moe" in err, err
 
 
-def _rewritten(path, out, retyped: dict[str, str]):
-    """`path` copied to `out` with the tensors of `retyped` ({name: ggml type}) replaced by random blocks."""
+def _rewritten(path, out, retyped: dict[str, str], dropped: tuple[str, ...] = ()):
+    """`path` copied to `out` with the tensors of `retyped` ({name: ggml type}) replaced by random blocks, and
+    those of `dropped` left out."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
@@ -242,6 +244,8 @@ def _rewritten(path, out, retyped: dict[str, str]):
             writer.add_key_value(name, value, main_type)
     for t in reader.tensors:
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        if t.name in dropped:
+            continue
         if t.name in retyped:
             data = _random_blocks(retyped[t.name], shape[0] * shape[1], shape[2] // 256).reshape(shape[0], shape[1], -1)
             writer.add_tensor(t.name, data, raw_dtype=gguf.GGMLQuantizationType[retyped[t.name]])
@@ -389,3 +393,22 @@ def test_a_qwen3_30b_gguf_reads_as_its_config_json_and_plans_its_experts_at_the_
     assert plan["host"]["expert_bank_bytes"] == 48 * 128 * 5013504
     assert plan["weights_bytes"] == bf16["weights_bytes"]  # dense tensors dequantized to bf16: as the bf16 model's
     assert plan["experts"]["slots"] > bf16["experts"]["slots"]  # 5.0 MB experts against 6.3 MB
+
+
+def test_a_gguf_without_an_output_matrix_ties_lm_head_to_the_embeddings(gguf_models, tmp_path, capsys):
+    """llama.cpp writes `output.weight` only when it is not the embedding matrix."""
+    from safetensors.numpy import load_file, save_file
+
+    from ferry.plan.model_config import load_model_config
+
+    path, reference, _ = gguf_models("Q8_0")
+    tied = _rewritten(path, tmp_path / "tied.gguf", {}, dropped=("output.weight",))
+    assert load_model_config(tied).tie_word_embeddings and not load_model_config(path).tie_word_embeddings
+    tied_reference = tmp_path / "tied-reference"
+    shutil.copytree(reference, tied_reference)
+    state = load_file(tied_reference / "model.safetensors")
+    del state["lm_head.weight"]
+    save_file(state, tied_reference / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tied_reference / "config.json").read_text())
+    (tied_reference / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    assert _worst(ferry_generate(capsys, tied, *ARGS), tied_reference) < TOLERANCE
