@@ -73,6 +73,7 @@ class ExpertFormat:
     checkpoint_algos: tuple[tuple[str, str], ...] = ()
     checkpoint_layout: str | None = None  # `ferry make-bench-model --format`'s word for the layout it writes
     worker = ""  # "module:Class" of its torch side (services/worker/expert_formats/)
+    cuda_kernels = True  # the expert kernels read its slots on CUDA (else the worker refuses it there at boot)
 
     @property
     def module_stem(self) -> str:
