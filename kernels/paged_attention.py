@@ -34,11 +34,15 @@ def paged_attention(
     gather: Callable[[], tuple[torch.Tensor, torch.Tensor] | None] | None = None,  # FlashAttention's K/V buffers
     k_scale: torch.Tensor | None = None,  # an fp8 pool's scales, [pages, page_size, kv_heads] float32
     v_scale: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,  # [heads]: a logit per head in each softmax's denominator
+    window: int = 0,  # > 0: each token attends to the last `window` keys (itself included) only
 ) -> torch.Tensor:
     if not use_triton(q):
         return paged_attention_reference(
-            q, k_cache, v_cache, page_table, query_lens, context_lens, scale, k_scale, v_scale
+            q, k_cache, v_cache, page_table, query_lens, context_lens, scale, k_scale, v_scale, sinks, window
         )
+    if sinks is not None or window:
+        raise ValueError("paged attention with sinks or a sliding window has no Triton kernel yet")
     from ferry.kernels import paged_attention_triton as triton_kernels
 
     scales = dict(k_scale=k_scale, v_scale=v_scale)

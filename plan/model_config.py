@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from ferry.plan.dtypes import normalize_dtype
+from ferry.plan.expert_formats import format_of
 from ferry.plan.model_families import family_for_config
 from ferry.plan.model_families.spec_fields import GATED_DELTANET_FIELDS, first, require
-from ferry.plan.model_spec import FULL_ATTENTION, LINEAR_ATTENTION, ModelSpec
+from ferry.plan.model_spec import CLAMPED_SWIGLU, FULL_ATTENTION, LINEAR_ATTENTION, SILU, ModelSpec
 from ferry.plan.quantization import parse_quantization
 from ferry.shared.errors import ConfigError
 
@@ -82,6 +83,9 @@ def _validate(spec: ModelSpec, where: str) -> None:
             "need intermediate_size > 0"
         )
     problems.extend(_router_problems(spec))
+    problems.extend(_expert_problems(spec))
+    if spec.attention_windows and len(spec.attention_windows) != spec.num_layers:
+        problems.append(f"attention_windows has {len(spec.attention_windows)} entries for {spec.num_layers} layers")
     if not 0 < spec.partial_rotary_factor <= 1:
         problems.append(f"partial_rotary_factor must be in (0, 1], got {spec.partial_rotary_factor}")
     elif int(spec.head_dim * spec.partial_rotary_factor) % 2:
@@ -99,6 +103,17 @@ def _validate(spec: ModelSpec, where: str) -> None:
 
 
 ROUTER_SCORINGS = ("softmax", "sigmoid")
+EXPERT_ACTIVATIONS = (SILU, CLAMPED_SWIGLU)
+
+
+def _expert_problems(spec: ModelSpec) -> list[str]:
+    """The experts' activation is one the expert kernels compute, and their biases have rows in the format."""
+    if spec.expert_activation not in EXPERT_ACTIVATIONS:
+        return [f"expert activation {spec.expert_activation!r} is not one of {', '.join(EXPERT_ACTIVATIONS)}"]
+    fmt = format_of(spec)
+    if spec.expert_bias and not fmt.holds_biases:
+        return [f"the routed experts have biases, which {fmt.name} expert rows do not hold (quantization_config)"]
+    return []
 
 
 def _router_problems(spec: ModelSpec) -> list[str]:

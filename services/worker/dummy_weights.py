@@ -28,6 +28,7 @@ import torch
 
 from ferry.plan.costs import resident_weight_shapes
 from ferry.plan.model_config import ModelSpec
+from ferry.services.worker.models.weights import routed_expert_shapes
 
 LINEAR_STD = 0.02
 EMBED_STD = 1.0  # the token embedding dominates the residual stream: routing follows the token
@@ -42,19 +43,6 @@ def linear_std(name: str) -> float:
     if name.endswith(OUTPUT_PROJECTIONS):
         return OUTPUT_STD
     return LINEAR_STD
-
-
-def routed_expert_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    """Every routed expert's weights under the per-expert checkpoint names transformers writes."""
-    h, i = spec.hidden_size, spec.moe_intermediate_size
-    shapes: dict[str, tuple[int, ...]] = {}
-    for layer in spec.moe_layer_indices:
-        for e in range(spec.num_experts):
-            p = f"model.layers.{layer}.mlp.experts.{e}."
-            shapes[p + "gate_proj.weight"] = (i, h)
-            shapes[p + "up_proj.weight"] = (i, h)
-            shapes[p + "down_proj.weight"] = (h, i)
-    return shapes
 
 
 def name_seed(name: str, seed: int) -> int:

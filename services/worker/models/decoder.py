@@ -78,7 +78,7 @@ class DecoderFamily(ABC):
             raise ConfigError("config.json: use_sliding_window=true is not supported (full causal attention only)")
 
     def rotary(self, spec: ModelSpec, device) -> RotaryEmbedding:
-        return RotaryEmbedding(spec.head_dim, spec.partial_rotary_factor, spec.rope_theta, device)
+        return RotaryEmbedding(spec.head_dim, spec.partial_rotary_factor, spec.rope_theta, device, spec.rope_yarn)
 
     def norm(self, spec: ModelSpec, dim: int, dtype: torch.dtype, device) -> nn.Module:
         return make_norm(spec.zero_centered_norms, dim, spec.rms_norm_eps, dtype, device)

@@ -69,11 +69,11 @@ class ExpertParallelExperts:
         return expert % self.world == self.rank
 
     def load_expert(
-        self, moe_layer: int, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
+        self, moe_layer: int, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, bias=None
     ) -> None:
         """Every rank is offered every expert (the loader reads the checkpoint once a rank); it keeps its own."""
         if self.owns(expert):
-            self.local.load_expert(moe_layer, expert // self.world, gate, up, down)
+            self.local.load_expert(moe_layer, expert // self.world, gate, up, down, bias)
 
     def set_routers(self, routers: list[torch.Tensor]) -> None:
         """The next-layer prediction of an offloading local store: the router rows of the owned experts."""
