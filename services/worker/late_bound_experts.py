@@ -37,7 +37,7 @@ class LateBoundExperts:
     def load_expert(
         self, moe_layer: int, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, bias=None
     ) -> None:
-        self.store.load_expert(moe_layer, expert, gate, up, down, bias)
+        self.store.load_expert(moe_layer, expert, gate, up, down, *(() if bias is None else (bias,)))
 
     def forward(
         self,

@@ -173,9 +173,14 @@ class _Loader:
             if self.spec.expert_bias:
                 gate_up = torch.cat([parts["gate_proj.bias"], parts["up_proj.bias"]])
                 bias = ExpertBias(gate_up, parts["down_proj.bias"])
-            self.model.experts.load_expert(
-                moe_layer, expert, parts["gate_proj"], parts["up_proj"], parts["down_proj"], bias
-            )
+            self._load_expert(moe_layer, expert, parts["gate_proj"], parts["up_proj"], parts["down_proj"], bias)
+
+    def _load_expert(self, moe_layer: int, expert: int, gate, up, down, bias: ExpertBias | None) -> None:
+        """Into the store; `bias` only where the experts have biases (a store of unbiased experts takes none)."""
+        if bias is None:
+            self.model.experts.load_expert(moe_layer, expert, gate, up, down)
+        else:
+            self.model.experts.load_expert(moe_layer, expert, gate, up, down, bias)
 
     def _fused_experts(self, moe_layer: int, part: str, tensor: torch.Tensor, source: str) -> None:
         e, h, i = self.spec.num_experts, self.spec.hidden_size, self.spec.moe_intermediate_size
@@ -201,9 +206,7 @@ class _Loader:
                 bias = None
                 if self.spec.expert_bias:
                     bias = ExpertBias(parts["gate_up_proj_bias"][expert], parts["down_proj_bias"][expert])
-                self.model.experts.load_expert(
-                    moe_layer, expert, gate_up[:i], gate_up[i:], parts["down_proj"][expert], bias
-                )
+                self._load_expert(moe_layer, expert, gate_up[:i], gate_up[i:], parts["down_proj"][expert], bias)
 
     def _in_proj(self, layer: str, kind: str, tensor: torch.Tensor, source: str) -> None:
         target = self.params.get(f"{layer}.in_proj.weight")

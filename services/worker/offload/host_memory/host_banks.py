@@ -205,7 +205,7 @@ class HostBanks:
             up,
             down,
             f"MoE layer {moe_layer} expert {expert}",
-            bias,
+            *(() if bias is None else (bias,)),  # a format without biases takes no such argument
         )
 
     def fill_dummy(

@@ -73,7 +73,7 @@ class ExpertParallelExperts:
     ) -> None:
         """Every rank is offered every expert (the loader reads the checkpoint once a rank); it keeps its own."""
         if self.owns(expert):
-            self.local.load_expert(moe_layer, expert // self.world, gate, up, down, bias)
+            self.local.load_expert(moe_layer, expert // self.world, gate, up, down, *(() if bias is None else (bias,)))
 
     def set_routers(self, routers: list[torch.Tensor]) -> None:
         """The next-layer prediction of an offloading local store: the router rows of the owned experts."""
