@@ -18,15 +18,14 @@ from ferry.kernels.dispatch import use_triton
 
 
 @triton.jit
-def _cos_sin_kernel(pos_ptr, freq_ptr, cos_ptr, sin_ptr, R, SCALING: tl.constexpr, BLOCK_R: tl.constexpr):
+def _cos_sin_kernel(pos_ptr, freq_ptr, cos_ptr, sin_ptr, R, scaling, BLOCK_R: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_R)
     ok = offs < R
     angle = tl.load(pos_ptr + t).to(tl.float32) * tl.load(freq_ptr + offs, mask=ok, other=0.0)
     ty = cos_ptr.dtype.element_ty
-    cos, sin = tl.cos(angle), tl.sin(angle)
-    if SCALING != 1.0:  # YaRN's attention factor, in float32 before the one rounding
-        cos, sin = cos * SCALING, sin * SCALING
+    # YaRN's attention factor, in float32 before the one rounding (1.0 elsewhere: an exact product)
+    cos, sin = tl.cos(angle) * scaling, tl.sin(angle) * scaling
     tl.store(cos_ptr + t * R + offs, cos.to(ty), mask=ok)
     tl.store(sin_ptr + t * R + offs, sin.to(ty), mask=ok)
 
@@ -41,7 +40,7 @@ def rotary_cos_sin_triton(
     cos = torch.empty(t, r, dtype=dtype, device=positions.device)
     sin = torch.empty(t, r, dtype=dtype, device=positions.device)
     if t:
-        _cos_sin_kernel[(t,)](positions, inv_freq_both, cos, sin, r, SCALING=scaling, BLOCK_R=triton.next_power_of_2(r))
+        _cos_sin_kernel[(t,)](positions, inv_freq_both, cos, sin, r, scaling, BLOCK_R=triton.next_power_of_2(r))
     return cos, sin
 
 

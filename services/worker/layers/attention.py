@@ -14,8 +14,8 @@ q/k norms the path on every device (the kernel always normalises). An fp8 KV poo
 
 gpt-oss adds a learned sink logit per head to each softmax's denominator (`sinks`, where the spec's
 `attention_sinks`) and, in its sliding layers, attends to the last `attention_window(layer)` keys only. Both
-are computed by the reference twin (kernels/paged_attention_reference.py); the CUDA kernels do not take them
-yet, so such a model is refused on CUDA rather than computed without them."""
+are computed by the paged kernels and their twin (kernels/paged_attention*.py); FlashAttention does not take
+them, so such a layer's long prefills go through the blocked Triton kernel."""
 
 from __future__ import annotations
 
@@ -30,7 +30,6 @@ from ferry.plan.model_config import ModelSpec
 from ferry.services.worker.layers.context import StepContext
 from ferry.services.worker.layers.norms import make_norm
 from ferry.services.worker.layers.rotary import RotaryEmbedding
-from ferry.shared.errors import ConfigError
 
 
 class PagedAttention(nn.Module):
@@ -54,11 +53,6 @@ class PagedAttention(nn.Module):
         self.sinks = None
         if spec.attention_sinks:
             self.sinks = nn.Parameter(torch.zeros(self.heads, **kw), requires_grad=False)
-        if (self.sinks is not None or self.window) and torch.device(device or "cpu").type == "cuda":
-            raise ConfigError(
-                f"{spec.arch}: attention sinks and sliding windows are computed by the torch reference only; "
-                "the CUDA attention kernels do not take them yet (--device cpu)"
-            )
         self.q_norm = self.k_norm = None
         if spec.qk_norm:
             self.q_norm = make_norm(spec.zero_centered_norms, self.head_dim, spec.rms_norm_eps, dtype, device)
