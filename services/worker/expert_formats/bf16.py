@@ -11,7 +11,7 @@ What every worker format gives (the checklist: services/worker/expert_formats/__
 Experts with biases (gpt-oss: `epilogue` with `bias_rows`) keep them in rows after their weights, w13
 [2I + b13, H] and w2 [H + b2, I] (plan/expert_formats/registry.py's `bias_rows`), so every copy of an
 expert moves its biases; the kernels read them, with the activation, through kernels/expert_epilogue.py's
-EpilogueFamily. Only the reference twin computes those yet: a CUDA slot pool of them is refused."""
+EpilogueFamily (the reference twin and the Triton expert kernels; the host's C kernel does not)."""
 
 from __future__ import annotations
 
@@ -90,11 +90,6 @@ class Bf16Experts:
         """The slot tensors as they are; with an epilogue, EpilogueFamily views of their weight and bias rows."""
         if not self.has_epilogue:
             return w13, w2
-        if w13.is_cuda:
-            raise ValueError(
-                "experts with biases or the clamped SwiGLU are computed by the torch reference only; the "
-                "Triton expert kernels do not take them yet (--device cpu)"
-            )
         i, h = self.inter, self.hidden
         b13, b2 = self.bias_rows
         bias13 = w13[:, 2 * i :].reshape(w13.shape[0], -1)[:, : 2 * i] if b13 else None

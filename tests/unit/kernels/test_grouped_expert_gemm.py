@@ -30,6 +30,10 @@ CASES = [
     "pair_kernel_groups_give_the_same_bits",
     "rows_summed_in_k_order",
     "bf16_rows_are_the_float32_rows_rounded_once",
+    "epilogue_grouped_float32",
+    "epilogue_grouped_bfloat16",
+    "epilogue_pair_float32",
+    "epilogue_pair_bfloat16",
 ]
 
 
@@ -116,8 +120,9 @@ H200_MAX_SHARED = 227 * 1024  # dynamic shared memory one block may use on sm_90
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU, tests/gpu compiles and runs the kernels for real")
 def test_kernels_compile_for_hopper():
     results = compile_in_child("compile_grouped_expert_gemm.py")
-    # the plain kernels, then the quantized twins, then (bf16) the down kernels and the sum into bf16 rows
-    assert len(results) == 26 + 48 + 3 + 4  # (compile_grouped_expert_gemm.py)
+    # the plain kernels, then the quantized twins, then (bf16) the down kernels and the sum into bf16 rows, and
+    # (bf16) gpt-oss's biased clamped experts through the grouped and pair kernels
+    assert len(results) == 26 + 48 + 3 + 4 + 4  # (compile_grouped_expert_gemm.py)
     assert sum("rows bf16" in name for name in results) == 3 + 4
     for name, r in results.items():
         assert "error" not in r, f"{name}: {r.get('error')}"
