@@ -186,3 +186,17 @@ def test_offloaded_generation_equals_resident_and_transformers(gpt_oss_checkpoin
     assert offloaded["expert_cache"]["misses"] > 0
     assert offloaded["token_ids"] == resident["token_ids"]
     assert offloaded["logprobs"] == resident["logprobs"]
+
+
+def test_dummy_weights_boot_resident_and_offloaded(gpt_oss_checkpoint, capsys):
+    """--load-format dummy from config.json alone: all-resident (per-name dummy tensors, zero biases) and
+    offloaded (the banks' seeded fill, bias rows included), the latter the same at two cache sizes."""
+    dummy = (*ARGS, "--load-format", "dummy")
+    resident = ferry_generate(capsys, gpt_oss_checkpoint, *dummy)
+    assert len(resident["token_ids"]) == 8 and all(math.isfinite(lp) for lp in resident["logprobs"])
+    least = resident["plan"]["experts"]["min_slots"]
+    small = ferry_generate(capsys, gpt_oss_checkpoint, *dummy, "--moe-cache-size", str(least))
+    larger = ferry_generate(capsys, gpt_oss_checkpoint, *dummy, "--moe-cache-size", str(least + 4))
+    assert small["expert_cache"]["misses"] > larger["expert_cache"]["misses"] > 0
+    assert small["token_ids"] == larger["token_ids"] and small["logprobs"] == larger["logprobs"]
+    assert all(math.isfinite(lp) for lp in small["logprobs"])
