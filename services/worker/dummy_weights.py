@@ -81,6 +81,13 @@ def dummy_tensor(
     return t.to(dtype)
 
 
+def is_router(spec: ModelSpec, name: str, shape) -> bool:
+    """Whether checkpoint tensor `name` is a MoE block's router ([experts, hidden] under `.mlp.`, not a
+    projection): families name it differently (`mlp.gate.`, gpt-oss's `mlp.router.`)."""
+    leaf_ok = ".mlp." in name and name.endswith(".weight") and not name.endswith("_proj.weight")
+    return leaf_ok and ".experts." not in name and tuple(shape) == (spec.num_experts, spec.hidden_size)
+
+
 def _skew(spec: ModelSpec, name: str, t: torch.Tensor, device: torch.device, seed: int, s: float) -> None:
     """Add the shared direction to the embedding, and the popularity bias to the routers' rows."""
     h = spec.hidden_size
@@ -89,7 +96,7 @@ def _skew(spec: ModelSpec, name: str, t: torch.Tensor, device: torch.device, see
     u /= u.norm()
     if name.endswith("embed_tokens.weight"):
         t += u * h**0.5  # as large as the token's own part: after the norm, x . u ~ sqrt(h / 2)
-    elif name.endswith("mlp.gate.weight"):
+    elif is_router(spec, name, t.shape):
         g = torch.Generator(device=device).manual_seed(name_seed(name + " ranks", seed))
         rank = torch.randperm(t.shape[0], device=device, generator=g).float()
         bias = -s * torch.log1p(rank)

@@ -200,3 +200,42 @@ def test_dummy_weights_boot_resident_and_offloaded(gpt_oss_checkpoint, capsys):
     assert small["expert_cache"]["misses"] > larger["expert_cache"]["misses"] > 0
     assert small["token_ids"] == larger["token_ids"] and small["logprobs"] == larger["logprobs"]
     assert all(math.isfinite(lp) for lp in small["logprobs"])
+
+
+def test_make_bench_model_writes_gpt_oss_as_transformers_and_ferry_read_it(gpt_oss_checkpoint, tmp_path):
+    """`ferry make-bench-model --weights random --expert-layout fused`: gpt-oss's published layout (experts
+    transposed, gate and up interleaved, biases beside them), which transformers loads and Ferry reads as the
+    same model; the per-expert layout (with per-expert biases) Ferry reads too. A quantized --format, which
+    holds no biases, is refused."""
+    from transformers import AutoModelForCausalLM
+
+    from ferry.services.bench_model import write_bench_model, write_random_weights
+    from ferry.services.cli import main
+
+    config = gpt_oss_checkpoint / "config.json"
+    logits = {}
+    for layout in ("fused", "per-expert"):
+        out = write_bench_model(tmp_path / layout, config)
+        write_random_weights(out, routing_skew=1.0, dtype="float32", expert_layout=layout)
+        index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+        assert ("model.layers.1.mlp.experts.gate_up_proj_bias" in index) == (layout == "fused")
+        spec = parse_model_config(json.loads((out / "config.json").read_text()))
+        from safetensors.torch import load_file
+
+        tensors = {}
+        for shard in set(index.values()):
+            tensors.update(load_file(str(out / shard)))
+
+        class Checkpoint:
+            def state_dict(self):
+                return tensors
+
+        runner = PagedRunner(spec, Checkpoint(), page_size=4)
+        logits[layout] = runner.step([(1, PROMPT)])[0]
+        if layout == "fused":
+            hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+            with torch.no_grad():
+                assert_logits_close(logits[layout], hf(torch.tensor([PROMPT])).logits[0])
+    assert torch.equal(logits["fused"], logits["per-expert"])
+    args = ["make-bench-model", str(tmp_path / "q"), "--config", str(config), "--format", "nvfp4"]
+    assert main(args) == 2

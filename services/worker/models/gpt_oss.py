@@ -26,6 +26,12 @@ def gate_then_up(interleaved: torch.Tensor) -> torch.Tensor:
     return torch.cat([interleaved[..., 0::2], interleaved[..., 1::2]], dim=-1)
 
 
+def interleaved(gate_then_up: torch.Tensor) -> torch.Tensor:
+    """`gate_then_up` inverted: [..., 2I] the gate's I then the up's -> gate and up interleaved."""
+    gate, up = gate_then_up.chunk(2, dim=-1)
+    return torch.stack([gate, up], dim=-1).flatten(-2)
+
+
 class GptOss(DecoderFamily):
     def mixer(
         self, spec: ModelSpec, layer: int, rotary: RotaryEmbedding, dtype: torch.dtype, device
@@ -43,6 +49,17 @@ class GptOss(DecoderFamily):
 
     def checkpoint_names(self, spec: ModelSpec, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
         return {checkpoint_name(name): shape for name, shape in shapes.items()}
+
+    def fused_expert_tensors(self, spec, prefix, gate_up, down, bias) -> dict[str, torch.Tensor]:
+        """`checkpoint_tensors`' expert conversions inverted: gpt-oss's published (and transformers') layout."""
+        tensors = {
+            f"{prefix}.gate_up_proj": interleaved(gate_up.transpose(1, 2)).contiguous(),  # [E, H, 2I]
+            f"{prefix}.down_proj": down.transpose(1, 2).contiguous(),  # [E, I, H]
+        }
+        if bias is not None:
+            tensors[f"{prefix}.gate_up_proj_bias"] = interleaved(bias[0]).contiguous()
+            tensors[f"{prefix}.down_proj_bias"] = bias[1]
+        return tensors
 
 
 register(GptOss("gpt_oss"))
