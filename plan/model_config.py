@@ -107,12 +107,16 @@ EXPERT_ACTIVATIONS = (SILU, CLAMPED_SWIGLU)
 
 
 def _expert_problems(spec: ModelSpec) -> list[str]:
-    """The experts' activation is one the expert kernels compute, and their biases have rows in the format."""
+    """The experts' activation is one the expert kernels compute, and an expert with biases or another activation
+    than SiLU is in a format whose rows hold the biases and whose kernels compute both (`holds_biases`)."""
     if spec.expert_activation not in EXPERT_ACTIVATIONS:
         return [f"expert activation {spec.expert_activation!r} is not one of {', '.join(EXPERT_ACTIVATIONS)}"]
     fmt = format_of(spec)
-    if spec.expert_bias and not fmt.holds_biases:
-        return [f"the routed experts have biases, which {fmt.name} expert rows do not hold (quantization_config)"]
+    if (spec.expert_bias or spec.expert_activation != SILU) and not fmt.holds_biases:
+        return [
+            f"the routed experts have biases and the {spec.expert_activation} activation, which {fmt.name} "
+            "experts are not held or computed with (quantization_config)"
+        ]
     return []
 
 

@@ -72,8 +72,9 @@ class ExpertFormat:
     # format (algo: modelopt's quant_algo, compressed-tensors' format, fp8's block scheme: plan/quantization.py)
     checkpoint_algos: tuple[tuple[str, str], ...] = ()
     checkpoint_layout: str | None = None  # `ferry make-bench-model --format`'s word for the layout it writes
-    # its rows also hold each expert's biases (ModelSpec.expert_bias); a model with expert biases is refused
-    # a format without them (plan/model_config.py), and --expert-bank-format a bank variant without them
+    # its rows also hold each expert's biases (ModelSpec.expert_bias) and its kernels compute them and the clamped
+    # SwiGLU (kernels/expert_epilogue.py); a model with either is refused a format without them
+    # (plan/model_config.py), and --expert-bank-format a bank variant without them
     holds_biases = False
     worker = ""  # "module:Class" of its torch side (services/worker/expert_formats/)
 

@@ -239,3 +239,15 @@ def test_make_bench_model_writes_gpt_oss_as_transformers_and_ferry_read_it(gpt_o
     assert torch.equal(logits["fused"], logits["per-expert"])
     args = ["make-bench-model", str(tmp_path / "q"), "--config", str(config), "--format", "nvfp4"]
     assert main(args) == 2
+
+
+def test_a_format_that_holds_no_expert_biases_is_refused_by_the_config(model):
+    from ferry.plan import expert_formats as F
+    from ferry.plan.model_config import _validate
+    from ferry.plan.quantization import QuantScheme
+
+    _, spec, _ = model
+    unbiased = next(f for f in F.registered() if f.quantized and not f.holds_biases)
+    scheme = QuantScheme(method="test", algo="test", expert_format=unbiased.name, source="config.json")
+    with pytest.raises(ConfigError, match=f"which {unbiased.name} experts are not held or computed with"):
+        _validate(dataclasses.replace(spec, quantization=scheme), "config.json")
