@@ -251,3 +251,13 @@ def test_a_format_that_holds_no_expert_biases_is_refused_by_the_config(model):
     scheme = QuantScheme(method="test", algo="test", expert_format=unbiased.name, source="config.json")
     with pytest.raises(ConfigError, match=f"which {unbiased.name} experts are not held or computed with"):
         _validate(dataclasses.replace(spec, quantization=scheme), "config.json")
+
+
+def test_no_flash_gather_buffers_are_priced_for_attention_with_sinks(model):
+    """FlashAttention never takes gpt-oss's attention (sinks): the long prefill's gather buffers are not taken."""
+    from ferry.services.worker.workspace_profile import gathered_context_bytes
+
+    _, spec, _ = model
+    assert gathered_context_bytes(spec, "bfloat16", 4096, 16) == 0
+    plain = dataclasses.replace(spec, attention_sinks=False, attention_windows=())
+    assert gathered_context_bytes(plain, "bfloat16", 4096, 16) == 2 * 4096 * spec.num_kv_heads * spec.head_dim * 2
