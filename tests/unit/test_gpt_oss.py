@@ -261,3 +261,12 @@ def test_no_flash_gather_buffers_are_priced_for_attention_with_sinks(model):
     assert gathered_context_bytes(spec, "bfloat16", 4096, 16) == 0
     plain = dataclasses.replace(spec, attention_sinks=False, attention_windows=())
     assert gathered_context_bytes(plain, "bfloat16", 4096, 16) == 2 * 4096 * spec.num_kv_heads * spec.head_dim * 2
+
+
+def test_packed_banks_which_hold_no_biases_are_refused_and_auto_keeps_plain_banks(model):
+    from ferry.plan.host_memory import bank_format
+
+    assert bank_format("auto", "bfloat16", None, biases=True) == "plain"
+    assert bank_format("auto", "bfloat16", None, biases=False) == "packed"
+    with pytest.raises(ValueError, match="--expert-bank-format packed keeps bf16 experts without biases"):
+        bank_format("packed", "bfloat16", None, biases=True)
