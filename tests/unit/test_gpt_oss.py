@@ -27,7 +27,8 @@ from ferry.services.worker.layers.rotary import RotaryEmbedding
 from ferry.shared.errors import ConfigError
 from tests.unit.test_generate_e2e import ferry_generate, transformers_greedy
 
-GPT_OSS_120B = Path(__file__).resolve().parents[1] / "data/models/gpt-oss-120b"
+MODELS = Path(__file__).resolve().parents[1] / "data/models"
+GPT_OSS_120B = MODELS / "gpt-oss-120b"
 PROMPT = [(i * 37 + 11) % 96 for i in range(21)]  # longer than the window (8) by far
 
 
@@ -93,19 +94,20 @@ def _granules(*shape: int) -> int:
     return -(-n // ALLOC_GRANULE) * ALLOC_GRANULE
 
 
-def _unquantized(tmp_path: Path) -> Path:
+def _unquantized(tmp_path: Path, model: Path = GPT_OSS_120B) -> Path:
     """The published config without its quantization_config: the same model with bf16 experts (the MXFP4
     format is served apart)."""
-    raw = json.loads((GPT_OSS_120B / "config.json").read_text())
+    raw = json.loads((model / "config.json").read_text())
     raw.pop("quantization_config")
     (tmp_path / "config.json").write_text(json.dumps(raw))
     return tmp_path
 
 
-def test_ferry_plan_prices_gpt_oss_120b_tensor_by_tensor(tmp_path):
-    """gpt-oss-120b at 24 GiB: the resident weights from the architecture (biases on q/k/v/o, a sink per
-    head, the router's bias), and every expert slot holding its biases after its weights."""
-    hidden, layers, vocab, heads, kv_heads, head_dim, experts, inter = 2880, 36, 201088, 64, 8, 64, 128, 2880
+@pytest.mark.parametrize("name,layers,experts", [("gpt-oss-120b", 36, 128), ("gpt-oss-20b", 24, 32)])
+def test_ferry_plan_prices_gpt_oss_tensor_by_tensor(tmp_path, name, layers, experts):
+    """gpt-oss at 24 GiB: the resident weights from the architecture (biases on q/k/v/o, a sink per head, the
+    router's bias), and every expert slot holding its biases after its weights."""
+    hidden, vocab, heads, kv_heads, head_dim, inter = 2880, 201088, 64, 8, 64, 2880
     q, kv = heads * head_dim, kv_heads * head_dim
     attention = (
         _granules(q, hidden) + _granules(q) + 2 * (_granules(kv, hidden) + _granules(kv))
@@ -114,7 +116,7 @@ def test_ferry_plan_prices_gpt_oss_120b_tensor_by_tensor(tmp_path):
     layer = attention + 2 * _granules(hidden) + _granules(experts, hidden) + _granules(experts)
     expected = 2 * _granules(vocab, hidden) + _granules(hidden) + layers * layer
     out = subprocess.run(
-        [sys.executable, "-m", "ferry.services.cli", "plan", "--model", str(_unquantized(tmp_path))]
+        [sys.executable, "-m", "ferry.services.cli", "plan", "--model", str(_unquantized(tmp_path, MODELS / name))]
         + ["--gpu-memory", "24GiB", "--host-memory", "512GiB", "--json"],
         capture_output=True,
         text=True,
