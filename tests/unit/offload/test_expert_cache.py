@@ -123,6 +123,7 @@ INTERPRETED_CHECKS = [
     "store",
     "device-driven-float32",
     "device-driven-bfloat16",
+    "device-driven-biased",
     "host-share",
     "host-decode-kernel",
     "host-decode",
