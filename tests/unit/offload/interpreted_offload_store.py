@@ -183,6 +183,33 @@ def check_device_driven_biased() -> None:
     assert store.stats.total.misses > 0 and store.ring.staged_total > 0
 
 
+def check_prefetch_follows_the_router_bias() -> None:
+    """The next-layer prediction applies the router's logit bias (gpt-oss's routers have one): with zero router
+    weights and a bias on experts 4 and 5 of layer 1, a decode step of layer 0 prefetches exactly those."""
+    spec = tiny_spec(layers=2, experts=6, top_k=2, hidden=32, inter=16)
+    store = DeviceDrivenExperts(
+        slot_pool(spec, 8),
+        HostBanks.for_model(spec, "float32", progress=False),
+        LFUExpertPolicy(2, 6, 8),
+        "cpu",
+        prefetch=True,
+        pipeline_chunks=2,
+    )
+    for (layer, e), weights in random_experts(spec, 1).items():
+        store.load_expert(layer, e, *weights)
+    bias = torch.tensor([0.0, 0.0, 0.0, 0.0, 5.0, 5.0])
+    store.set_routers([torch.zeros(6, 32) for _ in range(2)], [torch.zeros(6), bias])
+    store.preload()  # 8 slots: layer 0's six experts and layer 1's first two
+    assert (store.cache.slot_of[1, [4, 5]] < 0).all()
+    g = torch.Generator().manual_seed(2)
+    x, ids, w = random_routing(spec, 1, g)
+    store.forward(0, x, ids, w, n_rows=torch.tensor([1], dtype=torch.int32))
+    assert (store.cache.slot_of[1, [4, 5]] >= 0).all(), "the biased experts of layer 1 were not prefetched"
+    store.stats_to_host()
+    store.end_step()
+    assert store.stats.total.prefetched == 2
+
+
 def check_host_share() -> None:
     """Streamed prefills with the host computing half of every layer's missed experts
     (offload/host_compute/prefill_share.py): the same rows as the all-resident store, in float32; the ring stages
@@ -748,6 +775,7 @@ CHECKS = {
     "device-driven-float32": lambda: check_device_driven("float32"),
     "device-driven-bfloat16": lambda: check_device_driven("bfloat16"),
     "device-driven-biased": check_device_driven_biased,
+    "prefetch-router-bias": check_prefetch_follows_the_router_bias,
     "host-share": check_host_share,
     "host-decode-kernel": check_host_decode_kernel,
     "host-decode": check_host_decode,
