@@ -6,7 +6,7 @@ Qwen3.6-35B-A3B experts, H 2048 / I 512, and Qwen3-30B-A3B's, I 768), one layer'
 gate/up. Every candidate's rows are checked against the current tiles' (float32 rounding apart).
 The bound: the distinct experts' bytes over the HBM copy bandwidth measured in the same run.
 
-    python3 bench/pair_gemv_sweep.py --out out [--formats bf16,nvfp4,fp8-block]
+    python3 bench/pair_gemv_sweep.py --out out [--formats bf16,nvfp4,mxfp4,fp8-block]
 """
 
 from __future__ import annotations
@@ -32,6 +32,10 @@ CANDIDATES = {
     "nvfp4": {
         "gate_up": itertools.product((4, 8, 16), (16, 32), (2, 4, 8)),
         "down": itertools.product((8, 16, 32), (16, 32), (4, 8)),
+    },
+    "mxfp4": {  # k in groups of 32: the same inputs a step as nvfp4's
+        "gate_up": itertools.product((4, 8, 16), (8, 16), (2, 4, 8)),
+        "down": itertools.product((8, 16, 32), (8, 16), (4, 8)),
     },
     "fp8-block": {
         "gate_up": itertools.product((4, 8, 16), (1, 2), (4, 8)),
@@ -73,13 +77,14 @@ def experts(fmt_name: str, h: int, i: int, slots: int, dev):
     import torch
 
     from ferry.services.worker.expert_formats.fp8_block import Fp8BlockExperts
+    from ferry.services.worker.expert_formats.mxfp4 import Mxfp4Experts
     from ferry.services.worker.expert_formats.nvfp4 import Nvfp4Experts
 
     if fmt_name == "bf16":
         w13 = torch.randn(slots, 2 * i, h, device=dev, dtype=torch.bfloat16) * 0.02
         w2 = torch.randn(slots, h, i, device=dev, dtype=torch.bfloat16) * 0.02
         return w13, w2, 3 * h * i * 2
-    fmt = {"nvfp4": Nvfp4Experts, "fp8-block": Fp8BlockExperts}[fmt_name](h, i)
+    fmt = {"nvfp4": Nvfp4Experts, "mxfp4": Mxfp4Experts, "fp8-block": Fp8BlockExperts}[fmt_name](h, i)
     (s13, d13), (s2, d2) = fmt.row_shapes()
     w13, w2 = torch.zeros(slots, *s13, dtype=d13), torch.zeros(slots, *s2, dtype=d2)
     fmt.fill_dummy_layer(w13, w2, 0, 0)

@@ -1,4 +1,4 @@
-"""Grouped expert GEMM by slot straight from quantized slots, in Triton: the NVFP4 and FP8-block
+"""Grouped expert GEMM by slot straight from quantized slots, in Triton: the NVFP4/MXFP4 and FP8-block
 twins of grouped_expert_gemm.py (same alignment, grid, slot window, fusions and rounding);
 reference: `quantized_expert_rows_reference` (kernels/grouped_expert_gemm_reference.py).
 
@@ -11,6 +11,8 @@ dense copy of the weights exists. Every load is a whole tile (vectorised, and pi
   interleaving the nibbles); x's tile is split into its even and odd columns in registers, and the
   step's BLOCK_K / 16 group scales are loaded once and spread over their groups' bytes there
   (a gather per byte costs one load instruction per weight byte).
+* MXFP4: the same kernels (`_fp4_*`, the group size and scale kind constexpr): BLOCK_K / 32 e8m0
+  scales a step, each spread over 16 bytes, and no row scale.
 * FP8-block: a step stays in one 128-column block, so its scales are one per output row.
 """
 
@@ -22,8 +24,8 @@ import triton.language as tl
 
 from ferry.kernels.aligned_blocks import SLOT_WINDOW_ALL, block_rows, grouped_launch, window_blocks
 from ferry.kernels.expert_rows_sum import check_rows
-from ferry.kernels.quantized_expert_gemv import _e2m1_high, _e2m1_low, check_quantized_families
-from ferry.kernels.quantized_experts import NVFP4, QuantizedFamily
+from ferry.kernels.quantized_expert_gemv import _e2m1_high, _e2m1_low, _fp4_scales, check_quantized_families
+from ferry.kernels.quantized_experts import FP4_SCALES, FP8_BLOCK, QuantizedFamily
 
 BLOCK_N = 64
 
@@ -32,20 +34,48 @@ def block_k_for(fmt: str, block_m: int, dtype: torch.dtype) -> int:
     """Inputs a reduction step (a divisor of 128, so an FP8 step stays in one column block). Measured
     on Qwen3-30B-A3B's experts: 64, but 128 for FP8 with bf16 x at decode's BLOCK_M
     (179 us against 260 at 64 tokens); float32 tiles are twice the bytes (and compile slowly), 64."""
-    return 128 if fmt != NVFP4 and block_m <= 16 and dtype != torch.float32 else 64
+    return 128 if fmt == FP8_BLOCK and block_m <= 16 and dtype != torch.float32 else 64
 
 
 @triton.jit
-def _nvfp4_tiles(b, scale, gscale, W_TY: tl.constexpr):
+def _fp4_tiles(b, scale, gscale, BYTES: tl.constexpr, ROW_SCALE: tl.constexpr, W_TY: tl.constexpr):
     """Byte tile b [J, N] as its low-nibble and high-nibble weights in W_TY: code * group scale (its
-    [J / 8, N] group scales, times 2**14 (see _e2m1_low), each spread over its group's 8 bytes), then
-    * gscale [1, N]: dequantize_slot's products in its order."""
+    [J / BYTES, N] group scales, times 2**14 (see _e2m1_low), each spread over its group's BYTES bytes),
+    then (nvfp4, ROW_SCALE) * gscale [1, N]: dequantize_slot's products in its order."""
     groups: tl.constexpr = scale.shape[0]
     cols: tl.constexpr = scale.shape[1]
-    s = tl.reshape(tl.broadcast_to(scale[:, None, :], (groups, 8, cols)), (groups * 8, cols))
-    lo = ((_e2m1_low(b) * s) * gscale).to(W_TY)
-    hi = ((_e2m1_high(b) * s) * gscale).to(W_TY)
+    s = tl.reshape(tl.broadcast_to(scale[:, None, :], (groups, BYTES, cols)), (groups * BYTES, cols))
+    if ROW_SCALE:
+        lo = ((_e2m1_low(b) * s) * gscale).to(W_TY)
+        hi = ((_e2m1_high(b) * s) * gscale).to(W_TY)
+    else:
+        lo = (_e2m1_low(b) * s).to(W_TY)
+        hi = (_e2m1_high(b) * s).to(W_TY)
     return lo, hi
+
+
+@triton.jit
+def _fp4_weight_step(
+    q_ptrs,
+    s_ptrs,
+    gscale,
+    k0,
+    K,
+    n_ok,
+    offs_j,
+    offs_s,
+    GROUP: tl.constexpr,
+    E8M0: tl.constexpr,
+    ROW_SCALE: tl.constexpr,
+    W_TY: tl.constexpr,
+):
+    """A reduction step's weights from k0 (of K inputs, K % GROUP == 0: a group is in or out whole), as
+    `_fp4_tiles`: bytes q_ptrs [BLOCK_K / 2, BLOCK_N] (offs_j the step's bytes), scales s_ptrs
+    [BLOCK_K / GROUP, BLOCK_N] (offs_s its groups), columns n_ok."""
+    w_mask = (offs_j + k0 // 2 < K // 2)[:, None] & n_ok[None, :]
+    s_mask = (offs_s + k0 // GROUP < K // GROUP)[:, None] & n_ok[None, :]
+    scale = _fp4_scales(s_ptrs + k0 // GROUP, s_mask, E8M0)
+    return _fp4_tiles(tl.load(q_ptrs + k0 // 2, mask=w_mask, other=0), scale, gscale, GROUP // 2, ROW_SCALE, W_TY)
 
 
 @triton.jit
@@ -56,7 +86,7 @@ def _even_odd(x_ptrs, mask, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _nvfp4_gate_up_block(
+def _fp4_gate_up_block(
     x_ptr,
     q_ptr,
     s_ptr,
@@ -84,8 +114,11 @@ def _nvfp4_gate_up_block(
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
+    GROUP: tl.constexpr,
+    E8M0: tl.constexpr,
+    ROW_SCALE: tl.constexpr,
 ):
-    """_nvfp4_gate_up_kernel's work: block pid_m at slot `slot` (shifted), column tile pid_n."""
+    """_fp4_gate_up_kernel's work: block pid_m at slot `slot` (shifted), column tile pid_n."""
     slot = slot.to(tl.int64)
     offs_m, pair, row_ok = block_rows(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M)
     token = pair // top_k
@@ -93,26 +126,26 @@ def _nvfp4_gate_up_block(
     n_ok = offs_n < I
     offs_k = tl.arange(0, BLOCK_K)
     offs_j = tl.arange(0, BLOCK_K // 2)  # byte j of a step: inputs 2j (low nibble) and 2j + 1 (high)
-    offs_s = tl.arange(0, BLOCK_K // 16)  # the step's groups
+    offs_s = tl.arange(0, BLOCK_K // GROUP)  # the step's groups
     x_ptrs = x_ptr + token[:, None] * stride_xt + offs_k[None, :] * stride_xh
     q_g = q_ptr + slot * stride_qs + offs_n[None, :] * stride_qo + offs_j[:, None]  # [BLOCK_K / 2, BLOCK_N]
     q_u = q_g + I * stride_qo  # up rows follow the gate rows
-    s_g = s_ptr + slot * stride_ss + offs_n[None, :] * stride_so + offs_s[:, None]  # [BLOCK_K / 16, BLOCK_N]
+    s_g = s_ptr + slot * stride_ss + offs_n[None, :] * stride_so + offs_s[:, None]  # [BLOCK_K / GROUP, BLOCK_N]
     s_u = s_g + I * stride_so
-    g_row = g_ptr + slot * stride_gs + offs_n
-    gs_g = tl.load(g_row, mask=n_ok, other=0.0)[None, :]
-    gs_u = tl.load(g_row + I, mask=n_ok, other=0.0)[None, :]
+    if ROW_SCALE:
+        g_row = g_ptr + slot * stride_gs + offs_n
+        gs_g = tl.load(g_row, mask=n_ok, other=0.0)[None, :]
+        gs_u = tl.load(g_row + I, mask=n_ok, other=0.0)[None, :]
+    else:  # never read (_fp4_tiles)
+        gs_g = 1.0
+        gs_u = 1.0
     w_ty = act_ptr.dtype.element_ty
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):  # H % 16 == 0: a group is in or out whole
+    for k0 in range(0, H, BLOCK_K):  # H % GROUP == 0: a group is in or out whole
         a_lo, a_hi = _even_odd(x_ptrs + k0 * stride_xh, row_ok[:, None] & (offs_k + k0 < H)[None, :], BLOCK_M, BLOCK_K)
-        w_mask = (offs_j + k0 // 2 < H // 2)[:, None] & n_ok[None, :]
-        s_mask = (offs_s + k0 // 16 < H // 16)[:, None] & n_ok[None, :]
-        sg = tl.load(s_g + k0 // 16, mask=s_mask, other=0.0).to(tl.float32) * 16384.0
-        su = tl.load(s_u + k0 // 16, mask=s_mask, other=0.0).to(tl.float32) * 16384.0
-        g_lo, g_hi = _nvfp4_tiles(tl.load(q_g + k0 // 2, mask=w_mask, other=0), sg, gs_g, w_ty)
-        u_lo, u_hi = _nvfp4_tiles(tl.load(q_u + k0 // 2, mask=w_mask, other=0), su, gs_u, w_ty)
+        g_lo, g_hi = _fp4_weight_step(q_g, s_g, gs_g, k0, H, n_ok, offs_j, offs_s, GROUP, E8M0, ROW_SCALE, w_ty)
+        u_lo, u_hi = _fp4_weight_step(q_u, s_u, gs_u, k0, H, n_ok, offs_j, offs_s, GROUP, E8M0, ROW_SCALE, w_ty)
         if UPCAST:
             a_lo, a_hi = a_lo.to(tl.float32), a_hi.to(tl.float32)
             g_lo, g_hi, u_lo, u_hi = g_lo.to(tl.float32), g_hi.to(tl.float32), u_lo.to(tl.float32), u_hi.to(tl.float32)
@@ -129,7 +162,7 @@ def _nvfp4_gate_up_block(
 
 
 @triton.jit(do_not_specialize=["num_pairs", "slot_lo", "slot_hi", "slot_shift"])
-def _nvfp4_gate_up_kernel(
+def _fp4_gate_up_kernel(
     x_ptr,
     q_ptr,
     s_ptr,
@@ -159,6 +192,9 @@ def _nvfp4_gate_up_kernel(
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
+    GROUP: tl.constexpr,
+    E8M0: tl.constexpr,
+    ROW_SCALE: tl.constexpr,
     WINDOWED: tl.constexpr,
 ):
     pid_n = tl.program_id(1)
@@ -166,7 +202,7 @@ def _nvfp4_gate_up_kernel(
         first, last = window_blocks(block_start_ptr, slot_lo, slot_hi)
         for pid_m in range(first + tl.program_id(0), last, tl.num_programs(0)):
             slot = tl.load(block_slot_ptr + pid_m) + slot_shift
-            _nvfp4_gate_up_block(
+            _fp4_gate_up_block(
                 x_ptr,
                 q_ptr,
                 s_ptr,
@@ -194,12 +230,15 @@ def _nvfp4_gate_up_kernel(
                 BLOCK_K,
                 UPCAST,
                 PRECISION,
+                GROUP,
+                E8M0,
+                ROW_SCALE,
             )
     else:
         pid_m = tl.program_id(0)
         slot = tl.load(block_slot_ptr + pid_m)
         if (slot >= slot_lo) & (slot < slot_hi):  # not -1 (past the end), and inside the window
-            _nvfp4_gate_up_block(
+            _fp4_gate_up_block(
                 x_ptr,
                 q_ptr,
                 s_ptr,
@@ -227,11 +266,14 @@ def _nvfp4_gate_up_kernel(
                 BLOCK_K,
                 UPCAST,
                 PRECISION,
+                GROUP,
+                E8M0,
+                ROW_SCALE,
             )
 
 
 @triton.jit
-def _nvfp4_down_block(
+def _fp4_down_block(
     act_ptr,
     q_ptr,
     s_ptr,
@@ -257,26 +299,30 @@ def _nvfp4_down_block(
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
+    GROUP: tl.constexpr,
+    E8M0: tl.constexpr,
+    ROW_SCALE: tl.constexpr,
 ):
-    """_nvfp4_down_kernel's work: block pid_m at slot `slot` (shifted), column tile pid_n."""
+    """_fp4_down_kernel's work: block pid_m at slot `slot` (shifted), column tile pid_n."""
     slot = slot.to(tl.int64)
     offs_m, pair, row_ok = block_rows(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output features (H)
     n_ok = offs_n < H
     offs_k = tl.arange(0, BLOCK_K)  # reduction over I
     offs_j = tl.arange(0, BLOCK_K // 2)  # two inputs a byte
-    offs_s = tl.arange(0, BLOCK_K // 16)
+    offs_s = tl.arange(0, BLOCK_K // GROUP)
     a_ptrs = act_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_an
     q_w = q_ptr + slot * stride_qs + offs_n[None, :] * stride_qo + offs_j[:, None]
     s_w = s_ptr + slot * stride_ss + offs_n[None, :] * stride_so + offs_s[:, None]
-    gs = tl.load(g_ptr + slot * stride_gs + offs_n, mask=n_ok, other=0.0)[None, :]
+    if ROW_SCALE:
+        gs = tl.load(g_ptr + slot * stride_gs + offs_n, mask=n_ok, other=0.0)[None, :]
+    else:  # never read (_fp4_tiles)
+        gs = 1.0
     w_ty = act_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         x_lo, x_hi = _even_odd(a_ptrs + k0 * stride_an, row_ok[:, None] & (offs_k + k0 < I)[None, :], BLOCK_M, BLOCK_K)
-        w_mask = (offs_j + k0 // 2 < I // 2)[:, None] & n_ok[None, :]
-        s = tl.load(s_w + k0 // 16, mask=(offs_s + k0 // 16 < I // 16)[:, None] & n_ok[None, :], other=0.0)
-        w_lo, w_hi = _nvfp4_tiles(tl.load(q_w + k0 // 2, mask=w_mask, other=0), s.to(tl.float32) * 16384.0, gs, w_ty)
+        w_lo, w_hi = _fp4_weight_step(q_w, s_w, gs, k0, I, n_ok, offs_j, offs_s, GROUP, E8M0, ROW_SCALE, w_ty)
         if UPCAST:
             x_lo, x_hi, w_lo, w_hi = x_lo.to(tl.float32), x_hi.to(tl.float32), w_lo.to(tl.float32), w_hi.to(tl.float32)
         acc = tl.dot(x_lo, w_lo, acc, input_precision=PRECISION)
@@ -293,7 +339,7 @@ def _nvfp4_down_block(
 
 
 @triton.jit(do_not_specialize=["num_pairs", "slot_lo", "slot_hi", "slot_shift"])
-def _nvfp4_down_kernel(
+def _fp4_down_kernel(
     act_ptr,
     q_ptr,
     s_ptr,
@@ -321,6 +367,9 @@ def _nvfp4_down_kernel(
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
+    GROUP: tl.constexpr,
+    E8M0: tl.constexpr,
+    ROW_SCALE: tl.constexpr,
     WINDOWED: tl.constexpr,
 ):
     pid_n = tl.program_id(1)
@@ -328,7 +377,7 @@ def _nvfp4_down_kernel(
         first, last = window_blocks(block_start_ptr, slot_lo, slot_hi)
         for pid_m in range(first + tl.program_id(0), last, tl.num_programs(0)):
             slot = tl.load(block_slot_ptr + pid_m) + slot_shift
-            _nvfp4_down_block(
+            _fp4_down_block(
                 act_ptr,
                 q_ptr,
                 s_ptr,
@@ -354,12 +403,15 @@ def _nvfp4_down_kernel(
                 BLOCK_K,
                 UPCAST,
                 PRECISION,
+                GROUP,
+                E8M0,
+                ROW_SCALE,
             )
     else:
         pid_m = tl.program_id(0)
         slot = tl.load(block_slot_ptr + pid_m)
         if (slot >= slot_lo) & (slot < slot_hi):  # not -1 (past the end), and inside the window
-            _nvfp4_down_block(
+            _fp4_down_block(
                 act_ptr,
                 q_ptr,
                 s_ptr,
@@ -385,6 +437,9 @@ def _nvfp4_down_kernel(
                 BLOCK_K,
                 UPCAST,
                 PRECISION,
+                GROUP,
+                E8M0,
+                ROW_SCALE,
             )
 
 
@@ -723,12 +778,16 @@ def quantized_grouped_rows_triton(
     act, weights, aligned_args, (lo, hi, shift) = launch.act, launch.weights, launch.aligned_args, launch.window
     num_pairs, top_k = launch.num_pairs, launch.top_k
     up_grid, down_grid = (launch.grid_m, triton.cdiv(inter, BLOCK_N)), (launch.grid_m, triton.cdiv(h, BLOCK_N))
-    if w13.fmt == NVFP4:
-        _nvfp4_gate_up_kernel[up_grid](
+    if w13.fmt in FP4_SCALES:
+        fp4 = FP4_SCALES[w13.fmt]
+        scaling = dict(GROUP=fp4.group, E8M0=fp4.e8m0, ROW_SCALE=fp4.row_scale)
+        # no row scale (mxfp4): the kernels never read g_ptr; any tensor stands in
+        g13, g2 = (w13.gscale, w2.gscale) if fp4.row_scale else (w13.scale, w2.scale)
+        _fp4_gate_up_kernel[up_grid](
             x,
             w13.q,
             w13.scale,
-            w13.gscale,
+            g13,
             act,
             *aligned_args,
             num_pairs,
@@ -744,16 +803,17 @@ def quantized_grouped_rows_triton(
             w13.q.stride(1),
             w13.scale.stride(0),
             w13.scale.stride(1),
-            w13.gscale.stride(0),
+            g13.stride(0),
             act.stride(0),
             act.stride(1),
             **meta,
+            **scaling,
         )
-        _nvfp4_down_kernel[down_grid](
+        _fp4_down_kernel[down_grid](
             act,
             w2.q,
             w2.scale,
-            w2.gscale,
+            g2,
             rows,
             weights,
             *aligned_args,
@@ -769,8 +829,9 @@ def quantized_grouped_rows_triton(
             w2.q.stride(1),
             w2.scale.stride(0),
             w2.scale.stride(1),
-            w2.gscale.stride(0),
+            g2.stride(0),
             **meta,
+            **scaling,
         )
     else:
         _fp8_gate_up_kernel[up_grid](

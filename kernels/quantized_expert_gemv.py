@@ -1,11 +1,11 @@
-"""Routed experts pair by pair (decode) straight from quantized slots, in Triton: the NVFP4 and
+"""Routed experts pair by pair (decode) straight from quantized slots, in Triton: the NVFP4/MXFP4 and
 FP8-block twins of expert_pair_gemv.py (same contract, grid and fusions); reference:
 `quantized_expert_rows_reference` (kernels/grouped_expert_gemm_reference.py).
 
 Why in registers: decode is paced by the bytes the GEMV reads, and a quantized slot holds 0.28
 (NVFP4) or 0.5 (FP8) of a bf16 slot's bytes; a dense copy would write and read the bf16 bytes on
 top. The codes are decoded to float32 and meet x in float32; each scale group's (NVFP4: 16 inputs,
-FP8: a 128-input block) sum of code x input is then multiplied by its scale once, and NVFP4's row
+MXFP4: 32, FP8: a 128-input block) sum of code x input is then multiplied by its scale once, and NVFP4's row
 scale once per output. That is the twin's sum of dequantized weights times inputs, reassociated: the
 same value up to float32 rounding, without rounding each weight to x's dtype as `dequantize_slot`
 does (a bf16 x differs from the twin by that rounding; the tests allow it). Dequantizing each weight
@@ -17,6 +17,7 @@ Tiles keep each scale on its own axis, so a scale is loaded once and broadcast, 
 * NVFP4 [BLOCK_N, groups, 8 bytes]: byte b of group g holds inputs 16g + 2b (low nibble) and
   16g + 2b + 1 (high); the two nibbles are decoded apart and meet x's even and odd inputs (no
   interleaving); the group's float8 scale broadcasts along the bytes, the row's gscale along both.
+  MXFP4 is the same kernel (`_fp4_*`) with [BLOCK_N, groups, 16 bytes], an e8m0 scale and no gscale.
 * FP8-block [BLOCK_N, column blocks, 128]: one float32 scale per (row block, column block).
 """
 
@@ -27,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ferry.kernels.pair_tiles import TILES
-from ferry.kernels.quantized_experts import FP8_BLOCK, NVFP4, NVFP4_GROUP, QuantizedFamily
+from ferry.kernels.quantized_experts import FP4_SCALES, FP8_BLOCK, QuantizedFamily
 from ferry.kernels.router_topk import mark_args, mark_routed_slot
 
 
@@ -48,12 +49,41 @@ def _e2m1_high(b):
 
 
 @triton.jit
-def _nvfp4_group_dots(b, scale, x_lo, x_hi):
-    """[N, G]: for byte tile b [N, G, 8], each group's sum of code x input (codes as `_e2m1_low` reads
-    them: the low nibbles meet x's even inputs x_lo [G, 8], the high ones the odd x_hi), times the
-    group's scale [N, G] (already times 2**14, exact). The row's gscale is applied once, at the end."""
+def _fp4_scales(s_ptrs, mask, E8M0: tl.constexpr):
+    """The group scales at s_ptrs as float32, times 2**14 (exact; see _e2m1_low): float8_e4m3fn values
+    (nvfp4), or e8m0 bytes (mxfp4), each a float32's exponent field worth 2^(s - 127) (byte 0: the
+    subnormal 2^-127). Masked scales read 0 (e8m0: 2^-127), against codes read 0."""
+    if E8M0:
+        s = tl.load(s_ptrs, mask=mask, other=0)
+        bits = tl.where(s == 0, 0x00400000, s.to(tl.int32) << 23)
+        return bits.to(tl.float32, bitcast=True) * 16384.0
+    else:
+        return tl.load(s_ptrs, mask=mask, other=0.0).to(tl.float32) * 16384.0
+
+
+@triton.jit
+def _fp4_group_dots(b, scale, x_lo, x_hi):
+    """[N, G]: for byte tile b [N, G, GROUP / 2], each group's sum of code x input (codes as `_e2m1_low`
+    reads them: the low nibbles meet x's even inputs x_lo [G, GROUP / 2], the high ones the odd x_hi),
+    times the group's scale [N, G] (`_fp4_scales`). nvfp4's row gscale is applied once, at the end."""
     dots = tl.sum(_e2m1_low(b) * x_lo[None, :, :] + _e2m1_high(b) * x_hi[None, :, :], axis=2)
     return dots * scale
+
+
+@triton.jit
+def _fp4_inputs(x_ptrs, g_ok):
+    """A step's inputs at x_ptrs [G, GROUP / 2] (the even ones) and each one's odd neighbour, as float32."""
+    x_lo = tl.load(x_ptrs, mask=g_ok[:, None], other=0.0).to(tl.float32)
+    x_hi = tl.load(x_ptrs + 1, mask=g_ok[:, None], other=0.0).to(tl.float32)
+    return x_lo, x_hi
+
+
+@triton.jit
+def _fp4_step_dots(q_ptrs, s_ptrs, x_lo, x_hi, m2, E8M0: tl.constexpr):
+    """One loop step of an fp4 GEMV: [N, G] group dots of byte tile q_ptrs [N, G, GROUP / 2] under scales
+    s_ptrs [N, G] (mask m2 [N, G]) with the inputs `_fp4_inputs` read."""
+    scale = _fp4_scales(s_ptrs, m2, E8M0)
+    return _fp4_group_dots(tl.load(q_ptrs, mask=m2[:, :, None], other=0), scale, x_lo, x_hi)
 
 
 @triton.jit
@@ -74,7 +104,7 @@ def _silu_and_mul(acc_g, acc_u, out_ty: tl.constexpr):
 
 # slot_offset follows the layer (the all-resident store passes the layer's first slot): not specialised on
 @triton.jit(do_not_specialize=["slot_offset"])
-def _nvfp4_pair_gate_up_kernel(
+def _fp4_pair_gate_up_kernel(
     x_ptr,
     q_ptr,
     s_ptr,
@@ -95,9 +125,13 @@ def _nvfp4_pair_gate_up_kernel(
     stride_gs,
     BLOCK_N: tl.constexpr,
     GROUPS: tl.constexpr,
+    GROUP: tl.constexpr,
+    E8M0: tl.constexpr,
+    ROW_SCALE: tl.constexpr,
     MARK: tl.constexpr,
     HAS_N_ROWS: tl.constexpr,
 ):
+    """nvfp4 (GROUP 16, float8 scales, ROW_SCALE) and mxfp4 (GROUP 32, E8M0 scales) gate/up rows of a pair."""
     pair = tl.program_id(0)
     slot = tl.load(slots_ptr + pair).to(tl.int64)
     if slot < 0:  # skipped pair (another group computes it): leave its row alone
@@ -107,39 +141,45 @@ def _nvfp4_pair_gate_up_kernel(
     if MARK:  # the resident store's routed table, once a pair (expert_pair_gemv.py's `mark`)
         if tl.program_id(1) == 0:
             mark_routed_slot(table_ptr, n_rows_ptr, slot, token, HAS_N_ROWS)
+    BYTES: tl.constexpr = GROUP // 2  # a group's bytes
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < I
     rows = offs_n.to(tl.int64)
     offs_g = tl.arange(0, GROUPS)
-    offs_b = tl.arange(0, 8)
-    q_g = q_ptr + slot * stride_qs + rows[:, None, None] * stride_qo + offs_g[None, :, None] * 8 + offs_b[None, None, :]
+    offs_b = tl.arange(0, BYTES)
+    q_g = (
+        q_ptr
+        + slot * stride_qs
+        + rows[:, None, None] * stride_qo
+        + offs_g[None, :, None] * BYTES
+        + offs_b[None, None, :]
+    )
     q_u = q_g + I * stride_qo  # up rows follow the gate rows
     s_g = s_ptr + slot * stride_ss + rows[:, None] * stride_so + offs_g[None, :]
     s_u = s_g + I * stride_so
-    g_row = g_ptr + slot * stride_gs + offs_n
-    gs_g = tl.load(g_row, mask=n_ok, other=0.0)
-    gs_u = tl.load(g_row + I, mask=n_ok, other=0.0)
-    x_lo = x_ptr + token * stride_xt + offs_g[:, None] * 16 + offs_b[None, :] * 2  # [GROUPS, 8]: even inputs
+    x_lo = x_ptr + token * stride_xt + offs_g[:, None] * GROUP + offs_b[None, :] * 2  # [GROUPS, BYTES]: even inputs
     w_ty = act_ptr.dtype.element_ty
     acc_g = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
-    groups = H // 16
+    groups = H // GROUP
     for g0 in range(0, groups, GROUPS):
         g_ok = offs_g + g0 < groups
-        a_lo = tl.load(x_lo + g0 * 16, mask=g_ok[:, None], other=0.0).to(tl.float32)
-        a_hi = tl.load(x_lo + g0 * 16 + 1, mask=g_ok[:, None], other=0.0).to(tl.float32)
+        a_lo, a_hi = _fp4_inputs(x_lo + g0 * GROUP, g_ok)
         m2 = n_ok[:, None] & g_ok[None, :]
-        m3 = m2[:, :, None]
-        sg = tl.load(s_g + g0, mask=m2, other=0.0).to(tl.float32) * 16384.0  # 2**14: see _e2m1_low
-        su = tl.load(s_u + g0, mask=m2, other=0.0).to(tl.float32) * 16384.0
-        acc_g += _nvfp4_group_dots(tl.load(q_g + g0 * 8, mask=m3, other=0), sg, a_lo, a_hi)
-        acc_u += _nvfp4_group_dots(tl.load(q_u + g0 * 8, mask=m3, other=0), su, a_lo, a_hi)
-    act = _silu_and_mul(tl.sum(acc_g, axis=1) * gs_g, tl.sum(acc_u, axis=1) * gs_u, w_ty)
+        acc_g += _fp4_step_dots(q_g + g0 * BYTES, s_g + g0, a_lo, a_hi, m2, E8M0)
+        acc_u += _fp4_step_dots(q_u + g0 * BYTES, s_u + g0, a_lo, a_hi, m2, E8M0)
+    gate = tl.sum(acc_g, axis=1)
+    up = tl.sum(acc_u, axis=1)
+    if ROW_SCALE:
+        g_row = g_ptr + slot * stride_gs + offs_n
+        gate = gate * tl.load(g_row, mask=n_ok, other=0.0)
+        up = up * tl.load(g_row + I, mask=n_ok, other=0.0)
+    act = _silu_and_mul(gate, up, w_ty)
     tl.store(act_ptr + pair.to(tl.int64) * I + offs_n, act, mask=n_ok)
 
 
 @triton.jit(do_not_specialize=["slot_offset"])
-def _nvfp4_pair_down_kernel(
+def _fp4_pair_down_kernel(
     act_ptr,
     q_ptr,
     s_ptr,
@@ -157,32 +197,42 @@ def _nvfp4_pair_down_kernel(
     stride_gs,
     BLOCK_N: tl.constexpr,
     GROUPS: tl.constexpr,
+    GROUP: tl.constexpr,
+    E8M0: tl.constexpr,
+    ROW_SCALE: tl.constexpr,
 ):
+    """nvfp4 and mxfp4 down rows of a pair (as _fp4_pair_gate_up_kernel)."""
     pair = tl.program_id(0)
     slot = tl.load(slots_ptr + pair).to(tl.int64)
     if slot < 0:
         return
     slot += slot_offset
+    BYTES: tl.constexpr = GROUP // 2
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # output features (H)
     n_ok = offs_n < H
     rows = offs_n.to(tl.int64)
-    offs_g = tl.arange(0, GROUPS)  # reduction over I, 16 inputs a group
-    offs_b = tl.arange(0, 8)
-    q_w = q_ptr + slot * stride_qs + rows[:, None, None] * stride_qo + offs_g[None, :, None] * 8 + offs_b[None, None, :]
+    offs_g = tl.arange(0, GROUPS)  # reduction over I, GROUP inputs a group
+    offs_b = tl.arange(0, BYTES)
+    q_w = (
+        q_ptr
+        + slot * stride_qs
+        + rows[:, None, None] * stride_qo
+        + offs_g[None, :, None] * BYTES
+        + offs_b[None, None, :]
+    )
     s_w = s_ptr + slot * stride_ss + rows[:, None] * stride_so + offs_g[None, :]
-    gs = tl.load(g_ptr + slot * stride_gs + offs_n, mask=n_ok, other=0.0)
-    a_lo = act_ptr + pair.to(tl.int64) * I + offs_g[:, None] * 16 + offs_b[None, :] * 2
+    a_lo = act_ptr + pair.to(tl.int64) * I + offs_g[:, None] * GROUP + offs_b[None, :] * 2
     w_ty = act_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
-    groups = I // 16
+    groups = I // GROUP
     for g0 in range(0, groups, GROUPS):
         g_ok = offs_g + g0 < groups
-        x_lo = tl.load(a_lo + g0 * 16, mask=g_ok[:, None], other=0.0).to(tl.float32)
-        x_hi = tl.load(a_lo + g0 * 16 + 1, mask=g_ok[:, None], other=0.0).to(tl.float32)
-        m2 = n_ok[:, None] & g_ok[None, :]
-        s = tl.load(s_w + g0, mask=m2, other=0.0).to(tl.float32) * 16384.0
-        acc += _nvfp4_group_dots(tl.load(q_w + g0 * 8, mask=m2[:, :, None], other=0), s, x_lo, x_hi)
-    y = (tl.sum(acc, axis=1) * gs).to(w_ty).to(tl.float32)
+        x_lo, x_hi = _fp4_inputs(a_lo + g0 * GROUP, g_ok)
+        acc += _fp4_step_dots(q_w + g0 * BYTES, s_w + g0, x_lo, x_hi, n_ok[:, None] & g_ok[None, :], E8M0)
+    y = tl.sum(acc, axis=1)
+    if ROW_SCALE:
+        y = y * tl.load(g_ptr + slot * stride_gs + offs_n, mask=n_ok, other=0.0)
+    y = y.to(w_ty).to(tl.float32)
     routing = tl.load(weights_ptr + pair).to(tl.float32)
     tl.store(rows_ptr + pair.to(tl.int64) * H + offs_n, y * routing, mask=n_ok)
 
@@ -294,17 +344,19 @@ def _fp8_pair_down_kernel(
 
 def check_quantized_families(h: int, w13: QuantizedFamily, w2: QuantizedFamily) -> int:
     """I (the intermediate size) once the two families fit H and each other, and their views are what
-    the kernels assume (one format, NVFP4 inputs in whole groups, last axes unit-stride)."""
-    if not isinstance(w2, QuantizedFamily) or w13.fmt != w2.fmt or w13.fmt not in (NVFP4, FP8_BLOCK):
-        raise ValueError(f"w13 and w2 must be QuantizedFamily of one format ({NVFP4} or {FP8_BLOCK})")
+    the kernels assume (one format, fp4 inputs in whole groups, last axes unit-stride)."""
+    formats = (*FP4_SCALES, FP8_BLOCK)
+    if not isinstance(w2, QuantizedFamily) or w13.fmt != w2.fmt or w13.fmt not in formats:
+        raise ValueError(f"w13 and w2 must be QuantizedFamily of one format ({', '.join(formats)})")
     inter = w2.cols
     if (w13.rows, w13.cols, w13.part_rows, w2.rows, w2.part_rows) != (2 * inter, h, inter, h, h):
         raise ValueError(
             f"quantized families do not fit H={h}: w13 {w13.rows}x{w13.cols} (parts of "
             f"{w13.part_rows}), w2 {w2.rows}x{w2.cols} (parts of {w2.part_rows})"
         )
-    if w13.fmt == NVFP4 and (h % NVFP4_GROUP or inter % NVFP4_GROUP):
-        raise ValueError(f"nvfp4 needs H ({h}) and I ({inter}) to be multiples of {NVFP4_GROUP}")
+    group = FP4_SCALES[w13.fmt].group if w13.fmt in FP4_SCALES else 1
+    if h % group or inter % group:
+        raise ValueError(f"{w13.fmt} needs H ({h}) and I ({inter}) to be multiples of {group}")
     views = [v for f in (w13, w2) for v in (f.q, f.scale, f.gscale) if v is not None]
     if any(v.stride(-1) != 1 for v in views):
         raise ValueError("the last axis of every quantized view must be contiguous")
@@ -344,12 +396,16 @@ def quantized_pair_rows_triton(
     )
     up_tile = dict(BLOCK_N=tiles.gate_up_rows, num_warps=tiles.gate_up_warps)
     down_tile = dict(BLOCK_N=tiles.down_rows, num_warps=tiles.down_warps)
-    if w13.fmt == NVFP4:
-        _nvfp4_pair_gate_up_kernel[up_grid](
+    if w13.fmt in FP4_SCALES:
+        fp4 = FP4_SCALES[w13.fmt]
+        scaling = dict(GROUP=fp4.group, E8M0=fp4.e8m0, ROW_SCALE=fp4.row_scale)
+        # no row scale (mxfp4): the kernels never read g_ptr; any tensor stands in
+        g13, g2 = (w13.gscale, w2.gscale) if fp4.row_scale else (w13.scale, w2.scale)
+        _fp4_pair_gate_up_kernel[up_grid](
             x,
             w13.q,
             w13.scale,
-            w13.gscale,
+            g13,
             act,
             slots,
             slot_offset,
@@ -363,16 +419,17 @@ def quantized_pair_rows_triton(
             w13.q.stride(1),
             w13.scale.stride(0),
             w13.scale.stride(1),
-            w13.gscale.stride(0),
+            g13.stride(0),
             GROUPS=tiles.gate_up_k,
+            **scaling,
             **up_tile,
             **marking,
         )
-        _nvfp4_pair_down_kernel[down_grid](
+        _fp4_pair_down_kernel[down_grid](
             act,
             w2.q,
             w2.scale,
-            w2.gscale,
+            g2,
             rows,
             weights,
             slots,
@@ -383,8 +440,9 @@ def quantized_pair_rows_triton(
             w2.q.stride(1),
             w2.scale.stride(0),
             w2.scale.stride(1),
-            w2.gscale.stride(0),
+            g2.stride(0),
             GROUPS=tiles.down_k,
+            **scaling,
             **down_tile,
         )
     else:

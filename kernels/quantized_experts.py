@@ -1,5 +1,5 @@
-"""Expert weights held quantized in their slots: what the expert GEMV/GEMM kernels read for the NVFP4
-and FP8-block formats, and their dequantization (docs/ARCHITECTURE.md §3, "Expert formats").
+"""Expert weights held quantized in their slots: what the expert GEMV/GEMM kernels read for the NVFP4,
+MXFP4 and FP8-block formats, and their dequantization (docs/ARCHITECTURE.md §3, "Expert formats").
 
 A quantized slot keeps each weight family of an expert (w13 = [gate; up] with [2I, H] values, w2 =
 down with [H, I]) as one row of bytes, so one expert is still one contiguous copy per family from
@@ -14,6 +14,10 @@ the same layout). `QuantizedFamily` holds the typed strided views of those parts
   scale of the projection the row came from (modelopt's `weight_scale_2`, or 1 /
   compressed-tensors' `weight_global_scale`), kept per row because gate and up have their own.
   w[o, i] = e2m1(code[o, i]) * float(scale[o, i // 16]) * gscale[o].
+* **mxfp4** (OCP microscaling, gpt-oss; W4A16 the same way): `q` as nvfp4's; `scale` uint8 [S, O, IN/32],
+  one e8m0 byte per group of 32 consecutive inputs, worth 2^(s - 127); no `gscale`.
+  w[o, i] = e2m1(code[o, i]) * 2^(scale[o, i // 32] - 127). The two fp4 formats share their kernels'
+  body: `FP4_SCALES` gives each one's group size, scale kind and whether it has a row scale.
 * **fp8-block** (Qwen's `-FP8` releases, W8A16): `q` float8_e4m3fn [S, O, IN]; `scale` float32
   [S, P * ceil(part_rows / 128), ceil(IN / 128)], one per block of 128 x 128 of each part (w13's
   gate and up are separate projections whose blocks restart at row I; w2 is one part), partial
@@ -33,8 +37,32 @@ from dataclasses import dataclass
 import torch
 
 # the formats' names and constants have one owner, the torch-free layout module
-from ferry.plan.expert_formats import E2M1_VALUES, FP8_BLOCK, FP8_BLOCK_SIZE, NVFP4, NVFP4_GROUP  # noqa: F401
+from ferry.plan.expert_formats import (  # noqa: F401
+    E2M1_VALUES,
+    E8M0_BIAS,
+    FP8_BLOCK,
+    FP8_BLOCK_SIZE,
+    MXFP4,
+    MXFP4_GROUP,
+    NVFP4,
+    NVFP4_GROUP,
+)
 from ferry.shared.units import ceil_div
+
+
+@dataclass(frozen=True)
+class Fp4Scales:
+    """How an fp4 format scales its e2m1 codes: the kernels' constexpr parameters."""
+
+    group: int  # inputs per scale
+    e8m0: bool  # scale bytes are e8m0 (2^(s - 127)); else float8_e4m3fn
+    row_scale: bool  # a float32 scale per row (`gscale`) multiplies the rest
+
+
+FP4_SCALES = {
+    NVFP4: Fp4Scales(group=NVFP4_GROUP, e8m0=False, row_scale=True),
+    MXFP4: Fp4Scales(group=MXFP4_GROUP, e8m0=True, row_scale=False),
+}
 
 
 @dataclass(frozen=True)
@@ -96,6 +124,18 @@ def dequantize_nvfp4(q: torch.Tensor, scale: torch.Tensor, row_scale: torch.Tens
     return (values * groups * row_scale.to(torch.float32).reshape(-1, 1)).to(dtype)
 
 
+def e8m0_decode(scale: torch.Tensor) -> torch.Tensor:
+    """uint8 e8m0 bytes -> float32 2^(s - 127) (byte 0: 2^-127, a float32 subnormal; 255: inf)."""
+    return torch.ldexp(torch.ones(scale.shape, device=scale.device), scale.to(torch.int32) - E8M0_BIAS)
+
+
+def dequantize_mxfp4(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[O, IN] in `dtype` from codes q [O, IN/2] and e8m0 group scales uint8 [O, IN/32]: e2m1 x 2^(s - 127),
+    exact in float32, one rounding."""
+    values = e2m1_decode(unpack_nibbles(q))
+    return (values * e8m0_decode(scale).repeat_interleave(MXFP4_GROUP, dim=1)).to(dtype)
+
+
 def dequantize_fp8_blocks(q: torch.Tensor, scale: torch.Tensor, part_rows: int, dtype: torch.dtype) -> torch.Tensor:
     """[O, IN] in `dtype` from float8 q [O, IN] and the float32 scales of its 128 x 128 blocks, whose
     rows restart every `part_rows` rows (w13's gate and up; a single projection: part_rows = O)."""
@@ -108,6 +148,8 @@ def dequantize_slot(family: QuantizedFamily, slot: int, dtype: torch.dtype) -> t
     """Slot `slot`'s weights as a dense [O, IN] tensor of `dtype` (float32 math, one rounding)."""
     if family.fmt == NVFP4:
         return dequantize_nvfp4(family.q[slot], family.scale[slot], family.gscale[slot], dtype)
+    if family.fmt == MXFP4:
+        return dequantize_mxfp4(family.q[slot], family.scale[slot], dtype)
     if family.fmt == FP8_BLOCK:
         return dequantize_fp8_blocks(family.q[slot], family.scale[slot], family.part_rows, dtype)
     raise ValueError(f"unknown quantized expert format {family.fmt!r}")

@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ferry.plan import expert_formats
 from ferry.plan.dtypes import normalize_dtype
-from ferry.plan.expert_formats import format_of
 from ferry.plan.model_families import family_for_config
 from ferry.plan.model_families.spec_fields import GATED_DELTANET_FIELDS, first, require
 from ferry.plan.model_spec import CLAMPED_SWIGLU, FULL_ATTENTION, LINEAR_ATTENTION, SILU, ModelSpec
@@ -86,6 +86,12 @@ def _validate(spec: ModelSpec, where: str) -> None:
     problems.extend(_expert_problems(spec))
     if spec.attention_windows and len(spec.attention_windows) != spec.num_layers:
         problems.append(f"attention_windows has {len(spec.attention_windows)} entries for {spec.num_layers} layers")
+    fmt = expert_formats.format_of(spec)
+    if fmt.quantized and spec.num_experts > 0 and spec.moe_intermediate_size > 0 and spec.hidden_size > 0:
+        try:  # its scale groups must tile both projections' inputs
+            fmt.expert_layouts(spec)
+        except ValueError as e:
+            problems.append(f"hidden_size ({spec.hidden_size}) and moe_intermediate_size: {e}")
     if not 0 < spec.partial_rotary_factor <= 1:
         problems.append(f"partial_rotary_factor must be in (0, 1], got {spec.partial_rotary_factor}")
     elif int(spec.head_dim * spec.partial_rotary_factor) % 2:
@@ -111,7 +117,7 @@ def _expert_problems(spec: ModelSpec) -> list[str]:
     than SiLU is in a format whose rows hold the biases and whose kernels compute both (`holds_biases`)."""
     if spec.expert_activation not in EXPERT_ACTIVATIONS:
         return [f"expert activation {spec.expert_activation!r} is not one of {', '.join(EXPERT_ACTIVATIONS)}"]
-    fmt = format_of(spec)
+    fmt = expert_formats.format_of(spec)
     if (spec.expert_bias or spec.expert_activation != SILU) and not fmt.holds_biases:
         return [
             f"the routed experts have biases and the {spec.expert_activation} activation, which {fmt.name} "

@@ -1,6 +1,6 @@
 """A checkpoint's quantization, read from `config.json`'s `quantization_config` (or `hf_quant_config.json`).
 
-Three published layouts are served (docs/ARCHITECTURE.md §3, "Expert formats"):
+Four published layouts are served (docs/ARCHITECTURE.md §3, "Expert formats"):
 
 * **modelopt** (nvidia's `*-NVFP4` releases): `quant_method: modelopt`, `quant_algo: NVFP4`, or
   `MIXED_PRECISION` with a `quantized_layers` map that gives each module (or the experts' parent,
@@ -14,6 +14,9 @@ Three published layouts are served (docs/ARCHITECTURE.md §3, "Expert formats"):
   [128, 128]`: `weight` float8_e4m3fn with `weight_scale_inv` [ceil(O/128), ceil(IN/128)]
   (multiplied); `modules_to_not_convert`, and any linear the checkpoint stores without a scale,
   stay bf16.
+* **mxfp4** (openai's gpt-oss releases): `quant_method: mxfp4`, e2m1 codes in `*_blocks` uint8 [O, IN/32, 16]
+  with e8m0 scales of 32 inputs in `*_scales` uint8 [O, IN/32] (plan/expert_formats/mxfp4.py);
+  `modules_to_not_convert` (names or globs) stay bf16.
 
 Anything else is refused here, when the config is read (so `ferry plan` refuses it too, before a
 byte is loaded), by a ConfigError naming what was found and what is supported. What this module
@@ -32,20 +35,23 @@ from typing import Any
 
 from ferry.plan.expert_formats import registry
 from ferry.plan.expert_formats.fp8_block import FP8_BLOCKS
+from ferry.plan.expert_formats.mxfp4 import BLOCKS_SUFFIX, MXFP4_METHOD, SCALES_SUFFIX
 from ferry.shared.errors import ConfigError
 
 # The tensors beside a quantized linear's weight, by their last name component (the checkpoints'
 # names): its codes' other name, its scales, and what is read and dropped (activation and KV-cache
 # scales: Ferry keeps activations and the KV cache in the run dtype). One list for the planner's
 # pricing (plan/costs.py) and the loader's grouping (services/worker/quantized_weight.py).
-WEIGHT_SUFFIXES = ("weight", "weight_packed")  # weight_packed: compressed-tensors' nvfp4 codes
-SCALE_SUFFIXES = ("weight_scale", "weight_scale_2", "weight_scale_inv", "weight_global_scale")
+# weight_packed: compressed-tensors' nvfp4 codes; weight_blocks: mxfp4's (both: a module with them is quantized)
+CODE_SUFFIXES = ("weight_packed", BLOCKS_SUFFIX)
+WEIGHT_SUFFIXES = ("weight", *CODE_SUFFIXES)
+SCALE_SUFFIXES = ("weight_scale", "weight_scale_2", "weight_scale_inv", "weight_global_scale", SCALES_SUFFIX)
 DROPPED_SUFFIXES = ("input_scale", "input_global_scale", "k_scale", "v_scale", "weight_zero_point")
-QUANT_SUFFIXES = (*SCALE_SUFFIXES, *DROPPED_SUFFIXES, "weight_packed")
+QUANT_SUFFIXES = (*SCALE_SUFFIXES, *DROPPED_SUFFIXES, *CODE_SUFFIXES)
 
 SUPPORTED = (
     "modelopt (quant_algo NVFP4, or MIXED_PRECISION of NVFP4 and FP8 layers), "
-    "compressed-tensors (format nvfp4-pack-quantized), fp8 (fmt e4m3, weight_block_size [128, 128])"
+    "compressed-tensors (format nvfp4-pack-quantized), fp8 (fmt e4m3, weight_block_size [128, 128]), mxfp4"
 )
 # The module names a routed expert's projections have in the checkpoints (with any wrapper prefix).
 _EXPERT_PREFIXES = ("model.layers", "model.language_model.layers", "language_model.model.layers", "layers")
@@ -55,8 +61,8 @@ _EXPERT_PREFIXES = ("model.layers", "model.language_model.layers", "language_mod
 class QuantScheme:
     """What the checkpoint says about its quantization (the parts Ferry acts on)."""
 
-    method: str  # modelopt | compressed-tensors | fp8
-    algo: str  # NVFP4 | MIXED_PRECISION | nvfp4-pack-quantized | FP8_BLOCKS
+    method: str  # modelopt | compressed-tensors | fp8 | mxfp4
+    algo: str  # NVFP4 | MIXED_PRECISION | nvfp4-pack-quantized | FP8_BLOCKS | mxfp4 (the method is the scheme)
     expert_format: str | None  # the routed experts' format (plan/expert_formats); None: not quantized
     source: str  # where it was read: config.json or hf_quant_config.json
     kv_cache_quant_algo: str | None = None  # noted, not applied: the KV pool stays in the run dtype
@@ -84,6 +90,8 @@ def parse_quantization(
         return _compressed_tensors(qc, source)
     if method == "fp8":
         return _fp8(qc, source)
+    if method == MXFP4_METHOD:
+        return _mxfp4(qc, source)
     raise ConfigError(
         f"{source}: quantization_config quant_method {qc.get('quant_method')!r} is not supported; "
         f"Ferry serves {SUPPORTED}, or unquantized checkpoints"
@@ -191,6 +199,15 @@ def _fp8(qc: dict[str, Any], source: str) -> QuantScheme:
     skipped = [str(m) for m in qc.get("modules_to_not_convert") or qc.get("ignored_layers") or []]
     experts_skipped = any(_module_listed(m, n) for m in skipped for n in expert_module_names())
     return QuantScheme("fp8", FP8_BLOCKS, None if experts_skipped else _expert_format("fp8", FP8_BLOCKS), source)
+
+
+def _mxfp4(qc: dict[str, Any], source: str) -> QuantScheme:
+    skipped = [str(m) for m in qc.get("modules_to_not_convert") or []]
+    experts_skipped = any(
+        _glob_any(skipped, n) or any(_module_listed(m, n) for m in skipped) for n in expert_module_names()
+    )
+    expert_format = None if experts_skipped else _expert_format(MXFP4_METHOD, MXFP4_METHOD)
+    return QuantScheme(MXFP4_METHOD, MXFP4_METHOD, expert_format, source)
 
 
 def _glob_any(patterns: list[str], name: str) -> bool:

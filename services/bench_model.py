@@ -5,9 +5,9 @@ the config's vocabulary (every id a random model samples decodes to printable te
 generation config: with `--load-format dummy` this serves at full size through every route,
 chat included, with no download.
 
-`--format nvfp4|fp8` writes them (and config.json's quantization_config) in nvidia modelopt's NVFP4 or
-Qwen's FP8 block layout (services/quantized_checkpoint.py); without weights, `--load-format dummy` then
-makes dummy experts in that format at full size.
+`--format nvfp4|fp8|mxfp4` writes them (and config.json's quantization_config) in nvidia modelopt's NVFP4,
+Qwen's FP8 block or gpt-oss's MXFP4 layout (services/quantized_checkpoint.py); without weights,
+`--load-format dummy` then makes dummy experts in that format at full size.
 
 `--weights random` also writes the weights, as safetensors shards in the Hugging Face per-expert
 layout (`model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight`; `model.language_model.layers...` for a
@@ -145,7 +145,7 @@ def write_random_weights(
     expert_layout: str = "per-expert",
 ) -> int:
     """Shards of every tensor the model loads, named as the Hugging Face checkpoint; returns the bytes
-    written. `fmt` (nvfp4 | fp8): each linear quantized in that published layout
+    written. `fmt` (nvfp4 | fp8 | mxfp4): each linear quantized in that published layout
     (services/quantized_checkpoint.py), and config.json's quantization_config says so. `expert_layout`
     "fused" stores a layer's routed experts as transformers saves them, `experts.gate_up_proj` [E, 2I, H] and
     `experts.down_proj` [E, H, I] (Qwen3.5/3.6's published bf16 layout, the only one some readers take)."""
@@ -271,7 +271,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=F.checkpoint_layouts(),
         default="bf16",
         help="bf16 (default); nvfp4: nvidia modelopt's NVFP4 layout (routed and shared experts); "
-        "fp8: Qwen's FP8 layout (128 x 128 blocks). With --weights none, config.json says the "
+        "fp8: Qwen's FP8 layout (128 x 128 blocks); mxfp4: gpt-oss's MXFP4 layout (routed experts, "
+        "per linear). With --weights none, config.json says the "
         "format and --load-format dummy serves it",
     )
 

@@ -11,6 +11,10 @@ and how the tests make quantized tiny models (plan/quantization.py reads them ba
   float8_e4m3fn and `weight_scale_inv` fp32 [ceil(O/128), ceil(IN/128)] (amax / 448 of each block,
   multiplied back), on every linear but the router, the shared expert's gate, the Gated DeltaNet's
   `in_proj_b`/`in_proj_a` and lm_head (`modules_to_not_convert`).
+* `mxfp4`: gpt-oss's MXFP4 (`quant_method: mxfp4`), per quantized linear `weight_blocks` uint8
+  [O, IN/32, 16] (two e2m1 codes a byte, element 2j in the low nibble) and `weight_scales` uint8 [O, IN/32]
+  (e8m0: 2^(s - 127)), each group's scale the smallest power of two that holds its largest value. Quantized:
+  the routed experts (as gpt-oss); everything else is listed in `modules_to_not_convert` and stays bf16.
 
 Rounding is round-to-nearest on the e2m1 grid (a tie to the smaller magnitude) and torch's float8
 cast. A reader is held to these files by what they say, not by how they were rounded.

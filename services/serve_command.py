@@ -223,7 +223,14 @@ def api_passthrough_flags(args: argparse.Namespace, rundir: Path | None = None) 
         out += ["--api-key-file", args.api_key_file]
     elif args.api_key and rundir is not None:
         out += ["--api-key-file", str(api_key_path(rundir))]
-    for name in ("tool_call_parser", "reasoning_parser", "max_header_size", "max_connections", "header_timeout"):
+    for name in (
+        "tool_call_parser",
+        "reasoning_parser",
+        "chat_format",
+        "max_header_size",
+        "max_connections",
+        "header_timeout",
+    ):
         out += [_flag(name), str(getattr(args, name))]
     return out
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.doubles.harmony_tokenizer import harmony_tokenizer_dir  # noqa: F401 (fixtures)
 from tests.doubles.tiny_tokenizer import tiny_tokenizer, tiny_tokenizer_dir  # noqa: F401 (fixtures)
 
 # Without CUDA, Triton can only interpret. Triton fixes part of that choice when it is first

@@ -6,13 +6,16 @@ routed and shared experts (nvfp4) or every linear but the router-like ones (fp8)
 * `modelopt-nvfp4`: Ferry's own writer (services/quantized_checkpoint.py), nvidia modelopt's names;
 * `ct-nvfp4`: quantized and packed by the compressed-tensors package itself (its NVFP4A16 scheme,
   its scales, its global scale, its packing), in its `nvfp4-pack-quantized` layout and config;
-* `fp8`: Ferry's own writer, Qwen's FP8 block layout (128 x 128; the tiny models' blocks are partial).
+* `fp8`: Ferry's own writer, Qwen's FP8 block layout (128 x 128; the tiny models' blocks are partial);
+* `mxfp4`: Ferry's own writer, gpt-oss's MXFP4 (`quant_method: mxfp4`, e2m1 blocks under e8m0 scales of
+  32 inputs) per linear (`weight_blocks`, `weight_scales`), the routed experts only.
 
 `dequantized_copy(quantized, out, layout)` is the reference nobody here wrote the convention of: the
-same checkpoint dequantized back to float32 (compressed-tensors' own `decompress` for its layout; for
-modelopt and fp8, a numpy transcription of their definitions, checked against compressed-tensors'
-fp4 unpacking in the tests), saved without a quantization_config, so transformers loads it as a
-plain model. `corrupt` makes the deliberate mistakes the tests must catch.
+same checkpoint dequantized back to float32 (compressed-tensors' own `decompress` for its layout,
+transformers' own gpt-oss dequantizer for mxfp4; for modelopt and fp8, a numpy transcription of their
+definitions, checked against compressed-tensors' fp4 unpacking in the tests), saved without a
+quantization_config, so transformers loads it as a plain model. `corrupt` makes the deliberate mistakes
+the tests must catch.
 """
 
 from __future__ import annotations
@@ -27,7 +30,11 @@ from safetensors.torch import load_file, save_file
 
 from ferry.services.quantized_checkpoint import quantization_config, quantize_tensors
 
-LAYOUTS = ("modelopt-nvfp4", "ct-nvfp4", "fp8")
+LAYOUTS = ("modelopt-nvfp4", "ct-nvfp4", "fp8", "mxfp4")
+# the expert format each layout's routed experts are held in
+LAYOUT_FORMATS = {"modelopt-nvfp4": "nvfp4", "ct-nvfp4": "nvfp4", "fp8": "fp8-block", "mxfp4": "mxfp4"}
+# ferry make-bench-model's --format word for the layouts Ferry writes itself
+WRITER_FORMATS = {"modelopt-nvfp4": "nvfp4", "fp8": "fp8", "mxfp4": "mxfp4"}
 # e2m1 by code, sign in bit 3 (the OCP microscaling spec's table, as modelopt and compressed-tensors list it)
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], dtype=np.float32)
 
@@ -88,7 +95,7 @@ def quantize_tiny(src: Path, out: Path, layout: str) -> Path:
     if layout == "ct-nvfp4":
         quantized, qc = _ct_nvfp4(tensors)
     else:
-        fmt = "nvfp4" if layout == "modelopt-nvfp4" else "fp8"
+        fmt = WRITER_FORMATS[layout]
         quantized, qc = quantize_tensors(fmt, tensors), quantization_config(fmt, list(tensors))
     save_file(quantized, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((src / "config.json").read_text())
@@ -103,6 +110,11 @@ def _np(t: torch.Tensor) -> np.ndarray:
 
 def dequantize_module(parts: dict[str, torch.Tensor]) -> torch.Tensor:
     """One linear's float32 weight from its checkpoint parts, by the formats' own definitions."""
+    if "weight_blocks" in parts:  # mxfp4: transformers' own gpt-oss dequantizer ([E, O, G, 16] -> [E, IN, O])
+        from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+        blocks, scales = parts["weight_blocks"][None], parts["weight_scales"][None]
+        return convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)[0].T.contiguous()
     if "weight_packed" in parts:  # compressed-tensors: its own decompression
         from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
         from compressed_tensors.quantization import QuantizationScheme
@@ -131,7 +143,8 @@ def dequantized_copy(quantized: Path, out: Path) -> Path:
     plain = {}
     for name, t in tensors.items():
         module, _, leaf = name.rpartition(".")
-        if leaf in ("weight_scale", "weight_scale_2", "weight_scale_inv", "weight_global_scale", "input_scale"):
+        quant_leaves = ("weight_scale", "weight_scale_2", "weight_scale_inv", "weight_global_scale", "input_scale")
+        if leaf in (*quant_leaves, "weight_blocks", "weight_scales"):
             modules.setdefault(module, {})[leaf] = t
         elif leaf in ("weight", "weight_packed") and t.dtype in (torch.uint8, torch.float8_e4m3fn):
             modules.setdefault(module, {})[leaf] = t
@@ -148,7 +161,8 @@ def dequantized_copy(quantized: Path, out: Path) -> Path:
 
 def corrupt(quantized: Path, out: Path, mistake: str) -> Path:
     """The checkpoint with one deliberate mistake in its experts: `nibbles` (codes swapped within each
-    byte) or `scale` (the per-tensor or block scales inverted: dividing where the format multiplies).
+    byte) or `scale` (the per-tensor or block scales inverted: dividing where the format multiplies;
+    mxfp4's e8m0 bytes one up, as a reader with bias 126 would take them).
     (The tiny models' fp8 weights are one partial block each: a wrong block layout is caught on larger
     shapes, by the kernel and loader tests.)"""
     _copy_dir(quantized, out)
@@ -156,9 +170,12 @@ def corrupt(quantized: Path, out: Path, mistake: str) -> Path:
     for name, t in list(tensors.items()):
         if ".mlp.experts." not in name:
             continue
-        if mistake == "nibbles" and name.endswith((".weight", ".weight_packed")) and t.dtype == torch.uint8:
+        codes = (".weight", ".weight_packed", ".weight_blocks")
+        if mistake == "nibbles" and name.endswith(codes) and t.dtype == torch.uint8:
             tensors[name] = (t >> 4) | ((t & 0x0F) << 4)
         elif mistake == "scale" and name.endswith((".weight_scale_2", ".weight_global_scale", ".weight_scale_inv")):
             tensors[name] = 1.0 / t
+        elif mistake == "scale" and name.endswith(".weight_scales"):
+            tensors[name] = t + 1
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out

@@ -17,7 +17,8 @@
 #                into /tmp where the device's copy has the history, else .cmp/suite_base (carried; made by
 #                `BASE_COMMIT=... bash tools/device_wheels.sh`); each tree's host kernel is built in place  ~8-9 min
 #                (SUITE_SIDES=tree or base runs one side, e.g. one a call on a fresh machine, where the cold Triton
-#                cache makes each boot ~100 s; SUITE_SIDE_S, default 270, bounds each side)
+#                cache makes each boot ~100 s; SUITE_SIDE_S, default 270, bounds each side; SUITE_VARIANT=gpu runs
+#                both sides with one expert backend, so that auto's boot calibration does not pick differently)
 #   PART=peer    Ferry against the peer FreeToken 0.1.2 (bench/peer_compare.py): one random NVFP4 checkpoint of the
 #                full-size 35B, the same client, each engine's whole process under 24 GiB by nvidia-smi
 #                (peer_compare_<card>.json). FreeToken's wheels come in .peer/, installed into /tmp/ft, its
@@ -114,15 +115,16 @@ case "$part" in
       mkdir -p "$OUT/$side"
       # the base's own bench and package: its tree first on PYTHONPATH, its decode_suite run from its root
       (cd "$dir" && FERRY_COMMIT=$commit PYTHONPATH="$dir:/tmp/site" timeout "${SUITE_SIDE_S:-270}" python3 bench/decode_suite.py \
-        --out "$OUT/$side" --workloads "$SUITE_WORKLOADS" --max-tokens 128 > "$OUT/suite_$side.log" 2>&1)
+        --out "$OUT/$side" --workloads "$SUITE_WORKLOADS" --variants "${SUITE_VARIANT:-default}" --max-tokens 128 \
+        > "$OUT/suite_$side.log" 2>&1)
       echo "suite $side ($dir) rc=$?"; tail -2 "$OUT/suite_$side.log"
     done
-    python3 - "$OUT" "$SUITE_WORKLOADS" <<'PY'  # both sides' figures and the tree's ratio to the base
+    python3 - "$OUT" "$SUITE_WORKLOADS" "${SUITE_VARIANT:-default}" <<'PY'  # both sides' figures, the tree's ratio to the base
 import json, pathlib, sys
-out, workloads = pathlib.Path(sys.argv[1]), sys.argv[2].split(",")
+out, workloads, variant = pathlib.Path(sys.argv[1]), sys.argv[2].split(","), sys.argv[3]
 keys = ("single_stream_tok_s", "streams8_tok_s", "ttft_2k_s")
 def figures(side, w):
-    f = out / side / f"decode_{w}.json"
+    f = out / side / (f"decode_{w}.json" if variant == "default" else f"decode_{w}_{variant}.json")
     return json.loads(f.read_text()) if f.exists() else {}
 for w in workloads:
     tree, base = figures("tree", w), figures("base", w)

@@ -13,7 +13,9 @@
 
 #include <stdint.h>
 
-enum ferry_format { FERRY_F32 = 0, FERRY_BF16 = 1, FERRY_FP8_BLOCK = 2, FERRY_NVFP4 = 3, FERRY_PACKED = 4 };
+enum ferry_format { FERRY_F32 = 0, FERRY_BF16 = 1, FERRY_FP8_BLOCK = 2, FERRY_NVFP4 = 3, FERRY_PACKED = 4, FERRY_MXFP4 = 5 };
+/* the fp4 formats: e2m1 codes two a byte (element 2j in the low nibble) under a scale a group */
+#define FERRY_FP4_GROUP(format) ((format) == FERRY_MXFP4 ? 32 : 16)
 /* the compute dtype: the torch path multiplies in it, so its roundings are the contract */
 enum ferry_act { FERRY_ACT_F32 = 0, FERRY_ACT_BF16 = 1 };
 enum ferry_isa { FERRY_ISA_AUTO = 0, FERRY_ISA_PORTABLE = 1, FERRY_ISA_AVX512_BF16 = 2 };
@@ -24,7 +26,8 @@ typedef struct {
     int64_t rows, cols;    /* outputs, inputs */
     int64_t part_rows;     /* rows per projection: fp8 block rows restart at every part */
     int64_t q_offset;      /* bytes from the expert's row start to its values or codes */
-    int64_t scale_offset;  /* fp8: float32 [block rows, col_blocks]; nvfp4: e4m3 [rows, cols / 16] */
+    int64_t scale_offset;  /* fp8: float32 [block rows, col_blocks]; nvfp4: e4m3 [rows, cols / 16];
+                              mxfp4: e8m0 [rows, cols / 32] */
     int64_t gscale_offset; /* nvfp4: float32 [rows] */
     int64_t col_blocks;    /* fp8: ceil(cols / 128) */
     /* packed only: base is expert 0's lo bytes of this family and expert_stride a packed row (V bytes) */
@@ -78,6 +81,7 @@ void ferry_packed_rows_avx512(const ferry_family *f, const uint8_t *expert, int6
 /* Exact value tables, shared by both ISAs so they decode alike. */
 extern float ferry_e4m3_value[256]; /* e4m3fn code -> value (0x7F/0xFF: 480, as the torch path decodes) */
 extern const float ferry_e2m1_value[16];
+extern float ferry_e8m0_value[256]; /* e8m0 byte s -> 2^(s - 127) (0: the subnormal 2^-127; 255: inf) */
 extern uint16_t ferry_e2m1_bf16[32]; /* the same as bf16 bits, for one vpermw; 16-31 unused */
 void ferry_tables_init(void);
 

@@ -20,7 +20,7 @@
 typedef struct {
     const uint8_t *q;       /* the row's values or codes */
     const float *bscale;    /* fp8: the row's block row of scales */
-    const uint8_t *groups;  /* nvfp4: the row's e4m3 group scales */
+    const uint8_t *groups;  /* nvfp4: the row's e4m3 group scales; mxfp4: its e8m0 ones */
     float row_scale;        /* nvfp4 */
     int64_t cols, ngroups;
     ferry_packed_row packed; /* packed: the row's bytes, base and escape cursor (advanced as vectors decode) */
@@ -89,14 +89,20 @@ INLINE void decode_f32(int format, row_src *s, int64_t v, __mmask32 m, __m512 *l
         __m512 scale = _mm512_set1_ps(s->bscale[(32 * v) >> 7] * 256.0f);
         *lo = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(h)), scale);
         *hi = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)), scale);
-    } else { /* nvfp4: 16 bytes, element 2j in byte j's low nibble */
+    } else { /* nvfp4, mxfp4: 16 bytes, element 2j in byte j's low nibble */
         __mmask16 bytes = (__mmask16)(m == 0xFFFFFFFFu ? 0xFFFF : (1u << ((__builtin_popcount(m) + 1) / 2)) - 1);
         __m512i d = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(bytes, s->q + 16 * v));
         /* each byte's two codes into the two 16-bit halves of its lane: elements in their order */
         __m512i codes = _mm512_or_si512(_mm512_and_si512(d, _mm512_set1_epi32(15)),
                                         _mm512_slli_epi32(_mm512_srli_epi32(d, 4), 16));
         widen_bf16(_mm512_permutexvar_epi16(codes, _mm512_loadu_si512(ferry_e2m1_bf16)), lo, hi);
-        /* a vector is two groups of 16; the second may lie past a row that ends half way */
+        if (format == FERRY_MXFP4) { /* a vector is one group of 32 (cols % 32 == 0); code x scale is exact */
+            __m512 g = _mm512_set1_ps(ferry_e8m0_value[s->groups[v]]);
+            *lo = _mm512_mul_ps(*lo, g);
+            *hi = _mm512_mul_ps(*hi, g);
+            return;
+        }
+        /* nvfp4: a vector is two groups of 16; the second may lie past a row that ends half way */
         float g0 = ferry_e4m3_value[s->groups[2 * v]];
         float g1 = 2 * v + 1 < s->ngroups ? ferry_e4m3_value[s->groups[2 * v + 1]] : 0.0f;
         __m512 rs = _mm512_set1_ps(s->row_scale);
@@ -123,7 +129,7 @@ INLINE void prefetch_ahead(int format, const row_src *s, int64_t v, int64_t byte
     const uint8_t *at = format == FERRY_F32      ? s->q + 128 * v
                         : format == FERRY_BF16   ? s->q + 64 * v
                         : format == FERRY_PACKED ? s->packed.lo + 32 * v
-                        : format == FERRY_NVFP4  ? s->q + 16 * v
+                        : format == FERRY_NVFP4 || format == FERRY_MXFP4 ? s->q + 16 * v
                                                  : s->q + 32 * v; /* fp8: a byte a value */
     _mm_prefetch((const char *)(at + bytes), _MM_HINT_T0);
 }
@@ -181,11 +187,11 @@ INLINE void row_source(const ferry_family *f, int format, const uint8_t *expert,
         int64_t block_row = r / f->part_rows * ((f->part_rows + 127) / 128) + r % f->part_rows / 128;
         s->q = q + r * f->cols;
         s->bscale = (const float *)(expert + f->scale_offset) + block_row * f->col_blocks;
-    } else {
+    } else { /* nvfp4, mxfp4 */
         s->q = q + r * (f->cols / 2);
-        s->ngroups = f->cols / 16;
+        s->ngroups = f->cols / FERRY_FP4_GROUP(format);
         s->groups = expert + f->scale_offset + r * s->ngroups;
-        s->row_scale = ((const float *)(expert + f->gscale_offset))[r];
+        s->row_scale = format == FERRY_NVFP4 ? ((const float *)(expert + f->gscale_offset))[r] : 1.0f;
     }
 }
 
@@ -223,12 +229,14 @@ ROWS(rows_nvfp4_f32, FERRY_NVFP4, FERRY_ACT_F32)
 ROWS(rows_nvfp4_bf16, FERRY_NVFP4, FERRY_ACT_BF16)
 ROWS(rows_packed_f32, FERRY_PACKED, FERRY_ACT_F32)
 ROWS(rows_packed_bf16, FERRY_PACKED, FERRY_ACT_BF16)
+ROWS(rows_mxfp4_f32, FERRY_MXFP4, FERRY_ACT_F32)
+ROWS(rows_mxfp4_bf16, FERRY_MXFP4, FERRY_ACT_BF16)
 
 typedef void (*rows_impl)(const ferry_family *, const uint8_t *, const void *, int64_t, int, int64_t, int64_t,
                           float *, int64_t, int64_t);
-static const rows_impl IMPLS[5][2] = {{rows_f32_f32, rows_f32_bf16}, {rows_bf16_f32, rows_bf16_bf16},
-                                      {rows_fp8_f32, rows_fp8_bf16}, {rows_nvfp4_f32, rows_nvfp4_bf16},
-                                      {rows_packed_f32, rows_packed_bf16}};
+static const rows_impl IMPLS[6][2] = {{rows_f32_f32, rows_f32_bf16},     {rows_bf16_f32, rows_bf16_bf16},
+                                      {rows_fp8_f32, rows_fp8_bf16},     {rows_nvfp4_f32, rows_nvfp4_bf16},
+                                      {rows_packed_f32, rows_packed_bf16}, {rows_mxfp4_f32, rows_mxfp4_bf16}};
 
 void ferry_rows_avx512(const ferry_family *f, int format, int act, const uint8_t *expert, const void *a,
                        int64_t a_stride, int n, int64_t r0, int64_t r1, float *y, int64_t y_stride,

@@ -18,9 +18,11 @@ const float ferry_e2m1_value[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.
                                     -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
 uint16_t ferry_e2m1_bf16[32];
+float ferry_e8m0_value[256];
 
 void ferry_tables_init(void) {
     for (int c = 0; c < 16; c++) ferry_e2m1_bf16[c] = ferry_f32_to_bf16(ferry_e2m1_value[c]);
+    for (int c = 0; c < 256; c++) ferry_e8m0_value[c] = ldexpf(1.0f, c - 127);
     for (int c = 0; c < 256; c++) {
         int e = (c >> 3) & 15, m = c & 7;
         /* subnormals (e = 0) are m x 2^-9; 0x7F reads as 480 like the torch path's float16 trick */
@@ -65,14 +67,16 @@ static void decode_tile(const ferry_family *f, int format, int act, const uint8_
         const float *scales = (const float *)(expert + f->scale_offset) + block_row * f->col_blocks;
         const uint8_t *row = q + r * f->cols + c0;
         for (int j = 0; j < n; j++) w[j] = ferry_e4m3_value[row[j]] * scales[(c0 + j) / 128];
-    } else { /* nvfp4: code 2j in the low nibble; e2m1 x group scale is exact, the row scale rounds */
+    } else { /* nvfp4, mxfp4: code 2j in the low nibble; e2m1 x group scale is exact, nvfp4's row scale rounds */
+        int group = FERRY_FP4_GROUP(format);
         const uint8_t *row = q + r * (f->cols / 2) + c0 / 2;
-        const uint8_t *groups = expert + f->scale_offset + r * (f->cols / 16);
-        float row_scale = ((const float *)(expert + f->gscale_offset))[r];
+        const uint8_t *groups = expert + f->scale_offset + r * (f->cols / group);
+        const float *scale_value = format == FERRY_MXFP4 ? ferry_e8m0_value : ferry_e4m3_value;
+        float row_scale = format == FERRY_NVFP4 ? ((const float *)(expert + f->gscale_offset))[r] : 1.0f;
         for (int j = 0; j < n; j++) {
             uint8_t byte = row[j / 2];
             float e2m1 = ferry_e2m1_value[(j & 1) ? byte >> 4 : byte & 15];
-            w[j] = e2m1 * ferry_e4m3_value[groups[(c0 + j) / 16]] * row_scale;
+            w[j] = e2m1 * scale_value[groups[(c0 + j) / group]] * row_scale; /* x 1.0f: exact */
         }
     }
     if (act == FERRY_ACT_BF16)

@@ -188,9 +188,11 @@ static void run_item(void *arg, int worker, int phase, int64_t item) {
 static size_t aligned(size_t bytes) { return (bytes + 63) & ~(size_t)63; }
 
 static int valid(const ferry_job *job) {
-    if (job->format < FERRY_F32 || job->format > FERRY_PACKED || job->act < 0 || job->act > 1) return 0;
+    if (job->format < FERRY_F32 || job->format > FERRY_MXFP4 || job->act < 0 || job->act > 1) return 0;
     if (job->tokens < 0 || job->hidden < 1 || job->inter < 1 || job->n_pairs < 0) return 0;
-    if (job->format == FERRY_NVFP4 && (job->hidden % 16 || job->inter % 16)) return 0;
+    if ((job->format == FERRY_NVFP4 || job->format == FERRY_MXFP4) &&
+        (job->hidden % FERRY_FP4_GROUP(job->format) || job->inter % FERRY_FP4_GROUP(job->format)))
+        return 0;
     /* packed rows must start on a code byte (packed_rows.h) */
     if (job->format == FERRY_PACKED && (job->hidden % 2 || job->inter % 2)) return 0;
     for (int64_t q = 0; q < job->n_pairs; q++)

@@ -16,7 +16,9 @@ A new family registers, with `register(ModelFamily(...))` in a module of this fo
   * `resident_weight_shapes(spec)`: every GPU-resident tensor by checkpoint name and shape, routed experts
     left out (weight_shapes.py has the shared layer kinds): the planner's weight bytes and dummy weights;
   * `published_names(config)`, when its published checkpoints name tensors other than `model.…`;
-  * `tiny_config` and `reference_classes`, for `ferry make-tiny-model` (transformers' classes write it).
+  * `tiny_config` and `reference_classes`, for `ferry make-tiny-model` (transformers' classes write it);
+  * `chat_format`, when its models speak another chat format than their Jinja chat template ("harmony":
+    gpt-oss; the api's `--chat-format auto` takes it: services/api/tokenizer.py).
 and, on the worker side, its module in `services/worker/models/` (that package's registry.py says what).
 """
 
@@ -56,6 +58,9 @@ class ModelFamily:
     # `ferry make-tiny-model`: the tiny config's fields and transformers' (config class, model class)
     tiny_config: dict[str, Any] | None = None
     reference_classes: tuple[str, str] | None = None
+    # how the api renders a chat and reads the output back: "template" (the tokenizer's chat template and the
+    # text parsers) or "harmony" (services/api/harmony_format.py); config.py's CHAT_FORMATS
+    chat_format: str = "template"
 
 
 _FAMILIES: dict[str, ModelFamily] = {}

@@ -31,7 +31,6 @@ from ferry.services.api.config import ApiConfig
 from ferry.services.api.generation import Generation
 from ferry.services.api.grammar_lanes import GrammarLanes, tool_schemas
 from ferry.services.api.metrics import ApiMetrics, mark_counted_by_generations
-from ferry.services.api.output_parsers import OutputParser
 from ferry.services.api.reasoning_parser import prompt_opens_reasoning
 from ferry.services.api.scheduler_client import SchedulerClient
 from ferry.services.api.tokenizer import PromptTokenizer
@@ -116,12 +115,8 @@ class AnthropicRoutes:
         builder = MessageBuilder(self.cfg.served_model_name, single_tool_call=not schema.parallel_calls(req))
         structlog.contextvars.bind_contextvars(request_id=builder.id)
         tools = schema.tool_schemas(req) if fmt is None else None  # an output format leaves no room for a call
-        parser = OutputParser(
-            self.cfg.reasoning_parser,
-            self.cfg.tool_call_parser,
-            tools,
-            prompt_text=prompt.text,
-            forced=forced is not None,
+        parser = self.tokenizer.output_parser(
+            self.cfg.reasoning_parser, self.cfg.tool_call_parser, tools, prompt, forced is not None
         )
         gen = Generation(
             self.client,
@@ -132,6 +127,7 @@ class AnthropicRoutes:
             schema.sampling_params(req, self.tokenizer.eos_token_ids, grammar),
             req.max_tokens,
             list(req.stop_sequences or []),
+            text=parser.text_source(),
         )
         headers = {"request-id": builder.id}
         async with contextlib.aclosing(gen.deltas()) as deltas:
@@ -139,7 +135,7 @@ class AnthropicRoutes:
             if not req.stream:
                 reason = None
                 async for d in deltas:
-                    builder.apply(parser.push(d.text) + (parser.flush() if d.finish_reason else []))
+                    builder.apply(parser.events(d))
                     reason = d.finish_reason
                 return web.json_response(builder.message(reason, gen.stop_sequence, gen.usage), headers=headers)
             first = await anext(deltas)  # a rejection raises here, before any header: a plain 4xx/5xx
@@ -151,9 +147,7 @@ class AnthropicRoutes:
                 await _write(response, builder.start(len(prompt.ids)))
                 d = first
                 while True:
-                    await _write(
-                        response, builder.apply(parser.push(d.text) + (parser.flush() if d.finish_reason else []))
-                    )
+                    await _write(response, builder.apply(parser.events(d)))
                     if d.finish_reason:
                         break
                     d = await _next_with_pings(deltas, response)

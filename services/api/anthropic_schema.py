@@ -318,10 +318,23 @@ def parallel_calls(req: CountTokensRequest) -> bool:
     return not (req.tool_choice is not None and req.tool_choice.disable_parallel_tool_use)
 
 
+# a thinking budget as OpenAI's reasoning_effort, which gpt-oss's templates (and the harmony format) read: a
+# budget under 4096 tokens asks for short reasoning (low), under 16384 for medium, a larger one for high
+EFFORT_BUDGETS = ((4096, "low"), (16384, "medium"))
+
+
+def thinking_effort(budget_tokens: int | None) -> str | None:
+    """The reasoning_effort of an enabled thinking budget (None: no budget, the template's default)."""
+    if budget_tokens is None:
+        return None
+    return next((effort for limit, effort in EFFORT_BUDGETS if budget_tokens < limit), "high")
+
+
 def template_kwargs(req: CountTokensRequest) -> dict:
-    """Extra chat-template variables: Qwen3's templates read `enable_thinking`. Without a `thinking`
-    field the template's own default holds; a forced tool call (tool_choice any/tool) never thinks first,
-    nor does an answer held to an output format (its grammar holds the output from the first token)."""
+    """Extra chat-template variables: Qwen3's templates read `enable_thinking`, gpt-oss's `reasoning_effort`
+    (from the budget: thinking_effort). Without a `thinking` field the template's own default holds; a forced
+    tool call (tool_choice any/tool) never thinks first, nor does an answer held to an output format (its
+    grammar holds the output from the first token)."""
     if forced(req):
         _check(
             req.thinking is None or req.thinking.type == "disabled",
@@ -338,4 +351,5 @@ def template_kwargs(req: CountTokensRequest) -> dict:
         return {"enable_thinking": False}
     if req.thinking is None:
         return {}
-    return {"enable_thinking": req.thinking.type != "disabled"}
+    effort = thinking_effort(req.thinking.budget_tokens) if req.thinking.type == "enabled" else None
+    return {"enable_thinking": req.thinking.type != "disabled", **({"reasoning_effort": effort} if effort else {})}

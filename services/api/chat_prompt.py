@@ -38,10 +38,12 @@ _STAND_IN_FIRST, _STAND_IN_LAST = 0xF0000, 0xFFFFD
 @dataclass(frozen=True)
 class RenderedChat:
     """A rendered chat prompt: `texts` between the template's own special tokens `specials` (one more
-    text than specials). A special token spelled inside a text is a client's: text."""
+    text than specials). A special token spelled inside a text is a client's: text. `ids`: the prompt's
+    token ids where the chat format renders tokens itself (harmony_format.py; its text is then one piece)."""
 
     texts: tuple[str, ...]
     specials: tuple[str, ...]
+    ids: tuple[int, ...] | None = None
 
     @cached_property
     def text(self) -> str:
@@ -52,6 +54,10 @@ class RenderedChat:
 
     def plus(self, suffix: str) -> RenderedChat:
         """This prompt with the server's text `suffix` after it."""
+        if self.ids is not None:
+            if suffix:  # a programming error: such a suffix is a template format's markup
+                raise ValueError(f"cannot add text {suffix!r} to a prompt rendered as token ids")
+            return self
         return RenderedChat(self.texts[:-1] + (self.texts[-1] + suffix,), self.specials)
 
 

@@ -18,6 +18,8 @@ from ferry.shared.wire_keys import WireKeys, add_wire_keys_flag, check_exposure
 # the parsers' names (services/api/output_parsers.py registers them; kept here so --help stays light)
 TOOL_CALL_PARSERS = ("qwen", "hermes", "qwen25", "qwen3_coder", "glm45", "glm47", "none")  # one parser; vLLM's names
 REASONING_PARSERS = ("qwen3", "deepseek_r1", "none")
+# how a chat becomes a prompt and the output is read back (services/api/tokenizer.py); "auto": the model's own
+CHAT_FORMATS = ("auto", "template", "harmony")
 
 DEFAULT_MAX_BODY = "4MiB"
 DEFAULT_READ_TIMEOUT_S = 30.0
@@ -39,6 +41,7 @@ class ApiConfig:
     identity: str  # this replica's DEALER identity, unique among replicas
     tool_call_parser: str = "qwen"  # output_parsers.TOOL_CALL_PARSERS
     reasoning_parser: str = "qwen3"  # output_parsers.REASONING_PARSERS
+    chat_format: str = "auto"  # CHAT_FORMATS
     read_timeout_s: float = DEFAULT_READ_TIMEOUT_S  # a request's headers, and then its body, must arrive within this
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S  # on SIGTERM: how long requests in flight may take to finish
     wire_keys: str | None = None  # the CURVE key directory (shared/wire_keys.py); None: no CURVE
@@ -122,6 +125,15 @@ def add_api_flags(parser: argparse.ArgumentParser) -> None:
         help="how reasoning is read from the output: qwen3 (default; <think>...</think>, also named "
         "deepseek_r1) or none",
     )
+    g.add_argument(
+        "--chat-format",
+        choices=CHAT_FORMATS,
+        default="auto",
+        help="how chats are rendered and outputs read: template (the tokenizer's chat template and the "
+        "--reasoning-parser / --tool-call-parser text parsers), harmony (gpt-oss: OpenAI's harmony library; "
+        "channels become reasoning, tool calls and the answer) or auto (default: harmony for the model families "
+        "that speak it and for chat templates that write it, else template)",
+    )
     add_wire_keys_flag(g)
 
 
@@ -163,6 +175,7 @@ def api_config_from_args(args: argparse.Namespace, scheduler_addr: str, tokenize
         max_body_bytes=sizes["max_body_size"],
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        chat_format=getattr(args, "chat_format", "auto"),
         read_timeout_s=getattr(args, "read_timeout", DEFAULT_READ_TIMEOUT_S),
         drain_timeout_s=getattr(args, "drain_timeout", DEFAULT_DRAIN_TIMEOUT_S),
         wire_keys=keys,

@@ -54,13 +54,16 @@ class Generation:
         max_tokens: int | None,
         stops: list[str],
         fields: dict[str, str] | None = None,
+        text=None,
     ):
         """`fields`: the request body's names of the Submit fields a refusal names as its param, where
-        they differ ({"prompt": "messages"}): the error then names the field the client sent."""
+        they differ ({"prompt": "messages"}): the error then names the field the client sent. `text`: where
+        the deltas' text comes from, push(token_id) -> text and flush() -> text (the output parser's
+        text_source(): the harmony format's parser); None: the tokenizer's detokenized output."""
         self.client, self.metrics, self.route = client, metrics, route
         self.fields = fields or {}
         self.prompt, self.sampling, self.max_tokens = prompt, sampling, max_tokens
-        self.detok = IncrementalDetokenizer(tokenizer)
+        self.detok = text if text is not None else IncrementalDetokenizer(tokenizer)
         self.stops = StopStringFilter(stops)
         self.usage = Usage(prompt_tokens=len(prompt))
         self.arrived = time.perf_counter()

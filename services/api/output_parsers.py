@@ -2,6 +2,10 @@
 from the detokenized stream, by the parsers `--reasoning-parser` and `--tool-call-parser` name.
 
     OutputParser(...).push(delta) -> [Reasoning | Text | ToolCall]      (and .flush() at the end)
+    OutputParser(...).events(generation_delta): the same, for a route's Generation delta
+
+The harmony format (gpt-oss) reads tokens, not text: harmony_format.HarmonyOutputParser has the same
+`events`; PromptTokenizer.output_parser gives a route the one its model's chat format reads.
 
 Shared by the routes: the Anthropic Messages route makes thinking / text / tool_use blocks of the
 events; the OpenAI chat route can make reasoning_content / content / tool_calls deltas of them.
@@ -15,7 +19,7 @@ from ferry.services.api.config import REASONING_PARSERS, TOOL_CALL_PARSERS
 from ferry.services.api.reasoning_parser import Piece, ReasoningParser, prompt_opens_reasoning
 from ferry.services.api.tool_call_parser import ToolCall, ToolCallParser
 
-__all__ = ["OutputParser", "Reasoning", "Text", "ToolCall", "REASONING_PARSERS", "TOOL_CALL_PARSERS"]
+__all__ = ["Event", "OutputParser", "Reasoning", "Text", "ToolCall", "REASONING_PARSERS", "TOOL_CALL_PARSERS"]
 
 
 @dataclass
@@ -58,6 +62,14 @@ class OutputParser:
         self.tools = None
         if (tool_calls != "none" or forced) and tools is not None:
             self.tools = ToolCallParser(tools)
+
+    def text_source(self) -> None:
+        """What the request's Generation reads its text from: these parsers read the detokenized text."""
+        return None
+
+    def events(self, delta) -> list[Event]:
+        """The events of a Generation delta (its text; the last delta flushes)."""
+        return self.push(delta.text) + (self.flush() if delta.finish_reason else [])
 
     def push(self, delta: str) -> list[Event]:
         pieces = self.reasoning.push(delta) if self.reasoning else [Piece("content", delta)]

@@ -12,7 +12,7 @@ import uuid
 
 from ferry.services.api.generation import Delta, Generation, Usage
 from ferry.services.api.logprobs import CompletionLogprobs, TokenText, chat_entries, prompt_positions
-from ferry.services.api.output_parsers import OutputParser, Reasoning, Text, ToolCall
+from ferry.services.api.output_parsers import Reasoning, Text, ToolCall
 
 
 def total_usage(gens: list[Generation]) -> Usage:
@@ -68,7 +68,7 @@ class ChatChoice:
     """One chat choice: the parser splits reasoning, answer and tool calls; with `logprobs` each token's
     entry (and its top alternatives) goes out with the delta that completes its text."""
 
-    def __init__(self, index: int, parser: OutputParser, token_text: TokenText | None, single_call: bool):
+    def __init__(self, index: int, parser, token_text: TokenText | None, single_call: bool):
         self.index, self.parser, self.token_text, self.single_call = index, parser, token_text, single_call
         self.content: list[str] = []
         self.reasoning: list[str] = []
@@ -86,7 +86,7 @@ class ChatChoice:
 
     def apply(self, d: Delta) -> dict | None:
         """The stream chunk's choice for this delta (None when it carries nothing)."""
-        events = self.parser.push(d.text) + (self.parser.flush() if d.finish_reason else [])
+        events = self.parser.events(d)
         delta: dict = {}
         for e in events:
             if isinstance(e, Reasoning) and e.text:

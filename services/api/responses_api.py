@@ -28,7 +28,6 @@ from ferry.services.api.config import ApiConfig
 from ferry.services.api.generation import Generation
 from ferry.services.api.grammar_lanes import GrammarLanes, tool_schemas
 from ferry.services.api.metrics import ApiMetrics, mark_counted_by_generations
-from ferry.services.api.output_parsers import OutputParser
 from ferry.services.api.reasoning_parser import prompt_opens_reasoning
 from ferry.services.api.responses_output import ResponseBuilder
 from ferry.services.api.responses_store import ResponseStore
@@ -136,12 +135,8 @@ class ResponsesRoutes:
             encrypted_reasoning=schema.ENCRYPTED_REASONING in (req.include or ()),
         )
         structlog.contextvars.bind_contextvars(request_id=builder.id)
-        parser = OutputParser(
-            self.cfg.reasoning_parser,
-            self.cfg.tool_call_parser,
-            schema.tool_schemas(req),
-            prompt_text=prompt.text,
-            forced=forced is not None,
+        parser = self.tokenizer.output_parser(
+            self.cfg.reasoning_parser, self.cfg.tool_call_parser, schema.tool_schemas(req), prompt, forced is not None
         )
         gen = Generation(
             self.client,
@@ -153,6 +148,7 @@ class ResponsesRoutes:
             req.max_output_tokens,
             [],
             fields=schema.SUBMIT_FIELDS,
+            text=parser.text_source(),
         )
         async with contextlib.aclosing(gen.deltas()) as deltas:
             mark_counted_by_generations(request)  # it starts below, and counts itself
@@ -214,8 +210,8 @@ class ResponsesRoutes:
         }
 
 
-def _apply(builder: ResponseBuilder, parser: OutputParser, d) -> list[dict]:
-    events = parser.push(d.text) + (parser.flush() if d.finish_reason else [])
+def _apply(builder: ResponseBuilder, parser, d) -> list[dict]:
+    events = parser.events(d)
     builder.count_reasoning_tokens(events, len(d.tokens))
     return builder.apply(events)
 

@@ -490,13 +490,13 @@ def tool_choice_json(req: ResponsesRequest) -> str | dict:
 
 
 def template_kwargs(req: ResponsesRequest, constrained: bool) -> dict:
-    """Chat-template variables: reasoning.effort none/minimal turns Qwen3's enable_thinking off, any
-    other effort on (none sent: the template's default); a grammar from the first token (a forced
-    call, text.format json) turns it off."""
+    """Chat-template variables: reasoning.effort itself (gpt-oss's templates read it); none/minimal turns
+    Qwen3's enable_thinking off, any other effort on (none sent: the template's default); a grammar from
+    the first token (a forced call, text.format json) turns it off."""
     if constrained:
         return {"enable_thinking": False}
     effort = req.reasoning.effort if req.reasoning is not None else None
-    return {} if effort is None else {"enable_thinking": effort not in THINKING_OFF}
+    return {} if effort is None else {"reasoning_effort": effort, "enable_thinking": effort not in THINKING_OFF}
 
 
 def text_format_schema(req: ResponsesRequest) -> dict | None:

@@ -19,7 +19,6 @@ from ferry.services.api.generation import Generation
 from ferry.services.api.grammar_lanes import GrammarLanes, response_format_schemas, tool_schemas
 from ferry.services.api.logprobs import TokenText
 from ferry.services.api.metrics import ApiMetrics, mark_counted_by_generations
-from ferry.services.api.output_parsers import OutputParser
 from ferry.services.api.responses import (
     ChatChoice,
     ChatFormat,
@@ -121,7 +120,7 @@ class OpenAIRoutes:
         self._check_chars(sum(len(m["content"]) for m in messages), "messages")
         kwargs = schema.template_kwargs(req, forced=grammar is not None)
         chat = await self._tokenize(_chat_prompt, (messages, tools, kwargs), size)
-        prompt, text = chat.ids, chat.text
+        prompt = chat.ids
         fmt = ChatFormat(self.cfg.served_model_name)
         reasoning = self.cfg.reasoning_parser if req.separate_reasoning else "none"
         token_text = self._token_text if logprobs is not None else None
@@ -129,7 +128,7 @@ class OpenAIRoutes:
         choices = [
             ChatChoice(
                 j,
-                OutputParser(reasoning, self.cfg.tool_call_parser, schemas, prompt_text=text, forced=bool(forced)),
+                self.tokenizer.output_parser(reasoning, self.cfg.tool_call_parser, schemas, chat, bool(forced)),
                 token_text,
                 single_call=req.parallel_tool_calls is False,
             )
@@ -247,9 +246,13 @@ class OpenAIRoutes:
         structlog.contextvars.bind_contextvars(request_id=fmt.id)
         stops = schema.stop_strings(req)
         fields = schema.submit_fields(req)
+        # a chat choice's parser may be where its text comes from (harmony_format.py); completions read the tokenizer's
+        sources = [c.parser.text_source() if isinstance(c, ChatChoice) else None for c in choices]
         gens = [
-            Generation(self.client, self.tokenizer.hf, self.metrics, route, prompt, sampling, max_tokens, stops, fields)
-            for prompt, sampling in runs
+            Generation(
+                self.client, self.tokenizer.hf, self.metrics, route, prompt, sampling, max_tokens, stops, fields, text
+            )
+            for (prompt, sampling), text in zip(runs, sources)
         ]
         if route == "completions":
             choices = [CompletionChoice(i, g, echo, tt) for i, (g, (echo, tt)) in enumerate(zip(gens, choices))]

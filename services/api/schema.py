@@ -528,10 +528,12 @@ def forced_tools(req: ChatCompletionRequest) -> list[tuple[str, dict]] | None:
 
 
 def template_kwargs(req: ChatCompletionRequest, forced: bool) -> dict:
-    """Chat-template variables: chat_template_kwargs, then reasoning_effort (none/minimal turn Qwen3's
-    enable_thinking off); a grammar from the first token (a forced call, response_format) turns it off."""
+    """Chat-template variables: chat_template_kwargs, then reasoning_effort (itself, as gpt-oss's templates
+    read it; none/minimal turn Qwen3's enable_thinking off); a grammar from the first token (a forced call,
+    response_format) turns it off."""
     kwargs = dict(req.chat_template_kwargs or {})
     if req.reasoning_effort is not None:
+        kwargs["reasoning_effort"] = req.reasoning_effort
         kwargs["enable_thinking"] = req.reasoning_effort not in ("none", "minimal")
     if forced:
         kwargs["enable_thinking"] = False

@@ -1,15 +1,26 @@
-"""The model's tokenizer and chat template, through transformers' AutoTokenizer (no torch needed)."""
+"""The model's tokenizer and chat format, through transformers' AutoTokenizer (no torch needed).
+
+The chat format (`--chat-format`) says how a chat becomes the prompt and how the output is read back:
+`template`, the model's Jinja chat template and the text parsers (--reasoning-parser, --tool-call-parser:
+output_parsers.py), or `harmony`, gpt-oss's format, rendered and parsed by OpenAI's harmony library
+(harmony_format.py). `auto` (the default) is harmony where the model family declares it
+(plan/model_families: ModelFamily.chat_format, for config.json beside the tokenizer) or the chat template
+writes harmony's framing (`<|channel|>`, `<|message|>`: gpt-oss's does), else template.
+"""
 
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any
 
 from ferry.services.api.chat_prompt import ChatPrompt, ClientText, RenderedChat
+from ferry.services.api.harmony_format import HarmonyChat
+from ferry.services.api.output_parsers import OutputParser
 from ferry.services.api.segment_cache import MIN_PROMPT_CHARS, SegmentCache, encode_each
 from ferry.shared.eos import eos_token_ids
-from ferry.shared.errors import InvalidRequest, ModelLoadError
+from ferry.shared.errors import ConfigError, InvalidRequest, ModelLoadError
 
 # Unicode White_Space, what the tokenizers library strips beside a special token with lstrip/rstrip
 _WHITESPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680\u2028\u2029\u202f\u205f\u3000" + "".join(map(chr, range(0x2000, 0x200B)))
@@ -19,8 +30,26 @@ class TooLong(InvalidRequest):
     """A prompt refused by its length in characters, before it was tokenized."""
 
 
+def chat_format_of(flag: str, path: str, hf: Any) -> str:
+    """--chat-format `flag` resolved: `auto` as the module docstring says."""
+    if flag != "auto":
+        return flag
+    template = str(hf.chat_template or "")
+    if "<|channel|>" in template and "<|message|>" in template:
+        return "harmony"
+    config = Path(path) / "config.json"
+    if config.is_file():
+        from ferry.plan.model_families import family_for_config
+
+        try:
+            return family_for_config(json.loads(config.read_text()), str(config)).chat_format
+        except (ValueError, ConfigError):  # not a model Ferry knows: its template said template
+            pass
+    return "template"
+
+
 class PromptTokenizer:
-    def __init__(self, path: str):
+    def __init__(self, path: str, chat_format: str = "auto"):
         try:
             from transformers import AutoTokenizer
 
@@ -28,6 +57,10 @@ class PromptTokenizer:
         except Exception as exc:  # noqa: BLE001 - any failure here means: no usable tokenizer at that path
             raise ModelLoadError(f"cannot load a tokenizer from {path!r}: {exc}") from exc
         self.eos_token_ids = eos_token_ids(path if Path(path).is_dir() else None, self.hf)
+        self.chat_format = chat_format_of(chat_format, path, self.hf)
+        self.harmony = HarmonyChat(self.hf, path) if self.chat_format == "harmony" else None
+        if self.harmony is not None:  # the output ends at <|return|> or <|call|>, whatever generation_config says
+            self.eos_token_ids = tuple(sorted(set(self.eos_token_ids) | set(self.harmony.stop_ids)))
         self.vocab_size = len(self.hf)
         # The most characters one token can stand for (byte-level vocabularies spell a token with one
         # character per byte, so this bounds the decoded text too): a text longer than
@@ -74,7 +107,10 @@ class PromptTokenizer:
         """The rendered prompt, cut at the template's own special tokens (chat_prompt.py). `tools` go to
         the template (apply_chat_template(tools=...)), which writes them the way the model was trained
         to read them; `continue_final` continues the last (assistant) message instead of opening a new
-        turn; other keywords are template variables (Qwen3's `enable_thinking`)."""
+        turn; other keywords are template variables (Qwen3's `enable_thinking`). The harmony format renders
+        the same messages itself (harmony_format.py), its ids in the result."""
+        if self.harmony is not None:
+            return self.harmony.render(messages, tools, continue_final, template_kwargs)
         if not self.hf.chat_template:
             raise InvalidRequest("this model has no chat template; use /v1/completions")
 
@@ -98,7 +134,10 @@ class PromptTokenizer:
         """The ids of a rendered chat prompt: its template's special tokens, and its texts as text. With no
         special token spelled in a text, the whole prompt as the tokenizer reads it (encode); else text by
         text, each cut where the tokenizer cuts at a special token (a stripping one takes the whitespace
-        beside it), the texts spelling one read as text, the others through the segment cache as encode does."""
+        beside it), the texts spelling one read as text, the others through the segment cache as encode does.
+        A prompt the chat format rendered as ids (harmony) is those ids."""
+        if chat.ids is not None:
+            return list(chat.ids)
         texts = list(chat.texts)
         spelled = [bool(self.client_text.spelling.search(t)) for t in texts]
         if not any(spelled):
@@ -124,6 +163,15 @@ class PromptTokenizer:
             if i < len(chat.specials):
                 ids.append(self.special_ids[chat.specials[i]])
         return ids
+
+    def output_parser(self, reasoning: str, tool_calls: str, tools: dict[str, dict] | None, prompt, forced: bool):
+        """The parser of a chat output in this model's format (output_parsers.OutputParser's arguments;
+        `prompt`: its ChatPrompt). A forced call's grammar writes `<tool_call>` text whatever the format
+        (structured.tool_call_grammar), so that output is read by the text parser in every format."""
+        if self.harmony is not None and not forced:
+            calls = tools if tool_calls != "none" else None
+            return self.harmony.output_parser(calls, reasoning != "none", prompt.ids)
+        return OutputParser(reasoning, tool_calls, tools, prompt_text=prompt.text, forced=forced)
 
     def encode(self, text: str) -> list[int]:
         """The tokenizer's ids of `text`: every special token spelled in it is that token (a raw

@@ -14,6 +14,7 @@ per linear, whatever the format. Which linear is quantized is decided by the ten
 | nvfp4 (compressed-tensors) | `weight_packed`, `weight_scale`, `weight_global_scale` | e2m1 x scale / global |
 | fp8-block (Qwen `-FP8`) | `weight` f8 [O, IN], `weight_scale_inv` [ceil(O/128), ceil(IN/128)] | f8 x block scale |
 | fp8 per tensor (modelopt FP8) | `weight` f8 [O, IN], `weight_scale` f32 (one value) | f8 x scale |
+| mxfp4 (gpt-oss, per linear) | `weight_blocks` uint8 [O, IN/32, 16], `weight_scales` u8 [O, IN/32] | e2m1 x 2^(s-127) |
 
 Activation scales (`input_scale`, `input_global_scale`) and KV-cache scales (`k_scale`, `v_scale`)
 are read and dropped: Ferry keeps activations and the KV cache in the run dtype. Dense weights are
@@ -27,8 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ferry.kernels.quantized_experts import dequantize_fp8_blocks, dequantize_nvfp4
-from ferry.plan.expert_formats import FP8_BLOCK, FP8_BLOCK_SIZE, NVFP4, NVFP4_GROUP
+from ferry.kernels.quantized_experts import dequantize_fp8_blocks, dequantize_mxfp4, dequantize_nvfp4
+from ferry.plan.expert_formats import FP8_BLOCK, FP8_BLOCK_SIZE, MXFP4, MXFP4_GROUP, NVFP4, NVFP4_GROUP
+from ferry.plan.expert_formats.mxfp4 import BLOCKS_SUFFIX, SCALES_SUFFIX
 from ferry.plan.quantization import DROPPED_SUFFIXES, QUANT_SUFFIXES, WEIGHT_SUFFIXES
 from ferry.shared.errors import ModelLoadError
 
@@ -41,9 +43,10 @@ class QuantizedWeightError(ModelLoadError):
 
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """One quantized linear [O, IN]: `q` (nvfp4: uint8 [O, IN/2], fp8: float8_e4m3fn [O, IN]),
-    `scale` (nvfp4: float8 [O, IN/16]; fp8-block: float32 [ceil(O/128), ceil(IN/128)]; fp8 per
-    tensor: float32 [1]) and, for nvfp4, `global_scale`, the per-tensor multiplier (float32 [1])."""
+    """One quantized linear [O, IN]: `q` (nvfp4, mxfp4: uint8 [O, IN/2], fp8: float8_e4m3fn [O, IN]),
+    `scale` (nvfp4: float8 [O, IN/16]; mxfp4: e8m0 uint8 [O, IN/32]; fp8-block: float32 [ceil(O/128),
+    ceil(IN/128)]; fp8 per tensor: float32 [1]) and, for nvfp4, `global_scale`, the per-tensor
+    multiplier (float32 [1])."""
 
     fmt: str
     q: torch.Tensor
@@ -54,7 +57,7 @@ class QuantizedWeight:
     @property
     def shape(self) -> tuple[int, int]:
         o, n = self.q.shape
-        return (o, 2 * n) if self.fmt == NVFP4 else (o, n)
+        return (o, 2 * n) if self.fmt in (NVFP4, MXFP4) else (o, n)
 
     def dequantize(self, dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
         """The dense weight [O, IN] in `dtype` (float32 math, one rounding)."""
@@ -62,6 +65,8 @@ class QuantizedWeight:
         scale = self.scale.to(q.device)
         if self.fmt == NVFP4:
             return dequantize_nvfp4(q, scale, self.global_scale.to(q.device), dtype)
+        if self.fmt == MXFP4:
+            return dequantize_mxfp4(q, scale, dtype)
         if self.fmt == FP8_BLOCK:
             return dequantize_fp8_blocks(q, scale, q.shape[0], dtype)  # one projection: one part
         return (q.to(torch.float32) * scale.to(torch.float32)).to(dtype)
@@ -109,6 +114,8 @@ def group_quantized_tensors(
 
 def quantized_weight(module: str, parts: dict[str, torch.Tensor]) -> QuantizedWeight:
     """Classify and check one module's parts (see the module docstring's table)."""
+    if BLOCKS_SUFFIX in parts:
+        return mxfp4_weight(module, parts)
     source = f"{module}.weight"
     weight = parts.get("weight", parts.get("weight_packed"))
     if weight is None:
@@ -156,3 +163,25 @@ def quantized_weight(module: str, parts: dict[str, torch.Tensor]) -> QuantizedWe
         f"checkpoint module {module!r} has quantization scales but its weight is "
         f"{weight.dtype}; expected uint8 (nvfp4) or float8_e4m3fn (fp8)"
     )
+
+
+def mxfp4_weight(module: str, parts: dict[str, torch.Tensor]) -> QuantizedWeight:
+    """One mxfp4 linear from its `weight_blocks` uint8 [O, IN/32, 16] and `weight_scales` uint8 [O, IN/32]:
+    the blocks' bytes are the codes [O, IN/2] as they lie."""
+    source = f"{module}.{BLOCKS_SUFFIX}"
+    blocks, scales = parts[BLOCKS_SUFFIX], parts.get(SCALES_SUFFIX)
+    if scales is None:
+        raise QuantizedWeightError(f"mxfp4 weight {source!r} needs {SCALES_SUFFIX}; the checkpoint has {sorted(parts)}")
+    half = MXFP4_GROUP // 2
+    if blocks.dtype != torch.uint8 or blocks.dim() != 3 or blocks.shape[2] != half:
+        raise QuantizedWeightError(
+            f"mxfp4 weight {source!r} is {blocks.dtype} {tuple(blocks.shape)}, "
+            f"expected uint8 [O, IN/{MXFP4_GROUP}, {half}]"
+        )
+    o, groups, _ = blocks.shape
+    if scales.dtype != torch.uint8 or tuple(scales.shape) != (o, groups):
+        raise QuantizedWeightError(
+            f"mxfp4 weight {source!r}: {SCALES_SUFFIX} is {scales.dtype} {tuple(scales.shape)}, "
+            f"expected uint8 {(o, groups)}"
+        )
+    return QuantizedWeight(MXFP4, blocks.reshape(o, groups * half), scales, None, source)

@@ -68,7 +68,7 @@ def _staged_layer(fmt, tokens, experts, staged, top_k, skewed, g):
     return x, pos, weights, w13, w2, (align_pairs_by_slot(pos, staged, block_m, staged, block_starts=True), block_m)
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "nvfp4", "fp8-block"])
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4", "mxfp4", "fp8-block"])
 @pytest.mark.parametrize("tokens,skewed", [(8192, False), (1250, False), (2048, True)])
 def test_a_window_launched_over_its_own_blocks_gives_the_full_grids_bits(fmt, tokens, skewed):
     """The streamed prefill's chunks (device_store._stream_staged): launched over their own blocks from the
@@ -98,7 +98,7 @@ def test_a_window_launched_over_its_own_blocks_gives_the_full_grids_bits(fmt, to
         assert looped, "the skewed layer's first window should have more blocks than programs"
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "nvfp4", "fp8-block"])
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4", "mxfp4", "fp8-block"])
 def test_a_long_steps_rows_in_bf16_are_its_float32_rows_rounded_once(fmt):
     """A step past ROWS_FLOAT32_MAX_TOKENS (8,192; here 16,384 tokens, the plan's long chunk) writes its rows in
     bf16 (kernels/expert_rows_sum.py): each pair's float32 row rounded to nearest even, once, in every window

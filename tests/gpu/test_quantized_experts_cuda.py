@@ -1,4 +1,4 @@
-"""Quantized experts on CUDA (issue 21): the NVFP4 and FP8-block kernels at real shapes against their
+"""Quantized experts on CUDA (issue 21): the NVFP4, MXFP4 and FP8-block kernels at real shapes against their
 dequantizing twin, and decoding of quantized tiny checkpoints token for token across every path that
 must not change a bit: graph replay == eager, offloaded (graphs, eager, copy engine, a prefill streamed
 past the cache) == all-resident. (Prefetch on and off is the bf16 tests' concern: it moves the same bytes.)"""
@@ -12,23 +12,25 @@ import pytest
 import torch
 
 from tests.gpu.test_device_decode_cuda import _boot, _greedy_batch
+from tests.quantized_models import LAYOUT_FORMATS
 
-LAYOUTS = ("modelopt-nvfp4", "fp8")
+LAYOUTS = ("modelopt-nvfp4", "fp8", "mxfp4")
 
 
 def _family(fmt: str, slots: int, hidden: int, inter: int, seed: int):
     """Random (w13, w2) QuantizedFamily views over slot rows on the GPU, as the pool holds them."""
     from ferry.services.worker.expert_formats.fp8_block import Fp8BlockExperts
+    from ferry.services.worker.expert_formats.mxfp4 import Mxfp4Experts
     from ferry.services.worker.expert_formats.nvfp4 import Nvfp4Experts
 
-    experts = Nvfp4Experts(hidden, inter) if fmt == "nvfp4" else Fp8BlockExperts(hidden, inter)
+    experts = {"nvfp4": Nvfp4Experts, "mxfp4": Mxfp4Experts, "fp8-block": Fp8BlockExperts}[fmt](hidden, inter)
     (s13, d13), (s2, d2) = experts.row_shapes()
     w13, w2 = torch.zeros(slots, *s13, dtype=d13), torch.zeros(slots, *s2, dtype=d2)
     experts.fill_dummy_layer(w13, w2, layer=0, seed=seed)
     return experts.gemm_views(w13.cuda(), w2.cuda())
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "fp8-block"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "fp8-block"])
 @pytest.mark.parametrize("tokens", [1, 8, 300])
 def test_quantized_kernels_equal_their_twin_at_35b_shapes(cuda_device, fmt, tokens):
     from ferry.kernels.grouped_expert_gemm import grouped_expert_forward
@@ -62,7 +64,7 @@ def test_quantized_checkpoints_decode_token_for_token(cuda_device, quantized_tin
         "offload-copy-engine": ["--moe-cache-size", "10", "--expert-copy-engine-tokens", "2"],
     }
     runs = {}
-    want_format = "nvfp4" if layout.endswith("nvfp4") else "fp8-block"
+    want_format = LAYOUT_FORMATS[layout]
     for name, flags in variants.items():
         executor, plan = _boot(model, dtype, *flags)
         assert plan.experts.format == want_format

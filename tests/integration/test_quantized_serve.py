@@ -1,9 +1,10 @@
 """Quantized checkpoints served by `ferry serve` (issue 21): a tiny checkpoint of each architecture in each
 published layout (tests/quantized_models.py: nvidia modelopt NVFP4, compressed-tensors NVFP4 made by
-compressed-tensors itself, Qwen's FP8 blocks), through the real api, scheduler and worker on CPU, the
-official openai client asking for prompt logprobs (echo): they equal transformers' log-softmax of the
-same checkpoint dequantized (float32) within 0.05. Half of them run offloaded (fewer expert slots than
-experts: the quantized rows cross from the host banks), and /metrics names the format."""
+compressed-tensors itself, Qwen's FP8 blocks, gpt-oss's MXFP4 per linear), through the real api,
+scheduler and worker on CPU, the official openai client asking for prompt logprobs (echo): they equal
+transformers' log-softmax of the same checkpoint dequantized (float32) within 0.05. Half of them run
+offloaded (fewer expert slots than experts: the quantized rows cross from the host banks), and /metrics
+names the format."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 
 from tests.conftest import TINY_ARCHS
 from tests.integration.harness import REAL_WORKER_ENV, serve_model
-from tests.quantized_models import LAYOUTS, dequantized_copy
+from tests.quantized_models import LAYOUT_FORMATS, LAYOUTS, dequantized_copy
 
 PROMPT = " ".join(["The ferry carries the experts across the water"] * 6)
 TOLERANCE = 0.05  # activations stay float32 here (W4A16, W8A16): the issue's bound for NVFP4 holds both
@@ -46,5 +47,5 @@ def test_served_prompt_logprobs_equal_transformers_on_the_dequantized_weights(
         assert len(got) == len(ids) and got[0] is None
         worst = max(abs(got[p] - float(want[p - 1, ids[p]])) for p in range(1, len(ids)))
         assert worst < TOLERANCE, f"{layout} {arch}: prompt logprobs off by {worst}"
-        fmt = "fp8-block" if layout == "fp8" else "nvfp4"
+        fmt = LAYOUT_FORMATS[layout]
         assert any(e.get("event") == "experts_loaded" and e.get("expert_format") == fmt for e in served.events())

@@ -70,8 +70,12 @@ def test_tools_and_choices():
     assert schema.template_kwargs(req) == {}  # the template's own default
     assert schema.template_kwargs(request(thinking={"type": "disabled"})) == {"enable_thinking": False}
     assert schema.template_kwargs(request(thinking={"type": "enabled", "budget_tokens": 1024})) == {
-        "enable_thinking": True
+        "enable_thinking": True,
+        "reasoning_effort": "low",  # gpt-oss's templates read it
     }
+    efforts = [schema.thinking_effort(budget) for budget in (1024, 4095, 4096, 16383, 16384, 64000)]
+    assert efforts == ["low", "low", "medium", "medium", "high", "high"]
+    assert schema.template_kwargs(request(thinking={"type": "adaptive"})) == {"enable_thinking": True}
     assert schema.template_kwargs(request(tools=[tool], tool_choice={"type": "any"})) == {"enable_thinking": False}
     with pytest.raises(InvalidRequest, match="thinking may not be enabled"):
         schema.template_kwargs(request(tools=[tool], tool_choice={"type": "any"}, thinking={"type": "enabled"}))

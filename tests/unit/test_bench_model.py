@@ -93,6 +93,20 @@ def test_a_multimodal_wrappers_random_nvfp4_weights_carry_the_published_names_an
     assert got.keys() == want.keys() and torch.equal(got["embed_tokens.weight"], want["embed_tokens.weight"])
 
 
+def test_random_mxfp4_weights_are_gpt_oss_blocks_on_the_routed_experts_and_load_as_mxfp4(tiny_models, tmp_path):
+    # gpt-oss's MXFP4 per linear: the routed experts' weight_blocks / weight_scales, every other linear bf16 and
+    # listed in modules_to_not_convert; the config reads back as mxfp4 experts
+    out = write_bench_model(tmp_path / "m", tiny_models["qwen3_moe"] / "config.json")
+    write_random_weights(out, dtype="float32", fmt="mxfp4")
+    tensors = _checkpoint(out)
+    assert tensors["model.layers.0.mlp.experts.3.down_proj.weight_blocks"].shape == (64, 1, 16)
+    assert tensors["model.layers.0.mlp.experts.3.down_proj.weight_scales"].dtype == torch.uint8
+    assert not [n for n in tensors if ".mlp.experts." in n and n.endswith(".weight")]
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "mxfp4" and "model.layers.0.self_attn.q_proj" in qc["modules_to_not_convert"]
+    assert load_model_config(out).quantization.expert_format == "mxfp4"
+
+
 def _checkpoint(out):
     from safetensors.torch import load_file
 

@@ -32,10 +32,14 @@ def model_configs(draw):
         "torch_dtype": draw(st.sampled_from(["bfloat16", "float32"])),
     }
     raw["num_experts_per_tok"] = draw(st.integers(1, raw["num_experts"]))
-    quantized = draw(st.sampled_from([None, "nvfp4", "fp8"]))
+    quantized = draw(st.sampled_from([None, "nvfp4", "fp8", "mxfp4"]))
     if quantized == "nvfp4":  # NVFP4 groups 16 inputs: both projections' input sizes are multiples of 16
         raw["moe_intermediate_size"] = 16 * draw(st.integers(1, 6))
         raw["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}
+    elif quantized == "mxfp4":  # MXFP4 groups 32 inputs
+        raw["hidden_size"] = draw(st.sampled_from([32, 64]))
+        raw["moe_intermediate_size"] = 32 * draw(st.integers(1, 3))
+        raw["quantization_config"] = {"quant_method": "mxfp4"}
     elif quantized == "fp8":
         raw["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
     if hybrid:

@@ -14,7 +14,7 @@ import torch
 from ferry.plan.model_config import parse_model_config
 from ferry.shared.errors import ConfigError
 from tests.conftest import TINY_ARCHS
-from tests.quantized_models import LAYOUTS, corrupt, dequantize_module, dequantized_copy
+from tests.quantized_models import LAYOUT_FORMATS, LAYOUTS, corrupt, dequantize_module, dequantized_copy
 from tests.unit.test_generate_e2e import ferry_generate
 
 QWEN36 = "tests/data/models/qwen3.6-35b-a3b/config.json"
@@ -61,6 +61,18 @@ FP8 = {
 }
 
 
+# gpt-oss's quantization_config, as published
+GPT_OSS_MXFP4 = {
+    "modules_to_not_convert": [
+        "model.layers.*.self_attn",
+        "model.layers.*.mlp.router",
+        "model.embed_tokens",
+        "lm_head",
+    ],
+    "quant_method": "mxfp4",
+}
+
+
 @pytest.mark.parametrize(
     "config, quantization, want",
     [
@@ -80,11 +92,24 @@ FP8 = {
         (QWEN3, FP8, "fp8-block"),
         (QWEN3, {**FP8, "modules_to_not_convert": ["mlp.experts"]}, None),  # experts kept bf16
         (QWEN3, {"quant_method": "modelopt", "quant_algo": "NVFP4", "exclude_modules": ["*mlp.experts*"]}, None),
+        (QWEN3, GPT_OSS_MXFP4, "mxfp4"),
+        (QWEN3, {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.mlp.experts"]}, None),
+        (QWEN3, {"quant_method": "mxfp4", "modules_to_not_convert": ["mlp.experts"]}, None),
     ],
 )
 def test_published_quantization_configs_give_the_expert_format(config, quantization, want):
     spec = parse_model_config(_config(config, quantization))
     assert spec.quantization is not None and spec.quantization.expert_format == want
+
+
+@pytest.mark.parametrize(
+    "quantization, group", [(GPT_OSS_MXFP4, 32), ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, 16)]
+)
+def test_expert_sizes_that_the_formats_groups_do_not_tile_are_a_config_error(quantization, group):
+    raw = _config(QWEN3, quantization)
+    raw["moe_intermediate_size"] = 768 + group // 2
+    with pytest.raises(ConfigError, match=f"moe_intermediate_size: .* a multiple of {group}"):
+        parse_model_config(raw)
 
 
 def test_hf_quant_config_json_is_read_beside_the_config(tmp_path):
@@ -113,7 +138,6 @@ def test_hf_quant_config_json_is_read_beside_the_config(tmp_path):
         ({"quant_method": "awq", "bits": 4}, ["'awq'"]),
         ({"quant_method": "gptq", "bits": 4}, ["'gptq'"]),
         ({"quant_method": "bitsandbytes", "load_in_4bit": True}, ["'bitsandbytes'"]),
-        ({"quant_method": "mxfp4"}, ["'mxfp4'"]),
         ({"quant_method": "modelopt", "quant_algo": "W4A8_AWQ"}, ["'W4A8_AWQ'"]),
         ({**FP8, "weight_block_size": [64, 64]}, ["[64, 64]"]),
         (
@@ -134,25 +158,28 @@ def test_unsupported_quantization_is_refused_by_ferry_plan_before_anything_loads
 
 
 @pytest.mark.parametrize(
-    "config, quantization, per_slot",
+    "config, quantization, per_slot, gpu",
     [
         # 35B NVFP4: w13 = 1024 x 2048 codes (1 MiB) + scales (128 KiB) + 1024 fp32; w2 = 2048 x 512 likewise
-        (QWEN36, MIXED, (1024 * 1024 + 1024 * 128 + 4 * 1024) + (2048 * 256 + 2048 * 32 + 4 * 2048)),
+        (QWEN36, MIXED, (1024 * 1024 + 1024 * 128 + 4 * 1024) + (2048 * 256 + 2048 * 32 + 4 * 2048), "24GiB"),
         # 30B FP8: w13 = 1536 x 2048 + 12 x 16 fp32 block scales; w2 = 2048 x 768 + 16 x 6 (each part 16-byte aligned)
-        (QWEN3, FP8, (1536 * 2048 + 12 * 16 * 4) + (2048 * 768 + 16 * 6 * 4)),
+        (QWEN3, FP8, (1536 * 2048 + 12 * 16 * 4) + (2048 * 768 + 16 * 6 * 4), "24GiB"),
+        # 35B MXFP4: w13 = 1024 x 2048 codes (two a byte) + an e8m0 byte per 32; w2 = 2048 x 512 likewise
+        # (its dense weights stay bf16, its experts fit 24 GiB: a smaller card offloads)
+        (QWEN36, GPT_OSS_MXFP4, (1024 * 1024 + 1024 * 64) + (2048 * 256 + 2048 * 16), "16GiB"),
     ],
 )
-def test_ferry_plan_prices_the_quantized_slots_and_banks(tmp_path, capsys, config, quantization, per_slot):
+def test_ferry_plan_prices_the_quantized_slots_and_banks(tmp_path, capsys, config, quantization, per_slot, gpu):
     from ferry.services.cli import main
 
     (tmp_path / "config.json").write_text(json.dumps(_config(config, quantization)))
-    assert main(["plan", str(tmp_path), "--gpu-memory", "24GiB", "--host-memory", "200GiB", "--json"]) == 0
+    assert main(["plan", str(tmp_path), "--gpu-memory", gpu, "--host-memory", "200GiB", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     experts = plan["experts"]
-    assert experts["bytes_per_slot"] == per_slot and experts["format"] in ("nvfp4", "fp8-block")
-    assert experts["slots"] < experts["total"]  # offloads at 24 GiB
+    assert experts["bytes_per_slot"] == per_slot and experts["format"] in ("nvfp4", "fp8-block", "mxfp4")
+    assert experts["slots"] < experts["total"]  # offloads on that card
     assert plan["host"]["expert_bank_bytes"] == experts["total"] * per_slot
-    assert main(["plan", str(tmp_path), "--gpu-memory", "24GiB", "--host-memory", "200GiB"]) == 0
+    assert main(["plan", str(tmp_path), "--gpu-memory", gpu, "--host-memory", "200GiB"]) == 0
     table = capsys.readouterr().out
     assert f"{per_slot} B/slot, {experts['format']}" in table and f"in {experts['format']}" in table
 
@@ -235,6 +262,45 @@ def test_fp8_block_dequantization_with_partial_blocks_and_a_wrong_block_layout_c
     assert (quantized_weight("m", flipped).dequantize(torch.float32) - w).abs().max() > 0.3 * w.abs().max()
 
 
+def test_mxfp4_dequantization_is_transformers_and_its_quantizer_never_clips():
+    """The loader's mxfp4 linear dequantizes as transformers' gpt-oss dequantizer does (dequantize_module), the
+    quantizer's scales hold every group's largest value (no code saturates past it), and the nibble order
+    and the e8m0 bias matter."""
+    from ferry.services.worker.expert_formats.mxfp4 import quantize_linear as quantize_mxfp4
+    from ferry.services.worker.quantized_weight import quantized_weight
+
+    torch.manual_seed(4)
+    w = torch.randn(48, 320) * torch.linspace(0.001, 1, 48)[:, None]
+    w[3, :32] = 0.0  # an all-zero group
+    parts = quantize_mxfp4(w)
+    assert parts["weight_blocks"].shape == (48, 10, 16) and parts["weight_scales"].shape == (48, 10)
+    ours = quantized_weight("m", parts).dequantize(torch.float32)
+    assert torch.equal(ours, dequantize_module(parts))
+    groups, error = w.view(48, 10, 32), (ours - w).view(48, 10, 32).abs()
+    scale = torch.exp2(parts["weight_scales"].float() - 127)
+    assert (error <= scale[..., None]).all()  # within a step of e2m1's widest (2 x scale, halved)
+    assert (groups.abs().amax(-1) <= 6 * scale).all() and (groups.abs().amax(-1) > 3 * scale)[
+        groups.amax(-1) != 0
+    ].all()
+    assert (ours[3, :32] == 0).all()
+    blocks = parts["weight_blocks"]
+    swapped = dict(parts, weight_blocks=(blocks >> 4) | ((blocks & 15) << 4))
+    assert not torch.allclose(quantized_weight("m", swapped).dequantize(torch.float32), ours, atol=1e-3)
+    biased = dict(parts, weight_scales=parts["weight_scales"] + 1)
+    assert torch.equal(quantized_weight("m", biased).dequantize(torch.float32), 2 * ours)
+
+
+def test_an_mxfp4_module_with_wrong_scales_is_a_clear_error():
+    from ferry.services.worker.expert_formats.mxfp4 import quantize_linear as quantize_mxfp4
+    from ferry.services.worker.quantized_weight import QuantizedWeightError, quantized_weight
+
+    parts = quantize_mxfp4(torch.randn(16, 64))
+    with pytest.raises(QuantizedWeightError, match="needs weight_scales"):
+        quantized_weight("layers.0.mlp.experts.0.up_proj", {"weight_blocks": parts["weight_blocks"]})
+    with pytest.raises(QuantizedWeightError, match=r"weight_scales is torch.uint8 \(16, 1\)"):
+        quantized_weight("m", dict(parts, weight_scales=parts["weight_scales"][:, :1]))
+
+
 def test_a_quantized_module_missing_its_scale_is_a_clear_error():
     from ferry.services.worker.quantized_weight import QuantizedWeightError, quantized_weight
 
@@ -277,7 +343,7 @@ def test_quantized_tiny_checkpoints_generate_as_transformers_on_the_dequantized_
     model = quantized_tiny_models(arch, layout)
     reference = dequantized_copy(model, tmp_path / "dequantized")
     resident = ferry_generate(capsys, model, *ARGS)
-    assert resident["plan"]["experts"]["format"] == ("fp8-block" if layout == "fp8" else "nvfp4")
+    assert resident["plan"]["experts"]["format"] == LAYOUT_FORMATS[layout]
     assert resident["expert_cache"]["expert_format"] == resident["plan"]["experts"]["format"]
     assert _worst(resident, reference) < TOLERANCE
     offloaded = ferry_generate(capsys, model, *ARGS, "--moe-cache-size", "9")
@@ -297,6 +363,8 @@ def test_quantized_tiny_checkpoints_generate_as_transformers_on_the_dequantized_
         ("ct-nvfp4", "nibbles"),
         ("ct-nvfp4", "scale"),
         ("fp8", "scale"),
+        ("mxfp4", "nibbles"),
+        ("mxfp4", "scale"),
     ],
 )
 def test_a_wrong_nibble_order_or_scale_convention_fails_the_comparison(
@@ -308,10 +376,10 @@ def test_a_wrong_nibble_order_or_scale_convention_fails_the_comparison(
     assert _worst(ferry_generate(capsys, wrong, *ARGS), reference) > TOLERANCE
 
 
-@pytest.mark.parametrize("layout", ["modelopt-nvfp4", "fp8"])
+@pytest.mark.parametrize("layout", ["modelopt-nvfp4", "fp8", "mxfp4"])
 def test_dummy_weights_in_a_quantized_format_all_resident_and_offloaded(quantized_tiny_models, capsys, layout):
     model = quantized_tiny_models("qwen3_5_moe", layout)
     for extra in ((), ("--moe-cache-size", "9")):
         got = ferry_generate(capsys, model, *ARGS, "--load-format", "dummy", *extra)
         assert len(got["token_ids"]) == 8 and all(lp <= 0 for lp in got["logprobs"])
-        assert got["plan"]["experts"]["format"] == ("fp8-block" if layout == "fp8" else "nvfp4")
+        assert got["plan"]["experts"]["format"] == LAYOUT_FORMATS[layout]

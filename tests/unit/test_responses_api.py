@@ -193,8 +193,11 @@ def test_accepted_fields_and_their_effect():
     schema.validate(req)
     params = schema.sampling_params(req, (2, 2, 3), None)
     assert (params.temperature, params.top_k, params.seed, params.stop_token_ids) == (0, 5, 7, (2, 3))
-    assert schema.template_kwargs(req, constrained=False) == {"enable_thinking": False}
-    assert schema.template_kwargs(request(reasoning={"effort": "high"}), constrained=False) == {"enable_thinking": True}
+    assert schema.template_kwargs(req, constrained=False) == {"reasoning_effort": "minimal", "enable_thinking": False}
+    assert schema.template_kwargs(request(reasoning={"effort": "high"}), constrained=False) == {
+        "reasoning_effort": "high",  # gpt-oss's templates read it
+        "enable_thinking": True,
+    }
     assert schema.template_kwargs(request(), constrained=False) == {}
     assert schema.template_kwargs(req, constrained=True) == {"enable_thinking": False}
 

@@ -4,7 +4,7 @@ its plan side of the same name under plan/expert_formats/ (which registers it an
 * `bf16.py`: experts in the run dtype, in slots [S, 2I, H] / [S, H, I] and host banks alike;
 * `bf16_packed.py`: bf16's slots, with host banks packed losslessly to 12 bits a value
   (offload/host_memory/packed_banks.py holds them; `--expert-bank-format`, auto packs bf16 models that offload);
-* `nvfp4.py`, `fp8_block.py`: the checkpoint's quantized experts kept quantized in host RAM, across
+* `nvfp4.py`, `mxfp4.py`, `fp8_block.py`: the checkpoint's quantized experts kept quantized in host RAM, across
   PCIe and in their slots (one byte row per weight family: plan/expert_formats prices it), and
   computed from there by the kernels, which dequantize in registers (kernels/quantized_experts.py).
 Each checks an expert's checkpoint shapes with `expert_shapes.py`, which the packed banks share.

@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import torch
 
-from ferry.kernels.quantized_experts import E2M1_VALUES, NVFP4_GROUP, QuantizedFamily
+from ferry.kernels.quantized_experts import NVFP4_GROUP, QuantizedFamily
 from ferry.plan import expert_formats as F
 from ferry.services.worker.expert_formats.quantized import (
+    E2M1_MAX,
+    E2M1_RMS,
     E4M3_MAX,
     QuantizedExperts,
     dummy_pattern,
+    e2m1_codes,
     expert_windows,
     fill_bytes_of,
     part,
@@ -34,18 +37,6 @@ from ferry.services.worker.expert_formats.quantized import (
 from ferry.services.worker.offload.host_compute import host_expert_kernel as K
 from ferry.services.worker.offload.host_compute import host_expert_weights as W
 from ferry.services.worker.quantized_weight import NVFP4, QuantizedWeight
-
-E2M1_MAX = 6.0  # the largest e2m1 magnitude
-
-# the root mean square of a uniformly random e2m1 code: what a dummy weight's scales divide by
-_E2M1_RMS = (sum(v * v for v in E2M1_VALUES) / len(E2M1_VALUES)) ** 0.5
-
-
-def _e2m1_codes(x: torch.Tensor) -> torch.Tensor:
-    """Nearest e2m1 code (uint8, sign in bit 3) of every value of x (already scaled into [-6, 6])."""
-    mag = x.abs().clamp(max=E2M1_MAX)
-    code = (mag.unsqueeze(-1) - torch.tensor(E2M1_VALUES, device=x.device)).abs().argmin(dim=-1)
-    return (code | torch.where(x < 0, 8, 0)).to(torch.uint8)
 
 
 def quantize_linear(w: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -62,7 +53,7 @@ def quantize_linear(w: torch.Tensor) -> dict[str, torch.Tensor]:
     groups = w.view(o, n // NVFP4_GROUP, NVFP4_GROUP)
     block = (groups.abs().amax(-1) / (E2M1_MAX * scale_2)).to(torch.float8_e4m3fn).to(torch.float32)
     block = torch.where(block == 0, 1.0, block).to(torch.float8_e4m3fn)  # an all-zero group: modelopt's 1
-    codes = _e2m1_codes(groups / (block.to(torch.float32)[..., None] * scale_2)).view(o, n)
+    codes = e2m1_codes(groups / (block.to(torch.float32)[..., None] * scale_2)).view(o, n)
     packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
     return {
         "weight": packed.contiguous(),
@@ -120,4 +111,4 @@ class Nvfp4Experts(QuantizedExperts):
         pattern = torch.randint(0, 256, (dummy_pattern(experts, width),), dtype=torch.uint8, generator=gen)
         raw(rows, q).copy_(expert_windows(pattern, experts, width))
         fill_bytes_of(rows, scale, 1.0)
-        fill_bytes_of(rows, gscale, std / _E2M1_RMS)
+        fill_bytes_of(rows, gscale, std / E2M1_RMS)

@@ -10,7 +10,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from ferry.kernels.quantized_experts import QuantizedFamily
+from ferry.kernels.quantized_experts import E2M1_VALUES, QuantizedFamily
 from ferry.plan import expert_formats as F
 from ferry.services.worker.dummy_weights import name_seed
 from ferry.services.worker.expert_formats.expert_shapes import check_expert_shapes
@@ -22,7 +22,18 @@ TORCH_PART_DTYPES = {"uint8": torch.uint8, "float8_e4m3fn": torch.float8_e4m3fn,
 # that feed the residual stream (down) ten times weaker, so routing follows the token.
 DUMMY_STD, DUMMY_DOWN_STD = 0.02, 0.002
 E4M3_MAX = 448.0  # the largest float8_e4m3fn magnitude
+E2M1_MAX = 6.0  # the largest e2m1 magnitude (nvfp4's and mxfp4's codes)
+# the root mean square of a uniformly random e2m1 code: what a dummy weight's scales divide by
+E2M1_RMS = (sum(v * v for v in E2M1_VALUES) / len(E2M1_VALUES)) ** 0.5
 DUMMY_EXPERT_STRIDE = 4099  # bytes between consecutive experts' windows of a layer's pattern (prime)
+
+
+def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
+    """Nearest e2m1 code (uint8, sign in bit 3) of every value of x (already scaled into [-6, 6]; a tie to the
+    smaller magnitude)."""
+    mag = x.abs().clamp(max=E2M1_MAX)
+    code = (mag.unsqueeze(-1) - torch.tensor(E2M1_VALUES, device=x.device)).abs().argmin(dim=-1)
+    return (code | torch.where(x < 0, 8, 0)).to(torch.uint8)
 
 
 def raw(rows: torch.Tensor, p: F.RowPart) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The routed-expert kernels (grouped GEMM, pair GEMV, row sum, and their NVFP4 / FP8-block twins)
+"""The routed-expert kernels (grouped GEMM, pair GEMV, row sum, and their NVFP4 / MXFP4 / FP8-block twins)
 compiled for Hopper without a GPU (hopper_compile.py; run by test_grouped_expert_gemm.py)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import ferry.kernels.grouped_expert_gemm as k
 import ferry.kernels.quantized_expert_gemm as qk
 import ferry.kernels.quantized_expert_gemv as qpair
 from ferry.kernels.pair_tiles import TILES
-from ferry.kernels.quantized_experts import FP8_BLOCK, NVFP4
+from ferry.kernels.quantized_experts import FP4_SCALES, FP8_BLOCK, MXFP4, NVFP4
 from ferry.plan.expert_formats import BF16
 
 # the grouped kernels: the decode and the prefill block, each over every block and over a streamed window's
@@ -22,14 +22,16 @@ GROUPED_VARIANTS = [(block_m, windowed) for block_m in (16, 64) for windowed in 
 LONG_STEP_VARIANTS = [(64, windowed) for windowed in (False, True)]
 
 
-def grouped_entries(fn, sig: dict, dtype: str, consts_of) -> list:
-    """`fn` at every GROUPED_VARIANTS entry; a down kernel also into rows in `dtype` (not fp32's own)."""
+def grouped_entries(fn, sig: dict, dtype: str, consts_of, fmt: str | None = None) -> list:
+    """`fn` at every GROUPED_VARIANTS entry; a down kernel also into rows in `dtype` (not fp32's own). `fmt`:
+    the quantized format it computes, named in the entries (the fp4 kernels serve two)."""
     out = []
+    tag = f"{fmt}, " if fmt in FP4_SCALES else ""
     for block_m, windowed in GROUPED_VARIANTS:
         consts = consts_of(block_m) | {"WINDOWED": windowed}
         out.append(
             (
-                f"{fn.__name__}[{dtype}, BLOCK_M={block_m}, WINDOWED={windowed}]",
+                f"{fn.__name__}[{tag}{dtype}, BLOCK_M={block_m}, WINDOWED={windowed}]",
                 fn,
                 {**sig, **{c: "constexpr" for c in consts}},
                 consts,
@@ -40,7 +42,7 @@ def grouped_entries(fn, sig: dict, dtype: str, consts_of) -> list:
             consts = consts_of(block_m) | {"WINDOWED": windowed}
             out.append(
                 (
-                    f"{fn.__name__}[{dtype}, rows {dtype}, BLOCK_M={block_m}, WINDOWED={windowed}]",
+                    f"{fn.__name__}[{tag}{dtype}, rows {dtype}, BLOCK_M={block_m}, WINDOWED={windowed}]",
                     fn,
                     {**sig, "rows_ptr": f"*{dtype}", **{c: "constexpr" for c in consts}},
                     consts,
@@ -192,65 +194,85 @@ def signatures(dtype: str) -> list:
     return out + quantized_signatures(dtype)
 
 
+def fp4_consts(fmt: str) -> dict:
+    """The fp4 kernels' format constexprs (kernels/quantized_experts.py's FP4_SCALES); none for fp8-block."""
+    if fmt not in FP4_SCALES:
+        return {}
+    fp4 = FP4_SCALES[fmt]
+    return {"GROUP": fp4.group, "E8M0": fp4.e8m0, "ROW_SCALE": fp4.row_scale}
+
+
 def quantized_signatures(dtype: str) -> list:
-    """The NVFP4 and FP8-block kernels: codes, scales (and NVFP4's per-row gscale) in place of the weights."""
+    """The NVFP4, MXFP4 and FP8-block kernels: codes, scales (and NVFP4's per-row gscale) in place of the
+    weights; the fp4 kernels once a format (its group, scale kind and row scale constexpr)."""
     ints = lambda *names: {n: "i32" for n in names}  # noqa: E731
     upcast, precision = dtype == "fp32", ("ieee" if dtype == "fp32" else None)
-    nvfp4 = {"q_ptr": "*u8", "s_ptr": "*fp8e4nv", "g_ptr": "*fp32"}
+    fp4_ptrs = {  # mxfp4 has no row scale: its scale bytes stand in for g_ptr (never read)
+        NVFP4: {"q_ptr": "*u8", "s_ptr": "*fp8e4nv", "g_ptr": "*fp32"},
+        MXFP4: {"q_ptr": "*u8", "s_ptr": "*u8", "g_ptr": "*u8"},
+    }
     fp8 = {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
     aligned = {"sorted_pairs_ptr": "*i32", "block_slot_ptr": "*i32", "block_start_ptr": "*i32"}
     window = ("slot_lo", "slot_hi", "slot_shift")
-    grouped = [  # arguments in the kernels' order
-        (
-            qk._nvfp4_gate_up_kernel,
-            {
-                "x_ptr": f"*{dtype}",
-                **nvfp4,
-                "act_ptr": f"*{dtype}",
-                **aligned,
-                **ints(
-                    "num_pairs",
-                    "top_k",
-                    "H",
-                    "I",
-                    *window,
-                    "stride_xt",
-                    "stride_xh",
-                    "stride_qs",
-                    "stride_qo",
-                    "stride_ss",
-                    "stride_so",
-                    "stride_gs",
-                    "stride_am",
-                    "stride_an",
-                ),
-            },
-        ),
-        (
-            qk._nvfp4_down_kernel,
-            {
-                "act_ptr": f"*{dtype}",
-                **nvfp4,
-                "rows_ptr": "*fp32",
-                "weights_ptr": "*fp32",
-                **aligned,
-                **ints(
-                    "num_pairs",
-                    "H",
-                    "I",
-                    *window,
-                    "stride_am",
-                    "stride_an",
-                    "stride_qs",
-                    "stride_qo",
-                    "stride_ss",
-                    "stride_so",
-                    "stride_gs",
-                ),
-            },
-        ),
+    grouped = [  # (kernel, format, arguments in the kernels' order)
+        entry
+        for fmt in FP4_SCALES
+        for entry in (
+            (
+                qk._fp4_gate_up_kernel,
+                fmt,
+                {
+                    "x_ptr": f"*{dtype}",
+                    **fp4_ptrs[fmt],
+                    "act_ptr": f"*{dtype}",
+                    **aligned,
+                    **ints(
+                        "num_pairs",
+                        "top_k",
+                        "H",
+                        "I",
+                        *window,
+                        "stride_xt",
+                        "stride_xh",
+                        "stride_qs",
+                        "stride_qo",
+                        "stride_ss",
+                        "stride_so",
+                        "stride_gs",
+                        "stride_am",
+                        "stride_an",
+                    ),
+                },
+            ),
+            (
+                qk._fp4_down_kernel,
+                fmt,
+                {
+                    "act_ptr": f"*{dtype}",
+                    **fp4_ptrs[fmt],
+                    "rows_ptr": "*fp32",
+                    "weights_ptr": "*fp32",
+                    **aligned,
+                    **ints(
+                        "num_pairs",
+                        "H",
+                        "I",
+                        *window,
+                        "stride_am",
+                        "stride_an",
+                        "stride_qs",
+                        "stride_qo",
+                        "stride_ss",
+                        "stride_so",
+                        "stride_gs",
+                    ),
+                },
+            ),
+        )
+    ] + [
         (
             qk._fp8_gate_up_kernel,
+            FP8_BLOCK,
             {
                 "x_ptr": f"*{dtype}",
                 **fp8,
@@ -276,6 +298,7 @@ def quantized_signatures(dtype: str) -> list:
         ),
         (
             qk._fp8_down_kernel,
+            FP8_BLOCK,
             {
                 "act_ptr": f"*{dtype}",
                 **fp8,
@@ -299,8 +322,7 @@ def quantized_signatures(dtype: str) -> list:
     ]
     out = []
     act = torch.float32 if dtype == "fp32" else torch.bfloat16
-    for fn, sig in grouped:
-        fmt = NVFP4 if "nvfp4" in fn.__name__ else FP8_BLOCK
+    for fn, fmt, sig in grouped:
         out += grouped_entries(
             fn,
             sig,
@@ -311,36 +333,46 @@ def quantized_signatures(dtype: str) -> list:
                 "BLOCK_K": qk.block_k_for(fmt, block_m, act),
                 "UPCAST": upcast,
                 "PRECISION": precision,
+                **fp4_consts(fmt),
             },
+            fmt,
         )
     pair = [
-        (
-            qpair._nvfp4_pair_gate_up_kernel,
-            {
-                "x_ptr": f"*{dtype}",
-                **nvfp4,
-                "act_ptr": f"*{dtype}",
-                "slots_ptr": "*i64",
-                **ints("slot_offset", "top_k", "H", "I"),
-                **MARK_PTRS,
-                **ints("stride_xt", "stride_qs", "stride_qo", "stride_ss", "stride_so", "stride_gs"),
-            },
-            {"BLOCK_N": TILES[NVFP4].gate_up_rows, "GROUPS": TILES[NVFP4].gate_up_k},
-        ),
-        (
-            qpair._nvfp4_pair_down_kernel,
-            {
-                "act_ptr": f"*{dtype}",
-                **nvfp4,
-                "rows_ptr": "*fp32",
-                "weights_ptr": f"*{dtype}",
-                "slots_ptr": "*i32",
-                **ints("slot_offset", "H", "I", "stride_qs", "stride_qo", "stride_ss", "stride_so", "stride_gs"),
-            },
-            {"BLOCK_N": TILES[NVFP4].down_rows, "GROUPS": TILES[NVFP4].down_k},
-        ),
+        entry
+        for fmt in FP4_SCALES
+        for entry in (
+            (
+                qpair._fp4_pair_gate_up_kernel,
+                fmt,
+                {
+                    "x_ptr": f"*{dtype}",
+                    **fp4_ptrs[fmt],
+                    "act_ptr": f"*{dtype}",
+                    "slots_ptr": "*i64",
+                    **ints("slot_offset", "top_k", "H", "I"),
+                    **MARK_PTRS,
+                    **ints("stride_xt", "stride_qs", "stride_qo", "stride_ss", "stride_so", "stride_gs"),
+                },
+                {"BLOCK_N": TILES[fmt].gate_up_rows, "GROUPS": TILES[fmt].gate_up_k, **fp4_consts(fmt)},
+            ),
+            (
+                qpair._fp4_pair_down_kernel,
+                fmt,
+                {
+                    "act_ptr": f"*{dtype}",
+                    **fp4_ptrs[fmt],
+                    "rows_ptr": "*fp32",
+                    "weights_ptr": f"*{dtype}",
+                    "slots_ptr": "*i32",
+                    **ints("slot_offset", "H", "I", "stride_qs", "stride_qo", "stride_ss", "stride_so", "stride_gs"),
+                },
+                {"BLOCK_N": TILES[fmt].down_rows, "GROUPS": TILES[fmt].down_k, **fp4_consts(fmt)},
+            ),
+        )
+    ] + [
         (
             qpair._fp8_pair_gate_up_kernel,
+            FP8_BLOCK,
             {
                 "x_ptr": f"*{dtype}",
                 **fp8,
@@ -354,6 +386,7 @@ def quantized_signatures(dtype: str) -> list:
         ),
         (
             qpair._fp8_pair_down_kernel,
+            FP8_BLOCK,
             {
                 "act_ptr": f"*{dtype}",
                 **fp8,
@@ -365,9 +398,10 @@ def quantized_signatures(dtype: str) -> list:
             {"BLOCK_N": TILES[FP8_BLOCK].down_rows, "BLOCKS": TILES[FP8_BLOCK].down_k},
         ),
     ]
-    for fn, sig, tiles in pair:
+    for fn, fmt, sig, tiles in pair:
         for consts in (tiles | marks for marks in mark_variants(fn)):
-            out.append((f"{fn.__name__}[{dtype}, {consts}]", fn, {**sig, **{c: "constexpr" for c in consts}}, consts))
+            name = f"{fn.__name__}[{fmt}, {dtype}, {consts}]"
+            out.append((name, fn, {**sig, **{c: "constexpr" for c in consts}}, consts))
     return out
 
 

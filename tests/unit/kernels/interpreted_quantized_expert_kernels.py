@@ -1,4 +1,4 @@
-"""Cases for the quantized expert kernels (NVFP4, FP8-block) under TRITON_INTERPRET=1, run in a child
+"""Cases for the quantized expert kernels (NVFP4, MXFP4, FP8-block) under TRITON_INTERPRET=1, run in a child
 process by test_quantized_expert_kernels.py (interpreted_grouped_expert_gemm.py says why). Each
 kernel is reached through the plain entry points' dispatch and compared with
 `quantized_expert_rows_reference`; outputs poisoned first."""
@@ -25,7 +25,7 @@ from ferry.kernels.aligned_blocks import block_m_for, launch_blocks  # noqa: E40
 from ferry.kernels.expert_pair_gemv import expert_pair_rows_triton  # noqa: E402
 from ferry.kernels.grouped_expert_gemm import grouped_expert_rows_triton  # noqa: E402
 from ferry.kernels.grouped_expert_gemm_reference import quantized_expert_rows_reference  # noqa: E402
-from ferry.kernels.quantized_experts import FP8_BLOCK, NVFP4, QuantizedFamily  # noqa: E402
+from ferry.kernels.quantized_experts import FP4_SCALES, FP8_BLOCK, MXFP4, NVFP4, QuantizedFamily  # noqa: E402
 
 TIGHT = dict(rtol=1e-5, atol=1e-5)  # float32 x: only the order of the float32 sums differs
 BF16 = dict(rtol=2e-2, atol=2e-2)  # as the plain kernels' bf16 cases
@@ -101,8 +101,8 @@ def copy_slots(dst: QuantizedFamily, start: int, src: QuantizedFamily, lo: int, 
 
 
 def poison(family: QuantizedFamily) -> None:
-    """NaN scales: a weight read from a stale slot turns its result NaN."""
-    family.scale.fill_(float("nan"))
+    """NaN scales (e8m0: 255, inf): a weight read from a stale slot turns its result NaN or inf."""
+    family.scale.fill_(255 if family.scale.dtype == torch.uint8 else float("nan"))
     if family.gscale is not None:
         family.gscale.fill_(float("nan"))
 
@@ -171,6 +171,14 @@ def _dequantize_wrongly(mistake):
     """`dequantize_slot` with one mistake a kernel could make."""
 
     def dequantize(family, slot, dtype):
+        if family.fmt == MXFP4:
+            q = family.q[slot]
+            if mistake == "nibbles swapped":
+                q = (q << 4) | (q >> 4)
+            s = family.scale[slot].to(torch.int32) - (126 if mistake == "scale bias 126" else qe.E8M0_BIAS)
+            s = -s if mistake == "scale divided" else s
+            scale = torch.exp2(s.to(torch.float32)).repeat_interleave(qe.MXFP4_GROUP, dim=1)
+            return (qe.e2m1_decode(qe.unpack_nibbles(q)) * scale).to(dtype)
         if family.fmt == NVFP4:
             q = family.q[slot]
             if mistake == "nibbles swapped":
@@ -190,7 +198,8 @@ def _dequantize_wrongly(mistake):
 
 def mistakes_are_detected(fmt):
     """The comparisons are sensitive: a reference with the nibbles swapped, the scale divided instead of
-    multiplied, or (FP8) w13's row blocks not restarting at up's first row is far from the kernels."""
+    multiplied, (MXFP4) the e8m0 bias off by one, or (FP8) w13's row blocks not restarting at up's first
+    row is far from the kernels."""
     x, topk, weights, w13, w2 = make_case(fmt, 17, 3, 2, 64, 32, 4)
     pair, grouped = nan_rows(x, topk), nan_rows(x, topk)
     expert_pair_rows_triton(x, topk, weights, w13, w2, pair)
@@ -198,7 +207,8 @@ def mistakes_are_detected(fmt):
     want = reference_rows(x, topk, weights, w13, w2)
     torch.testing.assert_close(pair, want, **TIGHT)
     torch.testing.assert_close(grouped, want, **TIGHT)
-    mistakes = ["scale divided"] + (["nibbles swapped"] if fmt == NVFP4 else ["blocks not restarted at each part"])
+    mistakes = ["scale divided"] + (["nibbles swapped"] if fmt in FP4_SCALES else ["blocks not restarted at each part"])
+    mistakes += ["scale bias 126"] if fmt == MXFP4 else []
     for mistake in mistakes:
         with mock.patch.object(reference, "dequantize_slot", _dequantize_wrongly(mistake)):
             wrong = reference_rows(x, topk, weights, w13, w2)
@@ -208,23 +218,21 @@ def mistakes_are_detected(fmt):
 
 
 CASES = {}
-for _fmt in (NVFP4, FP8_BLOCK):
+# ragged shapes: H past one step and a partial second, I one partial step (in whole fp4 groups)
+RAGGED = {NVFP4: (288, 48), MXFP4: (288, 96), FP8_BLOCK: (200, 72)}
+for _fmt in (NVFP4, MXFP4, FP8_BLOCK):
     CASES.update(
         {
             f"{_fmt}/pair_tiny_skipped_offset": lambda f=_fmt: pair_kernel_matches(f, 12, 2, 4, 64, 32, 6, 2, 3),
             f"{_fmt}/pair_i_not_a_multiple_of_128": lambda f=_fmt: pair_kernel_matches(f, 13, 2, 2, 256, 192, 4, 1, 0),
-            f"{_fmt}/pair_ragged_two_steps": lambda f=_fmt: pair_kernel_matches(
-                f, 15, 2, 2, 288 if f == NVFP4 else 200, 48 if f == NVFP4 else 72, 3, 1, 1
-            ),
+            f"{_fmt}/pair_ragged_two_steps": lambda f=_fmt: pair_kernel_matches(f, 15, 2, 2, *RAGGED[f], 3, 1, 1),
             f"{_fmt}/grouped_tiny_several_blocks_of_one_slot": lambda f=_fmt: grouped_kernel_matches(
                 f, 2, 37, 4, 64, 32, 6, 5
             ),
             f"{_fmt}/grouped_i_not_a_multiple_of_128": lambda f=_fmt: grouped_kernel_matches(
                 f, 1, 5, 2, 256, 192, 4, 2
             ),
-            f"{_fmt}/grouped_ragged": lambda f=_fmt: grouped_kernel_matches(
-                f, 4, 6, 2, 288 if f == NVFP4 else 200, 48 if f == NVFP4 else 72, 3, 1
-            ),
+            f"{_fmt}/grouped_ragged": lambda f=_fmt: grouped_kernel_matches(f, 4, 6, 2, *RAGGED[f], 3, 1),
             f"{_fmt}/host_aligned_rows": lambda f=_fmt: host_aligned_rows_match(f),
             f"{_fmt}/slot_window_computes_one_chunk_at_its_staging_slots": lambda f=_fmt: (
                 slot_window_computes_one_chunk_at_its_staging_slots(f)

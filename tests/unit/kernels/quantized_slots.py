@@ -5,9 +5,21 @@ after the parts are random too, so a kernel reading outside its part is not read
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from ferry.kernels.quantized_experts import FP8_BLOCK, FP8_BLOCK_SIZE, NVFP4, NVFP4_GROUP, QuantizedFamily, ceil_div
+from ferry.kernels.quantized_experts import (
+    E8M0_BIAS,
+    FP8_BLOCK,
+    FP8_BLOCK_SIZE,
+    MXFP4,
+    MXFP4_GROUP,
+    NVFP4,
+    NVFP4_GROUP,
+    QuantizedFamily,
+    ceil_div,
+)
 
 PART_ALIGN = 16
 
@@ -19,6 +31,8 @@ def _parts(fmt: str, rows: int, cols: int, part_rows: int) -> list[tuple[str, to
             ("scale", torch.float8_e4m3fn, (rows, cols // NVFP4_GROUP)),
             ("gscale", torch.float32, (rows,)),
         ]
+    if fmt == MXFP4:
+        return [("q", torch.uint8, (rows, cols // 2)), ("scale", torch.uint8, (rows, cols // MXFP4_GROUP))]
     row_blocks = (rows // part_rows) * ceil_div(part_rows, FP8_BLOCK_SIZE)
     return [
         ("q", torch.float8_e4m3fn, (rows, cols)),
@@ -39,8 +53,9 @@ def make_family(
     """S slots of one weight family (rows x cols values, projections of part_rows rows), weights of
     root mean square about 1/sqrt(cols), as the plain kernels' tests draw them. `exact_bf16`: scales
     of few significant bits (NVFP4's gscale 2, FP8's block scales 4: with the codes' 2 + 4 or 4, at
-    most bf16's 8), so every weight dequantizes exactly to bf16 (the Triton interpreter rounds toward
-    zero where the GPU and torch round to nearest: these weights round alike everywhere)."""
+    most bf16's 8; MXFP4's are powers of two), so every weight dequantizes exactly to bf16 (the Triton
+    interpreter rounds toward zero where the GPU and torch round to nearest: these weights round alike
+    everywhere)."""
     layout, cursor = [], 0
     for name, dtype, shape in _parts(fmt, rows, cols, part_rows):
         nbytes = dtype.itemsize * int(torch.tensor(shape).prod())
@@ -62,6 +77,10 @@ def make_family(
         views["gscale"].copy_(gscale)
         scale = spread(slots, rows, cols // NVFP4_GROUP) / (2.93 * 1.353 * 0.01 * cols**0.5)
         views["scale"].copy_(scale.to(torch.float8_e4m3fn))
+    elif fmt == MXFP4:
+        # e8m0 scales: 2^-1 .. 2^1 around the power of two that gives weights of rms 1/sqrt(cols)
+        centre = E8M0_BIAS + round(-math.log2(2.93 * cols**0.5))
+        views["scale"].copy_(torch.randint(centre - 1, centre + 2, views["scale"].shape, generator=gen))
     elif fmt == FP8_BLOCK:
         views["q"].copy_((torch.randn(slots, rows, cols, generator=gen) * 0.5).to(torch.float8_e4m3fn))
         scale = spread(*views["scale"].shape) * 2 / (1.163 * cols**0.5)

@@ -120,10 +120,11 @@ H200_MAX_SHARED = 227 * 1024  # dynamic shared memory one block may use on sm_90
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU, tests/gpu compiles and runs the kernels for real")
 def test_kernels_compile_for_hopper():
     results = compile_in_child("compile_grouped_expert_gemm.py")
-    # the plain kernels, then the quantized twins, then (bf16) the down kernels and the sum into bf16 rows, and
-    # (bf16) gpt-oss's biased clamped experts through the grouped and pair kernels
-    assert len(results) == 26 + 48 + 3 + 4 + 4  # (compile_grouped_expert_gemm.py)
-    assert sum("rows bf16" in name for name in results) == 3 + 4
+    # the plain kernels, then the quantized twins (the fp4 ones for nvfp4 and mxfp4), then (bf16) the down
+    # kernels and the sum into bf16 rows, and (bf16) gpt-oss's biased clamped experts through the grouped and
+    # pair kernels
+    assert len(results) == 26 + 72 + 3 + 6 + 4  # (compile_grouped_expert_gemm.py)
+    assert sum("rows bf16" in name for name in results) == 3 + 6
     for name, r in results.items():
         assert "error" not in r, f"{name}: {r.get('error')}"
         assert r["cubin"] and 0 <= r["shared"] <= H200_MAX_SHARED, (name, r)  # the row sum needs none

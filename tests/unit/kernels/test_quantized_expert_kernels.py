@@ -1,4 +1,4 @@
-"""The quantized expert kernels (NVFP4, FP8-block; quantized_expert_gemv.py, quantized_expert_gemm.py)
+"""The quantized expert kernels (NVFP4, MXFP4, FP8-block; quantized_expert_gemv.py, quantized_expert_gemm.py)
 against `quantized_expert_rows_reference` under TRITON_INTERPRET=1 in a child process
 (interpreted_quantized_expert_kernels.py; interpreted_grouped_expert_gemm.py says why), the reference
 against the formats' formulas element by element, and the CPU dispatch. Their sm_90 compile is
@@ -18,11 +18,11 @@ from quantized_slots import make_experts, make_family
 from ferry.kernels.grouped_expert_gemm import grouped_expert_forward
 from ferry.kernels.grouped_expert_gemm_reference import grouped_expert_forward_reference
 from ferry.kernels.quantized_expert_gemv import check_quantized_families
-from ferry.kernels.quantized_experts import E2M1_VALUES, FP8_BLOCK, NVFP4, dequantize_slot
+from ferry.kernels.quantized_experts import E2M1_VALUES, FP8_BLOCK, MXFP4, NVFP4, dequantize_slot
 
 CASES = [
     f"{fmt}/{name}"
-    for fmt in (NVFP4, FP8_BLOCK)
+    for fmt in (NVFP4, MXFP4, FP8_BLOCK)
     for name in (
         "pair_tiny_skipped_offset",
         "pair_i_not_a_multiple_of_128",
@@ -107,10 +107,24 @@ def test_the_reference_dequantizes_as_the_formats_say():
             assert float(got[o, i]) == float(want), (o, i)
 
 
+def test_the_mxfp4_reference_is_transformers_dequantizer():
+    """dequantize_slot of mxfp4 slots (the kernels' twin) gives, bit for bit, what transformers' own gpt-oss
+    dequantizer (`convert_moe_packed_tensors`) makes of the same blocks and scales, every e8m0 byte included."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    g = torch.Generator().manual_seed(4)
+    mx = make_family(MXFP4, 8, 256, 4, 2, g)
+    mx.scale[1].view(-1).copy_(torch.arange(1, 65, dtype=torch.uint8) * 3)  # bytes 3 .. 192: far from 127
+    for slot in range(2):
+        blocks = mx.q[slot].reshape(8, 8, 16)  # gpt-oss's [O, IN/32, 16]
+        want = convert_moe_packed_tensors(blocks[None], mx.scale[slot][None], dtype=torch.float32)[0].T
+        assert torch.equal(dequantize_slot(mx, slot, torch.float32), want)
+
+
 def test_cpu_dispatch_computes_quantized_slots_with_the_reference():
     """On CPU `grouped_expert_forward` takes the reference, which computes quantized slots as the plain
     reference computes their dequantized weights (same bits)."""
-    for fmt in (NVFP4, FP8_BLOCK):
+    for fmt in (NVFP4, MXFP4, FP8_BLOCK):
         g = torch.Generator().manual_seed(5)
         w13, w2 = make_experts(fmt, 64, 32, 5, g)
         x = torch.randn(7, 64, generator=g)

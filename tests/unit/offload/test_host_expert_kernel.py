@@ -2,7 +2,7 @@
 kernels/host_experts_c/) against its twin, HostExperts' torch backend, itself tested against the
 reference grouped GEMM (test_host_experts.py).
 
-For every format the kernel has (plain bf16 and float32 banks, fp8-block, nvfp4), both instruction
+For every format the kernel has (plain bf16 and float32 banks, fp8-block, nvfp4, mxfp4), both instruction
 sets (the AVX-512 BF16 rows where the CPU has them, the portable rows always), float32 and bf16
 compute, 1 and 8 tokens, 1 and 3 threads, shapes whose H and I are no multiple of the vector width
 (and fp8 blocks cut at every edge), pairs with repeated experts, a token listed twice for the same
@@ -12,6 +12,7 @@ float16, packed banks of odd shapes) HostExperts keeps the torch path and logs w
 
 from __future__ import annotations
 
+import math
 import os
 import time
 
@@ -21,6 +22,7 @@ from structlog.testing import capture_logs
 
 from ferry.plan.expert_backend import pool_thread_cpus
 from ferry.services.worker.expert_formats.fp8_block import Fp8BlockExperts
+from ferry.services.worker.expert_formats.mxfp4 import Mxfp4Experts
 from ferry.services.worker.expert_formats.nvfp4 import Nvfp4Experts
 from ferry.services.worker.offload.host_compute import host_expert_kernel as K
 from ferry.services.worker.offload.host_compute import host_experts as HE
@@ -29,11 +31,13 @@ from ferry.services.worker.offload.host_memory.host_banks import HostBanks
 from ferry.services.worker.offload.host_memory.packed_banks import PackedHostBanks
 
 LAYERS, EXPERTS = 2, 6
-FORMATS = ("bf16", "float32", "fp8-block", "nvfp4")
+FORMATS = ("bf16", "float32", "fp8-block", "nvfp4", "mxfp4")
 # (hidden, inter): the test suite's shapes (fp8 blocks of 128 + 32 columns); then odd ones: H and I
 # short of a vector of 32 by 24 (fp8: partial row and column blocks, one row block below 128 rows)
-# or by 16 for nvfp4, whose inputs come in groups of 16 (a vector's second group past the row's end)
-SHAPES = {"even": (256, 160), "odd": (200, 72), "odd-nvfp4": (208, 80)}
+# or by 16 for nvfp4, whose inputs come in groups of 16 (a vector's second group past the row's end); mxfp4's
+# groups of 32 are whole vectors: odd numbers of them (the bf16 rows' last vector alone)
+SHAPES = {"even": (256, 160), "odd": (200, 72), "odd-nvfp4": (208, 80), "odd-mxfp4": (224, 96)}
+LAYOUTS = {"nvfp4": Nvfp4Experts, "mxfp4": Mxfp4Experts, "fp8-block": Fp8BlockExperts}
 
 needs_library = pytest.mark.skipif(K.library()[0] is None, reason=f"host kernel not built: {K.library()[1]}")
 
@@ -54,11 +58,16 @@ def make_banks(fmt: str, hidden: int, inter: int, seed: int = 0) -> HostBanks:
             banks.w13[layer].copy_(torch.randn(banks.w13[layer].shape, generator=g) * hidden**-0.5)
             banks.w2[layer].copy_(torch.randn(banks.w2[layer].shape, generator=g) * inter**-0.5)
         return banks
-    layout = Nvfp4Experts(hidden, inter) if fmt == "nvfp4" else Fp8BlockExperts(hidden, inter)
+    layout = LAYOUTS[fmt](hidden, inter)
     banks = HostBanks.allocate(LAYERS, EXPERTS, hidden, inter, torch.bfloat16, pin=False, progress=False, fmt=layout)
     for layer in range(LAYERS):
         for f in banks.format.gemm_views(banks.w13[layer], banks.w2[layer]):
-            if fmt == "nvfp4":
+            if fmt == "mxfp4":  # e8m0 scales 2^-1 .. 2^2 around weights of rms 0.2 / sqrt(cols); byte 0 once a row
+                f.q.copy_(torch.randint(0, 256, f.q.shape, generator=g, dtype=torch.uint8))
+                centre = 127 + round(math.log2(0.2 * f.cols**-0.5 / 2.93))
+                f.scale.copy_(torch.randint(centre - 1, centre + 3, f.scale.shape, generator=g, dtype=torch.int32))
+                f.scale[:, :, 1] = 0
+            elif fmt == "nvfp4":
                 f.q.copy_(torch.randint(0, 256, f.q.shape, generator=g, dtype=torch.uint8))
                 f.scale.copy_(torch.exp2(torch.rand(f.scale.shape, generator=g) * 4 - 3).to(torch.float8_e4m3fn))
                 f.gscale.copy_(0.2 * f.cols**-0.5 * torch.exp2(torch.rand(f.gscale.shape, generator=g)))
@@ -100,7 +109,7 @@ def _both(banks, dtype, x, pairs, layer, isa, threads):
 
 
 def _shapes(fmt: str) -> list[str]:
-    return ["even", "odd-nvfp4" if fmt == "nvfp4" else "odd"]
+    return ["even", f"odd-{fmt}" if f"odd-{fmt}" in SHAPES else "odd"]
 
 
 @needs_library
@@ -174,7 +183,7 @@ def test_no_pairs_give_zeros_and_the_pairs_sum_in_order(banks_of, isa):
 
 @needs_library
 @pytest.mark.parametrize("isa", isas())
-@pytest.mark.parametrize("fmt", ("bf16", "fp8-block", "nvfp4"))
+@pytest.mark.parametrize("fmt", ("bf16", "fp8-block", "nvfp4", "mxfp4"))
 def test_the_threads_split_changes_no_bit(banks_of, fmt, isa):
     """The pool's threads claim the work item by item (thread_pool.c), whichever comes first: each
     output row's sums run in one order however the items fall, so 1, 2, 5 and 9 threads (more than

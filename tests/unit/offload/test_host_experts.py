@@ -4,7 +4,7 @@ reference twin.
 These test HostExperts' torch backend (kernel="torch"), itself the C kernel's twin
 (test_host_expert_kernel.py).
 
-For every bank format (plain, packed, nvfp4, fp8-block) the host's sum over (token, expert, weight)
+For every bank format (plain, packed, nvfp4, mxfp4, fp8-block) the host's sum over (token, expert, weight)
 pairs equals kernels/grouped_expert_gemm_reference.py's over the same bank (quantized banks through
 its dequantizing twin, packed ones through unpack_expert_reference) in float32, and each decoded
 expert is the reference's dequantization bit for bit, across decode chunk edges. Mistakes a decoder
@@ -12,11 +12,14 @@ could make (nibble order, a scale, the packed layout) are shown to break that eq
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from ferry.kernels.grouped_expert_gemm_reference import grouped_expert_rows_reference
 from ferry.kernels.quantized_experts import dequantize_slot
+from ferry.services.worker.expert_formats import mxfp4 as MX
 from ferry.services.worker.expert_formats.fp8_block import Fp8BlockExperts
 from ferry.services.worker.expert_formats.nvfp4 import Nvfp4Experts
 from ferry.services.worker.offload.host_compute import host_expert_weights as W
@@ -27,7 +30,8 @@ from ferry.services.worker.offload.host_memory.packed_banks import PackedHostBan
 # 2 MoE layers of 4 experts; I = 160 gives fp8 blocks cut at both edges (rows 128 + 32 a projection, w2's
 # columns 128 + 32), and a decode chunk of 1000 values cuts rows and families unevenly.
 LAYERS, EXPERTS, HIDDEN, INTER = 2, 4, 256, 160
-FORMATS = ("plain", "packed", "nvfp4", "fp8-block")
+FORMATS = ("plain", "packed", "nvfp4", "mxfp4", "fp8-block")
+LAYOUTS = {"nvfp4": Nvfp4Experts, "mxfp4": MX.Mxfp4Experts, "fp8-block": Fp8BlockExperts}
 SMALL_CHUNK = 1000
 PAIRS = [(0, 1, 0.25), (1, 3, 0.5), (2, 0, 1.0), (0, 2, 0.75), (2, 3, -0.5), (1, 1, 0.125)]
 
@@ -40,10 +44,16 @@ def _bf16_expert(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.
 
 def _randomize_quantized(banks: HostBanks, g: torch.Generator) -> None:
     """Random valid codes and random scales in every part (the dummy fill's scales are constant, and a
-    decoder that misplaced them would pass on it). fp8 codes include zeros and subnormals."""
+    decoder that misplaced them would pass on it). fp8 codes include zeros and subnormals; mxfp4 scales the
+    e8m0 byte 0 (2^-127, a float32 subnormal) once a row."""
     for layer in range(LAYERS):
         for f in banks.format.gemm_views(banks.w13[layer], banks.w2[layer]):
-            if f.fmt == "nvfp4":
+            if f.fmt == "mxfp4":  # e8m0 bytes 2^-2 .. 2^1 around weights of rms 0.05 / sqrt(cols)
+                f.q.copy_(torch.randint(0, 256, f.q.shape, generator=g, dtype=torch.uint8))
+                centre = 127 + round(math.log2(0.05 * f.cols**-0.5 / 2.93))
+                f.scale.copy_(torch.randint(centre - 2, centre + 2, f.scale.shape, generator=g, dtype=torch.int32))
+                f.scale[:, :, 2] = 0
+            elif f.fmt == "nvfp4":
                 f.q.copy_(torch.randint(0, 256, f.q.shape, generator=g, dtype=torch.uint8))  # any byte is two codes
                 f.scale.copy_(torch.exp2(torch.rand(f.scale.shape, generator=g) * 4 - 3).to(torch.float8_e4m3fn))
                 f.gscale.copy_(0.05 * f.cols**-0.5 * torch.exp2(torch.rand(f.gscale.shape, generator=g)))
@@ -73,7 +83,7 @@ def make_banks(fmt: str, seed: int = 0):
         banks.seal()
         assert banks.escape_count >= 2
         return banks
-    layout = Nvfp4Experts(HIDDEN, INTER) if fmt == "nvfp4" else Fp8BlockExperts(HIDDEN, INTER)
+    layout = LAYOUTS[fmt](HIDDEN, INTER)
     banks = HostBanks.allocate(LAYERS, EXPERTS, HIDDEN, INTER, torch.bfloat16, pin=False, progress=False, fmt=layout)
     _randomize_quantized(banks, g)
     return banks
@@ -154,7 +164,7 @@ def test_each_decoded_expert_is_the_references_dequantization_bit_for_bit(banks_
     assert _decodes_the_reference(banks_of(fmt), dtype, SMALL_CHUNK)
 
 
-@pytest.mark.parametrize("fmt", ["packed", "nvfp4", "fp8-block"])
+@pytest.mark.parametrize("fmt", ["packed", "nvfp4", "mxfp4", "fp8-block"])
 def test_bf16_activations_compute_within_bf16_rounding_of_the_reference(banks_of, fmt):
     banks, x = banks_of(fmt), _x(dtype=torch.bfloat16)
     host = HostExperts(banks, torch.bfloat16, threads=1, kernel="torch")
@@ -183,6 +193,8 @@ def _swap_nibbles(t: torch.Tensor) -> None:
         "nvfp4 nibble order",
         "nvfp4 group scale",
         "nvfp4 row scale",
+        "mxfp4 nibble order",
+        "mxfp4 scale bias 126",
         "fp8 block scale",
         "packed nibble order",
         "packed family bases",
@@ -191,7 +203,7 @@ def _swap_nibbles(t: torch.Tensor) -> None:
 def test_a_mistaken_layout_breaks_the_equality(mistake):
     """Each mistake is made in the bank's bytes (what the host would read if it decoded them wrongly):
     the host computes the mistaken bank, the reference the right one, and they must differ."""
-    fmt = {"nvfp4": "nvfp4", "fp8": "fp8-block", "packed": "packed"}[mistake.split()[0]]
+    fmt = {"nvfp4": "nvfp4", "mxfp4": "mxfp4", "fp8": "fp8-block", "packed": "packed"}[mistake.split()[0]]
     right, wrong = make_banks(fmt), make_banks(fmt)
     for layer in range(LAYERS):
         if fmt == "packed":
@@ -201,8 +213,10 @@ def test_a_mistaken_layout_breaks_the_equality(mistake):
                 wrong.base[layer].copy_(wrong.base[layer].flip(-1))
             continue
         f13, f2 = wrong.format.gemm_views(wrong.w13[layer], wrong.w2[layer])
-        if mistake == "nvfp4 nibble order":
+        if mistake in ("nvfp4 nibble order", "mxfp4 nibble order"):
             _swap_nibbles(f13.q)
+        elif mistake == "mxfp4 scale bias 126":  # e8m0 read as 2^(s - 126): every scale doubled
+            f13.scale.add_(1)
         elif mistake == "nvfp4 group scale":  # scales read one group late
             f13.scale.copy_(f13.scale.view(torch.uint8).roll(1, dims=-1).view(torch.float8_e4m3fn))
         elif mistake == "nvfp4 row scale":  # gate's and up's per-tensor scales swapped
@@ -217,7 +231,9 @@ def test_a_mistaken_layout_breaks_the_equality(mistake):
     assert _computes_the_reference(wrong)  # the host is right about the bank it was given
 
 
-@pytest.mark.parametrize("mistake", ["nibble lanes swapped", "e4m3 factor", "packed sign mask"])
+@pytest.mark.parametrize(
+    "mistake", ["nibble lanes swapped", "e4m3 factor", "packed sign mask", "e8m0 bias 126", "e8m0 byte 0 as zero"]
+)
 def test_a_mistaken_decoder_fails_the_bit_for_bit_check(monkeypatch, banks_of, mistake):
     """The same check catches a decoder's own mistakes, made here by patching its constants."""
     if mistake == "nibble lanes swapped":  # the high nibble read as element 2j
@@ -232,6 +248,14 @@ def test_a_mistaken_decoder_fails_the_bit_for_bit_check(monkeypatch, banks_of, m
     elif mistake == "e4m3 factor":
         monkeypatch.setattr(W, "E4M3_IN_FP16", 2.0**7)
         fmts = ("nvfp4", "fp8-block")
+    elif mistake == "e8m0 bias 126":  # the exponent field one binade high
+        right_bits = MX.e8m0_as_float32
+        monkeypatch.setattr(MX, "e8m0_as_float32", lambda s, out: right_bits(s, out).mul_(2.0))
+        fmts = ("mxfp4",)
+    elif mistake == "e8m0 byte 0 as zero":  # the subnormal 2^-127 dropped (exact where the reference is)
+        right_bits = MX.e8m0_as_float32
+        monkeypatch.setattr(MX, "e8m0_as_float32", lambda s, out: right_bits(s, out).masked_fill_(s == 0, 0.0))
+        fmts = ("mxfp4",)
     else:
         monkeypatch.setattr(W, "SIGN_AND_MANTISSA", 0x007F)
         fmts = ("packed",)

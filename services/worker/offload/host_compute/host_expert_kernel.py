@@ -2,8 +2,8 @@
 
 torch's CPU matmuls read plain bf16 banks at about a sixth of a server host's memory bandwidth, and the quantized
 banks' decode through torch ops is 10-60x slower still. The C kernel reads each used expert's rows once for all its
-tokens, decoding nvfp4 and fp8-block codes in registers, with AVX-512 BF16 where the CPU has it (chosen at load by
-cpuid) and portable C elsewhere, on a pthread pool of its own sized by `threads`.
+tokens, decoding nvfp4, mxfp4 and fp8-block codes in registers, with AVX-512 BF16 where the CPU has it (chosen at
+load by cpuid) and portable C elsewhere, on a pthread pool of its own sized by `threads`.
 
 The library is built from source by `pip install` (pyproject.toml's ext-modules, optional: a
 machine without a C compiler still installs) and loaded with ctypes, which releases the GIL for the
@@ -46,7 +46,7 @@ SPIN_ENV = "FERRY_HOST_POOL_SPIN_US"
 # their own FERRY_HOST_POOL_SPIN_US=N may do better (a decode step's layers come ~0.3-0.7 ms apart)
 DEFAULT_SPIN_US = 50
 ISAS = {"auto": 0, "portable": 1, "avx512": 2}  # enum ferry_isa (expert_job.h)
-F32, BF16, FP8_BLOCK, NVFP4, PACKED = range(5)  # enum ferry_format
+F32, BF16, FP8_BLOCK, NVFP4, PACKED, MXFP4 = range(6)  # enum ferry_format
 ACTS = {torch.float32: 0, torch.bfloat16: 1}  # enum ferry_act: the compute dtypes the kernel has
 ERRORS = {-1: "an invalid job", -2: "an instruction set this CPU lacks", -3: "out of memory"}
 
