@@ -131,5 +131,6 @@ register(
         # a sliding layer then a full one, a window of 8 that a short prompt already outgrows, YaRN
         tiny_config=dict(num_hidden_layers=2, intermediate_size=32, sliding_window=8, attention_bias=True),
         reference_classes=("GptOssConfig", "GptOssForCausalLM"),
+        chat_format="harmony",  # gpt-oss is trained on harmony's framing (services/api/harmony_format.py)
     )
 )

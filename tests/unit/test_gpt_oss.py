@@ -272,3 +272,13 @@ def test_packed_banks_which_hold_no_biases_are_refused_and_auto_keeps_plain_bank
     assert bank_format("auto", "bfloat16", None, biases=False) == "packed"
     with pytest.raises(ValueError, match="--expert-bank-format packed keeps bf16 experts without biases"):
         bank_format("packed", "bfloat16", None, biases=True)
+
+
+def test_the_family_declares_harmony_so_auto_picks_it_without_a_harmony_template(tmp_path):
+    from types import SimpleNamespace
+
+    from ferry.services.api.tokenizer import chat_format_of
+
+    (tmp_path / "config.json").write_text((GPT_OSS_120B / "config.json").read_text())
+    assert chat_format_of("auto", str(tmp_path), SimpleNamespace(chat_template=None)) == "harmony"
+    assert chat_format_of("template", str(tmp_path), SimpleNamespace(chat_template=None)) == "template"
