@@ -15,7 +15,9 @@ computing a layer in groups and an all-resident store computing it at once agree
 long as both pick this kernel for the same step size (`use_pair_kernel`).
 
 Rounding follows the reference: projections rounded to the weights' dtype, silu and the product
-rounded, the down projection rounded, then multiplied by the routing weight in float32.
+rounded, the down projection rounded, then multiplied by the routing weight in float32. Slots of experts
+with biases and the clamped SwiGLU (EpilogueFamily views, kernels/expert_epilogue.py) add and round them
+where the reference does.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import triton
 import triton.language as tl
 
 from ferry.kernels.dense_gemv import row_block_dot
+from ferry.kernels.expert_epilogue import gate_up_activation, triton_epilogue_args
 from ferry.kernels.pair_tiles import TILES
 from ferry.kernels.quantized_expert_gemv import quantized_pair_rows_triton
 from ferry.kernels.quantized_experts import QuantizedFamily
@@ -46,6 +49,7 @@ def use_pair_kernel(num_pairs: int) -> bool:
 def _pair_gate_up_kernel(
     x_ptr,
     w13_ptr,
+    b13_ptr,
     act_ptr,
     slots_ptr,
     slot_offset,
@@ -57,10 +61,15 @@ def _pair_gate_up_kernel(
     stride_xt,
     stride_ws,
     stride_wn,
+    stride_b13,
+    alpha,
+    limit,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     MARK: tl.constexpr,
     HAS_N_ROWS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SWIGLU: tl.constexpr,
 ):
     pair = tl.program_id(0)
     slot = tl.load(slots_ptr + pair).to(tl.int64)
@@ -87,17 +96,23 @@ def _pair_gate_up_kernel(
         u = tl.load(u_ptrs + k0, mask=mask, other=0.0).to(tl.float32)
         acc_g += g * a[None, :]
         acc_u += u * a[None, :]
+    bias_gate = 0.0
+    bias_up = 0.0
+    if HAS_BIAS:
+        b_ptrs = b13_ptr + slot * stride_b13 + offs_n
+        bias_gate = tl.load(b_ptrs, mask=n_ok, other=0.0).to(tl.float32)
+        bias_up = tl.load(b_ptrs + I, mask=n_ok, other=0.0).to(tl.float32)
     out_ty = act_ptr.dtype.element_ty
-    gate = tl.sum(acc_g, axis=1).to(out_ty).to(tl.float32)
-    up = tl.sum(acc_u, axis=1).to(out_ty).to(tl.float32)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32)
-    tl.store(act_ptr + pair.to(tl.int64) * I + offs_n, (silu * up).to(out_ty), mask=n_ok)
+    gate, up = tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1)
+    act = gate_up_activation(gate, up, bias_gate, bias_up, alpha, limit, out_ty, HAS_BIAS, SWIGLU)
+    tl.store(act_ptr + pair.to(tl.int64) * I + offs_n, act, mask=n_ok)
 
 
 @triton.jit
 def _pair_down_kernel(
     act_ptr,
     w2_ptr,
+    b2_ptr,
     rows_ptr,
     weights_ptr,
     slots_ptr,
@@ -106,8 +121,10 @@ def _pair_down_kernel(
     I,
     stride_ws,
     stride_wh,
+    stride_b2,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     pair = tl.program_id(0)
     slot = tl.load(slots_ptr + pair).to(tl.int64)
@@ -120,6 +137,9 @@ def _pair_down_kernel(
     a_row = act_ptr + pair.to(tl.int64) * I
     w_ptrs = w2_ptr + slot * stride_ws + offs_n[:, None].to(tl.int64) * stride_wh + offs_k[None, :]
     y = row_block_dot(a_row, w_ptrs, n_ok, I, BLOCK_N, BLOCK_K).to(act_ptr.dtype.element_ty).to(tl.float32)
+    if HAS_BIAS:  # added and rounded as the reference adds it
+        bias = tl.load(b2_ptr + slot * stride_b2 + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        y = (y + bias).to(act_ptr.dtype.element_ty).to(tl.float32)
     routing = tl.load(weights_ptr + pair).to(tl.float32)
     tl.store(rows_ptr + pair.to(tl.int64) * H + offs_n, y * routing, mask=n_ok)
 
@@ -144,6 +164,7 @@ def expert_pair_rows_triton(
     table, n_rows = mark_args(mark, rows)
     if isinstance(w13, QuantizedFamily):
         return quantized_pair_rows_triton(x, topk_slots, topk_weights, w13, w2, rows, slot_offset, mark)
+    w13, w2, b13, b2, epilogue = triton_epilogue_args(w13, w2)
     t, h = x.shape
     top_k = topk_slots.shape[1]
     inter = w2.shape[2]
@@ -161,6 +182,7 @@ def expert_pair_rows_triton(
     _pair_gate_up_kernel[(num_pairs, triton.cdiv(inter, tiles.gate_up_rows))](
         x,
         w13,
+        b13,
         act,
         slots,
         slot_offset,
@@ -172,15 +194,21 @@ def expert_pair_rows_triton(
         x.stride(0),
         w13.stride(0),
         w13.stride(1),
+        epilogue["stride_b13"],
+        epilogue["alpha"],
+        epilogue["limit"],
         BLOCK_N=tiles.gate_up_rows,
         BLOCK_K=tiles.gate_up_k,
         num_warps=tiles.gate_up_warps,
         MARK=mark is not None,
         HAS_N_ROWS=mark is not None and mark[1] is not None,
+        HAS_BIAS=epilogue["HAS_BIAS"],
+        SWIGLU=epilogue["SWIGLU"],
     )
     _pair_down_kernel[(num_pairs, triton.cdiv(h, tiles.down_rows))](
         act,
         w2,
+        b2,
         rows,
         weights,
         slots,
@@ -189,7 +217,9 @@ def expert_pair_rows_triton(
         inter,
         w2.stride(0),
         w2.stride(1),
+        epilogue["stride_b2"],
         BLOCK_N=tiles.down_rows,
         BLOCK_K=tiles.down_k,
         num_warps=tiles.down_warps,
+        HAS_BIAS=epilogue["HAS_BIAS"],
     )

@@ -1,7 +1,8 @@
 """Grouped expert GEMM by slot, in Triton; twin: `kernels/grouped_expert_gemm_reference.py`.
 
 For every (token, k) pair with a slot s >= 0: rows[t, k] = w[t, k] * W2[s] (silu(G[s] x) * (U[s] x)),
-where W13[s] = [G; U]. Pairs are sorted by slot and each slot's pairs padded to BLOCK_M rows
+where W13[s] = [G; U] (with biases and the clamped SwiGLU where the slots are EpilogueFamily views:
+kernels/expert_epilogue.py). Pairs are sorted by slot and each slot's pairs padded to BLOCK_M rows
 (the layout vLLM's fused MoE calls "aligned"), so every program multiplies one slot's weights by
 up to BLOCK_M of its tokens. Two kernels: gate/up with the SiLU product fused, then down with
 the routing weight fused. Rows are summed over k in k order afterwards (no atomics), as the
@@ -27,6 +28,7 @@ import triton.language as tl
 
 from ferry.kernels.aligned_blocks import SLOT_WINDOW_ALL, block_rows, grouped_launch, window_blocks
 from ferry.kernels.dispatch import use_triton
+from ferry.kernels.expert_epilogue import gate_up_activation, triton_epilogue_args
 from ferry.kernels.expert_pair_gemv import expert_pair_rows_triton, use_pair_kernel
 from ferry.kernels.expert_rows_sum import check_rows, new_rows, sum_rows
 from ferry.kernels.grouped_expert_gemm_reference import grouped_expert_rows_reference
@@ -38,6 +40,7 @@ from ferry.kernels.quantized_experts import QuantizedFamily
 def _gate_up_block(
     x_ptr,
     w13_ptr,
+    b13_ptr,
     act_ptr,
     sorted_pairs_ptr,
     pid_m,
@@ -52,6 +55,9 @@ def _gate_up_block(
     stride_ws,
     stride_wn,
     stride_wh,
+    stride_b13,
+    alpha,
+    limit,
     stride_am,
     stride_an,
     BLOCK_M: tl.constexpr,
@@ -59,8 +65,11 @@ def _gate_up_block(
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SWIGLU: tl.constexpr,
 ):
-    """Block pid_m's rows times slot `slot`'s gate/up tile pid_n, SiLU product stored to act."""
+    """Block pid_m's rows times slot `slot`'s gate/up tile pid_n, its activation (expert_epilogue.py: with
+    the slot's biases where HAS_BIAS, the clamped SwiGLU where SWIGLU) stored to act."""
     offs_m, pair, row_ok = block_rows(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M)
     token = pair // top_k
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -84,12 +93,15 @@ def _gate_up_block(
         x_ptrs += BLOCK_K * stride_xh
         g_ptrs += BLOCK_K * stride_wh
         u_ptrs += BLOCK_K * stride_wh
-    # round as the reference does: projections in the weights' dtype, then silu(gate) * up
+    # round as the reference does: projections in the weights' dtype, then the activation
+    bias_gate = 0.0
+    bias_up = 0.0
+    if HAS_BIAS:
+        b_ptrs = b13_ptr + slot.to(tl.int64) * stride_b13 + offs_n
+        bias_gate = tl.load(b_ptrs, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        bias_up = tl.load(b_ptrs + I, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     out_ty = act_ptr.dtype.element_ty
-    gate = acc_g.to(out_ty).to(tl.float32)
-    up = acc_u.to(out_ty).to(tl.float32)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32)
-    act = (silu * up).to(out_ty)
+    act = gate_up_activation(acc_g, acc_u, bias_gate, bias_up, alpha, limit, out_ty, HAS_BIAS, SWIGLU)
     a_ptrs = act_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_n[None, :] * stride_an
     tl.store(a_ptrs, act, mask=row_ok[:, None] & n_ok[None, :])
 
@@ -105,6 +117,7 @@ def _gate_up_block(
 def _gate_up_kernel(
     x_ptr,
     w13_ptr,
+    b13_ptr,
     act_ptr,
     sorted_pairs_ptr,
     block_slot_ptr,
@@ -121,6 +134,9 @@ def _gate_up_kernel(
     stride_ws,
     stride_wn,
     stride_wh,
+    stride_b13,
+    alpha,
+    limit,
     stride_am,
     stride_an,
     BLOCK_M: tl.constexpr,
@@ -129,6 +145,8 @@ def _gate_up_kernel(
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
     WINDOWED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SWIGLU: tl.constexpr,
 ):
     pid_n = tl.program_id(1)
     if WINDOWED:
@@ -138,6 +156,7 @@ def _gate_up_kernel(
             _gate_up_block(
                 x_ptr,
                 w13_ptr,
+                b13_ptr,
                 act_ptr,
                 sorted_pairs_ptr,
                 pid_m,
@@ -152,6 +171,9 @@ def _gate_up_kernel(
                 stride_ws,
                 stride_wn,
                 stride_wh,
+                stride_b13,
+                alpha,
+                limit,
                 stride_am,
                 stride_an,
                 BLOCK_M,
@@ -159,6 +181,8 @@ def _gate_up_kernel(
                 BLOCK_K,
                 UPCAST,
                 PRECISION,
+                HAS_BIAS,
+                SWIGLU,
             )
     else:
         pid_m = tl.program_id(0)
@@ -167,6 +191,7 @@ def _gate_up_kernel(
             _gate_up_block(
                 x_ptr,
                 w13_ptr,
+                b13_ptr,
                 act_ptr,
                 sorted_pairs_ptr,
                 pid_m,
@@ -181,6 +206,9 @@ def _gate_up_kernel(
                 stride_ws,
                 stride_wn,
                 stride_wh,
+                stride_b13,
+                alpha,
+                limit,
                 stride_am,
                 stride_an,
                 BLOCK_M,
@@ -188,6 +216,8 @@ def _gate_up_kernel(
                 BLOCK_K,
                 UPCAST,
                 PRECISION,
+                HAS_BIAS,
+                SWIGLU,
             )
 
 
@@ -195,6 +225,7 @@ def _gate_up_kernel(
 def _down_block(
     act_ptr,
     w2_ptr,
+    b2_ptr,
     rows_ptr,
     weights_ptr,
     sorted_pairs_ptr,
@@ -209,13 +240,16 @@ def _down_block(
     stride_ws,
     stride_wh,
     stride_wi,
+    stride_b2,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
-    """Block pid_m's activations times slot `slot`'s down tile pid_n, weighted, stored to its pairs' rows."""
+    """Block pid_m's activations times slot `slot`'s down tile pid_n (plus its bias where HAS_BIAS, rounded as
+    the reference adds it), weighted, stored to its pairs' rows."""
     offs_m, pair, row_ok = block_rows(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output features (H)
     n_ok = offs_n < H
@@ -233,7 +267,11 @@ def _down_block(
         a_ptrs += BLOCK_K * stride_an
         w_ptrs += BLOCK_K * stride_wi
     routing = tl.load(weights_ptr + pair, mask=row_ok, other=0.0)
-    y = acc.to(act_ptr.dtype.element_ty).to(tl.float32) * routing[:, None]
+    y = acc.to(act_ptr.dtype.element_ty).to(tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(b2_ptr + slot.to(tl.int64) * stride_b2 + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        y = (y + bias[None, :]).to(act_ptr.dtype.element_ty).to(tl.float32)
+    y = y * routing[:, None]
     # rows in a 16-bit dtype (a long step's, kernels/expert_rows_sum.py): the float32 value rounded once, to
     # nearest even
     tl.store(
@@ -247,6 +285,7 @@ def _down_block(
 def _down_kernel(
     act_ptr,
     w2_ptr,
+    b2_ptr,
     rows_ptr,
     weights_ptr,
     sorted_pairs_ptr,
@@ -263,12 +302,14 @@ def _down_kernel(
     stride_ws,
     stride_wh,
     stride_wi,
+    stride_b2,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
     WINDOWED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     pid_n = tl.program_id(1)
     if WINDOWED:
@@ -278,6 +319,7 @@ def _down_kernel(
             _down_block(
                 act_ptr,
                 w2_ptr,
+                b2_ptr,
                 rows_ptr,
                 weights_ptr,
                 sorted_pairs_ptr,
@@ -292,11 +334,13 @@ def _down_kernel(
                 stride_ws,
                 stride_wh,
                 stride_wi,
+                stride_b2,
                 BLOCK_M,
                 BLOCK_N,
                 BLOCK_K,
                 UPCAST,
                 PRECISION,
+                HAS_BIAS,
             )
     else:
         pid_m = tl.program_id(0)
@@ -305,6 +349,7 @@ def _down_kernel(
             _down_block(
                 act_ptr,
                 w2_ptr,
+                b2_ptr,
                 rows_ptr,
                 weights_ptr,
                 sorted_pairs_ptr,
@@ -319,11 +364,13 @@ def _down_kernel(
                 stride_ws,
                 stride_wh,
                 stride_wi,
+                stride_b2,
                 BLOCK_M,
                 BLOCK_N,
                 BLOCK_K,
                 UPCAST,
                 PRECISION,
+                HAS_BIAS,
             )
 
 
@@ -352,6 +399,7 @@ def grouped_expert_rows_triton(
         return quantized_grouped_rows_triton(
             x, topk_slots, topk_weights, w13, w2, rows, aligned, max_distinct_slots, slot_window
         )
+    w13, w2, b13, b2, epilogue = triton_epilogue_args(w13, w2)
     h = x.shape[1]
     inter = w2.shape[2]
     check_rows(rows, x, topk_weights.shape[1])
@@ -364,6 +412,7 @@ def grouped_expert_rows_triton(
     _gate_up_kernel[(grid_m, triton.cdiv(inter, block_n))](
         x,
         w13,
+        b13,
         act,
         *launch.aligned_args,
         launch.num_pairs,
@@ -378,13 +427,19 @@ def grouped_expert_rows_triton(
         w13.stride(0),
         w13.stride(1),
         w13.stride(2),
+        epilogue["stride_b13"],
+        epilogue["alpha"],
+        epilogue["limit"],
         act.stride(0),
         act.stride(1),
         **meta,
+        HAS_BIAS=epilogue["HAS_BIAS"],
+        SWIGLU=epilogue["SWIGLU"],
     )
     _down_kernel[(grid_m, triton.cdiv(h, block_n))](
         act,
         w2,
+        b2,
         rows,
         launch.weights,
         *launch.aligned_args,
@@ -399,7 +454,9 @@ def grouped_expert_rows_triton(
         w2.stride(0),
         w2.stride(1),
         w2.stride(2),
+        epilogue["stride_b2"],
         **meta,
+        HAS_BIAS=epilogue["HAS_BIAS"],
     )
 
 

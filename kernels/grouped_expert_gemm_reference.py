@@ -8,13 +8,15 @@ offloading cache and an all-resident store give the same bits). A slot of -1 ski
 which lets a caller compute a layer's experts in groups (e.g. while later groups are copied).
 This is the reference for the Triton kernel (`grouped_expert_gemm.py`) and the CPU path; quantized
 slots (kernels/quantized_experts.py) are dequantized and computed the same way, the reference for
-their kernels (quantized_expert_gemm.py, quantized_expert_gemv.py)."""
+their kernels (quantized_expert_gemm.py, quantized_expert_gemv.py). Slots whose experts have biases or
+another activation come as EpilogueFamily views (expert_epilogue.py): the biases join each product in
+the weights' dtype before the activation and before the routing weight."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from ferry.kernels.expert_epilogue import EpilogueFamily, family_parts
 from ferry.kernels.quantized_experts import QuantizedFamily, dequantize_slot
 
 
@@ -26,15 +28,21 @@ def grouped_expert_rows_reference(
     w2: torch.Tensor,  # [S, H, I]
     rows: torch.Tensor,  # [T, k, H] in float32 (or x's dtype: each row rounded once), written where topk_slots >= 0
 ) -> None:
-    if not isinstance(w13, torch.Tensor):  # quantized slots (QuantizedFamily): dequantized, then computed here
+    if not isinstance(w13, torch.Tensor | EpilogueFamily):  # quantized slots: dequantized, then computed here
         return quantized_expert_rows_reference(x, topk_slots, topk_weights, w13, w2, rows)
+    w13, b13, activation = family_parts(w13)
+    w2, b2, _ = family_parts(w2)
     for slot in torch.unique(topk_slots).tolist():
         if slot < 0:
             continue
         token_idx, which = torch.nonzero(topk_slots == slot, as_tuple=True)
         h = x[token_idx] @ w13[slot].t()
+        if b13 is not None:
+            h = h + b13[slot]
         gate, up = h.chunk(2, dim=-1)
-        y = (F.silu(gate) * up) @ w2[slot].t()
+        y = activation(gate, up) @ w2[slot].t()
+        if b2 is not None:
+            y = y + b2[slot]
         # a row buffer in x's dtype (a long step's) takes the float32 row rounded once, to nearest even
         rows[token_idx, which] = (y.float() * topk_weights[token_idx, which, None].float()).to(rows.dtype)
 

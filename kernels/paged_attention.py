@@ -1,6 +1,7 @@
 """Paged attention dispatch: on CUDA the Triton decode kernel when every request brings one token,
 else FlashAttention for each request with a long query (kernels/paged_attention_flash.py: its K/V
-gathered from the pages) and the blocked Triton prefill kernel for the rest; the reference twin elsewhere."""
+gathered from the pages) and the blocked Triton prefill kernel for the rest; the reference twin elsewhere.
+Attention with sinks or a sliding window (gpt-oss) takes the Triton kernels only: SDPA has no sink term."""
 
 from __future__ import annotations
 
@@ -34,21 +35,33 @@ def paged_attention(
     gather: Callable[[], tuple[torch.Tensor, torch.Tensor] | None] | None = None,  # FlashAttention's K/V buffers
     k_scale: torch.Tensor | None = None,  # an fp8 pool's scales, [pages, page_size, kv_heads] float32
     v_scale: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,  # [heads]: a logit per head in each softmax's denominator
+    window: int = 0,  # > 0: each token attends to the last `window` keys (itself included) only
 ) -> torch.Tensor:
     if not use_triton(q):
         return paged_attention_reference(
-            q, k_cache, v_cache, page_table, query_lens, context_lens, scale, k_scale, v_scale
+            q, k_cache, v_cache, page_table, query_lens, context_lens, scale, k_scale, v_scale, sinks, window
         )
     from ferry.kernels import paged_attention_triton as triton_kernels
 
     scales = dict(k_scale=k_scale, v_scale=v_scale)
+    extra = dict(sinks=sinks, window=window)
     if q.shape[0] == len(query_lens):  # one new token per request: decode
         return triton_kernels.paged_attention_decode_triton(
-            q, k_cache, v_cache, page_table, query_start, positions, scale, token_request=token_request, **scales
+            q,
+            k_cache,
+            v_cache,
+            page_table,
+            query_start,
+            positions,
+            scale,
+            token_request=token_request,
+            **scales,
+            **extra,
         )
     flash: set[int] = set()
     out = torch.empty_like(q)
-    if flash_available(q, k_cache):
+    if sinks is None and not window and flash_available(q, k_cache):
         first_rows = [0, *itertools.accumulate(query_lens)]
         long_queries = flash_requests(query_lens)
         buffers = gather() if gather is not None and long_queries else None
@@ -83,6 +96,7 @@ def paged_attention(
         out=out,
         skip=frozenset(flash),
         **scales,
+        **extra,
     )
 
 

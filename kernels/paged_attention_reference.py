@@ -4,7 +4,9 @@ causal attention with grouped-query heads, in float32.
 Token t of request r sits at position context_len[r] + i (i = its index among the request's new
 tokens) and attends to positions 0..that position: the cached context plus the new tokens up to
 itself. The caller has already written the new tokens' K/V into the pages (`write_kv`), so the
-pages are the only source of keys and values, exactly as for the Triton kernel.
+pages are the only source of keys and values, exactly as for the Triton kernel. A sliding-window
+layer (`window` > 0) sees only positions past that position - window; `sinks` (a logit per head) join
+each softmax's denominator and weigh no value (gpt-oss, as transformers' eager attention).
 
 An fp8 KV pool (--kv-cache-dtype fp8) keeps e4m3 values and one float32 scale per (token, kv head) row,
 beside the caches as k_scale / v_scale [pages, page_size, kv_heads]: `quantize_kv_rows` is the rule every
@@ -96,6 +98,8 @@ def paged_attention_reference(
     scale: float,
     k_scale: torch.Tensor | None = None,  # an fp8 pool's scales, [pages, page_size, kv_heads]
     v_scale: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,  # [heads]
+    window: int = 0,
 ) -> torch.Tensor:
     heads, head_dim = q.shape[1:]
     kv_heads = k_cache.shape[2]
@@ -111,8 +115,15 @@ def paged_attention_reference(
         # new token i may see keys 0..ctx+i
         key_pos = torch.arange(total, device=q.device)
         query_pos = ctx + torch.arange(qlen, device=q.device)
-        scores = scores.masked_fill(key_pos[None, None, :] > query_pos[None, :, None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        hidden = key_pos[None, :] > query_pos[:, None]
+        if window:
+            hidden |= key_pos[None, :] <= query_pos[:, None] - window
+        scores = scores.masked_fill(hidden[None], float("-inf"))
+        if sinks is None:
+            probs = torch.softmax(scores, dim=-1)
+        else:
+            sink = sinks.float()[:, None, None].expand(heads, qlen, 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
         out[start : start + qlen] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
         start += qlen
     return out

@@ -24,6 +24,12 @@ holds key 0, visible to every row, so the running maximum is finite from the fir
 blocks contribute exactly zero. Under TRITON_INTERPRET=1 the dots run in float32 (the interpreter's
 bf16 dot is wrong); compiled, they take the cache dtype with float32 accumulation.
 
+A sliding-window layer (WINDOW > 0, gpt-oss) reads only the keys after position - WINDOW: decode splits
+those, the prefill starts at the block's first visible key and masks each row's window (a row may then
+see no key of a block: its maximum stays -inf, which `_softmax_block` takes as 0). Sinks (HAS_SINKS, a
+logit per head, gpt-oss) join each softmax's denominator at the end: decode's combine and the prefill's
+store add exp(sink - max) to the sum and rescale by the new maximum.
+
 Both read keys through the same helper (`_paged_kv_block`): masked lanes read the sentinel page 0,
 never another request's page (docs/ARCHITECTURE.md, "The memory planner"). An fp8 pool (KV_FP8, with
 k_scale / v_scale [pages, page_size, kv_heads] float32) is dequantized in registers without a [keys, head_dim]
@@ -143,6 +149,7 @@ def _decode_split_kernel(
     FP32_DOT: tl.constexpr,
     IEEE_DOT: tl.constexpr,
     KV_FP8: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     """One (token, kv head, split): the GROUP query heads of the kv head over the split's share of the
     token's keys, an online softmax with tensor-core dots; writes (max, sum, unnormalised output)."""
@@ -151,9 +158,12 @@ def _decode_split_kernel(
     split = tl.program_id(2)
     req = tl.load(token_req_ptr + t).to(tl.int64)
     num_keys = tl.load(positions_ptr + t).to(tl.int64) + 1  # causal: keys 0..own position
+    lowest = 0
+    if WINDOW > 0:  # a sliding-window layer: the last WINDOW keys only
+        lowest = tl.maximum(num_keys - WINDOW, 0)
     # each split takes a whole number of key blocks, so no block straddles two splits
-    per_split = tl.cdiv(tl.cdiv(num_keys, SPLITS), BLOCK_N) * BLOCK_N
-    first = split * per_split
+    per_split = tl.cdiv(tl.cdiv(num_keys - lowest, SPLITS), BLOCK_N) * BLOCK_N
+    first = lowest + split * per_split
     last = tl.minimum(first + per_split, num_keys)
 
     g = tl.arange(0, BLOCK_G)
@@ -235,27 +245,44 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_combine_kernel(
-    part_ptr, out_ptr, stride_ot, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr
+    part_ptr,
+    out_ptr,
+    sinks_ptr,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SPLITS: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
-    """One (token, head): the splits' partial softmaxes folded into the output row."""
+    """One (token, head): the splits' partial softmaxes folded into the output row, with the head's sink
+    logit in the denominator where HAS_SINKS."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.arange(0, SPLITS)
     d = tl.arange(0, BLOCK_D)
     base = part_ptr + ((t * tl.num_programs(1) + h) * SPLITS + sp).to(tl.int64) * (2 + BLOCK_D)
     m = tl.load(base)
-    big_m = tl.max(m, axis=0)  # finite: key 0 is visible to every token, and split 0 holds it
+    big_m = tl.max(m, axis=0)  # finite: the first visible key is visible to every token, and split 0 holds it
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + h).to(tl.float32)
+        big_m = tl.maximum(big_m, sink)
     w = tl.exp(m - big_m)  # an empty split's -inf gives 0
     l_sum = tl.sum(tl.load(base + 1) * w, axis=0)
+    if HAS_SINKS:
+        l_sum += tl.exp(sink - big_m)
     acc = tl.sum(tl.load(base[:, None] + 2 + d[None, :]) * w[:, None], axis=0)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, (acc / l_sum).to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 @triton.jit
-def _softmax_block(s, v, m_i, l_i, acc, v_scale, KV_FP8: tl.constexpr):
+def _softmax_block(s, v, m_i, l_i, acc, v_scale, KV_FP8: tl.constexpr, MAY_BE_EMPTY: tl.constexpr):
     """One key block of the online softmax: scores s [rows, keys] (log2 units), their values v (with KV_FP8,
-    e4m3 rows whose scales v_scale [keys] weigh the probabilities)."""
+    e4m3 rows whose scales v_scale [keys] weigh the probabilities). MAY_BE_EMPTY: a row may have seen no key
+    yet (a sliding window's); its maximum stays -inf and is taken as 0 in the exponents, so its terms are 0."""
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    if MAY_BE_EMPTY:
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.math.exp2(s - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, axis=1)
@@ -275,6 +302,7 @@ def _prefill_kernel(
     query_start_ptr,
     block_req_ptr,
     block_first_ptr,
+    sinks_ptr,
     ks_ptr,
     vs_ptr,
     stride_qt,
@@ -301,6 +329,8 @@ def _prefill_kernel(
     BLOCK_R: tl.constexpr,
     FP32_DOT: tl.constexpr,
     KV_FP8: tl.constexpr,
+    WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     blk = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -327,6 +357,10 @@ def _prefill_kernel(
     num_keys = tl.load(positions_ptr + last).to(tl.int64) + 1
     # keys before the block's first position are visible to every row: those blocks need no causal mask
     unmasked_end = (tl.load(positions_ptr + first).to(tl.int64) + 1) // BLOCK_N * BLOCK_N
+    masked_start = unmasked_end
+    if WINDOW > 0:  # every key block from the first row's first visible key is masked per row
+        unmasked_end = 0
+        masked_start = tl.maximum(tl.load(positions_ptr + first).to(tl.int64) + 1 - WINDOW, 0) // BLOCK_N * BLOCK_N
 
     m_i = tl.zeros([BLOCK_R], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
@@ -367,8 +401,8 @@ def _prefill_kernel(
         s = tl.dot(q, tl.trans(k)) * scale_log2
         if KV_FP8:
             s = s * k_scale[None, :]
-        m_i, l_i, acc = _softmax_block(s, v, m_i, l_i, acc, v_scale, KV_FP8)
-    for start in range(unmasked_end, num_keys, BLOCK_N):
+        m_i, l_i, acc = _softmax_block(s, v, m_i, l_i, acc, v_scale, KV_FP8, False)
+    for start in range(masked_start, num_keys, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_mask = n < num_keys
         k, v, k_scale, v_scale = _paged_kv_block(
@@ -405,10 +439,19 @@ def _prefill_kernel(
         s = tl.dot(q, tl.trans(k)) * scale_log2
         if KV_FP8:
             s = s * k_scale[None, :]
-        s = tl.where((n[None, :] <= pos_m[:, None]) & n_mask[None, :], s, float("-inf"))
-        m_i, l_i, acc = _softmax_block(s, v, m_i, l_i, acc, v_scale, KV_FP8)
+        visible = (n[None, :] <= pos_m[:, None]) & n_mask[None, :]
+        if WINDOW > 0:
+            visible = visible & (n[None, :] > pos_m[:, None] - WINDOW)
+        s = tl.where(visible, s, float("-inf"))
+        m_i, l_i, acc = _softmax_block(s, v, m_i, l_i, acc, v_scale, KV_FP8, WINDOW > 0)
     if KV_FP8:
         acc = acc * (1.0 / V_SCALE_LIFT)
+    if HAS_SINKS:  # the head's sink logit joins the denominator (log2 units, as the scores)
+        sink = tl.load(sinks_ptr + h, mask=m_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_new = tl.maximum(m_i, sink)
+        rescale = tl.math.exp2(m_i - m_new)
+        acc = acc * rescale[:, None]
+        l_i = l_i * rescale + tl.math.exp2(sink - m_new)
     out = acc / l_i[:, None]
     tl.store(
         out_ptr + t[:, None] * stride_ot + h[:, None] * stride_oh + d[None, :],
@@ -473,10 +516,12 @@ def paged_attention_decode_triton(
     token_request: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """`token_request` (int [T], each token's request): ForwardBatch carries it, made on the host
     with the rest of the step, two launches per layer fewer than deriving it here. `k_scale`/`v_scale`:
-    an fp8 pool's scales."""
+    an fp8 pool's scales; `sinks` [heads] a sink logit per head, `window` > 0 a sliding window's keys."""
     out, page_table, scales, strides, shape = _prepare(
         "paged_attention_decode_triton", q, k_cache, v_cache, page_table, out, k_scale, v_scale
     )
@@ -505,9 +550,18 @@ def paged_attention_decode_triton(
         SPLITS=DECODE_SPLITS,
         FP32_DOT=os.environ.get("TRITON_INTERPRET") == "1" or q.dtype == torch.float32,
         IEEE_DOT=q.dtype == torch.float32 and os.environ.get("TRITON_INTERPRET") != "1",
+        WINDOW=window,
     )
     _decode_combine_kernel[(num_tokens, heads)](
-        parts, out, out.stride(0), out.stride(1), HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS=DECODE_SPLITS
+        parts,
+        out,
+        sinks if sinks is not None else parts,  # never read without sinks
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        SPLITS=DECODE_SPLITS,
+        HAS_SINKS=sinks is not None,
     )
     return out
 
@@ -551,10 +605,13 @@ def paged_attention_prefill_triton(
     skip: Container[int] = (),
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """`block_rows`, `block_n`, `num_warps` override prefill_tiles (tests and the bench); the rows of the
     requests in `skip` are left as they are in `out` (kernels/paged_attention_flash.py computes them).
-    `k_scale`/`v_scale`: an fp8 pool's scales."""
+    `k_scale`/`v_scale`: an fp8 pool's scales; `sinks` [heads] a sink logit per head, `window` > 0 a
+    sliding window's keys."""
     out, page_table, scales, strides, shape = _prepare(
         "paged_attention_prefill_triton", q, k_cache, v_cache, page_table, out, k_scale, v_scale
     )
@@ -580,6 +637,7 @@ def paged_attention_prefill_triton(
         query_start,
         block_req,
         block_first,
+        sinks if sinks is not None else block_req,  # never read without sinks
         *scales,
         *strides,
         scale * LOG2E,
@@ -589,6 +647,8 @@ def paged_attention_prefill_triton(
         BLOCK_T=block_t,
         BLOCK_R=rows,
         FP32_DOT=os.environ.get("TRITON_INTERPRET") == "1" or q.dtype == torch.float32,
+        WINDOW=window,
+        HAS_SINKS=sinks is not None,
         num_warps=num_warps,
         num_stages=2,
     )

@@ -1,4 +1,5 @@
-"""A step's rotary tables in one Triton launch: cos and sin of position x frequency, [T, rotary_dim] each.
+"""A step's rotary tables in one Triton launch: cos and sin of position x frequency, [T, rotary_dim] each
+(times YaRN's attention factor where the model scales them).
 
 Twin: `RotaryEmbedding.cos_sin`'s torch sequence (services/worker/layers/rotary.py), the CPU path.
 In torch it is six launches at the start of every step (the positions to float32, the product, cos,
@@ -17,18 +18,20 @@ from ferry.kernels.dispatch import use_triton
 
 
 @triton.jit
-def _cos_sin_kernel(pos_ptr, freq_ptr, cos_ptr, sin_ptr, R, BLOCK_R: tl.constexpr):
+def _cos_sin_kernel(pos_ptr, freq_ptr, cos_ptr, sin_ptr, R, scaling, BLOCK_R: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_R)
     ok = offs < R
     angle = tl.load(pos_ptr + t).to(tl.float32) * tl.load(freq_ptr + offs, mask=ok, other=0.0)
     ty = cos_ptr.dtype.element_ty
-    tl.store(cos_ptr + t * R + offs, tl.cos(angle).to(ty), mask=ok)
-    tl.store(sin_ptr + t * R + offs, tl.sin(angle).to(ty), mask=ok)
+    # YaRN's attention factor, in float32 before the one rounding (1.0 elsewhere: an exact product)
+    cos, sin = tl.cos(angle) * scaling, tl.sin(angle) * scaling
+    tl.store(cos_ptr + t * R + offs, cos.to(ty), mask=ok)
+    tl.store(sin_ptr + t * R + offs, sin.to(ty), mask=ok)
 
 
 def rotary_cos_sin_triton(
-    positions: torch.Tensor, inv_freq_both: torch.Tensor, dtype: torch.dtype
+    positions: torch.Tensor, inv_freq_both: torch.Tensor, dtype: torch.dtype, scaling: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """positions int64 [T] (contiguous), inv_freq_both float32 [R] -> (cos, sin), contiguous [T, R] in dtype."""
     if positions.dim() != 1 or not positions.is_contiguous() or inv_freq_both.dtype != torch.float32:
@@ -37,20 +40,24 @@ def rotary_cos_sin_triton(
     cos = torch.empty(t, r, dtype=dtype, device=positions.device)
     sin = torch.empty(t, r, dtype=dtype, device=positions.device)
     if t:
-        _cos_sin_kernel[(t,)](positions, inv_freq_both, cos, sin, r, BLOCK_R=triton.next_power_of_2(r))
+        _cos_sin_kernel[(t,)](positions, inv_freq_both, cos, sin, r, scaling, BLOCK_R=triton.next_power_of_2(r))
     return cos, sin
 
 
 def rotary_cos_sin_reference(
-    positions: torch.Tensor, inv_freq_both: torch.Tensor, dtype: torch.dtype
+    positions: torch.Tensor, inv_freq_both: torch.Tensor, dtype: torch.dtype, scaling: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`scaling` (YaRN's attention factor) multiplies cos and sin in float32, before their one rounding."""
     angles = positions.float()[:, None] * inv_freq_both[None, :]
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    cos, sin = angles.cos(), angles.sin()
+    if scaling != 1.0:
+        cos, sin = cos * scaling, sin * scaling
+    return cos.to(dtype), sin.to(dtype)
 
 
 def rotary_cos_sin(
-    positions: torch.Tensor, inv_freq_both: torch.Tensor, dtype: torch.dtype
+    positions: torch.Tensor, inv_freq_both: torch.Tensor, dtype: torch.dtype, scaling: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if use_triton(positions) and positions.is_contiguous():
-        return rotary_cos_sin_triton(positions, inv_freq_both, dtype)
-    return rotary_cos_sin_reference(positions, inv_freq_both, dtype)
+        return rotary_cos_sin_triton(positions, inv_freq_both, dtype, scaling)
+    return rotary_cos_sin_reference(positions, inv_freq_both, dtype, scaling)

@@ -26,6 +26,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ferry.plan.model_spec import SILU
+
+if TYPE_CHECKING:
+    from ferry.plan.model_spec import ModelSpec
 
 from ferry.shared.errors import ConfigError
 
@@ -79,14 +85,34 @@ def check_expert_backend_flags(requested: str | None, threads: int | None) -> st
     return requested
 
 
-def plan_expert_backend(requested: str | None, threads: int | None, offloaded: bool, cores: int) -> ExpertBackendPlan:
+def host_compute_refusal(spec: ModelSpec) -> str | None:
+    """Why the host cannot compute this model's experts, or None: its kernels (kernels/host_experts_c/ and
+    their torch twin) compute silu(gate) * up without biases, so any other expert is the GPU's alone."""
+    if spec.expert_bias or spec.expert_activation != SILU:
+        return (
+            f"the host's expert kernels compute unbiased SiLU experts; {spec.arch}'s have "
+            f"{'biases and ' if spec.expert_bias else ''}the {spec.expert_activation} activation"
+        )
+    return None
+
+
+def plan_expert_backend(
+    requested: str | None, threads: int | None, offloaded: bool, cores: int, host_refusal: str | None = None
+) -> ExpertBackendPlan:
     """The backend and host threads for flags `requested` (--expert-backend, None: auto) and `threads`
-    (--host-expert-threads, None: the default), with `cores` physical cores, or ConfigError naming the flag."""
+    (--host-expert-threads, None: the default), with `cores` physical cores, or ConfigError naming the flag.
+    `host_refusal` (host_compute_refusal): the host cannot compute this model's experts, so auto keeps the
+    GPU alone and hybrid, cpu or --host-expert-threads are refused with it."""
     requested = check_expert_backend_flags(requested, threads)
     if not offloaded:
         return ExpertBackendPlan("gpu", 0, "every expert has a GPU slot", requested)
     if requested == "gpu":
         return ExpertBackendPlan("gpu", 0, "--expert-backend gpu", requested)
+    if host_refusal is not None:
+        if requested != "auto" or threads is not None:
+            flag = f"--expert-backend {requested}" if requested != "auto" else "--host-expert-threads"
+            raise ConfigError(f"{flag}: {host_refusal}; use --expert-backend gpu (or auto)")
+        return ExpertBackendPlan("gpu", 0, f"auto: {host_refusal}", requested)
     if threads is not None:
         return ExpertBackendPlan(
             "hybrid" if requested == "auto" else requested, threads, f"--host-expert-threads {threads}", requested

@@ -28,14 +28,15 @@ MEMINFO = Path("/proc/meminfo")
 BANK_FORMATS = F.bank_words()
 
 
-def bank_format(requested: str | None, dtype: str, slot_format: str | None = None) -> str:
-    """The banks' --expert-bank-format word for the flag's value (None: auto), the model's dtype and what
-    its slots hold (a format's name, None: unquantized): quantized experts are kept as their slots hold them."""
+def bank_format(requested: str | None, dtype: str, slot_format: str | None = None, biases: bool = False) -> str:
+    """The banks' --expert-bank-format word for the flag's value (None: auto), the model's dtype, what
+    its slots hold (a format's name, None: unquantized: quantized experts are kept as their slots hold them)
+    and whether the experts have biases (ModelSpec.expert_bias)."""
     requested = requested or F.AUTO_BANKS
     if requested not in BANK_FORMATS:
         raise ValueError(f"--expert-bank-format: unknown format {requested!r}; choose one of {', '.join(BANK_FORMATS)}")
     slots = F.get(slot_format) if slot_format else F.unquantized()
-    return slots.banks_for(requested, dtype).bank_word
+    return slots.banks_for(requested, dtype, biases).bank_word
 
 
 def expert_bank_bytes(spec: ModelSpec, dtype: str, fmt: str = F.PLAIN_BANKS) -> int:

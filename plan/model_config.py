@@ -19,7 +19,7 @@ from ferry.plan.dtypes import normalize_dtype
 from ferry.plan.gguf_checkpoint import find_gguf, load_gguf_config
 from ferry.plan.model_families import family_for_config
 from ferry.plan.model_families.spec_fields import GATED_DELTANET_FIELDS, first, require
-from ferry.plan.model_spec import FULL_ATTENTION, LINEAR_ATTENTION, ModelSpec
+from ferry.plan.model_spec import CLAMPED_SWIGLU, FULL_ATTENTION, LINEAR_ATTENTION, SILU, ModelSpec
 from ferry.plan.quantization import parse_quantization
 from ferry.shared.errors import ConfigError
 
@@ -85,6 +85,9 @@ def _validate(spec: ModelSpec, where: str) -> None:
             "need intermediate_size > 0"
         )
     problems.extend(_router_problems(spec))
+    problems.extend(_expert_problems(spec))
+    if spec.attention_windows and len(spec.attention_windows) != spec.num_layers:
+        problems.append(f"attention_windows has {len(spec.attention_windows)} entries for {spec.num_layers} layers")
     fmt = expert_formats.format_of(spec)
     if fmt.quantized and spec.num_experts > 0 and spec.moe_intermediate_size > 0 and spec.hidden_size > 0:
         try:  # its scale groups must tile both projections' inputs
@@ -108,6 +111,21 @@ def _validate(spec: ModelSpec, where: str) -> None:
 
 
 ROUTER_SCORINGS = ("softmax", "sigmoid")
+EXPERT_ACTIVATIONS = (SILU, CLAMPED_SWIGLU)
+
+
+def _expert_problems(spec: ModelSpec) -> list[str]:
+    """The experts' activation is one the expert kernels compute, and an expert with biases or another activation
+    than SiLU is in a format whose rows hold the biases and whose kernels compute both (`holds_biases`)."""
+    if spec.expert_activation not in EXPERT_ACTIVATIONS:
+        return [f"expert activation {spec.expert_activation!r} is not one of {', '.join(EXPERT_ACTIVATIONS)}"]
+    fmt = expert_formats.format_of(spec)
+    if (spec.expert_bias or spec.expert_activation != SILU) and not fmt.holds_biases:
+        return [
+            f"the routed experts have biases and the {spec.expert_activation} activation, which {fmt.name} "
+            "experts are not held or computed with (quantization_config)"
+        ]
+    return []
 
 
 def _router_problems(spec: ModelSpec) -> list[str]:

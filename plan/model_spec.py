@@ -15,13 +15,31 @@ from ferry.plan.quantization import QuantScheme
 
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
+# the routed experts' activation on (gate, up): silu(gate) * up, or gpt-oss's clamped SwiGLU
+# (up.clamp(-limit, limit) + 1) * g * sigmoid(alpha * g), g = gate.clamp(max=limit)
+SILU = "silu"
+CLAMPED_SWIGLU = "clamped_swiglu"
+
+
+@dataclass(frozen=True)
+class YarnRope:
+    """YaRN rotary scaling (rope_type "yarn"): frequencies blended between the original and the
+    interpolated ones by a ramp over the dimensions, cos/sin multiplied by `attention_factor`
+    (None: 0.1 ln(factor) + 1), as transformers' `_compute_yarn_parameters` computes them."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
 
 
 @dataclass(frozen=True)
 class ModelSpec:
     """Everything the planner, the loader and the models need to know about an architecture."""
 
-    arch: str  # the model family's name (plan/model_families): qwen3_moe | qwen3_next | qwen3_5_moe | glm4_moe
+    arch: str  # the model family's name (plan/model_families): qwen3_moe | qwen3_next | glm4_moe | gpt_oss ...
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -47,6 +65,13 @@ class ModelSpec:
     norm_topk_prob: bool
     shared_expert_intermediate_size: int  # 0: no shared expert
     attention_output_bias: bool = False  # o_proj has a bias (Qwen's with attention_bias; GLM's never)
+    rope_yarn: YarnRope | None = None  # None: plain RoPE
+    # a learned logit per head in each softmax's denominator (`self_attn.sinks`): a share of the
+    # attention that goes to no key
+    attention_sinks: bool = False
+    # per layer, the keys a token attends to in a sliding-window layer (itself and the window - 1 before it),
+    # 0 for a layer that attends to its whole context; () every layer does
+    attention_windows: tuple[int, ...] = ()
     qk_norm: bool = True  # a per-head RMSNorm on q and k before the rotary embedding
     # the router: "softmax" over all experts, or "sigmoid" of each logit (with, where router_score_bias,
     # a per-expert bias added for choosing the top k only: the weights are the unbiased scores)
@@ -58,6 +83,12 @@ class ModelSpec:
     router_topk_groups: int = 1
     routed_scaling_factor: float = 1.0  # multiplies the routed experts' weights
     shared_expert_gate: bool = True  # the shared expert's output is scaled by sigmoid(its gate logit)
+    router_bias: bool = False  # the router's linear has a bias (added to the logits before the top k)
+    # the routed experts' projections have biases (gate/up and down), which travel with the expert
+    expert_bias: bool = False
+    expert_activation: str = SILU  # SILU | CLAMPED_SWIGLU (with swiglu_alpha and swiglu_limit)
+    swiglu_alpha: float = 0.0
+    swiglu_limit: float = 0.0
     # multi-token-prediction layers the checkpoint stores after the decoder's (layers.N.… for N at and past
     # num_layers): not served, neither loaded nor priced
     mtp_layers: int = 0
@@ -77,6 +108,10 @@ class ModelSpec:
     @property
     def full_attention_layers(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.layer_types) if t == FULL_ATTENTION)
+
+    def attention_window(self, layer: int) -> int:
+        """The keys a token of `layer` attends to, itself included; 0: its whole context."""
+        return self.attention_windows[layer] if self.attention_windows else 0
 
     @property
     def linear_attention_layers(self) -> tuple[int, ...]:

@@ -26,6 +26,7 @@ from ferry.plan.expert_backend import (
     ExpertBackendPlan,
     check_expert_backend_flags,
     chosen_host_cpus,
+    host_compute_refusal,
     parse_cpu_list,
     physical_cores,
     plan_expert_backend,
@@ -407,7 +408,9 @@ def make_plan(spec: ModelSpec, req: PlanRequest, measured: Measured) -> Plan:
     plan = _plan(spec, req, r, measured, budget, derivation, sizes, costs, host)
     cores = measured.host_cores if measured.host_cores is not None else physical_cores()
     offloaded = sizes.expert_slots < spec.total_experts
-    backend = plan_expert_backend(req.expert_backend, req.host_expert_threads, offloaded, cores)
+    backend = plan_expert_backend(
+        req.expert_backend, req.host_expert_threads, offloaded, cores, host_compute_refusal(spec)
+    )
     if backend.host_threads:  # chosen here, so `ferry plan` shows them
         backend = dataclasses.replace(
             backend, host_cpus=tuple(chosen_host_cpus(backend.host_threads, req.host_expert_cpus))
@@ -641,7 +644,7 @@ def _host_plan(spec: ModelSpec, req: PlanRequest, dtype: str, measured: Measured
     else:
         available, source = None, "unknown"
     try:
-        fmt = H.bank_format(req.expert_bank_format, dtype, F.slot_format(spec))
+        fmt = H.bank_format(req.expert_bank_format, dtype, F.slot_format(spec), spec.expert_bias)
     except ValueError as exc:
         raise PlanError(str(exc)) from exc
     banks = H.expert_bank_bytes(spec, dtype, fmt) if offloaded else 0

@@ -49,30 +49,44 @@ def cut_config(config: dict, num_layers: int | None) -> dict:
 
 SHARD_BYTES = 2 * 2**30
 EXPERT_LAYOUTS = ("per-expert", "fused")
-PER_EXPERT_NAME = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
+PER_EXPERT_NAME = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.(weight|bias)")
 
 
 class FusedExperts:
-    """Collects a layer's per-expert tensors (they come layer by layer, expert by expert) and gives the layer's two
-    fused tensors once its last expert's down projection is in: gate_up_proj [E, 2I, H] (each expert's gate rows
-    then its up rows, as transformers' fused experts hold them) and down_proj [E, H, I]."""
+    """Collects a layer's per-expert tensors (they come layer by layer, expert by expert) and gives the layer's
+    fused tensors once every part of its experts is in, as the model's family stores them
+    (`DecoderFamily.fused_expert_tensors`: transformers' gate_up_proj [E, 2I, H] and down_proj [E, H, I] by
+    default; gpt-oss's transposed, interleaved layout with its biases)."""
 
-    def __init__(self, num_experts: int):
-        self.num_experts = num_experts
-        self.parts: dict[tuple[str, int], dict[str, object]] = {}
+    def __init__(self, spec):
+        from ferry.services.worker.models.registry import family_named
+
+        self.spec, self.family = spec, family_named(spec.arch)
+        self.parts_per_expert = 6 if spec.expert_bias else 3
+        self.parts: dict[str, dict[int, dict[str, object]]] = {}
+        self.complete: dict[str, int] = {}  # experts of a layer with every part in
 
     def take(self, match: re.Match, tensor) -> dict:
         import torch
 
-        prefix, expert, proj = match[1], int(match[2]), match[3]
-        self.parts.setdefault((prefix, expert), {})[proj] = tensor.cpu()
-        if expert != self.num_experts - 1 or proj != "down":
+        prefix, expert = match[1], int(match[2])
+        parts = self.parts.setdefault(prefix, {}).setdefault(expert, {})
+        parts[f"{match[3]}.{match[4]}"] = tensor.cpu()
+        if len(parts) == self.parts_per_expert:
+            self.complete[prefix] = self.complete.get(prefix, 0) + 1
+        if self.complete.get(prefix) != self.spec.num_experts:
             return {}
-        experts = [self.parts.pop((prefix, e)) for e in range(self.num_experts)]
-        return {
-            prefix + ".gate_up_proj": torch.stack([torch.cat([p["gate"], p["up"]]) for p in experts]),
-            prefix + ".down_proj": torch.stack([p["down"] for p in experts]),
-        }
+        layer = self.parts.pop(prefix)
+        experts = [layer[e] for e in range(self.spec.num_experts)]
+        gate_up = torch.stack([torch.cat([p["gate.weight"], p["up.weight"]]) for p in experts])
+        down = torch.stack([p["down.weight"] for p in experts])
+        bias = None
+        if self.spec.expert_bias:
+            bias = (
+                torch.stack([torch.cat([p["gate.bias"], p["up.bias"]]) for p in experts]),
+                torch.stack([p["down.bias"] for p in experts]),
+            )
+        return self.family.fused_expert_tensors(self.spec, prefix, gate_up, down, bias)
 
 
 # Random weights take a while (Qwen3-30B-A3B cut to a few layers: 3.5 GiB in about 20 s): progress on
@@ -163,7 +177,7 @@ def write_random_weights(
         raise ValueError(f"--expert-layout must be one of {', '.join(EXPERT_LAYOUTS)}, got {expert_layout!r}")
     if expert_layout == "fused" and fmt:
         raise ValueError("--expert-layout fused is a bf16 layout: quantized experts are stored per expert")
-    fused = FusedExperts(spec.num_experts) if expert_layout == "fused" else None
+    fused = FusedExperts(spec) if expert_layout == "fused" else None
     for name, shape in shapes.items():
         t = dummy_tensor(spec, name, shape, TORCH_DTYPES[dtype], torch.device(device), seed, routing_skew)
         tensors = quantize_tensors(fmt, {name: t}) if fmt else {name: t}
@@ -293,6 +307,11 @@ def run(args: argparse.Namespace) -> int:
 def _write(args: argparse.Namespace, fmt: str | None) -> tuple[Path, int | None]:
     """The model directory, and the bytes of random weights written (None: no weights)."""
     out = write_bench_model(args.dir, args.config, args.num_layers)
+    if fmt and not F.for_checkpoint_layout(args.format).holds_biases:
+        from ferry.plan.model_config import load_model_config
+
+        if load_model_config(out).expert_bias:
+            raise ValueError(f"--format {args.format} holds no expert biases, which this model's experts have")
     if args.weights == "random":
         return out, write_random_weights(
             out, args.routing_skew, args.seed, args.generate_on, fmt=fmt, expert_layout=args.expert_layout

@@ -133,7 +133,7 @@ def slot_family_bytes(spec: ModelSpec, dtype: str) -> tuple[int, int]:
 
 def banks_format(spec: ModelSpec, bank_word: str, dtype: str) -> ExpertFormat:
     """The format of this model's host banks for --expert-bank-format `bank_word` (auto: the format's choice)."""
-    return format_of(spec).banks_for(bank_word, dtype)
+    return format_of(spec).banks_for(bank_word, dtype, spec.expert_bias)
 
 
 def expert_format_name(spec: ModelSpec, bank_word: str | None, dtype: str = "bfloat16") -> str:

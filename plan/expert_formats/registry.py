@@ -72,6 +72,10 @@ class ExpertFormat:
     # format (algo: modelopt's quant_algo, compressed-tensors' format, fp8's block scheme: plan/quantization.py)
     checkpoint_algos: tuple[tuple[str, str], ...] = ()
     checkpoint_layout: str | None = None  # `ferry make-bench-model --format`'s word for the layout it writes
+    # its rows also hold each expert's biases (ModelSpec.expert_bias) and its kernels compute them and the clamped
+    # SwiGLU (kernels/expert_epilogue.py); a model with either is refused a format without them
+    # (plan/model_config.py), and --expert-bank-format a bank variant without them
+    holds_biases = False
     worker = ""  # "module:Class" of its torch side (services/worker/expert_formats/)
     cuda_kernels = True  # the expert kernels read its slots on CUDA (else the worker refuses it there at boot)
 
@@ -94,6 +98,15 @@ class ExpertFormat:
             cursor = round_up(cursor + part.nbytes, PART_ALIGN)
         return FamilyLayout(self.name, rows, cols, part_rows, tuple(parts), cursor)
 
+    def bias_rows(self, spec: ModelSpec) -> tuple[int, int]:
+        """Rows appended to a slot's (w13 [2I, H], w2 [H, I]) to hold the expert's biases (2I and H values,
+        row after row, the rest zero): ceil(2I / H) and ceil(H / I); (0, 0) for experts without biases.
+        Kept in the slot's rows so that every copy path moves an expert's biases with it."""
+        if not spec.expert_bias:
+            return 0, 0
+        h, i = spec.hidden_size, spec.moe_intermediate_size
+        return -(-2 * i // h), -(-h // i)
+
     def expert_layouts(self, spec: ModelSpec) -> tuple[FamilyLayout, FamilyLayout]:
         """(w13, w2) byte rows of one expert of this model."""
         h, i = spec.hidden_size, spec.moe_intermediate_size
@@ -113,18 +126,24 @@ class ExpertFormat:
         """Every routed expert of every MoE layer in this format's host banks: by default as the slots hold them."""
         return spec.total_experts * sum(self.slot_family_bytes(spec, value_bytes))
 
-    def banks_for(self, requested: str, dtype: str) -> ExpertFormat:
+    def banks_for(self, requested: str, dtype: str, biases: bool = False) -> ExpertFormat:
         """The format of the host banks behind slots of this format, for --expert-bank-format `requested`
-        (auto or a format's bank word) and the run dtype: this format, or one of its bank variants (the
-        formats whose `slots_format` is this one); a ValueError naming the flag for one it cannot hold."""
+        (auto or a format's bank word), the run dtype and whether the experts have biases: this format, or
+        one of its bank variants (the formats whose `slots_format` is this one); a ValueError naming the
+        flag for one it cannot hold."""
         variants = [f for f in _FORMATS.values() if f.slots_format == self.name]
         if requested == AUTO_BANKS:
-            return next((v for v in variants if v.auto_for(dtype)), self)
+            return next((v for v in variants if v.auto_for(dtype) and (v.holds_biases or not biases)), self)
         if requested == self.bank_word:
             return self
         for variant in variants:
             if variant.bank_word == requested:
                 variant.check_run_dtype(dtype)
+                if biases and not variant.holds_biases:
+                    raise ValueError(
+                        f"--expert-bank-format {requested} keeps {variant.banks_keep} without biases; this "
+                        f"model's experts have biases: use --expert-bank-format {AUTO_BANKS} (or {self.bank_word})"
+                    )
                 return variant
         holder = next(f for f in _FORMATS.values() if f.bank_word == requested)
         raise ValueError(

@@ -33,7 +33,8 @@ def decoder_shapes(spec: ModelSpec, mixers: Mapping[str, LayerShapes]) -> Shapes
 
 def attention_shapes(spec: ModelSpec, p: str) -> Shapes:
     """Full attention with per-head q/k RMSNorms where `qk_norm` (and q_proj's output gate where
-    `attn_output_gate`), q/k/v biases where `attention_bias`, o_proj's where `attention_output_bias`."""
+    `attn_output_gate`), q/k/v biases where `attention_bias`, o_proj's where `attention_output_bias`,
+    a sink logit per head where `attention_sinks`."""
     h, nh, kvh, hd = spec.hidden_size, spec.num_attention_heads, spec.num_kv_heads, spec.head_dim
     a = p + "self_attn."
     shapes = {
@@ -51,6 +52,8 @@ def attention_shapes(spec: ModelSpec, p: str) -> Shapes:
         shapes[a + "v_proj.bias"] = (kvh * hd,)
     if spec.attention_output_bias:
         shapes[a + "o_proj.bias"] = (h,)
+    if spec.attention_sinks:
+        shapes[a + "sinks"] = (nh,)
     return shapes
 
 
@@ -82,10 +85,13 @@ def gated_deltanet_with(spec: ModelSpec, p: str, in_proj: Shapes) -> Shapes:
 
 
 def moe_shapes(spec: ModelSpec, p: str) -> Shapes:
-    """The MoE block's router (with its choosing bias where `router_score_bias`) and its shared expert with,
-    where `shared_expert_gate`, that expert's sigmoid gate (routed experts excluded)."""
+    """The MoE block's router (with its logit bias where `router_bias`, its choosing bias where
+    `router_score_bias`) and its shared expert with, where `shared_expert_gate`, that expert's sigmoid
+    gate (routed experts excluded)."""
     h, m = spec.hidden_size, p + "mlp."
     shapes = {m + "gate.weight": (spec.num_experts, h)}
+    if spec.router_bias:
+        shapes[m + "gate.bias"] = (spec.num_experts,)
     if spec.router_score_bias:
         shapes[m + "gate.e_score_correction_bias"] = (spec.num_experts,)
     if spec.shared_expert_intermediate_size:

@@ -329,8 +329,10 @@ def _load_and_plan(
             if getattr(store, "ring", None) is not None:
                 store.ring = None
             store = ExpertParallelExperts(store, rank, world, spec.num_experts)
-        if hasattr(store, "set_routers"):  # next-layer prediction: each MoE layer's router weight
-            store.set_routers([layer.mlp.gate.weight for layer in model.layers if hasattr(layer.mlp, "gate")])
+        if hasattr(store, "set_routers"):  # next-layer prediction: each MoE layer's router weight and bias
+            routers = [layer.mlp.gate for layer in model.layers if hasattr(layer.mlp, "gate")]
+            biases = [r.bias for r in routers]
+            store.set_routers([r.weight for r in routers], biases if any(b is not None for b in biases) else None)
         experts.bind(store)
         # an offloaded store's experts go to host banks: read them to CPU, never through the device
         expert_device = torch.device("cpu") if banks else device

@@ -28,6 +28,7 @@ import torch
 
 from ferry.plan.costs import resident_weight_shapes
 from ferry.plan.model_config import ModelSpec
+from ferry.services.worker.models.weights import routed_expert_shapes
 
 LINEAR_STD = 0.02
 EMBED_STD = 1.0  # the token embedding dominates the residual stream: routing follows the token
@@ -42,19 +43,6 @@ def linear_std(name: str) -> float:
     if name.endswith(OUTPUT_PROJECTIONS):
         return OUTPUT_STD
     return LINEAR_STD
-
-
-def routed_expert_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    """Every routed expert's weights under the per-expert checkpoint names transformers writes."""
-    h, i = spec.hidden_size, spec.moe_intermediate_size
-    shapes: dict[str, tuple[int, ...]] = {}
-    for layer in spec.moe_layer_indices:
-        for e in range(spec.num_experts):
-            p = f"model.layers.{layer}.mlp.experts.{e}."
-            shapes[p + "gate_proj.weight"] = (i, h)
-            shapes[p + "up_proj.weight"] = (i, h)
-            shapes[p + "down_proj.weight"] = (h, i)
-    return shapes
 
 
 def name_seed(name: str, seed: int) -> int:
@@ -93,6 +81,13 @@ def dummy_tensor(
     return t.to(dtype)
 
 
+def is_router(spec: ModelSpec, name: str, shape) -> bool:
+    """Whether checkpoint tensor `name` is a MoE block's router ([experts, hidden] under `.mlp.`, not a
+    projection): families name it differently (`mlp.gate.`, gpt-oss's `mlp.router.`)."""
+    leaf_ok = ".mlp." in name and name.endswith(".weight") and not name.endswith("_proj.weight")
+    return leaf_ok and ".experts." not in name and tuple(shape) == (spec.num_experts, spec.hidden_size)
+
+
 def _skew(spec: ModelSpec, name: str, t: torch.Tensor, device: torch.device, seed: int, s: float) -> None:
     """Add the shared direction to the embedding, and the popularity bias to the routers' rows."""
     h = spec.hidden_size
@@ -101,7 +96,7 @@ def _skew(spec: ModelSpec, name: str, t: torch.Tensor, device: torch.device, see
     u /= u.norm()
     if name.endswith("embed_tokens.weight"):
         t += u * h**0.5  # as large as the token's own part: after the norm, x . u ~ sqrt(h / 2)
-    elif name.endswith("mlp.gate.weight"):
+    elif is_router(spec, name, t.shape):
         g = torch.Generator(device=device).manual_seed(name_seed(name + " ranks", seed))
         rank = torch.randperm(t.shape[0], device=device, generator=g).float()
         bias = -s * torch.log1p(rank)

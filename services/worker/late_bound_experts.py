@@ -35,9 +35,9 @@ class LateBoundExperts:
         return self._store
 
     def load_expert(
-        self, moe_layer: int, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
+        self, moe_layer: int, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, bias=None
     ) -> None:
-        self.store.load_expert(moe_layer, expert, gate, up, down)
+        self.store.load_expert(moe_layer, expert, gate, up, down, *(() if bias is None else (bias,)))
 
     def forward(
         self,

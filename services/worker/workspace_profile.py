@@ -226,8 +226,10 @@ def profiled_or_plan_error(profile, tokens: int, release=lambda: None) -> int:
 
 def gathered_context_bytes(spec: ModelSpec, dtype: str, max_model_len: int, page_size: int) -> int:
     """One request's K and V at max_model_len, in whole pages: the buffers a long prefill gathers them
-    into for FlashAttention (pools.KvTensorPool.gather_buffers), taken once and kept."""
-    if not spec.full_attention_layers:
+    into for FlashAttention (pools.KvTensorPool.gather_buffers), taken once and kept; none where no layer takes
+    FlashAttention (attention with sinks or a sliding window never does: kernels/paged_attention.py)."""
+    flash = [i for i in spec.full_attention_layers if not spec.attention_sinks and not spec.attention_window(i)]
+    if not flash:
         return 0
     tokens = ceil_div(max_model_len, page_size) * page_size
     return 2 * tokens * spec.num_kv_heads * spec.head_dim * DTYPE_BYTES[dtype]

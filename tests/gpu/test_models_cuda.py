@@ -38,7 +38,9 @@ def _teacher_forced(runner: PagedRunner, prompt: list[int], continuation: list[i
     return torch.stack(rows).cpu()
 
 
-@pytest.mark.parametrize("arch,page_size", [("qwen3_moe", 16), ("qwen3_next", 1), ("qwen3_5_moe", 16), ("glm4_moe", 4)])
+@pytest.mark.parametrize(
+    "arch,page_size", [("qwen3_moe", 16), ("qwen3_next", 1), ("qwen3_5_moe", 16), ("glm4_moe", 4), ("gpt_oss", 4)]
+)
 def test_bf16_on_cuda_tracks_transformers(arch, page_size, cuda_device):
     hf32, spec = tiny_model(arch, seed=31)
     ids = torch.tensor([PROMPT])
@@ -67,7 +69,7 @@ def test_bf16_on_cuda_tracks_transformers(arch, page_size, cuda_device):
     assert our_err <= 2 * their_err + 1e-3 * scale, f"mean error: ours {our_err:.3e}, transformers bf16 {their_err:.3e}"
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe", "glm4_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe", "glm4_moe", "gpt_oss"])
 def test_float32_on_cuda_matches_transformers(arch, cuda_device):
     """float32 end to end on the GPU: only accumulation order (and fla's tf32 dots) differ."""
     hf, spec = tiny_model(arch, seed=32)

@@ -54,6 +54,9 @@ CASES = {
         dict(num_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2, use_qk_norm=True),
         1,
     ),
+    # gpt-oss: a window of 8 the 11-token prompt outgrows (its second chunk and the decode steps see a window),
+    # sinks, YaRN's scaled rotary tables, the router's bias, biased experts with the clamped SwiGLU
+    "gpt_oss-window-sinks-biased-clamped": ("gpt_oss", {}, 4),
     # the 11-token prompt in one step whose mixers run in slices of at most 4 (services/worker/mixer_slices.py)
     "qwen3_5_moe-mixer-slices": (
         "qwen3_5_moe",

@@ -12,6 +12,7 @@ import torch
 
 from ferry.plan import pool_layout as L
 from ferry.plan.model_config import ModelSpec
+from ferry.services.worker.expert_formats import expert_format_for
 from ferry.services.worker.forward_batch import ForwardBatch
 from ferry.services.worker.models import CausalLM, build_model
 from ferry.services.worker.offload.stores.resident import ResidentExperts
@@ -42,7 +43,8 @@ def make_pools(
     linear = None
     if linear_layout.tensors:
         linear = LinearStatePool(allocate_pool(linear_layout, device), spec.linear_attention_layers)
-    experts = ExpertSlotPool(allocate_pool(L.expert_slot_layout(spec, name, spec.total_experts), device))
+    slots = allocate_pool(L.expert_slot_layout(spec, name, spec.total_experts), device)
+    experts = ExpertSlotPool(slots, expert_format_for(spec, dtype))
     return Pools(kv, linear, experts)
 
 

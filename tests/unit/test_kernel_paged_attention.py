@@ -368,3 +368,63 @@ def test_triton_token_requests_follow_query_start():
 
     qs = torch.tensor([0, 2, 3, 3, 7], dtype=torch.int32)  # request 2 has no new tokens
     assert token_requests(qs, 7).tolist() == [0, 0, 1, 3, 3, 3, 3]
+
+
+# Sinks and sliding windows (gpt-oss): (case, window); windows shorter than a key block, than a page, than the
+# chunk, longer than some contexts, and one longer than every request
+WINDOW_CASES = [(CASES[0], 4), (CASES[2], 5), (CASES[3], 8), (CASES[5], 37), (CASES[4], 1000)]
+
+
+def _sinks(heads: int, seed: int) -> torch.Tensor:
+    return 2.0 * torch.randn(heads, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("case,window", WINDOW_CASES)
+def test_reference_with_sinks_and_a_window_is_transformers_eager_attention(case, window):
+    """transformers' gpt-oss eager attention: the window's mask (keys past position - window), the sink logit
+    concatenated to each row's scores, softmaxed, and dropped."""
+    page_size, heads, kv_heads, head_dim, qlens, clens = case
+    q, kc, vc, pt, qs, pos, dense_k, dense_v = _scenario(0, page_size, heads, kv_heads, head_dim, qlens, clens)
+    sinks = _sinks(heads, 1)
+    out = paged_attention_reference(q, kc, vc, pt, qlens, clens, head_dim**-0.5, sinks=sinks, window=window)
+    for r, (qlen, ctx) in enumerate(zip(qlens, clens)):
+        qr = q[qs[r] : qs[r + 1]].transpose(0, 1)
+        k = dense_k[r].repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+        v = dense_v[r].repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)
+        query_pos, key_pos = torch.arange(ctx, ctx + qlen)[:, None], torch.arange(ctx + qlen)[None, :]
+        allowed = (key_pos <= query_pos) & (key_pos > query_pos - window)
+        scores = (qr @ k.transpose(1, 2)) * head_dim**-0.5 + torch.where(allowed, 0.0, float("-inf"))
+        logits = torch.cat([scores, sinks[:, None, None].expand(heads, qlen, 1)], dim=-1)
+        probs = torch.softmax(logits - logits.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
+        torch.testing.assert_close(out[qs[r] : qs[r + 1]], (probs @ v).transpose(0, 1), rtol=1e-5, atol=1e-5)
+    plain = paged_attention_reference(q, kc, vc, pt, qlens, clens, head_dim**-0.5)
+    assert not torch.allclose(out, plain, atol=1e-3), "the sinks (and window) changed nothing"
+
+
+def _interpreted_windowed(kernel: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    calls, expected = [], []
+    for i, ((page_size, heads, kv_heads, head_dim, qlens, clens), window) in enumerate(WINDOW_CASES):
+        for dtype in (torch.float32, torch.bfloat16):
+            if kernel == "decode":
+                qlens, clens = _decode_lens(qlens, clens)
+            q, kc, vc, pt, qs, pos = _scenario(i, page_size, heads, kv_heads, head_dim, qlens, clens, dtype)[:6]
+            sinks = _sinks(heads, i).to(dtype)
+            extra = dict(sinks=sinks, window=window)
+            expected.append(paged_attention_reference(q, kc, vc, pt, qlens, clens, head_dim**-0.5, **extra))
+            out = torch.full_like(q, float("nan"))
+            if kernel == "decode":
+                calls.append(((q, kc, vc, pt, qs, pos, head_dim**-0.5), dict(out=out, block_n=8, **extra)))
+            else:
+                args = (q, kc, vc, pt, qs, pos, qlens, head_dim**-0.5)
+                calls.append((args, dict(out=out, block_rows=16, block_n=16, **extra)))
+    outs = run_interpreted("ferry.kernels.paged_attention_triton", f"paged_attention_{kernel}_triton", calls)
+    return list(zip(expected, outs))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kernel", ["decode", "prefill"])
+def test_triton_kernels_with_sinks_and_a_window_match_the_reference(kernel):
+    for expected, out in _interpreted_windowed(kernel):
+        assert torch.isfinite(out).all()
+        tol = 1e-5 if out.dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol)

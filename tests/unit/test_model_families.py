@@ -60,12 +60,12 @@ def test_every_plan_family_has_a_worker_half():
 
 
 def test_an_unknown_architecture_is_refused_naming_config_jsons_architectures():
-    raw = {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "num_hidden_layers": 2}
+    raw = {"model_type": "olmoe", "architectures": ["OlmoeForCausalLM"], "num_hidden_layers": 2}
     with pytest.raises(ConfigError) as err:
         parse_model_config(raw)
     message = str(err.value)
-    assert "model_type 'gpt_oss' is not supported" in message
-    assert "architectures ['GptOssForCausalLM']" in message
+    assert "model_type 'olmoe' is not supported" in message
+    assert "architectures ['OlmoeForCausalLM']" in message
     assert "qwen3_moe" in message  # what is served instead
 
 
@@ -185,6 +185,7 @@ FAMILY_MODULES = (
     "services/worker/models/qwen3_moe.py",
     "services/worker/models/qwen3_hybrid.py",
     "services/worker/models/glm4_moe.py",
+    "services/worker/models/gpt_oss.py",
 )
 # which model to make is a choice, not a branch: the demo's model and make-tiny-model's default
 CHOICES = {("services/demo_model.py", "qwen3_moe"), ("services/make_tiny_model.py", "qwen3_moe")}

@@ -17,6 +17,7 @@ CASES = [
     "qwen3_5_moe-mixer-slices",
     "glm4_moe-groups-bias-no-qk-norm",
     "glm4_moe-8e-4groups-qk-norm",
+    "gpt_oss-window-sinks-biased-clamped",
     "qwen3_moe-norm_topk-gqa-fp8-kv",
     "qwen3_5_moe-gated-partial-rotary-fp8-kv",
 ]

@@ -12,6 +12,8 @@ import torch
 from transformers import (
     Glm4MoeConfig,
     Glm4MoeForCausalLM,
+    GptOssConfig,
+    GptOssForCausalLM,
     Qwen3_5MoeForCausalLM,
     Qwen3_5MoeTextConfig,
     Qwen3MoeConfig,
@@ -54,6 +56,10 @@ GLM = dict(
     norm_topk_prob=True,
 )
 
+# gpt_oss: a window shorter than the tests' prompts, and a SwiGLU limit the tiny model's projections reach
+# (at 7.0 the clamp would never bite)
+GPT_OSS = dict(sliding_window=8, swiglu_limit=1.0)
+
 
 def _config(arch: str, **overrides):
     fields = dict(COMMON, **overrides)
@@ -69,6 +75,13 @@ def _config(arch: str, **overrides):
         for name, value in GLM.items():
             fields.setdefault(name, value)
         return Glm4MoeConfig(**fields), Glm4MoeForCausalLM
+    if arch == "gpt_oss":
+        fields["num_local_experts"] = fields.pop("num_experts")
+        fields["intermediate_size"] = fields.pop("moe_intermediate_size")
+        fields.setdefault("num_hidden_layers", 2)
+        for name, value in GPT_OSS.items():
+            fields.setdefault(name, value)
+        return GptOssConfig(**fields), GptOssForCausalLM
     fields = dict(LINEAR, **fields)
     fields.setdefault("num_hidden_layers", 3)
     default_types = ["linear_attention", "full_attention", "linear_attention"]
@@ -93,6 +106,8 @@ def _redraw(model: torch.nn.Module, generator: torch.Generator) -> None:
             p.copy_(1.0 + 0.5 * noise)
         elif name.endswith("A_log"):
             p.copy_(torch.empty(p.shape).uniform_(0.1, 3.0, generator=generator).log())
+        elif name.endswith(".sinks"):
+            p.copy_(noise)  # a sink worth a key's share of the softmax, so dropping it shows
         elif name.endswith("e_score_correction_bias"):
             # a spread wider than the scores' differences: choosing with the bias picks other experts
             p.copy_(0.3 * noise)

@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from ferry.kernels.expert_epilogue import SILU_AND_MUL, ExpertActivation
 from ferry.plan import expert_formats as F
-from ferry.plan.model_spec import ModelSpec
+from ferry.plan.model_spec import SILU, ModelSpec
 
 if TYPE_CHECKING:
     from ferry.plan.planner import Plan
@@ -42,9 +43,10 @@ class ExpertFormat(Protocol):
     def row_shapes(self) -> tuple[tuple[tuple[int, ...], torch.dtype], tuple[tuple[int, ...], torch.dtype]]:
         """((shape, dtype) of one expert's w13 row, of its w2 row), as a slot holds them."""
 
-    def write_expert(self, dst13: torch.Tensor, dst2: torch.Tensor, gate, up, down, where: str) -> None:
+    def write_expert(self, dst13: torch.Tensor, dst2: torch.Tensor, gate, up, down, where: str, bias=None) -> None:
         """One expert's checkpoint tensors (gate, up [I, H], down [H, I]: tensors, or QuantizedWeights
-        for a quantized format) into its rows; a ValueError naming `where` for the wrong kind."""
+        for a quantized format) into its rows; a ValueError naming `where` for the wrong kind. `bias`
+        (expert_shapes.ExpertBias), for a format that holds biases (its `for_shapes` epilogue)."""
 
     def gemm_views(self, w13: torch.Tensor, w2: torch.Tensor):
         """What the expert kernels read for slot tensors w13 [S, ...] and w2 [S, ...]: the tensors (bf16's
@@ -68,15 +70,32 @@ def worker_class(fmt: F.ExpertFormat) -> type:
     return getattr(importlib.import_module(module), name)
 
 
+def expert_epilogue(spec: ModelSpec) -> tuple[tuple[int, int], ExpertActivation] | None:
+    """(bias rows, activation) of experts with biases or an activation other than silu(gate) * up, else None:
+    what a format that holds them (`holds_biases`, plan/model_config.py checks) takes as `for_shapes`' epilogue."""
+    if not spec.expert_bias and spec.expert_activation == SILU:
+        return None
+    activation = ExpertActivation(spec.swiglu_limit, spec.swiglu_alpha) if spec.expert_activation != SILU else None
+    return F.format_of(spec).bias_rows(spec), activation or SILU_AND_MUL
+
+
+def _for_shapes(fmt: F.ExpertFormat, spec: ModelSpec, dtype: torch.dtype) -> ExpertFormat:
+    epilogue = expert_epilogue(spec)
+    cls = worker_class(fmt)
+    if epilogue is None:
+        return cls.for_shapes(spec.hidden_size, spec.moe_intermediate_size, dtype)
+    return cls.for_shapes(spec.hidden_size, spec.moe_intermediate_size, dtype, epilogue)
+
+
 def expert_format_for(spec: ModelSpec, dtype: torch.dtype) -> ExpertFormat:
     """The slots' format for this model (the checkpoint's quantized format, else the run dtype's)."""
-    return worker_class(F.format_of(spec)).for_shapes(spec.hidden_size, spec.moe_intermediate_size, dtype)
+    return _for_shapes(F.format_of(spec), spec, dtype)
 
 
 def bank_format_for(spec: ModelSpec, plan: Plan) -> ExpertFormat:
     """The host banks' format for this model and plan (its --expert-bank-format word)."""
     fmt = F.banks_format(spec, plan.host.expert_bank_format, plan.dtype)
-    return worker_class(fmt).for_shapes(spec.hidden_size, spec.moe_intermediate_size, _torch_dtype(plan.dtype))
+    return _for_shapes(fmt, spec, _torch_dtype(plan.dtype))
 
 
 def _torch_dtype(name: str) -> torch.dtype:

@@ -2,6 +2,15 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+
+class ExpertBias(NamedTuple):
+    """An expert's biases (gpt-oss): gate/up [2I] (the gate's, then the up's) and down [H]."""
+
+    gate_up: object  # torch.Tensor [2I]
+    down: object  # torch.Tensor [H]
+
 
 def check_expert_shapes(where: str, gate, up, down, inter: int, hidden: int) -> None:
     """An expert in checkpoint layout: gate and up [I, H], down [H, I] (tensors or QuantizedWeights,

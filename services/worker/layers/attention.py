@@ -10,7 +10,12 @@ q, k and v are row blocks of one weight (q_proj/k_proj/v_proj keep their checkpo
 views of it), so the three projections are one GEMM. On CUDA the q/k norms, the rotary embedding and the K/V write are
 one Triton kernel (kernels/qk_norm_rope.py); the torch code below is the CPU path and that kernel's twin, and without
 q/k norms the path on every device (the kernel always normalises). An fp8 KV pool
-(--kv-cache-dtype fp8) hands both the layer's scales: the writes quantize, the attention dequantizes."""
+(--kv-cache-dtype fp8) hands both the layer's scales: the writes quantize, the attention dequantizes.
+
+gpt-oss adds a learned sink logit per head to each softmax's denominator (`sinks`, where the spec's
+`attention_sinks`) and, in its sliding layers, attends to the last `attention_window(layer)` keys only. Both
+are computed by the paged kernels and their twin (kernels/paged_attention*.py); FlashAttention does not take
+them, so such a layer's long prefills go through the blocked Triton kernel."""
 
 from __future__ import annotations
 
@@ -44,6 +49,10 @@ class PagedAttention(nn.Module):
             h, self._splits, bias, dtype, device
         )
         self.o_proj = nn.Linear(self.heads * self.head_dim, h, bias=spec.attention_output_bias, **kw)
+        self.window = spec.attention_window(layer_idx)
+        self.sinks = None
+        if spec.attention_sinks:
+            self.sinks = nn.Parameter(torch.zeros(self.heads, **kw), requires_grad=False)
         self.q_norm = self.k_norm = None
         if spec.qk_norm:
             self.q_norm = make_norm(spec.zero_centered_norms, self.head_dim, spec.rms_norm_eps, dtype, device)
@@ -101,6 +110,8 @@ class PagedAttention(nn.Module):
             gather=ctx.pools.kv.gather_buffers,
             k_scale=k_scale,
             v_scale=v_scale,
+            sinks=self.sinks,
+            window=self.window,
         ).reshape(t, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)

@@ -95,8 +95,10 @@ class TopKRouter(nn.Module):
     twin `sigmoid_topk_reference` elsewhere).
 
     `logit_weight` holds every row the block computes from x before its experts: the E router rows,
-    then the shared expert's gate row when there is one. `weight` is the router's [E, hidden] view
-    (what the offload store's next-layer prediction applies), `shared_gate_weight` the gate's."""
+    then the shared expert's gate row when there is one, and `logit_bias` their biases where the router
+    has them (`spec.router_bias`, gpt-oss; the gate's stays zero). `weight` is the router's [E, hidden]
+    view (what the offload store's next-layer prediction applies), `bias` its biases or None,
+    `shared_gate_weight` the gate's."""
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device=None, shared_gate: bool = False):
         super().__init__()
@@ -111,6 +113,9 @@ class TopKRouter(nn.Module):
         self.logit_weight = nn.Parameter(
             torch.zeros(rows, spec.hidden_size, dtype=dtype, device=device), requires_grad=False
         )
+        self.logit_bias = None
+        if spec.router_bias:
+            self.logit_bias = nn.Parameter(torch.zeros(rows, dtype=dtype, device=device), requires_grad=False)
         self.e_score_correction_bias = None
         if spec.router_score_bias:  # float32, as the checkpoints store it: it decides between close scores
             self.e_score_correction_bias = nn.Parameter(
@@ -120,6 +125,10 @@ class TopKRouter(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         return self.logit_weight[: self.num_experts]
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return None if self.logit_bias is None else self.logit_bias[: self.num_experts]
 
     @property
     def shared_gate_weight(self) -> torch.Tensor | None:
@@ -133,19 +142,20 @@ class TopKRouter(nn.Module):
             routing = SigmoidRouting(
                 self.e_score_correction_bias, self.groups, self.topk_groups, self.routed_scaling_factor, x.dtype
             )
-            logits = F.linear(x.float(), self.weight.float())
+            logits = F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
             ids, weights, _ = router_topk_triton(
                 logits, self.top_k, self.norm_topk_prob, self.num_experts, None, routing
             )
             shared = torch.sigmoid(F.linear(x, self.shared_gate_weight)) if self.has_shared_gate else None
             return ids, weights, shared
         # one GEMV for the router and the shared gate, one kernel for the rest
-        return router_topk_triton(dense_linear(x, self.logit_weight), self.top_k, self.norm_topk_prob, self.num_experts)
+        logits = dense_linear(x, self.logit_weight, self.logit_bias)
+        return router_topk_triton(logits, self.top_k, self.norm_topk_prob, self.num_experts)
 
     def reference(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         if self.sigmoid:
             ids, weights = sigmoid_topk_reference(
-                F.linear(x.float(), self.weight.float()),
+                F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float()),
                 self.top_k,
                 self.norm_topk_prob,
                 self.e_score_correction_bias,
@@ -156,7 +166,7 @@ class TopKRouter(nn.Module):
             )
         else:
             ids, weights, _ = router_topk_reference(
-                F.linear(x, self.weight), self.top_k, self.norm_topk_prob, self.num_experts
+                F.linear(x, self.weight, self.bias), self.top_k, self.norm_topk_prob, self.num_experts
             )
         shared = torch.sigmoid(F.linear(x, self.shared_gate_weight)) if self.has_shared_gate else None
         return ids, weights, shared
@@ -179,6 +189,8 @@ class SparseMoeBlock(nn.Module):
         if gated:
             rows["shared_expert_gate.weight"] = slice(e, e + 1)
         self.checkpoint_rows = {"gate.logit_weight": rows}  # see DenseMLP
+        if spec.router_bias:
+            self.checkpoint_rows["gate.logit_bias"] = {"gate.bias": slice(0, e)}
 
     def forward(self, x: torch.Tensor, ctx=None, summed: bool = True) -> torch.Tensor | ExpertRows:
         """`ctx` (the step's StepContext) tells the store how many rows are real (a CUDA graph's

@@ -78,7 +78,7 @@ class DecoderFamily(ABC):
             raise ConfigError("config.json: use_sliding_window=true is not supported (full causal attention only)")
 
     def rotary(self, spec: ModelSpec, device) -> RotaryEmbedding:
-        return RotaryEmbedding(spec.head_dim, spec.partial_rotary_factor, spec.rope_theta, device)
+        return RotaryEmbedding(spec.head_dim, spec.partial_rotary_factor, spec.rope_theta, device, spec.rope_yarn)
 
     def norm(self, spec: ModelSpec, dim: int, dtype: torch.dtype, device) -> nn.Module:
         return make_norm(spec.zero_centered_norms, dim, spec.rms_norm_eps, dtype, device)
@@ -110,6 +110,24 @@ class DecoderFamily(ABC):
     def checkpoint_names(self, spec: ModelSpec, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
         """`checkpoint_tensors` inverted: {name as the module tree has it: shape} -> as the checkpoint stores it."""
         return shapes
+
+    def fused_expert_tensors(
+        self,
+        spec: ModelSpec,
+        prefix: str,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+        bias: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> dict[str, torch.Tensor]:
+        """One layer's routed experts as the family's fused checkpoints store them (`ferry make-bench-model
+        --expert-layout fused`): from gate_up [E, 2I, H] (each expert's gate rows, then its up rows), down
+        [E, H, I] and, where the experts have them, their biases ([E, 2I], [E, H]); `prefix` is the layer's
+        `model.layers.N.mlp.experts`. By default transformers' fused layout of Qwen3.5/3.6, what models/weights.py
+        reads without conversion."""
+        tensors = {f"{prefix}.gate_up_proj": gate_up, f"{prefix}.down_proj": down}
+        if bias is not None:
+            tensors[f"{prefix}.gate_up_proj_bias"], tensors[f"{prefix}.down_proj_bias"] = bias
+        return tensors
 
 
 class CausalLM(nn.Module):

@@ -6,7 +6,9 @@ qwen3_5_moe wrapper; `lm_head.weight` unprefixed):
 * routed experts, per expert (published Qwen checkpoints, and what transformers' save_pretrained
   writes): `layers.L.mlp.experts.E.{gate,up,down}_proj.weight`; or fused (transformers' in-memory
   state_dict): `layers.L.mlp.experts.gate_up_proj` [E, 2I, H] and `layers.L.mlp.experts.down_proj`
-  [E, H, I]. Both go to `ExpertStore.load_expert`, never into the module tree;
+  [E, H, I]. Both go to `ExpertStore.load_expert`, never into the module tree; where the spec's
+  `expert_bias`, with their biases, per expert `…experts.E.{gate,up,down}_proj.bias` or fused
+  `…experts.gate_up_proj_bias` [E, 2I] (gate's, then up's) and `…experts.down_proj_bias` [E, H];
 * Gated DeltaNet input projections `in_proj_qkv|z|b|a`, written into row blocks of our single `in_proj`;
 * whatever the model's family converts first (`DecoderFamily.checkpoint_tensors`: qwen3_next's
   interleaved `in_proj_qkvz` / `in_proj_ba` become the four above);
@@ -31,14 +33,17 @@ from collections.abc import Iterable
 import torch
 
 from ferry.plan.costs import is_served
+from ferry.services.worker.expert_formats.expert_shapes import ExpertBias
 from ferry.services.worker.quantized_weight import QuantizedWeight
 from ferry.shared.errors import ModelLoadError
 
 PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
 SKIPPED_PREFIXES = ("visual.", "mtp.", "model.visual.", "model.mtp.", "vision_tower.")
 
-_PER_EXPERT = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
-_FUSED_EXPERTS = re.compile(r"layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(?:\.weight)?")
+_PER_EXPERT = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|bias)")
+_FUSED_EXPERTS = re.compile(
+    r"layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj|gate_up_proj_bias|down_proj_bias)(?:\.weight)?"
+)
 _IN_PROJ = re.compile(r"(layers\.(\d+)\.linear_attn)\.(in_proj_(?:qkv|z|b|a))\.weight")
 
 
@@ -117,7 +122,8 @@ class _Loader:
         if name == "lm_head.weight" and self.model.lm_head is None:
             return  # tied embeddings: the head is embed_tokens; a saved copy is redundant
         if m := _PER_EXPERT.fullmatch(name):
-            self._expert_part(self._moe_layer(int(m[1]), source), int(m[2]), m[3], tensor, source)
+            part = m[3] if m[4] == "weight" else f"{m[3]}.bias"
+            self._expert_part(self._moe_layer(int(m[1]), source), int(m[2]), part, tensor, source)
             return
         if isinstance(tensor, QuantizedWeight):  # a dense linear: dequantized once, here
             if _FUSED_EXPERTS.fullmatch(name):
@@ -150,34 +156,57 @@ class _Loader:
     def _expert_part(self, moe_layer: int, expert: int, part: str, tensor: torch.Tensor, source: str) -> None:
         if expert >= self.spec.num_experts:
             raise WeightLoadError(f"unexpected checkpoint tensor {source!r}: num_experts is {self.spec.num_experts}")
+        if part.endswith(".bias") and not self.spec.expert_bias:
+            raise WeightLoadError(f"unexpected checkpoint tensor {source!r}: this model's experts have no biases")
         h, i = self.spec.hidden_size, self.spec.moe_intermediate_size
-        expected = (h, i) if part == "down_proj" else (i, h)
+        expected = {"down_proj": (h, i), "down_proj.bias": (h,)}.get(part, (i,) if part.endswith(".bias") else (i, h))
         if tuple(tensor.shape) != expected:
             raise WeightLoadError(f"checkpoint tensor {source!r} has shape {tuple(tensor.shape)}, expected {expected}")
         parts = self.per_expert.setdefault((moe_layer, expert), {})
         if part in parts:
             raise WeightLoadError(f"checkpoint tensor {source!r} is given twice")
         parts[part] = tensor
-        if len(parts) == 3:
+        if len(parts) == (6 if self.spec.expert_bias else 3):
             del self.per_expert[(moe_layer, expert)]
             self._done(f"expert[{moe_layer}][{expert}]", source)
-            self.model.experts.load_expert(moe_layer, expert, parts["gate_proj"], parts["up_proj"], parts["down_proj"])
+            bias = None
+            if self.spec.expert_bias:
+                gate_up = torch.cat([parts["gate_proj.bias"], parts["up_proj.bias"]])
+                bias = ExpertBias(gate_up, parts["down_proj.bias"])
+            self._load_expert(moe_layer, expert, parts["gate_proj"], parts["up_proj"], parts["down_proj"], bias)
+
+    def _load_expert(self, moe_layer: int, expert: int, gate, up, down, bias: ExpertBias | None) -> None:
+        """Into the store; `bias` only where the experts have biases (a store of unbiased experts takes none)."""
+        if bias is None:
+            self.model.experts.load_expert(moe_layer, expert, gate, up, down)
+        else:
+            self.model.experts.load_expert(moe_layer, expert, gate, up, down, bias)
 
     def _fused_experts(self, moe_layer: int, part: str, tensor: torch.Tensor, source: str) -> None:
         e, h, i = self.spec.num_experts, self.spec.hidden_size, self.spec.moe_intermediate_size
-        expected = (e, 2 * i, h) if part == "gate_up_proj" else (e, h, i)
+        if part.endswith("_bias") and not self.spec.expert_bias:
+            raise WeightLoadError(f"unexpected checkpoint tensor {source!r}: this model's experts have no biases")
+        expected = {
+            "gate_up_proj": (e, 2 * i, h),
+            "down_proj": (e, h, i),
+            "gate_up_proj_bias": (e, 2 * i),
+            "down_proj_bias": (e, h),
+        }[part]
         if tuple(tensor.shape) != expected:
             raise WeightLoadError(f"checkpoint tensor {source!r} has shape {tuple(tensor.shape)}, expected {expected}")
         parts = self.fused.setdefault(moe_layer, {})
         if part in parts:
             raise WeightLoadError(f"checkpoint tensor {source!r} is given twice")
         parts[part] = tensor
-        if len(parts) == 2:
+        if len(parts) == (4 if self.spec.expert_bias else 2):
             del self.fused[moe_layer]
             for expert in range(e):
                 self._done(f"expert[{moe_layer}][{expert}]", source)
                 gate_up = parts["gate_up_proj"][expert]
-                self.model.experts.load_expert(moe_layer, expert, gate_up[:i], gate_up[i:], parts["down_proj"][expert])
+                bias = None
+                if self.spec.expert_bias:
+                    bias = ExpertBias(parts["gate_up_proj_bias"][expert], parts["down_proj_bias"][expert])
+                self._load_expert(moe_layer, expert, gate_up[:i], gate_up[i:], parts["down_proj"][expert], bias)
 
     def _in_proj(self, layer: str, kind: str, tensor: torch.Tensor, source: str) -> None:
         target = self.params.get(f"{layer}.in_proj.weight")
@@ -230,13 +259,24 @@ def checkpoint_shapes(model) -> dict[str, tuple[int, ...]]:
         for part, rows in module.in_proj_parts.items():
             shapes[f"{layer}.in_proj_{part}.weight"] = (rows, spec.hidden_size)
     shapes = model.family.checkpoint_names(spec, shapes)
+    return {**shapes, **routed_expert_shapes(spec)}
+
+
+def routed_expert_shapes(spec) -> dict[str, tuple[int, ...]]:
+    """Every routed expert's tensors under the per-expert names transformers writes (with biases where the
+    experts have them)."""
     h, i = spec.hidden_size, spec.moe_intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {}
     for layer in spec.moe_layer_indices:
         for e in range(spec.num_experts):
             prefix = f"model.layers.{layer}.mlp.experts.{e}"
             shapes[f"{prefix}.gate_proj.weight"] = (i, h)
             shapes[f"{prefix}.up_proj.weight"] = (i, h)
             shapes[f"{prefix}.down_proj.weight"] = (h, i)
+            if spec.expert_bias:
+                shapes[f"{prefix}.gate_proj.bias"] = (i,)
+                shapes[f"{prefix}.up_proj.bias"] = (i,)
+                shapes[f"{prefix}.down_proj.bias"] = (h,)
     return shapes
 
 

@@ -93,7 +93,14 @@ def signatures(dtype: str) -> list:
     for zc in (False, True):
         consts = {"ZERO_CENTERED": zc, "BLOCK_D": 256, "KV_FP8": False}
         out.append((f"qk_norm_rope_kv[{dtype}, zc={zc}]", _qk_norm_rope_kv_kernel, rope, consts))
-    tables = {"pos_ptr": "*i64", "freq_ptr": "*fp32", "cos_ptr": f"*{dtype}", "sin_ptr": f"*{dtype}", "R": "i32"}
+    tables = {
+        "pos_ptr": "*i64",
+        "freq_ptr": "*fp32",
+        "cos_ptr": f"*{dtype}",
+        "sin_ptr": f"*{dtype}",
+        "R": "i32",
+        "scaling": "fp32",
+    }
     out.append((f"rotary_cos_sin[{dtype}]", _cos_sin_kernel, tables, {"BLOCK_R": 128}))
     strides = ints(
         "stride_qt",
@@ -119,7 +126,7 @@ def signatures(dtype: str) -> list:
         **strides,
         "scale": "fp32",
     }
-    shape = {"PAGE_SIZE": 16, "GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_N": 32, "KV_FP8": False}
+    shape = {"PAGE_SIZE": 16, "GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_N": 32, "KV_FP8": False, "WINDOW": 0}
     decode = {**paged, "token_req_ptr": "*i32", "part_ptr": "*fp32"}
     decode.pop("out_ptr")
     out.append(
@@ -134,11 +141,12 @@ def signatures(dtype: str) -> list:
         (
             f"paged_attention_decode_combine[{dtype}]",
             _decode_combine_kernel,
-            {"part_ptr": "*fp32", "out_ptr": f"*{dtype}", **ints("stride_ot", "stride_oh")},
-            {"HEAD_DIM": 128, "BLOCK_D": 128, "SPLITS": DECODE_SPLITS},
+            {"part_ptr": "*fp32", "out_ptr": f"*{dtype}", "sinks_ptr": f"*{dtype}", **ints("stride_ot", "stride_oh")},
+            {"HEAD_DIM": 128, "BLOCK_D": 128, "SPLITS": DECODE_SPLITS, "HAS_SINKS": False},
         )
     )
     prefill = {**paged, **{p: "*i32" for p in ("query_start_ptr", "block_req_ptr", "block_first_ptr")}}
+    prefill["sinks_ptr"] = f"*{dtype}"
     prefill["scale_log2"] = prefill.pop("scale")
     # with the tiles and warps the entry point launches, at both head sizes served: Qwen3-30B-A3B (32 heads,
     # 4 kv heads, 128) and Qwen3.5/3.6's gated attention (16 heads, 2 kv heads, 256)
@@ -154,6 +162,8 @@ def signatures(dtype: str) -> list:
             "BLOCK_R": rows,
             "FP32_DOT": dtype == "fp32",
             "KV_FP8": False,
+            "WINDOW": 0,
+            "HAS_SINKS": False,
         }
         out.append(
             (
@@ -166,9 +176,41 @@ def signatures(dtype: str) -> list:
         )
     if dtype == "bf16":
         out.extend(fp8_kv_signatures(rope, decode, prefill, shape))
+        out.extend(sliding_sink_signatures(decode, prefill))
     out.extend(moe_block_signatures(dtype))
     out.extend(gated_deltanet_signatures(dtype))
     return out
+
+
+def sliding_sink_signatures(decode: dict, prefill: dict) -> list:
+    """gpt-oss's attention (bf16): 64 heads over 8 kv heads of 64, a sliding window of 128 keys and a sink per
+    head, as decode (split + combine) and prefill launch them."""
+    ints = lambda *names: {n: "i32" for n in names}  # noqa: E731
+    rows, keys, warps = prefill_tiles(64, 8)
+    shape = {"PAGE_SIZE": 16, "GROUP": 8, "HEAD_DIM": 64, "BLOCK_D": 64, "KV_FP8": False, "WINDOW": 128}
+    combine = {"part_ptr": "*fp32", "out_ptr": "*bf16", "sinks_ptr": "*bf16", **ints("stride_ot", "stride_oh")}
+    prefill_consts = {**shape, "BLOCK_N": keys, "BLOCK_T": rows // 8, "BLOCK_R": rows, "FP32_DOT": False}
+    return [
+        (
+            "paged_attention_decode[bf16, window, sinks]",
+            _decode_split_kernel,
+            decode,
+            {**shape, "BLOCK_N": 32, "BLOCK_G": 16, "SPLITS": DECODE_SPLITS, "FP32_DOT": False, "IEEE_DOT": False},
+        ),
+        (
+            "paged_attention_decode_combine[bf16, window, sinks]",
+            _decode_combine_kernel,
+            combine,
+            {"HEAD_DIM": 64, "BLOCK_D": 64, "SPLITS": DECODE_SPLITS, "HAS_SINKS": True},
+        ),
+        (
+            "paged_attention_prefill[bf16, window, sinks, d=64]",
+            _prefill_kernel,
+            prefill,
+            {**prefill_consts, "HAS_SINKS": True},
+            {"num_warps": warps, "num_stages": 2},
+        ),
+    ]
 
 
 def fp8_kv_signatures(rope: dict, decode: dict, prefill: dict, shape: dict) -> list:
@@ -202,6 +244,8 @@ def fp8_kv_signatures(rope: dict, decode: dict, prefill: dict, shape: dict) -> l
             "BLOCK_R": rows,
             "FP32_DOT": False,
             "KV_FP8": True,
+            "WINDOW": 0,
+            "HAS_SINKS": False,
         }
         out.append(
             (

@@ -51,7 +51,15 @@ def grouped_entries(fn, sig: dict, dtype: str, consts_of, fmt: str | None = None
     return out
 
 
-MARK_PTRS = {"table_ptr": "*i32", "n_rows_ptr": "*i32"}  # the resident store's routed table, marked by gate/up
+MARK_PTRS = {"table_ptr": "*i32", "n_rows_ptr": "*i32"}
+EPILOGUE_FLOATS = {"alpha": "fp32", "limit": "fp32"}  # the clamped SwiGLU's (kernels/expert_epilogue.py)
+
+
+def epilogue_consts(fn, gpt_oss: bool) -> dict:
+    """HAS_BIAS (and a gate/up kernel's SWIGLU): off for every model but gpt-oss's experts."""
+    if "gate_up" in fn.__name__:
+        return {"HAS_BIAS": gpt_oss, "SWIGLU": gpt_oss}
+    return {"HAS_BIAS": gpt_oss}  # the resident store's routed table, marked by gate/up
 
 
 def mark_variants(fn) -> list[dict]:
@@ -67,6 +75,7 @@ def signatures(dtype: str) -> list:
     gate_up = {
         "x_ptr": f"*{dtype}",
         "w13_ptr": f"*{dtype}",
+        "b13_ptr": f"*{dtype}",
         "act_ptr": f"*{dtype}",
         "sorted_pairs_ptr": "*i32",
         "block_slot_ptr": "*i32",
@@ -84,13 +93,15 @@ def signatures(dtype: str) -> list:
             "stride_ws",
             "stride_wn",
             "stride_wh",
-            "stride_am",
-            "stride_an",
+            "stride_b13",
         ),
+        **EPILOGUE_FLOATS,
+        **ints("stride_am", "stride_an"),
     }
     down = {
         "act_ptr": f"*{dtype}",
         "w2_ptr": f"*{dtype}",
+        "b2_ptr": f"*{dtype}",
         "rows_ptr": "*fp32",
         "weights_ptr": "*fp32",
         "sorted_pairs_ptr": "*i32",
@@ -108,6 +119,7 @@ def signatures(dtype: str) -> list:
             "stride_ws",
             "stride_wh",
             "stride_wi",
+            "stride_b2",
         ),
     }
     out = []
@@ -116,38 +128,58 @@ def signatures(dtype: str) -> list:
             fn,
             sig,
             dtype,
-            lambda block_m: {
-                "BLOCK_M": block_m,
-                "BLOCK_N": 64,
-                "BLOCK_K": 64,
-                "UPCAST": upcast,
-                "PRECISION": precision,
-            },
+            lambda block_m: (
+                {
+                    "BLOCK_M": block_m,
+                    "BLOCK_N": 64,
+                    "BLOCK_K": 64,
+                    "UPCAST": upcast,
+                    "PRECISION": precision,
+                }
+                | epilogue_consts(fn, False)
+            ),
         )
     pair_gate_up = {
         "x_ptr": f"*{dtype}",
         "w13_ptr": f"*{dtype}",
+        "b13_ptr": f"*{dtype}",
         "act_ptr": f"*{dtype}",
         "slots_ptr": "*i64",
         **ints("slot_offset", "top_k", "H", "I"),
         **MARK_PTRS,
-        **ints("stride_xt", "stride_ws", "stride_wn"),
+        **ints("stride_xt", "stride_ws", "stride_wn", "stride_b13"),
+        **EPILOGUE_FLOATS,
     }
     pair_down = {
         "act_ptr": f"*{dtype}",
         "w2_ptr": f"*{dtype}",
+        "b2_ptr": f"*{dtype}",
         "rows_ptr": "*fp32",
         "weights_ptr": f"*{dtype}",
         "slots_ptr": "*i32",
-        **ints("slot_offset", "H", "I", "stride_ws", "stride_wh"),
+        **ints("slot_offset", "H", "I", "stride_ws", "stride_wh", "stride_b2"),
     }
     bf16 = TILES[BF16]
     for fn, sig, block_n, block_k in (
         (pair._pair_gate_up_kernel, pair_gate_up, bf16.gate_up_rows, bf16.gate_up_k),
         (pair._pair_down_kernel, pair_down, bf16.down_rows, bf16.down_k),
     ):
-        for consts in ({"BLOCK_N": block_n, "BLOCK_K": block_k} | marks for marks in mark_variants(fn)):
+        for marks in mark_variants(fn):
+            consts = {"BLOCK_N": block_n, "BLOCK_K": block_k} | marks | epilogue_consts(fn, False)
             out.append((f"{fn.__name__}[{dtype}, {consts}]", fn, {**sig, **{c: "constexpr" for c in consts}}, consts))
+    if dtype == "bf16":  # gpt-oss's experts: biases and the clamped SwiGLU, as decode and prefill launch them
+        grouped = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "UPCAST": False, "PRECISION": None, "WINDOWED": False}
+        pair_up = {"BLOCK_N": bf16.gate_up_rows, "BLOCK_K": bf16.gate_up_k, "MARK": True, "HAS_N_ROWS": True}
+        pair_down_consts = {"BLOCK_N": bf16.down_rows, "BLOCK_K": bf16.down_k}
+        for fn, sig, consts in (
+            (k._gate_up_kernel, gate_up, grouped),
+            (k._down_kernel, down, grouped),
+            (pair._pair_gate_up_kernel, pair_gate_up, pair_up),
+            (pair._pair_down_kernel, pair_down, pair_down_consts),
+        ):
+            consts = consts | epilogue_consts(fn, True)
+            name = f"{fn.__name__}[bf16, biases, clamped swiglu]"
+            out.append((name, fn, {**sig, **{c: "constexpr" for c in consts}}, consts))
     sum_sig = {"rows_ptr": "*fp32", "out_ptr": f"*{dtype}", "top_k": "i32", "H": "i32", "BLOCK": "constexpr"}
     out.append((f"_sum_rows_kernel[{dtype}]", rows_sum._sum_rows_kernel, sum_sig, {"BLOCK": rows_sum.BLOCK_H}))
     if dtype != "fp32":

@@ -21,10 +21,13 @@ from long_step_rows import bf16_rows_are_the_float32_rows_rounded_once  # noqa: 
 
 from ferry.kernels.align_pairs import align_pairs_by_slot, align_pairs_by_slot_host  # noqa: E402
 from ferry.kernels.aligned_blocks import block_m_for, launch_blocks  # noqa: E402
+from ferry.kernels.expert_epilogue import ExpertActivation  # noqa: E402
 from ferry.kernels.expert_pair_gemv import expert_pair_rows_triton  # noqa: E402
 from ferry.kernels.expert_rows_sum import sum_rows_triton  # noqa: E402
 from ferry.kernels.grouped_expert_gemm import grouped_expert_rows_triton  # noqa: E402
 from ferry.kernels.grouped_expert_gemm_reference import grouped_expert_forward_reference, grouped_expert_rows_reference  # noqa: E402
+from ferry.services.worker.expert_formats.bf16 import Bf16Experts  # noqa: E402
+from ferry.services.worker.expert_formats.expert_shapes import ExpertBias  # noqa: E402
 
 
 def make_case(seed, tokens, top_k, hidden, inter, slots, dtype, skip=0):
@@ -190,7 +193,51 @@ def rows_summed_in_k_order():
     torch.testing.assert_close(bf16.float(), want, rtol=1e-2, atol=1e-2)
 
 
+def biased_clamped_slots(seed, hidden, inter, slots, dtype):
+    """gpt-oss's slots: the bf16 format's rows with biases after the weights (ragged bias rows when 2I or H is
+    not a multiple of the other side), written as the loader writes them, and their EpilogueFamily views with
+    the clamped SwiGLU at a limit the projections reach."""
+    g = torch.Generator().manual_seed(seed)
+    b13, b2 = -(-2 * inter // hidden), -(-hidden // inter)
+    fmt = Bf16Experts(hidden, inter, dtype, (b13, b2), ExpertActivation(swiglu_limit=1.0, swiglu_alpha=1.702))
+    (shape13, _), (shape2, _) = fmt.row_shapes()
+    w13 = torch.full((slots, *shape13), float("nan"), dtype=dtype)
+    w2 = torch.full((slots, *shape2), float("nan"), dtype=dtype)
+    for s in range(slots):
+        gate, up = (torch.randn(2, inter, hidden, generator=g) * hidden**-0.5).to(dtype)
+        down = (torch.randn(hidden, inter, generator=g) * inter**-0.5).to(dtype)
+        bias = ExpertBias(
+            (0.5 * torch.randn(2 * inter, generator=g)).to(dtype), (0.5 * torch.randn(hidden, generator=g)).to(dtype)
+        )
+        fmt.write_expert(w13[s], w2[s], gate, up, down, f"slot {s}", bias)
+    return fmt.gemm_views(w13, w2)
+
+
+def epilogue_rows_match(kernel, seed, tokens, top_k, hidden, inter, slots, skip, dtype):
+    """Biases and the clamped SwiGLU: the grouped GEMM or the pair kernel against the twin, every pair once."""
+    x, topk, weights, _, _ = make_case(seed, tokens, top_k, hidden, inter, slots, dtype, skip)
+    g13, g2 = biased_clamped_slots(seed, hidden, inter, slots, dtype)
+    got = torch.full((tokens, top_k, hidden), float("nan"))
+    want = torch.full((tokens, top_k, hidden), float("nan"))
+    if kernel == "pair":
+        expert_pair_rows_triton(x, topk, weights, g13, g2, got)
+    else:
+        grouped_expert_rows_triton(x, topk, weights, g13, g2, got)
+    grouped_expert_rows_reference(x, topk, weights, g13, g2, want)
+    skipped = topk < 0
+    assert torch.isnan(got[skipped]).all() and not torch.isnan(got[~skipped]).any()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got[~skipped], want[~skipped], rtol=tol, atol=tol)
+    plain = torch.full_like(want, float("nan"))
+    grouped_expert_rows_reference(x, topk, weights, g13.weight, g2.weight, plain)
+    assert not torch.allclose(plain[~skipped], want[~skipped], atol=1e-2), "the epilogue changed nothing"
+
+
 CASES = {
+    "epilogue_grouped_float32": lambda: epilogue_rows_match("grouped", 20, 37, 3, 48, 40, 6, 4, torch.float32),
+    "epilogue_grouped_bfloat16": lambda: epilogue_rows_match("grouped", 21, 20, 2, 64, 32, 5, 2, torch.bfloat16),
+    "epilogue_pair_float32": lambda: epilogue_rows_match("pair", 22, 5, 3, 300, 170, 7, 3, torch.float32),
+    "epilogue_pair_bfloat16": lambda: epilogue_rows_match("pair", 23, 3, 4, 64, 48, 8, 0, torch.bfloat16),
     "rows_summed_in_k_order": rows_summed_in_k_order,
     "pair_kernel_decode_one_token": lambda: pair_kernel_matches(12, 1, 8, 64, 48, 16, 0, 0),
     "pair_kernel_ragged_skipped_offset": lambda: pair_kernel_matches(13, 5, 3, 300, 170, 7, 3, 14),

@@ -30,6 +30,10 @@ CASES = [
     "pair_kernel_groups_give_the_same_bits",
     "rows_summed_in_k_order",
     "bf16_rows_are_the_float32_rows_rounded_once",
+    "epilogue_grouped_float32",
+    "epilogue_grouped_bfloat16",
+    "epilogue_pair_float32",
+    "epilogue_pair_bfloat16",
 ]
 
 
@@ -117,8 +121,9 @@ H200_MAX_SHARED = 227 * 1024  # dynamic shared memory one block may use on sm_90
 def test_kernels_compile_for_hopper():
     results = compile_in_child("compile_grouped_expert_gemm.py")
     # the plain kernels, then the quantized twins (the fp4 ones for nvfp4 and mxfp4), then (bf16) the down
-    # kernels and the sum into bf16 rows
-    assert len(results) == 26 + 72 + 3 + 6  # (compile_grouped_expert_gemm.py)
+    # kernels and the sum into bf16 rows, and (bf16) gpt-oss's biased clamped experts through the grouped and
+    # pair kernels
+    assert len(results) == 26 + 72 + 3 + 6 + 4  # (compile_grouped_expert_gemm.py)
     assert sum("rows bf16" in name for name in results) == 3 + 6
     for name, r in results.items():
         assert "error" not in r, f"{name}: {r.get('error')}"

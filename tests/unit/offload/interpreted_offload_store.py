@@ -139,6 +139,77 @@ def check_device_driven(dtype_wanted: str) -> None:
             assert total.prefetch_useful + total.prefetch_wasted > 0
 
 
+def check_device_driven_biased() -> None:
+    """gpt-oss's experts (biases in rows after the weights, the clamped SwiGLU) through the device-driven store:
+    the bias rows cross with every copy, prefetch and streamed prefill, and the kernels add them, equal to the
+    all-resident store bit for bit on decode steps."""
+    import dataclasses
+
+    from ferry.plan.model_spec import CLAMPED_SWIGLU
+    from ferry.services.worker.expert_formats import expert_format_for
+    from ferry.services.worker.expert_formats.expert_shapes import ExpertBias
+
+    plain = tiny_spec(layers=3, experts=6, top_k=2, hidden=32, inter=16)
+    biased = dict(expert_bias=True, expert_activation=CLAMPED_SWIGLU, swiglu_alpha=1.702, swiglu_limit=1.0)
+    spec = dataclasses.replace(plain, **biased)
+    layers, fmt = 3, expert_format_for(spec, torch.float32)
+    resident = ResidentExperts(slot_pool(spec, layers * 6, fmt=fmt), layers, 6)
+    store = DeviceDrivenExperts(
+        slot_pool(spec, 7, max_step_tokens=48, fmt=fmt),
+        HostBanks.for_model(spec, "float32", progress=False),
+        LFUExpertPolicy(layers, 6, 7),
+        "cpu",
+        prefetch=True,
+        pipeline_chunks=2,
+    )
+    g = torch.Generator().manual_seed(11)
+    for (layer, e), weights in random_experts(spec, 7).items():
+        bias = ExpertBias(0.5 * torch.randn(32, generator=g), 0.5 * torch.randn(32, generator=g))
+        resident.load_expert(layer, e, *weights, bias)
+        store.load_expert(layer, e, *weights, bias)
+    store.set_routers([torch.randn(6, 32, generator=g) for _ in range(layers)])
+    store.preload()
+    for tokens in (1, 3, 20, 40, 1):
+        for layer in range(layers):
+            x, ids, w = random_routing(spec, tokens, g)
+            got = store.forward(layer, x, ids, w, n_rows=torch.tensor([tokens], dtype=torch.int32))
+            want = resident.forward(layer, x, ids, w)
+            if use_pair_kernel(ids.numel()):
+                assert torch.equal(got, want), f"{tokens} tokens: the stores differ"
+            else:
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        store.stats_to_host()
+        store.end_step()
+    assert store.stats.total.misses > 0 and store.ring.staged_total > 0
+
+
+def check_prefetch_follows_the_router_bias() -> None:
+    """The next-layer prediction applies the router's logit bias (gpt-oss's routers have one): with zero router
+    weights and a bias on experts 4 and 5 of layer 1, a decode step of layer 0 prefetches exactly those."""
+    spec = tiny_spec(layers=2, experts=6, top_k=2, hidden=32, inter=16)
+    store = DeviceDrivenExperts(
+        slot_pool(spec, 8),
+        HostBanks.for_model(spec, "float32", progress=False),
+        LFUExpertPolicy(2, 6, 8),
+        "cpu",
+        prefetch=True,
+        pipeline_chunks=2,
+    )
+    for (layer, e), weights in random_experts(spec, 1).items():
+        store.load_expert(layer, e, *weights)
+    bias = torch.tensor([0.0, 0.0, 0.0, 0.0, 5.0, 5.0])
+    store.set_routers([torch.zeros(6, 32) for _ in range(2)], [torch.zeros(6), bias])
+    store.preload()  # 8 slots: layer 0's six experts and layer 1's first two
+    assert (store.cache.slot_of[1, [4, 5]] < 0).all()
+    g = torch.Generator().manual_seed(2)
+    x, ids, w = random_routing(spec, 1, g)
+    store.forward(0, x, ids, w, n_rows=torch.tensor([1], dtype=torch.int32))
+    assert (store.cache.slot_of[1, [4, 5]] >= 0).all(), "the biased experts of layer 1 were not prefetched"
+    store.stats_to_host()
+    store.end_step()
+    assert store.stats.total.prefetched == 2
+
+
 def check_host_share() -> None:
     """Streamed prefills with the host computing half of every layer's missed experts
     (offload/host_compute/prefill_share.py): the same rows as the all-resident store, in float32; the ring stages
@@ -703,6 +774,8 @@ CHECKS = {
     "store": check,
     "device-driven-float32": lambda: check_device_driven("float32"),
     "device-driven-bfloat16": lambda: check_device_driven("bfloat16"),
+    "device-driven-biased": check_device_driven_biased,
+    "prefetch-router-bias": check_prefetch_follows_the_router_bias,
     "host-share": check_host_share,
     "host-decode-kernel": check_host_decode_kernel,
     "host-decode": check_host_decode,

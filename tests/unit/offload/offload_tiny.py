@@ -30,9 +30,10 @@ def tiny_spec(layers: int = 3, experts: int = 6, top_k: int = 3, hidden: int = 1
 
 
 def slot_pool(
-    spec: ModelSpec, slots: int, dtype: str = "float32", max_step_tokens: int = 256, device: str = "cpu"
+    spec: ModelSpec, slots: int, dtype: str = "float32", max_step_tokens: int = 256, device: str = "cpu", fmt=None
 ) -> ExpertSlotPool:
-    return ExpertSlotPool(allocate_pool(L.expert_slot_layout(spec, dtype, slots, max_step_tokens), device))
+    """`fmt`: the slots' expert format (services/worker/expert_formats), where its rows are not plain ones."""
+    return ExpertSlotPool(allocate_pool(L.expert_slot_layout(spec, dtype, slots, max_step_tokens), device), fmt)
 
 
 def random_experts(spec: ModelSpec, seed: int) -> dict[tuple[int, int], tuple[torch.Tensor, ...]]:

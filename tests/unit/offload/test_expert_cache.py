@@ -123,6 +123,8 @@ INTERPRETED_CHECKS = [
     "store",
     "device-driven-float32",
     "device-driven-bfloat16",
+    "device-driven-biased",
+    "prefetch-router-bias",
     "host-share",
     "host-decode-kernel",
     "host-decode",

@@ -194,7 +194,7 @@ class HostBanks:
         return self.expert_nbytes * self.num_experts * self.num_layers
 
     def load_expert(
-        self, moe_layer: int, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
+        self, moe_layer: int, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, bias=None
     ) -> None:
         """Copy one expert in checkpoint layout (gate, up [I, H]; down [H, I]; QuantizedWeights for a
         quantized format) into its bank rows, in the banks' format."""
@@ -205,6 +205,7 @@ class HostBanks:
             up,
             down,
             f"MoE layer {moe_layer} expert {expert}",
+            *(() if bias is None else (bias,)),  # a format without biases takes no such argument
         )
 
     def fill_dummy(

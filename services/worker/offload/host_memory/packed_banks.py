@@ -161,9 +161,12 @@ class PackedHostBanks:
 
     # ---- loading -------------------------------------------------------------------------------
     def load_expert(
-        self, moe_layer: int, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
+        self, moe_layer: int, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, bias=None
     ) -> None:
-        """Pack one expert in checkpoint layout (gate, up [I, H]; down [H, I]) into its rows."""
+        """Pack one expert in checkpoint layout (gate, up [I, H]; down [H, I]) into its rows. Packed banks hold
+        no biases: the plan keeps experts with biases in plain banks (plan/expert_formats/registry.py)."""
+        if bias is not None:
+            raise ValueError(f"MoE layer {moe_layer} expert {expert} has biases, which packed banks do not hold")
         check_expert_shapes(
             f"MoE layer {moe_layer} expert {expert}", gate, up, down, self.intermediate_size, self.hidden_size
         )

@@ -104,6 +104,7 @@ class DeviceDrivenExperts(OffloadedExperts):
         self.prefetch_enabled = prefetch
         self.copy_engine_tokens = copy_engine_tokens
         self.routers: list[torch.Tensor] | None = None  # [E, H] router weight of every MoE layer
+        self.router_biases: list[torch.Tensor | None] | None = None  # [E] their logit biases, where they have them
         self.cache: DeviceExpertCache | None = None
         self._prefetch_done: dict[int, torch.cuda.Event] = {}
         self._prefetch_calls: dict[int, CacheCall] = {}  # this step's prefetches, by the layer they fill
@@ -137,11 +138,13 @@ class DeviceDrivenExperts(OffloadedExperts):
                 long_chunk=ring_chunks[1],
             )
 
-    def set_routers(self, routers: list[torch.Tensor]) -> None:
-        """The router weights of the MoE layers, in order: what the next-layer prediction applies."""
-        if len(routers) != self.policy.num_layers:
+    def set_routers(self, routers: list[torch.Tensor], biases: list[torch.Tensor | None] | None = None) -> None:
+        """The router weights of the MoE layers, in order, and their logit biases where the routers have them
+        (gpt-oss): what the next-layer prediction applies."""
+        if len(routers) != self.policy.num_layers or (biases is not None and len(biases) != len(routers)):
             raise ValueError(f"{len(routers)} routers for {self.policy.num_layers} MoE layers")
         self.routers = routers
+        self.router_biases = biases
 
     def preload(self) -> int:
         placed = super().preload()
@@ -424,7 +427,7 @@ class DeviceDrivenExperts(OffloadedExperts):
         if not self.prefetch_enabled or self.routers is None or nxt >= self.policy.num_layers:
             return
         # the router's own top-k kernel: torch.topk's sort took ~4x its time a decode layer
-        logits = F.linear(x, self.routers[nxt])
+        logits = F.linear(x, self.routers[nxt], self.router_biases[nxt] if self.router_biases is not None else None)
         predicted = router_topk(logits, call.hit_slots.numel() // x.shape[0], True, self.num_experts)[0]
         # a decode layer's host share: the host's part of the predicted experts stays off the link
         host_costs = self.host_decode.costs if self.host_decode is not None and not large else None

@@ -69,16 +69,18 @@ class ExpertParallelExperts:
         return expert % self.world == self.rank
 
     def load_expert(
-        self, moe_layer: int, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
+        self, moe_layer: int, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, bias=None
     ) -> None:
         """Every rank is offered every expert (the loader reads the checkpoint once a rank); it keeps its own."""
         if self.owns(expert):
-            self.local.load_expert(moe_layer, expert // self.world, gate, up, down)
+            self.local.load_expert(moe_layer, expert // self.world, gate, up, down, *(() if bias is None else (bias,)))
 
-    def set_routers(self, routers: list[torch.Tensor]) -> None:
-        """The next-layer prediction of an offloading local store: the router rows of the owned experts."""
+    def set_routers(self, routers: list[torch.Tensor], biases: list[torch.Tensor | None] | None = None) -> None:
+        """The next-layer prediction of an offloading local store: the router rows (and biases) of the owned
+        experts."""
         if hasattr(self.local, "set_routers"):
-            self.local.set_routers([r[self.rank :: self.world] for r in routers])
+            owned = None if biases is None else [None if b is None else b[self.rank :: self.world] for b in biases]
+            self.local.set_routers([r[self.rank :: self.world] for r in routers], owned)
 
     def forward(
         self,

@@ -33,9 +33,10 @@ class ExpertStore(Protocol):
     num_experts: int
 
     def load_expert(
-        self, moe_layer: int, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
+        self, moe_layer: int, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, bias=None
     ) -> None:
-        """Take one expert's weights: gate and up [I, H], down [H, I] (checkpoint layout)."""
+        """Take one expert's weights: gate and up [I, H], down [H, I] (checkpoint layout), and its biases
+        (expert_formats/expert_shapes.py's ExpertBias) where the model's experts have them."""
 
     def forward(
         self,

@@ -89,9 +89,9 @@ class OffloadedExperts:
 
     # ---- loading ---------------------------------------------------------------------------
     def load_expert(
-        self, moe_layer: int, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
+        self, moe_layer: int, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, bias=None
     ) -> None:
-        self.banks.load_expert(moe_layer, expert, gate, up, down)
+        self.banks.load_expert(moe_layer, expert, gate, up, down, *(() if bias is None else (bias,)))
         s = int(self.policy.slot_of[moe_layer, expert])
         if s != NO_SLOT:  # reloaded while cached: the slot must not keep the old weights
             self.banks.copy_experts(moe_layer, [(expert, s)], self.slots.w13, self.slots.w2)

@@ -56,13 +56,13 @@ class ResidentExperts:
         return moe_layer * self.num_experts + expert
 
     def load_expert(
-        self, moe_layer: int, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
+        self, moe_layer: int, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, bias=None
     ) -> None:
         """Straight into its slot, in the slots' format (a quantized expert stays quantized)."""
         s = self._slot(moe_layer, expert)
-        self.slots.format.write_expert(
-            self.slots.w13[s], self.slots.w2[s], gate, up, down, f"MoE layer {moe_layer} expert {expert}"
-        )
+        where = f"MoE layer {moe_layer} expert {expert}"
+        biased = () if bias is None else (bias,)  # a format without biases takes no such argument
+        self.slots.format.write_expert(self.slots.w13[s], self.slots.w2[s], gate, up, down, where, *biased)
 
     def fill_dummy(self, seed: int = 0) -> None:
         """--load-format dummy for a quantized format: every layer's slots filled in place."""

@@ -1,0 +1,284 @@
+"""gpt_oss beyond the parity list (test_model_parity.py): each of what it adds (sinks, the sliding window, the
+clamped SwiGLU, the expert and router biases, YaRN) is what makes Ferry equal transformers (planting its
+absence fails the parity check), its checkpoint's fused interleaved experts load, `ferry plan` prices
+gpt-oss-120b's published config tensor by tensor with the experts' biases in their slots, what it cannot
+serve is refused by field or flag, and `ferry generate` with experts offloaded equals resident and
+transformers."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from model_harness import PagedRunner, assert_logits_close, hf_greedy
+from tiny_models import _redraw, tiny_model
+
+from ferry.kernels.expert_epilogue import ExpertActivation
+from ferry.plan.costs import ALLOC_GRANULE
+from ferry.plan.expert_backend import host_compute_refusal, plan_expert_backend
+from ferry.plan.model_config import parse_model_config
+from ferry.services.worker.layers.rotary import RotaryEmbedding
+from ferry.shared.errors import ConfigError
+from tests.unit.test_generate_e2e import ferry_generate, transformers_greedy
+
+MODELS = Path(__file__).resolve().parents[1] / "data/models"
+GPT_OSS_120B = MODELS / "gpt-oss-120b"
+PROMPT = [(i * 37 + 11) % 96 for i in range(21)]  # longer than the window (8) by far
+
+
+def _prompt_logits(runner: PagedRunner) -> torch.Tensor:
+    return runner.step([(1, PROMPT)])[0]
+
+
+@pytest.fixture(scope="module")
+def model():
+    hf, spec = tiny_model("gpt_oss", seed=3)
+    _, _, ref = hf_greedy(hf, PROMPT, 1)
+    return hf, spec, ref
+
+
+def test_prompt_logits_equal_transformers(model):
+    hf, spec, ref = model
+    assert spec.attention_windows == (8, 0) and spec.attention_sinks and spec.expert_bias
+    assert_logits_close(_prompt_logits(PagedRunner(spec, hf, page_size=4)), ref)
+
+
+def _plant(runner: PagedRunner, fault: str) -> None:
+    for layer in runner.model.layers:
+        if fault == "no sinks":
+            layer.self_attn.sinks = None
+        elif fault == "no window":
+            layer.self_attn.window = 0
+        elif fault == "no router bias":
+            layer.mlp.gate.logit_bias.zero_()
+    slots = runner.pools.experts
+    if fault == "no clamp":  # the SwiGLU with a limit nothing reaches
+        activation = ExpertActivation(1e9, slots.gemm13.activation.swiglu_alpha)
+        slots.gemm13 = dataclasses.replace(slots.gemm13, activation=activation)
+    elif fault == "no expert biases":
+        slots.gemm13 = dataclasses.replace(slots.gemm13, bias=None)
+        slots.gemm2 = dataclasses.replace(slots.gemm2, bias=None)
+
+
+@pytest.mark.parametrize("fault", ["no sinks", "no window", "no clamp", "no expert biases", "no router bias"])
+def test_each_part_of_gpt_oss_is_needed_to_equal_transformers(model, fault):
+    hf, spec, ref = model
+    runner = PagedRunner(spec, hf, page_size=4)
+    _plant(runner, fault)
+    with pytest.raises(AssertionError, match="logits differ"):
+        assert_logits_close(_prompt_logits(runner), ref)
+
+
+def test_yarn_frequencies_and_factor_are_transformers():
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
+
+    raw = json.loads((GPT_OSS_120B / "config.json").read_text())
+    raw.pop("quantization_config")
+    spec = parse_model_config(raw)
+    theirs = GptOssRotaryEmbedding(GptOssConfig(**{k: v for k, v in raw.items() if k != "rope_scaling"}))
+    ours = RotaryEmbedding(spec.head_dim, spec.partial_rotary_factor, spec.rope_theta, yarn=spec.rope_yarn)
+    assert theirs.rope_type == "yarn"
+    torch.testing.assert_close(ours.inv_freq, theirs.inv_freq, rtol=0, atol=0)
+    assert ours.scaling == pytest.approx(theirs.attention_scaling, rel=1e-12) and ours.scaling > 1.3
+
+
+def _granules(*shape: int) -> int:
+    n = 2 * math.prod(shape)
+    return -(-n // ALLOC_GRANULE) * ALLOC_GRANULE
+
+
+def _unquantized(tmp_path: Path, model: Path = GPT_OSS_120B) -> Path:
+    """The published config without its quantization_config: the same model with bf16 experts (the MXFP4
+    format is served apart)."""
+    raw = json.loads((model / "config.json").read_text())
+    raw.pop("quantization_config")
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    return tmp_path
+
+
+@pytest.mark.parametrize("name,layers,experts", [("gpt-oss-120b", 36, 128), ("gpt-oss-20b", 24, 32)])
+def test_ferry_plan_prices_gpt_oss_tensor_by_tensor(tmp_path, name, layers, experts):
+    """gpt-oss at 24 GiB: the resident weights from the architecture (biases on q/k/v/o, a sink per head, the
+    router's bias), and every expert slot holding its biases after its weights."""
+    hidden, vocab, heads, kv_heads, head_dim, inter = 2880, 201088, 64, 8, 64, 2880
+    q, kv = heads * head_dim, kv_heads * head_dim
+    attention = (
+        _granules(q, hidden) + _granules(q) + 2 * (_granules(kv, hidden) + _granules(kv))
+        + _granules(hidden, q) + _granules(hidden) + _granules(heads)
+    )  # fmt: skip
+    layer = attention + 2 * _granules(hidden) + _granules(experts, hidden) + _granules(experts)
+    expected = 2 * _granules(vocab, hidden) + _granules(hidden) + layers * layer
+    out = subprocess.run(
+        [sys.executable, "-m", "ferry.services.cli", "plan", "--model", str(_unquantized(tmp_path, MODELS / name))]
+        + ["--gpu-memory", "24GiB", "--host-memory", "512GiB", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    assert plan["weights_bytes"] == expected
+    assert plan["experts"]["total"] == layers * experts
+    # w13 [2I, H] + one row of its 2I biases (2I / H = 2), w2 [H, I] + one row of its H biases
+    assert plan["experts"]["bytes_per_slot"] == 2 * ((2 * inter + 2) * hidden + (hidden + 1) * inter)
+    assert plan["host"]["expert_bank_format"] == "plain"  # packed banks hold no biases
+    assert plan["expert_backend"]["backend"] == "gpu"
+    assert plan["total_bytes"] <= plan["budget_bytes"]
+
+
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        (dict(layer_types=["sliding_attention"] * 36, sliding_window=0), "sliding_window must be positive"),
+        (dict(layer_types=["chunked_attention"] * 36), "unknown layer_types"),
+        (dict(rope_scaling={"rope_type": "longrope", "factor": 2.0}), "rope_scaling.rope_type 'longrope'"),
+        (dict(swiglu_limit=0), "swiglu_limit must be positive"),
+    ],
+)
+def test_config_json_fields_gpt_oss_cannot_serve_are_refused_by_field(fields, message):
+    raw = json.loads((GPT_OSS_120B / "config.json").read_text())
+    raw.pop("quantization_config")
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse_model_config({**raw, **fields})
+
+
+def test_the_host_does_not_compute_biased_clamped_experts(model):
+    _, spec, _ = model
+    reason = host_compute_refusal(spec)
+    assert reason is not None and "biases" in reason
+    assert plan_expert_backend(None, None, offloaded=True, cores=64, host_refusal=reason).backend == "gpu"
+    for backend, threads in (("cpu", None), ("hybrid", None), ("auto", 8)):
+        with pytest.raises(ConfigError, match="use --expert-backend gpu"):
+            plan_expert_backend(backend, threads, True, 64, host_refusal=reason)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_checkpoint(tmp_path_factory) -> Path:
+    """`ferry make-tiny-model --arch gpt_oss`, its weights redrawn as tiny_models.py does (sinks and biases
+    nonzero) and saved back by transformers: fused experts, gate and up interleaved."""
+    from transformers import AutoModelForCausalLM
+
+    from ferry.services.make_tiny_model import make_tiny_model
+
+    out = make_tiny_model(tmp_path_factory.mktemp("gpt_oss") / "gpt_oss", "gpt_oss", seed=0)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    _redraw(model, torch.Generator().manual_seed(5))
+    assert model.model.layers[0].mlp.experts.gate_up_proj_bias.abs().min() > 0
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+ARGS = ("--prompt-ids", ",".join(str((i * 37 + 11) % 200) for i in range(40)), "--max-tokens", "8", "--ignore-eos")
+ARGS += ("--dtype", "float32", "--max-prefill-tokens", "48")
+
+
+def test_offloaded_generation_equals_resident_and_transformers(gpt_oss_checkpoint, capsys):
+    resident = ferry_generate(capsys, gpt_oss_checkpoint, *ARGS)
+    experts = resident["plan"]["experts"]
+    assert experts["slots"] == experts["total"] == 2 * 8
+    assert resident["token_ids"] == transformers_greedy(gpt_oss_checkpoint, resident["prompt_token_ids"], 8)
+    offloaded = ferry_generate(capsys, gpt_oss_checkpoint, *ARGS, "--moe-cache-size", str(experts["min_slots"]))
+    assert offloaded["expert_cache"]["misses"] > 0
+    assert offloaded["token_ids"] == resident["token_ids"]
+    assert offloaded["logprobs"] == resident["logprobs"]
+
+
+def test_dummy_weights_boot_resident_and_offloaded(gpt_oss_checkpoint, capsys):
+    """--load-format dummy from config.json alone: all-resident (per-name dummy tensors, zero biases) and
+    offloaded (the banks' seeded fill, bias rows included), the latter the same at two cache sizes."""
+    dummy = (*ARGS, "--load-format", "dummy")
+    resident = ferry_generate(capsys, gpt_oss_checkpoint, *dummy)
+    assert len(resident["token_ids"]) == 8 and all(math.isfinite(lp) for lp in resident["logprobs"])
+    least = resident["plan"]["experts"]["min_slots"]
+    small = ferry_generate(capsys, gpt_oss_checkpoint, *dummy, "--moe-cache-size", str(least))
+    larger = ferry_generate(capsys, gpt_oss_checkpoint, *dummy, "--moe-cache-size", str(least + 4))
+    assert small["expert_cache"]["misses"] > larger["expert_cache"]["misses"] > 0
+    assert small["token_ids"] == larger["token_ids"] and small["logprobs"] == larger["logprobs"]
+    assert all(math.isfinite(lp) for lp in small["logprobs"])
+
+
+def test_make_bench_model_writes_gpt_oss_as_transformers_and_ferry_read_it(gpt_oss_checkpoint, tmp_path):
+    """`ferry make-bench-model --weights random --expert-layout fused`: gpt-oss's published layout (experts
+    transposed, gate and up interleaved, biases beside them), which transformers loads and Ferry reads as the
+    same model; the per-expert layout (with per-expert biases) Ferry reads too. A quantized --format, which
+    holds no biases, is refused."""
+    from transformers import AutoModelForCausalLM
+
+    from ferry.services.bench_model import write_bench_model, write_random_weights
+    from ferry.services.cli import main
+
+    config = gpt_oss_checkpoint / "config.json"
+    logits = {}
+    for layout in ("fused", "per-expert"):
+        out = write_bench_model(tmp_path / layout, config)
+        write_random_weights(out, routing_skew=1.0, dtype="float32", expert_layout=layout)
+        index = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+        assert ("model.layers.1.mlp.experts.gate_up_proj_bias" in index) == (layout == "fused")
+        spec = parse_model_config(json.loads((out / "config.json").read_text()))
+        from safetensors.torch import load_file
+
+        tensors = {}
+        for shard in set(index.values()):
+            tensors.update(load_file(str(out / shard)))
+
+        class Checkpoint:
+            def state_dict(self):
+                return tensors
+
+        runner = PagedRunner(spec, Checkpoint(), page_size=4)
+        logits[layout] = runner.step([(1, PROMPT)])[0]
+        if layout == "fused":
+            hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+            with torch.no_grad():
+                assert_logits_close(logits[layout], hf(torch.tensor([PROMPT])).logits[0])
+    assert torch.equal(logits["fused"], logits["per-expert"])
+    args = ["make-bench-model", str(tmp_path / "q"), "--config", str(config), "--format", "nvfp4"]
+    assert main(args) == 2
+
+
+def test_a_format_that_holds_no_expert_biases_is_refused_by_the_config(model):
+    from ferry.plan import expert_formats as F
+    from ferry.plan.model_config import _validate
+    from ferry.plan.quantization import QuantScheme
+
+    _, spec, _ = model
+    unbiased = next(f for f in F.registered() if f.quantized and not f.holds_biases)
+    scheme = QuantScheme(method="test", algo="test", expert_format=unbiased.name, source="config.json")
+    with pytest.raises(ConfigError, match=f"which {unbiased.name} experts are not held or computed with"):
+        _validate(dataclasses.replace(spec, quantization=scheme), "config.json")
+
+
+def test_no_flash_gather_buffers_are_priced_for_attention_with_sinks(model):
+    """FlashAttention never takes gpt-oss's attention (sinks): the long prefill's gather buffers are not taken."""
+    from ferry.services.worker.workspace_profile import gathered_context_bytes
+
+    _, spec, _ = model
+    assert gathered_context_bytes(spec, "bfloat16", 4096, 16) == 0
+    plain = dataclasses.replace(spec, attention_sinks=False, attention_windows=())
+    assert gathered_context_bytes(plain, "bfloat16", 4096, 16) == 2 * 4096 * spec.num_kv_heads * spec.head_dim * 2
+
+
+def test_packed_banks_which_hold_no_biases_are_refused_and_auto_keeps_plain_banks(model):
+    from ferry.plan.host_memory import bank_format
+
+    assert bank_format("auto", "bfloat16", None, biases=True) == "plain"
+    assert bank_format("auto", "bfloat16", None, biases=False) == "packed"
+    with pytest.raises(ValueError, match="--expert-bank-format packed keeps bf16 experts without biases"):
+        bank_format("packed", "bfloat16", None, biases=True)
+
+
+def test_the_family_declares_harmony_so_auto_picks_it_without_a_harmony_template(tmp_path):
+    from types import SimpleNamespace
+
+    from ferry.services.api.tokenizer import chat_format_of
+
+    (tmp_path / "config.json").write_text((GPT_OSS_120B / "config.json").read_text())
+    assert chat_format_of("auto", str(tmp_path), SimpleNamespace(chat_template=None)) == "harmony"
+    assert chat_format_of("template", str(tmp_path), SimpleNamespace(chat_template=None)) == "template"
