@@ -16,6 +16,10 @@ import torch
 assert os.environ.get("TRITON_INTERPRET") == "1", "run me with TRITON_INTERPRET=1"
 assert os.environ.get("FERRY_TRITON_ON_CPU") == "1", "run me with FERRY_TRITON_ON_CPU=1"
 
+from tests.triton_interpreter_patch import install as install_interpreter_patch  # noqa: E402
+
+install_interpreter_patch()
+
 from offload_tiny import random_experts, random_routing, slot_pool, tiny_spec  # noqa: E402
 
 from ferry.kernels.expert_pair_gemv import use_pair_kernel  # noqa: E402
