@@ -1,8 +1,9 @@
 """The offload store computing with the Triton kernels (the CUDA path's bookkeeping: the pair-by-pair
 kernel for small steps, host or device alignment for larger ones) under TRITON_INTERPRET=1, against
-the all-resident store on its own Triton path (FERRY_TRITON_ON_CPU=1), run in a child process by
-test_expert_cache.py (triton decides at import whether to interpret). Small steps must agree bit
-for bit, as on the GPU. Prints JSON: null or the failure. Its argument names the check (CHECKS)."""
+the all-resident store on its own Triton path (FERRY_TRITON_ON_CPU=1), run in the interpreted child process
+(tests/unit/interpreted_triton.py: triton decides at import whether to interpret) by test_expert_cache.py, one
+check (CHECKS) a call of `run_check`. Small steps must agree bit for bit, as on the GPU. Run as a script, it runs
+the check its argument names and prints JSON: null or the failure."""
 
 from __future__ import annotations
 
@@ -20,8 +21,6 @@ from tests.triton_interpreter_patch import install as install_interpreter_patch 
 
 install_interpreter_patch()
 
-from offload_tiny import random_experts, random_routing, slot_pool, tiny_spec  # noqa: E402
-
 from ferry.kernels.expert_pair_gemv import use_pair_kernel  # noqa: E402
 from ferry.services.worker.offload.host_memory.host_banks import HostBanks  # noqa: E402
 from ferry.services.worker.offload.host_memory.packed_banks import PackedHostBanks  # noqa: E402
@@ -30,6 +29,7 @@ from ferry.services.worker.offload.slot_cache.policy import LRUExpertPolicy  # n
 from ferry.services.worker.offload.stores.device_driven import DeviceDrivenExperts  # noqa: E402
 from ferry.services.worker.offload.stores.offloaded import OffloadedExperts  # noqa: E402
 from ferry.services.worker.offload.stores.resident import ResidentExperts  # noqa: E402
+from tests.unit.offload.offload_tiny import random_experts, random_routing, slot_pool, tiny_spec  # noqa: E402
 
 
 def check() -> None:
@@ -717,7 +717,13 @@ CHECKS = {
     "long-step-rows": check_long_step_rows,
 }
 
-if __name__ == "__main__":  # argv[1]: one of CHECKS (the test runs each in its own process, side by side under xdist)
+
+def run_check(name: str) -> None:
+    """The check `name` (raises its failure): the suite's entry, through run_interpreted."""
+    CHECKS[name]()
+
+
+if __name__ == "__main__":  # argv[1]: one of CHECKS
     import structlog
 
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))  # stdout carries the JSON only
