@@ -1,8 +1,13 @@
-"""Triton's interpreter (TRITON_INTERPRET=1) patches triton.language once per kernel launch, then again at every
-call of a @triton.jit helper inside the kernel (triton/runtime/interpreter.py, `_patch_lang`), walking the modules'
-members with inspect each time: two thirds of an interpreted kernel's time in the suite. `install()` makes the
-helper calls skip the walk when the launch already patched the modules the helper sees: what the kernels compute,
-and every check on it, is the same."""
+"""Two pieces of Triton's interpreter (TRITON_INTERPRET=1, triton/runtime/interpreter.py) that redo the same work
+on every call, made to do it once; together about half an interpreted kernel's time in the suite:
+
+* `_patch_lang` patches triton.language once per kernel launch, then again at every call of a @triton.jit helper
+  inside the kernel, walking the modules' members with inspect each time. The helper's call now skips the walk
+  when the launch already patched the modules the helper sees.
+* `_get_np_dtype` (a Triton dtype's numpy dtype, asked at every interpreted op) builds its table at each call.
+  Its answers are kept by the dtype's element type, on which alone they depend.
+
+What the kernels compute, and every check on it, is the same (tests/unit/test_triton_interpreter_patch.py)."""
 
 from __future__ import annotations
 
@@ -16,9 +21,12 @@ def install() -> bool:
     from triton.runtime import interpreter
 
     patch_lang = getattr(interpreter, "_patch_lang", None)
-    if patch_lang is None or getattr(patch_lang, "skips_patched", False):
-        return patch_lang is not None
-    if not hasattr(interpreter, "_LangPatchScope") or not tl.core.is_builtin(tl.load):
+    np_dtype = getattr(interpreter, "_get_np_dtype", None)
+    if patch_lang is None or np_dtype is None or not hasattr(interpreter, "_LangPatchScope"):
+        return False
+    if getattr(patch_lang, "skips_patched", False):
+        return True
+    if not tl.core.is_builtin(tl.load):  # a kernel is running: not the moment to swap its machinery
         return False
 
     def patch_lang_once(fn):
@@ -28,6 +36,17 @@ def install() -> bool:
             return interpreter._LangPatchScope()  # nothing changed here, nothing to restore
         return patch_lang(fn)
 
+    known = {}
+
+    def np_dtype_kept(tt_dtype):
+        element = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype  # a block's: its element's
+        found = known.get(element.name)  # the name: a pointer type has no hash
+        if found is None:
+            found = known[element.name] = np_dtype(tt_dtype)
+        return found
+
     patch_lang_once.skips_patched = True
+    np_dtype_kept.__wrapped__ = np_dtype
     interpreter._patch_lang = patch_lang_once
+    interpreter._get_np_dtype = np_dtype_kept
     return True

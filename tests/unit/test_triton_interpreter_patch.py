@@ -1,6 +1,6 @@
 """tests/triton_interpreter_patch.py: installed in this process (tests/conftest.py) and in the interpreted
 children, it must leave what a kernel computes as it was: helpers called inside a kernel see the interpreted
-language, and the language is the compiler's again after the launch."""
+language, the language is the compiler's again after the launch, and each dtype's numpy dtype is the interpreter's."""
 
 import os
 
@@ -49,3 +49,14 @@ def test_nested_helpers_compute_as_without_the_patch():
         want = twice + twice.clamp_min(0.0).sum()
         torch.testing.assert_close(dst[block * 8 : block * 8 + 8], want, rtol=0, atol=1e-6)
     assert core.is_builtin(tl.load) and core.is_builtin(core.where), "the launch left the language patched"
+
+
+def test_each_dtypes_numpy_dtype_is_the_interpreters_own_when_asked_again():
+    from triton.runtime import interpreter
+
+    kept, own = interpreter._get_np_dtype, interpreter._get_np_dtype.__wrapped__
+    scalars = [tl.int1, tl.int8, tl.int32, tl.uint32, tl.int64, tl.float16, tl.bfloat16, tl.float32, tl.float8e4nv]
+    pointers = [tl.pointer_type(tl.float32), tl.pointer_type(tl.bfloat16)]
+    for dtype in [*scalars, *pointers, *(tl.block_type(d, [4, 2]) for d in [*scalars, *pointers])]:
+        for _ in range(2):  # asked first, then answered from what was kept
+            assert kept(dtype) == own(dtype), dtype
