@@ -29,8 +29,12 @@ def install() -> bool:
     if not tl.core.is_builtin(tl.load):  # a kernel is running: not the moment to swap its machinery
         return False
 
+    langs_of = {}  # function -> the language modules among its globals (a module's, set at its import)
+
     def patch_lang_once(fn):
-        langs = [v for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)]
+        langs = langs_of.get(fn)
+        if langs is None:
+            langs = langs_of[fn] = [v for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)]
         # a launch patches every builtin of a module at once: tl.load replaced means the rest is too
         if langs and not any(tl.core.is_builtin(lang.load) for lang in langs):
             return interpreter._LangPatchScope()  # nothing changed here, nothing to restore
