@@ -80,6 +80,9 @@ def check_device_driven(dtype_wanted: str) -> None:
     plain float32 banks and packed bf16 ones (every copy path then unpacks), the cases of one dtype."""
     spec = tiny_spec(layers=3, experts=6, top_k=2, hidden=32, inter=16)
     layers = 3
+    # cases of one slot count seed the same weights and routing: the all-resident rows of a step's layer are
+    # computed for the first and kept for the others (the same inputs, checked)
+    references: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}
     for num_slots, policy_cls, prefetch, copy_engine_tokens, dtype in DEVICE_DRIVEN_CASES:
         if dtype != dtype_wanted:
             continue
@@ -104,16 +107,18 @@ def check_device_driven(dtype_wanted: str) -> None:
         # 20 tokens: the large path; 40 and 36 (past the pair kernel, 4+ pairs per expert): prefills,
         # streamed through the staging ring. `begun`: the executor's begin_step ran first (an eager
         # step): a prefill's copies start there, and its first layer must not stage them again
-        for tokens, real, begun in (
-            (1, 1, False),
-            (4, 4, True),
-            (4, 2, False),
-            (20, 20, True),
-            (40, 40, False),
-            (1, 1, False),
-            (36, 33, False),
-            (40, 40, True),
-            (3, 3, False),
+        for step, (tokens, real, begun) in enumerate(
+            (
+                (1, 1, False),
+                (4, 4, True),
+                (4, 2, False),
+                (20, 20, True),
+                (40, 40, False),
+                (1, 1, False),
+                (36, 33, False),
+                (40, 40, True),
+                (3, 3, False),
+            )
         ):
             maps = store.cache.slot_of.clone() if store.cache is not None else None
             staged = store.ring.staged_total
@@ -124,7 +129,10 @@ def check_device_driven(dtype_wanted: str) -> None:
                 x, ids, w = random_routing(spec, tokens, g)
                 x = x.to(torch_dtype)
                 got = store.forward(layer, x, ids, w, n_rows=torch.tensor([real], dtype=torch.int32))
-                want = resident.forward(layer, x, ids, w)
+                kept = references.get((num_slots, step, layer))
+                if kept is None or not all(torch.equal(a, b) for a, b in zip(kept, (x, ids, w))):
+                    kept = references[num_slots, step, layer] = (x, ids, w, resident.forward(layer, x, ids, w).clone())
+                want = kept[3]
                 if use_pair_kernel(ids.numel()):
                     assert torch.equal(got[:real], want[:real]), f"{tokens} tokens ({real} real): the stores differ"
                 else:
