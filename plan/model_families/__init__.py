@@ -67,6 +67,9 @@ class ModelFamily:
     # (metadata, tensor names, where) -> config.json's fields
     gguf_architectures: tuple[str, ...] = ()
     gguf_config: Callable[[dict[str, Any], tuple[str, ...], str], dict[str, Any]] | None = None
+    # why the worker refuses the family on CUDA, where its CUDA path has not passed `make gpu-check` against
+    # transformers ("" where it has): a model a GPU would compute wrongly is refused at boot, not served
+    cuda_refusal: str = ""
 
 
 _FAMILIES: dict[str, ModelFamily] = {}

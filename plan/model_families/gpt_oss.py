@@ -132,5 +132,9 @@ register(
         tiny_config=dict(num_hidden_layers=2, intermediate_size=32, sliding_window=8, attention_bias=True),
         reference_classes=("GptOssConfig", "GptOssForCausalLM"),
         chat_format="harmony",  # gpt-oss is trained on harmony's framing (services/api/harmony_format.py)
+        # tests/gpu/test_models_cuda.py's gpt_oss cases: the CUDA path's logits are off transformers' from the
+        # first token (float32: 1.44 against a largest logit of 3.18), where the same kernels interpreted match
+        cuda_refusal="its CUDA path (attention sinks and sliding windows, biased clamped experts) does not yet "
+        "match transformers on a GPU",
     )
 )

@@ -190,6 +190,18 @@ def test_offloaded_generation_equals_resident_and_transformers(gpt_oss_checkpoin
     assert offloaded["logprobs"] == resident["logprobs"]
 
 
+def test_gpt_oss_is_refused_on_cuda_before_the_device_is_touched(gpt_oss_checkpoint, capsys, monkeypatch):
+    """Its CUDA path has not matched transformers on a GPU (the family's cuda_refusal): boot says so and names
+    the flag, rather than serve wrong logits."""
+    from ferry.services.cli import main
+    from ferry.services.worker import boot
+
+    monkeypatch.setattr(boot, "select_device", lambda name: torch.device("cuda"))
+    assert main(["generate", str(gpt_oss_checkpoint), *ARGS, "--gpu-memory", "64MiB"]) == 2
+    err = capsys.readouterr().err
+    assert "gpt_oss is not served on CUDA yet" in err and "--device cpu" in err
+
+
 def test_dummy_weights_boot_resident_and_offloaded(gpt_oss_checkpoint, capsys):
     """--load-format dummy from config.json alone: all-resident (per-name dummy tensors, zero biases) and
     offloaded (the banks' seeded fill, bias rows included), the latter the same at two cache sizes."""

@@ -340,8 +340,9 @@ def test_a_long_query_flash_refuses_is_said_once_and_the_paged_kernel_computes_i
     expected = paged_attention_reference(q, kc, vc, pt, [130, 1], [40, 7], 32**-0.5)
     skipped = []
 
-    def paged_prefill(q_, k_, v_, pt_, qs_, pos_, qlens, scale, out, skip, k_scale, v_scale):  # the kernel's twin
-        assert k_scale is None and v_scale is None  # a pool of the model dtype
+    def paged_prefill(q_, k_, v_, pt_, qs_, pos_, qlens, scale, out, skip, k_scale, v_scale, sinks, window):
+        assert k_scale is None and v_scale is None  # a pool of the model dtype (the kernel's twin stands in)
+        assert sinks is None and window == 0  # full attention without sinks, as the scenario's model
         skipped.append(skip)
         out.copy_(paged_attention_reference(q_, k_, v_, pt_, qlens, [40, 7], scale))
         return out

@@ -102,6 +102,8 @@ class OffloadedExperts:
         placed = 0
         stream = self._copy_stream
         self.banks.seal()  # loading is over (packed banks lay their escapes out)
+        if stream is not None:  # the slots' allocation zero-fills them on the compute stream: copy after it
+            stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
             for layer in range(self.policy.num_layers):
                 pairs = []
