@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from ferry.plan.gguf_checkpoint import GgufNames
+from ferry.plan.model_config import parse_model_config
 from ferry.plan.model_families import family_for_config
 
 # (byte offset, value for weights of std 1) of each fp16 scale of a K block whose other bytes are random
@@ -52,28 +53,26 @@ def write_gguf(
     out.parent.mkdir(parents=True, exist_ok=True)
     config = json.loads((hf_dir / "config.json").read_text())
     family = family_for_config(config, str(hf_dir / "config.json"))
-    if not family.gguf_architectures or config.get("mlp_only_layers") or not config.get("norm_topk_prob"):
-        # llama.cpp's MoE graphs renormalize the top k, and its table names no dense MLP beside routed experts
-        raise ValueError(
-            f"the GGUF writer takes a checkpoint of a family with a GGUF architecture ({family.name} has "
-            f"{list(family.gguf_architectures)}), of MoE layers only, with norm_topk_prob"
-        )
+    if family.name not in _METADATA:
+        raise ValueError(f"the GGUF writer takes a checkpoint of {', '.join(_METADATA)}, not {family.name}")
     architecture = family.gguf_architectures[0]
+    spec = parse_model_config(config, str(hf_dir / "config.json"))
     tensors: dict[str, np.ndarray] = {}
     for shard in sorted(hf_dir.glob("*.safetensors")):
         tensors.update(load_file(shard))
     layers = int(config["num_hidden_layers"])
     writer = gguf.GGUFWriter(str(out), architecture, split_max_tensors=split_max_tensors)
-    _metadata(writer, config)
+    _common_metadata(writer, config)
+    _METADATA[family.name](writer, config)
     _tokenizer(writer, hf_dir)
     names = GgufNames(architecture, layers)
     rng = np.random.default_rng(seed)
-    for layer in range(layers):
+    for layer in spec.moe_layer_indices:
         for part, gguf_name in names.experts(layer).items():
             stacked = np.stack(
                 [
                     tensors.pop(f"model.layers.{layer}.mlp.experts.{e}.{part}.weight")
-                    for e in range(_num_experts(config))
+                    for e in range(spec.num_experts)
                 ]
             ).astype(np.float32)
             blocks = _expert_blocks(stacked, expert_type, rng)
@@ -93,9 +92,9 @@ def write_gguf(
     return out if not split_max_tensors else sorted(out.parent.glob(f"{out.stem}-00001-of-*.gguf"))[0]
 
 
-def _metadata(writer, config: dict) -> None:
+def _common_metadata(writer, config: dict) -> None:
+    """The keys llama.cpp's converter writes for every family (TextModel.set_gguf_parameters)."""
     rope = config.get("rope_parameters") or {}
-    writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_feed_forward_length(config["intermediate_size"])
@@ -106,8 +105,36 @@ def _metadata(writer, config: dict) -> None:
     writer.add_value_length(config["head_dim"])
     writer.add_rope_freq_base(float(config.get("rope_theta", rope.get("rope_theta", 10000.0))))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_expert_count(_num_experts(config))
+    writer.add_expert_count(int(config.get("num_experts") or config.get("num_local_experts") or config["n_routed_experts"]))
     writer.add_expert_used_count(config["num_experts_per_tok"])
+
+
+def _qwen3moe_metadata(writer, config: dict) -> None:
+    if config.get("mlp_only_layers") or not config.get("norm_topk_prob"):
+        # llama.cpp's qwen3moe graph renormalizes the top k, and its table names no dense MLP beside routed experts
+        raise ValueError("the GGUF writer takes a qwen3_moe checkpoint of MoE layers only, with norm_topk_prob")
+    writer.add_block_count(config["num_hidden_layers"])
+
+
+def _glm4moe_metadata(writer, config: dict) -> None:
+    """As llama.cpp's Glm4MoeModel: block_count counts the NextN layers, the rotated width is in rope.dimension_count."""
+    import gguf
+
+    nextn = int(config.get("num_nextn_predict_layers", 0))
+    writer.add_block_count(config["num_hidden_layers"] + nextn)
+    writer.add_rope_dimension_count(int(config["head_dim"] * config.get("partial_rotary_factor", 0.5)))
+    writer.add_expert_shared_count(config["n_shared_experts"])
+    writer.add_leading_dense_block_count(config["first_k_dense_replace"])
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    writer.add_expert_weights_scale(config["routed_scaling_factor"])
+    writer.add_expert_weights_norm(config["norm_topk_prob"])
+    writer.add_expert_group_count(config.get("n_group", 1))
+    writer.add_expert_group_used_count(config.get("topk_group", 1))
+    writer.add_nextn_predict_layers(nextn)
+
+
+# each family's keys beyond the common ones, by family name
+_METADATA = {"qwen3_moe": _qwen3moe_metadata, "glm4_moe": _glm4moe_metadata}
 
 
 def _tokenizer(writer, hf_dir: Path) -> None:
@@ -156,6 +183,3 @@ def _expert_blocks(weights: np.ndarray, expert_type: str, rng: np.random.Generat
         view[:, offset : offset + 2] = np.frombuffer(np.float16(std * unit).tobytes(), dtype=np.uint8)
     return blocks
 
-
-def _num_experts(config: dict) -> int:
-    return int(config.get("num_experts") or config["num_local_experts"])
