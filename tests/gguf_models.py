@@ -13,14 +13,20 @@ from pathlib import Path
 import numpy as np
 
 
-def tiny_gguf(root: Path, expert_type: str, hf_dir: Path | None = None, seed: int = 0) -> tuple[Path, Path]:
-    """(the GGUF file, the Hugging Face checkpoint it was written from) under `root`."""
+# llama.cpp's converter renames these before its table lookup (convert_hf_to_gguf.py)
+CONVERTER_RENAMES = {"e_score_correction_bias": "e_score_correction.bias"}
+
+
+def tiny_gguf(
+    root: Path, expert_type: str, hf_dir: Path | None = None, seed: int = 0, arch: str = "qwen3_moe"
+) -> tuple[Path, Path]:
+    """(the GGUF file, the Hugging Face checkpoint of family `arch` it was written from) under `root`."""
     from ferry.services.gguf_writer import GGUF_SIZES, write_gguf
     from ferry.services.make_tiny_model import make_tiny_model
 
     if hf_dir is None:
-        hf_dir = make_tiny_model(root / "hf", "qwen3_moe", seed=seed, **GGUF_SIZES)
-    return write_gguf(hf_dir, root / f"tiny-{expert_type}.gguf", expert_type, seed=seed), hf_dir
+        hf_dir = make_tiny_model(root / f"hf-{arch}", arch, seed=seed, **GGUF_SIZES)
+    return write_gguf(hf_dir, root / f"tiny-{arch}-{expert_type}.gguf", expert_type, seed=seed), hf_dir
 
 
 def dequantized_reference(gguf_file: Path, hf_dir: Path, out: Path) -> Path:
@@ -48,7 +54,9 @@ def dequantized_reference(gguf_file: Path, hf_dir: Path, out: Path) -> Path:
             stacked = decoded(names.get_name(f"{head}.{part}.weight", try_suffixes=(".weight",)))
             state[name] = np.ascontiguousarray(stacked[int(expert)])
         else:
-            state[name] = decoded(names.get_name(name, try_suffixes=(".weight", ".bias")))
+            head, _, last = name.rpartition(".")
+            renamed = f"{head}.{CONVERTER_RENAMES.get(last, last)}"
+            state[name] = decoded(names.get_name(renamed, try_suffixes=(".weight", ".bias")))
     save_file(state, out / "model.safetensors", metadata={"format": "pt"})
     for f in hf_dir.iterdir():
         if f.is_file() and f.suffix != ".safetensors":

@@ -412,3 +412,74 @@ def test_a_gguf_without_an_output_matrix_ties_lm_head_to_the_embeddings(gguf_mod
     config = json.loads((tied_reference / "config.json").read_text())
     (tied_reference / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
     assert _worst(ferry_generate(capsys, tied, *ARGS), tied_reference) < TOLERANCE
+
+
+# ---- glm4moe (GLM-4.5 and its kin) -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def glm_gguf(tmp_path_factory):
+    """(a tiny glm4_moe written as a Q8_0 glm4moe GGUF, its gguf-package-decoded float32 reference, the checkpoint
+    it was written from): a dense first layer, a shared expert, two expert groups, q/k/v biases, half-rotary."""
+    root = tmp_path_factory.mktemp("gguf-glm")
+    path, hf_dir = tiny_gguf(root, "Q8_0", arch="glm4_moe")
+    return path, dequantized_reference(path, hf_dir, root / "reference"), hf_dir
+
+
+def test_a_glm4moe_gguf_generates_as_transformers_on_the_decoded_file(glm_gguf, capsys):
+    path, reference, _ = glm_gguf
+    resident = ferry_generate(capsys, path, *ARGS)
+    assert resident["plan"]["experts"]["format"] == "gguf-q8_0"
+    assert _worst(resident, reference) < TOLERANCE
+    offloaded = ferry_generate(capsys, path, *ARGS, "--moe-cache-size", "9")
+    assert offloaded["expert_cache"]["misses"] > 0
+    assert offloaded["token_ids"] == resident["token_ids"] and offloaded["logprobs"] == resident["logprobs"]
+
+
+def test_a_glm4moe_gguf_reads_as_the_config_it_was_written_from(glm_gguf):
+    from dataclasses import fields
+
+    from ferry.plan.model_config import load_model_config
+
+    path, _, hf_dir = glm_gguf
+    spec, want = load_model_config(path), load_model_config(hf_dir)
+    assert spec.quantization.expert_format == "gguf-q8_0" and want.quantization is None
+    # every field but where it came from: the GGUF's dense tensors load in bf16 unless --dtype says otherwise
+    differ = {f.name for f in fields(spec) if getattr(spec, f.name) != getattr(want, f.name)}
+    assert differ == {"quantization", "text_config", "dtype"}, differ
+    assert spec.routed_scaling_factor == 2.5 and spec.router_groups == 2 and spec.moe_layers[0] is False
+
+
+def test_a_glm4moe_gguf_counts_its_nextn_layers_out_of_the_decoder(glm_gguf):
+    """llama.cpp's block_count counts the NextN (MTP) layers after the decoder's: they are not decoder layers."""
+    from ferry.plan.gguf_checkpoint import open_gguf
+    from ferry.plan.model_config import parse_model_config
+    from ferry.plan.model_families.glm4_moe import gguf_config
+
+    path, _, _ = glm_gguf
+    ckpt = open_gguf(path)
+    metadata = {**ckpt.metadata, "glm4moe.block_count": 4, "glm4moe.nextn_predict_layers": 1}
+    config = gguf_config(metadata, tuple(ckpt.tensors), str(path))
+    spec = parse_model_config({**config, "vocab_size": 640})
+    assert config["num_hidden_layers"] == spec.num_layers == 3 and spec.mtp_layers == 1
+
+
+def test_a_glm4moe_key_mapped_wrong_fails_the_comparison(glm_gguf, capsys, monkeypatch):
+    """The routed scaling read from the wrong key (left at its default 1.0): the comparison must catch it."""
+    from ferry.plan.model_families import glm4_moe
+
+    path, reference, _ = glm_gguf
+    fields = {k: v for k, v in glm4_moe.GGUF_FIELDS.items() if v != "routed_scaling_factor"}
+    monkeypatch.setattr(glm4_moe, "GGUF_FIELDS", {**fields, "expert_group_scale": "routed_scaling_factor"})
+    assert _worst(ferry_generate(capsys, path, *ARGS), reference) > TOLERANCE
+
+
+def test_a_glm4moe_gguf_of_another_router_is_refused_naming_the_key(glm_gguf):
+    from ferry.plan.gguf_checkpoint import open_gguf
+    from ferry.plan.model_families.glm4_moe import gguf_config
+    from ferry.shared.errors import ConfigError
+
+    path, _, _ = glm_gguf
+    ckpt = open_gguf(path)
+    with pytest.raises(ConfigError, match="glm4moe.expert_gating_func is 1"):
+        gguf_config({**ckpt.metadata, "glm4moe.expert_gating_func": 1}, tuple(ckpt.tensors), str(path))
