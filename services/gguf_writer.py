@@ -3,7 +3,7 @@ as a GGUF file, by the gguf package's own writer (`gguf.GGUFWriter`), as llama.c
 llama.cpp's metadata keys, its tensor names (the gguf package's table), the tokenizer's vocabulary, merges,
 token types, special ids and chat template.
 
-The routed experts are written in one ggml type (`expert_type`): Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 quantized from
+The routed experts are written in one ggml type (`expert_type`): Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and MXFP4 quantized from
 the checkpoint's weights by the gguf package itself (`gguf.quants.quantize`); the K types (Q4_K, Q5_K, Q6_K),
 which that package can only decode, as random but valid blocks whose values have the checkpoint's experts'
 spread. Dense matrices are written F16 (their norms and routers F32, as llama.cpp keeps them), so loading
@@ -31,7 +31,7 @@ _K_SCALES = {
     "Q6_K": ((208, 1 / 1369.0),),
 }
 # the types the gguf package quantizes itself (from the checkpoint's weights), then the K types it only decodes
-QUANTIZED_BY_GGUF = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+QUANTIZED_BY_GGUF = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4")
 EXPERT_TYPES = (*QUANTIZED_BY_GGUF, "Q4_K", "Q5_K", "Q6_K")
 # GGUF's K blocks hold 256 values: a tiny model written as GGUF has rows of whole blocks
 GGUF_SIZES = dict(hidden_size=256, moe_intermediate_size=256)
@@ -70,10 +70,7 @@ def write_gguf(
     for layer in spec.moe_layer_indices:
         for part, gguf_name in names.experts(layer).items():
             stacked = np.stack(
-                [
-                    tensors.pop(f"model.layers.{layer}.mlp.experts.{e}.{part}.weight")
-                    for e in range(spec.num_experts)
-                ]
+                [tensors.pop(f"model.layers.{layer}.mlp.experts.{e}.{part}.weight") for e in range(spec.num_experts)]
             ).astype(np.float32)
             blocks = _expert_blocks(stacked, expert_type, rng)
             writer.add_tensor(gguf_name, blocks, raw_dtype=gguf.GGMLQuantizationType[expert_type])
@@ -105,7 +102,9 @@ def _common_metadata(writer, config: dict) -> None:
     writer.add_value_length(config["head_dim"])
     writer.add_rope_freq_base(float(config.get("rope_theta", rope.get("rope_theta", 10000.0))))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_expert_count(int(config.get("num_experts") or config.get("num_local_experts") or config["n_routed_experts"]))
+    writer.add_expert_count(
+        int(config.get("num_experts") or config.get("num_local_experts") or config["n_routed_experts"])
+    )
     writer.add_expert_used_count(config["num_experts_per_tok"])
 
 
@@ -182,4 +181,3 @@ def _expert_blocks(weights: np.ndarray, expert_type: str, rng: np.random.Generat
     for offset, unit in _K_SCALES[expert_type]:
         view[:, offset : offset + 2] = np.frombuffer(np.float16(std * unit).tobytes(), dtype=np.uint8)
     return blocks
-

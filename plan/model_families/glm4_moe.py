@@ -81,7 +81,13 @@ GGUF_FIELDS = {
     "leading_dense_block_count": "first_k_dense_replace",
     "nextn_predict_layers": "num_nextn_predict_layers",
 }
-GGUF_REQUIRED = ("block_count", "embedding_length", "attention.head_count", "expert_count", "expert_feed_forward_length")
+GGUF_REQUIRED = (
+    "block_count",
+    "embedding_length",
+    "attention.head_count",
+    "expert_count",
+    "expert_feed_forward_length",
+)
 SIGMOID_GATING = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID: GLM's router
 
 

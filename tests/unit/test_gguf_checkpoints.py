@@ -62,6 +62,11 @@ def _random_blocks(ggml_type: str, rows: int, row_blocks: int, seed: int = 0) ->
 
     size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[ggml_type]][1]
     blocks = np.random.default_rng(seed).integers(0, 256, (rows, row_blocks * size), dtype=np.uint8)
+    if (
+        ggml_type == "MXFP4"
+    ):  # the e8m0 scale bytes whose codes stay finite (0 to 252), the two subnormal ones (0, 1) included
+        blocks.reshape(-1, size)[:, 0] = np.arange(rows * row_blocks) % 253
+        return blocks
     fields = ((80, 1.0),) if ggml_type == "Q2_K" else worker_class(F.get(f"gguf-{ggml_type.lower()}")).scale_fields
     for offset, _ in fields:
         scales = np.random.default_rng(seed + 1).uniform(1e-3, 1e-2, rows * row_blocks).astype(np.float16)
@@ -69,7 +74,7 @@ def _random_blocks(ggml_type: str, rows: int, row_blocks: int, seed: int = 0) ->
     return blocks
 
 
-@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4"])
 def test_the_torch_twin_decodes_blocks_as_the_gguf_package(ggml_type):
     import gguf
 
@@ -77,7 +82,7 @@ def test_the_torch_twin_decodes_blocks_as_the_gguf_package(ggml_type):
 
     qtype = gguf.GGMLQuantizationType[ggml_type]
     assert BLOCKS[ggml_type] == gguf.GGML_QUANT_SIZES[qtype]
-    blocks = _random_blocks(ggml_type, rows=24, row_blocks=3)
+    blocks = _random_blocks(ggml_type, rows=96, row_blocks=3)
     want = gguf.quants.dequantize(blocks, qtype)
     assert torch.equal(dequantize_rows(torch.from_numpy(blocks), ggml_type, torch.float32), torch.from_numpy(want))
 
@@ -85,7 +90,7 @@ def test_the_torch_twin_decodes_blocks_as_the_gguf_package(ggml_type):
 # ---- tiny GGUF models against transformers on the decoded file ---------------------------------------------
 
 
-@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4"])
 def test_gguf_tiny_models_generate_as_transformers_on_the_decoded_file(gguf_models, capsys, ggml_type):
     path, reference, _ = gguf_models(ggml_type)
     fmt = f"gguf-{ggml_type.lower()}"
@@ -120,6 +125,31 @@ def test_a_q4_k_scale_unpacked_one_bit_off_fails_the_comparison(gguf_models, cap
     path, reference, _ = gguf_models("Q4_K")
     monkeypatch.setattr(gguf_blocks, "k_scales", off_by_one_bit)
     assert _worst(ferry_generate(capsys, path, *ARGS), reference) > TOLERANCE
+
+
+def test_mxfp4_nibbles_read_high_first_fail_the_comparison(gguf_models, capsys, monkeypatch):
+    """ggml's MXFP4 holds values 0-15 in the low nibbles, 16-31 in the high: read the other way, it must fail."""
+    from ferry.kernels import gguf_blocks
+
+    path, reference, _ = gguf_models("MXFP4")
+    assert _worst(ferry_generate(capsys, path, *ARGS), reference) < TOLERANCE
+    monkeypatch.setattr(gguf_blocks, "_low_high", lambda qs: torch.cat((qs >> 4, qs & 0x0F), dim=1))
+    assert _worst(ferry_generate(capsys, path, *ARGS), reference) > TOLERANCE
+
+
+def test_mxfp4_dummy_experts_have_the_spread_asked_for():
+    """Dummy weights set the one e8m0 scale byte of each block (not an fp16 field, as the other types)."""
+    from ferry.kernels.gguf_blocks import dequantize_rows
+    from ferry.plan import expert_formats as F
+    from ferry.services.worker.expert_formats.gguf_mxfp4 import GgufMxfp4Experts
+
+    layout = F.get("gguf-mxfp4").family_layout(64, 256, 32)
+    rows = torch.zeros(2, layout.nbytes, dtype=torch.uint8)
+    experts = GgufMxfp4Experts.__new__(GgufMxfp4Experts)  # the fill reads only class attributes
+    experts._fill_dummy(rows, layout, 0.02, torch.Generator().manual_seed(0))
+    (q,) = layout.parts
+    values = dequantize_rows(rows[0, q.offset : q.offset + q.nbytes].view(64, -1), "MXFP4", torch.float32)
+    assert 0.5 * 0.02 < float(values.std()) < 2 * 0.02
 
 
 def test_the_plan_prices_each_expert_at_its_blocks_bytes(gguf_models, capsys):
