@@ -116,7 +116,7 @@ def _qwen3moe_metadata(writer, config: dict) -> None:
 
 
 def _glm4moe_metadata(writer, config: dict) -> None:
-    """As llama.cpp's Glm4MoeModel: block_count counts the NextN layers, the rotated width is in rope.dimension_count."""
+    """As llama.cpp's Glm4MoeModel: block_count counts the NextN layers, rope.dimension_count the rotated width."""
     import gguf
 
     nextn = int(config.get("num_nextn_predict_layers", 0))

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 
-
 # llama.cpp's converter renames these before its table lookup (convert_hf_to_gguf.py)
 CONVERTER_RENAMES = {"e_score_correction_bias": "e_score_correction.bias"}
 
