@@ -147,9 +147,12 @@ class GgufCheckpoint:
         return GgufNames(self.architecture, int(self.value(f"{self.architecture}.block_count", 0)))
 
 
-# Hugging Face names llama.cpp's converter renames before its table lookup (convert_hf_to_gguf.py does it for
-# every family with a router score bias: the table lists the bias as the `.bias` of `e_score_correction`)
-_CONVERTER_RENAMES = (("e_score_correction_bias", "e_score_correction.bias"),)
+# Hugging Face names llama.cpp's converter renames before its table lookup (convert_hf_to_gguf.py: a router score
+# bias is the `.bias` of `e_score_correction`, gpt-oss's attention sinks a `.weight`)
+_CONVERTER_RENAMES = (
+    ("e_score_correction_bias", "e_score_correction.bias"),
+    (".self_attn.sinks", ".self_attn.sinks.weight"),
+)
 
 
 class GgufNames:

@@ -32,7 +32,9 @@ _K_SCALES = {
 }
 # the types the gguf package quantizes itself (from the checkpoint's weights), then the K types it only decodes
 QUANTIZED_BY_GGUF = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4")
-EXPERT_TYPES = (*QUANTIZED_BY_GGUF, "Q4_K", "Q5_K", "Q6_K")
+# float32 experts: what a model whose experts have biases (gpt-oss) is served in from a GGUF (no block format holds them)
+FLOAT_EXPERT_TYPES = ("F32",)
+EXPERT_TYPES = (*QUANTIZED_BY_GGUF, "Q4_K", "Q5_K", "Q6_K", *FLOAT_EXPERT_TYPES)
 # GGUF's K blocks hold 256 values: a tiny model written as GGUF has rows of whole blocks
 GGUF_SIZES = dict(hidden_size=256, moe_intermediate_size=256)
 _CONTROL, _NORMAL = 3, 1  # llama.cpp's token types
@@ -53,7 +55,7 @@ def write_gguf(
     out.parent.mkdir(parents=True, exist_ok=True)
     config = json.loads((hf_dir / "config.json").read_text())
     family = family_for_config(config, str(hf_dir / "config.json"))
-    if family.name not in _METADATA:
+    if family.name not in _METADATA:  # llama.cpp's converter writes a family's own keys: the writer knows these
         raise ValueError(f"the GGUF writer takes a checkpoint of {', '.join(_METADATA)}, not {family.name}")
     architecture = family.gguf_architectures[0]
     spec = parse_model_config(config, str(hf_dir / "config.json"))
@@ -67,21 +69,24 @@ def write_gguf(
     _tokenizer(writer, hf_dir)
     names = GgufNames(architecture, layers)
     rng = np.random.default_rng(seed)
+    experts_of = _FUSED_EXPERTS.get(family.name, _per_expert)
     for layer in spec.moe_layer_indices:
+        weights, biases = experts_of(tensors, layer, spec.num_experts)
         for part, gguf_name in names.experts(layer).items():
-            stacked = np.stack(
-                [tensors.pop(f"model.layers.{layer}.mlp.experts.{e}.{part}.weight") for e in range(spec.num_experts)]
-            ).astype(np.float32)
-            blocks = _expert_blocks(stacked, expert_type, rng)
-            writer.add_tensor(gguf_name, blocks, raw_dtype=gguf.GGMLQuantizationType[expert_type])
+            if expert_type in FLOAT_EXPERT_TYPES:
+                writer.add_tensor(gguf_name, weights[part].astype(np.float32))
+            else:
+                blocks = _expert_blocks(weights[part], expert_type, rng)
+                writer.add_tensor(gguf_name, blocks, raw_dtype=gguf.GGMLQuantizationType[expert_type])
+        for part, bias in biases.items():
+            writer.add_tensor(names.gguf_name(f"model.layers.{layer}.mlp.experts.{part}.bias"), bias.astype(np.float32))
     for name, value in sorted(tensors.items()):
         gguf_name = names.gguf_name(name)
         if gguf_name is None:
             raise ValueError(f"{name}: the gguf package's {architecture} table has no name for it")
         value = value.astype(np.float32)
-        writer.add_tensor(
-            gguf_name, value.astype(np.float16) if value.ndim == 2 and ".mlp.gate." not in name else value
-        )
+        router = gguf_name.split(".")[-2] == "ffn_gate_inp"  # llama.cpp keeps routers float32, as norms
+        writer.add_tensor(gguf_name, value.astype(np.float16) if value.ndim == 2 and not router else value)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -95,7 +100,6 @@ def _common_metadata(writer, config: dict) -> None:
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
     writer.add_head_count(config["num_attention_heads"])
     writer.add_head_count_kv(config["num_key_value_heads"])
     writer.add_key_length(config["head_dim"])
@@ -113,6 +117,7 @@ def _qwen3moe_metadata(writer, config: dict) -> None:
         # llama.cpp's qwen3moe graph renormalizes the top k, and its table names no dense MLP beside routed experts
         raise ValueError("the GGUF writer takes a qwen3_moe checkpoint of MoE layers only, with norm_topk_prob")
     writer.add_block_count(config["num_hidden_layers"])
+    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
 
 
 def _glm4moe_metadata(writer, config: dict) -> None:
@@ -121,6 +126,7 @@ def _glm4moe_metadata(writer, config: dict) -> None:
 
     nextn = int(config.get("num_nextn_predict_layers", 0))
     writer.add_block_count(config["num_hidden_layers"] + nextn)
+    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
     writer.add_rope_dimension_count(int(config["head_dim"] * config.get("partial_rotary_factor", 0.5)))
     writer.add_expert_shared_count(config["n_shared_experts"])
     writer.add_leading_dense_block_count(config["first_k_dense_replace"])
@@ -132,8 +138,61 @@ def _glm4moe_metadata(writer, config: dict) -> None:
     writer.add_nextn_predict_layers(nextn)
 
 
+def _gpt_oss_metadata(writer, config: dict) -> None:
+    """As llama.cpp's GptOssModel: the experts' width is intermediate_size, YaRN in rope.scaling.*; its graph
+    fixes the sliding layers to the even ones and YaRN's betas, so a checkpoint differing there has no GGUF."""
+    import gguf
+
+    layers = int(config["num_hidden_layers"])
+    if config.get("layer_types", ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]) != [
+        "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)
+    ]:
+        raise ValueError("the GGUF writer takes a gpt_oss checkpoint whose even layers slide, as llama.cpp's graph")
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    writer.add_block_count(layers)
+    writer.add_expert_feed_forward_length(config["intermediate_size"])
+    writer.add_sliding_window(config["sliding_window"])
+    if rope.get("rope_type") == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope.get("original_max_position_embeddings", 4096))
+
+
 # each family's keys beyond the common ones, by family name
-_METADATA = {"qwen3_moe": _qwen3moe_metadata, "glm4_moe": _glm4moe_metadata}
+_METADATA = {"qwen3_moe": _qwen3moe_metadata, "glm4_moe": _glm4moe_metadata, "gpt_oss": _gpt_oss_metadata}
+
+
+def _per_expert(tensors: dict, layer: int, experts: int) -> tuple[dict, dict]:
+    """({part: [E, rows, cols]} float32, {}) of a checkpoint storing each expert's linears apart (popped)."""
+    prefix = f"model.layers.{layer}.mlp.experts"
+    weights = {
+        part: np.stack([tensors.pop(f"{prefix}.{e}.{part}.weight") for e in range(experts)]).astype(np.float32)
+        for part in ("gate_proj", "up_proj", "down_proj")
+    }
+    return weights, {}
+
+
+def _gpt_oss_experts(tensors: dict, layer: int, experts: int) -> tuple[dict, dict]:
+    """gpt-oss's fused experts (popped) split as llama.cpp's converter does: `gate_up_proj` [E, H, 2I] with gate and
+    up interleaved -> gate [E, I, H] and up; `down_proj` [E, I, H] -> [E, H, I]; their biases likewise."""
+    prefix = f"model.layers.{layer}.mlp.experts"
+    gate_up = tensors.pop(f"{prefix}.gate_up_proj").astype(np.float32).transpose(0, 2, 1)
+    gate_up_bias = tensors.pop(f"{prefix}.gate_up_proj_bias").astype(np.float32)
+    weights = {
+        "gate_proj": np.ascontiguousarray(gate_up[:, 0::2]),
+        "up_proj": np.ascontiguousarray(gate_up[:, 1::2]),
+        "down_proj": np.ascontiguousarray(tensors.pop(f"{prefix}.down_proj").astype(np.float32).transpose(0, 2, 1)),
+    }
+    biases = {
+        "gate_proj": np.ascontiguousarray(gate_up_bias[:, 0::2]),
+        "up_proj": np.ascontiguousarray(gate_up_bias[:, 1::2]),
+        "down_proj": tensors.pop(f"{prefix}.down_proj_bias").astype(np.float32),
+    }
+    return weights, biases
+
+
+# the families whose checkpoints fuse a layer's experts, by family name (the others store them apart)
+_FUSED_EXPERTS = {"gpt_oss": _gpt_oss_experts}
 
 
 def _tokenizer(writer, hf_dir: Path) -> None:

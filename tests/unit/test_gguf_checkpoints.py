@@ -513,3 +513,58 @@ def test_a_glm4moe_gguf_of_another_router_is_refused_naming_the_key(glm_gguf):
     ckpt = open_gguf(path)
     with pytest.raises(ConfigError, match="glm4moe.expert_gating_func is 1"):
         gguf_config({**ckpt.metadata, "glm4moe.expert_gating_func": 1}, tuple(ckpt.tensors), str(path))
+
+
+# ---- gpt-oss -----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_gguf(tmp_path_factory):
+    """(a tiny gpt_oss written as a gpt-oss GGUF with float32 experts and their biases, its decoded reference, the
+    checkpoint it was written from): sinks, q/k/v/o biases, a sliding layer then a full one, YaRN."""
+    root = tmp_path_factory.mktemp("gguf-gpt-oss")
+    path, hf_dir = tiny_gguf(root, "F32", arch="gpt_oss")
+    return path, dequantized_reference(path, hf_dir, root / "reference"), hf_dir
+
+
+def test_a_gpt_oss_gguf_generates_as_transformers_on_the_decoded_file(gpt_oss_gguf, capsys):
+    path, reference, _ = gpt_oss_gguf
+    resident = ferry_generate(capsys, path, *ARGS)
+    assert resident["plan"]["experts"]["format"] == "float32"  # float experts in the run dtype, biases in the rows
+    assert _worst(resident, reference) < TOLERANCE
+    offloaded = ferry_generate(capsys, path, *ARGS, "--moe-cache-size", "9")
+    assert offloaded["expert_cache"]["misses"] > 0
+    assert offloaded["token_ids"] == resident["token_ids"] and offloaded["logprobs"] == resident["logprobs"]
+
+
+def test_a_gpt_oss_gguf_reads_as_the_config_it_was_written_from(gpt_oss_gguf):
+    from dataclasses import fields
+
+    from ferry.plan.model_config import load_model_config
+
+    path, _, hf_dir = gpt_oss_gguf
+    spec, want = load_model_config(path), load_model_config(hf_dir)
+    differ = {f.name for f in fields(spec) if getattr(spec, f.name) != getattr(want, f.name)}
+    assert differ == {"text_config", "dtype"}, differ
+    assert spec.attention_windows == (8, 0) and spec.rope_yarn is not None and spec.attention_sinks
+
+
+def test_a_gpt_oss_window_read_from_another_key_fails_the_comparison(gpt_oss_gguf, capsys, monkeypatch):
+    """The sliding window read from the context length's key: the comparison must catch it."""
+    from ferry.plan.model_families import gpt_oss
+
+    path, reference, _ = gpt_oss_gguf
+    monkeypatch.setattr(gpt_oss, "GGUF_SLIDING_WINDOW", "context_length")
+    assert _worst(ferry_generate(capsys, path, *ARGS), reference) > TOLERANCE
+
+
+def test_a_gpt_oss_gguf_of_mxfp4_experts_is_refused_naming_why(gpt_oss_gguf, tmp_path, capsys):
+    """ggml-org's gpt-oss GGUFs hold MXFP4 experts; no block format's rows hold the experts' biases yet."""
+    from ferry.services.cli import main
+    from ferry.services.gguf_writer import write_gguf
+
+    _, _, hf_dir = gpt_oss_gguf
+    path = write_gguf(hf_dir, tmp_path / "gpt-oss-mxfp4.gguf", "MXFP4")
+    assert main(["plan", str(path), "--gpu-memory", "24GiB"]) == 2
+    err = capsys.readouterr().err
+    assert "biases" in err and "gguf-mxfp4" in err, err
