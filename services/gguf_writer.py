@@ -32,7 +32,7 @@ _K_SCALES = {
 }
 # the types the gguf package quantizes itself (from the checkpoint's weights), then the K types it only decodes
 QUANTIZED_BY_GGUF = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4")
-# float32 experts: what a model whose experts have biases (gpt-oss) is served in from a GGUF (no block format holds them)
+# float32 experts: how a GGUF of experts with biases (gpt-oss) is served (no block format holds biases)
 FLOAT_EXPERT_TYPES = ("F32",)
 EXPERT_TYPES = (*QUANTIZED_BY_GGUF, "Q4_K", "Q5_K", "Q6_K", *FLOAT_EXPERT_TYPES)
 # GGUF's K blocks hold 256 values: a tiny model written as GGUF has rows of whole blocks
@@ -144,9 +144,8 @@ def _gpt_oss_metadata(writer, config: dict) -> None:
     import gguf
 
     layers = int(config["num_hidden_layers"])
-    if config.get("layer_types", ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]) != [
-        "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)
-    ]:
+    even_sliding = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    if config.get("layer_types", even_sliding) != even_sliding:
         raise ValueError("the GGUF writer takes a gpt_oss checkpoint whose even layers slide, as llama.cpp's graph")
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     writer.add_block_count(layers)
