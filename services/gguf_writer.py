@@ -1,4 +1,5 @@
-"""A Hugging Face checkpoint of attention and MoE layers (a family with a GGUF architecture: qwen3_moe) rewritten
+"""A Hugging Face checkpoint of attention and MoE layers (qwen3_moe, glm4_moe, gpt_oss: the families with a GGUF
+architecture, each one's own keys in `_METADATA` and, where it fuses its experts, `_FUSED_EXPERTS`) rewritten
 as a GGUF file, by the gguf package's own writer (`gguf.GGUFWriter`), as llama.cpp's converter lays one out:
 llama.cpp's metadata keys, its tensor names (the gguf package's table), the tokenizer's vocabulary, merges,
 token types, special ids and chat template.

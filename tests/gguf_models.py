@@ -1,4 +1,5 @@
-"""Tiny GGUF models (services/gguf_writer.py: a tiny qwen3_moe rewritten as llama.cpp lays a GGUF out) and
+"""Tiny GGUF models (services/gguf_writer.py: a tiny qwen3_moe, glm4_moe or gpt_oss rewritten as llama.cpp lays a
+GGUF out) and
 the reference they are held to: the same file decoded by the gguf package alone (its reader and its numpy
 `gguf.quants.dequantize`), saved as a float32 Hugging Face checkpoint for transformers to load. Nothing of
 Ferry's reading or decoding of GGUF is used here, only the gguf package's name table to put each tensor
