@@ -4,8 +4,8 @@ as a GGUF file, by the gguf package's own writer (`gguf.GGUFWriter`), as llama.c
 llama.cpp's metadata keys, its tensor names (the gguf package's table), the tokenizer's vocabulary, merges,
 token types, special ids and chat template.
 
-The routed experts are written in one ggml type (`expert_type`): Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and MXFP4 quantized from
-the checkpoint's weights by the gguf package itself (`gguf.quants.quantize`); the K types (Q4_K, Q5_K, Q6_K),
+The routed experts are written in one ggml type (`expert_type`): Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and MXFP4 quantized
+from the checkpoint's weights by the gguf package itself (`gguf.quants.quantize`); the K types (Q4_K, Q5_K, Q6_K),
 which that package can only decode, as random but valid blocks whose values have the checkpoint's experts'
 spread. Dense matrices are written F16 (their norms and routers F32, as llama.cpp keeps them), so loading
 dequantizes them. The tests' tiny GGUF models come from here (`ferry make-tiny-model --gguf TYPE`); the model

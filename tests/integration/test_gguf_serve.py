@@ -1,9 +1,9 @@
-"""A GGUF file served by `ferry serve` (issue 60): a tiny qwen3_moe, glm4_moe or gpt_oss written as llama.cpp lays a GGUF out
-(tests/gguf_models.py), through the real api, scheduler and worker on CPU. The api tokenizes the prompt with
-the tokenizer rebuilt from the file's metadata, and the official openai client's prompt logprobs (echo) equal
-transformers' log-softmax of the same file decoded by the gguf package (float32) within 0.05, its experts
-all resident (Q8_0) and offloaded (Q4_K, glm4moe's Q8_0: the file's blocks cross from the host banks); gpt-oss's
-float32 experts with their biases."""
+"""A GGUF file served by `ferry serve` (issue 60): a tiny qwen3_moe, glm4_moe or gpt_oss written as llama.cpp
+lays a GGUF out (tests/gguf_models.py), through the real api, scheduler and worker on CPU. The api tokenizes
+the prompt with the tokenizer rebuilt from the file's metadata, and the official openai client's prompt
+logprobs (echo) equal transformers' log-softmax of the same file decoded by the gguf package (float32) within
+0.05, its experts all resident (Q8_0) and offloaded (Q4_K, glm4moe's Q8_0: the file's blocks cross from the
+host banks); gpt-oss's float32 experts with their biases."""
 
 from __future__ import annotations
 
