@@ -23,7 +23,7 @@ import torch
 
 from ferry.kernels.gguf_blocks import BLOCKS, dequantize_rows
 from ferry.plan.costs import is_served
-from ferry.plan.gguf_checkpoint import FLOAT_TYPES, GgufTensor, open_gguf
+from ferry.plan.gguf_checkpoint import FLOAT_TYPES, GgufCheckpoint, GgufNames, GgufTensor, open_gguf
 from ferry.plan.model_families import family_of
 from ferry.plan.model_spec import ModelSpec
 from ferry.services.worker.quantized_weight import QuantizedWeight
@@ -100,7 +100,9 @@ def routed_expert_gguf_tensors(
                 yield from _expert_biases(ckpt, names, path, layer, part)
 
 
-def _expert_biases(ckpt, names, path: Path, layer: int, part: str) -> Iterator[tuple[str, torch.Tensor]]:
+def _expert_biases(
+    ckpt: GgufCheckpoint, names: GgufNames, path: Path, layer: int, part: str
+) -> Iterator[tuple[str, torch.Tensor]]:
     """`model.layers.L.mlp.experts.E.{part}.bias` of every expert, from the file's `ffn_{part}_exps.bias` [E, rows]."""
     gguf_name = names.gguf_name(f"model.layers.{layer}.mlp.experts.{part}.bias")
     if gguf_name not in ckpt.tensors:
