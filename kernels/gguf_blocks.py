@@ -15,6 +15,8 @@ llama.cpp writes it; little-endian), so a slot's row of an expert is the file's 
 | | | | w = d sc_j q - dmin m_j over 8 sub-blocks of 32 (in each 64, the low nibbles first) |
 | Q5_K | 256 | 176 | Q4_K's, with a fifth bit per value from 32 bytes of qh (bit j of byte i: value 32 j + i) |
 | Q6_K | 256 | 210 | 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales, fp16 d: w = d sc (q - 32) |
+| MXFP4 | 32 | 17 | e8m0 e, 16 bytes of e2m1 codes (Q4_0's nibble order): w = 2^(e - 128) 2 e2m1(q), ggml's |
+| | | | doubled code table under half the scale (e of 0 and 1: the float32 subnormals 2^-128, 2^-127) |
 
 Transcribed from ggml's `dequantize_row_*` (ggml-quants.c) as the gguf package's numpy reference
 (`gguf.quants.dequantize`) writes them; the tests hold this to that reference bit for bit. Math in float32,
@@ -35,7 +37,10 @@ BLOCKS = {
     "Q4_K": (256, 144),
     "Q5_K": (256, 176),
     "Q6_K": (256, 210),
+    "MXFP4": (32, 17),
 }
+# ggml's e2m1 code table, doubled (kvalues_mxfp4): the codes' values times two, sign in the top bit
+MXFP4_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 K_SCALE_BYTES = 12  # Q4_K / Q5_K: eight 6-bit scales and eight 6-bit mins
 
 
@@ -128,6 +133,18 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     return (_half(blocks, 208) * scales).view(n, 16, 1).mul(q.view(n, 16, 16)).view(n, 256)
 
 
+def _e8m0_half(e: torch.Tensor) -> torch.Tensor:
+    """ggml_e8m0_to_fp32_half: e8m0 bytes [n, 1] -> 2^(e - 128) float32, built from its bits (e < 2: subnormal)."""
+    e = e.to(torch.int32)
+    bits = torch.where(e < 2, torch.tensor(0x00200000, dtype=torch.int32, device=e.device) << e, (e - 1) << 23)
+    return bits.view(torch.float32)
+
+
+def _mxfp4(blocks: torch.Tensor) -> torch.Tensor:
+    table = torch.tensor(MXFP4_DOUBLED, dtype=torch.float32, device=blocks.device)
+    return _e8m0_half(blocks[:, 0:1]) * table[_low_high(blocks[:, 1:17]).long()]
+
+
 _DEQUANTIZE = {
     "Q8_0": _q8_0,
     "Q4_0": _q4_0,
@@ -137,6 +154,7 @@ _DEQUANTIZE = {
     "Q4_K": _q4_k,
     "Q5_K": _q5_k,
     "Q6_K": _q6_k,
+    "MXFP4": _mxfp4,
 }
 
 

@@ -147,6 +147,14 @@ class GgufCheckpoint:
         return GgufNames(self.architecture, int(self.value(f"{self.architecture}.block_count", 0)))
 
 
+# Hugging Face names llama.cpp's converter renames before its table lookup (convert_hf_to_gguf.py: a router score
+# bias is the `.bias` of `e_score_correction`, gpt-oss's attention sinks a `.weight`)
+_CONVERTER_RENAMES = (
+    ("e_score_correction_bias", "e_score_correction.bias"),
+    (".self_attn.sinks", ".self_attn.sinks.weight"),
+)
+
+
 class GgufNames:
     """Hugging Face tensor names <-> this architecture's GGUF names, by the gguf package's table."""
 
@@ -160,6 +168,9 @@ class GgufNames:
 
     def gguf_name(self, hf_name: str) -> str | None:
         """`model.layers.0.self_attn.q_proj.weight` -> `blk.0.attn_q.weight`; None where the table has none."""
+        for old, new in _CONVERTER_RENAMES:
+            if hf_name.endswith(old):
+                hf_name = hf_name[: -len(old)] + new
         return self.map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
 
     def experts(self, layer: int) -> dict[str, str | None]:

@@ -1,10 +1,11 @@
-"""A Hugging Face checkpoint of attention and MoE layers (a family with a GGUF architecture: qwen3_moe) rewritten
+"""A Hugging Face checkpoint of attention and MoE layers (qwen3_moe, glm4_moe, gpt_oss: the families with a GGUF
+architecture, each one's own keys in `_METADATA` and, where it fuses its experts, `_FUSED_EXPERTS`) rewritten
 as a GGUF file, by the gguf package's own writer (`gguf.GGUFWriter`), as llama.cpp's converter lays one out:
 llama.cpp's metadata keys, its tensor names (the gguf package's table), the tokenizer's vocabulary, merges,
 token types, special ids and chat template.
 
-The routed experts are written in one ggml type (`expert_type`): Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 quantized from
-the checkpoint's weights by the gguf package itself (`gguf.quants.quantize`); the K types (Q4_K, Q5_K, Q6_K),
+The routed experts are written in one ggml type (`expert_type`): Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and MXFP4 quantized
+from the checkpoint's weights by the gguf package itself (`gguf.quants.quantize`); the K types (Q4_K, Q5_K, Q6_K),
 which that package can only decode, as random but valid blocks whose values have the checkpoint's experts'
 spread. Dense matrices are written F16 (their norms and routers F32, as llama.cpp keeps them), so loading
 dequantizes them. The tests' tiny GGUF models come from here (`ferry make-tiny-model --gguf TYPE`); the model
@@ -20,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from ferry.plan.gguf_checkpoint import GgufNames
+from ferry.plan.model_config import parse_model_config
 from ferry.plan.model_families import family_for_config
 
 # (byte offset, value for weights of std 1) of each fp16 scale of a K block whose other bytes are random
@@ -30,8 +32,10 @@ _K_SCALES = {
     "Q6_K": ((208, 1 / 1369.0),),
 }
 # the types the gguf package quantizes itself (from the checkpoint's weights), then the K types it only decodes
-QUANTIZED_BY_GGUF = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
-EXPERT_TYPES = (*QUANTIZED_BY_GGUF, "Q4_K", "Q5_K", "Q6_K")
+QUANTIZED_BY_GGUF = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4")
+# float32 experts: how a GGUF of experts with biases (gpt-oss) is served (no block format holds biases)
+FLOAT_EXPERT_TYPES = ("F32",)
+EXPERT_TYPES = (*QUANTIZED_BY_GGUF, "Q4_K", "Q5_K", "Q6_K", *FLOAT_EXPERT_TYPES)
 # GGUF's K blocks hold 256 values: a tiny model written as GGUF has rows of whole blocks
 GGUF_SIZES = dict(hidden_size=256, moe_intermediate_size=256)
 _CONTROL, _NORMAL = 3, 1  # llama.cpp's token types
@@ -52,40 +56,38 @@ def write_gguf(
     out.parent.mkdir(parents=True, exist_ok=True)
     config = json.loads((hf_dir / "config.json").read_text())
     family = family_for_config(config, str(hf_dir / "config.json"))
-    if not family.gguf_architectures or config.get("mlp_only_layers") or not config.get("norm_topk_prob"):
-        # llama.cpp's MoE graphs renormalize the top k, and its table names no dense MLP beside routed experts
-        raise ValueError(
-            f"the GGUF writer takes a checkpoint of a family with a GGUF architecture ({family.name} has "
-            f"{list(family.gguf_architectures)}), of MoE layers only, with norm_topk_prob"
-        )
+    if family.name not in _METADATA:  # llama.cpp's converter writes a family's own keys: the writer knows these
+        raise ValueError(f"the GGUF writer takes a checkpoint of {', '.join(_METADATA)}, not {family.name}")
     architecture = family.gguf_architectures[0]
+    spec = parse_model_config(config, str(hf_dir / "config.json"))
     tensors: dict[str, np.ndarray] = {}
     for shard in sorted(hf_dir.glob("*.safetensors")):
         tensors.update(load_file(shard))
     layers = int(config["num_hidden_layers"])
     writer = gguf.GGUFWriter(str(out), architecture, split_max_tensors=split_max_tensors)
-    _metadata(writer, config)
+    _common_metadata(writer, config)
+    _METADATA[family.name](writer, config)
     _tokenizer(writer, hf_dir)
     names = GgufNames(architecture, layers)
     rng = np.random.default_rng(seed)
-    for layer in range(layers):
+    experts_of = _FUSED_EXPERTS.get(family.name, _per_expert)
+    for layer in spec.moe_layer_indices:
+        weights, biases = experts_of(tensors, layer, spec.num_experts)
         for part, gguf_name in names.experts(layer).items():
-            stacked = np.stack(
-                [
-                    tensors.pop(f"model.layers.{layer}.mlp.experts.{e}.{part}.weight")
-                    for e in range(_num_experts(config))
-                ]
-            ).astype(np.float32)
-            blocks = _expert_blocks(stacked, expert_type, rng)
-            writer.add_tensor(gguf_name, blocks, raw_dtype=gguf.GGMLQuantizationType[expert_type])
+            if expert_type in FLOAT_EXPERT_TYPES:
+                writer.add_tensor(gguf_name, weights[part].astype(np.float32))
+            else:
+                blocks = _expert_blocks(weights[part], expert_type, rng)
+                writer.add_tensor(gguf_name, blocks, raw_dtype=gguf.GGMLQuantizationType[expert_type])
+        for part, bias in biases.items():
+            writer.add_tensor(names.gguf_name(f"model.layers.{layer}.mlp.experts.{part}.bias"), bias.astype(np.float32))
     for name, value in sorted(tensors.items()):
         gguf_name = names.gguf_name(name)
         if gguf_name is None:
             raise ValueError(f"{name}: the gguf package's {architecture} table has no name for it")
         value = value.astype(np.float32)
-        writer.add_tensor(
-            gguf_name, value.astype(np.float16) if value.ndim == 2 and ".mlp.gate." not in name else value
-        )
+        router = gguf_name.split(".")[-2] == "ffn_gate_inp"  # llama.cpp keeps routers float32, as norms
+        writer.add_tensor(gguf_name, value.astype(np.float16) if value.ndim == 2 and not router else value)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -93,21 +95,104 @@ def write_gguf(
     return out if not split_max_tensors else sorted(out.parent.glob(f"{out.stem}-00001-of-*.gguf"))[0]
 
 
-def _metadata(writer, config: dict) -> None:
+def _common_metadata(writer, config: dict) -> None:
+    """The keys llama.cpp's converter writes for every family (TextModel.set_gguf_parameters)."""
     rope = config.get("rope_parameters") or {}
-    writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
     writer.add_head_count(config["num_attention_heads"])
     writer.add_head_count_kv(config["num_key_value_heads"])
     writer.add_key_length(config["head_dim"])
     writer.add_value_length(config["head_dim"])
     writer.add_rope_freq_base(float(config.get("rope_theta", rope.get("rope_theta", 10000.0))))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_expert_count(_num_experts(config))
+    writer.add_expert_count(
+        int(config.get("num_experts") or config.get("num_local_experts") or config["n_routed_experts"])
+    )
     writer.add_expert_used_count(config["num_experts_per_tok"])
+
+
+def _qwen3moe_metadata(writer, config: dict) -> None:
+    if config.get("mlp_only_layers") or not config.get("norm_topk_prob"):
+        # llama.cpp's qwen3moe graph renormalizes the top k, and its table names no dense MLP beside routed experts
+        raise ValueError("the GGUF writer takes a qwen3_moe checkpoint of MoE layers only, with norm_topk_prob")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+
+
+def _glm4moe_metadata(writer, config: dict) -> None:
+    """As llama.cpp's Glm4MoeModel: block_count counts the NextN layers, rope.dimension_count the rotated width."""
+    import gguf
+
+    nextn = int(config.get("num_nextn_predict_layers", 0))
+    writer.add_block_count(config["num_hidden_layers"] + nextn)
+    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    writer.add_rope_dimension_count(int(config["head_dim"] * config.get("partial_rotary_factor", 0.5)))
+    writer.add_expert_shared_count(config["n_shared_experts"])
+    writer.add_leading_dense_block_count(config["first_k_dense_replace"])
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    writer.add_expert_weights_scale(config["routed_scaling_factor"])
+    writer.add_expert_weights_norm(config["norm_topk_prob"])
+    writer.add_expert_group_count(config.get("n_group", 1))
+    writer.add_expert_group_used_count(config.get("topk_group", 1))
+    writer.add_nextn_predict_layers(nextn)
+
+
+def _gpt_oss_metadata(writer, config: dict) -> None:
+    """As llama.cpp's GptOssModel: the experts' width is intermediate_size, YaRN in rope.scaling.*; its graph
+    fixes the sliding layers to the even ones and YaRN's betas, so a checkpoint differing there has no GGUF."""
+    import gguf
+
+    layers = int(config["num_hidden_layers"])
+    even_sliding = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    if config.get("layer_types", even_sliding) != even_sliding:
+        raise ValueError("the GGUF writer takes a gpt_oss checkpoint whose even layers slide, as llama.cpp's graph")
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    writer.add_block_count(layers)
+    writer.add_expert_feed_forward_length(config["intermediate_size"])
+    writer.add_sliding_window(config["sliding_window"])
+    if rope.get("rope_type") == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope.get("original_max_position_embeddings", 4096))
+
+
+# each family's keys beyond the common ones, by family name
+_METADATA = {"qwen3_moe": _qwen3moe_metadata, "glm4_moe": _glm4moe_metadata, "gpt_oss": _gpt_oss_metadata}
+
+
+def _per_expert(tensors: dict, layer: int, experts: int) -> tuple[dict, dict]:
+    """({part: [E, rows, cols]} float32, {}) of a checkpoint storing each expert's linears apart (popped)."""
+    prefix = f"model.layers.{layer}.mlp.experts"
+    weights = {
+        part: np.stack([tensors.pop(f"{prefix}.{e}.{part}.weight") for e in range(experts)]).astype(np.float32)
+        for part in ("gate_proj", "up_proj", "down_proj")
+    }
+    return weights, {}
+
+
+def _gpt_oss_experts(tensors: dict, layer: int, experts: int) -> tuple[dict, dict]:
+    """gpt-oss's fused experts (popped) split as llama.cpp's converter does: `gate_up_proj` [E, H, 2I] with gate and
+    up interleaved -> gate [E, I, H] and up; `down_proj` [E, I, H] -> [E, H, I]; their biases likewise."""
+    prefix = f"model.layers.{layer}.mlp.experts"
+    gate_up = tensors.pop(f"{prefix}.gate_up_proj").astype(np.float32).transpose(0, 2, 1)
+    gate_up_bias = tensors.pop(f"{prefix}.gate_up_proj_bias").astype(np.float32)
+    weights = {
+        "gate_proj": np.ascontiguousarray(gate_up[:, 0::2]),
+        "up_proj": np.ascontiguousarray(gate_up[:, 1::2]),
+        "down_proj": np.ascontiguousarray(tensors.pop(f"{prefix}.down_proj").astype(np.float32).transpose(0, 2, 1)),
+    }
+    biases = {
+        "gate_proj": np.ascontiguousarray(gate_up_bias[:, 0::2]),
+        "up_proj": np.ascontiguousarray(gate_up_bias[:, 1::2]),
+        "down_proj": tensors.pop(f"{prefix}.down_proj_bias").astype(np.float32),
+    }
+    return weights, biases
+
+
+# the families whose checkpoints fuse a layer's experts, by family name (the others store them apart)
+_FUSED_EXPERTS = {"gpt_oss": _gpt_oss_experts}
 
 
 def _tokenizer(writer, hf_dir: Path) -> None:
@@ -155,7 +240,3 @@ def _expert_blocks(weights: np.ndarray, expert_type: str, rng: np.random.Generat
     for offset, unit in _K_SCALES[expert_type]:
         view[:, offset : offset + 2] = np.frombuffer(np.float16(std * unit).tobytes(), dtype=np.uint8)
     return blocks
-
-
-def _num_experts(config: dict) -> int:
-    return int(config.get("num_experts") or config["num_local_experts"])

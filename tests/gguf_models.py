@@ -1,4 +1,5 @@
-"""Tiny GGUF models (services/gguf_writer.py: a tiny qwen3_moe rewritten as llama.cpp lays a GGUF out) and
+"""Tiny GGUF models (services/gguf_writer.py: a tiny qwen3_moe, glm4_moe or gpt_oss rewritten as llama.cpp lays a
+GGUF out) and
 the reference they are held to: the same file decoded by the gguf package alone (its reader and its numpy
 `gguf.quants.dequantize`), saved as a float32 Hugging Face checkpoint for transformers to load. Nothing of
 Ferry's reading or decoding of GGUF is used here, only the gguf package's name table to put each tensor
@@ -12,15 +13,22 @@ from pathlib import Path
 
 import numpy as np
 
+# llama.cpp's converter renames these before its table lookup (convert_hf_to_gguf.py)
+CONVERTER_RENAMES = {"e_score_correction_bias": "e_score_correction.bias", "sinks": "sinks.weight"}
+# gpt-oss's fused experts: each layer's gate and up (interleaved) and down, with their biases
+FUSED = ("experts.gate_up_proj", "experts.gate_up_proj_bias", "experts.down_proj", "experts.down_proj_bias")
 
-def tiny_gguf(root: Path, expert_type: str, hf_dir: Path | None = None, seed: int = 0) -> tuple[Path, Path]:
-    """(the GGUF file, the Hugging Face checkpoint it was written from) under `root`."""
+
+def tiny_gguf(
+    root: Path, expert_type: str, hf_dir: Path | None = None, seed: int = 0, arch: str = "qwen3_moe"
+) -> tuple[Path, Path]:
+    """(the GGUF file, the Hugging Face checkpoint of family `arch` it was written from) under `root`."""
     from ferry.services.gguf_writer import GGUF_SIZES, write_gguf
     from ferry.services.make_tiny_model import make_tiny_model
 
     if hf_dir is None:
-        hf_dir = make_tiny_model(root / "hf", "qwen3_moe", seed=seed, **GGUF_SIZES)
-    return write_gguf(hf_dir, root / f"tiny-{expert_type}.gguf", expert_type, seed=seed), hf_dir
+        hf_dir = make_tiny_model(root / f"hf-{arch}", arch, seed=seed, **GGUF_SIZES)
+    return write_gguf(hf_dir, root / f"tiny-{arch}-{expert_type}.gguf", expert_type, seed=seed), hf_dir
 
 
 def dequantized_reference(gguf_file: Path, hf_dir: Path, out: Path) -> Path:
@@ -42,13 +50,28 @@ def dequantized_reference(gguf_file: Path, hf_dir: Path, out: Path) -> Path:
 
     out.mkdir(parents=True, exist_ok=True)
     state = {}
+
+    def hf_named(name: str) -> np.ndarray:
+        head, _, last = name.rpartition(".")
+        return decoded(names.get_name(f"{head}.{CONVERTER_RENAMES.get(last, last)}", try_suffixes=(".weight", ".bias")))
+
     for name in load_file(hf_dir / "model.safetensors"):
-        if ".mlp.experts." in name:  # model.layers.L.mlp.experts.E.part.weight <- blk.L.ffn_part_exps [E, ...]
+        if name.endswith(FUSED):  # gpt-oss: blk.L.ffn_{gate,up}_exps [E, I, H] -> gate_up_proj [E, H, 2I] interleaved
+            head, fused = name.rsplit(".", 1)
+            suffix = ".bias" if fused.endswith("_bias") else ".weight"
+            if fused.startswith("down_proj"):
+                down = hf_named(f"{head}.down_proj{suffix}")
+                state[name] = np.ascontiguousarray(down if suffix == ".bias" else down.transpose(0, 2, 1))
+                continue
+            gate, up = hf_named(f"{head}.gate_proj{suffix}"), hf_named(f"{head}.up_proj{suffix}")
+            both = np.stack([gate, up], axis=2).reshape(gate.shape[0], -1, *gate.shape[2:])  # rows interleaved
+            state[name] = np.ascontiguousarray(both if suffix == ".bias" else both.transpose(0, 2, 1))
+        elif ".mlp.experts." in name:  # model.layers.L.mlp.experts.E.part.weight <- blk.L.ffn_part_exps [E, ...]
             head, expert, part, _ = name.rsplit(".", 3)
             stacked = decoded(names.get_name(f"{head}.{part}.weight", try_suffixes=(".weight",)))
             state[name] = np.ascontiguousarray(stacked[int(expert)])
         else:
-            state[name] = decoded(names.get_name(name, try_suffixes=(".weight", ".bias")))
+            state[name] = hf_named(name)
     save_file(state, out / "model.safetensors", metadata={"format": "pt"})
     for f in hf_dir.iterdir():
         if f.is_file() and f.suffix != ".safetensors":

@@ -25,6 +25,7 @@ from ferry.plan.model_families import ModelFamily, register
 from ferry.plan.model_families.spec_fields import attention_fields, first, mlp_fields, require
 from ferry.plan.model_families.weight_shapes import attention_shapes, decoder_shapes
 from ferry.plan.model_spec import FULL_ATTENTION, ModelSpec
+from ferry.shared.errors import ConfigError
 
 # the shared expert's name in GLM's checkpoints; Ferry's MoE block (and weight_shapes) call it `shared_expert.`
 SHARED_EXPERTS = ".mlp.shared_experts."
@@ -55,6 +56,76 @@ def spec_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
         routed_scaling_factor=float(first(cfg, "routed_scaling_factor", default=1.0)),
         mtp_layers=int(first(cfg, "num_nextn_predict_layers", "num_mtp_layers", default=0)),
     )
+
+
+GGUF_ARCHITECTURE = "glm4moe"
+# {glm4moe.KEY: config.json field} as llama.cpp's converter (Glm4MoeModel) writes them; transformers' GGUF tables
+# have no glm4_moe
+GGUF_FIELDS = {
+    "context_length": "max_position_embeddings",
+    "embedding_length": "hidden_size",
+    "feed_forward_length": "intermediate_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.key_length": "head_dim",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "rope.freq_base": "rope_theta",
+    "expert_count": "n_routed_experts",
+    "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_count": "n_shared_experts",
+    "expert_group_count": "n_group",
+    "expert_group_used_count": "topk_group",
+    "expert_weights_scale": "routed_scaling_factor",
+    "expert_weights_norm": "norm_topk_prob",
+    "leading_dense_block_count": "first_k_dense_replace",
+    "nextn_predict_layers": "num_nextn_predict_layers",
+}
+GGUF_REQUIRED = (
+    "block_count",
+    "embedding_length",
+    "attention.head_count",
+    "expert_count",
+    "expert_feed_forward_length",
+)
+SIGMOID_GATING = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID: GLM's router
+
+
+def gguf_config(metadata: dict[str, Any], tensor_names: tuple[str, ...], where: str) -> dict[str, Any]:
+    """config.json from a glm4moe GGUF. llama.cpp's block_count counts the NextN (MTP) layers appended after the
+    decoder's, so num_hidden_layers is block_count less nextn_predict_layers (their blk.N tensors go unread, as the
+    checkpoint's model.layers.N ones do); the rotated share of a head is rope.dimension_count / key_length; the
+    q/k/v biases and q/k norms are there where their tensors are."""
+
+    def key(name: str) -> Any:
+        return metadata.get(f"{GGUF_ARCHITECTURE}.{name}")
+
+    missing = [f"{GGUF_ARCHITECTURE}.{k}" for k in GGUF_REQUIRED if key(k) is None]
+    if missing:
+        raise ConfigError(f"{where}: the GGUF metadata lacks {', '.join(missing)}")
+    gating = key("expert_gating_func")
+    if gating is not None and int(gating) != SIGMOID_GATING:
+        raise ConfigError(
+            f"{where}: {GGUF_ARCHITECTURE}.expert_gating_func is {gating}; GLM's router scores by sigmoid "
+            f"({SIGMOID_GATING}), the only one the glm4_moe family computes"
+        )
+    config: dict[str, Any] = {field: key(k) for k, field in GGUF_FIELDS.items() if key(k) is not None}
+    config["model_type"] = "glm4_moe"
+    config["architectures"] = ["Glm4MoeForCausalLM"]
+    config.setdefault("num_nextn_predict_layers", 0)
+    config["num_hidden_layers"] = int(key("block_count")) - int(config["num_nextn_predict_layers"])
+    config.setdefault("head_dim", int(config["hidden_size"]) // int(config["num_attention_heads"]))
+    rotated = key("rope.dimension_count")
+    config["partial_rotary_factor"] = int(rotated) / int(config["head_dim"]) if rotated is not None else 0.5
+    config["norm_topk_prob"] = bool(config.get("norm_topk_prob", True))
+    config["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
+    config["use_qk_norm"] = "blk.0.attn_q_norm.weight" in tensor_names
+    if "first_k_dense_replace" not in config:  # the first layer with routed experts
+        layers = int(config["num_hidden_layers"])
+        config["first_k_dense_replace"] = next(
+            (i for i in range(layers) if f"blk.{i}.ffn_gate_exps.weight" in tensor_names), layers
+        )
+    return config
 
 
 def checkpoint_name(name: str) -> str:
@@ -92,5 +163,7 @@ register(
             num_nextn_predict_layers=0,
         ),
         reference_classes=("Glm4MoeConfig", "Glm4MoeForCausalLM"),
+        gguf_architectures=(GGUF_ARCHITECTURE,),
+        gguf_config=gguf_config,
     )
 )

@@ -111,6 +111,51 @@ def spec_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
     )
 
 
+GGUF_ARCHITECTURE = "gpt-oss"
+# llama.cpp writes the window under attention. (transformers' GGUF table reads `sliding_window`, which no file has)
+GGUF_SLIDING_WINDOW = "attention.sliding_window"
+GGUF_REQUIRED = ("expert_feed_forward_length", "block_count", GGUF_SLIDING_WINDOW)
+# gpt-oss's published YaRN parameters that llama.cpp's converter does not write (its graph fixes them)
+GGUF_YARN_DEFAULTS = dict(beta_fast=32.0, beta_slow=1.0, truncate=False)
+
+
+def gguf_config(metadata: dict[str, Any], tensor_names: tuple[str, ...], where: str) -> dict[str, Any]:
+    """config.json from a gpt-oss GGUF (llama.cpp's GptOssModel): transformers' table, the experts' width
+    (expert_feed_forward_length), the head size, YaRN from rope.scaling.*, biases where their tensors are; the
+    sliding layers are the even ones, as llama.cpp's graph fixes them (it writes no layer types)."""
+    from ferry.plan.gguf_checkpoint import transformers_gguf_fields
+
+    def key(name: str) -> Any:
+        return metadata.get(f"{GGUF_ARCHITECTURE}.{name}")
+
+    config = transformers_gguf_fields(metadata, GGUF_ARCHITECTURE, "gpt_oss")
+    config["model_type"] = "gpt_oss"
+    config["architectures"] = ["GptOssForCausalLM"]
+    for name in GGUF_REQUIRED:
+        if key(name) is None:
+            raise ConfigError(f"{where}: the GGUF metadata lacks {GGUF_ARCHITECTURE}.{name}")
+    config["intermediate_size"] = int(key("expert_feed_forward_length"))
+    config["sliding_window"] = int(key(GGUF_SLIDING_WINDOW))
+    if key("attention.key_length") is not None:
+        config["head_dim"] = int(key("attention.key_length"))
+    layers = int(config["num_hidden_layers"])
+    config["layer_types"] = [SLIDING if i % 2 == 0 else FULL_ATTENTION for i in range(layers)]
+    config["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
+    rope = {"rope_theta": float(config.pop("rope_theta", DEFAULT_ROPE_THETA)), "rope_type": "default"}
+    scaling = key("rope.scaling.type")
+    if scaling not in (None, "none", "yarn"):
+        raise ConfigError(f"{where}: {GGUF_ARCHITECTURE}.rope.scaling.type {scaling!r} is not supported (yarn)")
+    if scaling == "yarn":
+        rope.update(
+            rope_type="yarn",
+            factor=float(key("rope.scaling.factor")),
+            original_max_position_embeddings=int(key("rope.scaling.original_context_length")),
+            **GGUF_YARN_DEFAULTS,
+        )
+    config["rope_parameters"] = rope
+    return config
+
+
 def checkpoint_name(name: str) -> str:
     """A name as weight_shapes writes it -> as gpt-oss's checkpoints store it."""
     return name.replace(ROUTER, CHECKPOINT_ROUTER)
@@ -131,7 +176,9 @@ register(
         # a sliding layer then a full one, a window of 8 that a short prompt already outgrows, YaRN
         tiny_config=dict(num_hidden_layers=2, intermediate_size=32, sliding_window=8, attention_bias=True),
         reference_classes=("GptOssConfig", "GptOssForCausalLM"),
-        chat_format="harmony",  # gpt-oss is trained on harmony's framing (services/api/harmony_format.py)
+        chat_format="harmony",
+        gguf_architectures=(GGUF_ARCHITECTURE,),
+        gguf_config=gguf_config,  # gpt-oss is trained on harmony's framing (services/api/harmony_format.py)
         # tests/gpu/test_models_cuda.py's gpt_oss cases: the CUDA path's logits are off transformers' from the
         # first token (float32: 1.44 against a largest logit of 3.18), where the same kernels interpreted match
         cuda_refusal="its CUDA path (attention sinks and sliding windows, biased clamped experts) does not yet "

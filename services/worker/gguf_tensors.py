@@ -8,7 +8,8 @@ Two passes, as for safetensors (services/worker/checkpoint.py):
   values: ~2.6 GB in bf16 whatever the file's type), and the load pays one numpy decode of each;
 * **routed experts** stay in their blocks: each expert's gate, up and down rows of the file's
   `ffn_{gate,up,down}_exps` [E, rows, row bytes] are yielded as a `GgufWeight` for the expert format
-  (services/worker/expert_formats/gguf_*.py) to copy as they are; float experts (F32/F16/BF16) are values.
+  (services/worker/expert_formats/gguf_*.py) to copy as they are; float experts (F32/F16/BF16) are values,
+  and so are the experts' biases where the model has them (gpt-oss: `ffn_*_exps.bias` [E, rows]).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 
 from ferry.kernels.gguf_blocks import BLOCKS, dequantize_rows
 from ferry.plan.costs import is_served
-from ferry.plan.gguf_checkpoint import FLOAT_TYPES, GgufTensor, open_gguf
+from ferry.plan.gguf_checkpoint import FLOAT_TYPES, GgufCheckpoint, GgufNames, GgufTensor, open_gguf
 from ferry.plan.model_families import family_of
 from ferry.plan.model_spec import ModelSpec
 from ferry.services.worker.quantized_weight import QuantizedWeight
@@ -95,6 +96,22 @@ def routed_expert_gguf_tensors(
                     f"GGUF file, found {'none' if tensor is None else list(tensor.shape)}"
                 )
             yield from _experts_of(tensor, layer, part, fmt)
+            if spec.expert_bias:
+                yield from _expert_biases(ckpt, names, path, layer, part)
+
+
+def _expert_biases(
+    ckpt: GgufCheckpoint, names: GgufNames, path: Path, layer: int, part: str
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`model.layers.L.mlp.experts.E.{part}.bias` of every expert, from the file's `ffn_{part}_exps.bias` [E, rows]."""
+    gguf_name = names.gguf_name(f"model.layers.{layer}.mlp.experts.{part}.bias")
+    if gguf_name not in ckpt.tensors:
+        raise ModelLoadError(
+            f"{path}: layer {layer}'s routed experts have biases, but the GGUF file has no {gguf_name}"
+        )
+    values = dequantized(ckpt.tensors[gguf_name])
+    for e in range(values.shape[0]):
+        yield f"model.layers.{layer}.mlp.experts.{e}.{part}.bias", values[e]
 
 
 def _experts_of(tensor: GgufTensor, layer: int, part: str, fmt: str | None):

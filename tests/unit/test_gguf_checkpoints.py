@@ -62,6 +62,11 @@ def _random_blocks(ggml_type: str, rows: int, row_blocks: int, seed: int = 0) ->
 
     size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[ggml_type]][1]
     blocks = np.random.default_rng(seed).integers(0, 256, (rows, row_blocks * size), dtype=np.uint8)
+    if (
+        ggml_type == "MXFP4"
+    ):  # the e8m0 scale bytes whose codes stay finite (0 to 252), the two subnormal ones (0, 1) included
+        blocks.reshape(-1, size)[:, 0] = np.arange(rows * row_blocks) % 253
+        return blocks
     fields = ((80, 1.0),) if ggml_type == "Q2_K" else worker_class(F.get(f"gguf-{ggml_type.lower()}")).scale_fields
     for offset, _ in fields:
         scales = np.random.default_rng(seed + 1).uniform(1e-3, 1e-2, rows * row_blocks).astype(np.float16)
@@ -69,7 +74,7 @@ def _random_blocks(ggml_type: str, rows: int, row_blocks: int, seed: int = 0) ->
     return blocks
 
 
-@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4"])
 def test_the_torch_twin_decodes_blocks_as_the_gguf_package(ggml_type):
     import gguf
 
@@ -77,7 +82,7 @@ def test_the_torch_twin_decodes_blocks_as_the_gguf_package(ggml_type):
 
     qtype = gguf.GGMLQuantizationType[ggml_type]
     assert BLOCKS[ggml_type] == gguf.GGML_QUANT_SIZES[qtype]
-    blocks = _random_blocks(ggml_type, rows=24, row_blocks=3)
+    blocks = _random_blocks(ggml_type, rows=96, row_blocks=3)
     want = gguf.quants.dequantize(blocks, qtype)
     assert torch.equal(dequantize_rows(torch.from_numpy(blocks), ggml_type, torch.float32), torch.from_numpy(want))
 
@@ -85,7 +90,7 @@ def test_the_torch_twin_decodes_blocks_as_the_gguf_package(ggml_type):
 # ---- tiny GGUF models against transformers on the decoded file ---------------------------------------------
 
 
-@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4"])
 def test_gguf_tiny_models_generate_as_transformers_on_the_decoded_file(gguf_models, capsys, ggml_type):
     path, reference, _ = gguf_models(ggml_type)
     fmt = f"gguf-{ggml_type.lower()}"
@@ -120,6 +125,31 @@ def test_a_q4_k_scale_unpacked_one_bit_off_fails_the_comparison(gguf_models, cap
     path, reference, _ = gguf_models("Q4_K")
     monkeypatch.setattr(gguf_blocks, "k_scales", off_by_one_bit)
     assert _worst(ferry_generate(capsys, path, *ARGS), reference) > TOLERANCE
+
+
+def test_mxfp4_nibbles_read_high_first_fail_the_comparison(gguf_models, capsys, monkeypatch):
+    """ggml's MXFP4 holds values 0-15 in the low nibbles, 16-31 in the high: read the other way, it must fail."""
+    from ferry.kernels import gguf_blocks
+
+    path, reference, _ = gguf_models("MXFP4")
+    assert _worst(ferry_generate(capsys, path, *ARGS), reference) < TOLERANCE
+    monkeypatch.setattr(gguf_blocks, "_low_high", lambda qs: torch.cat((qs >> 4, qs & 0x0F), dim=1))
+    assert _worst(ferry_generate(capsys, path, *ARGS), reference) > TOLERANCE
+
+
+def test_mxfp4_dummy_experts_have_the_spread_asked_for():
+    """Dummy weights set the one e8m0 scale byte of each block (not an fp16 field, as the other types)."""
+    from ferry.kernels.gguf_blocks import dequantize_rows
+    from ferry.plan import expert_formats as F
+    from ferry.services.worker.expert_formats.gguf_mxfp4 import GgufMxfp4Experts
+
+    layout = F.get("gguf-mxfp4").family_layout(64, 256, 32)
+    rows = torch.zeros(2, layout.nbytes, dtype=torch.uint8)
+    experts = GgufMxfp4Experts.__new__(GgufMxfp4Experts)  # the fill reads only class attributes
+    experts._fill_dummy(rows, layout, 0.02, torch.Generator().manual_seed(0))
+    (q,) = layout.parts
+    values = dequantize_rows(rows[0, q.offset : q.offset + q.nbytes].view(64, -1), "MXFP4", torch.float32)
+    assert 0.5 * 0.02 < float(values.std()) < 2 * 0.02
 
 
 def test_the_plan_prices_each_expert_at_its_blocks_bytes(gguf_models, capsys):
@@ -412,3 +442,129 @@ def test_a_gguf_without_an_output_matrix_ties_lm_head_to_the_embeddings(gguf_mod
     config = json.loads((tied_reference / "config.json").read_text())
     (tied_reference / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
     assert _worst(ferry_generate(capsys, tied, *ARGS), tied_reference) < TOLERANCE
+
+
+# ---- glm4moe (GLM-4.5 and its kin) -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def glm_gguf(tmp_path_factory):
+    """(a tiny glm4_moe written as a Q8_0 glm4moe GGUF, its gguf-package-decoded float32 reference, the checkpoint
+    it was written from): a dense first layer, a shared expert, two expert groups, q/k/v biases, half-rotary."""
+    root = tmp_path_factory.mktemp("gguf-glm")
+    path, hf_dir = tiny_gguf(root, "Q8_0", arch="glm4_moe")
+    return path, dequantized_reference(path, hf_dir, root / "reference"), hf_dir
+
+
+def test_a_glm4moe_gguf_generates_as_transformers_on_the_decoded_file(glm_gguf, capsys):
+    path, reference, _ = glm_gguf
+    resident = ferry_generate(capsys, path, *ARGS)
+    assert resident["plan"]["experts"]["format"] == "gguf-q8_0"
+    assert _worst(resident, reference) < TOLERANCE
+    offloaded = ferry_generate(capsys, path, *ARGS, "--moe-cache-size", "9")
+    assert offloaded["expert_cache"]["misses"] > 0
+    assert offloaded["token_ids"] == resident["token_ids"] and offloaded["logprobs"] == resident["logprobs"]
+
+
+def test_a_glm4moe_gguf_reads_as_the_config_it_was_written_from(glm_gguf):
+    from dataclasses import fields
+
+    from ferry.plan.model_config import load_model_config
+
+    path, _, hf_dir = glm_gguf
+    spec, want = load_model_config(path), load_model_config(hf_dir)
+    assert spec.quantization.expert_format == "gguf-q8_0" and want.quantization is None
+    # every field but where it came from: the GGUF's dense tensors load in bf16 unless --dtype says otherwise
+    differ = {f.name for f in fields(spec) if getattr(spec, f.name) != getattr(want, f.name)}
+    assert differ == {"quantization", "text_config", "dtype"}, differ
+    assert spec.routed_scaling_factor == 2.5 and spec.router_groups == 2 and spec.moe_layers[0] is False
+
+
+def test_a_glm4moe_gguf_counts_its_nextn_layers_out_of_the_decoder(glm_gguf):
+    """llama.cpp's block_count counts the NextN (MTP) layers after the decoder's: they are not decoder layers."""
+    from ferry.plan.gguf_checkpoint import open_gguf
+    from ferry.plan.model_config import parse_model_config
+    from ferry.plan.model_families.glm4_moe import gguf_config
+
+    path, _, _ = glm_gguf
+    ckpt = open_gguf(path)
+    metadata = {**ckpt.metadata, "glm4moe.block_count": 4, "glm4moe.nextn_predict_layers": 1}
+    config = gguf_config(metadata, tuple(ckpt.tensors), str(path))
+    spec = parse_model_config({**config, "vocab_size": 640})
+    assert config["num_hidden_layers"] == spec.num_layers == 3 and spec.mtp_layers == 1
+
+
+def test_a_glm4moe_key_mapped_wrong_fails_the_comparison(glm_gguf, capsys, monkeypatch):
+    """The routed scaling read from the wrong key (left at its default 1.0): the comparison must catch it."""
+    from ferry.plan.model_families import glm4_moe
+
+    path, reference, _ = glm_gguf
+    fields = {k: v for k, v in glm4_moe.GGUF_FIELDS.items() if v != "routed_scaling_factor"}
+    monkeypatch.setattr(glm4_moe, "GGUF_FIELDS", {**fields, "expert_group_scale": "routed_scaling_factor"})
+    assert _worst(ferry_generate(capsys, path, *ARGS), reference) > TOLERANCE
+
+
+def test_a_glm4moe_gguf_of_another_router_is_refused_naming_the_key(glm_gguf):
+    from ferry.plan.gguf_checkpoint import open_gguf
+    from ferry.plan.model_families.glm4_moe import gguf_config
+    from ferry.shared.errors import ConfigError
+
+    path, _, _ = glm_gguf
+    ckpt = open_gguf(path)
+    with pytest.raises(ConfigError, match="glm4moe.expert_gating_func is 1"):
+        gguf_config({**ckpt.metadata, "glm4moe.expert_gating_func": 1}, tuple(ckpt.tensors), str(path))
+
+
+# ---- gpt-oss -----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_gguf(tmp_path_factory):
+    """(a tiny gpt_oss written as a gpt-oss GGUF with float32 experts and their biases, its decoded reference, the
+    checkpoint it was written from): sinks, q/k/v/o biases, a sliding layer then a full one, YaRN."""
+    root = tmp_path_factory.mktemp("gguf-gpt-oss")
+    path, hf_dir = tiny_gguf(root, "F32", arch="gpt_oss")
+    return path, dequantized_reference(path, hf_dir, root / "reference"), hf_dir
+
+
+def test_a_gpt_oss_gguf_generates_as_transformers_on_the_decoded_file(gpt_oss_gguf, capsys):
+    path, reference, _ = gpt_oss_gguf
+    resident = ferry_generate(capsys, path, *ARGS)
+    assert resident["plan"]["experts"]["format"] == "float32"  # float experts in the run dtype, biases in the rows
+    assert _worst(resident, reference) < TOLERANCE
+    offloaded = ferry_generate(capsys, path, *ARGS, "--moe-cache-size", "9")
+    assert offloaded["expert_cache"]["misses"] > 0
+    assert offloaded["token_ids"] == resident["token_ids"] and offloaded["logprobs"] == resident["logprobs"]
+
+
+def test_a_gpt_oss_gguf_reads_as_the_config_it_was_written_from(gpt_oss_gguf):
+    from dataclasses import fields
+
+    from ferry.plan.model_config import load_model_config
+
+    path, _, hf_dir = gpt_oss_gguf
+    spec, want = load_model_config(path), load_model_config(hf_dir)
+    differ = {f.name for f in fields(spec) if getattr(spec, f.name) != getattr(want, f.name)}
+    assert differ == {"text_config", "dtype"}, differ
+    assert spec.attention_windows == (8, 0) and spec.rope_yarn is not None and spec.attention_sinks
+
+
+def test_a_gpt_oss_window_read_from_another_key_fails_the_comparison(gpt_oss_gguf, capsys, monkeypatch):
+    """The sliding window read from the context length's key: the comparison must catch it."""
+    from ferry.plan.model_families import gpt_oss
+
+    path, reference, _ = gpt_oss_gguf
+    monkeypatch.setattr(gpt_oss, "GGUF_SLIDING_WINDOW", "context_length")
+    assert _worst(ferry_generate(capsys, path, *ARGS), reference) > TOLERANCE
+
+
+def test_a_gpt_oss_gguf_of_mxfp4_experts_is_refused_naming_why(gpt_oss_gguf, tmp_path, capsys):
+    """ggml-org's gpt-oss GGUFs hold MXFP4 experts; no block format's rows hold the experts' biases yet."""
+    from ferry.services.cli import main
+    from ferry.services.gguf_writer import write_gguf
+
+    _, _, hf_dir = gpt_oss_gguf
+    path = write_gguf(hf_dir, tmp_path / "gpt-oss-mxfp4.gguf", "MXFP4")
+    assert main(["plan", str(path), "--gpu-memory", "24GiB"]) == 2
+    err = capsys.readouterr().err
+    assert "biases" in err and "gguf-mxfp4" in err, err
