@@ -1,5 +1,6 @@
 """A Hugging Face checkpoint of attention and MoE layers (qwen3_moe, glm4_moe, gpt_oss: the families with a GGUF
-architecture, each one's own keys in `_METADATA` and, where it fuses its experts, `_FUSED_EXPERTS`) rewritten
+architecture, each one's own keys by its family module's `gguf_write_metadata` and, where it fuses its experts,
+`gguf_split_experts`) rewritten
 as a GGUF file, by the gguf package's own writer (`gguf.GGUFWriter`), as llama.cpp's converter lays one out:
 llama.cpp's metadata keys, its tensor names (the gguf package's table), the tokenizer's vocabulary, merges,
 token types, special ids and chat template.
@@ -56,8 +57,8 @@ def write_gguf(
     out.parent.mkdir(parents=True, exist_ok=True)
     config = json.loads((hf_dir / "config.json").read_text())
     family = family_for_config(config, str(hf_dir / "config.json"))
-    if family.name not in _METADATA:  # llama.cpp's converter writes a family's own keys: the writer knows these
-        raise ValueError(f"the GGUF writer takes a checkpoint of {', '.join(_METADATA)}, not {family.name}")
+    if family.gguf_write_metadata is None:  # llama.cpp's converter writes a family's own keys: its module knows them
+        raise ValueError(f"the GGUF writer takes no {family.name} checkpoint (its family has no gguf_write_metadata)")
     architecture = family.gguf_architectures[0]
     spec = parse_model_config(config, str(hf_dir / "config.json"))
     tensors: dict[str, np.ndarray] = {}
@@ -66,11 +67,11 @@ def write_gguf(
     layers = int(config["num_hidden_layers"])
     writer = gguf.GGUFWriter(str(out), architecture, split_max_tensors=split_max_tensors)
     _common_metadata(writer, config)
-    _METADATA[family.name](writer, config)
+    family.gguf_write_metadata(writer, config)
     _tokenizer(writer, hf_dir)
     names = GgufNames(architecture, layers)
     rng = np.random.default_rng(seed)
-    experts_of = _FUSED_EXPERTS.get(family.name, _per_expert)
+    experts_of = family.gguf_split_experts or _per_expert
     for layer in spec.moe_layer_indices:
         weights, biases = experts_of(tensors, layer, spec.num_experts)
         for part, gguf_name in names.experts(layer).items():
@@ -113,55 +114,6 @@ def _common_metadata(writer, config: dict) -> None:
     writer.add_expert_used_count(config["num_experts_per_tok"])
 
 
-def _qwen3moe_metadata(writer, config: dict) -> None:
-    if config.get("mlp_only_layers") or not config.get("norm_topk_prob"):
-        # llama.cpp's qwen3moe graph renormalizes the top k, and its table names no dense MLP beside routed experts
-        raise ValueError("the GGUF writer takes a qwen3_moe checkpoint of MoE layers only, with norm_topk_prob")
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
-
-
-def _glm4moe_metadata(writer, config: dict) -> None:
-    """As llama.cpp's Glm4MoeModel: block_count counts the NextN layers, rope.dimension_count the rotated width."""
-    import gguf
-
-    nextn = int(config.get("num_nextn_predict_layers", 0))
-    writer.add_block_count(config["num_hidden_layers"] + nextn)
-    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
-    writer.add_rope_dimension_count(int(config["head_dim"] * config.get("partial_rotary_factor", 0.5)))
-    writer.add_expert_shared_count(config["n_shared_experts"])
-    writer.add_leading_dense_block_count(config["first_k_dense_replace"])
-    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
-    writer.add_expert_weights_scale(config["routed_scaling_factor"])
-    writer.add_expert_weights_norm(config["norm_topk_prob"])
-    writer.add_expert_group_count(config.get("n_group", 1))
-    writer.add_expert_group_used_count(config.get("topk_group", 1))
-    writer.add_nextn_predict_layers(nextn)
-
-
-def _gpt_oss_metadata(writer, config: dict) -> None:
-    """As llama.cpp's GptOssModel: the experts' width is intermediate_size, YaRN in rope.scaling.*; its graph
-    fixes the sliding layers to the even ones and YaRN's betas, so a checkpoint differing there has no GGUF."""
-    import gguf
-
-    layers = int(config["num_hidden_layers"])
-    even_sliding = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
-    if config.get("layer_types", even_sliding) != even_sliding:
-        raise ValueError("the GGUF writer takes a gpt_oss checkpoint whose even layers slide, as llama.cpp's graph")
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    writer.add_block_count(layers)
-    writer.add_expert_feed_forward_length(config["intermediate_size"])
-    writer.add_sliding_window(config["sliding_window"])
-    if rope.get("rope_type") == "yarn":
-        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-        writer.add_rope_scaling_factor(rope["factor"])
-        writer.add_rope_scaling_orig_ctx_len(rope.get("original_max_position_embeddings", 4096))
-
-
-# each family's keys beyond the common ones, by family name
-_METADATA = {"qwen3_moe": _qwen3moe_metadata, "glm4_moe": _glm4moe_metadata, "gpt_oss": _gpt_oss_metadata}
-
-
 def _per_expert(tensors: dict, layer: int, experts: int) -> tuple[dict, dict]:
     """({part: [E, rows, cols]} float32, {}) of a checkpoint storing each expert's linears apart (popped)."""
     prefix = f"model.layers.{layer}.mlp.experts"
@@ -170,29 +122,6 @@ def _per_expert(tensors: dict, layer: int, experts: int) -> tuple[dict, dict]:
         for part in ("gate_proj", "up_proj", "down_proj")
     }
     return weights, {}
-
-
-def _gpt_oss_experts(tensors: dict, layer: int, experts: int) -> tuple[dict, dict]:
-    """gpt-oss's fused experts (popped) split as llama.cpp's converter does: `gate_up_proj` [E, H, 2I] with gate and
-    up interleaved -> gate [E, I, H] and up; `down_proj` [E, I, H] -> [E, H, I]; their biases likewise."""
-    prefix = f"model.layers.{layer}.mlp.experts"
-    gate_up = tensors.pop(f"{prefix}.gate_up_proj").astype(np.float32).transpose(0, 2, 1)
-    gate_up_bias = tensors.pop(f"{prefix}.gate_up_proj_bias").astype(np.float32)
-    weights = {
-        "gate_proj": np.ascontiguousarray(gate_up[:, 0::2]),
-        "up_proj": np.ascontiguousarray(gate_up[:, 1::2]),
-        "down_proj": np.ascontiguousarray(tensors.pop(f"{prefix}.down_proj").astype(np.float32).transpose(0, 2, 1)),
-    }
-    biases = {
-        "gate_proj": np.ascontiguousarray(gate_up_bias[:, 0::2]),
-        "up_proj": np.ascontiguousarray(gate_up_bias[:, 1::2]),
-        "down_proj": tensors.pop(f"{prefix}.down_proj_bias").astype(np.float32),
-    }
-    return weights, biases
-
-
-# the families whose checkpoints fuse a layer's experts, by family name (the others store them apart)
-_FUSED_EXPERTS = {"gpt_oss": _gpt_oss_experts}
 
 
 def _tokenizer(writer, hf_dir: Path) -> None:

@@ -67,6 +67,11 @@ class ModelFamily:
     # (metadata, tensor names, where) -> config.json's fields
     gguf_architectures: tuple[str, ...] = ()
     gguf_config: Callable[[dict[str, Any], tuple[str, ...], str], dict[str, Any]] | None = None
+    # services/gguf_writer.py (tiny GGUF files for the tests): (gguf.GGUFWriter, config.json) -> the family's own
+    # keys as llama.cpp's converter writes them; and where its checkpoint fuses a layer's experts, (tensors,
+    # layer, experts) -> ({part: [E, rows, cols]}, {part: biases}) split as that converter splits them
+    gguf_write_metadata: Callable[[Any, dict[str, Any]], None] | None = None
+    gguf_split_experts: Callable[[dict, int, int], tuple[dict, dict]] | None = None
     # why the worker refuses the family on CUDA, where its CUDA path has not passed `make gpu-check` against
     # transformers ("" where it has): a model a GPU would compute wrongly is refused at boot, not served
     cuda_refusal: str = ""

@@ -138,6 +138,24 @@ def resident_weight_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     return {checkpoint_name(name): shape for name, shape in shapes.items()}
 
 
+def gguf_write_metadata(writer, config: dict) -> None:
+    """As llama.cpp's Glm4MoeModel: block_count counts the NextN layers, rope.dimension_count the rotated width."""
+    import gguf
+
+    nextn = int(config.get("num_nextn_predict_layers", 0))
+    writer.add_block_count(config["num_hidden_layers"] + nextn)
+    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    writer.add_rope_dimension_count(int(config["head_dim"] * config.get("partial_rotary_factor", 0.5)))
+    writer.add_expert_shared_count(config["n_shared_experts"])
+    writer.add_leading_dense_block_count(config["first_k_dense_replace"])
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    writer.add_expert_weights_scale(config["routed_scaling_factor"])
+    writer.add_expert_weights_norm(config["norm_topk_prob"])
+    writer.add_expert_group_count(config.get("n_group", 1))
+    writer.add_expert_group_used_count(config.get("topk_group", 1))
+    writer.add_nextn_predict_layers(nextn)
+
+
 register(
     ModelFamily(
         name="glm4_moe",
@@ -165,5 +183,6 @@ register(
         reference_classes=("Glm4MoeConfig", "Glm4MoeForCausalLM"),
         gguf_architectures=(GGUF_ARCHITECTURE,),
         gguf_config=gguf_config,
+        gguf_write_metadata=gguf_write_metadata,
     )
 )

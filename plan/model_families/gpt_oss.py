@@ -166,6 +166,46 @@ def resident_weight_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     return {checkpoint_name(name): shape for name, shape in shapes.items()}
 
 
+def gguf_write_metadata(writer, config: dict) -> None:
+    """As llama.cpp's GptOssModel: the experts' width is intermediate_size, YaRN in rope.scaling.*; its graph
+    fixes the sliding layers to the even ones and YaRN's betas, so a checkpoint differing there has no GGUF."""
+    import gguf
+
+    layers = int(config["num_hidden_layers"])
+    even_sliding = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    if config.get("layer_types", even_sliding) != even_sliding:
+        raise ValueError("the GGUF writer takes a gpt_oss checkpoint whose even layers slide, as llama.cpp's graph")
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    writer.add_block_count(layers)
+    writer.add_expert_feed_forward_length(config["intermediate_size"])
+    writer.add_sliding_window(config["sliding_window"])
+    if rope.get("rope_type") == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope.get("original_max_position_embeddings", 4096))
+
+
+def gguf_split_experts(tensors: dict, layer: int, experts: int) -> tuple[dict, dict]:
+    """gpt-oss's fused experts (popped) split as llama.cpp's converter does: `gate_up_proj` [E, H, 2I] with gate and
+    up interleaved -> gate [E, I, H] and up; `down_proj` [E, I, H] -> [E, H, I]; their biases likewise."""
+    import numpy as np
+
+    prefix = f"model.layers.{layer}.mlp.experts"
+    gate_up = tensors.pop(f"{prefix}.gate_up_proj").astype(np.float32).transpose(0, 2, 1)
+    gate_up_bias = tensors.pop(f"{prefix}.gate_up_proj_bias").astype(np.float32)
+    weights = {
+        "gate_proj": np.ascontiguousarray(gate_up[:, 0::2]),
+        "up_proj": np.ascontiguousarray(gate_up[:, 1::2]),
+        "down_proj": np.ascontiguousarray(tensors.pop(f"{prefix}.down_proj").astype(np.float32).transpose(0, 2, 1)),
+    }
+    biases = {
+        "gate_proj": np.ascontiguousarray(gate_up_bias[:, 0::2]),
+        "up_proj": np.ascontiguousarray(gate_up_bias[:, 1::2]),
+        "down_proj": tensors.pop(f"{prefix}.down_proj_bias").astype(np.float32),
+    }
+    return weights, biases
+
+
 register(
     ModelFamily(
         name="gpt_oss",
@@ -179,6 +219,8 @@ register(
         chat_format="harmony",
         gguf_architectures=(GGUF_ARCHITECTURE,),
         gguf_config=gguf_config,  # gpt-oss is trained on harmony's framing (services/api/harmony_format.py)
+        gguf_write_metadata=gguf_write_metadata,
+        gguf_split_experts=gguf_split_experts,
         # tests/gpu/test_models_cuda.py's gpt_oss cases: the CUDA path's logits are off transformers' from the
         # first token (float32: 1.44 against a largest logit of 3.18), where the same kernels interpreted match
         cuda_refusal="its CUDA path (attention sinks and sliding windows, biased clamped experts) does not yet "

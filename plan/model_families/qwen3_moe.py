@@ -47,6 +47,14 @@ def resident_weight_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     return decoder_shapes(spec, {FULL_ATTENTION: attention_shapes})
 
 
+def gguf_write_metadata(writer, config: dict) -> None:
+    if config.get("mlp_only_layers") or not config.get("norm_topk_prob"):
+        # llama.cpp's qwen3moe graph renormalizes the top k, and its table names no dense MLP beside routed experts
+        raise ValueError("the GGUF writer takes a qwen3_moe checkpoint of MoE layers only, with norm_topk_prob")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+
+
 register(
     ModelFamily(
         name="qwen3_moe",
@@ -59,5 +67,6 @@ register(
         reference_classes=("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
         gguf_architectures=(GGUF_ARCHITECTURE,),
         gguf_config=gguf_config,
+        gguf_write_metadata=gguf_write_metadata,
     )
 )
