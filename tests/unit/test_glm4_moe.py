@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 from safetensors.numpy import save_file
-from tiny_models import _redraw, tiny_model
+from safetensors.torch import load_file
+from tiny_models import redrawn_tiny_checkpoint, tiny_model
 
 from ferry.kernels.router_topk_reference import sigmoid_topk_reference
 from ferry.plan.costs import ALLOC_GRANULE, is_served, resident_weight_bytes_from_checkpoint
@@ -172,15 +173,9 @@ def test_the_softmax_router_refuses_what_only_the_sigmoid_router_computes():
 def glm_checkpoint(tmp_path_factory) -> Path:
     """`ferry make-tiny-model --arch glm4_moe`, its weights redrawn as tiny_models.py does (a nonzero
     e_score_correction_bias among them) and saved back by transformers."""
-    from transformers import AutoModelForCausalLM
-
-    from ferry.services.make_tiny_model import make_tiny_model
-
-    out = make_tiny_model(tmp_path_factory.mktemp("glm") / "glm4_moe", "glm4_moe", seed=0)
-    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-    _redraw(model, torch.Generator().manual_seed(5))
-    assert model.model.layers[1].mlp.gate.e_score_correction_bias.abs().min() > 0
-    model.save_pretrained(out, safe_serialization=True)
+    out = redrawn_tiny_checkpoint(tmp_path_factory.mktemp("glm"), "glm4_moe")
+    bias = load_file(out / "model.safetensors")["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert bias.abs().min() > 0
     return out
 
 

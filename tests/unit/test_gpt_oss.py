@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 from model_harness import PagedRunner, assert_logits_close, hf_greedy
-from tiny_models import _redraw, tiny_model
+from safetensors.torch import load_file
+from tiny_models import redrawn_tiny_checkpoint, tiny_model
 
 from ferry.kernels.expert_epilogue import ExpertActivation
 from ferry.plan.costs import ALLOC_GRANULE
@@ -163,15 +164,8 @@ def test_the_host_does_not_compute_biased_clamped_experts(model):
 def gpt_oss_checkpoint(tmp_path_factory) -> Path:
     """`ferry make-tiny-model --arch gpt_oss`, its weights redrawn as tiny_models.py does (sinks and biases
     nonzero) and saved back by transformers: fused experts, gate and up interleaved."""
-    from transformers import AutoModelForCausalLM
-
-    from ferry.services.make_tiny_model import make_tiny_model
-
-    out = make_tiny_model(tmp_path_factory.mktemp("gpt_oss") / "gpt_oss", "gpt_oss", seed=0)
-    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-    _redraw(model, torch.Generator().manual_seed(5))
-    assert model.model.layers[0].mlp.experts.gate_up_proj_bias.abs().min() > 0
-    model.save_pretrained(out, safe_serialization=True)
+    out = redrawn_tiny_checkpoint(tmp_path_factory.mktemp("gpt_oss"), "gpt_oss")
+    assert load_file(out / "model.safetensors")["model.layers.0.mlp.experts.gate_up_proj_bias"].abs().min() > 0
     return out
 
 
