@@ -36,6 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ferry.kernels.expert_epilogue import SILU_AND_MUL, ExpertActivation
+
 # the formats' names and constants have one owner, the torch-free layout module
 from ferry.plan.expert_formats import (  # noqa: F401
     E2M1_VALUES,
@@ -78,6 +80,10 @@ class QuantizedFamily:
     q: torch.Tensor
     scale: torch.Tensor
     gscale: torch.Tensor | None = None
+    # the experts' biases (float32 [S, rows], a view of the rows' bias part) where they have them, and the
+    # activation the gate/up family's output takes (kernels/expert_epilogue.py)
+    bias: torch.Tensor | None = None
+    activation: ExpertActivation = SILU_AND_MUL
 
     @property
     def num_slots(self) -> int:

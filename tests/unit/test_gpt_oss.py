@@ -207,8 +207,8 @@ def test_dummy_weights_boot_resident_and_offloaded(gpt_oss_checkpoint, capsys):
 def test_make_bench_model_writes_gpt_oss_as_transformers_and_ferry_read_it(gpt_oss_checkpoint, tmp_path):
     """`ferry make-bench-model --weights random --expert-layout fused`: gpt-oss's published layout (experts
     transposed, gate and up interleaved, biases beside them), which transformers loads and Ferry reads as the
-    same model; the per-expert layout (with per-expert biases) Ferry reads too. A quantized --format, which
-    holds no biases, is refused."""
+    same model; the per-expert layout (with per-expert biases) Ferry reads too. A quantized --format whose rows
+    hold no biases (fp8) is refused."""
     from transformers import AutoModelForCausalLM
 
     from ferry.services.bench_model import write_bench_model, write_random_weights
@@ -239,7 +239,7 @@ def test_make_bench_model_writes_gpt_oss_as_transformers_and_ferry_read_it(gpt_o
             with torch.no_grad():
                 assert_logits_close(logits[layout], hf(torch.tensor([PROMPT])).logits[0])
     assert torch.equal(logits["fused"], logits["per-expert"])
-    args = ["make-bench-model", str(tmp_path / "q"), "--config", str(config), "--format", "nvfp4"]
+    args = ["make-bench-model", str(tmp_path / "q"), "--config", str(config), "--format", "fp8"]
     assert main(args) == 2
 
 
