@@ -282,3 +282,42 @@ def test_the_family_declares_harmony_so_auto_picks_it_without_a_harmony_template
     (tmp_path / "config.json").write_text((GPT_OSS_120B / "config.json").read_text())
     assert chat_format_of("auto", str(tmp_path), SimpleNamespace(chat_template=None)) == "harmony"
     assert chat_format_of("template", str(tmp_path), SimpleNamespace(chat_template=None)) == "template"
+
+
+def test_mxfp4_gpt_oss_equals_its_dequantized_weights_resident_and_offloaded(gpt_oss_checkpoint, tmp_path, capsys):
+    """gpt-oss with mxfp4 experts (`make-bench-model --format mxfp4`: per-expert e2m1 codes and e8m0 scales, the
+    biases beside them): the biases live in a float32 part of each slot row, the kernels add them and apply the
+    clamped SwiGLU, so the model equals itself on the dequantized weights; offloaded equals resident."""
+    from ferry.plan import expert_formats as F
+    from ferry.plan.model_config import load_model_config
+    from ferry.services.bench_model import write_bench_model, write_random_weights
+    from ferry.services.worker.checkpoint import iter_checkpoint_tensors
+    from ferry.services.worker.quantized_weight import QuantizedWeight
+
+    out = write_bench_model(tmp_path / "mxfp4", gpt_oss_checkpoint / "config.json")
+    write_random_weights(out, dtype="float32", fmt="mxfp4")
+    spec = load_model_config(out)
+    assert F.format_of(spec).name == "mxfp4" and spec.expert_bias
+    quantized = dict(iter_checkpoint_tensors(out, lambda name: True, "checkpoint", progress=False))
+    assert isinstance(quantized["model.layers.0.mlp.experts.3.up_proj.weight"], QuantizedWeight)
+    g = torch.Generator().manual_seed(7)
+    for name in [n for n in quantized if ".mlp.experts." in n and n.endswith(".bias")]:  # the recipe's are zero
+        quantized[name] = 0.5 * torch.randn(quantized[name].shape, generator=g)
+    dense = {n: t.dequantize(torch.float32, "cpu") if isinstance(t, QuantizedWeight) else t for n, t in quantized.items()}
+
+    class Checkpoint:
+        def __init__(self, tensors):
+            self.tensors = tensors
+
+        def state_dict(self):
+            return self.tensors
+
+    ours = PagedRunner(spec, Checkpoint(quantized), page_size=4).step([(1, PROMPT)])[0]
+    plain = dataclasses.replace(spec, quantization=None)
+    assert_logits_close(ours, PagedRunner(plain, Checkpoint(dense), page_size=4).step([(1, PROMPT)])[0])
+    resident = ferry_generate(capsys, out, *ARGS)
+    assert resident["plan"]["experts"]["format"] == "mxfp4"
+    slots = str(resident["plan"]["experts"]["min_slots"])
+    offloaded = ferry_generate(capsys, out, *ARGS, "--moe-cache-size", slots)
+    assert offloaded["expert_cache"]["misses"] > 0
+    assert offloaded["token_ids"] == resident["token_ids"] and offloaded["logprobs"] == resident["logprobs"]
