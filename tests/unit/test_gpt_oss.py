@@ -303,7 +303,9 @@ def test_mxfp4_gpt_oss_equals_its_dequantized_weights_resident_and_offloaded(gpt
     g = torch.Generator().manual_seed(7)
     for name in [n for n in quantized if ".mlp.experts." in n and n.endswith(".bias")]:  # the recipe's are zero
         quantized[name] = 0.5 * torch.randn(quantized[name].shape, generator=g)
-    dense = {n: t.dequantize(torch.float32, "cpu") if isinstance(t, QuantizedWeight) else t for n, t in quantized.items()}
+    dense = {
+        n: t.dequantize(torch.float32, "cpu") if isinstance(t, QuantizedWeight) else t for n, t in quantized.items()
+    }
 
     class Checkpoint:
         def __init__(self, tensors):
