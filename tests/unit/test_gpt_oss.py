@@ -284,10 +284,39 @@ def test_the_family_declares_harmony_so_auto_picks_it_without_a_harmony_template
     assert chat_format_of("template", str(tmp_path), SimpleNamespace(chat_template=None)) == "template"
 
 
+def openai_layout(spec, tensors: dict) -> dict:
+    """Per-expert mxfp4 tensors (QuantizedWeights and biases) as openai's gpt-oss release stores them: per layer
+    `experts.gate_up_proj_blocks` uint8 [E, 2I, H/32, 16] and `_scales` [E, 2I, H/32] with the gate's and the
+    up's rows interleaved, `down_proj_blocks` / `_scales` [E, H, ...], and the biases fused (gate/up's
+    interleaved)."""
+    out = {n: t for n, t in tensors.items() if ".mlp.experts." not in n}
+    interleave = lambda gate, up: torch.stack([gate, up], dim=2).flatten(1, 2)  # noqa: E731  [E, I, ...] -> [E, 2I, ...]
+    for layer in spec.moe_layer_indices:
+        p = f"model.layers.{layer}.mlp.experts"
+        experts = range(spec.num_experts)
+
+        def stacked(proj: str, leaf: str, p=p, experts=experts):
+            return torch.stack([getattr(tensors[f"{p}.{e}.{proj}.weight"], leaf) for e in experts])
+
+        blocks = lambda q: q.view(*q.shape[:2], -1, 16)  # noqa: E731  codes [E, O, IN/2] -> [E, O, IN/32, 16]
+        out[f"{p}.gate_up_proj_blocks"] = blocks(interleave(stacked("gate_proj", "q"), stacked("up_proj", "q")))
+        out[f"{p}.gate_up_proj_scales"] = interleave(stacked("gate_proj", "scale"), stacked("up_proj", "scale"))
+        out[f"{p}.down_proj_blocks"] = blocks(stacked("down_proj", "q"))
+        out[f"{p}.down_proj_scales"] = stacked("down_proj", "scale")
+        biases = {
+            proj: torch.stack([tensors[f"{p}.{e}.{proj}.bias"] for e in experts])
+            for proj in ("gate_proj", "up_proj", "down_proj")
+        }
+        out[f"{p}.gate_up_proj_bias"] = torch.stack([biases["gate_proj"], biases["up_proj"]], dim=-1).flatten(-2)
+        out[f"{p}.down_proj_bias"] = biases["down_proj"]
+    return out
+
+
 def test_mxfp4_gpt_oss_equals_its_dequantized_weights_resident_and_offloaded(gpt_oss_checkpoint, tmp_path, capsys):
     """gpt-oss with mxfp4 experts (`make-bench-model --format mxfp4`: per-expert e2m1 codes and e8m0 scales, the
     biases beside them): the biases live in a float32 part of each slot row, the kernels add them and apply the
-    clamped SwiGLU, so the model equals itself on the dequantized weights; offloaded equals resident."""
+    clamped SwiGLU, so the model equals itself on the dequantized weights; the same experts in openai's
+    published layout load as the same model; offloaded equals resident."""
     from ferry.plan import expert_formats as F
     from ferry.plan.model_config import load_model_config
     from ferry.services.bench_model import write_bench_model, write_random_weights
@@ -317,6 +346,8 @@ def test_mxfp4_gpt_oss_equals_its_dequantized_weights_resident_and_offloaded(gpt
     ours = PagedRunner(spec, Checkpoint(quantized), page_size=4).step([(1, PROMPT)])[0]
     plain = dataclasses.replace(spec, quantization=None)
     assert_logits_close(ours, PagedRunner(plain, Checkpoint(dense), page_size=4).step([(1, PROMPT)])[0])
+    published = PagedRunner(spec, Checkpoint(openai_layout(spec, quantized)), page_size=4).step([(1, PROMPT)])[0]
+    assert torch.equal(published, ours)
     resident = ferry_generate(capsys, out, *ARGS)
     assert resident["plan"]["experts"]["format"] == "mxfp4"
     slots = str(resident["plan"]["experts"]["min_slots"])
