@@ -354,3 +354,24 @@ def test_mxfp4_gpt_oss_equals_its_dequantized_weights_resident_and_offloaded(gpt
     offloaded = ferry_generate(capsys, out, *ARGS, "--moe-cache-size", slots)
     assert offloaded["expert_cache"]["misses"] > 0
     assert offloaded["token_ids"] == resident["token_ids"] and offloaded["logprobs"] == resident["logprobs"]
+
+
+def test_ferry_plan_prices_the_published_mxfp4_gpt_oss_120b_with_its_biases():
+    """The release as published (quantization_config mxfp4): each slot row holds e2m1 codes, e8m0 scales of 32
+    inputs and the float32 biases, each part at 16 bytes; the GPU computes every expert (the host kernels have
+    no biases)."""
+    hidden, inter = 2880, 2880
+    w13 = 2 * inter * hidden // 2 + 2 * inter * hidden // 32 + 2 * inter * 4
+    w2 = hidden * inter // 2 + hidden * inter // 32 + hidden * 4
+    out = subprocess.run(
+        [sys.executable, "-m", "ferry.services.cli", "plan", "--model", str(GPT_OSS_120B)]
+        + ["--gpu-memory", "24GiB", "--host-memory", "512GiB", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    assert plan["experts"]["format"] == "mxfp4" and plan["experts"]["bytes_per_slot"] == w13 + w2
+    assert plan["host"]["expert_bank_bytes"] == 36 * 128 * (w13 + w2)
+    assert plan["expert_backend"]["backend"] == "gpu" and plan["total_bytes"] <= plan["budget_bytes"]
