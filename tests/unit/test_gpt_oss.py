@@ -354,6 +354,9 @@ def test_mxfp4_gpt_oss_equals_its_dequantized_weights_resident_and_offloaded(gpt
     offloaded = ferry_generate(capsys, out, *ARGS, "--moe-cache-size", slots)
     assert offloaded["expert_cache"]["misses"] > 0
     assert offloaded["token_ids"] == resident["token_ids"] and offloaded["logprobs"] == resident["logprobs"]
+    for extra in ((), ("--moe-cache-size", slots)):  # --load-format dummy: mxfp4 rows filled, their biases zero
+        dummy = ferry_generate(capsys, out, *ARGS, "--load-format", "dummy", *extra)
+        assert dummy["plan"]["experts"]["format"] == "mxfp4" and all(math.isfinite(lp) for lp in dummy["logprobs"])
 
 
 def test_ferry_plan_prices_the_published_mxfp4_gpt_oss_120b_with_its_biases():

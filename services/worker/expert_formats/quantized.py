@@ -6,6 +6,7 @@ for [S, B] (the kernels' `QuantizedFamily`, strided: one slot's parts are B byte
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 
 import torch
@@ -46,6 +47,12 @@ def raw(rows: torch.Tensor, p: F.RowPart) -> torch.Tensor:
 def part(rows: torch.Tensor, p: F.RowPart) -> torch.Tensor:
     """Part `p` of a byte row [B] ([*p.shape]) or of byte rows [S, B] ([S, *p.shape])."""
     return raw(rows, p).view(TORCH_PART_DTYPES[p.dtype]).unflatten(-1, p.shape)
+
+
+def weight_parts(layout: F.FamilyLayout) -> F.FamilyLayout:
+    """The layout without its bias part: what a format's own writer and dummy fill lay out (the bias part,
+    where there is one, is written by QuantizedExperts itself)."""
+    return dataclasses.replace(layout, parts=tuple(p for p in layout.parts if p.name != F.BIAS_PART))
 
 
 def fill_bytes_of(rows: torch.Tensor, p: F.RowPart, value: float) -> None:
@@ -129,8 +136,8 @@ class QuantizedExperts(ABC):
                     f"quantization_config makes the routed experts {self.name}: every expert must be"
                 )
         check_expert_shapes(where, gate, up, down, self.inter, self.hidden)
-        self._write(dst13, self.layout13, (gate, up))
-        self._write(dst2, self.layout2, (down,))
+        self._write(dst13, weight_parts(self.layout13), (gate, up))
+        self._write(dst2, weight_parts(self.layout2), (down,))
         if bias is not None and not self.bias:
             raise ValueError(f"{where} has biases, but this model's experts have none (config.json)")
         if self.bias:  # float32 in the row; none given (dummy weights): zero
@@ -154,7 +161,7 @@ class QuantizedExperts(ABC):
     def fill_dummy_layer(self, w13: torch.Tensor, w2: torch.Tensor, layer: int, seed: int) -> None:
         for rows, layout, std, family in ((w13, self.layout13, DUMMY_STD, 0), (w2, self.layout2, DUMMY_DOWN_STD, 1)):
             gen = torch.Generator().manual_seed(name_seed(f"{self.name} experts, layer {layer}, family {family}", seed))
-            self._fill_dummy(rows, layout, std, gen)
+            self._fill_dummy(rows, weight_parts(layout), std, gen)
             for p in layout.parts:  # biases zero, as the dummy recipe's (dummy_weights.py)
                 if p.name == F.BIAS_PART:
                     raw(rows, p).zero_()
