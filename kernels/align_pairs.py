@@ -113,7 +113,8 @@ def _scatter_kernel(
     lane = tl.arange(0, SUB)
     earlier = lane[None, :] < lane[:, None]  # [i, j]: pair j comes before pair i
     later = lane[None, :] > lane[:, None]
-    for s0 in range(0, tile, SUB):
+    # the tile's own pairs only: past n (the last tile's end, and all of a tile of a small step) nothing is kept
+    for s0 in range(0, tl.minimum(tile, n - p * tile), SUB):
         i = p * tile + s0 + lane
         s = tl.load(slots_ptr + i, mask=(s0 + lane < tile) & (i < n), other=-1).to(tl.int32)
         kept = (s0 + lane < tile) & (i < n) & (s >= 0) & (s < num_slots)

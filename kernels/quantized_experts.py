@@ -24,6 +24,9 @@ the same layout). `QuantizedFamily` holds the typed strided views of those parts
   blocks at the edges included. w[o, i] = float(q[o, i]) * scale[row_block(o), i // 128] with
   row_block(o) = (o // part_rows) * ceil(part_rows / 128) + (o % part_rows) // 128.
 
+* **GGUF blocks** (a GGUF file's experts, `ggml_type` set): `q` uint8 [S, O, row bytes], the file's blocks
+  unchanged, their scales inside; no Triton kernel reads them yet, only the twin (kernels/gguf_blocks.py).
+
 Dequantization is computed in float32 and rounded once to the activations' dtype; the kernels do
 the same per element, so the reference (dequantize the slot, then the plain reference GEMM:
 `quantized_expert_rows_reference`, kernels/grouped_expert_gemm_reference.py) is their twin.
@@ -37,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from ferry.kernels.expert_epilogue import SILU_AND_MUL, ExpertActivation
+from ferry.kernels.gguf_blocks import dequantize_rows
 
 # the formats' names and constants have one owner, the torch-free layout module
 from ferry.plan.expert_formats import (  # noqa: F401
@@ -78,8 +82,9 @@ class QuantizedFamily:
     cols: int
     part_rows: int
     q: torch.Tensor
-    scale: torch.Tensor
+    scale: torch.Tensor | None = None  # None: GGUF blocks keep their scales inside `q`
     gscale: torch.Tensor | None = None
+    ggml_type: str | None = None  # GGUF blocks (kernels/gguf_blocks.py): `q` [S, O, row bytes] of this type
     # the experts' biases (float32 [S, rows], a view of the rows' bias part) where they have them, and the
     # activation the gate/up family's output takes (kernels/expert_epilogue.py)
     bias: torch.Tensor | None = None
@@ -152,6 +157,8 @@ def dequantize_fp8_blocks(q: torch.Tensor, scale: torch.Tensor, part_rows: int, 
 
 def dequantize_slot(family: QuantizedFamily, slot: int, dtype: torch.dtype) -> torch.Tensor:
     """Slot `slot`'s weights as a dense [O, IN] tensor of `dtype` (float32 math, one rounding)."""
+    if family.ggml_type is not None:
+        return dequantize_rows(family.q[slot], family.ggml_type, dtype)
     if family.fmt == NVFP4:
         return dequantize_nvfp4(family.q[slot], family.scale[slot], family.gscale[slot], dtype)
     if family.fmt == MXFP4:

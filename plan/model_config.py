@@ -1,4 +1,5 @@
-"""A model's architecture, read from a Hugging Face `config.json` into one frozen `ModelSpec`.
+"""A model's architecture, read from a Hugging Face `config.json` (or a GGUF file's metadata, as the
+config.json it stands for: plan/gguf_checkpoint.py) into one frozen `ModelSpec`.
 
 The family that claims config.json's `model_type` (or one of its `architectures`) reads its own fields
 (plan/model_families/: qwen3_moe, and the hybrids qwen3_next and qwen3_5_moe); the fields every model has
@@ -15,6 +16,7 @@ from typing import Any
 
 from ferry.plan import expert_formats
 from ferry.plan.dtypes import normalize_dtype
+from ferry.plan.gguf_checkpoint import find_gguf, load_gguf_config
 from ferry.plan.model_families import family_for_config
 from ferry.plan.model_families.spec_fields import GATED_DELTANET_FIELDS, first, require
 from ferry.plan.model_spec import CLAMPED_SWIGLU, FULL_ATTENTION, LINEAR_ATTENTION, SILU, ModelSpec
@@ -151,6 +153,11 @@ def _router_problems(spec: ModelSpec) -> list[str]:
 
 
 def load_model_config(model_dir: str | Path) -> ModelSpec:
+    """From `model_dir`'s config.json, or from the metadata of the GGUF file it is (or holds:
+    plan/gguf_checkpoint.py)."""
+    gguf = find_gguf(model_dir)
+    if gguf is not None:
+        return parse_model_config(load_gguf_config(gguf), where=str(gguf))
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise ConfigError(f"no config.json in {model_dir} (--model)")

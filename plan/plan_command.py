@@ -15,6 +15,7 @@ from ferry.plan.costs import (
     workspace_bytes_estimate,
 )
 from ferry.plan.expert_parallel import add_expert_parallel_flags, expert_parallel_size, plan_every_gpu
+from ferry.plan.gguf_checkpoint import GGUF_SUFFIX, find_gguf
 from ferry.plan.host_memory import mem_available_bytes
 from ferry.plan.model_config import ModelSpec, load_model_config
 from ferry.plan.outside_memory import estimated_outside
@@ -28,7 +29,9 @@ from ferry.shared.units import format_bytes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_model_argument(parser, "a model directory holding config.json, or that config.json (safetensors optional)")
+    add_model_argument(
+        parser, "a model directory holding config.json, or that config.json (safetensors optional), or a .gguf file"
+    )
     parser.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
     add_planner_flags(parser)
     add_expert_parallel_flags(parser)
@@ -43,6 +46,8 @@ def run(args: argparse.Namespace) -> int:
     source = "safetensors"
     if weights is None:
         weights, source = resident_weight_bytes_from_shapes(spec, r.dtype), "shapes"
+        if find_gguf(model) is not None:  # the worker dequantizes a GGUF's dense tensors as it loads them
+            source = f"shapes: the GGUF's dense tensors, dequantized to {r.dtype} at load"
 
     outside = estimated_outside(budget_from_free_memory=req.gpu_memory is None)
 
@@ -122,10 +127,11 @@ def _model_dir(model: str, revision: str | None) -> Path:
     from ferry.services.worker.model_source import resolve_model_dir
 
     path = Path(model).expanduser()
-    if path.is_file():
+    if path.is_file() and path.suffix != GGUF_SUFFIX:
         if path.name != "config.json":
             raise ConfigError(
-                f"{model} is a file: give the model directory (the one holding config.json), or its config.json"
+                f"{model} is a file: give the model directory (the one holding config.json), its config.json, "
+                "or a .gguf file"
             )
         return path.parent
     return resolve_model_dir(model, revision)

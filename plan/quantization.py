@@ -1,6 +1,6 @@
 """A checkpoint's quantization, read from `config.json`'s `quantization_config` (or `hf_quant_config.json`).
 
-Four published layouts are served (docs/ARCHITECTURE.md §3, "Expert formats"):
+These layouts are served (docs/ARCHITECTURE.md §3, "Expert formats"):
 
 * **modelopt** (nvidia's `*-NVFP4` releases): `quant_method: modelopt`, `quant_algo: NVFP4`, or
   `MIXED_PRECISION` with a `quantized_layers` map that gives each module (or the experts' parent,
@@ -10,6 +10,8 @@ Four published layouts are served (docs/ARCHITECTURE.md §3, "Expert formats"):
 * **compressed-tensors** NVFP4 (`format: nvfp4-pack-quantized`): `weight_packed`, `weight_scale`,
   `weight_global_scale` (the weight is code x scale / global scale), `ignore` (names or `re:`
   patterns) stays bf16.
+* **gguf** (a GGUF file: plan/gguf_checkpoint.py writes `{quant_method: gguf, ggml_type}` for its routed
+  experts' one block type): the experts stay in the file's blocks, held by the format claiming ("gguf", type).
 * **fp8** block (Qwen's `-FP8` releases): `quant_method: fp8`, `fmt: e4m3`, `weight_block_size:
   [128, 128]`: `weight` float8_e4m3fn with `weight_scale_inv` [ceil(O/128), ceil(IN/128)]
   (multiplied); `modules_to_not_convert`, and any linear the checkpoint stores without a scale,
@@ -35,6 +37,7 @@ from typing import Any
 
 from ferry.plan.expert_formats import registry
 from ferry.plan.expert_formats.fp8_block import FP8_BLOCKS
+from ferry.plan.expert_formats.gguf_blocks import GGUF_METHOD as GGUF
 from ferry.plan.expert_formats.mxfp4 import BLOCKS_SUFFIX, MXFP4_METHOD, SCALES_SUFFIX
 from ferry.shared.errors import ConfigError
 
@@ -51,8 +54,10 @@ QUANT_SUFFIXES = (*SCALE_SUFFIXES, *DROPPED_SUFFIXES, *CODE_SUFFIXES)
 
 SUPPORTED = (
     "modelopt (quant_algo NVFP4, or MIXED_PRECISION of NVFP4 and FP8 layers), "
-    "compressed-tensors (format nvfp4-pack-quantized), fp8 (fmt e4m3, weight_block_size [128, 128]), mxfp4"
+    "compressed-tensors (format nvfp4-pack-quantized), fp8 (fmt e4m3, weight_block_size [128, 128]), mxfp4, "
+    "and GGUF files"
 )
+
 # The module names a routed expert's projections have in the checkpoints (with any wrapper prefix).
 _EXPERT_PREFIXES = ("model.layers", "model.language_model.layers", "language_model.model.layers", "layers")
 
@@ -90,6 +95,8 @@ def parse_quantization(
         return _compressed_tensors(qc, source)
     if method == "fp8":
         return _fp8(qc, source)
+    if method == GGUF:
+        return _gguf(qc, source)
     if method == MXFP4_METHOD:
         return _mxfp4(qc, source)
     raise ConfigError(
@@ -199,6 +206,19 @@ def _fp8(qc: dict[str, Any], source: str) -> QuantScheme:
     skipped = [str(m) for m in qc.get("modules_to_not_convert") or qc.get("ignored_layers") or []]
     experts_skipped = any(_module_listed(m, n) for m in skipped for n in expert_module_names())
     return QuantScheme("fp8", FP8_BLOCKS, None if experts_skipped else _expert_format("fp8", FP8_BLOCKS), source)
+
+
+def _gguf(qc: dict[str, Any], source: str) -> QuantScheme:
+    """A GGUF file's routed experts in one ggml block type (plan/gguf_checkpoint.py writes this config)."""
+    ggml_type = str(qc.get("ggml_type", ""))
+    fmt = registry.for_checkpoint(GGUF, ggml_type)
+    if fmt is None:
+        served = sorted(algo for f in registry.registered() for method, algo in f.checkpoint_algos if method == GGUF)
+        raise ConfigError(
+            f"{source}: the routed experts are ggml type {ggml_type!r}, which no expert format holds; Ferry serves "
+            f"GGUF experts in {', '.join(served)} (or F32/F16/BF16)"
+        )
+    return QuantScheme(GGUF, ggml_type, fmt.name, source)
 
 
 def _mxfp4(qc: dict[str, Any], source: str) -> QuantScheme:

@@ -47,11 +47,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _load_tokenizer(model_dir: Path):
-    from transformers import AutoTokenizer
+    """The model's tokenizer (a GGUF file's from its metadata), None for a directory without tokenizer files."""
+    from ferry.shared.tokenizer_source import load_tokenizer
 
-    if not ((model_dir / "tokenizer.json").is_file() or (model_dir / "tokenizer_config.json").is_file()):
+    if model_dir.is_dir() and not (
+        (model_dir / "tokenizer.json").is_file() or (model_dir / "tokenizer_config.json").is_file()
+    ):
         return None
-    return AutoTokenizer.from_pretrained(model_dir)
+    return load_tokenizer(model_dir)
 
 
 def _prompt_ids(args, tokenizer, vocab_size: int) -> list[int]:

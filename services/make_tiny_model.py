@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 from ferry.plan.model_families import families
+from ferry.services.gguf_writer import EXPERT_TYPES, GGUF_SIZES, write_gguf
 
 # Small enough to build and run in well under a second on CPU, big enough that every code path
 # is real: GQA (4 query heads over 2 KV heads), several experts with top-2 routing; each family's
@@ -39,8 +40,9 @@ ARCHS = tuple(sorted(TINY_FAMILIES))
 TINY_CONFIGS = {name: dict(COMMON, **f.tiny_config) for name, f in TINY_FAMILIES.items()}
 
 
-def make_tiny_model(out_dir: str | Path, arch: str, seed: int = 0) -> Path:
-    """Write the checkpoint into `out_dir` (created if needed) and return it."""
+def make_tiny_model(out_dir: str | Path, arch: str, seed: int = 0, **sizes: int) -> Path:
+    """Write the checkpoint into `out_dir` (created if needed) and return it; `sizes` replace the tiny
+    config's (e.g. hidden_size, moe_intermediate_size: GGUF's K blocks need rows of 256 values)."""
     from ferry.shared.file_modes import written_with_umask_modes
 
     if arch not in TINY_CONFIGS:
@@ -48,11 +50,11 @@ def make_tiny_model(out_dir: str | Path, arch: str, seed: int = 0) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with written_with_umask_modes(out):  # readable by others under the usual umask: a container serves it
-        _write(out, arch, seed)
+        _write(out, arch, seed, sizes)
     return out
 
 
-def _write(out: Path, arch: str, seed: int) -> None:
+def _write(out: Path, arch: str, seed: int, sizes: dict[str, int]) -> None:
     import torch
     from transformers import GenerationConfig
 
@@ -61,7 +63,7 @@ def _write(out: Path, arch: str, seed: int) -> None:
     tokenizer = train_tokenizer()
     eos_id = tokenizer.convert_tokens_to_ids(IM_END)
     pad_id = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
-    config = _config(arch, vocab_size=len(tokenizer), eos_token_id=eos_id, pad_token_id=pad_id)
+    config = _config(arch, vocab_size=len(tokenizer), eos_token_id=eos_id, pad_token_id=pad_id, **sizes)
 
     model_class = _model_class(arch)
     torch.manual_seed(seed)
@@ -102,9 +104,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", help="output directory (created if missing)")
     parser.add_argument("--arch", choices=ARCHS, default="qwen3_moe", help="architecture (default qwen3_moe)")
     parser.add_argument("--seed", type=int, default=0, help="weights are a pure function of this (default 0)")
+    parser.add_argument(
+        "--gguf",
+        choices=EXPERT_TYPES,
+        default=None,
+        help="also write DIR/tiny-TYPE.gguf, the checkpoint as a GGUF file with its routed experts in this ggml "
+        f"type (rows widened to whole blocks: {', '.join(f'{k}={v}' for k, v in GGUF_SIZES.items())})",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    out = make_tiny_model(args.dir, args.arch, args.seed)
+    sizes = GGUF_SIZES if args.gguf else {}
+    out = make_tiny_model(args.dir, args.arch, args.seed, **sizes)
     print(f"wrote a tiny {args.arch} checkpoint (seed {args.seed}) to {out}")
+    if args.gguf:
+        path = write_gguf(out, out / f"tiny-{args.gguf}.gguf", args.gguf, seed=args.seed)
+        print(f"wrote it as a GGUF file with {args.gguf} experts to {path}")
     return 0

@@ -17,6 +17,10 @@ from tests.doubles.tiny_tokenizer import tiny_tokenizer, tiny_tokenizer_dir  # n
 # whether an earlier test imported transformers. Decide it once, before anything imports triton.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":  # the kernel tests run in this process too
+    from tests.triton_interpreter_patch import install as install_interpreter_patch
+
+    install_interpreter_patch()
 
 TINY_ARCHS = ("qwen3_moe", "qwen3_5_moe")
 

@@ -1,6 +1,6 @@
 """Expert formats: how the routed experts are held in host RAM, in their GPU slots and across PCIe.
 
-One concept, five formats (docs/ARCHITECTURE.md §3, "Expert formats"), one module each here (the plan's
+One concept, several formats (docs/ARCHITECTURE.md §3, "Expert formats"), one module each here (the plan's
 side: torch-free) and one each under services/worker/expert_formats/ (the worker's: torch):
 
 | format | host banks | slots | what one copy moves |
@@ -10,6 +10,7 @@ side: torch-free) and one each under services/worker/expert_formats/ (the worker
 | `nvfp4` | as the slots hold them | e2m1 codes + float8 group scales + per-row fp32 scales | ~1.69 I H bytes |
 | `fp8-block` | as the slots hold them | float8_e4m3fn + fp32 128x128 block scales | ~3 I H bytes |
 | `mxfp4` | as the slots hold them | e2m1 codes + e8m0 scales of 32 inputs | ~1.59 I H bytes |
+| `gguf-q8_0`, `-q4_0`... `-q6_k` | as the slots hold them | a GGUF file's blocks | 1.69 to 3.19 I H bytes |
 
 (`bf16` is the unquantized format in whatever dtype the model runs: float32 in the CPU tests.)
 The quantized formats keep each weight family of an expert (w13 = [gate; up], w2 = down) as one row
@@ -33,7 +34,21 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ferry.plan.dtypes import DTYPE_BYTES
-from ferry.plan.expert_formats import bf16, bf16_packed, fp8_block, mxfp4, nvfp4  # noqa: F401 (importing one registers it)
+from ferry.plan.expert_formats import (  # noqa: F401 (importing one registers it)
+    bf16,
+    bf16_packed,
+    fp8_block,
+    gguf_q4_0,
+    gguf_q4_1,
+    gguf_q4_k,
+    gguf_q5_0,
+    gguf_q5_1,
+    gguf_q5_k,
+    gguf_q6_k,
+    gguf_q8_0,
+    mxfp4,
+    nvfp4,
+)
 from ferry.plan.expert_formats.bf16 import BF16
 from ferry.plan.expert_formats.bf16_packed import BF16_PACKED
 from ferry.plan.expert_formats.fp8_block import FP8_BLOCK, FP8_BLOCK_SIZE

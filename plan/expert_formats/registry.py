@@ -79,6 +79,7 @@ class ExpertFormat:
     # (plan/model_config.py), and --expert-bank-format a bank variant without them
     holds_biases = False
     worker = ""  # "module:Class" of its torch side (services/worker/expert_formats/)
+    cuda_kernels = True  # the expert kernels read its slots on CUDA (else the worker refuses it there at boot)
 
     @property
     def module_stem(self) -> str:

@@ -18,7 +18,9 @@ A new family registers, with `register(ModelFamily(...))` in a module of this fo
   * `published_names(config)`, when its published checkpoints name tensors other than `model.…`;
   * `tiny_config` and `reference_classes`, for `ferry make-tiny-model` (transformers' classes write it);
   * `chat_format`, when its models speak another chat format than their Jinja chat template ("harmony":
-    gpt-oss; the api's `--chat-format auto` takes it: services/api/tokenizer.py).
+    gpt-oss; the api's `--chat-format auto` takes it: services/api/tokenizer.py);
+  * `gguf_architectures` and `gguf_config(metadata, tensor_names, where)`, where it serves GGUF files: the
+    `general.architecture` values it claims and their metadata as config.json fields (plan/gguf_checkpoint.py).
 and, on the worker side, its module in `services/worker/models/` (that package's registry.py says what).
 """
 
@@ -61,6 +63,10 @@ class ModelFamily:
     # how the api renders a chat and reads the output back: "template" (the tokenizer's chat template and the
     # text parsers) or "harmony" (services/api/harmony_format.py); config.py's CHAT_FORMATS
     chat_format: str = "template"
+    # GGUF files (plan/gguf_checkpoint.py): the general.architecture values it claims, and
+    # (metadata, tensor names, where) -> config.json's fields
+    gguf_architectures: tuple[str, ...] = ()
+    gguf_config: Callable[[dict[str, Any], tuple[str, ...], str], dict[str, Any]] | None = None
 
 
 _FAMILIES: dict[str, ModelFamily] = {}
@@ -74,6 +80,10 @@ def register(family: ModelFamily) -> ModelFamily:
     for other in _FAMILIES.values():
         if taken := set(other.model_types) & set(family.model_types):
             raise ValueError(f"model family {family.name!r} claims model_type {sorted(taken)} of {other.name!r}")
+        if taken := set(other.gguf_architectures) & set(family.gguf_architectures):
+            raise ValueError(f"model family {family.name!r} claims GGUF architecture {sorted(taken)} of {other.name!r}")
+    if bool(family.gguf_architectures) != (family.gguf_config is not None):
+        raise ValueError(f"model family {family.name!r}: gguf_architectures and gguf_config go together")
     _FAMILIES[family.name] = family
     return family
 
@@ -110,4 +120,15 @@ def family_for_config(raw: dict[str, Any], where: str = "config.json") -> ModelF
     raise ConfigError(
         f"{where}: model_type {model_type!r} is not supported (architectures {architectures!r}); "
         f"Ferry serves model_type {', '.join(served)}"
+    )
+
+
+def family_for_gguf(architecture: str, where: str) -> ModelFamily:
+    """The family that claims a GGUF file's `general.architecture`; a ConfigError naming it when none does."""
+    for family in families().values():
+        if architecture in family.gguf_architectures:
+            return family
+    served = sorted(a for f in families().values() for a in f.gguf_architectures)
+    raise ConfigError(
+        f"{where}: GGUF architecture {architecture!r} is not served; Ferry serves GGUF architecture {', '.join(served)}"
     )

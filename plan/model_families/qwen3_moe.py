@@ -10,6 +10,7 @@ from ferry.plan.model_families import ModelFamily, register
 from ferry.plan.model_families.spec_fields import attention_fields, mlp_fields, sparse_step_moe_layers
 from ferry.plan.model_families.weight_shapes import attention_shapes, decoder_shapes
 from ferry.plan.model_spec import FULL_ATTENTION, ModelSpec
+from ferry.shared.errors import ConfigError
 
 
 def spec_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
@@ -20,6 +21,26 @@ def spec_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
         **attention_fields(cfg, where, partial_rotary_factor=1.0, output_gate=False),
         **mlp_fields(cfg, norm_topk_prob=False, shared_expert=False),
     )
+
+
+GGUF_ARCHITECTURE = "qwen3moe"
+
+
+def gguf_config(metadata: dict[str, Any], tensor_names: tuple[str, ...], where: str) -> dict[str, Any]:
+    """config.json from a qwen3moe GGUF: transformers' table, and what it leaves out (the experts' width,
+    which layers are dense)."""
+    from ferry.plan.gguf_checkpoint import GgufNames, moe_layers_of, transformers_gguf_fields
+
+    config = transformers_gguf_fields(metadata, GGUF_ARCHITECTURE, "qwen3_moe")
+    config["model_type"] = "qwen3_moe"
+    width = metadata.get(f"{GGUF_ARCHITECTURE}.expert_feed_forward_length")
+    if width is None:
+        raise ConfigError(f"{where}: the GGUF metadata lacks {GGUF_ARCHITECTURE}.expert_feed_forward_length")
+    config["moe_intermediate_size"] = int(width)
+    layers = int(config.get("num_hidden_layers", 0))
+    moe = set(moe_layers_of(tensor_names, layers, GgufNames(GGUF_ARCHITECTURE, layers)))
+    config["mlp_only_layers"] = [layer for layer in range(layers) if layer not in moe]
+    return config
 
 
 def resident_weight_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
@@ -36,5 +57,7 @@ register(
         # three layers, one of them dense only where a test asks (tests/unit/tiny_models.py)
         tiny_config=dict(num_hidden_layers=3, intermediate_size=128, norm_topk_prob=True, rope_theta=10000.0),
         reference_classes=("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+        gguf_architectures=(GGUF_ARCHITECTURE,),
+        gguf_config=gguf_config,
     )
 )

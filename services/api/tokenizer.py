@@ -1,4 +1,5 @@
-"""The model's tokenizer and chat format, through transformers' AutoTokenizer (no torch needed).
+"""The model's tokenizer and chat format, through transformers' AutoTokenizer, or rebuilt from a GGUF file's
+metadata (shared/tokenizer_source.py; no torch needed).
 
 The chat format (`--chat-format`) says how a chat becomes the prompt and how the output is read back:
 `template`, the model's Jinja chat template and the text parsers (--reasoning-parser, --tool-call-parser:
@@ -51,12 +52,12 @@ def chat_format_of(flag: str, path: str, hf: Any) -> str:
 class PromptTokenizer:
     def __init__(self, path: str, chat_format: str = "auto"):
         try:
-            from transformers import AutoTokenizer
+            from ferry.shared.tokenizer_source import load_tokenizer
 
-            self.hf: Any = AutoTokenizer.from_pretrained(path)
+            self.hf: Any = load_tokenizer(path)
         except Exception as exc:  # noqa: BLE001 - any failure here means: no usable tokenizer at that path
             raise ModelLoadError(f"cannot load a tokenizer from {path!r}: {exc}") from exc
-        self.eos_token_ids = eos_token_ids(path if Path(path).is_dir() else None, self.hf)
+        self.eos_token_ids = eos_token_ids(path if Path(path).exists() else None, self.hf)
         self.chat_format = chat_format_of(chat_format, path, self.hf)
         self.harmony = HarmonyChat(self.hf, path) if self.chat_format == "harmony" else None
         if self.harmony is not None:  # the output ends at <|return|> or <|call|>, whatever generation_config says

@@ -22,6 +22,7 @@ from itertools import chain
 import structlog
 import torch
 
+from ferry.plan import expert_formats
 from ferry.plan.costs import workspace_bytes_estimate
 from ferry.plan.expert_parallel import check_ranks_host, nccl_workspace_bytes, rank_spec
 from ferry.plan.outside_memory import OutsideMemory
@@ -163,6 +164,12 @@ def boot_worker(cfg: WorkerBootConfig) -> tuple[StepExecutor, Plan]:
     allocate (`_load_and_plan`), then load the experts and make the executor (`_finish_boot`)."""
     device = select_device(cfg.device)
     files = open_model(cfg.model, cfg.load_format, cfg.revision)
+    slots = expert_formats.format_of(files.spec)
+    if device.type == "cuda" and not slots.cuda_kernels:  # refused before the device is touched
+        raise ConfigError(
+            f"the routed experts are {slots.name}, which no CUDA expert kernel reads yet: run this model with "
+            "--device cpu"
+        )
     req = cfg.plan
     free, free_source = _free_memory(device, req)
     r = resolve(files.spec, req)

@@ -37,9 +37,10 @@ def tokenizer_factory(model_dir: str | Path, vocab_size: int, eos_token_ids: Seq
 
     def build():
         import llguidance.hf
-        from transformers import AutoTokenizer
 
-        hf = AutoTokenizer.from_pretrained(model_dir)
+        from ferry.shared.tokenizer_source import load_tokenizer
+
+        hf = load_tokenizer(model_dir)
         return llguidance.hf.from_tokenizer(hf, n_vocab=vocab_size, eos_token=list(eos_token_ids) or None)
 
     return build

@@ -1,4 +1,4 @@
-"""Where a model's files are: a local Hugging Face directory, or a hub id found in the local hub cache.
+"""Where a model's files are: a local Hugging Face directory, a GGUF file, or a hub id found in the local hub cache.
 
 Ferry never downloads at boot (workers often run without network, and a 60 GB surprise download
 is not a boot step): a hub id must already be in huggingface_hub's cache, e.g. from
@@ -11,6 +11,7 @@ import os
 import stat
 from pathlib import Path
 
+from ferry.plan.gguf_checkpoint import GGUF_SUFFIX, find_gguf, split_files
 from ferry.shared.errors import ModelLoadError
 
 
@@ -28,16 +29,31 @@ def _looks_like_hub_id(model: str) -> bool:
     return len(parts) == 2 and all(parts) and not model.startswith((".", "~"))
 
 
+def is_gguf(path: Path) -> bool:
+    """Whether a resolved model path is a GGUF file (resolve_model_dir gives the file, not its directory)."""
+    return path.is_file() and path.suffix == GGUF_SUFFIX
+
+
 def resolve_model_dir(model: str, revision: str | None = None) -> Path:
-    """The directory holding config.json (and weights, tokenizer) for `--model`."""
+    """The directory holding config.json (and weights, tokenizer) for `--model`, or the GGUF file it names
+    (a `.gguf` file, the first of a split set, or a directory holding one and no config.json)."""
     path = Path(os.path.expanduser(model))
+    gguf = find_gguf(path) if path.exists() else None
+    if gguf is not None:
+        unreadable = [f for f in split_files(gguf) if not os.access(f, os.R_OK)]
+        if unreadable:
+            raise ModelLoadError(_permission_denied(model, unreadable))
+        return gguf
     if path.is_dir():
         _check_readable(path, model)
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"--model {model}: the directory has no config.json (is it a Hugging Face model?)")
         return path
     if path.exists():
-        raise ModelLoadError(f"--model {model}: not a directory; give a model directory or a hub id ORG/NAME")
+        raise ModelLoadError(
+            f"--model {model}: not a directory or a .gguf file; give a model directory, a GGUF file or a hub id "
+            "ORG/NAME"
+        )
     if not _looks_like_hub_id(model):
         raise ModelLoadError(f"--model {model}: no such directory, and not a hub id of the form ORG/NAME")
     return _from_hub_cache(model, revision)

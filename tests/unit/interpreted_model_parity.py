@@ -12,6 +12,10 @@ import traceback
 
 assert os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("FERRY_TRITON_ON_CPU") == "1"
 
+from tests.triton_interpreter_patch import install as install_interpreter_patch  # noqa: E402
+
+install_interpreter_patch()
+
 import torch  # noqa: E402
 from model_harness import PagedRunner, assert_logits_close, hf_greedy  # noqa: E402
 from tiny_models import tiny_model  # noqa: E402

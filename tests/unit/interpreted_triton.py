@@ -29,6 +29,8 @@ TIMEOUT_S = 600  # one batch of calls; the interpreter is slow, a loaded 2-core 
 # path.err) and answers "done" on the reply pipe (its fd is argv[1]; stdout is the kernels' own).
 _SCRIPT = """
 import importlib, os, sys, traceback, torch
+from tests.triton_interpreter_patch import install
+install()
 reply = os.fdopen(int(sys.argv[1]), "w")
 for line in sys.stdin:
     module, function, path = line.rstrip("\\n").split("\\t")

@@ -11,7 +11,7 @@ from ferry.plan import expert_formats as F
 from ferry.services.worker.expert_formats import ExpertFormat, worker_class
 from ferry.services.worker.offload.host_compute.host_expert_kernel import KernelUnavailable
 
-HIDDEN, INTER = 64, 32
+HIDDEN, INTER = 256, 256  # whole blocks of every format (GGUF K blocks hold 256 values)
 # the protocol's attributes and methods: what the worker asks of any format
 WORKER_MEMBERS = [
     *ExpertFormat.__annotations__,

@@ -32,7 +32,7 @@ def model_configs(draw):
         "torch_dtype": draw(st.sampled_from(["bfloat16", "float32"])),
     }
     raw["num_experts_per_tok"] = draw(st.integers(1, raw["num_experts"]))
-    quantized = draw(st.sampled_from([None, "nvfp4", "fp8", "mxfp4"]))
+    quantized = draw(st.sampled_from([None, "nvfp4", "fp8", "mxfp4", "gguf"]))
     if quantized == "nvfp4":  # NVFP4 groups 16 inputs: both projections' input sizes are multiples of 16
         raw["moe_intermediate_size"] = 16 * draw(st.integers(1, 6))
         raw["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}
@@ -40,6 +40,13 @@ def model_configs(draw):
         raw["hidden_size"] = draw(st.sampled_from([32, 64]))
         raw["moe_intermediate_size"] = 32 * draw(st.integers(1, 3))
         raw["quantization_config"] = {"quant_method": "mxfp4"}
+    elif quantized == "gguf":  # a GGUF file's experts in one ggml type: rows of whole blocks (32 or 256 inputs)
+        ggml_type, block = draw(
+            st.sampled_from([("Q8_0", 32), ("Q4_0", 32), ("Q5_1", 32), ("Q4_K", 256), ("Q6_K", 256)])
+        )
+        raw["hidden_size"] = block * draw(st.integers(1, 2))
+        raw["moe_intermediate_size"] = block * draw(st.integers(1, 2))
+        raw["quantization_config"] = {"quant_method": "gguf", "ggml_type": ggml_type}
     elif quantized == "fp8":
         raw["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
     if hybrid:

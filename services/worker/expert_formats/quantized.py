@@ -122,8 +122,8 @@ class QuantizedExperts(ABC):
             views["q"],
             views["scale"],
             views.get("gscale"),
-            views.get(F.BIAS_PART),
-            activation,
+            bias=views.get(F.BIAS_PART),
+            activation=activation,
         )
 
     def write_expert(

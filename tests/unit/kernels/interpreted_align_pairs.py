@@ -13,6 +13,10 @@ import torch
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run me with TRITON_INTERPRET=1"
 
+from tests.triton_interpreter_patch import install as install_interpreter_patch  # noqa: E402
+
+install_interpreter_patch()
+
 from ferry.kernels.align_pairs import CHUNK, MAX_TILES, align_pairs_by_slot, align_pairs_by_slot_triton  # noqa: E402
 from ferry.kernels.align_pairs_reference import align_pairs_by_slot_reference, max_aligned_blocks  # noqa: E402
 

@@ -17,6 +17,10 @@ import torch
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run me with TRITON_INTERPRET=1"
 
+from tests.triton_interpreter_patch import install as install_interpreter_patch  # noqa: E402
+
+install_interpreter_patch()
+
 from long_step_rows import bf16_rows_are_the_float32_rows_rounded_once  # noqa: E402
 
 from ferry.kernels.align_pairs import align_pairs_by_slot, align_pairs_by_slot_host  # noqa: E402

@@ -15,6 +15,10 @@ import torch
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run me with TRITON_INTERPRET=1"
 
+from tests.triton_interpreter_patch import install as install_interpreter_patch  # noqa: E402
+
+install_interpreter_patch()
+
 from long_step_rows import bf16_rows_are_the_float32_rows_rounded_once  # noqa: E402
 from quantized_slots import make_experts  # noqa: E402
 

@@ -1,8 +1,9 @@
 """The offload store computing with the Triton kernels (the CUDA path's bookkeeping: the pair-by-pair
 kernel for small steps, host or device alignment for larger ones) under TRITON_INTERPRET=1, against
-the all-resident store on its own Triton path (FERRY_TRITON_ON_CPU=1), run in a child process by
-test_expert_cache.py (triton decides at import whether to interpret). Small steps must agree bit
-for bit, as on the GPU. Prints JSON: null or the failure. Its argument names the check (CHECKS)."""
+the all-resident store on its own Triton path (FERRY_TRITON_ON_CPU=1), run in the interpreted child process
+(tests/unit/interpreted_triton.py: triton decides at import whether to interpret) by test_expert_cache.py, one
+check (CHECKS) a call of `run_check`. Small steps must agree bit for bit, as on the GPU. Run as a script, it runs
+the check its argument names and prints JSON: null or the failure."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ import torch
 assert os.environ.get("TRITON_INTERPRET") == "1", "run me with TRITON_INTERPRET=1"
 assert os.environ.get("FERRY_TRITON_ON_CPU") == "1", "run me with FERRY_TRITON_ON_CPU=1"
 
-from offload_tiny import random_experts, random_routing, slot_pool, tiny_spec  # noqa: E402
+from tests.triton_interpreter_patch import install as install_interpreter_patch  # noqa: E402
+
+install_interpreter_patch()
 
 from ferry.kernels.expert_pair_gemv import use_pair_kernel  # noqa: E402
 from ferry.services.worker.offload.host_memory.host_banks import HostBanks  # noqa: E402
@@ -26,6 +29,7 @@ from ferry.services.worker.offload.slot_cache.policy import LRUExpertPolicy  # n
 from ferry.services.worker.offload.stores.device_driven import DeviceDrivenExperts  # noqa: E402
 from ferry.services.worker.offload.stores.offloaded import OffloadedExperts  # noqa: E402
 from ferry.services.worker.offload.stores.resident import ResidentExperts  # noqa: E402
+from tests.unit.offload.offload_tiny import random_experts, random_routing, slot_pool, tiny_spec  # noqa: E402
 
 
 def check() -> None:
@@ -76,6 +80,9 @@ def check_device_driven(dtype_wanted: str) -> None:
     plain float32 banks and packed bf16 ones (every copy path then unpacks), the cases of one dtype."""
     spec = tiny_spec(layers=3, experts=6, top_k=2, hidden=32, inter=16)
     layers = 3
+    # cases of one slot count seed the same weights and routing: the all-resident rows of a step's layer are
+    # computed for the first and kept for the others (the same inputs, checked)
+    references: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}
     for num_slots, policy_cls, prefetch, copy_engine_tokens, dtype in DEVICE_DRIVEN_CASES:
         if dtype != dtype_wanted:
             continue
@@ -100,16 +107,18 @@ def check_device_driven(dtype_wanted: str) -> None:
         # 20 tokens: the large path; 40 and 36 (past the pair kernel, 4+ pairs per expert): prefills,
         # streamed through the staging ring. `begun`: the executor's begin_step ran first (an eager
         # step): a prefill's copies start there, and its first layer must not stage them again
-        for tokens, real, begun in (
-            (1, 1, False),
-            (4, 4, True),
-            (4, 2, False),
-            (20, 20, True),
-            (40, 40, False),
-            (1, 1, False),
-            (36, 33, False),
-            (40, 40, True),
-            (3, 3, False),
+        for step, (tokens, real, begun) in enumerate(
+            (
+                (1, 1, False),
+                (4, 4, True),
+                (4, 2, False),
+                (20, 20, True),
+                (40, 40, False),
+                (1, 1, False),
+                (36, 33, False),
+                (40, 40, True),
+                (3, 3, False),
+            )
         ):
             maps = store.cache.slot_of.clone() if store.cache is not None else None
             staged = store.ring.staged_total
@@ -120,7 +129,10 @@ def check_device_driven(dtype_wanted: str) -> None:
                 x, ids, w = random_routing(spec, tokens, g)
                 x = x.to(torch_dtype)
                 got = store.forward(layer, x, ids, w, n_rows=torch.tensor([real], dtype=torch.int32))
-                want = resident.forward(layer, x, ids, w)
+                kept = references.get((num_slots, step, layer))
+                if kept is None or not all(torch.equal(a, b) for a, b in zip(kept, (x, ids, w))):
+                    kept = references[num_slots, step, layer] = (x, ids, w, resident.forward(layer, x, ids, w).clone())
+                want = kept[3]
                 if use_pair_kernel(ids.numel()):
                     assert torch.equal(got[:real], want[:real]), f"{tokens} tokens ({real} real): the stores differ"
                 else:
@@ -786,7 +798,13 @@ CHECKS = {
     "long-step-rows": check_long_step_rows,
 }
 
-if __name__ == "__main__":  # argv[1]: one of CHECKS (the test runs each in its own process, side by side under xdist)
+
+def run_check(name: str) -> None:
+    """The check `name` (raises its failure): the suite's entry, through run_interpreted."""
+    CHECKS[name]()
+
+
+if __name__ == "__main__":  # argv[1]: one of CHECKS
     import structlog
 
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))  # stdout carries the JSON only

@@ -150,25 +150,10 @@ def test_every_check_of_the_interpreted_script_runs():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("check", INTERPRETED_CHECKS)
-def test_the_triton_path_with_host_alignment_under_the_interpreter(check):
-    """What CUDA runs (Triton over host-aligned groups), on CPU through TRITON_INTERPRET=1."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+def test_the_triton_path_with_host_alignment_under_the_interpreter(check, monkeypatch):
+    """What CUDA runs (Triton over host-aligned groups), on CPU through TRITON_INTERPRET=1: every check in the one
+    interpreted child (tests/unit/interpreted_triton.py) of this process's FERRY_TRITON_ON_CPU=1, started once."""
+    from tests.unit.interpreted_triton import run_interpreted
 
-    root = Path(__file__).resolve().parents[3]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "FERRY_TRITON_ON_CPU": "1", "PYTHONPATH": str(root)}
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("interpreted_offload_store.py")), check],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    failure = json.loads(proc.stdout)
-    if failure is not None:
-        pytest.fail(failure, pytrace=False)
+    monkeypatch.setenv("FERRY_TRITON_ON_CPU", "1")
+    run_interpreted("tests.unit.offload.interpreted_offload_store", "run_check", [((check,), {})])

@@ -1,0 +1,20 @@
+"""The `gguf-q5_0` expert format: a GGUF file's routed experts in ggml's Q5_0 blocks (32 values in 22 bytes),
+kept as the file stores them (plan/expert_formats/gguf_blocks.py; the block's layout: kernels/gguf_blocks.py).
+Worker side: services/worker/expert_formats/gguf_q5_0.py."""
+
+from __future__ import annotations
+
+from ferry.plan.expert_formats.gguf_blocks import GgufBlockFormat
+from ferry.plan.expert_formats.registry import register
+
+GGUF_Q5_0 = "gguf-q5_0"
+
+
+class GgufQ5_0(GgufBlockFormat):
+    name = GGUF_Q5_0
+    ggml_type = "Q5_0"
+    block, block_bytes = 32, 22
+    worker = "ferry.services.worker.expert_formats.gguf_q5_0:GgufQ5_0Experts"
+
+
+FORMAT = register(GgufQ5_0())

@@ -1,0 +1,247 @@
+"""A GGUF checkpoint (llama.cpp's single-file format): where its files are, its metadata, its tensor table,
+and the Hugging Face config.json its metadata stands for.
+
+`--model` may be a `.gguf` file, the first file of a split set (`NAME-00001-of-0000N.gguf`, the others
+beside it), or a directory holding one model's GGUF file(s) and no config.json. The file is read with the
+`gguf` package (llama.cpp's own reader: numpy, memory-mapped, no torch). Everything a config.json says
+comes from the metadata: the family that claims the GGUF architecture (`ModelFamily.gguf_architectures`,
+plan/model_families/) turns its keys into config.json fields (`ModelFamily.gguf_config`), so a new
+family plugs in by its own module; this module adds what every file says the same way (vocabulary size,
+tied embeddings, eos ids) and the routed experts' quantization, from their tensors' ggml type:
+
+* one quantized type for every routed expert tensor: `quantization_config {quant_method: gguf, ggml_type}`,
+  held by the expert format that claims ("gguf", type) (plan/expert_formats/gguf_*.py, via plan/quantization.py);
+* float experts (F32/F16/BF16): no quantization_config, the experts are loaded as values;
+* experts of several types (llama.cpp's `_M` mixes give ffn_down_exps another type, on some layers): refused
+  for now, naming the tensors, since a slot holds one format (docs/ARCHITECTURE.md §3).
+
+Tensor names are Hugging Face's, mapped to GGUF's by the gguf package's own table (`TensorNameMap`:
+`model.layers.3.mlp.experts.gate_proj` <-> `blk.3.ffn_gate_exps`), so the loader and the planner speak
+one language. No torch here: `ferry plan model.gguf` runs from this.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import cached_property, lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ferry.shared.errors import ConfigError
+
+GGUF_SUFFIX = ".gguf"
+_SPLIT = re.compile(r"^(?P<stem>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
+# the float types a GGUF stores values (not blocks) in: experts of these are loaded as plain tensors
+FLOAT_TYPES = ("F32", "F16", "BF16")
+EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")
+
+
+def find_gguf(model: str | Path) -> Path | None:
+    """The GGUF file `--model` names (the first of a split set), or None when it names no GGUF
+    (a Hugging Face directory: one holding config.json). A ConfigError naming --model for a split
+    file other than the first, or a directory holding several models' GGUF files."""
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == GGUF_SUFFIX:
+        split = _SPLIT.match(path.name)
+        if split and int(split["index"]) != 1:
+            first = f"{split['stem']}-00001-of-{split['count']}.gguf"
+            raise ConfigError(f"--model {model}: a split GGUF is read from its first file: give {path.parent / first}")
+        return path
+    if not path.is_dir() or (path / "config.json").is_file():
+        return None
+    files = sorted(path.glob(f"*{GGUF_SUFFIX}"))
+    firsts = [f for f in files if not _SPLIT.match(f.name) or int(_SPLIT.match(f.name)["index"]) == 1]
+    if not firsts:
+        return None
+    if len(firsts) > 1:
+        raise ConfigError(
+            f"--model {model}: the directory holds {len(firsts)} GGUF models "
+            f"({', '.join(f.name for f in firsts[:4])}): give the .gguf file itself"
+        )
+    return firsts[0]
+
+
+def split_files(first: Path) -> list[Path]:
+    """Every file of the set `first` opens (itself alone unless it is `-00001-of-N`); a ConfigError for a
+    missing one."""
+    split = _SPLIT.match(first.name)
+    if not split:
+        return [first]
+    count = int(split["count"])
+    files = [first.parent / f"{split['stem']}-{i:05d}-of-{split['count']}.gguf" for i in range(1, count + 1)]
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise ConfigError(f"--model {first}: the split GGUF lacks {', '.join(missing)}")
+    return files
+
+
+@dataclass(frozen=True)
+class GgufTensor:
+    """One tensor of the file: its shape in torch order (rows last-but-one), its ggml type's name, and
+    its bytes (numpy, memory-mapped: [..., row bytes] for block types, the values for float ones)."""
+
+    name: str
+    shape: tuple[int, ...]
+    ggml_type: str
+    data: Any  # numpy array over the file's mapping
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+
+class GgufCheckpoint:
+    """A GGUF model (one file or a split set): `metadata` {key: value} (the large arrays left out: `value(key)`
+    reads them), `tensors` {GGUF name: GgufTensor}, `architecture` (general.architecture)."""
+
+    def __init__(self, first: Path):
+        import gguf
+
+        self.path = first
+        self.files = split_files(first)
+        try:
+            self.readers = [gguf.GGUFReader(str(f)) for f in self.files]
+        except (ValueError, OSError) as exc:
+            raise ConfigError(f"--model {first}: not a readable GGUF file ({exc})") from exc
+        self._fields = self.readers[0].fields
+        self.tensors: dict[str, GgufTensor] = {}
+        for reader in self.readers:
+            for t in reader.tensors:
+                shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # ggml lists the fastest dimension first
+                self.tensors[t.name] = GgufTensor(t.name, shape, t.tensor_type.name, t.data)
+        self.architecture = str(self.value("general.architecture", ""))
+        if not self.architecture:
+            raise ConfigError(f"{first}: the GGUF metadata has no general.architecture")
+
+    def value(self, key: str, default: Any = None) -> Any:
+        """A metadata value (a scalar or a list of numbers); `default` when the file does not have it. A float32
+        is read as the shortest decimal that is that float32 (1e-06, not 9.99999997e-07): config.json's number."""
+        import gguf
+
+        field = self._fields.get(key)
+        if field is None:
+            return default
+        if field.types == [gguf.GGUFValueType.FLOAT32]:
+            return float(str(np.float32(field.contents())))
+        return field.contents()
+
+    @cached_property
+    def metadata(self) -> dict[str, Any]:
+        """Every key but the large arrays (the vocabulary, merges, token types, scores): {key: value}."""
+        import gguf
+
+        return {
+            k: self.value(k)
+            for k, f in self._fields.items()
+            if not k.startswith("GGUF.") and (f.types[:1] != [gguf.GGUFValueType.ARRAY] or len(f.data) <= 1024)
+        }
+
+    def array_length(self, key: str) -> int:
+        field = self._fields.get(key)
+        return 0 if field is None else len(field.data)
+
+    def names(self) -> GgufNames:
+        return GgufNames(self.architecture, int(self.value(f"{self.architecture}.block_count", 0)))
+
+
+class GgufNames:
+    """Hugging Face tensor names <-> this architecture's GGUF names, by the gguf package's table."""
+
+    def __init__(self, architecture: str, num_layers: int):
+        import gguf
+
+        arch = {name: a for a, name in gguf.MODEL_ARCH_NAMES.items()}.get(architecture)
+        if arch is None:
+            raise ConfigError(f"GGUF architecture {architecture!r} is not one the gguf package knows")
+        self.map = gguf.get_tensor_name_map(arch, num_layers)
+
+    def gguf_name(self, hf_name: str) -> str | None:
+        """`model.layers.0.self_attn.q_proj.weight` -> `blk.0.attn_q.weight`; None where the table has none."""
+        return self.map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+
+    def experts(self, layer: int) -> dict[str, str | None]:
+        """{gate_proj|up_proj|down_proj: the GGUF name of layer `layer`'s routed experts [E, rows, cols]}."""
+        return {part: self.gguf_name(f"model.layers.{layer}.mlp.experts.{part}.weight") for part in EXPERT_PARTS}
+
+
+def open_gguf(first: Path) -> GgufCheckpoint:
+    """The GGUF set `first` opens, parsed once a process (while the file is unchanged): a header of a 150k-token
+    vocabulary takes seconds, and boot asks for the config, both passes' tensors, the eos ids and the tokenizer."""
+    st = Path(first).stat()
+    return _opened(str(Path(first).resolve()), st.st_mtime_ns, st.st_size)
+
+
+@lru_cache(maxsize=4)
+def _opened(path: str, mtime_ns: int, size: int) -> GgufCheckpoint:
+    return GgufCheckpoint(Path(path))
+
+
+def load_gguf_config(first: Path) -> dict[str, Any]:
+    """The config.json the GGUF's metadata stands for (the family's fields, plus the vocabulary size, tied
+    embeddings, eos ids and the experts' quantization): a ConfigError naming what cannot be served, e.g.
+    an architecture no family claims."""
+    from ferry.plan.model_families import family_for_gguf
+
+    ckpt = open_gguf(first)
+    family = family_for_gguf(ckpt.architecture, str(first))
+    config = family.gguf_config(ckpt.metadata, tuple(ckpt.tensors), str(first))
+    config.setdefault("vocab_size", ckpt.array_length("tokenizer.ggml.tokens") or None)
+    config.setdefault("tie_word_embeddings", "output.weight" not in ckpt.tensors)
+    eos = ckpt.value("tokenizer.ggml.eos_token_id")
+    if eos is not None:
+        config.setdefault("eos_token_id", int(eos))
+    # dense tensors are dequantized at load into the run dtype (--dtype); bf16 is what the published models run in
+    config.setdefault("torch_dtype", "bfloat16")
+    quantization = expert_quantization(ckpt, int(config["num_hidden_layers"]), str(first))
+    if quantization is not None:
+        config["quantization_config"] = quantization
+    return config
+
+
+def expert_quantization(ckpt: GgufCheckpoint, num_layers: int, where: str) -> dict[str, Any] | None:
+    """The routed experts' quantization_config: their one ggml type, None for float experts; a ConfigError
+    when they mix types (a slot holds one format)."""
+    names = ckpt.names()
+    types: dict[str, list[str]] = {}
+    for layer in range(num_layers):
+        for name in names.experts(layer).values():
+            if name is not None and name in ckpt.tensors:
+                types.setdefault(ckpt.tensors[name].ggml_type, []).append(name)
+    if not types:
+        return None
+    if len(types) > 1:
+        shown = "; ".join(f"{t}: {', '.join(ns[:3])}{' ...' if len(ns) > 3 else ''}" for t, ns in sorted(types.items()))
+        raise ConfigError(
+            f"{where}: the routed experts mix ggml types ({shown}); Ferry holds every routed expert in one "
+            "format, so a file whose expert tensors differ in type (llama.cpp's _M and _S mixes) is not served yet: "
+            "use a file quantized with one type for every ffn_*_exps tensor (e.g. Q8_0, or llama-quantize "
+            "--tensor-type ffn_down_exps=<the gate's type>)"
+        )
+    (ggml_type,) = types
+    if ggml_type in FLOAT_TYPES:
+        return None
+    return {"quant_method": "gguf", "ggml_type": ggml_type}
+
+
+def transformers_gguf_fields(metadata: dict[str, Any], architecture: str, model_type: str) -> dict[str, Any]:
+    """The config.json fields transformers' GGUF table (`transformers.integrations.ggml.GGUF_CONFIG_MAPPING`,
+    with its defaults) reads from `{architecture}.*` keys for `model_type`: a family's gguf_config starts here
+    and adds what that table leaves out."""
+    from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
+
+    renames = GGUF_CONFIG_MAPPING.get(model_type, {})
+    config: dict[str, Any] = dict(GGUF_CONFIG_DEFAULTS_MAPPING.get(model_type, {}))
+    for key, field in renames.items():
+        value = metadata.get(f"{architecture}.{key}")
+        if field is not None and value is not None:
+            config[field] = value
+    return config
+
+
+def moe_layers_of(tensor_names: tuple[str, ...], num_layers: int, names: GgufNames) -> list[int]:
+    """The layers whose routed experts the file holds."""
+    present = set(tensor_names)
+    return [layer for layer in range(num_layers) if names.experts(layer)["gate_proj"] in present]

@@ -1,0 +1,161 @@
+"""A Hugging Face checkpoint of attention and MoE layers (a family with a GGUF architecture: qwen3_moe) rewritten
+as a GGUF file, by the gguf package's own writer (`gguf.GGUFWriter`), as llama.cpp's converter lays one out:
+llama.cpp's metadata keys, its tensor names (the gguf package's table), the tokenizer's vocabulary, merges,
+token types, special ids and chat template.
+
+The routed experts are written in one ggml type (`expert_type`): Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 quantized from
+the checkpoint's weights by the gguf package itself (`gguf.quants.quantize`); the K types (Q4_K, Q5_K, Q6_K),
+which that package can only decode, as random but valid blocks whose values have the checkpoint's experts'
+spread. Dense matrices are written F16 (their norms and routers F32, as llama.cpp keeps them), so loading
+dequantizes them. The tests' tiny GGUF models come from here (`ferry make-tiny-model --gguf TYPE`); the model
+a GGUF file is held to is the file itself, decoded by the gguf package (tests/unit/test_gguf_checkpoints.py).
+No torch.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from ferry.plan.gguf_checkpoint import GgufNames
+from ferry.plan.model_families import family_for_config
+
+# (byte offset, value for weights of std 1) of each fp16 scale of a K block whose other bytes are random
+# (kernels/gguf_blocks.py has the layouts; the spreads are those of random codes under random scales)
+_K_SCALES = {
+    "Q4_K": ((0, 1 / 258.3), (2, 7.5 / 258.3)),
+    "Q5_K": ((0, 1 / 527.0), (2, 15.5 / 527.0)),
+    "Q6_K": ((208, 1 / 1369.0),),
+}
+# the types the gguf package quantizes itself (from the checkpoint's weights), then the K types it only decodes
+QUANTIZED_BY_GGUF = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+EXPERT_TYPES = (*QUANTIZED_BY_GGUF, "Q4_K", "Q5_K", "Q6_K")
+# GGUF's K blocks hold 256 values: a tiny model written as GGUF has rows of whole blocks
+GGUF_SIZES = dict(hidden_size=256, moe_intermediate_size=256)
+_CONTROL, _NORMAL = 3, 1  # llama.cpp's token types
+
+
+def write_gguf(
+    hf_dir: str | Path, out: str | Path, expert_type: str = "Q8_0", seed: int = 0, split_max_tensors: int = 0
+) -> Path:
+    """Write `hf_dir` (a checkpoint of one safetensors file or more) to the GGUF file `out`; with
+    `split_max_tensors`, as a split set of files of at most that many tensors (`OUT-00001-of-0000N.gguf`...,
+    the first of which is returned)."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    if expert_type not in EXPERT_TYPES:
+        raise ValueError(f"--gguf must be one of {', '.join(EXPERT_TYPES)}, got {expert_type!r}")
+    hf_dir, out = Path(hf_dir), Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    config = json.loads((hf_dir / "config.json").read_text())
+    family = family_for_config(config, str(hf_dir / "config.json"))
+    if not family.gguf_architectures or config.get("mlp_only_layers") or not config.get("norm_topk_prob"):
+        # llama.cpp's MoE graphs renormalize the top k, and its table names no dense MLP beside routed experts
+        raise ValueError(
+            f"the GGUF writer takes a checkpoint of a family with a GGUF architecture ({family.name} has "
+            f"{list(family.gguf_architectures)}), of MoE layers only, with norm_topk_prob"
+        )
+    architecture = family.gguf_architectures[0]
+    tensors: dict[str, np.ndarray] = {}
+    for shard in sorted(hf_dir.glob("*.safetensors")):
+        tensors.update(load_file(shard))
+    layers = int(config["num_hidden_layers"])
+    writer = gguf.GGUFWriter(str(out), architecture, split_max_tensors=split_max_tensors)
+    _metadata(writer, config)
+    _tokenizer(writer, hf_dir)
+    names = GgufNames(architecture, layers)
+    rng = np.random.default_rng(seed)
+    for layer in range(layers):
+        for part, gguf_name in names.experts(layer).items():
+            stacked = np.stack(
+                [
+                    tensors.pop(f"model.layers.{layer}.mlp.experts.{e}.{part}.weight")
+                    for e in range(_num_experts(config))
+                ]
+            ).astype(np.float32)
+            blocks = _expert_blocks(stacked, expert_type, rng)
+            writer.add_tensor(gguf_name, blocks, raw_dtype=gguf.GGMLQuantizationType[expert_type])
+    for name, value in sorted(tensors.items()):
+        gguf_name = names.gguf_name(name)
+        if gguf_name is None:
+            raise ValueError(f"{name}: the gguf package's {architecture} table has no name for it")
+        value = value.astype(np.float32)
+        writer.add_tensor(
+            gguf_name, value.astype(np.float16) if value.ndim == 2 and ".mlp.gate." not in name else value
+        )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out if not split_max_tensors else sorted(out.parent.glob(f"{out.stem}-00001-of-*.gguf"))[0]
+
+
+def _metadata(writer, config: dict) -> None:
+    rope = config.get("rope_parameters") or {}
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_rope_freq_base(float(config.get("rope_theta", rope.get("rope_theta", 10000.0))))
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_expert_count(_num_experts(config))
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+
+
+def _tokenizer(writer, hf_dir: Path) -> None:
+    """The byte-level BPE of tokenizer.json as llama.cpp stores a gpt2-type vocabulary (tokens in the byte
+    alphabet's spelling, merges as "a b"), its pre-tokenizer named by the Qwen3.5 split it uses."""
+    spec = json.loads((hf_dir / "tokenizer.json").read_text())
+    config = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    vocab = dict(spec["model"]["vocab"])
+    special = {t["content"]: t["id"] for t in spec["added_tokens"]}
+    vocab.update(special)
+    tokens = [None] * (max(vocab.values()) + 1)
+    for token, index in vocab.items():
+        tokens[index] = token
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen35")
+    writer.add_token_list(tokens)
+    writer.add_token_types([_CONTROL if t in special else _NORMAL for t in tokens])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]])
+    gen = (
+        json.loads((hf_dir / "generation_config.json").read_text())
+        if (hf_dir / "generation_config.json").is_file()
+        else {}
+    )
+    eos = gen.get("eos_token_id", special.get(config.get("eos_token")))
+    writer.add_eos_token_id(eos[0] if isinstance(eos, list) else eos)
+    if config.get("pad_token") in special:
+        writer.add_pad_token_id(special[config["pad_token"]])
+    writer.add_add_bos_token(False)
+    template = hf_dir / "chat_template.jinja"
+    writer.add_chat_template(template.read_text() if template.is_file() else config["chat_template"])
+
+
+def _expert_blocks(weights: np.ndarray, expert_type: str, rng: np.random.Generator) -> np.ndarray:
+    """[E, rows, cols] float32 -> [E, rows, row bytes] uint8 blocks of `expert_type`."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[expert_type]
+    if expert_type in QUANTIZED_BY_GGUF:
+        return gguf.quants.quantize(weights, qtype)
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    shape = gguf.quants.quant_shape_to_byte_shape(weights.shape, qtype)
+    blocks = rng.integers(0, 256, shape, dtype=np.uint8)
+    view = blocks.reshape(-1, size)
+    std = float(weights.std())
+    for offset, unit in _K_SCALES[expert_type]:
+        view[:, offset : offset + 2] = np.frombuffer(np.float16(std * unit).tobytes(), dtype=np.uint8)
+    return blocks
+
+
+def _num_experts(config: dict) -> int:
+    return int(config.get("num_experts") or config["num_local_experts"])

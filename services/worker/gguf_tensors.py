@@ -1,0 +1,110 @@
+"""A GGUF checkpoint's tensors for the model's loader, under Hugging Face's names (plan/gguf_checkpoint.py reads
+the file and maps the names; docs/ARCHITECTURE.md §4, "Weights").
+
+Two passes, as for safetensors (services/worker/checkpoint.py):
+* **resident** tensors (embeddings, attention, norms, routers, lm_head) are dequantized at load by the gguf
+  package's numpy reference (`gguf.quants.dequantize`, any ggml type) into float32, which the loader copies
+  into the run dtype: a file's dense bytes become run-dtype bytes on the GPU (Qwen3-30B-A3B's ~1.3 B dense
+  values: ~2.6 GB in bf16 whatever the file's type), and the load pays one numpy decode of each;
+* **routed experts** stay in their blocks: each expert's gate, up and down rows of the file's
+  `ffn_{gate,up,down}_exps` [E, rows, row bytes] are yielded as a `GgufWeight` for the expert format
+  (services/worker/expert_formats/gguf_*.py) to copy as they are; float experts (F32/F16/BF16) are values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ferry.kernels.gguf_blocks import BLOCKS, dequantize_rows
+from ferry.plan.costs import is_served
+from ferry.plan.gguf_checkpoint import FLOAT_TYPES, GgufTensor, open_gguf
+from ferry.plan.model_families import family_of
+from ferry.plan.model_spec import ModelSpec
+from ferry.services.worker.quantized_weight import QuantizedWeight
+from ferry.shared.errors import ModelLoadError
+
+
+@dataclass(frozen=True)
+class GgufWeight(QuantizedWeight):
+    """One linear [O, IN] of a GGUF file in `ggml_type` blocks: `q` uint8 [O, row bytes], the file's bytes;
+    `fmt` the expert format holding them (no separate scales: a block carries its own)."""
+
+    ggml_type: str = ""
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        block, size = BLOCKS[self.ggml_type]
+        o, n = self.q.shape
+        return o, n // size * block
+
+    def dequantize(self, dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
+        q = self.q.to(device) if device is not None else self.q
+        return dequantize_rows(q, self.ggml_type, dtype)
+
+
+def dequantized(tensor: GgufTensor) -> torch.Tensor:
+    """A GGUF tensor as float32 values of its shape (the gguf package's reference decode)."""
+    import gguf
+
+    values = gguf.quants.dequantize(np.asarray(tensor.data), gguf.GGMLQuantizationType[tensor.ggml_type])
+    return torch.from_numpy(
+        np.array(values, dtype=np.float32).reshape(tensor.shape)
+    )  # a copy: the mapping is read-only
+
+
+def resident_gguf_tensors(path: Path, spec: ModelSpec, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, float32 tensor) of every GPU-resident tensor; a ModelLoadError naming a missing one
+    (a tied lm_head is none)."""
+    from tqdm import tqdm
+
+    ckpt = open_gguf(path)
+    names = ckpt.names()
+    wanted = [n for n in family_of(spec).resident_weight_shapes(spec) if is_served(n, spec)]
+    for hf_name in tqdm(wanted, desc="loading weights", unit="tensor", disable=not progress, leave=False):
+        gguf_name = names.gguf_name(hf_name)
+        if gguf_name not in ckpt.tensors:
+            if hf_name == "lm_head.weight" and spec.tie_word_embeddings:
+                continue
+            raise ModelLoadError(
+                f"{path}: no tensor {gguf_name or '(none in the gguf table)'} for {hf_name} in the GGUF file"
+            )
+        yield hf_name, dequantized(ckpt.tensors[gguf_name])
+
+
+def routed_expert_gguf_tensors(
+    path: Path, spec: ModelSpec, progress: bool = True
+) -> Iterator[tuple[str, torch.Tensor | GgufWeight]]:
+    """(`model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight`, its rows) of every routed expert: a GgufWeight
+    of the file's blocks, or float32 values for float experts."""
+    from tqdm import tqdm
+
+    ckpt = open_gguf(path)
+    names = ckpt.names()
+    fmt = spec.quantization.expert_format if spec.quantization is not None else None
+    for layer in tqdm(spec.moe_layer_indices, desc="loading experts", unit="layer", disable=not progress, leave=False):
+        for part, gguf_name in names.experts(layer).items():
+            tensor = ckpt.tensors.get(gguf_name or "")
+            if tensor is None or len(tensor.shape) != 3 or tensor.shape[0] != spec.num_experts:
+                raise ModelLoadError(
+                    f"{path}: layer {layer}'s routed experts need {gguf_name} [{spec.num_experts}, rows, cols] in the "
+                    f"GGUF file, found {'none' if tensor is None else list(tensor.shape)}"
+                )
+            yield from _experts_of(tensor, layer, part, fmt)
+
+
+def _experts_of(tensor: GgufTensor, layer: int, part: str, fmt: str | None):
+    prefix = f"model.layers.{layer}.mlp.experts"
+    if tensor.ggml_type in FLOAT_TYPES:
+        values = dequantized(tensor)
+        for e in range(tensor.shape[0]):
+            yield f"{prefix}.{e}.{part}.weight", values[e]
+        return
+    blocks = np.asarray(tensor.data)
+    for e in range(tensor.shape[0]):
+        q = torch.from_numpy(np.array(blocks[e], dtype=np.uint8))  # one expert's rows, copied off the mapping
+        yield f"{prefix}.{e}.{part}.weight", GgufWeight(fmt, q, None, None, tensor.name, ggml_type=tensor.ggml_type)

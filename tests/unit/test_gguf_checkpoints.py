@@ -1,0 +1,414 @@
+"""GGUF files (issue 60) on CPU: a tiny qwen3_moe written as llama.cpp lays a GGUF out (tests/gguf_models.py)
+is read from its metadata alone (architecture, sizes, tokenizer, chat template), its routed experts kept in
+their blocks, and it generates what transformers generates on the same file decoded by the gguf package,
+all resident and offloaded; the blocks decode as that package decodes them, a Q4_K scale unpacked one bit
+off breaks the comparison, and what is not served is refused by `ferry plan`, naming it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from tests.gguf_models import dequantized_reference, tiny_gguf
+from tests.unit.test_generate_e2e import ferry_generate
+from tests.unit.test_quantized_checkpoints import _hf_greedy_logprobs
+
+PROMPT = ",".join(str((i * 37 + 11) % 200) for i in range(40))
+ARGS = ("--prompt-ids", PROMPT, "--max-tokens", "8", "--ignore-eos", "--dtype", "float32", "--temperature", "0")
+TOLERANCE = 0.05  # the quantized Qwen tests' bound (tests/unit/test_quantized_checkpoints.py)
+MULTILINGUAL = (
+    "The ferry leaves at 7:45 — Die Fähre fährt um sieben. Le traversier part à l'heure. Паром отходит в семь. "
+    "渡轮七点出发。フェリーは七時に出発します。페리는 7시에 출발합니다. العبّارة تغادر 🚢 <|im_end|> done"
+)
+
+
+@pytest.fixture(scope="module")
+def gguf_models(tmp_path_factory):
+    """{ggml type: (GGUF file, its float32 reference checkpoint)}, made once, from one tiny checkpoint."""
+    root = tmp_path_factory.mktemp("gguf")
+    made, hf_dir = {}, None
+
+    def get(expert_type: str):
+        nonlocal hf_dir
+        if expert_type not in made:
+            path, hf_dir = tiny_gguf(root, expert_type, hf_dir)
+            made[expert_type] = (path, dequantized_reference(path, hf_dir, root / f"reference-{expert_type}"), hf_dir)
+        return made[expert_type]
+
+    return get
+
+
+def _worst(got: dict, reference_dir) -> float:
+    prompt = [int(i) for i in PROMPT.split(",")]
+    want = _hf_greedy_logprobs(reference_dir, prompt, got["token_ids"])
+    return max(abs(a - b) for a, b in zip(got["logprobs"], want))
+
+
+# ---- the blocks against the gguf package's decode --------------------------------------------------------
+
+
+def _random_blocks(ggml_type: str, rows: int, row_blocks: int, seed: int = 0) -> np.ndarray:
+    """Random bytes with finite fp16 scales (where the expert format's dummy weights set them; Q2_K's d at 80):
+    valid blocks of every code and 6-bit scale."""
+    import gguf
+
+    from ferry.plan import expert_formats as F
+    from ferry.services.worker.expert_formats import worker_class
+
+    size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[ggml_type]][1]
+    blocks = np.random.default_rng(seed).integers(0, 256, (rows, row_blocks * size), dtype=np.uint8)
+    fields = ((80, 1.0),) if ggml_type == "Q2_K" else worker_class(F.get(f"gguf-{ggml_type.lower()}")).scale_fields
+    for offset, _ in fields:
+        scales = np.random.default_rng(seed + 1).uniform(1e-3, 1e-2, rows * row_blocks).astype(np.float16)
+        blocks.reshape(-1, size)[:, offset : offset + 2] = scales.view(np.uint8).reshape(-1, 2)
+    return blocks
+
+
+@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
+def test_the_torch_twin_decodes_blocks_as_the_gguf_package(ggml_type):
+    import gguf
+
+    from ferry.kernels.gguf_blocks import BLOCKS, dequantize_rows
+
+    qtype = gguf.GGMLQuantizationType[ggml_type]
+    assert BLOCKS[ggml_type] == gguf.GGML_QUANT_SIZES[qtype]
+    blocks = _random_blocks(ggml_type, rows=24, row_blocks=3)
+    want = gguf.quants.dequantize(blocks, qtype)
+    assert torch.equal(dequantize_rows(torch.from_numpy(blocks), ggml_type, torch.float32), torch.from_numpy(want))
+
+
+# ---- tiny GGUF models against transformers on the decoded file ---------------------------------------------
+
+
+@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
+def test_gguf_tiny_models_generate_as_transformers_on_the_decoded_file(gguf_models, capsys, ggml_type):
+    path, reference, _ = gguf_models(ggml_type)
+    fmt = f"gguf-{ggml_type.lower()}"
+    resident = ferry_generate(capsys, path, *ARGS)
+    assert resident["plan"]["experts"]["format"] == fmt == resident["expert_cache"]["expert_format"]
+    assert _worst(resident, reference) < TOLERANCE
+    if ggml_type not in ("Q8_0", "Q4_K"):
+        return  # offloading moves bytes without reading them: two types show it
+    offloaded = ferry_generate(capsys, path, *ARGS, "--moe-cache-size", "9")
+    assert offloaded["token_ids"] == resident["token_ids"] and offloaded["logprobs"] == resident["logprobs"]
+    cache = offloaded["expert_cache"]
+    assert (
+        cache["misses"] > 0
+        and cache["bytes_copied"] == cache["misses"] * offloaded["plan"]["experts"]["bytes_per_slot"]
+    )
+    # the host computes every miss from its banks, decoding the blocks with torch (no C kernel reads them)
+    host = ferry_generate(capsys, path, *ARGS, "--moe-cache-size", "9", "--expert-backend", "cpu")
+    assert host["plan"]["expert_backend"]["backend"] == "cpu" and host["token_ids"] == resident["token_ids"]
+    assert max(abs(a - b) for a, b in zip(host["logprobs"], resident["logprobs"])) < 1e-4
+
+
+def test_a_q4_k_scale_unpacked_one_bit_off_fails_the_comparison(gguf_models, capsys, monkeypatch):
+    """The high bits of scales 4-7 shifted by three instead of two: the comparison must catch it."""
+    from ferry.kernels import gguf_blocks
+
+    def off_by_one_bit(scales):
+        d, m, md = scales[:, 0:4], scales[:, 4:8], scales[:, 8:12]
+        sc = torch.cat((d & 0x3F, (md & 0x0F) | ((d >> 3) & 0x30)), dim=1)
+        mn = torch.cat((m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)), dim=1)
+        return sc, mn
+
+    path, reference, _ = gguf_models("Q4_K")
+    monkeypatch.setattr(gguf_blocks, "k_scales", off_by_one_bit)
+    assert _worst(ferry_generate(capsys, path, *ARGS), reference) > TOLERANCE
+
+
+def test_the_plan_prices_each_expert_at_its_blocks_bytes(gguf_models, capsys):
+    from ferry.services.cli import main
+
+    path, _, _ = gguf_models("Q4_K")
+    assert main(["plan", str(path), "--gpu-memory", "24GiB", "--host-memory", "8GiB", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    experts = plan["experts"]
+    # w13: 512 rows of one 144-byte Q4_K block (256 values); w2: 256 rows of one block
+    assert experts["bytes_per_slot"] == 512 * 144 + 256 * 144 and experts["format"] == "gguf-q4_k"
+    # the dense tensors cost run-dtype bytes on the GPU, whatever their type in the file
+    assert plan["weights_source"] == "shapes: the GGUF's dense tensors, dequantized to bfloat16 at load"
+
+
+# ---- the tokenizer and the config from the metadata ----------------------------------------------------------
+
+
+def test_the_tokenizer_from_the_metadata_encodes_as_the_one_it_was_written_from(gguf_models):
+    from transformers import AutoTokenizer
+
+    from ferry.shared.eos import eos_token_ids
+    from ferry.shared.tokenizer_source import load_tokenizer
+
+    path, _, hf_dir = gguf_models("Q8_0")
+    ours, theirs = load_tokenizer(path), AutoTokenizer.from_pretrained(hf_dir)
+    assert ours(MULTILINGUAL)["input_ids"] == theirs(MULTILINGUAL)["input_ids"]
+    assert ours.decode(ours(MULTILINGUAL)["input_ids"]) == MULTILINGUAL
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Wohin fährt die Fähre?"}]
+    assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == theirs.apply_chat_template(
+        chat, tokenize=False, add_generation_prompt=True
+    )
+    assert eos_token_ids(path) == (theirs.eos_token_id,) == eos_token_ids(path, ours)
+
+
+def test_the_config_comes_from_the_metadata(gguf_models):
+    from ferry.plan.model_config import load_model_config
+
+    path, _, hf_dir = gguf_models("Q8_0")
+    spec, want = load_model_config(path), load_model_config(hf_dir)
+    assert spec.quantization.expert_format == "gguf-q8_0" and want.quantization is None
+    for field in (
+        "arch",
+        "vocab_size",
+        "hidden_size",
+        "num_layers",
+        "moe_layers",
+        "num_attention_heads",
+        "num_kv_heads",
+    ):
+        assert getattr(spec, field) == getattr(want, field), field
+    for field in ("head_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob"):
+        assert getattr(spec, field) == getattr(want, field), field
+    assert spec.rope_theta == want.rope_theta and spec.tie_word_embeddings == want.tie_word_embeddings
+    assert spec.rms_norm_eps == want.rms_norm_eps  # the float32 metadata read as config.json writes it
+
+
+def test_a_directory_holding_the_file_and_a_split_set_are_read(gguf_models, tmp_path):
+    from ferry.plan.gguf_checkpoint import find_gguf
+    from ferry.plan.model_config import load_model_config
+    from ferry.services.gguf_writer import write_gguf
+    from ferry.shared.errors import ConfigError
+
+    path, _, hf_dir = gguf_models("Q8_0")
+    first = write_gguf(hf_dir, tmp_path / "split" / "tiny.gguf", "Q8_0", split_max_tensors=20)
+    assert first.name == "tiny-00001-of-00002.gguf" and find_gguf(tmp_path / "split") == first
+    split, single = load_model_config(tmp_path / "split"), load_model_config(path)
+    assert split.quantization.source == str(first) and replace(split, quantization=single.quantization) == single
+    with pytest.raises(ConfigError, match="give .*tiny-00001-of-00002.gguf"):
+        find_gguf(first.with_name("tiny-00002-of-00002.gguf"))
+    assert find_gguf(hf_dir) is None  # a Hugging Face directory (config.json) is not a GGUF one
+    (tmp_path / "split" / "other.gguf").write_bytes(path.read_bytes())
+    with pytest.raises(ConfigError, match="holds 2 GGUF models .*give the .gguf file itself"):
+        find_gguf(tmp_path / "split")
+
+
+def test_a_split_set_generates_as_the_single_file(gguf_models, tmp_path, capsys):
+    from ferry.services.gguf_writer import write_gguf
+
+    path, _, hf_dir = gguf_models("Q8_0")
+    first = write_gguf(hf_dir, tmp_path / "tiny.gguf", "Q8_0", split_max_tensors=20)
+    short = ("--prompt-ids", "1,2,3", "--max-tokens", "3", "--ignore-eos", "--dtype", "float32", "--temperature", "0")
+    assert ferry_generate(capsys, first, *short)["logprobs"] == ferry_generate(capsys, path, *short)["logprobs"]
+
+
+# ---- what is not served ------------------------------------------------------------------------------------
+
+
+def test_ferry_plan_refuses_an_architecture_it_does_not_serve_naming_it(tmp_path, capsys):
+    import gguf
+
+    from ferry.services.cli import main
+
+    path = tmp_path / "llama.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert main(["plan", str(path), "--gpu-memory", "24GiB"]) == 2
+    err = capsys.readouterr().err
+    assert "GGUF architecture 'llama' is not served" in err and "qwen3moe" in err, err
+
+
+def _rewritten(path, out, retyped: dict[str, str], dropped: tuple[str, ...] = ()):
+    """`path` copied to `out` with the tensors of `retyped` ({name: ggml type}) replaced by random blocks, and
+    those of `dropped` left out."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    writer = gguf.GGUFWriter(str(out), reader.fields["general.architecture"].contents())
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        main_type = field.types[0]
+        value = field.contents()
+        if main_type == gguf.GGUFValueType.ARRAY:
+            writer.add_key_value(name, value, main_type, sub_type=field.types[-1])
+        else:
+            writer.add_key_value(name, value, main_type)
+    for t in reader.tensors:
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        if t.name in dropped:
+            continue
+        if t.name in retyped:
+            data = _random_blocks(retyped[t.name], shape[0] * shape[1], shape[2] // 256).reshape(shape[0], shape[1], -1)
+            writer.add_tensor(t.name, data, raw_dtype=gguf.GGMLQuantizationType[retyped[t.name]])
+        else:
+            writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def test_experts_of_mixed_types_are_refused_naming_the_tensors(gguf_models, tmp_path, capsys):
+    """llama.cpp's _M mixes give ffn_down_exps another type: one slot holds one format, so refused for now."""
+    from ferry.services.cli import main
+
+    path, _, _ = gguf_models("Q4_K")
+    mixed = _rewritten(path, tmp_path / "mixed.gguf", {"blk.1.ffn_down_exps.weight": "Q6_K"})
+    assert main(["plan", str(mixed), "--gpu-memory", "24GiB"]) == 2
+    err = capsys.readouterr().err
+    assert "mix ggml types" in err and "Q6_K: blk.1.ffn_down_exps.weight" in err, err
+
+
+def test_make_tiny_model_writes_the_checkpoint_as_a_gguf_file(tmp_path, capsys):
+    from ferry.plan.model_config import load_model_config
+    from ferry.services.cli import main
+
+    assert main(["make-tiny-model", str(tmp_path), "--gguf", "Q5_K"]) == 0
+    assert "tiny-Q5_K.gguf" in capsys.readouterr().out
+    spec = load_model_config(tmp_path / "tiny-Q5_K.gguf")
+    assert spec.quantization.expert_format == "gguf-q5_k" and spec.hidden_size == spec.moe_intermediate_size == 256
+
+
+def test_experts_of_a_type_no_format_holds_are_refused_naming_it(gguf_models, tmp_path, capsys):
+    from ferry.services.cli import main
+
+    path, _, _ = gguf_models("Q4_K")
+    experts = {f"blk.{b}.ffn_{p}_exps.weight": "Q2_K" for b in range(3) for p in ("gate", "up", "down")}
+    q2 = _rewritten(path, tmp_path / "q2_k.gguf", experts)
+    assert main(["plan", str(q2), "--gpu-memory", "24GiB"]) == 2
+    err = capsys.readouterr().err
+    assert "ggml type 'Q2_K', which no expert format holds" in err and "Q4_K" in err, err
+
+
+def test_ferry_plan_and_the_api_tokenizer_read_a_gguf_where_importing_torch_raises(gguf_models):
+    """The control plane never imports torch: the GGUF is read by the gguf package, its config and tokenizer
+    mapped by transformers' torch-free GGUF tables. torch is marked absent as shared/torch_free.py does
+    (transformers probes for it, so a find_spec that raises would fail transformers itself)."""
+    from tests.unit.test_torch_free import TOKENIZER, run
+
+    path, _, _ = gguf_models("Q8_0")
+    plan = (
+        'import sys, runpy; sys.modules["torch"] = None; sys.argv[0] = "ferry"; '
+        'runpy.run_module("ferry.services.cli", run_name="__main__")'
+    )
+    done = run(plan, "plan", str(path), "--gpu-memory", "24GiB", "--host-memory", "8GiB", "--json")
+    assert done.returncode == 0 and json.loads(done.stdout)["experts"]["format"] == "gguf-q8_0", done.stderr
+    done = run(TOKENIZER, str(path))
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr
+
+
+def test_gguf_experts_are_refused_on_cuda_before_the_device_is_touched(gguf_models, capsys, monkeypatch):
+    """No CUDA kernel reads GGUF blocks yet (kernels/gguf_blocks.py is the torch twin): boot says so."""
+    from ferry.services.cli import main
+    from ferry.services.worker import boot
+
+    path, _, _ = gguf_models("Q4_K")
+    monkeypatch.setattr(boot, "select_device", lambda name: torch.device("cuda"))
+    assert main(["generate", str(path), "--prompt-ids", "1,2", "--max-tokens", "1", "--gpu-memory", "64MiB"]) == 2
+    assert "gguf-q4_k, which no CUDA expert kernel reads yet" in capsys.readouterr().err
+
+
+# ---- a published model's shapes ------------------------------------------------------------------------------
+
+QWEN3_30B = "tests/data/models/qwen3-30b-a3b/config.json"
+
+
+def _metadata_only_qwen3_30b(path, expert_type: str = "Q8_0"):
+    """Qwen3-30B-A3B's GGUF as llama.cpp writes it (its metadata keys, tensor table and types: Q8_0 matrices,
+    F32 norms and routers), its tensor data left a hole of the right size (a sparse file): what `ferry plan`
+    reads, without 30 GB on disk."""
+    import gguf
+
+    from ferry.plan.gguf_checkpoint import GgufNames
+    from ferry.plan.model_config import parse_model_config
+    from ferry.plan.model_families import family_of
+
+    config = json.loads(open(QWEN3_30B).read())
+    spec = parse_model_config(config)
+    writer = gguf.GGUFWriter(str(path), "qwen3moe")
+    writer.add_block_count(48)
+    writer.add_context_length(40960)
+    writer.add_embedding_length(2048)
+    writer.add_feed_forward_length(6144)
+    writer.add_head_count(32)
+    writer.add_head_count_kv(4)
+    writer.add_rope_freq_base(1000000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_expert_used_count(8)
+    writer.add_key_length(128)
+    writer.add_value_length(128)
+    writer.add_expert_count(128)
+    writer.add_expert_feed_forward_length(768)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(151936)])
+    writer.add_eos_token_id(151645)
+    names = GgufNames("qwen3moe", 48)
+    shapes = {names.gguf_name(n): s for n, s in family_of(spec).resident_weight_shapes(spec).items()}
+    for layer in range(48):
+        for part, name in names.experts(layer).items():
+            shapes[name] = (128, 2048, 768) if part == "down_proj" else (128, 768, 2048)
+    data = 0
+    for name, shape in shapes.items():
+        quantized = len(shape) > 1 and "ffn_gate_inp" not in name
+        qtype = gguf.GGMLQuantizationType[expert_type if quantized else "F32"]
+        nbytes = (
+            int(np.prod(gguf.quants.quant_shape_to_byte_shape(shape, qtype))) if quantized else 4 * int(np.prod(shape))
+        )
+        writer.add_tensor_info(name, shape, np.float32, nbytes, raw_dtype=qtype)
+        data += writer.ggml_pad(nbytes, writer.data_alignment)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    fout = writer.fout[0]
+    writer.write_padding(fout, fout.tell())
+    fout.truncate(fout.tell() + data)
+    writer.close()
+    return path
+
+
+def test_a_qwen3_30b_gguf_reads_as_its_config_json_and_plans_its_experts_at_the_files_bytes(tmp_path, capsys):
+    from ferry.plan.model_config import load_model_config
+    from ferry.services.cli import main
+
+    path = _metadata_only_qwen3_30b(tmp_path / "Qwen3-30B-A3B-Q8_0.gguf")
+    spec, want = load_model_config(path), load_model_config(QWEN3_30B.rsplit("/", 1)[0])
+    assert replace(spec, quantization=None) == want and spec.quantization.expert_format == "gguf-q8_0"
+    flags = ["--gpu-memory", "24GiB", "--host-memory", "200GiB", "--json"]
+    assert main(["plan", str(path), *flags]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert main(["plan", QWEN3_30B, *flags]) == 0
+    bf16 = json.loads(capsys.readouterr().out)
+    # w13: 1536 rows of 2048 values in 64 Q8_0 blocks of 34 bytes; w2: 2048 rows of 768 values in 24 blocks
+    assert plan["experts"]["bytes_per_slot"] == 1536 * 64 * 34 + 2048 * 24 * 34 == 5013504
+    assert plan["host"]["expert_bank_bytes"] == 48 * 128 * 5013504
+    assert plan["weights_bytes"] == bf16["weights_bytes"]  # dense tensors dequantized to bf16: as the bf16 model's
+    assert plan["experts"]["slots"] > bf16["experts"]["slots"]  # 5.0 MB experts against 6.3 MB
+
+
+def test_a_gguf_without_an_output_matrix_ties_lm_head_to_the_embeddings(gguf_models, tmp_path, capsys):
+    """llama.cpp writes `output.weight` only when it is not the embedding matrix."""
+    from safetensors.numpy import load_file, save_file
+
+    from ferry.plan.model_config import load_model_config
+
+    path, reference, _ = gguf_models("Q8_0")
+    tied = _rewritten(path, tmp_path / "tied.gguf", {}, dropped=("output.weight",))
+    assert load_model_config(tied).tie_word_embeddings and not load_model_config(path).tie_word_embeddings
+    tied_reference = tmp_path / "tied-reference"
+    shutil.copytree(reference, tied_reference)
+    state = load_file(tied_reference / "model.safetensors")
+    del state["lm_head.weight"]
+    save_file(state, tied_reference / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tied_reference / "config.json").read_text())
+    (tied_reference / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    assert _worst(ferry_generate(capsys, tied, *ARGS), tied_reference) < TOLERANCE
