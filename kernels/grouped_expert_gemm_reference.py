@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ferry.kernels.expert_epilogue import EpilogueFamily, family_parts
+from ferry.kernels.expert_epilogue import SILU_AND_MUL, EpilogueFamily, family_parts
 from ferry.kernels.quantized_experts import QuantizedFamily, dequantize_slot
 
 
@@ -68,11 +68,16 @@ def quantized_expert_rows_reference(
     rows: torch.Tensor,
 ) -> None:
     """`grouped_expert_rows_reference` for quantized slots: each slot a pair routes to is
-    dequantized to x's dtype, then computed exactly as plain slots are (same rounding order)."""
+    dequantized to x's dtype, then computed exactly as plain slots are (same rounding order), with its
+    biases (rounded to x's dtype) and activation where the family has them."""
     for slot in torch.unique(topk_slots).tolist():
         if slot < 0:
             continue
         g13 = dequantize_slot(w13, slot, x.dtype).unsqueeze(0)
         g2 = dequantize_slot(w2, slot, x.dtype).unsqueeze(0)
+        if w13.bias is not None or w13.activation != SILU_AND_MUL:  # biases rounded to x's dtype, as added
+            b13 = None if w13.bias is None else w13.bias[slot : slot + 1].to(x.dtype)
+            b2 = None if w2.bias is None else w2.bias[slot : slot + 1].to(x.dtype)
+            g13, g2 = EpilogueFamily(g13, b13, w13.activation), EpilogueFamily(g2, b2)
         one = torch.where(topk_slots == slot, 0, -1)
         grouped_expert_rows_reference(x, one, topk_weights, g13, g2, rows)

@@ -23,8 +23,15 @@ import triton
 import triton.language as tl
 
 from ferry.kernels.aligned_blocks import SLOT_WINDOW_ALL, block_rows, grouped_launch, window_blocks
+from ferry.kernels.expert_epilogue import gate_up_activation
 from ferry.kernels.expert_rows_sum import check_rows
-from ferry.kernels.quantized_expert_gemv import _e2m1_high, _e2m1_low, _fp4_scales, check_quantized_families
+from ferry.kernels.quantized_expert_gemv import (
+    _e2m1_high,
+    _e2m1_low,
+    _fp4_scales,
+    check_quantized_families,
+    quantized_epilogue_args,
+)
 from ferry.kernels.quantized_experts import FP4_SCALES, FP8_BLOCK, QuantizedFamily
 
 BLOCK_N = 64
@@ -117,8 +124,15 @@ def _fp4_gate_up_block(
     GROUP: tl.constexpr,
     E8M0: tl.constexpr,
     ROW_SCALE: tl.constexpr,
+    b_ptr,
+    stride_bs,
+    alpha,
+    limit,
+    HAS_BIAS: tl.constexpr,
+    SWIGLU: tl.constexpr,
 ):
-    """_fp4_gate_up_kernel's work: block pid_m at slot `slot` (shifted), column tile pid_n."""
+    """_fp4_gate_up_kernel's work: block pid_m at slot `slot` (shifted), column tile pid_n; the epilogue
+    (kernels/expert_epilogue.py): the slot's biases where HAS_BIAS, the clamped SwiGLU where SWIGLU."""
     slot = slot.to(tl.int64)
     offs_m, pair, row_ok = block_rows(sorted_pairs_ptr, pid_m, num_pairs, BLOCK_M)
     token = pair // top_k
@@ -153,12 +167,16 @@ def _fp4_gate_up_block(
         acc_g = tl.dot(a_hi, g_hi, acc_g, input_precision=PRECISION)
         acc_u = tl.dot(a_lo, u_lo, acc_u, input_precision=PRECISION)
         acc_u = tl.dot(a_hi, u_hi, acc_u, input_precision=PRECISION)
-    # round as the reference does: projections in x's dtype, then silu(gate) * up
-    gate = acc_g.to(w_ty).to(tl.float32)
-    up = acc_u.to(w_ty).to(tl.float32)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(w_ty).to(tl.float32)
+    # round as the reference does: projections in x's dtype, then the activation
+    bias_gate = 0.0
+    bias_up = 0.0
+    if HAS_BIAS:  # float32 in the row, rounded to the model dtype as the reference adds it
+        b_ptrs = b_ptr + slot * stride_bs + offs_n
+        bias_gate = tl.load(b_ptrs, mask=n_ok, other=0.0).to(w_ty).to(tl.float32)[None, :]
+        bias_up = tl.load(b_ptrs + I, mask=n_ok, other=0.0).to(w_ty).to(tl.float32)[None, :]
+    act = gate_up_activation(acc_g, acc_u, bias_gate, bias_up, alpha, limit, w_ty, HAS_BIAS, SWIGLU)
     a_ptrs = act_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_n[None, :] * stride_an
-    tl.store(a_ptrs, (silu * up).to(w_ty), mask=row_ok[:, None] & n_ok[None, :])
+    tl.store(a_ptrs, act, mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["num_pairs", "slot_lo", "slot_hi", "slot_shift"])
@@ -196,6 +214,12 @@ def _fp4_gate_up_kernel(
     E8M0: tl.constexpr,
     ROW_SCALE: tl.constexpr,
     WINDOWED: tl.constexpr,
+    b_ptr,
+    stride_bs,
+    alpha,
+    limit,
+    HAS_BIAS: tl.constexpr,
+    SWIGLU: tl.constexpr,
 ):
     pid_n = tl.program_id(1)
     if WINDOWED:  # the window's blocks only (aligned_blocks.py)
@@ -233,6 +257,12 @@ def _fp4_gate_up_kernel(
                 GROUP,
                 E8M0,
                 ROW_SCALE,
+                b_ptr,
+                stride_bs,
+                alpha,
+                limit,
+                HAS_BIAS,
+                SWIGLU,
             )
     else:
         pid_m = tl.program_id(0)
@@ -269,6 +299,12 @@ def _fp4_gate_up_kernel(
                 GROUP,
                 E8M0,
                 ROW_SCALE,
+                b_ptr,
+                stride_bs,
+                alpha,
+                limit,
+                HAS_BIAS,
+                SWIGLU,
             )
 
 
@@ -302,6 +338,9 @@ def _fp4_down_block(
     GROUP: tl.constexpr,
     E8M0: tl.constexpr,
     ROW_SCALE: tl.constexpr,
+    b_ptr,
+    stride_bs,
+    HAS_BIAS: tl.constexpr,
 ):
     """_fp4_down_kernel's work: block pid_m at slot `slot` (shifted), column tile pid_n."""
     slot = slot.to(tl.int64)
@@ -328,7 +367,11 @@ def _fp4_down_block(
         acc = tl.dot(x_lo, w_lo, acc, input_precision=PRECISION)
         acc = tl.dot(x_hi, w_hi, acc, input_precision=PRECISION)
     routing = tl.load(weights_ptr + pair, mask=row_ok, other=0.0)
-    y = acc.to(w_ty).to(tl.float32) * routing[:, None]
+    y = acc.to(w_ty).to(tl.float32)
+    if HAS_BIAS:  # added and rounded as the reference adds it (the row's float32 bias in the model dtype)
+        bias = tl.load(b_ptr + slot * stride_bs + offs_n, mask=n_ok, other=0.0).to(w_ty).to(tl.float32)
+        y = (y + bias[None, :]).to(w_ty).to(tl.float32)
+    y = y * routing[:, None]
     # rows in a 16-bit dtype (a long step's, kernels/expert_rows_sum.py): the float32 value rounded once, to
     # nearest even
     tl.store(
@@ -371,6 +414,9 @@ def _fp4_down_kernel(
     E8M0: tl.constexpr,
     ROW_SCALE: tl.constexpr,
     WINDOWED: tl.constexpr,
+    b_ptr,
+    stride_bs,
+    HAS_BIAS: tl.constexpr,
 ):
     pid_n = tl.program_id(1)
     if WINDOWED:  # the window's blocks only (aligned_blocks.py)
@@ -406,6 +452,9 @@ def _fp4_down_kernel(
                 GROUP,
                 E8M0,
                 ROW_SCALE,
+                b_ptr,
+                stride_bs,
+                HAS_BIAS,
             )
     else:
         pid_m = tl.program_id(0)
@@ -440,6 +489,9 @@ def _fp4_down_kernel(
                 GROUP,
                 E8M0,
                 ROW_SCALE,
+                b_ptr,
+                stride_bs,
+                HAS_BIAS,
             )
 
 
@@ -778,6 +830,7 @@ def quantized_grouped_rows_triton(
     act, weights, aligned_args, (lo, hi, shift) = launch.act, launch.weights, launch.aligned_args, launch.window
     num_pairs, top_k = launch.num_pairs, launch.top_k
     up_grid, down_grid = (launch.grid_m, triton.cdiv(inter, BLOCK_N)), (launch.grid_m, triton.cdiv(h, BLOCK_N))
+    b13, b2, epilogue = quantized_epilogue_args(w13, w2)
     if w13.fmt in FP4_SCALES:
         fp4 = FP4_SCALES[w13.fmt]
         scaling = dict(GROUP=fp4.group, E8M0=fp4.e8m0, ROW_SCALE=fp4.row_scale)
@@ -808,6 +861,12 @@ def quantized_grouped_rows_triton(
             act.stride(1),
             **meta,
             **scaling,
+            b_ptr=b13,
+            stride_bs=epilogue["stride_b13"],
+            alpha=epilogue["alpha"],
+            limit=epilogue["limit"],
+            HAS_BIAS=epilogue["HAS_BIAS"],
+            SWIGLU=epilogue["SWIGLU"],
         )
         _fp4_down_kernel[down_grid](
             act,
@@ -832,6 +891,9 @@ def quantized_grouped_rows_triton(
             g2.stride(0),
             **meta,
             **scaling,
+            b_ptr=b2,
+            stride_bs=epilogue["stride_b2"],
+            HAS_BIAS=epilogue["HAS_BIAS"],
         )
     else:
         _fp8_gate_up_kernel[up_grid](

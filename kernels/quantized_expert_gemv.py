@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ferry.kernels.expert_epilogue import gate_up_activation
 from ferry.kernels.pair_tiles import TILES
 from ferry.kernels.quantized_experts import FP4_SCALES, FP8_BLOCK, QuantizedFamily
 from ferry.kernels.router_topk import mark_args, mark_routed_slot
@@ -130,8 +131,15 @@ def _fp4_pair_gate_up_kernel(
     ROW_SCALE: tl.constexpr,
     MARK: tl.constexpr,
     HAS_N_ROWS: tl.constexpr,
+    b_ptr,
+    stride_bs,
+    alpha,
+    limit,
+    HAS_BIAS: tl.constexpr,
+    SWIGLU: tl.constexpr,
 ):
-    """nvfp4 (GROUP 16, float8 scales, ROW_SCALE) and mxfp4 (GROUP 32, E8M0 scales) gate/up rows of a pair."""
+    """nvfp4 (GROUP 16, float8 scales, ROW_SCALE) and mxfp4 (GROUP 32, E8M0 scales) gate/up rows of a pair, with
+    the epilogue of kernels/expert_epilogue.py (the slot's biases where HAS_BIAS, the clamped SwiGLU where SWIGLU)."""
     pair = tl.program_id(0)
     slot = tl.load(slots_ptr + pair).to(tl.int64)
     if slot < 0:  # skipped pair (another group computes it): leave its row alone
@@ -174,7 +182,13 @@ def _fp4_pair_gate_up_kernel(
         g_row = g_ptr + slot * stride_gs + offs_n
         gate = gate * tl.load(g_row, mask=n_ok, other=0.0)
         up = up * tl.load(g_row + I, mask=n_ok, other=0.0)
-    act = _silu_and_mul(gate, up, w_ty)
+    bias_gate = 0.0
+    bias_up = 0.0
+    if HAS_BIAS:  # float32 in the row, rounded to the model dtype as the reference adds it
+        b_ptrs = b_ptr + slot * stride_bs + offs_n
+        bias_gate = tl.load(b_ptrs, mask=n_ok, other=0.0).to(w_ty).to(tl.float32)
+        bias_up = tl.load(b_ptrs + I, mask=n_ok, other=0.0).to(w_ty).to(tl.float32)
+    act = gate_up_activation(gate, up, bias_gate, bias_up, alpha, limit, w_ty, HAS_BIAS, SWIGLU)
     tl.store(act_ptr + pair.to(tl.int64) * I + offs_n, act, mask=n_ok)
 
 
@@ -200,6 +214,9 @@ def _fp4_pair_down_kernel(
     GROUP: tl.constexpr,
     E8M0: tl.constexpr,
     ROW_SCALE: tl.constexpr,
+    b_ptr,
+    stride_bs,
+    HAS_BIAS: tl.constexpr,
 ):
     """nvfp4 and mxfp4 down rows of a pair (as _fp4_pair_gate_up_kernel)."""
     pair = tl.program_id(0)
@@ -233,6 +250,9 @@ def _fp4_pair_down_kernel(
     if ROW_SCALE:
         y = y * tl.load(g_ptr + slot * stride_gs + offs_n, mask=n_ok, other=0.0)
     y = y.to(w_ty).to(tl.float32)
+    if HAS_BIAS:  # added and rounded as the reference adds it
+        bias = tl.load(b_ptr + slot * stride_bs + offs_n, mask=n_ok, other=0.0).to(w_ty).to(tl.float32)
+        y = (y + bias).to(w_ty).to(tl.float32)
     routing = tl.load(weights_ptr + pair).to(tl.float32)
     tl.store(rows_ptr + pair.to(tl.int64) * H + offs_n, y * routing, mask=n_ok)
 
@@ -363,6 +383,28 @@ def check_quantized_families(h: int, w13: QuantizedFamily, w2: QuantizedFamily) 
     return inter
 
 
+def quantized_epilogue_args(w13: QuantizedFamily, w2: QuantizedFamily) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(w13's biases, w2's, the fp4 kernels' epilogue arguments) of quantized families (kernels/expert_epilogue.py):
+    float32 views of the rows' bias parts where the experts have them (else stand-ins, never read); the fp8-block
+    kernels compute neither biases nor the clamped SwiGLU, so such families of that format are refused."""
+    has_bias, activation = w13.bias is not None, w13.activation
+    if (w2.bias is not None) != has_bias:
+        raise ValueError("an expert's gate/up and down projections have biases both or neither")
+    if (has_bias or activation.swiglu_limit) and w13.fmt not in FP4_SCALES:
+        raise ValueError(f"the {w13.fmt} expert kernels compute no expert biases or clamped SwiGLU")
+    if has_bias and (w13.bias.stride(-1) != 1 or w2.bias.stride(-1) != 1):
+        raise ValueError("expert biases must be unit-stride along their rows")
+    args = dict(
+        stride_b13=w13.bias.stride(0) if has_bias else 0,
+        stride_b2=w2.bias.stride(0) if has_bias else 0,
+        alpha=float(activation.swiglu_alpha),
+        limit=float(activation.swiglu_limit),
+        HAS_BIAS=has_bias,
+        SWIGLU=bool(activation.swiglu_limit),
+    )
+    return (w13.bias if has_bias else w13.scale), (w2.bias if has_bias else w2.scale), args
+
+
 def quantized_pair_rows_triton(
     x,
     topk_slots,
@@ -396,6 +438,7 @@ def quantized_pair_rows_triton(
     )
     up_tile = dict(BLOCK_N=tiles.gate_up_rows, num_warps=tiles.gate_up_warps)
     down_tile = dict(BLOCK_N=tiles.down_rows, num_warps=tiles.down_warps)
+    b13, b2, epilogue = quantized_epilogue_args(w13, w2)
     if w13.fmt in FP4_SCALES:
         fp4 = FP4_SCALES[w13.fmt]
         scaling = dict(GROUP=fp4.group, E8M0=fp4.e8m0, ROW_SCALE=fp4.row_scale)
@@ -424,6 +467,12 @@ def quantized_pair_rows_triton(
             **scaling,
             **up_tile,
             **marking,
+            b_ptr=b13,
+            stride_bs=epilogue["stride_b13"],
+            alpha=epilogue["alpha"],
+            limit=epilogue["limit"],
+            HAS_BIAS=epilogue["HAS_BIAS"],
+            SWIGLU=epilogue["SWIGLU"],
         )
         _fp4_pair_down_kernel[down_grid](
             act,
@@ -444,6 +493,9 @@ def quantized_pair_rows_triton(
             GROUPS=tiles.down_k,
             **scaling,
             **down_tile,
+            b_ptr=b2,
+            stride_bs=epilogue["stride_b2"],
+            HAS_BIAS=epilogue["HAS_BIAS"],
         )
     else:
         _fp8_pair_gate_up_kernel[up_grid](

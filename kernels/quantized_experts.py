@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ferry.kernels.expert_epilogue import SILU_AND_MUL, ExpertActivation
 from ferry.kernels.gguf_blocks import dequantize_rows
 
 # the formats' names and constants have one owner, the torch-free layout module
@@ -84,6 +85,10 @@ class QuantizedFamily:
     scale: torch.Tensor | None = None  # None: GGUF blocks keep their scales inside `q`
     gscale: torch.Tensor | None = None
     ggml_type: str | None = None  # GGUF blocks (kernels/gguf_blocks.py): `q` [S, O, row bytes] of this type
+    # the experts' biases (float32 [S, rows], a view of the rows' bias part) where they have them, and the
+    # activation the gate/up family's output takes (kernels/expert_epilogue.py)
+    bias: torch.Tensor | None = None
+    activation: ExpertActivation = SILU_AND_MUL
 
     @property
     def num_slots(self) -> int:

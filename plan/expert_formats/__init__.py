@@ -57,6 +57,7 @@ from ferry.plan.expert_formats.mxfp4 import E8M0_BIAS, MXFP4, MXFP4_GROUP
 from ferry.plan.expert_formats.nvfp4 import E2M1_VALUES, NVFP4, NVFP4_GROUP
 from ferry.plan.expert_formats.registry import (
     AUTO_BANKS,
+    BIAS_PART,
     PART_ALIGN,
     PLAIN_BANKS,
     ExpertFormat,
@@ -77,6 +78,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AUTO_BANKS",
+    "BIAS_PART",
     "BF16",
     "BF16_PACKED",
     "E2M1_VALUES",

@@ -33,6 +33,7 @@ CHECKPOINT_QUANTIZED = (".mlp.experts.",)
 class Mxfp4(ExpertFormat):
     name = MXFP4
     quantized = True
+    holds_biases = True  # a float32 bias part in each row (registry.BIAS_PART); the fp4 kernels add it
     checkpoint_algos = ((MXFP4_METHOD, MXFP4_METHOD),)
     checkpoint_layout = MXFP4  # gpt-oss's MXFP4, per linear (services/quantized_checkpoint.py)
     worker = "ferry.services.worker.expert_formats.mxfp4:Mxfp4Experts"

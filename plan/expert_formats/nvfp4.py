@@ -25,6 +25,7 @@ CHECKPOINT_QUANTIZED = (".mlp.experts.", ".mlp.shared_expert.")
 class Nvfp4(ExpertFormat):
     name = NVFP4
     quantized = True
+    holds_biases = True  # a float32 bias part in each row (registry.BIAS_PART); the fp4 kernels add it
     checkpoint_algos = (("modelopt", "NVFP4"), ("compressed-tensors", "nvfp4-pack-quantized"))
     checkpoint_layout = NVFP4  # nvidia modelopt's NVFP4 (services/quantized_checkpoint.py)
     worker = "ferry.services.worker.expert_formats.nvfp4:Nvfp4Experts"

@@ -26,6 +26,7 @@ PART_ALIGN = 16  # every part of a quantized row starts here: vector loads, and 
 AUTO_BANKS = "auto"  # --expert-bank-format's default: each format's own choice (`banks_for`)
 PLAIN_BANKS = "plain"  # --expert-bank-format's word for banks that hold experts as their slots do
 PART_DTYPE_BYTES = {"uint8": 1, "float8_e4m3fn": 1, "float32": 4}
+BIAS_PART = "bias"  # a quantized row's biases (float32 [rows]: the gate's then the up's for w13), where it has them
 # Linears a checkpoint written in any quantized layout keeps bf16 (services/quantized_checkpoint.py):
 # the routers and the shared expert's gate, one row each
 CHECKPOINT_BF16_LINEARS = (".mlp.gate.weight", ".shared_expert_gate.weight")
@@ -49,7 +50,8 @@ class RowPart:
 @dataclass(frozen=True)
 class FamilyLayout:
     """One weight family of one expert in a quantized format: `rows` outputs, `cols` inputs,
-    `part_rows` rows per projection (w13's gate and up are two), and its parts in one byte row."""
+    `part_rows` rows per projection (w13's gate and up are two), and its parts in one byte row (the
+    expert's biases among them where it has them: `BIAS_PART`)."""
 
     fmt: str
     rows: int
@@ -89,10 +91,14 @@ class ExpertFormat:
         """A quantized format's parts of one family's byte row: (name, dtype, shape) each, in order."""
         raise ValueError(f"{self.name} experts are not held in byte rows")
 
-    def family_layout(self, rows: int, cols: int, part_rows: int) -> FamilyLayout:
-        """The byte row of one family (rows x cols values): the parts one after the other, each at PART_ALIGN."""
+    def family_layout(self, rows: int, cols: int, part_rows: int, bias: bool = False) -> FamilyLayout:
+        """The byte row of one family (rows x cols values): the parts one after the other, each at PART_ALIGN;
+        with `bias` (experts with biases, in a format that `holds_biases`) a float32 `bias` part [rows] last."""
         parts, cursor = [], 0
-        for part_name, dtype, shape in self.row_parts(rows, cols, part_rows):
+        row_parts = self.row_parts(rows, cols, part_rows)
+        if bias:
+            row_parts = (*row_parts, (BIAS_PART, "float32", (rows,)))
+        for part_name, dtype, shape in row_parts:
             part = RowPart(part_name, dtype, shape, cursor)
             parts.append(part)
             cursor = round_up(cursor + part.nbytes, PART_ALIGN)
@@ -110,7 +116,8 @@ class ExpertFormat:
     def expert_layouts(self, spec: ModelSpec) -> tuple[FamilyLayout, FamilyLayout]:
         """(w13, w2) byte rows of one expert of this model."""
         h, i = spec.hidden_size, spec.moe_intermediate_size
-        return self.family_layout(2 * i, h, i), self.family_layout(h, i, h)
+        bias = spec.expert_bias and self.holds_biases
+        return self.family_layout(2 * i, h, i, bias), self.family_layout(h, i, h, bias)
 
     def slot_rows(self, spec: ModelSpec, dtype: str) -> tuple[tuple[tuple[int, ...], str], tuple[tuple[int, ...], str]]:
         """((shape, dtype) of one slot's w13, of its w2): byte rows for a quantized format."""

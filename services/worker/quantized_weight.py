@@ -165,6 +165,16 @@ def quantized_weight(module: str, parts: dict[str, torch.Tensor]) -> QuantizedWe
     )
 
 
+def row_slice(weight: QuantizedWeight, start: int, stop: int) -> QuantizedWeight:
+    """Rows start..stop of a quantized linear whose scales are per row (nvfp4, mxfp4: codes and scales slice
+    alike), e.g. the gate's and the up's halves of a fused gate/up projection."""
+    if weight.fmt not in (NVFP4, MXFP4):
+        raise QuantizedWeightError(f"{weight.source}: {weight.fmt} scales span rows; it cannot be split by rows")
+    return QuantizedWeight(
+        weight.fmt, weight.q[start:stop], weight.scale[start:stop], weight.global_scale, weight.source
+    )
+
+
 def mxfp4_weight(module: str, parts: dict[str, torch.Tensor]) -> QuantizedWeight:
     """One mxfp4 linear from its `weight_blocks` uint8 [O, IN/32, 16] and `weight_scales` uint8 [O, IN/32]:
     the blocks' bytes are the codes [O, IN/2] as they lie."""

@@ -213,8 +213,8 @@ def test_dummy_weights_boot_resident_and_offloaded(gpt_oss_checkpoint, capsys):
 def test_make_bench_model_writes_gpt_oss_as_transformers_and_ferry_read_it(gpt_oss_checkpoint, tmp_path):
     """`ferry make-bench-model --weights random --expert-layout fused`: gpt-oss's published layout (experts
     transposed, gate and up interleaved, biases beside them), which transformers loads and Ferry reads as the
-    same model; the per-expert layout (with per-expert biases) Ferry reads too. A quantized --format, which
-    holds no biases, is refused."""
+    same model; the per-expert layout (with per-expert biases) Ferry reads too. A quantized --format whose rows
+    hold no biases (fp8) is refused."""
     from transformers import AutoModelForCausalLM
 
     from ferry.services.bench_model import write_bench_model, write_random_weights
@@ -245,7 +245,7 @@ def test_make_bench_model_writes_gpt_oss_as_transformers_and_ferry_read_it(gpt_o
             with torch.no_grad():
                 assert_logits_close(logits[layout], hf(torch.tensor([PROMPT])).logits[0])
     assert torch.equal(logits["fused"], logits["per-expert"])
-    args = ["make-bench-model", str(tmp_path / "q"), "--config", str(config), "--format", "nvfp4"]
+    args = ["make-bench-model", str(tmp_path / "q"), "--config", str(config), "--format", "fp8"]
     assert main(args) == 2
 
 
@@ -288,3 +288,99 @@ def test_the_family_declares_harmony_so_auto_picks_it_without_a_harmony_template
     (tmp_path / "config.json").write_text((GPT_OSS_120B / "config.json").read_text())
     assert chat_format_of("auto", str(tmp_path), SimpleNamespace(chat_template=None)) == "harmony"
     assert chat_format_of("template", str(tmp_path), SimpleNamespace(chat_template=None)) == "template"
+
+
+def openai_layout(spec, tensors: dict) -> dict:
+    """Per-expert mxfp4 tensors (QuantizedWeights and biases) as openai's gpt-oss release stores them: per layer
+    `experts.gate_up_proj_blocks` uint8 [E, 2I, H/32, 16] and `_scales` [E, 2I, H/32] with the gate's and the
+    up's rows interleaved, `down_proj_blocks` / `_scales` [E, H, ...], and the biases fused (gate/up's
+    interleaved)."""
+    out = {n: t for n, t in tensors.items() if ".mlp.experts." not in n}
+    interleave = lambda gate, up: torch.stack([gate, up], dim=2).flatten(1, 2)  # noqa: E731  [E, I, ...] -> [E, 2I, ...]
+    for layer in spec.moe_layer_indices:
+        p = f"model.layers.{layer}.mlp.experts"
+        experts = range(spec.num_experts)
+
+        def stacked(proj: str, leaf: str, p=p, experts=experts):
+            return torch.stack([getattr(tensors[f"{p}.{e}.{proj}.weight"], leaf) for e in experts])
+
+        blocks = lambda q: q.view(*q.shape[:2], -1, 16)  # noqa: E731  codes [E, O, IN/2] -> [E, O, IN/32, 16]
+        out[f"{p}.gate_up_proj_blocks"] = blocks(interleave(stacked("gate_proj", "q"), stacked("up_proj", "q")))
+        out[f"{p}.gate_up_proj_scales"] = interleave(stacked("gate_proj", "scale"), stacked("up_proj", "scale"))
+        out[f"{p}.down_proj_blocks"] = blocks(stacked("down_proj", "q"))
+        out[f"{p}.down_proj_scales"] = stacked("down_proj", "scale")
+        biases = {
+            proj: torch.stack([tensors[f"{p}.{e}.{proj}.bias"] for e in experts])
+            for proj in ("gate_proj", "up_proj", "down_proj")
+        }
+        out[f"{p}.gate_up_proj_bias"] = torch.stack([biases["gate_proj"], biases["up_proj"]], dim=-1).flatten(-2)
+        out[f"{p}.down_proj_bias"] = biases["down_proj"]
+    return out
+
+
+def test_mxfp4_gpt_oss_equals_its_dequantized_weights_resident_and_offloaded(gpt_oss_checkpoint, tmp_path, capsys):
+    """gpt-oss with mxfp4 experts (`make-bench-model --format mxfp4`: per-expert e2m1 codes and e8m0 scales, the
+    biases beside them): the biases live in a float32 part of each slot row, the kernels add them and apply the
+    clamped SwiGLU, so the model equals itself on the dequantized weights; the same experts in openai's
+    published layout load as the same model; offloaded equals resident."""
+    from ferry.plan import expert_formats as F
+    from ferry.plan.model_config import load_model_config
+    from ferry.services.bench_model import write_bench_model, write_random_weights
+    from ferry.services.worker.checkpoint import iter_checkpoint_tensors
+    from ferry.services.worker.quantized_weight import QuantizedWeight
+
+    out = write_bench_model(tmp_path / "mxfp4", gpt_oss_checkpoint / "config.json")
+    write_random_weights(out, dtype="float32", fmt="mxfp4")
+    spec = load_model_config(out)
+    assert F.format_of(spec).name == "mxfp4" and spec.expert_bias
+    quantized = dict(iter_checkpoint_tensors(out, lambda name: True, "checkpoint", progress=False))
+    assert isinstance(quantized["model.layers.0.mlp.experts.3.up_proj.weight"], QuantizedWeight)
+    g = torch.Generator().manual_seed(7)
+    for name in [n for n in quantized if ".mlp.experts." in n and n.endswith(".bias")]:  # the recipe's are zero
+        quantized[name] = 0.5 * torch.randn(quantized[name].shape, generator=g)
+    dense = {
+        n: t.dequantize(torch.float32, "cpu") if isinstance(t, QuantizedWeight) else t for n, t in quantized.items()
+    }
+
+    class Checkpoint:
+        def __init__(self, tensors):
+            self.tensors = tensors
+
+        def state_dict(self):
+            return self.tensors
+
+    ours = PagedRunner(spec, Checkpoint(quantized), page_size=4).step([(1, PROMPT)])[0]
+    plain = dataclasses.replace(spec, quantization=None)
+    assert_logits_close(ours, PagedRunner(plain, Checkpoint(dense), page_size=4).step([(1, PROMPT)])[0])
+    published = PagedRunner(spec, Checkpoint(openai_layout(spec, quantized)), page_size=4).step([(1, PROMPT)])[0]
+    assert torch.equal(published, ours)
+    resident = ferry_generate(capsys, out, *ARGS)
+    assert resident["plan"]["experts"]["format"] == "mxfp4"
+    slots = str(resident["plan"]["experts"]["min_slots"])
+    offloaded = ferry_generate(capsys, out, *ARGS, "--moe-cache-size", slots)
+    assert offloaded["expert_cache"]["misses"] > 0
+    assert offloaded["token_ids"] == resident["token_ids"] and offloaded["logprobs"] == resident["logprobs"]
+    for extra in ((), ("--moe-cache-size", slots)):  # --load-format dummy: mxfp4 rows filled, their biases zero
+        dummy = ferry_generate(capsys, out, *ARGS, "--load-format", "dummy", *extra)
+        assert dummy["plan"]["experts"]["format"] == "mxfp4" and all(math.isfinite(lp) for lp in dummy["logprobs"])
+
+
+def test_ferry_plan_prices_the_published_mxfp4_gpt_oss_120b_with_its_biases():
+    """The release as published (quantization_config mxfp4): each slot row holds e2m1 codes, e8m0 scales of 32
+    inputs and the float32 biases, each part at 16 bytes; the GPU computes every expert (the host kernels have
+    no biases)."""
+    hidden, inter = 2880, 2880
+    w13 = 2 * inter * hidden // 2 + 2 * inter * hidden // 32 + 2 * inter * 4
+    w2 = hidden * inter // 2 + hidden * inter // 32 + hidden * 4
+    out = subprocess.run(
+        [sys.executable, "-m", "ferry.services.cli", "plan", "--model", str(GPT_OSS_120B)]
+        + ["--gpu-memory", "24GiB", "--host-memory", "512GiB", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    assert plan["experts"]["format"] == "mxfp4" and plan["experts"]["bytes_per_slot"] == w13 + w2
+    assert plan["host"]["expert_bank_bytes"] == 36 * 128 * (w13 + w2)
+    assert plan["expert_backend"]["backend"] == "gpu" and plan["total_bytes"] <= plan["budget_bytes"]

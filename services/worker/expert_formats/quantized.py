@@ -6,14 +6,17 @@ for [S, B] (the kernels' `QuantizedFamily`, strided: one slot's parts are B byte
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 
 import torch
 
+from ferry.kernels.expert_epilogue import SILU_AND_MUL, ExpertActivation
 from ferry.kernels.quantized_experts import E2M1_VALUES, QuantizedFamily
 from ferry.plan import expert_formats as F
 from ferry.services.worker.dummy_weights import name_seed
-from ferry.services.worker.expert_formats.expert_shapes import check_expert_shapes
+from ferry.services.worker.expert_formats.expert_shapes import ExpertBias, check_expert_shapes
+from ferry.services.worker.offload.host_compute import host_expert_kernel as K
 from ferry.services.worker.offload.host_compute.host_expert_weights import QuantizedFamilyReader, QuantizedReader
 from ferry.services.worker.quantized_weight import QuantizedWeight
 
@@ -46,6 +49,12 @@ def part(rows: torch.Tensor, p: F.RowPart) -> torch.Tensor:
     return raw(rows, p).view(TORCH_PART_DTYPES[p.dtype]).unflatten(-1, p.shape)
 
 
+def weight_parts(layout: F.FamilyLayout) -> F.FamilyLayout:
+    """The layout without its bias part: what a format's own writer and dummy fill lay out (the bias part,
+    where there is one, is written by QuantizedExperts itself)."""
+    return dataclasses.replace(layout, parts=tuple(p for p in layout.parts if p.name != F.BIAS_PART))
+
+
 def fill_bytes_of(rows: torch.Tensor, p: F.RowPart, value: float) -> None:
     """Every element of part `p` = `value` (written as the part's bytes: float8 has no fill)."""
     one = torch.tensor([value], dtype=torch.float32).to(TORCH_PART_DTYPES[p.dtype]).view(torch.uint8)
@@ -65,20 +74,35 @@ class QuantizedExperts(ABC):
     host_kernel_code: int  # the C host kernel's enum ferry_format (offload/host_compute/host_expert_kernel.py)
     family_reader: type[QuantizedFamilyReader]  # the host reader of one family's rows
 
-    def __init__(self, hidden: int, inter: int):
+    def __init__(self, hidden: int, inter: int, bias: bool = False, activation: ExpertActivation = SILU_AND_MUL):
         self.hidden, self.inter = hidden, inter
-        self.layout13 = self.plan.family_layout(2 * inter, hidden, inter)
-        self.layout2 = self.plan.family_layout(hidden, inter, hidden)
+        self.bias, self.activation = bias, activation  # a bias part in each row (BIAS_PART); the activation
+        self.layout13 = self.plan.family_layout(2 * inter, hidden, inter, bias)
+        self.layout2 = self.plan.family_layout(hidden, inter, hidden, bias)
 
     @classmethod
-    def for_shapes(cls, hidden: int, inter: int, dtype: torch.dtype) -> QuantizedExperts:
-        """The format for experts of these sizes (the rows are the same bytes whatever the run dtype)."""
-        return cls(hidden, inter)
+    def for_shapes(cls, hidden: int, inter: int, dtype: torch.dtype, epilogue=None) -> QuantizedExperts:
+        """The format for experts of these sizes (the rows are the same bytes whatever the run dtype); `epilogue`
+        (bias rows, activation) for experts with biases or the clamped SwiGLU, in a format that `holds_biases`."""
+        if epilogue is None:
+            return cls(hidden, inter)
+        if not cls.plan.holds_biases:
+            raise ValueError(f"{cls.plan.name} expert rows hold no biases and its kernels compute no clamped SwiGLU")
+        bias_rows, activation = epilogue
+        return cls(hidden, inter, bias_rows != (0, 0), activation)
+
+    @property
+    def has_epilogue(self) -> bool:
+        return self.bias or self.activation != SILU_AND_MUL
 
     def host_kernel_format(self) -> int:
+        if self.has_epilogue:  # plan/expert_backend.py keeps such experts off the host
+            raise K.KernelUnavailable(f"the C kernel computes unbiased SiLU experts, not {self.activation}")
         return self.host_kernel_code
 
     def host_reader(self, banks, dtype: torch.dtype, chunk: int) -> QuantizedReader:
+        if self.has_epilogue:
+            raise ValueError("the host computes unbiased SiLU experts only")
         return QuantizedReader(banks, dtype, chunk)
 
     def row_shapes(self):
@@ -89,11 +113,22 @@ class QuantizedExperts(ABC):
 
     def family(self, rows: torch.Tensor, layout: F.FamilyLayout) -> QuantizedFamily:
         views = {p.name: part(rows, p) for p in layout.parts}
+        activation = self.activation if layout is self.layout13 else SILU_AND_MUL
         return QuantizedFamily(
-            self.name, layout.rows, layout.cols, layout.part_rows, views["q"], views["scale"], views.get("gscale")
+            self.name,
+            layout.rows,
+            layout.cols,
+            layout.part_rows,
+            views["q"],
+            views["scale"],
+            views.get("gscale"),
+            bias=views.get(F.BIAS_PART),
+            activation=activation,
         )
 
-    def write_expert(self, dst13: torch.Tensor, dst2: torch.Tensor, gate, up, down, where: str) -> None:
+    def write_expert(
+        self, dst13: torch.Tensor, dst2: torch.Tensor, gate, up, down, where: str, bias: ExpertBias | None = None
+    ) -> None:
         for name, t in (("gate", gate), ("up", up), ("down", down)):
             if not isinstance(t, QuantizedWeight):
                 raise ValueError(
@@ -101,8 +136,23 @@ class QuantizedExperts(ABC):
                     f"quantization_config makes the routed experts {self.name}: every expert must be"
                 )
         check_expert_shapes(where, gate, up, down, self.inter, self.hidden)
-        self._write(dst13, self.layout13, (gate, up))
-        self._write(dst2, self.layout2, (down,))
+        self._write(dst13, weight_parts(self.layout13), (gate, up))
+        self._write(dst2, weight_parts(self.layout2), (down,))
+        if bias is not None and not self.bias:
+            raise ValueError(f"{where} has biases, but this model's experts have none (config.json)")
+        if self.bias:  # float32 in the row; none given (dummy weights): zero
+            values13, values2 = (None, None) if bias is None else (bias.gate_up, bias.down)
+            for row, layout, values, want in (
+                (dst13, self.layout13, values13, 2 * self.inter),
+                (dst2, self.layout2, values2, self.hidden),
+            ):
+                target = part(row, next(p for p in layout.parts if p.name == F.BIAS_PART))
+                if values is None:
+                    target.zero_()
+                elif tuple(values.shape) != (want,):
+                    raise ValueError(f"{where}: a bias has shape {tuple(values.shape)}, expected ({want},)")
+                else:
+                    target.copy_(values)
 
     @abstractmethod
     def _write(self, row: torch.Tensor, layout: F.FamilyLayout, projections: tuple[QuantizedWeight, ...]) -> None:
@@ -111,7 +161,10 @@ class QuantizedExperts(ABC):
     def fill_dummy_layer(self, w13: torch.Tensor, w2: torch.Tensor, layer: int, seed: int) -> None:
         for rows, layout, std, family in ((w13, self.layout13, DUMMY_STD, 0), (w2, self.layout2, DUMMY_DOWN_STD, 1)):
             gen = torch.Generator().manual_seed(name_seed(f"{self.name} experts, layer {layer}, family {family}", seed))
-            self._fill_dummy(rows, layout, std, gen)
+            self._fill_dummy(rows, weight_parts(layout), std, gen)
+            for p in layout.parts:  # biases zero, as the dummy recipe's (dummy_weights.py)
+                if p.name == F.BIAS_PART:
+                    raw(rows, p).zero_()
 
     @abstractmethod
     def _fill_dummy(self, rows: torch.Tensor, layout: F.FamilyLayout, std: float, gen: torch.Generator) -> None:

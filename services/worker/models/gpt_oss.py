@@ -5,8 +5,9 @@ gpt-oss's own is its checkpoint layout, converted here: the router is `mlp.route
 and each layer's experts are stored fused and transposed, `gate_up_proj` [E, H, 2I] with gate and up
 interleaved along the last axis (even: gate, odd: up), `gate_up_proj_bias` [E, 2I] likewise,
 `down_proj` [E, I, H] and `down_proj_bias` [E, H]; Ferry's fused expert layout is [E, 2I, H] with the gate's
-rows first, [E, H, I], and the biases in that order (models/weights.py). Its config reader:
-plan/model_families/gpt_oss.py."""
+rows first, [E, H, I], and the biases in that order (models/weights.py). openai's mxfp4 release stores each
+weight as `_blocks` [E, O, IN/32, 16] and `_scales` [E, O, IN/32], not transposed, gate/up's rows
+interleaved: only those rows are reordered here. Its config reader: plan/model_families/gpt_oss.py."""
 
 from __future__ import annotations
 
@@ -39,6 +40,9 @@ class GptOss(DecoderFamily):
         return "self_attn", PagedAttention(spec, layer, rotary, dtype, device)
 
     def checkpoint_tensors(self, spec: ModelSpec, name: str, tensor: torch.Tensor, source: str) -> Tensors:
+        if name.endswith((".mlp.experts.gate_up_proj_blocks", ".mlp.experts.gate_up_proj_scales")):
+            # mxfp4 (openai's release): [E, 2I, ...] untransposed, the gate's and the up's rows interleaved
+            return ((name, torch.cat([tensor[:, 0::2], tensor[:, 1::2]], dim=1)),)
         if name.endswith(".mlp.experts.gate_up_proj"):
             return ((name, gate_then_up(tensor).transpose(1, 2)),)  # [E, H, 2I] -> [E, 2I, H]
         if name.endswith(".mlp.experts.gate_up_proj_bias"):

@@ -34,7 +34,7 @@ import torch
 
 from ferry.plan.costs import is_served
 from ferry.services.worker.expert_formats.expert_shapes import ExpertBias
-from ferry.services.worker.quantized_weight import QuantizedWeight
+from ferry.services.worker.quantized_weight import QuantizedWeight, quantized_weight, row_slice
 from ferry.shared.errors import ModelLoadError
 
 PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
@@ -42,8 +42,10 @@ SKIPPED_PREFIXES = ("visual.", "mtp.", "model.visual.", "model.mtp.", "vision_to
 
 _PER_EXPERT = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|bias)")
 _FUSED_EXPERTS = re.compile(
-    r"layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj|gate_up_proj_bias|down_proj_bias)(?:\.weight)?"
+    r"layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?(?:\.weight)?"
 )
+# fused quantized experts: each family's weight as its `_blocks` and `_scales` tensors ([E, O, ...] each)
+QUANTIZED_FUSED_PARTS = ("_blocks", "_scales")
 _IN_PROJ = re.compile(r"(layers\.(\d+)\.linear_attn)\.(in_proj_(?:qkv|z|b|a))\.weight")
 
 
@@ -138,7 +140,7 @@ class _Loader:
     def _dense(self, name: str, tensor: torch.Tensor, source: str) -> None:
         """A tensor of the module tree (or of routed experts fused), under its name there."""
         if m := _FUSED_EXPERTS.fullmatch(name):
-            self._fused_experts(self._moe_layer(int(m[1]), source), m[2], tensor, source)
+            self._fused_experts(self._moe_layer(int(m[1]), source), m[2] + (m[3] or ""), tensor, source)
         elif m := _IN_PROJ.fullmatch(name):
             self._in_proj(m[1], m[3], tensor, source)
         elif name in self.rows:
@@ -183,6 +185,9 @@ class _Loader:
             self.model.experts.load_expert(moe_layer, expert, gate, up, down, bias)
 
     def _fused_experts(self, moe_layer: int, part: str, tensor: torch.Tensor, source: str) -> None:
+        """A layer's experts stored fused: each family one tensor [E, ...] (gate_up_proj [E, 2I, H] the gate's
+        rows then the up's, down_proj [E, H, I]), or quantized as its `_blocks` and `_scales` tensors (read
+        by quantized_weight.py per expert), and `_bias` tensors where the experts have biases."""
         e, h, i = self.spec.num_experts, self.spec.hidden_size, self.spec.moe_intermediate_size
         if part.endswith("_bias") and not self.spec.expert_bias:
             raise WeightLoadError(f"unexpected checkpoint tensor {source!r}: this model's experts have no biases")
@@ -191,22 +196,39 @@ class _Loader:
             "down_proj": (e, h, i),
             "gate_up_proj_bias": (e, 2 * i),
             "down_proj_bias": (e, h),
-        }[part]
-        if tuple(tensor.shape) != expected:
+        }.get(part)
+        if expected is not None and tuple(tensor.shape) != expected:
             raise WeightLoadError(f"checkpoint tensor {source!r} has shape {tuple(tensor.shape)}, expected {expected}")
+        if expected is None and (tensor.dim() < 2 or tuple(tensor.shape[:2]) != (e, 2 * i if "gate" in part else h)):
+            want = (e, 2 * i if "gate" in part else h)
+            raise WeightLoadError(f"checkpoint tensor {source!r} has shape {tuple(tensor.shape)}, expected {want}, ...")
         parts = self.fused.setdefault(moe_layer, {})
         if part in parts:
             raise WeightLoadError(f"checkpoint tensor {source!r} is given twice")
         parts[part] = tensor
-        if len(parts) == (4 if self.spec.expert_bias else 2):
-            del self.fused[moe_layer]
-            for expert in range(e):
-                self._done(f"expert[{moe_layer}][{expert}]", source)
-                gate_up = parts["gate_up_proj"][expert]
-                bias = None
-                if self.spec.expert_bias:
-                    bias = ExpertBias(parts["gate_up_proj_bias"][expert], parts["down_proj_bias"][expert])
-                self._load_expert(moe_layer, expert, gate_up[:i], gate_up[i:], parts["down_proj"][expert], bias)
+        quantized = any(p.endswith(QUANTIZED_FUSED_PARTS) for p in parts)
+        if len(parts) < (4 if quantized else 2) + (2 if self.spec.expert_bias else 0):
+            return
+        del self.fused[moe_layer]
+        prefix = source.rsplit(".", 1)[0]
+        for expert in range(e):
+            self._done(f"expert[{moe_layer}][{expert}]", source)
+            if quantized:  # each expert's `_blocks` / `_scales` as the per-linear `weight_blocks` / `weight_scales`
+                gate_up, down = (
+                    quantized_weight(
+                        f"{prefix}.{expert}.{proj}",
+                        {f"weight{s}": parts[f"{proj}{s}"][expert] for s in QUANTIZED_FUSED_PARTS},
+                    )
+                    for proj in ("gate_up_proj", "down_proj")
+                )
+                gate, up = row_slice(gate_up, 0, i), row_slice(gate_up, i, 2 * i)
+            else:
+                gate, up = parts["gate_up_proj"][expert][:i], parts["gate_up_proj"][expert][i:]
+                down = parts["down_proj"][expert]
+            bias = None
+            if self.spec.expert_bias:
+                bias = ExpertBias(parts["gate_up_proj_bias"][expert], parts["down_proj_bias"][expert])
+            self._load_expert(moe_layer, expert, gate, up, down, bias)
 
     def _in_proj(self, layer: str, kind: str, tensor: torch.Tensor, source: str) -> None:
         target = self.params.get(f"{layer}.in_proj.weight")

@@ -242,6 +242,9 @@ def quantized_signatures(dtype: str) -> list:
                         "stride_am",
                         "stride_an",
                     ),
+                    "b_ptr": fp4_ptrs[fmt]["s_ptr"],  # no biases: a stand-in, never read
+                    "stride_bs": "i32",
+                    **EPILOGUE_FLOATS,
                 },
             ),
             (
@@ -266,6 +269,8 @@ def quantized_signatures(dtype: str) -> list:
                         "stride_so",
                         "stride_gs",
                     ),
+                    "b_ptr": fp4_ptrs[fmt]["s_ptr"],
+                    "stride_bs": "i32",
                 },
             ),
         )
@@ -334,6 +339,7 @@ def quantized_signatures(dtype: str) -> list:
                 "UPCAST": upcast,
                 "PRECISION": precision,
                 **fp4_consts(fmt),
+                **(epilogue_consts(fn, False) if fmt in FP4_SCALES else {}),
             },
             fmt,
         )
@@ -352,6 +358,9 @@ def quantized_signatures(dtype: str) -> list:
                     **ints("slot_offset", "top_k", "H", "I"),
                     **MARK_PTRS,
                     **ints("stride_xt", "stride_qs", "stride_qo", "stride_ss", "stride_so", "stride_gs"),
+                    "b_ptr": fp4_ptrs[fmt]["s_ptr"],
+                    "stride_bs": "i32",
+                    **EPILOGUE_FLOATS,
                 },
                 {"BLOCK_N": TILES[fmt].gate_up_rows, "GROUPS": TILES[fmt].gate_up_k, **fp4_consts(fmt)},
             ),
@@ -365,6 +374,8 @@ def quantized_signatures(dtype: str) -> list:
                     "weights_ptr": f"*{dtype}",
                     "slots_ptr": "*i32",
                     **ints("slot_offset", "H", "I", "stride_qs", "stride_qo", "stride_ss", "stride_so", "stride_gs"),
+                    "b_ptr": fp4_ptrs[fmt]["s_ptr"],
+                    "stride_bs": "i32",
                 },
                 {"BLOCK_N": TILES[fmt].down_rows, "GROUPS": TILES[fmt].down_k, **fp4_consts(fmt)},
             ),
@@ -400,8 +411,27 @@ def quantized_signatures(dtype: str) -> list:
     ]
     for fn, fmt, sig, tiles in pair:
         for consts in (tiles | marks for marks in mark_variants(fn)):
+            consts |= epilogue_consts(fn, False) if fmt in FP4_SCALES else {}
             name = f"{fn.__name__}[{fmt}, {dtype}, {consts}]"
             out.append((name, fn, {**sig, **{c: "constexpr" for c in consts}}, consts))
+    if dtype == "bf16":  # gpt-oss's mxfp4 experts: float32 biases and the clamped SwiGLU, decode and prefill
+        grouped_sigs = {fn: sig for fn, fmt, sig in grouped if fmt == MXFP4}
+        pair_sigs = {fn: (sig, tiles) for fn, fmt, sig, tiles in pair if fmt == MXFP4}
+        block = {"BLOCK_M": 64, "BLOCK_N": qk.BLOCK_N, "BLOCK_K": qk.block_k_for(MXFP4, 64, act), "UPCAST": False}
+        block |= {"PRECISION": None, "WINDOWED": False, **fp4_consts(MXFP4)}
+        for fn, sig, consts in (
+            (qk._fp4_gate_up_kernel, grouped_sigs[qk._fp4_gate_up_kernel], block),
+            (qk._fp4_down_kernel, grouped_sigs[qk._fp4_down_kernel], block),
+            (qpair._fp4_pair_gate_up_kernel, *pair_sigs[qpair._fp4_pair_gate_up_kernel]),
+            (qpair._fp4_pair_down_kernel, *pair_sigs[qpair._fp4_pair_down_kernel]),
+        ):
+            consts = (
+                consts
+                | epilogue_consts(fn, True)
+                | ({"MARK": True, "HAS_N_ROWS": True} if "pair_gate_up" in fn.__name__ else {})
+            )
+            sig = {**sig, "b_ptr": "*fp32", **{c: "constexpr" for c in consts}}
+            out.append((f"{fn.__name__}[mxfp4, bf16, biases, clamped swiglu]", fn, sig, consts))
     return out
 
 

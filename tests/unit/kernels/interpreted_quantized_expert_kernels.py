@@ -221,7 +221,38 @@ def mistakes_are_detected(fmt):
             assert error > 0.1, f"{name} kernel within {error:.2g} of a reference with {mistake}"
 
 
+def epilogue_rows_match(fmt, kernel, dtype):
+    """gpt-oss's experts in an fp4 format: float32 biases (rounded to x's dtype where added) and the clamped
+    SwiGLU at a limit the projections reach, through the pair or the grouped kernel, against the twin."""
+    import dataclasses
+
+    from ferry.kernels.expert_epilogue import ExpertActivation
+
+    tokens = 3 if kernel == "pair" else 37
+    x, topk, weights, w13, w2 = make_case(fmt, 21, tokens, 3, 64, 32, 6, dtype=dtype, skip=2)
+    g = torch.Generator().manual_seed(22)
+    clamped = ExpertActivation(swiglu_limit=0.5, swiglu_alpha=1.702)
+    w13 = dataclasses.replace(w13, bias=0.5 * torch.randn(6, 64, generator=g), activation=clamped)
+    w2 = dataclasses.replace(w2, bias=0.5 * torch.randn(6, 64, generator=g))
+    got = nan_rows(x, topk)
+    (expert_pair_rows_triton if kernel == "pair" else grouped_expert_rows_triton)(x, topk, weights, w13, w2, got)
+    want = reference_rows(x, topk, weights, w13, w2)
+    assert_rows(got, want, topk, TIGHT if dtype == torch.float32 else BF16)
+    plain = reference_rows(x, topk, weights, dataclasses.replace(w13, bias=None, activation=ExpertActivation()),
+                           dataclasses.replace(w2, bias=None))  # fmt: skip
+    assert not torch.allclose(plain[topk >= 0], want[topk >= 0], atol=1e-2), "the epilogue changed nothing"
+
+
 CASES = {}
+for _fmt in FP4_SCALES:
+    CASES.update(
+        {
+            f"{_fmt}/epilogue_pair": lambda f=_fmt: epilogue_rows_match(f, "pair", torch.float32),
+            f"{_fmt}/epilogue_grouped": lambda f=_fmt: epilogue_rows_match(f, "grouped", torch.float32),
+            f"{_fmt}/epilogue_pair_bfloat16": lambda f=_fmt: epilogue_rows_match(f, "pair", torch.bfloat16),
+            f"{_fmt}/epilogue_grouped_bfloat16": lambda f=_fmt: epilogue_rows_match(f, "grouped", torch.bfloat16),
+        }
+    )
 # ragged shapes: H past one step and a partial second, I one partial step (in whole fp4 groups)
 RAGGED = {NVFP4: (288, 48), MXFP4: (288, 96), FP8_BLOCK: (200, 72)}
 for _fmt in (NVFP4, MXFP4, FP8_BLOCK):

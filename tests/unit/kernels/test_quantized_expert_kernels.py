@@ -40,6 +40,11 @@ CASES = [
         "bf16_rows_are_the_float32_rows_rounded_once",
     )
 ]
+CASES += [
+    f"{fmt}/{name}"
+    for fmt in (NVFP4, MXFP4)  # the fp4 kernels compute gpt-oss's epilogue (biases, the clamped SwiGLU)
+    for name in ("epilogue_pair", "epilogue_grouped", "epilogue_pair_bfloat16", "epilogue_grouped_bfloat16")
+]
 
 
 @pytest.fixture(scope="module")
