@@ -72,9 +72,6 @@ class ModelFamily:
     # layer, experts) -> ({part: [E, rows, cols]}, {part: biases}) split as that converter splits them
     gguf_write_metadata: Callable[[Any, dict[str, Any]], None] | None = None
     gguf_split_experts: Callable[[dict, int, int], tuple[dict, dict]] | None = None
-    # why the worker refuses the family on CUDA, where its CUDA path has not passed `make gpu-check` against
-    # transformers ("" where it has): a model a GPU would compute wrongly is refused at boot, not served
-    cuda_refusal: str = ""
 
 
 _FAMILIES: dict[str, ModelFamily] = {}

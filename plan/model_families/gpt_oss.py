@@ -221,9 +221,5 @@ register(
         gguf_config=gguf_config,  # gpt-oss is trained on harmony's framing (services/api/harmony_format.py)
         gguf_write_metadata=gguf_write_metadata,
         gguf_split_experts=gguf_split_experts,
-        # tests/gpu/test_models_cuda.py's gpt_oss cases: the CUDA path's logits are off transformers' from the
-        # first token (float32: 1.44 against a largest logit of 3.18), where the same kernels interpreted match
-        cuda_refusal="its CUDA path (attention sinks and sliding windows, biased clamped experts) does not yet "
-        "match transformers on a GPU",
     )
 )

@@ -25,7 +25,6 @@ import torch
 from ferry.plan import expert_formats
 from ferry.plan.costs import workspace_bytes_estimate
 from ferry.plan.expert_parallel import check_ranks_host, nccl_workspace_bytes, rank_spec
-from ferry.plan.model_families import family_of
 from ferry.plan.outside_memory import OutsideMemory
 from ferry.plan.plan_report import plan_detail_fields, plan_log_fields
 from ferry.plan.planner import DEFAULT_MAX_PREFILL_TOKENS, Measured, Plan, PlanRequest, Resolved, resolve
@@ -171,9 +170,6 @@ def boot_worker(cfg: WorkerBootConfig) -> tuple[StepExecutor, Plan]:
             f"the routed experts are {slots.name}, which no CUDA expert kernel reads yet: run this model with "
             "--device cpu"
         )
-    family = family_of(files.spec)
-    if device.type == "cuda" and family.cuda_refusal:
-        raise ConfigError(f"{family.name} is not served on CUDA yet: {family.cuda_refusal}; run it with --device cpu")
     req = cfg.plan
     free, free_source = _free_memory(device, req)
     r = resolve(files.spec, req)

@@ -38,11 +38,6 @@ def _teacher_forced(runner: PagedRunner, prompt: list[int], continuation: list[i
     return torch.stack(rows).cpu()
 
 
-# gpt_oss's CUDA path does not match transformers yet, so the worker refuses it on CUDA (its family's
-# cuda_refusal): strict, so that the day it passes says to lift the refusal
-GPT_OSS_OFF = pytest.mark.xfail(strict=True, reason="gpt_oss's CUDA path is off transformers' (its cuda_refusal)")
-
-
 @pytest.mark.parametrize(
     "arch,page_size",
     [
@@ -50,7 +45,7 @@ GPT_OSS_OFF = pytest.mark.xfail(strict=True, reason="gpt_oss's CUDA path is off 
         ("qwen3_next", 1),
         ("qwen3_5_moe", 16),
         ("glm4_moe", 4),
-        pytest.param("gpt_oss", 4, marks=GPT_OSS_OFF),
+        ("gpt_oss", 4),
     ],
 )
 def test_bf16_on_cuda_tracks_transformers(arch, page_size, cuda_device):
@@ -81,7 +76,7 @@ def test_bf16_on_cuda_tracks_transformers(arch, page_size, cuda_device):
     assert our_err <= 2 * their_err + 1e-3 * scale, f"mean error: ours {our_err:.3e}, transformers bf16 {their_err:.3e}"
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe", "glm4_moe", pytest.param("gpt_oss", marks=GPT_OSS_OFF)])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe", "glm4_moe", "gpt_oss"])
 def test_float32_on_cuda_matches_transformers(arch, cuda_device):
     """float32 end to end on the GPU: only accumulation order (and fla's tf32 dots) differ."""
     hf, spec = tiny_model(arch, seed=32)

@@ -18,7 +18,7 @@ import pytest
 import torch
 from model_harness import PagedRunner, assert_logits_close, hf_greedy
 from safetensors.torch import load_file
-from tiny_models import redrawn_tiny_checkpoint, tiny_model
+from tiny_models import redrawn_tiny_checkpoint, swiglu_from_config, tiny_model
 
 from ferry.kernels.expert_epilogue import ExpertActivation
 from ferry.plan.costs import ALLOC_GRANULE
@@ -184,18 +184,6 @@ def test_offloaded_generation_equals_resident_and_transformers(gpt_oss_checkpoin
     assert offloaded["logprobs"] == resident["logprobs"]
 
 
-def test_gpt_oss_is_refused_on_cuda_before_the_device_is_touched(gpt_oss_checkpoint, capsys, monkeypatch):
-    """Its CUDA path has not matched transformers on a GPU (the family's cuda_refusal): boot says so and names
-    the flag, rather than serve wrong logits."""
-    from ferry.services.cli import main
-    from ferry.services.worker import boot
-
-    monkeypatch.setattr(boot, "select_device", lambda name: torch.device("cuda"))
-    assert main(["generate", str(gpt_oss_checkpoint), *ARGS, "--gpu-memory", "64MiB"]) == 2
-    err = capsys.readouterr().err
-    assert "gpt_oss is not served on CUDA yet" in err and "--device cpu" in err
-
-
 def test_dummy_weights_boot_resident_and_offloaded(gpt_oss_checkpoint, capsys):
     """--load-format dummy from config.json alone: all-resident (per-name dummy tensors, zero biases) and
     offloaded (the banks' seeded fill, bias rows included), the latter the same at two cache sizes."""
@@ -242,6 +230,7 @@ def test_make_bench_model_writes_gpt_oss_as_transformers_and_ferry_read_it(gpt_o
         logits[layout] = runner.step([(1, PROMPT)])[0]
         if layout == "fused":
             hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+            swiglu_from_config(hf)
             with torch.no_grad():
                 assert_logits_close(logits[layout], hf(torch.tensor([PROMPT])).logits[0])
     assert torch.equal(logits["fused"], logits["per-expert"])

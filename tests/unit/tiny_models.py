@@ -96,6 +96,15 @@ def _config(arch: str, **overrides):
     raise ValueError(arch)
 
 
+def swiglu_from_config(model: torch.nn.Module) -> None:
+    """gpt_oss's experts clamp and gain by the config's `swiglu_limit` / `swiglu_alpha`, as the published configs
+    say: transformers before 5.18 fixed them at 7.0 and 1.702 whatever the config said, so the reference the
+    device's older transformers computed was another model than the tiny config's (its limit of 1.0)."""
+    for module in model.modules():
+        if hasattr(module, "limit") and hasattr(module, "alpha"):
+            module.limit, module.alpha = model.config.swiglu_limit, model.config.swiglu_alpha
+
+
 @torch.no_grad()
 def _redraw(model: torch.nn.Module, generator: torch.Generator) -> None:
     biases = [(n, b) for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")]
@@ -127,6 +136,8 @@ def tiny_model(arch: str, seed: int = 0, **overrides) -> tuple[torch.nn.Module, 
     config, cls = _config(arch, **overrides)
     torch.manual_seed(seed)
     model = cls(config).eval()
+    if arch == "gpt_oss":
+        swiglu_from_config(model)
     _redraw(model, torch.Generator().manual_seed(seed))
     spec = parse_model_config(config.to_dict(), where=f"tiny {arch}")
     return model, spec
