@@ -49,6 +49,39 @@ def test_quantized_kernels_equal_their_twin_at_35b_shapes(cuda_device, fmt, toke
     assert (got - want).abs().max() <= 2e-2 * want.abs().max() + 1e-6
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("tokens", [1, 4, 300])
+def test_fp4_kernels_with_gpt_oss_epilogue_equal_their_twin_at_20b_shapes(cuda_device, fmt, tokens):
+    """gpt-oss-20b's experts (H = I = 2880, top-4) in an fp4 format: float32 biases in each slot row and the
+    clamped SwiGLU at a limit the projections reach, through the pair (decode) or grouped (prefill) kernel."""
+    import dataclasses
+
+    from ferry.kernels.expert_epilogue import ExpertActivation
+    from ferry.kernels.grouped_expert_gemm import grouped_expert_forward
+    from ferry.kernels.grouped_expert_gemm_reference import quantized_expert_rows_reference
+
+    torch.manual_seed(0)
+    w13, w2 = _family(fmt, 24, 2880, 2880, seed=2)
+    clamped = ExpertActivation(swiglu_limit=0.5, swiglu_alpha=1.702)
+    w13 = dataclasses.replace(w13, bias=0.5 * torch.randn(24, 2 * 2880, device="cuda"), activation=clamped)
+    w2 = dataclasses.replace(w2, bias=0.5 * torch.randn(24, 2880, device="cuda"))
+    x = torch.randn(tokens, 2880, device="cuda", dtype=torch.bfloat16)
+    ids = torch.randint(0, 24, (tokens, 4), device="cuda", dtype=torch.int32)
+    weights = torch.softmax(torch.randn(tokens, 4, device="cuda"), -1)
+    got = grouped_expert_forward(x, ids, weights, w13, w2).float()
+    rows = torch.zeros(tokens, 4, 2880, device="cuda")
+    quantized_expert_rows_reference(x, ids, weights, w13, w2, rows)
+    want = rows.sum(1)
+    plain = torch.zeros_like(rows)
+    quantized_expert_rows_reference(
+        x, ids, weights, dataclasses.replace(w13, bias=None, activation=ExpertActivation()),
+        dataclasses.replace(w2, bias=None), plain,
+    )  # fmt: skip
+    assert torch.isfinite(got).all()
+    assert (got - want).abs().max() <= 2e-2 * want.abs().max() + 1e-6
+    assert (plain.sum(1) - want).abs().max() > 0.1 * want.abs().max(), "the epilogue changed nothing"
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("arch, dtype", [("qwen3_moe", "float32"), ("qwen3_5_moe", "bfloat16")])
 def test_quantized_checkpoints_decode_token_for_token(cuda_device, quantized_tiny_models, layout, arch, dtype):
