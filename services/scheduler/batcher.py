@@ -99,7 +99,9 @@ OFFLOADED_SNAPSHOT_SPAN = 256
 # apart and the whole of it after the first, and one step serves them all (arrival_hold_s). Eight OpenAI
 # clients started together reach the api over ~50 ms, gaps up to 19 ms apart (each encodes a 4k-token body
 # in Python first): with a 4 ms gap the first went alone and the other seven paid
-# a second pass behind it. A lone prompt waits the gap, 20 ms, against the 0.16-0.9 s of its step's pass.
+# a second pass behind it. A lone prompt would wait the gap, 20 ms, 10-13 % of a 2k prompt's time to its first
+# token on the cuts, for nothing: so the hold is learned, and after a start from idle that stayed alone (a single
+# user's next turn) the next prompt goes at once, while after a start that others joined it holds again.
 DEFAULT_PREFILL_COALESCE_MS = 60.0
 # decode steps out beyond the oldest unanswered one (--schedule-ahead-steps). Two: a resident step (~1.0 ms) is
 # shorter than the chain from an answer to the next launch (~1.5 ms: the worker's launch, both hops, this process's
@@ -192,6 +194,11 @@ class BatchScheduler:
         self.running: list[Request] = []  # in admission order: the last is the newest
         self.prefill_coalesce_s = prefill_coalesce_s if pool.experts_offloaded else 0.0
         self._arrivals: tuple[float, float] | None = None  # (first, last) arrival of the prompts held now
+        # the last prompt that found the scheduler idle, how many arrived within prefill_coalesce_s of it, and
+        # whether the next one to find it idle is held (arrival_hold_s): the first is, as a burst may follow
+        self._idle_arrival: float | None = None
+        self._joined_idle_arrival = 0
+        self._hold_from_idle = True
         self.by_rid: dict[int, Request] = {}
         self.preemptions = 0
         self._forget: list[int] = []  # worker sampler state to drop before the next step
@@ -289,6 +296,8 @@ class BatchScheduler:
             max_tokens=resolved,
             tokens=[int(t) for t in prompt],
         )
+        if now is not None:
+            self._note_arrival(now)
         self.waiting.append(req)
         self.by_rid[rid] = req
         if now is not None:
@@ -296,17 +305,34 @@ class BatchScheduler:
             self._arrivals = (first, now)
         return req
 
+    def _note_arrival(self, now: float) -> None:
+        """Whether prompts start from idle alone or together, learned from the last start: a prompt finding
+        nothing waiting, running or in flight opens a start (and the one before it decides whether this one is
+        held); one arriving within prefill_coalesce_s of that start joined it, held with it or queued behind its
+        step."""
+        if not self.waiting and not self.running and not self._in_flight:
+            if self._idle_arrival is not None:
+                self._hold_from_idle = self._joined_idle_arrival > 0
+            self._idle_arrival, self._joined_idle_arrival = now, 0
+            self._arrivals = None  # a start from idle opens the hold's window
+        elif self._idle_arrival is not None and now - self._idle_arrival <= self.prefill_coalesce_s:
+            self._joined_idle_arrival += 1
+
     def arrival_hold_s(self, now: float) -> float:
         """How long to hold the next step for more prompts (0: send it now). Only with experts offloaded,
         nothing running or in flight (no decode waits on it) and prompts waiting: until a third of
         prefill_coalesce_s (ARRIVAL_GAP_FRACTION) after the last arrival while that is within
         prefill_coalesce_s of the first. Each prefill step pays one pass over the experts without a GPU
-        slot, so prompts that arrive together share one. Held prompts as many as --max-running-requests go at
-        once: no later arrival could join their step (eight streams sharing a system prompt would otherwise wait
-        the gap, 20 ms, after the eighth)."""
+        slot, so prompts that arrive together share one. Not where the last start from idle stayed alone
+        (_note_arrival): prompts then come one at a time, and a hold would only delay each. Held prompts as
+        many as --max-running-requests go at once: no later arrival could join their step (eight streams
+        sharing a system prompt would otherwise wait the gap, 20 ms, after the eighth)."""
         if not self.waiting:
             self._arrivals = None  # every held prompt was admitted (or aborted): the next one opens a window
         if not self.prefill_coalesce_s or self._arrivals is None or self._in_flight or self.running:
+            return 0.0
+        if not self._hold_from_idle:
+            self._arrivals = None
             return 0.0
         if len(self.waiting) >= self.pool.max_running_requests:
             self._arrivals = None

@@ -9,7 +9,7 @@ import pytest
 
 from ferry.services.scheduler.batcher import ARRIVAL_GAP_FRACTION, DEFAULT_PREFILL_COALESCE_MS, BatchScheduler
 from ferry.services.scheduler.config import prefill_coalesce_s
-from ferry.shared.errors import ConfigError
+from ferry.shared.errors import ConfigError, ServiceUnavailable
 from ferry.shared.messages import PoolReport
 from ferry.shared.sampling import SamplingParams
 
@@ -75,6 +75,39 @@ def test_a_lone_prompt_waits_one_gap_at_most():
     add(sched, 1, now=5.0)
     assert 0 < sched.arrival_hold_s(5.0) <= ARRIVAL_GAP_S
     assert sched.arrival_hold_s(5.0 + ARRIVAL_GAP_S) == 0.0
+
+
+def test_the_hold_is_learned_from_the_last_start_from_idle():
+    """A start from idle that stayed alone (one user's turns) sends the next lone prompt at once; one that
+    others joined, even behind its step in flight, has the next start held again."""
+    sched = make()
+    add(sched, 1, now=1.0)
+    assert sched.arrival_hold_s(1.0) > 0  # the first start is held: a burst may follow
+    assert sched.arrival_hold_s(1.0 + ARRIVAL_GAP_S) == 0.0
+    _finish(sched)
+    add(sched, 2, now=5.0)  # the last start stayed alone
+    assert sched.arrival_hold_s(5.0) == 0.0
+    assert sched.schedule() is not None  # in flight: a prompt arriving now joins this start
+    add(sched, 3, now=5.02)
+    _finish(sched)
+    add(sched, 4, now=9.0)  # the last start was joined: held again
+    assert sched.arrival_hold_s(9.0) == pytest.approx(ARRIVAL_GAP_S)
+    assert sched.arrival_hold_s(9.0 + ARRIVAL_GAP_S) == 0.0
+    assert sched.schedule() is not None
+    add(sched, 5, now=9.2)  # past the start's window: it joined nothing
+    _finish(sched)
+    add(sched, 6, now=12.0)  # request 4's start stayed alone
+    assert sched.arrival_hold_s(12.0) == 0.0
+
+
+def _finish(sched):
+    """Every request admitted, its steps answered and it aborted: the scheduler idle again."""
+    while sched.waiting or sched._in_flight:
+        if sched._in_flight or sched.schedule() is None:
+            sched.fail_in_flight(ServiceUnavailable("the test ends its steps"))
+    for rid in list(sched.by_rid):
+        sched.abort(rid)
+    assert not sched.running and not sched.waiting and not sched._in_flight
 
 
 def test_no_hold_without_offloaded_experts_with_the_flag_at_zero_or_while_requests_run():
