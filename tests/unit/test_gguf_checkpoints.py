@@ -74,7 +74,11 @@ def _random_blocks(ggml_type: str, rows: int, row_blocks: int, seed: int = 0) ->
     return blocks
 
 
-@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4"])
+# every block type a GGUF expert format holds
+GGUF_BLOCK_TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4"]
+
+
+@pytest.mark.parametrize("ggml_type", GGUF_BLOCK_TYPES)
 def test_the_torch_twin_decodes_blocks_as_the_gguf_package(ggml_type):
     import gguf
 
@@ -90,7 +94,7 @@ def test_the_torch_twin_decodes_blocks_as_the_gguf_package(ggml_type):
 # ---- tiny GGUF models against transformers on the decoded file ---------------------------------------------
 
 
-@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4"])
+@pytest.mark.parametrize("ggml_type", GGUF_BLOCK_TYPES)
 def test_gguf_tiny_models_generate_as_transformers_on_the_decoded_file(gguf_models, capsys, ggml_type):
     path, reference, _ = gguf_models(ggml_type)
     fmt = f"gguf-{ggml_type.lower()}"
@@ -127,6 +131,18 @@ def test_a_q4_k_scale_unpacked_one_bit_off_fails_the_comparison(gguf_models, cap
     assert _worst(ferry_generate(capsys, path, *ARGS), reference) > TOLERANCE
 
 
+@pytest.mark.parametrize("ggml_type", ["IQ4_NL", "IQ4_XS"])
+def test_a_wrong_iq4_grid_fails_the_comparison(gguf_models, capsys, monkeypatch, ggml_type):
+    """The non-linear grid with two neighbouring values swapped: the comparison must catch it."""
+    from ferry.kernels import gguf_blocks
+
+    path, reference, _ = gguf_models(ggml_type)
+    grid = list(gguf_blocks.IQ4_GRID)
+    grid[7], grid[8] = grid[8], grid[7]
+    monkeypatch.setattr(gguf_blocks, "IQ4_GRID", tuple(grid))
+    assert _worst(ferry_generate(capsys, path, *ARGS), reference) > TOLERANCE
+
+
 def test_mxfp4_nibbles_read_high_first_fail_the_comparison(gguf_models, capsys, monkeypatch):
     """ggml's MXFP4 holds values 0-15 in the low nibbles, 16-31 in the high: read the other way, it must fail."""
     from ferry.kernels import gguf_blocks
@@ -137,18 +153,22 @@ def test_mxfp4_nibbles_read_high_first_fail_the_comparison(gguf_models, capsys, 
     assert _worst(ferry_generate(capsys, path, *ARGS), reference) > TOLERANCE
 
 
-def test_mxfp4_dummy_experts_have_the_spread_asked_for():
-    """Dummy weights set the one e8m0 scale byte of each block (not an fp16 field, as the other types)."""
+@pytest.mark.parametrize("ggml_type", GGUF_BLOCK_TYPES)
+def test_dummy_experts_have_the_spread_asked_for(ggml_type):
+    """Dummy weights are random bytes whose scales are set (the fp16 `scale_fields`; MXFP4's one e8m0 byte) so
+    that the decoded values have the spread asked for."""
     from ferry.kernels.gguf_blocks import dequantize_rows
     from ferry.plan import expert_formats as F
-    from ferry.services.worker.expert_formats.gguf_mxfp4 import GgufMxfp4Experts
+    from ferry.services.worker.expert_formats import worker_class
 
-    layout = F.get("gguf-mxfp4").family_layout(64, 256, 32)
+    fmt = F.get(f"gguf-{ggml_type.lower()}")
+    layout = fmt.family_layout(64, 256, 32)
     rows = torch.zeros(2, layout.nbytes, dtype=torch.uint8)
-    experts = GgufMxfp4Experts.__new__(GgufMxfp4Experts)  # the fill reads only class attributes
+    cls = worker_class(fmt)
+    experts = cls.__new__(cls)  # the fill reads only class attributes
     experts._fill_dummy(rows, layout, 0.02, torch.Generator().manual_seed(0))
     (q,) = layout.parts
-    values = dequantize_rows(rows[0, q.offset : q.offset + q.nbytes].view(64, -1), "MXFP4", torch.float32)
+    values = dequantize_rows(rows[0, q.offset : q.offset + q.nbytes].view(64, -1), ggml_type, torch.float32)
     assert 0.5 * 0.02 < float(values.std()) < 2 * 0.02
 
 
