@@ -36,7 +36,7 @@ _RANDOM_BLOCK_SCALES = {
 }
 # the types the gguf package quantizes itself (from the checkpoint's weights), then the K types it only decodes
 QUANTIZED_BY_GGUF = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4")
-# float32 experts: how a GGUF of experts with biases (gpt-oss) is served (no block format holds biases)
+# float32 experts (llama.cpp writes gpt-oss's so when asked for F32; ggml-org's files hold MXFP4)
 FLOAT_EXPERT_TYPES = ("F32",)
 EXPERT_TYPES = (*QUANTIZED_BY_GGUF, *_RANDOM_BLOCK_SCALES, *FLOAT_EXPERT_TYPES)
 # GGUF's K blocks hold 256 values: a tiny model written as GGUF has rows of whole blocks

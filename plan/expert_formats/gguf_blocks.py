@@ -20,6 +20,9 @@ class GgufBlockFormat(ExpertFormat):
     `block_bytes` bytes a block."""
 
     quantized = True
+    # gpt-oss's experts carry biases (ggml-org's files: `ffn_*_exps.bias` in F32): a float32 part of each row, which
+    # the twin adds before the clamped SwiGLU (kernels/expert_epilogue.py)
+    holds_biases = True
     ggml_type = ""
     block = 0
     block_bytes = 0

@@ -542,8 +542,12 @@ def test_a_glm4moe_gguf_of_another_router_is_refused_naming_the_key(glm_gguf):
 def gpt_oss_gguf(tmp_path_factory):
     """(a tiny gpt_oss written as a gpt-oss GGUF with float32 experts and their biases, its decoded reference, the
     checkpoint it was written from): sinks, q/k/v/o biases, a sliding layer then a full one, YaRN."""
+    from ferry.services.gguf_writer import GGUF_SIZES
+    from tests.unit.tiny_models import redrawn_tiny_checkpoint
+
     root = tmp_path_factory.mktemp("gguf-gpt-oss")
-    path, hf_dir = tiny_gguf(root, "F32", arch="gpt_oss")
+    hf_dir = redrawn_tiny_checkpoint(root, "gpt_oss", **GGUF_SIZES)  # nonzero expert biases and sinks
+    path, _ = tiny_gguf(root, "F32", hf_dir=hf_dir, arch="gpt_oss")
     return path, dequantized_reference(path, hf_dir, root / "reference"), hf_dir
 
 
@@ -578,13 +582,30 @@ def test_a_gpt_oss_window_read_from_another_key_fails_the_comparison(gpt_oss_ggu
     assert _worst(ferry_generate(capsys, path, *ARGS), reference) > TOLERANCE
 
 
-def test_a_gpt_oss_gguf_of_mxfp4_experts_is_refused_naming_why(gpt_oss_gguf, tmp_path, capsys):
-    """ggml-org's gpt-oss GGUFs hold MXFP4 experts; no block format's rows hold the experts' biases yet."""
-    from ferry.services.cli import main
+def test_a_gpt_oss_gguf_of_mxfp4_experts_generates_as_transformers_on_the_decoded_file(
+    gpt_oss_gguf, tmp_path, capsys, monkeypatch
+):
+    """ggml-org's gpt-oss GGUFs: MXFP4 experts beside their F32 biases, which ride in a float32 part of each slot
+    row (moved with the expert) and are added before the clamped SwiGLU; offloaded equals resident."""
+    import gguf
+
     from ferry.services.gguf_writer import write_gguf
 
     _, _, hf_dir = gpt_oss_gguf
     path = write_gguf(hf_dir, tmp_path / "gpt-oss-mxfp4.gguf", "MXFP4")
-    assert main(["plan", str(path), "--gpu-memory", "24GiB"]) == 2
-    err = capsys.readouterr().err
-    assert "biases" in err and "gguf-mxfp4" in err, err
+    biases = [t for t in gguf.GGUFReader(str(path)).tensors if t.name.endswith("_exps.bias")]
+    assert len(biases) == 6 and all(np.abs(t.data).max() > 0 for t in biases)  # a path dropping them shows
+    reference = dequantized_reference(path, hf_dir, tmp_path / "reference")
+    resident = ferry_generate(capsys, path, *ARGS)
+    assert resident["plan"]["experts"]["format"] == "gguf-mxfp4"
+    assert _worst(resident, reference) < TOLERANCE
+    offloaded = ferry_generate(capsys, path, *ARGS, "--moe-cache-size", "9")
+    assert offloaded["expert_cache"]["misses"] > 0
+    assert offloaded["token_ids"] == resident["token_ids"] and offloaded["logprobs"] == resident["logprobs"]
+    from ferry.services.worker.expert_formats.gguf_blocks import GgufBlockExperts
+
+    family = GgufBlockExperts.family
+    monkeypatch.setattr(
+        GgufBlockExperts, "family", lambda self, rows, layout: replace(family(self, rows, layout), bias=None)
+    )
+    assert _worst(ferry_generate(capsys, path, *ARGS), reference) > TOLERANCE  # the biases dropped: it shows
