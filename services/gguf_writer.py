@@ -68,7 +68,7 @@ def write_gguf(
         tensors.update(load_file(shard))
     layers = int(config["num_hidden_layers"])
     writer = gguf.GGUFWriter(str(out), architecture, split_max_tensors=split_max_tensors)
-    _common_metadata(writer, config)
+    common_metadata(writer, config)
     family.gguf_write_metadata(writer, config)
     _tokenizer(writer, hf_dir)
     names = GgufNames(architecture, layers)
@@ -98,7 +98,7 @@ def write_gguf(
     return out if not split_max_tensors else sorted(out.parent.glob(f"{out.stem}-00001-of-*.gguf"))[0]
 
 
-def _common_metadata(writer, config: dict) -> None:
+def common_metadata(writer, config: dict) -> None:
     """The keys llama.cpp's converter writes for every family (TextModel.set_gguf_parameters)."""
     rope = config.get("rope_parameters") or {}
     writer.add_context_length(config["max_position_embeddings"])

@@ -573,6 +573,61 @@ def test_a_gpt_oss_gguf_reads_as_the_config_it_was_written_from(gpt_oss_gguf):
     assert spec.attention_windows == (8, 0) and spec.rope_yarn is not None and spec.attention_sinks
 
 
+GPT_OSS_120B = "tests/data/models/gpt-oss-120b/config.json"
+
+
+def test_the_mxfp4_gpt_oss_120b_gguf_plans_at_24_gib_at_the_files_bytes(tmp_path, capsys):
+    """ggml-org's gpt-oss-120b GGUF as its metadata and tensor table (MXFP4 experts, their F32 biases, F32 dense
+    tensors), the data a hole of the right size: `ferry plan` at 24 GiB prices each slot at the file's blocks plus
+    the biases, the same bytes as openai's safetensors release (the same e2m1 codes and e8m0 scales)."""
+    import gguf
+
+    from ferry.plan.gguf_checkpoint import GgufNames
+    from ferry.plan.model_config import parse_model_config
+    from ferry.plan.model_families import family_of
+    from ferry.services.cli import main
+    from ferry.services.gguf_writer import common_metadata
+
+    config = json.loads(open(GPT_OSS_120B).read())
+    config.pop("quantization_config")
+    spec = parse_model_config(config)
+    family = family_of(spec)
+    path = tmp_path / "gpt-oss-120b-MXFP4.gguf"
+    writer = gguf.GGUFWriter(str(path), "gpt-oss")
+    common_metadata(writer, config)
+    family.gguf_write_metadata(writer, config)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(config["vocab_size"])])
+    writer.add_eos_token_id(config["eos_token_id"])
+    names = GgufNames("gpt-oss", 36)
+    tensors = {names.gguf_name(n): (s, "F32") for n, s in family.resident_weight_shapes(spec).items()}
+    for layer in range(36):
+        for part, name in names.experts(layer).items():  # I = H = 2880: gate, up and down alike
+            tensors[name] = ((128, 2880, 2880), "MXFP4")
+            tensors[names.gguf_name(f"model.layers.{layer}.mlp.experts.{part}.bias")] = ((128, 2880), "F32")
+    data = 0
+    for name, (shape, qtype_name) in tensors.items():
+        qtype = gguf.GGMLQuantizationType[qtype_name]
+        nbytes = int(np.prod(gguf.quants.quant_shape_to_byte_shape(shape, qtype)))
+        writer.add_tensor_info(name, shape, np.float32, nbytes, raw_dtype=qtype)
+        data += writer.ggml_pad(nbytes, writer.data_alignment)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    fout = writer.fout[0]
+    writer.write_padding(fout, fout.tell())
+    fout.truncate(fout.tell() + data)
+    writer.close()
+
+    assert main(["plan", str(path), "--gpu-memory", "24GiB", "--host-memory", "512GiB", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    # a row of 2880 values: 90 MXFP4 blocks of 17 bytes; then the row's float32 biases (each part at 16 bytes)
+    w13, w2 = 5760 * 90 * 17 + 5760 * 4, 2880 * 90 * 17 + 2880 * 4
+    assert plan["experts"]["format"] == "gguf-mxfp4" and plan["experts"]["bytes_per_slot"] == w13 + w2 == 13253760
+    assert plan["host"]["expert_bank_bytes"] == 36 * 128 * (w13 + w2)
+    assert plan["total_bytes"] <= plan["budget_bytes"] and plan["experts"]["slots"] >= plan["experts"]["min_slots"]
+
+
 def test_a_gpt_oss_window_read_from_another_key_fails_the_comparison(gpt_oss_gguf, capsys, monkeypatch):
     """The sliding window read from the context length's key: the comparison must catch it."""
     from ferry.plan.model_families import gpt_oss
