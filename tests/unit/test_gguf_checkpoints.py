@@ -407,13 +407,19 @@ def _metadata_only_qwen3_30b(path, expert_type: str = "Q8_0"):
     for layer in range(48):
         for part, name in names.experts(layer).items():
             shapes[name] = (128, 2048, 768) if part == "down_proj" else (128, 768, 2048)
+    quantized = {name: len(shape) > 1 and "ffn_gate_inp" not in name for name, shape in shapes.items()}
+    _write_sparse(writer, {n: (s, expert_type if quantized[n] else "F32") for n, s in shapes.items()})
+    return path
+
+
+def _write_sparse(writer, tensors: dict[str, tuple[tuple[int, ...], str]]) -> None:
+    """The file's metadata and tensor table ({name: (shape, ggml type)}), its data a hole of the right size."""
+    import gguf
+
     data = 0
-    for name, shape in shapes.items():
-        quantized = len(shape) > 1 and "ffn_gate_inp" not in name
-        qtype = gguf.GGMLQuantizationType[expert_type if quantized else "F32"]
-        nbytes = (
-            int(np.prod(gguf.quants.quant_shape_to_byte_shape(shape, qtype))) if quantized else 4 * int(np.prod(shape))
-        )
+    for name, (shape, type_name) in tensors.items():
+        qtype = gguf.GGMLQuantizationType[type_name]
+        nbytes = int(np.prod(gguf.quants.quant_shape_to_byte_shape(shape, qtype)))
         writer.add_tensor_info(name, shape, np.float32, nbytes, raw_dtype=qtype)
         data += writer.ggml_pad(nbytes, writer.data_alignment)
     writer.write_header_to_file()
@@ -423,7 +429,6 @@ def _metadata_only_qwen3_30b(path, expert_type: str = "Q8_0"):
     writer.write_padding(fout, fout.tell())
     fout.truncate(fout.tell() + data)
     writer.close()
-    return path
 
 
 def test_a_qwen3_30b_gguf_reads_as_its_config_json_and_plans_its_experts_at_the_files_bytes(tmp_path, capsys):
@@ -605,19 +610,7 @@ def test_the_mxfp4_gpt_oss_120b_gguf_plans_at_24_gib_at_the_files_bytes(tmp_path
         for part, name in names.experts(layer).items():  # I = H = 2880: gate, up and down alike
             tensors[name] = ((128, 2880, 2880), "MXFP4")
             tensors[names.gguf_name(f"model.layers.{layer}.mlp.experts.{part}.bias")] = ((128, 2880), "F32")
-    data = 0
-    for name, (shape, qtype_name) in tensors.items():
-        qtype = gguf.GGMLQuantizationType[qtype_name]
-        nbytes = int(np.prod(gguf.quants.quant_shape_to_byte_shape(shape, qtype)))
-        writer.add_tensor_info(name, shape, np.float32, nbytes, raw_dtype=qtype)
-        data += writer.ggml_pad(nbytes, writer.data_alignment)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    fout = writer.fout[0]
-    writer.write_padding(fout, fout.tell())
-    fout.truncate(fout.tell() + data)
-    writer.close()
+    _write_sparse(writer, tensors)
 
     assert main(["plan", str(path), "--gpu-memory", "24GiB", "--host-memory", "512GiB", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
