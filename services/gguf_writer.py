@@ -84,16 +84,21 @@ def write_gguf(
                 writer.add_tensor(gguf_name, blocks, raw_dtype=gguf.GGMLQuantizationType[expert_type])
         for part, bias in biases.items():
             writer.add_tensor(names.gguf_name(f"model.layers.{layer}.mlp.experts.{part}.bias"), bias.astype(np.float32))
-    for name, value in sorted(tensors.items()):
-        gguf_name = names.gguf_name(name)
-        if gguf_name is None:
-            raise ValueError(f"{name}: the gguf package's {architecture} table has no name for it")
-        value = value.astype(np.float32)
-        if family.gguf_write_tensor is not None:
-            value = np.asarray(family.gguf_write_tensor(spec, name, value), dtype=np.float32)
-        # llama.cpp keeps routers and the Gated DeltaNet's convolution float32, as norms
-        kept = gguf_name.split(".")[-2] in ("ffn_gate_inp", "ffn_gate_inp_shexp", "ssm_conv1d")
-        writer.add_tensor(gguf_name, value.astype(np.float16) if value.ndim == 2 and not kept else value)
+    for checkpoint_name, checkpoint_value in sorted(tensors.items()):
+        checkpoint_value = checkpoint_value.astype(np.float32)
+        written = (
+            {checkpoint_name: checkpoint_value}
+            if family.gguf_write_tensor is None
+            else family.gguf_write_tensor(spec, checkpoint_name, checkpoint_value)
+        )
+        for name, value in written.items():
+            gguf_name = names.gguf_name(name)
+            if gguf_name is None:
+                raise ValueError(f"{name}: the gguf package's {architecture} table has no name for it")
+            value = np.asarray(value, dtype=np.float32)
+            # llama.cpp keeps routers and the Gated DeltaNet's convolution float32, as norms
+            kept = gguf_name.split(".")[-2] in ("ffn_gate_inp", "ffn_gate_inp_shexp", "ssm_conv1d")
+            writer.add_tensor(gguf_name, value.astype(np.float16) if value.ndim == 2 and not kept else value)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

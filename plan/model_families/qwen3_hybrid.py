@@ -192,7 +192,7 @@ def _reorder_value_heads(spec: ModelSpec, name: str, values, tiled: bool):
     return np.moveaxis(np.concatenate([x[:start], heads]), 0, axis)
 
 
-def qwen3_5_moe_gguf_write_tensor(spec: ModelSpec, name: str, values):
+def qwen3_5_moe_gguf_write_tensor(spec: ModelSpec, name: str, values) -> dict[str, Any]:
     """llama.cpp's converter: the convolution squeezed to [C, K], the value heads tiled, A as -exp(A_log), the
     zero-centred norms' weights shifted by one."""
     import numpy as np
@@ -201,8 +201,8 @@ def qwen3_5_moe_gguf_write_tensor(spec: ModelSpec, name: str, values):
         values = values.squeeze(1)
     values = _reorder_value_heads(spec, name, values, tiled=True)
     if name.endswith("linear_attn.A_log"):
-        return -np.exp(values)
-    return values + 1 if _shifted_norm(name) else values
+        return {name: -np.exp(values)}
+    return {name: values + 1 if _shifted_norm(name) else values}
 
 
 def _a_log(a):
@@ -212,8 +212,11 @@ def _a_log(a):
     return np.log(-a)
 
 
-def qwen3_5_moe_gguf_read_tensor(spec: ModelSpec, name: str, values):
+def qwen3_5_moe_gguf_read_tensor(spec: ModelSpec, name: str, fetch):
     """`qwen3_5_moe_gguf_write_tensor` undone."""
+    values = fetch(name)
+    if values is None:
+        return None
     if name.endswith("linear_attn.A_log"):
         values = _a_log(values)
     elif _shifted_norm(name):

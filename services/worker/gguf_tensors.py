@@ -14,7 +14,7 @@ Two passes, as for safetensors (services/worker/checkpoint.py):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,14 +48,17 @@ class GgufWeight(QuantizedWeight):
         return dequantize_rows(q, self.ggml_type, dtype)
 
 
-def dequantized(tensor: GgufTensor, undo: Callable[[np.ndarray], np.ndarray] | None = None) -> torch.Tensor:
-    """A GGUF tensor as float32 values of its shape (the gguf package's reference decode), with `undo` (the
-    family's inverse of what llama.cpp's converter did to it) applied."""
+def decoded(tensor: GgufTensor) -> np.ndarray:
+    """A GGUF tensor as float32 values of its shape (the gguf package's reference decode), a copy: the mapping is
+    read-only."""
     import gguf
 
     values = gguf.quants.dequantize(np.asarray(tensor.data), gguf.GGMLQuantizationType[tensor.ggml_type])
-    values = np.array(values, dtype=np.float32).reshape(tensor.shape)  # a copy: the mapping is read-only
-    return torch.from_numpy(np.ascontiguousarray(undo(values), dtype=np.float32) if undo is not None else values)
+    return np.array(values, dtype=np.float32).reshape(tensor.shape)
+
+
+def dequantized(tensor: GgufTensor) -> torch.Tensor:
+    return torch.from_numpy(decoded(tensor))
 
 
 def resident_gguf_tensors(path: Path, spec: ModelSpec, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
@@ -67,16 +70,21 @@ def resident_gguf_tensors(path: Path, spec: ModelSpec, progress: bool = True) ->
     names = ckpt.names()
     family = family_of(spec)
     wanted = [n for n in family.resident_weight_shapes(spec) if is_served(n, spec)]
+
+    def fetch(name: str) -> np.ndarray | None:
+        tensor = ckpt.tensors.get(names.gguf_name(name) or "")
+        return None if tensor is None else decoded(tensor)
+
     for hf_name in tqdm(wanted, desc="loading weights", unit="tensor", disable=not progress, leave=False):
-        gguf_name = names.gguf_name(hf_name)
-        if gguf_name not in ckpt.tensors:
+        values = fetch(hf_name) if family.gguf_read_tensor is None else family.gguf_read_tensor(spec, hf_name, fetch)
+        if values is None:
             if hf_name == "lm_head.weight" and spec.tie_word_embeddings:
                 continue
+            gguf_name = names.gguf_name(hf_name)
             raise ModelLoadError(
                 f"{path}: no tensor {gguf_name or '(none in the gguf table)'} for {hf_name} in the GGUF file"
             )
-        undo = family.gguf_read_tensor
-        yield hf_name, dequantized(ckpt.tensors[gguf_name], undo and (lambda values: undo(spec, hf_name, values)))
+        yield hf_name, torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
 
 
 def routed_expert_gguf_tensors(
