@@ -1,6 +1,6 @@
-"""A Hugging Face checkpoint of attention and MoE layers (qwen3_moe, qwen3_5_moe, glm4_moe, gpt_oss: the families
-with a GGUF architecture, each one's own keys by its family module's `gguf_write_metadata`, where it fuses its experts
-`gguf_split_experts`, and where the converter changes values `gguf_write_tensor`) rewritten
+"""A Hugging Face checkpoint of attention and MoE layers (qwen3_moe, qwen3_5_moe, qwen3_next, glm4_moe, gpt_oss: the
+families with a GGUF architecture, each one's own keys by its family module's `gguf_write_metadata`, where it fuses
+its experts `gguf_split_experts`, and where the converter changes values `gguf_write_tensor`) rewritten
 as a GGUF file, by the gguf package's own writer (`gguf.GGUFWriter`), as llama.cpp's converter lays one out:
 llama.cpp's metadata keys, its tensor names (the gguf package's table), the tokenizer's vocabulary, merges,
 token types, special ids and chat template.

@@ -106,7 +106,10 @@ def rounded_reference(gguf_file: Path, hf_dir: Path, out: Path) -> Path:
             state[name] = np.ascontiguousarray(stacked[int(expert)])
             continue
         value = value.astype(np.float32)
-        if tensors[names.gguf_name(name)].tensor_type == gguf.GGMLQuantizationType.F16:
+        written = tensors.get(names.gguf_name(name))
+        # a tensor the converter splits (qwen3next's in_proj_qkvz into attn_qkv and attn_gate): matrices, F16
+        f16 = value.ndim == 2 if written is None else written.tensor_type == gguf.GGMLQuantizationType.F16
+        if f16:
             value = value.astype(np.float16).astype(np.float32)
         state[name] = value
     save_file(state, out / "model.safetensors", metadata={"format": "pt"})

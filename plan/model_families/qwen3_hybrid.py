@@ -80,15 +80,15 @@ def qwen3_5_moe_published_names(config: dict[str, Any]):
 # ---- GGUF (llama.cpp's `qwen35moe`, as its converter writes Qwen3.5/3.6 MoE) -------------------------------------
 
 GGUF_QWEN35 = "qwen35moe"
+GGUF_QWEN3NEXT = "qwen3next"
 
 
-def qwen3_5_moe_gguf_config(metadata: dict[str, Any], tensor_names: tuple[str, ...], where: str) -> dict[str, Any]:
-    """config.json (the flat text model's) from a qwen35moe GGUF's keys: the Gated DeltaNet's sizes in `ssm.*`
-    (state_size the key head's width, group_count the key heads, time_step_rank the value heads, inner_size all
-    value heads' width), the full-attention layers every `full_attention_interval`-th (llama.cpp's default 4),
-    the rotated share of a head as `rope.dimension_count` of `key_length`; MTP layers (`nextn_predict_layers`,
-    counted in block_count) are not served."""
-    a = GGUF_QWEN35
+def _hybrid_gguf_config(a: str, model_type: str, metadata: dict[str, Any], where: str) -> dict[str, Any]:
+    """config.json (the flat text model's) from a qwen35moe or qwen3next GGUF's keys (`a.*`): the Gated DeltaNet's
+    sizes in `ssm.*` (state_size the key head's width, group_count the key heads, time_step_rank the value heads,
+    inner_size all value heads' width), the full-attention layers every `full_attention_interval`-th (llama.cpp's
+    default 4, which older qwen3next files leave out), the rotated share of a head as `rope.dimension_count` of
+    `key_length`; MTP layers (`nextn_predict_layers`, counted in block_count) are not served."""
 
     def key(name: str, default: Any = None) -> Any:
         value = metadata.get(f"{a}.{name}", default)
@@ -98,7 +98,7 @@ def qwen3_5_moe_gguf_config(metadata: dict[str, Any], tensor_names: tuple[str, .
 
     head_dim, value_heads = int(key("attention.key_length")), int(key("ssm.time_step_rank"))
     config: dict[str, Any] = dict(
-        model_type="qwen3_5_moe_text",
+        model_type=model_type,
         num_hidden_layers=int(key("block_count")) - int(key("nextn_predict_layers", 0)),
         max_position_embeddings=int(key("context_length")),
         hidden_size=int(key("embedding_length")),
@@ -127,16 +127,45 @@ def qwen3_5_moe_gguf_config(metadata: dict[str, Any], tensor_names: tuple[str, .
     return config
 
 
+def qwen3_5_moe_gguf_config(metadata: dict[str, Any], tensor_names: tuple[str, ...], where: str) -> dict[str, Any]:
+    return _hybrid_gguf_config(GGUF_QWEN35, "qwen3_5_moe_text", metadata, where)
+
+
+def qwen3_next_gguf_config(metadata: dict[str, Any], tensor_names: tuple[str, ...], where: str) -> dict[str, Any]:
+    """As qwen35moe's; the layers without routed experts in the file are dense (mlp_only_layers)."""
+    from ferry.plan.gguf_checkpoint import GgufNames, moe_layers_of
+
+    config = _hybrid_gguf_config(GGUF_QWEN3NEXT, "qwen3_next", metadata, where)
+    layers = config["num_hidden_layers"]
+    moe = set(moe_layers_of(tensor_names, layers, GgufNames(GGUF_QWEN3NEXT, layers)))
+    config["mlp_only_layers"] = [layer for layer in range(layers) if layer not in moe]
+    return config
+
+
 def qwen3_5_moe_gguf_write_metadata(writer, config: dict) -> None:
     """As llama.cpp's Qwen3.5 MoE converter: its graph places full attention every `full_attention_interval`-th
     layer, so a checkpoint whose layer_types differ has no GGUF; no MTP layer is written."""
+    _hybrid_gguf_write_metadata(writer, config)
+    rope = config.get("rope_parameters") or {}
+    writer.add_rope_dimension_sections((list(rope.get("mrope_section", [11, 11, 10])) + [0, 0, 0, 0])[:4])
+
+
+def qwen3_next_gguf_write_metadata(writer, config: dict) -> None:
+    """As llama.cpp's Qwen3-Next converter (its rope has no sections); its table names no dense MLP beside the
+    MoE layers' own, so a checkpoint with dense layers has no GGUF."""
+    if config.get("mlp_only_layers") or int(config.get("decoder_sparse_step", 1) or 1) != 1:
+        raise ValueError("the GGUF writer takes a qwen3_next checkpoint of MoE layers only")
+    _hybrid_gguf_write_metadata(writer, config)
+
+
+def _hybrid_gguf_write_metadata(writer, config: dict) -> None:
     layers = int(config["num_hidden_layers"])
     types = config.get("layer_types") or []
     first_full = types.index("full_attention") + 1 if "full_attention" in types else 4
     interval = int(config.get("full_attention_interval", first_full))
     periodic = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
     if config.get("layer_types", periodic) != periodic:
-        raise ValueError(f"the GGUF writer takes a qwen3_5_moe checkpoint with full attention every {interval}th layer")
+        raise ValueError(f"the GGUF writer takes a hybrid checkpoint with full attention every {interval}th layer")
     rope = config.get("rope_parameters") or {}
     rotated = config.get("partial_rotary_factor", rope.get("partial_rotary_factor", 0.25))
     value_heads = int(config["linear_num_value_heads"])
@@ -150,7 +179,6 @@ def qwen3_5_moe_gguf_write_metadata(writer, config: dict) -> None:
     writer.add_ssm_inner_size(int(config["linear_value_head_dim"]) * value_heads)
     writer.add_full_attention_interval(interval)
     writer.add_rope_dimension_count(int(int(config["head_dim"]) * rotated))
-    writer.add_rope_dimension_sections((list(rope.get("mrope_section", [11, 11, 10])) + [0, 0, 0, 0])[:4])
 
 
 def _shifted_norm(name: str) -> bool:
@@ -225,6 +253,71 @@ def qwen3_5_moe_gguf_read_tensor(spec: ModelSpec, name: str, fetch):
     return values[:, None, :] if name.endswith("linear_attn.conv1d.weight") else values
 
 
+def _split_qkvz(spec: ModelSpec, values) -> tuple[Any, Any]:
+    """qwen3_next's in_proj_qkvz, its rows grouped by key head ([q_g | k_g | v_g | z_g] for each g), as llama.cpp's
+    converter splits it: (every q, then every k, then every v; every z)."""
+    import numpy as np
+
+    nk, dk = spec.linear_num_key_heads, spec.linear_key_head_dim
+    vz = spec.linear_value_dim // nk
+    x = values.reshape(nk, 2 * dk + 2 * vz, -1)
+    q, k, v, z = x[:, :dk], x[:, dk : 2 * dk], x[:, 2 * dk : 2 * dk + vz], x[:, 2 * dk + vz :]
+    cols = values.shape[-1]
+    return np.concatenate([t.reshape(-1, cols) for t in (q, k, v)]), z.reshape(-1, cols)
+
+
+def _joined_qkvz(spec: ModelSpec, qkv, z):
+    """`_split_qkvz` undone."""
+    import numpy as np
+
+    nk, dk = spec.linear_num_key_heads, spec.linear_key_head_dim
+    cols = qkv.shape[-1]
+    q, k = qkv[: nk * dk].reshape(nk, dk, cols), qkv[nk * dk : 2 * nk * dk].reshape(nk, dk, cols)
+    v, z = qkv[2 * nk * dk :].reshape(nk, -1, cols), z.reshape(nk, -1, cols)
+    return np.concatenate([q, k, v, z], axis=1).reshape(-1, cols)
+
+
+QKVZ = "linear_attn.in_proj_qkvz.weight"
+
+
+def qwen3_next_gguf_write_tensor(spec: ModelSpec, name: str, values) -> dict[str, Any]:
+    """llama.cpp's converter (its newer layout): in_proj_qkvz split into attn_qkv and attn_gate, in_proj_ba as it
+    is; the convolution squeezed, A as -exp(A_log), the zero-centred norms shifted by one (no value-head order)."""
+    import numpy as np
+
+    if name.endswith(QKVZ):
+        qkv, z = _split_qkvz(spec, values)
+        return {
+            name.replace(QKVZ, "linear_attn.in_proj_qkv.weight"): qkv,
+            name.replace(QKVZ, "linear_attn.in_proj_z.weight"): z,
+        }
+    if name.endswith("linear_attn.conv1d.weight"):
+        return {name: values.squeeze(1)}
+    if name.endswith("linear_attn.A_log"):
+        return {name: -np.exp(values)}
+    return {name: values + 1 if _shifted_norm(name) else values}
+
+
+def qwen3_next_gguf_read_tensor(spec: ModelSpec, name: str, fetch):
+    """`qwen3_next_gguf_write_tensor` undone; in_proj_qkvz read whole where the file holds it so (`ssm_in`: the
+    converter's first layout)."""
+    if name.endswith(QKVZ):
+        whole = fetch(name)
+        if whole is not None:
+            return whole
+        qkv = fetch(name.replace(QKVZ, "linear_attn.in_proj_qkv.weight"))
+        z = fetch(name.replace(QKVZ, "linear_attn.in_proj_z.weight"))
+        return None if qkv is None or z is None else _joined_qkvz(spec, qkv, z)
+    values = fetch(name)
+    if values is None:
+        return None
+    if name.endswith("linear_attn.A_log"):
+        return _a_log(values)
+    if name.endswith("linear_attn.conv1d.weight"):
+        return values[:, None, :]
+    return values - 1 if _shifted_norm(name) else values
+
+
 def interleaved_gated_deltanet_shapes(spec: ModelSpec, p: str) -> dict[str, tuple[int, ...]]:
     """qwen3_next's Gated DeltaNet: in_proj_qkvz and in_proj_ba, rows grouped by key head."""
     h = spec.hidden_size
@@ -244,6 +337,26 @@ register(
         resident_weight_shapes=lambda spec: decoder_shapes(
             spec, {FULL_ATTENTION: attention_shapes, LINEAR_ATTENTION: interleaved_gated_deltanet_shapes}
         ),
+        # a linear-attention layer, then a full one, every layer MoE; more value heads than key heads
+        tiny_config=dict(
+            num_hidden_layers=2,
+            full_attention_interval=2,
+            intermediate_size=48,
+            shared_expert_intermediate_size=32,
+            linear_conv_kernel_dim=4,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            partial_rotary_factor=0.25,
+            norm_topk_prob=True,
+        ),
+        reference_classes=("Qwen3NextConfig", "Qwen3NextForCausalLM"),
+        gguf_architectures=(GGUF_QWEN3NEXT,),
+        gguf_config=qwen3_next_gguf_config,
+        gguf_write_metadata=qwen3_next_gguf_write_metadata,
+        gguf_write_tensor=qwen3_next_gguf_write_tensor,
+        gguf_read_tensor=qwen3_next_gguf_read_tensor,
     )
 )
 

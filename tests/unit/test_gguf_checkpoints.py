@@ -691,27 +691,28 @@ def test_a_gpt_oss_gguf_of_mxfp4_experts_generates_as_transformers_on_the_decode
     assert _worst(ferry_generate(capsys, path, *ARGS), reference) > TOLERANCE  # the biases dropped: it shows
 
 
-# ---- qwen35moe (Qwen3.5/3.6 MoE: the Gated DeltaNet hybrid) ------------------------------------------------------
+# ---- qwen35moe and qwen3next (Qwen3.5/3.6 MoE, Qwen3-Next: the Gated DeltaNet hybrids) ---------------------------
 
 
-@pytest.fixture(scope="module")
-def qwen35_gguf(tmp_path_factory):
-    """(a tiny qwen3_5_moe written as a qwen35moe GGUF of Q8_0 experts, the checkpoint with what the file lost, the
+@pytest.fixture(scope="module", params=["qwen3_5_moe", "qwen3_next"])
+def hybrid_gguf(request, tmp_path_factory):
+    """(arch, a tiny hybrid written as its GGUF of Q8_0 experts, the checkpoint with what the file lost, the
     checkpoint): its weights redrawn (norms off zero, more value heads than key heads), so each of llama.cpp's
-    value changes (tiled value heads, -exp(A_log), norms shifted by one, the squeezed convolution) shows if not
-    undone."""
+    value changes (Qwen3.5's tiled value heads, Qwen3-Next's split in_proj_qkvz, -exp(A_log), norms shifted by
+    one, the squeezed convolution) shows if not undone."""
     from ferry.services.gguf_writer import GGUF_SIZES
     from tests.gguf_models import rounded_reference
     from tests.unit.tiny_models import redrawn_tiny_checkpoint
 
-    root = tmp_path_factory.mktemp("gguf-qwen35")
-    hf_dir = redrawn_tiny_checkpoint(root, "qwen3_5_moe", **GGUF_SIZES)
-    path, _ = tiny_gguf(root, "Q8_0", hf_dir=hf_dir, arch="qwen3_5_moe")
-    return path, rounded_reference(path, hf_dir, root / "reference"), hf_dir
+    arch = request.param
+    root = tmp_path_factory.mktemp(f"gguf-{arch}")
+    hf_dir = redrawn_tiny_checkpoint(root, arch, **GGUF_SIZES)
+    path, _ = tiny_gguf(root, "Q8_0", hf_dir=hf_dir, arch=arch)
+    return arch, path, rounded_reference(path, hf_dir, root / "reference"), hf_dir
 
 
-def test_a_qwen35moe_gguf_generates_as_transformers_on_its_checkpoint(qwen35_gguf, capsys):
-    path, reference, _ = qwen35_gguf
+def test_a_hybrid_gguf_generates_as_transformers_on_its_checkpoint(hybrid_gguf, capsys):
+    _, path, reference, _ = hybrid_gguf
     resident = ferry_generate(capsys, path, *ARGS)
     assert resident["plan"]["experts"]["format"] == "gguf-q8_0"
     assert _worst(resident, reference) < TOLERANCE
@@ -720,34 +721,55 @@ def test_a_qwen35moe_gguf_generates_as_transformers_on_its_checkpoint(qwen35_ggu
     assert offloaded["token_ids"] == resident["token_ids"] and offloaded["logprobs"] == resident["logprobs"]
 
 
-def test_a_qwen35moe_gguf_reads_as_the_config_it_was_written_from(qwen35_gguf):
+def test_a_hybrid_gguf_reads_as_the_config_it_was_written_from(hybrid_gguf):
     from dataclasses import fields
 
     from ferry.plan.model_config import load_model_config
 
-    path, _, hf_dir = qwen35_gguf
+    _, path, _, hf_dir = hybrid_gguf
     spec, want = load_model_config(path), load_model_config(hf_dir)
     differ = {f.name for f in fields(spec) if getattr(spec, f.name) != getattr(want, f.name)}
     assert differ == {"text_config", "dtype", "quantization"}, differ
     assert spec.linear_num_value_heads == 2 * spec.linear_num_key_heads and spec.layer_types == want.layer_types
 
 
-@pytest.mark.parametrize(
-    "fault",
-    [
-        "value heads left tiled",
-        "norms left shifted",
-        "A left as -exp(A_log)",
-    ],
-)
-def test_each_qwen35moe_value_change_not_undone_fails_the_comparison(qwen35_gguf, capsys, monkeypatch, fault):
+FAULTS = {
+    "qwen3_5_moe": ["value heads left tiled", "norms left shifted", "A left as -exp(A_log)"],
+    "qwen3_next": ["in_proj_qkvz joined in the file's order", "norms left shifted", "A left as -exp(A_log)"],
+}
+
+
+@pytest.mark.parametrize("fault", range(3))
+def test_each_hybrid_value_change_not_undone_fails_the_comparison(hybrid_gguf, capsys, monkeypatch, fault):
     from ferry.plan.model_families import qwen3_hybrid
 
-    path, reference, _ = qwen35_gguf
+    arch, path, reference, _ = hybrid_gguf
+    fault = FAULTS[arch][fault]
     if fault == "value heads left tiled":
         monkeypatch.setattr(qwen3_hybrid, "_reorder_value_heads", lambda spec, name, values, tiled: values)
+    elif fault == "in_proj_qkvz joined in the file's order":
+        monkeypatch.setattr(qwen3_hybrid, "_joined_qkvz", lambda spec, qkv, z: np.concatenate([qkv, z]))
     elif fault == "norms left shifted":
         monkeypatch.setattr(qwen3_hybrid, "_shifted_norm", lambda name: False)
     else:
         monkeypatch.setattr(qwen3_hybrid, "_a_log", lambda a: a)
     assert _worst(ferry_generate(capsys, path, *ARGS), reference) > TOLERANCE
+
+
+def test_a_qwen3next_gguf_of_the_first_converter_s_layout_reads_the_same(hybrid_gguf, tmp_path, capsys, monkeypatch):
+    """llama.cpp's first Qwen3-Next converter wrote in_proj_qkvz whole (`ssm_in`), in the checkpoint's order."""
+    from ferry.plan.model_families import qwen3_hybrid
+    from ferry.services.gguf_writer import write_gguf
+
+    arch, path, reference, hf_dir = hybrid_gguf
+    if arch != "qwen3_next":
+        pytest.skip("qwen3next's layouts only")
+    with monkeypatch.context() as m:
+        m.setattr(qwen3_hybrid, "QKVZ", "a name no tensor has")  # the writer splits nothing
+        legacy = write_gguf(hf_dir, tmp_path / "legacy.gguf", "Q8_0")
+    import gguf
+
+    written = {t.name for t in gguf.GGUFReader(str(legacy)).tensors}
+    assert "blk.0.ssm_in.weight" in written and "blk.0.attn_qkv.weight" not in written
+    old, new = ferry_generate(capsys, legacy, *ARGS), ferry_generate(capsys, path, *ARGS)
+    assert old["token_ids"] == new["token_ids"] and old["logprobs"] == new["logprobs"]
