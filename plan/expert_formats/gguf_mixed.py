@@ -38,7 +38,7 @@ class GgufMixed(ExpertFormat):
         """The one-type format holding rows of `ggml_type`; a ValueError for a type no GGUF block format holds."""
         fmt = for_checkpoint(GGUF_METHOD, ggml_type)
         if not isinstance(fmt, GgufBlockFormat):
-            raise ValueError(f"{self.name}: the routed experts' ggml type {ggml_type!r} is held by no GGUF block format")
+            raise ValueError(f"{self.name}: the experts' ggml type {ggml_type!r} is held by no GGUF block format")
         return fmt
 
     def layer_types(self, spec: ModelSpec) -> tuple[tuple[str, str], ...]:

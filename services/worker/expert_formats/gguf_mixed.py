@@ -32,8 +32,9 @@ class GgufMixedExperts(QuantizedExperts):
         if not layer_types:
             raise ValueError(f"{self.name} experts need their types per MoE layer (quantization_config expert_types)")
         self.hidden, self.inter = hidden, inter
+        types = sorted({t for pair in layer_types for t in pair})
         self.types: dict[str, GgufBlockExperts] = {
-            t: worker_class(self.plan.type_format(t))(hidden, inter) for t in sorted({t for p in layer_types for t in p})
+            t: worker_class(self.plan.type_format(t))(hidden, inter) for t in types
         }
         # per MoE layer, the one-type formats of its w13 and w2 rows
         self.layers = tuple((self.types[t13], self.types[t2]) for t13, t2 in layer_types)

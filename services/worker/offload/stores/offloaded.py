@@ -279,9 +279,7 @@ class OffloadedExperts:
             return
         slots = torch.from_numpy(group_slots).to(x.device)
         if self._triton:  # a large step: the kernel aligns on the device, its grid bounded by this layer's experts
-            grouped_expert_rows_triton(
-                x, slots, topk_weights, gemm13, gemm2, rows, max_distinct_slots=self.num_experts
-            )
+            grouped_expert_rows_triton(x, slots, topk_weights, gemm13, gemm2, rows, max_distinct_slots=self.num_experts)
         else:  # the reference on CPU (or whatever the dispatcher picks for this device)
             grouped_expert_rows(x, slots, topk_weights, gemm13, gemm2, rows)
 
