@@ -15,6 +15,9 @@ llama.cpp writes it; little-endian), so a slot's row of an expert is the file's 
 | | | | w = d sc_j q - dmin m_j over 8 sub-blocks of 32 (in each 64, the low nibbles first) |
 | Q5_K | 256 | 176 | Q4_K's, with a fifth bit per value from 32 bytes of qh (bit j of byte i: value 32 j + i) |
 | Q6_K | 256 | 210 | 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales, fp16 d: w = d sc (q - 32) |
+| IQ4_NL | 32 | 18 | fp16 d, Q4_0's 16 bytes of 4-bit indices into the non-linear grid kvalues_iq4nl: w = d grid[q] |
+| IQ4_XS | 256 | 136 | fp16 d, a uint16 of eight 2-bit scale highs, 4 bytes of eight 4-bit scale lows, 128 bytes of |
+| | | | 4-bit indices: w = d (sc_j - 32) grid[q] over 8 sub-blocks of 32 (each Q4_0's nibble order) |
 | MXFP4 | 32 | 17 | e8m0 e, 16 bytes of e2m1 codes (Q4_0's nibble order): w = 2^(e - 128) 2 e2m1(q), ggml's |
 | | | | doubled code table under half the scale (e of 0 and 1: the float32 subnormals 2^-128, 2^-127) |
 
@@ -37,8 +40,12 @@ BLOCKS = {
     "Q4_K": (256, 144),
     "Q5_K": (256, 176),
     "Q6_K": (256, 210),
+    "IQ4_NL": (32, 18),
+    "IQ4_XS": (256, 136),
     "MXFP4": (32, 17),
 }
+# IQ4_NL's and IQ4_XS's 16 values an index picks (ggml's kvalues_iq4nl), non-linear to fit weights' bell shape
+IQ4_GRID = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 # ggml's e2m1 code table, doubled (kvalues_mxfp4): the codes' values times two, sign in the top bit
 MXFP4_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 K_SCALE_BYTES = 12  # Q4_K / Q5_K: eight 6-bit scales and eight 6-bit mins
@@ -133,6 +140,29 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     return (_half(blocks, 208) * scales).view(n, 16, 1).mul(q.view(n, 16, 16)).view(n, 256)
 
 
+def _iq4_nl(blocks: torch.Tensor) -> torch.Tensor:
+    grid = torch.tensor(IQ4_GRID, dtype=torch.float32, device=blocks.device)
+    return _half(blocks, 0) * grid[_low_high(blocks[:, 2:18]).long()]
+
+
+def iq4_xs_scales(blocks: torch.Tensor) -> torch.Tensor:
+    """IQ4_XS: the eight 6-bit sub-block scales of each block, minus 32, float32 [n, 8]: sub-block j's low 4
+    bits are nibble j % 2 of byte 4 + j // 2 (low nibble first), its high 2 bits bits 2j-2j+1 of the uint16 at 2."""
+    n = blocks.shape[0]
+    low = (blocks[:, 4:8].reshape(n, 4, 1) >> blocks.new_tensor([0, 4]).view(1, 1, 2)).reshape(n, 8) & 0x0F
+    high_bits = blocks[:, 2:4].contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+    high = (high_bits >> torch.arange(0, 16, 2, dtype=torch.int32, device=blocks.device).view(1, 8)) & 0x03
+    return (low.to(torch.int32) | (high << 4)).to(torch.float32) - 32.0
+
+
+def _iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
+    n = blocks.shape[0]
+    grid = torch.tensor(IQ4_GRID, dtype=torch.float32, device=blocks.device)
+    q = _low_high(blocks[:, 8:136].reshape(n * 8, 16)).view(n, 8, 32)
+    dl = _half(blocks, 0) * iq4_xs_scales(blocks)
+    return (dl.unsqueeze(-1) * grid[q.long()]).view(n, 256)
+
+
 def _e8m0_half(e: torch.Tensor) -> torch.Tensor:
     """ggml_e8m0_to_fp32_half: e8m0 bytes [n, 1] -> 2^(e - 128) float32, built from its bits (e < 2: subnormal)."""
     e = e.to(torch.int32)
@@ -154,6 +184,8 @@ _DEQUANTIZE = {
     "Q4_K": _q4_k,
     "Q5_K": _q5_k,
     "Q6_K": _q6_k,
+    "IQ4_NL": _iq4_nl,
+    "IQ4_XS": _iq4_xs,
     "MXFP4": _mxfp4,
 }
 

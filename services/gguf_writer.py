@@ -6,13 +6,12 @@ llama.cpp's metadata keys, its tensor names (the gguf package's table), the toke
 token types, special ids and chat template.
 
 The routed experts are written in one ggml type (`expert_type`): Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and MXFP4 quantized
-from the checkpoint's weights by the gguf package itself (`gguf.quants.quantize`); the K types (Q4_K, Q5_K, Q6_K),
-which that package can only decode, as random but valid blocks whose values have the checkpoint's experts'
-spread. Or in llama.cpp's Q4_K_M / Q5_K_M mix (`EXPERT_MIXES`): gate and up Q4_K (Q5_K), down Q6_K on the layers
-llama-quantize gives more bits (`more_bits`) and Q4_K (Q5_K) on the others. Dense matrices are written F16 (their
-norms and routers F32, as llama.cpp keeps them), so loading
-dequantizes them. The tests' tiny GGUF models come from here (`ferry make-tiny-model --gguf TYPE`); the model
-a GGUF file is held to is the file itself, decoded by the gguf package (tests/unit/test_gguf_checkpoints.py).
+from the checkpoint's weights by the gguf package itself (`gguf.quants.quantize`); the K and IQ4 types (Q4_K, Q5_K,
+Q6_K, IQ4_NL, IQ4_XS), which that package can only decode, as random but valid blocks whose values have the
+checkpoint's experts' spread. Or in llama.cpp's Q4_K_M / Q5_K_M mix (`EXPERT_MIXES`): gate and up Q4_K (Q5_K),
+down Q6_K on the layers llama-quantize gives more bits (`more_bits`) and Q4_K (Q5_K) on the others. Dense matrices
+are written F16 (their norms and routers F32, as llama.cpp keeps them), so loading dequantizes them. The tests' tiny
+GGUF models come from here (`ferry make-tiny-model --gguf TYPE`); the model a GGUF file is held to is the file itself, decoded by the gguf package (tests/unit/test_gguf_checkpoints.py).
 No torch.
 """
 
@@ -27,21 +26,23 @@ from ferry.plan.gguf_checkpoint import GgufNames
 from ferry.plan.model_config import parse_model_config
 from ferry.plan.model_families import family_for_config
 
-# (byte offset, value for weights of std 1) of each fp16 scale of a K block whose other bytes are random
+# (byte offset, value for weights of std 1) of each fp16 scale of a K or IQ4 block whose other bytes are random
 # (kernels/gguf_blocks.py has the layouts; the spreads are those of random codes under random scales)
-_K_SCALES = {
+_RANDOM_BLOCK_SCALES = {
     "Q4_K": ((0, 1 / 258.3), (2, 7.5 / 258.3)),
     "Q5_K": ((0, 1 / 527.0), (2, 15.5 / 527.0)),
     "Q6_K": ((208, 1 / 1369.0),),
+    "IQ4_NL": ((0, 1 / 67.4),),
+    "IQ4_XS": ((0, 1 / 1246.0),),
 }
 # the types the gguf package quantizes itself (from the checkpoint's weights), then the K types it only decodes
 QUANTIZED_BY_GGUF = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4")
-# float32 experts: how a GGUF of experts with biases (gpt-oss) is served (no block format holds biases)
+# float32 experts (llama.cpp writes gpt-oss's so when asked for F32; ggml-org's files hold MXFP4)
 FLOAT_EXPERT_TYPES = ("F32",)
 # llama.cpp's _M mixes, for the routed experts: (gate and up's type everywhere, down's on the layers that
 # llama-quantize gives more bits, `more_bits`; down has the gate's type on the others)
 EXPERT_MIXES = {"Q4_K_M": ("Q4_K", "Q6_K"), "Q5_K_M": ("Q5_K", "Q6_K")}
-EXPERT_TYPES = (*QUANTIZED_BY_GGUF, "Q4_K", "Q5_K", "Q6_K", *FLOAT_EXPERT_TYPES, *EXPERT_MIXES)
+EXPERT_TYPES = (*QUANTIZED_BY_GGUF, *_RANDOM_BLOCK_SCALES, *FLOAT_EXPERT_TYPES, *EXPERT_MIXES)
 # GGUF's K blocks hold 256 values: a tiny model written as GGUF has rows of whole blocks
 GGUF_SIZES = dict(hidden_size=256, moe_intermediate_size=256)
 _CONTROL, _NORMAL = 3, 1  # llama.cpp's token types
@@ -71,7 +72,7 @@ def write_gguf(
         tensors.update(load_file(shard))
     layers = int(config["num_hidden_layers"])
     writer = gguf.GGUFWriter(str(out), architecture, split_max_tensors=split_max_tensors)
-    _common_metadata(writer, config)
+    common_metadata(writer, config)
     family.gguf_write_metadata(writer, config)
     _tokenizer(writer, hf_dir)
     names = GgufNames(architecture, layers)
@@ -118,7 +119,7 @@ def _part_type(expert_type: str, part: str, layer: int, layers: int) -> str:
     return more if part == "down_proj" and more_bits(layer, layers) else base
 
 
-def _common_metadata(writer, config: dict) -> None:
+def common_metadata(writer, config: dict) -> None:
     """The keys llama.cpp's converter writes for every family (TextModel.set_gguf_parameters)."""
     rope = config.get("rope_parameters") or {}
     writer.add_context_length(config["max_position_embeddings"])
@@ -188,6 +189,6 @@ def _expert_blocks(weights: np.ndarray, expert_type: str, rng: np.random.Generat
     blocks = rng.integers(0, 256, shape, dtype=np.uint8)
     view = blocks.reshape(-1, size)
     std = float(weights.std())
-    for offset, unit in _K_SCALES[expert_type]:
+    for offset, unit in _RANDOM_BLOCK_SCALES[expert_type]:
         view[:, offset : offset + 2] = np.frombuffer(np.float16(std * unit).tobytes(), dtype=np.uint8)
     return blocks

@@ -10,7 +10,7 @@ side: torch-free) and one each under services/worker/expert_formats/ (the worker
 | `nvfp4` | as the slots hold them | e2m1 codes + float8 group scales + per-row fp32 scales | ~1.69 I H bytes |
 | `fp8-block` | as the slots hold them | float8_e4m3fn + fp32 128x128 block scales | ~3 I H bytes |
 | `mxfp4` | as the slots hold them | e2m1 codes + e8m0 scales of 32 inputs | ~1.59 I H bytes |
-| `gguf-q8_0`, `-q4_0`... `-q6_k`, `-mxfp4` | as the slots hold them | a GGUF file's blocks | 1.59 to 3.19 I H bytes |
+| `gguf-q8_0`, `-q4_0`... `-iq4_xs`, `-mxfp4` | as the slots hold them | a GGUF file's blocks | 1.59 to 3.19 I H bytes |
 | `gguf-mixed` | as the slots hold them | a GGUF file's blocks, each layer's in its own types | its types', padded |
 
 (`bf16` is the unquantized format in whatever dtype the model runs: float32 in the CPU tests.)
@@ -39,6 +39,8 @@ from ferry.plan.expert_formats import (  # noqa: F401 (importing one registers i
     bf16,
     bf16_packed,
     fp8_block,
+    gguf_iq4_nl,
+    gguf_iq4_xs,
     gguf_mixed,
     gguf_mxfp4,
     gguf_q4_0,

@@ -1,8 +1,9 @@
 """What the GGUF expert formats share (one module each: gguf_q8_0.py, gguf_q4_0.py, gguf_q4_1.py, gguf_q5_0.py,
-gguf_q5_1.py, gguf_q4_k.py, gguf_q5_k.py, gguf_q6_k.py; a GGUF file's routed experts in one ggml block type,
-plan/gguf_checkpoint.py): per weight family one byte row of the file's blocks, unchanged, each row of `cols`
-values `cols / block` blocks of `block_bytes` (kernels/gguf_blocks.py decodes them). An expert is priced at
-exactly the bytes the file stores for it, kept so in host RAM, across PCIe and in the slots.
+gguf_q5_1.py, gguf_q4_k.py, gguf_q5_k.py, gguf_q6_k.py, gguf_iq4_nl.py, gguf_iq4_xs.py, gguf_mxfp4.py; a GGUF file's
+routed experts in one ggml block type, plan/gguf_checkpoint.py): per weight family one byte row of the file's
+blocks, unchanged, each row of `cols` values `cols / block` blocks of `block_bytes` (kernels/gguf_blocks.py decodes
+them). An expert is priced at exactly the bytes the file stores for it, kept so in host RAM, across PCIe and in the
+slots.
 
 This module registers nothing: each type's module subclasses `GgufBlockFormat` with its ggml type and
 registers it (the checklist: plan/expert_formats/__init__.py). No torch here."""
@@ -19,6 +20,9 @@ class GgufBlockFormat(ExpertFormat):
     `block_bytes` bytes a block."""
 
     quantized = True
+    # gpt-oss's experts carry biases (ggml-org's files: `ffn_*_exps.bias` in F32): a float32 part of each row, which
+    # the twin adds before the clamped SwiGLU (kernels/expert_epilogue.py)
+    holds_biases = True
     ggml_type = ""
     block = 0
     block_bytes = 0

@@ -74,7 +74,11 @@ def _random_blocks(ggml_type: str, rows: int, row_blocks: int, seed: int = 0) ->
     return blocks
 
 
-@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4"])
+# every block type a GGUF expert format holds
+GGUF_BLOCK_TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4"]
+
+
+@pytest.mark.parametrize("ggml_type", GGUF_BLOCK_TYPES)
 def test_the_torch_twin_decodes_blocks_as_the_gguf_package(ggml_type):
     import gguf
 
@@ -90,7 +94,7 @@ def test_the_torch_twin_decodes_blocks_as_the_gguf_package(ggml_type):
 # ---- tiny GGUF models against transformers on the decoded file ---------------------------------------------
 
 
-@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4"])
+@pytest.mark.parametrize("ggml_type", GGUF_BLOCK_TYPES)
 def test_gguf_tiny_models_generate_as_transformers_on_the_decoded_file(gguf_models, capsys, ggml_type):
     path, reference, _ = gguf_models(ggml_type)
     fmt = f"gguf-{ggml_type.lower()}"
@@ -127,6 +131,18 @@ def test_a_q4_k_scale_unpacked_one_bit_off_fails_the_comparison(gguf_models, cap
     assert _worst(ferry_generate(capsys, path, *ARGS), reference) > TOLERANCE
 
 
+@pytest.mark.parametrize("ggml_type", ["IQ4_NL", "IQ4_XS"])
+def test_a_wrong_iq4_grid_fails_the_comparison(gguf_models, capsys, monkeypatch, ggml_type):
+    """The non-linear grid with two neighbouring values swapped: the comparison must catch it."""
+    from ferry.kernels import gguf_blocks
+
+    path, reference, _ = gguf_models(ggml_type)
+    grid = list(gguf_blocks.IQ4_GRID)
+    grid[7], grid[8] = grid[8], grid[7]
+    monkeypatch.setattr(gguf_blocks, "IQ4_GRID", tuple(grid))
+    assert _worst(ferry_generate(capsys, path, *ARGS), reference) > TOLERANCE
+
+
 def test_mxfp4_nibbles_read_high_first_fail_the_comparison(gguf_models, capsys, monkeypatch):
     """ggml's MXFP4 holds values 0-15 in the low nibbles, 16-31 in the high: read the other way, it must fail."""
     from ferry.kernels import gguf_blocks
@@ -137,18 +153,22 @@ def test_mxfp4_nibbles_read_high_first_fail_the_comparison(gguf_models, capsys, 
     assert _worst(ferry_generate(capsys, path, *ARGS), reference) > TOLERANCE
 
 
-def test_mxfp4_dummy_experts_have_the_spread_asked_for():
-    """Dummy weights set the one e8m0 scale byte of each block (not an fp16 field, as the other types)."""
+@pytest.mark.parametrize("ggml_type", GGUF_BLOCK_TYPES)
+def test_dummy_experts_have_the_spread_asked_for(ggml_type):
+    """Dummy weights are random bytes whose scales are set (the fp16 `scale_fields`; MXFP4's one e8m0 byte) so
+    that the decoded values have the spread asked for."""
     from ferry.kernels.gguf_blocks import dequantize_rows
     from ferry.plan import expert_formats as F
-    from ferry.services.worker.expert_formats.gguf_mxfp4 import GgufMxfp4Experts
+    from ferry.services.worker.expert_formats import worker_class
 
-    layout = F.get("gguf-mxfp4").family_layout(64, 256, 32)
+    fmt = F.get(f"gguf-{ggml_type.lower()}")
+    layout = fmt.family_layout(64, 256, 32)
     rows = torch.zeros(2, layout.nbytes, dtype=torch.uint8)
-    experts = GgufMxfp4Experts.__new__(GgufMxfp4Experts)  # the fill reads only class attributes
+    cls = worker_class(fmt)
+    experts = cls.__new__(cls)  # the fill reads only class attributes
     experts._fill_dummy(rows, layout, 0.02, torch.Generator().manual_seed(0))
     (q,) = layout.parts
-    values = dequantize_rows(rows[0, q.offset : q.offset + q.nbytes].view(64, -1), "MXFP4", torch.float32)
+    values = dequantize_rows(rows[0, q.offset : q.offset + q.nbytes].view(64, -1), ggml_type, torch.float32)
     assert 0.5 * 0.02 < float(values.std()) < 2 * 0.02
 
 
@@ -493,13 +513,19 @@ def _metadata_only_qwen3_30b(path, expert_type: str = "Q8_0"):
     for layer in range(48):
         for part, name in names.experts(layer).items():
             shapes[name] = (128, 2048, 768) if part == "down_proj" else (128, 768, 2048)
+    quantized = {name: len(shape) > 1 and "ffn_gate_inp" not in name for name, shape in shapes.items()}
+    _write_sparse(writer, {n: (s, expert_type if quantized[n] else "F32") for n, s in shapes.items()})
+    return path
+
+
+def _write_sparse(writer, tensors: dict[str, tuple[tuple[int, ...], str]]) -> None:
+    """The file's metadata and tensor table ({name: (shape, ggml type)}), its data a hole of the right size."""
+    import gguf
+
     data = 0
-    for name, shape in shapes.items():
-        quantized = len(shape) > 1 and "ffn_gate_inp" not in name
-        qtype = gguf.GGMLQuantizationType[expert_type if quantized else "F32"]
-        nbytes = (
-            int(np.prod(gguf.quants.quant_shape_to_byte_shape(shape, qtype))) if quantized else 4 * int(np.prod(shape))
-        )
+    for name, (shape, type_name) in tensors.items():
+        qtype = gguf.GGMLQuantizationType[type_name]
+        nbytes = int(np.prod(gguf.quants.quant_shape_to_byte_shape(shape, qtype)))
         writer.add_tensor_info(name, shape, np.float32, nbytes, raw_dtype=qtype)
         data += writer.ggml_pad(nbytes, writer.data_alignment)
     writer.write_header_to_file()
@@ -509,7 +535,6 @@ def _metadata_only_qwen3_30b(path, expert_type: str = "Q8_0"):
     writer.write_padding(fout, fout.tell())
     fout.truncate(fout.tell() + data)
     writer.close()
-    return path
 
 
 def test_a_qwen3_30b_gguf_reads_as_its_config_json_and_plans_its_experts_at_the_files_bytes(tmp_path, capsys):
@@ -628,8 +653,12 @@ def test_a_glm4moe_gguf_of_another_router_is_refused_naming_the_key(glm_gguf):
 def gpt_oss_gguf(tmp_path_factory):
     """(a tiny gpt_oss written as a gpt-oss GGUF with float32 experts and their biases, its decoded reference, the
     checkpoint it was written from): sinks, q/k/v/o biases, a sliding layer then a full one, YaRN."""
+    from ferry.services.gguf_writer import GGUF_SIZES
+    from tests.unit.tiny_models import redrawn_tiny_checkpoint
+
     root = tmp_path_factory.mktemp("gguf-gpt-oss")
-    path, hf_dir = tiny_gguf(root, "F32", arch="gpt_oss")
+    hf_dir = redrawn_tiny_checkpoint(root, "gpt_oss", **GGUF_SIZES)  # nonzero expert biases and sinks
+    path, _ = tiny_gguf(root, "F32", hf_dir=hf_dir, arch="gpt_oss")
     return path, dequantized_reference(path, hf_dir, root / "reference"), hf_dir
 
 
@@ -655,6 +684,49 @@ def test_a_gpt_oss_gguf_reads_as_the_config_it_was_written_from(gpt_oss_gguf):
     assert spec.attention_windows == (8, 0) and spec.rope_yarn is not None and spec.attention_sinks
 
 
+GPT_OSS_120B = "tests/data/models/gpt-oss-120b/config.json"
+
+
+def test_the_mxfp4_gpt_oss_120b_gguf_plans_at_24_gib_at_the_files_bytes(tmp_path, capsys):
+    """ggml-org's gpt-oss-120b GGUF as its metadata and tensor table (MXFP4 experts, their F32 biases, F32 dense
+    tensors), the data a hole of the right size: `ferry plan` at 24 GiB prices each slot at the file's blocks plus
+    the biases, the same bytes as openai's safetensors release (the same e2m1 codes and e8m0 scales)."""
+    import gguf
+
+    from ferry.plan.gguf_checkpoint import GgufNames
+    from ferry.plan.model_config import parse_model_config
+    from ferry.plan.model_families import family_of
+    from ferry.services.cli import main
+    from ferry.services.gguf_writer import common_metadata
+
+    config = json.loads(open(GPT_OSS_120B).read())
+    config.pop("quantization_config")
+    spec = parse_model_config(config)
+    family = family_of(spec)
+    path = tmp_path / "gpt-oss-120b-MXFP4.gguf"
+    writer = gguf.GGUFWriter(str(path), "gpt-oss")
+    common_metadata(writer, config)
+    family.gguf_write_metadata(writer, config)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(config["vocab_size"])])
+    writer.add_eos_token_id(config["eos_token_id"])
+    names = GgufNames("gpt-oss", 36)
+    tensors = {names.gguf_name(n): (s, "F32") for n, s in family.resident_weight_shapes(spec).items()}
+    for layer in range(36):
+        for part, name in names.experts(layer).items():  # I = H = 2880: gate, up and down alike
+            tensors[name] = ((128, 2880, 2880), "MXFP4")
+            tensors[names.gguf_name(f"model.layers.{layer}.mlp.experts.{part}.bias")] = ((128, 2880), "F32")
+    _write_sparse(writer, tensors)
+
+    assert main(["plan", str(path), "--gpu-memory", "24GiB", "--host-memory", "512GiB", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    # a row of 2880 values: 90 MXFP4 blocks of 17 bytes; then the row's float32 biases (each part at 16 bytes)
+    w13, w2 = 5760 * 90 * 17 + 5760 * 4, 2880 * 90 * 17 + 2880 * 4
+    assert plan["experts"]["format"] == "gguf-mxfp4" and plan["experts"]["bytes_per_slot"] == w13 + w2 == 13253760
+    assert plan["host"]["expert_bank_bytes"] == 36 * 128 * (w13 + w2)
+    assert plan["total_bytes"] <= plan["budget_bytes"] and plan["experts"]["slots"] >= plan["experts"]["min_slots"]
+
+
 def test_a_gpt_oss_window_read_from_another_key_fails_the_comparison(gpt_oss_gguf, capsys, monkeypatch):
     """The sliding window read from the context length's key: the comparison must catch it."""
     from ferry.plan.model_families import gpt_oss
@@ -664,13 +736,30 @@ def test_a_gpt_oss_window_read_from_another_key_fails_the_comparison(gpt_oss_ggu
     assert _worst(ferry_generate(capsys, path, *ARGS), reference) > TOLERANCE
 
 
-def test_a_gpt_oss_gguf_of_mxfp4_experts_is_refused_naming_why(gpt_oss_gguf, tmp_path, capsys):
-    """ggml-org's gpt-oss GGUFs hold MXFP4 experts; no block format's rows hold the experts' biases yet."""
-    from ferry.services.cli import main
+def test_a_gpt_oss_gguf_of_mxfp4_experts_generates_as_transformers_on_the_decoded_file(
+    gpt_oss_gguf, tmp_path, capsys, monkeypatch
+):
+    """ggml-org's gpt-oss GGUFs: MXFP4 experts beside their F32 biases, which ride in a float32 part of each slot
+    row (moved with the expert) and are added before the clamped SwiGLU; offloaded equals resident."""
+    import gguf
+
     from ferry.services.gguf_writer import write_gguf
 
     _, _, hf_dir = gpt_oss_gguf
     path = write_gguf(hf_dir, tmp_path / "gpt-oss-mxfp4.gguf", "MXFP4")
-    assert main(["plan", str(path), "--gpu-memory", "24GiB"]) == 2
-    err = capsys.readouterr().err
-    assert "biases" in err and "gguf-mxfp4" in err, err
+    biases = [t for t in gguf.GGUFReader(str(path)).tensors if t.name.endswith("_exps.bias")]
+    assert len(biases) == 6 and all(np.abs(t.data).max() > 0 for t in biases)  # a path dropping them shows
+    reference = dequantized_reference(path, hf_dir, tmp_path / "reference")
+    resident = ferry_generate(capsys, path, *ARGS)
+    assert resident["plan"]["experts"]["format"] == "gguf-mxfp4"
+    assert _worst(resident, reference) < TOLERANCE
+    offloaded = ferry_generate(capsys, path, *ARGS, "--moe-cache-size", "9")
+    assert offloaded["expert_cache"]["misses"] > 0
+    assert offloaded["token_ids"] == resident["token_ids"] and offloaded["logprobs"] == resident["logprobs"]
+    from ferry.services.worker.expert_formats.gguf_blocks import GgufBlockExperts
+
+    family = GgufBlockExperts.family
+    monkeypatch.setattr(
+        GgufBlockExperts, "family", lambda self, rows, layout: replace(family(self, rows, layout), bias=None)
+    )
+    assert _worst(ferry_generate(capsys, path, *ARGS), reference) > TOLERANCE  # the biases dropped: it shows

@@ -143,14 +143,15 @@ def tiny_model(arch: str, seed: int = 0, **overrides) -> tuple[torch.nn.Module, 
     return model, spec
 
 
-def redrawn_tiny_checkpoint(directory: Path, arch: str) -> Path:
-    """`ferry make-tiny-model --arch ARCH` in `directory`, its weights redrawn as `tiny_model` draws them (biases,
-    sinks and score biases nonzero, so a path dropping one shows) and saved back by transformers in its layout."""
+def redrawn_tiny_checkpoint(directory: Path, arch: str, **sizes) -> Path:
+    """`ferry make-tiny-model --arch ARCH` in `directory` (with `sizes`' config fields), its weights redrawn as
+    `tiny_model` draws them (biases, sinks and score biases nonzero, so a path dropping one shows) and saved back
+    by transformers in its layout."""
     from transformers import AutoModelForCausalLM
 
     from ferry.services.make_tiny_model import make_tiny_model
 
-    out = make_tiny_model(directory / arch, arch, seed=0)
+    out = make_tiny_model(directory / arch, arch, seed=0, **sizes)
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     _redraw(model, torch.Generator().manual_seed(5))
     model.save_pretrained(out, safe_serialization=True)

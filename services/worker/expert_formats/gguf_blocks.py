@@ -1,14 +1,16 @@
 """What the GGUF expert formats' worker sides share (gguf_q8_0.py, gguf_q4_0.py, ..., gguf_q6_k.py;
-plan/expert_formats/gguf_blocks.py prices their rows): one byte row per weight family holding the GGUF
-file's blocks of that expert unchanged ([gate; up] rows for w13, down's for w2), so a slot, a host bank and
-the file hold the same bytes. The kernels' twin decodes them (kernels/gguf_blocks.py); no Triton kernel
-and no C host kernel reads them yet, so the host reads its banks through torch (`GgufFamilyReader`)."""
+plan/expert_formats/gguf_blocks.py prices their rows): one byte row per weight family holding the GGUF file's blocks
+of that expert unchanged ([gate; up] rows for w13, down's for w2), so a slot, a host bank and the file hold the same
+bytes; experts with biases (gpt-oss) hold them in a float32 part after the blocks. The kernels' twin decodes them
+(kernels/gguf_blocks.py); no Triton kernel and no C host kernel reads them yet, so the host reads its banks through
+torch (`GgufFamilyReader`)."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
+from ferry.kernels.expert_epilogue import SILU_AND_MUL
 from ferry.kernels.gguf_blocks import dequantize_rows
 from ferry.kernels.quantized_experts import QuantizedFamily
 from ferry.plan import expert_formats as F
@@ -37,9 +39,16 @@ class GgufBlockExperts(QuantizedExperts):
         raise K.KernelUnavailable(f"the C host kernel does not decode {self.plan.ggml_type} blocks")
 
     def family(self, rows: torch.Tensor, layout: F.FamilyLayout) -> QuantizedFamily:
-        (q,) = layout.parts
+        views = {p.name: part(rows, p) for p in layout.parts}
         return QuantizedFamily(
-            self.name, layout.rows, layout.cols, layout.part_rows, part(rows, q), ggml_type=self.plan.ggml_type
+            self.name,
+            layout.rows,
+            layout.cols,
+            layout.part_rows,
+            views["q"],
+            ggml_type=self.plan.ggml_type,
+            bias=views.get(F.BIAS_PART),
+            activation=self.activation if layout is self.layout13 else SILU_AND_MUL,
         )
 
     def _write(self, row: torch.Tensor, layout: F.FamilyLayout, projections: tuple[GgufWeight, ...]) -> None:
