@@ -11,8 +11,8 @@ Q6_K, IQ4_NL, IQ4_XS), which that package can only decode, as random but valid b
 checkpoint's experts' spread. Or in llama.cpp's Q4_K_M / Q5_K_M mix (`EXPERT_MIXES`): gate and up Q4_K (Q5_K),
 down Q6_K on the layers llama-quantize gives more bits (`more_bits`) and Q4_K (Q5_K) on the others. Dense matrices
 are written F16 (their norms and routers F32, as llama.cpp keeps them), so loading dequantizes them. The tests' tiny
-GGUF models come from here (`ferry make-tiny-model --gguf TYPE`); the model a GGUF file is held to is the file itself, decoded by the gguf package (tests/unit/test_gguf_checkpoints.py).
-No torch.
+GGUF models come from here (`ferry make-tiny-model --gguf TYPE`); the model a GGUF file is held to is the file
+itself, decoded by the gguf package (tests/unit/test_gguf_checkpoints.py). No torch.
 """
 
 from __future__ import annotations
