@@ -391,6 +391,25 @@ def test_expert_types_that_no_format_holds_or_that_miscount_the_layers_are_refus
     assert load_model_config(path).quantization.expert_format == "gguf-mixed"
 
 
+def test_mixed_dummy_experts_fill_each_layer_in_its_types():
+    """--load-format dummy: each layer's rows are filled as its types fill them (read in another, the fp16 scale
+    would be some code byte) and decode with the spread asked for through that layer's views."""
+    from ferry.kernels.quantized_experts import dequantize_slot
+    from ferry.services.worker.expert_formats.gguf_mixed import GgufMixedExperts
+    from ferry.services.worker.expert_formats.quantized import DUMMY_DOWN_STD, DUMMY_STD
+
+    experts = GgufMixedExperts(256, 256, (("Q4_K", "Q4_K"), ("Q4_K", "Q6_K")))
+    (shape13, _), (shape2, _) = experts.row_shapes()
+    assert shape2 == (256 * 210,)  # the Q6_K layer's down rows
+    for layer, down in enumerate(("Q4_K", "Q6_K")):
+        w13, w2 = torch.zeros(3, *shape13, dtype=torch.uint8), torch.zeros(3, *shape2, dtype=torch.uint8)
+        experts.fill_dummy_layer(w13, w2, layer, seed=0)
+        f13, f2 = experts.gemm_views(w13, w2, layer)
+        assert (f13.ggml_type, f2.ggml_type) == ("Q4_K", down)
+        for family, std in ((f13, DUMMY_STD), (f2, DUMMY_DOWN_STD)):
+            assert 0.5 * std < float(dequantize_slot(family, 2, torch.float32).std()) < 2 * std
+
+
 def test_the_plan_sizes_mixed_rows_to_the_largest_layer_and_prices_the_padding(gguf_models, capsys):
     from ferry.plan.model_config import load_model_config
     from ferry.plan.pool_layout import expert_slot_layout
