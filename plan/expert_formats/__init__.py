@@ -23,8 +23,9 @@ banks and the worker's views all come from it.
 Adding a format, file by file:
 1. plan/expert_formats/<name>.py: an ExpertFormat subclass (name, `quantized`, `row_parts` for byte rows,
    `checkpoint_algos` it recognizes, `bank_word` / `bank_bytes` if its banks differ, `banks_detail`,
-   `checkpoint_layout` / `checkpoint_config` if `ferry make-bench-model` writes it, `worker`), then
-   `FORMAT = register(...)`; import it below.
+   `checkpoint_layout` / `checkpoint_config` if `ferry make-bench-model` writes it, `worker`, `worker_options` if
+   its worker needs more of the spec than the sizes, `row_types` / `row_padding_bytes` if its rows differ by
+   layer), then `FORMAT = register(...)`; import it below.
 2. services/worker/expert_formats/<name>.py: its worker class (that module's docstring lists what).
 3. The kernels for its rows, if the existing ones do not read them (kernels/quantized_experts.py).
 Nothing else names it: tests/unit/test_format_names.py fails where something does.

@@ -491,6 +491,9 @@ def test_gguf_experts_are_refused_on_cuda_before_the_device_is_touched(gguf_mode
     monkeypatch.setattr(boot, "select_device", lambda name: torch.device("cuda"))
     assert main(["generate", str(path), "--prompt-ids", "1,2", "--max-tokens", "1", "--gpu-memory", "64MiB"]) == 2
     assert "gguf-q4_k, which no CUDA expert kernel reads yet" in capsys.readouterr().err
+    mixed, _, _ = gguf_models("Q4_K_M")  # and a mix of them
+    assert main(["generate", str(mixed), "--prompt-ids", "1,2", "--max-tokens", "1", "--gpu-memory", "64MiB"]) == 2
+    assert "gguf-mixed, which no CUDA expert kernel reads yet" in capsys.readouterr().err
 
 
 # ---- a published model's shapes ------------------------------------------------------------------------------
