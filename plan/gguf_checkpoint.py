@@ -151,10 +151,12 @@ class GgufCheckpoint:
 
 
 # Hugging Face names llama.cpp's converter renames before its table lookup (convert_hf_to_gguf.py: a router score
-# bias is the `.bias` of `e_score_correction`, gpt-oss's attention sinks a `.weight`)
+# bias is the `.bias` of `e_score_correction`, gpt-oss's attention sinks a `.weight`, a Gated DeltaNet's dt_bias the
+# `.bias` of `dt_proj`)
 _CONVERTER_RENAMES = (
     ("e_score_correction_bias", "e_score_correction.bias"),
     (".self_attn.sinks", ".self_attn.sinks.weight"),
+    (".linear_attn.dt_bias", ".linear_attn.dt_proj.bias"),
 )
 
 

@@ -1,6 +1,6 @@
-"""A Hugging Face checkpoint of attention and MoE layers (qwen3_moe, glm4_moe, gpt_oss: the families with a GGUF
-architecture, each one's own keys by its family module's `gguf_write_metadata` and, where it fuses its experts,
-`gguf_split_experts`) rewritten
+"""A Hugging Face checkpoint of attention and MoE layers (qwen3_moe, qwen3_5_moe, glm4_moe, gpt_oss: the families
+with a GGUF architecture, each one's own keys by its family module's `gguf_write_metadata`, where it fuses its experts
+`gguf_split_experts`, and where the converter changes values `gguf_write_tensor`) rewritten
 as a GGUF file, by the gguf package's own writer (`gguf.GGUFWriter`), as llama.cpp's converter lays one out:
 llama.cpp's metadata keys, its tensor names (the gguf package's table), the tokenizer's vocabulary, merges,
 token types, special ids and chat template.
@@ -94,8 +94,11 @@ def write_gguf(
         if gguf_name is None:
             raise ValueError(f"{name}: the gguf package's {architecture} table has no name for it")
         value = value.astype(np.float32)
-        router = gguf_name.split(".")[-2] == "ffn_gate_inp"  # llama.cpp keeps routers float32, as norms
-        writer.add_tensor(gguf_name, value.astype(np.float16) if value.ndim == 2 and not router else value)
+        if family.gguf_write_tensor is not None:
+            value = np.asarray(family.gguf_write_tensor(spec, name, value), dtype=np.float32)
+        # llama.cpp keeps routers and the Gated DeltaNet's convolution float32, as norms
+        kept = gguf_name.split(".")[-2] in ("ffn_gate_inp", "ffn_gate_inp_shexp", "ssm_conv1d")
+        writer.add_tensor(gguf_name, value.astype(np.float16) if value.ndim == 2 and not kept else value)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -124,7 +127,8 @@ def common_metadata(writer, config: dict) -> None:
     rope = config.get("rope_parameters") or {}
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
+    if "intermediate_size" in config:  # a model of MoE layers alone may have none (Qwen3.5's)
+        writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(config["num_attention_heads"])
     writer.add_head_count_kv(config["num_key_value_heads"])
     writer.add_key_length(config["head_dim"])

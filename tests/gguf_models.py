@@ -77,3 +77,40 @@ def dequantized_reference(gguf_file: Path, hf_dir: Path, out: Path) -> Path:
         if f.is_file() and f.suffix != ".safetensors":
             shutil.copy(f, out / f.name)
     return out
+
+
+def rounded_reference(gguf_file: Path, hf_dir: Path, out: Path) -> Path:
+    """`hf_dir`'s checkpoint with only what writing it as `gguf_file` lost: each routed expert as the gguf package
+    decodes the file's blocks, each dense tensor the file holds in F16 rounded to F16 (rounding is elementwise, so
+    it commutes with whatever llama.cpp's converter re-signs, shifts or reorders, and this reference needs no
+    inverse of those: the model the file must read back as). The models whose converter changes values (the
+    Qwen3.5 hybrids) are held to this; the others to `dequantized_reference`."""
+    import gguf
+    from safetensors.numpy import load_file, save_file
+
+    from ferry.plan.gguf_checkpoint import GgufNames
+
+    reader = gguf.GGUFReader(str(gguf_file))
+    architecture = reader.fields["general.architecture"].contents()
+    config = json.loads((hf_dir / "config.json").read_text())
+    names = GgufNames(architecture, config["num_hidden_layers"])
+    tensors = {t.name: t for t in reader.tensors}
+    out.mkdir(parents=True, exist_ok=True)
+    state = {}
+    for name, value in load_file(hf_dir / "model.safetensors").items():
+        if ".mlp.experts." in name:  # model.layers.L.mlp.experts.E.part.weight <- blk.L.ffn_part_exps [E, ...]
+            head, expert, part, _ = name.rsplit(".", 3)
+            t = tensors[names.gguf_name(f"{head}.{part}.weight")]
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            stacked = np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+            state[name] = np.ascontiguousarray(stacked[int(expert)])
+            continue
+        value = value.astype(np.float32)
+        if tensors[names.gguf_name(name)].tensor_type == gguf.GGMLQuantizationType.F16:
+            value = value.astype(np.float16).astype(np.float32)
+        state[name] = value
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    for f in hf_dir.iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            shutil.copy(f, out / f.name)
+    return out

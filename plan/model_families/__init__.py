@@ -72,6 +72,10 @@ class ModelFamily:
     # layer, experts) -> ({part: [E, rows, cols]}, {part: biases}) split as that converter splits them
     gguf_write_metadata: Callable[[Any, dict[str, Any]], None] | None = None
     gguf_split_experts: Callable[[dict, int, int], tuple[dict, dict]] | None = None
+    # a resident tensor whose values llama.cpp's converter changes (a sign, an exponent, a squeezed axis, an order):
+    # (spec, Hugging Face name, numpy float32 values) -> the values it writes; and the inverse, which loading undoes
+    gguf_write_tensor: Callable[[ModelSpec, str, Any], Any] | None = None
+    gguf_read_tensor: Callable[[ModelSpec, str, Any], Any] | None = None
 
 
 _FAMILIES: dict[str, ModelFamily] = {}

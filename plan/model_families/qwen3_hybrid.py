@@ -77,6 +77,151 @@ def qwen3_5_moe_published_names(config: dict[str, Any]):
     return lambda name: "model.language_model." + name.removeprefix("model.") if name.startswith("model.") else name
 
 
+# ---- GGUF (llama.cpp's `qwen35moe`, as its converter writes Qwen3.5/3.6 MoE) -------------------------------------
+
+GGUF_QWEN35 = "qwen35moe"
+
+
+def qwen3_5_moe_gguf_config(metadata: dict[str, Any], tensor_names: tuple[str, ...], where: str) -> dict[str, Any]:
+    """config.json (the flat text model's) from a qwen35moe GGUF's keys: the Gated DeltaNet's sizes in `ssm.*`
+    (state_size the key head's width, group_count the key heads, time_step_rank the value heads, inner_size all
+    value heads' width), the full-attention layers every `full_attention_interval`-th (llama.cpp's default 4),
+    the rotated share of a head as `rope.dimension_count` of `key_length`; MTP layers (`nextn_predict_layers`,
+    counted in block_count) are not served."""
+    a = GGUF_QWEN35
+
+    def key(name: str, default: Any = None) -> Any:
+        value = metadata.get(f"{a}.{name}", default)
+        if value is None:
+            raise ConfigError(f"{where}: the GGUF metadata lacks {a}.{name}")
+        return value
+
+    head_dim, value_heads = int(key("attention.key_length")), int(key("ssm.time_step_rank"))
+    config: dict[str, Any] = dict(
+        model_type="qwen3_5_moe_text",
+        num_hidden_layers=int(key("block_count")) - int(key("nextn_predict_layers", 0)),
+        max_position_embeddings=int(key("context_length")),
+        hidden_size=int(key("embedding_length")),
+        num_attention_heads=int(key("attention.head_count")),
+        num_key_value_heads=int(key("attention.head_count_kv")),
+        head_dim=head_dim,
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+        num_experts=int(key("expert_count")),
+        num_experts_per_tok=int(key("expert_used_count")),
+        moe_intermediate_size=int(key("expert_feed_forward_length")),
+        shared_expert_intermediate_size=int(key("expert_shared_feed_forward_length")),
+        linear_conv_kernel_dim=int(key("ssm.conv_kernel")),
+        linear_key_head_dim=int(key("ssm.state_size")),
+        linear_num_key_heads=int(key("ssm.group_count")),
+        linear_num_value_heads=value_heads,
+        linear_value_head_dim=int(key("ssm.inner_size")) // value_heads,
+        full_attention_interval=int(key("full_attention_interval", 4)),
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": float(key("rope.freq_base")),
+            "partial_rotary_factor": int(key("rope.dimension_count")) / head_dim,
+        },
+    )
+    if f"{a}.feed_forward_length" in metadata:
+        config["intermediate_size"] = int(metadata[f"{a}.feed_forward_length"])
+    return config
+
+
+def qwen3_5_moe_gguf_write_metadata(writer, config: dict) -> None:
+    """As llama.cpp's Qwen3.5 MoE converter: its graph places full attention every `full_attention_interval`-th
+    layer, so a checkpoint whose layer_types differ has no GGUF; no MTP layer is written."""
+    layers = int(config["num_hidden_layers"])
+    types = config.get("layer_types") or []
+    first_full = types.index("full_attention") + 1 if "full_attention" in types else 4
+    interval = int(config.get("full_attention_interval", first_full))
+    periodic = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+    if config.get("layer_types", periodic) != periodic:
+        raise ValueError(f"the GGUF writer takes a qwen3_5_moe checkpoint with full attention every {interval}th layer")
+    rope = config.get("rope_parameters") or {}
+    rotated = config.get("partial_rotary_factor", rope.get("partial_rotary_factor", 0.25))
+    value_heads = int(config["linear_num_value_heads"])
+    writer.add_block_count(layers)
+    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+    writer.add_ssm_conv_kernel(config["linear_conv_kernel_dim"])
+    writer.add_ssm_state_size(config["linear_key_head_dim"])
+    writer.add_ssm_group_count(config["linear_num_key_heads"])
+    writer.add_ssm_time_step_rank(value_heads)
+    writer.add_ssm_inner_size(int(config["linear_value_head_dim"]) * value_heads)
+    writer.add_full_attention_interval(interval)
+    writer.add_rope_dimension_count(int(int(config["head_dim"]) * rotated))
+    writer.add_rope_dimension_sections((list(rope.get("mrope_section", [11, 11, 10])) + [0, 0, 0, 0])[:4])
+
+
+def _shifted_norm(name: str) -> bool:
+    """llama.cpp stores the zero-centred RMSNorms' weights as 1 + w (its graph scales by the weight as stored); the
+    Gated DeltaNet's output norm is a plain one, stored as is."""
+    return name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight")
+
+
+def _value_head_axis(spec: ModelSpec, name: str) -> tuple[int, int, int] | None:
+    """(axis, first index, width of a head) of the value heads in a Gated DeltaNet tensor: the checkpoint groups
+    them by key head (head g r + j, r value heads a key head), llama.cpp's converter tiles them (head j nk + g)."""
+    p = name.rsplit("linear_attn.", 1)[-1] if "linear_attn." in name else ""
+    width, qk = spec.linear_value_head_dim, 2 * spec.linear_key_dim
+    return {
+        "in_proj_qkv.weight": (0, qk, width),
+        "conv1d.weight": (0, qk, width),
+        "in_proj_z.weight": (0, 0, width),
+        "in_proj_b.weight": (0, 0, 1),
+        "in_proj_a.weight": (0, 0, 1),
+        "A_log": (0, 0, 1),
+        "dt_bias": (0, 0, 1),
+        "out_proj.weight": (1, 0, width),
+    }.get(p)
+
+
+def _reorder_value_heads(spec: ModelSpec, name: str, values, tiled: bool):
+    """The value heads of `values` from the checkpoint's grouped order to llama.cpp's tiled one (`tiled`), or back."""
+    import numpy as np
+
+    where = _value_head_axis(spec, name)
+    nk, nv = spec.linear_num_key_heads, spec.linear_num_value_heads
+    if where is None or nk == nv:
+        return values
+    axis, start, width = where
+    x = np.moveaxis(values, axis, 0)
+    heads = x[start:]
+    order = (nk, nv // nk) if tiled else (nv // nk, nk)
+    heads = heads.reshape(*order, width, *heads.shape[1:]).swapaxes(0, 1).reshape(heads.shape)
+    return np.moveaxis(np.concatenate([x[:start], heads]), 0, axis)
+
+
+def qwen3_5_moe_gguf_write_tensor(spec: ModelSpec, name: str, values):
+    """llama.cpp's converter: the convolution squeezed to [C, K], the value heads tiled, A as -exp(A_log), the
+    zero-centred norms' weights shifted by one."""
+    import numpy as np
+
+    if name.endswith("linear_attn.conv1d.weight"):
+        values = values.squeeze(1)
+    values = _reorder_value_heads(spec, name, values, tiled=True)
+    if name.endswith("linear_attn.A_log"):
+        return -np.exp(values)
+    return values + 1 if _shifted_norm(name) else values
+
+
+def _a_log(a):
+    """The Gated DeltaNet's A_log from llama.cpp's A = -exp(A_log)."""
+    import numpy as np
+
+    return np.log(-a)
+
+
+def qwen3_5_moe_gguf_read_tensor(spec: ModelSpec, name: str, values):
+    """`qwen3_5_moe_gguf_write_tensor` undone."""
+    if name.endswith("linear_attn.A_log"):
+        values = _a_log(values)
+    elif _shifted_norm(name):
+        values = values - 1
+    values = _reorder_value_heads(spec, name, values, tiled=False)
+    return values[:, None, :] if name.endswith("linear_attn.conv1d.weight") else values
+
+
 def interleaved_gated_deltanet_shapes(spec: ModelSpec, p: str) -> dict[str, tuple[int, ...]]:
     """qwen3_next's Gated DeltaNet: in_proj_qkvz and in_proj_ba, rows grouped by key head."""
     h = spec.hidden_size
@@ -123,5 +268,10 @@ register(
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
         ),
         reference_classes=("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
+        gguf_architectures=(GGUF_QWEN35,),
+        gguf_config=qwen3_5_moe_gguf_config,
+        gguf_write_metadata=qwen3_5_moe_gguf_write_metadata,
+        gguf_write_tensor=qwen3_5_moe_gguf_write_tensor,
+        gguf_read_tensor=qwen3_5_moe_gguf_read_tensor,
     )
 )

@@ -14,7 +14,7 @@ Two passes, as for safetensors (services/worker/checkpoint.py):
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,14 +48,14 @@ class GgufWeight(QuantizedWeight):
         return dequantize_rows(q, self.ggml_type, dtype)
 
 
-def dequantized(tensor: GgufTensor) -> torch.Tensor:
-    """A GGUF tensor as float32 values of its shape (the gguf package's reference decode)."""
+def dequantized(tensor: GgufTensor, undo: Callable[[np.ndarray], np.ndarray] | None = None) -> torch.Tensor:
+    """A GGUF tensor as float32 values of its shape (the gguf package's reference decode), with `undo` (the
+    family's inverse of what llama.cpp's converter did to it) applied."""
     import gguf
 
     values = gguf.quants.dequantize(np.asarray(tensor.data), gguf.GGMLQuantizationType[tensor.ggml_type])
-    return torch.from_numpy(
-        np.array(values, dtype=np.float32).reshape(tensor.shape)
-    )  # a copy: the mapping is read-only
+    values = np.array(values, dtype=np.float32).reshape(tensor.shape)  # a copy: the mapping is read-only
+    return torch.from_numpy(np.ascontiguousarray(undo(values), dtype=np.float32) if undo is not None else values)
 
 
 def resident_gguf_tensors(path: Path, spec: ModelSpec, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
@@ -65,7 +65,8 @@ def resident_gguf_tensors(path: Path, spec: ModelSpec, progress: bool = True) ->
 
     ckpt = open_gguf(path)
     names = ckpt.names()
-    wanted = [n for n in family_of(spec).resident_weight_shapes(spec) if is_served(n, spec)]
+    family = family_of(spec)
+    wanted = [n for n in family.resident_weight_shapes(spec) if is_served(n, spec)]
     for hf_name in tqdm(wanted, desc="loading weights", unit="tensor", disable=not progress, leave=False):
         gguf_name = names.gguf_name(hf_name)
         if gguf_name not in ckpt.tensors:
@@ -74,7 +75,8 @@ def resident_gguf_tensors(path: Path, spec: ModelSpec, progress: bool = True) ->
             raise ModelLoadError(
                 f"{path}: no tensor {gguf_name or '(none in the gguf table)'} for {hf_name} in the GGUF file"
             )
-        yield hf_name, dequantized(ckpt.tensors[gguf_name])
+        undo = family.gguf_read_tensor
+        yield hf_name, dequantized(ckpt.tensors[gguf_name], undo and (lambda values: undo(spec, hf_name, values)))
 
 
 def routed_expert_gguf_tensors(

@@ -707,39 +707,71 @@ def test_a_gpt_oss_gguf_reads_as_the_config_it_was_written_from(gpt_oss_gguf):
 
 
 GPT_OSS_120B = "tests/data/models/gpt-oss-120b/config.json"
+QWEN36_35B = "tests/data/models/qwen3.6-35b-a3b/config.json"
 
 
-def test_the_mxfp4_gpt_oss_120b_gguf_plans_at_24_gib_at_the_files_bytes(tmp_path, capsys):
-    """ggml-org's gpt-oss-120b GGUF as its metadata and tensor table (MXFP4 experts, their F32 biases, F32 dense
-    tensors), the data a hole of the right size: `ferry plan` at 24 GiB prices each slot at the file's blocks plus
-    the biases, the same bytes as openai's safetensors release (the same e2m1 codes and e8m0 scales)."""
+def _metadata_only(path, config_file: str, expert_type: str):
+    """A published model as llama.cpp's converter would write its GGUF (the family's keys, the tensor table: routed
+    experts in `expert_type`, their biases, routers, norms and convolutions F32, other matrices F16), the data a
+    hole of the right size: what `ferry plan` reads, without the file's tens of GB."""
     import gguf
 
     from ferry.plan.gguf_checkpoint import GgufNames
     from ferry.plan.model_config import parse_model_config
-    from ferry.plan.model_families import family_of
-    from ferry.services.cli import main
+    from ferry.plan.model_families import family_for_config
     from ferry.services.gguf_writer import common_metadata
 
-    config = json.loads(open(GPT_OSS_120B).read())
-    config.pop("quantization_config")
+    raw = json.loads(open(config_file).read())
+    family = family_for_config(raw)
+    config = {k: v for k, v in family.text_config(raw, config_file).items() if k != "quantization_config"}
     spec = parse_model_config(config)
-    family = family_of(spec)
-    path = tmp_path / "gpt-oss-120b-MXFP4.gguf"
-    writer = gguf.GGUFWriter(str(path), "gpt-oss")
+    architecture = family.gguf_architectures[0]
+    writer = gguf.GGUFWriter(str(path), architecture)
     common_metadata(writer, config)
     family.gguf_write_metadata(writer, config)
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list([f"t{i}" for i in range(config["vocab_size"])])
-    writer.add_eos_token_id(config["eos_token_id"])
-    names = GgufNames("gpt-oss", 36)
-    tensors = {names.gguf_name(n): (s, "F32") for n, s in family.resident_weight_shapes(spec).items()}
-    for layer in range(36):
-        for part, name in names.experts(layer).items():  # I = H = 2880: gate, up and down alike
-            tensors[name] = ((128, 2880, 2880), "MXFP4")
-            tensors[names.gguf_name(f"model.layers.{layer}.mlp.experts.{part}.bias")] = ((128, 2880), "F32")
+    writer.add_eos_token_id(config["eos_token_id"] if isinstance(config["eos_token_id"], int) else 0)
+    names = GgufNames(architecture, spec.num_layers)
+    tensors = {}
+    for name, shape in family.resident_weight_shapes(spec).items():
+        shape = tuple(d for d in shape if d != 1) if len(shape) == 3 else shape  # conv1d [C, 1, K] squeezed
+        gguf_name = names.gguf_name(name)
+        kept = len(shape) == 1 or gguf_name.split(".")[-2] in ("ffn_gate_inp", "ffn_gate_inp_shexp", "ssm_conv1d")
+        tensors[gguf_name] = (shape, "F32" if kept else "F16")
+    h, i = spec.hidden_size, spec.moe_intermediate_size
+    for layer in spec.moe_layer_indices:
+        for part, name in names.experts(layer).items():
+            rows, cols = (h, i) if part == "down_proj" else (i, h)
+            tensors[name] = ((spec.num_experts, rows, cols), expert_type)
+            if spec.expert_bias:
+                bias = names.gguf_name(f"model.layers.{layer}.mlp.experts.{part}.bias")
+                tensors[bias] = ((spec.num_experts, rows), "F32")
     _write_sparse(writer, tensors)
+    return path
 
+
+def test_the_qwen36_35b_q4_k_gguf_plans_at_24_gib_at_the_files_bytes(tmp_path, capsys):
+    """Qwen3.6-35B-A3B as a qwen35moe GGUF of Q4_K experts: ~1.77 MB an expert, its plan at 24 GiB exact."""
+    from ferry.services.cli import main
+
+    path = _metadata_only(tmp_path / "Qwen3.6-35B-A3B-Q4_K.gguf", QWEN36_35B, "Q4_K")
+    assert main(["plan", str(path), "--gpu-memory", "24GiB", "--host-memory", "64GiB", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    # w13: 1024 rows of 2048 values in 8 Q4_K blocks of 144 bytes; w2: 2048 rows of 512 values in 2 blocks
+    w13, w2 = 1024 * 8 * 144, 2048 * 2 * 144
+    assert plan["experts"]["format"] == "gguf-q4_k" and plan["experts"]["bytes_per_slot"] == w13 + w2 == 1769472
+    assert plan["host"]["expert_bank_bytes"] == 40 * 256 * (w13 + w2)
+    assert plan["total_bytes"] <= plan["budget_bytes"] and plan["experts"]["slots"] >= plan["experts"]["min_slots"]
+
+
+def test_the_mxfp4_gpt_oss_120b_gguf_plans_at_24_gib_at_the_files_bytes(tmp_path, capsys):
+    """ggml-org's gpt-oss-120b GGUF as its metadata and tensor table (MXFP4 experts, their F32 biases), the data a
+    hole of the right size: `ferry plan` at 24 GiB prices each slot at the file's blocks plus the biases, the same
+    bytes as openai's safetensors release (the same e2m1 codes and e8m0 scales)."""
+    from ferry.services.cli import main
+
+    path = _metadata_only(tmp_path / "gpt-oss-120b-MXFP4.gguf", GPT_OSS_120B, "MXFP4")
     assert main(["plan", str(path), "--gpu-memory", "24GiB", "--host-memory", "512GiB", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     # a row of 2880 values: 90 MXFP4 blocks of 17 bytes; then the row's float32 biases (each part at 16 bytes)
@@ -785,3 +817,65 @@ def test_a_gpt_oss_gguf_of_mxfp4_experts_generates_as_transformers_on_the_decode
         GgufBlockExperts, "family", lambda self, rows, layout: replace(family(self, rows, layout), bias=None)
     )
     assert _worst(ferry_generate(capsys, path, *ARGS), reference) > TOLERANCE  # the biases dropped: it shows
+
+
+# ---- qwen35moe (Qwen3.5/3.6 MoE: the Gated DeltaNet hybrid) ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def qwen35_gguf(tmp_path_factory):
+    """(a tiny qwen3_5_moe written as a qwen35moe GGUF of Q8_0 experts, the checkpoint with what the file lost, the
+    checkpoint): its weights redrawn (norms off zero, more value heads than key heads), so each of llama.cpp's
+    value changes (tiled value heads, -exp(A_log), norms shifted by one, the squeezed convolution) shows if not
+    undone."""
+    from ferry.services.gguf_writer import GGUF_SIZES
+    from tests.gguf_models import rounded_reference
+    from tests.unit.tiny_models import redrawn_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("gguf-qwen35")
+    hf_dir = redrawn_tiny_checkpoint(root, "qwen3_5_moe", **GGUF_SIZES)
+    path, _ = tiny_gguf(root, "Q8_0", hf_dir=hf_dir, arch="qwen3_5_moe")
+    return path, rounded_reference(path, hf_dir, root / "reference"), hf_dir
+
+
+def test_a_qwen35moe_gguf_generates_as_transformers_on_its_checkpoint(qwen35_gguf, capsys):
+    path, reference, _ = qwen35_gguf
+    resident = ferry_generate(capsys, path, *ARGS)
+    assert resident["plan"]["experts"]["format"] == "gguf-q8_0"
+    assert _worst(resident, reference) < TOLERANCE
+    offloaded = ferry_generate(capsys, path, *ARGS, "--moe-cache-size", "9")
+    assert offloaded["expert_cache"]["misses"] > 0
+    assert offloaded["token_ids"] == resident["token_ids"] and offloaded["logprobs"] == resident["logprobs"]
+
+
+def test_a_qwen35moe_gguf_reads_as_the_config_it_was_written_from(qwen35_gguf):
+    from dataclasses import fields
+
+    from ferry.plan.model_config import load_model_config
+
+    path, _, hf_dir = qwen35_gguf
+    spec, want = load_model_config(path), load_model_config(hf_dir)
+    differ = {f.name for f in fields(spec) if getattr(spec, f.name) != getattr(want, f.name)}
+    assert differ == {"text_config", "dtype", "quantization"}, differ
+    assert spec.linear_num_value_heads == 2 * spec.linear_num_key_heads and spec.layer_types == want.layer_types
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [
+        "value heads left tiled",
+        "norms left shifted",
+        "A left as -exp(A_log)",
+    ],
+)
+def test_each_qwen35moe_value_change_not_undone_fails_the_comparison(qwen35_gguf, capsys, monkeypatch, fault):
+    from ferry.plan.model_families import qwen3_hybrid
+
+    path, reference, _ = qwen35_gguf
+    if fault == "value heads left tiled":
+        monkeypatch.setattr(qwen3_hybrid, "_reorder_value_heads", lambda spec, name, values, tiled: values)
+    elif fault == "norms left shifted":
+        monkeypatch.setattr(qwen3_hybrid, "_shifted_norm", lambda name: False)
+    else:
+        monkeypatch.setattr(qwen3_hybrid, "_a_log", lambda a: a)
+    assert _worst(ferry_generate(capsys, path, *ARGS), reference) > TOLERANCE
