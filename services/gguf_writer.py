@@ -114,8 +114,9 @@ def more_bits(layer: int, layers: int) -> bool:
 
 def _part_type(expert_type: str, part: str, layer: int, layers: int) -> str:
     """The ggml type of layer `layer`'s routed `part` (gate_proj, up_proj, down_proj) for --gguf `expert_type`: the
-    type itself, or for a mix (EXPERT_MIXES) its down type on the `more_bits` layers (llama.cpp counts them over
-    the file's ffn_down tensors, one a block here) and its base type elsewhere."""
+    type itself, or for a mix (EXPERT_MIXES) its down type on the `more_bits` layers and its base type elsewhere.
+    As llama-quantize does for a MoE model: the layer is the block's index (from the tensor's name), counted out of
+    the block count (its n_ffn_down = n_layer)."""
     if expert_type not in EXPERT_MIXES:
         return expert_type
     base, more = EXPERT_MIXES[expert_type]
