@@ -11,9 +11,10 @@ tied embeddings, eos ids) and the routed experts' quantization, from their tenso
 
 * one quantized type for every routed expert tensor: `quantization_config {quant_method: gguf, ggml_type}`,
   held by the expert format that claims ("gguf", type) (plan/expert_formats/gguf_*.py, via plan/quantization.py);
-* float experts (F32/F16/BF16): no quantization_config, the experts are loaded as values;
-* experts of several types (llama.cpp's `_M` mixes give ffn_down_exps another type, on some layers): refused
-  for now, naming the tensors, since a slot holds one format (docs/ARCHITECTURE.md §3).
+* several (llama.cpp's `_M` mixes give ffn_down_exps another type on some layers): `ggml_type: mixed` and
+  `expert_types` [[w13 type, w2 type] per MoE layer], held by plan/expert_formats/gguf_mixed.py; a layer's gate
+  and up must share a type (one byte row), a file where they differ is refused naming them;
+* float experts (F32/F16/BF16): no quantization_config, the experts are loaded as values.
 
 Tensor names are Hugging Face's, mapped to GGUF's by the gguf package's own table (`TensorNameMap`:
 `model.layers.3.mlp.experts.gate_proj` <-> `blk.3.ffn_gate_exps`), so the loader and the planner speak
@@ -30,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from ferry.plan.expert_formats.gguf_blocks import GGUF_METHOD
+from ferry.plan.expert_formats.gguf_mixed import MIXED_TYPES
 from ferry.shared.errors import ConfigError
 
 GGUF_SUFFIX = ".gguf"
@@ -215,28 +218,48 @@ def load_gguf_config(first: Path) -> dict[str, Any]:
 
 
 def expert_quantization(ckpt: GgufCheckpoint, num_layers: int, where: str) -> dict[str, Any] | None:
-    """The routed experts' quantization_config: their one ggml type, None for float experts; a ConfigError
-    when they mix types (a slot holds one format)."""
+    """The routed experts' quantization_config: their one ggml type; for several, `ggml_type: mixed` with
+    `expert_types` ([w13 type, w2 type] per MoE layer: plan/expert_formats/gguf_mixed.py); None for float experts.
+    A ConfigError naming the tensors where a layer's gate and up differ (w13 is one byte row) or float and block
+    types mix."""
     names = ckpt.names()
-    types: dict[str, list[str]] = {}
+    layers: list[dict[str, GgufTensor]] = []  # per MoE layer: {gate_proj|up_proj|down_proj: its tensor}
     for layer in range(num_layers):
-        for name in names.experts(layer).values():
-            if name is not None and name in ckpt.tensors:
-                types.setdefault(ckpt.tensors[name].ggml_type, []).append(name)
-    if not types:
+        present = {p: ckpt.tensors[n] for p, n in names.experts(layer).items() if n is not None and n in ckpt.tensors}
+        if present:
+            layers.append(present)
+    tensors = [t for parts in layers for t in parts.values()]
+    if not tensors:
         return None
-    if len(types) > 1:
-        shown = "; ".join(f"{t}: {', '.join(ns[:3])}{' ...' if len(ns) > 3 else ''}" for t, ns in sorted(types.items()))
+    floats = [t.name for t in tensors if t.ggml_type in FLOAT_TYPES]
+    if len(floats) == len(tensors):
+        return None  # loaded as values, whatever float type each is
+    if floats:
+        blocks = sorted({t.ggml_type for t in tensors} - set(FLOAT_TYPES))
         raise ConfigError(
-            f"{where}: the routed experts mix ggml types ({shown}); Ferry holds every routed expert in one "
-            "format, so a file whose expert tensors differ in type (llama.cpp's _M and _S mixes) is not served yet: "
-            "use a file quantized with one type for every ffn_*_exps tensor (e.g. Q8_0, or llama-quantize "
-            "--tensor-type ffn_down_exps=<the gate's type>)"
+            f"{where}: the routed experts mix float tensors ({_shown(floats)}) with {', '.join(blocks)} blocks; "
+            "Ferry holds a file's experts either as values or as blocks: use a file whose ffn_*_exps tensors are all "
+            "quantized (or all F32/F16/BF16)"
         )
-    (ggml_type,) = types
-    if ggml_type in FLOAT_TYPES:
-        return None
-    return {"quant_method": "gguf", "ggml_type": ggml_type}
+    expert_types = []
+    for parts in layers:
+        gate, up = parts.get("gate_proj"), parts.get("up_proj")
+        if gate is not None and up is not None and gate.ggml_type != up.ggml_type:
+            raise ConfigError(
+                f"{where}: {gate.name} is {gate.ggml_type} but {up.name} is {up.ggml_type}; a layer's gate and up "
+                "experts are one byte row in Ferry's slots, so they must share a ggml type (requantize one of them, "
+                f"e.g. llama-quantize --tensor-type ffn_up_exps={gate.ggml_type})"
+            )
+        first = next(iter(parts.values()))  # a layer short of a tensor is refused by the loader, naming it
+        expert_types.append([(gate or up or first).ggml_type, parts.get("down_proj", first).ggml_type])
+    types = {t for pair in expert_types for t in pair}
+    if len(types) == 1:
+        return {"quant_method": GGUF_METHOD, "ggml_type": types.pop()}
+    return {"quant_method": GGUF_METHOD, "ggml_type": MIXED_TYPES, "expert_types": expert_types}
+
+
+def _shown(names: list[str]) -> str:
+    return f"{', '.join(names[:3])}{' ...' if len(names) > 3 else ''}"
 
 
 def transformers_gguf_fields(metadata: dict[str, Any], architecture: str, model_type: str) -> dict[str, Any]:

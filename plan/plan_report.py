@@ -46,7 +46,7 @@ def plan_table(plan: Plan, host_here: int | None = None) -> str:
             plan.experts.bytes,
             f"{plan.experts.slots} of {plan.experts.total} experts "
             f"({100 * plan.experts.slots / max(plan.experts.total, 1):.1f}%); {plan.experts.bytes_per_slot} B/slot, "
-            f"{plan.experts.format}" + ("; the parts below" if _expert_parts(plan) else ""),
+            f"{plan.experts.format}{_row_mix(plan)}" + ("; the parts below" if _expert_parts(plan) else ""),
         ),
         *_expert_parts(plan),
         ("total", plan.total_bytes, "device memory the worker takes"),
@@ -126,6 +126,23 @@ def _snapshot_rows(plan: Plan) -> list[tuple[str, int, str]]:
             f"the prefix cache's Gated DeltaNet states ({s.source})",
         )
     ]
+
+
+def _row_mix(plan: Plan) -> str:
+    """A format whose rows differ by MoE layer: each family's types (MoE layers of each) and what sizing every slot
+    to the largest rows leaves unused, as bytes of all routed experts' rows and as their share."""
+    e = plan.experts
+    if not e.row_types:
+        return ""
+    types = "; ".join(
+        f"{family} " + ", ".join(f"{t} x{n}" for t, n in sorted(counts.items(), key=lambda c: (-c[1], c[0])))
+        for family, counts in e.row_types.items()
+    )
+    share = e.row_padding_bytes / max(1, e.total * e.bytes_per_slot)
+    return (
+        f" (MoE layers by row type: {types}; rows sized to the largest, so the smaller layers' experts leave "
+        f"{e.row_padding_bytes} B of the {e.total} experts' rows unused: {100 * share:.1f}%)"
+    )
 
 
 def _expert_parts(plan: Plan) -> list[tuple[str, int, str]]:

@@ -150,6 +150,11 @@ class ExpertPlan:
     staging_bytes: int = 0
     cache_state_bytes: int = 0  # the device-side expert cache's state (offload only)
     padding_bytes: int = 0  # alignment: views on VIEW_ALIGN, the pool rounded to POOL_ALIGN
+    # a format whose rows differ by MoE layer (gguf-mixed): per family (w13, w2), the MoE layers of each row type,
+    # and the bytes of every routed expert's rows left unused by the layers whose rows are smaller than the slot's
+    # (the host banks, laid out as the slots, hold exactly that much padding); {} and 0 otherwise
+    row_types: dict[str, dict[str, int]] = field(default_factory=dict)
+    row_padding_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -599,6 +604,8 @@ def _plan(
         parts.staging_bytes,
         parts.cache_state_bytes,
         parts.padding_bytes,
+        F.format_of(spec).row_types(spec),
+        F.format_of(spec).row_padding_bytes(spec),
     )
     snapshots = LinearSnapshotPlan(
         sizes.snapshots,

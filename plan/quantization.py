@@ -11,7 +11,8 @@ These layouts are served (docs/ARCHITECTURE.md §3, "Expert formats"):
   `weight_global_scale` (the weight is code x scale / global scale), `ignore` (names or `re:`
   patterns) stays bf16.
 * **gguf** (a GGUF file: plan/gguf_checkpoint.py writes `{quant_method: gguf, ggml_type}` for its routed
-  experts' one block type): the experts stay in the file's blocks, held by the format claiming ("gguf", type).
+  experts' one block type, or `ggml_type: mixed` with `expert_types` [[w13 type, w2 type] per MoE layer] for
+  several): the experts stay in the file's blocks, held by the format claiming ("gguf", type).
 * **fp8** block (Qwen's `-FP8` releases): `quant_method: fp8`, `fmt: e4m3`, `weight_block_size:
   [128, 128]`: `weight` float8_e4m3fn with `weight_scale_inv` [ceil(O/128), ceil(IN/128)]
   (multiplied); `modules_to_not_convert`, and any linear the checkpoint stores without a scale,
@@ -38,6 +39,7 @@ from typing import Any
 from ferry.plan.expert_formats import registry
 from ferry.plan.expert_formats.fp8_block import FP8_BLOCKS
 from ferry.plan.expert_formats.gguf_blocks import GGUF_METHOD as GGUF
+from ferry.plan.expert_formats.gguf_blocks import GgufBlockFormat
 from ferry.plan.expert_formats.mxfp4 import BLOCKS_SUFFIX, MXFP4_METHOD, SCALES_SUFFIX
 from ferry.shared.errors import ConfigError
 
@@ -71,6 +73,8 @@ class QuantScheme:
     expert_format: str | None  # the routed experts' format (plan/expert_formats); None: not quantized
     source: str  # where it was read: config.json or hf_quant_config.json
     kv_cache_quant_algo: str | None = None  # noted, not applied: the KV pool stays in the run dtype
+    # a GGUF file whose experts mix ggml types: (w13's type, w2's) per MoE layer (plan/expert_formats/gguf_mixed.py)
+    expert_types: tuple[tuple[str, str], ...] = ()
 
 
 def parse_quantization(
@@ -209,16 +213,28 @@ def _fp8(qc: dict[str, Any], source: str) -> QuantScheme:
 
 
 def _gguf(qc: dict[str, Any], source: str) -> QuantScheme:
-    """A GGUF file's routed experts in one ggml block type (plan/gguf_checkpoint.py writes this config)."""
+    """A GGUF file's routed experts in one ggml block type, or with `expert_types` ([w13 type, w2 type] per MoE
+    layer) in several (plan/gguf_checkpoint.py writes this config)."""
     ggml_type = str(qc.get("ggml_type", ""))
+    layers = qc.get("expert_types", [])
+    if not isinstance(layers, list) or any(not isinstance(p, list | tuple) or len(p) != 2 for p in layers):
+        raise ConfigError(f"{source}: quantization_config expert_types must list [w13 type, w2 type] per MoE layer")
+    expert_types = tuple((str(t13), str(t2)) for t13, t2 in layers)
+    block_types = {
+        algo
+        for f in registry.registered()
+        if isinstance(f, GgufBlockFormat)
+        for method, algo in f.checkpoint_algos
+        if method == GGUF
+    }
     fmt = registry.for_checkpoint(GGUF, ggml_type)
-    if fmt is None:
-        served = sorted(algo for f in registry.registered() for method, algo in f.checkpoint_algos if method == GGUF)
+    unheld = ([] if fmt is not None else [ggml_type]) + sorted({t for p in expert_types for t in p} - block_types)
+    if unheld:
         raise ConfigError(
-            f"{source}: the routed experts are ggml type {ggml_type!r}, which no expert format holds; Ferry serves "
-            f"GGUF experts in {', '.join(served)} (or F32/F16/BF16)"
+            f"{source}: the routed experts are ggml type {unheld[0]!r}, which no expert format holds; Ferry serves "
+            f"GGUF experts in {', '.join(sorted(block_types))} (or F32/F16/BF16)"
         )
-    return QuantScheme(GGUF, ggml_type, fmt.name, source)
+    return QuantScheme(GGUF, ggml_type, fmt.name, source, None, expert_types)
 
 
 def _mxfp4(qc: dict[str, Any], source: str) -> QuantScheme:

@@ -8,10 +8,11 @@ token types, special ids and chat template.
 The routed experts are written in one ggml type (`expert_type`): Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and MXFP4 quantized
 from the checkpoint's weights by the gguf package itself (`gguf.quants.quantize`); the K and IQ4 types (Q4_K, Q5_K,
 Q6_K, IQ4_NL, IQ4_XS), which that package can only decode, as random but valid blocks whose values have the
-checkpoint's experts' spread. Dense matrices are written F16 (their norms and routers F32, as llama.cpp keeps them),
-so loading dequantizes them. The tests' tiny GGUF models come from here (`ferry make-tiny-model --gguf TYPE`); the
-model a GGUF file is held to is the file itself, decoded by the gguf package (tests/unit/test_gguf_checkpoints.py).
-No torch.
+checkpoint's experts' spread. Or in llama.cpp's Q4_K_M / Q5_K_M mix (`EXPERT_MIXES`): gate and up Q4_K (Q5_K),
+down Q6_K on the layers llama-quantize gives more bits (`more_bits`) and Q4_K (Q5_K) on the others. Dense matrices
+are written F16 (their norms and routers F32, as llama.cpp keeps them), so loading dequantizes them. The tests' tiny
+GGUF models come from here (`ferry make-tiny-model --gguf TYPE`); the model a GGUF file is held to is the file
+itself, decoded by the gguf package (tests/unit/test_gguf_checkpoints.py). No torch.
 """
 
 from __future__ import annotations
@@ -38,7 +39,10 @@ _RANDOM_BLOCK_SCALES = {
 QUANTIZED_BY_GGUF = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4")
 # float32 experts (llama.cpp writes gpt-oss's so when asked for F32; ggml-org's files hold MXFP4)
 FLOAT_EXPERT_TYPES = ("F32",)
-EXPERT_TYPES = (*QUANTIZED_BY_GGUF, *_RANDOM_BLOCK_SCALES, *FLOAT_EXPERT_TYPES)
+# llama.cpp's _M mixes, for the routed experts: (gate and up's type everywhere, down's on the layers that
+# llama-quantize gives more bits, `more_bits`; down has the gate's type on the others)
+EXPERT_MIXES = {"Q4_K_M": ("Q4_K", "Q6_K"), "Q5_K_M": ("Q5_K", "Q6_K")}
+EXPERT_TYPES = (*QUANTIZED_BY_GGUF, *_RANDOM_BLOCK_SCALES, *FLOAT_EXPERT_TYPES, *EXPERT_MIXES)
 # GGUF's K blocks hold 256 values: a tiny model written as GGUF has rows of whole blocks
 GGUF_SIZES = dict(hidden_size=256, moe_intermediate_size=256)
 _CONTROL, _NORMAL = 3, 1  # llama.cpp's token types
@@ -77,11 +81,12 @@ def write_gguf(
     for layer in spec.moe_layer_indices:
         weights, biases = experts_of(tensors, layer, spec.num_experts)
         for part, gguf_name in names.experts(layer).items():
-            if expert_type in FLOAT_EXPERT_TYPES:
+            ggml_type = _part_type(expert_type, part, layer, layers)
+            if ggml_type in FLOAT_EXPERT_TYPES:
                 writer.add_tensor(gguf_name, weights[part].astype(np.float32))
             else:
-                blocks = _expert_blocks(weights[part], expert_type, rng)
-                writer.add_tensor(gguf_name, blocks, raw_dtype=gguf.GGMLQuantizationType[expert_type])
+                blocks = _expert_blocks(weights[part], ggml_type, rng)
+                writer.add_tensor(gguf_name, blocks, raw_dtype=gguf.GGMLQuantizationType[ggml_type])
         for part, bias in biases.items():
             writer.add_tensor(names.gguf_name(f"model.layers.{layer}.mlp.experts.{part}.bias"), bias.astype(np.float32))
     for checkpoint_name, checkpoint_value in sorted(tensors.items()):
@@ -104,6 +109,23 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return out if not split_max_tensors else sorted(out.parent.glob(f"{out.stem}-00001-of-*.gguf"))[0]
+
+
+def more_bits(layer: int, layers: int) -> bool:
+    """llama-quantize's `use_more_bits`: the layers whose ffn_down an _M mix gives the larger type (the first and
+    last eighth of the blocks, and every third between)."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def _part_type(expert_type: str, part: str, layer: int, layers: int) -> str:
+    """The ggml type of layer `layer`'s routed `part` (gate_proj, up_proj, down_proj) for --gguf `expert_type`: the
+    type itself, or for a mix (EXPERT_MIXES) its down type on the `more_bits` layers and its base type elsewhere.
+    As llama-quantize does for a MoE model: the layer is the block's index (from the tensor's name), counted out of
+    the block count (its n_ffn_down = n_layer)."""
+    if expert_type not in EXPERT_MIXES:
+        return expert_type
+    base, more = EXPERT_MIXES[expert_type]
+    return more if part == "down_proj" and more_bits(layer, layers) else base
 
 
 def common_metadata(writer, config: dict) -> None:

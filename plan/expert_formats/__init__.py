@@ -11,6 +11,7 @@ side: torch-free) and one each under services/worker/expert_formats/ (the worker
 | `fp8-block` | as the slots hold them | float8_e4m3fn + fp32 128x128 block scales | ~3 I H bytes |
 | `mxfp4` | as the slots hold them | e2m1 codes + e8m0 scales of 32 inputs | ~1.59 I H bytes |
 | `gguf-q8_0`, `-q4_0`... `-iq4_xs`, `-mxfp4` | as the slots hold them | a GGUF file's blocks | 1.59 to 3.19 I H bytes |
+| `gguf-mixed` | as the slots hold them | a GGUF file's blocks, each layer's in its own types | its types', padded |
 
 (`bf16` is the unquantized format in whatever dtype the model runs: float32 in the CPU tests.)
 The quantized formats keep each weight family of an expert (w13 = [gate; up], w2 = down) as one row
@@ -22,8 +23,9 @@ banks and the worker's views all come from it.
 Adding a format, file by file:
 1. plan/expert_formats/<name>.py: an ExpertFormat subclass (name, `quantized`, `row_parts` for byte rows,
    `checkpoint_algos` it recognizes, `bank_word` / `bank_bytes` if its banks differ, `banks_detail`,
-   `checkpoint_layout` / `checkpoint_config` if `ferry make-bench-model` writes it, `worker`), then
-   `FORMAT = register(...)`; import it below.
+   `checkpoint_layout` / `checkpoint_config` if `ferry make-bench-model` writes it, `worker`, `worker_options` if
+   its worker needs more of the spec than the sizes, `row_types` / `row_padding_bytes` if its rows differ by
+   layer), then `FORMAT = register(...)`; import it below.
 2. services/worker/expert_formats/<name>.py: its worker class (that module's docstring lists what).
 3. The kernels for its rows, if the existing ones do not read them (kernels/quantized_experts.py).
 Nothing else names it: tests/unit/test_format_names.py fails where something does.
@@ -40,6 +42,7 @@ from ferry.plan.expert_formats import (  # noqa: F401 (importing one registers i
     fp8_block,
     gguf_iq4_nl,
     gguf_iq4_xs,
+    gguf_mixed,
     gguf_mxfp4,
     gguf_q4_0,
     gguf_q4_1,

@@ -119,6 +119,20 @@ class ExpertFormat:
         bias = spec.expert_bias and self.holds_biases
         return self.family_layout(2 * i, h, i, bias), self.family_layout(h, i, h, bias)
 
+    def row_types(self, spec: ModelSpec) -> dict[str, dict[str, int]]:
+        """A format whose rows differ by MoE layer: per family (w13, w2), the MoE layers of each row type;
+        {} for one row type in every layer."""
+        return {}
+
+    def row_padding_bytes(self, spec: ModelSpec) -> int:
+        """Bytes of every routed expert's rows left unused: a layer whose rows are smaller than the slot's (sized
+        to the largest layer's: the pool is shared by all layers) uses the row's prefix. 0 for one row size."""
+        return 0
+
+    def worker_options(self, spec: ModelSpec) -> dict:
+        """Keyword arguments of its worker class's `for_shapes` beyond the sizes (what its rows need of the spec)."""
+        return {}
+
     def slot_rows(self, spec: ModelSpec, dtype: str) -> tuple[tuple[tuple[int, ...], str], tuple[tuple[int, ...], str]]:
         """((shape, dtype) of one slot's w13, of its w2): byte rows for a quantized format."""
         w13, w2 = self.expert_layouts(spec)

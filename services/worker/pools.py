@@ -173,7 +173,9 @@ class ExpertSlotPool:
     Copies move the rows (`w13`, `w2`); the expert kernels read `gemm13`/`gemm2` (and
     `staging_gemm13`/`staging_gemm2`): the same tensors in bf16, typed views of the rows' parts
     (kernels/quantized_experts.py) in a quantized format. `fmt` (services/worker/expert_formats)
-    says which; without it the pool must hold plain rows."""
+    says which; without it the pool must hold plain rows. A format whose rows differ by MoE layer
+    (`views_per_layer`: a GGUF mix of types) has no views for every layer (those four are None):
+    `layer_views(moe_layer)` gives each layer's, as it gives the shared ones for the others."""
 
     def __init__(self, pool: AllocatedPool, fmt=None):
         self.pool = pool
@@ -190,10 +192,20 @@ class ExpertSlotPool:
                 raise ValueError("a pool of quantized expert rows needs its expert format (fmt)")
             fmt = Bf16Experts(self.w13.shape[2], self.w2.shape[2], self.w13.dtype)
         self.format = fmt
-        self.gemm13, self.gemm2 = fmt.gemm_views(self.w13, self.w2)
-        self.staging_gemm13 = self.staging_gemm2 = None
-        if self.staging_w13 is not None:
-            self.staging_gemm13, self.staging_gemm2 = fmt.gemm_views(self.staging_w13, self.staging_w2)
+        self.gemm13 = self.gemm2 = self.staging_gemm13 = self.staging_gemm2 = None
+        self._layer_views: dict[int, tuple] = {}
+        if not fmt.views_per_layer:
+            self.gemm13, self.gemm2 = fmt.gemm_views(self.w13, self.w2)
+            if self.staging_w13 is not None:
+                self.staging_gemm13, self.staging_gemm2 = fmt.gemm_views(self.staging_w13, self.staging_w2)
+
+    def layer_views(self, moe_layer: int) -> tuple:
+        """(gemm13, gemm2) the expert kernels read for MoE layer `moe_layer`'s experts in these slots."""
+        if not self.format.views_per_layer:
+            return self.gemm13, self.gemm2
+        if moe_layer not in self._layer_views:
+            self._layer_views[moe_layer] = self.format.gemm_views(self.w13, self.w2, moe_layer)
+        return self._layer_views[moe_layer]
 
     @property
     def num_slots(self) -> int:

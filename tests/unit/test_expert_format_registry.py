@@ -18,12 +18,19 @@ WORKER_MEMBERS = [
     *(n for n, v in vars(ExpertFormat).items() if callable(v) and n[0] != "_"),
 ]
 
+# what a format's `worker_options(spec)` gives beyond the sizes, for the formats whose rows need the spec
+WORKER_OPTIONS = {"gguf-mixed": {"layer_types": (("Q4_K", "Q4_K"), ("Q4_K", "Q6_K"))}}
+
+
+def _worker(fmt):
+    return worker_class(fmt).for_shapes(HIDDEN, INTER, torch.bfloat16, **WORKER_OPTIONS.get(fmt.name, {}))
+
 
 @pytest.mark.parametrize("fmt", F.registered(), ids=lambda f: f.name)
 def test_each_format_names_a_worker_class_with_every_member(fmt):
     cls = worker_class(fmt)
     assert cls.plan is fmt
-    worker = cls.for_shapes(HIDDEN, INTER, torch.bfloat16)
+    worker = _worker(fmt)
     assert worker.name == fmt.display_name("bfloat16") and worker.quantized == fmt.quantized
     assert {"copy_engine_default", "host_reader", "write_expert"} <= set(WORKER_MEMBERS)
     missing = [m for m in ("for_shapes", *WORKER_MEMBERS) if not hasattr(worker, m)]
@@ -40,7 +47,7 @@ def test_host_kernel_codes_differ_between_formats():
     codes = {}
     for fmt in F.registered():
         try:
-            codes[fmt.name] = worker_class(fmt).for_shapes(HIDDEN, INTER, torch.bfloat16).host_kernel_format()
+            codes[fmt.name] = _worker(fmt).host_kernel_format()
         except KernelUnavailable:
             continue
     assert len(set(codes.values())) == len(codes), codes

@@ -308,15 +308,132 @@ def _rewritten(path, out, retyped: dict[str, str], dropped: tuple[str, ...] = ()
     return out
 
 
-def test_experts_of_mixed_types_are_refused_naming_the_tensors(gguf_models, tmp_path, capsys):
-    """llama.cpp's _M mixes give ffn_down_exps another type: one slot holds one format, so refused for now."""
+def test_experts_of_mixed_types_are_served_each_layer_in_its_type(gguf_models, tmp_path, capsys):
+    """llama.cpp's _M mixes give ffn_down_exps another type on some layers: held as gguf-mixed, each layer's rows
+    decoded in its own type (read in another, the random Q6_K blocks would not match the reference)."""
+    from ferry.plan.model_config import load_model_config
+
+    path, _, hf_dir = gguf_models("Q4_K")
+    mixed = _rewritten(path, tmp_path / "mixed.gguf", {"blk.1.ffn_down_exps.weight": "Q6_K"})
+    spec = load_model_config(mixed)
+    assert spec.quantization.expert_format == "gguf-mixed"
+    assert spec.quantization.expert_types == (("Q4_K", "Q4_K"), ("Q4_K", "Q6_K"), ("Q4_K", "Q4_K"))
+    reference = dequantized_reference(mixed, hf_dir, tmp_path / "reference")
+    resident = ferry_generate(capsys, mixed, *ARGS)
+    assert resident["plan"]["experts"]["format"] == "gguf-mixed" and _worst(resident, reference) < TOLERANCE
+
+
+def test_a_layer_whose_gate_and_up_differ_in_type_is_refused_naming_both(gguf_models, tmp_path, capsys):
+    """w13 = [gate; up] is one byte row: one type a layer."""
     from ferry.services.cli import main
 
     path, _, _ = gguf_models("Q4_K")
-    mixed = _rewritten(path, tmp_path / "mixed.gguf", {"blk.1.ffn_down_exps.weight": "Q6_K"})
-    assert main(["plan", str(mixed), "--gpu-memory", "24GiB"]) == 2
+    odd = _rewritten(path, tmp_path / "odd.gguf", {"blk.1.ffn_up_exps.weight": "Q6_K"})
+    assert main(["plan", str(odd), "--gpu-memory", "24GiB"]) == 2
     err = capsys.readouterr().err
-    assert "mix ggml types" in err and "Q6_K: blk.1.ffn_down_exps.weight" in err, err
+    assert "blk.1.ffn_gate_exps.weight is Q4_K but blk.1.ffn_up_exps.weight is Q6_K" in err, err
+
+
+@pytest.mark.parametrize("mix", ["Q4_K_M", "Q5_K_M"])
+def test_an_m_mix_tiny_model_generates_as_transformers_on_the_decoded_file(gguf_models, capsys, mix):
+    """gate/up in the base type everywhere, down Q6_K on llama-quantize's more-bits layers (the last of three):
+    resident, offloaded and computed by the host, against the reference and each other."""
+    from ferry.plan.model_config import load_model_config
+
+    path, reference, _ = gguf_models(mix)
+    base = mix[:4]
+    assert load_model_config(path).quantization.expert_types == ((base, base), (base, base), (base, "Q6_K"))
+    resident = ferry_generate(capsys, path, *ARGS)
+    assert resident["plan"]["experts"]["format"] == "gguf-mixed" == resident["expert_cache"]["expert_format"]
+    assert _worst(resident, reference) < TOLERANCE
+    if mix != "Q4_K_M":
+        return  # offloading and the host path read rows the same way whatever the types: one mix shows it
+    offloaded = ferry_generate(capsys, path, *ARGS, "--moe-cache-size", "9")
+    assert offloaded["token_ids"] == resident["token_ids"] and offloaded["logprobs"] == resident["logprobs"]
+    cache, experts = offloaded["expert_cache"], offloaded["plan"]["experts"]
+    assert cache["misses"] > 0 and cache["bytes_copied"] == cache["misses"] * experts["bytes_per_slot"]
+    # the banks are laid out as the slots: every expert at the slot's bytes, the padding priced in the plan
+    assert cache["host_bank_bytes"] == offloaded["plan"]["host"]["expert_bank_bytes"] == 24 * experts["bytes_per_slot"]
+    host = ferry_generate(capsys, path, *ARGS, "--moe-cache-size", "9", "--expert-backend", "cpu")
+    assert host["plan"]["expert_backend"]["backend"] == "cpu" and host["token_ids"] == resident["token_ids"]
+    assert max(abs(a - b) for a, b in zip(host["logprobs"], resident["logprobs"])) < 1e-4
+
+
+def test_a_mix_read_with_one_layer_s_types_for_every_layer_fails_the_comparison(gguf_models, capsys, monkeypatch):
+    """Every layer's rows decoded with the first layer's types (Q4_K for the last layer's Q6_K down): it must fail."""
+    from ferry.services.worker.expert_formats.gguf_mixed import GgufMixedExperts
+
+    path, reference, _ = gguf_models("Q4_K_M")
+    views = GgufMixedExperts.gemm_views
+    monkeypatch.setattr(GgufMixedExperts, "gemm_views", lambda self, w13, w2, moe_layer=None: views(self, w13, w2, 0))
+    assert not _worst(ferry_generate(capsys, path, *ARGS), reference) < TOLERANCE  # NaN too: a Q6_K d read as Q4_K's
+
+
+def test_expert_types_that_no_format_holds_or_that_miscount_the_layers_are_refused_naming_the_field(gguf_models):
+    from ferry.plan.model_config import load_model_config, parse_model_config
+    from ferry.plan.quantization import parse_quantization
+    from ferry.shared.errors import ConfigError
+
+    def config(expert_types):
+        return {"quantization_config": {"quant_method": "gguf", "ggml_type": "mixed", "expert_types": expert_types}}
+
+    assert parse_quantization(config([["Q4_K", "Q6_K"]])).expert_types == (("Q4_K", "Q6_K"),)
+    for unheld in ("Q2_K", "mixed"):  # a layer's type is a block type: the mix itself is none
+        with pytest.raises(ConfigError, match=f"ggml type '{unheld}', which no expert format holds"):
+            parse_quantization(config([["Q4_K", unheld]]))
+    with pytest.raises(ConfigError, match="expert_types must list"):
+        parse_quantization(config([["Q4_K"]]))
+    path, _, hf_dir = gguf_models("Q4_K_M")
+    spec_config = json.loads((hf_dir / "config.json").read_text())
+    spec_config.update(config([["Q4_K", "Q6_K"]] * 2))  # three MoE layers
+    with pytest.raises(ConfigError, match=r"one \[w13 type, w2 type\] per MoE layer \(3\), got 2"):
+        parse_model_config(spec_config)
+    assert load_model_config(path).quantization.expert_format == "gguf-mixed"
+
+
+def test_mixed_dummy_experts_fill_each_layer_in_its_types():
+    """--load-format dummy: each layer's rows are filled as its types fill them (read in another, the fp16 scale
+    would be some code byte) and decode with the spread asked for through that layer's views."""
+    from ferry.kernels.quantized_experts import dequantize_slot
+    from ferry.services.worker.expert_formats.gguf_mixed import GgufMixedExperts
+    from ferry.services.worker.expert_formats.quantized import DUMMY_DOWN_STD, DUMMY_STD
+
+    experts = GgufMixedExperts(256, 256, (("Q4_K", "Q4_K"), ("Q4_K", "Q6_K")))
+    (shape13, _), (shape2, _) = experts.row_shapes()
+    assert shape2 == (256 * 210,)  # the Q6_K layer's down rows
+    for layer, down in enumerate(("Q4_K", "Q6_K")):
+        w13, w2 = torch.zeros(3, *shape13, dtype=torch.uint8), torch.zeros(3, *shape2, dtype=torch.uint8)
+        experts.fill_dummy_layer(w13, w2, layer, seed=0)
+        f13, f2 = experts.gemm_views(w13, w2, layer)
+        assert (f13.ggml_type, f2.ggml_type) == ("Q4_K", down)
+        for family, std in ((f13, DUMMY_STD), (f2, DUMMY_DOWN_STD)):
+            assert 0.5 * std < float(dequantize_slot(family, 2, torch.float32).std()) < 2 * std
+
+
+def test_the_plan_sizes_mixed_rows_to_the_largest_layer_and_prices_the_padding(gguf_models, capsys):
+    from ferry.plan.model_config import load_model_config
+    from ferry.plan.pool_layout import expert_slot_layout
+    from ferry.services.cli import main
+
+    path, _, _ = gguf_models("Q4_K_M")
+    flags = ["--gpu-memory", "24GiB", "--host-memory", "8GiB"]
+    assert main(["plan", str(path), *flags, "--moe-cache-size", "9", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    experts = plan["experts"]
+    # w13: 512 rows of one Q4_K block (144 B) in every layer; w2: 256 rows of one block, Q6_K (210 B) on the last
+    # layer, Q4_K on the two others, which leave 256 x 66 B of each of their 8 experts' rows unused
+    assert experts["bytes_per_slot"] == 512 * 144 + 256 * 210
+    assert experts["row_types"] == {"w13": {"Q4_K": 3}, "w2": {"Q4_K": 2, "Q6_K": 1}}
+    assert experts["row_padding_bytes"] == 2 * 8 * 256 * (210 - 144)
+    assert plan["host"]["expert_bank_bytes"] == 24 * experts["bytes_per_slot"]
+    # exact: the pool's layout is what the plan priced (boot allocates it and checks the same)
+    spec = load_model_config(path)
+    layout = expert_slot_layout(spec, plan["dtype"], experts["slots"], plan["max_prefill_tokens"])
+    assert layout.nbytes == experts["bytes"]
+    assert main(["plan", str(path), *flags]) == 0
+    table = capsys.readouterr().out
+    assert "gguf-mixed (MoE layers by row type: w13 Q4_K x3; w2 Q4_K x2, Q6_K x1" in table, table
+    assert f"leave {2 * 8 * 256 * 66} B of the 24 experts' rows unused: 8.8%" in table, table
 
 
 def test_make_tiny_model_writes_the_checkpoint_as_a_gguf_file(tmp_path, capsys):
@@ -327,6 +444,14 @@ def test_make_tiny_model_writes_the_checkpoint_as_a_gguf_file(tmp_path, capsys):
     assert "tiny-Q5_K.gguf" in capsys.readouterr().out
     spec = load_model_config(tmp_path / "tiny-Q5_K.gguf")
     assert spec.quantization.expert_format == "gguf-q5_k" and spec.hidden_size == spec.moe_intermediate_size == 256
+
+
+def test_the_writer_s_m_mixes_give_down_more_bits_where_llama_quantize_does():
+    from ferry.services.gguf_writer import more_bits
+
+    # llama-quantize's use_more_bits over 48 blocks (Qwen3-30B-A3B): the first and last 6, and every third between
+    assert [layer for layer in range(48) if more_bits(layer, 48)] == [*range(6), *range(8, 42, 3), *range(42, 48)]
+    assert [more_bits(layer, 3) for layer in range(3)] == [False, False, True]
 
 
 def test_experts_of_a_type_no_format_holds_are_refused_naming_it(gguf_models, tmp_path, capsys):
@@ -366,6 +491,9 @@ def test_gguf_experts_are_refused_on_cuda_before_the_device_is_touched(gguf_mode
     monkeypatch.setattr(boot, "select_device", lambda name: torch.device("cuda"))
     assert main(["generate", str(path), "--prompt-ids", "1,2", "--max-tokens", "1", "--gpu-memory", "64MiB"]) == 2
     assert "gguf-q4_k, which no CUDA expert kernel reads yet" in capsys.readouterr().err
+    mixed, _, _ = gguf_models("Q4_K_M")  # and a mix of them
+    assert main(["generate", str(mixed), "--prompt-ids", "1,2", "--max-tokens", "1", "--gpu-memory", "64MiB"]) == 2
+    assert "gguf-mixed, which no CUDA expert kernel reads yet" in capsys.readouterr().err
 
 
 # ---- a published model's shapes ------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ class ExpertFormat(Protocol):
     name: str  # the plan's name for it (`float32` for bf16's rows in float32)
     quantized: bool  # byte rows it fills and views itself; else [2I, H] / [H, I] in the run dtype
     copy_engine_default: bool  # --expert-copy-engine-tokens defaults on for its banks (services/worker/flags.py)
+    views_per_layer: bool  # its gemm_views differ by MoE layer (rows of per-layer types: gguf_mixed.py)
 
     def row_shapes(self) -> tuple[tuple[tuple[int, ...], torch.dtype], tuple[tuple[int, ...], torch.dtype]]:
         """((shape, dtype) of one expert's w13 row, of its w2 row), as a slot holds them."""
@@ -48,9 +49,10 @@ class ExpertFormat(Protocol):
         for a quantized format) into its rows; a ValueError naming `where` for the wrong kind. `bias`
         (expert_shapes.ExpertBias), for a format that holds biases (its `for_shapes` epilogue)."""
 
-    def gemm_views(self, w13: torch.Tensor, w2: torch.Tensor):
+    def gemm_views(self, w13: torch.Tensor, w2: torch.Tensor, moe_layer: int | None = None):
         """What the expert kernels read for slot tensors w13 [S, ...] and w2 [S, ...]: the tensors (bf16's
-        kernels), or kernels/quantized_experts.py's QuantizedFamily (the quantized kernels)."""
+        kernels), or kernels/quantized_experts.py's QuantizedFamily (the quantized kernels). The same for every
+        MoE layer unless `views_per_layer`: then MoE layer `moe_layer`'s (which it needs)."""
 
     def host_kernel_format(self) -> int:
         """The C host kernel's code for banks of this format (offload/host_compute/host_expert_kernel.py), or
@@ -82,9 +84,10 @@ def expert_epilogue(spec: ModelSpec) -> tuple[tuple[int, int], ExpertActivation]
 def _for_shapes(fmt: F.ExpertFormat, spec: ModelSpec, dtype: torch.dtype) -> ExpertFormat:
     epilogue = expert_epilogue(spec)
     cls = worker_class(fmt)
+    options = fmt.worker_options(spec)
     if epilogue is None:
-        return cls.for_shapes(spec.hidden_size, spec.moe_intermediate_size, dtype)
-    return cls.for_shapes(spec.hidden_size, spec.moe_intermediate_size, dtype, epilogue)
+        return cls.for_shapes(spec.hidden_size, spec.moe_intermediate_size, dtype, **options)
+    return cls.for_shapes(spec.hidden_size, spec.moe_intermediate_size, dtype, epilogue, **options)
 
 
 def expert_format_for(spec: ModelSpec, dtype: torch.dtype) -> ExpertFormat:

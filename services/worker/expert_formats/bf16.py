@@ -31,6 +31,7 @@ class Bf16Experts:
     plan = F.get(F.BF16)
     quantized = False
     copy_engine_default = True  # plain bf16 banks: --expert-copy-engine-tokens defaults on (services/worker/flags.py)
+    views_per_layer = False
 
     def __init__(
         self,
@@ -86,7 +87,7 @@ class Bf16Experts:
             flat13[: 2 * i].copy_(bias.gate_up)
             flat2[:h].copy_(bias.down)
 
-    def gemm_views(self, w13: torch.Tensor, w2: torch.Tensor):
+    def gemm_views(self, w13: torch.Tensor, w2: torch.Tensor, moe_layer: int | None = None):
         """The slot tensors as they are; with an epilogue, EpilogueFamily views of their weight and bias rows."""
         if not self.has_epilogue:
             return w13, w2

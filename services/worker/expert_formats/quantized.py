@@ -71,6 +71,7 @@ class QuantizedExperts(ABC):
     name: str  # plan.name
     quantized = True
     copy_engine_default = False  # a quantized miss is small: the graph's core copies beat the eager copy-engine path
+    views_per_layer = False  # one layout for every MoE layer (gguf_mixed.py's differ)
     host_kernel_code: int  # the C host kernel's enum ferry_format (offload/host_compute/host_expert_kernel.py)
     family_reader: type[QuantizedFamilyReader]  # the host reader of one family's rows
 
@@ -108,7 +109,9 @@ class QuantizedExperts(ABC):
     def row_shapes(self):
         return ((self.layout13.nbytes,), torch.uint8), ((self.layout2.nbytes,), torch.uint8)
 
-    def gemm_views(self, w13: torch.Tensor, w2: torch.Tensor) -> tuple[QuantizedFamily, QuantizedFamily]:
+    def gemm_views(
+        self, w13: torch.Tensor, w2: torch.Tensor, moe_layer: int | None = None
+    ) -> tuple[QuantizedFamily, QuantizedFamily]:
         return self.family(w13, self.layout13), self.family(w2, self.layout2)
 
     def family(self, rows: torch.Tensor, layout: F.FamilyLayout) -> QuantizedFamily:
@@ -158,8 +161,14 @@ class QuantizedExperts(ABC):
     def _write(self, row: torch.Tensor, layout: F.FamilyLayout, projections: tuple[QuantizedWeight, ...]) -> None:
         """The projections (stacked along the rows) into one byte row: each part of the format."""
 
+    def layer_layouts(self, moe_layer: int) -> tuple[F.FamilyLayout, F.FamilyLayout]:
+        """(w13, w2) rows of MoE layer `moe_layer`'s experts: the slots' layouts, or a prefix of them for a format
+        whose rows differ by layer (`views_per_layer`)."""
+        return self.layout13, self.layout2
+
     def fill_dummy_layer(self, w13: torch.Tensor, w2: torch.Tensor, layer: int, seed: int) -> None:
-        for rows, layout, std, family in ((w13, self.layout13, DUMMY_STD, 0), (w2, self.layout2, DUMMY_DOWN_STD, 1)):
+        layout13, layout2 = self.layer_layouts(layer)
+        for rows, layout, std, family in ((w13, layout13, DUMMY_STD, 0), (w2, layout2, DUMMY_DOWN_STD, 1)):
             gen = torch.Generator().manual_seed(name_seed(f"{self.name} experts, layer {layer}, family {family}", seed))
             self._fill_dummy(rows, weight_parts(layout), std, gen)
             for p in layout.parts:  # biases zero, as the dummy recipe's (dummy_weights.py)

@@ -166,7 +166,9 @@ class QuantizedReader:
     through the format's typed views (kernels/quantized_experts.py), dequantized per expert."""
 
     def __init__(self, banks, dtype: torch.dtype, chunk: int = DECODE_CHUNK):
-        self.views = [banks.format.gemm_views(w13, w2) for w13, w2 in zip(banks.w13, banks.w2)]
+        self.views = [
+            banks.format.gemm_views(w13, w2, layer) for layer, (w13, w2) in enumerate(zip(banks.w13, banks.w2))
+        ]
         self.w13 = banks.format.family_reader(self.views[0][0], dtype, chunk)
         self.w2 = banks.format.family_reader(self.views[0][1], dtype, chunk)
 

@@ -198,18 +198,18 @@ class OffloadedExperts:
         """CPU: the same schedule with synchronous copies (so every copy is exposed time)."""
         aligned = self._aligned(groups, topk_weights.numel())
         if groups[0] is not None:
-            self._compute(x, groups[0], topk_weights, rows, aligned[0])
+            self._compute(layer, x, groups[0], topk_weights, rows, aligned[0])
         for i, chunk in enumerate(chunks):
             start = time.perf_counter()
             self.banks.copy_experts(layer, chunk, self.slots.w13, self.slots.w2)
             seconds = time.perf_counter() - start
             self.stats.record_copy_seconds(seconds, exposed=seconds)
-            self._compute(x, groups[1 + i], topk_weights, rows, aligned[1 + i])
+            self._compute(layer, x, groups[1 + i], topk_weights, rows, aligned[1 + i])
 
     def _forward_pipelined_cuda(self, layer, x, groups, topk_weights, chunks, rows) -> None:
         aligned = self._aligned(groups, topk_weights.numel())
         if not chunks:
-            self._compute(x, groups[0], topk_weights, rows, aligned[0])
+            self._compute(layer, x, groups[0], topk_weights, rows, aligned[0])
             return
         compute = torch.cuda.current_stream(self.device)
         copy = self._copy_stream
@@ -226,14 +226,14 @@ class OffloadedExperts:
                 self.stats.record_copy_events(start, end)
                 copied.append(end)
         if groups[0] is not None:  # the hits, computed while the copies run
-            self._compute(x, groups[0], topk_weights, rows, aligned[0])
+            self._compute(layer, x, groups[0], topk_weights, rows, aligned[0])
         for i, done in enumerate(copied):
             stall_start, stall_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             stall_start.record(compute)
             compute.wait_event(done)
             stall_end.record(compute)
             self.stats.record_stall_events(stall_start, stall_end)
-            self._compute(x, groups[1 + i], topk_weights, rows, aligned[1 + i])
+            self._compute(layer, x, groups[1 + i], topk_weights, rows, aligned[1 + i])
 
     def _aligned(self, groups: list[np.ndarray | None], num_pairs: int) -> list:
         """Per group, what the Triton kernels read: for small steps (decode) the group's [T, k] slots
@@ -269,22 +269,19 @@ class OffloadedExperts:
         views = iter(packed.unbind(0))
         return [next(views) if g is not None else None for g in groups]
 
-    def _compute(self, x, group_slots, topk_weights, rows, aligned=None) -> None:
+    def _compute(self, layer, x, group_slots, topk_weights, rows, aligned=None) -> None:
+        gemm13, gemm2 = self.slots.layer_views(layer)
         if isinstance(aligned, torch.Tensor):  # a small step's slots, pair by pair
-            expert_pair_rows_triton(x, aligned, topk_weights, self.slots.gemm13, self.slots.gemm2, rows)
+            expert_pair_rows_triton(x, aligned, topk_weights, gemm13, gemm2, rows)
             return
         if aligned is not None:
-            grouped_expert_rows_triton(
-                x, None, topk_weights, self.slots.gemm13, self.slots.gemm2, rows, aligned=aligned
-            )
+            grouped_expert_rows_triton(x, None, topk_weights, gemm13, gemm2, rows, aligned=aligned)
             return
         slots = torch.from_numpy(group_slots).to(x.device)
         if self._triton:  # a large step: the kernel aligns on the device, its grid bounded by this layer's experts
-            grouped_expert_rows_triton(
-                x, slots, topk_weights, self.slots.gemm13, self.slots.gemm2, rows, max_distinct_slots=self.num_experts
-            )
+            grouped_expert_rows_triton(x, slots, topk_weights, gemm13, gemm2, rows, max_distinct_slots=self.num_experts)
         else:  # the reference on CPU (or whatever the dispatcher picks for this device)
-            grouped_expert_rows(x, slots, topk_weights, self.slots.gemm13, self.slots.gemm2, rows)
+            grouped_expert_rows(x, slots, topk_weights, gemm13, gemm2, rows)
 
 
 def _split(misses: list, chunks: int) -> list[list]:

@@ -85,6 +85,7 @@ class ResidentExperts:
         summed: bool = True,
     ) -> torch.Tensor | ExpertRows:
         offset = moe_layer * self.num_experts
+        gemm13, gemm2 = self.slots.layer_views(moe_layer)
         if use_triton(x) and use_pair_kernel(topk_ids.numel()):
             # the gate/up kernel marks the routed experts itself: slot layer * E + e is entry (layer, e)
             rows = torch.empty(x.shape[0], topk_ids.shape[1], x.shape[1], dtype=torch.float32, device=x.device)
@@ -92,8 +93,8 @@ class ResidentExperts:
                 x,
                 topk_ids,
                 topk_weights,
-                self.slots.gemm13,
-                self.slots.gemm2,
+                gemm13,
+                gemm2,
                 rows,
                 slot_offset=offset,
                 mark=(self._routed_table(x.device), n_rows),
@@ -102,7 +103,7 @@ class ResidentExperts:
         self._count_lookups(moe_layer, topk_ids, n_rows)
         topk_slots = topk_ids + offset
         return grouped_expert_forward(
-            x, topk_slots, topk_weights, self.slots.gemm13, self.slots.gemm2, max_distinct_slots=self.num_experts
+            x, topk_slots, topk_weights, gemm13, gemm2, max_distinct_slots=self.num_experts
         )  # one layer's experts at most
 
     def _count_lookups(self, moe_layer: int, topk_ids: torch.Tensor, n_rows: torch.Tensor | None) -> None:
