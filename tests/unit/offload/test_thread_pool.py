@@ -61,6 +61,12 @@ def build(tmp_path: Path, *flags: str) -> Path | None:
     return exe
 
 
+@pytest.fixture(scope="module")
+def stress_exe(tmp_path_factory) -> Path:
+    """The driver built once with the race points yielding, for every thread count."""
+    return build(tmp_path_factory.mktemp("stress"), "-O2", "-DFERRY_POOL_RACE_POINT()=sched_yield()")
+
+
 @needs_cc
 @pytest.mark.slow
 @pytest.mark.timeout(0)  # bounded by progress (run_until_done), not by the suite's per-test seconds
@@ -68,9 +74,8 @@ def build(tmp_path: Path, *flags: str) -> Path | None:
 # 2-thread run's 100 000 (and 781 of the large calls); more would only repeat them, each call costing about
 # tenfold on a 2-core runner where 8 spinning workers take turns with the caller
 @pytest.mark.parametrize("threads, calls", [(2, 100_000), (3, 100_000), (9, 25_000)])
-def test_every_item_runs_once_on_its_own_call(tmp_path, threads, calls):
-    exe = build(tmp_path, "-O2", "-DFERRY_POOL_RACE_POINT()=sched_yield()")
-    lines, err = run_until_done(exe, threads, calls)
+def test_every_item_runs_once_on_its_own_call(stress_exe, threads, calls):
+    lines, err = run_until_done(stress_exe, threads, calls)
     assert lines[-1:] == ["ok"] and len(lines) == calls // 1000 + 1, lines[-3:] + [err]
 
 
