@@ -61,9 +61,9 @@ def make_model_dir(
     target: Path,
     tokenizer,
     step_delay_s: float = 0.0,
-    delayed_steps: int | None = None,
     linear_state_slots: int = 0,
     script: dict | None = None,
+    delayed_steps: int | None = None,
 ) -> Path:
     """A model directory for the PagedHashModel double (tests/doubles/fake_worker.py): each step sleeps
     step_delay_s (only the first `delayed_steps` steps, where given); `script`:
