@@ -2,8 +2,9 @@
 PagedHashModel double, for integration tests until the real executor is merged.
 
 The model directory holds the test tokenizer plus `paged_hash_model.json`:
-{"vocab": [token ids it may produce], "vocab_size": int, "step_delay_s": float, "linear_state_slots": int,
- "script": {"trigger": text, "token_ids": [...]}}  (optional).
+{"vocab": [token ids it may produce], "vocab_size": int, "step_delay_s": float, "delayed_steps": int | null,
+ "linear_state_slots": int, "script": {"trigger": text, "token_ids": [...]}}  (optional).
+Each step sleeps step_delay_s first; with delayed_steps set, only the first that many steps do.
 With a script, a request whose prompt contains the trigger text gets the script's tokens as its
 output, one per step (fixed model output, e.g. a tool call, through the real api and scheduler);
 every other request gets the hash model's continuation. Pool sizes come from the planner flags,
@@ -26,9 +27,16 @@ from tests.doubles.paged_model import PagedHashModel
 
 class DelayedExecutor:
     def __init__(
-        self, model: PagedHashModel, delay: float, script: dict | None = None, tokenizer=None, vocab_size: int = 0
+        self,
+        model: PagedHashModel,
+        delay: float,
+        script: dict | None = None,
+        tokenizer=None,
+        vocab_size: int = 0,
+        delayed_steps: int | None = None,
     ):
         self.model, self.delay = model, delay
+        self.delays_left = delayed_steps  # None: every step is delayed
         self.vocab_size = vocab_size  # as the real model: a token id past it fails the whole step
         self.script = script
         self.tokenizer = tokenizer
@@ -38,7 +46,9 @@ class DelayedExecutor:
     def execute(self, batch):
         if self.vocab_size and batch.tokens.size and int(batch.tokens.max()) >= self.vocab_size:
             raise IndexError(f"index {int(batch.tokens.max())} is out of bounds for the embedding of {self.vocab_size}")
-        if self.delay:
+        if self.delay and self.delays_left != 0:
+            if self.delays_left is not None:
+                self.delays_left -= 1
             time.sleep(self.delay)
         if self.script is not None:
             for nr in batch.new_requests:
@@ -117,4 +127,12 @@ def boot_paged_hash_model(cfg: WorkerBootConfig):
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-    return DelayedExecutor(model, spec.get("step_delay_s", 0.0), script, tokenizer, spec.get("vocab_size", 0)), plan
+    executor = DelayedExecutor(
+        model,
+        spec.get("step_delay_s", 0.0),
+        script,
+        tokenizer,
+        spec.get("vocab_size", 0),
+        spec.get("delayed_steps"),
+    )
+    return executor, plan

@@ -63,13 +63,16 @@ def make_model_dir(
     step_delay_s: float = 0.0,
     linear_state_slots: int = 0,
     script: dict | None = None,
+    delayed_steps: int | None = None,
 ) -> Path:
-    """A model directory for the PagedHashModel double (tests/doubles/fake_worker.py); `script`:
+    """A model directory for the PagedHashModel double (tests/doubles/fake_worker.py): each step sleeps
+    step_delay_s (only the first `delayed_steps` steps, where given); `script`:
     {"trigger": text, "token_ids": [...]}, the fixed output of prompts holding the trigger."""
     shutil.copytree(tokenizer_dir, target)
     spec = {
         "vocab": ascii_word_tokens(tokenizer),
         "step_delay_s": step_delay_s,
+        "delayed_steps": delayed_steps,
         "linear_state_slots": linear_state_slots,
         "vocab_size": len(tokenizer),
     }

@@ -52,6 +52,37 @@ def test_the_release_check_serves_streams_and_stops_cleanly(tiny_models, tmp_pat
     assert (out / "gpu_check.log").read_text().strip().endswith(f"{result['seconds']} s")
 
 
+def test_the_host_kernel_is_built_again_only_when_its_library_is_older_than_a_source(tmp_path):
+    """The check keeps an in-place library newer than every source and header pyproject.toml lists for it (an
+    editable install built it), and builds one that is missing or older than any of them."""
+    import os
+    import sysconfig
+    import tomllib
+
+    sys.path.insert(0, str(ROOT))
+    from tools.gpu_check import host_kernel_up_to_date
+
+    (tmp_path / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text())
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    (ext,) = setuptools["ext-modules"]
+    inputs = [tmp_path / f for f in [*ext["sources"], *ext["depends"]]]
+    for f in inputs:
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text("")
+        os.utime(f, (1000, 1000))
+    package, module = ext["name"].rsplit(".", 1)
+    library = tmp_path / setuptools["package-dir"][package] / (module + sysconfig.get_config_var("EXT_SUFFIX"))
+    assert not host_kernel_up_to_date(tmp_path)  # none built
+    library.write_text("")
+    os.utime(library, (2000, 2000))
+    assert host_kernel_up_to_date(tmp_path)
+    for f in (inputs[0], inputs[-1]):  # a source, then a header, changed since the build
+        os.utime(f, (3000, 3000))
+        assert not host_kernel_up_to_date(tmp_path), f
+        os.utime(f, (1000, 1000))
+    assert host_kernel_up_to_date(tmp_path)
+
+
 def test_junit_counts_read_failures_and_errors(tmp_path):
     sys.path.insert(0, str(ROOT))
     from tools.gpu_check import junit_counts

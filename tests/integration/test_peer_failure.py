@@ -70,8 +70,14 @@ def test_a_worker_hung_in_one_step_fails_its_requests_and_recovers(
 ):
     from tests.integration.harness import make_model_dir
 
+    # only the request's step hangs: the step after the recovery (it frees the failed request) runs at once, so
+    # the worker stops on SIGTERM instead of being killed after the cluster's 10 s grace
     model = make_model_dir(
-        tiny_tokenizer_dir, tmp_path_factory.mktemp("models") / "hung", tiny_tokenizer, step_delay_s=STEP_S
+        tiny_tokenizer_dir,
+        tmp_path_factory.mktemp("models") / "hung",
+        tiny_tokenizer,
+        step_delay_s=STEP_S,
+        delayed_steps=1,
     )
     c = start_cluster(model, tmp_path_factory.mktemp("hung"), scheduler_flags=["--step-timeout", "1"])
     try:
@@ -90,5 +96,7 @@ def test_a_worker_hung_in_one_step_fails_its_requests_and_recovers(
         assert eventually(
             lambda: http_get(c.base_url + "/health")[0] == 200, timeout=STEP_S * 2
         )  # the step ended: idle again
+        c.stop()
+        assert c.procs["worker"].returncode == 0, "the recovered worker did not stop on SIGTERM"
     finally:
         c.stop()
