@@ -35,6 +35,15 @@ from ferry.plan.model_spec import FULL_ATTENTION, LINEAR_ATTENTION, ModelSpec
 from ferry.shared.errors import ConfigError
 
 WRAPPER_MODEL_TYPE = "qwen3_5_moe"  # qwen3_5_moe's multimodal wrapper; its text model is `qwen3_5_moe_text`
+# the tiny models' Gated DeltaNet and shared expert (`ferry make-tiny-model`): more value heads than key heads
+TINY_GATED_DELTANET = dict(
+    shared_expert_intermediate_size=32,
+    linear_conv_kernel_dim=4,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+)  # qwen3_5_moe's multimodal wrapper; its text model is `qwen3_5_moe_text`
 
 
 def _hybrid_fields(cfg: dict[str, Any], where: str, moe_layers: tuple[bool, ...]) -> dict[str, Any]:
@@ -339,15 +348,10 @@ register(
         ),
         # a linear-attention layer, then a full one, every layer MoE; more value heads than key heads
         tiny_config=dict(
+            TINY_GATED_DELTANET,
             num_hidden_layers=2,
             full_attention_interval=2,
             intermediate_size=48,
-            shared_expert_intermediate_size=32,
-            linear_conv_kernel_dim=4,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=16,
-            linear_value_head_dim=16,
             partial_rotary_factor=0.25,
             norm_topk_prob=True,
         ),
@@ -373,14 +377,9 @@ register(
         published_names=qwen3_5_moe_published_names,
         # both layer kinds, more value heads than key heads; the text-only model (no vision tower)
         tiny_config=dict(
+            TINY_GATED_DELTANET,
             num_hidden_layers=4,
             layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
-            shared_expert_intermediate_size=32,
-            linear_conv_kernel_dim=4,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=16,
-            linear_value_head_dim=16,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
         ),
         reference_classes=("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),

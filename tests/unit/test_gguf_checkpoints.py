@@ -49,6 +49,17 @@ def _worst(got: dict, reference_dir) -> float:
     return max(abs(a - b) for a, b in zip(got["logprobs"], want))
 
 
+def _served_resident_and_offloaded(capsys, path, reference, fmt: str) -> None:
+    """`path` served all-resident within TOLERANCE of `reference`, its experts held as `fmt`; and offloaded (9
+    slots, misses crossing) the same tokens and logprobs."""
+    resident = ferry_generate(capsys, path, *ARGS)
+    assert resident["plan"]["experts"]["format"] == fmt
+    assert _worst(resident, reference) < TOLERANCE
+    offloaded = ferry_generate(capsys, path, *ARGS, "--moe-cache-size", "9")
+    assert offloaded["expert_cache"]["misses"] > 0
+    assert offloaded["token_ids"] == resident["token_ids"] and offloaded["logprobs"] == resident["logprobs"]
+
+
 # ---- the blocks against the gguf package's decode --------------------------------------------------------
 
 
@@ -611,12 +622,7 @@ def glm_gguf(tmp_path_factory):
 
 def test_a_glm4moe_gguf_generates_as_transformers_on_the_decoded_file(glm_gguf, capsys):
     path, reference, _ = glm_gguf
-    resident = ferry_generate(capsys, path, *ARGS)
-    assert resident["plan"]["experts"]["format"] == "gguf-q8_0"
-    assert _worst(resident, reference) < TOLERANCE
-    offloaded = ferry_generate(capsys, path, *ARGS, "--moe-cache-size", "9")
-    assert offloaded["expert_cache"]["misses"] > 0
-    assert offloaded["token_ids"] == resident["token_ids"] and offloaded["logprobs"] == resident["logprobs"]
+    _served_resident_and_offloaded(capsys, path, reference, "gguf-q8_0")
 
 
 def test_a_glm4moe_gguf_reads_as_the_config_it_was_written_from(glm_gguf):
@@ -686,12 +692,8 @@ def gpt_oss_gguf(tmp_path_factory):
 
 def test_a_gpt_oss_gguf_generates_as_transformers_on_the_decoded_file(gpt_oss_gguf, capsys):
     path, reference, _ = gpt_oss_gguf
-    resident = ferry_generate(capsys, path, *ARGS)
-    assert resident["plan"]["experts"]["format"] == "float32"  # float experts in the run dtype, biases in the rows
-    assert _worst(resident, reference) < TOLERANCE
-    offloaded = ferry_generate(capsys, path, *ARGS, "--moe-cache-size", "9")
-    assert offloaded["expert_cache"]["misses"] > 0
-    assert offloaded["token_ids"] == resident["token_ids"] and offloaded["logprobs"] == resident["logprobs"]
+    # float experts in the run dtype, biases in the rows
+    _served_resident_and_offloaded(capsys, path, reference, "float32")
 
 
 def test_a_gpt_oss_gguf_reads_as_the_config_it_was_written_from(gpt_oss_gguf):
@@ -804,12 +806,7 @@ def test_a_gpt_oss_gguf_of_mxfp4_experts_generates_as_transformers_on_the_decode
     biases = [t for t in gguf.GGUFReader(str(path)).tensors if t.name.endswith("_exps.bias")]
     assert len(biases) == 6 and all(np.abs(t.data).max() > 0 for t in biases)  # a path dropping them shows
     reference = dequantized_reference(path, hf_dir, tmp_path / "reference")
-    resident = ferry_generate(capsys, path, *ARGS)
-    assert resident["plan"]["experts"]["format"] == "gguf-mxfp4"
-    assert _worst(resident, reference) < TOLERANCE
-    offloaded = ferry_generate(capsys, path, *ARGS, "--moe-cache-size", "9")
-    assert offloaded["expert_cache"]["misses"] > 0
-    assert offloaded["token_ids"] == resident["token_ids"] and offloaded["logprobs"] == resident["logprobs"]
+    _served_resident_and_offloaded(capsys, path, reference, "gguf-mxfp4")
     from ferry.services.worker.expert_formats.gguf_blocks import GgufBlockExperts
 
     family = GgufBlockExperts.family
@@ -841,12 +838,7 @@ def hybrid_gguf(request, tmp_path_factory):
 
 def test_a_hybrid_gguf_generates_as_transformers_on_its_checkpoint(hybrid_gguf, capsys):
     _, path, reference, _ = hybrid_gguf
-    resident = ferry_generate(capsys, path, *ARGS)
-    assert resident["plan"]["experts"]["format"] == "gguf-q8_0"
-    assert _worst(resident, reference) < TOLERANCE
-    offloaded = ferry_generate(capsys, path, *ARGS, "--moe-cache-size", "9")
-    assert offloaded["expert_cache"]["misses"] > 0
-    assert offloaded["token_ids"] == resident["token_ids"] and offloaded["logprobs"] == resident["logprobs"]
+    _served_resident_and_offloaded(capsys, path, reference, "gguf-q8_0")
 
 
 def test_a_hybrid_gguf_reads_as_the_config_it_was_written_from(hybrid_gguf):

@@ -98,9 +98,9 @@ def _config(arch: str, **overrides):
 
 def swiglu_from_config(model: torch.nn.Module) -> None:
     """gpt_oss's experts clamp and gain by the config's `swiglu_limit` / `swiglu_alpha`, as the published configs
-    say: transformers before 5.18 fixed them at 7.0 and 1.702 whatever the config said, so the reference the
-    device's older transformers computed was another model than the tiny config's (its limit of 1.0). Their
-defaults where the config has none (older configs keep only the fields passed)."""
+        say: transformers before 5.18 fixed them at 7.0 and 1.702 whatever the config said, so the reference the
+        device's older transformers computed was another model than the tiny config's (its limit of 1.0). Their
+    defaults where the config has none (older configs keep only the fields passed)."""
     limit, alpha = getattr(model.config, "swiglu_limit", 7.0), getattr(model.config, "swiglu_alpha", 1.702)
     for module in model.modules():
         if hasattr(module, "limit") and hasattr(module, "alpha"):
