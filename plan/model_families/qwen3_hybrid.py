@@ -43,7 +43,7 @@ TINY_GATED_DELTANET = dict(
     linear_num_value_heads=4,
     linear_key_head_dim=16,
     linear_value_head_dim=16,
-)  # qwen3_5_moe's multimodal wrapper; its text model is `qwen3_5_moe_text`
+)
 
 
 def _hybrid_fields(cfg: dict[str, Any], where: str, moe_layers: tuple[bool, ...]) -> dict[str, Any]:
