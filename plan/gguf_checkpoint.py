@@ -182,6 +182,20 @@ class GgufNames:
         """{gate_proj|up_proj|down_proj: the GGUF name of layer `layer`'s routed experts [E, rows, cols]}."""
         return {part: self.gguf_name(f"model.layers.{layer}.mlp.experts.{part}.weight") for part in EXPERT_PARTS}
 
+    def fused_gate_up(self, layer: int) -> str | None:
+        """The GGUF name of layer `layer`'s gate and up experts as one tensor [E, 2I, cols], the gate's rows first,
+        as llama.cpp's converter writes them when asked to fuse them (its `ffn_gate_up_exps`; None where this
+        architecture's table has no such tensor)."""
+        return self.gguf_name(f"model.layers.{layer}.mlp.experts.gate_up_proj.weight")
+
+    def layer_experts(self, layer: int, tensors: dict) -> dict[str, str | None]:
+        """`experts(layer)`, with gate and up both naming the fused tensor where `tensors` (the file's) holds it."""
+        names = self.experts(layer)
+        fused = self.fused_gate_up(layer)
+        if names["gate_proj"] not in tensors and fused is not None and fused in tensors:
+            names["gate_proj"] = names["up_proj"] = fused
+        return names
+
 
 def open_gguf(first: Path) -> GgufCheckpoint:
     """The GGUF set `first` opens, parsed once a process (while the file is unchanged): a header of a 150k-token
@@ -225,7 +239,8 @@ def expert_quantization(ckpt: GgufCheckpoint, num_layers: int, where: str) -> di
     names = ckpt.names()
     layers: list[dict[str, GgufTensor]] = []  # per MoE layer: {gate_proj|up_proj|down_proj: its tensor}
     for layer in range(num_layers):
-        present = {p: ckpt.tensors[n] for p, n in names.experts(layer).items() if n is not None and n in ckpt.tensors}
+        experts = names.layer_experts(layer, ckpt.tensors)
+        present = {p: ckpt.tensors[n] for p, n in experts.items() if n is not None and n in ckpt.tensors}
         if present:
             layers.append(present)
     tensors = [t for parts in layers for t in parts.values()]
@@ -280,4 +295,4 @@ def transformers_gguf_fields(metadata: dict[str, Any], architecture: str, model_
 def moe_layers_of(tensor_names: tuple[str, ...], num_layers: int, names: GgufNames) -> list[int]:
     """The layers whose routed experts the file holds."""
     present = set(tensor_names)
-    return [layer for layer in range(num_layers) if names.experts(layer)["gate_proj"] in present]
+    return [layer for layer in range(num_layers) if names.layer_experts(layer, present)["gate_proj"] in present]

@@ -49,11 +49,17 @@ _CONTROL, _NORMAL = 3, 1  # llama.cpp's token types
 
 
 def write_gguf(
-    hf_dir: str | Path, out: str | Path, expert_type: str = "Q8_0", seed: int = 0, split_max_tensors: int = 0
+    hf_dir: str | Path,
+    out: str | Path,
+    expert_type: str = "Q8_0",
+    seed: int = 0,
+    split_max_tensors: int = 0,
+    fused_gate_up: bool = False,
 ) -> Path:
     """Write `hf_dir` (a checkpoint of one safetensors file or more) to the GGUF file `out`; with
     `split_max_tensors`, as a split set of files of at most that many tensors (`OUT-00001-of-0000N.gguf`...,
-    the first of which is returned)."""
+    the first of which is returned); with `fused_gate_up`, each layer's gate and up experts as one tensor
+    (`ffn_gate_up_exps`, the gate's rows first), as llama.cpp's converter writes them when asked."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -80,13 +86,24 @@ def write_gguf(
     experts_of = family.gguf_split_experts or _per_expert
     for layer in spec.moe_layer_indices:
         weights, biases = experts_of(tensors, layer, spec.num_experts)
+        written = {}  # GGUF name -> (values or blocks, ggml type)
         for part, gguf_name in names.experts(layer).items():
             ggml_type = _part_type(expert_type, part, layer, layers)
             if ggml_type in FLOAT_EXPERT_TYPES:
-                writer.add_tensor(gguf_name, weights[part].astype(np.float32))
+                written[gguf_name] = (weights[part].astype(np.float32), ggml_type)
             else:
-                blocks = _expert_blocks(weights[part], ggml_type, rng)
-                writer.add_tensor(gguf_name, blocks, raw_dtype=gguf.GGMLQuantizationType[ggml_type])
+                written[gguf_name] = (_expert_blocks(weights[part], ggml_type, rng), ggml_type)
+        if fused_gate_up:
+            fused = names.fused_gate_up(layer)
+            if fused is None:
+                raise ValueError(f"the gguf package's {architecture} table names no fused gate/up experts")
+            (gate, ggml_type), (up, _) = (written.pop(names.experts(layer)[p]) for p in ("gate_proj", "up_proj"))
+            written[fused] = (np.concatenate([gate, up], axis=1), ggml_type)
+        for gguf_name, (data, ggml_type) in written.items():
+            if ggml_type in FLOAT_EXPERT_TYPES:
+                writer.add_tensor(gguf_name, data)
+            else:
+                writer.add_tensor(gguf_name, data, raw_dtype=gguf.GGMLQuantizationType[ggml_type])
         for part, bias in biases.items():
             writer.add_tensor(names.gguf_name(f"model.layers.{layer}.mlp.experts.{part}.bias"), bias.astype(np.float32))
     for checkpoint_name, checkpoint_value in sorted(tensors.items()):

@@ -98,14 +98,18 @@ def routed_expert_gguf_tensors(
     names = ckpt.names()
     fmt = spec.quantization.expert_format if spec.quantization is not None else None
     for layer in tqdm(spec.moe_layer_indices, desc="loading experts", unit="layer", disable=not progress, leave=False):
-        for part, gguf_name in names.experts(layer).items():
+        for part, gguf_name in names.layer_experts(layer, ckpt.tensors).items():
             tensor = ckpt.tensors.get(gguf_name or "")
             if tensor is None or len(tensor.shape) != 3 or tensor.shape[0] != spec.num_experts:
                 raise ModelLoadError(
                     f"{path}: layer {layer}'s routed experts need {gguf_name} [{spec.num_experts}, rows, cols] in the "
                     f"GGUF file, found {'none' if tensor is None else list(tensor.shape)}"
                 )
-            yield from _experts_of(tensor, layer, part, fmt)
+            rows = slice(None)
+            if gguf_name == names.fused_gate_up(layer):  # [E, 2I, cols]: the gate's rows, then the up's
+                i = spec.moe_intermediate_size
+                rows = slice(0, i) if part == "gate_proj" else slice(i, 2 * i)
+            yield from _experts_of(tensor, layer, part, fmt, rows)
             if spec.expert_bias:
                 yield from _expert_biases(ckpt, names, path, layer, part)
 
@@ -124,14 +128,15 @@ def _expert_biases(
         yield f"model.layers.{layer}.mlp.experts.{e}.{part}.bias", values[e]
 
 
-def _experts_of(tensor: GgufTensor, layer: int, part: str, fmt: str | None):
+def _experts_of(tensor: GgufTensor, layer: int, part: str, fmt: str | None, rows: slice):
+    """Each expert's `rows` of `part` in `tensor` [E, rows, cols] (all of them, or its share of a fused tensor)."""
     prefix = f"model.layers.{layer}.mlp.experts"
     if tensor.ggml_type in FLOAT_TYPES:
         values = dequantized(tensor)
         for e in range(tensor.shape[0]):
-            yield f"{prefix}.{e}.{part}.weight", values[e]
+            yield f"{prefix}.{e}.{part}.weight", values[e, rows]
         return
     blocks = np.asarray(tensor.data)
     for e in range(tensor.shape[0]):
-        q = torch.from_numpy(np.array(blocks[e], dtype=np.uint8))  # one expert's rows, copied off the mapping
+        q = torch.from_numpy(np.array(blocks[e, rows], dtype=np.uint8))  # one expert's rows, copied off the mapping
         yield f"{prefix}.{e}.{part}.weight", GgufWeight(fmt, q, None, None, tensor.name, ggml_type=tensor.ggml_type)

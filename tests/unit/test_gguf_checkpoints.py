@@ -893,3 +893,20 @@ def test_a_qwen3next_gguf_of_the_first_converter_s_layout_reads_the_same(hybrid_
     assert "blk.0.ssm_in.weight" in written and "blk.0.attn_qkv.weight" not in written
     old, new = ferry_generate(capsys, legacy, *ARGS), ferry_generate(capsys, path, *ARGS)
     assert old["token_ids"] == new["token_ids"] and old["logprobs"] == new["logprobs"]
+
+
+def test_a_hybrid_gguf_of_fused_gate_up_experts_reads_as_the_unfused(hybrid_gguf, tmp_path, capsys):
+    """llama.cpp's converter, asked to, writes each layer's gate and up experts as one `ffn_gate_up_exps`
+    [E, 2I, H] (the gate's rows first): the same blocks, so the same model, resident and offloaded."""
+    import gguf
+
+    from ferry.services.gguf_writer import write_gguf
+
+    _, path, _, hf_dir = hybrid_gguf
+    fused = write_gguf(hf_dir, tmp_path / "fused.gguf", "Q8_0", fused_gate_up=True)
+    written = {t.name for t in gguf.GGUFReader(str(fused)).tensors}
+    assert "blk.0.ffn_gate_up_exps.weight" in written and "blk.0.ffn_gate_exps.weight" not in written
+    for extra in ((), ("--moe-cache-size", "9")):
+        got, want = ferry_generate(capsys, fused, *ARGS, *extra), ferry_generate(capsys, path, *ARGS, *extra)
+        assert got["token_ids"] == want["token_ids"] and got["logprobs"] == want["logprobs"]
+        assert got["plan"]["experts"]["bytes_per_slot"] == want["plan"]["experts"]["bytes_per_slot"]
