@@ -10,7 +10,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ferry.kernels.expert_epilogue import SILU_AND_MUL
 from ferry.kernels.gguf_blocks import dequantize_rows
 from ferry.kernels.quantized_experts import QuantizedFamily
 from ferry.plan import expert_formats as F
@@ -38,18 +37,9 @@ class GgufBlockExperts(QuantizedExperts):
     def host_kernel_format(self) -> int:
         raise K.KernelUnavailable(f"the C host kernel does not decode {self.plan.ggml_type} blocks")
 
-    def family(self, rows: torch.Tensor, layout: F.FamilyLayout) -> QuantizedFamily:
-        views = {p.name: part(rows, p) for p in layout.parts}
-        return QuantizedFamily(
-            self.name,
-            layout.rows,
-            layout.cols,
-            layout.part_rows,
-            views["q"],
-            ggml_type=self.plan.ggml_type,
-            bias=views.get(F.BIAS_PART),
-            activation=self.activation if layout is self.layout13 else SILU_AND_MUL,
-        )
+    @property
+    def ggml_type(self) -> str:
+        return self.plan.ggml_type
 
     def _write(self, row: torch.Tensor, layout: F.FamilyLayout, projections: tuple[GgufWeight, ...]) -> None:
         (q,) = (part(row, p) for p in layout.parts)

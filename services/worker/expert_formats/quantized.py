@@ -72,6 +72,7 @@ class QuantizedExperts(ABC):
     quantized = True
     copy_engine_default = False  # a quantized miss is small: the graph's core copies beat the eager copy-engine path
     views_per_layer = False  # one layout for every MoE layer (gguf_mixed.py's differ)
+    ggml_type: str | None = None  # GGUF blocks: the ggml type a family's `q` holds (its scales inside the blocks)
     host_kernel_code: int  # the C host kernel's enum ferry_format (offload/host_compute/host_expert_kernel.py)
     family_reader: type[QuantizedFamilyReader]  # the host reader of one family's rows
 
@@ -123,8 +124,9 @@ class QuantizedExperts(ABC):
             layout.cols,
             layout.part_rows,
             views["q"],
-            views["scale"],
+            views.get("scale"),
             views.get("gscale"),
+            ggml_type=self.ggml_type,
             bias=views.get(F.BIAS_PART),
             activation=activation,
         )
