@@ -11,6 +11,7 @@ caught."""
 
 from __future__ import annotations
 
+import ctypes
 import math
 
 import pytest
@@ -18,10 +19,13 @@ import torch
 
 from ferry.kernels.expert_epilogue import ExpertActivation
 from ferry.kernels.grouped_expert_gemm_reference import grouped_expert_rows_reference
+from ferry.kernels.quantized_experts import dequantize_slot
 from ferry.services.worker.expert_formats.bf16 import Bf16Experts
 from ferry.services.worker.expert_formats.mxfp4 import Mxfp4Experts
 from ferry.services.worker.expert_formats.nvfp4 import Nvfp4Experts
 from ferry.services.worker.offload.host_compute import host_expert_kernel as K
+from ferry.services.worker.offload.host_compute.decode_share import HostDecodeShare
+from ferry.services.worker.offload.host_compute.host_expert_kernel import HostKernel
 from ferry.services.worker.offload.host_compute.host_experts import HostExperts
 from ferry.services.worker.offload.host_memory.host_banks import HostBanks
 from tests.unit.offload.test_host_expert_kernel import isas, needs_library
@@ -53,9 +57,7 @@ def make_banks(fmt: str, seed: int = 0) -> HostBanks:
         return banks
     cls = {"mxfp4": Mxfp4Experts, "nvfp4": Nvfp4Experts}[fmt]
     layout = cls(HIDDEN, INTER, bias=True, activation=ACTIVATION)
-    banks = HostBanks.allocate(
-        LAYERS, EXPERTS, HIDDEN, INTER, torch.bfloat16, pin=False, progress=False, fmt=layout
-    )
+    banks = HostBanks.allocate(LAYERS, EXPERTS, HIDDEN, INTER, torch.bfloat16, pin=False, progress=False, fmt=layout)
     for layer in range(LAYERS):
         for f in banks.format.gemm_views(banks.w13[layer], banks.w2[layer]):
             f.q.copy_(torch.randint(0, 256, f.q.shape, generator=g, dtype=torch.uint8))
@@ -122,8 +124,6 @@ def test_the_limit_clamps_most_values_and_the_biases_move_every_output(banks_of)
     banks = banks_of("mxfp4")
     w13, _ = banks.format.gemm_views(banks.w13[0], banks.w2[0])
     x = x_for(8, torch.float32)
-    from ferry.kernels.quantized_experts import dequantize_slot
-
     h = x @ dequantize_slot(w13, 0, torch.float32).t() + w13.bias[0]
     assert (h.abs() > ACTIVATION.swiglu_limit).float().mean() > 0.5
 
@@ -220,3 +220,28 @@ def test_a_job_with_biases_on_one_projection_only_is_refused(banks_of):
             c.compute(0, x_for(1, torch.float32), [(0, 1, 1.0)])
     finally:
         c.close()
+
+
+@needs_library
+@pytest.mark.parametrize("fmt", ("mxfp4", "bf16"))
+def test_the_decode_graphs_host_node_computes_them_as_the_kernel_and_the_twin(banks_of, fmt):
+    """The decode share's jobs (decode_share.py builds its own) carry the activation and the biases: its host
+    node, called as the graph calls it, gives the kernel's bits, and those equal the twin."""
+    banks = banks_of(fmt)
+    kernel = HostKernel(banks, torch.bfloat16, threads=2)
+    share = HostDecodeShare(kernel, (1, 1, 0, 0), max_tokens=4, top_k=TOP_K, num_experts=EXPERTS, device="cpu")
+    x = x_for(3, torch.bfloat16)
+    experts, weights, pairs = routing(3, 2)
+    p = share.pinned
+    for i, (t, e, w) in enumerate(pairs):
+        p.pair_token[i], p.pair_expert[i], p.pair_weight[i] = t, e, w
+    p.meta[0], p.meta[1] = 3, len(pairs)
+    share._x[:3] = x
+    for layer in range(LAYERS):
+        share._out.fill_(float("nan"))
+        kernel.lib.ferry_host_node(ctypes.addressof(share.tasks[layer]))
+        got = share._out[:3].clone()
+        assert torch.equal(got, kernel.compute(layer, x, pairs))
+        assert mismatch(got, twin(banks, layer, x, experts, weights), torch.bfloat16) is None
+    share.check()
+    kernel.close()

@@ -204,9 +204,7 @@ def resolve_spin_us(spin_us: int | None) -> int:
     return _whole_setting(spin_us, SPIN_ENV, DEFAULT_SPIN_US, "the host pool's spin", "µs")
 
 
-def _family(
-    rows: torch.Tensor, out_rows: int, cols: int, part_rows: int, bias_offset: int, layout=None
-) -> Family:
+def _family(rows: torch.Tensor, out_rows: int, cols: int, part_rows: int, bias_offset: int, layout=None) -> Family:
     """One layer's bank of one family: plain rows [E, O, IN], or quantized byte rows [E, B] with their layout;
     `bias_offset`: bytes from an expert's row start to its biases (NO_BIAS: none)."""
     f = Family(
