@@ -6,7 +6,7 @@ reads the bank rows in float32 or bf16; `--load-format dummy` fills them from se
 
 What every worker format gives (the checklist: services/worker/expert_formats/__init__.py): `plan`,
 `name`, `row_shapes`, `write_expert`, `gemm_views` (which pick the kernels), `host_kernel_format`,
-`host_reader`, `copy_engine_default`, `for_shapes`, and for byte rows `fill_dummy_layer`.
+`host_bias_offsets`, `host_reader`, `copy_engine_default`, `for_shapes`, and for byte rows `fill_dummy_layer`.
 
 Experts with biases (gpt-oss: `epilogue` with `bias_rows`) keep them in rows after their weights, w13
 [2I + b13, H] and w2 [H + b2, I] (plan/expert_formats/registry.py's `bias_rows`), so every copy of an

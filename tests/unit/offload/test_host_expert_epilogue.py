@@ -245,3 +245,23 @@ def test_the_decode_graphs_host_node_computes_them_as_the_kernel_and_the_twin(ba
         assert mismatch(got, twin(banks, layer, x, experts, weights), torch.bfloat16) is None
     share.check()
     kernel.close()
+
+
+@needs_library
+@pytest.mark.parametrize("isa", isas())
+def test_bf16_banks_computed_in_float32_read_their_bf16_biases_alike(banks_of, isa):
+    """Plain bf16 banks in float32 compute (no twin: its slots and x share a dtype): the C kernel reads the bias
+    rows as bf16 as the torch path converts them, and both differ from the unbiased experts."""
+    banks = banks_of("bf16")
+    x = x_for(8, torch.float32)
+    _, _, pairs = routing(8, 3)
+    c = HostExperts(banks, torch.float32, threads=2, kernel="c", isa=isa)
+    t = HostExperts(banks, torch.float32, threads=1, kernel="torch")
+    try:
+        got, want = c.compute(1, x, pairs), t.compute(1, x, pairs)
+        assert mismatch(got, want, torch.float32) is None
+        plant_in_c(c, "bias dropped")
+        assert mismatch(c.compute(1, x, pairs), want, torch.float32) is not None
+    finally:
+        c.close()
+        t.close()
