@@ -5,9 +5,10 @@ A slot family whose expert has such an epilogue is read by the expert kernels as
 format's `gemm_views` gives it: services/worker/expert_formats/bf16.py), the plain weight tensor otherwise;
 the biases are views of rows the slot holds after its weights, so they move with every copy of the expert.
 The reference twin (grouped_expert_gemm_reference.py) computes them, and so do the Triton expert kernels
-(grouped_expert_gemm.py, expert_pair_gemv.py: `gate_up_activation` and `triton_epilogue_args` here); the
-host's C kernel and the quantized kernels do not, and the plan keeps such experts from them
-(plan/expert_backend.py, plan/model_config.py)."""
+(grouped_expert_gemm.py, expert_pair_gemv.py: `gate_up_activation` and `triton_epilogue_args` here) and the host's
+kernels (kernels/host_experts_c/host_experts.c's `combine`, with the same roundings, and the torch host path:
+services/worker/offload/host_compute/); formats whose rows hold no biases are kept from such experts
+(plan/model_config.py)."""
 
 from __future__ import annotations
 

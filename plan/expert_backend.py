@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ferry.plan.model_spec import SILU
+from ferry.plan.model_spec import CLAMPED_SWIGLU, SILU
 
 if TYPE_CHECKING:
     from ferry.plan.model_spec import ModelSpec
@@ -85,13 +85,17 @@ def check_expert_backend_flags(requested: str | None, threads: int | None) -> st
     return requested
 
 
+# the activations the host's expert kernels (kernels/host_experts_c/ and their torch twin) compute, with or without
+# the experts' biases
+HOST_ACTIVATIONS = (SILU, CLAMPED_SWIGLU)
+
+
 def host_compute_refusal(spec: ModelSpec) -> str | None:
-    """Why the host cannot compute this model's experts, or None: its kernels (kernels/host_experts_c/ and
-    their torch twin) compute silu(gate) * up without biases, so any other expert is the GPU's alone."""
-    if spec.expert_bias or spec.expert_activation != SILU:
-        return (
-            f"the host's expert kernels compute unbiased SiLU experts; {spec.arch}'s have "
-            f"{'biases and ' if spec.expert_bias else ''}the {spec.expert_activation} activation"
+    """Why the host cannot compute this model's experts, or None: any activation but HOST_ACTIVATIONS is the
+    GPU's alone."""
+    if spec.expert_activation not in HOST_ACTIVATIONS:
+        return f"the host's expert kernels compute {' and '.join(HOST_ACTIVATIONS)} experts, not {spec.arch}'s " + (
+            f"{spec.expert_activation} ones"
         )
     return None
 

@@ -38,6 +38,10 @@ typedef struct {
     const int32_t *esc_index;   /* positions in the expert's V values, ascending within an expert */
     const uint16_t *esc_bits;   /* their bf16 bits, kept whole */
     int64_t first_value;        /* this family's first value in the expert's row of V (0 or V13) */
+    /* the expert's biases, one a row, added to its rows' outputs (ferry_bias_at): bytes from the expert's row
+     * start, -1 none. bf16 banks keep them as bf16 (rows after the weights: bias_rows), every other format
+     * as float32 (quantized rows' bias part); packed banks hold none */
+    int64_t bias_offset;
 } ferry_family;
 
 typedef struct {
@@ -49,6 +53,9 @@ typedef struct {
     const float *pair_weight;
     ferry_family w13, w2;
     float *out; /* float32 [tokens, hidden], overwritten */
+    /* the activation: 0, silu(gate) * up; else gpt-oss's clamped SwiGLU (kernels/expert_epilogue.py):
+     * g = min(gate, limit), u = clamp(up, -limit, limit), (u + 1) * g * sigmoid(alpha * g) */
+    double swiglu_limit, swiglu_alpha;
 } ferry_job;
 
 /* The rows one instruction set computes: y[t * y_stride + (r - r0)] = sum_c w[r, c] * a[t * a_stride + c]
@@ -98,5 +105,18 @@ static inline uint16_t ferry_f32_to_bf16(float f) {
 }
 
 static inline float ferry_round_bf16(float f) { return ferry_bf16_to_f32(ferry_f32_to_bf16(f)); }
+
+/* row r's bias of family f (format `format`) for the expert whose bytes start at `expert`, as stored */
+static inline float ferry_bias_at(const ferry_family *f, int format, const uint8_t *expert, int64_t r) {
+    const uint8_t *at = expert + f->bias_offset;
+    if (format == FERRY_BF16) {
+        uint16_t b;
+        __builtin_memcpy(&b, at + 2 * r, 2);
+        return ferry_bf16_to_f32(b);
+    }
+    float v;
+    __builtin_memcpy(&v, at + 4 * r, 4); /* a part's offset need not be 4-aligned */
+    return v;
+}
 
 #endif

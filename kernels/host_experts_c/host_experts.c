@@ -2,10 +2,11 @@
  *
  * One call computes one MoE layer's listed (token, expert, router weight) pairs for a few tokens,
  * the contract of HostExperts.compute (host_experts.py): per expert, gate/up rows for all of its
- * tokens at once (every weight read once), SiLU(gate) * up, down, then per token the pairs' weighted
+ * tokens at once (every weight read once), the gate/up biases where the experts have them, the activation
+ * (SiLU(gate) * up, or gpt-oss's clamped SwiGLU), down and its bias, then per token the pairs' weighted
  * rows summed in the order the pairs are listed, into float32 [T, H]. In bf16 compute the values
- * are rounded to bf16 where the torch path rounds them (its F.linear outputs, SiLU, the product),
- * so the two agree to float32 sums' order; in float32 compute nothing is rounded but the sums.
+ * are rounded to bf16 where the torch path rounds them (its F.linear outputs, the bias sums, each op of
+ * the activation), so the two agree to float32 sums' order; in float32 compute nothing is rounded but the sums.
  *
  * Work split, as items the pool's threads claim (thread_pool.h): phase 0's items are CHUNK intermediate
  * rows of one expert (its gate rows and their up rows together, so an item finishes its h values
@@ -114,15 +115,42 @@ void ferry_host_kernel_destroy(void *handle) {
 
 static inline float silu(float g) { return g / (1.0f + expf(-g)); }
 
-/* h for rows i0.. of slots s0..s0+n from their gate and up rows (g, u: [n, CHUNK]) */
-static void combine(const plan *p, int64_t s0, int n, int64_t i0, int len, const float *g, const float *u) {
-    int bf16 = p->job->act == FERRY_ACT_BF16;
-    for (int t = 0; t < n; t++)
-        for (int j = 0; j < len; j++) {
+/* h for rows i0.. of slots s0..s0+n from their gate and up rows (g, u: [n, CHUNK]) of the expert whose w13
+ * bytes start at `w`: the biases added, then the activation. In bf16 compute every step is rounded to bf16
+ * where the torch path (the reference twin) rounds it: the linear outputs, each bias (to bf16, as the twin
+ * adds it) and each sum, then each op of the activation, as torch computes a bf16 op in float32 and rounds
+ * it; a python scalar (alpha) stays float32 in a product, a clamp's bound is rounded to bf16 first. */
+static void combine(const plan *p, const uint8_t *w, int64_t s0, int n, int64_t i0, int len, const float *g,
+                    const float *u) {
+    const ferry_job *job = p->job;
+    int bf16 = job->act == FERRY_ACT_BF16, bias = job->w13.bias_offset >= 0, format = (int)job->format;
+    float limit = (float)job->swiglu_limit, alpha = (float)job->swiglu_alpha;
+    if (bf16) limit = ferry_round_bf16(limit);
+    for (int j = 0; j < len; j++) {
+        float bg = 0.0f, bu = 0.0f;
+        if (bias) {
+            bg = ferry_bias_at(&job->w13, format, w, i0 + j);
+            bu = ferry_bias_at(&job->w13, format, w, job->inter + i0 + j);
+            if (bf16) bg = ferry_round_bf16(bg), bu = ferry_round_bf16(bu);
+        }
+        for (int t = 0; t < n; t++) {
             float gate = g[t * CHUNK + j], up = u[t * CHUNK + j], h;
-            if (bf16) { /* the torch path: bf16 linear outputs, bf16 SiLU, a bf16 product */
-                up = ferry_round_bf16(up);
-                h = ferry_round_bf16(ferry_round_bf16(silu(ferry_round_bf16(gate))) * up);
+            if (bf16) gate = ferry_round_bf16(gate), up = ferry_round_bf16(up);
+            if (bias) {
+                gate += bg, up += bu;
+                if (bf16) gate = ferry_round_bf16(gate), up = ferry_round_bf16(up);
+            }
+            if (limit > 0.0f) { /* torch's clamp: min(max(x, lo), hi) */
+                gate = fminf(gate, limit);
+                up = fminf(fmaxf(up, -limit), limit);
+                if (bf16) {
+                    float sig = ferry_round_bf16(1.0f / (1.0f + expf(-ferry_round_bf16(gate * alpha))));
+                    h = ferry_round_bf16(ferry_round_bf16(up + 1.0f) * ferry_round_bf16(gate * sig));
+                } else {
+                    h = (up + 1.0f) * (gate * (1.0f / (1.0f + expf(-(gate * alpha)))));
+                }
+            } else if (bf16) { /* bf16 SiLU, a bf16 product */
+                h = ferry_round_bf16(ferry_round_bf16(silu(gate)) * up);
             } else {
                 h = silu(gate) * up;
             }
@@ -130,6 +158,7 @@ static void combine(const plan *p, int64_t s0, int n, int64_t i0, int len, const
             if (p->a_bf16) ((uint16_t *)p->ha)[at] = ferry_f32_to_bf16(h); /* exact: h is bf16 already */
             else ((float *)p->ha)[at] = h;
         }
+    }
 }
 
 static const uint8_t *expert_bytes(const ferry_family *f, int64_t expert) {
@@ -150,7 +179,7 @@ static void gate_up_item(const plan *p, int worker, int64_t item) {
         p->rows(&job->w13, (int)job->format, (int)job->act, w, a, p->hpad, n, c, c + len, g, CHUNK, p->prefetch);
         p->rows(&job->w13, (int)job->format, (int)job->act, w, a, p->hpad, n, inter + c, inter + c + len, u, CHUNK,
                 p->prefetch);
-        combine(p, s0, n, c, len, g, u);
+        combine(p, w, s0, n, c, len, g, u);
     }
 }
 
@@ -170,13 +199,23 @@ static void down_item(const plan *p, int64_t item) {
                     hidden, p->prefetch);
         }
     }
-    int bf16 = job->act == FERRY_ACT_BF16;
+    int bf16 = job->act == FERRY_ACT_BF16, format = (int)job->format;
     for (int64_t t = 0; t < job->tokens; t++) memset(job->out + t * hidden + r0, 0, (size_t)(r1 - r0) * sizeof(float));
     for (int64_t q = 0; q < job->n_pairs; q++) {
         float *o = job->out + job->pair_token[q] * hidden;
         const float *y = p->y + p->pair_slot[q] * hidden;
         float weight = job->pair_weight[q];
-        for (int64_t r = r0; r < r1; r++) o[r] += (bf16 ? ferry_round_bf16(y[r]) : y[r]) * weight;
+        if (job->w2.bias_offset < 0) {
+            for (int64_t r = r0; r < r1; r++) o[r] += (bf16 ? ferry_round_bf16(y[r]) : y[r]) * weight;
+            continue;
+        }
+        /* the down bias joins the (rounded) output before the router weight, as the twin adds it */
+        const uint8_t *w = expert_bytes(&job->w2, job->pair_expert[q]);
+        for (int64_t r = r0; r < r1; r++) {
+            float b = ferry_bias_at(&job->w2, format, w, r);
+            float v = bf16 ? ferry_round_bf16(ferry_round_bf16(y[r]) + ferry_round_bf16(b)) : y[r] + b;
+            o[r] += v * weight;
+        }
     }
 }
 
@@ -190,6 +229,9 @@ static size_t aligned(size_t bytes) { return (bytes + 63) & ~(size_t)63; }
 static int valid(const ferry_job *job) {
     if (job->format < FERRY_F32 || job->format > FERRY_MXFP4 || job->act < 0 || job->act > 1) return 0;
     if (job->tokens < 0 || job->hidden < 1 || job->inter < 1 || job->n_pairs < 0) return 0;
+    if (!(job->swiglu_limit >= 0.0) || !isfinite(job->swiglu_limit) || !isfinite(job->swiglu_alpha)) return 0;
+    if ((job->w13.bias_offset < 0) != (job->w2.bias_offset < 0)) return 0; /* both projections' biases or neither */
+    if (job->format == FERRY_PACKED && job->w13.bias_offset >= 0) return 0;  /* packed banks hold no biases */
     if ((job->format == FERRY_NVFP4 || job->format == FERRY_MXFP4) &&
         (job->hidden % FERRY_FP4_GROUP(job->format) || job->inter % FERRY_FP4_GROUP(job->format)))
         return 0;

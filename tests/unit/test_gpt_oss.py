@@ -22,7 +22,7 @@ from tiny_models import redrawn_tiny_checkpoint, swiglu_from_config, tiny_model
 
 from ferry.kernels.expert_epilogue import ExpertActivation
 from ferry.plan.costs import ALLOC_GRANULE
-from ferry.plan.expert_backend import host_compute_refusal, plan_expert_backend
+from ferry.plan.expert_backend import host_compute_refusal, physical_cores, plan_expert_backend
 from ferry.plan.model_config import parse_model_config
 from ferry.services.worker.layers.rotary import RotaryEmbedding
 from ferry.shared.errors import ConfigError
@@ -130,7 +130,8 @@ def test_ferry_plan_prices_gpt_oss_tensor_by_tensor(tmp_path, name, layers, expe
     # w13 [2I, H] + one row of its 2I biases (2I / H = 2), w2 [H, I] + one row of its H biases
     assert plan["experts"]["bytes_per_slot"] == 2 * ((2 * inter + 2) * hidden + (hidden + 1) * inter)
     assert plan["host"]["expert_bank_format"] == "plain"  # packed banks hold no biases
-    assert plan["expert_backend"]["backend"] == "gpu"
+    # the host may compute them: auto decides by this machine's cores alone
+    assert plan["expert_backend"]["backend"] == plan_expert_backend(None, None, True, physical_cores()).backend
     assert plan["total_bytes"] <= plan["budget_bytes"]
 
 
@@ -150,14 +151,32 @@ def test_config_json_fields_gpt_oss_cannot_serve_are_refused_by_field(fields, me
         parse_model_config({**raw, **fields})
 
 
-def test_the_host_does_not_compute_biased_clamped_experts(model):
+def test_the_host_computes_biased_clamped_experts_so_every_backend_serves_them(model):
+    """The host's kernels compute the biases and the clamped SwiGLU (tests/unit/offload/test_host_expert_epilogue.py):
+    auto shares gpt-oss's misses with the host where the cores allow, cpu and hybrid are taken; an activation
+    the host kernels lack is still refused."""
     _, spec, _ = model
-    reason = host_compute_refusal(spec)
-    assert reason is not None and "biases" in reason
-    assert plan_expert_backend(None, None, offloaded=True, cores=64, host_refusal=reason).backend == "gpu"
+    assert host_compute_refusal(spec) is None
+    assert plan_expert_backend(None, None, offloaded=True, cores=64, host_refusal=None).backend == "hybrid"
     for backend, threads in (("cpu", None), ("hybrid", None), ("auto", 8)):
-        with pytest.raises(ConfigError, match="use --expert-backend gpu"):
-            plan_expert_backend(backend, threads, True, 64, host_refusal=reason)
+        assert plan_expert_backend(backend, threads, True, 64).backend == ("hybrid" if backend == "auto" else backend)
+    other = host_compute_refusal(dataclasses.replace(spec, expert_activation="gelu"))
+    assert other is not None and "gelu" in other
+    with pytest.raises(ConfigError, match="use --expert-backend gpu"):
+        plan_expert_backend("cpu", None, True, 64, host_refusal=other)
+
+
+def test_ferry_plan_shares_gpt_oss_120b_with_a_server_host_under_auto(monkeypatch, capsys):
+    """gpt-oss-120b (mxfp4, biases in the rows) at 24 GiB on a host of 32 physical cores: auto takes hybrid."""
+    from ferry.plan import planner
+    from ferry.services.cli import main
+
+    monkeypatch.setattr(planner, "physical_cores", lambda: 32)
+    argv = ["plan", "--model", str(GPT_OSS_120B), "--gpu-memory", "24GiB", "--host-memory", "512GiB", "--json"]
+    assert main(argv) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["experts"]["format"] == "mxfp4" and plan["experts"]["slots"] < plan["experts"]["total"]
+    assert plan["expert_backend"]["backend"] == "hybrid" and plan["expert_backend"]["host_threads"] == 28
 
 
 @pytest.fixture(scope="module")
@@ -182,6 +201,21 @@ def test_offloaded_generation_equals_resident_and_transformers(gpt_oss_checkpoin
     assert offloaded["expert_cache"]["misses"] > 0
     assert offloaded["token_ids"] == resident["token_ids"]
     assert offloaded["logprobs"] == resident["logprobs"]
+
+
+HOST_LOGPROB_TOLERANCE = 1e-4  # the host's sums run in another order than the resident kernels' (test_gguf_checkpoints)
+
+
+def test_generation_with_the_host_backend_equals_resident(gpt_oss_checkpoint, capsys):
+    """--expert-backend cpu serves gpt-oss (the plan no longer keeps its biased clamped experts on the GPU) and
+    generates what resident does. On this CPU device the worker computes every expert itself, so the host's
+    kernels are held to the twin in tests/unit/offload/test_host_expert_epilogue.py."""
+    resident = ferry_generate(capsys, gpt_oss_checkpoint, *ARGS)
+    slots = str(resident["plan"]["experts"]["min_slots"])
+    host = ferry_generate(capsys, gpt_oss_checkpoint, *ARGS, "--moe-cache-size", slots, "--expert-backend", "cpu")
+    assert host["plan"]["expert_backend"]["backend"] == "cpu" and host["expert_cache"]["misses"] > 0
+    assert host["token_ids"] == resident["token_ids"]
+    assert max(abs(a - b) for a, b in zip(host["logprobs"], resident["logprobs"])) < HOST_LOGPROB_TOLERANCE
 
 
 def test_dummy_weights_boot_resident_and_offloaded(gpt_oss_checkpoint, capsys):
@@ -349,6 +383,9 @@ def test_mxfp4_gpt_oss_equals_its_dequantized_weights_resident_and_offloaded(gpt
     offloaded = ferry_generate(capsys, out, *ARGS, "--moe-cache-size", slots)
     assert offloaded["expert_cache"]["misses"] > 0
     assert offloaded["token_ids"] == resident["token_ids"] and offloaded["logprobs"] == resident["logprobs"]
+    host = ferry_generate(capsys, out, *ARGS, "--moe-cache-size", slots, "--expert-backend", "cpu")
+    assert host["plan"]["expert_backend"]["backend"] == "cpu" and host["token_ids"] == resident["token_ids"]
+    assert max(abs(a - b) for a, b in zip(host["logprobs"], resident["logprobs"])) < HOST_LOGPROB_TOLERANCE
     for extra in ((), ("--moe-cache-size", slots)):  # --load-format dummy: mxfp4 rows filled, their biases zero
         dummy = ferry_generate(capsys, out, *ARGS, "--load-format", "dummy", *extra)
         assert dummy["plan"]["experts"]["format"] == "mxfp4" and all(math.isfinite(lp) for lp in dummy["logprobs"])
@@ -356,8 +393,8 @@ def test_mxfp4_gpt_oss_equals_its_dequantized_weights_resident_and_offloaded(gpt
 
 def test_ferry_plan_prices_the_published_mxfp4_gpt_oss_120b_with_its_biases():
     """The release as published (quantization_config mxfp4): each slot row holds e2m1 codes, e8m0 scales of 32
-    inputs and the float32 biases, each part at 16 bytes; the GPU computes every expert (the host kernels have
-    no biases)."""
+    inputs and the float32 biases, each part at 16 bytes; auto's backend as this machine's cores decide it (the
+    host kernels compute the biases)."""
     hidden, inter = 2880, 2880
     w13 = 2 * inter * hidden // 2 + 2 * inter * hidden // 32 + 2 * inter * 4
     w2 = hidden * inter // 2 + hidden * inter // 32 + hidden * 4
@@ -372,4 +409,5 @@ def test_ferry_plan_prices_the_published_mxfp4_gpt_oss_120b_with_its_biases():
     plan = json.loads(out.stdout)
     assert plan["experts"]["format"] == "mxfp4" and plan["experts"]["bytes_per_slot"] == w13 + w2
     assert plan["host"]["expert_bank_bytes"] == 36 * 128 * (w13 + w2)
-    assert plan["expert_backend"]["backend"] == "gpu" and plan["total_bytes"] <= plan["budget_bytes"]
+    assert plan["expert_backend"]["backend"] == plan_expert_backend(None, None, True, physical_cores()).backend
+    assert plan["total_bytes"] <= plan["budget_bytes"]

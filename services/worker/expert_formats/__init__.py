@@ -58,9 +58,13 @@ class ExpertFormat(Protocol):
         """The C host kernel's code for banks of this format (offload/host_compute/host_expert_kernel.py), or
         KernelUnavailable."""
 
+    def host_bias_offsets(self) -> tuple[int, int]:
+        """Where the C host kernel finds an expert's biases in its w13 and w2 rows: bytes from the row's start
+        (host_expert_kernel.NO_BIAS without biases); read where `host_kernel_format` gives a code."""
+
     def host_reader(self, banks, dtype: torch.dtype, chunk: int):
         """The torch host path's reader of these banks (offload/host_compute/host_expert_weights.py), computing in
-        `dtype`."""
+        `dtype`, with the experts' biases and activation."""
 
     # quantized formats also have fill_dummy_layer(w13 [E, ...], w2 [E, ...], layer, seed): --load-format
     # dummy's deterministic weights for one MoE layer's rows (bf16 ones come from dummy_weights.py)

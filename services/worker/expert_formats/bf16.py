@@ -6,12 +6,13 @@ reads the bank rows in float32 or bf16; `--load-format dummy` fills them from se
 
 What every worker format gives (the checklist: services/worker/expert_formats/__init__.py): `plan`,
 `name`, `row_shapes`, `write_expert`, `gemm_views` (which pick the kernels), `host_kernel_format`,
-`host_reader`, `copy_engine_default`, `for_shapes`, and for byte rows `fill_dummy_layer`.
+`host_bias_offsets`, `host_reader`, `copy_engine_default`, `for_shapes`, and for byte rows `fill_dummy_layer`.
 
 Experts with biases (gpt-oss: `epilogue` with `bias_rows`) keep them in rows after their weights, w13
 [2I + b13, H] and w2 [H + b2, I] (plan/expert_formats/registry.py's `bias_rows`), so every copy of an
 expert moves its biases; the kernels read them, with the activation, through kernels/expert_epilogue.py's
-EpilogueFamily (the reference twin and the Triton expert kernels; the host's C kernel does not)."""
+EpilogueFamily (the reference twin and the Triton expert kernels), and the host kernels read them in the bank rows
+(`host_bias_offsets`, PlainReader)."""
 
 from __future__ import annotations
 
@@ -101,13 +102,18 @@ class Bf16Experts:
         )
 
     def host_kernel_format(self) -> int:
-        if self.has_epilogue:
-            raise K.KernelUnavailable(f"the C kernel computes unbiased SiLU experts, not {self.activation}")
         if self.dtype not in HOST_KERNEL_FORMATS:
             raise K.KernelUnavailable(f"banks of {self.name} experts have no C kernel")
         return HOST_KERNEL_FORMATS[self.dtype]
 
+    def host_bias_offsets(self) -> tuple[int, int]:
+        """(w13, w2): bytes from an expert's rows to its biases (the rows after its weights, in the bank dtype),
+        K.NO_BIAS without them."""
+        if self.bias_rows == (0, 0):
+            return K.NO_BIAS, K.NO_BIAS
+        size = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.inter * self.hidden * size, self.hidden * self.inter * size
+
     def host_reader(self, banks, dtype: torch.dtype, chunk: int):
-        if self.has_epilogue:  # plan/expert_backend.py keeps such experts off the host
-            raise ValueError("the host computes unbiased SiLU experts only")
-        return PlainReader(banks, dtype)  # a conversion, if any, is one copy a family
+        """The bank's rows (a conversion, if any, is one copy a family), with their biases and activation."""
+        return PlainReader(banks, dtype, self.bias_rows != (0, 0), self.activation)

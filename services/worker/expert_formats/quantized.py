@@ -98,13 +98,16 @@ class QuantizedExperts(ABC):
         return self.bias or self.activation != SILU_AND_MUL
 
     def host_kernel_format(self) -> int:
-        if self.has_epilogue:  # plan/expert_backend.py keeps such experts off the host
-            raise K.KernelUnavailable(f"the C kernel computes unbiased SiLU experts, not {self.activation}")
         return self.host_kernel_code
 
+    def host_bias_offsets(self) -> tuple[int, int]:
+        """(w13, w2): bytes from an expert's row start to its float32 bias part, K.NO_BIAS without one."""
+        return tuple(
+            next((p.offset for p in layout.parts if p.name == F.BIAS_PART), K.NO_BIAS)
+            for layout in (self.layout13, self.layout2)
+        )
+
     def host_reader(self, banks, dtype: torch.dtype, chunk: int) -> QuantizedReader:
-        if self.has_epilogue:
-            raise ValueError("the host computes unbiased SiLU experts only")
         return QuantizedReader(banks, dtype, chunk)
 
     def row_shapes(self):

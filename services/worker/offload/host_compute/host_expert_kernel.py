@@ -48,6 +48,7 @@ DEFAULT_SPIN_US = 50
 ISAS = {"auto": 0, "portable": 1, "avx512": 2}  # enum ferry_isa (expert_job.h)
 F32, BF16, FP8_BLOCK, NVFP4, PACKED, MXFP4 = range(6)  # enum ferry_format
 ACTS = {torch.float32: 0, torch.bfloat16: 1}  # enum ferry_act: the compute dtypes the kernel has
+NO_BIAS = -1  # ferry_family's bias_offset of experts without biases
 ERRORS = {-1: "an invalid job", -2: "an instruction set this CPU lacks", -3: "out of memory"}
 
 
@@ -71,6 +72,7 @@ class Family(ctypes.Structure):
         ("esc_index", ctypes.c_void_p),
         ("esc_bits", ctypes.c_void_p),
         ("first_value", ctypes.c_int64),
+        ("bias_offset", ctypes.c_int64),  # -1: no biases (NO_BIAS)
     ]
 
 
@@ -92,6 +94,8 @@ class Job(ctypes.Structure):
         ("w13", Family),
         ("w2", Family),
         ("out", ctypes.c_void_p),
+        ("swiglu_limit", ctypes.c_double),  # 0: silu(gate) * up
+        ("swiglu_alpha", ctypes.c_double),
     ]
 
 
@@ -200,14 +204,16 @@ def resolve_spin_us(spin_us: int | None) -> int:
     return _whole_setting(spin_us, SPIN_ENV, DEFAULT_SPIN_US, "the host pool's spin", "µs")
 
 
-def _family(rows: torch.Tensor, out_rows: int, cols: int, part_rows: int, layout=None) -> Family:
-    """One layer's bank of one family: plain rows [E, O, IN], or quantized byte rows [E, B] with their layout."""
+def _family(rows: torch.Tensor, out_rows: int, cols: int, part_rows: int, bias_offset: int, layout=None) -> Family:
+    """One layer's bank of one family: plain rows [E, O, IN], or quantized byte rows [E, B] with their layout;
+    `bias_offset`: bytes from an expert's row start to its biases (NO_BIAS: none)."""
     f = Family(
         base=rows.data_ptr(),
         expert_stride=rows.stride(0) * rows.element_size(),
         rows=out_rows,
         cols=cols,
         part_rows=part_rows,
+        bias_offset=bias_offset,
     )
     if layout is not None:
         parts = {p.name: p for p in layout.parts}
@@ -239,6 +245,7 @@ def _packed_families(banks, layer: int) -> tuple[Family, Family]:
             hi_stride=hi.stride(0),
             exp_base=base.data_ptr() + 4 * which,
             first_value=first,
+            bias_offset=NO_BIAS,
             **escapes,
         )
 
@@ -319,6 +326,10 @@ class HostKernel:
         if dtype not in ACTS:
             raise KernelUnavailable(f"the C kernel computes in float32 or bfloat16, not {dtype}")
         self.format, self.act, self.isa = bank_format(banks), ACTS[dtype], resolve_isa(isa)
+        # the experts' activation (ferry_job's swiglu fields; a limit of 0: silu(gate) * up, packed banks' only one)
+        activation = getattr(banks.format, "activation", None)
+        self.swiglu_limit = float(activation.swiglu_limit) if activation is not None else 0.0
+        self.swiglu_alpha = float(activation.swiglu_alpha) if activation is not None else 1.0
         self.isa_code = ISAS[self.isa]
         self.dtype = dtype
         if not lib.ferry_host_isa_available(self.isa_code):
@@ -368,8 +379,10 @@ class HostKernel:
         h, i = banks.hidden_size, banks.intermediate_size
         quantized = banks.format.quantized
         layout13, layout2 = (banks.format.layout13, banks.format.layout2) if quantized else (None, None)
+        bias13, bias2 = banks.format.host_bias_offsets()
         return [
-            (_family(w13, 2 * i, h, i, layout13), _family(w2, h, i, h, layout2)) for w13, w2 in zip(banks.w13, banks.w2)
+            (_family(w13, 2 * i, h, i, bias13, layout13), _family(w2, h, i, h, bias2, layout2))
+            for w13, w2 in zip(banks.w13, banks.w2)
         ]
 
     def _packed_layout(self) -> None:
@@ -425,6 +438,8 @@ class HostKernel:
             w13=w13,
             w2=w2,
             out=out.data_ptr(),
+            swiglu_limit=self.swiglu_limit,
+            swiglu_alpha=self.swiglu_alpha,
         )
         if not self._destroy.alive:
             raise RuntimeError("the host kernel is closed")

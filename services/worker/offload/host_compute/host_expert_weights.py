@@ -24,7 +24,9 @@ to the compute dtype. e4m3fn's NaN code (0x7F) decodes as 480 x scale instead: q
 448, so no checkpoint holds it, and a test on it would cost a pass over every weight.
 
 Each reader answers `expert(moe_layer, expert) -> (w13 [2I, H], w2 [H, I])`, valid until its next
-call. A reader and its scratch belong to one thread (host_experts.py's)."""
+call, `biases(moe_layer, expert) -> (b13 [2I], b2 [H])` in the compute dtype (rounded to it as the reference
+twin rounds them), or (None, None) for experts without biases, and has the experts' `activation`
+(kernels/expert_epilogue.py). A reader and its scratch belong to one thread (host_experts.py's)."""
 
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ import sys
 
 import torch
 
+from ferry.kernels.expert_epilogue import SILU_AND_MUL, ExpertActivation
 from ferry.kernels.quantized_experts import QuantizedFamily
 
 if sys.byteorder != "little":  # the int16 lanes of an int32 word below are read in little-endian order
@@ -75,19 +78,31 @@ def e2m1_as_fp16(codes: torch.Tensor) -> torch.Tensor:
 
 class PlainReader:
     """Plain banks (HostBanks of w13 [E, 2I, H], w2 [E, H, I]): the bank's own rows when they are in the
-    compute dtype, else each expert converted into a scratch."""
+    compute dtype, else each expert converted into a scratch. `biased`: each expert's rows continue past its
+    weights with its biases (bf16.py's bias_rows: the gate/up biases flat from row 2I of w13, the down biases
+    from row H of w2)."""
 
-    def __init__(self, banks, dtype: torch.dtype):
-        self.banks, self.in_place = banks, banks.dtype == dtype
+    def __init__(self, banks, dtype: torch.dtype, biased: bool = False, activation: ExpertActivation = SILU_AND_MUL):
+        self.banks, self.dtype, self.in_place = banks, dtype, banks.dtype == dtype
+        self.biased, self.activation = biased, activation
+        self.inter, self.hidden = banks.intermediate_size, banks.hidden_size
         if not self.in_place:
             (shape13, _), (shape2, _) = banks.format.row_shapes()
             self.w13, self.w2 = torch.empty(shape13, dtype=dtype), torch.empty(shape2, dtype=dtype)
 
     def expert(self, moe_layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         w13, w2 = self.banks.w13[moe_layer][expert], self.banks.w2[moe_layer][expert]
-        if self.in_place:
-            return w13, w2
-        return self.w13.copy_(w13), self.w2.copy_(w2)
+        if not self.in_place:
+            w13, w2 = self.w13.copy_(w13), self.w2.copy_(w2)
+        return w13[: 2 * self.inter], w2[: self.hidden]  # the weight rows: the bias rows, if any, follow
+
+    def biases(self, moe_layer: int, expert: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if not self.biased:
+            return None, None
+        w13, w2 = self.banks.w13[moe_layer][expert], self.banks.w2[moe_layer][expert]
+        b13 = w13[2 * self.inter :].reshape(-1)[: 2 * self.inter]
+        b2 = w2[self.hidden :].reshape(-1)[: self.hidden]
+        return b13.to(self.dtype), b2.to(self.dtype)
 
 
 class PackedReader:
@@ -108,6 +123,10 @@ class PackedReader:
         self.values = self.bf16 if dtype == torch.bfloat16 else torch.empty(v, dtype=dtype)
         self.w13 = self.values[:v13].view(2 * i, h)
         self.w2 = self.values[v13:].view(h, i)
+        self.activation = SILU_AND_MUL  # packed banks hold experts without biases (packed_banks.py refuses them)
+
+    def biases(self, moe_layer: int, expert: int) -> tuple[None, None]:
+        return None, None
 
     def expert(self, moe_layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         b = self.banks
@@ -162,19 +181,28 @@ class QuantizedFamilyReader:
 
 
 class QuantizedReader:
-    """Quantized banks (HostBanks in the nvfp4 or fp8-block format): each family's byte rows read
+    """Quantized banks (HostBanks in a quantized format: nvfp4, mxfp4, fp8-block...): each family's byte rows read
     through the format's typed views (kernels/quantized_experts.py), dequantized per expert."""
 
     def __init__(self, banks, dtype: torch.dtype, chunk: int = DECODE_CHUNK):
         self.views = [
             banks.format.gemm_views(w13, w2, layer) for layer, (w13, w2) in enumerate(zip(banks.w13, banks.w2))
         ]
+        self.dtype = dtype
         self.w13 = banks.format.family_reader(self.views[0][0], dtype, chunk)
         self.w2 = banks.format.family_reader(self.views[0][1], dtype, chunk)
+        self.activation = self.views[0][0].activation
 
     def expert(self, moe_layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         family13, family2 = self.views[moe_layer]
         return self.w13.weights(family13, expert), self.w2.weights(family2, expert)
+
+    def biases(self, moe_layer: int, expert: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The rows' float32 bias parts, rounded to the compute dtype (as the twin adds them)."""
+        family13, family2 = self.views[moe_layer]
+        if family13.bias is None:
+            return None, None
+        return family13.bias[expert].to(self.dtype), family2.bias[expert].to(self.dtype)
 
 
 def expert_reader(banks, dtype: torch.dtype, chunk: int = DECODE_CHUNK):

@@ -2,8 +2,9 @@
 
 A miss can be paid by copying the expert into a GPU slot, or by computing it where it lies. Given
 the hidden states of a few tokens (x [T, H], in the compute dtype) and (token row, expert, router
-weight) pairs of one MoE layer, `HostExperts.compute` returns float32 [T, H]: per pair gate/up, then
-SiLU(gate) * up, then down, in the compute dtype as the reference twin does
+weight) pairs of one MoE layer, `HostExperts.compute` returns float32 [T, H]: per pair gate/up and their
+biases, then the activation (SiLU(gate) * up, or gpt-oss's clamped SwiGLU), then down and its bias, in the
+compute dtype as the reference twin does
 (kernels/grouped_expert_gemm_reference.py), times the router weight in float32, summed per token in
 the order the pairs are listed. That is the share of the layer's MoE output the GPU path would have
 added for those pairs.
@@ -46,6 +47,7 @@ import structlog
 import torch
 import torch.nn.functional as F
 
+from ferry.kernels.expert_epilogue import SILU_AND_MUL, ExpertActivation
 from ferry.services.worker.offload.host_compute.host_expert_kernel import HostKernel, KernelUnavailable, check_call
 from ferry.services.worker.offload.host_compute.host_expert_weights import DECODE_CHUNK, expert_reader
 
@@ -55,10 +57,23 @@ KERNELS = ("auto", "c", "torch")
 Pair = tuple[int, int, float]  # (token row of x, expert id in the layer, router weight)
 
 
-def expert_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """One expert for the rows of x [n, H]: w13 [2I, H] (gate rows, then up rows), w2 [H, I]; [n, H] in x's dtype."""
-    gate, up = F.linear(x, w13).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, w2)
+def expert_rows(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    activation: ExpertActivation = SILU_AND_MUL,
+) -> torch.Tensor:
+    """One expert for the rows of x [n, H]: w13 [2I, H] (gate rows, then up rows), w2 [H, I], their biases
+    b13 [2I] and b2 [H] (or None) and the activation; [n, H] in x's dtype. Each bias is added after its
+    product, in x's dtype, as the reference twin adds it (not F.linear's fused bias, which rounds once)."""
+    h = F.linear(x, w13)
+    if b13 is not None:
+        h = h + b13
+    gate, up = h.chunk(2, dim=-1)
+    y = F.linear(activation(gate, up), w2)
+    return y if b2 is None else y + b2
 
 
 @functools.cache
@@ -148,7 +163,8 @@ class HostExperts:
             by_expert.setdefault(expert, []).append(i)
         for expert, listed in by_expert.items():  # in order of first appearance
             w13, w2 = self._reader.expert(moe_layer, expert)
+            b13, b2 = self._reader.biases(moe_layer, expert)
             which = torch.tensor(listed, dtype=torch.int64)
-            y = expert_rows(x.index_select(0, tokens[which]), w13, w2)
+            y = expert_rows(x.index_select(0, tokens[which]), w13, w2, b13, b2, self._reader.activation)
             rows[which] = y.float() * weights[which, None]
         return out.index_add_(0, tokens, rows)  # one row at a time, in the pairs' order
