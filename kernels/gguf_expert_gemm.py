@@ -353,7 +353,7 @@ def _gguf_down_kernel(
 def launch_gguf_grouped_kernels(x, w13, w2, rows, launch, b13, b2, epilogue) -> None:
     """The two grouped kernels over GGUF families (quantized_grouped_rows_triton checked them and made `launch`)."""
     h, inter = x.shape[1], w2.cols
-    meta = dict(launch.meta, BLOCK_N=GGUF_BLOCK_N, BLOCK_K=GGUF_BLOCK_K, GGML=GGUF_KERNEL_TYPES[w13.ggml_type])
+    meta = dict(launch.meta, BLOCK_N=GGUF_BLOCK_N, BLOCK_K=GGUF_BLOCK_K)
     act, weights, aligned_args, (lo, hi, shift) = launch.act, launch.weights, launch.aligned_args, launch.window
     up_grid = (launch.grid_m, triton.cdiv(inter, GGUF_BLOCK_N))
     down_grid = (launch.grid_m, triton.cdiv(h, GGUF_BLOCK_N))
@@ -376,6 +376,7 @@ def launch_gguf_grouped_kernels(x, w13, w2, rows, launch, b13, b2, epilogue) -> 
         act.stride(0),
         act.stride(1),
         **meta,
+        GGML=GGUF_KERNEL_TYPES[w13.ggml_type],
         b_ptr=b13,
         stride_bs=epilogue["stride_b13"],
         alpha=epilogue["alpha"],
@@ -400,6 +401,7 @@ def launch_gguf_grouped_kernels(x, w13, w2, rows, launch, b13, b2, epilogue) -> 
         w2.q.stride(0),
         w2.q.stride(1),
         **meta,
+        GGML=GGUF_KERNEL_TYPES[w2.ggml_type],
         b_ptr=b2,
         stride_bs=epilogue["stride_b2"],
         HAS_BIAS=epilogue["HAS_BIAS"],

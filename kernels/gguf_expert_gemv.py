@@ -198,7 +198,7 @@ def launch_gguf_pair_kernels(x, w13, w2, act, rows, weights, slots, slot_offset,
                              b13, b2, epilogue) -> None:  # fmt: skip
     """The two pair kernels over GGUF families (quantized_pair_rows_triton checked them and made `act`)."""
     num_pairs, (inter, h) = act.shape[0], (w2.cols, x.shape[1])
-    tiles, ggml = GGUF_PAIR_TILES, GGUF_KERNEL_TYPES[w13.ggml_type]
+    tiles = GGUF_PAIR_TILES
     _gguf_pair_gate_up_kernel[(num_pairs, triton.cdiv(inter, tiles["gate_up_rows"]))](
         x,
         w13.q,
@@ -215,7 +215,7 @@ def launch_gguf_pair_kernels(x, w13, w2, act, rows, weights, slots, slot_offset,
         w13.q.stride(1),
         BLOCK_N=tiles["gate_up_rows"],
         BLOCK_K=tiles["gate_up_k"],
-        GGML=ggml,
+        GGML=GGUF_KERNEL_TYPES[w13.ggml_type],
         **marking,
         b_ptr=b13,
         stride_bs=epilogue["stride_b13"],
@@ -237,7 +237,7 @@ def launch_gguf_pair_kernels(x, w13, w2, act, rows, weights, slots, slot_offset,
         w2.q.stride(1),
         BLOCK_N=tiles["down_rows"],
         BLOCK_K=tiles["down_k"],
-        GGML=ggml,
+        GGML=GGUF_KERNEL_TYPES[w2.ggml_type],
         b_ptr=b2,
         stride_bs=epilogue["stride_b2"],
         HAS_BIAS=epilogue["HAS_BIAS"],

@@ -366,27 +366,32 @@ def _fp8_pair_down_kernel(
 
 def check_quantized_families(h: int, w13: QuantizedFamily, w2: QuantizedFamily) -> int:
     """I (the intermediate size) once the two families fit H and each other, and their views are what
-    the kernels assume (one format, fp4 inputs in whole groups, GGUF rows in whole blocks of a type with kernels,
-    last axes unit-stride)."""
+    the kernels assume (one format, or GGUF blocks of types with kernels each, as a `gguf-mixed` layer's w13 and w2
+    may differ; fp4 inputs in whole groups, GGUF rows in whole blocks; last axes unit-stride)."""
     formats = (*FP4_SCALES, FP8_BLOCK)
-    if not isinstance(w2, QuantizedFamily) or w13.fmt != w2.fmt or w13.ggml_type != w2.ggml_type:
-        raise ValueError(f"w13 and w2 must be QuantizedFamily of one format ({', '.join(formats)} or GGUF blocks)")
-    if w13.ggml_type is None and w13.fmt not in formats:
-        raise ValueError(f"w13 and w2 must be QuantizedFamily of one format ({', '.join(formats)} or GGUF blocks)")
-    if w13.ggml_type is not None and w13.ggml_type not in GGUF_KERNEL_TYPES:
-        raise ValueError(
-            f"no Triton kernel reads GGUF {w13.ggml_type} blocks (those of {', '.join(GGUF_KERNEL_TYPES)} have them)"
-        )
+    refused = ValueError(f"w13 and w2 must be QuantizedFamily of one format ({', '.join(formats)}) or GGUF blocks")
+    if not isinstance(w2, QuantizedFamily) or (w13.ggml_type is None) != (w2.ggml_type is None):
+        raise refused
+    if w13.ggml_type is None and (w13.fmt != w2.fmt or w13.fmt not in formats):
+        raise refused
+    for ggml_type in {w13.ggml_type, w2.ggml_type} - {None}:
+        if ggml_type not in GGUF_KERNEL_TYPES:
+            raise ValueError(
+                f"no Triton kernel reads GGUF {ggml_type} blocks (those of {', '.join(GGUF_KERNEL_TYPES)} have them)"
+            )
     inter = w2.cols
     if (w13.rows, w13.cols, w13.part_rows, w2.rows, w2.part_rows) != (2 * inter, h, inter, h, h):
         raise ValueError(
             f"quantized families do not fit H={h}: w13 {w13.rows}x{w13.cols} (parts of "
             f"{w13.part_rows}), w2 {w2.rows}x{w2.cols} (parts of {w2.part_rows})"
         )
-    if w13.ggml_type is not None:
-        group = BLOCKS[w13.ggml_type][0]
-    else:
-        group = FP4_SCALES[w13.fmt].group if w13.fmt in FP4_SCALES else 1
+    if w13.ggml_type is not None:  # rows of whole blocks: H of w13's, I of w2's
+        if h % BLOCKS[w13.ggml_type][0] or inter % BLOCKS[w2.ggml_type][0]:
+            raise ValueError(
+                f"GGUF {w13.ggml_type} gate/up rows and {w2.ggml_type} down rows need H ({h}) and I ({inter}) in "
+                "whole blocks"
+            )
+    group = FP4_SCALES[w13.fmt].group if w13.fmt in FP4_SCALES else 1
     if h % group or inter % group:
         raise ValueError(f"{w13.fmt} needs H ({h}) and I ({inter}) to be multiples of {group}")
     views = [v for f in (w13, w2) for v in (f.q, f.scale, f.gscale) if v is not None]

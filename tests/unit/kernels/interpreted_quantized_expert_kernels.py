@@ -1,5 +1,5 @@
-"""Cases for the quantized expert kernels (NVFP4, MXFP4, FP8-block, GGUF blocks) under TRITON_INTERPRET=1, run in a child
-process by test_quantized_expert_kernels.py (interpreted_grouped_expert_gemm.py says why). Each
+"""Cases for the quantized expert kernels (NVFP4, MXFP4, FP8-block, GGUF blocks) under TRITON_INTERPRET=1, run in a
+child process by test_quantized_expert_kernels.py (interpreted_grouped_expert_gemm.py says why). Each
 kernel is reached through the plain entry points' dispatch and compared with
 `quantized_expert_rows_reference`; outputs poisoned first."""
 
@@ -332,6 +332,30 @@ for _fmt in (NVFP4, MXFP4, FP8_BLOCK):
         }
     )
 
+def gguf_mixed_layer_matches(kernel, dtype):
+    """A Q4_K_M layer of a `gguf-mixed` file: w13 in Q4_K, w2 in Q6_K, each `q` the prefix of slot rows sized for
+    a larger type (the slots hold every layer's), through the pair or the grouped kernel, against the twin."""
+    import dataclasses
+
+    hidden, inter, slots = 256, 256, 5
+    x, topk, weights, w13, _ = make_case(gguf_fmt("Q4_K"), 23, 3 if kernel == "pair" else 21, 2, hidden, inter, slots)
+    x = x.to(dtype)
+    _, w2 = make_experts(gguf_fmt("Q6_K"), hidden, inter, slots, torch.Generator().manual_seed(24))
+    used = w13.q[0].numel()
+    wide = torch.full((slots, used * 210 // 144), 255, dtype=torch.uint8)  # slot rows sized for Q6_K; NaN d past q
+    wide[:, :used] = w13.q.reshape(slots, used)
+    w13 = dataclasses.replace(w13, q=wide[:, :used].view(w13.q.shape))
+    got = nan_rows(x, topk)
+    (expert_pair_rows_triton if kernel == "pair" else grouped_expert_rows_triton)(x, topk, weights, w13, w2, got)
+    assert_rows(got, reference_rows(x, topk, weights, w13, w2), topk, TIGHT if dtype == torch.float32 else BF16)
+
+
+CASES.update(
+    {
+        "gguf-mixed/q4_k_q6_k_pair": lambda: gguf_mixed_layer_matches("pair", torch.float32),
+        "gguf-mixed/q4_k_q6_k_grouped": lambda: gguf_mixed_layer_matches("grouped", torch.float32),
+    }
+)
 # GGUF blocks: Q8_0's small shapes; the K-quants' whole 256-value blocks, H two of them (the pair kernels' and the
 # grouped kernels' steps of 64 inputs cross block boundaries), I one
 GGUF_RAGGED = {gguf_fmt("Q8_0"): (288, 96), gguf_fmt("Q4_K"): (512, 256), gguf_fmt("Q6_K"): (512, 256)}
