@@ -1,5 +1,6 @@
 """Grouped expert GEMM by slot straight from quantized slots, in Triton: the NVFP4/MXFP4 and FP8-block
-twins of grouped_expert_gemm.py (same alignment, grid, slot window, fusions and rounding);
+twins of grouped_expert_gemm.py (same alignment, grid, slot window, fusions and rounding; GGUF blocks go on to
+gguf_expert_gemm.py);
 reference: `quantized_expert_rows_reference` (kernels/grouped_expert_gemm_reference.py).
 
 Each program dequantizes its slot's weight tile in registers (as `dequantize_slot` does, rounded to

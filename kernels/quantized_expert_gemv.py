@@ -1,5 +1,6 @@
 """Routed experts pair by pair (decode) straight from quantized slots, in Triton: the NVFP4/MXFP4 and
-FP8-block twins of expert_pair_gemv.py (same contract, grid and fusions); reference:
+FP8-block twins of expert_pair_gemv.py (same contract, grid and fusions; GGUF blocks go on to
+gguf_expert_gemv.py); reference:
 `quantized_expert_rows_reference` (kernels/grouped_expert_gemm_reference.py).
 
 Why in registers: decode is paced by the bytes the GEMV reads, and a quantized slot holds 0.28

@@ -332,6 +332,7 @@ for _fmt in (NVFP4, MXFP4, FP8_BLOCK):
         }
     )
 
+
 def gguf_mixed_layer_matches(kernel, dtype):
     """A Q4_K_M layer of a `gguf-mixed` file: w13 in Q4_K, w2 in Q6_K, each `q` the prefix of slot rows sized for
     a larger type (the slots hold every layer's), through the pair or the grouped kernel, against the twin."""
