@@ -1,6 +1,6 @@
 """The GGUF block kernels (Q8_0, Q4_K, Q6_K; gguf_expert_gemv.py, gguf_expert_gemm.py) against
-`quantized_expert_rows_reference`, which decodes the blocks with kernels/gguf_blocks.py (held bit for bit to the gguf
-package's numpy dequantization by test_gguf_checkpoints.py's test_the_torch_twin_decodes_blocks_as_the_gguf_package), under TRITON_INTERPRET=1: the cases of
+`quantized_expert_rows_reference`, which decodes the blocks with kernels/gguf_blocks.py (held bit for bit to the
+gguf package's numpy dequantization by test_gguf_checkpoints.py), under TRITON_INTERPRET=1: the cases of
 interpreted_quantized_expert_kernels.py named by each block type (and a Q4_K_M layer's mix), one child process a
 type, as the K-quants' whole 256-value blocks make them slow to interpret."""
 
