@@ -490,7 +490,7 @@ def gguf_signatures(dtype: str) -> list:
     out = []
     for ggml_type, ggml in gpair.GGUF_KERNEL_TYPES.items():
         for fn, sig in ((gk._gguf_gate_up_kernel, gate_up), (gk._gguf_down_kernel, down)):
-            out += grouped_entries(
+            entries = grouped_entries(
                 fn,
                 sig,
                 dtype,
@@ -505,6 +505,7 @@ def gguf_signatures(dtype: str) -> list:
                 },
                 ggml_type,
             )
+            out += [(*entry, {"num_warps": gk.GGUF_NUM_WARPS}) for entry in entries]
         gate_up_tile = {"BLOCK_N": tiles["gate_up_rows"], "BLOCK_K": tiles["gate_up_k"]}
         down_tile = {"BLOCK_N": tiles["down_rows"], "BLOCK_K": tiles["down_k"]}
         for fn, sig, consts in (
