@@ -1,5 +1,6 @@
 """Grouped expert GEMM by slot straight from quantized slots, in Triton: the NVFP4/MXFP4 and FP8-block
-twins of grouped_expert_gemm.py (same alignment, grid, slot window, fusions and rounding);
+twins of grouped_expert_gemm.py (same alignment, grid, slot window, fusions and rounding; GGUF blocks go on to
+gguf_expert_gemm.py);
 reference: `quantized_expert_rows_reference` (kernels/grouped_expert_gemm_reference.py).
 
 Each program dequantizes its slot's weight tile in registers (as `dequantize_slot` does, rounded to
@@ -25,6 +26,7 @@ import triton.language as tl
 from ferry.kernels.aligned_blocks import SLOT_WINDOW_ALL, block_rows, grouped_launch, window_blocks
 from ferry.kernels.expert_epilogue import gate_up_activation
 from ferry.kernels.expert_rows_sum import check_rows
+from ferry.kernels.gguf_expert_gemm import launch_gguf_grouped_kernels
 from ferry.kernels.quantized_expert_gemv import (
     _e2m1_high,
     _e2m1_low,
@@ -824,6 +826,10 @@ def quantized_grouped_rows_triton(
     check_rows(rows, x, topk_weights.shape[1])
     launch = grouped_launch(x, topk_slots, topk_weights, w13.num_slots, inter, aligned, max_distinct_slots, slot_window)
     if launch is None:
+        return
+    if w13.ggml_type is not None:  # GGUF blocks: gguf_expert_gemm.py
+        b13, b2, epilogue = quantized_epilogue_args(w13, w2)
+        launch_gguf_grouped_kernels(x, w13, w2, rows, launch, b13, b2, epilogue)
         return
     block_k = block_k_for(w13.fmt, launch.meta["BLOCK_M"], x.dtype)
     meta = dict(launch.meta, BLOCK_N=BLOCK_N, BLOCK_K=block_k)  # all four

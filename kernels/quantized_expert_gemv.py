@@ -1,5 +1,6 @@
 """Routed experts pair by pair (decode) straight from quantized slots, in Triton: the NVFP4/MXFP4 and
-FP8-block twins of expert_pair_gemv.py (same contract, grid and fusions); reference:
+FP8-block twins of expert_pair_gemv.py (same contract, grid and fusions; GGUF blocks go on to
+gguf_expert_gemv.py); reference:
 `quantized_expert_rows_reference` (kernels/grouped_expert_gemm_reference.py).
 
 Why in registers: decode is paced by the bytes the GEMV reads, and a quantized slot holds 0.28
@@ -28,6 +29,8 @@ import triton
 import triton.language as tl
 
 from ferry.kernels.expert_epilogue import gate_up_activation
+from ferry.kernels.gguf_blocks import BLOCKS
+from ferry.kernels.gguf_expert_gemv import GGUF_KERNEL_TYPES, launch_gguf_pair_kernels
 from ferry.kernels.pair_tiles import TILES
 from ferry.kernels.quantized_experts import FP4_SCALES, FP8_BLOCK, QuantizedFamily
 from ferry.kernels.router_topk import mark_args, mark_routed_slot
@@ -364,16 +367,31 @@ def _fp8_pair_down_kernel(
 
 def check_quantized_families(h: int, w13: QuantizedFamily, w2: QuantizedFamily) -> int:
     """I (the intermediate size) once the two families fit H and each other, and their views are what
-    the kernels assume (one format, fp4 inputs in whole groups, last axes unit-stride)."""
+    the kernels assume (one format, or GGUF blocks of types with kernels each, as a `gguf-mixed` layer's w13 and w2
+    may differ; fp4 inputs in whole groups, GGUF rows in whole blocks; last axes unit-stride)."""
     formats = (*FP4_SCALES, FP8_BLOCK)
-    if not isinstance(w2, QuantizedFamily) or w13.fmt != w2.fmt or w13.fmt not in formats:
-        raise ValueError(f"w13 and w2 must be QuantizedFamily of one format ({', '.join(formats)})")
+    refused = ValueError(f"w13 and w2 must be QuantizedFamily of one format ({', '.join(formats)}) or GGUF blocks")
+    if not isinstance(w2, QuantizedFamily) or (w13.ggml_type is None) != (w2.ggml_type is None):
+        raise refused
+    if w13.ggml_type is None and (w13.fmt != w2.fmt or w13.fmt not in formats):
+        raise refused
+    for ggml_type in {w13.ggml_type, w2.ggml_type} - {None}:
+        if ggml_type not in GGUF_KERNEL_TYPES:
+            raise ValueError(
+                f"no Triton kernel reads GGUF {ggml_type} blocks (those of {', '.join(GGUF_KERNEL_TYPES)} have them)"
+            )
     inter = w2.cols
     if (w13.rows, w13.cols, w13.part_rows, w2.rows, w2.part_rows) != (2 * inter, h, inter, h, h):
         raise ValueError(
             f"quantized families do not fit H={h}: w13 {w13.rows}x{w13.cols} (parts of "
             f"{w13.part_rows}), w2 {w2.rows}x{w2.cols} (parts of {w2.part_rows})"
         )
+    if w13.ggml_type is not None:  # rows of whole blocks: H of w13's, I of w2's
+        if h % BLOCKS[w13.ggml_type][0] or inter % BLOCKS[w2.ggml_type][0]:
+            raise ValueError(
+                f"GGUF {w13.ggml_type} gate/up rows and {w2.ggml_type} down rows need H ({h}) and I ({inter}) in "
+                "whole blocks"
+            )
     group = FP4_SCALES[w13.fmt].group if w13.fmt in FP4_SCALES else 1
     if h % group or inter % group:
         raise ValueError(f"{w13.fmt} needs H ({h}) and I ({inter}) to be multiples of {group}")
@@ -390,7 +408,7 @@ def quantized_epilogue_args(w13: QuantizedFamily, w2: QuantizedFamily) -> tuple[
     has_bias, activation = w13.bias is not None, w13.activation
     if (w2.bias is not None) != has_bias:
         raise ValueError("an expert's gate/up and down projections have biases both or neither")
-    if (has_bias or activation.swiglu_limit) and w13.fmt not in FP4_SCALES:
+    if (has_bias or activation.swiglu_limit) and w13.fmt not in FP4_SCALES and w13.ggml_type is None:
         raise ValueError(f"the {w13.fmt} expert kernels compute no expert biases or clamped SwiGLU")
     if has_bias and (w13.bias.stride(-1) != 1 or w2.bias.stride(-1) != 1):
         raise ValueError("expert biases must be unit-stride along their rows")
@@ -402,7 +420,8 @@ def quantized_epilogue_args(w13: QuantizedFamily, w2: QuantizedFamily) -> tuple[
         HAS_BIAS=has_bias,
         SWIGLU=bool(activation.swiglu_limit),
     )
-    return (w13.bias if has_bias else w13.scale), (w2.bias if has_bias else w2.scale), args
+    stand_in13, stand_in2 = (w13.q, w2.q) if w13.scale is None else (w13.scale, w2.scale)
+    return (w13.bias if has_bias else stand_in13), (w2.bias if has_bias else stand_in2), args
 
 
 def quantized_pair_rows_triton(
@@ -431,6 +450,12 @@ def quantized_pair_rows_triton(
     slots = topk_slots if topk_slots.is_contiguous() else topk_slots.contiguous()
     weights = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
     act = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    if w13.ggml_type is not None:  # GGUF blocks: gguf_expert_gemv.py
+        b13, b2, epilogue = quantized_epilogue_args(w13, w2)
+        launch_gguf_pair_kernels(
+            x, w13, w2, act, rows, weights, slots, slot_offset, top_k, table, n_rows, marking, b13, b2, epilogue
+        )
+        return
     tiles = TILES[w13.fmt]
     up_grid, down_grid = (
         (num_pairs, triton.cdiv(inter, tiles.gate_up_rows)),

@@ -25,8 +25,10 @@ the same layout). `QuantizedFamily` holds the typed strided views of those parts
   row_block(o) = (o // part_rows) * ceil(part_rows / 128) + (o % part_rows) // 128.
 
 * **GGUF blocks** (a GGUF file's experts, `ggml_type` set): `q` uint8 [S, O, row bytes], the file's blocks
-  unchanged, their scales inside; no Triton kernel reads them yet, only the twin (kernels/gguf_blocks.py). A file
-  mixing types by layer (`gguf-mixed`) gives each MoE layer its own family, `q` a prefix of the slots' longer rows.
+  unchanged, their scales inside, decoded by the twin (kernels/gguf_blocks.py) and, for the types in
+  kernels/gguf_expert_gemv.py's GGUF_KERNEL_TYPES, by the Triton kernels (gguf_expert_gemv.py, gguf_expert_gemm.py).
+  A file mixing types by layer (`gguf-mixed`) gives each MoE layer its own family, `q` a prefix of the slots' longer
+  rows.
 
 Dequantization is computed in float32 and rounded once to the activations' dtype; the kernels do
 the same per element, so the reference (dequantize the slot, then the plain reference GEMM:

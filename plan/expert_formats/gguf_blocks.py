@@ -26,8 +26,9 @@ class GgufBlockFormat(ExpertFormat):
     ggml_type = ""
     block = 0
     block_bytes = 0
-    # GGUF blocks have no CUDA expert kernels yet (only the torch twin, kernels/gguf_blocks.py): the worker
-    # refuses them on CUDA at boot rather than fail in the first step
+    # a type's Triton kernels (kernels/gguf_expert_gemv.py, gguf_expert_gemm.py) are set per type: the others have
+    # only the torch twin (kernels/gguf_blocks.py), so the worker refuses them on CUDA at boot rather than fail in
+    # the first step
     cuda_kernels = False
 
     @property

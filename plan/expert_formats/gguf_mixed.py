@@ -31,7 +31,7 @@ class GgufMixed(ExpertFormat):
     name = GGUF_MIXED
     quantized = True
     checkpoint_algos = ((GGUF_METHOD, MIXED_TYPES),)
-    cuda_kernels = False  # as its types' formats (plan/expert_formats/gguf_blocks.py)
+    cuda_kernels = False  # a file's own types decide (`reads_on_cuda`)
     worker = "ferry.services.worker.expert_formats.gguf_mixed:GgufMixedExperts"
 
     def type_format(self, ggml_type: str) -> GgufBlockFormat:
@@ -40,6 +40,10 @@ class GgufMixed(ExpertFormat):
         if not isinstance(fmt, GgufBlockFormat):
             raise ValueError(f"{self.name}: the experts' ggml type {ggml_type!r} is held by no GGUF block format")
         return fmt
+
+    def reads_on_cuda(self, spec: ModelSpec) -> bool:
+        """Every type of the file's layers has CUDA kernels (Q4_K_M's Q4_K and Q6_K do)."""
+        return all(self.type_format(t).cuda_kernels for pair in self.layer_types(spec) for t in pair)
 
     def layer_types(self, spec: ModelSpec) -> tuple[tuple[str, str], ...]:
         """(w13's ggml type, w2's) of each MoE layer (quantization_config's expert_types); a ValueError unless one

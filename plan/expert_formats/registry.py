@@ -81,6 +81,11 @@ class ExpertFormat:
     worker = ""  # "module:Class" of its torch side (services/worker/expert_formats/)
     cuda_kernels = True  # the expert kernels read its slots on CUDA (else the worker refuses it there at boot)
 
+    def reads_on_cuda(self, spec: ModelSpec) -> bool:
+        """Whether the CUDA expert kernels read this model's slots of this format (the worker refuses it on CUDA at
+        boot otherwise): `cuda_kernels`, unless the format's rows differ by model (gguf-mixed's types)."""
+        return self.cuda_kernels
+
     @property
     def module_stem(self) -> str:
         """Its modules' file name, the same under plan/expert_formats/ and services/worker/expert_formats/."""

@@ -165,7 +165,7 @@ def boot_worker(cfg: WorkerBootConfig) -> tuple[StepExecutor, Plan]:
     device = select_device(cfg.device)
     files = open_model(cfg.model, cfg.load_format, cfg.revision)
     slots = expert_formats.format_of(files.spec)
-    if device.type == "cuda" and not slots.cuda_kernels:  # refused before the device is touched
+    if device.type == "cuda" and not slots.reads_on_cuda(files.spec):  # refused before the device is touched
         raise ConfigError(
             f"the routed experts are {slots.name}, which no CUDA expert kernel reads yet: run this model with "
             "--device cpu"

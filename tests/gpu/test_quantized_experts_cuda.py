@@ -1,4 +1,4 @@
-"""Quantized experts on CUDA (issue 21): the NVFP4, MXFP4 and FP8-block kernels at real shapes against their
+"""Quantized experts on CUDA (issue 21): the NVFP4, MXFP4, FP8-block and GGUF kernels at real shapes against their
 dequantizing twin, and decoding of quantized tiny checkpoints token for token across every path that
 must not change a bit: graph replay == eager, offloaded (graphs, eager, copy engine, a prefill streamed
 past the cache) == all-resident. (Prefetch on and off is the bf16 tests' concern: it moves the same bytes.)"""
@@ -19,18 +19,22 @@ LAYOUTS = ("modelopt-nvfp4", "fp8", "mxfp4")
 
 def _family(fmt: str, slots: int, hidden: int, inter: int, seed: int):
     """Random (w13, w2) QuantizedFamily views over slot rows on the GPU, as the pool holds them."""
+    from ferry.plan import expert_formats
+    from ferry.services.worker.expert_formats import worker_class
     from ferry.services.worker.expert_formats.fp8_block import Fp8BlockExperts
     from ferry.services.worker.expert_formats.mxfp4 import Mxfp4Experts
     from ferry.services.worker.expert_formats.nvfp4 import Nvfp4Experts
 
-    experts = {"nvfp4": Nvfp4Experts, "mxfp4": Mxfp4Experts, "fp8-block": Fp8BlockExperts}[fmt](hidden, inter)
+    formats = {"nvfp4": Nvfp4Experts, "mxfp4": Mxfp4Experts, "fp8-block": Fp8BlockExperts}
+    experts = (formats[fmt] if fmt in formats else worker_class(expert_formats.get(fmt)))(hidden, inter)
     (s13, d13), (s2, d2) = experts.row_shapes()
     w13, w2 = torch.zeros(slots, *s13, dtype=d13), torch.zeros(slots, *s2, dtype=d2)
     experts.fill_dummy_layer(w13, w2, layer=0, seed=seed)
     return experts.gemm_views(w13.cuda(), w2.cuda())
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "fp8-block"])
+# GGUF blocks with kernels (kernels/gguf_expert_gemv.py, gguf_expert_gemm.py): 2048 and 512 are whole K-quant blocks
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "fp8-block", "gguf-q8_0", "gguf-q4_k", "gguf-q6_k"])
 @pytest.mark.parametrize("tokens", [1, 8, 300])
 def test_quantized_kernels_equal_their_twin_at_35b_shapes(cuda_device, fmt, tokens):
     from ferry.kernels.grouped_expert_gemm import grouped_expert_forward

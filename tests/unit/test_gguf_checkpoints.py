@@ -493,18 +493,39 @@ def test_ferry_plan_and_the_api_tokenizer_read_a_gguf_where_importing_torch_rais
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr
 
 
-def test_gguf_experts_are_refused_on_cuda_before_the_device_is_touched(gguf_models, capsys, monkeypatch):
-    """No CUDA kernel reads GGUF blocks yet (kernels/gguf_blocks.py is the torch twin): boot says so."""
+def test_gguf_types_without_cuda_kernels_are_refused_on_cuda_before_the_device_is_touched(
+    gguf_models, capsys, monkeypatch, tmp_path
+):
+    """Only Q8_0, Q4_K and Q6_K blocks have CUDA kernels (kernels/gguf_expert_gemv.py, gguf_expert_gemm.py): boot
+    refuses the other types, alone or in a mix."""
     from ferry.services.cli import main
     from ferry.services.worker import boot
 
-    path, _, _ = gguf_models("Q4_K")
+    path, _, _ = gguf_models("Q4_0")
     monkeypatch.setattr(boot, "select_device", lambda name: torch.device("cuda"))
     assert main(["generate", str(path), "--prompt-ids", "1,2", "--max-tokens", "1", "--gpu-memory", "64MiB"]) == 2
-    assert "gguf-q4_k, which no CUDA expert kernel reads yet" in capsys.readouterr().err
-    mixed, _, _ = gguf_models("Q4_K_M")  # and a mix of them
-    assert main(["generate", str(mixed), "--prompt-ids", "1,2", "--max-tokens", "1", "--gpu-memory", "64MiB"]) == 2
+    assert "gguf-q4_0, which no CUDA expert kernel reads yet" in capsys.readouterr().err
+    mixed, _, _ = gguf_models("Q4_K_M")
+    with_q5_k = _rewritten(mixed, tmp_path / "q4_k_m_q5_k.gguf", {"blk.1.ffn_down_exps.weight": "Q5_K"})
+    assert main(["generate", str(with_q5_k), "--prompt-ids", "1,2", "--max-tokens", "1", "--gpu-memory", "64MiB"]) == 2
     assert "gguf-mixed, which no CUDA expert kernel reads yet" in capsys.readouterr().err
+
+
+def test_q8_0_q4_k_q6_k_and_q4_k_m_files_are_read_on_cuda(gguf_models):
+    """Their formats say the CUDA kernels read them (the check boot makes), a Q4_K_M mix of Q4_K and Q6_K too."""
+    from ferry.plan import expert_formats
+    from ferry.services.worker.loader import open_model
+
+    for expert_type, fmt in (
+        ("Q8_0", "gguf-q8_0"),
+        ("Q4_K", "gguf-q4_k"),
+        ("Q6_K", "gguf-q6_k"),
+        ("Q4_K_M", "gguf-mixed"),
+    ):
+        spec = open_model(str(gguf_models(expert_type)[0])).spec
+        slots = expert_formats.format_of(spec)
+        assert slots.name == fmt and slots.reads_on_cuda(spec), expert_type
+    assert not expert_formats.get("gguf-q5_k").reads_on_cuda(spec)
 
 
 # ---- a published model's shapes ------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""Cases for the quantized expert kernels (NVFP4, MXFP4, FP8-block) under TRITON_INTERPRET=1, run in a child
-process by test_quantized_expert_kernels.py (interpreted_grouped_expert_gemm.py says why). Each
+"""Cases for the quantized expert kernels (NVFP4, MXFP4, FP8-block, GGUF blocks) under TRITON_INTERPRET=1, run in a
+child process by test_quantized_expert_kernels.py (interpreted_grouped_expert_gemm.py says why). Each
 kernel is reached through the plain entry points' dispatch and compared with
 `quantized_expert_rows_reference`; outputs poisoned first."""
 
@@ -20,8 +20,9 @@ from tests.triton_interpreter_patch import install as install_interpreter_patch 
 install_interpreter_patch()
 
 from long_step_rows import bf16_rows_are_the_float32_rows_rounded_once  # noqa: E402
-from quantized_slots import make_experts  # noqa: E402
+from quantized_slots import GGUF_TEST_TYPES, gguf_fmt, make_experts  # noqa: E402
 
+import ferry.kernels.gguf_blocks as gguf_blocks  # noqa: E402
 import ferry.kernels.grouped_expert_gemm_reference as reference  # noqa: E402
 import ferry.kernels.quantized_experts as qe  # noqa: E402
 from ferry.kernels.align_pairs import align_pairs_by_slot, align_pairs_by_slot_host  # noqa: E402
@@ -33,6 +34,16 @@ from ferry.kernels.quantized_experts import FP4_SCALES, FP8_BLOCK, MXFP4, NVFP4,
 
 TIGHT = dict(rtol=1e-5, atol=1e-5)  # float32 x: only the order of the float32 sums differs
 BF16 = dict(rtol=2e-2, atol=2e-2)  # as the plain kernels' bf16 cases
+
+
+# GGUF formats with kernels (kernels/gguf_expert_gemv.py), as the tests name them (quantized_slots.py)
+GGUF = [gguf_fmt(t) for t in GGUF_TEST_TYPES]
+# the small cases' (H, I): whole blocks of each format (a K-quant block holds 256 values)
+SMALL = {gguf_fmt("Q4_K"): (256, 256), gguf_fmt("Q6_K"): (256, 256)}
+
+
+def small(fmt):
+    return SMALL.get(fmt, (64, 32))
 
 
 def make_case(fmt, seed, tokens, top_k, hidden, inter, slots, dtype=torch.float32, skip=0):
@@ -105,7 +116,11 @@ def copy_slots(dst: QuantizedFamily, start: int, src: QuantizedFamily, lo: int, 
 
 
 def poison(family: QuantizedFamily) -> None:
-    """NaN scales (e8m0: 255, inf): a weight read from a stale slot turns its result NaN or inf."""
+    """NaN scales (e8m0: 255, inf; GGUF blocks: every byte 255, so each block's fp16 d is NaN): a weight read
+    from a stale slot turns its result NaN or inf."""
+    if family.ggml_type is not None:
+        family.q.fill_(255)
+        return
     family.scale.fill_(255 if family.scale.dtype == torch.uint8 else float("nan"))
     if family.gscale is not None:
         family.gscale.fill_(float("nan"))
@@ -116,7 +131,8 @@ def slot_window_computes_one_chunk_at_its_staging_slots(fmt, block_starts=False,
     in a bay of a 6-slot staging family, computed through a slot window; each pair exactly once.
     `block_starts`: each chunk's launch sized for its own blocks; `skewed`: every token's first pair on
     position 0, whose chunk then loops over more blocks than it has programs (the plain case says more)."""
-    x, topk, weights, w13, w2 = make_case(fmt, 14, 40, 3, 64, 32, 9, skip=0 if skewed else 5)
+    hidden, inter = small(fmt)
+    x, topk, weights, w13, w2 = make_case(fmt, 14, 40, 3, hidden, inter, 9, skip=0 if skewed else 5)
     if skewed:
         g = torch.Generator().manual_seed(15)
         topk = torch.stack(
@@ -127,7 +143,7 @@ def slot_window_computes_one_chunk_at_its_staging_slots(fmt, block_starts=False,
     if skewed:
         assert int(aligned[2][4] - aligned[2][0]) > launch_blocks(aligned, topk.numel(), block_m, (0, 4, 2))[3]
     want = reference_rows(x, topk, weights, w13, w2)
-    bay13, bay2 = make_experts(fmt, 64, 32, 6, torch.Generator().manual_seed(1))
+    bay13, bay2 = make_experts(fmt, hidden, inter, 6, torch.Generator().manual_seed(1))
     poison(bay13)
     poison(bay2)
     got = nan_rows(x, topk)
@@ -155,7 +171,7 @@ def bfloat16_within_rounding(fmt):
     interpreter rounds toward zero, so larger shapes drift further; the weights are exact in bf16, see
     make_family), and the pair kernel computing a layer in two groups gives the bits it gives at
     once (what lets an offloading store agree with a resident one)."""
-    x, topk, weights, w13, w2 = make_case(fmt, 3, 9, 2, 64, 32, 5, dtype=torch.bfloat16)
+    x, topk, weights, w13, w2 = make_case(fmt, 3, 9, 2, *small(fmt), 5, dtype=torch.bfloat16)
     want = reference_rows(x, topk, weights, w13, w2).sum(dim=1).to(torch.bfloat16).float()
     for kernel in (grouped_expert_rows_triton, expert_pair_rows_triton):
         got = nan_rows(x, topk)
@@ -171,10 +187,28 @@ def bfloat16_within_rounding(fmt):
     assert torch.equal(at_once, in_groups)
 
 
+def _gguf_wrongly(family, slot, dtype, mistake):
+    """GGUF blocks decoded with one mistake a kernel could make: each block's fp16 fields read as bfloat16 (their
+    bytes' high half), or the blocks read at a stride one byte short (each row's bytes shifted under the decoder)."""
+    q = family.q[slot]
+    _, size = gguf_blocks.BLOCKS[family.ggml_type]
+    if mistake == "block stride one byte short":
+        q = torch.cat((q[:, 1:], q[:, :1]), dim=1)  # block b read at b * size + 1: as if each stride were size - 1
+    if mistake == "d read as bf16":
+        blocks = q.reshape(q.shape[0], -1, size).clone()
+        for offset, _unit in GGUF_TEST_TYPES[family.ggml_type]:
+            as_bf16 = blocks[:, :, offset : offset + 2].contiguous().view(torch.bfloat16).float()
+            blocks[:, :, offset : offset + 2] = as_bf16.to(torch.float16).view(torch.uint8).view(*blocks.shape[:2], 2)
+        q = blocks.reshape(q.shape)
+    return gguf_blocks.dequantize_rows(q, family.ggml_type, dtype)
+
+
 def _dequantize_wrongly(mistake):
     """`dequantize_slot` with one mistake a kernel could make."""
 
     def dequantize(family, slot, dtype):
+        if family.ggml_type is not None:
+            return _gguf_wrongly(family, slot, dtype, mistake)
         if family.fmt == MXFP4:
             q = family.q[slot]
             if mistake == "nibbles swapped":
@@ -204,20 +238,25 @@ def mistakes_are_detected(fmt):
     """The comparisons are sensitive: a reference with the nibbles swapped, the scale divided instead of
     multiplied, (MXFP4) the e8m0 bias off by one, or (FP8) w13's row blocks not restarting at up's first
     row is far from the kernels."""
-    x, topk, weights, w13, w2 = make_case(fmt, 17, 3, 2, 64, 32, 4)
+    x, topk, weights, w13, w2 = make_case(fmt, 17, 3, 2, *small(fmt), 4)
     pair, grouped = nan_rows(x, topk), nan_rows(x, topk)
     expert_pair_rows_triton(x, topk, weights, w13, w2, pair)
     grouped_expert_rows_triton(x, topk, weights, w13, w2, grouped)
     want = reference_rows(x, topk, weights, w13, w2)
     torch.testing.assert_close(pair, want, **TIGHT)
     torch.testing.assert_close(grouped, want, **TIGHT)
-    mistakes = ["scale divided"] + (["nibbles swapped"] if fmt in FP4_SCALES else ["blocks not restarted at each part"])
-    mistakes += ["scale bias 126"] if fmt == MXFP4 else []
+    if fmt in GGUF:
+        mistakes = ["block stride one byte short", "d read as bf16"]
+    else:
+        mistakes = ["scale divided"]
+        mistakes += ["nibbles swapped"] if fmt in FP4_SCALES else ["blocks not restarted at each part"]
+        mistakes += ["scale bias 126"] if fmt == MXFP4 else []
     for mistake in mistakes:
         with mock.patch.object(reference, "dequantize_slot", _dequantize_wrongly(mistake)):
             wrong = reference_rows(x, topk, weights, w13, w2)
         for name, got in (("pair", pair), ("grouped", grouped)):
-            error = ((got - wrong).abs() / (wrong.abs() + 1e-3)).max().item()
+            # a wrong reference may decode NaN (GGUF bytes read as fp16 at a wrong stride): as far as can be
+            error = ((got - wrong).abs() / (wrong.abs() + 1e-3)).nan_to_num(nan=float("inf")).max().item()
             assert error > 0.1, f"{name} kernel within {error:.2g} of a reference with {mistake}"
 
 
@@ -229,11 +268,12 @@ def epilogue_rows_match(fmt, kernel, dtype):
     from ferry.kernels.expert_epilogue import ExpertActivation
 
     tokens = 3 if kernel == "pair" else 37
-    x, topk, weights, w13, w2 = make_case(fmt, 21, tokens, 3, 64, 32, 6, dtype=dtype, skip=2)
+    hidden, inter = small(fmt)
+    x, topk, weights, w13, w2 = make_case(fmt, 21, tokens, 3, hidden, inter, 6, dtype=dtype, skip=2)
     g = torch.Generator().manual_seed(22)
     clamped = ExpertActivation(swiglu_limit=0.5, swiglu_alpha=1.702)
-    w13 = dataclasses.replace(w13, bias=0.5 * torch.randn(6, 64, generator=g), activation=clamped)
-    w2 = dataclasses.replace(w2, bias=0.5 * torch.randn(6, 64, generator=g))
+    w13 = dataclasses.replace(w13, bias=0.5 * torch.randn(6, 2 * inter, generator=g), activation=clamped)
+    w2 = dataclasses.replace(w2, bias=0.5 * torch.randn(6, hidden, generator=g))
     got = nan_rows(x, topk)
     (expert_pair_rows_triton if kernel == "pair" else grouped_expert_rows_triton)(x, topk, weights, w13, w2, got)
     want = reference_rows(x, topk, weights, w13, w2)
@@ -290,9 +330,89 @@ for _fmt in (NVFP4, MXFP4, FP8_BLOCK):
     )
 
 
+def gguf_bfloat16_within_rounding(fmt):
+    """`bfloat16_within_rounding` at the K-quants' smallest shapes (whole 256-value blocks; fewer pairs, as the
+    interpreter is slow at them): both kernels within rounding of the twin, where weights not exact in bf16 and
+    the interpreter's truncations drift to a few units of the largest row, and the pair kernel computing the
+    pairs in two groups gives the bits it gives at once."""
+    x, topk, weights, w13, w2 = make_case(fmt, 3, 3, 2, *small(fmt), 3, dtype=torch.bfloat16)
+    want = reference_rows(x, topk, weights, w13, w2).sum(dim=1).to(torch.bfloat16).float()
+    tol = dict(rtol=2e-2, atol=0.03 * want.abs().max().item())
+    at_once = nan_rows(x, topk)
+    for kernel, got in ((grouped_expert_rows_triton, nan_rows(x, topk)), (expert_pair_rows_triton, at_once)):
+        kernel(x, topk, weights, w13, w2, got)
+        torch.testing.assert_close(got.sum(dim=1).to(torch.bfloat16).float(), want, **tol)
+    first = torch.tensor([[True, False], [False, True], [True, True]])
+    in_groups = nan_rows(x, topk)
+    expert_pair_rows_triton(x, torch.where(first, topk, -1), weights, w13, w2, in_groups)
+    expert_pair_rows_triton(x, torch.where(first, -1, topk), weights, w13, w2, in_groups)
+    assert torch.equal(at_once, in_groups)
+
+
+def gguf_mixed_layer_matches(kernel, dtype):
+    """A Q4_K_M layer of a `gguf-mixed` file: w13 in Q4_K, w2 in Q6_K, each `q` the prefix of slot rows sized for
+    a larger type (the slots hold every layer's), through the pair or the grouped kernel, against the twin."""
+    import dataclasses
+
+    hidden, inter, slots = 256, 256, 5
+    x, topk, weights, w13, _ = make_case(gguf_fmt("Q4_K"), 23, 3 if kernel == "pair" else 21, 2, hidden, inter, slots)
+    x = x.to(dtype)
+    _, w2 = make_experts(gguf_fmt("Q6_K"), hidden, inter, slots, torch.Generator().manual_seed(24))
+    used = w13.q[0].numel()
+    wide = torch.full((slots, used * 210 // 144), 255, dtype=torch.uint8)  # slot rows sized for Q6_K; NaN d past q
+    wide[:, :used] = w13.q.reshape(slots, used)
+    w13 = dataclasses.replace(w13, q=wide[:, :used].view(w13.q.shape))
+    got = nan_rows(x, topk)
+    (expert_pair_rows_triton if kernel == "pair" else grouped_expert_rows_triton)(x, topk, weights, w13, w2, got)
+    assert_rows(got, reference_rows(x, topk, weights, w13, w2), topk, TIGHT if dtype == torch.float32 else BF16)
+
+
+CASES.update(
+    {
+        "gguf-mixed/q4_k_q6_k_pair": lambda: gguf_mixed_layer_matches("pair", torch.float32),
+        "gguf-mixed/q4_k_q6_k_grouped": lambda: gguf_mixed_layer_matches("grouped", torch.float32),
+    }
+)
+# GGUF blocks: Q8_0's small shapes; the K-quants' whole 256-value blocks, H two of them (the pair kernels' and the
+# grouped kernels' steps of 64 inputs cross block boundaries), I one
+GGUF_RAGGED = {gguf_fmt("Q8_0"): (288, 96), gguf_fmt("Q4_K"): (512, 256), gguf_fmt("Q6_K"): (512, 256)}
+for _fmt in GGUF:
+    CASES.update(
+        {
+            f"{_fmt}/pair_tiny_skipped_offset": lambda f=_fmt: pair_kernel_matches(f, 12, 2, 4, *small(f), 6, 2, 3),
+            f"{_fmt}/pair_ragged_two_steps": lambda f=_fmt: pair_kernel_matches(f, 15, 2, 2, *GGUF_RAGGED[f], 3, 1, 1),
+            f"{_fmt}/grouped_tiny_several_blocks_of_one_slot": lambda f=_fmt: grouped_kernel_matches(
+                f, 2, 37, 4, *small(f), 6, 5
+            ),
+            f"{_fmt}/grouped_ragged": lambda f=_fmt: grouped_kernel_matches(f, 4, 6, 2, *GGUF_RAGGED[f], 3, 1),
+            f"{_fmt}/slot_window_with_block_starts": lambda f=_fmt: slot_window_computes_one_chunk_at_its_staging_slots(
+                f, block_starts=True
+            ),
+            f"{_fmt}/bfloat16_within_rounding": lambda f=_fmt: (
+                bfloat16_within_rounding(f) if f not in SMALL else gguf_bfloat16_within_rounding(f)
+            ),
+            f"{_fmt}/mistakes_are_detected": lambda f=_fmt: mistakes_are_detected(f),
+            f"{_fmt}/bf16_rows_are_the_float32_rows_rounded_once": lambda f=_fmt: (
+                bf16_rows_are_the_float32_rows_rounded_once(
+                    *make_case(f, 17, 12 if f in SMALL else 40, 3, *small(f), 5, dtype=torch.bfloat16, skip=3),
+                    num_slots=5,
+                    window=2,
+                )
+            ),
+            f"{_fmt}/epilogue_pair": lambda f=_fmt: epilogue_rows_match(f, "pair", torch.float32),
+            f"{_fmt}/epilogue_grouped_bfloat16": lambda f=_fmt: epilogue_rows_match(f, "grouped", torch.bfloat16),
+        }
+    )
+
+
 def main() -> None:
+    """The cases named by the prefixes given (test_gguf_expert_kernels.py runs the GGUF ones a child a type:
+    interpreted, they are slow), else every case of the other formats."""
+    prefixes = tuple(sys.argv[1:])
     results = {}
     for name, case in CASES.items():
+        if not (name.startswith(prefixes) if prefixes else not name.startswith("gguf-")):
+            continue
         try:
             case()
             results[name] = None

@@ -9,6 +9,8 @@ import math
 
 import torch
 
+from ferry.kernels.gguf_blocks import BLOCKS as GGUF_BLOCKS
+from ferry.kernels.gguf_blocks import row_bytes as gguf_row_bytes
 from ferry.kernels.quantized_experts import (
     E8M0_BIAS,
     FP8_BLOCK,
@@ -24,7 +26,23 @@ from ferry.kernels.quantized_experts import (
 PART_ALIGN = 16
 
 
+# GGUF block types the kernel tests draw (kernels/gguf_blocks.py): per type its fp16 fields, (byte offset into a
+# block, value giving weights of rms ~1 before the 1 / sqrt(cols) scaling), as the worker's dummy weights set them
+GGUF_TEST_TYPES = {
+    "Q8_0": ((0, 1 / 73.9),),  # d: int8 codes have an rms of ~73.9
+    "Q4_K": ((0, 1 / 258.3), (2, 7.5 / 258.3)),  # d, dmin: 4-bit codes under 6-bit scales, centred by dmin = 7.5 d
+    "Q6_K": ((208, 1 / 1365.0),),  # d: codes - 32 (rms ~18.5) under int8 scales (rms ~73.9)
+}
+
+
+def gguf_fmt(ggml_type: str) -> str:
+    """The kernel tests' name of a GGUF type as a format (plan/expert_formats' gguf-*)."""
+    return f"gguf-{ggml_type.lower()}"
+
+
 def _parts(fmt: str, rows: int, cols: int, part_rows: int) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    if fmt.startswith("gguf-"):
+        return [("q", torch.uint8, (rows, gguf_row_bytes(fmt[5:].upper(), cols)))]
     if fmt == NVFP4:
         return [
             ("q", torch.uint8, (rows, cols // 2)),
@@ -68,6 +86,19 @@ def make_family(
 
     views = views_of(buf)
     spread = lambda *shape: torch.exp2(torch.rand(*shape, generator=gen) * 2 - 1)  # noqa: E731  (0.5 .. 2, rms 1.163)
+    if fmt.startswith("gguf-"):
+        # random bytes are valid codes and scales; the fp16 fields get weights of rms ~1/sqrt(cols) (with
+        # exact_bf16 a power of two: Q8_0's weights are then exact in bf16)
+        ggml_type = fmt[5:].upper()
+        size = GGUF_BLOCKS[ggml_type][1]
+        blocks = views["q"].reshape(slots, -1, size)
+        for offset, unit in GGUF_TEST_TYPES[ggml_type]:
+            value = spread(slots, blocks.shape[1]) * unit / cols**0.5
+            if exact_bf16:
+                value = torch.exp2(value.log2().round())
+            blocks[:, :, offset : offset + 2] = value.to(torch.float16).view(torch.uint8).view(slots, -1, 2)
+        views = views_of(buf.to(device))
+        return QuantizedFamily(fmt, rows, cols, part_rows, views["q"], ggml_type=ggml_type)
     if fmt == NVFP4:
         # codes: any byte is two valid e2m1 codes (root mean square 2.93)
         gscale = 0.01 * spread(slots, rows)

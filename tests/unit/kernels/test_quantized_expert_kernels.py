@@ -1,4 +1,5 @@
-"""The quantized expert kernels (NVFP4, MXFP4, FP8-block; quantized_expert_gemv.py, quantized_expert_gemm.py)
+"""The quantized expert kernels (NVFP4, MXFP4, FP8-block; quantized_expert_gemv.py, quantized_expert_gemm.py; the GGUF
+ones' interpreted cases: test_gguf_expert_kernels.py)
 against `quantized_expert_rows_reference` under TRITON_INTERPRET=1 in a child process
 (interpreted_quantized_expert_kernels.py; interpreted_grouped_expert_gemm.py says why), the reference
 against the formats' formulas element by element, and the CPU dispatch. Their sm_90 compile is
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from hopper_compile import ROOT
-from quantized_slots import make_experts, make_family
+from quantized_slots import gguf_fmt, make_experts, make_family
 
 from ferry.kernels.grouped_expert_gemm import grouped_expert_forward
 from ferry.kernels.grouped_expert_gemm_reference import grouped_expert_forward_reference
@@ -154,3 +155,22 @@ def test_families_that_do_not_fit_are_refused():
         check_quantized_families(64, w13, make_experts(NVFP4, 64, 32, 2, g)[1])
     with pytest.raises(ValueError, match="do not fit"):  # w2 in place of w13
         check_quantized_families(64, w2, w2)
+
+
+def test_gguf_families_without_kernels_or_whole_blocks_are_refused():
+    """GGUF w13 and w2 may be of different types (a gguf-mixed layer), each one the kernels read, in whole blocks;
+    a type without kernels, or a GGUF family beside another format, is refused by name."""
+    import dataclasses
+
+    g = torch.Generator().manual_seed(7)
+    w13, _ = make_experts(gguf_fmt("Q4_K"), 256, 256, 2, g)
+    _, w2 = make_experts(gguf_fmt("Q6_K"), 256, 256, 2, g)
+    assert check_quantized_families(256, w13, w2) == 256
+    with pytest.raises(ValueError, match="no Triton kernel reads GGUF Q5_K blocks"):
+        check_quantized_families(256, w13, dataclasses.replace(w2, ggml_type="Q5_K"))
+    with pytest.raises(ValueError, match="or GGUF blocks"):
+        check_quantized_families(256, w13, make_experts(MXFP4, 256, 256, 2, g)[1])
+    q8_13, q8_2 = make_experts(gguf_fmt("Q8_0"), 64, 32, 2, g)
+    assert check_quantized_families(64, q8_13, q8_2) == 32
+    with pytest.raises(ValueError, match="whole blocks"):  # Q8_0 rows of 32 values under Q4_K's 256 of w13
+        check_quantized_families(64, dataclasses.replace(q8_13, ggml_type="Q4_K"), q8_2)

@@ -1,0 +1,244 @@
+"""Routed experts pair by pair (decode) straight from GGUF blocks in their slots, in Triton: the GGUF twins of
+quantized_expert_gemv.py's kernels (same contract, grid and epilogue); reference: `quantized_expert_rows_reference`
+(kernels/grouped_expert_gemm_reference.py), which decodes the slots with kernels/gguf_blocks.py.
+
+A GGUF family's `q` is uint8 [S, O, row bytes], the file's blocks unchanged with their scales inside, so the
+kernels read every weight's code and its block's scales from the same row of bytes (`gguf_weights`, shared with
+the grouped GEMM, gguf_expert_gemm.py). Each weight is decoded to float32 in registers with the twin's products in
+the twin's order, rounded to x's dtype as `dequantize_slot` rounds it, and met with x in float32: the twin's sum,
+up to the order of the float32 additions. Block types with kernels: `GGUF_KERNEL_TYPES` (llama.cpp's Q4_K_M files
+hold Q8_0, Q4_K and Q6_K experts); the others have only the twin and are refused on CUDA at boot.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ferry.kernels.expert_epilogue import gate_up_activation
+from ferry.kernels.router_topk import mark_routed_slot
+
+# ggml type name -> the kernels' GGML constexpr (`gguf_weights`' branch)
+GGUF_KERNEL_TYPES = {"Q8_0": 0, "Q4_K": 1, "Q6_K": 2}
+# the pair kernels' tiles for every type: outputs a program computes, inputs a loop step reads (not swept yet)
+GGUF_PAIR_TILES = dict(gate_up_rows=16, gate_up_k=64, down_rows=16, down_k=64)
+
+
+@triton.jit
+def _half_at(p, mask):
+    """The little-endian float16 at byte pointers p (any alignment), as float32; masked: 0."""
+    lo = tl.load(p, mask=mask, other=0).to(tl.uint16)
+    hi = tl.load(p + 1, mask=mask, other=0).to(tl.uint16)
+    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def gguf_weights(row, col, mask, GGML: tl.constexpr):
+    """float32 weights at input `col` of the rows of GGUF blocks starting at byte pointers `row` (broadcast
+    against each other; masked weights read 0), decoded as kernels/gguf_blocks.py decodes them, its products in
+    its order (so each weight is the twin's bits):
+    * GGML 0, Q8_0 (32 values, 34 bytes): d q, d the block's fp16 at 0, q the int8 at 2 + col % 32.
+    * GGML 1, Q4_K (256, 144): (d sc_j) q - dmin m_j, d and dmin the fp16s at 0 and 2, sub-block j = v // 32
+      (v = col % 256) with its 6-bit scale and min from the 12 bytes at 4, q the nibble j % 2 (low first) of byte
+      16 + 32 (v // 64) + v % 32.
+    * GGML 2, Q6_K (256, 210): (d sc) (q - 32), d the fp16 at 208, sc the int8 at 192 + v // 16, q's low 4 bits
+      nibble w // 64 of byte 64 h + w % 64 and its high 2 bits pair w // 32 of byte 128 + 32 h + w % 32
+      (h = v // 128, w = v % 128)."""
+    if GGML == 0:
+        blk = row + (col // 32) * 34
+        q = tl.load(blk + 2 + col % 32, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+        w = _half_at(blk, mask) * q
+    elif GGML == 1:
+        blk = row + (col // 256) * 144
+        v = col % 256
+        j = v // 32
+        byte = tl.load(blk + 16 + (v // 64) * 32 + v % 32, mask=mask, other=0).to(tl.int32)
+        q = ((byte >> ((j % 2) * 4)) & 15).to(tl.float32)
+        # scale j < 4: low 6 bits of byte 4 + j, min: of byte 8 + j; j >= 4: low (scale) and high (min) nibble
+        # of byte 12 + j - 4, their top two bits the top two of bytes 4 + j - 4 and 8 + j - 4
+        a = tl.load(blk + 4 + j % 4, mask=mask, other=0).to(tl.int32)
+        b = tl.load(blk + 8 + j % 4, mask=mask, other=0).to(tl.int32)
+        m = tl.load(blk + 12 + j % 4, mask=mask, other=0).to(tl.int32)
+        sc = tl.where(j < 4, a & 63, (m & 15) | ((a >> 6) << 4)).to(tl.float32)
+        mn = tl.where(j < 4, b & 63, (m >> 4) | ((b >> 6) << 4)).to(tl.float32)
+        w = (_half_at(blk, mask) * sc) * q - _half_at(blk + 2, mask) * mn
+    else:
+        tl.static_assert(GGML == 2, "GGML: 0 (Q8_0), 1 (Q4_K) or 2 (Q6_K)")
+        blk = row + (col // 256) * 210
+        v = col % 256
+        h = v // 128
+        r = v % 128
+        low = (tl.load(blk + 64 * h + r % 64, mask=mask, other=0).to(tl.int32) >> ((r // 64) * 4)) & 15
+        high = (tl.load(blk + 128 + 32 * h + r % 32, mask=mask, other=0).to(tl.int32) >> ((r // 32) * 2)) & 3
+        q = (low | (high << 4)).to(tl.float32) - 32.0
+        sc = tl.load(blk + 192 + v // 16, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+        w = (_half_at(blk + 208, mask) * sc) * q
+    return w
+
+
+@triton.jit
+def _gguf_row_dots(row, x, cols, mask, GGML: tl.constexpr, W_TY: tl.constexpr):
+    """[N, K] products of the weights at `cols` [1, K] of rows `row` [N, 1] (each rounded to W_TY) with x [1, K]."""
+    return gguf_weights(row, cols, mask, GGML).to(W_TY).to(tl.float32) * x
+
+
+# slot_offset follows the layer (the all-resident store passes the layer's first slot): not specialised on
+@triton.jit(do_not_specialize=["slot_offset"])
+def _gguf_pair_gate_up_kernel(
+    x_ptr,
+    q_ptr,
+    act_ptr,
+    slots_ptr,
+    slot_offset,
+    top_k,
+    H,
+    I,
+    table_ptr,
+    n_rows_ptr,
+    stride_xt,
+    stride_qs,
+    stride_qo,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GGML: tl.constexpr,
+    MARK: tl.constexpr,
+    HAS_N_ROWS: tl.constexpr,
+    b_ptr,
+    stride_bs,
+    alpha,
+    limit,
+    HAS_BIAS: tl.constexpr,
+    SWIGLU: tl.constexpr,
+):
+    """GGUF gate/up rows of a pair, with the epilogue of kernels/expert_epilogue.py (the slot's biases where
+    HAS_BIAS, the clamped SwiGLU where SWIGLU)."""
+    pair = tl.program_id(0)
+    slot = tl.load(slots_ptr + pair).to(tl.int64)
+    if slot < 0:  # skipped pair (another group computes it): leave its row alone
+        return
+    slot += slot_offset
+    token = pair // top_k
+    if MARK:  # the resident store's routed table, once a pair (expert_pair_gemv.py's `mark`)
+        if tl.program_id(1) == 0:
+            mark_routed_slot(table_ptr, n_rows_ptr, slot, token, HAS_N_ROWS)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < I
+    offs_k = tl.arange(0, BLOCK_K)
+    row_g = q_ptr + slot * stride_qs + offs_n.to(tl.int64)[:, None] * stride_qo  # [BLOCK_N, 1]
+    row_u = row_g + I * stride_qo  # up rows follow the gate rows
+    x_row = x_ptr + token * stride_xt
+    w_ty = act_ptr.dtype.element_ty
+    acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        cols = k0 + offs_k
+        k_ok = cols < H
+        a = tl.load(x_row + cols, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        m = n_ok[:, None] & k_ok[None, :]
+        acc_g += _gguf_row_dots(row_g, a, cols[None, :], m, GGML, w_ty)
+        acc_u += _gguf_row_dots(row_u, a, cols[None, :], m, GGML, w_ty)
+    bias_gate = 0.0
+    bias_up = 0.0
+    if HAS_BIAS:  # float32 in the row, rounded to the model dtype as the reference adds it
+        b_ptrs = b_ptr + slot * stride_bs + offs_n
+        bias_gate = tl.load(b_ptrs, mask=n_ok, other=0.0).to(w_ty).to(tl.float32)
+        bias_up = tl.load(b_ptrs + I, mask=n_ok, other=0.0).to(w_ty).to(tl.float32)
+    gate = tl.sum(acc_g, axis=1)
+    up = tl.sum(acc_u, axis=1)
+    act = gate_up_activation(gate, up, bias_gate, bias_up, alpha, limit, w_ty, HAS_BIAS, SWIGLU)
+    tl.store(act_ptr + pair.to(tl.int64) * I + offs_n, act, mask=n_ok)
+
+
+@triton.jit(do_not_specialize=["slot_offset"])
+def _gguf_pair_down_kernel(
+    act_ptr,
+    q_ptr,
+    rows_ptr,
+    weights_ptr,
+    slots_ptr,
+    slot_offset,
+    H,
+    I,
+    stride_qs,
+    stride_qo,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GGML: tl.constexpr,
+    b_ptr,
+    stride_bs,
+    HAS_BIAS: tl.constexpr,
+):
+    """GGUF down rows of a pair (as _gguf_pair_gate_up_kernel)."""
+    pair = tl.program_id(0)
+    slot = tl.load(slots_ptr + pair).to(tl.int64)
+    if slot < 0:
+        return
+    slot += slot_offset
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # output features (H)
+    n_ok = offs_n < H
+    offs_k = tl.arange(0, BLOCK_K)  # reduction over I
+    row_w = q_ptr + slot * stride_qs + offs_n.to(tl.int64)[:, None] * stride_qo
+    a_row = act_ptr + pair.to(tl.int64) * I
+    w_ty = act_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        cols = k0 + offs_k
+        k_ok = cols < I
+        a = tl.load(a_row + cols, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        acc += _gguf_row_dots(row_w, a, cols[None, :], n_ok[:, None] & k_ok[None, :], GGML, w_ty)
+    y = tl.sum(acc, axis=1).to(w_ty).to(tl.float32)
+    if HAS_BIAS:  # added and rounded as the reference adds it
+        bias = tl.load(b_ptr + slot * stride_bs + offs_n, mask=n_ok, other=0.0).to(w_ty).to(tl.float32)
+        y = (y + bias).to(w_ty).to(tl.float32)
+    routing = tl.load(weights_ptr + pair).to(tl.float32)
+    tl.store(rows_ptr + pair.to(tl.int64) * H + offs_n, y * routing, mask=n_ok)
+
+
+def launch_gguf_pair_kernels(x, w13, w2, act, rows, weights, slots, slot_offset, top_k, table, n_rows, marking,
+                             b13, b2, epilogue) -> None:  # fmt: skip
+    """The two pair kernels over GGUF families (quantized_pair_rows_triton checked them and made `act`)."""
+    num_pairs, (inter, h) = act.shape[0], (w2.cols, x.shape[1])
+    tiles = GGUF_PAIR_TILES
+    _gguf_pair_gate_up_kernel[(num_pairs, triton.cdiv(inter, tiles["gate_up_rows"]))](
+        x,
+        w13.q,
+        act,
+        slots,
+        slot_offset,
+        top_k,
+        h,
+        inter,
+        table,
+        n_rows,
+        x.stride(0),
+        w13.q.stride(0),
+        w13.q.stride(1),
+        BLOCK_N=tiles["gate_up_rows"],
+        BLOCK_K=tiles["gate_up_k"],
+        GGML=GGUF_KERNEL_TYPES[w13.ggml_type],
+        **marking,
+        b_ptr=b13,
+        stride_bs=epilogue["stride_b13"],
+        alpha=epilogue["alpha"],
+        limit=epilogue["limit"],
+        HAS_BIAS=epilogue["HAS_BIAS"],
+        SWIGLU=epilogue["SWIGLU"],
+    )
+    _gguf_pair_down_kernel[(num_pairs, triton.cdiv(h, tiles["down_rows"]))](
+        act,
+        w2.q,
+        rows,
+        weights,
+        slots,
+        slot_offset,
+        h,
+        inter,
+        w2.q.stride(0),
+        w2.q.stride(1),
+        BLOCK_N=tiles["down_rows"],
+        BLOCK_K=tiles["down_k"],
+        GGML=GGUF_KERNEL_TYPES[w2.ggml_type],
+        b_ptr=b2,
+        stride_bs=epilogue["stride_b2"],
+        HAS_BIAS=epilogue["HAS_BIAS"],
+    )
