@@ -30,7 +30,8 @@
 #                .peer as for PART=peer
 #   PART=long    the 262k-token TTFT (decode_suite's long_context_36b; LONG_VARIANTS picks its variants)  ~4-5 min a variant
 #   PART=ttft    the 12-layer and hybrid cuts' served TTFT-2k phase by phase (bench/ttft_path.py), with the
-#                arrival hold and without (TTFT_CUTS, TTFT_HOLDS: which cuts and holds, e.g. "12layer", "default")
+#                arrival hold and without (TTFT_CUTS, TTFT_HOLDS: which cuts and holds, e.g. "12layer", "default";
+#                TTFT_BACKENDS: expert backends, "default" for none given, e.g. "default gpu")
 #                                                                                                        ~6 min
 #   PART=prof    the full-size 35B NVFP4's decode at 24 GiB profiled at 1 and 8 streams (bench/profile_decode.py),
 #                then one 2k-token prefill of each cut (bench/profile_prefill.py)                      ~5 min
@@ -65,7 +66,7 @@ build_host_kernel() {
     > "$log" 2>&1 || echo "host kernel build failed in ${1:-$ROOT} (see $(basename "$log"))"
 }
 LONG_VARIANTS=${LONG_VARIANTS:-default}
-TTFT_CUTS=${TTFT_CUTS:-12layer hybrid8} TTFT_HOLDS=${TTFT_HOLDS:-default 0}
+TTFT_CUTS=${TTFT_CUTS:-12layer hybrid8} TTFT_HOLDS=${TTFT_HOLDS:-default 0} TTFT_BACKENDS=${TTFT_BACKENDS:-default}
 SUITE_WORKLOADS=${SUITE_WORKLOADS:-hybrid8,hybrid8_nvfp4,12layer}
 n_variants() { local v=${1//[^,]/}; echo $(( ${#v} + 1 )); }
 part_cost() {
@@ -76,7 +77,7 @@ part_cost() {
     peer) echo 570 ;;  # a 20 GB checkpoint written, two engines booted and measured (peer_compare's --budget-s 500)
     peercuts) echo 560 ;;  # a cut's checkpoint, served by both engines (--budget-s 540)
     prof) echo 330 ;;  # three boots (the full-size 35B ~100 s, each cut ~40 s) and their profiled steps
-    ttft) echo $(( 90 * $(n_variants "${TTFT_CUTS// /,}") * $(n_variants "${TTFT_HOLDS// /,}") )) ;;  # a boot (~45 s) and its prompts each
+    ttft) echo $(( 90 * $(n_variants "${TTFT_CUTS// /,}") * $(n_variants "${TTFT_HOLDS// /,}") * $(n_variants "${TTFT_BACKENDS// /,}") )) ;;  # a boot (~45 s) and its prompts each
     *) echo 240 ;;
   esac
 }
@@ -156,10 +157,14 @@ PY
   ttft)  # the cuts' served TTFT-2k phase by phase, with the arrival hold (the default) and without it
     for cut in $TTFT_CUTS; do
       for hold in $TTFT_HOLDS; do
-        flags=$([ $hold = 0 ] && echo "--prefill-coalesce-ms 0" || echo "")
-        timeout 170 python3 bench/ttft_path.py --workload $cut --extra-flags "$flags" \
-          --out "$OUT/ttft_path_${cut}_hold-${hold}_$GPU.json" > "$OUT/ttft_path_${cut}_hold-${hold}.log" 2>&1
-        echo "ttft_path $cut hold=$hold rc=$?"; tail -3 "$OUT/ttft_path_${cut}_hold-${hold}.log"
+        for backend in $TTFT_BACKENDS; do
+          flags=$([ $hold = 0 ] && echo "--prefill-coalesce-ms 0" || echo "")
+          flags+=$([ $backend = default ] && echo "" || echo " --expert-backend $backend")
+          tag=${cut}_hold-${hold}$([ $backend = default ] || echo "_backend-$backend")
+          timeout 170 python3 bench/ttft_path.py --workload $cut --extra-flags "$flags" \
+            --out "$OUT/ttft_path_${tag}_$GPU.json" > "$OUT/ttft_path_${tag}.log" 2>&1
+          echo "ttft_path $tag rc=$?"; tail -3 "$OUT/ttft_path_${tag}.log"
+        done
       done
     done ;;
   peer)  # Ferry and FreeToken 0.1.2 side by side under one device-memory line (bench/peer_compare.py's docstring)
