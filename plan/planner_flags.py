@@ -147,7 +147,7 @@ def add_planner_flags(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="tokens in one step, prefill chunks and decodes together (default: chosen from memory, "
-        "8192, 4096 or 2048, and 16384 where --max-model-len or a KV flag asks for prompts past 16384: "
+        "8192, 4096 or 2048, and 16384 or 32768 where --max-model-len or a KV flag asks for prompts past 16384: "
         "the chunk moving the fewest offloaded experts over PCIe, 8192 at most with every expert resident); "
         "--max-num-batched-tokens (vLLM) is the same flag",
     )
