@@ -33,6 +33,8 @@
 #                arrival hold and without (TTFT_CUTS, TTFT_HOLDS: which cuts and holds, e.g. "12layer", "default";
 #                TTFT_BACKENDS: expert backends, "default" for none given, e.g. "default gpu")
 #                                                                                                        ~6 min
+#   PART=prefillcmp one 2k prefill of the hybrid8 NVFP4 cut (640 slots, 12 GiB) profiled at the tree and at BASE_COMMIT
+#                (default 49d0524; its tree as for PART=suite), profile_prefill_hybrid8_nvfp4_<side>_<card>.json  ~3 min
 #   PART=prof    the full-size 35B NVFP4's decode at 24 GiB profiled at 1 and 8 streams (bench/profile_decode.py),
 #                then one 2k-token prefill of each cut (bench/profile_prefill.py)                      ~5 min
 #
@@ -76,7 +78,8 @@ part_cost() {
     long) echo $(( 180 * $(n_variants "$LONG_VARIANTS") )) ;;  # ~165 s a variant, with two repeats of each decode
     peer) echo 570 ;;  # a 20 GB checkpoint written, two engines booted and measured (peer_compare's --budget-s 500)
     peercuts) echo 560 ;;  # a cut's checkpoint, served by both engines (--budget-s 540)
-    prof) echo 330 ;;  # three boots (the full-size 35B ~100 s, each cut ~40 s) and their profiled steps
+    prof) echo 330 ;;
+    prefillcmp) echo 200 ;;  # a cut written, two boots (~45 s each) and their profiled prefills  # three boots (the full-size 35B ~100 s, each cut ~40 s) and their profiled steps
     ttft) echo $(( 90 * $(n_variants "${TTFT_CUTS// /,}") * $(n_variants "${TTFT_HOLDS// /,}") * $(n_variants "${TTFT_BACKENDS// /,}") )) ;;  # a boot (~45 s) and its prompts each
     *) echo 240 ;;
   esac
@@ -153,6 +156,19 @@ PY
       timeout 120 python3 bench/profile_prefill.py --model "$TMPDIR/prof_$cut" --load-format dummy --moe-cache-size $cache \
         --gpu-memory 12GiB --max-running-requests 8 --prompt-len 2000 --out "$OUT/profile_prefill_${cut}_$GPU.json" \
         > "$OUT/profile_prefill_$cut.log" 2>&1; echo "profile_prefill $cut rc=$?"
+    done ;;
+  prefillcmp)  # one 2k prefill of the hybrid8 NVFP4 cut profiled at the tree and at BASE_COMMIT, kernel by kernel
+    base=$(suite_base_tree "${BASE_COMMIT:-49d0524}")
+    build_host_kernel; [ -n "$base" ] && build_host_kernel "$base"
+    python3 -m ferry.services.cli make-bench-model "$TMPDIR/prof_hybrid8_nvfp4" \
+      --config tests/data/models/qwen3.6-35b-a3b/config.json --format nvfp4 --num-layers 8 > /dev/null
+    for side in tree base; do
+      dir=$([ $side = tree ] && echo "$ROOT" || echo "$base"); [ -n "$dir" ] || continue
+      (cd "$dir" && PYTHONPATH="$dir:/tmp/site" timeout 150 python3 bench/profile_prefill.py \
+        --model "$TMPDIR/prof_hybrid8_nvfp4" --moe-cache-size 640 --gpu-memory 12GiB --max-running-requests 8 \
+        --prompt-len 2000 --out "$OUT/profile_prefill_hybrid8_nvfp4_${side}_$GPU.json" \
+        > "$OUT/profile_prefill_hybrid8_nvfp4_$side.log" 2>&1); echo "profile_prefill nvfp4 $side rc=$?"
+      grep -h '"median_wall_s"\|"kernel_busy_ms"\|"copy_busy_ms"' "$OUT/profile_prefill_hybrid8_nvfp4_${side}_$GPU.json" 2>/dev/null
     done ;;
   ttft)  # the cuts' served TTFT-2k phase by phase, with the arrival hold (the default) and without it
     for cut in $TTFT_CUTS; do
