@@ -165,7 +165,7 @@ PY
     for side in tree base; do
       dir=$([ $side = tree ] && echo "$ROOT" || echo "$base"); [ -n "$dir" ] || continue
       (cd "$dir" && PYTHONPATH="$dir:/tmp/site" timeout 150 python3 bench/profile_prefill.py \
-        --model "$TMPDIR/prof_hybrid8_nvfp4" --moe-cache-size 640 --gpu-memory 12GiB --max-running-requests 8 \
+        --model "$TMPDIR/prof_hybrid8_nvfp4" --load-format dummy --moe-cache-size 640 --gpu-memory 12GiB --max-running-requests 8 \
         --prompt-len 2000 --out "$OUT/profile_prefill_hybrid8_nvfp4_${side}_$GPU.json" \
         > "$OUT/profile_prefill_hybrid8_nvfp4_$side.log" 2>&1); echo "profile_prefill nvfp4 $side rc=$?"
       grep -h '"median_wall_s"\|"kernel_busy_ms"\|"copy_busy_ms"' "$OUT/profile_prefill_hybrid8_nvfp4_${side}_$GPU.json" 2>/dev/null
