@@ -166,10 +166,11 @@ def _chunked_plan(
             )
         else:
             tried = ", ".join(str(t) for t in CHUNK_CANDIDATES if t <= DEFAULT_MAX_PREFILL_TOKENS)
+            longer = " and ".join(str(t) for t in CHUNK_CANDIDATES if t > DEFAULT_MAX_PREFILL_TOKENS)
             why = (
                 f"{unslotted} experts without a slot: of {tried}, the fewest crossing PCIe for a chat turn of "
                 f"{PROMPT_TOKENS_PER_OUTPUT_TOKEN} prompt tokens an output token (each chunk streams them once, decode "
-                f"misses them); {max(CHUNK_CANDIDATES)} and prompt-only pricing where --max-model-len or the KV "
+                f"misses them); {longer} and prompt-only pricing where --max-model-len or the KV "
                 f"pool asks for prompts past {LONG_PROMPT_TOKENS}"
             )
     return dataclasses.replace(best, max_prefill_tokens_source=f"chosen from memory: {why}")
