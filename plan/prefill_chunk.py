@@ -166,7 +166,7 @@ def _chunked_plan(
             )
         else:
             tried = ", ".join(str(t) for t in CHUNK_CANDIDATES if t <= DEFAULT_MAX_PREFILL_TOKENS)
-            longer = " and ".join(str(t) for t in CHUNK_CANDIDATES if t > DEFAULT_MAX_PREFILL_TOKENS)
+            longer = ", ".join(str(t) for t in CHUNK_CANDIDATES if t > DEFAULT_MAX_PREFILL_TOKENS)
             why = (
                 f"{unslotted} experts without a slot: of {tried}, the fewest crossing PCIe for a chat turn of "
                 f"{PROMPT_TOKENS_PER_OUTPUT_TOKEN} prompt tokens an output token (each chunk streams them once, decode "
