@@ -82,8 +82,6 @@ void ferry_rows_avx512(const ferry_family *f, int format, int act, const uint8_t
                        int64_t prefetch);
 #endif
 
-/* A packed family's rows r0..r1 of one expert as bf16 bits [r1 - r0, cols], decoded by each ISA's
- * own code, the very code its rows multiply with: the tests' window on the decode (ferry_host_decode_packed). */
 /* Rows r0..r1 of family f (any format but packed) of the expert whose bytes start at `expert` as float32
  * [r1 - r0, cols], decoded by each ISA's own code for float32 compute, the code its rows multiply with: the
  * tests' window on the decode (ferry_host_decode_rows), held bit for bit to the twin's dequantization. */
@@ -94,6 +92,8 @@ void ferry_decode_rows_avx512(const ferry_family *f, int format, const uint8_t *
                               float *out);
 #endif
 
+/* A packed family's rows r0..r1 of one expert as bf16 bits [r1 - r0, cols], decoded by each ISA's
+ * own code, the very code its rows multiply with: the tests' window on the decode (ferry_host_decode_packed). */
 void ferry_packed_bits_portable(const ferry_family *f, const uint8_t *expert, int64_t r, int64_t c0, int n,
                                 uint16_t *bits);
 #if defined(__x86_64__)
