@@ -1,8 +1,9 @@
-"""The GGUF block kernels (Q8_0, Q4_K, Q6_K; gguf_expert_gemv.py, gguf_expert_gemm.py) against
-`quantized_expert_rows_reference`, which decodes the blocks with kernels/gguf_blocks.py (held bit for bit to the
-gguf package's numpy dequantization by test_gguf_checkpoints.py), under TRITON_INTERPRET=1: the cases of
+"""The GGUF block kernels (every type of GGUF_KERNEL_TYPES: kernels/gguf_block_decode.py's in-register decode, read
+by gguf_expert_gemv.py and gguf_expert_gemm.py) under TRITON_INTERPRET=1: the decode against the gguf package's
+numpy dequantization, and the kernels against `quantized_expert_rows_reference`, which decodes the blocks with
+kernels/gguf_blocks.py (held bit for bit to the same package by test_gguf_checkpoints.py): the cases of
 interpreted_quantized_expert_kernels.py named by each block type (and a Q4_K_M layer's mix), one child process a
-type, as the K-quants' whole 256-value blocks make them slow to interpret."""
+type, as the 256-value blocks (K-quants, IQ4_XS) make them slow to interpret."""
 
 import json
 import os
@@ -15,6 +16,7 @@ from hopper_compile import ROOT
 from quantized_slots import GGUF_TEST_TYPES, gguf_fmt
 
 CASE_NAMES = (
+    "decode_is_the_gguf_packages",
     "pair_tiny_skipped_offset",
     "pair_ragged_two_steps",
     "grouped_tiny_several_blocks_of_one_slot",
