@@ -3,7 +3,8 @@ plan/expert_formats/gguf_blocks.py prices their rows): one byte row per weight f
 of that expert unchanged ([gate; up] rows for w13, down's for w2), so a slot, a host bank and the file hold the same
 bytes; experts with biases (gpt-oss) hold them in a float32 part after the blocks. The kernels' twin decodes them
 (kernels/gguf_blocks.py), and on CUDA the Triton kernels of kernels/gguf_expert_gemv.py and gguf_expert_gemm.py
-(every type: kernels/gguf_block_decode.py); no C host kernel reads them yet, so the host reads its banks through torch (`GgufFamilyReader`)."""
+(every type: kernels/gguf_block_decode.py); no C host kernel reads them yet, so the host reads its banks through
+torch (`GgufFamilyReader`)."""
 
 from __future__ import annotations
 

@@ -383,6 +383,8 @@ CASES.update(
         "gguf-mixed/q4_k_q6_k_grouped": lambda: gguf_mixed_layer_matches("grouped", torch.float32),
     }
 )
+
+
 @triton.jit
 def _decoded_weights_kernel(q_ptr, out_ptr, cols, stride_q, read_cols, GGML: tl.constexpr, ROWS: tl.constexpr,
                             BLOCK: tl.constexpr):  # fmt: skip
