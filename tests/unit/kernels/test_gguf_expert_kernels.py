@@ -60,7 +60,7 @@ def test_gguf_kernels_match_the_twin_under_the_interpreter(group):
 
 H200_MAX_SHARED = 227 * 1024  # dynamic shared memory one block may use on sm_90
 # the one kernel that spills (triton 3.9's sm_90 compile): Q8_0's grouped gate/up over a window at the decode
-# block, 16 bytes a thread (4 registers, once a slot's loop; not timed on a GPU yet); it may not spill more
+# block, 16 bytes a thread (4 registers; not timed on a GPU yet): it may not spill more
 SPILLS_MEASURED = {"_gguf_gate_up_kernel[Q8_0, bf16, BLOCK_M=16, WINDOWED=True]": 16}
 
 
