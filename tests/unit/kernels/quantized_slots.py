@@ -40,7 +40,7 @@ GGUF_TEST_TYPES = {
     "Q5_K": ((0, 1 / 527.0), (2, 15.5 / 527.0)),  # d, dmin: 5-bit codes under 6-bit scales, centred by dmin
     "IQ4_NL": ((0, 1 / 67.4),),  # d: the grid's values at random indices have an rms of ~67.4
     "IQ4_XS": ((0, 1 / 1246.0),),  # d: grid values under 6-bit scales (minus 32) have an rms of ~1246
-    "MXFP4": (),  # e8m0 byte at 0 (quantized_slots.make_family)
+    "MXFP4": (),  # its e8m0 byte at 0: set by make_family
 }
 # MXFP4's e2m1 codes (ggml's doubled table under half the scale) have an rms of ~2.93 times the scale 2^(e - 127)
 GGUF_E2M1_RMS = 2.93
