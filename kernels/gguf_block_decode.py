@@ -220,7 +220,9 @@ def _mxfp4(row, col, mask):
     bits, e < 2 a subnormal), q value v of the 16 bytes at 1."""
     blk = row + (col // 32) * 17
     e = _byte_at(blk, mask)
-    scale = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
+    # e & 1 is e where the subnormal branch is taken, and keeps the other lanes' shift in range (LLVM's shl past
+    # the width is poison)
+    scale = tl.where(e < 2, 0x00200000 << (e & 1), (e - 1) << 23).to(tl.float32, bitcast=True)
     q = _nibble_of_32(blk + 1, col % 32, mask)
     return scale * _table_entry(q, MXFP4_HALF, MXFP4_HALF, False)
 
