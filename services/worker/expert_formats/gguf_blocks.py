@@ -3,8 +3,9 @@ plan/expert_formats/gguf_blocks.py prices their rows): one byte row per weight f
 of that expert unchanged ([gate; up] rows for w13, down's for w2), so a slot, a host bank and the file hold the same
 bytes; experts with biases (gpt-oss) hold them in a float32 part after the blocks. The kernels' twin decodes them
 (kernels/gguf_blocks.py), and on CUDA the Triton kernels of kernels/gguf_expert_gemv.py and gguf_expert_gemm.py
-(every type: kernels/gguf_block_decode.py). The host computes its banks' share with the C host kernel, which decodes
-every type's blocks in its rows (kernels/host_experts_c/gguf_blocks.h), or reads them through torch (`GgufFamilyReader`)."""
+(every type: kernels/gguf_block_decode.py). The host computes its banks' share with the C host kernel, which
+decodes every type's blocks in its rows (kernels/host_experts_c/gguf_blocks.h), or reads them through torch
+(`GgufFamilyReader`)."""
 
 from __future__ import annotations
 
