@@ -342,9 +342,9 @@ def test_a_long_query_flash_refuses_is_said_once_and_the_paged_kernel_computes_i
     expected = paged_attention_reference(q, kc, vc, pt, [130, 1], [40, 7], 32**-0.5)
     skipped = []
 
-    def paged_prefill(q_, k_, v_, pt_, qs_, pos_, qlens, scale, out, skip, k_scale, v_scale, sinks, window):
+    def paged_prefill(q_, k_, v_, pt_, qs_, pos_, qlens, scale, out, skip, k_scale, v_scale, sinks, window, ring_pages):
         assert k_scale is None and v_scale is None  # a pool of the model dtype (the kernel's twin stands in)
-        assert sinks is None and window == 0  # full attention without sinks, as the scenario's model
+        assert sinks is None and window == 0 and ring_pages == 0  # full attention without sinks, as the scenario's
         skipped.append(skip)
         out.copy_(paged_attention_reference(q_, k_, v_, pt_, qlens, [40, 7], scale))
         return out
@@ -444,7 +444,9 @@ def _ring_scenario(
     """_scenario's requests, their K/V also written position by position into rings of shuffled slots (the rest of
     the rings NaN), `pages_short` pages fewer than the chunks need: (q, paged K, paged V, page table, query_start,
     positions, ring K, ring V, slots, ring pages)."""
-    q, kc, vc, pt, qs, pos, dense_k, dense_v = _scenario(seed, page_size, heads, kv_heads, head_dim, qlens, clens, dtype)
+    q, kc, vc, pt, qs, pos, dense_k, dense_v = _scenario(
+        seed, page_size, heads, kv_heads, head_dim, qlens, clens, dtype
+    )
     pages = ring_pages(window, max(qlens), page_size) - pages_short
     slots = list(range(1, len(qlens) + 3))
     random.Random(seed).shuffle(slots)

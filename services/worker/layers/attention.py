@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from ferry.kernels.dense_gemv import dense_linear
-from ferry.kernels.kv_ring import ring_rows
 from ferry.kernels.dispatch import use_triton
+from ferry.kernels.kv_ring import ring_rows
 from ferry.kernels.paged_attention import paged_attention, write_kv
 from ferry.kernels.qk_norm_rope import qk_norm_rope_kv_triton
 from ferry.plan.model_config import ModelSpec
