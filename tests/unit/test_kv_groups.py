@@ -81,6 +81,7 @@ def test_a_ring_is_taken_only_where_it_is_smaller_than_the_context():
     per_page = raw["num_hidden_layers"] * 2 * 8 * 64 * 2 * 16
     assert plan.kv.bytes == _round_up(per_page * (32768 // 16 + 1), 2 * MiB)
     assert plan.kv.bytes_per_token == L.kv_bytes_per_token(spec, "bfloat16")
+    assert "2049 pages over the context (rings for 64 requests would take 33800)" in plan_table(plan)
 
 
 @pytest.mark.parametrize("window,step,page_size", [(8, 9, 4), (128, 8192, 16), (1024, 1, 16), (5, 3, 1), (7, 64, 16)])
