@@ -2,8 +2,9 @@
 by gguf_expert_gemv.py and gguf_expert_gemm.py) under TRITON_INTERPRET=1: the decode against the gguf package's
 numpy dequantization, and the kernels against `quantized_expert_rows_reference`, which decodes the blocks with
 kernels/gguf_blocks.py (held bit for bit to the same package by test_gguf_checkpoints.py): the cases of
-interpreted_quantized_expert_kernels.py named by each block type (and a Q4_K_M layer's mix), one child process a
-type, as the 256-value blocks (K-quants, IQ4_XS) make them slow to interpret. And their sm_90 compiles."""
+interpreted_quantized_expert_kernels.py named by each block type (and a Q4_K_M layer's mix; every case for the types
+of FULL_TYPES, the decode and its wiring into both kernels for the rest), one child process a type, as the 256-value
+blocks (K-quants, IQ4_XS) make them slow to interpret. And their sm_90 compiles."""
 
 import json
 import os
@@ -31,7 +32,22 @@ CASE_NAMES = (
     "epilogue_pair",
     "epilogue_grouped_bfloat16",
 )
-GROUPS = {gguf_fmt(t): [f"{gguf_fmt(t)}/{name}" for name in CASE_NAMES] for t in GGUF_TEST_TYPES}
+# every case for one 32-value and one 256-value type; the rest share those kernels' bodies and differ only by their
+# in-register decode (`gguf_weights`), which their decode case holds bit for bit to the gguf package, so one pair and
+# one grouped case each show the decode wired into both kernels (interpreting every case of every type took ~8 min of
+# CPU, on one test worker)
+FULL_TYPES = ("Q8_0", "Q4_K")
+WIRING_CASES = ("decode_is_the_gguf_packages", "pair_tiny_skipped_offset", "grouped_tiny_several_blocks_of_one_slot")
+EPILOGUE_CASES = ("epilogue_pair", "epilogue_grouped_bfloat16")  # MXFP4: gpt-oss's GGUF experts (biases, clamp)
+
+
+def _cases(ggml_type: str) -> tuple[str, ...]:
+    if ggml_type in FULL_TYPES:
+        return CASE_NAMES
+    return WIRING_CASES + (EPILOGUE_CASES if ggml_type == "MXFP4" else ())
+
+
+GROUPS = {gguf_fmt(t): [f"{gguf_fmt(t)}/{name}" for name in _cases(t)] for t in GGUF_TEST_TYPES}
 GROUPS["gguf-mixed"] = ["gguf-mixed/q4_k_q6_k_pair", "gguf-mixed/q4_k_q6_k_grouped"]  # w13 Q4_K, w2 Q6_K
 
 
@@ -44,7 +60,7 @@ def test_every_gguf_type_with_kernels_has_interpreted_cases():
 def test_gguf_kernels_match_the_twin_under_the_interpreter(group):
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("interpreted_quantized_expert_kernels.py")), f"{group}/"],
+        [sys.executable, str(Path(__file__).with_name("interpreted_quantized_expert_kernels.py")), *GROUPS[group]],
         cwd=ROOT,
         env=env,
         capture_output=True,
