@@ -53,18 +53,26 @@ SAFETENSORS_DTYPE_BYTES = {
 _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 
 
+# a multimodal wrapper's towers and their embedders beside the text model (Gemma 4's), never served
+UNSERVED_TOWERS = ("vision_tower", "embed_vision", "audio_tower", "embed_audio")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+# a layer's routed experts: `layers.N.mlp.experts…`, or `layers.N.experts…` beside the layer's dense MLP (Gemma 4)
+_ROUTED_EXPERTS = re.compile(r"(?:^|\.)layers\.\d+\.(?:mlp\.)?experts(?:\.|$)")
 
 
 def is_routed_expert(name: str) -> bool:
     """Routed experts live in host banks, not among the GPU-resident weights."""
-    return ".mlp.experts." in name or name.endswith(".mlp.experts")
+    return _ROUTED_EXPERTS.search(name) is not None
 
 
 def is_served(name: str, spec: ModelSpec | None = None) -> bool:
     """Tensors of a checkpoint that the text model uses: vision towers and MTP heads are not served, nor
     (given the spec) the `spec.mtp_layers` multi-token-prediction layers stored after the decoder's."""
     if name.startswith(("visual.", "model.visual.", "mtp.", "model.mtp.")) or ".visual." in name:
+        return False
+    if any(f"{tower}." in name for tower in UNSERVED_TOWERS):
         return False
     if spec is None or not spec.mtp_layers:
         return True
