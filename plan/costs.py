@@ -191,10 +191,12 @@ def workspace_bytes_estimate(
     b = DTYPE_BYTES[dtype]
     t, h = max_step_tokens, spec.hidden_size
     residual = 4 * t * h * b
-    nh, kvh, hd = spec.num_attention_heads, spec.num_kv_heads, spec.head_dim
-    tm = min(t, mixer_slice_tokens)
-    attention = tm * (nh * hd * (3 if spec.attn_output_gate else 2) + 2 * kvh * hd) * b
-    attention += 2 * max_model_len * kvh * hd * b  # one layer's K/V context gathered from its pages
+    nh, tm = spec.num_attention_heads, min(t, mixer_slice_tokens)
+    attention = 0
+    for kvh, hd in {(spec.layer_kv_heads(i), spec.layer_head_dim(i)) for i in spec.full_attention_layers}:
+        shaped = tm * (nh * hd * (3 if spec.attn_output_gate else 2) + 2 * kvh * hd) * b
+        shaped += 2 * max_model_len * kvh * hd * b  # one layer's K/V context gathered from its pages
+        attention = max(attention, shaped)
     k, i = spec.num_experts_per_tok, spec.moe_intermediate_size
     # both expert stores: [T, k, H] rows summed over k (fp32 [T, H]; the rows in float32 up to
     # ROWS_FLOAT32_MAX_TOKENS, in the dtype past it: the widest of any step up to t), the pairs' gate/up and
@@ -206,6 +208,8 @@ def workspace_bytes_estimate(
     if spec.shared_expert_intermediate_size:
         moe += t * 3 * spec.shared_expert_intermediate_size * b
     dense = t * 3 * spec.intermediate_size * b if not all(spec.moe_layers) else 0
+    if spec.moe_beside_dense_mlp:  # the dense MLP's activations, then its normed output beside the experts'
+        moe += t * (3 * spec.intermediate_size + 2 * h) * b
     linear = 0
     if spec.linear_attention_layers:
         nv, dk, dv = spec.linear_num_value_heads, spec.linear_key_head_dim, spec.linear_value_head_dim

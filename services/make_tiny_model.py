@@ -83,7 +83,7 @@ def _perturb_norms(model, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith(("norm.weight", "norm_1.weight", "norm_2.weight")):
                 param.add_(0.1 * torch.randn(param.shape, generator=generator))
 
 

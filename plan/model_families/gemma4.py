@@ -262,10 +262,7 @@ register(
         tiny_config=dict(
             num_hidden_layers=3,
             intermediate_size=48,
-            num_experts=4,
             top_k_experts=2,
-            moe_intermediate_size=16,
-            head_dim=16,
             global_head_dim=32,
             num_key_value_heads=2,
             num_global_key_value_heads=1,
@@ -275,6 +272,7 @@ register(
             enable_moe_block=True,
             hidden_size_per_layer_input=0,
             final_logit_softcapping=30.0,
+            tie_word_embeddings=True,
             rope_parameters={
                 SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
                 FULL_ATTENTION: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6},

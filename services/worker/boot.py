@@ -329,8 +329,10 @@ def _load_and_plan(
             if getattr(store, "ring", None) is not None:
                 store.ring = None
             store = ExpertParallelExperts(store, rank, world, spec.num_experts)
-        if hasattr(store, "set_routers"):  # next-layer prediction: each MoE layer's router weight and bias
-            routers = [layer.mlp.gate for layer in model.layers if hasattr(layer.mlp, "gate")]
+        routers = [layer.mlp.gate for layer in model.layers if hasattr(getattr(layer, "mlp", None), "gate")]
+        # next-layer prediction: each MoE layer's router weight and bias, where its router is a linear of the
+        # experts' input (not Gemma 4's, which normalises and scales the layer's input first: no prediction)
+        if hasattr(store, "set_routers") and len(routers) == len(spec.moe_layer_indices):
             biases = [r.bias for r in routers]
             store.set_routers([r.weight for r in routers], biases if any(b is not None for b in biases) else None)
         experts.bind(store)
