@@ -89,6 +89,10 @@ def _validate(spec: ModelSpec, where: str) -> None:
     problems.extend(_expert_problems(spec))
     if spec.attention_windows and len(spec.attention_windows) != spec.num_layers:
         problems.append(f"attention_windows has {len(spec.attention_windows)} entries for {spec.num_layers} layers")
+    for name in ("attention_kv_heads", "attention_head_dims"):
+        per_layer = getattr(spec, name)
+        if per_layer and (len(per_layer) != spec.num_layers or min(per_layer) <= 0):
+            problems.append(f"{name} needs a positive entry for each of the {spec.num_layers} layers")
     fmt = expert_formats.format_of(spec)
     if fmt.quantized and spec.num_experts > 0 and spec.moe_intermediate_size > 0 and spec.hidden_size > 0:
         try:  # its scale groups must tile both projections' inputs
@@ -112,14 +116,15 @@ def _validate(spec: ModelSpec, where: str) -> None:
 
 
 def _layer_attention_problems(spec: ModelSpec) -> list[str]:
-    """Where layers differ in attention shape (attention_head_dims, attention_kv_heads, layer_ropes): one entry a layer,
-    KV heads that divide the query heads, heads whose rotary pairs are whole."""
+    """Where layers differ in attention (attention_head_dims, attention_kv_heads, layer_value_is_key, layer_ropes):
+    one entry a layer, KV heads that divide the query heads, even head sizes."""
     problems = []
-    for name in ("attention_head_dims", "attention_kv_heads", "layer_value_is_key", "layer_ropes"):
+    for name in ("layer_value_is_key", "layer_ropes"):
         if getattr(spec, name) and len(getattr(spec, name)) != spec.num_layers:
             problems.append(f"{name} has {len(getattr(spec, name))} entries for {spec.num_layers} layers")
-    if problems:
-        return problems
+    per_layer = (spec.attention_kv_heads, spec.attention_head_dims)
+    if problems or any(values and len(values) != spec.num_layers for values in per_layer):
+        return problems  # (the shapes' lengths are _validate's to report)
     for i in range(spec.num_layers):
         kv_heads, head_dim = spec.layer_kv_heads(i), spec.layer_head_dim(i)
         if kv_heads <= 0 or head_dim <= 0 or head_dim % 2 or spec.num_attention_heads % kv_heads:

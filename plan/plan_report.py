@@ -15,6 +15,31 @@ HEADER = ("term", "size", "bytes", "how it was sized")
 HOST_NOT_CHECKED = "not checked"
 
 
+def _kv_group_rows(plan: Plan) -> list[tuple]:
+    """A row per KV group (plan/kv_groups.py) where there are several: its layers' shape, and its pages over the
+    context or its rings."""
+    if len(plan.kv.groups) < 2:
+        return []
+    rows = []
+    for g in plan.kv.groups:
+        kind = f"sliding window {g.window}" if g.window else "full attention"
+        if g.ring_pages:
+            kept = (
+                f"{plan.kv.ring_slots} + 1 padding rings x {g.ring_pages} pages (window + "
+                f"{plan.kv.ring_step_tokens}-token step)"
+            )
+        else:
+            kept = f"{g.pages} pages over the context"
+        rows.append(
+            (
+                f"  KV group: {kind}",
+                g.bytes,
+                f"{len(g.layers)} layers x {g.kv_heads} kv heads x {g.head_dim}; {kept}; {g.bytes_per_token} B/token",
+            )
+        )
+    return rows
+
+
 def plan_table(plan: Plan, host_here: int | None = None) -> str:
     """The table; `host_here`: this machine's MemAvailable when the host check was not made."""
     rows = [
@@ -34,6 +59,7 @@ def plan_table(plan: Plan, host_here: int | None = None) -> str:
             f"{plan.kv.bytes_per_token} B/token"
             + (f" (fp8 e4m3, {plan.kv.scale_bytes_per_token} B of it scales)" if plan.kv.cache_dtype == "fp8" else ""),
         ),
+        *_kv_group_rows(plan),
         (
             "linear-state pool",
             plan.linear_state.bytes,
