@@ -53,7 +53,7 @@ def parse_model_config(
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
         dtype=dtype,
-        quantization=parse_quantization(raw, hf_quant_config, where),
+        quantization=parse_quantization(raw, hf_quant_config, where, family.experts_module),
         text_config=cfg,
         **family.spec_fields(cfg, where),
     )

@@ -257,6 +257,7 @@ register(
         resident_weight_shapes=resident_weight_shapes,
         text_config=text_config,
         published_names=published_names,
+        experts_module="experts",
         # two sliding layers (a window a short prompt outgrows) then a full one with its own head size, KV
         # heads, shared K/V projection and proportional rotary; a dense MLP beside the experts; soft-capped logits
         tiny_config=dict(
