@@ -108,7 +108,8 @@ PER_LAYER_FIELDS = ("head_dim", "num_key_value_heads")
 
 def per_layer_overrides(cfg: dict[str, Any], types: tuple[str, ...], where: str) -> dict[int, dict[str, Any]]:
     """{layer: {field: value}} of `per_layer_config`, which newer transformers write instead of global_head_dim
-    and num_global_key_value_heads (keyed by layer index, or by layer type for every layer of it)."""
+    and num_global_key_value_heads (keyed by layer index, or by layer type for every layer of it): where a config
+    has one, it alone makes layers differ, as in Gemma4TextConfig."""
     raw = cfg.get("per_layer_config") or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: per_layer_config must be an object")
@@ -147,11 +148,13 @@ def spec_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
     types = layer_types(cfg, num_layers, where)
     hidden, heads = int(require(cfg, "hidden_size", where)), int(require(cfg, "num_attention_heads", where))
     head_dim = int(first(cfg, "head_dim", default=256))
-    global_head_dim = int(first(cfg, "global_head_dim", default=512))
     kv_heads = int(first(cfg, "num_key_value_heads", default=heads))
     k_eq_v = bool(cfg.get("attention_k_eq_v", False))
-    # Gemma4TextConfig: a full layer's KV heads are num_global_key_value_heads only where attention_k_eq_v
-    global_kv_heads = int(first(cfg, "num_global_key_value_heads", default=kv_heads)) if k_eq_v else kv_heads
+    global_head_dim, global_kv_heads = head_dim, kv_heads
+    if "per_layer_config" not in cfg:  # else it alone says where layers differ (Gemma4TextConfig)
+        global_head_dim = int(first(cfg, "global_head_dim", default=512))
+        # a full layer's KV heads are num_global_key_value_heads only where attention_k_eq_v
+        global_kv_heads = int(first(cfg, "num_global_key_value_heads", default=kv_heads)) if k_eq_v else kv_heads
     head_dims = [head_dim if t == SLIDING else global_head_dim for t in types]
     layer_kv_heads = [kv_heads if t == SLIDING else global_kv_heads for t in types]
     for layer, overrides in per_layer_overrides(cfg, types, where).items():
