@@ -339,3 +339,49 @@ def test_make_bench_model_writes_a_cut_gemma4_that_transformers_and_ferry_read_a
     cut = load_model_config(published)
     assert cut.num_layers == 6 and cut.attention_windows[5] == 0 and cut.layer_head_dim(5) == 512
     assert main(["plan", "--model", str(published), "--gpu-memory", "24GiB", "--json"]) == 0
+
+
+def test_nvfp4_experts_serve_as_their_dequantized_copy(gemma_checkpoint, tmp_path, capsys):
+    """nvidia modelopt's NVFP4 layout (`ferry make-bench-model --format nvfp4` of the tiny config: the experts
+    quantized, every other linear excluded): its experts kept in nvfp4 and computed with the gelu epilogue, resident
+    and offloaded alike, give what the checkpoint dequantized to float32 (tests/quantized_models.py's definitions)
+    gives through the plain experts."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from ferry.services.bench_model import write_bench_model, write_random_weights
+    from tests.quantized_models import dequantize_module
+
+    out = write_bench_model(tmp_path / "nvfp4", gemma_checkpoint / "config.json")
+    write_random_weights(out, routing_skew=1.0, dtype="float32", fmt="nvfp4")
+    assert load_model_config(out).quantization.expert_format == "nvfp4"
+    reference = tmp_path / "dequantized"
+    shutil.copytree(out, reference)
+    tensors = {}
+    for shard in sorted(out.glob("model-*.safetensors")):
+        tensors.update(load_file(str(shard)))
+    plain, modules = {}, {}
+    for name, t in tensors.items():
+        module, _, leaf = name.rpartition(".")
+        if ".experts." in name and leaf != "weight" or ".experts." in name and t.dtype == torch.uint8:
+            modules.setdefault(module, {})[leaf] = t
+        else:
+            plain[name] = t
+    assert len(modules) == 3 * 8 * 3  # every expert's three projections, and nothing else
+    plain.update({f"{module}.weight": dequantize_module(parts) for module, parts in modules.items()})
+    for shard in reference.glob("model*.safetensors*"):
+        shard.unlink()
+    save_file(plain, str(reference / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((reference / "config.json").read_text())
+    config.pop("quantization_config")
+    (reference / "config.json").write_text(json.dumps(config))
+
+    resident = ferry_generate(capsys, out, *ARGS)
+    assert resident["plan"]["experts"]["format"] == "nvfp4"
+    offloaded = ferry_generate(capsys, out, *ARGS, "--moe-cache-size", str(resident["plan"]["experts"]["min_slots"]))
+    assert offloaded["expert_cache"]["misses"] > 0 and offloaded["token_ids"] == resident["token_ids"]
+    dequantized = ferry_generate(capsys, reference, *ARGS)
+    assert dequantized["plan"]["experts"]["format"] == "float32"
+    assert dequantized["token_ids"] == resident["token_ids"]
+    assert max(abs(a - b) for a, b in zip(resident["logprobs"], dequantized["logprobs"])) < 1e-4
