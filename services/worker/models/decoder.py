@@ -194,7 +194,7 @@ class CausalLM(nn.Module):
         Gemma scales them) where it is not 1."""
         x = self.embed_tokens(tokens)
         if self.spec.embedding_multiplier != 1.0:
-            x = x * torch.tensor(self.spec.embedding_multiplier, dtype=x.dtype)
+            x = x * torch.tensor(self.spec.embedding_multiplier, dtype=torch.float32).to(x.dtype)
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
