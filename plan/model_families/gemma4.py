@@ -25,6 +25,8 @@ Checkpoint layout (transformers' Gemma4): a multimodal wrapper (model_type `gemm
 `post_feedforward_layernorm`, `{pre,post}_feedforward_layernorm_2`, `post_feedforward_layernorm_1`, the dense
 MLP `mlp.{gate,up,down}_proj`, the router `router.{proj.weight,scale,per_expert_scale}`, the experts fused
 `experts.gate_up_proj` [E, 2I, H] (gate's rows, then up's) and `experts.down_proj` [E, H, I], not under `mlp.`.
+Its chat format is the checkpoint's own Jinja template (chat_format "template": Google's releases ship it beside
+the tokenizer; transformers has no built-in Gemma template to fall back on).
 Not served (a ConfigError naming the field): per-layer input embeddings (`hidden_size_per_layer_input`, the
 small dense Gemma 4s), layers sharing another's KV (`num_kv_shared_layers`), bidirectional text attention."""
 

@@ -385,3 +385,18 @@ def test_nvfp4_experts_serve_as_their_dequantized_copy(gemma_checkpoint, tmp_pat
     assert dequantized["plan"]["experts"]["format"] == "float32"
     assert dequantized["token_ids"] == resident["token_ids"]
     assert max(abs(a - b) for a, b in zip(resident["logprobs"], dequantized["logprobs"])) < 1e-4
+
+
+def test_next_layer_prediction_takes_only_routers_that_are_linears_of_the_experts_input():
+    """The offloading store predicts layer L+1's experts by its router applied to layer L's expert input: Gemma 4's
+    router reads the layer's normalised, scaled input instead, so it gets none (and boots); qwen3_moe's all."""
+    from ferry.services.worker.boot import prediction_routers
+
+    for arch in ("gemma4", "qwen3_moe"):
+        hf, spec = tiny_model(arch, seed=2)
+        routers = prediction_routers(PagedRunner(spec, hf, page_size=4).model)
+        if arch == "gemma4":
+            assert routers is None
+        else:
+            weights, biases = routers
+            assert len(weights) == len(spec.moe_layer_indices) and biases is None
