@@ -47,7 +47,18 @@ def paged_attention(
         page_table = ring_slots
     if not use_triton(q):
         return paged_attention_reference(
-            q, k_cache, v_cache, page_table, query_lens, context_lens, scale, k_scale, v_scale, sinks, window, ring_pages
+            q,
+            k_cache,
+            v_cache,
+            page_table,
+            query_lens,
+            context_lens,
+            scale,
+            k_scale,
+            v_scale,
+            sinks,
+            window,
+            ring_pages,
         )
     from ferry.kernels import paged_attention_triton as triton_kernels
 

@@ -113,7 +113,13 @@ def add_planner_flags(parser: argparse.ArgumentParser) -> None:
         "plain (as the GPU slots hold them), auto (default: packed for bf16 models, else plain)",
     )
     kv = g.add_mutually_exclusive_group()
-    kv.add_argument("--num-tokens", type=int, default=None, help="KV pool size in tokens (exact requirement)")
+    kv.add_argument(
+        "--num-tokens",
+        type=int,
+        default=None,
+        help="KV pool size in tokens of context (exact requirement; sliding layers kept in rings hold only their "
+        "window, plan/kv_groups.py)",
+    )
     kv.add_argument("--num-pages", type=int, default=None, help="KV pool size in pages (exact requirement)")
     g.add_argument(
         "--kv-reserve-tokens",

@@ -78,9 +78,7 @@ class PagedRunner:
         self.spec, self.page_size, self.device = spec, page_size, device
         num_pages = num_pages or 16 + 512 // page_size  # room for a few hundred tokens
         self.ring_step_tokens = ring_step_tokens
-        self.pools = make_pools(
-            spec, dtype, num_pages, page_size, num_slots, device, kv_cache_dtype, ring_step_tokens
-        )
+        self.pools = make_pools(spec, dtype, num_pages, page_size, num_slots, device, kv_cache_dtype, ring_step_tokens)
         experts = ResidentExperts(self.pools.experts, len(spec.moe_layer_indices), spec.num_experts)
         self.model: CausalLM = build_model(spec, dtype, device, experts)
         self.model.load_weights(hf_model.state_dict().items())

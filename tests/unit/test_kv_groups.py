@@ -4,6 +4,7 @@ the scheduler's slots and prefix cache under rings."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -80,6 +81,7 @@ def test_a_ring_is_taken_only_where_it_is_smaller_than_the_context():
     per_page = raw["num_hidden_layers"] * 2 * 8 * 64 * 2 * 16
     assert plan.kv.bytes == _round_up(per_page * (32768 // 16 + 1), 2 * MiB)
     assert plan.kv.bytes_per_token == L.kv_bytes_per_token(spec, "bfloat16")
+    assert "2049 pages over the context (rings for 64 requests would take 33800)" in plan_table(plan)
 
 
 @pytest.mark.parametrize("window,step,page_size", [(8, 9, 4), (128, 8192, 16), (1024, 1, 16), (5, 3, 1), (7, 64, 16)])
@@ -168,3 +170,43 @@ def test_the_worker_refuses_a_slot_past_its_rings():
     assert step_problems(step, limits, set()) == []
     past = msgspec.structs.replace(step, linear_state_slots=np.array([4], dtype=np.int32))
     assert "linear-state slots must be in 0..3" in step_problems(past, limits, set())
+
+
+def _gemma4_like():
+    """Gemma-4-26B-A4B's attention shapes (gemma-4-26b-a4b/config.json) on 6 layers: five sliding ones over a window of
+    1024 with 8 kv heads of 256, then a full one with 2 kv heads of 512; small experts."""
+    _, spec = _gpt_oss_120b()
+    full = "full_attention"
+    return dataclasses.replace(
+        spec,
+        num_layers=6,
+        layer_types=(full,) * 6,
+        moe_layers=(True,) * 6,
+        attention_windows=(1024,) * 5 + (0,),
+        attention_kv_heads=(8,) * 5 + (2,),
+        attention_head_dims=(256,) * 5 + (512,),
+        hidden_size=64,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        vocab_size=512,
+    )
+
+
+def test_groups_of_different_shapes_are_each_priced_and_allocated_at_their_own_shape():
+    spec = _gemma4_like()
+    full, sliding = kv_groups(spec)
+    assert (full.layers, full.kv_heads, full.head_dim, full.window) == ((5,), 2, 512, 0)
+    assert (sliding.layers, sliding.kv_heads, sliding.head_dim, sliding.window) == ((0, 1, 2, 3, 4), 8, 256, 1024)
+    flags = dict(gpu_memory=2**40, num_tokens=4096, max_running_requests=2, max_prefill_tokens=64, moe_cache_size=24)
+    plan = make_plan(spec, PlanRequest(**flags), Measured(weights_bytes=0, workspace_bytes=0))
+    ring = -(-(1024 - 1 + 64) // 16)
+    full_bytes = 1 * 2 * (4096 // 16 + 1) * 16 * 2 * 512 * 2
+    ring_bytes = 5 * 2 * (2 + 1) * ring * 16 * 8 * 256 * 2
+    assert plan.kv.bytes == _round_up(full_bytes + ring_bytes, 2 * MiB)  # the first tensor ends on 256 B
+    assert plan.kv.bytes_per_token == 2 * 2 * 512 * 2  # a token of context: the full layer's
+    pools = allocate_pools(spec, plan, "cpu")
+    assert pools.kv.pool.nbytes == plan.kv.bytes
+    assert pools.kv.layer(5)[0].shape == (4096 // 16 + 1, 16, 2, 512) and pools.kv.ring_pages(5) == 0
+    assert pools.kv.layer(2)[1].shape == (3 * ring, 16, 8, 256) and pools.kv.ring_pages(2) == ring
+    assert pools.kv.gather_for(5) is not None and pools.kv.gather_for(2) is None  # the buffers are the full shape's
