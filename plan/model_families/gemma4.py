@@ -45,6 +45,7 @@ WRAPPER_MODEL_TYPE = "gemma4"
 TEXT_MODEL_TYPE = "gemma4_text"
 GELU_ACTIVATIONS = ("gelu_pytorch_tanh",)
 DEFAULT_SLIDING_PATTERN = 6  # Gemma4TextConfig: five sliding layers, then a full one
+PLE_DEFAULT = 256  # Gemma4TextConfig's hidden_size_per_layer_input
 DEFAULT_ROPE = {
     SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
     FULL_ATTENTION: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
@@ -131,7 +132,8 @@ def per_layer_overrides(cfg: dict[str, Any], types: tuple[str, ...], where: str)
 
 
 def _refuse_unserved(cfg: dict[str, Any], where: str) -> None:
-    if int(cfg.get("hidden_size_per_layer_input") or 0):
+    # Gemma4TextConfig's default is 256 (the small models' per-layer embeddings): a config must say 0
+    if int(first(cfg, "hidden_size_per_layer_input", default=PLE_DEFAULT)):
         raise ConfigError(f"{where}: hidden_size_per_layer_input (per-layer input embeddings) is not supported (0)")
     if int(cfg.get("num_kv_shared_layers") or 0):
         raise ConfigError(f"{where}: num_kv_shared_layers (layers reusing another's KV) is not supported (0)")

@@ -176,6 +176,7 @@ def test_the_published_configs_read_as_gemma_4_26b_a4b():
     "fields,message",
     [
         (dict(hidden_size_per_layer_input=256), "hidden_size_per_layer_input"),
+        (dict(hidden_size_per_layer_input=None), "hidden_size_per_layer_input"),  # transformers' default: 256
         (dict(num_kv_shared_layers=10), "num_kv_shared_layers"),
         (dict(use_bidirectional_attention="all"), "use_bidirectional_attention 'all'"),
         (dict(hidden_activation="silu"), "hidden_activation 'silu'"),
