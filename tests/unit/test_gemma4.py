@@ -344,9 +344,10 @@ def test_make_bench_model_writes_a_cut_gemma4_that_transformers_and_ferry_read_a
 
 def test_nvfp4_experts_serve_as_their_dequantized_copy(gemma_checkpoint, tmp_path, capsys):
     """nvidia modelopt's NVFP4 layout (`ferry make-bench-model --format nvfp4` of the tiny config: the experts
-    quantized, every other linear excluded): its experts kept in nvfp4 and computed with the gelu epilogue, resident
-    and offloaded alike, give what the checkpoint dequantized to float32 (tests/quantized_models.py's definitions)
-    gives through the plain experts."""
+    quantized per expert, every other linear excluded), the experts named where Gemma 4 keeps them
+    (`layers.N.experts.E.…`, beside the dense `mlp.`): kept in nvfp4 and computed with the gelu epilogue, resident
+    and offloaded alike, they give what the checkpoint dequantized to float32 (tests/quantized_models.py's
+    definitions) gives through the plain experts."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -356,12 +357,15 @@ def test_nvfp4_experts_serve_as_their_dequantized_copy(gemma_checkpoint, tmp_pat
 
     out = write_bench_model(tmp_path / "nvfp4", gemma_checkpoint / "config.json")
     write_random_weights(out, routing_skew=1.0, dtype="float32", fmt="nvfp4")
+    tensors = {}
+    for shard in sorted(out.glob("model*.safetensors*")):
+        if shard.suffix == ".safetensors":
+            tensors.update({n.replace(".mlp.experts.", ".experts."): t for n, t in load_file(str(shard)).items()})
+        shard.unlink()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     assert load_model_config(out).quantization.expert_format == "nvfp4"
     reference = tmp_path / "dequantized"
     shutil.copytree(out, reference)
-    tensors = {}
-    for shard in sorted(out.glob("model-*.safetensors")):
-        tensors.update(load_file(str(shard)))
     plain, modules = {}, {}
     for name, t in tensors.items():
         module, _, leaf = name.rpartition(".")
