@@ -11,8 +11,11 @@ as transformers' Gemma4TextDecoderLayer. The router RMS-normalises x without a w
 `scale` and hidden ** -0.5, softmaxes the logits over all experts, keeps and renormalises the top k (the
 softmax router's kernel and twin) and multiplies each weight by its expert's `per_expert_scale`. The
 embeddings' scale and the logits' soft cap are the decoder's (models/decoder.py, by the spec). The experts
-sit at `layers.N.experts.` beside the dense `layers.N.mlp.` (models/weights.py reads both places). Its config
-reader: plan/model_families/gemma4.py."""
+sit at `layers.N.experts.` beside the dense `layers.N.mlp.` (models/weights.py reads both places). Its norms
+are the shared plain RMSNorm, which multiplies the weight into the normalised input rounded to the dtype where
+transformers' Gemma4RMSNorm multiplies in float32: equal in float32, a rounding apart in bf16 (its bf16 logits
+stay as far from the float32 ones as transformers' own: tests/gpu/test_models_cuda.py). Its config reader:
+plan/model_families/gemma4.py."""
 
 from __future__ import annotations
 
