@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from ferry.plan.model_families import families
@@ -114,6 +115,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.gguf and TINY_FAMILIES[args.arch].gguf_write_metadata is None:
+        print(f"ferry make-tiny-model: error: --gguf: {args.arch} has no GGUF layout here", file=sys.stderr)
+        return 2
     sizes = GGUF_SIZES if args.gguf else {}
     out = make_tiny_model(args.dir, args.arch, args.seed, **sizes)
     print(f"wrote a tiny {args.arch} checkpoint (seed {args.seed}) to {out}")
