@@ -80,6 +80,15 @@ class DecoderFamily(ABC):
     def rotary(self, spec: ModelSpec, device) -> RotaryEmbedding:
         return RotaryEmbedding(spec.head_dim, spec.partial_rotary_factor, spec.rope_theta, device, spec.rope_yarn)
 
+    def rotaries(self, spec: ModelSpec, device) -> list[RotaryEmbedding]:
+        """Every rotary embedding the layers use, the first the model's `rotary`: one, unless layers turn
+        differently (then `rotary_of` says which a layer takes)."""
+        return [self.rotary(spec, device)]
+
+    def rotary_of(self, spec: ModelSpec, layer: int) -> int:
+        """The index in `rotaries` of layer `layer`'s rotary embedding."""
+        return 0
+
     def norm(self, spec: ModelSpec, dim: int, dtype: torch.dtype, device) -> nn.Module:
         return make_norm(spec.zero_centered_norms, dim, spec.rms_norm_eps, dtype, device)
 
@@ -142,11 +151,15 @@ class CausalLM(nn.Module):
         self.dtype = dtype
         self.family = family
         object.__setattr__(self, "experts", experts)  # not a submodule: see SparseMoeBlock
-        self.rotary = family.rotary(spec, device)
+        self.rotaries = nn.ModuleList(family.rotaries(spec, device))
+        self.rotary = self.rotaries[0]
+        for index, rotary in enumerate(self.rotaries):
+            rotary.table_index = index  # its tables' place in the step's StepContext.tables
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(
-            family.layer(spec, i, self.rotary, experts, dtype, device) for i in range(spec.num_layers)
+            family.layer(spec, i, self.rotaries[family.rotary_of(spec, i)], experts, dtype, device)
+            for i in range(spec.num_layers)
         )
         self.norm = family.norm(spec, spec.hidden_size, dtype, device)
         self.lm_head = None
@@ -168,16 +181,28 @@ class CausalLM(nn.Module):
         """Final-normed hidden states of every new token, [T, hidden]."""
         if self.spec.linear_attention_layers and pools.linear_state is None:
             raise ValueError("this model has linear-attention layers but the pools have no linear_state pool")
-        cos, sin = self.rotary.cos_sin(batch.positions, self.dtype)
-        ctx = StepContext.of(batch, pools, cos, sin, bool(self.spec.linear_attention_layers))
-        x, residual = self.embed_tokens(batch.tokens), None
+        tables = tuple(rotary.cos_sin(batch.positions, self.dtype) for rotary in self.rotaries)
+        (cos, sin), linear = tables[0], bool(self.spec.linear_attention_layers)
+        ctx = StepContext.of(batch, pools, cos, sin, linear, tables if len(tables) > 1 else ())
+        x, residual = self.embed(batch.tokens), None
         for layer in self.layers:
             x, residual = layer(x, residual, ctx)
         return self.norm(x) if residual is None else self.norm.forward_add(x, residual)[0]
 
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings, times the spec's `embedding_multiplier` rounded to the dtype (as transformers'
+        Gemma scales them) where it is not 1."""
+        x = self.embed_tokens(tokens)
+        if self.spec.embedding_multiplier != 1.0:
+            x = x * torch.tensor(self.spec.embedding_multiplier, dtype=torch.float32).to(x.dtype)
+        return x
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits, soft-capped (cap * tanh(logits / cap)) where the spec's `final_logit_softcapping`."""
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, head).float()
+        logits = F.linear(hidden, head).float()
+        cap = self.spec.final_logit_softcapping
+        return cap * torch.tanh(logits / cap) if cap > 0 else logits
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pools: Pools) -> torch.Tensor:
