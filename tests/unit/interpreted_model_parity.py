@@ -121,7 +121,7 @@ RING_CASES = {"gpt_oss-sliding-rings": ("gpt_oss", {}, 4)}
 def check_rings(arch, overrides, page_size):
     hf, spec = tiny_model(arch, **overrides)
     prompt = torch.randint(0, 96, (23,), generator=torch.Generator().manual_seed(5)).tolist()
-    runner = PagedRunner(spec, hf, page_size, num_slots=3, ring_step_tokens=5)
+    runner = PagedRunner(spec, hf, page_size, num_slots=3, ring_slice_tokens=5)
     assert runner.pools.kv.ring_pages(0) == 3
     runner.poison()
     prompt_logits, tokens, step_logits = runner.generate(1, prompt, STEPS, [5, 5, 5, 5])
