@@ -85,7 +85,7 @@ def ring_page(slot: int, position: int, pages: int, page_size: int) -> int:
 def uses_ring(group: KvGroup, context_rows: int, ring_slots: int, slice_tokens: int, page_size: int) -> bool:
     """A sliding group takes rings (one per request slot and the padding slot) where they are fewer pages than
     `context_rows`, the pages it would have paged over the context (sentinel included); never without request
-    slots (ring_slots 0)."""
-    if not group.sliding or ring_slots <= 0:
+    slots (ring_slots 0) or a slice to hold."""
+    if not group.sliding or ring_slots <= 0 or slice_tokens <= 0:
         return False
     return (ring_slots + 1) * ring_pages(group.window, slice_tokens, page_size) < context_rows

@@ -147,6 +147,7 @@ def test_gemma4_sliding_layers_take_rings_at_the_default_requests_and_chunk():
 def test_no_ring_without_slots_or_a_window():
     sliding, full = KvGroup((0,), 2, 8, 4), KvGroup((1,), 2, 8, 0)
     assert uses_ring(sliding, 1000, 4, 8, 4) and not uses_ring(sliding, 1000, 0, 8, 4)
+    assert not uses_ring(sliding, 1000, 4, 0, 4)  # no slice: nothing for a ring layer to run over
     assert not uses_ring(full, 1000, 4, 8, 4)
     assert not uses_ring(sliding, (4 + 1) * ring_pages(4, 8, 4), 4, 8, 4)  # as many pages: stays paged
 

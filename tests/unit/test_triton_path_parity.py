@@ -21,6 +21,7 @@ CASES = [
     "qwen3_moe-norm_topk-gqa-fp8-kv",
     "qwen3_5_moe-gated-partial-rotary-fp8-kv",
     "gpt_oss-sliding-rings",
+    "gpt_oss-sliding-slices",
 ]
 
 
