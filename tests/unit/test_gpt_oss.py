@@ -162,9 +162,8 @@ def test_ring_layers_in_sliding_slices_equal_transformers_with_two_prompts_in_on
 
     hf, spec, _ = model
     runner = _sliced_ring_runner(hf, spec)
-    assert (
-        runner.pools.kv.ring_pages(0) == kv_ring_pages(8, RING_SLICE, 4) == 3 and runner.pools.kv.slice_tokens(0) == 4
-    )
+    assert runner.pools.kv.ring_pages(0) == kv_ring_pages(8, RING_SLICE, 4) == 3  # 12 rows: 7 keys and a slice
+    assert runner.pools.kv.slice_tokens(0) == RING_SLICE
     assert runner.pools.kv.slice_tokens(1) == 0  # the full layer runs over the whole step
     cut = []
     slices = ForwardBatch.slices
