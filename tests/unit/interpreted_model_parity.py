@@ -118,17 +118,22 @@ def check_fp8(arch, overrides, page_size):
 
 
 # gpt-oss's sliding layers in rings (plan/kv_groups.py): a 23-token prompt in chunks of 5 and greedy steps past it,
-# each request's ring 3 pages of 4 (the window of 8 and a 5-token step), so the ring's rows are reused over and over
-RING_CASES = {"gpt_oss-sliding-rings": ("gpt_oss", {}, 4), "gemma4-sliding-rings": ("gemma4", {}, 4)}
+# each request's ring 3 pages of 4 (the window of 8 and a 5-token slice), so the ring's rows are reused over and
+# over; then in chunks of 12 and 11, which the ring layers run over in sliding slices of at most 5
+RING_CASES = {
+    "gpt_oss-sliding-rings": ("gpt_oss", {}, 4, [5, 5, 5, 5]),
+    "gpt_oss-sliding-slices": ("gpt_oss", {}, 4, [12]),
+    "gemma4-sliding-rings": ("gemma4", {}, 4, [5, 5, 5, 5]),
+}
 
 
-def check_rings(arch, overrides, page_size):
+def check_rings(arch, overrides, page_size, chunks):
     hf, spec = tiny_model(arch, **overrides)
     prompt = torch.randint(0, 96, (23,), generator=torch.Generator().manual_seed(5)).tolist()
-    runner = PagedRunner(spec, hf, page_size, num_slots=3, ring_step_tokens=5)
+    runner = PagedRunner(spec, hf, page_size, num_slots=3, ring_slice_tokens=5)
     assert runner.pools.kv.ring_pages(0) == 3
     runner.poison()
-    prompt_logits, tokens, step_logits = runner.generate(1, prompt, STEPS, [5, 5, 5, 5])
+    prompt_logits, tokens, step_logits = runner.generate(1, prompt, STEPS, chunks)
     ref_tokens, ref_step_logits, ref_prompt_logits = hf_greedy(hf, prompt, STEPS)
     assert_logits_close(prompt_logits, ref_prompt_logits)
     assert tokens == ref_tokens, (tokens, ref_tokens)

@@ -42,14 +42,14 @@ def model():
     return hf, spec, (tokens, step_logits, prompt_logits)
 
 
-@pytest.mark.parametrize("ring_step_tokens", [0, 6])
-def test_prompt_and_greedy_decode_equal_transformers(model, ring_step_tokens):
+@pytest.mark.parametrize("ring_slice_tokens", [0, 6])
+def test_prompt_and_greedy_decode_equal_transformers(model, ring_slice_tokens):
     """The sliding layers' K/V paged over the context, or in rings of their own (kvwin's groups): the same."""
     hf, spec, (tokens, step_logits, prompt_logits) = model
     assert spec.attention_head_dims == (16, 16, 32) and spec.attention_kv_heads == (2, 2, 1)
     assert spec.layer_value_is_key == (False, False, True) and spec.attention_windows == (8, 8, 0)
-    runner = PagedRunner(spec, hf, page_size=4, ring_step_tokens=ring_step_tokens)
-    assert bool(runner.pools.kv.ring_pages(0)) == bool(ring_step_tokens) and runner.pools.kv.ring_pages(2) == 0
+    runner = PagedRunner(spec, hf, page_size=4, ring_slice_tokens=ring_slice_tokens)
+    assert bool(runner.pools.kv.ring_pages(0)) == bool(ring_slice_tokens) and runner.pools.kv.ring_pages(2) == 0
     ours_prompt, ours_tokens, ours_steps = runner.generate(1, PROMPT, 8, chunks=[5, 1, 6, 6])
     assert_logits_close(ours_prompt, prompt_logits)
     assert ours_tokens == tokens

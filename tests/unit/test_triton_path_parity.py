@@ -23,6 +23,7 @@ CASES = [
     "gpt_oss-sliding-rings",
     "gemma4-two-shapes-keqv-gelu",
     "gemma4-sliding-rings",
+    "gpt_oss-sliding-slices",
 ]
 
 

@@ -17,7 +17,8 @@ gpt-oss adds a learned sink logit per head to each softmax's denominator (`sinks
 are computed by the paged kernels and their twin (kernels/paged_attention*.py); FlashAttention does not take
 them, so such a layer's long prefills go through the blocked Triton kernel. A sliding layer whose group keeps
 rings (plan/kv_groups.py) writes and reads its K/V in the ring of each request's slot (`state_slots`), not
-through the page table.
+through the page table, over a step in sliding slices (StepContext.mix), each written and attended before the
+next.
 
 Gemma 4's layers differ in head size and KV heads (the spec's `layer_head_dim` / `layer_kv_heads`) and rotary
 embedding (each layer's own `rotary`, its tables in the step's context); in its full layers V is k_proj's output
@@ -91,6 +92,12 @@ class PagedAttention(nn.Module):
         ring = ctx.pools.kv.ring_pages(self.layer_idx)
         slot_mapping = b.slot_mapping
         if ring:  # a sliding group's rings: the rows of the tokens' request slots, not of the page table
+            # more of a request's tokens than the ring holds besides the window would overwrite keys still read
+            if max(b.query_lens_host) > ctx.pools.kv.slice_tokens(self.layer_idx):
+                raise ValueError(
+                    f"layer {self.layer_idx}'s rings hold {ctx.pools.kv.slice_tokens(self.layer_idx)} new tokens a "
+                    f"request, the step gives {max(b.query_lens_host)}: run it in sliding slices (StepContext.mix)"
+                )
             slot_mapping = ring_rows(b.positions, b.state_slots[b.token_request.long()], ring, b.page_size)
         if use_triton(x) and self.q_norm is not None:
             norm = self.q_norm

@@ -27,13 +27,20 @@ Tensors = Iterable[tuple[str, torch.Tensor]]
 
 
 class DecoderLayer(nn.Module):
-    """`mixer` is registered under `mixer_name`, the checkpoint's name for it (`self_attn`, `linear_attn`);
-    `moe`: the MLP is a MoE block, whose routed experts' rows the next norm may sum (see forward)."""
+    """Layer `layer_idx`: `mixer` is registered under `mixer_name`, the checkpoint's name for it (`self_attn`,
+    `linear_attn`); `moe`: the MLP is a MoE block, whose routed experts' rows the next norm may sum (see forward)."""
 
     def __init__(
-        self, mixer_name: str, mixer: nn.Module, mlp: nn.Module, norms: tuple[nn.Module, nn.Module], moe: bool
+        self,
+        layer_idx: int,
+        mixer_name: str,
+        mixer: nn.Module,
+        mlp: nn.Module,
+        norms: tuple[nn.Module, nn.Module],
+        moe: bool,
     ):
         super().__init__()
+        self.layer_idx = layer_idx
         self.mixer_name = mixer_name
         self.add_module(mixer_name, mixer)
         self.mlp = mlp
@@ -52,7 +59,7 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm.forward_add(x, residual)
-        h, residual = self.post_attention_layernorm.forward_add(ctx.mix(mixer, h), residual)
+        h, residual = self.post_attention_layernorm.forward_add(ctx.mix(mixer, h, self.layer_idx), residual)
         return (self.mlp(h, ctx, summed=False) if self._moe else self.mlp(h, ctx)), residual
 
 
@@ -109,7 +116,7 @@ class DecoderFamily(ABC):
         name, mixer = self.mixer(spec, layer, rotary, dtype, device)
         mlp = self.mlp(spec, layer, experts, dtype, device)
         norms = tuple(self.norm(spec, spec.hidden_size, dtype, device) for _ in range(2))
-        return DecoderLayer(name, mixer, mlp, norms, moe=spec.moe_layers[layer])
+        return DecoderLayer(layer, name, mixer, mlp, norms, moe=spec.moe_layers[layer])
 
     def checkpoint_tensors(self, spec: ModelSpec, name: str, tensor: torch.Tensor, source: str) -> Tensors:
         """One checkpoint tensor (its name without the wrapper prefix) as the tensors the module tree names;

@@ -74,6 +74,7 @@ class Gemma4Layer(nn.Module):
         norm,
     ):
         super().__init__()
+        self.layer_idx = layer
         self.self_attn = PagedAttention(spec, layer, rotary, dtype, device)
         self.mlp = DenseMLP(spec.hidden_size, spec.intermediate_size, dtype, device, activation=spec.mlp_activation)
         self.router = Gemma4Router(spec, dtype, device)
@@ -86,7 +87,7 @@ class Gemma4Layer(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ctx: StepContext) -> tuple[torch.Tensor, None]:
         if residual is not None:  # only the decoder's first call has none, and this layer leaves none
             raise ValueError("a Gemma 4 layer takes the whole residual stream")
-        x = x + self.post_attention_layernorm(ctx.mix(self.self_attn, self.input_layernorm(x)))
+        x = x + self.post_attention_layernorm(ctx.mix(self.self_attn, self.input_layernorm(x), self.layer_idx))
         dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(x)))
         ids, weights = self.router(x)
         routed = self.experts.forward(
