@@ -95,8 +95,8 @@ def _sliced_and_whole(arch, dtype, slice_tokens, steps, monkeypatch, device, **r
 
     sliced_steps = []
 
-    def spy(step, max_tokens):  # (also asked of each slice, which it leaves whole)
-        made = mixer_slices(step, max_tokens)
+    def spy(step, max_tokens, rows_only=False):  # (also asked of each slice, which it leaves whole)
+        made = mixer_slices(step, max_tokens, rows_only)
         if made:
             sliced_steps.append([(a, b) for a, b, _ in made])
         return made
