@@ -62,6 +62,18 @@ class _StatusCounters:
             "linear-state snapshots of hybrid models dropped, "
             "with their KV pages or for room (since the worker started)",
         ),
+        "draft_rows": (
+            "ferry_speculative_draft_rows",
+            "speculative decoding: decoding rows sent with drafts to verify (since the worker started)",
+        ),
+        "drafted_tokens": (
+            "ferry_speculative_drafted_tokens",
+            "speculative decoding: draft tokens sent to be verified (since the worker started)",
+        ),
+        "accepted_drafts": (
+            "ferry_speculative_accepted_tokens",
+            "speculative decoding: draft tokens the target model kept (since the worker started)",
+        ),
     }
 
     def __init__(self) -> None:

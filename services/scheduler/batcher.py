@@ -62,6 +62,7 @@ import numpy as np
 
 from ferry.services.scheduler.kv_page_pool import KvPagePool
 from ferry.services.scheduler.linear_state_slots import LinearStateSlotAllocator
+from ferry.services.scheduler.ngram_proposer import propose_ngram
 from ferry.services.scheduler.radix_cache import Node
 from ferry.services.scheduler.request import Request
 from ferry.services.scheduler.state_snapshots import Snapshot, StateSnapshots
@@ -69,6 +70,7 @@ from ferry.shared.contract import sampling_wire_problems, step_output_problem, t
 from ferry.shared.errors import EngineError, FerryError, InvalidRequest
 from ferry.shared.messages import PoolReport
 from ferry.shared.sampling import SamplingParams
+from ferry.shared.speculation import DEFAULT_SPECULATIVE_TOKENS, computed_after_verify, speculates
 from ferry.shared.step import Logprobs, NewRequest, StepBatch, StepOutput
 from ferry.shared.units import ceil_div
 
@@ -132,6 +134,7 @@ class _Entry:
     save: Snapshot | None = None  # the snapshot this row's state goes to (pending)
     save_at: int = 0  # ... the position it holds, a page boundary: the row's chunk end, or `inside`
     row_end: int = 0  # the position the row's chunk ends at
+    drafts: tuple[int, ...] = ()  # draft tokens after the row's query_len tokens (speculative decoding), to verify
 
 
 def check_pool(pool: PoolReport) -> None:
@@ -171,10 +174,14 @@ class BatchScheduler:
         prefix_cache: bool = True,
         prefill_coalesce_s: float = DEFAULT_PREFILL_COALESCE_MS / 1000,
         schedule_ahead_steps: int = DEFAULT_SCHEDULE_AHEAD_STEPS,
+        speculative_method: str = "off",
+        speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS,
     ):
         """`prefix_cache`: reuse cached prefixes (False: --no-prefix-cache, every prompt computed whole);
         `prefill_coalesce_s`: how long new prompts may wait for more (arrival_hold_s; 0: never);
-        `schedule_ahead_steps`: decode steps that may be in flight beyond the oldest (0: none ahead)."""
+        `schedule_ahead_steps`: decode steps that may be in flight beyond the oldest (0: none ahead);
+        `speculative_method`: "ngram" gives decoding rows up to `speculative_tokens` drafts to verify
+        (--speculative-method, --speculative-tokens; the module docstring), "off" none."""
         check_pool(pool)
         self.pool = pool
         self.hybrid = pool.linear_state_slots > 0
@@ -206,6 +213,11 @@ class BatchScheduler:
         # (step id, rows), oldest first: at most 1 + schedule_ahead_steps
         self._in_flight: deque[tuple[int, list[_Entry]]] = deque()
         self._step_ids = itertools.count(first_step_id)
+        self.speculative_method = speculative_method
+        self.speculative_tokens = speculative_tokens
+        self.draft_rows = 0  # rows sent with drafts
+        self.drafted_tokens = 0  # drafts sent in those rows
+        self.accepted_drafts = 0  # of them, the ones the worker kept
 
     # ---- admission -------------------------------------------------------------------------------
 
@@ -408,9 +420,10 @@ class BatchScheduler:
                 if victim is req:
                     break
             else:
-                entries.append(_Entry(req, q, self._samples(req, q), self._save_inside(req, q)))
+                drafts = self._drafts(req, q, budget)
+                entries.append(_Entry(req, q, self._samples(req, q), self._save_inside(req, q), drafts=drafts))
                 in_step.add(req.rid)
-                budget -= q
+                budget -= q + len(drafts)
         # No admissions in a step that had to preempt: the pool is short, and re-admitting the victim at
         # once would only thrash.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.pool.max_running_requests:
@@ -442,6 +455,8 @@ class BatchScheduler:
             produced = r.output_len + r.in_flight  # its tokens once every step in flight is back
             if (
                 not e.sample
+                or e.drafts  # how many tokens it produces is known only when its answer is back
+                or self._may_draft(r)  # its next row's drafts come from the tokens its answer brings
                 or r.done
                 or r.abort_pending
                 or r.sampling.reads_its_output
@@ -456,6 +471,31 @@ class BatchScheduler:
             return None  # no page to grow into: the next full step may preempt (pages grown here are used then)
         entries = [_Entry(e.req, 1, True) for e in previous]
         return self._build_batch(entries, ahead_positions=positions)
+
+    def _may_draft(self, req: Request) -> bool:
+        """Whether req's decoding rows get drafts (speculative decoding on, and its sampling allows it)."""
+        return self.speculative_method != "off" and speculates(req.sampling)
+
+    def _drafts(self, req: Request, q: int, budget: int) -> tuple[int, ...]:
+        """The drafts req's row of q tokens carries (prompt lookup over its tokens: ngram_proposer.py), its pages
+        grown to hold them; () when it may not draft, its row does not end its tokens past the prompt (a prefill
+        keeps its snapshot points), there is no room or no match. At most --speculative-tokens, the step's token
+        budget left, and one fewer than the tokens left to it (max_tokens, the model length): the verify adds one
+        of its own. Drafts never preempt: a pool too short for them sends the row without."""
+        if not self._may_draft(req) or not self._samples(req, q) or req.num_computed < req.prompt_len:
+            return ()
+        room = min(
+            self.speculative_tokens,
+            budget - q,
+            req.max_tokens - req.output_len - 1,
+            self.pool.max_model_len - len(req.tokens) - 1,
+        )
+        if room < 1:
+            return ()
+        drafts = propose_ngram(req.tokens, room)
+        if not drafts or not self.kv.grow(req, req.num_computed + q + len(drafts)):
+            return ()
+        return tuple(drafts)
 
     @staticmethod
     def _samples(req: Request, q: int) -> bool:
@@ -666,7 +706,8 @@ class BatchScheduler:
         prompt_logprobs = np.zeros(n, dtype=bool)
         restore = np.full(n, -1, dtype=np.int32)
         save = np.full(n, -1, dtype=np.int32)
-        query_lens = np.array([e.query_len for e in entries], dtype=np.int32)
+        query_lens = np.array([e.query_len + len(e.drafts) for e in entries], dtype=np.int32)
+        draft_lens = np.array([len(e.drafts) for e in entries], dtype=np.int32)
         offset = query_lens.copy()  # where each row's state is saved: its end unless kept inside
         ps = self.pool.page_size
         for i, e in enumerate(entries):
@@ -675,7 +716,9 @@ class BatchScheduler:
             restore[i], r.restore_from = r.restore_from, -1
             end = (r.num_computed if ahead_positions is None else ahead_positions[i]) + e.query_len
             e.row_end = end
-            if e.inside:  # the chunk's one point, kept inside it; its end then keeps none (_save_inside)
+            if e.drafts:
+                pass  # its state may be put back (rejected drafts): a drafting row keeps no snapshot
+            elif e.inside:  # the chunk's one point, kept inside it; its end then keeps none (_save_inside)
                 if (snap := self._save_for(r, e.inside)) is not None:
                     e.save, e.save_at, save[i], offset[i] = snap, e.inside, snap.id, e.inside - r.num_computed
             elif self.snapshots.total and end % ps == 0 and (snap := self._save_for(r, end)) is not None:
@@ -688,6 +731,7 @@ class BatchScheduler:
             )
             if ahead_positions is None:
                 tokens.extend(r.tokens[r.num_computed : r.num_computed + e.query_len])
+                tokens.extend(e.drafts)
             else:
                 tokens.append(0)  # the worker puts the token it sampled for this request in the step before
             r.in_flight += 1
@@ -719,6 +763,7 @@ class BatchScheduler:
             restore_state=restore if (restore >= 0).any() else None,  # None: no row copies a state
             save_state=save if (save >= 0).any() else None,
             save_offset=offset if (offset < query_lens).any() else None,
+            draft_lens=draft_lens if draft_lens.any() else None,  # None: no row drafts
         )
 
     def complete(self, output: StepOutput) -> Outcome:
@@ -737,6 +782,7 @@ class BatchScheduler:
         sampled = dict(zip(output.req_ids.tolist(), output.token_ids.tolist()))
         vocab = self.pool.vocab_size
         sampled_lps = {lp.req_id: lp for lp in output.sampled_logprobs}
+        accepted = {} if output.accepted_drafts is None else dict(zip(output.req_ids.tolist(), output.accepted_drafts.tolist()))
         grammar_failures = dict(output.grammar_failures)
         for lp in output.prompt_logprobs:
             self._take_prompt_logprobs(lp, out)
@@ -746,7 +792,18 @@ class BatchScheduler:
                 self._abandon_saves([e])
                 self._release_if_idle(req)
                 continue
-            req.num_computed += e.query_len
+            kept = accepted.get(req.rid, 0) if e.drafts else 0
+            if not 0 <= kept <= len(e.drafts):
+                self._fail(req, EngineError(f"the worker kept {kept} of request {req.rid}'s {len(e.drafts)} drafts"), out)
+                continue
+            if e.drafts:
+                self.draft_rows += 1
+                self.drafted_tokens += len(e.drafts)
+                self.accepted_drafts += kept
+                q = e.query_len + len(e.drafts)
+                req.num_computed = computed_after_verify(req.num_computed, q, len(e.drafts), kept, self.hybrid)
+            else:
+                req.num_computed += e.query_len
             if e.save is not None:
                 self._attach_snapshot(e)
             if req.abort_pending:
@@ -770,15 +827,20 @@ class BatchScheduler:
                 if (why := grammar_failures.get(req.rid)) is not None:  # its token is no output, only a filler
                     self._fail(req, InvalidRequest(GRAMMAR_FAILED.format(why)), out)
                     continue
-                req.tokens.append(token)
-                req.output_len += 1
-                out.tokens.append((req, token))
+                reason = None
+                for t in (*e.drafts[:kept], token):  # the kept drafts, then the worker's own token
+                    req.tokens.append(t)
+                    req.output_len += 1
+                    out.tokens.append((req, t))
+                    if (reason := self._finish_reason(req, t)) is not None:
+                        break  # a stop or the length limit: the tokens after it are dropped
                 if (lp := sampled_lps.get(req.rid)) is not None:
                     out.logprobs.append((req, lp))
-                reason = self._finish_reason(req, token)
                 if reason:
                     self._finish(req, reason, out)
                     continue
+            if e.drafts:  # pages that held only rejected drafts go back
+                self.kv.trim(req, len(req.tokens))
             self.kv.cache_full_pages(req)
         return out
 
