@@ -782,7 +782,11 @@ class BatchScheduler:
         sampled = dict(zip(output.req_ids.tolist(), output.token_ids.tolist()))
         vocab = self.pool.vocab_size
         sampled_lps = {lp.req_id: lp for lp in output.sampled_logprobs}
-        accepted = {} if output.accepted_drafts is None else dict(zip(output.req_ids.tolist(), output.accepted_drafts.tolist()))
+        accepted = (
+            {}
+            if output.accepted_drafts is None
+            else dict(zip(output.req_ids.tolist(), output.accepted_drafts.tolist()))
+        )
         grammar_failures = dict(output.grammar_failures)
         for lp in output.prompt_logprobs:
             self._take_prompt_logprobs(lp, out)
@@ -794,7 +798,9 @@ class BatchScheduler:
                 continue
             kept = accepted.get(req.rid, 0) if e.drafts else 0
             if not 0 <= kept <= len(e.drafts):
-                self._fail(req, EngineError(f"the worker kept {kept} of request {req.rid}'s {len(e.drafts)} drafts"), out)
+                self._fail(
+                    req, EngineError(f"the worker kept {kept} of request {req.rid}'s {len(e.drafts)} drafts"), out
+                )
                 continue
             if e.drafts:
                 self.draft_rows += 1

@@ -13,7 +13,12 @@ from ferry.services.scheduler.batcher import (
 from ferry.shared.defaults import API_ADDR, RESULTS_ADDR, STEP_TIMEOUT_S, STEPS_ADDR
 from ferry.shared.errors import ConfigError
 from ferry.shared.side_http import add_side_http_flags
-from ferry.shared.speculation import DEFAULT_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS, SPECULATIVE_METHODS, speculation_problems
+from ferry.shared.speculation import (
+    DEFAULT_SPECULATIVE_TOKENS,
+    MAX_SPECULATIVE_TOKENS,
+    SPECULATIVE_METHODS,
+    speculation_problems,
+)
 from ferry.shared.wire_keys import WireKeys, add_wire_keys_flag, check_exposure, require_keys_for_tcp
 
 ARRIVAL_GAP_MS = DEFAULT_PREFILL_COALESCE_MS * ARRIVAL_GAP_FRACTION

@@ -24,8 +24,9 @@ class ForwardBatch:
 
     `slot_mapping[t]` is the flat KV row (page * page_size + offset) that token t writes;
     `logits_rows` are the token rows whose logits are needed (the last new token of every
-    request that samples; a drafting row's last draft_lens + 1 tokens: shared/step.py). Host copies of the small per-request arrays are kept too, because
-    CPU reference paths loop over requests.
+    request that samples; a drafting row's last draft_lens + 1 tokens: shared/step.py). Host
+    copies of the small per-request arrays are kept too, because CPU reference paths loop over
+    requests.
 
     All device arrays are views of one buffer that crosses to the device in a single copy (from
     pinned memory on CUDA): ten small copies were ten launches and ten driver calls per step."""
