@@ -89,7 +89,8 @@ def boot(model_dir, *extra: str):
 
 def generate(executor, plan, requests, method="off", k=K):
     """[(tokens, finish reason)] of `requests` ([(prompt, sampling, max_tokens)]) submitted together, and the
-    scheduler: schedule, execute, complete, as the served processes do."""
+    scheduler: schedule, execute, complete, as the served processes do. The sampled tokens' logprobs, for
+    requests that ask, are kept in `generate.logprobs` ({rid: [Logprobs]})."""
     sched = BatchScheduler(
         pool_report_from_plan(plan, executor.spec.vocab_size), speculative_method=method, speculative_tokens=k
     )
@@ -99,11 +100,14 @@ def generate(executor, plan, requests, method="off", k=K):
     ]
     got = {r.rid: [] for r in reqs}
     reasons = {}
+    generate.logprobs = {r.rid: [] for r in reqs}
     while (batch := sched.schedule()) is not None:
         out = sched.complete(executor.execute(batch))
         assert not out.failed, out.failed
         for r, t in out.tokens:
             got[r.rid].append(t)
+        for r, lp in out.logprobs:
+            generate.logprobs[r.rid].append(lp)
         for r, why in out.finished:
             reasons[r.rid] = why
     assert not (sched.running or sched.waiting)
@@ -227,11 +231,18 @@ def test_requests_that_cannot_speculate_decode_as_before(tiny_models, monkeypatc
         (PROMPTS[0], GREEDY, 20),
     ]
     off, _ = generate(executor, plan, requests)
+    off_logprobs = generate.logprobs[2]
     asked = []
-    monkeypatch.setattr(batcher_module, "propose_ngram", lambda tokens, k: asked.append(list(tokens)) or [])
-    on, _ = generate(executor, plan, requests, "ngram")
+    monkeypatch.setattr(batcher_module, "propose_ngram", lambda tokens, k: asked.append(list(tokens)) or [1, 2])
+    on, sched = generate(executor, plan, requests, "ngram")
     assert on == off
-    assert asked and all(t[: len(PROMPTS[0])] == PROMPTS[0] for t in asked)
+    assert asked and all(t[: len(PROMPTS[0])] == PROMPTS[0] for t in asked)  # only the greedy request drafts
+    assert sched.draft_rows > 0
+    on_logprobs = generate.logprobs[2]
+    assert [lp.start for lp in on_logprobs] == [lp.start for lp in off_logprobs] == list(range(8, 20))
+    for a, b in zip(on_logprobs, off_logprobs):
+        assert (a.top_ids == b.top_ids).all()
+        np.testing.assert_allclose(a.token_logprobs, b.token_logprobs, rtol=1e-5, atol=1e-6)
 
 
 # ---- the verify rule's distribution ---------------------------------------------------------------------------
