@@ -97,7 +97,10 @@ def step_problems(batch, limits: StepLimits, known: set[int] | dict) -> list[str
                 f"of shape {getattr(a, 'shape', '?')}"
             )
     # optional int [R] rows: the snapshot each row's state is restored from / saved to (-1: none)
-    copies = {name: getattr(batch, name, None) for name in ("restore_state", "save_state", "save_offset", "draft_lens")}
+    copies = {
+        name: getattr(batch, name, None)
+        for name in ("restore_state", "save_state", "save_offset", "draft_lens", "hold_state")
+    }
     for name, a in copies.items():
         if a is not None and (not _is_ints(a) or a.ndim != 1):
             problems.append(
@@ -151,7 +154,9 @@ def step_problems(batch, limits: StepLimits, known: set[int] | dict) -> list[str
         and (int(slots.min()) < 0 or int(slots.max()) > limits.linear_state_slots)
     ):
         problems.append(f"linear-state slots must be in 0..{limits.linear_state_slots}")
-    problems += _state_copy_problems(batch, {k: copies[k] for k in ("restore_state", "save_state")}, limits)
+    problems += _state_copy_problems(
+        batch, {k: copies[k] for k in ("restore_state", "save_state", "hold_state")}, limits
+    )
     announced = {}
     for new in batch.new_requests:
         announced[new.req_id] = new.sampling
@@ -165,16 +170,25 @@ def step_problems(batch, limits: StepLimits, known: set[int] | dict) -> list[str
         if rid not in announced and (rid not in known or rid in forgotten):
             problems.append(f"request {rid} samples (or wants prompt logprobs) but was never announced (no NewRequest)")
             break
-    if not problems and batch.draft_lens is not None:
-        problems += _draft_problems(batch, known, announced)
+    if not problems and (batch.draft_lens is not None or batch.hold_state is not None):
+        problems += _draft_problems(batch, known, announced, hybrid=limits.linear_state_slots > 0)
     return problems
 
 
-def _draft_problems(batch, known: set[int] | dict, announced: dict) -> list[str]:
+def _draft_problems(batch, known: set[int] | dict, announced: dict, hybrid: bool) -> list[str]:
     """A step's drafting rows (shared/speculation.py): fewer drafts than the row's tokens, on a row that
-    samples, saves no state and is not fed, of a request whose sampling allows speculation."""
-    d = batch.draft_lens.astype(np.int64)
+    samples, saves no state and is not fed, of a request whose sampling allows speculation; on a hybrid model
+    each holds its state in a snapshot of its own, which no row of the step saves into (hold_state)."""
+    r = len(batch.req_ids)
+    d = np.zeros(r, np.int64) if batch.draft_lens is None else batch.draft_lens.astype(np.int64)
     rows = d > 0
+    hold = np.full(r, -1, np.int64) if batch.hold_state is None else batch.hold_state.astype(np.int64)
+    held = hold[hold >= 0]
+    saved = set() if batch.save_state is None else set(batch.save_state[batch.save_state >= 0].tolist())
+    if ((hold >= 0) != (rows & hybrid)).any():
+        return ["hold_state: a hybrid model's drafting rows, and only they, hold their state in a snapshot"]
+    if len(np.unique(held)) != held.size or saved & set(held.tolist()):
+        return ["hold_state: each row holds its state in a snapshot of its own, which no row saves into"]
     if (d < 0).any() or (d >= batch.query_lens).any():
         return ["draft_lens: a row's drafts must be fewer than its tokens (0 for a row without drafts)"]
     fed = batch.feed_sampled[rows].any() if batch.feed_sampled is not None else False

@@ -77,6 +77,10 @@ class StepBatch(msgspec.Struct, frozen=True, kw_only=True):
     # adds one token of its own (StepOutput.accepted_drafts). Such a row samples, saves no state, is not fed,
     # and its request may speculate (speculation.speculates). None: no row drafts.
     draft_lens: np.ndarray | None = None
+    # int32 [R] snapshot ids, -1 for none: a hybrid model's drafting rows. The snapshot takes the row's linear
+    # state before the forward (after the restores), and a row that refused a draft takes it back after the
+    # verify (speculation.computed_after_verify). Every hybrid drafting row holds one. None: no row holds.
+    hold_state: np.ndarray | None = None
 
     def saved_inside(self) -> np.ndarray:
         """bool [R]: the rows whose state is saved inside their chunk (by the linear layers, during the

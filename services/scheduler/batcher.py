@@ -135,6 +135,7 @@ class _Entry:
     save_at: int = 0  # ... the position it holds, a page boundary: the row's chunk end, or `inside`
     row_end: int = 0  # the position the row's chunk ends at
     drafts: tuple[int, ...] = ()  # draft tokens after the row's query_len tokens (speculative decoding), to verify
+    hold: Snapshot | None = None  # a hybrid's drafting row: the snapshot its state is held in for the step
 
 
 def check_pool(pool: PoolReport) -> None:
@@ -420,10 +421,9 @@ class BatchScheduler:
                 if victim is req:
                     break
             else:
-                drafts = self._drafts(req, q, budget)
-                entries.append(_Entry(req, q, self._samples(req, q), self._save_inside(req, q), drafts=drafts))
+                entries.append(_Entry(req, q, self._samples(req, q), self._save_inside(req, q)))
                 in_step.add(req.rid)
-                budget -= q + len(drafts)
+                budget -= q
         # No admissions in a step that had to preempt: the pool is short, and re-admitting the victim at
         # once would only thrash.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.pool.max_running_requests:
@@ -437,6 +437,8 @@ class BatchScheduler:
             budget -= q
         if not entries:
             return None
+        if self.speculative_method != "off":
+            self._give_drafts(entries, budget)
         return self._build_batch(entries)
 
     def schedule_ahead(self) -> StepBatch | None:
@@ -476,26 +478,39 @@ class BatchScheduler:
         """Whether req's decoding rows get drafts (speculative decoding on, and its sampling allows it)."""
         return self.speculative_method != "off" and speculates(req.sampling)
 
-    def _drafts(self, req: Request, q: int, budget: int) -> tuple[int, ...]:
-        """The drafts req's row of q tokens carries (prompt lookup over its tokens: ngram_proposer.py), its pages
-        grown to hold them; () when it may not draft, its row does not end its tokens past the prompt (a prefill
-        keeps its snapshot points), there is no room or no match. At most --speculative-tokens, the step's token
-        budget left, and one fewer than the tokens left to it (max_tokens, the model length): the verify adds one
-        of its own. Drafts never preempt: a pool too short for them sends the row without."""
-        if not self._may_draft(req) or not self._samples(req, q) or req.num_computed < req.prompt_len:
-            return ()
-        room = min(
-            self.speculative_tokens,
-            budget - q,
-            req.max_tokens - req.output_len - 1,
-            self.pool.max_model_len - len(req.tokens) - 1,
-        )
-        if room < 1:
-            return ()
-        drafts = propose_ngram(req.tokens, room)
-        if not drafts or not self.kv.grow(req, req.num_computed + q + len(drafts)):
-            return ()
-        return tuple(drafts)
+    def _give_drafts(self, entries: list[_Entry], budget: int) -> None:
+        """Drafts for the step's decoding rows, once every running row and admission has its place: drafts only
+        fill what the step leaves. Per row, prompt lookup over its tokens (ngram_proposer.py), at most
+        --speculative-tokens, the token budget left, and one fewer than the tokens left to the request (its
+        max_tokens, the model length: the verify adds one of its own). The step's logits rows (one a sampling row,
+        one more a draft) stay within max_running_requests, the sampling logits the plan's workspace holds. A
+        row gets none where it does not end the request's tokens past its prompt (a prefill keeps its snapshot
+        points), where its pages cannot grow without preempting, and, for a hybrid model, where no snapshot id is
+        free to hold its state (speculation.computed_after_verify: refused drafts put the state back)."""
+        logits_room = self.pool.max_running_requests - sum(e.sample for e in entries)
+        for e in entries:
+            req, q = e.req, e.query_len
+            if budget < 1 or logits_room < 1:
+                return
+            if not self._may_draft(req) or not e.sample or req.num_computed < req.prompt_len or e.inside:
+                continue
+            room = min(
+                self.speculative_tokens,
+                budget,
+                logits_room,
+                req.max_tokens - req.output_len - 1,
+                self.pool.max_model_len - len(req.tokens) - 1,
+            )
+            if room < 1 or (self.hybrid and not self.snapshots.free_count):
+                continue
+            drafts = propose_ngram(req.tokens, room)
+            if not drafts or not self.kv.grow(req, req.num_computed + q + len(drafts)):
+                continue
+            if self.hybrid:
+                e.hold = self.snapshots.take()  # a free id (free_count above): no cached snapshot is dropped
+            e.drafts = tuple(drafts)
+            budget -= len(drafts)
+            logits_room -= len(drafts)
 
     @staticmethod
     def _samples(req: Request, q: int) -> bool:
@@ -706,6 +721,7 @@ class BatchScheduler:
         prompt_logprobs = np.zeros(n, dtype=bool)
         restore = np.full(n, -1, dtype=np.int32)
         save = np.full(n, -1, dtype=np.int32)
+        hold = np.full(n, -1, dtype=np.int32)
         query_lens = np.array([e.query_len + len(e.drafts) for e in entries], dtype=np.int32)
         draft_lens = np.array([len(e.drafts) for e in entries], dtype=np.int32)
         offset = query_lens.copy()  # where each row's state is saved: its end unless kept inside
@@ -716,8 +732,8 @@ class BatchScheduler:
             restore[i], r.restore_from = r.restore_from, -1
             end = (r.num_computed if ahead_positions is None else ahead_positions[i]) + e.query_len
             e.row_end = end
-            if e.drafts:
-                pass  # its state may be put back (rejected drafts): a drafting row keeps no snapshot
+            if e.drafts:  # its state may be put back (refused drafts): it keeps no snapshot, and holds one hybrid's
+                hold[i] = -1 if e.hold is None else e.hold.id
             elif e.inside:  # the chunk's one point, kept inside it; its end then keeps none (_save_inside)
                 if (snap := self._save_for(r, e.inside)) is not None:
                     e.save, e.save_at, save[i], offset[i] = snap, e.inside, snap.id, e.inside - r.num_computed
@@ -764,6 +780,7 @@ class BatchScheduler:
             save_state=save if (save >= 0).any() else None,
             save_offset=offset if (offset < query_lens).any() else None,
             draft_lens=draft_lens if draft_lens.any() else None,  # None: no row drafts
+            hold_state=hold if (hold >= 0).any() else None,
         )
 
     def complete(self, output: StepOutput) -> Outcome:
@@ -895,10 +912,14 @@ class BatchScheduler:
                 self._fail(e.req, err, out)
 
     def _landed(self) -> list[_Entry]:
-        """The oldest step in flight is back: its rows, each request holding one step fewer."""
+        """The oldest step in flight is back: its rows, each request holding one step fewer, the snapshots that
+        held drafting rows' states free again (the step has put back what it was to)."""
         _, entries = self._in_flight.popleft()
         for e in entries:
             e.req.in_flight -= 1
+            if e.hold is not None:
+                self.snapshots.free(e.hold)
+                e.hold = None
         return entries
 
     def fail_all(self, err: FerryError) -> Outcome:

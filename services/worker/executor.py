@@ -115,7 +115,7 @@ class StepExecutor:
         timing = _timing_event(self.device) if self.trace_device else None
         with torch.inference_mode():
             self._restore_states(batch)
-            held = self._hold_linear_states(batch) if drafting else None
+            self._hold_states(batch)
             in_graph = None  # the graph's own sampling serves the step: (inverse temperatures, noise rows)
             if bucket is not None:
                 in_graph = self.sampler.graph_sampling(ids, self.graphs.noise)
@@ -132,7 +132,7 @@ class StepExecutor:
             accepted = None
             if drafting:
                 tokens, logprobs, accepted, top = self._choose_with_drafts(batch, ids, logits)
-                self._put_back_linear_states(batch, held, accepted)
+                self._put_back_linear_states(batch, accepted)
                 if self.graphs is not None:
                     self.graphs.keep_samples(tokens)
                 if self.store is not None:
@@ -261,28 +261,28 @@ class StepExecutor:
             tokens[at], logprobs[at], accepted[at] = t, lp, kept
         return tokens, logprobs, accepted, top
 
-    def _hold_linear_states(self, batch: StepBatch):
-        """A hybrid model's drafting rows: (their slots, their linear states before the forward), to put back
-        where a draft is refused (shared/speculation.py's computed_after_verify: the kept tokens are computed
-        again with the next row). None for a model without linear attention."""
-        if not self.spec.linear_attention_layers:
-            return None
-        rows = np.flatnonzero(batch.draft_lens > 0)
-        slots = to_device(np.asarray(batch.linear_state_slots)[rows], torch.int64, self.device)
-        state = self.pools.linear_state
-        return rows, slots, state.conv[:, slots].clone(), state.recurrent[:, slots].clone()
+    def _hold_states(self, batch: StepBatch) -> None:
+        """After the restores, before the forward: each hybrid drafting row's state goes to its hold snapshot
+        (StepBatch.hold_state), to be put back where a draft is refused."""
+        if batch.hold_state is not None:
+            rows = np.flatnonzero(batch.hold_state >= 0)
+            self.pools.linear_state.save([(int(batch.linear_state_slots[i]), int(batch.hold_state[i])) for i in rows])
 
-    def _put_back_linear_states(self, batch: StepBatch, held, accepted: torch.Tensor) -> None:
-        """The drafting rows that refused a draft take back the linear state they started the step with."""
-        if held is None:
+    def _put_back_linear_states(self, batch: StepBatch, accepted: torch.Tensor) -> None:
+        """After the verify: the hybrid drafting rows that refused a draft take back the linear state they
+        started the step with (shared/speculation.py's computed_after_verify: the tokens they kept are computed
+        again with their next row). Decided on the device: no wait for the verify's answer."""
+        if batch.hold_state is None:
             return
-        rows, slots, conv, recurrent = held
-        # the drafting rows among the sampling rows (a drafting row samples), in the same order
-        sampling_row = np.cumsum(batch.sample.astype(np.int64)) - 1
+        rows = np.flatnonzero(batch.hold_state >= 0)
+        sampling_row = np.cumsum(batch.sample.astype(np.int64)) - 1  # a drafting row samples
         kept = accepted[to_device(sampling_row[rows], torch.int64, self.device)]
         refused = kept < to_device(batch.draft_lens[rows], torch.int32, self.device)
+        slots = to_device(np.asarray(batch.linear_state_slots)[rows], torch.int64, self.device)
+        snaps = to_device(np.asarray(batch.hold_state)[rows], torch.int64, self.device)
         state = self.pools.linear_state
-        for now, before in ((state.conv, conv), (state.recurrent, recurrent)):
+        for now, held in ((state.conv, state.snapshot_conv), (state.recurrent, state.snapshot_recurrent)):
+            before = held[snaps].transpose(0, 1)  # [layers, rows, ...], as now[:, slots]
             shape = (1, -1) + (1,) * (before.dim() - 2)
             now[:, slots] = torch.where(refused.view(shape), before, now[:, slots])
 

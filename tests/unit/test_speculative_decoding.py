@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -102,6 +103,9 @@ def generate(executor, plan, requests, method="off", k=K):
     reasons = {}
     generate.logprobs = {r.rid: [] for r in reqs}
     while (batch := sched.schedule()) is not None:
+        drafts = 0 if batch.draft_lens is None else int(batch.draft_lens.sum())
+        # the step's logits rows stay within the sampling logits the plan's workspace holds
+        assert int(batch.sample.sum()) + drafts <= plan.max_running_requests
         out = sched.complete(executor.execute(batch))
         assert not out.failed, out.failed
         for r, t in out.tokens:
@@ -112,6 +116,8 @@ def generate(executor, plan, requests, method="off", k=K):
             reasons[r.rid] = why
     assert not (sched.running or sched.waiting)
     assert sched.kv.available == sched.kv.total  # every page back (cached ones are evictable)
+    snaps = sched.snapshots
+    assert snaps.free_count + snaps.held == snaps.total  # every snapshot that held a row's state is free again
     return [(got[r.rid], reasons[r.rid]) for r in reqs], sched
 
 
@@ -171,6 +177,28 @@ def test_greedy_speculation_gives_the_tokens_of_decoding_one_at_a_time(
     executor, plan = boot(model_dir, *(["--moe-cache-size", "8"] if offloaded else []))
     assert (plan.experts.slots < plan.experts.total) == offloaded
     _check_greedy_equal(executor, plan, monkeypatch)
+
+
+def test_hybrid_without_snapshots_decodes_without_drafts(tiny_models, monkeypatch):
+    """A hybrid model holds a drafting row's state in a snapshot of the planned pool: with none
+    (--linear-state-snapshots 0) its rows get no drafts, and decode as before."""
+    executor, plan = boot(tiny_models["qwen3_5_moe"], "--linear-state-snapshots", "0")
+    requests = greedy_requests()
+    off, _ = generate(executor, plan, requests)
+    monkeypatch.setattr(batcher_module, "propose_ngram", lambda tokens, k: [1] * k)
+    on, sched = generate(executor, plan, requests, "ngram")
+    assert on == off and sched.drafted_tokens == 0
+
+
+def test_few_running_requests_leave_drafts_little_room(tiny_models, monkeypatch):
+    """With --max-running-requests 4 and three requests decoding, a step has room for one draft (generate holds
+    every step to it), and the tokens are still those of decoding one at a time."""
+    executor, plan = boot(tiny_models["qwen3_moe"], "--max-running-requests", "4")
+    base, _ = generate(executor, plan, greedy_requests())
+    reference = {tuple(p): toks for p, (toks, _) in zip(PROMPTS, base)}
+    monkeypatch.setattr(batcher_module, "propose_ngram", knowing_drafter(reference, executor.spec.vocab_size))
+    on, sched = generate(executor, plan, greedy_requests(), "ngram")
+    assert on == base and sched.drafted_tokens > 0
 
 
 def test_prompt_lookup_drafts_keep_greedy_tokens(tiny_models):
@@ -454,6 +482,17 @@ def test_contract_refuses_drafts_a_request_cannot_take(tiny_models):
     new = (NewRequest(req_id=1, prompt_token_ids=np.array([1, 2, 3], np.int32), sampling=GREEDY),)
     with pytest.raises(StepBatchError, match="fewer than its tokens"):
         executor.execute(_step(2, [[1, 2, 3]], [0], [[1]], sample=True, draft_lens=[3], new=new))
+
+
+def test_contract_refuses_a_hybrid_drafting_row_that_holds_no_state(tiny_models):
+    """Without a hold snapshot a hybrid's refused drafts could not be taken out of its linear state."""
+    executor, _ = boot(tiny_models["qwen3_5_moe"])
+    new = (NewRequest(req_id=1, prompt_token_ids=np.array([1, 2, 3], np.int32), sampling=GREEDY),)
+    step = msgspec.structs.replace(
+        _step(1, [[1, 2, 3]], [0], [[1]], sample=True, draft_lens=[1], new=new), linear_state_slots=np.ones(1, np.int32)
+    )
+    with pytest.raises(StepBatchError, match="hold_state"):
+        executor.execute(step)
 
 
 @pytest.mark.parametrize(
