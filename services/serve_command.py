@@ -181,8 +181,9 @@ def child_commands(
         "--boot",
         args.boot,
     ]
-    if not args.prefix_cache and args.linear_state_snapshots is None:
-        worker += ["--linear-state-snapshots", "0"]  # no prefix reuse: the snapshots' memory goes to the other pools
+    if not args.prefix_cache and args.linear_state_snapshots is None and args.speculative_method == "off":
+        # no prefix reuse: the snapshots' memory goes to the other pools (speculation holds hybrids' states in them)
+        worker += ["--linear-state-snapshots", "0"]
     if ports["worker"] is not None:
         worker += ["--health-port", str(ports["worker"])]
     api = [

@@ -194,6 +194,9 @@ class BatchScheduler:
             pool.kv_pages, pool.page_size, prefix_reuse=prefix_cache and (not self.hybrid or snapshots > 0)
         )
         self.snapshots = StateSnapshots(snapshots)
+        # ids that hold a hybrid's drafting rows' states for a step (_give_drafts): the prefix cache's, or without
+        # it the worker's whole snapshot pool
+        self.holds = self.snapshots if snapshots or not self.hybrid else StateSnapshots(pool.linear_state_snapshots)
         self.snapshot_span = OFFLOADED_SNAPSHOT_SPAN if pool.experts_offloaded else 1
         self.kv.cache.on_evict = self.snapshots.drop
         self.prefix_hits = 0  # admissions that started from a cached prefix
@@ -501,13 +504,13 @@ class BatchScheduler:
                 req.max_tokens - req.output_len - 1,
                 self.pool.max_model_len - len(req.tokens) - 1,
             )
-            if room < 1 or (self.hybrid and not self.snapshots.free_count):
+            if room < 1 or (self.hybrid and not self.holds.free_count):
                 continue
             drafts = propose_ngram(req.tokens, room)
             if not drafts or not self.kv.grow(req, req.num_computed + q + len(drafts)):
                 continue
             if self.hybrid:
-                e.hold = self.snapshots.take()  # a free id (free_count above): no cached snapshot is dropped
+                e.hold = self.holds.take()  # a free id (free_count above): no cached snapshot is dropped
             e.drafts = tuple(drafts)
             budget -= len(drafts)
             logits_room -= len(drafts)
@@ -918,7 +921,7 @@ class BatchScheduler:
         for e in entries:
             e.req.in_flight -= 1
             if e.hold is not None:
-                self.snapshots.free(e.hold)
+                self.holds.free(e.hold)
                 e.hold = None
         return entries
 

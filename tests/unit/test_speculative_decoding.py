@@ -88,12 +88,15 @@ def boot(model_dir, *extra: str):
     return boot_worker(boot_config_from_args(parser.parse_args(args)))
 
 
-def generate(executor, plan, requests, method="off", k=K):
+def generate(executor, plan, requests, method="off", k=K, prefix_cache=True):
     """[(tokens, finish reason)] of `requests` ([(prompt, sampling, max_tokens)]) submitted together, and the
     scheduler: schedule, execute, complete, as the served processes do. The sampled tokens' logprobs, for
     requests that ask, are kept in `generate.logprobs` ({rid: [Logprobs]})."""
     sched = BatchScheduler(
-        pool_report_from_plan(plan, executor.spec.vocab_size), speculative_method=method, speculative_tokens=k
+        pool_report_from_plan(plan, executor.spec.vocab_size),
+        prefix_cache=prefix_cache,
+        speculative_method=method,
+        speculative_tokens=k,
     )
     reqs = [
         sched.add(rid, b"t", rid, np.array(p, np.int32), sampling, n)
@@ -116,8 +119,8 @@ def generate(executor, plan, requests, method="off", k=K):
             reasons[r.rid] = why
     assert not (sched.running or sched.waiting)
     assert sched.kv.available == sched.kv.total  # every page back (cached ones are evictable)
-    snaps = sched.snapshots
-    assert snaps.free_count + snaps.held == snaps.total  # every snapshot that held a row's state is free again
+    for snaps in (sched.snapshots, sched.holds):  # every snapshot that held a row's state is free again
+        assert snaps.free_count + snaps.held == snaps.total
     return [(got[r.rid], reasons[r.rid]) for r in reqs], sched
 
 
@@ -188,6 +191,19 @@ def test_hybrid_without_snapshots_decodes_without_drafts(tiny_models, monkeypatc
     monkeypatch.setattr(batcher_module, "propose_ngram", lambda tokens, k: [1] * k)
     on, sched = generate(executor, plan, requests, "ngram")
     assert on == off and sched.drafted_tokens == 0
+
+
+def test_hybrid_without_prefix_cache_holds_states_in_the_snapshot_pool(tiny_models, monkeypatch):
+    """--no-prefix-cache leaves the worker's snapshot pool to speculation (serve keeps it when speculating)."""
+    executor, plan = boot(tiny_models["qwen3_5_moe"])
+    base, _ = generate(executor, plan, greedy_requests(), prefix_cache=False)
+    reference = {tuple(p): toks for p, (toks, _) in zip(PROMPTS, base)}
+    monkeypatch.setattr(batcher_module, "propose_ngram", knowing_drafter(reference, executor.spec.vocab_size))
+    on, sched = generate(executor, plan, greedy_requests(), "ngram", prefix_cache=False)
+    assert on == base and sched.snapshots.total == 0 < sched.accepted_drafts < sched.drafted_tokens
+    for extra, zeroed in (((), True), (("--speculative-method", "ngram"), False)):
+        worker = child_commands(parse("serve", "/models/m", "--no-prefix-cache", *extra), "/models/m", Path("/x"))
+        assert ("--linear-state-snapshots" in worker["worker"]) == zeroed
 
 
 def test_few_running_requests_leave_drafts_little_room(tiny_models, monkeypatch):
