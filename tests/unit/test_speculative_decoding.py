@@ -217,6 +217,22 @@ def test_few_running_requests_leave_drafts_little_room(tiny_models, monkeypatch)
     assert on == base and sched.drafted_tokens > 0
 
 
+def test_sampled_requests_speculate_to_their_end(tiny_models, monkeypatch):
+    """Unseeded sampled requests (T=1, and T=0.7 with top-k and top-p) take drafts, keep some and refuse some,
+    and end at their max_tokens with tokens of the vocabulary (their distribution: the tests below)."""
+    executor, plan = boot(tiny_models["qwen3_5_moe"])
+    base, _ = generate(executor, plan, greedy_requests())
+    reference = {tuple(p): toks for p, (toks, _) in zip(PROMPTS, base)}
+    monkeypatch.setattr(batcher_module, "propose_ngram", knowing_drafter(reference, executor.spec.vocab_size))
+    sampled = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9), GREEDY]
+    requests = [(p, sampling, n) for p, sampling, n in zip(PROMPTS, sampled, MAX_TOKENS)]
+    on, sched = generate(executor, plan, requests, "ngram")
+    assert [len(t) for t, _ in on] == list(MAX_TOKENS) and all(why == "length" for _, why in on)
+    assert all(0 <= t < executor.spec.vocab_size for toks, _ in on for t in toks)
+    assert on[2][0] == base[2][0]  # the greedy one beside them: its tokens
+    assert 0 < sched.accepted_drafts < sched.drafted_tokens
+
+
 def test_prompt_lookup_drafts_keep_greedy_tokens(tiny_models):
     """The real drafter on the attention-only tiny model, whose greedy output falls into loops: drafts are
     kept, and the tokens are those of decoding one at a time, in fewer steps."""
