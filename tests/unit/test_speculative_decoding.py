@@ -111,6 +111,8 @@ def generate(executor, plan, requests, method="off", k=K, prefix_cache=True):
         assert int(batch.sample.sum()) + drafts <= plan.max_running_requests
         out = sched.complete(executor.execute(batch))
         assert not out.failed, out.failed
+        for r in sched.running:  # pages that held only refused drafts went back
+            assert len(r.pages) <= -(-len(r.tokens) // plan.kv.page_size)
         for r, t in out.tokens:
             got[r.rid].append(t)
         for r, lp in out.logprobs:
@@ -501,7 +503,11 @@ def test_drafts_stay_inside_max_tokens_and_the_pages(tiny_models, monkeypatch):
     monkeypatch.setattr(batcher_module, "propose_ngram", lambda tokens, k: [1] * k)
     [(tokens, why)], sched = generate(executor, plan, [(PROMPTS[0], GREEDY, 3)], "ngram", k=8)
     assert len(tokens) == 3 and why == "length"
-    assert sched.drafted_tokens <= 1 + 2  # after the first token: 1 draft (two to go), then none past the end
+    assert sched.drafted_tokens == 1  # after the first token, two to go: one draft, then none past the end
+    # eight drafts a row, mostly refused, over 40 tokens: rows cross page boundaries, and generate checks after
+    # every step that no request holds a page past its tokens
+    [(tokens, _)], sched = generate(executor, plan, [(PROMPTS[0], GREEDY, 40)], "ngram", k=8)
+    assert len(tokens) == 40 and sched.drafted_tokens - sched.accepted_drafts > 100
 
 
 def test_contract_refuses_drafts_a_request_cannot_take(tiny_models):
