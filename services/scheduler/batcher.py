@@ -25,6 +25,14 @@ until its output comes back, and a request that finishes in step N while it is a
 keeps its pages, its state slot and its sampler state until N+1 returns (whose token for it is
 dropped).
 
+Speculative decoding (--speculative-method ngram; shared/speculation.py): once a step's rows and admissions are
+placed, each decoding row whose request may speculate gets up to --speculative-tokens drafts from prompt lookup
+over its tokens (ngram_proposer.py), within the token budget left and the step's logits rows
+(`_give_drafts`); the worker verifies them in the same forward. Its answer says how many it kept: those and the
+worker's own token are the request's next tokens, one at a time through the stop checks, and the positions
+computed are counted by `computed_after_verify` (pages that held only refused drafts go back). Such a request
+is not scheduled ahead: its next drafts need the tokens its answer brings.
+
 Prefix cache of hybrid models (docs/ARCHITECTURE.md §1): a cached KV prefix is usable only with the
 Gated DeltaNet state at its end, so these models reuse a prefix from a linear-state *snapshot*
 (state_snapshots.py): a request starts from the deepest snapshot on its path (the KV pages before it

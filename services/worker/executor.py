@@ -278,13 +278,12 @@ class StepExecutor:
         sampling_row = np.cumsum(batch.sample.astype(np.int64)) - 1  # a drafting row samples
         kept = accepted[to_device(sampling_row[rows], torch.int64, self.device)]
         refused = kept < to_device(batch.draft_lens[rows], torch.int32, self.device)
-        slots = to_device(np.asarray(batch.linear_state_slots)[rows], torch.int64, self.device)
-        snaps = to_device(np.asarray(batch.hold_state)[rows], torch.int64, self.device)
         state = self.pools.linear_state
-        for now, held in ((state.conv, state.snapshot_conv), (state.recurrent, state.snapshot_recurrent)):
-            before = held[snaps].transpose(0, 1)  # [layers, rows, ...], as now[:, slots]
-            shape = (1, -1) + (1,) * (before.dim() - 2)
-            now[:, slots] = torch.where(refused.view(shape), before, now[:, slots])
+        for j, i in enumerate(rows.tolist()):
+            slot, snap = int(batch.linear_state_slots[i]), int(batch.hold_state[i])
+            for now, held in ((state.conv, state.snapshot_conv), (state.recurrent, state.snapshot_recurrent)):
+                # in place, through views: no temporary the size of a state (the plan prices none)
+                torch.where(refused[j], held[snap], now[:, slot], out=now[:, slot])
 
     def _produced(self, batch: StepBatch, sampled_ids: np.ndarray, token_ids: np.ndarray, accepted) -> tuple:
         """(request ids, tokens) of what the step produced, in order: a drafting row's kept drafts, then its
