@@ -514,7 +514,7 @@ class BatchScheduler:
             )
             if room < 1 or (self.hybrid and not self.holds.free_count):
                 continue
-            drafts = propose_ngram(req.tokens, room)
+            drafts = propose_ngram(req.token_array.of(req.tokens), room)
             if not drafts or not self.kv.grow(req, req.num_computed + q + len(drafts)):
                 continue
             if self.hybrid:

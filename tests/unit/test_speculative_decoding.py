@@ -27,7 +27,7 @@ from ferry.services.make_tiny_model import make_tiny_model
 from ferry.services.scheduler import batcher as batcher_module
 from ferry.services.scheduler.batcher import BatchScheduler
 from ferry.services.scheduler.config import scheduler_config_from_args
-from ferry.services.scheduler.ngram_proposer import propose_ngram
+from ferry.services.scheduler.ngram_proposer import TokenArray, propose_ngram
 from ferry.services.serve_command import child_commands
 from ferry.services.worker import executor as executor_module
 from ferry.services.worker import speculative_verify
@@ -494,6 +494,26 @@ def test_prompt_lookup_takes_the_longest_suffix_and_its_latest_occurrence():
     assert propose_ngram([1, 2, 3, 4, 5], 4) == []  # no earlier occurrence of the last two
     assert propose_ngram([1, 2, 1, 2], 0) == []
     assert propose_ngram([3, 3, 3, 3], 2) == [3]  # an occurrence overlapping the suffix counts
+
+
+def _lookup_by_hand(tokens: list[int], k: int, n_min: int = 2, n_max: int = 4) -> list[int]:
+    for n in range(min(n_max, len(tokens) - 1), n_min - 1, -1):
+        suffix = tokens[len(tokens) - n :]
+        for i in range(len(tokens) - n - 1, -1, -1):  # the most recent first, ending before the last token
+            if tokens[i : i + n] == suffix:
+                return tokens[i + n : i + n + k]
+    return []
+
+
+def test_prompt_lookup_matches_a_plain_search_and_its_array_follows_the_tokens():
+    rng = np.random.default_rng(0)
+    array = TokenArray()
+    tokens: list[int] = []
+    for _ in range(400):
+        tokens.append(int(rng.integers(0, 4)))  # a small alphabet: matches of every length, overlaps too
+        k = int(rng.integers(0, 6))
+        assert propose_ngram(array.of(tokens), k) == _lookup_by_hand(tokens, k) == propose_ngram(tokens, k)
+    assert array.of(tokens).tolist() == tokens
 
 
 def test_drafts_stay_inside_max_tokens_and_the_pages(tiny_models, monkeypatch):
