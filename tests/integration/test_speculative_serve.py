@@ -1,5 +1,6 @@
 """--speculative-method ngram through real processes (the real worker on CPU, both tiny models, the OpenAI
-client): concurrent greedy completions, one ending on a stop string and a seeded one beside them, give exactly
+client): concurrent greedy completions, one of two choices, one ending on a stop string and a seeded one beside
+them, give exactly
 the text they give without speculation, and the scheduler's and the api's /metrics count the drafts (the
 attention-only model's: the hybrid's random weights rarely repeat themselves, so prompt lookup seldom drafts)."""
 
@@ -28,10 +29,12 @@ def completions(c, stop: str | None = None) -> list[str]:
         extra = {"temperature": 0.9, "seed": 5} if i == 3 else {"temperature": 0}
         if i == 2 and stop is not None:
             extra["stop"] = [stop]
+        if i == 1:
+            extra["n"] = 2  # two choices of one prompt: two requests, each speculating on its own
         got = client.completions.create(
             model="tiny", prompt=PROMPTS[i], max_tokens=24, extra_body={"ignore_eos": True}, **extra
         )
-        return got.choices[0].text
+        return "|".join(c.text for c in sorted(got.choices, key=lambda c: c.index))
 
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         return list(pool.map(one, range(len(PROMPTS))))

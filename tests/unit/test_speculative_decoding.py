@@ -42,7 +42,7 @@ from ferry.services.worker.sampler import RequestSamplingState
 from ferry.services.worker.service import pool_report_from_plan
 from ferry.shared.errors import ConfigError
 from ferry.shared.sampling import SamplingParams
-from ferry.shared.speculation import computed_after_verify
+from ferry.shared.speculation import computed_after_verify, speculates
 from ferry.shared.step import NewRequest, StepBatch
 from ferry.shared.units import MiB
 from tests.unit.test_cli_flags import parse
@@ -576,6 +576,19 @@ def test_speculation_flags_reach_the_scheduler_from_serve():
         scheduler = child_commands(parse("serve", "/models/m", *extra), "/models/m", Path("/tmp/x"))["scheduler"]
         cfg = scheduler_config_from_args(parse("scheduler", *scheduler[4:]))
         assert (cfg.speculative_method, cfg.speculative_tokens) == (method, tokens)
+
+
+def test_which_requests_speculate():
+    assert speculates(GREEDY) and speculates(SamplingParams(temperature=0.7, top_p=0.9, logit_bias=((3, 1.0),)))
+    for refused in (
+        SamplingParams(grammar='{"grammars": []}'),  # structured outputs: the matcher reads each token
+        SamplingParams(repetition_penalty=1.1),
+        SamplingParams(presence_penalty=0.5),
+        SamplingParams(frequency_penalty=0.5),
+        SamplingParams(logprobs=0),
+        SamplingParams(seed=1),
+    ):
+        assert not speculates(refused), refused
 
 
 def test_computed_after_verify():
