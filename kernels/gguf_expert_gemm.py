@@ -3,7 +3,7 @@ quantized_expert_gemm.py's kernels (same alignment, grid, slot window, epilogue 
 `quantized_expert_rows_reference` (kernels/grouped_expert_gemm_reference.py).
 
 Each program decodes its slot's weight tile [BLOCK_K, BLOCK_N] in registers (`gguf_weights`,
-gguf_expert_gemv.py: every weight the twin's float32 value, rounded to x's dtype as `dequantize_slot` rounds it)
+gguf_block_decode.py: every weight the twin's float32 value, rounded to x's dtype as `dequantize_slot` rounds it)
 and feeds it to tl.dot with BLOCK_M of the slot's tokens, so every block's bytes are read once per block of tokens
 and no dense copy of the weights exists. A weight's code and its block's scales are loaded per weight (gathers
 within the tile's rows): correct for every type and shape, not yet tuned.
@@ -16,7 +16,7 @@ import triton.language as tl
 
 from ferry.kernels.aligned_blocks import block_rows, window_blocks
 from ferry.kernels.expert_epilogue import gate_up_activation
-from ferry.kernels.gguf_expert_gemv import GGUF_KERNEL_TYPES, gguf_weights
+from ferry.kernels.gguf_block_decode import GGUF_KERNEL_TYPES, gguf_weights
 
 # a step decodes a [BLOCK_K, BLOCK_N] tile of weights twice (gate, up), each weight with its block's scales: at
 # 32 x 64 over 8 warps no thread spills (64 x 64 over 4 spilled ~1.2 KB a thread at sm_90; not timed yet)

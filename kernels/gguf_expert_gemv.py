@@ -3,11 +3,11 @@ quantized_expert_gemv.py's kernels (same contract, grid and epilogue); reference
 (kernels/grouped_expert_gemm_reference.py), which decodes the slots with kernels/gguf_blocks.py.
 
 A GGUF family's `q` is uint8 [S, O, row bytes], the file's blocks unchanged with their scales inside, so the
-kernels read every weight's code and its block's scales from the same row of bytes (`gguf_weights`, shared with
-the grouped GEMM, gguf_expert_gemm.py). Each weight is decoded to float32 in registers with the twin's products in
-the twin's order, rounded to x's dtype as `dequantize_slot` rounds it, and met with x in float32: the twin's sum,
-up to the order of the float32 additions. Block types with kernels: `GGUF_KERNEL_TYPES` (llama.cpp's Q4_K_M files
-hold Q8_0, Q4_K and Q6_K experts); the others have only the twin and are refused on CUDA at boot.
+kernels read every weight's code and its block's scales from the same row of bytes (`gguf_weights`,
+gguf_block_decode.py, shared with the grouped GEMM, gguf_expert_gemm.py). Each weight is decoded to float32 in
+registers with the twin's products in the twin's order, rounded to x's dtype as `dequantize_slot` rounds it, and met
+with x in float32: the twin's sum, up to the order of the float32 additions. Block types with kernels:
+`GGUF_KERNEL_TYPES` (gguf_block_decode.py); the others have only the twin and are refused on CUDA at boot.
 """
 
 from __future__ import annotations
@@ -16,64 +16,11 @@ import triton
 import triton.language as tl
 
 from ferry.kernels.expert_epilogue import gate_up_activation
+from ferry.kernels.gguf_block_decode import GGUF_KERNEL_TYPES, gguf_weights
 from ferry.kernels.router_topk import mark_routed_slot
 
-# ggml type name -> the kernels' GGML constexpr (`gguf_weights`' branch)
-GGUF_KERNEL_TYPES = {"Q8_0": 0, "Q4_K": 1, "Q6_K": 2}
 # the pair kernels' tiles for every type: outputs a program computes, inputs a loop step reads (not swept yet)
 GGUF_PAIR_TILES = dict(gate_up_rows=16, gate_up_k=64, down_rows=16, down_k=64)
-
-
-@triton.jit
-def _half_at(p, mask):
-    """The little-endian float16 at byte pointers p (any alignment), as float32; masked: 0."""
-    lo = tl.load(p, mask=mask, other=0).to(tl.uint16)
-    hi = tl.load(p + 1, mask=mask, other=0).to(tl.uint16)
-    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def gguf_weights(row, col, mask, GGML: tl.constexpr):
-    """float32 weights at input `col` of the rows of GGUF blocks starting at byte pointers `row` (broadcast
-    against each other; masked weights read 0), decoded as kernels/gguf_blocks.py decodes them, its products in
-    its order (so each weight is the twin's bits):
-    * GGML 0, Q8_0 (32 values, 34 bytes): d q, d the block's fp16 at 0, q the int8 at 2 + col % 32.
-    * GGML 1, Q4_K (256, 144): (d sc_j) q - dmin m_j, d and dmin the fp16s at 0 and 2, sub-block j = v // 32
-      (v = col % 256) with its 6-bit scale and min from the 12 bytes at 4, q the nibble j % 2 (low first) of byte
-      16 + 32 (v // 64) + v % 32.
-    * GGML 2, Q6_K (256, 210): (d sc) (q - 32), d the fp16 at 208, sc the int8 at 192 + v // 16, q's low 4 bits
-      nibble w // 64 of byte 64 h + w % 64 and its high 2 bits pair w // 32 of byte 128 + 32 h + w % 32
-      (h = v // 128, w = v % 128)."""
-    if GGML == 0:
-        blk = row + (col // 32) * 34
-        q = tl.load(blk + 2 + col % 32, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-        w = _half_at(blk, mask) * q
-    elif GGML == 1:
-        blk = row + (col // 256) * 144
-        v = col % 256
-        j = v // 32
-        byte = tl.load(blk + 16 + (v // 64) * 32 + v % 32, mask=mask, other=0).to(tl.int32)
-        q = ((byte >> ((j % 2) * 4)) & 15).to(tl.float32)
-        # scale j < 4: low 6 bits of byte 4 + j, min: of byte 8 + j; j >= 4: low (scale) and high (min) nibble
-        # of byte 12 + j - 4, their top two bits the top two of bytes 4 + j - 4 and 8 + j - 4
-        a = tl.load(blk + 4 + j % 4, mask=mask, other=0).to(tl.int32)
-        b = tl.load(blk + 8 + j % 4, mask=mask, other=0).to(tl.int32)
-        m = tl.load(blk + 12 + j % 4, mask=mask, other=0).to(tl.int32)
-        sc = tl.where(j < 4, a & 63, (m & 15) | ((a >> 6) << 4)).to(tl.float32)
-        mn = tl.where(j < 4, b & 63, (m >> 4) | ((b >> 6) << 4)).to(tl.float32)
-        w = (_half_at(blk, mask) * sc) * q - _half_at(blk + 2, mask) * mn
-    else:
-        tl.static_assert(GGML == 2, "GGML: 0 (Q8_0), 1 (Q4_K) or 2 (Q6_K)")
-        blk = row + (col // 256) * 210
-        v = col % 256
-        h = v // 128
-        r = v % 128
-        low = (tl.load(blk + 64 * h + r % 64, mask=mask, other=0).to(tl.int32) >> ((r // 64) * 4)) & 15
-        high = (tl.load(blk + 128 + 32 * h + r % 32, mask=mask, other=0).to(tl.int32) >> ((r // 32) * 2)) & 3
-        q = (low | (high << 4)).to(tl.float32) - 32.0
-        sc = tl.load(blk + 192 + v // 16, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-        w = (_half_at(blk + 208, mask) * sc) * q
-    return w
 
 
 @triton.jit

@@ -1,7 +1,8 @@
 """Paged attention dispatch: on CUDA the Triton decode kernel when every request brings one token,
 else FlashAttention for each request with a long query (kernels/paged_attention_flash.py: its K/V
 gathered from the pages) and the blocked Triton prefill kernel for the rest; the reference twin elsewhere.
-Attention with sinks or a sliding window (gpt-oss) takes the Triton kernels only: SDPA has no sink term."""
+Attention with sinks or a sliding window (gpt-oss) takes the Triton kernels only: SDPA has no sink term.
+A sliding group kept in rings (plan/kv_groups.py) is read through the requests' slots, not a page table."""
 
 from __future__ import annotations
 
@@ -37,15 +38,32 @@ def paged_attention(
     v_scale: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,  # [heads]: a logit per head in each softmax's denominator
     window: int = 0,  # > 0: each token attends to the last `window` keys (itself included) only
+    ring_pages: int = 0,  # > 0: the caches are a sliding group's rings (plan/kv_groups.py) of this many pages
+    ring_slots: torch.Tensor | None = None,  # int [R]: with ring_pages, each request's slot (no page table)
 ) -> torch.Tensor:
+    if ring_pages:
+        if ring_slots is None or not window:
+            raise ValueError("a ring (ring_pages > 0) needs the requests' slots (ring_slots) and a window")
+        page_table = ring_slots
     if not use_triton(q):
         return paged_attention_reference(
-            q, k_cache, v_cache, page_table, query_lens, context_lens, scale, k_scale, v_scale, sinks, window
+            q,
+            k_cache,
+            v_cache,
+            page_table,
+            query_lens,
+            context_lens,
+            scale,
+            k_scale,
+            v_scale,
+            sinks,
+            window,
+            ring_pages,
         )
     from ferry.kernels import paged_attention_triton as triton_kernels
 
     scales = dict(k_scale=k_scale, v_scale=v_scale)
-    extra = dict(sinks=sinks, window=window)
+    extra = dict(sinks=sinks, window=window, ring_pages=ring_pages)
     if q.shape[0] == len(query_lens):  # one new token per request: decode
         return triton_kernels.paged_attention_decode_triton(
             q,

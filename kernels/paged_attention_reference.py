@@ -6,7 +6,9 @@ tokens) and attends to positions 0..that position: the cached context plus the n
 itself. The caller has already written the new tokens' K/V into the pages (`write_kv`), so the
 pages are the only source of keys and values, exactly as for the Triton kernel. A sliding-window
 layer (`window` > 0) sees only positions past that position - window; `sinks` (a logit per head) join
-each softmax's denominator and weigh no value (gpt-oss, as transformers' eager attention).
+each softmax's denominator and weigh no value (gpt-oss, as transformers' eager attention). A sliding group
+kept in rings (`ring_pages` > 0, plan/kv_groups.py) is read through each request's ring: positions older than
+the ring alias newer ones' rows, which the window masks.
 
 An fp8 KV pool (--kv-cache-dtype fp8) keeps e4m3 values and one float32 scale per (token, kv head) row,
 beside the caches as k_scale / v_scale [pages, page_size, kv_heads]: `quantize_kv_rows` is the rule every
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from ferry.kernels.kv_ring import ring_page_table
 from ferry.shared.units import ceil_div
 
 # e4m3's largest finite value: a row's amax is stored as this (e4m3fn has no infinity, and torch's cast of a
@@ -100,12 +103,16 @@ def paged_attention_reference(
     v_scale: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,  # [heads]
     window: int = 0,
+    ring_pages: int = 0,  # > 0: the caches are rings of this many pages, page_table the requests' slots [R]
 ) -> torch.Tensor:
     heads, head_dim = q.shape[1:]
     kv_heads = k_cache.shape[2]
     group = heads // kv_heads
     out = torch.empty_like(q)
     start = 0
+    if ring_pages:
+        longest = max((c + n for c, n in zip(context_lens, query_lens)), default=0)
+        page_table = ring_page_table(page_table, ring_pages, ceil_div(longest, k_cache.shape[1]))
     for r, (qlen, ctx) in enumerate(zip(query_lens, context_lens)):
         total = ctx + qlen
         k = gather_request_kv(k_cache, page_table[r], total, scales=k_scale).float().repeat_interleave(group, dim=1)

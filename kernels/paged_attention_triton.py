@@ -31,7 +31,10 @@ logit per head, gpt-oss) join each softmax's denominator at the end: decode's co
 store add exp(sink - max) to the sum and rescale by the new maximum.
 
 Both read keys through the same helper (`_paged_kv_block`): masked lanes read the sentinel page 0,
-never another request's page (docs/ARCHITECTURE.md, "The memory planner"). An fp8 pool (KV_FP8, with
+never another request's page (docs/ARCHITECTURE.md, "The memory planner"). A sliding group kept in rings
+(RING_PAGES > 0, plan/kv_groups.py) is read through each request's slot instead of a page table: position n
+is in page slot x RING_PAGES + (n // PAGE_SIZE) mod RING_PAGES, and the window's mask leaves out the keys a
+ring has already overwritten. An fp8 pool (KV_FP8, with
 k_scale / v_scale [pages, page_size, kv_heads] float32) is dequantized in registers without a [keys, head_dim]
 product: a key row's scale is a factor of its score column, and a value row's of its probability column, so
 the e4m3 values go to the dots as q's dtype (exactly: every e4m3 value is a bf16 and an fp16 value) and the
@@ -85,10 +88,17 @@ def _paged_kv_block(
     stride_sh,
     PAGE_SIZE: tl.constexpr,
     KV_FP8: tl.constexpr,
+    RING_PAGES: tl.constexpr,
 ):
     """K and V ([BLOCK_N, BLOCK_D], the cache dtype) of key positions `n` of request `req`, and their rows'
-    scales ([BLOCK_N] float32; 0 for masked keys) with KV_FP8, else 1."""
-    page = tl.load(page_table_ptr + req * stride_pt + n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+    scales ([BLOCK_N] float32; 0 for masked keys) with KV_FP8, else 1. RING_PAGES > 0: the caches are a sliding
+    group's rings and `page_table_ptr` the requests' slots [R]: position n is in page
+    slot x RING_PAGES + (n // PAGE_SIZE) mod RING_PAGES (plan/kv_groups.py's ring_page)."""
+    if RING_PAGES > 0:
+        slot = tl.load(page_table_ptr + req).to(tl.int64)
+        page = slot * RING_PAGES + ((n // PAGE_SIZE) % RING_PAGES).to(tl.int64)
+    else:
+        page = tl.load(page_table_ptr + req * stride_pt + n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
     within = (n % PAGE_SIZE).to(tl.int64)
     kv_mask = n_mask[:, None] & d_mask[None, :]
     k = tl.load(
@@ -150,6 +160,7 @@ def _decode_split_kernel(
     IEEE_DOT: tl.constexpr,
     KV_FP8: tl.constexpr,
     WINDOW: tl.constexpr,
+    RING_PAGES: tl.constexpr,
 ):
     """One (token, kv head, split): the GROUP query heads of the kv head over the split's share of the
     token's keys, an online softmax with tensor-core dots; writes (max, sum, unnormalised output)."""
@@ -209,6 +220,7 @@ def _decode_split_kernel(
             stride_sh,
             PAGE_SIZE,
             KV_FP8,
+            RING_PAGES,
         )
         if FP32_DOT:
             k = k.to(tl.float32)
@@ -330,6 +342,7 @@ def _prefill_kernel(
     FP32_DOT: tl.constexpr,
     KV_FP8: tl.constexpr,
     WINDOW: tl.constexpr,
+    RING_PAGES: tl.constexpr,
     HAS_SINKS: tl.constexpr,
 ):
     blk = tl.program_id(0)
@@ -391,6 +404,7 @@ def _prefill_kernel(
             stride_sh,
             PAGE_SIZE,
             KV_FP8,
+            RING_PAGES,
         )
         if FP32_DOT:
             k = k.to(tl.float32)
@@ -429,6 +443,7 @@ def _prefill_kernel(
             stride_sh,
             PAGE_SIZE,
             KV_FP8,
+            RING_PAGES,
         )
         if FP32_DOT:
             k = k.to(tl.float32)
@@ -518,10 +533,12 @@ def paged_attention_decode_triton(
     v_scale: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     window: int = 0,
+    ring_pages: int = 0,
 ) -> torch.Tensor:
     """`token_request` (int [T], each token's request): ForwardBatch carries it, made on the host
     with the rest of the step, two launches per layer fewer than deriving it here. `k_scale`/`v_scale`:
-    an fp8 pool's scales; `sinks` [heads] a sink logit per head, `window` > 0 a sliding window's keys."""
+    an fp8 pool's scales; `sinks` [heads] a sink logit per head, `window` > 0 a sliding window's keys;
+    `ring_pages` > 0: the caches are rings of that many pages and `page_table` the requests' slots [R]."""
     out, page_table, scales, strides, shape = _prepare(
         "paged_attention_decode_triton", q, k_cache, v_cache, page_table, out, k_scale, v_scale
     )
@@ -551,6 +568,7 @@ def paged_attention_decode_triton(
         FP32_DOT=os.environ.get("TRITON_INTERPRET") == "1" or q.dtype == torch.float32,
         IEEE_DOT=q.dtype == torch.float32 and os.environ.get("TRITON_INTERPRET") != "1",
         WINDOW=window,
+        RING_PAGES=ring_pages,
     )
     _decode_combine_kernel[(num_tokens, heads)](
         parts,
@@ -607,11 +625,13 @@ def paged_attention_prefill_triton(
     v_scale: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     window: int = 0,
+    ring_pages: int = 0,
 ) -> torch.Tensor:
     """`block_rows`, `block_n`, `num_warps` override prefill_tiles (tests and the bench); the rows of the
     requests in `skip` are left as they are in `out` (kernels/paged_attention_flash.py computes them).
     `k_scale`/`v_scale`: an fp8 pool's scales; `sinks` [heads] a sink logit per head, `window` > 0 a
-    sliding window's keys."""
+    sliding window's keys; `ring_pages` > 0: the caches are rings of that many pages and `page_table` the
+    requests' slots [R]."""
     out, page_table, scales, strides, shape = _prepare(
         "paged_attention_prefill_triton", q, k_cache, v_cache, page_table, out, k_scale, v_scale
     )
@@ -648,6 +668,7 @@ def paged_attention_prefill_triton(
         BLOCK_R=rows,
         FP32_DOT=os.environ.get("TRITON_INTERPRET") == "1" or q.dtype == torch.float32,
         WINDOW=window,
+        RING_PAGES=ring_pages,
         HAS_SINKS=sinks is not None,
         num_warps=num_warps,
         num_stages=2,

@@ -29,8 +29,9 @@ import triton
 import triton.language as tl
 
 from ferry.kernels.expert_epilogue import gate_up_activation
+from ferry.kernels.gguf_block_decode import GGUF_KERNEL_TYPES
 from ferry.kernels.gguf_blocks import BLOCKS
-from ferry.kernels.gguf_expert_gemv import GGUF_KERNEL_TYPES, launch_gguf_pair_kernels
+from ferry.kernels.gguf_expert_gemv import launch_gguf_pair_kernels
 from ferry.kernels.pair_tiles import TILES
 from ferry.kernels.quantized_experts import FP4_SCALES, FP8_BLOCK, QuantizedFamily
 from ferry.kernels.router_topk import mark_args, mark_routed_slot

@@ -26,7 +26,7 @@ the same layout). `QuantizedFamily` holds the typed strided views of those parts
 
 * **GGUF blocks** (a GGUF file's experts, `ggml_type` set): `q` uint8 [S, O, row bytes], the file's blocks
   unchanged, their scales inside, decoded by the twin (kernels/gguf_blocks.py) and, for the types in
-  kernels/gguf_expert_gemv.py's GGUF_KERNEL_TYPES, by the Triton kernels (gguf_expert_gemv.py, gguf_expert_gemm.py).
+  kernels/gguf_block_decode.py's GGUF_KERNEL_TYPES, by the Triton kernels (gguf_expert_gemv.py, gguf_expert_gemm.py).
   A file mixing types by layer (`gguf-mixed`) gives each MoE layer its own family, `q` a prefix of the slots' longer
   rows.
 

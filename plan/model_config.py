@@ -88,6 +88,10 @@ def _validate(spec: ModelSpec, where: str) -> None:
     problems.extend(_expert_problems(spec))
     if spec.attention_windows and len(spec.attention_windows) != spec.num_layers:
         problems.append(f"attention_windows has {len(spec.attention_windows)} entries for {spec.num_layers} layers")
+    for name in ("attention_kv_heads", "attention_head_dims"):
+        per_layer = getattr(spec, name)
+        if per_layer and (len(per_layer) != spec.num_layers or min(per_layer) <= 0):
+            problems.append(f"{name} needs a positive entry for each of the {spec.num_layers} layers")
     fmt = expert_formats.format_of(spec)
     if fmt.quantized and spec.num_experts > 0 and spec.moe_intermediate_size > 0 and spec.hidden_size > 0:
         try:  # its scale groups must tile both projections' inputs

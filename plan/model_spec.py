@@ -72,6 +72,10 @@ class ModelSpec:
     # per layer, the keys a token attends to in a sliding-window layer (itself and the window - 1 before it),
     # 0 for a layer that attends to its whole context; () every layer does
     attention_windows: tuple[int, ...] = ()
+    # per layer, where attention layers differ in shape: its kv heads and head_dim (); every layer has
+    # num_kv_heads and head_dim
+    attention_kv_heads: tuple[int, ...] = ()
+    attention_head_dims: tuple[int, ...] = ()
     qk_norm: bool = True  # a per-head RMSNorm on q and k before the rotary embedding
     # the router: "softmax" over all experts, or "sigmoid" of each logit (with, where router_score_bias,
     # a per-expert bias added for choosing the top k only: the weights are the unbiased scores)
@@ -112,6 +116,12 @@ class ModelSpec:
     def attention_window(self, layer: int) -> int:
         """The keys a token of `layer` attends to, itself included; 0: its whole context."""
         return self.attention_windows[layer] if self.attention_windows else 0
+
+    def layer_kv_heads(self, layer: int) -> int:
+        return self.attention_kv_heads[layer] if self.attention_kv_heads else self.num_kv_heads
+
+    def layer_head_dim(self, layer: int) -> int:
+        return self.attention_head_dims[layer] if self.attention_head_dims else self.head_dim
 
     @property
     def linear_attention_layers(self) -> tuple[int, ...]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from ferry.plan import expert_formats as F
 from ferry.plan.costs import MIXER_SLICE_TOKENS
 from ferry.plan.expert_backend import format_cpu_list, pool_thread_cpus
+from ferry.plan.kv_groups import ring_pages
 from ferry.plan.planner import Plan
 from ferry.plan.pool_layout import POOL_ALIGN, VIEW_ALIGN
 from ferry.shared.units import format_bytes
@@ -13,6 +14,36 @@ HEADER = ("term", "size", "bytes", "how it was sized")
 # HostPlan.available_source of a plan for another machine whose banks this one could not hold
 # (`ferry plan --gpu-memory` without --host-memory): its host RAM is not checked, not failed
 HOST_NOT_CHECKED = "not checked"
+
+
+def _kv_group_rows(plan: Plan) -> list[tuple]:
+    """A row per KV group (plan/kv_groups.py) where there are several: its layers' shape, and its pages over the
+    context or its rings."""
+    if len(plan.kv.groups) < 2:
+        return []
+    rows = []
+    for g in plan.kv.groups:
+        kind = f"sliding window {g.window}" if g.window else "full attention"
+        if g.ring_pages:
+            kept = (
+                f"{plan.kv.ring_slots} + 1 padding rings x {g.ring_pages} pages (window + "
+                f"{plan.kv.ring_step_tokens}-token step)"
+            )
+        else:
+            kept = f"{g.pages} pages over the context"
+            if g.window:  # why no ring: one per running request would not be smaller
+                rings = (plan.max_running_requests + 1) * ring_pages(
+                    g.window, plan.max_prefill_tokens, plan.kv.page_size
+                )
+                kept += f" (rings for {plan.max_running_requests} requests would take {rings})"
+        rows.append(
+            (
+                f"  KV group: {kind}",
+                g.bytes,
+                f"{len(g.layers)} layers x {g.kv_heads} kv heads x {g.head_dim}; {kept}; {g.bytes_per_token} B/token",
+            )
+        )
+    return rows
 
 
 def plan_table(plan: Plan, host_here: int | None = None) -> str:
@@ -34,6 +65,7 @@ def plan_table(plan: Plan, host_here: int | None = None) -> str:
             f"{plan.kv.bytes_per_token} B/token"
             + (f" (fp8 e4m3, {plan.kv.scale_bytes_per_token} B of it scales)" if plan.kv.cache_dtype == "fp8" else ""),
         ),
+        *_kv_group_rows(plan),
         (
             "linear-state pool",
             plan.linear_state.bytes,

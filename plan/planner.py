@@ -31,6 +31,7 @@ from ferry.plan.expert_backend import (
     physical_cores,
     plan_expert_backend,
 )
+from ferry.plan.kv_groups import kv_groups
 from ferry.plan.model_config import ModelSpec
 from ferry.plan.outside_memory import OutsideMemory, allocator_headroom
 from ferry.shared.errors import ConfigError, PlanError
@@ -104,16 +105,37 @@ class Measured:
 
 
 @dataclass(frozen=True)
+class KVGroupPlan:
+    """One KV group (plan/kv_groups.py): its layers' shape, and how its tensor is kept: paged over the context
+    (ring_pages 0: `pages` = the context's pages + sentinel) or in rings (`pages` = (ring_slots + 1) x
+    ring_pages). `bytes`: its tensors' bytes (the pool's alignment is the KV plan's)."""
+
+    layers: tuple[int, ...]
+    kv_heads: int
+    head_dim: int
+    window: int  # 0: full attention
+    ring_pages: int
+    pages: int
+    bytes_per_token: int
+    bytes: int
+
+
+@dataclass(frozen=True)
 class KVPlan:
     page_size: int
-    pages: int
+    pages: int  # the context's usable pages: the scheduler's page ids, which the groups paged over it share
     sentinel_pages: int
-    tokens: int
-    bytes_per_token: int  # values and, with fp8, their scales
+    tokens: int  # pages x page_size: the context the pool holds
+    bytes_per_token: int  # of context: the groups paged over it (values and, with fp8, their scales)
     bytes: int
     cache_dtype: str = "auto"  # --kv-cache-dtype: auto (the model dtype) | fp8
     value_dtype: str = ""  # the element type of K and V in the pool: the model dtype, or float8_e4m3fn
     scale_bytes_per_token: int = 0  # the fp8 scales' part of bytes_per_token (0 with auto)
+    groups: tuple[KVGroupPlan, ...] = ()
+    # request slots the sliding groups' rings are for (ids 1..ring_slots, 0 the padding rows'), each ring
+    # room for ring_step_tokens new tokens a step; 0: no group keeps a ring
+    ring_slots: int = 0
+    ring_step_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -360,7 +382,19 @@ class _Costs:
     r: Resolved
 
     def kv(self, pages: int) -> int:
-        return L.kv_pool_layout(self.spec, self.r.dtype, pages, self.r.page_size, self.r.kv_cache_dtype).nbytes
+        return self.kv_layout(pages).nbytes
+
+    def kv_layout(self, pages: int) -> L.PoolLayout:
+        """The KV pool at `pages` context pages, the sliding groups in rings for the running requests where
+        rings are smaller (plan/kv_groups.py)."""
+        r = self.r
+        return L.kv_pool_layout(
+            self.spec, r.dtype, pages, r.page_size, r.kv_cache_dtype, r.max_running_requests, r.max_prefill_tokens
+        )
+
+    def kv_groups(self, pages: int) -> tuple[L.KvGroupLayout, ...]:
+        r = self.r
+        return L.kv_group_layouts(self.spec, pages, r.page_size, r.max_running_requests, r.max_prefill_tokens)
 
     def experts(self, slots: int) -> int:
         return L.expert_slot_layout(self.spec, self.r.dtype, slots, self.r.max_prefill_tokens).nbytes
@@ -507,6 +541,11 @@ def _terms(spec: ModelSpec, req: PlanRequest, r: Resolved, measured: Measured, s
     kv_label = (
         f"KV pool: {sizes.kv_pages} pages x {r.page_size} tokens + {L.KV_SENTINEL_PAGES} sentinel page"
         + (", fp8 + scales" if r.kv_cache_dtype == "fp8" else "")
+        + "".join(
+            f", window {g.group.window}: {r.max_running_requests} + 1 rings x {g.ring_pages} pages"
+            for g in costs.kv_groups(sizes.kv_pages)
+            if g.ring_pages
+        )
         + " ("
         + (
             "--num-pages"
@@ -558,10 +597,52 @@ def _fill(spec: ModelSpec, sizes: _Sizes, costs: _Costs, remaining: int) -> None
     # one expert slot stay headroom, so a KV floor of N tokens and a requirement of N give the
     # same plan.
     if not sizes.kv_required and (sizes.experts_required or sizes.expert_slots == total_experts):
-        pages = sizes.kv_pages
-        page_bytes = L.kv_bytes_per_token(spec, costs.r.dtype, costs.r.kv_cache_dtype) * costs.r.page_size
-        upper = pages + remaining // max(page_bytes, 1) + 1
+        pages, r = sizes.kv_pages, costs.r
+        # a page costs at least the full groups' bytes (sliding ones may be rings, which stop growing); with no
+        # full group, pages past every running request at max_model_len are of no use
+        full = [g for g in kv_groups(spec) if not g.sliding]
+        page_bytes = sum(L.kv_group_bytes_per_token(g, r.dtype, r.kv_cache_dtype) for g in full) * r.page_size
+        if page_bytes:
+            upper = pages + remaining // page_bytes + 1
+        else:
+            upper = max(pages, ceil_div(r.max_running_requests * r.max_model_len, r.page_size))
         sizes.kv_pages = _largest(lambda p: costs.kv(p) - costs.kv(pages), remaining, pages, upper)
+
+
+def _kv_plan(costs: _Costs, pages: int) -> KVPlan:
+    r = costs.r
+    layout = costs.kv_layout(pages)
+    by_name = {t.name: t.nbytes for t in layout.tensors}
+    groups = tuple(
+        KVGroupPlan(
+            layers=g.group.layers,
+            kv_heads=g.group.kv_heads,
+            head_dim=g.group.head_dim,
+            window=g.group.window,
+            ring_pages=g.ring_pages,
+            pages=g.pages,
+            bytes_per_token=L.kv_group_bytes_per_token(g.group, r.dtype, r.kv_cache_dtype),
+            bytes=by_name[g.name] + by_name.get(g.scale_name, 0),
+        )
+        for g in costs.kv_groups(pages)
+    )
+    context = [g for g in groups if not g.ring_pages]
+    scale = L.ELEMENT_BYTES[L.KV_SCALE_DTYPE] if r.kv_cache_dtype == "fp8" else 0
+    rings = any(g.ring_pages for g in groups)
+    return KVPlan(
+        page_size=r.page_size,
+        pages=pages,
+        sentinel_pages=L.KV_SENTINEL_PAGES,
+        tokens=pages * r.page_size,
+        bytes_per_token=sum(g.bytes_per_token for g in context),
+        bytes=layout.nbytes,
+        cache_dtype=r.kv_cache_dtype,
+        value_dtype=L.KV_FP8_DTYPE if r.kv_cache_dtype == "fp8" else r.dtype,
+        scale_bytes_per_token=sum(len(g.layers) * 2 * g.kv_heads * scale for g in context),
+        groups=groups,
+        ring_slots=r.max_running_requests if rings else 0,
+        ring_step_tokens=r.max_prefill_tokens if rings else 0,
+    )
 
 
 def _plan(
@@ -575,17 +656,7 @@ def _plan(
     costs: _Costs,
     host: HostPlan,
 ) -> Plan:
-    kv = KVPlan(
-        page_size=r.page_size,
-        pages=sizes.kv_pages,
-        sentinel_pages=L.KV_SENTINEL_PAGES,
-        tokens=sizes.kv_pages * r.page_size,
-        bytes_per_token=L.kv_bytes_per_token(spec, r.dtype, r.kv_cache_dtype),
-        bytes=costs.kv(sizes.kv_pages),
-        cache_dtype=r.kv_cache_dtype,
-        value_dtype=L.KV_FP8_DTYPE if r.kv_cache_dtype == "fp8" else r.dtype,
-        scale_bytes_per_token=L.kv_scale_bytes_per_token(spec, r.kv_cache_dtype),
-    )
+    kv = _kv_plan(costs, sizes.kv_pages)
     linear = LinearStatePlan(
         sizes.linear_slots,
         L.LINEAR_PADDING_SLOTS if spec.linear_attention_layers else 0,

@@ -113,7 +113,13 @@ def add_planner_flags(parser: argparse.ArgumentParser) -> None:
         "plain (as the GPU slots hold them), auto (default: packed for bf16 models, else plain)",
     )
     kv = g.add_mutually_exclusive_group()
-    kv.add_argument("--num-tokens", type=int, default=None, help="KV pool size in tokens (exact requirement)")
+    kv.add_argument(
+        "--num-tokens",
+        type=int,
+        default=None,
+        help="KV pool size in tokens of context (exact requirement; sliding layers kept in rings hold only their "
+        "window, plan/kv_groups.py)",
+    )
     kv.add_argument("--num-pages", type=int, default=None, help="KV pool size in pages (exact requirement)")
     g.add_argument(
         "--kv-reserve-tokens",
@@ -147,7 +153,7 @@ def add_planner_flags(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="tokens in one step, prefill chunks and decodes together (default: chosen from memory, "
-        "8192, 4096 or 2048, and 16384 where --max-model-len or a KV flag asks for prompts past 16384: "
+        "8192, 4096 or 2048, and 16384 or 32768 where --max-model-len or a KV flag asks for prompts past 16384: "
         "the chunk moving the fewest offloaded experts over PCIe, 8192 at most with every expert resident); "
         "--max-num-batched-tokens (vLLM) is the same flag",
     )

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from ferry.plan import expert_formats as F
 from ferry.plan.dtypes import DTYPE_BYTES
+from ferry.plan.kv_groups import KvGroup, kv_groups, ring_pages, uses_ring
 from ferry.plan.model_config import ModelSpec
 from ferry.shared.units import MiB, round_up
 
@@ -79,33 +80,83 @@ class PoolLayout:
 # ---- the pools --------------------------------------------------------------------
 
 
-def kv_bytes_per_token(spec: ModelSpec, dtype: str, kv_cache_dtype: str = "auto") -> int:
-    """K and V of every full-attention layer for one token (linear-attention layers keep no KV): values, and
-    with fp8 their scales."""
+def kv_group_bytes_per_token(group: KvGroup, dtype: str, kv_cache_dtype: str = "auto") -> int:
+    """K and V of one token in every layer of `group`: values, and with fp8 their scales."""
     values = ELEMENT_BYTES[KV_FP8_DTYPE] if kv_cache_dtype == "fp8" else DTYPE_BYTES[dtype]
-    rows = len(spec.full_attention_layers) * 2 * spec.num_kv_heads
-    return rows * spec.head_dim * values + kv_scale_bytes_per_token(spec, kv_cache_dtype)
+    rows = len(group.layers) * 2 * group.kv_heads
+    return rows * group.head_dim * values + _group_scale_bytes_per_token(group, kv_cache_dtype)
+
+
+def _group_scale_bytes_per_token(group: KvGroup, kv_cache_dtype: str) -> int:
+    if kv_cache_dtype != "fp8":
+        return 0
+    return len(group.layers) * 2 * group.kv_heads * ELEMENT_BYTES[KV_SCALE_DTYPE]
+
+
+def kv_bytes_per_token(spec: ModelSpec, dtype: str, kv_cache_dtype: str = "auto") -> int:
+    """K and V of one token in every softmax-attention layer (linear-attention layers keep no KV), sliding ones
+    included: what one token of context costs where no group keeps a ring."""
+    return sum(kv_group_bytes_per_token(g, dtype, kv_cache_dtype) for g in kv_groups(spec))
 
 
 def kv_scale_bytes_per_token(spec: ModelSpec, kv_cache_dtype: str) -> int:
-    """The fp8 scales of one token: one per K and V row of every kv head and full-attention layer (0 with auto)."""
-    if kv_cache_dtype != "fp8":
-        return 0
-    return len(spec.full_attention_layers) * 2 * spec.num_kv_heads * ELEMENT_BYTES[KV_SCALE_DTYPE]
+    """The fp8 scales' part of kv_bytes_per_token: one per K and V row of every kv head and layer (0 with auto)."""
+    return sum(_group_scale_bytes_per_token(g, kv_cache_dtype) for g in kv_groups(spec))
+
+
+@dataclass(frozen=True)
+class KvGroupLayout:
+    """One KV group's tensors in the pool: "kv" [layers, 2, pages, page_size, kv_heads, head_dim] (the first
+    group's name; the others' kv1, kv2 ...) and with fp8 its scales ("kv_scale", "kv1_scale" ...). `pages`: the
+    context's pages and the sentinel, or, for a ring (ring_pages > 0), the request slots' and the padding
+    slot's rings, slot s's ring at pages s x ring_pages onwards (kv_groups.ring_page)."""
+
+    group: KvGroup
+    name: str
+    pages: int
+    ring_pages: int  # 0: paged over the context with the scheduler's page ids
+
+    @property
+    def scale_name(self) -> str:
+        return self.name + "_scale"
+
+
+def kv_group_layouts(
+    spec: ModelSpec, num_pages: int, page_size: int, ring_slots: int = 0, step_tokens: int = 0
+) -> tuple[KvGroupLayout, ...]:
+    """Each KV group's tensor pages: `num_pages` usable pages plus the sentinel page(s) over the context, or
+    rings for `ring_slots` request slots and the padding slot where they are fewer pages (kv_groups.uses_ring);
+    `step_tokens`: the most new tokens one step gives a request (the prefill chunk)."""
+    context = num_pages + KV_SENTINEL_PAGES
+    out = []
+    for i, group in enumerate(kv_groups(spec)):
+        ring = uses_ring(group, context, ring_slots, step_tokens, page_size)
+        per_ring = ring_pages(group.window, step_tokens, page_size) if ring else 0
+        pages = (ring_slots + 1) * per_ring if ring else context
+        out.append(KvGroupLayout(group, "kv" if i == 0 else f"kv{i}", pages, per_ring))
+    return tuple(out)
 
 
 def kv_pool_layout(
-    spec: ModelSpec, dtype: str, num_pages: int, page_size: int, kv_cache_dtype: str = "auto"
+    spec: ModelSpec,
+    dtype: str,
+    num_pages: int,
+    page_size: int,
+    kv_cache_dtype: str = "auto",
+    ring_slots: int = 0,
+    step_tokens: int = 0,
 ) -> PoolLayout:
-    """`num_pages` usable pages plus the sentinel page(s), for every full-attention layer: "kv" [layers, 2,
-    pages, page_size, kv_heads, head_dim] in the model dtype (auto) or e4m3 (fp8), and with fp8 "kv_scale"
-    [layers, 2, pages, page_size, kv_heads] (float32), one scale a (token, kv head) row."""
-    total_pages = num_pages + KV_SENTINEL_PAGES
-    shape = (len(spec.full_attention_layers), 2, total_pages, page_size, spec.num_kv_heads, spec.head_dim)
-    if kv_cache_dtype == "fp8":
-        scale = TensorSpec("kv_scale", shape[:-1], KV_SCALE_DTYPE)
-        return PoolLayout("kv", (TensorSpec("kv", shape, KV_FP8_DTYPE), scale))
-    return PoolLayout("kv", (TensorSpec("kv", shape, dtype),))
+    """Each KV group's K/V (kv_group_layouts) [layers, 2, pages, page_size, kv_heads, head_dim] in the model
+    dtype (auto) or e4m3 (fp8), with fp8 its scales [layers, 2, pages, page_size, kv_heads] (float32), one a
+    (token, kv head) row."""
+    tensors: list[TensorSpec] = []
+    for g in kv_group_layouts(spec, num_pages, page_size, ring_slots, step_tokens):
+        shape = (len(g.group.layers), 2, g.pages, page_size, g.group.kv_heads, g.group.head_dim)
+        if kv_cache_dtype == "fp8":
+            tensors += [TensorSpec(g.name, shape, KV_FP8_DTYPE), TensorSpec(g.scale_name, shape[:-1], KV_SCALE_DTYPE)]
+        else:
+            tensors.append(TensorSpec(g.name, shape, dtype))
+    return PoolLayout("kv", tuple(tensors))
 
 
 def linear_state_bytes_per_slot(spec: ModelSpec, dtype: str) -> int:

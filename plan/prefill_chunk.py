@@ -8,10 +8,10 @@ expert bytes per prompt token: a chunk streams each expert it misses once (past 
 the staging slots), so a prefill moves (experts without a slot) x (bytes an expert) / (chunk tokens)
 per token over PCIe. Where a shorter chunk's workspace gives slots to nearly every expert, it wins
 (the FP8 hybrid cut at 12 GiB: 824 experts without a slot at 8192 tokens, 101 at 2048), and decode
-misses less too. Where most experts live on the host anyway (a full-size 35B at 24 GiB), the longest
-chunk wins, since the slots a shorter one adds are a few per cent of the experts: 16,384 tokens, which
-halve what a long prompt streams (its 261,988 tokens in 34.9 s against 47.4 s at 8,192) for
-55 of 10,240 expert slots. With every expert resident a prefill streams nothing; 8,192 tokens are
+misses less too. Where most experts live on the host anyway (a full-size 35B at 24 GiB) and long prompts
+are asked for, the longest chunk that fits wins, since the slots a shorter one adds are a few per cent of
+the experts: each doubling halves what a long prompt streams (its 261,988 tokens cross PCIe 16 times at
+16,384, 8 times at 32,768). With every expert resident a prefill streams nothing; 8,192 tokens are
 then taken (tried first), since a step twice as long would only hold the decode rows batched with it
 twice as long (2048 tokens already give the GEMMs rows enough to run at their rate).
 
@@ -19,7 +19,7 @@ Each candidate is priced by `measure` (the worker profiles the workspace on CUDA
 and CPU boots estimate it), so the plan stays exact for the chunk it chooses. A candidate is
 measured only when it could win: with no workspace at all the plan has its fewest experts without a
 slot, and a chunk for which even that many streams more per token than the best so far is skipped
-(so a resident boot profiles one step, an offloaded one that keeps 16,384 tokens two), as is a chunk
+(so a resident boot profiles one step, an offloaded one with long prompts asked for up to three), as is a chunk
 longer than one whose workspace did not fit, or than the longest step the running requests' contexts
 allow (`max_running_requests x max_model_len`, where that is past 8,192)."""
 
@@ -51,9 +51,9 @@ from ferry.plan.planner import (
 from ferry.plan.store_plan import plan_for_expert_store
 from ferry.shared.errors import PlanError
 
-# in the order tried: DEFAULT_MAX_PREFILL_TOKENS first, which is the longest a resident plan takes; 16384 only
-# pays where experts stream
-CHUNK_CANDIDATES = (8192, 16384, 4096, 2048)
+# in the order tried: DEFAULT_MAX_PREFILL_TOKENS first, which is the longest a resident plan takes; 16384 and
+# 32768 only pay where experts stream and prompts past LONG_PROMPT_TOKENS are asked for
+CHUNK_CANDIDATES = (8192, 16384, 32768, 4096, 2048)
 # a chat turn as the chooser weighs it where no long prompt is asked for: 4,096 prompt tokens for 128 output ones
 PROMPT_TOKENS_PER_OUTPUT_TOKEN = 32
 _CANDIDATES = ", ".join(map(str, CHUNK_CANDIDATES))
@@ -166,10 +166,11 @@ def _chunked_plan(
             )
         else:
             tried = ", ".join(str(t) for t in CHUNK_CANDIDATES if t <= DEFAULT_MAX_PREFILL_TOKENS)
+            longer = ", ".join(str(t) for t in CHUNK_CANDIDATES if t > DEFAULT_MAX_PREFILL_TOKENS)
             why = (
                 f"{unslotted} experts without a slot: of {tried}, the fewest crossing PCIe for a chat turn of "
                 f"{PROMPT_TOKENS_PER_OUTPUT_TOKEN} prompt tokens an output token (each chunk streams them once, decode "
-                f"misses them); {max(CHUNK_CANDIDATES)} and prompt-only pricing where --max-model-len or the KV "
+                f"misses them); {longer} and prompt-only pricing where --max-model-len or the KV "
                 f"pool asks for prompts past {LONG_PROMPT_TOKENS}"
             )
     return dataclasses.replace(best, max_prefill_tokens_source=f"chosen from memory: {why}")

@@ -9,6 +9,12 @@ chat included, with no download.
 Qwen's FP8 block or gpt-oss's MXFP4 layout (services/quantized_checkpoint.py); without weights,
 `--load-format dummy` then makes dummy experts in that format at full size.
 
+`--format gguf-TYPE` (gguf-q4_k_m, gguf-q4_k, gguf-q8_0...: every type `ferry make-tiny-model --gguf` writes, but
+F32) writes the model as one GGUF file, DIR/model-TYPE.gguf, alone in DIR so that `--model DIR` serves it, by the
+tests' GGUF writer (services/gguf_writer.py): the dense tensors from the dummy recipe below, written F16 as llama.cpp
+writes them, the routed experts random but valid blocks of the type (of the mix's types by layer) with the dummy
+experts' spread. It needs `--weights random`: a GGUF file is its weights.
+
 `--weights random` also writes the weights, as safetensors shards in the Hugging Face per-expert
 layout (`model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight`; `model.language_model.layers...` for a
 multimodal wrapper's config, as Qwen3.5/3.6's published checkpoints name them), so that any engine — a peer
@@ -27,6 +33,8 @@ import time
 from pathlib import Path
 
 from ferry.plan import expert_formats as F
+from ferry.services.gguf_writer import EXPERT_TYPES as GGUF_EXPERT_TYPES
+from ferry.services.gguf_writer import FLOAT_EXPERT_TYPES
 from ferry.shared.file_modes import written_with_umask_modes
 
 
@@ -48,6 +56,9 @@ def cut_config(config: dict, num_layers: int | None) -> dict:
 
 
 SHARD_BYTES = 2 * 2**30
+GGUF_PREFIX = "gguf-"
+# --format gguf-TYPE -> the GGUF writer's expert type (float experts aside: a bench of GGUF is one of blocks)
+GGUF_FORMATS = {f"{GGUF_PREFIX}{t.lower()}": t for t in GGUF_EXPERT_TYPES if t not in FLOAT_EXPERT_TYPES}
 EXPERT_LAYOUTS = ("per-expert", "fused")
 PER_EXPERT_NAME = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.(weight|bias)")
 
@@ -219,6 +230,52 @@ def set_quantization(out: Path, fmt: str, names: list[str]) -> None:
     path.write_text(json.dumps(config, indent=2) + "\n")
 
 
+def write_gguf_bench_model(
+    out_dir: str | Path,
+    config_path: str | Path,
+    expert_type: str,
+    num_layers: int | None = None,
+    routing_skew: float = 0.0,
+    seed: int = 0,
+    device: str = "cpu",
+) -> Path:
+    """The model as one GGUF file of routed experts in `expert_type` (a GGUF writer's type or _M mix), written into
+    `out_dir` alone; returns its path. The config and tokenizer go through a scratch directory the writer reads."""
+    import tempfile
+
+    import torch
+
+    from ferry.plan.costs import resident_weight_shapes
+    from ferry.plan.model_config import load_model_config
+    from ferry.services.gguf_writer import write_gguf
+    from ferry.services.worker.dummy_weights import LINEAR_STD, OUTPUT_STD, dummy_tensor
+
+    out = Path(out_dir)
+    if out.is_dir() and any(out.iterdir()):
+        raise ValueError(f"{out} is not empty: a GGUF bench model is written into a directory of its own")
+    with tempfile.TemporaryDirectory(prefix="ferry-gguf-bench-") as scratch:
+        source = write_bench_model(Path(scratch) / "source", config_path, num_layers)
+        spec = load_model_config(source)
+        named = published_names(json.loads((source / "config.json").read_text()))
+        shapes = resident_weight_shapes(spec)
+        progress = _Progress(len(shapes))
+        tensors = {}
+        for name, shape in shapes.items():
+            t = dummy_tensor(spec, name, shape, torch.float32, torch.device(device), seed, routing_skew)
+            tensors[named(name)] = t.cpu().numpy()
+            progress.update(t.nbytes)
+        progress.close()
+        # the dummy recipe's routed experts: the gate and up rows of a linear's spread, down's weaker
+        return write_gguf(
+            source,
+            out / f"model-{expert_type}.gguf",
+            expert_type,
+            seed=seed,
+            tensors=tensors,
+            random_experts=(LINEAR_STD, OUTPUT_STD),
+        )
+
+
 def write_bench_model(out_dir: str | Path, config_path: str | Path, num_layers: int | None = None) -> Path:
     """Write config.json, the tokenizer and generation_config.json into `out_dir`; return it."""
     from ferry.services.tiny_model.tokenizer import ENDOFTEXT, IM_END, printable_tokenizer
@@ -268,12 +325,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--generate-on", default="cpu", help="device that draws the random weights (cpu, cuda)")
     parser.add_argument(
         "--format",
-        choices=F.checkpoint_layouts(),
+        choices=(*F.checkpoint_layouts(), *GGUF_FORMATS),
         default="bf16",
         help="bf16 (default); nvfp4: nvidia modelopt's NVFP4 layout (routed and shared experts); "
         "fp8: Qwen's FP8 layout (128 x 128 blocks); mxfp4: gpt-oss's MXFP4 layout (routed experts, "
         "per linear). With --weights none, config.json says the "
-        "format and --load-format dummy serves it",
+        "format and --load-format dummy serves it. gguf-TYPE (with --weights random): DIR/model-TYPE.gguf, "
+        "the routed experts random blocks of that ggml type (gguf-q4_k_m, gguf-q5_k_m: llama.cpp's mixes)",
     )
 
 
@@ -287,6 +345,8 @@ def run(args: argparse.Namespace) -> int:
     if args.expert_layout != "per-expert" and args.weights != "random":
         print("ferry make-bench-model: error: --expert-layout needs --weights random", file=sys.stderr)
         return 2
+    if args.format in GGUF_FORMATS:
+        return _run_gguf(args)
     fmt = args.format if F.for_checkpoint_layout(args.format).quantized else None
     try:
         with written_with_umask_modes(args.dir):  # readable by others under the usual umask: a container serves it
@@ -301,6 +361,42 @@ def run(args: argparse.Namespace) -> int:
         )
     else:
         print(f"wrote {out} (config, tokenizer, generation config): serve it with --load-format dummy")
+    return 0
+
+
+def _run_gguf(args: argparse.Namespace) -> int:
+    if args.weights != "random":
+        print(
+            f"ferry make-bench-model: error: --format {args.format} writes a GGUF file, which holds the weights: "
+            "add --weights random",
+            file=sys.stderr,
+        )
+        return 2
+    if args.expert_layout != "per-expert":
+        print(
+            f"ferry make-bench-model: error: --expert-layout {args.expert_layout} is a safetensors layout: "
+            f"--format {args.format} lays the experts out as GGUF does",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        with written_with_umask_modes(args.dir):
+            path = write_gguf_bench_model(
+                args.dir,
+                args.config,
+                GGUF_FORMATS[args.format],
+                args.num_layers,
+                args.routing_skew,
+                args.seed,
+                args.generate_on,
+            )
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"ferry make-bench-model: error: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"wrote {path} ({path.stat().st_size / 2**30:.2f} GiB; routing skew {args.routing_skew}): "
+        f"serve it with --model {args.dir}"
+    )
     return 0
 
 

@@ -12,7 +12,9 @@ checkpoint's experts' spread. Or in llama.cpp's Q4_K_M / Q5_K_M mix (`EXPERT_MIX
 down Q6_K on the layers llama-quantize gives more bits (`more_bits`) and Q4_K (Q5_K) on the others. Dense matrices
 are written F16 (their norms and routers F32, as llama.cpp keeps them), so loading dequantizes them. The tests' tiny
 GGUF models come from here (`ferry make-tiny-model --gguf TYPE`); the model a GGUF file is held to is the file
-itself, decoded by the gguf package (tests/unit/test_gguf_checkpoints.py). No torch.
+itself, decoded by the gguf package (tests/unit/test_gguf_checkpoints.py). A benchmark's model of real shapes
+(`ferry make-bench-model --format gguf-TYPE`) gives its dense tensors in memory and has every type's routed experts
+drawn as random valid blocks (`random_experts`): no expert weight is drawn or quantized. No torch.
 """
 
 from __future__ import annotations
@@ -22,19 +24,27 @@ from pathlib import Path
 
 import numpy as np
 
-from ferry.plan.gguf_checkpoint import GgufNames
+from ferry.plan.gguf_checkpoint import EXPERT_PARTS, GgufNames
 from ferry.plan.model_config import parse_model_config
 from ferry.plan.model_families import family_for_config
 
-# (byte offset, value for weights of std 1) of each fp16 scale of a K or IQ4 block whose other bytes are random
-# (kernels/gguf_blocks.py has the layouts; the spreads are those of random codes under random scales)
+# (byte offset, value for weights of std 1) of each fp16 scale of a block whose other bytes are random
+# (kernels/gguf_blocks.py has the layouts; the spreads are those of random codes under random scales; the worker's
+# dummy experts use the same, services/worker/expert_formats/gguf_*.py's `scale_fields`)
 _RANDOM_BLOCK_SCALES = {
+    "Q8_0": ((0, 1 / 73.9),),
+    "Q4_0": ((0, 1 / 4.6),),
+    "Q4_1": ((0, 1 / 4.6), (2, -7.5 / 4.6)),
+    "Q5_0": ((0, 1 / 9.2),),
+    "Q5_1": ((0, 1 / 9.2), (2, -15.5 / 9.2)),
     "Q4_K": ((0, 1 / 258.3), (2, 7.5 / 258.3)),
     "Q5_K": ((0, 1 / 527.0), (2, 15.5 / 527.0)),
     "Q6_K": ((208, 1 / 1369.0),),
     "IQ4_NL": ((0, 1 / 67.4),),
     "IQ4_XS": ((0, 1 / 1246.0),),
 }
+# MXFP4's random blocks: e2m1 codes at random have a std of ~2.93; the e8m0 byte e scales them by 2^(e - 127)
+_MXFP4_CODE_STD, _E8M0_BIAS = 2.93, 127
 # the types the gguf package quantizes itself (from the checkpoint's weights), then the K types it only decodes
 QUANTIZED_BY_GGUF = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4")
 # float32 experts (llama.cpp writes gpt-oss's so when asked for F32; ggml-org's files hold MXFP4)
@@ -42,7 +52,8 @@ FLOAT_EXPERT_TYPES = ("F32",)
 # llama.cpp's _M mixes, for the routed experts: (gate and up's type everywhere, down's on the layers that
 # llama-quantize gives more bits, `more_bits`; down has the gate's type on the others)
 EXPERT_MIXES = {"Q4_K_M": ("Q4_K", "Q6_K"), "Q5_K_M": ("Q5_K", "Q6_K")}
-EXPERT_TYPES = (*QUANTIZED_BY_GGUF, *_RANDOM_BLOCK_SCALES, *FLOAT_EXPERT_TYPES, *EXPERT_MIXES)
+EXPERT_TYPES = (*QUANTIZED_BY_GGUF, *(t for t in _RANDOM_BLOCK_SCALES if t not in QUANTIZED_BY_GGUF))
+EXPERT_TYPES += (*FLOAT_EXPERT_TYPES, *EXPERT_MIXES)
 # GGUF's K blocks hold 256 values: a tiny model written as GGUF has rows of whole blocks
 GGUF_SIZES = dict(hidden_size=256, moe_intermediate_size=256)
 _CONTROL, _NORMAL = 3, 1  # llama.cpp's token types
@@ -55,16 +66,23 @@ def write_gguf(
     seed: int = 0,
     split_max_tensors: int = 0,
     fused_gate_up: bool = False,
+    tensors: dict[str, np.ndarray] | None = None,
+    random_experts: tuple[float, float] | None = None,
 ) -> Path:
     """Write `hf_dir` (a checkpoint of one safetensors file or more) to the GGUF file `out`; with
     `split_max_tensors`, as a split set of files of at most that many tensors (`OUT-00001-of-0000N.gguf`...,
     the first of which is returned); with `fused_gate_up`, each layer's gate and up experts as one tensor
-    (`ffn_gate_up_exps`, the gate's rows first), as llama.cpp's converter writes them when asked."""
+    (`ffn_gate_up_exps`, the gate's rows first), as llama.cpp's converter writes them when asked. `tensors`: the
+    checkpoint's tensors by name, in place of hf_dir's shards (which then need hold only its config and tokenizer);
+    `random_experts` (the gate and up experts' std, down's): the routed experts drawn as random valid blocks of
+    `expert_type` of those spreads, their biases (where the family has them) zero, none read from the checkpoint."""
     import gguf
     from safetensors.numpy import load_file
 
     if expert_type not in EXPERT_TYPES:
         raise ValueError(f"--gguf must be one of {', '.join(EXPERT_TYPES)}, got {expert_type!r}")
+    if random_experts is not None and expert_type in FLOAT_EXPERT_TYPES:
+        raise ValueError(f"random experts are blocks of a quantized type, not {expert_type}")
     hf_dir, out = Path(hf_dir), Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     config = json.loads((hf_dir / "config.json").read_text())
@@ -73,9 +91,12 @@ def write_gguf(
         raise ValueError(f"the GGUF writer takes no {family.name} checkpoint (its family has no gguf_write_metadata)")
     architecture = family.gguf_architectures[0]
     spec = parse_model_config(config, str(hf_dir / "config.json"))
-    tensors: dict[str, np.ndarray] = {}
-    for shard in sorted(hf_dir.glob("*.safetensors")):
-        tensors.update(load_file(shard))
+    if tensors is None:
+        tensors = {}
+        for shard in sorted(hf_dir.glob("*.safetensors")):
+            tensors.update(load_file(shard))
+    else:
+        tensors = dict(tensors)  # the caller's dict is left whole (the experts are popped from this one)
     layers = int(config["num_hidden_layers"])
     writer = gguf.GGUFWriter(str(out), architecture, split_max_tensors=split_max_tensors)
     common_metadata(writer, config)
@@ -85,11 +106,18 @@ def write_gguf(
     rng = np.random.default_rng(seed)
     experts_of = family.gguf_split_experts or _per_expert
     for layer in spec.moe_layer_indices:
-        weights, biases = experts_of(tensors, layer, spec.num_experts)
+        if random_experts is None:
+            weights, biases = experts_of(tensors, layer, spec.num_experts)
+        else:
+            weights, biases = None, _zero_biases(spec) if spec.expert_bias else {}
         written = {}  # GGUF name -> (values or blocks, ggml type)
         for part, gguf_name in names.experts(layer).items():
             ggml_type = _part_type(expert_type, part, layer, layers)
-            if ggml_type in FLOAT_EXPERT_TYPES:
+            if weights is None:
+                shape = _expert_shape(spec, part)
+                std = random_experts[1] if part == "down_proj" else random_experts[0]
+                written[gguf_name] = (random_blocks(shape, ggml_type, std, rng), ggml_type)
+            elif ggml_type in FLOAT_EXPERT_TYPES:
                 written[gguf_name] = (weights[part].astype(np.float32), ggml_type)
             else:
                 written[gguf_name] = (_expert_blocks(weights[part], ggml_type, rng), ggml_type)
@@ -205,17 +233,38 @@ def _tokenizer(writer, hf_dir: Path) -> None:
 
 
 def _expert_blocks(weights: np.ndarray, expert_type: str, rng: np.random.Generator) -> np.ndarray:
-    """[E, rows, cols] float32 -> [E, rows, row bytes] uint8 blocks of `expert_type`."""
+    """[E, rows, cols] float32 -> [E, rows, row bytes] uint8 blocks of `expert_type`: quantized by the gguf
+    package where it can, else random blocks of the weights' spread."""
+    import gguf
+
+    if expert_type in QUANTIZED_BY_GGUF:
+        return gguf.quants.quantize(weights, gguf.GGMLQuantizationType[expert_type])
+    return random_blocks(weights.shape, expert_type, float(weights.std()), rng)
+
+
+def random_blocks(shape: tuple[int, ...], expert_type: str, std: float, rng: np.random.Generator) -> np.ndarray:
+    """Random but valid blocks of `expert_type` for values of `shape` (its last a whole number of blocks), uint8
+    [..., row bytes]: random bytes (every code a value), every block's scales set so the values have about `std`."""
     import gguf
 
     qtype = gguf.GGMLQuantizationType[expert_type]
-    if expert_type in QUANTIZED_BY_GGUF:
-        return gguf.quants.quantize(weights, qtype)
-    block, size = gguf.GGML_QUANT_SIZES[qtype]
-    shape = gguf.quants.quant_shape_to_byte_shape(weights.shape, qtype)
-    blocks = rng.integers(0, 256, shape, dtype=np.uint8)
+    _, size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, gguf.quants.quant_shape_to_byte_shape(tuple(shape), qtype), dtype=np.uint8)
     view = blocks.reshape(-1, size)
-    std = float(weights.std())
+    if expert_type == "MXFP4":  # one e8m0 byte a block, not an fp16
+        view[:, 0] = _E8M0_BIAS + round(float(np.log2(std / _MXFP4_CODE_STD)))
+        return blocks
     for offset, unit in _RANDOM_BLOCK_SCALES[expert_type]:
         view[:, offset : offset + 2] = np.frombuffer(np.float16(std * unit).tobytes(), dtype=np.uint8)
     return blocks
+
+
+def _expert_shape(spec, part: str) -> tuple[int, int, int]:
+    """[E, rows, cols] of a layer's routed `part` (gate_proj and up_proj [E, I, H], down_proj [E, H, I])."""
+    h, i = spec.hidden_size, spec.moe_intermediate_size
+    return (spec.num_experts, h, i) if part == "down_proj" else (spec.num_experts, i, h)
+
+
+def _zero_biases(spec) -> dict[str, np.ndarray]:
+    """A layer's routed experts' biases, zero (the dummy recipe's), by part: [E, rows] float32."""
+    return {part: np.zeros(_expert_shape(spec, part)[:2], dtype=np.float32) for part in EXPERT_PARTS}

@@ -64,6 +64,7 @@ class StepLimits:
     max_model_len: int
     vocab_size: int
     linear_state_snapshots: int = 0  # snapshot ids 0..this-1 (hybrid models' prefix cache); 0: none
+    kv_ring_slots: int = 0  # the sliding KV groups' rings (plan/kv_groups.py) are for slots 0..this; 0: none
 
 
 _ARRAYS = {
@@ -148,12 +149,9 @@ def step_problems(batch, limits: StepLimits, known: set[int] | dict) -> list[str
     elif r and (-(-(ctx + q) // limits.page_size) > pt.shape[1]).any():
         problems.append("a request's tokens run past the pages in its page_table row")
     slots = batch.linear_state_slots
-    if (
-        limits.linear_state_slots
-        and slots.size
-        and (int(slots.min()) < 0 or int(slots.max()) > limits.linear_state_slots)
-    ):
-        problems.append(f"linear-state slots must be in 0..{limits.linear_state_slots}")
+    slot_limit = max(limits.linear_state_slots, limits.kv_ring_slots)  # a request's one slot serves both
+    if slot_limit and slots.size and (int(slots.min()) < 0 or int(slots.max()) > slot_limit):
+        problems.append(f"linear-state slots must be in 0..{slot_limit}")
     problems += _state_copy_problems(
         batch, {k: copies[k] for k in ("restore_state", "save_state", "hold_state")}, limits
     )

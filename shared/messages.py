@@ -43,6 +43,10 @@ class PoolReport(msgspec.Struct, frozen=True, kw_only=True):
     # some routed experts live on the host: a prefill step then also pays a pass over the experts it misses,
     # so the scheduler cuts a prompt for a snapshot only where the snapshot saves more (batcher.py)
     experts_offloaded: bool = False
+    # request slots the sliding KV groups keep rings for (plan/kv_groups.py), ids 1..kv_ring_slots (0 = padding):
+    # a running request then holds one (StepBatch.linear_state_slots carries it), and the prefix cache is off,
+    # since a ring keeps no prefix's K/V; 0: no ring
+    kv_ring_slots: Count32 = 0
 
 
 # ---- api -> scheduler --------------------------------------------------------------------------

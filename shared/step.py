@@ -10,7 +10,8 @@ Index conventions (shared by the planner, the pools and the allocators; docs/ARC
 * KV pool: physical page 0 is the sentinel page, never allocated; usable pages are 1..pages.
   Unused entries of `page_table` hold 0, so padded positions write only the sentinel.
 * Linear-state pool: slot 0 is the padding slot; usable slots are 1..slots. Models without
-  linear attention ignore `linear_state_slots`.
+  linear attention ignore `linear_state_slots`, unless their sliding KV groups keep rings
+  (plan/kv_groups.py): a request's slot is then also its rings' (ring 0 the padding rows').
 * Linear-state snapshots (hybrid models' prefix cache): ids 0..snapshots-1, in a pool of their own; no
   batch row reads or writes one, only the step's state copies (`restore_state`, `save_state`), and -1
   means none.
@@ -47,7 +48,7 @@ class StepBatch(msgspec.Struct, frozen=True, kw_only=True):
     query_lens: np.ndarray  # int32 [R], >= 1
     context_lens: np.ndarray  # int32 [R], tokens already in KV (cached prefix or earlier chunks)
     page_table: np.ndarray  # int32 [R, max_pages], page ids; 0 (sentinel) past the end
-    linear_state_slots: np.ndarray  # int32 [R], linear-state slot (0 = padding slot / unused)
+    linear_state_slots: np.ndarray  # int32 [R], linear-state (and KV ring) slot (0 = padding slot / unused)
     reset_linear_state: np.ndarray  # bool [R], zero the linear state before this chunk (a request's first chunk)
     sample: np.ndarray  # bool [R], sample a next token after this chunk (last prefill chunk, or decode)
     new_requests: tuple[NewRequest, ...] = ()

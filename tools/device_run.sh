@@ -30,8 +30,11 @@
 #                .peer as for PART=peer
 #   PART=long    the 262k-token TTFT (decode_suite's long_context_36b; LONG_VARIANTS picks its variants)  ~4-5 min a variant
 #   PART=ttft    the 12-layer and hybrid cuts' served TTFT-2k phase by phase (bench/ttft_path.py), with the
-#                arrival hold and without (TTFT_CUTS, TTFT_HOLDS: which cuts and holds, e.g. "12layer", "default")
+#                arrival hold and without (TTFT_CUTS, TTFT_HOLDS: which cuts and holds, e.g. "12layer", "default";
+#                TTFT_BACKENDS: expert backends, "default" for none given, e.g. "default gpu")
 #                                                                                                        ~6 min
+#   PART=prefillcmp one 2k prefill of the hybrid8 NVFP4 cut (640 slots, 12 GiB) profiled at the tree and at BASE_COMMIT
+#                (default 49d0524; its tree as for PART=suite), profile_prefill_hybrid8_nvfp4_<side>_<card>.json  ~3 min
 #   PART=prof    the full-size 35B NVFP4's decode at 24 GiB profiled at 1 and 8 streams (bench/profile_decode.py),
 #                then one 2k-token prefill of each cut (bench/profile_prefill.py)                      ~5 min
 #
@@ -65,7 +68,7 @@ build_host_kernel() {
     > "$log" 2>&1 || echo "host kernel build failed in ${1:-$ROOT} (see $(basename "$log"))"
 }
 LONG_VARIANTS=${LONG_VARIANTS:-default}
-TTFT_CUTS=${TTFT_CUTS:-12layer hybrid8} TTFT_HOLDS=${TTFT_HOLDS:-default 0}
+TTFT_CUTS=${TTFT_CUTS:-12layer hybrid8} TTFT_HOLDS=${TTFT_HOLDS:-default 0} TTFT_BACKENDS=${TTFT_BACKENDS:-default}
 SUITE_WORKLOADS=${SUITE_WORKLOADS:-hybrid8,hybrid8_nvfp4,12layer}
 n_variants() { local v=${1//[^,]/}; echo $(( ${#v} + 1 )); }
 part_cost() {
@@ -75,8 +78,9 @@ part_cost() {
     long) echo $(( 180 * $(n_variants "$LONG_VARIANTS") )) ;;  # ~165 s a variant, with two repeats of each decode
     peer) echo 570 ;;  # a 20 GB checkpoint written, two engines booted and measured (peer_compare's --budget-s 500)
     peercuts) echo 560 ;;  # a cut's checkpoint, served by both engines (--budget-s 540)
-    prof) echo 330 ;;  # three boots (the full-size 35B ~100 s, each cut ~40 s) and their profiled steps
-    ttft) echo $(( 90 * $(n_variants "${TTFT_CUTS// /,}") * $(n_variants "${TTFT_HOLDS// /,}") )) ;;  # a boot (~45 s) and its prompts each
+    prof) echo 330 ;;
+    prefillcmp) echo 200 ;;  # a cut written, two boots (~45 s each) and their profiled prefills  # three boots (the full-size 35B ~100 s, each cut ~40 s) and their profiled steps
+    ttft) echo $(( 90 * $(n_variants "${TTFT_CUTS// /,}") * $(n_variants "${TTFT_HOLDS// /,}") * $(n_variants "${TTFT_BACKENDS// /,}") )) ;;  # a boot (~45 s) and its prompts each
     *) echo 240 ;;
   esac
 }
@@ -153,13 +157,30 @@ PY
         --gpu-memory 12GiB --max-running-requests 8 --prompt-len 2000 --out "$OUT/profile_prefill_${cut}_$GPU.json" \
         > "$OUT/profile_prefill_$cut.log" 2>&1; echo "profile_prefill $cut rc=$?"
     done ;;
+  prefillcmp)  # one 2k prefill of the hybrid8 NVFP4 cut profiled at the tree and at BASE_COMMIT, kernel by kernel
+    base=$(suite_base_tree "${BASE_COMMIT:-49d0524}")
+    build_host_kernel; [ -n "$base" ] && build_host_kernel "$base"
+    python3 -m ferry.services.cli make-bench-model "$TMPDIR/prof_hybrid8_nvfp4" \
+      --config tests/data/models/qwen3.6-35b-a3b/config.json --format nvfp4 --num-layers 8 > /dev/null
+    for side in tree base; do
+      dir=$([ $side = tree ] && echo "$ROOT" || echo "$base"); [ -n "$dir" ] || continue
+      (cd "$dir" && PYTHONPATH="$dir:/tmp/site" timeout 150 python3 bench/profile_prefill.py \
+        --model "$TMPDIR/prof_hybrid8_nvfp4" --load-format dummy --moe-cache-size 640 --gpu-memory 12GiB --max-running-requests 8 \
+        --prompt-len 2000 --out "$OUT/profile_prefill_hybrid8_nvfp4_${side}_$GPU.json" \
+        > "$OUT/profile_prefill_hybrid8_nvfp4_$side.log" 2>&1); echo "profile_prefill nvfp4 $side rc=$?"
+      grep -h '"median_wall_s"\|"kernel_busy_ms"\|"copy_busy_ms"' "$OUT/profile_prefill_hybrid8_nvfp4_${side}_$GPU.json" 2>/dev/null
+    done ;;
   ttft)  # the cuts' served TTFT-2k phase by phase, with the arrival hold (the default) and without it
     for cut in $TTFT_CUTS; do
       for hold in $TTFT_HOLDS; do
-        flags=$([ $hold = 0 ] && echo "--prefill-coalesce-ms 0" || echo "")
-        timeout 170 python3 bench/ttft_path.py --workload $cut --extra-flags "$flags" \
-          --out "$OUT/ttft_path_${cut}_hold-${hold}_$GPU.json" > "$OUT/ttft_path_${cut}_hold-${hold}.log" 2>&1
-        echo "ttft_path $cut hold=$hold rc=$?"; tail -3 "$OUT/ttft_path_${cut}_hold-${hold}.log"
+        for backend in $TTFT_BACKENDS; do
+          flags=$([ $hold = 0 ] && echo "--prefill-coalesce-ms 0" || echo "")
+          flags+=$([ $backend = default ] && echo "" || echo " --expert-backend $backend")
+          tag=${cut}_hold-${hold}$([ $backend = default ] || echo "_backend-$backend")
+          timeout 170 python3 bench/ttft_path.py --workload $cut --extra-flags "$flags" \
+            --out "$OUT/ttft_path_${tag}_$GPU.json" > "$OUT/ttft_path_${tag}.log" 2>&1
+          echo "ttft_path $tag rc=$?"; tail -3 "$OUT/ttft_path_${tag}.log"
+        done
       done
     done ;;
   peer)  # Ferry and FreeToken 0.1.2 side by side under one device-memory line (bench/peer_compare.py's docstring)

@@ -4,7 +4,8 @@
  * Weights are read where they lie, in the host banks: expert e's family f starts at
  * f.base + e * f.expert_stride. Plain banks are rows of float32 or bf16 values; quantized banks are
  * the byte rows of plan/expert_formats.py, whose parts (codes, scales, row scales) sit at the offsets
- * given here, so this file never needs to know how the layout is priced. Packed banks
+ * given here, so this file never needs to know how the layout is priced. GGUF banks are rows of the
+ * file's blocks (gguf_blocks.h), each family of its own block type. Packed banks
  * (kernels/expert_pack.py) keep a family's values in two blocks, its sign-and-mantissa bytes at
  * base and its exponent codes at hi, with a per-expert exponent base and escape list
  * (packed_rows.h decodes them). */
@@ -13,7 +14,10 @@
 
 #include <stdint.h>
 
-enum ferry_format { FERRY_F32 = 0, FERRY_BF16 = 1, FERRY_FP8_BLOCK = 2, FERRY_NVFP4 = 3, FERRY_PACKED = 4, FERRY_MXFP4 = 5 };
+enum ferry_format {
+    FERRY_F32 = 0, FERRY_BF16 = 1, FERRY_FP8_BLOCK = 2, FERRY_NVFP4 = 3, FERRY_PACKED = 4, FERRY_MXFP4 = 5,
+    FERRY_GGUF = 6 /* a GGUF file's blocks, their type a family's (ggml_type: gguf-mixed's differ by layer) */
+};
 /* the fp4 formats: e2m1 codes two a byte (element 2j in the low nibble) under a scale a group */
 #define FERRY_FP4_GROUP(format) ((format) == FERRY_MXFP4 ? 32 : 16)
 /* the compute dtype: the torch path multiplies in it, so its roundings are the contract */
@@ -42,6 +46,7 @@ typedef struct {
      * start, -1 none. bf16 banks keep them as bf16 (rows after the weights: bias_rows), every other format
      * as float32 (quantized rows' bias part); packed banks hold none */
     int64_t bias_offset;
+    int64_t ggml_type; /* GGUF: the rows' block type (enum ferry_ggml_type, gguf_blocks.h) */
 } ferry_family;
 
 typedef struct {
@@ -75,6 +80,16 @@ void ferry_rows_portable(const ferry_family *f, int format, int act, const uint8
 void ferry_rows_avx512(const ferry_family *f, int format, int act, const uint8_t *expert, const void *a,
                        int64_t a_stride, int n, int64_t r0, int64_t r1, float *y, int64_t y_stride,
                        int64_t prefetch);
+#endif
+
+/* Rows r0..r1 of family f (any format but packed) of the expert whose bytes start at `expert` as float32
+ * [r1 - r0, cols], decoded by each ISA's own code for float32 compute, the code its rows multiply with: the
+ * tests' window on the decode (ferry_host_decode_rows), held bit for bit to the twin's dequantization. */
+void ferry_decode_rows_portable(const ferry_family *f, int format, const uint8_t *expert, int64_t r0, int64_t r1,
+                                float *out);
+#if defined(__x86_64__)
+void ferry_decode_rows_avx512(const ferry_family *f, int format, const uint8_t *expert, int64_t r0, int64_t r1,
+                              float *out);
 #endif
 
 /* A packed family's rows r0..r1 of one expert as bf16 bits [r1 - r0, cols], decoded by each ISA's

@@ -12,15 +12,20 @@
 #include <immintrin.h>
 
 #include "expert_job.h"
+#include "gguf_blocks.h"
 #include "packed_rows.h"
 
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 #define INLINE static inline __attribute__((always_inline)) TARGET
+/* the rows' own format codes of GGUF rows, one a block type, so each type's decode is compiled into its rows */
+#define GGUF_ROWS(type) (16 + (type))
+#define IS_GGUF(format) ((format) >= GGUF_ROWS(0))
 
 typedef struct {
     const uint8_t *q;       /* the row's values or codes */
     const float *bscale;    /* fp8: the row's block row of scales */
     const uint8_t *groups;  /* nvfp4: the row's e4m3 group scales; mxfp4: its e8m0 ones */
+    int64_t group_bytes;    /* GGUF: a group's share of its block's bytes (the prefetch's step) */
     float row_scale;        /* nvfp4 */
     int64_t cols, ngroups;
     ferry_packed_row packed; /* packed: the row's bytes, base and escape cursor (advanced as vectors decode) */
@@ -70,9 +75,92 @@ INLINE __m512i decode_packed(row_src *s, int64_t v, __mmask32 m) {
     return bits;
 }
 
+/* 16 bytes as 16 int32 lanes */
+INLINE __m512i bytes16(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+
+/* GGUF group v (values 32v..32v+31) of a row of block type `type` as float32, lo the first 16 and hi the next: the
+ * twin's formulas (gguf_blocks.h), every product and sum one instruction, so rounded as the twin rounds them. A row is
+ * whole groups: no mask. */
+INLINE void decode_gguf(int type, const uint8_t *row, int64_t v, __m512 *lo, __m512 *hi) {
+    int j;
+    const uint8_t *b = ferry_gguf_block(type, row, v, &j);
+    const __m512i nibble = _mm512_set1_epi32(0x0F);
+    if (type == FERRY_Q8_0) {
+        __m512 d = _mm512_set1_ps(ferry_gguf_half(b));
+        *lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 2)))));
+        *hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 18)))));
+    } else if (type == FERRY_Q4_K || type == FERRY_Q5_K || type == FERRY_Q6_K) {
+        /* 32 code bytes, one a value: shift the sub-block's nibble down; Q5_K's fifth and Q6_K's two high bits */
+        int q6 = type == FERRY_Q6_K, h = j / 4, t = j % 4;
+        const uint8_t *qs = q6 ? b + 64 * h + 32 * (t & 1) : b + (type == FERRY_Q5_K ? 48 : 16) + 32 * (j / 2);
+        __m512i shift = _mm512_set1_epi32(q6 ? 4 * (t >> 1) : 4 * (j & 1));
+        __m512i q0 = _mm512_and_si512(_mm512_srlv_epi32(bytes16(qs), shift), nibble);
+        __m512i q1 = _mm512_and_si512(_mm512_srlv_epi32(bytes16(qs + 16), shift), nibble);
+        if (type == FERRY_Q5_K) { /* bit j of qh byte i: value i's fifth bit */
+            __m512i bit = _mm512_set1_epi32(1 << j), sixteen = _mm512_set1_epi32(16);
+            q0 = _mm512_mask_or_epi32(q0, _mm512_test_epi32_mask(bytes16(b + 16), bit), q0, sixteen);
+            q1 = _mm512_mask_or_epi32(q1, _mm512_test_epi32_mask(bytes16(b + 32), bit), q1, sixteen);
+        }
+        if (q6) { /* bits 2t, 2t + 1 of qh byte i: value i's high two */
+            __m512i up = _mm512_set1_epi32(2 * t), three = _mm512_set1_epi32(3);
+            const uint8_t *qh = b + 128 + 32 * h;
+            q0 = _mm512_or_si512(q0, _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(bytes16(qh), up), three), 4));
+            q1 = _mm512_or_si512(q1,
+                                 _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(bytes16(qh + 16), up), three), 4));
+            float d = ferry_gguf_half(b + 208);
+            __m512 thirty_two = _mm512_set1_ps(32.0f);
+            *lo = _mm512_mul_ps(_mm512_set1_ps(d * (float)(int8_t)b[192 + 2 * j]),
+                                _mm512_sub_ps(_mm512_cvtepi32_ps(q0), thirty_two));
+            *hi = _mm512_mul_ps(_mm512_set1_ps(d * (float)(int8_t)b[193 + 2 * j]),
+                                _mm512_sub_ps(_mm512_cvtepi32_ps(q1), thirty_two));
+            return;
+        }
+        int sc, mn;
+        ferry_gguf_k_scale(b + 4, j, &sc, &mn);
+        __m512 ds = _mm512_set1_ps(ferry_gguf_half(b) * (float)sc), dm = _mm512_set1_ps(ferry_gguf_half(b + 2) * (float)mn);
+        *lo = _mm512_sub_ps(_mm512_mul_ps(ds, _mm512_cvtepi32_ps(q0)), dm);
+        *hi = _mm512_sub_ps(_mm512_mul_ps(ds, _mm512_cvtepi32_ps(q1)), dm);
+    } else if (type == FERRY_IQ4_XS) { /* sub-block j's 16 bytes in Q4_0's order, grid values under d (scale - 32) */
+        const uint8_t *qs = b + 8 + 16 * j;
+        __m512i x = bytes16(qs);
+        __m512 grid = _mm512_loadu_ps(ferry_iq4_grid);
+        __m512 dl = _mm512_set1_ps(ferry_gguf_half(b) * (float)ferry_gguf_iq4_xs_scale(b, j));
+        *lo = _mm512_mul_ps(dl, _mm512_permutexvar_ps(_mm512_and_si512(x, nibble), grid));
+        *hi = _mm512_mul_ps(dl, _mm512_permutexvar_ps(_mm512_srli_epi32(x, 4), grid));
+    } else { /* the 32-value types of 16 nibble bytes: the low nibbles are values 0-15, the high 16-31 */
+        int off = type == FERRY_GGUF_MXFP4 ? 1 : type == FERRY_Q4_1 ? 4 : type == FERRY_Q5_0 ? 6 : type == FERRY_Q5_1 ? 8 : 2;
+        __m512i x = bytes16(b + off), q0 = _mm512_and_si512(x, nibble), q1 = _mm512_srli_epi32(x, 4);
+        if (type == FERRY_Q5_0 || type == FERRY_Q5_1) { /* bit i of the word: value i's fifth */
+            uint32_t qh = ferry_gguf_u32(b + (type == FERRY_Q5_1 ? 4 : 2));
+            __m512i sixteen = _mm512_set1_epi32(16);
+            q0 = _mm512_mask_or_epi32(q0, (__mmask16)qh, q0, sixteen);
+            q1 = _mm512_mask_or_epi32(q1, (__mmask16)(qh >> 16), q1, sixteen);
+        }
+        __m512 f0, f1;
+        if (type == FERRY_IQ4_NL || type == FERRY_GGUF_MXFP4) {
+            __m512 table = _mm512_loadu_ps(type == FERRY_IQ4_NL ? ferry_iq4_grid : ferry_mxfp4_doubled);
+            f0 = _mm512_permutexvar_ps(q0, table), f1 = _mm512_permutexvar_ps(q1, table);
+        } else {
+            f0 = _mm512_cvtepi32_ps(q0), f1 = _mm512_cvtepi32_ps(q1);
+        }
+        if (type == FERRY_Q4_0 || type == FERRY_Q5_0) { /* d (q - 8), d (q - 16): the difference is exact */
+            __m512 centre = _mm512_set1_ps(type == FERRY_Q4_0 ? 8.0f : 16.0f);
+            f0 = _mm512_sub_ps(f0, centre), f1 = _mm512_sub_ps(f1, centre);
+        }
+        __m512 d = _mm512_set1_ps(type == FERRY_GGUF_MXFP4 ? ferry_gguf_e8m0_half(b[0]) : ferry_gguf_half(b));
+        *lo = _mm512_mul_ps(d, f0), *hi = _mm512_mul_ps(d, f1);
+        if (type == FERRY_Q4_1 || type == FERRY_Q5_1) { /* d q + m: the product rounded, then the sum */
+            __m512 m = _mm512_set1_ps(ferry_gguf_half(b + 2));
+            *lo = _mm512_add_ps(*lo, m), *hi = _mm512_add_ps(*hi, m);
+        }
+    }
+}
+
 /* columns 32v..32v+31 as float32: lo the first 16, hi the next; lanes outside `m` are zero */
 INLINE void decode_f32(int format, row_src *s, int64_t v, __mmask32 m, __m512 *lo, __m512 *hi) {
-    if (format == FERRY_F32) {
+    if (IS_GGUF(format)) {
+        decode_gguf(format - GGUF_ROWS(0), s->q, v, lo, hi);
+    } else if (format == FERRY_F32) {
         const float *p = (const float *)s->q + 32 * v;
         *lo = _mm512_maskz_loadu_ps((__mmask16)m, p);
         *hi = _mm512_maskz_loadu_ps((__mmask16)(m >> 16), p + 16);
@@ -129,6 +217,7 @@ INLINE void prefetch_ahead(int format, const row_src *s, int64_t v, int64_t byte
     const uint8_t *at = format == FERRY_F32      ? s->q + 128 * v
                         : format == FERRY_BF16   ? s->q + 64 * v
                         : format == FERRY_PACKED ? s->packed.lo + 32 * v
+                        : IS_GGUF(format)        ? s->q + s->group_bytes * v
                         : format == FERRY_NVFP4 || format == FERRY_MXFP4 ? s->q + 16 * v
                                                  : s->q + 32 * v; /* fp8: a byte a value */
     _mm_prefetch((const char *)(at + bytes), _MM_HINT_T0);
@@ -180,7 +269,11 @@ INLINE void row_dots(int format, int act, int N, row_src *s, const void *a, int6
 INLINE void row_source(const ferry_family *f, int format, const uint8_t *expert, int64_t r, int64_t from, row_src *s) {
     const uint8_t *q = expert + f->q_offset;
     s->cols = f->cols;
-    if (format == FERRY_F32) s->q = q + r * f->cols * 4;
+    if (IS_GGUF(format)) {
+        int type = format - GGUF_ROWS(0);
+        s->q = q + r * ferry_gguf_row_bytes(type, f->cols);
+        s->group_bytes = ferry_gguf_block_bytes[type] * FERRY_GGUF_GROUP / ferry_gguf_block_values[type];
+    } else if (format == FERRY_F32) s->q = q + r * f->cols * 4;
     else if (format == FERRY_BF16) s->q = q + r * f->cols * 2;
     else if (format == FERRY_PACKED) ferry_packed_row_at(f, expert, r, 0, f->cols, from, &s->packed);
     else if (format == FERRY_FP8_BLOCK) {
@@ -231,17 +324,65 @@ ROWS(rows_packed_f32, FERRY_PACKED, FERRY_ACT_F32)
 ROWS(rows_packed_bf16, FERRY_PACKED, FERRY_ACT_BF16)
 ROWS(rows_mxfp4_f32, FERRY_MXFP4, FERRY_ACT_F32)
 ROWS(rows_mxfp4_bf16, FERRY_MXFP4, FERRY_ACT_BF16)
+ROWS(rows_q8_0_f32, GGUF_ROWS(FERRY_Q8_0), FERRY_ACT_F32)
+ROWS(rows_q8_0_bf16, GGUF_ROWS(FERRY_Q8_0), FERRY_ACT_BF16)
+ROWS(rows_q4_0_f32, GGUF_ROWS(FERRY_Q4_0), FERRY_ACT_F32)
+ROWS(rows_q4_0_bf16, GGUF_ROWS(FERRY_Q4_0), FERRY_ACT_BF16)
+ROWS(rows_q4_1_f32, GGUF_ROWS(FERRY_Q4_1), FERRY_ACT_F32)
+ROWS(rows_q4_1_bf16, GGUF_ROWS(FERRY_Q4_1), FERRY_ACT_BF16)
+ROWS(rows_q5_0_f32, GGUF_ROWS(FERRY_Q5_0), FERRY_ACT_F32)
+ROWS(rows_q5_0_bf16, GGUF_ROWS(FERRY_Q5_0), FERRY_ACT_BF16)
+ROWS(rows_q5_1_f32, GGUF_ROWS(FERRY_Q5_1), FERRY_ACT_F32)
+ROWS(rows_q5_1_bf16, GGUF_ROWS(FERRY_Q5_1), FERRY_ACT_BF16)
+ROWS(rows_q4_k_f32, GGUF_ROWS(FERRY_Q4_K), FERRY_ACT_F32)
+ROWS(rows_q4_k_bf16, GGUF_ROWS(FERRY_Q4_K), FERRY_ACT_BF16)
+ROWS(rows_q5_k_f32, GGUF_ROWS(FERRY_Q5_K), FERRY_ACT_F32)
+ROWS(rows_q5_k_bf16, GGUF_ROWS(FERRY_Q5_K), FERRY_ACT_BF16)
+ROWS(rows_q6_k_f32, GGUF_ROWS(FERRY_Q6_K), FERRY_ACT_F32)
+ROWS(rows_q6_k_bf16, GGUF_ROWS(FERRY_Q6_K), FERRY_ACT_BF16)
+ROWS(rows_iq4_nl_f32, GGUF_ROWS(FERRY_IQ4_NL), FERRY_ACT_F32)
+ROWS(rows_iq4_nl_bf16, GGUF_ROWS(FERRY_IQ4_NL), FERRY_ACT_BF16)
+ROWS(rows_iq4_xs_f32, GGUF_ROWS(FERRY_IQ4_XS), FERRY_ACT_F32)
+ROWS(rows_iq4_xs_bf16, GGUF_ROWS(FERRY_IQ4_XS), FERRY_ACT_BF16)
+ROWS(rows_gguf_mxfp4_f32, GGUF_ROWS(FERRY_GGUF_MXFP4), FERRY_ACT_F32)
+ROWS(rows_gguf_mxfp4_bf16, GGUF_ROWS(FERRY_GGUF_MXFP4), FERRY_ACT_BF16)
 
 typedef void (*rows_impl)(const ferry_family *, const uint8_t *, const void *, int64_t, int, int64_t, int64_t,
                           float *, int64_t, int64_t);
 static const rows_impl IMPLS[6][2] = {{rows_f32_f32, rows_f32_bf16},     {rows_bf16_f32, rows_bf16_bf16},
                                       {rows_fp8_f32, rows_fp8_bf16},     {rows_nvfp4_f32, rows_nvfp4_bf16},
                                       {rows_packed_f32, rows_packed_bf16}, {rows_mxfp4_f32, rows_mxfp4_bf16}};
+/* GGUF rows by the family's block type (enum ferry_ggml_type) */
+static const rows_impl GGUF_IMPLS[FERRY_GGML_TYPES][2] = {
+    {rows_q8_0_f32, rows_q8_0_bf16},     {rows_q4_0_f32, rows_q4_0_bf16},     {rows_q4_1_f32, rows_q4_1_bf16},
+    {rows_q5_0_f32, rows_q5_0_bf16},     {rows_q5_1_f32, rows_q5_1_bf16},     {rows_q4_k_f32, rows_q4_k_bf16},
+    {rows_q5_k_f32, rows_q5_k_bf16},     {rows_q6_k_f32, rows_q6_k_bf16},     {rows_iq4_nl_f32, rows_iq4_nl_bf16},
+    {rows_iq4_xs_f32, rows_iq4_xs_bf16}, {rows_gguf_mxfp4_f32, rows_gguf_mxfp4_bf16}};
 
 void ferry_rows_avx512(const ferry_family *f, int format, int act, const uint8_t *expert, const void *a,
                        int64_t a_stride, int n, int64_t r0, int64_t r1, float *y, int64_t y_stride,
                        int64_t prefetch) {
-    IMPLS[format][act](f, expert, a, a_stride, n, r0, r1, y, y_stride, prefetch);
+    const rows_impl *impl = format == FERRY_GGUF ? GGUF_IMPLS[f->ggml_type] : IMPLS[format];
+    impl[act](f, expert, a, a_stride, n, r0, r1, y, y_stride, prefetch);
+}
+
+TARGET void ferry_decode_rows_avx512(const ferry_family *f, int format, const uint8_t *expert, int64_t r0, int64_t r1,
+                                     float *out) {
+    if (format == FERRY_GGUF) format = GGUF_ROWS((int)f->ggml_type);
+    int64_t nv = f->cols / 32;
+    int tail = (int)(f->cols % 32);
+    for (int64_t r = r0; r < r1; r++) {
+        row_src s = {0}; /* whole: the format is known only at run time here (packed rows never come) */
+        row_source(f, format, expert, r, -1, &s);
+        float *o = out + (r - r0) * f->cols;
+        for (int64_t v = 0; v < nv + (tail != 0); v++) { /* the vectors row_dots decodes, in its order */
+            __mmask32 m = v < nv ? 0xFFFFFFFFu : (1u << tail) - 1;
+            __m512 lo, hi;
+            decode_f32(format, &s, v, m, &lo, &hi);
+            _mm512_mask_storeu_ps(o + 32 * v, (__mmask16)m, lo);
+            _mm512_mask_storeu_ps(o + 32 * v + 16, (__mmask16)(m >> 16), hi);
+        }
+    }
 }
 
 TARGET void ferry_packed_rows_avx512(const ferry_family *f, const uint8_t *expert, int64_t r0, int64_t r1,

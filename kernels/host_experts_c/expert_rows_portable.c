@@ -7,6 +7,7 @@
 #include <math.h>
 
 #include "expert_job.h"
+#include "gguf_blocks.h"
 #include "packed_rows.h"
 
 #define TILE 64    /* columns decoded at a time: a multiple of 32 (the activations' padding) */
@@ -45,6 +46,79 @@ void ferry_packed_bits_portable(const ferry_family *f, const uint8_t *expert, in
     for (int64_t k = p.esc; k < p.esc_end; k++) bits[p.esc_index[k] - p.pos] = p.esc_bits[k];
 }
 
+/* group g (values 32 g .. 32 g + 31) of a GGUF row of block type `type` into w, in float32: the twin's
+ * formulas (kernels/gguf_blocks.py), each product and sum rounded in its order */
+static void gguf_group(int type, const uint8_t *row, int64_t g, float *w) {
+    int j;
+    const uint8_t *b = ferry_gguf_block(type, row, g, &j);
+    switch (type) {
+    case FERRY_Q8_0: {
+        float d = ferry_gguf_half(b);
+        for (int i = 0; i < 32; i++) w[i] = d * (float)(int8_t)b[2 + i];
+        break;
+    }
+    case FERRY_Q4_0:
+    case FERRY_IQ4_NL:
+    case FERRY_GGUF_MXFP4: { /* 16 bytes: the low nibbles are values 0-15, the high 16-31 */
+        const uint8_t *qs = b + (type == FERRY_GGUF_MXFP4 ? 1 : 2);
+        float d = type == FERRY_GGUF_MXFP4 ? ferry_gguf_e8m0_half(b[0]) : ferry_gguf_half(b);
+        for (int i = 0; i < 32; i++) {
+            int q = (i < 16 ? qs[i] : qs[i - 16] >> 4) & 0x0F;
+            w[i] = type == FERRY_Q4_0 ? d * ((float)q - 8.0f)
+                   : type == FERRY_IQ4_NL ? d * ferry_iq4_grid[q] : d * ferry_mxfp4_doubled[q];
+        }
+        break;
+    }
+    case FERRY_Q4_1: {
+        float d = ferry_gguf_half(b), m = ferry_gguf_half(b + 2);
+        for (int i = 0; i < 32; i++) w[i] = d * (float)((i < 16 ? b[4 + i] : b[4 + i - 16] >> 4) & 0x0F) + m;
+        break;
+    }
+    case FERRY_Q5_0:
+    case FERRY_Q5_1: { /* Q4_0's nibbles under a fifth bit a value (bit i of the word: value i) */
+        int one = type == FERRY_Q5_1;
+        float d = ferry_gguf_half(b), m = one ? ferry_gguf_half(b + 2) : 0.0f;
+        uint32_t qh = ferry_gguf_u32(b + 2 + 2 * one);
+        const uint8_t *qs = b + 6 + 2 * one;
+        for (int i = 0; i < 32; i++) {
+            int q = ((i < 16 ? qs[i] : qs[i - 16] >> 4) & 0x0F) | (int)((qh >> i) & 1) << 4;
+            w[i] = one ? d * (float)q + m : d * ((float)q - 16.0f);
+        }
+        break;
+    }
+    case FERRY_Q4_K:
+    case FERRY_Q5_K: { /* sub-block j: nibble j % 2 of 32 bytes, 32 (j / 2) into the codes; Q5_K: bit j of qh */
+        int sc, mn, five = type == FERRY_Q5_K;
+        ferry_gguf_k_scale(b + 4, j, &sc, &mn);
+        float ds = ferry_gguf_half(b) * (float)sc, dm = ferry_gguf_half(b + 2) * (float)mn;
+        const uint8_t *qs = b + (five ? 48 : 16) + 32 * (j / 2), *qh = b + 16;
+        for (int i = 0; i < 32; i++) {
+            int q = (qs[i] >> 4 * (j & 1)) & 0x0F;
+            if (five) q |= ((qh[i] >> j) & 1) << 4;
+            w[i] = ds * (float)q - dm;
+        }
+        break;
+    }
+    case FERRY_Q6_K: { /* group j of its block: half h = j / 4, quarter t = j % 4 of the half's 128 values */
+        int h = j / 4, t = j % 4;
+        const uint8_t *ql = b + 64 * h + 32 * (t & 1), *qh = b + 128 + 32 * h;
+        float d = ferry_gguf_half(b + 208);
+        float s0 = d * (float)(int8_t)b[192 + 2 * j], s1 = d * (float)(int8_t)b[193 + 2 * j];
+        for (int i = 0; i < 32; i++) {
+            int q = ((ql[i] >> 4 * (t >> 1)) & 0x0F) | ((qh[i] >> 2 * t) & 3) << 4;
+            w[i] = (i < 16 ? s0 : s1) * ((float)q - 32.0f);
+        }
+        break;
+    }
+    default: { /* IQ4_XS: sub-block j's 16 bytes in Q4_0's nibble order, under d (scale - 32) */
+        float dl = ferry_gguf_half(b) * (float)ferry_gguf_iq4_xs_scale(b, j);
+        const uint8_t *qs = b + 8 + 16 * j;
+        for (int i = 0; i < 32; i++) w[i] = dl * ferry_iq4_grid[(i < 16 ? qs[i] : qs[i - 16] >> 4) & 0x0F];
+        break;
+    }
+    }
+}
+
 /* weights w[0..n) of row r from column c0 (n <= TILE), in float32 after the compute dtype's rounding */
 static void decode_tile(const ferry_family *f, int format, int act, const uint8_t *expert, int64_t r,
                         int64_t c0, int n, float *w) {
@@ -67,6 +141,11 @@ static void decode_tile(const ferry_family *f, int format, int act, const uint8_
         const float *scales = (const float *)(expert + f->scale_offset) + block_row * f->col_blocks;
         const uint8_t *row = q + r * f->cols + c0;
         for (int j = 0; j < n; j++) w[j] = ferry_e4m3_value[row[j]] * scales[(c0 + j) / 128];
+    } else if (format == FERRY_GGUF) { /* c0 and n are whole groups: rows are whole blocks */
+        int type = (int)f->ggml_type;
+        const uint8_t *row = q + r * ferry_gguf_row_bytes(type, f->cols);
+        for (int g = 0; g < n / FERRY_GGUF_GROUP; g++)
+            gguf_group(type, row, c0 / FERRY_GGUF_GROUP + g, w + FERRY_GGUF_GROUP * g);
     } else { /* nvfp4, mxfp4: code 2j in the low nibble; e2m1 x group scale is exact, nvfp4's row scale rounds */
         int group = FERRY_FP4_GROUP(format);
         const uint8_t *row = q + r * (f->cols / 2) + c0 / 2;
@@ -109,4 +188,13 @@ void ferry_rows_portable(const ferry_family *f, int format, int act, const uint8
             y[t * y_stride + (r - r0)] = s;
         }
     }
+}
+
+void ferry_decode_rows_portable(const ferry_family *f, int format, const uint8_t *expert, int64_t r0, int64_t r1,
+                                float *out) {
+    for (int64_t r = r0; r < r1; r++) /* the rows' tiles, as ferry_rows_portable cuts them */
+        for (int64_t c0 = 0; c0 < f->cols; c0 += TILE) {
+            int n = f->cols - c0 < TILE ? (int)(f->cols - c0) : TILE;
+            decode_tile(f, format, FERRY_ACT_F32, expert, r, c0, n, out + (r - r0) * f->cols + c0);
+        }
 }

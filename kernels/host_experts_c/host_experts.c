@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "expert_job.h"
+#include "gguf_blocks.h"
 #include "thread_pool.h"
 
 #define MAX_TOKENS 8 /* tokens the rows take at once; an expert with more is read again for the rest */
@@ -226,8 +227,14 @@ static void run_item(void *arg, int worker, int phase, int64_t item) {
 
 static size_t aligned(size_t bytes) { return (bytes + 63) & ~(size_t)63; }
 
+/* a GGUF family: a block type the rows decode, rows of whole blocks */
+static int gguf_rows_valid(const ferry_family *f) {
+    return f->ggml_type >= 0 && f->ggml_type < FERRY_GGML_TYPES && f->cols % ferry_gguf_block_values[f->ggml_type] == 0;
+}
+
 static int valid(const ferry_job *job) {
-    if (job->format < FERRY_F32 || job->format > FERRY_MXFP4 || job->act < 0 || job->act > 1) return 0;
+    if (job->format < FERRY_F32 || job->format > FERRY_GGUF || job->act < 0 || job->act > 1) return 0;
+    if (job->format == FERRY_GGUF && !(gguf_rows_valid(&job->w13) && gguf_rows_valid(&job->w2))) return 0;
     if (job->tokens < 0 || job->hidden < 1 || job->inter < 1 || job->n_pairs < 0) return 0;
     if (!(job->swiglu_limit >= 0.0) || !isfinite(job->swiglu_limit) || !isfinite(job->swiglu_alpha)) return 0;
     if ((job->w13.bias_offset < 0) != (job->w2.bias_offset < 0)) return 0; /* both projections' biases or neither */
@@ -367,5 +374,26 @@ int ferry_host_decode_packed(const ferry_family *f, int isa, int64_t expert, int
             int n = f->cols - c0 < PORTABLE_TILE ? (int)(f->cols - c0) : PORTABLE_TILE;
             ferry_packed_bits_portable(f, w, r, c0, n, out + (r - r0) * f->cols + c0);
         }
+    return FERRY_OK;
+}
+
+/* The tests' window on the other formats' decode: rows r0..r1 of family f (in `format`, any but packed) of expert
+ * `expert` as float32 [r1 - r0, cols], decoded by the instruction set's own code for float32 compute, to be held
+ * bit for bit to the twin's dequantization (kernels/gguf_blocks.py, kernels/quantized_experts.py). */
+int ferry_host_decode_rows(const ferry_family *f, int format, int isa, int64_t expert, int64_t r0, int64_t r1,
+                           float *out) {
+    if (isa == FERRY_ISA_AUTO) isa = avx512_bf16_available() ? FERRY_ISA_AVX512_BF16 : FERRY_ISA_PORTABLE;
+    if (!ferry_host_isa_available(isa)) return FERRY_EISA;
+    if (format < FERRY_F32 || format > FERRY_GGUF || format == FERRY_PACKED) return FERRY_EINVAL;
+    if (format == FERRY_GGUF && !gguf_rows_valid(f)) return FERRY_EINVAL;
+    if (expert < 0 || r0 < 0 || r1 > f->rows || r0 > r1) return FERRY_EINVAL;
+    const uint8_t *w = expert_bytes(f, expert);
+#if defined(__x86_64__)
+    if (isa == FERRY_ISA_AVX512_BF16) {
+        ferry_decode_rows_avx512(f, format, w, r0, r1, out);
+        return FERRY_OK;
+    }
+#endif
+    ferry_decode_rows_portable(f, format, w, r0, r1, out);
     return FERRY_OK;
 }

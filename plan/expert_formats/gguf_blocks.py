@@ -26,9 +26,9 @@ class GgufBlockFormat(ExpertFormat):
     ggml_type = ""
     block = 0
     block_bytes = 0
-    # a type's Triton kernels (kernels/gguf_expert_gemv.py, gguf_expert_gemm.py) are set per type: the others have
-    # only the torch twin (kernels/gguf_blocks.py), so the worker refuses them on CUDA at boot rather than fail in
-    # the first step
+    # set per type once its decode is in kernels/gguf_block_decode.py (read by gguf_expert_gemv.py and
+    # gguf_expert_gemm.py): a type with only the torch twin (kernels/gguf_blocks.py) is refused on CUDA at boot
+    # rather than fail in the first step
     cuda_kernels = False
 
     @property

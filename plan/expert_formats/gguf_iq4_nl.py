@@ -15,6 +15,7 @@ class GgufIQ4NL(GgufBlockFormat):
     name = GGUF_IQ4_NL
     ggml_type = "IQ4_NL"
     block, block_bytes = 32, 18
+    cuda_kernels = True  # kernels/gguf_expert_gemv.py, gguf_expert_gemm.py (decode: gguf_block_decode.py)
     worker = "ferry.services.worker.expert_formats.gguf_iq4_nl:GgufIQ4NLExperts"
 
 

@@ -14,6 +14,7 @@ class GgufIQ4XS(GgufBlockFormat):
     name = GGUF_IQ4_XS
     ggml_type = "IQ4_XS"
     block, block_bytes = 256, 136
+    cuda_kernels = True  # kernels/gguf_expert_gemv.py, gguf_expert_gemm.py (decode: gguf_block_decode.py)
     worker = "ferry.services.worker.expert_formats.gguf_iq4_xs:GgufIQ4XSExperts"
 
 

@@ -42,7 +42,7 @@ class GgufMixed(ExpertFormat):
         return fmt
 
     def reads_on_cuda(self, spec: ModelSpec) -> bool:
-        """Every type of the file's layers has CUDA kernels (Q4_K_M's Q4_K and Q6_K do)."""
+        """Every type of the file's layers has CUDA kernels (`cuda_kernels` of its one-type format)."""
         return all(self.type_format(t).cuda_kernels for pair in self.layer_types(spec) for t in pair)
 
     def layer_types(self, spec: ModelSpec) -> tuple[tuple[str, str], ...]:

@@ -14,6 +14,7 @@ class GgufQ4_0(GgufBlockFormat):
     name = GGUF_Q4_0
     ggml_type = "Q4_0"
     block, block_bytes = 32, 18
+    cuda_kernels = True  # kernels/gguf_expert_gemv.py, gguf_expert_gemm.py (decode: gguf_block_decode.py)
     worker = "ferry.services.worker.expert_formats.gguf_q4_0:GgufQ4_0Experts"
 
 

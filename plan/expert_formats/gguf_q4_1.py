@@ -14,6 +14,7 @@ class GgufQ4_1(GgufBlockFormat):
     name = GGUF_Q4_1
     ggml_type = "Q4_1"
     block, block_bytes = 32, 20
+    cuda_kernels = True  # kernels/gguf_expert_gemv.py, gguf_expert_gemm.py (decode: gguf_block_decode.py)
     worker = "ferry.services.worker.expert_formats.gguf_q4_1:GgufQ4_1Experts"
 
 

@@ -14,7 +14,7 @@ class GgufQ4K(GgufBlockFormat):
     name = GGUF_Q4_K
     ggml_type = "Q4_K"
     block, block_bytes = 256, 144
-    cuda_kernels = True  # kernels/gguf_expert_gemv.py, gguf_expert_gemm.py
+    cuda_kernels = True  # kernels/gguf_expert_gemv.py, gguf_expert_gemm.py (decode: gguf_block_decode.py)
     worker = "ferry.services.worker.expert_formats.gguf_q4_k:GgufQ4KExperts"
 
 

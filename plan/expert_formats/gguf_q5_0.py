@@ -14,6 +14,7 @@ class GgufQ5_0(GgufBlockFormat):
     name = GGUF_Q5_0
     ggml_type = "Q5_0"
     block, block_bytes = 32, 22
+    cuda_kernels = True  # kernels/gguf_expert_gemv.py, gguf_expert_gemm.py (decode: gguf_block_decode.py)
     worker = "ferry.services.worker.expert_formats.gguf_q5_0:GgufQ5_0Experts"
 
 

@@ -14,6 +14,7 @@ class GgufQ5_1(GgufBlockFormat):
     name = GGUF_Q5_1
     ggml_type = "Q5_1"
     block, block_bytes = 32, 24
+    cuda_kernels = True  # kernels/gguf_expert_gemv.py, gguf_expert_gemm.py (decode: gguf_block_decode.py)
     worker = "ferry.services.worker.expert_formats.gguf_q5_1:GgufQ5_1Experts"
 
 

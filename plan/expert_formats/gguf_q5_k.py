@@ -14,6 +14,7 @@ class GgufQ5K(GgufBlockFormat):
     name = GGUF_Q5_K
     ggml_type = "Q5_K"
     block, block_bytes = 256, 176
+    cuda_kernels = True  # kernels/gguf_expert_gemv.py, gguf_expert_gemm.py (decode: gguf_block_decode.py)
     worker = "ferry.services.worker.expert_formats.gguf_q5_k:GgufQ5KExperts"
 
 

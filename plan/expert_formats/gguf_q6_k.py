@@ -14,7 +14,7 @@ class GgufQ6K(GgufBlockFormat):
     name = GGUF_Q6_K
     ggml_type = "Q6_K"
     block, block_bytes = 256, 210
-    cuda_kernels = True  # kernels/gguf_expert_gemv.py, gguf_expert_gemm.py
+    cuda_kernels = True  # kernels/gguf_expert_gemv.py, gguf_expert_gemm.py (decode: gguf_block_decode.py)
     worker = "ferry.services.worker.expert_formats.gguf_q6_k:GgufQ6KExperts"
 
 

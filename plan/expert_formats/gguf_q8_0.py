@@ -14,7 +14,7 @@ class GgufQ8_0(GgufBlockFormat):
     name = GGUF_Q8_0
     ggml_type = "Q8_0"
     block, block_bytes = 32, 34
-    cuda_kernels = True  # kernels/gguf_expert_gemv.py, gguf_expert_gemm.py
+    cuda_kernels = True  # kernels/gguf_expert_gemv.py, gguf_expert_gemm.py (decode: gguf_block_decode.py)
     worker = "ferry.services.worker.expert_formats.gguf_q8_0:GgufQ8_0Experts"
 
 

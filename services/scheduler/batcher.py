@@ -197,9 +197,14 @@ class BatchScheduler:
         # Hybrid (linear-attention) models: a cached KV prefix is useless without the linear state at
         # the same position, so their prefix reuse needs the worker's linear-state snapshots; with none
         # (--linear-state-snapshots 0) it is off.
-        snapshots = pool.linear_state_snapshots if self.hybrid and prefix_cache else 0
+        # Sliding KV groups in rings (plan/kv_groups.py): a ring keeps only a window's K/V, not a cached
+        # prefix's, so these models compute every prompt whole; each running request holds a slot for its rings.
+        self.rings = pool.kv_ring_slots > 0
+        snapshots = pool.linear_state_snapshots if self.hybrid and prefix_cache and not self.rings else 0
         self.kv = KvPagePool(
-            pool.kv_pages, pool.page_size, prefix_reuse=prefix_cache and (not self.hybrid or snapshots > 0)
+            pool.kv_pages,
+            pool.page_size,
+            prefix_reuse=prefix_cache and not self.rings and (not self.hybrid or snapshots > 0),
         )
         self.snapshots = StateSnapshots(snapshots)
         # ids that hold a hybrid's drafting rows' states for a step (_give_drafts): the prefix cache's, or without
@@ -208,7 +213,8 @@ class BatchScheduler:
         self.snapshot_span = OFFLOADED_SNAPSHOT_SPAN if pool.experts_offloaded else 1
         self.kv.cache.on_evict = self.snapshots.drop
         self.prefix_hits = 0  # admissions that started from a cached prefix
-        self.linear_state = LinearStateSlotAllocator(pool.linear_state_slots)
+        # a running request's slot: its linear state's and its rings' (both pools have max_running_requests)
+        self.linear_state = LinearStateSlotAllocator(max(pool.linear_state_slots, pool.kv_ring_slots))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is the newest
         self.prefill_coalesce_s = prefill_coalesce_s if pool.experts_offloaded else 0.0
@@ -699,7 +705,7 @@ class BatchScheduler:
 
     def _admit(self, req: Request, budget: int) -> bool:
         slot = 0
-        if self.hybrid:
+        if self.hybrid or self.rings:
             slot = self.linear_state.allocate()
             if slot is None:
                 return False

@@ -1,4 +1,6 @@
-"""The scheduler's linear-state slots (hybrid models): usable ids 1..slots; slot 0 is the worker's padding slot."""
+"""The scheduler's request slots: usable ids 1..slots, slot 0 the worker's padding slot. A running request holds one
+where the worker keeps per-request state by slot: a hybrid model's linear state, and the rings of sliding KV groups
+(plan/kv_groups.py)."""
 
 from __future__ import annotations
 

@@ -446,6 +446,7 @@ class StepExecutor:
             max_model_len=p.max_model_len,
             vocab_size=self.spec.vocab_size,
             linear_state_snapshots=self._snapshot_count(),
+            kv_ring_slots=p.kv.ring_slots,
         )
         problems = step_problems(batch, limits, self.sampler.requests)
         if problems:

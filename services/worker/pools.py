@@ -55,34 +55,43 @@ def allocate_pool(layout: L.PoolLayout, device: torch.device | str) -> Allocated
 
 
 class KvTensorPool:
-    """The worker's KV pool, the tensors behind the scheduler's page ids (its KvPagePool): paged K/V of
-    every full-attention layer, [layers, 2, pages + sentinel, page_size, kv_heads, head_dim], in the model
-    dtype; or (--kv-cache-dtype fp8) in e4m3 with `scale` [layers, 2, pages + sentinel, page_size, kv_heads]
-    float32 beside them (kernels/paged_attention_reference.quantize_kv_rows). `dtype` is the model's: what
-    the attention computes in, and what the gather buffers hold.
+    """The worker's KV pool: one tensor per KV group (plan/kv_groups.py, pool_layout.kv_group_layouts),
+    [layers, 2, pages, page_size, kv_heads, head_dim] in the model dtype; or (--kv-cache-dtype fp8) in e4m3 with
+    its scales [layers, 2, pages, page_size, kv_heads] float32 beside it (kernels/paged_attention_reference.
+    quantize_kv_rows). A group paged over the context is behind the scheduler's page ids (its KvPagePool), page 0
+    the sentinel; a sliding group in rings is addressed by the request's slot (kv_groups.ring_page), its
+    `ring_pages` > 0. `kv` and `scale` are the first group's tensors. `dtype` is the model's: what the attention
+    computes in, and what the gather buffers hold.
 
     `gather_tokens` (the plan's max_model_len; None for the workspace profile's temporary pool) sizes
     the buffers a long prefill gathers one request's K/V into for FlashAttention
-    (kernels/paged_attention_flash.py): allocated at the first such prefill and kept, so their bytes
-    are taken once, at the size the workspace priced (`gathered_context_bytes`), however the
-    contexts grow from chunk to chunk. Without it each gather is a fresh tensor."""
+    (kernels/paged_attention_flash.py), in the first group's shape (a full one, where the model has one):
+    allocated at the first such prefill and kept, so their bytes are taken once, at the size the workspace
+    priced (`gathered_context_bytes`), however the contexts grow from chunk to chunk. Without it each gather
+    is a fresh tensor."""
 
     def __init__(
         self,
         pool: AllocatedPool,
-        full_attention_layers: tuple[int, ...],
+        groups: tuple[L.KvGroupLayout, ...],
         page_size: int,
         gather_tokens: int | None = None,
         dtype: torch.dtype | None = None,
     ):
         self.pool = pool
-        self.kv = pool.views["kv"]
-        self.scale = pool.views.get("kv_scale")
+        self.groups = groups
+        self.kv = pool.views[groups[0].name]
+        self.scale = pool.views.get(groups[0].scale_name)
         if self.scale is not None and dtype is None:
             raise ValueError("an fp8 KV pool needs the model dtype (dtype) its attention computes in")
         self.dtype = dtype if dtype is not None else self.kv.dtype
         self.page_size = page_size
-        self._index = {layer: i for i, layer in enumerate(full_attention_layers)}
+        # layer -> (its group's K/V tensor, its scales or None, its index in the group, the group's ring pages)
+        self._where = {
+            layer: (pool.views[g.name], pool.views.get(g.scale_name), i, g.ring_pages)
+            for g in groups
+            for i, layer in enumerate(g.group.layers)
+        }
         self.gather_pages = ceil_div(gather_tokens, page_size) if gather_tokens else 0
         self._gather: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -98,18 +107,27 @@ class KvTensorPool:
             )
         return self._gather
 
+    def gather_for(self, layer_idx: int):
+        """`gather_buffers` where the layer's K/V have the buffers' shape, else None (its gathers are fresh)."""
+        kv = self._where[layer_idx][0]
+        return self.gather_buffers if kv.shape[3:] == self.kv.shape[3:] else None
+
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(K, V) of one full-attention layer, each [pages + sentinel, page_size, kv_heads, head_dim]."""
-        i = self._index[layer_idx]
-        return self.kv[i, 0], self.kv[i, 1]
+        """(K, V) of one softmax-attention layer, each [pages, page_size, kv_heads, head_dim]."""
+        kv, _, i, _ = self._where[layer_idx]
+        return kv[i, 0], kv[i, 1]
 
     def layer_scales(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(K scales, V scales) of one full-attention layer of an fp8 pool, each [pages + sentinel, page_size,
-        kv_heads]; (None, None) where the pool holds the model dtype."""
-        if self.scale is None:
+        """(K scales, V scales) of one layer of an fp8 pool, each [pages, page_size, kv_heads]; (None, None)
+        where the pool holds the model dtype."""
+        _, scale, i, _ = self._where[layer_idx]
+        if scale is None:
             return None, None
-        i = self._index[layer_idx]
-        return self.scale[i, 0], self.scale[i, 1]
+        return scale[i, 0], scale[i, 1]
+
+    def ring_pages(self, layer_idx: int) -> int:
+        """The pages of each request's ring in the layer's group; 0 where the group is paged over the context."""
+        return self._where[layer_idx][3]
 
 
 class LinearStatePool:
@@ -224,11 +242,24 @@ class Pools:
         return total + (self.linear_state.nbytes if self.linear_state else 0)
 
 
+def planned_kv_layout(spec: ModelSpec, plan: Plan) -> L.PoolLayout:
+    """The KV pool the plan priced: its context pages, and the rings it keeps for its request slots."""
+    kv = plan.kv
+    return L.kv_pool_layout(
+        spec, plan.dtype, kv.pages, kv.page_size, kv.cache_dtype, kv.ring_slots, kv.ring_step_tokens
+    )
+
+
+def planned_kv_groups(spec: ModelSpec, plan: Plan) -> tuple[L.KvGroupLayout, ...]:
+    kv = plan.kv
+    return L.kv_group_layouts(spec, kv.pages, kv.page_size, kv.ring_slots, kv.ring_step_tokens)
+
+
 def pool_layouts(spec: ModelSpec, plan: Plan) -> tuple[L.PoolLayout, ...]:
     """The layouts the plan priced, rebuilt from the plan's counts with the same functions: KV, linear
     state, expert slots, linear-state snapshots."""
     return (
-        L.kv_pool_layout(spec, plan.dtype, plan.kv.pages, plan.kv.page_size, plan.kv.cache_dtype),
+        planned_kv_layout(spec, plan),
         L.linear_state_layout(spec, plan.dtype, plan.linear_state.slots),
         L.expert_slot_layout(spec, plan.dtype, plan.experts.slots, plan.max_prefill_tokens),
         L.linear_state_snapshot_layout(spec, plan.dtype, plan.linear_state_snapshots.snapshots),
@@ -255,7 +286,7 @@ def allocate_pools(spec: ModelSpec, plan: Plan, device: torch.device | str) -> P
     before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     kv = KvTensorPool(
         allocate_pool(kv_layout, device),
-        spec.full_attention_layers,
+        planned_kv_groups(spec, plan),
         plan.kv.page_size,
         gather_tokens=plan.max_model_len,
         dtype=TORCH_DTYPES[plan.dtype],

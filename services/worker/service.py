@@ -79,6 +79,7 @@ def pool_report_from_plan(plan: Any, vocab_size: int = 0) -> PoolReport:
         vocab_size=vocab_size,
         linear_state_snapshots=plan.linear_state_snapshots.snapshots,
         experts_offloaded=plan.experts.slots < plan.experts.total,
+        kv_ring_slots=plan.kv.ring_slots,
         plan_summary=f"{plan.kv.pages} KV pages x {plan.kv.page_size} tokens, "
         f"{plan.linear_state.slots} linear-state slots, "
         f"{plan.linear_state_snapshots.snapshots} linear-state snapshots, "

@@ -25,6 +25,7 @@ import torch
 from ferry.plan import pool_layout as L
 from ferry.plan.costs import rows_beyond_longest_step
 from ferry.plan.dtypes import DTYPE_BYTES
+from ferry.plan.kv_groups import kv_groups
 from ferry.plan.model_config import ModelSpec
 from ferry.plan.planner import Resolved
 from ferry.services.worker.expert_formats import expert_format_for
@@ -76,9 +77,11 @@ def largest_step(r: Resolved) -> StepBatch:
 
 def temporary_pools(spec: ModelSpec, r: Resolved, step: StepBatch, device: torch.device) -> Pools:
     pages = int(step.page_table.max())
+    # rings for the step's requests (slots 1..requests) where the model's sliding groups would keep them
+    slots, chunk = len(step.req_ids), r.max_prefill_tokens
     kv = KvTensorPool(
-        allocate_pool(L.kv_pool_layout(spec, r.dtype, pages, r.page_size, r.kv_cache_dtype), device),
-        spec.full_attention_layers,
+        allocate_pool(L.kv_pool_layout(spec, r.dtype, pages, r.page_size, r.kv_cache_dtype, slots, chunk), device),
+        L.kv_group_layouts(spec, pages, r.page_size, slots, chunk),
         r.page_size,
         dtype=TORCH_DTYPES[r.dtype],
     )
@@ -228,8 +231,9 @@ def gathered_context_bytes(spec: ModelSpec, dtype: str, max_model_len: int, page
     """One request's K and V at max_model_len, in whole pages: the buffers a long prefill gathers them
     into for FlashAttention (pools.KvTensorPool.gather_buffers), taken once and kept; none where no layer takes
     FlashAttention (attention with sinks or a sliding window never does: kernels/paged_attention.py)."""
-    flash = [i for i in spec.full_attention_layers if not spec.attention_sinks and not spec.attention_window(i)]
+    flash = [g for g in kv_groups(spec) if not spec.attention_sinks and not g.window]
     if not flash:
         return 0
     tokens = ceil_div(max_model_len, page_size) * page_size
-    return 2 * tokens * spec.num_kv_heads * spec.head_dim * DTYPE_BYTES[dtype]
+    # in the first group's shape, as pools.KvTensorPool keeps them: a full group's, which come first
+    return 2 * tokens * flash[0].kv_heads * flash[0].head_dim * DTYPE_BYTES[dtype]

@@ -33,8 +33,12 @@ def _family(fmt: str, slots: int, hidden: int, inter: int, seed: int):
     return experts.gemm_views(w13.cuda(), w2.cuda())
 
 
-# GGUF blocks with kernels (kernels/gguf_expert_gemv.py, gguf_expert_gemm.py): 2048 and 512 are whole K-quant blocks
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "fp8-block", "gguf-q8_0", "gguf-q4_k", "gguf-q6_k"])
+# every GGUF block type (kernels/gguf_block_decode.py): 2048 and 512 are whole 256-value blocks (K-quants, IQ4_XS)
+GGUF_FORMATS = ["gguf-q8_0", "gguf-q4_0", "gguf-q4_1", "gguf-q5_0", "gguf-q5_1", "gguf-q4_k", "gguf-q5_k"]
+GGUF_FORMATS += ["gguf-q6_k", "gguf-iq4_nl", "gguf-iq4_xs", "gguf-mxfp4"]
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "fp8-block", *GGUF_FORMATS])
 @pytest.mark.parametrize("tokens", [1, 8, 300])
 def test_quantized_kernels_equal_their_twin_at_35b_shapes(cuda_device, fmt, tokens):
     from ferry.kernels.grouped_expert_gemm import grouped_expert_forward
@@ -53,11 +57,12 @@ def test_quantized_kernels_equal_their_twin_at_35b_shapes(cuda_device, fmt, toke
     assert (got - want).abs().max() <= 2e-2 * want.abs().max() + 1e-6
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "gguf-mxfp4"])
 @pytest.mark.parametrize("tokens", [1, 4, 300])
 def test_fp4_kernels_with_gpt_oss_epilogue_equal_their_twin_at_20b_shapes(cuda_device, fmt, tokens):
-    """gpt-oss-20b's experts (H = I = 2880, top-4) in an fp4 format: float32 biases in each slot row and the
-    clamped SwiGLU at a limit the projections reach, through the pair (decode) or grouped (prefill) kernel."""
+    """gpt-oss-20b's experts (H = I = 2880, top-4) in an fp4 format (or GGUF's MXFP4 blocks, ggml-org's files):
+    float32 biases in each slot row and the clamped SwiGLU at a limit the projections reach, through the pair
+    (decode) or grouped (prefill) kernel."""
     import dataclasses
 
     from ferry.kernels.expert_epilogue import ExpertActivation

@@ -113,6 +113,24 @@ def check_fp8(arch, overrides, page_size):
     assert 0 < moved <= TOP_LOGPROB_TOLERANCE, moved
 
 
+# gpt-oss's sliding layers in rings (plan/kv_groups.py): a 23-token prompt in chunks of 5 and greedy steps past it,
+# each request's ring 3 pages of 4 (the window of 8 and a 5-token step), so the ring's rows are reused over and over
+RING_CASES = {"gpt_oss-sliding-rings": ("gpt_oss", {}, 4)}
+
+
+def check_rings(arch, overrides, page_size):
+    hf, spec = tiny_model(arch, **overrides)
+    prompt = torch.randint(0, 96, (23,), generator=torch.Generator().manual_seed(5)).tolist()
+    runner = PagedRunner(spec, hf, page_size, num_slots=3, ring_step_tokens=5)
+    assert runner.pools.kv.ring_pages(0) == 3
+    runner.poison()
+    prompt_logits, tokens, step_logits = runner.generate(1, prompt, STEPS, [5, 5, 5, 5])
+    ref_tokens, ref_step_logits, ref_prompt_logits = hf_greedy(hf, prompt, STEPS)
+    assert_logits_close(prompt_logits, ref_prompt_logits)
+    assert tokens == ref_tokens, (tokens, ref_tokens)
+    assert_logits_close(step_logits, ref_step_logits)
+
+
 if __name__ == "__main__":
     results = {}
     for name, case in CASES.items():
@@ -124,6 +142,12 @@ if __name__ == "__main__":
     for name, case in FP8_CASES.items():
         try:
             check_fp8(*case)
+            results[name] = None
+        except Exception:  # noqa: BLE001 - reported to the parent test
+            results[name] = traceback.format_exc()
+    for name, case in RING_CASES.items():
+        try:
+            check_rings(*case)
             results[name] = None
         except Exception:  # noqa: BLE001 - reported to the parent test
             results[name] = traceback.format_exc()

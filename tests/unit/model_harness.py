@@ -34,11 +34,15 @@ def make_pools(
     num_slots: int,
     device="cpu",
     kv_cache_dtype: str = "auto",
+    ring_step_tokens: int = 0,
 ) -> Pools:
-    """Pools laid out exactly as the planner prices them, every expert resident."""
+    """Pools laid out exactly as the planner prices them, every expert resident. `ring_step_tokens` > 0: the
+    sliding groups keep a ring for each of the `num_slots` slots where that is smaller (plan/kv_groups.py), room
+    for that many new tokens a step."""
     name = DTYPE_NAMES[dtype]
-    kv_pool = allocate_pool(L.kv_pool_layout(spec, name, num_pages, page_size, kv_cache_dtype), device)
-    kv = KvTensorPool(kv_pool, spec.full_attention_layers, page_size, dtype=dtype)
+    rings = (num_slots, ring_step_tokens) if ring_step_tokens else (0, 0)
+    kv_pool = allocate_pool(L.kv_pool_layout(spec, name, num_pages, page_size, kv_cache_dtype, *rings), device)
+    kv = KvTensorPool(kv_pool, L.kv_group_layouts(spec, num_pages, page_size, *rings), page_size, dtype=dtype)
     linear_layout = L.linear_state_layout(spec, name, num_slots)
     linear = None
     if linear_layout.tensors:
@@ -67,10 +71,14 @@ class PagedRunner:
         num_slots: int = 8,
         seed: int = 0,
         kv_cache_dtype: str = "auto",
+        ring_step_tokens: int = 0,
     ):
+        """`ring_step_tokens` > 0: sliding groups keep rings where smaller (make_pools), and no step may give a
+        request more new tokens than that."""
         self.spec, self.page_size, self.device = spec, page_size, device
         num_pages = num_pages or 16 + 512 // page_size  # room for a few hundred tokens
-        self.pools = make_pools(spec, dtype, num_pages, page_size, num_slots, device, kv_cache_dtype)
+        self.ring_step_tokens = ring_step_tokens
+        self.pools = make_pools(spec, dtype, num_pages, page_size, num_slots, device, kv_cache_dtype, ring_step_tokens)
         experts = ResidentExperts(self.pools.experts, len(spec.moe_layer_indices), spec.num_experts)
         self.model: CausalLM = build_model(spec, dtype, device, experts)
         self.model.load_weights(hf_model.state_dict().items())
@@ -90,9 +98,8 @@ class PagedRunner:
 
     def poison(self) -> None:
         """Fill every KV row and linear-state slot with NaN, as if left over from other requests."""
-        self.pools.kv.kv.fill_(float("nan"))
-        if self.pools.kv.scale is not None:
-            self.pools.kv.scale.fill_(float("nan"))
+        for name in {t.name for t in self.pools.kv.pool.layout.tensors}:
+            self.pools.kv.pool.views[name].fill_(float("nan"))
         if self.pools.linear_state is not None:
             self.pools.linear_state.conv.fill_(float("nan"))
             self.pools.linear_state.recurrent.fill_(float("nan"))
@@ -107,6 +114,8 @@ class PagedRunner:
         ([1, vocab], `forward`: the serving path). `padding` appends that many padded rows (one
         token, sentinel page table, padding slot, no sampling), as a fixed-shape executor would."""
         reset = []
+        if self.ring_step_tokens and any(len(tokens) > self.ring_step_tokens for _, tokens in items):
+            raise ValueError(f"a step gives a request more than ring_step_tokens ({self.ring_step_tokens}) tokens")
         for req_id, tokens in items:
             if req_id not in self.requests:
                 self.requests[req_id] = _Request(slot=self.free_slots.pop())

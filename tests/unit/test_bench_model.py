@@ -235,3 +235,90 @@ def test_routing_skew_makes_experts_popular():
         counts[skew] = np.sort(np.bincount(ids.numpy(), minlength=SPEC.num_experts))[::-1]
     top4_share = {s: c[:4].sum() / c.sum() for s, c in counts.items()}
     assert top4_share[0.0] < 0.3 < 0.5 < top4_share[2.0], top4_share
+
+
+# ---- --format gguf-TYPE: the model as one GGUF file of random blocks -------------------------------------------
+
+GGUF_ARGS = ("--max-tokens", "6", "--ignore-eos", "--dtype", "float32", "--temperature", "0")
+GGUF_PROMPT = ",".join(str((i * 37 + 11) % 200) for i in range(24))
+
+
+@pytest.fixture(scope="module")
+def gguf_bench_config(tiny_models, tmp_path_factory):
+    """The tiny qwen3_moe's config.json at GGUF's sizes (rows of whole K blocks), as a published config."""
+    from ferry.services.gguf_writer import GGUF_SIZES
+
+    config = json.loads((tiny_models["qwen3_moe"] / "config.json").read_text())
+    config.update(GGUF_SIZES)
+    path = tmp_path_factory.mktemp("gguf-bench-config") / "config.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def _make_gguf_bench(out, config, fmt: str, *extra: str) -> int:
+    from ferry.services.cli import main
+
+    return main(["make-bench-model", str(out), "--config", str(config), "--format", fmt, *extra])
+
+
+def test_a_q4_k_m_bench_cut_is_one_gguf_file_that_plans_and_generates_resident_and_offloaded(
+    gguf_bench_config, tmp_path, capsys
+):
+    from ferry.services.cli import main
+    from tests.unit.test_generate_e2e import ferry_generate
+
+    out = tmp_path / "q4km"
+    assert _make_gguf_bench(out, gguf_bench_config, "gguf-q4_k_m", "--num-layers", "2", "--weights", "random") == 0
+    assert f"serve it with --model {out}" in capsys.readouterr().out
+    assert [p.name for p in out.iterdir()] == ["model-Q4_K_M.gguf"]  # alone: --model DIR finds it
+    spec = load_model_config(out)
+    # llama-quantize's mix over 2 blocks: down Q6_K on the last
+    assert spec.num_layers == 2 and spec.quantization.expert_types == (("Q4_K", "Q4_K"), ("Q4_K", "Q6_K"))
+    assert main(["plan", str(out), "--gpu-memory", "24GiB", "--host-memory", "8GiB", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["experts"]["format"] == "gguf-mixed"
+    resident = ferry_generate(capsys, out, "--prompt-ids", GGUF_PROMPT, *GGUF_ARGS)
+    assert len(resident["token_ids"]) == 6 and all(np.isfinite(resident["logprobs"]))
+    offloaded = ferry_generate(capsys, out, "--prompt-ids", GGUF_PROMPT, *GGUF_ARGS, "--moe-cache-size", "8")
+    assert offloaded["expert_cache"]["misses"] > 0
+    assert offloaded["token_ids"] == resident["token_ids"] and offloaded["logprobs"] == resident["logprobs"]
+
+
+@pytest.mark.parametrize("fmt", ["gguf-q8_0", "gguf-q4_k", "gguf-mxfp4"])
+def test_a_gguf_bench_models_experts_are_valid_blocks_of_the_dummy_spread_under_the_recipes_router(
+    gguf_bench_config, tmp_path, fmt
+):
+    """Every routed expert tensor decodes (by the gguf package) to finite values of the dummy experts' spread (down
+    ten times weaker), in the one type asked; the router is the dummy recipe's, kept float32 as llama.cpp keeps it."""
+    import gguf
+
+    from ferry.services.worker.dummy_weights import LINEAR_STD, OUTPUT_STD, dummy_tensor
+
+    out = tmp_path / fmt
+    assert _make_gguf_bench(out, gguf_bench_config, fmt, "--weights", "random", "--seed", "3") == 0
+    spec = load_model_config(out)
+    assert spec.quantization.expert_format == fmt
+    reader = gguf.GGUFReader(str(out / f"model-{fmt[5:].upper()}.gguf"))
+    tensors = {t.name: t for t in reader.tensors}
+    for layer in spec.moe_layer_indices:
+        for part, std in (("gate", LINEAR_STD), ("up", LINEAR_STD), ("down", OUTPUT_STD)):
+            t = tensors[f"blk.{layer}.ffn_{part}_exps.weight"]
+            assert t.tensor_type.name == fmt[5:].upper()
+            values = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+            assert np.isfinite(values).all() and 0.5 * std < float(values.std()) < 2 * std, (layer, part)
+        router, shape = tensors[f"blk.{layer}.ffn_gate_inp.weight"], (spec.num_experts, spec.hidden_size)
+        want = dummy_tensor(spec, f"model.layers.{layer}.mlp.gate.weight", shape, torch.float32, "cpu", seed=3)
+        assert router.tensor_type.name == "F32"
+        assert np.array_equal(np.asarray(router.data).reshape(want.shape), want.numpy())
+
+
+def test_a_gguf_format_needs_random_weights_and_a_directory_of_its_own(gguf_bench_config, tmp_path, capsys):
+    assert _make_gguf_bench(tmp_path / "none", gguf_bench_config, "gguf-q8_0") == 2
+    assert (
+        "--format gguf-q8_0 writes a GGUF file, which holds the weights: add --weights random"
+        in capsys.readouterr().err
+    )
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "config.json").write_text("{}")
+    assert _make_gguf_bench(taken, gguf_bench_config, "gguf-q8_0", "--weights", "random") == 2
+    assert "is not empty" in capsys.readouterr().err

@@ -44,10 +44,12 @@ def test_each_format_names_a_worker_class_with_every_member(fmt):
 
 
 def test_host_kernel_codes_differ_between_formats():
+    """One C kernel format a format, the GGUF ones' told apart by their block type (each family's, in the kernel)."""
     codes = {}
     for fmt in F.registered():
+        worker = _worker(fmt)
         try:
-            codes[fmt.name] = _worker(fmt).host_kernel_format()
+            codes[fmt.name] = (worker.host_kernel_format(), getattr(worker, "ggml_type", None))
         except KernelUnavailable:
             continue
     assert len(set(codes.values())) == len(codes), codes

@@ -121,7 +121,7 @@ def test_gguf_tiny_models_generate_as_transformers_on_the_decoded_file(gguf_mode
         cache["misses"] > 0
         and cache["bytes_copied"] == cache["misses"] * offloaded["plan"]["experts"]["bytes_per_slot"]
     )
-    # the host computes every miss from its banks, decoding the blocks with torch (no C kernel reads them)
+    # --expert-backend cpu: the same tokens (on a CPU device every expert is computed there already)
     host = ferry_generate(capsys, path, *ARGS, "--moe-cache-size", "9", "--expert-backend", "cpu")
     assert host["plan"]["expert_backend"]["backend"] == "cpu" and host["token_ids"] == resident["token_ids"]
     assert max(abs(a - b) for a, b in zip(host["logprobs"], resident["logprobs"])) < 1e-4
@@ -496,36 +496,45 @@ def test_ferry_plan_and_the_api_tokenizer_read_a_gguf_where_importing_torch_rais
 def test_gguf_types_without_cuda_kernels_are_refused_on_cuda_before_the_device_is_touched(
     gguf_models, capsys, monkeypatch, tmp_path
 ):
-    """Only Q8_0, Q4_K and Q6_K blocks have CUDA kernels (kernels/gguf_expert_gemv.py, gguf_expert_gemm.py): boot
-    refuses the other types, alone or in a mix."""
+    """A block type whose format has no CUDA kernels (`cuda_kernels`, GgufBlockFormat's default: a type added with
+    only the twin) is refused by boot on a GPU, alone or in a mix; here Q4_0 and Q5_K stand for such a type."""
+    from ferry.plan import expert_formats
     from ferry.services.cli import main
     from ferry.services.worker import boot
 
     path, _, _ = gguf_models("Q4_0")
     monkeypatch.setattr(boot, "select_device", lambda name: torch.device("cuda"))
+    monkeypatch.setattr(expert_formats.get("gguf-q4_0"), "cuda_kernels", False)
     assert main(["generate", str(path), "--prompt-ids", "1,2", "--max-tokens", "1", "--gpu-memory", "64MiB"]) == 2
     assert "gguf-q4_0, which no CUDA expert kernel reads yet" in capsys.readouterr().err
     mixed, _, _ = gguf_models("Q4_K_M")
     with_q5_k = _rewritten(mixed, tmp_path / "q4_k_m_q5_k.gguf", {"blk.1.ffn_down_exps.weight": "Q5_K"})
+    monkeypatch.setattr(expert_formats.get("gguf-q5_k"), "cuda_kernels", False)
     assert main(["generate", str(with_q5_k), "--prompt-ids", "1,2", "--max-tokens", "1", "--gpu-memory", "64MiB"]) == 2
     assert "gguf-mixed, which no CUDA expert kernel reads yet" in capsys.readouterr().err
 
 
-def test_q8_0_q4_k_q6_k_and_q4_k_m_files_are_read_on_cuda(gguf_models):
-    """Their formats say the CUDA kernels read them (the check boot makes), a Q4_K_M mix of Q4_K and Q6_K too."""
+def test_every_gguf_block_type_and_mixes_of_them_are_read_on_cuda(gguf_models, tmp_path):
+    """Every block type a GGUF expert format holds has Triton kernels (kernels/gguf_block_decode.py's
+    GGUF_KERNEL_TYPES) and its format says so (the check boot makes); a Q4_K_M mix of Q4_K and Q6_K, and one with a
+    Q5_K layer, too."""
+    from ferry.kernels.gguf_block_decode import GGUF_KERNEL_TYPES
     from ferry.plan import expert_formats
+    from ferry.plan.expert_formats.gguf_blocks import GgufBlockFormat
     from ferry.services.worker.loader import open_model
 
-    for expert_type, fmt in (
-        ("Q8_0", "gguf-q8_0"),
-        ("Q4_K", "gguf-q4_k"),
-        ("Q6_K", "gguf-q6_k"),
-        ("Q4_K_M", "gguf-mixed"),
-    ):
+    block_formats = [f for f in expert_formats.registered() if isinstance(f, GgufBlockFormat)]
+    assert sorted(f.ggml_type for f in block_formats) == sorted(GGUF_BLOCK_TYPES) == sorted(GGUF_KERNEL_TYPES)
+    assert all(f.cuda_kernels for f in block_formats)
+    for expert_type, fmt in (("Q8_0", "gguf-q8_0"), ("IQ4_XS", "gguf-iq4_xs"), ("Q4_K_M", "gguf-mixed")):
         spec = open_model(str(gguf_models(expert_type)[0])).spec
         slots = expert_formats.format_of(spec)
         assert slots.name == fmt and slots.reads_on_cuda(spec), expert_type
-    assert not expert_formats.get("gguf-q5_k").reads_on_cuda(spec)
+    mixed, _, _ = gguf_models("Q4_K_M")
+    with_q5_k = _rewritten(mixed, tmp_path / "q4_k_m_q5_k.gguf", {"blk.1.ffn_down_exps.weight": "Q5_K"})
+    spec = open_model(str(with_q5_k)).spec
+    assert ["Q4_K", "Q5_K"] in [list(pair) for pair in expert_formats.get("gguf-mixed").layer_types(spec)]
+    assert expert_formats.format_of(spec).reads_on_cuda(spec)
 
 
 # ---- a published model's shapes ------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from tiny_models import redrawn_tiny_checkpoint, swiglu_from_config, tiny_model
 from ferry.kernels.expert_epilogue import ExpertActivation
 from ferry.plan.costs import ALLOC_GRANULE
 from ferry.plan.expert_backend import host_compute_refusal, physical_cores, plan_expert_backend
+from ferry.plan.kv_groups import ring_pages as kv_ring_pages
 from ferry.plan.model_config import parse_model_config
 from ferry.services.worker.layers.rotary import RotaryEmbedding
 from ferry.shared.errors import ConfigError
@@ -74,6 +75,64 @@ def test_each_part_of_gpt_oss_is_needed_to_equal_transformers(model, fault):
     _plant(runner, fault)
     with pytest.raises(AssertionError, match="logits differ"):
         assert_logits_close(_prompt_logits(runner), ref)
+
+
+# Sliding layers kept in rings (plan/kv_groups.py): 3 request slots, steps of at most 5 tokens a request, so a ring
+# of ceil((8 - 1 + 5) / 4) = 3 pages of 4 holds 12 positions; the prompts are longer than the window and the ring
+RING_STEP = 5
+LONG_PROMPTS = {1: [(i * 37 + 11) % 96 for i in range(45)], 2: [(i * 53 + 5) % 96 for i in range(33)]}
+
+
+def _ring_runner(hf, spec) -> PagedRunner:
+    runner = PagedRunner(spec, hf, page_size=4, num_slots=3, ring_step_tokens=RING_STEP)
+    runner.poison()  # every row a request reads must be one it wrote
+    return runner
+
+
+def _interleaved_prompt_logits(runner: PagedRunner) -> dict[int, torch.Tensor]:
+    """Both long prompts prefilled side by side in chunks of RING_STEP tokens, each in its own slot's ring."""
+    logits = {rid: [] for rid in LONG_PROMPTS}
+    for start in range(0, max(map(len, LONG_PROMPTS.values())), RING_STEP):
+        items = [(rid, p[start : start + RING_STEP]) for rid, p in LONG_PROMPTS.items() if start < len(p)]
+        for (rid, _), out in zip(items, runner.step(items)):
+            logits[rid].append(out)
+    return {rid: torch.cat(parts) for rid, parts in logits.items()}
+
+
+@pytest.fixture(scope="module")
+def long_refs(model):
+    hf, _, _ = model
+    return {rid: hf_greedy(hf, prompt, 4) for rid, prompt in LONG_PROMPTS.items()}
+
+
+def test_sliding_layers_in_rings_equal_transformers_past_the_window_and_the_ring(model, long_refs):
+    hf, spec, _ = model
+    runner = _ring_runner(hf, spec)
+    assert runner.pools.kv.ring_pages(0) == 3 and runner.pools.kv.ring_pages(1) == 0  # layer 0 slides
+    assert all(len(p) > 3 * 4 > spec.attention_window(0) for p in LONG_PROMPTS.values())
+    for rid, logits in _interleaved_prompt_logits(runner).items():
+        assert_logits_close(logits, long_refs[rid][2])
+    for rid, (tokens, step_logits, _) in long_refs.items():  # then decode, past the prompt
+        for i in range(len(tokens) - 1):
+            out = runner.step([(rid, [tokens[i]])], all_rows=False)[0][-1]
+            assert_logits_close(out, step_logits[i + 1])
+
+
+@pytest.mark.parametrize("fault", ["ring index one page on", "ring one page short"])
+def test_a_ring_off_by_one_fails_to_equal_transformers(model, long_refs, monkeypatch, fault):
+    from ferry.kernels import kv_ring
+    from ferry.plan import pool_layout
+    from ferry.services.worker.layers import attention
+
+    hf, spec, _ = model
+    if fault == "ring index one page on":  # the writes a page past where the kernels read
+        monkeypatch.setattr(attention, "ring_rows", lambda pos, slots, n, ps: kv_ring.ring_rows(pos + ps, slots, n, ps))
+    else:
+        monkeypatch.setattr(pool_layout, "ring_pages", lambda w, step, ps: kv_ring_pages(w, step, ps) - 1)
+    runner = _ring_runner(hf, spec)
+    with pytest.raises(AssertionError, match="logits differ"):
+        for rid, logits in _interleaved_prompt_logits(runner).items():
+            assert_logits_close(logits, long_refs[rid][2])
 
 
 def test_yarn_frequencies_and_factor_are_transformers():
@@ -201,6 +260,38 @@ def test_offloaded_generation_equals_resident_and_transformers(gpt_oss_checkpoin
     assert offloaded["expert_cache"]["misses"] > 0
     assert offloaded["token_ids"] == resident["token_ids"]
     assert offloaded["logprobs"] == resident["logprobs"]
+
+
+def _transformers_logprobs(model_dir, prompt_ids: list[int], tokens: list[int]) -> list[float]:
+    """transformers' log-probability of each generated token, recomputing the whole sequence (no cache)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt_ids + tokens])
+    with torch.no_grad():
+        logprobs = torch.log_softmax(hf(ids).logits[0].float(), dim=-1)
+    return [logprobs[len(prompt_ids) - 1 + i, t].item() for i, t in enumerate(tokens)]
+
+
+# a prompt of 150 tokens in chunks of 24: the sliding layers' rings hold ceil((8 - 1 + 24) / 16) = 2 pages
+RING_ARGS = ("--prompt-ids", ",".join(str((i * 53 + 7) % 200) for i in range(150)), "--max-tokens", "8")
+RING_ARGS += ("--ignore-eos", "--dtype", "float32", "--max-prefill-tokens", "24")
+
+
+def test_generation_with_rings_equals_transformers_resident_and_offloaded(gpt_oss_checkpoint, capsys):
+    resident = ferry_generate(capsys, gpt_oss_checkpoint, *RING_ARGS)
+    kv = resident["plan"]["kv"]
+    sliding = next(g for g in kv["groups"] if g["window"])
+    assert kv["ring_slots"] == 4 and sliding["ring_pages"] == 2 and sliding["pages"] == (4 + 1) * 2
+    assert len(resident["prompt_token_ids"]) > 2 * 16  # longer than the ring
+    tokens = transformers_greedy(gpt_oss_checkpoint, resident["prompt_token_ids"], 8)
+    assert resident["token_ids"] == tokens
+    expected = _transformers_logprobs(gpt_oss_checkpoint, resident["prompt_token_ids"], tokens)
+    assert max(abs(a - b) for a, b in zip(resident["logprobs"], expected)) < 1e-4
+    slots = str(resident["plan"]["experts"]["min_slots"])
+    offloaded = ferry_generate(capsys, gpt_oss_checkpoint, *RING_ARGS, "--moe-cache-size", slots)
+    assert offloaded["expert_cache"]["misses"] > 0 and offloaded["plan"]["kv"]["ring_slots"] == 4
+    assert offloaded["token_ids"] == resident["token_ids"] and offloaded["logprobs"] == resident["logprobs"]
 
 
 HOST_LOGPROB_TOLERANCE = 1e-4  # the host's sums run in another order than the resident kernels' (test_gguf_checkpoints)

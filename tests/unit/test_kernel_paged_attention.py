@@ -9,6 +9,7 @@ import pytest
 import torch
 from interpreted_triton import run_interpreted
 
+from ferry.kernels.kv_ring import ring_rows
 from ferry.kernels.paged_attention_reference import (
     KV_FP8_MAX,
     gather_request_kv,
@@ -16,6 +17,7 @@ from ferry.kernels.paged_attention_reference import (
     quantize_kv_rows,
     write_kv,
 )
+from ferry.plan.kv_groups import ring_pages
 from ferry.shared.units import ceil_div
 
 
@@ -340,9 +342,9 @@ def test_a_long_query_flash_refuses_is_said_once_and_the_paged_kernel_computes_i
     expected = paged_attention_reference(q, kc, vc, pt, [130, 1], [40, 7], 32**-0.5)
     skipped = []
 
-    def paged_prefill(q_, k_, v_, pt_, qs_, pos_, qlens, scale, out, skip, k_scale, v_scale, sinks, window):
+    def paged_prefill(q_, k_, v_, pt_, qs_, pos_, qlens, scale, out, skip, k_scale, v_scale, sinks, window, ring_pages):
         assert k_scale is None and v_scale is None  # a pool of the model dtype (the kernel's twin stands in)
-        assert sinks is None and window == 0  # full attention without sinks, as the scenario's model
+        assert sinks is None and window == 0 and ring_pages == 0  # full attention without sinks, as the scenario's
         skipped.append(skip)
         out.copy_(paged_attention_reference(q_, k_, v_, pt_, qlens, [40, 7], scale))
         return out
@@ -429,3 +431,81 @@ def test_triton_kernels_with_sinks_and_a_window_match_the_reference(kernel):
         assert torch.isfinite(out).all()
         tol = 1e-5 if out.dtype == torch.float32 else 1e-2
         torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol)
+
+
+# A sliding group kept in rings (plan/kv_groups.py): (case, window), the ring as small as the case's longest chunk
+# allows, so the oldest positions of every request have been overwritten by newer ones
+RING_CASES = [(CASES[1], 3), (CASES[2], 5), (CASES[3], 8), (CASES[5], 37), (CASES[0], 4)]
+
+
+def _ring_scenario(
+    seed, page_size, heads, kv_heads, head_dim, qlens, clens, window, dtype=torch.float32, pages_short=0
+):
+    """_scenario's requests, their K/V also written position by position into rings of shuffled slots (the rest of
+    the rings NaN), `pages_short` pages fewer than the chunks need: (q, paged K, paged V, page table, query_start,
+    positions, ring K, ring V, slots, ring pages)."""
+    q, kc, vc, pt, qs, pos, dense_k, dense_v = _scenario(
+        seed, page_size, heads, kv_heads, head_dim, qlens, clens, dtype
+    )
+    pages = ring_pages(window, max(qlens), page_size) - pages_short
+    slots = list(range(1, len(qlens) + 3))
+    random.Random(seed).shuffle(slots)
+    slots = torch.tensor(slots[: len(qlens)], dtype=torch.int64)
+    ring_k = torch.full(((len(qlens) + 3) * pages, page_size, kv_heads, head_dim), float("nan"), dtype=dtype)
+    ring_v = torch.full_like(ring_k, float("nan"))
+    for r, (k, v) in enumerate(zip(dense_k, dense_v)):
+        positions = torch.arange(k.shape[0])
+        rows = ring_rows(positions, slots[r].expand(k.shape[0]), pages, page_size)
+        write_kv(ring_k, ring_v, rows, k, v)
+    return q, kc, vc, pt, qs, pos, ring_k, ring_v, slots, pages
+
+
+@pytest.mark.parametrize("case,window", RING_CASES)
+def test_reference_reads_a_ring_as_the_same_keys_paged(case, window):
+    page_size, heads, kv_heads, head_dim, qlens, clens = case
+    q, kc, vc, pt, qs, pos, rk, rv, slots, pages = _ring_scenario(0, *case, window)
+    assert pages * page_size < max(q + c for q, c in zip(qlens, clens)), "the ring has wrapped"
+    sinks = _sinks(heads, 2)
+    paged = paged_attention_reference(q, kc, vc, pt, qlens, clens, head_dim**-0.5, sinks=sinks, window=window)
+    ring = paged_attention_reference(
+        q, rk, rv, slots, qlens, clens, head_dim**-0.5, sinks=sinks, window=window, ring_pages=pages
+    )
+    assert torch.isfinite(ring).all()
+    torch.testing.assert_close(ring, paged, rtol=0, atol=0)
+
+
+def test_a_ring_one_page_short_loses_keys_of_the_window():
+    """The ring's size is what keeps the window: one page fewer and a chunk's new keys overwrite its oldest."""
+    case, window = RING_CASES[2]
+    page_size, heads, kv_heads, head_dim, qlens, clens = case
+    q, kc, vc, pt, qs, pos, _, _, _, pages = _ring_scenario(0, *case, window)
+    paged = paged_attention_reference(q, kc, vc, pt, qlens, clens, head_dim**-0.5, window=window)
+    q, _, _, _, _, _, rk, rv, slots, short = _ring_scenario(0, *case, window, pages_short=1)
+    assert short == pages - 1
+    ring = paged_attention_reference(q, rk, rv, slots, qlens, clens, head_dim**-0.5, window=window, ring_pages=short)
+    assert not torch.allclose(ring, paged, atol=1e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kernel", ["decode", "prefill"])
+def test_triton_kernels_read_a_ring_as_the_reference(kernel):
+    calls, expected = [], []
+    for i, ((page_size, heads, kv_heads, head_dim, qlens, clens), window) in enumerate(RING_CASES):
+        for dtype in (torch.float32, torch.bfloat16):
+            if kernel == "decode":
+                qlens, clens = _decode_lens(qlens, clens)
+            case = (page_size, heads, kv_heads, head_dim, qlens, clens)
+            q, _, _, _, qs, pos, rk, rv, slots, pages = _ring_scenario(i, *case, window, dtype=dtype)
+            extra = dict(sinks=_sinks(heads, i).to(dtype), window=window, ring_pages=pages)
+            expected.append(paged_attention_reference(q, rk, rv, slots, qlens, clens, head_dim**-0.5, **extra))
+            out = torch.full_like(q, float("nan"))
+            if kernel == "decode":
+                calls.append(((q, rk, rv, slots, qs, pos, head_dim**-0.5), dict(out=out, block_n=8, **extra)))
+            else:
+                args = (q, rk, rv, slots, qs, pos, qlens, head_dim**-0.5)
+                calls.append((args, dict(out=out, block_rows=16, block_n=16, **extra)))
+    outs = run_interpreted("ferry.kernels.paged_attention_triton", f"paged_attention_{kernel}_triton", calls)
+    for want, out in zip(expected, outs):
+        assert torch.isfinite(out).all()
+        tol = 1e-5 if out.dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(out.float(), want.float(), rtol=tol, atol=tol)

@@ -67,10 +67,10 @@ def test_a_card_holding_every_expert_keeps_a_servers_defaults():
 
 def test_a_kv_requirement_keeps_the_models_context_and_the_long_chunk():
     """The 262k scenario: --num-tokens 262144 asks for long prompts, so the context stays the model's and the
-    16,384-token chunk (half the expert passes of a long prompt) is priced."""
+    32,768-token chunk (a quarter of the expert passes of a long prompt at 8,192) is priced."""
     spec, plan = _plan(QWEN3_6_35B, gpu_memory=24 * GiB, num_tokens=262144)
     assert plan.max_model_len == spec.max_position_embeddings and plan.kv.tokens == 262144
-    assert plan.max_prefill_tokens == 16384
+    assert plan.max_prefill_tokens == 32768
 
 
 def test_flags_given_are_kept():

@@ -20,6 +20,7 @@ CASES = [
     "gpt_oss-window-sinks-biased-clamped",
     "qwen3_moe-norm_topk-gqa-fp8-kv",
     "qwen3_5_moe-gated-partial-rotary-fp8-kv",
+    "gpt_oss-sliding-rings",
 ]
 
 

@@ -3,7 +3,9 @@ plan/expert_formats/gguf_blocks.py prices their rows): one byte row per weight f
 of that expert unchanged ([gate; up] rows for w13, down's for w2), so a slot, a host bank and the file hold the same
 bytes; experts with biases (gpt-oss) hold them in a float32 part after the blocks. The kernels' twin decodes them
 (kernels/gguf_blocks.py), and on CUDA the Triton kernels of kernels/gguf_expert_gemv.py and gguf_expert_gemm.py
-(Q8_0, Q4_K, Q6_K); no C host kernel reads them yet, so the host reads its banks through torch (`GgufFamilyReader`)."""
+(every type: kernels/gguf_block_decode.py). The host computes its banks' share with the C host kernel, which
+decodes every type's blocks in its rows (kernels/host_experts_c/gguf_blocks.h), or reads them through torch
+(`GgufFamilyReader`)."""
 
 from __future__ import annotations
 
@@ -32,10 +34,8 @@ class GgufBlockExperts(QuantizedExperts):
     value for weights of std 1) each (`scale_fields`)."""
 
     family_reader = GgufFamilyReader
+    host_kernel_code = K.GGUF  # the block type is each family's (host_expert_kernel.py reads it from the views)
     scale_fields: tuple[tuple[int, float], ...] = ()
-
-    def host_kernel_format(self) -> int:
-        raise K.KernelUnavailable(f"the C host kernel does not decode {self.plan.ggml_type} blocks")
 
     @property
     def ggml_type(self) -> str:

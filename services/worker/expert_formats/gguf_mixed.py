@@ -56,7 +56,7 @@ class GgufMixedExperts(QuantizedExperts):
         return w13.layout13, w2.layout2
 
     def host_kernel_format(self) -> int:
-        raise K.KernelUnavailable(f"the C host kernel does not decode GGUF blocks ({', '.join(self.types)})")
+        return K.GGUF  # each layer's families of their own block types (host_expert_kernel.py reads them per layer)
 
     def gemm_views(self, w13: torch.Tensor, w2: torch.Tensor, moe_layer: int | None = None):
         if moe_layer is None:

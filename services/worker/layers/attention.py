@@ -15,7 +15,9 @@ q/k norms the path on every device (the kernel always normalises). An fp8 KV poo
 gpt-oss adds a learned sink logit per head to each softmax's denominator (`sinks`, where the spec's
 `attention_sinks`) and, in its sliding layers, attends to the last `attention_window(layer)` keys only. Both
 are computed by the paged kernels and their twin (kernels/paged_attention*.py); FlashAttention does not take
-them, so such a layer's long prefills go through the blocked Triton kernel."""
+them, so such a layer's long prefills go through the blocked Triton kernel. A sliding layer whose group keeps
+rings (plan/kv_groups.py) writes and reads its K/V in the ring of each request's slot (`state_slots`), not
+through the page table."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from torch import nn
 
 from ferry.kernels.dense_gemv import dense_linear
 from ferry.kernels.dispatch import use_triton
+from ferry.kernels.kv_ring import ring_rows
 from ferry.kernels.paged_attention import paged_attention, write_kv
 from ferry.kernels.qk_norm_rope import qk_norm_rope_kv_triton
 from ferry.plan.model_config import ModelSpec
@@ -36,7 +39,8 @@ class PagedAttention(nn.Module):
     def __init__(self, spec: ModelSpec, layer_idx: int, rotary: RotaryEmbedding, dtype: torch.dtype, device=None):
         super().__init__()
         self.layer_idx = layer_idx
-        self.heads, self.kv_heads, self.head_dim = spec.num_attention_heads, spec.num_kv_heads, spec.head_dim
+        self.heads = spec.num_attention_heads
+        self.kv_heads, self.head_dim = spec.layer_kv_heads(layer_idx), spec.layer_head_dim(layer_idx)
         self.gated = spec.attn_output_gate
         self.scale = self.head_dim**-0.5
         self.rotary = rotary
@@ -71,6 +75,10 @@ class PagedAttention(nn.Module):
         b = ctx.batch
         k_cache, v_cache = ctx.pools.kv.layer(self.layer_idx)
         k_scale, v_scale = ctx.pools.kv.layer_scales(self.layer_idx)  # None, None but in an fp8 pool
+        ring = ctx.pools.kv.ring_pages(self.layer_idx)
+        slot_mapping = b.slot_mapping
+        if ring:  # a sliding group's rings: the rows of the tokens' request slots, not of the page table
+            slot_mapping = ring_rows(b.positions, b.state_slots[b.token_request.long()], ring, b.page_size)
         if use_triton(x) and self.q_norm is not None:
             norm = self.q_norm
             q = qk_norm_rope_kv_triton(
@@ -84,7 +92,7 @@ class PagedAttention(nn.Module):
                 ctx.cos,
                 ctx.sin,
                 self.rotary.rotary_dim,
-                b.slot_mapping,
+                slot_mapping,
                 k_cache,
                 v_cache,
                 k_scale=k_scale,
@@ -95,7 +103,7 @@ class PagedAttention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q = self.rotary.apply(q, ctx.cos, ctx.sin)
             k = self.rotary.apply(k, ctx.cos, ctx.sin)
-            write_kv(k_cache, v_cache, b.slot_mapping, k, v, k_scale, v_scale)
+            write_kv(k_cache, v_cache, slot_mapping, k, v, k_scale, v_scale)
         out = paged_attention(
             q.contiguous(),
             k_cache,
@@ -107,11 +115,13 @@ class PagedAttention(nn.Module):
             b.context_lens_host,
             self.scale,
             token_request=b.token_request,
-            gather=ctx.pools.kv.gather_buffers,
+            gather=ctx.pools.kv.gather_for(self.layer_idx),
             k_scale=k_scale,
             v_scale=v_scale,
             sinks=self.sinks,
             window=self.window,
+            ring_pages=ring,
+            ring_slots=b.state_slots if ring else None,
         ).reshape(t, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)

@@ -127,6 +127,7 @@ def signatures(dtype: str) -> list:
         "scale": "fp32",
     }
     shape = {"PAGE_SIZE": 16, "GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_N": 32, "KV_FP8": False, "WINDOW": 0}
+    shape["RING_PAGES"] = 0
     decode = {**paged, "token_req_ptr": "*i32", "part_ptr": "*fp32"}
     decode.pop("out_ptr")
     out.append(
@@ -163,6 +164,7 @@ def signatures(dtype: str) -> list:
             "FP32_DOT": dtype == "fp32",
             "KV_FP8": False,
             "WINDOW": 0,
+            "RING_PAGES": 0,
             "HAS_SINKS": False,
         }
         out.append(
@@ -187,15 +189,47 @@ def sliding_sink_signatures(decode: dict, prefill: dict) -> list:
     head, as decode (split + combine) and prefill launch them."""
     ints = lambda *names: {n: "i32" for n in names}  # noqa: E731
     rows, keys, warps = prefill_tiles(64, 8)
-    shape = {"PAGE_SIZE": 16, "GROUP": 8, "HEAD_DIM": 64, "BLOCK_D": 64, "KV_FP8": False, "WINDOW": 128}
+    shape = {
+        "PAGE_SIZE": 16,
+        "GROUP": 8,
+        "HEAD_DIM": 64,
+        "BLOCK_D": 64,
+        "KV_FP8": False,
+        "WINDOW": 128,
+        "RING_PAGES": 0,
+    }
     combine = {"part_ptr": "*fp32", "out_ptr": "*bf16", "sinks_ptr": "*bf16", **ints("stride_ot", "stride_oh")}
     prefill_consts = {**shape, "BLOCK_N": keys, "BLOCK_T": rows // 8, "BLOCK_R": rows, "FP32_DOT": False}
+    decode_consts = {
+        **shape,
+        "BLOCK_N": 32,
+        "BLOCK_G": 16,
+        "SPLITS": DECODE_SPLITS,
+        "FP32_DOT": False,
+        "IEEE_DOT": False,
+    }
+    # its sliding layers in rings (plan/kv_groups.py): read through the requests' int64 slots, 520 pages a ring
+    # (a window of 128 and an 8,192-token chunk)
+    ring = {"RING_PAGES": 520}
     return [
+        (
+            "paged_attention_decode[bf16, window, sinks, ring]",
+            _decode_split_kernel,
+            {**decode, "page_table_ptr": "*i64"},
+            {**decode_consts, **ring},
+        ),
+        (
+            "paged_attention_prefill[bf16, window, sinks, ring, d=64]",
+            _prefill_kernel,
+            {**prefill, "page_table_ptr": "*i64"},
+            {**prefill_consts, "HAS_SINKS": True, **ring},
+            {"num_warps": warps, "num_stages": 2},
+        ),
         (
             "paged_attention_decode[bf16, window, sinks]",
             _decode_split_kernel,
             decode,
-            {**shape, "BLOCK_N": 32, "BLOCK_G": 16, "SPLITS": DECODE_SPLITS, "FP32_DOT": False, "IEEE_DOT": False},
+            decode_consts,
         ),
         (
             "paged_attention_decode_combine[bf16, window, sinks]",
@@ -245,6 +279,7 @@ def fp8_kv_signatures(rope: dict, decode: dict, prefill: dict, shape: dict) -> l
             "FP32_DOT": False,
             "KV_FP8": True,
             "WINDOW": 0,
+            "RING_PAGES": 0,
             "HAS_SINKS": False,
         }
         out.append(

@@ -1,5 +1,6 @@
-"""The routed-expert kernels (grouped GEMM, pair GEMV, row sum, and their NVFP4 / MXFP4 / FP8-block / GGUF twins)
-compiled for Hopper without a GPU (hopper_compile.py; run by test_grouped_expert_gemm.py)."""
+"""The routed-expert kernels (grouped GEMM, pair GEMV, row sum, and their NVFP4 / MXFP4 / FP8-block twins)
+compiled for Hopper without a GPU (hopper_compile.py; run by test_grouped_expert_gemm.py). The GGUF twins:
+compile_gguf_expert_kernels.py, with these entries' helpers."""
 
 from __future__ import annotations
 
@@ -8,11 +9,10 @@ from hopper_compile import print_results
 
 import ferry.kernels.expert_pair_gemv as pair
 import ferry.kernels.expert_rows_sum as rows_sum
-import ferry.kernels.gguf_expert_gemm as gk
-import ferry.kernels.gguf_expert_gemv as gpair
 import ferry.kernels.grouped_expert_gemm as k
 import ferry.kernels.quantized_expert_gemm as qk
 import ferry.kernels.quantized_expert_gemv as qpair
+from ferry.kernels.gguf_block_decode import GGUF_KERNEL_TYPES
 from ferry.kernels.pair_tiles import TILES
 from ferry.kernels.quantized_experts import FP4_SCALES, FP8_BLOCK, MXFP4, NVFP4
 from ferry.plan.expert_formats import BF16
@@ -28,7 +28,7 @@ def grouped_entries(fn, sig: dict, dtype: str, consts_of, fmt: str | None = None
     """`fn` at every GROUPED_VARIANTS entry; a down kernel also into rows in `dtype` (not fp32's own). `fmt`:
     the quantized format it computes, named in the entries (the fp4 kernels serve two)."""
     out = []
-    tag = f"{fmt}, " if fmt in FP4_SCALES or fmt in gpair.GGUF_KERNEL_TYPES else ""
+    tag = f"{fmt}, " if fmt in FP4_SCALES or fmt in GGUF_KERNEL_TYPES else ""
     for block_m, windowed in GROUPED_VARIANTS:
         consts = consts_of(block_m) | {"WINDOWED": windowed}
         out.append(
@@ -434,87 +434,6 @@ def quantized_signatures(dtype: str) -> list:
             )
             sig = {**sig, "b_ptr": "*fp32", **{c: "constexpr" for c in consts}}
             out.append((f"{fn.__name__}[mxfp4, bf16, biases, clamped swiglu]", fn, sig, consts))
-    return out + (
-        gguf_signatures(dtype) if dtype == "bf16" else []
-    )  # GGUF: the models' dtype (their compiles are long)
-
-
-def gguf_signatures(dtype: str) -> list:
-    """The GGUF block kernels (gguf_expert_gemv.py, gguf_expert_gemm.py), once a block type (its GGML constexpr):
-    the file's bytes in place of the weights, the epilogue off (gpt-oss's GGUF experts are MXFP4, no kernel yet)."""
-    ints = lambda *names: {n: "i32" for n in names}  # noqa: E731
-    upcast, precision = dtype == "fp32", ("ieee" if dtype == "fp32" else None)
-    aligned = {"sorted_pairs_ptr": "*i32", "block_slot_ptr": "*i32", "block_start_ptr": "*i32"}
-    window = ("slot_lo", "slot_hi", "slot_shift")
-    no_bias = {"b_ptr": "*u8", "stride_bs": "i32"}  # the rows' bytes stand in (never read)
-    gate_up = {
-        "x_ptr": f"*{dtype}",
-        "q_ptr": "*u8",
-        "act_ptr": f"*{dtype}",
-        **aligned,
-        **ints("num_pairs", "top_k", "H", "I", *window, "stride_xt", "stride_xh", "stride_qs", "stride_qo"),
-        **ints("stride_am", "stride_an"),
-        **no_bias,
-        **EPILOGUE_FLOATS,
-    }
-    down = {
-        "act_ptr": f"*{dtype}",
-        "q_ptr": "*u8",
-        "rows_ptr": "*fp32",
-        "weights_ptr": "*fp32",
-        **aligned,
-        **ints("num_pairs", "H", "I", *window, "stride_am", "stride_an", "stride_qs", "stride_qo"),
-        **no_bias,
-    }
-    pair_gate_up = {
-        "x_ptr": f"*{dtype}",
-        "q_ptr": "*u8",
-        "act_ptr": f"*{dtype}",
-        "slots_ptr": "*i64",
-        **ints("slot_offset", "top_k", "H", "I"),
-        **MARK_PTRS,
-        **ints("stride_xt", "stride_qs", "stride_qo"),
-        **no_bias,
-        **EPILOGUE_FLOATS,
-    }
-    pair_down = {
-        "act_ptr": f"*{dtype}",
-        "q_ptr": "*u8",
-        "rows_ptr": "*fp32",
-        "weights_ptr": f"*{dtype}",
-        "slots_ptr": "*i32",
-        **ints("slot_offset", "H", "I", "stride_qs", "stride_qo"),
-        **no_bias,
-    }
-    tiles = gpair.GGUF_PAIR_TILES
-    out = []
-    for ggml_type, ggml in gpair.GGUF_KERNEL_TYPES.items():
-        for fn, sig in ((gk._gguf_gate_up_kernel, gate_up), (gk._gguf_down_kernel, down)):
-            entries = grouped_entries(
-                fn,
-                sig,
-                dtype,
-                lambda block_m, fn=fn, ggml=ggml: {
-                    "BLOCK_M": block_m,
-                    "BLOCK_N": gk.GGUF_BLOCK_N,
-                    "BLOCK_K": gk.GGUF_BLOCK_K,
-                    "UPCAST": upcast,
-                    "PRECISION": precision,
-                    "GGML": ggml,
-                    **epilogue_consts(fn, False),
-                },
-                ggml_type,
-            )
-            out += [(*entry, {"num_warps": gk.GGUF_NUM_WARPS}) for entry in entries]
-        gate_up_tile = {"BLOCK_N": tiles["gate_up_rows"], "BLOCK_K": tiles["gate_up_k"]}
-        down_tile = {"BLOCK_N": tiles["down_rows"], "BLOCK_K": tiles["down_k"]}
-        for fn, sig, consts in (
-            (gpair._gguf_pair_gate_up_kernel, pair_gate_up, gate_up_tile),
-            (gpair._gguf_pair_down_kernel, pair_down, down_tile),
-        ):
-            for marks in mark_variants(fn):
-                c = consts | {"GGML": ggml} | marks | epilogue_consts(fn, False)
-                out.append((f"{fn.__name__}[{ggml_type}, {dtype}, {c}]", fn, {**sig, **{k: "constexpr" for k in c}}, c))
     return out
 
 

@@ -16,13 +16,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def compile_in_child(script: str) -> dict:
+def compile_in_child(script: str, *args: str) -> dict:
     """{kernel name: {"cubin": bool, "shared": bytes, "stack": spilled bytes a thread or None} or
-    {"error": text}} from compile_<script>.py."""
+    {"error": text}} from compile_<script>.py, run with `args`."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=os.pathsep.join([str(ROOT), str(Path(__file__).parent)]), TRITON_DEFAULT_FP_FUSION="1")
     proc = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name(script))],
+        [sys.executable, str(Path(__file__).with_name(script)), *args],
         cwd=ROOT,
         env=env,
         capture_output=True,

@@ -12,6 +12,8 @@ import traceback
 from unittest import mock
 
 import torch
+import triton
+import triton.language as tl
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run me with TRITON_INTERPRET=1"
 
@@ -28,6 +30,7 @@ import ferry.kernels.quantized_experts as qe  # noqa: E402
 from ferry.kernels.align_pairs import align_pairs_by_slot, align_pairs_by_slot_host  # noqa: E402
 from ferry.kernels.aligned_blocks import block_m_for, launch_blocks  # noqa: E402
 from ferry.kernels.expert_pair_gemv import expert_pair_rows_triton  # noqa: E402
+from ferry.kernels.gguf_block_decode import GGUF_KERNEL_TYPES, gguf_weights  # noqa: E402
 from ferry.kernels.grouped_expert_gemm import grouped_expert_rows_triton  # noqa: E402
 from ferry.kernels.grouped_expert_gemm_reference import quantized_expert_rows_reference  # noqa: E402
 from ferry.kernels.quantized_experts import FP4_SCALES, FP8_BLOCK, MXFP4, NVFP4, QuantizedFamily  # noqa: E402
@@ -36,10 +39,10 @@ TIGHT = dict(rtol=1e-5, atol=1e-5)  # float32 x: only the order of the float32 s
 BF16 = dict(rtol=2e-2, atol=2e-2)  # as the plain kernels' bf16 cases
 
 
-# GGUF formats with kernels (kernels/gguf_expert_gemv.py), as the tests name them (quantized_slots.py)
+# GGUF formats with kernels (kernels/gguf_block_decode.py), as the tests name them (quantized_slots.py)
 GGUF = [gguf_fmt(t) for t in GGUF_TEST_TYPES]
-# the small cases' (H, I): whole blocks of each format (a K-quant block holds 256 values)
-SMALL = {gguf_fmt("Q4_K"): (256, 256), gguf_fmt("Q6_K"): (256, 256)}
+# the small cases' (H, I): whole blocks of each format (a K-quant's or IQ4_XS's block holds 256 values)
+SMALL = {gguf_fmt(t): (256, 256) for t in GGUF_TEST_TYPES if gguf_blocks.BLOCKS[t][0] == 256}
 
 
 def small(fmt):
@@ -189,7 +192,8 @@ def bfloat16_within_rounding(fmt):
 
 def _gguf_wrongly(family, slot, dtype, mistake):
     """GGUF blocks decoded with one mistake a kernel could make: each block's fp16 fields read as bfloat16 (their
-    bytes' high half), or the blocks read at a stride one byte short (each row's bytes shifted under the decoder)."""
+    bytes' high half; MXFP4: its e8m0 byte off by one), or the blocks read at a stride one byte short (each row's
+    bytes shifted under the decoder)."""
     q = family.q[slot]
     _, size = gguf_blocks.BLOCKS[family.ggml_type]
     if mistake == "block stride one byte short":
@@ -199,6 +203,10 @@ def _gguf_wrongly(family, slot, dtype, mistake):
         for offset, _unit in GGUF_TEST_TYPES[family.ggml_type]:
             as_bf16 = blocks[:, :, offset : offset + 2].contiguous().view(torch.bfloat16).float()
             blocks[:, :, offset : offset + 2] = as_bf16.to(torch.float16).view(torch.uint8).view(*blocks.shape[:2], 2)
+        q = blocks.reshape(q.shape)
+    if mistake == "e8m0 bias off by one":  # MXFP4: each block's scale read twice as large
+        blocks = q.reshape(q.shape[0], -1, size).clone()
+        blocks[:, :, 0] += 1
         q = blocks.reshape(q.shape)
     return gguf_blocks.dequantize_rows(q, family.ggml_type, dtype)
 
@@ -246,7 +254,8 @@ def mistakes_are_detected(fmt):
     torch.testing.assert_close(pair, want, **TIGHT)
     torch.testing.assert_close(grouped, want, **TIGHT)
     if fmt in GGUF:
-        mistakes = ["block stride one byte short", "d read as bf16"]
+        scaled_by_fp16 = GGUF_TEST_TYPES[fmt[5:].upper()]
+        mistakes = ["block stride one byte short", "d read as bf16" if scaled_by_fp16 else "e8m0 bias off by one"]
     else:
         mistakes = ["scale divided"]
         mistakes += ["nibbles swapped"] if fmt in FP4_SCALES else ["blocks not restarted at each part"]
@@ -331,10 +340,11 @@ for _fmt in (NVFP4, MXFP4, FP8_BLOCK):
 
 
 def gguf_bfloat16_within_rounding(fmt):
-    """`bfloat16_within_rounding` at the K-quants' smallest shapes (whole 256-value blocks; fewer pairs, as the
-    interpreter is slow at them): both kernels within rounding of the twin, where weights not exact in bf16 and
-    the interpreter's truncations drift to a few units of the largest row, and the pair kernel computing the
-    pairs in two groups gives the bits it gives at once."""
+    """`bfloat16_within_rounding` for GGUF blocks at each type's smallest shapes (whole 256-value blocks for the
+    K-quants and IQ4_XS; fewer pairs, as the interpreter is slow at them): both kernels within rounding of the
+    twin, where weights not exact in bf16 (the 256-value types') and the interpreter's truncations of the
+    activations drift to a few units of the largest row (some 0.1 at rows near 7), and the pair kernel computing
+    the pairs in two groups gives the bits it gives at once."""
     x, topk, weights, w13, w2 = make_case(fmt, 3, 3, 2, *small(fmt), 3, dtype=torch.bfloat16)
     want = reference_rows(x, topk, weights, w13, w2).sum(dim=1).to(torch.bfloat16).float()
     tol = dict(rtol=2e-2, atol=0.03 * want.abs().max().item())
@@ -373,12 +383,51 @@ CASES.update(
         "gguf-mixed/q4_k_q6_k_grouped": lambda: gguf_mixed_layer_matches("grouped", torch.float32),
     }
 )
-# GGUF blocks: Q8_0's small shapes; the K-quants' whole 256-value blocks, H two of them (the pair kernels' and the
-# grouped kernels' steps of 64 inputs cross block boundaries), I one
-GGUF_RAGGED = {gguf_fmt("Q8_0"): (288, 96), gguf_fmt("Q4_K"): (512, 256), gguf_fmt("Q6_K"): (512, 256)}
+
+
+@triton.jit
+def _decoded_weights_kernel(q_ptr, out_ptr, cols, stride_q, read_cols, GGML: tl.constexpr, ROWS: tl.constexpr,
+                            BLOCK: tl.constexpr):  # fmt: skip
+    """out[:, c] = `gguf_weights` of the rows at q_ptr, input c masked from read_cols on (a program BLOCK inputs)."""
+    r = tl.arange(0, ROWS)[:, None]
+    c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)[None, :]
+    w = gguf_weights(q_ptr + r * stride_q, c, (c < read_cols) & (r < ROWS), GGML)
+    tl.store(out_ptr + r * cols + c, w)
+
+
+def decode_is_the_gguf_packages(ggml_type):
+    """The kernels' in-register decode (`gguf_weights`) of random blocks equals the gguf package's numpy
+    dequantization bit for bit, every code and scale of the type drawn (finite fp16 scales; MXFP4's e8m0 bytes
+    0 to 252, its two subnormal scales included), and masked weights read 0."""
+    import gguf
+    import numpy as np
+
+    block, size = gguf_blocks.BLOCKS[ggml_type]
+    rows, cols = 8, 4 * block
+    rng = np.random.default_rng(5)
+    blocks = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
+    for offset, unit in GGUF_TEST_TYPES[ggml_type]:
+        scales = (np.sign(unit) * rng.uniform(1e-3, 1e-2, blocks.shape[0])).astype(np.float16)
+        blocks[:, offset : offset + 2] = scales.view(np.uint8).reshape(-1, 2)
+    if ggml_type == "MXFP4":
+        blocks[:, 0] = np.arange(blocks.shape[0]) % 253
+    q = torch.from_numpy(blocks.reshape(rows, -1).copy())
+    want = torch.from_numpy(gguf.quants.dequantize(q.numpy(), gguf.GGMLQuantizationType[ggml_type]).astype(np.float32))
+    got = torch.full((rows, cols), float("nan"))
+    read_cols = cols - block // 2  # the last block's second half masked
+    _decoded_weights_kernel[(cols // 64,)](q, got, cols, q.stride(0), read_cols, GGML=GGUF_KERNEL_TYPES[ggml_type],
+                                           ROWS=rows, BLOCK=64)  # fmt: skip
+    assert torch.equal(got[:, :read_cols], want[:, :read_cols]), "the decode differs from the gguf package's"
+    assert torch.equal(got[:, read_cols:], torch.zeros(rows, cols - read_cols)), "masked weights must read 0"
+
+
+# GGUF blocks: 32-value blocks at small shapes; 256-value blocks (K-quants, IQ4_XS) whole, H two of them (the pair
+# kernels' and the grouped kernels' steps of 64 inputs cross block boundaries), I one
+GGUF_RAGGED = {f: (512, 256) if f in SMALL else (288, 96) for f in GGUF}
 for _fmt in GGUF:
     CASES.update(
         {
+            f"{_fmt}/decode_is_the_gguf_packages": lambda f=_fmt: decode_is_the_gguf_packages(f[5:].upper()),
             f"{_fmt}/pair_tiny_skipped_offset": lambda f=_fmt: pair_kernel_matches(f, 12, 2, 4, *small(f), 6, 2, 3),
             f"{_fmt}/pair_ragged_two_steps": lambda f=_fmt: pair_kernel_matches(f, 15, 2, 2, *GGUF_RAGGED[f], 3, 1, 1),
             f"{_fmt}/grouped_tiny_several_blocks_of_one_slot": lambda f=_fmt: grouped_kernel_matches(
@@ -388,9 +437,7 @@ for _fmt in GGUF:
             f"{_fmt}/slot_window_with_block_starts": lambda f=_fmt: slot_window_computes_one_chunk_at_its_staging_slots(
                 f, block_starts=True
             ),
-            f"{_fmt}/bfloat16_within_rounding": lambda f=_fmt: (
-                bfloat16_within_rounding(f) if f not in SMALL else gguf_bfloat16_within_rounding(f)
-            ),
+            f"{_fmt}/bfloat16_within_rounding": lambda f=_fmt: gguf_bfloat16_within_rounding(f),
             f"{_fmt}/mistakes_are_detected": lambda f=_fmt: mistakes_are_detected(f),
             f"{_fmt}/bf16_rows_are_the_float32_rows_rounded_once": lambda f=_fmt: (
                 bf16_rows_are_the_float32_rows_rounded_once(

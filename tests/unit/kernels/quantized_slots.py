@@ -28,11 +28,22 @@ PART_ALIGN = 16
 
 # GGUF block types the kernel tests draw (kernels/gguf_blocks.py): per type its fp16 fields, (byte offset into a
 # block, value giving weights of rms ~1 before the 1 / sqrt(cols) scaling), as the worker's dummy weights set them
+# (MXFP4 has none: its e8m0 byte is set as the mxfp4 format's scales are)
 GGUF_TEST_TYPES = {
     "Q8_0": ((0, 1 / 73.9),),  # d: int8 codes have an rms of ~73.9
     "Q4_K": ((0, 1 / 258.3), (2, 7.5 / 258.3)),  # d, dmin: 4-bit codes under 6-bit scales, centred by dmin = 7.5 d
     "Q6_K": ((208, 1 / 1365.0),),  # d: codes - 32 (rms ~18.5) under int8 scales (rms ~73.9)
+    "Q4_0": ((0, 1 / 4.6),),  # d: (q - 8) of 4 random bits has an rms of ~4.6
+    "Q4_1": ((0, 1 / 4.6), (2, -7.5 / 4.6)),  # d, m: centred by m = -7.5 d
+    "Q5_0": ((0, 1 / 9.2),),  # d: (q - 16) of 5 random bits has an rms of ~9.2
+    "Q5_1": ((0, 1 / 9.2), (2, -15.5 / 9.2)),  # d, m: centred by m = -15.5 d
+    "Q5_K": ((0, 1 / 527.0), (2, 15.5 / 527.0)),  # d, dmin: 5-bit codes under 6-bit scales, centred by dmin
+    "IQ4_NL": ((0, 1 / 67.4),),  # d: the grid's values at random indices have an rms of ~67.4
+    "IQ4_XS": ((0, 1 / 1246.0),),  # d: grid values under 6-bit scales (minus 32) have an rms of ~1246
+    "MXFP4": (),  # its e8m0 byte at 0: set by make_family
 }
+# MXFP4's e2m1 codes (ggml's doubled table under half the scale) have an rms of ~2.93 times the scale 2^(e - 127)
+GGUF_E2M1_RMS = 2.93
 
 
 def gguf_fmt(ggml_type: str) -> str:
@@ -94,9 +105,12 @@ def make_family(
         blocks = views["q"].reshape(slots, -1, size)
         for offset, unit in GGUF_TEST_TYPES[ggml_type]:
             value = spread(slots, blocks.shape[1]) * unit / cols**0.5
-            if exact_bf16:
-                value = torch.exp2(value.log2().round())
+            if exact_bf16:  # the magnitude a power of two (Q4_1's and Q5_1's m are negative)
+                value = value.sign() * torch.exp2(value.abs().log2().round())
             blocks[:, :, offset : offset + 2] = value.to(torch.float16).view(torch.uint8).view(slots, -1, 2)
+        if ggml_type == "MXFP4":  # e8m0 scales 2^-1 .. 2^1 around weights of rms 1/sqrt(cols), as mxfp4's below
+            centre = E8M0_BIAS + round(-math.log2(GGUF_E2M1_RMS * cols**0.5))
+            blocks[:, :, 0] = torch.randint(centre - 1, centre + 2, blocks.shape[:2], generator=gen, dtype=torch.uint8)
         views = views_of(buf.to(device))
         return QuantizedFamily(fmt, rows, cols, part_rows, views["q"], ggml_type=ggml_type)
     if fmt == NVFP4:

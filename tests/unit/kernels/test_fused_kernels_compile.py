@@ -14,8 +14,8 @@ def test_fused_and_paged_attention_kernels_compile_for_hopper():
     # combine, combine summing rows) per dtype, 2 Gated DeltaNet decode kernels and the prefill's 2 conv kernels per
     # dtype; the sigmoid router (one group, 4 of 8 groups) per dtype; and for bf16 on an fp8 KV pool, the K/V write,
     # decode, prefill at both head sizes and the flash gather; for bf16, gpt-oss's sliding-window attention with
-    # sinks (decode split and combine, prefill)
-    assert len(results) == 28 + 18 + 8 + 5 + 4 + 3
+    # sinks (decode split and combine, prefill), and its decode split and prefill reading rings
+    assert len(results) == 28 + 18 + 8 + 5 + 4 + 3 + 2
     assert sum("sigmoid" in name for name in results) == 4
     assert sum("fp8 kv" in name for name in results) == 5
     assert sum(name.startswith("gated_deltanet_") for name in results) == 8

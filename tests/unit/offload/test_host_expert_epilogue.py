@@ -2,8 +2,8 @@
 the C kernel (both instruction sets) and the torch host path against the reference twin
 (kernels/grouped_expert_gemm_reference.py), which reads the same bank rows as its slots.
 
-For mxfp4, nvfp4 and plain banks (bf16 and float32, the biases in rows after the weights; the torch path also
-GGUF q8_0 blocks), in float32 and bf16 compute: both equal the twin within the tolerances test_host_expert_kernel.py
+For mxfp4, nvfp4, GGUF blocks (q8_0, and gpt-oss's GGUF mxfp4) and plain banks (bf16 and float32, the biases in rows
+after the weights), in float32 and bf16 compute: both equal the twin within the tolerances test_host_expert_kernel.py
 holds the C kernel to the torch path (bf16: nearly every value within float32's, every one within a bf16 rounding;
 at these sizes they are equal bit for bit). The clamp's limit is small enough that most gate and up values are
 clamped and the biases large enough to move every output, so a kernel that drops the biases or skips the clamp
@@ -21,6 +21,7 @@ from ferry.kernels.expert_epilogue import ExpertActivation
 from ferry.kernels.grouped_expert_gemm_reference import grouped_expert_rows_reference
 from ferry.kernels.quantized_experts import dequantize_slot
 from ferry.services.worker.expert_formats.bf16 import Bf16Experts
+from ferry.services.worker.expert_formats.gguf_mxfp4 import GgufMxfp4Experts
 from ferry.services.worker.expert_formats.gguf_q8_0 import GgufQ8_0Experts
 from ferry.services.worker.expert_formats.mxfp4 import Mxfp4Experts
 from ferry.services.worker.expert_formats.nvfp4 import Nvfp4Experts
@@ -36,8 +37,9 @@ HIDDEN, INTER = 224, 96  # odd numbers of 32-wide vectors (every format's groups
 # gpt-oss's alpha, and a limit below the gate and up values' spread (x is scaled so they reach ~1), so most clamp
 ACTIVATION = ExpertActivation(swiglu_limit=0.5, swiglu_alpha=1.702)
 BIAS_STD = 0.3
-FORMATS = ("mxfp4", "nvfp4", "bf16", "float32")
+FORMATS = ("mxfp4", "nvfp4", "bf16", "float32", "gguf-q8_0", "gguf-mxfp4")
 FAULTS = ("bias dropped", "clamp missing")
+QUANTIZED = {"mxfp4": Mxfp4Experts, "nvfp4": Nvfp4Experts, "gguf-q8_0": GgufQ8_0Experts, "gguf-mxfp4": GgufMxfp4Experts}
 
 
 def make_banks(fmt: str, seed: int = 0) -> HostBanks:
@@ -56,10 +58,9 @@ def make_banks(fmt: str, seed: int = 0) -> HostBanks:
                 flat.zero_()
                 flat[:, :weight_rows] = torch.randn(EXPERTS, weight_rows, generator=g) * BIAS_STD
         return banks
-    cls = {"mxfp4": Mxfp4Experts, "nvfp4": Nvfp4Experts, "gguf-q8_0": GgufQ8_0Experts}[fmt]
-    layout = cls(HIDDEN, INTER, bias=True, activation=ACTIVATION)
+    layout = QUANTIZED[fmt](HIDDEN, INTER, bias=True, activation=ACTIVATION)
     banks = HostBanks.allocate(LAYERS, EXPERTS, HIDDEN, INTER, torch.bfloat16, pin=False, progress=False, fmt=layout)
-    if fmt == "gguf-q8_0":  # the dummy fill's valid blocks (weights of std 0.02), then the biases
+    if fmt.startswith("gguf-"):  # the dummy fill's valid blocks (weights of std 0.02), then the biases
         for layer in range(LAYERS):
             layout.fill_dummy_layer(banks.w13[layer], banks.w2[layer], layer, seed)
             for f in layout.gemm_views(banks.w13[layer], banks.w2[layer]):
@@ -155,7 +156,7 @@ def test_the_c_kernel_computes_biased_clamped_experts_as_the_twin(banks_of, fmt,
 
 
 @pytest.mark.parametrize("tokens", [1, 8])
-@pytest.mark.parametrize("fmt", (*FORMATS, "gguf-q8_0"))  # GGUF blocks: the torch path alone computes them
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_the_torch_host_path_computes_biased_clamped_experts_as_the_twin(banks_of, fmt, tokens):
     banks = banks_of(fmt)
     for dtype in compute_dtypes(fmt):
@@ -181,7 +182,7 @@ def plant_in_c(c: HostExperts, fault: str) -> None:
 @needs_library
 @pytest.mark.parametrize("isa", isas())
 @pytest.mark.parametrize("fault", FAULTS)
-@pytest.mark.parametrize("fmt", ("mxfp4", "bf16", "float32"))
+@pytest.mark.parametrize("fmt", ("mxfp4", "bf16", "float32", "gguf-q8_0"))
 def test_a_c_kernel_that_drops_the_biases_or_the_clamp_is_caught(banks_of, fmt, fault, isa):
     banks = banks_of(fmt)
     for dtype in compute_dtypes(fmt):

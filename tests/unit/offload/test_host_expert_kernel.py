@@ -20,12 +20,14 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
+from ferry.kernels.quantized_experts import dequantize_slot
 from ferry.plan.expert_backend import pool_thread_cpus
 from ferry.services.worker.expert_formats.fp8_block import Fp8BlockExperts
 from ferry.services.worker.expert_formats.mxfp4 import Mxfp4Experts
 from ferry.services.worker.expert_formats.nvfp4 import Nvfp4Experts
 from ferry.services.worker.offload.host_compute import host_expert_kernel as K
 from ferry.services.worker.offload.host_compute import host_experts as HE
+from ferry.services.worker.offload.host_compute.host_expert_kernel import HostKernel
 from ferry.services.worker.offload.host_compute.host_experts import HostExperts
 from ferry.services.worker.offload.host_memory.host_banks import HostBanks
 from ferry.services.worker.offload.host_memory.packed_banks import PackedHostBanks
@@ -144,6 +146,26 @@ def test_bf16_compute_rounds_where_the_torch_path_rounds(banks_of, fmt, tokens, 
         close = torch.isclose(got, want, rtol=1e-5, atol=1e-6 * scale)
         assert close.float().mean() > 0.98
         torch.testing.assert_close(got, want, rtol=2e-2, atol=4e-3 * scale)
+
+
+@needs_library
+@pytest.mark.parametrize("isa", isas())
+@pytest.mark.parametrize("fmt", tuple(LAYOUTS))
+def test_the_rows_decode_the_quantized_formats_as_the_twin_bit_for_bit(banks_of, fmt, isa):
+    """The rows' own decode (HostKernel.decode_rows: the code they multiply with in float32 compute) gives
+    kernels/quantized_experts.py's dequantization bit for bit, at every shape (partial fp8 blocks, half vectors)."""
+    for shape in _shapes(fmt):
+        banks = banks_of(fmt, shape)
+        kernel = HostKernel(banks, torch.float32, threads=1, isa=isa)
+        try:
+            for layer in range(LAYERS):
+                views = banks.format.gemm_views(banks.w13[layer], banks.w2[layer])
+                for expert in (0, EXPERTS - 1):
+                    for got, view in zip(kernel.decode_rows(layer, expert), views):
+                        want = dequantize_slot(view, expert, torch.float32)
+                        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (shape, layer, expert)
+        finally:
+            kernel.close()
 
 
 @needs_library

@@ -2,8 +2,9 @@
 
 torch's CPU matmuls read plain bf16 banks at about a sixth of a server host's memory bandwidth, and the quantized
 banks' decode through torch ops is 10-60x slower still. The C kernel reads each used expert's rows once for all its
-tokens, decoding nvfp4, mxfp4 and fp8-block codes in registers, with AVX-512 BF16 where the CPU has it (chosen at
-load by cpuid) and portable C elsewhere, on a pthread pool of its own sized by `threads`.
+tokens, decoding nvfp4, mxfp4 and fp8-block codes and GGUF blocks (each family's block type: gguf-mixed's differ by
+layer) in registers, with AVX-512 BF16 where the CPU has it (chosen at load by cpuid) and portable C elsewhere, on a
+pthread pool of its own sized by `threads`.
 
 The library is built from source by `pip install` (pyproject.toml's ext-modules, optional: a
 machine without a C compiler still installs) and loaded with ctypes, which releases the GIL for the
@@ -46,7 +47,10 @@ SPIN_ENV = "FERRY_HOST_POOL_SPIN_US"
 # their own FERRY_HOST_POOL_SPIN_US=N may do better (a decode step's layers come ~0.3-0.7 ms apart)
 DEFAULT_SPIN_US = 50
 ISAS = {"auto": 0, "portable": 1, "avx512": 2}  # enum ferry_isa (expert_job.h)
-F32, BF16, FP8_BLOCK, NVFP4, PACKED, MXFP4 = range(6)  # enum ferry_format
+F32, BF16, FP8_BLOCK, NVFP4, PACKED, MXFP4, GGUF = range(7)  # enum ferry_format
+# enum ferry_ggml_type (gguf_blocks.h): a GGUF family's block type, by its ggml name
+GGML_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4")
+NO_GGML_TYPE = -1  # ferry_family's ggml_type of the other formats
 ACTS = {torch.float32: 0, torch.bfloat16: 1}  # enum ferry_act: the compute dtypes the kernel has
 NO_BIAS = -1  # ferry_family's bias_offset of experts without biases
 ERRORS = {-1: "an invalid job", -2: "an instruction set this CPU lacks", -3: "out of memory"}
@@ -73,6 +77,7 @@ class Family(ctypes.Structure):
         ("esc_bits", ctypes.c_void_p),
         ("first_value", ctypes.c_int64),
         ("bias_offset", ctypes.c_int64),  # -1: no biases (NO_BIAS)
+        ("ggml_type", ctypes.c_int64),  # GGUF: GGML_TYPES' index of the rows' block type
     ]
 
 
@@ -125,6 +130,18 @@ SIGNATURES = {
     "ferry_host_kernel_compute": ([ctypes.c_void_p, ctypes.POINTER(Job)], ctypes.c_int),
     "ferry_host_decode_packed": (
         [ctypes.POINTER(Family), ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p],
+        ctypes.c_int,
+    ),
+    "ferry_host_decode_rows": (
+        [
+            ctypes.POINTER(Family),
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int64,
+            ctypes.c_int64,
+            ctypes.c_int64,
+            ctypes.c_void_p,
+        ],
         ctypes.c_int,
     ),
     "ferry_host_node": ([ctypes.c_void_p], None),  # host_node.h: a decode layer's host share (decode_share.py)
@@ -204,9 +221,17 @@ def resolve_spin_us(spin_us: int | None) -> int:
     return _whole_setting(spin_us, SPIN_ENV, DEFAULT_SPIN_US, "the host pool's spin", "µs")
 
 
-def _family(rows: torch.Tensor, out_rows: int, cols: int, part_rows: int, bias_offset: int, layout=None) -> Family:
-    """One layer's bank of one family: plain rows [E, O, IN], or quantized byte rows [E, B] with their layout;
-    `bias_offset`: bytes from an expert's row start to its biases (NO_BIAS: none)."""
+def _family(
+    rows: torch.Tensor,
+    out_rows: int,
+    cols: int,
+    part_rows: int,
+    bias_offset: int,
+    layout=None,
+    ggml_type: str | None = None,
+) -> Family:
+    """One layer's bank of one family: plain rows [E, O, IN], or quantized byte rows [E, B] with their layout
+    (GGUF blocks: of `ggml_type`); `bias_offset`: bytes from an expert's row start to its biases (NO_BIAS: none)."""
     f = Family(
         base=rows.data_ptr(),
         expert_stride=rows.stride(0) * rows.element_size(),
@@ -214,10 +239,12 @@ def _family(rows: torch.Tensor, out_rows: int, cols: int, part_rows: int, bias_o
         cols=cols,
         part_rows=part_rows,
         bias_offset=bias_offset,
+        ggml_type=NO_GGML_TYPE if ggml_type is None else GGML_TYPES.index(ggml_type),
     )
     if layout is not None:
         parts = {p.name: p for p in layout.parts}
-        f.q_offset, f.scale_offset = parts["q"].offset, parts["scale"].offset
+        f.q_offset = parts["q"].offset
+        f.scale_offset = parts["scale"].offset if "scale" in parts else 0  # GGUF: the scales are in the blocks
         f.gscale_offset = parts["gscale"].offset if "gscale" in parts else 0
         f.col_blocks = -(-cols // 128)
     return f
@@ -377,13 +404,23 @@ class HostKernel:
             if not block.is_contiguous():
                 raise KernelUnavailable("the C kernel reads contiguous bank blocks")
         h, i = banks.hidden_size, banks.intermediate_size
-        quantized = banks.format.quantized
-        layout13, layout2 = (banks.format.layout13, banks.format.layout2) if quantized else (None, None)
         bias13, bias2 = banks.format.host_bias_offsets()
-        return [
-            (_family(w13, 2 * i, h, i, bias13, layout13), _family(w2, h, i, h, bias2, layout2))
-            for w13, w2 in zip(banks.w13, banks.w2)
-        ]
+        if not banks.format.quantized:
+            return [
+                (_family(w13, 2 * i, h, i, bias13), _family(w2, h, i, h, bias2)) for w13, w2 in zip(banks.w13, banks.w2)
+            ]
+        families = []
+        for layer, (w13, w2) in enumerate(zip(banks.w13, banks.w2)):
+            # each MoE layer's own layouts and GGUF block types: gguf-mixed's differ by layer
+            layout13, layout2 = banks.format.layer_layouts(layer)
+            view13, view2 = banks.format.gemm_views(w13, w2, layer)
+            families.append(
+                (
+                    _family(w13, 2 * i, h, i, bias13, layout13, view13.ggml_type),
+                    _family(w2, h, i, h, bias2, layout2, view2.ggml_type),
+                )
+            )
+        return families
 
     def _packed_layout(self) -> None:
         """The packed families over the banks' sealed escapes, (re)made when they are (re)laid out: a load
@@ -410,6 +447,22 @@ class HostKernel:
                 raise RuntimeError(f"the packed decode refused the call: {ERRORS.get(err, err)}")
             at += f.rows * f.cols * 2
         return out
+
+    def decode_rows(self, moe_layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One expert's w13 [2I, H] and w2 [H, I] of quantized (or plain) banks, float32, as this kernel's rows
+        decode them for float32 compute: the tests hold it bit for bit to the twin's dequantization."""
+        if self.format == PACKED or not 0 <= expert < self.banks.num_experts:
+            raise ValueError(f"decode_rows reads an expert of unpacked banks, not expert {expert} of these")
+        out = []
+        for f in self.families[moe_layer]:
+            rows = torch.empty(f.rows, f.cols, dtype=torch.float32)
+            err = self.lib.ferry_host_decode_rows(
+                ctypes.byref(f), self.format, self.isa_code, expert, 0, f.rows, rows.data_ptr()
+            )
+            if err:
+                raise RuntimeError(f"the row decode refused the call: {ERRORS.get(err, err)}")
+            out.append(rows)
+        return out[0], out[1]
 
     def compute(self, moe_layer: int, x: torch.Tensor, pairs: Sequence[tuple[int, int, float]]) -> torch.Tensor:
         """float32 [T, H], HostExperts.compute's contract; x [T, H] in the compute dtype, on the CPU. Every

@@ -1,0 +1,77 @@
+"""KV layer groups: the softmax-attention layers whose K/V share one shape and one way of being kept.
+
+Layers group by (kv heads, head_dim, window): each group is one tensor of the KV pool
+(pool_layout.kv_pool_layout), priced by its own bytes per token. Full-attention groups come first, in layer order.
+
+A full-attention group (window 0) is paged over the context: the scheduler's page ids (KvPagePool), one page
+table a request, as every layer once was.
+
+A sliding group (window W > 0: a token sees itself and the W - 1 keys before it) keeps per running request a
+ring of `ring_pages(W, step_tokens, page_size)` pages, reused as the sequence grows: position p lives in ring
+page (p // page_size) mod ring_pages of the request's slot (`ring_page`), so the ring's rows are the positions
+modulo ring_pages x page_size. A step writes its new tokens' K/V before any of them attends, so the ring holds,
+without two positions on one row, every key one step reads or writes: from the oldest key its first new token
+sees to its last new token, W - 1 + step_tokens positions, step_tokens being the most tokens one step gives a
+request (the prefill chunk, max_prefill_tokens). The rings belong to request slots, as the linear states do
+(ids 1..max_running_requests, handed out at admission, so a running request always has one; slot 0 is the
+padding rows' ring), so they take no page from the scheduler and never run short under load.
+
+A ring is taken only where it is smaller than the group paged over the context (`uses_ring`): (slots + 1) rings
+against the context's pages + the sentinel. Elsewhere the sliding group is paged over the context with the full
+layers' page ids (its window then only masks keys, as a full group's context pool). So a ring never costs more
+than before, and `--num-tokens`, `--num-pages`, `--kv-reserve-tokens` and `max_model_len` count the context's
+tokens, the full groups' (and a paged sliding group's).
+
+No torch here (`ferry plan` prices groups without it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ferry.plan.model_spec import FULL_ATTENTION, ModelSpec
+from ferry.shared.units import ceil_div
+
+
+@dataclass(frozen=True)
+class KvGroup:
+    layers: tuple[int, ...]  # the model's layer indices, in order
+    kv_heads: int
+    head_dim: int
+    window: int  # 0: full attention; else the keys a token attends to, itself included
+
+    @property
+    def sliding(self) -> bool:
+        return self.window > 0
+
+
+def kv_groups(spec: ModelSpec) -> tuple[KvGroup, ...]:
+    """The softmax-attention layers grouped by (kv heads, head_dim, window): the full-attention groups first,
+    then the sliding ones, each in the order of its first layer."""
+    members: dict[tuple[int, int, int], list[int]] = {}
+    for layer, kind in enumerate(spec.layer_types):
+        if kind == FULL_ATTENTION:
+            key = (spec.layer_kv_heads(layer), spec.layer_head_dim(layer), spec.attention_window(layer))
+            members.setdefault(key, []).append(layer)
+    groups = [KvGroup(tuple(layers), *key) for key, layers in members.items()]
+    return tuple(sorted(groups, key=lambda g: (g.sliding, g.layers[0])))
+
+
+def ring_pages(window: int, step_tokens: int, page_size: int) -> int:
+    """Pages of one request's ring: room for the window - 1 keys before a step's first new token and the
+    step's step_tokens new ones, all at once (a ring's rows are positions modulo its pages x page_size)."""
+    return ceil_div(window - 1 + step_tokens, page_size)
+
+
+def ring_page(slot: int, position: int, pages: int, page_size: int) -> int:
+    """The ring's page (within its group's tensor) that holds `position` of the request in `slot`: the kernels
+    (kernels/paged_attention*.py) and the K/V writes compute the same."""
+    return slot * pages + (position // page_size) % pages
+
+
+def uses_ring(group: KvGroup, context_rows: int, ring_slots: int, step_tokens: int, page_size: int) -> bool:
+    """A sliding group takes rings (one per request slot and the padding slot) where they are fewer pages than
+    `context_rows`, the pages it would have paged over the context (sentinel included); never without request
+    slots (ring_slots 0)."""
+    if not group.sliding or ring_slots <= 0:
+        return False
+    return (ring_slots + 1) * ring_pages(group.window, step_tokens, page_size) < context_rows
