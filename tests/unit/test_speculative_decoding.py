@@ -2,7 +2,7 @@
 process on CPU, float32, against speculation off.
 
 * Greedy: the same tokens and finish reasons, token for token, on the attention-only model and both hybrids,
-  experts resident and offloaded, with drafts that are kept whole, in part and not at all (a drafter that
+  experts resident and offloaded, and on gpt-oss's sliding rings, with drafts that are kept whole, in part and not at all (a drafter that
   knows the answer and spoils one draft in turn), and with prompt lookup's own drafts. A rollback one
   position off (the scheduler's count of computed tokens, a hybrid's linear state not put back) fails it.
 * Sampling: the verify rule keeps the target distribution (a chi-square test over many draws, of the first
@@ -62,9 +62,17 @@ MAX_TOKENS = (26, 19, 21)
 
 
 @pytest.fixture(scope="module")
-def hybrid_next(tmp_path_factory):
-    """Qwen3-Next's tiny checkpoint (the session's tiny models are qwen3_moe and qwen3_5_moe)."""
-    return make_tiny_model(tmp_path_factory.mktemp("tiny-next") / "qwen3_next", "qwen3_next", seed=0)
+def more_models(tmp_path_factory):
+    """{arch: tiny checkpoint}, made when first asked, of the families the session's tiny models (qwen3_moe,
+    qwen3_5_moe) leave out: Qwen3-Next, and gpt-oss, whose sliding layers keep their K/V in rings."""
+    root, made = tmp_path_factory.mktemp("tiny-more"), {}
+
+    def get(arch: str):
+        if arch not in made:
+            made[arch] = make_tiny_model(root / arch, arch, seed=0)
+        return made[arch]
+
+    return get
 
 
 def boot(model_dir, *extra: str):
@@ -173,14 +181,21 @@ def _check_greedy_equal(executor, plan, monkeypatch):
     return requests, off
 
 
-@pytest.mark.parametrize("offloaded", [False, True], ids=["resident", "offloaded"])
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe", "qwen3_next"])
+@pytest.mark.parametrize(
+    "arch, offloaded",
+    [
+        *((arch, offloaded) for arch in ("qwen3_moe", "qwen3_5_moe", "qwen3_next") for offloaded in (False, True)),
+        ("gpt_oss", False),  # its sliding layers' rings: a refused draft's K/V overwrote nothing a later row needs
+    ],
+)
 def test_greedy_speculation_gives_the_tokens_of_decoding_one_at_a_time(
-    arch, offloaded, tiny_models, hybrid_next, monkeypatch
+    arch, offloaded, tiny_models, more_models, monkeypatch
 ):
-    model_dir = hybrid_next if arch == "qwen3_next" else tiny_models[arch]
+    model_dir = tiny_models[arch] if arch in tiny_models else more_models(arch)
     executor, plan = boot(model_dir, *(["--moe-cache-size", "8"] if offloaded else []))
     assert (plan.experts.slots < plan.experts.total) == offloaded
+    if arch == "gpt_oss":
+        assert pool_report_from_plan(plan, executor.spec.vocab_size).kv_ring_slots > 0
     _check_greedy_equal(executor, plan, monkeypatch)
 
 
