@@ -830,10 +830,12 @@ class BatchScheduler:
                 self._abandon_saves([e])
                 self._release_if_idle(req)
                 continue
-            kept = accepted.get(req.rid, 0) if e.drafts else 0
+            kept = accepted.get(req.rid, -1) if e.drafts else 0  # -1: the answer says nothing of its drafts
             if not 0 <= kept <= len(e.drafts):
                 self._fail(
-                    req, EngineError(f"the worker kept {kept} of request {req.rid}'s {len(e.drafts)} drafts"), out
+                    req,
+                    EngineError(f"the worker kept {kept} of request {req.rid}'s {len(e.drafts)} drafts (-1: unsaid)"),
+                    out,
                 )
                 continue
             if e.drafts:

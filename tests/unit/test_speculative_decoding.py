@@ -2,9 +2,11 @@
 process on CPU, float32, against speculation off.
 
 * Greedy: the same tokens and finish reasons, token for token, on the attention-only model and both hybrids,
-  experts resident and offloaded, and on gpt-oss's sliding rings, with drafts that are kept whole, in part and not at all (a drafter that
-  knows the answer and spoils one draft in turn), and with prompt lookup's own drafts. A rollback one
-  position off (the scheduler's count of computed tokens, a hybrid's linear state not put back) fails it.
+  experts resident and offloaded, and on gpt-oss's sliding rings, with drafts that are kept whole, in part and
+  not at all (a drafter that knows the answer and spoils one draft in turn), and with prompt lookup's own
+  drafts. A rollback one position off (the scheduler's count of computed tokens, a hybrid's linear state not put
+  back) fails it; so does a page kept past the tokens.
+* The worker's answer is held to the drafts sent: a count that is missing or too large fails that request.
 * Sampling: the verify rule keeps the target distribution (a chi-square test over many draws, of the first
   token a row produces and of the next one given that the first draft was kept), on made-up logits and on the
   tiny model's own; a bias planted in the acceptance rule fails it.
@@ -543,6 +545,24 @@ def test_drafts_stay_inside_max_tokens_and_the_pages(tiny_models, monkeypatch):
     # every step that no request holds a page past its tokens
     [(tokens, _)], sched = generate(executor, plan, [(PROMPTS[0], GREEDY, 40)], "ngram", k=8)
     assert len(tokens) == 40 and sched.drafted_tokens - sched.accepted_drafts > 100
+
+
+@pytest.mark.parametrize("accepted", [None, np.array([5, 0], np.int32)], ids=["unsaid", "too_many"])
+def test_an_answer_that_misstates_the_drafts_kept_fails_its_request(monkeypatch, accepted):
+    """The scheduler holds the worker's answer to its drafting row: no count, or more drafts kept than sent,
+    fails the request (never a sequence the KV does not hold), not the step's others."""
+    executor, plan = memory_executor("qwen3_moe")
+    sched = BatchScheduler(pool_report_from_plan(plan, executor.spec.vocab_size), speculative_method="ngram")
+    monkeypatch.setattr(batcher_module, "propose_ngram", lambda tokens, k: [1, 2])
+    sched.add(1, b"t", 1, np.array(PROMPTS[0], np.int32), GREEDY, 10)
+    sched.add(2, b"t", 2, np.array(PROMPTS[0], np.int32), SamplingParams(temperature=0, seed=1), 10)
+    sched.complete(executor.execute(sched.schedule()))  # the prompts
+    batch = sched.schedule()
+    assert batch.draft_lens.tolist() == [2, 0]  # the seeded one never drafts
+    answer = executor.execute(batch)
+    out = sched.complete(msgspec.structs.replace(answer, accepted_drafts=accepted))
+    assert [r.rid for r, _ in out.failed] == [1] and "drafts" in str(out.failed[0][1])
+    assert [r.rid for r, _ in out.tokens] == [2]
 
 
 def test_contract_refuses_drafts_a_request_cannot_take(tiny_models):
