@@ -1,5 +1,6 @@
 """What an expert computes besides its two products, where the model says so: biases on the gate/up and down
-projections and the activation between them (silu(gate) * up, or gpt-oss's clamped SwiGLU).
+projections and the activation between them (silu(gate) * up, gpt-oss's clamped SwiGLU, or Gemma's
+gelu_tanh(gate) * up).
 
 A slot family whose expert has such an epilogue is read by the expert kernels as an `EpilogueFamily` (the
 format's `gemm_views` gives it: services/worker/expert_formats/bf16.py), the plain weight tensor otherwise;
@@ -23,12 +24,16 @@ import triton.language as tl
 @dataclass(frozen=True)
 class ExpertActivation:
     """silu(gate) * up where `swiglu_limit` is 0; else the clamped SwiGLU of transformers' GptOssExperts:
-    g = gate.clamp(max=limit), u = up.clamp(-limit, limit), (u + 1) * g * sigmoid(alpha * g)."""
+    g = gate.clamp(max=limit), u = up.clamp(-limit, limit), (u + 1) * g * sigmoid(alpha * g). With `gelu_tanh`,
+    gelu(gate) * up with gelu's tanh approximation (Gemma's experts: transformers' gelu_pytorch_tanh)."""
 
     swiglu_limit: float = 0.0
     swiglu_alpha: float = 1.0
+    gelu_tanh: bool = False
 
     def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.gelu_tanh:
+            return F.gelu(gate, approximate="tanh") * up
         if not self.swiglu_limit:
             return F.silu(gate) * up
         gate = gate.clamp(max=self.swiglu_limit)
@@ -37,6 +42,7 @@ class ExpertActivation:
 
 
 SILU_AND_MUL = ExpertActivation()
+GELU_TANH_AND_MUL = ExpertActivation(gelu_tanh=True)
 
 
 @dataclass(frozen=True)
@@ -68,20 +74,37 @@ def family_parts(family) -> tuple[torch.Tensor, torch.Tensor | None, ExpertActiv
     return family, None, SILU_AND_MUL
 
 
+# the expert kernels' `SWIGLU` constexpr is the activation's code (`activation_code`): 0 silu(gate) * up, 1 the
+# clamped SwiGLU, 2 gelu_tanh(gate) * up
+SILU_CODE, SWIGLU_CODE, GELU_TANH_CODE = 0, 1, 2
+
+
+def activation_code(activation: ExpertActivation) -> int:
+    if activation.gelu_tanh:
+        return GELU_TANH_CODE
+    return SWIGLU_CODE if activation.swiglu_limit else SILU_CODE
+
+
 @triton.jit
 def gate_up_activation(
     gate, up, bias_gate, bias_up, alpha, limit, out_ty, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr
 ):
     """The Triton expert kernels' activation: `gate`, `up` the float32 projections, each rounded here to
     `out_ty` as the reference rounds them, then with HAS_BIAS their biases (float32, broadcastable) added and
-    rounded, then silu(gate) * up, or with SWIGLU `ExpertActivation`'s clamped SwiGLU, every op rounded to
-    `out_ty` as torch rounds it in that dtype. Returns the activation in `out_ty`."""
+    rounded, then by SWIGLU's code silu(gate) * up, `ExpertActivation`'s clamped SwiGLU or gelu_tanh(gate) * up,
+    every op rounded to `out_ty` as torch rounds it in that dtype (torch computes gelu in float32 and rounds
+    once). Returns the activation in `out_ty`."""
     gate = gate.to(out_ty).to(tl.float32)
     up = up.to(out_ty).to(tl.float32)
     if HAS_BIAS:
         gate = (gate + bias_gate).to(out_ty).to(tl.float32)
         up = (up + bias_up).to(out_ty).to(tl.float32)
-    if SWIGLU:
+    if SWIGLU == 2:  # torch's tanh approximation: 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3)))
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        tanh = 2.0 / (1.0 + tl.exp(-2.0 * inner)) - 1.0
+        gelu = (0.5 * gate * (1.0 + tanh)).to(out_ty).to(tl.float32)
+        return (gelu * up).to(out_ty)
+    if SWIGLU == 1:
         gate = tl.minimum(gate, limit)
         up = tl.minimum(tl.maximum(up, -limit), limit)
         scaled = (gate * alpha).to(out_ty).to(tl.float32)
@@ -108,6 +131,6 @@ def triton_epilogue_args(w13, w2) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
         alpha=float(activation.swiglu_alpha),
         limit=float(activation.swiglu_limit),
         HAS_BIAS=has_bias,
-        SWIGLU=bool(activation.swiglu_limit),
+        SWIGLU=activation_code(activation),
     )
     return w13, w2, b13 if has_bias else w13, b2 if has_bias else w2, args

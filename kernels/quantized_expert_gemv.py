@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ferry.kernels.expert_epilogue import gate_up_activation
+from ferry.kernels.expert_epilogue import SILU_AND_MUL, activation_code, gate_up_activation
 from ferry.kernels.gguf_block_decode import GGUF_KERNEL_TYPES
 from ferry.kernels.gguf_blocks import BLOCKS
 from ferry.kernels.gguf_expert_gemv import launch_gguf_pair_kernels
@@ -409,8 +409,8 @@ def quantized_epilogue_args(w13: QuantizedFamily, w2: QuantizedFamily) -> tuple[
     has_bias, activation = w13.bias is not None, w13.activation
     if (w2.bias is not None) != has_bias:
         raise ValueError("an expert's gate/up and down projections have biases both or neither")
-    if (has_bias or activation.swiglu_limit) and w13.fmt not in FP4_SCALES and w13.ggml_type is None:
-        raise ValueError(f"the {w13.fmt} expert kernels compute no expert biases or clamped SwiGLU")
+    if (has_bias or activation != SILU_AND_MUL) and w13.fmt not in FP4_SCALES and w13.ggml_type is None:
+        raise ValueError(f"the {w13.fmt} expert kernels compute no expert biases or activation but silu")
     if has_bias and (w13.bias.stride(-1) != 1 or w2.bias.stride(-1) != 1):
         raise ValueError("expert biases must be unit-stride along their rows")
     args = dict(
@@ -419,7 +419,7 @@ def quantized_epilogue_args(w13: QuantizedFamily, w2: QuantizedFamily) -> tuple[
         alpha=float(activation.swiglu_alpha),
         limit=float(activation.swiglu_limit),
         HAS_BIAS=has_bias,
-        SWIGLU=bool(activation.swiglu_limit),
+        SWIGLU=activation_code(activation),
     )
     stand_in13, stand_in2 = (w13.q, w2.q) if w13.scale is None else (w13.scale, w2.scale)
     return (w13.bias if has_bias else stand_in13), (w2.bias if has_bias else stand_in2), args

@@ -53,18 +53,26 @@ SAFETENSORS_DTYPE_BYTES = {
 _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 
 
+# a multimodal wrapper's towers and their embedders beside the text model (Gemma 4's), never served
+UNSERVED_TOWERS = ("vision_tower", "embed_vision", "audio_tower", "embed_audio")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+# a layer's routed experts: `layers.N.mlp.experts…`, or `layers.N.experts…` beside the layer's dense MLP (Gemma 4)
+_ROUTED_EXPERTS = re.compile(r"(?:^|\.)layers\.\d+\.(?:mlp\.)?experts(?:\.|$)")
 
 
 def is_routed_expert(name: str) -> bool:
     """Routed experts live in host banks, not among the GPU-resident weights."""
-    return ".mlp.experts." in name or name.endswith(".mlp.experts")
+    return _ROUTED_EXPERTS.search(name) is not None
 
 
 def is_served(name: str, spec: ModelSpec | None = None) -> bool:
     """Tensors of a checkpoint that the text model uses: vision towers and MTP heads are not served, nor
     (given the spec) the `spec.mtp_layers` multi-token-prediction layers stored after the decoder's."""
     if name.startswith(("visual.", "model.visual.", "mtp.", "model.mtp.")) or ".visual." in name:
+        return False
+    if any(f"{tower}." in name for tower in UNSERVED_TOWERS):
         return False
     if spec is None or not spec.mtp_layers:
         return True
@@ -183,10 +191,12 @@ def workspace_bytes_estimate(
     b = DTYPE_BYTES[dtype]
     t, h = max_step_tokens, spec.hidden_size
     residual = 4 * t * h * b
-    nh, kvh, hd = spec.num_attention_heads, spec.num_kv_heads, spec.head_dim
-    tm = min(t, mixer_slice_tokens)
-    attention = tm * (nh * hd * (3 if spec.attn_output_gate else 2) + 2 * kvh * hd) * b
-    attention += 2 * max_model_len * kvh * hd * b  # one layer's K/V context gathered from its pages
+    nh, tm = spec.num_attention_heads, min(t, mixer_slice_tokens)
+    attention = 0
+    for kvh, hd in {(spec.layer_kv_heads(i), spec.layer_head_dim(i)) for i in spec.full_attention_layers}:
+        shaped = tm * (nh * hd * (3 if spec.attn_output_gate else 2) + 2 * kvh * hd) * b
+        shaped += 2 * max_model_len * kvh * hd * b  # one layer's K/V context gathered from its pages
+        attention = max(attention, shaped)
     k, i = spec.num_experts_per_tok, spec.moe_intermediate_size
     # both expert stores: [T, k, H] rows summed over k (fp32 [T, H]; the rows in float32 up to
     # ROWS_FLOAT32_MAX_TOKENS, in the dtype past it: the widest of any step up to t), the pairs' gate/up and
@@ -198,6 +208,8 @@ def workspace_bytes_estimate(
     if spec.shared_expert_intermediate_size:
         moe += t * 3 * spec.shared_expert_intermediate_size * b
     dense = t * 3 * spec.intermediate_size * b if not all(spec.moe_layers) else 0
+    if spec.moe_beside_dense_mlp:  # the dense MLP's activations, then its normed output beside the experts'
+        moe += t * (3 * spec.intermediate_size + 2 * h) * b
     linear = 0
     if spec.linear_attention_layers:
         nv, dk, dv = spec.linear_num_value_heads, spec.linear_key_head_dim, spec.linear_value_head_dim

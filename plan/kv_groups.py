@@ -7,20 +7,23 @@ A full-attention group (window 0) is paged over the context: the scheduler's pag
 table a request, as every layer once was.
 
 A sliding group (window W > 0: a token sees itself and the W - 1 keys before it) keeps per running request a
-ring of `ring_pages(W, step_tokens, page_size)` pages, reused as the sequence grows: position p lives in ring
+ring of `ring_pages(W, slice_tokens, page_size)` pages, reused as the sequence grows: position p lives in ring
 page (p // page_size) mod ring_pages of the request's slot (`ring_page`), so the ring's rows are the positions
-modulo ring_pages x page_size. A step writes its new tokens' K/V before any of them attends, so the ring holds,
-without two positions on one row, every key one step reads or writes: from the oldest key its first new token
-sees to its last new token, W - 1 + step_tokens positions, step_tokens being the most tokens one step gives a
-request (the prefill chunk, max_prefill_tokens). The rings belong to request slots, as the linear states do
-(ids 1..max_running_requests, handed out at admission, so a running request always has one; slot 0 is the
-padding rows' ring), so they take no page from the scheduler and never run short under load.
+modulo ring_pages x page_size. A ring layer runs over a step's tokens in sliding slices of at most
+`slice_tokens` (`sliding_slice_tokens`: SLIDING_SLICE_TOKENS, or the prefill chunk where smaller;
+services/worker/mixer_slices.py), each slice writing its new K/V and then attending before the next one writes,
+so the ring holds, without two positions on one row, every key one slice reads or writes: from the oldest key
+its first token sees to its last token, W - 1 + slice_tokens positions. A slice is at most that many tokens of
+the step, so of any request in it (a cut inside a request continues it in the next slice, as a later chunk
+would); decode steps (a token a request) are never cut. The rings belong to request slots, as the linear
+states do (ids 1..max_running_requests, handed out at admission, so a running request always has one; slot 0
+is the padding rows' ring), so they take no page from the scheduler and never run short under load.
 
 A ring is taken only where it is smaller than the group paged over the context (`uses_ring`): (slots + 1) rings
 against the context's pages + the sentinel. Elsewhere the sliding group is paged over the context with the full
-layers' page ids (its window then only masks keys, as a full group's context pool). So a ring never costs more
-than before, and `--num-tokens`, `--num-pages`, `--kv-reserve-tokens` and `max_model_len` count the context's
-tokens, the full groups' (and a paged sliding group's).
+layers' page ids (its window then only masks keys, as a full group's context pool) and runs over the whole
+step. So a ring never costs more than before, and `--num-tokens`, `--num-pages`, `--kv-reserve-tokens` and
+`max_model_len` count the context's tokens, the full groups' (and a paged sliding group's).
 
 No torch here (`ferry plan` prices groups without it)."""
 
@@ -30,6 +33,11 @@ from dataclasses import dataclass
 
 from ferry.plan.model_spec import FULL_ATTENTION, ModelSpec
 from ferry.shared.units import ceil_div
+
+# The most tokens of a step a ring layer writes before attending (services/worker/mixer_slices.py): 512 rows
+# still fill an H100's SMs in the layer's GEMMs (gpt-oss's q/k/v: 4 x 40 tiles of 128) while a ring stays
+# within W - 1 + 512 positions, 16x fewer than an 8,192-token chunk's.
+SLIDING_SLICE_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -56,10 +64,16 @@ def kv_groups(spec: ModelSpec) -> tuple[KvGroup, ...]:
     return tuple(sorted(groups, key=lambda g: (g.sliding, g.layers[0])))
 
 
-def ring_pages(window: int, step_tokens: int, page_size: int) -> int:
-    """Pages of one request's ring: room for the window - 1 keys before a step's first new token and the
-    step's step_tokens new ones, all at once (a ring's rows are positions modulo its pages x page_size)."""
-    return ceil_div(window - 1 + step_tokens, page_size)
+def sliding_slice_tokens(step_tokens: int) -> int:
+    """The most new tokens of a request a ring layer writes before attending, in steps of at most
+    `step_tokens` (the prefill chunk): a sliding slice, or the whole step where that is shorter."""
+    return min(step_tokens, SLIDING_SLICE_TOKENS)
+
+
+def ring_pages(window: int, slice_tokens: int, page_size: int) -> int:
+    """Pages of one request's ring: room for the window - 1 keys before a slice's first new token and the
+    slice's slice_tokens new ones, all at once (a ring's rows are positions modulo its pages x page_size)."""
+    return ceil_div(window - 1 + slice_tokens, page_size)
 
 
 def ring_page(slot: int, position: int, pages: int, page_size: int) -> int:
@@ -68,10 +82,10 @@ def ring_page(slot: int, position: int, pages: int, page_size: int) -> int:
     return slot * pages + (position // page_size) % pages
 
 
-def uses_ring(group: KvGroup, context_rows: int, ring_slots: int, step_tokens: int, page_size: int) -> bool:
+def uses_ring(group: KvGroup, context_rows: int, ring_slots: int, slice_tokens: int, page_size: int) -> bool:
     """A sliding group takes rings (one per request slot and the padding slot) where they are fewer pages than
     `context_rows`, the pages it would have paged over the context (sentinel included); never without request
-    slots (ring_slots 0)."""
-    if not group.sliding or ring_slots <= 0:
+    slots (ring_slots 0) or a slice to hold."""
+    if not group.sliding or ring_slots <= 0 or slice_tokens <= 0:
         return False
-    return (ring_slots + 1) * ring_pages(group.window, step_tokens, page_size) < context_rows
+    return (ring_slots + 1) * ring_pages(group.window, slice_tokens, page_size) < context_rows

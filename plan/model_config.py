@@ -19,7 +19,7 @@ from ferry.plan.dtypes import normalize_dtype
 from ferry.plan.gguf_checkpoint import find_gguf, load_gguf_config
 from ferry.plan.model_families import family_for_config
 from ferry.plan.model_families.spec_fields import GATED_DELTANET_FIELDS, first, require
-from ferry.plan.model_spec import CLAMPED_SWIGLU, FULL_ATTENTION, LINEAR_ATTENTION, SILU, ModelSpec
+from ferry.plan.model_spec import CLAMPED_SWIGLU, FULL_ATTENTION, GELU_TANH, LINEAR_ATTENTION, SILU, ModelSpec
 from ferry.plan.quantization import parse_quantization
 from ferry.shared.errors import ConfigError
 
@@ -53,7 +53,7 @@ def parse_model_config(
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
         dtype=dtype,
-        quantization=parse_quantization(raw, hf_quant_config, where),
+        quantization=parse_quantization(raw, hf_quant_config, where, family.experts_module),
         text_config=cfg,
         **family.spec_fields(cfg, where),
     )
@@ -71,6 +71,7 @@ def _validate(spec: ModelSpec, where: str) -> None:
             f"num_attention_heads ({spec.num_attention_heads}) is not a multiple of "
             f"num_key_value_heads ({spec.num_kv_heads})"
         )
+    problems.extend(_layer_attention_problems(spec))
     if spec.num_experts <= 0:
         problems.append("num_experts (or num_local_experts) must be positive: Ferry serves MoE models")
     elif not 0 < spec.num_experts_per_tok <= spec.num_experts:
@@ -114,8 +115,32 @@ def _validate(spec: ModelSpec, where: str) -> None:
         raise ConfigError(f"{where}: inconsistent model config: " + "; ".join(problems))
 
 
+def _layer_attention_problems(spec: ModelSpec) -> list[str]:
+    """Where layers differ in attention (attention_head_dims, attention_kv_heads, layer_value_is_key, layer_ropes):
+    one entry a layer, KV heads that divide the query heads, even head sizes."""
+    problems = []
+    for name in ("layer_value_is_key", "layer_ropes"):
+        if getattr(spec, name) and len(getattr(spec, name)) != spec.num_layers:
+            problems.append(f"{name} has {len(getattr(spec, name))} entries for {spec.num_layers} layers")
+    per_layer = (spec.attention_kv_heads, spec.attention_head_dims)
+    if problems or any(values and len(values) != spec.num_layers for values in per_layer):
+        return problems  # (the shapes' lengths are _validate's to report)
+    for i in range(spec.num_layers):
+        kv_heads, head_dim = spec.layer_kv_heads(i), spec.layer_head_dim(i)
+        if kv_heads <= 0 or head_dim <= 0 or head_dim % 2 or spec.num_attention_heads % kv_heads:
+            problems.append(
+                f"layer {i}: {kv_heads} KV heads of {head_dim} channels for {spec.num_attention_heads} query heads "
+                "(num_key_value_heads / num_global_key_value_heads must divide num_attention_heads; head sizes even)"
+            )
+        if spec.layer_ropes and not 0 < spec.layer_ropes[i].partial_rotary_factor <= 1:
+            problems.append(f"layer {i}: partial_rotary_factor must be in (0, 1]")
+    if spec.mlp_activation not in (SILU, GELU_TANH):
+        problems.append(f"dense MLP activation {spec.mlp_activation!r} is not one of {SILU}, {GELU_TANH}")
+    return problems
+
+
 ROUTER_SCORINGS = ("softmax", "sigmoid")
-EXPERT_ACTIVATIONS = (SILU, CLAMPED_SWIGLU)
+EXPERT_ACTIVATIONS = (SILU, CLAMPED_SWIGLU, GELU_TANH)
 
 
 def _expert_problems(spec: ModelSpec) -> list[str]:
@@ -126,7 +151,7 @@ def _expert_problems(spec: ModelSpec) -> list[str]:
     fmt = expert_formats.format_of(spec)
     if (spec.expert_bias or spec.expert_activation != SILU) and not fmt.holds_biases:
         return [
-            f"the routed experts have biases and the {spec.expert_activation} activation, which {fmt.name} "
+            f"the routed experts have biases or the {spec.expert_activation} activation, which {fmt.name} "
             "experts are not held or computed with (quantization_config)"
         ]
     return []

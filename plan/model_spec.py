@@ -19,6 +19,21 @@ LINEAR_ATTENTION = "linear_attention"
 # (up.clamp(-limit, limit) + 1) * g * sigmoid(alpha * g), g = gate.clamp(max=limit)
 SILU = "silu"
 CLAMPED_SWIGLU = "clamped_swiglu"
+# gelu(gate, tanh approximation) * up: Gemma's experts and dense MLPs (transformers' gelu_pytorch_tanh)
+GELU_TANH = "gelu_tanh"
+
+
+@dataclass(frozen=True)
+class LayerRope:
+    """One attention layer's rotary embedding where layers differ (Gemma 4: its sliding and full layers).
+    `proportional` (rope_type "proportional"): the frequencies are theta^(-2i / head_dim) for the first
+    `partial_rotary_factor * head_dim / 2` pairs and 0 for the rest, and the pairs are (i, i + head_dim / 2)
+    across the whole head (transformers' `_compute_proportional_rope_parameters`); otherwise the first
+    `partial_rotary_factor` of the head turns, theta^(-2i / rotary_dim)."""
+
+    theta: float
+    partial_rotary_factor: float = 1.0
+    proportional: bool = False
 
 
 @dataclass(frozen=True)
@@ -90,9 +105,21 @@ class ModelSpec:
     router_bias: bool = False  # the router's linear has a bias (added to the logits before the top k)
     # the routed experts' projections have biases (gate/up and down), which travel with the expert
     expert_bias: bool = False
-    expert_activation: str = SILU  # SILU | CLAMPED_SWIGLU (with swiglu_alpha and swiglu_limit)
+    expert_activation: str = SILU  # SILU | CLAMPED_SWIGLU (with swiglu_alpha and swiglu_limit) | GELU_TANH
     swiglu_alpha: float = 0.0
     swiglu_limit: float = 0.0
+    # per attention layer where layers differ (Gemma 4's sliding and full layers), else (): whether its values are
+    # its keys' projection (no v_proj: `attention_k_eq_v`), its rotary embedding
+    layer_value_is_key: tuple[bool, ...] = ()
+    layer_ropes: tuple[LayerRope, ...] = ()
+    value_norm: bool = False  # V gets an RMSNorm without a weight before it is cached (Gemma 4's v_norm)
+    attention_scale: float = 0.0  # the softmax's q.k scale; 0: head_dim ** -0.5 (Gemma 4's normed q/k: 1.0)
+    mlp_activation: str = SILU  # the dense MLPs' (and shared expert's): SILU | GELU_TANH
+    # every MoE layer also has a dense MLP of `intermediate_size` beside its experts, each output with its own
+    # norms (Gemma 4's enable_moe_block)
+    moe_beside_dense_mlp: bool = False
+    embedding_multiplier: float = 1.0  # the token embeddings are multiplied by it (rounded to the dtype)
+    final_logit_softcapping: float = 0.0  # logits -> cap * tanh(logits / cap) where positive
     # multi-token-prediction layers the checkpoint stores after the decoder's (layers.N.… for N at and past
     # num_layers): not served, neither loaded nor priced
     mtp_layers: int = 0
@@ -112,6 +139,10 @@ class ModelSpec:
     @property
     def full_attention_layers(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.layer_types) if t == FULL_ATTENTION)
+
+    def value_is_key(self, layer: int) -> bool:
+        """Layer `layer`'s values are its keys' projection (before the k norm and the rotary embedding)."""
+        return bool(self.layer_value_is_key) and self.layer_value_is_key[layer]
 
     def attention_window(self, layer: int) -> int:
         """The keys a token of `layer` attends to, itself included; 0: its whole context."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ferry.plan import expert_formats as F
 from ferry.plan.costs import MIXER_SLICE_TOKENS
 from ferry.plan.expert_backend import format_cpu_list, pool_thread_cpus
-from ferry.plan.kv_groups import ring_pages
+from ferry.plan.kv_groups import ring_pages, sliding_slice_tokens
 from ferry.plan.planner import Plan
 from ferry.plan.pool_layout import POOL_ALIGN, VIEW_ALIGN
 from ferry.shared.units import format_bytes
@@ -27,13 +27,13 @@ def _kv_group_rows(plan: Plan) -> list[tuple]:
         if g.ring_pages:
             kept = (
                 f"{plan.kv.ring_slots} + 1 padding rings x {g.ring_pages} pages (window + "
-                f"{plan.kv.ring_step_tokens}-token step)"
+                f"{plan.kv.ring_slice_tokens}-token slice)"
             )
         else:
             kept = f"{g.pages} pages over the context"
             if g.window:  # why no ring: one per running request would not be smaller
                 rings = (plan.max_running_requests + 1) * ring_pages(
-                    g.window, plan.max_prefill_tokens, plan.kv.page_size
+                    g.window, sliding_slice_tokens(plan.max_prefill_tokens), plan.kv.page_size
                 )
                 kept += f" (rings for {plan.max_running_requests} requests would take {rings})"
         rows.append(

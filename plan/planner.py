@@ -31,7 +31,7 @@ from ferry.plan.expert_backend import (
     physical_cores,
     plan_expert_backend,
 )
-from ferry.plan.kv_groups import kv_groups
+from ferry.plan.kv_groups import kv_groups, sliding_slice_tokens
 from ferry.plan.model_config import ModelSpec
 from ferry.plan.outside_memory import OutsideMemory, allocator_headroom
 from ferry.shared.errors import ConfigError, PlanError
@@ -133,9 +133,9 @@ class KVPlan:
     scale_bytes_per_token: int = 0  # the fp8 scales' part of bytes_per_token (0 with auto)
     groups: tuple[KVGroupPlan, ...] = ()
     # request slots the sliding groups' rings are for (ids 1..ring_slots, 0 the padding rows'), each ring
-    # room for ring_step_tokens new tokens a step; 0: no group keeps a ring
+    # room for a sliding slice of ring_slice_tokens new tokens (kv_groups.sliding_slice_tokens); 0: no ring
     ring_slots: int = 0
-    ring_step_tokens: int = 0
+    ring_slice_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -388,13 +388,15 @@ class _Costs:
         """The KV pool at `pages` context pages, the sliding groups in rings for the running requests where
         rings are smaller (plan/kv_groups.py)."""
         r = self.r
+        slice_tokens = sliding_slice_tokens(r.max_prefill_tokens)
         return L.kv_pool_layout(
-            self.spec, r.dtype, pages, r.page_size, r.kv_cache_dtype, r.max_running_requests, r.max_prefill_tokens
+            self.spec, r.dtype, pages, r.page_size, r.kv_cache_dtype, r.max_running_requests, slice_tokens
         )
 
     def kv_groups(self, pages: int) -> tuple[L.KvGroupLayout, ...]:
         r = self.r
-        return L.kv_group_layouts(self.spec, pages, r.page_size, r.max_running_requests, r.max_prefill_tokens)
+        slice_tokens = sliding_slice_tokens(r.max_prefill_tokens)
+        return L.kv_group_layouts(self.spec, pages, r.page_size, r.max_running_requests, slice_tokens)
 
     def experts(self, slots: int) -> int:
         return L.expert_slot_layout(self.spec, self.r.dtype, slots, self.r.max_prefill_tokens).nbytes
@@ -641,7 +643,7 @@ def _kv_plan(costs: _Costs, pages: int) -> KVPlan:
         scale_bytes_per_token=sum(len(g.layers) * 2 * g.kv_heads * scale for g in context),
         groups=groups,
         ring_slots=r.max_running_requests if rings else 0,
-        ring_step_tokens=r.max_prefill_tokens if rings else 0,
+        ring_slice_tokens=sliding_slice_tokens(r.max_prefill_tokens) if rings else 0,
     )
 
 

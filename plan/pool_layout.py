@@ -115,6 +115,8 @@ class KvGroupLayout:
     name: str
     pages: int
     ring_pages: int  # 0: paged over the context with the scheduler's page ids
+    # a ring's layers run over a step in slices of at most this many tokens (what the ring holds); 0: paged
+    slice_tokens: int = 0
 
     @property
     def scale_name(self) -> str:
@@ -122,18 +124,20 @@ class KvGroupLayout:
 
 
 def kv_group_layouts(
-    spec: ModelSpec, num_pages: int, page_size: int, ring_slots: int = 0, step_tokens: int = 0
+    spec: ModelSpec, num_pages: int, page_size: int, ring_slots: int = 0, slice_tokens: int = 0
 ) -> tuple[KvGroupLayout, ...]:
     """Each KV group's tensor pages: `num_pages` usable pages plus the sentinel page(s) over the context, or
     rings for `ring_slots` request slots and the padding slot where they are fewer pages (kv_groups.uses_ring);
-    `step_tokens`: the most new tokens one step gives a request (the prefill chunk)."""
+    `slice_tokens`: the most new tokens of a request a ring layer writes before attending
+    (kv_groups.sliding_slice_tokens of the prefill chunk)."""
     context = num_pages + KV_SENTINEL_PAGES
     out = []
     for i, group in enumerate(kv_groups(spec)):
-        ring = uses_ring(group, context, ring_slots, step_tokens, page_size)
-        per_ring = ring_pages(group.window, step_tokens, page_size) if ring else 0
+        ring = uses_ring(group, context, ring_slots, slice_tokens, page_size)
+        per_ring = ring_pages(group.window, slice_tokens, page_size) if ring else 0
         pages = (ring_slots + 1) * per_ring if ring else context
-        out.append(KvGroupLayout(group, "kv" if i == 0 else f"kv{i}", pages, per_ring))
+        name = "kv" if i == 0 else f"kv{i}"
+        out.append(KvGroupLayout(group, name, pages, per_ring, slice_tokens if ring else 0))
     return tuple(out)
 
 
@@ -144,13 +148,13 @@ def kv_pool_layout(
     page_size: int,
     kv_cache_dtype: str = "auto",
     ring_slots: int = 0,
-    step_tokens: int = 0,
+    slice_tokens: int = 0,
 ) -> PoolLayout:
     """Each KV group's K/V (kv_group_layouts) [layers, 2, pages, page_size, kv_heads, head_dim] in the model
     dtype (auto) or e4m3 (fp8), with fp8 its scales [layers, 2, pages, page_size, kv_heads] (float32), one a
     (token, kv head) row."""
     tensors: list[TensorSpec] = []
-    for g in kv_group_layouts(spec, num_pages, page_size, ring_slots, step_tokens):
+    for g in kv_group_layouts(spec, num_pages, page_size, ring_slots, slice_tokens):
         shape = (len(g.group.layers), 2, g.pages, page_size, g.group.kv_heads, g.group.head_dim)
         if kv_cache_dtype == "fp8":
             tensors += [TensorSpec(g.name, shape, KV_FP8_DTYPE), TensorSpec(g.scale_name, shape[:-1], KV_SCALE_DTYPE)]

@@ -78,9 +78,14 @@ class QuantScheme:
 
 
 def parse_quantization(
-    raw: dict[str, Any], hf_quant_config: dict[str, Any] | None = None, where: str = "config.json"
+    raw: dict[str, Any],
+    hf_quant_config: dict[str, Any] | None = None,
+    where: str = "config.json",
+    experts_module: str = "mlp.experts",
 ) -> QuantScheme | None:
-    """The checkpoint's QuantScheme, None for an unquantized one; a ConfigError for what is not served."""
+    """The checkpoint's QuantScheme, None for an unquantized one; a ConfigError for what is not served.
+    `experts_module`: where a layer's routed experts sit (the family's `ModelFamily.experts_module`), which
+    decides whether the config's exclusions leave them quantized."""
     qc = raw.get("quantization_config")
     if qc is None and isinstance(raw.get("text_config"), dict):
         qc = raw["text_config"].get("quantization_config")
@@ -93,26 +98,28 @@ def parse_quantization(
     if not isinstance(qc, dict):
         raise ConfigError(f"{source}: quantization_config must be an object")
     method = str(qc.get("quant_method", "")).lower()
+    experts = expert_module_names(module=experts_module)
     if method == "modelopt":
-        return _modelopt(qc, source)
+        return _modelopt(qc, source, experts)
     if method == "compressed-tensors":
-        return _compressed_tensors(qc, source)
+        return _compressed_tensors(qc, source, experts)
     if method == "fp8":
-        return _fp8(qc, source)
+        return _fp8(qc, source, experts)
     if method == GGUF:
         return _gguf(qc, source)
     if method == MXFP4_METHOD:
-        return _mxfp4(qc, source)
+        return _mxfp4(qc, source, experts)
     raise ConfigError(
         f"{source}: quantization_config quant_method {qc.get('quant_method')!r} is not supported; "
         f"Ferry serves {SUPPORTED}, or unquantized checkpoints"
     )
 
 
-def expert_module_names(layer: int = 0, expert: int = 0) -> list[str]:
-    """The names one routed expert's projections may have in a checkpoint or a quantization config."""
+def expert_module_names(layer: int = 0, expert: int = 0, module: str = "mlp.experts") -> list[str]:
+    """The names one routed expert's projections may have in a checkpoint or a quantization config, the layer's
+    experts at `module` (`mlp.experts`; Gemma 4's beside its dense MLP: `experts`)."""
     return [
-        f"{p}.{layer}.mlp.experts.{expert}.{proj}"
+        f"{p}.{layer}.{module}.{expert}.{proj}"
         for p in _EXPERT_PREFIXES
         for proj in ("gate_proj", "up_proj", "down_proj")
     ]
@@ -134,7 +141,7 @@ def _expert_format(method: str, algo: str) -> str:
 _MODELOPT_ALIASES = {"W4A16_NVFP4": "NVFP4"}
 
 
-def _modelopt(qc: dict[str, Any], source: str) -> QuantScheme:
+def _modelopt(qc: dict[str, Any], source: str, experts: list[str]) -> QuantScheme:
     algo = str(qc.get("quant_algo", "")).upper()
     algo = _MODELOPT_ALIASES.get(algo, algo)
     kv = qc.get("kv_cache_quant_algo")
@@ -143,7 +150,7 @@ def _modelopt(qc: dict[str, Any], source: str) -> QuantScheme:
         if group != 16:
             raise ConfigError(f"{source}: modelopt NVFP4 group_size {group} is not supported (only 16)")
         excluded = [str(p) for p in qc.get("exclude_modules") or qc.get("ignore") or []]
-        experts_excluded = any(_glob_any(excluded, n) for n in expert_module_names())
+        experts_excluded = any(_glob_any(excluded, n) for n in experts)
         return QuantScheme(
             "modelopt", "NVFP4", None if experts_excluded else _expert_format("modelopt", algo), source, kv
         )
@@ -171,7 +178,7 @@ def _modelopt(qc: dict[str, Any], source: str) -> QuantScheme:
     raise _unsupported_algo(source, qc.get("quant_algo"))
 
 
-def _compressed_tensors(qc: dict[str, Any], source: str) -> QuantScheme:
+def _compressed_tensors(qc: dict[str, Any], source: str, experts: list[str]) -> QuantScheme:
     fmt = str(qc.get("format", ""))
     groups = qc.get("config_groups") or {}
     if not isinstance(groups, dict) or not groups:
@@ -192,14 +199,14 @@ def _compressed_tensors(qc: dict[str, Any], source: str) -> QuantScheme:
                 f"supported; Ferry serves {SUPPORTED}"
             )
     ignored = [str(p) for p in qc.get("ignore") or []]
-    experts_ignored = any(_ct_ignored(p, n) for p in ignored for n in expert_module_names())
+    experts_ignored = any(_ct_ignored(p, n) for p in ignored for n in experts)
     algo = "nvfp4-pack-quantized"
     return QuantScheme(
         "compressed-tensors", algo, None if experts_ignored else _expert_format("compressed-tensors", algo), source
     )
 
 
-def _fp8(qc: dict[str, Any], source: str) -> QuantScheme:
+def _fp8(qc: dict[str, Any], source: str, experts: list[str]) -> QuantScheme:
     fmt = str(qc.get("fmt", "e4m3")).lower()
     block = qc.get("weight_block_size")
     if fmt != "e4m3" or list(block or []) != [128, 128]:
@@ -208,7 +215,7 @@ def _fp8(qc: dict[str, Any], source: str) -> QuantScheme:
             f"supported; Ferry serves {SUPPORTED}"
         )
     skipped = [str(m) for m in qc.get("modules_to_not_convert") or qc.get("ignored_layers") or []]
-    experts_skipped = any(_module_listed(m, n) for m in skipped for n in expert_module_names())
+    experts_skipped = any(_module_listed(m, n) for m in skipped for n in experts)
     return QuantScheme("fp8", FP8_BLOCKS, None if experts_skipped else _expert_format("fp8", FP8_BLOCKS), source)
 
 
@@ -237,11 +244,9 @@ def _gguf(qc: dict[str, Any], source: str) -> QuantScheme:
     return QuantScheme(GGUF, ggml_type, fmt.name, source, None, expert_types)
 
 
-def _mxfp4(qc: dict[str, Any], source: str) -> QuantScheme:
+def _mxfp4(qc: dict[str, Any], source: str, experts: list[str]) -> QuantScheme:
     skipped = [str(m) for m in qc.get("modules_to_not_convert") or []]
-    experts_skipped = any(
-        _glob_any(skipped, n) or any(_module_listed(m, n) for m in skipped) for n in expert_module_names()
-    )
+    experts_skipped = any(_glob_any(skipped, n) or any(_module_listed(m, n) for m in skipped) for n in experts)
     expert_format = None if experts_skipped else _expert_format(MXFP4_METHOD, MXFP4_METHOD)
     return QuantScheme(MXFP4_METHOD, MXFP4_METHOD, expert_format, source)
 

@@ -52,6 +52,10 @@ def cut_config(config: dict, num_layers: int | None) -> dict:
         text["layer_types"] = text["layer_types"][:num_layers]
     if isinstance(text.get("mlp_only_layers"), list):  # layer indices
         text["mlp_only_layers"] = [i for i in text["mlp_only_layers"] if i < num_layers]
+    if isinstance(text.get("per_layer_config"), dict):  # keyed by layer index (or by layer type)
+        text["per_layer_config"] = {
+            k: v for k, v in text["per_layer_config"].items() if not str(k).isdigit() or int(k) < num_layers
+        }
     return config
 
 

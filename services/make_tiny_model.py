@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from ferry.plan.model_families import families
@@ -83,7 +84,7 @@ def _perturb_norms(model, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith(("norm.weight", "norm_1.weight", "norm_2.weight")):
                 param.add_(0.1 * torch.randn(param.shape, generator=generator))
 
 
@@ -114,6 +115,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.gguf and TINY_FAMILIES[args.arch].gguf_write_metadata is None:
+        print(f"ferry make-tiny-model: error: --gguf: {args.arch} has no GGUF layout here", file=sys.stderr)
+        return 2
     sizes = GGUF_SIZES if args.gguf else {}
     out = make_tiny_model(args.dir, args.arch, args.seed, **sizes)
     print(f"wrote a tiny {args.arch} checkpoint (seed {args.seed}) to {out}")

@@ -16,6 +16,7 @@ A new family registers, with `register(ModelFamily(...))` in a module of this fo
   * `resident_weight_shapes(spec)`: every GPU-resident tensor by checkpoint name and shape, routed experts
     left out (weight_shapes.py has the shared layer kinds): the planner's weight bytes and dummy weights;
   * `published_names(config)`, when its published checkpoints name tensors other than `model.…`;
+  * `experts_module`, when a layer's routed experts are not at `layers.N.mlp.experts` (Gemma 4's `experts`);
   * `tiny_config` and `reference_classes`, for `ferry make-tiny-model` (transformers' classes write it);
   * `chat_format`, when its models speak another chat format than their Jinja chat template ("harmony":
     gpt-oss; the api's `--chat-format auto` takes it: services/api/tokenizer.py);
@@ -63,6 +64,8 @@ class ModelFamily:
     # how the api renders a chat and reads the output back: "template" (the tokenizer's chat template and the
     # text parsers) or "harmony" (services/api/harmony_format.py); config.py's CHAT_FORMATS
     chat_format: str = "template"
+    # where a layer's routed experts sit under `layers.N.` (a quantization config's exclusions are matched to it)
+    experts_module: str = "mlp.experts"
     # GGUF files (plan/gguf_checkpoint.py): the general.architecture values it claims, and
     # (metadata, tensor names, where) -> config.json's fields
     gguf_architectures: tuple[str, ...] = ()

@@ -121,6 +121,17 @@ def _progress_bars() -> bool:
     return sys.stderr.isatty()
 
 
+def prediction_routers(model) -> tuple[list[torch.Tensor], list[torch.Tensor] | None] | None:
+    """(router weights, their biases or None) of every MoE layer, what the offloading store's next-layer prediction
+    applies to a layer's expert input; None where a MoE layer's router is no linear of that input (Gemma 4's
+    normalises and scales the layer's input first): then no prediction."""
+    routers = [layer.mlp.gate for layer in model.layers if hasattr(getattr(layer, "mlp", None), "gate")]
+    if len(routers) != len(model.spec.moe_layer_indices):
+        return None
+    biases = [r.bias for r in routers]
+    return [r.weight for r in routers], biases if any(b is not None for b in biases) else None
+
+
 def _host_banks(spec, plan: Plan):
     """Host banks when the plan offloads, allocated before any device pool so a RAM shortage
     (HostMemoryError) comes first; None when every expert has a slot."""
@@ -329,10 +340,9 @@ def _load_and_plan(
             if getattr(store, "ring", None) is not None:
                 store.ring = None
             store = ExpertParallelExperts(store, rank, world, spec.num_experts)
-        if hasattr(store, "set_routers"):  # next-layer prediction: each MoE layer's router weight and bias
-            routers = [layer.mlp.gate for layer in model.layers if hasattr(layer.mlp, "gate")]
-            biases = [r.bias for r in routers]
-            store.set_routers([r.weight for r in routers], biases if any(b is not None for b in biases) else None)
+        routers = prediction_routers(model)
+        if hasattr(store, "set_routers") and routers is not None:
+            store.set_routers(*routers)
         experts.bind(store)
         # an offloaded store's experts go to host banks: read them to CPU, never through the device
         expert_device = torch.device("cpu") if banks else device

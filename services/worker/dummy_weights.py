@@ -11,8 +11,8 @@ architectures' init scale (0.02) the attention output swamps the token embedding
 the context, so the router sees almost the same input at every step and a benchmark's expert
 cache hits far more than it would on a real checkpoint. Here the token embedding is strong
 (N(0, 1)) and what each layer writes back into the residual stream is weak (o_proj, out_proj and
-every down_proj ~ N(0, 0.002)); other linear weights ~ N(0, 0.02); RMSNorm weights at the
-architecture's identity (ones, or zeros where the norm computes x * (1 + w)); Gated DeltaNet decay
+every down_proj ~ N(0, 0.002)); other linear weights ~ N(0, 0.02); RMSNorm weights and Gemma 4's multipliers
+at the architecture's identity (ones, or zeros where the norm computes x * (1 + w)); Gated DeltaNet decay
 terms like the reference init (A = exp(A_log) in [1, 16], dt_bias = 1); biases zero.
 
 `routing_skew` s > 0 makes some experts popular, as in trained models: every token embedding
@@ -34,6 +34,9 @@ LINEAR_STD = 0.02
 EMBED_STD = 1.0  # the token embedding dominates the residual stream: routing follows the token
 OUTPUT_STD = 0.002  # what a layer writes back into the residual stream
 OUTPUT_PROJECTIONS = ("o_proj.weight", "out_proj.weight", "down_proj.weight")
+# Gemma 4's learned multipliers (the router's input scale, each expert's weight scale, each layer's output scale):
+# at their identity, ones
+IDENTITY_MULTIPLIERS = ("scale", "per_expert_scale", "layer_scalar")
 
 
 def linear_std(name: str) -> float:
@@ -69,7 +72,9 @@ def dummy_tensor(
         return torch.ones(shape, dtype=dtype, device=device)
     if leaf == "bias":
         return torch.zeros(shape, dtype=dtype, device=device)
-    if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+    if leaf in IDENTITY_MULTIPLIERS:
+        return torch.ones(shape, dtype=dtype, device=device)
+    if name.endswith(("norm.weight", "layernorm.weight", "layernorm_1.weight", "layernorm_2.weight")):
         gated = ".linear_attn.norm." in name  # the gated norm multiplies by w itself
         if spec.zero_centered_norms and not gated:  # x * (1 + w): the identity weight is zero
             return torch.zeros(shape, dtype=dtype, device=device)
@@ -83,8 +88,9 @@ def dummy_tensor(
 
 def is_router(spec: ModelSpec, name: str, shape) -> bool:
     """Whether checkpoint tensor `name` is a MoE block's router ([experts, hidden] under `.mlp.`, not a
-    projection): families name it differently (`mlp.gate.`, gpt-oss's `mlp.router.`)."""
+    projection, or Gemma 4's `router.proj`): families name it differently (`mlp.gate.`, gpt-oss's `mlp.router.`)."""
     leaf_ok = ".mlp." in name and name.endswith(".weight") and not name.endswith("_proj.weight")
+    leaf_ok = leaf_ok or name.endswith(".router.proj.weight")
     return leaf_ok and ".experts." not in name and tuple(shape) == (spec.num_experts, spec.hidden_size)
 
 

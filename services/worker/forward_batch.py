@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -56,9 +56,29 @@ class ForwardBatch:
     # the linear-state slots of the rows that start in this step (zeroed first), on the host: a mask over the
     # device's `state_slots` would make the host wait for the device
     fresh_slots_host: tuple[int, ...] = ()
-    # a step longer than MIXER_SLICE_TOKENS: (start, end, the slice's batch) for each slice of its tokens, which
-    # the token mixers run over one after another (services/worker/mixer_slices.py); () runs them over all
-    mixer_slices: tuple[tuple[int, int, "ForwardBatch"], ...] = ()
+    # the host step the batch was made of, whose slices `slices` cuts (None: a padded decode step, never cut)
+    step: StepBatch | None = None
+    device: torch.device | None = None
+    _slices: dict = field(default_factory=dict, repr=False)
+
+    def slices(
+        self, max_tokens: int | None = None, rows_only: bool = False
+    ) -> tuple[tuple[int, int, "ForwardBatch"], ...]:
+        """(start, end, the slice's batch) for each slice of at most `max_tokens` (MIXER_SLICE_TOKENS where None)
+        of the step's tokens, which a layer's token mixer runs over one after another; () where the step needs
+        no cut (services/worker/mixer_slices.py, `rows_only` as there). Made at a layer's first ask, then kept."""
+        key = (MIXER_SLICE_TOKENS if max_tokens is None else max_tokens, rows_only)
+        if key not in self._slices:
+            parts = mixer_slices(self.step, *key) if self.step is not None else []
+            self._slices[key] = tuple(
+                (a, b, ForwardBatch.from_step(p, self.page_size, self.device)) for a, b, p in parts
+            )
+        return self._slices[key]
+
+    @property
+    def mixer_slices(self) -> tuple[tuple[int, int, "ForwardBatch"], ...]:
+        """The slices every token mixer but a ring layer runs over: those of MIXER_SLICE_TOKENS."""
+        return self.slices()
 
     @property
     def num_requests(self) -> int:
@@ -83,7 +103,7 @@ class ForwardBatch:
         the graph's static input buffer (its layout is the same for every step of that shape).
         Padding rows are harmless by the index conventions of shared/step.py: token 0 at position
         0 of the sentinel page, the padding state slot, and `real_tokens` tells the expert store
-        to leave them out. A step of more than MIXER_SLICE_TOKENS tokens also gets its mixer slices' batches."""
+        to leave them out. A step not padded keeps its host step, which its mixers' slices are cut from."""
         qlens = step.query_lens.astype(np.int64)
         clens = step.context_lens.astype(np.int64)
         qstart = np.zeros(len(qlens) + 1, dtype=np.int64)
@@ -122,13 +142,6 @@ class ForwardBatch:
         )
         if inside and pad_to is not None:
             raise ValueError("a decode graph's step saves no state inside a row (one token a row)")
-        slices = (
-            ()
-            if pad_to is not None
-            else tuple(
-                (a, b, cls.from_step(part, page_size, device)) for a, b, part in mixer_slices(step, MIXER_SLICE_TOKENS)
-            )
-        )
         return cls(
             **_to_device_in_one_copy(arrays, torch.device(device), into),
             sample_mask=np.concatenate([step.sample.astype(bool), np.ones(pad, bool)]),
@@ -138,7 +151,8 @@ class ForwardBatch:
             page_size=page_size,
             inside_saves=inside,
             fresh_slots_host=tuple(int(slot) for slot in np.asarray(step.linear_state_slots)[step.reset_linear_state]),
-            mixer_slices=slices,
+            step=step if pad_to is None else None,
+            device=torch.device(device),
         )
 
 

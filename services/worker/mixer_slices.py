@@ -6,6 +6,11 @@ of them at once. With experts offloaded a MoE layer costs one pass over the expe
 whatever its tokens, so a long step streams less per prompt token; the mixers gain nothing from more than
 8,192 rows, and their intermediates, the largest of a layer, stay those of one slice.
 
+The slice length is the layer's: a sliding layer whose K/V live in rings (plan/kv_groups.py) runs over slices
+of at most the tokens its ring holds besides the window (`rows_only`: only a step giving some request more than
+that is cut, so decode steps never are), each slice writing its K/V before it attends and before the next
+slice writes.
+
 A slice is itself a step (a StepBatch) over the parts of the rows that fall in it: a row cut by a slice
 boundary continues in the next slice as a later chunk of the same request would, from its context plus the
 tokens before the cut, so the slices compute what two steps would. A row's linear state is zeroed in the
@@ -56,10 +61,11 @@ def _cuts(total: int, n: int, max_tokens: int, points: set[int]) -> list[int] | 
     return cuts if len(sizes) and sizes.min() >= 1 and sizes.max() <= max_tokens else None
 
 
-def mixer_slices(step: StepBatch, max_tokens: int) -> list[tuple[int, int, StepBatch]]:
-    """[(start, end, the slice's step)]: the step cut as slice_bounds says; [] when it needs no cut."""
-    total = int(np.asarray(step.query_lens).sum())
-    if total <= max_tokens:
+def mixer_slices(step: StepBatch, max_tokens: int, rows_only: bool = False) -> list[tuple[int, int, StepBatch]]:
+    """[(start, end, the slice's step)]: the step cut as slice_bounds says; [] when it needs no cut: at most
+    `max_tokens` in all, or with `rows_only` at most that many in each row."""
+    lens = np.asarray(step.query_lens)
+    if (lens.max(initial=0) if rows_only else int(lens.sum())) <= max_tokens:
         return []
     return [(a, b, _slice(step, a, b)) for a, b in slice_bounds(step, max_tokens)]
 

@@ -86,9 +86,10 @@ class KvTensorPool:
             raise ValueError("an fp8 KV pool needs the model dtype (dtype) its attention computes in")
         self.dtype = dtype if dtype is not None else self.kv.dtype
         self.page_size = page_size
-        # layer -> (its group's K/V tensor, its scales or None, its index in the group, the group's ring pages)
+        # layer -> (its group's K/V tensor, its scales or None, its index in the group, the group's ring pages,
+        # the most tokens of a step its ring holds at once)
         self._where = {
-            layer: (pool.views[g.name], pool.views.get(g.scale_name), i, g.ring_pages)
+            layer: (pool.views[g.name], pool.views.get(g.scale_name), i, g.ring_pages, g.slice_tokens)
             for g in groups
             for i, layer in enumerate(g.group.layers)
         }
@@ -114,13 +115,13 @@ class KvTensorPool:
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) of one softmax-attention layer, each [pages, page_size, kv_heads, head_dim]."""
-        kv, _, i, _ = self._where[layer_idx]
+        kv, _, i, _, _ = self._where[layer_idx]
         return kv[i, 0], kv[i, 1]
 
     def layer_scales(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(K scales, V scales) of one layer of an fp8 pool, each [pages, page_size, kv_heads]; (None, None)
         where the pool holds the model dtype."""
-        _, scale, i, _ = self._where[layer_idx]
+        _, scale, i, _, _ = self._where[layer_idx]
         if scale is None:
             return None, None
         return scale[i, 0], scale[i, 1]
@@ -128,6 +129,12 @@ class KvTensorPool:
     def ring_pages(self, layer_idx: int) -> int:
         """The pages of each request's ring in the layer's group; 0 where the group is paged over the context."""
         return self._where[layer_idx][3]
+
+    def slice_tokens(self, layer_idx: int) -> int:
+        """The most new tokens of a step a ring layer may write before attending: it runs over longer steps in
+        slices of this many (services/worker/mixer_slices.py); 0 where the layer keeps no ring (or no KV)."""
+        where = self._where.get(layer_idx)
+        return where[4] if where else 0
 
 
 class LinearStatePool:
@@ -246,13 +253,13 @@ def planned_kv_layout(spec: ModelSpec, plan: Plan) -> L.PoolLayout:
     """The KV pool the plan priced: its context pages, and the rings it keeps for its request slots."""
     kv = plan.kv
     return L.kv_pool_layout(
-        spec, plan.dtype, kv.pages, kv.page_size, kv.cache_dtype, kv.ring_slots, kv.ring_step_tokens
+        spec, plan.dtype, kv.pages, kv.page_size, kv.cache_dtype, kv.ring_slots, kv.ring_slice_tokens
     )
 
 
 def planned_kv_groups(spec: ModelSpec, plan: Plan) -> tuple[L.KvGroupLayout, ...]:
     kv = plan.kv
-    return L.kv_group_layouts(spec, kv.pages, kv.page_size, kv.ring_slots, kv.ring_step_tokens)
+    return L.kv_group_layouts(spec, kv.pages, kv.page_size, kv.ring_slots, kv.ring_slice_tokens)
 
 
 def pool_layouts(spec: ModelSpec, plan: Plan) -> tuple[L.PoolLayout, ...]:

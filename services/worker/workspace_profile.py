@@ -26,7 +26,7 @@ import torch
 from ferry.plan import pool_layout as L
 from ferry.plan.costs import rows_beyond_longest_step
 from ferry.plan.dtypes import DTYPE_BYTES
-from ferry.plan.kv_groups import kv_groups
+from ferry.plan.kv_groups import kv_groups, sliding_slice_tokens
 from ferry.plan.model_config import ModelSpec
 from ferry.plan.planner import Resolved
 from ferry.services.worker.expert_formats import expert_format_for
@@ -80,10 +80,12 @@ def largest_step(r: Resolved) -> StepBatch:
 def temporary_pools(spec: ModelSpec, r: Resolved, step: StepBatch, device: torch.device) -> Pools:
     pages = int(step.page_table.max())
     # rings for the step's requests (slots 1..requests) where the model's sliding groups would keep them
-    slots, chunk = len(step.req_ids), r.max_prefill_tokens
+    slots, slice_tokens = len(step.req_ids), sliding_slice_tokens(r.max_prefill_tokens)
     kv = KvTensorPool(
-        allocate_pool(L.kv_pool_layout(spec, r.dtype, pages, r.page_size, r.kv_cache_dtype, slots, chunk), device),
-        L.kv_group_layouts(spec, pages, r.page_size, slots, chunk),
+        allocate_pool(
+            L.kv_pool_layout(spec, r.dtype, pages, r.page_size, r.kv_cache_dtype, slots, slice_tokens), device
+        ),
+        L.kv_group_layouts(spec, pages, r.page_size, slots, slice_tokens),
         r.page_size,
         dtype=TORCH_DTYPES[r.dtype],
     )

@@ -46,6 +46,7 @@ def _teacher_forced(runner: PagedRunner, prompt: list[int], continuation: list[i
         ("qwen3_5_moe", 16),
         ("glm4_moe", 4),
         ("gpt_oss", 4),
+        ("gemma4", 4),
     ],
 )
 def test_bf16_on_cuda_tracks_transformers(arch, page_size, cuda_device):
@@ -76,7 +77,7 @@ def test_bf16_on_cuda_tracks_transformers(arch, page_size, cuda_device):
     assert our_err <= 2 * their_err + 1e-3 * scale, f"mean error: ours {our_err:.3e}, transformers bf16 {their_err:.3e}"
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe", "glm4_moe", "gpt_oss"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe", "glm4_moe", "gpt_oss", "gemma4"])
 def test_float32_on_cuda_matches_transformers(arch, cuda_device):
     """float32 end to end on the GPU: only accumulation order (and fla's tf32 dots) differ."""
     hf, spec = tiny_model(arch, seed=32)

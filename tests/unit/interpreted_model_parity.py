@@ -61,6 +61,10 @@ CASES = {
     # gpt-oss: a window of 8 the 11-token prompt outgrows (its second chunk and the decode steps see a window),
     # sinks, YaRN's scaled rotary tables, the router's bias, biased experts with the clamped SwiGLU
     "gpt_oss-window-sinks-biased-clamped": ("gpt_oss", {}, 4),
+    # gemma4: two KV groups (sliding 2 x 16, full 1 x 32 with K = V and a value norm), each layer type's rotary tables
+    # through the fused norm + rotary kernel (proportional on the full layer), the scaled router through the top-k
+    # kernel, gelu-tanh experts through the pair kernels, soft-capped logits
+    "gemma4-two-shapes-keqv-gelu": ("gemma4", {}, 4),
     # the 11-token prompt in one step whose mixers run in slices of at most 4 (services/worker/mixer_slices.py)
     "qwen3_5_moe-mixer-slices": (
         "qwen3_5_moe",
@@ -114,17 +118,22 @@ def check_fp8(arch, overrides, page_size):
 
 
 # gpt-oss's sliding layers in rings (plan/kv_groups.py): a 23-token prompt in chunks of 5 and greedy steps past it,
-# each request's ring 3 pages of 4 (the window of 8 and a 5-token step), so the ring's rows are reused over and over
-RING_CASES = {"gpt_oss-sliding-rings": ("gpt_oss", {}, 4)}
+# each request's ring 3 pages of 4 (the window of 8 and a 5-token slice), so the ring's rows are reused over and
+# over; then in chunks of 12 and 11, which the ring layers run over in sliding slices of at most 5
+RING_CASES = {
+    "gpt_oss-sliding-rings": ("gpt_oss", {}, 4, [5, 5, 5, 5]),
+    "gpt_oss-sliding-slices": ("gpt_oss", {}, 4, [12]),
+    "gemma4-sliding-rings": ("gemma4", {}, 4, [5, 5, 5, 5]),
+}
 
 
-def check_rings(arch, overrides, page_size):
+def check_rings(arch, overrides, page_size, chunks):
     hf, spec = tiny_model(arch, **overrides)
     prompt = torch.randint(0, 96, (23,), generator=torch.Generator().manual_seed(5)).tolist()
-    runner = PagedRunner(spec, hf, page_size, num_slots=3, ring_step_tokens=5)
+    runner = PagedRunner(spec, hf, page_size, num_slots=3, ring_slice_tokens=5)
     assert runner.pools.kv.ring_pages(0) == 3
     runner.poison()
-    prompt_logits, tokens, step_logits = runner.generate(1, prompt, STEPS, [5, 5, 5, 5])
+    prompt_logits, tokens, step_logits = runner.generate(1, prompt, STEPS, chunks)
     ref_tokens, ref_step_logits, ref_prompt_logits = hf_greedy(hf, prompt, STEPS)
     assert_logits_close(prompt_logits, ref_prompt_logits)
     assert tokens == ref_tokens, (tokens, ref_tokens)

@@ -34,13 +34,13 @@ def make_pools(
     num_slots: int,
     device="cpu",
     kv_cache_dtype: str = "auto",
-    ring_step_tokens: int = 0,
+    ring_slice_tokens: int = 0,
 ) -> Pools:
-    """Pools laid out exactly as the planner prices them, every expert resident. `ring_step_tokens` > 0: the
+    """Pools laid out exactly as the planner prices them, every expert resident. `ring_slice_tokens` > 0: the
     sliding groups keep a ring for each of the `num_slots` slots where that is smaller (plan/kv_groups.py), room
-    for that many new tokens a step."""
+    for a sliding slice of that many new tokens."""
     name = DTYPE_NAMES[dtype]
-    rings = (num_slots, ring_step_tokens) if ring_step_tokens else (0, 0)
+    rings = (num_slots, ring_slice_tokens) if ring_slice_tokens else (0, 0)
     kv_pool = allocate_pool(L.kv_pool_layout(spec, name, num_pages, page_size, kv_cache_dtype, *rings), device)
     kv = KvTensorPool(kv_pool, L.kv_group_layouts(spec, num_pages, page_size, *rings), page_size, dtype=dtype)
     linear_layout = L.linear_state_layout(spec, name, num_slots)
@@ -71,14 +71,13 @@ class PagedRunner:
         num_slots: int = 8,
         seed: int = 0,
         kv_cache_dtype: str = "auto",
-        ring_step_tokens: int = 0,
+        ring_slice_tokens: int = 0,
     ):
-        """`ring_step_tokens` > 0: sliding groups keep rings where smaller (make_pools), and no step may give a
-        request more new tokens than that."""
+        """`ring_slice_tokens` > 0: sliding groups keep rings where smaller (make_pools), their layers running
+        over longer steps in slices of that many tokens."""
         self.spec, self.page_size, self.device = spec, page_size, device
         num_pages = num_pages or 16 + 512 // page_size  # room for a few hundred tokens
-        self.ring_step_tokens = ring_step_tokens
-        self.pools = make_pools(spec, dtype, num_pages, page_size, num_slots, device, kv_cache_dtype, ring_step_tokens)
+        self.pools = make_pools(spec, dtype, num_pages, page_size, num_slots, device, kv_cache_dtype, ring_slice_tokens)
         experts = ResidentExperts(self.pools.experts, len(spec.moe_layer_indices), spec.num_experts)
         self.model: CausalLM = build_model(spec, dtype, device, experts)
         self.model.load_weights(hf_model.state_dict().items())
@@ -114,8 +113,6 @@ class PagedRunner:
         ([1, vocab], `forward`: the serving path). `padding` appends that many padded rows (one
         token, sentinel page table, padding slot, no sampling), as a fixed-shape executor would."""
         reset = []
-        if self.ring_step_tokens and any(len(tokens) > self.ring_step_tokens for _, tokens in items):
-            raise ValueError(f"a step gives a request more than ring_step_tokens ({self.ring_step_tokens}) tokens")
         for req_id, tokens in items:
             if req_id not in self.requests:
                 self.requests[req_id] = _Request(slot=self.free_slots.pop())

@@ -84,7 +84,7 @@ LONG_PROMPTS = {1: [(i * 37 + 11) % 96 for i in range(45)], 2: [(i * 53 + 5) % 9
 
 
 def _ring_runner(hf, spec) -> PagedRunner:
-    runner = PagedRunner(spec, hf, page_size=4, num_slots=3, ring_step_tokens=RING_STEP)
+    runner = PagedRunner(spec, hf, page_size=4, num_slots=3, ring_slice_tokens=RING_STEP)
     runner.poison()  # every row a request reads must be one it wrote
     return runner
 
@@ -133,6 +133,85 @@ def test_a_ring_off_by_one_fails_to_equal_transformers(model, long_refs, monkeyp
     with pytest.raises(AssertionError, match="logits differ"):
         for rid, logits in _interleaved_prompt_logits(runner).items():
             assert_logits_close(logits, long_refs[rid][2])
+
+
+# Sliding slices (plan/kv_groups.py): rings of ceil((8 - 1 + 4) / 4) = 3 pages hold a slice of 4 tokens, while
+# each step gives both long prompts many more, side by side; the ring layers cut the step in slices of at most 4,
+# some cutting a prompt, some holding the end of one and the start of the other.
+RING_SLICE = 4
+SLICED_STEPS = ({1: slice(0, 30), 2: slice(0, 9)}, {2: slice(9, None), 1: slice(30, None)})
+
+
+def _sliced_ring_runner(hf, spec) -> PagedRunner:
+    runner = PagedRunner(spec, hf, page_size=4, num_slots=3, ring_slice_tokens=RING_SLICE)
+    runner.poison()
+    return runner
+
+
+def _sliced_prompt_logits(runner: PagedRunner) -> dict[int, torch.Tensor]:
+    logits = {rid: [] for rid in LONG_PROMPTS}
+    for parts in SLICED_STEPS:
+        items = [(rid, LONG_PROMPTS[rid][part]) for rid, part in parts.items()]
+        for (rid, _), out in zip(items, runner.step(items)):
+            logits[rid].append(out)
+    return {rid: torch.cat(parts) for rid, parts in logits.items()}
+
+
+def test_ring_layers_in_sliding_slices_equal_transformers_with_two_prompts_in_one_step(model, long_refs, monkeypatch):
+    from ferry.services.worker.forward_batch import ForwardBatch
+
+    hf, spec, _ = model
+    runner = _sliced_ring_runner(hf, spec)
+    assert runner.pools.kv.ring_pages(0) == kv_ring_pages(8, RING_SLICE, 4) == 3  # 12 rows: 7 keys and a slice
+    assert runner.pools.kv.slice_tokens(0) == RING_SLICE
+    assert runner.pools.kv.slice_tokens(1) == 0  # the full layer runs over the whole step
+    cut = []
+    slices = ForwardBatch.slices
+
+    def recorded(batch, max_tokens=None, rows_only=False):
+        out = slices(batch, max_tokens, rows_only)
+        if max_tokens == RING_SLICE and out:
+            cut.append([(a, b, part.step.req_ids.tolist()) for a, b, part in out])
+        return out
+
+    monkeypatch.setattr(ForwardBatch, "slices", recorded)
+    for rid, logits in _sliced_prompt_logits(runner).items():
+        assert_logits_close(logits, long_refs[rid][2])
+    assert len(cut) == 2 and all(b - a <= RING_SLICE for step in cut for a, b, _ in step)
+    assert any(rids == [1, 2] for _, _, rids in cut[0])  # a slice holding the end of one prompt, the start of the other
+    assert any(0 < b < 30 for _, b, _ in cut[0])  # a cut inside the first prompt's 30 tokens
+    tokens = {rid: ref[0] for rid, ref in long_refs.items()}
+    for i in range(len(tokens[1]) - 1):  # then decode both in one step, never cut
+        outs = runner.step([(rid, [tokens[rid][i]]) for rid in LONG_PROMPTS], all_rows=False)
+        for rid, out in zip(LONG_PROMPTS, outs):
+            assert_logits_close(out[-1], long_refs[rid][1][i + 1])
+    assert len(cut) == 2
+
+
+@pytest.mark.parametrize("fault", ["slice writes the whole step before attending", "ring one page short"])
+def test_a_sliding_slice_larger_than_its_ring_fails_to_equal_transformers(model, long_refs, monkeypatch, fault):
+    from ferry.plan import pool_layout
+    from ferry.services.worker.pools import KvTensorPool
+
+    hf, spec, _ = model
+    if fault == "ring one page short":  # window - 1 + slice positions on fewer rows
+        monkeypatch.setattr(pool_layout, "ring_pages", lambda w, n, ps: kv_ring_pages(w, n, ps) - 1)
+    runner = _sliced_ring_runner(hf, spec)
+    if fault == "slice writes the whole step before attending":  # the ring as sized, the step never cut
+        monkeypatch.setattr(KvTensorPool, "slice_tokens", lambda pool, layer: 1000 if pool.ring_pages(layer) else 0)
+    with pytest.raises(AssertionError, match="logits differ"):
+        for rid, logits in _sliced_prompt_logits(runner).items():
+            assert_logits_close(logits, long_refs[rid][2])
+
+
+def test_a_ring_layer_refuses_a_step_not_cut_in_sliding_slices(model, monkeypatch):
+    from ferry.services.worker.layers.context import StepContext
+
+    hf, spec, _ = model
+    runner = _sliced_ring_runner(hf, spec)
+    monkeypatch.setattr(StepContext, "slices", lambda ctx, max_tokens=None, rows_only=False: ())
+    with pytest.raises(ValueError, match="rings hold 4 new tokens a request, the step gives 9"):
+        runner.step([(1, LONG_PROMPTS[1][:9])])
 
 
 def test_yarn_frequencies_and_factor_are_transformers():

@@ -1,6 +1,7 @@
 """KV layer groups (plan/kv_groups.py): gpt-oss-120b's sliding layers priced at their rings, the ring's size and
-addressing, rings taken only where smaller, the pools allocated as planned, `ferry plan` showing the groups, and
-the scheduler's slots and prefix cache under rings."""
+addressing, rings taken only where smaller (and, sized for a sliding slice, at the defaults for gpt-oss and
+Gemma-4), the pools allocated as planned, `ferry plan` showing the groups, and the scheduler's slots and prefix
+cache under rings."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 from ferry.plan import pool_layout as L
-from ferry.plan.kv_groups import KvGroup, kv_groups, ring_page, ring_pages, uses_ring
+from ferry.plan.kv_groups import SLIDING_SLICE_TOKENS, KvGroup, kv_groups, ring_page, ring_pages, uses_ring
 from ferry.plan.model_config import parse_model_config
 from ferry.plan.plan_report import plan_table
 from ferry.plan.planner import Measured, PlanRequest, make_plan
@@ -22,14 +23,18 @@ from ferry.shared.messages import PoolReport
 from ferry.shared.sampling import SamplingParams
 from ferry.shared.units import MiB
 
-GPT_OSS_120B = Path(__file__).resolve().parents[1] / "data/models/gpt-oss-120b/config.json"
+MODELS = Path(__file__).resolve().parents[1] / "data/models"
+GPT_OSS_120B = MODELS / "gpt-oss-120b/config.json"
 FACTS = Measured(weights_bytes=10 * 2**30, workspace_bytes=2 * 2**30)
 
 
-def _gpt_oss_120b():
-    raw = json.loads(GPT_OSS_120B.read_text())
+def _gpt_oss(config: Path = GPT_OSS_120B):
+    raw = json.loads(config.read_text())
     raw.pop("quantization_config")
     return raw, parse_model_config(raw)
+
+
+_gpt_oss_120b = _gpt_oss
 
 
 def _round_up(n: int, to: int) -> int:
@@ -45,17 +50,17 @@ def test_gpt_oss_120b_has_a_full_and_a_sliding_group_of_18_layers():
 
 def test_gpt_oss_120b_prices_its_sliding_layers_at_their_rings():
     """At 131,072 tokens of context, 4 running requests and an 8,192-token chunk, the sliding half of the KV is
-    5 rings (4 requests and the padding one) of ceil((128 - 1 + 8192) / 16) = 520 pages instead of the
-    context's 8,193 pages: the pool drops by 18 layers x 2048 B a token x 16 tokens a page x (8193 - 2600) pages,
-    up to the pool's 2 MiB rounding."""
+    5 rings (4 requests and the padding one) of ceil((128 - 1 + 512) / 16) = 40 pages (a sliding slice of 512
+    tokens) instead of the context's 8,193 pages: the pool drops by 18 layers x 2048 B a token x 16 tokens a
+    page x (8193 - 200) pages, up to the pool's 2 MiB rounding."""
     raw, spec = _gpt_oss_120b()
     layers, kv_heads, head_dim = raw["num_hidden_layers"], raw["num_key_value_heads"], raw["head_dim"]
     token_bytes_per_layer = 2 * kv_heads * head_dim * 2  # K and V, bf16
     flags = dict(gpu_memory=200 * 2**30, num_tokens=131072, max_running_requests=4, max_prefill_tokens=8192)
     plan = make_plan(spec, PlanRequest(**flags), FACTS)
     context_pages = 131072 // 16 + 1  # and the sentinel
-    ring = -(-(raw["sliding_window"] - 1 + 8192) // 16)
-    assert ring == 520
+    ring = -(-(raw["sliding_window"] - 1 + 512) // 16)
+    assert ring == 40 and SLIDING_SLICE_TOKENS == 512
     full_bytes = layers // 2 * token_bytes_per_layer * 16 * context_pages
     ring_bytes = layers // 2 * token_bytes_per_layer * 16 * (4 + 1) * ring
     everything_paged = layers * token_bytes_per_layer * 16 * context_pages
@@ -63,7 +68,7 @@ def test_gpt_oss_120b_prices_its_sliding_layers_at_their_rings():
     assert everything_paged - plan.kv.bytes == pytest.approx(
         layers // 2 * token_bytes_per_layer * 16 * (context_pages - 5 * ring), abs=2 * MiB
     )
-    assert plan.kv.ring_slots == 4 and plan.kv.ring_step_tokens == 8192
+    assert plan.kv.ring_slots == 4 and plan.kv.ring_slice_tokens == 512
     assert plan.kv.bytes_per_token == layers // 2 * token_bytes_per_layer  # a token of context: the full layers'
     by_window = {g.window: g for g in plan.kv.groups}
     assert by_window[128].ring_pages == ring and by_window[128].pages == 5 * ring
@@ -72,7 +77,7 @@ def test_gpt_oss_120b_prices_its_sliding_layers_at_their_rings():
 
 
 def test_a_ring_is_taken_only_where_it_is_smaller_than_the_context():
-    """64 running requests' rings (65 x 520 pages) are more than 32,768 tokens of context: that group stays paged
+    """64 running requests' rings (65 x 40 pages) are more than 32,768 tokens of context: that group stays paged
     over the context, as every layer was, and the plan is what it was before groups."""
     raw, spec = _gpt_oss_120b()
     flags = dict(gpu_memory=200 * 2**30, num_tokens=32768, max_running_requests=64, max_prefill_tokens=8192)
@@ -81,7 +86,7 @@ def test_a_ring_is_taken_only_where_it_is_smaller_than_the_context():
     per_page = raw["num_hidden_layers"] * 2 * 8 * 64 * 2 * 16
     assert plan.kv.bytes == _round_up(per_page * (32768 // 16 + 1), 2 * MiB)
     assert plan.kv.bytes_per_token == L.kv_bytes_per_token(spec, "bfloat16")
-    assert "2049 pages over the context (rings for 64 requests would take 33800)" in plan_table(plan)
+    assert "2049 pages over the context (rings for 64 requests would take 2600)" in plan_table(plan)
 
 
 @pytest.mark.parametrize("window,step,page_size", [(8, 9, 4), (128, 8192, 16), (1024, 1, 16), (5, 3, 1), (7, 64, 16)])
@@ -98,27 +103,74 @@ def test_a_ring_holds_a_steps_keys_and_one_page_less_would_not(window, step, pag
         assert all(3 * pages * page_size <= r < 4 * pages * page_size for r in rows)  # inside slot 3's ring
 
 
+@pytest.mark.parametrize("model", ["gpt-oss-120b", "gpt-oss-20b"])
+def test_gpt_oss_sliding_layers_take_rings_at_the_default_requests_and_chunk(model):
+    """At the defaults (64 running requests, 8,192-token chunks) and a max_model_len of context, rings sized for a
+    whole chunk were more pages than the context (65 x ceil((128 - 1 + 8192) / 16) > 8193) and the sliding
+    layers stayed paged; sized for a 512-token sliding slice they are 65 x 40 pages, each sliding layer's K/V
+    drops from the context's to the rings', all computed from the published config.json."""
+    raw, spec = _gpt_oss(MODELS / model / "config.json")
+    page, context_tokens = 16, raw["max_position_embeddings"]
+    plan = make_plan(spec, PlanRequest(gpu_memory=200 * 2**30, num_tokens=context_tokens), FACTS)
+    assert (plan.max_running_requests, plan.max_prefill_tokens, plan.kv.page_size) == (64, 8192, page)  # defaults
+    sliding = raw["layer_types"].count("sliding_attention")
+    full = raw["num_hidden_layers"] - sliding
+    assert sliding == full == raw["num_hidden_layers"] // 2
+    token_bytes = 2 * raw["num_key_value_heads"] * raw["head_dim"] * 2  # K and V of a layer, bf16
+    context_pages = context_tokens // page + 1
+    rings = (64 + 1) * -(-(raw["sliding_window"] - 1 + 512) // page)
+    assert (64 + 1) * -(-(raw["sliding_window"] - 1 + 8192) // page) > context_pages > rings == 2600
+    paged = raw["num_hidden_layers"] * token_bytes * page * context_pages  # before: every layer over the context
+    planned = full * token_bytes * page * context_pages + sliding * token_bytes * page * rings
+    assert plan.kv.bytes == _round_up(planned, 2 * MiB)
+    assert paged - plan.kv.bytes == pytest.approx(sliding * token_bytes * page * (context_pages - rings), abs=2 * MiB)
+    assert plan.kv.ring_slots == 64 and plan.kv.ring_slice_tokens == 512
+    assert {g.window: g.pages for g in plan.kv.groups} == {0: context_pages, raw["sliding_window"]: rings}
+
+
+def test_gemma4_sliding_layers_take_rings_at_the_default_requests_and_chunk():
+    """Gemma-4's window of 1024: rings for a whole chunk were 65 x ceil((1024 - 1 + 8192) / 16) = 37,440 pages,
+    more than 131,072 tokens' 8,193; for a 512-token slice 65 x 96 = 6,240, fewer, so its sliding layers (8 kv
+    heads of 256) take them."""
+    spec = _gemma4_like()
+    flags = dict(gpu_memory=2**40, num_tokens=131072, moe_cache_size=24)
+    plan = make_plan(spec, PlanRequest(**flags), Measured(weights_bytes=0, workspace_bytes=0))
+    assert (plan.max_running_requests, plan.max_prefill_tokens) == (64, 8192)
+    context_pages, rings = 131072 // 16 + 1, 65 * -(-(1024 - 1 + 512) // 16)
+    assert 65 * -(-(1024 - 1 + 8192) // 16) > context_pages > rings == 6240
+    full_bytes = 1 * 2 * context_pages * 16 * 2 * 512 * 2
+    sliding_paged, sliding_rings = (5 * 2 * pages * 16 * 8 * 256 * 2 for pages in (context_pages, rings))
+    assert plan.kv.bytes == _round_up(full_bytes + sliding_rings, 2 * MiB)
+    assert full_bytes + sliding_paged - plan.kv.bytes == pytest.approx(sliding_paged - sliding_rings, abs=2 * MiB)
+
+
 def test_no_ring_without_slots_or_a_window():
     sliding, full = KvGroup((0,), 2, 8, 4), KvGroup((1,), 2, 8, 0)
     assert uses_ring(sliding, 1000, 4, 8, 4) and not uses_ring(sliding, 1000, 0, 8, 4)
+    assert not uses_ring(sliding, 1000, 4, 0, 4)  # no slice: nothing for a ring layer to run over
     assert not uses_ring(full, 1000, 4, 8, 4)
     assert not uses_ring(sliding, (4 + 1) * ring_pages(4, 8, 4), 4, 8, 4)  # as many pages: stays paged
 
 
-def test_pools_with_rings_are_allocated_exactly_as_planned():
+@pytest.mark.parametrize("chunk,slice_tokens", [(64, 64), (2048, 512)])
+def test_pools_with_rings_are_allocated_exactly_as_planned(chunk, slice_tokens):
+    """Rings sized for the chunk where it is shorter than a sliding slice, else for the slice; the ring layers
+    run over a step in slices of that many tokens."""
     raw, spec = _gpt_oss_120b()
     shrunk = dict(num_hidden_layers=4, layer_types=raw["layer_types"][:4], vocab_size=512, hidden_size=64)
     small = parse_model_config(raw | shrunk | dict(intermediate_size=32, num_local_experts=4, experts_per_token=2))
-    flags = dict(gpu_memory=2**40, num_tokens=4096, max_running_requests=3, max_prefill_tokens=64, moe_cache_size=16)
+    flags = dict(gpu_memory=2**40, num_tokens=8192, max_running_requests=3, max_prefill_tokens=chunk, moe_cache_size=16)
     plan = make_plan(small, PlanRequest(**flags), Measured(weights_bytes=0, workspace_bytes=0))
-    assert plan.kv.ring_slots == 3
+    assert plan.kv.ring_slots == 3 and plan.kv.ring_slice_tokens == slice_tokens
     pools = allocate_pools(small, plan, "cpu")
     assert pools.kv.pool.nbytes == plan.kv.bytes
     full, sliding = (g for g in plan.kv.groups)
+    ring = -(-(128 - 1 + slice_tokens) // 16)
     k, _ = pools.kv.layer(0)  # a sliding layer: its group's rings
-    assert k.shape == (sliding.pages, 16, 8, 64) and pools.kv.ring_pages(0) == sliding.ring_pages == 12
+    assert k.shape == (4 * ring, 16, 8, 64) and pools.kv.ring_pages(0) == sliding.ring_pages == ring
+    assert pools.kv.slice_tokens(0) == slice_tokens
     k, _ = pools.kv.layer(1)
-    assert k.shape == (4096 // 16 + 1, 16, 8, 64) and pools.kv.ring_pages(1) == 0
+    assert k.shape == (8192 // 16 + 1, 16, 8, 64) and pools.kv.ring_pages(1) == 0 and pools.kv.slice_tokens(1) == 0
 
 
 def test_ferry_plan_shows_each_group_and_its_rings():
@@ -126,7 +178,8 @@ def test_ferry_plan_shows_each_group_and_its_rings():
     flags = dict(gpu_memory=200 * 2**30, num_tokens=131072, max_running_requests=4, max_prefill_tokens=8192)
     table = plan_table(make_plan(spec, PlanRequest(**flags), FACTS))
     assert "KV group: full attention" in table and "18 layers x 8 kv heads x 64; 8193 pages over the context" in table
-    assert "KV group: sliding window 128" in table and "4 + 1 padding rings x 520 pages" in table
+    assert "KV group: sliding window 128" in table
+    assert "4 + 1 padding rings x 40 pages (window + 512-token slice)" in table
 
 
 def _scheduler(rings: int) -> BatchScheduler:

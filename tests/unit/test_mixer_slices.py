@@ -57,6 +57,17 @@ def test_a_step_within_the_slice_is_not_cut():
     assert mixer_slices(_step([10, 6]), 16) == []
 
 
+def test_ring_slices_cut_a_step_only_where_a_row_is_longer_than_the_slice():
+    """A sliding ring bounds each request's tokens in a slice (plan/kv_groups.py): a decode step of many one-token
+    rows is never cut, however many; a row longer than the slice cuts the whole step in slices of at most it."""
+    assert mixer_slices(_step([1] * 40), 16, rows_only=True) == []
+    assert mixer_slices(_step([10, 6, 16]), 16, rows_only=True) == []
+    slices = mixer_slices(_step([1, 20, 1, 1]), 16, rows_only=True)
+    assert [(a, b) for a, b, _ in slices] == [(0, 11), (11, 23)]
+    assert [s.query_lens.tolist() for _, _, s in slices] == [[1, 10], [10, 1, 1]]
+    assert [s.context_lens.tolist() for _, _, s in slices] == [[0, 0], [10, 0, 0]]
+
+
 def test_rows_cut_by_a_slice_continue_in_the_next_from_their_context():
     step = _step([5, 40, 3], context_lens=[0, 8, 2], reset=[True, True, False])
     slices = mixer_slices(step, 16)
@@ -161,8 +172,8 @@ def _runner(model, slice_tokens, monkeypatch, cuts: list | None = None, **kw) ->
     monkeypatch.setattr(forward_batch, "MIXER_SLICE_TOKENS", slice_tokens)
     if cuts is not None:
 
-        def spy(step, max_tokens):
-            made = mixer_slices(step, max_tokens)
+        def spy(step, max_tokens, rows_only=False):
+            made = mixer_slices(step, max_tokens, rows_only)
             if made:
                 cuts.append([(a, b) for a, b, _ in made])
             return made

@@ -186,6 +186,7 @@ FAMILY_MODULES = (
     "services/worker/models/qwen3_hybrid.py",
     "services/worker/models/glm4_moe.py",
     "services/worker/models/gpt_oss.py",
+    "services/worker/models/gemma4.py",
 )
 # which model to make is a choice, not a branch: the demo's model and make-tiny-model's default
 CHOICES = {("services/demo_model.py", "qwen3_moe"), ("services/make_tiny_model.py", "qwen3_moe")}

@@ -114,6 +114,23 @@ MODELS = [
         ),
         1,
     ),
+    # gemma4 (tiny_models.py's GEMMA4 fields): two sliding layers (window 8) then a full one with twice the head
+    # size, one KV head that is both K and V, proportional rotary; a gelu dense MLP beside the experts, the scaled
+    # router, layer scalars, the embedding multiplier, soft-capped logits
+    ("gemma4-window8-keqv-p4", "gemma4", {}, 4),
+    (
+        "gemma4-8e-top3-window5-kv-4layers-p1",
+        "gemma4",
+        dict(
+            num_hidden_layers=4,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+            sliding_window=5,
+            attention_k_eq_v=False,
+            num_experts=8,
+            num_experts_per_tok=3,
+        ),
+        1,
+    ),
 ]
 IDS = [m[0] for m in MODELS]
 HYBRID = [m for m in MODELS if m[1] in ("qwen3_next", "qwen3_5_moe")]
@@ -150,7 +167,7 @@ def test_chunked_prefill_matches_transformers(name, arch, overrides, page_size):
     _check(hf, _prompt(70, seed=4), PagedRunner(spec, hf, page_size), chunks=[5, 1, 2, 40])
 
 
-@_pick(1, 3, 6, 8, 10)
+@_pick(1, 3, 6, 8, 10, 12)
 def test_prompt_in_uneven_chunks_matches_transformers(name, arch, overrides, page_size):
     hf, spec = tiny_model(arch, seed=5, **overrides)
     _check(hf, _prompt(37, seed=6), PagedRunner(spec, hf, page_size), chunks=[16, 1, 3])
@@ -187,7 +204,7 @@ def run_staggered_batch(ours: PagedRunner, prompts: dict[int, list[int]], joins:
     return {r: (torch.cat(s["prompt_logits"]), s["tokens"], torch.stack(s["step_logits"])) for r, s in state.items()}
 
 
-@_pick(0, 3, 6, 7, 9)
+@_pick(0, 3, 6, 7, 9, 11)
 def test_four_requests_batched_match_each_alone(name, arch, overrides, page_size):
     # seed 8: seed 7 puts a routing tie (top-4/5 probabilities 3e-9 apart) on one decode token of
     # q35-8e-top4, where any rounding difference legitimately picks another expert

@@ -21,6 +21,9 @@ CASES = [
     "qwen3_moe-norm_topk-gqa-fp8-kv",
     "qwen3_5_moe-gated-partial-rotary-fp8-kv",
     "gpt_oss-sliding-rings",
+    "gemma4-two-shapes-keqv-gelu",
+    "gemma4-sliding-rings",
+    "gpt_oss-sliding-slices",
 ]
 
 

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    Gemma4ForCausalLM,
+    Gemma4TextConfig,
     Glm4MoeConfig,
     Glm4MoeForCausalLM,
     GptOssConfig,
@@ -61,6 +63,25 @@ GLM = dict(
 # (at 7.0 the clamp would never bite)
 GPT_OSS = dict(sliding_window=8, swiglu_limit=1.0)
 
+# gemma4: two sliding layers (a window shorter than the prompts) then a full one with twice the head size, one
+# KV head shared by K and V, proportional rotary on a quarter of its pairs; logits soft-capped near their scale
+GEMMA4 = dict(
+    num_hidden_layers=3,
+    layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+    intermediate_size=48,
+    global_head_dim=32,
+    num_global_key_value_heads=1,
+    attention_k_eq_v=True,
+    sliding_window=8,
+    enable_moe_block=True,
+    hidden_size_per_layer_input=0,
+    final_logit_softcapping=3.0,
+    rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6},
+    },
+)
+
 
 def _config(arch: str, **overrides):
     fields = dict(COMMON, **overrides)
@@ -83,6 +104,12 @@ def _config(arch: str, **overrides):
         for name, value in GPT_OSS.items():
             fields.setdefault(name, value)
         return GptOssConfig(**fields), GptOssForCausalLM
+    if arch == "gemma4":
+        fields.pop("rope_theta")  # rope_parameters, per layer type
+        fields["top_k_experts"] = fields.pop("num_experts_per_tok")
+        for name, value in GEMMA4.items():
+            fields.setdefault(name, value)
+        return Gemma4TextConfig(**fields), Gemma4ForCausalLM
     fields = dict(LINEAR, **fields)
     fields.setdefault("num_hidden_layers", 3)
     default_types = ["linear_attention", "full_attention", "linear_attention"]
@@ -109,11 +136,16 @@ def swiglu_from_config(model: torch.nn.Module) -> None:
 
 @torch.no_grad()
 def _redraw(model: torch.nn.Module, generator: torch.Generator) -> None:
-    biases = [(n, b) for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")]
-    for name, p in [*model.named_parameters(), *biases]:
+    embed_scaled = getattr(model.config, "model_type", "") in ("gemma4", "gemma4_text")
+    buffers = [(n, b) for n, b in model.named_buffers() if n.endswith(("e_score_correction_bias", "layer_scalar"))]
+    for name, p in [*model.named_parameters(), *buffers]:
         noise = torch.randn(p.shape, generator=generator)
-        if name.endswith("norm.weight"):
+        if name.endswith(("norm.weight", "norm_1.weight", "norm_2.weight")):
             p.add_(0.2 * noise)  # around 1 (plain) or 0 (zero-centred), whichever the module uses
+        elif name.endswith(("router.scale", "per_expert_scale", "layer_scalar")):  # Gemma 4's, around 1
+            p.copy_(1.0 + 0.3 * noise)
+        elif name.endswith("router.proj.weight"):  # Gemma 4's router normalises its input: logits of O(1)
+            p.copy_(2.0 * noise)
         elif name.endswith("dt_bias"):
             p.copy_(1.0 + 0.5 * noise)
         elif name.endswith("A_log"):
@@ -124,7 +156,9 @@ def _redraw(model: torch.nn.Module, generator: torch.Generator) -> None:
             # a spread wider than the scores' differences: choosing with the bias picks other experts
             p.copy_(0.3 * noise)
         elif name.endswith("embed_tokens.weight"):
-            p.copy_(noise)
+            # O(1) after the embedding multiplier (Gemma's sqrt(hidden)): tied to the head, larger rows would make
+            # every token predict itself
+            p.copy_(noise / getattr(model.config, "hidden_size", 1) ** 0.5 if embed_scaled else noise)
         elif p.dim() >= 2:
             fan_in = p.shape[-1]  # [out, in], fused experts [E, out, in], conv [C, 1, kernel]
             gain = 2.0 if name.endswith("gate.weight") and "shared" not in name else 1.0

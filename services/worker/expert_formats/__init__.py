@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from ferry.kernels.expert_epilogue import SILU_AND_MUL, ExpertActivation
+from ferry.kernels.expert_epilogue import GELU_TANH_AND_MUL, SILU_AND_MUL, ExpertActivation
 from ferry.plan import expert_formats as F
-from ferry.plan.model_spec import SILU, ModelSpec
+from ferry.plan.model_spec import CLAMPED_SWIGLU, GELU_TANH, SILU, ModelSpec
 
 if TYPE_CHECKING:
     from ferry.plan.planner import Plan
@@ -81,8 +81,12 @@ def expert_epilogue(spec: ModelSpec) -> tuple[tuple[int, int], ExpertActivation]
     what a format that holds them (`holds_biases`, plan/model_config.py checks) takes as `for_shapes`' epilogue."""
     if not spec.expert_bias and spec.expert_activation == SILU:
         return None
-    activation = ExpertActivation(spec.swiglu_limit, spec.swiglu_alpha) if spec.expert_activation != SILU else None
-    return F.format_of(spec).bias_rows(spec), activation or SILU_AND_MUL
+    activation = {
+        SILU: SILU_AND_MUL,
+        CLAMPED_SWIGLU: ExpertActivation(spec.swiglu_limit, spec.swiglu_alpha),
+        GELU_TANH: GELU_TANH_AND_MUL,
+    }[spec.expert_activation]
+    return F.format_of(spec).bias_rows(spec), activation
 
 
 def _for_shapes(fmt: F.ExpertFormat, spec: ModelSpec, dtype: torch.dtype) -> ExpertFormat:

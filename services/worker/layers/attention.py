@@ -17,7 +17,13 @@ gpt-oss adds a learned sink logit per head to each softmax's denominator (`sinks
 are computed by the paged kernels and their twin (kernels/paged_attention*.py); FlashAttention does not take
 them, so such a layer's long prefills go through the blocked Triton kernel. A sliding layer whose group keeps
 rings (plan/kv_groups.py) writes and reads its K/V in the ring of each request's slot (`state_slots`), not
-through the page table."""
+through the page table, over a step in sliding slices (StepContext.mix), each written and attended before the
+next.
+
+Gemma 4's layers differ in head size and KV heads (the spec's `layer_head_dim` / `layer_kv_heads`) and rotary
+embedding (each layer's own `rotary`, its tables in the step's context); in its full layers V is k_proj's output
+(`value_is_key`: no v_proj), every V gets an RMSNorm without a weight (`value_norm`), and the q/k norms make
+the softmax's scale 1 (`attention_scale`)."""
 
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ from ferry.kernels.dispatch import use_triton
 from ferry.kernels.kv_ring import ring_rows
 from ferry.kernels.paged_attention import paged_attention, write_kv
 from ferry.kernels.qk_norm_rope import qk_norm_rope_kv_triton
+from ferry.kernels.rms_norm_reference import rms_normalise
 from ferry.plan.model_config import ModelSpec
 from ferry.services.worker.layers.context import StepContext
 from ferry.services.worker.layers.norms import make_norm
@@ -42,16 +49,19 @@ class PagedAttention(nn.Module):
         self.heads = spec.num_attention_heads
         self.kv_heads, self.head_dim = spec.layer_kv_heads(layer_idx), spec.layer_head_dim(layer_idx)
         self.gated = spec.attn_output_gate
-        self.scale = self.head_dim**-0.5
+        self.scale = spec.attention_scale or self.head_dim**-0.5
         self.rotary = rotary
         h, bias = spec.hidden_size, spec.attention_bias
         q_out = self.heads * self.head_dim * (2 if self.gated else 1)
         kw = dict(dtype=dtype, device=device)
         kv_out = self.kv_heads * self.head_dim
-        self._splits = (q_out, kv_out, kv_out)
-        self._qkv_weight, self._qkv_bias, (self.q_proj, self.k_proj, self.v_proj) = _row_blocks_of_one_weight(
-            h, self._splits, bias, dtype, device
-        )
+        self.value_is_key = spec.value_is_key(layer_idx)  # no v_proj: V is k_proj's output
+        self._splits = (q_out, kv_out) if self.value_is_key else (q_out, kv_out, kv_out)
+        self._qkv_weight, self._qkv_bias, projections = _row_blocks_of_one_weight(h, self._splits, bias, dtype, device)
+        self.q_proj, self.k_proj = projections[:2]
+        if not self.value_is_key:
+            self.v_proj = projections[2]
+        self.value_norm_eps = spec.rms_norm_eps if spec.value_norm else None
         self.o_proj = nn.Linear(self.heads * self.head_dim, h, bias=spec.attention_output_bias, **kw)
         self.window = spec.attention_window(layer_idx)
         self.sinks = None
@@ -64,7 +74,8 @@ class PagedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = dense_linear(x, self._qkv_weight, self._qkv_bias).split(self._splits, dim=-1)
+        qkv = dense_linear(x, self._qkv_weight, self._qkv_bias).split(self._splits, dim=-1)
+        q, k, v = (*qkv, qkv[1]) if self.value_is_key else qkv
         gate = None
         if self.gated:
             q, gate = q.view(t, self.heads, 2 * self.head_dim).split(self.head_dim, dim=-1)
@@ -72,12 +83,21 @@ class PagedAttention(nn.Module):
         q = q.reshape(t, self.heads, self.head_dim)
         k = k.view(t, self.kv_heads, self.head_dim)
         v = v.view(t, self.kv_heads, self.head_dim)
+        if self.value_norm_eps is not None:  # an RMSNorm without a weight, each head's values
+            v = rms_normalise(v, self.value_norm_eps).to(v.dtype)
+        cos, sin = ctx.rotary_table(self.rotary.table_index)
         b = ctx.batch
         k_cache, v_cache = ctx.pools.kv.layer(self.layer_idx)
         k_scale, v_scale = ctx.pools.kv.layer_scales(self.layer_idx)  # None, None but in an fp8 pool
         ring = ctx.pools.kv.ring_pages(self.layer_idx)
         slot_mapping = b.slot_mapping
         if ring:  # a sliding group's rings: the rows of the tokens' request slots, not of the page table
+            # more of a request's tokens than the ring holds besides the window would overwrite keys still read
+            if max(b.query_lens_host) > ctx.pools.kv.slice_tokens(self.layer_idx):
+                raise ValueError(
+                    f"layer {self.layer_idx}'s rings hold {ctx.pools.kv.slice_tokens(self.layer_idx)} new tokens a "
+                    f"request, the step gives {max(b.query_lens_host)}: run it in sliding slices (StepContext.mix)"
+                )
             slot_mapping = ring_rows(b.positions, b.state_slots[b.token_request.long()], ring, b.page_size)
         if use_triton(x) and self.q_norm is not None:
             norm = self.q_norm
@@ -89,8 +109,8 @@ class PagedAttention(nn.Module):
                 self.k_norm.weight,
                 norm.eps,
                 norm.zero_centered,
-                ctx.cos,
-                ctx.sin,
+                cos,
+                sin,
                 self.rotary.rotary_dim,
                 slot_mapping,
                 k_cache,
@@ -101,8 +121,8 @@ class PagedAttention(nn.Module):
         else:
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
-            q = self.rotary.apply(q, ctx.cos, ctx.sin)
-            k = self.rotary.apply(k, ctx.cos, ctx.sin)
+            q = self.rotary.apply(q, cos, sin)
+            k = self.rotary.apply(k, cos, sin)
             write_kv(k_cache, v_cache, slot_mapping, k, v, k_scale, v_scale)
         out = paged_attention(
             q.contiguous(),

@@ -31,16 +31,20 @@ from ferry.kernels.moe_combine import moe_combine, moe_combine_reference, silu_m
 from ferry.kernels.router_topk import SigmoidRouting, router_topk_triton
 from ferry.kernels.router_topk_reference import router_topk_reference, sigmoid_topk_reference
 from ferry.plan.model_config import ModelSpec
+from ferry.plan.model_spec import GELU_TANH, SILU
 from ferry.services.worker.offload.stores.expert_store import ExpertStore
 
 
 class DenseMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)), with gate_proj and up_proj stacked in `gate_up_proj` [2I, hidden]."""
+    """down(silu(gate(x)) * up(x)), with gate_proj and up_proj stacked in `gate_up_proj` [2I, hidden]; with
+    `activation` GELU_TANH, down(gelu_tanh(gate(x)) * up(x)) (Gemma's), whose fused kernels are SiLU's only, so
+    it takes the torch composition on every device."""
 
-    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, device=None):
+    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype, device=None, activation: str = SILU):
         super().__init__()
         kw = dict(bias=False, dtype=dtype, device=device)
         self.intermediate = intermediate
+        self.gelu = activation == GELU_TANH
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, **kw)
         self.down_proj = nn.Linear(intermediate, hidden, **kw)
         self._single_expert: tuple[torch.Tensor, torch.Tensor] | None = None  # see forward_rows
@@ -51,7 +55,7 @@ class DenseMLP(nn.Module):
         }
 
     def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
-        if use_triton(x):  # one GEMV for gate and up, one kernel for SiLU and the product
+        if use_triton(x) and not self.gelu:  # one GEMV for gate and up, one kernel for SiLU and the product
             return dense_linear(silu_mul_triton(dense_linear(x, self.gate_up_proj.weight)), self.down_proj.weight)
         return self.reference(x)
 
@@ -63,7 +67,7 @@ class DenseMLP(nn.Module):
         the roundings are the same (projections, SiLU and
         product, down, each rounded to the dtype). Larger steps take `forward`."""
         t = x.shape[0]
-        if not use_pair_kernel(t) or not x.is_contiguous():
+        if not use_pair_kernel(t) or not x.is_contiguous() or self.gelu:
             return self.forward(x).float()
         if self._single_expert is None or self._single_expert[0].device != x.device:
             # the pair kernel's slot (0) and routing weight (1) of every row, made once: a step
@@ -82,7 +86,9 @@ class DenseMLP(nn.Module):
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         w, i = self.gate_up_proj.weight, self.intermediate
-        return self.down_proj(F.silu(F.linear(x, w[:i])) * F.linear(x, w[i:]))
+        gate = F.linear(x, w[:i])
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(act * F.linear(x, w[i:]))
 
 
 class TopKRouter(nn.Module):

@@ -42,13 +42,31 @@ def yarn_inv_freq(rotary_dim: int, theta: float, yarn: YarnRope, device=None) ->
 
 
 class RotaryEmbedding(nn.Module):
+    """`proportional` (Gemma 4's full layers, rope_type "proportional"): the whole head turns as pairs (i, i +
+    head_dim / 2) at frequencies theta^(-2i / head_dim) for the first int(partial_rotary_factor * head_dim // 2)
+    pairs and 0 (cos 1, sin 0: unturned) for the rest, as transformers' `_compute_proportional_rope_parameters`."""
+
+    table_index = 0  # its (cos, sin) in a step's StepContext.tables (models/decoder.py numbers a model's rotaries)
+
     def __init__(
-        self, head_dim: int, partial_rotary_factor: float, theta: float, device=None, yarn: YarnRope | None = None
+        self,
+        head_dim: int,
+        partial_rotary_factor: float,
+        theta: float,
+        device=None,
+        yarn: YarnRope | None = None,
+        proportional: bool = False,
     ):
         super().__init__()
-        self.rotary_dim = int(head_dim * partial_rotary_factor)
+        self.rotary_dim = head_dim if proportional else int(head_dim * partial_rotary_factor)
         self.scaling = 1.0  # cos and sin are multiplied by it (YaRN's attention factor)
-        if yarn is None:
+        if proportional:
+            if yarn is not None:
+                raise ValueError("proportional rotary takes no YaRN scaling")
+            angles = int(partial_rotary_factor * head_dim // 2)
+            turned = 1.0 / (theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.float32, device=device) / head_dim))
+            inv_freq = torch.cat([turned, torch.zeros(head_dim // 2 - angles, dtype=torch.float32, device=device)])
+        elif yarn is None:
             exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.float32, device=device) / self.rotary_dim
             inv_freq = 1.0 / (theta**exponents)
         else:

@@ -27,13 +27,20 @@ Tensors = Iterable[tuple[str, torch.Tensor]]
 
 
 class DecoderLayer(nn.Module):
-    """`mixer` is registered under `mixer_name`, the checkpoint's name for it (`self_attn`, `linear_attn`);
-    `moe`: the MLP is a MoE block, whose routed experts' rows the next norm may sum (see forward)."""
+    """Layer `layer_idx`: `mixer` is registered under `mixer_name`, the checkpoint's name for it (`self_attn`,
+    `linear_attn`); `moe`: the MLP is a MoE block, whose routed experts' rows the next norm may sum (see forward)."""
 
     def __init__(
-        self, mixer_name: str, mixer: nn.Module, mlp: nn.Module, norms: tuple[nn.Module, nn.Module], moe: bool
+        self,
+        layer_idx: int,
+        mixer_name: str,
+        mixer: nn.Module,
+        mlp: nn.Module,
+        norms: tuple[nn.Module, nn.Module],
+        moe: bool,
     ):
         super().__init__()
+        self.layer_idx = layer_idx
         self.mixer_name = mixer_name
         self.add_module(mixer_name, mixer)
         self.mlp = mlp
@@ -52,7 +59,7 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm.forward_add(x, residual)
-        h, residual = self.post_attention_layernorm.forward_add(ctx.mix(mixer, h), residual)
+        h, residual = self.post_attention_layernorm.forward_add(ctx.mix(mixer, h, self.layer_idx), residual)
         return (self.mlp(h, ctx, summed=False) if self._moe else self.mlp(h, ctx)), residual
 
 
@@ -80,6 +87,15 @@ class DecoderFamily(ABC):
     def rotary(self, spec: ModelSpec, device) -> RotaryEmbedding:
         return RotaryEmbedding(spec.head_dim, spec.partial_rotary_factor, spec.rope_theta, device, spec.rope_yarn)
 
+    def rotaries(self, spec: ModelSpec, device) -> list[RotaryEmbedding]:
+        """Every rotary embedding the layers use, the first the model's `rotary`: one, unless layers turn
+        differently (then `rotary_of` says which a layer takes)."""
+        return [self.rotary(spec, device)]
+
+    def rotary_of(self, spec: ModelSpec, layer: int) -> int:
+        """The index in `rotaries` of layer `layer`'s rotary embedding."""
+        return 0
+
     def norm(self, spec: ModelSpec, dim: int, dtype: torch.dtype, device) -> nn.Module:
         return make_norm(spec.zero_centered_norms, dim, spec.rms_norm_eps, dtype, device)
 
@@ -100,7 +116,7 @@ class DecoderFamily(ABC):
         name, mixer = self.mixer(spec, layer, rotary, dtype, device)
         mlp = self.mlp(spec, layer, experts, dtype, device)
         norms = tuple(self.norm(spec, spec.hidden_size, dtype, device) for _ in range(2))
-        return DecoderLayer(name, mixer, mlp, norms, moe=spec.moe_layers[layer])
+        return DecoderLayer(layer, name, mixer, mlp, norms, moe=spec.moe_layers[layer])
 
     def checkpoint_tensors(self, spec: ModelSpec, name: str, tensor: torch.Tensor, source: str) -> Tensors:
         """One checkpoint tensor (its name without the wrapper prefix) as the tensors the module tree names;
@@ -142,11 +158,15 @@ class CausalLM(nn.Module):
         self.dtype = dtype
         self.family = family
         object.__setattr__(self, "experts", experts)  # not a submodule: see SparseMoeBlock
-        self.rotary = family.rotary(spec, device)
+        self.rotaries = nn.ModuleList(family.rotaries(spec, device))
+        self.rotary = self.rotaries[0]
+        for index, rotary in enumerate(self.rotaries):
+            rotary.table_index = index  # its tables' place in the step's StepContext.tables
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype, device=device)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(
-            family.layer(spec, i, self.rotary, experts, dtype, device) for i in range(spec.num_layers)
+            family.layer(spec, i, self.rotaries[family.rotary_of(spec, i)], experts, dtype, device)
+            for i in range(spec.num_layers)
         )
         self.norm = family.norm(spec, spec.hidden_size, dtype, device)
         self.lm_head = None
@@ -168,16 +188,28 @@ class CausalLM(nn.Module):
         """Final-normed hidden states of every new token, [T, hidden]."""
         if self.spec.linear_attention_layers and pools.linear_state is None:
             raise ValueError("this model has linear-attention layers but the pools have no linear_state pool")
-        cos, sin = self.rotary.cos_sin(batch.positions, self.dtype)
-        ctx = StepContext.of(batch, pools, cos, sin, bool(self.spec.linear_attention_layers))
-        x, residual = self.embed_tokens(batch.tokens), None
+        tables = tuple(rotary.cos_sin(batch.positions, self.dtype) for rotary in self.rotaries)
+        (cos, sin), linear = tables[0], bool(self.spec.linear_attention_layers)
+        ctx = StepContext.of(batch, pools, cos, sin, linear, tables if len(tables) > 1 else ())
+        x, residual = self.embed(batch.tokens), None
         for layer in self.layers:
             x, residual = layer(x, residual, ctx)
         return self.norm(x) if residual is None else self.norm.forward_add(x, residual)[0]
 
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings, times the spec's `embedding_multiplier` rounded to the dtype (as transformers'
+        Gemma scales them) where it is not 1."""
+        x = self.embed_tokens(tokens)
+        if self.spec.embedding_multiplier != 1.0:
+            x = x * torch.tensor(self.spec.embedding_multiplier, dtype=torch.float32).to(x.dtype)
+        return x
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits, soft-capped (cap * tanh(logits / cap)) where the spec's `final_logit_softcapping`."""
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, head).float()
+        logits = F.linear(hidden, head).float()
+        cap = self.spec.final_logit_softcapping
+        return cap * torch.tanh(logits / cap) if cap > 0 else logits
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pools: Pools) -> torch.Tensor:

@@ -38,11 +38,21 @@ from ferry.services.worker.quantized_weight import QuantizedWeight, quantized_we
 from ferry.shared.errors import ModelLoadError
 
 PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
-SKIPPED_PREFIXES = ("visual.", "mtp.", "model.visual.", "model.mtp.", "vision_tower.")
+SKIPPED_PREFIXES = (
+    "visual.",
+    "mtp.",
+    "model.visual.",
+    "model.mtp.",
+    "vision_tower.",
+    "embed_vision.",
+    "audio_tower.",
+    "embed_audio.",
+)
 
-_PER_EXPERT = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|bias)")
+# a layer's routed experts sit under `mlp.experts.`, or `experts.` beside a dense `mlp.` (Gemma 4)
+_PER_EXPERT = re.compile(r"layers\.(\d+)\.(?:mlp\.)?experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|bias)")
 _FUSED_EXPERTS = re.compile(
-    r"layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?(?:\.weight)?"
+    r"layers\.(\d+)\.(?:mlp\.)?experts\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?(?:\.weight)?"
 )
 # fused quantized experts: each family's weight as its `_blocks` and `_scales` tensors ([E, O, ...] each)
 QUANTIZED_FUSED_PARTS = ("_blocks", "_scales")

@@ -12,6 +12,7 @@ import ferry.kernels.expert_rows_sum as rows_sum
 import ferry.kernels.grouped_expert_gemm as k
 import ferry.kernels.quantized_expert_gemm as qk
 import ferry.kernels.quantized_expert_gemv as qpair
+from ferry.kernels.expert_epilogue import GELU_TANH_CODE, SILU_CODE, SWIGLU_CODE
 from ferry.kernels.gguf_block_decode import GGUF_KERNEL_TYPES
 from ferry.kernels.pair_tiles import TILES
 from ferry.kernels.quantized_experts import FP4_SCALES, FP8_BLOCK, MXFP4, NVFP4
@@ -57,10 +58,12 @@ MARK_PTRS = {"table_ptr": "*i32", "n_rows_ptr": "*i32"}
 EPILOGUE_FLOATS = {"alpha": "fp32", "limit": "fp32"}  # the clamped SwiGLU's (kernels/expert_epilogue.py)
 
 
-def epilogue_consts(fn, gpt_oss: bool) -> dict:
-    """HAS_BIAS (and a gate/up kernel's SWIGLU): off for every model but gpt-oss's experts."""
+def epilogue_consts(fn, gpt_oss: bool, gelu: bool = False) -> dict:
+    """HAS_BIAS (and a gate/up kernel's SWIGLU, the activation's code): off for every model but gpt-oss's experts
+    (biases, the clamped SwiGLU) and Gemma 4's (`gelu`: no biases, gelu-tanh)."""
     if "gate_up" in fn.__name__:
-        return {"HAS_BIAS": gpt_oss, "SWIGLU": gpt_oss}
+        code = GELU_TANH_CODE if gelu else SWIGLU_CODE if gpt_oss else SILU_CODE
+        return {"HAS_BIAS": gpt_oss, "SWIGLU": code}
     return {"HAS_BIAS": gpt_oss}  # the resident store's routed table, marked by gate/up
 
 
@@ -182,6 +185,12 @@ def signatures(dtype: str) -> list:
             consts = consts | epilogue_consts(fn, True)
             name = f"{fn.__name__}[bf16, biases, clamped swiglu]"
             out.append((name, fn, {**sig, **{c: "constexpr" for c in consts}}, consts))
+        for fn, sig, consts in (
+            (k._gate_up_kernel, gate_up, grouped),
+            (pair._pair_gate_up_kernel, pair_gate_up, pair_up),
+        ):
+            consts = consts | epilogue_consts(fn, False, gelu=True)  # Gemma 4's experts
+            out.append((f"{fn.__name__}[bf16, gelu-tanh]", fn, {**sig, **{c: "constexpr" for c in consts}}, consts))
     sum_sig = {"rows_ptr": "*fp32", "out_ptr": f"*{dtype}", "top_k": "i32", "H": "i32", "BLOCK": "constexpr"}
     out.append((f"_sum_rows_kernel[{dtype}]", rows_sum._sum_rows_kernel, sum_sig, {"BLOCK": rows_sum.BLOCK_H}))
     if dtype != "fp32":

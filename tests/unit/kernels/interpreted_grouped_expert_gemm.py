@@ -25,7 +25,7 @@ from long_step_rows import bf16_rows_are_the_float32_rows_rounded_once  # noqa: 
 
 from ferry.kernels.align_pairs import align_pairs_by_slot, align_pairs_by_slot_host  # noqa: E402
 from ferry.kernels.aligned_blocks import block_m_for, launch_blocks  # noqa: E402
-from ferry.kernels.expert_epilogue import ExpertActivation  # noqa: E402
+from ferry.kernels.expert_epilogue import GELU_TANH_AND_MUL, ExpertActivation  # noqa: E402
 from ferry.kernels.expert_pair_gemv import expert_pair_rows_triton  # noqa: E402
 from ferry.kernels.expert_rows_sum import sum_rows_triton  # noqa: E402
 from ferry.kernels.grouped_expert_gemm import grouped_expert_rows_triton  # noqa: E402
@@ -217,10 +217,21 @@ def biased_clamped_slots(seed, hidden, inter, slots, dtype):
     return fmt.gemm_views(w13, w2)
 
 
-def epilogue_rows_match(kernel, seed, tokens, top_k, hidden, inter, slots, skip, dtype):
-    """Biases and the clamped SwiGLU: the grouped GEMM or the pair kernel against the twin, every pair once."""
+def gelu_slots(seed, hidden, inter, slots, dtype):
+    """Gemma 4's slots: the bf16 format's rows without biases, viewed with the gelu-tanh activation."""
+    g = torch.Generator().manual_seed(seed)
+    fmt = Bf16Experts(hidden, inter, dtype, (0, 0), GELU_TANH_AND_MUL)
+    w13 = (torch.randn(slots, 2 * inter, hidden, generator=g) * hidden**-0.5).to(dtype)
+    w2 = (torch.randn(slots, hidden, inter, generator=g) * inter**-0.5).to(dtype)
+    return fmt.gemm_views(w13, w2)
+
+
+def epilogue_rows_match(kernel, seed, tokens, top_k, hidden, inter, slots, skip, dtype, gelu=False):
+    """Biases and the clamped SwiGLU (or, `gelu`, Gemma's gelu-tanh experts): the grouped GEMM or the pair kernel
+    against the twin, every pair once."""
     x, topk, weights, _, _ = make_case(seed, tokens, top_k, hidden, inter, slots, dtype, skip)
-    g13, g2 = biased_clamped_slots(seed, hidden, inter, slots, dtype)
+    slots_of = gelu_slots if gelu else biased_clamped_slots
+    g13, g2 = slots_of(seed, hidden, inter, slots, dtype)
     got = torch.full((tokens, top_k, hidden), float("nan"))
     want = torch.full((tokens, top_k, hidden), float("nan"))
     if kernel == "pair":
@@ -233,7 +244,7 @@ def epilogue_rows_match(kernel, seed, tokens, top_k, hidden, inter, slots, skip,
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got[~skipped], want[~skipped], rtol=tol, atol=tol)
     plain = torch.full_like(want, float("nan"))
-    grouped_expert_rows_reference(x, topk, weights, g13.weight, g2.weight, plain)
+    grouped_expert_rows_reference(x, topk, weights, g13.weight, getattr(g2, "weight", g2), plain)
     assert not torch.allclose(plain[~skipped], want[~skipped], atol=1e-2), "the epilogue changed nothing"
 
 
@@ -242,6 +253,10 @@ CASES = {
     "epilogue_grouped_bfloat16": lambda: epilogue_rows_match("grouped", 21, 20, 2, 64, 32, 5, 2, torch.bfloat16),
     "epilogue_pair_float32": lambda: epilogue_rows_match("pair", 22, 5, 3, 300, 170, 7, 3, torch.float32),
     "epilogue_pair_bfloat16": lambda: epilogue_rows_match("pair", 23, 3, 4, 64, 48, 8, 0, torch.bfloat16),
+    "gelu_grouped_float32": lambda: epilogue_rows_match("grouped", 24, 37, 3, 48, 40, 6, 4, torch.float32, True),
+    "gelu_grouped_bfloat16": lambda: epilogue_rows_match("grouped", 25, 20, 2, 64, 32, 5, 2, torch.bfloat16, True),
+    "gelu_pair_float32": lambda: epilogue_rows_match("pair", 26, 5, 3, 300, 170, 7, 3, torch.float32, True),
+    "gelu_pair_bfloat16": lambda: epilogue_rows_match("pair", 27, 3, 4, 64, 48, 8, 0, torch.bfloat16, True),
     "rows_summed_in_k_order": rows_summed_in_k_order,
     "pair_kernel_decode_one_token": lambda: pair_kernel_matches(12, 1, 8, 64, 48, 16, 0, 0),
     "pair_kernel_ragged_skipped_offset": lambda: pair_kernel_matches(13, 5, 3, 300, 170, 7, 3, 14),

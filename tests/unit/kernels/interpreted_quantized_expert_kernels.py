@@ -269,20 +269,24 @@ def mistakes_are_detected(fmt):
             assert error > 0.1, f"{name} kernel within {error:.2g} of a reference with {mistake}"
 
 
-def epilogue_rows_match(fmt, kernel, dtype):
+def epilogue_rows_match(fmt, kernel, dtype, gelu=False):
     """gpt-oss's experts in an fp4 format: float32 biases (rounded to x's dtype where added) and the clamped
-    SwiGLU at a limit the projections reach, through the pair or the grouped kernel, against the twin."""
+    SwiGLU at a limit the projections reach (or, `gelu`, Gemma 4's: no biases, gelu-tanh), through the pair or
+    the grouped kernel, against the twin."""
     import dataclasses
 
-    from ferry.kernels.expert_epilogue import ExpertActivation
+    from ferry.kernels.expert_epilogue import GELU_TANH_AND_MUL, ExpertActivation
 
     tokens = 3 if kernel == "pair" else 37
     hidden, inter = small(fmt)
     x, topk, weights, w13, w2 = make_case(fmt, 21, tokens, 3, hidden, inter, 6, dtype=dtype, skip=2)
     g = torch.Generator().manual_seed(22)
-    clamped = ExpertActivation(swiglu_limit=0.5, swiglu_alpha=1.702)
-    w13 = dataclasses.replace(w13, bias=0.5 * torch.randn(6, 2 * inter, generator=g), activation=clamped)
-    w2 = dataclasses.replace(w2, bias=0.5 * torch.randn(6, hidden, generator=g))
+    if gelu:
+        w13 = dataclasses.replace(w13, activation=GELU_TANH_AND_MUL)
+    else:
+        clamped = ExpertActivation(swiglu_limit=0.5, swiglu_alpha=1.702)
+        w13 = dataclasses.replace(w13, bias=0.5 * torch.randn(6, 2 * inter, generator=g), activation=clamped)
+        w2 = dataclasses.replace(w2, bias=0.5 * torch.randn(6, hidden, generator=g))
     got = nan_rows(x, topk)
     (expert_pair_rows_triton if kernel == "pair" else grouped_expert_rows_triton)(x, topk, weights, w13, w2, got)
     want = reference_rows(x, topk, weights, w13, w2)
@@ -302,6 +306,12 @@ for _fmt in FP4_SCALES:
             f"{_fmt}/epilogue_grouped_bfloat16": lambda f=_fmt: epilogue_rows_match(f, "grouped", torch.bfloat16),
         }
     )
+CASES.update(
+    {
+        f"{NVFP4}/gelu_pair": lambda: epilogue_rows_match(NVFP4, "pair", torch.float32, gelu=True),
+        f"{NVFP4}/gelu_grouped_bfloat16": lambda: epilogue_rows_match(NVFP4, "grouped", torch.bfloat16, gelu=True),
+    }
+)
 # ragged shapes: H past one step and a partial second, I one partial step (in whole fp4 groups)
 RAGGED = {NVFP4: (288, 48), MXFP4: (288, 96), FP8_BLOCK: (200, 72)}
 for _fmt in (NVFP4, MXFP4, FP8_BLOCK):
@@ -450,6 +460,12 @@ for _fmt in GGUF:
             f"{_fmt}/epilogue_grouped_bfloat16": lambda f=_fmt: epilogue_rows_match(f, "grouped", torch.bfloat16),
         }
     )
+CASES.update(
+    {
+        f"{NVFP4}/gelu_pair": lambda: epilogue_rows_match(NVFP4, "pair", torch.float32, gelu=True),
+        f"{NVFP4}/gelu_grouped_bfloat16": lambda: epilogue_rows_match(NVFP4, "grouped", torch.bfloat16, gelu=True),
+    }
+)
 
 
 def main() -> None:

@@ -34,6 +34,10 @@ CASES = [
     "epilogue_grouped_bfloat16",
     "epilogue_pair_float32",
     "epilogue_pair_bfloat16",
+    "gelu_grouped_float32",
+    "gelu_grouped_bfloat16",
+    "gelu_pair_float32",
+    "gelu_pair_bfloat16",
 ]
 
 
@@ -122,8 +126,9 @@ def test_kernels_compile_for_hopper():
     results = compile_in_child("compile_grouped_expert_gemm.py")
     # the plain kernels, then the quantized twins (the fp4 ones for nvfp4 and mxfp4), then (bf16) the down
     # kernels and the sum into bf16 rows, and (bf16) gpt-oss's biased clamped experts through the grouped and
-    # pair kernels, plain and mxfp4 (the GGUF kernels: test_gguf_expert_kernels.py)
-    assert len(results) == 26 + 72 + 3 + 6 + 4 + 4  # (compile_grouped_expert_gemm.py)
+    # pair kernels, plain and mxfp4, Gemma 4's gelu-tanh gate/up (grouped and pair) (the GGUF kernels:
+    # test_gguf_expert_kernels.py)
+    assert len(results) == 26 + 72 + 3 + 6 + 4 + 2 + 4  # (compile_grouped_expert_gemm.py)
     assert sum("rows bf16" in name for name in results) == 3 + 6
     for name, r in results.items():
         assert "error" not in r, f"{name}: {r.get('error')}"

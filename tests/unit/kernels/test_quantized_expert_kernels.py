@@ -46,6 +46,7 @@ CASES += [
     for fmt in (NVFP4, MXFP4)  # the fp4 kernels compute gpt-oss's epilogue (biases, the clamped SwiGLU)
     for name in ("epilogue_pair", "epilogue_grouped", "epilogue_pair_bfloat16", "epilogue_grouped_bfloat16")
 ]
+CASES += [f"{NVFP4}/gelu_pair", f"{NVFP4}/gelu_grouped_bfloat16"]  # Gemma 4's gelu-tanh experts in nvfp4
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,291 @@
+"""gemma4 (Gemma 4 MoE: gemma-4-26B-A4B, text tower): softmax attention in every layer, five over a sliding
+window to one over the whole context, and in every layer a dense MLP beside a routed MoE block.
+
+What it computes differently from qwen3_moe, each a generic ModelSpec field:
+  * `layer_types` alternates "sliding_attention" (the last `sliding_window` keys, itself included:
+    `attention_windows`) and "full_attention" (the last layer always full, as Gemma4TextConfig forces it);
+    the two kinds differ in head size (`head_dim` / `global_head_dim`: `attention_head_dims`), KV heads
+    (`num_key_value_heads` / `num_global_key_value_heads` where `attention_k_eq_v`: `attention_kv_heads`), and
+    rotary embedding (`rope_parameters` keyed by layer type: `layer_ropes`; "proportional" turns the first
+    `partial_rotary_factor` of the head's frequency pairs, paired across the whole head);
+  * with `attention_k_eq_v`, a full layer has no v_proj: its values are its keys' projection, before the k
+    norm and the rotary embedding (`layer_value_is_key`);
+  * q and k get RMSNorms, v one without a weight (`value_norm`), and the softmax scale is 1 (`attention_scale`);
+  * every layer's MLP is a gelu_pytorch_tanh dense MLP (`mlp_activation`) beside the routed experts
+    (`moe_beside_dense_mlp`), each output normed on its own, summed and normed again; the experts' inputs are
+    normed apart, gelu_pytorch_tanh too (`expert_activation`);
+  * the router RMS-normalises the layer's input (no weight), scales it by `router.scale` and hidden ** -0.5,
+    softmaxes its logits over all experts, renormalises the top k and multiplies each by its expert's
+    `router.per_expert_scale` (the worker's half computes it: services/worker/models/gemma4.py);
+  * the embeddings are multiplied by sqrt(hidden_size) (`embedding_multiplier`), each layer's output by its
+    `layer_scalar`, and the logits are soft-capped (`final_logit_softcapping`); the head is the embedding.
+Checkpoint layout (transformers' Gemma4): a multimodal wrapper (model_type `gemma4`, the text model in
+`text_config`) whose text tensors sit under `model.language_model.`, its vision and audio towers beside them
+(not served); each layer's norms `input_layernorm`, `post_attention_layernorm`, `pre_feedforward_layernorm`,
+`post_feedforward_layernorm`, `{pre,post}_feedforward_layernorm_2`, `post_feedforward_layernorm_1`, the dense
+MLP `mlp.{gate,up,down}_proj`, the router `router.{proj.weight,scale,per_expert_scale}`, the experts fused
+`experts.gate_up_proj` [E, 2I, H] (gate's rows, then up's) and `experts.down_proj` [E, H, I], not under `mlp.`.
+Its chat format is the checkpoint's own Jinja template (chat_format "template": Google's releases ship it beside
+the tokenizer; transformers has no built-in Gemma template to fall back on).
+Not served (a ConfigError naming the field): per-layer input embeddings (`hidden_size_per_layer_input`, the
+small dense Gemma 4s), layers sharing another's KV (`num_kv_shared_layers`), bidirectional text attention."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ferry.plan.model_families import ModelFamily, register
+from ferry.plan.model_families.spec_fields import first, require
+from ferry.plan.model_spec import FULL_ATTENTION, GELU_TANH, LayerRope, ModelSpec
+from ferry.shared.errors import ConfigError
+
+SLIDING = "sliding_attention"
+WRAPPER_MODEL_TYPE = "gemma4"
+TEXT_MODEL_TYPE = "gemma4_text"
+GELU_ACTIVATIONS = ("gelu_pytorch_tanh",)
+DEFAULT_SLIDING_PATTERN = 6  # Gemma4TextConfig: five sliding layers, then a full one
+PLE_DEFAULT = 256  # Gemma4TextConfig's hidden_size_per_layer_input
+DEFAULT_ROPE = {
+    SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
+    FULL_ATTENTION: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0},
+}
+
+
+def text_config(raw: dict[str, Any], where: str) -> dict[str, Any]:
+    """The wrapper's `text_config` (a flat `gemma4_text` config as it is)."""
+    if raw.get("model_type") != WRAPPER_MODEL_TYPE:
+        return raw
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise ConfigError(f"{where}: model_type {WRAPPER_MODEL_TYPE!r} needs a 'text_config' object")
+    merged = dict(text)
+    merged.setdefault("model_type", TEXT_MODEL_TYPE)
+    merged.setdefault("tie_word_embeddings", raw.get("tie_word_embeddings", True))
+    return merged
+
+
+def published_names(config: dict[str, Any]):
+    """The wrapper's text tensors sit under `model.language_model.` in the published checkpoints."""
+    if "text_config" not in config:
+        return lambda name: name
+    return lambda name: "model.language_model." + name.removeprefix("model.") if name.startswith("model.") else name
+
+
+def layer_types(cfg: dict[str, Any], num_layers: int, where: str) -> tuple[str, ...]:
+    types = list(
+        cfg.get("layer_types")
+        or [SLIDING if (i + 1) % DEFAULT_SLIDING_PATTERN else FULL_ATTENTION for i in range(num_layers)]
+    )
+    if len(types) != num_layers:
+        raise ConfigError(f"{where}: layer_types has {len(types)} entries but num_hidden_layers is {num_layers}")
+    bad = sorted({t for t in types if t not in (SLIDING, FULL_ATTENTION)})
+    if bad:
+        raise ConfigError(f"{where}: unknown layer_types {bad}; expected {SLIDING!r} or {FULL_ATTENTION!r}")
+    types[-1] = FULL_ATTENTION  # Gemma4TextConfig forces the last layer to full attention
+    return tuple(types)
+
+
+def layer_rope(cfg: dict[str, Any], kind: str, where: str) -> LayerRope:
+    """`rope_parameters[kind]`: "default" (every pair of the head turns; Gemma4's default rope ignores a
+    partial_rotary_factor) or "proportional"; any other kind, or a scaling factor, is refused by field."""
+    params = cfg.get("rope_parameters") or DEFAULT_ROPE
+    rope = params.get(kind, DEFAULT_ROPE[kind]) if isinstance(params, dict) else None
+    if not isinstance(rope, dict):
+        raise ConfigError(f"{where}: rope_parameters.{kind} must be an object")
+    rope_type = rope.get("rope_type", "default")
+    theta = float(first(rope, "rope_theta", default=DEFAULT_ROPE[kind]["rope_theta"]))
+    if float(rope.get("factor", 1.0) or 1.0) != 1.0:
+        raise ConfigError(f"{where}: rope_parameters.{kind}.factor {rope['factor']} is not supported (1.0)")
+    if rope_type == "default":
+        return LayerRope(theta)
+    if rope_type == "proportional":
+        return LayerRope(theta, float(rope.get("partial_rotary_factor", 1.0)), proportional=True)
+    raise ConfigError(
+        f"{where}: rope_parameters.{kind}.rope_type {rope_type!r} is not supported (default, proportional)"
+    )
+
+
+PER_LAYER_FIELDS = ("head_dim", "num_key_value_heads")
+
+
+def per_layer_overrides(cfg: dict[str, Any], types: tuple[str, ...], where: str) -> dict[int, dict[str, Any]]:
+    """{layer: {field: value}} of `per_layer_config`, which newer transformers write instead of global_head_dim
+    and num_global_key_value_heads (keyed by layer index, or by layer type for every layer of it): where a config
+    has one, it alone makes layers differ, as in Gemma4TextConfig."""
+    raw = cfg.get("per_layer_config") or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: per_layer_config must be an object")
+    out: dict[int, dict[str, Any]] = {}
+    for key, overrides in raw.items():
+        if not isinstance(overrides, dict) or set(overrides) - set(PER_LAYER_FIELDS):
+            raise ConfigError(f"{where}: per_layer_config[{key!r}] may set only {', '.join(PER_LAYER_FIELDS)}")
+        if str(key).isdigit() and int(key) < len(types):
+            layers = [int(key)]
+        elif key in (SLIDING, FULL_ATTENTION):
+            layers = [i for i, t in enumerate(types) if t == key]
+        else:
+            raise ConfigError(f"{where}: per_layer_config key {key!r} is neither a layer index nor a layer type")
+        for layer in layers:
+            out.setdefault(layer, {}).update(overrides)
+    return out
+
+
+def _refuse_unserved(cfg: dict[str, Any], where: str) -> None:
+    # Gemma4TextConfig's default is 256 (the small models' per-layer embeddings): a config must say 0
+    if int(first(cfg, "hidden_size_per_layer_input", default=PLE_DEFAULT)):
+        raise ConfigError(f"{where}: hidden_size_per_layer_input (per-layer input embeddings) is not supported (0)")
+    if int(cfg.get("num_kv_shared_layers") or 0):
+        raise ConfigError(f"{where}: num_kv_shared_layers (layers reusing another's KV) is not supported (0)")
+    if cfg.get("use_bidirectional_attention") == "all":
+        raise ConfigError(f"{where}: use_bidirectional_attention 'all' is not supported (causal text attention)")
+    activation = cfg.get("hidden_activation", "gelu_pytorch_tanh")
+    if activation not in GELU_ACTIVATIONS:
+        raise ConfigError(f"{where}: hidden_activation {activation!r} is not supported (gelu_pytorch_tanh)")
+    if not cfg.get("enable_moe_block", False):
+        raise ConfigError(f"{where}: enable_moe_block is false: a dense Gemma 4 (Ferry serves MoE models)")
+
+
+def spec_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
+    _refuse_unserved(cfg, where)
+    num_layers = int(require(cfg, "num_hidden_layers", where))
+    types = layer_types(cfg, num_layers, where)
+    hidden, heads = int(require(cfg, "hidden_size", where)), int(require(cfg, "num_attention_heads", where))
+    head_dim = int(first(cfg, "head_dim", default=256))
+    kv_heads = int(first(cfg, "num_key_value_heads", default=heads))
+    k_eq_v = bool(cfg.get("attention_k_eq_v", False))
+    global_head_dim, global_kv_heads = head_dim, kv_heads
+    if "per_layer_config" not in cfg:  # else it alone says where layers differ (Gemma4TextConfig)
+        global_head_dim = int(first(cfg, "global_head_dim", default=512))
+        # a full layer's KV heads are num_global_key_value_heads only where attention_k_eq_v
+        global_kv_heads = int(first(cfg, "num_global_key_value_heads", default=kv_heads)) if k_eq_v else kv_heads
+    head_dims = [head_dim if t == SLIDING else global_head_dim for t in types]
+    layer_kv_heads = [kv_heads if t == SLIDING else global_kv_heads for t in types]
+    for layer, overrides in per_layer_overrides(cfg, types, where).items():
+        head_dims[layer] = int(overrides.get("head_dim", head_dims[layer]))
+        layer_kv_heads[layer] = int(overrides.get("num_key_value_heads", layer_kv_heads[layer]))
+    window = int(first(cfg, "sliding_window", default=512))
+    if SLIDING in types and window <= 0:
+        raise ConfigError(f"{where}: sliding_window must be positive for sliding_attention layers, got {window}")
+    ropes = {kind: layer_rope(cfg, kind, where) for kind in (SLIDING, FULL_ATTENTION)}
+    bias = bool(cfg.get("attention_bias", False))
+    softcap = cfg.get("final_logit_softcapping")
+    experts = int(first(cfg, "num_experts", default=0))
+    return dict(
+        layer_types=(FULL_ATTENTION,) * num_layers,  # every layer is paged softmax attention with KV
+        attention_windows=tuple(window if t == SLIDING else 0 for t in types),
+        moe_layers=(experts > 0,) * num_layers,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        attention_head_dims=tuple(head_dims),
+        attention_kv_heads=tuple(layer_kv_heads),
+        layer_value_is_key=tuple(k_eq_v and t == FULL_ATTENTION for t in types),
+        layer_ropes=tuple(ropes[t] for t in types),
+        attention_bias=bias,
+        attention_output_bias=bias,
+        attn_output_gate=False,
+        rope_theta=ropes[SLIDING].theta,
+        partial_rotary_factor=1.0,
+        qk_norm=True,
+        value_norm=True,
+        attention_scale=1.0,
+        intermediate_size=int(require(cfg, "intermediate_size", where)),
+        num_experts=experts,
+        num_experts_per_tok=int(first(cfg, "top_k_experts", "num_experts_per_tok", default=0)),
+        moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0),
+        norm_topk_prob=True,
+        shared_expert_intermediate_size=0,
+        mlp_activation=GELU_TANH,
+        expert_activation=GELU_TANH,
+        moe_beside_dense_mlp=True,
+        embedding_multiplier=math.sqrt(hidden),
+        final_logit_softcapping=float(softcap or 0.0),
+    )
+
+
+def attention_shapes(spec: ModelSpec, i: int, p: str) -> dict[str, tuple[int, ...]]:
+    """Layer i's attention: its own head size and KV heads, q/k norms (v's has no weight), no v_proj where its
+    values are its keys."""
+    h, nh, kvh, hd = spec.hidden_size, spec.num_attention_heads, spec.layer_kv_heads(i), spec.layer_head_dim(i)
+    a = p + "self_attn."
+    projections = ("q_proj", "k_proj") if spec.value_is_key(i) else ("q_proj", "k_proj", "v_proj")
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name in projections:
+        rows = nh * hd if name == "q_proj" else kvh * hd
+        shapes[f"{a}{name}.weight"] = (rows, h)
+        if spec.attention_bias:
+            shapes[f"{a}{name}.bias"] = (rows,)
+    shapes[a + "o_proj.weight"] = (h, nh * hd)
+    if spec.attention_output_bias:
+        shapes[a + "o_proj.bias"] = (h,)
+    shapes[a + "q_norm.weight"] = (hd,)
+    shapes[a + "k_norm.weight"] = (hd,)
+    return shapes
+
+
+LAYER_NORMS = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "pre_feedforward_layernorm",
+    "post_feedforward_layernorm",
+    "post_feedforward_layernorm_1",
+    "pre_feedforward_layernorm_2",
+    "post_feedforward_layernorm_2",
+)
+
+
+def resident_weight_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    h, di, e = spec.hidden_size, spec.intermediate_size, spec.num_experts
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (spec.vocab_size, h), "model.norm.weight": (h,)}
+    if not spec.tie_word_embeddings:
+        shapes["lm_head.weight"] = (spec.vocab_size, h)
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update({f"{p}{norm}.weight": (h,) for norm in LAYER_NORMS})
+        shapes.update(attention_shapes(spec, i, p))
+        shapes[p + "mlp.gate_proj.weight"] = (di, h)
+        shapes[p + "mlp.up_proj.weight"] = (di, h)
+        shapes[p + "mlp.down_proj.weight"] = (h, di)
+        shapes[p + "router.proj.weight"] = (e, h)
+        shapes[p + "router.scale"] = (h,)
+        shapes[p + "router.per_expert_scale"] = (e,)
+        shapes[p + "layer_scalar"] = (1,)
+    return shapes
+
+
+register(
+    ModelFamily(
+        name="gemma4",
+        model_types=(WRAPPER_MODEL_TYPE, TEXT_MODEL_TYPE),
+        architectures=("Gemma4ForConditionalGeneration", "Gemma4ForCausalLM"),
+        spec_fields=spec_fields,
+        resident_weight_shapes=resident_weight_shapes,
+        text_config=text_config,
+        published_names=published_names,
+        experts_module="experts",
+        # two sliding layers (a window a short prompt outgrows) then a full one with its own head size, KV
+        # heads, shared K/V projection and proportional rotary; a dense MLP beside the experts; soft-capped logits
+        tiny_config=dict(
+            num_hidden_layers=3,
+            intermediate_size=48,
+            top_k_experts=2,
+            global_head_dim=32,
+            num_key_value_heads=2,
+            num_global_key_value_heads=1,
+            attention_k_eq_v=True,
+            sliding_window=8,
+            layer_types=[SLIDING, SLIDING, FULL_ATTENTION],
+            enable_moe_block=True,
+            hidden_size_per_layer_input=0,
+            final_logit_softcapping=30.0,
+            tie_word_embeddings=True,
+            rope_parameters={
+                SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
+                FULL_ATTENTION: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6},
+            },
+        ),
+        reference_classes=("Gemma4TextConfig", "Gemma4ForCausalLM"),
+    )
+)
