@@ -2,9 +2,9 @@
 process on CPU, float32, against speculation off.
 
 * Greedy: the same tokens and finish reasons, token for token, on the attention-only model and both hybrids,
-  experts resident and offloaded, and on gpt-oss's sliding rings, with drafts that are kept whole, in part and
-  not at all (a drafter that knows the answer and spoils one draft in turn), and with prompt lookup's own
-  drafts. A rollback one position off (the scheduler's count of computed tokens, a hybrid's linear state not put
+  experts resident and offloaded, and on gpt-oss's and Gemma 4's sliding rings, with drafts that are kept
+  whole, in part and not at all (a drafter that knows the answer and spoils one draft in turn), and with
+  prompt lookup's own drafts. A rollback one position off (the scheduler's count of computed tokens, a hybrid's linear state not put
   back) fails it; so does a page kept past the tokens.
 * The worker's answer is held to the drafts sent: a count that is missing or too large fails that request.
 * Sampling: the verify rule keeps the target distribution (a chi-square test over many draws, of the first
@@ -66,7 +66,7 @@ MAX_TOKENS = (26, 19, 21)
 @pytest.fixture(scope="module")
 def more_models(tmp_path_factory):
     """{arch: tiny checkpoint}, made when first asked, of the families the session's tiny models (qwen3_moe,
-    qwen3_5_moe) leave out: Qwen3-Next, and gpt-oss, whose sliding layers keep their K/V in rings."""
+    qwen3_5_moe) leave out: Qwen3-Next, and gpt-oss and Gemma 4, whose sliding layers keep their K/V in rings."""
     root, made = tmp_path_factory.mktemp("tiny-more"), {}
 
     def get(arch: str):
@@ -169,12 +169,18 @@ def greedy_requests(stop_in: int | None = None, reference=None):
     return out
 
 
+def first_new_token(tokens: list[int], at_least: int) -> int:
+    """The first index from `at_least` on whose token did not come before it (a stop there stops there)."""
+    return next(i for i in range(at_least, len(tokens)) if tokens[i] not in tokens[:i])
+
+
 def _check_greedy_equal(executor, plan, monkeypatch):
     base, _ = generate(executor, plan, greedy_requests())
     reference = {tuple(p): toks for p, (toks, _) in zip(PROMPTS, base)}
-    requests = greedy_requests(stop_in=6, reference=reference)
+    stop_in = first_new_token(reference[tuple(PROMPTS[2])], 5)
+    requests = greedy_requests(stop_in=stop_in, reference=reference)
     off, _ = generate(executor, plan, requests)
-    assert off[2][1] == "stop" and len(off[2][0]) == 7
+    assert off[2][1] == "stop" and len(off[2][0]) == stop_in + 1
     drafter = knowing_drafter(reference, executor.spec.vocab_size)
     monkeypatch.setattr(batcher_module, "propose_ngram", drafter)
     on, sched = generate(executor, plan, requests, "ngram")
@@ -187,7 +193,9 @@ def _check_greedy_equal(executor, plan, monkeypatch):
     "arch, offloaded",
     [
         *((arch, offloaded) for arch in ("qwen3_moe", "qwen3_5_moe", "qwen3_next") for offloaded in (False, True)),
-        ("gpt_oss", False),  # its sliding layers' rings: a refused draft's K/V overwrote nothing a later row needs
+        # sliding layers' rings: a refused draft's K/V overwrote nothing a later row needs
+        ("gpt_oss", False),
+        ("gemma4", False),
     ],
 )
 def test_greedy_speculation_gives_the_tokens_of_decoding_one_at_a_time(
@@ -196,7 +204,7 @@ def test_greedy_speculation_gives_the_tokens_of_decoding_one_at_a_time(
     model_dir = tiny_models[arch] if arch in tiny_models else more_models(arch)
     executor, plan = boot(model_dir, *(["--moe-cache-size", "8"] if offloaded else []))
     assert (plan.experts.slots < plan.experts.total) == offloaded
-    if arch == "gpt_oss":
+    if arch in ("gpt_oss", "gemma4"):
         assert pool_report_from_plan(plan, executor.spec.vocab_size).kv_ring_slots > 0
     _check_greedy_equal(executor, plan, monkeypatch)
 
