@@ -4,8 +4,8 @@ process on CPU, float32, against speculation off.
 * Greedy: the same tokens and finish reasons, token for token, on the attention-only model and both hybrids,
   experts resident and offloaded, and on gpt-oss's and Gemma 4's sliding rings, with drafts that are kept
   whole, in part and not at all (a drafter that knows the answer and spoils one draft in turn), and with
-  prompt lookup's own drafts. A rollback one position off (the scheduler's count of computed tokens, a hybrid's linear state not put
-  back) fails it; so does a page kept past the tokens.
+  prompt lookup's own drafts. A rollback one position off (the scheduler's count of computed tokens, a
+  hybrid's linear state not put back) fails it; so does a page kept past the tokens.
 * The worker's answer is held to the drafts sent: a count that is missing or too large fails that request.
 * Sampling: the verify rule keeps the target distribution (a chi-square test over many draws, of the first
   token a row produces and of the next one given that the first draft was kept), on made-up logits and on the
