@@ -29,9 +29,11 @@ from ferry.services.scheduler.config import (
     add_prefill_coalesce_flag,
     add_prefix_cache_flag,
     add_schedule_ahead_flag,
+    add_speculation_flags,
     add_step_timeout_flag,
     prefill_coalesce_s,
     schedule_ahead_steps,
+    speculation_from_args,
 )
 from ferry.services.worker.command import add_boot_flag
 from ferry.services.worker.flags import add_worker_flags, boot_config_from_args, worker_flag_args
@@ -74,6 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_schedule_ahead_flag(g)
     add_prefill_coalesce_flag(g)
     add_prefix_cache_flag(g)
+    add_speculation_flags(g)
     add_boot_flag(g)
     add_log_flags(parser)
 
@@ -163,6 +166,8 @@ def child_commands(
     ]
     if not args.prefix_cache:
         scheduler.append("--no-prefix-cache")
+    method, draft_tokens = speculation_from_args(args)
+    scheduler += ["--speculative-method", method, "--speculative-tokens", str(draft_tokens)]
     if ports["scheduler"] is not None:
         scheduler += ["--health-port", str(ports["scheduler"])]
     worker = [
@@ -176,8 +181,9 @@ def child_commands(
         "--boot",
         args.boot,
     ]
-    if not args.prefix_cache and args.linear_state_snapshots is None:
-        worker += ["--linear-state-snapshots", "0"]  # no prefix reuse: the snapshots' memory goes to the other pools
+    if not args.prefix_cache and args.linear_state_snapshots is None and args.speculative_method == "off":
+        # no prefix reuse: the snapshots' memory goes to the other pools (speculation holds hybrids' states in them)
+        worker += ["--linear-state-snapshots", "0"]
     if ports["worker"] is not None:
         worker += ["--health-port", str(ports["worker"])]
     api = [
@@ -251,6 +257,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--api-key and --api-key-file both give the key: give only one")
     prefill_coalesce_s(args.prefill_coalesce_ms)  # refused here, not by the scheduler after the model loads
     schedule_ahead_steps(args)
+    speculation_from_args(args)  # refused here, not by the scheduler after the model loads
     if getattr(args, "wire_keys", None):
         log.warning(
             "wire_keys_ignored",

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ferry.shared.sampling import MAX_LOGPROBS, SamplingParams, sampling_problems
+from ferry.shared.speculation import speculates
 
 _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
@@ -97,7 +98,10 @@ def step_problems(batch, limits: StepLimits, known: set[int] | dict) -> list[str
                 f"of shape {getattr(a, 'shape', '?')}"
             )
     # optional int [R] rows: the snapshot each row's state is restored from / saved to (-1: none)
-    copies = {name: getattr(batch, name, None) for name in ("restore_state", "save_state", "save_offset")}
+    copies = {
+        name: getattr(batch, name, None)
+        for name in ("restore_state", "save_state", "save_offset", "draft_lens", "hold_state")
+    }
     for name, a in copies.items():
         if a is not None and (not _is_ints(a) or a.ndim != 1):
             problems.append(
@@ -148,10 +152,12 @@ def step_problems(batch, limits: StepLimits, known: set[int] | dict) -> list[str
     slot_limit = max(limits.linear_state_slots, limits.kv_ring_slots)  # a request's one slot serves both
     if slot_limit and slots.size and (int(slots.min()) < 0 or int(slots.max()) > slot_limit):
         problems.append(f"linear-state slots must be in 0..{slot_limit}")
-    problems += _state_copy_problems(batch, {k: copies[k] for k in ("restore_state", "save_state")}, limits)
-    announced = set()
+    problems += _state_copy_problems(
+        batch, {k: copies[k] for k in ("restore_state", "save_state", "hold_state")}, limits
+    )
+    announced = {}
     for new in batch.new_requests:
-        announced.add(new.req_id)
+        announced[new.req_id] = new.sampling
         if bad := token_ids_problem(f"request {new.req_id}'s prompt", new.prompt_token_ids, limits.vocab_size):
             problems.append(bad)
         problems += [f"request {new.req_id}: {p}" for p in sampling_wire_problems(new.sampling, limits.vocab_size)]
@@ -162,7 +168,38 @@ def step_problems(batch, limits: StepLimits, known: set[int] | dict) -> list[str
         if rid not in announced and (rid not in known or rid in forgotten):
             problems.append(f"request {rid} samples (or wants prompt logprobs) but was never announced (no NewRequest)")
             break
+    if not problems and (batch.draft_lens is not None or batch.hold_state is not None):
+        problems += _draft_problems(batch, known, announced, hybrid=limits.linear_state_slots > 0)
     return problems
+
+
+def _draft_problems(batch, known: set[int] | dict, announced: dict, hybrid: bool) -> list[str]:
+    """A step's drafting rows (shared/speculation.py): fewer drafts than the row's tokens, on a row that
+    samples, saves no state and is not fed, of a request whose sampling allows speculation; on a hybrid model
+    each holds its state in a snapshot of its own, which no row of the step saves into (hold_state)."""
+    r = len(batch.req_ids)
+    d = np.zeros(r, np.int64) if batch.draft_lens is None else batch.draft_lens.astype(np.int64)
+    rows = d > 0
+    hold = np.full(r, -1, np.int64) if batch.hold_state is None else batch.hold_state.astype(np.int64)
+    held = hold[hold >= 0]
+    saved = set() if batch.save_state is None else set(batch.save_state[batch.save_state >= 0].tolist())
+    if ((hold >= 0) != (rows & hybrid)).any():
+        return ["hold_state: a hybrid model's drafting rows, and only they, hold their state in a snapshot"]
+    if len(np.unique(held)) != held.size or saved & set(held.tolist()):
+        return ["hold_state: each row holds its state in a snapshot of its own, which no row saves into"]
+    if (d < 0).any() or (d >= batch.query_lens).any():
+        return ["draft_lens: a row's drafts must be fewer than its tokens (0 for a row without drafts)"]
+    fed = batch.feed_sampled[rows].any() if batch.feed_sampled is not None else False
+    saves = (batch.save_state[rows] >= 0).any() if batch.save_state is not None else False
+    if not batch.sample[rows].all() or fed or saves:
+        return ["draft_lens: a drafting row must sample, be not fed and save no linear state"]
+    for rid in batch.req_ids[rows].tolist():
+        params = announced.get(rid)
+        if params is None and isinstance(known, dict) and rid in known:
+            params = known[rid].params
+        if params is not None and not speculates(params):
+            return [f"draft_lens: request {rid}'s sampling (penalties, a grammar, logprobs or a seed) cannot speculate"]
+    return []
 
 
 def _state_copy_problems(batch, copies: dict, limits: StepLimits) -> list[str]:
@@ -245,6 +282,9 @@ def step_output_problem(output, vocab_size: int = 0) -> str | None:
         for lp in output.sampled_logprobs:
             if lp.req_id not in sampled or len(lp.token_logprobs) != 1:
                 return f"request {lp.req_id}'s sampled logprobs must describe the one token it sampled in this step"
+    acc = output.accepted_drafts
+    if acc is not None and (not _is_ints(acc) or acc.ndim != 1 or len(acc) != len(ids) or (acc < 0).any()):
+        return "a step's accepted_drafts must hold one count (>= 0) for each request that sampled"
     if output.grammar_failures:
         sampled = set(ids.tolist())
         for req_id, _ in output.grammar_failures:

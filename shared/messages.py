@@ -124,6 +124,9 @@ class SchedulerStatus(msgspec.Struct, tag=True, kw_only=True):
     prefix_hits: int = 0  # requests admitted with part of their prompt from the prefix cache (since the worker started)
     snapshot_evictions: int = 0  # linear-state snapshots dropped, with their KV pages or for room (hybrid models)
     state_snapshots: int = 0  # linear-state snapshots the prefix cache holds now
+    draft_rows: int = 0  # speculative decoding: rows sent with drafts, drafts in them, drafts the worker kept
+    drafted_tokens: int = 0
+    accepted_drafts: int = 0
 
 
 SchedulerToApi = Union[Tokens, Finished, Failed, SchedulerStatus]

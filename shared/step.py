@@ -73,6 +73,15 @@ class StepBatch(msgspec.Struct, frozen=True, kw_only=True):
     # snapshot point that is not its chunk's end) is saved by the linear layers during the forward, so
     # the prompt is not cut into one more step (with experts offloaded, one more pass over the misses).
     save_offset: np.ndarray | None = None
+    # int32 [R]: speculative decoding (shared/speculation.py). A row's last draft_lens[i] tokens are drafts: the
+    # row samples at each of its last draft_lens[i] + 1 positions, keeps the drafts the target agrees with and
+    # adds one token of its own (StepOutput.accepted_drafts). Such a row samples, saves no state, is not fed,
+    # and its request may speculate (speculation.speculates). None: no row drafts.
+    draft_lens: np.ndarray | None = None
+    # int32 [R] snapshot ids, -1 for none: a hybrid model's drafting rows. The snapshot takes the row's linear
+    # state before the forward (after the restores), and a row that refused a draft takes it back after the
+    # verify (speculation.computed_after_verify). Every hybrid drafting row holds one. None: no row holds.
+    hold_state: np.ndarray | None = None
 
     def saved_inside(self) -> np.ndarray:
         """bool [R]: the rows whose state is saved inside their chunk (by the linear layers, during the
@@ -124,3 +133,7 @@ class StepOutput(msgspec.Struct, frozen=True, kw_only=True):
     # (req_id, why) of the requests whose grammar allows no way on (its matcher died: a parser limit, a schema
     # no finite value matches): they fail instead of taking their sampled token, the end of sequence
     grammar_failures: tuple[tuple[Id, str], ...] = ()
+    # int32 [S]: for each request that sampled, how many of its row's drafts (StepBatch.draft_lens) were kept;
+    # its tokens this step are those drafts and then token_ids[i] (the logprobs entry is that last token's).
+    # None: no row drafted.
+    accepted_drafts: np.ndarray | None = None

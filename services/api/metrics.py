@@ -28,6 +28,9 @@ VLLM_ALIASES = {
     "ferry_e2e_request_latency_seconds": ("vllm:e2e_request_latency_seconds",),
     "ferry_preemptions": ("vllm:num_preemptions",),
     "ferry_prefix_cached_tokens": ("vllm:prefix_cache_hits",),
+    "ferry_speculative_draft_rows": ("vllm:spec_decode_num_drafts",),
+    "ferry_speculative_drafted_tokens": ("vllm:spec_decode_num_draft_tokens",),
+    "ferry_speculative_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens",),
 }
 # vLLM's finished_reason label from Ferry's request outcome (errors are not "finished")
 FINISHED_REASONS = {"stop": "stop", "length": "length", "disconnected": "abort"}
@@ -61,6 +64,18 @@ class _StatusCounters:
             "ferry_state_snapshot_evictions",
             "linear-state snapshots of hybrid models dropped, "
             "with their KV pages or for room (since the worker started)",
+        ),
+        "draft_rows": (
+            "ferry_speculative_draft_rows",
+            "speculative decoding: decoding rows sent with drafts to verify (since the worker started)",
+        ),
+        "drafted_tokens": (
+            "ferry_speculative_drafted_tokens",
+            "speculative decoding: draft tokens sent to be verified (since the worker started)",
+        ),
+        "accepted_drafts": (
+            "ferry_speculative_accepted_tokens",
+            "speculative decoding: draft tokens the target model kept (since the worker started)",
         ),
     }
 

@@ -25,6 +25,14 @@ until its output comes back, and a request that finishes in step N while it is a
 keeps its pages, its state slot and its sampler state until N+1 returns (whose token for it is
 dropped).
 
+Speculative decoding (--speculative-method ngram; shared/speculation.py): once a step's rows and admissions are
+placed, each decoding row whose request may speculate gets up to --speculative-tokens drafts from prompt lookup
+over its tokens (ngram_proposer.py), within the token budget left and the step's logits rows
+(`_give_drafts`); the worker verifies them in the same forward. Its answer says how many it kept: those and the
+worker's own token are the request's next tokens, one at a time through the stop checks, and the positions
+computed are counted by `computed_after_verify` (pages that held only refused drafts go back). Such a request
+is not scheduled ahead: its next drafts need the tokens its answer brings.
+
 Prefix cache of hybrid models (docs/ARCHITECTURE.md §1): a cached KV prefix is usable only with the
 Gated DeltaNet state at its end, so these models reuse a prefix from a linear-state *snapshot*
 (state_snapshots.py): a request starts from the deepest snapshot on its path (the KV pages before it
@@ -62,6 +70,7 @@ import numpy as np
 
 from ferry.services.scheduler.kv_page_pool import KvPagePool
 from ferry.services.scheduler.linear_state_slots import LinearStateSlotAllocator
+from ferry.services.scheduler.ngram_proposer import propose_ngram
 from ferry.services.scheduler.radix_cache import Node
 from ferry.services.scheduler.request import Request
 from ferry.services.scheduler.state_snapshots import Snapshot, StateSnapshots
@@ -69,6 +78,7 @@ from ferry.shared.contract import sampling_wire_problems, step_output_problem, t
 from ferry.shared.errors import EngineError, FerryError, InvalidRequest
 from ferry.shared.messages import PoolReport
 from ferry.shared.sampling import SamplingParams
+from ferry.shared.speculation import DEFAULT_SPECULATIVE_TOKENS, computed_after_verify, speculates
 from ferry.shared.step import Logprobs, NewRequest, StepBatch, StepOutput
 from ferry.shared.units import ceil_div
 
@@ -132,6 +142,8 @@ class _Entry:
     save: Snapshot | None = None  # the snapshot this row's state goes to (pending)
     save_at: int = 0  # ... the position it holds, a page boundary: the row's chunk end, or `inside`
     row_end: int = 0  # the position the row's chunk ends at
+    drafts: tuple[int, ...] = ()  # draft tokens after the row's query_len tokens (speculative decoding), to verify
+    hold: Snapshot | None = None  # a hybrid's drafting row: the snapshot its state is held in for the step
 
 
 def check_pool(pool: PoolReport) -> None:
@@ -171,10 +183,14 @@ class BatchScheduler:
         prefix_cache: bool = True,
         prefill_coalesce_s: float = DEFAULT_PREFILL_COALESCE_MS / 1000,
         schedule_ahead_steps: int = DEFAULT_SCHEDULE_AHEAD_STEPS,
+        speculative_method: str = "off",
+        speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS,
     ):
         """`prefix_cache`: reuse cached prefixes (False: --no-prefix-cache, every prompt computed whole);
         `prefill_coalesce_s`: how long new prompts may wait for more (arrival_hold_s; 0: never);
-        `schedule_ahead_steps`: decode steps that may be in flight beyond the oldest (0: none ahead)."""
+        `schedule_ahead_steps`: decode steps that may be in flight beyond the oldest (0: none ahead);
+        `speculative_method`: "ngram" gives decoding rows up to `speculative_tokens` drafts to verify
+        (--speculative-method, --speculative-tokens; the module docstring), "off" none."""
         check_pool(pool)
         self.pool = pool
         self.hybrid = pool.linear_state_slots > 0
@@ -191,6 +207,9 @@ class BatchScheduler:
             prefix_reuse=prefix_cache and not self.rings and (not self.hybrid or snapshots > 0),
         )
         self.snapshots = StateSnapshots(snapshots)
+        # ids that hold a hybrid's drafting rows' states for a step (_give_drafts): the prefix cache's, or without
+        # it the worker's whole snapshot pool
+        self.holds = self.snapshots if snapshots or not self.hybrid else StateSnapshots(pool.linear_state_snapshots)
         self.snapshot_span = OFFLOADED_SNAPSHOT_SPAN if pool.experts_offloaded else 1
         self.kv.cache.on_evict = self.snapshots.drop
         self.prefix_hits = 0  # admissions that started from a cached prefix
@@ -212,6 +231,11 @@ class BatchScheduler:
         # (step id, rows), oldest first: at most 1 + schedule_ahead_steps
         self._in_flight: deque[tuple[int, list[_Entry]]] = deque()
         self._step_ids = itertools.count(first_step_id)
+        self.speculative_method = speculative_method
+        self.speculative_tokens = speculative_tokens
+        self.draft_rows = 0  # rows sent with drafts
+        self.drafted_tokens = 0  # drafts sent in those rows
+        self.accepted_drafts = 0  # of them, the ones the worker kept
 
     # ---- admission -------------------------------------------------------------------------------
 
@@ -430,6 +454,8 @@ class BatchScheduler:
             budget -= q
         if not entries:
             return None
+        if self.speculative_method != "off":
+            self._give_drafts(entries, budget)
         return self._build_batch(entries)
 
     def schedule_ahead(self) -> StepBatch | None:
@@ -448,6 +474,8 @@ class BatchScheduler:
             produced = r.output_len + r.in_flight  # its tokens once every step in flight is back
             if (
                 not e.sample
+                or e.drafts  # how many tokens it produces is known only when its answer is back
+                or self._may_draft(r)  # its next row's drafts come from the tokens its answer brings
                 or r.done
                 or r.abort_pending
                 or r.sampling.reads_its_output
@@ -462,6 +490,44 @@ class BatchScheduler:
             return None  # no page to grow into: the next full step may preempt (pages grown here are used then)
         entries = [_Entry(e.req, 1, True) for e in previous]
         return self._build_batch(entries, ahead_positions=positions)
+
+    def _may_draft(self, req: Request) -> bool:
+        """Whether req's decoding rows get drafts (speculative decoding on, and its sampling allows it)."""
+        return self.speculative_method != "off" and speculates(req.sampling)
+
+    def _give_drafts(self, entries: list[_Entry], budget: int) -> None:
+        """Drafts for the step's decoding rows, once every running row and admission has its place: drafts only
+        fill what the step leaves. Per row, prompt lookup over its tokens (ngram_proposer.py), at most
+        --speculative-tokens, the token budget left, and one fewer than the tokens left to the request (its
+        max_tokens, the model length: the verify adds one of its own). The step's logits rows (one a sampling row,
+        one more a draft) stay within max_running_requests, the sampling logits the plan's workspace holds. A
+        row gets none where it does not end the request's tokens past its prompt (a prefill keeps its snapshot
+        points), where its pages cannot grow without preempting, and, for a hybrid model, where no snapshot id is
+        free to hold its state (speculation.computed_after_verify: refused drafts put the state back)."""
+        logits_room = self.pool.max_running_requests - sum(e.sample for e in entries)
+        for e in entries:
+            req, q = e.req, e.query_len
+            if budget < 1 or logits_room < 1:
+                return
+            if not self._may_draft(req) or not e.sample or req.num_computed < req.prompt_len or e.inside:
+                continue
+            room = min(
+                self.speculative_tokens,
+                budget,
+                logits_room,
+                req.max_tokens - req.output_len - 1,
+                self.pool.max_model_len - len(req.tokens) - 1,
+            )
+            if room < 1 or (self.hybrid and not self.holds.free_count):
+                continue
+            drafts = propose_ngram(req.token_array.of(req.tokens), room)
+            if not drafts or not self.kv.grow(req, req.num_computed + q + len(drafts)):
+                continue
+            if self.hybrid:
+                e.hold = self.holds.take()  # a free id (free_count above): no cached snapshot is dropped
+            e.drafts = tuple(drafts)
+            budget -= len(drafts)
+            logits_room -= len(drafts)
 
     @staticmethod
     def _samples(req: Request, q: int) -> bool:
@@ -672,7 +738,9 @@ class BatchScheduler:
         prompt_logprobs = np.zeros(n, dtype=bool)
         restore = np.full(n, -1, dtype=np.int32)
         save = np.full(n, -1, dtype=np.int32)
-        query_lens = np.array([e.query_len for e in entries], dtype=np.int32)
+        hold = np.full(n, -1, dtype=np.int32)
+        query_lens = np.array([e.query_len + len(e.drafts) for e in entries], dtype=np.int32)
+        draft_lens = np.array([len(e.drafts) for e in entries], dtype=np.int32)
         offset = query_lens.copy()  # where each row's state is saved: its end unless kept inside
         ps = self.pool.page_size
         for i, e in enumerate(entries):
@@ -681,7 +749,9 @@ class BatchScheduler:
             restore[i], r.restore_from = r.restore_from, -1
             end = (r.num_computed if ahead_positions is None else ahead_positions[i]) + e.query_len
             e.row_end = end
-            if e.inside:  # the chunk's one point, kept inside it; its end then keeps none (_save_inside)
+            if e.drafts:  # its state may be put back (refused drafts): it keeps no snapshot, and holds one hybrid's
+                hold[i] = -1 if e.hold is None else e.hold.id
+            elif e.inside:  # the chunk's one point, kept inside it; its end then keeps none (_save_inside)
                 if (snap := self._save_for(r, e.inside)) is not None:
                     e.save, e.save_at, save[i], offset[i] = snap, e.inside, snap.id, e.inside - r.num_computed
             elif self.snapshots.total and end % ps == 0 and (snap := self._save_for(r, end)) is not None:
@@ -694,6 +764,7 @@ class BatchScheduler:
             )
             if ahead_positions is None:
                 tokens.extend(r.tokens[r.num_computed : r.num_computed + e.query_len])
+                tokens.extend(e.drafts)
             else:
                 tokens.append(0)  # the worker puts the token it sampled for this request in the step before
             r.in_flight += 1
@@ -725,6 +796,8 @@ class BatchScheduler:
             restore_state=restore if (restore >= 0).any() else None,  # None: no row copies a state
             save_state=save if (save >= 0).any() else None,
             save_offset=offset if (offset < query_lens).any() else None,
+            draft_lens=draft_lens if draft_lens.any() else None,  # None: no row drafts
+            hold_state=hold if (hold >= 0).any() else None,
         )
 
     def complete(self, output: StepOutput) -> Outcome:
@@ -743,6 +816,11 @@ class BatchScheduler:
         sampled = dict(zip(output.req_ids.tolist(), output.token_ids.tolist()))
         vocab = self.pool.vocab_size
         sampled_lps = {lp.req_id: lp for lp in output.sampled_logprobs}
+        accepted = (
+            {}
+            if output.accepted_drafts is None
+            else dict(zip(output.req_ids.tolist(), output.accepted_drafts.tolist()))
+        )
         grammar_failures = dict(output.grammar_failures)
         for lp in output.prompt_logprobs:
             self._take_prompt_logprobs(lp, out)
@@ -752,7 +830,22 @@ class BatchScheduler:
                 self._abandon_saves([e])
                 self._release_if_idle(req)
                 continue
-            req.num_computed += e.query_len
+            kept = accepted.get(req.rid, -1) if e.drafts else 0  # -1: the answer says nothing of its drafts
+            if not 0 <= kept <= len(e.drafts):
+                self._fail(
+                    req,
+                    EngineError(f"the worker kept {kept} of request {req.rid}'s {len(e.drafts)} drafts (-1: unsaid)"),
+                    out,
+                )
+                continue
+            if e.drafts:
+                self.draft_rows += 1
+                self.drafted_tokens += len(e.drafts)
+                self.accepted_drafts += kept
+                q = e.query_len + len(e.drafts)
+                req.num_computed = computed_after_verify(req.num_computed, q, len(e.drafts), kept, self.hybrid)
+            else:
+                req.num_computed += e.query_len
             if e.save is not None:
                 self._attach_snapshot(e)
             if req.abort_pending:
@@ -776,15 +869,20 @@ class BatchScheduler:
                 if (why := grammar_failures.get(req.rid)) is not None:  # its token is no output, only a filler
                     self._fail(req, InvalidRequest(GRAMMAR_FAILED.format(why)), out)
                     continue
-                req.tokens.append(token)
-                req.output_len += 1
-                out.tokens.append((req, token))
+                reason = None
+                for t in (*e.drafts[:kept], token):  # the kept drafts, then the worker's own token
+                    req.tokens.append(t)
+                    req.output_len += 1
+                    out.tokens.append((req, t))
+                    if (reason := self._finish_reason(req, t)) is not None:
+                        break  # a stop or the length limit: the tokens after it are dropped
                 if (lp := sampled_lps.get(req.rid)) is not None:
                     out.logprobs.append((req, lp))
-                reason = self._finish_reason(req, token)
                 if reason:
                     self._finish(req, reason, out)
                     continue
+            if e.drafts:  # pages that held only rejected drafts go back
+                self.kv.trim(req, len(req.tokens))
             self.kv.cache_full_pages(req)
         return out
 
@@ -833,10 +931,14 @@ class BatchScheduler:
                 self._fail(e.req, err, out)
 
     def _landed(self) -> list[_Entry]:
-        """The oldest step in flight is back: its rows, each request holding one step fewer."""
+        """The oldest step in flight is back: its rows, each request holding one step fewer, the snapshots that
+        held drafting rows' states free again (the step has put back what it was to)."""
         _, entries = self._in_flight.popleft()
         for e in entries:
             e.req.in_flight -= 1
+            if e.hold is not None:
+                self.holds.free(e.hold)
+                e.hold = None
         return entries
 
     def fail_all(self, err: FerryError) -> Outcome:

@@ -13,6 +13,12 @@ from ferry.services.scheduler.batcher import (
 from ferry.shared.defaults import API_ADDR, RESULTS_ADDR, STEP_TIMEOUT_S, STEPS_ADDR
 from ferry.shared.errors import ConfigError
 from ferry.shared.side_http import add_side_http_flags
+from ferry.shared.speculation import (
+    DEFAULT_SPECULATIVE_TOKENS,
+    MAX_SPECULATIVE_TOKENS,
+    SPECULATIVE_METHODS,
+    speculation_problems,
+)
 from ferry.shared.wire_keys import WireKeys, add_wire_keys_flag, check_exposure, require_keys_for_tcp
 
 ARRIVAL_GAP_MS = DEFAULT_PREFILL_COALESCE_MS * ARRIVAL_GAP_FRACTION
@@ -31,6 +37,8 @@ class SchedulerConfig:
     schedule_ahead_steps: int = DEFAULT_SCHEDULE_AHEAD_STEPS
     prefix_cache: bool = True  # reuse cached prompt prefixes (False: --no-prefix-cache)
     prefill_coalesce_s: float = DEFAULT_PREFILL_COALESCE_MS / 1000  # --prefill-coalesce-ms (batcher.arrival_hold_s)
+    speculative_method: str = "off"  # --speculative-method (shared/speculation.py)
+    speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS  # --speculative-tokens: drafts a row at most
 
     @property
     def schedule_ahead(self) -> bool:
@@ -48,6 +56,7 @@ def add_scheduler_flags(parser: argparse.ArgumentParser) -> None:
     add_schedule_ahead_flag(g)
     add_prefix_cache_flag(g)
     add_prefill_coalesce_flag(g)
+    add_speculation_flags(g)
     add_wire_keys_flag(g)
 
 
@@ -113,6 +122,39 @@ def add_prefill_coalesce_flag(group) -> None:
     )
 
 
+def add_speculation_flags(group) -> None:
+    """`--speculative-method` and `--speculative-tokens`, for `ferry scheduler` and `ferry serve` (which passes
+    them on)."""
+    group.add_argument(
+        "--speculative-method",
+        default="off",
+        metavar="|".join(SPECULATIVE_METHODS),
+        help="speculative decoding: 'ngram' drafts each decoding request's next tokens from an earlier "
+        "occurrence of its last few tokens in its prompt and output (prompt lookup) and verifies them in one "
+        "forward, keeping the output's distribution exactly (greedy: the same tokens); requests with "
+        "penalties, a grammar, logprobs or a seed decode without it; steps with drafts run eagerly and are "
+        "not scheduled ahead (default off)",
+    )
+    group.add_argument(
+        "--speculative-tokens",
+        type=int,
+        default=DEFAULT_SPECULATIVE_TOKENS,
+        metavar="K",
+        help=f"drafts a decoding row carries at most (default {DEFAULT_SPECULATIVE_TOKENS}, at most "
+        f"{MAX_SPECULATIVE_TOKENS})",
+    )
+
+
+def speculation_from_args(args: argparse.Namespace) -> tuple[str, int]:
+    """(--speculative-method, --speculative-tokens), checked."""
+    method = getattr(args, "speculative_method", "off")
+    tokens = getattr(args, "speculative_tokens", DEFAULT_SPECULATIVE_TOKENS)
+    problems = speculation_problems(method, tokens)
+    if problems:
+        raise ConfigError("; ".join(problems))
+    return method, tokens
+
+
 def add_prefix_cache_flag(group) -> None:
     """`--no-prefix-cache`, for `ferry scheduler` and `ferry serve` (which passes it on)."""
     group.add_argument(
@@ -129,6 +171,7 @@ def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
     if args.step_timeout <= 0:
         raise ConfigError(f"--step-timeout must be positive, got {args.step_timeout}")
     ahead_steps = schedule_ahead_steps(args)
+    method, draft_tokens = speculation_from_args(args)
     keys = getattr(args, "wire_keys", None)
     if keys:
         WireKeys(keys, "scheduler")  # a missing or unreadable key is a config error now, not at the first socket
@@ -150,6 +193,8 @@ def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         schedule_ahead_steps=ahead_steps if args.schedule_ahead else 0,
         prefix_cache=getattr(args, "prefix_cache", True),
         prefill_coalesce_s=prefill_coalesce_s(args.prefill_coalesce_ms),
+        speculative_method=method,
+        speculative_tokens=draft_tokens,
     )
 
 

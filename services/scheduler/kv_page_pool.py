@@ -42,6 +42,14 @@ class KvPagePool:
         req.pages.extend(new)
         return True
 
+    def trim(self, req: Request, tokens: int) -> None:
+        """Release req's pages past those holding `tokens` tokens: a verify row's rejected drafts grew them
+        (shared/speculation.py). Pages of the prefix cache are never past its computed tokens."""
+        keep = max(ceil_div(tokens, self.page_size), len(req.nodes))
+        if keep < len(req.pages):
+            self.allocator.release(req.pages[keep:])
+            del req.pages[keep:]
+
     def reuse_prefix(self, req: Request, limit: int | None = None) -> None:
         """Attach the longest cached prefix of req.tokens (leaving at least one token to compute, whose
         logits give the next token), of at most `limit` tokens."""

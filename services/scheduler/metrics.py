@@ -36,5 +36,16 @@ class SchedulerMetrics:
             "linear-state snapshots the prefix cache holds (hybrid models)",
             registry=r,
         )
+        self.draft_rows = Counter(
+            "ferry_scheduler_draft_rows", "speculative decoding: decoding rows sent with drafts to verify", registry=r
+        )
+        self.drafted_tokens = Counter(
+            "ferry_scheduler_drafted_tokens", "speculative decoding: draft tokens sent to be verified", registry=r
+        )
+        self.accepted_drafts = Counter(
+            "ferry_scheduler_accepted_drafts",
+            "speculative decoding: of those, the drafts the target model kept (each a token gained without a step)",
+            registry=r,
+        )
         self.rejected = Counter("ferry_scheduler_rejected_requests", "requests rejected at admission", registry=r)
         self.worker_ready = Gauge("ferry_scheduler_worker_ready", "1 when a worker has reported its pools", registry=r)

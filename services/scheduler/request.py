@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ferry.services.scheduler.ngram_proposer import TokenArray
 from ferry.services.scheduler.radix_cache import Node
 from ferry.services.scheduler.state_snapshots import Snapshot
 from ferry.shared.errors import FerryError
@@ -37,6 +38,7 @@ class Request:
     rolling: Snapshot | None = None  # its last snapshot inside its output, replaced by the next one
     snapshot_points: set[int] = field(default_factory=set)  # page boundaries its prefill chunks end on
     shared_pages: dict[int, int] = field(default_factory=dict)  # rid -> full pages its tokens share with that request's
+    token_array: TokenArray = field(default_factory=TokenArray)  # `tokens` as an array, for prompt lookup's drafts
 
     @property
     def prompt_logprobs_pending(self) -> bool:

@@ -55,6 +55,9 @@ from ferry.shared.wire_keys import WireKeys
 
 log = structlog.get_logger("scheduler")
 
+# the BatchScheduler's running counts that SchedulerStatus carries and /metrics counts (a counter of that name)
+COUNTED = ("prefix_hits", "snapshot_evictions", "draft_rows", "drafted_tokens", "accepted_drafts")
+
 
 class SchedulerService:
     def __init__(self, cfg: SchedulerConfig, ctx: zmq.Context | None = None):
@@ -92,7 +95,7 @@ class SchedulerService:
         self.trace = StepTrace("scheduler")  # FERRY_STEP_TRACE: each step's timeline (bench/profile_serve.py)
         self._landed: Outcome | None = None  # a landed step's outcome not yet told to the api (_step_landed)
         self._preemptions_seen = 0
-        self._counters_seen = {"prefix_hits": 0, "snapshot_evictions": 0}  # of the current core, exported so far
+        self._counters_seen = dict.fromkeys(COUNTED, 0)  # of the current core, exported so far
         self._running = True
         self.boot_id = uuid.uuid4().hex
         self._snapshot: tuple[SchedulerStatus, dict | None] = (self._status(), None)
@@ -410,6 +413,8 @@ class SchedulerService:
                 prefix_cache=self.cfg.prefix_cache,
                 prefill_coalesce_s=self.cfg.prefill_coalesce_s,
                 schedule_ahead_steps=self.cfg.schedule_ahead_steps,
+                speculative_method=self.cfg.speculative_method,
+                speculative_tokens=self.cfg.speculative_tokens,
             )
         except ValueError as exc:
             self.not_ready_reason = f"the worker's pool report is unusable: {exc}"
@@ -418,7 +423,7 @@ class SchedulerService:
         self.worker_boot = boot_id
         self.not_ready_reason = ""
         self._preemptions_seen = 0
-        self._counters_seen = {"prefix_hits": 0, "snapshot_evictions": 0}
+        self._counters_seen = dict.fromkeys(COUNTED, 0)
         log.info(
             "worker_ready",
             boot_id=boot_id,
@@ -507,6 +512,9 @@ class SchedulerService:
             prefix_hits=c.prefix_hits,
             snapshot_evictions=c.snapshots.evictions,
             state_snapshots=c.snapshots.held,
+            draft_rows=c.draft_rows,
+            drafted_tokens=c.drafted_tokens,
+            accepted_drafts=c.accepted_drafts,
         )
 
     def _update_metrics(self, s: SchedulerStatus) -> None:
@@ -518,8 +526,8 @@ class SchedulerService:
             m.preemptions.inc(s.preemptions - self._preemptions_seen)
             self._preemptions_seen = s.preemptions
         m.state_snapshots.set(s.state_snapshots)
-        for name, counter in (("prefix_hits", m.prefix_hits), ("snapshot_evictions", m.snapshot_evictions)):
-            value = getattr(s, name)
+        for name in COUNTED:
+            value, counter = getattr(s, name), getattr(m, name)
             if value > self._counters_seen[name]:
                 counter.inc(value - self._counters_seen[name])
                 self._counters_seen[name] = value

@@ -36,6 +36,7 @@ from ferry.services.worker.grammar import tokenizer_factory
 from ferry.services.worker.offload.stores.expert_store import ExpertStore, is_long_context
 from ferry.services.worker.pools import Pools
 from ferry.services.worker.sampler import Sampler, log_softmax_top
+from ferry.services.worker.speculative_verify import verify_drafts
 from ferry.shared.contract import StepLimits, step_problems
 from ferry.shared.errors import FerryError
 from ferry.shared.step import Logprobs, StepBatch, StepOutput
@@ -105,6 +106,8 @@ class StepExecutor:
                     logprobs=np.zeros(0, np.float32),
                 ),
             )
+        drafting = batch.draft_lens is not None and bool(batch.draft_lens.any())
+        # a drafting row is several tokens: the decode graphs refuse it (bucket_for), it runs eagerly
         bucket = self.graphs.bucket_for(batch) if self.graphs is not None else None
         prompt_rows = batch.prompt_logprobs is not None and bool(np.asarray(batch.prompt_logprobs).any())
         prompt_parts: list = []
@@ -112,6 +115,7 @@ class StepExecutor:
         timing = _timing_event(self.device) if self.trace_device else None
         with torch.inference_mode():
             self._restore_states(batch)
+            self._hold_states(batch)
             in_graph = None  # the graph's own sampling serves the step: (inverse temperatures, noise rows)
             if bucket is not None:
                 in_graph = self.sampler.graph_sampling(ids, self.graphs.noise)
@@ -125,7 +129,19 @@ class StepExecutor:
                 logits = self.model(self._eager_batch(batch, previous, feed_src), self.pools)
             self._save_states(batch)
             top = None
-            if in_graph is not None:
+            accepted = None
+            if drafting:
+                tokens, logprobs, accepted, top = self._choose_with_drafts(batch, ids, logits)
+                self._put_back_linear_states(batch, accepted)
+                if self.graphs is not None:
+                    self.graphs.keep_samples(tokens)
+                if self.store is not None:
+                    self.store.stats_to_host(counted=False)
+                extra = [accepted] + ([] if top is None else list(top[1:]))
+                for _, _, _, tensors in prompt_parts:
+                    extra.extend(tensors)
+                copies = _to_host_async(tokens.to(torch.int32), logprobs.to(torch.float32), *extra)
+            elif in_graph is not None:
                 if self.store is not None:  # counted in the graph; queued before the results: one wait covers both
                     self.store.stats_to_host(counted=True)
                 copies = self.graphs.fetch_samples(bucket, len(ids))
@@ -142,7 +158,9 @@ class StepExecutor:
                     extra.extend(tensors)
                 copies = _to_host_async(tokens.to(torch.int32), logprobs.to(torch.float32), *extra)
         self._last_sampled = (sampled_ids, tokens)
-        launched = _Launched(batch, sampled_ids, top=top, prompt_parts=prompt_parts, copies=copies)
+        launched = _Launched(
+            batch, sampled_ids, top=top, prompt_parts=prompt_parts, copies=copies, drafting=accepted is not None
+        )
         if timing is not None:
             launched.timing = (timing, _timing_event(self.device), self._last_end)
             self._last_end = launched.timing[1]
@@ -172,7 +190,8 @@ class StepExecutor:
                 start.elapsed_time(end),
                 before.elapsed_time(start) if before is not None else None,
             )
-        self.sampler.record(sampled_ids.tolist(), token_ids.tolist())
+        accepted = extra.pop(0) if launched.drafting else None
+        self.sampler.record(*self._produced(batch, sampled_ids, token_ids, accepted))
         sampled_lps = ()
         if top is not None:
             sampled_lps, extra = self._sampled_logprobs(sampled_ids, top[0], extra[:3]), extra[3:]
@@ -194,11 +213,92 @@ class StepExecutor:
             sampled_logprobs=sampled_lps,
             prompt_logprobs=prompt_lps,
             grammar_failures=self.sampler.grammar_failures(sampled_ids.tolist()),
+            accepted_drafts=accepted,
         )
         if self.store is not None:  # after the results reached the host: the step's work is done
             decode = batch.prompt_logprobs is None and bool((batch.query_lens == 1).all())
             self.store.end_step(synced=True, decode_tokens=len(batch.query_lens) if decode else None)
         return output
+
+    def _choose_with_drafts(self, batch: StepBatch, ids: list[int], logits: torch.Tensor):
+        """(tokens [S], logprobs [S], drafts kept [S], top logprobs or None) for a step with drafting rows:
+        `logits` holds each sampling row's last draft_lens + 1 positions (ForwardBatch.logits_rows). The rows
+        without drafts sample as in any step (the sampler, on their last position), the drafting ones are
+        verified (speculative_verify.py)."""
+        mask = batch.sample.astype(bool)
+        spans = batch.draft_lens.astype(np.int64)[mask] + 1
+        last = np.cumsum(spans) - 1  # each sampling row's last logits row
+        plain = np.flatnonzero(spans == 1)
+        drafting = np.flatnonzero(spans > 1)
+        n = len(ids)
+        tokens = torch.zeros(n, dtype=torch.int64, device=self.device)
+        logprobs = torch.zeros(n, dtype=torch.float32, device=self.device)
+        accepted = torch.zeros(n, dtype=torch.int32, device=self.device)
+        top = None
+        if plain.size:
+            plain_ids = [ids[i] for i in plain]
+            plain_logits = logits[to_device(last[plain], torch.int64, logits.device)]
+            t, lp = self.sampler.choose(plain_ids, plain_logits)
+            at = to_device(plain, torch.int64, self.device)
+            tokens[at], logprobs[at] = t, lp.to(torch.float32)
+            top = self.sampler.top_logprobs(plain_ids, plain_logits, t)
+            if top is not None:  # its rows are indices into the plain rows: into the step's sampling rows
+                top = ([int(plain[i]) for i in top[0]], *top[1:])
+        if drafting.size:
+            tokens_in = np.asarray(batch.tokens, dtype=np.int64)
+            ends = np.cumsum(batch.query_lens.astype(np.int64))[mask]
+            drafts = [tokens_in[ends[i] - spans[i] + 1 : ends[i]].tolist() for i in drafting]
+            rows = np.concatenate([np.arange(last[i] - spans[i] + 1, last[i] + 1) for i in drafting])
+            states = [self.sampler.requests[ids[i]] for i in drafting]
+            t, lp, kept = verify_drafts(
+                states,
+                logits[to_device(rows, torch.int64, logits.device)],
+                drafts,
+                self.sampler.generator,
+                self.spec.vocab_size,
+            )
+            at = to_device(drafting, torch.int64, self.device)
+            tokens[at], logprobs[at], accepted[at] = t, lp, kept
+        return tokens, logprobs, accepted, top
+
+    def _hold_states(self, batch: StepBatch) -> None:
+        """After the restores, before the forward: each hybrid drafting row's state goes to its hold snapshot
+        (StepBatch.hold_state), to be put back where a draft is refused."""
+        if batch.hold_state is not None:
+            rows = np.flatnonzero(batch.hold_state >= 0)
+            self.pools.linear_state.save([(int(batch.linear_state_slots[i]), int(batch.hold_state[i])) for i in rows])
+
+    def _put_back_linear_states(self, batch: StepBatch, accepted: torch.Tensor) -> None:
+        """After the verify: the hybrid drafting rows that refused a draft take back the linear state they
+        started the step with (shared/speculation.py's computed_after_verify: the tokens they kept are computed
+        again with their next row). Decided on the device: no wait for the verify's answer."""
+        if batch.hold_state is None:
+            return
+        rows = np.flatnonzero(batch.hold_state >= 0)
+        sampling_row = np.cumsum(batch.sample.astype(np.int64)) - 1  # a drafting row samples
+        kept = accepted[to_device(sampling_row[rows], torch.int64, self.device)]
+        refused = kept < to_device(batch.draft_lens[rows], torch.int32, self.device)
+        state = self.pools.linear_state
+        for j, i in enumerate(rows.tolist()):
+            slot, snap = int(batch.linear_state_slots[i]), int(batch.hold_state[i])
+            for now, held in ((state.conv, state.snapshot_conv), (state.recurrent, state.snapshot_recurrent)):
+                # in place, through views: no temporary the size of a state (the plan prices none)
+                torch.where(refused[j], held[snap], now[:, slot], out=now[:, slot])
+
+    def _produced(self, batch: StepBatch, sampled_ids: np.ndarray, token_ids: np.ndarray, accepted) -> tuple:
+        """(request ids, tokens) of what the step produced, in order: a drafting row's kept drafts, then its
+        token (every other sampling row: its token)."""
+        if accepted is None:
+            return sampled_ids.tolist(), token_ids.tolist()
+        mask = batch.sample.astype(bool)
+        ends = np.cumsum(batch.query_lens.astype(np.int64))[mask]
+        d = batch.draft_lens.astype(np.int64)[mask]
+        rids, toks = [], []
+        for i, rid in enumerate(sampled_ids.tolist()):
+            kept = batch.tokens[ends[i] - d[i] : ends[i] - d[i] + int(accepted[i])].tolist()
+            rids += [rid] * (len(kept) + 1)
+            toks += kept + [int(token_ids[i])]
+        return rids, toks
 
     def _sampled_logprobs(self, sampled_ids: np.ndarray, rows: list[int], host: list[np.ndarray]) -> tuple:
         token_lps, top_ids, top_lps = host
@@ -367,6 +467,7 @@ class _Launched:
     prompt_parts: list = field(default_factory=list)
     copies: tuple = ()  # (host tensors, ready event or None) from _to_host_async
     output: StepOutput | None = None
+    drafting: bool = False  # speculative decoding: `copies` holds the drafts kept after the logprobs
     timing: tuple | None = None  # FERRY_STEP_TRACE: (start, end, the previous step's end) timing events
     device_times: tuple | None = None  # (ms on the device, ms the device sat idle before it), once finished
 

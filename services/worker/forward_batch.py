@@ -24,8 +24,9 @@ class ForwardBatch:
 
     `slot_mapping[t]` is the flat KV row (page * page_size + offset) that token t writes;
     `logits_rows` are the token rows whose logits are needed (the last new token of every
-    request that samples). Host copies of the small per-request arrays are kept too, because
-    CPU reference paths loop over requests.
+    request that samples; a drafting row's last draft_lens + 1 tokens: shared/step.py). Host
+    copies of the small per-request arrays are kept too, because CPU reference paths loop over
+    requests.
 
     All device arrays are views of one buffer that crosses to the device in a single copy (from
     pinned memory on CUDA): ten small copies were ten launches and ten driver calls per step."""
@@ -113,6 +114,10 @@ class ForwardBatch:
         pages = step.page_table[req_of_token, positions // page_size].astype(np.int64)
         slot_mapping = pages * page_size + positions % page_size
         logits_rows = (qstart[1:] - 1)[step.sample.astype(bool)]
+        if step.draft_lens is not None:  # a drafting row: each of its last draft_lens + 1 positions, in order
+            ends = qstart[1:][step.sample.astype(bool)]
+            span = step.draft_lens.astype(np.int64)[step.sample.astype(bool)] + 1
+            logits_rows = np.repeat(ends - span, span) + _ranges(span)
         arrays = dict(
             tokens=(step.tokens, np.int64),
             positions=(positions, np.int64),
@@ -149,6 +154,12 @@ class ForwardBatch:
             step=step if pad_to is None else None,
             device=torch.device(device),
         )
+
+
+def _ranges(lengths: np.ndarray) -> np.ndarray:
+    """0..n-1 for each n of `lengths`, concatenated."""
+    starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return np.arange(int(lengths.sum())) - starts
 
 
 def _padded_decode(arrays: dict, rows: int, pad_to: int, max_pages: int) -> dict:

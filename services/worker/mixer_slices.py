@@ -102,4 +102,6 @@ def _slice(step: StepBatch, a: int, b: int) -> StepBatch:
         restore_state=None,
         save_state=save_state,
         save_offset=save_offset,
+        draft_lens=None,  # the slices sample nothing: the whole step's logits rows are the step's
+        hold_state=None,  # held and put back around the whole step
     )

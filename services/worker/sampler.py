@@ -106,6 +106,11 @@ class Sampler:
         else:
             self._generator.manual_seed(seed)
 
+    @property
+    def generator(self) -> torch.Generator:
+        """The worker's generator, the noise of every unseeded request (speculative_verify.py draws from it)."""
+        return self._generator
+
     # ---- request lifetime ------------------------------------------------------------
     def add_request(self, new: NewRequest) -> None:
         """Register a request (replacing any earlier state under the same id). Its parameters were

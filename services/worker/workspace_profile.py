@@ -2,7 +2,8 @@
 
 The largest step is `max_prefill_tokens` new tokens spread over as many requests as may run
 together, every one of them sampling: one long prefill chunk carries most tokens (the widest
-activations), the other requests one token each (the most logits rows). It runs on a temporary
+activations), the other requests one token each (the most logits rows), whose logits then also go through
+speculative decoding's verify (services/worker/speculative_verify.py). It runs on a temporary
 minimal pool set — just enough KV pages and linear-state slots for itself, one MoE layer's expert
 slots shared by every layer — that is freed before the real pools are planned.
 
@@ -40,6 +41,7 @@ from ferry.services.worker.pools import (
     allocate_pool,
 )
 from ferry.services.worker.sampler import Sampler
+from ferry.services.worker.speculative_verify import verify_drafts
 from ferry.shared.errors import PlanError
 from ferry.shared.sampling import SamplingParams
 from ferry.shared.step import NewRequest, StepBatch
@@ -122,6 +124,13 @@ def _run(model, step: StepBatch, pools: Pools, sampler: Sampler, r: Resolved, de
         batch = ForwardBatch.from_step(step, r.page_size, device)
         logits = model(batch, pools)
         tokens, _ = sampler.sample(step.req_ids.tolist(), logits)
+        # speculative decoding's verify over as many logits rows (a step's drafts keep its logits rows within
+        # max_running_requests: batcher._give_drafts), as pairs of a draft and the bonus after it: its
+        # temporaries are the workspace's too
+        pairs = len(step.req_ids) // 2
+        if pairs:
+            states = [sampler.requests[int(rid)] for rid in step.req_ids[:pairs].tolist()]
+            verify_drafts(states, logits[: 2 * pairs], [[0]] * pairs, sampler.generator, logits.shape[1])
     return tokens
 
 

@@ -78,3 +78,18 @@ def test_ferry_requests_says_it_counts_each_choice():
     """A request with n=3 counts 3 in ferry_requests_total (one generation a choice): its help says so."""
     families = {f.name: f for f in text_string_to_metric_families(ApiMetrics("tiny").exposition().decode())}
     assert "n choices (or n prompts) counts n" in families["ferry_requests"].documentation
+
+
+def test_speculative_counts_come_from_the_schedulers_status_under_vllms_names_too():
+    m = ApiMetrics("tiny")
+    m.refresh_from(
+        SchedulerStatus(boot_id="b", ready=True, reason="", draft_rows=3, drafted_tokens=11, accepted_drafts=7),
+        True,
+    )
+    got = samples(m)
+    tiny = (("model_name", "tiny"),)
+    assert got[("ferry_speculative_draft_rows_total", ())] == got[("vllm:spec_decode_num_drafts_total", tiny)] == 3
+    assert got[("ferry_speculative_drafted_tokens_total", ())] == 11
+    assert got[("vllm:spec_decode_num_draft_tokens_total", tiny)] == 11
+    assert got[("ferry_speculative_accepted_tokens_total", ())] == 7
+    assert got[("vllm:spec_decode_num_accepted_tokens_total", tiny)] == 7

@@ -112,6 +112,27 @@ MESSAGES = [
         ),
     ),
     (WorkerToScheduler, StepFailed(step_id=7, message="oom")),
+    # speculative decoding: a drafting row (its last two tokens drafts, its state held in snapshot 5) and its answer
+    (
+        SchedulerToWorker,
+        RunStep(
+            msgspec.structs.replace(
+                batch(), draft_lens=np.array([0, 0], np.int32), hold_state=np.array([-1, 5], np.int32)
+            )
+        ),
+    ),
+    (
+        WorkerToScheduler,
+        StepDone(
+            StepOutput(
+                step_id=7,
+                req_ids=np.array([3], np.int64),
+                token_ids=np.array([2], np.int32),
+                logprobs=np.zeros(1, np.float32),
+                accepted_drafts=np.array([1], np.int32),
+            )
+        ),
+    ),
 ]
 
 
