@@ -47,6 +47,14 @@ class PoolReport(msgspec.Struct, frozen=True, kw_only=True):
     # a running request then holds one (StepBatch.linear_state_slots carries it), and the prefix cache is off,
     # since a ring keeps no prefix's K/V; 0: no ring
     kv_ring_slots: Count32 = 0
+    # the expert pool as speculative decoding's controller prices a verify row's extra misses
+    # (services/scheduler/draft_length.py): GPU slots and routed experts (all MoE layers), MoE layers, experts a
+    # token routes to, one expert's bytes; 0: not reported (no MoE), misses not priced
+    expert_slots: Count32 = 0
+    expert_total: Count32 = 0
+    moe_layers: Count32 = 0
+    experts_top_k: Count32 = 0
+    expert_bytes: Int64 = 0
 
 
 # ---- api -> scheduler --------------------------------------------------------------------------

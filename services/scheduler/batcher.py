@@ -26,9 +26,10 @@ keeps its pages, its state slot and its sampler state until N+1 returns (whose t
 dropped).
 
 Speculative decoding (--speculative-method ngram; shared/speculation.py): once a step's rows and admissions are
-placed, each decoding row whose request may speculate gets up to --speculative-tokens drafts from prompt lookup
-over its tokens (ngram_proposer.py), within the token budget left and the step's logits rows
-(`_give_drafts`); the worker verifies them in the same forward. Its answer says how many it kept: those and the
+placed, each decoding row whose request may speculate gets up to k drafts from prompt lookup over its tokens
+(ngram_proposer.py), k <= --speculative-tokens chosen per row by the draft-length controller (draft_length.py:
+the request's measured acceptance against the verify positions' cost, their expert misses included), within the
+token budget left and the step's logits rows (`_give_drafts`); the worker verifies them in the same forward. Its answer says how many it kept: those and the
 worker's own token are the request's next tokens, one at a time through the stop checks, and the positions
 computed are counted by `computed_after_verify` (pages that held only refused drafts go back). Such a request
 is not scheduled ahead: its next drafts need the tokens its answer brings.
@@ -64,10 +65,12 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from ferry.services.scheduler.draft_length import DraftLength, ExpertPrices
 from ferry.services.scheduler.kv_page_pool import KvPagePool
 from ferry.services.scheduler.linear_state_slots import LinearStateSlotAllocator
 from ferry.services.scheduler.ngram_proposer import propose_ngram
@@ -170,6 +173,11 @@ def _worth_a_cut(points: set[int], start: int, span: int, wanted: set[int] = fro
     return set(kept)
 
 
+def _prompt_lookup(req: Request, k: int) -> list[int]:
+    """Up to k drafts for req by prompt lookup over its tokens (ngram_proposer.py)."""
+    return propose_ngram(req.token_array.of(req.tokens), k)
+
+
 def _to_deepest_snapshot(chain: list[Node]) -> int:
     """How many nodes of a cached chain lead to the deepest one holding a linear-state snapshot (0: none)."""
     return next((i + 1 for i in range(len(chain) - 1, -1, -1) if chain[i].snapshot is not None), 0)
@@ -185,12 +193,14 @@ class BatchScheduler:
         schedule_ahead_steps: int = DEFAULT_SCHEDULE_AHEAD_STEPS,
         speculative_method: str = "off",
         speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS,
+        drafter: Callable[[Request, int], list[int]] | None = None,
     ):
         """`prefix_cache`: reuse cached prefixes (False: --no-prefix-cache, every prompt computed whole);
         `prefill_coalesce_s`: how long new prompts may wait for more (arrival_hold_s; 0: never);
         `schedule_ahead_steps`: decode steps that may be in flight beyond the oldest (0: none ahead);
         `speculative_method`: "ngram" gives decoding rows up to `speculative_tokens` drafts to verify
-        (--speculative-method, --speculative-tokens; the module docstring), "off" none."""
+        (--speculative-method, --speculative-tokens; the module docstring), "off" none; `drafter`: where a
+        row's up to k drafts come from (None: prompt lookup; the bench's oracle_drafter.py otherwise)."""
         check_pool(pool)
         self.pool = pool
         self.hybrid = pool.linear_state_slots > 0
@@ -233,6 +243,8 @@ class BatchScheduler:
         self._step_ids = itertools.count(first_step_id)
         self.speculative_method = speculative_method
         self.speculative_tokens = speculative_tokens
+        self.drafter = drafter or _prompt_lookup
+        self.draft_length = DraftLength(speculative_tokens, ExpertPrices.of(pool))
         self.draft_rows = 0  # rows sent with drafts
         self.drafted_tokens = 0  # drafts sent in those rows
         self.accepted_drafts = 0  # of them, the ones the worker kept
@@ -505,6 +517,7 @@ class BatchScheduler:
         points), where its pages cannot grow without preempting, and, for a hybrid model, where no snapshot id is
         free to hold its state (speculation.computed_after_verify: refused drafts put the state back)."""
         logits_room = self.pool.max_running_requests - sum(e.sample for e in entries)
+        step_tokens = sum(e.query_len for e in entries)  # the step's tokens so far: the misses drafts add depend on it
         for e in entries:
             req, q = e.req, e.query_len
             if budget < 1 or logits_room < 1:
@@ -520,9 +533,12 @@ class BatchScheduler:
             )
             if room < 1 or (self.hybrid and not self.holds.free_count):
                 continue
-            drafts = propose_ngram(req.token_array.of(req.tokens), room)
+            k = self.draft_length.choose(req.rid, len(entries), step_tokens, room)
+            drafts = self.drafter(req, k) if k else []
             if not drafts or not self.kv.grow(req, req.num_computed + q + len(drafts)):
                 continue
+            self.draft_length.sent(req.rid, step_tokens, len(drafts))
+            step_tokens += len(drafts)
             if self.hybrid:
                 e.hold = self.holds.take()  # a free id (free_count above): no cached snapshot is dropped
             e.drafts = tuple(drafts)
@@ -842,6 +858,7 @@ class BatchScheduler:
                 self.draft_rows += 1
                 self.drafted_tokens += len(e.drafts)
                 self.accepted_drafts += kept
+                self.draft_length.observe(req.rid, len(e.drafts), kept)
                 q = e.query_len + len(e.drafts)
                 req.num_computed = computed_after_verify(req.num_computed, q, len(e.drafts), kept, self.hybrid)
             else:
@@ -979,6 +996,7 @@ class BatchScheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.by_rid.pop(req.rid, None)
+        self.draft_length.forget(req.rid)
 
     def _release_if_idle(self, req: Request) -> None:
         if req.in_flight == 0:

@@ -67,8 +67,10 @@ class WorkerConfig:
     wire_keys: str | None = None  # the CURVE key directory (shared/wire_keys.py); None: no CURVE
 
 
-def pool_report_from_plan(plan: Any, vocab_size: int = 0) -> PoolReport:
-    """The scheduler's view of the memory plan (ferry.plan.planner.Plan)."""
+def pool_report_from_plan(plan: Any, vocab_size: int = 0, spec: Any = None) -> PoolReport:
+    """The scheduler's view of the memory plan (ferry.plan.planner.Plan); `spec` (the model's ModelSpec, None
+    where unknown) adds its MoE layers and top-k, which the draft-length controller prices misses with."""
+    moe = spec is not None and getattr(spec, "num_experts", 0) > 0
     return PoolReport(
         kv_pages=plan.kv.pages,
         page_size=plan.kv.page_size,
@@ -80,6 +82,11 @@ def pool_report_from_plan(plan: Any, vocab_size: int = 0) -> PoolReport:
         linear_state_snapshots=plan.linear_state_snapshots.snapshots,
         experts_offloaded=plan.experts.slots < plan.experts.total,
         kv_ring_slots=plan.kv.ring_slots,
+        expert_slots=plan.experts.slots,
+        expert_total=plan.experts.total,
+        moe_layers=len(spec.moe_layer_indices) if moe else 0,
+        experts_top_k=spec.num_experts_per_tok if moe else 0,
+        expert_bytes=plan.experts.bytes_per_slot,
         plan_summary=f"{plan.kv.pages} KV pages x {plan.kv.page_size} tokens, "
         f"{plan.linear_state.slots} linear-state slots, "
         f"{plan.linear_state_snapshots.snapshots} linear-state snapshots, "
@@ -208,7 +215,9 @@ class WorkerService:
         vocab = getattr(self.executor, "vocab_size", 0)
         # before the pool is reported (no step can arrive yet): no full collection walks the booted model again
         freeze_startup_heap()
-        self.heartbeat.pool = pool_report_from_plan(self.plan, vocab if isinstance(vocab, int) else 0)
+        self.heartbeat.pool = pool_report_from_plan(
+            self.plan, vocab if isinstance(vocab, int) else 0, getattr(self.executor, "spec", None)
+        )
         # from here a Triton compile is one the warm-up missed, inside a request: logged and counted
         if self.compile_watch.install():
             self.metrics.watch_compiles(self.compile_watch.report)

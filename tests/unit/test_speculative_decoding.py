@@ -41,6 +41,7 @@ from ferry.services.worker.models import build_model
 from ferry.services.worker.offload.stores.resident import ResidentExperts
 from ferry.services.worker.pools import allocate_pools
 from ferry.services.worker.sampler import RequestSamplingState
+from ferry.services.scheduler.draft_length import DraftLength
 from ferry.services.worker.service import pool_report_from_plan
 from ferry.shared.errors import ConfigError
 from ferry.shared.sampling import SamplingParams
@@ -546,6 +547,8 @@ def test_drafts_stay_inside_max_tokens_and_the_pages(tiny_models, monkeypatch):
     grown for refused drafts go back."""
     executor, plan = boot(tiny_models["qwen3_moe"])
     monkeypatch.setattr(batcher_module, "propose_ngram", lambda tokens, k: [1] * k)
+    # every row drafts all it may, however few are kept (the controller would stop: draft_length.py)
+    monkeypatch.setattr(DraftLength, "best", lambda self, acceptance, rows, step_tokens, limit: limit)
     [(tokens, why)], sched = generate(executor, plan, [(PROMPTS[0], GREEDY, 3)], "ngram", k=8)
     assert len(tokens) == 3 and why == "length"
     assert sched.drafted_tokens == 1  # after the first token, two to go: one draft, then none past the end

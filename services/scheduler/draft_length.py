@@ -1,0 +1,188 @@
+"""How many drafts a decoding row carries (speculative decoding's draft-length controller): per step and request
+a k in [0, K], K = --speculative-tokens, chosen so that speculation does not lose to decoding without it.
+
+The rule. Each request keeps an estimate a of the chance that a draft token is kept given the ones before it
+were: a Beta prior (ACCEPT_PRIOR) plus the verified rows, each row of d drafts with a kept counting a successes
+and one failure unless a == d (the kept drafts are a prefix), old rows decayed by DECAY so a request that turns
+repetitive (or stops) is followed. A row given k drafts then yields E(k) = 1 + a + ... + a^k tokens. Its cost is
+its share of a plain decode step, S / B (B rows in the step), plus what the k extra positions add:
+k x VERIFY_POSITION_S of compute, DRAFT_STEP_OVERHEAD_S (a step with drafts runs eagerly, not as a CUDA graph),
+and with experts offloaded the expected extra expert misses times one miss's copy (expert bytes / PCIE_BYTES_PER_S).
+A step of n tokens touches E_l (1 - (1 - t/E_l)^n) distinct experts a MoE layer (E_l experts, top-t routing,
+uniform), each missed with the cache's miss rate (measured from the worker's hit/miss counts, else 1 - slots /
+experts); so the k positions added to a step of n tokens miss
+    L x miss_rate x E_l x ((1 - t/E_l)^n - (1 - t/E_l)^(n + k))  experts,  L = MoE layers.
+S is the plain step's cost by the same terms (DECODE_STEP_S plus the misses of its n tokens). The chosen k
+maximises E(k) / (S/B + cost(k)) (tokens a second), k = 0 unless some k beats 1 / (S/B): at acceptance 0 every
+k > 0 loses, the estimate falls under the threshold within a few rows, and the row decodes plainly. With k = 0
+nothing is observed, so every PROBE_EVERY-th plain decision of a request drafts one token instead (a bounded
+exploration: one extra position in PROBE_EVERY steps), letting a request whose text starts repeating speculate.
+
+No torch, no clock: the prices are the plan's (PoolReport) and the constants below; the scheduler feeds the
+outcomes (`observe`) and the worker's expert counts (`note_expert_lookups`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ferry.shared.messages import PoolReport
+
+# Beta(successes, failures) prior of a request's per-draft acceptance: a mean of 0.7 weighing two rows (prompt
+# lookup drafts only where an n-gram matched, which in repetitive text mostly continues), so a request starts at K
+# and one that never agrees falls under the resident threshold (~0.25) after three refused rows
+ACCEPT_PRIOR = (1.4, 0.6)
+# the weight a past row keeps at each new one: the estimate follows the last ~10 rows
+DECAY = 0.9
+# a request decoding without drafts drafts one token every this many decisions (its acceptance is re-measured)
+PROBE_EVERY = 16
+# a plain decode step with every expert resident (a CUDA graph over the layers; batcher.py: ~1.0 ms), seconds
+DECODE_STEP_S = 1.0e-3
+# one more position in a verify row: a short prefill's compute per token, seconds
+VERIFY_POSITION_S = 5.0e-5
+# a step with drafts runs eagerly instead of as a CUDA graph (an estimate of the launches a graph saves); charged
+# in full to each drafting row, an upper bound where several rows draft
+DRAFT_STEP_OVERHEAD_S = 2.0e-4
+# host-to-device copy rate of one missed expert (PCIe 5.0 x16 pinned, bench/bandwidth.py: ~50 GB/s)
+PCIE_BYTES_PER_S = 50e9
+# the measured miss rate: an EWMA over heartbeats, each new interval's rate weighing this much
+MISS_RATE_WEIGHT = 0.3
+
+
+@dataclass
+class _Acceptance:
+    """A request's decayed Beta counts, and its plain decisions since its last draft (for the probe)."""
+
+    kept: float = ACCEPT_PRIOR[0]
+    refused: float = ACCEPT_PRIOR[1]
+    plain: int = 0
+
+    @property
+    def rate(self) -> float:
+        return self.kept / (self.kept + self.refused)
+
+
+@dataclass(frozen=True)
+class ExpertPrices:
+    """What the scheduler knows before a step of the experts' cost: the plan's expert pool (PoolReport)."""
+
+    moe_layers: int = 0  # 0: not reported (no MoE, or an old worker): misses are not priced
+    experts_per_layer: int = 0
+    top_k: int = 0
+    slots: int = 0  # GPU expert slots, all layers
+    total: int = 0  # routed experts, all layers
+    miss_s: float = 0.0  # one missed expert's copy
+
+    @staticmethod
+    def of(pool: PoolReport) -> ExpertPrices:
+        if not pool.experts_offloaded or not pool.moe_layers or not pool.experts_top_k or not pool.expert_total:
+            return ExpertPrices()
+        return ExpertPrices(
+            moe_layers=pool.moe_layers,
+            experts_per_layer=pool.expert_total // pool.moe_layers,
+            top_k=pool.experts_top_k,
+            slots=pool.expert_slots,
+            total=pool.expert_total,
+            miss_s=pool.expert_bytes / PCIE_BYTES_PER_S,
+        )
+
+    @property
+    def priced(self) -> bool:
+        return self.moe_layers > 0 and self.experts_per_layer > 0 and self.miss_s > 0
+
+    def distinct(self, tokens: int) -> float:
+        """Expected distinct experts `tokens` tokens route to in one MoE layer (uniform top-k routing)."""
+        e = self.experts_per_layer
+        return e * (1.0 - (1.0 - min(self.top_k, e) / e) ** max(tokens, 0))
+
+
+@dataclass
+class DraftLength:
+    """The controller: `choose` per drafting row, `observe` per verified row (the module docstring's rule)."""
+
+    max_drafts: int  # K: --speculative-tokens
+    prices: ExpertPrices = field(default_factory=ExpertPrices)
+    miss_rate: float | None = None  # measured (note_expert_lookups); None: 1 - slots / experts
+    _requests: dict[int, _Acceptance] = field(default_factory=dict)
+    _lookups: tuple[int, int] | None = None  # the worker's last (hits, misses), cumulative
+    # metrics, since the scheduler adopted the worker: rows decided, drafts chosen over them, misses the drafts sent
+    # were expected to add
+    decisions: int = 0
+    chosen_drafts: int = 0
+    estimated_misses_added: float = 0.0
+
+    def acceptance(self, rid: int) -> float:
+        return self._requests.setdefault(rid, _Acceptance()).rate
+
+    def current_miss_rate(self) -> float:
+        if self.miss_rate is not None:
+            return self.miss_rate
+        p = self.prices
+        return 1.0 - p.slots / p.total if p.total else 0.0
+
+    def misses_added(self, step_tokens: int, drafts: int) -> float:
+        """Expected expert misses of `drafts` more positions in a step of `step_tokens` tokens."""
+        p = self.prices
+        if not p.priced or drafts <= 0:
+            return 0.0
+        extra = p.distinct(step_tokens + drafts) - p.distinct(step_tokens)
+        return p.moe_layers * self.current_miss_rate() * extra
+
+    def step_s(self, step_tokens: int) -> float:
+        """A plain step's estimated cost: its compute and the misses of its tokens."""
+        p = self.prices
+        misses = p.moe_layers * self.current_miss_rate() * p.distinct(step_tokens) if p.priced else 0.0
+        return DECODE_STEP_S + misses * p.miss_s
+
+    def best(self, acceptance: float, rows: int, step_tokens: int, limit: int) -> int:
+        """The k in [0, min(K, limit)] with the most tokens a second for a row of a step of `rows` rows and
+        `step_tokens` tokens before its drafts (0 on a tie: drafting must win to be chosen)."""
+        share = self.step_s(step_tokens) / max(rows, 1)
+        best_k, best_rate = 0, 1.0 / share
+        tokens = 1.0
+        for k in range(1, min(self.max_drafts, limit) + 1):
+            tokens += acceptance**k
+            cost = share + k * VERIFY_POSITION_S + DRAFT_STEP_OVERHEAD_S
+            cost += self.misses_added(step_tokens, k) * self.prices.miss_s
+            if tokens / cost > best_rate * (1 + 1e-9):
+                best_k, best_rate = k, tokens / cost
+        return best_k
+
+    def choose(self, rid: int, rows: int, step_tokens: int, limit: int) -> int:
+        """Drafts for request `rid`'s row now (at most `limit`, what the step leaves), counted in the metrics."""
+        state = self._requests.setdefault(rid, _Acceptance())
+        k = self.best(state.rate, rows, step_tokens, limit)
+        if k == 0 and limit >= 1:
+            state.plain += 1
+            if state.plain >= PROBE_EVERY:
+                k = 1
+        self.decisions += 1
+        self.chosen_drafts += k
+        return k
+
+    def sent(self, rid: int, step_tokens: int, drafts: int) -> None:
+        """A row of `drafts` drafts goes out in a step of `step_tokens` tokens before it: the misses it adds."""
+        self.estimated_misses_added += self.misses_added(step_tokens, drafts)
+        self._requests.setdefault(rid, _Acceptance()).plain = 0
+
+    def observe(self, rid: int, drafts: int, kept: int) -> None:
+        """A verified row of `drafts` drafts kept `kept` (a prefix): the request's estimate moves."""
+        if drafts <= 0:
+            return
+        state = self._requests.setdefault(rid, _Acceptance())
+        state.kept = DECAY * state.kept + kept
+        state.refused = DECAY * state.refused + (1 if kept < drafts else 0)
+
+    def forget(self, rid: int) -> None:
+        self._requests.pop(rid, None)
+
+    def note_expert_lookups(self, hits: int, misses: int) -> None:
+        """The worker's cumulative expert-cache counts (its heartbeat): the miss rate since the last ones."""
+        last, self._lookups = self._lookups, (hits, misses)
+        if last is None or hits < last[0] or misses < last[1]:  # the first, or a restarted worker's counts
+            return
+        dh, dm = hits - last[0], misses - last[1]
+        if dh + dm <= 0:
+            return
+        rate = dm / (dh + dm)
+        self.miss_rate = rate if self.miss_rate is None else (1 - MISS_RATE_WEIGHT) * self.miss_rate + MISS_RATE_WEIGHT * rate
