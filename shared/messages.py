@@ -135,6 +135,11 @@ class SchedulerStatus(msgspec.Struct, tag=True, kw_only=True):
     draft_rows: int = 0  # speculative decoding: rows sent with drafts, drafts in them, drafts the worker kept
     drafted_tokens: int = 0
     accepted_drafts: int = 0
+    # the draft-length controller (services/scheduler/draft_length.py): drafting rows it chose k for, the k's sum,
+    # and the expert misses the drafts sent were expected to add (rounded down)
+    draft_decisions: int = 0
+    chosen_drafts: int = 0
+    draft_misses_added: int = 0
 
 
 SchedulerToApi = Union[Tokens, Finished, Failed, SchedulerStatus]

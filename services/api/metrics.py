@@ -77,6 +77,20 @@ class _StatusCounters:
             "ferry_speculative_accepted_tokens",
             "speculative decoding: draft tokens the target model kept (since the worker started)",
         ),
+        "draft_decisions": (
+            "ferry_speculative_k_decisions",
+            "speculative decoding: decoding rows the draft-length controller chose a number of drafts k for "
+            "(since the worker started)",
+        ),
+        "chosen_drafts": (
+            "ferry_speculative_k_chosen",
+            "speculative decoding: the k's chosen, summed; over ferry_speculative_k_decisions: the mean k",
+        ),
+        "draft_misses_added": (
+            "ferry_speculative_estimated_misses_added",
+            "speculative decoding: expert misses the drafts sent were expected to add, with experts offloaded "
+            "(the controller's estimate; since the worker started)",
+        ),
     }
 
     def __init__(self) -> None:

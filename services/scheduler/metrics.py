@@ -47,5 +47,20 @@ class SchedulerMetrics:
             "speculative decoding: of those, the drafts the target model kept (each a token gained without a step)",
             registry=r,
         )
+        self.draft_decisions = Counter(
+            "ferry_scheduler_draft_decisions",
+            "speculative decoding: decoding rows the draft-length controller chose a number of drafts k for",
+            registry=r,
+        )
+        self.chosen_drafts = Counter(
+            "ferry_scheduler_chosen_drafts",
+            "speculative decoding: the k's chosen, summed (over draft_decisions: the mean k)",
+            registry=r,
+        )
+        self.draft_misses_added = Counter(
+            "ferry_scheduler_draft_misses_added",
+            "speculative decoding: expert misses the drafts sent were expected to add (offloaded experts; an estimate)",
+            registry=r,
+        )
         self.rejected = Counter("ferry_scheduler_rejected_requests", "requests rejected at admission", registry=r)
         self.worker_ready = Gauge("ferry_scheduler_worker_ready", "1 when a worker has reported its pools", registry=r)

@@ -56,7 +56,16 @@ from ferry.shared.wire_keys import WireKeys
 log = structlog.get_logger("scheduler")
 
 # the BatchScheduler's running counts that SchedulerStatus carries and /metrics counts (a counter of that name)
-COUNTED = ("prefix_hits", "snapshot_evictions", "draft_rows", "drafted_tokens", "accepted_drafts")
+COUNTED = (
+    "prefix_hits",
+    "snapshot_evictions",
+    "draft_rows",
+    "drafted_tokens",
+    "accepted_drafts",
+    "draft_decisions",
+    "chosen_drafts",
+    "draft_misses_added",
+)
 
 
 class SchedulerService:
@@ -354,6 +363,8 @@ class SchedulerService:
         self.worker.beat()
         self._worker_said = (time.monotonic(), msg.last_step, msg.step_running_s)
         self.expert_hits, self.expert_misses = msg.expert_hits, msg.expert_misses
+        if self.core is not None:  # the cache's miss rate prices the misses drafts add (draft_length.py)
+            self.core.draft_length.note_expert_lookups(msg.expert_hits, msg.expert_misses)
         timeout = self.cfg.step_timeout_s
         if msg.step_running_s > timeout:
             # Alive but hung in one step: fail its requests rather than let clients wait forever, and
@@ -515,6 +526,9 @@ class SchedulerService:
             draft_rows=c.draft_rows,
             drafted_tokens=c.drafted_tokens,
             accepted_drafts=c.accepted_drafts,
+            draft_decisions=c.draft_length.decisions,
+            chosen_drafts=c.draft_length.chosen_drafts,
+            draft_misses_added=int(c.draft_length.estimated_misses_added),
         )
 
     def _update_metrics(self, s: SchedulerStatus) -> None:

@@ -93,3 +93,17 @@ def test_speculative_counts_come_from_the_schedulers_status_under_vllms_names_to
     assert got[("vllm:spec_decode_num_draft_tokens_total", tiny)] == 11
     assert got[("ferry_speculative_accepted_tokens_total", ())] == 7
     assert got[("vllm:spec_decode_num_accepted_tokens_total", tiny)] == 7
+
+
+def test_the_draft_length_controllers_counts_come_from_the_schedulers_status():
+    m = ApiMetrics("tiny")
+    m.refresh_from(
+        SchedulerStatus(
+            boot_id="b", ready=True, reason="", draft_decisions=10, chosen_drafts=25, draft_misses_added=300
+        ),
+        True,
+    )
+    got = samples(m)
+    assert got[("ferry_speculative_k_decisions_total", ())] == 10
+    assert got[("ferry_speculative_k_chosen_total", ())] == 25
+    assert got[("ferry_speculative_estimated_misses_added_total", ())] == 300

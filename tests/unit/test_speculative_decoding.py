@@ -41,7 +41,7 @@ from ferry.services.worker.models import build_model
 from ferry.services.worker.offload.stores.resident import ResidentExperts
 from ferry.services.worker.pools import allocate_pools
 from ferry.services.worker.sampler import RequestSamplingState
-from ferry.services.scheduler.draft_length import DraftLength
+from ferry.services.scheduler.draft_length import PROBE_EVERY, DraftLength
 from ferry.services.worker.service import pool_report_from_plan
 from ferry.shared.errors import ConfigError
 from ferry.shared.sampling import SamplingParams
@@ -643,3 +643,32 @@ def test_computed_after_verify():
     assert computed_after_verify(10, 5, 4, 4, hybrid=False) == 15
     assert computed_after_verify(10, 5, 4, 2, hybrid=True) == 10  # the state went back to the row's start
     assert computed_after_verify(10, 5, 4, 4, hybrid=True) == 15
+
+
+def test_drafts_never_kept_stop_being_sent_and_the_output_stays_the_same(tiny_models, monkeypatch):
+    """The draft-length controller (draft_length.py): a request whose drafts are all refused soon decodes
+    without them (bar a one-token probe now and then), and its greedy tokens are those of speculation off."""
+    executor, plan = boot(tiny_models["qwen3_moe"])
+    request = [(PROMPTS[0], GREEDY, 80)]
+    [(off, _)], _ = generate(executor, plan, request)
+    vocab = executor.spec.vocab_size
+    monkeypatch.setattr(batcher_module, "propose_ngram", lambda tokens, k: [(int(tokens[-1]) + 1) % vocab] * k)
+    [(on, _)], sched = generate(executor, plan, request, "ngram", k=8)
+    assert on == off
+    assert sched.accepted_drafts < 3  # the drafts are wrong (a draft equal to the greedy token is kept)
+    assert 0 < sched.drafted_tokens <= 3 * 8 + 80 / PROBE_EVERY + 1
+    assert sched.draft_length.decisions >= 40 and sched.draft_length.chosen_drafts >= sched.drafted_tokens
+
+
+def test_the_pool_report_carries_the_expert_pool_the_controller_prices(tiny_models):
+    executor, plan = boot(tiny_models["qwen3_moe"])
+    spec = executor.spec
+    pool = pool_report_from_plan(plan, spec.vocab_size, spec)
+    assert pool.moe_layers == len(spec.moe_layer_indices) > 0
+    assert pool.experts_top_k == spec.num_experts_per_tok > 0
+    assert (pool.expert_slots, pool.expert_total, pool.expert_bytes) == (
+        plan.experts.slots,
+        plan.experts.total,
+        plan.experts.bytes_per_slot,
+    )
+    assert pool_report_from_plan(plan, spec.vocab_size).moe_layers == 0  # no spec: misses not priced
