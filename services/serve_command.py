@@ -35,6 +35,7 @@ from ferry.services.scheduler.config import (
     schedule_ahead_steps,
     speculation_from_args,
 )
+from ferry.services.scheduler.oracle_drafter import bench_drafts_from_env
 from ferry.services.worker.command import add_boot_flag
 from ferry.services.worker.flags import add_worker_flags, boot_config_from_args, worker_flag_args
 from ferry.shared.child_process import die_with_parent
@@ -258,6 +259,7 @@ def run(args: argparse.Namespace) -> int:
     prefill_coalesce_s(args.prefill_coalesce_ms)  # refused here, not by the scheduler after the model loads
     schedule_ahead_steps(args)
     speculation_from_args(args)  # refused here, not by the scheduler after the model loads
+    bench_drafts_from_env(os.environ, args.speculative_method)  # the bench-only switches, likewise
     if getattr(args, "wire_keys", None):
         log.warning(
             "wire_keys_ignored",

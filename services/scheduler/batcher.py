@@ -29,10 +29,10 @@ Speculative decoding (--speculative-method ngram; shared/speculation.py): once a
 placed, each decoding row whose request may speculate gets up to k drafts from prompt lookup over its tokens
 (ngram_proposer.py), k <= --speculative-tokens chosen per row by the draft-length controller (draft_length.py:
 the request's measured acceptance against the verify positions' cost, their expert misses included), within the
-token budget left and the step's logits rows (`_give_drafts`); the worker verifies them in the same forward. Its answer says how many it kept: those and the
-worker's own token are the request's next tokens, one at a time through the stop checks, and the positions
-computed are counted by `computed_after_verify` (pages that held only refused drafts go back). Such a request
-is not scheduled ahead: its next drafts need the tokens its answer brings.
+token budget left and the step's logits rows (`_give_drafts`); the worker verifies them in the same forward.
+Its answer says how many it kept: those and the worker's own token are the request's next tokens, one at a time
+through the stop checks, and the positions computed are counted by `computed_after_verify` (pages that held only
+refused drafts go back). Such a request is not scheduled ahead: its next drafts need the tokens its answer brings.
 
 Prefix cache of hybrid models (docs/ARCHITECTURE.md §1): a cached KV prefix is usable only with the
 Gated DeltaNet state at its end, so these models reuse a prefix from a linear-state *snapshot*

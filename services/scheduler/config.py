@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 from ferry.services.scheduler.batcher import (
     ARRIVAL_GAP_FRACTION,
     DEFAULT_PREFILL_COALESCE_MS,
     DEFAULT_SCHEDULE_AHEAD_STEPS,
 )
+from ferry.services.scheduler.oracle_drafter import BenchDrafts, bench_drafts_from_env
 from ferry.shared.defaults import API_ADDR, RESULTS_ADDR, STEP_TIMEOUT_S, STEPS_ADDR
 from ferry.shared.errors import ConfigError
 from ferry.shared.side_http import add_side_http_flags
@@ -39,6 +41,8 @@ class SchedulerConfig:
     prefill_coalesce_s: float = DEFAULT_PREFILL_COALESCE_MS / 1000  # --prefill-coalesce-ms (batcher.arrival_hold_s)
     speculative_method: str = "off"  # --speculative-method (shared/speculation.py)
     speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS  # --speculative-tokens: drafts a row at most
+    # benchmark-only switches from FERRY_BENCH_* (oracle_drafter.py; refused without FERRY_BENCH_ONLY=1)
+    bench_drafts: BenchDrafts = field(default_factory=BenchDrafts)
 
     @property
     def schedule_ahead(self) -> bool:
@@ -133,7 +137,9 @@ def add_speculation_flags(group) -> None:
         "occurrence of its last few tokens in its prompt and output (prompt lookup) and verifies them in one "
         "forward, keeping the output's distribution exactly (greedy: the same tokens); requests with "
         "penalties, a grammar, logprobs or a seed decode without it; steps with drafts run eagerly and are "
-        "not scheduled ahead (default off)",
+        "not scheduled ahead; how many drafts a row carries is chosen per step from the request's acceptance "
+        "and the verify's cost (default off). FERRY_BENCH_ORACLE_DRAFTS / FERRY_BENCH_RECORD_SEQUENCES are "
+        "benchmark-only (bench/speculation_oracle.py) and refused without FERRY_BENCH_ONLY=1",
     )
     group.add_argument(
         "--speculative-tokens",
@@ -172,6 +178,7 @@ def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         raise ConfigError(f"--step-timeout must be positive, got {args.step_timeout}")
     ahead_steps = schedule_ahead_steps(args)
     method, draft_tokens = speculation_from_args(args)
+    bench_drafts = bench_drafts_from_env(os.environ, method)
     keys = getattr(args, "wire_keys", None)
     if keys:
         WireKeys(keys, "scheduler")  # a missing or unreadable key is a config error now, not at the first socket
@@ -195,6 +202,7 @@ def scheduler_config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         prefill_coalesce_s=prefill_coalesce_s(args.prefill_coalesce_ms),
         speculative_method=method,
         speculative_tokens=draft_tokens,
+        bench_drafts=bench_drafts,
     )
 
 

@@ -185,4 +185,5 @@ class DraftLength:
         if dh + dm <= 0:
             return
         rate = dm / (dh + dm)
-        self.miss_rate = rate if self.miss_rate is None else (1 - MISS_RATE_WEIGHT) * self.miss_rate + MISS_RATE_WEIGHT * rate
+        w = MISS_RATE_WEIGHT
+        self.miss_rate = rate if self.miss_rate is None else (1 - w) * self.miss_rate + w * rate

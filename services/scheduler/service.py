@@ -28,6 +28,7 @@ import zmq
 from ferry.services.scheduler.batcher import BatchScheduler, Outcome
 from ferry.services.scheduler.config import SchedulerConfig
 from ferry.services.scheduler.metrics import SchedulerMetrics
+from ferry.services.scheduler.oracle_drafter import OracleDrafter, record_sequence
 from ferry.shared.errors import EngineError, FerryError, InvalidRequest, ServiceUnavailable
 from ferry.shared.liveness import HEARTBEAT_INTERVAL_S, PEER_TIMEOUT_S, Liveness
 from ferry.shared.messages import (
@@ -107,6 +108,9 @@ class SchedulerService:
         self._counters_seen = dict.fromkeys(COUNTED, 0)  # of the current core, exported so far
         self._running = True
         self.boot_id = uuid.uuid4().hex
+        # the bench's recorded continuations (FERRY_BENCH_ORACLE_DRAFTS): read at start, a bad file fails it
+        oracle = cfg.bench_drafts.oracle_path
+        self._oracle_sequences = OracleDrafter.read(oracle) if oracle is not None else None
         self._snapshot: tuple[SchedulerStatus, dict | None] = (self._status(), None)
         self.http = None
         if cfg.health_port is not None:
@@ -333,6 +337,8 @@ class SchedulerService:
             )
         for req, reason in out.finished:
             self.rids.pop((req.client, req.client_req_id), None)
+            if self.cfg.bench_drafts.record_path:  # the bench records what the oracle will draft
+                record_sequence(self.cfg.bench_drafts.record_path, req)
             self._send(
                 req.client,
                 Finished(
@@ -414,6 +420,15 @@ class SchedulerService:
                 )
             )
 
+    def _oracle_drafter(self, pool: PoolReport) -> OracleDrafter | None:
+        """The bench's oracle drafts (FERRY_BENCH_ORACLE_DRAFTS, oracle_drafter.py); None: prompt lookup."""
+        if self._oracle_sequences is None:
+            return None
+        bench = self.cfg.bench_drafts
+        prompts = len(self._oracle_sequences)
+        log.warning("bench_oracle_drafts", path=bench.oracle_path, alpha=bench.alpha, prompts=prompts)
+        return OracleDrafter(self._oracle_sequences, bench.alpha, pool.vocab_size)
+
     def _adopt_pool(self, boot_id: str, pool: PoolReport) -> None:
         try:
             # Step ids unique across scheduler restarts: a worker that outlived the previous scheduler
@@ -426,6 +441,7 @@ class SchedulerService:
                 schedule_ahead_steps=self.cfg.schedule_ahead_steps,
                 speculative_method=self.cfg.speculative_method,
                 speculative_tokens=self.cfg.speculative_tokens,
+                drafter=self._oracle_drafter(pool),
             )
         except ValueError as exc:
             self.not_ready_reason = f"the worker's pool report is unusable: {exc}"

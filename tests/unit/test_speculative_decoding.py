@@ -29,6 +29,7 @@ from ferry.services.make_tiny_model import make_tiny_model
 from ferry.services.scheduler import batcher as batcher_module
 from ferry.services.scheduler.batcher import BatchScheduler
 from ferry.services.scheduler.config import scheduler_config_from_args
+from ferry.services.scheduler.draft_length import PROBE_EVERY, DraftLength
 from ferry.services.scheduler.ngram_proposer import TokenArray, propose_ngram
 from ferry.services.serve_command import child_commands
 from ferry.services.worker import executor as executor_module
@@ -41,7 +42,6 @@ from ferry.services.worker.models import build_model
 from ferry.services.worker.offload.stores.resident import ResidentExperts
 from ferry.services.worker.pools import allocate_pools
 from ferry.services.worker.sampler import RequestSamplingState
-from ferry.services.scheduler.draft_length import PROBE_EVERY, DraftLength
 from ferry.services.worker.service import pool_report_from_plan
 from ferry.shared.errors import ConfigError
 from ferry.shared.sampling import SamplingParams
@@ -99,15 +99,16 @@ def boot(model_dir, *extra: str):
     return boot_worker(boot_config_from_args(parser.parse_args(args)))
 
 
-def generate(executor, plan, requests, method="off", k=K, prefix_cache=True):
+def generate(executor, plan, requests, method="off", k=K, prefix_cache=True, drafter=None):
     """[(tokens, finish reason)] of `requests` ([(prompt, sampling, max_tokens)]) submitted together, and the
     scheduler: schedule, execute, complete, as the served processes do. The sampled tokens' logprobs, for
-    requests that ask, are kept in `generate.logprobs` ({rid: [Logprobs]})."""
+    requests that ask, are kept in `generate.logprobs` ({rid: [Logprobs]}). `drafter`: BatchScheduler's."""
     sched = BatchScheduler(
         pool_report_from_plan(plan, executor.spec.vocab_size),
         prefix_cache=prefix_cache,
         speculative_method=method,
         speculative_tokens=k,
+        drafter=drafter,
     )
     reqs = [
         sched.add(rid, b"t", rid, np.array(p, np.int32), sampling, n)

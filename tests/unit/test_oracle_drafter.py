@@ -1,0 +1,120 @@
+"""The bench's oracle drafter (services/scheduler/oracle_drafter.py): the target's own greedy continuation,
+corrupted at rate 1 - alpha, reachable only through FERRY_BENCH_* variables with FERRY_BENCH_ONLY=1."""
+
+from __future__ import annotations
+
+import pytest
+
+from ferry.services import serve_command
+from ferry.services.scheduler.config import scheduler_config_from_args
+from ferry.services.scheduler.oracle_drafter import (
+    ALPHA_ENV,
+    BENCH_ENV,
+    ORACLE_ENV,
+    RECORD_ENV,
+    BenchDrafts,
+    OracleDrafter,
+    bench_drafts_from_env,
+    record_sequence,
+)
+from ferry.services.scheduler.request import Request
+from ferry.shared.errors import ConfigError
+from ferry.shared.messages import Submit
+from ferry.shared.sampling import SamplingParams
+from tests.unit.test_cli_flags import parse
+from tests.unit.test_speculative_decoding import GREEDY, PROMPTS, boot, generate
+
+BENCH_VARS = (BENCH_ENV, RECORD_ENV, ORACLE_ENV, ALPHA_ENV)
+
+
+def request(rid: int, tokens: list[int], prompt_len: int) -> Request:
+    return Request(rid, b"t", rid, prompt_len, GREEDY, 64, tokens)
+
+
+def recorded(executor, plan, tmp_path, max_tokens=30):
+    """The greedy outputs of speculation off, recorded as the served scheduler does at each finish."""
+    requests = [(p, GREEDY, max_tokens) for p in PROMPTS[:3]]
+    off, _ = generate(executor, plan, requests)
+    path = tmp_path / "sequences.jsonl"
+    for p, (tokens, _) in zip(PROMPTS, off):
+        req = request(1, [*p, *tokens], len(p))
+        record_sequence(str(path), req)
+    return requests, off, str(path)
+
+
+def test_the_oracle_at_alpha_one_has_every_draft_kept_and_at_zero_none(tiny_models, tmp_path):
+    executor, plan = boot(tiny_models["qwen3_moe"])
+    requests, off, path = recorded(executor, plan, tmp_path)
+    sequences = OracleDrafter.read(path)
+    assert len(sequences) == 3
+    vocab = executor.spec.vocab_size
+    on, sched = generate(executor, plan, requests, "ngram", k=4, drafter=OracleDrafter(sequences, 1.0, vocab))
+    assert on == off
+    assert sched.drafted_tokens > 20 and sched.accepted_drafts == sched.drafted_tokens
+    on, sched = generate(executor, plan, requests, "ngram", k=4, drafter=OracleDrafter(sequences, 0.0, vocab))
+    assert on == off
+    assert sched.drafted_tokens > 0 and sched.accepted_drafts == 0
+
+
+def test_the_oracle_keeps_about_alpha_of_its_drafts():
+    """Each draft corrupted at rate 1 - alpha, independently: over many calls about alpha of them are the
+    recorded token, and a request off the recorded path (or not recorded) gets none."""
+    output = list(range(100, 140))
+    oracle = OracleDrafter({(1, 2, 3): output}, 0.8, vocab_size=1000)
+    req = request(1, [1, 2, 3, 100, 101], 3)
+    same = total = 0
+    for _ in range(500):
+        drafts = oracle(req, 4)
+        assert len(drafts) == 4 and all(0 <= t < 1000 for t in drafts)
+        same += sum(d == t for d, t in zip(drafts, output[2:6]))
+        total += 4
+    assert 0.75 < same / total < 0.85
+    assert oracle(request(2, [1, 2, 3, 100, 7], 3), 4) == []
+    assert oracle(request(3, [9, 9, 100], 2), 4) == []
+
+
+@pytest.mark.parametrize("var", [RECORD_ENV, ORACLE_ENV, ALPHA_ENV])
+def test_the_bench_switches_are_refused_without_the_bench_env(monkeypatch, tmp_path, var):
+    """Neither `ferry serve` nor `ferry scheduler` starts with a bench switch unless FERRY_BENCH_ONLY=1."""
+    path = tmp_path / "s.jsonl"
+    path.write_text("")
+    for name in BENCH_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(var, "0.5" if var == ALPHA_ENV else str(path))
+    flags = ("--speculative-method", "ngram")
+    with pytest.raises(ConfigError, match=f"{var}.*{BENCH_ENV}=1"):
+        scheduler_config_from_args(parse("scheduler", *flags))
+    with pytest.raises(ConfigError, match=BENCH_ENV):
+        serve_command.run(parse("serve", "/models/m", *flags))
+
+
+def test_the_bench_switches_checked(tmp_path):
+    path = tmp_path / "s.jsonl"
+    path.write_text("")
+    bench = {BENCH_ENV: "1"}
+    assert bench_drafts_from_env({}, "ngram") == BenchDrafts()
+    assert bench_drafts_from_env({**bench, ORACLE_ENV: str(path), ALPHA_ENV: "0.6"}, "ngram") == BenchDrafts(
+        oracle_path=str(path), alpha=0.6
+    )
+    assert bench_drafts_from_env({**bench, RECORD_ENV: str(path)}, "off").record_path == str(path)
+    with pytest.raises(ConfigError, match="--speculative-method ngram"):
+        bench_drafts_from_env({**bench, ORACLE_ENV: str(path)}, "off")
+    for bad in ("1.5", "-0.1", "most"):
+        with pytest.raises(ConfigError, match=ALPHA_ENV):
+            bench_drafts_from_env({**bench, ORACLE_ENV: str(path), ALPHA_ENV: bad}, "ngram")
+    with pytest.raises(ConfigError, match="no such file"):
+        bench_drafts_from_env({**bench, ORACLE_ENV: str(tmp_path / "none")}, "ngram")
+    path.write_text("not json\n")
+    with pytest.raises(ConfigError, match=ORACLE_ENV):
+        OracleDrafter.read(str(path))
+
+
+def test_a_served_request_cannot_turn_the_oracle_on(monkeypatch):
+    """The oracle is the scheduler's start-up switch alone: nothing a request carries to the scheduler names
+    it, and a scheduler started without the variables drafts by prompt lookup for every request."""
+    for name in BENCH_VARS:
+        monkeypatch.delenv(name, raising=False)
+    wire_fields = (*Submit.__struct_fields__, *SamplingParams.__struct_fields__)
+    assert not [f for f in wire_fields if "oracle" in f or "bench" in f or "draft" in f]
+    cfg = scheduler_config_from_args(parse("scheduler", "--speculative-method", "ngram", "--insecure-wire"))
+    assert cfg.bench_drafts == BenchDrafts()
