@@ -28,6 +28,11 @@ WORKLOADS: dict[str, tuple[str, str]] = {
         "peer_compare",
         "Ferry against the peer FreeToken side by side: one checkpoint, one client, one memory line",
     ),
+    "spec-oracle": (
+        "speculation_oracle",
+        "speculative decoding's decode tok/s with an oracle draft at set acceptance rates (0, 0.6, 0.8, 0.9; "
+        "bench-only drafts) against speculation off",
+    ),
     "long": ("long_context", "one long prompt's TTFT and the decode after it against a running server, with bounds"),
     "ttft": ("ttft_path", "where a served prompt's time to first token goes, phase by phase (FERRY_STEP_TRACE)"),
     "profile-decode": ("profile_decode", "torch.profiler over decode steps through boot + executor"),

@@ -1,0 +1,157 @@
+"""Speculative decoding's decode speed at set acceptance rates, against speculation off, with an ORACLE DRAFT
+(bench-only: services/scheduler/oracle_drafter.py): the drafts are the target's own greedy continuation, each
+token corrupted at rate 1 - alpha, so a verify keeps a draft with chance alpha given the ones before it were.
+What the draft-length controller (services/scheduler/draft_length.py) makes of a known acceptance, apart from how
+well prompt lookup guesses; alpha 0 is the case it must not lose (>= 0.97x speculation off).
+
+For a decode_suite workload (a bench model with dummy weights, its serve flags): `ferry serve` with speculation
+off and FERRY_BENCH_RECORD_SEQUENCES records each prompt's greedy output while the baseline is measured; then for
+each alpha `ferry serve --speculative-method ngram` with FERRY_BENCH_ORACLE_DRAFTS (that record) and
+FERRY_BENCH_ORACLE_ALPHA. Each run: the same token-id prompts, one stream at a time, greedy, ignore_eos; decode
+tok/s per stream (bench/serve_openai.py's `stream`), the median reported, with the scheduler's acceptance and
+mean k from /metrics and whether the text matched speculation off's. Writes OUT/spec_oracle_<workload>.json.
+
+    python3 -m bench spec-oracle --out out --workload 12layer [--alphas 0,0.6,0.8,0.9] [--speculative-tokens 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.decode_suite import WORKLOADS, commit  # noqa: E402
+from bench.serve_openai import prompt_ids, stream, timed_http_client  # noqa: E402
+from bench.serve_process import make_bench_model, start_serve  # noqa: E402
+
+LABEL = (
+    "oracle draft at set acceptance rates (bench-only): drafts are the target's greedy continuation, each token "
+    "corrupted at rate 1 - alpha"
+)
+COUNTERS = (
+    "ferry_speculative_drafted_tokens_total",
+    "ferry_speculative_accepted_tokens_total",
+    "ferry_speculative_k_decisions_total",
+    "ferry_speculative_k_chosen_total",
+    "ferry_speculative_estimated_misses_added_total",
+)
+
+
+def counters(base: str) -> dict[str, float]:
+    """The api's speculative counters (ferry_speculative_*), 0 where absent."""
+    with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    got = dict.fromkeys(COUNTERS, 0.0)
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in got:
+            got[name] = float(value)
+    return got
+
+
+def measure(served, prompts: list[list[int]], args) -> dict:
+    """Each prompt streamed `args.repeats` times, one at a time: per-stream decode tok/s, texts, counters."""
+    import openai
+
+    client = openai.OpenAI(base_url=served.base + "/v1", api_key="bench", http_client=timed_http_client())
+    model = client.models.list().data[0].id
+    stream(client, model, prompts[0], 8, 0.0)  # a warm-up: the first request's compiles are not decode
+    before = counters(served.base)
+    rates, texts = [], []
+    for p in prompts:
+        for _ in range(args.repeats):
+            r = stream(client, model, p, args.max_tokens, 0.0)
+            rates.append(r["tok_s"])
+            texts.append(r["text"])
+    after = counters(served.base)
+    d = {k: after[k] - before[k] for k in COUNTERS}
+    drafted = d["ferry_speculative_drafted_tokens_total"]
+    decisions = d["ferry_speculative_k_decisions_total"]
+    return {
+        "median_stream_tok_s": round(statistics.median(r for r in rates if r), 2),
+        "per_stream_tok_s": [round(r, 2) if r else None for r in rates],
+        "acceptance": round(d["ferry_speculative_accepted_tokens_total"] / drafted, 3) if drafted else None,
+        "mean_k": round(d["ferry_speculative_k_chosen_total"] / decisions, 3) if decisions else None,
+        "drafted_tokens": drafted,
+        "estimated_misses_added": d["ferry_speculative_estimated_misses_added_total"],
+        "texts": texts,
+    }
+
+
+def serve_and_measure(tag: str, model_dir: Path, flags: list[str], env: dict, prompts, out: Path, args) -> dict:
+    served = start_serve(model_dir, ["--load-format", "dummy", *flags], out / f"serve_{tag}.log", env=env)
+    print(f"[{tag}] {served.command}", flush=True)
+    try:
+        served.wait_ready(args.ready_timeout)
+        result = measure(served, prompts, args)
+    finally:
+        result_stop = served.stop()
+    return {"serve": served.command, **result, "stopped": result_stop}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--workload", default="12layer", choices=[w for w in WORKLOADS if not w.startswith("long")])
+    p.add_argument("--alphas", default="0,0.6,0.8,0.9", help="the oracle's acceptance rates, comma-separated")
+    p.add_argument("--speculative-tokens", type=int, default=4, help="K: drafts a row carries at most")
+    p.add_argument("--prompts", type=int, default=3, help="distinct token-id prompts")
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=2, help="streams of each prompt per run")
+    p.add_argument("--ready-timeout", type=float, default=900)
+    args = p.parse_args()
+    alphas = [float(a) for a in args.alphas.split(",")]
+    args.out.mkdir(parents=True, exist_ok=True)
+    config, layers, flags, *fmt = WORKLOADS[args.workload]
+    model_dir = make_bench_model(
+        Path(tempfile.mkdtemp(prefix="ferry-bench-")) / args.workload, config, layers, fmt[0] if fmt else "bf16"
+    )
+    vocab = json.loads((model_dir / "config.json").read_text()).get("vocab_size")
+    draw = prompt_ids(vocab, seed=0)
+    prompts = [draw(args.prompt_len) for _ in range(args.prompts)]
+    record = args.out / f"spec_oracle_{args.workload}_sequences.jsonl"
+    record.unlink(missing_ok=True)
+    bench_env = {"FERRY_BENCH_ONLY": "1"}
+    recording = {**bench_env, "FERRY_BENCH_RECORD_SEQUENCES": str(record)}
+    off = serve_and_measure("spec_off", model_dir, flags, recording, prompts, args.out, args)
+    runs = []
+    for alpha in alphas:
+        env = {**bench_env, "FERRY_BENCH_ORACLE_DRAFTS": str(record), "FERRY_BENCH_ORACLE_ALPHA": str(alpha)}
+        spec = ["--speculative-method", "ngram", "--speculative-tokens", str(args.speculative_tokens)]
+        run = serve_and_measure(f"spec_oracle_{alpha:g}", model_dir, [*flags, *spec], env, prompts, args.out, args)
+        run["alpha"] = alpha
+        run["vs_off"] = round(run["median_stream_tok_s"] / off["median_stream_tok_s"], 3)
+        run["same_text_as_off"] = run.pop("texts") == off["texts"]
+        runs.append(run)
+        print(
+            f"[{args.workload}] oracle alpha {alpha:g}: {run['median_stream_tok_s']} tok/s = {run['vs_off']}x off "
+            f"({off['median_stream_tok_s']} tok/s); acceptance {run['acceptance']}, mean k {run['mean_k']}, "
+            f"same text {run['same_text_as_off']}",
+            flush=True,
+        )
+    off.pop("texts")
+    result = {
+        "label": LABEL,
+        "workload": args.workload,
+        "speculative_tokens": args.speculative_tokens,
+        "prompts": args.prompts,
+        "prompt_len": args.prompt_len,
+        "max_tokens": args.max_tokens,
+        "off": off,
+        "oracle": runs,
+        "commit": commit(),
+    }
+    (args.out / f"spec_oracle_{args.workload}.json").write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
