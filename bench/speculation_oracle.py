@@ -12,15 +12,18 @@ tok/s per stream (bench/serve_openai.py's `stream`), the median reported, with t
 mean k from /metrics and whether the text matched speculation off's. Writes OUT/spec_oracle_<workload>.json.
 
     python3 -m bench spec-oracle --out out --workload 12layer [--alphas 0,0.6,0.8,0.9] [--speculative-tokens 4]
+    python3 -m bench spec-oracle --out out --model DIR --serve-flags="--device cpu"   (a model of your own)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import sys
 import tempfile
+import time
 import urllib.request
 from pathlib import Path
 
@@ -30,11 +33,14 @@ sys.path.insert(0, str(ROOT))
 from bench.decode_suite import WORKLOADS, commit  # noqa: E402
 from bench.serve_openai import prompt_ids, stream, timed_http_client  # noqa: E402
 from bench.serve_process import make_bench_model, start_serve  # noqa: E402
+from ferry.shared.liveness import HEARTBEAT_INTERVAL_S  # noqa: E402
 
 LABEL = (
     "oracle draft at set acceptance rates (bench-only): drafts are the target's greedy continuation, each token "
     "corrupted at rate 1 - alpha"
 )
+# the api's counts are the scheduler's as of its last status (every HEARTBEAT_INTERVAL_S): wait for a newer one
+COUNTS_SETTLE_S = 4 * HEARTBEAT_INTERVAL_S
 COUNTERS = (
     "ferry_speculative_drafted_tokens_total",
     "ferry_speculative_accepted_tokens_total",
@@ -63,6 +69,7 @@ def measure(served, prompts: list[list[int]], args) -> dict:
     client = openai.OpenAI(base_url=served.base + "/v1", api_key="bench", http_client=timed_http_client())
     model = client.models.list().data[0].id
     stream(client, model, prompts[0], 8, 0.0)  # a warm-up: the first request's compiles are not decode
+    time.sleep(COUNTS_SETTLE_S)
     before = counters(served.base)
     rates, texts = [], []
     for p in prompts:
@@ -70,6 +77,7 @@ def measure(served, prompts: list[list[int]], args) -> dict:
             r = stream(client, model, p, args.max_tokens, 0.0)
             rates.append(r["tok_s"])
             texts.append(r["text"])
+    time.sleep(COUNTS_SETTLE_S)
     after = counters(served.base)
     d = {k: after[k] - before[k] for k in COUNTERS}
     drafted = d["ferry_speculative_drafted_tokens_total"]
@@ -86,7 +94,7 @@ def measure(served, prompts: list[list[int]], args) -> dict:
 
 
 def serve_and_measure(tag: str, model_dir: Path, flags: list[str], env: dict, prompts, out: Path, args) -> dict:
-    served = start_serve(model_dir, ["--load-format", "dummy", *flags], out / f"serve_{tag}.log", env=env)
+    served = start_serve(model_dir, flags, out / f"serve_{tag}.log", env=env)
     print(f"[{tag}] {served.command}", flush=True)
     try:
         served.wait_ready(args.ready_timeout)
@@ -106,14 +114,21 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2, help="streams of each prompt per run")
+    p.add_argument("--model", type=Path, help="serve this model directory (its weights) instead of the workload's")
+    p.add_argument("--serve-flags", default="", help="serve flags with --model (e.g. '--device cpu')")
     p.add_argument("--ready-timeout", type=float, default=900)
     args = p.parse_args()
     alphas = [float(a) for a in args.alphas.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
-    config, layers, flags, *fmt = WORKLOADS[args.workload]
-    model_dir = make_bench_model(
-        Path(tempfile.mkdtemp(prefix="ferry-bench-")) / args.workload, config, layers, fmt[0] if fmt else "bf16"
-    )
+    if args.model is not None:
+        model_dir, flags = args.model, shlex.split(args.serve_flags)
+        args.workload = args.model.name
+    else:
+        config, layers, flags, *fmt = WORKLOADS[args.workload]
+        model_dir = make_bench_model(
+            Path(tempfile.mkdtemp(prefix="ferry-bench-")) / args.workload, config, layers, fmt[0] if fmt else "bf16"
+        )
+        flags = ["--load-format", "dummy", *flags]
     vocab = json.loads((model_dir / "config.json").read_text()).get("vocab_size")
     draw = prompt_ids(vocab, seed=0)
     prompts = [draw(args.prompt_len) for _ in range(args.prompts)]
