@@ -15,8 +15,10 @@ experts); so the k positions added to a step of n tokens miss
 S is the plain step's cost by the same terms (DECODE_STEP_S plus the misses of its n tokens). The chosen k
 maximises E(k) / (S/B + cost(k)) (tokens a second), k = 0 unless some k beats 1 / (S/B): at acceptance 0 every
 k > 0 loses, the estimate falls under the threshold within a few rows, and the row decodes plainly. With k = 0
-nothing is observed, so every PROBE_EVERY-th plain decision of a request drafts one token instead (a bounded
-exploration: one extra position in PROBE_EVERY steps), letting a request whose text starts repeating speculate.
+nothing is observed, so a request's plain decisions are followed by a one-token probe every PROBE_EVERY of them,
+or more where a probe costs more (its priced extra over the row's share of a step kept to PROBE_COST_SHARE of the
+decode time: with experts offloaded a probe's misses can cost a whole step), letting a request whose text starts
+repeating speculate again.
 
 No torch, no clock: the prices are the plan's (PoolReport) and the constants below; the scheduler feeds the
 outcomes (`observe`) and the worker's expert counts (`note_expert_lookups`).
@@ -24,6 +26,7 @@ outcomes (`observe`) and the worker's expert counts (`note_expert_lookups`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ferry.shared.messages import PoolReport
@@ -34,8 +37,11 @@ from ferry.shared.messages import PoolReport
 ACCEPT_PRIOR = (1.4, 0.6)
 # the weight a past row keeps at each new one: the estimate follows the last ~10 rows
 DECAY = 0.9
-# a request decoding without drafts drafts one token every this many decisions (its acceptance is re-measured)
+# a request decoding without drafts drafts one token at most every this many decisions (its acceptance is
+# re-measured), and no more often than keeps the probes' priced cost to PROBE_COST_SHARE of its decode time: with
+# the first refused rows, under the 3 % speculation may lose at acceptance 0
 PROBE_EVERY = 16
+PROBE_COST_SHARE = 0.02
 # a plain decode step with every expert resident (a CUDA graph over the layers; batcher.py: ~1.0 ms), seconds
 DECODE_STEP_S = 1.0e-3
 # one more position in a verify row: a short prefill's compute per token, seconds
@@ -142,11 +148,22 @@ class DraftLength:
         tokens = 1.0
         for k in range(1, min(self.max_drafts, limit) + 1):
             tokens += acceptance**k
-            cost = share + k * VERIFY_POSITION_S + DRAFT_STEP_OVERHEAD_S
-            cost += self.misses_added(step_tokens, k) * self.prices.miss_s
+            cost = share + self.extra_s(step_tokens, k)
             if tokens / cost > best_rate * (1 + 1e-9):
                 best_k, best_rate = k, tokens / cost
         return best_k
+
+    def extra_s(self, step_tokens: int, drafts: int) -> float:
+        """What `drafts` positions added to a row of a step of `step_tokens` tokens cost: their compute, the eager
+        step, the misses they add."""
+        p = self.prices
+        return drafts * VERIFY_POSITION_S + DRAFT_STEP_OVERHEAD_S + self.misses_added(step_tokens, drafts) * p.miss_s
+
+    def probe_interval(self, rows: int, step_tokens: int) -> int:
+        """Plain decisions between two one-token probes: PROBE_EVERY, or more where a probe's extra cost over
+        PROBE_COST_SHARE of the row's share of a step asks for more."""
+        share = self.step_s(step_tokens) / max(rows, 1)
+        return max(PROBE_EVERY, math.ceil(self.extra_s(step_tokens, 1) / (PROBE_COST_SHARE * share)))
 
     def choose(self, rid: int, rows: int, step_tokens: int, limit: int) -> int:
         """Drafts for request `rid`'s row now (at most `limit`, what the step leaves), counted in the metrics."""
@@ -154,7 +171,7 @@ class DraftLength:
         k = self.best(state.rate, rows, step_tokens, limit)
         if k == 0 and limit >= 1:
             state.plain += 1
-            if state.plain >= PROBE_EVERY:
+            if state.plain >= self.probe_interval(rows, step_tokens):
                 k = 1
         self.decisions += 1
         self.chosen_drafts += k

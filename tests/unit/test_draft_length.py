@@ -67,6 +67,18 @@ def test_at_acceptance_zero_drafting_stops_within_a_few_steps_and_only_probes_af
     assert ctl.decisions == 400 and ctl.chosen_drafts == sum(chosen)
 
 
+def test_at_acceptance_zero_speculation_costs_under_three_percent_of_plain_decode():
+    """Every draft refused, over a long decode: the drafted rows' priced extra cost (the first rows, the probes)
+    stays under 3 % of the plain steps' cost, resident or offloaded (an offloaded probe's misses cost nearly a
+    step, so it probes less often). A probe every PROBE_EVERY steps whatever it costs fails the offloaded case."""
+    for prices in (ExpertPrices.of(RESIDENT), ExpertPrices.of(OFFLOADED)):
+        ctl = DraftLength(K, prices)
+        chosen = run(ctl, 2000, alpha=0.0)
+        extra = sum(ctl.extra_s(1, k) for k in chosen if k)
+        assert 0 < extra < 0.03 * len(chosen) * ctl.step_s(1)
+        assert ctl.probe_interval(1, 1) >= PROBE_EVERY
+
+
 def test_high_acceptance_with_resident_experts_drafts_all_it_may():
     ctl = DraftLength(K, ExpertPrices.of(RESIDENT))
     chosen = run(ctl, 200, alpha=0.95)
