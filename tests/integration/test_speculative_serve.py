@@ -72,7 +72,10 @@ def test_ngram_speculation_serves_the_text_of_none(tiny_model, tmp_path):
             drafted = scheduler_metric(c, "ferry_scheduler_drafted_tokens_total")
             accepted = scheduler_metric(c, "ferry_scheduler_accepted_drafts_total")
             api_drafted = metric(c.base_url, "ferry_speculative_drafted_tokens_total")
-            settled = api_drafted == drafted and (drafted > 0 or tiny_model.name != "qwen3_moe")
+            decisions = scheduler_metric(c, "ferry_scheduler_draft_decisions_total")  # the draft-length controller's
+            api_decisions = metric(c.base_url, "ferry_speculative_k_decisions_total")
+            settled = api_drafted == drafted and api_decisions == decisions
+            settled = settled and (drafted > 0 or tiny_model.name != "qwen3_moe")
             if settled or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
@@ -86,3 +89,4 @@ def test_ngram_speculation_serves_the_text_of_none(tiny_model, tmp_path):
     assert drafted > 0 if tiny_model.name == "qwen3_moe" else drafted >= 0
     assert 0 <= accepted <= drafted
     assert api_drafted == drafted  # the scheduler's heartbeat carries its counts to the api's /metrics
+    assert api_decisions == decisions > 0  # every decoding row that may draft is given a k, 0 included
