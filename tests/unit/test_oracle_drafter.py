@@ -4,9 +4,11 @@ corrupted at rate 1 - alpha, reachable only through FERRY_BENCH_* variables with
 from __future__ import annotations
 
 import pytest
+import zmq
 
 from ferry.services import serve_command
-from ferry.services.scheduler.config import scheduler_config_from_args
+from ferry.services.scheduler.batcher import Outcome
+from ferry.services.scheduler.config import SchedulerConfig, scheduler_config_from_args
 from ferry.services.scheduler.oracle_drafter import (
     ALPHA_ENV,
     BENCH_ENV,
@@ -18,10 +20,12 @@ from ferry.services.scheduler.oracle_drafter import (
     record_sequence,
 )
 from ferry.services.scheduler.request import Request
+from ferry.services.scheduler.service import SchedulerService
 from ferry.shared.errors import ConfigError
 from ferry.shared.messages import Submit
 from ferry.shared.sampling import SamplingParams
 from tests.unit.test_cli_flags import parse
+from tests.unit.test_draft_length import pool
 from tests.unit.test_speculative_decoding import GREEDY, PROMPTS, boot, generate
 
 BENCH_VARS = (BENCH_ENV, RECORD_ENV, ORACLE_ENV, ALPHA_ENV)
@@ -118,3 +122,33 @@ def test_a_served_request_cannot_turn_the_oracle_on(monkeypatch):
     assert not [f for f in wire_fields if "oracle" in f or "bench" in f or "draft" in f]
     cfg = scheduler_config_from_args(parse("scheduler", "--speculative-method", "ngram", "--insecure-wire"))
     assert cfg.bench_drafts == BenchDrafts()
+
+
+def scheduler_service(tmp_path, bench: BenchDrafts) -> SchedulerService:
+    cfg = SchedulerConfig(
+        api_addr=f"ipc://{tmp_path}/api",
+        steps_addr=f"ipc://{tmp_path}/steps",
+        results_addr=f"ipc://{tmp_path}/results",
+        health_host="127.0.0.1",
+        health_port=None,
+        step_timeout_s=60,
+        bench_drafts=bench,
+    )
+    return SchedulerService(cfg, zmq.Context())
+
+
+def test_the_scheduler_records_finished_requests_and_drafts_from_the_record(tmp_path):
+    """FERRY_BENCH_RECORD_SEQUENCES: each finished request's tokens reach the file; FERRY_BENCH_ORACLE_DRAFTS:
+    the scheduler's drafter is the oracle over that file (prompt lookup without it)."""
+    path = tmp_path / "s.jsonl"
+    svc = scheduler_service(tmp_path, BenchDrafts(record_path=str(path)))
+    svc._send = lambda client, msg: None
+    svc._emit(Outcome(finished=[(request(4, [1, 2, 3, 50, 51], 3), "length")]))
+    assert OracleDrafter.read(str(path)) == {(1, 2, 3): [50, 51]}
+    assert svc._oracle_drafter(pool(vocab_size=100)) is None
+    svc = scheduler_service(tmp_path, BenchDrafts(oracle_path=str(path), alpha=1.0))
+    drafter = svc._oracle_drafter(pool(vocab_size=100))
+    assert drafter(request(5, [1, 2, 3, 50], 3), 4) == [51]
+    path.write_text("[1, 2]\n")
+    with pytest.raises(ConfigError, match=ORACLE_ENV):  # a bad record stops the scheduler at start
+        scheduler_service(tmp_path, BenchDrafts(oracle_path=str(path)))
