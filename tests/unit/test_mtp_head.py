@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 from ferry.plan.costs import ALLOC_GRANULE, resident_weight_bytes_from_checkpoint
-from ferry.plan.model_config import load_model_config
+from ferry.plan.model_config import load_model_config, parse_model_config
 from ferry.plan.mtp_layer import check_mtp, mtp_kv_bytes_per_token, mtp_resident_bytes
 from ferry.services.make_tiny_model import make_tiny_model
 from ferry.services.worker.layers.rotary import RotaryEmbedding
@@ -182,13 +182,53 @@ def test_a_missing_unexpected_or_misshapen_tensor_is_named(spec):
         _head(spec, dict(tensors, **{"mtp.fc.weight": torch.zeros(3, 3)}))
 
 
-def test_the_plan_prices_the_heads_weights_exactly(mtp_model, spec):
-    head = _head(spec)
-    allocated = sum(round_up(p.nbytes, ALLOC_GRANULE) for p in head.parameters())
-    assert mtp_resident_bytes(spec, "float32") == allocated
-    # the bf16 price is the checkpoint's tensors' at two bytes a value, the stacked experts taking two allocations
-    assert mtp_resident_bytes(spec, "bfloat16") < mtp_resident_bytes(spec, "float32")
-    assert mtp_kv_bytes_per_token(spec, "bfloat16") == 2 * spec.num_kv_heads * spec.head_dim * 2
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_plan_prices_the_heads_weights_exactly(spec, dtype):
+    """The plan's bytes are what the head allocates: one allocation a parameter, its experts stacked in two."""
+    rotary = RotaryEmbedding(spec.head_dim, spec.partial_rotary_factor, spec.rope_theta)
+    head = MtpHead(spec, rotary, getattr(torch, dtype))
+    assert mtp_resident_bytes(spec, dtype) == sum(round_up(p.nbytes, ALLOC_GRANULE) for p in head.parameters())
+    assert mtp_kv_bytes_per_token(spec, dtype) == 2 * spec.num_kv_heads * spec.head_dim * head.fc.weight.itemsize
+
+
+# Qwen3.5-35B-A3B's text model as its config.json has it (the parts the MTP layer's shapes read)
+QWEN35_35B = dict(
+    model_type="qwen3_5_moe_text",
+    vocab_size=248320,
+    hidden_size=2048,
+    num_hidden_layers=40,
+    layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 10,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    head_dim=256,
+    attn_output_gate=True,
+    num_experts=256,
+    num_experts_per_tok=8,
+    moe_intermediate_size=512,
+    shared_expert_intermediate_size=512,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=128,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    linear_value_head_dim=128,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25},
+    mtp_num_hidden_layers=1,
+    mtp_use_dedicated_embeddings=False,
+)
+
+
+def test_the_price_counts_every_mtp_tensor_of_a_full_size_model():
+    """Qwen3.5-35B-A3B's MTP layer in bf16, tensor by tensor: fc [2048, 4096]; gated attention (q_proj [2 x 16 x 256,
+    2048]: each head's query and gate), k and v [2 x 256, 2048], o [2048, 4096]; the router [256, 2048], the shared
+    expert's three [512, 2048] and its gate [1, 2048]; 256 experts of three 2048 x 512 projections; five norms of
+    2048 and the two per-head norms of 256 (each under the 512-byte granule rounded up)."""
+    spec = parse_model_config(QWEN35_35B)
+    h = 2048
+    matrices = h * 2 * h + 2 * 16 * 256 * h + 2 * 2 * 256 * h + h * 16 * 256 + 256 * h + 3 * 512 * h + h
+    experts = 256 * 3 * h * 512
+    assert spec.mtp_draft_layers == 1
+    assert mtp_resident_bytes(spec, "bfloat16") == (matrices + experts) * 2 + 5 * h * 2 + 2 * 512
+    assert mtp_kv_bytes_per_token(spec, "bfloat16") == 2 * 2 * 256 * 2
 
 
 def test_the_target_neither_loads_nor_prices_the_mtp_tensors(mtp_model, tmp_path):
