@@ -255,3 +255,25 @@ def test_make_tiny_model_refuses_mtp_for_a_family_without_one(tmp_path):
 def test_speculative_method_mtp_is_refused_until_drafting_is_wired():
     (problem,) = speculation_problems("mtp", 4)
     assert problem.startswith("--speculative-method mtp") and "not wired" in problem
+
+
+def test_qwen3_next_declares_and_loads_its_mtp_layer(tmp_path):
+    model = make_tiny_model(tmp_path / "next", "qwen3_next", seed=0, mtp=True)
+    spec = load_model_config(model)
+    assert spec.mtp_draft_layers == 1
+    head = MtpHead(spec, RotaryEmbedding(spec.head_dim, spec.partial_rotary_factor, spec.rope_theta), torch.float32)
+    head.load_weights(read_mtp_tensors(model))
+    tensors = random_mtp_tensors(spec, seed=1)
+    hidden, embeds, positions = _inputs(spec)
+    torch.testing.assert_close(
+        _head(spec, tensors)(hidden, embeds, positions).double(),
+        reference_mtp(spec, tensors, hidden, embeds, positions),
+        rtol=1e-4,
+        atol=1e-4,
+    )
+
+
+def test_dedicated_mtp_embeddings_are_refused_naming_the_field():
+    spec = parse_model_config(dict(QWEN35_35B, mtp_use_dedicated_embeddings=True))
+    with pytest.raises(ConfigError, match="mtp_use_dedicated_embeddings"):
+        check_mtp(spec)
