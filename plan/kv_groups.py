@@ -35,8 +35,8 @@ from ferry.plan.model_spec import FULL_ATTENTION, ModelSpec
 from ferry.shared.units import ceil_div
 
 # The most tokens of a step a ring layer writes before attending (services/worker/mixer_slices.py): 512 rows
-# still fill an H100's SMs in the layer's GEMMs (gpt-oss's q/k/v: 4 x 40 tiles of 128) while a ring stays
-# within W - 1 + 512 positions, 16x fewer than an 8,192-token chunk's.
+# still give a data-centre GPU's SMs tiles enough in the layer's GEMMs (gpt-oss's q/k/v: 4 x 40 tiles of 128)
+# while a ring stays within W - 1 + 512 positions, 16x fewer than an 8,192-token chunk's.
 SLIDING_SLICE_TOKENS = 512
 
 

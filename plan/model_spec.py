@@ -123,6 +123,10 @@ class ModelSpec:
     # multi-token-prediction layers the checkpoint stores after the decoder's (layers.N.… for N at and past
     # num_layers): not served, neither loaded nor priced
     mtp_layers: int = 0
+    # multi-token-prediction draft layers stored under `mtp.` (Qwen3.5/3.6, Qwen3-Next: plan/mtp_layer.py): what
+    # `--speculative-method mtp` drafts with; `mtp_dedicated_embeddings`: they embed with their own table
+    mtp_draft_layers: int = 0
+    mtp_dedicated_embeddings: bool = False
     # Gated DeltaNet (linear attention); zeros where no layer is linear attention
     linear_conv_kernel_dim: int = 0
     linear_num_key_heads: int = 0

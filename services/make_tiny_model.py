@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from ferry.plan.model_families import families
+from ferry.plan.mtp_layer import MTP_CONFIG_KEYS
 from ferry.services.gguf_writer import EXPERT_TYPES, GGUF_SIZES, write_gguf
 
 # Small enough to build and run in well under a second on CPU, big enough that every code path
@@ -41,18 +42,36 @@ ARCHS = tuple(sorted(TINY_FAMILIES))
 TINY_CONFIGS = {name: dict(COMMON, **f.tiny_config) for name, f in TINY_FAMILIES.items()}
 
 
-def make_tiny_model(out_dir: str | Path, arch: str, seed: int = 0, **sizes: int) -> Path:
+def make_tiny_model(out_dir: str | Path, arch: str, seed: int = 0, mtp: bool = False, **sizes: int) -> Path:
     """Write the checkpoint into `out_dir` (created if needed) and return it; `sizes` replace the tiny
-    config's (e.g. hidden_size, moe_intermediate_size: GGUF's K blocks need rows of 256 values)."""
+    config's (e.g. hidden_size, moe_intermediate_size: GGUF's K blocks need rows of 256 values). `mtp`: also
+    one multi-token-prediction layer (random `mtp.` tensors in mtp.safetensors, which transformers does not
+    read, and its count in config.json)."""
     from ferry.shared.file_modes import written_with_umask_modes
 
     if arch not in TINY_CONFIGS:
         raise ValueError(f"--arch must be one of {', '.join(ARCHS)}, got {arch!r}")
+    if mtp and arch not in MTP_CONFIG_KEYS:
+        raise ValueError(f"--mtp: {arch} has no MTP layer; --arch must be one of {', '.join(MTP_CONFIG_KEYS)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with written_with_umask_modes(out):  # readable by others under the usual umask: a container serves it
         _write(out, arch, seed, sizes)
+        if mtp:
+            _write_mtp(out, arch, seed)
     return out
+
+
+def _write_mtp(out: Path, arch: str, seed: int) -> None:
+    from safetensors.torch import save_file
+
+    from ferry.plan.model_config import load_model_config
+    from ferry.services.worker.models.mtp_head import random_mtp_tensors
+
+    config = json.loads((out / "config.json").read_text())
+    config[MTP_CONFIG_KEYS[arch]] = 1
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    save_file(random_mtp_tensors(load_model_config(out), seed + 2), out / "mtp.safetensors")
 
 
 def _write(out: Path, arch: str, seed: int, sizes: dict[str, int]) -> None:
@@ -106,6 +125,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arch", choices=ARCHS, default="qwen3_moe", help="architecture (default qwen3_moe)")
     parser.add_argument("--seed", type=int, default=0, help="weights are a pure function of this (default 0)")
     parser.add_argument(
+        "--mtp",
+        action="store_true",
+        help=f"also write a multi-token-prediction layer with random weights ({', '.join(MTP_CONFIG_KEYS)})",
+    )
+    parser.add_argument(
         "--gguf",
         choices=EXPERT_TYPES,
         default=None,
@@ -119,7 +143,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"ferry make-tiny-model: error: --gguf: {args.arch} has no GGUF layout here", file=sys.stderr)
         return 2
     sizes = GGUF_SIZES if args.gguf else {}
-    out = make_tiny_model(args.dir, args.arch, args.seed, **sizes)
+    if args.mtp and args.arch not in MTP_CONFIG_KEYS:
+        print(f"ferry make-tiny-model: error: --mtp: {args.arch} has no MTP layer", file=sys.stderr)
+        return 2
+    out = make_tiny_model(args.dir, args.arch, args.seed, mtp=args.mtp, **sizes)
     print(f"wrote a tiny {args.arch} checkpoint (seed {args.seed}) to {out}")
     if args.gguf:
         path = write_gguf(out, out / f"tiny-{args.gguf}.gguf", args.gguf, seed=args.seed)

@@ -48,7 +48,12 @@ def computed_after_verify(context: int, query_len: int, drafts: int, accepted: i
 def speculation_problems(method: str, tokens: int) -> list[str]:
     """What is wrong with --speculative-method / --speculative-tokens, each message naming the flag."""
     problems = []
-    if method not in SPECULATIVE_METHODS:
+    if method == "mtp":  # the MTP head loads and computes (services/worker/models/mtp_head.py); no step drafts yet
+        problems.append(
+            "--speculative-method mtp is not wired into decoding yet (the MTP layer loads but drafts nothing); "
+            f"use one of {', '.join(SPECULATIVE_METHODS)}"
+        )
+    elif method not in SPECULATIVE_METHODS:
         problems.append(f"--speculative-method must be one of {', '.join(SPECULATIVE_METHODS)}, got {method!r}")
     if not 1 <= tokens <= MAX_SPECULATIVE_TOKENS:
         problems.append(f"--speculative-tokens must be between 1 and {MAX_SPECULATIVE_TOKENS}, got {tokens}")

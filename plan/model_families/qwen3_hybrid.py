@@ -58,11 +58,19 @@ def _hybrid_fields(cfg: dict[str, Any], where: str, moe_layers: tuple[bool, ...]
 
 
 def qwen3_next_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
-    return _hybrid_fields(cfg, where, sparse_step_moe_layers(cfg, int(cfg["num_hidden_layers"])))
+    """Qwen3-Next's MTP layers are counted by `num_nextn_predict_layers` where its config.json says (the published
+    one does not: it then has none Ferry drafts with)."""
+    fields = _hybrid_fields(cfg, where, sparse_step_moe_layers(cfg, int(cfg["num_hidden_layers"])))
+    return dict(fields, mtp_draft_layers=int(cfg.get("num_nextn_predict_layers", 0) or 0))
 
 
 def qwen3_5_moe_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
-    return _hybrid_fields(cfg, where, (num_experts(cfg) > 0,) * int(cfg["num_hidden_layers"]))
+    fields = _hybrid_fields(cfg, where, (num_experts(cfg) > 0,) * int(cfg["num_hidden_layers"]))
+    return dict(
+        fields,
+        mtp_draft_layers=int(cfg.get("mtp_num_hidden_layers", 0) or 0),
+        mtp_dedicated_embeddings=bool(cfg.get("mtp_use_dedicated_embeddings", False)),
+    )
 
 
 def qwen3_5_moe_text_config(raw: dict[str, Any], where: str) -> dict[str, Any]:

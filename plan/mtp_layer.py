@@ -1,0 +1,94 @@
+"""The multi-token-prediction (MTP) draft layers of Qwen3.5/3.6 and Qwen3-Next, torch-free: their tensors by
+checkpoint name and shape, and what they cost on the GPU. The worker's half: services/worker/models/mtp_head.py.
+
+The checkpoints store them under `mtp.` (beside, not inside, the text model's `model.…`): `mtp.fc.weight`
+[H, 2H], the norms `mtp.pre_fc_norm_embedding`, `mtp.pre_fc_norm_hidden` and `mtp.norm` (zero-centred, as the
+target's), and `spec.mtp_draft_layers` full-attention MoE decoder layers `mtp.layers.N.…` named as the target's
+full-attention layers are, their routed experts per expert (`mlp.experts.E.{gate,up,down}_proj.weight`) or fused
+(`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]). They share the target's embedding
+table and head (unless `mtp_dedicated_embeddings`, which Ferry refuses: no published checkpoint has one).
+
+Their routed experts are GPU-resident, not in the target's expert slot cache: a draft runs every step for every
+drafting request over one layer, so its experts would never leave the slots anyway, and keeping them out leaves the
+target's slot count and expert indexing as they are. So `mtp_resident_bytes` prices all of them. No torch here."""
+
+from __future__ import annotations
+
+from ferry.plan.costs import ALLOC_GRANULE
+from ferry.plan.dtypes import DTYPE_BYTES
+from ferry.plan.model_families.weight_shapes import Shapes, attention_shapes, moe_shapes
+from ferry.plan.model_spec import ModelSpec
+from ferry.shared.errors import ConfigError
+from ferry.shared.units import round_up
+
+MTP_PREFIX = "mtp."
+
+
+def check_mtp(spec: ModelSpec) -> None:
+    """A ConfigError naming the flag or config field when this model has no MTP layer Ferry can draft with."""
+    if not spec.mtp_draft_layers:
+        raise ConfigError(
+            f"--speculative-method mtp: this model ({spec.arch}) has no multi-token-prediction layer "
+            "(config.json mtp_num_hidden_layers / num_nextn_predict_layers); use --speculative-method ngram"
+        )
+    if spec.mtp_dedicated_embeddings:
+        raise ConfigError("config.json: mtp_use_dedicated_embeddings=true is not supported (shared embeddings only)")
+
+
+def mtp_resident_weight_shapes(spec: ModelSpec) -> Shapes:
+    """Every MTP tensor but the routed experts, by checkpoint name and shape."""
+    h = spec.hidden_size
+    shapes: Shapes = {
+        "mtp.fc.weight": (h, 2 * h),
+        "mtp.pre_fc_norm_embedding.weight": (h,),
+        "mtp.pre_fc_norm_hidden.weight": (h,),
+        "mtp.norm.weight": (h,),
+    }
+    for i in range(spec.mtp_draft_layers):
+        p = f"mtp.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        shapes.update(attention_shapes(spec, p))
+        shapes.update(moe_shapes(spec, p))
+    return shapes
+
+
+def mtp_expert_shapes(spec: ModelSpec) -> Shapes:
+    """The MTP layers' routed experts, one tensor a projection and expert (the per-expert layout)."""
+    h, i = spec.hidden_size, spec.moe_intermediate_size
+    shapes: Shapes = {}
+    for layer in range(spec.mtp_draft_layers):
+        for e in range(spec.num_experts):
+            p = f"mtp.layers.{layer}.mlp.experts.{e}."
+            shapes[p + "gate_proj.weight"] = (i, h)
+            shapes[p + "up_proj.weight"] = (i, h)
+            shapes[p + "down_proj.weight"] = (h, i)
+    return shapes
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def mtp_resident_bytes(spec: ModelSpec, dtype: str) -> int:
+    """GPU bytes of the MTP layers' weights as the worker allocates them (services/worker/models/mtp_head.py): one
+    allocation a tensor of `mtp_resident_weight_shapes`, and each layer's routed experts in two, gate_up
+    [E, 2I, H] and down [E, H, I]; each rounded to the CUDA allocator's granule."""
+    itemsize = DTYPE_BYTES[dtype]
+    total = sum(round_up(_numel(s) * itemsize, ALLOC_GRANULE) for s in mtp_resident_weight_shapes(spec).values())
+    e, h, i = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
+    per_layer = round_up(e * 2 * i * h * itemsize, ALLOC_GRANULE) + round_up(e * h * i * itemsize, ALLOC_GRANULE)
+    return total + spec.mtp_draft_layers * per_layer
+
+
+def mtp_kv_bytes_per_token(spec: ModelSpec, dtype: str) -> int:
+    """K and V bytes a drafted position takes in the MTP layers' own caches (their attention is full attention
+    with the target's head shape, kept in the run dtype)."""
+    return spec.mtp_draft_layers * 2 * spec.num_kv_heads * spec.head_dim * DTYPE_BYTES[dtype]
+
+
+# the config.json key that counts a family's MTP layers (what `ferry make-tiny-model --mtp` writes)
+MTP_CONFIG_KEYS = {"qwen3_5_moe": "mtp_num_hidden_layers", "qwen3_next": "num_nextn_predict_layers"}

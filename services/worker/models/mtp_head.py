@@ -1,0 +1,207 @@
+"""The multi-token-prediction (MTP) draft head of Qwen3.5/3.6 and Qwen3-Next: what `--speculative-method mtp`
+drafts with. Its tensors and their cost: plan/mtp_layer.py.
+
+Given the target's final-normed hidden state h_t at position t and the embedding e of token t + 1 (the target's
+embedding table), the head computes fc(cat(pre_fc_norm_embedding(e), pre_fc_norm_hidden(h_t))) (embedding first,
+as the checkpoints' fc is trained), runs it through its own full-attention MoE decoder layer at position t + 1
+(attention over the head's own keys and values of the earlier positions), normalises it with its `norm`, and the
+target's head turns that into the logits of token t + 2. Its output hidden state stands in for h_{t+1} to draft
+the next token. Its norms are zero-centred and its attention gated, as the target's full-attention layers.
+
+The layer attends within the positions it is given (a causal mask over them): its keys and values are computed
+from the same sequence, not read from a cache. Its routed experts are resident parameters, stacked as gate_up
+[E, 2I, H] and down [E, H, I] (plan/mtp_layer.py says why they are not in the target's slot cache)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ferry.plan.model_spec import ModelSpec
+from ferry.plan.mtp_layer import MTP_PREFIX, check_mtp, mtp_expert_shapes, mtp_resident_weight_shapes
+from ferry.services.worker.checkpoint import iter_checkpoint_tensors
+from ferry.services.worker.layers.norms import make_norm
+from ferry.services.worker.layers.rotary import RotaryEmbedding
+from ferry.services.worker.models.weights import WeightLoadError
+from ferry.services.worker.quantized_weight import QuantizedWeight
+
+_PER_EXPERT = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+_FUSED = re.compile(r"layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
+
+
+def _frozen_linear(inputs: int, outputs: int, dtype: torch.dtype, device) -> nn.Linear:
+    linear = nn.Linear(inputs, outputs, bias=False, dtype=dtype, device=device)
+    linear.weight.requires_grad_(False)
+    return linear
+
+
+class MtpAttention(nn.Module):
+    """Gated full attention: q_proj yields each head's query and then its sigmoid gate; per-head q/k norms; the
+    rotary embedding turns the first `rotary_dim` channels; keys and values shared by groups of query heads."""
+
+    def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding, dtype: torch.dtype, device):
+        super().__init__()
+        h, self.heads, self.kv_heads = spec.hidden_size, spec.num_attention_heads, spec.num_kv_heads
+        self.head_dim = spec.head_dim
+        self.rotary = rotary
+        self.q_proj = _frozen_linear(h, 2 * self.heads * self.head_dim, dtype, device)
+        self.k_proj = _frozen_linear(h, self.kv_heads * self.head_dim, dtype, device)
+        self.v_proj = _frozen_linear(h, self.kv_heads * self.head_dim, dtype, device)
+        self.o_proj = _frozen_linear(self.heads * self.head_dim, h, dtype, device)
+        self.q_norm = make_norm(True, self.head_dim, spec.rms_norm_eps, dtype, device)
+        self.k_norm = make_norm(True, self.head_dim, spec.rms_norm_eps, dtype, device)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        q, gate = self.q_proj(x).view(t, self.heads, 2 * self.head_dim).split(self.head_dim, dim=-1)
+        k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        q = self.rotary.apply(self.q_norm(q), cos, sin)
+        k = self.rotary.apply(self.k_norm(k), cos, sin)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1),
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            attn_mask=positions[None, :] <= positions[:, None],  # each position sees itself and earlier ones
+            enable_gqa=True,
+        ).transpose(0, 1)
+        return self.o_proj(out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1)))
+
+
+class MtpMoe(nn.Module):
+    """softmax router over all experts (float32), top k renormalised to sum to 1, the chosen experts' SwiGLU
+    outputs weighted, plus the shared expert's scaled by sigmoid(shared_expert_gate)."""
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, device):
+        super().__init__()
+        h, e, i = spec.hidden_size, spec.num_experts, spec.moe_intermediate_size
+        si = spec.shared_expert_intermediate_size
+        self.top_k, self.intermediate = spec.num_experts_per_tok, i
+        self.gate = _frozen_linear(h, e, dtype, device)
+        self.gate_up = nn.Parameter(torch.zeros(e, 2 * i, h, dtype=dtype, device=device), requires_grad=False)
+        self.down = nn.Parameter(torch.zeros(e, h, i, dtype=dtype, device=device), requires_grad=False)
+        self.shared_expert = nn.Module()
+        self.shared_expert.gate_proj = _frozen_linear(h, si, dtype, device)
+        self.shared_expert.up_proj = _frozen_linear(h, si, dtype, device)
+        self.shared_expert.down_proj = _frozen_linear(si, h, dtype, device)
+        self.shared_expert_gate = _frozen_linear(h, 1, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, ids = probs.topk(self.top_k, dim=-1)
+        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
+        out = torch.zeros_like(x)
+        for expert in ids.unique().tolist():
+            rows, slot = (ids == expert).nonzero(as_tuple=True)
+            gate, up = F.linear(x[rows], self.gate_up[expert]).split(self.intermediate, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down[expert])
+            out.index_add_(0, rows, y * weights[rows, slot, None])
+        s = self.shared_expert
+        shared = s.down_proj(F.silu(s.gate_proj(x)) * s.up_proj(x))
+        return out + torch.sigmoid(self.shared_expert_gate(x)) * shared
+
+
+class MtpLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding, dtype: torch.dtype, device):
+        super().__init__()
+        self.input_layernorm = make_norm(True, spec.hidden_size, spec.rms_norm_eps, dtype, device)
+        self.self_attn = MtpAttention(spec, rotary, dtype, device)
+        self.post_attention_layernorm = make_norm(True, spec.hidden_size, spec.rms_norm_eps, dtype, device)
+        self.mlp = MtpMoe(spec, dtype, device)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class MtpHead(nn.Module):
+    """The `mtp.` tensors as a module (parameter names are the checkpoint's without `mtp.`, the experts stacked)."""
+
+    def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding, dtype: torch.dtype, device=None):
+        super().__init__()
+        check_mtp(spec)
+        h = spec.hidden_size
+        self.spec = spec
+        self.fc = _frozen_linear(2 * h, h, dtype, device)
+        self.pre_fc_norm_embedding = make_norm(True, h, spec.rms_norm_eps, dtype, device)
+        self.pre_fc_norm_hidden = make_norm(True, h, spec.rms_norm_eps, dtype, device)
+        self.layers = nn.ModuleList(MtpLayer(spec, rotary, dtype, device) for _ in range(spec.mtp_draft_layers))
+        self.norm = make_norm(True, h, spec.rms_norm_eps, dtype, device)
+
+    def forward(
+        self, hidden: torch.Tensor, next_embeds: torch.Tensor, positions: torch.Tensor, layer: int = 0
+    ) -> torch.Tensor:
+        """The head's final-normed hidden states [T, H] (the target's head makes them the draft logits): row j
+        from the target's hidden state at position positions[j] - 1 and the embedding of the token at
+        positions[j], through MTP layer `layer` (a draft chain uses its layers in turn)."""
+        x = torch.cat([self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)], dim=-1)
+        return self.norm(self.layers[layer](self.fc(x), positions))
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Take the checkpoint's `mtp.` tensors (name, tensor), experts per expert or fused; a WeightLoadError
+        names a missing, unexpected or misshapen one."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in tensors:
+            if not name.startswith(MTP_PREFIX):
+                raise WeightLoadError(f"checkpoint tensor {name!r} is not an MTP tensor (mtp.…)")
+            target, rows, keys = self._destination(name.removeprefix(MTP_PREFIX))
+            if target not in params:
+                raise WeightLoadError(f"unexpected MTP tensor {name!r} in the checkpoint")
+            param = params[target]
+            dest = param.data if rows is None else param.data[rows]
+            if isinstance(tensor, QuantizedWeight):  # dequantized once, as the target's dense weights
+                tensor = tensor.dequantize(dest.dtype, dest.device)
+            if tuple(tensor.shape) != tuple(dest.shape):
+                raise WeightLoadError(
+                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor)
+            loaded.update(keys)
+        expected = {**mtp_resident_weight_shapes(self.spec), **mtp_expert_shapes(self.spec)}
+        missing = sorted(name for name in expected if name.removeprefix(MTP_PREFIX) not in loaded)
+        if missing:
+            raise WeightLoadError(f"the checkpoint lacks {len(missing)} MTP tensors, e.g. {missing[0]!r}")
+
+    def _destination(self, name: str) -> tuple[str, tuple | None, tuple[str, ...]]:
+        """(parameter, its rows or None for all of it, the per-expert-layout names it stands for) of one checkpoint
+        tensor (its name without `mtp.`)."""
+        m = _PER_EXPERT.fullmatch(name)
+        if m is not None:
+            layer, expert, proj = int(m[1]), int(m[2]), m[3]
+            i = self.spec.moe_intermediate_size
+            stacked = f"layers.{layer}.mlp.{'down' if proj == 'down' else 'gate_up'}"
+            rows = {"gate": (expert, slice(0, i)), "up": (expert, slice(i, 2 * i)), "down": (expert,)}[proj]
+            return stacked, rows, (name,)
+        m = _FUSED.fullmatch(name)
+        if m is not None:
+            stacked = f"layers.{m[1]}.mlp.{m[2].removesuffix('_proj')}"
+            projs = ("gate", "up") if m[2] == "gate_up_proj" else ("down",)
+            covered = (
+                f"layers.{m[1]}.mlp.experts.{e}.{p}_proj.weight" for e in range(self.spec.num_experts) for p in projs
+            )
+            return stacked, None, tuple(covered)
+        return name, None, (name,)
+
+
+def random_mtp_tensors(spec: ModelSpec, seed: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Every `mtp.` tensor (experts per expert), random and a pure function of the seed: `--load-format dummy`'s
+    and `ferry make-tiny-model --mtp`'s. Matrices ~N(0, 0.08) (the tiny models' init), norms ~N(0, 0.1) off
+    their zero identity, so a swapped or skipped norm changes the output."""
+    generator = torch.Generator().manual_seed(seed)
+    shapes = {**mtp_resident_weight_shapes(spec), **mtp_expert_shapes(spec)}
+    tensors = {}
+    for name in sorted(shapes):
+        scale = 0.1 if name.endswith("norm.weight") else 0.08
+        tensors[name] = (scale * torch.randn(shapes[name], generator=generator)).to(dtype)
+    return tensors
+
+
+def read_mtp_tensors(model_dir, progress: bool = False) -> Iterable[tuple[str, torch.Tensor]]:
+    """The checkpoint's `mtp.` tensors (which the target's passes skip: plan/costs.py's `is_served`)."""
+    return iter_checkpoint_tensors(model_dir, lambda name: name.startswith(MTP_PREFIX), "mtp", progress)
