@@ -32,7 +32,8 @@ the request's measured acceptance against the verify positions' cost, their expe
 token budget left and the step's logits rows (`_give_drafts`); the worker verifies them in the same forward.
 Its answer says how many it kept: those and the worker's own token are the request's next tokens, one at a time
 through the stop checks, and the positions computed are counted by `computed_after_verify` (pages that held only
-refused drafts go back). Such a request is not scheduled ahead: its next drafts need the tokens its answer brings.
+refused drafts go back). A request whose next row would draft is not scheduled ahead: its next drafts need the
+tokens its answer brings; one the controller holds at k = 0 is, as without speculation.
 
 Prefix cache of hybrid models (docs/ARCHITECTURE.md §1): a cached KV prefix is usable only with the
 Gated DeltaNet state at its end, so these models reuse a prefix from a linear-state *snapshot*
@@ -487,7 +488,8 @@ class BatchScheduler:
             if (
                 not e.sample
                 or e.drafts  # how many tokens it produces is known only when its answer is back
-                or self._may_draft(r)  # its next row's drafts come from the tokens its answer brings
+                # its next row's drafts come from the tokens its answer brings
+                or (self._may_draft(r) and self.draft_length.would_draft(r.rid, len(previous), len(previous)))
                 or r.done
                 or r.abort_pending
                 or r.sampling.reads_its_output
@@ -501,6 +503,9 @@ class BatchScheduler:
         if not all(self.kv.grow(e.req, pos + 1) for e, pos in zip(previous, positions)):
             return None  # no page to grow into: the next full step may preempt (pages grown here are used then)
         entries = [_Entry(e.req, 1, True) for e in previous]
+        for e in entries:
+            if self._may_draft(e.req):
+                self.draft_length.plain(e.req.rid)  # a decision for no drafts: the probes come due
         return self._build_batch(entries, ahead_positions=positions)
 
     def _may_draft(self, req: Request) -> bool:

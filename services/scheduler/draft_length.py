@@ -177,6 +177,19 @@ class DraftLength:
         self.chosen_drafts += k
         return k
 
+    def would_draft(self, rid: int, rows: int, step_tokens: int) -> bool:
+        """Whether `choose` would give request `rid`'s next row drafts (a k > 0, or a probe due), unchanged: a
+        row that would not may be scheduled ahead (batcher.schedule_ahead), as without speculation."""
+        state = self._requests.get(rid) or _Acceptance()
+        if self.best(state.rate, rows, step_tokens, self.max_drafts) > 0:
+            return True
+        return state.plain + 1 >= self.probe_interval(rows, step_tokens)
+
+    def plain(self, rid: int) -> None:
+        """Request `rid`'s row went without drafts, undecided by `choose` (scheduled ahead): a plain decision."""
+        self._requests.setdefault(rid, _Acceptance()).plain += 1
+        self.decisions += 1
+
     def sent(self, rid: int, step_tokens: int, drafts: int) -> None:
         """A row of `drafts` drafts goes out in a step of `step_tokens` tokens before it: the misses it adds."""
         self.estimated_misses_added += self.misses_added(step_tokens, drafts)

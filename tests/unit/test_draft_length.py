@@ -3,10 +3,15 @@ the priced cost of the verify positions, their expert misses included. Determini
 
 from __future__ import annotations
 
+from collections import deque
+
 import numpy as np
 
+from ferry.services.scheduler.batcher import BatchScheduler
 from ferry.services.scheduler.draft_length import PROBE_EVERY, DraftLength, ExpertPrices
 from ferry.shared.messages import PoolReport
+from ferry.shared.sampling import SamplingParams
+from ferry.shared.step import StepOutput
 
 K = 4
 
@@ -142,3 +147,40 @@ def test_a_request_that_starts_repeating_is_found_again_by_the_probes():
     assert chosen[-1] == 0
     again = run(ctl, 2 * PROBE_EVERY + 8, alpha=1.0)
     assert again[-1] == K
+
+
+def answer(batch, accepted: int = 0) -> StepOutput:
+    """The worker's answer: token 7 for every sampling row, `accepted` drafts kept of each drafting row's."""
+    rows = batch.req_ids[batch.sample]
+    return StepOutput(
+        step_id=batch.step_id,
+        req_ids=rows,
+        token_ids=np.full(len(rows), 7, np.int32),
+        logprobs=np.zeros(len(rows), np.float32),
+        accepted_drafts=None if batch.draft_lens is None else np.full(len(rows), accepted, np.int32),
+    )
+
+
+def test_a_request_held_at_no_drafts_is_scheduled_ahead_until_its_probe():
+    """Speculation off schedules decode steps ahead of the answers (batcher.schedule_ahead); a request whose
+    drafts are refused must not lose that: while the controller holds it at k = 0 its steps go ahead, and the
+    pipeline stops for each probe, which the full policy drafts."""
+    sched = BatchScheduler(RESIDENT, speculative_method="ngram", speculative_tokens=K, drafter=lambda r, k: [3] * k)
+    sched.add(1, b"t", 1, np.arange(10, 18, dtype=np.int32), SamplingParams(temperature=0), 300)
+    sched.complete(answer(sched.schedule()))  # the prompt
+    in_flight: deque = deque()
+    drafted, ahead = [], 0  # drafts of each step the full policy sent; steps sent ahead
+    while sched.running:
+        if not sched.step_in_flight:
+            in_flight.append(batch := sched.schedule())
+            drafted.append(0 if batch.draft_lens is None else int(batch.draft_lens.sum()))
+        while (batch := sched.schedule_ahead()) is not None:
+            assert batch.draft_lens is None
+            in_flight.append(batch)
+            ahead += 1
+        sched.complete(answer(in_flight.popleft()))
+    assert drafted[0] == K  # the prior: it drafts first
+    assert ahead > 200  # then decodes as without speculation, steps ahead of the answers
+    probes = drafted[drafted.index(0) :]
+    assert 300 / (3 * PROBE_EVERY) < probes.count(1) <= 300 / PROBE_EVERY + 1  # the pipeline stopped for them
+    assert set(probes) <= {0, 1} and sched.drafted_tokens == sum(drafted)
