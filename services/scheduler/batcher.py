@@ -523,6 +523,7 @@ class BatchScheduler:
         free to hold its state (speculation.computed_after_verify: refused drafts put the state back)."""
         logits_room = self.pool.max_running_requests - sum(e.sample for e in entries)
         step_tokens = sum(e.query_len for e in entries)  # the step's tokens so far: the misses drafts add depend on it
+        eager_paid = False  # a row drafts already: the step runs eagerly anyway (draft_length.py)
         for e in entries:
             req, q = e.req, e.query_len
             if budget < 1 or logits_room < 1:
@@ -538,12 +539,13 @@ class BatchScheduler:
             )
             if room < 1 or (self.hybrid and not self.holds.free_count):
                 continue
-            k = self.draft_length.choose(req.rid, len(entries), step_tokens, room)
+            k = self.draft_length.choose(req.rid, len(entries), step_tokens, room, eager_paid)
             drafts = self.drafter(req, k) if k else []
             if not drafts or not self.kv.grow(req, req.num_computed + q + len(drafts)):
                 continue
             self.draft_length.sent(req.rid, step_tokens, len(drafts))
             step_tokens += len(drafts)
+            eager_paid = True
             if self.hybrid:
                 e.hold = self.holds.take()  # a free id (free_count above): no cached snapshot is dropped
             e.drafts = tuple(drafts)

@@ -7,14 +7,17 @@ and one failure unless a == d (the kept drafts are a prefix), old rows decayed b
 repetitive (or stops) is followed. A row given k drafts then yields E(k) = 1 + a + ... + a^k tokens. Its cost is
 its share of a plain decode step, S / B (B rows in the step), plus what the k extra positions add:
 k x VERIFY_POSITION_S of compute, DRAFT_STEP_OVERHEAD_S (a step with drafts runs eagerly, not as a CUDA graph),
-and with experts offloaded the expected extra expert misses times one miss's copy (expert bytes / PCIE_BYTES_PER_S).
+and with experts offloaded the expected extra expert misses times one miss's copy (expert bytes / PCIE_BYTES_PER_S);
+the eager step is charged once a step, to its first drafting row.
 A step of n tokens touches E_l (1 - (1 - t/E_l)^n) distinct experts a MoE layer (E_l experts, top-t routing,
 uniform), each missed with the cache's miss rate (measured from the worker's hit/miss counts, else 1 - slots /
 experts); so the k positions added to a step of n tokens miss
     L x miss_rate x E_l x ((1 - t/E_l)^n - (1 - t/E_l)^(n + k))  experts,  L = MoE layers.
 S is the plain step's cost by the same terms (DECODE_STEP_S plus the misses of its n tokens). The chosen k
 maximises E(k) / (S/B + cost(k)) (tokens a second), k = 0 unless some k beats 1 / (S/B): at acceptance 0 every
-k > 0 loses, the estimate falls under the threshold within a few rows, and the row decodes plainly. With k = 0
+k > 0 loses, the estimate falls under the threshold within a few rows, and the row decodes plainly (scheduled
+ahead, as without speculation). A request not measured yet drafts all it may once (within its first PROBE_EVERY
+decisions), since its prior alone would keep a row of a wide step from drafting. With k = 0
 nothing is observed, so a request's plain decisions are followed by a one-token probe every PROBE_EVERY of them,
 or more where a probe costs more (its priced extra over the row's share of a step kept to PROBE_COST_SHARE of the
 decode time: with experts offloaded a probe's misses can cost a whole step), letting a request whose text starts
@@ -62,6 +65,7 @@ class _Acceptance:
     kept: float = ACCEPT_PRIOR[0]
     refused: float = ACCEPT_PRIOR[1]
     plain: int = 0
+    observed: int = 0  # rows verified
 
     @property
     def rate(self) -> float:
@@ -140,39 +144,51 @@ class DraftLength:
         misses = p.moe_layers * self.current_miss_rate() * p.distinct(step_tokens) if p.priced else 0.0
         return DECODE_STEP_S + misses * p.miss_s
 
-    def best(self, acceptance: float, rows: int, step_tokens: int, limit: int) -> int:
+    def best(self, acceptance: float, rows: int, step_tokens: int, limit: int, eager_paid: bool = False) -> int:
         """The k in [0, min(K, limit)] with the most tokens a second for a row of a step of `rows` rows and
-        `step_tokens` tokens before its drafts (0 on a tie: drafting must win to be chosen)."""
+        `step_tokens` tokens before its drafts (0 on a tie: drafting must win to be chosen); `eager_paid`: a row
+        before it in the step drafts already, so the step runs eagerly anyway."""
         share = self.step_s(step_tokens) / max(rows, 1)
         best_k, best_rate = 0, 1.0 / share
         tokens = 1.0
         for k in range(1, min(self.max_drafts, limit) + 1):
             tokens += acceptance**k
-            cost = share + self.extra_s(step_tokens, k)
+            cost = share + self.extra_s(step_tokens, k, eager_paid)
             if tokens / cost > best_rate * (1 + 1e-9):
                 best_k, best_rate = k, tokens / cost
         return best_k
 
-    def extra_s(self, step_tokens: int, drafts: int) -> float:
+    def extra_s(self, step_tokens: int, drafts: int, eager_paid: bool = False) -> float:
         """What `drafts` positions added to a row of a step of `step_tokens` tokens cost: their compute, the eager
-        step, the misses they add."""
-        p = self.prices
-        return drafts * VERIFY_POSITION_S + DRAFT_STEP_OVERHEAD_S + self.misses_added(step_tokens, drafts) * p.miss_s
+        step (once a step: not where `eager_paid`), the misses they add."""
+        eager = 0.0 if eager_paid else DRAFT_STEP_OVERHEAD_S
+        return drafts * VERIFY_POSITION_S + eager + self.misses_added(step_tokens, drafts) * self.prices.miss_s
 
-    def probe_interval(self, rows: int, step_tokens: int) -> int:
+    def probe_interval(self, rows: int, step_tokens: int, eager_paid: bool = False) -> int:
         """Plain decisions between two one-token probes: PROBE_EVERY, or more where a probe's extra cost over
         PROBE_COST_SHARE of the row's share of a step asks for more."""
         share = self.step_s(step_tokens) / max(rows, 1)
-        return max(PROBE_EVERY, math.ceil(self.extra_s(step_tokens, 1) / (PROBE_COST_SHARE * share)))
+        return max(PROBE_EVERY, math.ceil(self.extra_s(step_tokens, 1, eager_paid) / (PROBE_COST_SHARE * share)))
 
-    def choose(self, rid: int, rows: int, step_tokens: int, limit: int) -> int:
-        """Drafts for request `rid`'s row now (at most `limit`, what the step leaves), counted in the metrics."""
+    @staticmethod
+    def _unmeasured(state: _Acceptance) -> bool:
+        """A request none of whose rows was verified yet, within its first PROBE_EVERY decisions: it drafts all
+        it may once, to be measured (its prior alone would keep a row of a wide step from ever drafting)."""
+        return state.observed == 0 and state.plain < PROBE_EVERY
+
+    def choose(self, rid: int, rows: int, step_tokens: int, limit: int, eager_paid: bool = False) -> int:
+        """Drafts for request `rid`'s row now (at most `limit`, what the step leaves), counted in the metrics;
+        `eager_paid`: a row before it in the step drafts already."""
         state = self._requests.setdefault(rid, _Acceptance())
-        k = self.best(state.rate, rows, step_tokens, limit)
-        if k == 0 and limit >= 1:
-            state.plain += 1
-            if state.plain >= self.probe_interval(rows, step_tokens):
-                k = 1
+        if self._unmeasured(state):
+            k = max(limit, 0)
+            state.plain += 1  # back to 0 once drafts are sent: the count of decisions that sent none
+        else:
+            k = self.best(state.rate, rows, step_tokens, limit, eager_paid)
+            if k == 0 and limit >= 1:
+                state.plain += 1
+                if state.plain >= self.probe_interval(rows, step_tokens, eager_paid):
+                    k = 1
         self.decisions += 1
         self.chosen_drafts += k
         return k
@@ -181,7 +197,7 @@ class DraftLength:
         """Whether `choose` would give request `rid`'s next row drafts (a k > 0, or a probe due), unchanged: a
         row that would not may be scheduled ahead (batcher.schedule_ahead), as without speculation."""
         state = self._requests.get(rid) or _Acceptance()
-        if self.best(state.rate, rows, step_tokens, self.max_drafts) > 0:
+        if self._unmeasured(state) or self.best(state.rate, rows, step_tokens, self.max_drafts) > 0:
             return True
         return state.plain + 1 >= self.probe_interval(rows, step_tokens)
 
@@ -200,6 +216,7 @@ class DraftLength:
         if drafts <= 0:
             return
         state = self._requests.setdefault(rid, _Acceptance())
+        state.observed += 1
         state.kept = DECAY * state.kept + kept
         state.refused = DECAY * state.refused + (1 if kept < drafts else 0)
 
