@@ -549,7 +549,7 @@ def test_drafts_stay_inside_max_tokens_and_the_pages(tiny_models, monkeypatch):
     executor, plan = boot(tiny_models["qwen3_moe"])
     monkeypatch.setattr(batcher_module, "propose_ngram", lambda tokens, k: [1] * k)
     # every row drafts all it may, however few are kept (the controller would stop: draft_length.py)
-    monkeypatch.setattr(DraftLength, "best", lambda self, acceptance, rows, step_tokens, limit: limit)
+    monkeypatch.setattr(DraftLength, "best", lambda self, acceptance, rows, step_tokens, limit, eager_paid=False: limit)
     [(tokens, why)], sched = generate(executor, plan, [(PROMPTS[0], GREEDY, 3)], "ngram", k=8)
     assert len(tokens) == 3 and why == "length"
     assert sched.drafted_tokens == 1  # after the first token, two to go: one draft, then none past the end
