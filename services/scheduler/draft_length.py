@@ -16,8 +16,8 @@ experts); so the k positions added to a step of n tokens miss
 S is the plain step's cost by the same terms (DECODE_STEP_S plus the misses of its n tokens). The chosen k
 maximises E(k) / (S/B + cost(k)) (tokens a second), k = 0 unless some k beats 1 / (S/B): at acceptance 0 every
 k > 0 loses, the estimate falls under the threshold within a few rows, and the row decodes plainly (scheduled
-ahead, as without speculation). A request not measured yet drafts all it may once (within its first PROBE_EVERY
-decisions), since its prior alone would keep a row of a wide step from drafting. With k = 0
+ahead, as without speculation). A request not measured yet drafts at least one token at once (within its first
+PROBE_EVERY decisions), since its prior alone would keep a row of a wide step from drafting. With k = 0
 nothing is observed, so a request's plain decisions are followed by a one-token probe every PROBE_EVERY of them,
 or more where a probe costs more (its priced extra over the row's share of a step kept to PROBE_COST_SHARE of the
 decode time: with experts offloaded a probe's misses can cost a whole step), letting a request whose text starts
@@ -172,23 +172,23 @@ class DraftLength:
 
     @staticmethod
     def _unmeasured(state: _Acceptance) -> bool:
-        """A request none of whose rows was verified yet, within its first PROBE_EVERY decisions: it drafts all
-        it may once, to be measured (its prior alone would keep a row of a wide step from ever drafting)."""
+        """A request none of whose rows was verified yet, within its first PROBE_EVERY decisions: it drafts at
+        least one token at once, to be measured (its prior alone would keep a row of a wide step from drafting
+        until its first probe, which a short request never reaches)."""
         return state.observed == 0 and state.plain < PROBE_EVERY
 
     def choose(self, rid: int, rows: int, step_tokens: int, limit: int, eager_paid: bool = False) -> int:
         """Drafts for request `rid`'s row now (at most `limit`, what the step leaves), counted in the metrics;
         `eager_paid`: a row before it in the step drafts already."""
         state = self._requests.setdefault(rid, _Acceptance())
+        k = self.best(state.rate, rows, step_tokens, limit, eager_paid)
         if self._unmeasured(state):
-            k = max(limit, 0)
+            k = max(k, min(limit, 1))  # at least a probe's one draft, at once
             state.plain += 1  # back to 0 once drafts are sent: the count of decisions that sent none
-        else:
-            k = self.best(state.rate, rows, step_tokens, limit, eager_paid)
-            if k == 0 and limit >= 1:
-                state.plain += 1
-                if state.plain >= self.probe_interval(rows, step_tokens, eager_paid):
-                    k = 1
+        elif k == 0 and limit >= 1:
+            state.plain += 1
+            if state.plain >= self.probe_interval(rows, step_tokens, eager_paid):
+                k = 1
         self.decisions += 1
         self.chosen_drafts += k
         return k

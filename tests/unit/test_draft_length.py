@@ -133,14 +133,19 @@ def test_a_wider_step_needs_a_higher_acceptance_and_the_limit_binds():
 
 def test_the_eager_step_is_paid_once_and_an_unmeasured_request_drafts_once():
     """In a wide step the first drafting row pays for the eager step; the rows after it draft for their own
-    positions' cost alone. A request never measured drafts all it may (its prior alone would not, here)."""
+    positions' cost alone. A request never measured drafts at once (its prior alone would not, here)."""
     ctl = DraftLength(K, ExpertPrices.of(RESIDENT))
     assert ctl.best(0.7, rows=8, step_tokens=8, limit=K) == 0
     assert ctl.best(0.7, rows=8, step_tokens=8, limit=K, eager_paid=True) > 0
-    assert ctl.choose(3, rows=8, step_tokens=8, limit=K) == K  # unmeasured
-    ctl.sent(3, 8, K)
-    ctl.observe(3, K, 1)
+    assert ctl.choose(3, rows=8, step_tokens=8, limit=K) == 1  # unmeasured: a probe at once
+    ctl.sent(3, 8, 1)
+    ctl.observe(3, 1, 0)
     assert ctl.choose(3, rows=8, step_tokens=8, limit=K) == 0  # measured: its estimate decides
+    ctl.choose(4, rows=8, step_tokens=8, limit=K)  # unmeasured, no drafts proposed: asked again
+    assert ctl.would_draft(4, rows=8, step_tokens=8) and ctl.choose(4, rows=8, step_tokens=8, limit=K) == 1
+    for _ in range(PROBE_EVERY):  # never a draft to send: after PROBE_EVERY decisions it waits for its probes
+        ctl.choose(4, rows=8, step_tokens=8, limit=K)
+    assert not ctl.would_draft(4, rows=8, step_tokens=8)
 
 
 def test_a_request_forgotten_starts_again_from_the_prior():
