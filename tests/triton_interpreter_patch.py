@@ -9,7 +9,7 @@ on every call, made to do it once; together about half an interpreted kernel's t
 * `_unwrap_if_constexpr`, called for every operand and shape entry of every op, runs four isinstance checks on a
   plain int before returning it: a plain int, float, bool, str or None, and a constexpr, now return at once.
 * `block_type.__init__` (a type made for every op's result) unwraps and validates its shape each time: the shape
-  checked, its element count, are kept by the shape (a list of plain ints), on which alone they depend.
+  checked, its element count, are kept by the shape's ints, on which alone they depend.
 * `tensor.__init__` (every op's result) builds its shape as a Triton tuple of constexprs, typing each entry: the
   shape and the element count are kept by the type's shape and shared by the tensors of that shape (nothing
   changes either after it is made).
@@ -83,11 +83,23 @@ def _install_type_fast_paths(core) -> None:
     core._unwrap_if_constexpr = unwrap_fast
 
     block_init = core.block_type.__init__
-    checked = {}  # shape (a list of plain ints, as a tuple) -> (the shape as block_type keeps it, its element count)
+    checked = {}  # shape_key(shape) -> (the shape as block_type keeps it, its element count)
+
+    def shape_key(shape):
+        """The shape's ints where it is a list or a Triton tuple of ints and int constexprs (what the ops pass), else
+        None: anything else, e.g. a builtin tuple, which the original refuses, goes to the original."""
+        if type(shape) is not list and type(shape) is not core.tuple:
+            return None
+        key = []
+        for s in shape:
+            value = s.value if type(s) is constexpr else s
+            if type(value) is not int:
+                return None
+            key.append(value)
+        return tuple(key)
 
     def block_init_kept(self, element_ty, shape):
-        # a list of plain ints (what the ops pass); anything else, e.g. a builtin tuple it refuses, the original's
-        key = tuple(shape) if type(shape) is list and all(type(s) is int for s in shape) else None
+        key = shape_key(shape)
         found = checked.get(key) if key else None
         if found is None:
             block_init(self, element_ty, shape)
