@@ -64,3 +64,40 @@ def test_each_dtypes_numpy_dtype_is_the_interpreters_own_when_asked_again():
     for dtype in [*scalars, *pointers, *(tl.block_type(d, [4, 2]) for d in [*scalars, *pointers])]:
         for _ in range(2):  # asked first, then answered from what was kept
             assert kept(dtype) == own(dtype), dtype
+
+
+def test_the_type_fast_paths_give_what_the_originals_give():
+    unwrap, own_unwrap = core._unwrap_if_constexpr, core._unwrap_if_constexpr.__wrapped__
+    values = [3, 2.5, True, "s", None, core.constexpr(7), [core.constexpr(1), 2], (4, core.constexpr(5)), tl.float32]
+    for value in values:
+        assert unwrap(value) == own_unwrap(value) and type(unwrap(value)) is type(own_unwrap(value)), value
+    init, own_init = core.block_type.__init__, core.block_type.__init__.__wrapped__
+    for element in (tl.float32, tl.bfloat16, tl.pointer_type(tl.float32)):
+        for shape in ([4, 2], [core.constexpr(4), 2], [16], core.tuple([4, 2])):
+            for _ in range(2):  # made first, then from what was kept
+                fast, own = object.__new__(core.block_type), object.__new__(core.block_type)
+                init(fast, element, shape)
+                own_init(own, element, shape)
+                assert (fast.element_ty, fast.shape, fast.numel, fast.name) == (
+                    own.element_ty,
+                    own.shape,
+                    own.numel,
+                    own.name,
+                )
+    with pytest.raises(TypeError, match="0d"):
+        init(object.__new__(core.block_type), tl.float32, [])
+    with pytest.raises(AssertionError):  # a builtin tuple is refused as the original refuses it, kept shape or not
+        init(object.__new__(core.block_type), tl.float32, (4, 2))
+    tensor_init, own_tensor_init = core.tensor.__init__, core.tensor.__init__.__wrapped__
+    for kind in (tl.float32, tl.block_type(tl.float32, [4, 2]), tl.block_type(tl.int32, [4, 2])):
+        for _ in range(2):
+            fast, own = object.__new__(core.tensor), object.__new__(core.tensor)
+            tensor_init(fast, "handle", kind)
+            own_tensor_init(own, "handle", kind)
+            assert (fast.handle, fast.type, fast.dtype, fast.numel.value) == (
+                own.handle,
+                own.type,
+                own.dtype,
+                own.numel,
+            )
+            assert [s.value for s in fast.shape] == [s.value for s in own.shape] and type(fast.shape) is type(own.shape)

@@ -1,7 +1,9 @@
-"""One rank of test_expert_parallel.py's group (gloo on CPU): argv rank, world, the rendezvous file, experts
-a layer. Builds the rank's offloading store of its own experts, runs decode and prefill steps through
-ExpertParallelExperts and the all-resident store of every expert on the same routing, and prints JSON:
-{"max_diff": ..., "digest": a hash of its outputs (the same on every rank), "misses": its local misses}."""
+"""One rank of test_expert_parallel.py's group (gloo on CPU): argv rank, world, the rendezvous file, experts a
+layer (several, comma-separated: one group after another in this process, each through its own rendezvous file,
+so a world size's cases cost one process boot a rank). For each: builds the rank's offloading store of its own
+experts, runs decode and prefill steps through ExpertParallelExperts and the all-resident store of every expert on
+the same routing, and prints a JSON line: {"max_diff": ..., "digest": a hash of its outputs (the same on every
+rank), "misses": its local misses, "rank", "experts"}."""
 
 from __future__ import annotations
 
@@ -21,7 +23,12 @@ from ferry.services.worker.offload.stores.resident import ResidentExperts
 
 
 def main() -> None:
-    rank, world, rendezvous, experts = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+    rank, world, rendezvous = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    for experts in (int(e) for e in sys.argv[4].split(",")):
+        run_group(rank, world, f"{rendezvous}-{experts}", experts)
+
+
+def run_group(rank: int, world: int, rendezvous: str, experts: int) -> None:
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     layers, top_k = 2, 3
     spec = tiny_spec(layers=layers, experts=experts, top_k=top_k, hidden=32, inter=16)
@@ -57,6 +64,7 @@ def main() -> None:
                 "digest": digest.hexdigest(),
                 "misses": store.report()["misses"],
                 "rank": store.report()["expert_parallel"]["rank"],
+                "experts": experts,
             }
         )
     )
