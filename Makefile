@@ -20,12 +20,13 @@ STAMP := $(VENV)/.ferry-installed
 
 venv: $(STAMP)
 
-# the host expert kernel's C sources too: `pip install -e .` compiles them in place, so a change needs a reinstall
+# the host expert kernel's C sources too: `pip install -e .` compiles them in place, so a change needs a reinstall;
+# --no-compile: Python writes the bytecode of what is imported on first import, not of every file installed
 $(STAMP): pyproject.toml Makefile constraints.txt $(wildcard kernels/host_experts_c/*)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c constraints.txt torch $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(BIN)/python -m pip install -q -c constraints.txt -e ".[test]"
+	$(BIN)/python -m pip install -q --no-compile -c constraints.txt torch $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(BIN)/python -m pip install -q --no-compile -c constraints.txt -e ".[test]"
 	touch $(STAMP)
 
 serve: $(STAMP)
