@@ -88,7 +88,3 @@ def mtp_kv_bytes_per_token(spec: ModelSpec, dtype: str) -> int:
     """K and V bytes a drafted position takes in the MTP layers' own caches (their attention is full attention
     with the target's head shape, kept in the run dtype)."""
     return spec.mtp_draft_layers * 2 * spec.num_kv_heads * spec.head_dim * DTYPE_BYTES[dtype]
-
-
-# the config.json key that counts a family's MTP layers (what `ferry make-tiny-model --mtp` writes)
-MTP_CONFIG_KEYS = {"qwen3_5_moe": "mtp_num_hidden_layers", "qwen3_next": "num_nextn_predict_layers"}

@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 from ferry.plan.model_families import families
-from ferry.plan.mtp_layer import MTP_CONFIG_KEYS
 from ferry.services.gguf_writer import EXPERT_TYPES, GGUF_SIZES, write_gguf
 
 # Small enough to build and run in well under a second on CPU, big enough that every code path
@@ -40,6 +39,8 @@ COMMON = dict(
 TINY_FAMILIES = {name: f for name, f in families().items() if f.tiny_config is not None}
 ARCHS = tuple(sorted(TINY_FAMILIES))
 TINY_CONFIGS = {name: dict(COMMON, **f.tiny_config) for name, f in TINY_FAMILIES.items()}
+# the families with a multi-token-prediction layer: the config.json key that counts it (`--mtp` writes one)
+MTP_CONFIG_KEYS = {name: f.mtp_config_key for name, f in TINY_FAMILIES.items() if f.mtp_config_key}
 
 
 def make_tiny_model(out_dir: str | Path, arch: str, seed: int = 0, mtp: bool = False, **sizes: int) -> Path:

@@ -81,6 +81,9 @@ class ModelFamily:
     # float32 values of the file's tensor the table maps `name` to (None where the file has none)
     gguf_write_tensor: Callable[[ModelSpec, str, Any], dict[str, Any]] | None = None
     gguf_read_tensor: Callable[[ModelSpec, str, Callable[[str], Any]], Any] | None = None
+    # the config.json key counting its multi-token-prediction layers (plan/mtp_layer.py; what `ferry make-tiny-model
+    # --mtp` writes); None: the family has none
+    mtp_config_key: str | None = None
 
 
 _FAMILIES: dict[str, ModelFamily] = {}

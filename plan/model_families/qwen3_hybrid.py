@@ -369,6 +369,7 @@ register(
         gguf_write_metadata=qwen3_next_gguf_write_metadata,
         gguf_write_tensor=qwen3_next_gguf_write_tensor,
         gguf_read_tensor=qwen3_next_gguf_read_tensor,
+        mtp_config_key="num_nextn_predict_layers",
     )
 )
 
@@ -396,5 +397,6 @@ register(
         gguf_write_metadata=qwen3_5_moe_gguf_write_metadata,
         gguf_write_tensor=qwen3_5_moe_gguf_write_tensor,
         gguf_read_tensor=qwen3_5_moe_gguf_read_tensor,
+        mtp_config_key="mtp_num_hidden_layers",
     )
 )
