@@ -158,7 +158,7 @@ class _Reader:
         while end < len(self.text) and self.text[end] not in _BARE_END and not self.text.startswith(STRING, end):
             end += 1
         raw = self.text[self.pos : end].strip()
-        if not raw:
+        if not raw or any(c in raw for c in "{[:"):  # a bare value is a word: structure there is a broken one
             raise _Malformed(f"expected a value at {self.pos}")
         self.pos = end
         if _types(schema) == {"string"}:

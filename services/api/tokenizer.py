@@ -200,7 +200,10 @@ class PromptTokenizer:
         if self.harmony is not None and not forced:
             calls = tools if tool_calls != "none" else None
             return self.harmony.output_parser(calls, reasoning != "none", prompt.ids)
-        tool_calls = self.parsers["tool_calls"] if tool_calls == "auto" else tool_calls
+        # a forced output is in the markup its grammar wrote (tool_call_grammar), even under --tool-call-parser none
+        tool_calls = (
+            self.parsers["tool_calls"] if tool_calls == "auto" or (forced and tool_calls == "none") else tool_calls
+        )
         reasoning = self.parsers["reasoning"] if reasoning == "auto" else reasoning
         keep = self._markup_ids(tool_calls, reasoning)
         text = IncrementalDetokenizer(self.hf, keep) if keep else None
@@ -221,9 +224,9 @@ class PromptTokenizer:
 
     def tool_call_grammar(self, tools: list[tuple[str, dict]], parallel: bool, field: str, tool_calls: str) -> str:
         """The grammar of a forced call (one, or with `parallel` several) to one of `tools` [(name, parameters
-        schema)] in the markup of the tool-call parser `tool_calls` (`auto`: the resolved one); `field`: where a
+        schema)] in the markup of the tool-call parser `tool_calls` (`auto`, `none`: the resolved one); `field`: where a
         tool's schema is in the request, with {} for its name. The markup's special tokens are written as tokens."""
-        calls = TOOL_CALL_FORMATS[self.parsers["tool_calls"] if tool_calls == "auto" else tool_calls]
+        calls = TOOL_CALL_FORMATS[self.parsers["tool_calls"] if tool_calls in ("auto", "none") else tool_calls]
         return calls.grammar(tools, parallel, field, self.spell)
 
     def spell(self, markup: str) -> str:
