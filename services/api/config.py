@@ -9,6 +9,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from ferry.services.api import gemma4_format
 from ferry.shared.defaults import LOOPBACK
 from ferry.shared.errors import ConfigError
 from ferry.shared.port_flag import port_number
@@ -18,8 +19,8 @@ from ferry.shared.wire_keys import WireKeys, add_wire_keys_flag, check_exposure
 # the parsers' names (services/api/output_parsers.py registers them; kept here so --help stays light)
 # vLLM's names; qwen...glm47 are one parser. "auto": the model family's (ModelFamily.tool_call_parser /
 # reasoning_parser, for config.json beside the tokenizer), else qwen / qwen3
-TOOL_CALL_PARSERS = ("auto", "qwen", "hermes", "qwen25", "qwen3_coder", "glm45", "glm47", "gemma4", "none")
-REASONING_PARSERS = ("auto", "qwen3", "deepseek_r1", "gemma4", "none")
+TOOL_CALL_PARSERS = ("auto", "qwen", "hermes", "qwen25", "qwen3_coder", "glm45", "glm47", gemma4_format.NAME, "none")
+REASONING_PARSERS = ("auto", "qwen3", "deepseek_r1", gemma4_format.NAME, "none")
 # how a chat becomes a prompt and the output is read back (services/api/tokenizer.py); "auto": the model's own
 CHAT_FORMATS = ("auto", "template", "harmony")
 

@@ -29,6 +29,7 @@ from typing import Any
 from ferry.services.api.tool_call_parser import ToolCall
 from ferry.shared.errors import InvalidRequest
 
+NAME = "gemma4"  # the parsers' name (--tool-call-parser, --reasoning-parser; vLLM's), as the family's
 CALL_OPEN, CALL_CLOSE = "<|tool_call>", "<tool_call|>"
 STRING = '<|"|>'  # both ends of a string value
 THOUGHT_OPEN, THOUGHT_CLOSE = "<|channel>thought", "<channel|>"

@@ -56,9 +56,9 @@ GEMMA4_CALLS = ToolCallFormat(
     gemma4_format.MARKUP_TOKENS,
 )
 # "none" (and "auto" unresolved) still names the markup a forced call is written in: the default's
-TOOL_CALL_FORMATS = {name: QWEN_CALLS for name in TOOL_CALL_PARSERS} | {"gemma4": GEMMA4_CALLS}
+TOOL_CALL_FORMATS = {name: QWEN_CALLS for name in TOOL_CALL_PARSERS} | {gemma4_format.NAME: GEMMA4_CALLS}
 REASONING_TAGS = {name: (reasoning_parser.OPEN, reasoning_parser.CLOSE) for name in REASONING_PARSERS} | {
-    "gemma4": (gemma4_format.THOUGHT_OPEN, gemma4_format.THOUGHT_CLOSE)
+    gemma4_format.NAME: (gemma4_format.THOUGHT_OPEN, gemma4_format.THOUGHT_CLOSE)
 }
 
 
