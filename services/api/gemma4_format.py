@@ -237,7 +237,10 @@ def call_grammar(
     alternatives = []
     for name, params in tools:
         builder.field, builder.root = field.format(name), params
-        args = builder.rule_of(params, "#")
+        try:
+            args = builder.rule_of(params, "#")
+        except (TypeError, ValueError, AttributeError) as exc:  # a keyword's value of the wrong kind
+            raise builder.refuse(f"a keyword's value ({exc})") from exc
         alternatives.append(f"{json.dumps('call:' + name)} {args}")
     calls = f"call{{1,{max_calls}}}" if parallel else "call"
     head = [
@@ -386,15 +389,16 @@ class _Grammar:
     def string(self, rest: dict, where: str) -> str:
         if not rest.keys() & {"minLength", "maxLength", "pattern"}:
             return self.string_terminal
+        regexes = []
         if "pattern" in rest:
             pattern = rest["pattern"]
             if not (isinstance(pattern, str) and pattern.startswith("^") and pattern.endswith("$")):
                 raise self.refuse(f"the pattern at {where} (only a pattern anchored at both ends, ^...$)")
-            regex = "/" + pattern[1:-1].replace("/", "\\/") + "/"
-        else:
+            regexes.append("/" + pattern[1:-1].replace("/", "\\/") + "/")
+        if rest.keys() & {"minLength", "maxLength"}:
             low, high = int(rest.get("minLength", 0)), rest.get("maxLength")
-            regex = f"/(?s:.{{{low},{'' if high is None else int(high)}}})/"
-        return self._string_terminal(self._new("S"), regex)
+            regexes.append(f"/(?s:.{{{low},{'' if high is None else int(high)}}})/")
+        return self._string_terminal(self._new("S"), " & ".join(regexes))
 
     def array(self, rest: dict, where: str) -> str:
         item = self.rule_of(rest.get("items", True), f"{where}/items")

@@ -131,11 +131,10 @@ def _rebased(schema, base: str):
 
 def markup_tool_call_grammar(tools: list[tuple[str, dict]], field: str, lark: Callable[[], str]) -> str:
     """A forced call in a model's own markup, whose arguments are not JSON (gemma4_format.call_grammar): each
-    tool's schema must admit a finite value first (the 400 names the tool), then `lark()` is built and checked."""
+    tool's schema is checked as tool_call_grammar checks it first (the 400 names the tool), then `lark()` is built
+    and checked."""
     for name, params in tools:
-        if (endless := endless_requirement(params)) is not None:
-            field_name = field.format(name)
-            raise InvalidRequest(f"{field_name}: no finite value matches this schema: {endless}", param=field_name)
+        _checked_schema(params, field.format(name))
     return _checked(_llg().grammar_from_lark(lark()), "tools")
 
 

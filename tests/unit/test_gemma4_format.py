@@ -193,6 +193,11 @@ def test_the_grammar_holds_the_arguments_to_the_schema(spelled):
     assert allowed_after(g, head + f"city:{S}x{S},other:1") is None  # an undeclared key
     assert allowed_after(g, head + f"city:{S}x{S}y") is None  # a string ends at its first closing delimiter
     assert allowed_after(g, "<|tool_call>call:get_time{") is None  # not a forced tool
+    code = {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]+$", "maxLength": 2}}}
+    g = grammar(spell, tools=[("f", code)], parallel=False)
+    assert allowed_after(g, f"<|tool_call>call:f{{code:{S}FR{S}}}<tool_call|>") == {"end"}
+    assert allowed_after(g, f"<|tool_call>call:f{{code:{S}Fr") is None  # the pattern
+    assert allowed_after(g, f"<|tool_call>call:f{{code:{S}FRA") is None  # and the length, both
 
 
 def test_a_schema_the_grammar_cannot_hold_to_is_a_400_naming_the_tool():
@@ -200,6 +205,7 @@ def test_a_schema_the_grammar_cannot_hold_to_is_a_400_naming_the_tool():
         ({"type": "object", "properties": {"s": {"type": "string", "format": "date"}}}, "format"),
         ({"type": "object", "properties": {"s": {"type": "string", "pattern": "a+"}}}, "pattern"),
         ({"type": "object", "patternProperties": {"x": {}}}, "patternProperties"),
+        ({"type": "object", "properties": {"s": {"type": "array", "maxItems": "two"}}}, ""),
     ):
         with pytest.raises(InvalidRequest, match=r"tools\[f\]\.function\.parameters.*" + what) as info:
             grammar(json.dumps, tools=[("f", schema)])
