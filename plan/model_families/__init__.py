@@ -20,6 +20,8 @@ A new family registers, with `register(ModelFamily(...))` in a module of this fo
   * `tiny_config` and `reference_classes`, for `ferry make-tiny-model` (transformers' classes write it);
   * `chat_format`, when its models speak another chat format than their Jinja chat template ("harmony":
     gpt-oss; the api's `--chat-format auto` takes it: services/api/tokenizer.py);
+  * `tool_call_parser` / `reasoning_parser`, when its models write calls or reasoning in another markup than
+    Qwen's (Gemma 4's; the api's `--tool-call-parser auto` / `--reasoning-parser auto` take them);
   * `gguf_architectures` and `gguf_config(metadata, tensor_names, where)`, where it serves GGUF files: the
     `general.architecture` values it claims and their metadata as config.json fields (plan/gguf_checkpoint.py).
 and, on the worker side, its module in `services/worker/models/` (that package's registry.py says what).
@@ -64,6 +66,9 @@ class ModelFamily:
     # how the api renders a chat and reads the output back: "template" (the tokenizer's chat template and the
     # text parsers) or "harmony" (services/api/harmony_format.py); config.py's CHAT_FORMATS
     chat_format: str = "template"
+    # the api's parsers of its output markup (services/api/config.py's TOOL_CALL_PARSERS, REASONING_PARSERS)
+    tool_call_parser: str = "qwen"
+    reasoning_parser: str = "qwen3"
     # where a layer's routed experts sit under `layers.N.` (a quantization config's exclusions are matched to it)
     experts_module: str = "mlp.experts"
     # GGUF files (plan/gguf_checkpoint.py): the general.architecture values it claims, and

@@ -26,7 +26,9 @@ Checkpoint layout (transformers' Gemma4): a multimodal wrapper (model_type `gemm
 MLP `mlp.{gate,up,down}_proj`, the router `router.{proj.weight,scale,per_expert_scale}`, the experts fused
 `experts.gate_up_proj` [E, 2I, H] (gate's rows, then up's) and `experts.down_proj` [E, H, I], not under `mlp.`.
 Its chat format is the checkpoint's own Jinja template (chat_format "template": Google's releases ship it beside
-the tokenizer; transformers has no built-in Gemma template to fall back on).
+the tokenizer; transformers has no built-in Gemma template to fall back on); its output's tool calls and reasoning
+are in Gemma 4's own markup (`<|tool_call>call:NAME{...}<tool_call|>`, `<|channel>thought...<channel|>`), read by
+the api's gemma4 parsers (services/api/gemma4_format.py).
 Not served (a ConfigError naming the field): per-layer input embeddings (`hidden_size_per_layer_input`, the
 small dense Gemma 4s), layers sharing another's KV (`num_kv_shared_layers`), bidirectional text attention."""
 
@@ -265,6 +267,8 @@ register(
         text_config=text_config,
         published_names=published_names,
         experts_module="experts",
+        tool_call_parser="gemma4",  # services/api/gemma4_format.py
+        reasoning_parser="gemma4",
         # two sliding layers (a window a short prompt outgrows) then a full one with its own head size, KV
         # heads, shared K/V projection and proportional rotary; a dense MLP beside the experts; soft-capped logits
         tiny_config=dict(

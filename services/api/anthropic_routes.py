@@ -107,7 +107,10 @@ class AnthropicRoutes:
         grammar = None
         if (forced := schema.forced_tools(req)) is not None:  # built off the event loop, on the lane of its size
             grammar = await self.grammars.build(
-                _tool_call_grammar, (forced, schema.parallel_calls(req)), tool_schemas(forced, TOOL_FIELD), "tools"
+                _tool_call_grammar,
+                (self.tokenizer, self.cfg.tool_call_parser, forced, schema.parallel_calls(req)),
+                tool_schemas(forced, TOOL_FIELD),
+                "tools",
             )
         elif fmt is not None:
             json_schema, field = fmt
@@ -163,8 +166,9 @@ TOOL_FIELD = "tools[{}].input_schema"  # where a forced tool's schema is in the 
 
 
 def _tool_call_grammar(arg) -> str:
-    forced, parallel = arg
-    return structured.tool_call_grammar(forced, parallel, field=TOOL_FIELD)
+    """A forced call in the markup of the model's tool-call parser (PromptTokenizer.tool_call_grammar)."""
+    tokenizer, parser, forced, parallel = arg
+    return tokenizer.tool_call_grammar(forced, parallel, TOOL_FIELD, parser)
 
 
 def _output_format_grammar(fmt: tuple[dict, str]) -> str:

@@ -194,7 +194,7 @@ def build_app(cfg: ApiConfig, tokenizer: PromptTokenizer, drain: Drain | None = 
 
 
 async def serve(cfg: ApiConfig) -> None:
-    tokenizer = PromptTokenizer(cfg.tokenizer, cfg.chat_format)
+    tokenizer = PromptTokenizer(cfg.tokenizer, cfg.chat_format, cfg.tool_call_parser, cfg.reasoning_parser)
     drain = Drain()
     app = build_app(cfg, tokenizer, drain)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its request.

@@ -9,6 +9,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from ferry.services.api import gemma4_format
 from ferry.shared.defaults import LOOPBACK
 from ferry.shared.errors import ConfigError
 from ferry.shared.port_flag import port_number
@@ -16,8 +17,10 @@ from ferry.shared.units import parse_bytes
 from ferry.shared.wire_keys import WireKeys, add_wire_keys_flag, check_exposure
 
 # the parsers' names (services/api/output_parsers.py registers them; kept here so --help stays light)
-TOOL_CALL_PARSERS = ("qwen", "hermes", "qwen25", "qwen3_coder", "glm45", "glm47", "none")  # one parser; vLLM's names
-REASONING_PARSERS = ("qwen3", "deepseek_r1", "none")
+# vLLM's names; qwen...glm47 are one parser. "auto": the model family's (ModelFamily.tool_call_parser /
+# reasoning_parser, for config.json beside the tokenizer), else qwen / qwen3
+TOOL_CALL_PARSERS = ("auto", "qwen", "hermes", "qwen25", "qwen3_coder", "glm45", "glm47", gemma4_format.NAME, "none")
+REASONING_PARSERS = ("auto", "qwen3", "deepseek_r1", gemma4_format.NAME, "none")
 # how a chat becomes a prompt and the output is read back (services/api/tokenizer.py); "auto": the model's own
 CHAT_FORMATS = ("auto", "template", "harmony")
 
@@ -39,8 +42,8 @@ class ApiConfig:
     api_key: str | None
     max_body_bytes: int
     identity: str  # this replica's DEALER identity, unique among replicas
-    tool_call_parser: str = "qwen"  # output_parsers.TOOL_CALL_PARSERS
-    reasoning_parser: str = "qwen3"  # output_parsers.REASONING_PARSERS
+    tool_call_parser: str = "auto"  # output_parsers.TOOL_CALL_PARSERS
+    reasoning_parser: str = "auto"  # output_parsers.REASONING_PARSERS
     chat_format: str = "auto"  # CHAT_FORMATS
     read_timeout_s: float = DEFAULT_READ_TIMEOUT_S  # a request's headers, and then its body, must arrive within this
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S  # on SIGTERM: how long requests in flight may take to finish
@@ -113,17 +116,19 @@ def add_api_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--tool-call-parser",
         choices=TOOL_CALL_PARSERS,
-        default="qwen",
-        help="how tool calls are read from the model's output: qwen (default; <tool_call> blocks holding "
+        default="auto",
+        help="how tool calls are read from the model's output: qwen (<tool_call> blocks holding "
         "JSON, as vLLM's hermes and SGLang's qwen25 read, <function=...> XML, as qwen3_coder, or GLM's "
-        "<arg_key>/<arg_value> pairs, as glm45 / glm47; all these names are accepted) or none",
+        "<arg_key>/<arg_value> pairs, as glm45 / glm47; all these names are accepted), gemma4 (Gemma 4's "
+        "<|tool_call>call:NAME{...}<tool_call|>), none, or auto (default: the model family's, else qwen)",
     )
     g.add_argument(
         "--reasoning-parser",
         choices=REASONING_PARSERS,
-        default="qwen3",
-        help="how reasoning is read from the output: qwen3 (default; <think>...</think>, also named "
-        "deepseek_r1) or none",
+        default="auto",
+        help="how reasoning is read from the output: qwen3 (<think>...</think>, also named "
+        "deepseek_r1), gemma4 (Gemma 4's <|channel>thought...<channel|>), none, or auto (default: the model "
+        "family's, else qwen3)",
     )
     g.add_argument(
         "--chat-format",

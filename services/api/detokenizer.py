@@ -28,14 +28,22 @@ CONTEXT_TOKENS = 3  # tokens a restarted window keeps
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any):
+    """`keep`: the ids of special tokens that stay in the text (a chat format's markup, which its parsers read:
+    Gemma 4's tool calls); every other special token is left out, as skip_special_tokens leaves them all out."""
+
+    def __init__(self, tokenizer: Any, keep: frozenset[int] = frozenset()):
         self.tokenizer = tokenizer
+        special = frozenset(i for i, t in tokenizer.added_tokens_decoder.items() if t.special) if keep else None
+        self.skip = special - keep if special is not None else None  # None: skip_special_tokens drops them all
         self.ids: list[int] = []
         self.window_start = 0  # the decode window: ids[window_start:]
         self.emitted = 0  # characters of the window's text already emitted
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        if self.skip is None:
+            return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        kept = [i for i in ids if i not in self.skip]
+        return self.tokenizer.decode(kept, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def push(self, token_id: int) -> str:
         """The text this token makes final ('' while it only adds to a character still incomplete)."""

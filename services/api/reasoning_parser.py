@@ -18,9 +18,9 @@ from dataclasses import dataclass
 OPEN, CLOSE = "<think>", "</think>"
 
 
-def prompt_opens_reasoning(prompt_text: str) -> bool:
-    """Whether the rendered prompt ends inside an open <think> (the template opened it)."""
-    return prompt_text.rstrip().endswith(OPEN)
+def prompt_opens_reasoning(prompt_text: str, open_tag: str = OPEN) -> bool:
+    """Whether the rendered prompt ends inside an open reasoning tag (`open_tag`; the template opened it)."""
+    return prompt_text.rstrip().endswith(open_tag)
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -39,9 +39,11 @@ class Piece:
 
 class ReasoningParser:
     """push(delta) / flush() -> [Piece]. States: `start` (nothing but whitespace seen yet, a <think>
-    may still open), `reasoning`, `content` (for good: a <think> later in the answer is text)."""
+    may still open), `reasoning`, `content` (for good: a <think> later in the answer is text). `open_tag` and
+    `close_tag`: the reasoning's tags (by default <think> and </think>; another model's: gemma4_format.py)."""
 
-    def __init__(self, starts_in_reasoning: bool = False):
+    def __init__(self, starts_in_reasoning: bool = False, open_tag: str = OPEN, close_tag: str = CLOSE):
+        self.open, self.close = open_tag, close_tag
         self.state = "reasoning" if starts_in_reasoning else "start"
         self.held = ""
         self.strip = starts_in_reasoning  # drop the whitespace right after a tag
@@ -58,23 +60,23 @@ class ReasoningParser:
                 self.strip = False
             if self.state == "start":
                 stripped = text.lstrip()
-                if not stripped or OPEN.startswith(stripped):
+                if not stripped or self.open.startswith(stripped):
                     self.held = text  # whitespace, or the start of <think>: wait for more
                     break
-                if stripped.startswith(OPEN):
-                    self.state, self.strip, text = "reasoning", True, stripped[len(OPEN) :]
+                if stripped.startswith(self.open):
+                    self.state, self.strip, text = "reasoning", True, stripped[len(self.open) :]
                     continue
                 self.state = "content"
             if self.state == "content":
                 out.append(Piece("content", text))
                 break
-            end = text.find(CLOSE)  # reasoning
+            end = text.find(self.close)  # reasoning
             if end >= 0:
                 if text[:end].strip():
                     out.append(Piece("reasoning", text[:end].rstrip()))
-                self.state, self.strip, text = "content", True, text[end + len(CLOSE) :]
+                self.state, self.strip, text = "content", True, text[end + len(self.close) :]
                 continue
-            keep = _partial_suffix(text, CLOSE)
+            keep = _partial_suffix(text, self.close)
             body = text[: len(text) - keep]
             emit = body.rstrip()  # whitespace may come right before </think>: hold it with the partial tag
             self.held = text[len(emit) :]

@@ -117,7 +117,10 @@ class ResponsesRoutes:
         grammar = None  # built off the event loop, on the lane of its size: a large schema takes a while
         if forced:
             grammar = await self.grammars.build(
-                _tool_call_grammar, (forced, schema.parallel_calls(req)), tool_schemas(forced, TOOL_FIELD), "tools"
+                _tool_call_grammar,
+                (self.tokenizer, self.cfg.tool_call_parser, forced, schema.parallel_calls(req)),
+                tool_schemas(forced, TOOL_FIELD),
+                "tools",
             )
         elif json_schema is not None:
             grammar = await self.grammars.build(
@@ -242,8 +245,9 @@ FORMAT_FIELD = "text.format.schema"
 
 
 def _tool_call_grammar(arg) -> str:
-    forced, parallel = arg
-    return structured.tool_call_grammar(forced, parallel, field=TOOL_FIELD)
+    """A forced call in the markup of the model's tool-call parser (PromptTokenizer.tool_call_grammar)."""
+    tokenizer, parser, forced, parallel = arg
+    return tokenizer.tool_call_grammar(forced, parallel, TOOL_FIELD, parser)
 
 
 def _text_format_grammar(json_schema: dict) -> str:

@@ -108,7 +108,7 @@ class OpenAIRoutes:
         if forced:
             grammar = await self.grammars.build(
                 _tool_call_grammar,
-                (forced, req.parallel_tool_calls is not False),
+                (self.tokenizer, self.cfg.tool_call_parser, forced, req.parallel_tool_calls is not False),
                 tool_schemas(forced, TOOL_FIELD),
                 "tools",
             )
@@ -347,8 +347,9 @@ TOOL_FIELD = "tools[{}].function.parameters"  # where a forced tool's schema is 
 
 
 def _tool_call_grammar(arg) -> str:
-    forced, parallel = arg
-    return structured.tool_call_grammar(forced, parallel=parallel, field=TOOL_FIELD)
+    """A forced call in the markup of the model's tool-call parser (PromptTokenizer.tool_call_grammar)."""
+    tokenizer, parser, forced, parallel = arg
+    return tokenizer.tool_call_grammar(forced, parallel, TOOL_FIELD, parser)
 
 
 def _seeded(sampling: SamplingParams, j: int) -> SamplingParams:

@@ -7,8 +7,9 @@ field; it travels to the worker as text (SamplingParams.grammar), where a matche
 logits (services/worker/grammar.py).
 
 JSON is written the way `json.dumps` writes it (", " and ": ", no other whitespace): what models were
-trained on, and no room for a runaway of blank space. A forced tool call is written in the Qwen/Hermes
-format the chat template shows the model, `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`,
+trained on, and no room for a runaway of blank space. A forced tool call is written in the markup of the
+model's tool-call parser (output_parsers.TOOL_CALL_FORMATS): Gemma 4's in its own (gemma4_format.py), the others' in the
+Qwen/Hermes format the chat template shows the model, `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`,
 its arguments held to the function's parameter schema; the tool-call parser then reads it as any other.
 Both routes use it: OpenAI's tool_choice required / a named function, Anthropic's any / tool.
 
@@ -23,6 +24,7 @@ Why llguidance rather than xgrammar or outlines-core: README, "Structured output
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 from ferry.services.api.finite_schema import endless_requirement
 from ferry.shared.errors import InvalidRequest
@@ -125,6 +127,15 @@ def _rebased(schema, base: str):
         else:
             out[key] = _rebased(value, base)
     return out
+
+
+def markup_tool_call_grammar(tools: list[tuple[str, dict]], field: str, lark: Callable[[], str]) -> str:
+    """A forced call in a model's own markup, whose arguments are not JSON (gemma4_format.call_grammar): each
+    tool's schema is checked as tool_call_grammar checks it first (the 400 names the tool), then `lark()` is built
+    and checked."""
+    for name, params in tools:
+        _checked_schema(params, field.format(name))
+    return _checked(_llg().grammar_from_lark(lark()), "tools")
 
 
 def tool_call_grammar(

@@ -7,6 +7,11 @@ output_parsers.py), or `harmony`, gpt-oss's format, rendered and parsed by OpenA
 (harmony_format.py). `auto` (the default) is harmony where the model family declares it
 (plan/model_families: ModelFamily.chat_format, for config.json beside the tokenizer) or the chat template
 writes harmony's framing (`<|channel|>`, `<|message|>`: gpt-oss's does), else template.
+
+The text parsers' `auto` (--tool-call-parser, --reasoning-parser) is the model family's markup likewise
+(ModelFamily.tool_call_parser / reasoning_parser: Gemma 4's own), else qwen / qwen3. A markup whose spellings are
+special tokens of the vocabulary (Gemma 4's `<|tool_call>`) keeps them in the detokenized text its parsers read,
+and a forced call's grammar writes them as those tokens.
 """
 
 from __future__ import annotations
@@ -17,8 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from ferry.services.api.chat_prompt import ChatPrompt, ClientText, RenderedChat
+from ferry.services.api.detokenizer import IncrementalDetokenizer
 from ferry.services.api.harmony_format import HarmonyChat
-from ferry.services.api.output_parsers import OutputParser
+from ferry.services.api.output_parsers import REASONING_TAGS, TOOL_CALL_FORMATS, OutputParser
 from ferry.services.api.segment_cache import MIN_PROMPT_CHARS, SegmentCache, encode_each
 from ferry.shared.eos import eos_token_ids
 from ferry.shared.errors import ConfigError, InvalidRequest, ModelLoadError
@@ -31,6 +37,19 @@ class TooLong(InvalidRequest):
     """A prompt refused by its length in characters, before it was tokenized."""
 
 
+def _family(path: str):
+    """The model family of config.json beside the tokenizer; None where there is none, or it is no model Ferry knows."""
+    config = Path(path) / "config.json"
+    if config.is_file():
+        from ferry.plan.model_families import family_for_config
+
+        try:
+            return family_for_config(json.loads(config.read_text()), str(config))
+        except (ValueError, ConfigError):
+            pass
+    return None
+
+
 def chat_format_of(flag: str, path: str, hf: Any) -> str:
     """--chat-format `flag` resolved: `auto` as the module docstring says."""
     if flag != "auto":
@@ -38,19 +57,24 @@ def chat_format_of(flag: str, path: str, hf: Any) -> str:
     template = str(hf.chat_template or "")
     if "<|channel|>" in template and "<|message|>" in template:
         return "harmony"
-    config = Path(path) / "config.json"
-    if config.is_file():
-        from ferry.plan.model_families import family_for_config
+    family = _family(path)
+    return family.chat_format if family is not None else "template"
 
-        try:
-            return family_for_config(json.loads(config.read_text()), str(config)).chat_format
-        except (ValueError, ConfigError):  # not a model Ferry knows: its template said template
-            pass
-    return "template"
+
+def parsers_of(tool_calls: str, reasoning: str, path: str) -> tuple[str, str]:
+    """(--tool-call-parser, --reasoning-parser) resolved: `auto` as the module docstring says."""
+    family = _family(path) if "auto" in (tool_calls, reasoning) else None
+    if tool_calls == "auto":
+        tool_calls = family.tool_call_parser if family is not None else "qwen"
+    if reasoning == "auto":
+        reasoning = family.reasoning_parser if family is not None else "qwen3"
+    return tool_calls, reasoning
 
 
 class PromptTokenizer:
-    def __init__(self, path: str, chat_format: str = "auto"):
+    def __init__(
+        self, path: str, chat_format: str = "auto", tool_call_parser: str = "auto", reasoning_parser: str = "auto"
+    ):
         try:
             from ferry.shared.tokenizer_source import load_tokenizer
 
@@ -76,6 +100,9 @@ class PromptTokenizer:
             t.content: i for i, t in self.hf.added_tokens_decoder.items() if t.content in self.special_tokens
         }
         self.client_text = ClientText(list(self.special_tokens))
+        # the text parsers' names with `auto` resolved; output_parser and tool_call_grammar take them for `auto`
+        self.parsers = dict(zip(("tool_calls", "reasoning"), parsers_of(tool_call_parser, reasoning_parser, path)))
+        self._markup_cache: dict[tuple[str, str], frozenset[int]] = {}
 
     def copy(self) -> "PromptTokenizer":
         """Another PromptTokenizer over a copy of the same tokenizer, for another thread (the segment
@@ -166,13 +193,46 @@ class PromptTokenizer:
         return ids
 
     def output_parser(self, reasoning: str, tool_calls: str, tools: dict[str, dict] | None, prompt, forced: bool):
-        """The parser of a chat output in this model's format (output_parsers.OutputParser's arguments;
-        `prompt`: its ChatPrompt). A forced call's grammar writes `<tool_call>` text whatever the format
-        (structured.tool_call_grammar), so that output is read by the text parser in every format."""
+        """The parser of a chat output in this model's format (output_parsers.OutputParser's arguments, `auto`
+        the resolved name; `prompt`: its ChatPrompt). A forced call's grammar writes the text markup of the
+        tool-call parser whatever the format (tool_call_grammar), so that output is read by the text parser in
+        every format. The text comes from a detokenizer that keeps the markup's special tokens, where it has any."""
         if self.harmony is not None and not forced:
             calls = tools if tool_calls != "none" else None
             return self.harmony.output_parser(calls, reasoning != "none", prompt.ids)
-        return OutputParser(reasoning, tool_calls, tools, prompt_text=prompt.text, forced=forced)
+        # a forced output is in the markup its grammar wrote (tool_call_grammar), even under --tool-call-parser none
+        tool_calls = (
+            self.parsers["tool_calls"] if tool_calls == "auto" or (forced and tool_calls == "none") else tool_calls
+        )
+        reasoning = self.parsers["reasoning"] if reasoning == "auto" else reasoning
+        keep = self._markup_ids(tool_calls, reasoning)
+        text = IncrementalDetokenizer(self.hf, keep) if keep else None
+        return OutputParser(reasoning, tool_calls, tools, prompt_text=prompt.text, forced=forced, text=text)
+
+    def _markup_ids(self, tool_calls: str, reasoning: str) -> frozenset[int]:
+        """The special tokens spelled in the markup the parsers read. A parser turned off ("none") keeps its
+        model's markup too: the client then reads the reasoning or the calls as the model wrote them."""
+        names = (
+            self.parsers["tool_calls"] if tool_calls == "none" else tool_calls,
+            self.parsers["reasoning"] if reasoning == "none" else reasoning,
+        )
+        if names not in self._markup_cache:
+            markup = TOOL_CALL_FORMATS[names[0]].markup + REASONING_TAGS[names[1]]
+            ids = (i for spelling, i in self.special_ids.items() if any(spelling in m for m in markup))
+            self._markup_cache[names] = frozenset(ids)
+        return self._markup_cache[names]
+
+    def tool_call_grammar(self, tools: list[tuple[str, dict]], parallel: bool, field: str, tool_calls: str) -> str:
+        """The grammar of a forced call (one, or with `parallel` several) to one of `tools` [(name, parameters
+        schema)] in the markup of the tool-call parser `tool_calls` (`auto`, `none`: the resolved one); `field`: where a
+        tool's schema is in the request, with {} for its name. The markup's special tokens are written as tokens."""
+        calls = TOOL_CALL_FORMATS[self.parsers["tool_calls"] if tool_calls in ("auto", "none") else tool_calls]
+        return calls.grammar(tools, parallel, field, self.spell)
+
+    def spell(self, markup: str) -> str:
+        """`markup` as a grammar (llguidance's lark) writes it: its special token's id, else the text."""
+        token = self.special_ids.get(markup)
+        return f"<[{token}]>" if token is not None else json.dumps(markup)
 
     def encode(self, text: str) -> list[int]:
         """The tokenizer's ids of `text`: every special token spelled in it is that token (a raw

@@ -24,6 +24,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
+from typing import Callable
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.S)
@@ -109,10 +110,19 @@ def _partial_suffix(text: str, tag: str) -> int:
 
 
 class ToolCallParser:
-    """push(text) / flush() -> [str | ToolCall]: answer text and complete tool calls, in order."""
+    """push(text) / flush() -> [str | ToolCall]: answer text and complete tool calls, in order. A block runs
+    from `open_tag` to `close_tag` (by default `<tool_call>` blocks); `parse` reads its inside (by default
+    parse_tool_call; another model's markup brings its own: gemma4_format.py)."""
 
-    def __init__(self, schemas: dict[str, dict] | None = None):
+    def __init__(
+        self,
+        schemas: dict[str, dict] | None = None,
+        open_tag: str = OPEN,
+        close_tag: str = CLOSE,
+        parse: Callable[[str, dict[str, dict] | None], ToolCall | None] = parse_tool_call,
+    ):
         self.schemas = schemas or {}
+        self.open, self.close, self.parse = open_tag, close_tag, parse
         self.held = ""  # text not yet decided (a partial <tool_call>, or whitespace before one)
         self.block: str | None = None  # inside a block: what it holds so far
         self.calls = 0
@@ -124,20 +134,20 @@ class ToolCallParser:
         while text:
             if self.block is not None:
                 self.block += text  # the closing tag may have begun in an earlier delta
-                end = self.block.find(CLOSE)
+                end = self.block.find(self.close)
                 if end < 0:
                     break
-                self.block, text = self.block[:end], self.block[end + len(CLOSE) :]
-                out.append(self._close_block(self.block + CLOSE))
+                self.block, text = self.block[:end], self.block[end + len(self.close) :]
+                out.append(self._close_block(self.block + self.close))
                 self.block = None
                 continue
-            start = text.find(OPEN)
+            start = text.find(self.open)
             if start >= 0:
                 if text[:start].strip():
                     out.append(text[:start].rstrip())
-                self.block, text = "", text[start + len(OPEN) :]
+                self.block, text = "", text[start + len(self.open) :]
                 continue
-            keep = _partial_suffix(text, OPEN)
+            keep = _partial_suffix(text, self.open)
             body = text[: len(text) - keep]
             emit = body.rstrip()
             self.held = text[len(emit) :]
@@ -147,14 +157,14 @@ class ToolCallParser:
         return out
 
     def _close_block(self, raw_tail: str) -> str | ToolCall:
-        call = parse_tool_call(self.block or "", self.schemas)
+        call = self.parse(self.block or "", self.schemas)
         self.calls += call is not None
-        return call if call is not None else OPEN + raw_tail
+        return call if call is not None else self.open + raw_tail
 
     def flush(self) -> list[str | ToolCall]:
         out: list[str | ToolCall] = []
         if self.block is not None:  # cut off inside a block: a call if what came parses, else nothing
-            call = parse_tool_call(self.block, self.schemas)
+            call = self.parse(self.block, self.schemas)
             if call is not None:
                 self.calls += 1
                 out.append(call)

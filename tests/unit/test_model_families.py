@@ -187,6 +187,7 @@ FAMILY_MODULES = (
     "services/worker/models/glm4_moe.py",
     "services/worker/models/gpt_oss.py",
     "services/worker/models/gemma4.py",
+    "services/api/gemma4_format.py",  # the family's chat markup (its parsers' name is the family's, as in vLLM)
 )
 # which model to make is a choice, not a branch: the demo's model and make-tiny-model's default
 CHOICES = {("services/demo_model.py", "qwen3_moe"), ("services/make_tiny_model.py", "qwen3_moe")}
