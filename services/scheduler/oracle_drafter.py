@@ -60,7 +60,9 @@ def bench_drafts_from_env(environ: Mapping[str, str], speculative_method: str) -
         raise ConfigError(f"{ALPHA_ENV} must be a number between 0 and 1, got {alpha!r}")
     if oracle:
         if speculative_method == "off":
-            raise ConfigError(f"{ORACLE_ENV} drafts for speculative decoding: serve with --speculative-method ngram or mtp")
+            raise ConfigError(
+                f"{ORACLE_ENV} drafts for speculative decoding: serve with --speculative-method ngram or mtp"
+            )
         if not Path(oracle).is_file():
             raise ConfigError(f"{ORACLE_ENV}={oracle!r}: no such file (record one with {RECORD_ENV})")
     return BenchDrafts(record_path=record or None, oracle_path=oracle or None, alpha=rate)

@@ -125,7 +125,8 @@ class MtpDrafter:
                 g, draft, row, last, at, k = g[pick], draft[pick], row[live], last[live], at[live], k[live]
             step = _slots_batch(batch, row.tolist(), [1] * len(row), (last + n).tolist())
             mb = ForwardBatch.from_step(step, self.page_size, self.device)
-            g = self.head(g, self.model.embed(draft), mb.positions + 1, cache=MtpCache(self.pools.kv, self.kv_layer, mb))
+            cache = MtpCache(self.pools.kv, self.kv_layer, mb)
+            g = self.head(g, self.model.embed(draft), mb.positions + 1, cache=cache)
             draft = self.model.logits(g).argmax(dim=-1)
             drafts[to_device(at.tolist(), torch.int64, self.device), n] = draft
         return drafts.to(torch.int32).cpu().numpy()

@@ -149,6 +149,7 @@ def test_the_plan_prices_the_mtp_layers_kv_and_weights(mtp_model, booted, tmp_pa
         plan.experts.bytes
     )
     assert plan.kv.bytes // plan.kv.tokens > plain_plan.kv.bytes // plain_plan.kv.tokens
+
     # `ferry plan` prices the head's weights as the worker measures them
     def weights(*extra):
         parser = argparse.ArgumentParser()
