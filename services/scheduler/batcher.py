@@ -25,9 +25,10 @@ until its output comes back, and a request that finishes in step N while it is a
 keeps its pages, its state slot and its sampler state until N+1 returns (whose token for it is
 dropped).
 
-Speculative decoding (--speculative-method ngram; shared/speculation.py): once a step's rows and admissions are
+Speculative decoding (--speculative-method ngram|mtp; shared/speculation.py): once a step's rows and admissions are
 placed, each decoding row whose request may speculate gets up to k drafts from prompt lookup over its tokens
-(ngram_proposer.py), k <= --speculative-tokens chosen per row by the draft-length controller (draft_length.py:
+(ngram_proposer.py) or, with mtp, from the worker's MTP head (the drafts its last answer brought: each sampling row
+asks the worker for --speculative-tokens of them, `_mtp_row`), k <= --speculative-tokens chosen per row by the draft-length controller (draft_length.py:
 the request's measured acceptance against the verify positions' cost, their expert misses included), within the
 token budget left and the step's logits rows (`_give_drafts`); the worker verifies them in the same forward.
 Its answer says how many it kept: those and the worker's own token are the request's next tokens, one at a time

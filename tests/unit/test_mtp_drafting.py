@@ -166,3 +166,12 @@ def test_mtp_on_a_model_without_an_mtp_layer_is_refused_naming_the_flag(tiny_mod
     for arch in ("qwen3_5_moe", "qwen3_moe"):
         with pytest.raises(ConfigError, match="--speculative-method mtp.*no multi-token-prediction layer"):
             boot(tiny_models[arch], "--speculative-method", "mtp")
+
+
+def test_generate_refuses_speculation_naming_the_flag():
+    """--speculative-method is a planner flag `ferry generate` shares with serve; its one-request loop never drafts."""
+    from ferry.services import generate_command
+    from tests.unit.test_cli_flags import parse
+
+    with pytest.raises(ConfigError, match="--speculative-method mtp: ferry generate"):
+        generate_command.run(parse("generate", "/models/none", "--prompt", "hi", "--speculative-method", "mtp"))
