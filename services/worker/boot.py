@@ -307,7 +307,7 @@ def _load_and_plan(
                 step_key = (step.max_prefill_tokens, step.max_running_requests, step.max_model_len)
                 if step_key not in workspace_by_step:
                     workspace_by_step[step_key] = profiled_or_plan_error(
-                        lambda: profile_workspace_cuda(model, experts, spec, step, device),
+                        lambda: profile_workspace_cuda(model, experts, spec, step, device, mtp_head),
                         step.max_prefill_tokens,
                         release=torch.cuda.empty_cache,
                     )

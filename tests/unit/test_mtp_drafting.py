@@ -175,3 +175,26 @@ def test_generate_refuses_speculation_naming_the_flag():
 
     with pytest.raises(ConfigError, match="--speculative-method mtp: ferry generate"):
         generate_command.run(parse("generate", "/models/none", "--prompt", "hi", "--speculative-method", "mtp"))
+
+
+def test_the_profiled_step_runs_the_mtp_pass_on_temporary_pools(mtp_model, booted, monkeypatch):
+    """The CUDA workspace profile runs the largest step with the MTP head's pass after it (its temporaries are the
+    workspace's): on the temporary pools, whose KV holds the MTP layer, the head drafts one token a row."""
+    from ferry.plan.planner import PlanRequest, resolve
+    from ferry.services.worker import mtp_drafts
+    from ferry.services.worker.late_bound_experts import LateBoundExperts
+    from ferry.services.worker.models import build_model
+    from ferry.services.worker.workspace_profile import run_largest_step
+
+    executor, _ = booted
+    spec = executor.spec
+    r = resolve(spec, PlanRequest(max_running_requests=5, max_prefill_tokens=40))
+    experts = LateBoundExperts(spec.num_experts)
+    model = build_model(spec, torch.float32, "cpu", experts)
+    drafted = []
+    run = mtp_drafts.MtpDrafter.run
+    monkeypatch.setattr(mtp_drafts.MtpDrafter, "run", lambda self, *a: drafted.append(run(self, *a)) or drafted[-1])
+    tokens = run_largest_step(model, experts, spec, r, torch.device("cpu"), executor.mtp.head)
+    assert tokens.shape == (5,)
+    (drafts,) = drafted
+    assert drafts.shape == (5, 1) and ((drafts >= 0) & (drafts < spec.vocab_size)).all()
