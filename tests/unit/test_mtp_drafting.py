@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -24,10 +25,19 @@ from ferry.plan.mtp_layer import mtp_kv_bytes_per_token, mtp_kv_layer, mtp_resid
 from ferry.plan.pool_layout import kv_bytes_per_token
 from ferry.services.make_tiny_model import make_tiny_model
 from ferry.services.scheduler import batcher as batcher_module
+from ferry.services.worker.executor import StepBatchError
 from ferry.services.worker.forward_batch import ForwardBatch
 from ferry.shared.errors import ConfigError
-from ferry.shared.step import StepBatch
-from tests.unit.test_speculative_decoding import PROMPTS, boot, generate, greedy_requests, knowing_drafter
+from ferry.shared.sampling import SamplingParams
+from ferry.shared.step import NewRequest, StepBatch
+from tests.unit.test_speculative_decoding import (
+    PROMPTS,
+    _step,
+    boot,
+    generate,
+    greedy_requests,
+    knowing_drafter,
+)
 
 torch.set_num_threads(1)  # tiny models gain nothing from intra-op threads
 
@@ -198,3 +208,44 @@ def test_the_profiled_step_runs_the_mtp_pass_on_temporary_pools(mtp_model, boote
     assert tokens.shape == (5,)
     (drafts,) = drafted
     assert drafts.shape == (5, 1) and ((drafts >= 0) & (drafts < spec.vocab_size)).all()
+
+
+@pytest.mark.parametrize(
+    "fields, word",
+    [
+        (dict(mtp_drafts=[3], sample=False), "sampling rows only"),
+        (dict(mtp_drafts=[17]), "sampling rows only"),  # past MAX_SPECULATIVE_TOKENS
+        (dict(mtp_drafts=[15]), "runs past its pages"),  # 3 tokens + 14 chain slots > one page of 16
+        (dict(next_tokens=[5]), "-1 for sampling rows"),
+        (dict(next_tokens=[10_000], sample=False), "next_tokens must lie in"),
+    ],
+)
+def test_contract_refuses_mtp_fields_a_row_cannot_take(booted, fields, word):
+    """A step's MTP fields are checked before anything runs: a chain's K/V stay inside the row's pages."""
+    executor, plan = booted
+    assert plan.kv.page_size == 16
+    new = (
+        NewRequest(req_id=7, prompt_token_ids=np.array([1, 2, 3], np.int32), sampling=SamplingParams(temperature=0)),
+    )
+    step = _step(1, [[1, 2, 3]], [0], [[1]], sample=fields.pop("sample", True), rids=[7], new=new)
+    step = msgspec.structs.replace(step, **{k: np.array(v, np.int32) for k, v in fields.items()})
+    with pytest.raises(StepBatchError, match=word):
+        executor.execute(step)
+
+
+def test_an_answer_with_malformed_mtp_drafts_is_unusable():
+    from ferry.shared.contract import step_output_problem
+    from ferry.shared.step import StepOutput
+
+    def answer(drafts):
+        return StepOutput(
+            step_id=1,
+            req_ids=np.array([1, 2], np.int64),
+            token_ids=np.array([3, 4], np.int32),
+            logprobs=np.zeros(2, np.float32),
+            mtp_drafts=drafts,
+        )
+
+    assert step_output_problem(answer(np.array([[5, -1], [6, 7]], np.int32)), vocab_size=96) is None
+    for bad in (np.array([5, 6], np.int32), np.array([[5, -1]], np.int32), np.array([[5, 96], [1, 2]], np.int32)):
+        assert "mtp_drafts" in step_output_problem(answer(bad), vocab_size=96)
