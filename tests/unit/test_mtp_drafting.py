@@ -77,9 +77,22 @@ def test_greedy_mtp_drafts_keep_the_tokens_of_speculation_off(booted, monkeypatc
     # the worker chained drafts after the sampling rows, and the scheduler sent them as rows' drafts
     chained = [out.mtp_drafts for _, out in steps if out.mtp_drafts is not None]
     assert chained and all(d.shape[1] == K and (d >= 0).any() for d in chained)
-    assert sched.draft_rows > 0 and sched.drafted_tokens > 0
-    sent = [b for b, _ in steps if b.draft_lens is not None]
-    assert sent and all(b.mtp_drafts is not None for b in sent)
+    assert sched.drafted_tokens > 0
+    # every row's drafts are the first of those the head chained for its request in the step before
+    last: dict[int, list[int]] = {}
+    rows = 0
+    for batch, out in steps:
+        if batch.draft_lens is not None:
+            ends = np.cumsum(batch.query_lens)
+            for i in np.flatnonzero(batch.draft_lens):
+                d, rid = int(batch.draft_lens[i]), int(batch.req_ids[i])
+                assert batch.tokens[ends[i] - d : ends[i]].tolist() == last[rid][:d]
+                rows += 1
+        if out.mtp_drafts is not None:
+            last.update((int(r), [t for t in d if t >= 0]) for r, d in zip(out.req_ids, out.mtp_drafts.tolist()))
+    assert rows == sched.draft_rows > 0
+    kept = sum(int(out.accepted_drafts.sum()) for _, out in steps if out.accepted_drafts is not None)
+    assert kept == sched.accepted_drafts  # the scheduler counts what the verify kept
 
 
 def _target_hidden(executor, plan, tokens: list[int]) -> torch.Tensor:
