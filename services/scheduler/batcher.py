@@ -764,7 +764,6 @@ class BatchScheduler:
         """The step of these rows, now in flight. `ahead_positions`: a step scheduled ahead, every row
         decoding, at these positions, the token the worker sampled for it in the step before."""
         n = len(entries)
-        page_table = np.zeros((n, 0), dtype=np.int32)  # made once the rows' pages are grown (_mtp_row)
         tokens: list[int] = []
         new_requests = []
         prompt_logprobs = np.zeros(n, dtype=bool)
@@ -810,6 +809,7 @@ class BatchScheduler:
                     NewRequest(req_id=r.rid, prompt_token_ids=np.asarray(r.tokens, dtype=np.int32), sampling=r.sampling)
                 )
                 r.announced = True
+        # made once the rows' pages are grown (an MTP row's grow for its chain: _mtp_row)
         page_table = np.zeros((n, max(len(e.req.pages) for e in entries)), dtype=np.int32)
         for i, e in enumerate(entries):
             page_table[i, : len(e.req.pages)] = e.req.pages
