@@ -21,6 +21,7 @@ from ferry.plan.dtypes import DTYPE_BYTES
 from ferry.plan.model_families.weight_shapes import Shapes, attention_shapes, moe_shapes
 from ferry.plan.model_spec import ModelSpec
 from ferry.shared.errors import ConfigError
+from ferry.shared.speculation import SPECULATIVE_METHODS
 from ferry.shared.units import round_up
 
 MTP_PREFIX = "mtp."
@@ -49,7 +50,11 @@ def drafting_spec(spec: ModelSpec) -> ModelSpec:
 
 def spec_for_method(spec: ModelSpec, speculative_method: str | None) -> ModelSpec:
     """The spec the plan and the pools are made for under --speculative-method (None: off): `drafting_spec` with
-    mtp, the model's own otherwise."""
+    mtp, the model's own otherwise; a ConfigError naming the flag for a method that is none of them."""
+    if speculative_method is not None and speculative_method not in SPECULATIVE_METHODS:
+        raise ConfigError(
+            f"--speculative-method must be one of {', '.join(SPECULATIVE_METHODS)}, got {speculative_method!r}"
+        )
     return drafting_spec(spec) if speculative_method == "mtp" else spec
 
 

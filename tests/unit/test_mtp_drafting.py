@@ -189,6 +189,8 @@ def test_mtp_on_a_model_without_an_mtp_layer_is_refused_naming_the_flag(tiny_mod
     for arch in ("qwen3_5_moe", "qwen3_moe"):
         with pytest.raises(ConfigError, match="--speculative-method mtp.*no multi-token-prediction layer"):
             boot(tiny_models[arch], "--speculative-method", "mtp")
+    with pytest.raises(ConfigError, match="--speculative-method must be one of off, ngram, mtp"):
+        boot(tiny_models["qwen3_moe"], "--speculative-method", "eagle")
 
 
 def test_generate_refuses_speculation_naming_the_flag():
