@@ -65,27 +65,22 @@ class MtpDrafter:
         q = batch.query_lens.astype(np.int64)
         qstart = np.concatenate([[0], np.cumsum(q)])
         t, s = int(qstart[-1]), len(sampled)
-        # the entries' inputs: rows of `hidden`, and indices into (the step's tokens, its samples, next tokens)
+        # each entry's inputs: a row of `hidden`, and an index into (the step's tokens, its samples, next tokens)
         rows, hidden_rows, token_src, lens = [], [], [], []
         for i in range(r):
-            if sample[i]:
-                n, last = int(q[i] - d[i] + kept[sampling_row[i]]), t + int(sampling_row[i])
-            elif nxt[i] >= 0:
-                n, last = int(q[i]), t + s + i
-            else:
-                n, last = int(q[i]) - 1, -1  # the token after the chunk is not known: its last slot waits
+            a = int(qstart[i])
+            if sample[i]:  # up to its last kept draft; the token after it: the one the row sampled
+                n, after = int(q[i] - d[i] + kept[sampling_row[i]]), t + int(sampling_row[i])
+            elif nxt[i] >= 0:  # a prompt's chunk: the prompt's next token
+                n, after = int(q[i]), t + s + i
+            else:  # the token after the chunk is not known (a prompt only scored): its last position has no entry
+                n, after = int(q[i]) - 1, a + int(q[i]) - 1
             if n <= 0:
                 continue
-            a = int(qstart[i])
             rows.append(i)
             lens.append(n)
             hidden_rows.extend(range(a, a + n))
-            token_src.extend(range(a + 1, a + n))
-            if last >= 0:
-                token_src.append(last)
-            else:
-                token_src.append(a + n)  # the chunk's own next token (n = q - 1 here)
-        asked = np.zeros(r, np.int64) if batch.mtp_drafts is None else batch.mtp_drafts.astype(np.int64)
+            token_src.extend([*range(a + 1, a + n), after])
         if not rows:
             return None
         source = torch.cat(
@@ -100,6 +95,7 @@ class MtpDrafter:
             mb.positions + 1,
             cache=MtpCache(self.pools.kv, self.kv_layer, mb),
         )
+        asked = np.zeros(r, np.int64) if batch.mtp_drafts is None else batch.mtp_drafts.astype(np.int64)
         if not asked.any():
             return None
         return self._chain(batch, rows, lens, out, asked, sampling_row, s)
