@@ -6,7 +6,8 @@ well prompt lookup guesses; alpha 0 is the case it must not lose (>= 0.97x specu
 
 For a decode_suite workload (a bench model with dummy weights, its serve flags): `ferry serve` with speculation
 off and FERRY_BENCH_RECORD_SEQUENCES records each prompt's greedy output while the baseline is measured; then for
-each alpha `ferry serve --speculative-method ngram` with FERRY_BENCH_ORACLE_DRAFTS (that record) and
+each alpha `ferry serve --speculative-method ngram` (or mtp: the MTP head drafts for real, its cost paid, and the
+oracle's tokens replace its drafts) with FERRY_BENCH_ORACLE_DRAFTS (that record) and
 FERRY_BENCH_ORACLE_ALPHA. Each run: the same token-id prompts (each sent once first, so its prefix is cached), one
 stream at a time, greedy, ignore_eos; per stream the tokens over the request's whole time (`median_e2e_tok_s`, the
 figure compared: a verify's tokens arrive in one chunk, which a rate between chunks would misread) and
@@ -115,6 +116,12 @@ def main() -> int:
     p.add_argument("--workload", default="12layer", choices=[w for w in WORKLOADS if not w.startswith("long")])
     p.add_argument("--alphas", default="0,0.6,0.8,0.9", help="the oracle's acceptance rates, comma-separated")
     p.add_argument("--speculative-tokens", type=int, default=4, help="K: drafts a row carries at most")
+    p.add_argument(
+        "--speculative-method",
+        default="ngram",
+        choices=("ngram", "mtp"),
+        help="the drafter the oracle's tokens replace: mtp runs the model's MTP head each step (a model with one)",
+    )
     p.add_argument("--prompts", type=int, default=3, help="distinct token-id prompts")
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=128)
@@ -145,7 +152,7 @@ def main() -> int:
     runs = []
     for alpha in alphas:
         env = {**bench_env, "FERRY_BENCH_ORACLE_DRAFTS": str(record), "FERRY_BENCH_ORACLE_ALPHA": str(alpha)}
-        spec = ["--speculative-method", "ngram", "--speculative-tokens", str(args.speculative_tokens)]
+        spec = ["--speculative-method", args.speculative_method, "--speculative-tokens", str(args.speculative_tokens)]
         run = serve_and_measure(f"spec_oracle_{alpha:g}", model_dir, [*flags, *spec], env, prompts, args.out, args)
         run["alpha"] = alpha
         run["vs_off"] = round(run["median_e2e_tok_s"] / off["median_e2e_tok_s"], 3)
@@ -162,6 +169,7 @@ def main() -> int:
         "label": LABEL,
         "workload": args.workload,
         "speculative_tokens": args.speculative_tokens,
+        "speculative_method": args.speculative_method,
         "prompts": args.prompts,
         "prompt_len": args.prompt_len,
         "max_tokens": args.max_tokens,

@@ -2,6 +2,9 @@
 
 Layers group by (kv heads, head_dim, window): each group is one tensor of the KV pool
 (pool_layout.kv_pool_layout), priced by its own bytes per token. Full-attention groups come first, in layer order.
+The MTP draft layers of `--speculative-method mtp` (spec.mtp_kv_layers, plan/mtp_layer.py) are full-attention
+layers of the target's head shape numbered on from the decoder's (num_layers, ...): paged with the request's
+pages, as the target's full layers.
 
 A full-attention group (window 0) is paged over the context: the scheduler's page ids (KvPagePool), one page
 table a request, as every layer once was.
@@ -60,6 +63,8 @@ def kv_groups(spec: ModelSpec) -> tuple[KvGroup, ...]:
         if kind == FULL_ATTENTION:
             key = (spec.layer_kv_heads(layer), spec.layer_head_dim(layer), spec.attention_window(layer))
             members.setdefault(key, []).append(layer)
+    for i in range(spec.mtp_kv_layers):  # the MTP draft layers' own K/V (their attention is full attention)
+        members.setdefault((spec.num_kv_heads, spec.head_dim, 0), []).append(spec.num_layers + i)
     groups = [KvGroup(tuple(layers), *key) for key, layers in members.items()]
     return tuple(sorted(groups, key=lambda g: (g.sliding, g.layers[0])))
 

@@ -127,6 +127,10 @@ class ModelSpec:
     # `--speculative-method mtp` drafts with; `mtp_dedicated_embeddings`: they embed with their own table
     mtp_draft_layers: int = 0
     mtp_dedicated_embeddings: bool = False
+    # the MTP draft layers whose K/V the KV pool holds, as layers num_layers .. num_layers + mtp_kv_layers - 1 of
+    # the full-attention group (plan/kv_groups.py): the one that drafts when drafting with MTP (plan/mtp_layer.py's
+    # `drafting_spec`), else 0
+    mtp_kv_layers: int = 0
     # Gated DeltaNet (linear attention); zeros where no layer is linear attention
     linear_conv_kernel_dim: int = 0
     linear_num_key_heads: int = 0

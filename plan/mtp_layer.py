@@ -14,11 +14,14 @@ target's slot count and expert indexing as they are. So `mtp_resident_bytes` pri
 
 from __future__ import annotations
 
+import dataclasses
+
 from ferry.plan.costs import ALLOC_GRANULE
 from ferry.plan.dtypes import DTYPE_BYTES
 from ferry.plan.model_families.weight_shapes import Shapes, attention_shapes, moe_shapes
 from ferry.plan.model_spec import ModelSpec
 from ferry.shared.errors import ConfigError
+from ferry.shared.speculation import SPECULATIVE_METHODS
 from ferry.shared.units import round_up
 
 MTP_PREFIX = "mtp."
@@ -33,6 +36,31 @@ def check_mtp(spec: ModelSpec) -> None:
         )
     if spec.mtp_dedicated_embeddings:
         raise ConfigError("config.json: mtp_use_dedicated_embeddings=true is not supported (shared embeddings only)")
+
+
+def drafting_spec(spec: ModelSpec) -> ModelSpec:
+    """The spec of a model served with `--speculative-method mtp`: its MTP layers' K/V in the KV pool
+    (ModelSpec.mtp_kv_layers, plan/kv_groups.py), so the plan prices what the worker allocates; a ConfigError
+    naming the flag where the model has none (check_mtp)."""
+    check_mtp(spec)
+    # the drafts chain through the first MTP layer at every step (services/worker/mtp_drafts.py; the published
+    # checkpoints have one): its K/V alone are kept
+    return dataclasses.replace(spec, mtp_kv_layers=1)
+
+
+def spec_for_method(spec: ModelSpec, speculative_method: str | None) -> ModelSpec:
+    """The spec the plan and the pools are made for under --speculative-method (None: off): `drafting_spec` with
+    mtp, the model's own otherwise; a ConfigError naming the flag for a method that is none of them."""
+    if speculative_method is not None and speculative_method not in SPECULATIVE_METHODS:
+        raise ConfigError(
+            f"--speculative-method must be one of {', '.join(SPECULATIVE_METHODS)}, got {speculative_method!r}"
+        )
+    return drafting_spec(spec) if speculative_method == "mtp" else spec
+
+
+def mtp_kv_layer(spec: ModelSpec, layer: int) -> int:
+    """The KV pool's layer index of MTP layer `layer` (plan/kv_groups.py): numbered on from the decoder's."""
+    return spec.num_layers + layer
 
 
 def mtp_resident_weight_shapes(spec: ModelSpec) -> Shapes:

@@ -18,6 +18,7 @@ from ferry.plan.expert_parallel import add_expert_parallel_flags, expert_paralle
 from ferry.plan.gguf_checkpoint import GGUF_SUFFIX, find_gguf
 from ferry.plan.host_memory import mem_available_bytes
 from ferry.plan.model_config import ModelSpec, load_model_config
+from ferry.plan.mtp_layer import mtp_resident_bytes, spec_for_method
 from ferry.plan.outside_memory import estimated_outside
 from ferry.plan.plan_report import HOST_NOT_CHECKED, plan_table
 from ferry.plan.planner import Measured, Plan, PlanRequest, Resolved, resolve
@@ -40,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     req = plan_request_from_args(args)
     model, free = _model_and_free_memory(args, req)
-    spec = load_model_config(model)
+    spec = spec_for_method(load_model_config(model), req.speculative_method)
     r = resolve(spec, req)
     weights = resident_weight_bytes_from_checkpoint(model, r.dtype, spec)
     source = "safetensors"
@@ -48,6 +49,8 @@ def run(args: argparse.Namespace) -> int:
         weights, source = resident_weight_bytes_from_shapes(spec, r.dtype), "shapes"
         if find_gguf(model) is not None:  # the worker dequantizes a GGUF's dense tensors as it loads them
             source = f"shapes: the GGUF's dense tensors, dequantized to {r.dtype} at load"
+    if spec.mtp_kv_layers:  # --speculative-method mtp: the draft head's weights, as the worker allocates them
+        weights += mtp_resident_bytes(spec, r.dtype)
 
     outside = estimated_outside(budget_from_free_memory=req.gpu_memory is None)
 

@@ -80,6 +80,9 @@ class PlanRequest:
     host_expert_threads: int | None = None  # the host's expert threads; None: the cores the processes leave
     host_expert_cpus: str | None = None  # where they are pinned: auto | none | a CPU list; None: auto
     kv_cache_dtype: str | None = None  # auto | fp8 (pool_layout.KV_CACHE_DTYPES); None: auto, the model dtype
+    # off | ngram | mtp (shared/speculation.py); mtp: the spec the plan is made for holds the MTP layers' K/V
+    # (plan/mtp_layer.py's drafting_spec) and the weights measured hold their weights. None: off
+    speculative_method: str | None = None
     # not a flag: the snapshots a running request gets by default (None: DEFAULT_SNAPSHOTS_PER_RUNNING_REQUEST);
     # plan/memory_defaults.py sets it where experts are offloaded
     snapshots_per_running_request: int | None = None

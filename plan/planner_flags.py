@@ -10,6 +10,7 @@ from ferry.plan.host_memory import BANK_FORMATS
 from ferry.plan.planner import DEFAULT_MEMORY_RATIO, PlanRequest
 from ferry.plan.pool_layout import KV_CACHE_DTYPES
 from ferry.shared.errors import ConfigError
+from ferry.shared.speculation import SPECULATIVE_METHOD_HELP, SPECULATIVE_METHODS
 from ferry.shared.units import parse_bytes
 
 PLANNER_FIELDS = (
@@ -32,6 +33,7 @@ PLANNER_FIELDS = (
     "host_expert_threads",
     "host_expert_cpus",
     "kv_cache_dtype",
+    "speculative_method",
 )
 # the fields that are byte sizes (forwarded to a child process with their unit: `--gpu-memory 123B`)
 BYTE_FIELDS = ("gpu_memory", "host_memory")
@@ -221,6 +223,10 @@ def add_planner_flags(parser: argparse.ArgumentParser) -> None:
         help="how the KV pool stores K and V: auto (default: the --dtype) or fp8 (float8 e4m3 values "
         "with one float32 scale per token and kv head: about half the bytes a token of bf16, so "
         "more expert slots or KV tokens in the same memory; logprobs move slightly, README)",
+    )
+    # mtp plans the MTP layer's weights and K/V (plan/mtp_layer.py); the scheduler reads the same flag to draft
+    g.add_argument(
+        "--speculative-method", default=None, metavar="|".join(SPECULATIVE_METHODS), help=SPECULATIVE_METHOD_HELP
     )
 
 

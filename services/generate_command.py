@@ -184,6 +184,11 @@ def run(args: argparse.Namespace) -> int:
     from ferry.services.worker.boot import boot_worker
     from ferry.services.worker.model_source import resolve_model_dir
 
+    if (args.speculative_method or "off") != "off":  # a planner flag it shares with serve; its loop never drafts
+        raise ConfigError(
+            f"--speculative-method {args.speculative_method}: ferry generate decodes one token a step; drop the flag "
+            "(ferry serve speculates)"
+        )
     args.model = require_model(args, "generate")
     model_dir = resolve_model_dir(args.model, args.revision)  # a missing model fails before the boot
     params = _sampling_params(args)

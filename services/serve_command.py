@@ -77,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_schedule_ahead_flag(g)
     add_prefill_coalesce_flag(g)
     add_prefix_cache_flag(g)
-    add_speculation_flags(g)
+    add_speculation_flags(g, method=False)  # --speculative-method: a planner flag (add_worker_flags)
     add_boot_flag(g)
     add_log_flags(parser)
 
@@ -182,7 +182,7 @@ def child_commands(
         "--boot",
         args.boot,
     ]
-    if not args.prefix_cache and args.linear_state_snapshots is None and args.speculative_method == "off":
+    if not args.prefix_cache and args.linear_state_snapshots is None and method == "off":
         # no prefix reuse: the snapshots' memory goes to the other pools (speculation holds hybrids' states in them)
         worker += ["--linear-state-snapshots", "0"]
     if ports["worker"] is not None:
@@ -258,8 +258,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--api-key and --api-key-file both give the key: give only one")
     prefill_coalesce_s(args.prefill_coalesce_ms)  # refused here, not by the scheduler after the model loads
     schedule_ahead_steps(args)
-    speculation_from_args(args)  # refused here, not by the scheduler after the model loads
-    bench_drafts_from_env(os.environ, args.speculative_method)  # the bench-only switches, likewise
+    method, _ = speculation_from_args(args)  # refused here, not by the scheduler after the model loads
+    bench_drafts_from_env(os.environ, method)  # the bench-only switches, likewise
     if getattr(args, "wire_keys", None):
         log.warning(
             "wire_keys_ignored",

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ferry.shared.sampling import MAX_LOGPROBS, SamplingParams, sampling_problems
-from ferry.shared.speculation import speculates
+from ferry.shared.speculation import MAX_SPECULATIVE_TOKENS, speculates
 
 _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
@@ -100,7 +100,15 @@ def step_problems(batch, limits: StepLimits, known: set[int] | dict) -> list[str
     # optional int [R] rows: the snapshot each row's state is restored from / saved to (-1: none)
     copies = {
         name: getattr(batch, name, None)
-        for name in ("restore_state", "save_state", "save_offset", "draft_lens", "hold_state")
+        for name in (
+            "restore_state",
+            "save_state",
+            "save_offset",
+            "draft_lens",
+            "hold_state",
+            "mtp_drafts",
+            "next_tokens",
+        )
     }
     for name, a in copies.items():
         if a is not None and (not _is_ints(a) or a.ndim != 1):
@@ -170,7 +178,32 @@ def step_problems(batch, limits: StepLimits, known: set[int] | dict) -> list[str
             break
     if not problems and (batch.draft_lens is not None or batch.hold_state is not None):
         problems += _draft_problems(batch, known, announced, hybrid=limits.linear_state_slots > 0)
+    if not problems and (batch.mtp_drafts is not None or batch.next_tokens is not None):
+        problems += _mtp_problems(batch, limits)
     return problems
+
+
+def _mtp_problems(batch, limits: StepLimits) -> list[str]:
+    """--speculative-method mtp's rows (services/worker/mtp_drafts.py): drafts asked of sampling rows only, at most
+    MAX_SPECULATIVE_TOKENS, their chain's K/V (from the row's last position on) within its pages and the model
+    length; a next token given to rows that do not sample only, -1 or a token of the vocabulary."""
+    r = len(batch.req_ids)
+    end = batch.context_lens.astype(np.int64) + batch.query_lens.astype(np.int64)
+    if batch.mtp_drafts is not None:
+        k = batch.mtp_drafts.astype(np.int64)
+        if (k < 0).any() or (k > MAX_SPECULATIVE_TOKENS).any() or (k[~batch.sample.astype(bool)] != 0).any():
+            return [f"mtp_drafts: 0..{MAX_SPECULATIVE_TOKENS} drafts, asked of sampling rows only"]
+        reach = end + np.maximum(k - 1, 0)  # the chain writes K/V up to k - 1 positions past the row's last
+        pages = -(-reach // limits.page_size)
+        if r and (int(reach.max()) > limits.max_model_len or (pages > batch.page_table.shape[1]).any()):
+            return ["mtp_drafts: a row's draft chain runs past its pages or the model length"]
+    if batch.next_tokens is not None:
+        nxt = batch.next_tokens.astype(np.int64)
+        if (nxt[batch.sample.astype(bool)] != -1).any() or (nxt < -1).any():
+            return ["next_tokens: -1 for sampling rows, a token or -1 for the others"]
+        if limits.vocab_size and (nxt >= limits.vocab_size).any():
+            return [f"next_tokens must lie in 0..{limits.vocab_size - 1} (or -1)"]
+    return []
 
 
 def _draft_problems(batch, known: set[int] | dict, announced: dict, hybrid: bool) -> list[str]:
@@ -285,6 +318,15 @@ def step_output_problem(output, vocab_size: int = 0) -> str | None:
     acc = output.accepted_drafts
     if acc is not None and (not _is_ints(acc) or acc.ndim != 1 or len(acc) != len(ids) or (acc < 0).any()):
         return "a step's accepted_drafts must hold one count (>= 0) for each request that sampled"
+    drafts = output.mtp_drafts
+    if drafts is not None and (
+        not _is_ints(drafts)
+        or drafts.ndim != 2
+        or len(drafts) != len(ids)
+        or (drafts < -1).any()
+        or (vocab_size and (drafts >= vocab_size).any())
+    ):
+        return "a step's mtp_drafts must hold a row of draft tokens (or -1) for each request that sampled"
     if output.grammar_failures:
         sampled = set(ids.tolist())
         for req_id, _ in output.grammar_failures:

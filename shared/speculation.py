@@ -7,7 +7,10 @@ token of its own (the target's choice where the first draft failed, or the bonus
 produces a + 1 tokens (`StepOutput.accepted_drafts`). Both sides then agree, by `computed_after_verify`, on
 the positions whose K/V (and linear state) stand for the request's real tokens.
 
-The scheduler drafts (it holds every request's tokens), the worker verifies (it holds the logits). A request
+With `ngram` the scheduler drafts (it holds every request's tokens); with `mtp` the worker drafts with the model's
+multi-token-prediction layer after each step (services/worker/mtp_drafts.py) and sends the drafts back with the
+step's answer (StepOutput.mtp_drafts), which the scheduler gives the request's next row. The worker verifies (it
+holds the logits). A request
 speculates only where its sampling is exact under the verify rule and nothing reads each token on the host
 as it is drawn (`speculates`); the others decode one token a step, as without speculation.
 """
@@ -16,7 +19,18 @@ from __future__ import annotations
 
 from ferry.shared.sampling import SamplingParams
 
-SPECULATIVE_METHODS = ("off", "ngram")
+SPECULATIVE_METHODS = ("off", "ngram", "mtp")
+SPECULATIVE_METHOD_HELP = (
+    "speculative decoding: 'ngram' drafts each decoding request's next tokens from an earlier occurrence of its "
+    "last few tokens in its prompt and output (prompt lookup); 'mtp' drafts them with the model's own "
+    "multi-token-prediction layer (Qwen3.5/3.6, Qwen3-Next: its weights and its K/V are planned beside the "
+    "target's); both verify the drafts in one forward, keeping the output's distribution exactly (greedy: the "
+    "same tokens); requests with penalties, a grammar, logprobs or a seed decode without it; steps with drafts "
+    "run eagerly (with mtp, every step) and are not scheduled ahead; how many drafts a row carries is chosen per "
+    "step from the request's acceptance and the verify's cost (default off). FERRY_BENCH_ORACLE_DRAFTS / "
+    "FERRY_BENCH_RECORD_SEQUENCES are benchmark-only (bench/speculation_oracle.py) and refused without "
+    "FERRY_BENCH_ONLY=1"
+)
 DEFAULT_SPECULATIVE_TOKENS = 4
 MAX_SPECULATIVE_TOKENS = 16  # a verify row is a short prefill chunk; past this a miss wastes more than a hit saves
 # n-gram sizes prompt lookup matches, longest first (vLLM's prompt_lookup_min/max): one token alone matches
@@ -48,12 +62,7 @@ def computed_after_verify(context: int, query_len: int, drafts: int, accepted: i
 def speculation_problems(method: str, tokens: int) -> list[str]:
     """What is wrong with --speculative-method / --speculative-tokens, each message naming the flag."""
     problems = []
-    if method == "mtp":  # the MTP head loads and computes (services/worker/models/mtp_head.py); no step drafts yet
-        problems.append(
-            "--speculative-method mtp is not wired into decoding yet (the MTP layer loads but drafts nothing); "
-            f"use one of {', '.join(SPECULATIVE_METHODS)}"
-        )
-    elif method not in SPECULATIVE_METHODS:
+    if method not in SPECULATIVE_METHODS:
         problems.append(f"--speculative-method must be one of {', '.join(SPECULATIVE_METHODS)}, got {method!r}")
     if not 1 <= tokens <= MAX_SPECULATIVE_TOKENS:
         problems.append(f"--speculative-tokens must be between 1 and {MAX_SPECULATIVE_TOKENS}, got {tokens}")

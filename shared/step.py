@@ -82,6 +82,14 @@ class StepBatch(msgspec.Struct, frozen=True, kw_only=True):
     # state before the forward (after the restores), and a row that refused a draft takes it back after the
     # verify (speculation.computed_after_verify). Every hybrid drafting row holds one. None: no row holds.
     hold_state: np.ndarray | None = None
+    # --speculative-method mtp (services/worker/mtp_drafts.py): the worker runs the MTP layer over every row after
+    # the forward. int32 [R]: drafts to chain after a sampling row, from its last real position (0: none; the
+    # request's pages hold the chain's K/V). None: no row asks.
+    mtp_drafts: np.ndarray | None = None
+    # int32 [R]: the token after a row's chunk where the row does not sample (a prompt's chunk before its last),
+    # the MTP layer's input at the chunk's last position; -1: not known (that position is left to the next chunk
+    # of the row... never: the scheduler knows a prompt's tokens). None: no such row.
+    next_tokens: np.ndarray | None = None
 
     def saved_inside(self) -> np.ndarray:
         """bool [R]: the rows whose state is saved inside their chunk (by the linear layers, during the
@@ -137,3 +145,6 @@ class StepOutput(msgspec.Struct, frozen=True, kw_only=True):
     # its tokens this step are those drafts and then token_ids[i] (the logprobs entry is that last token's).
     # None: no row drafted.
     accepted_drafts: np.ndarray | None = None
+    # int32 [S, K]: the MTP layer's drafts for each request that sampled, after its last token this step
+    # (StepBatch.mtp_drafts of them; -1 past those). None: no row asked for any.
+    mtp_drafts: np.ndarray | None = None

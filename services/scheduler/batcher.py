@@ -25,11 +25,13 @@ until its output comes back, and a request that finishes in step N while it is a
 keeps its pages, its state slot and its sampler state until N+1 returns (whose token for it is
 dropped).
 
-Speculative decoding (--speculative-method ngram; shared/speculation.py): once a step's rows and admissions are
+Speculative decoding (--speculative-method ngram|mtp; shared/speculation.py): once a step's rows and admissions are
 placed, each decoding row whose request may speculate gets up to k drafts from prompt lookup over its tokens
-(ngram_proposer.py), k <= --speculative-tokens chosen per row by the draft-length controller (draft_length.py:
-the request's measured acceptance against the verify positions' cost, their expert misses included), within the
-token budget left and the step's logits rows (`_give_drafts`); the worker verifies them in the same forward.
+(ngram_proposer.py) or, with mtp, from the worker's MTP head (the drafts its last answer brought: each sampling row
+asks the worker for --speculative-tokens of them, `_mtp_row`), k <= --speculative-tokens chosen per row by the
+draft-length controller (draft_length.py: the request's measured acceptance against the verify positions' cost,
+their expert misses included), within the token budget left and the step's logits rows (`_give_drafts`); the worker
+verifies them in the same forward.
 Its answer says how many it kept: those and the worker's own token are the request's next tokens, one at a time
 through the stop checks, and the positions computed are counted by `computed_after_verify` (pages that held only
 refused drafts go back). A request whose next row would draft is not scheduled ahead: its next drafts need the
@@ -148,6 +150,7 @@ class _Entry:
     row_end: int = 0  # the position the row's chunk ends at
     drafts: tuple[int, ...] = ()  # draft tokens after the row's query_len tokens (speculative decoding), to verify
     hold: Snapshot | None = None  # a hybrid's drafting row: the snapshot its state is held in for the step
+    mtp_drafts: int = 0  # --speculative-method mtp: drafts the worker's MTP head chains after this row
 
 
 def check_pool(pool: PoolReport) -> None:
@@ -179,6 +182,11 @@ def _prompt_lookup(req: Request, k: int) -> list[int]:
     return propose_ngram(req.token_array.of(req.tokens), k)
 
 
+def _mtp_drafts(req: Request, k: int) -> list[int]:
+    """Up to k of the drafts the worker's MTP head chained after req's tokens (none where its tokens moved on)."""
+    return list(req.mtp_drafts[:k]) if req.mtp_drafts_at == len(req.tokens) else []
+
+
 def _to_deepest_snapshot(chain: list[Node]) -> int:
     """How many nodes of a cached chain lead to the deepest one holding a linear-state snapshot (0: none)."""
     return next((i + 1 for i in range(len(chain) - 1, -1, -1) if chain[i].snapshot is not None), 0)
@@ -199,9 +207,10 @@ class BatchScheduler:
         """`prefix_cache`: reuse cached prefixes (False: --no-prefix-cache, every prompt computed whole);
         `prefill_coalesce_s`: how long new prompts may wait for more (arrival_hold_s; 0: never);
         `schedule_ahead_steps`: decode steps that may be in flight beyond the oldest (0: none ahead);
-        `speculative_method`: "ngram" gives decoding rows up to `speculative_tokens` drafts to verify
+        `speculative_method`: "ngram" or "mtp" gives decoding rows up to `speculative_tokens` drafts to verify
         (--speculative-method, --speculative-tokens; the module docstring), "off" none; `drafter`: where a
-        row's up to k drafts come from (None: prompt lookup; the bench's oracle_drafter.py otherwise)."""
+        row's up to k drafts come from (None: prompt lookup, or with mtp the worker's MTP head, which runs
+        either way; the bench's oracle_drafter.py otherwise)."""
         check_pool(pool)
         self.pool = pool
         self.hybrid = pool.linear_state_slots > 0
@@ -244,7 +253,8 @@ class BatchScheduler:
         self._step_ids = itertools.count(first_step_id)
         self.speculative_method = speculative_method
         self.speculative_tokens = speculative_tokens
-        self.drafter = drafter or _prompt_lookup
+        self.mtp = speculative_method == "mtp"
+        self.drafter = drafter or (_mtp_drafts if self.mtp else _prompt_lookup)
         self.draft_length = DraftLength(speculative_tokens, ExpertPrices.of(pool))
         self.draft_rows = 0  # rows sent with drafts
         self.drafted_tokens = 0  # drafts sent in those rows
@@ -754,8 +764,6 @@ class BatchScheduler:
         """The step of these rows, now in flight. `ahead_positions`: a step scheduled ahead, every row
         decoding, at these positions, the token the worker sampled for it in the step before."""
         n = len(entries)
-        width = max(len(e.req.pages) for e in entries)
-        page_table = np.zeros((n, width), dtype=np.int32)
         tokens: list[int] = []
         new_requests = []
         prompt_logprobs = np.zeros(n, dtype=bool)
@@ -764,11 +772,12 @@ class BatchScheduler:
         hold = np.full(n, -1, dtype=np.int32)
         query_lens = np.array([e.query_len + len(e.drafts) for e in entries], dtype=np.int32)
         draft_lens = np.array([len(e.drafts) for e in entries], dtype=np.int32)
+        mtp_drafts = np.zeros(n, dtype=np.int32)
+        next_tokens = np.full(n, -1, dtype=np.int32)
         offset = query_lens.copy()  # where each row's state is saved: its end unless kept inside
         ps = self.pool.page_size
         for i, e in enumerate(entries):
             r = e.req
-            page_table[i, : len(r.pages)] = r.pages
             restore[i], r.restore_from = r.restore_from, -1
             end = (r.num_computed if ahead_positions is None else ahead_positions[i]) + e.query_len
             e.row_end = end
@@ -785,6 +794,8 @@ class BatchScheduler:
                 and r.num_computed <= r.prompt_len - 2
                 and r.num_computed + e.query_len - 1 >= r.prompt_logprobs_done
             )
+            if self.mtp:
+                mtp_drafts[i], next_tokens[i] = self._mtp_row(e, end)
             if ahead_positions is None:
                 tokens.extend(r.tokens[r.num_computed : r.num_computed + e.query_len])
                 tokens.extend(e.drafts)
@@ -798,6 +809,10 @@ class BatchScheduler:
                     NewRequest(req_id=r.rid, prompt_token_ids=np.asarray(r.tokens, dtype=np.int32), sampling=r.sampling)
                 )
                 r.announced = True
+        # made once the rows' pages are grown (an MTP row's grow for its chain: _mtp_row)
+        page_table = np.zeros((n, max(len(e.req.pages) for e in entries)), dtype=np.int32)
+        for i, e in enumerate(entries):
+            page_table[i, : len(e.req.pages)] = e.req.pages
         step_id = next(self._step_ids)
         self._in_flight.append((step_id, entries))
         forget, self._forget = self._forget, []
@@ -821,7 +836,28 @@ class BatchScheduler:
             save_offset=offset if (offset < query_lens).any() else None,
             draft_lens=draft_lens if draft_lens.any() else None,  # None: no row drafts
             hold_state=hold if (hold >= 0).any() else None,
+            mtp_drafts=mtp_drafts if mtp_drafts.any() else None,  # None: no row asks the MTP head for drafts
+            next_tokens=next_tokens if (next_tokens >= 0).any() else None,
         )
+
+    def _mtp_row(self, e: _Entry, end: int) -> tuple[int, int]:
+        """(drafts the MTP head chains after the row, the token after the row's chunk or -1) for a row of
+        --speculative-method mtp (services/worker/mtp_drafts.py): a sampling row of a request that may draft asks
+        for --speculative-tokens, the most its next row can carry, where its pages grow to hold the chain's K/V
+        (k - 1 slots past the row's tokens) and the model length allows; a prompt's chunk that does not sample
+        gives the prompt's next token (the MTP layer's input at the chunk's last position). `end`: the position
+        the row's tokens (its drafts left out) end at."""
+        r = e.req
+        if not e.sample:
+            return 0, r.tokens[end] if end < len(r.tokens) else -1
+        if not self._may_draft(r):
+            return 0, -1
+        reach = end + len(e.drafts)  # the tokens the row holds, its drafts included
+        k = min(self.speculative_tokens, self.pool.max_model_len - reach + 1)
+        if k < 1 or not self.kv.grow(r, reach + k - 1):
+            return 0, -1
+        e.mtp_drafts = k
+        return k, -1
 
     def complete(self, output: StepOutput) -> Outcome:
         """Apply the in-flight step's output: advance requests, emit tokens, finish the done ones."""
@@ -844,6 +880,7 @@ class BatchScheduler:
             if output.accepted_drafts is None
             else dict(zip(output.req_ids.tolist(), output.accepted_drafts.tolist()))
         )
+        mtp = {} if output.mtp_drafts is None else dict(zip(output.req_ids.tolist(), output.mtp_drafts.tolist()))
         grammar_failures = dict(output.grammar_failures)
         for lp in output.prompt_logprobs:
             self._take_prompt_logprobs(lp, out)
@@ -900,12 +937,15 @@ class BatchScheduler:
                     out.tokens.append((req, t))
                     if (reason := self._finish_reason(req, t)) is not None:
                         break  # a stop or the length limit: the tokens after it are dropped
+                if e.mtp_drafts:  # the MTP head's drafts after the tokens just added
+                    req.mtp_drafts = tuple(t for t in mtp.get(req.rid, ())[: e.mtp_drafts] if t >= 0)
+                    req.mtp_drafts_at = len(req.tokens)
                 if (lp := sampled_lps.get(req.rid)) is not None:
                     out.logprobs.append((req, lp))
                 if reason:
                     self._finish(req, reason, out)
                     continue
-            if e.drafts:  # pages that held only rejected drafts go back
+            if (e.drafts or e.mtp_drafts) and not req.in_flight:  # pages that held only drafts' K/V go back
                 self.kv.trim(req, len(req.tokens))
             self.kv.cache_full_pages(req)
         return out

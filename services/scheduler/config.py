@@ -18,6 +18,7 @@ from ferry.shared.side_http import add_side_http_flags
 from ferry.shared.speculation import (
     DEFAULT_SPECULATIVE_TOKENS,
     MAX_SPECULATIVE_TOKENS,
+    SPECULATIVE_METHOD_HELP,
     SPECULATIVE_METHODS,
     speculation_problems,
 )
@@ -126,21 +127,14 @@ def add_prefill_coalesce_flag(group) -> None:
     )
 
 
-def add_speculation_flags(group) -> None:
+def add_speculation_flags(group, method: bool = True) -> None:
     """`--speculative-method` and `--speculative-tokens`, for `ferry scheduler` and `ferry serve` (which passes
-    them on)."""
-    group.add_argument(
-        "--speculative-method",
-        default="off",
-        metavar="|".join(SPECULATIVE_METHODS),
-        help="speculative decoding: 'ngram' drafts each decoding request's next tokens from an earlier "
-        "occurrence of its last few tokens in its prompt and output (prompt lookup) and verifies them in one "
-        "forward, keeping the output's distribution exactly (greedy: the same tokens); requests with "
-        "penalties, a grammar, logprobs or a seed decode without it; steps with drafts run eagerly and are "
-        "not scheduled ahead; how many drafts a row carries is chosen per step from the request's acceptance "
-        "and the verify's cost (default off). FERRY_BENCH_ORACLE_DRAFTS / FERRY_BENCH_RECORD_SEQUENCES are "
-        "benchmark-only (bench/speculation_oracle.py) and refused without FERRY_BENCH_ONLY=1",
-    )
+    them on); `method=False` where the planner's flags define --speculative-method already (serve: the worker
+    plans the MTP layer's memory with it)."""
+    if method:
+        group.add_argument(
+            "--speculative-method", default="off", metavar="|".join(SPECULATIVE_METHODS), help=SPECULATIVE_METHOD_HELP
+        )
     group.add_argument(
         "--speculative-tokens",
         type=int,
@@ -153,7 +147,7 @@ def add_speculation_flags(group) -> None:
 
 def speculation_from_args(args: argparse.Namespace) -> tuple[str, int]:
     """(--speculative-method, --speculative-tokens), checked."""
-    method = getattr(args, "speculative_method", "off")
+    method = getattr(args, "speculative_method", None) or "off"  # the planner's flag: None where not given
     tokens = getattr(args, "speculative_tokens", DEFAULT_SPECULATIVE_TOKENS)
     problems = speculation_problems(method, tokens)
     if problems:

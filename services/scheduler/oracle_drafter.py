@@ -6,7 +6,8 @@ Two switches, read from the scheduler's environment at start and honoured only w
 request field: a served request cannot reach them):
 * FERRY_BENCH_RECORD_SEQUENCES=PATH: each finished request's prompt and output tokens are appended to PATH
   (JSON lines {"prompt": [...], "output": [...]}); the bench records a run with speculation off;
-* FERRY_BENCH_ORACLE_DRAFTS=PATH (with --speculative-method ngram): a request whose prompt PATH records, and whose
+* FERRY_BENCH_ORACLE_DRAFTS=PATH (with --speculative-method ngram or mtp: with mtp the worker still drafts, its
+  full cost paid, and the oracle's tokens replace its drafts): a request whose prompt PATH records, and whose
   output so far follows the recorded one, is drafted the recorded tokens after it, corrupted at rate
   1 - FERRY_BENCH_ORACLE_ALPHA (default 1); any other request gets no drafts.
 No torch."""
@@ -59,7 +60,9 @@ def bench_drafts_from_env(environ: Mapping[str, str], speculative_method: str) -
         raise ConfigError(f"{ALPHA_ENV} must be a number between 0 and 1, got {alpha!r}")
     if oracle:
         if speculative_method == "off":
-            raise ConfigError(f"{ORACLE_ENV} drafts for speculative decoding: serve with --speculative-method ngram")
+            raise ConfigError(
+                f"{ORACLE_ENV} drafts for speculative decoding: serve with --speculative-method ngram or mtp"
+            )
         if not Path(oracle).is_file():
             raise ConfigError(f"{ORACLE_ENV}={oracle!r}: no such file (record one with {RECORD_ENV})")
     return BenchDrafts(record_path=record or None, oracle_path=oracle or None, alpha=rate)

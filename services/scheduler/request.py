@@ -39,6 +39,10 @@ class Request:
     snapshot_points: set[int] = field(default_factory=set)  # page boundaries its prefill chunks end on
     shared_pages: dict[int, int] = field(default_factory=dict)  # rid -> full pages its tokens share with that request's
     token_array: TokenArray = field(default_factory=TokenArray)  # `tokens` as an array, for prompt lookup's drafts
+    # --speculative-method mtp: the worker's drafts after the request's first `mtp_drafts_at` tokens (StepOutput.
+    # mtp_drafts), drafts for its next row while its tokens are still that many
+    mtp_drafts: tuple[int, ...] = ()
+    mtp_drafts_at: int = -1
 
     @property
     def prompt_logprobs_pending(self) -> bool:

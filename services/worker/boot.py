@@ -25,6 +25,7 @@ import torch
 from ferry.plan import expert_formats
 from ferry.plan.costs import workspace_bytes_estimate
 from ferry.plan.expert_parallel import check_ranks_host, nccl_workspace_bytes, rank_spec
+from ferry.plan.mtp_layer import spec_for_method
 from ferry.plan.outside_memory import OutsideMemory
 from ferry.plan.plan_report import plan_detail_fields, plan_log_fields
 from ferry.plan.planner import DEFAULT_MAX_PREFILL_TOKENS, Measured, Plan, PlanRequest, Resolved, resolve
@@ -175,6 +176,8 @@ def boot_worker(cfg: WorkerBootConfig) -> tuple[StepExecutor, Plan]:
     allocate (`_load_and_plan`), then load the experts and make the executor (`_finish_boot`)."""
     device = select_device(cfg.device)
     files = open_model(cfg.model, cfg.load_format, cfg.revision)
+    # --speculative-method mtp: the MTP layers' K/V in the plan and the pools (refused for a model without them)
+    files = dataclasses.replace(files, spec=spec_for_method(files.spec, cfg.plan.speculative_method))
     slots = expert_formats.format_of(files.spec)
     if device.type == "cuda" and not slots.reads_on_cuda(files.spec):  # refused before the device is touched
         raise ConfigError(
@@ -194,7 +197,14 @@ def boot_worker(cfg: WorkerBootConfig) -> tuple[StepExecutor, Plan]:
     # only those under --expert-copy-engine-tokens (_finish_boot), which take no more memory
     buckets = graph_buckets(files.spec.num_experts_per_tok, r.max_running_requests)
     # expert-parallel ranks run eagerly: a rank's share of a step's pairs is counted on the host
-    graphs_wanted = device.type == "cuda" and not cfg.enforce_eager and bool(buckets) and cfg.expert_parallel_size == 1
+    # MTP drafting runs every step eagerly (its pass reads the step's hidden states): no decode graph to price
+    graphs_wanted = (
+        device.type == "cuda"
+        and not cfg.enforce_eager
+        and bool(buckets)
+        and cfg.expert_parallel_size == 1
+        and not files.spec.mtp_kv_layers
+    )
     baseline = 0
     probe = None
     if device.type == "cuda":
@@ -221,6 +231,20 @@ class Booted:
     # expert-parallel ranks draw the same noise for unseeded requests: their samples, and so the tokens a
     # step scheduled ahead is fed on each rank, are the same (services/worker/expert_ranks.py)
     sampler_seed: int | None
+    mtp_head: torch.nn.Module | None = None  # --speculative-method mtp: the draft head, its weights loaded
+
+
+def _mtp_head(files: ModelFiles, model, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """The MTP draft head (services/worker/models/mtp_head.py) with the checkpoint's `mtp.` tensors, or, with
+    --load-format dummy, random ones; it turns positions as the target's full-attention layers do."""
+    from ferry.services.worker.models.mtp_head import MtpHead, random_mtp_tensors, read_mtp_tensors
+
+    head = MtpHead(files.spec, model.rotary, dtype, device)
+    if files.load_format == "dummy":
+        head.load_weights(random_mtp_tensors(files.spec, seed=0).items())
+    else:
+        head.load_weights(read_mtp_tensors(files.model_dir, progress=_progress_bars()))
+    return head
 
 
 def _load_and_plan(
@@ -246,6 +270,8 @@ def _load_and_plan(
     before = _reserved(device)
     experts = LateBoundExperts(spec.num_experts)
     model = build_model(spec, dtype, device, experts)
+    # loaded before the weights are measured: its bytes are in them (plan/mtp_layer.py prices the same for `ferry plan`)
+    mtp_head = _mtp_head(files, model, dtype, device) if spec.mtp_kv_layers else None
     # a step's workspace and decode graphs' bytes, profiled once each: the chunk chooser asks for a step again
     workspace_by_step: dict[tuple[int, int, int], int] = {}
     graph_bytes_by_step: dict[tuple[int, int, int], int | None] = {}
@@ -261,7 +287,7 @@ def _load_and_plan(
             # profiling resets the allocator's peak counters: keep the peak of loading
             loading_peak = torch.cuda.max_memory_reserved(device)
         else:
-            weights = _tensor_bytes(model)
+            weights = _tensor_bytes(model) + (_tensor_bytes(mtp_head) if mtp_head is not None else 0)
 
         def measured(step: Resolved | None) -> Measured:
             """The facts for a step as `step` resolves it (its prefill chunk and running requests): its workspace
@@ -281,7 +307,7 @@ def _load_and_plan(
                 step_key = (step.max_prefill_tokens, step.max_running_requests, step.max_model_len)
                 if step_key not in workspace_by_step:
                     workspace_by_step[step_key] = profiled_or_plan_error(
-                        lambda: profile_workspace_cuda(model, experts, spec, step, device),
+                        lambda: profile_workspace_cuda(model, experts, spec, step, device, mtp_head),
                         step.max_prefill_tokens,
                         release=torch.cuda.empty_cache,
                     )
@@ -356,6 +382,7 @@ def _load_and_plan(
             experts_started=time.monotonic(),
             loading_peak_reserved=loading_peak,
             sampler_seed=cfg.sampler_seed,
+            mtp_head=mtp_head,
         )
 
     dummy = files.load_format == "dummy"
@@ -475,6 +502,7 @@ def _finish_boot(
         tokenizer_dir=files.model_dir,
         eos_token_ids=eos_token_ids(files.model_dir),
         sampler_seed=booted.sampler_seed,
+        mtp_head=booted.mtp_head,
     ), plan
 
 

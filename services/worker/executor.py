@@ -33,6 +33,7 @@ from ferry.plan.planner import Plan
 from ferry.services.worker.decode_graphs import DecodeGraphs
 from ferry.services.worker.forward_batch import ForwardBatch
 from ferry.services.worker.grammar import tokenizer_factory
+from ferry.services.worker.mtp_drafts import MtpDrafter
 from ferry.services.worker.offload.stores.expert_store import ExpertStore, is_long_context
 from ferry.services.worker.pools import Pools
 from ferry.services.worker.sampler import Sampler, log_softmax_top
@@ -59,10 +60,12 @@ class StepExecutor:
         graphs: DecodeGraphs | None = None,
         tokenizer_dir=None,
         eos_token_ids: tuple[int, ...] = (),
+        mtp_head=None,
     ):
         """`store`: the model's expert store, told when each step ends and asked for its statistics;
         `graphs`: the captured decode graphs (CUDA), or None to run every step eagerly; `tokenizer_dir`:
-        where the model's tokenizer is, for requests with a grammar (structured outputs)."""
+        where the model's tokenizer is, for requests with a grammar (structured outputs); `mtp_head`: the MTP
+        draft head (--speculative-method mtp), which then runs after every step's forward (mtp_drafts.py)."""
         self.model = model
         self.store = store
         self.graphs = graphs
@@ -78,6 +81,7 @@ class StepExecutor:
         # FERRY_STEP_TRACE (the worker sets it): time each step on the device, and the device's idle time before it
         self.trace_device = False
         self._last_end: torch.cuda.Event | None = None
+        self.mtp = None if mtp_head is None else MtpDrafter(mtp_head, model, pools, plan.kv.page_size, self.device)
 
     def execute(self, batch: StepBatch) -> StepOutput:
         return self.finish(self.launch(batch))
@@ -107,8 +111,9 @@ class StepExecutor:
                 ),
             )
         drafting = batch.draft_lens is not None and bool(batch.draft_lens.any())
-        # a drafting row is several tokens: the decode graphs refuse it (bucket_for), it runs eagerly
-        bucket = self.graphs.bucket_for(batch) if self.graphs is not None else None
+        # a drafting row is several tokens: the decode graphs refuse it (bucket_for), it runs eagerly; so does
+        # every step with the MTP head, which reads the step's hidden states
+        bucket = self.graphs.bucket_for(batch) if self.graphs is not None and self.mtp is None else None
         prompt_rows = batch.prompt_logprobs is not None and bool(np.asarray(batch.prompt_logprobs).any())
         prompt_parts: list = []
         ids = sampled_ids.tolist()
@@ -120,11 +125,12 @@ class StepExecutor:
             if bucket is not None:
                 in_graph = self.sampler.graph_sampling(ids, self.graphs.noise)
                 logits = self.graphs.run(batch, bucket, feed_src, in_graph)
-            elif prompt_rows:
+            elif prompt_rows or self.mtp is not None:
                 fb = self._eager_batch(batch, previous, feed_src)
                 hidden = self.model.hidden_states(fb, self.pools)
                 logits = self.model.logits(hidden[fb.logits_rows])
-                prompt_parts = self._prompt_logprobs(batch, hidden)
+                if prompt_rows:
+                    prompt_parts = self._prompt_logprobs(batch, hidden)
             else:
                 logits = self.model(self._eager_batch(batch, previous, feed_src), self.pools)
             self._save_states(batch)
@@ -157,9 +163,18 @@ class StepExecutor:
                 for _, _, _, tensors in prompt_parts:
                     extra.extend(tensors)
                 copies = _to_host_async(tokens.to(torch.int32), logprobs.to(torch.float32), *extra)
+            mtp_drafts = None
+            if self.mtp is not None:  # after the verify: the slots it writes depend on the drafts kept
+                mtp_drafts = self.mtp.run(batch, fb, hidden, tokens, accepted)
         self._last_sampled = (sampled_ids, tokens)
         launched = _Launched(
-            batch, sampled_ids, top=top, prompt_parts=prompt_parts, copies=copies, drafting=accepted is not None
+            batch,
+            sampled_ids,
+            top=top,
+            prompt_parts=prompt_parts,
+            copies=copies,
+            drafting=accepted is not None,
+            mtp_drafts=mtp_drafts,
         )
         if timing is not None:
             launched.timing = (timing, _timing_event(self.device), self._last_end)
@@ -214,6 +229,7 @@ class StepExecutor:
             prompt_logprobs=prompt_lps,
             grammar_failures=self.sampler.grammar_failures(sampled_ids.tolist()),
             accepted_drafts=accepted,
+            mtp_drafts=launched.mtp_drafts,
         )
         if self.store is not None:  # after the results reached the host: the step's work is done
             decode = batch.prompt_logprobs is None and bool((batch.query_lens == 1).all())
@@ -470,6 +486,7 @@ class _Launched:
     drafting: bool = False  # speculative decoding: `copies` holds the drafts kept after the logprobs
     timing: tuple | None = None  # FERRY_STEP_TRACE: (start, end, the previous step's end) timing events
     device_times: tuple | None = None  # (ms on the device, ms the device sat idle before it), once finished
+    mtp_drafts: np.ndarray | None = None  # the MTP head's drafts for the sampling rows (StepOutput.mtp_drafts)
 
 
 def _timing_event(device: torch.device) -> torch.cuda.Event | None:

@@ -19,6 +19,7 @@ measure: the worker uses the estimate of `plan/costs.py`."""
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import structlog
 import torch
@@ -32,6 +33,7 @@ from ferry.plan.planner import Resolved
 from ferry.services.worker.expert_formats import expert_format_for
 from ferry.services.worker.forward_batch import ForwardBatch
 from ferry.services.worker.late_bound_experts import LateBoundExperts, SharedLayerExperts
+from ferry.services.worker.mtp_drafts import MtpDrafter
 from ferry.services.worker.pools import (
     TORCH_DTYPES,
     ExpertSlotPool,
@@ -119,11 +121,21 @@ def _sampler(spec: ModelSpec, step: StepBatch, device: torch.device) -> Sampler:
     return sampler
 
 
-def _run(model, step: StepBatch, pools: Pools, sampler: Sampler, r: Resolved, device: torch.device) -> torch.Tensor:
+def _run(
+    model, step: StepBatch, pools: Pools, sampler: Sampler, r: Resolved, device: torch.device, mtp_head=None
+) -> torch.Tensor:
     with torch.inference_mode():
         batch = ForwardBatch.from_step(step, r.page_size, device)
-        logits = model(batch, pools)
+        hidden = None
+        if mtp_head is None:
+            logits = model(batch, pools)
+        else:  # the hidden states stay for the MTP head's pass, after the sampling (as in the executor)
+            hidden = model.hidden_states(batch, pools)
+            logits = model.logits(hidden[batch.logits_rows])
         tokens, _ = sampler.sample(step.req_ids.tolist(), logits)
+        if mtp_head is not None:  # --speculative-method mtp: the head's pass over every position, and a draft a row
+            asked = msgspec.structs.replace(step, mtp_drafts=np.ones(len(step.req_ids), np.int32))
+            MtpDrafter(mtp_head, model, pools, r.page_size, device).run(asked, batch, hidden, tokens, None)
         # speculative decoding's verify over as many logits rows (a step's drafts keep its logits rows within
         # max_running_requests: batcher._give_drafts), as pairs of a draft and the bonus after it: its
         # temporaries are the workspace's too
@@ -135,12 +147,13 @@ def _run(model, step: StepBatch, pools: Pools, sampler: Sampler, r: Resolved, de
 
 
 def run_largest_step(
-    model, experts: LateBoundExperts, spec: ModelSpec, r: Resolved, device: torch.device
+    model, experts: LateBoundExperts, spec: ModelSpec, r: Resolved, device: torch.device, mtp_head=None
 ) -> torch.Tensor:
-    """Forward and sample the largest step on temporary pools; returns the sampled tokens."""
+    """Forward and sample the largest step on temporary pools (and, with `mtp_head`, draft after it); returns the
+    sampled tokens."""
     step, pools = _prepare(experts, spec, r, device)
     try:
-        return _run(model, step, pools, _sampler(spec, step, device), r, device)
+        return _run(model, step, pools, _sampler(spec, step, device), r, device, mtp_head)
     finally:
         experts.unbind()
 
@@ -191,9 +204,12 @@ def profile_decode_graphs_cuda(
 GRAPH_OFFLOAD_MARGIN = 2 * 2**20
 
 
-def profile_workspace_cuda(model, experts: LateBoundExperts, spec: ModelSpec, r: Resolved, device: torch.device) -> int:
-    """Peak bytes the largest step takes beyond its inputs (allocator segments included), plus
-    the long-context gather and the rows a shorter step may hold beyond its own."""
+def profile_workspace_cuda(
+    model, experts: LateBoundExperts, spec: ModelSpec, r: Resolved, device: torch.device, mtp_head=None
+) -> int:
+    """Peak bytes the largest step takes beyond its inputs (allocator segments included; with `mtp_head`, its
+    drafting pass after the forward: services/worker/mtp_drafts.py), plus the long-context gather and the rows a
+    shorter step may hold beyond its own."""
     # The temporary pools are part of the baseline, not of the workspace: allocate them first.
     step, pools = _prepare(experts, spec, r, device)
     sampler = None
@@ -204,7 +220,7 @@ def profile_workspace_cuda(model, experts: LateBoundExperts, spec: ModelSpec, r:
     torch.cuda.reset_peak_memory_stats(device)
     try:
         sampler = _sampler(spec, step, device)
-        _run(model, step, pools, sampler, r, device)
+        _run(model, step, pools, sampler, r, device, mtp_head)
         torch.cuda.synchronize(device)
         # Reserved, not only allocated: the allocator takes whole segments (2 MiB, or 20 MiB for
         # blocks of 1-10 MiB), and those segments are what the device gives away.

@@ -2,7 +2,8 @@
 client): concurrent greedy completions, one of two choices, one ending on a stop string and a seeded one beside
 them, give exactly
 the text they give without speculation, and the scheduler's and the api's /metrics count the drafts (the
-attention-only model's: the hybrid's random weights rarely repeat themselves, so prompt lookup seldom drafts)."""
+attention-only model's: the hybrid's random weights rarely repeat themselves, so prompt lookup seldom drafts).
+--speculative-method mtp likewise, on a tiny Qwen3.5 MoE with an MTP layer."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 
+from ferry.services.make_tiny_model import make_tiny_model
 from tests.integration.harness import REAL_WORKER_ENV, health_turns_503, metric, start_cluster
 
 REAL_BOOT = "ferry.services.worker.boot:boot_worker"
@@ -90,3 +92,35 @@ def test_ngram_speculation_serves_the_text_of_none(tiny_model, tmp_path):
     assert 0 <= accepted <= drafted
     assert api_drafted == drafted  # the scheduler's heartbeat carries its counts to the api's /metrics
     assert api_decisions == decisions > 0  # every decoding row that may draft is given a k, 0 included
+
+
+def test_mtp_speculation_serves_the_text_of_none(tmp_path):
+    """--speculative-method mtp through the real processes, on a tiny Qwen3.5 MoE with an MTP layer: the worker
+    plans and loads the head and drafts with it after every step; greedy completions give the text of a scheduler
+    that sends no drafts, and the scheduler's /metrics count the rows it sent with the head's drafts."""
+    model = make_tiny_model(tmp_path / "qwen3_5_moe_mtp", "qwen3_5_moe", seed=0, mtp=True)
+    worker_flags = [*FLAGS, "--speculative-method", "mtp"]
+    c = start_cluster(
+        model, tmp_path / "run", worker_flags=worker_flags, boot=REAL_BOOT, worker_env=REAL_WORKER_ENV, wait=False
+    )
+    got = {}
+    try:
+        c.wait_ready(timeout=180)
+        got["off"] = completions(c)
+        old = c.procs["scheduler"]
+        old.send_signal(signal.SIGTERM)
+        assert old.wait(timeout=30) == 0
+        health_turns_503(c.base_url, "scheduler")
+        c.launch("scheduler", [*old.args, "--speculative-method", "mtp", "--speculative-tokens", "3"])
+        c.wait_ready(timeout=60)
+        got["mtp"] = completions(c)
+        deadline = time.monotonic() + 20
+        while (drafted := scheduler_metric(c, "ferry_scheduler_drafted_tokens_total")) == 0:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+    finally:
+        c.stop()
+    assert "step_failed" not in c.log("worker"), c.log("worker")[-2000:]
+    assert got["mtp"] == got["off"], got
+    assert drafted > 0

@@ -1,6 +1,6 @@
 """The MTP draft head of Qwen3.5/3.6 (services/worker/models/mtp_head.py, plan/mtp_layer.py): its forward against an
 independent float64 reference written from the layer's structure, its loading from a checkpoint's `mtp.` tensors,
-its pricing, and `--speculative-method mtp` refused until drafting is wired."""
+its pricing; its drafting in decoding: tests/unit/test_mtp_drafting.py."""
 
 from __future__ import annotations
 
@@ -252,9 +252,10 @@ def test_make_tiny_model_refuses_mtp_for_a_family_without_one(tmp_path):
         make_tiny_model(tmp_path / "m", "qwen3_moe", mtp=True)
 
 
-def test_speculative_method_mtp_is_refused_until_drafting_is_wired():
-    (problem,) = speculation_problems("mtp", 4)
-    assert problem.startswith("--speculative-method mtp") and "not wired" in problem
+def test_speculative_method_mtp_is_a_method():
+    assert speculation_problems("mtp", 4) == []
+    (problem,) = speculation_problems("eagle", 4)
+    assert problem.startswith("--speculative-method must be one of off, ngram, mtp")
 
 
 def test_qwen3_next_declares_and_loads_its_mtp_layer(tmp_path):

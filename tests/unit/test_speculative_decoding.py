@@ -603,7 +603,7 @@ def test_contract_refuses_a_hybrid_drafting_row_that_holds_no_state(tiny_models)
 @pytest.mark.parametrize(
     "flags, flag",
     [
-        (["--speculative-method", "mtp"], "--speculative-method"),
+        (["--speculative-method", "eagle"], "--speculative-method"),
         (["--speculative-method", "ngram", "--speculative-tokens", "0"], "--speculative-tokens"),
         (["--speculative-method", "ngram", "--speculative-tokens", "17"], "--speculative-tokens"),
     ],
@@ -619,10 +619,14 @@ def test_speculation_flags_reach_the_scheduler_from_serve():
     for extra, method, tokens in (
         ((), "off", 4),
         (("--speculative-method", "ngram", "--speculative-tokens", "6"), "ngram", 6),
+        (("--speculative-method", "mtp", "--speculative-tokens", "3"), "mtp", 3),
     ):
-        scheduler = child_commands(parse("serve", "/models/m", *extra), "/models/m", Path("/tmp/x"))["scheduler"]
-        cfg = scheduler_config_from_args(parse("scheduler", *scheduler[4:]))
+        commands = child_commands(parse("serve", "/models/m", *extra), "/models/m", Path("/tmp/x"))
+        cfg = scheduler_config_from_args(parse("scheduler", *commands["scheduler"][4:]))
         assert (cfg.speculative_method, cfg.speculative_tokens) == (method, tokens)
+        # the worker plans and loads the MTP head with the same flag
+        worker = boot_config_from_args(parse("worker", *commands["worker"][4:]))
+        assert (worker.plan.speculative_method or "off") == method
 
 
 def test_which_requests_speculate():

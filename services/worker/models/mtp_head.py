@@ -8,19 +8,24 @@ as the checkpoints' fc is trained), runs it through its own full-attention MoE d
 target's head turns that into the logits of token t + 2. Its output hidden state stands in for h_{t+1} to draft
 the next token. Its norms are zero-centred and its attention gated, as the target's full-attention layers.
 
-The layer attends within the positions it is given (a causal mask over them): its keys and values are computed
-from the same sequence, not read from a cache. Its routed experts are resident parameters, stacked as gate_up
+Without a cache the layer attends within the positions it is given (a causal mask over them): its keys and values
+are computed from the same sequence (the reference the tests hold the cached path to). With one (`MtpCache`: the
+MTP layer's K/V in the KV pool, plan/kv_groups.py) the new tokens' K/V are written at the batch's slots and each
+token attends over its request's pages, as the target's full-attention layers do (services/worker/mtp_drafts.py
+says which slot holds which position). Its routed experts are resident parameters, stacked as gate_up
 [E, 2I, H] and down [E, H, I] (plan/mtp_layer.py says why they are not in the target's slot cache)."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ferry.kernels.paged_attention import paged_attention, write_kv
 from ferry.plan.model_spec import ModelSpec
 from ferry.plan.mtp_layer import MTP_PREFIX, check_mtp, mtp_expert_shapes, mtp_resident_weight_shapes
 from ferry.services.worker.checkpoint import iter_checkpoint_tensors
@@ -39,6 +44,16 @@ def _frozen_linear(inputs: int, outputs: int, dtype: torch.dtype, device) -> nn.
     return linear
 
 
+@dataclass(frozen=True)
+class MtpCache:
+    """Where an MTP layer keeps its keys and values: its layer of the KV pool (plan/mtp_layer.py's `mtp_kv_layer`)
+    and the batch of slots its tokens sit at (`batch.positions`: each token's slot in its request's pages)."""
+
+    kv: object  # services/worker/pools.py's KvTensorPool
+    layer: int
+    batch: object  # services/worker/forward_batch.py's ForwardBatch
+
+
 class MtpAttention(nn.Module):
     """Gated full attention: q_proj yields each head's query and then its sigmoid gate; per-head q/k norms; the
     rotary embedding turns the first `rotary_dim` channels; keys and values shared by groups of query heads."""
@@ -55,7 +70,7 @@ class MtpAttention(nn.Module):
         self.q_norm = make_norm(True, self.head_dim, spec.rms_norm_eps, dtype, device)
         self.k_norm = make_norm(True, self.head_dim, spec.rms_norm_eps, dtype, device)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: MtpCache | None = None) -> torch.Tensor:
         t = x.shape[0]
         q, gate = self.q_proj(x).view(t, self.heads, 2 * self.head_dim).split(self.head_dim, dim=-1)
         k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
@@ -63,6 +78,27 @@ class MtpAttention(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         q = self.rotary.apply(self.q_norm(q), cos, sin)
         k = self.rotary.apply(self.k_norm(k), cos, sin)
+        if cache is not None:
+            b = cache.batch
+            k_cache, v_cache = cache.kv.layer(cache.layer)
+            k_scale, v_scale = cache.kv.layer_scales(cache.layer)  # None, None but in an fp8 pool
+            write_kv(k_cache, v_cache, b.slot_mapping, k, v, k_scale, v_scale)
+            out = paged_attention(
+                q.contiguous(),
+                k_cache,
+                v_cache,
+                b.page_table,
+                b.query_start,
+                b.positions,
+                b.query_lens_host,
+                b.context_lens_host,
+                self.head_dim**-0.5,
+                token_request=b.token_request,
+                gather=cache.kv.gather_for(cache.layer),
+                k_scale=k_scale,
+                v_scale=v_scale,
+            )
+            return self.o_proj(out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1)))
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1),
             k.transpose(0, 1),
@@ -114,8 +150,8 @@ class MtpLayer(nn.Module):
         self.post_attention_layernorm = make_norm(True, spec.hidden_size, spec.rms_norm_eps, dtype, device)
         self.mlp = MtpMoe(spec, dtype, device)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: MtpCache | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -134,13 +170,18 @@ class MtpHead(nn.Module):
         self.norm = make_norm(True, h, spec.rms_norm_eps, dtype, device)
 
     def forward(
-        self, hidden: torch.Tensor, next_embeds: torch.Tensor, positions: torch.Tensor, layer: int = 0
+        self,
+        hidden: torch.Tensor,
+        next_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        layer: int = 0,
+        cache: MtpCache | None = None,
     ) -> torch.Tensor:
         """The head's final-normed hidden states [T, H] (the target's head makes them the draft logits): row j
         from the target's hidden state at position positions[j] - 1 and the embedding of the token at
-        positions[j], through MTP layer `layer` (a draft chain uses its layers in turn)."""
+        positions[j], through MTP layer `layer`; with `cache`, attending over the layer's K/V in the pool."""
         x = torch.cat([self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)], dim=-1)
-        return self.norm(self.layers[layer](self.fc(x), positions))
+        return self.norm(self.layers[layer](self.fc(x), positions, cache))
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Take the checkpoint's `mtp.` tensors (name, tensor), experts per expert or fused; a WeightLoadError

@@ -1,0 +1,270 @@
+"""MTP drafting (--speculative-method mtp, services/worker/mtp_drafts.py): the real scheduler and the real worker's
+executor in one process on CPU, float32, on a tiny Qwen3.5 MoE with an MTP layer (`ferry make-tiny-model --mtp`).
+
+* Greedy decoding with the MTP head's drafts gives the tokens of speculation off, and the drafts are the head's:
+  the step outputs carry them and rows are sent with them.
+* The drafts the worker chains with its cached MTP K/V equal the head's chained greedy drafts computed over the
+  whole sequence without a cache, after rows that kept every draft, some and none (a drafter that knows the answer
+  replaces the head's tokens, as the bench's oracle does, while the head runs).
+* The plan prices the MTP layer's K/V (and `ferry plan` its weights): the pools allocate what was planned.
+* A model without an MTP layer is refused, naming the flag."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+from ferry.plan import plan_command
+from ferry.plan.model_config import load_model_config
+from ferry.plan.mtp_layer import mtp_kv_bytes_per_token, mtp_kv_layer, mtp_resident_bytes
+from ferry.plan.pool_layout import kv_bytes_per_token
+from ferry.services.make_tiny_model import make_tiny_model
+from ferry.services.scheduler import batcher as batcher_module
+from ferry.services.worker.executor import StepBatchError
+from ferry.services.worker.forward_batch import ForwardBatch
+from ferry.shared.errors import ConfigError
+from ferry.shared.sampling import SamplingParams
+from ferry.shared.step import NewRequest, StepBatch
+from tests.unit.test_speculative_decoding import (
+    PROMPTS,
+    _step,
+    boot,
+    generate,
+    greedy_requests,
+    knowing_drafter,
+)
+
+torch.set_num_threads(1)  # tiny models gain nothing from intra-op threads
+
+K = 4
+
+
+@pytest.fixture(scope="module")
+def mtp_model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("mtp") / "qwen3_5_moe", "qwen3_5_moe", seed=0, mtp=True)
+
+
+@pytest.fixture(scope="module")
+def booted(mtp_model):
+    return boot(mtp_model, "--speculative-method", "mtp")
+
+
+def _recording(executor, monkeypatch) -> list:
+    """[(batch, output)] of every step the executor runs from now on."""
+    steps = []
+    execute = executor.execute
+
+    def record(batch):
+        out = execute(batch)
+        steps.append((batch, out))
+        return out
+
+    monkeypatch.setattr(executor, "execute", record)
+    return steps
+
+
+def test_greedy_mtp_drafts_keep_the_tokens_of_speculation_off(booted, monkeypatch):
+    executor, plan = booted
+    off, _ = generate(executor, plan, greedy_requests())
+    steps = _recording(executor, monkeypatch)
+    on, sched = generate(executor, plan, greedy_requests(), "mtp", k=K)
+    assert on == off
+    # the worker chained drafts after the sampling rows, and the scheduler sent them as rows' drafts
+    chained = [out.mtp_drafts for _, out in steps if out.mtp_drafts is not None]
+    assert chained and all(d.shape[1] == K and (d >= 0).any() for d in chained)
+    assert sched.drafted_tokens > 0
+    # every row's drafts are the first of those the head chained for its request in the step before
+    last: dict[int, list[int]] = {}
+    rows = 0
+    for batch, out in steps:
+        if batch.draft_lens is not None:
+            ends = np.cumsum(batch.query_lens)
+            for i in np.flatnonzero(batch.draft_lens):
+                d, rid = int(batch.draft_lens[i]), int(batch.req_ids[i])
+                assert batch.tokens[ends[i] - d : ends[i]].tolist() == last[rid][:d]
+                rows += 1
+        if out.mtp_drafts is not None:
+            last.update((int(r), [t for t in d if t >= 0]) for r, d in zip(out.req_ids, out.mtp_drafts.tolist()))
+    assert rows == sched.draft_rows > 0
+    kept = sum(int(out.accepted_drafts.sum()) for _, out in steps if out.accepted_drafts is not None)
+    assert kept == sched.accepted_drafts  # the scheduler counts what the verify kept
+
+
+def _target_hidden(executor, plan, tokens: list[int]) -> torch.Tensor:
+    """The target's final-normed hidden states of `tokens`, computed whole from position 0 (one row, one chunk)."""
+    n, ps = len(tokens), plan.kv.page_size
+    step = StepBatch(
+        step_id=1,
+        req_ids=np.array([1], np.int64),
+        tokens=np.array(tokens, np.int32),
+        query_lens=np.array([n], np.int32),
+        context_lens=np.zeros(1, np.int32),
+        page_table=np.arange(1, -(-n // ps) + 1, dtype=np.int32)[None],
+        linear_state_slots=np.ones(1, np.int32),
+        reset_linear_state=np.ones(1, bool),
+        sample=np.zeros(1, bool),
+    )
+    with torch.inference_mode():
+        return executor.model.hidden_states(ForwardBatch.from_step(step, ps, "cpu"), executor.pools)
+
+
+def _reference_drafts(head, model, hidden: torch.Tensor, tokens: list[int], k: int) -> list[int]:
+    """The head's k chained greedy drafts after `tokens`, over the whole sequence and without a cache: position t's
+    input is h_{t-1} and the embedding of token t, a draft's input the head's own output before it and that draft."""
+    h, ids, drafts = hidden[: len(tokens) - 1], list(tokens[1:]), []
+    with torch.inference_mode():
+        for _ in range(k):
+            out = head(h, model.embed(torch.tensor(ids)), torch.arange(1, len(ids) + 1))
+            drafts.append(int(model.logits(out[-1:]).argmax()))
+            h, ids = torch.cat([h, out[-1:]]), ids + [drafts[-1]]
+    return drafts
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_cached_mtp_drafts_equal_the_heads_drafts_over_the_whole_sequence(booted, mtp_model, monkeypatch, chunked):
+    """After prefills (whole, or in chunks of 8 tokens: a chunk that does not sample is given the prompt's next
+    token), rows that kept every draft, some and none (a hybrid's linear state put back), the drafts the worker sent
+    back are what the head drafts from the whole sequence: its cached K/V stand where they should."""
+    executor, plan = booted
+    if chunked:
+        executor, plan = boot(mtp_model, "--speculative-method", "mtp", "--max-prefill-tokens", "8")
+    base, _ = generate(executor, plan, greedy_requests())
+    reference = {tuple(p): toks for p, (toks, _) in zip(PROMPTS, base)}
+    seen: list[tuple[list[int], tuple[int, ...]]] = []
+    complete = batcher_module.BatchScheduler.complete
+
+    def recording_complete(self, output):
+        out = complete(self, output)
+        for req in self.by_rid.values():
+            if req.mtp_drafts_at == len(req.tokens) and req.mtp_drafts:
+                seen.append((list(req.tokens), req.mtp_drafts))
+        return out
+
+    monkeypatch.setattr(batcher_module.BatchScheduler, "complete", recording_complete)
+    knowing = knowing_drafter(reference, executor.spec.vocab_size)
+    # it replaces the head's tokens (as the bench's oracle does); the head still runs and drafts
+    on, sched = generate(
+        executor, plan, greedy_requests(), "mtp", k=K, prefix_cache=False, drafter=lambda req, k: knowing(req.tokens, k)
+    )
+    assert on == base and 0 < sched.accepted_drafts < sched.drafted_tokens
+    unique = {tuple(t): d for t, d in seen}
+    assert len(unique) > 20
+    scratch, _ = boot(mtp_model)  # its pools hold the whole-sequence forwards
+    head = executor.mtp.head
+    for tokens, drafts in unique.items():
+        hidden = _target_hidden(scratch, plan, list(tokens))
+        assert list(drafts) == _reference_drafts(head, scratch.model, hidden, list(tokens), K), tokens
+
+
+def test_the_plan_prices_the_mtp_layers_kv_and_weights(mtp_model, booted, tmp_path, capsys):
+    executor, plan = booted
+    plain_exec, plain_plan = boot(mtp_model)
+    spec = load_model_config(mtp_model)
+    planned = executor.spec
+    assert planned.mtp_kv_layers == 1 and plain_exec.spec.mtp_kv_layers == 0
+    per_token = kv_bytes_per_token(planned, plan.dtype) - kv_bytes_per_token(spec, plan.dtype)
+    assert per_token == mtp_kv_bytes_per_token(spec, plan.dtype) > 0
+    # the MTP layer's K/V are a layer of the pool's full-attention tensor, paged with the target's pages
+    k_cache, _ = executor.pools.kv.layer(mtp_kv_layer(spec, 0))
+    assert k_cache.shape == executor.pools.kv.layer(spec.layer_types.index("full_attention"))[0].shape
+    assert executor.pools.nbytes == plan.kv.bytes + plan.linear_state.bytes + plan.linear_state_snapshots.bytes + (
+        plan.experts.bytes
+    )
+    assert plan.kv.bytes // plan.kv.tokens > plain_plan.kv.bytes // plain_plan.kv.tokens
+
+    # `ferry plan` prices the head's weights as the worker measures them
+    def weights(*extra):
+        parser = argparse.ArgumentParser()
+        plan_command.add_arguments(parser)
+        args = parser.parse_args([str(mtp_model), "--json", "--gpu-memory", "4GiB", "--dtype", "float32", *extra])
+        capsys.readouterr()  # the boots' logs before
+        assert plan_command.run(args) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["weights_bytes"]
+
+    assert weights("--speculative-method", "mtp") - weights() == mtp_resident_bytes(spec, "float32")
+
+
+def test_mtp_on_a_model_without_an_mtp_layer_is_refused_naming_the_flag(tiny_models):
+    for arch in ("qwen3_5_moe", "qwen3_moe"):
+        with pytest.raises(ConfigError, match="--speculative-method mtp.*no multi-token-prediction layer"):
+            boot(tiny_models[arch], "--speculative-method", "mtp")
+    with pytest.raises(ConfigError, match="--speculative-method must be one of off, ngram, mtp"):
+        boot(tiny_models["qwen3_moe"], "--speculative-method", "eagle")
+
+
+def test_generate_refuses_speculation_naming_the_flag():
+    """--speculative-method is a planner flag `ferry generate` shares with serve; its one-request loop never drafts."""
+    from ferry.services import generate_command
+    from tests.unit.test_cli_flags import parse
+
+    with pytest.raises(ConfigError, match="--speculative-method mtp: ferry generate"):
+        generate_command.run(parse("generate", "/models/none", "--prompt", "hi", "--speculative-method", "mtp"))
+
+
+def test_the_profiled_step_runs_the_mtp_pass_on_temporary_pools(mtp_model, booted, monkeypatch):
+    """The CUDA workspace profile runs the largest step with the MTP head's pass after it (its temporaries are the
+    workspace's): on the temporary pools, whose KV holds the MTP layer, the head drafts one token a row."""
+    from ferry.plan.planner import PlanRequest, resolve
+    from ferry.services.worker import mtp_drafts
+    from ferry.services.worker.late_bound_experts import LateBoundExperts
+    from ferry.services.worker.models import build_model
+    from ferry.services.worker.workspace_profile import run_largest_step
+
+    executor, _ = booted
+    spec = executor.spec
+    r = resolve(spec, PlanRequest(max_running_requests=5, max_prefill_tokens=40))
+    experts = LateBoundExperts(spec.num_experts)
+    model = build_model(spec, torch.float32, "cpu", experts)
+    drafted = []
+    run = mtp_drafts.MtpDrafter.run
+    monkeypatch.setattr(mtp_drafts.MtpDrafter, "run", lambda self, *a: drafted.append(run(self, *a)) or drafted[-1])
+    tokens = run_largest_step(model, experts, spec, r, torch.device("cpu"), executor.mtp.head)
+    assert tokens.shape == (5,)
+    (drafts,) = drafted
+    assert drafts.shape == (5, 1) and ((drafts >= 0) & (drafts < spec.vocab_size)).all()
+
+
+@pytest.mark.parametrize(
+    "fields, word",
+    [
+        (dict(mtp_drafts=[3], sample=False), "sampling rows only"),
+        (dict(mtp_drafts=[17]), "sampling rows only"),  # past MAX_SPECULATIVE_TOKENS
+        (dict(mtp_drafts=[15]), "runs past its pages"),  # 3 tokens + 14 chain slots > one page of 16
+        (dict(next_tokens=[5]), "-1 for sampling rows"),
+        (dict(next_tokens=[10_000], sample=False), "next_tokens must lie in"),
+    ],
+)
+def test_contract_refuses_mtp_fields_a_row_cannot_take(booted, fields, word):
+    """A step's MTP fields are checked before anything runs: a chain's K/V stay inside the row's pages."""
+    executor, plan = booted
+    assert plan.kv.page_size == 16
+    new = (
+        NewRequest(req_id=7, prompt_token_ids=np.array([1, 2, 3], np.int32), sampling=SamplingParams(temperature=0)),
+    )
+    step = _step(1, [[1, 2, 3]], [0], [[1]], sample=fields.pop("sample", True), rids=[7], new=new)
+    step = msgspec.structs.replace(step, **{k: np.array(v, np.int32) for k, v in fields.items()})
+    with pytest.raises(StepBatchError, match=word):
+        executor.execute(step)
+
+
+def test_an_answer_with_malformed_mtp_drafts_is_unusable():
+    from ferry.shared.contract import step_output_problem
+    from ferry.shared.step import StepOutput
+
+    def answer(drafts):
+        return StepOutput(
+            step_id=1,
+            req_ids=np.array([1, 2], np.int64),
+            token_ids=np.array([3, 4], np.int32),
+            logprobs=np.zeros(2, np.float32),
+            mtp_drafts=drafts,
+        )
+
+    assert step_output_problem(answer(np.array([[5, -1], [6, 7]], np.int32)), vocab_size=96) is None
+    for bad in (np.array([5, 6], np.int32), np.array([[5, -1]], np.int32), np.array([[5, 96], [1, 2]], np.int32)):
+        assert "mtp_drafts" in step_output_problem(answer(bad), vocab_size=96)
