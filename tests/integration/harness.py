@@ -25,12 +25,53 @@ FAKE_BOOT = "tests.doubles.fake_worker:boot_paged_hash_model"
 
 
 _HANDED_PORTS: set[int] = set()
+# free_port's ports sit below the kernel's ephemeral range (where bind(0) and every outgoing connection take
+# theirs), each test worker in a block of its own, stepped by 3: `ferry serve` puts its scheduler and worker
+# on --port + 1 and + 2, which then belong to no one else either (with ports from bind(0), a client's
+# connection took a scheduler's port + 1 between its check and its bind)
+PORT_STEP = 3
+LOWEST_PORT = 10000
+
+
+def _port_block() -> range | None:
+    """This test worker's ports (pytest-xdist's gwN of PYTEST_XDIST_WORKER_COUNT), or None where the ephemeral
+    range leaves too few below it."""
+    try:
+        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    size = (ephemeral_low - LOWEST_PORT) // max(workers, 1)
+    if size < 300 * PORT_STEP:
+        return None
+    start = LOWEST_PORT + index * size
+    return range(start, start + size - PORT_STEP, PORT_STEP)
+
+
+_PORT_BLOCK = _port_block()
+_next_in_block = 0
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def free_port() -> int:
-    """A loopback port free now and not handed out before by this process: a port closed again at once
-    may come back from the next bind to port 0, and a cluster asks for three in a row (in one suite run a
-    worker found its health port taken)."""
+    """A loopback port free now, never handed out before by this process, and (where the machine's ephemeral
+    range allows: _port_block) in this test worker's own block, with the two after it free too."""
+    global _next_in_block
+    while _PORT_BLOCK is not None and _next_in_block < len(_PORT_BLOCK):
+        port = _PORT_BLOCK[_next_in_block]
+        _next_in_block += 1
+        if all(_bindable(p) for p in range(port, port + PORT_STEP)):
+            _HANDED_PORTS.add(port)
+            return port
     while True:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

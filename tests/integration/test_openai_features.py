@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import openai
@@ -301,8 +302,15 @@ def test_forced_parallel_tool_calls_end_after_the_calls(client, choice, stream):
     another call more often than not, yet the grammar lets it end after any call and makes it end after
     structured.MAX_CALLS (4) of them, which fit: every seed ends with tool_calls, content empty."""
     counts = []
-    for seed in range(8):
-        content, calls, reason = _forced_chat(client, stream, tools=[WEATHER, TIME], tool_choice=choice, seed=seed)
+    # the seeds' requests together: one batch of long outputs rather than eight in turn
+    with ThreadPoolExecutor(8) as pool:
+        outputs = list(
+            pool.map(
+                lambda seed: _forced_chat(client, stream, tools=[WEATHER, TIME], tool_choice=choice, seed=seed),
+                range(8),
+            )
+        )
+    for seed, (content, calls, reason) in enumerate(outputs):
         assert reason == "tool_calls" and content == "", (seed, content, calls)
         assert 1 <= len(calls) <= 4
         for call in calls:
@@ -317,10 +325,17 @@ def test_forced_tool_calls_cut_by_max_tokens_leak_no_markup(client, stream):
     """max_tokens ends the output inside a call: finish_reason length, the complete calls before it
     (each valid), and neither the unfinished call nor any of its markup in content."""
     seen = set()
-    for seed, max_tokens in [(0, 20), (0, 90), (3, 150), (5, 200), (7, 230)]:
-        content, calls, reason = _forced_chat(
-            client, stream, tools=[WEATHER, TIME], tool_choice="required", max_tokens=max_tokens, seed=seed
+    cuts = [(0, 20), (0, 90), (3, 150), (5, 200), (7, 230)]
+    with ThreadPoolExecutor(len(cuts)) as pool:
+        outputs = list(
+            pool.map(
+                lambda cut: _forced_chat(
+                    client, stream, tools=[WEATHER, TIME], tool_choice="required", max_tokens=cut[1], seed=cut[0]
+                ),
+                cuts,
+            )
         )
+    for content, calls, reason in outputs:
         assert "<tool_call" not in content and "tool_call>" not in content and content.strip() == "", content
         for call in calls:
             jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])

@@ -3,8 +3,10 @@ published layout (tests/quantized_models.py: nvidia modelopt NVFP4, compressed-t
 compressed-tensors itself, Qwen's FP8 blocks, gpt-oss's MXFP4 per linear), through the real api,
 scheduler and worker on CPU, the official openai client asking for prompt logprobs (echo): they equal
 transformers' log-softmax of the same checkpoint dequantized (float32) within 0.05. Half of them run
-offloaded (fewer expert slots than experts: the quantized rows cross from the host banks), and /metrics
-names the format."""
+offloaded (fewer expert slots than experts: the quantized rows cross from the host banks), and the worker's
+log names the format. Each layout is served once, on one architecture: every architecture in every layout,
+resident and offloaded, is test_quantized_checkpoints.py's (in one process, the same comparison); a boot of
+the three services is what this file adds, and each costs more than all of that file's cases of a layout."""
 
 from __future__ import annotations
 
@@ -28,10 +30,23 @@ def _hf_logprobs(model_dir, ids: list[int]):
         return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("arch", TINY_ARCHS)
+# (architecture, layout, offloaded): both architectures, both resident and offloaded, each layout
+SERVED = [
+    ("qwen3_5_moe", "modelopt-nvfp4", True),
+    ("qwen3_moe", "ct-nvfp4", False),
+    ("qwen3_5_moe", "fp8", False),
+    ("qwen3_moe", "mxfp4", True),
+]
+
+
+def test_the_served_cases_cover_every_layout_both_architectures_and_both_placements():
+    assert sorted(layout for _, layout, _ in SERVED) == sorted(LAYOUTS)
+    assert {arch for arch, _, _ in SERVED} == set(TINY_ARCHS) and {o for _, _, o in SERVED} == {True, False}
+
+
+@pytest.mark.parametrize("arch, layout, offloaded", SERVED)
 def test_served_prompt_logprobs_equal_transformers_on_the_dequantized_weights(
-    quantized_tiny_models, tmp_path, arch, layout
+    quantized_tiny_models, tmp_path, arch, layout, offloaded
 ):
     from transformers import AutoTokenizer
 
@@ -39,7 +54,7 @@ def test_served_prompt_logprobs_equal_transformers_on_the_dequantized_weights(
     reference = dequantized_copy(model, tmp_path / "dequantized")
     ids = AutoTokenizer.from_pretrained(model).encode(PROMPT, add_special_tokens=False)
     want = _hf_logprobs(reference, ids)
-    offload = ("--moe-cache-size", "9") if (arch == "qwen3_5_moe") == (layout != "fp8") else ()
+    offload = ("--moe-cache-size", "9") if offloaded else ()
     with serve_model(model, tmp_path, REAL_WORKER_ENV, "--dtype", "float32", *offload) as served:
         client = openai.OpenAI(base_url=served.url + "/v1", api_key="x", max_retries=0, timeout=120)
         r = client.completions.create(model="tiny", prompt=ids, max_tokens=0, echo=True, logprobs=1, temperature=0)
