@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 import anthropic
@@ -423,17 +424,22 @@ def _forced(client, choice: dict) -> dict:
 def test_forced_tool_choice_gives_tool_use_blocks_that_validate(real_client, choice):
     """A model that writes arbitrary tokens calls the tool anyway: the grammar holds its output to
     calls whose arguments match the input_schema, and ends it after them; several tries, each a
-    different sample (the Messages API has no seed)."""
-    for _ in range(5):
-        _tool_uses(real_client.messages.create(**_forced(real_client, choice)), choice)
+    different sample (the Messages API has no seed), sent together (one batch rather than five in turn)."""
+    with ThreadPoolExecutor(5) as pool:
+        messages = list(pool.map(lambda _: real_client.messages.create(**_forced(real_client, choice)), range(5)))
+    for message in messages:
+        _tool_uses(message, choice)
 
 
 @pytest.mark.parametrize("choice", CHOICES[:3])
 def test_forced_tool_choice_streamed_as_tool_use_events(real_client, choice):
-    for _ in range(3):
+    def streamed(_):
         with real_client.messages.stream(**_forced(real_client, choice)) as stream:
-            events = list(stream)
-            final = stream.get_final_message()
+            return list(stream), stream.get_final_message()
+
+    with ThreadPoolExecutor(3) as pool:  # three samples together
+        samples = list(pool.map(streamed, range(3)))
+    for events, final in samples:
         uses = _tool_uses(final, choice)
         starts = [e for e in events if e.type == "content_block_start"]
         assert [(e.content_block.type, e.content_block.name, e.content_block.input) for e in starts] == [
