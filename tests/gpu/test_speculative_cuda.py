@@ -1,0 +1,66 @@
+"""Speculative decoding on CUDA (shared/speculation.py): the scheduler and the real worker's executor in one process,
+as tests/unit/test_speculative_decoding.py and test_mtp_drafting.py run them on CPU, here with decode graphs for
+the plain rows and the drafting rows eager. Prompt lookup (ngram) on both tiny architectures and the MTP head on a
+tiny Qwen3.5 MoE with an MTP layer: rows are sent with drafts, the verify keeps some, and greedy decoding gives the
+tokens of speculation off. A verify row's positions go through other kernels than one-token decode rows (a short
+prefill's), so where the two differ it must be at a near tie of speculation off's two most likely tokens (its
+top-2 logprobs, asked of the same requests), never a real difference."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+import torch
+
+from ferry.services.make_tiny_model import make_tiny_model
+from ferry.shared.sampling import SamplingParams
+from tests.helpers import cuda_test_budget
+from tests.unit.test_speculative_decoding import MAX_TOKENS, PROMPTS, boot, generate
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+NEAR_TIE = 1e-3  # top-2 logprobs this close may take either order under another kernel's float32 sums
+# the GPU computes every expert: a boot calibration skewed by other test processes could hand misses to the host
+CUDA = ("--device", "cuda", "--gpu-memory", cuda_test_budget(768 * 2**20), "--expert-backend", "gpu")
+
+
+def _greedy(logprobs: int | None = None) -> list:
+    sampling = SamplingParams(temperature=0, logprobs=logprobs)
+    return [(p, sampling, n) for p, n in zip(PROMPTS, MAX_TOKENS)]
+
+
+def _check_speculation_keeps_the_tokens(executor, plan, method: str) -> None:
+    off, _ = generate(executor, plan, _greedy(logprobs=2))  # logprobs: plain rows, and each position's top-2
+    margins = {}
+    for rid, entries in generate.logprobs.items():
+        top = np.concatenate([e.top_logprobs for e in entries])
+        margins[rid] = top[:, 0] - top[:, 1]
+    on, sched = generate(executor, plan, _greedy(), method, k=4)
+    assert sched.draft_rows > 0 and sched.drafted_tokens > 0, "no row was sent with drafts"
+    for rid, ((want, _), (got, _)) in enumerate(zip(off, on), start=1):
+        same = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), None)
+        if same is not None:
+            assert margins[rid][same] < NEAR_TIE, (method, rid, same, float(margins[rid][same]), want, got)
+        else:
+            assert len(got) == len(want), (method, rid, want, got)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe"])
+def test_ngram_drafts_keep_the_greedy_tokens_through_graphs(tiny_models, arch):
+    executor, plan = boot(tiny_models[arch], *CUDA)
+    assert executor.graphs is not None  # plain rows replay decode graphs, drafting rows run eagerly
+    _check_speculation_keeps_the_tokens(executor, plan, "ngram")
+    del executor
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def test_mtp_drafts_keep_the_greedy_tokens(tmp_path):
+    model = make_tiny_model(tmp_path / "qwen3_5_moe", "qwen3_5_moe", seed=0, mtp=True)
+    executor, plan = boot(model, *CUDA, "--speculative-method", "mtp")
+    _check_speculation_keeps_the_tokens(executor, plan, "mtp")
+    del executor
+    gc.collect()
+    torch.cuda.empty_cache()
