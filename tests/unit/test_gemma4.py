@@ -290,9 +290,7 @@ class _HostComputedExperts:
         assert self.host.backend == "c" and self.host.c_kernel.activation == GELU_TANH_CODE
 
     def forward(self, moe_layer, x, topk_ids, topk_weights, n_rows=None, summed=True) -> torch.Tensor:
-        pairs = [
-            (t, e, w) for t in range(x.shape[0]) for e, w in zip(topk_ids[t].tolist(), topk_weights[t].tolist())
-        ]
+        pairs = [(t, e, w) for t in range(x.shape[0]) for e, w in zip(topk_ids[t].tolist(), topk_weights[t].tolist())]
         return self.host.compute(moe_layer, x.contiguous(), pairs).to(x.dtype)
 
 

@@ -7,7 +7,11 @@ after the weights), in float32 and bf16 compute: both equal the twin within the 
 holds the C kernel to the torch path (bf16: nearly every value within float32's, every one within a bf16 rounding;
 at these sizes they are equal bit for bit). The clamp's limit is small enough that most gate and up values are
 clamped and the biases large enough to move every output, so a kernel that drops the biases or skips the clamp
-(planted below through the kernel's own job fields and the torch path's reader) is caught."""
+(planted below through the kernel's own job fields and the torch path's reader) is caught.
+
+Gemma's experts (gelu_tanh(gate) * up, no biases; plain banks and bf16's packed ones): the C kernel equals the
+torch path over plain banks of the same values, a kernel computing SiLU or a reference computing gelu's erf form
+is caught, and an activation the kernel lacks is refused by name rather than computed as another."""
 
 from __future__ import annotations
 
