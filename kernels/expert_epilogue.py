@@ -75,7 +75,7 @@ def family_parts(family) -> tuple[torch.Tensor, torch.Tensor | None, ExpertActiv
 
 
 # the expert kernels' `SWIGLU` constexpr is the activation's code (`activation_code`): 0 silu(gate) * up, 1 the
-# clamped SwiGLU, 2 gelu_tanh(gate) * up
+# clamped SwiGLU, 2 gelu_tanh(gate) * up; the host's C kernel takes the same codes (expert_job.h's ferry_activation)
 SILU_CODE, SWIGLU_CODE, GELU_TANH_CODE = 0, 1, 2
 
 

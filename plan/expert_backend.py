@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ferry.plan.model_spec import CLAMPED_SWIGLU, SILU
+from ferry.plan.model_spec import CLAMPED_SWIGLU, GELU_TANH, SILU
 
 if TYPE_CHECKING:
     from ferry.plan.model_spec import ModelSpec
@@ -87,7 +87,7 @@ def check_expert_backend_flags(requested: str | None, threads: int | None) -> st
 
 # the activations the host's expert kernels (kernels/host_experts_c/ and their torch twin) compute, with or without
 # the experts' biases
-HOST_ACTIVATIONS = (SILU, CLAMPED_SWIGLU)
+HOST_ACTIVATIONS = (SILU, CLAMPED_SWIGLU, GELU_TANH)
 
 
 def host_compute_refusal(spec: ModelSpec) -> str | None:

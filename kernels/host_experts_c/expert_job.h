@@ -23,6 +23,8 @@ enum ferry_format {
 /* the compute dtype: the torch path multiplies in it, so its roundings are the contract */
 enum ferry_act { FERRY_ACT_F32 = 0, FERRY_ACT_BF16 = 1 };
 enum ferry_isa { FERRY_ISA_AUTO = 0, FERRY_ISA_PORTABLE = 1, FERRY_ISA_AVX512_BF16 = 2 };
+/* the experts' activation of gate and up, kernels/expert_epilogue.py's codes (activation_code) */
+enum ferry_activation { FERRY_SILU = 0, FERRY_CLAMPED_SWIGLU = 1, FERRY_GELU_TANH = 2 };
 
 typedef struct {
     const uint8_t *base;   /* expert 0's row of this family in the layer's bank */
@@ -58,9 +60,12 @@ typedef struct {
     const float *pair_weight;
     ferry_family w13, w2;
     float *out; /* float32 [tokens, hidden], overwritten */
-    /* the activation: 0, silu(gate) * up; else gpt-oss's clamped SwiGLU (kernels/expert_epilogue.py):
-     * g = min(gate, limit), u = clamp(up, -limit, limit), (u + 1) * g * sigmoid(alpha * g) */
+    /* FERRY_CLAMPED_SWIGLU's parameters (gpt-oss, kernels/expert_epilogue.py): g = min(gate, limit),
+     * u = clamp(up, -limit, limit), (u + 1) * g * sigmoid(alpha * g); the other activations ignore them */
     double swiglu_limit, swiglu_alpha;
+    /* enum ferry_activation: silu(gate) * up, the clamped SwiGLU, or gelu_tanh(gate) * up (Gemma's experts);
+     * a job with any other code is refused, never computed as SiLU */
+    int64_t activation;
 } ferry_job;
 
 /* The rows one instruction set computes: y[t * y_stride + (r - r0)] = sum_c w[r, c] * a[t * a_stride + c]

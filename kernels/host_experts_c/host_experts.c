@@ -3,7 +3,7 @@
  * One call computes one MoE layer's listed (token, expert, router weight) pairs for a few tokens,
  * the contract of HostExperts.compute (host_experts.py): per expert, gate/up rows for all of its
  * tokens at once (every weight read once), the gate/up biases where the experts have them, the activation
- * (SiLU(gate) * up, or gpt-oss's clamped SwiGLU), down and its bias, then per token the pairs' weighted
+ * (SiLU(gate) * up, gpt-oss's clamped SwiGLU or Gemma's gelu_tanh(gate) * up), down and its bias, then per token the pairs' weighted
  * rows summed in the order the pairs are listed, into float32 [T, H]. In bf16 compute the values
  * are rounded to bf16 where the torch path rounds them (its F.linear outputs, the bias sums, each op of
  * the activation), so the two agree to float32 sums' order; in float32 compute nothing is rounded but the sums.
@@ -116,6 +116,14 @@ void ferry_host_kernel_destroy(void *handle) {
 
 static inline float silu(float g) { return g / (1.0f + expf(-g)); }
 
+/* torch's gelu with the tanh approximation, as its CPU kernel computes it in float32 (bf16 inputs too, rounded
+ * once after): 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), the cube and the products in that order */
+static inline float gelu_tanh(float g) {
+    const float beta = 0.7978845608028654f, kappa = 0.044715f; /* sqrt(2 / pi) */
+    float inner = beta * (g + kappa * (g * g * g));
+    return 0.5f * g * (1.0f + tanhf(inner));
+}
+
 /* h for rows i0.. of slots s0..s0+n from their gate and up rows (g, u: [n, CHUNK]) of the expert whose w13
  * bytes start at `w`: the biases added, then the activation. In bf16 compute every step is rounded to bf16
  * where the torch path (the reference twin) rounds it: the linear outputs, each bias (to bf16, as the twin
@@ -125,6 +133,7 @@ static void combine(const plan *p, const uint8_t *w, int64_t s0, int n, int64_t 
                     const float *u) {
     const ferry_job *job = p->job;
     int bf16 = job->act == FERRY_ACT_BF16, bias = job->w13.bias_offset >= 0, format = (int)job->format;
+    int activation = (int)job->activation;
     float limit = (float)job->swiglu_limit, alpha = (float)job->swiglu_alpha;
     if (bf16) limit = ferry_round_bf16(limit);
     for (int j = 0; j < len; j++) {
@@ -141,7 +150,7 @@ static void combine(const plan *p, const uint8_t *w, int64_t s0, int n, int64_t 
                 gate += bg, up += bu;
                 if (bf16) gate = ferry_round_bf16(gate), up = ferry_round_bf16(up);
             }
-            if (limit > 0.0f) { /* torch's clamp: min(max(x, lo), hi) */
+            if (activation == FERRY_CLAMPED_SWIGLU) { /* torch's clamp: min(max(x, lo), hi) */
                 gate = fminf(gate, limit);
                 up = fminf(fmaxf(up, -limit), limit);
                 if (bf16) {
@@ -150,6 +159,8 @@ static void combine(const plan *p, const uint8_t *w, int64_t s0, int n, int64_t 
                 } else {
                     h = (up + 1.0f) * (gate * (1.0f / (1.0f + expf(-(gate * alpha)))));
                 }
+            } else if (activation == FERRY_GELU_TANH) { /* torch's gelu of a bf16 tensor: rounded once */
+                h = bf16 ? ferry_round_bf16(ferry_round_bf16(gelu_tanh(gate)) * up) : gelu_tanh(gate) * up;
             } else if (bf16) { /* bf16 SiLU, a bf16 product */
                 h = ferry_round_bf16(ferry_round_bf16(silu(gate)) * up);
             } else {
@@ -236,7 +247,10 @@ static int valid(const ferry_job *job) {
     if (job->format < FERRY_F32 || job->format > FERRY_GGUF || job->act < 0 || job->act > 1) return 0;
     if (job->format == FERRY_GGUF && !(gguf_rows_valid(&job->w13) && gguf_rows_valid(&job->w2))) return 0;
     if (job->tokens < 0 || job->hidden < 1 || job->inter < 1 || job->n_pairs < 0) return 0;
-    if (!(job->swiglu_limit >= 0.0) || !isfinite(job->swiglu_limit) || !isfinite(job->swiglu_alpha)) return 0;
+    if (job->activation < FERRY_SILU || job->activation > FERRY_GELU_TANH) return 0; /* no silent SiLU */
+    if (job->activation == FERRY_CLAMPED_SWIGLU &&
+        (!(job->swiglu_limit > 0.0) || !isfinite(job->swiglu_limit) || !isfinite(job->swiglu_alpha)))
+        return 0;
     if ((job->w13.bias_offset < 0) != (job->w2.bias_offset < 0)) return 0; /* both projections' biases or neither */
     if (job->format == FERRY_PACKED && job->w13.bias_offset >= 0) return 0;  /* packed banks hold no biases */
     if ((job->format == FERRY_NVFP4 || job->format == FERRY_MXFP4) &&

@@ -15,14 +15,16 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from model_harness import PagedRunner, assert_logits_close, hf_greedy
 from tiny_models import redrawn_tiny_checkpoint, tiny_model
 
-from ferry.kernels.expert_epilogue import SILU_AND_MUL
+from ferry.kernels.expert_epilogue import GELU_TANH_AND_MUL, GELU_TANH_CODE, SILU_AND_MUL, SILU_CODE
 from ferry.plan.costs import ALLOC_GRANULE, resident_weight_bytes_from_shapes, resident_weight_shapes
+from ferry.plan.expert_backend import host_compute_refusal, physical_cores, plan_expert_backend
 from ferry.plan.model_config import load_model_config, parse_model_config
 from ferry.plan.model_spec import FULL_ATTENTION, LayerRope
 from ferry.plan.planner import Measured, PlanRequest, make_plan
@@ -203,7 +205,7 @@ def _granules(*shape: int) -> int:
 
 def test_ferry_plan_prices_gemma_4_26b_a4b_tensor_by_tensor():
     """At 24 GiB: the resident weights worked out from the architecture (not from the planner's tables), the two
-    KV groups at their own shapes, the experts' slots, and the gelu experts kept from the host's kernels."""
+    KV groups at their own shapes, the experts' slots, and the gelu experts in packed banks the host may compute."""
     hidden, vocab, heads, dense, experts, moe = 2816, 262144, 16, 2112, 128, 704
     sliding = (
         _granules(heads * 256, hidden) + 2 * _granules(8 * 256, hidden)  # q, k, v
@@ -234,8 +236,85 @@ def test_ferry_plan_prices_gemma_4_26b_a4b_tensor_by_tensor():
     assert (
         groups[0]["bytes_per_token"] == 5 * 2 * 2 * 512 * 2 and groups[1024]["bytes_per_token"] == 25 * 2 * 8 * 256 * 2
     )
-    assert plan["expert_backend"]["backend"] == "gpu"  # the host's kernels compute no gelu experts
+    assert plan["host"]["expert_bank_format"] == "packed"  # the banks carry the gelu for the host to compute
+    # the host may compute them: auto decides by this machine's cores alone
+    assert plan["expert_backend"]["backend"] == plan_expert_backend(None, None, True, physical_cores()).backend
     assert plan["total_bytes"] <= plan["budget_bytes"]
+
+
+def test_the_host_computes_gelu_experts_so_every_backend_serves_gemma4(model):
+    """The host's kernels compute gelu_tanh(gate) * up (tests/unit/offload/test_host_expert_epilogue.py): the plan
+    lets cpu, hybrid and auto's host share take Gemma 4's misses, and its bf16 experts' packed banks (auto's) carry
+    the activation for the host to compute."""
+    from ferry.services.worker.expert_formats import bank_format_for
+    from ferry.services.worker.offload.host_memory.packed_banks import PackedHostBanks
+
+    published = load_model_config(GEMMA4)
+    assert host_compute_refusal(published) is None
+    for backend, threads in (("cpu", None), ("hybrid", None), ("auto", 8)):
+        chosen = plan_expert_backend(backend, threads, True, 64, host_refusal=host_compute_refusal(published))
+        assert chosen.backend == ("hybrid" if backend == "auto" else backend)
+    _, spec, _ = model
+    plan = SimpleNamespace(host=SimpleNamespace(expert_bank_format="auto"), dtype="bfloat16")
+    assert bank_format_for(spec, plan).activation == GELU_TANH_AND_MUL
+    banks = PackedHostBanks.for_model(spec, "bfloat16", pin=False, progress=False)
+    assert banks.format.activation == GELU_TANH_AND_MUL
+
+
+class _HostComputedExperts:
+    """The model's expert store with every routed expert computed by the host's C kernel from host banks holding
+    the slots' experts (plain float32, or packed for bf16): what the host share computes of a miss, here of every
+    expert (a worker on a CPU device keeps its share off: the model computes every expert there already)."""
+
+    def __init__(self, spec, slots, dtype: torch.dtype):
+        from ferry.services.worker.offload.host_compute.host_experts import HostExperts
+        from ferry.services.worker.offload.host_memory.host_banks import HostBanks
+        from ferry.services.worker.offload.host_memory.packed_banks import PackedHostBanks
+
+        e, i = spec.num_experts, spec.moe_intermediate_size
+        layers = len(spec.moe_layer_indices)
+        if dtype == torch.float32:
+            banks = HostBanks.for_model(spec, "float32", pin=False, progress=False)
+            for layer in range(layers):
+                banks.w13[layer].copy_(slots.w13[layer * e : (layer + 1) * e])
+                banks.w2[layer].copy_(slots.w2[layer * e : (layer + 1) * e])
+        else:
+            banks = PackedHostBanks.for_model(spec, "bfloat16", pin=False, progress=False)
+            for layer in range(layers):
+                for expert in range(e):
+                    w13, w2 = slots.w13[layer * e + expert], slots.w2[layer * e + expert]
+                    banks.load_expert(layer, expert, w13[:i], w13[i : 2 * i], w2)
+            banks.seal()
+        self.num_experts = e
+        self.host = HostExperts(banks, dtype, threads=2, kernel="c")
+        assert self.host.backend == "c" and self.host.c_kernel.activation == GELU_TANH_CODE
+
+    def forward(self, moe_layer, x, topk_ids, topk_weights, n_rows=None, summed=True) -> torch.Tensor:
+        pairs = [(t, e, w) for t in range(x.shape[0]) for e, w in zip(topk_ids[t].tolist(), topk_weights[t].tolist())]
+        return self.host.compute(moe_layer, x.contiguous(), pairs).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_generation_with_the_host_computing_the_experts_equals_resident(model, dtype):
+    """Tiny Gemma 4 with its routed experts computed on the host (plain float32 banks; bf16's packed banks): the
+    tokens all-resident generates and, in float32, its logits (the host's sums run in another order); the host
+    computing SiLU instead is caught."""
+    hf, spec, _ = model
+    resident = PagedRunner(spec, hf, page_size=4, dtype=dtype)
+    want_prompt, want_tokens, want_steps = resident.generate(1, PROMPT, 8, chunks=[5, 1, 6, 6])
+    runner = PagedRunner(spec, hf, page_size=4, dtype=dtype)
+    store = _HostComputedExperts(spec, runner.pools.experts, dtype)
+    for layer in runner.model.layers:
+        object.__setattr__(layer, "experts", store)
+    got_prompt, got_tokens, got_steps = runner.generate(1, PROMPT, 8, chunks=[5, 1, 6, 6])
+    assert got_tokens == want_tokens
+    rel = 1e-4 if dtype == torch.float32 else 2e-2
+    assert_logits_close(got_prompt, want_prompt, rel)
+    assert_logits_close(got_steps, want_steps, rel)
+    store.host.c_kernel.activation = SILU_CODE
+    with pytest.raises(AssertionError, match="logits differ"):
+        assert_logits_close(runner.step([(2, PROMPT)])[0], want_prompt, rel)
+    store.host.close()
 
 
 class _CountingStore:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ferry.kernels.expert_epilogue import SILU_AND_MUL, ExpertActivation
 from ferry.plan import expert_formats as F
 from ferry.services.worker.expert_formats.bf16 import Bf16Experts
 from ferry.services.worker.offload.host_compute import host_expert_kernel as K
@@ -23,10 +24,21 @@ class Bf16PackedExperts(Bf16Experts):
     plan = F.get(F.BF16_PACKED)
     copy_engine_default = False
 
-    def __init__(self, hidden: int, inter: int, dtype: torch.dtype = torch.bfloat16):
+    def __init__(
+        self,
+        hidden: int,
+        inter: int,
+        dtype: torch.dtype = torch.bfloat16,
+        bias_rows: tuple[int, int] = (0, 0),
+        activation: ExpertActivation = SILU_AND_MUL,
+    ):
+        """`activation`: the experts' (gelu_tanh for Gemma's), which the host kernel and reader compute; packed
+        banks hold no biases (the plan keeps experts with biases in plain banks)."""
         if dtype != torch.bfloat16:
             raise ValueError(f"packed expert banks hold bf16 experts, not {dtype}")
-        super().__init__(hidden, inter, dtype)
+        if bias_rows != (0, 0):
+            raise ValueError("packed expert banks hold experts without biases: keep these in plain banks")
+        super().__init__(hidden, inter, dtype, activation=activation)
 
     def host_kernel_format(self) -> int:
         return K.PACKED

@@ -7,7 +7,11 @@ after the weights), in float32 and bf16 compute: both equal the twin within the 
 holds the C kernel to the torch path (bf16: nearly every value within float32's, every one within a bf16 rounding;
 at these sizes they are equal bit for bit). The clamp's limit is small enough that most gate and up values are
 clamped and the biases large enough to move every output, so a kernel that drops the biases or skips the clamp
-(planted below through the kernel's own job fields and the torch path's reader) is caught."""
+(planted below through the kernel's own job fields and the torch path's reader) is caught.
+
+Gemma's experts (gelu_tanh(gate) * up, no biases; plain banks and bf16's packed ones): the C kernel equals the
+torch path over plain banks of the same values, a kernel computing SiLU or a reference computing gelu's erf form
+is caught, and an activation the kernel lacks is refused by name rather than computed as another."""
 
 from __future__ import annotations
 
@@ -16,8 +20,9 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from ferry.kernels.expert_epilogue import ExpertActivation
+from ferry.kernels.expert_epilogue import GELU_TANH_AND_MUL, GELU_TANH_CODE, SILU_CODE, ExpertActivation
 from ferry.kernels.grouped_expert_gemm_reference import grouped_expert_rows_reference
 from ferry.kernels.quantized_experts import dequantize_slot
 from ferry.services.worker.expert_formats.bf16 import Bf16Experts
@@ -30,6 +35,7 @@ from ferry.services.worker.offload.host_compute.decode_share import HostDecodeSh
 from ferry.services.worker.offload.host_compute.host_expert_kernel import HostKernel
 from ferry.services.worker.offload.host_compute.host_experts import HostExperts
 from ferry.services.worker.offload.host_memory.host_banks import HostBanks
+from ferry.services.worker.offload.host_memory.packed_banks import PackedHostBanks
 from tests.unit.offload.test_host_expert_kernel import isas, needs_library
 
 LAYERS, EXPERTS, TOP_K = 2, 6, 3
@@ -273,3 +279,125 @@ def test_bf16_banks_computed_in_float32_read_their_bf16_biases_alike(banks_of, i
     finally:
         c.close()
         t.close()
+
+
+# Gemma's experts: gelu_tanh(gate) * up, no biases, in plain banks of the run dtype or packed banks (bf16's default)
+GELU_FORMATS = ("float32", "bf16", "packed")
+
+
+def make_gelu_banks(fmt: str, seed: int = 0):
+    """Random gelu experts in `fmt`'s banks: plain (float32, bf16), or packed from the same values as bf16's.
+    Weights of rms 0.5 / sqrt(cols) put the gate values (x_for's x) around 2, where gelu's tanh approximation,
+    its erf form and SiLU differ most."""
+    g = torch.Generator().manual_seed(seed)
+    dtype = torch.float32 if fmt == "float32" else torch.bfloat16
+    layout = Bf16Experts(HIDDEN, INTER, dtype, activation=GELU_TANH_AND_MUL)
+    plain = HostBanks.allocate(LAYERS, EXPERTS, HIDDEN, INTER, dtype, pin=False, progress=False, fmt=layout)
+    for layer in range(LAYERS):
+        for rows, cols in ((plain.w13[layer], HIDDEN), (plain.w2[layer], INTER)):
+            rows.copy_(torch.randn(rows.shape, generator=g) * 0.5 * cols**-0.5)
+    if fmt != "packed":
+        return plain
+    packed = PackedHostBanks.allocate(
+        LAYERS, EXPERTS, HIDDEN, INTER, pin=False, progress=False, activation=GELU_TANH_AND_MUL
+    )
+    for layer in range(LAYERS):
+        for e in range(EXPERTS):
+            w13, w2 = plain.w13[layer][e], plain.w2[layer][e]
+            packed.load_expert(layer, e, w13[:INTER], w13[INTER:], w2)
+    packed.seal()
+    return packed
+
+
+@pytest.fixture(scope="module")
+def gelu_banks_of():
+    made: dict = {}
+    return lambda fmt: made.setdefault(fmt, make_gelu_banks(fmt))
+
+
+def gelu_reference(gelu_banks_of, fmt: str, layer: int, x: torch.Tensor, pairs: list, activation=None) -> torch.Tensor:
+    """The torch host path over plain banks of the same values (packed: bf16's), whose activation is the plain
+    format's own (F.gelu's tanh approximation), or `activation` planted in its reader."""
+    t = HostExperts(gelu_banks_of("bf16" if fmt == "packed" else fmt), x.dtype, threads=1, kernel="torch")
+    try:
+        if activation is not None:
+            t.compute(layer, x[:1], pairs[:1])  # the reader is made on the first call
+            t._reader.activation = activation
+        return t.compute(layer, x, pairs)
+    finally:
+        t.close()
+
+
+@needs_library
+@pytest.mark.parametrize("isa", isas())
+@pytest.mark.parametrize("fmt", GELU_FORMATS)
+def test_the_c_kernel_computes_gelu_experts_as_the_torch_path(gelu_banks_of, fmt, isa):
+    """Gemma's experts on the host: the C kernel's gelu_tanh rows (float32, and bf16 rounded op by op as torch
+    rounds them) equal the torch path's within the host kernels' tolerance, for 1 and 21 tokens; so does the torch
+    path over packed banks, which carry the model's activation."""
+    banks = gelu_banks_of(fmt)
+    dtype = torch.float32 if fmt == "float32" else torch.bfloat16
+    for tokens, layer, threads in ((1, 0, 1), (21, 1, 3)):
+        x = x_for(tokens, dtype)
+        _, _, pairs = routing(tokens, layer)
+        want = gelu_reference(gelu_banks_of, fmt, layer, x, pairs)
+        c = HostExperts(banks, dtype, threads=threads, kernel="c", isa=isa)
+        try:
+            assert c.backend == "c" and c.c_kernel.activation == GELU_TANH_CODE
+            assert mismatch(c.compute(layer, x, pairs), want, dtype) is None
+        finally:
+            c.close()
+        if fmt == "packed":
+            t = HostExperts(banks, dtype, threads=1, kernel="torch")
+            try:
+                assert mismatch(t.compute(layer, x, pairs), want, dtype) is None
+            finally:
+                t.close()
+
+
+@needs_library
+@pytest.mark.parametrize("isa", isas())
+@pytest.mark.parametrize("fault", ("silu in the kernel", "erf gelu in the reference"))
+@pytest.mark.parametrize("fmt", GELU_FORMATS)
+def test_gelu_experts_computed_with_another_activation_are_caught(gelu_banks_of, fmt, fault, isa):
+    """What the comparison above tells apart: the kernel's job asking for SiLU, or a reference computing gelu's
+    erf form rather than its tanh approximation."""
+    banks = gelu_banks_of(fmt)
+    dtype = torch.float32 if fmt == "float32" else torch.bfloat16
+    x = x_for(8, dtype)
+    _, _, pairs = routing(8, 0)
+    erf = (lambda gate, up: F.gelu(gate) * up) if fault.startswith("erf") else None
+    want = gelu_reference(gelu_banks_of, fmt, 0, x, pairs, activation=erf)
+    c = HostExperts(banks, dtype, threads=2, kernel="c", isa=isa)
+    try:
+        if fault == "silu in the kernel":
+            c.c_kernel.activation = SILU_CODE
+        assert mismatch(c.compute(0, x, pairs), want, dtype) is not None
+    finally:
+        c.close()
+
+
+@needs_library
+def test_an_activation_the_c_kernel_lacks_is_refused_not_computed_as_silu(gelu_banks_of):
+    """The kernel is never handed an activation it does not compute: HostKernel refuses it by name (HostExperts'
+    auto then keeps the torch path), and the C side refuses a job with an unknown code."""
+    banks = gelu_banks_of("float32")
+    clamped_gelu = ExpertActivation(swiglu_limit=1.0, gelu_tanh=True)  # the kernel has no clamp for its gelu
+    other = HostBanks.allocate(
+        LAYERS, EXPERTS, HIDDEN, INTER, torch.float32, pin=False, progress=False,
+        fmt=Bf16Experts(HIDDEN, INTER, torch.float32, activation=clamped_gelu),
+    )  # fmt: skip
+    with pytest.raises(K.KernelUnavailable, match=r"not these experts' activation .*gelu_tanh=True"):
+        HostKernel(other, torch.float32, threads=1)
+    auto = HostExperts(other, torch.float32, threads=1, kernel="auto")
+    try:
+        assert auto.backend == "torch"
+    finally:
+        auto.close()
+    c = HostExperts(banks, torch.float32, threads=1, kernel="c", isa="portable")
+    try:
+        c.c_kernel.activation = max(K.ACTIVATIONS) + 1
+        with pytest.raises(RuntimeError, match="an invalid job"):
+            c.compute(0, x_for(1, torch.float32), [(0, 1, 1.0)])
+    finally:
+        c.close()

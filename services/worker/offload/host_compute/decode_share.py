@@ -199,6 +199,7 @@ class HostDecodeShare:
                 out=self._out.data_ptr(),
                 swiglu_limit=kernel.swiglu_limit,
                 swiglu_alpha=kernel.swiglu_alpha,
+                activation=kernel.activation,
             )
             # pin_caller: on CUDA the driver's callback thread runs the nodes and nothing else, so it takes the
             # pool's caller CPU (thread_pool.c); on CPU the nodes run on the caller's own thread

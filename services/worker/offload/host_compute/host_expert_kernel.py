@@ -30,11 +30,21 @@ from __future__ import annotations
 import ctypes
 import functools
 import importlib.util
+import math
 import os
 import weakref
 from collections.abc import Sequence
 
 import torch
+
+from ferry.kernels.expert_epilogue import (
+    GELU_TANH_AND_MUL,
+    GELU_TANH_CODE,
+    SILU_AND_MUL,
+    SILU_CODE,
+    SWIGLU_CODE,
+    ExpertActivation,
+)
 
 LIBRARY_MODULE = "ferry.kernels._host_experts_c"
 ISA_ENV = "FERRY_HOST_KERNEL_ISA"
@@ -52,6 +62,9 @@ F32, BF16, FP8_BLOCK, NVFP4, PACKED, MXFP4, GGUF = range(7)  # enum ferry_format
 GGML_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4")
 NO_GGML_TYPE = -1  # ferry_family's ggml_type of the other formats
 ACTS = {torch.float32: 0, torch.bfloat16: 1}  # enum ferry_act: the compute dtypes the kernel has
+# enum ferry_activation (expert_job.h): the experts' activations the kernel computes, by kernels/expert_epilogue.py's
+# code; any other is refused here (`activation_of`), never computed as another
+ACTIVATIONS = {SILU_CODE: "silu", SWIGLU_CODE: "clamped SwiGLU", GELU_TANH_CODE: "gelu_tanh"}
 NO_BIAS = -1  # ferry_family's bias_offset of experts without biases
 ERRORS = {-1: "an invalid job", -2: "an instruction set this CPU lacks", -3: "out of memory"}
 
@@ -99,8 +112,9 @@ class Job(ctypes.Structure):
         ("w13", Family),
         ("w2", Family),
         ("out", ctypes.c_void_p),
-        ("swiglu_limit", ctypes.c_double),  # 0: silu(gate) * up
+        ("swiglu_limit", ctypes.c_double),  # the clamped SwiGLU's (ACTIVATIONS' CLAMPED_SWIGLU)
         ("swiglu_alpha", ctypes.c_double),
+        ("activation", ctypes.c_int64),  # enum ferry_activation: ACTIVATIONS' codes
     ]
 
 
@@ -307,6 +321,25 @@ def bank_format(banks) -> int:
     return banks.format.host_kernel_format()
 
 
+def activation_of(banks) -> tuple[int, float, float]:
+    """(the kernel's activation code, the clamped SwiGLU's limit and alpha) of the banks' experts (their format's
+    `activation`; a format without one: silu(gate) * up), or KernelUnavailable naming an activation the kernel
+    lacks: it is compared whole, so a field the kernel does not read (a gelu that also clamps, a field added to
+    ExpertActivation later) is refused rather than dropped."""
+    activation = getattr(banks.format, "activation", SILU_AND_MUL)
+    known = ", ".join(ACTIVATIONS.values())
+    if isinstance(activation, ExpertActivation):
+        if activation == GELU_TANH_AND_MUL:
+            return GELU_TANH_CODE, 0.0, 1.0
+        limit, alpha = float(activation.swiglu_limit), float(activation.swiglu_alpha)
+        if activation == ExpertActivation(activation.swiglu_limit, activation.swiglu_alpha):
+            if limit == 0.0:
+                return SILU_CODE, 0.0, 1.0
+            if limit > 0.0 and math.isfinite(limit) and math.isfinite(alpha):
+                return SWIGLU_CODE, limit, alpha
+    raise KernelUnavailable(f"the C kernel computes {known} experts, not these experts' activation {activation!r}")
+
+
 def check_call(
     banks, dtype: torch.dtype, moe_layer: int, x: torch.Tensor, tokens: torch.Tensor, experts: torch.Tensor
 ) -> None:
@@ -353,10 +386,8 @@ class HostKernel:
         if dtype not in ACTS:
             raise KernelUnavailable(f"the C kernel computes in float32 or bfloat16, not {dtype}")
         self.format, self.act, self.isa = bank_format(banks), ACTS[dtype], resolve_isa(isa)
-        # the experts' activation (ferry_job's swiglu fields; a limit of 0: silu(gate) * up, packed banks' only one)
-        activation = getattr(banks.format, "activation", None)
-        self.swiglu_limit = float(activation.swiglu_limit) if activation is not None else 0.0
-        self.swiglu_alpha = float(activation.swiglu_alpha) if activation is not None else 1.0
+        # the experts' activation: its code and the clamped SwiGLU's parameters (ferry_job's fields)
+        self.activation, self.swiglu_limit, self.swiglu_alpha = activation_of(banks)
         self.isa_code = ISAS[self.isa]
         self.dtype = dtype
         if not lib.ferry_host_isa_available(self.isa_code):
@@ -493,6 +524,7 @@ class HostKernel:
             out=out.data_ptr(),
             swiglu_limit=self.swiglu_limit,
             swiglu_alpha=self.swiglu_alpha,
+            activation=self.activation,
         )
         if not self._destroy.alive:
             raise RuntimeError("the host kernel is closed")

@@ -123,7 +123,8 @@ class PackedReader:
         self.values = self.bf16 if dtype == torch.bfloat16 else torch.empty(v, dtype=dtype)
         self.w13 = self.values[:v13].view(2 * i, h)
         self.w2 = self.values[v13:].view(h, i)
-        self.activation = SILU_AND_MUL  # packed banks hold experts without biases (packed_banks.py refuses them)
+        # packed banks hold experts without biases (packed_banks.py refuses them), with their model's activation
+        self.activation = banks.format.activation
 
     def biases(self, moe_layer: int, expert: int) -> tuple[None, None]:
         return None, None

@@ -3,8 +3,8 @@
 A miss can be paid by copying the expert into a GPU slot, or by computing it where it lies. Given
 the hidden states of a few tokens (x [T, H], in the compute dtype) and (token row, expert, router
 weight) pairs of one MoE layer, `HostExperts.compute` returns float32 [T, H]: per pair gate/up and their
-biases, then the activation (SiLU(gate) * up, or gpt-oss's clamped SwiGLU), then down and its bias, in the
-compute dtype as the reference twin does
+biases, then the activation (SiLU(gate) * up, gpt-oss's clamped SwiGLU or Gemma's gelu_tanh(gate) * up), then down
+and its bias, in the compute dtype as the reference twin does
 (kernels/grouped_expert_gemm_reference.py), times the router weight in float32, summed per token in
 the order the pairs are listed. That is the share of the layer's MoE output the GPU path would have
 added for those pairs.
@@ -19,8 +19,8 @@ Each listed expert is read once, whatever the number of its tokens. Two backends
   (F.linear: oneDNN). torch reaches about a sixth of a server host's read bandwidth on plain banks, and
   its decode of the other formats is 10-60x slower still: it is the oracle.
 
-`auto` takes `c` where it can compute these banks, else `torch` (float16, packed banks of odd shapes,
-a library that is not built), saying once in a log line why.
+`auto` takes `c` where it can compute these banks, else `torch` (float16, packed banks of odd shapes, an
+activation the kernel lacks, a library that is not built), saying once in a log line why.
 
 Threads: the work runs on one dedicated Python thread whose intra-op team is `threads` wide. The
 calls that matter here (F.linear through oneDNN, the elementwise ops) parallelise with OpenMP, whose

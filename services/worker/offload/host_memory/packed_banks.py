@@ -29,10 +29,12 @@ import torch
 from tqdm import tqdm
 
 from ferry.kernels.dispatch import use_triton
+from ferry.kernels.expert_epilogue import SILU_AND_MUL, ExpertActivation
 from ferry.kernels.expert_pack import pack_experts, unpack_expert_reference, unpack_experts_triton
 from ferry.plan.expert_formats import bf16_packed as P
 from ferry.plan.host_memory import MEMINFO
 from ferry.plan.model_config import ModelSpec
+from ferry.services.worker.expert_formats import expert_epilogue
 from ferry.services.worker.expert_formats.bf16_packed import Bf16PackedExperts
 from ferry.services.worker.expert_formats.expert_shapes import check_expert_shapes
 from ferry.services.worker.offload.host_memory.host_banks import (
@@ -72,11 +74,13 @@ class PackedHostBanks:
         progress: bool = True,
         meminfo: Path = MEMINFO,
         huge_pages: bool | None = None,
+        activation: ExpertActivation = SILU_AND_MUL,
     ):
         self.num_layers, self.num_experts = num_layers, num_experts
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.dtype = torch.bfloat16
-        self.format = Bf16PackedExperts(hidden_size, intermediate_size)
+        # the experts' activation rides on the format: the host's kernel and reader compute it from these banks
+        self.format = Bf16PackedExperts(hidden_size, intermediate_size, activation=activation)
         self.pinned, self.meminfo = pin, meminfo
         self.v13, self.v2 = 2 * intermediate_size * hidden_size, hidden_size * intermediate_size
         v = self.v13 + self.v2
@@ -114,9 +118,11 @@ class PackedHostBanks:
         progress: bool = True,
         meminfo: Path = MEMINFO,
         huge_pages: bool | None = None,
+        activation: ExpertActivation = SILU_AND_MUL,
     ) -> "PackedHostBanks":
         """Uninitialised banks (with room for escapes checked); `pin=None` pins exactly when CUDA is available;
-        `huge_pages` advises the planes onto huge pages or not (None: as FERRY_HOST_HUGE_PAGES says)."""
+        `huge_pages` advises the planes onto huge pages or not (None: as FERRY_HOST_HUGE_PAGES says);
+        `activation`: the experts' (the model's: `for_model`)."""
         if dtype != torch.bfloat16:
             raise ValueError(f"packed expert banks hold bf16 experts, not {dtype}")
         pin = torch.cuda.is_available() if pin is None else pin
@@ -127,14 +133,23 @@ class PackedHostBanks:
             f"({format_bytes(needed // max(1, num_layers * num_experts))} each)",
             meminfo,
         )
-        return cls(num_layers, num_experts, hidden_size, intermediate_size, pin, progress, meminfo, huge_pages)
+        return cls(
+            num_layers, num_experts, hidden_size, intermediate_size, pin, progress, meminfo, huge_pages, activation
+        )
 
     @classmethod
     def for_model(cls, spec: ModelSpec, dtype: str, **kwargs) -> "PackedHostBanks":
         if dtype != "bfloat16":
             raise ValueError(f"packed expert banks hold bf16 experts, not {dtype}")
+        epilogue = expert_epilogue(spec)  # packed banks hold no biases: only the activation can differ
+        activation = SILU_AND_MUL if epilogue is None else epilogue[1]
         return cls.allocate(
-            len(spec.moe_layer_indices), spec.num_experts, spec.hidden_size, spec.moe_intermediate_size, **kwargs
+            len(spec.moe_layer_indices),
+            spec.num_experts,
+            spec.hidden_size,
+            spec.moe_intermediate_size,
+            activation=activation,
+            **kwargs,
         )
 
     # ---- sizes ---------------------------------------------------------------------------------
