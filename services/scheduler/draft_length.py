@@ -6,25 +6,31 @@ were: a Beta prior (ACCEPT_PRIOR) plus the verified rows, each row of d drafts w
 and one failure unless a == d (the kept drafts are a prefix), old rows decayed by DECAY so a request that turns
 repetitive (or stops) is followed. A row given k drafts then yields E(k) = 1 + a + ... + a^k tokens. Its cost is
 its share of a plain decode step, S / B (B rows in the step), plus what the k extra positions add:
-k x VERIFY_POSITION_S of compute, DRAFT_STEP_OVERHEAD_S (a step with drafts runs eagerly, not as a CUDA graph),
+k x VERIFY_POSITION_S of compute, with ngram DRAFT_STEP_OVERHEAD_S (a step with drafts runs eagerly, not as a graph),
 and with experts offloaded the expected extra expert misses times one miss's copy (expert bytes / PCIE_BYTES_PER_S);
 the eager step is charged once a step, to its first drafting row.
 A step of n tokens touches E_l (1 - (1 - t/E_l)^n) distinct experts a MoE layer (E_l experts, top-t routing,
 uniform), each missed with the cache's miss rate (measured from the worker's hit/miss counts, else 1 - slots /
 experts); so the k positions added to a step of n tokens miss
     L x miss_rate x E_l x ((1 - t/E_l)^n - (1 - t/E_l)^(n + k))  experts,  L = MoE layers.
-S is the plain step's cost by the same terms (DECODE_STEP_S plus the misses of its n tokens). The chosen k
-maximises E(k) / (S/B + cost(k)) (tokens a second), k = 0 unless some k beats 1 / (S/B): at acceptance 0 every
-k > 0 loses, the estimate falls under the threshold within a few rows, and the row decodes plainly (scheduled
-ahead, as without speculation). A request not measured yet drafts at least one token at once (within its first
-PROBE_EVERY decisions), since its prior alone would keep a row of a wide step from drafting. With k = 0
-nothing is observed, so a request's plain decisions are followed by a one-token probe every PROBE_EVERY of them,
-or more where a probe costs more (its priced extra over the row's share of a step kept to PROBE_COST_SHARE of the
+S is the plain step's cost by the same terms (DECODE_STEP_S plus the misses of its n tokens).
+With --speculative-method mtp (ChainPrices) drafts are not free to make, and the eager step is not theirs: every
+mtp step runs eagerly and the MTP layer runs over the rows' real positions whatever k is, so both are in S, and no
+draft pays DRAFT_STEP_OVERHEAD_S. Draft j of a row is instead the j-th dependent pass of the MTP head's chain: the
+target's LM head (vocabulary x hidden bytes) and, from j = 2, the MTP layer's dense weights, read at
+HBM_BYTES_PER_S, plus MTP_CHAIN_STEP_OVERHEAD_S, once a chain position a step (charged to the first row chaining
+that far: the rows after it pay only the positions past it), and the row's own routed experts in the layer.
+The chosen k maximises E(k) / (S/B + cost(k)) (tokens a second), k = 0 unless some k beats 1 / (S/B): at acceptance
+0 every k > 0 loses, the estimate falls under the threshold within a few rows, and the row decodes plainly
+(scheduled ahead, as without speculation). A request not measured yet drafts at least one token at once (within its
+first PROBE_EVERY decisions), since its prior alone would keep a row of a wide step from drafting. With k = 0
+nothing is observed, so a request's plain decisions are followed by a one-token probe every PROBE_EVERY of them, or
+more where a probe costs more (its priced extra over the row's share of a step kept to PROBE_COST_SHARE of the
 decode time: with experts offloaded a probe's misses can cost a whole step), letting a request whose text starts
 repeating speculate again.
 
-No torch, no clock: the prices are the plan's (PoolReport) and the constants below; the scheduler feeds the
-outcomes (`observe`) and the worker's expert counts (`note_expert_lookups`).
+No torch, no clock: the prices are the plan's (PoolReport, with mtp its chain's bytes) and the constants below; the
+scheduler feeds the outcomes (`observe`) and the worker's expert counts (`note_expert_lookups`).
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from ferry.plan import plan_command
-from ferry.plan.model_config import load_model_config
 from ferry.plan.dtypes import DTYPE_BYTES
+from ferry.plan.model_config import load_model_config
 from ferry.plan.mtp_layer import MtpChainBytes, mtp_kv_bytes_per_token, mtp_kv_layer, mtp_resident_bytes
 from ferry.plan.pool_layout import kv_bytes_per_token
 from ferry.services.make_tiny_model import make_tiny_model
