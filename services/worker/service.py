@@ -73,7 +73,7 @@ def pool_report_from_plan(plan: Any, vocab_size: int = 0, spec: Any = None) -> P
     where unknown) adds its MoE layers and top-k, which the draft-length controller prices misses with."""
     moe = spec is not None and getattr(spec, "num_experts", 0) > 0
     # the drafting spec (plan/mtp_layer.py's drafting_spec) keeps the MTP layer's K/V: the worker chains MTP drafts
-    chain = MtpChainBytes.of(spec, plan.dtype) if moe and getattr(spec, "mtp_kv_layers", 0) else None
+    chain = MtpChainBytes.of(spec, plan.dtype) if spec is not None and getattr(spec, "mtp_kv_layers", 0) else None
     return PoolReport(
         kv_pages=plan.kv.pages,
         page_size=plan.kv.page_size,
