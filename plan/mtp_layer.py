@@ -116,3 +116,30 @@ def mtp_kv_bytes_per_token(spec: ModelSpec, dtype: str) -> int:
     """K and V bytes a drafted position takes in the MTP layers' own caches (their attention is full attention
     with the target's head shape, kept in the run dtype)."""
     return spec.mtp_draft_layers * 2 * spec.num_kv_heads * spec.head_dim * DTYPE_BYTES[dtype]
+
+
+@dataclasses.dataclass(frozen=True)
+class MtpChainBytes:
+    """HBM bytes one step of an MTP draft chain reads (services/worker/mtp_drafts.py's `_chain`), as the scheduler's
+    draft-length controller prices a draft (services/scheduler/draft_length.py): weights read once a chain step
+    whatever the rows chaining in it (the target's LM head; the MTP layer's dense weights), and the routed experts
+    one row's token reads in the layer's MoE (top-k experts: a row of its own reads its own)."""
+
+    lm_head: int  # vocab x hidden: each chain step's logits for its draft tokens
+    layer: int  # the first MTP layer's weights but its routed experts (fc, norms, attention, router, shared expert)
+    row_experts: int  # top-k routed experts of that layer: what one more row's token reads
+
+    @staticmethod
+    def of(spec: ModelSpec, dtype: str) -> MtpChainBytes:
+        itemsize = DTYPE_BYTES[dtype]
+        layer = {
+            name: shape
+            for name, shape in mtp_resident_weight_shapes(spec).items()
+            if not name.startswith(MTP_PREFIX + "layers.") or name.startswith(MTP_PREFIX + "layers.0.")
+        }
+        h, i = spec.hidden_size, spec.moe_intermediate_size
+        return MtpChainBytes(
+            lm_head=spec.vocab_size * h * itemsize,
+            layer=sum(_numel(s) for s in layer.values()) * itemsize,
+            row_experts=min(spec.num_experts_per_tok, spec.num_experts) * 3 * i * h * itemsize,
+        )

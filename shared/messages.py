@@ -55,6 +55,12 @@ class PoolReport(msgspec.Struct, frozen=True, kw_only=True):
     moe_layers: Count32 = 0
     experts_top_k: Count32 = 0
     expert_bytes: Int64 = 0
+    # --speculative-method mtp: the HBM bytes a step of the MTP head's draft chain reads (plan/mtp_layer.py's
+    # MtpChainBytes), which the controller prices a draft with: once a chain step, the target's LM head and the MTP
+    # layer's dense weights; per row chaining, its token's routed experts. 0: not drafting with MTP, unpriced
+    mtp_lm_head_bytes: Int64 = 0
+    mtp_layer_bytes: Int64 = 0
+    mtp_row_expert_bytes: Int64 = 0
 
 
 # ---- api -> scheduler --------------------------------------------------------------------------

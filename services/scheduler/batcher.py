@@ -73,7 +73,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ferry.services.scheduler.draft_length import DraftLength, ExpertPrices
+from ferry.services.scheduler.draft_length import ChainPrices, DraftLength, ExpertPrices
 from ferry.services.scheduler.kv_page_pool import KvPagePool
 from ferry.services.scheduler.linear_state_slots import LinearStateSlotAllocator
 from ferry.services.scheduler.ngram_proposer import propose_ngram
@@ -255,7 +255,9 @@ class BatchScheduler:
         self.speculative_tokens = speculative_tokens
         self.mtp = speculative_method == "mtp"
         self.drafter = drafter or (_mtp_drafts if self.mtp else _prompt_lookup)
-        self.draft_length = DraftLength(speculative_tokens, ExpertPrices.of(pool))
+        # mtp prices a draft by the MTP head's chain that makes it; ngram's drafts cost nothing to make
+        chain = ChainPrices.of(pool) if self.mtp else None
+        self.draft_length = DraftLength(speculative_tokens, ExpertPrices.of(pool), chain)
         self.draft_rows = 0  # rows sent with drafts
         self.drafted_tokens = 0  # drafts sent in those rows
         self.accepted_drafts = 0  # of them, the ones the worker kept
@@ -533,7 +535,9 @@ class BatchScheduler:
         free to hold its state (speculation.computed_after_verify: refused drafts put the state back)."""
         logits_room = self.pool.max_running_requests - sum(e.sample for e in entries)
         step_tokens = sum(e.query_len for e in entries)  # the step's tokens so far: the misses drafts add depend on it
-        eager_paid = False  # a row drafts already: the step runs eagerly anyway (draft_length.py)
+        # the most drafts a row of the step carries so far: the eager step, or with mtp those chain positions, are
+        # paid (draft_length.py)
+        eager_paid = 0
         for e in entries:
             req, q = e.req, e.query_len
             if budget < 1 or logits_room < 1:
@@ -555,7 +559,7 @@ class BatchScheduler:
                 continue
             self.draft_length.sent(req.rid, step_tokens, len(drafts))
             step_tokens += len(drafts)
-            eager_paid = True
+            eager_paid = max(eager_paid, len(drafts))
             if self.hybrid:
                 e.hold = self.holds.take()  # a free id (free_count above): no cached snapshot is dropped
             e.drafts = tuple(drafts)

@@ -6,25 +6,31 @@ were: a Beta prior (ACCEPT_PRIOR) plus the verified rows, each row of d drafts w
 and one failure unless a == d (the kept drafts are a prefix), old rows decayed by DECAY so a request that turns
 repetitive (or stops) is followed. A row given k drafts then yields E(k) = 1 + a + ... + a^k tokens. Its cost is
 its share of a plain decode step, S / B (B rows in the step), plus what the k extra positions add:
-k x VERIFY_POSITION_S of compute, DRAFT_STEP_OVERHEAD_S (a step with drafts runs eagerly, not as a CUDA graph),
+k x VERIFY_POSITION_S of compute, with ngram DRAFT_STEP_OVERHEAD_S (a step with drafts runs eagerly, not as a graph),
 and with experts offloaded the expected extra expert misses times one miss's copy (expert bytes / PCIE_BYTES_PER_S);
 the eager step is charged once a step, to its first drafting row.
 A step of n tokens touches E_l (1 - (1 - t/E_l)^n) distinct experts a MoE layer (E_l experts, top-t routing,
 uniform), each missed with the cache's miss rate (measured from the worker's hit/miss counts, else 1 - slots /
 experts); so the k positions added to a step of n tokens miss
     L x miss_rate x E_l x ((1 - t/E_l)^n - (1 - t/E_l)^(n + k))  experts,  L = MoE layers.
-S is the plain step's cost by the same terms (DECODE_STEP_S plus the misses of its n tokens). The chosen k
-maximises E(k) / (S/B + cost(k)) (tokens a second), k = 0 unless some k beats 1 / (S/B): at acceptance 0 every
-k > 0 loses, the estimate falls under the threshold within a few rows, and the row decodes plainly (scheduled
-ahead, as without speculation). A request not measured yet drafts at least one token at once (within its first
-PROBE_EVERY decisions), since its prior alone would keep a row of a wide step from drafting. With k = 0
-nothing is observed, so a request's plain decisions are followed by a one-token probe every PROBE_EVERY of them,
-or more where a probe costs more (its priced extra over the row's share of a step kept to PROBE_COST_SHARE of the
+S is the plain step's cost by the same terms (DECODE_STEP_S plus the misses of its n tokens).
+With --speculative-method mtp (ChainPrices) drafts are not free to make, and the eager step is not theirs: every
+mtp step runs eagerly and the MTP layer runs over the rows' real positions whatever k is, so both are in S, and no
+draft pays DRAFT_STEP_OVERHEAD_S. Draft j of a row is instead the j-th dependent pass of the MTP head's chain: the
+target's LM head (vocabulary x hidden bytes) and, from j = 2, the MTP layer's dense weights, read at
+HBM_BYTES_PER_S, plus MTP_CHAIN_STEP_OVERHEAD_S, once a chain position a step (charged to the first row chaining
+that far: the rows after it pay only the positions past it), and the row's own routed experts in the layer.
+The chosen k maximises E(k) / (S/B + cost(k)) (tokens a second), k = 0 unless some k beats 1 / (S/B): at acceptance
+0 every k > 0 loses, the estimate falls under the threshold within a few rows, and the row decodes plainly
+(scheduled ahead, as without speculation). A request not measured yet drafts at least one token at once (within its
+first PROBE_EVERY decisions), since its prior alone would keep a row of a wide step from drafting. With k = 0
+nothing is observed, so a request's plain decisions are followed by a one-token probe every PROBE_EVERY of them, or
+more where a probe costs more (its priced extra over the row's share of a step kept to PROBE_COST_SHARE of the
 decode time: with experts offloaded a probe's misses can cost a whole step), letting a request whose text starts
 repeating speculate again.
 
-No torch, no clock: the prices are the plan's (PoolReport) and the constants below; the scheduler feeds the
-outcomes (`observe`) and the worker's expert counts (`note_expert_lookups`).
+No torch, no clock: the prices are the plan's (PoolReport, with mtp its chain's bytes) and the constants below; the
+scheduler feeds the outcomes (`observe`) and the worker's expert counts (`note_expert_lookups`).
 """
 
 from __future__ import annotations
@@ -36,7 +42,10 @@ from ferry.shared.messages import PoolReport
 
 # Beta(successes, failures) prior of a request's per-draft acceptance: a mean of 0.7 weighing two rows (prompt
 # lookup drafts only where an n-gram matched, which in repetitive text mostly continues), so a request starts at K
-# and one that never agrees falls under the resident threshold (~0.25) after three refused rows
+# and one that never agrees falls under the resident threshold (~0.25) after three refused rows. The same for mtp:
+# an MTP head drafts at every position, but trained for it its first draft is kept about as often (DeepSeek-V3
+# reports 85-90 % for its one MTP token, a chain's later drafts less), and the prior only decides the first rows
+# (an unmeasured request drafts at once either way): no measurement on Ferry's models sets it apart yet
 ACCEPT_PRIOR = (1.4, 0.6)
 # the weight a past row keeps at each new one: the estimate follows the last ~10 rows
 DECAY = 0.9
@@ -49,9 +58,16 @@ PROBE_COST_SHARE = 0.02
 DECODE_STEP_S = 1.0e-3
 # one more position in a verify row: a short prefill's compute per token, seconds
 VERIFY_POSITION_S = 5.0e-5
-# a step with drafts runs eagerly instead of as a CUDA graph (an estimate of the launches a graph saves); charged
-# in full to each drafting row, an upper bound where several rows draft
+# a step with drafts runs eagerly instead of as a CUDA graph (an estimate of the launches a graph saves); with ngram
+# charged once a step, to its first drafting row; with mtp every step runs eagerly (boot.py captures no decode
+# graph), so it is part of the plain step's cost and no draft's
 DRAFT_STEP_OVERHEAD_S = 2.0e-4
+# HBM read rate of an MTP chain step's weights, bytes/s (an estimate: H100 SXM's 3.35 TB/s peak, ~90 % of it
+# reached by a streaming read)
+HBM_BYTES_PER_S = 3.0e12
+# one MTP chain step's cost besides its bytes: its eager launches (the head's layer, the LM head, the argmax) and
+# the host building its slots' batch, seconds (an estimate, as DRAFT_STEP_OVERHEAD_S)
+MTP_CHAIN_STEP_OVERHEAD_S = 1.0e-4
 # host-to-device copy rate of one missed expert (PCIe 5.0 x16 pinned, bench/bandwidth.py: ~50 GB/s)
 PCIE_BYTES_PER_S = 50e9
 # the measured miss rate: an EWMA over heartbeats, each new interval's rate weighing this much
@@ -106,12 +122,46 @@ class ExpertPrices:
         return e * (1.0 - (1.0 - min(self.top_k, e) / e) ** max(tokens, 0))
 
 
+@dataclass(frozen=True)
+class ChainPrices:
+    """--speculative-method mtp: what the MTP head's draft chain costs (services/worker/mtp_drafts.py), from the
+    PoolReport's bytes (plan/mtp_layer.py's MtpChainBytes) read at HBM_BYTES_PER_S. Draft j of a row is chain
+    position j, one dependent pass: the target's LM head over the vocabulary and, from j = 2 on, the MTP layer
+    (draft 1 reads the head's output of the pass over the rows' real positions, which runs every step anyway). The
+    weights' read and the launch overhead are paid once a position for all the rows chaining to it; a row's own
+    part is its token's routed experts in the layer (GPU-resident)."""
+
+    lm_head_s: float = 0.0  # the LM head's weights read once
+    layer_s: float = 0.0  # the MTP layer's dense weights read once
+    row_s: float = 0.0  # one row's token's routed experts
+
+    @staticmethod
+    def of(pool: PoolReport) -> ChainPrices:
+        return ChainPrices(
+            lm_head_s=pool.mtp_lm_head_bytes / HBM_BYTES_PER_S,
+            layer_s=pool.mtp_layer_bytes / HBM_BYTES_PER_S,
+            row_s=pool.mtp_row_expert_bytes / HBM_BYTES_PER_S,
+        )
+
+    def position_s(self, position: int) -> float:
+        """Chain position `position`'s (1-based) cost once a step, whatever the rows chaining to it."""
+        layer = self.layer_s if position >= 2 else 0.0
+        return MTP_CHAIN_STEP_OVERHEAD_S + self.lm_head_s + layer
+
+    def drafts_s(self, drafts: int, paid: int) -> float:
+        """A row's `drafts` chained drafts where rows before it in the step chain `paid` positions already: the
+        positions past `paid`, and its own experts' read at each position past the first."""
+        shared = sum(self.position_s(j) for j in range(paid + 1, drafts + 1))
+        return shared + max(drafts - 1, 0) * self.row_s
+
+
 @dataclass
 class DraftLength:
     """The controller: `choose` per drafting row, `observe` per verified row (the module docstring's rule)."""
 
     max_drafts: int  # K: --speculative-tokens
     prices: ExpertPrices = field(default_factory=ExpertPrices)
+    chain: ChainPrices | None = None  # --speculative-method mtp: drafts priced by the MTP chain; None: ngram's
     miss_rate: float | None = None  # measured (note_expert_lookups); None: 1 - slots / experts
     _requests: dict[int, _Acceptance] = field(default_factory=dict)
     _lookups: tuple[int, int] | None = None  # the worker's last (hits, misses), cumulative
@@ -139,15 +189,18 @@ class DraftLength:
         return p.moe_layers * self.current_miss_rate() * extra
 
     def step_s(self, step_tokens: int) -> float:
-        """A plain step's estimated cost: its compute and the misses of its tokens."""
+        """A plain step's estimated cost: its compute and the misses of its tokens; with mtp run eagerly, and the
+        MTP layer's pass over the rows' real positions (every step, to keep its K/V)."""
         p = self.prices
         misses = p.moe_layers * self.current_miss_rate() * p.distinct(step_tokens) if p.priced else 0.0
-        return DECODE_STEP_S + misses * p.miss_s
+        sunk = 0.0 if self.chain is None else DRAFT_STEP_OVERHEAD_S + self.chain.layer_s
+        return DECODE_STEP_S + sunk + misses * p.miss_s
 
-    def best(self, acceptance: float, rows: int, step_tokens: int, limit: int, eager_paid: bool = False) -> int:
+    def best(self, acceptance: float, rows: int, step_tokens: int, limit: int, eager_paid: int = 0) -> int:
         """The k in [0, min(K, limit)] with the most tokens a second for a row of a step of `rows` rows and
-        `step_tokens` tokens before its drafts (0 on a tie: drafting must win to be chosen); `eager_paid`: a row
-        before it in the step drafts already, so the step runs eagerly anyway."""
+        `step_tokens` tokens before its drafts (0 on a tie: drafting must win to be chosen); `eager_paid`: the
+        most drafts a row before it in the step carries (0 / False: none drafts yet). With ngram, > 0: the step
+        runs eagerly anyway; with mtp, the chain positions up to it are paid."""
         share = self.step_s(step_tokens) / max(rows, 1)
         best_k, best_rate = 0, 1.0 / share
         tokens = 1.0
@@ -158,13 +211,17 @@ class DraftLength:
                 best_k, best_rate = k, tokens / cost
         return best_k
 
-    def extra_s(self, step_tokens: int, drafts: int, eager_paid: bool = False) -> float:
-        """What `drafts` positions added to a row of a step of `step_tokens` tokens cost: their compute, the eager
-        step (once a step: not where `eager_paid`), the misses they add."""
-        eager = 0.0 if eager_paid else DRAFT_STEP_OVERHEAD_S
-        return drafts * VERIFY_POSITION_S + eager + self.misses_added(step_tokens, drafts) * self.prices.miss_s
+    def extra_s(self, step_tokens: int, drafts: int, eager_paid: int = 0) -> float:
+        """What `drafts` positions added to a row of a step of `step_tokens` tokens cost: their compute, the misses
+        they add, and making them: with ngram the eager step (once a step: not where `eager_paid`), with mtp their
+        chain (ChainPrices: its positions past `eager_paid`, and the row's own part)."""
+        if self.chain is None:
+            making = 0.0 if eager_paid else DRAFT_STEP_OVERHEAD_S
+        else:
+            making = self.chain.drafts_s(drafts, int(eager_paid))
+        return drafts * VERIFY_POSITION_S + making + self.misses_added(step_tokens, drafts) * self.prices.miss_s
 
-    def probe_interval(self, rows: int, step_tokens: int, eager_paid: bool = False) -> int:
+    def probe_interval(self, rows: int, step_tokens: int, eager_paid: int = 0) -> int:
         """Plain decisions between two one-token probes: PROBE_EVERY, or more where a probe's extra cost over
         PROBE_COST_SHARE of the row's share of a step asks for more."""
         share = self.step_s(step_tokens) / max(rows, 1)
@@ -177,9 +234,9 @@ class DraftLength:
         until its first probe, which a short request never reaches)."""
         return state.observed == 0 and state.plain < PROBE_EVERY
 
-    def choose(self, rid: int, rows: int, step_tokens: int, limit: int, eager_paid: bool = False) -> int:
+    def choose(self, rid: int, rows: int, step_tokens: int, limit: int, eager_paid: int = 0) -> int:
         """Drafts for request `rid`'s row now (at most `limit`, what the step leaves), counted in the metrics;
-        `eager_paid`: a row before it in the step drafts already."""
+        `eager_paid`: the most drafts a row before it in the step carries (`best`)."""
         state = self._requests.setdefault(rid, _Acceptance())
         k = self.best(state.rate, rows, step_tokens, limit, eager_paid)
         if self._unmeasured(state):

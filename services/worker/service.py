@@ -23,6 +23,7 @@ from typing import Any, Callable
 import structlog
 import zmq
 
+from ferry.plan.mtp_layer import MtpChainBytes
 from ferry.services.worker.compile_watch import CompileWatch
 from ferry.services.worker.flags import WorkerBootConfig
 from ferry.services.worker.metrics import WorkerMetrics
@@ -71,6 +72,8 @@ def pool_report_from_plan(plan: Any, vocab_size: int = 0, spec: Any = None) -> P
     """The scheduler's view of the memory plan (ferry.plan.planner.Plan); `spec` (the model's ModelSpec, None
     where unknown) adds its MoE layers and top-k, which the draft-length controller prices misses with."""
     moe = spec is not None and getattr(spec, "num_experts", 0) > 0
+    # the drafting spec (plan/mtp_layer.py's drafting_spec) keeps the MTP layer's K/V: the worker chains MTP drafts
+    chain = MtpChainBytes.of(spec, plan.dtype) if spec is not None and getattr(spec, "mtp_kv_layers", 0) else None
     return PoolReport(
         kv_pages=plan.kv.pages,
         page_size=plan.kv.page_size,
@@ -87,6 +90,9 @@ def pool_report_from_plan(plan: Any, vocab_size: int = 0, spec: Any = None) -> P
         moe_layers=len(spec.moe_layer_indices) if moe else 0,
         experts_top_k=spec.num_experts_per_tok if moe else 0,
         expert_bytes=plan.experts.bytes_per_slot,
+        mtp_lm_head_bytes=chain.lm_head if chain else 0,
+        mtp_layer_bytes=chain.layer if chain else 0,
+        mtp_row_expert_bytes=chain.row_experts if chain else 0,
         plan_summary=f"{plan.kv.pages} KV pages x {plan.kv.page_size} tokens, "
         f"{plan.linear_state.slots} linear-state slots, "
         f"{plan.linear_state_snapshots.snapshots} linear-state snapshots, "

@@ -8,7 +8,14 @@ from collections import deque
 import numpy as np
 
 from ferry.services.scheduler.batcher import BatchScheduler
-from ferry.services.scheduler.draft_length import PROBE_EVERY, DraftLength, ExpertPrices
+from ferry.services.scheduler.draft_length import (
+    DRAFT_STEP_OVERHEAD_S,
+    PROBE_EVERY,
+    VERIFY_POSITION_S,
+    ChainPrices,
+    DraftLength,
+    ExpertPrices,
+)
 from ferry.shared.messages import PoolReport
 from ferry.shared.sampling import SamplingParams
 from ferry.shared.step import StepOutput
@@ -201,3 +208,101 @@ def test_a_request_held_at_no_drafts_is_scheduled_ahead_until_its_probe():
     probes = drafted[drafted.index(0) :]
     assert 300 / (3 * PROBE_EVERY) < probes.count(1) <= 300 / PROBE_EVERY + 1  # the pipeline stopped for them
     assert set(probes) <= {0, 1} and sched.drafted_tokens == sum(drafted)
+
+
+# --speculative-method mtp: the MTP chain's bytes (plan/mtp_layer.py's MtpChainBytes). Qwen3.6's: a 248k x 2048 bf16
+# LM head (~1 GB a chain step), ~80 MB of the layer's dense weights, eight 6 MiB experts a row
+MTP_QWEN = pool(mtp_lm_head_bytes=248_320 * 2048 * 2, mtp_layer_bytes=80 << 20, mtp_row_expert_bytes=8 * (6 << 20))
+# a small model's chain: a 32k x 1024 LM head
+MTP_SMALL = pool(mtp_lm_head_bytes=32_000 * 1024 * 2, mtp_layer_bytes=20 << 20, mtp_row_expert_bytes=8 * (1 << 20))
+
+
+def mtp(report: PoolReport = MTP_SMALL) -> DraftLength:
+    return DraftLength(K, ExpertPrices.of(report), ChainPrices.of(report))
+
+
+def test_mtp_a_costlier_chain_gives_shorter_drafts_at_the_same_acceptance():
+    """Each draft is a dependent pass of the MTP layer and the LM head: where a chain step reads more, fewer drafts
+    pay at the same acceptance. Pricing MTP drafts as ngram's (free to make) drafts K for both and fails."""
+    small, qwen = mtp(MTP_SMALL), mtp(MTP_QWEN)
+    assert qwen.extra_s(1, 1) > small.extra_s(1, 1) > VERIFY_POSITION_S
+    for acceptance in (0.6, 0.8):
+        assert qwen.best(acceptance, rows=1, step_tokens=1, limit=K) < small.best(acceptance, 1, 1, K)
+    assert small.best(0.9, rows=1, step_tokens=1, limit=K) == K > qwen.best(0.9, rows=1, step_tokens=1, limit=K)
+    assert 0 < qwen.best(0.95, rows=1, step_tokens=1, limit=K)  # a high acceptance still pays for the chain
+    chosen_small, chosen_qwen = run(small, 200, alpha=0.8), run(mtp(MTP_QWEN), 200, alpha=0.8)
+    assert sum(chosen_qwen) < sum(chosen_small)
+
+
+def test_mtp_at_acceptance_zero_drafting_stops_within_a_few_rows():
+    for report in (MTP_SMALL, MTP_QWEN):
+        ctl = mtp(report)
+        chosen = run(ctl, 400, alpha=0.0)
+        assert chosen[0] >= 1  # unmeasured: it drafts at once
+        first_plain = chosen.index(0)
+        assert first_plain <= 6  # a cheap chain's threshold is lower than ngram's (~0.15): a few more rows
+        assert sum(chosen[:first_plain]) <= 3 * K
+        after = chosen[first_plain:]
+        assert set(after) <= {0, 1} and sum(after) <= len(after) / PROBE_EVERY + 1  # then only the probes
+        assert ctl.best(0.0, rows=1, step_tokens=1, limit=K) == 0
+        extra = sum(ctl.extra_s(1, k) for k in chosen if k)
+        assert 0 < extra < 0.03 * len(chosen) * ctl.step_s(1)
+
+
+def test_mtp_the_eager_step_is_sunk_not_a_drafts_cost():
+    """Under mtp every step runs eagerly: a row that ngram's pricing refuses only for DRAFT_STEP_OVERHEAD_S (it
+    drafts once the step pays it anyway) drafts with a cheap chain, and the plain step it is weighed against is the
+    eager one. Charging the eager step to MTP drafts refuses here and fails."""
+    ngram = DraftLength(K, ExpertPrices.of(RESIDENT))
+    assert ngram.best(0.4, rows=2, step_tokens=2, limit=K) == 0
+    assert ngram.best(0.4, rows=2, step_tokens=2, limit=K, eager_paid=True) > 0
+    ctl = mtp(MTP_SMALL)
+    assert ctl.best(0.4, rows=2, step_tokens=2, limit=K) > 0
+    assert ctl.step_s(2) >= ngram.step_s(2) + DRAFT_STEP_OVERHEAD_S
+    assert ctl.extra_s(2, 1) == VERIFY_POSITION_S + ctl.chain.position_s(1)  # no eager step in a draft's price
+
+
+def test_mtp_a_chain_position_is_paid_once_a_step():
+    """The LM head's and the layer's reads are paid once a chain position for the rows chaining to it: a row
+    after one chaining k in the same step pays only its own part up to k, so it drafts at a lower acceptance."""
+    ctl = mtp(MTP_QWEN)
+    c = ctl.chain
+    own = 2 * VERIFY_POSITION_S + c.row_s
+    assert ctl.extra_s(1, 2, eager_paid=2) == own
+    assert ctl.extra_s(1, 2, eager_paid=1) == own + c.position_s(2)
+    assert ctl.extra_s(1, 2) == own + c.position_s(1) + c.position_s(2)
+    assert c.position_s(2) > c.position_s(1)  # from the second draft on the layer runs too
+    assert ctl.best(0.6, rows=4, step_tokens=4, limit=K) == 0
+    assert ctl.best(0.6, rows=4, step_tokens=4, limit=K, eager_paid=K) > 0
+
+
+def test_the_scheduler_prices_mtp_drafts_by_the_chain_and_ngram_drafts_as_before():
+    ngram = BatchScheduler(MTP_QWEN, speculative_method="ngram", speculative_tokens=K)
+    assert ngram.draft_length.chain is None
+    assert ngram.draft_length.extra_s(1, 1) == VERIFY_POSITION_S + DRAFT_STEP_OVERHEAD_S
+    sched = BatchScheduler(MTP_QWEN, speculative_method="mtp", speculative_tokens=K)
+    assert sched.draft_length.chain == ChainPrices.of(MTP_QWEN)
+    assert sched.draft_length.chain.lm_head_s > 3e-4  # ~1 GB read at HBM rate
+
+
+def test_a_step_tells_each_row_the_chain_positions_rows_before_it_pay(monkeypatch):
+    """The scheduler passes each drafting row the most drafts a row before it in the step carries, so with mtp
+    the chain positions those pay are not charged again (a flag alone would charge every position but the eager
+    step's to each row)."""
+    seen = []
+    choose = DraftLength.choose
+
+    def recording(self, rid, rows, step_tokens, limit, eager_paid=0):
+        seen.append(eager_paid)
+        return choose(self, rid, rows, step_tokens, limit, eager_paid)
+
+    monkeypatch.setattr(DraftLength, "choose", recording)
+    sched = BatchScheduler(MTP_SMALL, speculative_method="mtp", speculative_tokens=K, drafter=lambda r, k: [3] * k)
+    for rid in (1, 2):
+        sched.add(rid, b"t", rid, np.arange(10, 18, dtype=np.int32), SamplingParams(temperature=0), 50)
+    sched.complete(answer(sched.schedule()))  # the prompts
+    for _ in range(5):
+        sched.draft_length.observe(1, K, K)  # the first row's drafts have all been kept: it chains far
+    batch = sched.schedule()
+    drafts = batch.draft_lens.tolist()
+    assert drafts[0] >= 2 and seen[:2] == [0, drafts[0]]

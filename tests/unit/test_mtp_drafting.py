@@ -20,13 +20,15 @@ import pytest
 import torch
 
 from ferry.plan import plan_command
+from ferry.plan.dtypes import DTYPE_BYTES
 from ferry.plan.model_config import load_model_config
-from ferry.plan.mtp_layer import mtp_kv_bytes_per_token, mtp_kv_layer, mtp_resident_bytes
+from ferry.plan.mtp_layer import MtpChainBytes, mtp_kv_bytes_per_token, mtp_kv_layer, mtp_resident_bytes
 from ferry.plan.pool_layout import kv_bytes_per_token
 from ferry.services.make_tiny_model import make_tiny_model
 from ferry.services.scheduler import batcher as batcher_module
 from ferry.services.worker.executor import StepBatchError
 from ferry.services.worker.forward_batch import ForwardBatch
+from ferry.services.worker.service import pool_report_from_plan
 from ferry.shared.errors import ConfigError
 from ferry.shared.sampling import SamplingParams
 from ferry.shared.step import NewRequest, StepBatch
@@ -187,6 +189,31 @@ def test_the_plan_prices_the_mtp_layers_kv_and_weights(mtp_model, booted, tmp_pa
         return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["weights_bytes"]
 
     assert weights("--speculative-method", "mtp") - weights() == mtp_resident_bytes(spec, "float32")
+
+
+def test_the_pool_report_carries_what_an_mtp_chain_step_reads(mtp_model, booted):
+    """The draft-length controller prices an MTP draft from the PoolReport (draft_length.py's ChainPrices): the
+    LM head's bytes and the layer's dense bytes, once a chain step, and one row's routed experts; zero served
+    without mtp."""
+    executor, plan = booted
+    spec, itemsize = executor.spec, DTYPE_BYTES[plan.dtype]
+    pool = pool_report_from_plan(plan, spec.vocab_size, spec)
+    chain = MtpChainBytes.of(spec, plan.dtype)
+    assert (pool.mtp_lm_head_bytes, pool.mtp_layer_bytes, pool.mtp_row_expert_bytes) == (
+        chain.lm_head,
+        chain.layer,
+        chain.row_experts,
+    )
+    assert chain.lm_head == spec.vocab_size * spec.hidden_size * itemsize
+    h, i = spec.hidden_size, spec.moe_intermediate_size
+    assert chain.row_experts == spec.num_experts_per_tok * 3 * h * i * itemsize
+    # the dense weights of one layer, the fc and norms: the resident bytes less the routed experts, unrounded
+    routed = spec.mtp_draft_layers * spec.num_experts * 3 * h * i * itemsize
+    assert 0 < chain.layer <= mtp_resident_bytes(spec, plan.dtype) - routed
+    assert chain.layer > 2 * h * h * itemsize  # the fc alone
+    plain_exec, plain_plan = boot(mtp_model)
+    plain = pool_report_from_plan(plain_plan, plain_exec.spec.vocab_size, plain_exec.spec)
+    assert (plain.mtp_lm_head_bytes, plain.mtp_layer_bytes, plain.mtp_row_expert_bytes) == (0, 0, 0)
 
 
 def test_mtp_on_a_model_without_an_mtp_layer_is_refused_naming_the_flag(tiny_models):
