@@ -162,7 +162,10 @@ class Cluster:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def wait_ready(self, timeout: float = 60.0) -> None:
+    def wait_ready(self, timeout: float = 180.0) -> None:
+        """Until /health answers 200 (a service that exits fails it at once, with its log). The first boots of a
+        fresh clone's suite also write the bytecode of torch, transformers and Ferry (`make test` installs with
+        --no-compile) while three test workers boot theirs side by side: a minute was not always enough."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for name, p in self.procs.items():
