@@ -50,7 +50,9 @@ def _check_speculation_keeps_the_tokens(executor, plan, method: str) -> None:
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe"])
 def test_ngram_drafts_keep_the_greedy_tokens_through_graphs(tiny_models, arch):
     executor, plan = boot(tiny_models[arch], *CUDA)
-    assert executor.graphs is not None  # plain rows replay decode graphs, drafting rows run eagerly
+    # plain rows replay decode graphs, drafting rows run eagerly; in float32 the hybrid's Gated DeltaNet takes its
+    # reference twin, which waits for the device, so it decodes eagerly throughout (test_device_decode_cuda.py)
+    assert (executor.graphs is not None) == (arch == "qwen3_moe")
     _check_speculation_keeps_the_tokens(executor, plan, "ngram")
     del executor
     gc.collect()
