@@ -62,8 +62,8 @@ VERIFY_POSITION_S = 5.0e-5
 # charged once a step, to its first drafting row; with mtp every step runs eagerly (boot.py captures no decode
 # graph), so it is part of the plain step's cost and no draft's
 DRAFT_STEP_OVERHEAD_S = 2.0e-4
-# HBM read rate of an MTP chain step's weights, bytes/s (an estimate: H100 SXM's 3.35 TB/s peak, ~90 % of it
-# reached by a streaming read)
+# HBM read rate of an MTP chain step's weights, bytes/s (an estimate: ~90 % of a 3.35 TB/s HBM3 peak, what a
+# streaming read reaches)
 HBM_BYTES_PER_S = 3.0e12
 # one MTP chain step's cost besides its bytes: its eager launches (the head's layer, the LM head, the argmax) and
 # the host building its slots' batch, seconds (an estimate, as DRAFT_STEP_OVERHEAD_S)
