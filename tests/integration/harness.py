@@ -164,8 +164,8 @@ class Cluster:
 
     def wait_ready(self, timeout: float = 180.0) -> None:
         """Until /health answers 200 (a service that exits fails it at once, with its log). The first boots of a
-        fresh clone's suite also write the bytecode of torch, transformers and Ferry (`make test` installs with
-        --no-compile) while three test workers boot theirs side by side: a minute was not always enough."""
+        fresh clone's suite, three test workers booting theirs side by side on a loaded machine, once took more than
+        a minute."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for name, p in self.procs.items():
