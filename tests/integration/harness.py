@@ -53,7 +53,8 @@ _PORT_BLOCK = _port_block()
 _next_in_block = 0
 
 
-def _bindable(port: int) -> bool:
+def port_free(port: int) -> bool:
+    """Whether a loopback port can be bound now."""
     with socket.socket() as s:
         try:
             s.bind(("127.0.0.1", port))
@@ -69,7 +70,7 @@ def free_port() -> int:
     while _PORT_BLOCK is not None and _next_in_block < len(_PORT_BLOCK):
         port = _PORT_BLOCK[_next_in_block]
         _next_in_block += 1
-        if all(_bindable(p) for p in range(port, port + PORT_STEP)):
+        if all(port_free(p) for p in range(port, port + PORT_STEP)):
             _HANDED_PORTS.add(port)
             return port
     while True:

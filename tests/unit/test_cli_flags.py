@@ -15,6 +15,7 @@ from ferry.services.cli import COMMANDS, build_parser
 from ferry.services.serve_command import child_commands, child_environments, side_ports, write_api_key
 from ferry.shared.errors import ConfigError
 from tests.helpers import QWEN3_30B
+from tests.integration.harness import port_free
 
 NO_HEAVY_IMPORTS = """
 import sys
@@ -189,20 +190,9 @@ def _three_free_ports() -> int:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        if port + 2 < 65536 and all(side_ports_free(p) for p in (port, port + 1, port + 2)):
+        if port + 2 < 65536 and all(port_free(p) for p in (port, port + 1, port + 2)):
             return port
     raise RuntimeError("no three consecutive free ports")
-
-
-def side_ports_free(port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def test_side_metrics_ports_are_on_by_default_next_to_the_api_port():
