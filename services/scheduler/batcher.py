@@ -28,7 +28,7 @@ dropped).
 Speculative decoding (--speculative-method ngram|mtp; shared/speculation.py): once a step's rows and admissions are
 placed, each decoding row whose request may speculate gets up to k drafts from prompt lookup over its tokens
 (ngram_proposer.py) or, with mtp, from the worker's MTP head (the drafts its last answer brought: each sampling row
-asks the worker for --speculative-tokens of them, `_mtp_row`), k <= --speculative-tokens chosen per row by the
+asks the worker for the k the controller expects to give its next row, `_mtp_row`), k <= --speculative-tokens chosen per row by the
 draft-length controller (draft_length.py: the request's measured acceptance against the verify positions' cost,
 their expert misses included), within the token budget left and the step's logits rows (`_give_drafts`); the worker
 verifies them in the same forward.
@@ -778,6 +778,7 @@ class BatchScheduler:
         draft_lens = np.array([len(e.drafts) for e in entries], dtype=np.int32)
         mtp_drafts = np.zeros(n, dtype=np.int32)
         next_tokens = np.full(n, -1, dtype=np.int32)
+        chained = 0  # the longest MTP chain a row before asks for: its positions are paid (draft_length.py)
         offset = query_lens.copy()  # where each row's state is saved: its end unless kept inside
         ps = self.pool.page_size
         for i, e in enumerate(entries):
@@ -799,7 +800,8 @@ class BatchScheduler:
                 and r.num_computed + e.query_len - 1 >= r.prompt_logprobs_done
             )
             if self.mtp:
-                mtp_drafts[i], next_tokens[i] = self._mtp_row(e, end)
+                mtp_drafts[i], next_tokens[i] = self._mtp_row(e, end, n, chained)
+                chained = max(chained, int(mtp_drafts[i]))
             if ahead_positions is None:
                 tokens.extend(r.tokens[r.num_computed : r.num_computed + e.query_len])
                 tokens.extend(e.drafts)
@@ -844,20 +846,22 @@ class BatchScheduler:
             next_tokens=next_tokens if (next_tokens >= 0).any() else None,
         )
 
-    def _mtp_row(self, e: _Entry, end: int) -> tuple[int, int]:
+    def _mtp_row(self, e: _Entry, end: int, rows: int, chained: int) -> tuple[int, int]:
         """(drafts the MTP head chains after the row, the token after the row's chunk or -1) for a row of
         --speculative-method mtp (services/worker/mtp_drafts.py): a sampling row of a request that may draft asks
-        for --speculative-tokens, the most its next row can carry, where its pages grow to hold the chain's K/V
-        (k - 1 slots past the row's tokens) and the model length allows; a prompt's chunk that does not sample
-        gives the prompt's next token (the MTP layer's input at the chunk's last position). `end`: the position
-        the row's tokens (its drafts left out) end at."""
+        for the drafts the controller expects to give its next row (DraftLength.expected, for a step of `rows`
+        rows like this one, where rows before it chain `chained` positions), where its pages grow to hold the
+        chain's K/V (k - 1 slots past the row's tokens) and the model length allows; a prompt's chunk that does
+        not sample gives the prompt's next token (the MTP layer's input at the chunk's last position). `end`: the
+        position the row's tokens (its drafts left out) end at."""
         r = e.req
         if not e.sample:
             return 0, r.tokens[end] if end < len(r.tokens) else -1
         if not self._may_draft(r):
             return 0, -1
         reach = end + len(e.drafts)  # the tokens the row holds, its drafts included
-        k = min(self.speculative_tokens, self.pool.max_model_len - reach + 1)
+        room = min(self.speculative_tokens, self.pool.max_model_len - reach + 1)
+        k = self.draft_length.expected(r.rid, rows, rows + chained, room, chained) if room >= 1 else 0
         if k < 1 or not self.kv.grow(r, reach + k - 1):
             return 0, -1
         e.mtp_drafts = k

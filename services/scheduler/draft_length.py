@@ -250,13 +250,21 @@ class DraftLength:
         self.chosen_drafts += k
         return k
 
+    def expected(self, rid: int, rows: int, step_tokens: int, limit: int, eager_paid: int = 0) -> int:
+        """The k `choose` would give request `rid`'s next row (at most `limit`), its state unchanged: what an MTP
+        chain is asked to make ahead of that row, since chain positions past the k chosen then are thrown away."""
+        state = self._requests.get(rid) or _Acceptance()
+        k = self.best(state.rate, rows, step_tokens, limit, eager_paid)
+        if self._unmeasured(state):
+            return max(k, min(limit, 1))
+        if k == 0 and limit >= 1 and state.plain + 1 >= self.probe_interval(rows, step_tokens, eager_paid):
+            return 1
+        return k
+
     def would_draft(self, rid: int, rows: int, step_tokens: int) -> bool:
         """Whether `choose` would give request `rid`'s next row drafts (a k > 0, or a probe due), unchanged: a
         row that would not may be scheduled ahead (batcher.schedule_ahead), as without speculation."""
-        state = self._requests.get(rid) or _Acceptance()
-        if self._unmeasured(state) or self.best(state.rate, rows, step_tokens, self.max_drafts) > 0:
-            return True
-        return state.plain + 1 >= self.probe_interval(rows, step_tokens)
+        return self.expected(rid, rows, step_tokens, self.max_drafts) > 0
 
     def plain(self, rid: int) -> None:
         """Request `rid`'s row went without drafts, undecided by `choose` (scheduled ahead): a plain decision."""

@@ -306,3 +306,32 @@ def test_a_step_tells_each_row_the_chain_positions_rows_before_it_pay(monkeypatc
     batch = sched.schedule()
     drafts = batch.draft_lens.tolist()
     assert drafts[0] >= 2 and seen[:2] == [0, drafts[0]]
+
+
+def test_an_mtp_row_asks_the_worker_for_the_drafts_its_next_row_is_expected_to_get():
+    """The worker chains what the scheduler asks; a chain position past the k the controller then gives the next
+    row is a pass of the MTP layer and the LM head thrown away. A request held at k = 0 asks for none (but its due
+    probe's one), one whose drafts are all kept asks for K. Asking --speculative-tokens always fails."""
+    sched = BatchScheduler(MTP_QWEN, speculative_method="mtp", speculative_tokens=K, drafter=lambda r, k: [3] * k)
+    for rid in (1, 2):
+        sched.add(rid, b"t", rid, np.arange(10, 18, dtype=np.int32), SamplingParams(temperature=0), 400)
+    prompts = sched.schedule()
+    assert prompts.mtp_drafts.tolist() == [1, 1]  # unmeasured: one draft each, at once
+    sched.complete(answer(prompts))
+    ctl = sched.draft_length
+    for _ in range(20):
+        ctl.observe(1, K, K)  # request 1's drafts are all kept
+        ctl.observe(2, K, 0)  # request 2's never
+    asked = {1: [], 2: []}
+    for _ in range(3 * PROBE_EVERY):
+        batch = sched.schedule()
+        rows = batch.req_ids[batch.sample]
+        for rid, k in zip(rows.tolist(), batch.mtp_drafts if batch.mtp_drafts is not None else [0] * len(rows)):
+            asked[rid].append(int(k))
+        out = answer(batch)
+        if batch.draft_lens is not None:  # request 1 keeps all its drafts, request 2 none
+            out.accepted_drafts[:] = np.where(rows == 1, batch.draft_lens[batch.sample], 0)
+        sched.complete(out)
+    assert set(asked[1]) == {K}
+    assert asked[2].count(0) > 2 * PROBE_EVERY and set(asked[2]) <= {0, 1}
+    assert ctl.expected(2, 2, 2, K) == 0 < ctl.expected(1, 2, 2, K)

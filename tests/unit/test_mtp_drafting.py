@@ -76,9 +76,10 @@ def test_greedy_mtp_drafts_keep_the_tokens_of_speculation_off(booted, monkeypatc
     steps = _recording(executor, monkeypatch)
     on, sched = generate(executor, plan, greedy_requests(), "mtp", k=K)
     assert on == off
-    # the worker chained drafts after the sampling rows, and the scheduler sent them as rows' drafts
+    # the worker chained drafts after the sampling rows (as many as the controller expects to use), and the
+    # scheduler sent them as rows' drafts
     chained = [out.mtp_drafts for _, out in steps if out.mtp_drafts is not None]
-    assert chained and all(d.shape[1] == K and (d >= 0).any() for d in chained)
+    assert chained and all(1 <= d.shape[1] <= K and (d >= 0).any() for d in chained)
     assert sched.drafted_tokens > 0
     # every row's drafts are the first of those the head chained for its request in the step before
     last: dict[int, list[int]] = {}
@@ -155,12 +156,12 @@ def test_cached_mtp_drafts_equal_the_heads_drafts_over_the_whole_sequence(booted
     )
     assert on == base and 0 < sched.accepted_drafts < sched.drafted_tokens
     unique = {tuple(t): d for t, d in seen}
-    assert len(unique) > 20
+    assert len(unique) > 20 and max(map(len, unique.values())) >= 2  # chained drafts: the head ran past its own output
     scratch, _ = boot(mtp_model)  # its pools hold the whole-sequence forwards
     head = executor.mtp.head
     for tokens, drafts in unique.items():
         hidden = _target_hidden(scratch, plan, list(tokens))
-        assert list(drafts) == _reference_drafts(head, scratch.model, hidden, list(tokens), K), tokens
+        assert list(drafts) == _reference_drafts(head, scratch.model, hidden, list(tokens), len(drafts)), tokens
 
 
 def test_the_plan_prices_the_mtp_layers_kv_and_weights(mtp_model, booted, tmp_path, capsys):
