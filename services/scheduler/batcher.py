@@ -28,10 +28,10 @@ dropped).
 Speculative decoding (--speculative-method ngram|mtp; shared/speculation.py): once a step's rows and admissions are
 placed, each decoding row whose request may speculate gets up to k drafts from prompt lookup over its tokens
 (ngram_proposer.py) or, with mtp, from the worker's MTP head (the drafts its last answer brought: each sampling row
-asks the worker for the k the controller expects to give its next row, `_mtp_row`), k <= --speculative-tokens chosen per row by the
-draft-length controller (draft_length.py: the request's measured acceptance against the verify positions' cost,
-their expert misses included), within the token budget left and the step's logits rows (`_give_drafts`); the worker
-verifies them in the same forward.
+asks the worker for the k the controller expects to give its next row, `_mtp_row`), k <= --speculative-tokens
+chosen per row by the draft-length controller (draft_length.py: the request's measured acceptance against the verify
+positions' cost, their expert misses included), within the token budget left and the step's logits rows
+(`_give_drafts`); the worker verifies them in the same forward.
 Its answer says how many it kept: those and the worker's own token are the request's next tokens, one at a time
 through the stop checks, and the positions computed are counted by `computed_after_verify` (pages that held only
 refused drafts go back). A request whose next row would draft is not scheduled ahead: its next drafts need the
