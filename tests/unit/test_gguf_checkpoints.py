@@ -940,3 +940,36 @@ def test_a_hybrid_gguf_of_fused_gate_up_experts_reads_as_the_unfused(hybrid_gguf
         got, want = ferry_generate(capsys, fused, *ARGS, *extra), ferry_generate(capsys, path, *ARGS, *extra)
         assert got["token_ids"] == want["token_ids"] and got["logprobs"] == want["logprobs"]
         assert got["plan"]["experts"]["bytes_per_slot"] == want["plan"]["experts"]["bytes_per_slot"]
+
+
+def test_the_metadata_arrays_read_in_one_pass_are_the_packages_fields(tmp_path):
+    """plan/gguf_checkpoint.py parses the metadata arrays itself (one pass an array, not the package's numpy calls
+    per element): every field must equal the package reader's, part for part, including an empty array, arrays of
+    each number width, non-ASCII and empty strings, and an array of arrays (left to the package)."""
+    import gguf
+
+    from ferry.plan.gguf_checkpoint import _reader_class
+
+    path = tmp_path / "arrays.gguf"
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    w.add_block_count(2)
+    w.add_token_list(["a", "", "Fähre", "渡轮", "<|im_end|>"] + [f"t{i}" for i in range(300)])
+    w.add_token_types([1, 3, 1, 1, 3] + [1] * 300)
+    w.add_array("test.floats", [0.5, -1.25, 1e-6])
+    w.add_array("test.empty", [])
+    w.add_array("test.nested", [[1, 2], [3]])
+    w.add_key_value("test.u64", [1, 2**40], gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.UINT64)
+    w.add_key_value("test.bools", [True, False], gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.BOOL)
+    w.add_tensor("x", np.arange(16, dtype=np.float32).reshape(4, 4))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    theirs, ours = gguf.GGUFReader(str(path)), _reader_class()(str(path))
+    assert list(ours.fields) == list(theirs.fields)
+    for name, field in theirs.fields.items():
+        mine = ours.fields[name]
+        assert (mine.types, mine.data, mine.contents()) == (field.types, field.data, field.contents()), name
+        assert [(p.dtype, p.tobytes()) for p in mine.parts] == [(p.dtype, p.tobytes()) for p in field.parts], name
+    assert ours.fields["tokenizer.ggml.tokens"].contents()[2:4] == ["Fähre", "渡轮"]
+    np.testing.assert_array_equal(ours.tensors[0].data, theirs.tensors[0].data)
