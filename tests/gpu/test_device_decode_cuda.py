@@ -378,3 +378,34 @@ def test_a_prefill_streamed_past_the_cache_decodes_as_all_resident(tiny_models, 
     want = runs.pop("resident")
     for name, got in runs.items():
         assert got == want, f"{name} differs from all-resident decoding"
+
+
+@pytest.mark.parametrize("arch", ["gemma4", "gpt_oss"])
+def test_the_hosts_share_of_other_families_decodes_as_all_resident(arch, tmp_path):
+    """Gemma 4 (GELU-tanh experts beside its dense MLP) and gpt-oss (biases, the clamped SwiGLU) with the host
+    computing half of each layer's misses, in prefill (the streamed layers' share) and decode (the host node in the
+    decode graphs): the tokens of all-resident decoding. The host's C kernel takes the family's activation from
+    the model; one that fell back to SiLU would change them."""
+    from ferry.services.make_tiny_model import make_tiny_model
+
+    model = make_tiny_model(tmp_path / arch, arch, seed=0)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(1, 250, n).tolist() for n in (40, 25, 30)]
+    runs = {}
+    host = ["--moe-cache-size", "10", "--expert-backend", "hybrid", "--host-expert-threads", "2"]
+    for name, flags in {"resident": ["--enforce-eager"], "host-share": host}.items():
+        executor, _ = _boot(model, "float32", *flags)
+        if name == "host-share":  # costs that give the host half of a layer's misses (as in the test above)
+            executor.store.host_share.cost = HostCost(
+                pcie_s=1e-3, host_s_at_1=1e-3, host_s_per_token=0.0, overhead_s=0.0
+            )
+            assert executor.store.host_decode is not None, "the host's C kernel is not built (gpu_check builds it)"
+            executor.store.host_decode.costs_ns = (1_000_000, 1_000_000, 0, 0)
+        runs[name] = _greedy_batch(executor, prompts, steps=6)
+        if name == "host-share":
+            report = executor.store.report()
+            assert report["host_share"]["experts"] > 0 and report["host_decode"]["experts"] > 0, report
+        del executor
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert runs["host-share"] == runs["resident"]
