@@ -26,8 +26,8 @@
 #                (~20 GB in $TMPDIR) is reused by a second call on the same warm machine                ~9 min
 #   PART=peercuts a decode-suite cut (bf16 at 12 GiB, its slots) beside FreeToken with the same slots: TTFT-2k and one
 #                stream (peer_compare_<card>_<N>layers_bf16.json); PEER_CUTS=12layer (default) or hybrid8, one a call:
-#                a cut's checkpoint, Ferry's boot and FreeToken's (90-120 s, its graphs and warm-up) take ~6-8 min;
-#                .peer as for PART=peer
+#                a cut's checkpoint, Ferry's boot and FreeToken's (90-120 s, its graphs and warm-up) take ~5-6 min;
+#                .peer as for PART=peer; PEERCUTS_BUDGET_S (default 540) bounds a cut, for a call with less time left
 #   PART=long    the 262k-token TTFT (decode_suite's long_context_36b; LONG_VARIANTS picks its variants)  ~4-5 min a variant
 #   PART=ttft    the 12-layer and hybrid cuts' served TTFT-2k phase by phase (bench/ttft_path.py), with the
 #                arrival hold and without (TTFT_CUTS, TTFT_HOLDS: which cuts and holds, e.g. "12layer", "default";
@@ -207,7 +207,8 @@ PY
           hybrid8) set -- qwen3.6-35b-a3b 8 640 ;;
           *) echo "PEER_CUTS: $cut is not 12layer or hybrid8"; continue ;;
         esac
-        timeout 560 python3 bench/peer_compare.py --out "$OUT" --freetoken-site /tmp/ft --budget-s 540 \
+        timeout $(( ${PEERCUTS_BUDGET_S:-540} + 20 )) python3 bench/peer_compare.py --out "$OUT" --freetoken-site /tmp/ft \
+          --budget-s "${PEERCUTS_BUDGET_S:-540}" \
           --config "tests/data/models/$1/config.json" --num-layers "$2" --format bf16 --memory-line 12GiB \
           --streams 1 --repeats 2 --ferry-args "--moe-cache-size $3 --max-running-requests 8" \
           --freetoken-args "--moe-cache-size $3" > "$OUT/peer_compare_$1_$2.log" 2>&1; echo "peer $1 $2 rc=$?"
