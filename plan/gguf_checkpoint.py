@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import re
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from pathlib import Path
@@ -191,6 +192,10 @@ _CONVERTER_RENAMES = (
     ("e_score_correction_bias", "e_score_correction.bias"),
     (".self_attn.sinks", ".self_attn.sinks.weight"),
     (".linear_attn.dt_bias", ".linear_attn.dt_proj.bias"),
+    # Gemma 4's: the router's input scale a `.scale` of the router, the per-expert scale one of the down experts
+    (".router.scale", ".router.proj.scale"),
+    (".router.per_expert_scale", ".experts.down_proj.scale"),
+    (".layer_scalar", ".layer_scalar.weight"),
 )
 
 
@@ -210,7 +215,7 @@ class GgufNames:
         for old, new in _CONVERTER_RENAMES:
             if hf_name.endswith(old):
                 hf_name = hf_name[: -len(old)] + new
-        return self.map.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        return self.map.get_name(hf_name, try_suffixes=(".weight", ".bias", ".scale"))
 
     def experts(self, layer: int) -> dict[str, str | None]:
         """{gate_proj|up_proj|down_proj: the GGUF name of layer `layer`'s routed experts [E, rows, cols]}."""
@@ -251,7 +256,7 @@ def load_gguf_config(first: Path) -> dict[str, Any]:
 
     ckpt = open_gguf(first)
     family = family_for_gguf(ckpt.architecture, str(first))
-    config = family.gguf_config(ckpt.metadata, tuple(ckpt.tensors), str(first))
+    config = family.gguf_config(ckpt.metadata, ckpt.tensors, str(first))
     config.setdefault("vocab_size", ckpt.array_length("tokenizer.ggml.tokens") or None)
     config.setdefault("tie_word_embeddings", "output.weight" not in ckpt.tensors)
     eos = ckpt.value("tokenizer.ggml.eos_token_id")
@@ -326,7 +331,7 @@ def transformers_gguf_fields(metadata: dict[str, Any], architecture: str, model_
     return config
 
 
-def moe_layers_of(tensor_names: tuple[str, ...], num_layers: int, names: GgufNames) -> list[int]:
+def moe_layers_of(tensors: Iterable[str], num_layers: int, names: GgufNames) -> list[int]:
     """The layers whose routed experts the file holds."""
-    present = set(tensor_names)
+    present = set(tensors)
     return [layer for layer in range(num_layers) if names.layer_experts(layer, present)["gate_proj"] in present]

@@ -1,6 +1,7 @@
-"""A Hugging Face checkpoint of attention and MoE layers (qwen3_moe, qwen3_5_moe, qwen3_next, glm4_moe, gpt_oss: the
-families with a GGUF architecture, each one's own keys by its family module's `gguf_write_metadata`, where it fuses
-its experts `gguf_split_experts`, and where the converter changes values `gguf_write_tensor`) rewritten
+"""A Hugging Face checkpoint of attention and MoE layers (qwen3_moe, qwen3_5_moe, qwen3_next, glm4_moe, gpt_oss,
+gemma4: the families with a GGUF architecture, each one's own keys (and generated tensors) by its family module's
+`gguf_write_metadata`, where it fuses its experts `gguf_split_experts`, and where the converter changes values
+`gguf_write_tensor`) rewritten
 as a GGUF file, by the gguf package's own writer (`gguf.GGUFWriter`), as llama.cpp's converter lays one out:
 llama.cpp's metadata keys, its tensor names (the gguf package's table), the tokenizer's vocabulary, merges,
 token types, special ids and chat template.
@@ -110,23 +111,28 @@ def write_gguf(
             weights, biases = experts_of(tensors, layer, spec.num_experts)
         else:
             weights, biases = None, _zero_biases(spec) if spec.expert_bias else {}
-        written = {}  # GGUF name -> (values or blocks, ggml type)
-        for part, gguf_name in names.experts(layer).items():
+        parts = {}  # part -> (values or blocks, ggml type)
+        for part in EXPERT_PARTS:
             ggml_type = _part_type(expert_type, part, layer, layers)
             if weights is None:
                 shape = _expert_shape(spec, part)
                 std = random_experts[1] if part == "down_proj" else random_experts[0]
-                written[gguf_name] = (random_blocks(shape, ggml_type, std, rng), ggml_type)
+                parts[part] = (random_blocks(shape, ggml_type, std, rng), ggml_type)
             elif ggml_type in FLOAT_EXPERT_TYPES:
-                written[gguf_name] = (weights[part].astype(np.float32), ggml_type)
+                parts[part] = (weights[part].astype(np.float32), ggml_type)
             else:
-                written[gguf_name] = (_expert_blocks(weights[part], ggml_type, rng), ggml_type)
-        if fused_gate_up:
+                parts[part] = (_expert_blocks(weights[part], ggml_type, rng), ggml_type)
+        separate = names.experts(layer)
+        written = {separate["down_proj"]: parts["down_proj"]}  # GGUF name -> (values or blocks, ggml type)
+        # fused where asked, or where the family's table has only the fused tensor (Gemma 4's)
+        if fused_gate_up or separate["gate_proj"] is None:
             fused = names.fused_gate_up(layer)
             if fused is None:
                 raise ValueError(f"the gguf package's {architecture} table names no fused gate/up experts")
-            (gate, ggml_type), (up, _) = (written.pop(names.experts(layer)[p]) for p in ("gate_proj", "up_proj"))
+            (gate, ggml_type), (up, _) = parts["gate_proj"], parts["up_proj"]
             written[fused] = (np.concatenate([gate, up], axis=1), ggml_type)
+        else:
+            written.update({separate[p]: parts[p] for p in ("gate_proj", "up_proj")})
         for gguf_name, (data, ggml_type) in written.items():
             if ggml_type in FLOAT_EXPERT_TYPES:
                 writer.add_tensor(gguf_name, data)
@@ -189,7 +195,7 @@ def common_metadata(writer, config: dict) -> None:
     writer.add_expert_count(
         int(config.get("num_experts") or config.get("num_local_experts") or config["n_routed_experts"])
     )
-    writer.add_expert_used_count(config["num_experts_per_tok"])
+    writer.add_expert_used_count(config.get("num_experts_per_tok") or config["top_k_experts"])
 
 
 def _per_expert(tensors: dict, layer: int, experts: int) -> tuple[dict, dict]:

@@ -1,5 +1,5 @@
-"""Tiny GGUF models (services/gguf_writer.py: a tiny qwen3_moe, glm4_moe or gpt_oss rewritten as llama.cpp lays a
-GGUF out) and
+"""Tiny GGUF models (services/gguf_writer.py: a tiny qwen3_moe, glm4_moe, gpt_oss or gemma4 rewritten as llama.cpp
+lays a GGUF out) and
 the reference they are held to: the same file decoded by the gguf package alone (its reader and its numpy
 `gguf.quants.dequantize`), saved as a float32 Hugging Face checkpoint for transformers to load. Nothing of
 Ferry's reading or decoding of GGUF is used here, only the gguf package's name table to put each tensor
@@ -13,10 +13,18 @@ from pathlib import Path
 
 import numpy as np
 
-# llama.cpp's converter renames these before its table lookup (convert_hf_to_gguf.py)
+# llama.cpp's converter renames these before its table lookup (convert_hf_to_gguf.py): by the name's last part, and
+# Gemma 4's by their ends (its router's input scale as the router's `.scale`, the per-expert scale the down experts')
 CONVERTER_RENAMES = {"e_score_correction_bias": "e_score_correction.bias", "sinks": "sinks.weight"}
+CONVERTER_SUFFIX_RENAMES = (
+    (".router.scale", ".router.proj.scale"),
+    (".router.per_expert_scale", ".experts.down_proj.scale"),
+    (".layer_scalar", ".layer_scalar.weight"),
+)
 # gpt-oss's fused experts: each layer's gate and up (interleaved) and down, with their biases
 FUSED = ("experts.gate_up_proj", "experts.gate_up_proj_bias", "experts.down_proj", "experts.down_proj_bias")
+# Gemma 4's, not under `mlp.`: gate and up [E, 2I, H] (the gate's rows first) and down [E, H, I], as the file's
+GEMMA4_EXPERTS = (".experts.gate_up_proj", ".experts.down_proj")
 
 
 def tiny_gguf(
@@ -52,11 +60,17 @@ def dequantized_reference(gguf_file: Path, hf_dir: Path, out: Path) -> Path:
     state = {}
 
     def hf_named(name: str) -> np.ndarray:
+        for old, new in CONVERTER_SUFFIX_RENAMES:
+            if name.endswith(old):
+                name = name[: -len(old)] + new
         head, _, last = name.rpartition(".")
-        return decoded(names.get_name(f"{head}.{CONVERTER_RENAMES.get(last, last)}", try_suffixes=(".weight", ".bias")))
+        suffixes = (".weight", ".bias", ".scale")
+        return decoded(names.get_name(f"{head}.{CONVERTER_RENAMES.get(last, last)}", try_suffixes=suffixes))
 
     for name in load_file(hf_dir / "model.safetensors"):
-        if name.endswith(FUSED):  # gpt-oss: blk.L.ffn_{gate,up}_exps [E, I, H] -> gate_up_proj [E, H, 2I] interleaved
+        if config["model_type"].startswith("gemma4") and name.endswith(GEMMA4_EXPERTS):
+            state[name] = decoded(names.get_name(f"{name}.weight", try_suffixes=(".weight",)))
+        elif name.endswith(FUSED):  # gpt-oss: blk.L.ffn_{gate,up}_exps [E, I, H] -> gate_up_proj [E, H, 2I] interleaved
             head, fused = name.rsplit(".", 1)
             suffix = ".bias" if fused.endswith("_bias") else ".weight"
             if fused.startswith("down_proj"):

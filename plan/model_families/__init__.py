@@ -22,8 +22,9 @@ A new family registers, with `register(ModelFamily(...))` in a module of this fo
     gpt-oss; the api's `--chat-format auto` takes it: services/api/tokenizer.py);
   * `tool_call_parser` / `reasoning_parser`, when its models write calls or reasoning in another markup than
     Qwen's (Gemma 4's; the api's `--tool-call-parser auto` / `--reasoning-parser auto` take them);
-  * `gguf_architectures` and `gguf_config(metadata, tensor_names, where)`, where it serves GGUF files: the
-    `general.architecture` values it claims and their metadata as config.json fields (plan/gguf_checkpoint.py).
+  * `gguf_architectures` and `gguf_config(metadata, tensors, where)`, where it serves GGUF files: the
+    `general.architecture` values it claims and their metadata (and tensor table) as config.json fields
+    (plan/gguf_checkpoint.py).
 and, on the worker side, its module in `services/worker/models/` (that package's registry.py says what).
 """
 
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,9 +73,9 @@ class ModelFamily:
     # where a layer's routed experts sit under `layers.N.` (a quantization config's exclusions are matched to it)
     experts_module: str = "mlp.experts"
     # GGUF files (plan/gguf_checkpoint.py): the general.architecture values it claims, and
-    # (metadata, tensor names, where) -> config.json's fields
+    # (metadata, the file's tensors {GGUF name: GgufTensor}, where) -> config.json's fields
     gguf_architectures: tuple[str, ...] = ()
-    gguf_config: Callable[[dict[str, Any], tuple[str, ...], str], dict[str, Any]] | None = None
+    gguf_config: Callable[[dict[str, Any], Mapping[str, Any], str], dict[str, Any]] | None = None
     # services/gguf_writer.py (tiny GGUF files for the tests): (gguf.GGUFWriter, config.json) -> the family's own
     # keys as llama.cpp's converter writes them; and where its checkpoint fuses a layer's experts, (tensors,
     # layer, experts) -> ({part: [E, rows, cols]}, {part: biases}) split as that converter splits them

@@ -35,6 +35,7 @@ small dense Gemma 4s), layers sharing another's KV (`num_kv_shared_layers`), bid
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 from ferry.plan.model_families import ModelFamily, register
@@ -257,6 +258,183 @@ def resident_weight_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+GGUF_ARCHITECTURE = "gemma4"
+GGUF_REQUIRED = (
+    "block_count",
+    "context_length",
+    "embedding_length",
+    "feed_forward_length",
+    "attention.head_count",
+    "attention.head_count_kv",
+    "attention.key_length",
+    "attention.key_length_swa",
+    "attention.layer_norm_rms_epsilon",
+    "attention.sliding_window",
+    "attention.sliding_window_pattern",
+    "rope.freq_base",
+    "rope.freq_base_swa",
+    "expert_count",
+    "expert_used_count",
+    "expert_feed_forward_length",
+)
+# the full layers' rotary frequency factors llama.cpp's converter writes (its Gemma4Model): 1 for each pair that
+# turns (the first partial_rotary_factor of the head's pairs), 1e30 (a pair that stands still) for the rest
+GGUF_ROPE_FREQS = "rope_freqs.weight"
+GGUF_STILL_PAIR = 1e30
+
+
+def _per_layer(value: Any, num_layers: int, key: str, where: str) -> list[int]:
+    """A key llama.cpp writes as one number or one per layer, per layer."""
+    values = list(value) if isinstance(value, list) else [value] * num_layers
+    if len(values) != num_layers:
+        raise ConfigError(f"{where}: {GGUF_ARCHITECTURE}.{key} has {len(values)} entries for {num_layers} layers")
+    return [int(v) for v in values]
+
+
+def _uniform(values: list[int], key: str, kind: str, where: str) -> int:
+    if len(set(values)) != 1:
+        raise ConfigError(f"{where}: {GGUF_ARCHITECTURE}.{key} differs between {kind} layers ({sorted(set(values))})")
+    return values[0]
+
+
+def _full_rotary_factor(tensors: Mapping[str, Any], head_dim: int, where: str) -> float:
+    """The full layers' partial_rotary_factor from `rope_freqs` (GGUF_ROPE_FREQS): the share of its pairs at 1."""
+    import numpy as np
+
+    t = tensors.get(GGUF_ROPE_FREQS)
+    if t is None:
+        raise ConfigError(f"{where}: the GGUF file has no {GGUF_ROPE_FREQS} (the full layers' rotated pairs)")
+    factors = np.asarray(t.data, dtype=np.float32).reshape(-1)
+    turning = int((factors == 1.0).sum())
+    if factors.size != head_dim // 2 or not (factors[:turning] == 1.0).all() or (factors[turning:] < 1e29).any():
+        raise ConfigError(
+            f"{where}: {GGUF_ROPE_FREQS} must be {head_dim // 2} factors, 1 for the pairs that turn and then "
+            f"{GGUF_STILL_PAIR:g} (llama.cpp's proportional rope); other frequency factors are not supported"
+        )
+    return 2 * turning / head_dim
+
+
+def gguf_config(metadata: dict[str, Any], tensors: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """config.json (gemma4_text) from a Gemma 4 GGUF as llama.cpp's Gemma4Model writes it: the sliding layers from
+    the per-layer `attention.sliding_window_pattern` (true: sliding), their head size and rope from the `_swa` keys,
+    the full layers' from the plain ones (their partial rotary from `rope_freqs`: `_full_rotary_factor`), KV heads
+    per layer, K = V where a full layer has no attn_v; the router's scale and per-expert scale are tensors."""
+
+    def key(name: str) -> Any:
+        return metadata.get(f"{GGUF_ARCHITECTURE}.{name}")
+
+    for name in GGUF_REQUIRED:
+        if key(name) is None:
+            raise ConfigError(f"{where}: the GGUF metadata lacks {GGUF_ARCHITECTURE}.{name}")
+    layers = int(key("block_count"))
+    pattern = key("attention.sliding_window_pattern")
+    if not isinstance(pattern, list) or len(pattern) != layers:
+        raise ConfigError(
+            f"{where}: {GGUF_ARCHITECTURE}.attention.sliding_window_pattern must be one flag a layer ({layers})"
+        )
+    types = [SLIDING if flag else FULL_ATTENTION for flag in pattern]
+    sliding, full = [i for i, t in enumerate(types) if t == SLIDING], [i for i, t in enumerate(types) if t != SLIDING]
+    kv = _per_layer(key("attention.head_count_kv"), layers, "attention.head_count_kv", where)
+    kv_sliding = _uniform([kv[i] for i in sliding] or [kv[0]], "attention.head_count_kv", "sliding", where)
+    kv_full = _uniform([kv[i] for i in full] or [kv_sliding], "attention.head_count_kv", "full", where)
+    head_dim, global_head_dim = int(key("attention.key_length_swa")), int(key("attention.key_length"))
+    rotated_swa = key("rope.dimension_count_swa")
+    if rotated_swa is not None and int(rotated_swa) != head_dim:
+        raise ConfigError(
+            f"{where}: {GGUF_ARCHITECTURE}.rope.dimension_count_swa {rotated_swa} is not the sliding head size "
+            f"{head_dim}: Gemma 4's sliding layers turn every pair"
+        )
+    ffn = _per_layer(key("feed_forward_length"), layers, "feed_forward_length", where)
+    k_eq_v = bool(full) and all(f"blk.{i}.attn_v.weight" not in tensors for i in full)
+    config: dict[str, Any] = {
+        "model_type": TEXT_MODEL_TYPE,
+        "architectures": ["Gemma4ForCausalLM"],
+        "num_hidden_layers": layers,
+        "max_position_embeddings": int(key("context_length")),
+        "hidden_size": int(key("embedding_length")),
+        "intermediate_size": _uniform(ffn, "feed_forward_length", "all", where),
+        "num_attention_heads": int(key("attention.head_count")),
+        "num_key_value_heads": kv_sliding,
+        "head_dim": head_dim,
+        "global_head_dim": global_head_dim,
+        "attention_k_eq_v": k_eq_v,
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
+        "sliding_window": int(key("attention.sliding_window")),
+        "layer_types": types,
+        "rope_parameters": {
+            SLIDING: {"rope_type": "default", "rope_theta": float(key("rope.freq_base_swa"))},
+            FULL_ATTENTION: {
+                "rope_type": "proportional",
+                "partial_rotary_factor": _full_rotary_factor(tensors, global_head_dim, where),
+                "rope_theta": float(key("rope.freq_base")),
+            },
+        },
+        "num_experts": int(key("expert_count")),
+        "top_k_experts": int(key("expert_used_count")),
+        "moe_intermediate_size": int(key("expert_feed_forward_length")),
+        "enable_moe_block": True,
+        "hidden_activation": GELU_ACTIVATIONS[0],
+        "hidden_size_per_layer_input": int(key("embedding_length_per_layer_input") or 0),
+        "num_kv_shared_layers": int(key("attention.shared_kv_layers") or 0),
+        "final_logit_softcapping": key("final_logit_softcapping"),
+    }
+    if k_eq_v:
+        config["num_global_key_value_heads"] = kv_full
+    elif kv_full != kv_sliding:  # a full layer of other KV heads but its own V: only per_layer_config says so
+        config["per_layer_config"] = {FULL_ATTENTION: {"head_dim": global_head_dim, "num_key_value_heads": kv_full}}
+    return config
+
+
+def gguf_write_metadata(writer, config: dict) -> None:
+    """As llama.cpp's Gemma4Model: the full layers' head size in the plain keys and the sliding layers' in the
+    `_swa` ones, KV heads and the sliding flags one a layer, each kind's rope base, the experts' width; and the
+    `rope_freqs` tensor it generates (the full layers' partial rotary)."""
+    import numpy as np
+
+    cfg = text_config(config, "config.json")
+    layers = int(cfg["num_hidden_layers"])
+    types = layer_types(cfg, layers, "config.json")
+    spec = spec_fields(cfg, "config.json")
+    rope = {kind: layer_rope(cfg, kind, "config.json") for kind in (SLIDING, FULL_ATTENTION)}
+    writer.add_block_count(layers)
+    writer.add_key_length(spec["attention_head_dims"][types.index(FULL_ATTENTION)])
+    writer.add_value_length(spec["attention_head_dims"][types.index(FULL_ATTENTION)])
+    writer.add_key_length_swa(spec["head_dim"])
+    writer.add_value_length_swa(spec["head_dim"])
+    writer.add_head_count_kv(list(spec["attention_kv_heads"]))
+    writer.add_sliding_window(spec["attention_windows"][types.index(SLIDING)] if SLIDING in types else 0)
+    writer.add_sliding_window_pattern([t == SLIDING for t in types])
+    writer.add_rope_freq_base(rope[FULL_ATTENTION].theta)
+    writer.add_rope_freq_base_swa(rope[SLIDING].theta)
+    full_dim = spec["attention_head_dims"][types.index(FULL_ATTENTION)]
+    writer.add_rope_dimension_count(full_dim)
+    writer.add_rope_dimension_count_swa(spec["head_dim"])
+    writer.add_expert_feed_forward_length(spec["moe_intermediate_size"])
+    writer.add_embedding_length_per_layer_input(0)
+    writer.add_shared_kv_layers(0)
+    if spec["final_logit_softcapping"]:
+        writer.add_final_logit_softcapping(spec["final_logit_softcapping"])
+    turning = int(full_dim * rope[FULL_ATTENTION].partial_rotary_factor / 2)
+    freqs = np.array([1.0] * turning + [GGUF_STILL_PAIR] * (full_dim // 2 - turning), dtype=np.float32)
+    writer.add_tensor(GGUF_ROPE_FREQS, freqs)
+
+
+def gguf_split_experts(tensors: dict, layer: int, experts: int) -> tuple[dict, dict]:
+    """Gemma 4's fused experts (popped): `gate_up_proj` [E, 2I, H], the gate's rows first -> gate and up [E, I, H];
+    `down_proj` [E, H, I] as it is (llama.cpp's converter keeps them fused, as `ffn_gate_up_exps`)."""
+    import numpy as np
+
+    prefix = f"model.layers.{layer}.experts"
+    gate_up = tensors.pop(f"{prefix}.gate_up_proj").astype(np.float32)
+    half = gate_up.shape[1] // 2
+    weights = {
+        "gate_proj": np.ascontiguousarray(gate_up[:, :half]),
+        "up_proj": np.ascontiguousarray(gate_up[:, half:]),
+        "down_proj": tensors.pop(f"{prefix}.down_proj").astype(np.float32),
+    }
+    return weights, {}
+
+
 register(
     ModelFamily(
         name="gemma4",
@@ -269,6 +447,10 @@ register(
         experts_module="experts",
         tool_call_parser="gemma4",  # services/api/gemma4_format.py
         reasoning_parser="gemma4",
+        gguf_architectures=(GGUF_ARCHITECTURE,),
+        gguf_config=gguf_config,
+        gguf_write_metadata=gguf_write_metadata,
+        gguf_split_experts=gguf_split_experts,
         # two sliding layers (a window a short prompt outgrows) then a full one with its own head size, KV
         # heads, shared K/V projection and proportional rotary; a dense MLP beside the experts; soft-capped logits
         tiny_config=dict(

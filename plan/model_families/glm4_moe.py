@@ -19,6 +19,7 @@ The worker's half: services/worker/models/glm4_moe.py."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from ferry.plan.model_families import ModelFamily, register
@@ -91,7 +92,7 @@ GGUF_REQUIRED = (
 SIGMOID_GATING = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID: GLM's router
 
 
-def gguf_config(metadata: dict[str, Any], tensor_names: tuple[str, ...], where: str) -> dict[str, Any]:
+def gguf_config(metadata: dict[str, Any], tensors: Mapping[str, Any], where: str) -> dict[str, Any]:
     """config.json from a glm4moe GGUF. llama.cpp's block_count counts the NextN (MTP) layers appended after the
     decoder's, so num_hidden_layers is block_count less nextn_predict_layers (their blk.N tensors go unread, as the
     checkpoint's model.layers.N ones do); the rotated share of a head is rope.dimension_count / key_length; the
@@ -118,12 +119,12 @@ def gguf_config(metadata: dict[str, Any], tensor_names: tuple[str, ...], where: 
     rotated = key("rope.dimension_count")
     config["partial_rotary_factor"] = int(rotated) / int(config["head_dim"]) if rotated is not None else 0.5
     config["norm_topk_prob"] = bool(config.get("norm_topk_prob", True))
-    config["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
-    config["use_qk_norm"] = "blk.0.attn_q_norm.weight" in tensor_names
+    config["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    config["use_qk_norm"] = "blk.0.attn_q_norm.weight" in tensors
     if "first_k_dense_replace" not in config:  # the first layer with routed experts
         layers = int(config["num_hidden_layers"])
         config["first_k_dense_replace"] = next(
-            (i for i in range(layers) if f"blk.{i}.ffn_gate_exps.weight" in tensor_names), layers
+            (i for i in range(layers) if f"blk.{i}.ffn_gate_exps.weight" in tensors), layers
         )
     return config
 

@@ -19,6 +19,7 @@ worker's half converts them (services/worker/models/gpt_oss.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from ferry.plan.model_families import ModelFamily, register
@@ -119,7 +120,7 @@ GGUF_REQUIRED = ("expert_feed_forward_length", "block_count", GGUF_SLIDING_WINDO
 GGUF_YARN_DEFAULTS = dict(beta_fast=32.0, beta_slow=1.0, truncate=False)
 
 
-def gguf_config(metadata: dict[str, Any], tensor_names: tuple[str, ...], where: str) -> dict[str, Any]:
+def gguf_config(metadata: dict[str, Any], tensors: Mapping[str, Any], where: str) -> dict[str, Any]:
     """config.json from a gpt-oss GGUF (llama.cpp's GptOssModel): transformers' table, the experts' width
     (expert_feed_forward_length), the head size, YaRN from rope.scaling.*, biases where their tensors are; the
     sliding layers are the even ones, as llama.cpp's graph fixes them (it writes no layer types)."""
@@ -140,7 +141,7 @@ def gguf_config(metadata: dict[str, Any], tensor_names: tuple[str, ...], where: 
         config["head_dim"] = int(key("attention.key_length"))
     layers = int(config["num_hidden_layers"])
     config["layer_types"] = [SLIDING if i % 2 == 0 else FULL_ATTENTION for i in range(layers)]
-    config["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
+    config["attention_bias"] = "blk.0.attn_q.bias" in tensors
     rope = {"rope_theta": float(config.pop("rope_theta", DEFAULT_ROPE_THETA)), "rope_type": "default"}
     scaling = key("rope.scaling.type")
     if scaling not in (None, "none", "yarn"):

@@ -14,6 +14,7 @@ The worker's half: services/worker/models/qwen3_hybrid.py."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from ferry.plan.model_families import ModelFamily, register
@@ -144,17 +145,17 @@ def _hybrid_gguf_config(a: str, model_type: str, metadata: dict[str, Any], where
     return config
 
 
-def qwen3_5_moe_gguf_config(metadata: dict[str, Any], tensor_names: tuple[str, ...], where: str) -> dict[str, Any]:
+def qwen3_5_moe_gguf_config(metadata: dict[str, Any], tensors: Mapping[str, Any], where: str) -> dict[str, Any]:
     return _hybrid_gguf_config(GGUF_QWEN35, "qwen3_5_moe_text", metadata, where)
 
 
-def qwen3_next_gguf_config(metadata: dict[str, Any], tensor_names: tuple[str, ...], where: str) -> dict[str, Any]:
+def qwen3_next_gguf_config(metadata: dict[str, Any], tensors: Mapping[str, Any], where: str) -> dict[str, Any]:
     """As qwen35moe's; the layers without routed experts in the file are dense (mlp_only_layers)."""
     from ferry.plan.gguf_checkpoint import GgufNames, moe_layers_of
 
     config = _hybrid_gguf_config(GGUF_QWEN3NEXT, "qwen3_next", metadata, where)
     layers = config["num_hidden_layers"]
-    moe = set(moe_layers_of(tensor_names, layers, GgufNames(GGUF_QWEN3NEXT, layers)))
+    moe = set(moe_layers_of(tensors, layers, GgufNames(GGUF_QWEN3NEXT, layers)))
     config["mlp_only_layers"] = [layer for layer in range(layers) if layer not in moe]
     return config
 

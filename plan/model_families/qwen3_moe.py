@@ -4,6 +4,7 @@ The worker's half: services/worker/models/qwen3_moe.py."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from ferry.plan.model_families import ModelFamily, register
@@ -26,7 +27,7 @@ def spec_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
 GGUF_ARCHITECTURE = "qwen3moe"
 
 
-def gguf_config(metadata: dict[str, Any], tensor_names: tuple[str, ...], where: str) -> dict[str, Any]:
+def gguf_config(metadata: dict[str, Any], tensors: Mapping[str, Any], where: str) -> dict[str, Any]:
     """config.json from a qwen3moe GGUF: transformers' table, and what it leaves out (the experts' width,
     which layers are dense)."""
     from ferry.plan.gguf_checkpoint import GgufNames, moe_layers_of, transformers_gguf_fields
@@ -38,7 +39,7 @@ def gguf_config(metadata: dict[str, Any], tensor_names: tuple[str, ...], where: 
         raise ConfigError(f"{where}: the GGUF metadata lacks {GGUF_ARCHITECTURE}.expert_feed_forward_length")
     config["moe_intermediate_size"] = int(width)
     layers = int(config.get("num_hidden_layers", 0))
-    moe = set(moe_layers_of(tensor_names, layers, GgufNames(GGUF_ARCHITECTURE, layers)))
+    moe = set(moe_layers_of(tensors, layers, GgufNames(GGUF_ARCHITECTURE, layers)))
     config["mlp_only_layers"] = [layer for layer in range(layers) if layer not in moe]
     return config
 

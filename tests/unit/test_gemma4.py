@@ -486,11 +486,12 @@ def test_next_layer_prediction_takes_only_routers_that_are_linears_of_the_expert
             assert len(weights) == len(spec.moe_layer_indices) and biases is None
 
 
-def test_make_tiny_model_writes_gemma4_and_refuses_a_gguf_of_it(tmp_path, capsys):
+def test_make_tiny_model_writes_gemma4_and_a_gguf_of_it(tmp_path, capsys):
     from ferry.services.cli import main
 
-    assert main(["make-tiny-model", str(tmp_path / "g"), "--arch", "gemma4", "--gguf", "Q8_0"]) == 2
-    assert "--gguf: gemma4 has no GGUF layout" in capsys.readouterr().err and not (tmp_path / "g").exists()
     assert main(["make-tiny-model", str(tmp_path / "g"), "--arch", "gemma4"]) == 0
     spec = load_model_config(tmp_path / "g")
     assert spec.arch == "gemma4" and spec.tie_word_embeddings and spec.attention_head_dims == (16, 16, 32)
+    assert main(["make-tiny-model", str(tmp_path / "q"), "--arch", "gemma4", "--gguf", "Q8_0"]) == 0
+    written = load_model_config(next((tmp_path / "q").glob("*.gguf")))
+    assert written.arch == "gemma4" and written.quantization.expert_format == "gguf-q8_0"

@@ -582,9 +582,12 @@ def _metadata_only_qwen3_30b(path, expert_type: str = "Q8_0"):
 
 
 def _write_sparse(writer, tensors: dict[str, tuple[tuple[int, ...], str]]) -> None:
-    """The file's metadata and tensor table ({name: (shape, ggml type)}), its data a hole of the right size."""
+    """The file's metadata and tensor table ({name: (shape, ggml type)}), its data a hole of the right size, but for
+    the tensors the writer already holds (a family's generated ones, e.g. Gemma 4's rope_freqs), written first."""
     import gguf
 
+    held = [ti.tensor for ti in writer.tensors[0].values() if ti.tensor is not None]
+    assert len(held) == len(writer.tensors[0]), "a tensor the writer holds as a hole"
     data = 0
     for name, (shape, type_name) in tensors.items():
         qtype = gguf.GGMLQuantizationType[type_name]
@@ -596,6 +599,9 @@ def _write_sparse(writer, tensors: dict[str, tuple[tuple[int, ...], str]]) -> No
     writer.write_ti_data_to_file()
     fout = writer.fout[0]
     writer.write_padding(fout, fout.tell())
+    for values in held:
+        values.tofile(fout)
+        writer.write_padding(fout, values.nbytes)
     fout.truncate(fout.tell() + data)
     writer.close()
 
@@ -740,6 +746,7 @@ def test_a_gpt_oss_gguf_reads_as_the_config_it_was_written_from(gpt_oss_gguf):
 
 GPT_OSS_120B = "tests/data/models/gpt-oss-120b/config.json"
 QWEN36_35B = "tests/data/models/qwen3.6-35b-a3b/config.json"
+GEMMA4_26B = "tests/data/models/gemma-4-26b-a4b/config.json"
 
 
 def _metadata_only(path, config_file: str, expert_type: str):
@@ -775,6 +782,8 @@ def _metadata_only(path, config_file: str, expert_type: str):
     for layer in spec.moe_layer_indices:
         for part, name in names.experts(layer).items():
             rows, cols = (h, i) if part == "down_proj" else (i, h)
+            if name is None:  # a table of fused gate and up experts only (Gemma 4's)
+                name, rows = names.fused_gate_up(layer), 2 * i
             tensors[name] = ((spec.num_experts, rows, cols), expert_type)
             if spec.expert_bias:
                 bias = names.gguf_name(f"model.layers.{layer}.mlp.experts.{part}.bias")
@@ -844,6 +853,79 @@ def test_a_gpt_oss_gguf_of_mxfp4_experts_generates_as_transformers_on_the_decode
         GgufBlockExperts, "family", lambda self, rows, layout: replace(family(self, rows, layout), bias=None)
     )
     assert _worst(ferry_generate(capsys, path, *ARGS), reference) > TOLERANCE  # the biases dropped: it shows
+
+
+# ---- gemma4 (Gemma 4 MoE) ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gemma4_gguf(tmp_path_factory):
+    """(a tiny gemma4 written as a Q8_0 gemma4 GGUF, its gguf-package-decoded float32 reference, the checkpoint it
+    was written from): two sliding layers and a full one of another head size, KV heads and proportional rotary
+    (`rope_freqs`), K = V there, the dense MLP beside the fused experts, the router's scale and per-expert scale."""
+    from ferry.services.gguf_writer import GGUF_SIZES
+    from tests.unit.tiny_models import redrawn_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("gguf-gemma4")
+    hf_dir = redrawn_tiny_checkpoint(root, "gemma4", **GGUF_SIZES)  # scales and norms off their ones
+    path, _ = tiny_gguf(root, "Q8_0", hf_dir=hf_dir, arch="gemma4")
+    return path, dequantized_reference(path, hf_dir, root / "reference"), hf_dir
+
+
+def test_a_gemma4_gguf_generates_as_transformers_on_the_decoded_file(gemma4_gguf, capsys):
+    path, reference, _ = gemma4_gguf
+    _served_resident_and_offloaded(capsys, path, reference, "gguf-q8_0")
+
+
+def test_a_gemma4_gguf_reads_as_the_config_it_was_written_from(gemma4_gguf):
+    """llama.cpp's keys (the `_swa` head size and rope base, per-layer KV heads and sliding flags) and tensors
+    (`rope_freqs`, a full layer without attn_v) give the checkpoint's spec; its tokenizer names the file's."""
+    from dataclasses import fields
+
+    import gguf
+
+    from ferry.plan.model_config import load_model_config
+
+    path, _, hf_dir = gemma4_gguf
+    spec, want = load_model_config(path), load_model_config(hf_dir)
+    differ = {f.name for f in fields(spec) if getattr(spec, f.name) != getattr(want, f.name)}
+    assert differ == {"quantization", "text_config", "dtype"}, differ
+    assert spec.attention_windows == (8, 8, 0) and spec.layer_value_is_key == (False, False, True)
+    assert spec.layer_ropes[2].partial_rotary_factor == 0.25 and spec.moe_beside_dense_mlp
+    names = [t.name for t in gguf.GGUFReader(str(path)).tensors]
+    assert {"blk.0.ffn_gate_up_exps.weight", "blk.0.ffn_gate_inp.scale", "blk.0.ffn_down_exps.scale"} <= set(names)
+    assert "blk.0.layer_output_scale.weight" in names and "blk.2.attn_v.weight" not in names
+
+
+@pytest.mark.parametrize("fault", ["full layers turning every pair", "per-expert scale read as ones"])
+def test_a_gemma4_gguf_read_wrong_fails_the_comparison(gemma4_gguf, capsys, monkeypatch, fault):
+    from ferry.plan.model_families import gemma4
+    from ferry.services.worker import gguf_tensors
+
+    path, reference, _ = gemma4_gguf
+    if fault == "full layers turning every pair":
+        monkeypatch.setattr(gemma4, "_full_rotary_factor", lambda tensors, head_dim, where: 1.0)
+    else:
+        decoded = gguf_tensors.decoded
+        ones = lambda t: np.ones_like(decoded(t)) if t.name.endswith("ffn_down_exps.scale") else decoded(t)  # noqa: E731
+        monkeypatch.setattr(gguf_tensors, "decoded", ones)
+    assert _worst(ferry_generate(capsys, path, *ARGS), reference) > TOLERANCE
+
+
+def test_gemma_4_26b_a4b_as_a_q8_0_gguf_plans_at_24_gib_at_the_files_bytes(tmp_path, capsys):
+    """Gemma-4-26B-A4B as llama.cpp's converter writes its GGUF (fused gate/up experts; Q8_0, whose 32-value blocks
+    divide its 704-wide experts, which K blocks of 256 do not): `ferry plan` at 24 GiB prices each slot at the
+    file's blocks."""
+    from ferry.services.cli import main
+
+    path = _metadata_only(tmp_path / "gemma-4-26B-A4B-Q8_0.gguf", GEMMA4_26B, "Q8_0")
+    assert main(["plan", str(path), "--gpu-memory", "24GiB", "--host-memory", "64GiB", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    # w13: 2 x 704 rows of 2816 values in 88 Q8_0 blocks of 34 bytes; w2: 2816 rows of 704 values in 22 blocks
+    w13, w2 = 2 * 704 * 88 * 34, 2816 * 22 * 34
+    assert plan["experts"]["format"] == "gguf-q8_0" and plan["experts"]["bytes_per_slot"] == w13 + w2
+    assert plan["host"]["expert_bank_bytes"] == 30 * 128 * (w13 + w2)
+    assert plan["total_bytes"] <= plan["budget_bytes"] and plan["experts"]["slots"] >= plan["experts"]["min_slots"]
 
 
 # ---- qwen35moe and qwen3next (Qwen3.5/3.6 MoE, Qwen3-Next: the Gated DeltaNet hybrids) ---------------------------
