@@ -92,12 +92,14 @@ def write_gguf(
         raise ValueError(f"the GGUF writer takes no {family.name} checkpoint (its family has no gguf_write_metadata)")
     architecture = family.gguf_architectures[0]
     spec = parse_model_config(config, str(hf_dir / "config.json"))
+    config = family.text_config(config, str(hf_dir / "config.json"))  # a multimodal wrapper's text model (Gemma 4's)
     if tensors is None:
         tensors = {}
         for shard in sorted(hf_dir.glob("*.safetensors")):
             tensors.update(load_file(shard))
-    else:
-        tensors = dict(tensors)  # the caller's dict is left whole (the experts are popped from this one)
+    # the caller's dict is left whole (the experts are popped from this one); a wrapper's text tensors lose their
+    # `language_model.`, as llama.cpp's converter drops it before its table lookup
+    tensors = {name.replace(".language_model.", ".", 1): value for name, value in tensors.items()}
     layers = int(config["num_hidden_layers"])
     writer = gguf.GGUFWriter(str(out), architecture, split_max_tensors=split_max_tensors)
     common_metadata(writer, config)

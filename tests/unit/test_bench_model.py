@@ -283,6 +283,32 @@ def test_a_q4_k_m_bench_cut_is_one_gguf_file_that_plans_and_generates_resident_a
     assert offloaded["token_ids"] == resident["token_ids"] and offloaded["logprobs"] == resident["logprobs"]
 
 
+def test_a_gemma4_bench_cut_of_a_multimodal_config_is_a_gguf_that_plans_and_generates(tmp_path, capsys):
+    """Gemma 4's published config wraps the text model (`text_config`, tensors under `language_model.`): the GGUF
+    of its cut holds the text model alone, named as llama.cpp's converter names it, and serves resident and
+    offloaded."""
+    from ferry.services.cli import main
+    from ferry.services.gguf_writer import GGUF_SIZES
+    from ferry.services.make_tiny_model import make_tiny_model
+    from tests.unit.test_generate_e2e import ferry_generate
+
+    text = json.loads((make_tiny_model(tmp_path / "tiny", "gemma4") / "config.json").read_text())
+    text.update(GGUF_SIZES)
+    wrapper = {"model_type": "gemma4", "architectures": ["Gemma4ForConditionalGeneration"], "text_config": text}
+    (config := tmp_path / "config.json").write_text(json.dumps(wrapper))
+    out = tmp_path / "gemma4"
+    assert _make_gguf_bench(out, config, "gguf-q8_0", "--weights", "random") == 0
+    spec = load_model_config(out)
+    assert spec.arch == "gemma4" and spec.num_layers == 3 and spec.quantization.expert_format == "gguf-q8_0"
+    assert main(["plan", str(out), "--gpu-memory", "24GiB", "--host-memory", "8GiB", "--json"]) == 0
+    capsys.readouterr()
+    resident = ferry_generate(capsys, out, "--prompt-ids", GGUF_PROMPT, *GGUF_ARGS)
+    assert len(resident["token_ids"]) == 6 and all(np.isfinite(resident["logprobs"]))
+    offloaded = ferry_generate(capsys, out, "--prompt-ids", GGUF_PROMPT, *GGUF_ARGS, "--moe-cache-size", "8")
+    assert offloaded["expert_cache"]["misses"] > 0
+    assert offloaded["token_ids"] == resident["token_ids"] and offloaded["logprobs"] == resident["logprobs"]
+
+
 @pytest.mark.parametrize("fmt", ["gguf-q8_0", "gguf-q4_k", "gguf-mxfp4"])
 def test_a_gguf_bench_models_experts_are_valid_blocks_of_the_dummy_spread_under_the_recipes_router(
     gguf_bench_config, tmp_path, fmt
