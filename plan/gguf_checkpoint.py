@@ -236,6 +236,30 @@ class GgufNames:
         return names
 
 
+# llama.cpp writes a model's multi-token-prediction (NextN) layer i as decoder block num_layers + i: the layer's
+# tensors named as a decoder layer's, these under `nextn.` (its converter's renames; the gguf package's table lacks
+# them for some architectures), MTP tensor -> name in block num_layers
+GGUF_MTP_NEXTN = {
+    "mtp.fc.weight": "nextn.eh_proj.weight",  # its input: [the token's embedding, the hidden state]
+    "mtp.pre_fc_norm_embedding.weight": "nextn.enorm.weight",
+    "mtp.pre_fc_norm_hidden.weight": "nextn.hnorm.weight",
+    "mtp.norm.weight": "nextn.shared_head_norm.weight",
+}
+_MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
+
+
+def mtp_gguf_source(hf_name: str, num_layers: int) -> tuple[str, str]:
+    """Where a GGUF file holds MTP tensor `hf_name` (mtp.…): ("gguf", its GGUF name) for the `nextn.` ones, or
+    ("decoder", the decoder-layer name it is written as, `model.layers.{num_layers + i}.…`, for the family's read
+    hook and the table); a ValueError for a name of neither kind."""
+    if hf_name in GGUF_MTP_NEXTN:
+        return "gguf", f"blk.{num_layers}.{GGUF_MTP_NEXTN[hf_name]}"
+    m = _MTP_LAYER.match(hf_name)
+    if m is None:
+        raise ValueError(f"{hf_name!r} is not an MTP tensor a GGUF file holds")
+    return "decoder", f"model.layers.{num_layers + int(m.group(1))}.{m.group(2)}"
+
+
 def open_gguf(first: Path) -> GgufCheckpoint:
     """The GGUF set `first` opens, parsed once a process (while the file is unchanged): a header of a 150k-token
     vocabulary takes seconds, and boot asks for the config, both passes' tensors, the eos ids and the tokenizer."""

@@ -25,9 +25,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ferry.plan.gguf_checkpoint import EXPERT_PARTS, GgufNames
+from ferry.plan.gguf_checkpoint import EXPERT_PARTS, GgufNames, mtp_gguf_source
 from ferry.plan.model_config import parse_model_config
 from ferry.plan.model_families import family_for_config
+from ferry.plan.mtp_layer import MTP_PREFIX
 
 # (byte offset, value for weights of std 1) of each fp16 scale of a block whose other bytes are random
 # (kernels/gguf_blocks.py has the layouts; the spreads are those of random codes under random scales; the worker's
@@ -101,14 +102,17 @@ def write_gguf(
     # `language_model.`, as llama.cpp's converter drops it before its table lookup
     tensors = {name.replace(".language_model.", ".", 1): value for name, value in tensors.items()}
     layers = int(config["num_hidden_layers"])
+    tensors, nextn_tensors, mtp_layers = _mtp_as_blocks(family, config, tensors, layers)
+    if family.mtp_config_key:  # the MTP layers the file holds, which its metadata counts
+        config = {**config, family.mtp_config_key: mtp_layers}
     writer = gguf.GGUFWriter(str(out), architecture, split_max_tensors=split_max_tensors)
     common_metadata(writer, config)
     family.gguf_write_metadata(writer, config)
     _tokenizer(writer, hf_dir)
-    names = GgufNames(architecture, layers)
+    names = GgufNames(architecture, layers + mtp_layers)
     rng = np.random.default_rng(seed)
     experts_of = family.gguf_split_experts or _per_expert
-    for layer in spec.moe_layer_indices:
+    for layer in (*spec.moe_layer_indices, *range(layers, layers + mtp_layers)):
         if random_experts is None:
             weights, biases = experts_of(tensors, layer, spec.num_experts)
         else:
@@ -157,11 +161,41 @@ def write_gguf(
             # llama.cpp keeps routers and the Gated DeltaNet's convolution float32, as norms
             kept = gguf_name.split(".")[-2] in ("ffn_gate_inp", "ffn_gate_inp_shexp", "ssm_conv1d")
             writer.add_tensor(gguf_name, value.astype(np.float16) if value.ndim == 2 and not kept else value)
+    for gguf_name, (
+        checkpoint_name,
+        value,
+    ) in nextn_tensors.items():  # the MTP layer's own, named as the converter does
+        written = family.gguf_write_tensor(spec, checkpoint_name, value) if family.gguf_write_tensor else {0: value}
+        writer.add_tensor(
+            gguf_name,
+            np.asarray(next(iter(written.values())), dtype=np.float32).astype(
+                np.float16 if value.ndim == 2 else np.float32
+            ),
+        )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return out if not split_max_tensors else sorted(out.parent.glob(f"{out.stem}-00001-of-*.gguf"))[0]
+
+
+def _mtp_as_blocks(family, config: dict, tensors: dict, layers: int) -> tuple[dict, dict, int]:
+    """(the checkpoint's tensors with its `mtp.` ones as llama.cpp's converter writes them, {GGUF name: (MTP name,
+    values)} of those it names itself (`nextn.`), the MTP layers written): the MTP layers become decoder blocks
+    `layers + i` (plan/gguf_checkpoint.py's `mtp_gguf_source`) where the family's converter writes them
+    (`ModelFamily.gguf_mtp`), and are dropped where it does not."""
+    mtp = {name for name in tensors if name.startswith(MTP_PREFIX)}
+    rest = {name: value for name, value in tensors.items() if name not in mtp}
+    if not mtp or not family.gguf_mtp:
+        return rest, {}, 0
+    nextn = {}
+    for name in mtp:
+        kind, target = mtp_gguf_source(name, layers)
+        if kind == "gguf":
+            nextn[target] = (name, tensors[name].astype(np.float32))
+        else:
+            rest[target] = tensors[name]
+    return rest, nextn, int(config.get(family.mtp_config_key) or 0)
 
 
 def more_bits(layer: int, layers: int) -> bool:

@@ -90,6 +90,9 @@ class ModelFamily:
     # the config.json key counting its multi-token-prediction layers (plan/mtp_layer.py; what `ferry make-tiny-model
     # --mtp` writes); None: the family has none
     mtp_config_key: str | None = None
+    # llama.cpp's converter writes its MTP layers into a GGUF (as blocks after the decoder's: plan/gguf_checkpoint.py's
+    # `mtp_gguf_source`); False: it drops them
+    gguf_mtp: bool = False
 
 
 _FAMILIES: dict[str, ModelFamily] = {}

@@ -106,7 +106,7 @@ def _hybrid_gguf_config(a: str, model_type: str, metadata: dict[str, Any], where
     sizes in `ssm.*` (state_size the key head's width, group_count the key heads, time_step_rank the value heads,
     inner_size all value heads' width), the full-attention layers every `full_attention_interval`-th (llama.cpp's
     default 4, which older qwen3next files leave out), the rotated share of a head as `rope.dimension_count` of
-    `key_length`; MTP layers (`nextn_predict_layers`, counted in block_count) are not served."""
+    `key_length`; MTP layers (`nextn_predict_layers`) are counted in block_count, after the decoder's."""
 
     def key(name: str, default: Any = None) -> Any:
         value = metadata.get(f"{a}.{name}", default)
@@ -146,7 +146,13 @@ def _hybrid_gguf_config(a: str, model_type: str, metadata: dict[str, Any], where
 
 
 def qwen3_5_moe_gguf_config(metadata: dict[str, Any], tensors: Mapping[str, Any], where: str) -> dict[str, Any]:
-    return _hybrid_gguf_config(GGUF_QWEN35, "qwen3_5_moe_text", metadata, where)
+    """`_hybrid_gguf_config`, and the MTP layer where the file holds it (llama.cpp writes Qwen3.5's as block
+    num_hidden_layers: plan/gguf_checkpoint.py's `mtp_gguf_source`), for --speculative-method mtp."""
+    config = _hybrid_gguf_config(GGUF_QWEN35, "qwen3_5_moe_text", metadata, where)
+    nextn = int(metadata.get(f"{GGUF_QWEN35}.nextn_predict_layers") or 0)
+    if nextn and f"blk.{config['num_hidden_layers']}.nextn.eh_proj.weight" in tensors:
+        config["mtp_num_hidden_layers"] = nextn
+    return config
 
 
 def qwen3_next_gguf_config(metadata: dict[str, Any], tensors: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -162,8 +168,9 @@ def qwen3_next_gguf_config(metadata: dict[str, Any], tensors: Mapping[str, Any],
 
 def qwen3_5_moe_gguf_write_metadata(writer, config: dict) -> None:
     """As llama.cpp's Qwen3.5 MoE converter: its graph places full attention every `full_attention_interval`-th
-    layer, so a checkpoint whose layer_types differ has no GGUF; no MTP layer is written."""
-    _hybrid_gguf_write_metadata(writer, config)
+    layer, so a checkpoint whose layer_types differ has no GGUF; its MTP layers (mtp_num_hidden_layers, where the
+    checkpoint holds them) counted in block_count after the decoder's and in nextn_predict_layers."""
+    _hybrid_gguf_write_metadata(writer, config, int(config.get("mtp_num_hidden_layers") or 0))
     rope = config.get("rope_parameters") or {}
     writer.add_rope_dimension_sections((list(rope.get("mrope_section", [11, 11, 10])) + [0, 0, 0, 0])[:4])
 
@@ -176,7 +183,7 @@ def qwen3_next_gguf_write_metadata(writer, config: dict) -> None:
     _hybrid_gguf_write_metadata(writer, config)
 
 
-def _hybrid_gguf_write_metadata(writer, config: dict) -> None:
+def _hybrid_gguf_write_metadata(writer, config: dict, nextn: int = 0) -> None:
     layers = int(config["num_hidden_layers"])
     types = config.get("layer_types") or []
     first_full = types.index("full_attention") + 1 if "full_attention" in types else 4
@@ -187,7 +194,9 @@ def _hybrid_gguf_write_metadata(writer, config: dict) -> None:
     rope = config.get("rope_parameters") or {}
     rotated = config.get("partial_rotary_factor", rope.get("partial_rotary_factor", 0.25))
     value_heads = int(config["linear_num_value_heads"])
-    writer.add_block_count(layers)
+    writer.add_block_count(layers + nextn)
+    if nextn:
+        writer.add_nextn_predict_layers(nextn)
     writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
     writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     writer.add_ssm_conv_kernel(config["linear_conv_kernel_dim"])
@@ -399,5 +408,6 @@ register(
         gguf_write_tensor=qwen3_5_moe_gguf_write_tensor,
         gguf_read_tensor=qwen3_5_moe_gguf_read_tensor,
         mtp_config_key="mtp_num_hidden_layers",
+        gguf_mtp=True,
     )
 )

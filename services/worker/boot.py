@@ -235,13 +235,18 @@ class Booted:
 
 
 def _mtp_head(files: ModelFiles, model, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """The MTP draft head (services/worker/models/mtp_head.py) with the checkpoint's `mtp.` tensors, or, with
-    --load-format dummy, random ones; it turns positions as the target's full-attention layers do."""
+    """The MTP draft head (services/worker/models/mtp_head.py) with the checkpoint's `mtp.` tensors (a GGUF's MTP
+    block: gguf_tensors.py), or, with --load-format dummy, random ones; it turns positions as the target's
+    full-attention layers do."""
+    from ferry.services.worker.gguf_tensors import mtp_gguf_tensors
+    from ferry.services.worker.loader import GGUF_LOAD
     from ferry.services.worker.models.mtp_head import MtpHead, random_mtp_tensors, read_mtp_tensors
 
     head = MtpHead(files.spec, model.rotary, dtype, device)
     if files.load_format == "dummy":
         head.load_weights(random_mtp_tensors(files.spec, seed=0).items())
+    elif files.load_format == GGUF_LOAD:
+        head.load_weights(mtp_gguf_tensors(files.model_dir, files.spec))
     else:
         head.load_weights(read_mtp_tensors(files.model_dir, progress=_progress_bars()))
     return head

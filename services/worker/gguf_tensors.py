@@ -10,6 +10,10 @@ Two passes, as for safetensors (services/worker/checkpoint.py):
   `ffn_{gate,up,down}_exps` [E, rows, row bytes] are yielded as a `GgufWeight` for the expert format
   (services/worker/expert_formats/gguf_*.py) to copy as they are; float experts (F32/F16/BF16) are values,
   and so are the experts' biases where the model has them (gpt-oss: `ffn_*_exps.bias` [E, rows]).
+
+The MTP layer (--speculative-method mtp, `mtp_gguf_tensors`) is read as llama.cpp writes it, block num_layers
+(plan/gguf_checkpoint.py's `mtp_gguf_source`), every tensor dequantized: its experts are GPU-resident values, as
+from safetensors (plan/mtp_layer.py).
 """
 
 from __future__ import annotations
@@ -23,9 +27,17 @@ import torch
 
 from ferry.kernels.gguf_blocks import BLOCKS, dequantize_rows
 from ferry.plan.costs import is_served
-from ferry.plan.gguf_checkpoint import FLOAT_TYPES, GgufCheckpoint, GgufNames, GgufTensor, open_gguf
+from ferry.plan.gguf_checkpoint import (
+    FLOAT_TYPES,
+    GgufCheckpoint,
+    GgufNames,
+    GgufTensor,
+    mtp_gguf_source,
+    open_gguf,
+)
 from ferry.plan.model_families import family_of
 from ferry.plan.model_spec import ModelSpec
+from ferry.plan.mtp_layer import mtp_resident_weight_shapes
 from ferry.services.worker.quantized_weight import QuantizedWeight
 from ferry.shared.errors import ModelLoadError
 
@@ -85,6 +97,44 @@ def resident_gguf_tensors(path: Path, spec: ModelSpec, progress: bool = True) ->
                 f"{path}: no tensor {gguf_name or '(none in the gguf table)'} for {hf_name} in the GGUF file"
             )
         yield hf_name, torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+
+
+def mtp_gguf_tensors(path: Path, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
+    """(`mtp.…` name, float32 tensor) of every MTP tensor, its routed experts per expert; the family's read hook
+    undoes what the converter changed in the layer's tensors (norms shifted by one), as for the decoder's. A
+    ModelLoadError naming a missing one."""
+    ckpt = open_gguf(path)
+    names = ckpt.names()  # over block_count, which counts the MTP layers
+    family = family_of(spec)
+
+    def fetch(name: str) -> np.ndarray | None:
+        tensor = ckpt.tensors.get(names.gguf_name(name) or "")
+        return None if tensor is None else decoded(tensor)
+
+    for hf_name in mtp_resident_weight_shapes(spec):
+        kind, source = mtp_gguf_source(hf_name, spec.num_layers)
+        if kind == "gguf":  # the nextn. tensors: its norms zero-centred as the decoder's, so written as they are
+            tensor = ckpt.tensors.get(source)
+            values = None if tensor is None else decoded(tensor)
+            if values is not None and family.gguf_read_tensor is not None:
+                values = family.gguf_read_tensor(spec, hf_name, lambda _: values)
+        else:
+            values = fetch(source) if family.gguf_read_tensor is None else family.gguf_read_tensor(spec, source, fetch)
+        if values is None:
+            raise ModelLoadError(f"{path}: no tensor for {hf_name} (MTP, {source}) in the GGUF file")
+        yield hf_name, torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+    for layer in range(spec.mtp_draft_layers):
+        block = spec.num_layers + layer
+        for part, gguf_name in names.layer_experts(block, ckpt.tensors).items():
+            tensor = ckpt.tensors.get(gguf_name or "")
+            if tensor is None:
+                raise ModelLoadError(f"{path}: the MTP layer's routed experts need {gguf_name} in the GGUF file")
+            values = decoded(tensor)
+            if gguf_name == names.fused_gate_up(block):
+                i = spec.moe_intermediate_size
+                values = values[:, :i] if part == "gate_proj" else values[:, i:]
+            for e in range(values.shape[0]):
+                yield f"mtp.layers.{layer}.mlp.experts.{e}.{part}.weight", torch.from_numpy(values[e].copy())
 
 
 def routed_expert_gguf_tensors(

@@ -296,3 +296,58 @@ def test_an_answer_with_malformed_mtp_drafts_is_unusable():
     assert step_output_problem(answer(np.array([[5, -1], [6, 7]], np.int32)), vocab_size=96) is None
     for bad in (np.array([5, 6], np.int32), np.array([[5, -1]], np.int32), np.array([[5, 96], [1, 2]], np.int32)):
         assert "mtp_drafts" in step_output_problem(answer(bad), vocab_size=96)
+
+
+def test_a_qwen35_gguf_holds_its_mtp_layer_as_llama_cpp_writes_it_and_drafts_with_it(tmp_path):
+    """llama.cpp's converter writes Qwen3.5's MTP layer as block num_layers (fc, the pre-fc norms and the final
+    norm under `nextn.`, the norms shifted by one; the layer's tensors as a decoder layer's): the GGUF reads back
+    the checkpoint's MTP tensors as the file rounded them (F16 matrices, Q8_0 experts), so the swapped pre-fc norms
+    of a planted misreading show; and greedy decoding of the GGUF with --speculative-method mtp drafts with them
+    and gives the tokens of speculation off."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    from ferry.plan import gguf_checkpoint
+    from ferry.services.gguf_writer import GGUF_SIZES, write_gguf
+    from ferry.services.worker.gguf_tensors import mtp_gguf_tensors
+
+    hf = make_tiny_model(tmp_path / "hf", "qwen3_5_moe", seed=0, mtp=True, **GGUF_SIZES)
+    path = write_gguf(hf, tmp_path / "tiny-mtp-Q8_0.gguf", "Q8_0")
+    spec = load_model_config(path)
+    assert spec.mtp_draft_layers == 1 and load_model_config(hf).num_layers == spec.num_layers
+    names = {t.name for t in gguf.GGUFReader(str(path)).tensors}
+    n = spec.num_layers
+    assert {f"blk.{n}.nextn.eh_proj.weight", f"blk.{n}.nextn.enorm.weight", f"blk.{n}.attn_q.weight"} <= names
+    want = load_file(hf / "mtp.safetensors")
+
+    def stored(name: str, value: np.ndarray) -> np.ndarray:
+        """`value` as the file holds it: experts in Q8_0, other matrices in F16 but the routers (float32, as
+        llama.cpp keeps them), norms as float32."""
+        if ".experts." in name:
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            return gguf.quants.dequantize(gguf.quants.quantize(value.astype(np.float32), q8), q8)
+        router = name.endswith(("mlp.gate.weight", "shared_expert_gate.weight"))
+        return value.astype(np.float16).astype(np.float32) if value.ndim == 2 and not router else value
+
+    def read(source) -> dict[str, np.ndarray]:
+        return {name: t.numpy() for name, t in mtp_gguf_tensors(source, spec)}
+
+    got = read(path)
+    assert set(got) == set(want)
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name], stored(name, value), atol=1e-6, err_msg=name)
+    executor, plan = boot(path, "--speculative-method", "mtp")
+    off, _ = generate(executor, plan, greedy_requests())
+    on, sched = generate(executor, plan, greedy_requests(), "mtp", k=K)
+    assert on == off and sched.drafted_tokens > 0
+    swapped = dict(gguf_checkpoint.GGUF_MTP_NEXTN)
+    swapped["mtp.pre_fc_norm_embedding.weight"], swapped["mtp.pre_fc_norm_hidden.weight"] = (
+        swapped["mtp.pre_fc_norm_hidden.weight"],
+        swapped["mtp.pre_fc_norm_embedding.weight"],
+    )
+    gguf_checkpoint.GGUF_MTP_NEXTN, kept = swapped, gguf_checkpoint.GGUF_MTP_NEXTN
+    try:
+        misread = read(path)
+    finally:
+        gguf_checkpoint.GGUF_MTP_NEXTN = kept
+    assert not np.allclose(misread["mtp.pre_fc_norm_hidden.weight"], want["mtp.pre_fc_norm_hidden.weight"], atol=1e-3)
