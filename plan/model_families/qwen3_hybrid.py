@@ -149,18 +149,25 @@ def qwen3_5_moe_gguf_config(metadata: dict[str, Any], tensors: Mapping[str, Any]
     """`_hybrid_gguf_config`, and the MTP layer where the file holds it (llama.cpp writes Qwen3.5's as block
     num_hidden_layers: plan/gguf_checkpoint.py's `mtp_gguf_source`), for --speculative-method mtp."""
     config = _hybrid_gguf_config(GGUF_QWEN35, "qwen3_5_moe_text", metadata, where)
-    nextn = int(metadata.get(f"{GGUF_QWEN35}.nextn_predict_layers") or 0)
-    if nextn and f"blk.{config['num_hidden_layers']}.nextn.eh_proj.weight" in tensors:
-        config["mtp_num_hidden_layers"] = nextn
+    config["mtp_num_hidden_layers"] = _gguf_mtp_layers(GGUF_QWEN35, metadata, tensors, config["num_hidden_layers"])
     return config
 
 
+def _gguf_mtp_layers(a: str, metadata: dict[str, Any], tensors: Mapping[str, Any], layers: int) -> int:
+    """The MTP layers a file holds: `a.nextn_predict_layers` where its first's `nextn.eh_proj` is there (a file
+    converted without them, --no-mtp or by an older converter, has none)."""
+    nextn = int(metadata.get(f"{a}.nextn_predict_layers") or 0)
+    return nextn if nextn and f"blk.{layers}.nextn.eh_proj.weight" in tensors else 0
+
+
 def qwen3_next_gguf_config(metadata: dict[str, Any], tensors: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """As qwen35moe's; the layers without routed experts in the file are dense (mlp_only_layers)."""
+    """As qwen35moe's (its MTP layers too, which llama.cpp's converter writes as Qwen3.5's since it learnt them);
+    the layers without routed experts in the file are dense (mlp_only_layers)."""
     from ferry.plan.gguf_checkpoint import GgufNames, moe_layers_of
 
     config = _hybrid_gguf_config(GGUF_QWEN3NEXT, "qwen3_next", metadata, where)
     layers = config["num_hidden_layers"]
+    config["num_nextn_predict_layers"] = _gguf_mtp_layers(GGUF_QWEN3NEXT, metadata, tensors, layers)
     moe = set(moe_layers_of(tensors, layers, GgufNames(GGUF_QWEN3NEXT, layers)))
     config["mlp_only_layers"] = [layer for layer in range(layers) if layer not in moe]
     return config
@@ -180,7 +187,7 @@ def qwen3_next_gguf_write_metadata(writer, config: dict) -> None:
     MoE layers' own, so a checkpoint with dense layers has no GGUF."""
     if config.get("mlp_only_layers") or int(config.get("decoder_sparse_step", 1) or 1) != 1:
         raise ValueError("the GGUF writer takes a qwen3_next checkpoint of MoE layers only")
-    _hybrid_gguf_write_metadata(writer, config)
+    _hybrid_gguf_write_metadata(writer, config, int(config.get("num_nextn_predict_layers") or 0))
 
 
 def _hybrid_gguf_write_metadata(writer, config: dict, nextn: int = 0) -> None:
@@ -380,6 +387,7 @@ register(
         gguf_write_tensor=qwen3_next_gguf_write_tensor,
         gguf_read_tensor=qwen3_next_gguf_read_tensor,
         mtp_config_key="num_nextn_predict_layers",
+        gguf_mtp=True,
     )
 )
 

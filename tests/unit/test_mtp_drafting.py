@@ -298,12 +298,13 @@ def test_an_answer_with_malformed_mtp_drafts_is_unusable():
         assert "mtp_drafts" in step_output_problem(answer(bad), vocab_size=96)
 
 
-def test_a_qwen35_gguf_holds_its_mtp_layer_as_llama_cpp_writes_it_and_drafts_with_it(tmp_path):
-    """llama.cpp's converter writes Qwen3.5's MTP layer as block num_layers (fc, the pre-fc norms and the final
-    norm under `nextn.`, the norms shifted by one; the layer's tensors as a decoder layer's): the GGUF reads back
-    the checkpoint's MTP tensors as the file rounded them (F16 matrices, Q8_0 experts), so the swapped pre-fc norms
-    of a planted misreading show; and greedy decoding of the GGUF with --speculative-method mtp drafts with them
-    and gives the tokens of speculation off."""
+@pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_next"])
+def test_a_hybrid_gguf_holds_its_mtp_layer_as_llama_cpp_writes_it_and_drafts_with_it(tmp_path, arch):
+    """llama.cpp's converter writes Qwen3.5's (and Qwen3-Next's) MTP layer as block num_layers (fc, the pre-fc
+    norms and the final norm under `nextn.`, the norms shifted by one; the layer's tensors as a decoder layer's):
+    the GGUF reads back the checkpoint's MTP tensors as the file rounded them (F16 matrices, Q8_0 experts), so the
+    swapped pre-fc norms of a planted misreading show; and greedy decoding of the GGUF with --speculative-method
+    mtp drafts with them and gives the tokens of speculation off."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -311,7 +312,7 @@ def test_a_qwen35_gguf_holds_its_mtp_layer_as_llama_cpp_writes_it_and_drafts_wit
     from ferry.services.gguf_writer import GGUF_SIZES, write_gguf
     from ferry.services.worker.gguf_tensors import mtp_gguf_tensors
 
-    hf = make_tiny_model(tmp_path / "hf", "qwen3_5_moe", seed=0, mtp=True, **GGUF_SIZES)
+    hf = make_tiny_model(tmp_path / "hf", arch, seed=0, mtp=True, **GGUF_SIZES)
     path = write_gguf(hf, tmp_path / "tiny-mtp-Q8_0.gguf", "Q8_0")
     spec = load_model_config(path)
     assert spec.mtp_draft_layers == 1 and load_model_config(hf).num_layers == spec.num_layers
