@@ -161,17 +161,10 @@ def write_gguf(
             # llama.cpp keeps routers and the Gated DeltaNet's convolution float32, as norms
             kept = gguf_name.split(".")[-2] in ("ffn_gate_inp", "ffn_gate_inp_shexp", "ssm_conv1d")
             writer.add_tensor(gguf_name, value.astype(np.float16) if value.ndim == 2 and not kept else value)
-    for gguf_name, (
-        checkpoint_name,
-        value,
-    ) in nextn_tensors.items():  # the MTP layer's own, named as the converter does
-        written = family.gguf_write_tensor(spec, checkpoint_name, value) if family.gguf_write_tensor else {0: value}
-        writer.add_tensor(
-            gguf_name,
-            np.asarray(next(iter(written.values())), dtype=np.float32).astype(
-                np.float16 if value.ndim == 2 else np.float32
-            ),
-        )
+    for gguf_name, (checkpoint_name, value) in nextn_tensors.items():  # the MTP layer's `nextn.` tensors
+        if family.gguf_write_tensor is not None:
+            (value,) = family.gguf_write_tensor(spec, checkpoint_name, value).values()
+        writer.add_tensor(gguf_name, np.asarray(value, dtype=np.float16 if value.ndim == 2 else np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
