@@ -713,17 +713,23 @@ def test_a_glm4moe_gguf_of_another_router_is_refused_naming_the_key(glm_gguf):
 # ---- gpt-oss -----------------------------------------------------------------------------------------------
 
 
+def _redrawn_gguf(tmp_path_factory, arch: str, expert_type: str):
+    """(a tiny `arch`, its weights redrawn off their initial values, written as a GGUF of `expert_type` experts, the
+    file decoded by the gguf package as a float32 reference, the checkpoint it was written from)."""
+    from ferry.services.gguf_writer import GGUF_SIZES
+    from tests.unit.tiny_models import redrawn_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp(f"gguf-{arch}")
+    hf_dir = redrawn_tiny_checkpoint(root, arch, **GGUF_SIZES)
+    path, _ = tiny_gguf(root, expert_type, hf_dir=hf_dir, arch=arch)
+    return path, dequantized_reference(path, hf_dir, root / "reference"), hf_dir
+
+
 @pytest.fixture(scope="module")
 def gpt_oss_gguf(tmp_path_factory):
     """(a tiny gpt_oss written as a gpt-oss GGUF with float32 experts and their biases, its decoded reference, the
     checkpoint it was written from): sinks, q/k/v/o biases, a sliding layer then a full one, YaRN."""
-    from ferry.services.gguf_writer import GGUF_SIZES
-    from tests.unit.tiny_models import redrawn_tiny_checkpoint
-
-    root = tmp_path_factory.mktemp("gguf-gpt-oss")
-    hf_dir = redrawn_tiny_checkpoint(root, "gpt_oss", **GGUF_SIZES)  # nonzero expert biases and sinks
-    path, _ = tiny_gguf(root, "F32", hf_dir=hf_dir, arch="gpt_oss")
-    return path, dequantized_reference(path, hf_dir, root / "reference"), hf_dir
+    return _redrawn_gguf(tmp_path_factory, "gpt_oss", "F32")  # nonzero expert biases and sinks
 
 
 def test_a_gpt_oss_gguf_generates_as_transformers_on_the_decoded_file(gpt_oss_gguf, capsys):
@@ -863,13 +869,7 @@ def gemma4_gguf(tmp_path_factory):
     """(a tiny gemma4 written as a Q8_0 gemma4 GGUF, its gguf-package-decoded float32 reference, the checkpoint it
     was written from): two sliding layers and a full one of another head size, KV heads and proportional rotary
     (`rope_freqs`), K = V there, the dense MLP beside the fused experts, the router's scale and per-expert scale."""
-    from ferry.services.gguf_writer import GGUF_SIZES
-    from tests.unit.tiny_models import redrawn_tiny_checkpoint
-
-    root = tmp_path_factory.mktemp("gguf-gemma4")
-    hf_dir = redrawn_tiny_checkpoint(root, "gemma4", **GGUF_SIZES)  # scales and norms off their ones
-    path, _ = tiny_gguf(root, "Q8_0", hf_dir=hf_dir, arch="gemma4")
-    return path, dequantized_reference(path, hf_dir, root / "reference"), hf_dir
+    return _redrawn_gguf(tmp_path_factory, "gemma4", "Q8_0")  # scales and norms off their ones
 
 
 def test_a_gemma4_gguf_generates_as_transformers_on_the_decoded_file(gemma4_gguf, capsys):
