@@ -106,8 +106,8 @@ def write_gguf(
     if family.mtp_config_key:  # the MTP layers the file holds, which its metadata counts
         config = {**config, family.mtp_config_key: mtp_layers}
     writer = gguf.GGUFWriter(str(out), architecture, split_max_tensors=split_max_tensors)
-    common_metadata(writer, config)
     family.gguf_write_metadata(writer, config)
+    common_metadata(writer, config)
     _tokenizer(writer, hf_dir)
     names = GgufNames(architecture, layers + mtp_layers)
     rng = np.random.default_rng(seed)
@@ -209,22 +209,32 @@ def _part_type(expert_type: str, part: str, layer: int, layers: int) -> str:
 
 
 def common_metadata(writer, config: dict) -> None:
-    """The keys llama.cpp's converter writes for every family (TextModel.set_gguf_parameters)."""
+    """The keys llama.cpp's converter writes for every family (TextModel.set_gguf_parameters), but those the family's
+    own `gguf_write_metadata` wrote before (where the converter writes a key twice, its family's value stands)."""
+    import gguf
+
+    keys, written = gguf.Keys, writer.kv_data[0]
+
+    def put(key: str, add, value) -> None:
+        if key.format(arch=writer.arch) not in written:
+            add(value)
+
     rope = config.get("rope_parameters") or {}
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
+    put(keys.LLM.CONTEXT_LENGTH, writer.add_context_length, config["max_position_embeddings"])
+    put(keys.LLM.EMBEDDING_LENGTH, writer.add_embedding_length, config["hidden_size"])
     if "intermediate_size" in config:  # a model of MoE layers alone may have none (Qwen3.5's)
-        writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_key_length(config["head_dim"])
-    writer.add_value_length(config["head_dim"])
-    writer.add_rope_freq_base(float(config.get("rope_theta", rope.get("rope_theta", 10000.0))))
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_expert_count(
-        int(config.get("num_experts") or config.get("num_local_experts") or config["n_routed_experts"])
-    )
-    writer.add_expert_used_count(config.get("num_experts_per_tok") or config["top_k_experts"])
+        put(keys.LLM.FEED_FORWARD_LENGTH, writer.add_feed_forward_length, config["intermediate_size"])
+    put(keys.Attention.HEAD_COUNT, writer.add_head_count, config["num_attention_heads"])
+    put(keys.Attention.HEAD_COUNT_KV, writer.add_head_count_kv, config["num_key_value_heads"])
+    put(keys.Attention.KEY_LENGTH, writer.add_key_length, config["head_dim"])
+    put(keys.Attention.VALUE_LENGTH, writer.add_value_length, config["head_dim"])
+    theta = float(config.get("rope_theta", rope.get("rope_theta", 10000.0)))
+    put(keys.Rope.FREQ_BASE, writer.add_rope_freq_base, theta)
+    put(keys.Attention.LAYERNORM_RMS_EPS, writer.add_layer_norm_rms_eps, config["rms_norm_eps"])
+    experts = int(config.get("num_experts") or config.get("num_local_experts") or config["n_routed_experts"])
+    put(keys.LLM.EXPERT_COUNT, writer.add_expert_count, experts)
+    used = config.get("num_experts_per_tok") or config["top_k_experts"]
+    put(keys.LLM.EXPERT_USED_COUNT, writer.add_expert_used_count, used)
 
 
 def _per_expert(tensors: dict, layer: int, experts: int) -> tuple[dict, dict]:

@@ -772,8 +772,8 @@ def _metadata_only(path, config_file: str, expert_type: str):
     spec = parse_model_config(config)
     architecture = family.gguf_architectures[0]
     writer = gguf.GGUFWriter(str(path), architecture)
-    common_metadata(writer, config)
     family.gguf_write_metadata(writer, config)
+    common_metadata(writer, config)
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list([f"t{i}" for i in range(config["vocab_size"])])
     writer.add_eos_token_id(config["eos_token_id"] if isinstance(config["eos_token_id"], int) else 0)
