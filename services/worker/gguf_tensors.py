@@ -113,7 +113,7 @@ def mtp_gguf_tensors(path: Path, spec: ModelSpec) -> Iterator[tuple[str, torch.T
 
     for hf_name in mtp_resident_weight_shapes(spec):
         kind, source = mtp_gguf_source(hf_name, spec.num_layers)
-        if kind == "gguf":  # the nextn. tensors: its norms zero-centred as the decoder's, so written as they are
+        if kind == "gguf":  # a nextn. tensor: the hook undoes its converter's change (a norm shifted by one)
             tensor = ckpt.tensors.get(source)
             values = None if tensor is None else decoded(tensor)
             if values is not None and family.gguf_read_tensor is not None:
