@@ -125,11 +125,14 @@ def mtp_gguf_tensors(path: Path, spec: ModelSpec) -> Iterator[tuple[str, torch.T
         yield hf_name, torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
     for layer in range(spec.mtp_draft_layers):
         block = spec.num_layers + layer
+        stacked: dict[str, np.ndarray] = {}  # decoded once: a fused gate/up tensor serves two parts
         for part, gguf_name in names.layer_experts(block, ckpt.tensors).items():
             tensor = ckpt.tensors.get(gguf_name or "")
             if tensor is None:
                 raise ModelLoadError(f"{path}: the MTP layer's routed experts need {gguf_name} in the GGUF file")
-            values = decoded(tensor)
+            if tensor.name not in stacked:
+                stacked[tensor.name] = decoded(tensor)
+            values = stacked[tensor.name]
             if gguf_name == names.fused_gate_up(block):
                 i = spec.moe_intermediate_size
                 values = values[:, :i] if part == "gate_proj" else values[:, i:]

@@ -337,6 +337,8 @@ def test_a_hybrid_gguf_holds_its_mtp_layer_as_llama_cpp_writes_it_and_drafts_wit
     assert set(got) == set(want)
     for name, value in want.items():
         np.testing.assert_allclose(got[name], stored(name, value), atol=1e-6, err_msg=name)
+    fused = read(write_gguf(hf, tmp_path / "fused-Q8_0.gguf", "Q8_0", fused_gate_up=True))  # ffn_gate_up_exps
+    assert all(np.array_equal(fused[name], got[name]) for name in got)
     executor, plan = boot(path, "--speculative-method", "mtp")
     off, _ = generate(executor, plan, greedy_requests())
     on, sched = generate(executor, plan, greedy_requests(), "mtp", k=K)
