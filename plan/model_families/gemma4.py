@@ -396,9 +396,10 @@ def gguf_write_metadata(writer, config: dict) -> None:
     types = layer_types(cfg, layers, "config.json")
     spec = spec_fields(cfg, "config.json")
     rope = {kind: layer_rope(cfg, kind, "config.json") for kind in (SLIDING, FULL_ATTENTION)}
+    full_dim = spec["attention_head_dims"][types.index(FULL_ATTENTION)]  # the last layer is always full
     writer.add_block_count(layers)
-    writer.add_key_length(spec["attention_head_dims"][types.index(FULL_ATTENTION)])
-    writer.add_value_length(spec["attention_head_dims"][types.index(FULL_ATTENTION)])
+    writer.add_key_length(full_dim)
+    writer.add_value_length(full_dim)
     writer.add_key_length_swa(spec["head_dim"])
     writer.add_value_length_swa(spec["head_dim"])
     writer.add_head_count_kv(list(spec["attention_kv_heads"]))
@@ -406,7 +407,6 @@ def gguf_write_metadata(writer, config: dict) -> None:
     writer.add_sliding_window_pattern([t == SLIDING for t in types])
     writer.add_rope_freq_base(rope[FULL_ATTENTION].theta)
     writer.add_rope_freq_base_swa(rope[SLIDING].theta)
-    full_dim = spec["attention_head_dims"][types.index(FULL_ATTENTION)]
     writer.add_rope_dimension_count(full_dim)
     writer.add_rope_dimension_count_swa(spec["head_dim"])
     writer.add_expert_feed_forward_length(spec["moe_intermediate_size"])

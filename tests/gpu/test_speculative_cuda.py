@@ -39,9 +39,7 @@ def _check_speculation_keeps_the_tokens(executor, plan, method: str, monkeypatch
     for rid, entries in generate.logprobs.items():
         top = np.concatenate([e.top_logprobs for e in entries])
         margins[rid] = top[:, 0] - top[:, 1]
-    if (
-        method == "ngram"
-    ):  # a random model's text seldom repeats: prompt lookup told the answer, one draft spoiled in turn
+    if method == "ngram":  # a random model's text seldom repeats: prompt lookup told the answer, a draft spoiled
         reference = {tuple(p): tokens for p, (tokens, _) in zip(PROMPTS, off)}
         monkeypatch.setattr(batcher_module, "propose_ngram", knowing_drafter(reference, executor.spec.vocab_size))
     on, sched = generate(executor, plan, _greedy(), method, k=4)
