@@ -1,12 +1,17 @@
-"""The multi-token-prediction (MTP) draft layers of Qwen3.5/3.6 and Qwen3-Next, torch-free: their tensors by
-checkpoint name and shape, and what they cost on the GPU. The worker's half: services/worker/models/mtp_head.py.
+"""The multi-token-prediction (MTP) draft layers of Qwen3.5/3.6, Qwen3-Next and GLM-4.x, torch-free: their
+tensors by name and shape, where each family's checkpoints store them, and what they cost on the GPU. The worker's
+half: services/worker/models/mtp_head.py.
 
-The checkpoints store them under `mtp.` (beside, not inside, the text model's `model.…`): `mtp.fc.weight`
-[H, 2H], the norms `mtp.pre_fc_norm_embedding`, `mtp.pre_fc_norm_hidden` and `mtp.norm` (zero-centred, as the
-target's), and `spec.mtp_draft_layers` full-attention MoE decoder layers `mtp.layers.N.…` named as the target's
-full-attention layers are, their routed experts per expert (`mlp.experts.E.{gate,up,down}_proj.weight`) or fused
-(`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]). They share the target's embedding
-table and head (unless `mtp_dedicated_embeddings`, which Ferry refuses: no published checkpoint has one).
+Ferry names them as Qwen's checkpoints store them, under `mtp.` (beside, not inside, the text model's `model.…`):
+`mtp.fc.weight` [H, 2H], the norms `mtp.pre_fc_norm_embedding`, `mtp.pre_fc_norm_hidden` and `mtp.norm` (as the
+target's norms, zero-centred or not), and `spec.mtp_draft_layers` full-attention MoE decoder layers `mtp.layers.N.…`
+named as the target's full-attention layers are, their routed experts per expert
+(`mlp.experts.E.{gate,up,down}_proj.weight`) or fused (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj`
+[E, H, I]). They share the target's embedding table and head (unless `mtp_dedicated_embeddings`, which Ferry
+refuses: no published checkpoint has one). GLM's checkpoints store the same layer as decoder layer num_layers
+(`model.layers.46.` in GLM-4.5-Air: `eh_proj`, `enorm`, `hnorm`, `shared_head.norm`, then the decoder layer's own
+tensors) with copies of the target's embedding table and head (`embed_tokens`, `shared_head.head`) that are not
+read: the family's `mtp_renames` say where each lives (`mtp_name`, `mtp_checkpoint_name`).
 
 Their routed experts are GPU-resident, not in the target's expert slot cache: a draft runs every step for every
 drafting request over one layer, so its experts would never leave the slots anyway, and keeping them out leaves the
@@ -18,6 +23,7 @@ import dataclasses
 
 from ferry.plan.costs import ALLOC_GRANULE
 from ferry.plan.dtypes import DTYPE_BYTES
+from ferry.plan.model_families import family_of
 from ferry.plan.model_families.weight_shapes import Shapes, attention_shapes, moe_shapes
 from ferry.plan.model_spec import ModelSpec
 from ferry.shared.errors import ConfigError
@@ -56,6 +62,32 @@ def spec_for_method(spec: ModelSpec, speculative_method: str | None) -> ModelSpe
             f"--speculative-method must be one of {', '.join(SPECULATIVE_METHODS)}, got {speculative_method!r}"
         )
     return drafting_spec(spec) if speculative_method == "mtp" else spec
+
+
+def mtp_renames(spec: ModelSpec) -> tuple[tuple[str, str | None], ...]:
+    """(checkpoint prefix, the `mtp.` prefix it stands for or None for a copy of a target tensor), the first match
+    deciding: the family's (ModelFamily.mtp_renames), or Qwen's names as they are."""
+    renames = family_of(spec).mtp_renames
+    return ((MTP_PREFIX, MTP_PREFIX),) if renames is None else renames(spec)
+
+
+def mtp_name(spec: ModelSpec, checkpoint_name: str) -> str | None:
+    """The `mtp.…` name of a checkpoint tensor of the MTP layers; None for any other tensor and for the
+    checkpoint's copies of the target's (read from the target: one copy on the GPU)."""
+    for source, name in mtp_renames(spec):
+        if checkpoint_name.startswith(source):
+            return None if name is None else name + checkpoint_name.removeprefix(source)
+    return None
+
+
+def mtp_checkpoint_name(spec: ModelSpec, name: str) -> str:
+    """Where the checkpoints of `spec`'s family store MTP tensor `name` (`mtp.…`): `mtp_name`'s inverse."""
+    for source, prefix in mtp_renames(spec):
+        if prefix is not None and name.startswith(prefix):
+            candidate = source + name.removeprefix(prefix)
+            if mtp_name(spec, candidate) == name:  # a longer prefix earlier in the table would claim it otherwise
+                return candidate
+    raise ValueError(f"{name!r} is not an MTP tensor of a {spec.arch} checkpoint")
 
 
 def mtp_kv_layer(spec: ModelSpec, layer: int) -> int:

@@ -46,8 +46,8 @@ MTP_CONFIG_KEYS = {name: f.mtp_config_key for name, f in TINY_FAMILIES.items() i
 def make_tiny_model(out_dir: str | Path, arch: str, seed: int = 0, mtp: bool = False, **sizes: int) -> Path:
     """Write the checkpoint into `out_dir` (created if needed) and return it; `sizes` replace the tiny
     config's (e.g. hidden_size, moe_intermediate_size: GGUF's K blocks need rows of 256 values). `mtp`: also
-    one multi-token-prediction layer (random `mtp.` tensors in mtp.safetensors, which transformers does not
-    read, and its count in config.json)."""
+    one multi-token-prediction layer (random tensors in mtp.safetensors, named as the family's checkpoints name
+    them: plan/mtp_layer.py; transformers does not read them), and its count in config.json."""
     from ferry.shared.file_modes import written_with_umask_modes
 
     if arch not in TINY_CONFIGS:
@@ -67,12 +67,15 @@ def _write_mtp(out: Path, arch: str, seed: int) -> None:
     from safetensors.torch import save_file
 
     from ferry.plan.model_config import load_model_config
+    from ferry.plan.mtp_layer import mtp_checkpoint_name
     from ferry.services.worker.models.mtp_head import random_mtp_tensors
 
     config = json.loads((out / "config.json").read_text())
     config[MTP_CONFIG_KEYS[arch]] = 1
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    save_file(random_mtp_tensors(load_model_config(out), seed + 2), out / "mtp.safetensors")
+    spec = load_model_config(out)
+    tensors = {mtp_checkpoint_name(spec, name): t for name, t in random_mtp_tensors(spec, seed + 2).items()}
+    save_file(tensors, out / "mtp.safetensors")
 
 
 def _write(out: Path, arch: str, seed: int, sizes: dict[str, int]) -> None:

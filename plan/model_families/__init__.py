@@ -25,6 +25,8 @@ A new family registers, with `register(ModelFamily(...))` in a module of this fo
   * `gguf_architectures` and `gguf_config(metadata, tensors, where)`, where it serves GGUF files: the
     `general.architecture` values it claims and their metadata (and tensor table) as config.json fields
     (plan/gguf_checkpoint.py).
+  * `mtp_config_key` (and `mtp_renames` where its checkpoints do not store them under `mtp.`), where its models
+    have multi-token-prediction layers --speculative-method mtp drafts with (plan/mtp_layer.py).
 and, on the worker side, its module in `services/worker/models/` (that package's registry.py says what).
 """
 
@@ -93,6 +95,10 @@ class ModelFamily:
     # llama.cpp's converter writes its MTP layers into a GGUF (as blocks after the decoder's: plan/gguf_checkpoint.py's
     # `mtp_gguf_source`); False: it drops them
     gguf_mtp: bool = False
+    # where its checkpoints store the MTP tensors plan/mtp_layer.py names `mtp.…`: spec -> ((checkpoint prefix, `mtp.`
+    # prefix it stands for, or None for a copy of a target tensor Ferry does not read), ...), the first match
+    # deciding; None: under `mtp.` as named there (Qwen's)
+    mtp_renames: Callable[[ModelSpec], tuple[tuple[str, str | None], ...]] | None = None
 
 
 _FAMILIES: dict[str, ModelFamily] = {}

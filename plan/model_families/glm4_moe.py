@@ -12,9 +12,12 @@ What it computes differently from qwen3_moe, each a generic ModelSpec field:
     and rotates the first `partial_rotary_factor` (default 0.5) of each head, half-split (rotate_half) as
     transformers' Glm4MoeAttention does;
   * experts are counted by `n_routed_experts`.
-The checkpoints append `num_nextn_predict_layers` multi-token-prediction layers after the decoder's
-(`model.layers.46.…` in GLM-4.5-Air): Ferry does not serve them, so their tensors are skipped on load and
-the planner does not price them (`ModelSpec.mtp_layers`).
+The checkpoints append `num_nextn_predict_layers` multi-token-prediction (NextN) layers after the decoder's
+(`model.layers.46.…` in GLM-4.5-Air): the target skips them (`ModelSpec.mtp_layers`), and --speculative-method mtp
+drafts with the first (`ModelSpec.mtp_draft_layers`), read as plan/mtp_layer.py names the MTP tensors
+(`mtp_renames`: its `eh_proj`, `enorm`, `hnorm` and `shared_head.norm` are Qwen's `fc`, `pre_fc_norm_embedding`,
+`pre_fc_norm_hidden` and `norm`, in the same places of the same computation, as vLLM's and SGLang's GLM MTP
+modules compute them).
 The worker's half: services/worker/models/glm4_moe.py."""
 
 from __future__ import annotations
@@ -31,10 +34,18 @@ from ferry.shared.errors import ConfigError
 # the shared expert's name in GLM's checkpoints; Ferry's MoE block (and weight_shapes) call it `shared_expert.`
 SHARED_EXPERTS = ".mlp.shared_experts."
 SHARED_EXPERT = ".mlp.shared_expert."
+# a NextN layer's own input projection and norms -> the `mtp.` names of the same tensors (plan/mtp_layer.py)
+NEXTN_OWN = {
+    "eh_proj.": "mtp.fc.",
+    "enorm.": "mtp.pre_fc_norm_embedding.",
+    "hnorm.": "mtp.pre_fc_norm_hidden.",
+    "shared_head.norm.": "mtp.norm.",
+}
 
 
 def spec_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
     num_layers = int(require(cfg, "num_hidden_layers", where))
+    nextn = int(first(cfg, "num_nextn_predict_layers", "num_mtp_layers", default=0))
     experts = int(first(cfg, "n_routed_experts", "num_local_experts", "num_experts", default=0))
     dense_first = int(first(cfg, "first_k_dense_replace", default=1))
     attention = attention_fields(cfg, where, partial_rotary_factor=0.5, output_gate=False)
@@ -55,8 +66,27 @@ def spec_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
         router_groups=int(first(cfg, "n_group", default=1)),
         router_topk_groups=int(first(cfg, "topk_group", default=1)),
         routed_scaling_factor=float(first(cfg, "routed_scaling_factor", default=1.0)),
-        mtp_layers=int(first(cfg, "num_nextn_predict_layers", "num_mtp_layers", default=0)),
+        mtp_layers=nextn,
+        mtp_draft_layers=nextn,
     )
+
+
+def mtp_renames(spec: ModelSpec) -> tuple[tuple[str, str | None], ...]:
+    """Where the checkpoints hold the MTP tensors (plan/mtp_layer.py): NextN layer i is decoder layer num_layers + i,
+    its decoder tensors those of `mtp.layers.i.`, the shared expert under GLM's name. Its embedding table and head
+    (`embed_tokens`, `shared_head.head`) are copies of the target's, which the head uses (vLLM shares them too).
+    Each layer has its own input projection and norms, where Qwen's layers share one: the first layer's are read,
+    the one the drafts chain through (services/worker/mtp_drafts.py)."""
+    renames: list[tuple[str, str | None]] = []
+    for i in range(spec.mtp_draft_layers):
+        layer = f"model.layers.{spec.num_layers + i}."
+        renames += [(layer + "embed_tokens.", None), (layer + "shared_head.head.", None)]
+        renames += [(layer + own, name if i == 0 else None) for own, name in NEXTN_OWN.items()]
+        renames += [
+            (layer + SHARED_EXPERTS.removeprefix("."), f"mtp.layers.{i}{SHARED_EXPERT}"),
+            (layer, f"mtp.layers.{i}."),
+        ]
+    return tuple(renames)
 
 
 GGUF_ARCHITECTURE = "glm4moe"
@@ -185,5 +215,7 @@ register(
         gguf_architectures=(GGUF_ARCHITECTURE,),
         gguf_config=gguf_config,
         gguf_write_metadata=gguf_write_metadata,
+        mtp_config_key="num_nextn_predict_layers",
+        mtp_renames=mtp_renames,
     )
 )

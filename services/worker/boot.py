@@ -235,7 +235,7 @@ class Booted:
 
 
 def _mtp_head(files: ModelFiles, model, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """The MTP draft head (services/worker/models/mtp_head.py) with the checkpoint's `mtp.` tensors (a GGUF's MTP
+    """The MTP draft head (services/worker/models/mtp_head.py) with the checkpoint's MTP tensors (a GGUF's MTP
     block: gguf_tensors.py), or, with --load-format dummy, random ones; it turns positions as the target's
     full-attention layers do."""
     from ferry.services.worker.gguf_tensors import mtp_gguf_tensors
@@ -248,7 +248,7 @@ def _mtp_head(files: ModelFiles, model, dtype: torch.dtype, device: torch.device
     elif files.load_format == GGUF_LOAD:
         head.load_weights(mtp_gguf_tensors(files.model_dir, files.spec))
     else:
-        head.load_weights(read_mtp_tensors(files.model_dir, progress=_progress_bars()))
+        head.load_weights(read_mtp_tensors(files.model_dir, files.spec, progress=_progress_bars()))
     return head
 
 

@@ -46,9 +46,10 @@ torch.set_num_threads(1)  # tiny models gain nothing from intra-op threads
 K = 4
 
 
-@pytest.fixture(scope="module")
-def mtp_model(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("mtp") / "qwen3_5_moe", "qwen3_5_moe", seed=0, mtp=True)
+@pytest.fixture(scope="module", params=["qwen3_5_moe", "glm4_moe"])
+def mtp_model(tmp_path_factory, request):
+    """A hybrid with its MTP layer under `mtp.`, and a full-attention model with its NextN layer after the decoder's."""
+    return make_tiny_model(tmp_path_factory.mktemp("mtp") / request.param, request.param, seed=0, mtp=True)
 
 
 @pytest.fixture(scope="module")
@@ -274,8 +275,9 @@ def test_contract_refuses_mtp_fields_a_row_cannot_take(booted, fields, word):
     new = (
         NewRequest(req_id=7, prompt_token_ids=np.array([1, 2, 3], np.int32), sampling=SamplingParams(temperature=0)),
     )
-    step = _step(1, [[1, 2, 3]], [0], [[1]], sample=fields.pop("sample", True), rids=[7], new=new)
-    step = msgspec.structs.replace(step, **{k: np.array(v, np.int32) for k, v in fields.items()})
+    step = _step(1, [[1, 2, 3]], [0], [[1]], sample=fields.get("sample", True), rids=[7], new=new)
+    arrays = {k: np.array(v, np.int32) for k, v in fields.items() if k != "sample"}
+    step = msgspec.structs.replace(step, **arrays)
     with pytest.raises(StepBatchError, match=word):
         executor.execute(step)
 

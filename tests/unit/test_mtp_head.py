@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +14,15 @@ from safetensors import safe_open
 
 from ferry.plan.costs import ALLOC_GRANULE, resident_weight_bytes_from_checkpoint
 from ferry.plan.model_config import load_model_config, parse_model_config
-from ferry.plan.mtp_layer import check_mtp, mtp_kv_bytes_per_token, mtp_resident_bytes
+from ferry.plan.mtp_layer import (
+    check_mtp,
+    mtp_checkpoint_name,
+    mtp_expert_shapes,
+    mtp_kv_bytes_per_token,
+    mtp_name,
+    mtp_resident_bytes,
+    mtp_resident_weight_shapes,
+)
 from ferry.services.make_tiny_model import make_tiny_model
 from ferry.services.worker.layers.rotary import RotaryEmbedding
 from ferry.services.worker.models.mtp_head import MtpHead, random_mtp_tensors, read_mtp_tensors
@@ -21,6 +30,8 @@ from ferry.services.worker.models.weights import WeightLoadError
 from ferry.shared.errors import ConfigError
 from ferry.shared.speculation import speculation_problems
 from ferry.shared.units import round_up
+
+GLM_45_AIR = Path(__file__).resolve().parents[1] / "data/models/glm-4.5-air"
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +153,7 @@ def test_a_position_sees_only_itself_and_earlier_ones(spec):
 
 def test_the_head_loads_the_checkpoints_mtp_tensors(mtp_model, spec):
     head = MtpHead(spec, RotaryEmbedding(spec.head_dim, spec.partial_rotary_factor, spec.rope_theta), torch.float32)
-    head.load_weights(read_mtp_tensors(mtp_model))
+    head.load_weights(read_mtp_tensors(mtp_model, spec))
     with safe_open(mtp_model / "mtp.safetensors", framework="pt") as f:
         fc = f.get_tensor("mtp.fc.weight")
         down = f.get_tensor("mtp.layers.0.mlp.experts.5.down_proj.weight")
@@ -263,7 +274,7 @@ def test_qwen3_next_declares_and_loads_its_mtp_layer(tmp_path):
     spec = load_model_config(model)
     assert spec.mtp_draft_layers == 1
     head = MtpHead(spec, RotaryEmbedding(spec.head_dim, spec.partial_rotary_factor, spec.rope_theta), torch.float32)
-    head.load_weights(read_mtp_tensors(model))
+    head.load_weights(read_mtp_tensors(model, spec))
     tensors = random_mtp_tensors(spec, seed=1)
     hidden, embeds, positions = _inputs(spec)
     torch.testing.assert_close(
@@ -278,3 +289,107 @@ def test_dedicated_mtp_embeddings_are_refused_naming_the_field():
     spec = parse_model_config(dict(QWEN35_35B, mtp_use_dedicated_embeddings=True))
     with pytest.raises(ConfigError, match="mtp_use_dedicated_embeddings"):
         check_mtp(spec)
+
+
+# ---- GLM-4.5's NextN layer, against transformers' own GLM decoder layer ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def glm_model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("glm_mtp") / "glm4_moe", "glm4_moe", seed=0, mtp=True)
+
+
+def _glm_reference(model_dir, spec):
+    """The NextN layer as transformers computes a GLM decoder layer: transformers' Glm4MoeDecoderLayer (as layer
+    num_layers of the tiny config) holding the checkpoint's tensors of that layer, its experts stacked as its
+    Glm4MoeExperts keeps them, all of them and nothing else (a strict load), and the NextN layer's own eh_proj,
+    enorm, hnorm and shared_head.norm in transformers' RMSNorm and a matrix product."""
+    from transformers import Glm4MoeConfig
+    from transformers.models.glm4_moe.modeling_glm4_moe import (
+        Glm4MoeDecoderLayer,
+        Glm4MoeRMSNorm,
+        Glm4MoeRotaryEmbedding,
+    )
+
+    config = Glm4MoeConfig.from_pretrained(model_dir)
+    config._attn_implementation = "eager"
+    p = f"model.layers.{spec.num_layers}."
+    with safe_open(model_dir / "mtp.safetensors", framework="pt") as f:
+        tensors = {name.removeprefix(p): f.get_tensor(name) for name in f.keys()}
+    own = {name: tensors.pop(name) for name in ("eh_proj.weight", "enorm.weight", "hnorm.weight")}
+    own["shared_head.norm.weight"] = tensors.pop("shared_head.norm.weight")
+    e = range(spec.num_experts)
+    x = "mlp.experts."
+    tensors[x + "gate_up_proj"] = torch.stack(
+        [torch.cat([tensors.pop(f"{x}{n}.gate_proj.weight"), tensors.pop(f"{x}{n}.up_proj.weight")]) for n in e]
+    )
+    tensors[x + "down_proj"] = torch.stack([tensors.pop(f"{x}{n}.down_proj.weight") for n in e])
+    layer = Glm4MoeDecoderLayer(config, layer_idx=spec.num_layers).eval()
+    layer.load_state_dict(tensors, strict=True)
+    rotary = Glm4MoeRotaryEmbedding(config)
+    norms = {}
+    for name in ("enorm", "hnorm", "shared_head.norm"):
+        norms[name] = Glm4MoeRMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+        norms[name].weight.data.copy_(own[f"{name}.weight"])
+
+    def forward(hidden, embeds, positions):
+        x = torch.cat([norms["enorm"](embeds), norms["hnorm"](hidden)], -1) @ own["eh_proj.weight"].T
+        t = len(positions)
+        mask = torch.full((t, t), float("-inf")).masked_fill(positions[None, :] <= positions[:, None], 0.0)
+        rope = rotary(x[None], positions[None])
+        out = layer(x[None], attention_mask=mask[None, None], position_ids=positions[None], position_embeddings=rope)
+        return norms["shared_head.norm"](out[0])
+
+    return forward
+
+
+def test_glm_nextn_layer_computes_what_transformers_glm_layer_does(glm_model):
+    """eh_proj(cat(enorm(embedding), hnorm(hidden))) through transformers' Glm4MoeDecoderLayer (q/k/v biases, half
+    of each head rotated, the sigmoid router over expert groups with its correction bias, the ungated shared expert)
+    and shared_head.norm: the head read from the checkpoint computes the same."""
+    spec = load_model_config(glm_model)
+    assert (spec.mtp_layers, spec.mtp_draft_layers) == (1, 1) and spec.router_scoring == "sigmoid"
+    head = MtpHead(spec, RotaryEmbedding(spec.head_dim, spec.partial_rotary_factor, spec.rope_theta), torch.float32)
+    head.load_weights(read_mtp_tensors(glm_model, spec))
+    hidden, embeds, positions = _inputs(spec)
+    with torch.no_grad():
+        want = _glm_reference(glm_model, spec)(hidden, embeds, positions)
+        got = head(hidden, embeds, positions)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        # the comparison catches a swapped input: the hidden state where the embedding goes
+        assert (head(embeds, hidden, positions) - want).abs().max() > 1e-2
+
+
+def test_glm_nextn_names_map_both_ways_and_skip_the_targets_copies(glm_model):
+    """Every MTP tensor has one place in a GLM checkpoint and back; the NextN layer's copies of the embedding table
+    and the head are not MTP tensors (the head uses the target's), nor is any decoder layer's tensor."""
+    spec = load_model_config(glm_model)
+    p = f"model.layers.{spec.num_layers}."
+    names = {**mtp_resident_weight_shapes(spec), **mtp_expert_shapes(spec)}
+    for name in names:
+        assert mtp_name(spec, mtp_checkpoint_name(spec, name)) == name
+    assert mtp_checkpoint_name(spec, "mtp.fc.weight") == p + "eh_proj.weight"
+    assert mtp_checkpoint_name(spec, "mtp.layers.0.mlp.shared_expert.up_proj.weight") == (
+        p + "mlp.shared_experts.up_proj.weight"
+    )
+    for other in (p + "embed_tokens.weight", p + "shared_head.head.weight", "model.layers.0.input_layernorm.weight"):
+        assert mtp_name(spec, other) is None
+    # the target reads none of the NextN layer's tensors and prices none
+    plain = make_tiny_model(glm_model.parent / "glm_plain", "glm4_moe", seed=0)
+    assert resident_weight_bytes_from_checkpoint(glm_model, "bfloat16", spec) == resident_weight_bytes_from_checkpoint(
+        plain, "bfloat16", load_model_config(plain)
+    )
+
+
+def test_glm_45_air_mtp_is_priced_tensor_by_tensor():
+    """GLM-4.5-Air's NextN layer in bf16: eh_proj [4096, 8192]; attention q [96 x 128, 4096] with its bias, k and v
+    [8 x 128, 4096] with theirs, o [4096, 96 x 128]; the router [128, 4096] and its float32 correction bias; the
+    shared expert's three [1408, 4096]; 128 experts of three 4096 x 1408 projections; five norms of 4096."""
+    spec = load_model_config(GLM_45_AIR)
+    h, q, kv = 4096, 96 * 128, 8 * 128
+    matrices = h * 2 * h + q * h + 2 * kv * h + h * q + 128 * h + 3 * 1408 * h
+    experts = 128 * 3 * h * 1408
+    want = (matrices + experts + q + 2 * kv + 5 * h) * 2 + 128 * 4
+    granules = sum(round_up(n, ALLOC_GRANULE) - n for n in (q * 2, kv * 2, kv * 2, 128 * 4, *(h * 2,) * 5))
+    assert spec.mtp_draft_layers == 1
+    assert mtp_resident_bytes(spec, "bfloat16") == want + granules

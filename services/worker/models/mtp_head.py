@@ -1,12 +1,15 @@
-"""The multi-token-prediction (MTP) draft head of Qwen3.5/3.6 and Qwen3-Next: what `--speculative-method mtp`
-drafts with. Its tensors and their cost: plan/mtp_layer.py.
+"""The multi-token-prediction (MTP) draft head of Qwen3.5/3.6, Qwen3-Next and GLM-4.x: what
+`--speculative-method mtp` drafts with. Its tensors, where each family stores them, and their cost:
+plan/mtp_layer.py.
 
 Given the target's final-normed hidden state h_t at position t and the embedding e of token t + 1 (the target's
 embedding table), the head computes fc(cat(pre_fc_norm_embedding(e), pre_fc_norm_hidden(h_t))) (embedding first,
 as the checkpoints' fc is trained), runs it through its own full-attention MoE decoder layer at position t + 1
 (attention over the head's own keys and values of the earlier positions), normalises it with its `norm`, and the
 target's head turns that into the logits of token t + 2. Its output hidden state stands in for h_{t+1} to draft
-the next token. Its norms are zero-centred and its attention gated, as the target's full-attention layers.
+the next token. Its layer is built as the target's full-attention MoE layers are (the spec says): Qwen's norms
+zero-centred, its attention gated with q/k norms, its router softmax with a gated shared expert; GLM's norms plain,
+its attention with q/k/v biases, its router sigmoid over expert groups with an ungated shared expert.
 
 Without a cache the layer attends within the positions it is given (a causal mask over them): its keys and values
 are computed from the same sequence (the reference the tests hold the cached path to). With one (`MtpCache`: the
@@ -18,7 +21,7 @@ says which slot holds which position). Its routed experts are resident parameter
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -26,8 +29,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ferry.kernels.paged_attention import paged_attention, write_kv
+from ferry.kernels.router_topk_reference import router_topk_reference, sigmoid_topk_reference
 from ferry.plan.model_spec import ModelSpec
-from ferry.plan.mtp_layer import MTP_PREFIX, check_mtp, mtp_expert_shapes, mtp_resident_weight_shapes
+from ferry.plan.mtp_layer import MTP_PREFIX, check_mtp, mtp_expert_shapes, mtp_name, mtp_resident_weight_shapes
 from ferry.services.worker.checkpoint import iter_checkpoint_tensors
 from ferry.services.worker.layers.norms import make_norm
 from ferry.services.worker.layers.rotary import RotaryEmbedding
@@ -38,9 +42,9 @@ _PER_EXPERT = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_pr
 _FUSED = re.compile(r"layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
 
 
-def _frozen_linear(inputs: int, outputs: int, dtype: torch.dtype, device) -> nn.Linear:
-    linear = nn.Linear(inputs, outputs, bias=False, dtype=dtype, device=device)
-    linear.weight.requires_grad_(False)
+def _frozen_linear(inputs: int, outputs: int, dtype: torch.dtype, device, bias: bool = False) -> nn.Linear:
+    linear = nn.Linear(inputs, outputs, bias=bias, dtype=dtype, device=device)
+    linear.requires_grad_(False)
     return linear
 
 
@@ -55,29 +59,44 @@ class MtpCache:
 
 
 class MtpAttention(nn.Module):
-    """Gated full attention: q_proj yields each head's query and then its sigmoid gate; per-head q/k norms; the
-    rotary embedding turns the first `rotary_dim` channels; keys and values shared by groups of query heads."""
+    """Full attention as the target's full-attention layers (the spec says): where `attn_output_gate`, q_proj
+    yields each head's query and then its sigmoid gate; per-head q/k norms where `qk_norm`; q/k/v biases where
+    `attention_bias`; the rotary embedding turns the first `rotary_dim` channels; keys and values shared by groups
+    of query heads."""
 
     def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding, dtype: torch.dtype, device):
         super().__init__()
         h, self.heads, self.kv_heads = spec.hidden_size, spec.num_attention_heads, spec.num_kv_heads
-        self.head_dim = spec.head_dim
+        self.head_dim, self.gated = spec.head_dim, spec.attn_output_gate
+        self.scale = spec.attention_scale or self.head_dim**-0.5
         self.rotary = rotary
-        self.q_proj = _frozen_linear(h, 2 * self.heads * self.head_dim, dtype, device)
-        self.k_proj = _frozen_linear(h, self.kv_heads * self.head_dim, dtype, device)
-        self.v_proj = _frozen_linear(h, self.kv_heads * self.head_dim, dtype, device)
-        self.o_proj = _frozen_linear(self.heads * self.head_dim, h, dtype, device)
-        self.q_norm = make_norm(True, self.head_dim, spec.rms_norm_eps, dtype, device)
-        self.k_norm = make_norm(True, self.head_dim, spec.rms_norm_eps, dtype, device)
+        q_out, kv_out, bias = (
+            self.heads * self.head_dim * (2 if self.gated else 1),
+            self.kv_heads * self.head_dim,
+            spec.attention_bias,
+        )
+        self.q_proj = _frozen_linear(h, q_out, dtype, device, bias)
+        self.k_proj = _frozen_linear(h, kv_out, dtype, device, bias)
+        self.v_proj = _frozen_linear(h, kv_out, dtype, device, bias)
+        self.o_proj = _frozen_linear(self.heads * self.head_dim, h, dtype, device, spec.attention_output_bias)
+        self.q_norm = self.k_norm = None
+        if spec.qk_norm:
+            self.q_norm = make_norm(spec.zero_centered_norms, self.head_dim, spec.rms_norm_eps, dtype, device)
+            self.k_norm = make_norm(spec.zero_centered_norms, self.head_dim, spec.rms_norm_eps, dtype, device)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: MtpCache | None = None) -> torch.Tensor:
         t = x.shape[0]
-        q, gate = self.q_proj(x).view(t, self.heads, 2 * self.head_dim).split(self.head_dim, dim=-1)
+        q, gate = self.q_proj(x).view(t, self.heads, -1), None
+        if self.gated:
+            q, gate = q.split(self.head_dim, dim=-1)
+            gate = gate.reshape(t, -1)
         k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        q = self.rotary.apply(self.q_norm(q), cos, sin)
-        k = self.rotary.apply(self.k_norm(k), cos, sin)
+        q = self.rotary.apply(q, cos, sin)
+        k = self.rotary.apply(k, cos, sin)
         if cache is not None:
             b = cache.batch
             k_cache, v_cache = cache.kv.layer(cache.layer)
@@ -92,45 +111,74 @@ class MtpAttention(nn.Module):
                 b.positions,
                 b.query_lens_host,
                 b.context_lens_host,
-                self.head_dim**-0.5,
+                self.scale,
                 token_request=b.token_request,
                 gather=cache.kv.gather_for(cache.layer),
                 k_scale=k_scale,
                 v_scale=v_scale,
             )
-            return self.o_proj(out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1)))
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1),
-            k.transpose(0, 1),
-            v.transpose(0, 1),
-            attn_mask=positions[None, :] <= positions[:, None],  # each position sees itself and earlier ones
-            enable_gqa=True,
-        ).transpose(0, 1)
-        return self.o_proj(out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1)))
+        else:
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1),
+                k.transpose(0, 1),
+                v.transpose(0, 1),
+                attn_mask=positions[None, :] <= positions[:, None],  # each position sees itself and earlier ones
+                scale=self.scale,
+                enable_gqa=True,
+            ).transpose(0, 1)
+        out = out.reshape(t, -1)
+        return self.o_proj(out if gate is None else out * torch.sigmoid(gate))
 
 
 class MtpMoe(nn.Module):
-    """softmax router over all experts (float32), top k renormalised to sum to 1, the chosen experts' SwiGLU
-    outputs weighted, plus the shared expert's scaled by sigmoid(shared_expert_gate)."""
+    """The target's MoE block (the spec says), its routed experts resident: the router (kernels/
+    router_topk_reference.py: softmax, or sigmoid with the score bias and expert groups) chooses the top k and
+    weighs them, the chosen experts' SwiGLU outputs weighted, plus the shared expert's, scaled by
+    sigmoid(shared_expert_gate) where the spec gates it."""
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, device):
         super().__init__()
         h, e, i = spec.hidden_size, spec.num_experts, spec.moe_intermediate_size
         si = spec.shared_expert_intermediate_size
-        self.top_k, self.intermediate = spec.num_experts_per_tok, i
-        self.gate = _frozen_linear(h, e, dtype, device)
+        self.spec, self.intermediate = spec, i
+        self.gate = _frozen_linear(h, e, dtype, device, spec.router_bias)
+        if spec.router_score_bias:  # float32, as the checkpoints store it: it decides between close scores
+            self.gate.e_score_correction_bias = nn.Parameter(
+                torch.zeros(e, dtype=torch.float32, device=device), requires_grad=False
+            )
         self.gate_up = nn.Parameter(torch.zeros(e, 2 * i, h, dtype=dtype, device=device), requires_grad=False)
         self.down = nn.Parameter(torch.zeros(e, h, i, dtype=dtype, device=device), requires_grad=False)
-        self.shared_expert = nn.Module()
-        self.shared_expert.gate_proj = _frozen_linear(h, si, dtype, device)
-        self.shared_expert.up_proj = _frozen_linear(h, si, dtype, device)
-        self.shared_expert.down_proj = _frozen_linear(si, h, dtype, device)
-        self.shared_expert_gate = _frozen_linear(h, 1, dtype, device)
+        self.shared_expert = self.shared_expert_gate = None
+        if si:
+            self.shared_expert = nn.Module()
+            self.shared_expert.gate_proj = _frozen_linear(h, si, dtype, device)
+            self.shared_expert.up_proj = _frozen_linear(h, si, dtype, device)
+            self.shared_expert.down_proj = _frozen_linear(si, h, dtype, device)
+            if spec.shared_expert_gate:
+                self.shared_expert_gate = _frozen_linear(h, 1, dtype, device)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(expert ids [T, k], their weights [T, k] in x's dtype), as the target's router's reference computes them."""
+        spec, gate = self.spec, self.gate
+        if spec.router_scoring == "sigmoid":
+            bias = None if gate.bias is None else gate.bias.float()
+            return sigmoid_topk_reference(
+                F.linear(x.float(), gate.weight.float(), bias),
+                spec.num_experts_per_tok,
+                spec.norm_topk_prob,
+                getattr(gate, "e_score_correction_bias", None),
+                spec.router_groups,
+                spec.router_topk_groups,
+                spec.routed_scaling_factor,
+                x.dtype,
+            )
+        ids, weights, _ = router_topk_reference(
+            gate(x), spec.num_experts_per_tok, spec.norm_topk_prob, spec.num_experts
+        )
+        return ids, weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(self.gate(x).float(), dim=-1)
-        weights, ids = probs.topk(self.top_k, dim=-1)
-        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
+        ids, weights = self.route(x)
         out = torch.zeros_like(x)
         for expert in ids.unique().tolist():
             rows, slot = (ids == expert).nonzero(as_tuple=True)
@@ -138,16 +186,19 @@ class MtpMoe(nn.Module):
             y = F.linear(F.silu(gate) * up, self.down[expert])
             out.index_add_(0, rows, y * weights[rows, slot, None])
         s = self.shared_expert
+        if s is None:
+            return out
         shared = s.down_proj(F.silu(s.gate_proj(x)) * s.up_proj(x))
-        return out + torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return out + (shared if self.shared_expert_gate is None else torch.sigmoid(self.shared_expert_gate(x)) * shared)
 
 
 class MtpLayer(nn.Module):
     def __init__(self, spec: ModelSpec, rotary: RotaryEmbedding, dtype: torch.dtype, device):
         super().__init__()
-        self.input_layernorm = make_norm(True, spec.hidden_size, spec.rms_norm_eps, dtype, device)
+        norm = (spec.zero_centered_norms, spec.hidden_size, spec.rms_norm_eps, dtype, device)
+        self.input_layernorm = make_norm(*norm)
         self.self_attn = MtpAttention(spec, rotary, dtype, device)
-        self.post_attention_layernorm = make_norm(True, spec.hidden_size, spec.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = make_norm(*norm)
         self.mlp = MtpMoe(spec, dtype, device)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: MtpCache | None = None) -> torch.Tensor:
@@ -163,11 +214,12 @@ class MtpHead(nn.Module):
         check_mtp(spec)
         h = spec.hidden_size
         self.spec = spec
+        norm = (spec.zero_centered_norms, h, spec.rms_norm_eps, dtype, device)
         self.fc = _frozen_linear(2 * h, h, dtype, device)
-        self.pre_fc_norm_embedding = make_norm(True, h, spec.rms_norm_eps, dtype, device)
-        self.pre_fc_norm_hidden = make_norm(True, h, spec.rms_norm_eps, dtype, device)
+        self.pre_fc_norm_embedding = make_norm(*norm)
+        self.pre_fc_norm_hidden = make_norm(*norm)
         self.layers = nn.ModuleList(MtpLayer(spec, rotary, dtype, device) for _ in range(spec.mtp_draft_layers))
-        self.norm = make_norm(True, h, spec.rms_norm_eps, dtype, device)
+        self.norm = make_norm(*norm)
 
     def forward(
         self,
@@ -243,6 +295,9 @@ def random_mtp_tensors(spec: ModelSpec, seed: int, dtype: torch.dtype = torch.fl
     return tensors
 
 
-def read_mtp_tensors(model_dir, progress: bool = False) -> Iterable[tuple[str, torch.Tensor]]:
-    """The checkpoint's `mtp.` tensors (which the target's passes skip: plan/costs.py's `is_served`)."""
-    return iter_checkpoint_tensors(model_dir, lambda name: name.startswith(MTP_PREFIX), "mtp", progress)
+def read_mtp_tensors(model_dir, spec: ModelSpec, progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(`mtp.…` name, tensor) of the checkpoint's MTP tensors, wherever its family stores them (plan/mtp_layer.py's
+    `mtp_name`; the target's passes skip them: plan/costs.py's `is_served`)."""
+    selected = iter_checkpoint_tensors(model_dir, lambda name: mtp_name(spec, name) is not None, "mtp", progress)
+    for name, tensor in selected:
+        yield mtp_name(spec, name), tensor
