@@ -28,7 +28,7 @@ import numpy as np
 from ferry.plan.gguf_checkpoint import EXPERT_PARTS, GgufNames, mtp_gguf_source
 from ferry.plan.model_config import parse_model_config
 from ferry.plan.model_families import family_for_config
-from ferry.plan.mtp_layer import MTP_PREFIX
+from ferry.plan.mtp_layer import mtp_name
 
 # (byte offset, value for weights of std 1) of each fp16 scale of a block whose other bytes are random
 # (kernels/gguf_blocks.py has the layouts; the spreads are those of random codes under random scales; the worker's
@@ -102,7 +102,7 @@ def write_gguf(
     # `language_model.`, as llama.cpp's converter drops it before its table lookup
     tensors = {name.replace(".language_model.", ".", 1): value for name, value in tensors.items()}
     layers = int(config["num_hidden_layers"])
-    tensors, nextn_tensors, mtp_layers = _mtp_as_blocks(family, config, tensors, layers)
+    tensors, nextn_tensors, mtp_layers = _mtp_as_blocks(family, spec, config, tensors, layers)
     if family.mtp_config_key:  # the MTP layers the file holds, which its metadata counts
         config = {**config, family.mtp_config_key: mtp_layers}
     writer = gguf.GGUFWriter(str(out), architecture, split_max_tensors=split_max_tensors)
@@ -172,20 +172,22 @@ def write_gguf(
     return out if not split_max_tensors else sorted(out.parent.glob(f"{out.stem}-00001-of-*.gguf"))[0]
 
 
-def _mtp_as_blocks(family, config: dict, tensors: dict, layers: int) -> tuple[dict, dict, int]:
-    """(the checkpoint's tensors with its `mtp.` ones as llama.cpp's converter writes them, {GGUF name: (MTP name,
-    values)} of those it names itself (`nextn.`), the MTP layers written): the MTP layers become decoder blocks
-    `layers + i` (plan/gguf_checkpoint.py's `mtp_gguf_source`) where the family's converter writes them
-    (`ModelFamily.gguf_mtp`), and are dropped where it does not."""
-    mtp = {name for name in tensors if name.startswith(MTP_PREFIX)}
+def _mtp_as_blocks(family, spec, config: dict, tensors: dict, layers: int) -> tuple[dict, dict, int]:
+    """(the checkpoint's tensors with its MTP ones as llama.cpp's converter writes them, {GGUF name: (MTP name,
+    values)} of those it names itself (`nextn.`), the MTP layers written): the MTP layers (wherever the family's
+    checkpoints store them: plan/mtp_layer.py's `mtp_name`) become decoder blocks `layers + i`
+    (plan/gguf_checkpoint.py's `mtp_gguf_source`) where the family's converter writes them (`ModelFamily.gguf_mtp`),
+    and are dropped where it does not."""
+    mtp = {name: mtp_name(spec, name) for name in tensors}
+    mtp = {name: canonical for name, canonical in mtp.items() if canonical is not None}
     rest = {name: value for name, value in tensors.items() if name not in mtp}
     if not mtp or not family.gguf_mtp:
         return rest, {}, 0
     nextn = {}
-    for name in mtp:
-        kind, target = mtp_gguf_source(name, layers)
+    for name, canonical in mtp.items():
+        kind, target = mtp_gguf_source(canonical, layers)
         if kind == "gguf":
-            nextn[target] = (name, tensors[name].astype(np.float32))
+            nextn[target] = (canonical, tensors[name].astype(np.float32))
         else:
             rest[target] = tensors[name]
     return rest, nextn, int(config.get(family.mtp_config_key) or 0)

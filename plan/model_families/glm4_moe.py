@@ -124,9 +124,9 @@ SIGMOID_GATING = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID: GLM's r
 
 def gguf_config(metadata: dict[str, Any], tensors: Mapping[str, Any], where: str) -> dict[str, Any]:
     """config.json from a glm4moe GGUF. llama.cpp's block_count counts the NextN (MTP) layers appended after the
-    decoder's, so num_hidden_layers is block_count less nextn_predict_layers (their blk.N tensors go unread, as the
-    checkpoint's model.layers.N ones do); the rotated share of a head is rope.dimension_count / key_length; the
-    q/k/v biases and q/k norms are there where their tensors are."""
+    decoder's, so num_hidden_layers is block_count less nextn_predict_layers (their blk.N tensors are read by
+    --speculative-method mtp alone, as the checkpoint's model.layers.N ones are); the rotated share of a head is
+    rope.dimension_count / key_length; the q/k/v biases and q/k norms are there where their tensors are."""
 
     def key(name: str) -> Any:
         return metadata.get(f"{GGUF_ARCHITECTURE}.{name}")
@@ -217,5 +217,6 @@ register(
         gguf_write_metadata=gguf_write_metadata,
         mtp_config_key="num_nextn_predict_layers",
         mtp_renames=mtp_renames,
+        gguf_mtp=True,
     )
 )
