@@ -70,11 +70,8 @@ class MtpAttention(nn.Module):
         self.head_dim, self.gated = spec.head_dim, spec.attn_output_gate
         self.scale = spec.attention_scale or self.head_dim**-0.5
         self.rotary = rotary
-        q_out, kv_out, bias = (
-            self.heads * self.head_dim * (2 if self.gated else 1),
-            self.kv_heads * self.head_dim,
-            spec.attention_bias,
-        )
+        q_out = self.heads * self.head_dim * (2 if self.gated else 1)
+        kv_out, bias = self.kv_heads * self.head_dim, spec.attention_bias
         self.q_proj = _frozen_linear(h, q_out, dtype, device, bias)
         self.k_proj = _frozen_linear(h, kv_out, dtype, device, bias)
         self.v_proj = _frozen_linear(h, kv_out, dtype, device, bias)
