@@ -33,6 +33,7 @@ from ferry.plan.expert_backend import (
 )
 from ferry.plan.kv_groups import kv_groups, sliding_slice_tokens
 from ferry.plan.model_config import ModelSpec
+from ferry.plan.mtp_layer import mtp_resident_bytes
 from ferry.plan.outside_memory import OutsideMemory, allocator_headroom
 from ferry.shared.errors import ConfigError, PlanError
 from ferry.shared.units import ceil_div, format_bytes
@@ -793,6 +794,7 @@ def _explain_failure(f: _Failure) -> str:
         *_snapshot_hints(f),
         *_max_model_len_hints(f),
         *_together_hints(f),
+        *_speculation_hints(f),
         *_budget_hints(f),
     ]
     if hints:
@@ -892,6 +894,22 @@ def _together_hints(f: _Failure) -> list[str]:
             return [f"--max-running-requests {n} --max-model-len {pages * f.r.page_size}: these fit together"]
         n //= 2
     return []
+
+
+def _speculation_hints(f: _Failure) -> list[str]:
+    """With --speculative-method mtp, what the MTP layers' weights and K/V take (plan/mtp_layer.py): at least what
+    another method frees (the workspace's MTP pass besides), and whether that alone fits."""
+    if f.req.speculative_method != "mtp":
+        return []
+    plain = dataclasses.replace(f.spec, mtp_kv_layers=0)
+    kv = f.costs.kv(f.sizes.kv_pages) - _Costs(plain, f.r).kv(f.sizes.kv_pages)
+    freed = mtp_resident_bytes(f.spec, f.r.dtype) + kv
+    over = f.terms.total - f.budget
+    verdict = "the plan then fits" if freed >= over else f"{format_bytes(over - freed)} still over"
+    return [
+        f"--speculative-method ngram (or off): frees the MTP layer's {format_bytes(freed - kv)} of weights and "
+        f"{format_bytes(kv)} of K/V; {verdict}"
+    ]
 
 
 def _snapshot_hints(f: _Failure) -> list[str]:

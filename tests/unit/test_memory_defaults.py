@@ -197,3 +197,31 @@ def test_an_offloading_plan_keeps_one_snapshot_a_running_request():
     assert given.linear_state_snapshots.snapshots == 16 and given.experts.slots < offloaded.experts.slots
     spec, resident = _plan(QWEN3_6_35B, gpu_memory=80 * GiB, max_running_requests=8, max_model_len=8192)
     assert resident.experts.slots == spec.total_experts and resident.linear_state_snapshots.snapshots == 16
+
+
+def test_a_plan_that_mtp_does_not_fit_names_the_method_and_what_it_frees(capsys):
+    """GLM-4.5-Air at 24 GiB fits without its NextN layer, not with it (4.42 GiB of bf16 weights, its experts
+    resident): the failure says so, with the bytes another method frees, which are what the two plans differ by."""
+    import argparse
+
+    from ferry.plan import plan_command
+    from ferry.plan.mtp_layer import drafting_spec, mtp_resident_bytes
+
+    model = REAL_MODELS / "glm-4.5-air"
+
+    def plan(*extra):
+        parser = argparse.ArgumentParser()
+        plan_command.add_arguments(parser)
+        args = parser.parse_args([str(model), "--gpu-memory", "24GiB", "--host-memory", "512GiB", "--json", *extra])
+        capsys.readouterr()
+        return plan_command.run(args), capsys.readouterr()
+
+    rc, fits = plan()
+    assert rc == 0
+    with pytest.raises(PlanError) as failed:
+        plan("--speculative-method", "mtp")
+    (line,) = [ln for ln in str(failed.value).splitlines() if "--speculative-method ngram (or off)" in ln]
+    spec = load_model_config(model)
+    weights = mtp_resident_bytes(drafting_spec(spec), "bfloat16")
+    assert f"frees the MTP layer's {weights / GiB:.2f} GiB of weights" in line and line.endswith("the plan then fits")
+    assert json.loads(fits.out.strip().splitlines()[-1])["total_bytes"] <= 24 * GiB
