@@ -188,9 +188,11 @@ def test_the_plan_prices_the_mtp_layers_kv_and_weights(mtp_model, booted, tmp_pa
         args = parser.parse_args([str(mtp_model), "--json", "--gpu-memory", "4GiB", "--dtype", "float32", *extra])
         capsys.readouterr()  # the boots' logs before
         assert plan_command.run(args) == 0
-        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["weights_bytes"]
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
-    assert weights("--speculative-method", "mtp") - weights() == mtp_resident_bytes(spec, "float32")
+    drafting, plain = weights("--speculative-method", "mtp"), weights()
+    assert drafting["weights_bytes"] - plain["weights_bytes"] == mtp_resident_bytes(spec, "float32")
+    assert "the MTP layer's" in drafting["weights_source"] and "MTP" not in plain["weights_source"]
 
 
 def test_the_pool_report_carries_what_an_mtp_chain_step_reads(mtp_model, booted):
