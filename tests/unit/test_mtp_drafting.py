@@ -182,7 +182,7 @@ def test_the_plan_prices_the_mtp_layers_kv_and_weights(mtp_model, booted, tmp_pa
     assert plan.kv.bytes // plan.kv.tokens > plain_plan.kv.bytes // plain_plan.kv.tokens
 
     # `ferry plan` prices the head's weights as the worker measures them
-    def weights(*extra):
+    def plan_json(*extra):
         parser = argparse.ArgumentParser()
         plan_command.add_arguments(parser)
         args = parser.parse_args([str(mtp_model), "--json", "--gpu-memory", "4GiB", "--dtype", "float32", *extra])
@@ -190,7 +190,7 @@ def test_the_plan_prices_the_mtp_layers_kv_and_weights(mtp_model, booted, tmp_pa
         assert plan_command.run(args) == 0
         return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
-    drafting, plain = weights("--speculative-method", "mtp"), weights()
+    drafting, plain = plan_json("--speculative-method", "mtp"), plan_json()
     assert drafting["weights_bytes"] - plain["weights_bytes"] == mtp_resident_bytes(spec, "float32")
     assert "the MTP layer's" in drafting["weights_source"] and "MTP" not in plain["weights_source"]
 
