@@ -66,8 +66,9 @@ def test_ngram_drafts_keep_the_greedy_tokens_through_graphs(tiny_models, arch, m
     torch.cuda.empty_cache()
 
 
-def test_mtp_drafts_keep_the_greedy_tokens(tmp_path, monkeypatch):
-    model = make_tiny_model(tmp_path / "qwen3_5_moe", "qwen3_5_moe", seed=0, mtp=True)
+@pytest.mark.parametrize("arch", ["qwen3_5_moe", "glm4_moe"])
+def test_mtp_drafts_keep_the_greedy_tokens(tmp_path, arch, monkeypatch):
+    model = make_tiny_model(tmp_path / arch, arch, seed=0, mtp=True)
     executor, plan = boot(model, *CUDA, "--speculative-method", "mtp")
     _check_speculation_keeps_the_tokens(executor, plan, "mtp", monkeypatch)
     del executor
