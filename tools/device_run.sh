@@ -35,6 +35,10 @@
 #                                                                                                        ~6 min
 #   PART=prefillcmp one 2k prefill of the hybrid8 NVFP4 cut (640 slots, 12 GiB) profiled at the tree and at BASE_COMMIT
 #                (default 49d0524; its tree as for PART=suite), profile_prefill_hybrid8_nvfp4_<side>_<card>.json  ~3 min
+#   PART=oracle  speculative decoding with an oracle draft at set acceptance rates (bench/speculation_oracle.py): each of
+#                ORACLE_WORKLOADS (default hybrid8_resident_mtp) served with speculation off and at each of ORACLE_ALPHAS
+#                (default 0,0.8) with ORACLE_METHOD (default mtp: the MTP layer runs for real); a boot (~45 s) and
+#                its decodes per run, spec_oracle_<workload>.json                                      ~1.5 min a run
 #   PART=prof    the full-size 35B NVFP4's decode at 24 GiB profiled at 1 and 8 streams (bench/profile_decode.py),
 #                then one 2k-token prefill of each cut (bench/profile_prefill.py)                      ~5 min
 #
@@ -79,6 +83,7 @@ part_cost() {
     peer) echo 570 ;;  # a 20 GB checkpoint written, two engines booted and measured (peer_compare's --budget-s 500)
     peercuts) echo 560 ;;  # a cut's checkpoint, served by both engines (--budget-s 540)
     prof) echo 330 ;;
+    oracle) echo $(( 90 * $(n_variants "${ORACLE_WORKLOADS:-hybrid8_resident_mtp}") * ($(n_variants "${ORACLE_ALPHAS:-0,0.8}") + 1) )) ;;
     prefillcmp) echo 200 ;;  # a cut written, two boots (~45 s each) and their profiled prefills  # three boots (the full-size 35B ~100 s, each cut ~40 s) and their profiled steps
     ttft) echo $(( 90 * $(n_variants "${TTFT_CUTS// /,}") * $(n_variants "${TTFT_HOLDS// /,}") * $(n_variants "${TTFT_BACKENDS// /,}") )) ;;  # a boot (~45 s) and its prompts each
     *) echo 240 ;;
@@ -216,11 +221,19 @@ PY
         rm -rf "/tmp/peer_ckpt_bf16_$1_$2layers"  # the disk holds one cut's checkpoint at a time
       done
     fi ;;
+  oracle)  # speculation's decode tok/s at set acceptance rates against speculation off, one workload after another
+    build_host_kernel
+    workloads=${ORACLE_WORKLOADS:-hybrid8_resident_mtp}
+    for w in ${workloads//,/ }; do
+      timeout "${ORACLE_WORKLOAD_S:-540}" python3 -m bench spec-oracle --workload "$w" --alphas "${ORACLE_ALPHAS:-0,0.8}" \
+        --speculative-method "${ORACLE_METHOD:-mtp}" --out "$OUT" --ready-timeout 240 > "$OUT/spec_oracle_$w.log" 2>&1
+      echo "spec-oracle $w rc=$?"; grep -h 'oracle alpha' "$OUT/spec_oracle_$w.log"
+    done ;;
   long)  # the 262k-token TTFT alone; LONG_VARIANTS=default,plain also runs it on plain bf16 banks
     timeout 560 python3 bench/decode_suite.py --out "$OUT" --workloads long_context_36b --variants "$LONG_VARIANTS" \
       --ready-timeout 240 --run-timeout 300 > "$OUT/long_context.log" 2>&1
     echo "long_context rc=$?"; tail -3 "$OUT/long_context.log"; grep -h 'ttft\|error\|Error' "$OUT"/serve_long*.log 2>/dev/null | tail -5 ;;
-  *) echo "PART=$part is none of the parts this script's header lists (check, suite, peer, peercuts, long, ttft, prof)" >&2; exit 2 ;;
+  *) echo "PART=$part is none of the parts this script's header lists (check, suite, peer, peercuts, long, ttft, prof, prefillcmp, oracle)" >&2; exit 2 ;;
 esac
 done
 # the device returns a few files a call: one archive

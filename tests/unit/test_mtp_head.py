@@ -31,7 +31,8 @@ from ferry.shared.errors import ConfigError
 from ferry.shared.speculation import speculation_problems
 from ferry.shared.units import round_up
 
-GLM_45_AIR = Path(__file__).resolve().parents[1] / "data/models/glm-4.5-air"
+MODELS = Path(__file__).resolve().parents[1] / "data/models"
+GLM_45_AIR = MODELS / "glm-4.5-air"
 
 
 @pytest.fixture(scope="module")
@@ -393,3 +394,19 @@ def test_glm_45_air_mtp_is_priced_tensor_by_tensor():
     granules = sum(round_up(n, ALLOC_GRANULE) - n for n in (q * 2, kv * 2, kv * 2, 128 * 4, *(h * 2,) * 5))
     assert spec.mtp_draft_layers == 1
     assert mtp_resident_bytes(spec, "bfloat16") == want + granules
+
+
+def test_the_benchs_mtp_workloads_are_qwen36_with_its_mtp_layer():
+    """bench/decode_suite.py's `*_mtp` workloads (bench/speculation_oracle.py's MTP runs) read Qwen3.5-35B-A3B's
+    config, whose text model is Qwen3.6-35B-A3B's with the MTP layer's keys the stored Qwen3.6 copy lacks."""
+    import dataclasses
+
+    from bench.decode_suite import WORKLOADS
+
+    mtp = {name: w for name, w in WORKLOADS.items() if name.endswith("_mtp")}
+    assert mtp
+    qwen36 = load_model_config(MODELS / "qwen3.6-35b-a3b")
+    for name, (config, *_) in mtp.items():
+        spec = load_model_config(config.parent)
+        check_mtp(spec)
+        assert dataclasses.replace(spec, mtp_draft_layers=0) == qwen36, name
