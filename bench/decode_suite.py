@@ -67,7 +67,8 @@ WORKLOADS = {
     "30b_fp8": (MODELS / "qwen3-30b-a3b/config.json", None, FULL, "fp8"),
     # the MTP draft layer's runs (issue 61, bench/speculation_oracle.py): Qwen3.5-35B-A3B's published config, Qwen3.6's
     # text architecture value for value with its MTP layer's keys (the stored Qwen3.6 copy lacks them), the 8-layer cut
-    # resident and at 640 NVFP4 slots, and the full size at 24 GiB
+    # resident and at 640 NVFP4 slots, and the full size at 24 GiB (its own plan: speculation off then holds the
+    # expert slots the MTP layer's weights and K/V take with it on, so the ratio counts that memory too)
     "hybrid8_resident_mtp": (MODELS / "qwen3.5-35b-a3b/config.json", 8, RESIDENT + ["--moe-cache-size", "2048"]),
     "hybrid8_nvfp4_mtp": (MODELS / "qwen3.5-35b-a3b/config.json", 8, ["--moe-cache-size", "640", *HYBRID8], "nvfp4"),
     "36b_nvfp4_mtp": (MODELS / "qwen3.5-35b-a3b/config.json", None, FULL, "nvfp4"),

@@ -90,15 +90,29 @@ def _tensor_bytes(numel: int, itemsize: int) -> int:
     return round_up(numel * itemsize, ALLOC_GRANULE)
 
 
-def resident_weight_bytes_from_shapes(spec: ModelSpec, dtype: str) -> int:
-    itemsize = DTYPE_BYTES[dtype]
+# parameters the worker keeps in float32 whatever the run dtype: the sigmoid router's choosing bias (it decides
+# between close scores: services/worker/layers/mlp.py) and the Gated DeltaNet's decay (layers/gated_deltanet.py)
+FLOAT32_PARAMETERS = (".e_score_correction_bias", ".A_log", ".dt_bias")
+
+
+def parameter_itemsize(name: str, dtype: str) -> int:
+    """Bytes a value of parameter `name` takes on the GPU when the model runs in `dtype`."""
+    return DTYPE_BYTES["float32"] if name.endswith(FLOAT32_PARAMETERS) else DTYPE_BYTES[dtype]
+
+
+def shapes_bytes(shapes: dict[str, tuple[int, ...]], dtype: str) -> int:
+    """GPU bytes of parameters {name: shape}, one allocation each, as the worker allocates them."""
     total = 0
-    for shape in resident_weight_shapes(spec).values():
+    for name, shape in shapes.items():
         numel = 1
         for d in shape:
             numel *= d
-        total += _tensor_bytes(numel, itemsize)
+        total += _tensor_bytes(numel, parameter_itemsize(name, dtype))
     return total
+
+
+def resident_weight_bytes_from_shapes(spec: ModelSpec, dtype: str) -> int:
+    return shapes_bytes(resident_weight_shapes(spec), dtype)
 
 
 def read_safetensors_header(path: Path) -> dict[str, dict]:
@@ -142,7 +156,9 @@ def resident_weight_bytes_from_checkpoint(model_dir: Path, dtype: str, spec: Mod
                 kind, numel = "BF16", 2 * numel
             elif kind in ("F8_E4M3", "F8_E5M2"):
                 kind = "BF16"
-            itemsize = DTYPE_BYTES[dtype] if kind in _FLOAT_DTYPES else SAFETENSORS_DTYPE_BYTES.get(kind, 1)
+            itemsize = (
+                parameter_itemsize(name, dtype) if kind in _FLOAT_DTYPES else SAFETENSORS_DTYPE_BYTES.get(kind, 1)
+            )
             total += _tensor_bytes(numel, itemsize)
     return total
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ferry.plan.costs import ALLOC_GRANULE
+from ferry.plan.costs import ALLOC_GRANULE, shapes_bytes
 from ferry.plan.dtypes import DTYPE_BYTES
 from ferry.plan.model_families import family_of
 from ferry.plan.model_families.weight_shapes import Shapes, attention_shapes, moe_shapes
@@ -138,7 +138,7 @@ def mtp_resident_bytes(spec: ModelSpec, dtype: str) -> int:
     allocation a tensor of `mtp_resident_weight_shapes`, and each layer's routed experts in two, gate_up
     [E, 2I, H] and down [E, H, I]; each rounded to the CUDA allocator's granule."""
     itemsize = DTYPE_BYTES[dtype]
-    total = sum(round_up(_numel(s) * itemsize, ALLOC_GRANULE) for s in mtp_resident_weight_shapes(spec).values())
+    total = shapes_bytes(mtp_resident_weight_shapes(spec), dtype)
     e, h, i = spec.num_experts, spec.hidden_size, spec.moe_intermediate_size
     per_layer = round_up(e * 2 * i * h * itemsize, ALLOC_GRANULE) + round_up(e * h * i * itemsize, ALLOC_GRANULE)
     return total + spec.mtp_draft_layers * per_layer

@@ -38,7 +38,8 @@
 #   PART=oracle  speculative decoding with an oracle draft at set acceptance rates (bench/speculation_oracle.py): each of
 #                ORACLE_WORKLOADS (default hybrid8_resident_mtp) served with speculation off and at each of ORACLE_ALPHAS
 #                (default 0,0.8) with ORACLE_METHOD (default mtp: the MTP layer runs for real); a boot (~45 s) and
-#                its decodes per run, spec_oracle_<workload>.json                                      ~1.5 min a run
+#                its decodes per run, <workload>/spec_oracle_<workload>.json; ORACLE_WORKLOAD_S bounds a workload
+#                (default 90 s a run and 60)                                                            ~1.5 min a run
 #   PART=prof    the full-size 35B NVFP4's decode at 24 GiB profiled at 1 and 8 streams (bench/profile_decode.py),
 #                then one 2k-token prefill of each cut (bench/profile_prefill.py)                      ~5 min
 #
@@ -223,10 +224,11 @@ PY
     fi ;;
   oracle)  # speculation's decode tok/s at set acceptance rates against speculation off, one workload after another
     build_host_kernel
-    workloads=${ORACLE_WORKLOADS:-hybrid8_resident_mtp}
-    for w in ${workloads//,/ }; do
-      timeout "${ORACLE_WORKLOAD_S:-540}" python3 -m bench spec-oracle --workload "$w" --alphas "${ORACLE_ALPHAS:-0,0.8}" \
-        --speculative-method "${ORACLE_METHOD:-mtp}" --out "$OUT" --ready-timeout 240 > "$OUT/spec_oracle_$w.log" 2>&1
+    workloads=${ORACLE_WORKLOADS:-hybrid8_resident_mtp} alphas=${ORACLE_ALPHAS:-0,0.8}
+    for w in ${workloads//,/ }; do  # each in its own folder (its serve logs are named by alpha alone)
+      timeout "${ORACLE_WORKLOAD_S:-$(( 90 * ($(n_variants "$alphas") + 1) + 60 ))}" python3 -m bench spec-oracle \
+        --workload "$w" --alphas "$alphas" --speculative-method "${ORACLE_METHOD:-mtp}" --out "$OUT/$w" \
+        --ready-timeout 240 > "$OUT/spec_oracle_$w.log" 2>&1
       echo "spec-oracle $w rc=$?"; grep -h 'oracle alpha' "$OUT/spec_oracle_$w.log"
     done ;;
   long)  # the 262k-token TTFT alone; LONG_VARIANTS=default,plain also runs it on plain bf16 banks

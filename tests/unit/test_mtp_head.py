@@ -384,16 +384,32 @@ def test_glm_nextn_names_map_both_ways_and_skip_the_targets_copies(glm_model):
 
 def test_glm_45_air_mtp_is_priced_tensor_by_tensor():
     """GLM-4.5-Air's NextN layer in bf16: eh_proj [4096, 8192]; attention q [96 x 128, 4096] with its bias, k and v
-    [8 x 128, 4096] with theirs, o [4096, 96 x 128]; the router [128, 4096] and its float32 correction bias; the
-    shared expert's three [1408, 4096]; 128 experts of three 4096 x 1408 projections; five norms of 4096."""
+    [8 x 128, 4096] with theirs, o [4096, 96 x 128]; the router [128, 4096] and its correction bias, kept in float32;
+    the shared expert's three [1408, 4096]; 128 experts of three 4096 x 1408 projections; five norms of 4096."""
     spec = load_model_config(GLM_45_AIR)
     h, q, kv = 4096, 96 * 128, 8 * 128
     matrices = h * 2 * h + q * h + 2 * kv * h + h * q + 128 * h + 3 * 1408 * h
     experts = 128 * 3 * h * 1408
-    want = (matrices + experts + q + 2 * kv + 5 * h) * 2 + 128 * 4
-    granules = sum(round_up(n, ALLOC_GRANULE) - n for n in (q * 2, kv * 2, kv * 2, 128 * 4, *(h * 2,) * 5))
+    vectors = [q * 2, kv * 2, kv * 2, 128 * 4, *(h * 2,) * 5]  # biases, the float32 correction bias, norms
     assert spec.mtp_draft_layers == 1
-    assert mtp_resident_bytes(spec, "bfloat16") == want + granules
+    assert mtp_resident_bytes(spec, "bfloat16") == (matrices + experts) * 2 + sum(
+        round_up(n, ALLOC_GRANULE) for n in vectors
+    )
+
+
+@pytest.mark.parametrize("model", ["glm", "qwen3.5"])
+def test_the_plan_prices_what_a_full_size_head_allocates(model):
+    """The head built at full size (on the meta device: shapes and dtypes, no memory) takes what the plan prices,
+    allocation by allocation: GLM-4.5's 160 experts make the float32 correction bias (640 B) two granules, where
+    bf16 would be one."""
+    if model == "glm":
+        spec = parse_model_config(dict(json.loads((GLM_45_AIR / "config.json").read_text()), n_routed_experts=160))
+    else:
+        spec = parse_model_config(QWEN35_35B)
+    rotary = RotaryEmbedding(spec.head_dim, spec.partial_rotary_factor, spec.rope_theta)
+    head = MtpHead(spec, rotary, torch.bfloat16, device="meta")
+    allocated = sum(round_up(p.nbytes, ALLOC_GRANULE) for p in head.parameters())
+    assert allocated == mtp_resident_bytes(spec, "bfloat16")
 
 
 def test_the_benchs_mtp_workloads_are_qwen36_with_its_mtp_layer():
