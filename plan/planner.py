@@ -795,6 +795,7 @@ def _explain_failure(f: _Failure) -> str:
         *_max_model_len_hints(f),
         *_together_hints(f),
         *_speculation_hints(f),
+        *_kv_dtype_hints(f),
         *_budget_hints(f),
     ]
     if hints:
@@ -910,6 +911,20 @@ def _speculation_hints(f: _Failure) -> list[str]:
         f"--speculative-method ngram (or off): frees the MTP layer's {format_bytes(freed - kv)} of weights and "
         f"{format_bytes(kv)} of K/V; {verdict}"
     ]
+
+
+def _kv_dtype_hints(f: _Failure) -> list[str]:
+    """With K/V in the model dtype, what fp8 K/V (values and their per-row scales) would free of the same pool,
+    and whether that alone fits."""
+    if f.r.kv_cache_dtype != "auto" or not f.sizes.kv_pages:
+        return []
+    fp8 = _Costs(f.spec, dataclasses.replace(f.r, kv_cache_dtype="fp8"))
+    now, then = f.costs.kv(f.sizes.kv_pages), fp8.kv(f.sizes.kv_pages)
+    over = f.terms.total - f.budget
+    if now <= then:
+        return []
+    verdict = "the plan then fits" if now - then >= over else f"{format_bytes(over - (now - then))} still over"
+    return [f"--kv-cache-dtype fp8: the KV pool's {format_bytes(now)} becomes {format_bytes(then)}; {verdict}"]
 
 
 def _snapshot_hints(f: _Failure) -> list[str]:

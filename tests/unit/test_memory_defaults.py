@@ -13,7 +13,7 @@ from ferry.plan.outside_memory import OutsideMemory, estimated_outside
 from ferry.plan.planner import DEFAULT_MAX_RUNNING_REQUESTS, Measured, PlanRequest, make_plan, resolve
 from ferry.plan.prefill_chunk import plan_with_prefill_chunk
 from ferry.shared.errors import PlanError
-from ferry.shared.units import GiB, MiB
+from ferry.shared.units import GiB, MiB, format_bytes
 from tests.helpers import QWEN3_6_35B, QWEN3_30B, REAL_MODELS
 
 HOST = 512 * GiB
@@ -225,3 +225,14 @@ def test_a_plan_that_mtp_does_not_fit_names_the_method_and_what_it_frees(capsys)
     weights = mtp_resident_bytes(drafting_spec(spec), "bfloat16")
     assert f"frees the MTP layer's {weights / GiB:.2f} GiB of weights" in line and line.endswith("the plan then fits")
     assert json.loads(fits.out.strip().splitlines()[-1])["total_bytes"] <= 24 * GiB
+
+
+def test_a_kv_bound_plan_names_fp8_kv_with_the_pool_it_would_make():
+    """Qwen3-30B-A3B at 16 GiB with 200,000 tokens of KV: too much in bf16, and the failure says fp8 K/V makes the
+    pool the size the fp8 plan then has, which fits."""
+    with pytest.raises(PlanError) as err:
+        _plan(QWEN3_30B, gpu_memory=16 * GiB, num_tokens=200_000)
+    (line,) = [ln for ln in str(err.value).splitlines() if "--kv-cache-dtype fp8" in ln]
+    _, fp8 = _plan(QWEN3_30B, gpu_memory=16 * GiB, num_tokens=200_000, kv_cache_dtype="fp8")
+    assert line.strip().endswith(f"becomes {format_bytes(fp8.kv.bytes)}; the plan then fits"), line
+    assert fp8.total_bytes <= fp8.budget_bytes
