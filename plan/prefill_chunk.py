@@ -54,6 +54,9 @@ from ferry.shared.errors import PlanError
 # in the order tried: DEFAULT_MAX_PREFILL_TOKENS first, which is the longest a resident plan takes; 16384 and
 # 32768 only pay where experts stream and prompts past LONG_PROMPT_TOKENS are asked for
 CHUNK_CANDIDATES = (8192, 16384, 32768, 4096, 2048)
+# where none of them fits: the chunks a failed plan's message tries next, longest first (a prompt then takes more
+# steps, each reading every expert it routes to once)
+SHORTER_CHUNKS = (1024, 512, 256)
 # a chat turn as the chooser weighs it where no long prompt is asked for: 4,096 prompt tokens for 128 output ones
 PROMPT_TOKENS_PER_OUTPUT_TOKEN = 32
 _CANDIDATES = ", ".join(map(str, CHUNK_CANDIDATES))
@@ -151,10 +154,7 @@ def _chunked_plan(
             break  # streams nothing: no shorter chunk does better, and a longer one only holds decode rows longer
     if best is None:
         assert error is not None
-        raise PlanError(
-            f"{error}\n(no prefill chunk of {_CANDIDATES} tokens fits, {min(CHUNK_CANDIDATES)} tried last: "
-            "--max-prefill-tokens can go lower)"
-        )
+        raise PlanError(f"{error}\n{_shorter_chunk_hint(spec, req, measure)}")
     if best.experts.slots >= spec.total_experts:
         why = "every expert resident"
     else:
@@ -174,6 +174,20 @@ def _chunked_plan(
                 f"pool asks for prompts past {LONG_PROMPT_TOKENS}"
             )
     return dataclasses.replace(best, max_prefill_tokens_source=f"chosen from memory: {why}")
+
+
+def _shorter_chunk_hint(spec: ModelSpec, req: PlanRequest, measure: Callable[[Resolved | None], Measured]) -> str:
+    """What a failed plan's message says of the chunk: the longest of SHORTER_CHUNKS with which it fits, with
+    everything else unchanged, or that none does."""
+    for tokens in SHORTER_CHUNKS:
+        chunk_req = dataclasses.replace(req, max_prefill_tokens=tokens)
+        try:
+            plan_for_expert_store(spec, chunk_req, measure(resolve(spec, chunk_req)))
+        except PlanError:
+            continue
+        return f"(no prefill chunk of {_CANDIDATES} tokens fits; --max-prefill-tokens {tokens} fits)"
+    shortest = ", ".join(map(str, SHORTER_CHUNKS))
+    return f"(no prefill chunk of {_CANDIDATES} tokens fits, nor of {shortest}: the chunk is not what to change)"
 
 
 def _streamed(spec: ModelSpec, plan: Plan, long_prompts: bool) -> float:

@@ -3,6 +3,7 @@ bytes per prompt token of the candidates, found without pricing candidates that 
 
 import dataclasses
 import json
+import re
 
 import pytest
 
@@ -208,13 +209,35 @@ def test_a_budget_too_small_for_the_longest_chunk_boots_with_a_shorter_one():
     assert plan_with_prefill_chunk(spec, fits, Estimates(spec, fits)).max_prefill_tokens < 8192
 
 
-def test_nothing_fits_names_the_flag():
+def test_nothing_fits_says_the_chunk_is_not_what_to_change():
     spec = _spec(layers=8, quantization=FP8)
     req = PlanRequest(
         gpu_memory=3 * GiB, max_running_requests=8, max_model_len=LONG, host_memory=100 * GiB, linear_state_snapshots=16
     )
-    with pytest.raises(PlanError, match="--max-prefill-tokens can go lower"):
+    with pytest.raises(PlanError, match="nor of 1024, 512, 256: the chunk is not what to change"):
         plan_with_prefill_chunk(spec, req, Estimates(spec, req))
+
+
+def test_where_only_a_shorter_chunk_fits_the_failure_names_it_and_it_fits():
+    """A budget where no candidate chunk fits but a shorter one does: the message names the longest that does,
+    and a plan with it fits."""
+    spec = _spec(layers=8, quantization=FP8)
+    base = dict(max_running_requests=8, max_model_len=LONG, host_memory=100 * GiB, linear_state_snapshots=16)
+    named = None
+    for mib in range(3000, 9000, 25):
+        req = PlanRequest(gpu_memory=mib * 2**20, **base)
+        try:
+            plan_with_prefill_chunk(spec, req, Estimates(spec, req))
+            break  # the candidates fit from here on
+        except PlanError as e:
+            found = re.search(r"--max-prefill-tokens (\d+) fits", str(e))
+            if found:
+                named = req, int(found[1])
+    assert named is not None, "no budget where only a shorter chunk fits: the test's range is wrong"
+    req, tokens = named
+    chunk_req = dataclasses.replace(req, max_prefill_tokens=tokens)
+    plan = plan_with_prefill_chunk(spec, chunk_req, Estimates(spec, chunk_req))
+    assert plan.max_prefill_tokens == tokens and plan.total_bytes <= plan.budget_bytes
 
 
 def test_no_chunk_past_the_longest_step_the_contexts_allow():
