@@ -10,6 +10,7 @@ No torch here: the planner (`ferry plan`) runs from this on any machine.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -193,7 +194,21 @@ def load_model_config(model_dir: str | Path) -> ModelSpec:
     raw = _read_json(path)
     quant_path = Path(model_dir) / "hf_quant_config.json"  # modelopt's own copy of its quantization
     hf_quant = _read_json(quant_path) if quant_path.is_file() else None
-    return parse_model_config(raw, where=str(path), hf_quant_config=hf_quant)
+    spec = parse_model_config(raw, where=str(path), hf_quant_config=hf_quant)
+    return _with_checkpoint_mtp_layers(spec, raw, Path(model_dir), str(path))
+
+
+def _with_checkpoint_mtp_layers(spec: ModelSpec, raw: dict[str, Any], model_dir: Path, where: str) -> ModelSpec:
+    """A config that does not count its MTP layers (Qwen3-Next's published one, whose checkpoint holds one under
+    `mtp.`; vLLM then takes one too): the layers the checkpoint holds (plan/mtp_layer.py)."""
+    from ferry.plan.mtp_layer import checkpoint_mtp_layers  # it prices with plan/costs.py, which reads this module
+
+    family = family_for_config(raw, where)
+    key = family.mtp_config_key
+    if key is None or family.mtp_renames is not None or key in family.text_config(raw, where):
+        return spec
+    layers = checkpoint_mtp_layers(model_dir)
+    return dataclasses.replace(spec, mtp_draft_layers=layers) if layers else spec
 
 
 def _read_json(path: Path) -> Any:

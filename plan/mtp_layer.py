@@ -20,8 +20,11 @@ target's slot count and expert indexing as they are. So `mtp_resident_bytes` pri
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
+from pathlib import Path
 
-from ferry.plan.costs import ALLOC_GRANULE, shapes_bytes
+from ferry.plan.costs import ALLOC_GRANULE, read_safetensors_header, shapes_bytes
 from ferry.plan.dtypes import DTYPE_BYTES
 from ferry.plan.model_families import family_of
 from ferry.plan.model_families.weight_shapes import Shapes, attention_shapes, moe_shapes
@@ -88,6 +91,24 @@ def mtp_checkpoint_name(spec: ModelSpec, name: str) -> str:
             if mtp_name(spec, candidate) == name:  # a longer prefix earlier in the table would claim it otherwise
                 return candidate
     raise ValueError(f"{name!r} is not an MTP tensor of a {spec.arch} checkpoint")
+
+
+_MTP_LAYER_NAME = re.compile(r"^mtp\.layers\.(\d+)\.")
+
+
+def checkpoint_mtp_layers(model_dir: Path) -> int:
+    """How many `mtp.layers.N.` layers a safetensors checkpoint holds, from its tensors' names (its index's, else
+    its shards' headers): what a config that does not count them (Qwen3-Next's published one) has."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = list(json.loads(index.read_text())["weight_map"])
+        except (json.JSONDecodeError, KeyError, TypeError):
+            return 0  # not an index: the loader names the fault
+    else:
+        names = [name for shard in sorted(model_dir.glob("*.safetensors")) for name in read_safetensors_header(shard)]
+    layers = {int(m[1]) for m in map(_MTP_LAYER_NAME.match, names) if m is not None}
+    return len(layers) if layers == set(range(len(layers))) else 0
 
 
 def mtp_kv_layer(spec: ModelSpec, layer: int) -> int:

@@ -426,3 +426,32 @@ def test_the_benchs_mtp_workloads_are_qwen36_with_its_mtp_layer():
         spec = load_model_config(config.parent)
         check_mtp(spec)
         assert dataclasses.replace(spec, mtp_draft_layers=0) == qwen36, name
+
+
+@pytest.mark.parametrize("index", [False, True])
+def test_a_config_that_does_not_count_its_mtp_layer_gets_the_checkpoints(tmp_path, index):
+    """Qwen3-Next's published config.json has no num_nextn_predict_layers while its checkpoint holds an MTP layer
+    under `mtp.` (vLLM then takes one): the spec counts the checkpoint's `mtp.layers.N.`, by the shards' headers or
+    the index's names; a count the config gives, 0 too, stands."""
+    model = make_tiny_model(tmp_path / "next", "qwen3_next", seed=0, mtp=True)
+    config = json.loads((model / "config.json").read_text())
+    del config["num_nextn_predict_layers"]
+    (model / "config.json").write_text(json.dumps(config))
+    if index:
+        from safetensors import safe_open
+
+        weight_map = {}
+        for shard in model.glob("*.safetensors"):
+            with safe_open(shard, framework="pt") as f:
+                weight_map.update((name, shard.name) for name in f.keys())
+        (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    spec = load_model_config(model)
+    assert spec.mtp_draft_layers == 1
+    check_mtp(spec)
+    (model / "config.json").write_text(json.dumps(dict(config, num_nextn_predict_layers=0)))
+    assert load_model_config(model).mtp_draft_layers == 0
+    plain = make_tiny_model(tmp_path / "plain", "qwen3_next", seed=0)
+    plain_config = json.loads((plain / "config.json").read_text())
+    plain_config.pop("num_nextn_predict_layers", None)
+    (plain / "config.json").write_text(json.dumps(plain_config))
+    assert load_model_config(plain).mtp_draft_layers == 0
