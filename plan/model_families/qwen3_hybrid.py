@@ -60,7 +60,7 @@ def _hybrid_fields(cfg: dict[str, Any], where: str, moe_layers: tuple[bool, ...]
 
 def qwen3_next_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
     """Qwen3-Next's MTP layers are counted by `num_nextn_predict_layers` where its config.json says (the published
-    one does not: it then has none Ferry drafts with)."""
+    one does not: plan/model_config.py's load_model_config then counts the checkpoint's)."""
     fields = _hybrid_fields(cfg, where, sparse_step_moe_layers(cfg, int(cfg["num_hidden_layers"])))
     return dict(fields, mtp_draft_layers=int(cfg.get("num_nextn_predict_layers", 0) or 0))
 
