@@ -12,8 +12,8 @@ import struct
 from pathlib import Path
 
 from ferry.plan.dtypes import DTYPE_BYTES
-from ferry.plan.model_config import ModelSpec
 from ferry.plan.model_families import family_of
+from ferry.plan.model_spec import ModelSpec
 from ferry.plan.quantization import DROPPED_SUFFIXES, SCALE_SUFFIXES, WEIGHT_SUFFIXES
 from ferry.shared.errors import ModelLoadError
 from ferry.shared.units import ceil_div, round_up

@@ -21,6 +21,7 @@ from ferry.plan.gguf_checkpoint import find_gguf, load_gguf_config
 from ferry.plan.model_families import family_for_config
 from ferry.plan.model_families.spec_fields import GATED_DELTANET_FIELDS, first, require
 from ferry.plan.model_spec import CLAMPED_SWIGLU, FULL_ATTENTION, GELU_TANH, LINEAR_ATTENTION, SILU, ModelSpec
+from ferry.plan.mtp_layer import checkpoint_mtp_layers
 from ferry.plan.quantization import parse_quantization
 from ferry.shared.errors import ConfigError
 
@@ -201,8 +202,6 @@ def load_model_config(model_dir: str | Path) -> ModelSpec:
 def _with_checkpoint_mtp_layers(spec: ModelSpec, raw: dict[str, Any], model_dir: Path, where: str) -> ModelSpec:
     """A config that does not count its MTP layers (Qwen3-Next's published one, whose checkpoint holds one under
     `mtp.`; vLLM then takes one too): the layers the checkpoint holds (plan/mtp_layer.py)."""
-    from ferry.plan.mtp_layer import checkpoint_mtp_layers  # it prices with plan/costs.py, which reads this module
-
     family = family_for_config(raw, where)
     key = family.mtp_config_key
     if key is None or family.mtp_renames is not None or key in family.text_config(raw, where):
