@@ -50,8 +50,9 @@ def run(args: argparse.Namespace) -> int:
         if find_gguf(model) is not None:  # the worker dequantizes a GGUF's dense tensors as it loads them
             source = f"shapes: the GGUF's dense tensors, dequantized to {r.dtype} at load"
     if spec.mtp_kv_layers:  # --speculative-method mtp: the draft head's weights, as the worker allocates them
-        weights += mtp_resident_bytes(spec, r.dtype)
-        source += f"; the MTP layer's {format_bytes(mtp_resident_bytes(spec, r.dtype))} of them (plan/mtp_layer.py)"
+        mtp_weights = mtp_resident_bytes(spec, r.dtype)
+        weights += mtp_weights
+        source += f"; the MTP layer's {format_bytes(mtp_weights)} of them (plan/mtp_layer.py)"
 
     outside = estimated_outside(budget_from_free_memory=req.gpu_memory is None)
 

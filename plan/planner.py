@@ -904,11 +904,11 @@ def _speculation_hints(f: _Failure) -> list[str]:
         return []
     plain = dataclasses.replace(f.spec, mtp_kv_layers=0)
     kv = f.costs.kv(f.sizes.kv_pages) - _Costs(plain, f.r).kv(f.sizes.kv_pages)
-    freed = mtp_resident_bytes(f.spec, f.r.dtype) + kv
+    weights = mtp_resident_bytes(f.spec, f.r.dtype)
     over = f.terms.total - f.budget
-    verdict = "the plan then fits" if freed >= over else f"{format_bytes(over - freed)} still over"
+    verdict = "the plan then fits" if weights + kv >= over else f"{format_bytes(over - weights - kv)} still over"
     return [
-        f"--speculative-method ngram (or off): frees the MTP layer's {format_bytes(freed - kv)} of weights and "
+        f"--speculative-method ngram (or off): frees the MTP layer's {format_bytes(weights)} of weights and "
         f"{format_bytes(kv)} of K/V; {verdict}"
     ]
 

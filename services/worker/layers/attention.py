@@ -124,20 +124,15 @@ class PagedAttention(nn.Module):
             q = self.rotary.apply(q, cos, sin)
             k = self.rotary.apply(k, cos, sin)
             write_kv(k_cache, v_cache, slot_mapping, k, v, k_scale, v_scale)
-        out = paged_attention(
-            q.contiguous(),
+        out = attend_paged(
+            q,
             k_cache,
             v_cache,
-            b.page_table,
-            b.query_start,
-            b.positions,
-            b.query_lens_host,
-            b.context_lens_host,
+            b,
             self.scale,
-            token_request=b.token_request,
-            gather=ctx.pools.kv.gather_for(self.layer_idx),
-            k_scale=k_scale,
-            v_scale=v_scale,
+            ctx.pools.kv.gather_for(self.layer_idx),
+            k_scale,
+            v_scale,
             sinks=self.sinks,
             window=self.window,
             ring_pages=ring,
@@ -146,6 +141,28 @@ class PagedAttention(nn.Module):
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return dense_linear(out, self.o_proj.weight, self.o_proj.bias)
+
+
+def attend_paged(q, k_cache, v_cache, b, scale: float, gather, k_scale=None, v_scale=None, **options) -> torch.Tensor:
+    """The paged kernels (kernels/paged_attention.py) for the queries `q` of step batch `b` (a ForwardBatch: its
+    pages, positions and lengths) over one layer's K/V, already written; `options`: the kernel's sinks, window and
+    ring arguments. Every paged layer (the MTP head's too) reads the batch the same way, through here."""
+    return paged_attention(
+        q.contiguous(),
+        k_cache,
+        v_cache,
+        b.page_table,
+        b.query_start,
+        b.positions,
+        b.query_lens_host,
+        b.context_lens_host,
+        scale,
+        token_request=b.token_request,
+        gather=gather,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        **options,
+    )
 
 
 def _row_blocks_of_one_weight(in_features: int, outs: tuple[int, ...], bias: bool, dtype, device):

@@ -28,11 +28,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ferry.kernels.paged_attention import paged_attention, write_kv
+from ferry.kernels.paged_attention import write_kv
 from ferry.kernels.router_topk_reference import router_topk_reference, sigmoid_topk_reference
 from ferry.plan.model_spec import ModelSpec
 from ferry.plan.mtp_layer import MTP_PREFIX, check_mtp, mtp_expert_shapes, mtp_name, mtp_resident_weight_shapes
 from ferry.services.worker.checkpoint import iter_checkpoint_tensors
+from ferry.services.worker.layers.attention import attend_paged
 from ferry.services.worker.layers.norms import make_norm
 from ferry.services.worker.layers.rotary import RotaryEmbedding
 from ferry.services.worker.models.weights import WeightLoadError
@@ -99,21 +100,7 @@ class MtpAttention(nn.Module):
             k_cache, v_cache = cache.kv.layer(cache.layer)
             k_scale, v_scale = cache.kv.layer_scales(cache.layer)  # None, None but in an fp8 pool
             write_kv(k_cache, v_cache, b.slot_mapping, k, v, k_scale, v_scale)
-            out = paged_attention(
-                q.contiguous(),
-                k_cache,
-                v_cache,
-                b.page_table,
-                b.query_start,
-                b.positions,
-                b.query_lens_host,
-                b.context_lens_host,
-                self.scale,
-                token_request=b.token_request,
-                gather=cache.kv.gather_for(cache.layer),
-                k_scale=k_scale,
-                v_scale=v_scale,
-            )
+            out = attend_paged(q, k_cache, v_cache, b, self.scale, cache.kv.gather_for(cache.layer), k_scale, v_scale)
         else:
             out = F.scaled_dot_product_attention(
                 q.transpose(0, 1),
