@@ -23,11 +23,11 @@ SPECULATIVE_METHODS = ("off", "ngram", "mtp")
 SPECULATIVE_METHOD_HELP = (
     "speculative decoding: 'ngram' drafts each decoding request's next tokens from an earlier occurrence of its "
     "last few tokens in its prompt and output (prompt lookup); 'mtp' drafts them with the model's own "
-    "multi-token-prediction layer (Qwen3.5/3.6, Qwen3-Next: its weights and its K/V are planned beside the "
-    "target's); both verify the drafts in one forward, keeping the output's distribution exactly (greedy: the "
-    "same tokens); requests with penalties, a grammar, logprobs or a seed decode without it; steps with drafts "
-    "run eagerly (with mtp, every step) and are not scheduled ahead; how many drafts a row carries is chosen per "
-    "step from the request's acceptance and the verify's cost (default off). FERRY_BENCH_ORACLE_DRAFTS / "
+    "multi-token-prediction layer (Qwen3.5/3.6, Qwen3-Next, GLM-4.5/4.6/4.7: its weights and its K/V are planned "
+    "beside the target's); both verify the drafts in one forward, keeping the output's distribution exactly "
+    "(greedy: the same tokens); requests with penalties, a grammar, logprobs or a seed decode without it; steps "
+    "with drafts run eagerly and are not scheduled ahead; how many drafts a row carries is chosen per step from "
+    "the request's acceptance and the verify's cost (default off). FERRY_BENCH_ORACLE_DRAFTS / "
     "FERRY_BENCH_RECORD_SEQUENCES are benchmark-only (bench/speculation_oracle.py) and refused without "
     "FERRY_BENCH_ONLY=1"
 )

@@ -14,12 +14,12 @@ uniform), each missed with the cache's miss rate (measured from the worker's hit
 experts); so the k positions added to a step of n tokens miss
     L x miss_rate x E_l x ((1 - t/E_l)^n - (1 - t/E_l)^(n + k))  experts,  L = MoE layers.
 S is the plain step's cost by the same terms (DECODE_STEP_S plus the misses of its n tokens).
-With --speculative-method mtp (ChainPrices) drafts are not free to make, and the eager step is not theirs: every
-mtp step runs eagerly and the MTP layer runs over the rows' real positions whatever k is, so both are in S, and no
-draft pays DRAFT_STEP_OVERHEAD_S. Draft j of a row is instead the j-th dependent pass of the MTP head's chain: the
-target's LM head (vocabulary x hidden bytes) and, from j = 2, the MTP layer's dense weights, read at
-HBM_BYTES_PER_S, plus MTP_CHAIN_STEP_OVERHEAD_S, once a chain position a step (charged to the first row chaining
-that far: the rows after it pay only the positions past it), and the row's own routed experts in the layer.
+With --speculative-method mtp (ChainPrices) drafts are not free to make either: besides the eager step, draft j of
+a row is the j-th dependent pass of the MTP head's chain, the MTP layer's dense weights and the target's LM head
+(vocabulary x hidden bytes) read at HBM_BYTES_PER_S, plus MTP_CHAIN_STEP_OVERHEAD_S, once a chain position a step
+(charged to the first row chaining that far: the rows after it pay only the positions past it), and the row's own
+routed experts in the layer. The head's K/V, which every step writes (in the decode graph for a plain step), are a
+few dense products a token: part of S, whatever k is.
 The chosen k maximises E(k) / (S/B + cost(k)) (tokens a second), k = 0 unless some k beats 1 / (S/B): at acceptance
 0 every k > 0 loses, the estimate falls under the threshold within a few rows, and the row decodes plainly
 (scheduled ahead, as without speculation). A request not measured yet drafts at least one token at once (within its
@@ -58,9 +58,8 @@ PROBE_COST_SHARE = 0.02
 DECODE_STEP_S = 1.0e-3
 # one more position in a verify row: a short prefill's compute per token, seconds
 VERIFY_POSITION_S = 5.0e-5
-# a step with drafts runs eagerly instead of as a CUDA graph (an estimate of the launches a graph saves); with ngram
-# charged once a step, to its first drafting row; with mtp every step runs eagerly (boot.py captures no decode
-# graph), so it is part of the plain step's cost and no draft's
+# a step with drafts runs eagerly instead of as a CUDA graph (an estimate of the launches a graph saves), charged
+# once a step, to its first drafting row
 DRAFT_STEP_OVERHEAD_S = 2.0e-4
 # HBM read rate of an MTP chain step's weights, bytes/s (an estimate: ~90 % of a 3.35 TB/s HBM3 peak, what a
 # streaming read reaches)
@@ -126,10 +125,9 @@ class ExpertPrices:
 class ChainPrices:
     """--speculative-method mtp: what the MTP head's draft chain costs (services/worker/mtp_drafts.py), from the
     PoolReport's bytes (plan/mtp_layer.py's MtpChainBytes) read at HBM_BYTES_PER_S. Draft j of a row is chain
-    position j, one dependent pass: the target's LM head over the vocabulary and, from j = 2 on, the MTP layer
-    (draft 1 reads the head's output of the pass over the rows' real positions, which runs every step anyway). The
-    weights' read and the launch overhead are paid once a position for all the rows chaining to it; a row's own
-    part is its token's routed experts in the layer (GPU-resident)."""
+    position j, one dependent pass: the MTP layer, then the target's LM head over the vocabulary. The weights' read
+    and the launch overhead are paid once a position for all the rows chaining to it; a row's own part is its
+    token's routed experts in the layer (GPU-resident)."""
 
     lm_head_s: float = 0.0  # the LM head's weights read once
     layer_s: float = 0.0  # the MTP layer's dense weights read once
@@ -143,16 +141,15 @@ class ChainPrices:
             row_s=pool.mtp_row_expert_bytes / HBM_BYTES_PER_S,
         )
 
-    def position_s(self, position: int) -> float:
-        """Chain position `position`'s (1-based) cost once a step, whatever the rows chaining to it."""
-        layer = self.layer_s if position >= 2 else 0.0
-        return MTP_CHAIN_STEP_OVERHEAD_S + self.lm_head_s + layer
+    @property
+    def position_s(self) -> float:
+        """A chain position's cost once a step, whatever the rows chaining to it."""
+        return MTP_CHAIN_STEP_OVERHEAD_S + self.lm_head_s + self.layer_s
 
     def drafts_s(self, drafts: int, paid: int) -> float:
         """A row's `drafts` chained drafts where rows before it in the step chain `paid` positions already: the
-        positions past `paid`, and its own experts' read at each position past the first."""
-        shared = sum(self.position_s(j) for j in range(paid + 1, drafts + 1))
-        return shared + max(drafts - 1, 0) * self.row_s
+        positions past `paid`, and its own experts' read at each."""
+        return max(drafts - paid, 0) * self.position_s + drafts * self.row_s
 
 
 @dataclass
@@ -189,18 +186,16 @@ class DraftLength:
         return p.moe_layers * self.current_miss_rate() * extra
 
     def step_s(self, step_tokens: int) -> float:
-        """A plain step's estimated cost: its compute and the misses of its tokens; with mtp run eagerly, and the
-        MTP layer's pass over the rows' real positions (every step, to keep its K/V)."""
+        """A plain step's estimated cost: its compute and the misses of its tokens."""
         p = self.prices
         misses = p.moe_layers * self.current_miss_rate() * p.distinct(step_tokens) if p.priced else 0.0
-        sunk = 0.0 if self.chain is None else DRAFT_STEP_OVERHEAD_S + self.chain.layer_s
-        return DECODE_STEP_S + sunk + misses * p.miss_s
+        return DECODE_STEP_S + misses * p.miss_s
 
     def best(self, acceptance: float, rows: int, step_tokens: int, limit: int, eager_paid: int = 0) -> int:
         """The k in [0, min(K, limit)] with the most tokens a second for a row of a step of `rows` rows and
         `step_tokens` tokens before its drafts (0 on a tie: drafting must win to be chosen); `eager_paid`: the
-        most drafts a row before it in the step carries (0 / False: none drafts yet). With ngram, > 0: the step
-        runs eagerly anyway; with mtp, the chain positions up to it are paid."""
+        most drafts a row before it in the step carries (0 / False: none drafts yet). > 0: the step runs eagerly
+        anyway; with mtp, the chain positions up to it are paid too."""
         share = self.step_s(step_tokens) / max(rows, 1)
         best_k, best_rate = 0, 1.0 / share
         tokens = 1.0
@@ -213,12 +208,11 @@ class DraftLength:
 
     def extra_s(self, step_tokens: int, drafts: int, eager_paid: int = 0) -> float:
         """What `drafts` positions added to a row of a step of `step_tokens` tokens cost: their compute, the misses
-        they add, and making them: with ngram the eager step (once a step: not where `eager_paid`), with mtp their
-        chain (ChainPrices: its positions past `eager_paid`, and the row's own part)."""
-        if self.chain is None:
-            making = 0.0 if eager_paid else DRAFT_STEP_OVERHEAD_S
-        else:
-            making = self.chain.drafts_s(drafts, int(eager_paid))
+        they add, and making them: the eager step (once a step: not where `eager_paid`), with mtp their chain too
+        (ChainPrices: its positions past `eager_paid`, and the row's own part)."""
+        making = 0.0 if eager_paid else DRAFT_STEP_OVERHEAD_S
+        if self.chain is not None:
+            making += self.chain.drafts_s(drafts, int(eager_paid))
         return drafts * VERIFY_POSITION_S + making + self.misses_added(step_tokens, drafts) * self.prices.miss_s
 
     def probe_interval(self, rows: int, step_tokens: int, eager_paid: int = 0) -> int:

@@ -197,14 +197,7 @@ def boot_worker(cfg: WorkerBootConfig) -> tuple[StepExecutor, Plan]:
     # only those under --expert-copy-engine-tokens (_finish_boot), which take no more memory
     buckets = graph_buckets(files.spec.num_experts_per_tok, r.max_running_requests)
     # expert-parallel ranks run eagerly: a rank's share of a step's pairs is counted on the host
-    # MTP drafting runs every step eagerly (its pass reads the step's hidden states): no decode graph to price
-    graphs_wanted = (
-        device.type == "cuda"
-        and not cfg.enforce_eager
-        and bool(buckets)
-        and cfg.expert_parallel_size == 1
-        and not files.spec.mtp_kv_layers
-    )
+    graphs_wanted = device.type == "cuda" and not cfg.enforce_eager and bool(buckets) and cfg.expert_parallel_size == 1
     baseline = 0
     probe = None
     if device.type == "cuda":
@@ -320,7 +313,9 @@ def _load_and_plan(
                 buckets = graph_buckets(spec.num_experts_per_tok, step.max_running_requests)
                 key = _graph_key(step.max_running_requests, step.max_model_len, step.page_size)
                 if graphs_wanted and buckets and key not in graph_bytes_by_step:  # the decode graphs' pool and buffers
-                    graph_bytes_by_step[key] = profile_decode_graphs_cuda(model, experts, spec, step, device, buckets)
+                    graph_bytes_by_step[key] = profile_decode_graphs_cuda(
+                        model, experts, spec, step, device, buckets, mtp_head
+                    )
                 source = "profiled"
                 if graph_bytes_by_step.get(key) is not None:
                     workspace += graph_bytes_by_step[key]
@@ -480,9 +475,7 @@ def _finish_boot(
     if below is not None:
         buckets = graph_buckets(spec.num_experts_per_tok, plan.max_running_requests, below=below)
     graphs = (
-        _capture_graphs(model, booted.pools, spec, plan, device, buckets, booted.graph_bytes, store)
-        if booted.graph_bytes is not None and buckets
-        else None
+        _capture_graphs(booted, spec, device, buckets, store) if booted.graph_bytes is not None and buckets else None
     )
     if device.type == "cuda":
         _restart_statistics(store)  # the warm-up and the captures ran padding rows only
@@ -511,15 +504,16 @@ def _finish_boot(
     ), plan
 
 
-def _capture_graphs(model, pools, spec, plan: Plan, device: torch.device, buckets: list[int], priced: int, store):
+def _capture_graphs(booted: Booted, spec, device: torch.device, buckets: list[int], store):
     """Capture the decode graphs into the workspace the plan priced for them (measured before the
     plan by capturing the same graphs); if the real capture takes more, it is dropped and every
     step runs eagerly, so the promise of --gpu-memory holds either way."""
     t0 = time.monotonic()
     before = _reserved(device)
+    plan, priced = booted.plan, booted.graph_bytes
     graphs = DecodeGraphs(
-        model,
-        pools,
+        booted.model,
+        booted.pools,
         plan.kv.page_size,
         plan.max_model_len,
         buckets,
@@ -527,6 +521,7 @@ def _capture_graphs(model, pools, spec, plan: Plan, device: torch.device, bucket
         spec.vocab_size,
         plan.max_running_requests,
         count_step=store.count_step_on_device,
+        mtp_head=booted.mtp_head,
     )
     try:
         graphs.capture()

@@ -34,6 +34,7 @@ from ferry.kernels.expert_pair_gemv import PAIR_KERNEL_MAX_PAIRS
 from ferry.kernels.sample_rows import sample_rows
 from ferry.services.worker.decode_io import TAIL_FIELDS, DecodeInputs, DecodeResults, device_views, forward_bytes
 from ferry.services.worker.forward_batch import ForwardBatch
+from ferry.services.worker.mtp_drafts import write_decode_kv
 from ferry.shared.step import StepBatch
 from ferry.shared.units import ceil_div
 
@@ -67,6 +68,7 @@ class _Graph:
         self.staging, self.results = staging, results
         self.graph = torch.cuda.CUDAGraph() if inputs.is_cuda else None  # CPU: the tests of its parts
         self.logits: torch.Tensor | None = None
+        self.hidden: torch.Tensor | None = None  # [rows, hidden]: the final-normed hidden states (with an MTP head)
         self.sampled: torch.Tensor | None = None  # uint8 [8 * rows]: tokens int32 then logprobs float32
 
 
@@ -82,23 +84,31 @@ class DecodeGraphs:
         vocab_size: int,
         max_sampled_rows: int,
         count_step=None,
+        mtp_head=None,
     ):
         """`max_sampled_rows`: the most rows any step samples (the plan's max_running_requests): the
         size of `last_tokens`, which every step (eager ones too, executor.py) leaves its samples in.
-        `count_step`: the expert store's `count_step_on_device`, which the graphs hold after the forward."""
+        `count_step`: the expert store's `count_step_on_device`, which the graphs hold after the forward.
+        `mtp_head`: --speculative-method mtp's draft head, whose K/V of the step's rows the graphs write after
+        the sampling (mtp_drafts.py's `write_decode_kv`), keeping the final hidden states for its chain."""
         self.model, self.pools, self.page_size, self.device = model, pools, page_size, torch.device(device)
         self.max_pages = ceil_div(max_model_len, page_size)
         self.buckets = sorted(buckets)
         self.vocab_size = vocab_size
         self.graphs: dict[int, _Graph] = {}
         self.count_step = count_step
+        self.mtp_head = mtp_head
         largest = max(self.buckets, default=1)
         self.last_tokens = torch.zeros(max(max_sampled_rows, largest), dtype=torch.int64, device=self.device)
         self.noise = torch.ones(largest, vocab_size, dtype=torch.float32, device=self.device)  # Exp(1) draws, shared
 
     def capture(self, warmups: int = 2) -> None:
         """Warm every bucket up eagerly (Triton compilation, library handles), then capture them,
-        largest first, into one shared pool. Runs on padding rows only: no request is touched."""
+        largest first, into one shared pool. Runs on padding rows only: no request is touched. Off CUDA nothing
+        is captured: each replay runs the graph's body eagerly (`run`; the CPU tests of the graph path)."""
+        if self.device.type != "cuda":
+            self.graphs = {rows: self._bucket(rows) for rows in self.buckets}
+            return
         pool = torch.cuda.graph_pool_handle()
         with torch.inference_mode():
             for rows in sorted(self.buckets, reverse=True):
@@ -107,7 +117,7 @@ class DecodeGraphs:
                     self._forward(g)
                 torch.cuda.synchronize(self.device)
                 with torch.cuda.graph(g.graph, pool=pool):
-                    g.logits, g.sampled = self._forward(g)
+                    g.logits, g.sampled, g.hidden = self._forward(g)
                 self.graphs[rows] = g
         torch.cuda.synchronize(self.device)
 
@@ -121,13 +131,19 @@ class DecodeGraphs:
         tail = device_views(inputs, staging.layout, [name for name, _, _ in TAIL_FIELDS])
         return _Graph(rows, inputs, batch, tail, staging, DecodeResults(rows, self.device))
 
-    def _forward(self, g: _Graph) -> tuple[torch.Tensor, torch.Tensor]:
-        """What a graph holds: the feed, the forward, the sampling of every row and its packed results."""
+    def _forward(self, g: _Graph) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """What a graph holds: the feed, the forward, the sampling of every row and its packed results; with an MTP
+        head, its K/V of the rows after the sampling (the hidden states kept: the third of the outputs)."""
         self._feed(g)
-        logits = self.model(g.batch, self.pools)
+        hidden = self.model.hidden_states(g.batch, self.pools)
+        logits = self.model.logits(hidden[g.batch.logits_rows])
         if self.count_step is not None:
             self.count_step()
-        return logits, self._sample(g, logits)
+        sampled = self._sample(g, logits)
+        if self.mtp_head is None:
+            return logits, sampled, None
+        write_decode_kv(self.mtp_head, self.model, self.pools, g.batch, hidden, self.last_tokens[: g.rows])
+        return logits, sampled, hidden
 
     def _feed(self, g: _Graph) -> None:
         """The rows fed from the previous step take their token from `last_tokens`."""
@@ -167,8 +183,17 @@ class DecodeGraphs:
         g = self.graphs[rows]
         inv_t, noise_rows = sampling if sampling is not None else (None, None)
         g.staging.upload(step, g.inputs, feed_src, inv_t, noise_rows)
-        g.graph.replay()
+        if g.graph is None:  # off CUDA, the body eagerly, on the step's batch: the CPU kernels read its host lengths
+            g.batch = self._load(step, rows, g.inputs[: forward_bytes(rows, self.max_pages)])
+            g.logits, g.sampled, g.hidden = self._forward(g)
+        else:
+            g.graph.replay()
         return g.logits[: len(step.req_ids)]
+
+    def step_tensors(self, rows: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last replay's first `n` rows: (their tokens, the final-normed hidden states; with an MTP head)."""
+        g = self.graphs[rows]
+        return g.batch.tokens[:n], g.hidden[:n]
 
     def fetch_samples(self, rows: int, n: int) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
         """Queue the copy of the last replay's samples to the host: ([tokens int32 [n], logprobs [n]], event)."""

@@ -111,9 +111,8 @@ class StepExecutor:
                 ),
             )
         drafting = batch.draft_lens is not None and bool(batch.draft_lens.any())
-        # a drafting row is several tokens: the decode graphs refuse it (bucket_for), it runs eagerly; so does
-        # every step with the MTP head, which reads the step's hidden states
-        bucket = self.graphs.bucket_for(batch) if self.graphs is not None and self.mtp is None else None
+        # a drafting row is several tokens: the decode graphs refuse it (bucket_for), it runs eagerly
+        bucket = self.graphs.bucket_for(batch) if self.graphs is not None else None
         prompt_rows = batch.prompt_logprobs is not None and bool(np.asarray(batch.prompt_logprobs).any())
         prompt_parts: list = []
         ids = sampled_ids.tolist()
@@ -125,7 +124,7 @@ class StepExecutor:
             if bucket is not None:
                 in_graph = self.sampler.graph_sampling(ids, self.graphs.noise)
                 logits = self.graphs.run(batch, bucket, feed_src, in_graph)
-            elif prompt_rows or self.mtp is not None:
+            elif prompt_rows or self.mtp is not None:  # the MTP head reads the step's hidden states
                 fb = self._eager_batch(batch, previous, feed_src)
                 hidden = self.model.hidden_states(fb, self.pools)
                 logits = self.model.logits(hidden[fb.logits_rows])
@@ -164,8 +163,11 @@ class StepExecutor:
                     extra.extend(tensors)
                 copies = _to_host_async(tokens.to(torch.int32), logprobs.to(torch.float32), *extra)
             mtp_drafts = None
-            if self.mtp is not None:  # after the verify: the slots it writes depend on the drafts kept
-                mtp_drafts = self.mtp.run(batch, fb, hidden, tokens, accepted)
+            if self.mtp is not None and bucket is not None:  # the graph wrote the head's K/V with its own samples
+                step_tokens, hidden = self.graphs.step_tensors(bucket, len(batch.req_ids))
+                mtp_drafts = self.mtp.run(batch, step_tokens, hidden, tokens, None, kv_written=in_graph is not None)
+            elif self.mtp is not None:  # after the verify: the slots it writes depend on the drafts kept
+                mtp_drafts = self.mtp.run(batch, fb.tokens, hidden, tokens, accepted)
         self._last_sampled = (sampled_ids, tokens)
         launched = _Launched(
             batch,

@@ -1,6 +1,6 @@
 """MTP drafting on the worker (--speculative-method mtp): after a step's forward, the multi-token-prediction head
-(models/mtp_head.py) runs over every row, keeping its own K/V, and chains drafts for the rows that ask
-(StepBatch.mtp_drafts); they go back in the step's answer (StepOutput.mtp_drafts) and the scheduler sends them,
+(models/mtp_head.py) keeps its own K/V of every real position of the step, and chains drafts for the rows that
+ask (StepBatch.mtp_drafts); they go back in the step's answer (StepOutput.mtp_drafts) and the scheduler sends them,
 as many as its draft-length controller chooses, as the request's next row's drafts.
 
 Slots. The MTP layer's K/V live in its layer of the KV pool (plan/mtp_layer.py's `mtp_kv_layer`), paged with the
@@ -12,14 +12,19 @@ its last entry taking the token after the row: the one it sampled, or for a prom
 next prompt token (StepBatch.next_tokens). Slot c - 1 was written by the row before. A refused draft's slots are
 written again by the next row, as the target's K/V are.
 
-The chain. From the head's output at a sampling row's last slot L, the target's head gives draft 1 (greedy argmax);
-its output hidden state stands for h_{L+1}, and with draft 1's embedding it goes through the head at slot L + 1
-for draft 2, and so on: k drafts write slots L .. L + k - 1 (the scheduler grows the request's pages for them;
-those past the row are overwritten once real tokens stand there). Every step of the chain uses the head's first
-layer (the published checkpoints have one).
+What runs when. A slot's K/V depend on the layer's input alone (the fc over the two normed inputs, then the key
+and value projections), so keeping them costs a few dense products a position, not the layer: every step writes
+them (`MtpHead.write_kv`), a plain decode step inside its CUDA graph after the sampling (`write_decode_kv`), so a
+request that does not draft pays almost nothing for the head. The whole layer (attention over the slots, the
+experts) runs only in a chain: from an asking row's last slot L, the head's pass from that entry's inputs gives,
+through the target's head, draft 1 (greedy argmax); its output hidden state stands for h_{L+1} and with draft 1's
+embedding it goes through the head at slot L + 1 for draft 2, and so on: k drafts pass at slots L .. L + k - 1 (the
+scheduler grows the request's pages for them; those past the row are overwritten once real tokens stand there).
+Every step of the chain uses the head's first layer (the published checkpoints have one).
 
 How many of a drafting row's drafts the verify kept is read back on the host before the head runs (the slots
-depend on it): MTP steps run eagerly, one wait more than a step without drafts."""
+depend on it), and a chain's drafts are read back at its end: a step that drafts or chains waits for the device
+once more than a plain step."""
 
 from __future__ import annotations
 
@@ -47,16 +52,21 @@ class MtpDrafter:
     def run(
         self,
         batch: StepBatch,
-        fb: ForwardBatch,
+        step_tokens: torch.Tensor,
         hidden: torch.Tensor,
         sampled: torch.Tensor,
         accepted: torch.Tensor | None,
+        kv_written: bool = False,
     ) -> np.ndarray | None:
         """Write the head's K/V for the step's real positions and chain the asked drafts: int32 [S, K] for the
-        step's S sampling rows (-1 past a row's drafts), or None where no row asks. `hidden`: the target's
-        final-normed hidden states of every token of the step (fb's order); `sampled`: each sampling row's token;
-        `accepted`: the drafts each sampling row kept (None: no row drafted)."""
+        step's S sampling rows (-1 past a row's drafts), or None where no row asks. `step_tokens` and `hidden`: the
+        step's tokens and the target's final-normed hidden states of each (the step's order); `sampled`: each
+        sampling row's token; `accepted`: the drafts each sampling row kept (None: no row drafted); `kv_written`:
+        a decode graph wrote the K/V already, with these samples (`write_decode_kv`)."""
         r = len(batch.req_ids)
+        asked = np.zeros(r, np.int64) if batch.mtp_drafts is None else batch.mtp_drafts.astype(np.int64)
+        if kv_written and not asked.any():
+            return None
         sample = batch.sample.astype(bool)
         sampling_row = np.cumsum(sample) - 1
         kept = np.zeros(int(sample.sum()), np.int64) if accepted is None else accepted.cpu().numpy().astype(np.int64)
@@ -83,25 +93,21 @@ class MtpDrafter:
             token_src.extend([*range(a + 1, a + n), after])
         if not rows:
             return None
-        source = torch.cat(
-            [fb.tokens, sampled.to(fb.tokens.dtype), to_device(nxt.clip(min=0).tolist(), torch.int64, self.device)]
-        )
+        next_prompt = to_device(nxt.clip(min=0).tolist(), torch.int64, self.device)
+        source = torch.cat([step_tokens[:t], sampled.to(step_tokens.dtype), next_prompt])
         tokens = source[to_device(token_src, torch.int64, self.device)]
-        step = _slots_batch(batch, rows, lens, [int(batch.context_lens[i]) for i in rows])
-        mb = ForwardBatch.from_step(step, self.page_size, self.device)
-        out = self.head(
-            hidden[to_device(hidden_rows, torch.int64, self.device)],
-            self.model.embed(tokens),
-            mb.positions + 1,
-            cache=MtpCache(self.pools.kv, self.kv_layer, mb),
-        )
-        asked = np.zeros(r, np.int64) if batch.mtp_drafts is None else batch.mtp_drafts.astype(np.int64)
+        entries = hidden[to_device(hidden_rows, torch.int64, self.device)]
+        if not kv_written:
+            step = _slots_batch(batch, rows, lens, [int(batch.context_lens[i]) for i in rows])
+            mb = ForwardBatch.from_step(step, self.page_size, self.device)
+            self.head.write_kv(entries, self.model.embed(tokens), mb.positions + 1, self._cache(mb))
         if not asked.any():
             return None
-        return self._chain(batch, rows, lens, out, asked, sampling_row, s)
+        return self._chain(batch, rows, lens, entries, tokens, asked, sampling_row, s)
 
-    def _chain(self, batch, rows, lens, out, asked, sampling_row, s) -> np.ndarray:
-        """Chain each asking row's drafts from the head's output at its last slot (the module docstring)."""
+    def _chain(self, batch, rows, lens, entries, tokens, asked, sampling_row, s) -> np.ndarray:
+        """Chain each asking row's drafts (the module docstring): the head's whole layer at its last slot L from
+        that entry's inputs, then at L + 1, L + 2, ... from its own output and the draft before."""
         ends = np.cumsum(lens) - 1
         chain = [(j, i) for j, i in enumerate(rows) if asked[i] > 0]
         k_max = int(max(asked[i] for _, i in chain))
@@ -111,21 +117,30 @@ class MtpDrafter:
         last = np.array([int(batch.context_lens[i]) + lens[j] - 1 for j, i in chain], np.int64)
         at = np.array([sampling_row[i] for _, i in chain], np.int64)
         k = asked[row]
-        g = out[to_device(ends[[j for j, _ in chain]].tolist(), torch.int64, self.device)]
-        draft = self.model.logits(g).argmax(dim=-1)
-        drafts[to_device(at.tolist(), torch.int64, self.device), 0] = draft
-        for n in range(1, k_max):
+        first = to_device(ends[[j for j, _ in chain]].tolist(), torch.int64, self.device)
+        g, token = entries[first], tokens[first]
+        for n in range(k_max):
             live = np.flatnonzero(k > n)
             if live.size < len(k):  # rows whose chain is done drop out
                 pick = to_device(live.tolist(), torch.int64, self.device)
-                g, draft, row, last, at, k = g[pick], draft[pick], row[live], last[live], at[live], k[live]
+                g, token, row, last, at, k = g[pick], token[pick], row[live], last[live], at[live], k[live]
             step = _slots_batch(batch, row.tolist(), [1] * len(row), (last + n).tolist())
             mb = ForwardBatch.from_step(step, self.page_size, self.device)
-            cache = MtpCache(self.pools.kv, self.kv_layer, mb)
-            g = self.head(g, self.model.embed(draft), mb.positions + 1, cache=cache)
-            draft = self.model.logits(g).argmax(dim=-1)
-            drafts[to_device(at.tolist(), torch.int64, self.device), n] = draft
+            g = self.head(g, self.model.embed(token), mb.positions + 1, cache=self._cache(mb))
+            token = self.model.logits(g).argmax(dim=-1)
+            drafts[to_device(at.tolist(), torch.int64, self.device), n] = token
         return drafts.to(torch.int32).cpu().numpy()
+
+    def _cache(self, mb: ForwardBatch) -> MtpCache:
+        return MtpCache(self.pools.kv, self.kv_layer, mb)
+
+
+def write_decode_kv(head: MtpHead, model, pools: Pools, batch: ForwardBatch, hidden, sampled) -> None:
+    """The head's K/V of a decode step's rows (one position each, the token after it the row's sample), as a
+    decode graph writes them after its sampling (decode_graphs.py): `batch` the step's, its slots the MTP layer's
+    too (the same pages), `hidden` its final-normed hidden states."""
+    cache = MtpCache(pools.kv, mtp_kv_layer(head.spec, 0), batch)
+    head.write_kv(hidden, model.embed(sampled), batch.positions + 1, cache)
 
 
 def _slots_batch(batch: StepBatch, rows: list[int], lens: list[int], starts: list[int]) -> StepBatch:

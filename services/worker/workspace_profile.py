@@ -133,9 +133,9 @@ def _run(
             hidden = model.hidden_states(batch, pools)
             logits = model.logits(hidden[batch.logits_rows])
         tokens, _ = sampler.sample(step.req_ids.tolist(), logits)
-        if mtp_head is not None:  # --speculative-method mtp: the head's pass over every position, and a draft a row
+        if mtp_head is not None:  # --speculative-method mtp: the head's K/V of every position, and a draft a row
             asked = msgspec.structs.replace(step, mtp_drafts=np.ones(len(step.req_ids), np.int32))
-            MtpDrafter(mtp_head, model, pools, r.page_size, device).run(asked, batch, hidden, tokens, None)
+            MtpDrafter(mtp_head, model, pools, r.page_size, device).run(asked, batch.tokens, hidden, tokens, None)
         # speculative decoding's verify over as many logits rows (a step's drafts keep its logits rows within
         # max_running_requests: batcher._give_drafts), as pairs of a draft and the bonus after it: its
         # temporaries are the workspace's too
@@ -159,13 +159,20 @@ def run_largest_step(
 
 
 def profile_decode_graphs_cuda(
-    model, experts: LateBoundExperts, spec: ModelSpec, r: Resolved, device: torch.device, buckets: list[int]
+    model,
+    experts: LateBoundExperts,
+    spec: ModelSpec,
+    r: Resolved,
+    device: torch.device,
+    buckets: list[int],
+    mtp_head=None,
 ) -> int | None:
     """Device memory the decode graphs take (their shared pool and static buffers), measured by
     capturing them on temporary pools with one MoE layer's slots serving every layer, then freed.
     The offloading store's graph-safe path allocates a few more small tensors per layer (the next
     layer's router logits and top-k for the prefetch, [T, experts] at most 64 rows): one more
-    small-allocation segment covers them, and boot checks the real capture against this."""
+    small-allocation segment covers them, and boot checks the real capture against this. With `mtp_head`
+    (--speculative-method mtp) the graphs write its K/V too, as boot's capture does."""
     from ferry.services.worker.decode_graphs import DecodeGraphs
 
     _step, pools = _prepare(experts, spec, r, device)
@@ -184,6 +191,7 @@ def profile_decode_graphs_cuda(
             spec.vocab_size,
             r.max_running_requests,
             count_step=experts.count_step_on_device,
+            mtp_head=mtp_head,
         )
         graphs.capture()
         torch.cuda.synchronize(device)

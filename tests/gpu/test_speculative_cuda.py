@@ -1,11 +1,12 @@
 """Speculative decoding on CUDA (shared/speculation.py): the scheduler and the real worker's executor in one process,
 as tests/unit/test_speculative_decoding.py and test_mtp_drafting.py run them on CPU, here with decode graphs for the
 plain rows and the drafting rows eager. Prompt lookup (ngram) on both tiny architectures and the MTP head on a tiny
-Qwen3.5 MoE with an MTP layer: rows are sent with drafts (prompt lookup told the answer with one draft spoiled in
-turn, as test_speculative_decoding.py's knowing drafter does: a random model's text seldom repeats), and greedy
-decoding gives the tokens of speculation off. A verify row's positions go through other kernels than one-token
-decode rows (a short prefill's), so where the two differ it must be at a near tie of speculation off's two most
-likely tokens (its top-2 logprobs, asked of the same requests), never a real difference."""
+Qwen3.5 MoE and GLM-4 MoE with their MTP layers (the plain rows' graphs writing the head's K/V): rows are sent with
+drafts (prompt lookup told the answer with one draft spoiled in turn, as test_speculative_decoding.py's knowing
+drafter does: a random model's text seldom repeats), and greedy decoding gives the tokens of speculation off. A
+verify row's positions go through other kernels than one-token decode rows (a short prefill's), so where the two
+differ it must be at a near tie of speculation off's two most likely tokens (its top-2 logprobs, asked of the same
+requests), never a real difference."""
 
 from __future__ import annotations
 
@@ -70,6 +71,8 @@ def test_ngram_drafts_keep_the_greedy_tokens_through_graphs(tiny_models, arch, m
 def test_mtp_drafts_keep_the_greedy_tokens(tmp_path, arch, monkeypatch):
     model = make_tiny_model(tmp_path / arch, arch, seed=0, mtp=True)
     executor, plan = boot(model, *CUDA, "--speculative-method", "mtp")
+    # plain rows replay decode graphs that write the head's K/V (the float32 hybrid decodes eagerly, as above)
+    assert (executor.graphs is not None) == (arch == "glm4_moe")
     _check_speculation_keeps_the_tokens(executor, plan, "mtp", monkeypatch)
     del executor
     gc.collect()

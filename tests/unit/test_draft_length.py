@@ -6,10 +6,12 @@ from __future__ import annotations
 from collections import deque
 
 import numpy as np
+import pytest
 
 from ferry.services.scheduler.batcher import BatchScheduler
 from ferry.services.scheduler.draft_length import (
     DRAFT_STEP_OVERHEAD_S,
+    MTP_CHAIN_STEP_OVERHEAD_S,
     PROBE_EVERY,
     VERIFY_POSITION_S,
     ChainPrices,
@@ -228,7 +230,7 @@ def test_mtp_a_costlier_chain_gives_shorter_drafts_at_the_same_acceptance():
     assert qwen.extra_s(1, 1) > small.extra_s(1, 1) > VERIFY_POSITION_S
     for acceptance in (0.6, 0.8):
         assert qwen.best(acceptance, rows=1, step_tokens=1, limit=K) < small.best(acceptance, 1, 1, K)
-    assert small.best(0.9, rows=1, step_tokens=1, limit=K) == K > qwen.best(0.9, rows=1, step_tokens=1, limit=K)
+    assert small.best(0.9, rows=1, step_tokens=1, limit=K) == K
     assert 0 < qwen.best(0.95, rows=1, step_tokens=1, limit=K)  # a high acceptance still pays for the chain
     chosen_small, chosen_qwen = run(small, 200, alpha=0.8), run(mtp(MTP_QWEN), 200, alpha=0.8)
     assert sum(chosen_qwen) < sum(chosen_small)
@@ -240,7 +242,7 @@ def test_mtp_at_acceptance_zero_drafting_stops_within_a_few_rows():
         chosen = run(ctl, 400, alpha=0.0)
         assert chosen[0] >= 1  # unmeasured: it drafts at once
         first_plain = chosen.index(0)
-        assert first_plain <= 6  # a cheap chain's threshold is lower than ngram's (~0.15): a few more rows
+        assert first_plain <= 6
         assert sum(chosen[:first_plain]) <= 3 * K
         after = chosen[first_plain:]
         assert set(after) <= {0, 1} and sum(after) <= len(after) / PROBE_EVERY + 1  # then only the probes
@@ -249,17 +251,20 @@ def test_mtp_at_acceptance_zero_drafting_stops_within_a_few_rows():
         assert 0 < extra < 0.03 * len(chosen) * ctl.step_s(1)
 
 
-def test_mtp_the_eager_step_is_sunk_not_a_drafts_cost():
-    """Under mtp every step runs eagerly: a row that ngram's pricing refuses only for DRAFT_STEP_OVERHEAD_S (it
-    drafts once the step pays it anyway) drafts with a cheap chain, and the plain step it is weighed against is the
-    eager one. Charging the eager step to MTP drafts refuses here and fails."""
+def test_mtp_a_draft_pays_the_eager_step_and_its_chain_and_a_plain_step_is_a_graphs():
+    """Under mtp a plain step replays its decode graph (the head's K/V written in it): it costs what ngram's plain
+    step does, and a draft pays the eager step as ngram's does, plus its chain position and the row's experts in
+    the layer. Sinking the eager step or the layer's pass into every step (as when mtp ran every step eagerly)
+    fails."""
     ngram = DraftLength(K, ExpertPrices.of(RESIDENT))
-    assert ngram.best(0.4, rows=2, step_tokens=2, limit=K) == 0
-    assert ngram.best(0.4, rows=2, step_tokens=2, limit=K, eager_paid=True) > 0
     ctl = mtp(MTP_SMALL)
-    assert ctl.best(0.4, rows=2, step_tokens=2, limit=K) > 0
-    assert ctl.step_s(2) >= ngram.step_s(2) + DRAFT_STEP_OVERHEAD_S
-    assert ctl.extra_s(2, 1) == VERIFY_POSITION_S + ctl.chain.position_s(1)  # no eager step in a draft's price
+    c = ctl.chain
+    assert ctl.step_s(2) == ngram.step_s(2)
+    assert ctl.extra_s(2, 1) == VERIFY_POSITION_S + DRAFT_STEP_OVERHEAD_S + c.position_s + c.row_s
+    assert ctl.extra_s(2, 1, eager_paid=1) == VERIFY_POSITION_S + c.row_s  # a row before it paid both
+    assert c.position_s == pytest.approx(c.lm_head_s + c.layer_s + MTP_CHAIN_STEP_OVERHEAD_S)
+    for acceptance in (0.4, 0.6, 0.8):  # never cheaper than ngram's free drafts
+        assert ctl.best(acceptance, rows=2, step_tokens=2, limit=K) <= ngram.best(acceptance, 2, 2, K)
 
 
 def test_mtp_a_chain_position_is_paid_once_a_step():
@@ -267,11 +272,10 @@ def test_mtp_a_chain_position_is_paid_once_a_step():
     after one chaining k in the same step pays only its own part up to k, so it drafts at a lower acceptance."""
     ctl = mtp(MTP_QWEN)
     c = ctl.chain
-    own = 2 * VERIFY_POSITION_S + c.row_s
+    own = 2 * VERIFY_POSITION_S + 2 * c.row_s
     assert ctl.extra_s(1, 2, eager_paid=2) == own
-    assert ctl.extra_s(1, 2, eager_paid=1) == own + c.position_s(2)
-    assert ctl.extra_s(1, 2) == own + c.position_s(1) + c.position_s(2)
-    assert c.position_s(2) > c.position_s(1)  # from the second draft on the layer runs too
+    assert ctl.extra_s(1, 2, eager_paid=1) == pytest.approx(own + c.position_s)
+    assert ctl.extra_s(1, 2) == pytest.approx(own + DRAFT_STEP_OVERHEAD_S + 2 * c.position_s)
     assert ctl.best(0.6, rows=4, step_tokens=4, limit=K) == 0
     assert ctl.best(0.6, rows=4, step_tokens=4, limit=K, eager_paid=K) > 0
 
@@ -311,12 +315,14 @@ def test_a_step_tells_each_row_the_chain_positions_rows_before_it_pay(monkeypatc
 def test_an_mtp_row_asks_the_worker_for_the_drafts_its_next_row_is_expected_to_get():
     """The worker chains what the scheduler asks; a chain position past the k the controller then gives the next
     row is a pass of the MTP layer and the LM head thrown away. A request held at k = 0 asks for none (but its due
-    probe's one), one whose drafts are all kept asks for K. Asking --speculative-tokens always fails."""
-    sched = BatchScheduler(MTP_QWEN, speculative_method="mtp", speculative_tokens=K, drafter=lambda r, k: [3] * k)
+    probe's one), one whose drafts are all kept asks for K (a small model's chain: with Qwen's 1 GB LM head a
+    step's first chaining row bears the whole chain and, of two rows, declines). Asking --speculative-tokens always
+    fails."""
+    sched = BatchScheduler(MTP_SMALL, speculative_method="mtp", speculative_tokens=K, drafter=lambda r, k: [3] * k)
     for rid in (1, 2):
         sched.add(rid, b"t", rid, np.arange(10, 18, dtype=np.int32), SamplingParams(temperature=0), 400)
     prompts = sched.schedule()
-    assert prompts.mtp_drafts.tolist() == [1, 1]  # unmeasured: one draft each, at once
+    assert prompts.mtp_drafts.min() >= 1  # unmeasured: drafts at once
     sched.complete(answer(prompts))
     ctl = sched.draft_length
     for _ in range(20):

@@ -26,6 +26,7 @@ from ferry.plan.mtp_layer import MtpChainBytes, mtp_kv_bytes_per_token, mtp_kv_l
 from ferry.plan.pool_layout import kv_bytes_per_token
 from ferry.services.make_tiny_model import make_tiny_model
 from ferry.services.scheduler import batcher as batcher_module
+from ferry.services.worker.decode_graphs import DecodeGraphs, graph_buckets
 from ferry.services.worker.executor import StepBatchError
 from ferry.services.worker.forward_batch import ForwardBatch
 from ferry.services.worker.service import pool_report_from_plan
@@ -33,6 +34,7 @@ from ferry.shared.errors import ConfigError
 from ferry.shared.sampling import SamplingParams
 from ferry.shared.step import NewRequest, StepBatch
 from tests.unit.test_speculative_decoding import (
+    GREEDY,
     PROMPTS,
     _step,
     boot,
@@ -129,6 +131,42 @@ def _reference_drafts(head, model, hidden: torch.Tensor, tokens: list[int], k: i
     return drafts
 
 
+def _with_decode_graphs(executor, plan) -> list[int]:
+    """Give a CPU executor decode graphs (off CUDA each replay runs the graph's body eagerly), the MTP head's K/V
+    written in them; returns a list that counts the steps replayed."""
+    spec = executor.spec
+    graphs = DecodeGraphs(
+        executor.model,
+        executor.pools,
+        plan.kv.page_size,
+        plan.max_model_len,
+        graph_buckets(spec.num_experts_per_tok, plan.max_running_requests),
+        "cpu",
+        spec.vocab_size,
+        plan.max_running_requests,
+        mtp_head=executor.mtp.head,
+    )
+    graphs.capture()
+    replayed, run = [], graphs.run
+    graphs.run = lambda step, *a: replayed.append(len(step.req_ids)) or run(step, *a)
+    executor.graphs = graphs
+    return replayed
+
+
+def _biased_requests():
+    """The greedy requests, the third with a logit bias, which the graph's own sampling does not apply (the
+    sampler's choice then stands, and the graph's K/V of the head are written again with it)."""
+    requests = greedy_requests()
+    prompt, _, n = requests[2]
+    requests[2] = (prompt, SamplingParams(temperature=0, logit_bias=LOGIT_BIAS), n)
+    return requests
+
+
+# tokens the tiny models' greedy continuations of the third prompt take now and then, raised so that the bias
+# changes some of its argmaxes (the tests check it does)
+LOGIT_BIAS = tuple((t, 2.0) for t in range(0, 640, 7))
+
+
 @pytest.mark.parametrize("chunked", [False, True])
 def test_cached_mtp_drafts_equal_the_heads_drafts_over_the_whole_sequence(booted, mtp_model, monkeypatch, chunked):
     """After prefills (whole, or in chunks of 8 tokens: a chunk that does not sample is given the prompt's next
@@ -139,6 +177,84 @@ def test_cached_mtp_drafts_equal_the_heads_drafts_over_the_whole_sequence(booted
         executor, plan = boot(mtp_model, "--speculative-method", "mtp", "--max-prefill-tokens", "8")
     base, _ = generate(executor, plan, greedy_requests())
     reference = {tuple(p): toks for p, (toks, _) in zip(PROMPTS, base)}
+    knowing = knowing_drafter(reference, executor.spec.vocab_size)
+    # it replaces the head's tokens (as the bench's oracle does); the head still runs and drafts
+    on, sched, unique = _chained(executor, plan, greedy_requests(), lambda req, k: knowing(req.tokens, k), monkeypatch)
+    assert on == base and 0 < sched.accepted_drafts < sched.drafted_tokens
+    assert len(unique) > 15 and max(map(len, unique.values())) >= 2  # chained drafts: the head ran past its own output
+    _assert_the_heads_drafts(executor, plan, mtp_model, unique)
+
+
+def test_a_request_that_stops_drafting_keeps_the_heads_kv_in_the_decode_graphs(mtp_model, monkeypatch):
+    """Drafts that are always refused: after its first rows a request decodes plainly, its steps replayed as
+    graphs that write the head's K/V and chain nothing, until a probe chains from them: those drafts too are the
+    head's over the whole sequence (a graph that wrote the K/V with another token, or left them written with its
+    own sample where the sampler's choice stood, fails)."""
+    executor, plan = boot(mtp_model, "--speculative-method", "mtp")
+    replayed = _with_decode_graphs(executor, plan)
+    # the biased request ends first: its steps' K/V are written again after the sampler, the later ones not
+    requests = [(prompt, sampling, 24 if i == 2 else 64) for i, (prompt, sampling, _) in enumerate(_biased_requests())]
+    base, _ = generate(executor, plan, requests)
+    unbiased, _ = generate(executor, plan, [(p, GREEDY, n) for p, _, n in requests])
+    assert base[2] != unbiased[2]  # the sampler's choice differs from the graph's own sample somewhere
+    reference = {tuple(p): toks for p, (toks, _) in zip(PROMPTS, base)}
+    vocab = executor.spec.vocab_size
+
+    def refused(req, k):  # the target's own continuation, every token shifted: never kept
+        prompt = next(p for p in reference if tuple(req.tokens[: len(p)]) == p)
+        at = len(req.tokens) - len(prompt)
+        return [(t + 1) % vocab for t in reference[prompt][at : at + k]]
+
+    replayed.clear()
+    starts = _chain_starts(executor, monkeypatch)
+    on, sched, unique = _chained(executor, plan, requests, refused, monkeypatch)
+    assert on == base and sched.drafted_tokens > 0 and sched.accepted_drafts == 0
+    assert len(replayed) > 40  # most steps plain, replayed
+    # chains past the first rows: probes after plain stretches, from K/V the graphs wrote
+    assert sum(len(t) >= len(p) + 24 for t in unique for p in PROMPTS if t[: len(p)] == tuple(p)) >= 3
+    _assert_the_heads_drafts(executor, plan, mtp_model, unique)
+    # more finely than a draft's argmax: the head's output where each chain starts, its inputs the real sequence's
+    scratch, _ = boot(mtp_model)
+    sequences = {rid: list(PROMPTS[rid - 1]) + tokens for rid, (tokens, _) in enumerate(on, start=1)}
+    whole = {rid: _whole_sequence_head(executor.mtp.head, scratch, plan, seq) for rid, seq in sequences.items()}
+    assert {rid for rid, _, _ in starts} == {1, 2, 3}
+    for rid, position, out in starts:
+        assert torch.allclose(out, whole[rid][position - 1], atol=1e-5), (rid, position)
+
+
+def _chain_starts(executor, monkeypatch) -> list[tuple[int, int, torch.Tensor]]:
+    """A list the run fills with (request, rotary position, the head's output) of each chain's first pass, whose
+    inputs are the target's (a hidden state and a real token): it attends over every slot the request wrote."""
+    starts, first = [], []
+    chain, forward = executor.mtp._chain, executor.mtp.head.forward
+
+    def recording_chain(*args):
+        first.append(True)
+        return chain(*args)
+
+    def recording_forward(hidden, next_embeds, positions, layer=0, cache=None):
+        out = forward(hidden, next_embeds, positions, layer, cache)
+        if first:
+            first.clear()
+            rids = cache.batch.step.req_ids.tolist()
+            starts.extend((int(rid), int(p), o) for rid, p, o in zip(rids, positions.tolist(), out))
+        return out
+
+    monkeypatch.setattr(executor.mtp, "_chain", recording_chain)
+    monkeypatch.setattr(executor.mtp.head, "forward", recording_forward)
+    return starts
+
+
+def _whole_sequence_head(head, scratch, plan, tokens: list[int]) -> torch.Tensor:
+    """The head's outputs over the whole sequence without a cache: row t from h_t and token t + 1."""
+    hidden = _target_hidden(scratch, plan, tokens)
+    with torch.inference_mode():
+        return head(hidden[:-1], scratch.model.embed(torch.tensor(tokens[1:])), torch.arange(1, len(tokens)))
+
+
+def _chained(executor, plan, requests, drafter, monkeypatch):
+    """(outputs, scheduler, {tokens: the head's drafts after them}) of `requests` generated with MTP speculation,
+    `drafter` standing in for the head's drafts in the rows (the head still chains its own, recorded)."""
     seen: list[tuple[list[int], tuple[int, ...]]] = []
     complete = batcher_module.BatchScheduler.complete
 
@@ -150,14 +266,12 @@ def test_cached_mtp_drafts_equal_the_heads_drafts_over_the_whole_sequence(booted
         return out
 
     monkeypatch.setattr(batcher_module.BatchScheduler, "complete", recording_complete)
-    knowing = knowing_drafter(reference, executor.spec.vocab_size)
-    # it replaces the head's tokens (as the bench's oracle does); the head still runs and drafts
-    on, sched = generate(
-        executor, plan, greedy_requests(), "mtp", k=K, prefix_cache=False, drafter=lambda req, k: knowing(req.tokens, k)
-    )
-    assert on == base and 0 < sched.accepted_drafts < sched.drafted_tokens
-    unique = {tuple(t): d for t, d in seen}
-    assert len(unique) > 20 and max(map(len, unique.values())) >= 2  # chained drafts: the head ran past its own output
+    on, sched = generate(executor, plan, requests, "mtp", k=K, prefix_cache=False, drafter=drafter)
+    return on, sched, {tuple(t): d for t, d in seen}
+
+
+def _assert_the_heads_drafts(executor, plan, mtp_model, unique: dict) -> None:
+    """Each recorded chain is what the head drafts from the whole sequence, without a cache."""
     scratch, _ = boot(mtp_model)  # its pools hold the whole-sequence forwards
     head = executor.mtp.head
     for tokens, drafts in unique.items():

@@ -59,6 +59,12 @@ class MtpCache:
     batch: object  # services/worker/forward_batch.py's ForwardBatch
 
 
+def _write_kv(cache: MtpCache, k: torch.Tensor, v: torch.Tensor) -> None:
+    k_cache, v_cache = cache.kv.layer(cache.layer)
+    k_scale, v_scale = cache.kv.layer_scales(cache.layer)  # None, None but in an fp8 pool
+    write_kv(k_cache, v_cache, cache.batch.slot_mapping, k, v, k_scale, v_scale)
+
+
 class MtpAttention(nn.Module):
     """Full attention as the target's full-attention layers (the spec says): where `attn_output_gate`, q_proj
     yields each head's query and then its sigmoid gate; per-head q/k norms where `qk_norm`; q/k/v biases where
@@ -82,25 +88,37 @@ class MtpAttention(nn.Module):
             self.q_norm = make_norm(spec.zero_centered_norms, self.head_dim, spec.rms_norm_eps, dtype, device)
             self.k_norm = make_norm(spec.zero_centered_norms, self.head_dim, spec.rms_norm_eps, dtype, device)
 
+    def keys_values(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]):
+        """The keys (normed and turned) and values of the layer's normed input `x`, [T, kv heads, head dim] each."""
+        t = x.shape[0]
+        k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        return self.rotary.apply(k, *cos_sin), v
+
+    def write(self, x: torch.Tensor, positions: torch.Tensor, cache: MtpCache) -> None:
+        """Only write the keys and values of `x` at the cache's slots: what a later query there attends to."""
+        k, v = self.keys_values(x, self.rotary.cos_sin(positions, x.dtype))
+        _write_kv(cache, k, v)
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: MtpCache | None = None) -> torch.Tensor:
         t = x.shape[0]
         q, gate = self.q_proj(x).view(t, self.heads, -1), None
         if self.gated:
             q, gate = q.split(self.head_dim, dim=-1)
             gate = gate.reshape(t, -1)
-        k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        q = self.rotary.apply(q, cos, sin)
-        k = self.rotary.apply(k, cos, sin)
+            q = self.q_norm(q)
+        cos_sin = self.rotary.cos_sin(positions, x.dtype)
+        q = self.rotary.apply(q, *cos_sin)
+        k, v = self.keys_values(x, cos_sin)
         if cache is not None:
-            b = cache.batch
+            _write_kv(cache, k, v)
             k_cache, v_cache = cache.kv.layer(cache.layer)
             k_scale, v_scale = cache.kv.layer_scales(cache.layer)  # None, None but in an fp8 pool
-            write_kv(k_cache, v_cache, b.slot_mapping, k, v, k_scale, v_scale)
-            out = attend_paged(q, k_cache, v_cache, b, self.scale, cache.kv.gather_for(cache.layer), k_scale, v_scale)
+            gather = cache.kv.gather_for(cache.layer)
+            out = attend_paged(q, k_cache, v_cache, cache.batch, self.scale, gather, k_scale, v_scale)
         else:
             out = F.scaled_dot_product_attention(
                 q.transpose(0, 1),
@@ -216,8 +234,19 @@ class MtpHead(nn.Module):
         """The head's final-normed hidden states [T, H] (the target's head makes them the draft logits): row j
         from the target's hidden state at position positions[j] - 1 and the embedding of the token at
         positions[j], through MTP layer `layer`; with `cache`, attending over the layer's K/V in the pool."""
-        x = torch.cat([self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)], dim=-1)
-        return self.norm(self.layers[layer](self.fc(x), positions, cache))
+        return self.norm(self.layers[layer](self._layer_input(hidden, next_embeds), positions, cache))
+
+    def write_kv(
+        self, hidden: torch.Tensor, next_embeds: torch.Tensor, positions: torch.Tensor, cache: MtpCache, layer: int = 0
+    ) -> None:
+        """Only write MTP layer `layer`'s keys and values of these rows (as `forward` takes them) into `cache`: they
+        depend on the layer's input alone, not on its attention or experts, so keeping the layer's K/V for every
+        position costs the fc and two projections, and the whole layer runs only where a draft is made."""
+        layer_ = self.layers[layer]
+        layer_.self_attn.write(layer_.input_layernorm(self._layer_input(hidden, next_embeds)), positions, cache)
+
+    def _layer_input(self, hidden: torch.Tensor, next_embeds: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.cat([self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Take the checkpoint's `mtp.` tensors (name, tensor), experts per expert or fused; a WeightLoadError
