@@ -181,7 +181,7 @@ def test_cached_mtp_drafts_equal_the_heads_drafts_over_the_whole_sequence(booted
     # it replaces the head's tokens (as the bench's oracle does); the head still runs and drafts
     on, sched, unique = _chained(executor, plan, greedy_requests(), lambda req, k: knowing(req.tokens, k), monkeypatch)
     assert on == base and 0 < sched.accepted_drafts < sched.drafted_tokens
-    assert len(unique) > 15 and max(map(len, unique.values())) >= 2  # chained drafts: the head ran past its own output
+    assert len(unique) >= 10 and max(map(len, unique.values())) >= 2  # chained: the head ran past its own output
     _assert_the_heads_drafts(executor, plan, mtp_model, unique)
 
 
@@ -193,7 +193,7 @@ def test_a_request_that_stops_drafting_keeps_the_heads_kv_in_the_decode_graphs(m
     executor, plan = boot(mtp_model, "--speculative-method", "mtp")
     replayed = _with_decode_graphs(executor, plan)
     # the biased request ends first: its steps' K/V are written again after the sampler, the later ones not
-    requests = [(prompt, sampling, 24 if i == 2 else 64) for i, (prompt, sampling, _) in enumerate(_biased_requests())]
+    requests = [(prompt, sampling, 24 if i == 2 else 80) for i, (prompt, sampling, _) in enumerate(_biased_requests())]
     base, _ = generate(executor, plan, requests)
     unbiased, _ = generate(executor, plan, [(p, GREEDY, n) for p, _, n in requests])
     assert base[2] != unbiased[2]  # the sampler's choice differs from the graph's own sample somewhere
