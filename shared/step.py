@@ -82,8 +82,8 @@ class StepBatch(msgspec.Struct, frozen=True, kw_only=True):
     # state before the forward (after the restores), and a row that refused a draft takes it back after the
     # verify (speculation.computed_after_verify). Every hybrid drafting row holds one. None: no row holds.
     hold_state: np.ndarray | None = None
-    # --speculative-method mtp (services/worker/mtp_drafts.py): the worker runs the MTP layer over every row after
-    # the forward. int32 [R]: drafts to chain after a sampling row, from its last real position (0: none; the
+    # --speculative-method mtp (services/worker/mtp_drafts.py): the worker writes the MTP layer's K/V of every row
+    # after the forward. int32 [R]: drafts to chain after a sampling row, from its last real position (0: none; the
     # request's pages hold the chain's K/V). None: no row asks.
     mtp_drafts: np.ndarray | None = None
     # int32 [R]: the token after a row's chunk where the row does not sample (a prompt's chunk before its last),
@@ -148,3 +148,7 @@ class StepOutput(msgspec.Struct, frozen=True, kw_only=True):
     # int32 [S, K]: the MTP layer's drafts for each request that sampled, after its last token this step
     # (StepBatch.mtp_drafts of them; -1 past those). None: no row asked for any.
     mtp_drafts: np.ndarray | None = None
+    # what the step cost on the device, for speculative decoding's draft-length controller (0: not measured, e.g.
+    # off CUDA): a decode graph's replay, seconds; the MTP chain's seconds a chain position
+    decode_step_s: float = 0.0
+    chain_position_s: float = 0.0

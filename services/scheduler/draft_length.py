@@ -29,8 +29,12 @@ more where a probe costs more (its priced extra over the row's share of a step k
 decode time: with experts offloaded a probe's misses can cost a whole step), letting a request whose text starts
 repeating speculate again.
 
-No torch, no clock: the prices are the plan's (PoolReport, with mtp its chain's bytes) and the constants below; the
-scheduler feeds the outcomes (`observe`) and the worker's expert counts (`note_expert_lookups`).
+Measured where the worker measures: a decode graph's replay (StepOutput.decode_step_s, on CUDA) stands for S once
+seen, misses and all, and an MTP chain's seconds a position (StepOutput.chain_position_s) for a chain position's
+priced cost, each an EWMA (STEP_COST_WEIGHT): the constants and the bytes are only where nothing is measured yet.
+No torch, no clock: the prices are the plan's (PoolReport, with mtp its chain's bytes), the constants below and the
+worker's measurements; the scheduler feeds the outcomes (`observe`), the worker's expert counts
+(`note_expert_lookups`) and the steps' device times (`note_step_costs`).
 """
 
 from __future__ import annotations
@@ -71,6 +75,9 @@ MTP_CHAIN_STEP_OVERHEAD_S = 1.0e-4
 PCIE_BYTES_PER_S = 50e9
 # the measured miss rate: an EWMA over heartbeats, each new interval's rate weighing this much
 MISS_RATE_WEIGHT = 0.3
+# the measured step costs (a decode graph's replay, a chain position): an EWMA over the steps that measure them, each
+# new one weighing this much (the last ~20: the batch's rows and contexts change slowly)
+STEP_COST_WEIGHT = 0.05
 
 
 @dataclass
@@ -143,13 +150,14 @@ class ChainPrices:
 
     @property
     def position_s(self) -> float:
-        """A chain position's cost once a step, whatever the rows chaining to it."""
+        """A chain position's priced cost once a step, whatever the rows chaining to it."""
         return MTP_CHAIN_STEP_OVERHEAD_S + self.lm_head_s + self.layer_s
 
-    def drafts_s(self, drafts: int, paid: int) -> float:
+    def drafts_s(self, drafts: int, paid: int, position_s: float | None = None) -> float:
         """A row's `drafts` chained drafts where rows before it in the step chain `paid` positions already: the
-        positions past `paid`, and its own experts' read at each."""
-        return max(drafts - paid, 0) * self.position_s + drafts * self.row_s
+        positions past `paid` (at `position_s` each, measured; None: priced), and its own experts' read at each."""
+        position = self.position_s if position_s is None else position_s
+        return max(drafts - paid, 0) * position + drafts * self.row_s
 
 
 @dataclass
@@ -160,6 +168,8 @@ class DraftLength:
     prices: ExpertPrices = field(default_factory=ExpertPrices)
     chain: ChainPrices | None = None  # --speculative-method mtp: drafts priced by the MTP chain; None: ngram's
     miss_rate: float | None = None  # measured (note_expert_lookups); None: 1 - slots / experts
+    decode_step_s: float | None = None  # a decode graph's replay, measured (note_step_costs); None: not yet
+    chain_position_s: float | None = None  # an MTP chain position, measured (note_step_costs); None: not yet
     _requests: dict[int, _Acceptance] = field(default_factory=dict)
     _lookups: tuple[int, int] | None = None  # the worker's last (hits, misses), cumulative
     # metrics, since the scheduler adopted the worker: rows decided, drafts chosen over them, misses the drafts sent
@@ -186,7 +196,10 @@ class DraftLength:
         return p.moe_layers * self.current_miss_rate() * extra
 
     def step_s(self, step_tokens: int) -> float:
-        """A plain step's estimated cost: its compute and the misses of its tokens."""
+        """A plain step's cost: measured (a decode graph's replay), else estimated: its compute and the misses of
+        its tokens."""
+        if self.decode_step_s is not None:
+            return self.decode_step_s
         p = self.prices
         misses = p.moe_layers * self.current_miss_rate() * p.distinct(step_tokens) if p.priced else 0.0
         return DECODE_STEP_S + misses * p.miss_s
@@ -212,7 +225,7 @@ class DraftLength:
         (ChainPrices: its positions past `eager_paid`, and the row's own part)."""
         making = 0.0 if eager_paid else DRAFT_STEP_OVERHEAD_S
         if self.chain is not None:
-            making += self.chain.drafts_s(drafts, int(eager_paid))
+            making += self.chain.drafts_s(drafts, int(eager_paid), self.chain_position_s)
         return drafts * VERIFY_POSITION_S + making + self.misses_added(step_tokens, drafts) * self.prices.miss_s
 
     def probe_interval(self, rows: int, step_tokens: int, eager_paid: int = 0) -> int:
@@ -281,6 +294,17 @@ class DraftLength:
 
     def forget(self, rid: int) -> None:
         self._requests.pop(rid, None)
+
+    def note_step_costs(self, decode_step_s: float, chain_position_s: float) -> None:
+        """A step's device seconds as the worker measured them (0: not measured): its decode graph's replay, its
+        MTP chain's a position."""
+        w = STEP_COST_WEIGHT
+        if decode_step_s > 0:
+            last = self.decode_step_s
+            self.decode_step_s = decode_step_s if last is None else (1 - w) * last + w * decode_step_s
+        if chain_position_s > 0:
+            last = self.chain_position_s
+            self.chain_position_s = chain_position_s if last is None else (1 - w) * last + w * chain_position_s
 
     def note_expert_lookups(self, hits: int, misses: int) -> None:
         """The worker's cumulative expert-cache counts (its heartbeat): the miss rate since the last ones."""

@@ -121,9 +121,12 @@ class StepExecutor:
             self._restore_states(batch)
             self._hold_states(batch)
             in_graph = None  # the graph's own sampling serves the step: (inverse temperatures, noise rows)
+            replay = None  # a decode graph's replay, timed on the device (StepOutput.decode_step_s)
             if bucket is not None:
                 in_graph = self.sampler.graph_sampling(ids, self.graphs.noise)
+                replay = _timing_event(self.device)
                 logits = self.graphs.run(batch, bucket, feed_src, in_graph)
+                replay = None if replay is None else (replay, _timing_event(self.device))
             elif prompt_rows or self.mtp is not None:  # the MTP head reads the step's hidden states
                 fb = self._eager_batch(batch, previous, feed_src)
                 hidden = self.model.hidden_states(fb, self.pools)
@@ -177,6 +180,8 @@ class StepExecutor:
             copies=copies,
             drafting=accepted is not None,
             mtp_drafts=mtp_drafts,
+            replay=replay,
+            chain_position_s=self.mtp.chain_position_s if mtp_drafts is not None else 0.0,
         )
         if timing is not None:
             launched.timing = (timing, _timing_event(self.device), self._last_end)
@@ -232,6 +237,9 @@ class StepExecutor:
             grammar_failures=self.sampler.grammar_failures(sampled_ids.tolist()),
             accepted_drafts=accepted,
             mtp_drafts=launched.mtp_drafts,
+            # the replay finished before the results it queued reached the host
+            decode_step_s=launched.replay[0].elapsed_time(launched.replay[1]) / 1e3 if launched.replay else 0.0,
+            chain_position_s=launched.chain_position_s,
         )
         if self.store is not None:  # after the results reached the host: the step's work is done
             decode = batch.prompt_logprobs is None and bool((batch.query_lens == 1).all())
@@ -489,6 +497,8 @@ class _Launched:
     timing: tuple | None = None  # FERRY_STEP_TRACE: (start, end, the previous step's end) timing events
     device_times: tuple | None = None  # (ms on the device, ms the device sat idle before it), once finished
     mtp_drafts: np.ndarray | None = None  # the MTP head's drafts for the sampling rows (StepOutput.mtp_drafts)
+    replay: tuple | None = None  # (start, end) timing events around a decode graph's replay (CUDA)
+    chain_position_s: float = 0.0  # StepOutput.chain_position_s
 
 
 def _timing_event(device: torch.device) -> torch.cuda.Event | None:

@@ -47,6 +47,7 @@ class MtpDrafter:
         self.page_size = page_size
         self.device = device
         self.kv_layer = mtp_kv_layer(head.spec, 0)
+        self.chain_position_s = 0.0  # the last chain's device seconds a position (CUDA; 0 off it)
 
     @torch.inference_mode()
     def run(
@@ -119,6 +120,9 @@ class MtpDrafter:
         k = asked[row]
         first = to_device(ends[[j for j, _ in chain]].tolist(), torch.int64, self.device)
         g, token = entries[first], tokens[first]
+        timed = torch.cuda.Event(enable_timing=True) if self.device.type == "cuda" else None
+        if timed is not None:
+            timed.record()
         for n in range(k_max):
             live = np.flatnonzero(k > n)
             if live.size < len(k):  # rows whose chain is done drop out
@@ -129,7 +133,14 @@ class MtpDrafter:
             g = self.head(g, self.model.embed(token), mb.positions + 1, cache=self._cache(mb))
             token = self.model.logits(g).argmax(dim=-1)
             drafts[to_device(at.tolist(), torch.int64, self.device), n] = token
-        return drafts.to(torch.int32).cpu().numpy()
+        end = None
+        if timed is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+        out = drafts.to(torch.int32).cpu().numpy()  # waits for the chain
+        if end is not None:
+            self.chain_position_s = timed.elapsed_time(end) / 1e3 / k_max
+        return out
 
     def _cache(self, mb: ForwardBatch) -> MtpCache:
         return MtpCache(self.pools.kv, self.kv_layer, mb)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import deque
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -341,3 +342,42 @@ def test_an_mtp_row_asks_the_worker_for_the_drafts_its_next_row_is_expected_to_g
     assert set(asked[1]) == {K}
     assert asked[2].count(0) > 2 * PROBE_EVERY and set(asked[2]) <= {0, 1}
     assert ctl.expected(2, 2, 2, K) == 0 < ctl.expected(1, 2, 2, K)
+
+
+def test_measured_step_costs_replace_the_constants_and_move_the_choice():
+    """A decode graph's replay measured at 4 ms (a big model's step, not DECODE_STEP_S's 1 ms) makes Qwen's chain
+    cheap beside it: one stream at acceptance 0.8 drafts longer than priced alone; a chain position measured dear
+    makes it draft shorter. Each is an EWMA of the steps that measure it (0: not measured, ignored)."""
+    priced = mtp(MTP_QWEN)
+    measured = mtp(MTP_QWEN)
+    measured.note_step_costs(4e-3, 0.0)
+    assert measured.step_s(1) == 4e-3 and measured.chain_position_s is None
+    assert measured.best(0.8, rows=1, step_tokens=1, limit=K) > priced.best(0.8, rows=1, step_tokens=1, limit=K)
+    dear = mtp(MTP_QWEN)
+    dear.note_step_costs(4e-3, 3e-3)  # a chain position three quarters of a step
+    assert dear.extra_s(1, 2, eager_paid=0) == pytest.approx(
+        2 * VERIFY_POSITION_S + DRAFT_STEP_OVERHEAD_S + 2 * 3e-3 + 2 * dear.chain.row_s
+    )
+    assert dear.best(0.8, rows=1, step_tokens=1, limit=K) < measured.best(0.8, rows=1, step_tokens=1, limit=K)
+    for _ in range(200):  # the estimate follows what the worker measures now
+        dear.note_step_costs(2e-3, 0.0)
+    assert dear.step_s(1) == pytest.approx(2e-3, rel=1e-3) and dear.chain_position_s == 3e-3
+
+
+def test_the_scheduler_takes_the_workers_measured_step_costs():
+    sched = BatchScheduler(MTP_QWEN, speculative_method="mtp", speculative_tokens=K)
+    sched.add(1, b"t", 1, np.arange(10, 18, dtype=np.int32), SamplingParams(temperature=0), 50)
+    batch = sched.schedule()
+    out = answer(batch)
+    sched.complete(msgspec.structs.replace(out, decode_step_s=3e-3, chain_position_s=5e-4))
+    assert sched.draft_length.decode_step_s == 3e-3 and sched.draft_length.chain_position_s == 5e-4
+
+
+@pytest.mark.parametrize("field, value", [("decode_step_s", -1.0), ("chain_position_s", float("nan"))])
+def test_an_answer_with_a_malformed_step_cost_is_unusable(field, value):
+    sched = BatchScheduler(MTP_QWEN, speculative_method="mtp", speculative_tokens=K)
+    sched.add(1, b"t", 1, np.arange(10, 18, dtype=np.int32), SamplingParams(temperature=0), 50)
+    batch = sched.schedule()
+    outcome = sched.complete(msgspec.structs.replace(answer(batch), **{field: value}))
+    assert outcome.failed and field in str(outcome.failed[0][1])
+    assert sched.draft_length.decode_step_s is None
