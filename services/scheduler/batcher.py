@@ -535,15 +535,16 @@ class BatchScheduler:
         free to hold its state (speculation.computed_after_verify: refused drafts put the state back)."""
         logits_room = self.pool.max_running_requests - sum(e.sample for e in entries)
         step_tokens = sum(e.query_len for e in entries)  # the step's tokens so far: the misses drafts add depend on it
-        # the most drafts a row of the step carries so far: the eager step, or with mtp those chain positions, are
-        # paid (draft_length.py)
-        eager_paid = 0
-        for e in entries:
+        rows = [e for e in entries if self._draft_row(e)]
+        # the most drafts a row of the step carries so far, at least what the rows agree to pay together: the eager
+        # step, or with mtp those chain positions, are paid (draft_length.py)
+        eager_paid = self.draft_length.shared_paid(
+            [self.draft_length.acceptance(e.req.rid) for e in rows], len(entries), step_tokens, self.speculative_tokens
+        )
+        for e in rows:
             req, q = e.req, e.query_len
             if budget < 1 or logits_room < 1:
                 return
-            if not self._may_draft(req) or not e.sample or req.num_computed < req.prompt_len or e.inside:
-                continue
             room = min(
                 self.speculative_tokens,
                 budget,
@@ -565,6 +566,12 @@ class BatchScheduler:
             e.drafts = tuple(drafts)
             budget -= len(drafts)
             logits_room -= len(drafts)
+
+    def _draft_row(self, e: _Entry) -> bool:
+        """Whether the row may carry drafts: a sampling row past its prompt, not keeping a snapshot inside, of a
+        request that may draft."""
+        req = e.req
+        return self._may_draft(req) and e.sample and req.num_computed >= req.prompt_len and not e.inside
 
     @staticmethod
     def _samples(req: Request, q: int) -> bool:
@@ -778,7 +785,13 @@ class BatchScheduler:
         draft_lens = np.array([len(e.drafts) for e in entries], dtype=np.int32)
         mtp_drafts = np.zeros(n, dtype=np.int32)
         next_tokens = np.full(n, -1, dtype=np.int32)
-        chained = 0  # the longest MTP chain a row before asks for: its positions are paid (draft_length.py)
+        # the longest MTP chain a row before asks for, at least what the rows agree to pay together: its positions
+        # are paid (draft_length.py)
+        chained = 0
+        if self.mtp:
+            asking = [e.req.rid for e in entries if e.sample and self._may_draft(e.req)]
+            acceptances = [self.draft_length.acceptance(rid) for rid in asking]
+            chained = self.draft_length.shared_paid(acceptances, n, n, self.speculative_tokens)
         offset = query_lens.copy()  # where each row's state is saved: its end unless kept inside
         ps = self.pool.page_size
         for i, e in enumerate(entries):

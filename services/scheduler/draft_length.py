@@ -20,10 +20,13 @@ a row is the j-th dependent pass of the MTP head's chain, the MTP layer's dense 
 (charged to the first row chaining that far: the rows after it pay only the positions past it), and the row's own
 routed experts in the layer. The head's K/V, which every step writes (in the decode graph for a plain step), are a
 few dense products a token: part of S, whatever k is.
-The chosen k maximises E(k) / (S/B + cost(k)) (tokens a second), k = 0 unless some k beats 1 / (S/B): at acceptance
-0 every k > 0 loses, the estimate falls under the threshold within a few rows, and the row decodes plainly
-(scheduled ahead, as without speculation). A request not measured yet drafts at least one token at once (within its
-first PROBE_EVERY decisions), since its prior alone would keep a row of a wide step from drafting. With k = 0
+The chosen k maximises E(k) / (S/B + cost(k)) (tokens a second), k = 0 unless some k beats 1 / (S/B), where what rows
+before it in the step paid (the eager step, chain positions) is not charged again; the step's drafting rows first
+agree on what they pay together (`shared_paid`: the share that makes the whole step yield most, so that the first
+row does not bear alone what all share). At acceptance 0 every k > 0 loses, the estimate falls under the threshold
+within a few rows, and the row decodes plainly (scheduled ahead, as without speculation). A request not measured yet
+drafts at least one token at once (within its first PROBE_EVERY decisions), since its prior alone would keep a row
+of a wide step from drafting. With k = 0
 nothing is observed, so a request's plain decisions are followed by a one-token probe every PROBE_EVERY of them, or
 more where a probe costs more (its priced extra over the row's share of a step kept to PROBE_COST_SHARE of the
 decode time: with experts offloaded a probe's misses can cost a whole step), letting a request whose text starts
@@ -227,6 +230,32 @@ class DraftLength:
         if self.chain is not None:
             making += self.chain.drafts_s(drafts, int(eager_paid), self.chain_position_s)
         return drafts * VERIFY_POSITION_S + making + self.misses_added(step_tokens, drafts) * self.prices.miss_s
+
+    def shared_paid(self, acceptances: list[float], rows: int, step_tokens: int, limit: int) -> int:
+        """What a step's drafting rows pay together, as `eager_paid`: the d in [0, min(K, limit)] under which, each
+        row then taking its best k with the eager step and d chain positions paid (`best`), the step of `rows`
+        rows yields the most tokens a second, each row charged as the scheduler charges them (`step_rate`); 0 where
+        no d beats the rows deciding alone. `acceptances`: the estimates of the rows that may draft, in step order.
+        One row alone would bear the eager step and the whole chain, which several rows share: a step of 8 rows
+        whose drafts are kept 80 % of the time drafts together where none would alone."""
+        best_d, best_rate = 0, 0.0
+        for d in range(min(self.max_drafts, limit) + 1):
+            ks = [self.best(a, rows, step_tokens, limit, d) for a in acceptances]
+            rate = self.step_rate(acceptances, ks, rows, step_tokens)
+            if rate > best_rate * (1 + 1e-9):
+                best_d, best_rate = d, rate
+        return best_d
+
+    def step_rate(self, acceptances: list[float], ks: list[int], rows: int, step_tokens: int) -> float:
+        """Expected tokens a second of a step of `rows` rows, the drafting ones (`acceptances`, in step order)
+        carrying `ks` drafts: each charged `extra_s` with what the rows before it paid."""
+        tokens, cost, paid = float(rows), self.step_s(step_tokens), 0
+        for a, k in zip(acceptances, ks):
+            if k:
+                tokens += sum(a**j for j in range(1, k + 1))
+                cost += self.extra_s(step_tokens, k, paid)
+                paid = max(paid, k)
+        return tokens / cost
 
     def probe_interval(self, rows: int, step_tokens: int, eager_paid: int = 0) -> int:
         """Plain decisions between two one-token probes: PROBE_EVERY, or more where a probe's extra cost over
