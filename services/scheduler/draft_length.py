@@ -43,6 +43,7 @@ worker's measurements; the scheduler feeds the outcomes (`observe`), the worker'
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 
 from ferry.shared.messages import PoolReport
@@ -78,6 +79,10 @@ MTP_CHAIN_STEP_OVERHEAD_S = 1.0e-4
 PCIE_BYTES_PER_S = 50e9
 # the measured miss rate: an EWMA over heartbeats, each new interval's rate weighing this much
 MISS_RATE_WEIGHT = 0.3
+# what a step's drafting rows may agree to pay together (shared_paid): the eager step and this many chain positions,
+# tried in turn (not every depth: the rows' own k fill in between), each row's acceptance taken to ACCEPTANCE_GRAIN
+SHARED_DEPTHS = (1, 2, 4, 8, 16)
+ACCEPTANCE_GRAIN = 0.05
 # the measured step costs (a decode graph's replay, a chain position): an EWMA over the steps that measure them, each
 # new one weighing this much (the last ~20: the batch's rows and contexts change slowly)
 STEP_COST_WEIGHT = 0.05
@@ -232,29 +237,36 @@ class DraftLength:
         return drafts * VERIFY_POSITION_S + making + self.misses_added(step_tokens, drafts) * self.prices.miss_s
 
     def shared_paid(self, acceptances: list[float], rows: int, step_tokens: int, limit: int) -> int:
-        """What a step's drafting rows pay together, as `eager_paid`: the d in [0, min(K, limit)] under which, each
-        row then taking its best k with the eager step and d chain positions paid (`best`), the step of `rows`
-        rows yields the most tokens a second, each row charged as the scheduler charges them (`step_rate`); 0 where
-        no d beats the rows deciding alone. `acceptances`: the estimates of the rows that may draft, in step order.
+        """What a step's drafting rows pay together, as `eager_paid`: the d of 0 and SHARED_DEPTHS up to min(K,
+        limit) under which, each row then taking its best k with the eager step and d chain positions paid
+        (`best`), the step of `rows` rows yields the most tokens a second (`step_rate`); 0 where no d beats the
+        rows deciding alone. `acceptances`: the estimates of the rows that may draft, taken to ACCEPTANCE_GRAIN.
         One row alone would bear the eager step and the whole chain, which several rows share: a step of 8 rows
         whose drafts are kept 80 % of the time drafts together where none would alone."""
+        if not acceptances:
+            return 0
+        counts = Counter(round(a / ACCEPTANCE_GRAIN) * ACCEPTANCE_GRAIN for a in acceptances)
         best_d, best_rate = 0, 0.0
-        for d in range(min(self.max_drafts, limit) + 1):
-            ks = [self.best(a, rows, step_tokens, limit, d) for a in acceptances]
-            rate = self.step_rate(acceptances, ks, rows, step_tokens)
+        for d in [0, *(d for d in SHARED_DEPTHS if d <= min(self.max_drafts, limit))]:
+            ks = {a: self.best(a, rows, step_tokens, limit, d) for a in counts}
+            rate = self.step_rate(counts, ks, rows, step_tokens)
             if rate > best_rate * (1 + 1e-9):
                 best_d, best_rate = d, rate
         return best_d
 
-    def step_rate(self, acceptances: list[float], ks: list[int], rows: int, step_tokens: int) -> float:
-        """Expected tokens a second of a step of `rows` rows, the drafting ones (`acceptances`, in step order)
-        carrying `ks` drafts: each charged `extra_s` with what the rows before it paid."""
-        tokens, cost, paid = float(rows), self.step_s(step_tokens), 0
-        for a, k in zip(acceptances, ks):
+    def step_rate(self, counts: dict[float, int], ks: dict[float, int], rows: int, step_tokens: int) -> float:
+        """Expected tokens a second of a step of `rows` rows of which counts[a] rows of acceptance a carry ks[a]
+        drafts: the plain step, what the drafting rows share once (the eager step, with mtp the longest chain's
+        positions) and each one's own part, as the rows' `extra_s` add up."""
+        tokens, cost, longest = float(rows), self.step_s(step_tokens), 0
+        for a, n in counts.items():
+            k = ks[a]
             if k:
-                tokens += sum(a**j for j in range(1, k + 1))
-                cost += self.extra_s(step_tokens, k, paid)
-                paid = max(paid, k)
+                tokens += n * sum(a**j for j in range(1, k + 1))
+                cost += n * self.extra_s(step_tokens, k, k)
+                longest = max(longest, k)
+        if longest:
+            cost += self.extra_s(step_tokens, longest) - self.extra_s(step_tokens, longest, longest)
         return tokens / cost
 
     def probe_interval(self, rows: int, step_tokens: int, eager_paid: int = 0) -> int:

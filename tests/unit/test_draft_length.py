@@ -392,11 +392,10 @@ def test_rows_that_share_a_chain_draft_together_where_none_would_alone():
     ctl.note_step_costs(5e-3, 5e-4)
     rows = 8
     assert ctl.best(0.8, rows, rows, K) == 0
-    acceptances = [0.8] * rows
-    d = ctl.shared_paid(acceptances, rows, rows, K)
-    ks = [ctl.best(a, rows, rows, K, d) for a in acceptances]
-    assert d > 0 and all(k > 0 for k in ks)
-    assert ctl.step_rate(acceptances, ks, rows, rows) > 1.2 * ctl.step_rate(acceptances, [0] * rows, rows, rows)
+    d = ctl.shared_paid([0.8] * rows, rows, rows, K)
+    k = ctl.best(0.8, rows, rows, K, d)
+    assert d > 0 and k > 0
+    assert ctl.step_rate({0.8: rows}, {0.8: k}, rows, rows) > 1.2 * ctl.step_rate({0.8: rows}, {0.8: 0}, rows, rows)
     mixed = [0.8] * 4 + [0.0] * 4
     d = ctl.shared_paid(mixed, rows, rows, K)
     assert [ctl.best(a, rows, rows, K, d) > 0 for a in mixed] == [True] * 4 + [False] * 4
@@ -420,3 +419,18 @@ def test_the_scheduler_asks_every_row_of_a_wide_step_for_a_shared_chain():
     assert ctl.expected(1, 8, 8, K) == 0  # alone, no
     batch = sched.schedule()
     assert batch.mtp_drafts is not None and (batch.mtp_drafts[batch.sample] > 0).all()
+
+
+def test_a_steps_rate_charges_what_the_rows_charge_one_after_another():
+    """step_rate's cost (the shared part once, each row's own part) is what `extra_s` charges rows in step order,
+    each with the most drafts a row before it carries, whatever the order."""
+    ctl = mtp(MTP_QWEN)
+    counts, ks = {0.9: 1, 0.6: 2, 0.3: 1}, {0.9: 3, 0.6: 1, 0.3: 2}
+    rows = 6
+    tokens = rows + 0.9 + 0.9**2 + 0.9**3 + 2 * 0.6 + 0.3 + 0.3**2
+    for order in ([0.9, 0.6, 0.6, 0.3], [0.3, 0.6, 0.9, 0.6]):
+        cost, paid = ctl.step_s(rows), 0
+        for a in order:
+            cost += ctl.extra_s(rows, ks[a], paid)
+            paid = max(paid, ks[a])
+        assert ctl.step_rate(counts, ks, rows, rows) == pytest.approx(tokens / cost)
