@@ -53,11 +53,15 @@ COUNTERS = (
 )
 
 
+# the step costs the controller prices with, as the worker times them (gauges: their values at the run's end)
+GAUGES = ("ferry_speculative_decode_step_seconds", "ferry_speculative_chain_position_seconds")
+
+
 def counters(base: str) -> dict[str, float]:
-    """The api's speculative counters (ferry_speculative_*), 0 where absent."""
+    """The api's speculative counters and gauges (ferry_speculative_*), 0 where absent."""
     with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
         text = r.read().decode()
-    got = dict.fromkeys(COUNTERS, 0.0)
+    got = dict.fromkeys(COUNTERS + GAUGES, 0.0)
     for line in text.splitlines():
         name, _, value = line.partition(" ")
         if name in got:
@@ -95,6 +99,8 @@ def measure(served, prompts: list[list[int]], args) -> dict:
         "mean_k": round(d["ferry_speculative_k_chosen_total"] / decisions, 3) if decisions else None,
         "drafted_tokens": drafted,
         "estimated_misses_added": d["ferry_speculative_estimated_misses_added_total"],
+        "decode_step_ms": round(1e3 * after["ferry_speculative_decode_step_seconds"], 3),
+        "chain_position_ms": round(1e3 * after["ferry_speculative_chain_position_seconds"], 3),
         "texts": texts,
     }
 
@@ -161,7 +167,8 @@ def main() -> int:
         print(
             f"[{args.workload}] oracle alpha {alpha:g}: {run['median_e2e_tok_s']} tok/s = {run['vs_off']}x off "
             f"({off['median_e2e_tok_s']} tok/s); acceptance {run['acceptance']}, mean k {run['mean_k']}, "
-            f"same text {run['same_text_as_off']}",
+            f"same text {run['same_text_as_off']}; step {run['decode_step_ms']} ms, chain position "
+            f"{run['chain_position_ms']} ms",
             flush=True,
         )
     off.pop("texts")

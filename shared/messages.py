@@ -146,6 +146,9 @@ class SchedulerStatus(msgspec.Struct, tag=True, kw_only=True):
     draft_decisions: int = 0
     chosen_drafts: int = 0
     draft_misses_added: int = 0
+    # and the step costs it prices with, as the worker measured them on the device (0: not measured yet)
+    draft_decode_step_s: float = 0.0
+    draft_chain_position_s: float = 0.0
 
 
 SchedulerToApi = Union[Tokens, Finished, Failed, SchedulerStatus]

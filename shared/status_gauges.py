@@ -17,9 +17,23 @@ class StatusGauges:
         self.kv_available = Gauge(
             f"{prefix}kv_pages_available", "KV pages free or cached-and-unreferenced", registry=registry
         )
+        self.decode_step = Gauge(
+            f"{prefix}speculative_decode_step_seconds",
+            "speculative decoding: a decode graph's replay as the worker times it on the device, the draft-length "
+            "controller's running estimate (0: not measured yet)",
+            registry=registry,
+        )
+        self.chain_position = Gauge(
+            f"{prefix}speculative_chain_position_seconds",
+            "speculative decoding: an MTP draft chain's seconds a position as the worker times it on the device, "
+            "the draft-length controller's running estimate (0: not measured yet)",
+            registry=registry,
+        )
 
     def set_from(self, status: SchedulerStatus) -> None:
         self.running.set(status.running)
         self.waiting.set(status.waiting)
         self.kv_total.set(status.kv_pages_total)
         self.kv_available.set(status.kv_pages_available)
+        self.decode_step.set(status.draft_decode_step_s)
+        self.chain_position.set(status.draft_chain_position_s)

@@ -99,11 +99,20 @@ def test_the_draft_length_controllers_counts_come_from_the_schedulers_status():
     m = ApiMetrics("tiny")
     m.refresh_from(
         SchedulerStatus(
-            boot_id="b", ready=True, reason="", draft_decisions=10, chosen_drafts=25, draft_misses_added=300
+            boot_id="b",
+            ready=True,
+            reason="",
+            draft_decisions=10,
+            chosen_drafts=25,
+            draft_misses_added=300,
+            draft_decode_step_s=0.004,
+            draft_chain_position_s=0.0005,
         ),
         True,
     )
     got = samples(m)
+    assert got[("ferry_speculative_decode_step_seconds", ())] == 0.004  # the step costs it prices with
+    assert got[("ferry_speculative_chain_position_seconds", ())] == 0.0005
     assert got[("ferry_speculative_k_decisions_total", ())] == 10
     assert got[("ferry_speculative_k_chosen_total", ())] == 25
     assert got[("ferry_speculative_estimated_misses_added_total", ())] == 300
