@@ -6,7 +6,7 @@ were: a Beta prior (ACCEPT_PRIOR) plus the verified rows, each row of d drafts w
 and one failure unless a == d (the kept drafts are a prefix), old rows decayed by DECAY so a request that turns
 repetitive (or stops) is followed. A row given k drafts then yields E(k) = 1 + a + ... + a^k tokens. Its cost is
 its share of a plain decode step, S / B (B rows in the step), plus what the k extra positions add:
-k x VERIFY_POSITION_S of compute, with ngram DRAFT_STEP_OVERHEAD_S (a step with drafts runs eagerly, not as a graph),
+k x VERIFY_POSITION_S of compute, DRAFT_STEP_OVERHEAD_S (a step with drafts runs eagerly, not as a graph),
 and with experts offloaded the expected extra expert misses times one miss's copy (expert bytes / PCIE_BYTES_PER_S);
 the eager step is charged once a step, to its first drafting row.
 A step of n tokens touches E_l (1 - (1 - t/E_l)^n) distinct experts a MoE layer (E_l experts, top-t routing,
@@ -26,11 +26,10 @@ agree on what they pay together (`shared_paid`: the share that makes the whole s
 row does not bear alone what all share). At acceptance 0 every k > 0 loses, the estimate falls under the threshold
 within a few rows, and the row decodes plainly (scheduled ahead, as without speculation). A request not measured yet
 drafts at least one token at once (within its first PROBE_EVERY decisions), since its prior alone would keep a row
-of a wide step from drafting. With k = 0
-nothing is observed, so a request's plain decisions are followed by a one-token probe every PROBE_EVERY of them, or
-more where a probe costs more (its priced extra over the row's share of a step kept to PROBE_COST_SHARE of the
-decode time: with experts offloaded a probe's misses can cost a whole step), letting a request whose text starts
-repeating speculate again.
+of a wide step from drafting. With k = 0 nothing is observed, so a request's plain decisions are followed by a
+one-token probe every PROBE_EVERY of them, or more where a probe costs more (its priced extra over the row's share
+of a step kept to PROBE_COST_SHARE of the decode time: with experts offloaded a probe's misses can cost a whole
+step), letting a request whose text starts repeating speculate again.
 
 Measured where the worker measures: a decode graph's replay (StepOutput.decode_step_s, on CUDA) stands for S once
 seen, misses and all, and an MTP chain's seconds a position (StepOutput.chain_position_s) for a chain position's
