@@ -494,6 +494,13 @@ class BatchScheduler:
             return None  # a request waits and could be admitted: the full policy must run
         _, previous = self._in_flight[-1]
         limit = self.pool.max_model_len
+        # what the rows would agree to pay together for drafts (as _give_drafts and an MTP row's ask reckon it)
+        shared = self.draft_length.shared_paid(
+            [self.draft_length.acceptance(e.req.rid) for e in previous if e.sample and self._may_draft(e.req)],
+            len(previous),
+            len(previous),
+            self.speculative_tokens,
+        )
         for e in previous:
             r = e.req
             produced = r.output_len + r.in_flight  # its tokens once every step in flight is back
@@ -501,7 +508,7 @@ class BatchScheduler:
                 not e.sample
                 or e.drafts  # how many tokens it produces is known only when its answer is back
                 # its next row's drafts come from the tokens its answer brings
-                or (self._may_draft(r) and self.draft_length.would_draft(r.rid, len(previous), len(previous)))
+                or (self._may_draft(r) and self.draft_length.would_draft(r.rid, len(previous), len(previous), shared))
                 or r.done
                 or r.abort_pending
                 or r.sampling.reads_its_output
@@ -534,28 +541,34 @@ class BatchScheduler:
         points), where its pages cannot grow without preempting, and, for a hybrid model, where no snapshot id is
         free to hold its state (speculation.computed_after_verify: refused drafts put the state back)."""
         logits_room = self.pool.max_running_requests - sum(e.sample for e in entries)
+        if budget < 1 or logits_room < 1:
+            return
         step_tokens = sum(e.query_len for e in entries)  # the step's tokens so far: the misses drafts add depend on it
-        rows = [e for e in entries if self._draft_row(e)]
-        # the most drafts a row of the step carries so far, at least what the rows agree to pay together: the eager
-        # step, or with mtp those chain positions, are paid (draft_length.py)
+        # each row's drafts at most (a drafter's k drafts are the first k of these)
+        proposals = {
+            id(e): self.drafter(e.req, self._draft_cap(e.req))
+            for e in entries
+            if self._draft_row(e) and self._draft_cap(e.req) >= 1
+        }
+        # the most drafts a row of the step carries so far, at least what the rows that have drafts agree to pay
+        # together: the eager step, or with mtp those chain positions, are paid (draft_length.py)
         eager_paid = self.draft_length.shared_paid(
-            [self.draft_length.acceptance(e.req.rid) for e in rows], len(entries), step_tokens, self.speculative_tokens
+            [self.draft_length.acceptance(e.req.rid) for e in entries if proposals.get(id(e))],
+            len(entries),
+            step_tokens,
+            self.speculative_tokens,
         )
-        for e in rows:
+        for e in entries:
+            if id(e) not in proposals:
+                continue
             req, q = e.req, e.query_len
             if budget < 1 or logits_room < 1:
                 return
-            room = min(
-                self.speculative_tokens,
-                budget,
-                logits_room,
-                req.max_tokens - req.output_len - 1,
-                self.pool.max_model_len - len(req.tokens) - 1,
-            )
+            room = min(self._draft_cap(req), budget, logits_room)
             if room < 1 or (self.hybrid and not self.holds.free_count):
                 continue
             k = self.draft_length.choose(req.rid, len(entries), step_tokens, room, eager_paid)
-            drafts = self.drafter(req, k) if k else []
+            drafts = proposals[id(e)][:k]
             if not drafts or not self.kv.grow(req, req.num_computed + q + len(drafts)):
                 continue
             self.draft_length.sent(req.rid, step_tokens, len(drafts))
@@ -566,6 +579,12 @@ class BatchScheduler:
             e.drafts = tuple(drafts)
             budget -= len(drafts)
             logits_room -= len(drafts)
+
+    def _draft_cap(self, req: Request) -> int:
+        """The most drafts req's row may carry: --speculative-tokens, and one fewer than the tokens left to it (its
+        max_tokens, the model length: the verify adds one of its own)."""
+        left = min(req.max_tokens - req.output_len, self.pool.max_model_len - len(req.tokens))
+        return min(self.speculative_tokens, left - 1)
 
     def _draft_row(self, e: _Entry) -> bool:
         """Whether the row may carry drafts: a sampling row past its prompt, not keeping a snapshot inside, of a
@@ -788,10 +807,12 @@ class BatchScheduler:
         # the longest MTP chain a row before asks for, at least what the rows agree to pay together: its positions
         # are paid (draft_length.py)
         chained = 0
+        # the logits rows the next step leaves for drafts (_give_drafts): no row asks for a chain past them
+        ask_room = self.pool.max_running_requests - sum(e.sample for e in entries)
         if self.mtp:
             asking = [e.req.rid for e in entries if e.sample and self._may_draft(e.req)]
             acceptances = [self.draft_length.acceptance(rid) for rid in asking]
-            chained = self.draft_length.shared_paid(acceptances, n, n, self.speculative_tokens)
+            chained = self.draft_length.shared_paid(acceptances, n, n, min(self.speculative_tokens, ask_room))
         offset = query_lens.copy()  # where each row's state is saved: its end unless kept inside
         ps = self.pool.page_size
         for i, e in enumerate(entries):
@@ -813,8 +834,9 @@ class BatchScheduler:
                 and r.num_computed + e.query_len - 1 >= r.prompt_logprobs_done
             )
             if self.mtp:
-                mtp_drafts[i], next_tokens[i] = self._mtp_row(e, end, n, chained)
+                mtp_drafts[i], next_tokens[i] = self._mtp_row(e, end, n, chained, ask_room)
                 chained = max(chained, int(mtp_drafts[i]))
+                ask_room -= int(mtp_drafts[i])
             if ahead_positions is None:
                 tokens.extend(r.tokens[r.num_computed : r.num_computed + e.query_len])
                 tokens.extend(e.drafts)
@@ -859,21 +881,22 @@ class BatchScheduler:
             next_tokens=next_tokens if (next_tokens >= 0).any() else None,
         )
 
-    def _mtp_row(self, e: _Entry, end: int, rows: int, chained: int) -> tuple[int, int]:
+    def _mtp_row(self, e: _Entry, end: int, rows: int, chained: int, ask_room: int) -> tuple[int, int]:
         """(drafts the MTP head chains after the row, the token after the row's chunk or -1) for a row of
         --speculative-method mtp (services/worker/mtp_drafts.py): a sampling row of a request that may draft asks
         for the drafts the controller expects to give its next row (DraftLength.expected, for a step of `rows`
         rows like this one, where rows before it chain `chained` positions), where its pages grow to hold the
-        chain's K/V (k - 1 slots past the row's tokens) and the model length allows; a prompt's chunk that does
-        not sample gives the prompt's next token (the MTP layer's input at the chunk's last position). `end`: the
-        position the row's tokens (its drafts left out) end at."""
+        chain's K/V (k - 1 slots past the row's tokens), the model length and `ask_room` (the logits rows the next
+        step leaves for drafts, less the rows before it asked for) allow; a prompt's chunk that does not sample
+        gives the prompt's next token (the MTP layer's input at the chunk's last position). `end`: the position
+        the row's tokens (its drafts left out) end at."""
         r = e.req
         if not e.sample:
             return 0, r.tokens[end] if end < len(r.tokens) else -1
         if not self._may_draft(r):
             return 0, -1
         reach = end + len(e.drafts)  # the tokens the row holds, its drafts included
-        room = min(self.speculative_tokens, self.pool.max_model_len - reach + 1)
+        room = min(self.speculative_tokens, self.pool.max_model_len - reach + 1, ask_room)
         k = self.draft_length.expected(r.rid, rows, rows + chained, room, chained) if room >= 1 else 0
         if k < 1 or not self.kv.grow(r, reach + k - 1):
             return 0, -1

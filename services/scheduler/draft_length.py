@@ -8,7 +8,7 @@ repetitive (or stops) is followed. A row given k drafts then yields E(k) = 1 + a
 its share of a plain decode step, S / B (B rows in the step), plus what the k extra positions add:
 k x VERIFY_POSITION_S of compute, DRAFT_STEP_OVERHEAD_S (a step with drafts runs eagerly, not as a graph),
 and with experts offloaded the expected extra expert misses times one miss's copy (expert bytes / PCIE_BYTES_PER_S);
-the eager step is charged once a step, to its first drafting row.
+the eager step is charged once a step, to its first drafting row (or to none: see `shared_paid` below).
 A step of n tokens touches E_l (1 - (1 - t/E_l)^n) distinct experts a MoE layer (E_l experts, top-t routing,
 uniform), each missed with the cache's miss rate (measured from the worker's hit/miss counts, else 1 - slots /
 experts); so the k positions added to a step of n tokens miss
@@ -162,9 +162,11 @@ class ChainPrices:
 
     def drafts_s(self, drafts: int, paid: int, position_s: float | None = None) -> float:
         """A row's `drafts` chained drafts where rows before it in the step chain `paid` positions already: the
-        positions past `paid` (at `position_s` each, measured; None: priced), and its own experts' read at each."""
-        position = self.position_s if position_s is None else position_s
-        return max(drafts - paid, 0) * position + drafts * self.row_s
+        positions past `paid`, and its own experts' read at each; or with `position_s` (a chain position as
+        measured, its rows' experts in it) the positions past `paid` at that."""
+        if position_s is not None:
+            return max(drafts - paid, 0) * position_s
+        return max(drafts - paid, 0) * self.position_s + drafts * self.row_s
 
 
 @dataclass
@@ -214,8 +216,8 @@ class DraftLength:
     def best(self, acceptance: float, rows: int, step_tokens: int, limit: int, eager_paid: int = 0) -> int:
         """The k in [0, min(K, limit)] with the most tokens a second for a row of a step of `rows` rows and
         `step_tokens` tokens before its drafts (0 on a tie: drafting must win to be chosen); `eager_paid`: the
-        most drafts a row before it in the step carries (0 / False: none drafts yet). > 0: the step runs eagerly
-        anyway; with mtp, the chain positions up to it are paid too."""
+        most drafts a row before it in the step carries, or what the step's rows agreed to share (`shared_paid`),
+        0 for none. > 0: the eager step is paid; with mtp, the chain positions up to it too."""
         share = self.step_s(step_tokens) / max(rows, 1)
         best_k, best_rate = 0, 1.0 / share
         tokens = 1.0
@@ -246,7 +248,9 @@ class DraftLength:
             return 0
         counts = Counter(round(a / ACCEPTANCE_GRAIN) * ACCEPTANCE_GRAIN for a in acceptances)
         best_d, best_rate = 0, 0.0
-        for d in [0, *(d for d in SHARED_DEPTHS if d <= min(self.max_drafts, limit))]:
+        # with ngram only the eager step is shared: every depth past 1 pays the same
+        depths = SHARED_DEPTHS if self.chain is not None else SHARED_DEPTHS[:1]
+        for d in [0, *(d for d in depths if d <= min(self.max_drafts, limit))]:
             ks = {a: self.best(a, rows, step_tokens, limit, d) for a in counts}
             rate = self.step_rate(counts, ks, rows, step_tokens)
             if rate > best_rate * (1 + 1e-9):
@@ -308,10 +312,11 @@ class DraftLength:
             return 1
         return k
 
-    def would_draft(self, rid: int, rows: int, step_tokens: int) -> bool:
-        """Whether `choose` would give request `rid`'s next row drafts (a k > 0, or a probe due), unchanged: a
-        row that would not may be scheduled ahead (batcher.schedule_ahead), as without speculation."""
-        return self.expected(rid, rows, step_tokens, self.max_drafts) > 0
+    def would_draft(self, rid: int, rows: int, step_tokens: int, eager_paid: int = 0) -> bool:
+        """Whether `choose` would give request `rid`'s next row drafts (a k > 0, or a probe due), unchanged, with
+        `eager_paid` paid (what the step's rows agree to share, `shared_paid`): a row that would not may be
+        scheduled ahead (batcher.schedule_ahead), as without speculation."""
+        return self.expected(rid, rows, step_tokens, self.max_drafts, eager_paid) > 0
 
     def plain(self, rid: int) -> None:
         """Request `rid`'s row went without drafts, undecided by `choose` (scheduled ahead): a plain decision."""

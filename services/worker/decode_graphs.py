@@ -98,6 +98,7 @@ class DecodeGraphs:
         self.graphs: dict[int, _Graph] = {}
         self.count_step = count_step
         self.mtp_head = mtp_head
+        self.last_replay: tuple | None = None  # the last replay's (start, end) timing events (CUDA)
         largest = max(self.buckets, default=1)
         self.last_tokens = torch.zeros(max(max_sampled_rows, largest), dtype=torch.int64, device=self.device)
         self.noise = torch.ones(largest, vocab_size, dtype=torch.float32, device=self.device)  # Exp(1) draws, shared
@@ -186,8 +187,13 @@ class DecodeGraphs:
         if g.graph is None:  # off CUDA, the body eagerly, on the step's batch: the CPU kernels read its host lengths
             g.batch = self._load(step, rows, g.inputs[: forward_bytes(rows, self.max_pages)])
             g.logits, g.sampled, g.hidden = self._forward(g)
-        else:
+            self.last_replay = None
+        else:  # timed around the replay alone: what the device spends on the step, not the host's upload before it
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
             g.graph.replay()
+            end.record()
+            self.last_replay = (start, end)
         return g.logits[: len(step.req_ids)]
 
     def step_tensors(self, rows: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -65,7 +65,8 @@ class StepExecutor:
         """`store`: the model's expert store, told when each step ends and asked for its statistics;
         `graphs`: the captured decode graphs (CUDA), or None to run every step eagerly; `tokenizer_dir`:
         where the model's tokenizer is, for requests with a grammar (structured outputs); `mtp_head`: the MTP
-        draft head (--speculative-method mtp), which then runs after every step's forward (mtp_drafts.py)."""
+        draft head (--speculative-method mtp), whose K/V every step then writes and which chains the drafts rows
+        ask for (mtp_drafts.py)."""
         self.model = model
         self.store = store
         self.graphs = graphs
@@ -121,12 +122,11 @@ class StepExecutor:
             self._restore_states(batch)
             self._hold_states(batch)
             in_graph = None  # the graph's own sampling serves the step: (inverse temperatures, noise rows)
-            replay = None  # a decode graph's replay, timed on the device (StepOutput.decode_step_s)
+            replay = None  # a decode graph's replay's timing events (StepOutput.decode_step_s)
             if bucket is not None:
                 in_graph = self.sampler.graph_sampling(ids, self.graphs.noise)
-                replay = _timing_event(self.device)
                 logits = self.graphs.run(batch, bucket, feed_src, in_graph)
-                replay = None if replay is None else (replay, _timing_event(self.device))
+                replay = self.graphs.last_replay
             elif prompt_rows or self.mtp is not None:  # the MTP head reads the step's hidden states
                 fb = self._eager_batch(batch, previous, feed_src)
                 hidden = self.model.hidden_states(fb, self.pools)

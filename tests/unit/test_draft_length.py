@@ -354,10 +354,8 @@ def test_measured_step_costs_replace_the_constants_and_move_the_choice():
     assert measured.step_s(1) == 4e-3 and measured.chain_position_s is None
     assert measured.best(0.8, rows=1, step_tokens=1, limit=K) > priced.best(0.8, rows=1, step_tokens=1, limit=K)
     dear = mtp(MTP_QWEN)
-    dear.note_step_costs(4e-3, 3e-3)  # a chain position three quarters of a step
-    assert dear.extra_s(1, 2, eager_paid=0) == pytest.approx(
-        2 * VERIFY_POSITION_S + DRAFT_STEP_OVERHEAD_S + 2 * 3e-3 + 2 * dear.chain.row_s
-    )
+    dear.note_step_costs(4e-3, 3e-3)  # a chain position three quarters of a step, its rows' experts in it
+    assert dear.extra_s(1, 2, eager_paid=0) == pytest.approx(2 * VERIFY_POSITION_S + DRAFT_STEP_OVERHEAD_S + 2 * 3e-3)
     assert dear.best(0.8, rows=1, step_tokens=1, limit=K) < measured.best(0.8, rows=1, step_tokens=1, limit=K)
     for _ in range(200):  # the estimate follows what the worker measures now
         dear.note_step_costs(2e-3, 0.0)
@@ -404,21 +402,71 @@ def test_rows_that_share_a_chain_draft_together_where_none_would_alone():
     assert ngram.best(0.7, rows, rows, K) == 0 < ngram.shared_paid([0.7] * rows, rows, rows, K)
 
 
-def test_the_scheduler_asks_every_row_of_a_wide_step_for_a_shared_chain():
-    """Eight requests whose MTP drafts are kept: the step's rows ask the worker for chains together (each alone
-    would not, with Qwen's chain against an eighth of a measured step)."""
-    sched = BatchScheduler(MTP_QWEN, speculative_method="mtp", speculative_tokens=K, drafter=lambda r, k: [3] * k)
+def mtp_answer(batch, accepted: int) -> StepOutput:
+    """`answer`, up to `accepted` of each drafting row's drafts kept, with the MTP chains the rows asked for (token 7
+    each)."""
+    out = answer(batch)
+    if batch.draft_lens is not None:
+        kept = np.minimum(batch.draft_lens[batch.sample], accepted).astype(np.int32)
+        out = msgspec.structs.replace(out, accepted_drafts=kept)
+    if batch.mtp_drafts is None:
+        return out
+    asked = batch.mtp_drafts[batch.sample]
+    chains = np.full((len(asked), int(asked.max())), -1, np.int32)
+    for i, k in enumerate(asked):
+        chains[i, :k] = 7
+    return msgspec.structs.replace(out, mtp_drafts=chains)
+
+
+def test_the_rows_of_a_wide_step_draft_together_and_no_chain_is_asked_in_vain():
+    """Eight requests whose MTP drafts are mostly kept, run as the service runs the scheduler (steps ahead of the
+    answers where it may): each alone would not draft (Qwen's chain against an eighth of a measured step), together
+    they do: chains are asked for, as many as the next step's logits rows leave room for, and sent as drafts. A
+    step sent ahead asks for no chain the full policy would not turn into drafts: going ahead and the shared price
+    agree (else the chains are made and thrown away)."""
+    wide = msgspec.structs.replace(MTP_QWEN, max_running_requests=16)  # room for eight rows' drafts
+    sched = BatchScheduler(wide, speculative_method="mtp", speculative_tokens=K)
     for rid in range(1, 9):
-        sched.add(rid, b"t", rid, np.arange(10, 18, dtype=np.int32), SamplingParams(temperature=0), 400)
-    sched.complete(answer(sched.schedule()))  # the prompts
+        sched.add(rid, b"t", rid, np.arange(10, 18, dtype=np.int32), SamplingParams(temperature=0), 200)
+    sched.complete(mtp_answer(sched.schedule(), 0))  # the prompts
     ctl = sched.draft_length
     ctl.note_step_costs(5e-3, 5e-4)
     for rid in range(1, 9):
         for _ in range(10):
             ctl.observe(rid, K, 3)  # three of four kept
     assert ctl.expected(1, 8, 8, K) == 0  # alone, no
+    in_flight: deque = deque()
+    asked = sent = 0
+    for _ in range(40):
+        if not sched.step_in_flight:
+            in_flight.append(batch := sched.schedule())
+            sent += 0 if batch.draft_lens is None else int(batch.draft_lens.sum())
+        while (batch := sched.schedule_ahead()) is not None:
+            assert batch.mtp_drafts is None  # nothing asked ahead: its chain could not be drafts
+            in_flight.append(batch)
+        batch = in_flight.popleft()
+        asked += 0 if batch.mtp_drafts is None else int(batch.mtp_drafts.sum())
+        sched.complete(mtp_answer(batch, 3))
+    assert asked > 0 and sent > 0.7 * asked  # the chains asked for went out as drafts
+
+
+def test_a_step_whose_rows_would_draft_together_is_not_sent_ahead():
+    """A decode step without drafts whose rows would draft together (not alone): the next step waits for its
+    answer, whose chains become its drafts, rather than going ahead (judged row by row) and asking for chains
+    no row can carry."""
+    wide = msgspec.structs.replace(MTP_QWEN, max_running_requests=16)
+    sched = BatchScheduler(wide, speculative_method="mtp", speculative_tokens=K)
+    for rid in range(1, 9):
+        sched.add(rid, b"t", rid, np.arange(10, 18, dtype=np.int32), SamplingParams(temperature=0), 200)
+    sched.complete(answer(sched.schedule()))  # the prompts, answered without chains: no drafts to carry yet
+    ctl = sched.draft_length
+    ctl.note_step_costs(5e-3, 5e-4)
+    for rid in range(1, 9):
+        for _ in range(10):
+            ctl.observe(rid, K, 3)
     batch = sched.schedule()
-    assert batch.mtp_drafts is not None and (batch.mtp_drafts[batch.sample] > 0).all()
+    assert batch.draft_lens is None and batch.mtp_drafts is not None  # it asks for chains together
+    assert sched.schedule_ahead() is None
 
 
 def test_a_steps_rate_charges_what_the_rows_charge_one_after_another():
