@@ -495,12 +495,8 @@ class BatchScheduler:
         _, previous = self._in_flight[-1]
         limit = self.pool.max_model_len
         # what the rows would agree to pay together for drafts (as _give_drafts and an MTP row's ask reckon it)
-        shared = self.draft_length.shared_paid(
-            [self.draft_length.acceptance(e.req.rid) for e in previous if e.sample and self._may_draft(e.req)],
-            len(previous),
-            len(previous),
-            self.speculative_tokens,
-        )
+        drafting = [e.req for e in previous if e.sample and self._may_draft(e.req)]
+        shared = self._shared_paid(drafting, len(previous), len(previous), self.speculative_tokens)
         for e in previous:
             r = e.req
             produced = r.output_len + r.in_flight  # its tokens once every step in flight is back
@@ -545,19 +541,14 @@ class BatchScheduler:
             return
         step_tokens = sum(e.query_len for e in entries)  # the step's tokens so far: the misses drafts add depend on it
         # each row's drafts at most (a drafter's k drafts are the first k of these)
-        proposals = {
-            id(e): self.drafter(e.req, self._draft_cap(e.req))
-            for e in entries
-            if self._draft_row(e) and self._draft_cap(e.req) >= 1
-        }
+        proposals = {}
+        for e in entries:
+            if self._draft_row(e) and (cap := self._draft_cap(e.req)) >= 1:
+                proposals[id(e)] = self.drafter(e.req, cap)
         # the most drafts a row of the step carries so far, at least what the rows that have drafts agree to pay
         # together: the eager step, or with mtp those chain positions, are paid (draft_length.py)
-        eager_paid = self.draft_length.shared_paid(
-            [self.draft_length.acceptance(e.req.rid) for e in entries if proposals.get(id(e))],
-            len(entries),
-            step_tokens,
-            self.speculative_tokens,
-        )
+        drafting = [e.req for e in entries if proposals.get(id(e))]
+        eager_paid = self._shared_paid(drafting, len(entries), step_tokens, self.speculative_tokens)
         for e in entries:
             if id(e) not in proposals:
                 continue
@@ -579,6 +570,12 @@ class BatchScheduler:
             e.drafts = tuple(drafts)
             budget -= len(drafts)
             logits_room -= len(drafts)
+
+    def _shared_paid(self, drafting: list[Request], rows: int, step_tokens: int, limit: int) -> int:
+        """What the `drafting` requests' rows of a step of `rows` rows would pay together (DraftLength.shared_paid):
+        one reckoning for the drafts given, the chains asked and the steps sent ahead."""
+        acceptances = [self.draft_length.acceptance(r.rid) for r in drafting]
+        return self.draft_length.shared_paid(acceptances, rows, step_tokens, limit)
 
     def _draft_cap(self, req: Request) -> int:
         """The most drafts req's row may carry: --speculative-tokens, and one fewer than the tokens left to it (its
@@ -810,9 +807,8 @@ class BatchScheduler:
         # the logits rows the next step leaves for drafts (_give_drafts): no row asks for a chain past them
         ask_room = self.pool.max_running_requests - sum(e.sample for e in entries)
         if self.mtp:
-            asking = [e.req.rid for e in entries if e.sample and self._may_draft(e.req)]
-            acceptances = [self.draft_length.acceptance(rid) for rid in asking]
-            chained = self.draft_length.shared_paid(acceptances, n, n, min(self.speculative_tokens, ask_room))
+            asking = [e.req for e in entries if e.sample and self._may_draft(e.req)]
+            chained = self._shared_paid(asking, n, n, min(self.speculative_tokens, ask_room))
         offset = query_lens.copy()  # where each row's state is saved: its end unless kept inside
         ps = self.pool.page_size
         for i, e in enumerate(entries):
