@@ -57,6 +57,7 @@ class Served:
     proc: subprocess.Popen
     port: int
     worker_port: int
+    scheduler_port: int
     command: str
     log: object = field(repr=False)
     ready_s: float | None = None
@@ -68,6 +69,10 @@ class Served:
     @property
     def worker_metrics(self) -> str:
         return f"http://127.0.0.1:{self.worker_port}/metrics"
+
+    @property
+    def scheduler_metrics(self) -> str:
+        return f"http://127.0.0.1:{self.scheduler_port}/metrics"
 
     def wait_ready(self, timeout: float) -> float:
         t0 = time.monotonic()
@@ -101,7 +106,7 @@ class Served:
 
 def start_serve(model_dir: str | Path, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> Served:
     """`ferry serve` on free ports with `args`, its output in `log_path`; `env`: variables set for it alone."""
-    port, worker_port = free_port(), free_port()
+    port, worker_port, scheduler_port = free_port(), free_port(), free_port()
     cmd = [
         sys.executable,
         "-m",
@@ -113,6 +118,8 @@ def start_serve(model_dir: str | Path, args: list[str], log_path: Path, env: dic
         str(port),
         "--worker-health-port",
         str(worker_port),
+        "--scheduler-health-port",
+        str(scheduler_port),
         *args,
     ]
     log = Path(log_path).open("w")
@@ -125,7 +132,7 @@ def start_serve(model_dir: str | Path, args: list[str], log_path: Path, env: dic
         env={**os.environ, **env} if env else None,
     )
     shown = [f"{k}={v}" for k, v in (env or {}).items()]  # the command as a shell would run it
-    return Served(proc, port, worker_port, " ".join([*shown, "ferry", *cmd[3:]]), log)
+    return Served(proc, port, worker_port, scheduler_port, " ".join([*shown, "ferry", *cmd[3:]]), log)
 
 
 def make_bench_model(out: Path, config: Path, num_layers: int | None = None, fmt: str = "bf16") -> Path:

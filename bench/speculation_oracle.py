@@ -11,8 +11,8 @@ oracle's tokens replace its drafts) with FERRY_BENCH_ORACLE_DRAFTS (that record)
 FERRY_BENCH_ORACLE_ALPHA. Each run: the same token-id prompts (each sent once first, so its prefix is cached), one
 stream at a time, greedy, ignore_eos; per stream the tokens over the request's whole time (`median_e2e_tok_s`, the
 figure compared: a verify's tokens arrive in one chunk, which a rate between chunks would misread) and
-bench/serve_openai.py's chunk rate beside it, with the scheduler's acceptance and mean k from /metrics and whether
-the text matched speculation off's. Writes OUT/spec_oracle_<workload>.json.
+bench/serve_openai.py's chunk rate beside it, with the scheduler's acceptance and mean k from /metrics, its steps and
+how many went ahead of the answer before them, and whether the text matched speculation off's. Writes OUT/spec_oracle_<workload>.json.
 
     python3 -m bench spec-oracle --out out --workload 12layer [--alphas 0,0.6,0.8,0.9] [--speculative-tokens 4]
     python3 -m bench spec-oracle --out out --model DIR --serve-flags="--device cpu"   (a model of your own)
@@ -55,13 +55,17 @@ COUNTERS = (
 
 # the step costs the controller prices with, as the worker times them (gauges: their values at the run's end)
 GAUGES = ("ferry_speculative_decode_step_seconds", "ferry_speculative_chain_position_seconds")
+# the scheduler's steps, and those sent ahead of the previous step's answer: a decode that stops being scheduled
+# ahead waits a scheduler turn and two hops a step
+STEP_COUNTERS = ("ferry_scheduler_steps_total", "ferry_scheduler_steps_ahead_total")
 
 
-def counters(base: str) -> dict[str, float]:
-    """The api's speculative counters and gauges (ferry_speculative_*), 0 where absent."""
-    with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+def counters(url: str, names: tuple[str, ...] = COUNTERS + GAUGES) -> dict[str, float]:
+    """These series of the /metrics at `url` (default: the api's speculative counters and gauges), 0 where
+    absent."""
+    with urllib.request.urlopen(url, timeout=10) as r:
         text = r.read().decode()
-    got = dict.fromkeys(COUNTERS + GAUGES, 0.0)
+    got = dict.fromkeys(names, 0.0)
     for line in text.splitlines():
         name, _, value = line.partition(" ")
         if name in got:
@@ -78,7 +82,8 @@ def measure(served, prompts: list[list[int]], args) -> dict:
     for p in prompts:  # a warm-up: the first request's compiles are not decode, and each prompt is then cached
         stream(client, model, p, 8, 0.0)
     time.sleep(COUNTS_SETTLE_S)
-    before = counters(served.base)
+    before = counters(served.base + "/metrics")
+    steps_before = counters(served.scheduler_metrics, STEP_COUNTERS)
     rates, e2e, texts = [], [], []
     for p in prompts:
         for _ in range(args.repeats):
@@ -87,7 +92,8 @@ def measure(served, prompts: list[list[int]], args) -> dict:
             e2e.append(r["tokens"] / r["last_s"] if r["last_s"] else None)
             texts.append(r["text"])
     time.sleep(COUNTS_SETTLE_S)
-    after = counters(served.base)
+    after = counters(served.base + "/metrics")
+    steps = {k: v - steps_before[k] for k, v in counters(served.scheduler_metrics, STEP_COUNTERS).items()}
     d = {k: after[k] - before[k] for k in COUNTERS}
     drafted = d["ferry_speculative_drafted_tokens_total"]
     decisions = d["ferry_speculative_k_decisions_total"]
@@ -101,6 +107,8 @@ def measure(served, prompts: list[list[int]], args) -> dict:
         "estimated_misses_added": d["ferry_speculative_estimated_misses_added_total"],
         "decode_step_ms": round(1e3 * after["ferry_speculative_decode_step_seconds"], 3),
         "chain_position_ms": round(1e3 * after["ferry_speculative_chain_position_seconds"], 3),
+        "steps": steps["ferry_scheduler_steps_total"],
+        "steps_ahead": steps["ferry_scheduler_steps_ahead_total"],
         "texts": texts,
     }
 
@@ -168,7 +176,8 @@ def main() -> int:
             f"[{args.workload}] oracle alpha {alpha:g}: {run['median_e2e_tok_s']} tok/s = {run['vs_off']}x off "
             f"({off['median_e2e_tok_s']} tok/s); acceptance {run['acceptance']}, mean k {run['mean_k']}, "
             f"same text {run['same_text_as_off']}; step {run['decode_step_ms']} ms, chain position "
-            f"{run['chain_position_ms']} ms",
+            f"{run['chain_position_ms']} ms; {run['steps_ahead']:g} of {run['steps']:g} steps ahead (off: "
+            f"{off['steps_ahead']:g} of {off['steps']:g})",
             flush=True,
         )
     off.pop("texts")

@@ -182,9 +182,10 @@ def _prompt_lookup(req: Request, k: int) -> list[int]:
     return propose_ngram(req.token_array.of(req.tokens), k)
 
 
-def _mtp_drafts(req: Request, k: int) -> list[int]:
-    """Up to k of the drafts the worker's MTP head chained after req's tokens (none where its tokens moved on)."""
-    return list(req.mtp_drafts[:k]) if req.mtp_drafts_at == len(req.tokens) else []
+def _mtp_drafts(req: Request, k: int) -> list[int] | None:
+    """Up to k of the drafts the worker's MTP head chained after req's tokens; None where no chain ran after them
+    (none was asked, or its tokens moved on): nothing was looked for."""
+    return list(req.mtp_drafts[:k]) if req.mtp_drafts_at == len(req.tokens) else None
 
 
 def _to_deepest_snapshot(chain: list[Node]) -> int:
@@ -202,7 +203,7 @@ class BatchScheduler:
         schedule_ahead_steps: int = DEFAULT_SCHEDULE_AHEAD_STEPS,
         speculative_method: str = "off",
         speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS,
-        drafter: Callable[[Request, int], list[int]] | None = None,
+        drafter: Callable[[Request, int], list[int] | None] | None = None,
     ):
         """`prefix_cache`: reuse cached prefixes (False: --no-prefix-cache, every prompt computed whole);
         `prefill_coalesce_s`: how long new prompts may wait for more (arrival_hold_s; 0: never);
@@ -544,10 +545,14 @@ class BatchScheduler:
         proposals = {}
         for e in entries:
             if self._draft_row(e) and (cap := self._draft_cap(e.req)) >= 1:
-                proposals[id(e)] = self.drafter(e.req, cap)
+                found = self.drafter(e.req, cap)
+                # a row that found none decodes plainly, scheduled ahead, until its next probe looks again
+                self.draft_length.looked(e.req.rid, None if found is None else len(found))
+                if found:
+                    proposals[id(e)] = found
         # the most drafts a row of the step carries so far, at least what the rows that have drafts agree to pay
         # together: the eager step, or with mtp those chain positions, are paid (draft_length.py)
-        drafting = [e.req for e in entries if proposals.get(id(e))]
+        drafting = [e.req for e in entries if id(e) in proposals]
         eager_paid = self._shared_paid(drafting, len(entries), step_tokens, self.speculative_tokens)
         for e in entries:
             if id(e) not in proposals:
@@ -978,8 +983,8 @@ class BatchScheduler:
                     out.tokens.append((req, t))
                     if (reason := self._finish_reason(req, t)) is not None:
                         break  # a stop or the length limit: the tokens after it are dropped
-                if e.mtp_drafts:  # the MTP head's drafts after the tokens just added
-                    req.mtp_drafts = tuple(t for t in mtp.get(req.rid, ())[: e.mtp_drafts] if t >= 0)
+                if e.mtp_drafts and req.rid in mtp:  # the MTP head's drafts after the tokens just added
+                    req.mtp_drafts = tuple(t for t in mtp[req.rid][: e.mtp_drafts] if t >= 0)
                     req.mtp_drafts_at = len(req.tokens)
                 if (lp := sampled_lps.get(req.rid)) is not None:
                     out.logprobs.append((req, lp))

@@ -29,7 +29,9 @@ drafts at least one token at once (within its first PROBE_EVERY decisions), sinc
 of a wide step from drafting. With k = 0 nothing is observed, so a request's plain decisions are followed by a
 one-token probe every PROBE_EVERY of them, or more where a probe costs more (its priced extra over the row's share
 of a step kept to PROBE_COST_SHARE of the decode time: with experts offloaded a probe's misses can cost a whole
-step), letting a request whose text starts repeating speculate again.
+step), letting a request whose text starts repeating speculate again. A lookup that finds no drafts (prompt lookup
+with no n-gram to continue) leaves the request dry: it expects none, so its rows are scheduled ahead, and it looks
+again when its probe comes due; looking every step would hold each step for the answer of the one before.
 
 Measured where the worker measures: a decode graph's replay (StepOutput.decode_step_s, on CUDA) stands for S once
 seen, misses and all, and an MTP chain's seconds a position (StepOutput.chain_position_s) for a chain position's
@@ -95,6 +97,7 @@ class _Acceptance:
     refused: float = ACCEPT_PRIOR[1]
     plain: int = 0
     observed: int = 0  # rows verified
+    dry: bool = False  # its last lookup found no drafts: it decodes plainly until its next probe looks again
 
     @property
     def rate(self) -> float:
@@ -303,8 +306,11 @@ class DraftLength:
 
     def expected(self, rid: int, rows: int, step_tokens: int, limit: int, eager_paid: int = 0) -> int:
         """The k `choose` would give request `rid`'s next row (at most `limit`), its state unchanged: what an MTP
-        chain is asked to make ahead of that row, since chain positions past the k chosen then are thrown away."""
+        chain is asked to make ahead of that row, since chain positions past the k chosen then are thrown away. A
+        request whose last lookup found nothing (`looked`) expects none until its probe comes due."""
         state = self._requests.get(rid) or _Acceptance()
+        if state.dry:
+            return int(limit >= 1 and state.plain + 1 >= self.probe_interval(rows, step_tokens, eager_paid))
         k = self.best(state.rate, rows, step_tokens, limit, eager_paid)
         if self._unmeasured(state):
             return max(k, min(limit, 1))
@@ -317,6 +323,20 @@ class DraftLength:
         `eager_paid` paid (what the step's rows agree to share, `shared_paid`): a row that would not may be
         scheduled ahead (batcher.schedule_ahead), as without speculation."""
         return self.expected(rid, rows, step_tokens, self.max_drafts, eager_paid) > 0
+
+    def looked(self, rid: int, found: int | None) -> None:
+        """Request `rid`'s row was looked up for drafts before a step: `found` drafts (> 0: `choose` decides it),
+        0 none (a plain decision, and it stays dry: scheduled ahead, it looks again only when a probe comes due,
+        since a lookup waits for the step before to answer), None nothing to look at (no MTP chain ran after its
+        tokens: a plain decision)."""
+        state = self._requests.setdefault(rid, _Acceptance())
+        if found:
+            state.dry = False
+            return
+        if found == 0:  # the lookup was the probe: the next one comes a probe interval on
+            state.dry, state.plain = True, 0
+        state.plain += 1
+        self.decisions += 1
 
     def plain(self, rid: int) -> None:
         """Request `rid`'s row went without drafts, undecided by `choose` (scheduled ahead): a plain decision."""

@@ -213,6 +213,63 @@ def test_a_request_held_at_no_drafts_is_scheduled_ahead_until_its_probe():
     assert set(probes) <= {0, 1} and sched.drafted_tokens == sum(drafted)
 
 
+def decode_all(sched: BatchScheduler) -> tuple[list[int], int, int]:
+    """Decode every running request to its end, each step scheduled ahead where the batcher allows: (drafts of
+    each step the full policy sent, steps sent ahead, steps in all)."""
+    in_flight: deque = deque()
+    drafted, ahead, steps = [], 0, 0
+    while sched.running:
+        if not sched.step_in_flight:
+            in_flight.append(batch := sched.schedule())
+            drafted.append(0 if batch.draft_lens is None else int(batch.draft_lens.sum()))
+        while (batch := sched.schedule_ahead()) is not None:
+            in_flight.append(batch)
+            ahead += 1
+        sched.complete(answer(in_flight.popleft()))
+        steps += 1
+    return drafted, ahead, steps
+
+
+def test_a_request_whose_lookups_find_nothing_is_scheduled_ahead_and_looks_again_at_its_probes():
+    """Prompt lookup over text with no n-gram to continue finds no drafts: the request, never measured, must not
+    hold every step for the answer of the one before (where its next lookup would wait): it decodes ahead as
+    without speculation, looking again once a probe interval, and drafts once its text gives something to find."""
+    looks: list[int] = []
+
+    def drafter(req, k):  # nothing to find until the request's 200th token
+        looks.append(len(req.tokens))
+        return [3] * k if len(req.tokens) - req.prompt_len >= 200 else []
+
+    sched = BatchScheduler(RESIDENT, speculative_method="ngram", speculative_tokens=K, drafter=drafter)
+    sched.add(1, b"t", 1, np.arange(10, 18, dtype=np.int32), SamplingParams(temperature=0), 300)
+    sched.complete(answer(sched.schedule()))  # the prompt
+    drafted, ahead, steps = decode_all(sched)
+    early = [n for n in looks if n - 8 < 200]
+    assert len(early) <= 200 / PROBE_EVERY + 2  # looked for at its probes, not every step
+    assert ahead > 0.8 * steps  # decoded ahead of the answers meanwhile
+    assert max(drafted) > 0 and sched.drafted_tokens == sum(drafted)  # found once there was something to find
+
+
+def test_an_mtp_row_whose_drafts_come_back_empty_asks_no_chain_until_its_probe():
+    """--speculative-method mtp with a drafter that finds nothing (the bench's oracle off its recorded path):
+    the rows stop asking the worker for chains whose drafts they would not get, and go ahead of the answers."""
+    sched = BatchScheduler(MTP_SMALL, speculative_method="mtp", speculative_tokens=K, drafter=lambda r, k: [])
+    sched.add(1, b"t", 1, np.arange(10, 18, dtype=np.int32), SamplingParams(temperature=0), 300)
+    in_flight: deque = deque([sched.schedule()])
+    asked = ahead = steps = 0
+    while sched.running or in_flight:
+        if not in_flight:
+            in_flight.append(sched.schedule())
+        while (batch := sched.schedule_ahead()) is not None:
+            in_flight.append(batch)
+            ahead += 1
+        batch = in_flight.popleft()
+        asked += 0 if batch.mtp_drafts is None else 1
+        sched.complete(mtp_answer(batch, 0))
+        steps += 1
+    assert asked <= 300 / PROBE_EVERY + 2 and ahead > 0.8 * steps
+
+
 # --speculative-method mtp: the MTP chain's bytes (plan/mtp_layer.py's MtpChainBytes). Qwen3.6's: a 248k x 2048 bf16
 # LM head (~1 GB a chain step), ~80 MB of the layer's dense weights, eight 6 MiB experts a row
 MTP_QWEN = pool(mtp_lm_head_bytes=248_320 * 2048 * 2, mtp_layer_bytes=80 << 20, mtp_row_expert_bytes=8 * (6 << 20))
