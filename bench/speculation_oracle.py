@@ -12,7 +12,8 @@ FERRY_BENCH_ORACLE_ALPHA. Each run: the same token-id prompts (each sent once fi
 stream at a time, greedy, ignore_eos; per stream the tokens over the request's whole time (`median_e2e_tok_s`, the
 figure compared: a verify's tokens arrive in one chunk, which a rate between chunks would misread) and
 bench/serve_openai.py's chunk rate beside it, with the scheduler's acceptance and mean k from /metrics, its steps and
-how many went ahead of the answer before them, and whether the text matched speculation off's. Writes OUT/spec_oracle_<workload>.json.
+how many went ahead of the answer before them, and whether the text matched speculation off's. Writes
+OUT/spec_oracle_<workload>.json.
 
     python3 -m bench spec-oracle --out out --workload 12layer [--alphas 0,0.6,0.8,0.9] [--speculative-tokens 4]
     python3 -m bench spec-oracle --out out --model DIR --serve-flags="--device cpu"   (a model of your own)

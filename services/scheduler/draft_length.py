@@ -20,18 +20,21 @@ a row is the j-th dependent pass of the MTP head's chain, the MTP layer's dense 
 (charged to the first row chaining that far: the rows after it pay only the positions past it), and the row's own
 routed experts in the layer. The head's K/V, which every step writes (in the decode graph for a plain step), are a
 few dense products a token: part of S, whatever k is.
-The chosen k maximises E(k) / (S/B + cost(k)) (tokens a second), k = 0 unless some k beats 1 / (S/B), where what rows
-before it in the step paid (the eager step, chain positions) is not charged again; the step's drafting rows first
-agree on what they pay together (`shared_paid`: the share that makes the whole step yield most, so that the first
-row does not bear alone what all share). At acceptance 0 every k > 0 loses, the estimate falls under the threshold
-within a few rows, and the row decodes plainly (scheduled ahead, as without speculation). A request not measured yet
-drafts at least one token at once (within its first PROBE_EVERY decisions), since its prior alone would keep a row
-of a wide step from drafting. With k = 0 nothing is observed, so a request's plain decisions are followed by a
-one-token probe every PROBE_EVERY of them, or more where a probe costs more (its priced extra over the row's share
-of a step kept to PROBE_COST_SHARE of the decode time: with experts offloaded a probe's misses can cost a whole
-step), letting a request whose text starts repeating speculate again. A lookup that finds no drafts (prompt lookup
-with no n-gram to continue) leaves the request dry: it expects none, so its rows are scheduled ahead, and it looks
-again when its probe comes due; looking every step would hold each step for the answer of the one before.
+The chosen k maximises E(k) / (S/B + cost(k)) (tokens a second), k = 0 unless some k beats 1 / (S/B), where what
+rows before it in the step paid (the eager step, chain positions) is not charged again; the step's drafting rows
+first agree on what they pay together (`shared_paid`: the share that makes the whole step yield most, so that the
+first row does not bear alone what all share). At acceptance 0 every k > 0 loses, the estimate falls under the
+threshold within a few rows, and the row decodes plainly (scheduled ahead, as without speculation). A new request's
+estimate starts from the server's (every request's rows, decayed the same way, weighing as much as the prior): where
+the last requests' drafts were refused, a new one does not pay a probe's eager step to find out again. Before any
+row was verified, a request not measured yet drafts at least one token at once (within its first PROBE_EVERY
+decisions), since the prior alone would keep a row of a wide step from drafting. With k = 0 nothing is observed, so
+a request's plain decisions are followed by a one-token probe every PROBE_EVERY of them, or more where a probe costs
+more (its priced extra over the row's share of a step kept to PROBE_COST_SHARE of the decode time: with experts
+offloaded a probe's misses can cost a whole step), letting a request whose text starts repeating speculate again. A
+lookup that finds no drafts (prompt lookup with no n-gram to continue) leaves the request dry: it expects none, so
+its rows are scheduled ahead, and it looks again when its probe comes due; looking every step would hold each step
+for the answer of the one before.
 
 Measured where the worker measures: a decode graph's replay (StepOutput.decode_step_s, on CUDA) stands for S once
 seen, misses and all, and an MTP chain's seconds a position (StepOutput.chain_position_s) for a chain position's
@@ -183,6 +186,8 @@ class DraftLength:
     decode_step_s: float | None = None  # a decode graph's replay, measured (note_step_costs); None: not yet
     chain_position_s: float | None = None  # an MTP chain position, measured (note_step_costs); None: not yet
     _requests: dict[int, _Acceptance] = field(default_factory=dict)
+    # every request's verified rows, decayed as a request's are: where a new request's estimate starts (`_fresh`)
+    _served: _Acceptance = field(default_factory=_Acceptance)
     _lookups: tuple[int, int] | None = None  # the worker's last (hits, misses), cumulative
     # metrics, since the scheduler adopted the worker: rows decided, drafts chosen over them, misses the drafts sent
     # were expected to add
@@ -191,7 +196,7 @@ class DraftLength:
     estimated_misses_added: float = 0.0
 
     def acceptance(self, rid: int) -> float:
-        return self._requests.setdefault(rid, _Acceptance()).rate
+        return self._state(rid).rate
 
     def current_miss_rate(self) -> float:
         if self.miss_rate is not None:
@@ -281,17 +286,33 @@ class DraftLength:
         share = self.step_s(step_tokens) / max(rows, 1)
         return max(PROBE_EVERY, math.ceil(self.extra_s(step_tokens, 1, eager_paid) / (PROBE_COST_SHARE * share)))
 
-    @staticmethod
-    def _unmeasured(state: _Acceptance) -> bool:
-        """A request none of whose rows was verified yet, within its first PROBE_EVERY decisions: it drafts at
-        least one token at once, to be measured (its prior alone would keep a row of a wide step from drafting
-        until its first probe, which a short request never reaches)."""
-        return state.observed == 0 and state.plain < PROBE_EVERY
+    def _unmeasured(self, state: _Acceptance) -> bool:
+        """A request none of whose rows was verified yet, within its first PROBE_EVERY decisions, while no row of
+        any request was: it drafts at least one token at once, to be measured (the prior alone would keep a row of
+        a wide step from drafting until its first probe, which a short request never reaches). Once rows were
+        verified, a new request starts from what they showed (`_fresh`)."""
+        return state.observed == 0 and state.plain < PROBE_EVERY and self._served.observed == 0
+
+    def _fresh(self) -> _Acceptance:
+        """A new request's estimate: the server's (`_served`, every request's rows decayed), weighing as much as
+        the prior, or the prior itself before any row was verified: one request's first rows should not pay a
+        probe's eager step each where the last requests' drafts were refused."""
+        served = self._served
+        if served.observed == 0:
+            return _Acceptance()
+        weight = sum(ACCEPT_PRIOR) / (served.kept + served.refused)
+        return _Acceptance(kept=served.kept * weight, refused=served.refused * weight)
+
+    def _state(self, rid: int) -> _Acceptance:
+        state = self._requests.get(rid)
+        if state is None:
+            state = self._requests[rid] = self._fresh()
+        return state
 
     def choose(self, rid: int, rows: int, step_tokens: int, limit: int, eager_paid: int = 0) -> int:
         """Drafts for request `rid`'s row now (at most `limit`, what the step leaves), counted in the metrics;
         `eager_paid`: the most drafts a row before it in the step carries (`best`)."""
-        state = self._requests.setdefault(rid, _Acceptance())
+        state = self._state(rid)
         k = self.best(state.rate, rows, step_tokens, limit, eager_paid)
         if self._unmeasured(state):
             k = max(k, min(limit, 1))  # at least a probe's one draft, at once
@@ -308,7 +329,7 @@ class DraftLength:
         """The k `choose` would give request `rid`'s next row (at most `limit`), its state unchanged: what an MTP
         chain is asked to make ahead of that row, since chain positions past the k chosen then are thrown away. A
         request whose last lookup found nothing (`looked`) expects none until its probe comes due."""
-        state = self._requests.get(rid) or _Acceptance()
+        state = self._requests.get(rid) or self._fresh()
         if state.dry:
             return int(limit >= 1 and state.plain + 1 >= self.probe_interval(rows, step_tokens, eager_paid))
         k = self.best(state.rate, rows, step_tokens, limit, eager_paid)
@@ -329,7 +350,7 @@ class DraftLength:
         0 none (a plain decision, and it stays dry: scheduled ahead, it looks again only when a probe comes due,
         since a lookup waits for the step before to answer), None nothing to look at (no MTP chain ran after its
         tokens: a plain decision)."""
-        state = self._requests.setdefault(rid, _Acceptance())
+        state = self._state(rid)
         if found:
             state.dry = False
             return
@@ -340,22 +361,22 @@ class DraftLength:
 
     def plain(self, rid: int) -> None:
         """Request `rid`'s row went without drafts, undecided by `choose` (scheduled ahead): a plain decision."""
-        self._requests.setdefault(rid, _Acceptance()).plain += 1
+        self._state(rid).plain += 1
         self.decisions += 1
 
     def sent(self, rid: int, step_tokens: int, drafts: int) -> None:
         """A row of `drafts` drafts goes out in a step of `step_tokens` tokens before it: the misses it adds."""
         self.estimated_misses_added += self.misses_added(step_tokens, drafts)
-        self._requests.setdefault(rid, _Acceptance()).plain = 0
+        self._state(rid).plain = 0
 
     def observe(self, rid: int, drafts: int, kept: int) -> None:
         """A verified row of `drafts` drafts kept `kept` (a prefix): the request's estimate moves."""
         if drafts <= 0:
             return
-        state = self._requests.setdefault(rid, _Acceptance())
-        state.observed += 1
-        state.kept = DECAY * state.kept + kept
-        state.refused = DECAY * state.refused + (1 if kept < drafts else 0)
+        for state in (self._state(rid), self._served):
+            state.observed += 1
+            state.kept = DECAY * state.kept + kept
+            state.refused = DECAY * state.refused + (1 if kept < drafts else 0)
 
     def forget(self, rid: int) -> None:
         self._requests.pop(rid, None)

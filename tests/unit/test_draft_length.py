@@ -143,27 +143,53 @@ def test_a_wider_step_needs_a_higher_acceptance_and_the_limit_binds():
 
 def test_the_eager_step_is_paid_once_and_an_unmeasured_request_drafts_once():
     """In a wide step the first drafting row pays for the eager step; the rows after it draft for their own
-    positions' cost alone. A request never measured drafts at once (its prior alone would not, here)."""
+    positions' cost alone. Before any row was verified a request never measured drafts at once (its prior alone
+    would not, here)."""
     ctl = DraftLength(K, ExpertPrices.of(RESIDENT))
     assert ctl.best(0.7, rows=8, step_tokens=8, limit=K) == 0
     assert ctl.best(0.7, rows=8, step_tokens=8, limit=K, eager_paid=True) > 0
-    assert ctl.choose(3, rows=8, step_tokens=8, limit=K) == 1  # unmeasured: a probe at once
-    ctl.sent(3, 8, 1)
-    ctl.observe(3, 1, 0)
-    assert ctl.choose(3, rows=8, step_tokens=8, limit=K) == 0  # measured: its estimate decides
     ctl.choose(4, rows=8, step_tokens=8, limit=K)  # unmeasured, no drafts proposed: asked again
     assert ctl.would_draft(4, rows=8, step_tokens=8) and ctl.choose(4, rows=8, step_tokens=8, limit=K) == 1
     for _ in range(PROBE_EVERY):  # never a draft to send: after PROBE_EVERY decisions it waits for its probes
         ctl.choose(4, rows=8, step_tokens=8, limit=K)
     assert not ctl.would_draft(4, rows=8, step_tokens=8)
+    assert ctl.choose(3, rows=8, step_tokens=8, limit=K) == 1  # unmeasured: a probe at once
+    ctl.sent(3, 8, 1)
+    ctl.observe(3, 1, 0)
+    assert ctl.choose(3, rows=8, step_tokens=8, limit=K) == 0  # measured: its estimate decides
 
 
-def test_a_request_forgotten_starts_again_from_the_prior():
+def test_a_new_request_starts_from_what_the_servers_rows_showed():
+    """Once rows were verified a new request's estimate is the server's (all requests' rows, decayed), weighing as
+    much as the prior: after refused drafts a new request does not probe at once (each probe an eager step), after
+    kept ones it drafts all it may from its first row."""
+    ctl = DraftLength(K, ExpertPrices.of(RESIDENT))
+    assert ctl.acceptance(1) == 0.7
+    run(ctl, 20, alpha=0.0)  # request 7's drafts refused
+    assert ctl.acceptance(1) == 0.7  # known before: its own estimate
+    assert ctl.acceptance(2) < 0.2 and ctl.choose(2, rows=1, step_tokens=1, limit=K) == 0
+    assert not ctl.would_draft(3, rows=1, step_tokens=1)
+    for rid in range(10, 30):  # requests whose drafts are all kept
+        ctl.sent(rid, 1, K)
+        ctl.observe(rid, K, K)
+    assert ctl.acceptance(40) > 0.9 and ctl.choose(40, rows=1, step_tokens=1, limit=K) == K
+    # the estimate weighs as much as the prior: a new request's own refused rows move it as fast
+    fresh = DraftLength(K, ExpertPrices.of(RESIDENT))
+    for c in (ctl, fresh):
+        c.observe(41, K, 0)
+    assert ctl.acceptance(41) > fresh.acceptance(41)
+    assert ctl._requests[41].kept + ctl._requests[41].refused == pytest.approx(
+        fresh._requests[41].kept + fresh._requests[41].refused
+    )
+
+
+def test_a_request_forgotten_starts_again_from_what_the_server_saw():
     ctl = DraftLength(K, ExpertPrices.of(RESIDENT))
     run(ctl, 20, alpha=0.0)
     assert ctl.acceptance(7) < 0.2
     ctl.forget(7)
-    assert ctl.acceptance(7) == 0.7
+    assert ctl.acceptance(7) == ctl.acceptance(8) < 0.2
+    assert DraftLength(K, ExpertPrices.of(RESIDENT)).acceptance(7) == 0.7
 
 
 def test_a_request_that_starts_repeating_is_found_again_by_the_probes():
