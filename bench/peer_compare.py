@@ -7,8 +7,9 @@ device-memory line (default 24 GiB, as nvidia-smi counts a process: its CUDA con
    served to both engines. The expert names are checked against those FreeToken's Qwen3.5/3.6 NVFP4 reader matches
    (`model.language_model.layers.N.mlp.experts.E.*`) before the checkpoint is written and again on its index: a
    checkpoint it cannot read stops the run with that said. `--num-layers N --format bf16` serves a cut instead: bf16
-   experts in the layout FreeToken reads for the family (Qwen3.5/3.6 fused, Qwen3-MoE per expert), e.g. the decode
-   suite's cuts at their flags:
+   experts in the layout FreeToken reads for the family (Qwen3.5/3.6 fused, Qwen3-MoE per expert; gpt-oss with
+   `--format mxfp4`, fused as openai publishes it; GLM-4 MoE it reads only with NVFP4 dense MLPs, which the
+   checkpoint does not have: refused before writing), e.g. the decode suite's cuts at their flags:
 
        --config tests/data/models/qwen3-30b-a3b/config.json --num-layers 12 --format bf16 --memory-line 12GiB \
        --ferry-args "--moe-cache-size 512 --max-running-requests 8" --freetoken-args "--moe-cache-size 512"
@@ -69,6 +70,11 @@ FUSED_EXPERT_KEY = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
 # FreeToken 0.1.2's Qwen3.5/3.6 bf16 experts (freetoken/models/qwen3_5_moe/weight.py, _PACKED_EXPERT_PATTERN, after
 # its rename of model.language_model. to model.)
 FREETOKEN_FUSED_KEY = re.compile(r"^model\.language_model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)$")
+# FreeToken 0.1.2's gpt-oss reader (freetoken/models/gpt_oss/weight.py): mxfp4 experts only, each MoE layer's as these
+# six fused tensors (openai's release), and no other name under .mlp.experts.
+FREETOKEN_GPT_OSS_PARTS = tuple(
+    f"{p}_{leaf}" for p in ("gate_up_proj", "down_proj") for leaf in ("blocks", "scales", "bias")
+)
 
 
 def size_mib(text: str, flag: str) -> float:
@@ -125,6 +131,27 @@ def freetoken_layout_problem(config: dict, weight_map: dict[str, str]) -> str | 
                 f"host expert banks would get none of them"
             )
         return None
+    if arch.startswith("GptOss"):
+        if quant.get("quant_method") != "mxfp4":
+            return "FreeToken 0.1.2 serves gpt-oss only with mxfp4 experts (quantization_config.quant_method mxfp4)"
+        if experts:
+            return (
+                "FreeToken 0.1.2 reads gpt-oss's experts only fused, as openai publishes them "
+                "('model.layers.N.mlp.experts.gate_up_proj_blocks' ...): write the checkpoint with "
+                "`make-bench-model --format mxfp4 --expert-layout fused`"
+            )
+        layers = {n.split(".mlp.experts.")[0] for n in weight_map if ".mlp.experts." in n}
+        missing = [f"{layer}.mlp.experts.{part}" for layer in sorted(layers) for part in FREETOKEN_GPT_OSS_PARTS]
+        missing = [n for n in missing if n not in weight_map]
+        if not layers or missing:
+            return f"FreeToken 0.1.2 needs each MoE layer's six fused mxfp4 tensors (missing e.g. {missing[:1]})"
+        return None
+    if arch.startswith("Glm4Moe") and config.get("first_k_dense_replace", 0) > 0:
+        return (
+            "FreeToken 0.1.2 reads GLM-4 MoE only in NVFP4 with its dense MLPs and shared experts quantized too "
+            "(freetoken/models/glm4_moe/weight.py), while make-bench-model keeps the dense layers' MLPs bf16 "
+            "(services/quantized_checkpoint.py), so it would not find their weight_scale"
+        )
     if quant:
         return None
     if arch.startswith("Qwen3_5Moe"):
@@ -144,10 +171,11 @@ def freetoken_layout_problem(config: dict, weight_map: dict[str, str]) -> str | 
 
 
 def expert_layout(config: dict, fmt: str) -> str:
-    """The routed experts' layout FreeToken reads for this config and format: Qwen3.5/3.6 bf16 fused, else per
-    expert."""
+    """The routed experts' layout FreeToken reads for this config and format: Qwen3.5/3.6 bf16 and gpt-oss fused,
+    else per expert."""
     arch = (config.get("architectures") or [""])[0]
-    return "fused" if fmt == "bf16" and arch.startswith("Qwen3_5Moe") else "per-expert"
+    fused = (fmt == "bf16" and arch.startswith("Qwen3_5Moe")) or arch.startswith("GptOss")
+    return "fused" if fused else "per-expert"
 
 
 def planned_expert_names(config_path: str | Path, num_layers: int | None = None, layout: str = "per-expert"):
@@ -164,7 +192,9 @@ def planned_expert_names(config_path: str | Path, num_layers: int | None = None,
         names = list(routed_expert_shapes(load_model_config(d)))
     if layout == "fused":
         layers = {m[1] for n in names if (m := PER_EXPERT_NAME.fullmatch(n))}
-        names = [f"{layer}.{t}" for layer in sorted(layers) for t in ("gate_up_proj", "down_proj")]
+        # gpt-oss's published layout, quantized or not: its parts with their biases (FusedExperts)
+        parts = FREETOKEN_GPT_OSS_PARTS if config.get("model_type") == "gpt_oss" else ("gate_up_proj", "down_proj")
+        names = [f"{layer}.{t}" for layer in sorted(layers) for t in parts]
     return {named(n): "" for n in names}
 
 
@@ -464,10 +494,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-layers", type=int, default=None, help="serve a cut: the config's first N decoder layers")
     p.add_argument(
         "--format",
-        choices=("nvfp4", "bf16"),
+        choices=("nvfp4", "bf16", "mxfp4"),
         default="nvfp4",
-        help="the checkpoint's experts: nvfp4 (default, modelopt's layout) or bf16 (Qwen3.5/3.6's fused layout, "
-        "Qwen3-MoE's per-expert one: what FreeToken reads)",
+        help="the checkpoint's experts: nvfp4 (default, modelopt's layout), bf16 (Qwen3.5/3.6's fused layout, "
+        "Qwen3-MoE's per-expert one) or mxfp4 (gpt-oss's, fused as openai publishes it): what FreeToken reads",
     )
     p.add_argument("--streams", default="1,8", help="the client's stream counts, comma-separated")
     p.add_argument(
@@ -714,6 +744,8 @@ def main(argv: list[str] | None = None) -> int:
     planned = json.loads(Path(args.config).read_text())
     if args.format == "nvfp4":
         planned |= {"quantization_config": {"quant_algo": "NVFP4"}}
+    elif args.format == "mxfp4":
+        planned |= {"quantization_config": {"quant_method": "mxfp4"}}
     layout = expert_layout(planned, args.format)
     problem = freetoken_layout_problem(planned, planned_expert_names(args.config, args.num_layers, layout))
     if problem:  # before minutes of writing a checkpoint the peer cannot read

@@ -71,37 +71,49 @@ class FusedExperts:
     """Collects a layer's per-expert tensors (they come layer by layer, expert by expert) and gives the layer's
     fused tensors once every part of its experts is in, as the model's family stores them
     (`DecoderFamily.fused_expert_tensors`: transformers' gate_up_proj [E, 2I, H] and down_proj [E, H, I] by
-    default; gpt-oss's transposed, interleaved layout with its biases)."""
+    default; gpt-oss's transposed, interleaved layout with its biases; quantized experts where the family
+    publishes them fused, `fused_quantized_expert_tensors`: gpt-oss's mxfp4 blocks and scales)."""
 
     def __init__(self, spec):
         from ferry.services.worker.models.registry import family_named
 
         self.spec, self.family = spec, family_named(spec.arch)
         self.parts_per_expert = 6 if spec.expert_bias else 3
-        self.parts: dict[str, dict[int, dict[str, object]]] = {}
+        # layer prefix -> expert -> "gate.weight" (a source tensor) -> {its tensors' leaves: tensor}
+        self.parts: dict[str, dict[int, dict[str, dict[str, object]]]] = {}
         self.complete: dict[str, int] = {}  # experts of a layer with every part in
 
-    def take(self, match: re.Match, tensor) -> dict:
+    def take(self, match: re.Match, tensors: dict) -> dict:
+        """One source tensor's (`match`: its per-expert name) tensors as written: {} until its layer is complete,
+        then the layer's fused tensors. Quantized, a linear's weight is several tensors (its leaves)."""
         import torch
 
         prefix, expert = match[1], int(match[2])
         parts = self.parts.setdefault(prefix, {}).setdefault(expert, {})
-        parts[f"{match[3]}.{match[4]}"] = tensor.cpu()
+        module = match[0].rsplit(".", 1)[0]  # ...experts.E.gate_proj: its tensors are module.weight, .weight_blocks
+        parts[f"{match[3]}.{match[4]}"] = {n[len(module) + 1 :]: t.cpu() for n, t in tensors.items()}
         if len(parts) == self.parts_per_expert:
             self.complete[prefix] = self.complete.get(prefix, 0) + 1
         if self.complete.get(prefix) != self.spec.num_experts:
             return {}
         layer = self.parts.pop(prefix)
         experts = [layer[e] for e in range(self.spec.num_experts)]
-        gate_up = torch.stack([torch.cat([p["gate.weight"], p["up.weight"]]) for p in experts])
-        down = torch.stack([p["down.weight"] for p in experts])
         bias = None
         if self.spec.expert_bias:
             bias = (
-                torch.stack([torch.cat([p["gate.bias"], p["up.bias"]]) for p in experts]),
-                torch.stack([p["down.bias"] for p in experts]),
+                torch.stack([torch.cat([p["gate.bias"]["bias"], p["up.bias"]["bias"]]) for p in experts]),
+                torch.stack([p["down.bias"]["bias"] for p in experts]),
             )
-        return self.family.fused_expert_tensors(self.spec, prefix, gate_up, down, bias)
+        leaves = {
+            leaf: (
+                torch.stack([torch.cat([p["gate.weight"][leaf], p["up.weight"][leaf]]) for p in experts]),
+                torch.stack([p["down.weight"][leaf] for p in experts]),
+            )
+            for leaf in experts[0]["gate.weight"]
+        }
+        if set(leaves) == {"weight"}:
+            return self.family.fused_expert_tensors(self.spec, prefix, *leaves["weight"], bias)
+        return self.family.fused_quantized_expert_tensors(self.spec, prefix, leaves, bias)
 
 
 # Random weights take a while (Qwen3-30B-A3B cut to a few layers: 3.5 GiB in about 20 s): progress on
@@ -190,14 +202,14 @@ def write_random_weights(
 
     if expert_layout not in EXPERT_LAYOUTS:
         raise ValueError(f"--expert-layout must be one of {', '.join(EXPERT_LAYOUTS)}, got {expert_layout!r}")
-    if expert_layout == "fused" and fmt:
-        raise ValueError("--expert-layout fused is a bf16 layout: quantized experts are stored per expert")
     fused = FusedExperts(spec) if expert_layout == "fused" else None
+    if fused is not None and fmt:  # refused now, before gigabytes are drawn, where the family has no such layout
+        fused.family.fused_quantized_expert_tensors(spec, "", {}, None)
     for name, shape in shapes.items():
         t = dummy_tensor(spec, name, shape, TORCH_DTYPES[dtype], torch.device(device), seed, routing_skew)
         tensors = quantize_tensors(fmt, {name: t}) if fmt else {name: t}
         if fused is not None and (m := PER_EXPERT_NAME.fullmatch(name)):
-            tensors = fused.take(m, t)
+            tensors = fused.take(m, tensors)
         for n, q in tensors.items():
             shard[named(n)] = q.cpu().contiguous()
             shard_bytes += q.nbytes
@@ -324,7 +336,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="per-expert",
         help="with --weights random: per-expert (default) names each expert's projections, "
         "layers.N.mlp.experts.E.{gate,up,down}_proj.weight; fused stores a layer's experts as two tensors, "
-        "experts.gate_up_proj and experts.down_proj (bf16 only), as transformers saves them",
+        "experts.gate_up_proj and experts.down_proj, as transformers saves them (quantized only where the family "
+        "publishes them fused: gpt-oss's experts.gate_up_proj_blocks and the rest, as openai does)",
     )
     parser.add_argument("--generate-on", default="cpu", help="device that draws the random weights (cpu, cuda)")
     parser.add_argument(

@@ -24,8 +24,10 @@
 #                (peer_compare_<card>.json). FreeToken's wheels come in .peer/, installed into /tmp/ft, its
 #                PYTHONPATH alone. PEER_ARGS passes more flags (e.g. "--ferry-load-format auto"); the checkpoint
 #                (~20 GB in $TMPDIR) is reused by a second call on the same warm machine                ~9 min
-#   PART=peercuts a decode-suite cut (bf16 at 12 GiB, its slots) beside FreeToken with the same slots: TTFT-2k and one
-#                stream (peer_compare_<card>_<N>layers_bf16.json); PEER_CUTS=12layer (default) or hybrid8, one a call:
+#   PART=peercuts a cut at 12 GiB beside FreeToken with the same slots: TTFT-2k and one stream (PEERCUTS_STREAMS=1,8
+#                adds 8; peer_compare_<card>_<N>layers_<format>.json); PEER_CUTS=12layer (default) or hybrid8 (the
+#                suite's bf16 cuts, their slots) or gptoss12 (gpt-oss-120b's first 12 layers in mxfp4, 512 of 1,536
+#                slots, as openai publishes the experts), one a call:
 #                a cut's checkpoint, Ferry's boot and FreeToken's (90-120 s, its graphs and warm-up) take ~5-6 min;
 #                .peer as for PART=peer; PEERCUTS_BUDGET_S (default 540) bounds a cut, for a call with less time left
 #   PART=long    the 262k-token TTFT (decode_suite's long_context_36b; LONG_VARIANTS picks its variants)  ~4-5 min a variant
@@ -208,18 +210,19 @@ PY
       python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/ft .peer/*.whl \
         > "$OUT/peer_install.log" 2>&1 || echo "FreeToken's wheels did not install (peer_install.log)"
       for cut in ${PEER_CUTS:-12layer}; do
-        case "$cut" in
-          12layer) set -- qwen3-30b-a3b 12 512 ;;
-          hybrid8) set -- qwen3.6-35b-a3b 8 640 ;;
-          *) echo "PEER_CUTS: $cut is not 12layer or hybrid8"; continue ;;
+        case "$cut" in  # config folder, layers, slots (a third of the cut's experts or the suite's), experts' format
+          12layer) set -- qwen3-30b-a3b 12 512 bf16 ;;
+          hybrid8) set -- qwen3.6-35b-a3b 8 640 bf16 ;;
+          gptoss12) set -- gpt-oss-120b 12 512 mxfp4 ;;
+          *) echo "PEER_CUTS: $cut is not 12layer, hybrid8 or gptoss12"; continue ;;
         esac
         timeout $(( ${PEERCUTS_BUDGET_S:-540} + 20 )) python3 bench/peer_compare.py --out "$OUT" --freetoken-site /tmp/ft \
           --budget-s "${PEERCUTS_BUDGET_S:-540}" \
-          --config "tests/data/models/$1/config.json" --num-layers "$2" --format bf16 --memory-line 12GiB \
-          --streams 1 --repeats 2 --ferry-args "--moe-cache-size $3 --max-running-requests 8" \
+          --config "tests/data/models/$1/config.json" --num-layers "$2" --format "$4" --memory-line 12GiB \
+          --streams "${PEERCUTS_STREAMS:-1}" --repeats 2 --ferry-args "--moe-cache-size $3 --max-running-requests 8" \
           --freetoken-args "--moe-cache-size $3" > "$OUT/peer_compare_$1_$2.log" 2>&1; echo "peer $1 $2 rc=$?"
         tail -6 "$OUT/peer_compare_$1_$2.log"
-        rm -rf "/tmp/peer_ckpt_bf16_$1_$2layers"  # the disk holds one cut's checkpoint at a time
+        rm -rf "/tmp/peer_ckpt_$4_$1_$2layers"  # the disk holds one cut's checkpoint at a time
       done
     fi ;;
   oracle)  # speculation's decode tok/s at set acceptance rates against speculation off, one workload after another

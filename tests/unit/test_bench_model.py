@@ -149,10 +149,11 @@ def test_fused_experts_are_the_per_expert_checkpoint_stacked_as_transformers_sav
     assert torch.equal(logits[0][0], logits[1][0])  # Ferry reads both layouts as the same model
 
 
-def test_a_fused_layout_is_bf16_only(tiny_models, tmp_path):
+def test_a_fused_layout_of_quantized_experts_is_refused_where_the_family_publishes_none(tiny_models, tmp_path):
     out = write_bench_model(tmp_path / "q", _qwen36_wrapper(tiny_models, tmp_path))
-    with pytest.raises(ValueError, match="--expert-layout fused is a bf16 layout"):
+    with pytest.raises(ValueError, match="publishes no fused layout of quantized experts"):
         write_random_weights(out, dtype="float32", fmt="nvfp4", expert_layout="fused")
+    assert not list(out.glob("*.safetensors"))  # refused before any weight was drawn
 
 
 def test_the_command_refuses_skew_without_weights(tmp_path):

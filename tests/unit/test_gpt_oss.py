@@ -561,6 +561,34 @@ def test_mxfp4_gpt_oss_equals_its_dequantized_weights_resident_and_offloaded(gpt
         assert dummy["plan"]["experts"]["format"] == "mxfp4" and all(math.isfinite(lp) for lp in dummy["logprobs"])
 
 
+def test_make_bench_model_writes_mxfp4_gpt_oss_fused_as_openai_publishes_it(gpt_oss_checkpoint, tmp_path, capsys):
+    """`make-bench-model --format mxfp4 --expert-layout fused`: the routed experts as openai's release stores them
+    (the six tensors a layer other engines' gpt-oss readers require, `openai_layout` above), the same model as the
+    per-expert checkpoint of the same draw."""
+    from safetensors.torch import load_file
+
+    from ferry.plan.model_config import load_model_config
+    from ferry.services.bench_model import write_bench_model, write_random_weights
+    from ferry.services.worker.checkpoint import iter_checkpoint_tensors
+
+    per_expert = write_bench_model(tmp_path / "p", gpt_oss_checkpoint / "config.json")
+    fused = write_bench_model(tmp_path / "f", gpt_oss_checkpoint / "config.json")
+    write_random_weights(per_expert, dtype="float32", fmt="mxfp4")
+    write_random_weights(fused, dtype="float32", fmt="mxfp4", expert_layout="fused")
+    spec = load_model_config(fused)
+    written = {}
+    for shard in sorted(fused.glob("*.safetensors")):
+        written.update(load_file(str(shard)))
+    quantized = dict(iter_checkpoint_tensors(per_expert, lambda name: True, "checkpoint", progress=False))
+    want = {n: t for n, t in openai_layout(spec, quantized).items() if ".mlp.experts." in n}
+    got = {n: t for n, t in written.items() if ".mlp.experts." in n}
+    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+    e, i, h = spec.num_experts, spec.moe_intermediate_size, spec.hidden_size
+    assert got["model.layers.0.mlp.experts.gate_up_proj_blocks"].shape == (e, 2 * i, h // 32, 16)
+    assert got["model.layers.0.mlp.experts.down_proj_scales"].shape == (e, h, i // 32)
+    assert ferry_generate(capsys, fused, *ARGS) == ferry_generate(capsys, per_expert, *ARGS)
+
+
 def test_ferry_plan_prices_the_published_mxfp4_gpt_oss_120b_with_its_biases():
     """The release as published (quantization_config mxfp4): each slot row holds e2m1 codes, e8m0 scales of 32
     inputs and the float32 biases, each part at 16 bytes; auto's backend as this machine's cores decide it (the

@@ -108,6 +108,38 @@ def test_the_names_make_bench_model_writes_for_the_35b_are_checked_before_it_wri
     assert pc.freetoken_layout_problem(config, names) is None
 
 
+def test_gpt_oss_is_checked_as_freetoken_reads_it_fused_mxfp4_and_glm_is_refused_before_writing(tmp_path):
+    """FreeToken 0.1.2 reads gpt-oss only as openai publishes it (mxfp4, six fused tensors a MoE layer): the
+    planned names of the 12-layer gpt-oss-120b cut pass, per-expert or bf16 ones do not, and what make-bench-model
+    writes fused for a tiny gpt-oss is what the check planned. GLM-4 MoE it reads only with its dense MLPs in NVFP4,
+    which make-bench-model keeps bf16: said before anything is written."""
+    from ferry.services.bench_model import write_bench_model, write_random_weights
+    from ferry.services.make_tiny_model import make_tiny_model
+
+    gpt_oss = "tests/data/models/gpt-oss-120b/config.json"
+    config = json.loads(open(gpt_oss).read()) | {"quantization_config": {"quant_method": "mxfp4"}}
+    assert pc.expert_layout(config, "mxfp4") == "fused"
+    names = pc.planned_expert_names(gpt_oss, num_layers=12, layout="fused")
+    assert len(names) == 12 * 6 and "model.layers.11.mlp.experts.down_proj_scales" in names
+    assert pc.freetoken_layout_problem(config, names) is None
+    assert "six fused" in pc.freetoken_layout_problem(config, dict(list(names.items())[1:]))
+    per_expert = pc.planned_expert_names(gpt_oss, num_layers=12)
+    assert "--expert-layout fused" in pc.freetoken_layout_problem(config, per_expert)
+    bf16 = {k: v for k, v in config.items() if k != "quantization_config"}
+    assert "only with mxfp4" in pc.freetoken_layout_problem(bf16, names)
+    tiny = make_tiny_model(tmp_path / "tiny", "gpt_oss", seed=0)
+    out = write_bench_model(tmp_path / "w", tiny / "config.json")
+    write_random_weights(out, dtype="float32", fmt="mxfp4", expert_layout="fused")
+    written = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert {n for n in written if ".mlp.experts." in n} == set(
+        pc.planned_expert_names(tiny / "config.json", None, "fused")
+    )
+    assert pc.freetoken_layout_problem(json.loads((out / "config.json").read_text()), written) is None
+    glm = "tests/data/models/glm-4.5-air/config.json"
+    glm_config = json.loads(open(glm).read()) | {"quantization_config": {"quant_algo": "NVFP4"}}
+    assert "dense MLPs" in pc.freetoken_layout_problem(glm_config, pc.planned_expert_names(glm, num_layers=12))
+
+
 def test_nvidia_smis_rows_are_summed_over_the_engines_session_alone():
     apps = pc.parse_compute_apps("101, 20000\n102, 1500\n7, [N/A]\n\n300, 900\nNo running processes found\n")
     assert apps == [(101, 20000.0), (102, 1500.0), (300, 900.0)]

@@ -145,6 +145,21 @@ class DecoderFamily(ABC):
             tensors[f"{prefix}.gate_up_proj_bias"], tensors[f"{prefix}.down_proj_bias"] = bias
         return tensors
 
+    def fused_quantized_expert_tensors(
+        self,
+        spec: ModelSpec,
+        prefix: str,
+        leaves: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        bias: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> dict[str, torch.Tensor]:
+        """`fused_expert_tensors` for quantized experts: `leaves` maps each tensor of a quantized linear (its name
+        after the projection, e.g. `weight_blocks`) to (gate_up [E, 2I, ...] (gate rows, then up rows), down
+        [E, H, ...]). Only a family whose published checkpoints fuse quantized experts has such a layout."""
+        raise ValueError(
+            f"{spec.arch} publishes no fused layout of quantized experts: write them per expert (--expert-layout "
+            "per-expert)"
+        )
+
 
 class CausalLM(nn.Module):
     """Embedding, the family's decoder layers, final norm and head.

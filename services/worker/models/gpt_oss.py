@@ -65,5 +65,20 @@ class GptOss(DecoderFamily):
             tensors[f"{prefix}.down_proj_bias"] = bias[1]
         return tensors
 
+    def fused_quantized_expert_tensors(self, spec, prefix, leaves, bias) -> dict[str, torch.Tensor]:
+        """openai's release: per layer `experts.gate_up_proj_blocks` [E, 2I, H/32, 16] and `_scales` [E, 2I, H/32]
+        untransposed, the gate's and the up's rows interleaved, `down_proj_blocks` / `_scales` [E, H, ...] (a
+        linear's `weight_blocks` published as `_blocks`), and the biases as `fused_expert_tensors` stores them."""
+        tensors = {}
+        for leaf, (gate_up, down) in leaves.items():
+            suffix = leaf.removeprefix("weight")
+            gate, up = gate_up.chunk(2, dim=1)
+            tensors[f"{prefix}.gate_up_proj{suffix}"] = torch.stack([gate, up], dim=2).flatten(1, 2).contiguous()
+            tensors[f"{prefix}.down_proj{suffix}"] = down.contiguous()
+        if bias is not None:
+            tensors[f"{prefix}.gate_up_proj_bias"] = interleaved(bias[0]).contiguous()
+            tensors[f"{prefix}.down_proj_bias"] = bias[1]
+        return tensors
+
 
 register(GptOss("gpt_oss"))
