@@ -28,9 +28,11 @@ sys.path.insert(0, str(ROOT))
 from bench.cpu_steal import StealMeter  # noqa: E402
 from bench.long_context import LONG_PROMPT  # noqa: E402
 from bench.serve_process import make_bench_model, start_serve  # noqa: E402
+from ferry.services.bench_model import GGUF_PREFIX  # noqa: E402
 
 MODELS = ROOT / "tests/data/models"
-# name: (config, layers or None for all, serve flags[, checkpoint format: bf16 (default), nvfp4, fp8])
+# name: (config, layers or None for all, serve flags[, checkpoint format: bf16 (default), nvfp4, fp8, mxfp4,
+# gguf-TYPE])
 HYBRID8 = ["--gpu-memory", "12GiB", "--max-running-requests", "8"]
 RESIDENT = ["--gpu-memory", "40GiB", "--max-running-requests", "8"]
 FULL = ["--gpu-memory", "24GiB", "--max-running-requests", "8", "--max-model-len", "8192"]
@@ -72,6 +74,15 @@ WORKLOADS = {
     "hybrid8_resident_mtp": (MODELS / "qwen3.5-35b-a3b/config.json", 8, RESIDENT + ["--moe-cache-size", "2048"]),
     "hybrid8_nvfp4_mtp": (MODELS / "qwen3.5-35b-a3b/config.json", 8, ["--moe-cache-size", "640", *HYBRID8], "nvfp4"),
     "36b_nvfp4_mtp": (MODELS / "qwen3.5-35b-a3b/config.json", None, FULL, "nvfp4"),
+    # the other families at full size on a 24 GiB card, each in the format its users run (issue 59): gpt-oss-120b in
+    # openai's mxfp4, GLM-4.5-Air in NVFP4 (its 106B in bf16 outgrow the device host's RAM), Gemma-4-26B-A4B in bf16
+    "gptoss120b": (MODELS / "gpt-oss-120b/config.json", None, FULL, "mxfp4"),
+    "glm_air_nvfp4": (MODELS / "glm-4.5-air/config.json", None, FULL, "nvfp4"),
+    "gemma4_26b": (MODELS / "gemma-4-26b-a4b/config.json", None, FULL),
+    # GGUF (issue 60): a Q4_K_M-style file of random blocks (make-bench-model --format gguf-q4_k_m --weights random,
+    # read as written: a GGUF file is its weights), the hybrid cut at 640 slots and the full size at 24 GiB
+    "hybrid8_q4km": (MODELS / "qwen3.6-35b-a3b/config.json", 8, ["--moe-cache-size", "640", *HYBRID8], "gguf-q4_k_m"),
+    "36b_q4km": (MODELS / "qwen3.6-35b-a3b/config.json", None, FULL, "gguf-q4_k_m"),
     # every expert resident (issue 24): the compute path alone, against the HBM bound
     "hybrid8_resident": (MODELS / "qwen3.6-35b-a3b/config.json", 8, RESIDENT + ["--moe-cache-size", "2048"]),
     "12layer_resident": (MODELS / "qwen3-30b-a3b/config.json", 12, RESIDENT + ["--moe-cache-size", "1536"]),
@@ -191,14 +202,21 @@ def host_share_series(metrics_url: str | None) -> dict | None:
     }
 
 
-def run_workload(name: str, variant: str, out: Path, ceilings: Path, args) -> dict:
+def workload_model(name: str, out: Path) -> tuple[Path, list[str], str]:
+    """Workload `name`'s bench model made in `out` (ferry make-bench-model), the flags that serve it (--load-format
+    dummy, but for a GGUF file, which is its weights and is read) and its experts' format."""
     config, layers, flags, *fmt = WORKLOADS[name]
     fmt = fmt[0] if fmt else "bf16"
+    load = [] if fmt.startswith(GGUF_PREFIX) else ["--load-format", "dummy"]
+    return make_bench_model(out, config, layers, fmt), [*load, *flags], fmt
+
+
+def run_workload(name: str, variant: str, out: Path, ceilings: Path, args) -> dict:
     tag = name if variant == "default" else f"{name}_{variant}"
-    model_dir = make_bench_model(Path(tempfile.mkdtemp(prefix="ferry-bench-")) / tag, config, layers, fmt)
+    model_dir, flags, fmt = workload_model(name, Path(tempfile.mkdtemp(prefix="ferry-bench-")) / tag)
     served = start_serve(
         model_dir,
-        ["--load-format", "dummy", *flags, *VARIANTS[variant]],
+        [*flags, *VARIANTS[variant]],
         out / f"serve_{tag}.log",
         env=VARIANT_ENV.get(variant),
     )

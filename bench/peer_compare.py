@@ -56,6 +56,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.serve_process import free_port, http_get, start_serve  # noqa: E402
+from ferry.services.bench_model import GGUF_FORMATS  # noqa: E402
 
 MIB_PER = {"GiB": 1024, "MiB": 1, "GB": 1e9 / 2**20, "MB": 1e6 / 2**20}
 CONFIG = ROOT / "tests/data/models/qwen3.6-35b-a3b/config.json"
@@ -499,6 +500,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the checkpoint's experts: nvfp4 (default, modelopt's layout), bf16 (Qwen3.5/3.6's fused layout, "
         "Qwen3-MoE's per-expert one) or mxfp4 (gpt-oss's, fused as openai publishes it): what FreeToken reads",
     )
+    p.add_argument(
+        "--ferry-format",
+        default=None,
+        metavar="gguf-TYPE",
+        help="Ferry serves a GGUF file of this type instead (make-bench-model --format gguf-TYPE --weights random, "
+        "the same config and cut, read as written), where FreeToken cannot serve the file: it keeps --format's "
+        "checkpoint (e.g. gguf-q4_k_m beside FreeToken's nvfp4, whose experts are nearly as many bytes)",
+    )
     p.add_argument("--streams", default="1,8", help="the client's stream counts, comma-separated")
     p.add_argument(
         "--label", default=None, help="the result's name: peer_compare_<card>[_<label>].json (default: the cut, if any)"
@@ -535,9 +544,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--streams {args.streams!r}: positive stream counts, comma-separated")
     if args.num_layers is not None and args.num_layers < 1:
         p.error(f"--num-layers {args.num_layers}: at least 1")
+    if args.ferry_format is not None and args.ferry_format not in GGUF_FORMATS:
+        p.error(f"--ferry-format {args.ferry_format!r}: one of {', '.join(sorted(GGUF_FORMATS))}")
     cut = f"_{args.num_layers}layers" if args.num_layers else ""
     if args.label is None:
-        args.label = f"{args.num_layers}layers_{args.format}" if args.num_layers else ""
+        formats = args.format if args.ferry_format is None else f"{args.ferry_format}_vs_{args.format}"
+        args.label = f"{args.num_layers}layers_{formats}" if args.num_layers else ""
     if args.model_dir is None:
         folder = Path(args.config).resolve().parent.name
         args.model_dir = str(Path(tempfile.gettempdir()) / f"peer_ckpt_{args.format}_{folder}{cut}")
@@ -584,6 +596,25 @@ def make_checkpoint(args, log: Path) -> tuple[Path, bool]:
             cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, check=True, timeout=left_s(args, args.make_timeout)
         )
     return model_dir, True
+
+
+def make_ferry_gguf(args, log: Path) -> Path:
+    """--ferry-format: the GGUF file of random blocks Ferry serves (its folder; one an earlier run finished, which
+    the marker beside it says, is reused)."""
+    folder = Path(args.model_dir + f"_{args.ferry_format}")
+    done = folder.parent / (folder.name + ".made")  # beside it: the folder must hold the file alone
+    if done.is_file():
+        return folder
+    cmd = [sys.executable, "-m", "ferry.services.cli", "make-bench-model", str(folder), "--config", str(args.config)]
+    cmd += ["--format", args.ferry_format, "--weights", "random"]
+    if args.num_layers:
+        cmd += ["--num-layers", str(args.num_layers)]
+    with log.open("w") as f:
+        subprocess.run(
+            cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, check=True, timeout=left_s(args, args.make_timeout)
+        )
+    done.write_text(args.ferry_format + "\n")
+    return folder
 
 
 def run_client(base_url: str, model_dir: Path, out: Path, args) -> dict:
@@ -646,7 +677,8 @@ def measure(name: str, start, ready_url: str, ready, sampler: MemorySampler, mod
 
 
 def start_ferry(model_dir: Path, args, log: Path):
-    flags = ["--load-format", args.ferry_load_format, "--gpu-memory", args.memory_line, *args.ferry_args.split()]
+    load = [] if args.ferry_format else ["--load-format", args.ferry_load_format]  # a GGUF file is read
+    flags = [*load, "--gpu-memory", args.memory_line, *args.ferry_args.split()]
     served = start_serve(model_dir, flags, log)
     return served.proc, served.command, served.base
 
@@ -732,7 +764,10 @@ def main(argv: list[str] | None = None) -> int:
         "freetoken_args": args.freetoken_args,
         "client": " ".join(client_command("BASE/v1", Path("DIR"), Path("OUT.json"), args)[1:]),
         "ferry_weights": (
-            "dummy (--load-format dummy: the checkpoint's recipe made on the card, not read)"
+            f"a GGUF file of random {args.ferry_format} blocks of the same config, read (FreeToken serves --format's "
+            "checkpoint)"
+            if args.ferry_format
+            else "dummy (--load-format dummy: the checkpoint's recipe made on the card, not read)"
             if args.ferry_load_format == "dummy"
             else "the checkpoint, read (--load-format auto)"
         ),
@@ -760,6 +795,7 @@ def main(argv: list[str] | None = None) -> int:
         result["checkpoint"] = "written in this run" if written else "found finished (an earlier run's)"
         config = json.loads((model_dir / "config.json").read_text())
         weight_map = json.loads((model_dir / "model.safetensors.index.json").read_text())["weight_map"]
+        ferry_dir = model_dir if args.ferry_format is None else make_ferry_gguf(args, out / "make_ferry_gguf.log")
     except (subprocess.SubprocessError, OSError, ValueError) as exc:
         result["error"] = f"the checkpoint: {type(exc).__name__}: {exc} (see make_bench_model.log)"
         save()
@@ -783,7 +819,7 @@ def main(argv: list[str] | None = None) -> int:
         save()
         result["ferry"] = measure(
             "ferry",
-            lambda: start_ferry(model_dir, args, out / "serve_ferry.log"),
+            lambda: start_ferry(ferry_dir, args, out / "serve_ferry.log"),
             "/health",
             lambda status, body: status == 200,
             sampler,

@@ -38,8 +38,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.decode_suite import WORKLOADS, commit, host_share_series  # noqa: E402
-from bench.serve_process import children_of, make_bench_model, start_serve  # noqa: E402
+from bench.decode_suite import WORKLOADS, commit, host_share_series, workload_model  # noqa: E402
+from bench.serve_process import children_of, start_serve  # noqa: E402
 
 ROLES = ("api", "scheduler", "worker")
 
@@ -266,16 +266,12 @@ def main() -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--ready-timeout", type=float, default=900)
     args = p.parse_args()
-    config, layers, flags, *fmt = WORKLOADS[args.workload]
     tmp = Path(tempfile.mkdtemp(prefix="ferry-profile-serve-"))
     os.environ["FERRY_STEP_TRACE"] = str(tmp / "trace")  # the served processes inherit it
     if args.model:
         model_dir, flags = args.model, []
     else:
-        model_dir, flags = (
-            make_bench_model(tmp / "model", config, layers, fmt[0] if fmt else "bf16"),
-            ["--load-format", "dummy", *flags],
-        )
+        model_dir, flags, _ = workload_model(args.workload, tmp / "model")
     served = start_serve(model_dir, [*flags, *args.extra_flags.split()], tmp / "serve.log")
     result = {
         "workload": args.workload,

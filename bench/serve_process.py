@@ -136,7 +136,10 @@ def start_serve(model_dir: str | Path, args: list[str], log_path: Path, env: dic
 
 
 def make_bench_model(out: Path, config: Path, num_layers: int | None = None, fmt: str = "bf16") -> Path:
-    """A bench model directory (config in expert format `fmt`: bf16, nvfp4 or fp8), for --load-format dummy."""
+    """A bench model directory (config in expert format `fmt`: bf16, nvfp4, fp8, mxfp4), for --load-format dummy;
+    for gguf-TYPE the GGUF file of random blocks itself (its weights: served as read)."""
+    from ferry.services.bench_model import GGUF_PREFIX
+
     cmd = [
         sys.executable,
         "-m",
@@ -150,5 +153,7 @@ def make_bench_model(out: Path, config: Path, num_layers: int | None = None, fmt
     ]
     if num_layers is not None:
         cmd += ["--num-layers", str(num_layers)]
+    if fmt.startswith(GGUF_PREFIX):
+        cmd += ["--weights", "random"]
     subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
     return out

@@ -34,9 +34,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.decode_suite import WORKLOADS, commit  # noqa: E402
+from bench.decode_suite import WORKLOADS, commit, workload_model  # noqa: E402
 from bench.serve_openai import prompt_ids, stream, timed_http_client  # noqa: E402
-from bench.serve_process import make_bench_model, start_serve  # noqa: E402
+from bench.serve_process import start_serve  # noqa: E402
 from ferry.shared.liveness import HEARTBEAT_INTERVAL_S  # noqa: E402
 
 LABEL = (
@@ -151,11 +151,9 @@ def main() -> int:
         model_dir, flags = args.model, shlex.split(args.serve_flags)
         args.workload = args.model.name
     else:
-        config, layers, flags, *fmt = WORKLOADS[args.workload]
-        model_dir = make_bench_model(
-            Path(tempfile.mkdtemp(prefix="ferry-bench-")) / args.workload, config, layers, fmt[0] if fmt else "bf16"
+        model_dir, flags, _ = workload_model(
+            args.workload, Path(tempfile.mkdtemp(prefix="ferry-bench-")) / args.workload
         )
-        flags = ["--load-format", "dummy", *flags]
     vocab = json.loads((model_dir / "config.json").read_text()).get("vocab_size")
     draw = prompt_ids(vocab, seed=0)
     prompts = [draw(args.prompt_len) for _ in range(args.prompts)]

@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.serve_openai import id_range, text_of_tokens  # noqa: E402
-from bench.serve_process import make_bench_model, start_serve  # noqa: E402
+from bench.serve_process import start_serve  # noqa: E402
 
 PHASES = (
     "http_in",
@@ -150,7 +150,7 @@ def summary(runs: list[dict]) -> dict:
 
 
 def main() -> int:
-    from bench.decode_suite import WORKLOADS
+    from bench.decode_suite import WORKLOADS, workload_model
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", default="12layer", choices=sorted(WORKLOADS))
@@ -178,9 +178,7 @@ def main() -> int:
     if args.model:
         model_dir, flags = Path(args.model), []
     else:
-        config, layers, flags, *fmt = WORKLOADS[args.workload]
-        model_dir = make_bench_model(tmp / "model", config, layers, fmt[0] if fmt else "bf16")
-        flags = ["--load-format", "dummy", *flags]
+        model_dir, flags, _ = workload_model(args.workload, tmp / "model")
     served = start_serve(
         model_dir, [*flags, *args.extra_flags.split()], tmp / "serve.log", env={"FERRY_STEP_TRACE": str(trace_dir)}
     )

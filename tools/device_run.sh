@@ -27,7 +27,8 @@
 #   PART=peercuts a cut at 12 GiB beside FreeToken with the same slots: TTFT-2k and one stream (PEERCUTS_STREAMS=1,8
 #                adds 8; peer_compare_<card>_<N>layers_<format>.json); PEER_CUTS=12layer (default) or hybrid8 (the
 #                suite's bf16 cuts, their slots) or gptoss12 (gpt-oss-120b's first 12 layers in mxfp4, 512 of 1,536
-#                slots, as openai publishes the experts), one a call:
+#                slots, as openai publishes the experts) or hybrid8_q4km (Ferry's Q4_K_M-style GGUF of the hybrid cut
+#                beside FreeToken's NVFP4 one, 640 slots: FreeToken 0.1.2 serves no Qwen GGUF), one a call:
 #                a cut's checkpoint, Ferry's boot and FreeToken's (90-120 s, its graphs and warm-up) take ~5-6 min;
 #                .peer as for PART=peer; PEERCUTS_BUDGET_S (default 540) bounds a cut, for a call with less time left
 #   PART=long    the 262k-token TTFT (decode_suite's long_context_36b; LONG_VARIANTS picks its variants)  ~4-5 min a variant
@@ -214,15 +215,17 @@ PY
           12layer) set -- qwen3-30b-a3b 12 512 bf16 ;;
           hybrid8) set -- qwen3.6-35b-a3b 8 640 bf16 ;;
           gptoss12) set -- gpt-oss-120b 12 512 mxfp4 ;;
-          *) echo "PEER_CUTS: $cut is not 12layer, hybrid8 or gptoss12"; continue ;;
+          # Ferry's Q4_K_M-style GGUF of the hybrid cut beside FreeToken's NVFP4 one (it serves no Qwen GGUF)
+          hybrid8_q4km) set -- qwen3.6-35b-a3b 8 640 nvfp4 gguf-q4_k_m ;;
+          *) echo "PEER_CUTS: $cut is not 12layer, hybrid8, gptoss12 or hybrid8_q4km"; continue ;;
         esac
         timeout $(( ${PEERCUTS_BUDGET_S:-540} + 20 )) python3 bench/peer_compare.py --out "$OUT" --freetoken-site /tmp/ft \
           --budget-s "${PEERCUTS_BUDGET_S:-540}" \
           --config "tests/data/models/$1/config.json" --num-layers "$2" --format "$4" --memory-line 12GiB \
           --streams "${PEERCUTS_STREAMS:-1}" --repeats 2 --ferry-args "--moe-cache-size $3 --max-running-requests 8" \
-          --freetoken-args "--moe-cache-size $3" > "$OUT/peer_compare_$1_$2.log" 2>&1; echo "peer $1 $2 rc=$?"
-        tail -6 "$OUT/peer_compare_$1_$2.log"
-        rm -rf "/tmp/peer_ckpt_$4_$1_$2layers"  # the disk holds one cut's checkpoint at a time
+          --freetoken-args "--moe-cache-size $3" ${5:+--ferry-format "$5"} > "$OUT/peer_compare_$1_$2.log" 2>&1
+        echo "peer $1 $2 rc=$?"; tail -6 "$OUT/peer_compare_$1_$2.log"
+        rm -rf /tmp/peer_ckpt_"$4_$1_$2"layers*  # the disk holds one cut's checkpoints at a time
       done
     fi ;;
   oracle)  # speculation's decode tok/s at set acceptance rates against speculation off, one workload after another

@@ -225,3 +225,18 @@ def test_a_variant_with_its_own_environment_starts_its_server_with_it(tmp_path, 
     got = write_hybrid_cpu("hybrid8", "spin1000", gpu, {**gpu, "single_stream_tok_s": 258.0, "commit": "b"}, tmp_path)
     assert got["single_stream_speedup"] == round(258.0 / 201.0, 3) and got["bound_tok_s"] is not None
     assert (tmp_path / "decode_hybrid8_spin1000_hybrid_cpu.json").is_file()
+
+
+def test_a_gguf_workload_is_written_with_its_blocks_and_served_as_read(tmp_path, monkeypatch):
+    """A GGUF workload's bench model is the file of random blocks (make-bench-model --weights random), served
+    without --load-format dummy; every other workload is a config served with dummy weights."""
+    import bench.serve_process as sp
+    from bench.decode_suite import workload_model
+
+    ran = []
+    monkeypatch.setattr(sp.subprocess, "run", lambda cmd, **kw: ran.append(cmd))
+    model, flags, fmt = workload_model("hybrid8_q4km", tmp_path / "g")
+    assert fmt == "gguf-q4_k_m" and "--load-format" not in flags and "--moe-cache-size" in flags
+    assert ran[0][ran[0].index("--format") + 1] == "gguf-q4_k_m" and "--weights" in ran[0]
+    model, flags, fmt = workload_model("hybrid8_nvfp4", tmp_path / "n")
+    assert fmt == "nvfp4" and flags[:2] == ["--load-format", "dummy"] and "--weights" not in ran[1]

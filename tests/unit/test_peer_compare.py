@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import threading
+from types import SimpleNamespace
 
 import pytest
 
@@ -265,3 +266,32 @@ def test_a_checkpoint_is_reused_only_once_make_bench_model_finished_it(tmp_path)
     assert pc.finished_checkpoint(tmp_path)
     args = pc.parse_args([])
     assert args.model_dir.endswith("peer_ckpt_nvfp4_qwen3.6-35b-a3b")
+
+
+def test_ferry_may_serve_a_gguf_of_the_same_cut_where_freetoken_serves_none(tmp_path, monkeypatch):
+    """--ferry-format gguf-TYPE: Ferry reads a GGUF file of random blocks of the same config and cut (no
+    --load-format dummy: the file is its weights), FreeToken keeps --format's checkpoint; the command that makes
+    the file, its reuse once finished, the label, and a type make-bench-model does not write refused by name."""
+    args = pc.parse_args(
+        ["--config", QWEN36, "--num-layers", "8", "--format", "nvfp4", "--ferry-format", "gguf-q4_k_m"]
+        + ["--model-dir", str(tmp_path / "ckpt")]
+    )
+    assert args.label == "8layers_gguf-q4_k_m_vs_nvfp4"
+    args.deadline = pc.time.monotonic() + args.budget_s  # as main() sets it
+    with pytest.raises(SystemExit):
+        pc.parse_args(["--config", QWEN36, "--ferry-format", "gguf-q4_k_q"])
+    ran = []
+    monkeypatch.setattr(pc.subprocess, "run", lambda cmd, **kw: ran.append(cmd))
+    folder = pc.make_ferry_gguf(args, tmp_path / "make.log")
+    assert folder == tmp_path / "ckpt_gguf-q4_k_m" and len(ran) == 1
+    cmd = ran[0]
+    assert cmd[cmd.index("--format") + 1] == "gguf-q4_k_m" and "--weights" in cmd and cmd[-2:] == ["--num-layers", "8"]
+    assert pc.make_ferry_gguf(args, tmp_path / "make.log") == folder and len(ran) == 1  # finished: reused
+    served = []
+    monkeypatch.setattr(
+        pc,
+        "start_serve",
+        lambda model, flags, log: served.append(flags) or SimpleNamespace(proc=None, command="", base=""),
+    )
+    pc.start_ferry(folder, args, tmp_path / "serve.log")
+    assert "--load-format" not in served[0] and served[0][:2] == ["--gpu-memory", "24GiB"]
