@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ferry.kernels.grouped_expert_gemm import grouped_expert_forward
 from ferry.kernels.paged_attention import write_kv
 from ferry.kernels.router_topk_reference import router_topk_reference, sigmoid_topk_reference
 from ferry.plan.model_spec import ModelSpec
@@ -181,12 +182,9 @@ class MtpMoe(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.route(x)
-        out = torch.zeros_like(x)
-        for expert in ids.unique().tolist():
-            rows, slot = (ids == expert).nonzero(as_tuple=True)
-            gate, up = F.linear(x[rows], self.gate_up[expert]).split(self.intermediate, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down[expert])
-            out.index_add_(0, rows, y * weights[rows, slot, None])
+        # the target's expert kernels (the stacked experts are their [E, 2I, H] / [E, H, I] banks, an expert's id its
+        # slot): a chain position's few (token, k) pairs in two launches, no host round trip, as a graph can hold
+        out = grouped_expert_forward(x, ids, weights.float(), self.gate_up, self.down)
         s = self.shared_expert
         if s is None:
             return out
