@@ -128,7 +128,9 @@ def serve_and_measure(tag: str, model_dir: Path, flags: list[str], env: dict, pr
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--workload", default="12layer", choices=[w for w in WORKLOADS if not w.startswith("long")])
+    # the decode workloads of a config (a long prompt or a GGUF file's own tokenizer are not this bench's)
+    decode = [w for w, (_, _, _, *fmt) in WORKLOADS.items() if not w.startswith("long") and "gguf" not in str(fmt)]
+    p.add_argument("--workload", default="12layer", choices=decode)
     p.add_argument("--alphas", default="0,0.6,0.8,0.9", help="the oracle's acceptance rates, comma-separated")
     p.add_argument("--speculative-tokens", type=int, default=4, help="K: drafts a row carries at most")
     p.add_argument(
