@@ -55,7 +55,11 @@ COUNTERS = (
 
 
 # the step costs the controller prices with, as the worker times them (gauges: their values at the run's end)
-GAUGES = ("ferry_speculative_decode_step_seconds", "ferry_speculative_chain_position_seconds")
+GAUGES = (
+    "ferry_speculative_decode_step_seconds",
+    "ferry_speculative_chain_position_seconds",
+    "ferry_speculative_verify_step_seconds",
+)
 # the scheduler's steps, and those sent ahead of the previous step's answer: a decode that stops being scheduled
 # ahead waits a scheduler turn and two hops a step
 STEP_COUNTERS = ("ferry_scheduler_steps_total", "ferry_scheduler_steps_ahead_total")
@@ -108,6 +112,7 @@ def measure(served, prompts: list[list[int]], args) -> dict:
         "estimated_misses_added": d["ferry_speculative_estimated_misses_added_total"],
         "decode_step_ms": round(1e3 * after["ferry_speculative_decode_step_seconds"], 3),
         "chain_position_ms": round(1e3 * after["ferry_speculative_chain_position_seconds"], 3),
+        "verify_step_ms": round(1e3 * after["ferry_speculative_verify_step_seconds"], 3),
         "steps": steps["ferry_scheduler_steps_total"],
         "steps_ahead": steps["ferry_scheduler_steps_ahead_total"],
         "texts": texts,
@@ -177,8 +182,8 @@ def main() -> int:
             f"[{args.workload}] oracle alpha {alpha:g}: {run['median_e2e_tok_s']} tok/s = {run['vs_off']}x off "
             f"({off['median_e2e_tok_s']} tok/s); acceptance {run['acceptance']}, mean k {run['mean_k']}, "
             f"same text {run['same_text_as_off']}; step {run['decode_step_ms']} ms, chain position "
-            f"{run['chain_position_ms']} ms; {run['steps_ahead']:g} of {run['steps']:g} steps ahead (off: "
-            f"{off['steps_ahead']:g} of {off['steps']:g})",
+            f"{run['chain_position_ms']} ms, verify step {run['verify_step_ms']} ms; {run['steps_ahead']:g} of "
+            f"{run['steps']:g} steps ahead (off: {off['steps_ahead']:g} of {off['steps']:g})",
             flush=True,
         )
     off.pop("texts")

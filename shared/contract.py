@@ -18,7 +18,8 @@ import numpy as np
 from ferry.shared.sampling import MAX_LOGPROBS, SamplingParams, sampling_problems
 from ferry.shared.speculation import MAX_SPECULATIVE_TOKENS, speculates
 
-# a step's measured device seconds (StepOutput.decode_step_s, chain_position_s) beyond this are not a measurement
+# a step's measured device seconds (StepOutput.decode_step_s, chain_position_s, verify_step_s) beyond this are not a
+# measurement
 STEP_SECONDS_LIMIT = 3600.0
 _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
@@ -329,7 +330,7 @@ def step_output_problem(output, vocab_size: int = 0) -> str | None:
         or (vocab_size and (drafts >= vocab_size).any())
     ):
         return "a step's mtp_drafts must hold a row of draft tokens (or -1) for each request that sampled"
-    for name in ("decode_step_s", "chain_position_s"):
+    for name in ("decode_step_s", "chain_position_s", "verify_step_s"):
         seconds = getattr(output, name)
         if not math.isfinite(seconds) or not 0.0 <= seconds < STEP_SECONDS_LIMIT:
             return f"a step's {name} must be seconds, >= 0 and under {STEP_SECONDS_LIMIT:.0f}"

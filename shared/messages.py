@@ -149,6 +149,7 @@ class SchedulerStatus(msgspec.Struct, tag=True, kw_only=True):
     # and the step costs it prices with, as the worker measured them on the device (0: not measured yet)
     draft_decode_step_s: float = 0.0
     draft_chain_position_s: float = 0.0
+    draft_verify_step_s: float = 0.0
 
 
 SchedulerToApi = Union[Tokens, Finished, Failed, SchedulerStatus]

@@ -23,6 +23,12 @@ class StatusGauges:
             "controller's running estimate (0: not measured yet)",
             registry=registry,
         )
+        self.verify_step = Gauge(
+            f"{prefix}speculative_verify_step_seconds",
+            "speculative decoding: an eager step verifying drafts as the worker times it on the device, the "
+            "draft-length controller's running estimate (0: not measured yet)",
+            registry=registry,
+        )
         self.chain_position = Gauge(
             f"{prefix}speculative_chain_position_seconds",
             "speculative decoding: an MTP draft chain's seconds a position as the worker times it on the device, "
@@ -37,3 +43,4 @@ class StatusGauges:
         self.kv_available.set(status.kv_pages_available)
         self.decode_step.set(status.draft_decode_step_s)
         self.chain_position.set(status.draft_chain_position_s)
+        self.verify_step.set(status.draft_verify_step_s)

@@ -917,7 +917,7 @@ class BatchScheduler:
                 output.step_id, EngineError(f"the worker's answer to step {output.step_id} is unusable: {problem}")
             )
         entries = self._landed()
-        self.draft_length.note_step_costs(output.decode_step_s, output.chain_position_s)
+        self.draft_length.note_step_costs(output.decode_step_s, output.chain_position_s, output.verify_step_s)
         sampled = dict(zip(output.req_ids.tolist(), output.token_ids.tolist()))
         vocab = self.pool.vocab_size
         sampled_lps = {lp.req_id: lp for lp in output.sampled_logprobs}

@@ -37,8 +37,9 @@ its rows are scheduled ahead, and it looks again when its probe comes due; looki
 for the answer of the one before.
 
 Measured where the worker measures: a decode graph's replay (StepOutput.decode_step_s, on CUDA) stands for S once
-seen, misses and all, and an MTP chain's seconds a position (StepOutput.chain_position_s) for a chain position's
-priced cost, each an EWMA (STEP_COST_WEIGHT): the constants and the bytes are only where nothing is measured yet.
+seen, misses and all, an MTP chain's seconds a position (StepOutput.chain_position_s) for a chain position's priced
+cost, and an eager step that verified drafts (StepOutput.verify_step_s) over the replay for the eager step's, each
+an EWMA (STEP_COST_WEIGHT): the constants and the bytes are only where nothing is measured yet.
 No torch, no clock: the prices are the plan's (PoolReport, with mtp its chain's bytes), the constants below and the
 worker's measurements; the scheduler feeds the outcomes (`observe`), the worker's expert counts
 (`note_expert_lookups`) and the steps' device times (`note_step_costs`).
@@ -70,8 +71,8 @@ PROBE_COST_SHARE = 0.02
 DECODE_STEP_S = 1.0e-3
 # one more position in a verify row: a short prefill's compute per token, seconds
 VERIFY_POSITION_S = 5.0e-5
-# a step with drafts runs eagerly instead of as a CUDA graph (an estimate of the launches a graph saves), charged
-# once a step, to its first drafting row
+# a step with drafts runs eagerly instead of as a CUDA graph (an estimate of the launches a graph saves, until the
+# worker has measured a verify step and a replay: `eager_overhead_s`), charged once a step, to its first drafting row
 DRAFT_STEP_OVERHEAD_S = 2.0e-4
 # HBM read rate of an MTP chain step's weights, bytes/s (an estimate: ~90 % of a 3.35 TB/s HBM3 peak, what a
 # streaming read reaches)
@@ -185,6 +186,7 @@ class DraftLength:
     miss_rate: float | None = None  # measured (note_expert_lookups); None: 1 - slots / experts
     decode_step_s: float | None = None  # a decode graph's replay, measured (note_step_costs); None: not yet
     chain_position_s: float | None = None  # an MTP chain position, measured (note_step_costs); None: not yet
+    verify_step_s: float | None = None  # an eager step that verified drafts, measured (note_step_costs); None: not yet
     _requests: dict[int, _Acceptance] = field(default_factory=dict)
     # every request's verified rows, decayed as a request's are: where a new request's estimate starts (`_fresh`)
     _served: _Acceptance = field(default_factory=_Acceptance)
@@ -240,10 +242,17 @@ class DraftLength:
         """What `drafts` positions added to a row of a step of `step_tokens` tokens cost: their compute, the misses
         they add, and making them: the eager step (once a step: not where `eager_paid`), with mtp their chain too
         (ChainPrices: its positions past `eager_paid`, and the row's own part)."""
-        making = 0.0 if eager_paid else DRAFT_STEP_OVERHEAD_S
+        making = 0.0 if eager_paid else self.eager_overhead_s(step_tokens)
         if self.chain is not None:
             making += self.chain.drafts_s(drafts, int(eager_paid), self.chain_position_s)
         return drafts * VERIFY_POSITION_S + making + self.misses_added(step_tokens, drafts) * self.prices.miss_s
+
+    def eager_overhead_s(self, step_tokens: int) -> float:
+        """What running a step eagerly (it carries drafts) adds to it: a measured verify step over the measured
+        decode graph's replay, else DRAFT_STEP_OVERHEAD_S."""
+        if self.verify_step_s is None or self.decode_step_s is None:
+            return DRAFT_STEP_OVERHEAD_S
+        return max(self.verify_step_s - self.step_s(step_tokens), 0.0)
 
     def shared_paid(self, acceptances: list[float], rows: int, step_tokens: int, limit: int) -> int:
         """What a step's drafting rows pay together, as `eager_paid`: the d of 0 and SHARED_DEPTHS up to min(K,
@@ -381,16 +390,18 @@ class DraftLength:
     def forget(self, rid: int) -> None:
         self._requests.pop(rid, None)
 
-    def note_step_costs(self, decode_step_s: float, chain_position_s: float) -> None:
+    def note_step_costs(self, decode_step_s: float, chain_position_s: float, verify_step_s: float = 0.0) -> None:
         """A step's device seconds as the worker measured them (0: not measured): its decode graph's replay, its
-        MTP chain's a position."""
+        MTP chain's a position, its eager forward and verify (a step with drafts)."""
         w = STEP_COST_WEIGHT
-        if decode_step_s > 0:
-            last = self.decode_step_s
-            self.decode_step_s = decode_step_s if last is None else (1 - w) * last + w * decode_step_s
-        if chain_position_s > 0:
-            last = self.chain_position_s
-            self.chain_position_s = chain_position_s if last is None else (1 - w) * last + w * chain_position_s
+        for name, seconds in (
+            ("decode_step_s", decode_step_s),
+            ("chain_position_s", chain_position_s),
+            ("verify_step_s", verify_step_s),
+        ):
+            if seconds > 0:
+                last = getattr(self, name)
+                setattr(self, name, seconds if last is None else (1 - w) * last + w * seconds)
 
     def note_expert_lookups(self, hits: int, misses: int) -> None:
         """The worker's cumulative expert-cache counts (its heartbeat): the miss rate since the last ones."""

@@ -547,6 +547,7 @@ class SchedulerService:
             draft_misses_added=int(c.draft_length.estimated_misses_added),
             draft_decode_step_s=c.draft_length.decode_step_s or 0.0,
             draft_chain_position_s=c.draft_length.chain_position_s or 0.0,
+            draft_verify_step_s=c.draft_length.verify_step_s or 0.0,
         )
 
     def _update_metrics(self, s: SchedulerStatus) -> None:

@@ -123,6 +123,8 @@ class StepExecutor:
             self._hold_states(batch)
             in_graph = None  # the graph's own sampling serves the step: (inverse temperatures, noise rows)
             replay = None  # a decode graph's replay's timing events (StepOutput.decode_step_s)
+            # a step with drafts runs eagerly (never a graph's): its forward and verify timed (verify_step_s)
+            verify = [_timing_event(self.device)] if drafting else None
             if bucket is not None:
                 in_graph = self.sampler.graph_sampling(ids, self.graphs.noise)
                 logits = self.graphs.run(batch, bucket, feed_src, in_graph)
@@ -141,6 +143,7 @@ class StepExecutor:
             if drafting:
                 tokens, logprobs, accepted, top = self._choose_with_drafts(batch, ids, logits)
                 self._put_back_linear_states(batch, accepted)
+                verify.append(_timing_event(self.device))
                 if self.graphs is not None:
                     self.graphs.keep_samples(tokens)
                 if self.store is not None:
@@ -181,6 +184,7 @@ class StepExecutor:
             drafting=accepted is not None,
             mtp_drafts=mtp_drafts,
             replay=replay,
+            verify=tuple(verify) if verify and verify[0] is not None else None,
             chain_position_s=self.mtp.chain_position_s if mtp_drafts is not None else 0.0,
         )
         if timing is not None:
@@ -240,6 +244,7 @@ class StepExecutor:
             # the replay finished before the results it queued reached the host
             decode_step_s=launched.replay[0].elapsed_time(launched.replay[1]) / 1e3 if launched.replay else 0.0,
             chain_position_s=launched.chain_position_s,
+            verify_step_s=launched.verify[0].elapsed_time(launched.verify[1]) / 1e3 if launched.verify else 0.0,
         )
         if self.store is not None:  # after the results reached the host: the step's work is done
             decode = batch.prompt_logprobs is None and bool((batch.query_lens == 1).all())
@@ -498,6 +503,7 @@ class _Launched:
     device_times: tuple | None = None  # (ms on the device, ms the device sat idle before it), once finished
     mtp_drafts: np.ndarray | None = None  # the MTP head's drafts for the sampling rows (StepOutput.mtp_drafts)
     replay: tuple | None = None  # (start, end) timing events around a decode graph's replay (CUDA)
+    verify: tuple | None = None  # (start, end) timing events around an eager step's forward and verify (CUDA)
     chain_position_s: float = 0.0  # StepOutput.chain_position_s
 
 

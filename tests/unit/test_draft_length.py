@@ -445,16 +445,38 @@ def test_measured_step_costs_replace_the_constants_and_move_the_choice():
     assert dear.step_s(1) == pytest.approx(2e-3, rel=1e-3) and dear.chain_position_s == 3e-3
 
 
+def test_a_measured_verify_step_prices_the_eager_step_a_draft_pays():
+    """A step with drafts runs eagerly: where the worker measured one (its forward and verify) at 9 ms beside a 1 ms
+    graph replay, a draft pays those 8 ms, not DRAFT_STEP_OVERHEAD_S's estimate, and one stream at acceptance 0.8
+    that drafts all it may at the estimate drafts nothing; where the eager step costs what a replay does, nothing."""
+    ctl = DraftLength(K, ExpertPrices.of(RESIDENT))
+    assert ctl.best(0.8, rows=1, step_tokens=1, limit=K) == K
+    ctl.note_step_costs(1e-3, 0.0, 9e-3)
+    assert ctl.eager_overhead_s(1) == pytest.approx(8e-3)
+    assert ctl.extra_s(1, 1) == pytest.approx(VERIFY_POSITION_S + 8e-3)
+    assert ctl.best(0.8, rows=1, step_tokens=1, limit=K) == 0
+    assert ctl.extra_s(1, 1, eager_paid=1) == pytest.approx(VERIFY_POSITION_S)  # paid by a row before it
+    cheap = DraftLength(K, ExpertPrices.of(RESIDENT))
+    cheap.note_step_costs(1e-3, 0.0, 0.9e-3)
+    assert cheap.eager_overhead_s(1) == 0.0
+    unmeasured = DraftLength(K, ExpertPrices.of(RESIDENT))
+    unmeasured.note_step_costs(0.0, 0.0, 9e-3)  # no replay measured to set it against: the estimate stands
+    assert unmeasured.eager_overhead_s(1) == DRAFT_STEP_OVERHEAD_S
+
+
 def test_the_scheduler_takes_the_workers_measured_step_costs():
     sched = BatchScheduler(MTP_QWEN, speculative_method="mtp", speculative_tokens=K)
     sched.add(1, b"t", 1, np.arange(10, 18, dtype=np.int32), SamplingParams(temperature=0), 50)
     batch = sched.schedule()
     out = answer(batch)
-    sched.complete(msgspec.structs.replace(out, decode_step_s=3e-3, chain_position_s=5e-4))
+    sched.complete(msgspec.structs.replace(out, decode_step_s=3e-3, chain_position_s=5e-4, verify_step_s=9e-3))
     assert sched.draft_length.decode_step_s == 3e-3 and sched.draft_length.chain_position_s == 5e-4
+    assert sched.draft_length.verify_step_s == 9e-3
 
 
-@pytest.mark.parametrize("field, value", [("decode_step_s", -1.0), ("chain_position_s", float("nan"))])
+@pytest.mark.parametrize(
+    "field, value", [("decode_step_s", -1.0), ("chain_position_s", float("nan")), ("verify_step_s", 1e9)]
+)
 def test_an_answer_with_a_malformed_step_cost_is_unusable(field, value):
     sched = BatchScheduler(MTP_QWEN, speculative_method="mtp", speculative_tokens=K)
     sched.add(1, b"t", 1, np.arange(10, 18, dtype=np.int32), SamplingParams(temperature=0), 50)
