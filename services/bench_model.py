@@ -2,8 +2,8 @@
 
 A published `config.json` (optionally cut to fewer layers), a byte-level tokenizer with exactly
 the config's vocabulary (every id a random model samples decodes to printable text; for gpt-oss,
-whose chat format needs its own, o200k_harmony) and a generation config: with `--load-format dummy` this serves at full size through every route,
-chat included, with no download.
+whose chat format needs its own, o200k_harmony) and a generation config: with `--load-format dummy`
+this serves at full size through every route, chat included, with no download.
 
 `--format nvfp4|fp8|mxfp4` writes them (and config.json's quantization_config) in nvidia modelopt's NVFP4,
 Qwen's FP8 block or gpt-oss's MXFP4 layout (services/quantized_checkpoint.py); without weights,
