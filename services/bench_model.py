@@ -1,9 +1,9 @@
 """`ferry make-bench-model DIR --config CONFIG`: a model directory of real shapes for benchmarks.
 
 A published `config.json` (optionally cut to fewer layers), a byte-level tokenizer with exactly
-the config's vocabulary (every id a random model samples decodes to printable text) and a
-generation config: with `--load-format dummy` this serves at full size through every route,
-chat included, with no download.
+the config's vocabulary (every id a random model samples decodes to printable text; for gpt-oss,
+whose chat format needs its own, o200k_harmony) and a generation config: with `--load-format dummy`
+this serves at full size through every route, chat included, with no download.
 
 `--format nvfp4|fp8|mxfp4` writes them (and config.json's quantization_config) in nvidia modelopt's NVFP4,
 Qwen's FP8 block or gpt-oss's MXFP4 layout (services/quantized_checkpoint.py); without weights,
@@ -293,16 +293,26 @@ def write_gguf_bench_model(
 
 
 def write_bench_model(out_dir: str | Path, config_path: str | Path, num_layers: int | None = None) -> Path:
-    """Write config.json, the tokenizer and generation_config.json into `out_dir`; return it."""
+    """Write config.json, the tokenizer and generation_config.json into `out_dir`; return it. The tokenizer: the
+    printable one of the config's vocabulary, or for a family whose models speak harmony (gpt-oss) its own,
+    o200k_harmony, which the api's harmony chat format requires."""
+    from ferry.plan.model_families import family_for_config
+    from ferry.services.tiny_model.harmony_tokenizer import harmony_tokenizer
     from ferry.services.tiny_model.tokenizer import ENDOFTEXT, IM_END, printable_tokenizer
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = cut_config(json.loads(Path(config_path).read_text()), num_layers)
     text = config.get("text_config", config)
-    tokenizer = printable_tokenizer(int(text["vocab_size"]))
-    eos, pad = tokenizer.convert_tokens_to_ids(IM_END), tokenizer.convert_tokens_to_ids(ENDOFTEXT)
-    # the model's own EOS ids would be arbitrary merges of this tokenizer: use its <|im_end|>
+    vocab = int(text["vocab_size"])
+    if family_for_config(config).chat_format == "harmony":
+        tokenizer = harmony_tokenizer(vocab)
+    else:
+        tokenizer = printable_tokenizer(vocab)
+    eos = tokenizer.convert_tokens_to_ids(IM_END) if IM_END in tokenizer.get_vocab() else tokenizer.eos_token_id
+    pad = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
+    # the model's own EOS ids would be arbitrary merges of the printable tokenizer: use its <|im_end|> (harmony's
+    # own end of a reply, <|return|>, in o200k_harmony)
     for c in {id(config): config, id(text): text}.values():
         c["eos_token_id"], c["pad_token_id"] = eos, pad
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -349,3 +349,22 @@ def test_a_gguf_format_needs_random_weights_and_a_directory_of_its_own(gguf_benc
     (taken / "config.json").write_text("{}")
     assert _make_gguf_bench(taken, gguf_bench_config, "gguf-q8_0", "--weights", "random") == 2
     assert "is not empty" in capsys.readouterr().err
+
+
+def test_a_gpt_oss_bench_model_has_gpt_oss_tokenizer_so_the_api_serves_it_with_harmony(tmp_path):
+    """gpt-oss's models speak harmony, whose chat format refuses any tokenizer but o200k_harmony: the bench model
+    gets that one (every id of the config's vocabulary decodes, <|return|> its end of reply), not the printable
+    one, so `ferry serve` takes it at its defaults."""
+    from transformers import AutoTokenizer
+
+    from ferry.services.api.harmony_format import check_tokenizer, harmony_encoding
+
+    out = write_bench_model(tmp_path / "g", "tests/data/models/gpt-oss-120b/config.json", 2)
+    tok = AutoTokenizer.from_pretrained(out)
+    check_tokenizer(harmony_encoding(), tok, str(out))
+    config = json.loads((out / "config.json").read_text())
+    assert len(tok) == config["vocab_size"] and tok.decode([config["vocab_size"] - 1])
+    assert config["eos_token_id"] == tok.convert_tokens_to_ids("<|return|>")
+    qwen = write_bench_model(tmp_path / "q", "tests/data/models/qwen3-30b-a3b/config.json", 2)
+    with pytest.raises(Exception, match="not a gpt-oss tokenizer"):
+        check_tokenizer(harmony_encoding(), AutoTokenizer.from_pretrained(qwen), str(qwen))
