@@ -295,8 +295,10 @@ def write_gguf_bench_model(
 def write_bench_model(out_dir: str | Path, config_path: str | Path, num_layers: int | None = None) -> Path:
     """Write config.json, the tokenizer and generation_config.json into `out_dir`; return it. The tokenizer: the
     printable one of the config's vocabulary, or for a family whose models speak harmony (gpt-oss) its own,
-    o200k_harmony, which the api's harmony chat format requires."""
+    o200k_harmony, which the api's harmony chat format requires (where the vocabulary holds it: not a tiny
+    config's)."""
     from ferry.plan.model_families import family_for_config
+    from ferry.services.tiny_model.harmony_tokenizer import LAST_SPECIAL as HARMONY_LAST_SPECIAL
     from ferry.services.tiny_model.harmony_tokenizer import harmony_tokenizer
     from ferry.services.tiny_model.tokenizer import ENDOFTEXT, IM_END, printable_tokenizer
 
@@ -305,7 +307,7 @@ def write_bench_model(out_dir: str | Path, config_path: str | Path, num_layers: 
     config = cut_config(json.loads(Path(config_path).read_text()), num_layers)
     text = config.get("text_config", config)
     vocab = int(text["vocab_size"])
-    if family_for_config(config).chat_format == "harmony":
+    if family_for_config(config).chat_format == "harmony" and vocab > HARMONY_LAST_SPECIAL:  # not a tiny config's
         tokenizer = harmony_tokenizer(vocab)
     else:
         tokenizer = printable_tokenizer(vocab)
