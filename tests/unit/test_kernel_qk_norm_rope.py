@@ -16,6 +16,7 @@ CASES = [
     (5, 6, 2, 24, 0.25, True, True, torch.float32),  # qwen3_next-like: partial rotary, gated q, (1+w)
     (2, 4, 1, 32, 1.0, False, False, torch.bfloat16),
     (4, 2, 2, 20, 0.5, True, True, torch.bfloat16),  # head_dim not a power of two
+    (3, 0, 2, 24, 0.25, True, False, torch.bfloat16),  # no query heads: the MTP head's K/V write (mtp_head.py)
 ]
 
 

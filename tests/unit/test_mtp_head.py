@@ -30,6 +30,7 @@ from ferry.services.worker.models.weights import WeightLoadError
 from ferry.shared.errors import ConfigError
 from ferry.shared.speculation import speculation_problems
 from ferry.shared.units import round_up
+from tests.unit.kernels import mtp_head_entry
 
 MODELS = Path(__file__).resolve().parents[1] / "data/models"
 GLM_45_AIR = MODELS / "glm-4.5-air"
@@ -455,3 +456,21 @@ def test_a_config_that_does_not_count_its_mtp_layer_gets_the_checkpoints(tmp_pat
     plain_config.pop("num_nextn_predict_layers", None)
     (plain / "config.json").write_text(json.dumps(plain_config))
     assert load_model_config(plain).mtp_draft_layers == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_triton_path_writes_the_kv_the_torch_path_does(mtp_model, spec, dtype, monkeypatch):
+    """A decode graph's K/V write through the kernels a GPU runs (the interpreter) against the torch path: the same
+    rows written, the same values (the dense GEMV sums in another order; bf16 rounds each step)."""
+    from interpreted_triton import run_interpreted
+
+    hidden, embeds, positions = _inputs(spec)
+    slots = torch.tensor([9, 2, 14, 5, 0])  # 4 pages of 4: scattered, the rest stays NaN
+    args = (str(mtp_model), dtype, hidden, embeds, positions, slots, 4, 4)
+    want = mtp_head_entry.written_kv(*args, triton=False)
+    monkeypatch.setenv("FERRY_TRITON_ON_CPU", "1")  # the child's dispatch sends CPU tensors to Triton
+    (got,) = run_interpreted("tests.unit.kernels.mtp_head_entry", "written_kv", [(args, dict(triton=True))])
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    for w, g in zip(want, got):
+        assert torch.equal(torch.isnan(g), torch.isnan(w)) and torch.isnan(w).sum() == w.numel() - 5 * w[0, 0].numel()
+        torch.testing.assert_close(g.float().nan_to_num(), w.float().nan_to_num(), rtol=tol, atol=tol)

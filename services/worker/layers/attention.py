@@ -57,7 +57,7 @@ class PagedAttention(nn.Module):
         kv_out = self.kv_heads * self.head_dim
         self.value_is_key = spec.value_is_key(layer_idx)  # no v_proj: V is k_proj's output
         self._splits = (q_out, kv_out) if self.value_is_key else (q_out, kv_out, kv_out)
-        self._qkv_weight, self._qkv_bias, projections = _row_blocks_of_one_weight(h, self._splits, bias, dtype, device)
+        self._qkv_weight, self._qkv_bias, projections = row_blocks_of_one_weight(h, self._splits, bias, dtype, device)
         self.q_proj, self.k_proj = projections[:2]
         if not self.value_is_key:
             self.v_proj = projections[2]
@@ -165,7 +165,7 @@ def attend_paged(q, k_cache, v_cache, b, scale: float, gather, k_scale=None, v_s
     )
 
 
-def _row_blocks_of_one_weight(in_features: int, outs: tuple[int, ...], bias: bool, dtype, device):
+def row_blocks_of_one_weight(in_features: int, outs: tuple[int, ...], bias: bool, dtype, device):
     """(weight [sum(outs), in], bias or None, one nn.Linear per block whose parameters are views
     of those rows): the loader fills the blocks by their own names, the forward multiplies once."""
     weight = torch.empty(sum(outs), in_features, dtype=dtype, device=device)

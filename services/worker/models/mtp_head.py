@@ -28,13 +28,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ferry.kernels.dense_gemv import dense_linear
+from ferry.kernels.dispatch import use_triton
 from ferry.kernels.grouped_expert_gemm import grouped_expert_forward
 from ferry.kernels.paged_attention import write_kv
+from ferry.kernels.qk_norm_rope import qk_norm_rope_kv_triton
 from ferry.kernels.router_topk_reference import router_topk_reference, sigmoid_topk_reference
 from ferry.plan.model_spec import ModelSpec
 from ferry.plan.mtp_layer import MTP_PREFIX, check_mtp, mtp_expert_shapes, mtp_name, mtp_resident_weight_shapes
 from ferry.services.worker.checkpoint import iter_checkpoint_tensors
-from ferry.services.worker.layers.attention import attend_paged
+from ferry.services.worker.layers.attention import attend_paged, row_blocks_of_one_weight
 from ferry.services.worker.layers.norms import make_norm
 from ferry.services.worker.layers.rotary import RotaryEmbedding
 from ferry.services.worker.models.weights import WeightLoadError
@@ -60,12 +63,6 @@ class MtpCache:
     batch: object  # services/worker/forward_batch.py's ForwardBatch
 
 
-def _write_kv(cache: MtpCache, k: torch.Tensor, v: torch.Tensor) -> None:
-    k_cache, v_cache = cache.kv.layer(cache.layer)
-    k_scale, v_scale = cache.kv.layer_scales(cache.layer)  # None, None but in an fp8 pool
-    write_kv(k_cache, v_cache, cache.batch.slot_mapping, k, v, k_scale, v_scale)
-
-
 class MtpAttention(nn.Module):
     """Full attention as the target's full-attention layers (the spec says): where `attn_output_gate`, q_proj
     yields each head's query and then its sigmoid gate; per-head q/k norms where `qk_norm`; q/k/v biases where
@@ -80,47 +77,42 @@ class MtpAttention(nn.Module):
         self.rotary = rotary
         q_out = self.heads * self.head_dim * (2 if self.gated else 1)
         kv_out, bias = self.kv_heads * self.head_dim, spec.attention_bias
-        self.q_proj = _frozen_linear(h, q_out, dtype, device, bias)
-        self.k_proj = _frozen_linear(h, kv_out, dtype, device, bias)
-        self.v_proj = _frozen_linear(h, kv_out, dtype, device, bias)
+        # q, k and v one weight (a step multiplies once, as the target's attention); a K/V write multiplies its
+        # key and value rows alone
+        self._splits = (q_out, kv_out, kv_out)
+        self._qkv_weight, self._qkv_bias, projections = row_blocks_of_one_weight(h, self._splits, bias, dtype, device)
+        self.q_proj, self.k_proj, self.v_proj = projections
+        self._kv_weight = self._qkv_weight[q_out:]
+        self._kv_bias = None if self._qkv_bias is None else self._qkv_bias[q_out:]
         self.o_proj = _frozen_linear(self.heads * self.head_dim, h, dtype, device, spec.attention_output_bias)
         self.q_norm = self.k_norm = None
         if spec.qk_norm:
             self.q_norm = make_norm(spec.zero_centered_norms, self.head_dim, spec.rms_norm_eps, dtype, device)
             self.k_norm = make_norm(spec.zero_centered_norms, self.head_dim, spec.rms_norm_eps, dtype, device)
 
-    def keys_values(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]):
-        """The keys (normed and turned) and values of the layer's normed input `x`, [T, kv heads, head dim] each."""
-        t = x.shape[0]
-        k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
-        if self.k_norm is not None:
-            k = self.k_norm(k)
-        return self.rotary.apply(k, *cos_sin), v
-
     def write(self, x: torch.Tensor, positions: torch.Tensor, cache: MtpCache) -> None:
         """Only write the keys and values of `x` at the cache's slots: what a later query there attends to."""
-        k, v = self.keys_values(x, self.rotary.cos_sin(positions, x.dtype))
-        _write_kv(cache, k, v)
+        t = x.shape[0]
+        k, v = dense_linear(x, self._kv_weight, self._kv_bias).view(t, 2, self.kv_heads, self.head_dim).unbind(1)
+        self._turn_and_write(None, k, v, *self.rotary.cos_sin(positions, x.dtype), cache)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: MtpCache | None = None) -> torch.Tensor:
         t = x.shape[0]
-        q, gate = self.q_proj(x).view(t, self.heads, -1), None
+        q, k, v = dense_linear(x, self._qkv_weight, self._qkv_bias).split(self._splits, dim=-1)
+        q, gate = q.view(t, self.heads, -1), None
         if self.gated:
             q, gate = q.split(self.head_dim, dim=-1)
             gate = gate.reshape(t, -1)
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-        cos_sin = self.rotary.cos_sin(positions, x.dtype)
-        q = self.rotary.apply(q, *cos_sin)
-        k, v = self.keys_values(x, cos_sin)
+        k, v = k.view(t, self.kv_heads, self.head_dim), v.view(t, self.kv_heads, self.head_dim)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
         if cache is not None:
-            _write_kv(cache, k, v)
+            q = self._turn_and_write(q, k, v, cos, sin, cache)
             k_cache, v_cache = cache.kv.layer(cache.layer)
             k_scale, v_scale = cache.kv.layer_scales(cache.layer)  # None, None but in an fp8 pool
             gather = cache.kv.gather_for(cache.layer)
             out = attend_paged(q, k_cache, v_cache, cache.batch, self.scale, gather, k_scale, v_scale)
         else:
+            q, k = self._turned(q, cos, sin, self.q_norm), self._turned(k, cos, sin, self.k_norm)
             out = F.scaled_dot_product_attention(
                 q.transpose(0, 1),
                 k.transpose(0, 1),
@@ -130,7 +122,37 @@ class MtpAttention(nn.Module):
                 enable_gqa=True,
             ).transpose(0, 1)
         out = out.reshape(t, -1)
-        return self.o_proj(out if gate is None else out * torch.sigmoid(gate))
+        return dense_linear(out if gate is None else out * torch.sigmoid(gate), self.o_proj.weight, self.o_proj.bias)
+
+    def _turned(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm) -> torch.Tensor:
+        return self.rotary.apply(x if norm is None else norm(x), cos, sin)
+
+    def _turn_and_write(self, q, k, v, cos, sin, cache: MtpCache) -> torch.Tensor | None:
+        """Norm and turn q (None: no queries) and k, write k and v at the cache's slots; q turned. With q/k norms on
+        the Triton path one launch (kernels/qk_norm_rope.py, as the target's attention), else its torch twin."""
+        k_cache, v_cache = cache.kv.layer(cache.layer)
+        k_scale, v_scale = cache.kv.layer_scales(cache.layer)  # None, None but in an fp8 pool
+        norm = self.k_norm
+        if norm is not None and use_triton(k):
+            return qk_norm_rope_kv_triton(
+                k[:, :0] if q is None else q,  # no query heads: the kernel writes the keys and values alone
+                k,
+                v,
+                norm.weight if q is None else self.q_norm.weight,
+                norm.weight,
+                norm.eps,
+                norm.zero_centered,
+                cos,
+                sin,
+                self.rotary.rotary_dim,
+                cache.batch.slot_mapping,
+                k_cache,
+                v_cache,
+                k_scale=k_scale,
+                v_scale=v_scale,
+            )
+        write_kv(k_cache, v_cache, cache.batch.slot_mapping, self._turned(k, cos, sin, norm), v, k_scale, v_scale)
+        return None if q is None else self._turned(q, cos, sin, self.q_norm)
 
 
 class MtpMoe(nn.Module):
@@ -244,7 +266,8 @@ class MtpHead(nn.Module):
         layer_.self_attn.write(layer_.input_layernorm(self._layer_input(hidden, next_embeds)), positions, cache)
 
     def _layer_input(self, hidden: torch.Tensor, next_embeds: torch.Tensor) -> torch.Tensor:
-        return self.fc(torch.cat([self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
+        normed = torch.cat([self.pre_fc_norm_embedding(next_embeds), self.pre_fc_norm_hidden(hidden)], dim=-1)
+        return dense_linear(normed, self.fc.weight)
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Take the checkpoint's `mtp.` tensors (name, tensor), experts per expert or fused; a WeightLoadError
