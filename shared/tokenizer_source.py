@@ -34,8 +34,16 @@ def load_tokenizer(model: str | Path) -> Any:
 def gguf_tokenizer(path: Path) -> Any:
     """A transformers fast tokenizer rebuilt from a GGUF file's `tokenizer.*` metadata (transformers'
     GGUF_TOKENIZER_MAPPING says which key is which), with the file's chat template."""
+    import transformers
     from transformers import PreTrainedTokenizerFast
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+
+    try:  # before 5.18 the tables sat in a package whose __init__ imports torch, and converted fewer vocabularies
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+    except ImportError as e:
+        raise ValueError(
+            f"{path}: rebuilding a GGUF file's tokenizer needs transformers >= 5.18 (its torch-free GGUF tokenizer "
+            f"tables), this is {transformers.__version__}: pip install 'transformers>=5.18'"
+        ) from e
 
     ckpt = open_gguf(path)
     groups = {

@@ -216,6 +216,21 @@ def test_the_tokenizer_from_the_metadata_encodes_as_the_one_it_was_written_from(
     assert eos_token_ids(path) == (theirs.eos_token_id,) == eos_token_ids(path, ours)
 
 
+def test_a_transformers_without_the_torch_free_gguf_tables_is_named_with_the_version_to_install(
+    gguf_models, monkeypatch
+):
+    """transformers before 5.18 kept the GGUF tokenizer tables in a package that imports torch, which the api
+    forbids (shared/torch_free.py): the error says which transformers to install, not "import of torch halted"."""
+    import sys
+
+    from ferry.shared.tokenizer_source import load_tokenizer
+
+    path, _, _ = gguf_models("Q8_0")
+    monkeypatch.setitem(sys.modules, "transformers.integrations.gguf.gguf_tokenizer_mapping", None)
+    with pytest.raises(ValueError, match=r"needs transformers >= 5\.18 .*pip install 'transformers>=5\.18'"):
+        load_tokenizer(path)
+
+
 def test_the_config_comes_from_the_metadata(gguf_models):
     from ferry.plan.model_config import load_model_config
 
