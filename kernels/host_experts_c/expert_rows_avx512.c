@@ -200,9 +200,27 @@ INLINE void decode_f32(int format, row_src *s, int64_t v, __mmask32 m, __m512 *l
     }
 }
 
+/* mxfp4 group v as bf16 where its e8m0 scale e keeps every product a normal bf16 (2 <= e <= 252): e2m1 x 2^(e-127)
+ * is exact, so its bf16 is the code's bf16 with e - 127 added to the exponent field (zeros kept), the bits the
+ * float32 path rounds to, in a third of its instructions: the decode, not memory, bounded these rows. Byte j's two
+ * codes go to 16-bit lanes 2j and 2j + 1 unmasked (d | d << 12): vpermw reads an index's low 5 bits, and the table's
+ * entries 16-31 repeat 0-15, so the high nibble's low bit left in lane 2j picks the same value. */
+INLINE __m512bh decode_mxfp4_bf16(const row_src *s, int64_t v, __mmask32 m, int e) {
+    __mmask16 bytes = (__mmask16)(m == 0xFFFFFFFFu ? 0xFFFF : (1u << ((__builtin_popcount(m) + 1) / 2)) - 1);
+    __m512i d = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(bytes, s->q + 16 * v));
+    __m512i w = _mm512_permutexvar_epi16(_mm512_or_si512(d, _mm512_slli_epi32(d, 12)),
+                                         _mm512_loadu_si512(ferry_e2m1_bf16));
+    __mmask32 nonzero = _mm512_test_epi16_mask(w, _mm512_set1_epi16(0x7FFF));
+    return (__m512bh)_mm512_mask_add_epi16(w, nonzero, w, _mm512_set1_epi16((short)((e - 127) << 7)));
+}
+
 INLINE __m512bh decode_bf16(int format, row_src *s, int64_t v, __mmask32 m) {
     if (format == FERRY_BF16) return (__m512bh)_mm512_maskz_loadu_epi16(m, (const uint16_t *)s->q + 32 * v);
     if (format == FERRY_PACKED) return (__m512bh)decode_packed(s, v, m); /* bf16 already: no rounding */
+    if (format == FERRY_MXFP4) {
+        int e = s->groups[v];
+        if (__builtin_expect(e >= 2 && e <= 252, 1)) return decode_mxfp4_bf16(s, v, m, e);
+    }
     __m512 lo, hi;
     decode_f32(format, s, v, m, &lo, &hi);
     return _mm512_cvtne2ps_pbh(hi, lo); /* round to nearest even, as torch rounds to bf16 */
