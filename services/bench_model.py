@@ -13,7 +13,9 @@ Qwen's FP8 block or gpt-oss's MXFP4 layout (services/quantized_checkpoint.py); w
 F32) writes the model as one GGUF file, DIR/model-TYPE.gguf, alone in DIR so that `--model DIR` serves it, by the
 tests' GGUF writer (services/gguf_writer.py): the dense tensors from the dummy recipe below, written F16 as llama.cpp
 writes them, the routed experts random but valid blocks of the type (of the mix's types by layer) with the dummy
-experts' spread. It needs `--weights random`: a GGUF file is its weights.
+experts' spread, with `--weights random`. With `--weights none` (a GGUF file is its weights) nothing is drawn: the
+file's tensor table is whole and its data a hole of its size (a sparse file, zeros when read), so `ferry plan`
+plans a full-size GGUF (gpt-oss-120b's is 61 GiB) in the disk a metadata takes.
 
 `--weights random` also writes the weights, as safetensors shards in the Hugging Face per-expert
 layout (`model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight`; `model.language_model.layers...` for a
@@ -254,17 +256,20 @@ def write_gguf_bench_model(
     routing_skew: float = 0.0,
     seed: int = 0,
     device: str = "cpu",
+    holes: bool = False,
 ) -> Path:
     """The model as one GGUF file of routed experts in `expert_type` (a GGUF writer's type or _M mix), written into
-    `out_dir` alone; returns its path. The config and tokenizer go through a scratch directory the writer reads."""
+    `out_dir` alone; returns its path. The config and tokenizer go through a scratch directory the writer reads.
+    `holes`: no tensor drawn, the file's data a hole of its size (gguf_writer.write_gguf): a full-size model's
+    file for `ferry plan` in no disk and memory to speak of; served, its weights are zeros."""
     import tempfile
 
-    import torch
+    import numpy as np
 
     from ferry.plan.costs import resident_weight_shapes
     from ferry.plan.model_config import load_model_config
-    from ferry.services.gguf_writer import write_gguf
-    from ferry.services.worker.dummy_weights import LINEAR_STD, OUTPUT_STD, dummy_tensor
+    from ferry.services.gguf_writer import write_gguf, zeros
+    from ferry.services.worker.dummy_weights import LINEAR_STD, OUTPUT_STD
 
     out = Path(out_dir)
     if out.is_dir() and any(out.iterdir()):
@@ -274,13 +279,10 @@ def write_gguf_bench_model(
         spec = load_model_config(source)
         named = published_names(json.loads((source / "config.json").read_text()))
         shapes = resident_weight_shapes(spec)
-        progress = _Progress(len(shapes))
-        tensors = {}
-        for name, shape in shapes.items():
-            t = dummy_tensor(spec, name, shape, torch.float32, torch.device(device), seed, routing_skew)
-            tensors[named(name)] = t.cpu().numpy()
-            progress.update(t.nbytes)
-        progress.close()
+        if holes:
+            tensors = {named(name): zeros(shape, np.float32) for name, shape in shapes.items()}
+        else:
+            tensors = _dummy_tensors(spec, shapes, named, seed, routing_skew, device)
         # the dummy recipe's routed experts: the gate and up rows of a linear's spread, down's weaker
         return write_gguf(
             source,
@@ -289,7 +291,24 @@ def write_gguf_bench_model(
             seed=seed,
             tensors=tensors,
             random_experts=(LINEAR_STD, OUTPUT_STD),
+            holes=holes,
         )
+
+
+def _dummy_tensors(spec, shapes: dict, named, seed: int, routing_skew: float, device: str) -> dict:
+    """The dummy recipe's tensors of `shapes` as float32 numpy arrays, by published name."""
+    import torch
+
+    from ferry.services.worker.dummy_weights import dummy_tensor
+
+    progress = _Progress(len(shapes))
+    tensors = {}
+    for name, shape in shapes.items():
+        t = dummy_tensor(spec, name, shape, torch.float32, torch.device(device), seed, routing_skew)
+        tensors[named(name)] = t.cpu().numpy()
+        progress.update(t.nbytes)
+    progress.close()
+    return tensors
 
 
 def write_bench_model(out_dir: str | Path, config_path: str | Path, num_layers: int | None = None) -> Path:
@@ -359,8 +378,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="bf16 (default); nvfp4: nvidia modelopt's NVFP4 layout (routed and shared experts); "
         "fp8: Qwen's FP8 layout (128 x 128 blocks); mxfp4: gpt-oss's MXFP4 layout (routed experts, "
         "per linear). With --weights none, config.json says the "
-        "format and --load-format dummy serves it. gguf-TYPE (with --weights random): DIR/model-TYPE.gguf, "
-        "the routed experts random blocks of that ggml type (gguf-q4_k_m, gguf-q5_k_m: llama.cpp's mixes)",
+        "format and --load-format dummy serves it. gguf-TYPE: DIR/model-TYPE.gguf, with --weights random "
+        "the routed experts random blocks of that ggml type (gguf-q4_k_m, gguf-q5_k_m: llama.cpp's mixes), "
+        "with --weights none a sparse file of the whole tensor table and no bytes (zeros), for ferry plan",
     )
 
 
@@ -394,13 +414,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_gguf(args: argparse.Namespace) -> int:
-    if args.weights != "random":
-        print(
-            f"ferry make-bench-model: error: --format {args.format} writes a GGUF file, which holds the weights: "
-            "add --weights random",
-            file=sys.stderr,
-        )
-        return 2
     if args.expert_layout != "per-expert":
         print(
             f"ferry make-bench-model: error: --expert-layout {args.expert_layout} is a safetensors layout: "
@@ -418,15 +431,28 @@ def _run_gguf(args: argparse.Namespace) -> int:
                 args.routing_skew,
                 args.seed,
                 args.generate_on,
+                holes=args.weights != "random",
             )
     except (OSError, ValueError, KeyError) as exc:
         print(f"ferry make-bench-model: error: {exc}", file=sys.stderr)
         return 2
+    if args.weights != "random":
+        print(
+            f"wrote {path} ({path.stat().st_size / 2**30:.2f} GiB of holes, {_disk_bytes(path) / 2**20:.1f} MiB on "
+            f"disk: its tensors' bytes unwritten, zeros when read): `ferry plan --model {args.dir}` plans it; add "
+            "--weights random for a model to serve"
+        )
+        return 0
     print(
         f"wrote {path} ({path.stat().st_size / 2**30:.2f} GiB; routing skew {args.routing_skew}): "
         f"serve it with --model {args.dir}"
     )
     return 0
+
+
+def _disk_bytes(path: Path) -> int:
+    """The bytes a file takes on disk (a sparse file's holes take none)."""
+    return path.stat().st_blocks * 512
 
 
 def _write(args: argparse.Namespace, fmt: str | None) -> tuple[Path, int | None]:

@@ -70,6 +70,7 @@ def write_gguf(
     fused_gate_up: bool = False,
     tensors: dict[str, np.ndarray] | None = None,
     random_experts: tuple[float, float] | None = None,
+    holes: bool = False,
 ) -> Path:
     """Write `hf_dir` (a checkpoint of one safetensors file or more) to the GGUF file `out`; with
     `split_max_tensors`, as a split set of files of at most that many tensors (`OUT-00001-of-0000N.gguf`...,
@@ -77,7 +78,10 @@ def write_gguf(
     (`ffn_gate_up_exps`, the gate's rows first), as llama.cpp's converter writes them when asked. `tensors`: the
     checkpoint's tensors by name, in place of hf_dir's shards (which then need hold only its config and tokenizer);
     `random_experts` (the gate and up experts' std, down's): the routed experts drawn as random valid blocks of
-    `expert_type` of those spreads, their biases (where the family has them) zero, none read from the checkpoint."""
+    `expert_type` of those spreads, their biases (where the family has them) zero, none read from the checkpoint;
+    `holes` (with `random_experts`): no tensor's bytes written, the file's data a hole of its size (a sparse file,
+    zeros when read): the whole tensor table of a full-size model in the disk a metadata takes, for `ferry plan`.
+    `tensors` may then be views of no memory (`zeros`): only their shapes are read."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -85,6 +89,8 @@ def write_gguf(
         raise ValueError(f"--gguf must be one of {', '.join(EXPERT_TYPES)}, got {expert_type!r}")
     if random_experts is not None and expert_type in FLOAT_EXPERT_TYPES:
         raise ValueError(f"random experts are blocks of a quantized type, not {expert_type}")
+    if holes and random_experts is None:
+        raise ValueError("a GGUF of holes draws no experts from a checkpoint: give random_experts")
     hf_dir, out = Path(hf_dir), Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     config = json.loads((hf_dir / "config.json").read_text())
@@ -106,6 +112,17 @@ def write_gguf(
     if family.mtp_config_key:  # the MTP layers the file holds, which its metadata counts
         config = {**config, family.mtp_config_key: mtp_layers}
     writer = gguf.GGUFWriter(str(out), architecture, split_max_tensors=split_max_tensors)
+
+    def add(gguf_name: str, data: np.ndarray, ggml_type: str | None = None) -> None:
+        raw = None if ggml_type is None or ggml_type in FLOAT_EXPERT_TYPES else gguf.GGMLQuantizationType[ggml_type]
+        if holes:  # its entry in the table, no bytes
+            writer.add_tensor_info(gguf_name, data.shape, data.dtype, data.nbytes, raw_dtype=raw)
+        else:
+            writer.add_tensor(gguf_name, data, raw_dtype=raw)
+
+    def cast(value: np.ndarray, dtype) -> np.ndarray:
+        return zeros(value.shape, dtype) if holes else value.astype(dtype)
+
     family.gguf_write_metadata(writer, config)
     common_metadata(writer, config)
     _tokenizer(writer, hf_dir)
@@ -123,7 +140,8 @@ def write_gguf(
             if weights is None:
                 shape = _expert_shape(spec, part)
                 std = random_experts[1] if part == "down_proj" else random_experts[0]
-                parts[part] = (random_blocks(shape, ggml_type, std, rng), ggml_type)
+                blocks = _block_zeros(shape, ggml_type) if holes else random_blocks(shape, ggml_type, std, rng)
+                parts[part] = (blocks, ggml_type)
             elif ggml_type in FLOAT_EXPERT_TYPES:
                 parts[part] = (weights[part].astype(np.float32), ggml_type)
             else:
@@ -136,18 +154,19 @@ def write_gguf(
             if fused is None:
                 raise ValueError(f"the gguf package's {architecture} table names no fused gate/up experts")
             (gate, ggml_type), (up, _) = parts["gate_proj"], parts["up_proj"]
-            written[fused] = (np.concatenate([gate, up], axis=1), ggml_type)
+            if holes:
+                fused_blocks = zeros((gate.shape[0], gate.shape[1] + up.shape[1], *gate.shape[2:]), gate.dtype)
+            else:
+                fused_blocks = np.concatenate([gate, up], axis=1)
+            written[fused] = (fused_blocks, ggml_type)
         else:
             written.update({separate[p]: parts[p] for p in ("gate_proj", "up_proj")})
         for gguf_name, (data, ggml_type) in written.items():
-            if ggml_type in FLOAT_EXPERT_TYPES:
-                writer.add_tensor(gguf_name, data)
-            else:
-                writer.add_tensor(gguf_name, data, raw_dtype=gguf.GGMLQuantizationType[ggml_type])
+            add(gguf_name, data, ggml_type)
         for part, bias in biases.items():
-            writer.add_tensor(names.gguf_name(f"model.layers.{layer}.mlp.experts.{part}.bias"), bias.astype(np.float32))
+            add(names.gguf_name(f"model.layers.{layer}.mlp.experts.{part}.bias"), cast(bias, np.float32))
     for checkpoint_name, checkpoint_value in sorted(tensors.items()):
-        checkpoint_value = checkpoint_value.astype(np.float32)
+        checkpoint_value = cast(checkpoint_value, np.float32)
         written = (
             {checkpoint_name: checkpoint_value}
             if family.gguf_write_tensor is None
@@ -157,17 +176,25 @@ def write_gguf(
             gguf_name = names.gguf_name(name)
             if gguf_name is None:
                 raise ValueError(f"{name}: the gguf package's {architecture} table has no name for it")
-            value = np.asarray(value, dtype=np.float32)
+            value = cast(np.asarray(value), np.float32)
             # llama.cpp keeps routers and the Gated DeltaNet's convolution float32, as norms
             kept = gguf_name.split(".")[-2] in ("ffn_gate_inp", "ffn_gate_inp_shexp", "ssm_conv1d")
-            writer.add_tensor(gguf_name, value.astype(np.float16) if value.ndim == 2 and not kept else value)
+            add(gguf_name, cast(value, np.float16) if value.ndim == 2 and not kept else value)
     for gguf_name, (checkpoint_name, value) in nextn_tensors.items():  # the MTP layer's `nextn.` tensors
         if family.gguf_write_tensor is not None:
             (value,) = family.gguf_write_tensor(spec, checkpoint_name, value).values()
-        writer.add_tensor(gguf_name, np.asarray(value, dtype=np.float16 if value.ndim == 2 else np.float32))
+        add(gguf_name, cast(np.asarray(value), np.float16 if value.ndim == 2 else np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
+    if holes:  # the data section's size, past its alignment: truncate extends a file by a hole
+        writer.write_ti_data_to_file()
+        for fout, listed in zip(writer.fout, writer.tensors):
+            writer.write_padding(fout, fout.tell())
+            fout.truncate(
+                fout.tell() + sum(writer.ggml_pad(ti.nbytes, writer.data_alignment) for ti in listed.values())
+            )
+    else:
+        writer.write_tensors_to_file()
     writer.close()
     return out if not split_max_tensors else sorted(out.parent.glob(f"{out.stem}-00001-of-*.gguf"))[0]
 
@@ -261,7 +288,7 @@ def _tokenizer(writer, hf_dir: Path) -> None:
     for token, index in vocab.items():
         tokens[index] = token
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen35")
+    writer.add_tokenizer_pre(_pre_tokenizer_name(spec))
     writer.add_token_list(tokens)
     writer.add_token_types([_CONTROL if t in special else _NORMAL for t in tokens])
     writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]])
@@ -276,7 +303,22 @@ def _tokenizer(writer, hf_dir: Path) -> None:
         writer.add_pad_token_id(special[config["pad_token"]])
     writer.add_add_bos_token(False)
     template = hf_dir / "chat_template.jinja"
-    writer.add_chat_template(template.read_text() if template.is_file() else config["chat_template"])
+    template = template.read_text() if template.is_file() else config.get("chat_template")
+    if template is not None:  # gpt-oss's tokenizer has none: its chat format is harmony (openai-harmony)
+        writer.add_chat_template(template)
+
+
+def _pre_tokenizer_name(spec: dict) -> str:
+    """llama.cpp's name (`tokenizer.ggml.pre`) of tokenizer.json's split: the first of transformers' GGUF names for
+    that regex (the reader maps the name back to it), so the file's tokenizer splits text as the original does."""
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
+
+    pre = spec.get("pre_tokenizer") or {}
+    patterns = [p["pattern"].get("Regex") for p in pre.get("pretokenizers", [pre]) if p.get("type") == "Split"]
+    for name, regex in GGUF_PRE_TOKENIZER_SPLITS.items():
+        if regex in patterns:
+            return name
+    raise ValueError(f"no GGUF pre-tokenizer name has tokenizer.json's split {patterns!r}")
 
 
 def _expert_blocks(weights: np.ndarray, expert_type: str, rng: np.random.Generator) -> np.ndarray:
@@ -304,6 +346,19 @@ def random_blocks(shape: tuple[int, ...], expert_type: str, std: float, rng: np.
     for offset, unit in _RANDOM_BLOCK_SCALES[expert_type]:
         view[:, offset : offset + 2] = np.frombuffer(np.float16(std * unit).tobytes(), dtype=np.uint8)
     return blocks
+
+
+def zeros(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """A read-only array of zeros of `shape` that takes no memory (one element, broadcast): a tensor of a GGUF of
+    holes, whose shape alone is written."""
+    return np.broadcast_to(np.zeros((), dtype=dtype), tuple(shape))
+
+
+def _block_zeros(shape: tuple[int, ...], expert_type: str) -> np.ndarray:
+    """`zeros` of the uint8 block bytes `random_blocks` would draw for values of `shape`."""
+    import gguf
+
+    return zeros(gguf.quants.quant_shape_to_byte_shape(tuple(shape), gguf.GGMLQuantizationType[expert_type]), np.uint8)
 
 
 def _expert_shape(spec, part: str) -> tuple[int, int, int]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from ferry.services.worker.models.weights import canonical_name
 from tests.unit.model_harness import PagedRunner
 
 QWEN36 = "tests/data/models/qwen3.6-35b-a3b/config.json"
+MODELS = Path(__file__).resolve().parents[1] / "data/models"
 
 
 def test_a_cut_config_keeps_its_per_layer_lists_consistent():
@@ -338,12 +340,56 @@ def test_a_gguf_bench_models_experts_are_valid_blocks_of_the_dummy_spread_under_
         assert np.array_equal(np.asarray(router.data).reshape(want.shape), want.numpy())
 
 
-def test_a_gguf_format_needs_random_weights_and_a_directory_of_its_own(gguf_bench_config, tmp_path, capsys):
-    assert _make_gguf_bench(tmp_path / "none", gguf_bench_config, "gguf-q8_0") == 2
-    assert (
-        "--format gguf-q8_0 writes a GGUF file, which holds the weights: add --weights random"
-        in capsys.readouterr().err
-    )
+@pytest.mark.parametrize("fmt", ["gguf-q4_k_m", "gguf-mxfp4"])
+def test_a_gguf_of_holes_plans_as_the_one_of_random_blocks_in_no_disk(gguf_bench_config, tmp_path, capsys, fmt):
+    """--weights none writes the GGUF's whole tensor table and leaves its data a hole (a sparse file, zeros when
+    read): its plan is the random file's, byte for byte, and the file takes a fraction of its size on disk, so a
+    full-size GGUF (gpt-oss-120b's 61 GiB) plans on any machine."""
+    import gguf
+
+    from ferry.services.cli import main
+
+    plans, files = {}, {}
+    for weights in ("random", "none"):
+        out = tmp_path / weights
+        assert _make_gguf_bench(out, gguf_bench_config, fmt, "--weights", weights) == 0
+        said = capsys.readouterr().out
+        assert ("of holes" in said and "ferry plan --model" in said) == (weights == "none"), said
+        (files[weights],) = out.iterdir()
+        assert main(["plan", str(out), "--gpu-memory", "24GiB", "--host-memory", "8GiB", "--json"]) == 0
+        plans[weights] = json.loads(capsys.readouterr().out)
+        plans[weights].pop("model", None)
+    assert plans["none"] == plans["random"]
+    holes, random = files["none"], files["random"]
+    assert holes.stat().st_size == random.stat().st_size
+    assert holes.stat().st_blocks * 512 < random.stat().st_size / 4
+    read, want = gguf.GGUFReader(str(holes)), gguf.GGUFReader(str(random))
+    assert [(t.name, t.tensor_type, t.data_offset) for t in read.tensors] == [
+        (t.name, t.tensor_type, t.data_offset) for t in want.tensors
+    ]
+    assert not any(np.asarray(t.data).any() for t in read.tensors)  # every byte reads as zero
+
+
+@pytest.mark.parametrize(
+    "config, fmt, slots",
+    [("qwen3.6-35b-a3b", "gguf-q4_k_m", (8000, 10240)), ("gpt-oss-120b", "gguf-mxfp4", (1200, 4608))],
+)
+def test_the_full_size_gguf_plans_at_24_gib(tmp_path, capsys, config, fmt, slots):
+    """Issue 60's full-size plans, from files of holes of the published configs: they fit a 24 GiB card with most
+    of Qwen3.6-35B-A3B's Q4_K_M experts and a quarter of gpt-oss-120b's MXFP4 ones in slots (README's figures)."""
+    from ferry.services.cli import main
+
+    out = tmp_path / config
+    assert _make_gguf_bench(out, MODELS / config / "config.json", fmt) == 0
+    capsys.readouterr()
+    assert main(["plan", str(out), "--gpu-memory", "24GiB", "--host-memory", "128GiB", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    experts = plan["experts"]
+    assert experts["format"] == ("gguf-mixed" if fmt == "gguf-q4_k_m" else fmt)
+    assert slots[0] <= experts["slots"] < experts["total"] == slots[1], experts
+
+
+def test_a_gguf_bench_model_needs_a_directory_of_its_own(gguf_bench_config, tmp_path, capsys):
     taken = tmp_path / "taken"
     taken.mkdir()
     (taken / "config.json").write_text("{}")
