@@ -8,8 +8,9 @@ device-memory line (default 24 GiB, as nvidia-smi counts a process: its CUDA con
    (`model.language_model.layers.N.mlp.experts.E.*`) before the checkpoint is written and again on its index: a
    checkpoint it cannot read stops the run with that said. `--num-layers N --format bf16` serves a cut instead: bf16
    experts in the layout FreeToken reads for the family (Qwen3.5/3.6 fused, Qwen3-MoE per expert; gpt-oss with
-   `--format mxfp4`, fused as openai publishes it; GLM-4 MoE it reads only with NVFP4 dense MLPs, which the
-   checkpoint does not have: refused before writing), e.g. the decode suite's cuts at their flags:
+   `--format mxfp4`, fused as openai publishes it; GLM-4 MoE only with `--format nvfp4`, whose layout quantizes the
+   dense layers' MLPs and the shared experts too, as FreeToken's GLM reader needs), e.g. the decode suite's cuts
+   at their flags:
 
        --config tests/data/models/qwen3-30b-a3b/config.json --num-layers 12 --format bf16 --memory-line 12GiB \
        --ferry-args "--moe-cache-size 512 --max-running-requests 8" --freetoken-args "--moe-cache-size 512"
@@ -73,6 +74,12 @@ FUSED_EXPERT_KEY = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
 FREETOKEN_FUSED_KEY = re.compile(r"^model\.language_model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)$")
 # FreeToken 0.1.2's gpt-oss reader (freetoken/models/gpt_oss/weight.py): mxfp4 experts only, each MoE layer's as these
 # six fused tensors (openai's release), and no other name under .mlp.experts.
+# FreeToken 0.1.2's GLM-4 MoE routed experts (freetoken/models/glm4_moe/weight.py, _ROUTED_EXPERT_KEY_RE), input
+# scales aside (modelopt writes them; its reader leaves them)
+FREETOKEN_GLM_EXPERT_KEY = re.compile(
+    r"^model\.layers\.\d+\.mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)\."
+    r"(weight|weight_scale|weight_scale_2|input_scale)$"
+)
 FREETOKEN_GPT_OSS_PARTS = tuple(
     f"{p}_{leaf}" for p in ("gate_up_proj", "down_proj") for leaf in ("blocks", "scales", "bias")
 )
@@ -147,12 +154,8 @@ def freetoken_layout_problem(config: dict, weight_map: dict[str, str]) -> str | 
         if not layers or missing:
             return f"FreeToken 0.1.2 needs each MoE layer's six fused mxfp4 tensors (missing e.g. {missing[:1]})"
         return None
-    if arch.startswith("Glm4Moe") and config.get("first_k_dense_replace", 0) > 0:
-        return (
-            "FreeToken 0.1.2 reads GLM-4 MoE only in NVFP4 with its dense MLPs and shared experts quantized too "
-            "(freetoken/models/glm4_moe/weight.py), while make-bench-model keeps the dense layers' MLPs bf16 "
-            "(services/quantized_checkpoint.py), so it would not find their weight_scale"
-        )
+    if arch.startswith("Glm4Moe"):
+        return _freetoken_glm_problem(config, quant, experts)
     if quant:
         return None
     if arch.startswith("Qwen3_5Moe"):
@@ -177,6 +180,31 @@ def expert_layout(config: dict, fmt: str) -> str:
     arch = (config.get("architectures") or [""])[0]
     fused = (fmt == "bf16" and arch.startswith("Qwen3_5Moe")) or arch.startswith("GptOss")
     return "fused" if fused else "per-expert"
+
+
+def _freetoken_glm_problem(config: dict, quant: dict, experts: list[str]) -> str | None:
+    """FreeToken 0.1.2's GLM-4 MoE reader (freetoken/models/glm4_moe/weight.py): NVFP4 only, the routed experts per
+    expert under `model.layers.N.mlp.experts.E.{gate,up,down}_proj`, the dense layers' MLPs and the shared experts
+    NVFP4 too (it reads their weight_scale), attention and routers bf16."""
+    from ferry.plan.expert_formats.nvfp4 import FORMAT as NVFP4
+
+    if "fp4" not in str(quant.get("quant_algo", "")).lower():
+        return "FreeToken 0.1.2 serves GLM-4 MoE only in NVFP4 (write the checkpoint with --format nvfp4)"
+    unread = [n for n in experts if not FREETOKEN_GLM_EXPERT_KEY.match(n)]
+    if not experts or unread:
+        return (
+            "FreeToken 0.1.2's GLM-4 MoE reader takes only per-expert "
+            "'model.layers.N.mlp.experts.E.{gate,up,down}_proj.{weight,weight_scale,weight_scale_2}'"
+            + (f" (not {unread[0]!r})" if unread else ": the checkpoint has none")
+        )
+    dense = config.get("first_k_dense_replace", 0)
+    modules = [f"model.layers.{i}.mlp.{p}_proj" for i in range(dense) for p in ("gate", "up", "down")]
+    if config.get("n_shared_experts"):
+        modules += [f"model.layers.{dense}.mlp.shared_experts.{p}_proj" for p in ("gate", "up", "down")]
+    bf16 = [m for m in modules if m in quant.get("exclude_modules", ()) or not NVFP4.checkpoint_quantizes(m)]
+    if bf16:
+        return f"FreeToken 0.1.2 reads GLM-4 MoE's dense MLPs and shared experts only in NVFP4, and {bf16[0]} is not"
+    return None
 
 
 def planned_expert_names(config_path: str | Path, num_layers: int | None = None, layout: str = "per-expert"):

@@ -4,8 +4,9 @@ and how the tests make quantized tiny models (plan/quantization.py reads them ba
 * `nvfp4`: nvidia modelopt's NVFP4 (`quant_method: modelopt`, `quant_algo: NVFP4`): per quantized
   linear `weight` uint8 [O, IN/2] (two e2m1 codes, element 2j in the low nibble), `weight_scale`
   float8_e4m3fn [O, IN/16], `weight_scale_2` fp32 (= amax / (6 x 448)) and `input_scale` fp32,
-  as modelopt computes them: weight ~ e2m1 x weight_scale x weight_scale_2. Quantized: the routed
-  and the shared experts (as nvidia's Qwen3.5/3.6 NVFP4 releases); everything else is listed in
+  as modelopt computes them: weight ~ e2m1 x weight_scale x weight_scale_2. Quantized: every MLP
+  linear but the routers, so the routed and the shared experts (as nvidia's Qwen3.5/3.6 NVFP4 releases)
+  and a dense layer's MLP (GLM-4.5's, as FreeToken 0.1.2's GLM reader needs); everything else is listed in
   `exclude_modules` and stays bf16.
 * `fp8`: Qwen's `-FP8` releases (`quant_method: fp8`, `weight_block_size: [128, 128]`): `weight`
   float8_e4m3fn and `weight_scale_inv` fp32 [ceil(O/128), ceil(IN/128)] (amax / 448 of each block,

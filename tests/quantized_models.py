@@ -1,7 +1,8 @@
 """Tiny checkpoints in the published quantized layouts, and the reference they are held to.
 
 `quantize_tiny(src, out, layout)` rewrites a tiny checkpoint (services/make_tiny_model.py) with its
-routed and shared experts (nvfp4) or every linear but the router-like ones (fp8) quantized:
+MLP linears but the routers (modelopt nvfp4: routed and shared experts, a dense layer's MLP), its routed and
+shared experts (compressed-tensors nvfp4) or every linear but the router-like ones (fp8) quantized:
 
 * `modelopt-nvfp4`: Ferry's own writer (services/quantized_checkpoint.py), nvidia modelopt's names;
 * `ct-nvfp4`: quantized and packed by the compressed-tensors package itself (its NVFP4A16 scheme,

@@ -27,7 +27,8 @@
 #   PART=peercuts a cut at 12 GiB beside FreeToken with the same slots: TTFT-2k and one stream (PEERCUTS_STREAMS=1,8
 #                adds 8; peer_compare_<card>_<N>layers_<format>.json); PEER_CUTS=12layer (default) or hybrid8 (the
 #                suite's bf16 cuts, their slots) or gptoss12 (gpt-oss-120b's first 12 layers in mxfp4, 512 of 1,536
-#                slots, as openai publishes the experts) or hybrid8_q4km (Ferry's Q4_K_M-style GGUF of the hybrid cut
+#                slots, as openai publishes the experts) or glm12 (GLM-4.5-Air's first 12 layers in NVFP4, 469 of
+#                1,408 slots) or hybrid8_q4km (Ferry's Q4_K_M-style GGUF of the hybrid cut
 #                beside FreeToken's NVFP4 one, 640 slots: FreeToken 0.1.2 serves no Qwen GGUF), one a call:
 #                a cut's checkpoint, Ferry's boot and FreeToken's (90-120 s, its graphs and warm-up) take ~5-6 min;
 #                .peer as for PART=peer; PEERCUTS_BUDGET_S (default 540) bounds a cut, for a call with less time left
@@ -215,9 +216,12 @@ PY
           12layer) set -- qwen3-30b-a3b 12 512 bf16 ;;
           hybrid8) set -- qwen3.6-35b-a3b 8 640 bf16 ;;
           gptoss12) set -- gpt-oss-120b 12 512 mxfp4 ;;
+          # GLM-4.5-Air's first 12 layers (1 dense, 11 MoE of 128 experts) in NVFP4, its dense MLP and shared experts
+          # too (FreeToken 0.1.2 reads GLM no other way), a third of the experts in slots
+          glm12) set -- glm-4.5-air 12 469 nvfp4 ;;
           # Ferry's Q4_K_M-style GGUF of the hybrid cut beside FreeToken's NVFP4 one (it serves no Qwen GGUF)
           hybrid8_q4km) set -- qwen3.6-35b-a3b 8 640 nvfp4 gguf-q4_k_m ;;
-          *) echo "PEER_CUTS: $cut is not 12layer, hybrid8, gptoss12 or hybrid8_q4km"; continue ;;
+          *) echo "PEER_CUTS: $cut is not 12layer, hybrid8, gptoss12, glm12 or hybrid8_q4km"; continue ;;
         esac
         timeout $(( ${PEERCUTS_BUDGET_S:-540} + 20 )) python3 bench/peer_compare.py --out "$OUT" --freetoken-site /tmp/ft \
           --budget-s "${PEERCUTS_BUDGET_S:-540}" \

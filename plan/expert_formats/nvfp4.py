@@ -12,14 +12,16 @@ worker class."""
 
 from __future__ import annotations
 
-from ferry.plan.expert_formats.registry import ExpertFormat, register
+from ferry.plan.expert_formats.registry import CHECKPOINT_BF16_LINEARS, ExpertFormat, register
 
 NVFP4 = "nvfp4"
 NVFP4_GROUP = 16  # inputs per float8 scale
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # e2m1 magnitudes by code (bits 0-2; bit 3 is the sign)
-# the linears a checkpoint written in this layout quantizes: the routed and the shared experts (as
-# nvidia's Qwen3.5/3.6 NVFP4 releases); everything else stays bf16 (exclude_modules)
-CHECKPOINT_QUANTIZED = (".mlp.experts.", ".mlp.shared_expert.")
+# the linears a checkpoint written in this layout quantizes: every MLP linear but the routers (registry's
+# CHECKPOINT_BF16_LINEARS): the routed and shared experts (nvidia's Qwen3.5/3.6 NVFP4 releases, which have no
+# dense MLP) and a dense layer's MLP (GLM-4.5's first layers, whose NVFP4 releases quantize them and their
+# shared experts: FreeToken 0.1.2 reads no other); attention, embeddings and lm_head stay bf16 (exclude_modules)
+CHECKPOINT_QUANTIZED = (".mlp.",)
 
 
 class Nvfp4(ExpertFormat):
@@ -40,7 +42,10 @@ class Nvfp4(ExpertFormat):
         )
 
     def checkpoint_quantizes(self, name: str) -> bool:
-        return any(part in name for part in CHECKPOINT_QUANTIZED)
+        module = name.removesuffix(".weight")  # a module's name (exclude_modules) or its weight's
+        return any(part in module for part in CHECKPOINT_QUANTIZED) and not f"{module}.weight".endswith(
+            CHECKPOINT_BF16_LINEARS
+        )
 
     def checkpoint_config(self, modules: list[str]) -> dict:
         return {

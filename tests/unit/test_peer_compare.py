@@ -109,11 +109,10 @@ def test_the_names_make_bench_model_writes_for_the_35b_are_checked_before_it_wri
     assert pc.freetoken_layout_problem(config, names) is None
 
 
-def test_gpt_oss_is_checked_as_freetoken_reads_it_fused_mxfp4_and_glm_is_refused_before_writing(tmp_path):
+def test_gpt_oss_is_checked_as_freetoken_reads_it_fused_mxfp4(tmp_path):
     """FreeToken 0.1.2 reads gpt-oss only as openai publishes it (mxfp4, six fused tensors a MoE layer): the
     planned names of the 12-layer gpt-oss-120b cut pass, per-expert or bf16 ones do not, and what make-bench-model
-    writes fused for a tiny gpt-oss is what the check planned. GLM-4 MoE it reads only with its dense MLPs in NVFP4,
-    which make-bench-model keeps bf16: said before anything is written."""
+    writes fused for a tiny gpt-oss is what the check planned."""
     from ferry.services.bench_model import write_bench_model, write_random_weights
     from ferry.services.make_tiny_model import make_tiny_model
 
@@ -136,9 +135,37 @@ def test_gpt_oss_is_checked_as_freetoken_reads_it_fused_mxfp4_and_glm_is_refused
         pc.planned_expert_names(tiny / "config.json", None, "fused")
     )
     assert pc.freetoken_layout_problem(json.loads((out / "config.json").read_text()), written) is None
+
+
+def test_glm_is_checked_as_freetoken_reads_it_nvfp4_with_its_dense_mlps_and_shared_experts_quantized(tmp_path):
+    """FreeToken 0.1.2 reads GLM-4 MoE only in NVFP4, routed experts per expert and the dense layers' MLPs and the
+    shared experts quantized too: the 12-layer GLM-4.5-Air cut's planned names pass, bf16 does not, a config that
+    leaves the dense MLP or a shared expert bf16 does not, and what make-bench-model writes for a tiny GLM passes."""
+    from ferry.services.bench_model import write_bench_model, write_random_weights
+    from ferry.services.make_tiny_model import make_tiny_model
+
     glm = "tests/data/models/glm-4.5-air/config.json"
-    glm_config = json.loads(open(glm).read()) | {"quantization_config": {"quant_algo": "NVFP4"}}
-    assert "dense MLPs" in pc.freetoken_layout_problem(glm_config, pc.planned_expert_names(glm, num_layers=12))
+    config = json.loads(open(glm).read()) | {"quantization_config": {"quant_algo": "NVFP4"}}
+    names = pc.planned_expert_names(glm, num_layers=12)
+    assert len(names) == 11 * 128 * 3 and "model.layers.1.mlp.experts.0.gate_proj.weight" in names
+    assert pc.freetoken_layout_problem(config, names) is None
+    bf16 = {k: v for k, v in config.items() if k != "quantization_config"}
+    assert "only in NVFP4" in pc.freetoken_layout_problem(bf16, names)
+    for module in ("model.layers.0.mlp.down_proj", "model.layers.1.mlp.shared_experts.up_proj"):
+        kept = config | {"quantization_config": {"quant_algo": "NVFP4", "exclude_modules": [module]}}
+        assert module in pc.freetoken_layout_problem(kept, names)
+    fused = {"model.layers.1.mlp.experts.gate_up_proj": "", "model.layers.1.mlp.experts.down_proj": ""}
+    assert "has none" in pc.freetoken_layout_problem(config, fused)
+    misnamed = {n.replace("model.layers.", "model.language_model.layers."): "" for n in names}
+    assert "model.language_model.layers." in pc.freetoken_layout_problem(config, misnamed)
+    tiny = make_tiny_model(tmp_path / "tiny", "glm4_moe", seed=0)
+    out = write_bench_model(tmp_path / "w", tiny / "config.json")
+    write_random_weights(out, dtype="float32", fmt="nvfp4")
+    written = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "model.layers.0.mlp.gate_proj.weight_scale" in written
+    assert "model.layers.1.mlp.shared_experts.down_proj.weight_scale_2" in written
+    assert "model.layers.1.mlp.gate.weight_scale" not in written  # the router stays bf16
+    assert pc.freetoken_layout_problem(json.loads((out / "config.json").read_text()), written) is None
 
 
 def test_nvidia_smis_rows_are_summed_over_the_engines_session_alone():

@@ -10,11 +10,19 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from ferry.plan.model_config import parse_model_config
 from ferry.shared.errors import ConfigError
 from tests.conftest import TINY_ARCHS
-from tests.quantized_models import LAYOUT_FORMATS, LAYOUTS, corrupt, dequantize_module, dequantized_copy
+from tests.quantized_models import (
+    LAYOUT_FORMATS,
+    LAYOUTS,
+    corrupt,
+    dequantize_module,
+    dequantized_copy,
+    quantize_tiny,
+)
 from tests.unit.test_generate_e2e import ferry_generate
 
 QWEN36 = "tests/data/models/qwen3.6-35b-a3b/config.json"
@@ -353,6 +361,31 @@ def test_quantized_tiny_checkpoints_generate_as_transformers_on_the_dequantized_
         cache["misses"] > 0
         and cache["bytes_copied"] == cache["misses"] * offloaded["plan"]["experts"]["bytes_per_slot"]
     )
+
+
+def test_a_glm_nvfp4_checkpoint_with_its_dense_mlp_and_shared_experts_quantized_generates_as_transformers(
+    tmp_path, capsys
+):
+    """GLM-4 MoE in the NVFP4 layout FreeToken 0.1.2 reads (the dense layer's MLP and the shared experts NVFP4 too,
+    the router bf16): the dense linears are dequantized at load, priced at the run dtype as the bf16 checkpoint's
+    are, and the model generates as transformers on the dequantized weights, resident and offloaded."""
+    from ferry.services.make_tiny_model import make_tiny_model
+
+    source = make_tiny_model(tmp_path / "glm", "glm4_moe", seed=0)
+    model = quantize_tiny(source, tmp_path / "nvfp4", "modelopt-nvfp4")
+    names = load_file(str(model / "model.safetensors"))
+    assert {
+        "model.layers.0.mlp.gate_proj.weight_scale",
+        "model.layers.1.mlp.shared_experts.up_proj.weight_scale",
+    } <= set(names) and "model.layers.1.mlp.gate.weight_scale" not in names
+    reference = dequantized_copy(model, tmp_path / "dequantized")
+    resident = ferry_generate(capsys, model, *ARGS)
+    plain = ferry_generate(capsys, source, *ARGS)
+    assert resident["plan"]["weights_bytes"] == plain["plan"]["weights_bytes"]
+    assert _worst(resident, reference) < TOLERANCE
+    offloaded = ferry_generate(capsys, model, *ARGS, "--moe-cache-size", "9")
+    assert offloaded["expert_cache"]["misses"] > 0
+    assert offloaded["token_ids"] == resident["token_ids"] and offloaded["logprobs"] == resident["logprobs"]
 
 
 @pytest.mark.parametrize(
