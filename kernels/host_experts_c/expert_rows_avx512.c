@@ -241,7 +241,8 @@ INLINE void prefetch_ahead(int format, const row_src *s, int64_t v, int64_t byte
     _mm_prefetch((const char *)(at + bytes), _MM_HINT_T0);
 }
 
-/* one row against N tokens; two sums a token hide the FMA latency at one token.
+/* one row against N tokens; two sums a token hide the FMA latency at one token (four for an mxfp4 row at one token:
+ * its exponent-add decode is short enough that the dot products' latency showed, 10 % of a core's rate).
  * One row at a time on purpose: blocks of 2-4 rows against each activation vector (fewer activation
  * loads) measured 13-17 GB/s at one token on the 2-core EPYC against 24-28 for a row at a time
  * (the same at 8 tokens, which are bound by the dpbf16 rate there); software prefetch 8-32 vectors
@@ -254,6 +255,20 @@ INLINE void row_dots(int format, int act, int N, row_src *s, const void *a, int6
     int tail = (int)(s->cols % 32);
     if (act == FERRY_ACT_BF16) {
         const uint16_t *x = (const uint16_t *)a;
+        if (N == 1 && format == FERRY_MXFP4) { /* four sums: four groups' decodes overlap their dot products */
+            __m512 acc2 = _mm512_setzero_ps(), acc3 = _mm512_setzero_ps();
+            for (; v + 4 <= nv; v += 4) {
+                prefetch_ahead(format, s, v, prefetch); /* 64 codes bytes: one line */
+                __m512bh w0 = decode_bf16(format, s, v, 0xFFFFFFFFu), w1 = decode_bf16(format, s, v + 1, 0xFFFFFFFFu);
+                __m512bh w2 = decode_bf16(format, s, v + 2, 0xFFFFFFFFu), w3 = decode_bf16(format, s, v + 3, 0xFFFFFFFFu);
+                acc0[0] = _mm512_dpbf16_ps(acc0[0], w0, (__m512bh)_mm512_loadu_si512(x + 32 * v));
+                acc1[0] = _mm512_dpbf16_ps(acc1[0], w1, (__m512bh)_mm512_loadu_si512(x + 32 * v + 32));
+                acc2 = _mm512_dpbf16_ps(acc2, w2, (__m512bh)_mm512_loadu_si512(x + 32 * v + 64));
+                acc3 = _mm512_dpbf16_ps(acc3, w3, (__m512bh)_mm512_loadu_si512(x + 32 * v + 96));
+            }
+            acc0[0] = _mm512_add_ps(acc0[0], acc2);
+            acc1[0] = _mm512_add_ps(acc1[0], acc3);
+        }
         for (; v + 2 <= nv; v += 2) {
             prefetch_ahead(format, s, v, prefetch);
             prefetch_ahead(format, s, v + 1, prefetch);
