@@ -110,6 +110,7 @@ extern float ferry_e4m3_value[256]; /* e4m3fn code -> value (0x7F/0xFF: 480, as 
 extern const float ferry_e2m1_value[16];
 extern float ferry_e8m0_value[256]; /* e8m0 byte s -> 2^(s - 127) (0: the subnormal 2^-127; 255: inf) */
 extern uint16_t ferry_e2m1_bf16[32]; /* the same as bf16 bits, for one vpermw; 16-31 repeat 0-15 */
+extern uint16_t ferry_gguf_mxfp4_bf16[32]; /* GGUF MXFP4's values (ggml's, halved: code 8 is +0) as bf16 bits, as above */
 void ferry_tables_init(void);
 
 static inline float ferry_bf16_to_f32(uint16_t b) {

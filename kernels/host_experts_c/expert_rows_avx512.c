@@ -214,12 +214,27 @@ INLINE __m512bh decode_mxfp4_bf16(const row_src *s, int64_t v, __mmask32 m, int 
     return (__m512bh)_mm512_mask_add_epi16(w, nonzero, w, _mm512_set1_epi16((short)((e - 127) << 7)));
 }
 
+/* a GGUF MXFP4 block (its e8m0 byte, then 16 bytes: values 0-15 the low nibbles, 16-31 the high) as bf16 the same
+ * way: ggml's doubled values at half the scale are the same products (code 8 is +0 there, its table says so) */
+INLINE __m512bh decode_gguf_mxfp4_bf16(const uint8_t *b) {
+    __m256i d = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(b + 1)));
+    __m512i codes = _mm512_inserti64x4(_mm512_castsi256_si512(d), _mm256_srli_epi16(d, 4), 1);
+    __m512i w = _mm512_permutexvar_epi16(codes, _mm512_loadu_si512(ferry_gguf_mxfp4_bf16));
+    __mmask32 nonzero = _mm512_test_epi16_mask(w, _mm512_set1_epi16(0x7FFF));
+    return (__m512bh)_mm512_mask_add_epi16(w, nonzero, w, _mm512_set1_epi16((short)((b[0] - 127) << 7)));
+}
+
 INLINE __m512bh decode_bf16(int format, row_src *s, int64_t v, __mmask32 m) {
     if (format == FERRY_BF16) return (__m512bh)_mm512_maskz_loadu_epi16(m, (const uint16_t *)s->q + 32 * v);
     if (format == FERRY_PACKED) return (__m512bh)decode_packed(s, v, m); /* bf16 already: no rounding */
     if (format == FERRY_MXFP4) {
         int e = s->groups[v];
         if (__builtin_expect(e >= 2 && e <= 252, 1)) return decode_mxfp4_bf16(s, v, m, e);
+    }
+    if (format == GGUF_ROWS(FERRY_GGUF_MXFP4)) { /* a row is whole blocks: no mask */
+        int j;
+        const uint8_t *b = ferry_gguf_block(FERRY_GGUF_MXFP4, s->q, v, &j);
+        if (__builtin_expect(b[0] >= 2 && b[0] <= 252, 1)) return decode_gguf_mxfp4_bf16(b);
     }
     __m512 lo, hi;
     decode_f32(format, s, v, m, &lo, &hi);
@@ -255,7 +270,8 @@ INLINE void row_dots(int format, int act, int N, row_src *s, const void *a, int6
     int tail = (int)(s->cols % 32);
     if (act == FERRY_ACT_BF16) {
         const uint16_t *x = (const uint16_t *)a;
-        if (N == 1 && format == FERRY_MXFP4) { /* four sums: four groups' decodes overlap their dot products */
+        if (N == 1 && (format == FERRY_MXFP4 || format == GGUF_ROWS(FERRY_GGUF_MXFP4))) { /* four sums: four groups'
+                                                                                          decodes overlap their dots */
             __m512 acc2 = _mm512_setzero_ps(), acc3 = _mm512_setzero_ps();
             for (; v + 4 <= nv; v += 4) {
                 prefetch_ahead(format, s, v, prefetch); /* 64 codes bytes: one line */

@@ -19,10 +19,12 @@ const float ferry_e2m1_value[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.
                                     -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
 uint16_t ferry_e2m1_bf16[32];
+uint16_t ferry_gguf_mxfp4_bf16[32];
 float ferry_e8m0_value[256];
 
 void ferry_tables_init(void) {
     for (int c = 0; c < 32; c++) ferry_e2m1_bf16[c] = ferry_f32_to_bf16(ferry_e2m1_value[c & 15]);
+    for (int c = 0; c < 32; c++) ferry_gguf_mxfp4_bf16[c] = ferry_f32_to_bf16(0.5f * ferry_mxfp4_doubled[c & 15]);
     for (int c = 0; c < 256; c++) ferry_e8m0_value[c] = ldexpf(1.0f, c - 127);
     for (int c = 0; c < 256; c++) {
         int e = (c >> 3) & 15, m = c & 7;
