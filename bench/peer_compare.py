@@ -74,14 +74,14 @@ FUSED_EXPERT_KEY = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
 FREETOKEN_FUSED_KEY = re.compile(r"^model\.language_model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)$")
 # FreeToken 0.1.2's gpt-oss reader (freetoken/models/gpt_oss/weight.py): mxfp4 experts only, each MoE layer's as these
 # six fused tensors (openai's release), and no other name under .mlp.experts.
+FREETOKEN_GPT_OSS_PARTS = tuple(
+    f"{p}_{leaf}" for p in ("gate_up_proj", "down_proj") for leaf in ("blocks", "scales", "bias")
+)
 # FreeToken 0.1.2's GLM-4 MoE routed experts (freetoken/models/glm4_moe/weight.py, _ROUTED_EXPERT_KEY_RE), input
 # scales aside (modelopt writes them; its reader leaves them)
 FREETOKEN_GLM_EXPERT_KEY = re.compile(
     r"^model\.layers\.\d+\.mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)\."
     r"(weight|weight_scale|weight_scale_2|input_scale)$"
-)
-FREETOKEN_GPT_OSS_PARTS = tuple(
-    f"{p}_{leaf}" for p in ("gate_up_proj", "down_proj") for leaf in ("blocks", "scales", "bias")
 )
 
 
@@ -200,7 +200,8 @@ def _freetoken_glm_problem(config: dict, quant: dict, experts: list[str]) -> str
     dense = config.get("first_k_dense_replace", 0)
     modules = [f"model.layers.{i}.mlp.{p}_proj" for i in range(dense) for p in ("gate", "up", "down")]
     if config.get("n_shared_experts"):
-        modules += [f"model.layers.{dense}.mlp.shared_experts.{p}_proj" for p in ("gate", "up", "down")]
+        moe = range(dense, int(config.get("num_hidden_layers", dense + 1)))
+        modules += [f"model.layers.{i}.mlp.shared_experts.{p}_proj" for i in moe for p in ("gate", "up", "down")]
     bf16 = [m for m in modules if m in quant.get("exclude_modules", ()) or not NVFP4.checkpoint_quantizes(m)]
     if bf16:
         return f"FreeToken 0.1.2 reads GLM-4 MoE's dense MLPs and shared experts only in NVFP4, and {bf16[0]} is not"

@@ -205,13 +205,18 @@ INLINE void decode_f32(int format, row_src *s, int64_t v, __mmask32 m, __m512 *l
  * float32 path rounds to, in a third of its instructions: the decode, not memory, bounded these rows. Byte j's two
  * codes go to 16-bit lanes 2j and 2j + 1 unmasked (d | d << 12): vpermw reads an index's low 5 bits, and the table's
  * entries 16-31 repeat 0-15, so the high nibble's low bit left in lane 2j picks the same value. */
+/* e2m1 values as bf16 bits `w` times 2^(e - 127): the exponent field moved by e - 127, zeros kept */
+INLINE __m512bh e8m0_scaled_bf16(__m512i w, int e) {
+    __mmask32 nonzero = _mm512_test_epi16_mask(w, _mm512_set1_epi16(0x7FFF));
+    return (__m512bh)_mm512_mask_add_epi16(w, nonzero, w, _mm512_set1_epi16((short)((e - 127) << 7)));
+}
+
 INLINE __m512bh decode_mxfp4_bf16(const row_src *s, int64_t v, __mmask32 m, int e) {
     __mmask16 bytes = (__mmask16)(m == 0xFFFFFFFFu ? 0xFFFF : (1u << ((__builtin_popcount(m) + 1) / 2)) - 1);
     __m512i d = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(bytes, s->q + 16 * v));
     __m512i w = _mm512_permutexvar_epi16(_mm512_or_si512(d, _mm512_slli_epi32(d, 12)),
                                          _mm512_loadu_si512(ferry_e2m1_bf16));
-    __mmask32 nonzero = _mm512_test_epi16_mask(w, _mm512_set1_epi16(0x7FFF));
-    return (__m512bh)_mm512_mask_add_epi16(w, nonzero, w, _mm512_set1_epi16((short)((e - 127) << 7)));
+    return e8m0_scaled_bf16(w, e);
 }
 
 /* a GGUF MXFP4 block (its e8m0 byte, then 16 bytes: values 0-15 the low nibbles, 16-31 the high) as bf16 the same
@@ -219,9 +224,7 @@ INLINE __m512bh decode_mxfp4_bf16(const row_src *s, int64_t v, __mmask32 m, int 
 INLINE __m512bh decode_gguf_mxfp4_bf16(const uint8_t *b) {
     __m256i d = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(b + 1)));
     __m512i codes = _mm512_inserti64x4(_mm512_castsi256_si512(d), _mm256_srli_epi16(d, 4), 1);
-    __m512i w = _mm512_permutexvar_epi16(codes, _mm512_loadu_si512(ferry_gguf_mxfp4_bf16));
-    __mmask32 nonzero = _mm512_test_epi16_mask(w, _mm512_set1_epi16(0x7FFF));
-    return (__m512bh)_mm512_mask_add_epi16(w, nonzero, w, _mm512_set1_epi16((short)((b[0] - 127) << 7)));
+    return e8m0_scaled_bf16(_mm512_permutexvar_epi16(codes, _mm512_loadu_si512(ferry_gguf_mxfp4_bf16)), b[0]);
 }
 
 INLINE __m512bh decode_bf16(int format, row_src *s, int64_t v, __mmask32 m) {
