@@ -218,19 +218,22 @@ class ExpertSlotPool:
             fmt = Bf16Experts(self.w13.shape[2], self.w2.shape[2], self.w13.dtype)
         self.format = fmt
         self.gemm13 = self.gemm2 = self.staging_gemm13 = self.staging_gemm2 = None
-        self._layer_views: dict[int, tuple] = {}
+        self._layer_views: dict[tuple[int, bool], tuple] = {}
         if not fmt.views_per_layer:
             self.gemm13, self.gemm2 = fmt.gemm_views(self.w13, self.w2)
             if self.staging_w13 is not None:
                 self.staging_gemm13, self.staging_gemm2 = fmt.gemm_views(self.staging_w13, self.staging_w2)
 
-    def layer_views(self, moe_layer: int) -> tuple:
-        """(gemm13, gemm2) the expert kernels read for MoE layer `moe_layer`'s experts in these slots."""
+    def layer_views(self, moe_layer: int, staging: bool = False) -> tuple:
+        """(gemm13, gemm2) the expert kernels read for MoE layer `moe_layer`'s experts in these slots, or in the
+        staging slots (`staging`: a streamed prefill's ring bays)."""
         if not self.format.views_per_layer:
-            return self.gemm13, self.gemm2
-        if moe_layer not in self._layer_views:
-            self._layer_views[moe_layer] = self.format.gemm_views(self.w13, self.w2, moe_layer)
-        return self._layer_views[moe_layer]
+            return (self.staging_gemm13, self.staging_gemm2) if staging else (self.gemm13, self.gemm2)
+        key = (moe_layer, staging)
+        if key not in self._layer_views:
+            w13, w2 = (self.staging_w13, self.staging_w2) if staging else (self.w13, self.w2)
+            self._layer_views[key] = self.format.gemm_views(w13, w2, moe_layer)
+        return self._layer_views[key]
 
     @property
     def num_slots(self) -> int:

@@ -1,7 +1,8 @@
 """Quantized experts on CUDA (issue 21): the NVFP4, MXFP4, FP8-block and GGUF kernels at real shapes against their
 dequantizing twin, and decoding of quantized tiny checkpoints token for token across every path that
 must not change a bit: graph replay == eager, offloaded (graphs, eager, copy engine, a prefill streamed
-past the cache) == all-resident. (Prefetch on and off is the bf16 tests' concern: it moves the same bytes.)"""
+past the cache) == all-resident, for quantized checkpoints and GGUF files. (Prefetch on and off is the bf16 tests'
+concern: it moves the same bytes.)"""
 
 from __future__ import annotations
 
@@ -122,3 +123,40 @@ def test_quantized_checkpoints_decode_token_for_token(cuda_device, quantized_tin
     want = runs.pop("resident-eager")
     for name, got in runs.items():
         assert got == want, f"{name} differs from all-resident eager decoding ({layout}, {arch})"
+
+
+@pytest.mark.parametrize("expert_type", ["Q4_K_M", "IQ4_XS"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gguf_files_decode_token_for_token(cuda_device, tmp_path_factory, expert_type, dtype):
+    """A tiny GGUF file's experts kept in its blocks (Q4_K_M: a gguf-mixed file, down Q6_K on its last layer and
+    every slot, staging bay and bank row sized for it; IQ4_XS: one type): graph replay == eager, offloaded (graphs,
+    eager, copy engine, a prefill streamed past the cache) == all-resident, token for token."""
+    from ferry.plan.model_config import load_model_config
+    from tests.gguf_models import tiny_gguf
+
+    path, _ = tiny_gguf(tmp_path_factory.mktemp(f"gguf-{expert_type}"), expert_type)
+    want_format = "gguf-mixed" if expert_type == "Q4_K_M" else f"gguf-{expert_type.lower()}"
+    assert load_model_config(path).quantization.expert_format == want_format
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(1, 250, n).tolist() for n in (40, 25, 30)]
+    variants = {
+        "resident-eager": ["--enforce-eager"],
+        "resident-graphs": [],
+        "offload-graphs": ["--moe-cache-size", "10"],
+        "offload-eager": ["--moe-cache-size", "10", "--enforce-eager"],
+        "offload-copy-engine": ["--moe-cache-size", "10", "--expert-copy-engine-tokens", "2"],
+    }
+    runs = {}
+    for name, flags in variants.items():
+        executor, plan = _boot(path, dtype, *flags)
+        assert plan.experts.format == want_format == executor.expert_cache_report()["expert_format"]
+        runs[name] = _greedy_batch(executor, prompts, steps=10)
+        if "--moe-cache-size" in flags:
+            report = executor.expert_cache_report()
+            assert report["misses"] > 0 and report["bytes_copied"] % plan.experts.bytes_per_slot == 0
+        del executor
+        gc.collect()
+        torch.cuda.empty_cache()
+    want = runs.pop("resident-eager")
+    for name, got in runs.items():
+        assert got == want, f"{name} differs from all-resident eager decoding ({expert_type}, {dtype})"

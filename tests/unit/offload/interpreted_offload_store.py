@@ -196,6 +196,73 @@ def check_device_driven_biased() -> None:
     assert store.stats.total.misses > 0 and store.ring.staged_total > 0
 
 
+def check_device_driven_mixed() -> None:
+    """A GGUF Q4_K_M mix (w2 Q4_K on MoE layer 0, Q6_K on layer 1; every slot, bay and bank row sized for the
+    larger) through the device-driven store: each layer's rows read in its own types on decode steps (the pair
+    kernel), the large path, streamed prefills through the ring's bays and through cache slots lent to a long
+    prefill, equal to the all-resident store (bit for bit where both take the pair kernel). The interpreter takes
+    ~1 s a token-expert pair or a 40-token layer here, so the steps are few."""
+    from ferry.plan.model_config import parse_model_config
+    from ferry.services.worker.expert_formats import expert_format_for
+
+    layers, experts, num_slots = 2, 4, 5
+    config = {
+        "model_type": "qwen3_moe",
+        "vocab_size": 64,
+        "hidden_size": 256,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 8,
+        "num_experts": experts,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 256,
+        "intermediate_size": 32,
+        "max_position_embeddings": 256,
+        "torch_dtype": "float32",
+        "quantization_config": {
+            "quant_method": "gguf",
+            "ggml_type": "mixed",
+            "expert_types": [["Q4_K", "Q4_K"], ["Q4_K", "Q6_K"]],
+        },
+    }
+    spec = parse_model_config(config)
+    fmt = expert_format_for(spec, torch.float32)
+    assert fmt.views_per_layer
+    resident = ResidentExperts(slot_pool(spec, layers * experts, fmt=fmt), layers, experts)
+    resident.fill_dummy(seed=3)
+    banks = HostBanks.for_model(spec, "float32", progress=False)
+    banks.fill_dummy(seed=3, progress=False)
+    store = DeviceDrivenExperts(
+        slot_pool(spec, num_slots, max_step_tokens=48, fmt=fmt),
+        banks,
+        LRUExpertPolicy(layers, experts, num_slots),
+        "cpu",
+        prefetch=True,
+        pipeline_chunks=2,
+        copy_engine_tokens=3,  # a 3-token step takes the large path (copy-engine copies, then its pairs)
+    )
+    g = torch.Generator().manual_seed(4)
+    store.set_routers([torch.randn(experts, 256, generator=g) for _ in range(layers)])
+    store.preload()
+    store.attention_period = 1
+    lend = store._slots_to_lend()
+    assert lend > 0, "no cache slot lent: the lent bays' per-layer views untested"
+    for tokens, long_context in ((1, False), (40, False), (3, False), (40, True), (1, False)):
+        store.begin_step(tokens, 2, long_context=long_context)
+        for layer in range(layers):
+            x, ids, w = random_routing(spec, tokens, g)
+            got = store.forward(layer, x, ids, w, n_rows=torch.tensor([tokens], dtype=torch.int32))
+            want = resident.forward(layer, x, ids, w)
+            if use_pair_kernel(ids.numel()):
+                assert torch.equal(got, want), f"{tokens} tokens, MoE layer {layer}: the stores differ"
+            else:
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        store.stats_to_host()
+        store.end_step()
+    assert store.stats.total.misses > 0 and store.ring.staged_total > 0 and store.ring.lent_total > 0
+
+
 def check_prefetch_follows_the_router_bias() -> None:
     """The next-layer prediction applies the router's logit bias (gpt-oss's routers have one): with zero router
     weights and a bias on experts 4 and 5 of layer 1, a decode step of layer 0 prefetches exactly those."""
@@ -788,6 +855,7 @@ CHECKS = {
     "device-driven-float32": lambda: check_device_driven("float32"),
     "device-driven-bfloat16": lambda: check_device_driven("bfloat16"),
     "device-driven-biased": check_device_driven_biased,
+    "device-driven-mixed": check_device_driven_mixed,
     "prefetch-router-bias": check_prefetch_follows_the_router_bias,
     "host-share": check_host_share,
     "host-decode-kernel": check_host_decode_kernel,

@@ -124,6 +124,7 @@ INTERPRETED_CHECKS = [
     "device-driven-float32",
     "device-driven-bfloat16",
     "device-driven-biased",
+    "device-driven-mixed",
     "prefetch-router-bias",
     "host-share",
     "host-decode-kernel",

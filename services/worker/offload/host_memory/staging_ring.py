@@ -49,8 +49,8 @@ class Bay:
     first_slot: int
     w13: torch.Tensor
     w2: torch.Tensor
-    gemm13: torch.Tensor
-    gemm2: torch.Tensor
+    gemm13: torch.Tensor | None  # None: views per MoE layer (the store asks the pool)
+    gemm2: torch.Tensor | None
     lent: bool = False
 
 
@@ -71,7 +71,8 @@ class StagingRing:
     """R staging slots (`w13` [R, 2I, H], `w2` [R, H, I], or byte rows in a quantized format) filled
     from the host `banks` on `copy_stream` (None on CPU: synchronous copies), in chunks of at most
     `chunk` experts (R // chunk bays); the expert kernels read them through `gemm` (the slot
-    pool's staging_gemm13/2; by default the tensors themselves)."""
+    pool's staging_gemm13/2; by default the tensors themselves; (None, None) where the format's views
+    differ by MoE layer: the store then asks the pool for a chunk's layer's views of its bay)."""
 
     def __init__(
         self,

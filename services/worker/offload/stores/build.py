@@ -90,10 +90,6 @@ def build_offloaded_experts(
     if device_driven is None:
         device_driven = use_triton(slots.w13)
     if device_driven:
-        if slots.format.views_per_layer:  # its kernels read one pair of views (and staging bays) for every layer
-            raise ValueError(
-                f"the device-driven expert store does not read {slots.format.name} rows, which differ by layer"
-            )
         store = DeviceDrivenExperts(
             slots,
             banks,

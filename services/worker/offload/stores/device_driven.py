@@ -59,7 +59,7 @@ from ferry.kernels.router_topk import router_topk
 from ferry.plan.costs import ROWS_FLOAT32_MAX_TOKENS
 from ferry.services.worker.offload.host_compute.decode_share import HostDecodeShare
 from ferry.services.worker.offload.host_compute.prefill_share import HostShare
-from ferry.services.worker.offload.host_memory.staging_ring import StagingRing
+from ferry.services.worker.offload.host_memory.staging_ring import StagedChunk, StagingRing
 from ferry.services.worker.offload.slot_cache.device_cache import CacheCall, DeviceExpertCache
 from ferry.services.worker.offload.stores.offloaded import DEFAULT_PIPELINE_CHUNKS, OffloadedExperts, _split
 
@@ -122,7 +122,9 @@ class DeviceDrivenExperts(OffloadedExperts):
         self.attention_period = 1
         self.lent_evictions = 0  # experts evicted to lend their slots to a long prefill's ring, since boot
         self._stream_begun = False  # begin_step started this step's stream (a prefill) before layer 0
-        self._stream_kernels_compiled = False  # _compile_stream_kernels ran (boot's warm-up)
+        # the kinds of rows (each view's ggml type: one kind unless they differ by layer) whose streamed kernels
+        # _compile_stream_kernels compiled (boot's warm-up)
+        self._stream_kernels_compiled: set[tuple] = set()
         self._said_no_lending = False  # the log line of a long chunk too large to lend any slot, once
         if slots.staging_w13 is not None:
             # the ring's own stream, at the highest priority (staging_ring.RING_UNPACK_PROGRAMS says why)
@@ -236,11 +238,12 @@ class DeviceDrivenExperts(OffloadedExperts):
         copied = self._on_copy_stream(lambda: self._copy_sm(layer, call), stamps, MISS_START, MISS_END)
         predicted = self._prefetch_beside(layer, x, n_rows, call)
         self._wait_prefetched(layer, stamps)
-        expert_pair_rows_triton(x, call.hit_slots.view(t, k), weights, self.slots.gemm13, self.slots.gemm2, rows)
+        gemm13, gemm2 = self.slots.layer_views(layer)
+        expert_pair_rows_triton(x, call.hit_slots.view(t, k), weights, gemm13, gemm2, rows)
         self._stamp(stamps, HITS_DONE)
         if copied is not None:
             torch.cuda.current_stream(self.device).wait_event(copied)
-        expert_pair_rows_triton(x, call.miss_slots.view(t, k), weights, self.slots.gemm13, self.slots.gemm2, rows)
+        expert_pair_rows_triton(x, call.miss_slots.view(t, k), weights, gemm13, gemm2, rows)
         if predicted is not None:  # the next layer's lookup shares the cache's state and scratch with the prefetch
             torch.cuda.current_stream(self.device).wait_event(predicted)
         if handed is not None:
@@ -259,7 +262,7 @@ class DeviceDrivenExperts(OffloadedExperts):
         landed = [self._on_copy_stream(lambda c=c: self._copy_ce(layer, c), None, 0, 0, timed=True) for c in chunks]
         self._prefetch_next(layer, x, n_rows, call, large=True, evict_below=scan_below)
         self._wait_prefetched(layer, None)
-        self._compute(x, call.hit_slots.view(t, k), weights, rows)
+        self._compute(layer, x, call.hit_slots.view(t, k), weights, rows)
         miss_slots = call.miss_slots.view(t, k)
         start = 0
         for chunk, done in zip(chunks, landed):
@@ -267,7 +270,7 @@ class DeviceDrivenExperts(OffloadedExperts):
                 self._stall(done)
             mine = call.misses[start : start + len(chunk), 1]  # this chunk's slots, already on the device
             start += len(chunk)
-            self._compute(x, torch.where(torch.isin(miss_slots, mine), miss_slots, -1), weights, rows)
+            self._compute(layer, x, torch.where(torch.isin(miss_slots, mine), miss_slots, -1), weights, rows)
 
     def _streamed_layer(self, layer, x, ids, weights, n_rows, rows) -> None:
         """A prefill: the hits from their slots, every other expert of the layer through the
@@ -286,7 +289,7 @@ class DeviceDrivenExperts(OffloadedExperts):
         # float32 once for the layer: the expert kernels' wrapper converts its weights every call, and a
         # layer streams in dozens of calls (one a ring chunk); the same values, converted once
         weights32 = weights.float()
-        self._compute(x, call.hit_slots.view(t, k), weights32, rows)
+        self._compute(layer, x, call.hit_slots.view(t, k), weights32, rows)
         self._stream_staged(layer, x, ids, weights32, rows, padding)
         if host is not None:
             self.host_share.finish(host, rows, self._host_table[layer][torch.where(padding, self.num_experts, ids)])
@@ -297,7 +300,7 @@ class DeviceDrivenExperts(OffloadedExperts):
         staged = self._staged_count[layer]
         if not staged:
             if not self._stream_real:  # boot's warm-up (padding rows only): compile what a chunk launches
-                self._compile_stream_kernels(x, k)
+                self._compile_stream_kernels(layer, x, k)
             return
         position = self._staged_position[layer][torch.where(padding, self.num_experts, ids)]
         # with each position's first block: a chunk's launches cover its own blocks, not the layer's
@@ -307,12 +310,13 @@ class DeviceDrivenExperts(OffloadedExperts):
                 torch.cuda.current_stream(self.device).wait_event(chunk.landed)
                 self._step_copy_events.append(chunk.copy_events)
             lo, hi = chunk.first, chunk.first + len(chunk.experts)
+            gemm13, gemm2 = self._bay_views(chunk)
             grouped_expert_rows_triton(
                 x,
                 None,
                 weights,
-                chunk.bay.gemm13,
-                chunk.bay.gemm2,
+                gemm13,
+                gemm2,
                 rows,
                 aligned=aligned,
                 slot_window=(lo, hi, chunk.slots[0] - lo),
@@ -323,8 +327,18 @@ class DeviceDrivenExperts(OffloadedExperts):
                 computed.record(torch.cuda.current_stream(self.device))
             self.ring.release(chunk, computed)
 
-    def _compile_stream_kernels(self, x: torch.Tensor, top_k: int) -> None:
-        """Once, from boot's warm-up (its streamed steps stage nothing, so no chunk would launch, and the first
+    def _bay_views(self, chunk: StagedChunk) -> tuple:
+        """(gemm13, gemm2) of the bay `chunk` landed in, as its layer's experts are read: the bay's own, or where
+        the format's rows differ by layer (no views of its own) the pool's views of the layer over the bay's
+        tensors (the staging slots', or the cache's lent to the step)."""
+        bay = chunk.bay
+        if bay.gemm13 is not None:
+            return bay.gemm13, bay.gemm2
+        return self.slots.layer_views(chunk.layer, staging=not bay.lent)
+
+    def _compile_stream_kernels(self, layer: int, x: torch.Tensor, top_k: int) -> None:
+        """Once for each kind of rows (once, or per MoE layer's types where they differ by layer), from boot's
+        warm-up (its streamed steps stage nothing, so no chunk would launch, and the first
         prefill after ready would compile what a chunk launches, warmup.py): the chunks' windowed kernels
         over an empty window of the ring's bays, and the layer's grouped kernel for its hits with every pair
         skipped, at each block size a streamed step can take (the small one where a step of at most
@@ -332,9 +346,11 @@ class DeviceDrivenExperts(OffloadedExperts):
         warm-up's own steps have; and where a step can be longer than ROWS_FLOAT32_MAX_TOKENS, at its block size
         into rows in the model's dtype too, with the row sum over them (kernels/expert_rows_sum.py: a kernel a
         row dtype). Nothing is computed."""
-        if self._stream_kernels_compiled:
+        ring_views = self.slots.layer_views(layer, staging=True)
+        kinds = tuple(getattr(view, "ggml_type", None) for view in ring_views)
+        if kinds in self._stream_kernels_compiled:
             return
-        self._stream_kernels_compiled = True
+        self._stream_kernels_compiled.add(kinds)
         small = SMALL_BLOCK_MAX_PAIRS // top_k  # the most tokens of a small-block step
         sizes = [
             n
@@ -358,10 +374,8 @@ class DeviceDrivenExperts(OffloadedExperts):
             rows = torch.zeros(n, top_k, x.shape[1], dtype=row_dtype, device=x.device)
             nothing = torch.full((n, top_k), -1, dtype=torch.int32, device=x.device)
             aligned = align_pairs_by_slot(nothing, 1, block_m_for(n * top_k), 1, block_starts=True)
-            grouped_expert_rows_triton(
-                xs, None, weights, self.ring.gemm13, self.ring.gemm2, rows, aligned=aligned, slot_window=(0, 0, 0)
-            )
-            self._compute(xs, nothing, weights, rows)
+            grouped_expert_rows_triton(xs, None, weights, *ring_views, rows, aligned=aligned, slot_window=(0, 0, 0))
+            self._compute(layer, xs, nothing, weights, rows)
             sum_rows(rows, x.dtype)  # the row sum over rows of this dtype too
 
     def _begin_stream(self, real: int, top_k: int, lend: int = 0) -> None:
@@ -409,14 +423,15 @@ class DeviceDrivenExperts(OffloadedExperts):
         c.prefetched[lent] = 0
         return c.num_slots - count, count, (self.slots.w13, self.slots.w2, self.slots.gemm13, self.slots.gemm2)
 
-    def _compute(self, x, group_slots, weights, rows) -> None:
-        """One group's pairs (slot -1 elsewhere): pair by pair for small steps, as the all-resident
-        store computes them (same bits), else the grouped GEMM aligned on the device."""
+    def _compute(self, layer, x, group_slots, weights, rows) -> None:
+        """One group of MoE layer `layer`'s pairs (slot -1 elsewhere): pair by pair for small steps, as the
+        all-resident store computes them (same bits), else the grouped GEMM aligned on the device."""
+        gemm13, gemm2 = self.slots.layer_views(layer)
         if use_pair_kernel(group_slots.numel()):
-            expert_pair_rows_triton(x, group_slots, weights, self.slots.gemm13, self.slots.gemm2, rows)
+            expert_pair_rows_triton(x, group_slots, weights, gemm13, gemm2, rows)
         else:
             grouped_expert_rows_triton(
-                x, group_slots, weights, self.slots.gemm13, self.slots.gemm2, rows, max_distinct_slots=self.num_experts
+                x, group_slots, weights, gemm13, gemm2, rows, max_distinct_slots=self.num_experts
             )
 
     # ---- prefetch ----------------------------------------------------------------------------
