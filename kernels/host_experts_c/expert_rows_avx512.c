@@ -20,8 +20,10 @@
 /* the rows' own format codes of GGUF rows, one a block type, so each type's decode is compiled into its rows */
 #define GGUF_ROWS(type) (16 + (type))
 #define IS_GGUF(format) ((format) >= GGUF_ROWS(0))
-#define IS_K_QUANT(format) \
-    ((format) == GGUF_ROWS(FERRY_Q4_K) || (format) == GGUF_ROWS(FERRY_Q5_K) || (format) == GGUF_ROWS(FERRY_Q6_K))
+/* the 256-value block types, eight groups of 32 each with its own scale */
+#define IS_SUPERBLOCK(format)                                                                                  \
+    ((format) == GGUF_ROWS(FERRY_Q4_K) || (format) == GGUF_ROWS(FERRY_Q5_K) || (format) == GGUF_ROWS(FERRY_Q6_K) || \
+     (format) == GGUF_ROWS(FERRY_IQ4_XS))
 
 typedef struct {
     const uint8_t *q;       /* the row's values or codes */
@@ -80,15 +82,20 @@ INLINE __m512i decode_packed(row_src *s, int64_t v, __mmask32 m) {
 /* 16 bytes as 16 int32 lanes */
 INLINE __m512i bytes16(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
 
-/* Group j's float32 factors in a K-quant block (Q4_K, Q5_K, Q6_K), the twin's products (gguf_blocks.h), from the
- * block's fp16 d (Q6_K's at byte 208) and dmin as float32 (k_block_d): Q4_K's and Q5_K's d sc_j in *sa and dmin m_j in
- * *sb; Q6_K's d sc for the group's values 0-15 in *sa, 16-31 in *sb. */
-INLINE void k_block_d(int type, const uint8_t *b, float *d, float *dmin) {
+/* Group j's float32 factors in a 256-value block (Q4_K, Q5_K, Q6_K, IQ4_XS), the twin's products (gguf_blocks.h),
+ * from the block's fp16 d (Q6_K's at byte 208) and dmin as float32 (superblock_d): Q4_K's and Q5_K's d sc_j in *sa
+ * and dmin m_j in *sb; Q6_K's d sc for the group's values 0-15 in *sa, 16-31 in *sb; IQ4_XS's d (sc_j - 32) in *sa. */
+INLINE void superblock_d(int type, const uint8_t *b, float *d, float *dmin) {
     *d = ferry_gguf_half(type == FERRY_Q6_K ? b + 208 : b);
-    *dmin = type == FERRY_Q6_K ? 0.0f : ferry_gguf_half(b + 2);
+    *dmin = type == FERRY_Q6_K || type == FERRY_IQ4_XS ? 0.0f : ferry_gguf_half(b + 2);
 }
 
-INLINE void k_group_scales(int type, const uint8_t *b, int j, float d, float dmin, float *sa, float *sb) {
+INLINE void superblock_group_scales(int type, const uint8_t *b, int j, float d, float dmin, float *sa, float *sb) {
+    if (type == FERRY_IQ4_XS) {
+        *sa = d * (float)ferry_gguf_iq4_xs_scale(b, j);
+        *sb = 0.0f;
+        return;
+    }
     if (type == FERRY_Q6_K) {
         *sa = d * (float)(int8_t)b[192 + 2 * j];
         *sb = d * (float)(int8_t)b[193 + 2 * j];
@@ -100,11 +107,19 @@ INLINE void k_group_scales(int type, const uint8_t *b, int j, float d, float dmi
     *sb = dmin * (float)mn;
 }
 
-/* group j (values 32j..32j+31) of the K-quant block at b as float32, lo the first 16 and hi the next, with its
- * factors from k_group_scales: 32 code bytes, one a value, the sub-block's nibble shifted down; Q5_K's fifth and Q6_K's
- * two high bits */
-INLINE void decode_k_group(int type, const uint8_t *b, int j, float sa, float sb, __m512 *lo, __m512 *hi) {
+/* group j (values 32j..32j+31) of the 256-value block at b as float32, lo the first 16 and hi the next, with its
+ * factors from superblock_group_scales. The K-quants: 32 code bytes, one a value, the sub-block's nibble shifted down;
+ * Q5_K's fifth and Q6_K's two high bits. IQ4_XS: the sub-block's 16 bytes in Q4_0's order, grid values under d
+ * (scale - 32). */
+INLINE void decode_superblock_group(int type, const uint8_t *b, int j, float sa, float sb, __m512 *lo, __m512 *hi) {
     const __m512i nibble = _mm512_set1_epi32(0x0F);
+    if (type == FERRY_IQ4_XS) {
+        __m512i x = bytes16(b + 8 + 16 * j);
+        __m512 grid = _mm512_loadu_ps(ferry_iq4_grid), dl = _mm512_set1_ps(sa);
+        *lo = _mm512_mul_ps(dl, _mm512_permutexvar_ps(_mm512_and_si512(x, nibble), grid));
+        *hi = _mm512_mul_ps(dl, _mm512_permutexvar_ps(_mm512_srli_epi32(x, 4), grid));
+        return;
+    }
     int q6 = type == FERRY_Q6_K, h = j / 4, t = j % 4;
     const uint8_t *qs = q6 ? b + 64 * h + 32 * (t & 1) : b + (type == FERRY_Q5_K ? 48 : 16) + 32 * (j / 2);
     __m512i shift = _mm512_set1_epi32(q6 ? 4 * (t >> 1) : 4 * (j & 1));
@@ -141,18 +156,11 @@ INLINE void decode_gguf(int type, const uint8_t *row, int64_t v, __m512 *lo, __m
         __m512 d = _mm512_set1_ps(ferry_gguf_half(b));
         *lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 2)))));
         *hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 18)))));
-    } else if (type == FERRY_Q4_K || type == FERRY_Q5_K || type == FERRY_Q6_K) {
+    } else if (type == FERRY_Q4_K || type == FERRY_Q5_K || type == FERRY_Q6_K || type == FERRY_IQ4_XS) {
         float d, dmin, sa, sb;
-        k_block_d(type, b, &d, &dmin);
-        k_group_scales(type, b, j, d, dmin, &sa, &sb);
-        decode_k_group(type, b, j, sa, sb, lo, hi);
-    } else if (type == FERRY_IQ4_XS) { /* sub-block j's 16 bytes in Q4_0's order, grid values under d (scale - 32) */
-        const uint8_t *qs = b + 8 + 16 * j;
-        __m512i x = bytes16(qs);
-        __m512 grid = _mm512_loadu_ps(ferry_iq4_grid);
-        __m512 dl = _mm512_set1_ps(ferry_gguf_half(b) * (float)ferry_gguf_iq4_xs_scale(b, j));
-        *lo = _mm512_mul_ps(dl, _mm512_permutexvar_ps(_mm512_and_si512(x, nibble), grid));
-        *hi = _mm512_mul_ps(dl, _mm512_permutexvar_ps(_mm512_srli_epi32(x, 4), grid));
+        superblock_d(type, b, &d, &dmin);
+        superblock_group_scales(type, b, j, d, dmin, &sa, &sb);
+        decode_superblock_group(type, b, j, sa, sb, lo, hi);
     } else { /* the 32-value types of 16 nibble bytes: the low nibbles are values 0-15, the high 16-31 */
         int off = type == FERRY_GGUF_MXFP4 ? 1 : type == FERRY_Q4_1 ? 4 : type == FERRY_Q5_0 ? 6 : type == FERRY_Q5_1 ? 8 : 2;
         __m512i x = bytes16(b + off), q0 = _mm512_and_si512(x, nibble), q1 = _mm512_srli_epi32(x, 4);
@@ -299,19 +307,19 @@ INLINE void row_dots(int format, int act, int N, row_src *s, const void *a, int6
     int tail = (int)(s->cols % 32);
     if (act == FERRY_ACT_BF16) {
         const uint16_t *x = (const uint16_t *)a;
-        if (IS_K_QUANT(format)) { /* a block's factors once, then its eight groups in pairs (a row is whole blocks):
-                                     the sums and their order are the pairs' loop below */
+        if (IS_SUPERBLOCK(format)) { /* a block's factors once, then its eight groups in pairs (a row is whole
+                                        blocks): the sums and their order are the pairs' loop below */
             int type = format - GGUF_ROWS(0);
             for (; v < nv; v += 8) {
                 const uint8_t *b = s->q + v / 8 * ferry_gguf_block_bytes[type];
                 for (int p = 0; p < 8; p += 3) prefetch_ahead(format, s, v + p, prefetch); /* the block's lines */
                 float d, dmin, sa[8], sb[8]; /* the block's factors once, not once a group */
-                k_block_d(type, b, &d, &dmin);
-                for (int j = 0; j < 8; j++) k_group_scales(type, b, j, d, dmin, &sa[j], &sb[j]);
+                superblock_d(type, b, &d, &dmin);
+                for (int j = 0; j < 8; j++) superblock_group_scales(type, b, j, d, dmin, &sa[j], &sb[j]);
                 for (int j = 0; j < 8; j += 2) {
                     __m512 lo0, hi0, lo1, hi1;
-                    decode_k_group(type, b, j, sa[j], sb[j], &lo0, &hi0);
-                    decode_k_group(type, b, j + 1, sa[j + 1], sb[j + 1], &lo1, &hi1);
+                    decode_superblock_group(type, b, j, sa[j], sb[j], &lo0, &hi0);
+                    decode_superblock_group(type, b, j + 1, sa[j + 1], sb[j + 1], &lo1, &hi1);
                     __m512bh w0 = _mm512_cvtne2ps_pbh(hi0, lo0), w1 = _mm512_cvtne2ps_pbh(hi1, lo1);
                     for (int t = 0; t < N; t++) {
                         const uint16_t *xt = x + t * as + 32 * (v + j);
