@@ -108,8 +108,8 @@ INLINE void superblock_group_scales(int type, const uint8_t *b, int j, float d, 
 }
 
 /* group j (values 32j..32j+31) of the 256-value block at b as float32, lo the first 16 and hi the next, with its
- * factors from superblock_group_scales. The K-quants: 32 code bytes, one a value, the sub-block's nibble shifted down;
- * Q5_K's fifth and Q6_K's two high bits. IQ4_XS: the sub-block's 16 bytes in Q4_0's order, grid values under d
+ * factors from superblock_group_scales. Q4_K and Q5_K: 32 code bytes, one a value, the sub-block's nibble shifted
+ * down, Q5_K's fifth bit added; Q6_K: its low and high bits in 16-bit lanes. IQ4_XS: the sub-block's 16 bytes in Q4_0's order, grid values under d
  * (scale - 32). */
 INLINE void decode_superblock_group(int type, const uint8_t *b, int j, float sa, float sb, __m512 *lo, __m512 *hi) {
     const __m512i nibble = _mm512_set1_epi32(0x0F);
@@ -120,25 +120,29 @@ INLINE void decode_superblock_group(int type, const uint8_t *b, int j, float sa,
         *hi = _mm512_mul_ps(dl, _mm512_permutexvar_ps(_mm512_srli_epi32(x, 4), grid));
         return;
     }
-    int q6 = type == FERRY_Q6_K, h = j / 4, t = j % 4;
-    const uint8_t *qs = q6 ? b + 64 * h + 32 * (t & 1) : b + (type == FERRY_Q5_K ? 48 : 16) + 32 * (j / 2);
-    __m512i shift = _mm512_set1_epi32(q6 ? 4 * (t >> 1) : 4 * (j & 1));
+    if (type == FERRY_Q6_K) { /* the 32 values in 16-bit lanes: low 4 bits nibble t >> 1 of the ql bytes at
+                                 64 h + 32 (t & 1), high 2 bits pair t of the qh bytes at 128 + 32 h; q - 32 exact as
+                                 an integer, so its float is the twin's q - 32.0 */
+        int h = j / 4, t = j % 4;
+        __m512i ql = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * (t & 1))));
+        __m512i qh = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h)));
+        __m512i low = _mm512_and_si512(_mm512_srl_epi16(ql, _mm_cvtsi32_si128(4 * (t >> 1))), _mm512_set1_epi16(15));
+        __m512i high = _mm512_and_si512(_mm512_srl_epi16(qh, _mm_cvtsi32_si128(2 * t)), _mm512_set1_epi16(3));
+        __m512i q = _mm512_sub_epi16(_mm512_or_si512(low, _mm512_slli_epi16(high, 4)), _mm512_set1_epi16(32));
+        __m512i q0 = _mm512_cvtepi16_epi32(_mm512_castsi512_si256(q));
+        __m512i q1 = _mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(q, 1));
+        *lo = _mm512_mul_ps(_mm512_set1_ps(sa), _mm512_cvtepi32_ps(q0));
+        *hi = _mm512_mul_ps(_mm512_set1_ps(sb), _mm512_cvtepi32_ps(q1));
+        return;
+    }
+    const uint8_t *qs = b + (type == FERRY_Q5_K ? 48 : 16) + 32 * (j / 2);
+    __m512i shift = _mm512_set1_epi32(4 * (j & 1));
     __m512i q0 = _mm512_and_si512(_mm512_srlv_epi32(bytes16(qs), shift), nibble);
     __m512i q1 = _mm512_and_si512(_mm512_srlv_epi32(bytes16(qs + 16), shift), nibble);
     if (type == FERRY_Q5_K) { /* bit j of qh byte i: value i's fifth bit */
         __m512i bit = _mm512_set1_epi32(1 << j), sixteen = _mm512_set1_epi32(16);
         q0 = _mm512_mask_or_epi32(q0, _mm512_test_epi32_mask(bytes16(b + 16), bit), q0, sixteen);
         q1 = _mm512_mask_or_epi32(q1, _mm512_test_epi32_mask(bytes16(b + 32), bit), q1, sixteen);
-    }
-    if (q6) { /* bits 2t, 2t + 1 of qh byte i: value i's high two */
-        __m512i up = _mm512_set1_epi32(2 * t), three = _mm512_set1_epi32(3);
-        const uint8_t *qh = b + 128 + 32 * h;
-        q0 = _mm512_or_si512(q0, _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(bytes16(qh), up), three), 4));
-        q1 = _mm512_or_si512(q1, _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(bytes16(qh + 16), up), three), 4));
-        __m512 thirty_two = _mm512_set1_ps(32.0f);
-        *lo = _mm512_mul_ps(_mm512_set1_ps(sa), _mm512_sub_ps(_mm512_cvtepi32_ps(q0), thirty_two));
-        *hi = _mm512_mul_ps(_mm512_set1_ps(sb), _mm512_sub_ps(_mm512_cvtepi32_ps(q1), thirty_two));
-        return;
     }
     __m512 ds = _mm512_set1_ps(sa), dm = _mm512_set1_ps(sb);
     *lo = _mm512_sub_ps(_mm512_mul_ps(ds, _mm512_cvtepi32_ps(q0)), dm);
