@@ -39,7 +39,8 @@
 #                                                                                                        ~6 min
 #   PART=profcut the hybrid cut's decode step at 640 slots, 12 GiB, 8 and 1 streams, profiled kernel by kernel with the
 #                expert cache's counters (bench/profile_decode.py), the GPU alone, in each of PROFCUT_FORMATS (default
-#                "gguf-q4_k_m nvfp4"), profile_decode_hybrid8_<format>_<card>.json                     ~1.5 min a format
+#                "gguf-q4_k_m nvfp4"; PROFCUT_FLAGS adds worker flags, e.g. --no-expert-prefetch),
+#                profile_decode_hybrid8_<format>_<card>.json                                           ~1.5 min a format
 #   PART=prefillcmp one 2k prefill of the hybrid8 NVFP4 cut (640 slots, 12 GiB) profiled at the tree and at BASE_COMMIT
 #                (default 49d0524; its tree as for PART=suite), profile_prefill_hybrid8_nvfp4_<side>_<card>.json  ~3 min
 #   PART=oracle  speculative decoding with an oracle draft at set acceptance rates (bench/speculation_oracle.py): each of
@@ -179,7 +180,7 @@ PY
       python3 -m ferry.services.cli make-bench-model "$TMPDIR/profcut_$fmt" --num-layers 8 --format "$fmt" $weights \
         --config tests/data/models/qwen3.6-35b-a3b/config.json > /dev/null
       timeout 150 python3 bench/profile_decode.py --model "$TMPDIR/profcut_$fmt" $load --moe-cache-size 640 \
-        --gpu-memory 12GiB --max-running-requests 8 --streams 8,1 --steps 12 --expert-backend gpu \
+        --gpu-memory 12GiB --max-running-requests 8 --streams 8,1 --steps 12 --expert-backend gpu ${PROFCUT_FLAGS:-} \
         --out "$OUT/profile_decode_hybrid8_${fmt}_$GPU.json" > "$OUT/profile_decode_hybrid8_$fmt.log" 2>&1
       echo "profile_decode hybrid8 $fmt rc=$?"
       grep -h 'ms/step\|expert cache per step\|device time per step' "$OUT/profile_decode_hybrid8_$fmt.log"
