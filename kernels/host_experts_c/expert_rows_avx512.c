@@ -109,8 +109,8 @@ INLINE void superblock_group_scales(int type, const uint8_t *b, int j, float d, 
 
 /* group j (values 32j..32j+31) of the 256-value block at b as float32, lo the first 16 and hi the next, with its
  * factors from superblock_group_scales. Q4_K and Q5_K: 32 code bytes, one a value, the sub-block's nibble shifted
- * down, Q5_K's fifth bit added; Q6_K: its low and high bits in 16-bit lanes. IQ4_XS: the sub-block's 16 bytes in Q4_0's order, grid values under d
- * (scale - 32). */
+ * down, Q5_K's fifth bit added; Q6_K: its low and high bits in 16-bit lanes. IQ4_XS: the sub-block's 16 bytes in
+ * Q4_0's order, grid values under d (scale - 32). */
 INLINE void decode_superblock_group(int type, const uint8_t *b, int j, float sa, float sb, __m512 *lo, __m512 *hi) {
     const __m512i nibble = _mm512_set1_epi32(0x0F);
     if (type == FERRY_IQ4_XS) {
