@@ -21,7 +21,6 @@ from tests.triton_interpreter_patch import install as install_interpreter_patch 
 
 install_interpreter_patch()
 
-from ferry.kernels.expert_pair_gemv import use_pair_kernel  # noqa: E402
 from ferry.services.worker.offload.host_memory.host_banks import HostBanks  # noqa: E402
 from ferry.services.worker.offload.host_memory.packed_banks import PackedHostBanks  # noqa: E402
 from ferry.services.worker.offload.slot_cache.frequency_policy import LFUExpertPolicy  # noqa: E402
@@ -29,7 +28,13 @@ from ferry.services.worker.offload.slot_cache.policy import LRUExpertPolicy  # n
 from ferry.services.worker.offload.stores.device_driven import DeviceDrivenExperts  # noqa: E402
 from ferry.services.worker.offload.stores.offloaded import OffloadedExperts  # noqa: E402
 from ferry.services.worker.offload.stores.resident import ResidentExperts  # noqa: E402
-from tests.unit.offload.offload_tiny import random_experts, random_routing, slot_pool, tiny_spec  # noqa: E402
+from tests.unit.offload.offload_tiny import (  # noqa: E402
+    assert_rows_agree,
+    random_experts,
+    random_routing,
+    slot_pool,
+    tiny_spec,
+)
 
 
 def check() -> None:
@@ -55,11 +60,7 @@ def check() -> None:
             for layer in range(layers):
                 x, ids, w = random_routing(spec, tokens, g)
                 got = store.forward(layer, x, ids, w)
-                want = resident.forward(layer, x, ids, w)
-                if use_pair_kernel(ids.numel()):
-                    assert torch.equal(got, want), f"{tokens} tokens: the stores differ"
-                else:
-                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+                assert_rows_agree(got, resident.forward(layer, x, ids, w), ids.numel(), 1e-5, f"{tokens} tokens")
         store.end_step()
         assert store.stats.total.misses > 0
 
@@ -133,12 +134,8 @@ def check_device_driven(dtype_wanted: str) -> None:
                 kept = references.get((num_slots, step, layer))
                 if kept is None or not all(torch.equal(a, b) for a, b in zip(kept, (x, ids, w))):
                     kept = references[num_slots, step, layer] = (x, ids, w, resident.forward(layer, x, ids, w).clone())
-                want = kept[3]
-                if use_pair_kernel(ids.numel()):
-                    assert torch.equal(got[:real], want[:real]), f"{tokens} tokens ({real} real): the stores differ"
-                else:
-                    tol = 1e-5 if dtype == "float32" else 2e-2
-                    torch.testing.assert_close(got[:real], want[:real], rtol=tol, atol=tol)
+                tol = 1e-5 if dtype == "float32" else 2e-2
+                assert_rows_agree(got[:real], kept[3][:real], ids.numel(), tol, f"{tokens} tokens ({real} real)")
             if tokens >= 33:  # streamed: every non-resident expert staged once, nothing placed
                 assert torch.equal(store.cache.slot_of, maps)
                 assert store.ring.staged_total - staged == int((maps < 0).sum())
@@ -186,11 +183,7 @@ def check_device_driven_biased() -> None:
         for layer in range(layers):
             x, ids, w = random_routing(spec, tokens, g)
             got = store.forward(layer, x, ids, w, n_rows=torch.tensor([tokens], dtype=torch.int32))
-            want = resident.forward(layer, x, ids, w)
-            if use_pair_kernel(ids.numel()):
-                assert torch.equal(got, want), f"{tokens} tokens: the stores differ"
-            else:
-                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            assert_rows_agree(got, resident.forward(layer, x, ids, w), ids.numel(), 1e-5, f"{tokens} tokens")
         store.stats_to_host()
         store.end_step()
     assert store.stats.total.misses > 0 and store.ring.staged_total > 0
@@ -202,31 +195,11 @@ def check_device_driven_mixed() -> None:
     kernel), the large path, streamed prefills through the ring's bays and through cache slots lent to a long
     prefill, equal to the all-resident store (bit for bit where both take the pair kernel). The interpreter takes
     ~1 s a token-expert pair or a 40-token layer here, so the steps are few."""
-    from ferry.plan.model_config import parse_model_config
     from ferry.services.worker.expert_formats import expert_format_for
 
     layers, experts, num_slots = 2, 4, 5
-    config = {
-        "model_type": "qwen3_moe",
-        "vocab_size": 64,
-        "hidden_size": 256,
-        "num_hidden_layers": layers,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "head_dim": 8,
-        "num_experts": experts,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 256,
-        "intermediate_size": 32,
-        "max_position_embeddings": 256,
-        "torch_dtype": "float32",
-        "quantization_config": {
-            "quant_method": "gguf",
-            "ggml_type": "mixed",
-            "expert_types": [["Q4_K", "Q4_K"], ["Q4_K", "Q6_K"]],
-        },
-    }
-    spec = parse_model_config(config)
+    mix = {"quant_method": "gguf", "ggml_type": "mixed", "expert_types": [["Q4_K", "Q4_K"], ["Q4_K", "Q6_K"]]}
+    spec = tiny_spec(layers=layers, experts=experts, top_k=2, hidden=256, inter=256, quantization=mix)
     fmt = expert_format_for(spec, torch.float32)
     assert fmt.views_per_layer
     resident = ResidentExperts(slot_pool(spec, layers * experts, fmt=fmt), layers, experts)
@@ -254,10 +227,7 @@ def check_device_driven_mixed() -> None:
             x, ids, w = random_routing(spec, tokens, g)
             got = store.forward(layer, x, ids, w, n_rows=torch.tensor([tokens], dtype=torch.int32))
             want = resident.forward(layer, x, ids, w)
-            if use_pair_kernel(ids.numel()):
-                assert torch.equal(got, want), f"{tokens} tokens, MoE layer {layer}: the stores differ"
-            else:
-                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            assert_rows_agree(got, want, ids.numel(), 1e-4, f"{tokens} tokens, MoE layer {layer}")
         store.stats_to_host()
         store.end_step()
     assert store.stats.total.misses > 0 and store.ring.staged_total > 0 and store.ring.lent_total > 0

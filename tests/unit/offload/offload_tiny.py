@@ -9,7 +9,10 @@ from ferry.plan.model_config import ModelSpec, parse_model_config
 from ferry.services.worker.pools import ExpertSlotPool, allocate_pool
 
 
-def tiny_spec(layers: int = 3, experts: int = 6, top_k: int = 3, hidden: int = 16, inter: int = 8) -> ModelSpec:
+def tiny_spec(
+    layers: int = 3, experts: int = 6, top_k: int = 3, hidden: int = 16, inter: int = 8, quantization=None
+) -> ModelSpec:
+    """`quantization`: the config's quantization_config, where the experts are held in a quantized format."""
     return parse_model_config(
         {
             "model_type": "qwen3_moe",
@@ -25,6 +28,7 @@ def tiny_spec(layers: int = 3, experts: int = 6, top_k: int = 3, hidden: int = 1
             "intermediate_size": 32,
             "max_position_embeddings": 256,
             "torch_dtype": "float32",
+            **({"quantization_config": quantization} if quantization is not None else {}),
         }
     )
 
@@ -55,3 +59,14 @@ def random_routing(spec: ModelSpec, tokens: int, g: torch.Generator) -> tuple[to
     logits = torch.randn(tokens, spec.num_experts, generator=g)
     weights, ids = torch.softmax(logits, dim=-1).topk(spec.num_experts_per_tok, dim=-1)
     return x, ids, weights / weights.sum(-1, keepdim=True)
+
+
+def assert_rows_agree(got: torch.Tensor, want: torch.Tensor, pairs: int, tol: float, what: str) -> None:
+    """Two stores' rows of one layer: bit for bit where the step took the pair kernel (`pairs` token-expert pairs;
+    both compute them alike), else within `tol` (the grouped GEMM's order of sums may differ)."""
+    from ferry.kernels.expert_pair_gemv import use_pair_kernel
+
+    if use_pair_kernel(pairs):
+        assert torch.equal(got, want), f"{what}: the stores differ"
+    else:
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
