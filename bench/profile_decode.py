@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.profile_prefill import GRAPH_LAUNCHES, LAUNCHES, _union, device_timeline, is_expert_copy  # noqa: E402
 from bench.serve_decode import Streams  # noqa: E402
 from ferry.services.worker.boot import boot_worker  # noqa: E402
+from ferry.services.worker.expert_cache_delta import COUNTERS, report_delta  # noqa: E402
 from ferry.services.worker.flags import add_worker_flags, boot_config_from_args  # noqa: E402
 
 
@@ -56,11 +57,14 @@ def profile_streams(executor, plan, n: int, steps: int, rows: int, rng, first_re
 
     for _ in range(steps):
         step()
+    before = executor.expert_cache_report()
     t0 = time.perf_counter()
     for _ in range(steps):
         step()
     ms = (time.perf_counter() - t0) / steps * 1e3
+    cache = cache_per_step(before, executor.expert_cache_report(), steps)
     print(f"{n} streams: ms/step without profiler: {ms:.2f}  (slots {plan.experts.slots}/{plan.experts.total})")
+    print("expert cache per step (timed steps):", json.dumps(cache))
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -89,8 +93,21 @@ def profile_streams(executor, plan, n: int, steps: int, rows: int, rng, first_re
         "streams": n,
         "per_step": per_step,
         "ms_per_step_unprofiled": ms,
+        "expert_cache_per_step": cache,
         "timeline": timeline,
         "kernels": kernels,
+    }
+
+
+def cache_per_step(before: dict, after: dict, steps: int) -> dict:
+    """The expert cache's counters over `steps` steps, per step (what crossed PCIe: misses the host did not take,
+    prefetches, and how many of those the next layer used), and the hit rate over them."""
+    delta = report_delta(before, after)
+    per_step = {k: round(delta[k] / steps, 1) for k in COUNTERS if k != "steps" and not k.endswith("_s")}
+    return {
+        **per_step,
+        "hit_rate": round(delta["hit_rate"], 3),
+        "prefetch_accuracy": round(delta["prefetch_accuracy"], 3),
     }
 
 

@@ -1,11 +1,15 @@
 """GGUF block types decoded in registers, in Triton: one small function a type, shared by the decode pair GEMV
-(gguf_expert_gemv.py) and the prefill grouped GEMM (gguf_expert_gemm.py) through `gguf_weights`.
+(gguf_expert_gemv.py) and the prefill grouped GEMM (gguf_expert_gemm.py) through `gguf_weights`, and tiles of 256
+inputs for the pair GEMV through `gguf_tile`.
 
 Each decoder takes byte pointers `row` to rows of a type's blocks (the file's bytes unchanged: kernels/gguf_blocks.py
 gives every layout), the inputs `col` wanted of them and a mask (masked weights read 0), broadcast against each
 other, and returns float32 weights computed as the twin (kernels/gguf_blocks.py) computes them: its products in its
-order, so each weight is the twin's bits. A weight's code and its block's scales are loaded per weight (byte
-gathers within the rows): correct for every shape, not tuned.
+order, so each weight is the twin's bits. `gguf_weights` loads a weight's code and its block's scales per weight
+(byte gathers within the rows): correct for every shape, slow where a 256-value block keeps eight scales in packed
+bits. `gguf_tile` decodes a row's 256 inputs as [rows, 8, 32] (input 32 s + i), so that the 256-value types
+(K-quants, IQ4_XS) load each 32-value sub-block's scale once and their codes as contiguous bytes; the other types
+take `gguf_weights` over the same tile.
 """
 
 from __future__ import annotations
@@ -255,3 +259,66 @@ def gguf_weights(row, col, mask, GGML: tl.constexpr):
         tl.static_assert(GGML == 10, "GGML: a value of GGUF_KERNEL_TYPES")
         w = _q5_1(row, col, mask)
     return w
+
+
+# ---- tiles of 256 inputs: [rows, 8, 32], input k0 + 32 s + i (s [1, 8, 1], i [1, 1, 32]) ----------------------------
+@triton.jit
+def _q4_k_tile(blk, s, i, rows_ok, mask):
+    """Q4_K's block at byte pointers blk [N, 1, 1]: sub-block s's codes are nibble s % 2 (low first) of bytes
+    16 + 32 (s // 2) + i, its scale and min loaded once ([N, 8, 1])."""
+    sc, mn = _k_scale_min(blk + 4, s, rows_ok)
+    q = ((_byte_at(blk + 16 + 32 * (s // 2) + i, mask) >> ((s % 2) * 4)) & 15).to(tl.float32)
+    return (_half_at(blk, rows_ok) * sc) * q - _half_at(blk + 2, rows_ok) * mn
+
+
+@triton.jit
+def _q5_k_tile(blk, s, i, rows_ok, mask):
+    """Q5_K's block: Q4_K's tile, its codes' low 4 bits at byte 48 on and their fifth bit bit s of byte 16 + i."""
+    sc, mn = _k_scale_min(blk + 4, s, rows_ok)
+    high = (_byte_at(blk + 16 + i, mask) >> s) & 1
+    low = (_byte_at(blk + 48 + 32 * (s // 2) + i, mask) >> ((s % 2) * 4)) & 15
+    q = (low | (high << 4)).to(tl.float32)
+    return (_half_at(blk, rows_ok) * sc) * q - _half_at(blk + 2, rows_ok) * mn
+
+
+@triton.jit
+def _q6_k_tile(blk, s, i, rows_ok, mask):
+    """Q6_K's block: input 32 s + i's low 4 bits nibble (s // 2) % 2 of byte 64 (s // 4) + 32 (s % 2) + i, its high
+    2 bits pair s % 4 of byte 128 + 32 (s // 4) + i, its scale the int8 at 192 + 2 s (i < 16) or 193 + 2 s."""
+    low = (_byte_at(blk + 64 * (s // 4) + 32 * (s % 2) + i, mask) >> (((s // 2) % 2) * 4)) & 15
+    high = (_byte_at(blk + 128 + 32 * (s // 4) + i, mask) >> ((s % 4) * 2)) & 3
+    q = (low | (high << 4)).to(tl.float32) - 32.0
+    first = tl.load(blk + 192 + 2 * s, mask=rows_ok, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+    second = tl.load(blk + 193 + 2 * s, mask=rows_ok, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+    return (_half_at(blk + 208, rows_ok) * tl.where(i < 16, first, second)) * q
+
+
+@triton.jit
+def _iq4_xs_tile(blk, s, i, rows_ok, mask):
+    """IQ4_XS's block: sub-block s's 6-bit scale once ([N, 8, 1], as `_iq4_xs`), its codes value i of the 16
+    bytes at 8 + 16 s."""
+    low = (_byte_at(blk + 4 + s // 2, rows_ok) >> ((s % 2) * 4)) & 15
+    high = (_byte_at(blk + 2 + s // 4, rows_ok) >> ((s % 4) * 2)) & 3
+    sc = (low | (high << 4)).to(tl.float32) - 32.0
+    q = _nibble_of_32(blk + 8 + 16 * s, i, mask)
+    return (_half_at(blk, rows_ok) * sc) * _table_entry(q, IQ4_LOW, IQ4_HIGH, True)
+
+
+@triton.jit
+def gguf_tile(row, k0, s, i, rows_ok, read_cols, GGML: tl.constexpr):
+    """float32 weights [N, 8, 32] at inputs k0 + 32 s + i (k0 a multiple of 256; s [1, 8, 1] and i [1, 1, 32] the
+    aranges) of the rows of GGUF blocks at byte pointers `row` [N, 1, 1]; rows not `rows_ok` and inputs from
+    `read_cols` on read 0. The 256-value types decode a block a tile; the others as `gguf_weights`."""
+    col = k0 + 32 * s + i
+    mask = rows_ok & (col < read_cols)
+    if GGML == 1:
+        w = _q4_k_tile(row + (k0 // 256) * 144, s, i, rows_ok, mask)
+    elif GGML == 2:
+        w = _q6_k_tile(row + (k0 // 256) * 210, s, i, rows_ok, mask)
+    elif GGML == 4:
+        w = _q5_k_tile(row + (k0 // 256) * 176, s, i, rows_ok, mask)
+    elif GGML == 6:
+        w = _iq4_xs_tile(row + (k0 // 256) * 136, s, i, rows_ok, mask)
+    else:
+        w = gguf_weights(row, col, mask, GGML)
+    return tl.where(mask, w, 0.0)

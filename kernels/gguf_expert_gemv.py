@@ -3,8 +3,9 @@ quantized_expert_gemv.py's kernels (same contract, grid and epilogue); reference
 (kernels/grouped_expert_gemm_reference.py), which decodes the slots with kernels/gguf_blocks.py.
 
 A GGUF family's `q` is uint8 [S, O, row bytes], the file's blocks unchanged with their scales inside, so the
-kernels read every weight's code and its block's scales from the same row of bytes (`gguf_weights`,
-gguf_block_decode.py, shared with the grouped GEMM, gguf_expert_gemm.py). Each weight is decoded to float32 in
+kernels read every weight's code and its block's scales from the same row of bytes, 256 inputs a loop step as a
+[rows, 8, 32] tile (`gguf_tile`, gguf_block_decode.py: a 256-value block's eight scales loaded once, not per
+weight as `gguf_weights` loads them for the grouped GEMM, gguf_expert_gemm.py). Each weight is decoded to float32 in
 registers with the twin's products in the twin's order, rounded to x's dtype as `dequantize_slot` rounds it, and met
 with x in float32: the twin's sum, up to the order of the float32 additions. Block types with kernels:
 `GGUF_KERNEL_TYPES` (gguf_block_decode.py); the others have only the twin and are refused on CUDA at boot.
@@ -16,17 +17,21 @@ import triton
 import triton.language as tl
 
 from ferry.kernels.expert_epilogue import gate_up_activation
-from ferry.kernels.gguf_block_decode import GGUF_KERNEL_TYPES, gguf_weights
+from ferry.kernels.gguf_block_decode import GGUF_KERNEL_TYPES, gguf_tile
 from ferry.kernels.router_topk import mark_routed_slot
 
-# the pair kernels' tiles for every type: outputs a program computes, inputs a loop step reads (not swept yet)
-GGUF_PAIR_TILES = dict(gate_up_rows=16, gate_up_k=64, down_rows=16, down_k=64)
+# the pair kernels' outputs a program computes and its warps, for every type (a loop step reads 256 inputs of each
+# row, `gguf_tile`: 8 warps hold a tile of 8 rows in 8 registers a thread, where 4 spilled Q6_K's decode)
+GGUF_PAIR_TILES = dict(gate_up_rows=8, down_rows=8, warps=8)
 
 
 @triton.jit
-def _gguf_row_dots(row, x, cols, mask, GGML: tl.constexpr, W_TY: tl.constexpr):
-    """[N, K] products of the weights at `cols` [1, K] of rows `row` [N, 1] (each rounded to W_TY) with x [1, K]."""
-    return gguf_weights(row, cols, mask, GGML).to(W_TY).to(tl.float32) * x
+def _gguf_tile_dots(row, x_row, k0, s, i, rows_ok, cols, GGML: tl.constexpr, W_TY: tl.constexpr):
+    """[N, 8, 32] products of the weights at inputs k0 + 32 s + i of rows `row` [N, 1, 1] (each rounded to W_TY)
+    with x at x_row (inputs from `cols` on read 0)."""
+    col = k0 + 32 * s + i
+    x = tl.load(x_row + col, mask=col < cols, other=0.0).to(tl.float32)
+    return gguf_tile(row, k0, s, i, rows_ok, cols, GGML).to(W_TY).to(tl.float32) * x
 
 
 # slot_offset follows the layer (the all-resident store passes the layer's first slot): not specialised on
@@ -46,7 +51,6 @@ def _gguf_pair_gate_up_kernel(
     stride_qs,
     stride_qo,
     BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
     GGML: tl.constexpr,
     MARK: tl.constexpr,
     HAS_N_ROWS: tl.constexpr,
@@ -70,28 +74,26 @@ def _gguf_pair_gate_up_kernel(
             mark_routed_slot(table_ptr, n_rows_ptr, slot, token, HAS_N_ROWS)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < I
-    offs_k = tl.arange(0, BLOCK_K)
-    row_g = q_ptr + slot * stride_qs + offs_n.to(tl.int64)[:, None] * stride_qo  # [BLOCK_N, 1]
+    rows_ok = n_ok[:, None, None]
+    s = tl.arange(0, 8)[None, :, None]
+    i = tl.arange(0, 32)[None, None, :]
+    row_g = q_ptr + slot * stride_qs + offs_n.to(tl.int64)[:, None, None] * stride_qo  # [BLOCK_N, 1, 1]
     row_u = row_g + I * stride_qo  # up rows follow the gate rows
     x_row = x_ptr + token * stride_xt
     w_ty = act_ptr.dtype.element_ty
-    acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        cols = k0 + offs_k
-        k_ok = cols < H
-        a = tl.load(x_row + cols, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        m = n_ok[:, None] & k_ok[None, :]
-        acc_g += _gguf_row_dots(row_g, a, cols[None, :], m, GGML, w_ty)
-        acc_u += _gguf_row_dots(row_u, a, cols[None, :], m, GGML, w_ty)
+    acc_g = tl.zeros((BLOCK_N, 8, 32), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, 8, 32), dtype=tl.float32)
+    for k0 in range(0, H, 256):
+        acc_g += _gguf_tile_dots(row_g, x_row, k0, s, i, rows_ok, H, GGML, w_ty)
+        acc_u += _gguf_tile_dots(row_u, x_row, k0, s, i, rows_ok, H, GGML, w_ty)
     bias_gate = 0.0
     bias_up = 0.0
     if HAS_BIAS:  # float32 in the row, rounded to the model dtype as the reference adds it
         b_ptrs = b_ptr + slot * stride_bs + offs_n
         bias_gate = tl.load(b_ptrs, mask=n_ok, other=0.0).to(w_ty).to(tl.float32)
         bias_up = tl.load(b_ptrs + I, mask=n_ok, other=0.0).to(w_ty).to(tl.float32)
-    gate = tl.sum(acc_g, axis=1)
-    up = tl.sum(acc_u, axis=1)
+    gate = tl.sum(tl.sum(acc_g, axis=2), axis=1)
+    up = tl.sum(tl.sum(acc_u, axis=2), axis=1)
     act = gate_up_activation(gate, up, bias_gate, bias_up, alpha, limit, w_ty, HAS_BIAS, SWIGLU)
     tl.store(act_ptr + pair.to(tl.int64) * I + offs_n, act, mask=n_ok)
 
@@ -109,7 +111,6 @@ def _gguf_pair_down_kernel(
     stride_qs,
     stride_qo,
     BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
     GGML: tl.constexpr,
     b_ptr,
     stride_bs,
@@ -123,17 +124,15 @@ def _gguf_pair_down_kernel(
     slot += slot_offset
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # output features (H)
     n_ok = offs_n < H
-    offs_k = tl.arange(0, BLOCK_K)  # reduction over I
-    row_w = q_ptr + slot * stride_qs + offs_n.to(tl.int64)[:, None] * stride_qo
+    s = tl.arange(0, 8)[None, :, None]  # the reduction over I, 256 inputs a step
+    i = tl.arange(0, 32)[None, None, :]
+    row_w = q_ptr + slot * stride_qs + offs_n.to(tl.int64)[:, None, None] * stride_qo
     a_row = act_ptr + pair.to(tl.int64) * I
     w_ty = act_ptr.dtype.element_ty
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, I, BLOCK_K):
-        cols = k0 + offs_k
-        k_ok = cols < I
-        a = tl.load(a_row + cols, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        acc += _gguf_row_dots(row_w, a, cols[None, :], n_ok[:, None] & k_ok[None, :], GGML, w_ty)
-    y = tl.sum(acc, axis=1).to(w_ty).to(tl.float32)
+    acc = tl.zeros((BLOCK_N, 8, 32), dtype=tl.float32)
+    for k0 in range(0, I, 256):
+        acc += _gguf_tile_dots(row_w, a_row, k0, s, i, n_ok[:, None, None], I, GGML, w_ty)
+    y = tl.sum(tl.sum(acc, axis=2), axis=1).to(w_ty).to(tl.float32)
     if HAS_BIAS:  # added and rounded as the reference adds it
         bias = tl.load(b_ptr + slot * stride_bs + offs_n, mask=n_ok, other=0.0).to(w_ty).to(tl.float32)
         y = (y + bias).to(w_ty).to(tl.float32)
@@ -161,7 +160,6 @@ def launch_gguf_pair_kernels(x, w13, w2, act, rows, weights, slots, slot_offset,
         w13.q.stride(0),
         w13.q.stride(1),
         BLOCK_N=tiles["gate_up_rows"],
-        BLOCK_K=tiles["gate_up_k"],
         GGML=GGUF_KERNEL_TYPES[w13.ggml_type],
         **marking,
         b_ptr=b13,
@@ -170,6 +168,7 @@ def launch_gguf_pair_kernels(x, w13, w2, act, rows, weights, slots, slot_offset,
         limit=epilogue["limit"],
         HAS_BIAS=epilogue["HAS_BIAS"],
         SWIGLU=epilogue["SWIGLU"],
+        num_warps=tiles["warps"],
     )
     _gguf_pair_down_kernel[(num_pairs, triton.cdiv(h, tiles["down_rows"]))](
         act,
@@ -183,9 +182,9 @@ def launch_gguf_pair_kernels(x, w13, w2, act, rows, weights, slots, slot_offset,
         w2.q.stride(0),
         w2.q.stride(1),
         BLOCK_N=tiles["down_rows"],
-        BLOCK_K=tiles["down_k"],
         GGML=GGUF_KERNEL_TYPES[w2.ggml_type],
         b_ptr=b2,
         stride_bs=epilogue["stride_b2"],
         HAS_BIAS=epilogue["HAS_BIAS"],
+        num_warps=tiles["warps"],
     )

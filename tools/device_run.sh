@@ -37,6 +37,10 @@
 #                arrival hold and without (TTFT_CUTS, TTFT_HOLDS: which cuts and holds, e.g. "12layer", "default";
 #                TTFT_BACKENDS: expert backends, "default" for none given, e.g. "default gpu")
 #                                                                                                        ~6 min
+#   PART=profcut the hybrid cut's decode step at 640 slots, 12 GiB, 8 and 1 streams, profiled kernel by kernel with the
+#                expert cache's counters (bench/profile_decode.py), the GPU alone, in each of PROFCUT_FORMATS (default
+#                "gguf-q4_k_m nvfp4"; PROFCUT_FLAGS adds worker flags, e.g. --no-expert-prefetch),
+#                profile_decode_hybrid8_<format>_<card>.json                                           ~1.5 min a format
 #   PART=prefillcmp one 2k prefill of the hybrid8 NVFP4 cut (640 slots, 12 GiB) profiled at the tree and at BASE_COMMIT
 #                (default 49d0524; its tree as for PART=suite), profile_prefill_hybrid8_nvfp4_<side>_<card>.json  ~3 min
 #   PART=oracle  speculative decoding with an oracle draft at set acceptance rates (bench/speculation_oracle.py): each of
@@ -77,6 +81,7 @@ build_host_kernel() {
     > "$log" 2>&1 || echo "host kernel build failed in ${1:-$ROOT} (see $(basename "$log"))"
 }
 LONG_VARIANTS=${LONG_VARIANTS:-default}
+PROFCUT_FORMATS=${PROFCUT_FORMATS:-gguf-q4_k_m nvfp4}
 TTFT_CUTS=${TTFT_CUTS:-12layer hybrid8} TTFT_HOLDS=${TTFT_HOLDS:-default 0} TTFT_BACKENDS=${TTFT_BACKENDS:-default}
 SUITE_WORKLOADS=${SUITE_WORKLOADS:-hybrid8,hybrid8_nvfp4,12layer}
 n_variants() { local v=${1//[^,]/}; echo $(( ${#v} + 1 )); }
@@ -88,6 +93,7 @@ part_cost() {
     peer) echo 570 ;;  # a 20 GB checkpoint written, two engines booted and measured (peer_compare's --budget-s 500)
     peercuts) echo 560 ;;  # a cut's checkpoint, served by both engines (--budget-s 540)
     prof) echo 330 ;;
+    profcut) echo $(( 90 * $(n_variants "${PROFCUT_FORMATS// /,}") )) ;;  # a cut written, a boot, 24 steps a format
     oracle) echo $(( 90 * $(n_variants "${ORACLE_WORKLOADS:-hybrid8_resident_mtp}") * ($(n_variants "${ORACLE_ALPHAS:-0,0.8}") + 1) )) ;;
     prefillcmp) echo 200 ;;  # a cut written, two boots (~45 s each) and their profiled prefills  # three boots (the full-size 35B ~100 s, each cut ~40 s) and their profiled steps
     ttft) echo $(( 90 * $(n_variants "${TTFT_CUTS// /,}") * $(n_variants "${TTFT_HOLDS// /,}") * $(n_variants "${TTFT_BACKENDS// /,}") )) ;;  # a boot (~45 s) and its prompts each
@@ -166,6 +172,19 @@ PY
       timeout 120 python3 bench/profile_prefill.py --model "$TMPDIR/prof_$cut" --load-format dummy --moe-cache-size $cache \
         --gpu-memory 12GiB --max-running-requests 8 --prompt-len 2000 --out "$OUT/profile_prefill_${cut}_$GPU.json" \
         > "$OUT/profile_prefill_$cut.log" 2>&1; echo "profile_prefill $cut rc=$?"
+    done ;;
+  profcut)  # the hybrid cut's decode at 640 slots, 12 GiB, 8 and 1 streams, in each of PROFCUT_FORMATS, the GPU alone
+    for fmt in $PROFCUT_FORMATS; do
+      weights=$([[ $fmt == gguf-* ]] && echo "--weights random" || echo "")  # a GGUF file is its weights
+      load=$([[ $fmt == gguf-* ]] && echo "" || echo "--load-format dummy")
+      python3 -m ferry.services.cli make-bench-model "$TMPDIR/profcut_$fmt" --num-layers 8 --format "$fmt" $weights \
+        --config tests/data/models/qwen3.6-35b-a3b/config.json > /dev/null
+      timeout 150 python3 bench/profile_decode.py --model "$TMPDIR/profcut_$fmt" $load --moe-cache-size 640 \
+        --gpu-memory 12GiB --max-running-requests 8 --streams 8,1 --steps 12 --expert-backend gpu ${PROFCUT_FLAGS:-} \
+        --out "$OUT/profile_decode_hybrid8_${fmt}_$GPU.json" > "$OUT/profile_decode_hybrid8_$fmt.log" 2>&1
+      echo "profile_decode hybrid8 $fmt rc=$?"
+      grep -h 'ms/step\|expert cache per step\|device time per step' "$OUT/profile_decode_hybrid8_$fmt.log"
+      grep -hE '^ +_[a-z0-9_]*(pair|copy)[a-z0-9_]*kernel ' "$OUT/profile_decode_hybrid8_$fmt.log" | awk '{print $1, $(NF-1), $NF}'
     done ;;
   prefillcmp)  # one 2k prefill of the hybrid8 NVFP4 cut profiled at the tree and at BASE_COMMIT, kernel by kernel
     base=$(suite_base_tree "${BASE_COMMIT:-49d0524}")

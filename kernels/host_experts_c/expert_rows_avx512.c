@@ -20,6 +20,10 @@
 /* the rows' own format codes of GGUF rows, one a block type, so each type's decode is compiled into its rows */
 #define GGUF_ROWS(type) (16 + (type))
 #define IS_GGUF(format) ((format) >= GGUF_ROWS(0))
+/* the 256-value block types, eight groups of 32 each with its own scale */
+#define IS_SUPERBLOCK(format)                                                                                  \
+    ((format) == GGUF_ROWS(FERRY_Q4_K) || (format) == GGUF_ROWS(FERRY_Q5_K) || (format) == GGUF_ROWS(FERRY_Q6_K) || \
+     (format) == GGUF_ROWS(FERRY_IQ4_XS))
 
 typedef struct {
     const uint8_t *q;       /* the row's values or codes */
@@ -78,6 +82,73 @@ INLINE __m512i decode_packed(row_src *s, int64_t v, __mmask32 m) {
 /* 16 bytes as 16 int32 lanes */
 INLINE __m512i bytes16(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
 
+/* Group j's float32 factors in a 256-value block (Q4_K, Q5_K, Q6_K, IQ4_XS), the twin's products (gguf_blocks.h),
+ * from the block's fp16 d (Q6_K's at byte 208) and dmin as float32 (superblock_d): Q4_K's and Q5_K's d sc_j in *sa
+ * and dmin m_j in *sb; Q6_K's d sc for the group's values 0-15 in *sa, 16-31 in *sb; IQ4_XS's d (sc_j - 32) in *sa. */
+INLINE void superblock_d(int type, const uint8_t *b, float *d, float *dmin) {
+    *d = ferry_gguf_half(type == FERRY_Q6_K ? b + 208 : b);
+    *dmin = type == FERRY_Q6_K || type == FERRY_IQ4_XS ? 0.0f : ferry_gguf_half(b + 2);
+}
+
+INLINE void superblock_group_scales(int type, const uint8_t *b, int j, float d, float dmin, float *sa, float *sb) {
+    if (type == FERRY_IQ4_XS) {
+        *sa = d * (float)ferry_gguf_iq4_xs_scale(b, j);
+        *sb = 0.0f;
+        return;
+    }
+    if (type == FERRY_Q6_K) {
+        *sa = d * (float)(int8_t)b[192 + 2 * j];
+        *sb = d * (float)(int8_t)b[193 + 2 * j];
+        return;
+    }
+    int sc, mn;
+    ferry_gguf_k_scale(b + 4, j, &sc, &mn);
+    *sa = d * (float)sc;
+    *sb = dmin * (float)mn;
+}
+
+/* group j (values 32j..32j+31) of the 256-value block at b as float32, lo the first 16 and hi the next, with its
+ * factors from superblock_group_scales. Q4_K and Q5_K: 32 code bytes, one a value, the sub-block's nibble shifted
+ * down, Q5_K's fifth bit added; Q6_K: its low and high bits in 16-bit lanes. IQ4_XS: the sub-block's 16 bytes in
+ * Q4_0's order, grid values under d (scale - 32). */
+INLINE void decode_superblock_group(int type, const uint8_t *b, int j, float sa, float sb, __m512 *lo, __m512 *hi) {
+    const __m512i nibble = _mm512_set1_epi32(0x0F);
+    if (type == FERRY_IQ4_XS) {
+        __m512i x = bytes16(b + 8 + 16 * j);
+        __m512 grid = _mm512_loadu_ps(ferry_iq4_grid), dl = _mm512_set1_ps(sa);
+        *lo = _mm512_mul_ps(dl, _mm512_permutexvar_ps(_mm512_and_si512(x, nibble), grid));
+        *hi = _mm512_mul_ps(dl, _mm512_permutexvar_ps(_mm512_srli_epi32(x, 4), grid));
+        return;
+    }
+    if (type == FERRY_Q6_K) { /* the 32 values in 16-bit lanes: low 4 bits nibble t >> 1 of the ql bytes at
+                                 64 h + 32 (t & 1), high 2 bits pair t of the qh bytes at 128 + 32 h; q - 32 exact as
+                                 an integer, so its float is the twin's q - 32.0 */
+        int h = j / 4, t = j % 4;
+        __m512i ql = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * (t & 1))));
+        __m512i qh = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h)));
+        __m512i low = _mm512_and_si512(_mm512_srl_epi16(ql, _mm_cvtsi32_si128(4 * (t >> 1))), _mm512_set1_epi16(15));
+        __m512i high = _mm512_and_si512(_mm512_srl_epi16(qh, _mm_cvtsi32_si128(2 * t)), _mm512_set1_epi16(3));
+        __m512i q = _mm512_sub_epi16(_mm512_or_si512(low, _mm512_slli_epi16(high, 4)), _mm512_set1_epi16(32));
+        __m512i q0 = _mm512_cvtepi16_epi32(_mm512_castsi512_si256(q));
+        __m512i q1 = _mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(q, 1));
+        *lo = _mm512_mul_ps(_mm512_set1_ps(sa), _mm512_cvtepi32_ps(q0));
+        *hi = _mm512_mul_ps(_mm512_set1_ps(sb), _mm512_cvtepi32_ps(q1));
+        return;
+    }
+    const uint8_t *qs = b + (type == FERRY_Q5_K ? 48 : 16) + 32 * (j / 2);
+    __m512i shift = _mm512_set1_epi32(4 * (j & 1));
+    __m512i q0 = _mm512_and_si512(_mm512_srlv_epi32(bytes16(qs), shift), nibble);
+    __m512i q1 = _mm512_and_si512(_mm512_srlv_epi32(bytes16(qs + 16), shift), nibble);
+    if (type == FERRY_Q5_K) { /* bit j of qh byte i: value i's fifth bit */
+        __m512i bit = _mm512_set1_epi32(1 << j), sixteen = _mm512_set1_epi32(16);
+        q0 = _mm512_mask_or_epi32(q0, _mm512_test_epi32_mask(bytes16(b + 16), bit), q0, sixteen);
+        q1 = _mm512_mask_or_epi32(q1, _mm512_test_epi32_mask(bytes16(b + 32), bit), q1, sixteen);
+    }
+    __m512 ds = _mm512_set1_ps(sa), dm = _mm512_set1_ps(sb);
+    *lo = _mm512_sub_ps(_mm512_mul_ps(ds, _mm512_cvtepi32_ps(q0)), dm);
+    *hi = _mm512_sub_ps(_mm512_mul_ps(ds, _mm512_cvtepi32_ps(q1)), dm);
+}
+
 /* GGUF group v (values 32v..32v+31) of a row of block type `type` as float32, lo the first 16 and hi the next: the
  * twin's formulas (gguf_blocks.h), every product and sum one instruction, so rounded as the twin rounds them. A row is
  * whole groups: no mask. */
@@ -89,44 +160,11 @@ INLINE void decode_gguf(int type, const uint8_t *row, int64_t v, __m512 *lo, __m
         __m512 d = _mm512_set1_ps(ferry_gguf_half(b));
         *lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 2)))));
         *hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 18)))));
-    } else if (type == FERRY_Q4_K || type == FERRY_Q5_K || type == FERRY_Q6_K) {
-        /* 32 code bytes, one a value: shift the sub-block's nibble down; Q5_K's fifth and Q6_K's two high bits */
-        int q6 = type == FERRY_Q6_K, h = j / 4, t = j % 4;
-        const uint8_t *qs = q6 ? b + 64 * h + 32 * (t & 1) : b + (type == FERRY_Q5_K ? 48 : 16) + 32 * (j / 2);
-        __m512i shift = _mm512_set1_epi32(q6 ? 4 * (t >> 1) : 4 * (j & 1));
-        __m512i q0 = _mm512_and_si512(_mm512_srlv_epi32(bytes16(qs), shift), nibble);
-        __m512i q1 = _mm512_and_si512(_mm512_srlv_epi32(bytes16(qs + 16), shift), nibble);
-        if (type == FERRY_Q5_K) { /* bit j of qh byte i: value i's fifth bit */
-            __m512i bit = _mm512_set1_epi32(1 << j), sixteen = _mm512_set1_epi32(16);
-            q0 = _mm512_mask_or_epi32(q0, _mm512_test_epi32_mask(bytes16(b + 16), bit), q0, sixteen);
-            q1 = _mm512_mask_or_epi32(q1, _mm512_test_epi32_mask(bytes16(b + 32), bit), q1, sixteen);
-        }
-        if (q6) { /* bits 2t, 2t + 1 of qh byte i: value i's high two */
-            __m512i up = _mm512_set1_epi32(2 * t), three = _mm512_set1_epi32(3);
-            const uint8_t *qh = b + 128 + 32 * h;
-            q0 = _mm512_or_si512(q0, _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(bytes16(qh), up), three), 4));
-            q1 = _mm512_or_si512(q1,
-                                 _mm512_slli_epi32(_mm512_and_si512(_mm512_srlv_epi32(bytes16(qh + 16), up), three), 4));
-            float d = ferry_gguf_half(b + 208);
-            __m512 thirty_two = _mm512_set1_ps(32.0f);
-            *lo = _mm512_mul_ps(_mm512_set1_ps(d * (float)(int8_t)b[192 + 2 * j]),
-                                _mm512_sub_ps(_mm512_cvtepi32_ps(q0), thirty_two));
-            *hi = _mm512_mul_ps(_mm512_set1_ps(d * (float)(int8_t)b[193 + 2 * j]),
-                                _mm512_sub_ps(_mm512_cvtepi32_ps(q1), thirty_two));
-            return;
-        }
-        int sc, mn;
-        ferry_gguf_k_scale(b + 4, j, &sc, &mn);
-        __m512 ds = _mm512_set1_ps(ferry_gguf_half(b) * (float)sc), dm = _mm512_set1_ps(ferry_gguf_half(b + 2) * (float)mn);
-        *lo = _mm512_sub_ps(_mm512_mul_ps(ds, _mm512_cvtepi32_ps(q0)), dm);
-        *hi = _mm512_sub_ps(_mm512_mul_ps(ds, _mm512_cvtepi32_ps(q1)), dm);
-    } else if (type == FERRY_IQ4_XS) { /* sub-block j's 16 bytes in Q4_0's order, grid values under d (scale - 32) */
-        const uint8_t *qs = b + 8 + 16 * j;
-        __m512i x = bytes16(qs);
-        __m512 grid = _mm512_loadu_ps(ferry_iq4_grid);
-        __m512 dl = _mm512_set1_ps(ferry_gguf_half(b) * (float)ferry_gguf_iq4_xs_scale(b, j));
-        *lo = _mm512_mul_ps(dl, _mm512_permutexvar_ps(_mm512_and_si512(x, nibble), grid));
-        *hi = _mm512_mul_ps(dl, _mm512_permutexvar_ps(_mm512_srli_epi32(x, 4), grid));
+    } else if (type == FERRY_Q4_K || type == FERRY_Q5_K || type == FERRY_Q6_K || type == FERRY_IQ4_XS) {
+        float d, dmin, sa, sb;
+        superblock_d(type, b, &d, &dmin);
+        superblock_group_scales(type, b, j, d, dmin, &sa, &sb);
+        decode_superblock_group(type, b, j, sa, sb, lo, hi);
     } else { /* the 32-value types of 16 nibble bytes: the low nibbles are values 0-15, the high 16-31 */
         int off = type == FERRY_GGUF_MXFP4 ? 1 : type == FERRY_Q4_1 ? 4 : type == FERRY_Q5_0 ? 6 : type == FERRY_Q5_1 ? 8 : 2;
         __m512i x = bytes16(b + off), q0 = _mm512_and_si512(x, nibble), q1 = _mm512_srli_epi32(x, 4);
@@ -273,6 +311,28 @@ INLINE void row_dots(int format, int act, int N, row_src *s, const void *a, int6
     int tail = (int)(s->cols % 32);
     if (act == FERRY_ACT_BF16) {
         const uint16_t *x = (const uint16_t *)a;
+        if (IS_SUPERBLOCK(format)) { /* a block's factors once, then its eight groups in pairs (a row is whole
+                                        blocks): the sums and their order are the pairs' loop below */
+            int type = format - GGUF_ROWS(0);
+            for (; v < nv; v += 8) {
+                const uint8_t *b = s->q + v / 8 * ferry_gguf_block_bytes[type];
+                for (int p = 0; p < 8; p += 3) prefetch_ahead(format, s, v + p, prefetch); /* the block's lines */
+                float d, dmin, sa[8], sb[8]; /* the block's factors once, not once a group */
+                superblock_d(type, b, &d, &dmin);
+                for (int j = 0; j < 8; j++) superblock_group_scales(type, b, j, d, dmin, &sa[j], &sb[j]);
+                for (int j = 0; j < 8; j += 2) {
+                    __m512 lo0, hi0, lo1, hi1;
+                    decode_superblock_group(type, b, j, sa[j], sb[j], &lo0, &hi0);
+                    decode_superblock_group(type, b, j + 1, sa[j + 1], sb[j + 1], &lo1, &hi1);
+                    __m512bh w0 = _mm512_cvtne2ps_pbh(hi0, lo0), w1 = _mm512_cvtne2ps_pbh(hi1, lo1);
+                    for (int t = 0; t < N; t++) {
+                        const uint16_t *xt = x + t * as + 32 * (v + j);
+                        acc0[t] = _mm512_dpbf16_ps(acc0[t], w0, (__m512bh)_mm512_loadu_si512(xt));
+                        acc1[t] = _mm512_dpbf16_ps(acc1[t], w1, (__m512bh)_mm512_loadu_si512(xt + 32));
+                    }
+                }
+            }
+        }
         if (N == 1 && (format == FERRY_MXFP4 || format == GGUF_ROWS(FERRY_GGUF_MXFP4))) { /* four sums: four groups'
                                                                                           decodes overlap their dots */
             __m512 acc2 = _mm512_setzero_ps(), acc3 = _mm512_setzero_ps();

@@ -7,7 +7,9 @@ a file where they do not) and one for w2, listed by quantization_config's `exper
 ([[w13 type, w2 type] per MoE layer]) and each held by its one-type format (gguf_q4_k.py, ...), which prices that
 layer's rows. The slot pool is shared by all layers, so a family's slot row is the largest of its layers' rows and
 a layer of a smaller type uses the row's prefix (`row_padding_bytes` prices what that leaves unused); the host
-banks are laid out as the slots, one row size for every layer, so they pay the same padding.
+banks are laid out as the slots, one row size for every layer, so they pay the same padding. A decode's copies
+(the GPU's own, kernels/expert_copy.py) move only the prefix a layer fills; the copy engine's (prefill and large
+steps) move whole rows, and the cache's bytes_copied counts whole rows.
 Worker side: services/worker/expert_formats/gguf_mixed.py (each layer's views in its own types)."""
 
 from __future__ import annotations

@@ -92,23 +92,23 @@ def test_fp4_kernels_with_gpt_oss_epilogue_equal_their_twin_at_20b_shapes(cuda_d
     assert (plain.sum(1) - want).abs().max() > 0.1 * want.abs().max(), "the epilogue changed nothing"
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("arch, dtype", [("qwen3_moe", "float32"), ("qwen3_5_moe", "bfloat16")])
-def test_quantized_checkpoints_decode_token_for_token(cuda_device, quantized_tiny_models, layout, arch, dtype):
-    model = quantized_tiny_models(arch, layout)
-    rng = np.random.default_rng(3)
-    # 95 prompt tokens in one step: a prefill streamed past the cache when offloaded; then 3-row decode steps
+# 95 prompt tokens in one step: a prefill streamed past the cache when offloaded; then 3-row decode steps
+DECODE_VARIANTS = {
+    "resident-eager": ["--enforce-eager"],
+    "resident-graphs": [],
+    "offload-graphs": ["--moe-cache-size", "10"],
+    "offload-eager": ["--moe-cache-size", "10", "--enforce-eager"],
+    "offload-copy-engine": ["--moe-cache-size", "10", "--expert-copy-engine-tokens", "2"],
+}
+
+
+def _variants_decode_alike(model, dtype: str, want_format: str, seed: int, what: str) -> None:
+    """`model` booted in each of DECODE_VARIANTS with its experts held as `want_format`: three prompts of 95 tokens
+    in all greedily decoded 10 steps, token for token as all-resident eager decoding."""
+    rng = np.random.default_rng(seed)
     prompts = [rng.integers(1, 250, n).tolist() for n in (40, 25, 30)]
-    variants = {
-        "resident-eager": ["--enforce-eager"],
-        "resident-graphs": [],
-        "offload-graphs": ["--moe-cache-size", "10"],
-        "offload-eager": ["--moe-cache-size", "10", "--enforce-eager"],
-        "offload-copy-engine": ["--moe-cache-size", "10", "--expert-copy-engine-tokens", "2"],
-    }
     runs = {}
-    want_format = LAYOUT_FORMATS[layout]
-    for name, flags in variants.items():
+    for name, flags in DECODE_VARIANTS.items():
         executor, plan = _boot(model, dtype, *flags)
         assert plan.experts.format == want_format
         assert executor.expert_cache_report()["expert_format"] == want_format
@@ -122,7 +122,14 @@ def test_quantized_checkpoints_decode_token_for_token(cuda_device, quantized_tin
         torch.cuda.empty_cache()
     want = runs.pop("resident-eager")
     for name, got in runs.items():
-        assert got == want, f"{name} differs from all-resident eager decoding ({layout}, {arch})"
+        assert got == want, f"{name} differs from all-resident eager decoding ({what})"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("arch, dtype", [("qwen3_moe", "float32"), ("qwen3_5_moe", "bfloat16")])
+def test_quantized_checkpoints_decode_token_for_token(cuda_device, quantized_tiny_models, layout, arch, dtype):
+    model = quantized_tiny_models(arch, layout)
+    _variants_decode_alike(model, dtype, LAYOUT_FORMATS[layout], 3, f"{layout}, {arch}")
 
 
 @pytest.mark.parametrize("expert_type", ["Q4_K_M", "IQ4_XS"])
@@ -137,26 +144,4 @@ def test_gguf_files_decode_token_for_token(cuda_device, tmp_path_factory, expert
     path, _ = tiny_gguf(tmp_path_factory.mktemp(f"gguf-{expert_type}"), expert_type)
     want_format = "gguf-mixed" if expert_type == "Q4_K_M" else f"gguf-{expert_type.lower()}"
     assert load_model_config(path).quantization.expert_format == want_format
-    rng = np.random.default_rng(4)
-    prompts = [rng.integers(1, 250, n).tolist() for n in (40, 25, 30)]
-    variants = {
-        "resident-eager": ["--enforce-eager"],
-        "resident-graphs": [],
-        "offload-graphs": ["--moe-cache-size", "10"],
-        "offload-eager": ["--moe-cache-size", "10", "--enforce-eager"],
-        "offload-copy-engine": ["--moe-cache-size", "10", "--expert-copy-engine-tokens", "2"],
-    }
-    runs = {}
-    for name, flags in variants.items():
-        executor, plan = _boot(path, dtype, *flags)
-        assert plan.experts.format == want_format == executor.expert_cache_report()["expert_format"]
-        runs[name] = _greedy_batch(executor, prompts, steps=10)
-        if "--moe-cache-size" in flags:
-            report = executor.expert_cache_report()
-            assert report["misses"] > 0 and report["bytes_copied"] % plan.experts.bytes_per_slot == 0
-        del executor
-        gc.collect()
-        torch.cuda.empty_cache()
-    want = runs.pop("resident-eager")
-    for name, got in runs.items():
-        assert got == want, f"{name} differs from all-resident eager decoding ({expert_type}, {dtype})"
+    _variants_decode_alike(path, dtype, want_format, 4, f"{expert_type}, {dtype}")

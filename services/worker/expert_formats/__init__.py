@@ -39,7 +39,9 @@ class ExpertFormat(Protocol):
     name: str  # the plan's name for it (`float32` for bf16's rows in float32)
     quantized: bool  # byte rows it fills and views itself; else [2I, H] / [H, I] in the run dtype
     copy_engine_default: bool  # --expert-copy-engine-tokens defaults on for its banks (services/worker/flags.py)
-    views_per_layer: bool  # its gemm_views differ by MoE layer (rows of per-layer types: gguf_mixed.py)
+    # its gemm_views differ by MoE layer (rows of per-layer types: gguf_mixed.py, which then gives the bytes of the
+    # rows a layer fills, layer_row_nbytes(moe_layer))
+    views_per_layer: bool
 
     def row_shapes(self) -> tuple[tuple[tuple[int, ...], torch.dtype], tuple[tuple[int, ...], torch.dtype]]:
         """((shape, dtype) of one expert's w13 row, of its w2 row), as a slot holds them."""

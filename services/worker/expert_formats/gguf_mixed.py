@@ -55,6 +55,12 @@ class GgufMixedExperts(QuantizedExperts):
         w13, w2 = self.layers[moe_layer]
         return w13.layout13, w2.layout2
 
+    def layer_row_nbytes(self, moe_layer: int) -> tuple[int, int]:
+        """The bytes of a w13 and a w2 row that MoE layer `moe_layer`'s experts fill (the rows' prefix): what a
+        copy of one of them must move (kernels/expert_copy.py's `used_bytes`)."""
+        layout13, layout2 = self.layer_layouts(moe_layer)
+        return layout13.nbytes, layout2.nbytes
+
     def host_kernel_format(self) -> int:
         return K.GGUF  # each layer's families of their own block types (host_expert_kernel.py reads them per layer)
 

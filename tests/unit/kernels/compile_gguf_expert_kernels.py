@@ -81,21 +81,28 @@ def gguf_signatures(ggml_types: list[str]) -> list:
                 **epilogue_consts(fn, False),
             }
             out += [(*entry, warps) for entry in grouped_entries(fn, sig, DTYPE, consts_of, ggml_type)]
-        gate_up_tile = {"BLOCK_N": tiles["gate_up_rows"], "BLOCK_K": tiles["gate_up_k"]}
-        down_tile = {"BLOCK_N": tiles["down_rows"], "BLOCK_K": tiles["down_k"]}
+        gate_up_tile = {"BLOCK_N": tiles["gate_up_rows"]}
+        down_tile = {"BLOCK_N": tiles["down_rows"]}
         pair = ((gpair._gguf_pair_gate_up_kernel, pair_gate_up, gate_up_tile),
                 (gpair._gguf_pair_down_kernel, pair_down, down_tile))  # fmt: skip
+        pair_warps = {"num_warps": tiles["warps"]}
         for fn, sig, consts in pair:
             for marks in mark_variants(fn):
                 c = consts | {"GGML": ggml} | marks | epilogue_consts(fn, False)
-                out.append((f"{fn.__name__}[{ggml_type}, {DTYPE}, {c}]", fn, {**sig, **{k: "constexpr" for k in c}}, c))
+                sig_c = {**sig, **{k: "constexpr" for k in c}}
+                out.append((f"{fn.__name__}[{ggml_type}, {DTYPE}, {c}]", fn, sig_c, c, pair_warps))
         if ggml_type in EPILOGUE_TYPES:  # biases in float32 and the clamped SwiGLU, decode and prefill
             block = {"BLOCK_M": 64, **grouped_tile, "WINDOWED": False, "GGML": ggml}
             for fn, sig, consts, options in (
                 (gk._gguf_gate_up_kernel, gate_up, block, warps),
                 (gk._gguf_down_kernel, down, block, warps),
-                (gpair._gguf_pair_gate_up_kernel, pair_gate_up, gate_up_tile | {"MARK": True, "HAS_N_ROWS": True}, {}),
-                (gpair._gguf_pair_down_kernel, pair_down, down_tile, {}),
+                (
+                    gpair._gguf_pair_gate_up_kernel,
+                    pair_gate_up,
+                    gate_up_tile | {"MARK": True, "HAS_N_ROWS": True},
+                    pair_warps,
+                ),
+                (gpair._gguf_pair_down_kernel, pair_down, down_tile, pair_warps),
             ):
                 c = consts | ({"GGML": ggml} if "pair" in fn.__name__ else {}) | epilogue_consts(fn, True)
                 sig = {**sig, "b_ptr": "*fp32", **{k: "constexpr" for k in c}}

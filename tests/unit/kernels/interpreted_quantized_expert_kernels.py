@@ -30,7 +30,7 @@ import ferry.kernels.quantized_experts as qe  # noqa: E402
 from ferry.kernels.align_pairs import align_pairs_by_slot, align_pairs_by_slot_host  # noqa: E402
 from ferry.kernels.aligned_blocks import block_m_for, launch_blocks  # noqa: E402
 from ferry.kernels.expert_pair_gemv import expert_pair_rows_triton  # noqa: E402
-from ferry.kernels.gguf_block_decode import GGUF_KERNEL_TYPES, gguf_weights  # noqa: E402
+from ferry.kernels.gguf_block_decode import GGUF_KERNEL_TYPES, gguf_tile, gguf_weights  # noqa: E402
 from ferry.kernels.grouped_expert_gemm import grouped_expert_rows_triton  # noqa: E402
 from ferry.kernels.grouped_expert_gemm_reference import quantized_expert_rows_reference  # noqa: E402
 from ferry.kernels.quantized_experts import FP4_SCALES, FP8_BLOCK, MXFP4, NVFP4, QuantizedFamily  # noqa: E402
@@ -405,10 +405,23 @@ def _decoded_weights_kernel(q_ptr, out_ptr, cols, stride_q, read_cols, GGML: tl.
     tl.store(out_ptr + r * cols + c, w)
 
 
+@triton.jit
+def _decoded_tile_kernel(q_ptr, out_ptr, cols, stride_q, read_cols, GGML: tl.constexpr, ROWS: tl.constexpr):
+    """out[:, c] = `gguf_tile` of the rows at q_ptr, input c masked from read_cols on (a program 256 inputs)."""
+    r = tl.arange(0, ROWS)[:, None, None]
+    s = tl.arange(0, 8)[None, :, None]
+    i = tl.arange(0, 32)[None, None, :]
+    k0 = tl.program_id(0) * 256
+    w = gguf_tile(q_ptr + r * stride_q, k0, s, i, r < ROWS, read_cols, GGML)
+    c = k0 + 32 * s + i
+    tl.store(out_ptr + r * cols + c, w, mask=c < cols)
+
+
 def decode_is_the_gguf_packages(ggml_type):
-    """The kernels' in-register decode (`gguf_weights`) of random blocks equals the gguf package's numpy
-    dequantization bit for bit, every code and scale of the type drawn (finite fp16 scales; MXFP4's e8m0 bytes
-    0 to 252, its two subnormal scales included), and masked weights read 0."""
+    """The kernels' in-register decode, weight by weight (`gguf_weights`) and 256 inputs a tile (`gguf_tile`), of
+    random blocks equals the gguf package's numpy dequantization bit for bit, every code and scale of the type
+    drawn (finite fp16 scales; MXFP4's e8m0 bytes 0 to 252, its two subnormal scales included), and masked weights
+    read 0."""
     import gguf
     import numpy as np
 
@@ -427,8 +440,12 @@ def decode_is_the_gguf_packages(ggml_type):
     read_cols = cols - block // 2  # the last block's second half masked
     _decoded_weights_kernel[(cols // 64,)](q, got, cols, q.stride(0), read_cols, GGML=GGUF_KERNEL_TYPES[ggml_type],
                                            ROWS=rows, BLOCK=64)  # fmt: skip
-    assert torch.equal(got[:, :read_cols], want[:, :read_cols]), "the decode differs from the gguf package's"
-    assert torch.equal(got[:, read_cols:], torch.zeros(rows, cols - read_cols)), "masked weights must read 0"
+    tiled = torch.full((rows, cols), float("nan"))
+    _decoded_tile_kernel[(triton.cdiv(cols, 256),)](q, tiled, cols, q.stride(0), read_cols,
+                                                    GGML=GGUF_KERNEL_TYPES[ggml_type], ROWS=rows)  # fmt: skip
+    for name, decoded in (("weight by weight", got), ("by tiles", tiled)):
+        assert torch.equal(decoded[:, :read_cols], want[:, :read_cols]), f"the decode {name} differs from the package's"
+        assert torch.equal(decoded[:, read_cols:], torch.zeros(rows, cols - read_cols)), f"masked ({name}) must read 0"
 
 
 # GGUF blocks: 32-value blocks at small shapes; 256-value blocks (K-quants, IQ4_XS) whole, H two of them (the pair

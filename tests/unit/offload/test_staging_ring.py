@@ -87,7 +87,7 @@ def test_lent_cache_slots_are_bays_of_that_step_only():
     cache13, cache2 = torch.zeros(6, 2, 2), torch.zeros(6, 2, 2)
     ring = StagingRing(torch.zeros(2, 2, 2), torch.zeros(2, 2, 2), banks, None, chunk=2)
     # slots 2..5 of the cache lent: two more bays, taken before the staging slots'
-    ring.begin([[0, 1, 2, 3], [4, 5]], lent=(2, 4, (cache13, cache2, cache13, cache2)))
+    ring.begin([[0, 1, 2, 3], [4, 5]], lent=(2, 4, (cache13, cache2)))
     held, used = [], []
     for layer in range(2):
         while (chunk := ring.take(layer)) is not None:
@@ -112,7 +112,7 @@ def test_a_step_that_lends_cuts_its_chunks_at_the_long_chunk_and_the_next_step_a
     cache13, cache2 = torch.zeros(8, 2, 2), torch.zeros(8, 2, 2)
     ring = StagingRing(torch.zeros(4, 2, 2), torch.zeros(4, 2, 2), banks, None, chunk=1, long_chunk=4)
     assert (ring.base_chunk, ring.long_chunk) == (1, 4)
-    for lent, sizes in ((None, [1] * 6), ((0, 8, (cache13, cache2, cache13, cache2)), [4, 2]), (None, [1] * 6)):
+    for lent, sizes in ((None, [1] * 6), ((0, 8, (cache13, cache2)), [4, 2]), (None, [1] * 6)):
         ring.begin([[0, 1, 2, 3, 4, 5]], lent=lent)
         got = []
         while (chunk := ring.take(0)) is not None:

@@ -257,8 +257,12 @@ class HostBanks:
         **tuning,
     ) -> None:
         """The first count[0] (expert, slot) rows of `misses`, both on the device, copied by the
-        GPU itself (kernels/expert_copy.py): no host synchronisation, graph-capturable."""
-        copy_experts_triton(self.w13[moe_layer], self.w2[moe_layer], dst13, dst2, misses, count, **tuning)
+        GPU itself (kernels/expert_copy.py): no host synchronisation, graph-capturable. Where the
+        format's rows differ by layer, only the bytes this layer's experts fill cross."""
+        used = self.format.layer_row_nbytes(moe_layer) if self.format.views_per_layer else None
+        copy_experts_triton(
+            self.w13[moe_layer], self.w2[moe_layer], dst13, dst2, misses, count, used_bytes=used, **tuning
+        )
 
 
 class DummyPattern:

@@ -44,13 +44,12 @@ RING_UNPACK_PROGRAMS = 32
 
 @dataclass(frozen=True, eq=False)
 class Bay:
-    """C consecutive slots of one set of tensors: the staging slots' own, or the cache's lent for a step."""
+    """C consecutive slots of one set of tensors: the staging slots' own, or the cache's lent for a step (the
+    kernels read either through the slot pool's views, `ExpertSlotPool.layer_views`)."""
 
     first_slot: int
     w13: torch.Tensor
     w2: torch.Tensor
-    gemm13: torch.Tensor | None  # None: views per MoE layer (the store asks the pool)
-    gemm2: torch.Tensor | None
     lent: bool = False
 
 
@@ -70,9 +69,7 @@ class StagedChunk:
 class StagingRing:
     """R staging slots (`w13` [R, 2I, H], `w2` [R, H, I], or byte rows in a quantized format) filled
     from the host `banks` on `copy_stream` (None on CPU: synchronous copies), in chunks of at most
-    `chunk` experts (R // chunk bays); the expert kernels read them through `gemm` (the slot
-    pool's staging_gemm13/2; by default the tensors themselves; (None, None) where the format's views
-    differ by MoE layer: the store then asks the pool for a chunk's layer's views of its bay)."""
+    `chunk` experts (R // chunk bays)."""
 
     def __init__(
         self,
@@ -81,7 +78,6 @@ class StagingRing:
         banks,
         copy_stream: torch.cuda.Stream | None,
         chunk: int | None = None,
-        gemm: tuple | None = None,
         after: torch.cuda.Stream | None = None,
         long_chunk: int | None = None,
     ):
@@ -92,7 +88,6 @@ class StagingRing:
             raise ValueError(f"staging slots must be a non-empty [R, ...] pair, got {w13.shape[0]} and {w2.shape[0]}")
         self.w13, self.w2, self.banks, self.copy_stream = w13, w2, banks, copy_stream
         self.after = after  # the cache's own copy stream: a step's copies start behind what it enqueued
-        self.gemm13, self.gemm2 = gemm if gemm is not None else (w13, w2)
         self.size = w13.shape[0]
         # four bays: a chunk computes while the next ones cross
         self.chunk = chunk if chunk is not None else max(1, self.size // 4)
@@ -128,14 +123,12 @@ class StagingRing:
 
     def _reset_bays(self) -> None:
         """Every staging bay free (its last reader's event, or None: nothing pending), C slots each."""
-        self._bays = [
-            Bay(b * self.chunk, self.w13, self.w2, self.gemm13, self.gemm2) for b in range(self.size // self.chunk)
-        ]
+        self._bays = [Bay(b * self.chunk, self.w13, self.w2) for b in range(self.size // self.chunk)]
         self._free = deque((bay, None) for bay in self._bays)
 
     def begin(self, staged: list[list[int]], lent: tuple[int, int, tuple] | None = None) -> None:
         """A new step, which stages `staged[layer]` (ascending experts) for every MoE layer. `lent`
-        (first slot, count, (w13, w2, gemm13, gemm2) of the cache): slots the step may use besides
+        (first slot, count, (w13, w2) of the cache): slots the step may use besides
         the staging slots, in bays of C; nothing may read or write them until the step's
         computations are done (the caller evicted them and synchronised). A step that lends cuts its
         chunks at `long_chunk`, any other at `base_chunk`."""

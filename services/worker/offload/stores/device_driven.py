@@ -59,7 +59,7 @@ from ferry.kernels.router_topk import router_topk
 from ferry.plan.costs import ROWS_FLOAT32_MAX_TOKENS
 from ferry.services.worker.offload.host_compute.decode_share import HostDecodeShare
 from ferry.services.worker.offload.host_compute.prefill_share import HostShare
-from ferry.services.worker.offload.host_memory.staging_ring import StagedChunk, StagingRing
+from ferry.services.worker.offload.host_memory.staging_ring import StagingRing
 from ferry.services.worker.offload.slot_cache.device_cache import CacheCall, DeviceExpertCache
 from ferry.services.worker.offload.stores.offloaded import DEFAULT_PIPELINE_CHUNKS, OffloadedExperts, _split
 
@@ -134,7 +134,6 @@ class DeviceDrivenExperts(OffloadedExperts):
                 slots.staging_w2,
                 banks,
                 ring_stream,
-                gemm=(slots.staging_gemm13, slots.staging_gemm2),
                 after=self._copy_stream if self._cuda else None,
                 chunk=ring_chunks[0],
                 long_chunk=ring_chunks[1],
@@ -310,7 +309,7 @@ class DeviceDrivenExperts(OffloadedExperts):
                 torch.cuda.current_stream(self.device).wait_event(chunk.landed)
                 self._step_copy_events.append(chunk.copy_events)
             lo, hi = chunk.first, chunk.first + len(chunk.experts)
-            gemm13, gemm2 = self._bay_views(chunk)
+            gemm13, gemm2 = self.slots.layer_views(layer, staging=not chunk.bay.lent)  # the bay's own, or the cache's
             grouped_expert_rows_triton(
                 x,
                 None,
@@ -326,15 +325,6 @@ class DeviceDrivenExperts(OffloadedExperts):
                 computed = torch.cuda.Event()
                 computed.record(torch.cuda.current_stream(self.device))
             self.ring.release(chunk, computed)
-
-    def _bay_views(self, chunk: StagedChunk) -> tuple:
-        """(gemm13, gemm2) of the bay `chunk` landed in, as its layer's experts are read: the bay's own, or where
-        the format's rows differ by layer (no views of its own) the pool's views of the layer over the bay's
-        tensors (the staging slots', or the cache's lent to the step)."""
-        bay = chunk.bay
-        if bay.gemm13 is not None:
-            return bay.gemm13, bay.gemm2
-        return self.slots.layer_views(chunk.layer, staging=not bay.lent)
 
     def _compile_stream_kernels(self, layer: int, x: torch.Tensor, top_k: int) -> None:
         """Once for each kind of rows (once, or per MoE layer's types where they differ by layer), from boot's
@@ -421,7 +411,7 @@ class DeviceDrivenExperts(OffloadedExperts):
         c.layer_of_slot[lent] = -1
         c.expert_of_slot[lent] = -1
         c.prefetched[lent] = 0
-        return c.num_slots - count, count, (self.slots.w13, self.slots.w2, self.slots.gemm13, self.slots.gemm2)
+        return c.num_slots - count, count, (self.slots.w13, self.slots.w2)
 
     def _compute(self, layer, x, group_slots, weights, rows) -> None:
         """One group of MoE layer `layer`'s pairs (slot -1 elsewhere): pair by pair for small steps, as the
