@@ -447,6 +447,7 @@ class HostDecodeShare:
             "guard": guard,
             "handoff": self.handoff,
             "polled_layers": self.poller.rounds() if self.poller is not None else 0,
+            "min_tokens": self.min_tokens,
         }
 
 
