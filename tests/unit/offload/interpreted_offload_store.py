@@ -585,7 +585,7 @@ def check_host_decode(poll: bool = False, min_tokens: int = 1) -> None:
     assert sum(t.calls for t in store.host_decode.tasks) == covered, (covered, handed)
     if not covered:  # a share that covers no launch changes nothing: the same lookups, misses and prefetches
         plain = offloaded()
-        for i, (layer, x, ids, w, real) in enumerate(routed):
+        for layer, x, ids, w, real in routed:
             plain.forward(layer, x, ids, w, n_rows=torch.tensor([real], dtype=torch.int32))
             if layer == layers - 1:
                 plain.stats_to_host()
